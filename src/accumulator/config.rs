@@ -1,0 +1,82 @@
+//! What an accumulator is built from: its tensors and how it normalises at the boundary.
+
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+
+/// One model tensor whose gradient the accumulator receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    pub numel: usize,
+    pub dtype: Dtype,
+}
+
+/// How the caller reduced its loss over the `count` items of a micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReduction {
+    /// The loss was averaged over the micro-batch's items.
+    Mean,
+    /// The loss was summed over the micro-batch's items.
+    Sum,
+}
+
+/// What the summed gradient is divided by at the boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Normalize {
+    /// The global item count (over micro-batches and ranks): the gradient of the mean loss over
+    /// every item of the effective batch. A mean-reduced micro-batch is weighted by its count.
+    ByCount,
+    /// The global number of micro-batches: the usual `loss / steps` combined with a DDP mean.
+    ByMicrobatches,
+    /// The number of ranks: summed over micro-batches, averaged over ranks (DDP with no_sync).
+    ByWorld,
+    /// The plain sum.
+    None,
+}
+
+/// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AccumulatorConfig {
+    /// Default [`LossReduction::Mean`].
+    pub loss_reduction: LossReduction,
+    /// Default [`Normalize::ByCount`].
+    pub normalize: Normalize,
+    /// Clip the boundary gradient's global L2 norm to this value; 0 disables clipping (default).
+    pub max_grad_norm: f32,
+    /// Target elements per communication bucket; buckets hold whole tensors (default 4M = 16 MiB).
+    pub bucket_numel: usize,
+    /// Threads used by one kernel call on large tensors; results do not depend on it (default 1).
+    pub threads: usize,
+}
+
+impl Default for AccumulatorConfig {
+    fn default() -> Self {
+        AccumulatorConfig {
+            loss_reduction: LossReduction::Mean,
+            normalize: Normalize::ByCount,
+            max_grad_norm: 0.0,
+            bucket_numel: 4 << 20,
+            threads: 1,
+        }
+    }
+}
+
+impl AccumulatorConfig {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
+            return Err(Error::invalid(format!("max_grad_norm must be finite and >= 0 (0 = off), got {}", self.max_grad_norm)));
+        }
+        if self.bucket_numel == 0 {
+            return Err(Error::invalid("bucket_numel must be >= 1, got 0"));
+        }
+        if self.threads == 0 || self.threads > 1024 {
+            return Err(Error::invalid(format!("threads must be in 1..=1024, got {}", self.threads)));
+        }
+        Ok(())
+    }
+
+    /// Whether a micro-batch's gradient is weighted by its item count as it is added: only a
+    /// mean-reduced loss normalised by the global count needs it (mean × count = per-item sum).
+    pub fn weights_by_count(&self) -> bool {
+        self.loss_reduction == LossReduction::Mean && self.normalize == Normalize::ByCount
+    }
+}

@@ -1,0 +1,87 @@
+//! Communicators: how the ranks of a data-parallel group meet at the accumulation boundary.
+//! A communicator offers exactly two collectives: the small control reduction that makes every
+//! rank agree on counts, overflow and errors, and an in-place sum of FP32 buffers whose result is
+//! bitwise identical on every rank.
+
+mod local;
+
+pub use local::LocalComm;
+
+use crate::error::Result;
+
+/// What one rank brings to the boundary's control reduction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    /// Elements this rank will reduce: ranks that disagree fail together instead of corrupting memory.
+    pub numel: u64,
+    /// A fingerprint of the tensor and bucket layout, compared like `numel`.
+    pub layout: u64,
+    /// Items (samples or tokens) added in this rank's window.
+    pub count: u64,
+    /// Micro-batches added in this rank's window.
+    pub microbatches: u64,
+    /// This rank saw a non-finite value.
+    pub found_inf: bool,
+    /// This rank cannot complete the boundary (its call was invalid); all ranks then stop.
+    pub error: bool,
+}
+
+/// The reduction of every rank's [`Control`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlSum {
+    pub min_numel: u64,
+    pub max_numel: u64,
+    pub min_layout: u64,
+    pub max_layout: u64,
+    pub count: u64,
+    pub microbatches: u64,
+    pub found_inf: bool,
+    pub error: bool,
+}
+
+impl ControlSum {
+    /// The reduction over a single rank.
+    pub fn of(c: &Control) -> Self {
+        ControlSum {
+            min_numel: c.numel,
+            max_numel: c.numel,
+            min_layout: c.layout,
+            max_layout: c.layout,
+            count: c.count,
+            microbatches: c.microbatches,
+            found_inf: c.found_inf,
+            error: c.error,
+        }
+    }
+
+    /// Folds one more rank in. Saturating sums: a wrapped count would silently mis-normalise.
+    pub fn fold(self, c: &Control) -> Self {
+        ControlSum {
+            min_numel: self.min_numel.min(c.numel),
+            max_numel: self.max_numel.max(c.numel),
+            min_layout: self.min_layout.min(c.layout),
+            max_layout: self.max_layout.max(c.layout),
+            count: self.count.saturating_add(c.count),
+            microbatches: self.microbatches.saturating_add(c.microbatches),
+            found_inf: self.found_inf | c.found_inf,
+            error: self.error | c.error,
+        }
+    }
+}
+
+/// One rank's endpoint of a data-parallel group.
+///
+/// Both collectives must be called by every rank of the group, in the same order.
+pub trait Communicator: Send + Sync {
+    /// This rank's index, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Reduces every rank's control values; every rank receives the same [`ControlSum`].
+    fn reduce_control(&self, mine: &Control) -> Result<ControlSum>;
+
+    /// Sums `buf` over all ranks in place. Every rank ends with bitwise-identical contents.
+    fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+}

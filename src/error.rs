@@ -1,0 +1,70 @@
+//! The error type of the Rust API. Each kind maps one-to-one onto a C status code, and every
+//! error carries a message that names the argument or state and the value that was wrong.
+
+use std::fmt;
+
+/// What went wrong, as a stable category (the C status code is derived from it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A required pointer was null.
+    NullArgument,
+    /// An argument had a value outside its domain (a count, a size, an enum value, a config field).
+    InvalidArgument,
+    /// A handle that was destroyed, never created, or is of another type.
+    InvalidHandle,
+    /// A gradient's dtype differs from the tensor's declared dtype.
+    DtypeMismatch,
+    /// A buffer's length differs from what the object expects.
+    SizeMismatch,
+    /// Objects bound to different devices or backends were combined.
+    DeviceMismatch,
+    /// The call is not allowed in the object's current state (e.g. `sync` inside a micro-batch).
+    WrongState,
+    /// The accumulation window holds no micro-batch on any rank.
+    EmptyWindow,
+    /// An overflow arrived while the loss scale was already at `min_scale`.
+    ScaleAtMinimum,
+    /// The requested backend is not available in this build or on this machine.
+    BackendUnavailable,
+    /// The communicator failed, or ranks disagreed in a way that makes the collective meaningless.
+    CommFailure,
+    /// Another rank of the collective reported an error, so this rank did not complete it either.
+    PeerFailure,
+    /// Serialised state is corrupt, truncated, or of an unknown version.
+    CorruptState,
+    /// An allocation failed.
+    OutOfMemory,
+    /// A bug inside gradacc (a caught panic). Please report it.
+    Internal,
+}
+
+/// An error with its category and a human-readable message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, message: message.into() }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::InvalidArgument, message)
+    }
+
+    pub fn wrong_state(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::WrongState, message)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,24 @@
+//! gradacc: correct mixed-precision gradient accumulation.
+//!
+//! A [`Scaler`] keeps the dynamic loss scale. An [`Accumulator`] adds the scaled 16- or 32-bit
+//! gradients of each micro-batch, unscaled as they arrive, into one flat FP32 master buffer, and at
+//! the boundary ([`Accumulator::sync`]) all-reduces it once over a [`Communicator`], normalises it,
+//! measures its norm and clips it. The C ABI in `ffi` exposes the same objects.
+
+pub mod accumulator;
+pub mod backend;
+pub mod comm;
+pub mod dtype;
+pub mod error;
+// mod ffi;
+pub mod scaler;
+mod state;
+
+pub use accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
+pub use comm::{Communicator, LocalComm};
+pub use dtype::{Dtype, Grad, GradMut};
+pub use error::{Error, ErrorKind, Result};
+pub use scaler::{Scaler, ScalerConfig, ScalerStats};
+
+/// The crate version, the single source of every version number the project reports.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

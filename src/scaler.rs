@@ -1,0 +1,326 @@
+//! The dynamic loss scaler. With `hysteresis = 1` its scale sequence is PyTorch GradScaler's for
+//! any sequence of overflow flags; `hysteresis > 1` follows Megatron-Core's DynamicGradScaler, and
+//! `consecutive_hysteresis` DeepSpeed's option of that name. State sits behind a lock so that one
+//! scaler can serve accumulators used from several threads.
+
+use std::sync::{Mutex, MutexGuard};
+
+use crate::backend::cpu::math;
+use crate::dtype::GradMut;
+use crate::error::{Error, ErrorKind, Result};
+use crate::state;
+
+/// Configuration of a [`Scaler`]. `Default` gives the documented defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerConfig {
+    /// Scale at creation (default 65536).
+    pub init_scale: f32,
+    /// Factor applied after `growth_interval` consecutive finite steps (default 2).
+    pub growth_factor: f32,
+    /// Factor applied on a backoff (default 0.5).
+    pub backoff_factor: f32,
+    /// Consecutive finite steps before a growth (default 2000).
+    pub growth_interval: u32,
+    /// Overflows tolerated before a backoff; 1 backs off on every overflow (default 1).
+    pub hysteresis: u32,
+    /// Refill the hysteresis tracker after every finite step, not only after a growth (default false).
+    pub consecutive_hysteresis: bool,
+    /// Lowest scale; an overflow that needs a backoff below it is an error (default 1).
+    pub min_scale: f32,
+    /// Highest scale; growth stops there (default +inf: grow while the result is finite).
+    pub max_scale: f32,
+    /// `false` keeps the scale fixed at `init_scale`; steps are still counted and skipped.
+    pub dynamic: bool,
+}
+
+impl Default for ScalerConfig {
+    fn default() -> Self {
+        ScalerConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+            min_scale: 1.0,
+            max_scale: f32::INFINITY,
+            dynamic: true,
+        }
+    }
+}
+
+impl ScalerConfig {
+    /// Checks every field, naming the first one that is out of its domain.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        if !(c.init_scale.is_finite() && c.init_scale > 0.0) {
+            return Err(Error::invalid(format!("init_scale must be finite and > 0, got {}", c.init_scale)));
+        }
+        if !(c.growth_factor.is_finite() && c.growth_factor > 1.0) {
+            return Err(Error::invalid(format!("growth_factor must be finite and > 1, got {}", c.growth_factor)));
+        }
+        if !(c.backoff_factor > 0.0 && c.backoff_factor < 1.0) {
+            return Err(Error::invalid(format!("backoff_factor must be in (0, 1), got {}", c.backoff_factor)));
+        }
+        if c.growth_interval == 0 {
+            return Err(Error::invalid("growth_interval must be >= 1, got 0"));
+        }
+        if c.hysteresis == 0 {
+            return Err(Error::invalid("hysteresis must be >= 1, got 0"));
+        }
+        if !(c.min_scale.is_finite() && c.min_scale > 0.0) {
+            return Err(Error::invalid(format!("min_scale must be finite and > 0, got {}", c.min_scale)));
+        }
+        if c.max_scale.is_nan() || c.max_scale < c.init_scale {
+            return Err(Error::invalid(format!("max_scale must be >= init_scale ({}), got {}", c.init_scale, c.max_scale)));
+        }
+        if c.min_scale > c.init_scale {
+            return Err(Error::invalid(format!("min_scale must be <= init_scale ({}), got {}", c.init_scale, c.min_scale)));
+        }
+        Ok(())
+    }
+}
+
+/// Counters since creation (or since the state was loaded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScalerStats {
+    /// Optimizer steps seen by `update`.
+    pub steps: u64,
+    /// Steps skipped because of an overflow.
+    pub skipped_steps: u64,
+    /// Times the scale grew.
+    pub growths: u64,
+    /// Times the scale backed off.
+    pub backoffs: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct State {
+    config: ScalerConfig,
+    scale: f32,
+    /// Consecutive finite steps since the last growth or overflow.
+    growth_tracker: u32,
+    /// Overflows still tolerated before the next backoff.
+    hysteresis_tracker: u32,
+    stats: ScalerStats,
+}
+
+/// What one call of [`Scaler::update`] decided.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// The optimizer step must be skipped (the window overflowed).
+    pub skipped: bool,
+    /// The scale after the update.
+    pub scale: f32,
+}
+
+/// A dynamic (or fixed) loss scaler.
+#[derive(Debug)]
+pub struct Scaler {
+    state: Mutex<State>,
+}
+
+const STATE_MAGIC: [u8; 4] = *b"GASC";
+const STATE_VERSION: u32 = 1;
+
+impl Scaler {
+    pub fn new(config: ScalerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Scaler {
+            state: Mutex::new(State {
+                config,
+                scale: config.init_scale,
+                growth_tracker: 0,
+                hysteresis_tracker: config.hysteresis,
+                stats: ScalerStats::default(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic cannot leave the state half-written (updates assign a finished copy), so a
+        // poisoned lock still guards consistent data.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn config(&self) -> ScalerConfig {
+        self.lock().config
+    }
+
+    /// The current loss scale.
+    pub fn scale(&self) -> f32 {
+        self.lock().scale
+    }
+
+    pub fn stats(&self) -> ScalerStats {
+        self.lock().stats
+    }
+
+    /// Multiplies a loss buffer in place by the current scale (16-bit values round to nearest even).
+    pub fn scale_loss(&self, loss: GradMut<'_>) {
+        let s = self.scale();
+        match loss {
+            GradMut::F32(v) => v.iter_mut().for_each(|x| *x *= s),
+            GradMut::F16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s)),
+            GradMut::Bf16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s)),
+        }
+    }
+
+    /// Ends an optimizer step whose window overflowed (`found_inf`) or not. Every rank must pass
+    /// the same, agreed flag (the accumulator's `sync` provides it), so every replica's scaler
+    /// moves identically.
+    ///
+    /// Fails with [`ErrorKind::ScaleAtMinimum`], changing nothing, when an overflow needs a backoff
+    /// while the scale already sits at `min_scale`.
+    pub fn update(&self, found_inf: bool) -> Result<StepOutcome> {
+        let mut guard = self.lock();
+        let next = next_state(&guard, found_inf)?;
+        *guard = next;
+        Ok(StepOutcome { skipped: found_inf, scale: next.scale })
+    }
+
+    /// The complete state (config, scale, trackers, statistics) as versioned bytes.
+    pub fn save(&self) -> Vec<u8> {
+        let s = *self.lock();
+        let c = s.config;
+        let mut w = state::Writer::new(STATE_MAGIC, STATE_VERSION);
+        w.f32(c.init_scale)
+            .f32(c.growth_factor)
+            .f32(c.backoff_factor)
+            .u64(c.growth_interval as u64)
+            .u64(c.hysteresis as u64)
+            .bool(c.consecutive_hysteresis)
+            .f32(c.min_scale)
+            .f32(c.max_scale)
+            .bool(c.dynamic)
+            .f32(s.scale)
+            .u64(s.growth_tracker as u64)
+            .u64(s.hysteresis_tracker as u64)
+            .u64(s.stats.steps)
+            .u64(s.stats.skipped_steps)
+            .u64(s.stats.growths)
+            .u64(s.stats.backoffs);
+        w.finish()
+    }
+
+    /// Restores a state written by [`Scaler::save`]. Rejects corrupt, foreign or inconsistent
+    /// bytes without changing anything.
+    pub fn load(&self, bytes: &[u8]) -> Result<()> {
+        let mut r = state::Reader::open("scaler state", bytes, STATE_MAGIC, STATE_VERSION)?;
+        let small = |v: u64, what: &str| {
+            u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")))
+        };
+        let config = ScalerConfig {
+            init_scale: r.f32()?,
+            growth_factor: r.f32()?,
+            backoff_factor: r.f32()?,
+            growth_interval: small(r.u64()?, "growth_interval")?,
+            hysteresis: small(r.u64()?, "hysteresis")?,
+            consecutive_hysteresis: r.bool()?,
+            min_scale: r.f32()?,
+            max_scale: r.f32()?,
+            dynamic: r.bool()?,
+        };
+        let scale = r.f32()?;
+        let growth_tracker = small(r.u64()?, "growth_tracker")?;
+        let hysteresis_tracker = small(r.u64()?, "hysteresis_tracker")?;
+        let stats = ScalerStats { steps: r.u64()?, skipped_steps: r.u64()?, growths: r.u64()?, backoffs: r.u64()? };
+        r.finish()?;
+        config.validate().map_err(|e| Error::new(ErrorKind::CorruptState, format!("scaler state: {}", e.message)))?;
+        if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale)
+            || growth_tracker >= config.growth_interval
+            || hysteresis_tracker > config.hysteresis
+        {
+            return Err(Error::new(ErrorKind::CorruptState, "scaler state: scale or trackers inconsistent with the config"));
+        }
+        *self.lock() = State { config, scale, growth_tracker, hysteresis_tracker, stats };
+        Ok(())
+    }
+}
+
+/// The update rule, as a pure function of the state.
+fn next_state(s: &State, found_inf: bool) -> Result<State> {
+    let c = &s.config;
+    let mut n = *s;
+    n.stats.steps += 1;
+    if !c.dynamic {
+        n.stats.skipped_steps += found_inf as u64;
+        return Ok(n);
+    }
+    if found_inf {
+        n.stats.skipped_steps += 1;
+        n.growth_tracker = 0;
+        n.hysteresis_tracker = s.hysteresis_tracker.saturating_sub(1);
+        if n.hysteresis_tracker == 0 {
+            if s.scale <= c.min_scale {
+                return Err(Error::new(
+                    ErrorKind::ScaleAtMinimum,
+                    format!("overflow with the loss scale already at min_scale {}: the gradients overflow even unscaled", c.min_scale),
+                ));
+            }
+            n.scale = (s.scale * c.backoff_factor).max(c.min_scale);
+            n.stats.backoffs += 1;
+        }
+    } else {
+        if c.consecutive_hysteresis {
+            n.hysteresis_tracker = c.hysteresis;
+        }
+        n.growth_tracker = s.growth_tracker + 1;
+        if n.growth_tracker == c.growth_interval {
+            n.growth_tracker = 0;
+            n.hysteresis_tracker = c.hysteresis;
+            let grown = (s.scale * c.growth_factor).min(c.max_scale);
+            // As PyTorch: never grow into infinity.
+            if grown.is_finite() && grown > s.scale {
+                n.scale = grown;
+                n.stats.growths += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(config: ScalerConfig, flags: &[u8]) -> Vec<f32> {
+        let s = Scaler::new(config).unwrap();
+        flags.iter().map(|&f| s.update(f != 0).unwrap().scale).collect()
+    }
+
+    #[test]
+    fn pytorch_trace_from_the_issue() {
+        let c = ScalerConfig { growth_interval: 3, ..Default::default() };
+        let got = trace(c, &[0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0]);
+        let want = [65536., 65536., 131072., 65536., 65536., 65536., 131072., 131072., 65536., 32768., 32768.];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn fixed_scale_counts_but_never_moves() {
+        let s = Scaler::new(ScalerConfig { dynamic: false, init_scale: 128.0, ..Default::default() }).unwrap();
+        assert!(s.update(true).unwrap().skipped);
+        assert!(!s.update(false).unwrap().skipped);
+        assert_eq!(s.scale(), 128.0);
+        assert_eq!(s.stats(), ScalerStats { steps: 2, skipped_steps: 1, growths: 0, backoffs: 0 });
+    }
+
+    #[test]
+    fn invalid_configs_name_the_field() {
+        let bad = [
+            (ScalerConfig { init_scale: 0.0, ..Default::default() }, "init_scale"),
+            (ScalerConfig { growth_factor: 1.0, ..Default::default() }, "growth_factor"),
+            (ScalerConfig { backoff_factor: 1.0, ..Default::default() }, "backoff_factor"),
+            (ScalerConfig { growth_interval: 0, ..Default::default() }, "growth_interval"),
+            (ScalerConfig { hysteresis: 0, ..Default::default() }, "hysteresis"),
+            (ScalerConfig { min_scale: f32::NAN, ..Default::default() }, "min_scale"),
+            (ScalerConfig { max_scale: 2.0, ..Default::default() }, "max_scale"),
+        ];
+        for (c, field) in bad {
+            let e = Scaler::new(c).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument);
+            assert!(e.message.contains(field), "{}", e.message);
+        }
+    }
+}
