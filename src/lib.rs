@@ -10,7 +10,7 @@ pub mod backend;
 pub mod comm;
 pub mod dtype;
 pub mod error;
-// mod ffi;
+pub mod ffi;
 pub mod scaler;
 mod state;
 

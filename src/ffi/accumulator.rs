@@ -1,0 +1,403 @@
+//! C API of the accumulator.
+
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::{Arc, LazyLock};
+
+use super::comm::{gradacc_comm_t, COMMS};
+use super::handle::Registry;
+use super::scaler::{gradacc_scaler_t, SCALERS};
+use super::status::{guard, gradacc_status_t, null};
+use super::types::*;
+use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
+use crate::dtype::Grad;
+use crate::error::{Error, ErrorKind, Result};
+
+/// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
+/// gradacc_accumulator_destroy.
+pub struct gradacc_accumulator_t {
+    _private: [u8; 0],
+}
+
+pub(crate) static ACCUMULATORS: LazyLock<Registry<Accumulator>> = LazyLock::new(|| Registry::new("accumulator"));
+
+/// How the caller reduced its loss over the `count` items of a micro-batch.
+pub type gradacc_loss_reduction_t = i32;
+/// The loss is the mean over the micro-batch's items (default).
+pub const GRADACC_LOSS_REDUCTION_MEAN: gradacc_loss_reduction_t = 0;
+/// The loss is the sum over the micro-batch's items.
+pub const GRADACC_LOSS_REDUCTION_SUM: gradacc_loss_reduction_t = 1;
+
+/// What the summed gradient is divided by at the boundary.
+pub type gradacc_normalize_t = i32;
+/// The global item count over micro-batches and ranks (default): the gradient of the mean loss
+/// over every item of the effective batch. Mean-reduced micro-batches are weighted by their count.
+pub const GRADACC_NORMALIZE_BY_COUNT: gradacc_normalize_t = 0;
+/// The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+pub const GRADACC_NORMALIZE_BY_MICROBATCHES: gradacc_normalize_t = 1;
+/// The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+pub const GRADACC_NORMALIZE_BY_WORLD: gradacc_normalize_t = 2;
+/// No division: the plain sum.
+pub const GRADACC_NORMALIZE_NONE: gradacc_normalize_t = 3;
+
+/// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_accumulator_config_t {
+    /// sizeof(gradacc_accumulator_config_t); set by gradacc_accumulator_config_default.
+    pub struct_size: usize,
+    /// GRADACC_LOSS_REDUCTION_* (default MEAN).
+    pub loss_reduction: gradacc_loss_reduction_t,
+    /// GRADACC_NORMALIZE_* (default BY_COUNT).
+    pub normalize: gradacc_normalize_t,
+    /// Clip the boundary gradient's global L2 norm to this value; 0 disables clipping (default 0).
+    pub max_grad_norm: f32,
+    /// Target elements per communication bucket; a bucket holds whole tensors (default 4194304).
+    pub bucket_numel: u64,
+    /// Threads one kernel call may use on large tensors; results are bitwise identical for any
+    /// value (default 1).
+    pub threads: u32,
+}
+
+/// What the boundary reports; identical on every rank.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_sync_info_t {
+    /// Some rank saw an inf or NaN in this window: skip the optimizer step.
+    pub found_inf: bool,
+    /// Items added over all micro-batches and ranks.
+    pub total_count: u64,
+    /// Micro-batches added over all ranks.
+    pub microbatches: u64,
+    /// Global L2 norm of the normalised gradient, before clipping.
+    pub grad_norm: f64,
+    /// Factor clipping applied (1 when clipping is off or not needed).
+    pub clip_coef: f64,
+}
+
+fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> {
+    let loss_reduction = match c.loss_reduction {
+        GRADACC_LOSS_REDUCTION_MEAN => LossReduction::Mean,
+        GRADACC_LOSS_REDUCTION_SUM => LossReduction::Sum,
+        v => return Err(Error::invalid(format!("`config`.loss_reduction = {v} is not a GRADACC_LOSS_REDUCTION_* value"))),
+    };
+    let normalize = match c.normalize {
+        GRADACC_NORMALIZE_BY_COUNT => Normalize::ByCount,
+        GRADACC_NORMALIZE_BY_MICROBATCHES => Normalize::ByMicrobatches,
+        GRADACC_NORMALIZE_BY_WORLD => Normalize::ByWorld,
+        GRADACC_NORMALIZE_NONE => Normalize::None,
+        v => return Err(Error::invalid(format!("`config`.normalize = {v} is not a GRADACC_NORMALIZE_* value"))),
+    };
+    let bucket_numel = usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
+    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize })
+}
+
+/// Fills `*out` with the default accumulator configuration (and its struct_size).
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_accumulator_config_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_config_default", || {
+        let out = out_ptr(out, "out")?;
+        let d = AccumulatorConfig::default();
+        *out = gradacc_accumulator_config_t {
+            struct_size: size_of::<gradacc_accumulator_config_t>(),
+            loss_reduction: GRADACC_LOSS_REDUCTION_MEAN,
+            normalize: GRADACC_NORMALIZE_BY_COUNT,
+            max_grad_norm: d.max_grad_norm,
+            bucket_numel: d.bucket_numel as u64,
+            threads: d.threads as u32,
+        };
+        Ok(())
+    })
+}
+
+/// Reads the config and tensor list arguments shared by both constructors.
+fn creation_args(
+    config: *const gradacc_accumulator_config_t,
+    tensors: *const gradacc_tensor_desc_t,
+    n: usize,
+    device: *const gradacc_device_t,
+) -> Result<(AccumulatorConfig, Vec<TensorDesc>)> {
+    let config = if config.is_null() { AccumulatorConfig::default() } else { config_from_c(&unsafe { read_config(config, "config")? })? };
+    if tensors.is_null() {
+        return Err(null("tensors"));
+    }
+    if n == 0 {
+        return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor"));
+    }
+    let raw = unsafe { std::slice::from_raw_parts(tensors, n) };
+    let descs = raw
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let numel = usize::try_from(t.numel).map_err(|_| Error::invalid(format!("`tensors[{i}]`.numel = {} is too large", t.numel)))?;
+            Ok(TensorDesc { numel, dtype: dtype_from_c(t.dtype, &format!("tensors[{i}].dtype"))? })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    check_device(device)?;
+    Ok((config, descs))
+}
+
+/// Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
+/// tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
+/// NULL means the CPU.
+///
+/// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
+/// Thread safety: any thread. See each function for what may run concurrently on the result.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_create(
+    config: *const gradacc_accumulator_config_t,
+    tensors: *const gradacc_tensor_desc_t,
+    n: usize,
+    device: *const gradacc_device_t,
+    out: *mut *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_create", || {
+        let out = out_ptr(out, "out")?;
+        let (config, descs) = creation_args(config, tensors, n, device)?;
+        *out = ACCUMULATORS.insert(Arc::new(Accumulator::new(config, &descs)?));
+        Ok(())
+    })
+}
+
+/// Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
+/// `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
+/// contiguous gradient buffer. Its contents are ignored until written.
+///
+/// Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
+/// Thread safety: as gradacc_accumulator_create.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_create_with_buffer(
+    config: *const gradacc_accumulator_config_t,
+    tensors: *const gradacc_tensor_desc_t,
+    n: usize,
+    device: *const gradacc_device_t,
+    master: *mut f32,
+    master_numel: usize,
+    out: *mut *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_create_with_buffer", || {
+        let out = out_ptr(out, "out")?;
+        let (config, descs) = creation_args(config, tensors, n, device)?;
+        if master.is_null() {
+            return Err(null("master"));
+        }
+        // SAFETY: the caller lends `master_numel` f32 values for the accumulator's lifetime.
+        let acc = unsafe { Accumulator::with_buffer(config, &descs, master, master_numel)? };
+        *out = ACCUMULATORS.insert(Arc::new(acc));
+        Ok(())
+    })
+}
+
+/// Destroys an accumulator. NULL is accepted and does nothing; must not be called twice on one
+/// handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
+/// gradacc_accumulator_master become invalid.
+///
+/// Thread safety: any thread, once no other call uses the accumulator.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_destroy", || {
+        if !acc.is_null() {
+            ACCUMULATORS.remove(acc, "acc")?;
+        }
+        Ok(())
+    })
+}
+
+/// Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as
+/// declared), produced from a loss scaled by `scaler`'s current scale. One fused pass per tensor
+/// converts to f32, unscales (and weights by `count` for a mean-reduced loss normalised by count),
+/// flags non-finite values, and accumulates into the master (the first micro-batch of a window
+/// overwrites it). Fails without changing anything on a wrong tensor count, dtype or length.
+///
+/// Thread safety: serialised with every other call on `acc`; buffers are read during the call only.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_add(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    grads: *const *const c_void,
+    n: usize,
+    count: u64,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_add", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let s = SCALERS.get(scaler, "scaler")?;
+        if grads.is_null() {
+            return Err(null("grads"));
+        }
+        if n != a.tensors().len() {
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())));
+        }
+        let ptrs = unsafe { std::slice::from_raw_parts(grads, n) };
+        let views = ptrs
+            .iter()
+            .zip(a.tensors())
+            .enumerate()
+            .map(|(i, (&p, d))| unsafe { grad_from_c(p, d.numel, d.dtype, &format!("grads[{i}]")) })
+            .collect::<Result<Vec<Grad<'_>>>>()?;
+        a.add(&s, &views, count)
+    })
+}
+
+/// Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through
+/// gradacc_accumulator_add_tensor (as a framework's backward hooks produce them).
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
+    guard("gradacc_accumulator_begin_microbatch", || ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count))
+}
+
+/// Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
+/// tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
+/// backward); they are summed.
+///
+/// Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
+/// accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
+/// serialised); not concurrently with other calls on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_add_tensor(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    index: usize,
+    grad: *const c_void,
+    numel: usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_add_tensor", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let s = SCALERS.get(scaler, "scaler")?;
+        let desc = *a.tensors().get(index).ok_or_else(|| {
+            Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len()))
+        })?;
+        if numel != desc.numel {
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
+        }
+        let view = unsafe { grad_from_c(grad, numel, desc.dtype, "grad")? };
+        a.add_tensor(&s, index, view)
+    })
+}
+
+/// Closes the open micro-batch.
+///
+/// Thread safety: serialised with every other call on `acc`; call it after every
+/// gradacc_accumulator_add_tensor of the micro-batch has returned.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_end_microbatch", || ACCUMULATORS.get(acc, "acc")?.end_microbatch())
+}
+
+/// The accumulation boundary. With `comm` (every rank of its group must call this): the control
+/// values (item count, micro-batches, overflow flag, layout) are reduced first, then the FP32
+/// master is summed over ranks bucket by bucket; with `comm` NULL it is the single-process
+/// boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
+/// measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
+/// same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
+/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
+///
+/// Thread safety: serialised with every other call on `acc`; one call per rank, each on its
+/// rank's thread.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_sync(
+    acc: *mut gradacc_accumulator_t,
+    comm: *mut gradacc_comm_t,
+    out_info: *mut gradacc_sync_info_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_sync", || {
+        let comm = if comm.is_null() { None } else { Some(COMMS.get(comm, "comm")?) };
+        let a = match ACCUMULATORS.get(acc, "acc") {
+            Ok(a) => a,
+            Err(e) => {
+                // Still take part in the collective so the other ranks fail instead of waiting forever.
+                if let Some(c) = &comm {
+                    let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
+                }
+                return Err(e);
+            }
+        };
+        let info = a.sync(comm.as_deref())?;
+        if let Some(o) = unsafe { out_info.as_mut() } {
+            *o = gradacc_sync_info_t {
+                found_inf: info.found_inf,
+                total_count: info.total_count,
+                microbatches: info.microbatches,
+                grad_norm: info.grad_norm,
+                clip_coef: info.clip_coef,
+            };
+        }
+        Ok(())
+    })
+}
+
+/// Writes a pointer to tensor `index`'s FP32 master gradient and its element count. The pointer
+/// stays valid until the accumulator is destroyed; its contents are the boundary's result after
+/// gradacc_accumulator_sync, and in progress otherwise.
+///
+/// Thread safety: any thread; reading through the pointer must not overlap calls that add.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_master(
+    acc: *const gradacc_accumulator_t,
+    index: usize,
+    out_ptr_: *mut *mut f32,
+    out_numel: *mut usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_master", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let p = out_ptr(out_ptr_, "out_ptr")?;
+        let n = out_ptr(out_numel, "out_numel")?;
+        let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
+        *p = ptr;
+        *n = len;
+        Ok(())
+    })
+}
+
+/// Writes the number of tensors to `*out`.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulator_t, out: *mut usize) -> gradacc_status_t {
+    guard("gradacc_accumulator_num_tensors", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        *out_ptr(out, "out")? = a.tensors().len();
+        Ok(())
+    })
+}
+
+/// Discards the window in progress (or the synced result); the next micro-batch starts a new one.
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_reset", || {
+        ACCUMULATORS.get(acc, "acc")?.reset();
+        Ok(())
+    })
+}
+
+/// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
+/// bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
+/// With `buf` NULL, only writes the needed size to `*out_len`.
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_save_window(
+    acc: *const gradacc_accumulator_t,
+    buf: *mut u8,
+    capacity: usize,
+    out_len: *mut usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_save_window", || write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len))
+}
+
+/// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
+/// tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+    guard("gradacc_accumulator_load_window", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        a.load_window(unsafe { read_bytes(bytes, len, "bytes")? })
+    })
+}

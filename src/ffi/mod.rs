@@ -1,0 +1,23 @@
+//! The C ABI: the only code that knows about C. Every exported function checks its arguments,
+//! runs inside the panic boundary (`status::guard`) and reports failures as a status plus a
+//! per-thread message; handles are resolved through `handle::Registry`.
+
+#![allow(non_camel_case_types)]
+
+mod accumulator;
+mod comm;
+mod handle;
+mod scaler;
+mod status;
+mod types;
+mod version;
+
+pub use accumulator::*;
+pub use comm::*;
+pub use scaler::*;
+pub use status::*;
+pub use types::{
+    gradacc_device_kind_t, gradacc_device_t, gradacc_dtype_t, gradacc_tensor_desc_t, GRADACC_DEVICE_CPU, GRADACC_DEVICE_CUDA,
+    GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16, GRADACC_DTYPE_F32,
+};
+pub use version::*;
