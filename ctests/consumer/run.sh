@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs an already-built gradacc into a scratch prefix, then builds and runs consumer.c against
+# that prefix only: through find_package (shared and static targets) and through pkg-config.
+# Usage: run.sh <gradacc build dir> <scratch dir> <version to require> [<config> [<C compiler>]]
+set -euo pipefail
+
+build_dir=$1 work=$2 version=$3 config=${4:-} cc=${5:-cc}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+prefix=$work/prefix
+
+rm -rf "$work"
+mkdir -p "$work"
+echo "-- install into $prefix"
+cmake --install "$build_dir" --prefix "$prefix" ${config:+--config "$config"}
+
+echo "-- find_package(gradacc $version)"
+cmake -S "$here" -B "$work/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
+    -DCMAKE_BUILD_TYPE=Release -DGRADACC_REQUIRED_VERSION="$version"
+cmake --build "$work/build"
+
+echo "-- consumer_shared"
+"$work/build/consumer_shared"
+# It must run against the installed library, not the one in the build tree.
+ldd "$work/build/consumer_shared" | grep libgradacc | grep -qF "$prefix/" ||
+    { echo "consumer_shared does not load libgradacc from $prefix:"; ldd "$work/build/consumer_shared"; exit 1; }
+
+echo "-- consumer_static"
+"$work/build/consumer_static"
+! ldd "$work/build/consumer_static" | grep -q libgradacc ||
+    { echo "consumer_static still needs libgradacc.so"; exit 1; }
+
+echo "-- pkg-config"
+pc=$(find "$prefix" -name gradacc.pc)
+[ -n "$pc" ] || { echo "gradacc.pc is not installed"; exit 1; }
+export PKG_CONFIG_PATH=$(dirname "$pc")
+[ "$(pkg-config --modversion gradacc)" = "$(sed -n 's/^#define GRADACC_VERSION_STRING "\(.*\)"/\1/p' "$prefix/include/gradacc.h")" ] ||
+    { echo "gradacc.pc version differs from the header's"; exit 1; }
+libdir=$(pkg-config --variable=libdir gradacc)
+# shellcheck disable=SC2046  # pkg-config prints several words on purpose
+"$cc" -std=c99 -pedantic -Wall -Wextra -Werror "$here/consumer.c" -o "$work/consumer_pkgconfig" \
+    $(pkg-config --cflags --libs gradacc) -Wl,-rpath,"$libdir"
+"$work/consumer_pkgconfig"
