@@ -1,5 +1,5 @@
 // gradacc.h must compile on its own as strict ISO C++17 (-std=c++17 -pedantic -Werror), be safe to
-// include twice, and declare its functions with C linkage.
+// include twice, declare its functions with C linkage, and carry version macros that agree.
 #include "gradacc.h"
 #include "gradacc.h"
 
@@ -22,6 +22,7 @@ int main() {
         std::fprintf(stderr, "GRADACC_VERSION_STRING \"%s\" does not match %s\n", full, numbers);
         return 1;
     }
-    std::printf("gradacc.h %s compiles alone as C++17\n", full);
+    // Linking this call proves the functions are declared extern "C" (a C++ name would not resolve).
+    std::printf("gradacc.h %s compiles alone as C++17; library %s\n", full, gradacc_version_string());
     return 0;
 }

@@ -14,10 +14,14 @@ static int check(gradacc_status_t status, const char *what) {
 }
 
 int main(void) {
-    const char *runtime = gradacc_version();
-    printf("gradacc header %s, library %s\n", GRADACC_VERSION_STRING, runtime ? runtime : "(null)");
-    if (runtime == NULL || strcmp(runtime, GRADACC_VERSION_STRING) != 0) {
-        fprintf(stderr, "run-time version differs from GRADACC_VERSION_STRING\n");
+    const char *runtime = gradacc_version_string();
+    const unsigned long number = (unsigned long)gradacc_version_number();
+    const unsigned long expected =
+        GRADACC_VERSION_MAJOR * 10000UL + GRADACC_VERSION_MINOR * 100UL + GRADACC_VERSION_PATCH;
+    printf("gradacc header %s, library %s (%lu)\n", GRADACC_VERSION_STRING,
+           runtime ? runtime : "(null)", number);
+    if (runtime == NULL || strcmp(runtime, GRADACC_VERSION_STRING) != 0 || number != expected) {
+        fprintf(stderr, "run-time version differs from the header's GRADACC_VERSION_* (%lu)\n", expected);
         return 1;
     }
 
