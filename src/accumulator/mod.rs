@@ -283,16 +283,22 @@ impl Accumulator {
         let mut w = self.write();
         let local_error = match w.phase {
             Phase::InMicrobatch { .. } => Some(Error::wrong_state("sync inside a micro-batch: call end_microbatch first")),
-            Phase::Synced(_) => Some(Error::wrong_state("sync twice: this window was already synced; add a micro-batch first")),
-            Phase::Empty | Phase::Open => None,
+            _ => None,
         };
-        let mine = Control {
-            numel: self.len() as u64,
-            layout: self.layout_hash,
-            count: w.count,
-            microbatches: w.microbatches,
-            found_inf: self.found_inf.load(Ordering::Relaxed),
-            error: local_error.is_some(),
+        // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
+        // time still takes part in the boundary of the others.
+        let empty_again = matches!(w.phase, Phase::Synced(_));
+        let mine = if empty_again {
+            Control { numel: self.len() as u64, layout: self.layout_hash, ..Default::default() }
+        } else {
+            Control {
+                numel: self.len() as u64,
+                layout: self.layout_hash,
+                count: w.count,
+                microbatches: w.microbatches,
+                found_inf: self.found_inf.load(Ordering::Relaxed),
+                error: local_error.is_some(),
+            }
         };
         let (total, world) = match comm {
             Some(c) => (c.reduce_control(&mine)?, c.world_size()),
@@ -313,6 +319,9 @@ impl Accumulator {
         }
 
         // From here on the window is consumed: every rank passed the same checks.
+        if empty_again {
+            self.discard(&mut w);
+        }
         for i in 0..self.descs.len() {
             if self.written_in[i].load(Ordering::Relaxed) != w.id {
                 // SAFETY: the write lock is held.

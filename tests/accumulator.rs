@@ -1,0 +1,328 @@
+//! The accumulator against an independent f64 reference, on random layouts, dtypes, scales,
+//! micro-batch counts and sizes, normalisation modes and rank counts (fresh seed each run).
+
+mod common;
+
+use common::*;
+use gradacc::*;
+
+/// One micro-batch on one rank: per tensor, the contributions it receives (possibly none, possibly
+/// several for a chunked backward), as 16- or 32-bit scaled values.
+struct Micro {
+    count: u64,
+    scale: f32,
+    /// `hook` micro-batches go through begin/add_tensor/end, others through `add`.
+    hook: bool,
+    contributions: Vec<Vec<Vec<f32>>>, // [tensor][contribution][element] = true (unscaled) gradient
+}
+
+fn encode(dtype: Dtype, values: &[f32], scale: f32) -> (Vec<f32>, Vec<u16>) {
+    match dtype {
+        Dtype::F32 => (values.iter().map(|v| v * scale).collect(), vec![]),
+        Dtype::F16 => (vec![], values.iter().map(|v| to_f16(v * scale)).collect()),
+        Dtype::Bf16 => (vec![], values.iter().map(|v| to_bf16(v * scale)).collect()),
+    }
+}
+
+/// The value the library sees for one element, decoded independently, in f64 and unscaled.
+fn decoded(dtype: Dtype, v: f32, scale: f32) -> f64 {
+    let scaled = v * scale;
+    let d = match dtype {
+        Dtype::F32 => scaled as f64,
+        Dtype::F16 => from_f16(to_f16(scaled)),
+        Dtype::Bf16 => from_bf16(to_bf16(scaled)),
+    };
+    d / scale as f64
+}
+
+fn run_case(rng: &mut Rng, case: usize) {
+    let world = rng.range(1, 4) as usize;
+    let sizes = [1usize, 2, 7, 33, 1000, 4097];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let tensors: Vec<TensorDesc> = (0..rng.range(1, 6))
+        .map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
+        .collect();
+    let normalize = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize];
+    let loss_reduction = if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
+    let config = AccumulatorConfig {
+        loss_reduction,
+        normalize,
+        max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
+        bucket_numel: rng.range(1, 6000) as usize,
+        threads: rng.range(1, 3) as usize,
+    };
+    let weights_by_count = config.weights_by_count();
+
+    // Each rank's window; at least one micro-batch somewhere.
+    let mut windows: Vec<Vec<Micro>> = (0..world)
+        .map(|_| {
+            (0..rng.range(0, 4))
+                .map(|_| {
+                    let hook = rng.range(0, 1) == 0;
+                    let contributions = tensors
+                        .iter()
+                        .map(|t| {
+                            let k = if hook { rng.range(0, 3) } else { 1 };
+                            (0..k).map(|_| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()
+                        })
+                        .collect();
+                    Micro { count: rng.range(1, 9), scale: (2f32).powi(rng.range(0, 15) as i32), hook, contributions }
+                })
+                .collect()
+        })
+        .collect();
+    if windows.iter().all(|w| w.is_empty()) {
+        windows[0].push(Micro { count: 3, scale: 8.0, hook: false, contributions: tensors.iter().map(|t| vec![vec![0.5; t.numel]]).collect() });
+    }
+
+    // The f64 reference.
+    let total_count: u64 = windows.iter().flatten().map(|m| m.count).sum();
+    let total_micro = windows.iter().map(|w| w.len() as u64).sum::<u64>();
+    let divisor = match normalize {
+        Normalize::ByCount => total_count as f64,
+        Normalize::ByMicrobatches => total_micro as f64,
+        Normalize::ByWorld => world as f64,
+        Normalize::None => 1.0,
+    };
+    let mut reference: Vec<Vec<f64>> = tensors.iter().map(|t| vec![0.0; t.numel]).collect();
+    let mut magnitude: Vec<Vec<f64>> = reference.clone();
+    for m in windows.iter().flatten() {
+        let w = if weights_by_count { m.count as f64 } else { 1.0 };
+        for (t, contribs) in m.contributions.iter().enumerate() {
+            for c in contribs {
+                for (i, &v) in c.iter().enumerate() {
+                    let x = decoded(tensors[t].dtype, v, m.scale) * w;
+                    reference[t][i] += x;
+                    magnitude[t][i] += x.abs();
+                }
+            }
+        }
+    }
+    let norm: f64 = reference.iter().flatten().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
+    let max = config.max_grad_norm as f64;
+    let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
+
+    // Run every rank on its own thread, after a first window of garbage that must not leak.
+    let comms = LocalComm::group(world).unwrap();
+    let results: Vec<(SyncInfo, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(&windows)
+            .map(|(comm, window)| {
+                let tensors = &tensors;
+                s.spawn(move || {
+                    let acc = Accumulator::new(config, tensors).unwrap();
+                    let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
+                    let junk_grads: Vec<Vec<u16>> = tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
+                    let views: Vec<Grad> = tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| match t.dtype {
+                            Dtype::F32 => Grad::F32(&junk[i]),
+                            Dtype::F16 => Grad::F16(&junk_grads[i]),
+                            Dtype::Bf16 => Grad::Bf16(&junk_grads[i]),
+                        })
+                        .collect();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    acc.add(&one, &views, 1).unwrap();
+                    acc.sync(Some(comm)).unwrap();
+
+                    for m in window {
+                        let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
+                        let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> = m
+                            .contributions
+                            .iter()
+                            .zip(tensors)
+                            .map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect())
+                            .collect();
+                        fn view<'a>(dtype: Dtype, e: &'a (Vec<f32>, Vec<u16>)) -> Grad<'a> {
+                            match dtype {
+                                Dtype::F32 => Grad::F32(&e.0),
+                                Dtype::F16 => Grad::F16(&e.1),
+                                Dtype::Bf16 => Grad::Bf16(&e.1),
+                            }
+                        }
+                        if m.hook {
+                            acc.begin_microbatch(m.count).unwrap();
+                            for (t, cs) in encoded.iter().enumerate() {
+                                for e in cs {
+                                    acc.add_tensor(&scaler, t, view(tensors[t].dtype, e)).unwrap();
+                                }
+                            }
+                            acc.end_microbatch().unwrap();
+                        } else {
+                            let grads: Vec<Grad> = encoded.iter().enumerate().map(|(t, cs)| view(tensors[t].dtype, &cs[0])).collect();
+                            acc.add(&scaler, &grads, m.count).unwrap();
+                        }
+                    }
+                    let info = acc.sync(Some(comm)).unwrap();
+                    let masters = (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                    (info, masters)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    let (info, masters) = &results[0];
+    for (r, (other_info, other)) in results.iter().enumerate().skip(1) {
+        assert_eq!(other_info, info, "case {case}: rank {r} reports differently");
+        for (a, b) in masters.iter().flatten().zip(other.iter().flatten()) {
+            assert_eq!(a.to_bits(), b.to_bits(), "case {case}: rank {r} master differs from rank 0");
+        }
+    }
+    assert_eq!(info.total_count, total_count, "case {case}");
+    assert_eq!(info.microbatches, total_micro, "case {case}");
+    assert!(!info.found_inf, "case {case}");
+    assert!((info.grad_norm - norm).abs() <= 1e-5 * norm + 1e-12, "case {case}: norm {} vs {norm}", info.grad_norm);
+    assert!((info.clip_coef - coef).abs() <= 1e-5 * coef, "case {case}: clip {} vs {coef}", info.clip_coef);
+    for t in 0..tensors.len() {
+        for i in 0..tensors[t].numel {
+            let want = reference[t][i] / divisor * coef;
+            let tol = 2e-6 * magnitude[t][i] / divisor * coef + 1e-30;
+            let got = masters[t][i] as f64;
+            assert!(
+                (got - want).abs() <= tol,
+                "case {case}: tensor {t} ({:?}) element {i}: {got} vs {want} (tol {tol}); world {world}, {normalize:?}, {loss_reduction:?}",
+                tensors[t].dtype
+            );
+        }
+    }
+}
+
+#[test]
+fn random_windows_match_the_f64_reference_on_every_rank() {
+    let mut rng = Rng::fresh("random_windows_match_the_f64_reference_on_every_rank");
+    for case in 0..40 {
+        run_case(&mut rng, case);
+    }
+}
+
+#[test]
+fn single_process_boundary_without_communicator() {
+    let scaler = Scaler::new(ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+    let acc = Accumulator::new(AccumulatorConfig::default(), &[TensorDesc { numel: 3, dtype: Dtype::F32 }]).unwrap();
+    acc.add(&scaler, &[Grad::F32(&[4.0, 8.0, -4.0])], 2).unwrap(); // mean grads 1, 2, -1 over 2 items
+    acc.add(&scaler, &[Grad::F32(&[0.0, 4.0, 4.0])], 1).unwrap(); // 0, 1, 1 over 1 item
+    let info = acc.sync(None).unwrap();
+    assert_eq!((info.total_count, info.microbatches, info.found_inf), (3, 2, false));
+    let want = [2.0 / 3.0, 5.0 / 3.0, -1.0 / 3.0];
+    acc.with_master(0, |m| {
+        for (g, w) in m.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-7);
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn overflow_is_sticky_and_agreed() {
+    let comms = LocalComm::group(2).unwrap();
+    let tensors = [TensorDesc { numel: 5, dtype: Dtype::F16 }];
+    let infos: Vec<SyncInfo> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                    let mut g = [to_f16(1.0); 5];
+                    if c.rank() == 1 {
+                        g[4] = 0x7c00; // +inf
+                    }
+                    acc.add(&scaler, &[Grad::F16(&g)], 1).unwrap();
+                    acc.add(&scaler, &[Grad::F16(&[to_f16(1.0); 5])], 1).unwrap();
+                    let info = acc.sync(Some(c)).unwrap();
+                    assert!(scaler.update(info.found_inf).unwrap().skipped);
+                    assert_eq!(scaler.scale(), 32768.0);
+                    info
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(infos.iter().all(|i| i.found_inf));
+}
+
+#[test]
+fn invalid_sync_on_one_rank_fails_every_rank_without_reducing() {
+    let comms = LocalComm::group(2).unwrap();
+    let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }];
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                acc.add(&scaler, &[Grad::F32(&[1.0; 4])], 1).unwrap();
+                if c.rank() == 0 {
+                    acc.begin_microbatch(1).unwrap(); // sync inside a micro-batch is invalid
+                }
+                let e = acc.sync(Some(c)).unwrap_err();
+                let want = if c.rank() == 0 { ErrorKind::WrongState } else { ErrorKind::PeerFailure };
+                assert_eq!(e.kind, want);
+                if c.rank() == 0 {
+                    acc.end_microbatch().unwrap();
+                }
+                // Nothing was reduced or normalised, and both ranks can retry.
+                acc.with_master(0, |m| assert_eq!(m, [1.0; 4])).unwrap();
+                let info = acc.sync(Some(c)).unwrap();
+                assert_eq!(info.microbatches, 3); // two on rank 0 (the add and the hook micro-batch), one on rank 1
+            });
+        }
+    });
+}
+
+#[test]
+fn ranks_with_different_layouts_fail_together() {
+    let comms = LocalComm::group(2).unwrap();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let numel = if c.rank() == 0 { 8 } else { 9 };
+                let tensors = [TensorDesc { numel, dtype: Dtype::F32 }];
+                let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                acc.add(&scaler, &[Grad::F32(&vec![1.0; numel])], 1).unwrap();
+                assert_eq!(acc.sync(Some(c)).unwrap_err().kind, ErrorKind::SizeMismatch);
+            });
+        }
+    });
+}
+
+#[test]
+fn window_checkpoint_resumes_bitwise() {
+    let mut rng = Rng::fresh("window_checkpoint_resumes_bitwise");
+    let tensors = [TensorDesc { numel: 1001, dtype: Dtype::Bf16 }, TensorDesc { numel: 17, dtype: Dtype::F32 }];
+    let scaler = Scaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() }).unwrap();
+    let batches: Vec<(Vec<u16>, Vec<f32>, u64)> = (0..4)
+        .map(|_| {
+            let a = (0..1001).map(|_| to_bf16(rng.uniform(-100.0, 100.0) as f32)).collect();
+            let b = (0..17).map(|_| rng.uniform(-100.0, 100.0) as f32).collect();
+            (a, b, rng.range(1, 5))
+        })
+        .collect();
+    let feed = |acc: &Accumulator, range: std::ops::Range<usize>| {
+        for (a, b, n) in &batches[range] {
+            acc.add(&scaler, &[Grad::Bf16(a), Grad::F32(b)], *n).unwrap();
+        }
+    };
+    let straight = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    feed(&straight, 0..4);
+    straight.sync(None).unwrap();
+
+    let first = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    feed(&first, 0..2);
+    let bytes = first.save_window().unwrap();
+    let resumed = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let mut corrupt = bytes.clone();
+    corrupt[20] ^= 1;
+    assert_eq!(resumed.load_window(&corrupt).unwrap_err().kind, ErrorKind::CorruptState);
+    resumed.load_window(&bytes).unwrap();
+    feed(&resumed, 2..4);
+    assert_eq!(resumed.sync(None).unwrap(), straight.synced_info().unwrap());
+    for t in 0..2 {
+        let a = straight.with_master(t, |m| m.to_vec()).unwrap();
+        let b = resumed.with_master(t, |m| m.to_vec()).unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+}

@@ -1,0 +1,52 @@
+//! Helpers shared by the integration tests: a seeded PRNG whose seed is fresh each run (printed,
+//! and overridable with GRADACC_TEST_SEED), and 16-bit encoders from the `half` crate, so the
+//! references never reuse the library's own conversions.
+#![allow(dead_code)]
+
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator seeded from the clock unless GRADACC_TEST_SEED is set; prints the seed.
+    pub fn fresh(test: &str) -> Rng {
+        let seed = std::env::var("GRADACC_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+        });
+        eprintln!("{test}: GRADACC_TEST_SEED={seed}");
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform integer in [lo, hi].
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+}
+
+pub fn to_f16(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+
+pub fn to_bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+pub fn from_f16(b: u16) -> f64 {
+    half::f16::from_bits(b).to_f64()
+}
+
+pub fn from_bf16(b: u16) -> f64 {
+    half::bf16::from_bits(b).to_f64()
+}

@@ -1,0 +1,517 @@
+//! The CPU kernels against an independent reference: 16-bit values decoded by the `half` crate,
+//! the contract's f32 arithmetic written out here, and f64 math. Every ISA path the CPU supports and
+//! several thread counts must give the same bits. Data is random with a fresh seed each run; a
+//! failing run prints its seed, and `GRADACC_TEST_SEED=<seed>` replays it.
+
+use gradacc::backend::cpu::{self, math, Isa};
+use gradacc::Grad;
+use half::{bf16, f16};
+
+const THREADS: [usize; 3] = [1, 2, 3];
+const SIZES: [usize; 5] = [0, 1, 7, 4097, (1 << 20) + 3];
+
+// ---------------------------------------------------------------------------------------------
+// Random data
+
+/// splitmix64: small, fast, and good enough to spread test values over every bit pattern.
+struct Rng(u64);
+
+impl Rng {
+    /// A generator for one test: the run's seed (printed, so a failure can be replayed) mixed with
+    /// the test's name, so tests draw different values from one seed.
+    fn for_test(name: &str) -> Rng {
+        let seed = match std::env::var("GRADACC_TEST_SEED") {
+            Ok(s) => s.trim().parse().expect("GRADACC_TEST_SEED must be an unsigned integer"),
+            Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
+        };
+        eprintln!("{name}: replay with GRADACC_TEST_SEED={seed}");
+        let mut rng = Rng(seed);
+        for b in name.bytes() {
+            rng.0 ^= b as u64;
+            rng.next();
+        }
+        rng
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    /// A finite f32 with a random sign, mantissa and an exponent in `[-exp_range, exp_range]`.
+    fn f32_in(&mut self, exp_range: i32) -> f32 {
+        let exp = (127 - exp_range + self.below(2 * exp_range as u64 + 1) as i32) as u32;
+        f32::from_bits(((self.next() as u32) & 0x807f_ffff) | (exp << 23))
+    }
+
+    /// A finite 16-bit gradient value of `dtype`: f16 over its whole finite range (subnormals
+    /// included), bf16 and f32 in magnitudes a gradient can have.
+    fn grad_bits(&mut self, dtype: Dtype) -> u32 {
+        match dtype {
+            Dtype::F16 => loop {
+                let b = self.next() as u16;
+                if b & 0x7c00 != 0x7c00 {
+                    return b as u32;
+                }
+            },
+            Dtype::Bf16 => (self.f32_in(40).to_bits() >> 16) ^ (self.next() as u32 & 0x7f),
+            Dtype::F32 => self.f32_in(40).to_bits(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradient buffers of each dtype, stored as raw bits so one type serves all three
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+const DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+
+enum Buf {
+    F32(Vec<f32>),
+    U16(Dtype, Vec<u16>),
+}
+
+impl Buf {
+    fn from_bits(dtype: Dtype, bits: impl Iterator<Item = u32>) -> Buf {
+        match dtype {
+            Dtype::F32 => Buf::F32(bits.map(f32::from_bits).collect()),
+            _ => Buf::U16(dtype, bits.map(|b| b as u16).collect()),
+        }
+    }
+
+    fn random(rng: &mut Rng, dtype: Dtype, len: usize) -> Buf {
+        Buf::from_bits(dtype, (0..len).map(|_| rng.grad_bits(dtype)))
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buf::F32(v) => v.len(),
+            Buf::U16(_, v) => v.len(),
+        }
+    }
+
+    fn grad(&self, start: usize) -> Grad<'_> {
+        match self {
+            Buf::F32(v) => Grad::F32(&v[start..]),
+            Buf::U16(Dtype::F16, v) => Grad::F16(&v[start..]),
+            Buf::U16(_, v) => Grad::Bf16(&v[start..]),
+        }
+    }
+
+    /// Element `i` as f32, decoded by the `half` crate, not by gradacc.
+    fn value(&self, i: usize) -> f32 {
+        match self {
+            Buf::F32(v) => v[i],
+            Buf::U16(Dtype::F16, v) => f16::from_bits(v[i]).to_f32(),
+            Buf::U16(_, v) => bf16::from_bits(v[i]).to_f32(),
+        }
+    }
+
+    fn set(&mut self, i: usize, value: f32) {
+        match self {
+            Buf::F32(v) => v[i] = value,
+            Buf::U16(Dtype::F16, v) => v[i] = f16::from_f32(value).to_bits(),
+            Buf::U16(_, v) => v[i] = bf16::from_f32(value).to_bits(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/// Equal bits, or both NaN (NaN payloads may differ between paths; NaN-ness may not).
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+fn assert_same(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i])) {
+        panic!("{what}: element {i} of {}: got {:e} ({:#010x}), want {:e} ({:#010x})", got.len(), got[i], got[i].to_bits(), want[i], want[i].to_bits());
+    }
+}
+
+/// Every (ISA, thread count) pair to run, scalar on one thread first.
+fn paths() -> Vec<(Isa, usize)> {
+    cpu::supported_isas().into_iter().flat_map(|isa| THREADS.map(|t| (isa, t))).collect()
+}
+
+/// The contract's arithmetic, written out in f32: a rounded multiply, then a rounded add.
+fn reference(master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -> Vec<f32> {
+    (0..master.len())
+        .map(|i| {
+            let v = grad.value(g0 + i) * factor;
+            if assign { v } else { master[i] + v }
+        })
+        .collect()
+}
+
+/// The f32 reference is within rounding of the exact result: a multiply and an add each round
+/// once by at most half an ulp, so the error is at most 2^-23 (|m| + |g·f|), plus the
+/// absolute error of a subnormal result.
+fn assert_close_to_exact(what: &str, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool, result: &[f32]) {
+    for (i, &r) in result.iter().enumerate() {
+        let m = if assign { 0.0 } else { master[i] as f64 };
+        let p = grad.value(g0 + i) as f64 * factor as f64;
+        let exact = m + p;
+        if !r.is_finite() {
+            assert!(exact.abs() >= f32::MAX as f64, "{what}: element {i}: {r} from finite {exact:e}");
+            continue;
+        }
+        let bound = f64::powi(2.0, -23) * (m.abs() + p.abs()) + f64::powi(2.0, -149);
+        assert!((r as f64 - exact).abs() <= bound, "{what}: element {i}: {r:e} vs exact {exact:e}");
+    }
+}
+
+/// Runs `accumulate` on copies of `master[m0..]` with the gradient from `g0`.
+fn run_accumulate(isa: Isa, threads: usize, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -> (Vec<f32>, bool) {
+    let mut out = master.to_vec();
+    let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
+    (out, bad)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accumulate
+
+#[test]
+fn accumulate_matches_reference_on_every_path() {
+    let mut rng = Rng::for_test("accumulate_matches_reference_on_every_path");
+    for dtype in DTYPES {
+        for len in SIZES {
+            for offset in 0..=7 {
+                // Master and gradient start at different element offsets, so their alignments differ.
+                let (m0, g0) = (offset, (offset * 3 + 1) % 8);
+                let grad = Buf::random(&mut rng, dtype, g0 + len);
+                let master_buf: Vec<f32> = (0..m0 + len).map(|_| rng.f32_in(40)).collect();
+                let master = &master_buf[m0..];
+                let factor = rng.f32_in(12).abs();
+                for assign in [false, true] {
+                    let want = reference(master, &grad, g0, factor, assign);
+                    let want_bad = want.iter().any(|v| !v.is_finite());
+                    let what = format!("{dtype:?} len {len} offsets {m0}/{g0} assign {assign} factor {factor:e}");
+                    assert_close_to_exact(&what, master, &grad, g0, factor, assign, &want);
+                    let mut scalar_result = None;
+                    for (isa, threads) in paths() {
+                        let what = format!("{what} {} threads {threads}", isa.name());
+                        let (got, bad) = run_accumulate(isa, threads, master, &grad, g0, factor, assign);
+                        assert_same(&what, &got, &want);
+                        assert_eq!(bad, want_bad, "{what}: non-finite flag");
+                        let scalar = scalar_result.get_or_insert(got.clone());
+                        assert!(got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from scalar");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sizes for the non-finite tests: long ones split over threads, with the bad value also at a
+/// thread boundary.
+const FLAG_SIZES: [usize; 4] = [1, 7, 4097, (1 << 20) + 3];
+
+#[test]
+fn accumulate_flags_non_finite_inputs_anywhere() {
+    let mut rng = Rng::for_test("accumulate_flags_non_finite_inputs_anywhere");
+    for dtype in DTYPES {
+        for len in FLAG_SIZES {
+            let clean = Buf::random(&mut rng, dtype, len);
+            let master: Vec<f32> = (0..len).map(|_| rng.f32_in(20)).collect();
+            for (isa, threads) in paths() {
+                for assign in [false, true] {
+                    let (_, bad) = run_accumulate(isa, threads, &master, &clean, 0, 0.5, assign);
+                    assert!(!bad, "{dtype:?} len {len} {} threads {threads}: flag on clean data", isa.name());
+                }
+            }
+            let mut positions = vec![0, len / 2, len - 1];
+            if len > 2 * math::NORM_BLOCK {
+                positions.extend([math::NORM_BLOCK * (len / math::NORM_BLOCK / 2), len - 1 - 63]);
+            }
+            let specials = [f32::INFINITY, f32::NAN, f32::NEG_INFINITY];
+            for (k, pos) in positions.into_iter().enumerate() {
+                // Two of the three specials at each position, NaN among them at the first and the last.
+                for bad_value in [specials[k % 3], specials[(k + 1) % 3]] {
+                    let mut grad = Buf::random(&mut rng, dtype, len);
+                    grad.set(pos, bad_value);
+                    for (isa, threads) in paths() {
+                        for assign in [false, true] {
+                            let what = format!("{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}", isa.name());
+                            let (got, bad) = run_accumulate(isa, threads, &master, &grad, 0, 0.5, assign);
+                            assert!(bad, "{what}: flag not raised");
+                            assert!(!got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()), "{what}: wrote {}", got[pos]);
+                            assert_same(&what, &got, &reference(&master, &grad, 0, 0.5, assign));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn accumulate_flags_overflow_from_the_factor_or_the_sum_only() {
+    // (dtype, bits of 1.0, largest finite value, a factor it survives, a factor it overflows with)
+    let cases = [
+        (Dtype::F32, 1.0f32.to_bits(), f32::MAX, 1.0, 2.0),
+        (Dtype::F16, 0x3c00, 65504.0, 1e33, 1e34),
+        (Dtype::Bf16, 0x3f80, bf16::MAX.to_f32(), 1.0, 1.5),
+    ];
+    for (dtype, one, big, fine, overflows) in cases {
+        for len in FLAG_SIZES {
+            for pos in [0, len / 2, len - 1] {
+                let mut grad = Buf::from_bits(dtype, (0..len).map(|i| if i % 2 == 0 { one } else { 0 }));
+                grad.set(pos, big);
+                assert_eq!(grad.value(pos), big);
+                let zeros = vec![0.0f32; len];
+                let mut big_master = zeros.clone();
+                big_master[pos] = f32::MAX;
+                for (isa, threads) in paths() {
+                    let what = format!("{dtype:?} len {len} big at {pos} {} threads {threads}", isa.name());
+                    let (got, bad) = run_accumulate(isa, threads, &zeros, &grad, 0, fine, false);
+                    assert!(!bad && got[pos].is_finite(), "{what}: flag raised by factor {fine}");
+                    let (got, bad) = run_accumulate(isa, threads, &zeros, &grad, 0, overflows, true);
+                    assert!(bad && got[pos] == f32::INFINITY, "{what}: overflow by factor {overflows} not flagged");
+                    // Finite after the multiply (half of f32::MAX), infinite only after the add.
+                    let (got, bad) = run_accumulate(isa, threads, &big_master, &grad, 0, f32::MAX / 2.0 / big, false);
+                    assert!(bad && got[pos] == f32::INFINITY, "{what}: overflow in the add not flagged");
+                }
+            }
+        }
+    }
+}
+
+fn half_f16(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+fn half_bf16(bits: u16) -> f32 {
+    bf16::from_bits(bits).to_f32()
+}
+
+#[test]
+fn f16_and_bf16_decode_every_bit_pattern_on_every_path() {
+    for (dtype, decode) in [(Dtype::F16, half_f16 as fn(u16) -> f32), (Dtype::Bf16, half_bf16)] {
+        let grad = Buf::from_bits(dtype, 0..=0xffff);
+        let want: Vec<f32> = (0..=0xffff).map(decode).collect();
+        for (isa, threads) in paths() {
+            let what = format!("{dtype:?} decode {}", isa.name());
+            // Multiplying by 1 is exact, so the pass writes the decoded values themselves.
+            let (got, bad) = run_accumulate(isa, threads, &vec![7.0; 1 << 16], &grad, 0, 1.0, true);
+            assert_same(&what, &got, &want);
+            assert!(bad, "{what}: infinities and NaNs not flagged");
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "lengths differ")]
+fn accumulate_rejects_length_mismatch() {
+    cpu::accumulate(&mut [0.0; 3], Grad::F32(&[1.0; 4]), 1.0, false, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-element conversions in `math`, against `half`
+
+#[test]
+fn f16_decoder_matches_half_on_all_65536_patterns() {
+    for bits in 0..=0xffffu16 {
+        let (got, want) = (math::f16_to_f32(bits), f16::from_bits(bits).to_f32());
+        assert!(same(got, want), "f16 {bits:#06x}: got {got:e} ({:#010x}), want {want:e}", got.to_bits());
+        assert!(same(math::bf16_to_f32(bits), bf16::from_bits(bits).to_f32()), "bf16 {bits:#06x}");
+    }
+}
+
+/// Values where rounding to 16 bits is delicate: ties, the largest finite values and the
+/// overflow threshold, subnormal boundaries, zeros, infinities and NaNs.
+fn conversion_edge_cases() -> Vec<f32> {
+    let mut v = vec![
+        0.0, -0.0, 1.0, -1.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, f32::from_bits(1), f32::EPSILON,
+        f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(0xffc1_2345),
+        65504.0, 65519.996, 65520.0, 65535.0, 65536.0, -65520.0, 1.0 + f32::powi(2.0, -11), 1.0 + 3.0 * f32::powi(2.0, -11),
+        f32::powi(2.0, -14), f32::powi(2.0, -24), f32::powi(2.0, -25), 3.0 * f32::powi(2.0, -26), f32::powi(2.0, -26),
+        1.5 * f32::powi(2.0, -24), 2.5 * f32::powi(2.0, -24), f32::powi(2.0, -14) - f32::powi(2.0, -25),
+        bf16::MAX.to_f32(), f32::from_bits(0x7f7f_8000), f32::from_bits(0x7f7f_7fff), f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000), f32::from_bits(0x0000_8000), f32::from_bits(0x0001_8000),
+    ];
+    let more: Vec<f32> = v.iter().flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))]).collect();
+    v.extend(more);
+    v
+}
+
+#[test]
+fn f32_to_f16_and_bf16_round_like_half() {
+    let mut rng = Rng::for_test("f32_to_f16_and_bf16_round_like_half");
+    let mut values = conversion_edge_cases();
+    for _ in 0..1_000_000 {
+        values.push(f32::from_bits(rng.next() as u32)); // every exponent, NaNs included
+        values.push(rng.f32_in(26)); // the f16 range, subnormals included
+        values.push((2 * rng.below(2048) + 1) as f32 * f32::powi(2.0, -25)); // ties between f16 subnormals
+        // Exact ties and their neighbours in both formats.
+        let tie16 = (rng.f32_in(14).to_bits() & !0x1fff) | 0x1000;
+        let tie_bf = (rng.next() as u32 & !0xffff) | 0x8000;
+        for t in [tie16, tie_bf] {
+            values.extend([t, t.wrapping_add(1), t.wrapping_sub(1)].map(f32::from_bits));
+        }
+    }
+    for x in values {
+        let (got, want) = (math::f32_to_f16(x), f16::from_f32(x));
+        if want.is_nan() {
+            assert!(f16::from_bits(got).is_nan(), "f32_to_f16({x:e} = {:#010x}) = {got:#06x}, want NaN", x.to_bits());
+        } else {
+            assert_eq!(got, want.to_bits(), "f32_to_f16({x:e} = {:#010x})", x.to_bits());
+        }
+        let (got, want) = (math::f32_to_bf16(x), bf16::from_f32(x));
+        if want.is_nan() {
+            assert!(bf16::from_bits(got).is_nan(), "f32_to_bf16({x:e} = {:#010x}) = {got:#06x}, want NaN", x.to_bits());
+        } else {
+            assert_eq!(got, want.to_bits(), "f32_to_bf16({x:e} = {:#010x})", x.to_bits());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// scale, sum_squares, add_assign
+
+#[test]
+fn scale_is_a_rounded_multiply_on_every_path() {
+    let mut rng = Rng::for_test("scale_is_a_rounded_multiply_on_every_path");
+    for len in SIZES {
+        for offset in 0..=7 {
+            let buf: Vec<f32> = (0..offset + len).map(|_| rng.f32_in(60)).collect();
+            let factor = rng.f32_in(60);
+            let want: Vec<f32> = buf[offset..].iter().map(|&v| v * factor).collect();
+            for (isa, threads) in paths() {
+                let mut got = buf.clone();
+                cpu::with_isa(isa, || cpu::scale(&mut got[offset..], factor, threads));
+                assert_same(&format!("scale len {len} offset {offset} {} threads {threads}", isa.name()), &got[offset..], &want);
+                assert_eq!(got[..offset], buf[..offset], "scale wrote before its slice");
+            }
+        }
+    }
+}
+
+/// The documented definition of the sum of squares, written out independently: per block, lane
+/// `j` sums the squares of elements `j, j + 16, …` in order; lanes combine by halving; block sums
+/// add in block order.
+fn sum_squares_by_definition(buf: &[f32]) -> f64 {
+    let mut total = 0.0;
+    for block in buf.chunks(math::NORM_BLOCK) {
+        let mut lanes = [0.0f64; 16];
+        for (i, &v) in block.iter().enumerate() {
+            lanes[i % 16] += v as f64 * v as f64;
+        }
+        for width in [8, 4, 2, 1] {
+            for j in 0..width {
+                lanes[j] += lanes[j + width];
+            }
+        }
+        total += lanes[0];
+    }
+    total
+}
+
+#[test]
+fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
+    let mut rng = Rng::for_test("sum_squares_has_the_same_bits_on_every_path_and_thread_count");
+    // Last blocks that are full, shorter than a lane group, and whole lane groups plus a remainder.
+    let extra = [math::NORM_BLOCK, 3 * math::NORM_BLOCK + 15, 2 * math::NORM_BLOCK + 16 * 5 + 9, (1 << 21) + 4096 * 5 + 1000];
+    for len in SIZES.into_iter().chain(extra) {
+        for offset in [0, 1, 5] {
+            let buf: Vec<f32> = (0..offset + len).map(|_| rng.f32_in(60)).collect();
+            let buf = &buf[offset..];
+            let want = sum_squares_by_definition(buf);
+            let exact: f64 = buf.iter().map(|&v| v as f64 * v as f64).sum();
+            assert!((want - exact).abs() <= 1e-12 * exact, "definition {want:e} vs naive {exact:e}");
+            for (isa, threads) in paths() {
+                let got = cpu::with_isa(isa, || cpu::sum_squares(buf, threads));
+                assert_eq!(got.to_bits(), want.to_bits(), "sum_squares len {len} offset {offset} {} threads {threads}: {got:e} vs {want:e}", isa.name());
+            }
+        }
+    }
+    for (isa, threads) in paths() {
+        let with = |v: f32| {
+            let mut buf = vec![1.0f32; 4097];
+            buf[4096] = v;
+            cpu::with_isa(isa, || cpu::sum_squares(&buf, threads))
+        };
+        assert!(with(f32::NAN).is_nan());
+        assert_eq!(with(f32::NEG_INFINITY), f64::INFINITY);
+        assert_eq!(with(f32::MAX), 4096.0 + f32::MAX as f64 * f32::MAX as f64);
+        assert_eq!(cpu::with_isa(isa, || cpu::sum_squares(&[], threads)).to_bits(), 0.0f64.to_bits());
+    }
+}
+
+#[test]
+fn add_assign_is_a_rounded_add_on_every_path() {
+    let mut rng = Rng::for_test("add_assign_is_a_rounded_add_on_every_path");
+    for len in SIZES {
+        for offset in 0..=7 {
+            let dst: Vec<f32> = (0..offset + len).map(|_| rng.f32_in(30)).collect();
+            let src: Vec<f32> = (0..len + 3).map(|_| rng.f32_in(30)).collect();
+            let src = &src[3..];
+            let want: Vec<f32> = dst[offset..].iter().zip(src).map(|(&d, &s)| d + s).collect();
+            for isa in cpu::supported_isas() {
+                let mut got = dst.clone();
+                cpu::with_isa(isa, || cpu::add_assign(&mut got[offset..], src));
+                assert_same(&format!("add_assign len {len} offset {offset} {}", isa.name()), &got[offset..], &want);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Choosing the path
+
+#[test]
+fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
+    let supported = cpu::supported_isas();
+    assert_eq!(supported[0], Isa::Scalar);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        assert_eq!(supported.last(), Some(&Isa::Avx512));
+    }
+    if std::env::var_os("GRADACC_CPU_ISA").is_none() {
+        assert_eq!(cpu::active_isa(), *supported.last().unwrap());
+    }
+    for isa in Isa::ALL {
+        let active = cpu::with_isa(isa, cpu::active_isa);
+        assert_eq!(active, supported.iter().copied().filter(|&s| s <= isa).max().unwrap());
+    }
+}
+
+/// Runs this test binary again with `GRADACC_CPU_ISA` set and checks the path it reports.
+#[test]
+fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
+    let widest = *cpu::supported_isas().last().unwrap();
+    for (name, want) in [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "report_active_isa", "--nocapture", "--test-threads=1"])
+            .env("GRADACC_CPU_ISA", name)
+            .env("GRADACC_TEST_REPORT_ISA", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "child failed: {stdout}");
+        assert!(stdout.contains(&format!("active isa: {}\n", want.name())), "GRADACC_CPU_ISA={name}: {stdout}");
+    }
+}
+
+/// Helper for the test above; does nothing in a normal run.
+#[test]
+fn report_active_isa() {
+    if std::env::var_os("GRADACC_TEST_REPORT_ISA").is_some() {
+        println!("active isa: {}", cpu::active_isa().name());
+    }
+}
