@@ -2,7 +2,7 @@
 # tools, and the helpers every script prints its progress with.
 
 GRADACC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+export PATH="${CARGO_HOME:-${HOME:-/root}/.cargo}/bin:$PATH"
 
 # Output differs between cbindgen releases, so the header is only ever generated with this one.
 CBINDGEN_VERSION=0.29.4
