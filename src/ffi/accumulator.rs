@@ -293,7 +293,9 @@ pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulat
 /// boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
 /// measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
 /// same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
-/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
+/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW. A sync right after a
+/// sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
+/// others' boundary (and reads zeros before the reduction).
 ///
 /// Thread safety: serialised with every other call on `acc`; one call per rank, each on its
 /// rank's thread.
