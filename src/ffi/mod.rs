@@ -3,6 +3,9 @@
 //! per-thread message; handles are resolved through `handle::Registry`.
 
 #![allow(non_camel_case_types)]
+// Exported functions take raw pointers by nature; their contracts are stated in the header, and
+// `unsafe` on an extern "C" fn would mean nothing to a C caller.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 mod accumulator;
 mod comm;

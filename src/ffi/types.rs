@@ -87,7 +87,7 @@ pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dt
     if ptr.is_null() {
         return Err(null(argument));
     }
-    if (ptr as usize) % dtype.size() != 0 {
+    if !(ptr as usize).is_multiple_of(dtype.size()) {
         return Err(Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name())));
     }
     if numel > isize::MAX as usize / dtype.size() {
