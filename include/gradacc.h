@@ -1,0 +1,733 @@
+/**
+ * \file gradacc.h
+ * \brief gradacc: correct mixed-precision gradient accumulation behind a stable C ABI.
+ *
+ * gradacc keeps the dynamic loss scale (a scaler), adds each micro-batch's fp16 / bf16 / fp32
+ * gradients, unscaled as they arrive, into one flat FP32 master buffer (an accumulator), and at the
+ * accumulation boundary all-reduces that buffer once over a communicator (in-process, MPI or NCCL),
+ * normalises it by the global item count, measures its norm and optionally clips it. Every rank
+ * ends the boundary with identical gradients and the same decision to skip or take the step.
+ *
+ * \section linking Building and linking
+ *
+ * - CMake: `find_package(gradacc 0.1 REQUIRED)` then link `gradacc::gradacc` (shared library) or
+ *   `gradacc::static` (static library, which brings its system libraries with it). The same target
+ *   names exist when the source tree is added with `add_subdirectory`.
+ * - pkg-config: `cc app.c $(pkg-config --cflags --libs gradacc)`; for the static library add
+ *   `--static` and link `libgradacc.a` explicitly.
+ * - By hand: `-I<prefix>/include -L<prefix>/lib -lgradacc`; the static library also needs
+ *   `-lpthread -ldl -lm -lgcc_s` (the list rustc prints with `--print native-static-libs`).
+ *
+ * GRADACC_VERSION_MAJOR / _MINOR / _PATCH / _STRING give the version of this header;
+ * gradacc_version_string() and gradacc_version_number() give the version of the library actually
+ * loaded; compare them to detect a header/library mismatch.
+ *
+ * \section conventions Conventions shared by every function
+ *
+ * - Status: every function returns a gradacc_status_t, GRADACC_STATUS_OK (0) on success and
+ *   another GRADACC_STATUS_* code otherwise, except the queries that cannot fail: the version,
+ *   gradacc_status_string() (names a code) and gradacc_last_error() (a message about the calling
+ *   thread's most recent failure that names the argument and the value that was wrong). The last
+ *   error is per thread: a failure on one thread never overwrites another thread's message.
+ * - Outputs: output arguments come last and are written only on success; on failure they keep
+ *   whatever the caller put there.
+ * - Arguments: the object comes first, then inputs; a buffer pointer is followed by its length.
+ *   NULL where a value is required, a wrong size, a dtype or device mismatch, a destroyed or
+ *   foreign handle, or a call in the wrong state is reported as a status, never a crash.
+ * - Config structs start with `size_t struct_size`: fill them with their `*_config_default()`
+ *   initialiser, then change fields. Fields are only ever appended, so old callers keep working.
+ * - Ownership: every function that creates an object names the function that destroys it. Each
+ *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
+ *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;
+ *   a CUDA stream passed in stays the caller's and is never destroyed by gradacc.
+ * - Threads: each function states what may run concurrently. Unless it says otherwise, calls on one
+ *   handle must not overlap in time, and calls on different handles may run on different threads.
+ * - CUDA: device work is ordered on the caller's stream and calls return once the work is enqueued,
+ *   except functions that read a value back to the host, which say that they synchronise.
+ */
+
+#ifndef GRADACC_H
+#define GRADACC_H
+
+/* Generated from the Rust sources by scripts/gen-header (cbindgen). Do not edit by hand. */
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/** Major version of this header (from Cargo.toml). */
+#define GRADACC_VERSION_MAJOR 0
+/** Minor version of this header (from Cargo.toml). */
+#define GRADACC_VERSION_MINOR 1
+/** Patch version of this header (from Cargo.toml). */
+#define GRADACC_VERSION_PATCH 0
+/** Full version of this header, as a string (from Cargo.toml). */
+#define GRADACC_VERSION_STRING "0.1.0"
+
+
+/**
+ * A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
+ * gradacc_accumulator_destroy.
+ */
+typedef struct gradacc_accumulator_t gradacc_accumulator_t;
+
+/**
+ * One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
+ */
+typedef struct gradacc_comm_t gradacc_comm_t;
+
+/**
+ * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
+ */
+typedef struct gradacc_scaler_t gradacc_scaler_t;
+
+/**
+ * Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
+ */
+typedef int32_t gradacc_status_t;
+
+/**
+ * How the caller reduced its loss over the `count` items of a micro-batch.
+ */
+typedef int32_t gradacc_loss_reduction_t;
+
+/**
+ * What the summed gradient is divided by at the boundary.
+ */
+typedef int32_t gradacc_normalize_t;
+
+/**
+ * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
+ */
+typedef struct gradacc_accumulator_config_t {
+    /**
+     * sizeof(gradacc_accumulator_config_t); set by gradacc_accumulator_config_default.
+     */
+    size_t struct_size;
+    /**
+     * GRADACC_LOSS_REDUCTION_* (default MEAN).
+     */
+    gradacc_loss_reduction_t loss_reduction;
+    /**
+     * GRADACC_NORMALIZE_* (default BY_COUNT).
+     */
+    gradacc_normalize_t normalize;
+    /**
+     * Clip the boundary gradient's global L2 norm to this value; 0 disables clipping (default 0).
+     */
+    float max_grad_norm;
+    /**
+     * Target elements per communication bucket; a bucket holds whole tensors (default 4194304).
+     */
+    uint64_t bucket_numel;
+    /**
+     * Threads one kernel call may use on large tensors; results are bitwise identical for any
+     * value (default 1).
+     */
+    uint32_t threads;
+} gradacc_accumulator_config_t;
+
+/**
+ * Element type of a model gradient buffer.
+ */
+typedef int32_t gradacc_dtype_t;
+
+/**
+ * One tensor of an accumulator: element count and the dtype its gradients arrive in.
+ */
+typedef struct gradacc_tensor_desc_t {
+    /**
+     * Number of elements (at least 1).
+     */
+    uint64_t numel;
+    /**
+     * GRADACC_DTYPE_*.
+     */
+    gradacc_dtype_t dtype;
+} gradacc_tensor_desc_t;
+
+/**
+ * Kind of device an object is bound to.
+ */
+typedef int32_t gradacc_device_kind_t;
+
+/**
+ * The device an object is bound to. Pass NULL where a `const gradacc_device_t*` is taken to
+ * mean the CPU.
+ */
+typedef struct gradacc_device_t {
+    /**
+     * GRADACC_DEVICE_CPU or GRADACC_DEVICE_CUDA.
+     */
+    gradacc_device_kind_t kind;
+    /**
+     * CUDA device ordinal; 0 for the CPU.
+     */
+    int32_t ordinal;
+    /**
+     * The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed); NULL for the CPU.
+     */
+    void *stream;
+} gradacc_device_t;
+
+/**
+ * What the boundary reports; identical on every rank.
+ */
+typedef struct gradacc_sync_info_t {
+    /**
+     * Some rank saw an inf or NaN in this window: skip the optimizer step.
+     */
+    bool found_inf;
+    /**
+     * Items added over all micro-batches and ranks.
+     */
+    uint64_t total_count;
+    /**
+     * Micro-batches added over all ranks.
+     */
+    uint64_t microbatches;
+    /**
+     * Global L2 norm of the normalised gradient, before clipping.
+     */
+    double grad_norm;
+    /**
+     * Factor clipping applied (1 when clipping is off or not needed).
+     */
+    double clip_coef;
+} gradacc_sync_info_t;
+
+/**
+ * Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
+ */
+typedef struct gradacc_scaler_config_t {
+    /**
+     * sizeof(gradacc_scaler_config_t); set by gradacc_scaler_config_default.
+     */
+    size_t struct_size;
+    /**
+     * Scale at creation (default 65536).
+     */
+    float init_scale;
+    /**
+     * Factor applied after growth_interval consecutive finite steps (default 2).
+     */
+    float growth_factor;
+    /**
+     * Factor applied on a backoff (default 0.5).
+     */
+    float backoff_factor;
+    /**
+     * Consecutive finite steps before the scale grows (default 2000).
+     */
+    uint32_t growth_interval;
+    /**
+     * Overflows tolerated before a backoff: 1 backs off on every overflow as PyTorch does
+     * (default); n > 1 backs off on the n-th overflow since the last growth, as Megatron-Core.
+     */
+    uint32_t hysteresis;
+    /**
+     * Also refill the hysteresis tracker after every finite step, as DeepSpeed's option of this
+     * name (default false).
+     */
+    bool consecutive_hysteresis;
+    /**
+     * Lowest scale (default 1). An overflow that needs a backoff at this scale makes
+     * gradacc_scaler_update fail with GRADACC_STATUS_SCALE_AT_MINIMUM.
+     */
+    float min_scale;
+    /**
+     * Highest scale (default INFINITY: grow while the grown scale is finite, as PyTorch).
+     */
+    float max_scale;
+    /**
+     * false keeps the scale fixed at init_scale (default true).
+     */
+    bool dynamic;
+} gradacc_scaler_config_t;
+
+/**
+ * Statistics of a scaler since creation or since its state was loaded.
+ */
+typedef struct gradacc_scaler_stats_t {
+    /**
+     * Optimizer steps seen by gradacc_scaler_update.
+     */
+    uint64_t steps;
+    /**
+     * Steps skipped because of an overflow.
+     */
+    uint64_t skipped_steps;
+    /**
+     * Times the scale grew.
+     */
+    uint64_t growths;
+    /**
+     * Times the scale backed off.
+     */
+    uint64_t backoffs;
+} gradacc_scaler_stats_t;
+
+/**
+ * The loss is the mean over the micro-batch's items (default).
+ */
+#define GRADACC_LOSS_REDUCTION_MEAN 0
+
+/**
+ * The loss is the sum over the micro-batch's items.
+ */
+#define GRADACC_LOSS_REDUCTION_SUM 1
+
+/**
+ * The global item count over micro-batches and ranks (default): the gradient of the mean loss
+ * over every item of the effective batch. Mean-reduced micro-batches are weighted by their count.
+ */
+#define GRADACC_NORMALIZE_BY_COUNT 0
+
+/**
+ * The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+ */
+#define GRADACC_NORMALIZE_BY_MICROBATCHES 1
+
+/**
+ * The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+ */
+#define GRADACC_NORMALIZE_BY_WORLD 2
+
+/**
+ * No division: the plain sum.
+ */
+#define GRADACC_NORMALIZE_NONE 3
+
+/**
+ * Success.
+ */
+#define GRADACC_STATUS_OK 0
+
+/**
+ * A required pointer argument was NULL.
+ */
+#define GRADACC_STATUS_NULL_ARGUMENT 1
+
+/**
+ * An argument's value is outside its domain (a count, an index, an enum value, a config field).
+ */
+#define GRADACC_STATUS_INVALID_ARGUMENT 2
+
+/**
+ * A handle that was destroyed, never created, or is of another object type.
+ */
+#define GRADACC_STATUS_INVALID_HANDLE 3
+
+/**
+ * A gradient's dtype differs from its tensor's declared dtype.
+ */
+#define GRADACC_STATUS_DTYPE_MISMATCH 4
+
+/**
+ * A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
+ */
+#define GRADACC_STATUS_SIZE_MISMATCH 5
+
+/**
+ * Objects bound to different devices or backends were combined.
+ */
+#define GRADACC_STATUS_DEVICE_MISMATCH 6
+
+/**
+ * The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
+ */
+#define GRADACC_STATUS_WRONG_STATE 7
+
+/**
+ * The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
+ */
+#define GRADACC_STATUS_EMPTY_WINDOW 8
+
+/**
+ * An overflow needed a backoff while the loss scale was already at min_scale.
+ */
+#define GRADACC_STATUS_SCALE_AT_MINIMUM 9
+
+/**
+ * The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
+ */
+#define GRADACC_STATUS_BACKEND_UNAVAILABLE 10
+
+/**
+ * The communicator failed.
+ */
+#define GRADACC_STATUS_COMM_FAILURE 11
+
+/**
+ * Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
+ */
+#define GRADACC_STATUS_PEER_FAILURE 12
+
+/**
+ * Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
+ */
+#define GRADACC_STATUS_CORRUPT_STATE 13
+
+/**
+ * An allocation failed.
+ */
+#define GRADACC_STATUS_OUT_OF_MEMORY 14
+
+/**
+ * An internal error (a bug in gradacc); the message says where.
+ */
+#define GRADACC_STATUS_INTERNAL 15
+
+/**
+ * IEEE 754 binary32.
+ */
+#define GRADACC_DTYPE_F32 0
+
+/**
+ * IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
+ */
+#define GRADACC_DTYPE_F16 1
+
+/**
+ * bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
+ */
+#define GRADACC_DTYPE_BF16 2
+
+/**
+ * Host memory; buffers are host pointers.
+ */
+#define GRADACC_DEVICE_CPU 0
+
+/**
+ * A CUDA device; buffers are device pointers and work is ordered on the given stream.
+ */
+#define GRADACC_DEVICE_CUDA 1
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
+ * Fills `*out` with the default accumulator configuration (and its struct_size).
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
+
+/**
+ * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
+ * tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
+ * NULL means the CPU.
+ *
+ * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
+ * Thread safety: any thread. See each function for what may run concurrently on the result.
+ */
+gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
+                                            const struct gradacc_tensor_desc_t *tensors,
+                                            size_t n,
+                                            const struct gradacc_device_t *device,
+                                            struct gradacc_accumulator_t **out);
+
+/**
+ * Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
+ * `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
+ * contiguous gradient buffer. Its contents are ignored until written.
+ *
+ * Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
+ * Thread safety: as gradacc_accumulator_create.
+ */
+gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
+                                                        const struct gradacc_tensor_desc_t *tensors,
+                                                        size_t n,
+                                                        const struct gradacc_device_t *device,
+                                                        float *master,
+                                                        size_t master_numel,
+                                                        struct gradacc_accumulator_t **out);
+
+/**
+ * Destroys an accumulator. NULL is accepted and does nothing; must not be called twice on one
+ * handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
+ * gradacc_accumulator_master become invalid.
+ *
+ * Thread safety: any thread, once no other call uses the accumulator.
+ */
+gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
+
+/**
+ * Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as
+ * declared), produced from a loss scaled by `scaler`'s current scale. One fused pass per tensor
+ * converts to f32, unscales (and weights by `count` for a mean-reduced loss normalised by count),
+ * flags non-finite values, and accumulates into the master (the first micro-batch of a window
+ * overwrites it). Fails without changing anything on a wrong tensor count, dtype or length.
+ *
+ * Thread safety: serialised with every other call on `acc`; buffers are read during the call only.
+ */
+gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
+                                         const struct gradacc_scaler_t *scaler,
+                                         const void *const *grads,
+                                         size_t n,
+                                         uint64_t count);
+
+/**
+ * Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through
+ * gradacc_accumulator_add_tensor (as a framework's backward hooks produce them).
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
+                                                      uint64_t count);
+
+/**
+ * Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
+ * tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
+ * backward); they are summed.
+ *
+ * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
+ * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
+ * serialised); not concurrently with other calls on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
+                                                const struct gradacc_scaler_t *scaler,
+                                                size_t index,
+                                                const void *grad,
+                                                size_t numel);
+
+/**
+ * Closes the open micro-batch.
+ *
+ * Thread safety: serialised with every other call on `acc`; call it after every
+ * gradacc_accumulator_add_tensor of the micro-batch has returned.
+ */
+gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
+
+/**
+ * The accumulation boundary. With `comm` (every rank of its group must call this): the control
+ * values (item count, micro-batches, overflow flag, layout) are reduced first, then the FP32
+ * master is summed over ranks bucket by bucket; with `comm` NULL it is the single-process
+ * boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
+ * measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
+ * same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
+ * reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW. A sync right after a
+ * sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
+ * others' boundary (and reads zeros before the reduction).
+ *
+ * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
+ * rank's thread.
+ */
+gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
+                                          struct gradacc_comm_t *comm,
+                                          struct gradacc_sync_info_t *out_info);
+
+/**
+ * Writes a pointer to tensor `index`'s FP32 master gradient and its element count. The pointer
+ * stays valid until the accumulator is destroyed; its contents are the boundary's result after
+ * gradacc_accumulator_sync, and in progress otherwise.
+ *
+ * Thread safety: any thread; reading through the pointer must not overlap calls that add.
+ */
+gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
+                                            size_t index,
+                                            float **out_ptr_,
+                                            size_t *out_numel);
+
+/**
+ * Writes the number of tensors to `*out`.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
+                                                 size_t *out);
+
+/**
+ * Discards the window in progress (or the synced result); the next micro-batch starts a new one.
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
+
+/**
+ * Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
+ * bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
+ * With `buf` NULL, only writes the needed size to `*out_len`.
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
+                                                 uint8_t *buf,
+                                                 size_t capacity,
+                                                 size_t *out_len);
+
+/**
+ * Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
+ * tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
+                                                 const uint8_t *bytes,
+                                                 size_t len);
+
+/**
+ * Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
+ * socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+ * Reductions sum in rank order, so every rank gets bitwise-identical results.
+ *
+ * Ownership: each handle is the caller's; free each with gradacc_comm_destroy.
+ * Thread safety: each handle is used by one thread at a time (a concurrent second collective on
+ * the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
+ * in every sync, or the others wait for it.
+ */
+gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_comm_t **out_comms);
+
+/**
+ * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
+ * one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ *
+ * Thread safety: any thread, once no call uses the handle.
+ */
+gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
+
+/**
+ * Writes this handle's rank (0-based) to `*out`.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *out);
+
+/**
+ * Writes the group's number of ranks to `*out`.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
+
+/**
+ * Fills `*out` with the default scaler configuration (and its struct_size).
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
+
+/**
+ * Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU.
+ *
+ * Ownership: `*out` is the caller's; free it with gradacc_scaler_destroy (after every
+ * accumulator call that uses it has returned).
+ * Thread safety: any thread. The new scaler may be used from several threads: reads and
+ * gradacc_scaler_update are internally serialised.
+ */
+gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
+                                       const struct gradacc_device_t *device,
+                                       struct gradacc_scaler_t **out);
+
+/**
+ * Destroys a scaler. NULL is accepted and does nothing; must not be called twice on one handle
+ * (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ *
+ * Thread safety: any thread, once no other call uses the scaler.
+ */
+gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
+
+/**
+ * Reads the current loss scale into `*out`. On CUDA this synchronises with the scaler's stream.
+ *
+ * Thread safety: any thread, concurrently with other calls on the scaler.
+ */
+gradacc_status_t gradacc_scaler_get_scale(const struct gradacc_scaler_t *scaler, float *out);
+
+/**
+ * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
+ * values round to nearest even). Call it on the loss before the backward pass.
+ *
+ * Thread safety: any thread; `loss` must not be used concurrently.
+ */
+gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
+                                           void *loss,
+                                           size_t numel,
+                                           gradacc_dtype_t dtype);
+
+/**
+ * Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each
+ * must have completed gradacc_accumulator_sync for its current window), and updates the scale
+ * once. `*out_skipped` (may be NULL) is set to true when any of them overflowed: skip the
+ * optimizer step. Every rank calls it with its own scaler and gets the same result.
+ *
+ * Fails with GRADACC_STATUS_SCALE_AT_MINIMUM, changing nothing, when an overflow needs a backoff
+ * while the scale is already at min_scale.
+ * Thread safety: any thread; serialised with other updates of the scaler.
+ */
+gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
+                                       const struct gradacc_accumulator_t *const *accumulators,
+                                       size_t n,
+                                       bool *out_skipped);
+
+/**
+ * Writes the scaler's statistics to `*out`.
+ *
+ * Thread safety: any thread, concurrently with other calls on the scaler.
+ */
+gradacc_status_t gradacc_scaler_get_stats(const struct gradacc_scaler_t *scaler,
+                                          struct gradacc_scaler_stats_t *out);
+
+/**
+ * Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.
+ * With `buf` NULL, only writes the needed size to `*out_len`; otherwise `capacity` must be at
+ * least that size, and `*out_len` receives the bytes written.
+ *
+ * Thread safety: any thread, concurrently with other calls on the scaler.
+ */
+gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
+                                     uint8_t *buf,
+                                     size_t capacity,
+                                     size_t *out_len);
+
+/**
+ * Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with
+ * GRADACC_STATUS_CORRUPT_STATE and leave the scaler unchanged.
+ *
+ * Thread safety: any thread; serialised with other updates of the scaler.
+ */
+gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
+                                     const uint8_t *bytes,
+                                     size_t len);
+
+/**
+ * A static description of a status code (never NULL; unknown codes get a generic text).
+ *
+ * Thread safety: may be called from any thread at any time.
+ */
+const char *gradacc_status_string(gradacc_status_t status);
+
+/**
+ * The message of the most recent failed gradacc call on the calling thread ("" if none yet).
+ * It names the function, the argument and the value that was wrong. Successful calls leave it
+ * unchanged.
+ *
+ * Ownership: the string belongs to gradacc and stays valid until the next failing gradacc call on
+ * the same thread; copy it to keep it.
+ * Thread safety: per thread; may be called from any thread.
+ */
+const char *gradacc_last_error(void);
+
+/**
+ * The loaded library's version as "MAJOR.MINOR.PATCH" (static storage, never NULL). Compare with
+ * GRADACC_VERSION_STRING to detect a header/library mismatch.
+ *
+ * Thread safety: any thread.
+ */
+const char *gradacc_version_string(void);
+
+/**
+ * The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH.
+ *
+ * Thread safety: any thread.
+ */
+uint32_t gradacc_version_number(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* GRADACC_H */
