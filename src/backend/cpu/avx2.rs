@@ -1,0 +1,147 @@
+//! AVX2 + F16C kernels, 8 f32 lanes per vector: the same loops as `avx512`, at half the width.
+//!
+//! The functions are safe to call only where the CPU has AVX2 and F16C: the caller checks that
+//! through `isa`.
+
+use std::arch::x86_64::*;
+
+use super::{math, scalar};
+use crate::dtype::Grad;
+
+const LANES: usize = 8;
+const UNROLL: usize = 4;
+const EXPONENT: i32 = 0x7f80_0000;
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_f32(p: *const f32) -> __m256 {
+    _mm256_loadu_ps(p)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_f16(p: *const u16) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_bf16(p: *const u16) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+}
+
+/// One vector of the fused pass. `seen` keeps the largest exponent field written per lane: it
+/// reaches all ones exactly when some written value is infinite or NaN.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen: &mut __m256i) {
+    let v = _mm256_mul_ps(g, factor);
+    let r = if ASSIGN { v } else { _mm256_add_ps(_mm256_loadu_ps(m), v) };
+    _mm256_storeu_ps(m, r);
+    *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
+}
+
+macro_rules! accumulate_fn {
+    ($name:ident, $elem:ty, $load:ident, $decode:expr) => {
+        #[target_feature(enable = "avx2,f16c")]
+        fn $name<const ASSIGN: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
+            let n = master.len().min(grad.len());
+            let head = master.as_ptr().align_offset(32).min(n);
+            let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
+            let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
+            let f = _mm256_set1_ps(factor);
+            let mut seen = _mm256_setzero_si256();
+            let mut i = head;
+            // SAFETY (all blocks below): every access covers elements i..i + LANES with
+            // i + LANES <= n, inside both slices.
+            while i + LANES * UNROLL <= n {
+                for k in 0..UNROLL {
+                    let j = i + k * LANES;
+                    unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
+                }
+                i += LANES * UNROLL;
+            }
+            while i + LANES <= n {
+                unsafe { step::<ASSIGN>(m.add(i), $load(g.add(i)), f, &mut seen) };
+                i += LANES;
+            }
+            bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
+            bad | (_mm256_movemask_epi8(_mm256_cmpeq_epi32(seen, _mm256_set1_epi32(EXPONENT))) != 0)
+        }
+    };
+}
+
+accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
+accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
+accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
+
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
+    match (grad, assign) {
+        (Grad::F32(g), false) => accumulate_f32::<false>(master, g, factor),
+        (Grad::F32(g), true) => accumulate_f32::<true>(master, g, factor),
+        (Grad::F16(g), false) => accumulate_f16::<false>(master, g, factor),
+        (Grad::F16(g), true) => accumulate_f16::<true>(master, g, factor),
+        (Grad::Bf16(g), false) => accumulate_bf16::<false>(master, g, factor),
+        (Grad::Bf16(g), true) => accumulate_bf16::<true>(master, g, factor),
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn scale(buf: &mut [f32], factor: f32) {
+    let n = buf.len();
+    let head = buf.as_ptr().align_offset(32).min(n);
+    scalar::scale(&mut buf[..head], factor);
+    let p = buf.as_mut_ptr();
+    let f = _mm256_set1_ps(factor);
+    let mut i = head;
+    while i + LANES <= n {
+        // SAFETY: elements i..i + LANES are inside `buf`.
+        unsafe { _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), f)) };
+        i += LANES;
+    }
+    scalar::scale(&mut buf[i..], factor);
+}
+
+/// The block's partial sums live in four vectors, lanes 4k..4k + 4 in `acc[k]` (see
+/// `math::NORM_LANES`).
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
+    const _: () = assert!(math::NORM_LANES == 4 * 4);
+    for (sum, block) in out.iter_mut().zip(buf.chunks(math::NORM_BLOCK)) {
+        let full = block.len() / math::NORM_LANES * math::NORM_LANES;
+        let p = block.as_ptr();
+        let mut acc = [_mm256_setzero_pd(); 4];
+        let mut i = 0;
+        while i < full {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: elements i..i + 16 are inside `block`.
+                let x = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(p.add(i + 4 * k)) });
+                *a = _mm256_add_pd(*a, _mm256_mul_pd(x, x));
+            }
+            i += math::NORM_LANES;
+        }
+        let mut lanes = [0.0; math::NORM_LANES];
+        for (k, a) in acc.iter().enumerate() {
+            // SAFETY: `lanes` holds 16 f64.
+            unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * k), *a) };
+        }
+        math::add_squares_to_lanes(&mut lanes, &block[full..]);
+        *sum = math::combine_lanes(lanes);
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    let head = dst.as_ptr().align_offset(32).min(n);
+    scalar::add_assign(&mut dst[..head], &src[..head]);
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    let mut i = head;
+    while i + LANES <= n {
+        // SAFETY: elements i..i + LANES are inside both slices.
+        unsafe { _mm256_storeu_ps(d.add(i), _mm256_add_ps(_mm256_loadu_ps(d.add(i)), _mm256_loadu_ps(s.add(i)))) };
+        i += LANES;
+    }
+    scalar::add_assign(&mut dst[i..n], &src[i..n]);
+}

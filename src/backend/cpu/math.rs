@@ -1,0 +1,172 @@
+//! The per-element arithmetic every backend shares. The CUDA kernels call device twins of these
+//! functions; this host copy is what CI tests, so the device math is tested without a GPU.
+
+/// Elements per block of the deterministic sum of squares.
+pub const NORM_BLOCK: usize = 4096;
+
+/// Partial sums per block of the sum of squares: element `i` of a block goes to lane `i % NORM_LANES`.
+/// Sixteen lanes are two AVX-512 or four AVX2 f64 vectors, so SIMD paths keep them in registers.
+pub const NORM_LANES: usize = 16;
+
+/// `weight / scale`, rounded once to f32: the single multiplier applied to every element of a
+/// micro-batch (the unscale, times the item count when a mean-reduced loss is weighted).
+pub fn unscale_factor(weight: f64, scale: f32) -> f32 {
+    (weight / scale as f64) as f32
+}
+
+/// One element of the fused pass: a rounded multiply then a rounded add.
+#[inline(always)]
+pub fn accumulate_one(master: f32, grad: f32, factor: f32, assign: bool) -> f32 {
+    let v = grad * factor;
+    if assign {
+        v
+    } else {
+        master + v
+    }
+}
+
+/// bfloat16 bits to f32: the bits are the upper half of an f32.
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// IEEE binary16 bits to f32 (exact: every f16 value is an f32 value).
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    let sign = ((bits as u32) & 0x8000) << 16;
+    let exp = ((bits >> 10) & 0x1f) as u32;
+    let mant = (bits & 0x3ff) as u32;
+    let magnitude = if exp == 0x1f {
+        // inf or NaN: keep the payload.
+        0x7f80_0000 | (mant << 13)
+    } else if exp != 0 {
+        ((exp + 112) << 23) | (mant << 13)
+    } else if mant == 0 {
+        0
+    } else {
+        // Subnormal: the value is mant * 2^-24, exact in f32.
+        ((mant as f32) * f32::from_bits(0x3380_0000)).to_bits()
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+/// f32 to IEEE binary16 bits, rounding to nearest even (used to scale a 16-bit loss in place).
+pub fn f32_to_f16(value: f32) -> u16 {
+    let x = value.to_bits();
+    let sign = ((x >> 16) & 0x8000) as u16;
+    let exp = ((x >> 23) & 0xff) as i32;
+    let mant = x & 0x7f_ffff;
+    if exp == 0xff {
+        return sign | 0x7c00 | if mant != 0 { 0x200 | (mant >> 13) as u16 } else { 0 };
+    }
+    let e = exp - 127 + 15;
+    if e >= 0x1f {
+        return sign | 0x7c00;
+    }
+    if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        let m = mant | 0x80_0000;
+        let shift = (14 - e) as u32;
+        let half = 1u32 << (shift - 1);
+        let rest = m & ((1u32 << shift) - 1);
+        let mut h = (m >> shift) as u16;
+        if rest > half || (rest == half && (h & 1) == 1) {
+            h += 1;
+        }
+        return sign | h;
+    }
+    let mut h = ((e as u32) << 10 | (mant >> 13)) as u16;
+    let rest = mant & 0x1fff;
+    if rest > 0x1000 || (rest == 0x1000 && (h & 1) == 1) {
+        h += 1; // may carry into the exponent, up to infinity: that is the correct rounding
+    }
+    sign | h
+}
+
+/// f32 to bfloat16 bits, rounding to nearest even; NaN stays NaN.
+pub fn f32_to_bf16(value: f32) -> u16 {
+    let x = value.to_bits();
+    if value.is_nan() {
+        return ((x >> 16) | 0x40) as u16;
+    }
+    let rounding = 0x7fff + ((x >> 16) & 1);
+    ((x + rounding) >> 16) as u16
+}
+
+/// `v * v` in f64. The product of two f32 values is exact in f64, so a fused multiply-add of
+/// squares rounds exactly like this multiply followed by an add: SIMD paths may use either.
+#[inline(always)]
+pub fn square(v: f32) -> f64 {
+    (v as f64) * (v as f64)
+}
+
+/// Adds the squares of `values` into `lanes`, element `i` into lane `i % NORM_LANES`, each lane in
+/// element order. SIMD paths call it for the part of a block that does not fill a whole vector.
+#[inline]
+pub fn add_squares_to_lanes(lanes: &mut [f64; NORM_LANES], values: &[f32]) {
+    for (i, &v) in values.iter().enumerate() {
+        lanes[i % NORM_LANES] += square(v);
+    }
+}
+
+/// Combines the lanes by halving: lane `j` += lane `j + w` for `w` = 8, 4, 2, 1; the result is lane 0.
+/// This is the order a SIMD register reduction takes, fixed here so every path gives the same bits.
+#[inline]
+pub fn combine_lanes(mut lanes: [f64; NORM_LANES]) -> f64 {
+    let mut width = NORM_LANES / 2;
+    while width > 0 {
+        for j in 0..width {
+            lanes[j] += lanes[j + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
+/// Sum of squares of one block (at most `NORM_BLOCK` elements) in f64: `NORM_LANES` strided lane
+/// sums, each in element order, combined by [`combine_lanes`]. Every backend computes exactly this.
+pub fn block_sum_squares(block: &[f32]) -> f64 {
+    let mut lanes = [0.0; NORM_LANES];
+    add_squares_to_lanes(&mut lanes, block);
+    combine_lanes(lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD sums of squares may use fused multiply-adds because a square of an f32 is exact in
+    /// f64: then `fma(v, v, acc)` and `acc + v * v` round the same single time.
+    #[test]
+    fn fused_square_accumulation_rounds_like_multiply_then_add() {
+        let mut state = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..1_000_000 {
+            let v = f32::from_bits(next() as u32);
+            let acc = f64::from_bits(next() >> 2); // non-negative, finite
+            let fused = (v as f64).mul_add(v as f64, acc);
+            let separate = acc + square(v);
+            assert!(fused.to_bits() == separate.to_bits() || (fused.is_nan() && separate.is_nan()), "{v:e} {acc:e}");
+        }
+    }
+
+    #[test]
+    fn lanes_combine_by_halving() {
+        // Magnitudes far apart, so that a different order gives different bits.
+        let lanes: [f64; NORM_LANES] = std::array::from_fn(|j| 1e8f64.powi(j as i32 % 3) / (j as f64 + 3.0));
+        assert_ne!(combine_lanes(lanes), lanes.iter().sum::<f64>());
+        let by_hand = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
+            + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
+        assert_eq!(combine_lanes(lanes), by_hand);
+        assert_eq!(block_sum_squares(&[]).to_bits(), 0.0f64.to_bits());
+        assert_eq!(block_sum_squares(&[3.0; 17]), 153.0);
+    }
+}
