@@ -720,6 +720,100 @@ static void test_comm_calls(void)
     EXPECT_OK(gradacc_scaler_destroy(s));
 }
 
+/* ---- sync's collective error paths, two ranks ----------------------------------------------- */
+
+typedef struct {
+    int rank;
+    gradacc_comm_t *comm;
+    gradacc_scaler_t *scaler;
+    gradacc_accumulator_t *acc;
+    gradacc_status_t st[4];
+    double first[N0], local[N0];
+} sync_rank;
+
+static void *sync_rank_main(void *arg)
+{
+    sync_rank *r = arg;
+    window_ref w;
+    memset(&w, 0, sizeof w);
+    /* 1. rank 0 calls sync inside a micro-batch: it fails with WRONG_STATE, rank 1 with
+     *    PEER_FAILURE, nothing is reduced; rank 0 then closes its micro-batch and both retry. */
+    if (r->rank == 0) {
+        REQUIRE_OK(gradacc_accumulator_begin_microbatch(r->acc, 2));
+    } else {
+        const void *grads[3] = {g0[1], g1[1], g2[1]};
+        REQUIRE_OK(gradacc_accumulator_add(r->acc, r->scaler, grads, 3, 2));
+    }
+    gradacc_sync_info_t info;
+    memset(&info, 0x5a, sizeof info);
+    unsigned char untouched[sizeof info];
+    memcpy(untouched, &info, sizeof info);
+    r->st[0] = gradacc_accumulator_sync(r->acc, r->comm, &info);
+    CHECK(memcmp(&info, untouched, sizeof info) == 0, "rank %d: out_info written by a failing sync", r->rank);
+    if (r->rank == 0) {
+        EXPECT_OK(gradacc_accumulator_add_tensor(r->acc, r->scaler, 0, g0[0], N0));
+        EXPECT_OK(gradacc_accumulator_add_tensor(r->acc, r->scaler, 1, g1[0], N1));
+        EXPECT_OK(gradacc_accumulator_add_tensor(r->acc, r->scaler, 2, g2[0], N2));
+        REQUIRE_OK(gradacc_accumulator_end_microbatch(r->acc));
+    }
+    r->st[1] = gradacc_accumulator_sync(r->acc, r->comm, &info);
+    read_master(r->acc, 0, r->first, N0);
+    return NULL;
+}
+
+/* Ranks whose accumulators have different layouts: SIZE_MISMATCH on both, windows intact. */
+static void *mismatch_rank_main(void *arg)
+{
+    sync_rank *r = arg;
+    const void *grads[3] = {g0[r->rank], g1[r->rank], g2[r->rank]};
+    size_t n = r->rank == 0 ? 3 : 1;
+    REQUIRE_OK(gradacc_accumulator_add(r->acc, r->scaler, grads, n, 1));
+    r->st[2] = gradacc_accumulator_sync(r->acc, r->comm, NULL);
+    r->st[3] = gradacc_accumulator_sync(r->acc, NULL, NULL); /* alone, the window is still there */
+    read_master(r->acc, 0, r->local, N0);
+    return NULL;
+}
+
+static void test_sync_across_ranks(void)
+{
+    gradacc_comm_t *comms[2];
+    REQUIRE_OK(gradacc_comm_create_local(2, comms));
+    sync_rank r[2];
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < 2; i++) {
+        r[i].rank = i;
+        r[i].comm = comms[i];
+        r[i].scaler = new_scaler();
+        r[i].acc = new_acc();
+    }
+    run_ranks(2, sync_rank_main, r, sizeof r[0]);
+    EXPECT_STATUS(r[0].st[0], GRADACC_STATUS_WRONG_STATE);
+    EXPECT_STATUS(r[1].st[0], GRADACC_STATUS_PEER_FAILURE);
+    EXPECT_OK(r[0].st[1]);
+    EXPECT_OK(r[1].st[1]);
+    for (int k = 0; k < N0; k++) { /* (2 * mb0 + 2 * mb1) / 4 */
+        double want = (1 + 2) * (k + 1) * 0.25 / 2.0;
+        CHECK(r[0].first[k] == want && r[1].first[k] == want, "retried sync element %d: %g / %g, expected %g", k,
+              r[0].first[k], r[1].first[k], want);
+    }
+    gradacc_accumulator_destroy(r[1].acc);
+    gradacc_tensor_desc_t one = {N0, GRADACC_DTYPE_F32};
+    REQUIRE_OK(gradacc_accumulator_create(NULL, &one, 1, NULL, &r[1].acc));
+    run_ranks(2, mismatch_rank_main, r, sizeof r[0]);
+    for (int i = 0; i < 2; i++) {
+        EXPECT_STATUS(r[i].st[2], GRADACC_STATUS_SIZE_MISMATCH);
+        EXPECT_OK(r[i].st[3]);
+        for (int k = 0; k < N0; k++)
+            CHECK(r[i].local[k] == (i + 1) * (k + 1) * 0.25, "rank %d: local window after a failed collective sync: %g",
+                  i, r[i].local[k]);
+    }
+    for (int i = 0; i < 2; i++) {
+        EXPECT_OK(gradacc_accumulator_destroy(r[i].acc));
+        EXPECT_OK(gradacc_scaler_destroy(r[i].scaler));
+        EXPECT_OK(gradacc_comm_destroy(comms[i]));
+    }
+}
+
 /* ---- status strings, last error, version ---------------------------------------------------- */
 
 static void test_status_strings(void)
@@ -836,6 +930,7 @@ int main(void)
     test_accumulator_calls();
     test_scaler_calls();
     test_comm_calls();
+    test_sync_across_ranks();
     test_last_error_per_thread();
     return test_finish();
 }
