@@ -152,7 +152,7 @@ static void test_chunked(const problem *p, gradacc_dtype_t d_w1, gradacc_dtype_t
 /* ---- concurrency ---------------------------------------------------------------------------- */
 
 enum { NT = 8, THREADS = 4, PARTS = 3 };
-static const size_t sizes[NT] = {1000, 300001, 17, 4096, 70000, 1, 262145, 999};
+static const size_t sizes[NT] = {1000, 600001, 17, 4096, 70000, 1, 530000, 999};
 static const gradacc_dtype_t kinds[NT] = {GRADACC_DTYPE_F16,  GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32,
                                           GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32, GRADACC_DTYPE_F32,  GRADACC_DTYPE_F16};
 static grad_buf contrib[NT][PARTS];
@@ -193,7 +193,7 @@ static void test_threads(test_rng *rng)
     gradacc_accumulator_t *serial = NULL, *parallel = NULL;
     REQUIRE_OK(gradacc_accumulator_create(&serial_cfg, t, NT, NULL, &serial));
     REQUIRE_OK(gradacc_accumulator_create(&parallel_cfg, t, NT, NULL, &parallel));
-    double *vals = malloc(300001 * sizeof(double));
+    double *vals = malloc(600001 * sizeof(double));
     if (!vals)
         exit(1);
     for (int window = 0; window < 3; window++) {
