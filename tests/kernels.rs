@@ -133,7 +133,14 @@ fn same(a: f32, b: f32) -> bool {
 fn assert_same(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i])) {
-        panic!("{what}: element {i} of {}: got {:e} ({:#010x}), want {:e} ({:#010x})", got.len(), got[i], got[i].to_bits(), want[i], want[i].to_bits());
+        panic!(
+            "{what}: element {i} of {}: got {:e} ({:#010x}), want {:e} ({:#010x})",
+            got.len(),
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
     }
 }
 
@@ -147,7 +154,11 @@ fn reference(master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -
     (0..master.len())
         .map(|i| {
             let v = grad.value(g0 + i) * factor;
-            if assign { v } else { master[i] + v }
+            if assign {
+                v
+            } else {
+                master[i] + v
+            }
         })
         .collect()
 }
@@ -170,7 +181,15 @@ fn assert_close_to_exact(what: &str, master: &[f32], grad: &Buf, g0: usize, fact
 }
 
 /// Runs `accumulate` on copies of `master[m0..]` with the gradient from `g0`.
-fn run_accumulate(isa: Isa, threads: usize, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -> (Vec<f32>, bool) {
+fn run_accumulate(
+    isa: Isa,
+    threads: usize,
+    master: &[f32],
+    grad: &Buf,
+    g0: usize,
+    factor: f32,
+    assign: bool,
+) -> (Vec<f32>, bool) {
     let mut out = master.to_vec();
     let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
     (out, bad)
@@ -205,7 +224,10 @@ fn accumulate_matches_reference_on_every_path() {
                         assert_same(&what, &got, &want);
                         assert_eq!(bad, want_bad, "{what}: non-finite flag");
                         let scalar = scalar_result.get_or_insert(got.clone());
-                        assert!(got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from scalar");
+                        assert!(
+                            got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{what}: differs from scalar"
+                        );
                     }
                 }
             }
@@ -242,10 +264,17 @@ fn accumulate_flags_non_finite_inputs_anywhere() {
                     grad.set(pos, bad_value);
                     for (isa, threads) in paths() {
                         for assign in [false, true] {
-                            let what = format!("{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}", isa.name());
+                            let what = format!(
+                                "{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}",
+                                isa.name()
+                            );
                             let (got, bad) = run_accumulate(isa, threads, &master, &grad, 0, 0.5, assign);
                             assert!(bad, "{what}: flag not raised");
-                            assert!(!got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()), "{what}: wrote {}", got[pos]);
+                            assert!(
+                                !got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()),
+                                "{what}: wrote {}",
+                                got[pos]
+                            );
                             assert_same(&what, &got, &reference(&master, &grad, 0, 0.5, assign));
                         }
                     }
@@ -332,15 +361,49 @@ fn f16_decoder_matches_half_on_all_65536_patterns() {
 /// overflow threshold, subnormal boundaries, zeros, infinities and NaNs.
 fn conversion_edge_cases() -> Vec<f32> {
     let mut v = vec![
-        0.0, -0.0, 1.0, -1.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, f32::from_bits(1), f32::EPSILON,
-        f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(0xffc1_2345),
-        65504.0, 65519.996, 65520.0, 65535.0, 65536.0, -65520.0, 1.0 + f32::powi(2.0, -11), 1.0 + 3.0 * f32::powi(2.0, -11),
-        f32::powi(2.0, -14), f32::powi(2.0, -24), f32::powi(2.0, -25), 3.0 * f32::powi(2.0, -26), f32::powi(2.0, -26),
-        1.5 * f32::powi(2.0, -24), 2.5 * f32::powi(2.0, -24), f32::powi(2.0, -14) - f32::powi(2.0, -25),
-        bf16::MAX.to_f32(), f32::from_bits(0x7f7f_8000), f32::from_bits(0x7f7f_7fff), f32::from_bits(0x3f80_8000),
-        f32::from_bits(0x3f81_8000), f32::from_bits(0x0000_8000), f32::from_bits(0x0001_8000),
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        f32::from_bits(1),
+        f32::EPSILON,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffc1_2345),
+        65504.0,
+        65519.996,
+        65520.0,
+        65535.0,
+        65536.0,
+        -65520.0,
+        1.0 + f32::powi(2.0, -11),
+        1.0 + 3.0 * f32::powi(2.0, -11),
+        f32::powi(2.0, -14),
+        f32::powi(2.0, -24),
+        f32::powi(2.0, -25),
+        3.0 * f32::powi(2.0, -26),
+        f32::powi(2.0, -26),
+        1.5 * f32::powi(2.0, -24),
+        2.5 * f32::powi(2.0, -24),
+        f32::powi(2.0, -14) - f32::powi(2.0, -25),
+        bf16::MAX.to_f32(),
+        f32::from_bits(0x7f7f_8000),
+        f32::from_bits(0x7f7f_7fff),
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x0000_8000),
+        f32::from_bits(0x0001_8000),
     ];
-    let more: Vec<f32> = v.iter().flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))]).collect();
+    let more: Vec<f32> = v
+        .iter()
+        .flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))])
+        .collect();
     v.extend(more);
     v
 }
@@ -353,7 +416,7 @@ fn f32_to_f16_and_bf16_round_like_half() {
         values.push(f32::from_bits(rng.next() as u32)); // every exponent, NaNs included
         values.push(rng.f32_in(26)); // the f16 range, subnormals included
         values.push((2 * rng.below(2048) + 1) as f32 * f32::powi(2.0, -25)); // ties between f16 subnormals
-        // Exact ties and their neighbours in both formats.
+                                                                             // Exact ties and their neighbours in both formats.
         let tie16 = (rng.f32_in(14).to_bits() & !0x1fff) | 0x1000;
         let tie_bf = (rng.next() as u32 & !0xffff) | 0x8000;
         for t in [tie16, tie_bf] {
@@ -390,7 +453,11 @@ fn scale_is_a_rounded_multiply_on_every_path() {
             for (isa, threads) in paths() {
                 let mut got = buf.clone();
                 cpu::with_isa(isa, || cpu::scale(&mut got[offset..], factor, threads));
-                assert_same(&format!("scale len {len} offset {offset} {} threads {threads}", isa.name()), &got[offset..], &want);
+                assert_same(
+                    &format!("scale len {len} offset {offset} {} threads {threads}", isa.name()),
+                    &got[offset..],
+                    &want,
+                );
                 assert_eq!(got[..offset], buf[..offset], "scale wrote before its slice");
             }
         }
@@ -434,7 +501,12 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
             assert!((want - exact).abs() <= 1e-12 * exact, "definition {want:e} vs naive {exact:e}");
             for (isa, threads) in paths() {
                 let got = cpu::with_isa(isa, || cpu::sum_squares(buf, threads));
-                assert_eq!(got.to_bits(), want.to_bits(), "sum_squares len {len} offset {offset} {} threads {threads}: {got:e} vs {want:e}", isa.name());
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "sum_squares len {len} offset {offset} {} threads {threads}: {got:e} vs {want:e}",
+                    isa.name()
+                );
             }
         }
     }
@@ -493,7 +565,9 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
 #[test]
 fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
     let widest = *cpu::supported_isas().last().unwrap();
-    for (name, want) in [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)] {
+    for (name, want) in
+        [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)]
+    {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "report_active_isa", "--nocapture", "--test-threads=1"])
             .env("GRADACC_CPU_ISA", name)

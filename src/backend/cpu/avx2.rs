@@ -4,13 +4,22 @@
 //! through `isa`.
 
 use std::arch::x86_64::*;
+use std::mem::size_of;
 
-use super::{math, scalar};
+use super::{math, prefetch, scalar};
 use crate::dtype::Grad;
 
 const LANES: usize = 8;
 const UNROLL: usize = 4;
+/// f32 elements per 64-byte cache line.
+const LINE: usize = 16;
 const EXPONENT: i32 = 0x7f80_0000;
+
+/// Whether vector `k` of an unrolled iteration starts a new 64-byte line of a stream of `E`s (the
+/// loops prefetch once per line). Constant once the `k` loop is unrolled.
+const fn starts_line<E>(k: usize) -> bool {
+    (k * LANES * size_of::<E>()).is_multiple_of(64)
+}
 
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
@@ -57,6 +66,12 @@ macro_rules! accumulate_fn {
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
+                    if starts_line::<f32>(k) {
+                        prefetch(m, j);
+                    }
+                    if starts_line::<$elem>(k) {
+                        prefetch(g, j);
+                    }
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
                 i += LANES * UNROLL;
@@ -95,10 +110,13 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let p = buf.as_mut_ptr();
     let f = _mm256_set1_ps(factor);
     let mut i = head;
-    while i + LANES <= n {
-        // SAFETY: elements i..i + LANES are inside `buf`.
-        unsafe { _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), f)) };
-        i += LANES;
+    while i + LINE <= n {
+        prefetch(p, i);
+        for j in (i..i + LINE).step_by(LANES) {
+            // SAFETY: elements j..j + LANES are inside `buf`.
+            unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), f)) };
+        }
+        i += LINE;
     }
     scalar::scale(&mut buf[i..], factor);
 }
@@ -114,6 +132,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let mut acc = [_mm256_setzero_pd(); 4];
         let mut i = 0;
         while i < full {
+            prefetch(p, i);
             for (k, a) in acc.iter_mut().enumerate() {
                 // SAFETY: elements i..i + 16 are inside `block`.
                 let x = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(p.add(i + 4 * k)) });
@@ -138,10 +157,14 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     scalar::add_assign(&mut dst[..head], &src[..head]);
     let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
     let mut i = head;
-    while i + LANES <= n {
-        // SAFETY: elements i..i + LANES are inside both slices.
-        unsafe { _mm256_storeu_ps(d.add(i), _mm256_add_ps(_mm256_loadu_ps(d.add(i)), _mm256_loadu_ps(s.add(i)))) };
-        i += LANES;
+    while i + LINE <= n {
+        prefetch(d, i);
+        prefetch(s, i);
+        for j in (i..i + LINE).step_by(LANES) {
+            // SAFETY: elements j..j + LANES are inside both slices.
+            unsafe { _mm256_storeu_ps(d.add(j), _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j)))) };
+        }
+        i += LINE;
     }
     scalar::add_assign(&mut dst[i..n], &src[i..n]);
 }

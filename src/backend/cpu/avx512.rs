@@ -1,18 +1,28 @@
 //! AVX-512F kernels, 16 f32 lanes per vector. Each loop peels a scalar head so stores are 64-byte
-//! aligned, runs four vectors per iteration, then one, and leaves the last few elements to the
-//! scalar kernel, which computes the same bits.
+//! aligned, runs four vectors per iteration (prefetching every stream a few lines ahead, see
+//! `PREFETCH_BYTES`), then one, and leaves the last few elements to the scalar kernel, which
+//! computes the same bits.
 //!
 //! The functions are safe to call only where the CPU has AVX-512F, AVX2 and F16C: the caller
 //! checks that through `isa`.
 
 use std::arch::x86_64::*;
+use std::mem::size_of;
 
-use super::{math, scalar};
+use super::{math, prefetch, scalar};
 use crate::dtype::Grad;
 
 const LANES: usize = 16;
 const UNROLL: usize = 4;
+/// f32 elements per 64-byte cache line.
+const LINE: usize = 16;
 const EXPONENT: i32 = 0x7f80_0000;
+
+/// Whether vector `k` of an unrolled iteration starts a new 64-byte line of a stream of `E`s (the
+/// loops prefetch once per line). Constant once the `k` loop is unrolled.
+const fn starts_line<E>(k: usize) -> bool {
+    (k * LANES * size_of::<E>()).is_multiple_of(64)
+}
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -59,6 +69,12 @@ macro_rules! accumulate_fn {
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
+                    if starts_line::<f32>(k) {
+                        prefetch(m, j);
+                    }
+                    if starts_line::<$elem>(k) {
+                        prefetch(g, j);
+                    }
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
                 i += LANES * UNROLL;
@@ -97,10 +113,13 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let p = buf.as_mut_ptr();
     let f = _mm512_set1_ps(factor);
     let mut i = head;
-    while i + LANES <= n {
-        // SAFETY: elements i..i + LANES are inside `buf`.
-        unsafe { _mm512_storeu_ps(p.add(i), _mm512_mul_ps(_mm512_loadu_ps(p.add(i)), f)) };
-        i += LANES;
+    while i + LINE <= n {
+        prefetch(p, i);
+        for j in (i..i + LINE).step_by(LANES) {
+            // SAFETY: elements j..j + LANES are inside `buf`.
+            unsafe { _mm512_storeu_ps(p.add(j), _mm512_mul_ps(_mm512_loadu_ps(p.add(j)), f)) };
+        }
+        i += LINE;
     }
     scalar::scale(&mut buf[i..], factor);
 }
@@ -115,6 +134,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
         let mut i = 0;
         while i < full {
+            prefetch(p, i);
             // SAFETY: elements i..i + 16 are inside `block`.
             let (a, b) = unsafe { (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 8))) };
             let (a, b) = (_mm512_cvtps_pd(a), _mm512_cvtps_pd(b));
@@ -141,10 +161,14 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     scalar::add_assign(&mut dst[..head], &src[..head]);
     let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
     let mut i = head;
-    while i + LANES <= n {
-        // SAFETY: elements i..i + LANES are inside both slices.
-        unsafe { _mm512_storeu_ps(d.add(i), _mm512_add_ps(_mm512_loadu_ps(d.add(i)), _mm512_loadu_ps(s.add(i)))) };
-        i += LANES;
+    while i + LINE <= n {
+        prefetch(d, i);
+        prefetch(s, i);
+        for j in (i..i + LINE).step_by(LANES) {
+            // SAFETY: elements j..j + LANES are inside both slices.
+            unsafe { _mm512_storeu_ps(d.add(j), _mm512_add_ps(_mm512_loadu_ps(d.add(j)), _mm512_loadu_ps(s.add(j)))) };
+        }
+        i += LINE;
     }
     scalar::add_assign(&mut dst[i..n], &src[i..n]);
 }
