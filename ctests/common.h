@@ -359,6 +359,17 @@ static inline void run_ranks(size_t n, void *(*fn)(void *), void *args, size_t s
         pthread_join(threads[r], NULL);
 }
 
+/* A CPU scaler with default settings except its starting scale. */
+static inline gradacc_scaler_t *scaler_with_scale(float init_scale)
+{
+    gradacc_scaler_config_t sc;
+    REQUIRE_OK(gradacc_scaler_config_default(&sc));
+    sc.init_scale = init_scale;
+    gradacc_scaler_t *scaler = NULL;
+    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    return scaler;
+}
+
 /* Reads tensor `index` of `acc` into a double array (n elements expected). */
 static inline void read_master(gradacc_accumulator_t *acc, size_t index, double *out, size_t n)
 {

@@ -21,11 +21,7 @@ static double grad_mse(double w, const double *x, const double *y, int lo, int h
 
 static void run(gradacc_normalize_t normalize, gradacc_dtype_t dtype, const double *x, const double *y, double want_w)
 {
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = dtype == GRADACC_DTYPE_F32 ? 1.0f : 128.0f;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(dtype == GRADACC_DTYPE_F32 ? 1.0f : 128.0f);
     gradacc_accumulator_config_t ac;
     REQUIRE_OK(gradacc_accumulator_config_default(&ac));
     ac.normalize = normalize;

@@ -102,11 +102,7 @@ static void test_clip_unscaled(test_rng *rng)
     for (int s = 0; s < 2; s++) {
         for (int big = 0; big < 2; big++) { /* big = 0: norm above max_norm, clipped; 1: not clipped */
             double mult = big ? 0.05 : 1.0;
-            gradacc_scaler_config_t sc;
-            REQUIRE_OK(gradacc_scaler_config_default(&sc));
-            sc.init_scale = scales[s];
-            gradacc_scaler_t *sclr = NULL;
-            REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &sclr));
+            gradacc_scaler_t *sclr = scaler_with_scale(scales[s]);
             gradacc_accumulator_config_t ac;
             REQUIRE_OK(gradacc_accumulator_config_default(&ac));
             ac.max_grad_norm = max_norm;

@@ -32,11 +32,7 @@ static void grad_sum(const problem *p, int lo, int hi, double *gW, double *gb)
 static void run(const problem *p, gradacc_loss_reduction_t reduction, gradacc_dtype_t dw, gradacc_dtype_t db)
 {
     const float scale = 1024.0f;
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = scale;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(scale);
     gradacc_accumulator_config_t ac;
     REQUIRE_OK(gradacc_accumulator_config_default(&ac));
     ac.loss_reduction = reduction;

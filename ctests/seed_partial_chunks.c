@@ -76,11 +76,7 @@ static void check_tensor(const char *what, gradacc_accumulator_t *acc, size_t in
 static void test_chunked(const problem *p, gradacc_dtype_t d_w1, gradacc_dtype_t d_w2, gradacc_dtype_t d_b2)
 {
     const float scale = 1024.0f;
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = scale;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(scale);
     gradacc_tensor_desc_t th[2] = {{NW2, d_w2}, {NB2, d_b2}};
     gradacc_tensor_desc_t tb = {NW1, d_w1};
     gradacc_accumulator_t *head = NULL, *body = NULL;
@@ -176,11 +172,7 @@ static void *worker(void *arg)
 
 static void test_threads(test_rng *rng)
 {
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = 512;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(512);
     gradacc_tensor_desc_t t[NT];
     for (int i = 0; i < NT; i++) {
         t[i].numel = sizes[i];

@@ -10,11 +10,7 @@ enum { NA = 10, NB = 7, NP = NA + NB, MAXMB = 4 };
 static void run(test_rng *rng, gradacc_normalize_t normalize)
 {
     const float scale = 512.0f;
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = scale;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(scale);
     gradacc_accumulator_config_t ac;
     REQUIRE_OK(gradacc_accumulator_config_default(&ac));
     ac.normalize = normalize;
@@ -91,11 +87,7 @@ typedef struct {
 static void *rank_main(void *arg)
 {
     rank_args *a = arg;
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = 512.0f;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(512.0f);
     gradacc_tensor_desc_t t[2] = {{NA, GRADACC_DTYPE_F16}, {NB, GRADACC_DTYPE_BF16}};
     gradacc_accumulator_t *acc = NULL;
     REQUIRE_OK(gradacc_accumulator_create(NULL, t, 2, NULL, &acc));

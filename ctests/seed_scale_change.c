@@ -132,11 +132,7 @@ static void test_two_scalers(test_rng *rng)
  * buffer the caller lent (whose initial contents must be ignored). */
 static void test_untouched_tensor_is_zero(void)
 {
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = 256;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(256);
     gradacc_tensor_desc_t t[3] = {{4, GRADACC_DTYPE_F16}, {5, GRADACC_DTYPE_BF16}, {3, GRADACC_DTYPE_F32}};
     float lent[12];
     for (int i = 0; i < 12; i++)

@@ -47,11 +47,7 @@ static void *rank_main(void *arg)
 {
     rank_args *a = arg;
     const float scale = 4096.0f;
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = scale;
-    gradacc_scaler_t *scaler = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler));
+    gradacc_scaler_t *scaler = scaler_with_scale(scale);
     gradacc_accumulator_config_t ac;
     REQUIRE_OK(gradacc_accumulator_config_default(&ac));
     ac.normalize = a->normalize;
