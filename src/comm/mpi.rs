@@ -179,6 +179,22 @@ impl MpiComm {
     fn reduce_pieces(&self, buf: &mut [f32], pieces: &[Range<usize>]) -> Result<()> {
         // SAFETY: the null request is a plain constant.
         let mut requests = vec![unsafe { ffi::RSMPI_REQUEST_NULL }; pieces.len()];
+        if let [p] = pieces {
+            // One piece gains nothing from being non-blocking, and the blocking all-reduce has
+            // the implementation's tuned algorithms (Open MPI's non-blocking ones are generic).
+            // SAFETY: the piece lies inside `buf` (checked by the caller).
+            let rc = unsafe {
+                ffi::MPI_Allreduce(
+                    gradacc_internal_mpi_in_place(),
+                    buf.as_mut_ptr().add(p.start) as *mut c_void,
+                    p.len() as c_int,
+                    ffi::RSMPI_FLOAT,
+                    ffi::RSMPI_SUM,
+                    self.comm,
+                )
+            };
+            return check(rc, "MPI_Allreduce");
+        }
         let mut posted = 0;
         let mut failure = Ok(());
         let base = buf.as_mut_ptr();
