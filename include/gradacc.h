@@ -68,6 +68,11 @@
 
 
 /**
+ * The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
+ */
+#define GRADACC_MPI_COMM_WORLD -1
+
+/**
  * A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
  * gradacc_accumulator_destroy.
  */
@@ -199,6 +204,26 @@ typedef struct gradacc_sync_info_t {
 } gradacc_sync_info_t;
 
 /**
+ * A backend gradacc may be built with: a communicator transport or a device kind.
+ */
+typedef int32_t gradacc_backend_t;
+
+/**
+ * MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+ */
+typedef struct gradacc_mpi_config_t {
+    /**
+     * sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
+     */
+    size_t struct_size;
+    /**
+     * Buckets whose non-blocking all-reduce may be in flight at once during a sync (at least 1;
+     * default 8).
+     */
+    uint32_t max_in_flight;
+} gradacc_mpi_config_t;
+
+/**
  * Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
  */
 typedef struct gradacc_scaler_config_t {
@@ -299,6 +324,27 @@ typedef struct gradacc_scaler_stats_t {
  * No division: the plain sum.
  */
 #define GRADACC_NORMALIZE_NONE 3
+
+/**
+ * The in-process communicator (gradacc_comm_create_local); in every build.
+ */
+#define GRADACC_BACKEND_LOCAL 0
+
+/**
+ * The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature
+ * (CMake option GRADACC_WITH_MPI).
+ */
+#define GRADACC_BACKEND_MPI 1
+
+/**
+ * The NCCL communicator; not in this version.
+ */
+#define GRADACC_BACKEND_NCCL 2
+
+/**
+ * CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+ */
+#define GRADACC_BACKEND_CUDA 3
 
 /**
  * Success.
@@ -602,6 +648,50 @@ gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *ou
  * Thread safety: any thread.
  */
 gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
+
+/**
+ * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library. Every
+ * build has every function of the header; a constructor of a backend that is not built in fails
+ * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
+
+/**
+ * Fills `*out` with the default MPI communicator options (and their struct_size). Available in
+ * every build.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
+
+/**
+ * Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
+ * GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle:
+ * `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl. `config` NULL means
+ * the defaults. Every rank of the communicator must call this (it is collective).
+ *
+ * gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
+ * caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives
+ * come back as GRADACC_STATUS_COMM_FAILURE with MPI's error string. The caller's communicator is
+ * not changed and may be freed afterwards. If MPI is not initialised yet, gradacc initialises it
+ * (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and then finalises it at process exit, unless
+ * the caller did first; an MPI the caller initialised is never finalised by gradacc.
+ * Reductions rely on MPI_Allreduce giving every rank the same bits, as Open MPI and MPICH do.
+ *
+ * In a build without MPI (gradacc_backend_available(GRADACC_BACKEND_MPI) says false) it fails
+ * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+ *
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
+ * when the caller finalises MPI itself).
+ * Thread safety: one collective at a time per handle (a concurrent second one fails with
+ * GRADACC_STATUS_WRONG_STATE). Calls from several threads need MPI at MPI_THREAD_MULTIPLE;
+ * otherwise make every gradacc MPI call from the thread that makes the caller's MPI calls.
+ */
+gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
+                                         const struct gradacc_mpi_config_t *config,
+                                         struct gradacc_comm_t **out_comm);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).

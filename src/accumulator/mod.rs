@@ -331,11 +331,9 @@ impl Accumulator {
         // SAFETY: the write lock is held for the rest of the call.
         let all = unsafe { self.master.slice_mut(0..self.len()) };
         if let Some(c) = comm.filter(|c| c.world_size() > 1) {
-            for b in &self.buckets {
-                if let Err(e) = c.allreduce_sum(&mut all[b.clone()]) {
-                    self.discard(&mut w);
-                    return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
-                }
+            if let Err(e) = c.allreduce_buckets(all, &self.buckets) {
+                self.discard(&mut w);
+                return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
             }
         }
         let threads = self.config.threads;

@@ -1,13 +1,21 @@
 //! Communicators: how the ranks of a data-parallel group meet at the accumulation boundary.
 //! A communicator offers exactly two collectives: the small control reduction that makes every
 //! rank agree on counts, overflow and errors, and an in-place sum of FP32 buffers whose result is
-//! bitwise identical on every rank.
+//! bitwise identical on every rank (one buffer, or several buckets of one buffer at once).
 
 mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) mod packing;
 
 pub use local::LocalComm;
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiComm, MpiConfig};
 
-use crate::error::Result;
+use std::ops::Range;
+
+use crate::error::{Error, Result};
 
 /// What one rank brings to the boundary's control reduction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -84,4 +92,29 @@ pub trait Communicator: Send + Sync {
 
     /// Sums `buf` over all ranks in place. Every rank ends with bitwise-identical contents.
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+
+    /// Sums each bucket `buf[b]` over all ranks in place; the buckets are disjoint and in
+    /// ascending order. A backend may keep several in flight at once; this one reduces them one
+    /// after another. Every rank must pass the same buckets.
+    fn allreduce_buckets(&self, buf: &mut [f32], buckets: &[Range<usize>]) -> Result<()> {
+        check_buckets(buf.len(), buckets)?;
+        for b in buckets {
+            self.allreduce_sum(&mut buf[b.clone()])?;
+        }
+        Ok(())
+    }
+}
+
+/// Buckets must be disjoint, ascending and inside the buffer.
+pub(crate) fn check_buckets(len: usize, buckets: &[Range<usize>]) -> Result<()> {
+    let mut end = 0;
+    for (i, b) in buckets.iter().enumerate() {
+        if b.start < end || b.start > b.end || b.end > len {
+            return Err(Error::invalid(format!(
+                "bucket {i} ({b:?}) overlaps the previous one or leaves the buffer of {len} elements"
+            )));
+        }
+        end = b.end;
+    }
+    Ok(())
 }

@@ -4,9 +4,35 @@ use std::sync::{Arc, LazyLock};
 
 use super::handle::Registry;
 use super::status::{guard, gradacc_status_t, null};
-use super::types::out_ptr;
+use super::types::{out_ptr, read_config};
 use crate::comm::{Communicator, LocalComm};
 use crate::error::Error;
+
+/// A backend gradacc may be built with: a communicator transport or a device kind.
+pub type gradacc_backend_t = i32;
+/// The in-process communicator (gradacc_comm_create_local); in every build.
+pub const GRADACC_BACKEND_LOCAL: gradacc_backend_t = 0;
+/// The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature
+/// (CMake option GRADACC_WITH_MPI).
+pub const GRADACC_BACKEND_MPI: gradacc_backend_t = 1;
+/// The NCCL communicator; not in this version.
+pub const GRADACC_BACKEND_NCCL: gradacc_backend_t = 2;
+/// CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
+
+/// The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
+pub const GRADACC_MPI_COMM_WORLD: i64 = -1;
+
+/// MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_mpi_config_t {
+    /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
+    pub struct_size: usize,
+    /// Buckets whose non-blocking all-reduce may be in flight at once during a sync (at least 1;
+    /// default 8).
+    pub max_in_flight: u32,
+}
 
 /// One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
 pub struct gradacc_comm_t {
@@ -75,5 +101,98 @@ pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut
         let c = COMMS.get(comm, "comm")?;
         *out_ptr(out, "out")? = c.world_size();
         Ok(())
+    })
+}
+
+/// Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library. Every
+/// build has every function of the header; a constructor of a backend that is not built in fails
+/// with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mut bool) -> gradacc_status_t {
+    guard("gradacc_backend_available", || {
+        let out = out_ptr(out, "out")?;
+        *out = match backend {
+            GRADACC_BACKEND_LOCAL => true,
+            GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
+            GRADACC_BACKEND_NCCL | GRADACC_BACKEND_CUDA => false,
+            v => return Err(Error::invalid(format!("`backend` = {v} is not a GRADACC_BACKEND_* value"))),
+        };
+        Ok(())
+    })
+}
+
+/// Fills `*out` with the default MPI communicator options (and their struct_size). Available in
+/// every build.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
+    guard("gradacc_mpi_config_default", || {
+        let out = out_ptr(out, "out")?;
+        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>(), max_in_flight: 8 };
+        Ok(())
+    })
+}
+
+/// Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
+/// GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle:
+/// `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl. `config` NULL means
+/// the defaults. Every rank of the communicator must call this (it is collective).
+///
+/// gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
+/// caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives
+/// come back as GRADACC_STATUS_COMM_FAILURE with MPI's error string. The caller's communicator is
+/// not changed and may be freed afterwards. If MPI is not initialised yet, gradacc initialises it
+/// (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and then finalises it at process exit, unless
+/// the caller did first; an MPI the caller initialised is never finalised by gradacc.
+/// Reductions rely on MPI_Allreduce giving every rank the same bits, as Open MPI and MPICH do.
+///
+/// In a build without MPI (gradacc_backend_available(GRADACC_BACKEND_MPI) says false) it fails
+/// with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+///
+/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
+/// when the caller finalises MPI itself).
+/// Thread safety: one collective at a time per handle (a concurrent second one fails with
+/// GRADACC_STATUS_WRONG_STATE). Calls from several threads need MPI at MPI_THREAD_MULTIPLE;
+/// otherwise make every gradacc MPI call from the thread that makes the caller's MPI calls.
+#[no_mangle]
+pub extern "C" fn gradacc_comm_create_mpi(
+    fortran_comm: i64,
+    config: *const gradacc_mpi_config_t,
+    out_comm: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
+    guard("gradacc_comm_create_mpi", || {
+        let out = out_ptr(out_comm, "out_comm")?;
+        let max_in_flight = if config.is_null() {
+            8
+        } else {
+            // SAFETY: non-null; read_config checks the declared size first.
+            let c = unsafe { read_config(config, "config")? };
+            if c.max_in_flight == 0 {
+                return Err(Error::invalid("`config`.max_in_flight is 0: at least one bucket must be in flight"));
+            }
+            c.max_in_flight as usize
+        };
+        if fortran_comm < GRADACC_MPI_COMM_WORLD {
+            return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")));
+        }
+        #[cfg(feature = "mpi")]
+        {
+            use crate::comm::{MpiComm, MpiConfig};
+            let cfg = MpiConfig { max_in_flight };
+            let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world(cfg)? } else { MpiComm::from_fortran(fortran_comm, cfg)? };
+            *out = COMMS.insert(Arc::new(comm) as Arc<dyn Communicator>);
+            Ok(())
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            let _ = (out, max_in_flight);
+            Err(Error::new(
+                crate::error::ErrorKind::BackendUnavailable,
+                "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",
+            ))
+        }
     })
 }

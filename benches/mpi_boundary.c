@@ -1,0 +1,120 @@
+/* The MPI boundary at 2 processes (scripts/bench-mpi): 16M fp16 parameters, K micro-batches per
+ * step. Times per step, median over repeats after a warm-up, the slowest rank's time:
+ *   deferred  gradacc_accumulator_sync once per step (control reduction, bucketed all-reduce of
+ *             the FP32 master, normalisation, norm)
+ *   naive     an MPI_Allreduce of the FP32 gradient after every micro-batch (K per step)
+ *   bare      one MPI_Allreduce of the same 64 MB, nothing else
+ * The fused adds are the same in both patterns and are not timed. */
+#include <gradacc.h>
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { REPEATS = 7 };
+
+static int cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp);
+    return v[n / 2];
+}
+
+/* The slowest rank's elapsed time since t0. */
+static double slowest(double t0)
+{
+    double mine = MPI_Wtime() - t0, max = 0;
+    MPI_Allreduce(&mine, &max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    return max;
+}
+
+#define OK(call)                                                                                   \
+    do {                                                                                           \
+        if ((call) != GRADACC_STATUS_OK) {                                                         \
+            fprintf(stderr, "%s: %s\n", #call, gradacc_last_error());                              \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
+        }                                                                                          \
+    } while (0)
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    size_t n = argc > 1 ? (size_t)strtoull(argv[1], NULL, 0) : (size_t)16 << 20;
+
+    gradacc_mpi_config_t mc;
+    OK(gradacc_mpi_config_default(&mc));
+    if (getenv("GRADACC_BENCH_IN_FLIGHT"))
+        mc.max_in_flight = (uint32_t)atoi(getenv("GRADACC_BENCH_IN_FLIGHT"));
+    gradacc_comm_t *comm;
+    OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
+    gradacc_scaler_t *scaler;
+    OK(gradacc_scaler_create(NULL, NULL, &scaler));
+    gradacc_tensor_desc_t t = {n, GRADACC_DTYPE_F16};
+    gradacc_accumulator_t *acc;
+    gradacc_accumulator_config_t ac;
+    OK(gradacc_accumulator_config_default(&ac));
+    if (getenv("GRADACC_BENCH_BUCKET"))
+        ac.bucket_numel = strtoull(getenv("GRADACC_BENCH_BUCKET"), NULL, 0);
+    OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &acc));
+    uint16_t *g = malloc(n * 2);
+    float *plain = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) {
+        g[i] = (uint16_t)(0x3c00 + (i % 512)); /* 1.0 .. 1.5 */
+        plain[i] = 1.0f + (float)(i % 512) / 1024.0f;
+    }
+    const void *grads[1] = {g};
+
+    if (rank == 0)
+        printf("| K | deferred sync (ms) | naive K x all-reduce (ms) | naive / deferred | bare MPI_Allreduce (ms) | "
+               "sync / bare |\n|---|---|---|---|---|---|\n");
+    const int ks[3] = {1, 4, 8};
+    for (int ki = 0; ki < 3; ki++) {
+        int k = ks[ki];
+        double deferred[REPEATS], naive[REPEATS], bare[REPEATS];
+        for (int rep = -1; rep < REPEATS; rep++) { /* rep -1 is the warm-up */
+            for (int m = 0; m < k; m++)
+                OK(gradacc_accumulator_add(acc, scaler, grads, 1, 1));
+            MPI_Barrier(MPI_COMM_WORLD);
+            double t0 = MPI_Wtime();
+            gradacc_sync_info_t info;
+            OK(gradacc_accumulator_sync(acc, comm, &info));
+            double d = slowest(t0);
+
+            MPI_Barrier(MPI_COMM_WORLD);
+            t0 = MPI_Wtime();
+            for (int m = 0; m < k; m++)
+                MPI_Allreduce(MPI_IN_PLACE, plain, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            double nv = slowest(t0);
+
+            MPI_Barrier(MPI_COMM_WORLD);
+            t0 = MPI_Wtime();
+            MPI_Allreduce(MPI_IN_PLACE, plain, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            double b = slowest(t0);
+            for (size_t i = 0; i < n; i++) /* keep the values finite */
+                plain[i] = 1.0f;
+            if (rep >= 0) {
+                deferred[rep] = d;
+                naive[rep] = nv;
+                bare[rep] = b;
+            }
+        }
+        double d = median(deferred, REPEATS), nv = median(naive, REPEATS), b = median(bare, REPEATS);
+        if (rank == 0)
+            printf("| %d | %.1f | %.1f | %.2f | %.1f | %.2f |\n", k, d * 1e3, nv * 1e3, nv / d, b * 1e3, d / b);
+    }
+    free(g);
+    free(plain);
+    gradacc_accumulator_destroy(acc);
+    gradacc_scaler_destroy(scaler);
+    gradacc_comm_destroy(comm);
+    MPI_Finalize();
+    return 0;
+}

@@ -1,0 +1,108 @@
+/* Helpers shared by the MPI tests (run under mpirun): a gradacc communicator over an MPI
+ * communicator, a check that a float buffer has the same bits on every rank, and a finish that
+ * fails every rank if any rank failed a check. */
+#ifndef GRADACC_CTESTS_MPI_COMMON_H
+#define GRADACC_CTESTS_MPI_COMMON_H
+
+#include "common.h"
+
+#include <mpi.h>
+
+/* A gradacc communicator adopting `comm` through its Fortran handle, as mpi4py and MPI.jl pass it. */
+static inline gradacc_comm_t *comm_of(MPI_Comm comm, uint32_t max_in_flight)
+{
+    gradacc_mpi_config_t cfg;
+    REQUIRE_OK(gradacc_mpi_config_default(&cfg));
+    if (max_in_flight)
+        cfg.max_in_flight = max_in_flight;
+    gradacc_comm_t *c = NULL;
+    REQUIRE_OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(comm), &cfg, &c));
+    return c;
+}
+
+/* FNV-1a over the bits of `n` floats. */
+static inline uint64_t bits_hash(const float *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < n * sizeof(float); i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static inline uint64_t float_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* True on every rank iff every rank of `comm` holds the same value. */
+static inline int same_on_all_ranks(uint64_t v, MPI_Comm comm)
+{
+    uint64_t lo = 0, hi = 0;
+    MPI_Allreduce(&v, &lo, 1, MPI_UINT64_T, MPI_MIN, comm);
+    MPI_Allreduce(&v, &hi, 1, MPI_UINT64_T, MPI_MAX, comm);
+    return lo == hi;
+}
+
+/* Checks that tensor `index` of `acc` has the same bits on every rank of `comm`. */
+static inline void check_master_agrees(gradacc_accumulator_t *acc, size_t index, MPI_Comm comm, const char *what)
+{
+    float *p = NULL;
+    size_t n = 0;
+    REQUIRE_OK(gradacc_accumulator_master(acc, index, &p, &n));
+    CHECK(same_on_all_ranks(bits_hash(p, n), comm), "%s: tensor %zu differs bitwise between ranks", what, index);
+}
+
+static inline int world_rank(void)
+{
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+
+static inline int world_size(void)
+{
+    int n = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+}
+
+/* Ends an MPI test: 0 on every rank only if no rank failed a check. */
+static inline int mpi_finish(void)
+{
+    int mine = test_failures, any = 0;
+    MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    int rc = test_finish();
+    if (any && !rc)
+        fprintf(stderr, "rank %d: another rank failed\n", world_rank());
+    MPI_Finalize();
+    return any ? 1 : rc;
+}
+
+/* A scaler with a fixed initial scale and an accumulator over `n` tensors. */
+static inline gradacc_scaler_t *make_scaler(float init_scale)
+{
+    gradacc_scaler_config_t sc;
+    REQUIRE_OK(gradacc_scaler_config_default(&sc));
+    sc.init_scale = init_scale;
+    gradacc_scaler_t *s = NULL;
+    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &s));
+    return s;
+}
+
+static inline gradacc_accumulator_t *make_acc(const gradacc_tensor_desc_t *t, size_t n, gradacc_normalize_t normalize,
+                                              uint64_t bucket_numel)
+{
+    gradacc_accumulator_config_t ac;
+    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
+    ac.normalize = normalize;
+    if (bucket_numel)
+        ac.bucket_numel = bucket_numel;
+    gradacc_accumulator_t *a = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(&ac, t, n, NULL, &a));
+    return a;
+}
+
+#endif

@@ -1,0 +1,97 @@
+//! The control values as two small u64 arrays, so a transport with only element-wise SUM and MAX
+//! (MPI, NCCL) reduces them in two collectives: SUM for counts and flags, MAX for the rest, where
+//! a minimum is the complement of the maximum of complements.
+
+use super::{Control, ControlSum};
+
+/// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1).
+pub const SUM_WORDS: usize = 4;
+/// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches.
+pub const MAX_WORDS: usize = 6;
+
+/// One rank's control values as the SUM words and the MAX words.
+pub fn pack(c: &Control) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
+    (
+        [c.count, c.microbatches, c.found_inf as u64, c.error as u64],
+        [c.numel, !c.numel, c.layout, !c.layout, c.count, c.microbatches],
+    )
+}
+
+/// The reduction from the element-wise SUM and MAX over every rank's words. A sum that wrapped
+/// is smaller than the largest term and saturates, as [`ControlSum::fold`] does.
+pub fn unpack(sum: &[u64; SUM_WORDS], max: &[u64; MAX_WORDS]) -> ControlSum {
+    let saturate = |s: u64, m: u64| if s < m { u64::MAX } else { s };
+    ControlSum {
+        min_numel: !max[1],
+        max_numel: max[0],
+        min_layout: !max[3],
+        max_layout: max[2],
+        count: saturate(sum[0], max[4]),
+        microbatches: saturate(sum[1], max[5]),
+        found_inf: sum[2] != 0,
+        error: sum[3] != 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What SUM and MAX collectives would compute over `ranks`.
+    fn reduce(ranks: &[Control]) -> ControlSum {
+        let mut sum = [0u64; SUM_WORDS];
+        let mut max = [0u64; MAX_WORDS];
+        for c in ranks {
+            let (s, m) = pack(c);
+            for i in 0..SUM_WORDS {
+                sum[i] = sum[i].wrapping_add(s[i]);
+            }
+            for i in 0..MAX_WORDS {
+                max[i] = max[i].max(m[i]);
+            }
+        }
+        unpack(&sum, &max)
+    }
+
+    fn fold(ranks: &[Control]) -> ControlSum {
+        ranks[1..].iter().fold(ControlSum::of(&ranks[0]), |acc, c| acc.fold(c))
+    }
+
+    #[test]
+    fn matches_the_in_process_fold() {
+        let c = |numel, layout, count, microbatches, found_inf, error| Control { numel, layout, count, microbatches, found_inf, error };
+        let cases: Vec<Vec<Control>> = vec![
+            vec![c(10, 7, 3, 1, false, false)],
+            vec![c(10, 7, 3, 1, false, false), c(10, 7, 0, 0, false, false)],
+            vec![c(10, 7, 3, 1, false, false), c(12, 7, 5, 2, true, false), c(10, 9, 1, 1, false, true)],
+            vec![c(0, 0, 0, 0, false, false), c(u64::MAX, u64::MAX, 4, 4, true, true)],
+            vec![c(5, 5, u64::MAX / 2, 1, false, false), c(5, 5, u64::MAX / 2 + 7, 1, false, false)],
+        ];
+        for ranks in &cases {
+            assert_eq!(reduce(ranks), fold(ranks), "{ranks:?}");
+        }
+    }
+
+    #[test]
+    fn pseudo_random_groups() {
+        let mut state = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state >> 11
+        };
+        for _ in 0..1000 {
+            let n = 1 + (next() % 6) as usize;
+            let ranks: Vec<Control> = (0..n)
+                .map(|_| Control {
+                    numel: next() % 4,
+                    layout: next() % 3,
+                    count: next() % 1000,
+                    microbatches: next() % 5,
+                    found_inf: next() % 5 == 0,
+                    error: next() % 7 == 0,
+                })
+                .collect();
+            assert_eq!(reduce(&ranks), fold(&ranks), "{ranks:?}");
+        }
+    }
+}
