@@ -524,6 +524,26 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
 }
 
 #[test]
+fn scale_and_sum_squares_equals_the_two_passes_on_every_path() {
+    let mut rng = Rng::for_test("scale_and_sum_squares_equals_the_two_passes_on_every_path");
+    let extra = [math::NORM_BLOCK - 1, 3 * math::NORM_BLOCK + 15, (1 << 21) + 4096 * 5 + 1000];
+    for len in SIZES.into_iter().chain(extra) {
+        let offset = rng.below(8) as usize;
+        let buf: Vec<f32> = (0..offset + len).map(|_| rng.f32_in(2)).collect();
+        let factor = rng.f32_in(10);
+        let want_sum = sum_squares_by_definition(&buf[offset..]);
+        let want: Vec<f32> = buf[offset..].iter().map(|&v| v * factor).collect();
+        for (isa, threads) in paths() {
+            let mut got = buf.clone();
+            let sum = cpu::with_isa(isa, || cpu::scale_and_sum_squares(&mut got[offset..], factor, threads));
+            let what = format!("scale_and_sum_squares len {len} offset {offset} {} threads {threads}", isa.name());
+            assert_eq!(sum.to_bits(), want_sum.to_bits(), "{what}: {sum:e} vs {want_sum:e}");
+            assert_same(&what, &got[offset..], &want);
+        }
+    }
+}
+
+#[test]
 fn add_assign_is_a_rounded_add_on_every_path() {
     let mut rng = Rng::for_test("add_assign_is_a_rounded_add_on_every_path");
     for len in SIZES {

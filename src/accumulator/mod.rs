@@ -337,13 +337,22 @@ impl Accumulator {
             }
         }
         let threads = self.config.threads;
-        let grad_norm = cpu::sum_squares(all, threads).sqrt() / divisor as f64;
         let max = self.config.max_grad_norm as f64;
-        let clip_coef = if max > 0.0 && grad_norm.is_finite() { (max / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
-        let factor = (clip_coef / divisor as f64) as f32;
-        if factor != 1.0 {
-            cpu::scale(all, factor, threads);
-        }
+        let normalize = (1.0 / divisor as f64) as f32;
+        // Without clipping the factor is known before the norm: one pass does both. With clipping
+        // the factor depends on the norm, so it takes a second pass (when the norm calls for it).
+        let (grad_norm, clip_coef) = if max == 0.0 {
+            let sum_squares = if normalize == 1.0 { cpu::sum_squares(all, threads) } else { cpu::scale_and_sum_squares(all, normalize, threads) };
+            (sum_squares.sqrt() / divisor as f64, 1.0)
+        } else {
+            let grad_norm = cpu::sum_squares(all, threads).sqrt() / divisor as f64;
+            let clip_coef = if grad_norm.is_finite() { (max / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+            let factor = (clip_coef / divisor as f64) as f32;
+            if factor != 1.0 {
+                cpu::scale(all, factor, threads);
+            }
+            (grad_norm, clip_coef)
+        };
         let info = SyncInfo {
             found_inf: total.found_inf,
             total_count: total.count,

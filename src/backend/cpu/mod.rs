@@ -81,6 +81,35 @@ pub fn sum_squares(buf: &[f32], threads: usize) -> f64 {
     sums.iter().fold(0.0, |total, &block| total + block)
 }
 
+/// [`sum_squares`] of `buf` as it is on entry, and `buf[i] *= factor`, in one pass over memory:
+/// each block is summed and then scaled while it is still in L1. Same bits as calling
+/// `sum_squares` and then `scale`. The boundary uses it to normalise and measure at once.
+pub fn scale_and_sum_squares(buf: &mut [f32], factor: f32, threads: usize) -> f64 {
+    let isa = active_isa();
+    let len = buf.len();
+    let mut sums = vec![0.0; len.div_ceil(math::NORM_BLOCK)];
+    let ends: Vec<usize> = part_ends(len, threads).collect();
+    // Cut the block sums at the same places as the buffer, then run each pair of parts together.
+    let mut parts: Vec<(&mut [f32], &mut [f64])> = Vec::with_capacity(ends.len());
+    let (mut rest, mut rest_sums, mut start) = (buf, sums.as_mut_slice(), 0);
+    for &end in &ends {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
+        let (part_sums, tail_sums) = std::mem::take(&mut rest_sums).split_at_mut((end - start).div_ceil(math::NORM_BLOCK));
+        parts.push((part, part_sums));
+        (rest, rest_sums, start) = (tail, tail_sums, end);
+    }
+    run_parts(&mut parts, 1..=ends.len(), |_, group| {
+        for (part, out) in group.iter_mut() {
+            for (block, sum) in part.chunks_mut(math::NORM_BLOCK).zip(out.iter_mut()) {
+                block_sums_part(isa, block, std::slice::from_mut(sum));
+                scale_part(isa, block, factor);
+            }
+        }
+        false
+    });
+    sums.iter().fold(0.0, |total, &block| total + block)
+}
+
 /// `dst[i] += src[i]`, the reduction step of the in-process communicator.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
