@@ -1,0 +1,354 @@
+/**
+ * \file gradacc.hpp
+ * \brief Header-only C++17 wrapper over gradacc.h: move-only RAII objects and exceptions.
+ *
+ * Every C handle is owned by exactly one C++ object (a `std::unique_ptr` whose deleter calls the
+ * matching `gradacc_*_destroy`), so handles cannot leak or be freed twice; objects can be moved,
+ * never copied. Every failing C call becomes a `gradacc::Error` carrying the status and the
+ * message of gradacc_last_error(), read on the same thread right after the call.
+ *
+ * \code
+ *   gradacc::Scaler scaler;                                   // defaults, CPU
+ *   gradacc::Accumulator acc({{4096, GRADACC_DTYPE_F16}, {64, GRADACC_DTYPE_F16}});
+ *   acc.add(scaler, {w_grad, b_grad}, items);                 // one micro-batch
+ *   gradacc::SyncInfo info = acc.sync();                      // the boundary (one process)
+ *   if (!scaler.update(acc)) sgd(acc.master(0));              // master(i): a span<float> view
+ * \endcode
+ *
+ * Thread safety and ownership are those of the C functions (see gradacc.h); the wrapper adds no
+ * locking and no state of its own besides the handle.
+ */
+#ifndef GRADACC_HPP
+#define GRADACC_HPP
+
+#include "gradacc.h"
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace gradacc {
+
+/** A failed gradacc call: the status code and the calling thread's gradacc_last_error() text. */
+class Error : public std::runtime_error {
+public:
+    Error(gradacc_status_t status, const std::string &message)
+        : std::runtime_error(std::string(gradacc_status_string(status)) + ": " + message),
+          status_(status), message_(message) {}
+
+    /** The GRADACC_STATUS_* code the call returned. */
+    gradacc_status_t status() const noexcept { return status_; }
+    /** gradacc_last_error() as it was right after the failing call. */
+    const std::string &message() const noexcept { return message_; }
+
+private:
+    gradacc_status_t status_;
+    std::string message_;
+};
+
+/** Throws gradacc::Error unless `status` is GRADACC_STATUS_OK. Call it right after the C call. */
+inline void check(gradacc_status_t status) {
+    if (status != GRADACC_STATUS_OK)
+        throw Error(status, gradacc_last_error());
+}
+
+/** The loaded library's version ("MAJOR.MINOR.PATCH"); compare with GRADACC_VERSION_STRING. */
+inline std::string version() { return gradacc_version_string(); }
+
+/** A minimal non-owning view of `size` contiguous elements (std::span is C++20). */
+template <class T>
+class span {
+public:
+    constexpr span() noexcept = default;
+    constexpr span(T *data, std::size_t size) noexcept : data_(data), size_(size) {}
+    template <std::size_t N>
+    constexpr span(T (&array)[N]) noexcept : data_(array), size_(N) {}
+    /** Any contiguous container with data() and size() (std::vector, std::array, std::string...). */
+    template <class C, class = std::enable_if_t<std::is_convertible_v<
+                           decltype(std::declval<C &>().data()), T *>>>
+    constexpr span(C &container) noexcept : data_(container.data()), size_(container.size()) {}
+
+    constexpr T *data() const noexcept { return data_; }
+    constexpr std::size_t size() const noexcept { return size_; }
+    constexpr bool empty() const noexcept { return size_ == 0; }
+    constexpr T &operator[](std::size_t i) const noexcept { return data_[i]; }
+    constexpr T *begin() const noexcept { return data_; }
+    constexpr T *end() const noexcept { return data_ + size_; }
+
+private:
+    T *data_ = nullptr;
+    std::size_t size_ = 0;
+};
+
+/** The device an object is bound to: the CPU (default), or a CUDA device and the caller's stream. */
+struct Device : gradacc_device_t {
+    Device() noexcept : gradacc_device_t{GRADACC_DEVICE_CPU, 0, nullptr} {}
+    static Device cpu() noexcept { return Device(); }
+    /** `stream` stays the caller's (`cudaStream_t` / `CUstream`); gradacc never destroys it. */
+    static Device cuda(int32_t ordinal, void *stream) noexcept {
+        Device d;
+        d.kind = GRADACC_DEVICE_CUDA;
+        d.ordinal = ordinal;
+        d.stream = stream;
+        return d;
+    }
+};
+
+/** gradacc_scaler_config_t initialised by gradacc_scaler_config_default(); change fields after. */
+struct ScalerConfig : gradacc_scaler_config_t {
+    ScalerConfig() : gradacc_scaler_config_t() { check(gradacc_scaler_config_default(this)); }
+};
+
+/** gradacc_accumulator_config_t initialised by gradacc_accumulator_config_default(). */
+struct AccumulatorConfig : gradacc_accumulator_config_t {
+    AccumulatorConfig() : gradacc_accumulator_config_t() {
+        check(gradacc_accumulator_config_default(this));
+    }
+};
+
+using TensorDesc = gradacc_tensor_desc_t;
+using SyncInfo = gradacc_sync_info_t;
+using ScalerStats = gradacc_scaler_stats_t;
+
+namespace detail {
+// Deleters for unique_ptr. A destroy that fails here can only mean a handle gradacc no longer
+// knows, which the wrapper's single ownership rules out; a destructor must not throw anyway.
+struct ScalerDelete {
+    void operator()(gradacc_scaler_t *p) const noexcept { (void)gradacc_scaler_destroy(p); }
+};
+struct AccumulatorDelete {
+    void operator()(gradacc_accumulator_t *p) const noexcept { (void)gradacc_accumulator_destroy(p); }
+};
+struct CommDelete {
+    void operator()(gradacc_comm_t *p) const noexcept { (void)gradacc_comm_destroy(p); }
+};
+} // namespace detail
+
+class Accumulator;
+
+/** One rank's endpoint of a data-parallel group. Move-only; destroyed with gradacc_comm_destroy. */
+class Communicator {
+public:
+    /** Takes ownership of a handle from the C API (e.g. gradacc_comm_create_local). */
+    explicit Communicator(gradacc_comm_t *owned) noexcept : handle_(owned) {}
+
+    std::size_t rank() const {
+        std::size_t r = 0;
+        check(gradacc_comm_rank(handle_.get(), &r));
+        return r;
+    }
+    std::size_t world_size() const {
+        std::size_t n = 0;
+        check(gradacc_comm_world_size(handle_.get(), &n));
+        return n;
+    }
+
+    gradacc_comm_t *get() const noexcept { return handle_.get(); }
+    /** Gives the handle up: the caller must now free it with gradacc_comm_destroy. */
+    gradacc_comm_t *release() noexcept { return handle_.release(); }
+
+private:
+    std::unique_ptr<gradacc_comm_t, detail::CommDelete> handle_;
+};
+
+/** An in-process group of `world_size` ranks (threads), rank 0 first. Hand communicator r to the
+ * thread that runs rank r; every rank must take part in every sync. */
+class LocalGroup {
+public:
+    explicit LocalGroup(std::size_t world_size) {
+        std::vector<gradacc_comm_t *> raw(world_size, nullptr);
+        check(gradacc_comm_create_local(world_size, raw.data()));
+        comms_.reserve(world_size);
+        for (gradacc_comm_t *c : raw)
+            comms_.emplace_back(c); // reserve() above: no allocation, so no leak on throw
+    }
+
+    std::size_t size() const noexcept { return comms_.size(); }
+    Communicator &operator[](std::size_t rank) noexcept { return comms_[rank]; }
+    const Communicator &operator[](std::size_t rank) const noexcept { return comms_[rank]; }
+    std::vector<Communicator>::iterator begin() noexcept { return comms_.begin(); }
+    std::vector<Communicator>::iterator end() noexcept { return comms_.end(); }
+
+private:
+    std::vector<Communicator> comms_;
+};
+
+/** A dynamic loss scaler. Move-only; destroyed with gradacc_scaler_destroy. */
+class Scaler {
+public:
+    explicit Scaler(const ScalerConfig &config = ScalerConfig(), const Device &device = Device()) {
+        gradacc_scaler_t *p = nullptr;
+        check(gradacc_scaler_create(&config, &device, &p));
+        handle_.reset(p);
+    }
+
+    /** The current loss scale (synchronises with the stream on CUDA). */
+    float scale() const {
+        float s = 0.0f;
+        check(gradacc_scaler_get_scale(handle_.get(), &s));
+        return s;
+    }
+
+    /** Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale. */
+    void scale_loss(void *loss, std::size_t numel, gradacc_dtype_t dtype) const {
+        check(gradacc_scaler_scale_loss(handle_.get(), loss, numel, dtype));
+    }
+    void scale_loss(span<float> loss) const { scale_loss(loss.data(), loss.size(), GRADACC_DTYPE_F32); }
+
+    /** Ends an optimizer step from the synced accumulators; returns true when it must be skipped. */
+    inline bool update(std::initializer_list<const Accumulator *> accumulators);
+    inline bool update(const Accumulator &accumulator);
+
+    ScalerStats stats() const {
+        ScalerStats s{};
+        check(gradacc_scaler_get_stats(handle_.get(), &s));
+        return s;
+    }
+
+    /** The complete state as versioned bytes (for a checkpoint). */
+    std::vector<uint8_t> save() const {
+        std::size_t n = 0;
+        check(gradacc_scaler_save(handle_.get(), nullptr, 0, &n));
+        std::vector<uint8_t> bytes(n);
+        check(gradacc_scaler_save(handle_.get(), bytes.data(), bytes.size(), &n));
+        bytes.resize(n);
+        return bytes;
+    }
+    void load(span<const uint8_t> bytes) {
+        check(gradacc_scaler_load(handle_.get(), bytes.data(), bytes.size()));
+    }
+
+    gradacc_scaler_t *get() const noexcept { return handle_.get(); }
+    /** Gives the handle up: the caller must now free it with gradacc_scaler_destroy. */
+    gradacc_scaler_t *release() noexcept { return handle_.release(); }
+
+private:
+    std::unique_ptr<gradacc_scaler_t, detail::ScalerDelete> handle_;
+};
+
+/** FP32 master gradients of a list of tensors. Move-only; destroyed with
+ * gradacc_accumulator_destroy. The scalers and communicators passed to its methods are borrowed
+ * for the call only. */
+class Accumulator {
+public:
+    explicit Accumulator(span<const TensorDesc> tensors,
+                         const AccumulatorConfig &config = AccumulatorConfig(),
+                         const Device &device = Device()) {
+        gradacc_accumulator_t *p = nullptr;
+        check(gradacc_accumulator_create(&config, tensors.data(), tensors.size(), &device, &p));
+        handle_.reset(p);
+    }
+    Accumulator(std::initializer_list<TensorDesc> tensors,
+                const AccumulatorConfig &config = AccumulatorConfig(), const Device &device = Device())
+        : Accumulator(span<const TensorDesc>(tensors.begin(), tensors.size()), config, device) {}
+
+    /** Adopts the caller's FP32 buffer as the master; it must outlive the accumulator. */
+    static Accumulator with_buffer(span<const TensorDesc> tensors, span<float> master,
+                                   const AccumulatorConfig &config = AccumulatorConfig(),
+                                   const Device &device = Device()) {
+        gradacc_accumulator_t *p = nullptr;
+        check(gradacc_accumulator_create_with_buffer(&config, tensors.data(), tensors.size(), &device,
+                                                     master.data(), master.size(), &p));
+        return Accumulator(p);
+    }
+
+    /** One micro-batch of `count` items: grads[i] points at tensor i's gradient (its declared
+     * numel and dtype: float for F32, 16-bit words for F16 / BF16). */
+    void add(const Scaler &scaler, span<const void *const> grads, uint64_t count) {
+        check(gradacc_accumulator_add(handle_.get(), scaler.get(), grads.data(), grads.size(), count));
+    }
+    void add(const Scaler &scaler, std::initializer_list<const void *> grads, uint64_t count) {
+        add(scaler, span<const void *const>(grads.begin(), grads.size()), count);
+    }
+
+    /** Tensor by tensor, as backward hooks produce them. */
+    void begin_microbatch(uint64_t count) {
+        check(gradacc_accumulator_begin_microbatch(handle_.get(), count));
+    }
+    void add_tensor(const Scaler &scaler, std::size_t index, const void *grad, std::size_t numel) {
+        check(gradacc_accumulator_add_tensor(handle_.get(), scaler.get(), index, grad, numel));
+    }
+    void add_tensor(const Scaler &scaler, std::size_t index, span<const float> grad) {
+        add_tensor(scaler, index, grad.data(), grad.size());
+    }
+    /** fp16 or bf16 words, whichever dtype tensor `index` was declared with. */
+    void add_tensor(const Scaler &scaler, std::size_t index, span<const uint16_t> grad) {
+        add_tensor(scaler, index, grad.data(), grad.size());
+    }
+    void end_microbatch() { check(gradacc_accumulator_end_microbatch(handle_.get())); }
+
+    /** The boundary for one process. */
+    SyncInfo sync() { return sync_with(nullptr); }
+    /** The boundary across `comm`'s group: every rank calls it, each on its own thread. */
+    SyncInfo sync(Communicator &comm) { return sync_with(comm.get()); }
+
+    /** Tensor `index`'s FP32 master gradient, as a view into the accumulator's buffer. It stays
+     * valid until the accumulator is destroyed (moving the Accumulator object does not move the
+     * buffer); its contents are the boundary's result after sync(), a window in progress otherwise.
+     * Reading it must not overlap calls that add. */
+    span<float> master(std::size_t index) const {
+        float *p = nullptr;
+        std::size_t n = 0;
+        check(gradacc_accumulator_master(handle_.get(), index, &p, &n));
+        return span<float>(p, n);
+    }
+
+    std::size_t num_tensors() const {
+        std::size_t n = 0;
+        check(gradacc_accumulator_num_tensors(handle_.get(), &n));
+        return n;
+    }
+
+    void reset() { check(gradacc_accumulator_reset(handle_.get())); }
+
+    /** The window in progress as versioned bytes (a checkpoint in the middle of accumulation). */
+    std::vector<uint8_t> save_window() const {
+        std::size_t n = 0;
+        check(gradacc_accumulator_save_window(handle_.get(), nullptr, 0, &n));
+        std::vector<uint8_t> bytes(n);
+        check(gradacc_accumulator_save_window(handle_.get(), bytes.data(), bytes.size(), &n));
+        bytes.resize(n);
+        return bytes;
+    }
+    void load_window(span<const uint8_t> bytes) {
+        check(gradacc_accumulator_load_window(handle_.get(), bytes.data(), bytes.size()));
+    }
+
+    gradacc_accumulator_t *get() const noexcept { return handle_.get(); }
+    /** Gives the handle up: the caller must now free it with gradacc_accumulator_destroy. */
+    gradacc_accumulator_t *release() noexcept { return handle_.release(); }
+
+private:
+    explicit Accumulator(gradacc_accumulator_t *owned) noexcept : handle_(owned) {}
+
+    SyncInfo sync_with(gradacc_comm_t *comm) {
+        SyncInfo info{};
+        check(gradacc_accumulator_sync(handle_.get(), comm, &info));
+        return info;
+    }
+
+    std::unique_ptr<gradacc_accumulator_t, detail::AccumulatorDelete> handle_;
+};
+
+inline bool Scaler::update(std::initializer_list<const Accumulator *> accumulators) {
+    std::vector<const gradacc_accumulator_t *> raw;
+    raw.reserve(accumulators.size());
+    for (const Accumulator *a : accumulators)
+        raw.push_back(a ? a->get() : nullptr);
+    bool skipped = false;
+    check(gradacc_scaler_update(handle_.get(), raw.data(), raw.size(), &skipped));
+    return skipped;
+}
+
+inline bool Scaler::update(const Accumulator &accumulator) { return update({&accumulator}); }
+
+} // namespace gradacc
+
+#endif /* GRADACC_HPP */
