@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""Generates gradacc/_ffi.py, the ctypes declarations of the C API, from include/gradacc.h.
+
+The header is cbindgen output with a regular shape: `#define NAME value` constants, opaque
+`typedef struct X X;`, integer typedefs, `typedef struct X { fields } X;` and one prototype per
+function. Anything else in it is an error here, so a change of shape is noticed, not skipped.
+
+    gen_ffi.py            rewrite gradacc/_ffi.py
+    gen_ffi.py --check    exit 1, showing the diff, if the committed file differs from the output
+"""
+import argparse
+import difflib
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADER = os.path.join(HERE, "..", "..", "include", "gradacc.h")
+OUTPUT = os.path.join(HERE, "gradacc", "_ffi.py")
+
+SCALARS = {
+    "void": None,
+    "bool": "ctypes.c_bool",
+    "char": "ctypes.c_char",
+    "float": "ctypes.c_float",
+    "double": "ctypes.c_double",
+    "int8_t": "ctypes.c_int8",
+    "int16_t": "ctypes.c_int16",
+    "int32_t": "ctypes.c_int32",
+    "int64_t": "ctypes.c_int64",
+    "uint8_t": "ctypes.c_uint8",
+    "uint16_t": "ctypes.c_uint16",
+    "uint32_t": "ctypes.c_uint32",
+    "uint64_t": "ctypes.c_uint64",
+    "size_t": "ctypes.c_size_t",
+}
+
+
+class Header:
+    def __init__(self):
+        self.constants = []  # (name, python literal)
+        self.aliases = {}  # typedef name -> ctypes expression
+        self.order = []  # ("alias" | "opaque" | "struct", name) in header order
+        self.structs = {}  # name -> [(field, ctype)]
+        self.functions = []  # (name, restype, [(arg, ctype)])
+        self.docs = {}  # name -> first sentence of its doc comment
+
+
+def first_sentence(doc):
+    text = " ".join(line.strip().lstrip("*").strip() for line in doc.splitlines())
+    text = re.sub(r"\s+", " ", text).strip()
+    m = re.match(r"(.+?\.)(?:\s+(?=[A-Z`])|$)", text)
+    return m.group(1) if m else text
+
+
+def ctype(decl, header):
+    """A C type (without the declared name) as a ctypes expression."""
+    words = decl.replace("*", " * ").split()
+    stars = words.count("*")
+    base = [w for w in words if w not in ("const", "struct", "*")]
+    if len(base) != 1:
+        raise ValueError(f"cannot read the type `{decl}`")
+    name = base[0]
+    if name == "char" and stars == 1:
+        return "ctypes.c_char_p"
+    if name == "void":
+        if stars == 0:
+            return "None"
+        inner, stars = "ctypes.c_void_p", stars - 1
+    elif name in SCALARS:
+        inner = SCALARS[name]
+    elif name in header.aliases or name in header.structs:
+        inner = name
+    else:
+        raise ValueError(f"unknown type `{name}` in `{decl}`")
+    for _ in range(stars):
+        inner = f"ctypes.POINTER({inner})"
+    return inner
+
+
+def split_decl(decl):
+    """`const struct x_t *name` -> (`const struct x_t *`, `name`)."""
+    m = re.match(r"^(.*?)([A-Za-z_][A-Za-z0-9_]*)$", decl.strip())
+    if not m:
+        raise ValueError(f"cannot read the declaration `{decl}`")
+    return m.group(1).strip(), m.group(2)
+
+
+def parse(text):
+    h = Header()
+    # Doc comments are kept to name what each item does; then every comment goes.
+    # The C++ linkage block around the prototypes is not a declaration.
+    text = re.sub(r'^\s*extern\s+"C"\s*\{.*$|^\}\s*//\s*extern\s+"C".*$', "", text, flags=re.M)
+    pending_doc = None
+    items = []
+    token = re.compile(r"/\*\*(.*?)\*/|/\*.*?\*/|//[^\n]*|#[^\n]*|\s+|[^;{}#/\s][^;{}#/]*(?:\{[^}]*\})?[^;{}#/]*;?", re.S)
+    for m in token.finditer(text):
+        chunk = m.group(0)
+        if chunk.startswith("/**"):
+            pending_doc = m.group(1)
+            continue
+        if chunk.startswith("/*") or chunk.startswith("//") or not chunk.strip():
+            continue
+        items.append((chunk.strip(), pending_doc))
+        pending_doc = None
+
+    for item, doc in items:
+        if item.startswith("#"):
+            m = re.match(r"#define\s+([A-Za-z_][A-Za-z0-9_]*)\s+(.+)$", item)
+            if m:
+                name, value = m.group(1), m.group(2).strip()
+                if not re.fullmatch(r'-?\d+|"[^"\\]*"', value):
+                    raise ValueError(f"cannot read the value of #define {name}: {value}")
+                h.constants.append((name, value))
+                if doc:
+                    h.docs[name] = first_sentence(doc)
+            continue
+        flat = re.sub(r"\s+", " ", item)
+        m = re.fullmatch(r"typedef struct (\w+) (\w+);", flat)
+        if m and m.group(1) == m.group(2):
+            h.structs[m.group(1)] = None
+            h.order.append(("opaque", m.group(1)))
+            if doc:
+                h.docs[m.group(1)] = first_sentence(doc)
+            continue
+        m = re.fullmatch(r"typedef struct (\w+) \{(.*)\} (\w+);", flat)
+        if m and m.group(1) == m.group(3):
+            name = m.group(1)
+            fields = []
+            body = re.sub(r"/\*.*?\*/", "", m.group(2), flags=re.S)
+            for field in filter(None, (f.strip() for f in body.split(";"))):
+                ftype, fname = split_decl(field)
+                fields.append((fname, ctype(ftype, h)))
+            h.structs[name] = fields
+            h.order.append(("struct", name))
+            if doc:
+                h.docs[name] = first_sentence(doc)
+            continue
+        m = re.fullmatch(r"typedef ([\w ]+?) (\w+);", flat)
+        if m:
+            h.aliases[m.group(2)] = ctype(m.group(1), h)
+            h.order.append(("alias", m.group(2)))
+            if doc:
+                h.docs[m.group(2)] = first_sentence(doc)
+            continue
+        m = re.fullmatch(r"(.+?)\b(\w+)\((.*)\);", flat)
+        if m:
+            restype = ctype(m.group(1), h)
+            args = []
+            params = m.group(3).strip()
+            if params and params != "void":
+                for p in params.split(","):
+                    ptype, pname = split_decl(p)
+                    args.append((pname, ctype(ptype, h)))
+            h.functions.append((m.group(2), restype, args))
+            if doc:
+                h.docs[m.group(2)] = first_sentence(doc)
+            continue
+        raise ValueError(f"unexpected declaration in the header: {flat[:120]}")
+    return h
+
+
+def render(h):
+    out = [
+        '"""ctypes declarations of the gradacc C API.',
+        "",
+        "Generated from include/gradacc.h by bindings/python/gen_ffi.py. Do not edit by hand:",
+        "change src/ffi/, run scripts/gen-header, then bindings/python/gen_ffi.py.",
+        '"""',
+        "# fmt: off",
+        "import ctypes",
+        "",
+        "from ._lib import dll",
+        "",
+    ]
+    for name, value in h.constants:
+        if name == "GRADACC_H":
+            continue
+        doc = h.docs.get(name)
+        out.append(f"{name} = {value}" + (f"  # {doc}" if doc else ""))
+    out.append("")
+    for kind, name in h.order:
+        doc = h.docs.get(name)
+        if doc:
+            out.append("")
+            out.append(f"# {doc}")
+        if kind == "alias":
+            out.append(f"{name} = {h.aliases[name]}")
+        elif kind == "opaque":
+            out.append(f"class {name}(ctypes.Structure):")
+            out.append("    pass")
+        else:
+            out.append(f"class {name}(ctypes.Structure):")
+            out.append("    _fields_ = [")
+            for fname, ftype in h.structs[name]:
+                out.append(f'        ("{fname}", {ftype}),')
+            out.append("    ]")
+    out.append("")
+    for name, restype, args in h.functions:
+        out.append("")
+        doc = h.docs.get(name)
+        if doc:
+            out.append(f"# {doc}")
+        out.append(f"{name} = dll.{name}")
+        out.append(f"{name}.restype = {restype}")
+        out.append(f"{name}.argtypes = [{', '.join(t for _, t in args)}]")
+        if args:
+            out.append(f"# arguments: {', '.join(a for a, _ in args)}")
+    out.append("")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="fail if the committed file is out of date")
+    ap.add_argument("--header", default=HEADER)
+    ap.add_argument("--output", default=OUTPUT)
+    args = ap.parse_args()
+    with open(args.header) as f:
+        generated = render(parse(f.read()))
+    if args.check:
+        try:
+            with open(args.output) as f:
+                committed = f.read()
+        except FileNotFoundError:
+            committed = ""
+        if committed != generated:
+            sys.stdout.writelines(difflib.unified_diff(
+                committed.splitlines(True), generated.splitlines(True),
+                "bindings/python/gradacc/_ffi.py", "generated"))
+            print("error: bindings/python/gradacc/_ffi.py is out of date with include/gradacc.h: "
+                  "run bindings/python/gen_ffi.py and commit the result", file=sys.stderr)
+            return 1
+        print("bindings/python/gradacc/_ffi.py is up to date")
+        return 0
+    with open(args.output, "w") as f:
+        f.write(generated)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""gradacc: correct mixed-precision gradient accumulation (Python binding over the C ABI).
+
+    import numpy as np, gradacc
+
+    with gradacc.Scaler() as scaler, gradacc.Accumulator([(4096, "f16"), (64, "f16")]) as acc:
+        for batch in micro_batches:
+            w_grad, b_grad = backward(batch, scaler.scale)     # numpy float16 arrays
+            acc.add(scaler, [w_grad, b_grad], count=len(batch))
+        info = acc.sync()                                     # the boundary (comm=None: one process)
+        if not scaler.update(acc):
+            w -= lr * acc.master(0)                           # a float32 view of the master
+
+Objects own their C handle: ``close()`` (idempotent) or a ``with`` block frees it, ``__del__``
+frees it otherwise. Failing calls raise :class:`GradaccError` with the status and the message of
+the calling thread. The C header include/gradacc.h states every function's semantics and thread
+rules; this layer adds none of its own.
+"""
+from ._core import (
+    Accumulator,
+    Communicator,
+    DType,
+    GradaccError,
+    LossReduction,
+    Normalize,
+    Scaler,
+    ScalerStats,
+    Status,
+    SyncInfo,
+    local_group,
+    version,
+)
+from ._ffi import GRADACC_VERSION_STRING as HEADER_VERSION
+
+__version__ = HEADER_VERSION
+__all__ = [
+    "Accumulator",
+    "Communicator",
+    "DType",
+    "GradaccError",
+    "LossReduction",
+    "Normalize",
+    "Scaler",
+    "ScalerStats",
+    "Status",
+    "SyncInfo",
+    "local_group",
+    "version",
+]

@@ -1,0 +1,412 @@
+"""The Pythonic layer over the generated ctypes declarations (_ffi.py): owned handles, statuses
+turned into GradaccError, and buffers taken from numpy arrays and other array-like objects."""
+import contextlib
+import ctypes
+import dataclasses
+import enum
+
+import numpy as np
+
+from . import _ffi as ffi
+
+
+def _constants(prefix):
+    return {k[len(prefix):]: v for k, v in vars(ffi).items() if k.startswith(prefix) and isinstance(v, int)}
+
+
+# Built from the header's constants, so a code added to the C API appears here by regeneration.
+Status = enum.IntEnum("Status", _constants("GRADACC_STATUS_"), module=__name__)
+DType = enum.IntEnum("DType", _constants("GRADACC_DTYPE_"), module=__name__)
+Normalize = enum.IntEnum("Normalize", _constants("GRADACC_NORMALIZE_"), module=__name__)
+LossReduction = enum.IntEnum("LossReduction", _constants("GRADACC_LOSS_REDUCTION_"), module=__name__)
+
+
+class GradaccError(Exception):
+    """A gradacc call failed: ``status`` (a :class:`Status`) and ``message``, the calling thread's
+    gradacc_last_error() read right after the call (it names the argument and the value)."""
+
+    def __init__(self, status, message):
+        try:
+            status = Status(status)
+        except ValueError:
+            pass
+        self.status = status
+        self.message = message
+        name = ffi.gradacc_status_string(int(status)).decode()
+        super().__init__(f"{name}: {message}")
+
+
+def _check(status):
+    # Read the message at once, on this thread: it is per thread and the next failure replaces it.
+    if status != ffi.GRADACC_STATUS_OK:
+        raise GradaccError(status, ffi.gradacc_last_error().decode("utf-8", "replace"))
+
+
+def version():
+    """The loaded library's version string ("MAJOR.MINOR.PATCH")."""
+    return ffi.gradacc_version_string().decode()
+
+
+def _check_version():
+    loaded = version().split("-")[0].split(".")[:2]
+    header = [str(ffi.GRADACC_VERSION_MAJOR), str(ffi.GRADACC_VERSION_MINOR)]
+    if loaded != header:
+        raise ImportError(f"the gradacc library is version {version()}, but this binding was generated "
+                          f"from the {ffi.GRADACC_VERSION_STRING} header")
+
+
+_check_version()
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncInfo:
+    """What the boundary reports; identical on every rank."""
+    found_inf: bool
+    total_count: int
+    microbatches: int
+    grad_norm: float
+    clip_coef: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStats:
+    steps: int
+    skipped_steps: int
+    growths: int
+    backoffs: int
+
+
+def _from_struct(cls, s):
+    return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
+
+
+# ---- buffers --------------------------------------------------------------------------------
+
+# numpy dtype names accepted for each gradacc dtype. 16-bit words as uint16 are accepted for fp16
+# and bf16 (numpy has no bfloat16; ml_dtypes' is named "bfloat16").
+_ACCEPTED = {
+    DType.F32: ("float32",),
+    DType.F16: ("float16", "uint16"),
+    DType.BF16: ("bfloat16", "uint16"),
+}
+_DTYPE_NAMES = {
+    "f32": DType.F32, "float32": DType.F32, "float": DType.F32,
+    "f16": DType.F16, "float16": DType.F16, "half": DType.F16,
+    "bf16": DType.BF16, "bfloat16": DType.BF16,
+}
+
+
+def _dtype(value):
+    if isinstance(value, str):
+        key = value.lower().rsplit(".", 1)[-1]  # also "torch.float16"
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(f"unknown dtype {value!r}: use 'f32', 'f16' or 'bf16'")
+    if isinstance(value, (np.dtype, type)):
+        return _dtype(np.dtype(value).name)
+    return DType(value)
+
+
+def _enum(cls, value):
+    return cls[value.upper()] if isinstance(value, str) else int(value)  # the C API validates ints
+
+
+def _buffer(obj, dtype, what, writable=False):
+    """(address, numel or None, object to keep alive) of a buffer: a numpy array, an object with
+    __array_interface__ or data_ptr() (e.g. a torch tensor), or a raw address as an int."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return obj, None, None
+    if isinstance(obj, np.ndarray) or hasattr(obj, "__array_interface__"):
+        arr = obj if isinstance(obj, np.ndarray) else np.asarray(obj)  # no copy: same memory
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous (got strides {arr.strides})")
+        if writable and not arr.flags.writeable:
+            raise ValueError(f"{what} must be writable")
+        if dtype is not None and arr.dtype.name not in _ACCEPTED[dtype]:
+            raise TypeError(f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
+                            f"{dtype.name} (accepted: {', '.join(_ACCEPTED[dtype])})")
+        return arr.ctypes.data, arr.size, arr
+    if hasattr(obj, "data_ptr"):
+        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        name = str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1]
+        if dtype is not None and name in _DTYPE_NAMES and _DTYPE_NAMES[name] != dtype:
+            raise TypeError(f"{what} has dtype {name}, but the tensor is declared {dtype.name}")
+        numel = obj.numel() if hasattr(obj, "numel") else None
+        return int(obj.data_ptr()), numel, obj
+    raise TypeError(f"{what}: expected a numpy array, an object with __array_interface__ or "
+                    f"data_ptr(), or an address (int); got {type(obj).__name__}")
+
+
+def _device(device):
+    d = ffi.gradacc_device_t()
+    if device is None or device == "cpu":
+        d.kind = ffi.GRADACC_DEVICE_CPU
+    elif isinstance(device, tuple) and device and device[0] == "cuda":
+        d.kind = ffi.GRADACC_DEVICE_CUDA
+        d.ordinal = device[1] if len(device) > 1 else 0
+        d.stream = device[2] if len(device) > 2 else None
+    else:
+        raise ValueError(f"device must be None, 'cpu' or ('cuda', ordinal, stream); got {device!r}")
+    return d
+
+
+def _config(struct, default_fn, config, fields, enums):
+    if config is None:
+        config = struct()
+        _check(default_fn(ctypes.byref(config)))
+    else:
+        config = struct.from_buffer_copy(config)
+    names = {n for n, _ in struct._fields_} - {"struct_size"}
+    for key, value in fields.items():
+        if key not in names:
+            raise TypeError(f"unknown {struct.__name__} field {key!r} (fields: {', '.join(sorted(names))})")
+        setattr(config, key, _enum(enums[key], value) if key in enums else value)
+    return config
+
+
+# ---- owned handles --------------------------------------------------------------------------
+
+class _Managed:
+    """Owns one C handle: close() (idempotent), ``with``, and __del__ all free it exactly once."""
+    _ptr = None
+    _destroy = None
+
+    def close(self):
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            type(self)._destroy(ptr)  # single ownership: the handle is known, so this succeeds
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def _handle(self):
+        if self._ptr is None:
+            raise ValueError(f"this {type(self).__name__} is closed")
+        return self._ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown may have torn the module down already
+            pass
+
+
+class Communicator(_Managed):
+    """One rank's endpoint of a data-parallel group (see :func:`local_group`)."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_comm_destroy(p))
+
+    def __init__(self, handle):
+        self._ptr = handle
+
+    @property
+    def rank(self):
+        out = ctypes.c_size_t()
+        _check(ffi.gradacc_comm_rank(self._handle(), ctypes.byref(out)))
+        return out.value
+
+    @property
+    def world_size(self):
+        out = ctypes.c_size_t()
+        _check(ffi.gradacc_comm_world_size(self._handle(), ctypes.byref(out)))
+        return out.value
+
+
+def local_group(world_size):
+    """An in-process group of ``world_size`` ranks: a list of communicators, rank 0 first. Give
+    communicator r to the thread that runs rank r; every rank must take part in every sync."""
+    raw = (ctypes.POINTER(ffi.gradacc_comm_t) * world_size)()
+    _check(ffi.gradacc_comm_create_local(world_size, raw))
+    return [Communicator(raw[r]) for r in range(world_size)]
+
+
+class Scaler(_Managed):
+    """A dynamic loss scaler. ``Scaler(init_scale=1024.0, hysteresis=2, ...)`` changes fields of
+    the default config (gradacc_scaler_config_default); ``config=`` takes a whole
+    ``gradacc_scaler_config_t``. ``device``: None / 'cpu', or ('cuda', ordinal, stream)."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_scaler_destroy(p))
+
+    def __init__(self, config=None, *, device=None, **fields):
+        cfg = _config(ffi.gradacc_scaler_config_t, ffi.gradacc_scaler_config_default, config, fields, {})
+        out = ctypes.POINTER(ffi.gradacc_scaler_t)()
+        _check(ffi.gradacc_scaler_create(ctypes.byref(cfg), ctypes.byref(_device(device)), ctypes.byref(out)))
+        self._ptr = out
+
+    @property
+    def scale(self):
+        """The current loss scale (synchronises with the stream on CUDA)."""
+        out = ctypes.c_float()
+        _check(ffi.gradacc_scaler_get_scale(self._handle(), ctypes.byref(out)))
+        return out.value
+
+    def scale_loss(self, loss, dtype=None, numel=None):
+        """Multiplies the loss buffer in place by the current scale. The dtype comes from the
+        array (float32 / float16 / bfloat16); give it for uint16 words or a raw address."""
+        dt = _dtype(dtype) if dtype is not None else None
+        if dt is None:
+            name = getattr(getattr(loss, "dtype", None), "name", str(getattr(loss, "dtype", "")))
+            name = name.rsplit(".", 1)[-1]
+            if name not in _DTYPE_NAMES:
+                raise TypeError(f"cannot tell the loss dtype from {name or type(loss).__name__!r}: pass dtype=")
+            dt = _DTYPE_NAMES[name]
+        ptr, n, keep = _buffer(loss, dt, "loss", writable=True)
+        n = numel if numel is not None else n
+        if n is None:
+            raise TypeError("pass numel= with a raw address")
+        _check(ffi.gradacc_scaler_scale_loss(self._handle(), ptr, n, dt))
+        del keep
+
+    def update(self, *accumulators):
+        """Ends an optimizer step from the synced accumulators; True means: skip the step."""
+        arr = (ctypes.POINTER(ffi.gradacc_accumulator_t) * len(accumulators))(
+            *(a._handle() for a in accumulators))
+        skipped = ctypes.c_bool()
+        _check(ffi.gradacc_scaler_update(self._handle(), arr, len(accumulators), ctypes.byref(skipped)))
+        return skipped.value
+
+    @property
+    def stats(self):
+        out = ffi.gradacc_scaler_stats_t()
+        _check(ffi.gradacc_scaler_get_stats(self._handle(), ctypes.byref(out)))
+        return _from_struct(ScalerStats, out)
+
+    def save(self):
+        """The complete state as versioned bytes."""
+        n = ctypes.c_size_t()
+        _check(ffi.gradacc_scaler_save(self._handle(), None, 0, ctypes.byref(n)))
+        buf = (ctypes.c_uint8 * n.value)()
+        _check(ffi.gradacc_scaler_save(self._handle(), buf, n.value, ctypes.byref(n)))
+        return bytes(buf)[: n.value]
+
+    def load(self, state):
+        data = bytes(state)
+        _check(ffi.gradacc_scaler_load(self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))
+
+
+class Accumulator(_Managed):
+    """FP32 master gradients of a list of tensors, each ``(numel, dtype)`` with dtype 'f32',
+    'f16', 'bf16' (or a DType, or a numpy dtype). Config fields are keywords
+    (``normalize='by_world'``, ``loss_reduction='sum'``, ``max_grad_norm=1.0``, ...)."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
+
+    def __init__(self, tensors, config=None, *, device=None, master=None, **fields):
+        specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
+        cfg = _config(ffi.gradacc_accumulator_config_t, ffi.gradacc_accumulator_config_default, config, fields,
+                      {"normalize": Normalize, "loss_reduction": LossReduction})
+        descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
+        dev = _device(device)
+        out = ctypes.POINTER(ffi.gradacc_accumulator_t)()
+        if master is None:
+            _check(ffi.gradacc_accumulator_create(ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
+                                                  ctypes.byref(out)))
+            self._master_keep = None
+        else:
+            ptr, n, keep = _buffer(master, DType.F32, "master", writable=True)
+            if n is None:
+                n = sum(numel for numel, _ in specs)
+            _check(ffi.gradacc_accumulator_create_with_buffer(
+                ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), n, ctypes.byref(out)))
+            self._master_keep = keep  # the adopted buffer must outlive the accumulator
+        self._ptr = out
+        self._tensors = specs
+        self._on_host = dev.kind == ffi.GRADACC_DEVICE_CPU
+
+    @property
+    def tensors(self):
+        """The declared ``(numel, DType)`` of each tensor."""
+        return list(self._tensors)
+
+    def __len__(self):
+        return len(self._tensors)
+
+    def add(self, scaler, grads, count):
+        """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient."""
+        if len(grads) != len(self._tensors):
+            raise ValueError(f"{len(grads)} gradients for {len(self._tensors)} tensors")
+        ptrs, keep = [], []
+        for i, (g, (numel, dt)) in enumerate(zip(grads, self._tensors)):
+            ptr, n, k = _buffer(g, dt, f"grads[{i}]")
+            # add() takes no lengths, so a short buffer would be read past its end: check here.
+            if n is not None and n != numel:
+                raise ValueError(f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
+            ptrs.append(ptr)
+            keep.append(k)
+        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        _check(ffi.gradacc_accumulator_add(self._handle(), scaler._handle(), arr, len(ptrs), count))
+
+    def begin_microbatch(self, count):
+        _check(ffi.gradacc_accumulator_begin_microbatch(self._handle(), count))
+
+    def add_tensor(self, scaler, index, grad, numel=None):
+        """One contribution to tensor ``index`` of the open micro-batch (several may be summed)."""
+        dt = self._tensors[index][1] if 0 <= index < len(self._tensors) else None
+        ptr, n, keep = _buffer(grad, dt, "grad")
+        n = numel if numel is not None else n
+        if n is None:
+            raise TypeError("pass numel= with a raw address")
+        _check(ffi.gradacc_accumulator_add_tensor(self._handle(), scaler._handle(), index, ptr, n))
+        del keep
+
+    def end_microbatch(self):
+        _check(ffi.gradacc_accumulator_end_microbatch(self._handle()))
+
+    @contextlib.contextmanager
+    def microbatch(self, count):
+        """``with acc.microbatch(n): acc.add_tensor(...)``: begin, then end if the block succeeds
+        (on an exception the micro-batch stays open: reset() discards the window)."""
+        self.begin_microbatch(count)
+        yield self
+        self.end_microbatch()
+
+    def sync(self, comm=None):
+        """The boundary; with ``comm`` every rank of its group calls it, each on its own thread."""
+        info = ffi.gradacc_sync_info_t()
+        c = comm._handle() if comm is not None else None
+        _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
+        return _from_struct(SyncInfo, info)
+
+    def master_ptr(self, index):
+        """(address, numel) of tensor ``index``'s FP32 master (a device pointer on CUDA)."""
+        p = ctypes.POINTER(ctypes.c_float)()
+        n = ctypes.c_size_t()
+        _check(ffi.gradacc_accumulator_master(self._handle(), index, ctypes.byref(p), ctypes.byref(n)))
+        return ctypes.cast(p, ctypes.c_void_p).value, n.value
+
+    def master(self, index):
+        """Tensor ``index``'s FP32 master gradient as a writable 1-D float32 numpy view (no copy).
+
+        The view keeps this Accumulator object alive, but not its C buffer past close(): it is
+        valid until the accumulator is closed (or collected after its last reference, view
+        included, is gone). It holds the boundary's result after sync() and a window in progress
+        otherwise; do not read it while another thread adds. Copy it (``.copy()``) to keep it."""
+        if not self._on_host:
+            raise ValueError("master() views host memory; use master_ptr() for a CUDA accumulator")
+        addr, n = self.master_ptr(index)
+        if n == 0:
+            return np.zeros(0, np.float32)
+        raw = (ctypes.c_float * n).from_address(addr)
+        raw._owner = self  # the numpy view's base is `raw`, which keeps the accumulator alive
+        return np.frombuffer(raw, dtype=np.float32)
+
+    def reset(self):
+        _check(ffi.gradacc_accumulator_reset(self._handle()))
+
+    def save_window(self):
+        n = ctypes.c_size_t()
+        _check(ffi.gradacc_accumulator_save_window(self._handle(), None, 0, ctypes.byref(n)))
+        buf = (ctypes.c_uint8 * n.value)()
+        _check(ffi.gradacc_accumulator_save_window(self._handle(), buf, n.value, ctypes.byref(n)))
+        return bytes(buf)[: n.value]
+
+    def load_window(self, state):
+        data = bytes(state)
+        _check(ffi.gradacc_accumulator_load_window(
+            self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))

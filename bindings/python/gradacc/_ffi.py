@@ -1,0 +1,313 @@
+"""ctypes declarations of the gradacc C API.
+
+Generated from include/gradacc.h by bindings/python/gen_ffi.py. Do not edit by hand:
+change src/ffi/, run scripts/gen-header, then bindings/python/gen_ffi.py.
+"""
+# fmt: off
+import ctypes
+
+from ._lib import dll
+
+GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
+GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
+GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
+GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
+GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
+GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
+GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+GRADACC_STATUS_OK = 0  # Success.
+GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
+GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
+GRADACC_STATUS_INVALID_HANDLE = 3  # A handle that was destroyed, never created, or is of another object type.
+GRADACC_STATUS_DTYPE_MISMATCH = 4  # A gradient's dtype differs from its tensor's declared dtype.
+GRADACC_STATUS_SIZE_MISMATCH = 5  # A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
+GRADACC_STATUS_DEVICE_MISMATCH = 6  # Objects bound to different devices or backends were combined.
+GRADACC_STATUS_WRONG_STATE = 7  # The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
+GRADACC_STATUS_EMPTY_WINDOW = 8  # The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
+GRADACC_STATUS_SCALE_AT_MINIMUM = 9  # An overflow needed a backoff while the loss scale was already at min_scale.
+GRADACC_STATUS_BACKEND_UNAVAILABLE = 10  # The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
+GRADACC_STATUS_COMM_FAILURE = 11  # The communicator failed.
+GRADACC_STATUS_PEER_FAILURE = 12  # Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
+GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
+GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
+GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
+GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
+GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
+GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
+GRADACC_DEVICE_CPU = 0  # Host memory; buffers are host pointers.
+GRADACC_DEVICE_CUDA = 1  # A CUDA device; buffers are device pointers and work is ordered on the given stream.
+
+
+# A gradient accumulator (opaque).
+class gradacc_accumulator_t(ctypes.Structure):
+    pass
+
+# One rank's endpoint of a data-parallel group (opaque).
+class gradacc_comm_t(ctypes.Structure):
+    pass
+
+# A dynamic loss scaler (opaque).
+class gradacc_scaler_t(ctypes.Structure):
+    pass
+
+# Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
+gradacc_status_t = ctypes.c_int32
+
+# How the caller reduced its loss over the `count` items of a micro-batch.
+gradacc_loss_reduction_t = ctypes.c_int32
+
+# What the summed gradient is divided by at the boundary.
+gradacc_normalize_t = ctypes.c_int32
+
+# Accumulator configuration.
+class gradacc_accumulator_config_t(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("loss_reduction", gradacc_loss_reduction_t),
+        ("normalize", gradacc_normalize_t),
+        ("max_grad_norm", ctypes.c_float),
+        ("bucket_numel", ctypes.c_uint64),
+        ("threads", ctypes.c_uint32),
+    ]
+
+# Element type of a model gradient buffer.
+gradacc_dtype_t = ctypes.c_int32
+
+# One tensor of an accumulator: element count and the dtype its gradients arrive in.
+class gradacc_tensor_desc_t(ctypes.Structure):
+    _fields_ = [
+        ("numel", ctypes.c_uint64),
+        ("dtype", gradacc_dtype_t),
+    ]
+
+# Kind of device an object is bound to.
+gradacc_device_kind_t = ctypes.c_int32
+
+# The device an object is bound to.
+class gradacc_device_t(ctypes.Structure):
+    _fields_ = [
+        ("kind", gradacc_device_kind_t),
+        ("ordinal", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+# What the boundary reports; identical on every rank.
+class gradacc_sync_info_t(ctypes.Structure):
+    _fields_ = [
+        ("found_inf", ctypes.c_bool),
+        ("total_count", ctypes.c_uint64),
+        ("microbatches", ctypes.c_uint64),
+        ("grad_norm", ctypes.c_double),
+        ("clip_coef", ctypes.c_double),
+    ]
+
+# Scaler configuration.
+class gradacc_scaler_config_t(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("init_scale", ctypes.c_float),
+        ("growth_factor", ctypes.c_float),
+        ("backoff_factor", ctypes.c_float),
+        ("growth_interval", ctypes.c_uint32),
+        ("hysteresis", ctypes.c_uint32),
+        ("consecutive_hysteresis", ctypes.c_bool),
+        ("min_scale", ctypes.c_float),
+        ("max_scale", ctypes.c_float),
+        ("dynamic", ctypes.c_bool),
+    ]
+
+# Statistics of a scaler since creation or since its state was loaded.
+class gradacc_scaler_stats_t(ctypes.Structure):
+    _fields_ = [
+        ("steps", ctypes.c_uint64),
+        ("skipped_steps", ctypes.c_uint64),
+        ("growths", ctypes.c_uint64),
+        ("backoffs", ctypes.c_uint64),
+    ]
+
+
+# Fills `*out` with the default accumulator configuration (and its struct_size).
+gradacc_accumulator_config_default = dll.gradacc_accumulator_config_default
+gradacc_accumulator_config_default.restype = gradacc_status_t
+gradacc_accumulator_config_default.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t)]
+# arguments: out
+
+# Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the tensors' total size, laid out tensor after tensor.
+gradacc_accumulator_create = dll.gradacc_accumulator_create
+gradacc_accumulator_create.restype = gradacc_status_t
+gradacc_accumulator_create.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
+# arguments: config, tensors, n, device, out
+
+# Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own contiguous gradient buffer.
+gradacc_accumulator_create_with_buffer = dll.gradacc_accumulator_create_with_buffer
+gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
+gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
+# arguments: config, tensors, n, device, master, master_numel, out
+
+# Destroys an accumulator.
+gradacc_accumulator_destroy = dll.gradacc_accumulator_destroy
+gradacc_accumulator_destroy.restype = gradacc_status_t
+gradacc_accumulator_destroy.argtypes = [ctypes.POINTER(gradacc_accumulator_t)]
+# arguments: acc
+
+# Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale.
+gradacc_accumulator_add = dll.gradacc_accumulator_add
+gradacc_accumulator_add.restype = gradacc_status_t
+gradacc_accumulator_add.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]
+# arguments: acc, scaler, grads, n, count
+
+# Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them).
+gradacc_accumulator_begin_microbatch = dll.gradacc_accumulator_begin_microbatch
+gradacc_accumulator_begin_microbatch.restype = gradacc_status_t
+gradacc_accumulator_begin_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64]
+# arguments: acc, count
+
+# Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`.
+gradacc_accumulator_add_tensor = dll.gradacc_accumulator_add_tensor
+gradacc_accumulator_add_tensor.restype = gradacc_status_t
+gradacc_accumulator_add_tensor.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+# arguments: acc, scaler, index, grad, numel
+
+# Closes the open micro-batch.
+gradacc_accumulator_end_microbatch = dll.gradacc_accumulator_end_microbatch
+gradacc_accumulator_end_microbatch.restype = gradacc_status_t
+gradacc_accumulator_end_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t)]
+# arguments: acc
+
+# The accumulation boundary.
+gradacc_accumulator_sync = dll.gradacc_accumulator_sync
+gradacc_accumulator_sync.restype = gradacc_status_t
+gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
+# arguments: acc, comm, out_info
+
+# Writes a pointer to tensor `index`'s FP32 master gradient and its element count.
+gradacc_accumulator_master = dll.gradacc_accumulator_master
+gradacc_accumulator_master.restype = gradacc_status_t
+gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
+# arguments: acc, index, out_ptr_, out_numel
+
+# Writes the number of tensors to `*out`.
+gradacc_accumulator_num_tensors = dll.gradacc_accumulator_num_tensors
+gradacc_accumulator_num_tensors.restype = gradacc_status_t
+gradacc_accumulator_num_tensors.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_size_t)]
+# arguments: acc, out
+
+# Discards the window in progress (or the synced result); the next micro-batch starts a new one.
+gradacc_accumulator_reset = dll.gradacc_accumulator_reset
+gradacc_accumulator_reset.restype = gradacc_status_t
+gradacc_accumulator_reset.argtypes = [ctypes.POINTER(gradacc_accumulator_t)]
+# arguments: acc
+
+# Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned bytes, for a checkpoint in the middle of accumulation.
+gradacc_accumulator_save_window = dll.gradacc_accumulator_save_window
+gradacc_accumulator_save_window.restype = gradacc_status_t
+gradacc_accumulator_save_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: acc, buf, capacity, out_len
+
+# Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors.
+gradacc_accumulator_load_window = dll.gradacc_accumulator_load_window
+gradacc_accumulator_load_window.restype = gradacc_status_t
+gradacc_accumulator_load_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+# arguments: acc, bytes, len
+
+# Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+gradacc_comm_create_local = dll.gradacc_comm_create_local
+gradacc_comm_create_local.restype = gradacc_status_t
+gradacc_comm_create_local.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: world_size, out_comms
+
+# Destroys a communicator handle.
+gradacc_comm_destroy = dll.gradacc_comm_destroy
+gradacc_comm_destroy.restype = gradacc_status_t
+gradacc_comm_destroy.argtypes = [ctypes.POINTER(gradacc_comm_t)]
+# arguments: comm
+
+# Writes this handle's rank (0-based) to `*out`.
+gradacc_comm_rank = dll.gradacc_comm_rank
+gradacc_comm_rank.restype = gradacc_status_t
+gradacc_comm_rank.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
+# arguments: comm, out
+
+# Writes the group's number of ranks to `*out`.
+gradacc_comm_world_size = dll.gradacc_comm_world_size
+gradacc_comm_world_size.restype = gradacc_status_t
+gradacc_comm_world_size.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
+# arguments: comm, out
+
+# Fills `*out` with the default scaler configuration (and its struct_size).
+gradacc_scaler_config_default = dll.gradacc_scaler_config_default
+gradacc_scaler_config_default.restype = gradacc_status_t
+gradacc_scaler_config_default.argtypes = [ctypes.POINTER(gradacc_scaler_config_t)]
+# arguments: out
+
+# Creates a scaler.
+gradacc_scaler_create = dll.gradacc_scaler_create
+gradacc_scaler_create.restype = gradacc_status_t
+gradacc_scaler_create.argtypes = [ctypes.POINTER(gradacc_scaler_config_t), ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.POINTER(gradacc_scaler_t))]
+# arguments: config, device, out
+
+# Destroys a scaler.
+gradacc_scaler_destroy = dll.gradacc_scaler_destroy
+gradacc_scaler_destroy.restype = gradacc_status_t
+gradacc_scaler_destroy.argtypes = [ctypes.POINTER(gradacc_scaler_t)]
+# arguments: scaler
+
+# Reads the current loss scale into `*out`.
+gradacc_scaler_get_scale = dll.gradacc_scaler_get_scale
+gradacc_scaler_get_scale.restype = gradacc_status_t
+gradacc_scaler_get_scale.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_float)]
+# arguments: scaler, out
+
+# Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even).
+gradacc_scaler_scale_loss = dll.gradacc_scaler_scale_loss
+gradacc_scaler_scale_loss.restype = gradacc_status_t
+gradacc_scaler_scale_loss.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.c_void_p, ctypes.c_size_t, gradacc_dtype_t]
+# arguments: scaler, loss, numel, dtype
+
+# Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each must have completed gradacc_accumulator_sync for its current window), and updates the scale once.
+gradacc_scaler_update = dll.gradacc_scaler_update
+gradacc_scaler_update.restype = gradacc_status_t
+gradacc_scaler_update.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t)), ctypes.c_size_t, ctypes.POINTER(ctypes.c_bool)]
+# arguments: scaler, accumulators, n, out_skipped
+
+# Writes the scaler's statistics to `*out`.
+gradacc_scaler_get_stats = dll.gradacc_scaler_get_stats
+gradacc_scaler_get_stats.restype = gradacc_status_t
+gradacc_scaler_get_stats.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_scaler_stats_t)]
+# arguments: scaler, out
+
+# Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.
+gradacc_scaler_save = dll.gradacc_scaler_save
+gradacc_scaler_save.restype = gradacc_status_t
+gradacc_scaler_save.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: scaler, buf, capacity, out_len
+
+# Restores a state written by gradacc_scaler_save.
+gradacc_scaler_load = dll.gradacc_scaler_load
+gradacc_scaler_load.restype = gradacc_status_t
+gradacc_scaler_load.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+# arguments: scaler, bytes, len
+
+# A static description of a status code (never NULL; unknown codes get a generic text).
+gradacc_status_string = dll.gradacc_status_string
+gradacc_status_string.restype = ctypes.c_char_p
+gradacc_status_string.argtypes = [gradacc_status_t]
+# arguments: status
+
+# The message of the most recent failed gradacc call on the calling thread ("" if none yet).
+gradacc_last_error = dll.gradacc_last_error
+gradacc_last_error.restype = ctypes.c_char_p
+gradacc_last_error.argtypes = []
+
+# The loaded library's version as "MAJOR.MINOR.PATCH" (static storage, never NULL).
+gradacc_version_string = dll.gradacc_version_string
+gradacc_version_string.restype = ctypes.c_char_p
+gradacc_version_string.argtypes = []
+
+# The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH.
+gradacc_version_number = dll.gradacc_version_number
+gradacc_version_number.restype = ctypes.c_uint32
+gradacc_version_number.argtypes = []

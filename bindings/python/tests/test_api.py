@@ -1,0 +1,162 @@
+"""The binding itself: errors, handle lifetimes, buffers of every accepted kind."""
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import gradacc
+
+
+def test_version_matches_header():
+    assert gradacc.version() == gradacc.__version__
+
+
+def test_error_carries_status_and_message():
+    with gradacc.Scaler() as scaler, gradacc.Accumulator([(4, "f16")]) as acc:
+        acc.begin_microbatch(1)
+        with pytest.raises(gradacc.GradaccError) as e:
+            acc.add_tensor(scaler, 0, np.zeros(8, np.float16))
+        assert e.value.status == gradacc.Status.SIZE_MISMATCH
+        assert "`numel` = 8" in e.value.message
+        assert "GRADACC_STATUS_SIZE_MISMATCH" in str(e.value)
+        with pytest.raises(gradacc.GradaccError) as e:
+            acc.sync()  # inside a micro-batch
+        assert e.value.status == gradacc.Status.WRONG_STATE
+
+
+def test_invalid_config_and_empty_window():
+    with pytest.raises(gradacc.GradaccError) as e:
+        gradacc.Accumulator([(1, "f32")], normalize=99)
+    assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "normalize" in e.value.message
+    with pytest.raises(TypeError):
+        gradacc.Scaler(no_such_field=1)
+    with gradacc.Accumulator([(1, "f32")]) as acc:
+        with pytest.raises(gradacc.GradaccError) as e:
+            acc.sync()
+        assert e.value.status == gradacc.Status.EMPTY_WINDOW
+
+
+def test_messages_are_per_thread():
+    # Each thread's error carries its own message, even when both fail at the same time.
+    barrier, seen = threading.Barrier(2), {}
+
+    def fail(r):
+        with gradacc.Accumulator([(r + 1, "f32")]) as acc, gradacc.Scaler() as s:
+            acc.begin_microbatch(1)
+            barrier.wait()
+            try:
+                acc.add_tensor(s, 0, np.zeros(10 + r, np.float32))
+            except gradacc.GradaccError as e:
+                seen[r] = e.message
+
+    threads = [threading.Thread(target=fail, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert "`numel` = 10" in seen[0] and "`numel` = 11" in seen[1]
+
+
+def test_close_is_idempotent_and_closed_objects_refuse():
+    s = gradacc.Scaler()
+    s.close()
+    s.close()
+    assert s.closed
+    with pytest.raises(ValueError, match="closed"):
+        s.scale
+    comms = gradacc.local_group(3)
+    assert [c.rank for c in comms] == [0, 1, 2]
+    for c in comms:
+        c.close()
+        c.close()
+
+
+def test_master_view_keeps_the_accumulator_alive():
+    acc = gradacc.Accumulator([(3, "f32")])
+    with gradacc.Scaler(init_scale=2.0) as s:
+        acc.add(s, [np.array([2, 4, 6], np.float32)], count=1)
+        acc.sync()
+    view = acc.master(0)
+    del acc
+    gc.collect()
+    assert view.tolist() == [1.0, 2.0, 3.0]  # the object lives as long as the view
+    view[0] = 5.0  # writable
+
+
+def test_buffer_kinds():
+    class Interface:  # any object with __array_interface__
+        def __init__(self, a):
+            self.a = a
+            self.__array_interface__ = a.__array_interface__
+
+    class Tensorish:  # a torch-like tensor
+        def __init__(self, a):
+            self.a, self.dtype = a, "torch.float16"
+
+        def data_ptr(self):
+            return self.a.ctypes.data
+
+        def numel(self):
+            return self.a.size
+
+        def is_contiguous(self):
+            return True
+
+    g = np.array([1.0, 2.0], np.float16)
+    with gradacc.Scaler(init_scale=1.0) as s, gradacc.Accumulator([(2, "f16")], normalize="none") as acc:
+        acc.add(s, [g], 1)
+        acc.add(s, [Interface(g)], 1)
+        acc.add(s, [Tensorish(g)], 1)
+        acc.add(s, [g.ctypes.data], 1)  # a raw address: the declared numel is used
+        acc.add(s, [g.view(np.uint16)], 1)  # fp16 words
+        with acc.microbatch(1):
+            acc.add_tensor(s, 0, g.ctypes.data, numel=2)
+        acc.sync()
+        assert acc.master(0).tolist() == [6.0, 12.0]
+        with pytest.raises(TypeError, match="float32"):
+            acc.add(s, [g.astype(np.float32)], 1)
+        with pytest.raises(ValueError, match="contiguous"):
+            acc.add(s, [np.zeros(4, np.float16)[::2]], 1)
+        with pytest.raises(ValueError, match="elements"):
+            acc.add(s, [np.zeros(3, np.float16)], 1)
+
+
+def test_bf16_words_and_scale_loss():
+    bits = (np.array([3.0, -1.5], np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    with gradacc.Scaler(init_scale=4.0) as s, gradacc.Accumulator([(2, "bf16")]) as acc:
+        loss = np.array([0.5], np.float32)
+        s.scale_loss(loss)
+        assert loss[0] == 2.0
+        half = np.array([0.25], np.float16)
+        s.scale_loss(half)
+        assert half[0] == 1.0
+        with pytest.raises(TypeError, match="dtype"):
+            s.scale_loss(np.zeros(1, np.uint16))
+        acc.add(s, [bits], 1)
+        acc.sync()
+        assert acc.master(0).tolist() == [0.75, -0.375]
+
+
+def test_adopted_master_buffer_and_state_round_trip():
+    master = np.full(3, np.nan, np.float32)
+    with gradacc.Scaler(init_scale=1.0) as s, gradacc.Accumulator([(1, "f32"), (2, "f32")], master=master) as acc:
+        acc.add(s, [np.array([1], np.float32), np.array([2, 3], np.float32)], 1)
+        window = acc.save_window()
+        acc.reset()
+        acc.load_window(window)
+        acc.sync()
+        assert master.tolist() == [1.0, 2.0, 3.0]
+        assert acc.master(1).ctypes.data == master.ctypes.data + 4
+        state = s.save()
+        s.update(acc)
+        s.load(state)
+        assert s.stats.steps == 0
+        with pytest.raises(gradacc.GradaccError) as e:
+            s.load(b"not a state")
+        assert e.value.status == gradacc.Status.CORRUPT_STATE
+
+
+def test_ctypes_declarations_match_the_header():
+    from gradacc import _ffi
+    assert ctypes.sizeof(_ffi.gradacc_sync_info_t) == 40
+    assert _ffi.gradacc_status_string(5).decode().startswith("GRADACC_STATUS_SIZE_MISMATCH")
