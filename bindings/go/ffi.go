@@ -1,0 +1,125 @@
+// Package gradacc is the Go binding of gradacc, correct mixed-precision gradient accumulation
+// behind a stable C ABI (include/gradacc.h, whose comments are the reference for every call).
+//
+// Every object owns one C handle: Close frees it (calling it again does nothing), and a
+// finalizer frees it if Close was never called. Failing calls return an *Error with the status
+// and the message gradacc recorded for the calling OS thread; the binding locks the goroutine to
+// its thread for the call and the message read, so the message is always the call's own.
+//
+// This file is the only one with cgo directives: it links target/release/libgradacc.so of the
+// repository this package sits in (build it with `cargo build --release`), with an rpath to it.
+// To link an installed gradacc instead, found by pkg-config, build with -tags gradacc_pkgconfig.
+package gradacc
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../../include
+#cgo !gradacc_pkgconfig LDFLAGS: -L${SRCDIR}/../../target/release -lgradacc -Wl,-rpath,${SRCDIR}/../../target/release
+#cgo gradacc_pkgconfig pkg-config: gradacc
+#include <gradacc.h>
+#include <stdlib.h>
+*/
+import "C"
+
+import (
+	"runtime"
+	"unsafe"
+)
+
+// Status is a GRADACC_STATUS_* code.
+type Status int32
+
+const (
+	StatusOK                 Status = C.GRADACC_STATUS_OK
+	StatusNullArgument       Status = C.GRADACC_STATUS_NULL_ARGUMENT
+	StatusInvalidArgument    Status = C.GRADACC_STATUS_INVALID_ARGUMENT
+	StatusInvalidHandle      Status = C.GRADACC_STATUS_INVALID_HANDLE
+	StatusDTypeMismatch      Status = C.GRADACC_STATUS_DTYPE_MISMATCH
+	StatusSizeMismatch       Status = C.GRADACC_STATUS_SIZE_MISMATCH
+	StatusDeviceMismatch     Status = C.GRADACC_STATUS_DEVICE_MISMATCH
+	StatusWrongState         Status = C.GRADACC_STATUS_WRONG_STATE
+	StatusEmptyWindow        Status = C.GRADACC_STATUS_EMPTY_WINDOW
+	StatusScaleAtMinimum     Status = C.GRADACC_STATUS_SCALE_AT_MINIMUM
+	StatusBackendUnavailable Status = C.GRADACC_STATUS_BACKEND_UNAVAILABLE
+	StatusCommFailure        Status = C.GRADACC_STATUS_COMM_FAILURE
+	StatusPeerFailure        Status = C.GRADACC_STATUS_PEER_FAILURE
+	StatusCorruptState       Status = C.GRADACC_STATUS_CORRUPT_STATE
+	StatusOutOfMemory        Status = C.GRADACC_STATUS_OUT_OF_MEMORY
+	StatusInternal           Status = C.GRADACC_STATUS_INTERNAL
+)
+
+// String is gradacc_status_string: the code's name and a description.
+func (s Status) String() string {
+	return C.GoString(C.gradacc_status_string(C.gradacc_status_t(s)))
+}
+
+// DType is the element type gradients of a tensor arrive in.
+type DType int32
+
+const (
+	F32  DType = C.GRADACC_DTYPE_F32
+	F16  DType = C.GRADACC_DTYPE_F16
+	BF16 DType = C.GRADACC_DTYPE_BF16
+)
+
+// LossReduction says how the caller reduced its loss over a micro-batch's items.
+type LossReduction int32
+
+const (
+	LossMean LossReduction = C.GRADACC_LOSS_REDUCTION_MEAN
+	LossSum  LossReduction = C.GRADACC_LOSS_REDUCTION_SUM
+)
+
+// Normalize says what the summed gradient is divided by at the boundary.
+type Normalize int32
+
+const (
+	ByCount        Normalize = C.GRADACC_NORMALIZE_BY_COUNT
+	ByMicrobatches Normalize = C.GRADACC_NORMALIZE_BY_MICROBATCHES
+	ByWorld        Normalize = C.GRADACC_NORMALIZE_BY_WORLD
+	NormalizeNone  Normalize = C.GRADACC_NORMALIZE_NONE
+)
+
+// HeaderVersion is the version of the header this package was compiled against.
+const HeaderVersion = C.GRADACC_VERSION_STRING
+
+// Version is the loaded library's version.
+func Version() string { return C.GoString(C.gradacc_version_string()) }
+
+// call runs one C call and, on failure, reads the thread's last error before anything else can
+// run on that thread: the goroutine stays on its OS thread for both.
+func call(f func() C.gradacc_status_t) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	st := f()
+	if st == C.GRADACC_STATUS_OK {
+		return nil
+	}
+	return &Error{Status: Status(st), Message: C.GoString(C.gradacc_last_error())}
+}
+
+// cBool avoids cgo's lack of a bool conversion.
+func cBool(b bool) C.bool {
+	if b {
+		return C.bool(true)
+	}
+	return C.bool(false)
+}
+
+// Device is the device an object is bound to; a nil *Device means the CPU.
+type Device struct {
+	CUDA    bool
+	Ordinal int32
+	// Stream is the caller's cudaStream_t / CUstream (borrowed, never destroyed by gradacc).
+	Stream unsafe.Pointer
+}
+
+func (d *Device) c() C.gradacc_device_t {
+	var out C.gradacc_device_t
+	out.kind = C.GRADACC_DEVICE_CPU
+	if d != nil && d.CUDA {
+		out.kind = C.GRADACC_DEVICE_CUDA
+		out.ordinal = C.int32_t(d.Ordinal)
+		out.stream = d.Stream
+	}
+	return out
+}

@@ -1,0 +1,3 @@
+module github.com/gradacc/gradacc/bindings/go
+
+go 1.21

@@ -1,0 +1,602 @@
+package gradacc
+
+// #include <gradacc.h>
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+)
+
+// ScalerConfig is gradacc_scaler_config_t; start from DefaultScalerConfig.
+type ScalerConfig struct {
+	InitScale             float32
+	GrowthFactor          float32
+	BackoffFactor         float32
+	GrowthInterval        uint32
+	Hysteresis            uint32
+	ConsecutiveHysteresis bool
+	MinScale              float32
+	MaxScale              float32
+	Dynamic               bool
+}
+
+// DefaultScalerConfig is gradacc_scaler_config_default.
+func DefaultScalerConfig() ScalerConfig {
+	var c C.gradacc_scaler_config_t
+	if err := call(func() C.gradacc_status_t { return C.gradacc_scaler_config_default(&c) }); err != nil {
+		panic(err) // cannot fail: a non-NULL output is its only requirement
+	}
+	return ScalerConfig{
+		InitScale: float32(c.init_scale), GrowthFactor: float32(c.growth_factor),
+		BackoffFactor: float32(c.backoff_factor), GrowthInterval: uint32(c.growth_interval),
+		Hysteresis: uint32(c.hysteresis), ConsecutiveHysteresis: bool(c.consecutive_hysteresis),
+		MinScale: float32(c.min_scale), MaxScale: float32(c.max_scale), Dynamic: bool(c.dynamic),
+	}
+}
+
+func (s *ScalerConfig) c() C.gradacc_scaler_config_t {
+	var c C.gradacc_scaler_config_t
+	C.gradacc_scaler_config_default(&c) // struct_size, and any field this binding does not know yet
+	c.init_scale = C.float(s.InitScale)
+	c.growth_factor = C.float(s.GrowthFactor)
+	c.backoff_factor = C.float(s.BackoffFactor)
+	c.growth_interval = C.uint32_t(s.GrowthInterval)
+	c.hysteresis = C.uint32_t(s.Hysteresis)
+	c.consecutive_hysteresis = cBool(s.ConsecutiveHysteresis)
+	c.min_scale = C.float(s.MinScale)
+	c.max_scale = C.float(s.MaxScale)
+	c.dynamic = cBool(s.Dynamic)
+	return c
+}
+
+// AccumulatorConfig is gradacc_accumulator_config_t; start from DefaultAccumulatorConfig.
+type AccumulatorConfig struct {
+	LossReduction LossReduction
+	Normalize     Normalize
+	MaxGradNorm   float32
+	BucketNumel   uint64
+	Threads       uint32
+}
+
+// DefaultAccumulatorConfig is gradacc_accumulator_config_default.
+func DefaultAccumulatorConfig() AccumulatorConfig {
+	var c C.gradacc_accumulator_config_t
+	if err := call(func() C.gradacc_status_t { return C.gradacc_accumulator_config_default(&c) }); err != nil {
+		panic(err)
+	}
+	return AccumulatorConfig{
+		LossReduction: LossReduction(c.loss_reduction), Normalize: Normalize(c.normalize),
+		MaxGradNorm: float32(c.max_grad_norm), BucketNumel: uint64(c.bucket_numel), Threads: uint32(c.threads),
+	}
+}
+
+func (a *AccumulatorConfig) c() C.gradacc_accumulator_config_t {
+	var c C.gradacc_accumulator_config_t
+	C.gradacc_accumulator_config_default(&c)
+	c.loss_reduction = C.gradacc_loss_reduction_t(a.LossReduction)
+	c.normalize = C.gradacc_normalize_t(a.Normalize)
+	c.max_grad_norm = C.float(a.MaxGradNorm)
+	c.bucket_numel = C.uint64_t(a.BucketNumel)
+	c.threads = C.uint32_t(a.Threads)
+	return c
+}
+
+// TensorDesc declares one tensor of an accumulator.
+type TensorDesc struct {
+	Numel uint64
+	DType DType
+}
+
+// SyncInfo is what the boundary reports; identical on every rank.
+type SyncInfo struct {
+	FoundInf     bool
+	TotalCount   uint64
+	Microbatches uint64
+	GradNorm     float64
+	ClipCoef     float64
+}
+
+// ScalerStats counts a scaler's steps.
+type ScalerStats struct {
+	Steps, SkippedSteps, Growths, Backoffs uint64
+}
+
+// Grad is one gradient buffer handed to Add or AddTensor: build it with Float32s, Words16 or
+// Pointer. It borrows the memory for the duration of the call only.
+type Grad struct {
+	ptr   unsafe.Pointer
+	numel int
+	f32   bool // a []float32; otherwise 16-bit words or a raw pointer
+	raw   bool
+}
+
+// Float32s is an f32 gradient.
+func Float32s(g []float32) Grad {
+	var p unsafe.Pointer
+	if len(g) > 0 {
+		p = unsafe.Pointer(&g[0])
+	}
+	return Grad{ptr: p, numel: len(g), f32: true}
+}
+
+// Words16 is an fp16 or bf16 gradient as raw 16-bit words (whichever the tensor was declared).
+func Words16(g []uint16) Grad {
+	var p unsafe.Pointer
+	if len(g) > 0 {
+		p = unsafe.Pointer(&g[0])
+	}
+	return Grad{ptr: p, numel: len(g)}
+}
+
+// Pointer is numel elements of the tensor's declared dtype at p: C memory, or a device pointer
+// for a CUDA accumulator. gradacc cannot check what lies there.
+func Pointer(p unsafe.Pointer, numel int) Grad {
+	return Grad{ptr: p, numel: numel, raw: true}
+}
+
+func (g Grad) check(what string, want TensorDesc) error {
+	if !g.raw && g.f32 != (want.DType == F32) {
+		kind := "[]uint16"
+		if g.f32 {
+			kind = "[]float32"
+		}
+		return &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("%s is a %s, but the tensor is declared dtype %d", what, kind, want.DType)}
+	}
+	if uint64(g.numel) != want.Numel {
+		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("%s has %d elements, but the tensor has %d", what, g.numel, want.Numel)}
+	}
+	return nil
+}
+
+// ---- Scaler ---------------------------------------------------------------------------------
+
+// Scaler is a dynamic loss scaler. Its methods may be used from several goroutines, as the C API
+// allows; Close must come after every other call has returned.
+type Scaler struct {
+	ptr *C.gradacc_scaler_t
+}
+
+// NewScaler creates a scaler; a nil config means the defaults, a nil device the CPU.
+func NewScaler(config *ScalerConfig, device *Device) (*Scaler, error) {
+	var cfg *C.gradacc_scaler_config_t
+	if config != nil {
+		c := config.c()
+		cfg = &c
+	}
+	dev := device.c()
+	var p *C.gradacc_scaler_t
+	if err := call(func() C.gradacc_status_t { return C.gradacc_scaler_create(cfg, &dev, &p) }); err != nil {
+		return nil, err
+	}
+	s := &Scaler{ptr: p}
+	runtime.SetFinalizer(s, (*Scaler).Close)
+	return s, nil
+}
+
+// Close destroys the scaler. Calling it again does nothing.
+func (s *Scaler) Close() error {
+	if s.ptr == nil {
+		return nil
+	}
+	runtime.SetFinalizer(s, nil)
+	p := s.ptr
+	s.ptr = nil
+	return call(func() C.gradacc_status_t { return C.gradacc_scaler_destroy(p) })
+}
+
+func (s *Scaler) handle() (*C.gradacc_scaler_t, error) {
+	if s == nil || s.ptr == nil {
+		return nil, &Error{Status: StatusInvalidHandle, Message: "the Scaler is closed"}
+	}
+	return s.ptr, nil
+}
+
+// Scale is the current loss scale.
+func (s *Scaler) Scale() (float32, error) {
+	p, err := s.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out C.float
+	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_scale(p, &out) })
+	runtime.KeepAlive(s)
+	return float32(out), err
+}
+
+// ScaleLoss multiplies f32 loss values in place by the current scale.
+func (s *Scaler) ScaleLoss(loss []float32) error {
+	if len(loss) == 0 {
+		return s.ScaleLossPointer(nil, 0, F32)
+	}
+	return s.ScaleLossPointer(unsafe.Pointer(&loss[0]), len(loss), F32)
+}
+
+// ScaleLoss16 multiplies fp16 or bf16 (dtype) loss words in place by the current scale.
+func (s *Scaler) ScaleLoss16(loss []uint16, dtype DType) error {
+	if len(loss) == 0 {
+		return s.ScaleLossPointer(nil, 0, dtype)
+	}
+	return s.ScaleLossPointer(unsafe.Pointer(&loss[0]), len(loss), dtype)
+}
+
+// ScaleLossPointer multiplies numel loss values of dtype at loss in place by the current scale.
+func (s *Scaler) ScaleLossPointer(loss unsafe.Pointer, numel int, dtype DType) error {
+	p, err := s.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_scaler_scale_loss(p, loss, C.size_t(numel), C.gradacc_dtype_t(dtype))
+	})
+	runtime.KeepAlive(s)
+	return err
+}
+
+// Update ends an optimizer step from the synced accumulators; skipped means: skip the step.
+func (s *Scaler) Update(accumulators ...*Accumulator) (skipped bool, err error) {
+	p, err := s.handle()
+	if err != nil {
+		return false, err
+	}
+	// The handles are C pointers, so a Go slice of them may be passed to C as is.
+	raw := make([]*C.gradacc_accumulator_t, len(accumulators))
+	for i, a := range accumulators {
+		if raw[i], err = a.handle(); err != nil {
+			return false, err
+		}
+	}
+	var arr **C.gradacc_accumulator_t
+	if len(raw) > 0 {
+		arr = &raw[0]
+	}
+	var out C.bool
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_scaler_update(p, arr, C.size_t(len(raw)), &out)
+	})
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(accumulators)
+	return bool(out), err
+}
+
+// Stats reads the scaler's statistics.
+func (s *Scaler) Stats() (ScalerStats, error) {
+	p, err := s.handle()
+	if err != nil {
+		return ScalerStats{}, err
+	}
+	var c C.gradacc_scaler_stats_t
+	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_stats(p, &c) })
+	runtime.KeepAlive(s)
+	return ScalerStats{uint64(c.steps), uint64(c.skipped_steps), uint64(c.growths), uint64(c.backoffs)}, err
+}
+
+// Save returns the scaler's complete state as versioned bytes.
+func (s *Scaler) Save() ([]byte, error) {
+	p, err := s.handle()
+	if err != nil {
+		return nil, err
+	}
+	var n C.size_t
+	if err = call(func() C.gradacc_status_t { return C.gradacc_scaler_save(p, nil, 0, &n) }); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, int(n)+1) // +1: never a zero-length slice to index
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_scaler_save(p, (*C.uint8_t)(unsafe.Pointer(&buf[0])), n, &n)
+	})
+	runtime.KeepAlive(s)
+	return buf[:n], err
+}
+
+// Load restores a state written by Save.
+func (s *Scaler) Load(state []byte) error {
+	p, err := s.handle()
+	if err != nil {
+		return err
+	}
+	var ptr *C.uint8_t
+	if len(state) > 0 {
+		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
+	}
+	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_load(p, ptr, C.size_t(len(state))) })
+	runtime.KeepAlive(s)
+	return err
+}
+
+// ---- Accumulator ----------------------------------------------------------------------------
+
+// Accumulator holds the FP32 master gradients of a list of tensors. Calls on one accumulator must
+// not overlap, except AddTensor (see gradacc_accumulator_add_tensor).
+type Accumulator struct {
+	ptr     *C.gradacc_accumulator_t
+	tensors []TensorDesc
+}
+
+// NewAccumulator creates an accumulator; a nil config means the defaults, a nil device the CPU.
+func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Device) (*Accumulator, error) {
+	var cfg *C.gradacc_accumulator_config_t
+	if config != nil {
+		c := config.c()
+		cfg = &c
+	}
+	descs := make([]C.gradacc_tensor_desc_t, len(tensors)+1) // +1: a valid pointer even for none
+	for i, t := range tensors {
+		descs[i].numel = C.uint64_t(t.Numel)
+		descs[i].dtype = C.gradacc_dtype_t(t.DType)
+	}
+	dev := device.c()
+	var p *C.gradacc_accumulator_t
+	err := call(func() C.gradacc_status_t {
+		return C.gradacc_accumulator_create(cfg, &descs[0], C.size_t(len(tensors)), &dev, &p)
+	})
+	if err != nil {
+		return nil, err
+	}
+	a := &Accumulator{ptr: p, tensors: append([]TensorDesc(nil), tensors...)}
+	runtime.SetFinalizer(a, (*Accumulator).Close)
+	return a, nil
+}
+
+// Close destroys the accumulator; slices from Master become invalid. Calling it again does nothing.
+func (a *Accumulator) Close() error {
+	if a.ptr == nil {
+		return nil
+	}
+	runtime.SetFinalizer(a, nil)
+	p := a.ptr
+	a.ptr = nil
+	return call(func() C.gradacc_status_t { return C.gradacc_accumulator_destroy(p) })
+}
+
+func (a *Accumulator) handle() (*C.gradacc_accumulator_t, error) {
+	if a == nil || a.ptr == nil {
+		return nil, &Error{Status: StatusInvalidHandle, Message: "the Accumulator is closed"}
+	}
+	return a.ptr, nil
+}
+
+// Tensors returns the declared tensors.
+func (a *Accumulator) Tensors() []TensorDesc { return append([]TensorDesc(nil), a.tensors...) }
+
+// Add adds one micro-batch of count items: grads[i] is tensor i's gradient.
+func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	sp, err := s.handle()
+	if err != nil {
+		return err
+	}
+	if len(grads) != len(a.tensors) {
+		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("%d gradients for %d tensors", len(grads), len(a.tensors))}
+	}
+	// The C call takes an array of pointers; Go memory passed to C may only hold pinned pointers.
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	ptrs := make([]unsafe.Pointer, len(grads)+1)
+	for i, g := range grads {
+		if err := g.check(fmt.Sprintf("grads[%d]", i), a.tensors[i]); err != nil {
+			return err
+		}
+		if g.ptr != nil {
+			pin.Pin(g.ptr) // does nothing for C or device memory
+		}
+		ptrs[i] = g.ptr
+	}
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_accumulator_add(p, sp, &ptrs[0], C.size_t(len(grads)), C.uint64_t(count))
+	})
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(grads)
+	return err
+}
+
+// BeginMicrobatch opens a micro-batch of count items whose gradients arrive through AddTensor.
+func (a *Accumulator) BeginMicrobatch(count uint64) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_begin_microbatch(p, C.uint64_t(count)) })
+	runtime.KeepAlive(a)
+	return err
+}
+
+// AddTensor adds one contribution to tensor index of the open micro-batch. It may run
+// concurrently with AddTensor calls from other goroutines on the same accumulator.
+func (a *Accumulator) AddTensor(s *Scaler, index int, g Grad) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	sp, err := s.handle()
+	if err != nil {
+		return err
+	}
+	if index >= 0 && index < len(a.tensors) && !g.raw && g.f32 != (a.tensors[index].DType == F32) {
+		return g.check("grad", a.tensors[index])
+	}
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_accumulator_add_tensor(p, sp, C.size_t(index), g.ptr, C.size_t(g.numel))
+	})
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
+	return err
+}
+
+// EndMicrobatch closes the open micro-batch.
+func (a *Accumulator) EndMicrobatch() error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_end_microbatch(p) })
+	runtime.KeepAlive(a)
+	return err
+}
+
+// Sync is the boundary. With a communicator every rank calls it, each from its own goroutine;
+// nil is the single-process boundary.
+func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
+	p, err := a.handle()
+	if err != nil {
+		return SyncInfo{}, err
+	}
+	var cp *C.gradacc_comm_t
+	if comm != nil {
+		if cp, err = comm.handle(); err != nil {
+			return SyncInfo{}, err
+		}
+	}
+	var c C.gradacc_sync_info_t
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_sync(p, cp, &c) })
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(comm)
+	if err != nil {
+		return SyncInfo{}, err
+	}
+	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
+}
+
+// Master returns tensor index's FP32 master gradient as a slice over gradacc's memory (no copy;
+// host accumulators only). The slice is valid until the accumulator is closed, and the
+// accumulator's finalizer closes it once the *Accumulator is unreachable, which the slice does
+// not prevent: keep the accumulator alive while using the slice (runtime.KeepAlive(acc) after
+// the last use), or use CopyMaster. Its contents are the boundary's result after Sync.
+func (a *Accumulator) Master(index int) ([]float32, error) {
+	p, err := a.handle()
+	if err != nil {
+		return nil, err
+	}
+	var ptr *C.float
+	var n C.size_t
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_master(p, C.size_t(index), &ptr, &n) })
+	runtime.KeepAlive(a)
+	if err != nil {
+		return nil, err
+	}
+	return unsafe.Slice((*float32)(unsafe.Pointer(ptr)), int(n)), nil
+}
+
+// CopyMaster returns a copy of tensor index's FP32 master gradient.
+func (a *Accumulator) CopyMaster(index int) ([]float32, error) {
+	view, err := a.Master(index)
+	if err != nil {
+		return nil, err
+	}
+	out := append([]float32(nil), view...)
+	runtime.KeepAlive(a)
+	return out, nil
+}
+
+// Reset discards the window in progress.
+func (a *Accumulator) Reset() error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_reset(p) })
+	runtime.KeepAlive(a)
+	return err
+}
+
+// SaveWindow returns the window in progress as versioned bytes.
+func (a *Accumulator) SaveWindow() ([]byte, error) {
+	p, err := a.handle()
+	if err != nil {
+		return nil, err
+	}
+	var n C.size_t
+	if err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_save_window(p, nil, 0, &n) }); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, int(n)+1)
+	err = call(func() C.gradacc_status_t {
+		return C.gradacc_accumulator_save_window(p, (*C.uint8_t)(unsafe.Pointer(&buf[0])), n, &n)
+	})
+	runtime.KeepAlive(a)
+	return buf[:n], err
+}
+
+// LoadWindow restores a window written by SaveWindow.
+func (a *Accumulator) LoadWindow(state []byte) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	var ptr *C.uint8_t
+	if len(state) > 0 {
+		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
+	}
+	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_load_window(p, ptr, C.size_t(len(state))) })
+	runtime.KeepAlive(a)
+	return err
+}
+
+// ---- Comm -----------------------------------------------------------------------------------
+
+// Comm is one rank's endpoint of a data-parallel group.
+type Comm struct {
+	ptr *C.gradacc_comm_t
+}
+
+// NewLocalGroup creates an in-process group of worldSize ranks, rank 0 first. Run each rank in
+// its own goroutine; every rank must take part in every Sync.
+func NewLocalGroup(worldSize int) ([]*Comm, error) {
+	raw := make([]*C.gradacc_comm_t, worldSize+1)
+	if err := call(func() C.gradacc_status_t { return C.gradacc_comm_create_local(C.size_t(worldSize), &raw[0]) }); err != nil {
+		return nil, err
+	}
+	comms := make([]*Comm, worldSize)
+	for r := range comms {
+		comms[r] = &Comm{ptr: raw[r]}
+		runtime.SetFinalizer(comms[r], (*Comm).Close)
+	}
+	return comms, nil
+}
+
+// Close destroys the handle. Calling it again does nothing.
+func (c *Comm) Close() error {
+	if c.ptr == nil {
+		return nil
+	}
+	runtime.SetFinalizer(c, nil)
+	p := c.ptr
+	c.ptr = nil
+	return call(func() C.gradacc_status_t { return C.gradacc_comm_destroy(p) })
+}
+
+func (c *Comm) handle() (*C.gradacc_comm_t, error) {
+	if c == nil || c.ptr == nil {
+		return nil, &Error{Status: StatusInvalidHandle, Message: "the Comm is closed"}
+	}
+	return c.ptr, nil
+}
+
+// Rank is this handle's rank (0-based).
+func (c *Comm) Rank() (int, error) {
+	p, err := c.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out C.size_t
+	err = call(func() C.gradacc_status_t { return C.gradacc_comm_rank(p, &out) })
+	runtime.KeepAlive(c)
+	return int(out), err
+}
+
+// WorldSize is the group's number of ranks.
+func (c *Comm) WorldSize() (int, error) {
+	p, err := c.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out C.size_t
+	err = call(func() C.gradacc_status_t { return C.gradacc_comm_world_size(p, &out) })
+	runtime.KeepAlive(c)
+	return int(out), err
+}
