@@ -44,6 +44,8 @@ class Header:
         self.structs = {}  # name -> [(field, ctype)]
         self.functions = []  # (name, restype, [(arg, ctype)])
         self.docs = {}  # name -> first sentence of its doc comment
+        self.c_types = {}  # name -> its C type; struct name -> [(field, C type)];
+        #                    function name -> (C return type, [(arg, C type)])
 
 
 def first_sentence(doc):
@@ -126,12 +128,14 @@ def parse(text):
         m = re.fullmatch(r"typedef struct (\w+) \{(.*)\} (\w+);", flat)
         if m and m.group(1) == m.group(3):
             name = m.group(1)
-            fields = []
+            fields, raw = [], []
             body = re.sub(r"/\*.*?\*/", "", m.group(2), flags=re.S)
             for field in filter(None, (f.strip() for f in body.split(";"))):
                 ftype, fname = split_decl(field)
                 fields.append((fname, ctype(ftype, h)))
+                raw.append((fname, ftype))
             h.structs[name] = fields
+            h.c_types[name] = raw
             h.order.append(("struct", name))
             if doc:
                 h.docs[name] = first_sentence(doc)
@@ -139,6 +143,7 @@ def parse(text):
         m = re.fullmatch(r"typedef ([\w ]+?) (\w+);", flat)
         if m:
             h.aliases[m.group(2)] = ctype(m.group(1), h)
+            h.c_types[m.group(2)] = m.group(1)
             h.order.append(("alias", m.group(2)))
             if doc:
                 h.docs[m.group(2)] = first_sentence(doc)
@@ -146,13 +151,15 @@ def parse(text):
         m = re.fullmatch(r"(.+?)\b(\w+)\((.*)\);", flat)
         if m:
             restype = ctype(m.group(1), h)
-            args = []
+            args, raw = [], []
             params = m.group(3).strip()
             if params and params != "void":
                 for p in params.split(","):
                     ptype, pname = split_decl(p)
                     args.append((pname, ctype(ptype, h)))
+                    raw.append((pname, ptype))
             h.functions.append((m.group(2), restype, args))
+            h.c_types[m.group(2)] = (m.group(1).strip(), raw)
             if doc:
                 h.docs[m.group(2)] = first_sentence(doc)
             continue
