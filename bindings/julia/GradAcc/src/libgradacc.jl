@@ -1,0 +1,270 @@
+# ccall declarations of the gradacc C API.
+#
+# Generated from include/gradacc.h by bindings/julia/gen_wrap.py. Do not edit by hand:
+# change src/ffi/, run scripts/gen-header, then bindings/julia/gen_wrap.py.
+# `libgradacc` (the library path) is defined by the including module.
+
+const GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
+const GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
+const GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
+const GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+const GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
+const GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
+const GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
+const GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+const GRADACC_STATUS_OK = 0  # Success.
+const GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
+const GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
+const GRADACC_STATUS_INVALID_HANDLE = 3  # A handle that was destroyed, never created, or is of another object type.
+const GRADACC_STATUS_DTYPE_MISMATCH = 4  # A gradient's dtype differs from its tensor's declared dtype.
+const GRADACC_STATUS_SIZE_MISMATCH = 5  # A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
+const GRADACC_STATUS_DEVICE_MISMATCH = 6  # Objects bound to different devices or backends were combined.
+const GRADACC_STATUS_WRONG_STATE = 7  # The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
+const GRADACC_STATUS_EMPTY_WINDOW = 8  # The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
+const GRADACC_STATUS_SCALE_AT_MINIMUM = 9  # An overflow needed a backoff while the loss scale was already at min_scale.
+const GRADACC_STATUS_BACKEND_UNAVAILABLE = 10  # The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
+const GRADACC_STATUS_COMM_FAILURE = 11  # The communicator failed.
+const GRADACC_STATUS_PEER_FAILURE = 12  # Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
+const GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
+const GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
+const GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
+const GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
+const GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
+const GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
+const GRADACC_DEVICE_CPU = 0  # Host memory; buffers are host pointers.
+const GRADACC_DEVICE_CUDA = 1  # A CUDA device; buffers are device pointers and work is ordered on the given stream.
+
+"A gradient accumulator (opaque)."
+mutable struct gradacc_accumulator_t end
+
+"One rank's endpoint of a data-parallel group (opaque)."
+mutable struct gradacc_comm_t end
+
+"A dynamic loss scaler (opaque)."
+mutable struct gradacc_scaler_t end
+
+"Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code."
+const gradacc_status_t = Int32
+
+"How the caller reduced its loss over the `count` items of a micro-batch."
+const gradacc_loss_reduction_t = Int32
+
+"What the summed gradient is divided by at the boundary."
+const gradacc_normalize_t = Int32
+
+"Accumulator configuration."
+struct gradacc_accumulator_config_t
+    struct_size::Csize_t
+    loss_reduction::gradacc_loss_reduction_t
+    normalize::gradacc_normalize_t
+    max_grad_norm::Cfloat
+    bucket_numel::UInt64
+    threads::UInt32
+end
+
+"Element type of a model gradient buffer."
+const gradacc_dtype_t = Int32
+
+"One tensor of an accumulator: element count and the dtype its gradients arrive in."
+struct gradacc_tensor_desc_t
+    numel::UInt64
+    dtype::gradacc_dtype_t
+end
+
+"Kind of device an object is bound to."
+const gradacc_device_kind_t = Int32
+
+"The device an object is bound to."
+struct gradacc_device_t
+    kind::gradacc_device_kind_t
+    ordinal::Int32
+    stream::Ptr{Cvoid}
+end
+
+"What the boundary reports; identical on every rank."
+struct gradacc_sync_info_t
+    found_inf::Bool
+    total_count::UInt64
+    microbatches::UInt64
+    grad_norm::Cdouble
+    clip_coef::Cdouble
+end
+
+"Scaler configuration."
+struct gradacc_scaler_config_t
+    struct_size::Csize_t
+    init_scale::Cfloat
+    growth_factor::Cfloat
+    backoff_factor::Cfloat
+    growth_interval::UInt32
+    hysteresis::UInt32
+    consecutive_hysteresis::Bool
+    min_scale::Cfloat
+    max_scale::Cfloat
+    dynamic::Bool
+end
+
+"Statistics of a scaler since creation or since its state was loaded."
+struct gradacc_scaler_stats_t
+    steps::UInt64
+    skipped_steps::UInt64
+    growths::UInt64
+    backoffs::UInt64
+end
+
+"Fills `*out` with the default accumulator configuration (and its struct_size)."
+function gradacc_accumulator_config_default(out)
+    ccall((:gradacc_accumulator_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t},), out)
+end
+
+"Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the tensors' total size, laid out tensor after tensor."
+function gradacc_accumulator_create(config, tensors, n, device, out)
+    ccall((:gradacc_accumulator_create, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, out)
+end
+
+"Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own contiguous gradient buffer."
+function gradacc_accumulator_create_with_buffer(config, tensors, n, device, master, master_numel, out)
+    ccall((:gradacc_accumulator_create_with_buffer, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
+end
+
+"Destroys an accumulator."
+function gradacc_accumulator_destroy(acc)
+    ccall((:gradacc_accumulator_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+end
+
+"Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale."
+function gradacc_accumulator_add(acc, scaler, grads, n, count)
+    ccall((:gradacc_accumulator_add, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), acc, scaler, grads, n, count)
+end
+
+"Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them)."
+function gradacc_accumulator_begin_microbatch(acc, count)
+    ccall((:gradacc_accumulator_begin_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
+end
+
+"Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`."
+function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
+    ccall((:gradacc_accumulator_add_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
+end
+
+"Closes the open micro-batch."
+function gradacc_accumulator_end_microbatch(acc)
+    ccall((:gradacc_accumulator_end_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+end
+
+"The accumulation boundary."
+function gradacc_accumulator_sync(acc, comm, out_info)
+    ccall((:gradacc_accumulator_sync, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, comm, out_info)
+end
+
+"Writes a pointer to tensor `index`'s FP32 master gradient and its element count."
+function gradacc_accumulator_master(acc, index, out_ptr_, out_numel)
+    ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_ptr_, out_numel)
+end
+
+"Writes the number of tensors to `*out`."
+function gradacc_accumulator_num_tensors(acc, out)
+    ccall((:gradacc_accumulator_num_tensors, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}), acc, out)
+end
+
+"Discards the window in progress (or the synced result); the next micro-batch starts a new one."
+function gradacc_accumulator_reset(acc)
+    ccall((:gradacc_accumulator_reset, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+end
+
+"Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned bytes, for a checkpoint in the middle of accumulation."
+function gradacc_accumulator_save_window(acc, buf, capacity, out_len)
+    ccall((:gradacc_accumulator_save_window, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), acc, buf, capacity, out_len)
+end
+
+"Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors."
+function gradacc_accumulator_load_window(acc, bytes, len)
+    ccall((:gradacc_accumulator_load_window, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
+end
+
+"Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`."
+function gradacc_comm_create_local(world_size, out_comms)
+    ccall((:gradacc_comm_create_local, libgradacc), gradacc_status_t, (Csize_t, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
+end
+
+"Destroys a communicator handle."
+function gradacc_comm_destroy(comm)
+    ccall((:gradacc_comm_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t},), comm)
+end
+
+"Writes this handle's rank (0-based) to `*out`."
+function gradacc_comm_rank(comm, out)
+    ccall((:gradacc_comm_rank, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+end
+
+"Writes the group's number of ranks to `*out`."
+function gradacc_comm_world_size(comm, out)
+    ccall((:gradacc_comm_world_size, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+end
+
+"Fills `*out` with the default scaler configuration (and its struct_size)."
+function gradacc_scaler_config_default(out)
+    ccall((:gradacc_scaler_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_config_t},), out)
+end
+
+"Creates a scaler."
+function gradacc_scaler_create(config, device, out)
+    ccall((:gradacc_scaler_create, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_config_t}, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_scaler_t}}), config, device, out)
+end
+
+"Destroys a scaler."
+function gradacc_scaler_destroy(scaler)
+    ccall((:gradacc_scaler_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t},), scaler)
+end
+
+"Reads the current loss scale into `*out`."
+function gradacc_scaler_get_scale(scaler, out)
+    ccall((:gradacc_scaler_get_scale, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
+end
+
+"Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even)."
+function gradacc_scaler_scale_loss(scaler, loss, numel, dtype)
+    ccall((:gradacc_scaler_scale_loss, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cvoid}, Csize_t, gradacc_dtype_t), scaler, loss, numel, dtype)
+end
+
+"Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each must have completed gradacc_accumulator_sync for its current window), and updates the scale once."
+function gradacc_scaler_update(scaler, accumulators, n, out_skipped)
+    ccall((:gradacc_scaler_update, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Ptr{gradacc_accumulator_t}}, Csize_t, Ptr{Bool}), scaler, accumulators, n, out_skipped)
+end
+
+"Writes the scaler's statistics to `*out`."
+function gradacc_scaler_get_stats(scaler, out)
+    ccall((:gradacc_scaler_get_stats, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
+end
+
+"Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes."
+function gradacc_scaler_save(scaler, buf, capacity, out_len)
+    ccall((:gradacc_scaler_save, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), scaler, buf, capacity, out_len)
+end
+
+"Restores a state written by gradacc_scaler_save."
+function gradacc_scaler_load(scaler, bytes, len)
+    ccall((:gradacc_scaler_load, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t), scaler, bytes, len)
+end
+
+"A static description of a status code (never NULL; unknown codes get a generic text)."
+function gradacc_status_string(status)
+    ccall((:gradacc_status_string, libgradacc), Cstring, (gradacc_status_t,), status)
+end
+
+"The message of the most recent failed gradacc call on the calling thread (\"\" if none yet)."
+function gradacc_last_error()
+    ccall((:gradacc_last_error, libgradacc), Cstring, ())
+end
+
+"The loaded library's version as \"MAJOR.MINOR.PATCH\" (static storage, never NULL)."
+function gradacc_version_string()
+    ccall((:gradacc_version_string, libgradacc), Cstring, ())
+end
+
+"The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH."
+function gradacc_version_number()
+    ccall((:gradacc_version_number, libgradacc), UInt32, ())
+end

@@ -1,0 +1,116 @@
+# The seed scenarios through the Julia binding. Ranks run as tasks on separate threads, so this
+# file re-runs itself with 2 threads when started with fewer.
+using Test
+
+if Threads.nthreads() < 2
+    cmd = `$(Base.julia_cmd()) --project=$(Base.active_project()) -t 2 $(@__FILE__)`
+    @test success(pipeline(cmd; stdout, stderr))
+    exit()
+end
+
+using GradAcc
+using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_INVALID_ARGUMENT, rank, world_size
+
+bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
+
+@testset "GradAcc" begin
+    @testset "version" begin
+        @test GradAcc.version() == VersionNumber(GradAcc.GRADACC_VERSION_STRING)
+    end
+
+    # Seed apex-o2: Linear(1,1), loss = mean(output), inputs 1 and 2 on two ranks, two
+    # micro-batches each, loss scale 1. Apex O2 gives rank 0 2.5 and rank 1 3.5.
+    @testset "apex-o2 $normalize $T" for (normalize, w, b) in ((:by_world, 3.0f0, 2.0f0),
+                                                               (:by_microbatches, 1.5f0, 1.0f0)),
+                                         T in (Float16, Float32, :bf16)
+        comms = local_group(2)
+        results = fetch.([Threads.@spawn begin
+            s = Scaler(init_scale=1.0)
+            acc = Accumulator([(1, T), (1, T)]; normalize)
+            x = Float32(r)
+            grads = T === :bf16 ? [[bf16(x)], [bf16(1f0)]] : [T[x], T[1]]
+            for _ in 1:2
+                add!(acc, s, grads, 1)
+            end
+            info = sync!(acc, comms[r])
+            out = (info, copy(master(acc, 1)), copy(master(acc, 2)), update!(s, acc), rank(comms[r]))
+            close(acc); close(acc); close(s)
+            out
+        end for r in 1:2])
+        for (r, (info, gw, gb, skipped, rk)) in enumerate(results)
+            @test rk == r - 1
+            @test !skipped && !info.found_inf
+            @test info.total_count == 4 && info.microbatches == 4
+            @test gw == [w] && gb == [b]
+        end
+        @test results[1][2] == results[2][2]
+        close.(comms)
+    end
+
+    # Seed accelerate: x = 1..8, y = 2x, w = 0, MSE, 4 micro-batches of 2, SGD lr 0.02: w = 2.04.
+    @testset "accelerate" begin
+        x = Float64.(1:8); y = 2 .* x
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(1, Float32)])
+        w = 0f0
+        for m in 0:3
+            xb, yb = x[2m+1:2m+2], y[2m+1:2m+2]
+            g = sum(2 .* (w .* xb .- yb) .* xb) / 2
+            add!(acc, s, [Float32[g]], 2)
+        end
+        info = sync!(acc)
+        @test info.total_count == 8
+        @test !update!(s, acc)
+        GC.@preserve acc begin
+            @test master(acc, 1)[1] == -102
+            w = Float32(w - 0.02 * master(acc, 1)[1])
+        end
+        @test isapprox(w, 2.04; rtol=2e-7)
+    end
+
+    # Seed fastai: 32 items as 4 micro-batches of 8 equal the full batch, mean or sum losses.
+    @testset "fastai $reduction" for reduction in (:mean, :sum)
+        W = [sin(i + j) for i in 1:3, j in 1:5]
+        X = [cos(3i + j) for i in 1:32, j in 1:5]
+        Y = [sin(2i - j) for i in 1:32, j in 1:3]
+        gradsum(rows) = ((X[rows, :] * W' .- Y[rows, :])' * X[rows, :])
+        full = gradsum(1:32) ./ 32
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(15, Float32)]; loss_reduction=reduction)
+        for m in 0:3
+            g = gradsum(8m+1:8m+8)
+            reduction === :mean && (g = g ./ 8)
+            add!(acc, s, [Float32.(vec(g))], 8)
+        end
+        sync!(acc)
+        @test isapprox(copy(master(acc, 1)), vec(full); rtol=1e-5, atol=1e-6)
+        # Float16 gradients at loss scale 1024
+        s16 = Scaler(init_scale=1024.0)
+        acc16 = Accumulator([(15, Float16)]; loss_reduction=reduction)
+        for m in 0:3
+            g = gradsum(8m+1:8m+8)
+            reduction === :mean && (g = g ./ 8)
+            add!(acc16, s16, [Float16.(vec(g) .* 1024)], 8)
+        end
+        sync!(acc16)
+        @test isapprox(copy(master(acc16, 1)), vec(full); rtol=2e-3, atol=2e-3)
+    end
+
+    @testset "errors carry status and message" begin
+        s = Scaler()
+        acc = Accumulator([(4, Float16)])
+        begin_microbatch!(acc, 1)
+        err = try
+            add_tensor!(acc, s, 1, zeros(Float16, 8)); nothing
+        catch e
+            e
+        end
+        @test err isa GradAccError
+        @test err.status == GRADACC_STATUS_SIZE_MISMATCH
+        @test occursin("numel", err.message)
+        @test_throws GradAccError Accumulator([(1, Float32)]; normalize=99)
+        @test_throws ArgumentError add!(acc, s, [zeros(Float32, 4)], 1)
+        close(acc); close(s)
+        @test_throws ArgumentError scale(s)
+    end
+end
