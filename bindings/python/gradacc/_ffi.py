@@ -12,12 +12,17 @@ GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
 GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
 GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
 GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
 GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
 GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
 GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
 GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
 GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
 GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
+GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
+GRADACC_BACKEND_NCCL = 2  # The NCCL communicator; not in this version.
+GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
 GRADACC_STATUS_OK = 0  # Success.
 GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -102,6 +107,16 @@ class gradacc_sync_info_t(ctypes.Structure):
         ("microbatches", ctypes.c_uint64),
         ("grad_norm", ctypes.c_double),
         ("clip_coef", ctypes.c_double),
+    ]
+
+# A backend gradacc may be built with: a communicator transport or a device kind.
+gradacc_backend_t = ctypes.c_int32
+
+# MPI communicator options.
+class gradacc_mpi_config_t(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("max_in_flight", ctypes.c_uint32),
     ]
 
 # Scaler configuration.
@@ -236,6 +251,24 @@ gradacc_comm_world_size = dll.gradacc_comm_world_size
 gradacc_comm_world_size.restype = gradacc_status_t
 gradacc_comm_world_size.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: comm, out
+
+# Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library.
+gradacc_backend_available = dll.gradacc_backend_available
+gradacc_backend_available.restype = gradacc_status_t
+gradacc_backend_available.argtypes = [gradacc_backend_t, ctypes.POINTER(ctypes.c_bool)]
+# arguments: backend, out
+
+# Fills `*out` with the default MPI communicator options (and their struct_size).
+gradacc_mpi_config_default = dll.gradacc_mpi_config_default
+gradacc_mpi_config_default.restype = gradacc_status_t
+gradacc_mpi_config_default.argtypes = [ctypes.POINTER(gradacc_mpi_config_t)]
+# arguments: out
+
+# Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl.
+gradacc_comm_create_mpi = dll.gradacc_comm_create_mpi
+gradacc_comm_create_mpi.restype = gradacc_status_t
+gradacc_comm_create_mpi.argtypes = [ctypes.c_int64, ctypes.POINTER(gradacc_mpi_config_t), ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: fortran_comm, config, out_comm
 
 # Fills `*out` with the default scaler configuration (and its struct_size).
 gradacc_scaler_config_default = dll.gradacc_scaler_config_default

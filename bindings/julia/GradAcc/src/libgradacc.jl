@@ -8,12 +8,17 @@ const GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml
 const GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
 const GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
 const GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+const GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
 const GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
 const GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
 const GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
 const GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
 const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
 const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
+const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
+const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator; not in this version.
+const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
 const GRADACC_STATUS_OK = 0  # Success.
 const GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 const GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -90,6 +95,15 @@ struct gradacc_sync_info_t
     microbatches::UInt64
     grad_norm::Cdouble
     clip_coef::Cdouble
+end
+
+"A backend gradacc may be built with: a communicator transport or a device kind."
+const gradacc_backend_t = Int32
+
+"MPI communicator options."
+struct gradacc_mpi_config_t
+    struct_size::Csize_t
+    max_in_flight::UInt32
 end
 
 "Scaler configuration."
@@ -202,6 +216,21 @@ end
 "Writes the group's number of ranks to `*out`."
 function gradacc_comm_world_size(comm, out)
     ccall((:gradacc_comm_world_size, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+end
+
+"Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library."
+function gradacc_backend_available(backend, out)
+    ccall((:gradacc_backend_available, libgradacc), gradacc_status_t, (gradacc_backend_t, Ptr{Bool}), backend, out)
+end
+
+"Fills `*out` with the default MPI communicator options (and their struct_size)."
+function gradacc_mpi_config_default(out)
+    ccall((:gradacc_mpi_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_mpi_config_t},), out)
+end
+
+"Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl."
+function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
+    ccall((:gradacc_comm_create_mpi, libgradacc), gradacc_status_t, (Int64, Ptr{gradacc_mpi_config_t}, Ptr{Ptr{gradacc_comm_t}}), fortran_comm, config, out_comm)
 end
 
 "Fills `*out` with the default scaler configuration (and its struct_size)."
