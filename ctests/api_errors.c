@@ -490,7 +490,7 @@ static void test_accumulator_calls(void)
         float *p = SENTINEL_PTR;
         size_t n = 777;
         EXPECT_ERROR(gradacc_accumulator_master(NULL, 0, &p, &n), GRADACC_STATUS_NULL_ARGUMENT, "`acc`");
-        EXPECT_ERROR(gradacc_accumulator_master(a, 0, NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`out_ptr`");
+        EXPECT_ERROR(gradacc_accumulator_master(a, 0, NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`out_data`");
         EXPECT_ERROR(gradacc_accumulator_master(a, 0, &p, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out_numel`");
         EXPECT_ERROR(gradacc_accumulator_master(a, 3, &p, &n), GRADACC_STATUS_INVALID_ARGUMENT, "index");
         CHECK(p == SENTINEL_PTR && n == 777, "master outputs written on failure");

@@ -575,7 +575,7 @@ gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
  */
 gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
                                             size_t index,
-                                            float **out_ptr_,
+                                            float **out_data,
                                             size_t *out_numel);
 
 /**

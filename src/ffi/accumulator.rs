@@ -340,12 +340,12 @@ pub extern "C" fn gradacc_accumulator_sync(
 pub extern "C" fn gradacc_accumulator_master(
     acc: *const gradacc_accumulator_t,
     index: usize,
-    out_ptr_: *mut *mut f32,
+    out_data: *mut *mut f32,
     out_numel: *mut usize,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_master", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let p = out_ptr(out_ptr_, "out_ptr")?;
+        let p = out_ptr(out_data, "out_data")?;
         let n = out_ptr(out_numel, "out_numel")?;
         let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;

@@ -202,7 +202,7 @@ gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctyp
 gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
-# arguments: acc, index, out_ptr_, out_numel
+# arguments: acc, index, out_data, out_numel
 
 # Writes the number of tensors to `*out`.
 gradacc_accumulator_num_tensors = dll.gradacc_accumulator_num_tensors

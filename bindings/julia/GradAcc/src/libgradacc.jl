@@ -174,8 +174,8 @@ function gradacc_accumulator_sync(acc, comm, out_info)
 end
 
 "Writes a pointer to tensor `index`'s FP32 master gradient and its element count."
-function gradacc_accumulator_master(acc, index, out_ptr_, out_numel)
-    ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_ptr_, out_numel)
+function gradacc_accumulator_master(acc, index, out_data, out_numel)
+    ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
 end
 
 "Writes the number of tensors to `*out`."
