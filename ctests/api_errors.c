@@ -498,6 +498,16 @@ static void test_accumulator_calls(void)
         EXPECT_ERROR(gradacc_accumulator_num_tensors(a, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
         EXPECT_OK(gradacc_accumulator_num_tensors(a, &n));
         CHECK(n == 3, "num_tensors %zu", n);
+        gradacc_tensor_desc_t d = {777, 777};
+        EXPECT_ERROR(gradacc_accumulator_tensor(NULL, 0, &d), GRADACC_STATUS_NULL_ARGUMENT, "`acc`");
+        EXPECT_ERROR(gradacc_accumulator_tensor(a, 0, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
+        EXPECT_ERROR(gradacc_accumulator_tensor(a, 3, &d), GRADACC_STATUS_INVALID_ARGUMENT, "index");
+        CHECK(d.numel == 777 && d.dtype == 777, "tensor outputs written on failure");
+        for (size_t i = 0; i < 3; i++) {
+            EXPECT_OK(gradacc_accumulator_tensor(a, i, &d));
+            CHECK(d.numel == descs[i].numel && d.dtype == descs[i].dtype, "tensor %zu: %llu/%d", i,
+                  (unsigned long long)d.numel, (int)d.dtype);
+        }
         EXPECT_ERROR(gradacc_accumulator_reset(NULL), GRADACC_STATUS_NULL_ARGUMENT, "`acc`");
         EXPECT_ERROR(gradacc_accumulator_sync(NULL, NULL, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`acc`");
     }

@@ -587,6 +587,16 @@ gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulato
                                                  size_t *out);
 
 /**
+ * Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did
+ * not create the accumulator can still size its buffers.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
+                                            size_t index,
+                                            struct gradacc_tensor_desc_t *out);
+
+/**
  * Discards the window in progress (or the synced result); the next micro-batch starts a new one.
  *
  * Thread safety: serialised with every other call on `acc`.

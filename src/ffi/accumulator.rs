@@ -366,6 +366,23 @@ pub extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulato
     })
 }
 
+/// Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did
+/// not create the accumulator can still size its buffers.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, index: usize, out: *mut gradacc_tensor_desc_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_tensor", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let out = out_ptr(out, "out")?;
+        let d = a.tensors().get(index).ok_or_else(|| {
+            Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len()))
+        })?;
+        *out = gradacc_tensor_desc_t { numel: d.numel as u64, dtype: dtype_to_c(d.dtype) };
+        Ok(())
+    })
+}
+
 /// Discards the window in progress (or the synced result); the next micro-batch starts a new one.
 ///
 /// Thread safety: serialised with every other call on `acc`.

@@ -210,6 +210,12 @@ gradacc_accumulator_num_tensors.restype = gradacc_status_t
 gradacc_accumulator_num_tensors.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, out
 
+# Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did not create the accumulator can still size its buffers.
+gradacc_accumulator_tensor = dll.gradacc_accumulator_tensor
+gradacc_accumulator_tensor.restype = gradacc_status_t
+gradacc_accumulator_tensor.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(gradacc_tensor_desc_t)]
+# arguments: acc, index, out
+
 # Discards the window in progress (or the synced result); the next micro-batch starts a new one.
 gradacc_accumulator_reset = dll.gradacc_accumulator_reset
 gradacc_accumulator_reset.restype = gradacc_status_t

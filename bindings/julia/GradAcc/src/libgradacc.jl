@@ -183,6 +183,11 @@ function gradacc_accumulator_num_tensors(acc, out)
     ccall((:gradacc_accumulator_num_tensors, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}), acc, out)
 end
 
+"Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did not create the accumulator can still size its buffers."
+function gradacc_accumulator_tensor(acc, index, out)
+    ccall((:gradacc_accumulator_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{gradacc_tensor_desc_t}), acc, index, out)
+end
+
 "Discards the window in progress (or the synced result); the next micro-batch starts a new one."
 function gradacc_accumulator_reset(acc)
     ccall((:gradacc_accumulator_reset, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
