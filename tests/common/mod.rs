@@ -15,6 +15,11 @@ impl Rng {
         Rng(seed)
     }
 
+    /// A generator with a given seed (e.g. one drawn from a fresh generator, to replay a stream).
+    pub fn seeded(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         // splitmix64
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
