@@ -5,8 +5,6 @@ include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one par
     gen_wrap.py            rewrite GradAcc/src/libgradacc.jl
     gen_wrap.py --check    exit 1, showing the diff, if the committed file differs from the output
 """
-import argparse
-import difflib
 import os
 import sys
 
@@ -94,34 +92,5 @@ def render(h):
     return "\n".join(out)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="fail if the committed file is out of date")
-    ap.add_argument("--header", default=gen_ffi.HEADER)
-    ap.add_argument("--output", default=OUTPUT)
-    args = ap.parse_args()
-    with open(args.header) as f:
-        generated = render(gen_ffi.parse(f.read()))
-    if args.check:
-        try:
-            with open(args.output) as f:
-                committed = f.read()
-        except FileNotFoundError:
-            committed = ""
-        if committed != generated:
-            sys.stdout.writelines(difflib.unified_diff(
-                committed.splitlines(True), generated.splitlines(True),
-                "bindings/julia/GradAcc/src/libgradacc.jl", "generated"))
-            print("error: bindings/julia/GradAcc/src/libgradacc.jl is out of date with include/gradacc.h: "
-                  "run bindings/julia/gen_wrap.py and commit the result", file=sys.stderr)
-            return 1
-        print("bindings/julia/GradAcc/src/libgradacc.jl is up to date")
-        return 0
-    with open(args.output, "w") as f:
-        f.write(generated)
-    print(f"wrote {args.output}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gen_ffi.generate(__doc__, render, OUTPUT, "bindings/julia/GradAcc/src/libgradacc.jl"))

@@ -217,14 +217,15 @@ def render(h):
     return "\n".join(out)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def generate(description, render_fn, default_output, label):
+    """Writes render_fn(parse(header)) to the output, or with --check fails if the committed file differs."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if the committed file is out of date")
     ap.add_argument("--header", default=HEADER)
-    ap.add_argument("--output", default=OUTPUT)
+    ap.add_argument("--output", default=default_output)
     args = ap.parse_args()
     with open(args.header) as f:
-        generated = render(parse(f.read()))
+        generated = render_fn(parse(f.read()))
     if args.check:
         try:
             with open(args.output) as f:
@@ -233,12 +234,11 @@ def main():
             committed = ""
         if committed != generated:
             sys.stdout.writelines(difflib.unified_diff(
-                committed.splitlines(True), generated.splitlines(True),
-                "bindings/python/gradacc/_ffi.py", "generated"))
-            print("error: bindings/python/gradacc/_ffi.py is out of date with include/gradacc.h: "
-                  "run bindings/python/gen_ffi.py and commit the result", file=sys.stderr)
+                committed.splitlines(True), generated.splitlines(True), label, "generated"))
+            print(f"error: {label} is out of date with include/gradacc.h: "
+                  f"run {os.path.relpath(sys.argv[0])} and commit the result", file=sys.stderr)
             return 1
-        print("bindings/python/gradacc/_ffi.py is up to date")
+        print(f"{label} is up to date")
         return 0
     with open(args.output, "w") as f:
         f.write(generated)
@@ -247,4 +247,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generate(__doc__, render, OUTPUT, "bindings/python/gradacc/_ffi.py"))
