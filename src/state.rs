@@ -131,7 +131,8 @@ fn corrupt(what: &str, detail: impl std::fmt::Display) -> Error {
 }
 
 /// FNV-1a, 64-bit: catches truncation and bit flips; saved state is not an adversarial format.
-fn checksum(bytes: &[u8]) -> u64 {
+/// Also fingerprints an accumulator's layout.
+pub(crate) fn checksum(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 

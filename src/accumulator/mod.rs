@@ -138,9 +138,8 @@ impl Accumulator {
         }
         offsets.push(end);
         let buckets = plan_buckets(&offsets, config.bucket_numel);
-        let layout_hash = buckets.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b.start as u64).wrapping_mul(0x100_0000_01b3) ^ (b.end as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        });
+        let bounds: Vec<u8> = buckets.iter().flat_map(|b| [b.start as u64, b.end as u64]).flat_map(u64::to_le_bytes).collect();
+        let layout_hash = state::checksum(&bounds);
         Ok(Accumulator {
             config,
             descs: tensors.to_vec(),
