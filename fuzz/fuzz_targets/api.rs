@@ -539,7 +539,8 @@ fn decode_scaler(bytes: &[u8]) -> Option<ScalerModel> {
     Some(ScalerModel { cfg, scale, growth_tracker, hysteresis_tracker, stats })
 }
 
-/// The accumulator's layout fingerprint (its buckets' element ranges), as the saved window holds it.
+/// The accumulator's layout fingerprint, as the saved window holds it: the state checksum (FNV-1a)
+/// of its buckets' element ranges as little-endian u64 pairs.
 fn layout_hash(a: &AccModel) -> u64 {
     let mut buckets = vec![];
     let mut start = 0usize;
@@ -552,9 +553,8 @@ fn layout_hash(a: &AccModel) -> u64 {
     if start < a.total() {
         buckets.push((start, a.total()));
     }
-    buckets.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &(s, e)| {
-        (h ^ s as u64).wrapping_mul(0x100_0000_01b3) ^ (e as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-    })
+    let bounds: Vec<u8> = buckets.iter().flat_map(|&(s, e)| [s as u64, e as u64]).flat_map(u64::to_le_bytes).collect();
+    fnv(&bounds)
 }
 
 /// The window the bytes hold for an accumulator of `a`'s shape; `layout_same` says whether the
