@@ -543,6 +543,67 @@ fn scale_and_sum_squares_equals_the_two_passes_on_every_path() {
     }
 }
 
+/// The block sums written out by the definition, one per block.
+fn block_sums_by_definition(buf: &[f32]) -> Vec<f64> {
+    buf.chunks(math::NORM_BLOCK).map(sum_squares_by_definition).collect()
+}
+
+fn assert_same_f64(what: &str, got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}: block {i} of {}: got {:e}, want {:e}", got.len(), got[i], want[i]);
+    }
+}
+
+#[test]
+fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
+    let mut rng = Rng::for_test("block_sums_are_the_definition_per_block_and_fold_to_sum_squares");
+    let extra = [math::NORM_BLOCK - 1, 3 * math::NORM_BLOCK + 15, (1 << 21) + 4096 * 5 + 1000];
+    for len in SIZES.into_iter().chain(extra) {
+        let buf: Vec<f32> = (0..len).map(|_| rng.f32_in(2)).collect();
+        let factor = rng.f32_in(10);
+        let want = block_sums_by_definition(&buf);
+        assert_eq!(cpu::fold_block_sums(&want).to_bits(), sum_squares_by_definition(&buf).to_bits());
+        let want_scaled: Vec<f32> = buf.iter().map(|&v| v * factor).collect();
+        for (isa, threads) in paths() {
+            let what = format!("len {len} {} threads {threads}", isa.name());
+            let mut got = vec![0.0; cpu::blocks(len)];
+            cpu::with_isa(isa, || cpu::block_sum_squares(&buf, &mut got, threads));
+            assert_same_f64(&format!("block_sum_squares {what}"), &got, &want);
+            let mut scaled = buf.clone();
+            got.fill(-1.0);
+            cpu::with_isa(isa, || cpu::scale_and_block_sum_squares(&mut scaled, factor, &mut got, threads));
+            assert_same_f64(&format!("scale_and_block_sum_squares {what}"), &got, &want);
+            assert_same(&format!("scale_and_block_sum_squares {what}"), &scaled, &want_scaled);
+        }
+    }
+}
+
+#[test]
+fn add_and_block_sum_squares_equals_the_separate_passes_on_every_path() {
+    let mut rng = Rng::for_test("add_and_block_sum_squares_equals_the_separate_passes_on_every_path");
+    let extra = [math::NORM_BLOCK - 1, 3 * math::NORM_BLOCK + 15, (1 << 20) + 4096 * 5 + 1000];
+    for len in SIZES.into_iter().chain(extra) {
+        let offset = rng.below(8) as usize;
+        let buf: Vec<f32> = (0..offset + len).map(|_| rng.f32_in(2)).collect();
+        let addend: Vec<f32> = (0..len).map(|_| rng.f32_in(2)).collect();
+        let factor = rng.f32_in(10);
+        let sum: Vec<f32> = buf[offset..].iter().zip(&addend).map(|(&a, &b)| a + b).collect();
+        let want_sums = block_sums_by_definition(&sum);
+        for (scale, want) in [(None, sum.clone()), (Some(factor), sum.iter().map(|&v| v * factor).collect())] {
+            for isa in cpu::supported_isas() {
+                let what = format!("add_and_block_sum_squares len {len} offset {offset} scale {scale:?} {}", isa.name());
+                let mut got = buf.clone();
+                let mut sums = vec![-1.0; cpu::blocks(len)];
+                cpu::with_isa(isa, || cpu::add_and_block_sum_squares(&mut got[offset..], &addend, scale, &mut sums));
+                assert_same_f64(&what, &sums, &want_sums);
+                assert_same(&what, &got[offset..], &want);
+                assert_eq!(got[..offset], buf[..offset], "{what}: wrote before its slice");
+            }
+        }
+    }
+}
+
 #[test]
 fn add_assign_is_a_rounded_add_on_every_path() {
     let mut rng = Rng::for_test("add_assign_is_a_rounded_add_on_every_path");

@@ -70,31 +70,57 @@ pub fn scale(buf: &mut [f32], factor: f32, threads: usize) {
 /// [`math::block_sum_squares`] and the block sums are added in block order, starting from `0.0`,
 /// so the result does not depend on the thread count or the SIMD path.
 pub fn sum_squares(buf: &[f32], threads: usize) -> f64 {
-    let isa = active_isa();
-    let mut sums = vec![0.0; buf.len().div_ceil(math::NORM_BLOCK)];
-    run_parts(&mut sums, part_block_ends(buf.len(), threads), |first_block, out| {
-        let start = first_block * math::NORM_BLOCK;
-        let end = (start + out.len() * math::NORM_BLOCK).min(buf.len());
-        block_sums_part(isa, &buf[start..end], out);
-        false
-    });
-    sums.iter().fold(0.0, |total, &block| total + block)
+    let mut sums = vec![0.0; blocks(buf.len())];
+    block_sum_squares(buf, &mut sums, threads);
+    fold_block_sums(&sums)
 }
 
 /// [`sum_squares`] of `buf` as it is on entry, and `buf[i] *= factor`, in one pass over memory:
 /// each block is summed and then scaled while it is still in L1. Same bits as calling
 /// `sum_squares` and then `scale`. The boundary uses it to normalise and measure at once.
 pub fn scale_and_sum_squares(buf: &mut [f32], factor: f32, threads: usize) -> f64 {
+    let mut sums = vec![0.0; blocks(buf.len())];
+    scale_and_block_sum_squares(buf, factor, &mut sums, threads);
+    fold_block_sums(&sums)
+}
+
+/// Blocks of [`math::NORM_BLOCK`] elements in a buffer of `len` elements, the last one possibly short.
+pub fn blocks(len: usize) -> usize {
+    len.div_ceil(math::NORM_BLOCK)
+}
+
+/// The sum of squares from its block sums: added in block order, starting from `0.0`.
+pub fn fold_block_sums(sums: &[f64]) -> f64 {
+    sums.iter().fold(0.0, |total, &block| total + block)
+}
+
+/// `out[b]` = [`math::block_sum_squares`] of block `b` of `buf` (`out.len()` = `blocks(buf.len())`).
+/// A block's sum depends on its elements only, so a buffer may be measured in pieces that start at
+/// multiples of `NORM_BLOCK`, by any thread or process, and its block sums are the same bits.
+pub fn block_sum_squares(buf: &[f32], out: &mut [f64], threads: usize) {
+    assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
+    let isa = active_isa();
+    run_parts(out, part_block_ends(buf.len(), threads), |first_block, out| {
+        let start = first_block * math::NORM_BLOCK;
+        let end = (start + out.len() * math::NORM_BLOCK).min(buf.len());
+        block_sums_part(isa, &buf[start..end], out);
+        false
+    });
+}
+
+/// [`block_sum_squares`] of `buf` as it is on entry, and `buf[i] *= factor`, in one pass: each
+/// block is summed and then scaled while it is still in L1.
+pub fn scale_and_block_sum_squares(buf: &mut [f32], factor: f32, out: &mut [f64], threads: usize) {
+    assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
     let isa = active_isa();
     let len = buf.len();
-    let mut sums = vec![0.0; len.div_ceil(math::NORM_BLOCK)];
     let ends: Vec<usize> = part_ends(len, threads).collect();
     // Cut the block sums at the same places as the buffer, then run each pair of parts together.
     let mut parts: Vec<(&mut [f32], &mut [f64])> = Vec::with_capacity(ends.len());
-    let (mut rest, mut rest_sums, mut start) = (buf, sums.as_mut_slice(), 0);
+    let (mut rest, mut rest_sums, mut start) = (buf, out, 0);
     for &end in &ends {
         let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
-        let (part_sums, tail_sums) = std::mem::take(&mut rest_sums).split_at_mut((end - start).div_ceil(math::NORM_BLOCK));
+        let (part_sums, tail_sums) = std::mem::take(&mut rest_sums).split_at_mut(blocks(end - start));
         parts.push((part, part_sums));
         (rest, rest_sums, start) = (tail, tail_sums, end);
     }
@@ -107,14 +133,34 @@ pub fn scale_and_sum_squares(buf: &mut [f32], factor: f32, threads: usize) -> f6
         }
         false
     });
-    sums.iter().fold(0.0, |total, &block| total + block)
 }
 
-/// `dst[i] += src[i]`, the reduction step of the in-process communicator.
+/// `buf[i] += addend[i]`, then `out[b]` = the sum of squares of block `b` of the result, then
+/// `buf[i] *= factor` when there is a factor: block by block, so each block is added to, measured
+/// and scaled while it is in L1. Same bits as [`add_assign`], then [`block_sum_squares`], then
+/// [`scale`]. One thread: the boundary runs it on one rank's share of a chunk, a few hundred KB.
+pub fn add_and_block_sum_squares(buf: &mut [f32], addend: &[f32], factor: Option<f32>, out: &mut [f64]) {
+    assert_eq!(buf.len(), addend.len(), "buffer and addend lengths differ");
+    assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
+    let isa = active_isa();
+    for ((block, add), sum) in buf.chunks_mut(math::NORM_BLOCK).zip(addend.chunks(math::NORM_BLOCK)).zip(out) {
+        add_assign_part(isa, block, add);
+        block_sums_part(isa, block, std::slice::from_mut(sum));
+        if let Some(factor) = factor {
+            scale_part(isa, block, factor);
+        }
+    }
+}
+
+/// `dst[i] += src[i]`, the reduction step of the communicators.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
-    match active_isa() {
-        // SAFETY: `active_isa` only returns paths the CPU supports.
+    add_assign_part(active_isa(), dst, src);
+}
+
+fn add_assign_part(isa: Isa, dst: &mut [f32], src: &[f32]) {
+    match isa {
+        // SAFETY: `isa` comes from `active_isa`, which only returns paths the CPU supports.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::add_assign(dst, src) },
         #[cfg(target_arch = "x86_64")]
