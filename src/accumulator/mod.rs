@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::{self, math};
-use crate::comm::{Communicator, Control, ControlSum};
+use crate::comm::{BlockPass, Communicator, Control, ControlSum};
 use crate::dtype::Grad;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
@@ -329,29 +329,36 @@ impl Accumulator {
         }
         // SAFETY: the write lock is held for the rest of the call.
         let all = unsafe { self.master.slice_mut(0..self.len()) };
-        if let Some(c) = comm.filter(|c| c.world_size() > 1) {
-            if let Err(e) = c.allreduce_buckets(all, &self.buckets) {
-                self.discard(&mut w);
-                return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
-            }
-        }
         let threads = self.config.threads;
         let max = self.config.max_grad_norm as f64;
         let normalize = (1.0 / divisor as f64) as f32;
-        // Without clipping the factor is known before the norm: one pass does both. With clipping
-        // the factor depends on the norm, so it takes a second pass (when the norm calls for it).
-        let (grad_norm, clip_coef) = if max == 0.0 {
-            let sum_squares = if normalize == 1.0 { cpu::sum_squares(all, threads) } else { cpu::scale_and_sum_squares(all, normalize, threads) };
-            (sum_squares.sqrt() / divisor as f64, 1.0)
-        } else {
-            let grad_norm = cpu::sum_squares(all, threads).sqrt() / divisor as f64;
-            let clip_coef = if grad_norm.is_finite() { (max / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+        // Without clipping the factor is known before the norm, so the pass that measures each
+        // block also normalises it. With clipping the factor depends on the norm: the pass only
+        // measures, and a second pass scales when the norm calls for it.
+        let pass = NormPass { factor: (max == 0.0 && normalize != 1.0).then_some(normalize), threads };
+        let block_sums = match comm.filter(|c| c.world_size() > 1) {
+            // The communicator runs the pass on the sum, possibly share by share as it completes.
+            Some(c) => match c.allreduce_with_pass(all, &self.buckets, &pass) {
+                Ok(sums) => sums,
+                Err(e) => {
+                    self.discard(&mut w);
+                    return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
+                }
+            },
+            None => {
+                let mut sums = vec![0.0; cpu::blocks(all.len())];
+                pass.run(all, &mut sums);
+                sums
+            }
+        };
+        let grad_norm = cpu::fold_block_sums(&block_sums).sqrt() / divisor as f64;
+        let clip_coef = if max == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max / (grad_norm + 1e-6)).min(1.0) };
+        if max != 0.0 {
             let factor = (clip_coef / divisor as f64) as f32;
             if factor != 1.0 {
                 cpu::scale(all, factor, threads);
             }
-            (grad_norm, clip_coef)
-        };
+        }
         let info = SyncInfo {
             found_inf: total.found_inf,
             total_count: total.count,
@@ -487,6 +494,26 @@ impl Accumulator {
             ));
         }
         Ok(())
+    }
+}
+
+/// The boundary's pass over the summed master buffer: each block's sum of squares, and the
+/// normalisation when its factor is known before the norm (no clipping).
+struct NormPass {
+    factor: Option<f32>,
+    threads: usize,
+}
+
+impl BlockPass for NormPass {
+    fn run(&self, run: &mut [f32], sums: &mut [f64]) {
+        match self.factor {
+            Some(factor) => cpu::scale_and_block_sum_squares(run, factor, sums, self.threads),
+            None => cpu::block_sum_squares(run, sums, self.threads),
+        }
+    }
+
+    fn add_and_run(&self, run: &mut [f32], addend: &[f32], sums: &mut [f64]) {
+        cpu::add_and_block_sum_squares(run, addend, self.factor, sums);
     }
 }
 

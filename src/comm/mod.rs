@@ -1,7 +1,8 @@
 //! Communicators: how the ranks of a data-parallel group meet at the accumulation boundary.
-//! A communicator offers exactly two collectives: the small control reduction that makes every
-//! rank agree on counts, overflow and errors, and an in-place sum of FP32 buffers whose result is
-//! bitwise identical on every rank (one buffer, or several buckets of one buffer at once).
+//! A communicator offers two collectives: the small control reduction that makes every rank agree
+//! on counts, overflow and errors, and an in-place sum of FP32 buffers whose result is bitwise
+//! identical on every rank (one buffer, or several buckets of one buffer at once), which the
+//! boundary runs together with its per-block pass over the sum.
 
 mod local;
 #[cfg(feature = "mpi")]
@@ -15,7 +16,27 @@ pub use mpi::{MpiComm, MpiConfig};
 
 use std::ops::Range;
 
+use crate::backend::cpu;
 use crate::error::{Error, Result};
+
+/// The boundary's work on the summed buffer, handed to [`Communicator::allreduce_with_pass`].
+/// It runs on runs of the sum that start at a multiple of [`cpu::math::NORM_BLOCK`] elements of
+/// the whole buffer and hold whole blocks (only the buffer's last block may be short); it may
+/// change the run in place and writes one value per block of the run. What it does to a block,
+/// and the value it writes, must depend on that block's elements alone: then any cut of the
+/// buffer into runs, on any rank, gives the same bits.
+pub trait BlockPass: Sync {
+    /// Passes over `run`, writing one value per block into `values`.
+    fn run(&self, run: &mut [f32], values: &mut [f64]);
+
+    /// `run[i] += addend[i]`, then [`BlockPass::run`]: a communicator that sums a share of the
+    /// buffer itself ends it with this. The default does one after the other; an implementation
+    /// may fuse them block by block, with the same bits.
+    fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
+        cpu::add_assign(run, addend);
+        self.run(run, values);
+    }
+}
 
 /// What one rank brings to the boundary's control reduction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -102,6 +123,21 @@ pub trait Communicator: Send + Sync {
             self.allreduce_sum(&mut buf[b.clone()])?;
         }
         Ok(())
+    }
+
+    /// Sums `buf` over all ranks in place, as [`Communicator::allreduce_buckets`] does, and runs
+    /// `pass` once over every element of the sum; returns the value `pass` wrote for each block of
+    /// `buf`, in block order. Every rank ends with the same bits in `buf` and the same values.
+    ///
+    /// This default reduces the buckets, then runs `pass` over the whole buffer on every rank. A
+    /// backend may instead have each rank sum a share of the buffer, run `pass` on that share while
+    /// it is still in cache, and then share the results: each rank then passes over `1/world` of
+    /// the buffer, and never over memory another core has just written.
+    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        self.allreduce_buckets(buf, buckets)?;
+        let mut values = vec![0.0; cpu::blocks(buf.len())];
+        pass.run(buf, &mut values);
+        Ok(values)
     }
 }
 
