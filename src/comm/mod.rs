@@ -9,6 +9,8 @@ mod local;
 mod mpi;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod packing;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) mod shares;
 
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]

@@ -1,11 +1,14 @@
 //! The MPI communicator (feature `mpi`): one rank of an MPI communicator, which gradacc duplicates
 //! so its traffic never mixes with the caller's, and sets to return errors instead of aborting.
-//! Buckets are reduced with non-blocking MPI_Iallreduce, several in flight at once.
+//! The boundary reduces in shares (see `shares`): per chunk one MPI_Alltoallv, this rank's sum
+//! and pass, one MPI_Allgatherv. Each element is summed by one rank, in rank order, so every rank
+//! gets the same bits by construction, and they are the in-process communicator's bits.
 //!
-//! Bitwise-identical results on every rank rest on MPI: the standard advises that MPI_Allreduce
-//! give "the same result on all processes", and Open MPI's and MPICH's algorithms do (each
-//! element is combined by one owner and broadcast, or in the same pairing order everywhere). The
-//! C tests check it by comparing the bits of every reduced gradient across ranks.
+//! `allreduce_buckets` posts buckets as non-blocking MPI_Iallreduce, several in flight at once; its
+//! bitwise-identical results rest on MPI: the standard advises that MPI_Allreduce give "the same
+//! result on all processes", and Open MPI's and MPICH's algorithms do (each element is combined by
+//! one owner and broadcast, or in the same pairing order everywhere). The C tests compare the bits
+//! of every reduced gradient across ranks.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
@@ -14,7 +17,8 @@ use std::sync::Mutex;
 
 use mpi::ffi;
 
-use super::{check_buckets, packing, Communicator, Control, ControlSum};
+use super::shares::{self, ShareTransport};
+use super::{check_buckets, packing, BlockPass, Communicator, Control, ControlSum};
 use crate::error::{Error, ErrorKind, Result};
 
 extern "C" {
@@ -224,6 +228,96 @@ impl MpiComm {
     }
 }
 
+/// An MPI count or displacement; larger ones fail instead of wrapping.
+fn count(n: usize, what: &str) -> Result<c_int> {
+    c_int::try_from(n).map_err(|_| Error::invalid(format!("{what} of {n} elements exceeds what one MPI call takes")))
+}
+
+/// The reduction in shares over MPI, on a communicator whose collective is already entered.
+struct Shares<'a>(&'a MpiComm);
+
+impl ShareTransport for Shares<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank
+    }
+
+    fn world(&self) -> usize {
+        self.0.world
+    }
+
+    fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+        let world = self.0.world;
+        let (mut send_counts, mut send_at) = (vec![0 as c_int; world], vec![0 as c_int; world]);
+        let (mut recv_counts, mut recv_at) = (vec![0 as c_int; world], vec![0 as c_int; world]);
+        for q in (0..world).filter(|&q| q != self.0.rank) {
+            send_counts[q] = count(shares[q].len(), "a share")?;
+            send_at[q] = count(shares[q].start, "a share's offset")?;
+            recv_counts[q] = count(slots[q].len(), "a share")?;
+            recv_at[q] = count(slots[q].start, "a share's offset")?;
+        }
+        // SAFETY: every range lies inside its buffer (the plan's shares of this chunk, slots of
+        // `scratch`), the buffers do not overlap, and the call is blocking.
+        let rc = unsafe {
+            ffi::MPI_Alltoallv(
+                chunk.as_ptr() as *const c_void,
+                send_counts.as_ptr(),
+                send_at.as_ptr(),
+                ffi::RSMPI_FLOAT,
+                scratch.as_mut_ptr() as *mut c_void,
+                recv_counts.as_ptr(),
+                recv_at.as_ptr(),
+                ffi::RSMPI_FLOAT,
+                self.0.comm,
+            )
+        };
+        check(rc, "MPI_Alltoallv")
+    }
+
+    fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
+        let counts = shares.iter().map(|s| count(s.len(), "a share")).collect::<Result<Vec<_>>>()?;
+        let at = shares.iter().map(|s| count(s.start, "a share's offset")).collect::<Result<Vec<_>>>()?;
+        // SAFETY: the shares lie inside the chunk; in place, each rank's share is read from its
+        // own place in `chunk` (MPI_IN_PLACE), and the call is blocking.
+        let rc = unsafe {
+            ffi::MPI_Allgatherv(
+                gradacc_internal_mpi_in_place(),
+                0,
+                ffi::RSMPI_FLOAT,
+                chunk.as_mut_ptr() as *mut c_void,
+                counts.as_ptr(),
+                at.as_ptr(),
+                ffi::RSMPI_FLOAT,
+                self.0.comm,
+            )
+        };
+        check(rc, "MPI_Allgatherv")
+    }
+
+    fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+        let mut at = Vec::with_capacity(counts.len());
+        let mut next = 0;
+        for &n in counts {
+            at.push(count(next, "the block values' offset")?);
+            next += n;
+        }
+        let counts = counts.iter().map(|&n| count(n, "the block values")).collect::<Result<Vec<_>>>()?;
+        // SAFETY: `mine` holds this rank's count, `all` the sum of the counts; blocking call.
+        let rc = unsafe {
+            ffi::MPI_Allgatherv(
+                mine.as_ptr() as *const c_void,
+                count(mine.len(), "the block values")?,
+                ffi::RSMPI_DOUBLE,
+                all.as_mut_ptr() as *mut c_void,
+                counts.as_ptr(),
+                at.as_ptr(),
+                ffi::RSMPI_DOUBLE,
+                self.0.comm,
+            )
+        };
+        check(rc, "MPI_Allgatherv (block values)")
+    }
+}
+
 struct Busy<'a>(&'a AtomicBool);
 
 impl Drop for Busy<'_> {
@@ -311,5 +405,13 @@ impl Communicator for MpiComm {
             self.reduce_pieces(buf, group)?;
         }
         Ok(())
+    }
+
+    /// The reduction in shares (see `shares`). Buckets do not change its result, so it cuts the
+    /// buffer into its own chunks and the buckets are only checked.
+    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        check_buckets(buf.len(), buckets)?;
+        let _busy = self.enter()?;
+        shares::reduce_in_shares(&Shares(self), buf, shares::SHARE_NUMEL, pass)
     }
 }

@@ -1,0 +1,419 @@
+//! The boundary's reduction in shares, for communicators between processes. The buffer is cut
+//! into chunks and every chunk into one share per rank. Each rank receives the other ranks' copies
+//! of its share, sums them in rank order, runs the boundary's pass on the sum while it is still in
+//! cache, and then every rank gathers the finished shares. Each element is summed and passed once,
+//! by its share's owner, so every rank holds the same bits by construction, and they are the bits
+//! of the in-process communicator, which also sums in rank order.
+
+use std::ops::Range;
+
+use super::BlockPass;
+use crate::backend::cpu::{self, math::NORM_BLOCK};
+use crate::error::Result;
+
+/// Elements of one rank's share of a full chunk (256 KB). A share and the other ranks' copies of
+/// it stay in L2 from the exchange through the sum and the pass to the gather. At 2 processes on
+/// the benchmark machine shares of 32K-128K elements were equally fast, 256K about 4% slower and
+/// 1M about 12% slower (docs/mpi.md).
+pub const SHARE_NUMEL: usize = 64 * 1024;
+
+/// Most elements in one chunk. With many ranks the shares shrink (to one block at the least), so
+/// the scratch for the other ranks' copies of a share stays under 16 MB.
+const MAX_CHUNK_NUMEL: usize = 4 << 20;
+
+/// Elements summed per step of [`sum_and_pass`] from rank 2 on: the running sum stays in L1.
+const RUN: usize = 2048;
+
+/// How a buffer is cut: chunks of `world` shares, each share whole blocks of `NORM_BLOCK`, so the
+/// pass always sees whole blocks and every block's value is computed by one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    len: usize,
+    world: usize,
+    share: usize,
+}
+
+impl Plan {
+    /// A plan for `len` elements over `world` ranks. `share_numel` is rounded up to whole blocks
+    /// (one at the least) and shrunk, not below one block, to keep a chunk within
+    /// `MAX_CHUNK_NUMEL` elements.
+    pub fn new(len: usize, world: usize, share_numel: usize) -> Plan {
+        assert!(world >= 1, "a group has at least one rank");
+        let most = (MAX_CHUNK_NUMEL / world / NORM_BLOCK).max(1);
+        let blocks = share_numel.div_ceil(NORM_BLOCK).clamp(1, most);
+        Plan { len, world, share: blocks * NORM_BLOCK }
+    }
+
+    /// Elements of a share of a full chunk.
+    pub fn share_numel(&self) -> usize {
+        self.share
+    }
+
+    /// The chunks, in order: `world` shares each, the last one shorter.
+    pub fn chunks(&self) -> impl Iterator<Item = Range<usize>> {
+        let (len, size) = (self.len, self.share * self.world);
+        (0..len).step_by(size).map(move |start| start..(start + size).min(len))
+    }
+
+    /// Rank `q`'s share of `chunk`, in elements of the whole buffer: whole blocks, the chunk's
+    /// blocks split as evenly as they go (so in a short chunk some shares may be empty). In a
+    /// full chunk every share has `share_numel` elements.
+    pub fn share(&self, chunk: &Range<usize>, q: usize) -> Range<usize> {
+        let len = chunk.len();
+        let blocks = cpu::blocks(len);
+        let at = |k: usize| chunk.start + (blocks * k / self.world * NORM_BLOCK).min(len);
+        at(q)..at(q + 1)
+    }
+
+    /// The blocks of the whole buffer that rank `q` passes, one range per chunk, in order.
+    pub fn owned_blocks(&self, q: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.chunks().map(move |c| {
+            let s = self.share(&c, q);
+            // A share starts on a block boundary; only the buffer's last block may be short.
+            s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len())
+        })
+    }
+}
+
+/// Sums the `world` contributions to one share in rank order, `((c0 + c1) + c2) + ...`, the order
+/// of the in-process communicator, and runs `pass` on the sum. `own` holds rank `rank`'s
+/// contribution and receives the result; `other(q)` is rank `q`'s contribution for every other
+/// `q`, as long as `own`.
+///
+/// Addition commutes, so ranks 0 and 1 start from their own contribution and add in place, one
+/// streaming pass per other rank, the last one fused with `pass` block by block (only a NaN's
+/// payload can depend on the order of two NaNs, as it does between SIMD paths). Ranks from 2 on
+/// sum run by run in a buffer that stays in L1, then pass.
+pub fn sum_and_pass<'a>(own: &mut [f32], rank: usize, world: usize, other: impl Fn(usize) -> &'a [f32], pass: &dyn BlockPass, values: &mut [f64]) {
+    if rank <= 1 {
+        let mut others = (0..world).filter(|&q| q != rank).peekable();
+        while let Some(q) = others.next() {
+            if others.peek().is_some() {
+                cpu::add_assign(own, other(q));
+            } else {
+                return pass.add_and_run(own, other(q), values);
+            }
+        }
+        return pass.run(own, values);
+    }
+    let mut acc = [0f32; RUN];
+    for start in (0..own.len()).step_by(RUN) {
+        let run = start..(start + RUN).min(own.len());
+        let acc = &mut acc[..run.len()];
+        acc.copy_from_slice(&other(0)[run.clone()]);
+        for q in 1..world {
+            cpu::add_assign(acc, if q == rank { &own[run.clone()] } else { &other(q)[run.clone()] });
+        }
+        own[run].copy_from_slice(acc);
+    }
+    pass.run(own, values);
+}
+
+/// The three collectives the reduction in shares needs from a transport between processes.
+/// Every rank calls each of them, in the same order, with the same `shares` and `counts`.
+pub(crate) trait ShareTransport {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+
+    /// Sends `chunk[shares[q]]` to every other rank `q`, and receives every other rank `q`'s copy
+    /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`.
+    fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()>;
+
+    /// Copies every other rank `q`'s finished `chunk[shares[q]]` into the same place of this
+    /// rank's `chunk`; this rank's own share is left as it is.
+    fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
+
+    /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order into
+    /// `all`.
+    fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()>;
+}
+
+/// Sums `buf` over the ranks of `t` in shares of about `share_numel` elements and runs `pass` on
+/// each share of the sum by its owner; returns the values `pass` wrote for every block of `buf`,
+/// in block order, the same on every rank. See [`super::Communicator::allreduce_with_pass`].
+pub(crate) fn reduce_in_shares(t: &impl ShareTransport, buf: &mut [f32], share_numel: usize, pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    let (rank, world) = (t.rank(), t.world());
+    let plan = Plan::new(buf.len(), world, share_numel);
+    let share = plan.share_numel();
+    // Other ranks' copies of this rank's share, in rank order, without a slot for its own.
+    let mut scratch = vec![0f32; (world - 1) * share];
+    let mut mine: Vec<f64> = Vec::new();
+    for chunk in plan.chunks() {
+        let shares: Vec<Range<usize>> = (0..world)
+            .map(|q| {
+                let s = plan.share(&chunk, q);
+                s.start - chunk.start..s.end - chunk.start
+            })
+            .collect();
+        let own = shares[rank].clone();
+        let slots: Vec<Range<usize>> = (0..world)
+            .map(|q| {
+                let slot = q - usize::from(q > rank);
+                if q == rank {
+                    0..0
+                } else {
+                    slot * share..slot * share + own.len()
+                }
+            })
+            .collect();
+        let piece = &mut buf[chunk];
+        t.exchange(piece, &shares, &mut scratch, &slots)?;
+        let first = mine.len();
+        mine.resize(first + cpu::blocks(own.len()), 0.0);
+        sum_and_pass(&mut piece[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
+        t.gather(piece, &shares)?;
+    }
+
+    let counts: Vec<usize> = (0..world).map(|q| plan.owned_blocks(q).map(|b| b.len()).sum()).collect();
+    let mut all = vec![0.0; counts.iter().sum()];
+    t.gather_values(&mine, &counts, &mut all)?;
+    let mut values = vec![0.0; cpu::blocks(buf.len())];
+    let mut next = all.iter();
+    for q in 0..world {
+        for blocks in plan.owned_blocks(q) {
+            for (slot, &v) in values[blocks].iter_mut().zip(next.by_ref()) {
+                *slot = v;
+            }
+        }
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Barrier, Mutex};
+
+    use super::*;
+    use crate::comm::{Communicator, LocalComm};
+
+    #[test]
+    fn plans_cut_whole_blocks_and_cover_the_buffer() {
+        let block = NORM_BLOCK;
+        for world in [1, 2, 3, 4, 7] {
+            for share_numel in [1, block - 1, block, block + 1, 3 * block, SHARE_NUMEL] {
+                for len in [1, 100, block, block + 1, 2 * block - 1, 5 * block + 17, 3 * world * 4 * block + 3 * block + 5] {
+                    let plan = Plan::new(len, world, share_numel);
+                    assert_eq!(plan.share_numel() % block, 0);
+                    assert!(plan.share_numel() >= share_numel.min(MAX_CHUNK_NUMEL / world).max(1));
+                    let mut next = 0;
+                    let mut blocks_seen = vec![0u32; cpu::blocks(len)];
+                    for chunk in plan.chunks() {
+                        assert_eq!(chunk.start, next);
+                        assert!(chunk.len() <= world * plan.share_numel());
+                        let full = chunk.len() == world * plan.share_numel();
+                        let mut at = chunk.start;
+                        for q in 0..world {
+                            let s = plan.share(&chunk, q);
+                            assert_eq!(s.start, at, "shares are contiguous, in rank order");
+                            assert!(s.start.is_multiple_of(block) || s.is_empty() && s.start == chunk.end);
+                            assert!(!full || s.len() == plan.share_numel());
+                            at = s.end;
+                        }
+                        assert_eq!(at, chunk.end);
+                        next = chunk.end;
+                    }
+                    assert_eq!(next, len);
+                    for q in 0..world {
+                        for b in plan.owned_blocks(q) {
+                            for k in b {
+                                blocks_seen[k] += 1;
+                            }
+                        }
+                    }
+                    assert!(blocks_seen.iter().all(|&n| n == 1), "every block is passed by exactly one rank");
+                }
+            }
+        }
+        // Many ranks: chunks stay bounded, shares never drop below a block.
+        assert_eq!(Plan::new(1 << 30, 64, SHARE_NUMEL).share_numel(), SHARE_NUMEL);
+        assert_eq!(Plan::new(1 << 30, 256, SHARE_NUMEL).share_numel(), MAX_CHUNK_NUMEL / 256);
+        assert_eq!(Plan::new(1 << 30, 4096, SHARE_NUMEL).share_numel(), block);
+    }
+
+    /// Normalises and measures, like the boundary; `fused` picks the block-by-block fused
+    /// `add_and_run` instead of the trait's default.
+    struct Normalise {
+        factor: f32,
+        fused: bool,
+    }
+
+    impl BlockPass for Normalise {
+        fn run(&self, run: &mut [f32], values: &mut [f64]) {
+            cpu::scale_and_block_sum_squares(run, self.factor, values, 1);
+        }
+
+        fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
+            if self.fused {
+                cpu::add_and_block_sum_squares(run, addend, Some(self.factor), values);
+            } else {
+                cpu::add_assign(run, addend);
+                self.run(run, values);
+            }
+        }
+    }
+
+    #[test]
+    fn share_sums_follow_rank_order_then_pass() {
+        let len = 3 * RUN + 5;
+        for world in [1, 2, 3, 5] {
+            let data: Vec<Vec<f32>> = (0..world).map(|r| (0..len).map(|i| value(r, i)).collect()).collect();
+            let mut want: Vec<f32> = (0..len).map(|i| (1..world).fold(data[0][i], |s, r| s + data[r][i])).collect();
+            let mut want_values = vec![0.0; cpu::blocks(len)];
+            cpu::scale_and_block_sum_squares(&mut want, 0.3, &mut want_values, 1);
+            for rank in 0..world {
+                for fused in [false, true] {
+                    let mut own = data[rank].clone();
+                    let mut values = vec![0.0; cpu::blocks(len)];
+                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused }, &mut values);
+                    assert!(own.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
+                    assert!(values.iter().zip(&want_values).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
+                }
+            }
+        }
+    }
+
+    /// Values whose f32 sums round differently in another order.
+    fn value(rank: usize, i: usize) -> f32 {
+        let x = ((i * 2654435761 + rank * 40503) % 1_000_003) as f32 / 1_000_003.0;
+        (x - 0.5) * [1.0, 3e3, 1e-3, 7e5, 0.1][rank % 5]
+    }
+
+    /// An in-process transport: the ranks are threads that read each other's published buffers
+    /// between barriers, with the same contract as the MPI one.
+    struct Threads {
+        rank: usize,
+        world: usize,
+        barrier: Arc<Barrier>,
+        posts: Arc<Mutex<Vec<(usize, usize)>>>,
+    }
+
+    impl Threads {
+        fn group(world: usize) -> Vec<Threads> {
+            let barrier = Arc::new(Barrier::new(world));
+            let posts = Arc::new(Mutex::new(vec![(0, 0); world]));
+            (0..world).map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone() }).collect()
+        }
+
+        /// Publishes this rank's buffer; returns every rank's, once all have published.
+        fn publish<T>(&self, p: *const T, len: usize) -> Vec<(usize, usize)> {
+            self.posts.lock().unwrap()[self.rank] = (p as usize, len);
+            self.barrier.wait();
+            self.posts.lock().unwrap().clone()
+        }
+    }
+
+    impl ShareTransport for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn world(&self) -> usize {
+            self.world
+        }
+
+        fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+            let posts = self.publish(chunk.as_ptr(), chunk.len());
+            for q in (0..self.world).filter(|&q| q != self.rank) {
+                // SAFETY: rank q's chunk is alive and unwritten until the barrier below.
+                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
+                scratch[slots[q].clone()].copy_from_slice(&theirs[shares[self.rank].clone()]);
+            }
+            self.barrier.wait();
+            Ok(())
+        }
+
+        fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
+            let posts = self.publish(chunk.as_ptr(), chunk.len());
+            for q in (0..self.world).filter(|&q| q != self.rank) {
+                let s = shares[q].clone();
+                // SAFETY: share q of rank q's chunk is final and only read in this phase; every rank
+                // writes only the other shares of its own chunk.
+                let theirs = unsafe { std::slice::from_raw_parts((posts[q].0 as *const f32).add(s.start), s.len()) };
+                chunk[s].copy_from_slice(theirs);
+            }
+            self.barrier.wait();
+            Ok(())
+        }
+
+        fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+            let posts = self.publish(mine.as_ptr(), mine.len());
+            let mut at = 0;
+            for q in 0..self.world {
+                assert_eq!(posts[q].1, counts[q]);
+                // SAFETY: every rank's values are alive and unwritten until the barrier below.
+                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f64, posts[q].1) };
+                all[at..at + counts[q]].copy_from_slice(theirs);
+                at += counts[q];
+            }
+            self.barrier.wait();
+            Ok(())
+        }
+    }
+
+    /// Every rank's buffer and block values from the reduction in shares.
+    fn in_shares(world: usize, len: usize, share_numel: usize, factor: f32) -> Vec<(Vec<f32>, Vec<f64>)> {
+        let group = Threads::group(world);
+        let pass = Normalise { factor, fused: true };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|t| {
+                    let pass = &pass;
+                    s.spawn(move || {
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
+                        let values = reduce_in_shares(t, &mut buf, share_numel, pass).unwrap();
+                        (buf, values)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Every rank's buffer and block values from the in-process communicator: its all-reduce,
+    /// then the pass over the whole buffer.
+    fn in_process(world: usize, len: usize, factor: f32) -> Vec<(Vec<f32>, Vec<f64>)> {
+        let comms = LocalComm::group(world).unwrap();
+        let pass = Normalise { factor, fused: false };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    let pass = &pass;
+                    s.spawn(move || {
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+                        #[allow(clippy::single_range_in_vec_init)] // one bucket: the whole buffer
+                        let values = c.allreduce_with_pass(&mut buf, &[0..len], pass).unwrap();
+                        (buf, values)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn same_bits(a: &(Vec<f32>, Vec<f64>), b: &(Vec<f32>, Vec<f64>)) -> bool {
+        a.0.len() == b.0.len()
+            && a.1.len() == b.1.len()
+            && a.0.iter().zip(&b.0).all(|(x, y)| x.to_bits() == y.to_bits())
+            && a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn shares_give_the_in_process_bits_for_any_cut() {
+        let block = NORM_BLOCK;
+        for world in [1, 2, 3, 5] {
+            // Buffers shorter than a block, with fewer blocks than ranks, not a multiple of the
+            // chunk, and spanning several chunks; shares smaller than a block and not whole blocks.
+            for len in [1, 100, block + 1, 3 * block + 7, 7 * block, 2 * world * 3 * block + 2 * block + 99] {
+                let want = in_process(world, len, 0.3);
+                assert!(want.iter().all(|w| same_bits(w, &want[0])));
+                for share_numel in [1, block, 2 * block + 1, 3 * block, SHARE_NUMEL] {
+                    for (rank, got) in in_shares(world, len, share_numel, 0.3).iter().enumerate() {
+                        assert!(same_bits(got, &want[0]), "world {world} len {len} share {share_numel} rank {rank}");
+                    }
+                }
+            }
+        }
+    }
+}
