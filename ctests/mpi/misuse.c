@@ -2,7 +2,7 @@
 /* Misuse across ranks: accumulators of different sizes on different ranks, or an invalid call on
  * one rank, must fail on every rank with the same status, without hanging and without touching
  * the master buffers; afterwards a correct boundary on the same communicator still works. Also
- * the argument checks of gradacc_comm_create_mpi. */
+ * the argument checks of gradacc_comm_create_mpi, and an intercommunicator, which it refuses. */
 #include "mpi/mpi_common.h"
 
 int main(int argc, char **argv)
@@ -55,6 +55,19 @@ int main(int argc, char **argv)
     cfg.struct_size = 3;
     EXPECT_ERROR(gradacc_comm_create_mpi(GRADACC_MPI_COMM_WORLD, &cfg, &c), GRADACC_STATUS_INVALID_ARGUMENT, "struct_size");
     CHECK(c == NULL, "output written on failure");
+
+    /* An intercommunicator between the lower and the upper half of the ranks: its collectives
+     * combine the other group's data, so it cannot be a data-parallel group. */
+    MPI_Comm half, inter;
+    int upper = rank >= world / 2;
+    MPI_Comm_split(MPI_COMM_WORLD, upper, rank, &half);
+    MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, upper ? 0 : world / 2, 17, &inter);
+    EXPECT_ERROR(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(inter), NULL, &c), GRADACC_STATUS_INVALID_ARGUMENT,
+                 "intercommunicator");
+    CHECK(c == NULL, "output written on failure");
+    MPI_Comm_free(&inter);
+    MPI_Comm_free(&half);
+
     bool avail = false;
     EXPECT_OK(gradacc_backend_available(GRADACC_BACKEND_MPI, &avail));
     CHECK(avail, "an MPI build must report the MPI backend");

@@ -151,6 +151,13 @@ impl MpiComm {
         if config.max_in_flight == 0 {
             return Err(Error::invalid("max_in_flight is 0: at least one bucket must be in flight"));
         }
+        let mut inter: c_int = 0;
+        // SAFETY: parent is a communicator handle; errors follow the caller's error handler.
+        check(unsafe { ffi::MPI_Comm_test_inter(parent, &mut inter) }, "MPI_Comm_test_inter")?;
+        if inter != 0 {
+            // Collectives on an intercommunicator combine the other group's data, not this one's.
+            return Err(Error::invalid("the communicator is an intercommunicator; gradacc needs an intracommunicator (one group of ranks)"));
+        }
         // SAFETY: a zeroed handle is only a placeholder for the output of MPI_Comm_dup.
         let mut comm: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
         // SAFETY: parent is a valid communicator; errors here follow the caller's error handler.
