@@ -13,8 +13,8 @@ use crate::error::Result;
 
 /// Elements of one rank's share of a full chunk (256 KB). A share and the other ranks' copies of
 /// it stay in L2 from the exchange through the sum and the pass to the gather. At 2 processes on
-/// the benchmark machine shares of 32K-128K elements were equally fast, 256K about 4% slower and
-/// 1M about 12% slower (docs/mpi.md).
+/// the benchmark machine shares of 32K-128K elements were equally fast, 256K about 5% slower and
+/// 1M about 14% slower (docs/mpi.md).
 pub const SHARE_NUMEL: usize = 64 * 1024;
 
 /// Most elements in one chunk. With many ranks the shares shrink (to one block at the least), so
