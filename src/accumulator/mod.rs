@@ -213,7 +213,12 @@ impl Accumulator {
         for (i, g) in grads.iter().enumerate() {
             // SAFETY: the window's write lock excludes every other writer of the master buffer.
             let m = unsafe { self.master.slice_mut(self.range(i)) };
-            let assign = self.written_in[i].swap(w.id, Ordering::Relaxed) != w.id;
+            // A load and a store rather than a swap: the write lock excludes every other writer, and
+            // a locked exchange per tensor showed in the per-call cost of many small tensors.
+            let assign = self.written_in[i].load(Ordering::Relaxed) != w.id;
+            if assign {
+                self.written_in[i].store(w.id, Ordering::Relaxed);
+            }
             bad |= cpu::accumulate(m, *g, factor, assign, self.config.threads);
         }
         if bad {
