@@ -209,18 +209,21 @@ impl Accumulator {
         self.check_count(&w, count)?;
         self.start_window_if_synced(&mut w);
         let factor = self.factor(scaler, count);
-        let mut bad = false;
+        let mut passes = Vec::with_capacity(grads.len());
         for (i, g) in grads.iter().enumerate() {
-            // SAFETY: the window's write lock excludes every other writer of the master buffer.
-            let m = unsafe { self.master.slice_mut(self.range(i)) };
+            // SAFETY: the window's write lock excludes every other writer of the master buffer,
+            // and the tensors' ranges do not overlap.
+            let master = unsafe { self.master.slice_mut(self.range(i)) };
             // A load and a store rather than a swap: the write lock excludes every other writer, and
             // a locked exchange per tensor showed in the per-call cost of many small tensors.
             let assign = self.written_in[i].load(Ordering::Relaxed) != w.id;
             if assign {
                 self.written_in[i].store(w.id, Ordering::Relaxed);
             }
-            bad |= cpu::accumulate(m, *g, factor, assign, self.config.threads);
+            passes.push(cpu::TensorPass { master, grad: *g, assign });
         }
+        // One pass over all tensors: the threads share the micro-batch, not each large tensor.
+        let bad = cpu::accumulate_many(passes, factor, self.config.threads);
         if bad {
             self.found_inf.store(true, Ordering::Relaxed);
         }
