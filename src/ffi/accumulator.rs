@@ -10,7 +10,6 @@ use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{guard, gradacc_status_t, null};
 use super::types::*;
 use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
-use crate::dtype::Grad;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
@@ -230,16 +229,15 @@ pub extern "C" fn gradacc_accumulator_add(
             return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())));
         }
         let ptrs = unsafe { std::slice::from_raw_parts(grads, n) };
-        let views = ptrs
-            .iter()
-            .zip(a.tensors())
-            .enumerate()
-            // The argument's name is formatted only for an error: for every tensor it cost about as
-            // much as the rest of a call over a thousand small tensors.
-            .map(|(i, (&p, d))| unsafe {
-                grad_from_c(p, d.numel, d.dtype, "grads").or_else(|_| grad_from_c(p, d.numel, d.dtype, &format!("grads[{i}]")))
-            })
-            .collect::<Result<Vec<Grad<'_>>>>()?;
+        let mut views = Vec::with_capacity(n);
+        for (i, (&p, d)) in ptrs.iter().zip(a.tensors()).enumerate() {
+            // The checks without a message first: over a thousand small tensors, building the
+            // argument's name (or returning a Result through memory) cost as much as the adds.
+            match unsafe { grad_view(p, d.numel, d.dtype) } {
+                Some(grad) => views.push(grad),
+                None => return Err(grad_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
+            }
+        }
         a.add(&s, &views, count)
     })
 }

@@ -87,27 +87,44 @@ pub(crate) fn check_device(device: *const gradacc_device_t) -> Result<()> {
     }
 }
 
-/// Borrows a C gradient buffer as a typed slice after checking pointer, alignment and size.
+/// Borrows a C gradient buffer as a typed slice if pointer, alignment and size pass the checks of
+/// [`grad_from_c`]; `None` otherwise. No message is built, and inlined it returns in registers:
+/// `gradacc_accumulator_add` runs it once per tensor on every call.
 ///
 /// # Safety
-/// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
-pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<Grad<'a>> {
-    if ptr.is_null() {
-        return Err(null(argument));
+/// As for [`grad_from_c`].
+#[inline]
+pub(crate) unsafe fn grad_view<'a>(ptr: *const c_void, numel: usize, dtype: Dtype) -> Option<Grad<'a>> {
+    // Element sizes are powers of two: a mask and a multiplication instead of divisions.
+    let aligned = ptr as usize & (dtype.size() - 1) == 0;
+    if ptr.is_null() || !aligned || numel.checked_mul(dtype.size()).is_none_or(|bytes| bytes > isize::MAX as usize) {
+        return None;
     }
-    // Element sizes are powers of two: masks and a multiplication instead of divisions, which
-    // this check pays once per tensor per call.
-    if ptr as usize & (dtype.size() - 1) != 0 {
-        return Err(Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name())));
-    }
-    if numel.checked_mul(dtype.size()).is_none_or(|bytes| bytes > isize::MAX as usize) {
-        return Err(Error::invalid(format!("`{argument}` length {numel} is too large")));
-    }
-    Ok(match dtype {
+    Some(match dtype {
         Dtype::F32 => Grad::F32(std::slice::from_raw_parts(ptr as *const f32, numel)),
         Dtype::F16 => Grad::F16(std::slice::from_raw_parts(ptr as *const u16, numel)),
         Dtype::Bf16 => Grad::Bf16(std::slice::from_raw_parts(ptr as *const u16, numel)),
     })
+}
+
+/// Borrows a C gradient buffer as a typed slice after checking pointer, alignment and size; the
+/// error names `argument`.
+///
+/// # Safety
+/// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
+pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<Grad<'a>> {
+    grad_view(ptr, numel, dtype).ok_or_else(|| grad_error(ptr, numel, dtype, argument))
+}
+
+/// The error for a gradient buffer that [`grad_view`] refused.
+pub(crate) fn grad_error(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Error {
+    if ptr.is_null() {
+        null(argument)
+    } else if ptr as usize & (dtype.size() - 1) != 0 {
+        Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name()))
+    } else {
+        Error::invalid(format!("`{argument}` length {numel} is too large"))
+    }
 }
 
 /// Checks an output pointer up front, so a call fails before it changes anything.
