@@ -126,8 +126,7 @@ class Report:
         for r in lay:
             g = med(r, "gradacc")
             be_name, be = self.best_effort(r)
-            fl = self.floor_for(r["numel"], r["dtype"], r["threads"])
-            rows.append([r["dtype"], r["threads"], ms(g), f"{g / fl:.2f}" if fl else "–", ms(med(r, "torch_gradscaler")),
+            rows.append([r["dtype"], r["threads"], ms(g), ms(med(r, "torch_gradscaler")),
                          f"**{med(r, 'torch_gradscaler') / g:.1f}×**", ms(be), f"**{be / g:.1f}×**",
                          ms(med(r, "torch_plain")), f"{med(r, 'torch_plain') / g:.1f}×"])
         if not rows:
@@ -136,9 +135,9 @@ class Report:
         return (f"### One micro-batch of a {n / 1e6:.0f}M-parameter model ({lay[0]['tensors']} tensors), same buffers\n\n"
                 f"{lay[0]['tensors']} tensors, {n:,} elements: time of one `add` (unscale, check, accumulate "
                 "into FP32) per micro-batch, median; × = how many times longer PyTorch takes.\n\n"
-                + table(["grads", "threads", "gradacc ms", "÷ floor", "GradScaler seq. ms", "×",
+                + table(["grads", "threads", "gradacc ms", "GradScaler seq. ms", "×",
                          "PyTorch best effort ms", "×", "per-tensor plain ms", "×"],
-                        rows, ["---", "---:"] + ["---:"] * 8))
+                        rows, ["---", "---:"] + ["---:"] * 7))
 
     def targets_section(self):
         t = []
@@ -158,14 +157,17 @@ class Report:
             lay = [r for r in mixed if r["case"] == "transformer"]
             lgs = [med(r, "torch_gradscaler") / med(r, "gradacc") for r in lay]
             lbe = [self.best_effort(r)[1] / med(r, "gradacc") for r in lay]
+            def verdict(xs, goal):
+                hit = sum(x >= goal for x in xs)
+                return "met" if hit == len(xs) else f"met in {hit} of {len(xs)}" if hit else "missed"
             t.append(["≥ 5× faster than PyTorch's GradScaler sequence (f16/bf16 grads)",
-                      f"{min(gs):.1f}–{max(gs):.1f}× over {len(gs)} configurations, ≥ 5× in {sum(x >= 5 for x in gs)}; "
-                      f"{self.layout_name()} {min(lgs):.1f}–{max(lgs):.1f}×" if lgs else "",
-                      "met" if min(gs) >= 5 else "missed where < 5× (see below)"])
+                      f"{self.layout_name()}: {min(lgs):.1f}–{max(lgs):.1f}× ({verdict(lgs, 5)}); all {len(gs)} "
+                      f"configurations: {min(gs):.1f}–{max(gs):.1f}×",
+                      f"layout {verdict(lgs, 5)}; all: {verdict(gs, 5)}"])
             t.append(["≥ 2.5× faster than PyTorch's best effort (f16/bf16 grads)",
-                      f"{min(be):.1f}–{max(be):.1f}× over {len(be)} configurations, ≥ 2.5× in {sum(x >= 2.5 for x in be)}; "
-                      f"{self.layout_name()} {min(lbe):.1f}–{max(lbe):.1f}×" if lbe else "",
-                      "met" if min(be) >= 2.5 else "missed where < 2.5× (see below)"])
+                      f"{self.layout_name()}: {min(lbe):.1f}–{max(lbe):.1f}× ({verdict(lbe, 2.5)}); all {len(be)} "
+                      f"configurations: {min(be):.1f}–{max(be):.1f}×",
+                      f"layout {verdict(lbe, 2.5)}; all: {verdict(be, 2.5)}"])
         # 4. overhead of 1000 small tensors.
         ov = [r for r in self.overhead if r["tensors"] == 1000]
         if ov:
@@ -177,6 +179,33 @@ class Report:
                       "met" if worst[0] < 50e-6 else "missed"])
         self.targets = t
         return table(["target", "measured", ""], t, ["---", "---", "---"])
+
+    def limits(self):
+        text = LIMITS
+        lay = [r for r in self.layout if r["dtype"] != "f32"]
+        peer = [r for r in self.peer if r["case"] == "transformer" and r["dtype"] != "f32"]
+        if lay and peer:
+            at = [med(r, "gradacc") / floor_of(r) for r in lay]
+            # PyTorch's best effort against its own bound: the floor's time scaled from gradacc's
+            # 10 B per element to the 14 B the best form moves.
+            own = []
+            for r in peer:
+                fl = self.floor_for(r["numel"], r["dtype"], r["threads"])
+                if fl:
+                    own.append(self.best_effort(r)[1] / (fl * 14 / 10))
+            text += (f"\n\nOn {self.layout_name()} with 16-bit gradients, gradacc ran at {min(at):.2f}–{max(at):.2f}× "
+                     f"its same-run floor (table below)" + (f", and PyTorch's best effort at {min(own):.1f}–{max(own):.1f}× the "
+                     "time its 14 B per element would take at that floor's bandwidth" if own else "") + ".")
+            mixed = [r for r in self.peer if r["dtype"] != "f32"]
+            missed = any(med(r, "torch_gradscaler") < 5 * med(r, "gradacc") or self.best_effort(r)[1] < 2.5 * med(r, "gradacc")
+                         for r in mixed)
+            if missed:
+                text += (" Where a ratio stays under its target, gradacc is at its floor and PyTorch is within a small "
+                         "factor of its own: the ratio is bounded by the bytes each side must move, and no change "
+                         "inside gradacc can move fewer than the g + 8 B per element the fused pass needs. The targets "
+                         "are reached where PyTorch falls further below bandwidth: fresh pages for large temporaries "
+                         "(flat tensors of 16M elements and more) and per-tensor dispatch (many small tensors).")
+        return text
 
     def sweep_section(self):
         rows = []
@@ -415,7 +444,7 @@ class Report:
             "",
             self.targets_section(),
             "",
-            LIMITS,
+            self.limits(),
             "",
             "## `add` against the memory-bandwidth floor",
             "",
@@ -485,8 +514,7 @@ and more against 10 B, **2.2× at equal bandwidth**. The best PyTorch forms with
 gradient into FP32): **1.4× at equal bandwidth**. With f32 gradients the GradScaler sequence moves
 8 + 12 = 20 B against 12 B: **1.7×**. Ratios above these come from PyTorch's kernels running below
 bandwidth (mixed-dtype adds through TensorIterator's casting loop, per-tensor dispatch, fresh pages
-for every temporary), not from gradacc moving fewer bytes than the fused pass needs: where a ratio
-falls short of a target, gradacc is at the floor (the tables below) and the rest is outside it."""
+for every temporary), not from gradacc moving fewer bytes than the fused pass needs."""
 
 FLOOR_METHOD = """\
 One flat tensor, gradacc's `Accumulator::add` (`assign = false`: a window in progress) against three
