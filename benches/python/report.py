@@ -294,9 +294,14 @@ class Report:
         fl = self.floor_for(n, "f16", 1)
         lead = (f"{size(n)} f16 elements in all, cut into equal tensors, 1 thread; ns per element"
                 + (f" (the same-run floor for one flat buffer of this size: {fl * 1e9 / n:.3f} ns/element)" if fl else "") + ".\n\n")
+        one, most = min(self.count, key=lambda r: r["tensors"]), max(self.count, key=lambda r: r["tensors"])
+        per = (med(most, "gradacc") - med(one, "gradacc")) / (most["tensors"] - one["tensors"])
+        tail = (f"\n\nFrom {one['tensors']:,} to {most['tensors']:,} tensors gradacc's call grows by {per * 1e9:.0f} ns per "
+                "tensor (the ctypes call included): the per-call checks, and each tensor's unaligned head and "
+                "short tail, which the SIMD loops hand to the scalar kernel (up to 15 elements each).")
         return lead + table(["tensors", "elements each", "gradacc", "gradacc via `Accumulator.add`", "GradScaler seq.",
                              "best effort", "fastest form", "GradScaler ×", "best effort ×"], rows,
-                            ["---:", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"])
+                            ["---:", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"]) + tail
 
     def boundary_section(self):
         out = []
