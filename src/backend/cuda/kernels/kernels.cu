@@ -249,3 +249,13 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_loss(void *los
         ga_scale_loss_one(loss, i, dtype, scale);
     }
 }
+
+/* The sizes of the structs shared with Rust, for the GPU suite to compare with the Rust layouts. */
+extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
+    out[0] = sizeof(ga_tensor);
+    out[1] = sizeof(ga_chunk);
+    out[2] = sizeof(ga_source);
+    out[3] = sizeof(ga_boundary);
+    out[4] = sizeof(ga_scaler_state);
+    out[5] = sizeof(ga_scaler_rule);
+}
