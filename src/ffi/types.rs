@@ -65,10 +65,18 @@ pub(crate) fn dtype_to_c(dtype: Dtype) -> gradacc_dtype_t {
     }
 }
 
-/// Checks the device argument: NULL or a CPU device; CUDA is not in this build yet.
-pub(crate) fn check_device(device: *const gradacc_device_t) -> Result<()> {
+/// A parsed `gradacc_device_t`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Device {
+    Cpu,
+    Cuda { ordinal: i32, stream: crate::backend::cuda::driver::CUstream },
+}
+
+/// Reads the device argument: NULL or a CPU device, or a CUDA device where a driver and NVRTC
+/// are present (else BACKEND_UNAVAILABLE).
+pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
     if device.is_null() {
-        return Ok(());
+        return Ok(Device::Cpu);
     }
     // SAFETY: non-null and, by the API contract, points to a gradacc_device_t.
     let d = unsafe { *device };
@@ -80,18 +88,28 @@ pub(crate) fn check_device(device: *const gradacc_device_t) -> Result<()> {
                     d.ordinal, d.stream
                 )));
             }
-            Ok(())
+            Ok(Device::Cpu)
         }
-        GRADACC_DEVICE_CUDA => Err(Error::new(ErrorKind::BackendUnavailable, "`device`.kind is CUDA, but this build has no CUDA backend")),
+        GRADACC_DEVICE_CUDA => {
+            if d.ordinal < 0 {
+                return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)));
+            }
+            crate::backend::cuda::driver::require_driver()?;
+            if !crate::backend::cuda::compile::nvrtc_available() {
+                return Err(Error::new(
+                    ErrorKind::BackendUnavailable,
+                    "`device`.kind is CUDA, but NVRTC (libnvrtc.so.12) could not be loaded to compile the kernels",
+                ));
+            }
+            Ok(Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ })
+        }
         k => Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value"))),
     }
 }
 
-/// Borrows a C gradient buffer as a typed slice after checking pointer, alignment and size.
-///
-/// # Safety
-/// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
-pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<Grad<'a>> {
+/// Checks a buffer argument (host or device address) without touching it: non-null, aligned
+/// for `dtype`, and a length that fits the address space.
+pub(crate) fn check_buffer(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<()> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -101,6 +119,15 @@ pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dt
     if numel > isize::MAX as usize / dtype.size() {
         return Err(Error::invalid(format!("`{argument}` length {numel} is too large")));
     }
+    Ok(())
+}
+
+/// Borrows a C gradient buffer as a typed slice after checking pointer, alignment and size.
+///
+/// # Safety
+/// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
+pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<Grad<'a>> {
+    check_buffer(ptr, numel, dtype, argument)?;
     Ok(match dtype {
         Dtype::F32 => Grad::F32(std::slice::from_raw_parts(ptr as *const f32, numel)),
         Dtype::F16 => Grad::F16(std::slice::from_raw_parts(ptr as *const u16, numel)),

@@ -44,6 +44,20 @@ pub enum Target {
 }
 
 impl Target {
+    /// The target for a device of compute capability `major.minor`: its exact CUBIN when this
+    /// NVRTC knows the architecture, else PTX for the newest architecture it knows that the
+    /// device runs.
+    pub fn for_device(major: i32, minor: i32) -> Result<Target> {
+        let arch = (major * 10 + minor) as u32;
+        let known = supported_architectures()?;
+        if known.contains(&arch) {
+            return Ok(Target::Cubin(arch));
+        }
+        known.iter().copied().filter(|&a| a <= arch).max().map(Target::Ptx).ok_or_else(|| {
+            Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})"))
+        })
+    }
+
     fn option(self) -> String {
         match self {
             Target::Cubin(arch) => format!("--gpu-architecture=sm_{arch}"),
@@ -84,18 +98,6 @@ pub fn supported_architectures() -> Result<Vec<u32>> {
     Ok(archs.into_iter().map(|a| a as u32).collect())
 }
 
-/// The target for a device of compute capability `major.minor`: its exact CUBIN when this NVRTC
-/// knows the architecture, else PTX for the newest architecture it knows that the device runs.
-pub fn target_for(major: i32, minor: i32) -> Result<Target> {
-    let arch = (major * 10 + minor) as u32;
-    let known = supported_architectures()?;
-    if known.contains(&arch) {
-        return Ok(Target::Cubin(arch));
-    }
-    known.iter().copied().filter(|&a| a <= arch).max().map(Target::Ptx).ok_or_else(|| {
-        Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})"))
-    })
-}
 
 /// Compiles [`SOURCE`] for `target`. Errors carry NVRTC's log.
 pub fn compile(target: Target) -> Result<Compiled> {

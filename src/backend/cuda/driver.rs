@@ -3,6 +3,10 @@
 //! memory ordered on a stream, events, and kernel launches. Nothing else in gradacc calls the
 //! driver directly.
 
+// Streams, events and contexts are opaque driver handles typed as raw pointers: gradacc passes
+// them to the driver and never dereferences them.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 
