@@ -224,6 +224,17 @@ typedef struct gradacc_mpi_config_t {
 } gradacc_mpi_config_t;
 
 /**
+ * An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+ * every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+ */
+typedef struct gradacc_nccl_unique_id_t {
+    /**
+     * Opaque bytes (NCCL_UNIQUE_ID_BYTES).
+     */
+    uint8_t internal[128];
+} gradacc_nccl_unique_id_t;
+
+/**
  * Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
  */
 typedef struct gradacc_scaler_config_t {
@@ -337,12 +348,14 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_BACKEND_MPI 1
 
 /**
- * The NCCL communicator; not in this version.
+ * The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA
+ * driver and libnccl.so load.
  */
 #define GRADACC_BACKEND_NCCL 2
 
 /**
- * CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+ * CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a
+ * device and NVRTC (libnvrtc.so.12) loads.
  */
 #define GRADACC_BACKEND_CUDA 3
 
@@ -425,6 +438,12 @@ typedef struct gradacc_scaler_stats_t {
  * An internal error (a bug in gradacc); the message says where.
  */
 #define GRADACC_STATUS_INTERNAL 15
+
+/**
+ * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
+ * device that fell off the bus); the message carries the driver's own text.
+ */
+#define GRADACC_STATUS_DEVICE_FAILURE 16
 
 /**
  * IEEE 754 binary32.
@@ -660,9 +679,10 @@ gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *ou
 gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
 
 /**
- * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library. Every
- * build has every function of the header; a constructor of a backend that is not built in fails
- * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+ * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
+ * built with it; CUDA and NCCL when their libraries load on this machine (checked without ever
+ * failing: a machine with no driver just answers false). Every build has every function of the
+ * header; a constructor of an unavailable backend fails with GRADACC_STATUS_BACKEND_UNAVAILABLE.
  *
  * Thread safety: any thread.
  */
@@ -702,6 +722,50 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
 gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
                                          const struct gradacc_mpi_config_t *config,
                                          struct gradacc_comm_t **out_comm);
+
+/**
+ * Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
+ * a GPU; needs libnccl.so.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out);
+
+/**
+ * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
+ * `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it.
+ * Accumulators on that device sync over it; their stream carries the collectives.
+ *
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (ncclCommDestroy),
+ * or first gradacc_comm_abort to abandon pending collectives (after a peer failed).
+ * Thread safety: one sync at a time per communicator.
+ */
+gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
+                                          int32_t rank,
+                                          int32_t world_size,
+                                          int32_t device_ordinal,
+                                          struct gradacc_comm_t **out_comm);
+
+/**
+ * Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
+ * it. gradacc never destroys or aborts an adopted communicator.
+ *
+ * Ownership: `*out_comm` is the caller's (free with gradacc_comm_destroy, before the caller
+ * destroys its ncclComm_t); `nccl_comm` stays the caller's.
+ * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
+ * the communicator concurrently with a gradacc sync.
+ */
+gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
+
+/**
+ * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
+ * when a peer died and a sync would wait forever), and later syncs fail with
+ * GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
+ * adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
+ *
+ * Thread safety: any thread, also while another thread is blocked in a sync on the communicator.
+ */
+gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).

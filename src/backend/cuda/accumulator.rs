@@ -391,7 +391,8 @@ impl CudaAccumulator {
         let mut args = launch_args!(boundary, count, microbatches, found_inf);
         // SAFETY: argument types follow ga_pack_control.
         unsafe { self.kernels.get("ga_pack_control")?.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
-        if let Some(c) = comm.filter(|c| c.world_size() > 1) {
+        // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
+        if let Some(c) = comm {
             if let Some(o) = &overlap {
                 self.event.lock().unwrap_or_else(|e| e.into_inner()).order(o.stream.stream, self.stream)?;
             }
@@ -555,7 +556,7 @@ impl CudaAccumulator {
     /// mismatch fails on every rank instead of corrupting memory inside NCCL.
     fn verify_layout(&self, comm: &NcclComm) -> Result<()> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
-        if verified.contains(&comm.id()) || comm.world_size() == 1 {
+        if verified.contains(&comm.id()) {
             return Ok(());
         }
         let numel = self.offsets[self.descs.len()] as u64;
