@@ -240,6 +240,13 @@ pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
 }
 
+/// Enqueues a device-to-device copy of `bytes` bytes on `stream` (the bandwidth floor of the
+/// benchmarks).
+pub fn copy(ctx: &Context, stream: CUstream, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
+    let _g = ctx.enter()?;
+    check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+}
+
 /// An event used only for ordering (no timing), created in `ctx`.
 pub struct Event {
     ctx: Arc<Context>,
