@@ -177,7 +177,9 @@ fn creation_args(
 
 /// Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
 /// tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
-/// NULL means the CPU.
+/// NULL means the CPU. On a CUDA device the master is allocated in device memory on the device's
+/// stream (stream-ordered), and every later call on the accumulator is ordered on that stream;
+/// the first CUDA object on a device compiles the kernels with NVRTC (tens of milliseconds).
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
 /// Thread safety: any thread. See each function for what may run concurrently on the result.
@@ -260,7 +262,12 @@ pub extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -
 /// flags non-finite values, and accumulates into the master (the first micro-batch of a window
 /// overwrites it). Fails without changing anything on a wrong tensor count, dtype or length.
 ///
-/// Thread safety: serialised with every other call on `acc`; buffers are read during the call only.
+/// On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
+/// returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
+/// until the stream has run it). The scale is read on the device: no host synchronisation.
+///
+/// Thread safety: serialised with every other call on `acc`; buffers are read during the call only
+/// (on CUDA: by the stream's work).
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_add(
     acc: *mut gradacc_accumulator_t,
@@ -306,6 +313,28 @@ pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumul
     guard("gradacc_accumulator_begin_microbatch", || match &*ACCUMULATORS.get(acc, "acc")? {
         AccumulatorObj::Cpu(a) => a.begin_microbatch(count),
         AccumulatorObj::Cuda(a) => a.begin_microbatch(count),
+    })
+}
+
+/// Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
+/// communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a
+/// communication stream as soon as every tensor of the bucket has arrived (one contribution
+/// each; buckets start in reverse tensor order, as backward produces them), overlapping the rest
+/// of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
+/// Every rank must do the same. On the CPU it is gradacc_accumulator_begin_microbatch.
+/// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_begin_final_microbatch(acc: *mut gradacc_accumulator_t, count: u64, comm: *mut gradacc_comm_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_begin_final_microbatch", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let c = COMMS.get(comm, "comm")?;
+        match (&*a, &*c) {
+            (AccumulatorObj::Cpu(a), CommObj::Host(_)) => a.begin_microbatch(count),
+            (AccumulatorObj::Cuda(a), CommObj::Nccl(n)) => a.begin_final_microbatch(count, n.clone()),
+            _ => Err(device_mismatch("`comm`")),
+        }
     })
 }
 
@@ -361,7 +390,14 @@ pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulat
 /// boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
 /// measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
 /// same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
-/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW. A sync right after a
+/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
+///
+/// On CUDA (with an NCCL `comm`, or NULL): everything is enqueued on the accumulator's stream and
+/// the call returns without waiting when `out_info` is NULL; the info then stays on the device,
+/// where gradacc_scaler_update reads it. A non-NULL `out_info` is a host read: the call waits for
+/// the stream. A call that fails before communicating (inside a micro-batch, a device mismatch)
+/// does not enter NCCL, so the other ranks wait, as in any NCCL program: abort the communicator
+/// (gradacc_comm_abort). Layouts are checked across ranks once per communicator (a host wait). A sync right after a
 /// sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
 /// others' boundary (and reads zeros before the reduction).
 ///
@@ -393,7 +429,7 @@ pub extern "C" fn gradacc_accumulator_sync(
             (AccumulatorObj::Cpu(a), None) => Some(a.sync(None)?),
             (AccumulatorObj::Cpu(a), Some(CommObj::Host(c))) => Some(a.sync(Some(&**c))?),
             (AccumulatorObj::Cuda(a), None) => a.sync(None, !out_info.is_null())?,
-            (AccumulatorObj::Cuda(a), Some(CommObj::Nccl(c))) => a.sync(Some(c), !out_info.is_null())?,
+            (AccumulatorObj::Cuda(a), Some(CommObj::Nccl(c))) => a.sync(Some(&**c), !out_info.is_null())?,
             (AccumulatorObj::Cpu(_), Some(CommObj::Nccl(_))) => return Err(device_mismatch("`comm` (NCCL)")),
             (AccumulatorObj::Cuda(_), Some(CommObj::Host(c))) => {
                 let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
@@ -413,7 +449,8 @@ pub extern "C" fn gradacc_accumulator_sync(
     })
 }
 
-/// Writes a pointer to tensor `index`'s FP32 master gradient and its element count. The pointer
+/// Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
+/// address on CUDA, whose contents are ready in the accumulator's stream order). The pointer
 /// stays valid until the accumulator is destroyed; its contents are the boundary's result after
 /// gradacc_accumulator_sync, and in progress otherwise.
 ///

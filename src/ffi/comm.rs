@@ -54,7 +54,7 @@ pub struct gradacc_nccl_unique_id_t {
 /// A communicator of any backend: a host one (local, MPI) reduces host buffers, NCCL device ones.
 pub(crate) enum CommObj {
     Host(Arc<dyn Communicator>),
-    Nccl(NcclComm),
+    Nccl(Arc<NcclComm>),
 }
 
 impl CommObj {
@@ -273,7 +273,7 @@ pub extern "C" fn gradacc_comm_create_nccl(
         }
         let id: &[u8; UNIQUE_ID_BYTES] = &id.internal;
         let comm = NcclComm::new(id, rank as usize, world_size as usize, device_ordinal)?;
-        *out = COMMS.insert(Arc::new(CommObj::Nccl(comm)));
+        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
         Ok(())
     })
 }
@@ -294,7 +294,7 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
         }
         // SAFETY: the caller passes a live ncclComm_t that outlives the handle (API contract).
         let comm = unsafe { NcclComm::adopt(nccl_comm)? };
-        *out = COMMS.insert(Arc::new(CommObj::Nccl(comm)));
+        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
         Ok(())
     })
 }

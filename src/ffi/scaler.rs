@@ -139,7 +139,9 @@ pub extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_
     })
 }
 
-/// Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU.
+/// Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU. On a CUDA
+/// device the state lives in device memory, ordered on the device's stream, and is updated there
+/// by gradacc_scaler_update without a host round trip.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_scaler_destroy (after every
 /// accumulator call that uses it has returned).
@@ -191,7 +193,8 @@ pub extern "C" fn gradacc_scaler_get_scale(scaler: *const gradacc_scaler_t, out:
 }
 
 /// Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
-/// values round to nearest even). Call it on the loss before the backward pass.
+/// values round to nearest even). Call it on the loss before the backward pass. On CUDA `loss` is
+/// a device address and the work is enqueued on the scaler's stream.
 ///
 /// Thread safety: any thread; `loss` must not be used concurrently.
 #[no_mangle]
@@ -231,6 +234,11 @@ pub extern "C" fn gradacc_scaler_scale_loss(
 ///
 /// Fails with GRADACC_STATUS_SCALE_AT_MINIMUM, changing nothing, when an overflow needs a backoff
 /// while the scale is already at min_scale.
+///
+/// On CUDA: the flags are gathered and the scale updated by kernels on the scaler's stream
+/// (ordered after each accumulator's stream); with `out_skipped` NULL the call does not wait,
+/// and a SCALE_AT_MINIMUM is reported by the next call that reads the state (get_scale,
+/// get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
 /// Thread safety: any thread; serialised with other updates of the scaler.
 #[no_mangle]
 pub extern "C" fn gradacc_scaler_update(

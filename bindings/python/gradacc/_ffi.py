@@ -187,6 +187,12 @@ gradacc_accumulator_begin_microbatch.restype = gradacc_status_t
 gradacc_accumulator_begin_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64]
 # arguments: acc, count
 
+# Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
+gradacc_accumulator_begin_final_microbatch = dll.gradacc_accumulator_begin_final_microbatch
+gradacc_accumulator_begin_final_microbatch.restype = gradacc_status_t
+gradacc_accumulator_begin_final_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64, ctypes.POINTER(gradacc_comm_t)]
+# arguments: acc, count, comm
+
 # Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`.
 gradacc_accumulator_add_tensor = dll.gradacc_accumulator_add_tensor
 gradacc_accumulator_add_tensor.restype = gradacc_status_t
@@ -205,7 +211,7 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
-# Writes a pointer to tensor `index`'s FP32 master gradient and its element count.
+# Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order).
 gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]

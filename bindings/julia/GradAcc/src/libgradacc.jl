@@ -164,6 +164,11 @@ function gradacc_accumulator_begin_microbatch(acc, count)
     ccall((:gradacc_accumulator_begin_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
 end
 
+"Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary."
+function gradacc_accumulator_begin_final_microbatch(acc, count, comm)
+    ccall((:gradacc_accumulator_begin_final_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64, Ptr{gradacc_comm_t}), acc, count, comm)
+end
+
 "Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`."
 function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
     ccall((:gradacc_accumulator_add_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
@@ -179,7 +184,7 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     ccall((:gradacc_accumulator_sync, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, comm, out_info)
 end
 
-"Writes a pointer to tensor `index`'s FP32 master gradient and its element count."
+"Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."
 function gradacc_accumulator_master(acc, index, out_data, out_numel)
     ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
 end
