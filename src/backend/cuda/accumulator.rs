@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::driver::{self, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, THREADS};
+use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
 use super::scaler::{dtype_code, CudaScaler};
@@ -371,19 +371,22 @@ impl CudaAccumulator {
         };
         let world = comm.map_or(1, |c| c.world_size()) as u64;
         // A sync right after a sync closes a new, empty window (the rank still takes part).
-        if matches!(w.phase, Phase::Synced(_)) {
-            self.discard(&mut w)?;
-        }
-        if comm.is_none() || world == 1 {
-            // Everything is local: the empty-window error can be told before any work.
+        let empty_again = matches!(w.phase, Phase::Synced(_));
+        if world == 1 {
+            // Everything is local: the empty-window error can be told before any work, and
+            // leaves the window as it was.
+            let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
             let divisor = match self.config.normalize {
-                Normalize::ByCount => w.count,
-                Normalize::ByMicrobatches => w.microbatches,
+                Normalize::ByCount => count,
+                Normalize::ByMicrobatches => microbatches,
                 _ => 1,
             };
-            if w.microbatches == 0 || divisor == 0 {
-                return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no micro-batch, or a global item count of 0"));
+            if microbatches == 0 || divisor == 0 {
+                return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no micro-batch, or an item count of 0"));
             }
+        }
+        if empty_again {
+            self.discard(&mut w)?;
         }
         self.zero_untouched(&w)?;
         let boundary = self.boundary.ptr();
@@ -511,10 +514,7 @@ impl CudaAccumulator {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {len}", out.len())));
         }
         let _w = self.write();
-        let mut all = vec![0f32; self.offsets[index + 1]];
-        self.master.read(&mut all)?;
-        out.copy_from_slice(&all[self.offsets[index]..]);
-        Ok(())
+        self.master.read_at(4 * self.offsets[index], out)
     }
 
     fn zero_untouched(&self, w: &Window) -> Result<()> {
@@ -594,6 +594,5 @@ impl Drop for CudaAccumulator {
         if let Some(o) = self.overlap().take() {
             let _ = self.event.lock().map(|e| e.order(o.stream.stream, self.stream));
         }
-        let _ = driver::synchronize;
     }
 }

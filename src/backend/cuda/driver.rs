@@ -205,10 +205,16 @@ impl DeviceBuffer {
 
     /// Reads the buffer's first `out.len()` values: waits for the stream first (a host read).
     pub fn read<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        self.read_at(0, out)
+    }
+
+    /// Reads `out.len()` values from byte offset `offset` (a host read, as `read`).
+    pub fn read_at<T: Copy>(&self, offset: usize, out: &mut [T]) -> Result<()> {
         let bytes = std::mem::size_of_val(out);
-        assert!(bytes <= self.bytes, "device read out of bounds");
+        assert!(offset + bytes <= self.bytes, "device read out of bounds");
         let _g = self.ctx.enter()?;
-        check(unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, self.ptr, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
+        let src = self.ptr + offset as u64;
+        check(unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
         check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
     }
 
