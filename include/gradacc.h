@@ -224,6 +224,17 @@ typedef struct gradacc_mpi_config_t {
 } gradacc_mpi_config_t;
 
 /**
+ * An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+ * every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+ */
+typedef struct gradacc_nccl_unique_id_t {
+    /**
+     * Opaque bytes (NCCL_UNIQUE_ID_BYTES).
+     */
+    uint8_t internal[128];
+} gradacc_nccl_unique_id_t;
+
+/**
  * Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
  */
 typedef struct gradacc_scaler_config_t {
@@ -337,12 +348,14 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_BACKEND_MPI 1
 
 /**
- * The NCCL communicator; not in this version.
+ * The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA
+ * driver and libnccl.so load.
  */
 #define GRADACC_BACKEND_NCCL 2
 
 /**
- * CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+ * CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a
+ * device and NVRTC (libnvrtc.so.12) loads.
  */
 #define GRADACC_BACKEND_CUDA 3
 
@@ -427,6 +440,12 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_STATUS_INTERNAL 15
 
 /**
+ * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
+ * device that fell off the bus); the message carries the driver's own text.
+ */
+#define GRADACC_STATUS_DEVICE_FAILURE 16
+
+/**
  * IEEE 754 binary32.
  */
 #define GRADACC_DTYPE_F32 0
@@ -465,7 +484,9 @@ gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_c
 /**
  * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
  * tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
- * NULL means the CPU.
+ * NULL means the CPU. On a CUDA device the master is allocated in device memory on the device's
+ * stream (stream-ordered), and every later call on the accumulator is ordered on that stream;
+ * the first CUDA object on a device compiles the kernels with NVRTC (tens of milliseconds).
  *
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
  * Thread safety: any thread. See each function for what may run concurrently on the result.
@@ -508,7 +529,12 @@ gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
  * flags non-finite values, and accumulates into the master (the first micro-batch of a window
  * overwrites it). Fails without changing anything on a wrong tensor count, dtype or length.
  *
- * Thread safety: serialised with every other call on `acc`; buffers are read during the call only.
+ * On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
+ * returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
+ * until the stream has run it). The scale is read on the device: no host synchronisation.
+ *
+ * Thread safety: serialised with every other call on `acc`; buffers are read during the call only
+ * (on CUDA: by the stream's work).
  */
 gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
                                          const struct gradacc_scaler_t *scaler,
@@ -524,6 +550,21 @@ gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
  */
 gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
                                                       uint64_t count);
+
+/**
+ * Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
+ * communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a
+ * communication stream as soon as every tensor of the bucket has arrived (one contribution
+ * each; buckets start in reverse tensor order, as backward produces them), overlapping the rest
+ * of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
+ * Every rank must do the same. On the CPU it is gradacc_accumulator_begin_microbatch.
+ * The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
+                                                            uint64_t count,
+                                                            struct gradacc_comm_t *comm);
 
 /**
  * Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
@@ -555,7 +596,14 @@ gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t
  * boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
  * measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
  * same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
- * reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW. A sync right after a
+ * reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
+ *
+ * On CUDA (with an NCCL `comm`, or NULL): everything is enqueued on the accumulator's stream and
+ * the call returns without waiting when `out_info` is NULL; the info then stays on the device,
+ * where gradacc_scaler_update reads it. A non-NULL `out_info` is a host read: the call waits for
+ * the stream. A call that fails before communicating (inside a micro-batch, a device mismatch)
+ * does not enter NCCL, so the other ranks wait, as in any NCCL program: abort the communicator
+ * (gradacc_comm_abort). Layouts are checked across ranks once per communicator (a host wait). A sync right after a
  * sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
  * others' boundary (and reads zeros before the reduction).
  *
@@ -567,7 +615,8 @@ gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
                                           struct gradacc_sync_info_t *out_info);
 
 /**
- * Writes a pointer to tensor `index`'s FP32 master gradient and its element count. The pointer
+ * Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
+ * address on CUDA, whose contents are ready in the accumulator's stream order). The pointer
  * stays valid until the accumulator is destroyed; its contents are the boundary's result after
  * gradacc_accumulator_sync, and in progress otherwise.
  *
@@ -660,9 +709,10 @@ gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *ou
 gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
 
 /**
- * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library. Every
- * build has every function of the header; a constructor of a backend that is not built in fails
- * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+ * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
+ * built with it; CUDA and NCCL when their libraries load on this machine (checked without ever
+ * failing: a machine with no driver just answers false). Every build has every function of the
+ * header; a constructor of an unavailable backend fails with GRADACC_STATUS_BACKEND_UNAVAILABLE.
  *
  * Thread safety: any thread.
  */
@@ -704,6 +754,50 @@ gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
                                          struct gradacc_comm_t **out_comm);
 
 /**
+ * Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
+ * a GPU; needs libnccl.so.
+ *
+ * Thread safety: any thread.
+ */
+gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out);
+
+/**
+ * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
+ * `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it.
+ * Accumulators on that device sync over it; their stream carries the collectives.
+ *
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (ncclCommDestroy),
+ * or first gradacc_comm_abort to abandon pending collectives (after a peer failed).
+ * Thread safety: one sync at a time per communicator.
+ */
+gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
+                                          int32_t rank,
+                                          int32_t world_size,
+                                          int32_t device_ordinal,
+                                          struct gradacc_comm_t **out_comm);
+
+/**
+ * Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
+ * it. gradacc never destroys or aborts an adopted communicator.
+ *
+ * Ownership: `*out_comm` is the caller's (free with gradacc_comm_destroy, before the caller
+ * destroys its ncclComm_t); `nccl_comm` stays the caller's.
+ * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
+ * the communicator concurrently with a gradacc sync.
+ */
+gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
+
+/**
+ * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
+ * when a peer died and a sync would wait forever), and later syncs fail with
+ * GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
+ * adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
+ *
+ * Thread safety: any thread, also while another thread is blocked in a sync on the communicator.
+ */
+gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+
+/**
  * Fills `*out` with the default scaler configuration (and its struct_size).
  *
  * Thread safety: any thread.
@@ -711,7 +805,9 @@ gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
 gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
 
 /**
- * Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU.
+ * Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU. On a CUDA
+ * device the state lives in device memory, ordered on the device's stream, and is updated there
+ * by gradacc_scaler_update without a host round trip.
  *
  * Ownership: `*out` is the caller's; free it with gradacc_scaler_destroy (after every
  * accumulator call that uses it has returned).
@@ -739,7 +835,8 @@ gradacc_status_t gradacc_scaler_get_scale(const struct gradacc_scaler_t *scaler,
 
 /**
  * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
- * values round to nearest even). Call it on the loss before the backward pass.
+ * values round to nearest even). Call it on the loss before the backward pass. On CUDA `loss` is
+ * a device address and the work is enqueued on the scaler's stream.
  *
  * Thread safety: any thread; `loss` must not be used concurrently.
  */
@@ -756,6 +853,11 @@ gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler
  *
  * Fails with GRADACC_STATUS_SCALE_AT_MINIMUM, changing nothing, when an overflow needs a backoff
  * while the scale is already at min_scale.
+ *
+ * On CUDA: the flags are gathered and the scale updated by kernels on the scaler's stream
+ * (ordered after each accumulator's stream); with `out_skipped` NULL the call does not wait,
+ * and a SCALE_AT_MINIMUM is reported by the next call that reads the state (get_scale,
+ * get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
 gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,

@@ -14,3 +14,12 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 cargo_version() {
     sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$GRADACC_ROOT/Cargo.toml" | head -n 1
 }
+
+# NVRTC from PyPI (it compiles the CUDA kernels; no GPU or driver needed), in the project's
+# .venv; prints the folder holding libnvrtc.so.12.
+nvrtc_lib() {
+    local py="$GRADACC_ROOT/.venv/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
+    "$py" -c 'import nvidia.cuda_nvrtc' 2>/dev/null || "$py" -m pip install --quiet "nvidia-cuda-nvrtc-cu12>=12.8,<13" >&2
+    "$py" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("nvidia.cuda_nvrtc").submodule_search_locations[0], "lib"))'
+}

@@ -34,6 +34,8 @@ pub enum ErrorKind {
     CorruptState,
     /// An allocation failed.
     OutOfMemory,
+    /// The CUDA driver reported an error (a launch, a copy, a bad device address).
+    DeviceFailure,
     /// A bug inside gradacc (a caught panic). Please report it.
     Internal,
 }

@@ -105,6 +105,16 @@ struct State {
     stats: ScalerStats,
 }
 
+/// The scaler's moving parts: what a backend that keeps the state elsewhere (the CUDA scaler, in
+/// device memory) exchanges with this type to save and load the same bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerState {
+    pub scale: f32,
+    pub growth_tracker: u32,
+    pub hysteresis_tracker: u32,
+    pub stats: ScalerStats,
+}
+
 /// What one call of [`Scaler::update`] decided.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepOutcome {
@@ -135,6 +145,25 @@ impl Scaler {
                 stats: ScalerStats::default(),
             }),
         })
+    }
+
+    /// A scaler resumed from `state` under `config`, checked as [`Scaler::load`] checks bytes.
+    pub fn with_state(config: ScalerConfig, state: ScalerState) -> Result<Self> {
+        let s = Scaler::new(config)?;
+        s.load(&Scaler::encode(&State {
+            config,
+            scale: state.scale,
+            growth_tracker: state.growth_tracker,
+            hysteresis_tracker: state.hysteresis_tracker,
+            stats: state.stats,
+        }))?;
+        Ok(s)
+    }
+
+    /// The moving parts of the state.
+    pub fn state(&self) -> ScalerState {
+        let s = *self.lock();
+        ScalerState { scale: s.scale, growth_tracker: s.growth_tracker, hysteresis_tracker: s.hysteresis_tracker, stats: s.stats }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -181,7 +210,10 @@ impl Scaler {
 
     /// The complete state (config, scale, trackers, statistics) as versioned bytes.
     pub fn save(&self) -> Vec<u8> {
-        let s = *self.lock();
+        Scaler::encode(&self.lock())
+    }
+
+    fn encode(s: &State) -> Vec<u8> {
         let c = s.config;
         let mut w = state::Writer::new(STATE_MAGIC, STATE_VERSION);
         w.f32(c.init_scale)

@@ -45,6 +45,7 @@ const (
 	StatusCorruptState       Status = C.GRADACC_STATUS_CORRUPT_STATE
 	StatusOutOfMemory        Status = C.GRADACC_STATUS_OUT_OF_MEMORY
 	StatusInternal           Status = C.GRADACC_STATUS_INTERNAL
+	StatusDeviceFailure      Status = C.GRADACC_STATUS_DEVICE_FAILURE
 )
 
 // String is gradacc_status_string: the code's name and a description.

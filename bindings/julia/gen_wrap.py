@@ -1,3 +1,4 @@
+import re
 #!/usr/bin/env python3
 """Generates GradAcc/src/libgradacc.jl, the ccall layer of the Julia package, from
 include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one parser, two outputs).
@@ -23,6 +24,9 @@ SCALARS = {
 
 
 def jltype(decl, known, result=False):
+    array = re.fullmatch(r"(.*)\[(\d+)\]", decl)
+    if array:
+        return f"NTuple{{{array.group(2)}, {jltype(array.group(1), known)}}}"
     words = decl.replace("*", " * ").split()
     stars = words.count("*")
     base = [w for w in words if w not in ("const", "struct", "*")]

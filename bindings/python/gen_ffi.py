@@ -57,6 +57,9 @@ def first_sentence(doc):
 
 def ctype(decl, header):
     """A C type (without the declared name) as a ctypes expression."""
+    array = re.fullmatch(r"(.*)\[(\d+)\]", decl)
+    if array:
+        return f"({ctype(array.group(1), header)} * {array.group(2)})"
     words = decl.replace("*", " * ").split()
     stars = words.count("*")
     base = [w for w in words if w not in ("const", "struct", "*")]
@@ -81,7 +84,11 @@ def ctype(decl, header):
 
 
 def split_decl(decl):
-    """`const struct x_t *name` -> (`const struct x_t *`, `name`)."""
+    """`const struct x_t *name` -> (`const struct x_t *`, `name`); an array field
+    `uint8_t name[128]` -> (`uint8_t[128]`, `name`)."""
+    m = re.match(r"^(.*?)([A-Za-z_][A-Za-z0-9_]*)\s*\[(\d+)\]$", decl.strip())
+    if m:
+        return f"{m.group(1).strip()}[{m.group(3)}]", m.group(2)
     m = re.match(r"^(.*?)([A-Za-z_][A-Za-z0-9_]*)$", decl.strip())
     if not m:
         raise ValueError(f"cannot read the declaration `{decl}`")

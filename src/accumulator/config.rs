@@ -74,6 +74,26 @@ impl AccumulatorConfig {
         Ok(())
     }
 
+    /// Checks a micro-batch's item count against the loss reduction and the window's total so far.
+    pub fn check_count(&self, window_total: u64, count: u64) -> Result<()> {
+        if count == 0 && self.loss_reduction == LossReduction::Mean {
+            return Err(Error::invalid("count is 0, but a mean-reduced loss needs at least one item"));
+        }
+        if window_total.checked_add(count).is_none_or(|t| t > u64::MAX / 2) {
+            return Err(Error::invalid(format!("count {count} overflows the window's item total {window_total}")));
+        }
+        Ok(())
+    }
+
+    /// The multiplier weight of a micro-batch of `count` items (see `weights_by_count`).
+    pub fn weight(&self, count: u64) -> f64 {
+        if self.weights_by_count() {
+            count as f64
+        } else {
+            1.0
+        }
+    }
+
     /// Whether a micro-batch's gradient is weighted by its item count as it is added: only a
     /// mean-reduced loss normalised by the global count needs it (mean × count = per-item sum).
     pub fn weights_by_count(&self) -> bool {

@@ -111,7 +111,7 @@ impl Accumulator {
         Self::build(config, tensors, Master::borrowed(ptr, len))
     }
 
-    fn total_len(tensors: &[TensorDesc]) -> Result<usize> {
+    pub(crate) fn total_len(tensors: &[TensorDesc]) -> Result<usize> {
         if tensors.is_empty() {
             return Err(Error::invalid("the tensor list is empty"));
         }
@@ -138,8 +138,7 @@ impl Accumulator {
         }
         offsets.push(end);
         let buckets = plan_buckets(&offsets, config.bucket_numel);
-        let bounds: Vec<u8> = buckets.iter().flat_map(|b| [b.start as u64, b.end as u64]).flat_map(u64::to_le_bytes).collect();
-        let layout_hash = state::checksum(&bounds);
+        let layout_hash = layout_hash(&buckets);
         Ok(Accumulator {
             config,
             descs: tensors.to_vec(),
@@ -209,13 +208,21 @@ impl Accumulator {
         self.check_count(&w, count)?;
         self.start_window_if_synced(&mut w);
         let factor = self.factor(scaler, count);
-        let mut bad = false;
+        let mut passes = Vec::with_capacity(grads.len());
         for (i, g) in grads.iter().enumerate() {
-            // SAFETY: the window's write lock excludes every other writer of the master buffer.
-            let m = unsafe { self.master.slice_mut(self.range(i)) };
-            let assign = self.written_in[i].swap(w.id, Ordering::Relaxed) != w.id;
-            bad |= cpu::accumulate(m, *g, factor, assign, self.config.threads);
+            // SAFETY: the window's write lock excludes every other writer of the master buffer,
+            // and the tensors' ranges do not overlap.
+            let master = unsafe { self.master.slice_mut(self.range(i)) };
+            // A load and a store rather than a swap: the write lock excludes every other writer, and
+            // a locked exchange per tensor showed in the per-call cost of many small tensors.
+            let assign = self.written_in[i].load(Ordering::Relaxed) != w.id;
+            if assign {
+                self.written_in[i].store(w.id, Ordering::Relaxed);
+            }
+            passes.push(cpu::TensorPass { master, grad: *g, assign });
         }
+        // One pass over all tensors: the threads share the micro-batch, not each large tensor.
+        let bad = cpu::accumulate_many(passes, factor, self.config.threads);
         if bad {
             self.found_inf.store(true, Ordering::Relaxed);
         }
@@ -463,20 +470,12 @@ impl Accumulator {
     }
 
     fn factor(&self, scaler: &Scaler, count: u64) -> f32 {
-        let weight = if self.config.weights_by_count() { count as f64 } else { 1.0 };
-        math::unscale_factor(weight, scaler.scale())
+        math::unscale_factor(self.config.weight(count), scaler.scale())
     }
 
     fn check_count(&self, w: &Window, count: u64) -> Result<()> {
-        if count == 0 && self.config.loss_reduction == LossReduction::Mean {
-            return Err(Error::invalid("count is 0, but a mean-reduced loss needs at least one item"));
-        }
         // A synced window restarts from zero, so only an open window's total can overflow.
-        let base = if matches!(w.phase, Phase::Synced(_)) { 0 } else { w.count };
-        if base.checked_add(count).is_none_or(|t| t > u64::MAX / 2) {
-            return Err(Error::invalid(format!("count {count} overflows the window's item total {base}")));
-        }
-        Ok(())
+        self.config.check_count(if matches!(w.phase, Phase::Synced(_)) { 0 } else { w.count }, count)
     }
 
     fn check_grad(&self, index: usize, g: &Grad<'_>) -> Result<()> {
@@ -537,9 +536,15 @@ fn check_agreement(total: &ControlSum) -> Result<()> {
     Ok(())
 }
 
+/// Identifies a bucket layout, so ranks with different layouts fail instead of mixing.
+pub(crate) fn layout_hash(buckets: &[Range<usize>]) -> u64 {
+    let bounds: Vec<u8> = buckets.iter().flat_map(|b| [b.start as u64, b.end as u64]).flat_map(u64::to_le_bytes).collect();
+    state::checksum(&bounds)
+}
+
 /// Groups consecutive whole tensors into buckets of at least `target` elements (the last may be
 /// smaller); a tensor larger than `target` forms its own bucket.
-fn plan_buckets(offsets: &[usize], target: usize) -> Vec<Range<usize>> {
+pub(crate) fn plan_buckets(offsets: &[usize], target: usize) -> Vec<Range<usize>> {
     let mut buckets = Vec::new();
     let mut start = 0;
     for &end in &offsets[1..] {

@@ -2,3 +2,4 @@
 //! so every device produces bitwise-identical master gradients.
 
 pub mod cpu;
+pub mod cuda;

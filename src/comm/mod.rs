@@ -7,6 +7,9 @@
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+/// NCCL (CUDA devices) is not a [`Communicator`]: its collectives run on device buffers,
+/// enqueued on streams; the CUDA accumulator drives it.
+pub mod nccl;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod packing;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]

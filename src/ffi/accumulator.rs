@@ -4,13 +4,13 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::comm::{gradacc_comm_t, COMMS};
+use super::comm::{gradacc_comm_t, CommObj, COMMS};
 use super::handle::Registry;
-use super::scaler::{gradacc_scaler_t, SCALERS};
+use super::scaler::{gradacc_scaler_t, ScalerObj, SCALERS};
 use super::status::{guard, gradacc_status_t, null};
 use super::types::*;
-use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
-use crate::dtype::Grad;
+use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
+use crate::backend::cuda::{CudaAccumulator, CudaScaler};
 use crate::error::{Error, ErrorKind, Result};
 
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
@@ -19,7 +19,43 @@ pub struct gradacc_accumulator_t {
     _private: [u8; 0],
 }
 
-pub(crate) static ACCUMULATORS: LazyLock<Registry<Accumulator>> = LazyLock::new(|| Registry::new("accumulator"));
+/// An accumulator of either device (held in an `Arc`, so the variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum AccumulatorObj {
+    Cpu(Accumulator),
+    Cuda(CudaAccumulator),
+}
+
+impl AccumulatorObj {
+    fn tensors(&self) -> &[TensorDesc] {
+        match self {
+            AccumulatorObj::Cpu(a) => a.tensors(),
+            AccumulatorObj::Cuda(a) => a.tensors(),
+        }
+    }
+}
+
+pub(crate) static ACCUMULATORS: LazyLock<Registry<AccumulatorObj>> = LazyLock::new(|| Registry::new("accumulator"));
+
+fn device_mismatch(what: &str) -> Error {
+    Error::new(ErrorKind::DeviceMismatch, format!("{what} is on another device than the accumulator (CPU with CUDA)"))
+}
+
+/// The CPU scaler behind `scaler`, or DEVICE_MISMATCH.
+fn cpu_scaler(s: &ScalerObj) -> Result<&crate::scaler::Scaler> {
+    match s {
+        ScalerObj::Cpu(s) => Ok(s),
+        ScalerObj::Cuda(_) => Err(device_mismatch("`scaler`")),
+    }
+}
+
+/// The CUDA scaler behind `scaler`, or DEVICE_MISMATCH.
+fn cuda_scaler(s: &ScalerObj) -> Result<&CudaScaler> {
+    match s {
+        ScalerObj::Cuda(s) => Ok(s),
+        ScalerObj::Cpu(_) => Err(device_mismatch("`scaler`")),
+    }
+}
 
 /// How the caller reduced its loss over the `count` items of a micro-batch.
 pub type gradacc_loss_reduction_t = i32;
@@ -118,7 +154,7 @@ fn creation_args(
     tensors: *const gradacc_tensor_desc_t,
     n: usize,
     device: *const gradacc_device_t,
-) -> Result<(AccumulatorConfig, Vec<TensorDesc>)> {
+) -> Result<(AccumulatorConfig, Vec<TensorDesc>, Device)> {
     let config = if config.is_null() { AccumulatorConfig::default() } else { config_from_c(&unsafe { read_config(config, "config")? })? };
     if tensors.is_null() {
         return Err(null("tensors"));
@@ -135,13 +171,14 @@ fn creation_args(
             Ok(TensorDesc { numel, dtype: dtype_from_c(t.dtype, &format!("tensors[{i}].dtype"))? })
         })
         .collect::<Result<Vec<_>>>()?;
-    check_device(device)?;
-    Ok((config, descs))
+    Ok((config, descs, parse_device(device)?))
 }
 
 /// Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
 /// tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
-/// NULL means the CPU.
+/// NULL means the CPU. On a CUDA device the master is allocated in device memory on the device's
+/// stream (stream-ordered), and every later call on the accumulator is ordered on that stream;
+/// the first CUDA object on a device compiles the kernels with NVRTC (tens of milliseconds).
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
 /// Thread safety: any thread. See each function for what may run concurrently on the result.
@@ -155,8 +192,12 @@ pub extern "C" fn gradacc_accumulator_create(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_create", || {
         let out = out_ptr(out, "out")?;
-        let (config, descs) = creation_args(config, tensors, n, device)?;
-        *out = ACCUMULATORS.insert(Arc::new(Accumulator::new(config, &descs)?));
+        let (config, descs, device) = creation_args(config, tensors, n, device)?;
+        let acc = match device {
+            Device::Cpu => AccumulatorObj::Cpu(Accumulator::new(config, &descs)?),
+            Device::Cuda { ordinal, stream } => AccumulatorObj::Cuda(CudaAccumulator::new(config, &descs, ordinal, stream, None)?),
+        };
+        *out = ACCUMULATORS.insert(Arc::new(acc));
         Ok(())
     })
 }
@@ -179,12 +220,21 @@ pub extern "C" fn gradacc_accumulator_create_with_buffer(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_create_with_buffer", || {
         let out = out_ptr(out, "out")?;
-        let (config, descs) = creation_args(config, tensors, n, device)?;
+        let (config, descs, device) = creation_args(config, tensors, n, device)?;
         if master.is_null() {
             return Err(null("master"));
         }
-        // SAFETY: the caller lends `master_numel` f32 values for the accumulator's lifetime.
-        let acc = unsafe { Accumulator::with_buffer(config, &descs, master, master_numel)? };
+        let acc = match device {
+            // SAFETY: the caller lends `master_numel` f32 values for the accumulator's lifetime.
+            Device::Cpu => AccumulatorObj::Cpu(unsafe { Accumulator::with_buffer(config, &descs, master, master_numel)? }),
+            Device::Cuda { ordinal, stream } => {
+                let want = Accumulator::total_len(&descs)?;
+                if master_numel != want {
+                    return Err(Error::new(ErrorKind::SizeMismatch, format!("`master_numel` = {master_numel}, the tensors need {want}")));
+                }
+                AccumulatorObj::Cuda(CudaAccumulator::new(config, &descs, ordinal, stream, Some(master as u64))?)
+            }
+        };
         *out = ACCUMULATORS.insert(Arc::new(acc));
         Ok(())
     })
@@ -211,7 +261,12 @@ pub extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -
 /// flags non-finite values, and accumulates into the master (the first micro-batch of a window
 /// overwrites it). Fails without changing anything on a wrong tensor count, dtype or length.
 ///
-/// Thread safety: serialised with every other call on `acc`; buffers are read during the call only.
+/// On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
+/// returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
+/// until the stream has run it). The scale is read on the device: no host synchronisation.
+///
+/// Thread safety: serialised with every other call on `acc`; buffers are read during the call only
+/// (on CUDA: by the stream's work).
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_add(
     acc: *mut gradacc_accumulator_t,
@@ -230,13 +285,28 @@ pub extern "C" fn gradacc_accumulator_add(
             return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())));
         }
         let ptrs = unsafe { std::slice::from_raw_parts(grads, n) };
-        let views = ptrs
-            .iter()
-            .zip(a.tensors())
-            .enumerate()
-            .map(|(i, (&p, d))| unsafe { grad_from_c(p, d.numel, d.dtype, &format!("grads[{i}]")) })
-            .collect::<Result<Vec<Grad<'_>>>>()?;
-        a.add(&s, &views, count)
+        match &*a {
+            AccumulatorObj::Cpu(a) => {
+                let mut views = Vec::with_capacity(n);
+                for (i, (&p, d)) in ptrs.iter().zip(a.tensors()).enumerate() {
+                    // The checks without a message first: over a thousand small tensors, building
+                    // the argument's name (or returning a Result through memory) cost as much as
+                    // the adds.
+                    match unsafe { grad_view(p, d.numel, d.dtype) } {
+                        Some(grad) => views.push(grad),
+                        None => return Err(grad_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
+                    }
+                }
+                a.add(cpu_scaler(&s)?, &views, count)
+            }
+            AccumulatorObj::Cuda(a) => {
+                for (i, (&p, d)) in ptrs.iter().zip(a.tensors()).enumerate() {
+                    check_buffer(p, d.numel, d.dtype, &format!("grads[{i}]"))?;
+                }
+                let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
+                a.add(cuda_scaler(&s)?, &addresses, count)
+            }
+        }
     })
 }
 
@@ -246,7 +316,32 @@ pub extern "C" fn gradacc_accumulator_add(
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
-    guard("gradacc_accumulator_begin_microbatch", || ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count))
+    guard("gradacc_accumulator_begin_microbatch", || match &*ACCUMULATORS.get(acc, "acc")? {
+        AccumulatorObj::Cpu(a) => a.begin_microbatch(count),
+        AccumulatorObj::Cuda(a) => a.begin_microbatch(count),
+    })
+}
+
+/// Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
+/// communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a
+/// communication stream as soon as every tensor of the bucket has arrived (one contribution
+/// each; buckets start in reverse tensor order, as backward produces them), overlapping the rest
+/// of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
+/// Every rank must do the same. On the CPU it is gradacc_accumulator_begin_microbatch.
+/// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub extern "C" fn gradacc_accumulator_begin_final_microbatch(acc: *mut gradacc_accumulator_t, count: u64, comm: *mut gradacc_comm_t) -> gradacc_status_t {
+    guard("gradacc_accumulator_begin_final_microbatch", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let c = COMMS.get(comm, "comm")?;
+        match (&*a, &*c) {
+            (AccumulatorObj::Cpu(a), CommObj::Host(_)) => a.begin_microbatch(count),
+            (AccumulatorObj::Cuda(a), CommObj::Nccl(n)) => a.begin_final_microbatch(count, n.clone()),
+            _ => Err(device_mismatch("`comm`")),
+        }
+    })
 }
 
 /// Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
@@ -273,8 +368,13 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
         if numel != desc.numel {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
         }
-        let view = unsafe { grad_from_c(grad, numel, desc.dtype, "grad")? };
-        a.add_tensor(&s, index, view)
+        match &*a {
+            AccumulatorObj::Cpu(a) => a.add_tensor(cpu_scaler(&s)?, index, unsafe { grad_from_c(grad, numel, desc.dtype, "grad")? }),
+            AccumulatorObj::Cuda(a) => {
+                check_buffer(grad, numel, desc.dtype, "grad")?;
+                a.add_tensor(cuda_scaler(&s)?, index, grad as u64)
+            }
+        }
     })
 }
 
@@ -284,7 +384,10 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
 /// gradacc_accumulator_add_tensor of the micro-batch has returned.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_end_microbatch", || ACCUMULATORS.get(acc, "acc")?.end_microbatch())
+    guard("gradacc_accumulator_end_microbatch", || match &*ACCUMULATORS.get(acc, "acc")? {
+        AccumulatorObj::Cpu(a) => a.end_microbatch(),
+        AccumulatorObj::Cuda(a) => a.end_microbatch(),
+    })
 }
 
 /// The accumulation boundary. With `comm` (every rank of its group must call this): the control
@@ -293,7 +396,14 @@ pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulat
 /// boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
 /// measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
 /// same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
-/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW. A sync right after a
+/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
+///
+/// On CUDA (with an NCCL `comm`, or NULL): everything is enqueued on the accumulator's stream and
+/// the call returns without waiting when `out_info` is NULL; the info then stays on the device,
+/// where gradacc_scaler_update reads it. A non-NULL `out_info` is a host read: the call waits for
+/// the stream. A call that fails before communicating (inside a micro-batch, a device mismatch)
+/// does not enter NCCL, so the other ranks wait, as in any NCCL program: abort the communicator
+/// (gradacc_comm_abort). Layouts are checked across ranks once per communicator (a host wait). A sync right after a
 /// sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
 /// others' boundary (and reads zeros before the reduction).
 ///
@@ -307,18 +417,32 @@ pub extern "C" fn gradacc_accumulator_sync(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
         let comm = if comm.is_null() { None } else { Some(COMMS.get(comm, "comm")?) };
+        let host_comm = |c: &Option<Arc<CommObj>>| match c.as_deref() {
+            Some(CommObj::Host(c)) => Some(c.clone()),
+            _ => None,
+        };
         let a = match ACCUMULATORS.get(acc, "acc") {
             Ok(a) => a,
             Err(e) => {
                 // Still take part in the collective so the other ranks fail instead of waiting forever.
-                if let Some(c) = &comm {
+                if let Some(c) = host_comm(&comm) {
                     let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
                 }
                 return Err(e);
             }
         };
-        let info = a.sync(comm.as_deref())?;
-        if let Some(o) = unsafe { out_info.as_mut() } {
+        let info: Option<SyncInfo> = match (&*a, comm.as_deref()) {
+            (AccumulatorObj::Cpu(a), None) => Some(a.sync(None)?),
+            (AccumulatorObj::Cpu(a), Some(CommObj::Host(c))) => Some(a.sync(Some(&**c))?),
+            (AccumulatorObj::Cuda(a), None) => a.sync(None, !out_info.is_null())?,
+            (AccumulatorObj::Cuda(a), Some(CommObj::Nccl(c))) => a.sync(Some(&**c), !out_info.is_null())?,
+            (AccumulatorObj::Cpu(_), Some(CommObj::Nccl(_))) => return Err(device_mismatch("`comm` (NCCL)")),
+            (AccumulatorObj::Cuda(_), Some(CommObj::Host(c))) => {
+                let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
+                return Err(device_mismatch("`comm` (a host communicator)"));
+            }
+        };
+        if let (Some(o), Some(info)) = (unsafe { out_info.as_mut() }, info) {
             *o = gradacc_sync_info_t {
                 found_inf: info.found_inf,
                 total_count: info.total_count,
@@ -331,7 +455,8 @@ pub extern "C" fn gradacc_accumulator_sync(
     })
 }
 
-/// Writes a pointer to tensor `index`'s FP32 master gradient and its element count. The pointer
+/// Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
+/// address on CUDA, whose contents are ready in the accumulator's stream order). The pointer
 /// stays valid until the accumulator is destroyed; its contents are the boundary's result after
 /// gradacc_accumulator_sync, and in progress otherwise.
 ///
@@ -347,7 +472,11 @@ pub extern "C" fn gradacc_accumulator_master(
         let a = ACCUMULATORS.get(acc, "acc")?;
         let p = out_ptr(out_data, "out_data")?;
         let n = out_ptr(out_numel, "out_numel")?;
-        let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
+        let (ptr, len) = match &*a {
+            AccumulatorObj::Cpu(a) => a.master_ptr(index),
+            AccumulatorObj::Cuda(a) => a.master_ptr(index).map(|(p, n)| (p as *mut f32, n)),
+        }
+        .map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;
         *n = len;
         Ok(())
@@ -389,8 +518,13 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
     guard("gradacc_accumulator_reset", || {
-        ACCUMULATORS.get(acc, "acc")?.reset();
-        Ok(())
+        match &*ACCUMULATORS.get(acc, "acc")? {
+            AccumulatorObj::Cpu(a) => {
+                a.reset();
+                Ok(())
+            }
+            AccumulatorObj::Cuda(a) => a.reset(),
+        }
     })
 }
 
@@ -406,7 +540,10 @@ pub extern "C" fn gradacc_accumulator_save_window(
     capacity: usize,
     out_len: *mut usize,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_save_window", || write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len))
+    guard("gradacc_accumulator_save_window", || match &*ACCUMULATORS.get(acc, "acc")? {
+        AccumulatorObj::Cpu(a) => write_bytes(&a.save_window()?, buf, capacity, out_len),
+        AccumulatorObj::Cuda(_) => Err(cuda_window_checkpoint()),
+    })
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
@@ -416,7 +553,17 @@ pub extern "C" fn gradacc_accumulator_save_window(
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_accumulator_load_window", || {
-        let a = ACCUMULATORS.get(acc, "acc")?;
-        a.load_window(unsafe { read_bytes(bytes, len, "bytes")? })
+        let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
+        match &*ACCUMULATORS.get(acc, "acc")? {
+            AccumulatorObj::Cpu(a) => a.load_window(bytes),
+            AccumulatorObj::Cuda(_) => Err(cuda_window_checkpoint()),
+        }
     })
+}
+
+fn cuda_window_checkpoint() -> Error {
+    Error::new(
+        ErrorKind::BackendUnavailable,
+        "window checkpoints are CPU-only in this version: on CUDA, checkpoint at a boundary (the masters are then the synced gradient)",
+    )
 }

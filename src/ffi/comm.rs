@@ -5,8 +5,9 @@ use std::sync::{Arc, LazyLock};
 use super::handle::Registry;
 use super::status::{guard, gradacc_status_t, null};
 use super::types::{out_ptr, read_config};
+use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 
 /// A backend gradacc may be built with: a communicator transport or a device kind.
 pub type gradacc_backend_t = i32;
@@ -15,9 +16,11 @@ pub const GRADACC_BACKEND_LOCAL: gradacc_backend_t = 0;
 /// The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature
 /// (CMake option GRADACC_WITH_MPI).
 pub const GRADACC_BACKEND_MPI: gradacc_backend_t = 1;
-/// The NCCL communicator; not in this version.
+/// The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA
+/// driver and libnccl.so load.
 pub const GRADACC_BACKEND_NCCL: gradacc_backend_t = 2;
-/// CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+/// CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a
+/// device and NVRTC (libnvrtc.so.12) loads.
 pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
 
 /// The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
@@ -39,7 +42,38 @@ pub struct gradacc_comm_t {
     _private: [u8; 0],
 }
 
-pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(|| Registry::new("communicator"));
+/// An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+/// every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_nccl_unique_id_t {
+    /// Opaque bytes (NCCL_UNIQUE_ID_BYTES).
+    pub internal: [u8; 128],
+}
+
+/// A communicator of any backend: a host one (local, MPI) reduces host buffers, NCCL device ones.
+pub(crate) enum CommObj {
+    Host(Arc<dyn Communicator>),
+    Nccl(Arc<NcclComm>),
+}
+
+impl CommObj {
+    fn rank(&self) -> usize {
+        match self {
+            CommObj::Host(c) => c.rank(),
+            CommObj::Nccl(c) => c.rank(),
+        }
+    }
+
+    fn world_size(&self) -> usize {
+        match self {
+            CommObj::Host(c) => c.world_size(),
+            CommObj::Nccl(c) => c.world_size(),
+        }
+    }
+}
+
+pub(crate) static COMMS: LazyLock<Registry<CommObj>> = LazyLock::new(|| Registry::new("communicator"));
 
 /// Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
 /// socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
@@ -59,7 +93,7 @@ pub extern "C" fn gradacc_comm_create_local(world_size: usize, out_comms: *mut *
             return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")));
         }
         let handles: Vec<*mut gradacc_comm_t> =
-            LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c) as Arc<dyn Communicator>)).collect();
+            LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(CommObj::Host(Arc::new(c))))).collect();
         // SAFETY: the caller provides room for `world_size` handles.
         unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), out_comms, world_size) };
         Ok(())
@@ -104,9 +138,10 @@ pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut
     })
 }
 
-/// Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library. Every
-/// build has every function of the header; a constructor of a backend that is not built in fails
-/// with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+/// Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
+/// built with it; CUDA and NCCL when their libraries load on this machine (checked without ever
+/// failing: a machine with no driver just answers false). Every build has every function of the
+/// header; a constructor of an unavailable backend fails with GRADACC_STATUS_BACKEND_UNAVAILABLE.
 ///
 /// Thread safety: any thread.
 #[no_mangle]
@@ -116,7 +151,8 @@ pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mu
         *out = match backend {
             GRADACC_BACKEND_LOCAL => true,
             GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
-            GRADACC_BACKEND_NCCL | GRADACC_BACKEND_CUDA => false,
+            GRADACC_BACKEND_NCCL => crate::backend::cuda::driver::driver_available() && nccl::nccl_available(),
+            GRADACC_BACKEND_CUDA => crate::backend::cuda::available(),
             v => return Err(Error::invalid(format!("`backend` = {v} is not a GRADACC_BACKEND_* value"))),
         };
         Ok(())
@@ -183,7 +219,7 @@ pub extern "C" fn gradacc_comm_create_mpi(
             use crate::comm::{MpiComm, MpiConfig};
             let cfg = MpiConfig { max_in_flight };
             let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world(cfg)? } else { MpiComm::from_fortran(fortran_comm, cfg)? };
-            *out = COMMS.insert(Arc::new(comm) as Arc<dyn Communicator>);
+            *out = COMMS.insert(Arc::new(CommObj::Host(Arc::new(comm))));
             Ok(())
         }
         #[cfg(not(feature = "mpi"))]
@@ -194,5 +230,85 @@ pub extern "C" fn gradacc_comm_create_mpi(
                 "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",
             ))
         }
+    })
+}
+
+/// Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
+/// a GPU; needs libnccl.so.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub extern "C" fn gradacc_nccl_get_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
+    guard("gradacc_nccl_get_unique_id", || {
+        let out = out_ptr(out, "out")?;
+        *out = gradacc_nccl_unique_id_t { internal: nccl::unique_id()? };
+        Ok(())
+    })
+}
+
+/// Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
+/// `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it.
+/// Accumulators on that device sync over it; their stream carries the collectives.
+///
+/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (ncclCommDestroy),
+/// or first gradacc_comm_abort to abandon pending collectives (after a peer failed).
+/// Thread safety: one sync at a time per communicator.
+#[no_mangle]
+pub extern "C" fn gradacc_comm_create_nccl(
+    id: *const gradacc_nccl_unique_id_t,
+    rank: i32,
+    world_size: i32,
+    device_ordinal: i32,
+    out_comm: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
+    guard("gradacc_comm_create_nccl", || {
+        let out = out_ptr(out_comm, "out_comm")?;
+        // SAFETY: points to a gradacc_nccl_unique_id_t when non-null (API contract).
+        let id = unsafe { id.as_ref() }.ok_or_else(|| null("id"))?;
+        if world_size < 1 || rank < 0 || rank >= world_size {
+            return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")));
+        }
+        if device_ordinal < 0 {
+            return Err(Error::invalid(format!("`device_ordinal` = {device_ordinal} is negative")));
+        }
+        let id: &[u8; UNIQUE_ID_BYTES] = &id.internal;
+        let comm = NcclComm::new(id, rank as usize, world_size as usize, device_ordinal)?;
+        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
+        Ok(())
+    })
+}
+
+/// Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
+/// it. gradacc never destroys or aborts an adopted communicator.
+///
+/// Ownership: `*out_comm` is the caller's (free with gradacc_comm_destroy, before the caller
+/// destroys its ncclComm_t); `nccl_comm` stays the caller's.
+/// Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
+/// the communicator concurrently with a gradacc sync.
+#[no_mangle]
+pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_comm: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+    guard("gradacc_comm_adopt_nccl", || {
+        let out = out_ptr(out_comm, "out_comm")?;
+        if nccl_comm.is_null() {
+            return Err(null("nccl_comm"));
+        }
+        // SAFETY: the caller passes a live ncclComm_t that outlives the handle (API contract).
+        let comm = unsafe { NcclComm::adopt(nccl_comm)? };
+        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
+        Ok(())
+    })
+}
+
+/// Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
+/// when a peer died and a sync would wait forever), and later syncs fail with
+/// GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
+/// adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
+///
+/// Thread safety: any thread, also while another thread is blocked in a sync on the communicator.
+#[no_mangle]
+pub extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
+    guard("gradacc_comm_abort", || match &*COMMS.get(comm, "comm")? {
+        CommObj::Nccl(c) => c.abort(),
+        CommObj::Host(_) => Err(Error::new(ErrorKind::WrongState, "only NCCL communicators can be aborted")),
     })
 }

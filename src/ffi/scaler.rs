@@ -4,20 +4,57 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::accumulator::ACCUMULATORS;
+use super::accumulator::{AccumulatorObj, ACCUMULATORS};
 use super::handle::Registry;
 use super::status::{guard, null, gradacc_status_t};
 use super::types::*;
+use crate::backend::cuda::CudaScaler;
 use crate::dtype::{Dtype, GradMut};
-use crate::error::Error;
-use crate::scaler::{Scaler, ScalerConfig};
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::{Scaler, ScalerConfig, ScalerStats};
 
 /// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
 pub struct gradacc_scaler_t {
     _private: [u8; 0],
 }
 
-pub(crate) static SCALERS: LazyLock<Registry<Scaler>> = LazyLock::new(|| Registry::new("scaler"));
+/// A scaler of either device.
+pub(crate) enum ScalerObj {
+    Cpu(Scaler),
+    Cuda(CudaScaler),
+}
+
+impl ScalerObj {
+    fn scale(&self) -> Result<f32> {
+        match self {
+            ScalerObj::Cpu(s) => Ok(s.scale()),
+            ScalerObj::Cuda(s) => s.scale(),
+        }
+    }
+
+    fn stats(&self) -> Result<ScalerStats> {
+        match self {
+            ScalerObj::Cpu(s) => Ok(s.stats()),
+            ScalerObj::Cuda(s) => s.stats(),
+        }
+    }
+
+    fn save(&self) -> Result<Vec<u8>> {
+        match self {
+            ScalerObj::Cpu(s) => Ok(s.save()),
+            ScalerObj::Cuda(s) => s.save(),
+        }
+    }
+
+    fn load(&self, bytes: &[u8]) -> Result<()> {
+        match self {
+            ScalerObj::Cpu(s) => s.load(bytes),
+            ScalerObj::Cuda(s) => s.load(bytes),
+        }
+    }
+}
+
+pub(crate) static SCALERS: LazyLock<Registry<ScalerObj>> = LazyLock::new(|| Registry::new("scaler"));
 
 /// Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
 #[repr(C)]
@@ -102,7 +139,9 @@ pub extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_
     })
 }
 
-/// Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU.
+/// Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU. On a CUDA
+/// device the state lives in device memory, ordered on the device's stream, and is updated there
+/// by gradacc_scaler_update without a host round trip.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_scaler_destroy (after every
 /// accumulator call that uses it has returned).
@@ -117,8 +156,10 @@ pub extern "C" fn gradacc_scaler_create(
     guard("gradacc_scaler_create", || {
         let out = out_ptr(out, "out")?;
         let config = if config.is_null() { ScalerConfig::default() } else { (&unsafe { read_config(config, "config")? }).into() };
-        check_device(device)?;
-        let scaler = Scaler::new(config)?;
+        let scaler = match parse_device(device)? {
+            Device::Cpu => ScalerObj::Cpu(Scaler::new(config)?),
+            Device::Cuda { ordinal, stream } => ScalerObj::Cuda(CudaScaler::new(config, ordinal, stream)?),
+        };
         *out = SCALERS.insert(Arc::new(scaler));
         Ok(())
     })
@@ -145,13 +186,15 @@ pub extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> grada
 pub extern "C" fn gradacc_scaler_get_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
     guard("gradacc_scaler_get_scale", || {
         let s = SCALERS.get(scaler, "scaler")?;
-        *out_ptr(out, "out")? = s.scale();
+        let out = out_ptr(out, "out")?;
+        *out = s.scale()?;
         Ok(())
     })
 }
 
 /// Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
-/// values round to nearest even). Call it on the loss before the backward pass.
+/// values round to nearest even). Call it on the loss before the backward pass. On CUDA `loss` is
+/// a device address and the work is enqueued on the scaler's stream.
 ///
 /// Thread safety: any thread; `loss` must not be used concurrently.
 #[no_mangle]
@@ -164,17 +207,23 @@ pub extern "C" fn gradacc_scaler_scale_loss(
     guard("gradacc_scaler_scale_loss", || {
         let s = SCALERS.get(scaler, "scaler")?;
         let dtype = dtype_from_c(dtype, "dtype")?;
-        // Checks pointer, alignment and length; the mutable view below has the same extent.
-        unsafe { grad_from_c(loss, numel, dtype, "loss")? };
-        let view = unsafe {
-            match dtype {
-                Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
-                Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
-                Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+        // Pointer, alignment and length; a CUDA address is never dereferenced on the host.
+        check_buffer(loss, numel, dtype, "loss")?;
+        match &*s {
+            ScalerObj::Cpu(s) => {
+                // SAFETY: the mutable view has the extent just checked.
+                let view = unsafe {
+                    match dtype {
+                        Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
+                        Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+                        Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+                    }
+                };
+                s.scale_loss(view);
+                Ok(())
             }
-        };
-        s.scale_loss(view);
-        Ok(())
+            ScalerObj::Cuda(s) => s.scale_loss(loss as u64, numel, dtype),
+        }
     })
 }
 
@@ -185,6 +234,11 @@ pub extern "C" fn gradacc_scaler_scale_loss(
 ///
 /// Fails with GRADACC_STATUS_SCALE_AT_MINIMUM, changing nothing, when an overflow needs a backoff
 /// while the scale is already at min_scale.
+///
+/// On CUDA: the flags are gathered and the scale updated by kernels on the scaler's stream
+/// (ordered after each accumulator's stream); with `out_skipped` NULL the call does not wait,
+/// and a SCALE_AT_MINIMUM is reported by the next call that reads the state (get_scale,
+/// get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
 /// Thread safety: any thread; serialised with other updates of the scaler.
 #[no_mangle]
 pub extern "C" fn gradacc_scaler_update(
@@ -201,17 +255,39 @@ pub extern "C" fn gradacc_scaler_update(
         if n == 0 {
             return Err(Error::invalid("`n` is 0: pass the accumulators whose step this update ends"));
         }
-        let mut found_inf = false;
-        for i in 0..n {
-            let a = ACCUMULATORS.get(unsafe { *accumulators.add(i) }, &format!("accumulators[{i}]"))?;
-            let info = a.synced_info().ok_or_else(|| {
-                Error::wrong_state(format!("accumulators[{i}] has not been synced in its current window: call gradacc_accumulator_sync first"))
-            })?;
-            found_inf |= info.found_inf;
-        }
-        let outcome = s.update(found_inf)?;
-        if let Some(o) = unsafe { out_skipped.as_mut() } {
-            *o = outcome.skipped;
+        let accs = (0..n)
+            .map(|i| ACCUMULATORS.get(unsafe { *accumulators.add(i) }, &format!("accumulators[{i}]")))
+            .collect::<Result<Vec<_>>>()?;
+        let not_synced =
+            |i: usize| Error::wrong_state(format!("accumulators[{i}] has not been synced in its current window: call gradacc_accumulator_sync first"));
+        let mismatch = |i: usize| Error::new(ErrorKind::DeviceMismatch, format!("accumulators[{i}] is on another device than the scaler"));
+        let skipped = match &*s {
+            ScalerObj::Cpu(s) => {
+                let mut found_inf = false;
+                for (i, a) in accs.iter().enumerate() {
+                    let AccumulatorObj::Cpu(a) = &**a else { return Err(mismatch(i)) };
+                    found_inf |= a.synced_info().ok_or_else(|| not_synced(i))?.found_inf;
+                }
+                Some(s.update(found_inf)?.skipped)
+            }
+            ScalerObj::Cuda(s) => {
+                // Every check first, so a failing call gathers nothing.
+                let mut boundaries = Vec::with_capacity(n);
+                for (i, a) in accs.iter().enumerate() {
+                    let AccumulatorObj::Cuda(a) = &**a else { return Err(mismatch(i)) };
+                    if a.ordinal() != s.ordinal() {
+                        return Err(mismatch(i));
+                    }
+                    boundaries.push((a.synced_boundary().ok_or_else(|| not_synced(i))?, a.stream()));
+                }
+                for (boundary, stream) in boundaries {
+                    s.gather(boundary, stream)?;
+                }
+                s.update(!out_skipped.is_null())?
+            }
+        };
+        if let (Some(o), Some(skipped)) = (unsafe { out_skipped.as_mut() }, skipped) {
+            *o = skipped;
         }
         Ok(())
     })
@@ -223,7 +299,7 @@ pub extern "C" fn gradacc_scaler_update(
 #[no_mangle]
 pub extern "C" fn gradacc_scaler_get_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
     guard("gradacc_scaler_get_stats", || {
-        let s = SCALERS.get(scaler, "scaler")?.stats();
+        let s = SCALERS.get(scaler, "scaler")?.stats()?;
         *out_ptr(out, "out")? = gradacc_scaler_stats_t {
             steps: s.steps,
             skipped_steps: s.skipped_steps,
@@ -246,7 +322,7 @@ pub extern "C" fn gradacc_scaler_save(
     capacity: usize,
     out_len: *mut usize,
 ) -> gradacc_status_t {
-    guard("gradacc_scaler_save", || write_bytes(&SCALERS.get(scaler, "scaler")?.save(), buf, capacity, out_len))
+    guard("gradacc_scaler_save", || write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len))
 }
 
 /// Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with

@@ -42,9 +42,12 @@ pub const GRADACC_STATUS_CORRUPT_STATE: gradacc_status_t = 13;
 pub const GRADACC_STATUS_OUT_OF_MEMORY: gradacc_status_t = 14;
 /// An internal error (a bug in gradacc); the message says where.
 pub const GRADACC_STATUS_INTERNAL: gradacc_status_t = 15;
+/// The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
+/// device that fell off the bus); the message carries the driver's own text.
+pub const GRADACC_STATUS_DEVICE_FAILURE: gradacc_status_t = 16;
 
 /// Every status with its name and meaning, in code order.
-const STATUS_TEXT: [(&CStr, ErrorKind); 15] = [
+const STATUS_TEXT: [(&CStr, ErrorKind); 16] = [
     (c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL", ErrorKind::NullArgument),
     (c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain", ErrorKind::InvalidArgument),
     (c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle", ErrorKind::InvalidHandle),
@@ -60,6 +63,7 @@ const STATUS_TEXT: [(&CStr, ErrorKind); 15] = [
     (c"GRADACC_STATUS_CORRUPT_STATE: saved state bytes are corrupt or of another version", ErrorKind::CorruptState),
     (c"GRADACC_STATUS_OUT_OF_MEMORY: an allocation failed", ErrorKind::OutOfMemory),
     (c"GRADACC_STATUS_INTERNAL: internal error in gradacc", ErrorKind::Internal),
+    (c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error", ErrorKind::DeviceFailure),
 ];
 
 fn status_of(kind: ErrorKind) -> gradacc_status_t {

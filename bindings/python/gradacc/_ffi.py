@@ -21,8 +21,8 @@ GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, m
 GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
-GRADACC_BACKEND_NCCL = 2  # The NCCL communicator; not in this version.
-GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
+GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 GRADACC_STATUS_OK = 0  # Success.
 GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -39,6 +39,7 @@ GRADACC_STATUS_PEER_FAILURE = 12  # Another rank's call failed, so this rank sto
 GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
 GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
 GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
+GRADACC_STATUS_DEVICE_FAILURE = 16  # The CUDA driver reported an error (a failed launch or copy, an invalid device address, a device that fell off the bus); the message carries the driver's own text.
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -119,6 +120,12 @@ class gradacc_mpi_config_t(ctypes.Structure):
         ("max_in_flight", ctypes.c_uint32),
     ]
 
+# An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+class gradacc_nccl_unique_id_t(ctypes.Structure):
+    _fields_ = [
+        ("internal", (ctypes.c_uint8 * 128)),
+    ]
+
 # Scaler configuration.
 class gradacc_scaler_config_t(ctypes.Structure):
     _fields_ = [
@@ -180,6 +187,12 @@ gradacc_accumulator_begin_microbatch.restype = gradacc_status_t
 gradacc_accumulator_begin_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64]
 # arguments: acc, count
 
+# Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
+gradacc_accumulator_begin_final_microbatch = dll.gradacc_accumulator_begin_final_microbatch
+gradacc_accumulator_begin_final_microbatch.restype = gradacc_status_t
+gradacc_accumulator_begin_final_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64, ctypes.POINTER(gradacc_comm_t)]
+# arguments: acc, count, comm
+
 # Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`.
 gradacc_accumulator_add_tensor = dll.gradacc_accumulator_add_tensor
 gradacc_accumulator_add_tensor.restype = gradacc_status_t
@@ -198,7 +211,7 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
-# Writes a pointer to tensor `index`'s FP32 master gradient and its element count.
+# Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order).
 gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
@@ -258,7 +271,7 @@ gradacc_comm_world_size.restype = gradacc_status_t
 gradacc_comm_world_size.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: comm, out
 
-# Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library.
+# Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was built with it; CUDA and NCCL when their libraries load on this machine (checked without ever failing: a machine with no driver just answers false).
 gradacc_backend_available = dll.gradacc_backend_available
 gradacc_backend_available.restype = gradacc_status_t
 gradacc_backend_available.argtypes = [gradacc_backend_t, ctypes.POINTER(ctypes.c_bool)]
@@ -275,6 +288,30 @@ gradacc_comm_create_mpi = dll.gradacc_comm_create_mpi
 gradacc_comm_create_mpi.restype = gradacc_status_t
 gradacc_comm_create_mpi.argtypes = [ctypes.c_int64, ctypes.POINTER(gradacc_mpi_config_t), ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
 # arguments: fortran_comm, config, out_comm
+
+# Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes).
+gradacc_nccl_get_unique_id = dll.gradacc_nccl_get_unique_id
+gradacc_nccl_get_unique_id.restype = gradacc_status_t
+gradacc_nccl_get_unique_id.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t)]
+# arguments: out
+
+# Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU).
+gradacc_comm_create_nccl = dll.gradacc_comm_create_nccl
+gradacc_comm_create_nccl.restype = gradacc_status_t
+gradacc_comm_create_nccl.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: id, rank, world_size, device_ordinal, out_comm
+
+# Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from it. gradacc never destroys or aborts an adopted communicator.
+gradacc_comm_adopt_nccl = dll.gradacc_comm_adopt_nccl
+gradacc_comm_adopt_nccl.restype = gradacc_status_t
+gradacc_comm_adopt_nccl.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: nccl_comm, out_comm
+
+# Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it when a peer died and a sync would wait forever), and later syncs fail with GRADACC_STATUS_COMM_FAILURE.
+gradacc_comm_abort = dll.gradacc_comm_abort
+gradacc_comm_abort.restype = gradacc_status_t
+gradacc_comm_abort.argtypes = [ctypes.POINTER(gradacc_comm_t)]
+# arguments: comm
 
 # Fills `*out` with the default scaler configuration (and its struct_size).
 gradacc_scaler_config_default = dll.gradacc_scaler_config_default

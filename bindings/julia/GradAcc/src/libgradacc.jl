@@ -17,8 +17,8 @@ const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batc
 const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
-const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator; not in this version.
-const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA); not in this version.
+const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
+const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 const GRADACC_STATUS_OK = 0  # Success.
 const GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 const GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -35,6 +35,7 @@ const GRADACC_STATUS_PEER_FAILURE = 12  # Another rank's call failed, so this ra
 const GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
 const GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
 const GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
+const GRADACC_STATUS_DEVICE_FAILURE = 16  # The CUDA driver reported an error (a failed launch or copy, an invalid device address, a device that fell off the bus); the message carries the driver's own text.
 const GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 const GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 const GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -106,6 +107,11 @@ struct gradacc_mpi_config_t
     max_in_flight::UInt32
 end
 
+"An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
+struct gradacc_nccl_unique_id_t
+    internal::NTuple{128, UInt8}
+end
+
 "Scaler configuration."
 struct gradacc_scaler_config_t
     struct_size::Csize_t
@@ -158,6 +164,11 @@ function gradacc_accumulator_begin_microbatch(acc, count)
     ccall((:gradacc_accumulator_begin_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
 end
 
+"Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary."
+function gradacc_accumulator_begin_final_microbatch(acc, count, comm)
+    ccall((:gradacc_accumulator_begin_final_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64, Ptr{gradacc_comm_t}), acc, count, comm)
+end
+
 "Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`."
 function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
     ccall((:gradacc_accumulator_add_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
@@ -173,7 +184,7 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     ccall((:gradacc_accumulator_sync, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, comm, out_info)
 end
 
-"Writes a pointer to tensor `index`'s FP32 master gradient and its element count."
+"Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."
 function gradacc_accumulator_master(acc, index, out_data, out_numel)
     ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
 end
@@ -223,7 +234,7 @@ function gradacc_comm_world_size(comm, out)
     ccall((:gradacc_comm_world_size, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
 end
 
-"Writes to `*out` whether `backend` (GRADACC_BACKEND_*) is in this build of the library."
+"Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was built with it; CUDA and NCCL when their libraries load on this machine (checked without ever failing: a machine with no driver just answers false)."
 function gradacc_backend_available(backend, out)
     ccall((:gradacc_backend_available, libgradacc), gradacc_status_t, (gradacc_backend_t, Ptr{Bool}), backend, out)
 end
@@ -236,6 +247,26 @@ end
 "Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl."
 function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
     ccall((:gradacc_comm_create_mpi, libgradacc), gradacc_status_t, (Int64, Ptr{gradacc_mpi_config_t}, Ptr{Ptr{gradacc_comm_t}}), fortran_comm, config, out_comm)
+end
+
+"Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes)."
+function gradacc_nccl_get_unique_id(out)
+    ccall((:gradacc_nccl_get_unique_id, libgradacc), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
+end
+
+"Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU)."
+function gradacc_comm_create_nccl(id, rank, world_size, device_ordinal, out_comm)
+    ccall((:gradacc_comm_create_nccl, libgradacc), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t}, Int32, Int32, Int32, Ptr{Ptr{gradacc_comm_t}}), id, rank, world_size, device_ordinal, out_comm)
+end
+
+"Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from it. gradacc never destroys or aborts an adopted communicator."
+function gradacc_comm_adopt_nccl(nccl_comm, out_comm)
+    ccall((:gradacc_comm_adopt_nccl, libgradacc), gradacc_status_t, (Ptr{Cvoid}, Ptr{Ptr{gradacc_comm_t}}), nccl_comm, out_comm)
+end
+
+"Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it when a peer died and a sync would wait forever), and later syncs fail with GRADACC_STATUS_COMM_FAILURE."
+function gradacc_comm_abort(comm)
+    ccall((:gradacc_comm_abort, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t},), comm)
 end
 
 "Fills `*out` with the default scaler configuration (and its struct_size)."

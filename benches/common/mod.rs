@@ -1,0 +1,324 @@
+//! What the benchmarks share: 64-byte-aligned buffers, the memory-bandwidth floors (plain SIMD
+//! loops that move the same bytes as a kernel and do none of its arithmetic), and timing by the
+//! median of repeats taken in turns.
+// Each benchmark uses a part of this module.
+#![allow(dead_code)]
+
+use std::time::Instant;
+
+use gradacc::backend::cpu;
+use gradacc::Grad;
+
+/// What a floor loop writes into `dst[i]`, given the widened gradient `g`.
+pub mod kind {
+    /// `dst = g`: reads the gradient and writes the master. The store allocates the master's
+    /// lines in the cache, which on most x86 cores first reads them from memory.
+    pub const COPY: u8 = 0;
+    /// `dst += g`: the fused pass's explicit traffic (read gradient and master, write master).
+    pub const ADD: u8 = 1;
+    /// `dst += g * TRIAD_FACTOR` (a multiply, then an add): the fused pass without its non-finite
+    /// check, STREAM's triad with the output aliasing an input.
+    pub const TRIAD: u8 = 2;
+}
+
+pub const TRIAD_FACTOR: f32 = 1.0 / 1024.0;
+
+/// Cheap deterministic values in 0..16384 (hash of the index).
+pub fn pattern(i: usize) -> u32 {
+    ((i as u32).wrapping_mul(0x9e37_79b9) >> 18) & 0x3fff
+}
+
+/// f32, f16 and bf16 gradients of `len` elements in [-0.5, 0.5).
+pub fn gradients(len: usize) -> (Vec<f32>, Vec<u16>, Vec<u16>) {
+    let f32_grad: Vec<f32> = (0..len).map(|i| pattern(i) as f32 / 16384.0 - 0.5).collect();
+    let f16_grad = f32_grad.iter().map(|&v| cpu::math::f32_to_f16(v)).collect();
+    let bf16_grad = f32_grad.iter().map(|&v| cpu::math::f32_to_bf16(v)).collect();
+    (f32_grad, f16_grad, bf16_grad)
+}
+
+/// An f32 buffer whose first element is 64-byte aligned, so the kernels and the floor loops see the
+/// same alignment and no vector access straddles a cache line.
+pub struct AlignedF32 {
+    storage: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedF32 {
+    pub fn new(len: usize) -> Self {
+        let storage = vec![0.0f32; len + 16];
+        let start = storage.as_ptr().align_offset(64);
+        AlignedF32 { storage, start, len }
+    }
+
+    pub fn slice(&mut self) -> &mut [f32] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median, fastest and slowest of a set of timings.
+#[derive(Clone, Copy, Debug)]
+pub struct Stats {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+impl Stats {
+    pub fn of(v: &[f64]) -> Stats {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        Stats { median: s[s.len() / 2], min: s[0], max: s[s.len() - 1], n: s.len() }
+    }
+}
+
+/// Runs `variants` in turns, `rounds` times after one untimed round, and returns each one's
+/// seconds per call. A variant whose call is shorter than `min_sample` seconds is called as many
+/// times per sample as it takes to reach that, so clock resolution and the loop do not count.
+/// Taking turns makes every variant see the same machine state (other processes, frequency).
+pub fn interleaved(rounds: usize, min_sample: f64, variants: &mut [&mut dyn FnMut()]) -> Vec<Stats> {
+    let calls: Vec<usize> = variants
+        .iter_mut()
+        .map(|run| {
+            let t = Instant::now();
+            run();
+            let once = t.elapsed().as_secs_f64().max(1e-9);
+            ((min_sample / once).ceil() as usize).clamp(1, 1_000_000)
+        })
+        .collect();
+    let mut times = vec![Vec::with_capacity(rounds); variants.len()];
+    for _ in 0..rounds {
+        for ((run, &k), times) in variants.iter_mut().zip(&calls).zip(&mut times) {
+            let t = Instant::now();
+            for _ in 0..k {
+                run();
+            }
+            times.push(t.elapsed().as_secs_f64() / k as f64);
+        }
+    }
+    times.iter().map(|t| Stats::of(t)).collect()
+}
+
+/// Contiguous parts of whole 4096-element blocks, one per thread, the first on the calling thread.
+/// Like the kernels, a part has at least `MIN_ELEMENTS_PER_THREAD` elements, so a floor and a
+/// kernel of the same size run on the same number of threads.
+pub fn parallel<T: Send>(buf: &mut [T], threads: usize, work: impl Fn(usize, &mut [T]) + Sync) {
+    let threads = threads.min(buf.len() / cpu::MIN_ELEMENTS_PER_THREAD).max(1);
+    if threads == 1 {
+        return work(0, buf);
+    }
+    let part = buf.len().div_ceil(threads).div_ceil(4096) * 4096;
+    std::thread::scope(|scope| {
+        let mut parts = buf.chunks_mut(part.max(1)).enumerate();
+        let first = parts.next();
+        for (k, chunk) in parts {
+            let work = &work;
+            scope.spawn(move || work(k * part, chunk));
+        }
+        if let Some((_, chunk)) = first {
+            work(0, chunk);
+        }
+    });
+}
+
+/// A floor loop of kind `K` (see [`kind`]) over `dst` and `src`, plain (`PF = false`) or with the
+/// kernels' software prefetch (`PF = true`), with the ISA the kernels use. An empty `src` adds
+/// 1.0 instead (`ADD` only): the floor for `scale`, which has no second input.
+pub fn floor<const K: u8, const PF: bool>(isa: cpu::Isa, dst: &mut [f32], src: Grad<'_>, threads: usize) {
+    parallel(dst, threads, |start, part| {
+        let src = if src.is_empty() { src } else { src.slice(start, start + part.len()) };
+        match isa {
+            // SAFETY: `active_isa` only reports paths the CPU supports.
+            #[cfg(target_arch = "x86_64")]
+            cpu::Isa::Avx512 => unsafe { x86::avx512::<K, PF>(part, src) },
+            #[cfg(target_arch = "x86_64")]
+            cpu::Isa::Avx2 => unsafe { x86::avx2::<K, PF>(part, src) },
+            _ => floor_scalar::<K>(part, src),
+        }
+    });
+}
+
+fn floor_scalar<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
+    let op = |d: &mut f32, g: f32| {
+        *d = match K {
+            kind::COPY => g,
+            kind::ADD => *d + g,
+            _ => *d + g * TRIAD_FACTOR,
+        }
+    };
+    match src {
+        Grad::F32([]) => dst.iter_mut().for_each(|d| op(d, 1.0)),
+        Grad::F32(s) => dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, s)),
+        Grad::F16(s) => dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, cpu::math::f16_to_f32(s))),
+        Grad::Bf16(s) => dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, cpu::math::bf16_to_f32(s))),
+    }
+}
+
+/// The floor for `sum_squares`: a plain f32 sum, no widening, per-part results added.
+pub fn floor_sum<const PF: bool>(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
+    let total = std::sync::Mutex::new(0.0);
+    parallel(buf, threads, |_, part| {
+        let s = match isa {
+            // SAFETY: as in `floor`.
+            #[cfg(target_arch = "x86_64")]
+            cpu::Isa::Avx512 => unsafe { x86::sum_avx512::<PF>(part) },
+            #[cfg(target_arch = "x86_64")]
+            cpu::Isa::Avx2 => unsafe { x86::sum_avx2::<PF>(part) },
+            _ => part.iter().sum::<f32>(),
+        };
+        *total.lock().unwrap() += s as f64;
+    });
+    total.into_inner().unwrap()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use gradacc::Grad;
+
+    use super::{floor_scalar, kind, TRIAD_FACTOR};
+
+    /// The kernels' prefetch distance and level (`PREFETCH_BYTES` in `src/backend/cpu/mod.rs`).
+    const PREFETCH_BYTES: usize = 4096;
+
+    #[inline(always)]
+    unsafe fn prefetch<T>(p: *const T, i: usize) {
+        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(i).cast::<i8>().wrapping_add(PREFETCH_BYTES));
+    }
+
+    /// 64 elements per iteration: four lines of `dst`, two or four of `src`, each prefetched once
+    /// when `$pf`; `$body` handles the `$lanes` elements from `$j`.
+    macro_rules! floor_loop {
+        ($k:ident, $pf:ident, $dst:ident, $src:ident, $lanes:expr, |$d:ident, $j:ident| $body:expr) => {{
+            let n = $dst.len() / 64 * 64;
+            let $d = $dst.as_mut_ptr();
+            let (s, src_bytes) = match $src {
+                Grad::F32(s) => (s.as_ptr().cast::<u8>(), 4 * s.len().min(1)),
+                Grad::F16(s) | Grad::Bf16(s) => (s.as_ptr().cast::<u8>(), 2),
+            };
+            let mut i = 0;
+            while i < n {
+                if $pf {
+                    for line in 0..4 {
+                        prefetch($d, i + 16 * line);
+                    }
+                    for line in 0..src_bytes {
+                        prefetch(s, i * src_bytes + 64 * line);
+                    }
+                }
+                for $j in (i..i + 64).step_by($lanes) {
+                    $body;
+                }
+                i += 64;
+            }
+            let tail = if $src.is_empty() { $src } else { $src.slice(n, $src.len()) };
+            floor_scalar::<$k>(&mut $dst[n..], tail);
+        }};
+    }
+
+    /// Stores `op(dst, g)` at `$p` for floor kind `$k`; for COPY the master is never loaded.
+    macro_rules! store {
+        ($k:ident, $load:ident, $add:ident, $mul:ident, $set1:ident, $store:ident, $p:expr, $g:expr) => {{
+            let g = $g;
+            let v = match $k {
+                kind::COPY => g,
+                kind::ADD => $add($load($p), g),
+                _ => $add($load($p), $mul(g, $set1(TRIAD_FACTOR))),
+            };
+            $store($p, v)
+        }};
+    }
+
+    macro_rules! store512 {
+        ($k:ident, $p:expr, $g:expr) => {
+            store!($k, _mm512_loadu_ps, _mm512_add_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps, $p, $g)
+        };
+    }
+
+    macro_rules! store256 {
+        ($k:ident, $p:expr, $g:expr) => {
+            store!($k, _mm256_loadu_ps, _mm256_add_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_storeu_ps, $p, $g)
+        };
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512<const K: u8, const PF: bool>(dst: &mut [f32], src: Grad<'_>) {
+        match src {
+            Grad::F32([]) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0))),
+            Grad::F32(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F16(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(
+                K,
+                d.add(i),
+                _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))
+            )),
+            Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(
+                K,
+                d.add(i),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
+            )),
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn avx2<const K: u8, const PF: bool>(dst: &mut [f32], src: Grad<'_>) {
+        match src {
+            Grad::F32([]) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0))),
+            Grad::F32(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F16(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(
+                K,
+                d.add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))
+            )),
+            Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(
+                K,
+                d.add(i),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
+            )),
+        }
+    }
+
+    /// Four independent accumulators, so the sum runs at load speed rather than add latency.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn sum_avx512<const PF: bool>(buf: &[f32]) -> f32 {
+        let n = buf.len() / 64 * 64;
+        let p = buf.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for i in (0..n).step_by(64) {
+            for (k, a) in acc.iter_mut().enumerate() {
+                if PF {
+                    prefetch(p, i + 16 * k);
+                }
+                *a = _mm512_add_ps(*a, _mm512_loadu_ps(p.add(i + 16 * k)));
+            }
+        }
+        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(v) + buf[n..].iter().sum::<f32>()
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn sum_avx2<const PF: bool>(buf: &[f32]) -> f32 {
+        let n = buf.len() / 32 * 32;
+        let p = buf.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in (0..n).step_by(32) {
+            if PF {
+                prefetch(p, i);
+                prefetch(p, i + 16);
+            }
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_loadu_ps(p.add(i + 8 * k)));
+            }
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+        lanes.iter().sum::<f32>() + buf[n..].iter().sum::<f32>()
+    }
+}

@@ -1,0 +1,427 @@
+//! The Rust half of `scripts/bench`: gradacc's `add` and `sync` next to the memory-bandwidth floor
+//! measured in the same process, written as JSON lines for `benches/python/report.py`.
+//!
+//! `cargo bench --bench suite -- --out FILE [--quick] [--only sweep,layout,overhead,boundary]`
+//!
+//! - sweep: one flat tensor, 4K to 256M elements, f16/bf16/f32, 1 and 2 threads; gradacc's `add`
+//!   and three floors with the same byte traffic, taking turns.
+//! - layout: a transformer's 500 tensors (100M elements), against the floor over one flat buffer of
+//!   the same bytes.
+//! - overhead: 1000 tensors of 1000 elements and of 1 element, through the Rust API and the C ABI;
+//!   overhead = the call's time minus the floor's time for the same bytes.
+//! - boundary: `sync` of 100M parameters over the in-process communicator with 2 ranks, deferred
+//!   (one sync per K micro-batches) against an all-reduce after every micro-batch.
+
+mod common;
+
+use std::ffi::c_void;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::sync::Barrier;
+use std::time::Instant;
+
+use common::{floor, interleaved, kind, AlignedF32, Stats};
+use gradacc::backend::cpu;
+use gradacc::ffi::*;
+use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Scaler, ScalerConfig, TensorDesc};
+
+const MI: usize = 1 << 20;
+
+struct Options {
+    quick: bool,
+    out: Option<std::fs::File>,
+    only: Option<Vec<String>>,
+    /// Timed rounds per measurement (after one untimed round).
+    rounds: usize,
+    /// Shortest timed sample, in seconds: short calls are repeated within a sample up to this.
+    min_sample: f64,
+}
+
+impl Options {
+    fn parse() -> Options {
+        let mut o = Options { quick: false, out: None, only: None, rounds: 9, min_sample: 0.004 };
+        let mut args = std::env::args().skip(1);
+        while let Some(a) = args.next() {
+            match a.as_str() {
+                "--quick" => o.quick = true,
+                "--out" => o.out = Some(std::fs::File::create(args.next().expect("--out FILE")).expect("cannot create --out file")),
+                "--only" => o.only = Some(args.next().expect("--only LIST").split(',').map(str::to_owned).collect()),
+                // `cargo bench` passes `--bench`; anything else is cargo's business too.
+                _ => {}
+            }
+        }
+        if o.quick {
+            o.rounds = 5;
+            o.min_sample = 0.002;
+        }
+        o
+    }
+
+    fn wants(&self, part: &str) -> bool {
+        self.only.as_ref().is_none_or(|only| only.iter().any(|p| p == part))
+    }
+
+    /// Writes one result line: `fields` is a JSON object body, `times` each variant's seconds.
+    fn record(&mut self, group: &str, fields: &str, times: &[(&str, Stats)]) {
+        let mut line = format!("{{\"group\":\"{group}\",{fields},\"times\":{{");
+        for (i, (name, s)) in times.iter().enumerate() {
+            let sep = if i > 0 { "," } else { "" };
+            let _ = write!(line, "{sep}\"{name}\":{{\"median\":{:e},\"min\":{:e},\"max\":{:e},\"n\":{}}}", s.median, s.min, s.max, s.n);
+        }
+        line.push_str("}}\n");
+        if let Some(f) = &mut self.out {
+            f.write_all(line.as_bytes()).expect("cannot write results");
+        }
+    }
+}
+
+fn main() {
+    let mut o = Options::parse();
+    let isa = cpu::active_isa();
+    println!("gradacc benchmark suite: {} path, median of {} rounds{}", isa.name(), o.rounds, if o.quick { " (quick)" } else { "" });
+    o.record("machine", &format!("\"isa\":\"{}\",\"quick\":{}", isa.name(), o.quick), &[]);
+
+    let max = if o.quick { 16 * MI } else { 256 * MI };
+    let layout = transformer(if o.quick { 128 } else { 512 });
+    let needed = if o.wants("sweep") { max } else { layout.iter().sum::<usize>().max(MI) };
+    if o.wants("sweep") || o.wants("layout") || o.wants("overhead") {
+        let t = Instant::now();
+        let mut master = AlignedF32::new(needed);
+        let (g32, g16, gb16) = common::gradients(needed);
+        let flat = [(Dtype::F16, Grad::F16(&g16)), (Dtype::Bf16, Grad::Bf16(&gb16)), (Dtype::F32, Grad::F32(&g32))];
+        println!("buffers of {}M elements ready in {:.1} s", needed / MI, t.elapsed().as_secs_f64());
+        if o.wants("sweep") {
+            sweep(&mut o, &mut master, &flat, max);
+        }
+        if o.wants("layout") {
+            layouts(&mut o, &mut master, &flat, &layout);
+        }
+        if o.wants("overhead") {
+            overhead(&mut o, &mut master, &flat);
+        }
+    }
+    if o.wants("boundary") {
+        let n = if o.quick { 16 * MI } else { 100_000_000 };
+        boundary(&mut o, n);
+    }
+}
+
+/// A GPT-style stack of 500 tensors, in parameter order: token (4096 x d) and position (512 x d)
+/// embeddings, 31 blocks of 16 tensors (two LayerNorms, q/k/v/o projections with biases, a 4d
+/// MLP), a final LayerNorm. d = 512 gives 100,084,224 elements; the largest tensors hold 1M, 310 of
+/// them hold d or 4d. `benches/python/peer.py` builds the same list.
+fn transformer(d: usize) -> Vec<usize> {
+    let mut t = vec![4096 * d, 512 * d];
+    for _ in 0..31 {
+        t.extend([d, d]);
+        for _ in 0..4 {
+            t.extend([d * d, d]);
+        }
+        t.extend([d, d, 4 * d * d, 4 * d, 4 * d * d, d]);
+    }
+    t.extend([d, d]);
+    t
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    d.name()
+}
+
+fn bytes_per_element(d: Dtype) -> usize {
+    d.size() + 8
+}
+
+/// A raw view of the first `len` elements of `master`, for closures that take turns with an
+/// accumulator holding the same buffer (never used at the same time).
+fn view<'a>(ptr: *mut f32, len: usize) -> &'a mut [f32] {
+    // SAFETY: callers pass a prefix of a live AlignedF32, and only one closure runs at a time.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+fn scaler() -> Scaler {
+    Scaler::new(ScalerConfig { init_scale: 1024.0, ..ScalerConfig::default() }).expect("scaler")
+}
+
+fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], max: usize) {
+    println!("\n## add, one flat tensor: ns/element (gradacc | triad floor | ratio)");
+    let isa = cpu::active_isa();
+    let mp = master.slice().as_mut_ptr();
+    let sizes: Vec<usize> = std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|&s| s <= max).collect();
+    let scaler = scaler();
+    for &(dtype, grad) in flat {
+        for &len in &sizes {
+            for threads in [1, 2] {
+                let g = grad.slice(0, len);
+                let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
+                // SAFETY: `mp` holds at least `len` f32 for the accumulator's lifetime.
+                let acc = unsafe { Accumulator::with_buffer(config, &[TensorDesc { numel: len, dtype }], mp, len) }.expect("accumulator");
+                let t = interleaved(
+                    o.rounds,
+                    o.min_sample,
+                    &mut [
+                        &mut || acc.add(&scaler, &[g], 1).expect("add"),
+                        &mut || floor::<{ kind::COPY }, false>(isa, view(mp, len), g, threads),
+                        &mut || floor::<{ kind::TRIAD }, false>(isa, view(mp, len), g, threads),
+                        &mut || floor::<{ kind::TRIAD }, true>(isa, view(mp, len), g, threads),
+                    ],
+                );
+                let best = t[2].median.min(t[3].median);
+                println!(
+                    "{:>6} {:>4} {}T  {:.3} | {:.3} | {:.2}",
+                    size_label(len),
+                    dtype_name(dtype),
+                    threads,
+                    t[0].median * 1e9 / len as f64,
+                    best * 1e9 / len as f64,
+                    t[0].median / best
+                );
+                o.record(
+                    "sweep",
+                    &format!("\"numel\":{len},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}", dtype_name(dtype), len * bytes_per_element(dtype)),
+                    &[("gradacc", t[0]), ("copy", t[1]), ("triad", t[2]), ("triad_prefetch", t[3])],
+                );
+            }
+        }
+    }
+}
+
+fn size_label(n: usize) -> String {
+    if n >= MI && n.is_multiple_of(MI) {
+        format!("{}M", n / MI)
+    } else if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{}K", n / 1024)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Separately allocated gradients, one per tensor, as a framework's `param.grad`s are.
+enum Owned {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+fn owned_grads(numels: &[usize], dtype: Dtype, flat: Grad<'_>) -> Vec<Owned> {
+    let mut start = 0;
+    numels
+        .iter()
+        .map(|&n| {
+            let s = start % (flat.len() - n + 1);
+            start += n;
+            match flat.slice(s, s + n) {
+                Grad::F32(v) => Owned::F32(v.to_vec()),
+                Grad::F16(v) | Grad::Bf16(v) => {
+                    debug_assert!(dtype != Dtype::F32);
+                    Owned::U16(v.to_vec())
+                }
+            }
+        })
+        .collect()
+}
+
+fn views(owned: &[Owned], dtype: Dtype) -> Vec<Grad<'_>> {
+    owned
+        .iter()
+        .map(|g| match (g, dtype) {
+            (Owned::F32(v), _) => Grad::F32(v),
+            (Owned::U16(v), Dtype::F16) => Grad::F16(v),
+            (Owned::U16(v), _) => Grad::Bf16(v),
+        })
+        .collect()
+}
+
+fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
+    owned
+        .iter()
+        .map(|g| match g {
+            Owned::F32(v) => v.as_ptr().cast(),
+            Owned::U16(v) => v.as_ptr().cast(),
+        })
+        .collect()
+}
+
+fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], layout: &[usize]) {
+    let total: usize = layout.iter().sum();
+    println!("\n## add, transformer layout: {} tensors, {} elements: ms (gradacc | triad floor, flat | ratio)", layout.len(), total);
+    let isa = cpu::active_isa();
+    let mp = master.slice().as_mut_ptr();
+    let scaler = scaler();
+    for &(dtype, grad) in flat {
+        let owned = owned_grads(layout, dtype, grad);
+        let grads = views(&owned, dtype);
+        let g = grad.slice(0, total);
+        for threads in [1, 2] {
+            let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
+            let descs: Vec<TensorDesc> = layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
+            let acc = unsafe { Accumulator::with_buffer(config, &descs, mp, total) }.expect("accumulator");
+            let t = interleaved(
+                o.rounds,
+                o.min_sample,
+                &mut [
+                    &mut || acc.add(&scaler, &grads, 1).expect("add"),
+                    &mut || floor::<{ kind::COPY }, false>(isa, view(mp, total), g, threads),
+                    &mut || floor::<{ kind::TRIAD }, false>(isa, view(mp, total), g, threads),
+                    &mut || floor::<{ kind::TRIAD }, true>(isa, view(mp, total), g, threads),
+                ],
+            );
+            let best = t[2].median.min(t[3].median);
+            println!("{:>4} {}T  {:.2} | {:.2} | {:.2}", dtype_name(dtype), threads, t[0].median * 1e3, best * 1e3, t[0].median / best);
+            o.record(
+                "layout",
+                &format!(
+                    "\"layout\":\"transformer\",\"tensors\":{},\"numel\":{total},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}",
+                    layout.len(),
+                    dtype_name(dtype),
+                    total * bytes_per_element(dtype)
+                ),
+                &[("gradacc", t[0]), ("copy", t[1]), ("triad", t[2]), ("triad_prefetch", t[3])],
+            );
+        }
+    }
+}
+
+/// Per-call cost of many small tensors, through the Rust API and through the C ABI (what every
+/// binding calls), against the floor for the same bytes in the same (cache-resident) state.
+fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]) {
+    println!("\n## per-call overhead, 1 thread: us per call (Rust API | C ABI | triad floor, flat | overhead over the floor)");
+    let isa = cpu::active_isa();
+    let mp = master.slice().as_mut_ptr();
+    let scaler = scaler();
+    let mut c_scaler: *mut gradacc_scaler_t = std::ptr::null_mut();
+    // SAFETY: a plain C struct of numbers and bools, filled in by the default initialiser next.
+    let mut sc: gradacc_scaler_config_t = unsafe { std::mem::zeroed() };
+    assert_eq!(gradacc_scaler_config_default(&mut sc), GRADACC_STATUS_OK);
+    sc.init_scale = 1024.0;
+    assert_eq!(gradacc_scaler_create(&sc, std::ptr::null(), &mut c_scaler), GRADACC_STATUS_OK);
+    for &(dtype, grad) in flat.iter().filter(|(d, _)| *d != Dtype::Bf16) {
+        for (tensors, numel) in [(1000usize, 1000usize), (1000, 1), (1, 1_000_000)] {
+            let layout = vec![numel; tensors];
+            let total = tensors * numel;
+            let owned = owned_grads(&layout, dtype, grad);
+            let grads = views(&owned, dtype);
+            let raw = ptrs(&owned);
+            let g = grad.slice(0, total);
+            let descs: Vec<TensorDesc> = layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            // SAFETY: `mp` holds at least `total` f32; the two accumulators take turns.
+            let acc = unsafe { Accumulator::with_buffer(AccumulatorConfig::default(), &descs, mp, total) }.expect("accumulator");
+            let c_descs: Vec<gradacc_tensor_desc_t> = layout
+                .iter()
+                .map(|&n| gradacc_tensor_desc_t {
+                    numel: n as u64,
+                    dtype: match dtype {
+                        Dtype::F32 => GRADACC_DTYPE_F32,
+                        Dtype::F16 => GRADACC_DTYPE_F16,
+                        Dtype::Bf16 => GRADACC_DTYPE_BF16,
+                    },
+                })
+                .collect();
+            let mut c_acc: *mut gradacc_accumulator_t = std::ptr::null_mut();
+            let status = gradacc_accumulator_create_with_buffer(std::ptr::null(), c_descs.as_ptr(), tensors, std::ptr::null(), mp, total, &mut c_acc);
+            assert_eq!(status, GRADACC_STATUS_OK);
+            let t = interleaved(
+                o.rounds,
+                o.min_sample,
+                &mut [
+                    &mut || acc.add(&scaler, &grads, 1).expect("add"),
+                    &mut || assert_eq!(gradacc_accumulator_add(c_acc, c_scaler, raw.as_ptr(), tensors, 1), GRADACC_STATUS_OK),
+                    &mut || floor::<{ kind::TRIAD }, false>(isa, view(mp, total), g, 1),
+                    &mut || floor::<{ kind::TRIAD }, true>(isa, view(mp, total), g, 1),
+                ],
+            );
+            assert_eq!(gradacc_accumulator_destroy(c_acc), GRADACC_STATUS_OK);
+            let best = t[2].median.min(t[3].median);
+            println!(
+                "{tensors:>5} x {numel:<7} {:>4}  {:.2} | {:.2} | {:.2} | {:.2}",
+                dtype_name(dtype),
+                t[0].median * 1e6,
+                t[1].median * 1e6,
+                best * 1e6,
+                (t[1].median - best) * 1e6
+            );
+            o.record(
+                "overhead",
+                &format!("\"tensors\":{tensors},\"numel\":{numel},\"dtype\":\"{}\",\"threads\":1,\"bytes\":{}", dtype_name(dtype), total * bytes_per_element(dtype)),
+                &[("rust_api", t[0]), ("c_abi", t[1]), ("triad", t[2]), ("triad_prefetch", t[3])],
+            );
+        }
+    }
+    assert_eq!(gradacc_scaler_destroy(c_scaler), GRADACC_STATUS_OK);
+}
+
+/// The boundary at 2 in-process ranks (one thread each) over `n` fp16 parameters in one tensor, as
+/// `benches/mpi_boundary.c` does over MPI: K micro-batches per step, then
+///   deferred: `sync` (control reduction, all-reduce of the FP32 master, normalisation, norm);
+///   naive:    an all-reduce of an FP32 gradient of the same size after every micro-batch;
+///   bare:     one all-reduce of the same bytes, nothing else.
+/// The adds are the same in both patterns and not timed; each time is the slowest rank's.
+fn boundary(o: &mut Options, n: usize) {
+    println!("\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | naive K all-reduces | bare all-reduce)", n);
+    let comms = LocalComm::group(2).expect("group");
+    let rounds = if o.quick { 3 } else { 7 };
+    let barrier = Barrier::new(2);
+    let whole = 0..n;
+    let bucket = std::slice::from_ref(&whole);
+    let results: Vec<Vec<(usize, [f64; 3])>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let (_, g16, _) = common::gradients(n);
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &[TensorDesc { numel: n, dtype: Dtype::F16 }]).expect("accumulator");
+                    let scaler = scaler();
+                    let mut plain = vec![1.0f32; n];
+                    let timed = |f: &mut dyn FnMut()| {
+                        barrier.wait();
+                        let t = Instant::now();
+                        f();
+                        t.elapsed().as_secs_f64()
+                    };
+                    let mut out = Vec::new();
+                    for k in [1usize, 4, 8] {
+                        let mut times = Vec::new();
+                        for round in 0..=rounds {
+                            for _ in 0..k {
+                                acc.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
+                            }
+                            let d = timed(&mut || {
+                                acc.sync(Some(comm as &dyn Communicator)).expect("sync");
+                            });
+                            let nv = timed(&mut || {
+                                for _ in 0..k {
+                                    comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce");
+                                }
+                            });
+                            let b = timed(&mut || comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce"));
+                            plain.fill(1.0); // keep the values finite
+                            if round > 0 {
+                                times.push([d, nv, b]);
+                            }
+                        }
+                        out.push((k, times));
+                    }
+                    out.into_iter().flat_map(|(k, times)| times.into_iter().map(move |t| (k, t))).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    for k in [1usize, 4, 8] {
+        // Each round's time is its slowest rank's.
+        let rows: Vec<[f64; 3]> = results[0]
+            .iter()
+            .zip(&results[1])
+            .filter(|((k0, _), _)| *k0 == k)
+            .map(|((_, a), (_, b))| [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])])
+            .collect();
+        let stat = |i: usize| Stats::of(&rows.iter().map(|r| r[i]).collect::<Vec<_>>());
+        let (d, nv, b) = (stat(0), stat(1), stat(2));
+        println!("K = {k}: {:.1} | {:.1} | {:.1}", d.median * 1e3, nv.median * 1e3, b.median * 1e3);
+        o.record(
+            "boundary_local",
+            &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k}"),
+            &[("deferred", d), ("naive", nv), ("bare", b)],
+        );
+    }
+}

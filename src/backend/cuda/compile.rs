@@ -1,0 +1,177 @@
+//! NVRTC: the kernels' CUDA C source compiled at run time, to CUBIN for the device's exact
+//! architecture (PTX when NVRTC does not know the device yet), once per device per process.
+//! Also what CI runs, without a GPU, to prove every kernel compiles for every target.
+
+use std::ffi::{c_char, CString};
+
+use cudarc::nvrtc::sys::{self, nvrtcResult};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The kernels: the per-element math (also compiled on the host by the tests), then the kernels.
+pub const SOURCE: &str = concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
+
+/// Every kernel the backend launches, as `extern "C"` names.
+pub const KERNELS: [&str; 11] = [
+    "ga_add_multi",
+    "ga_add_one",
+    "ga_pack_control",
+    "ga_begin_boundary",
+    "ga_scale_sum_squares",
+    "ga_finish_norm",
+    "ga_scale_by",
+    "ga_scaler_gather",
+    "ga_scaler_update",
+    "ga_scale_loss",
+    "ga_layout_sizes",
+];
+
+/// Options of every compilation: explicitly rounded arithmetic only (math.cuh uses the `_rn`
+/// intrinsics; this forbids contraction anywhere else too), and C++17.
+const OPTIONS: [&str; 2] = ["--fmad=false", "--std=c++17"];
+
+/// The one diagnostic NVRTC 12.x prints for every pre-Turing target: a notice about the
+/// toolkit, not about the code, so the warning check ignores exactly this line.
+const PRE_TURING_NOTICE: &str = "Architectures prior to '<compute/sm>_75' are deprecated";
+
+/// What to compile for: machine code for one architecture, or PTX for a virtual one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// `sm_XY` machine code, loadable by a device of exactly that architecture.
+    Cubin(u32),
+    /// `compute_XY` PTX, compiled by the driver for any device of at least that architecture.
+    Ptx(u32),
+}
+
+impl Target {
+    /// The target for a device of compute capability `major.minor`: its exact CUBIN when this
+    /// NVRTC knows the architecture, else PTX for the newest architecture it knows that the
+    /// device runs.
+    pub fn for_device(major: i32, minor: i32) -> Result<Target> {
+        let arch = (major * 10 + minor) as u32;
+        let known = supported_architectures()?;
+        if known.contains(&arch) {
+            return Ok(Target::Cubin(arch));
+        }
+        known.iter().copied().filter(|&a| a <= arch).max().map(Target::Ptx).ok_or_else(|| {
+            Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})"))
+        })
+    }
+
+    fn option(self) -> String {
+        match self {
+            Target::Cubin(arch) => format!("--gpu-architecture=sm_{arch}"),
+            Target::Ptx(arch) => format!("--gpu-architecture=compute_{arch}"),
+        }
+    }
+}
+
+/// A compiled image and NVRTC's diagnostics.
+pub struct Compiled {
+    /// CUBIN bytes, or PTX text with its terminating NUL (as cuModuleLoadData takes it).
+    pub image: Vec<u8>,
+    /// Warnings NVRTC printed, minus the pre-Turing notice; CI requires none.
+    pub warnings: Vec<String>,
+}
+
+/// Whether the NVRTC library can be loaded (never panics).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// NVRTC's version, as (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    require_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    check(unsafe { sys::nvrtcVersion(&mut major, &mut minor) }, "nvrtcVersion")?;
+    Ok((major, minor))
+}
+
+/// The architectures this NVRTC can compile for (as 70, 80, 90, ...).
+pub fn supported_architectures() -> Result<Vec<u32>> {
+    require_nvrtc()?;
+    let mut n = 0;
+    check(unsafe { sys::nvrtcGetNumSupportedArchs(&mut n) }, "nvrtcGetNumSupportedArchs")?;
+    let mut archs = vec![0; n.max(0) as usize];
+    check(unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }, "nvrtcGetSupportedArchs")?;
+    Ok(archs.into_iter().map(|a| a as u32).collect())
+}
+
+
+/// Compiles [`SOURCE`] for `target`. Errors carry NVRTC's log.
+pub fn compile(target: Target) -> Result<Compiled> {
+    require_nvrtc()?;
+    let source = CString::new(SOURCE).expect("kernel source has no NUL");
+    let name = c"gradacc_kernels.cu";
+    let mut program = std::ptr::null_mut();
+    check(
+        unsafe { sys::nvrtcCreateProgram(&mut program, source.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
+        "nvrtcCreateProgram",
+    )?;
+    let result = compile_program(program, target);
+    unsafe { sys::nvrtcDestroyProgram(&mut program) };
+    result
+}
+
+fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compiled> {
+    let options: Vec<CString> =
+        OPTIONS.iter().map(|o| o.to_string()).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
+    let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let status = unsafe { sys::nvrtcCompileProgram(program, pointers.len() as i32, pointers.as_ptr()) };
+    let log = program_log(program)?;
+    if status != nvrtcResult::NVRTC_SUCCESS {
+        return Err(Error::new(ErrorKind::Internal, format!("NVRTC could not compile the kernels for {target:?}: {status:?}\n{log}")));
+    }
+    let warnings = log
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE))
+        .map(String::from)
+        .collect();
+    let image = match target {
+        Target::Cubin(_) => {
+            let mut size = 0;
+            check(unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }, "nvrtcGetCUBINSize")?;
+            let mut image = vec![0u8; size];
+            check(unsafe { sys::nvrtcGetCUBIN(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
+            image
+        }
+        Target::Ptx(_) => {
+            let mut size = 0;
+            check(unsafe { sys::nvrtcGetPTXSize(program, &mut size) }, "nvrtcGetPTXSize")?;
+            let mut image = vec![0u8; size];
+            check(unsafe { sys::nvrtcGetPTX(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetPTX")?;
+            image
+        }
+    };
+    Ok(Compiled { image, warnings })
+}
+
+fn program_log(program: sys::nvrtcProgram) -> Result<String> {
+    let mut size = 0;
+    check(unsafe { sys::nvrtcGetProgramLogSize(program, &mut size) }, "nvrtcGetProgramLogSize")?;
+    let mut log = vec![0u8; size.max(1)];
+    check(unsafe { sys::nvrtcGetProgramLog(program, log.as_mut_ptr() as *mut c_char) }, "nvrtcGetProgramLog")?;
+    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+    Ok(String::from_utf8_lossy(&log[..end]).into_owned())
+}
+
+fn require_nvrtc() -> Result<()> {
+    if nvrtc_available() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::BackendUnavailable,
+            "NVRTC (libnvrtc.so.12) could not be loaded: install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib folder on LD_LIBRARY_PATH",
+        ))
+    }
+}
+
+fn check(result: nvrtcResult, what: &str) -> Result<()> {
+    if result == nvrtcResult::NVRTC_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::new(ErrorKind::Internal, format!("{what} failed: {result:?}")))
+    }
+}

@@ -1,0 +1,381 @@
+//! The CUDA driver API, loaded at run time: availability checks that never panic, the device's
+//! primary context (shared with PyTorch, CuPy or any runtime-API program in the process), device
+//! memory ordered on a stream, events, and kernel launches. Nothing else in gradacc calls the
+//! driver directly.
+
+// Streams, events and contexts are opaque driver handles typed as raw pointers: gradacc passes
+// them to the driver and never dereferences them.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::error::{Error, ErrorKind, Result};
+
+pub use sys::{CUdeviceptr, CUstream};
+
+/// Whether the CUDA driver library can be loaded and initialised and sees at least one device.
+/// Never panics: cudarc's loader panics when the library is missing, so presence is asked first.
+pub fn driver_available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
+        if !unsafe { sys::is_culib_present() } {
+            return false;
+        }
+        std::panic::catch_unwind(|| {
+            let mut count = 0;
+            // SAFETY: plain driver calls with valid out-pointers.
+            unsafe { sys::cuInit(0) == CUresult::CUDA_SUCCESS && sys::cuDeviceGetCount(&mut count) == CUresult::CUDA_SUCCESS && count > 0 }
+        })
+        .unwrap_or(false)
+    })
+}
+
+/// Fails with BACKEND_UNAVAILABLE unless the driver is usable.
+pub fn require_driver() -> Result<()> {
+    if driver_available() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::BackendUnavailable,
+            "no usable CUDA driver: libcuda could not be loaded, cuInit failed, or no device is visible",
+        ))
+    }
+}
+
+/// Turns a driver status into an error naming the call and the driver's own text.
+pub fn check(result: CUresult, what: &str) -> Result<()> {
+    if result == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it null).
+    unsafe { sys::cuGetErrorString(result, &mut text) };
+    let text = if text.is_null() { "unknown error".into() } else { unsafe { CStr::from_ptr(text) }.to_string_lossy() };
+    let kind = if result == CUresult::CUDA_ERROR_OUT_OF_MEMORY { ErrorKind::OutOfMemory } else { ErrorKind::DeviceFailure };
+    Err(Error::new(kind, format!("{what} failed: {result:?} ({text})")))
+}
+
+/// One device's primary context, retained for as long as any gradacc object on the device lives.
+pub struct Context {
+    pub ordinal: i32,
+    device: sys::CUdevice,
+    context: sys::CUcontext,
+    /// (major, minor) compute capability.
+    pub capability: (i32, i32),
+    pub multiprocessors: u32,
+}
+
+// SAFETY: a CUcontext may be made current on any thread; the struct is immutable after creation.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// The primary context of device `ordinal`, shared by every gradacc object on that device.
+    pub fn get(ordinal: i32) -> Result<Arc<Context>> {
+        require_driver()?;
+        static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
+        let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = contexts.iter().find(|c| c.ordinal == ordinal) {
+            return Ok(c.clone());
+        }
+        let mut count = 0;
+        check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount")?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(Error::invalid(format!("`device`.ordinal = {ordinal}, but {count} CUDA device(s) are visible")));
+        }
+        let mut device = 0;
+        check(unsafe { sys::cuDeviceGet(&mut device, ordinal) }, "cuDeviceGet")?;
+        let mut context = std::ptr::null_mut();
+        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
+        let attribute = |a: sys::CUdevice_attribute| {
+            let mut v = 0;
+            check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, device) }, "cuDeviceGetAttribute").map(|_| v)
+        };
+        use sys::CUdevice_attribute::*;
+        let c = Arc::new(Context {
+            ordinal,
+            device,
+            context,
+            capability: (attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
+            multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+        });
+        // Kept for the life of the process: the primary context is the runtime API's too, so
+        // releasing it under a framework that uses the device would gain nothing.
+        contexts.push(c.clone());
+        Ok(c)
+    }
+
+    /// Makes this context current on the calling thread until the guard drops, then restores the
+    /// caller's context: gradacc never leaves a different context current behind.
+    pub fn enter(&self) -> Result<ContextGuard> {
+        check(unsafe { sys::cuCtxPushCurrent_v2(self.context) }, "cuCtxPushCurrent")?;
+        Ok(ContextGuard { _private: () })
+    }
+
+    /// The device's SM count times a small factor: enough blocks to fill it for grid-stride loops.
+    pub fn grid_for(&self, work_items: u64) -> u32 {
+        (work_items.max(1)).min(self.multiprocessors as u64 * 8) as u32
+    }
+
+    pub fn device(&self) -> sys::CUdevice {
+        self.device
+    }
+}
+
+pub struct ContextGuard {
+    _private: (),
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let mut previous = std::ptr::null_mut();
+        // SAFETY: pops the context `enter` pushed on this thread.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut previous) };
+    }
+}
+
+/// A device allocation, stream-ordered: allocated and freed on `stream` (the caller's), so it
+/// never synchronises the device. Or a caller's buffer, adopted and never freed.
+pub struct DeviceBuffer {
+    ctx: Arc<Context>,
+    ptr: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+    owned: bool,
+}
+
+// SAFETY: a device address and a stream handle may be used from any thread.
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// `bytes` of device memory, zero-filled, ordered on `stream`.
+    pub fn zeroed(ctx: &Arc<Context>, stream: CUstream, bytes: usize) -> Result<Self> {
+        let _g = ctx.enter()?;
+        let mut ptr = 0;
+        check(unsafe { sys::cuMemAllocAsync(&mut ptr, bytes.max(4), stream) }, "cuMemAllocAsync")?;
+        let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
+        check(unsafe { sys::cuMemsetD8Async(ptr, 0, bytes.max(4), stream) }, "cuMemsetD8Async")?;
+        Ok(buffer)
+    }
+
+    /// `values` copied to a new device buffer, ordered on `stream`.
+    pub fn from_slice<T: Copy>(ctx: &Arc<Context>, stream: CUstream, values: &[T]) -> Result<Self> {
+        let buffer = DeviceBuffer::zeroed(ctx, stream, std::mem::size_of_val(values))?;
+        buffer.write(values)?;
+        Ok(buffer)
+    }
+
+    /// Adopts a caller's device buffer of `bytes` bytes; it is never freed here.
+    pub fn adopt(ctx: &Arc<Context>, stream: CUstream, ptr: CUdeviceptr, bytes: usize) -> Self {
+        DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: false }
+    }
+
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Enqueues a copy of `values` to the start of the buffer. The host values are staged by the
+    /// driver before this returns, so they may be dropped at once.
+    pub fn write<T: Copy>(&self, values: &[T]) -> Result<()> {
+        self.write_at(0, values)
+    }
+
+    /// Enqueues a copy of `values` to byte offset `offset`.
+    pub fn write_at<T: Copy>(&self, offset: usize, values: &[T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(values);
+        assert!(offset + bytes <= self.bytes, "device write out of bounds");
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _g = self.ctx.enter()?;
+        check(
+            unsafe { sys::cuMemcpyHtoDAsync_v2(self.ptr + offset as u64, values.as_ptr() as *const c_void, bytes, self.stream) },
+            "cuMemcpyHtoDAsync",
+        )
+    }
+
+    /// Reads the buffer's first `out.len()` values: waits for the stream first (a host read).
+    pub fn read<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        self.read_at(0, out)
+    }
+
+    /// Reads `out.len()` values from byte offset `offset` (a host read, as `read`).
+    pub fn read_at<T: Copy>(&self, offset: usize, out: &mut [T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(out);
+        assert!(offset + bytes <= self.bytes, "device read out of bounds");
+        let _g = self.ctx.enter()?;
+        let src = self.ptr + offset as u64;
+        check(unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
+        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+    }
+
+    /// Enqueues zeroing `count` f32 values from element `start`.
+    pub fn zero_f32(&self, start: usize, count: usize) -> Result<()> {
+        assert!((start + count) * 4 <= self.bytes, "device fill out of bounds");
+        if count == 0 {
+            return Ok(());
+        }
+        let _g = self.ctx.enter()?;
+        check(unsafe { sys::cuMemsetD32Async(self.ptr + 4 * start as u64, 0, count, self.stream) }, "cuMemsetD32Async")
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.owned {
+            if let Ok(_g) = self.ctx.enter() {
+                // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work.
+                unsafe { sys::cuMemFreeAsync(self.ptr, self.stream) };
+            }
+        }
+    }
+}
+
+/// Waits on the host for everything enqueued on `stream` so far.
+pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
+    let _g = ctx.enter()?;
+    check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
+}
+
+/// Enqueues a device-to-device copy of `bytes` bytes on `stream` (the bandwidth floor of the
+/// benchmarks).
+pub fn copy(ctx: &Context, stream: CUstream, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
+    let _g = ctx.enter()?;
+    check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+}
+
+/// An event used only for ordering (no timing), created in `ctx`.
+pub struct Event {
+    ctx: Arc<Context>,
+    event: sys::CUevent,
+}
+
+// SAFETY: an event handle may be recorded and waited on from any thread.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(ctx: &Arc<Context>) -> Result<Self> {
+        let _g = ctx.enter()?;
+        let mut event = std::ptr::null_mut();
+        check(unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+        Ok(Event { ctx: ctx.clone(), event })
+    }
+
+    /// Makes `later` wait (on the device) for everything enqueued on `earlier` so far.
+    /// No-op when they are the same stream.
+    pub fn order(&self, earlier: CUstream, later: CUstream) -> Result<()> {
+        if earlier == later {
+            return Ok(());
+        }
+        let _g = self.ctx.enter()?;
+        check(unsafe { sys::cuEventRecord(self.event, earlier) }, "cuEventRecord")?;
+        check(unsafe { sys::cuStreamWaitEvent(later, self.event, 0) }, "cuStreamWaitEvent")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.ctx.enter() {
+            // SAFETY: created by cuEventCreate; the driver defers destruction past pending work.
+            unsafe { sys::cuEventDestroy_v2(self.event) };
+        }
+    }
+}
+
+/// A stream of gradacc's own, for communication that overlaps the caller's stream.
+pub struct OwnedStream {
+    ctx: Arc<Context>,
+    pub stream: CUstream,
+}
+
+// SAFETY: a stream handle may be used from any thread.
+unsafe impl Send for OwnedStream {}
+unsafe impl Sync for OwnedStream {}
+
+impl OwnedStream {
+    pub fn new(ctx: &Arc<Context>) -> Result<Self> {
+        let _g = ctx.enter()?;
+        let mut stream = std::ptr::null_mut();
+        check(unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        Ok(OwnedStream { ctx: ctx.clone(), stream })
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.ctx.enter() {
+            // SAFETY: created by cuStreamCreate; pending work completes before it is released.
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// A compiled kernel module loaded into a context, with its functions looked up by name.
+pub struct Module {
+    module: sys::CUmodule,
+}
+
+// SAFETY: module and function handles are usable from any thread of the context's process.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// Loads a CUBIN or NUL-terminated PTX image into `ctx` (never unloaded: cached per process).
+    pub fn load(ctx: &Context, image: &[u8]) -> Result<Self> {
+        let _g = ctx.enter()?;
+        let mut module = std::ptr::null_mut();
+        check(unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        Ok(Module { module })
+    }
+
+    pub fn function(&self, name: &CStr) -> Result<Function> {
+        let mut f = std::ptr::null_mut();
+        check(unsafe { sys::cuModuleGetFunction(&mut f, self.module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        Ok(Function(f))
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct Function(sys::CUfunction);
+
+// SAFETY: as Module.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+/// Threads per block of every launch (the kernels' __launch_bounds__).
+pub const THREADS: u32 = 256;
+
+impl Function {
+    /// Enqueues the kernel on `stream`. `args` holds one pointer per kernel parameter, each to a
+    /// value of exactly the parameter's type (the caller's `launch_args!` makes them).
+    ///
+    /// # Safety
+    /// The argument types and device addresses must match the kernel's signature and be valid
+    /// for the kernel's accesses.
+    pub unsafe fn launch(&self, ctx: &Context, grid: u32, threads: u32, stream: CUstream, args: &mut [*mut c_void]) -> Result<()> {
+        let _g = ctx.enter()?;
+        check(
+            sys::cuLaunchKernel(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()),
+            "cuLaunchKernel",
+        )
+    }
+}
+
+/// The argument array of a launch: a pointer to each local variable, in parameter order. Takes
+/// names only, so no pointer can outlive a temporary.
+macro_rules! launch_args {
+    ($($value:ident),* $(,)?) => {
+        [$(&$value as *const _ as *mut std::ffi::c_void),*]
+    };
+}
+pub(crate) use launch_args;

@@ -1,0 +1,261 @@
+/* The CUDA kernels. NVRTC compiles this file at first use, prefixed with math.cuh (the
+ * per-element arithmetic, also compiled and tested on the host), for the device's exact
+ * architecture. Kernels are thin: they index, load, call math.cuh and store. All launches are
+ * ordered on the caller's stream; nothing here synchronises with the host.
+ *
+ * Layouts shared with Rust (src/backend/cuda/layout.rs) are plain structs of fixed-width fields. */
+
+/* One tensor of an accumulator: where it starts in the flat FP32 master, its length, its dtype. */
+typedef struct {
+    ga_u64 offset;
+    ga_u64 numel;
+    int dtype;
+    int pad;
+} ga_tensor;
+
+/* A piece of one tensor that one thread block handles in a multi-tensor launch. */
+typedef struct {
+    ga_u64 tensor;
+    ga_u64 start;
+    ga_u64 len;
+} ga_chunk;
+
+/* One tensor's gradient in one micro-batch: its device address and whether this is the tensor's
+ * first write of the window (then it assigns instead of adding). */
+typedef struct {
+    ga_u64 grad;
+    ga_u32 assign;
+    ga_u32 pad;
+} ga_source;
+
+/* The boundary's control values and results, in device memory: the control words are reduced
+ * across ranks, then the kernels below fill in the rest. */
+typedef struct {
+    ga_u64 count;        /* reduced item count */
+    ga_u64 microbatches; /* reduced micro-batch count */
+    ga_u64 found_inf;    /* reduced: ranks that saw a non-finite value */
+    ga_u64 divisor;      /* what the sum is divided by; 0 = empty window */
+    double grad_norm;
+    double clip_coef;
+    float second_factor; /* clip / divisor for the clipping pass; 1 = no second pass */
+    ga_u32 empty;        /* no micro-batch, or nothing to divide by */
+} ga_boundary;
+
+#define GA_THREADS 256
+#define GA_CHUNK 65536
+
+/* master[i] = (assign ? 0 : master[i]) + grad[i] * factor over one range, by one thread block,
+ * with 16-byte loads and stores where both buffers are aligned for them. Returns whether this
+ * thread wrote a non-finite value. */
+__device__ static int ga_add_range(float *master, const void *grad, ga_u64 n, int dtype, float factor, int assign) {
+    int bad = 0;
+    ga_u64 done = 0;
+    int aligned = (((size_t)master | (size_t)grad) & 15u) == 0;
+    if (aligned && dtype == GA_DTYPE_F32) {
+        ga_u64 vectors = n / 4;
+        const float4 *g4 = (const float4 *)grad;
+        float4 *m4 = (float4 *)master;
+        for (ga_u64 v = threadIdx.x; v < vectors; v += blockDim.x) {
+            float4 g = g4[v];
+            float4 m = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : m4[v];
+            m.x = ga_accumulate_one(m.x, g.x, factor, assign);
+            m.y = ga_accumulate_one(m.y, g.y, factor, assign);
+            m.z = ga_accumulate_one(m.z, g.z, factor, assign);
+            m.w = ga_accumulate_one(m.w, g.w, factor, assign);
+            bad |= !ga_is_finite(m.x) | !ga_is_finite(m.y) | !ga_is_finite(m.z) | !ga_is_finite(m.w);
+            m4[v] = m;
+        }
+        done = vectors * 4;
+    } else if (aligned) {
+        ga_u64 vectors = n / 8;
+        const uint4 *g8 = (const uint4 *)grad;
+        float4 *m4 = (float4 *)master;
+        for (ga_u64 v = threadIdx.x; v < vectors; v += blockDim.x) {
+            uint4 packed = g8[v];
+            ga_u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+            float g[8];
+            for (int k = 0; k < 4; ++k) {
+                unsigned short lo = (unsigned short)(words[k] & 0xffffu), hi = (unsigned short)(words[k] >> 16);
+                g[2 * k] = dtype == GA_DTYPE_F16 ? ga_f16_to_f32(lo) : ga_bf16_to_f32(lo);
+                g[2 * k + 1] = dtype == GA_DTYPE_F16 ? ga_f16_to_f32(hi) : ga_bf16_to_f32(hi);
+            }
+            for (int half = 0; half < 2; ++half) {
+                float4 m = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : m4[2 * v + half];
+                m.x = ga_accumulate_one(m.x, g[4 * half], factor, assign);
+                m.y = ga_accumulate_one(m.y, g[4 * half + 1], factor, assign);
+                m.z = ga_accumulate_one(m.z, g[4 * half + 2], factor, assign);
+                m.w = ga_accumulate_one(m.w, g[4 * half + 3], factor, assign);
+                bad |= !ga_is_finite(m.x) | !ga_is_finite(m.y) | !ga_is_finite(m.z) | !ga_is_finite(m.w);
+                m4[2 * v + half] = m;
+            }
+        }
+        done = vectors * 8;
+    }
+    for (ga_u64 i = done + threadIdx.x; i < n; i += blockDim.x) {
+        float m = ga_accumulate_one(assign ? 0.f : master[i], ga_load_grad(grad, i, dtype), factor, assign);
+        bad |= !ga_is_finite(m);
+        master[i] = m;
+    }
+    return bad;
+}
+
+/* Raises the window's sticky overflow flag if any thread of the block saw a non-finite value.
+ * Every thread of the block must call it. */
+__device__ static void ga_flag_block(int bad, ga_u32 *found_inf) {
+    if (__syncthreads_or(bad) && threadIdx.x == 0) {
+        atomicOr(found_inf, 1u);
+    }
+}
+
+/* One micro-batch, every tensor, one launch: block b handles chunks b, b + gridDim.x, ... */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_multi(
+    const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, const ga_source *sources, float *master,
+    const ga_scaler_state *scaler, double weight, ga_u32 *found_inf) {
+    float factor = ga_unscale_factor(weight, scaler->scale);
+    int bad = 0;
+    for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+        ga_chunk chunk = chunks[c];
+        ga_tensor t = tensors[chunk.tensor];
+        ga_source s = sources[chunk.tensor];
+        size_t bytes = t.dtype == GA_DTYPE_F32 ? 4 : 2;
+        const char *grad = (const char *)(size_t)s.grad + chunk.start * bytes;
+        bad |= ga_add_range(master + t.offset + chunk.start, grad, chunk.len, t.dtype, factor, (int)s.assign);
+    }
+    ga_flag_block(bad, found_inf);
+}
+
+/* One contribution to one tensor (add_tensor, as backward hooks deliver them). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_one(
+    float *master, const void *grad, ga_u64 numel, int dtype, const ga_scaler_state *scaler, double weight, ga_u32 assign,
+    ga_u32 *found_inf) {
+    float factor = ga_unscale_factor(weight, scaler->scale);
+    size_t bytes = dtype == GA_DTYPE_F32 ? 4 : 2;
+    int bad = 0;
+    for (ga_u64 start = (ga_u64)blockIdx.x * GA_CHUNK; start < numel; start += (ga_u64)gridDim.x * GA_CHUNK) {
+        ga_u64 len = numel - start < GA_CHUNK ? numel - start : GA_CHUNK;
+        bad |= ga_add_range(master + start, (const char *)grad + start * bytes, len, dtype, factor, (int)assign);
+    }
+    ga_flag_block(bad, found_inf);
+}
+
+/* This rank's control words before the cross-rank sum. */
+extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf) {
+    b->count = count;
+    b->microbatches = microbatches;
+    b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
+}
+
+/* After the control words are summed: what the boundary divides by. */
+extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize, ga_u64 world) {
+    ga_u64 divisor = ga_divisor(normalize, b->count, b->microbatches, world);
+    b->divisor = divisor;
+    b->empty = (b->microbatches == 0 || divisor == 0) ? 1u : 0u;
+    b->grad_norm = 0.0;
+    b->clip_coef = 1.0;
+    b->second_factor = 1.0f;
+}
+
+/* Per NORM_BLOCK block of the summed master: its sum of squares as on entry (partials[block]),
+ * then, when `normalize` is set, buf *= 1 / divisor. A half-warp owns a block: lane j sums
+ * elements j, j + 16, ... in order, and the lanes combine by halving through shuffles, exactly
+ * as ga_block_sum_squares (so the bits equal the CPU backend's). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
+    float *buf, ga_u64 n, const ga_boundary *b, int normalize, double *partials) {
+    if (b->empty) {
+        return;
+    }
+    float factor = ga_normalize_factor(b->divisor);
+    int scale = normalize && factor != 1.0f;
+    ga_u64 num_blocks = (n + GA_NORM_BLOCK - 1) / GA_NORM_BLOCK;
+    const ga_u64 per_cta = GA_THREADS / GA_NORM_LANES;
+    ga_u32 lane = threadIdx.x % GA_NORM_LANES;
+    for (ga_u64 base = (ga_u64)blockIdx.x * per_cta; base < num_blocks; base += (ga_u64)gridDim.x * per_cta) {
+        ga_u64 block = base + threadIdx.x / GA_NORM_LANES;
+        double acc = 0.0;
+        if (block < num_blocks) {
+            ga_u64 start = block * GA_NORM_BLOCK;
+            ga_u64 end = start + GA_NORM_BLOCK < n ? start + GA_NORM_BLOCK : n;
+            for (ga_u64 i = start + lane; i < end; i += GA_NORM_LANES) {
+                float v = buf[i];
+                acc = GA_DADD(acc, ga_square(v));
+                if (scale) {
+                    buf[i] = GA_MUL(v, factor);
+                }
+            }
+        }
+        for (int width = GA_NORM_LANES / 2; width > 0; width /= 2) {
+            double other = __shfl_down_sync(0xffffffffu, acc, width, GA_NORM_LANES);
+            if (lane < (ga_u32)width) {
+                acc = GA_DADD(acc, other);
+            }
+        }
+        if (block < num_blocks && lane == 0) {
+            partials[block] = acc;
+        }
+    }
+}
+
+/* The global norm from the block sums (added in block order, as the CPU backend), and the clip
+ * coefficient. One thread: the order is what makes the result bitwise reproducible. */
+extern "C" __global__ void ga_finish_norm(ga_boundary *b, const double *partials, ga_u64 num_blocks, double max_norm) {
+    if (b->empty || threadIdx.x != 0 || blockIdx.x != 0) {
+        return;
+    }
+    double sum = 0.0;
+    for (ga_u64 k = 0; k < num_blocks; ++k) {
+        sum = GA_DADD(sum, partials[k]);
+    }
+    double norm = sqrt(sum) / (double)b->divisor;
+    b->grad_norm = norm;
+    if (max_norm != 0.0) {
+        double coef = ga_clip_coef(norm, max_norm);
+        b->clip_coef = coef;
+        b->second_factor = (float)(coef / (double)b->divisor);
+    }
+}
+
+/* The clipping pass (with clipping on): buf *= clip / divisor, skipped when that is 1. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_by(float *buf, ga_u64 n, const ga_boundary *b) {
+    if (b->empty) {
+        return;
+    }
+    float factor = b->second_factor;
+    if (factor == 1.0f) {
+        return;
+    }
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        buf[i] = GA_MUL(buf[i], factor);
+    }
+}
+
+/* Gathers one synced accumulator's agreed overflow flag for the scaler's next update. */
+extern "C" __global__ void ga_scaler_gather(ga_scaler_state *s, const ga_boundary *b) {
+    if (b->found_inf != 0) {
+        s->pending_found_inf = 1;
+    }
+}
+
+/* One optimizer step of the scaler, from the gathered flags, without a host round trip. */
+extern "C" __global__ void ga_scaler_update(ga_scaler_state *s, ga_scaler_rule rule) {
+    int found_inf = s->pending_found_inf != 0;
+    s->pending_found_inf = 0;
+    ga_scaler_next(s, &rule, found_inf);
+}
+
+/* loss *= scale in place, each element rounded back to its dtype. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_loss(void *loss, ga_u64 n, int dtype, const ga_scaler_state *s) {
+    float scale = s->scale;
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        ga_scale_loss_one(loss, i, dtype, scale);
+    }
+}
+
+/* The sizes of the structs shared with Rust, for the GPU suite to compare with the Rust layouts. */
+extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
+    out[0] = sizeof(ga_tensor);
+    out[1] = sizeof(ga_chunk);
+    out[2] = sizeof(ga_source);
+    out[3] = sizeof(ga_boundary);
+    out[4] = sizeof(ga_scaler_state);
+    out[5] = sizeof(ga_scaler_rule);
+}

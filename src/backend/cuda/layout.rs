@@ -1,0 +1,84 @@
+//! Rust twins of the structs the kernels read and write (kernels/kernels.cu, kernels/math.cuh).
+//! Fixed-width fields in the same order; the GPU suite compares the sizes with the device's.
+
+/// `ga_tensor`: one tensor's place in the flat master.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaTensor {
+    pub offset: u64,
+    pub numel: u64,
+    pub dtype: i32,
+    pub pad: i32,
+}
+
+/// `ga_chunk`: a piece of one tensor handled by one thread block of a multi-tensor launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaChunk {
+    pub tensor: u64,
+    pub start: u64,
+    pub len: u64,
+}
+
+/// `ga_source`: one tensor's gradient address in a micro-batch, and whether it assigns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaSource {
+    pub grad: u64,
+    pub assign: u32,
+    pub pad: u32,
+}
+
+/// `ga_boundary`: control values (reduced across ranks) and the boundary's results.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaBoundary {
+    pub count: u64,
+    pub microbatches: u64,
+    pub found_inf: u64,
+    pub divisor: u64,
+    pub grad_norm: f64,
+    pub clip_coef: f64,
+    pub second_factor: f32,
+    pub empty: u32,
+}
+
+/// `ga_scaler_state`: the scaler's state in device memory.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GaScalerState {
+    pub scale: f32,
+    pub growth_tracker: u32,
+    pub hysteresis_tracker: u32,
+    pub at_minimum: u32,
+    pub steps: u64,
+    pub skipped_steps: u64,
+    pub growths: u64,
+    pub backoffs: u64,
+    pub last_skipped: u32,
+    pub pending_found_inf: u32,
+}
+
+/// `ga_scaler_rule`: the scaler's configuration, passed by value to the update kernel.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaScalerRule {
+    pub growth_factor: f32,
+    pub backoff_factor: f32,
+    pub min_scale: f32,
+    pub max_scale: f32,
+    pub growth_interval: u32,
+    pub hysteresis: u32,
+    pub consecutive_hysteresis: u32,
+    pub dynamic: u32,
+}
+
+/// The sizes `ga_layout_sizes` writes, in its order.
+pub const SIZES: [usize; 6] = [
+    std::mem::size_of::<GaTensor>(),
+    std::mem::size_of::<GaChunk>(),
+    std::mem::size_of::<GaSource>(),
+    std::mem::size_of::<GaBoundary>(),
+    std::mem::size_of::<GaScalerState>(),
+    std::mem::size_of::<GaScalerRule>(),
+];

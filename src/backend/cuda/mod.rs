@@ -1,0 +1,37 @@
+//! The CUDA backend: kernels written in CUDA C (kernels/), compiled at first use by NVRTC
+//! (compile.rs) for the device's exact architecture, and launched on the caller's stream in the
+//! device's primary context through the driver API (driver.rs). The driver, NVRTC and NCCL are
+//! loaded at run time, so the library builds and loads on machines without CUDA; every entry
+//! point then reports BACKEND_UNAVAILABLE.
+
+pub mod accumulator;
+pub mod compile;
+pub mod driver;
+mod kernels;
+pub mod layout;
+pub mod scaler;
+
+pub use accumulator::CudaAccumulator;
+pub use scaler::CudaScaler;
+
+/// Whether CUDA objects can be created here: a driver with a device, and NVRTC to compile the
+/// kernels. Never panics.
+pub fn available() -> bool {
+    driver::driver_available() && compile::nvrtc_available()
+}
+
+/// The sizes of the structs shared with the kernels as the device compiler lays them out (the
+/// `ga_layout_sizes` kernel), to compare with [`layout::SIZES`]. Waits for the device.
+pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 6]> {
+    let ctx = driver::Context::get(ordinal)?;
+    let k = kernels::Kernels::of(&ctx)?;
+    let stream = std::ptr::null_mut();
+    let out = driver::DeviceBuffer::zeroed(&ctx, stream, 6 * 8)?;
+    let ptr = out.ptr();
+    let mut args = driver::launch_args!(ptr);
+    // SAFETY: ga_layout_sizes writes six u64 values to its argument.
+    unsafe { k.get("ga_layout_sizes")?.launch(&ctx, 1, 1, stream, &mut args)? };
+    let mut sizes = [0u64; 6];
+    out.read(&mut sizes)?;
+    Ok(sizes)
+}

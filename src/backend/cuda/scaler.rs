@@ -1,0 +1,192 @@
+//! The loss scaler on a CUDA device: its state lives in device memory and is updated by a kernel
+//! from the accumulators' agreed overflow flags, so an optimizer step needs no host round trip.
+//! The update rule is `ga_scaler_next` (kernels/math.cuh), the device twin of the CPU scaler's.
+
+use std::sync::{Arc, Mutex};
+
+use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, THREADS};
+use super::kernels::Kernels;
+use super::layout::{GaScalerRule, GaScalerState};
+use crate::dtype::Dtype;
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats};
+
+/// A dynamic loss scaler whose state is in device memory, ordered on one stream.
+pub struct CudaScaler {
+    ctx: Arc<Context>,
+    kernels: Arc<Kernels>,
+    stream: CUstream,
+    state: DeviceBuffer,
+    /// The configuration (changes only by `load`); also serialises the scaler's own launches.
+    config: Mutex<ScalerConfig>,
+    event: Mutex<Event>,
+}
+
+// SAFETY: the stream handle is only used through driver calls, which are thread-safe.
+unsafe impl Send for CudaScaler {}
+unsafe impl Sync for CudaScaler {}
+
+fn rule(c: &ScalerConfig) -> GaScalerRule {
+    GaScalerRule {
+        growth_factor: c.growth_factor,
+        backoff_factor: c.backoff_factor,
+        min_scale: c.min_scale,
+        max_scale: c.max_scale,
+        growth_interval: c.growth_interval,
+        hysteresis: c.hysteresis,
+        consecutive_hysteresis: c.consecutive_hysteresis as u32,
+        dynamic: c.dynamic as u32,
+    }
+}
+
+fn device_state(s: &ScalerState) -> GaScalerState {
+    GaScalerState {
+        scale: s.scale,
+        growth_tracker: s.growth_tracker,
+        hysteresis_tracker: s.hysteresis_tracker,
+        steps: s.stats.steps,
+        skipped_steps: s.stats.skipped_steps,
+        growths: s.stats.growths,
+        backoffs: s.stats.backoffs,
+        ..Default::default()
+    }
+}
+
+impl CudaScaler {
+    /// A scaler on device `ordinal`, ordered on the caller's `stream` (borrowed).
+    pub fn new(config: ScalerConfig, ordinal: i32, stream: CUstream) -> Result<Self> {
+        config.validate()?;
+        let ctx = Context::get(ordinal)?;
+        let kernels = Kernels::of(&ctx)?;
+        let initial = Scaler::new(config)?.state();
+        let state = DeviceBuffer::from_slice(&ctx, stream, &[device_state(&initial)])?;
+        let event = Event::new(&ctx)?;
+        Ok(CudaScaler { ctx, kernels, stream, state, config: Mutex::new(config), event: Mutex::new(event) })
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ctx.ordinal
+    }
+
+    pub fn stream(&self) -> CUstream {
+        self.stream
+    }
+
+    /// Device address of the state; kernels read the scale from it.
+    pub fn state_ptr(&self) -> CUdeviceptr {
+        self.state.ptr()
+    }
+
+    fn config(&self) -> std::sync::MutexGuard<'_, ScalerConfig> {
+        self.config.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes `stream` wait for the scaler's pending updates (before a kernel there reads the scale).
+    pub fn order_before(&self, stream: CUstream) -> Result<()> {
+        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, stream)
+    }
+
+    /// Makes the scaler's stream wait for the work enqueued on `stream` so far.
+    fn order_after(&self, stream: CUstream) -> Result<()> {
+        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(stream, self.stream)
+    }
+
+    /// Reads the state to the host (waits for the scaler's stream). An update that hit min_scale
+    /// since the last read is reported here, once, and its flag cleared.
+    fn read_state(&self) -> Result<GaScalerState> {
+        let mut s = [GaScalerState::default()];
+        self.state.read(&mut s)?;
+        let s = s[0];
+        if s.at_minimum != 0 {
+            self.state.write(&[GaScalerState { at_minimum: 0, ..s }])?;
+            let min = self.config().min_scale;
+            return Err(Error::new(
+                ErrorKind::ScaleAtMinimum,
+                format!("an update met an overflow with the loss scale already at min_scale {min} and changed nothing: the gradients overflow even unscaled"),
+            ));
+        }
+        Ok(s)
+    }
+
+    /// The current scale (a host read: waits for the scaler's stream).
+    pub fn scale(&self) -> Result<f32> {
+        Ok(self.read_state()?.scale)
+    }
+
+    /// Statistics (a host read).
+    pub fn stats(&self) -> Result<ScalerStats> {
+        let s = self.read_state()?;
+        Ok(ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs })
+    }
+
+    /// Enqueues `loss *= scale` on `numel` values of `dtype` at device address `loss`, on the
+    /// scaler's stream.
+    pub fn scale_loss(&self, loss: CUdeviceptr, numel: usize, dtype: Dtype) -> Result<()> {
+        let _config = self.config();
+        let f = self.kernels.get("ga_scale_loss")?;
+        let (n, dtype_code, state) = (numel as u64, dtype_code(dtype), self.state.ptr());
+        let mut args = launch_args!(loss, n, dtype_code, state);
+        // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's contract).
+        unsafe { f.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args) }
+    }
+
+    /// Enqueues: take the agreed overflow flag of a boundary (device address of a `ga_boundary`
+    /// written on `stream`) into the next update.
+    pub fn gather(&self, boundary: CUdeviceptr, stream: CUstream) -> Result<()> {
+        let _config = self.config();
+        self.order_after(stream)?;
+        let f = self.kernels.get("ga_scaler_gather")?;
+        let state = self.state.ptr();
+        let mut args = launch_args!(state, boundary);
+        // SAFETY: argument types follow ga_scaler_gather.
+        unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
+    }
+
+    /// Enqueues one optimizer step's update from the gathered flags. With `read`, waits for it and
+    /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back off).
+    pub fn update(&self, read: bool) -> Result<Option<bool>> {
+        {
+            let config = self.config();
+            let f = self.kernels.get("ga_scaler_update")?;
+            let (state, r) = (self.state.ptr(), rule(&config));
+            let mut args = launch_args!(state, r);
+            // SAFETY: argument types follow ga_scaler_update.
+            unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        }
+        if !read {
+            return Ok(None);
+        }
+        Ok(Some(self.read_state()?.last_skipped != 0))
+    }
+
+    /// The state as the CPU scaler's versioned bytes (a host read).
+    pub fn save(&self) -> Result<Vec<u8>> {
+        let s = self.read_state()?;
+        let state = ScalerState {
+            scale: s.scale,
+            growth_tracker: s.growth_tracker,
+            hysteresis_tracker: s.hysteresis_tracker,
+            stats: ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+        };
+        let config = *self.config();
+        Ok(Scaler::with_state(config, state)?.save())
+    }
+
+    /// Restores bytes written by any scaler's save (CPU or CUDA). Invalid bytes change nothing.
+    pub fn load(&self, bytes: &[u8]) -> Result<()> {
+        let parsed = Scaler::new(ScalerConfig::default())?;
+        parsed.load(bytes)?;
+        let mut config = self.config();
+        self.state.write(&[device_state(&parsed.state())])?;
+        *config = parsed.config();
+        Ok(())
+    }
+}
+
+pub(crate) fn dtype_code(dtype: Dtype) -> i32 {
+    match dtype {
+        Dtype::F32 => 0,
+        Dtype::F16 => 1,
+        Dtype::Bf16 => 2,
+    }
+}

@@ -1,0 +1,327 @@
+//! The CUDA backend on a real GPU, against the CPU backend: bitwise-equal masters, norms and
+//! scaler traces on random data (every dtype, odd sizes, unaligned addresses, scale changes,
+//! both adding styles, every normalisation, clipping), the NCCL boundary (world size 1 on one GPU,
+//! every GPU as a rank when there are several), the final micro-batch's early bucket reductions,
+//! loss scaling, and the struct layouts shared with the kernels.
+//!
+//! Skips without a GPU; `scripts/gpu-check` sets GRADACC_REQUIRE_GPU=1 so it fails instead.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{to_bf16, to_f16, Rng};
+use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
+use gradacc::backend::cuda::{self, layout, CudaAccumulator, CudaScaler};
+use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
+
+fn gpu_or_skip() -> bool {
+    if cuda::available() {
+        return true;
+    }
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
+    eprintln!("no CUDA device: skipping");
+    false
+}
+
+/// One tensor's gradient in every representation the two backends need.
+struct HostGrad {
+    dtype: Dtype,
+    f32s: Vec<f32>,
+    u16s: Vec<u16>,
+}
+
+impl HostGrad {
+    fn random(rng: &mut Rng, dtype: Dtype, n: usize, scale: f32, poison: bool) -> HostGrad {
+        let mut f32s: Vec<f32> = (0..n).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
+        if poison && n > 0 {
+            let at = rng.range(0, n as u64 - 1) as usize;
+            f32s[at] = if rng.range(0, 1) == 0 { f32::INFINITY } else { f32::NAN };
+        }
+        let u16s = match dtype {
+            Dtype::F16 => f32s.iter().map(|&v| to_f16(v)).collect(),
+            Dtype::Bf16 => f32s.iter().map(|&v| to_bf16(v)).collect(),
+            Dtype::F32 => Vec::new(),
+        };
+        HostGrad { dtype, f32s, u16s }
+    }
+
+    fn view(&self) -> Grad<'_> {
+        match self.dtype {
+            Dtype::F32 => Grad::F32(&self.f32s),
+            Dtype::F16 => Grad::F16(&self.u16s),
+            Dtype::Bf16 => Grad::Bf16(&self.u16s),
+        }
+    }
+
+    /// A device copy, starting `shift` elements into its allocation (an unaligned address).
+    fn upload(&self, ctx: &Arc<Context>, stream: driver::CUstream, shift: usize) -> (DeviceBuffer, u64) {
+        let buf = match self.dtype {
+            Dtype::F32 => {
+                let mut v = vec![0f32; shift];
+                v.extend_from_slice(&self.f32s);
+                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
+            }
+            _ => {
+                let mut v = vec![0u16; shift];
+                v.extend_from_slice(&self.u16s);
+                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
+            }
+        };
+        let addr = buf.ptr() + (shift * self.dtype.size()) as u64;
+        (buf, addr)
+    }
+}
+
+fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
+    let sizes = [1usize, 3, 7, 64, 4097, 65536, 65537, 1_000_003];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    (0..rng.range(1, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+}
+
+fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
+    for (i, d) in cpu.tensors().iter().enumerate() {
+        let mut got = vec![0f32; d.numel];
+        gpu.read_master(i, &mut got).unwrap();
+        cpu.with_master(i, |want| {
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
+            }
+        })
+        .unwrap();
+    }
+}
+
+/// Random windows through both backends, bit for bit.
+#[test]
+fn random_windows_match_the_cpu_backend_bitwise() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("random_windows_match_the_cpu_backend_bitwise");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    for round in 0..24 {
+        let descs = random_layout(&mut rng);
+        let config = AccumulatorConfig {
+            normalize: modes[round % 4],
+            loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+            max_grad_norm: if round % 3 == 0 { 1e-3 } else { 0.0 },
+            bucket_numel: rng.range(1, 2_000_000) as usize,
+            ..AccumulatorConfig::default()
+        };
+        let cpu = Accumulator::new(config, &descs).unwrap();
+        let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+        let scale = 2f32.powi(rng.range(0, 16) as i32);
+        let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+        let sg = CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap();
+        let poison_round = round % 5 == 4;
+        for m in 0..rng.range(1, 4) {
+            let count = rng.range(1, 9);
+            let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison_round && m == 0)).collect();
+            let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
+            let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+            if rng.range(0, 1) == 0 {
+                cpu.add(&sc, &views, count).unwrap();
+                gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), count).unwrap();
+            } else {
+                // Hook style, tensors in reverse, one of them in two chunks... of itself (added twice).
+                cpu.begin_microbatch(count).unwrap();
+                gpu.begin_microbatch(count).unwrap();
+                for i in (0..descs.len()).rev() {
+                    cpu.add_tensor(&sc, i, views[i]).unwrap();
+                    gpu.add_tensor(&sg, i, device[i].1).unwrap();
+                }
+                cpu.end_microbatch().unwrap();
+                gpu.end_microbatch().unwrap();
+            }
+        }
+        let want = cpu.sync(None).unwrap();
+        let got = gpu.sync(None, true).unwrap().unwrap();
+        let what = format!("round {round} {descs:?} {config:?}");
+        assert_eq!(want.found_inf, got.found_inf, "{what}");
+        assert_eq!((want.total_count, want.microbatches), (got.total_count, got.microbatches), "{what}");
+        assert!(want.grad_norm.to_bits() == got.grad_norm.to_bits() || (want.grad_norm.is_nan() && got.grad_norm.is_nan()), "{what}: norm {} vs {}", want.grad_norm, got.grad_norm);
+        assert_eq!(want.clip_coef.to_bits(), got.clip_coef.to_bits(), "{what}");
+        masters_equal(&cpu, &gpu, &what);
+    }
+}
+
+#[test]
+fn scaler_trace_matches_the_cpu_scaler() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("scaler_trace_matches_the_cpu_scaler");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let configs = [
+        ScalerConfig { growth_interval: 3, ..Default::default() },
+        ScalerConfig { growth_interval: 2, hysteresis: 3, ..Default::default() },
+        ScalerConfig { growth_interval: 2, hysteresis: 2, consecutive_hysteresis: true, max_scale: 1e6, ..Default::default() },
+        ScalerConfig { dynamic: false, ..Default::default() },
+        ScalerConfig { init_scale: 4.0, min_scale: 1.0, growth_interval: 50, ..Default::default() },
+    ];
+    for config in configs {
+        let cpu = Scaler::new(config).unwrap();
+        let gpu = CudaScaler::new(config, 0, stream.stream).unwrap();
+        let flags = [layout::GaBoundary { found_inf: 1, ..Default::default() }, layout::GaBoundary::default()];
+        let boundaries: Vec<DeviceBuffer> = flags.iter().map(|b| DeviceBuffer::from_slice(&ctx, stream.stream, &[*b]).unwrap()).collect();
+        for step in 0..300 {
+            let overflow = rng.range(0, 9) < 3;
+            let want = cpu.update(overflow);
+            if overflow {
+                gpu.gather(boundaries[0].ptr(), stream.stream).unwrap();
+            }
+            let got = gpu.update(true);
+            match (want, got) {
+                (Ok(w), Ok(g)) => assert_eq!(Some(w.skipped), g, "{config:?} step {step}"),
+                (Err(w), Err(g)) => assert_eq!(w.kind, g.kind, "{config:?} step {step}"),
+                (w, g) => panic!("{config:?} step {step}: cpu {w:?}, gpu {g:?}"),
+            }
+            assert_eq!(cpu.scale(), gpu.scale().unwrap(), "{config:?} step {step}");
+            assert_eq!(cpu.stats(), gpu.stats().unwrap(), "{config:?} step {step}");
+        }
+        // The device state saves the CPU scaler's bytes and loads them back.
+        assert_eq!(cpu.save(), gpu.save().unwrap());
+        gpu.load(&cpu.save()).unwrap();
+        assert_eq!(cpu.scale(), gpu.scale().unwrap());
+    }
+}
+
+#[test]
+fn loss_scaling_matches_the_cpu_scaler() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("loss_scaling_matches_the_cpu_scaler");
+    let ctx = Context::get(0).unwrap();
+    let config = ScalerConfig { init_scale: 1024.0, ..Default::default() };
+    let (cpu, gpu) = (Scaler::new(config).unwrap(), CudaScaler::new(config, 0, std::ptr::null_mut()).unwrap());
+    for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+        let loss = HostGrad::random(&mut rng, dtype, 1001, 1000.0, false);
+        let (buf, addr) = loss.upload(&ctx, std::ptr::null_mut(), 1);
+        gpu.scale_loss(addr, 1001, dtype).unwrap();
+        let (mut f, mut h) = (loss.f32s.clone(), loss.u16s.clone());
+        cpu.scale_loss(match dtype {
+            Dtype::F32 => gradacc::GradMut::F32(&mut f),
+            Dtype::F16 => gradacc::GradMut::F16(&mut h),
+            Dtype::Bf16 => gradacc::GradMut::Bf16(&mut h),
+        });
+        if dtype == Dtype::F32 {
+            let mut got = vec![0f32; 1002];
+            buf.read(&mut got).unwrap();
+            assert!(got[1..].iter().zip(&f).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}");
+        } else {
+            let mut got = vec![0u16; 1002];
+            buf.read(&mut got).unwrap();
+            assert_eq!(&got[1..], &h[..], "{dtype:?}");
+        }
+    }
+}
+
+#[test]
+fn shared_struct_layouts_agree_with_the_device_compiler() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let sizes = cuda::device_layout_sizes(0).unwrap();
+    assert_eq!(sizes.map(|s| s as usize), layout::SIZES);
+}
+
+/// The seed of the Apex O2 report on one GPU with NCCL at world size 1: weight 3.0, bias 2.0.
+#[test]
+fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
+    if !gpu_or_skip() || !nccl::nccl_available() {
+        assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1") || nccl::nccl_available(), "NCCL does not load");
+        return;
+    }
+    let id = nccl::unique_id().unwrap();
+    let comm = Arc::new(NcclComm::new(&id, 0, 1, 0).unwrap());
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
+    let scaler = CudaScaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }, 0, stream.stream).unwrap();
+    let acc = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+    // Rank 0 of the seed: micro-batches with weight grads 0.5 and 2.5, bias 1.0 and 1.0.
+    let g = |v: f32| DeviceBuffer::from_slice(&ctx, stream.stream, &[v]).unwrap();
+    let (w1, b1, w2, b2) = (g(0.5), g(1.0), g(2.5), g(1.0));
+    acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
+    acc.begin_final_microbatch(1, comm.clone()).unwrap();
+    acc.add_tensor(&scaler, 1, b2.ptr()).unwrap();
+    acc.add_tensor(&scaler, 0, w2.ptr()).unwrap();
+    acc.end_microbatch().unwrap();
+    let info = acc.sync(Some(&comm), true).unwrap().unwrap();
+    let (mut w, mut b) = ([0f32], [0f32]);
+    acc.read_master(0, &mut w).unwrap();
+    acc.read_master(1, &mut b).unwrap();
+    assert_eq!((w[0], b[0]), (3.0, 2.0));
+    assert_eq!((info.microbatches, info.found_inf), (2, false));
+    // A second contribution after its bucket left is refused.
+    acc.begin_final_microbatch(1, comm.clone()).unwrap();
+    acc.add_tensor(&scaler, 1, b2.ptr()).unwrap();
+    assert!(acc.add_tensor(&scaler, 1, b2.ptr()).is_err());
+}
+
+/// Every GPU a rank (when there are at least two): masters identical on every rank and equal
+/// to the CPU backend's local communicator result.
+#[test]
+fn nccl_boundary_across_gpus_matches_the_local_communicator() {
+    if !gpu_or_skip() || !nccl::nccl_available() {
+        return;
+    }
+    let mut count = 0;
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    if count < 2 {
+        eprintln!("one GPU: the multi-rank NCCL test needs two");
+        return;
+    }
+    let world = count as usize;
+    let mut rng = Rng::fresh("nccl_boundary_across_gpus_matches_the_local_communicator");
+    let descs = random_layout(&mut rng);
+    let config = AccumulatorConfig { bucket_numel: 70_000, max_grad_norm: 0.5, ..Default::default() };
+    let grads: Vec<Vec<HostGrad>> = (0..world).map(|_| descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1.0, false)).collect()).collect();
+    let local = gradacc::LocalComm::group(world).unwrap();
+    let id = nccl::unique_id().unwrap();
+    let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = local
+            .into_iter()
+            .enumerate()
+            .map(|(rank, lc)| {
+                let (descs, grads, id) = (&descs, &grads[rank], &id);
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let comm = NcclComm::new(id, rank, world, rank as i32).unwrap();
+                    let scaler = CudaScaler::new(ScalerConfig::default(), rank as i32, std::ptr::null_mut()).unwrap();
+                    let acc = CudaAccumulator::new(config, descs, rank as i32, std::ptr::null_mut(), None).unwrap();
+                    let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
+                    acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 3).unwrap();
+                    acc.sync(Some(&comm), true).unwrap();
+                    let cpu = Accumulator::new(config, descs).unwrap();
+                    let sc = Scaler::new(ScalerConfig::default()).unwrap();
+                    cpu.add(&sc, &grads.iter().map(HostGrad::view).collect::<Vec<_>>(), 3).unwrap();
+                    cpu.sync(Some(&lc)).unwrap();
+                    let mut out = Vec::new();
+                    for (i, d) in descs.iter().enumerate() {
+                        let mut m = vec![0f32; d.numel];
+                        acc.read_master(i, &mut m).unwrap();
+                        let want = cpu.with_master(i, |w| w.to_vec()).unwrap();
+                        // Sums over ranks may be ordered differently by NCCL and the local ring.
+                        for (a, b) in m.iter().zip(&want) {
+                            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "rank {rank} tensor {i}: {a} vs {b}");
+                        }
+                        out.push(m);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in &results[1..] {
+        assert!(r.iter().flatten().zip(results[0].iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits()), "ranks differ");
+    }
+}
