@@ -217,8 +217,9 @@ typedef struct gradacc_mpi_config_t {
      */
     size_t struct_size;
     /**
-     * Buckets whose non-blocking all-reduce may be in flight at once during a sync (at least 1;
-     * default 8).
+     * Non-blocking all-reduces kept in flight at once by a bucketed all-reduce of host buffers
+     * (at least 1; default 8). The accumulator's boundary reduces by rank shares instead and does
+     * not use it; kept so configs stay compatible.
      */
     uint32_t max_in_flight;
 } gradacc_mpi_config_t;
@@ -738,7 +739,9 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
  * not changed and may be freed afterwards. If MPI is not initialised yet, gradacc initialises it
  * (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and then finalises it at process exit, unless
  * the caller did first; an MPI the caller initialised is never finalised by gradacc.
- * Reductions rely on MPI_Allreduce giving every rank the same bits, as Open MPI and MPICH do.
+ * The boundary sums each rank's share of the master in rank order (MPI_Alltoallv, then
+ * MPI_Allgatherv of the finished shares), so every rank gets the same bits by construction, equal
+ * to the in-process communicator's.
  *
  * In a build without MPI (gradacc_backend_available(GRADACC_BACKEND_MPI) says false) it fails
  * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
