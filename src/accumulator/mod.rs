@@ -3,6 +3,7 @@
 //! gradient of the whole effective batch, identical on every rank.
 
 mod config;
+mod layout;
 mod master;
 
 pub use config::{AccumulatorConfig, LossReduction, Normalize, TensorDesc};
@@ -17,6 +18,7 @@ use crate::dtype::Grad;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 use crate::state;
+pub(crate) use layout::Layout;
 use master::Master;
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
@@ -68,12 +70,7 @@ struct Window {
 pub struct Accumulator {
     config: AccumulatorConfig,
     descs: Vec<TensorDesc>,
-    /// Start of each tensor in the master buffer, plus the total length at the end.
-    offsets: Vec<usize>,
-    /// Element ranges reduced one at a time at the boundary; each holds whole tensors.
-    buckets: Vec<Range<usize>>,
-    /// Identifies the tensor layout, so ranks with different layouts fail instead of mixing.
-    layout_hash: u64,
+    layout: Layout,
     master: Master,
     /// The window id in which each tensor was last written.
     written_in: Vec<AtomicU64>,
@@ -87,8 +84,9 @@ pub struct Accumulator {
 impl Accumulator {
     /// An accumulator that owns its master buffer.
     pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
-        let len = Self::total_len(tensors)?;
-        Self::build(config, tensors, Master::owned(len)?)
+        let layout = Layout::new(tensors, config.bucket_numel)?;
+        let master = Master::owned(layout.len())?;
+        Self::build(config, tensors, layout, master)
     }
 
     /// An accumulator that adopts a caller's FP32 buffer of exactly the total element count as its
@@ -98,7 +96,8 @@ impl Accumulator {
     /// `ptr` must be valid for reads and writes of `len` f32 values, and used by nothing else
     /// while the accumulator is alive except through the accumulator's own accessors.
     pub unsafe fn with_buffer(config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
-        let want = Self::total_len(tensors)?;
+        let layout = Layout::new(tensors, config.bucket_numel)?;
+        let want = layout.len();
         if ptr.is_null() {
             return Err(Error::new(ErrorKind::NullArgument, "master buffer is null"));
         }
@@ -108,43 +107,15 @@ impl Accumulator {
         if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));
         }
-        Self::build(config, tensors, Master::borrowed(ptr, len))
+        Self::build(config, tensors, layout, Master::borrowed(ptr, len))
     }
 
-    pub(crate) fn total_len(tensors: &[TensorDesc]) -> Result<usize> {
-        if tensors.is_empty() {
-            return Err(Error::invalid("the tensor list is empty"));
-        }
-        let mut total = 0usize;
-        for (i, t) in tensors.iter().enumerate() {
-            if t.numel == 0 {
-                return Err(Error::invalid(format!("tensors[{i}].numel is 0")));
-            }
-            total = total
-                .checked_add(t.numel)
-                .filter(|&n| n <= isize::MAX as usize / 4)
-                .ok_or_else(|| Error::invalid(format!("total element count overflows at tensors[{i}] (numel {})", t.numel)))?;
-        }
-        Ok(total)
-    }
-
-    fn build(config: AccumulatorConfig, tensors: &[TensorDesc], master: Master) -> Result<Self> {
+    fn build(config: AccumulatorConfig, tensors: &[TensorDesc], layout: Layout, master: Master) -> Result<Self> {
         config.validate()?;
-        let mut offsets = Vec::with_capacity(tensors.len() + 1);
-        let mut end = 0;
-        for t in tensors {
-            offsets.push(end);
-            end += t.numel;
-        }
-        offsets.push(end);
-        let buckets = plan_buckets(&offsets, config.bucket_numel);
-        let layout_hash = layout_hash(&buckets);
         Ok(Accumulator {
             config,
             descs: tensors.to_vec(),
-            offsets,
-            buckets,
-            layout_hash,
+            layout,
             master,
             written_in: tensors.iter().map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: tensors.iter().map(|_| Mutex::new(())).collect(),
@@ -172,7 +143,7 @@ impl Accumulator {
 
     /// Element ranges of the communication buckets.
     pub fn buckets(&self) -> &[Range<usize>] {
-        &self.buckets
+        self.layout.buckets()
     }
 
     fn read(&self) -> RwLockReadGuard<'_, Window> {
@@ -186,7 +157,7 @@ impl Accumulator {
     }
 
     fn range(&self, index: usize) -> Range<usize> {
-        self.offsets[index]..self.offsets[index + 1]
+        self.layout.range(index)
     }
 
     /// Adds one micro-batch: every tensor's gradient, scaled by `scaler`'s current scale, for
@@ -295,11 +266,11 @@ impl Accumulator {
         // time still takes part in the boundary of the others.
         let empty_again = matches!(w.phase, Phase::Synced(_));
         let mine = if empty_again {
-            Control { numel: self.len() as u64, layout: self.layout_hash, ..Default::default() }
+            Control { numel: self.len() as u64, layout: self.layout.hash(), ..Default::default() }
         } else {
             Control {
                 numel: self.len() as u64,
-                layout: self.layout_hash,
+                layout: self.layout.hash(),
                 count: w.count,
                 microbatches: w.microbatches,
                 found_inf: self.found_inf.load(Ordering::Relaxed),
@@ -345,7 +316,7 @@ impl Accumulator {
         let pass = NormPass { factor: (max == 0.0 && normalize != 1.0).then_some(normalize), threads };
         let block_sums = match comm.filter(|c| c.world_size() > 1) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
-            Some(c) => match c.allreduce_with_pass(all, &self.buckets, &pass) {
+            Some(c) => match c.allreduce_with_pass(all, self.layout.buckets(), &pass) {
                 Ok(sums) => sums,
                 Err(e) => {
                     self.discard(&mut w);
@@ -421,7 +392,7 @@ impl Accumulator {
             return Err(Error::wrong_state("save_window needs a window between micro-batches (not inside one, not synced)"));
         }
         let mut out = state::Writer::new(WINDOW_MAGIC, WINDOW_VERSION);
-        out.u64(self.layout_hash).u64(w.count).u64(w.microbatches).bool(self.found_inf.load(Ordering::Relaxed));
+        out.u64(self.layout.hash()).u64(w.count).u64(w.microbatches).bool(self.found_inf.load(Ordering::Relaxed));
         for written in &self.written_in {
             out.bool(written.load(Ordering::Relaxed) == w.id);
         }
@@ -438,7 +409,7 @@ impl Accumulator {
             return Err(Error::wrong_state("load_window inside a micro-batch: call end_microbatch or reset first"));
         }
         let mut r = state::Reader::open("accumulator window", bytes, WINDOW_MAGIC, WINDOW_VERSION)?;
-        if r.u64()? != self.layout_hash {
+        if r.u64()? != self.layout.hash() {
             return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
         }
         let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
@@ -534,40 +505,4 @@ fn check_agreement(total: &ControlSum) -> Result<()> {
         return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
     }
     Ok(())
-}
-
-/// Identifies a bucket layout, so ranks with different layouts fail instead of mixing.
-pub(crate) fn layout_hash(buckets: &[Range<usize>]) -> u64 {
-    let bounds: Vec<u8> = buckets.iter().flat_map(|b| [b.start as u64, b.end as u64]).flat_map(u64::to_le_bytes).collect();
-    state::checksum(&bounds)
-}
-
-/// Groups consecutive whole tensors into buckets of at least `target` elements (the last may be
-/// smaller); a tensor larger than `target` forms its own bucket.
-pub(crate) fn plan_buckets(offsets: &[usize], target: usize) -> Vec<Range<usize>> {
-    let mut buckets = Vec::new();
-    let mut start = 0;
-    for &end in &offsets[1..] {
-        if end - start >= target {
-            buckets.push(start..end);
-            start = end;
-        }
-    }
-    let total = *offsets.last().unwrap();
-    if start < total {
-        buckets.push(start..total);
-    }
-    buckets
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn buckets_hold_whole_tensors() {
-        assert_eq!(plan_buckets(&[0, 3, 5, 12, 13], 4), vec![0..5, 5..12, 12..13]);
-        assert_eq!(plan_buckets(&[0, 10], 4), vec![0..10]);
-        assert_eq!(plan_buckets(&[0, 1, 2, 3], 100), vec![0..3]);
-    }
 }

@@ -228,7 +228,7 @@ pub extern "C" fn gradacc_accumulator_create_with_buffer(
             // SAFETY: the caller lends `master_numel` f32 values for the accumulator's lifetime.
             Device::Cpu => AccumulatorObj::Cpu(unsafe { Accumulator::with_buffer(config, &descs, master, master_numel)? }),
             Device::Cuda { ordinal, stream } => {
-                let want = Accumulator::total_len(&descs)?;
+                let want = crate::accumulator::Layout::new(&descs, config.bucket_numel)?.len();
                 if master_numel != want {
                     return Err(Error::new(ErrorKind::SizeMismatch, format!("`master_numel` = {master_numel}, the tensors need {want}")));
                 }

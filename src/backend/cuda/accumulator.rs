@@ -16,7 +16,7 @@ use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, E
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
 use super::scaler::{dtype_code, CudaScaler};
-use crate::accumulator::{layout_hash, plan_buckets, Accumulator, AccumulatorConfig, Normalize, SyncInfo, TensorDesc};
+use crate::accumulator::{AccumulatorConfig, Layout, Normalize, SyncInfo, TensorDesc};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::error::{Error, ErrorKind, Result};
@@ -60,11 +60,7 @@ pub struct CudaAccumulator {
     stream: CUstream,
     config: AccumulatorConfig,
     descs: Vec<TensorDesc>,
-    offsets: Vec<usize>,
-    buckets: Vec<Range<usize>>,
-    /// Bucket of each tensor.
-    bucket_of: Vec<usize>,
-    layout_hash: u64,
+    layout: Layout,
     master: DeviceBuffer,
     tensors: DeviceBuffer,
     chunks: DeviceBuffer,
@@ -95,20 +91,12 @@ impl CudaAccumulator {
     /// exactly the total element count.
     pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc], ordinal: i32, stream: CUstream, adopt: Option<CUdeviceptr>) -> Result<Self> {
         config.validate()?;
-        let len = Accumulator::total_len(tensors)?;
+        let layout = Layout::new(tensors, config.bucket_numel)?;
+        let len = layout.len();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
-        let mut offsets = Vec::with_capacity(tensors.len() + 1);
-        let mut end = 0;
-        for t in tensors {
-            offsets.push(end);
-            end += t.numel;
-        }
-        offsets.push(end);
-        let buckets = plan_buckets(&offsets, config.bucket_numel);
-        let bucket_of = (0..tensors.len()).map(|i| buckets.iter().position(|b| b.contains(&offsets[i])).expect("buckets cover every tensor")).collect();
         let table: Vec<GaTensor> =
-            tensors.iter().zip(&offsets).map(|(t, &o)| GaTensor { offset: o as u64, numel: t.numel as u64, dtype: dtype_code(t.dtype), pad: 0 }).collect();
+            tensors.iter().enumerate().map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: dtype_code(t.dtype), pad: 0 }).collect();
         let chunks: Vec<GaChunk> = tensors
             .iter()
             .enumerate()
@@ -136,7 +124,6 @@ impl CudaAccumulator {
             layout_check: DeviceBuffer::zeroed(&ctx, stream, 4 * 8)?,
             event: Mutex::new(Event::new(&ctx)?),
             master,
-            layout_hash: layout_hash(&buckets),
             written_in: tensors.iter().map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: tensors.iter().map(|_| Mutex::new(())).collect(),
             window: RwLock::new(Window { id: 1, phase: Phase::Empty, count: 0, microbatches: 0 }),
@@ -148,9 +135,7 @@ impl CudaAccumulator {
             stream,
             config,
             descs: tensors.to_vec(),
-            offsets,
-            buckets,
-            bucket_of,
+            layout,
         })
     }
 
@@ -171,7 +156,7 @@ impl CudaAccumulator {
     }
 
     pub fn buckets(&self) -> &[Range<usize>] {
-        &self.buckets
+        self.layout.buckets()
     }
 
     fn read(&self) -> RwLockReadGuard<'_, Window> {
@@ -274,11 +259,11 @@ impl CudaAccumulator {
             let stream = self.comm_stream()?;
             // Tensors untouched so far this window must read zero before their bucket is reduced.
             self.zero_untouched(&w)?;
-            let mut missing = vec![0; self.buckets.len()];
-            for &b in &self.bucket_of {
-                missing[b] += 1;
+            let mut missing = vec![0; self.layout.buckets().len()];
+            for i in 0..self.descs.len() {
+                missing[self.layout.bucket_of(i)] += 1;
             }
-            *self.overlap() = Some(Overlap { comm, missing, next: self.buckets.len(), stream });
+            *self.overlap() = Some(Overlap { comm, missing, next: self.layout.buckets().len(), stream });
         }
         w.phase = Phase::InMicrobatch { count, last: self.overlap().is_some() };
         Ok(())
@@ -298,14 +283,14 @@ impl CudaAccumulator {
         let first_in_window = self.written_in[index].load(Ordering::Relaxed) != w.id;
         let mut overlap = if last { Some(self.overlap()) } else { None };
         if let Some(Some(o)) = overlap.as_deref() {
-            if o.next <= self.bucket_of[index] {
+            if o.next <= self.layout.bucket_of(index) {
                 return Err(Error::wrong_state(format!(
                     "tensor {index} got a second contribution in the final micro-batch after its bucket's all-reduce started"
                 )));
             }
         }
         let f = self.kernels.get("ga_add_one")?;
-        let master = self.master.ptr() + 4 * self.offsets[index] as u64;
+        let master = self.master.ptr() + 4 * self.layout.range(index).start as u64;
         let (numel, dtype, state, weight, assign, found_inf) =
             (desc.numel as u64, dtype_code(desc.dtype), scaler.state_ptr(), self.config.weight(count), first_in_window as u32, self.found_inf.ptr());
         let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
@@ -320,11 +305,11 @@ impl CudaAccumulator {
 
     /// Counts a final-micro-batch tensor in and launches every bucket that is ready, in order.
     fn tensor_arrived(&self, o: &mut Overlap, index: usize) -> Result<()> {
-        let b = self.bucket_of[index];
+        let b = self.layout.bucket_of(index);
         o.missing[b] = o.missing[b].saturating_sub(1);
         while o.next > 0 && o.missing[o.next - 1] == 0 {
             o.next -= 1;
-            let bucket = &self.buckets[o.next];
+            let bucket = &self.layout.buckets()[o.next];
             self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, o.stream.stream)?;
             o.comm.allreduce_sum_f32(self.master.ptr() + 4 * bucket.start as u64, bucket.len(), o.stream.stream)?;
         }
@@ -399,10 +384,10 @@ impl CudaAccumulator {
             if let Some(o) = &overlap {
                 self.event.lock().unwrap_or_else(|e| e.into_inner()).order(o.stream.stream, self.stream)?;
             }
-            let reduced_early = overlap.as_ref().map_or(self.buckets.len(), |o| o.next);
+            let reduced_early = overlap.as_ref().map_or(self.layout.buckets().len(), |o| o.next);
             c.group(|| {
                 c.allreduce_u64(boundary, 3, false, self.stream)?;
-                for b in &self.buckets[..reduced_early] {
+                for b in &self.layout.buckets()[..reduced_early] {
                     c.allreduce_sum_f32(self.master.ptr() + 4 * b.start as u64, b.len(), self.stream)?;
                 }
                 Ok(())
@@ -428,7 +413,7 @@ impl CudaAccumulator {
 
     /// Normalise, norm and clip, on the device, from the reduced control words.
     fn finish_boundary(&self, world: u64) -> Result<()> {
-        let n = (self.offsets[self.descs.len()]) as u64;
+        let n = self.layout.len() as u64;
         let num_blocks = n.div_ceil(NORM_BLOCK as u64);
         let max_norm = self.config.max_grad_norm as f64;
         let (boundary, master, partials) = (self.boundary.ptr(), self.master.ptr(), self.partials.ptr());
@@ -504,7 +489,7 @@ impl CudaAccumulator {
         if index >= self.descs.len() {
             return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())));
         }
-        Ok((self.master.ptr() + 4 * self.offsets[index] as u64, self.descs[index].numel))
+        Ok((self.master.ptr() + 4 * self.layout.range(index).start as u64, self.descs[index].numel))
     }
 
     /// Copies tensor `index`'s master gradient to the host (waits for the stream).
@@ -514,13 +499,13 @@ impl CudaAccumulator {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {len}", out.len())));
         }
         let _w = self.write();
-        self.master.read_at(4 * self.offsets[index], out)
+        self.master.read_at(4 * self.layout.range(index).start, out)
     }
 
     fn zero_untouched(&self, w: &Window) -> Result<()> {
         for (i, slot) in self.written_in.iter().enumerate() {
             if slot.load(Ordering::Relaxed) != w.id {
-                self.master.zero_f32(self.offsets[i], self.descs[i].numel)?;
+                self.master.zero_f32(self.layout.range(i).start, self.descs[i].numel)?;
                 slot.store(w.id, Ordering::Relaxed);
             }
         }
@@ -559,8 +544,8 @@ impl CudaAccumulator {
         if verified.contains(&comm.id()) {
             return Ok(());
         }
-        let numel = self.offsets[self.descs.len()] as u64;
-        let mine = [numel, self.layout_hash, !numel, !self.layout_hash];
+        let (numel, hash) = (self.layout.len() as u64, self.layout.hash());
+        let mine = [numel, hash, !numel, !hash];
         self.layout_check.write(&mine)?;
         comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
         let mut max = [0u64; 4];
