@@ -1,4 +1,3 @@
-import re
 #!/usr/bin/env python3
 """Generates GradAcc/src/libgradacc.jl, the ccall layer of the Julia package, from
 include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one parser, two outputs).
@@ -7,6 +6,7 @@ include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one par
     gen_wrap.py --check    exit 1, showing the diff, if the committed file differs from the output
 """
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
