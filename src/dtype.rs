@@ -18,6 +18,16 @@ impl Dtype {
         }
     }
 
+    /// The stable code of the dtype: GRADACC_DTYPE_* in the C API, `GA_DTYPE_*` in the kernels,
+    /// and the byte the layout fingerprint holds.
+    pub fn code(self) -> i32 {
+        match self {
+            Dtype::F32 => 0,
+            Dtype::F16 => 1,
+            Dtype::Bf16 => 2,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Dtype::F32 => "f32",

@@ -284,6 +284,12 @@ fn ranks_with_different_layouts_fail_together() {
                 let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
                 acc.add(&scaler, &[Grad::F32(&vec![1.0; numel])], 1).unwrap();
                 assert_eq!(acc.sync(Some(c)).unwrap_err().kind, ErrorKind::SizeMismatch);
+                // The same total in another order of tensors must fail as well.
+                let sizes = if c.rank() == 0 { [3, 2] } else { [2, 3] };
+                let tensors = sizes.map(|numel| TensorDesc { numel, dtype: Dtype::F32 });
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                acc.add(&scaler, &sizes.map(|n| Grad::F32(&[1.0; 3][..n])), 1).unwrap();
+                assert_eq!(acc.sync(Some(c)).unwrap_err().kind, ErrorKind::SizeMismatch);
             });
         }
     });
@@ -317,6 +323,9 @@ fn window_checkpoint_resumes_bitwise() {
     let mut corrupt = bytes.clone();
     corrupt[20] ^= 1;
     assert_eq!(resumed.load_window(&corrupt).unwrap_err().kind, ErrorKind::CorruptState);
+    // A window of other tensors with the same total length is refused.
+    let swapped = Accumulator::new(AccumulatorConfig::default(), &[tensors[1], tensors[0]]).unwrap();
+    assert_eq!(swapped.load_window(&bytes).unwrap_err().kind, ErrorKind::SizeMismatch);
     resumed.load_window(&bytes).unwrap();
     feed(&resumed, 2..4);
     assert_eq!(resumed.sync(None).unwrap(), straight.synced_info().unwrap());

@@ -540,7 +540,8 @@ fn decode_scaler(bytes: &[u8]) -> Option<ScalerModel> {
 }
 
 /// The accumulator's layout fingerprint, as the saved window holds it: the state checksum (FNV-1a)
-/// of its buckets' element ranges as little-endian u64 pairs.
+/// of each tensor's offset and length (little-endian u64) and dtype byte, then its buckets' element
+/// ranges as little-endian u64 pairs.
 fn layout_hash(a: &AccModel) -> u64 {
     let mut buckets = vec![];
     let mut start = 0usize;
@@ -553,14 +554,20 @@ fn layout_hash(a: &AccModel) -> u64 {
     if start < a.total() {
         buckets.push((start, a.total()));
     }
-    let bounds: Vec<u8> = buckets.iter().flat_map(|&(s, e)| [s as u64, e as u64]).flat_map(u64::to_le_bytes).collect();
-    fnv(&bounds)
+    let mut bytes = vec![];
+    for i in 0..a.numels.len() {
+        bytes.extend((a.offsets[i] as u64).to_le_bytes());
+        bytes.extend((a.numels[i] as u64).to_le_bytes());
+        bytes.push(a.dtypes[i] as u8);
+    }
+    bytes.extend(buckets.iter().flat_map(|&(s, e)| [s as u64, e as u64]).flat_map(u64::to_le_bytes));
+    fnv(&bytes)
 }
 
 /// The window the bytes hold for an accumulator of `a`'s shape; `layout_same` says whether the
 /// saved layout field matches this accumulator's.
 fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window> {
-    if bytes.len() < 16 || &bytes[..4] != b"GAWN" || bytes[4..8] != 1u32.to_le_bytes() {
+    if bytes.len() < 16 || &bytes[..4] != b"GAWN" || bytes[4..8] != 2u32.to_le_bytes() {
         return None;
     }
     let (body, tail) = bytes.split_at(bytes.len() - 8);

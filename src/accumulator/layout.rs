@@ -39,8 +39,19 @@ impl Layout {
         }
         offsets.push(total);
         let buckets = plan_buckets(&offsets, bucket_numel);
-        let bounds: Vec<u8> = buckets.iter().flat_map(|b| [b.start as u64, b.end as u64]).flat_map(u64::to_le_bytes).collect();
-        Ok(Layout { hash: state::checksum(&bounds), offsets, buckets })
+        // Every tensor's start, length and dtype, then the buckets: two ranks (or a saved window
+        // and an accumulator) agree only if they hold the same tensors in the same places.
+        let mut bytes = Vec::with_capacity(17 * tensors.len() + 16 * buckets.len());
+        for (t, &start) in tensors.iter().zip(&offsets) {
+            bytes.extend((start as u64).to_le_bytes());
+            bytes.extend((t.numel as u64).to_le_bytes());
+            bytes.push(t.dtype.code() as u8);
+        }
+        for b in &buckets {
+            bytes.extend((b.start as u64).to_le_bytes());
+            bytes.extend((b.end as u64).to_le_bytes());
+        }
+        Ok(Layout { hash: state::checksum(&bytes), offsets, buckets })
     }
 
     /// Total elements of the master.
@@ -95,6 +106,19 @@ mod tests {
         assert_eq!(plan_buckets(&[0, 3, 5, 12, 13], 4), vec![0..5, 5..12, 12..13]);
         assert_eq!(plan_buckets(&[0, 10], 4), vec![0..10]);
         assert_eq!(plan_buckets(&[0, 1, 2, 3], 100), vec![0..3]);
+    }
+
+    #[test]
+    fn the_fingerprint_tells_tensor_orders_dtypes_and_buckets_apart() {
+        let layout = |numels: &[usize], dtype: Dtype, bucket: usize| {
+            let t: Vec<TensorDesc> = numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            Layout::new(&t, bucket).unwrap().hash()
+        };
+        let base = layout(&[3, 2], Dtype::F32, 100);
+        assert_eq!(base, layout(&[3, 2], Dtype::F32, 100));
+        assert_ne!(base, layout(&[2, 3], Dtype::F32, 100), "same total, tensors swapped");
+        assert_ne!(base, layout(&[3, 2], Dtype::F16, 100), "same shapes, another dtype");
+        assert_ne!(base, layout(&[3, 2], Dtype::F32, 1), "same tensors, other buckets");
     }
 
     #[test]

@@ -22,7 +22,8 @@ pub(crate) use layout::Layout;
 use master::Master;
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
-const WINDOW_VERSION: u32 = 1;
+/// 2: the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
+const WINDOW_VERSION: u32 = 2;
 
 /// What the boundary reports; identical on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]

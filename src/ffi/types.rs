@@ -58,11 +58,7 @@ pub(crate) fn dtype_from_c(value: gradacc_dtype_t, argument: &str) -> Result<Dty
 }
 
 pub(crate) fn dtype_to_c(dtype: Dtype) -> gradacc_dtype_t {
-    match dtype {
-        Dtype::F32 => GRADACC_DTYPE_F32,
-        Dtype::F16 => GRADACC_DTYPE_F16,
-        Dtype::Bf16 => GRADACC_DTYPE_BF16,
-    }
+    dtype.code()
 }
 
 /// A parsed `gradacc_device_t`.
