@@ -172,7 +172,8 @@ typedef struct gradacc_device_t {
      */
     int32_t ordinal;
     /**
-     * The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed); NULL for the CPU.
+     * The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed; it must outlive every
+     * object created on it, whose device memory is freed on it); NULL for the CPU.
      */
     void *stream;
 } gradacc_device_t;

@@ -114,38 +114,57 @@ fn random_windows_match_the_cpu_backend_bitwise() {
         };
         let cpu = Accumulator::new(config, &descs).unwrap();
         let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
-        let scale = 2f32.powi(rng.range(0, 16) as i32);
-        let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
-        let sg = CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap();
-        let poison_round = round % 5 == 4;
-        for m in 0..rng.range(1, 4) {
-            let count = rng.range(1, 9);
-            let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison_round && m == 0)).collect();
-            let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
-            let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
-            if rng.range(0, 1) == 0 {
-                cpu.add(&sc, &views, count).unwrap();
-                gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), count).unwrap();
-            } else {
-                // Hook style, tensors in reverse, one of them in two chunks... of itself (added twice).
-                cpu.begin_microbatch(count).unwrap();
-                gpu.begin_microbatch(count).unwrap();
-                for i in (0..descs.len()).rev() {
-                    cpu.add_tensor(&sc, i, views[i]).unwrap();
-                    gpu.add_tensor(&sg, i, device[i].1).unwrap();
-                }
-                cpu.end_microbatch().unwrap();
-                gpu.end_microbatch().unwrap();
+        // Two windows on the same objects: the second starts by assigning, may leave a tensor
+        // untouched (it must read zero), and follows a reset on even rounds.
+        for window in 0..2 {
+            if window == 1 && round % 2 == 0 {
+                cpu.reset();
+                gpu.reset().unwrap();
             }
+            let skipped = if window == 1 { Some(rng.range(0, descs.len() as u64 - 1) as usize) } else { None };
+            let poison = round % 5 == 4 && window == 0;
+            for m in 0..rng.range(1, 4) {
+                // Each micro-batch with its own scale: a scale change inside a window.
+                let scale = 2f32.powi(rng.range(0, 16) as i32);
+                let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+                let sg = CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap();
+                let count = rng.range(1, 9);
+                let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison && m == 0)).collect();
+                let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
+                let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+                if skipped.is_none() && rng.range(0, 1) == 0 {
+                    cpu.add(&sc, &views, count).unwrap();
+                    gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), count).unwrap();
+                } else {
+                    // Hook style, tensors in reverse; the last one gets two contributions (a
+                    // chunked backward), the skipped one none.
+                    cpu.begin_microbatch(count).unwrap();
+                    gpu.begin_microbatch(count).unwrap();
+                    for i in (0..descs.len()).rev().filter(|&i| Some(i) != skipped) {
+                        let times = if i + 1 == descs.len() { 2 } else { 1 };
+                        for _ in 0..times {
+                            cpu.add_tensor(&sc, i, views[i]).unwrap();
+                            gpu.add_tensor(&sg, i, device[i].1).unwrap();
+                        }
+                    }
+                    cpu.end_microbatch().unwrap();
+                    gpu.end_microbatch().unwrap();
+                }
+            }
+            let want = cpu.sync(None).unwrap();
+            let got = gpu.sync(None, true).unwrap().unwrap();
+            let what = format!("round {round} window {window} {descs:?} {config:?}");
+            assert_eq!(want.found_inf, got.found_inf, "{what}");
+            assert_eq!((want.total_count, want.microbatches), (got.total_count, got.microbatches), "{what}");
+            assert!(
+                want.grad_norm.to_bits() == got.grad_norm.to_bits() || (want.grad_norm.is_nan() && got.grad_norm.is_nan()),
+                "{what}: norm {} vs {}",
+                want.grad_norm,
+                got.grad_norm
+            );
+            assert_eq!(want.clip_coef.to_bits(), got.clip_coef.to_bits(), "{what}");
+            masters_equal(&cpu, &gpu, &what);
         }
-        let want = cpu.sync(None).unwrap();
-        let got = gpu.sync(None, true).unwrap().unwrap();
-        let what = format!("round {round} {descs:?} {config:?}");
-        assert_eq!(want.found_inf, got.found_inf, "{what}");
-        assert_eq!((want.total_count, want.microbatches), (got.total_count, got.microbatches), "{what}");
-        assert!(want.grad_norm.to_bits() == got.grad_norm.to_bits() || (want.grad_norm.is_nan() && got.grad_norm.is_nan()), "{what}: norm {} vs {}", want.grad_norm, got.grad_norm);
-        assert_eq!(want.clip_coef.to_bits(), got.clip_coef.to_bits(), "{what}");
-        masters_equal(&cpu, &gpu, &what);
     }
 }
 
@@ -294,15 +313,32 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                 let (descs, grads, id) = (&descs, &grads[rank], &id);
                 s.spawn(move || {
                     let ctx = Context::get(rank as i32).unwrap();
-                    let comm = NcclComm::new(id, rank, world, rank as i32).unwrap();
+                    let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
                     let scaler = CudaScaler::new(ScalerConfig::default(), rank as i32, std::ptr::null_mut()).unwrap();
                     let acc = CudaAccumulator::new(config, descs, rank as i32, std::ptr::null_mut(), None).unwrap();
                     let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
-                    acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 3).unwrap();
-                    acc.sync(Some(&comm), true).unwrap();
                     let cpu = Accumulator::new(config, descs).unwrap();
                     let sc = Scaler::new(ScalerConfig::default()).unwrap();
-                    cpu.add(&sc, &grads.iter().map(HostGrad::view).collect::<Vec<_>>(), 3).unwrap();
+                    let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+                    acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 3).unwrap();
+                    cpu.add(&sc, &views, 3).unwrap();
+                    // The final micro-batch, tensor by tensor in reverse (buckets reduce early);
+                    // the last tensor comes in two contributions before its bucket is complete.
+                    acc.begin_final_microbatch(2, comm.clone()).unwrap();
+                    cpu.begin_microbatch(2).unwrap();
+                    for i in (0..descs.len()).rev() {
+                        let times = if i + 1 == descs.len() { 2 } else { 1 };
+                        for _ in 0..times {
+                            acc.add_tensor(&scaler, i, device[i].1).unwrap();
+                            cpu.add_tensor(&sc, i, views[i]).unwrap();
+                        }
+                    }
+                    acc.end_microbatch().unwrap();
+                    cpu.end_microbatch().unwrap();
+                    // Its buckets are reduced: nothing more may join the window before the sync.
+                    let refused = acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 1).unwrap_err();
+                    assert_eq!(refused.kind, gradacc::ErrorKind::WrongState);
+                    acc.sync(Some(&comm), true).unwrap();
                     cpu.sync(Some(&lc)).unwrap();
                     let mut out = Vec::new();
                     for (i, d) in descs.iter().enumerate() {

@@ -33,6 +33,29 @@ pub enum Normalize {
     None,
 }
 
+impl Normalize {
+    /// What the summed gradient is divided by, given the window's global totals; 0 means there
+    /// is nothing to normalise by (an empty window).
+    pub fn divisor(self, total_count: u64, total_microbatches: u64, world: u64) -> u64 {
+        match self {
+            Normalize::ByCount => total_count,
+            Normalize::ByMicrobatches => total_microbatches,
+            Normalize::ByWorld => world,
+            Normalize::None => 1,
+        }
+    }
+
+    /// The stable code of the mode: GRADACC_NORMALIZE_* in the C API, GA_NORMALIZE_* in the kernels.
+    pub fn code(self) -> i32 {
+        match self {
+            Normalize::ByCount => 0,
+            Normalize::ByMicrobatches => 1,
+            Normalize::ByWorld => 2,
+            Normalize::None => 3,
+        }
+    }
+}
+
 /// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AccumulatorConfig {

@@ -286,12 +286,7 @@ impl Accumulator {
             return Err(e);
         }
         check_agreement(&total)?;
-        let divisor = match self.config.normalize {
-            Normalize::ByCount => total.count,
-            Normalize::ByMicrobatches => total.microbatches,
-            Normalize::ByWorld => world as u64,
-            Normalize::None => 1,
-        };
+        let divisor = self.config.normalize.divisor(total.count, total.microbatches, world as u64);
         if divisor == 0 {
             return Err(Error::new(ErrorKind::EmptyWindow, "the window's global item count is 0: nothing to normalise by"));
         }

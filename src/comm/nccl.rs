@@ -3,8 +3,8 @@
 //! stream and never wait on the host. The accumulator's CUDA boundary drives it.
 
 use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 
@@ -48,14 +48,6 @@ pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
     Ok(id.internal.map(|b| b as u8))
 }
 
-/// NCCL's version code (e.g. 22703 for 2.27.3).
-pub fn version() -> Result<i32> {
-    require_nccl()?;
-    let mut v = 0;
-    check(unsafe { sys::ncclGetVersion(&mut v) }, std::ptr::null_mut(), "ncclGetVersion")?;
-    Ok(v)
-}
-
 /// One rank of an NCCL group.
 pub struct NcclComm {
     comm: ncclComm_t,
@@ -64,7 +56,9 @@ pub struct NcclComm {
     world_size: usize,
     /// Created by gradacc (destroyed by it), or adopted from the caller (never destroyed).
     owned: bool,
-    aborted: AtomicBool,
+    /// Set by `abort`, which frees the communicator: enqueuing holds the read side, so an abort
+    /// from another thread waits for an enqueue in progress instead of freeing under it.
+    aborted: RwLock<bool>,
     /// Process-unique: accumulators remember which communicators they verified their layout with.
     id: u64,
 }
@@ -89,7 +83,7 @@ impl NcclComm {
         let unique = ncclUniqueId { internal: id.map(|b| b as _) };
         let mut comm = std::ptr::null_mut();
         check(unsafe { sys::ncclCommInitRank(&mut comm, world_size as i32, unique, rank as i32) }, std::ptr::null_mut(), "ncclCommInitRank")?;
-        Ok(NcclComm { comm, ctx, rank, world_size, owned: true, aborted: AtomicBool::new(false), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+        Ok(NcclComm { comm, ctx, rank, world_size, owned: true, aborted: RwLock::new(false), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
     }
 
     /// Adopts the caller's `ncclComm_t`: rank, size and device are read from it; gradacc never
@@ -111,7 +105,7 @@ impl NcclComm {
             rank: rank as usize,
             world_size: count as usize,
             owned: false,
-            aborted: AtomicBool::new(false),
+            aborted: RwLock::new(false),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -138,18 +132,22 @@ impl NcclComm {
         if !self.owned {
             return Err(Error::wrong_state("this communicator adopts the caller's ncclComm_t: abort it with ncclCommAbort"));
         }
-        if !self.aborted.swap(true, Ordering::AcqRel) {
+        let mut aborted = self.aborted.write().unwrap_or_else(|e| e.into_inner());
+        if !*aborted {
+            *aborted = true;
             let _g = self.ctx.enter()?;
             check(unsafe { sys::ncclCommAbort(self.comm) }, std::ptr::null_mut(), "ncclCommAbort")?;
         }
         Ok(())
     }
 
-    fn live(&self) -> Result<()> {
-        if self.aborted.load(Ordering::Acquire) {
+    /// Holds off `abort` while the caller enqueues; fails if it already happened.
+    fn live(&self) -> Result<RwLockReadGuard<'_, bool>> {
+        let aborted = self.aborted.read().unwrap_or_else(|e| e.into_inner());
+        if *aborted {
             return Err(Error::new(ErrorKind::CommFailure, "the communicator was aborted"));
         }
-        Ok(())
+        Ok(aborted)
     }
 
     /// Enqueues an in-place sum of `count` values at `ptr` on `stream`. Inside [`NcclComm::group`],
@@ -165,15 +163,16 @@ impl NcclComm {
     }
 
     fn allreduce(&self, ptr: CUdeviceptr, count: usize, dtype: ncclDataType_t, op: ncclRedOp_t, stream: CUstream) -> Result<()> {
-        self.live()?;
+        let _live = self.live()?;
         let _g = self.ctx.enter()?;
         let buf = ptr as *mut c_void;
         check(unsafe { sys::ncclAllReduce(buf, buf, count, dtype, op, self.comm, stream as _) }, self.comm, "ncclAllReduce")
     }
 
-    /// Runs `f` between ncclGroupStart and ncclGroupEnd, so its collectives launch as one.
+    /// Runs `f` between ncclGroupStart and ncclGroupEnd, so its collectives launch as one (each
+    /// collective in `f` holds off `abort` itself; the group calls are not per communicator).
     pub fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        self.live()?;
+        drop(self.live()?);
         let _g = self.ctx.enter()?;
         check(unsafe { sys::ncclGroupStart() }, self.comm, "ncclGroupStart")?;
         let result = f();
@@ -185,7 +184,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if self.owned && !self.aborted.load(Ordering::Acquire) {
+        if self.owned && !*self.aborted.get_mut().unwrap_or_else(|e| e.into_inner()) {
             if let Ok(_g) = self.ctx.enter() {
                 // SAFETY: created by ncclCommInitRank, destroyed once.
                 unsafe { sys::ncclCommDestroy(self.comm) };

@@ -34,7 +34,8 @@ pub struct gradacc_device_t {
     pub kind: gradacc_device_kind_t,
     /// CUDA device ordinal; 0 for the CPU.
     pub ordinal: i32,
-    /// The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed); NULL for the CPU.
+    /// The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed; it must outlive every
+    /// object created on it, whose device memory is freed on it); NULL for the CPU.
     pub stream: *mut c_void,
 }
 

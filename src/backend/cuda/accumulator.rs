@@ -10,19 +10,20 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
-use super::scaler::{dtype_code, CudaScaler};
-use crate::accumulator::{AccumulatorConfig, Layout, Normalize, SyncInfo, TensorDesc};
+use super::scaler::CudaScaler;
+use crate::accumulator::{AccumulatorConfig, Layout, SyncInfo, TensorDesc};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::error::{Error, ErrorKind, Result};
 
-/// Elements per thread block of a multi-tensor launch (a piece of one tensor).
-const CHUNK: usize = 65536;
+/// Elements per thread block of an add launch (a piece of one tensor): small enough that a tensor
+/// of a million elements still spreads over every SM.
+pub(crate) const CHUNK: usize = 8192;
 /// NORM_BLOCKs per thread block of the sum-of-squares kernel (a half-warp each).
 const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
 
@@ -30,9 +31,9 @@ const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
 enum Phase {
     Empty,
     Open,
-    InMicrobatch { count: u64, last: bool },
-    /// The boundary is enqueued; its info once read back to the host.
-    Synced(Option<SyncInfo>),
+    InMicrobatch { count: u64 },
+    /// The boundary is enqueued.
+    Synced,
 }
 
 struct Window {
@@ -47,10 +48,12 @@ struct Overlap {
     comm: Arc<NcclComm>,
     /// Tensors of each bucket still to arrive.
     missing: Vec<usize>,
+    /// Tensors that arrived (a tensor's later contributions to a bucket not yet reduced are
+    /// added, but count once).
+    arrived: Vec<bool>,
     /// Buckets are launched in reverse order (backward produces the last tensors first), and
     /// only in that order, so every rank issues the same collectives in the same sequence.
     next: usize,
-    stream: Arc<OwnedStream>,
 }
 
 /// Mixed-precision accumulator with its FP32 master in CUDA device memory.
@@ -75,8 +78,9 @@ pub struct CudaAccumulator {
     window: RwLock<Window>,
     /// Communicators this accumulator's layout was verified against.
     verified: Mutex<Vec<u64>>,
+    /// The final micro-batch's early reductions, from `begin_final_microbatch` to `sync`.
     overlap: Mutex<Option<Overlap>>,
-    comm_stream: Mutex<Option<Arc<OwnedStream>>>,
+    comm_stream: OnceLock<OwnedStream>,
     event: Mutex<Event>,
 }
 
@@ -89,14 +93,14 @@ impl CudaAccumulator {
     /// An accumulator on device `ordinal` whose work is ordered on the caller's `stream`; the
     /// master is allocated on that stream (zeroed), or `adopt` is the caller's device buffer of
     /// exactly the total element count.
-    pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc], ordinal: i32, stream: CUstream, adopt: Option<CUdeviceptr>) -> Result<Self> {
+    pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc], ordinal: i32, stream: CUstream, adopt: Option<(CUdeviceptr, usize)>) -> Result<Self> {
         config.validate()?;
         let layout = Layout::new(tensors, config.bucket_numel)?;
         let len = layout.len();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
         let table: Vec<GaTensor> =
-            tensors.iter().enumerate().map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: dtype_code(t.dtype), pad: 0 }).collect();
+            tensors.iter().enumerate().map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: t.dtype.code(), pad: 0 }).collect();
         let chunks: Vec<GaChunk> = tensors
             .iter()
             .enumerate()
@@ -105,7 +109,10 @@ impl CudaAccumulator {
             })
             .collect();
         let master = match adopt {
-            Some(ptr) => {
+            Some((ptr, numel)) => {
+                if numel != len {
+                    return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {numel} elements, the tensors need {len}")));
+                }
                 if ptr == 0 || ptr % 4 != 0 {
                     return Err(Error::invalid(format!("master buffer {ptr:#x} is null or not 4-byte aligned")));
                 }
@@ -129,7 +136,7 @@ impl CudaAccumulator {
             window: RwLock::new(Window { id: 1, phase: Phase::Empty, count: 0, microbatches: 0 }),
             verified: Mutex::new(Vec::new()),
             overlap: Mutex::new(None),
-            comm_stream: Mutex::new(None),
+            comm_stream: OnceLock::new(),
             ctx,
             kernels,
             stream,
@@ -199,11 +206,12 @@ impl CudaAccumulator {
         if matches!(w.phase, Phase::InMicrobatch { .. }) {
             return Err(Error::wrong_state("add inside begin_microbatch/end_microbatch: use add_tensor, or end the micro-batch first"));
         }
+        self.check_not_after_final()?;
         if grads.len() != self.descs.len() {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("add got {} gradients, the accumulator has {} tensors", grads.len(), self.descs.len())));
         }
         for (i, (&g, d)) in grads.iter().zip(&self.descs).enumerate() {
-            check_grad_ptr(g, d, &format!("grads[{i}]"))?;
+            check_grad_ptr(g, d, || format!("grads[{i}]"))?;
         }
         self.check_count(&w, count)?;
         self.check_scaler(scaler)?;
@@ -215,7 +223,7 @@ impl CudaAccumulator {
             .collect();
         // The sources table is rewritten in stream order: the previous launch has read it by then.
         self.sources.write(&sources)?;
-        let f = self.kernels.get("ga_add_multi")?;
+        let f = self.kernels.add_multi;
         let (tensors, chunks, num_chunks, sources_ptr, master, state) =
             (self.tensors.ptr(), self.chunks.ptr(), self.num_chunks, self.sources.ptr(), self.master.ptr(), scaler.state_ptr());
         let (weight, found_inf) = (self.config.weight(count), self.found_inf.ptr());
@@ -250,22 +258,24 @@ impl CudaAccumulator {
         if matches!(w.phase, Phase::InMicrobatch { .. }) {
             return Err(Error::wrong_state("begin_microbatch while a micro-batch is open: call end_microbatch first"));
         }
+        self.check_not_after_final()?;
         self.check_count(&w, count)?;
         if let Some(c) = &comm {
             self.verify_layout(c)?;
+            self.comm_stream()?;
         }
         self.start_window_if_synced(&mut w)?;
         if let Some(comm) = comm {
-            let stream = self.comm_stream()?;
-            // Tensors untouched so far this window must read zero before their bucket is reduced.
-            self.zero_untouched(&w)?;
+            // A bucket is reduced early only once each of its tensors arrived in this
+            // micro-batch, so no tensor of it can be stale: nothing needs zeroing first.
             let mut missing = vec![0; self.layout.buckets().len()];
             for i in 0..self.descs.len() {
                 missing[self.layout.bucket_of(i)] += 1;
             }
-            *self.overlap() = Some(Overlap { comm, missing, next: self.layout.buckets().len(), stream });
+            let next = missing.len();
+            *self.overlap() = Some(Overlap { comm, missing, arrived: vec![false; self.descs.len()], next });
         }
-        w.phase = Phase::InMicrobatch { count, last: self.overlap().is_some() };
+        w.phase = Phase::InMicrobatch { count };
         Ok(())
     }
 
@@ -273,31 +283,31 @@ impl CudaAccumulator {
     /// Callable from several threads at once.
     pub fn add_tensor(&self, scaler: &CudaScaler, index: usize, grad: CUdeviceptr) -> Result<()> {
         let w = self.read();
-        let Phase::InMicrobatch { count, last } = w.phase else {
+        let Phase::InMicrobatch { count } = w.phase else {
             return Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first"));
         };
         let desc = *self.descs.get(index).ok_or_else(|| Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())))?;
-        check_grad_ptr(grad, &desc, "grad")?;
+        check_grad_ptr(grad, &desc, || "grad".into())?;
         self.check_scaler(scaler)?;
         let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
         let first_in_window = self.written_in[index].load(Ordering::Relaxed) != w.id;
-        let mut overlap = if last { Some(self.overlap()) } else { None };
-        if let Some(Some(o)) = overlap.as_deref() {
+        let mut overlap = self.overlap();
+        if let Some(o) = overlap.as_ref() {
             if o.next <= self.layout.bucket_of(index) {
                 return Err(Error::wrong_state(format!(
                     "tensor {index} got a second contribution in the final micro-batch after its bucket's all-reduce started"
                 )));
             }
         }
-        let f = self.kernels.get("ga_add_one")?;
+        let f = self.kernels.add_one;
         let master = self.master.ptr() + 4 * self.layout.range(index).start as u64;
         let (numel, dtype, state, weight, assign, found_inf) =
-            (desc.numel as u64, dtype_code(desc.dtype), scaler.state_ptr(), self.config.weight(count), first_in_window as u32, self.found_inf.ptr());
+            (desc.numel as u64, desc.dtype.code(), scaler.state_ptr(), self.config.weight(count), first_in_window as u32, self.found_inf.ptr());
         let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
         // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
         unsafe { f.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args)? };
         self.written_in[index].store(w.id, Ordering::Relaxed);
-        if let Some(Some(o)) = overlap.as_deref_mut() {
+        if let Some(o) = overlap.as_mut() {
             self.tensor_arrived(o, index)?;
         }
         Ok(())
@@ -305,13 +315,17 @@ impl CudaAccumulator {
 
     /// Counts a final-micro-batch tensor in and launches every bucket that is ready, in order.
     fn tensor_arrived(&self, o: &mut Overlap, index: usize) -> Result<()> {
+        if std::mem::replace(&mut o.arrived[index], true) {
+            return Ok(());
+        }
         let b = self.layout.bucket_of(index);
-        o.missing[b] = o.missing[b].saturating_sub(1);
+        o.missing[b] -= 1;
+        let comm_stream = self.comm_stream()?.stream;
         while o.next > 0 && o.missing[o.next - 1] == 0 {
             o.next -= 1;
             let bucket = &self.layout.buckets()[o.next];
-            self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, o.stream.stream)?;
-            o.comm.allreduce_sum_f32(self.master.ptr() + 4 * bucket.start as u64, bucket.len(), o.stream.stream)?;
+            self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
+            o.comm.allreduce_sum_f32(self.master.ptr() + 4 * bucket.start as u64, bucket.len(), comm_stream)?;
         }
         Ok(())
     }
@@ -341,49 +355,71 @@ impl CudaAccumulator {
         if matches!(w.phase, Phase::InMicrobatch { .. }) {
             return Err(Error::wrong_state("sync inside a micro-batch: call end_microbatch first"));
         }
-        let overlap = self.overlap().take();
-        let comm = match (comm, &overlap) {
-            (Some(c), Some(o)) if c.id() != o.comm.id() => {
-                return Err(Error::invalid("sync got another communicator than the final micro-batch's"));
+        let comm = {
+            let overlap = self.overlap();
+            match (comm, overlap.as_ref()) {
+                (Some(c), Some(o)) if c.id() != o.comm.id() => {
+                    return Err(Error::invalid("sync got another communicator than the final micro-batch's"));
+                }
+                (Some(c), _) => {
+                    self.check_comm(c)?;
+                    drop(overlap);
+                    self.verify_layout(c)?;
+                    Some(c)
+                }
+                (None, Some(_)) => return Err(Error::invalid("`comm` is NULL, but the final micro-batch was opened with a communicator")),
+                (None, None) => None,
             }
-            (Some(c), _) => {
-                self.check_comm(c)?;
-                self.verify_layout(c)?;
-                Some(c)
-            }
-            (None, Some(_)) => return Err(Error::invalid("`comm` is NULL, but the final micro-batch was opened with a communicator")),
-            (None, None) => None,
         };
         let world = comm.map_or(1, |c| c.world_size()) as u64;
         // A sync right after a sync closes a new, empty window (the rank still takes part).
-        let empty_again = matches!(w.phase, Phase::Synced(_));
+        let empty_again = w.phase == Phase::Synced;
         if world == 1 {
             // Everything is local: the empty-window error can be told before any work, and
             // leaves the window as it was.
             let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
-            let divisor = match self.config.normalize {
-                Normalize::ByCount => count,
-                Normalize::ByMicrobatches => microbatches,
-                _ => 1,
-            };
-            if microbatches == 0 || divisor == 0 {
+            if microbatches == 0 || self.config.normalize.divisor(count, microbatches, 1) == 0 {
                 return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no micro-batch, or an item count of 0"));
             }
         }
-        if empty_again {
-            self.discard(&mut w)?;
+        // Every check passed: from here on the window is consumed, and a failure discards it, as
+        // the CPU path does (a retry must not reduce a bucket twice).
+        let result = self.run_boundary(&mut w, comm, empty_again, world);
+        if result.is_err() {
+            let _ = self.discard(&mut w);
+            return result.map(|_| None);
         }
-        self.zero_untouched(&w)?;
+        w.phase = Phase::Synced;
+        if !read {
+            return Ok(None);
+        }
+        match self.read_info()? {
+            Some(info) => Ok(Some(info)),
+            None => {
+                self.discard(&mut w)?;
+                Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0"))
+            }
+        }
+    }
+
+    /// The boundary's device work: the control words and the buckets not reduced early, then
+    /// normalise, norm and clip.
+    fn run_boundary(&self, w: &mut Window, comm: Option<&NcclComm>, empty_again: bool, world: u64) -> Result<()> {
+        let overlap = self.overlap().take();
+        if let Some(o) = &overlap {
+            self.finish_overlap(o)?;
+        }
+        if empty_again {
+            self.discard(w)?;
+        }
+        self.zero_untouched(w)?;
         let boundary = self.boundary.ptr();
         let (count, microbatches, found_inf) = (w.count, w.microbatches, self.found_inf.ptr());
         let mut args = launch_args!(boundary, count, microbatches, found_inf);
         // SAFETY: argument types follow ga_pack_control.
-        unsafe { self.kernels.get("ga_pack_control")?.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
         if let Some(c) = comm {
-            if let Some(o) = &overlap {
-                self.event.lock().unwrap_or_else(|e| e.into_inner()).order(o.stream.stream, self.stream)?;
-            }
             let reduced_early = overlap.as_ref().map_or(self.layout.buckets().len(), |o| o.next);
             c.group(|| {
                 c.allreduce_u64(boundary, 3, false, self.stream)?;
@@ -393,22 +429,7 @@ impl CudaAccumulator {
                 Ok(())
             })?;
         }
-        self.finish_boundary(world)?;
-        w.phase = Phase::Synced(None);
-        if !read {
-            return Ok(None);
-        }
-        let info = self.read_info()?;
-        match info {
-            Some(info) => {
-                w.phase = Phase::Synced(Some(info));
-                Ok(Some(info))
-            }
-            None => {
-                self.discard(&mut w)?;
-                Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0"))
-            }
-        }
+        self.finish_boundary(world)
     }
 
     /// Normalise, norm and clip, on the device, from the reduced control words.
@@ -417,27 +438,22 @@ impl CudaAccumulator {
         let num_blocks = n.div_ceil(NORM_BLOCK as u64);
         let max_norm = self.config.max_grad_norm as f64;
         let (boundary, master, partials) = (self.boundary.ptr(), self.master.ptr(), self.partials.ptr());
-        let normalize_code: i32 = match self.config.normalize {
-            Normalize::ByCount => 0,
-            Normalize::ByMicrobatches => 1,
-            Normalize::ByWorld => 2,
-            Normalize::None => 3,
-        };
+        let normalize_code = self.config.normalize.code();
         // Without clipping the normalisation is applied with the norm pass; with clipping the
         // norm decides the factor, so a second pass applies it.
         let normalize_now: i32 = (max_norm == 0.0) as i32;
         // SAFETY (all launches): argument types follow the kernels; buffers were sized at creation.
         unsafe {
             let mut args = launch_args!(boundary, normalize_code, world);
-            self.kernels.get("ga_begin_boundary")?.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
+            self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
             let mut args = launch_args!(master, n, boundary, normalize_now, partials);
             let grid = self.ctx.grid_for(num_blocks.div_ceil(NORM_BLOCKS_PER_CTA));
-            self.kernels.get("ga_scale_sum_squares")?.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
+            self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
             let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
-            self.kernels.get("ga_finish_norm")?.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
+            self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
             if max_norm != 0.0 {
                 let mut args = launch_args!(master, n, boundary);
-                self.kernels.get("ga_scale_by")?.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
+                self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
             }
         }
         Ok(())
@@ -454,33 +470,18 @@ impl CudaAccumulator {
         Ok(Some(SyncInfo { found_inf: b.found_inf != 0, total_count: b.count, microbatches: b.microbatches, grad_norm: b.grad_norm, clip_coef: b.clip_coef }))
     }
 
-    /// The synced window's info, read back if it was not yet (waits for the stream). None when
-    /// the window is not synced.
-    pub fn synced_info(&self) -> Result<Option<SyncInfo>> {
-        let mut w = self.write();
-        match w.phase {
-            Phase::Synced(Some(info)) => Ok(Some(info)),
-            Phase::Synced(None) => {
-                let info = self.read_info()?;
-                if let Some(i) = info {
-                    w.phase = Phase::Synced(Some(i));
-                }
-                Ok(info)
-            }
-            _ => Ok(None),
-        }
-    }
-
     /// Device address of the synced boundary (for the scaler's update), or None when the window
     /// is not synced.
     pub fn synced_boundary(&self) -> Option<CUdeviceptr> {
-        matches!(self.read().phase, Phase::Synced(_)).then(|| self.boundary.ptr())
+        (self.read().phase == Phase::Synced).then(|| self.boundary.ptr())
     }
 
     /// Discards the window in progress (or the synced result).
     pub fn reset(&self) -> Result<()> {
         let mut w = self.write();
-        self.overlap().take();
+        if let Some(o) = self.overlap().take() {
+            self.finish_overlap(&o)?;
+        }
         self.discard(&mut w)
     }
 
@@ -518,22 +519,36 @@ impl CudaAccumulator {
     }
 
     fn start_window_if_synced(&self, w: &mut Window) -> Result<()> {
-        if matches!(w.phase, Phase::Synced(_)) {
+        if w.phase == Phase::Synced {
             self.discard(w)?;
         }
         Ok(())
     }
 
     fn check_count(&self, w: &Window, count: u64) -> Result<()> {
-        self.config.check_count(if matches!(w.phase, Phase::Synced(_)) { 0 } else { w.count }, count)
+        self.config.check_count(if w.phase == Phase::Synced { 0 } else { w.count }, count)
     }
 
-    fn comm_stream(&self) -> Result<Arc<OwnedStream>> {
-        let mut s = self.comm_stream.lock().unwrap_or_else(|e| e.into_inner());
-        if s.is_none() {
-            *s = Some(Arc::new(OwnedStream::new(&self.ctx)?));
+    fn comm_stream(&self) -> Result<&OwnedStream> {
+        if let Some(s) = self.comm_stream.get() {
+            return Ok(s);
         }
-        Ok(s.clone().expect("just set"))
+        let created = OwnedStream::new(&self.ctx)?;
+        Ok(self.comm_stream.get_or_init(|| created))
+    }
+
+    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
+    fn check_not_after_final(&self) -> Result<()> {
+        if self.overlap().is_some() {
+            return Err(Error::wrong_state("the window's final micro-batch has ended: call sync (or reset) before adding more"));
+        }
+        Ok(())
+    }
+
+    /// Makes the accumulator's stream wait for the early reductions on the communication stream.
+    fn finish_overlap(&self, _: &Overlap) -> Result<()> {
+        let comm_stream = self.comm_stream()?.stream;
+        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(comm_stream, self.stream)
     }
 
     /// Once per communicator: every rank checks that all ranks have the same layout (a blocking
@@ -563,12 +578,13 @@ impl CudaAccumulator {
 }
 
 /// A device gradient address: non-null and aligned for its dtype.
-fn check_grad_ptr(ptr: CUdeviceptr, d: &TensorDesc, argument: &str) -> Result<()> {
+/// `argument` names it in the error, and is only formatted when a check fails.
+fn check_grad_ptr(ptr: CUdeviceptr, d: &TensorDesc, argument: impl FnOnce() -> String) -> Result<()> {
     if ptr == 0 {
-        return Err(Error::new(ErrorKind::NullArgument, format!("argument `{argument}` is NULL")));
+        return Err(Error::new(ErrorKind::NullArgument, format!("argument `{}` is NULL", argument())));
     }
-    if !ptr.is_multiple_of(d.dtype.size() as u64) {
-        return Err(Error::invalid(format!("`{argument}` = {ptr:#x} is not aligned to {} bytes for {}", d.dtype.size(), d.dtype.name())));
+    if ptr & (d.dtype.size() as u64 - 1) != 0 {
+        return Err(Error::invalid(format!("`{}` = {ptr:#x} is not aligned to {} bytes for {}", argument(), d.dtype.size(), d.dtype.name())));
     }
     Ok(())
 }
@@ -577,7 +593,7 @@ impl Drop for CudaAccumulator {
     fn drop(&mut self) {
         // Pending early reductions read the master: let the stream order the frees after them.
         if let Some(o) = self.overlap().take() {
-            let _ = self.event.lock().map(|e| e.order(o.stream.stream, self.stream));
+            let _ = self.finish_overlap(&o);
         }
     }
 }

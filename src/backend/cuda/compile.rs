@@ -101,8 +101,14 @@ pub fn supported_architectures() -> Result<Vec<u32>> {
 
 /// Compiles [`SOURCE`] for `target`. Errors carry NVRTC's log.
 pub fn compile(target: Target) -> Result<Compiled> {
+    compile_source(SOURCE, target)
+}
+
+/// Compiles `source` (the kernels, or a test's variant of them) for `target` with the kernels'
+/// options. Errors carry NVRTC's log.
+pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
     require_nvrtc()?;
-    let source = CString::new(SOURCE).expect("kernel source has no NUL");
+    let source = CString::new(source).map_err(|_| Error::invalid("the CUDA source contains a NUL byte"))?;
     let name = c"gradacc_kernels.cu";
     let mut program = std::ptr::null_mut();
     check(
@@ -115,8 +121,15 @@ pub fn compile(target: Target) -> Result<Compiled> {
 }
 
 fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compiled> {
-    let options: Vec<CString> =
-        OPTIONS.iter().map(|o| o.to_string()).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
+    // The launch geometry the Rust side uses, so kernels and launches cannot disagree.
+    let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::accumulator::CHUNK)];
+    let options: Vec<CString> = OPTIONS
+        .iter()
+        .map(|o| o.to_string())
+        .chain(geometry)
+        .chain([target.option()])
+        .map(|o| CString::new(o).expect("option has no NUL"))
+        .collect();
     let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     let status = unsafe { sys::nvrtcCompileProgram(program, pointers.len() as i32, pointers.as_ptr()) };
     let log = program_log(program)?;

@@ -62,7 +62,6 @@ pub fn check(result: CUresult, what: &str) -> Result<()> {
 /// One device's primary context, retained for as long as any gradacc object on the device lives.
 pub struct Context {
     pub ordinal: i32,
-    device: sys::CUdevice,
     context: sys::CUcontext,
     /// (major, minor) compute capability.
     pub capability: (i32, i32),
@@ -98,7 +97,6 @@ impl Context {
         use sys::CUdevice_attribute::*;
         let c = Arc::new(Context {
             ordinal,
-            device,
             context,
             capability: (attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
             multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
@@ -119,10 +117,6 @@ impl Context {
     /// The device's SM count times a small factor: enough blocks to fill it for grid-stride loops.
     pub fn grid_for(&self, work_items: u64) -> u32 {
         (work_items.max(1)).min(self.multiprocessors as u64 * 8) as u32
-    }
-
-    pub fn device(&self) -> sys::CUdevice {
-        self.device
     }
 }
 
@@ -177,10 +171,6 @@ impl DeviceBuffer {
 
     pub fn ptr(&self) -> CUdeviceptr {
         self.ptr
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
     }
 
     /// Enqueues a copy of `values` to the start of the buffer. The host values are staged by the

@@ -1,18 +1,27 @@
 //! The compiled kernels of one device: compiled by NVRTC and loaded once per device per process,
-//! at the first object created on the device.
+//! at the first object created on the device, and looked up once, so a launch is a field access.
 
-use std::collections::HashMap;
 use std::ffi::CString;
 use std::sync::{Arc, Mutex};
 
 use super::compile;
 use super::driver::{Context, Function, Module};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::Result;
 
 /// Every kernel of [`compile::KERNELS`], loaded in one device's primary context.
 pub struct Kernels {
     _module: Module,
-    functions: HashMap<&'static str, Function>,
+    pub add_multi: Function,
+    pub add_one: Function,
+    pub pack_control: Function,
+    pub begin_boundary: Function,
+    pub scale_sum_squares: Function,
+    pub finish_norm: Function,
+    pub scale_by: Function,
+    pub scaler_gather: Function,
+    pub scaler_update: Function,
+    pub scale_loss: Function,
+    pub layout_sizes: Function,
 }
 
 impl Kernels {
@@ -26,17 +35,22 @@ impl Kernels {
         let (major, minor) = ctx.capability;
         let compiled = compile::compile(compile::Target::for_device(major, minor)?)?;
         let module = Module::load(ctx, &compiled.image)?;
-        let mut functions = HashMap::new();
-        for name in compile::KERNELS {
-            let c_name = CString::new(name).expect("kernel names have no NUL");
-            functions.insert(name, module.function(&c_name)?);
-        }
-        let k = Arc::new(Kernels { _module: module, functions });
+        let f = |name: &str| module.function(&CString::new(name).expect("kernel names have no NUL"));
+        let k = Arc::new(Kernels {
+            add_multi: f("ga_add_multi")?,
+            add_one: f("ga_add_one")?,
+            pack_control: f("ga_pack_control")?,
+            begin_boundary: f("ga_begin_boundary")?,
+            scale_sum_squares: f("ga_scale_sum_squares")?,
+            finish_norm: f("ga_finish_norm")?,
+            scale_by: f("ga_scale_by")?,
+            scaler_gather: f("ga_scaler_gather")?,
+            scaler_update: f("ga_scaler_update")?,
+            scale_loss: f("ga_scale_loss")?,
+            layout_sizes: f("ga_layout_sizes")?,
+            _module: module,
+        });
         loaded.push((ctx.ordinal, k.clone()));
         Ok(k)
-    }
-
-    pub fn get(&self, name: &str) -> Result<Function> {
-        self.functions.get(name).copied().ok_or_else(|| Error::new(ErrorKind::Internal, format!("kernel {name} is not loaded")))
     }
 }

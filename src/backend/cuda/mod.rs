@@ -30,7 +30,7 @@ pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 6]> {
     let ptr = out.ptr();
     let mut args = driver::launch_args!(ptr);
     // SAFETY: ga_layout_sizes writes six u64 values to its argument.
-    unsafe { k.get("ga_layout_sizes")?.launch(&ctx, 1, 1, stream, &mut args)? };
+    unsafe { k.layout_sizes.launch(&ctx, 1, 1, stream, &mut args)? };
     let mut sizes = [0u64; 6];
     out.read(&mut sizes)?;
     Ok(sizes)

@@ -55,10 +55,9 @@ fn device_state(s: &ScalerState) -> GaScalerState {
 impl CudaScaler {
     /// A scaler on device `ordinal`, ordered on the caller's `stream` (borrowed).
     pub fn new(config: ScalerConfig, ordinal: i32, stream: CUstream) -> Result<Self> {
-        config.validate()?;
+        let initial = Scaler::new(config)?.state();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
-        let initial = Scaler::new(config)?.state();
         let state = DeviceBuffer::from_slice(&ctx, stream, &[device_state(&initial)])?;
         let event = Event::new(&ctx)?;
         Ok(CudaScaler { ctx, kernels, stream, state, config: Mutex::new(config), event: Mutex::new(event) })
@@ -92,17 +91,21 @@ impl CudaScaler {
     }
 
     /// Reads the state to the host (waits for the scaler's stream). An update that hit min_scale
-    /// since the last read is reported here, once, and its flag cleared.
+    /// since the last read is reported here, once, and its flag cleared. Holds the scaler's lock,
+    /// so no update is enqueued between the read and the clear, and clears only that flag.
     fn read_state(&self) -> Result<GaScalerState> {
+        let config = self.config();
         let mut s = [GaScalerState::default()];
         self.state.read(&mut s)?;
         let s = s[0];
         if s.at_minimum != 0 {
-            self.state.write(&[GaScalerState { at_minimum: 0, ..s }])?;
-            let min = self.config().min_scale;
+            self.state.write_at(std::mem::offset_of!(GaScalerState, at_minimum), &[0u32])?;
             return Err(Error::new(
                 ErrorKind::ScaleAtMinimum,
-                format!("an update met an overflow with the loss scale already at min_scale {min} and changed nothing: the gradients overflow even unscaled"),
+                format!(
+                    "an update met an overflow with the loss scale already at min_scale {} and changed nothing: the gradients overflow even unscaled",
+                    config.min_scale
+                ),
             ));
         }
         Ok(s)
@@ -123,8 +126,8 @@ impl CudaScaler {
     /// scaler's stream.
     pub fn scale_loss(&self, loss: CUdeviceptr, numel: usize, dtype: Dtype) -> Result<()> {
         let _config = self.config();
-        let f = self.kernels.get("ga_scale_loss")?;
-        let (n, dtype_code, state) = (numel as u64, dtype_code(dtype), self.state.ptr());
+        let f = self.kernels.scale_loss;
+        let (n, dtype_code, state) = (numel as u64, dtype.code(), self.state.ptr());
         let mut args = launch_args!(loss, n, dtype_code, state);
         // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's contract).
         unsafe { f.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args) }
@@ -135,7 +138,7 @@ impl CudaScaler {
     pub fn gather(&self, boundary: CUdeviceptr, stream: CUstream) -> Result<()> {
         let _config = self.config();
         self.order_after(stream)?;
-        let f = self.kernels.get("ga_scaler_gather")?;
+        let f = self.kernels.scaler_gather;
         let state = self.state.ptr();
         let mut args = launch_args!(state, boundary);
         // SAFETY: argument types follow ga_scaler_gather.
@@ -147,7 +150,7 @@ impl CudaScaler {
     pub fn update(&self, read: bool) -> Result<Option<bool>> {
         {
             let config = self.config();
-            let f = self.kernels.get("ga_scaler_update")?;
+            let f = self.kernels.scaler_update;
             let (state, r) = (self.state.ptr(), rule(&config));
             let mut args = launch_args!(state, r);
             // SAFETY: argument types follow ga_scaler_update.
@@ -180,13 +183,5 @@ impl CudaScaler {
         self.state.write(&[device_state(&parsed.state())])?;
         *config = parsed.config();
         Ok(())
-    }
-}
-
-pub(crate) fn dtype_code(dtype: Dtype) -> i32 {
-    match dtype {
-        Dtype::F32 => 0,
-        Dtype::F16 => 1,
-        Dtype::Bf16 => 2,
     }
 }

@@ -41,8 +41,14 @@ typedef struct {
     ga_u32 empty;        /* no micro-batch, or nothing to divide by */
 } ga_boundary;
 
+/* Threads per block and elements per block-chunk: the Rust side passes its own values as -D
+ * options (src/backend/cuda/compile.rs), so the two cannot drift apart. */
+#ifndef GA_THREADS
 #define GA_THREADS 256
-#define GA_CHUNK 65536
+#endif
+#ifndef GA_CHUNK
+#define GA_CHUNK 8192
+#endif
 
 /* master[i] = (assign ? 0 : master[i]) + grad[i] * factor over one range, by one thread block,
  * with 16-byte loads and stores where both buffers are aligned for them. Returns whether this
@@ -196,14 +202,30 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
 }
 
 /* The global norm from the block sums (added in block order, as the CPU backend), and the clip
- * coefficient. One thread: the order is what makes the result bitwise reproducible. */
-extern "C" __global__ void ga_finish_norm(ga_boundary *b, const double *partials, ga_u64 num_blocks, double max_norm) {
-    if (b->empty || threadIdx.x != 0 || blockIdx.x != 0) {
+ * coefficient. The order is what makes the result bitwise reproducible, so one thread adds; the
+ * block stages the sums through shared memory in coalesced tiles, so that thread never waits on
+ * global memory. Launched with GA_THREADS threads and one block. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_finish_norm(ga_boundary *b, const double *partials, ga_u64 num_blocks, double max_norm) {
+    __shared__ double tile[GA_THREADS];
+    if (b->empty) {
         return;
     }
     double sum = 0.0;
-    for (ga_u64 k = 0; k < num_blocks; ++k) {
-        sum = GA_DADD(sum, partials[k]);
+    for (ga_u64 base = 0; base < num_blocks; base += GA_THREADS) {
+        ga_u64 n = num_blocks - base < GA_THREADS ? num_blocks - base : GA_THREADS;
+        if (threadIdx.x < n) {
+            tile[threadIdx.x] = partials[base + threadIdx.x];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (ga_u64 k = 0; k < n; ++k) {
+                sum = GA_DADD(sum, tile[k]);
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) {
+        return;
     }
     double norm = sqrt(sum) / (double)b->divisor;
     b->grad_norm = norm;
@@ -228,18 +250,29 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_by(float *buf,
     }
 }
 
+/* Bits of ga_scaler_state.pending_found_inf: a gathered boundary overflowed / was empty. */
+#define GA_PENDING_FOUND_INF 1u
+#define GA_PENDING_EMPTY 2u
+
 /* Gathers one synced accumulator's agreed overflow flag for the scaler's next update. */
 extern "C" __global__ void ga_scaler_gather(ga_scaler_state *s, const ga_boundary *b) {
-    if (b->found_inf != 0) {
-        s->pending_found_inf = 1;
+    if (b->empty) {
+        s->pending_found_inf |= GA_PENDING_EMPTY;
+    } else if (b->found_inf != 0) {
+        s->pending_found_inf |= GA_PENDING_FOUND_INF;
     }
 }
 
-/* One optimizer step of the scaler, from the gathered flags, without a host round trip. */
+/* One optimizer step of the scaler, from the gathered flags, without a host round trip. A step
+ * whose window was empty on every rank (which the CPU path refuses as EMPTY_WINDOW) is no step:
+ * the state stays as it was. */
 extern "C" __global__ void ga_scaler_update(ga_scaler_state *s, ga_scaler_rule rule) {
-    int found_inf = s->pending_found_inf != 0;
+    ga_u32 pending = s->pending_found_inf;
     s->pending_found_inf = 0;
-    ga_scaler_next(s, &rule, found_inf);
+    if (pending & GA_PENDING_EMPTY) {
+        return;
+    }
+    ga_scaler_next(s, &rule, (pending & GA_PENDING_FOUND_INF) != 0);
 }
 
 /* loss *= scale in place, each element rounded back to its dtype. */

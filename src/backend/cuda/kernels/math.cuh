@@ -226,7 +226,7 @@ typedef struct {
     ga_u64 backoffs;
     /* The flag the last update applied (the step was skipped). */
     ga_u32 last_skipped;
-    /* Overflow flags gathered from accumulators for the next update. */
+    /* Flags gathered from accumulators for the next update (GA_PENDING_* in kernels.cu). */
     ga_u32 pending_found_inf;
 } ga_scaler_state;
 
