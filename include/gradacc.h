@@ -525,7 +525,8 @@ gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_acc
 gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
 
 /**
- * Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as
+ * Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums
+ * over ranks stay exact): `grads[i]` is tensor i's gradient (numel and dtype as
  * declared), produced from a loss scaled by `scaler`'s current scale. One fused pass per tensor
  * converts to f32, unscales (and weights by `count` for a mean-reduced loss normalised by count),
  * flags non-finite values, and accumulates into the master (the first micro-batch of a window

@@ -196,7 +196,7 @@ impl AccModel {
             return false;
         }
         let base = if matches!(self.w.phase, Phase::Synced(_)) { 0 } else { self.w.count };
-        base.checked_add(count).is_some_and(|t| t <= u64::MAX / 2)
+        base.checked_add(count).is_some_and(|t| t <= 1 << 47)
     }
     fn restart_if_synced(&mut self) {
         if matches!(self.w.phase, Phase::Synced(_)) {
@@ -881,6 +881,7 @@ fn count_arg(input: &mut Input) -> u64 {
         1 => u64::MAX,
         2 => u64::MAX / 2,
         3 => 1 << 40,
+        4 => 1 << 47,
         b => b as u64 * 3 - 8,
     }
 }

@@ -83,6 +83,9 @@ impl Default for AccumulatorConfig {
     }
 }
 
+/// The most items one rank's window may hold.
+pub const MAX_WINDOW_COUNT: u64 = 1 << 47;
+
 impl AccumulatorConfig {
     pub fn validate(&self) -> Result<()> {
         if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
@@ -102,7 +105,9 @@ impl AccumulatorConfig {
         if count == 0 && self.loss_reduction == LossReduction::Mean {
             return Err(Error::invalid("count is 0, but a mean-reduced loss needs at least one item"));
         }
-        if window_total.checked_add(count).is_none_or(|t| t > u64::MAX / 2) {
+        // 2^47 items per rank and window: sums over up to 65536 ranks stay exact in u64 on every
+        // communicator (the MPI control words are plain u64 sums).
+        if window_total.checked_add(count).is_none_or(|t| t > MAX_WINDOW_COUNT) {
             return Err(Error::invalid(format!("count {count} overflows the window's item total {window_total}")));
         }
         Ok(())
@@ -121,5 +126,21 @@ impl AccumulatorConfig {
     /// mean-reduced loss normalised by the global count needs it (mean × count = per-item sum).
     pub fn weights_by_count(&self) -> bool {
         self.loss_reduction == LossReduction::Mean && self.normalize == Normalize::ByCount
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_window_holds_at_most_max_window_count_items() {
+        let c = AccumulatorConfig::default();
+        assert!(c.check_count(0, MAX_WINDOW_COUNT).is_ok());
+        assert!(c.check_count(MAX_WINDOW_COUNT - 5, 5).is_ok());
+        assert!(c.check_count(MAX_WINDOW_COUNT, 1).is_err());
+        assert!(c.check_count(u64::MAX, 1).is_err(), "no wrap-around");
+        // 65536 full windows still sum exactly.
+        assert!(MAX_WINDOW_COUNT.checked_mul(65536).is_some());
     }
 }

@@ -8,8 +8,10 @@ use std::ops::Range;
 pub(super) struct Master {
     ptr: *mut f32,
     len: usize,
-    /// Keeps an owned buffer alive; `None` when the caller's buffer was adopted.
-    _owned: Option<Box<[f32]>>,
+    /// Whether `ptr` came from `Box::into_raw` here (freed on drop) or is the caller's buffer.
+    /// A raw pointer rather than a kept `Box`: moving a `Box` would assert unique access to the
+    /// memory and invalidate `ptr` under Rust's aliasing rules.
+    owned: bool,
 }
 
 // SAFETY: the buffer is plain f32 memory; the accumulator serialises every access to a range.
@@ -22,12 +24,12 @@ impl Master {
         v.try_reserve_exact(len)
             .map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot allocate a master buffer of {len} f32 elements")))?;
         v.resize(len, 0.0);
-        let mut b = v.into_boxed_slice();
-        Ok(Master { ptr: b.as_mut_ptr(), len, _owned: Some(b) })
+        let ptr = Box::into_raw(v.into_boxed_slice()) as *mut f32;
+        Ok(Master { ptr, len, owned: true })
     }
 
     pub(super) fn borrowed(ptr: *mut f32, len: usize) -> Self {
-        Master { ptr, len, _owned: None }
+        Master { ptr, len, owned: false }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -46,5 +48,14 @@ impl Master {
     pub(super) unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [f32] {
         assert!(range.start <= range.end && range.end <= self.len);
         std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len())
+    }
+}
+
+impl Drop for Master {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: `ptr` and `len` are exactly what `Box::into_raw` gave in `owned`, freed once.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+        }
     }
 }

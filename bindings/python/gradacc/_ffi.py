@@ -175,7 +175,7 @@ gradacc_accumulator_destroy.restype = gradacc_status_t
 gradacc_accumulator_destroy.argtypes = [ctypes.POINTER(gradacc_accumulator_t)]
 # arguments: acc
 
-# Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale.
+# Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums over ranks stay exact): `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale.
 gradacc_accumulator_add = dll.gradacc_accumulator_add
 gradacc_accumulator_add.restype = gradacc_status_t
 gradacc_accumulator_add.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]

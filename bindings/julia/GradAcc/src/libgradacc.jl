@@ -154,7 +154,7 @@ function gradacc_accumulator_destroy(acc)
     ccall((:gradacc_accumulator_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
 end
 
-"Adds one micro-batch of `count` items: `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale."
+"Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums over ranks stay exact): `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale."
 function gradacc_accumulator_add(acc, scaler, grads, n, count)
     ccall((:gradacc_accumulator_add, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), acc, scaler, grads, n, count)
 end
