@@ -59,8 +59,6 @@ int main(int argc, char **argv)
 
     gradacc_mpi_config_t mc;
     OK(gradacc_mpi_config_default(&mc));
-    if (getenv("GRADACC_BENCH_IN_FLIGHT"))
-        mc.max_in_flight = (uint32_t)atoi(getenv("GRADACC_BENCH_IN_FLIGHT"));
     gradacc_comm_t *comm;
     OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
     gradacc_scaler_t *scaler;

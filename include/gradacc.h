@@ -218,9 +218,8 @@ typedef struct gradacc_mpi_config_t {
      */
     size_t struct_size;
     /**
-     * Non-blocking all-reduces kept in flight at once by a bucketed all-reduce of host buffers
-     * (at least 1; default 8). The accumulator's boundary reduces by rank shares instead and does
-     * not use it; kept so configs stay compatible.
+     * Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
+     * Kept so the struct's layout, and programs that set it, stay valid.
      */
     uint32_t max_in_flight;
 } gradacc_mpi_config_t;
@@ -751,8 +750,9 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
  * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
  * when the caller finalises MPI itself).
  * Thread safety: one collective at a time per handle (a concurrent second one fails with
- * GRADACC_STATUS_WRONG_STATE). Calls from several threads need MPI at MPI_THREAD_MULTIPLE;
- * otherwise make every gradacc MPI call from the thread that makes the caller's MPI calls.
+ * GRADACC_STATUS_WRONG_STATE). Below MPI_THREAD_MULTIPLE (an MPI the caller initialised), gradacc
+ * runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
+ * FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
  */
 gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
                                          const struct gradacc_mpi_config_t *config,

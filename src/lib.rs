@@ -17,7 +17,7 @@ mod state;
 pub use accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
 pub use comm::{Communicator, LocalComm};
 #[cfg(feature = "mpi")]
-pub use comm::{MpiComm, MpiConfig};
+pub use comm::MpiComm;
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
 pub use scaler::{Scaler, ScalerConfig, ScalerStats};

@@ -9,12 +9,10 @@
 #include <mpi.h>
 
 /* A gradacc communicator adopting `comm` through its Fortran handle, as mpi4py and MPI.jl pass it. */
-static inline gradacc_comm_t *comm_of(MPI_Comm comm, uint32_t max_in_flight)
+static inline gradacc_comm_t *comm_of(MPI_Comm comm)
 {
     gradacc_mpi_config_t cfg;
     REQUIRE_OK(gradacc_mpi_config_default(&cfg));
-    if (max_in_flight)
-        cfg.max_in_flight = max_in_flight;
     gradacc_comm_t *c = NULL;
     REQUIRE_OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(comm), &cfg, &c));
     return c;

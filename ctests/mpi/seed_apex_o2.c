@@ -39,7 +39,7 @@ static void run(gradacc_comm_t *comm, gradacc_normalize_t normalize, gradacc_dty
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
-    gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD, 0);
+    gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
     size_t rank = 99, size = 99;
     EXPECT_OK(gradacc_comm_rank(comm, &rank));
     EXPECT_OK(gradacc_comm_world_size(comm, &size));

@@ -10,7 +10,7 @@ int main(int argc, char **argv)
     const int rank = world_rank();
     MPI_Comm half;
     MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank, &half);
-    gradacc_comm_t *comm = comm_of(half, 0);
+    gradacc_comm_t *comm = comm_of(half);
     MPI_Comm_free(&half);
     size_t r = 99, n = 99;
     EXPECT_OK(gradacc_comm_rank(comm, &r));

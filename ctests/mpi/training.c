@@ -1,6 +1,6 @@
 /* mpi-np: 2 4 */
-/* A short training run over real MPI: three fp16 tensors in three buckets (two in flight at
- * once), ranks with different numbers of micro-batches of different sizes, a mean-reduced loss,
+/* A short training run over real MPI: three fp16 tensors in three buckets,
+ * ranks with different numbers of micro-batches of different sizes, a mean-reduced loss,
  * BY_COUNT. Every rank must end each step with bitwise-identical master gradients equal to the f64
  * full-batch gradient (the mean over every item of every rank) within f32 accumulation error. */
 #include "mpi/mpi_common.h"
@@ -44,7 +44,7 @@ int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
     const int rank = world_rank(), world = world_size();
-    gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD, 2);
+    gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
     gradacc_scaler_t *scaler = make_scaler(1024.0f);
     gradacc_tensor_desc_t t[TENSORS];
     grad_buf g[TENSORS];

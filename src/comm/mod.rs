@@ -17,7 +17,7 @@ pub(crate) mod shares;
 
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]
-pub use mpi::{MpiComm, MpiConfig};
+pub use mpi::MpiComm;
 
 use std::ops::Range;
 

@@ -4,16 +4,18 @@
 //! and pass, one MPI_Allgatherv. Each element is summed by one rank, in rank order, so every rank
 //! gets the same bits by construction, and they are the in-process communicator's bits.
 //!
-//! `allreduce_buckets` posts buckets as non-blocking MPI_Iallreduce, several in flight at once; its
-//! bitwise-identical results rest on MPI: the standard advises that MPI_Allreduce give "the same
-//! result on all processes", and Open MPI's and MPICH's algorithms do (each element is combined by
-//! one owner and broadcast, or in the same pairing order everywhere). The C tests compare the bits
-//! of every reduced gradient across ranks.
+//! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Allreduce; its identical
+//! bits on every rank rest on MPI, whose standard advises "the same result on all processes".
+//!
+//! An MPI initialised below MPI_THREAD_MULTIPLE (by the caller) gets every gradacc collective of
+//! the process behind one lock, so two communicators used from two threads never call MPI at
+//! once (enough for MPI_THREAD_SERIALIZED; with FUNNELED or SINGLE, call gradacc from the thread
+//! that makes the program's MPI calls).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use mpi::ffi;
 
@@ -30,35 +32,27 @@ extern "C" {
 /// The largest element count one MPI call takes (its count is a C int); larger buckets are split.
 const MAX_COUNT: usize = 1 << 30;
 
-/// Options of an MPI communicator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MpiConfig {
-    /// Buckets whose MPI_Iallreduce may be in flight at once (at least 1; default 8).
-    pub max_in_flight: usize,
-}
-
-impl Default for MpiConfig {
-    fn default() -> Self {
-        MpiConfig { max_in_flight: 8 }
-    }
-}
-
 /// Whether gradacc initialised MPI in this process (then it finalises it at exit).
 static INIT: Mutex<bool> = Mutex::new(false);
+
+/// Serialises gradacc's MPI calls when MPI runs below MPI_THREAD_MULTIPLE.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// One rank of a duplicated MPI communicator.
 pub struct MpiComm {
     comm: ffi::MPI_Comm,
     rank: usize,
     world: usize,
-    config: MpiConfig,
+    /// MPI was initialised below MPI_THREAD_MULTIPLE: collectives take [`SERIAL`].
+    serialize: bool,
     /// Set while this handle is inside a collective: a concurrent second use is refused, because
     /// two collectives racing on one communicator would pair up differently on different ranks.
     busy: AtomicBool,
 }
 
-// SAFETY: an MPI_Comm is a handle; MPI allows it to be used from any thread within the thread
-// level MPI was initialised with, and `busy` keeps one handle to one collective at a time.
+// SAFETY: an MPI_Comm is a handle; MPI allows it to be used from any thread at
+// MPI_THREAD_MULTIPLE, below it `serialize` keeps gradacc's calls one at a time, and `busy` keeps
+// one handle to one collective at a time.
 unsafe impl Send for MpiComm {}
 unsafe impl Sync for MpiComm {}
 
@@ -125,16 +119,16 @@ fn ensure_initialized() -> Result<()> {
 
 impl MpiComm {
     /// A communicator over MPI_COMM_WORLD (initialising MPI if nobody has).
-    pub fn world(config: MpiConfig) -> Result<Self> {
+    pub fn world() -> Result<Self> {
         ensure_initialized()?;
         // SAFETY: MPI is initialised; MPI_COMM_WORLD is valid until it is finalised.
-        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD }, config)
+        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD })
     }
 
     /// A communicator over the caller's communicator, given as its Fortran handle (the value of
     /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl). The caller's
     /// communicator is duplicated, never changed, and may be freed once this returns.
-    pub fn from_fortran(handle: i64, config: MpiConfig) -> Result<Self> {
+    pub fn from_fortran(handle: i64) -> Result<Self> {
         let f = ffi::RSMPI_Fint::try_from(handle)
             .map_err(|_| Error::invalid(format!("Fortran communicator handle {handle} does not fit in an MPI_Fint")))?;
         ensure_initialized()?;
@@ -144,13 +138,14 @@ impl MpiComm {
         if comm == unsafe { ffi::RSMPI_COMM_NULL } {
             return Err(Error::invalid(format!("Fortran communicator handle {handle} is MPI_COMM_NULL or unknown")));
         }
-        Self::adopt(comm, config)
+        Self::adopt(comm)
     }
 
-    fn adopt(parent: ffi::MPI_Comm, config: MpiConfig) -> Result<Self> {
-        if config.max_in_flight == 0 {
-            return Err(Error::invalid("max_in_flight is 0: at least one bucket must be in flight"));
-        }
+    fn adopt(parent: ffi::MPI_Comm) -> Result<Self> {
+        let mut level: c_int = 0;
+        // SAFETY: MPI is initialised; plain output pointer.
+        check(unsafe { ffi::MPI_Query_thread(&mut level) }, "MPI_Query_thread")?;
+        let serialize = level < unsafe { ffi::RSMPI_THREAD_MULTIPLE };
         let mut inter: c_int = 0;
         // SAFETY: parent is a communicator handle; errors follow the caller's error handler.
         check(unsafe { ffi::MPI_Comm_test_inter(parent, &mut inter) }, "MPI_Comm_test_inter")?;
@@ -162,7 +157,7 @@ impl MpiComm {
         let mut comm: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
         // SAFETY: parent is a valid communicator; errors here follow the caller's error handler.
         check(unsafe { ffi::MPI_Comm_dup(parent, &mut comm) }, "MPI_Comm_dup")?;
-        let mut this = MpiComm { comm, rank: 0, world: 0, config, busy: AtomicBool::new(false) };
+        let mut this = MpiComm { comm, rank: 0, world: 0, serialize, busy: AtomicBool::new(false) };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `comm` is our own duplicate; the caller's communicator keeps its handler.
         check(unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) }, "MPI_Comm_set_errhandler")?;
@@ -175,63 +170,12 @@ impl MpiComm {
         Ok(this)
     }
 
-    pub fn config(&self) -> MpiConfig {
-        self.config
-    }
-
     fn enter(&self) -> Result<Busy<'_>> {
         if self.busy.swap(true, Ordering::Acquire) {
             return Err(Error::wrong_state(format!("MPI communicator rank {} is already inside a collective on another thread", self.rank)));
         }
-        Ok(Busy(&self.busy))
-    }
-
-    /// Posts `pieces` (at most `max_in_flight` of them) and waits for all that were posted.
-    fn reduce_pieces(&self, buf: &mut [f32], pieces: &[Range<usize>]) -> Result<()> {
-        // SAFETY: the null request is a plain constant.
-        let mut requests = vec![unsafe { ffi::RSMPI_REQUEST_NULL }; pieces.len()];
-        if let [p] = pieces {
-            // One piece gains nothing from being non-blocking, and the blocking all-reduce has
-            // the implementation's tuned algorithms (Open MPI's non-blocking ones are generic).
-            // SAFETY: the piece lies inside `buf` (checked by the caller).
-            let rc = unsafe {
-                ffi::MPI_Allreduce(
-                    gradacc_internal_mpi_in_place(),
-                    buf.as_mut_ptr().add(p.start) as *mut c_void,
-                    p.len() as c_int,
-                    ffi::RSMPI_FLOAT,
-                    ffi::RSMPI_SUM,
-                    self.comm,
-                )
-            };
-            return check(rc, "MPI_Allreduce");
-        }
-        let mut posted = 0;
-        let mut failure = Ok(());
-        let base = buf.as_mut_ptr();
-        for (p, req) in pieces.iter().zip(requests.iter_mut()) {
-            // SAFETY: the piece lies inside `buf` (checked by the caller), pieces are disjoint, and
-            // `buf` stays borrowed until the Waitall below has completed every posted request.
-            let rc = unsafe {
-                ffi::MPI_Iallreduce(
-                    gradacc_internal_mpi_in_place(),
-                    base.add(p.start) as *mut c_void,
-                    p.len() as c_int,
-                    ffi::RSMPI_FLOAT,
-                    ffi::RSMPI_SUM,
-                    self.comm,
-                    req,
-                )
-            };
-            if let Err(e) = check(rc, "MPI_Iallreduce") {
-                failure = Err(e);
-                break;
-            }
-            posted += 1;
-        }
-        // SAFETY: the first `posted` requests are live; the rest are never passed to MPI.
-        let waited = check(unsafe { ffi::MPI_Waitall(posted as c_int, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) }, "MPI_Waitall");
-        failure.and(waited)
+        let serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
+        Ok(Busy(&self.busy, serial))
     }
 }
 
@@ -325,7 +269,8 @@ impl ShareTransport for Shares<'_> {
     }
 }
 
-struct Busy<'a>(&'a AtomicBool);
+/// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's).
+struct Busy<'a>(&'a AtomicBool, #[allow(dead_code)] Option<MutexGuard<'static, ()>>);
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
@@ -393,23 +338,22 @@ impl Communicator for MpiComm {
         Ok(packing::unpack(&sum, &max))
     }
 
+    /// MPI_Allreduce in place, in pieces of at most 2^30 elements (an MPI count is a C int).
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        #[allow(clippy::single_range_in_vec_init)] // one bucket: the whole buffer
-        let whole = [0..buf.len()];
-        self.allreduce_buckets(buf, &whole)
-    }
-
-    /// Keeps up to `max_in_flight` buckets in flight: posts that many MPI_Iallreduce, waits for
-    /// them all, then the next group. Buckets over 2^30 elements are split.
-    fn allreduce_buckets(&self, buf: &mut [f32], buckets: &[Range<usize>]) -> Result<()> {
-        check_buckets(buf.len(), buckets)?;
         let _busy = self.enter()?;
-        let pieces: Vec<Range<usize>> = buckets
-            .iter()
-            .flat_map(|b| (b.start..b.end).step_by(MAX_COUNT).map(move |s| s..(s + MAX_COUNT).min(b.end)))
-            .collect();
-        for group in pieces.chunks(self.config.max_in_flight) {
-            self.reduce_pieces(buf, group)?;
+        for piece in buf.chunks_mut(MAX_COUNT) {
+            // SAFETY: the piece is valid for its length; MPI_IN_PLACE reads and writes it.
+            let rc = unsafe {
+                ffi::MPI_Allreduce(
+                    gradacc_internal_mpi_in_place(),
+                    piece.as_mut_ptr() as *mut c_void,
+                    piece.len() as c_int,
+                    ffi::RSMPI_FLOAT,
+                    ffi::RSMPI_SUM,
+                    self.comm,
+                )
+            };
+            check(rc, "MPI_Allreduce")?;
         }
         Ok(())
     }

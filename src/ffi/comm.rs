@@ -32,9 +32,8 @@ pub const GRADACC_MPI_COMM_WORLD: i64 = -1;
 pub struct gradacc_mpi_config_t {
     /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
     pub struct_size: usize,
-    /// Non-blocking all-reduces kept in flight at once by a bucketed all-reduce of host buffers
-    /// (at least 1; default 8). The accumulator's boundary reduces by rank shares instead and does
-    /// not use it; kept so configs stay compatible.
+    /// Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
+    /// Kept so the struct's layout, and programs that set it, stay valid.
     pub max_in_flight: u32,
 }
 
@@ -194,8 +193,9 @@ pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> 
 /// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
 /// when the caller finalises MPI itself).
 /// Thread safety: one collective at a time per handle (a concurrent second one fails with
-/// GRADACC_STATUS_WRONG_STATE). Calls from several threads need MPI at MPI_THREAD_MULTIPLE;
-/// otherwise make every gradacc MPI call from the thread that makes the caller's MPI calls.
+/// GRADACC_STATUS_WRONG_STATE). Below MPI_THREAD_MULTIPLE (an MPI the caller initialised), gradacc
+/// runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
+/// FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
 #[no_mangle]
 pub extern "C" fn gradacc_comm_create_mpi(
     fortran_comm: i64,
@@ -204,30 +204,23 @@ pub extern "C" fn gradacc_comm_create_mpi(
 ) -> gradacc_status_t {
     guard("gradacc_comm_create_mpi", || {
         let out = out_ptr(out_comm, "out_comm")?;
-        let max_in_flight = if config.is_null() {
-            8
-        } else {
+        if !config.is_null() {
             // SAFETY: non-null; read_config checks the declared size first.
-            let c = unsafe { read_config(config, "config")? };
-            if c.max_in_flight == 0 {
-                return Err(Error::invalid("`config`.max_in_flight is 0: at least one bucket must be in flight"));
-            }
-            c.max_in_flight as usize
-        };
+            unsafe { read_config(config, "config")? };
+        }
         if fortran_comm < GRADACC_MPI_COMM_WORLD {
             return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")));
         }
         #[cfg(feature = "mpi")]
         {
-            use crate::comm::{MpiComm, MpiConfig};
-            let cfg = MpiConfig { max_in_flight };
-            let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world(cfg)? } else { MpiComm::from_fortran(fortran_comm, cfg)? };
+            use crate::comm::MpiComm;
+            let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world()? } else { MpiComm::from_fortran(fortran_comm)? };
             *out = COMMS.insert(Arc::new(CommObj::Host(Arc::new(comm))));
             Ok(())
         }
         #[cfg(not(feature = "mpi"))]
         {
-            let _ = (out, max_in_flight);
+            let _ = out;
             Err(Error::new(
                 crate::error::ErrorKind::BackendUnavailable,
                 "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",
