@@ -4,6 +4,7 @@
 //! result is compared bit for bit with the same work done serially; every racing call must return
 //! OK or GRADACC_STATUS_INVALID_HANDLE, never crash. Sizes keep the whole file to a few seconds.
 
+#![allow(clippy::needless_range_loop)] // grads[w][m][c] read as the window, micro-batch and chunk they are
 mod common;
 
 use std::ffi::c_void;

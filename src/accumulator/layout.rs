@@ -72,6 +72,15 @@ impl Layout {
         self.hash
     }
 
+    /// Fails unless `index` names a tensor.
+    pub(crate) fn check_index(&self, index: usize) -> Result<()> {
+        let n = self.offsets.len() - 1;
+        if index >= n {
+            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {n} tensors)")));
+        }
+        Ok(())
+    }
+
     /// The bucket holding tensor `index`.
     pub(crate) fn bucket_of(&self, index: usize) -> usize {
         self.buckets.partition_point(|b| b.end <= self.offsets[index])

@@ -223,9 +223,7 @@ impl Accumulator {
         let Phase::InMicrobatch { count } = w.phase else {
             return Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first"));
         };
-        if index >= self.descs.len() {
-            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())));
-        }
+        self.layout.check_index(index)?;
         self.check_grad(index, &grad)?;
         let factor = self.factor(scaler, count);
         let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
@@ -362,9 +360,7 @@ impl Accumulator {
     /// Runs `f` on tensor `index`'s FP32 master gradient (all zeros for a tensor that received
     /// nothing in a synced window).
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-        if index >= self.descs.len() {
-            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())));
-        }
+        self.layout.check_index(index)?;
         let _w = self.write();
         // SAFETY: the write lock excludes every writer.
         Ok(f(unsafe { self.master.slice_mut(self.range(index)) }))
@@ -373,9 +369,7 @@ impl Accumulator {
     /// Raw pointer to tensor `index`'s master gradient and its length, for callers across the C
     /// boundary. The buffer never moves while the accumulator lives.
     pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
-        if index >= self.descs.len() {
-            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())));
-        }
+        self.layout.check_index(index)?;
         let r = self.range(index);
         Ok((self.master.ptr_at(r.start), r.len()))
     }

@@ -2,10 +2,9 @@
 //! are reduced in place without a scratch copy: rank r sums slice r over all ranks in rank order
 //! (so the bits are the same whoever computes them), then every rank copies the other slices.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 
-use super::{Communicator, Control, ControlSum};
+use super::{Busy, BusyGuard, Communicator, Control, ControlSum};
 use crate::backend::cpu;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -36,7 +35,7 @@ pub struct LocalComm {
     rank: usize,
     group: Arc<Group>,
     /// Set while this handle is inside a collective: a second concurrent use is refused, not raced.
-    busy: AtomicBool,
+    busy: Busy,
 }
 
 impl LocalComm {
@@ -51,25 +50,11 @@ impl LocalComm {
             buffers: Mutex::new(vec![Published { ptr: std::ptr::null_mut(), len: 0 }; world]),
             controls: Mutex::new(vec![Control::default(); world]),
         });
-        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone(), busy: AtomicBool::new(false) }).collect())
+        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone(), busy: Busy::default() }).collect())
     }
 
     fn enter(&self) -> Result<BusyGuard<'_>> {
-        if self.busy.swap(true, Ordering::Acquire) {
-            return Err(Error::wrong_state(format!(
-                "local communicator rank {} is already inside a collective on another thread",
-                self.rank
-            )));
-        }
-        Ok(BusyGuard(&self.busy))
-    }
-}
-
-struct BusyGuard<'a>(&'a AtomicBool);
-
-impl Drop for BusyGuard<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.busy.enter(|| format!("local communicator rank {}", self.rank))
     }
 }
 

@@ -20,6 +20,7 @@ pub use local::LocalComm;
 pub use mpi::MpiComm;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::cpu;
 use crate::error::{Error, Result};
@@ -143,6 +144,30 @@ pub trait Communicator: Send + Sync {
         let mut values = vec![0.0; cpu::blocks(buf.len())];
         pass.run(buf, &mut values);
         Ok(values)
+    }
+}
+
+/// One communicator handle's collective in progress: a concurrent second one on the same handle
+/// is refused, because two collectives racing on one communicator would pair up differently on
+/// different ranks.
+#[derive(Debug, Default)]
+pub(crate) struct Busy(AtomicBool);
+
+impl Busy {
+    /// Marks the handle busy until the guard drops; `what` names it in the error.
+    pub(crate) fn enter(&self, what: impl FnOnce() -> String) -> Result<BusyGuard<'_>> {
+        if self.0.swap(true, Ordering::Acquire) {
+            return Err(Error::wrong_state(format!("{} is already inside a collective on another thread", what())));
+        }
+        Ok(BusyGuard(&self.0))
+    }
+}
+
+pub(crate) struct BusyGuard<'a>(&'a AtomicBool);
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 

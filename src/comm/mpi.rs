@@ -14,13 +14,12 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use mpi::ffi;
 
 use super::shares::{self, ShareTransport};
-use super::{check_buckets, packing, BlockPass, Communicator, Control, ControlSum};
+use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Communicator, Control, ControlSum};
 use crate::error::{Error, ErrorKind, Result};
 
 extern "C" {
@@ -45,9 +44,7 @@ pub struct MpiComm {
     world: usize,
     /// MPI was initialised below MPI_THREAD_MULTIPLE: collectives take [`SERIAL`].
     serialize: bool,
-    /// Set while this handle is inside a collective: a concurrent second use is refused, because
-    /// two collectives racing on one communicator would pair up differently on different ranks.
-    busy: AtomicBool,
+    busy: Busy,
 }
 
 // SAFETY: an MPI_Comm is a handle; MPI allows it to be used from any thread at
@@ -157,7 +154,7 @@ impl MpiComm {
         let mut comm: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
         // SAFETY: parent is a valid communicator; errors here follow the caller's error handler.
         check(unsafe { ffi::MPI_Comm_dup(parent, &mut comm) }, "MPI_Comm_dup")?;
-        let mut this = MpiComm { comm, rank: 0, world: 0, serialize, busy: AtomicBool::new(false) };
+        let mut this = MpiComm { comm, rank: 0, world: 0, serialize, busy: Busy::default() };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `comm` is our own duplicate; the caller's communicator keeps its handler.
         check(unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) }, "MPI_Comm_set_errhandler")?;
@@ -170,12 +167,10 @@ impl MpiComm {
         Ok(this)
     }
 
-    fn enter(&self) -> Result<Busy<'_>> {
-        if self.busy.swap(true, Ordering::Acquire) {
-            return Err(Error::wrong_state(format!("MPI communicator rank {} is already inside a collective on another thread", self.rank)));
-        }
+    fn enter(&self) -> Result<Entered<'_>> {
+        let busy = self.busy.enter(|| format!("MPI communicator rank {}", self.rank))?;
         let serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
-        Ok(Busy(&self.busy, serial))
+        Ok(Entered(busy, serial))
     }
 }
 
@@ -269,14 +264,10 @@ impl ShareTransport for Shares<'_> {
     }
 }
 
-/// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's).
-struct Busy<'a>(&'a AtomicBool, #[allow(dead_code)] Option<MutexGuard<'static, ()>>);
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
+/// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's): held,
+/// never read.
+#[allow(dead_code)]
+struct Entered<'a>(BusyGuard<'a>, Option<MutexGuard<'static, ()>>);
 
 impl Drop for MpiComm {
     fn drop(&mut self) {

@@ -286,7 +286,8 @@ impl CudaAccumulator {
         let Phase::InMicrobatch { count } = w.phase else {
             return Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first"));
         };
-        let desc = *self.descs.get(index).ok_or_else(|| Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())))?;
+        self.layout.check_index(index)?;
+        let desc = self.descs[index];
         check_grad_ptr(grad, &desc, || "grad".into())?;
         self.check_scaler(scaler)?;
         let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
@@ -487,9 +488,7 @@ impl CudaAccumulator {
 
     /// Device address of tensor `index`'s master gradient and its length.
     pub fn master_ptr(&self, index: usize) -> Result<(CUdeviceptr, usize)> {
-        if index >= self.descs.len() {
-            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {} tensors)", self.descs.len())));
-        }
+        self.layout.check_index(index)?;
         Ok((self.master.ptr() + 4 * self.layout.range(index).start as u64, self.descs[index].numel))
     }
 
