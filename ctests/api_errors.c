@@ -68,16 +68,6 @@ static void finish(gradacc_accumulator_t *acc, window_ref *w, const char *what)
     memset(w, 0, sizeof *w);
 }
 
-static gradacc_scaler_t *new_scaler(void)
-{
-    gradacc_scaler_config_t c;
-    REQUIRE_OK(gradacc_scaler_config_default(&c));
-    c.init_scale = SCALE;
-    gradacc_scaler_t *s = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&c, NULL, &s));
-    return s;
-}
-
 static gradacc_accumulator_t *new_acc(void)
 {
     gradacc_accumulator_t *a = NULL;
@@ -270,10 +260,10 @@ static void test_scaler_create(void)
 
 static void test_handles(void)
 {
-    gradacc_scaler_t *s = new_scaler();
+    gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *live = new_acc();
     gradacc_accumulator_t *dead = new_acc();
-    gradacc_scaler_t *dead_s = new_scaler();
+    gradacc_scaler_t *dead_s = scaler_with_scale(SCALE);
     gradacc_comm_t *dead_c[1];
     REQUIRE_OK(gradacc_comm_create_local(1, dead_c));
     EXPECT_OK(gradacc_accumulator_destroy(dead));
@@ -368,7 +358,7 @@ static void test_handles(void)
 
 static void test_accumulator_calls(void)
 {
-    gradacc_scaler_t *s = new_scaler();
+    gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *a = new_acc();
     window_ref w;
     memset(&w, 0, sizeof w);
@@ -603,7 +593,7 @@ static void test_accumulator_calls(void)
 
 static void test_scaler_calls(void)
 {
-    gradacc_scaler_t *s = new_scaler();
+    gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *a = new_acc(), *b = new_acc();
     window_ref w;
     memset(&w, 0, sizeof w);
@@ -712,7 +702,7 @@ static void test_comm_calls(void)
     EXPECT_OK(gradacc_comm_world_size(comms[0], &n));
     CHECK(n == 1, "world size %zu", n);
     /* a one-rank group works as a boundary, also after the errors */
-    gradacc_scaler_t *s = new_scaler();
+    gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *a = new_acc();
     window_ref w;
     memset(&w, 0, sizeof w);
@@ -793,7 +783,7 @@ static void test_sync_across_ranks(void)
     for (int i = 0; i < 2; i++) {
         r[i].rank = i;
         r[i].comm = comms[i];
-        r[i].scaler = new_scaler();
+        r[i].scaler = scaler_with_scale(SCALE);
         r[i].acc = new_acc();
     }
     run_ranks(2, sync_rank_main, r, sizeof r[0]);

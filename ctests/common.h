@@ -274,6 +274,12 @@ static inline size_t dtype_size(gradacc_dtype_t dtype)
     return dtype == GRADACC_DTYPE_F32 ? 4 : 2;
 }
 
+/* Half an ulp at 1 of `dtype` (its unit roundoff): the relative error of rounding a value to it. */
+static inline double dtype_half_ulp(gradacc_dtype_t dtype)
+{
+    return dtype == GRADACC_DTYPE_F32 ? ldexp(1.0, -24) : dtype == GRADACC_DTYPE_F16 ? ldexp(1.0, -11) : ldexp(1.0, -8);
+}
+
 static inline const char *dtype_name(gradacc_dtype_t dtype)
 {
     return dtype == GRADACC_DTYPE_F32 ? "f32" : dtype == GRADACC_DTYPE_F16 ? "f16" : "bf16";

@@ -82,7 +82,7 @@ static void run(const problem *p, gradacc_loss_reduction_t reduction, gradacc_dt
         double tight = 1e-6 * magnitude[k] + 1e-30;
         /* against the true gradient: plus the rounding of the gradient to its dtype (half an ulp:
          * 2^-24 for f32, 2^-11 for f16, 2^-8 for bf16) */
-        double unit = d == GRADACC_DTYPE_F32 ? ldexp(1.0, -24) : d == GRADACC_DTYPE_F16 ? ldexp(1.0, -11) : ldexp(1.0, -8);
+        double unit = dtype_half_ulp(d);
         double loose = tight + unit * magnitude[k] + ldexp(1.0, -25) / scale; /* + fp16 subnormal spacing */
         int ok = fabs(got[k] - from_inputs[k]) <= tight && fabs(got[k] - full[k]) <= loose;
         CHECK(ok,

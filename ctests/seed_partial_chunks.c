@@ -51,11 +51,6 @@ static void grads(const problem *p, int mb, int lo, int hi, double *gW1, double 
     }
 }
 
-static double unit_of(gradacc_dtype_t d)
-{
-    return d == GRADACC_DTYPE_F32 ? ldexp(1.0, -24) : d == GRADACC_DTYPE_F16 ? ldexp(1.0, -11) : ldexp(1.0, -8);
-}
-
 static void check_tensor(const char *what, gradacc_accumulator_t *acc, size_t index, size_t n, gradacc_dtype_t dtype,
                          const double *truth, const double *from_inputs, const double *magnitude, double scale)
 {
@@ -65,7 +60,7 @@ static void check_tensor(const char *what, gradacc_accumulator_t *acc, size_t in
     for (size_t k = 0; k < n && bad < 5; k++) {
         /* recursive f32 summation of CHUNKS * MB terms, a multiply each, and the final division */
         double tight = (CHUNKS * MB + 3) * ldexp(1.0, -24) * magnitude[k] + 1e-30;
-        double loose = tight + unit_of(dtype) * magnitude[k] + CHUNKS * MB * ldexp(1.0, -25) / scale;
+        double loose = tight + dtype_half_ulp(dtype) * magnitude[k] + CHUNKS * MB * ldexp(1.0, -25) / scale;
         int ok = fabs(got[k] - from_inputs[k]) <= tight && fabs(got[k] - truth[k]) <= loose;
         CHECK(ok, "%s (%s) element %zu: got %.9g, from the given values %.9g (tol %.2g), unchunked f64 %.9g (tol %.2g)",
               what, dtype_name(dtype), k, got[k], from_inputs[k], tight, truth[k], loose);

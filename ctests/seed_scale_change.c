@@ -112,9 +112,7 @@ static void test_two_scalers(test_rng *rng)
         REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, NULL));
         double got[N];
         read_master(acc, 0, got, N);
-        double unit = dtypes[d] == GRADACC_DTYPE_F32 ? ldexp(1.0, -24)
-                      : dtypes[d] == GRADACC_DTYPE_F16 ? ldexp(1.0, -11)
-                                                         : ldexp(1.0, -8);
+        double unit = dtype_half_ulp(dtypes[d]);
         for (int k = 0; k < N; k++) {
             CHECK_CLOSE(got[k], from_inputs[k], 1e-6 * magnitude[k] + 1e-30, "two scalers (%s) element %d",
                         dtype_name(dtypes[d]), k);

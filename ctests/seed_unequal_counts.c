@@ -138,7 +138,7 @@ static void check(const char *what, gradacc_dtype_t dw, gradacc_dtype_t db, cons
     int bad = 0;
     for (int k = 0; k < NP && bad < 5; k++) {
         gradacc_dtype_t d = k < NW ? dw : db;
-        double unit = d == GRADACC_DTYPE_F32 ? ldexp(1.0, -24) : d == GRADACC_DTYPE_F16 ? ldexp(1.0, -11) : ldexp(1.0, -8);
+        double unit = dtype_half_ulp(d);
         double tight = 1e-6 * magnitude[k] + 1e-30;
         double loose = tight + unit * magnitude[k] + ldexp(1.0, -25) / 4096.0;
         int ok = fabs(got[k] - from_inputs[k]) <= tight && fabs(got[k] - truth[k]) <= loose;

@@ -46,7 +46,7 @@ int main(int argc, char **argv)
     /* Free one and gradacc gets it. */
     MPI_Comm_free(&held[--n]);
     REQUIRE_OK(gradacc_comm_create_mpi(GRADACC_MPI_COMM_WORLD, NULL, &comm));
-    gradacc_scaler_t *scaler = make_scaler(1.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
     gradacc_tensor_desc_t t[1] = {{3, GRADACC_DTYPE_F32}};
     gradacc_accumulator_t *acc = make_acc(t, 1, GRADACC_NORMALIZE_NONE, 0);
     float g[3] = {1, 2, 3};

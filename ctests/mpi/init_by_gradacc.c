@@ -14,7 +14,7 @@ int main(void)
         REQUIRE_OK(gradacc_comm_create_mpi(GRADACC_MPI_COMM_WORLD, NULL, &comm));
         MPI_Initialized(&initialized);
         CHECK(initialized, "gradacc should have initialised MPI");
-        gradacc_scaler_t *scaler = make_scaler(1.0f);
+        gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
         gradacc_tensor_desc_t t[1] = {{2, GRADACC_DTYPE_F32}};
         gradacc_accumulator_t *acc = make_acc(t, 1, GRADACC_NORMALIZE_NONE, 0);
         float g[2] = {1.0f, 2.0f};

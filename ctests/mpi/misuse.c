@@ -10,7 +10,7 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     const int rank = world_rank(), world = world_size();
     gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
-    gradacc_scaler_t *scaler = make_scaler(1.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
 
     /* Sizes differ: rank r has 4 + (r == last) elements. */
     size_t n = 4 + (rank == world - 1);

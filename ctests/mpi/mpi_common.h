@@ -80,16 +80,6 @@ static inline int mpi_finish(void)
 }
 
 /* A scaler with a fixed initial scale and an accumulator over `n` tensors. */
-static inline gradacc_scaler_t *make_scaler(float init_scale)
-{
-    gradacc_scaler_config_t sc;
-    REQUIRE_OK(gradacc_scaler_config_default(&sc));
-    sc.init_scale = init_scale;
-    gradacc_scaler_t *s = NULL;
-    REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &s));
-    return s;
-}
-
 static inline gradacc_accumulator_t *make_acc(const gradacc_tensor_desc_t *t, size_t n, gradacc_normalize_t normalize,
                                               uint64_t bucket_numel)
 {

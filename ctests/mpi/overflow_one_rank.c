@@ -8,7 +8,7 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     const int rank = world_rank(), world = world_size();
     gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
-    gradacc_scaler_t *scaler = make_scaler(65536.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(65536.0f);
     gradacc_tensor_desc_t t[1] = {{8, GRADACC_DTYPE_F16}};
     gradacc_accumulator_t *acc = make_acc(t, 1, GRADACC_NORMALIZE_BY_COUNT, 0);
     grad_buf g = grad_alloc(GRADACC_DTYPE_F16, 8);

@@ -8,7 +8,7 @@
 static void run(gradacc_comm_t *comm, gradacc_normalize_t normalize, gradacc_dtype_t dtype, float want_w, float want_b)
 {
     const double input = world_rank() == 0 ? 1.0 : 2.0;
-    gradacc_scaler_t *scaler = make_scaler(1.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
     gradacc_tensor_desc_t t[2] = {{1, dtype}, {1, dtype}};
     gradacc_accumulator_t *acc = make_acc(t, 2, normalize, 0);
     const double grads[2] = {input, 1.0};

@@ -17,7 +17,7 @@ int main(int argc, char **argv)
     EXPECT_OK(gradacc_comm_world_size(comm, &n));
     CHECK(r == (size_t)(rank % 2) && n == 2, "world rank %d: group rank %zu of %zu", rank, r, n);
 
-    gradacc_scaler_t *scaler = make_scaler(1.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
     gradacc_tensor_desc_t t[1] = {{3, GRADACC_DTYPE_F32}};
     gradacc_accumulator_t *acc = make_acc(t, 1, GRADACC_NORMALIZE_NONE, 0);
     float g[3] = {(float)(rank + 1), 10.0f * (float)(rank + 1), -1.0f};

@@ -45,7 +45,7 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     const int rank = world_rank(), world = world_size();
     gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
-    gradacc_scaler_t *scaler = make_scaler(1024.0f);
+    gradacc_scaler_t *scaler = scaler_with_scale(1024.0f);
     gradacc_tensor_desc_t t[TENSORS];
     grad_buf g[TENSORS];
     double *ref[TENSORS], *got[TENSORS];
