@@ -685,24 +685,10 @@ fn scaler_create(world: &mut World, input: &mut Input) {
         if null_out { null_mut() } else { &mut out },
     );
     if world.check("gradacc_scaler_create", status, want) {
-        let cfg = if pass_null { ScalerCfg { dynamic: true, ..default_scaler_cfg() } } else { cfg };
+        // With a NULL config, `c` is still gradacc_scaler_config_default's output: the defaults.
         world.scalers.push((out, ScalerModel::new(cfg)));
     } else {
         assert_eq!(out as usize, 0x5, "gradacc_scaler_create wrote its output on failure");
-    }
-}
-
-fn default_scaler_cfg() -> ScalerCfg {
-    ScalerCfg {
-        init_scale: 65536.0,
-        growth_factor: 2.0,
-        backoff_factor: 0.5,
-        growth_interval: 2000,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_scale: 1.0,
-        max_scale: f32::INFINITY,
-        dynamic: true,
     }
 }
 
@@ -811,11 +797,9 @@ fn acc_create(world: &mut World, input: &mut Input) {
         for &k in &numels {
             offsets.push(offsets.last().unwrap() + k);
         }
-        let (mean, normalize, max_grad_norm, bucket_numel) = if pass_null_config {
-            (true, GRADACC_NORMALIZE_BY_COUNT, 0.0, 4 << 20)
-        } else {
-            (c.loss_reduction == GRADACC_LOSS_REDUCTION_MEAN, c.normalize, c.max_grad_norm, c.bucket_numel)
-        };
+        // With a NULL config, `c` is still gradacc_accumulator_config_default's output.
+        let (mean, normalize, max_grad_norm, bucket_numel) =
+            (c.loss_reduction == GRADACC_LOSS_REDUCTION_MEAN, c.normalize, c.max_grad_norm, c.bucket_numel);
         let mut a = AccModel {
             handle: out,
             numels,
