@@ -6,7 +6,6 @@ include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one par
     gen_wrap.py --check    exit 1, showing the diff, if the committed file differs from the output
 """
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,15 +23,7 @@ SCALARS = {
 
 
 def jltype(decl, known, result=False):
-    array = re.fullmatch(r"(.*)\[(\d+)\]", decl)
-    if array:
-        return f"NTuple{{{array.group(2)}, {jltype(array.group(1), known)}}}"
-    words = decl.replace("*", " * ").split()
-    stars = words.count("*")
-    base = [w for w in words if w not in ("const", "struct", "*")]
-    if len(base) != 1:
-        raise ValueError(f"cannot read the type `{decl}`")
-    name = base[0]
+    name, stars, length = gen_ffi.parse_type(decl)
     if name == "char" and stars == 1:
         return "Cstring" if result else "Ptr{Cchar}"
     if name in SCALARS:
@@ -43,7 +34,7 @@ def jltype(decl, known, result=False):
         raise ValueError(f"unknown type `{name}` in `{decl}`")
     for _ in range(stars):
         t = f"Ptr{{{t}}}"
-    return t
+    return t if length is None else f"NTuple{{{length}, {t}}}"
 
 
 def jlstr(text):

@@ -55,17 +55,23 @@ def first_sentence(doc):
     return m.group(1) if m else text
 
 
-def ctype(decl, header):
-    """A C type (without the declared name) as a ctypes expression."""
+def parse_type(decl):
+    """A C type (without the declared name) as (base name, pointer depth, array length or None):
+    `const struct x_t **` -> (`x_t`, 2, None), `uint8_t[128]` -> (`uint8_t`, 0, 128)."""
     array = re.fullmatch(r"(.*)\[(\d+)\]", decl)
     if array:
-        return f"({ctype(array.group(1), header)} * {array.group(2)})"
+        base, stars, _ = parse_type(array.group(1))
+        return base, stars, int(array.group(2))
     words = decl.replace("*", " * ").split()
-    stars = words.count("*")
     base = [w for w in words if w not in ("const", "struct", "*")]
     if len(base) != 1:
         raise ValueError(f"cannot read the type `{decl}`")
-    name = base[0]
+    return base[0], words.count("*"), None
+
+
+def ctype(decl, header):
+    """A C type (without the declared name) as a ctypes expression."""
+    name, stars, length = parse_type(decl)
     if name == "char" and stars == 1:
         return "ctypes.c_char_p"
     if name == "void":
@@ -80,7 +86,7 @@ def ctype(decl, header):
         raise ValueError(f"unknown type `{name}` in `{decl}`")
     for _ in range(stars):
         inner = f"ctypes.POINTER({inner})"
-    return inner
+    return inner if length is None else f"({inner} * {length})"
 
 
 def split_decl(decl):
