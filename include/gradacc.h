@@ -575,7 +575,9 @@ gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accum
  *
  * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
  * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
- * serialised); not concurrently with other calls on `acc`.
+ * serialised, and summed in the order they arrive, so contributions to one tensor from several
+ * threads can round differently from run to run: for reproducible bits, give each tensor's
+ * contributions from one thread); not concurrently with other calls on `acc`.
  */
 gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
                                                 const struct gradacc_scaler_t *scaler,

@@ -593,7 +593,8 @@ METHOD = """\
   smaller sizes that writes under `target/bench/quick/` and leaves `docs/` alone.
 - Every measurement: one untimed call of each variant, then the variants take turns for a number of
   rounds (9 in the Rust suite; 7 in the PyTorch comparison, 5 where some variant takes over a quarter
-  second a call; 7 for the boundary); calls shorter than a few milliseconds are repeated within a
+  second a call; 7 for the in-process boundary; 15 after 3 warm-up steps for the MPI one); calls
+  shorter than a few milliseconds are repeated within a
   sample; the median over rounds is reported. *Spread* is (slowest − fastest) ÷
   median over the rounds, for gradacc's column.
 - Taking turns keeps the floor and the competitors in the same machine state as gradacc, which
