@@ -1,0 +1,493 @@
+/* The CUDA driver entry points the project calls, and nothing else: any other symbol is missing,
+ * so a caller that needs one fails loudly. Each call checks its arguments as the real driver does
+ * (a current context, streams of that context, live allocations) and returns its status codes;
+ * misuse the hardware would not report at once (races, stale pointers) is a violation. */
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+#include "image.h"
+#include "kernels.h"
+#include "sim.h"
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef sim::Context *CUcontext;
+typedef void *CUstream;
+typedef struct Event *CUevent;
+typedef struct Module *CUmodule;
+typedef struct Function *CUfunction;
+typedef sim::Device *CUmemoryPool;
+
+enum : CUresult {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+struct Event {
+    sim::Context *ctx;
+    sim::Stream *stream = nullptr; /* of the last record */
+    uint64_t seq = 0;
+    sim::Clock clock;
+};
+
+struct Module {
+    sim::Image image;
+};
+
+struct Function {
+    const sim::KernelInfo *kernel;
+    sim::ImageKernel image;
+};
+
+namespace {
+
+bool initialised = false;
+thread_local std::vector<sim::Context *> context_stack;
+
+/* The current context, or the status a call without one returns. */
+CUresult need_context(sim::Context **ctx) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    *ctx = sim::current_context();
+    return *ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+/* The current context and `handle` resolved in it. */
+CUresult need_stream(CUstream handle, sim::Context **ctx, sim::Stream **stream) {
+    if (CUresult r = need_context(ctx)) return r;
+    *stream = sim::resolve_stream(handle, *ctx);
+    return *stream ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+int current_device() { return sim::current_context()->device->ordinal; }
+
+/* A device range the host names in a copy or fill: must be live now (a violation otherwise). */
+void check_device_range(const char *call, CUdeviceptr ptr, size_t bytes) {
+    std::string why;
+    if (bytes && !sim::find_live(ptr, bytes, -1, &why)) sim::violation("%s: %s", call, why.c_str());
+}
+
+} // namespace
+
+sim::Context *sim::current_context() { return context_stack.empty() ? nullptr : context_stack.back(); }
+
+EXPORT CUresult cuInit(unsigned flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    sim::device(0);
+    initialised = true;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *version) {
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    *version = 12080;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult error, const char **text) {
+    if (!text) return CUDA_ERROR_INVALID_VALUE;
+    switch (error) {
+    case CUDA_SUCCESS: *text = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: *text = "invalid argument"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *text = "out of memory"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *text = "initialization error"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
+    case CUDA_ERROR_INVALID_IMAGE: *text = "device kernel image is invalid"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
+    case CUDA_ERROR_NO_BINARY_FOR_GPU: *text = "no kernel image is available for execution on the device"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
+    case CUDA_ERROR_NOT_FOUND: *text = "named symbol not found"; break;
+    case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
+    default: *text = nullptr; return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    *count = sim::config().devices;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+/* CUdevice_attribute values the project asks for. */
+enum { ATTR_MULTIPROCESSOR_COUNT = 16, ATTR_CC_MAJOR = 75, ATTR_CC_MINOR = 76, ATTR_MEMORY_POOLS_SUPPORTED = 115 };
+
+EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    const auto &c = sim::config();
+    switch (attribute) {
+    case ATTR_MULTIPROCESSOR_COUNT: *value = c.sms; break;
+    case ATTR_CC_MAJOR: *value = c.cc_major; break;
+    case ATTR_CC_MINOR: *value = c.cc_minor; break;
+    case ATTR_MEMORY_POOLS_SUPPORTED: *value = c.memory_pools; break;
+    default: sim::violation("cuDeviceGetAttribute(%d): an attribute the software GPU does not model", attribute);
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = sim::device(device).primary;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    return device < 0 || device >= sim::config().devices ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    context_stack.push_back(ctx);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (context_stack.empty()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx) *ctx = context_stack.back();
+    context_stack.pop_back();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    *ctx = sim::current_context();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!context_stack.empty()) context_stack.pop_back();
+    if (ctx) context_stack.push_back(ctx);
+    return CUDA_SUCCESS;
+}
+
+/* ---- Memory ---- */
+
+EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice device) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (!sim::config().memory_pools) return CUDA_ERROR_NOT_SUPPORTED;
+    *pool = &sim::device(device);
+    return CUDA_SUCCESS;
+}
+
+/* CUmemAccessDesc: {CUmemLocation {int type; int id;}, int flags}. */
+struct MemAccessDesc {
+    int location_type;
+    int location_id;
+    int flags;
+};
+enum { LOCATION_DEVICE = 1, ACCESS_NONE = 0, ACCESS_READWRITE = 3 };
+
+EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const MemAccessDesc *map, size_t count) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pool || (!map && count)) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; ++i) {
+        const auto &d = map[i];
+        if (d.location_type != LOCATION_DEVICE || d.location_id < 0 || d.location_id >= sim::config().devices) return CUDA_ERROR_INVALID_VALUE;
+        if (d.flags != ACCESS_NONE && d.flags != ACCESS_READWRITE) return CUDA_ERROR_INVALID_VALUE;
+        if (d.location_id == pool->ordinal) {
+            if (d.flags != ACCESS_READWRITE) return CUDA_ERROR_INVALID_DEVICE; /* the owner keeps its access */
+            continue;
+        }
+        pool->pool_access[d.location_id] = d.flags == ACCESS_READWRITE;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!ptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!sim::config().memory_pools) return CUDA_ERROR_NOT_SUPPORTED;
+    uint64_t p = sim::allocate(ctx->device->ordinal, bytes, true);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    /* Usable in stream order from here: another stream must wait for this point. */
+    sim::enqueue(stream, sim::Op{"cuMemAllocAsync", [p, bytes](sim::Footprint &f) { f.access(p, bytes, true); }, nullptr});
+    *ptr = p;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    std::string why;
+    uint64_t base = sim::find_live(ptr, 0, -1, &why);
+    if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFreeAsync(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
+    uint64_t bytes = sim::allocation_bytes(ptr);
+    sim::enqueue(stream, sim::Op{"cuMemFreeAsync", [ptr, bytes](sim::Footprint &f) { f.access(ptr, bytes, true); },
+                                 [ptr] { sim::release(ptr); }});
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!ptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t p = sim::allocate(ctx->device->ordinal, bytes, false);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    *ptr = p;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    std::string why;
+    uint64_t base = sim::find_live(ptr, 0, -1, &why);
+    if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFree(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
+    /* cuMemFree synchronises: every stream of the device has finished with the memory. */
+    for (int d = 0; d < sim::config().devices; ++d) sim::device_synchronize(d);
+    sim::release(ptr);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t count, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    check_device_range("cuMemsetD8Async", ptr, count);
+    sim::enqueue(stream, sim::Op{"cuMemsetD8Async", [=](sim::Footprint &f) { f.access(ptr, count, true); },
+                                 [=] { memset((void *)(uintptr_t)ptr, value, count); }});
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t count, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (ptr % 4) return CUDA_ERROR_INVALID_VALUE;
+    check_device_range("cuMemsetD32Async", ptr, count * 4);
+    sim::enqueue(stream, sim::Op{"cuMemsetD32Async", [=](sim::Footprint &f) { f.access(ptr, count * 4, true); }, [=] {
+                                     auto *p = (unsigned *)(uintptr_t)ptr;
+                                     for (size_t i = 0; i < count; ++i) p[i] = value;
+                                 }});
+    return CUDA_SUCCESS;
+}
+
+/* Host memory is pageable: the source of a host-to-device copy is staged before the call returns. */
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!src && bytes) return CUDA_ERROR_INVALID_VALUE;
+    check_device_range("cuMemcpyHtoDAsync", dst, bytes);
+    auto staged = std::make_shared<std::vector<uint8_t>>((const uint8_t *)src, (const uint8_t *)src + bytes);
+    sim::enqueue(stream, sim::Op{"cuMemcpyHtoDAsync", [=](sim::Footprint &f) { f.access(dst, bytes, true); },
+                                 [=] { memcpy((void *)(uintptr_t)dst, staged->data(), bytes); }});
+    return CUDA_SUCCESS;
+}
+
+/* To pageable host memory: returns once the copy is done. */
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!dst && bytes) return CUDA_ERROR_INVALID_VALUE;
+    check_device_range("cuMemcpyDtoHAsync", src, bytes);
+    uint64_t seq = sim::enqueue(stream, sim::Op{"cuMemcpyDtoHAsync", [=](sim::Footprint &f) { f.access(src, bytes, false); },
+                                                [=] { memcpy(dst, (const void *)(uintptr_t)src, bytes); }});
+    sim::host_wait(stream, seq);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    check_device_range("cuMemcpyDtoDAsync", src, bytes);
+    check_device_range("cuMemcpyDtoDAsync", dst, bytes);
+    sim::enqueue(stream, sim::Op{"cuMemcpyDtoDAsync",
+                                 [=](sim::Footprint &f) {
+                                     f.access(src, bytes, false);
+                                     f.access(dst, bytes, true);
+                                 },
+                                 [=] { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes); }});
+    return CUDA_SUCCESS;
+}
+
+/* ---- Streams and events ---- */
+
+enum { STREAM_NON_BLOCKING = 1 };
+
+EXPORT CUresult cuStreamCreate(CUstream *stream, unsigned flags) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!stream || flags > STREAM_NON_BLOCKING) return CUDA_ERROR_INVALID_VALUE;
+    *stream = sim::create_stream(ctx, !(flags & STREAM_NON_BLOCKING));
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamDestroy_v2(CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if ((uintptr_t)handle <= 2) return CUDA_ERROR_INVALID_HANDLE;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    sim::destroy_stream(stream);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    sim::host_wait(stream);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamQuery(CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    uint64_t last = sim::last_enqueued(stream);
+    if (!sim::done(stream, last)) return CUDA_ERROR_NOT_READY;
+    sim::host_wait(stream, last);
+    return CUDA_SUCCESS;
+}
+
+enum { EVENT_DISABLE_TIMING = 2 };
+
+EXPORT CUresult cuEventCreate(CUevent *event, unsigned flags) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!event || (flags & ~3u)) return CUDA_ERROR_INVALID_VALUE;
+    *event = new Event{ctx};
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventDestroy_v2(CUevent event) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    delete event;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventRecord(CUevent event, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (event->ctx != ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    event->stream = stream;
+    event->seq = sim::last_enqueued(stream);
+    event->clock = sim::clock_of(stream);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (event->stream) sim::enqueue_wait(stream, event->stream, event->seq, event->clock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventSynchronize(CUevent event) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (event->stream) sim::host_wait(event->stream, event->seq ? event->seq : 1);
+    return CUDA_SUCCESS;
+}
+
+/* ---- Modules and launches ---- */
+
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *data) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!module || !data) return CUDA_ERROR_INVALID_VALUE;
+    auto m = std::make_unique<Module>();
+    std::string why;
+    if (!sim::parse_image(data, &m->image, &why)) {
+        fprintf(stderr, "simgpu: cuModuleLoadData: %s\n", why.c_str());
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    int device = sim::config().cc_major * 10 + sim::config().cc_minor, arch = m->image.arch;
+    bool runs = m->image.cubin ? arch / 10 == device / 10 && arch <= device : arch <= device;
+    if (!runs) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    *module = m.release();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleUnload(CUmodule module) {
+    if (!module) return CUDA_ERROR_INVALID_HANDLE;
+    delete module;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *name) {
+    sim::Context *ctx;
+    if (CUresult r = need_context(&ctx)) return r;
+    if (!function || !module || !name) return CUDA_ERROR_INVALID_VALUE;
+    auto in_image = module->image.kernels.find(name);
+    if (in_image == module->image.kernels.end()) return CUDA_ERROR_NOT_FOUND;
+    const sim::KernelInfo *kernel = sim::find_kernel(name);
+    if (!kernel) sim::violation("cuModuleGetFunction(%s): the image has it but the software GPU has no host build of it", name);
+    if (kernel->param_sizes != in_image->second.param_sizes) {
+        std::string host, device;
+        for (size_t s : kernel->param_sizes) host += " " + std::to_string(s);
+        for (size_t s : in_image->second.param_sizes) device += " " + std::to_string(s);
+        sim::violation("%s: parameter sizes differ between the image (%s ) and the host build (%s )", name, device.c_str(), host.c_str());
+    }
+    *function = new Function{kernel, in_image->second};
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared_bytes,
+                               CUstream handle, void **params, void **extra) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (extra) sim::violation("cuLaunchKernel(%s): `extra` arguments are not modelled", f->kernel->name.c_str());
+    if (!gx || !gy || !gz || !bx || !by || !bz || shared_bytes) return CUDA_ERROR_INVALID_VALUE;
+    if ((uint64_t)bx * by * bz > f->image.max_threads) return CUDA_ERROR_INVALID_VALUE;
+    if (!params && !f->kernel->param_sizes.empty()) return CUDA_ERROR_INVALID_VALUE;
+    sim::BoundKernel bound = f->kernel->bind(params, current_device());
+    sim::Dim3 grid{gx, gy, gz}, block{bx, by, bz};
+    auto body = std::make_shared<std::function<void()>>(bound.body);
+    char what[160];
+    snprintf(what, sizeof what, "%s<<<%u, %u>>>", f->kernel->name.c_str(), gx * gy * gz, bx * by * bz);
+    sim::enqueue(stream, sim::Op{what, bound.footprint, [grid, block, body] {
+                                     for (unsigned z = 0; z < grid.z; ++z)
+                                         for (unsigned y = 0; y < grid.y; ++y)
+                                             for (unsigned x = 0; x < grid.x; ++x) sim::run_block(grid, sim::Dim3{x, y, z}, block, *body);
+                                 }});
+    return CUDA_SUCCESS;
+}

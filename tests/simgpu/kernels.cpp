@@ -1,0 +1,142 @@
+/* The project's own kernels (src/backend/cuda/kernels/), compiled as host C++ with shim.h, and
+ * what each launch touches: the race detector and the bounds checks need every kernel's memory
+ * footprint, derived here from its arguments (and the device tables they point to). A kernel
+ * whose signature changes no longer matches its footprint's and this file stops compiling. */
+#include "kernels.h"
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "shim.h"
+
+#include "../../src/backend/cuda/kernels/math.cuh"
+#include "../../src/backend/cuda/kernels/kernels.cu"
+
+namespace sim {
+namespace {
+
+uint64_t dtype_bytes(int dtype) { return dtype == GA_DTYPE_F32 ? 4 : 2; }
+
+/* Footprints: one per kernel, with the kernel's exact parameter types. */
+
+void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, const ga_source *sources, float *master,
+                  const ga_scaler_state *scaler, double, ga_u32 *found_inf) {
+    f.read(chunks, num_chunks * sizeof(ga_chunk));
+    ga_u64 num_tensors = 0;
+    for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
+    f.read(tensors, num_tensors * sizeof(ga_tensor));
+    f.read(sources, num_tensors * sizeof(ga_source));
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_chunk &k = chunks[c];
+        const ga_tensor &t = tensors[k.tensor];
+        if (k.start + k.len > t.numel) violation("ga_add_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
+        f.write(master + t.offset + k.start, k.len * 4);
+        f.read((const char *)(uintptr_t)sources[k.tensor].grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
+    }
+    f.read(scaler, sizeof *scaler);
+    f.write(found_inf, 4);
+}
+
+void fp_add_one(Footprint &f, float *master, const void *grad, ga_u64 numel, int dtype, const ga_scaler_state *scaler, double, ga_u32,
+                ga_u32 *found_inf) {
+    f.write(master, numel * 4);
+    f.read(grad, numel * dtype_bytes(dtype));
+    f.read(scaler, sizeof *scaler);
+    f.write(found_inf, 4);
+}
+
+void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf) {
+    f.write(b, 3 * sizeof(ga_u64));
+    if (found_inf) f.read(found_inf, 4);
+}
+
+void fp_begin_boundary(Footprint &f, ga_boundary *b, int, ga_u64) { f.write(b, sizeof *b); }
+
+void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary *b, int, double *partials) {
+    f.read(b, sizeof *b);
+    f.write(buf, n * 4);
+    f.write(partials, (n + GA_NORM_BLOCK - 1) / GA_NORM_BLOCK * 8);
+}
+
+void fp_finish_norm(Footprint &f, ga_boundary *b, const double *partials, ga_u64 num_blocks, double) {
+    f.write(b, sizeof *b);
+    f.read(partials, num_blocks * 8);
+}
+
+void fp_scale_by(Footprint &f, float *buf, ga_u64 n, const ga_boundary *b) {
+    f.read(b, sizeof *b);
+    f.write(buf, n * 4);
+}
+
+void fp_scaler_gather(Footprint &f, ga_scaler_state *s, const ga_boundary *b) {
+    f.write(s, sizeof *s);
+    f.read(b, sizeof *b);
+}
+
+void fp_scaler_update(Footprint &f, ga_scaler_state *s, ga_scaler_rule) { f.write(s, sizeof *s); }
+
+void fp_scale_loss(Footprint &f, void *loss, ga_u64 n, int dtype, const ga_scaler_state *s) {
+    f.write(loss, n * dtype_bytes(dtype));
+    f.read(s, sizeof *s);
+}
+
+void fp_layout_sizes(Footprint &f, ga_u64 *out) { f.write(out, 6 * sizeof(ga_u64)); }
+
+/* Checks a pointer argument (null is allowed: a kernel may test it) against the live
+ * allocations of the launching device. */
+template <typename T> void check_argument(const char *kernel, size_t index, T value, int device) {
+    if constexpr (std::is_pointer_v<T>) {
+        if (value == nullptr) return;
+        std::string why;
+        if (!find_live((uint64_t)(uintptr_t)value, 0, device, &why))
+            violation("%s: argument %zu = %p is not device memory of device %d: %s", kernel, index, (const void *)value, device, why.c_str());
+    }
+}
+
+template <typename... A, size_t... I>
+KernelInfo make(const char *name, void (*kernel)(A...), void (*footprint)(Footprint &, A...), std::index_sequence<I...>) {
+    KernelInfo info;
+    info.name = name;
+    info.param_sizes = {sizeof(A)...};
+    info.bind = [name, kernel, footprint](void **args, int device) {
+        auto values = std::make_shared<std::tuple<A...>>(*static_cast<A *>(args[I])...);
+        (check_argument(name, I, std::get<I>(*values), device), ...);
+        BoundKernel bound;
+        bound.footprint = [values, footprint](Footprint &f) { footprint(f, std::get<I>(*values)...); };
+        bound.body = [values, kernel] { kernel(std::get<I>(*values)...); };
+        return bound;
+    };
+    return info;
+}
+
+template <typename... A> KernelInfo make(const char *name, void (*kernel)(A...), void (*footprint)(Footprint &, A...)) {
+    return make(name, kernel, footprint, std::index_sequence_for<A...>{});
+}
+
+const std::vector<KernelInfo> &registry() {
+    static const std::vector<KernelInfo> kernels = {
+        make("ga_add_multi", ga_add_multi, fp_add_multi),
+        make("ga_add_one", ga_add_one, fp_add_one),
+        make("ga_pack_control", ga_pack_control, fp_pack_control),
+        make("ga_begin_boundary", ga_begin_boundary, fp_begin_boundary),
+        make("ga_scale_sum_squares", ga_scale_sum_squares, fp_scale_sum_squares),
+        make("ga_finish_norm", ga_finish_norm, fp_finish_norm),
+        make("ga_scale_by", ga_scale_by, fp_scale_by),
+        make("ga_scaler_gather", ga_scaler_gather, fp_scaler_gather),
+        make("ga_scaler_update", ga_scaler_update, fp_scaler_update),
+        make("ga_scale_loss", ga_scale_loss, fp_scale_loss),
+        make("ga_layout_sizes", ga_layout_sizes, fp_layout_sizes),
+    };
+    return kernels;
+}
+
+} // namespace
+
+const KernelInfo *find_kernel(const std::string &name) {
+    for (const auto &k : registry())
+        if (k.name == name) return &k;
+    return nullptr;
+}
+
+} // namespace sim
