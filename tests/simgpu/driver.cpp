@@ -91,6 +91,12 @@ EXPORT CUresult cuInit(unsigned flags) {
     return CUDA_SUCCESS;
 }
 
+/* NVRTC opens libcuda.so.1 and asks for an internal table: there is none here. */
+EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
+    if (table) *table = nullptr;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 EXPORT CUresult cuDriverGetVersion(int *version) {
     if (!version) return CUDA_ERROR_INVALID_VALUE;
     *version = 12080;

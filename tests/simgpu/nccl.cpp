@@ -85,9 +85,10 @@ struct Comm {
     std::string last_error;
 };
 
-std::mutex mutex;
-std::condition_variable changed;
-std::map<std::string, Group> groups;
+/* Never destroyed: collectives may still wait on them at exit. */
+std::mutex &mutex = *new std::mutex;
+std::condition_variable &changed = *new std::condition_variable;
+std::map<std::string, Group> &groups = *new std::map<std::string, Group>;
 
 struct Pending {
     Comm *comm;

@@ -85,9 +85,10 @@ struct Alloc {
     std::vector<Record> records;
 };
 
-std::mutex memory_mutex;
-std::map<uint64_t, Alloc> allocations; /* by base address, live and quarantined */
-std::deque<uint64_t> quarantine;
+/* Process-lifetime state is never destroyed: stream workers may still wait on it at exit. */
+std::mutex &memory_mutex = *new std::mutex;
+std::map<uint64_t, Alloc> &allocations = *new std::map<uint64_t, Alloc>; /* by base address, live and quarantined */
+std::deque<uint64_t> &quarantine = *new std::deque<uint64_t>;
 uint64_t quarantined_bytes = 0;
 constexpr uint64_t kQuarantineBytes = 1ull << 30;
 
@@ -239,10 +240,10 @@ struct Stream {
 
 namespace {
 
-std::mutex stream_mutex;
-std::condition_variable progress;
+std::mutex &stream_mutex = *new std::mutex;
+std::condition_variable &progress = *new std::condition_variable;
 uint32_t next_stream_id = 1;
-Clock host_clock; /* what any host thread has seen complete (cuStreamSynchronize and friends) */
+Clock &host_clock = *new Clock; /* what any host thread has seen complete (cuStreamSynchronize and friends) */
 
 void run_worker(Stream *s) {
     std::mt19937 rng((unsigned)s->id * 7919u + 17u);
