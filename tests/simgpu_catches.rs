@@ -1,0 +1,171 @@
+//! The software GPU (tests/simgpu/) catches what it exists to catch: each case below misuses the
+//! driver or NCCL the way a bug in the CUDA backend would, in a child process, and the child must
+//! die with the software GPU's report. A stand-in that let these pass would make every green run
+//! of the GPU suite meaningless.
+//!
+//! Runs only on the software GPU (`scripts/sim-gpu-check` sets GRADACC_SIMGPU=1).
+
+use std::ffi::{c_void, CString};
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+
+use cudarc::driver::sys as cu;
+use gradacc::backend::cuda::compile::{self, Target};
+use gradacc::backend::cuda::driver::{Context, DeviceBuffer, Module, OwnedStream, THREADS};
+use gradacc::comm::nccl::{self, NcclComm};
+
+const CASE: &str = "GRADACC_SIMGPU_CASE";
+
+/// Runs `misuse` in a child process and requires it to die with a report containing `expect`.
+fn expect_caught(case: &str, expect: &str, misuse: impl FnOnce()) {
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") {
+        eprintln!("not on the software GPU: nothing to check");
+        return;
+    }
+    if std::env::var(CASE).as_deref() == Ok(case) {
+        misuse();
+        // Let stream workers run what was enqueued before declaring that nothing was caught.
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        println!("NOT CAUGHT");
+        std::process::exit(0);
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", case, "--nocapture", "--test-threads=1"])
+        .env(CASE, case)
+        .env("SIMGPU_TIMEOUT_S", "3")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{case}: the child was not stopped\n{}{stderr}", String::from_utf8_lossy(&out.stdout));
+    let report = stderr.lines().find(|l| l.starts_with("simgpu: ")).unwrap_or_else(|| panic!("{case}: no report\n{stderr}"));
+    assert!(report.contains(expect), "{case}: the report does not say `{expect}`: {report}");
+    eprintln!("{case}: {report}");
+}
+
+fn kernel(ctx: &Context, source: &str, name: &str) -> (Module, gradacc::backend::cuda::driver::Function) {
+    let (major, minor) = ctx.capability;
+    let image = compile::compile_source(source, Target::for_device(major, minor).unwrap()).unwrap().image;
+    let module = Module::load(ctx, &image).unwrap();
+    let _current = ctx.enter().unwrap();
+    let f = module.function(&CString::new(name).unwrap()).unwrap();
+    (module, f)
+}
+
+/// `ga_add_one` with its master and gradient arguments swapped: the kernel would write 4-byte
+/// values over a buffer of 2-byte ones.
+#[test]
+fn swapped_launch_argument() {
+    expect_caught("swapped_launch_argument", "past the end", || {
+        let ctx = Context::get(0).unwrap();
+        let stream = OwnedStream::new(&ctx).unwrap();
+        let (_m, add_one) = kernel(&ctx, compile::SOURCE, "ga_add_one");
+        let n = 1000u64;
+        let master = DeviceBuffer::zeroed(&ctx, stream.stream, n as usize * 4).unwrap();
+        let grad = DeviceBuffer::zeroed(&ctx, stream.stream, n as usize * 2).unwrap();
+        let scaler = DeviceBuffer::zeroed(&ctx, stream.stream, 256).unwrap();
+        let found = DeviceBuffer::zeroed(&ctx, stream.stream, 4).unwrap();
+        let (m, g, s, f) = (master.ptr(), grad.ptr(), scaler.ptr(), found.ptr());
+        let (dtype, weight, assign) = (1i32, 1.0f64, 1u32);
+        let mut args: [*mut c_void; 8] = [
+            &g as *const _ as *mut c_void, // swapped
+            &m as *const _ as *mut c_void, // swapped
+            &n as *const _ as *mut c_void,
+            &dtype as *const _ as *mut c_void,
+            &s as *const _ as *mut c_void,
+            &weight as *const _ as *mut c_void,
+            &assign as *const _ as *mut c_void,
+            &f as *const _ as *mut c_void,
+        ];
+        // SAFETY: deliberately wrong: the software GPU must refuse it.
+        unsafe { add_one.launch(&ctx, 1, THREADS, stream.stream, &mut args).unwrap() };
+        let mut out = [0f32; 1];
+        master.read(&mut out).unwrap();
+    });
+}
+
+/// A buffer written on one stream and then on another with no event between them.
+#[test]
+fn missing_event() {
+    expect_caught("missing_event", "race on", || {
+        let ctx = Context::get(0).unwrap();
+        let (a, b) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+        let buf = DeviceBuffer::zeroed(&ctx, a.stream, 4096).unwrap();
+        let _current = ctx.enter().unwrap();
+        // SAFETY: a valid range of a live buffer; only its ordering is wrong.
+        unsafe { cu::cuMemsetD8Async(buf.ptr(), 7, 4096, b.stream) };
+        unsafe { cu::cuStreamSynchronize(b.stream) };
+    });
+}
+
+/// A buffer used after its stream-ordered free.
+#[test]
+fn use_after_free() {
+    expect_caught("use_after_free", "freed", || {
+        let ctx = Context::get(0).unwrap();
+        let stream = OwnedStream::new(&ctx).unwrap();
+        let stale = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap().ptr();
+        let _current = ctx.enter().unwrap();
+        // SAFETY: deliberately wrong: the address was freed.
+        unsafe { cu::cuMemsetD8Async(stale, 0, 64, stream.stream) };
+    });
+}
+
+/// A kernel whose parameter list the host build and the image disagree on (a signature changed
+/// in one place only).
+#[test]
+fn kernel_signature_drift() {
+    expect_caught("kernel_signature_drift", "parameter sizes differ", || {
+        let ctx = Context::get(0).unwrap();
+        let drifted = compile::SOURCE.replace("ga_scale_by(float *buf, ga_u64 n,", "ga_scale_by(float *buf, ga_u32 n,");
+        assert_ne!(drifted, compile::SOURCE, "the signature to drift was not found");
+        kernel(&ctx, &drifted, "ga_scale_by");
+    });
+}
+
+/// Two ranks whose n-th collectives differ (a boundary that reduced another bucket list).
+#[test]
+fn collective_sequence_mismatch() {
+    expect_caught("collective_sequence_mismatch", "differs between ranks", || {
+        let id = nccl::unique_id().unwrap();
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                let id = &id;
+                s.spawn(move || {
+                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
+                    comm.allreduce_sum_f32(buf.ptr(), 4 + rank, stream.stream).unwrap();
+                    std::thread::sleep(std::time::Duration::from_secs(5));
+                });
+            }
+        });
+    });
+}
+
+/// A collective that one rank never joins: reported after the timeout, not a hang.
+#[test]
+fn collective_without_peer() {
+    expect_caught("collective_without_peer", "a hang", || {
+        let id = nccl::unique_id().unwrap();
+        let ready = Arc::new(Barrier::new(2));
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                let (id, ready) = (&id, ready.clone());
+                s.spawn(move || {
+                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
+                    ready.wait();
+                    if rank == 0 {
+                        let ctx = Context::get(0).unwrap();
+                        let stream = OwnedStream::new(&ctx).unwrap();
+                        let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
+                        comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
+                        let mut out = [0f32; 1];
+                        buf.read(&mut out).unwrap();
+                    }
+                    std::thread::sleep(std::time::Duration::from_secs(8));
+                });
+            }
+        });
+    });
+}
