@@ -23,3 +23,10 @@ nvrtc_lib() {
     "$py" -c 'import nvidia.cuda_nvrtc' 2>/dev/null || "$py" -m pip install --quiet "nvidia-cuda-nvrtc-cu12>=12.8,<13" >&2
     "$py" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("nvidia.cuda_nvrtc").submodule_search_locations[0], "lib"))'
 }
+
+# numpy and pytest for the Python binding, in the project's .venv (gitignored), from PyPI.
+python_venv() {
+    local py="$GRADACC_ROOT/.venv/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
+    "$py" -c 'import numpy, pytest' 2>/dev/null || "$py" -m pip install --quiet numpy pytest
+}
