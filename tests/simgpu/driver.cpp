@@ -35,6 +35,8 @@ enum : CUresult {
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
 };
 
 struct Event {
@@ -70,6 +72,13 @@ CUresult need_stream(CUstream handle, sim::Context **ctx, sim::Stream **stream) 
     if (CUresult r = need_context(ctx)) return r;
     *stream = sim::resolve_stream(handle, *ctx);
     return *stream ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* A call a capture cannot record (pageable copies, host waits): it invalidates the capture. */
+CUresult refuse_if_capturing(sim::Stream *stream) {
+    if (sim::capture_status(stream) == 0) return CUDA_SUCCESS;
+    sim::invalidate_capture(stream);
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
 int current_device() { return sim::current_context()->device->ordinal; }
@@ -118,6 +127,8 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **text) {
     case CUDA_ERROR_NOT_FOUND: *text = "named symbol not found"; break;
     case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *text = "operation not permitted when stream is capturing"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: *text = "operation failed due to a previous error during capture"; break;
     default: *text = nullptr; return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;
@@ -237,6 +248,7 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream handle)
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (sim::capture_status(stream)) sim::violation("%s during a capture: graph memory nodes are not modelled", __func__);
     if (!ptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
     if (!sim::config().memory_pools) return CUDA_ERROR_NOT_SUPPORTED;
     uint64_t p = sim::allocate(ctx->device->ordinal, bytes, true);
@@ -251,6 +263,7 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream handle) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (sim::capture_status(stream)) sim::violation("%s during a capture: graph memory nodes are not modelled", __func__);
     std::string why;
     uint64_t base = sim::find_live(ptr, 0, -1, &why);
     if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFreeAsync(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
@@ -310,6 +323,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t by
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!src && bytes) return CUDA_ERROR_INVALID_VALUE;
     check_device_range("cuMemcpyHtoDAsync", dst, bytes);
     auto staged = std::make_shared<std::vector<uint8_t>>((const uint8_t *)src, (const uint8_t *)src + bytes);
@@ -323,6 +337,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, C
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!dst && bytes) return CUDA_ERROR_INVALID_VALUE;
     check_device_range("cuMemcpyDtoHAsync", src, bytes);
     uint64_t seq = sim::enqueue(stream, sim::Op{"cuMemcpyDtoHAsync", [=](sim::Footprint &f) { f.access(src, bytes, false); },
@@ -371,6 +386,7 @@ EXPORT CUresult cuStreamSynchronize(CUstream handle) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (CUresult r = refuse_if_capturing(stream)) return r;
     sim::host_wait(stream);
     return CUDA_SUCCESS;
 }
@@ -379,6 +395,7 @@ EXPORT CUresult cuStreamQuery(CUstream handle) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (CUresult r = refuse_if_capturing(stream)) return r;
     uint64_t last = sim::last_enqueued(stream);
     if (!sim::done(stream, last)) return CUDA_ERROR_NOT_READY;
     sim::host_wait(stream, last);
@@ -495,5 +512,74 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned 
                                          for (unsigned y = 0; y < grid.y; ++y)
                                              for (unsigned x = 0; x < grid.x; ++x) sim::run_block(grid, sim::Dim3{x, y, z}, block, *body);
                                  }});
+    return CUDA_SUCCESS;
+}
+
+/* ---- CUDA graphs, as far as stream capture needs them ---- */
+
+typedef struct Graph *CUgraph;
+typedef struct Graph *CUgraphExec;
+struct Graph {
+    sim::Graph ops;
+};
+
+enum { CAPTURE_MODE_GLOBAL = 0, CAPTURE_MODE_THREAD_LOCAL = 1, CAPTURE_MODE_RELAXED = 2 };
+
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream handle, int mode) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if ((uintptr_t)handle <= 1) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream cannot be captured */
+    if (mode < CAPTURE_MODE_GLOBAL || mode > CAPTURE_MODE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
+    return sim::begin_capture(stream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuStreamIsCapturing(CUstream handle, int *status) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    *status = sim::capture_status(stream);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamEndCapture(CUstream handle, CUgraph *graph) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
+    if (sim::capture_status(stream) == 0) return CUDA_ERROR_INVALID_VALUE;
+    std::unique_ptr<sim::Graph> ops = sim::end_capture(stream);
+    *graph = nullptr;
+    if (!ops) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    *graph = new Graph{std::move(*ops)};
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsigned long long flags) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!exec || !graph || flags) return CUDA_ERROR_INVALID_VALUE;
+    *exec = new Graph{graph->ops};
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream handle) {
+    sim::Context *ctx;
+    sim::Stream *stream;
+    if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    for (const sim::Op &op : exec->ops) sim::enqueue(stream, op);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphDestroy(CUgraph graph) {
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
+    delete graph;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec exec) {
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    delete exec;
     return CUDA_SUCCESS;
 }

@@ -236,6 +236,8 @@ struct Stream {
     Clock clock;
     bool stopping = false;
     std::thread worker;
+    std::unique_ptr<Graph> capture; /* while capturing */
+    bool capture_invalid = false;
 };
 
 namespace {
@@ -349,6 +351,10 @@ QueuedOp &push(Stream *s) {
 
 uint64_t enqueue(Stream *s, Op op) {
     std::lock_guard<std::mutex> lock(stream_mutex);
+    if (s->capture) {
+        s->capture->push_back(std::move(op));
+        return s->enqueued;
+    }
     QueuedOp &q = push(s);
     q.op = std::move(op);
     progress.notify_all();
@@ -357,6 +363,12 @@ uint64_t enqueue(Stream *s, Op op) {
 
 void enqueue_wait(Stream *s, Stream *other, uint64_t seq, const Clock &clock) {
     std::lock_guard<std::mutex> lock(stream_mutex);
+    if (s->capture) {
+        /* A wait on the capturing stream's own work is already in the graph's order; joining
+         * another stream into the capture is not modelled. */
+        if (other != s) s->capture_invalid = true;
+        return;
+    }
     join(s->clock, clock);
     QueuedOp &q = push(s);
     q.op.what = "cuStreamWaitEvent";
@@ -375,6 +387,32 @@ void host_wait(Stream *s, uint64_t seq) {
     for (auto &[id, v] : seen)
         if (id == s->id) v = seq;
     join(host_clock, seen);
+}
+
+bool begin_capture(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    if (s->capture) return false;
+    s->capture = std::make_unique<Graph>();
+    s->capture_invalid = false;
+    return true;
+}
+
+std::unique_ptr<Graph> end_capture(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    std::unique_ptr<Graph> g = std::move(s->capture);
+    if (s->capture_invalid) g.reset();
+    s->capture_invalid = false;
+    return g;
+}
+
+int capture_status(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    return s->capture ? (s->capture_invalid ? 2 : 1) : 0;
+}
+
+void invalidate_capture(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    if (s->capture) s->capture_invalid = true;
 }
 
 bool done(Stream *s, uint64_t seq) {

@@ -88,6 +88,14 @@ int stream_device(Stream *s);
 uint64_t enqueue(Stream *s, Op op);
 /* Makes `s` wait for operation `seq` of `other` (an event), joining its clock. */
 void enqueue_wait(Stream *s, Stream *other, uint64_t seq, const Clock &clock);
+/* CUDA graph capture on a stream: operations enqueued while capturing are recorded, not run;
+ * a launch of the graph enqueues copies of them. A capture an operation could not join (a
+ * pageable copy, a synchronisation) is invalidated, as on hardware. */
+using Graph = std::vector<Op>;
+bool begin_capture(Stream *s);                  /* false when already capturing */
+std::unique_ptr<Graph> end_capture(Stream *s);  /* null when invalidated or not capturing */
+int capture_status(Stream *s);                  /* 0 none, 1 active, 2 invalidated */
+void invalidate_capture(Stream *s);
 /* Host waits: for operation `seq` of `s` (0 = everything enqueued so far). */
 void host_wait(Stream *s, uint64_t seq = 0);
 bool done(Stream *s, uint64_t seq);
