@@ -81,6 +81,13 @@ CUresult refuse_if_capturing(sim::Stream *stream) {
     return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
+/* The checks of a call on device `device` writing through `out`. */
+CUresult need_device(const void *out, int device) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    return device < 0 || device >= sim::config().devices ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
 int current_device() { return sim::current_context()->device->ordinal; }
 
 /* A device range the host names in a copy or fill: must be live now (a violation otherwise). */
@@ -142,9 +149,7 @@ EXPORT CUresult cuDeviceGetCount(int *count) {
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
-    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
-    if (!device) return CUDA_ERROR_INVALID_VALUE;
-    if (ordinal < 0 || ordinal >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (CUresult r = need_device(device, ordinal)) return r;
     *device = ordinal;
     return CUDA_SUCCESS;
 }
@@ -153,9 +158,7 @@ EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
 enum { ATTR_MULTIPROCESSOR_COUNT = 16, ATTR_CC_MAJOR = 75, ATTR_CC_MINOR = 76, ATTR_MEMORY_POOLS_SUPPORTED = 115 };
 
 EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
-    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (CUresult r = need_device(value, device)) return r;
     const auto &c = sim::config();
     switch (attribute) {
     case ATTR_MULTIPROCESSOR_COUNT: *value = c.sms; break;
@@ -168,16 +171,13 @@ EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
-    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
-    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
-    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (CUresult r = need_device(ctx, device)) return r;
     *ctx = sim::device(device).primary;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
-    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
-    return device < 0 || device >= sim::config().devices ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+    return need_device(&device, device);
 }
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
@@ -212,9 +212,7 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 /* ---- Memory ---- */
 
 EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice device) {
-    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    if (device < 0 || device >= sim::config().devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (CUresult r = need_device(pool, device)) return r;
     if (!sim::config().memory_pools) return CUDA_ERROR_NOT_SUPPORTED;
     *pool = &sim::device(device);
     return CUDA_SUCCESS;
