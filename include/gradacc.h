@@ -693,6 +693,9 @@ gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_com
 /**
  * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
  * one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ * An NCCL communicator gradacc created is finalised and destroyed when healthy (its pending
+ * collectives complete first, for at most 10 minutes), and aborted when it failed (a peer's
+ * error, a timeout), which never waits for the other ranks.
  *
  * Thread safety: any thread, once no call uses the handle.
  */
@@ -770,12 +773,17 @@ gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out
 
 /**
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
- * `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it.
- * Accumulators on that device sync over it; their stream carries the collectives.
+ * `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it, or
+ * fails with GRADACC_STATUS_COMM_FAILURE when they have not within 10 minutes; every later call
+ * waits as long at most for the other ranks. Two ranks of one group on one device in one process
+ * are refused (GRADACC_STATUS_INVALID_ARGUMENT). Accumulators on that device sync over it; their
+ * stream carries the collectives.
  *
- * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (ncclCommDestroy),
- * or first gradacc_comm_abort to abandon pending collectives (after a peer failed).
- * Thread safety: one sync at a time per communicator.
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy, or first
+ * gradacc_comm_abort to abandon pending collectives (after a peer failed).
+ * Thread safety: any thread. Calls on one communicator from several threads (bucket reductions
+ * from backward hooks, another accumulator's sync) run one at a time; every rank must still
+ * issue them in the same order.
  */
 gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
                                           int32_t rank,
@@ -785,12 +793,13 @@ gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t 
 
 /**
  * Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
- * it. gradacc never destroys or aborts an adopted communicator.
+ * it. gradacc never destroys or aborts an adopted communicator. A non-blocking one
+ * (ncclConfig_t.blocking = 0) works too: gradacc waits until each of its calls is enqueued.
  *
  * Ownership: `*out_comm` is the caller's (free with gradacc_comm_destroy, before the caller
  * destroys its ncclComm_t); `nccl_comm` stays the caller's.
  * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
- * the communicator concurrently with a gradacc sync.
+ * the communicator concurrently with a gradacc call on it.
  */
 gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
 
@@ -800,7 +809,8 @@ gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t 
  * GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
  * adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
  *
- * Thread safety: any thread, also while another thread is blocked in a sync on the communicator.
+ * Thread safety: any thread, also while another thread is blocked in a sync on the communicator
+ * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
 gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 

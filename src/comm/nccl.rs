@@ -1,18 +1,30 @@
 //! The NCCL communicator (CUDA devices): one rank of an NCCL group, created from a unique id or
 //! adopted from the caller. NCCL is loaded at run time; its collectives are enqueued on a CUDA
-//! stream and never wait on the host. The accumulator's CUDA boundary drives it.
+//! stream and never wait for the device. The accumulator's CUDA boundary drives it.
+//!
+//! Communicators gradacc creates are non-blocking, so no NCCL call here waits for a peer: a call
+//! that answers ncclInProgress is polled with ncclCommGetAsyncError until it is enqueued, up to a
+//! deadline, and `abort` from any thread ends such a wait. Every other use of one communicator is
+//! serialised: NCCL allows one thread at a time inside a communicator.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
-use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
 use crate::backend::cuda::driver::{CUdeviceptr, CUstream, Context};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Bytes of an NCCL unique id (NCCL_UNIQUE_ID_BYTES).
 pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// How long a rank waits for the others (to create the communicator, to enqueue a collective, to
+/// finalise it) before it gives up: the default timeout of PyTorch's NCCL process groups. A rank
+/// that starts minutes after the others is normal; one that never comes is a failure.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The NCCL entry points gradacc calls, resolved from the library cudarc loaded, but typed to
 /// return a plain integer. cudarc declares them returning its `ncclResult_t` enum, and a code
@@ -23,9 +35,10 @@ mod api {
     use std::ffi::{c_char, c_int, c_void};
     use std::sync::OnceLock;
 
-    use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+    use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
     pub(super) const SUCCESS: c_int = 0;
+    pub(super) const IN_PROGRESS: c_int = 7;
 
     /// The name of a result code this version of gradacc knows (nccl.h, up to NCCL 2.30).
     pub(super) fn result_name(code: c_int) -> Option<&'static str> {
@@ -45,13 +58,15 @@ mod api {
 
     pub(super) struct Api {
         pub get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> c_int,
-        pub comm_init_rank: unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> c_int,
+        pub comm_init_rank_config: unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> c_int,
+        pub comm_get_async_error: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_user_rank: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_count: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_cu_device: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
         pub group_start: unsafe extern "C" fn() -> c_int,
         pub group_end: unsafe extern "C" fn() -> c_int,
+        pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> c_int,
         pub comm_destroy: unsafe extern "C" fn(ncclComm_t) -> c_int,
         pub comm_abort: unsafe extern "C" fn(ncclComm_t) -> c_int,
         pub get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
@@ -74,13 +89,15 @@ mod api {
             }
             Ok(Api {
                 get_unique_id: resolve!("ncclGetUniqueId"),
-                comm_init_rank: resolve!("ncclCommInitRank"),
+                comm_init_rank_config: resolve!("ncclCommInitRankConfig"),
+                comm_get_async_error: resolve!("ncclCommGetAsyncError"),
                 comm_user_rank: resolve!("ncclCommUserRank"),
                 comm_count: resolve!("ncclCommCount"),
                 comm_cu_device: resolve!("ncclCommCuDevice"),
                 all_reduce: resolve!("ncclAllReduce"),
                 group_start: resolve!("ncclGroupStart"),
                 group_end: resolve!("ncclGroupEnd"),
+                comm_finalize: resolve!("ncclCommFinalize"),
                 comm_destroy: resolve!("ncclCommDestroy"),
                 comm_abort: resolve!("ncclCommAbort"),
                 get_error_string: resolve!("ncclGetErrorString"),
@@ -92,7 +109,7 @@ mod api {
     }
 }
 
-use api::{Api, SUCCESS};
+use api::{Api, IN_PROGRESS, SUCCESS};
 
 /// Whether the NCCL library loads and has every entry point gradacc calls (never panics; asked
 /// once per process). cudarc looks for `libnccl.so`; the PyPI wheel ships only `libnccl.so.2`,
@@ -108,7 +125,7 @@ fn nccl() -> Result<&'static Api> {
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         return Err(Error::new(ErrorKind::BackendUnavailable, "NCCL (libnccl.so) could not be loaded: put its folder on LD_LIBRARY_PATH"));
     }
-    api::get().map_err(|e| Error::new(ErrorKind::BackendUnavailable, e))
+    api::get().map_err(|e| Error::new(ErrorKind::BackendUnavailable, format!("{e} (gradacc needs NCCL 2.14 or newer)")))
 }
 
 /// COMM_FAILURE for result `code` of `what`, with NCCL's text for it and `detail` (its last
@@ -156,24 +173,154 @@ pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
     Ok(id.internal.map(|b| b as u8))
 }
 
+/// NCCL_CONFIG_INITIALIZER of the nccl.h cudarc's bindings come from (2.30), with `blocking` 0.
+/// NCCL reads at most `size` bytes of it, so an older NCCL reads the fields it knows.
+fn nonblocking_config() -> ncclConfig_t {
+    const UNDEF: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT: NCCL's default
+    ncclConfig_t {
+        size: std::mem::size_of::<ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 2 * 10_000 + 30 * 100,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+/// Polls `state` (ncclCommGetAsyncError's answer) until it leaves ncclInProgress: Ok once it is
+/// ncclSuccess, `error(code)` for an error, a timeout error after `timeout`. Sleeps between
+/// polls, a little longer each time up to 1 ms, so a long wait costs no core.
+fn poll(timeout: Duration, what: &str, mut state: impl FnMut() -> Result<c_int>, error: impl FnOnce(c_int) -> Error) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_micros(10);
+    loop {
+        match state()? {
+            SUCCESS => return Ok(()),
+            IN_PROGRESS => {}
+            code => return Err(error(code)),
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::new(
+                ErrorKind::CommFailure,
+                format!("{what} did not complete within {timeout:?}: a rank failed or never arrived; the communicator is no longer usable"),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
+}
+
+/// A number for the calling thread, never 0 and never reused.
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static TOKEN: Cell<u64> = const { Cell::new(0) });
+    TOKEN.with(|t| {
+        if t.get() == 0 {
+            t.set(NEXT.fetch_add(1, Ordering::Relaxed));
+        }
+        t.get()
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The ranks of communicators gradacc created that are alive in this process, by unique id and
+/// device: NCCL needs a device per rank, and finds two on one device only once every rank of the
+/// group has arrived; gradacc refuses the second before it enters NCCL.
+struct Member {
+    id: [u8; UNIQUE_ID_BYTES],
+    ordinal: i32,
+    rank: usize,
+}
+
+static MEMBERS: Mutex<Vec<Member>> = Mutex::new(Vec::new());
+
+/// A rank's entry in [`MEMBERS`], removed when the communicator (or its failed creation) ends.
+struct Membership {
+    id: [u8; UNIQUE_ID_BYTES],
+    rank: usize,
+}
+
+impl Membership {
+    fn claim(id: &[u8; UNIQUE_ID_BYTES], rank: usize, ordinal: i32) -> Result<Self> {
+        let mut members = lock(&MEMBERS);
+        for m in members.iter().filter(|m| m.id == *id) {
+            if m.rank == rank {
+                return Err(Error::invalid(format!("rank {rank} of this NCCL group already exists in this process (on CUDA device {})", m.ordinal)));
+            }
+            if m.ordinal == ordinal {
+                return Err(Error::invalid(format!(
+                    "ranks {} and {rank} of one NCCL group are both on CUDA device {ordinal} in this process: NCCL needs a device per rank",
+                    m.rank
+                )));
+            }
+        }
+        members.push(Member { id: *id, ordinal, rank });
+        Ok(Membership { id: *id, rank })
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        lock(&MEMBERS).retain(|m| m.id != self.id || m.rank != self.rank);
+    }
+}
+
 /// One rank of an NCCL group.
+///
+/// Every call on it is serialised, so several threads may share it (a final micro-batch's
+/// bucket reductions from hook threads and another accumulator's sync); only `abort` runs beside
+/// them. Collectives of *other* communicators issued inside [`NcclComm::group`] are not covered.
 pub struct NcclComm {
     comm: ncclComm_t,
     api: &'static Api,
     ctx: Arc<Context>,
     rank: usize,
     world_size: usize,
-    /// Created by gradacc (destroyed by it), or adopted from the caller (never destroyed).
+    /// Created by gradacc (finalised and destroyed, or aborted, by it), or adopted from the
+    /// caller (never destroyed or aborted).
     owned: bool,
-    /// Set by `abort`, which frees the communicator: enqueuing holds the read side, so an abort
-    /// from another thread waits for an enqueue in progress instead of freeing under it.
-    aborted: RwLock<bool>,
+    /// Held for each use of the communicator from its first call to the end of its wait (for a
+    /// group, from ncclGroupStart to the end of ncclGroupEnd's wait): NCCL allows one thread at a
+    /// time, and two threads' collectives would be issued in different orders on different ranks.
+    serial: Mutex<()>,
+    /// The thread that holds `serial` for a group (0: none). Its collectives inside the group are
+    /// part of it and must not lock again.
+    group_thread: AtomicU64,
+    /// Held across each single NCCL call (they all return at once on a non-blocking
+    /// communicator) and from ncclGroupStart to ncclGroupEnd, never across a wait for the other
+    /// ranks: `abort` takes it, so it cannot free the communicator under a call or a group.
+    call: Mutex<()>,
+    /// Set by `abort` before it takes `call`: later calls fail instead of touching the freed
+    /// communicator.
+    aborted: AtomicBool,
+    /// NCCL reported an error or a wait timed out: a peer may be gone, so later calls fail, and
+    /// drop aborts instead of finalising (which would wait for the peers).
+    failed: AtomicBool,
+    timeout: Duration,
+    _membership: Option<Membership>,
     /// Process-unique: accumulators remember which communicators they verified their layout with.
     id: u64,
 }
 
-// SAFETY: an ncclComm_t may be used from any thread, one collective call at a time; the
-// accumulator serialises its boundary per communicator use.
+// SAFETY: the ncclComm_t is used by one thread at a time (`serial`, `call`), except for
+// ncclCommAbort, which NCCL allows from any thread and which never runs during another call.
 unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
@@ -181,34 +328,80 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl NcclComm {
     /// Joins the group named by `id` as `rank` of `world_size`, on device `ordinal`. Collective:
-    /// blocks until every rank has called it.
+    /// returns once every rank has called it, or fails after [`DEFAULT_TIMEOUT`].
     pub fn new(id: &[u8; UNIQUE_ID_BYTES], rank: usize, world_size: usize, ordinal: i32) -> Result<Self> {
+        Self::with_timeout(id, rank, world_size, ordinal, DEFAULT_TIMEOUT)
+    }
+
+    /// As [`NcclComm::new`], waiting at most `timeout` for the other ranks here and in every
+    /// later call.
+    pub fn with_timeout(id: &[u8; UNIQUE_ID_BYTES], rank: usize, world_size: usize, ordinal: i32, timeout: Duration) -> Result<Self> {
         let api = nccl()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
             return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")));
         }
         let ctx = Context::get(ordinal)?;
-        let _g = ctx.enter()?;
-        let unique = ncclUniqueId { internal: id.map(|b| b as _) };
+        // Before NCCL, which finds a second rank on the device only once every rank arrived.
+        let membership = Membership::claim(id, rank, ordinal)?;
         let mut comm = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the current context picks the device.
-        let code = unsafe { (api.comm_init_rank)(&mut comm, world_size as c_int, unique, rank as c_int) };
-        check(api, code, "ncclCommInitRank", comm)?;
-        Ok(NcclComm { comm, api, ctx, rank, world_size, owned: true, aborted: RwLock::new(false), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+        let code = {
+            let _g = ctx.enter()?;
+            let unique = ncclUniqueId { internal: id.map(|b| b as _) };
+            let mut config = nonblocking_config();
+            // SAFETY: valid out-pointer and config; the current context picks the device.
+            unsafe { (api.comm_init_rank_config)(&mut comm, world_size as c_int, unique, rank as c_int, &mut config) }
+        };
+        if comm.is_null() {
+            return Err(if code == SUCCESS || code == IN_PROGRESS {
+                Error::new(ErrorKind::CommFailure, "ncclCommInitRankConfig returned no communicator")
+            } else {
+                nccl_error(api, code, "ncclCommInitRankConfig", &last_error(api, std::ptr::null_mut()))
+            });
+        }
+        let c = NcclComm {
+            comm,
+            api,
+            ctx,
+            rank,
+            world_size,
+            owned: true,
+            serial: Mutex::new(()),
+            group_thread: AtomicU64::new(0),
+            call: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            timeout,
+            _membership: Some(membership),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        // On failure `c` drops here and, being failed, is aborted (NCCL frees it), not finalised.
+        c.finish(code, "ncclCommInitRankConfig")?;
+        Ok(c)
     }
 
-    /// Adopts the caller's `ncclComm_t`: rank, size and device are read from it; gradacc never
-    /// destroys or aborts it.
+    /// Adopts the caller's `ncclComm_t`: rank, size and device are read from it (once a
+    /// non-blocking one has finished its creation); gradacc never destroys or aborts it.
     ///
     /// # Safety
     /// `raw` must be a live `ncclComm_t` that outlives this object.
     pub unsafe fn adopt(raw: *mut c_void) -> Result<Self> {
         let api = nccl()?;
         let comm = raw as ncclComm_t;
+        let what = "the adopted communicator's creation";
+        let state = || {
+            let mut state = IN_PROGRESS;
+            // SAFETY: `comm` is live (the caller's promise); valid out-pointer.
+            check(api, unsafe { (api.comm_get_async_error)(comm, &mut state) }, "ncclCommGetAsyncError", comm)?;
+            Ok(state)
+        };
+        poll(DEFAULT_TIMEOUT, what, state, |code| nccl_error(api, code, what, &last_error(api, comm)))?;
         let (mut rank, mut count, mut device) = (0, 0, 0);
-        check(api, (api.comm_user_rank)(comm, &mut rank), "ncclCommUserRank", comm)?;
-        check(api, (api.comm_count)(comm, &mut count), "ncclCommCount", comm)?;
-        check(api, (api.comm_cu_device)(comm, &mut device), "ncclCommCuDevice", comm)?;
+        // SAFETY: as above; the three queries only read the communicator.
+        unsafe {
+            check(api, (api.comm_user_rank)(comm, &mut rank), "ncclCommUserRank", comm)?;
+            check(api, (api.comm_count)(comm, &mut count), "ncclCommCount", comm)?;
+            check(api, (api.comm_cu_device)(comm, &mut device), "ncclCommCuDevice", comm)?;
+        }
         let ctx = Context::get(device)?;
         Ok(NcclComm {
             comm,
@@ -217,7 +410,13 @@ impl NcclComm {
             rank: rank as usize,
             world_size: count as usize,
             owned: false,
-            aborted: RwLock::new(false),
+            serial: Mutex::new(()),
+            group_thread: AtomicU64::new(0),
+            call: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            timeout: DEFAULT_TIMEOUT,
+            _membership: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -238,29 +437,121 @@ impl NcclComm {
         self.id
     }
 
+    /// How long a call waits for the other ranks before it fails.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether [`NcclComm::abort`] ran, or NCCL reported an error (a peer failed) or a wait timed
+    /// out: every later call fails, and drop aborts the communicator.
+    pub fn is_failed(&self) -> bool {
+        self.aborted.load(Ordering::Acquire) || self.failed.load(Ordering::Acquire)
+    }
+
     /// Aborts the communicator's pending and future operations (after a peer died, or to break a
-    /// hang). Only for communicators gradacc created; later calls fail with COMM_FAILURE.
+    /// hang): from any thread, also while another thread waits in a call on it, which then fails
+    /// with COMM_FAILURE, as every later call does. Only for communicators gradacc created.
     pub fn abort(&self) -> Result<()> {
         if !self.owned {
             return Err(Error::wrong_state("this communicator adopts the caller's ncclComm_t: abort it with ncclCommAbort"));
         }
-        let mut aborted = self.aborted.write().unwrap_or_else(|e| e.into_inner());
-        if !*aborted {
-            *aborted = true;
-            let _g = self.ctx.enter()?;
-            // SAFETY: created by ncclCommInitRank, aborted once (under the write lock).
-            check(self.api, unsafe { (self.api.comm_abort)(self.comm) }, "ncclCommAbort", std::ptr::null_mut())?;
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        // Waits for at most one NCCL call in progress (they return at once on a non-blocking
+        // communicator); the flag keeps any other from starting.
+        let _call = lock(&self.call);
+        let _g = self.ctx.enter();
+        // SAFETY: created by ncclCommInitRankConfig and not freed: `aborted` was clear, drop has
+        // not run (it needs the only reference), and no other call is inside NCCL (`call`).
+        let code = unsafe { (self.api.comm_abort)(self.comm) };
+        if code == SUCCESS || code == IN_PROGRESS {
+            Ok(())
+        } else {
+            Err(nccl_error(self.api, code, "ncclCommAbort", &last_error(self.api, std::ptr::null_mut())))
+        }
+    }
+
+    /// Fails with COMM_FAILURE when the communicator was aborted, failed before, or has an
+    /// asynchronous error now (a peer failed or aborted). For a caller that has waited on its
+    /// stream for collectives: an abort ends them without a result, and the wait cannot tell.
+    pub fn health(&self) -> Result<()> {
+        let _serial = (!self.in_own_group()).then(|| lock(&self.serial));
+        match self.async_state()? {
+            SUCCESS | IN_PROGRESS => Ok(()),
+            code => {
+                self.failed.store(true, Ordering::Release);
+                Err(self.error(code, "the communicator"))
+            }
+        }
+    }
+
+    /// Runs one NCCL call on the communicator, unless it was aborted or failed.
+    fn call<T>(&self, f: impl FnOnce(ncclComm_t) -> T) -> Result<T> {
+        let _call = lock(&self.call);
+        self.usable()?;
+        let _g = self.ctx.enter()?;
+        Ok(f(self.comm))
+    }
+
+    /// COMM_FAILURE for `code` of `what`, with NCCL's last message about this communicator.
+    fn error(&self, code: c_int, what: &str) -> Error {
+        let detail = if self.in_own_group() {
+            // This thread holds `call` for its group.
+            last_error(self.api, self.comm)
+        } else {
+            self.call(|comm| last_error(self.api, comm)).unwrap_or_default()
+        };
+        nccl_error(self.api, code, what, &detail)
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::CommFailure, "the communicator was aborted"));
+        }
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::CommFailure,
+                "the communicator failed earlier (NCCL reported an error or a wait for the other ranks timed out): destroy it",
+            ));
         }
         Ok(())
     }
 
-    /// Holds off `abort` while the caller enqueues; fails if it already happened.
-    fn live(&self) -> Result<RwLockReadGuard<'_, bool>> {
-        let aborted = self.aborted.read().unwrap_or_else(|e| e.into_inner());
-        if *aborted {
-            return Err(Error::new(ErrorKind::CommFailure, "the communicator was aborted"));
+    /// The communicator's state from ncclCommGetAsyncError: ncclSuccess, ncclInProgress while an
+    /// operation is still being issued, or an error (a peer failed).
+    fn async_state(&self) -> Result<c_int> {
+        let api = self.api;
+        let (code, state) = self.call(|comm| {
+            let mut state = IN_PROGRESS;
+            // SAFETY: a live communicator (`call`); valid out-pointer, written as an int.
+            let code = unsafe { (api.comm_get_async_error)(comm, &mut state) };
+            (code, state)
+        })?;
+        if code != SUCCESS {
+            return Err(self.error(code, "ncclCommGetAsyncError"));
         }
-        Ok(aborted)
+        Ok(state)
+    }
+
+    /// Completes a call that returned `code`: done, enqueued later (ncclInProgress: waits until
+    /// the communicator leaves that state), or failed. A failure marks the communicator failed,
+    /// so it is aborted rather than finalised; an abort during the wait ends it.
+    fn finish(&self, code: c_int, what: &str) -> Result<()> {
+        let result = match code {
+            SUCCESS => return Ok(()),
+            IN_PROGRESS => poll(self.timeout, what, || self.async_state(), |code| self.error(code, what)),
+            code => Err(self.error(code, what)),
+        };
+        if result.is_err() && !self.aborted.load(Ordering::Acquire) {
+            self.failed.store(true, Ordering::Release);
+        }
+        result
+    }
+
+    /// Whether the calling thread is inside this communicator's [`NcclComm::group`].
+    fn in_own_group(&self) -> bool {
+        self.group_thread.load(Ordering::Relaxed) == thread_token()
     }
 
     /// Enqueues an in-place sum of `count` values at `ptr` on `stream`. Inside [`NcclComm::group`],
@@ -276,36 +567,127 @@ impl NcclComm {
     }
 
     fn allreduce(&self, ptr: CUdeviceptr, count: usize, dtype: ncclDataType_t, op: ncclRedOp_t, stream: CUstream) -> Result<()> {
-        let _live = self.live()?;
-        let _g = self.ctx.enter()?;
+        let api = self.api;
         let buf = ptr as *mut c_void;
-        // SAFETY: a live communicator (`_live`); NCCL reads and writes `count` elements at `buf`.
-        let code = unsafe { (self.api.all_reduce)(buf, buf, count, dtype, op, self.comm, stream as _) };
-        check(self.api, code, "ncclAllReduce", self.comm)
+        // SAFETY: a live communicator (checked by the callers below); NCCL reads and writes
+        // `count` elements at `buf` on `stream`, the caller's device buffer.
+        let issue = |comm| unsafe { (api.all_reduce)(buf, buf, count, dtype, op, comm, stream as _) };
+        if self.in_own_group() {
+            // This thread holds `serial` and `call` for the group, which checked the
+            // communicator: NCCL collects the call, and ncclGroupEnd launches and waits for it.
+            let _g = self.ctx.enter()?;
+            let code = issue(self.comm);
+            return if code == SUCCESS || code == IN_PROGRESS { Ok(()) } else { self.finish(code, "ncclAllReduce") };
+        }
+        let _serial = lock(&self.serial);
+        let code = self.call(issue)?;
+        self.finish(code, "ncclAllReduce")
     }
 
-    /// Runs `f` between ncclGroupStart and ncclGroupEnd, so its collectives launch as one (each
-    /// collective in `f` holds off `abort` itself; the group calls are not per communicator).
+    /// Runs `f` between ncclGroupStart and ncclGroupEnd, so the collectives it issues on this
+    /// communicator launch as one; returns once they are enqueued. No other thread uses the
+    /// communicator meanwhile, and `abort` waits until ncclGroupEnd has returned (not for the
+    /// wait after it), since the group refers to the communicator until then.
     pub fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        drop(self.live()?);
-        let _g = self.ctx.enter()?;
-        // SAFETY: group calls take no communicator.
-        check(self.api, unsafe { (self.api.group_start)() }, "ncclGroupStart", self.comm)?;
-        let result = f();
-        // SAFETY: as above.
-        let end = check(self.api, unsafe { (self.api.group_end)() }, "ncclGroupEnd", self.comm);
+        let api = self.api;
+        if self.in_own_group() {
+            // Nested: NCCL counts the depth, and the outermost ncclGroupEnd launches.
+            // SAFETY: group calls take no communicator.
+            check(api, unsafe { (api.group_start)() }, "ncclGroupStart", self.comm)?;
+            let result = f();
+            // SAFETY: as above.
+            let end = unsafe { (api.group_end)() };
+            let r = result?;
+            return if end == SUCCESS || end == IN_PROGRESS { Ok(r) } else { Err(self.error(end, "ncclGroupEnd")) };
+        }
+        let _serial = lock(&self.serial);
+        let end = {
+            let call = lock(&self.call);
+            self.usable()?;
+            let _g = self.ctx.enter()?;
+            // SAFETY: group calls take no communicator.
+            check(api, unsafe { (api.group_start)() }, "ncclGroupStart", self.comm)?;
+            let owner = GroupOwner::enter(&self.group_thread);
+            let result = f();
+            drop(owner);
+            // SAFETY: as above; the communicator the group refers to is live (`call`).
+            let end = unsafe { (api.group_end)() };
+            drop(call);
+            (result, end)
+        };
+        let (result, end) = end;
+        let end = self.finish(end, "ncclGroupEnd");
         let r = result?;
         end.map(|_| r)
     }
 }
 
-impl Drop for NcclComm {
+/// Marks the calling thread as inside a communicator's group, until dropped (also on unwind).
+struct GroupOwner<'a>(&'a AtomicU64);
+
+impl<'a> GroupOwner<'a> {
+    fn enter(owner: &'a AtomicU64) -> Self {
+        owner.store(thread_token(), Ordering::Relaxed);
+        GroupOwner(owner)
+    }
+}
+
+impl Drop for GroupOwner<'_> {
     fn drop(&mut self) {
-        if self.owned && !*self.aborted.get_mut().unwrap_or_else(|e| e.into_inner()) {
-            if let Ok(_g) = self.ctx.enter() {
-                // SAFETY: created by ncclCommInitRank, destroyed once.
-                unsafe { (self.api.comm_destroy)(self.comm) };
+        self.0.store(0, Ordering::Relaxed);
+    }
+}
+
+impl Drop for NcclComm {
+    /// A healthy communicator is finalised (its pending operations complete, up to the timeout)
+    /// and destroyed; one whose peers failed is aborted, since finalising it would wait for them.
+    fn drop(&mut self) {
+        if !self.owned || *self.aborted.get_mut() {
+            return;
+        }
+        let healthy = !*self.failed.get_mut() && matches!(self.async_state(), Ok(SUCCESS | IN_PROGRESS));
+        let finalized = healthy && {
+            let api = self.api;
+            self.call(|comm| {
+                // SAFETY: a live communicator this object created, used by no other thread.
+                unsafe { (api.comm_finalize)(comm) }
+            })
+            .and_then(|code| self.finish(code, "ncclCommFinalize"))
+            .is_ok()
+        };
+        let _g = self.ctx.enter();
+        // SAFETY: created by ncclCommInitRankConfig, freed exactly once, here.
+        unsafe {
+            if finalized {
+                (self.api.comm_destroy)(self.comm);
+            } else {
+                (self.api.comm_abort)(self.comm);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_codes_outside_nccl_h_are_only_numbers() {
+        assert_eq!(api::result_name(SUCCESS), Some("ncclSuccess"));
+        assert_eq!(api::result_name(IN_PROGRESS), Some("ncclInProgress"));
+        assert_eq!(api::result_name(8), Some("ncclTimeout"));
+        for unknown in [9, 100, -1, c_int::MIN] {
+            assert_eq!(api::result_name(unknown), None);
+        }
+    }
+
+    #[test]
+    fn the_config_is_nccl_config_initializer_but_non_blocking() {
+        let c = nonblocking_config();
+        assert_eq!((c.size, c.magic, c.version, c.blocking), (std::mem::size_of::<ncclConfig_t>(), 0xcafe_beef, 23000, 0));
+        let undefined = [c.cgaClusterSize, c.minCTAs, c.maxCTAs, c.splitShare, c.trafficClass, c.collnetEnable, c.CTAPolicy];
+        let more = [c.shrinkShare, c.nvlsCTAs, c.nChannelsPerNetPeer, c.nvlinkCentricSched, c.graphUsageMode, c.numRmaCtx, c.maxP2pPeers];
+        assert!(undefined.iter().chain(&more).all(|&v| v == c_int::MIN));
+        assert!(c.netName.is_null() && c.commName.is_null());
     }
 }

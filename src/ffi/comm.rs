@@ -102,6 +102,9 @@ pub extern "C" fn gradacc_comm_create_local(world_size: usize, out_comms: *mut *
 
 /// Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
 /// one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+/// An NCCL communicator gradacc created is finalised and destroyed when healthy (its pending
+/// collectives complete first, for at most 10 minutes), and aborted when it failed (a peer's
+/// error, a timeout), which never waits for the other ranks.
 ///
 /// Thread safety: any thread, once no call uses the handle.
 #[no_mangle]
@@ -243,12 +246,17 @@ pub extern "C" fn gradacc_nccl_get_unique_id(out: *mut gradacc_nccl_unique_id_t)
 }
 
 /// Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
-/// `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it.
-/// Accumulators on that device sync over it; their stream carries the collectives.
+/// `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it, or
+/// fails with GRADACC_STATUS_COMM_FAILURE when they have not within 10 minutes; every later call
+/// waits as long at most for the other ranks. Two ranks of one group on one device in one process
+/// are refused (GRADACC_STATUS_INVALID_ARGUMENT). Accumulators on that device sync over it; their
+/// stream carries the collectives.
 ///
-/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (ncclCommDestroy),
-/// or first gradacc_comm_abort to abandon pending collectives (after a peer failed).
-/// Thread safety: one sync at a time per communicator.
+/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy, or first
+/// gradacc_comm_abort to abandon pending collectives (after a peer failed).
+/// Thread safety: any thread. Calls on one communicator from several threads (bucket reductions
+/// from backward hooks, another accumulator's sync) run one at a time; every rank must still
+/// issue them in the same order.
 #[no_mangle]
 pub extern "C" fn gradacc_comm_create_nccl(
     id: *const gradacc_nccl_unique_id_t,
@@ -275,12 +283,13 @@ pub extern "C" fn gradacc_comm_create_nccl(
 }
 
 /// Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
-/// it. gradacc never destroys or aborts an adopted communicator.
+/// it. gradacc never destroys or aborts an adopted communicator. A non-blocking one
+/// (ncclConfig_t.blocking = 0) works too: gradacc waits until each of its calls is enqueued.
 ///
 /// Ownership: `*out_comm` is the caller's (free with gradacc_comm_destroy, before the caller
 /// destroys its ncclComm_t); `nccl_comm` stays the caller's.
 /// Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
-/// the communicator concurrently with a gradacc sync.
+/// the communicator concurrently with a gradacc call on it.
 #[no_mangle]
 pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_comm: *mut *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_adopt_nccl", || {
@@ -300,7 +309,8 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
 /// GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
 /// adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
 ///
-/// Thread safety: any thread, also while another thread is blocked in a sync on the communicator.
+/// Thread safety: any thread, also while another thread is blocked in a sync on the communicator
+/// (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
 #[no_mangle]
 pub extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_abort", || match &*COMMS.get(comm, "comm")? {
