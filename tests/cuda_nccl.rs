@@ -103,6 +103,8 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
         let late = returned_at.saturating_duration_since(aborted_at);
         assert!(late < Duration::from_secs(5), "sync returned {late:?} after the abort");
         // Later calls fail at once; abort is idempotent.
+        assert!(comm.is_failed());
+        assert_eq!(comm.health().unwrap_err().kind, ErrorKind::CommFailure);
         assert_eq!(comm.allreduce_sum_f32(grad.ptr(), 1, stream.stream).unwrap_err().kind, ErrorKind::CommFailure);
         comm.abort().unwrap();
 

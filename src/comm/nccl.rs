@@ -476,7 +476,11 @@ impl NcclComm {
     /// asynchronous error now (a peer failed or aborted). For a caller that has waited on its
     /// stream for collectives: an abort ends them without a result, and the wait cannot tell.
     pub fn health(&self) -> Result<()> {
-        let _serial = (!self.in_own_group()).then(|| lock(&self.serial));
+        if self.in_own_group() {
+            // The group checked the communicator at its start, and holds `call` until its end.
+            return self.usable();
+        }
+        let _serial = lock(&self.serial);
         match self.async_state()? {
             SUCCESS | IN_PROGRESS => Ok(()),
             code => {
