@@ -78,8 +78,8 @@ struct Comm {
     bool blocking;
     bool aborted = false, destroyed = false;
     ncclResult_t async = ncclSuccess;
-    int in_progress_polls = 0; /* non-blocking: calls that return ncclInProgress until polled */
     uint64_t issued = 0;
+    uint64_t pending = 0; /* non-blocking: issued collectives the peers must reach before it is done */
     std::thread::id inside; /* the thread using it now (a call, or a group until its end) */
     std::vector<sim::Stream *> streams; /* where its collectives were enqueued */
     std::string last_error;
@@ -148,11 +148,28 @@ void leave(Comm *c) {
     if (group_depth == 0) c->inside = std::thread::id();
 }
 
-ncclResult_t finish(Comm *c) {
-    if (c->blocking) return ncclSuccess;
-    c->async = ncclInProgress;
-    c->in_progress_polls = 1;
-    return ncclInProgress;
+/* Under `mutex`: every peer has issued the communicator's collectives so far (the point where
+ * real NCCL may have set up its connections and the call is complete on the host). */
+bool peers_caught_up(Comm *c) {
+    for (Comm *peer : c->group->ranks)
+        if (!peer || peer->issued < c->issued) return false;
+    return true;
+}
+
+/* Under `mutex`, after a call issued collectives: a blocking communicator returns when every peer
+ * has issued them too (or on abort); a non-blocking one returns ncclInProgress and
+ * ncclCommGetAsyncError says when. */
+ncclResult_t finish(Comm *c, std::unique_lock<std::mutex> &lock) {
+    changed.notify_all();
+    if (!c->blocking) {
+        c->pending = c->issued;
+        c->async = ncclInProgress;
+        return ncclInProgress;
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(sim::config().timeout_s);
+    if (!changed.wait_until(lock, deadline, [&] { return peers_caught_up(c) || c->aborted || c->group->peer_aborted; }))
+        sim::violation("a blocking collective call of rank %d waited %u s for its peers: a hang", c->rank, sim::config().timeout_s);
+    return c->aborted || c->group->peer_aborted ? ncclRemoteError : ncclSuccess;
 }
 
 /* The collective's stream operation: wait for every rank, the last one reduces for all. */
@@ -318,7 +335,10 @@ EXPORT ncclResult_t ncclCommGetAsyncError(void *handle, ncclResult_t *error) {
     std::lock_guard<std::mutex> lock(mutex);
     Comm *c = as_comm(handle);
     if (c->destroyed) sim::violation("ncclCommGetAsyncError on a destroyed communicator (rank %d)", c->rank);
-    if (c->async == ncclInProgress && c->in_progress_polls > 0 && --c->in_progress_polls == 0) c->async = ncclSuccess;
+    if (c->async == ncclInProgress && c->pending && peers_caught_up(c)) {
+        c->pending = 0;
+        c->async = ncclSuccess;
+    }
     if (c->async == ncclSuccess && c->group->peer_aborted) {
         c->async = ncclRemoteError;
         c->last_error = "a peer aborted its communicator";
@@ -355,16 +375,18 @@ EXPORT ncclResult_t ncclGroupEnd() {
     if (--group_depth > 0) return ncclSuccess;
     std::vector<Pending> pending;
     pending.swap(group_pending);
-    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_lock<std::mutex> lock(mutex);
     ncclResult_t result = ncclSuccess;
     std::vector<Comm *> used;
     for (const Pending &p : pending) {
+        if (p.comm->aborted) sim::violation("ncclGroupEnd: a collective of rank %d's communicator, which was aborted inside the group", p.comm->rank);
         enqueue_collective(p, p.comm->issued++);
         if (std::find(used.begin(), used.end(), p.comm) == used.end()) used.push_back(p.comm);
     }
     for (Comm *c : used) {
+        ncclResult_t r = finish(c, lock);
         c->inside = std::thread::id();
-        if (finish(c) == ncclInProgress) result = ncclInProgress;
+        if (r != ncclSuccess && result == ncclSuccess) result = r;
     }
     return result;
 }
@@ -372,7 +394,7 @@ EXPORT ncclResult_t ncclGroupEnd() {
 EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype, int op, void *handle, void *stream_handle) {
     if (!handle) return ncclInvalidArgument;
     Comm *c = as_comm(handle);
-    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_lock<std::mutex> lock(mutex);
     enter(c, "ncclAllReduce");
     auto fail = [&](ncclResult_t r, std::string why) {
         c->last_error = std::move(why);
@@ -405,8 +427,9 @@ EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, in
         return ncclSuccess;
     }
     enqueue_collective(p, c->issued++);
+    ncclResult_t r = finish(c, lock);
     leave(c);
-    return finish(c);
+    return r;
 }
 
 /* Waits (host) for the communicator's collectives to leave their streams. */
@@ -422,9 +445,21 @@ EXPORT ncclResult_t ncclCommFinalize(void *handle) {
     Comm *c = as_comm(handle);
     std::unique_lock<std::mutex> lock(mutex);
     enter(c, "ncclCommFinalize");
-    drain(c, lock);
+    if (c->blocking) {
+        drain(c, lock);
+        leave(c);
+        return ncclSuccess;
+    }
+    /* Non-blocking: returns at once; ncclCommGetAsyncError says when the collectives are done. */
+    c->async = ncclInProgress;
+    c->pending = 0;
     leave(c);
-    return finish(c);
+    std::thread([c] {
+        std::unique_lock<std::mutex> l(mutex);
+        drain(c, l);
+        if (c->async == ncclInProgress) c->async = ncclSuccess;
+    }).detach();
+    return ncclInProgress;
 }
 
 EXPORT ncclResult_t ncclCommDestroy(void *handle) {
