@@ -7,62 +7,66 @@
 // them to the driver and never dereferences them.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::sys;
 
+use super::driver_api::{self, Api, ERROR_OUT_OF_MEMORY, SUCCESS};
 use crate::error::{Error, ErrorKind, Result};
 
 pub use sys::{CUdeviceptr, CUstream};
 
 /// Whether the CUDA driver library can be loaded and initialised and sees at least one device.
-/// Never panics: cudarc's loader panics when the library is missing, so presence is asked first.
+/// Never panics: the driver is reached only through pointers resolved after the library was
+/// found (cudarc's loader panics when it is missing).
 pub fn driver_available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
-        if !unsafe { sys::is_culib_present() } {
-            return false;
-        }
-        std::panic::catch_unwind(|| {
-            let mut count = 0;
-            // SAFETY: plain driver calls with valid out-pointers.
-            unsafe { sys::cuInit(0) == CUresult::CUDA_SUCCESS && sys::cuDeviceGetCount(&mut count) == CUresult::CUDA_SUCCESS && count > 0 }
-        })
-        .unwrap_or(false)
+        let Ok(api) = driver_api::get() else { return false };
+        let mut count = 0;
+        // SAFETY: plain driver calls with a valid out-pointer.
+        unsafe { (api.cuInit)(0) == SUCCESS && (api.cuDeviceGetCount)(&mut count) == SUCCESS && count > 0 }
     })
 }
 
 /// Fails with BACKEND_UNAVAILABLE unless the driver is usable.
 pub fn require_driver() -> Result<()> {
     if driver_available() {
-        Ok(())
-    } else {
-        Err(Error::new(
-            ErrorKind::BackendUnavailable,
-            "no usable CUDA driver: libcuda could not be loaded, cuInit failed, or no device is visible",
-        ))
+        return Ok(());
     }
+    let why = match driver_api::get() {
+        Err(why) => why,
+        Ok(_) => "cuInit failed or no device is visible",
+    };
+    Err(Error::new(ErrorKind::BackendUnavailable, format!("no usable CUDA driver: {why}")))
 }
 
-/// Turns a driver status into an error naming the call and the driver's own text.
-pub fn check(result: CUresult, what: &str) -> Result<()> {
-    if result == CUresult::CUDA_SUCCESS {
+/// Turns a driver result code into an error naming the call, the code and the driver's text.
+/// Any number is accepted: a code this build does not know is reported, not misread.
+fn check(api: &Api, code: u32, what: &str) -> Result<()> {
+    if code == SUCCESS {
         return Ok(());
     }
     let mut text: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it null).
-    unsafe { sys::cuGetErrorString(result, &mut text) };
-    let text = if text.is_null() { "unknown error".into() } else { unsafe { CStr::from_ptr(text) }.to_string_lossy() };
-    let kind = if result == CUresult::CUDA_ERROR_OUT_OF_MEMORY { ErrorKind::OutOfMemory } else { ErrorKind::DeviceFailure };
-    Err(Error::new(kind, format!("{what} failed: {result:?} ({text})")))
+    // SAFETY: cuGetErrorString takes any code; for one it knows it writes a pointer to a static
+    // string, for one it does not it fails and the pointer stays null.
+    let known = unsafe { (api.cuGetErrorString)(code, &mut text) } == SUCCESS && !text.is_null();
+    let text = if known {
+        // SAFETY: a NUL-terminated static string from the driver.
+        unsafe { CStr::from_ptr(text) }.to_string_lossy()
+    } else {
+        "a result code this driver does not describe".into()
+    };
+    let kind = if code == ERROR_OUT_OF_MEMORY { ErrorKind::OutOfMemory } else { ErrorKind::DeviceFailure };
+    Err(Error::new(kind, format!("{what} failed: CUDA driver result {code} ({text})")))
 }
 
 /// One device's primary context, retained for as long as any gradacc object on the device lives.
 pub struct Context {
     pub ordinal: i32,
     context: sys::CUcontext,
+    api: &'static Api,
     /// (major, minor) compute capability.
     pub capability: (i32, i32),
     pub multiprocessors: u32,
@@ -70,34 +74,41 @@ pub struct Context {
 
 // SAFETY: a CUcontext may be made current on any thread; the struct is immutable after creation.
 unsafe impl Send for Context {}
+// SAFETY: as Send: nothing in it changes after creation.
 unsafe impl Sync for Context {}
 
 impl Context {
     /// The primary context of device `ordinal`, shared by every gradacc object on that device.
     pub fn get(ordinal: i32) -> Result<Arc<Context>> {
         require_driver()?;
+        let api = driver_api::get().map_err(|why| Error::new(ErrorKind::BackendUnavailable, why))?;
         static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
         let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = contexts.iter().find(|c| c.ordinal == ordinal) {
             return Ok(c.clone());
         }
         let mut count = 0;
-        check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount")?;
+        // SAFETY: the driver is initialised; a valid out-pointer.
+        check(api, unsafe { (api.cuDeviceGetCount)(&mut count) }, "cuDeviceGetCount")?;
         if ordinal < 0 || ordinal >= count {
             return Err(Error::invalid(format!("`device`.ordinal = {ordinal}, but {count} CUDA device(s) are visible")));
         }
         let mut device = 0;
-        check(unsafe { sys::cuDeviceGet(&mut device, ordinal) }, "cuDeviceGet")?;
+        // SAFETY: a valid out-pointer and an ordinal below the device count.
+        check(api, unsafe { (api.cuDeviceGet)(&mut device, ordinal) }, "cuDeviceGet")?;
         let mut context = std::ptr::null_mut();
-        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
+        // SAFETY: a valid out-pointer and a device handle from cuDeviceGet.
+        check(api, unsafe { (api.cuDevicePrimaryCtxRetain)(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
         let attribute = |a: sys::CUdevice_attribute| {
             let mut v = 0;
-            check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, device) }, "cuDeviceGetAttribute").map(|_| v)
+            // SAFETY: a valid out-pointer, an attribute number from cuda.h and a device handle.
+            check(api, unsafe { (api.cuDeviceGetAttribute)(&mut v, a as c_int, device) }, "cuDeviceGetAttribute").map(|_| v)
         };
         use sys::CUdevice_attribute::*;
         let c = Arc::new(Context {
             ordinal,
             context,
+            api,
             capability: (attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
             multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
         });
@@ -110,8 +121,9 @@ impl Context {
     /// Makes this context current on the calling thread until the guard drops, then restores the
     /// caller's context: gradacc never leaves a different context current behind.
     pub fn enter(&self) -> Result<ContextGuard> {
-        check(unsafe { sys::cuCtxPushCurrent_v2(self.context) }, "cuCtxPushCurrent")?;
-        Ok(ContextGuard { _private: () })
+        // SAFETY: a context retained by cuDevicePrimaryCtxRetain, never released.
+        check(self.api, unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) }, "cuCtxPushCurrent")?;
+        Ok(ContextGuard { api: self.api })
     }
 
     /// The device's SM count times a small factor: enough blocks to fill it for grid-stride loops.
@@ -121,14 +133,14 @@ impl Context {
 }
 
 pub struct ContextGuard {
-    _private: (),
+    api: &'static Api,
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
         let mut previous = std::ptr::null_mut();
         // SAFETY: pops the context `enter` pushed on this thread.
-        unsafe { sys::cuCtxPopCurrent_v2(&mut previous) };
+        unsafe { (self.api.cuCtxPopCurrent_v2)(&mut previous) };
     }
 }
 
@@ -144,16 +156,21 @@ pub struct DeviceBuffer {
 
 // SAFETY: a device address and a stream handle may be used from any thread.
 unsafe impl Send for DeviceBuffer {}
+// SAFETY: as Send; the struct is immutable.
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
     /// `bytes` of device memory, zero-filled, ordered on `stream`.
     pub fn zeroed(ctx: &Arc<Context>, stream: CUstream, bytes: usize) -> Result<Self> {
+        let api = ctx.api;
         let _g = ctx.enter()?;
         let mut ptr = 0;
-        check(unsafe { sys::cuMemAllocAsync(&mut ptr, bytes.max(4), stream) }, "cuMemAllocAsync")?;
+        let size = bytes.max(4);
+        // SAFETY: a valid out-pointer; the stream belongs to the current context (caller's contract).
+        check(api, unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) }, "cuMemAllocAsync")?;
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
-        check(unsafe { sys::cuMemsetD8Async(ptr, 0, bytes.max(4), stream) }, "cuMemsetD8Async")?;
+        // SAFETY: `size` bytes at `ptr` were just allocated, usable on `stream` from here.
+        check(api, unsafe { (api.cuMemsetD8Async)(ptr, 0, size, stream) }, "cuMemsetD8Async")?;
         Ok(buffer)
     }
 
@@ -186,11 +203,12 @@ impl DeviceBuffer {
         if bytes == 0 {
             return Ok(());
         }
+        let api = self.ctx.api;
         let _g = self.ctx.enter()?;
-        check(
-            unsafe { sys::cuMemcpyHtoDAsync_v2(self.ptr + offset as u64, values.as_ptr() as *const c_void, bytes, self.stream) },
-            "cuMemcpyHtoDAsync",
-        )
+        let dst = self.ptr + offset as u64;
+        // SAFETY: the range is inside the buffer (asserted); the driver stages pageable host memory
+        // before returning, so `values` need not outlive the call.
+        check(api, unsafe { (api.cuMemcpyHtoDAsync_v2)(dst, values.as_ptr() as *const c_void, bytes, self.stream) }, "cuMemcpyHtoDAsync")
     }
 
     /// Reads the buffer's first `out.len()` values: waits for the stream first (a host read).
@@ -202,10 +220,14 @@ impl DeviceBuffer {
     pub fn read_at<T: Copy>(&self, offset: usize, out: &mut [T]) -> Result<()> {
         let bytes = std::mem::size_of_val(out);
         assert!(offset + bytes <= self.bytes, "device read out of bounds");
+        let api = self.ctx.api;
         let _g = self.ctx.enter()?;
         let src = self.ptr + offset as u64;
-        check(unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
-        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+        // SAFETY: the range is inside the buffer (asserted) and `out` holds `bytes` writable bytes;
+        // the stream is synchronised below before `out` is used.
+        check(api, unsafe { (api.cuMemcpyDtoHAsync_v2)(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
+        // SAFETY: a stream handle of the current context.
+        check(api, unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
     }
 
     /// Enqueues zeroing `count` f32 values from element `start`.
@@ -214,18 +236,22 @@ impl DeviceBuffer {
         if count == 0 {
             return Ok(());
         }
+        let api = self.ctx.api;
         let _g = self.ctx.enter()?;
-        check(unsafe { sys::cuMemsetD32Async(self.ptr + 4 * start as u64, 0, count, self.stream) }, "cuMemsetD32Async")
+        // SAFETY: the range is inside the buffer (asserted).
+        check(api, unsafe { (api.cuMemsetD32Async)(self.ptr + 4 * start as u64, 0, count, self.stream) }, "cuMemsetD32Async")
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.owned {
-            if let Ok(_g) = self.ctx.enter() {
-                // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work.
-                unsafe { sys::cuMemFreeAsync(self.ptr, self.stream) };
-            }
+        if !self.owned {
+            return;
+        }
+        let api = self.ctx.api;
+        if let Ok(_g) = self.ctx.enter() {
+            // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work.
+            unsafe { (api.cuMemFreeAsync)(self.ptr, self.stream) };
         }
     }
 }
@@ -233,14 +259,16 @@ impl Drop for DeviceBuffer {
 /// Waits on the host for everything enqueued on `stream` so far.
 pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     let _g = ctx.enter()?;
-    check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
+    // SAFETY: a stream handle of the current context (caller's contract).
+    check(ctx.api, unsafe { (ctx.api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")
 }
 
 /// Enqueues a device-to-device copy of `bytes` bytes on `stream` (the bandwidth floor of the
 /// benchmarks).
 pub fn copy(ctx: &Context, stream: CUstream, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
     let _g = ctx.enter()?;
-    check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+    // SAFETY: the driver checks the addresses; both ranges are the caller's allocations.
+    check(ctx.api, unsafe { (ctx.api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
 }
 
 /// An event used only for ordering (no timing), created in `ctx`.
@@ -251,14 +279,31 @@ pub struct Event {
 
 // SAFETY: an event handle may be recorded and waited on from any thread.
 unsafe impl Send for Event {}
+// SAFETY: as Send; the driver serialises operations on one event.
 unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(ctx: &Arc<Context>) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut event = std::ptr::null_mut();
-        check(unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: a valid out-pointer and a flag from cuda.h.
+        check(ctx.api, unsafe { (ctx.api.cuEventCreate)(&mut event, flags) }, "cuEventCreate")?;
         Ok(Event { ctx: ctx.clone(), event })
+    }
+
+    /// Captures everything enqueued on `stream` so far.
+    pub fn record(&self, stream: CUstream) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        // SAFETY: an event of this context and a stream of the caller's.
+        check(self.ctx.api, unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) }, "cuEventRecord")
+    }
+
+    /// Makes `stream` wait (on the device) for the work the last `record` captured.
+    pub fn wait(&self, stream: CUstream) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        // SAFETY: an event of this context and a stream of the caller's.
+        check(self.ctx.api, unsafe { (self.ctx.api.cuStreamWaitEvent)(stream, self.event, 0) }, "cuStreamWaitEvent")
     }
 
     /// Makes `later` wait (on the device) for everything enqueued on `earlier` so far.
@@ -267,9 +312,8 @@ impl Event {
         if earlier == later {
             return Ok(());
         }
-        let _g = self.ctx.enter()?;
-        check(unsafe { sys::cuEventRecord(self.event, earlier) }, "cuEventRecord")?;
-        check(unsafe { sys::cuStreamWaitEvent(later, self.event, 0) }, "cuStreamWaitEvent")
+        self.record(earlier)?;
+        self.wait(later)
     }
 }
 
@@ -277,7 +321,7 @@ impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
             // SAFETY: created by cuEventCreate; the driver defers destruction past pending work.
-            unsafe { sys::cuEventDestroy_v2(self.event) };
+            unsafe { (self.ctx.api.cuEventDestroy_v2)(self.event) };
         }
     }
 }
@@ -290,13 +334,16 @@ pub struct OwnedStream {
 
 // SAFETY: a stream handle may be used from any thread.
 unsafe impl Send for OwnedStream {}
+// SAFETY: as Send; the struct is immutable.
 unsafe impl Sync for OwnedStream {}
 
 impl OwnedStream {
     pub fn new(ctx: &Arc<Context>) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut stream = std::ptr::null_mut();
-        check(unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: a valid out-pointer and a flag from cuda.h.
+        check(ctx.api, unsafe { (ctx.api.cuStreamCreate)(&mut stream, flags) }, "cuStreamCreate")?;
         Ok(OwnedStream { ctx: ctx.clone(), stream })
     }
 }
@@ -305,18 +352,20 @@ impl Drop for OwnedStream {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
             // SAFETY: created by cuStreamCreate; pending work completes before it is released.
-            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+            unsafe { (self.ctx.api.cuStreamDestroy_v2)(self.stream) };
         }
     }
 }
 
 /// A compiled kernel module loaded into a context, with its functions looked up by name.
 pub struct Module {
+    api: &'static Api,
     module: sys::CUmodule,
 }
 
 // SAFETY: module and function handles are usable from any thread of the context's process.
 unsafe impl Send for Module {}
+// SAFETY: as Send; the struct is immutable.
 unsafe impl Sync for Module {}
 
 impl Module {
@@ -324,13 +373,15 @@ impl Module {
     pub fn load(ctx: &Context, image: &[u8]) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut module = std::ptr::null_mut();
-        check(unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
-        Ok(Module { module })
+        // SAFETY: a valid out-pointer and a complete image that NVRTC produced.
+        check(ctx.api, unsafe { (ctx.api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        Ok(Module { api: ctx.api, module })
     }
 
     pub fn function(&self, name: &CStr) -> Result<Function> {
         let mut f = std::ptr::null_mut();
-        check(unsafe { sys::cuModuleGetFunction(&mut f, self.module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        // SAFETY: a valid out-pointer, a loaded module and a NUL-terminated name.
+        check(self.api, unsafe { (self.api.cuModuleGetFunction)(&mut f, self.module, name.as_ptr()) }, "cuModuleGetFunction")?;
         Ok(Function(f))
     }
 }
@@ -340,6 +391,7 @@ pub struct Function(sys::CUfunction);
 
 // SAFETY: as Module.
 unsafe impl Send for Function {}
+// SAFETY: as Module.
 unsafe impl Sync for Function {}
 
 /// Threads per block of every launch (the kernels' __launch_bounds__).
@@ -354,8 +406,10 @@ impl Function {
     /// for the kernel's accesses.
     pub unsafe fn launch(&self, ctx: &Context, grid: u32, threads: u32, stream: CUstream, args: &mut [*mut c_void]) -> Result<()> {
         let _g = ctx.enter()?;
+        let api = ctx.api;
         check(
-            sys::cuLaunchKernel(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()),
+            api,
+            (api.cuLaunchKernel)(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()),
             "cuLaunchKernel",
         )
     }
@@ -369,3 +423,23 @@ macro_rules! launch_args {
     };
 }
 pub(crate) use launch_args;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A result code no driver header lists (held in a `u32`, where cudarc's enum could not
+    /// hold it) is an error naming the call and the number; out-of-memory keeps its kind.
+    #[test]
+    fn any_driver_result_code_is_reported_by_its_number() {
+        let Ok(api) = driver_api::get() else {
+            return; // no driver library: no cuGetErrorString to ask
+        };
+        let e = check(api, 987_654, "cuSomething").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::DeviceFailure);
+        assert!(e.message.starts_with("cuSomething failed: CUDA driver result 987654"), "{}", e.message);
+        let e = check(api, ERROR_OUT_OF_MEMORY, "cuMemAllocAsync").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::OutOfMemory);
+        assert!(check(api, SUCCESS, "cuInit").is_ok());
+    }
+}

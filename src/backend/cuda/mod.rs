@@ -7,6 +7,7 @@
 pub mod accumulator;
 pub mod compile;
 pub mod driver;
+mod driver_api;
 mod kernels;
 pub mod layout;
 pub mod scaler;
