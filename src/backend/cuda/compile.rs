@@ -3,6 +3,7 @@
 //! Also what CI runs, without a GPU, to prove every kernel compiles for every target.
 
 use std::ffi::{c_char, CString};
+use std::sync::OnceLock;
 
 use cudarc::nvrtc::sys::{self, nvrtcResult};
 
@@ -74,10 +75,12 @@ pub struct Compiled {
     pub warnings: Vec<String>,
 }
 
-/// Whether the NVRTC library can be loaded (never panics).
+/// Whether the NVRTC library can be loaded (never panics). Probed once: the probe opens and
+/// closes the library, and every CUDA entry point asks.
 pub fn nvrtc_available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to dlopen the library by its usual names.
-    unsafe { sys::is_culib_present() }
+    *AVAILABLE.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// NVRTC's version, as (major, minor).
