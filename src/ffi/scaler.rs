@@ -272,16 +272,17 @@ pub extern "C" fn gradacc_scaler_update(
             }
             ScalerObj::Cuda(s) => {
                 // Every check first, so a failing call gathers nothing.
-                let mut boundaries = Vec::with_capacity(n);
+                let mut cuda = Vec::with_capacity(n);
                 for (i, a) in accs.iter().enumerate() {
                     let AccumulatorObj::Cuda(a) = &**a else { return Err(mismatch(i)) };
                     if a.ordinal() != s.ordinal() {
                         return Err(mismatch(i));
                     }
-                    boundaries.push((a.synced_boundary().ok_or_else(|| not_synced(i))?, a.stream()));
+                    a.synced_boundary().ok_or_else(|| not_synced(i))?;
+                    cuda.push(a);
                 }
-                for (boundary, stream) in boundaries {
-                    s.gather(boundary, stream)?;
+                for a in cuda {
+                    a.gather_into(s)?;
                 }
                 s.update(!out_skipped.is_null())?
             }

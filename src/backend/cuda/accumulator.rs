@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, THREADS};
+use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
 use super::scaler::CudaScaler;
@@ -82,6 +82,9 @@ pub struct CudaAccumulator {
     overlap: Mutex<Option<Overlap>>,
     comm_stream: OnceLock<OwnedStream>,
     event: Mutex<Event>,
+    /// The boundary is read by scalers' gathers on their streams: the next boundary (and the
+    /// free) waits for those reads.
+    boundary_reads: Mutex<SharedReads>,
 }
 
 // SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
@@ -130,6 +133,7 @@ impl CudaAccumulator {
             partials: DeviceBuffer::zeroed(&ctx, stream, len.div_ceil(NORM_BLOCK) * 8)?,
             layout_check: DeviceBuffer::zeroed(&ctx, stream, 4 * 8)?,
             event: Mutex::new(Event::new(&ctx)?),
+            boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
             master,
             written_in: tensors.iter().map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: tensors.iter().map(|_| Mutex::new(())).collect(),
@@ -185,7 +189,7 @@ impl CudaAccumulator {
                 format!("the scaler is on CUDA device {}, the accumulator on device {}", scaler.ordinal(), self.ctx.ordinal),
             ));
         }
-        scaler.order_before(self.stream)
+        Ok(())
     }
 
     fn check_comm(&self, comm: &NcclComm) -> Result<()> {
@@ -224,13 +228,14 @@ impl CudaAccumulator {
         // The sources table is rewritten in stream order: the previous launch has read it by then.
         self.sources.write(&sources)?;
         let f = self.kernels.add_multi;
-        let (tensors, chunks, num_chunks, sources_ptr, master, state) =
-            (self.tensors.ptr(), self.chunks.ptr(), self.num_chunks, self.sources.ptr(), self.master.ptr(), scaler.state_ptr());
+        let (tensors, chunks, num_chunks, sources_ptr, master) = (self.tensors.ptr(), self.chunks.ptr(), self.num_chunks, self.sources.ptr(), self.master.ptr());
         let (weight, found_inf) = (self.config.weight(count), self.found_inf.ptr());
-        let mut args = launch_args!(tensors, chunks, num_chunks, sources_ptr, master, state, weight, found_inf);
-        // SAFETY: argument types follow ga_add_multi; tables and master were sized at creation,
-        // and the gradient addresses hold their tensors' numel values (the caller's contract).
-        unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args)? };
+        scaler.launch_reading(self.stream, |state| {
+            let mut args = launch_args!(tensors, chunks, num_chunks, sources_ptr, master, state, weight, found_inf);
+            // SAFETY: argument types follow ga_add_multi; tables and master were sized at creation,
+            // and the gradient addresses hold their tensors' numel values (the caller's contract).
+            unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+        })?;
         for slot in &self.written_in {
             slot.store(w.id, Ordering::Relaxed);
         }
@@ -302,11 +307,13 @@ impl CudaAccumulator {
         }
         let f = self.kernels.add_one;
         let master = self.master.ptr() + 4 * self.layout.range(index).start as u64;
-        let (numel, dtype, state, weight, assign, found_inf) =
-            (desc.numel as u64, desc.dtype.code(), scaler.state_ptr(), self.config.weight(count), first_in_window as u32, self.found_inf.ptr());
-        let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
-        // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
-        unsafe { f.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args)? };
+        let (numel, dtype, weight, assign, found_inf) =
+            (desc.numel as u64, desc.dtype.code(), self.config.weight(count), first_in_window as u32, self.found_inf.ptr());
+        scaler.launch_reading(self.stream, |state| {
+            let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
+            // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
+            unsafe { f.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+        })?;
         self.written_in[index].store(w.id, Ordering::Relaxed);
         if let Some(o) = overlap.as_mut() {
             self.tensor_arrived(o, index)?;
@@ -406,6 +413,16 @@ impl CudaAccumulator {
     /// The boundary's device work: the control words and the buckets not reduced early, then
     /// normalise, norm and clip.
     fn run_boundary(&self, w: &mut Window, comm: Option<&NcclComm>, empty_again: bool, world: u64) -> Result<()> {
+        // The boundary is rewritten: after the scalers' gathers of the last one.
+        let mut reads = self.boundary_reads();
+        reads.before_write()?;
+        let result = self.enqueue_boundary(w, comm, empty_again, world);
+        // Recorded even after a failure: part of the boundary may be enqueued.
+        reads.after_write()?;
+        result
+    }
+
+    fn enqueue_boundary(&self, w: &mut Window, comm: Option<&NcclComm>, empty_again: bool, world: u64) -> Result<()> {
         let overlap = self.overlap().take();
         if let Some(o) = &overlap {
             self.finish_overlap(o)?;
@@ -475,6 +492,25 @@ impl CudaAccumulator {
     /// is not synced.
     pub fn synced_boundary(&self) -> Option<CUdeviceptr> {
         (self.read().phase == Phase::Synced).then(|| self.boundary.ptr())
+    }
+
+    /// Enqueues `scaler`'s gather of the synced window's agreed overflow flag (for its next
+    /// update), on the scaler's stream: after the boundary is written, and before the next
+    /// boundary or the free overwrites it.
+    pub fn gather_into(&self, scaler: &CudaScaler) -> Result<()> {
+        self.check_scaler(scaler)?;
+        let w = self.read();
+        if w.phase != Phase::Synced {
+            return Err(Error::wrong_state("the accumulator has not been synced in its current window: call sync first"));
+        }
+        let mut reads = self.boundary_reads();
+        reads.before_read(scaler.stream())?;
+        scaler.gather_ordered(self.boundary.ptr())?;
+        reads.after_read(scaler.stream())
+    }
+
+    fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
+        self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Discards the window in progress (or the synced result).
@@ -590,9 +626,11 @@ fn check_grad_ptr(ptr: CUdeviceptr, d: &TensorDesc, argument: impl FnOnce() -> S
 
 impl Drop for CudaAccumulator {
     fn drop(&mut self) {
-        // Pending early reductions read the master: let the stream order the frees after them.
+        // Pending early reductions read the master, and scalers' gathers the boundary: let the
+        // stream order the frees after them.
         if let Some(o) = self.overlap().take() {
             let _ = self.finish_overlap(&o);
         }
+        let _ = self.boundary_reads().before_write();
     }
 }

@@ -326,6 +326,87 @@ impl Drop for Event {
     }
 }
 
+/// A buffer owned by one stream and read by kernels on others: the happens-before edges both
+/// ways. A reader stream waits for the owner's writes before it reads (only when a write was
+/// enqueued since it last waited), and the owner waits for every read before it next writes or
+/// frees the buffer. One event per reader stream, reused; one record per read.
+pub struct SharedReads {
+    ctx: Arc<Context>,
+    owner: CUstream,
+    /// Recorded on the owner's stream after each write.
+    written: Event,
+    /// Writes enqueued so far (each followed by a record of `written`).
+    writes: u64,
+    readers: Vec<Reader>,
+}
+
+struct Reader {
+    stream: CUstream,
+    /// Recorded on the reader's stream after each read.
+    read: Event,
+    /// A read was recorded that the owner has not waited for yet.
+    pending: bool,
+    /// The value of `writes` this stream last waited for.
+    seen: u64,
+}
+
+// SAFETY: stream handles are used only through driver calls, which are thread-safe; the struct
+// is used behind its owner's lock.
+unsafe impl Send for SharedReads {}
+// SAFETY: as Send; every method takes `&mut self`.
+unsafe impl Sync for SharedReads {}
+
+impl SharedReads {
+    pub fn new(ctx: &Arc<Context>, owner: CUstream) -> Result<Self> {
+        Ok(SharedReads { ctx: ctx.clone(), owner, written: Event::new(ctx)?, writes: 0, readers: Vec::new() })
+    }
+
+    /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen.
+    pub fn before_read(&mut self, stream: CUstream) -> Result<()> {
+        if stream == self.owner {
+            return Ok(());
+        }
+        let writes = self.writes;
+        let i = match self.readers.iter().position(|r| r.stream == stream) {
+            Some(i) => i,
+            None => {
+                self.readers.push(Reader { stream, read: Event::new(&self.ctx)?, pending: false, seen: 0 });
+                self.readers.len() - 1
+            }
+        };
+        if self.readers[i].seen != writes {
+            self.written.wait(stream)?;
+            self.readers[i].seen = writes;
+        }
+        Ok(())
+    }
+
+    /// After a read enqueued on `stream` (following `before_read`).
+    pub fn after_read(&mut self, stream: CUstream) -> Result<()> {
+        if let Some(r) = self.readers.iter_mut().find(|r| r.stream == stream) {
+            r.read.record(stream)?;
+            r.pending = true;
+        }
+        Ok(())
+    }
+
+    /// Before the owner's stream writes or frees the buffer: it waits for every read.
+    pub fn before_write(&mut self) -> Result<()> {
+        for r in self.readers.iter_mut().filter(|r| r.pending) {
+            r.read.wait(self.owner)?;
+            r.pending = false;
+        }
+        Ok(())
+    }
+
+    /// After a write enqueued on the owner's stream.
+    pub fn after_write(&mut self) -> Result<()> {
+        self.written.record(self.owner)?;
+        self.writes += 1;
+        Ok(())
+    }
+}
+
 /// A stream of gradacc's own, for communication that overlaps the caller's stream.
 pub struct OwnedStream {
     ctx: Arc<Context>,

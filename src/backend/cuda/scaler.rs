@@ -2,9 +2,9 @@
 //! from the accumulators' agreed overflow flags, so an optimizer step needs no host round trip.
 //! The update rule is `ga_scaler_next` (kernels/math.cuh), the device twin of the CPU scaler's.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, THREADS};
+use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::dtype::Dtype;
@@ -12,18 +12,30 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats};
 
 /// A dynamic loss scaler whose state is in device memory, ordered on one stream.
+///
+/// Accumulators on other streams read the state in their add kernels; every such read and every
+/// write of the state is enqueued under one lock, with events both ways (`SharedReads`), so an
+/// update, a load or the free never overtakes an add that another stream has queued.
 pub struct CudaScaler {
     ctx: Arc<Context>,
     kernels: Arc<Kernels>,
     stream: CUstream,
     state: DeviceBuffer,
-    /// The configuration (changes only by `load`); also serialises the scaler's own launches.
-    config: Mutex<ScalerConfig>,
-    event: Mutex<Event>,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    /// The configuration (changes only by `load`).
+    config: ScalerConfig,
+    /// The state's readers on other streams, and its writes on the scaler's.
+    reads: SharedReads,
+    /// Orders the scaler's stream after a stream whose buffer a gather reads.
+    event: Event,
 }
 
 // SAFETY: the stream handle is only used through driver calls, which are thread-safe.
 unsafe impl Send for CudaScaler {}
+// SAFETY: as Send; mutable host state is behind the lock.
 unsafe impl Sync for CudaScaler {}
 
 fn rule(c: &ScalerConfig) -> GaScalerRule {
@@ -59,8 +71,10 @@ impl CudaScaler {
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
         let state = DeviceBuffer::from_slice(&ctx, stream, &[device_state(&initial)])?;
-        let event = Event::new(&ctx)?;
-        Ok(CudaScaler { ctx, kernels, stream, state, config: Mutex::new(config), event: Mutex::new(event) })
+        let mut reads = SharedReads::new(&ctx, stream)?;
+        reads.after_write()?;
+        let inner = Inner { config, reads, event: Event::new(&ctx)? };
+        Ok(CudaScaler { ctx, kernels, stream, state, inner: Mutex::new(inner) })
     }
 
     pub fn ordinal(&self) -> i32 {
@@ -76,35 +90,43 @@ impl CudaScaler {
         self.state.ptr()
     }
 
-    fn config(&self) -> std::sync::MutexGuard<'_, ScalerConfig> {
-        self.config.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Makes `stream` wait for the scaler's pending updates (before a kernel there reads the scale).
-    pub fn order_before(&self, stream: CUstream) -> Result<()> {
-        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, stream)
+    /// Enqueues `launch` (given the state's device address) on `stream`, a kernel that reads
+    /// the state: after the scaler's pending writes, and before its next write or free.
+    pub(crate) fn launch_reading(&self, stream: CUstream, launch: impl FnOnce(CUdeviceptr) -> Result<()>) -> Result<()> {
+        let mut inner = self.lock();
+        inner.reads.before_read(stream)?;
+        launch(self.state.ptr())?;
+        inner.reads.after_read(stream)
     }
 
-    /// Makes the scaler's stream wait for the work enqueued on `stream` so far.
-    fn order_after(&self, stream: CUstream) -> Result<()> {
-        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(stream, self.stream)
+    /// Enqueues `write` on the scaler's stream, ordered after every read of the state.
+    fn write_state<R>(&self, inner: &mut Inner, write: impl FnOnce(&mut Inner) -> Result<R>) -> Result<R> {
+        inner.reads.before_write()?;
+        let result = write(inner);
+        // Recorded even after a failure: part of the write may be enqueued.
+        inner.reads.after_write()?;
+        result
     }
 
     /// Reads the state to the host (waits for the scaler's stream). An update that hit min_scale
     /// since the last read is reported here, once, and its flag cleared. Holds the scaler's lock,
     /// so no update is enqueued between the read and the clear, and clears only that flag.
     fn read_state(&self) -> Result<GaScalerState> {
-        let config = self.config();
+        let mut inner = self.lock();
         let mut s = [GaScalerState::default()];
         self.state.read(&mut s)?;
         let s = s[0];
         if s.at_minimum != 0 {
-            self.state.write_at(std::mem::offset_of!(GaScalerState, at_minimum), &[0u32])?;
+            self.write_state(&mut inner, |_| self.state.write_at(std::mem::offset_of!(GaScalerState, at_minimum), &[0u32]))?;
             return Err(Error::new(
                 ErrorKind::ScaleAtMinimum,
                 format!(
                     "an update met an overflow with the loss scale already at min_scale {} and changed nothing: the gradients overflow even unscaled",
-                    config.min_scale
+                    inner.config.min_scale
                 ),
             ));
         }
@@ -125,7 +147,7 @@ impl CudaScaler {
     /// Enqueues `loss *= scale` on `numel` values of `dtype` at device address `loss`, on the
     /// scaler's stream.
     pub fn scale_loss(&self, loss: CUdeviceptr, numel: usize, dtype: Dtype) -> Result<()> {
-        let _config = self.config();
+        let _inner = self.lock();
         let f = self.kernels.scale_loss;
         let (n, dtype_code, state) = (numel as u64, dtype.code(), self.state.ptr());
         let mut args = launch_args!(loss, n, dtype_code, state);
@@ -134,27 +156,43 @@ impl CudaScaler {
     }
 
     /// Enqueues: take the agreed overflow flag of a boundary (device address of a `ga_boundary`
-    /// written on `stream`) into the next update.
+    /// written on `stream`) into the next update. The scaler's stream waits for everything
+    /// enqueued on `stream` so far; nothing orders a later write of the boundary after this read
+    /// (an accumulator's `gather_into` does).
     pub fn gather(&self, boundary: CUdeviceptr, stream: CUstream) -> Result<()> {
-        let _config = self.config();
-        self.order_after(stream)?;
-        let f = self.kernels.scaler_gather;
-        let state = self.state.ptr();
-        let mut args = launch_args!(state, boundary);
-        // SAFETY: argument types follow ga_scaler_gather.
-        unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
+        let mut inner = self.lock();
+        inner.event.order(stream, self.stream)?;
+        self.launch_gather(&mut inner, boundary)
+    }
+
+    /// Enqueues the gather of a boundary the caller has ordered before the scaler's stream, and
+    /// returns with the lock released; the caller orders its next write of the boundary after it.
+    pub(crate) fn gather_ordered(&self, boundary: CUdeviceptr) -> Result<()> {
+        self.launch_gather(&mut self.lock(), boundary)
+    }
+
+    fn launch_gather(&self, inner: &mut Inner, boundary: CUdeviceptr) -> Result<()> {
+        self.write_state(inner, |_| {
+            let f = self.kernels.scaler_gather;
+            let state = self.state.ptr();
+            let mut args = launch_args!(state, boundary);
+            // SAFETY: argument types follow ga_scaler_gather.
+            unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
+        })
     }
 
     /// Enqueues one optimizer step's update from the gathered flags. With `read`, waits for it and
     /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back off).
     pub fn update(&self, read: bool) -> Result<Option<bool>> {
         {
-            let config = self.config();
-            let f = self.kernels.scaler_update;
-            let (state, r) = (self.state.ptr(), rule(&config));
-            let mut args = launch_args!(state, r);
-            // SAFETY: argument types follow ga_scaler_update.
-            unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+            let mut inner = self.lock();
+            self.write_state(&mut inner, |inner| {
+                let f = self.kernels.scaler_update;
+                let (state, r) = (self.state.ptr(), rule(&inner.config));
+                let mut args = launch_args!(state, r);
+                // SAFETY: argument types follow ga_scaler_update.
+                unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
+            })?;
         }
         if !read {
             return Ok(None);
@@ -171,7 +209,7 @@ impl CudaScaler {
             hysteresis_tracker: s.hysteresis_tracker,
             stats: ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
         };
-        let config = *self.config();
+        let config = self.lock().config;
         Ok(Scaler::with_state(config, state)?.save())
     }
 
@@ -179,9 +217,16 @@ impl CudaScaler {
     pub fn load(&self, bytes: &[u8]) -> Result<()> {
         let parsed = Scaler::new(ScalerConfig::default())?;
         parsed.load(bytes)?;
-        let mut config = self.config();
-        self.state.write(&[device_state(&parsed.state())])?;
-        *config = parsed.config();
+        let mut inner = self.lock();
+        self.write_state(&mut inner, |_| self.state.write(&[device_state(&parsed.state())]))?;
+        inner.config = parsed.config();
         Ok(())
+    }
+}
+
+impl Drop for CudaScaler {
+    fn drop(&mut self) {
+        // The state is freed on the scaler's stream: after every add that reads it elsewhere.
+        let _ = self.lock().reads.before_write();
     }
 }

@@ -1,0 +1,369 @@
+//! The CUDA backend with its objects on different streams and devices, against the CPU backend,
+//! bit for bit: a scaler and accumulators each on a stream of its own (updates between windows
+//! that other accumulators' adds still read, the scaler destroyed right after adds, a boundary
+//! rewritten before the scaler's stream has read it, an accumulator dropped right after its early
+//! bucket reductions), two ranks of one process on two devices with stream-ordered masters, and
+//! the per-thread default stream refused.
+//!
+//! Nothing here waits for the scaler's stream between the steps that need ordering, so on the
+//! software GPU (whose race detector sees every access of every stream) a missing event is a
+//! reported race, not a lucky timing. Skips without a GPU; GRADACC_REQUIRE_GPU=1 fails instead.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{to_bf16, to_f16, Rng};
+use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
+use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
+use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc,
+};
+
+fn gpu_or_skip() -> bool {
+    if cuda::available() {
+        return true;
+    }
+    assert!(
+        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+        "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable"
+    );
+    eprintln!("no CUDA device: skipping");
+    false
+}
+
+fn nccl_or_skip() -> bool {
+    if nccl::nccl_available() {
+        return true;
+    }
+    assert!(
+        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+        "GRADACC_REQUIRE_GPU=1 but NCCL does not load"
+    );
+    eprintln!("no NCCL: skipping");
+    false
+}
+
+/// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
+const TENSORS: [TensorDesc; 3] = [
+    TensorDesc {
+        numel: 3000,
+        dtype: Dtype::F16,
+    },
+    TensorDesc {
+        numel: 37,
+        dtype: Dtype::Bf16,
+    },
+    TensorDesc {
+        numel: 1025,
+        dtype: Dtype::F32,
+    },
+];
+
+/// Scale changes often: growth every second finite step, backoff on an overflow.
+fn scaler_config() -> ScalerConfig {
+    ScalerConfig {
+        init_scale: 1024.0,
+        growth_interval: 2,
+        ..Default::default()
+    }
+}
+
+/// One micro-batch's gradients: host values for the CPU backend, device copies for the CUDA one.
+struct Batch {
+    host: Vec<(Vec<f32>, Vec<u16>)>,
+    device: Vec<DeviceBuffer>,
+}
+
+impl Batch {
+    /// Random gradients of about `scale` / 100 (one inf in tensor 0 with `poison`), copied to the
+    /// device on `stream`, the stream that reads them.
+    fn new(
+        rng: &mut Rng,
+        ctx: &Arc<Context>,
+        stream: driver::CUstream,
+        scale: f32,
+        poison: bool,
+    ) -> Batch {
+        let mut host = Vec::new();
+        let mut device = Vec::new();
+        for (i, d) in TENSORS.iter().enumerate() {
+            let mut f32s: Vec<f32> = (0..d.numel)
+                .map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32)
+                .collect();
+            if poison && i == 0 {
+                f32s[rng.range(0, d.numel as u64 - 1) as usize] = f32::INFINITY;
+            }
+            let u16s: Vec<u16> = match d.dtype {
+                Dtype::F16 => f32s.iter().map(|&v| to_f16(v)).collect(),
+                Dtype::Bf16 => f32s.iter().map(|&v| to_bf16(v)).collect(),
+                Dtype::F32 => Vec::new(),
+            };
+            device.push(match d.dtype {
+                Dtype::F32 => DeviceBuffer::from_slice(ctx, stream, &f32s).unwrap(),
+                _ => DeviceBuffer::from_slice(ctx, stream, &u16s).unwrap(),
+            });
+            host.push((f32s, u16s));
+        }
+        Batch { host, device }
+    }
+
+    fn views(&self) -> Vec<Grad<'_>> {
+        TENSORS
+            .iter()
+            .zip(&self.host)
+            .map(|(d, (f, h))| match d.dtype {
+                Dtype::F32 => Grad::F32(f),
+                Dtype::F16 => Grad::F16(h),
+                Dtype::Bf16 => Grad::Bf16(h),
+            })
+            .collect()
+    }
+
+    fn ptrs(&self) -> Vec<u64> {
+        self.device.iter().map(DeviceBuffer::ptr).collect()
+    }
+
+    /// The micro-batch through both backends: all at once, or tensor by tensor in reverse (as
+    /// backward hooks deliver them).
+    fn add(
+        &self,
+        cpu: (&Accumulator, &Scaler),
+        gpu: (&CudaAccumulator, &CudaScaler),
+        count: u64,
+        hooks: bool,
+    ) {
+        let (views, ptrs) = (self.views(), self.ptrs());
+        if hooks {
+            cpu.0.begin_microbatch(count).unwrap();
+            gpu.0.begin_microbatch(count).unwrap();
+            for i in (0..TENSORS.len()).rev() {
+                cpu.0.add_tensor(cpu.1, i, views[i]).unwrap();
+                gpu.0.add_tensor(gpu.1, i, ptrs[i]).unwrap();
+            }
+            cpu.0.end_microbatch().unwrap();
+            gpu.0.end_microbatch().unwrap();
+        } else {
+            cpu.0.add(cpu.1, &views, count).unwrap();
+            gpu.0.add(gpu.1, &ptrs, count).unwrap();
+        }
+    }
+}
+
+/// The masters bit for bit (a host read of the accumulator's stream only).
+fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
+    for (i, d) in TENSORS.iter().enumerate() {
+        let mut got = vec![0f32; d.numel];
+        gpu.read_master(i, &mut got).unwrap();
+        cpu.with_master(i, |want| {
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}"
+                );
+            }
+        })
+        .unwrap();
+    }
+}
+
+/// Ends an optimizer step on both backends from one accumulator's window.
+fn step(cpu: (&Accumulator, &Scaler), gpu: (&CudaAccumulator, &CudaScaler)) {
+    let info = cpu.0.sync(None).unwrap();
+    gpu.0.sync(None, false).unwrap();
+    cpu.1.update(info.found_inf).unwrap();
+    gpu.0.gather_into(gpu.1).unwrap();
+    gpu.1.update(false).unwrap();
+}
+
+/// Scaler and two accumulators on three streams, six windows. Accumulator `a`'s step ends (its
+/// update changes the scale) while `b`'s adds that read the old scale are still queued on `b`'s
+/// stream; the next window's boundary of each accumulator is written while the scaler's stream
+/// may not have gathered the last one yet.
+#[test]
+fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("an_update_waits_for_adds_of_accumulators_not_passed_to_it");
+    let ctx = Context::get(0).unwrap();
+    let (ss, sa, sb) = (
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    );
+    let config = AccumulatorConfig::default();
+    let (cs, gs) = (
+        Scaler::new(scaler_config()).unwrap(),
+        CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
+    );
+    let (ca, cb) = (
+        Accumulator::new(config, &TENSORS).unwrap(),
+        Accumulator::new(config, &TENSORS).unwrap(),
+    );
+    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
+    let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
+    let mut batches = Vec::new();
+    for window in 0..6 {
+        for m in 0..2 {
+            let (count, scale) = (rng.range(1, 5), cs.scale());
+            let a = Batch::new(&mut rng, &ctx, sa.stream, scale, false);
+            let b = Batch::new(&mut rng, &ctx, sb.stream, scale, window == 2 && m == 1);
+            a.add((&ca, &cs), (&ga, &gs), count, m == 1);
+            b.add((&cb, &cs), (&gb, &gs), count, m == 0);
+            batches.extend([a, b]);
+        }
+        step((&ca, &cs), (&ga, &gs));
+        step((&cb, &cs), (&gb, &gs));
+        if window % 2 == 1 {
+            masters_equal(&ca, &ga, &format!("window {window} a"));
+            masters_equal(&cb, &gb, &format!("window {window} b"));
+        }
+    }
+    assert_eq!(cs.scale(), gs.scale().unwrap());
+    assert_eq!(cs.stats(), gs.stats().unwrap());
+    assert!(
+        cs.stats().backoffs == 1 && cs.stats().growths > 0,
+        "{:?}",
+        cs.stats()
+    );
+}
+
+/// The scaler is destroyed as soon as adds on other streams that read its state are enqueued:
+/// its state must be freed after them.
+#[test]
+fn the_scaler_destroyed_right_after_adds_on_other_streams() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("the_scaler_destroyed_right_after_adds_on_other_streams");
+    let ctx = Context::get(0).unwrap();
+    let (ss, sa, sb) = (
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    );
+    let config = AccumulatorConfig::default();
+    let (ca, cb) = (
+        Accumulator::new(config, &TENSORS).unwrap(),
+        Accumulator::new(config, &TENSORS).unwrap(),
+    );
+    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
+    let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
+    for round in 0..3 {
+        let (cs, gs) = (
+            Scaler::new(scaler_config()).unwrap(),
+            CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
+        );
+        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+        let b = Batch::new(&mut rng, &ctx, sb.stream, cs.scale(), false);
+        a.add((&ca, &cs), (&ga, &gs), 2, round == 1);
+        b.add((&cb, &cs), (&gb, &gs), 3, round != 1);
+        drop(gs);
+        ca.sync(None).unwrap();
+        cb.sync(None).unwrap();
+        ga.sync(None, false).unwrap();
+        gb.sync(None, false).unwrap();
+        masters_equal(&ca, &ga, &format!("round {round} a"));
+        masters_equal(&cb, &gb, &format!("round {round} b"));
+    }
+}
+
+/// Windows back to back with nothing but a scaler's queued gather between them: each sync
+/// rewrites the boundary that a scaler's stream reads for the update before it. Two scalers on
+/// two streams take turns, so a window's adds wait for the other scaler's stream, never for the
+/// one still to read the last boundary.
+#[test]
+fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("a_boundary_is_rewritten_only_after_the_scaler_stream_read_it");
+    let ctx = Context::get(0).unwrap();
+    let streams = [
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    ];
+    let sa = OwnedStream::new(&ctx).unwrap();
+    let config = AccumulatorConfig::default();
+    let cpu = [
+        Scaler::new(scaler_config()).unwrap(),
+        Scaler::new(scaler_config()).unwrap(),
+    ];
+    let gpu = [
+        CudaScaler::new(scaler_config(), 0, streams[0].stream).unwrap(),
+        CudaScaler::new(scaler_config(), 0, streams[1].stream).unwrap(),
+    ];
+    let ca = Accumulator::new(config, &TENSORS).unwrap();
+    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
+    let mut batches = Vec::new();
+    for window in 0..8 {
+        let (cs, gs) = (&cpu[window % 2], &gpu[window % 2]);
+        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), window % 3 == 1);
+        a.add((&ca, cs), (&ga, gs), 1 + window as u64, window % 4 == 3);
+        batches.push(a);
+        step((&ca, cs), (&ga, gs));
+        // A second sync at once closes an empty window: refused at world size 1, and the
+        // boundary the scaler gathers from is left as it was.
+        assert_eq!(
+            ga.sync(None, false).unwrap_err().kind,
+            ErrorKind::EmptyWindow
+        );
+        assert_eq!(ca.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
+    }
+    masters_equal(&ca, &ga, "last window");
+    for (cs, gs) in cpu.iter().zip(&gpu) {
+        assert_eq!(cs.scale(), gs.scale().unwrap());
+        assert_eq!(cs.stats(), gs.stats().unwrap());
+    }
+}
+
+/// The accumulator's master is all-reduced bucket by bucket on its communication stream as the
+/// final micro-batch arrives; dropped right after, the master is freed only after those
+/// reductions. A second accumulator then runs the same window to the end against the CPU.
+#[test]
+fn an_accumulator_dropped_right_after_early_reductions() {
+    if !gpu_or_skip() || !nccl_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("an_accumulator_dropped_right_after_early_reductions");
+    let ctx = Context::get(0).unwrap();
+    let (ss, sa) = (
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    );
+    let comm = Arc::new(NcclComm::new(&nccl::unique_id().unwrap(), 0, 1, 0).unwrap());
+    let config = AccumulatorConfig {
+        bucket_numel: 1000,
+        ..Default::default()
+    };
+    let (cs, gs) = (
+        Scaler::new(scaler_config()).unwrap(),
+        CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
+    );
+    for keep in [false, false, true] {
+        let ca = Accumulator::new(config, &TENSORS).unwrap();
+        let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
+        let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+        first.add((&ca, &cs), (&ga, &gs), 2, false);
+        let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+        let (views, ptrs) = (last.views(), last.ptrs());
+        ga.begin_final_microbatch(3, comm.clone()).unwrap();
+        ca.begin_microbatch(3).unwrap();
+        for i in (0..TENSORS.len()).rev() {
+            ga.add_tensor(&gs, i, ptrs[i]).unwrap();
+            ca.add_tensor(&cs, i, views[i]).unwrap();
+        }
+        ga.end_microbatch().unwrap();
+        ca.end_microbatch().unwrap();
+        if !keep {
+            drop(ga);
+            continue;
+        }
+        let want = ca.sync(None).unwrap();
+        let got = ga.sync(Some(&comm), true).unwrap().unwrap();
+        assert_eq!(want.grad_norm.to_bits(), got.grad_norm.to_bits());
+        masters_equal(&ca, &ga, "after the final micro-batch");
+    }
+}
