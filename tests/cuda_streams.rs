@@ -367,3 +367,101 @@ fn an_accumulator_dropped_right_after_early_reductions() {
         masters_equal(&ca, &ga, "after the final micro-batch");
     }
 }
+
+/// Two ranks of one process on devices 0 and 1 over NCCL, each with its scaler and accumulator
+/// on streams of their own and stream-ordered masters (pool allocations, which the other
+/// device's NCCL kernels reach only once the pool grants it access; without memory pools,
+/// plain allocations freed after their stream). Windows with an overflow, with early bucket
+/// reductions, a sync right after a sync, and an accumulator dropped right after early
+/// reductions; every rank bitwise equal to the CPU backend over the local communicator.
+#[test]
+fn two_ranks_in_one_process_with_stream_ordered_masters() {
+    if !gpu_or_skip() || !nccl_or_skip() {
+        return;
+    }
+    if driver::device_count() < 2 {
+        assert!(
+            std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+            "GRADACC_REQUIRE_GPU=1 but only one CUDA device is visible"
+        );
+        eprintln!("one GPU: the two-rank test needs two");
+        return;
+    }
+    let id = nccl::unique_id().unwrap();
+    let local = gradacc::LocalComm::group(2).unwrap();
+    let config = AccumulatorConfig {
+        bucket_numel: 1000,
+        max_grad_norm: 0.5,
+        ..Default::default()
+    };
+    std::thread::scope(|s| {
+        for (rank, lc) in local.into_iter().enumerate() {
+            let id = &id;
+            s.spawn(move || {
+                let mut rng = Rng::seeded(7 + rank as u64);
+                let ordinal = rank as i32;
+                let ctx = Context::get(ordinal).unwrap();
+                // The software GPU's switch for a device without memory pools: the fallback ran.
+                if std::env::var("SIMGPU_MEMORY_POOLS").as_deref() == Ok("0") {
+                    assert!(!ctx.memory_pools());
+                }
+                let comm = Arc::new(NcclComm::new(id, rank, 2, ordinal).unwrap());
+                let (ss, sa) = (
+                    OwnedStream::new(&ctx).unwrap(),
+                    OwnedStream::new(&ctx).unwrap(),
+                );
+                let (cs, gs) = (
+                    Scaler::new(scaler_config()).unwrap(),
+                    CudaScaler::new(scaler_config(), ordinal, ss.stream).unwrap(),
+                );
+                let mut batches = Vec::new();
+                for window in 0..4 {
+                    let ca = Accumulator::new(config, &TENSORS).unwrap();
+                    let ga =
+                        CudaAccumulator::new(config, &TENSORS, ordinal, sa.stream, None).unwrap();
+                    let first = Batch::new(
+                        &mut rng,
+                        &ctx,
+                        sa.stream,
+                        cs.scale(),
+                        window == 1 && rank == 1,
+                    );
+                    first.add((&ca, &cs), (&ga, &gs), 2 + rank as u64, window % 2 == 0);
+                    let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+                    let (views, ptrs) = (last.views(), last.ptrs());
+                    ga.begin_final_microbatch(1, comm.clone()).unwrap();
+                    ca.begin_microbatch(1).unwrap();
+                    for i in (0..TENSORS.len()).rev() {
+                        ga.add_tensor(&gs, i, ptrs[i]).unwrap();
+                        ca.add_tensor(&cs, i, views[i]).unwrap();
+                    }
+                    ga.end_microbatch().unwrap();
+                    ca.end_microbatch().unwrap();
+                    batches.extend([first, last]);
+                    if window == 2 {
+                        // Dropped right after its buckets went out (on both ranks alike, so no
+                        // rank waits for a collective the other never issues).
+                        drop(ga);
+                        continue;
+                    }
+                    let info = ca.sync(Some(&lc)).unwrap();
+                    ga.sync(Some(&comm), false).unwrap();
+                    cs.update(info.found_inf).unwrap();
+                    ga.gather_into(&gs).unwrap();
+                    gs.update(false).unwrap();
+                    masters_equal(&ca, &ga, &format!("rank {rank} window {window}"));
+                    // A sync right after the sync: an empty window on every rank, whose boundary
+                    // overwrites the one the scaler's stream gathered; its update is no step.
+                    // (The master then reads zero on the device, while the CPU, which refuses
+                    // the empty window before touching it, keeps the last result.)
+                    ga.sync(Some(&comm), false).unwrap();
+                    assert_eq!(ca.sync(Some(&lc)).unwrap_err().kind, ErrorKind::EmptyWindow);
+                    ga.gather_into(&gs).unwrap();
+                    gs.update(false).unwrap();
+                }
+                assert_eq!(cs.scale(), gs.scale().unwrap(), "rank {rank}");
+                assert_eq!(cs.stats(), gs.stats().unwrap(), "rank {rank}");
+            });
+        }
+    });
+}

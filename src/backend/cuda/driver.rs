@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::driver_api::{self, Api, ERROR_OUT_OF_MEMORY, SUCCESS};
+use super::driver_api::{self, Api, MemAccessDesc, ERROR_OUT_OF_MEMORY, SUCCESS};
 use crate::error::{Error, ErrorKind, Result};
 
 pub use sys::{CUdeviceptr, CUstream};
@@ -40,6 +40,18 @@ pub fn require_driver() -> Result<()> {
         Ok(_) => "cuInit failed or no device is visible",
     };
     Err(Error::new(ErrorKind::BackendUnavailable, format!("no usable CUDA driver: {why}")))
+}
+
+/// The number of CUDA devices visible to the process (0 without a usable driver).
+pub fn device_count() -> i32 {
+    let (true, Ok(api)) = (driver_available(), driver_api::get()) else { return 0 };
+    let mut count = 0;
+    // SAFETY: the driver is initialised (driver_available); a valid out-pointer.
+    if unsafe { (api.cuDeviceGetCount)(&mut count) } == SUCCESS {
+        count
+    } else {
+        0
+    }
 }
 
 /// Turns a driver result code into an error naming the call, the code and the driver's text.
@@ -70,6 +82,9 @@ pub struct Context {
     /// (major, minor) compute capability.
     pub capability: (i32, i32),
     pub multiprocessors: u32,
+    /// Whether the device has stream-ordered memory pools (`cuMemAllocAsync`); without them
+    /// buffers come from `cuMemAlloc` and a free waits for the buffer's stream first.
+    memory_pools: bool,
 }
 
 // SAFETY: a CUcontext may be made current on any thread; the struct is immutable after creation.
@@ -111,11 +126,47 @@ impl Context {
             api,
             capability: (attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
             multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+            memory_pools: attribute(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
         });
+        if c.memory_pools {
+            c.grant_peer_access(device, count)?;
+        }
         // Kept for the life of the process: the primary context is the runtime API's too, so
         // releasing it under a framework that uses the device would gain nothing.
         contexts.push(c.clone());
         Ok(c)
+    }
+
+    /// Lets every other visible device read and write this device's stream-ordered allocations,
+    /// once per device and process. Several ranks in one process hand NCCL masters that the
+    /// peers' kernels access directly, and a pool allocation is reachable only from its own
+    /// device unless its pool grants access. A peer the hardware cannot reach is refused by the
+    /// driver and left out: NCCL then stages through host memory and never touches the buffer
+    /// from that device.
+    fn grant_peer_access(&self, device: sys::CUdevice, count: i32) -> Result<()> {
+        let api = self.api;
+        let _g = self.enter()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and a device handle from cuDeviceGet.
+        check(api, unsafe { (api.cuDeviceGetDefaultMemPool)(&mut pool, device) }, "cuDeviceGetDefaultMemPool")?;
+        for peer in (0..count).filter(|&p| p != self.ordinal) {
+            let mut peer_device = 0;
+            // SAFETY: a valid out-pointer and an ordinal below the device count.
+            check(api, unsafe { (api.cuDeviceGet)(&mut peer_device, peer) }, "cuDeviceGet")?;
+            let access = MemAccessDesc {
+                location_type: driver_api::MEM_LOCATION_TYPE_DEVICE,
+                location_id: peer_device,
+                flags: driver_api::MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the device's default pool and one access descriptor laid out as cuda.h's.
+            let _ = unsafe { (api.cuMemPoolSetAccess)(pool, &access, 1) };
+        }
+        Ok(())
+    }
+
+    /// Whether buffers are stream-ordered pool allocations (else `cuMemAlloc`).
+    pub fn memory_pools(&self) -> bool {
+        self.memory_pools
     }
 
     /// Makes this context current on the calling thread until the guard drops, then restores the
@@ -146,6 +197,9 @@ impl Drop for ContextGuard {
 
 /// A device allocation, stream-ordered: allocated and freed on `stream` (the caller's), so it
 /// never synchronises the device. Or a caller's buffer, adopted and never freed.
+///
+/// On a device without memory pools the memory comes from `cuMemAlloc`, which is not stream
+/// ordered: the free then waits for the buffer's stream first.
 pub struct DeviceBuffer {
     ctx: Arc<Context>,
     ptr: CUdeviceptr,
@@ -166,8 +220,13 @@ impl DeviceBuffer {
         let _g = ctx.enter()?;
         let mut ptr = 0;
         let size = bytes.max(4);
-        // SAFETY: a valid out-pointer; the stream belongs to the current context (caller's contract).
-        check(api, unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) }, "cuMemAllocAsync")?;
+        if ctx.memory_pools {
+            // SAFETY: a valid out-pointer; the stream belongs to the current context (caller's contract).
+            check(api, unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) }, "cuMemAllocAsync")?;
+        } else {
+            // SAFETY: a valid out-pointer.
+            check(api, unsafe { (api.cuMemAlloc_v2)(&mut ptr, size) }, "cuMemAlloc")?;
+        }
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
         // SAFETY: `size` bytes at `ptr` were just allocated, usable on `stream` from here.
         check(api, unsafe { (api.cuMemsetD8Async)(ptr, 0, size, stream) }, "cuMemsetD8Async")?;
@@ -250,8 +309,20 @@ impl Drop for DeviceBuffer {
         }
         let api = self.ctx.api;
         if let Ok(_g) = self.ctx.enter() {
-            // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work.
-            unsafe { (api.cuMemFreeAsync)(self.ptr, self.stream) };
+            if self.ctx.memory_pools {
+                // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work
+                // (the owners order other streams' uses before it with events).
+                unsafe { (api.cuMemFreeAsync)(self.ptr, self.stream) };
+            } else {
+                // cuMemFree takes effect at once: wait for every use enqueued before it (other
+                // streams' uses are ordered before the buffer's stream's end with events).
+                // SAFETY: a stream of the current context; the memory came from cuMemAlloc and
+                // is freed once, after its last use completed.
+                unsafe {
+                    (api.cuStreamSynchronize)(self.stream);
+                    (api.cuMemFree_v2)(self.ptr);
+                }
+            }
         }
     }
 }

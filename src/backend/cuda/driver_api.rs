@@ -6,8 +6,21 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
-    self, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream,
+    self, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemoryPool, CUmodule, CUstream,
 };
+
+/// `CUmemAccessDesc`: one device's access to a memory pool (`CUmemLocation` then the flags).
+#[repr(C)]
+pub struct MemAccessDesc {
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub flags: c_int,
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+pub const MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 
 macro_rules! driver_api {
     ($($name:ident($($arg:ty),* $(,)?);)*) => {
@@ -45,10 +58,14 @@ driver_api! {
     cuDeviceGet(*mut CUdevice, c_int);
     cuDeviceGetAttribute(*mut c_int, c_int, CUdevice);
     cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
+    cuDeviceGetDefaultMemPool(*mut CUmemoryPool, CUdevice);
+    cuMemPoolSetAccess(CUmemoryPool, *const MemAccessDesc, usize);
     cuCtxPushCurrent_v2(CUcontext);
     cuCtxPopCurrent_v2(*mut CUcontext);
     cuMemAllocAsync(*mut CUdeviceptr, usize, CUstream);
     cuMemFreeAsync(CUdeviceptr, CUstream);
+    cuMemAlloc_v2(*mut CUdeviceptr, usize);
+    cuMemFree_v2(CUdeviceptr);
     cuMemsetD8Async(CUdeviceptr, u8, usize, CUstream);
     cuMemsetD32Async(CUdeviceptr, c_uint, usize, CUstream);
     cuMemcpyHtoDAsync_v2(CUdeviceptr, *const c_void, usize, CUstream);
