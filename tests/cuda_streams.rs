@@ -11,12 +11,14 @@
 
 mod common;
 
+use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::ffi;
 use gradacc::{
     Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc,
 };
@@ -464,4 +466,76 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
             });
         }
     });
+}
+
+/// `CU_STREAM_PER_THREAD` (0x2) is another stream on every calling thread: refused wherever a
+/// stream enters, naming the argument and the value. The legacy stream (NULL, 0x1) is accepted.
+#[test]
+fn the_per_thread_default_stream_is_refused() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let per_thread = 0x2 as driver::CUstream;
+    let err = CudaScaler::new(ScalerConfig::default(), 0, per_thread)
+        .err()
+        .expect("a scaler on the per-thread stream");
+    assert_eq!(err.kind, ErrorKind::InvalidArgument);
+    assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
+    let err = CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, per_thread, None)
+        .err()
+        .expect("an accumulator on the per-thread stream");
+    assert_eq!(err.kind, ErrorKind::InvalidArgument);
+    assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
+
+    let device = ffi::gradacc_device_t {
+        kind: ffi::GRADACC_DEVICE_CUDA,
+        ordinal: 0,
+        stream: 0x2 as *mut c_void,
+    };
+    let last_error = || {
+        unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let mut scaler = std::ptr::null_mut();
+    assert_eq!(
+        ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler),
+        ffi::GRADACC_STATUS_INVALID_ARGUMENT
+    );
+    assert!(
+        scaler.is_null() && last_error().contains("`device`.stream = 0x2"),
+        "{}",
+        last_error()
+    );
+    let descs: Vec<ffi::gradacc_tensor_desc_t> = TENSORS
+        .iter()
+        .map(|t| ffi::gradacc_tensor_desc_t {
+            numel: t.numel as u64,
+            dtype: t.dtype.code(),
+        })
+        .collect();
+    let mut acc = std::ptr::null_mut();
+    assert_eq!(
+        ffi::gradacc_accumulator_create(
+            std::ptr::null(),
+            descs.as_ptr(),
+            descs.len(),
+            &device,
+            &mut acc
+        ),
+        ffi::GRADACC_STATUS_INVALID_ARGUMENT
+    );
+    assert!(
+        acc.is_null() && last_error().contains("`device`.stream = 0x2"),
+        "{}",
+        last_error()
+    );
+
+    for legacy in [std::ptr::null_mut(), 0x1 as driver::CUstream] {
+        let scaler = CudaScaler::new(ScalerConfig::default(), 0, legacy).unwrap();
+        let acc =
+            CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, legacy, None).unwrap();
+        assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);
+        drop((acc, scaler));
+    }
 }

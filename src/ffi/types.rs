@@ -91,6 +91,7 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
             if d.ordinal < 0 {
                 return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)));
             }
+            crate::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
             crate::backend::cuda::driver::require_driver()?;
             if !crate::backend::cuda::compile::nvrtc_available() {
                 return Err(Error::new(

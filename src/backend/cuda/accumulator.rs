@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
 use super::scaler::CudaScaler;
@@ -97,6 +97,7 @@ impl CudaAccumulator {
     /// master is allocated on that stream (zeroed), or `adopt` is the caller's device buffer of
     /// exactly the total element count.
     pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc], ordinal: i32, stream: CUstream, adopt: Option<(CUdeviceptr, usize)>) -> Result<Self> {
+        check_stream(stream, "`stream`")?;
         config.validate()?;
         let layout = Layout::new(tensors, config.bucket_numel)?;
         let len = layout.len();

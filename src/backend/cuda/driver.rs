@@ -17,6 +17,9 @@ use crate::error::{Error, ErrorKind, Result};
 
 pub use sys::{CUdeviceptr, CUstream};
 
+/// `CU_STREAM_PER_THREAD`: the calling thread's own default stream, another stream on every thread.
+const STREAM_PER_THREAD: usize = 0x2;
+
 /// Whether the CUDA driver library can be loaded and initialised and sees at least one device.
 /// Never panics: the driver is reached only through pointers resolved after the library was
 /// found (cudarc's loader panics when it is missing).
@@ -52,6 +55,20 @@ pub fn device_count() -> i32 {
     } else {
         0
     }
+}
+
+/// Refuses a stream handle gradacc cannot order work on: `CU_STREAM_PER_THREAD` (0x2) names a
+/// different stream on every calling thread, while an object's calls may come from any thread
+/// and must all land on one stream. NULL and `CU_STREAM_LEGACY` (0x1) are the legacy stream.
+/// `argument` names the stream as the error shows it (quoted as in "`stream`").
+pub fn check_stream(stream: CUstream, argument: &str) -> Result<()> {
+    if stream as usize == STREAM_PER_THREAD {
+        return Err(Error::invalid(format!(
+            "{argument} = {stream:p} is CU_STREAM_PER_THREAD (cudaStreamPerThread), a different stream on every calling thread; \
+             pass a stream of your own, or NULL for the legacy default stream"
+        )));
+    }
+    Ok(())
 }
 
 /// Turns a driver result code into an error naming the call, the code and the driver's text.

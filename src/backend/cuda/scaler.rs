@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::dtype::Dtype;
@@ -67,6 +67,7 @@ fn device_state(s: &ScalerState) -> GaScalerState {
 impl CudaScaler {
     /// A scaler on device `ordinal`, ordered on the caller's `stream` (borrowed).
     pub fn new(config: ScalerConfig, ordinal: i32, stream: CUstream) -> Result<Self> {
+        check_stream(stream, "`stream`")?;
         let initial = Scaler::new(config)?.state();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
