@@ -145,7 +145,17 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_one(
 }
 
 /* This rank's control words before the cross-rank sum. */
+/* The single-thread kernels below do their work in thread 0 of block 0 only, whatever the launch
+ * geometry: a wider launch must not write the same words from several threads. */
+#define GA_ONE_THREAD()                                \
+    do {                                               \
+        if (threadIdx.x != 0 || blockIdx.x != 0) {     \
+            return;                                    \
+        }                                              \
+    } while (0)
+
 extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf) {
+    GA_ONE_THREAD();
     b->count = count;
     b->microbatches = microbatches;
     b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
@@ -153,6 +163,7 @@ extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 
 
 /* After the control words are summed: what the boundary divides by. */
 extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize, ga_u64 world) {
+    GA_ONE_THREAD();
     ga_u64 divisor = ga_divisor(normalize, b->count, b->microbatches, world);
     b->divisor = divisor;
     b->empty = (b->microbatches == 0 || divisor == 0) ? 1u : 0u;
@@ -207,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
  * global memory. Launched with GA_THREADS threads and one block. */
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_finish_norm(ga_boundary *b, const double *partials, ga_u64 num_blocks, double max_norm) {
     __shared__ double tile[GA_THREADS];
-    if (b->empty) {
+    if (b->empty || blockIdx.x != 0) {
         return;
     }
     double sum = 0.0;
@@ -256,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_by(float *buf,
 
 /* Gathers one synced accumulator's agreed overflow flag for the scaler's next update. */
 extern "C" __global__ void ga_scaler_gather(ga_scaler_state *s, const ga_boundary *b) {
+    GA_ONE_THREAD();
     if (b->empty) {
         s->pending_found_inf |= GA_PENDING_EMPTY;
     } else if (b->found_inf != 0) {
@@ -267,6 +279,7 @@ extern "C" __global__ void ga_scaler_gather(ga_scaler_state *s, const ga_boundar
  * whose window was empty on every rank (which the CPU path refuses as EMPTY_WINDOW) is no step:
  * the state stays as it was. */
 extern "C" __global__ void ga_scaler_update(ga_scaler_state *s, ga_scaler_rule rule) {
+    GA_ONE_THREAD();
     ga_u32 pending = s->pending_found_inf;
     s->pending_found_inf = 0;
     if (pending & GA_PENDING_EMPTY) {
@@ -285,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_loss(void *los
 
 /* The sizes of the structs shared with Rust, for the GPU suite to compare with the Rust layouts. */
 extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
+    GA_ONE_THREAD();
     out[0] = sizeof(ga_tensor);
     out[1] = sizeof(ga_chunk);
     out[2] = sizeof(ga_source);
