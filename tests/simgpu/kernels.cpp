@@ -20,19 +20,23 @@ uint64_t dtype_bytes(int dtype) { return dtype == GA_DTYPE_F32 ? 4 : 2; }
 
 /* Footprints: one per kernel, with the kernel's exact parameter types. */
 
-void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, const ga_source *sources, float *master,
+void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources, float *master,
                   const ga_scaler_state *scaler, double, ga_u32 *found_inf) {
+    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("ga_add_multi: %llu sources in one launch", (unsigned long long)sources.count);
     f.read(chunks, num_chunks * sizeof(ga_chunk));
     ga_u64 num_tensors = 0;
     for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
     f.read(tensors, num_tensors * sizeof(ga_tensor));
-    f.read(sources, num_tensors * sizeof(ga_source));
     for (ga_u64 c = 0; c < num_chunks; ++c) {
         const ga_chunk &k = chunks[c];
+        if (k.tensor < sources.first_tensor || k.tensor >= sources.first_tensor + sources.count)
+            violation("ga_add_multi: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", (unsigned long long)c,
+                      (unsigned long long)k.tensor, (unsigned long long)sources.first_tensor, (unsigned long long)(sources.first_tensor + sources.count));
         const ga_tensor &t = tensors[k.tensor];
         if (k.start + k.len > t.numel) violation("ga_add_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
         f.write(master + t.offset + k.start, k.len * 4);
-        f.read((const char *)(uintptr_t)sources[k.tensor].grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
+        const ga_source &s = sources.s[k.tensor - sources.first_tensor];
+        f.read((const char *)(uintptr_t)s.grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
     }
     f.read(scaler, sizeof *scaler);
     f.write(found_inf, 4);
@@ -81,7 +85,7 @@ void fp_scale_loss(Footprint &f, void *loss, ga_u64 n, int dtype, const ga_scale
     f.read(s, sizeof *s);
 }
 
-void fp_layout_sizes(Footprint &f, ga_u64 *out) { f.write(out, 6 * sizeof(ga_u64)); }
+void fp_layout_sizes(Footprint &f, ga_u64 *out) { f.write(out, 7 * sizeof(ga_u64)); }
 
 /* Checks a pointer argument (null is allowed: a kernel may test it) against the live
  * allocations of the launching device. */

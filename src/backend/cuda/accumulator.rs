@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLoc
 
 use super::driver::{check_stream, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
-use super::layout::{GaBoundary, GaChunk, GaSource, GaTensor};
+use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
 use crate::accumulator::{AccumulatorConfig, Layout, SyncInfo, TensorDesc};
 use crate::backend::cpu::math::NORM_BLOCK;
@@ -56,6 +56,15 @@ struct Overlap {
     next: usize,
 }
 
+/// One `ga_add_multi` launch of an `add`: tensors `first..first + count` and their chunks, which
+/// are consecutive in the chunk table (it lists tensor after tensor).
+struct AddLaunch {
+    first: usize,
+    count: usize,
+    first_chunk: usize,
+    num_chunks: u64,
+}
+
 /// Mixed-precision accumulator with its FP32 master in CUDA device memory.
 pub struct CudaAccumulator {
     ctx: Arc<Context>,
@@ -67,8 +76,8 @@ pub struct CudaAccumulator {
     master: DeviceBuffer,
     tensors: DeviceBuffer,
     chunks: DeviceBuffer,
-    num_chunks: u64,
-    sources: DeviceBuffer,
+    /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
+    launches: Vec<AddLaunch>,
     found_inf: DeviceBuffer,
     boundary: DeviceBuffer,
     partials: DeviceBuffer,
@@ -112,6 +121,15 @@ impl CudaAccumulator {
                 (0..t.numel).step_by(CHUNK).map(move |start| GaChunk { tensor: i as u64, start: start as u64, len: (t.numel - start).min(CHUNK) as u64 })
             })
             .collect();
+        let launches = (0..tensors.len())
+            .step_by(SOURCES_PER_LAUNCH)
+            .map(|first| {
+                let count = SOURCES_PER_LAUNCH.min(tensors.len() - first);
+                let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
+                let num_chunks = chunks[first_chunk..].partition_point(|c| (c.tensor as usize) < first + count) as u64;
+                AddLaunch { first, count, first_chunk, num_chunks }
+            })
+            .collect();
         let master = match adopt {
             Some((ptr, numel)) => {
                 if numel != len {
@@ -126,9 +144,8 @@ impl CudaAccumulator {
         };
         Ok(CudaAccumulator {
             tensors: DeviceBuffer::from_slice(&ctx, stream, &table)?,
-            num_chunks: chunks.len() as u64,
             chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
-            sources: DeviceBuffer::zeroed(&ctx, stream, tensors.len() * std::mem::size_of::<GaSource>())?,
+            launches,
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
             partials: DeviceBuffer::zeroed(&ctx, stream, len.div_ceil(NORM_BLOCK) * 8)?,
@@ -204,7 +221,8 @@ impl CudaAccumulator {
     }
 
     /// Adds one micro-batch: `grads[i]` is the device address of tensor i's gradient (numel and
-    /// dtype as declared), scaled by `scaler`'s current scale. One launch for every tensor.
+    /// dtype as declared), scaled by `scaler`'s current scale. One launch per SOURCES_PER_LAUNCH
+    /// tensors (one for most models).
     /// Enqueued on the accumulator's stream; returns without waiting.
     pub fn add(&self, scaler: &CudaScaler, grads: &[CUdeviceptr], count: u64) -> Result<()> {
         let mut w = self.write();
@@ -221,22 +239,25 @@ impl CudaAccumulator {
         self.check_count(&w, count)?;
         self.check_scaler(scaler)?;
         self.start_window_if_synced(&mut w)?;
-        let sources: Vec<GaSource> = grads
-            .iter()
-            .enumerate()
-            .map(|(i, &grad)| GaSource { grad, assign: (self.written_in[i].load(Ordering::Relaxed) != w.id) as u32, pad: 0 })
-            .collect();
-        // The sources table is rewritten in stream order: the previous launch has read it by then.
-        self.sources.write(&sources)?;
+        // The gradient addresses travel as a kernel parameter, copied by the launch: no per-call
+        // copy from host memory, so a step's adds can be captured into a CUDA graph.
         let f = self.kernels.add_multi;
-        let (tensors, chunks, num_chunks, sources_ptr, master) = (self.tensors.ptr(), self.chunks.ptr(), self.num_chunks, self.sources.ptr(), self.master.ptr());
-        let (weight, found_inf) = (self.config.weight(count), self.found_inf.ptr());
-        scaler.launch_reading(self.stream, |state| {
-            let mut args = launch_args!(tensors, chunks, num_chunks, sources_ptr, master, state, weight, found_inf);
-            // SAFETY: argument types follow ga_add_multi; tables and master were sized at creation,
-            // and the gradient addresses hold their tensors' numel values (the caller's contract).
-            unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
-        })?;
+        let (tensors, master, weight, found_inf) = (self.tensors.ptr(), self.master.ptr(), self.config.weight(count), self.found_inf.ptr());
+        for launch in &self.launches {
+            let mut sources = GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
+                *slot = GaSource { grad: grads[i], assign: (self.written_in[i].load(Ordering::Relaxed) != w.id) as u32, pad: 0 };
+            }
+            let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let num_chunks = launch.num_chunks;
+            scaler.launch_reading(self.stream, |state| {
+                let mut args = launch_args!(tensors, chunks, num_chunks, sources, master, state, weight, found_inf);
+                // SAFETY: argument types follow ga_add_multi (`sources` by value); the chunk range
+                // is this launch's tensors', tables and master were sized at creation, and the
+                // gradient addresses hold their tensors' numel values (the caller's contract).
+                unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+            })?;
+        }
         for slot in &self.written_in {
             slot.store(w.id, Ordering::Relaxed);
         }

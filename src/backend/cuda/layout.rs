@@ -29,6 +29,19 @@ pub struct GaSource {
     pub pad: u32,
 }
 
+/// Sources per `ga_add_multi` launch (`GA_SOURCES_PER_LAUNCH`): they travel as a kernel parameter,
+/// which may hold 4 KB.
+pub const SOURCES_PER_LAUNCH: usize = 240;
+
+/// `ga_sources`: the gradients of consecutive tensors, passed by value to `ga_add_multi`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GaSources {
+    pub first_tensor: u64,
+    pub count: u64,
+    pub s: [GaSource; SOURCES_PER_LAUNCH],
+}
+
 /// `ga_boundary`: control values (reduced across ranks) and the boundary's results.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -74,11 +87,12 @@ pub struct GaScalerRule {
 }
 
 /// The sizes `ga_layout_sizes` writes, in its order.
-pub const SIZES: [usize; 6] = [
+pub const SIZES: [usize; 7] = [
     std::mem::size_of::<GaTensor>(),
     std::mem::size_of::<GaChunk>(),
     std::mem::size_of::<GaSource>(),
     std::mem::size_of::<GaBoundary>(),
     std::mem::size_of::<GaScalerState>(),
     std::mem::size_of::<GaScalerRule>(),
+    std::mem::size_of::<GaSources>(),
 ];

@@ -23,16 +23,16 @@ pub fn available() -> bool {
 
 /// The sizes of the structs shared with the kernels as the device compiler lays them out (the
 /// `ga_layout_sizes` kernel), to compare with [`layout::SIZES`]. Waits for the device.
-pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 6]> {
+pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 7]> {
     let ctx = driver::Context::get(ordinal)?;
     let k = kernels::Kernels::of(&ctx)?;
     let stream = std::ptr::null_mut();
-    let out = driver::DeviceBuffer::zeroed(&ctx, stream, 6 * 8)?;
+    let out = driver::DeviceBuffer::zeroed(&ctx, stream, 7 * 8)?;
     let ptr = out.ptr();
     let mut args = driver::launch_args!(ptr);
-    // SAFETY: ga_layout_sizes writes six u64 values to its argument.
+    // SAFETY: ga_layout_sizes writes seven u64 values to its argument.
     unsafe { k.layout_sizes.launch(&ctx, 1, 1, stream, &mut args)? };
-    let mut sizes = [0u64; 6];
+    let mut sizes = [0u64; 7];
     out.read(&mut sizes)?;
     Ok(sizes)
 }

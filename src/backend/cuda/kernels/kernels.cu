@@ -28,6 +28,16 @@ typedef struct {
     ga_u32 pad;
 } ga_source;
 
+/* The gradients of up to GA_SOURCES_PER_LAUNCH consecutive tensors, passed by value as a kernel
+ * parameter (4 KB of parameter space at most): a launch copies them, so an add needs no
+ * host-to-device copy and can be captured into a CUDA graph. */
+#define GA_SOURCES_PER_LAUNCH 240
+typedef struct {
+    ga_u64 first_tensor;
+    ga_u64 count;
+    ga_source s[GA_SOURCES_PER_LAUNCH];
+} ga_sources;
+
 /* The boundary's control values and results, in device memory: the control words are reduced
  * across ranks, then the kernels below fill in the rest. */
 typedef struct {
@@ -113,16 +123,17 @@ __device__ static void ga_flag_block(int bad, ga_u32 *found_inf) {
     }
 }
 
-/* One micro-batch, every tensor, one launch: block b handles chunks b, b + gridDim.x, ... */
+/* One micro-batch, up to GA_SOURCES_PER_LAUNCH tensors (every tensor of most models), one launch:
+ * `chunks` are those tensors' chunks; block b handles chunks b, b + gridDim.x, ... */
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_multi(
-    const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, const ga_source *sources, float *master,
+    const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources, float *master,
     const ga_scaler_state *scaler, double weight, ga_u32 *found_inf) {
     float factor = ga_unscale_factor(weight, scaler->scale);
     int bad = 0;
     for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
         ga_chunk chunk = chunks[c];
         ga_tensor t = tensors[chunk.tensor];
-        ga_source s = sources[chunk.tensor];
+        ga_source s = sources.s[chunk.tensor - sources.first_tensor];
         size_t bytes = t.dtype == GA_DTYPE_F32 ? 4 : 2;
         const char *grad = (const char *)(size_t)s.grad + chunk.start * bytes;
         bad |= ga_add_range(master + t.offset + chunk.start, grad, chunk.len, t.dtype, factor, (int)s.assign);
@@ -305,4 +316,5 @@ extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
     out[3] = sizeof(ga_boundary);
     out[4] = sizeof(ga_scaler_state);
     out[5] = sizeof(ga_scaler_rule);
+    out[6] = sizeof(ga_sources);
 }
