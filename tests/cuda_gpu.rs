@@ -379,3 +379,130 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
     }
 }
 
+/// A training step's `add` and `sync` (no host read) captured into a CUDA graph and replayed on
+/// new gradient values in the same buffers: every replay equals the CPU backend's window. Capture
+/// forbids pageable host-to-device copies, so `add` may not stage a table per call.
+#[test]
+fn add_and_sync_can_be_captured_into_a_graph() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("add_and_sync_can_be_captured_into_a_graph");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
+    let config = AccumulatorConfig { max_grad_norm: 0.5, ..Default::default() };
+    let scale = 1024.0;
+    let (sc, sg) = (
+        Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
+        CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap(),
+    );
+    let cpu = Accumulator::new(config, &descs).unwrap();
+    let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+    let first: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
+    let device: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
+    let addresses: Vec<u64> = device.iter().map(|d| d.1).collect();
+    driver::synchronize(&ctx, stream.stream).unwrap();
+
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    {
+        let _current = ctx.enter().unwrap();
+        // SAFETY: a stream of this context; the capture ends below on every path that returns.
+        let begun = unsafe { cu::cuStreamBeginCapture_v2(stream.stream, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) };
+        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
+    }
+    let added = gpu.add(&sg, &addresses, 3);
+    let synced = added.as_ref().ok().map(|_| gpu.sync(None, false));
+    let _current = ctx.enter().unwrap();
+    // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
+    let ended = unsafe { cu::cuStreamEndCapture(stream.stream, &mut graph) };
+    added.expect("add during a capture");
+    synced.unwrap().expect("sync without a host read during a capture");
+    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
+    // SAFETY: a graph from a completed capture.
+    assert_eq!(unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, cu::CUresult::CUDA_SUCCESS);
+
+    for replay in 0..3 {
+        let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2)).collect();
+        for (g, (buf, _)) in grads.iter().zip(&device) {
+            match g.dtype {
+                Dtype::F32 => buf.write(&g.f32s).unwrap(),
+                _ => buf.write(&g.u16s).unwrap(),
+            }
+        }
+        // SAFETY: an instantiated graph whose buffers are all alive.
+        assert_eq!(unsafe { cu::cuGraphLaunch(exec, stream.stream) }, cu::CUresult::CUDA_SUCCESS);
+        let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+        cpu.add(&sc, &views, 3).unwrap();
+        let want = cpu.sync(None).unwrap();
+        masters_equal(&cpu, &gpu, &format!("replay {replay}"));
+        assert_eq!(want.found_inf, replay == 2);
+    }
+    // SAFETY: created above, destroyed once.
+    unsafe {
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+}
+
+/// The single-thread kernels (control words, scaler state) do their work once whatever the launch
+/// geometry: `ga_scaler_update` launched with two blocks of 256 threads is one optimizer step.
+#[test]
+fn single_thread_kernels_run_once_on_a_wide_launch() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let (major, minor) = ctx.capability;
+    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap()).unwrap().image;
+    let module = driver::Module::load(&ctx, &image).unwrap();
+    let update = {
+        let _current = ctx.enter().unwrap();
+        module.function(c"ga_scaler_update").unwrap()
+    };
+    let state = DeviceBuffer::from_slice(&ctx, stream.stream, &[layout::GaScalerState { scale: 8.0, ..Default::default() }]).unwrap();
+    let rule = layout::GaScalerRule { growth_factor: 2.0, backoff_factor: 0.5, min_scale: 1.0, max_scale: 1e9, growth_interval: 1000, hysteresis: 1, dynamic: 1, ..Default::default() };
+    let ptr = state.ptr();
+    let mut args = [&ptr as *const _ as *mut std::ffi::c_void, &rule as *const _ as *mut std::ffi::c_void];
+    // SAFETY: the arguments follow ga_scaler_update(ga_scaler_state *, ga_scaler_rule).
+    unsafe { update.launch(&ctx, 2, driver::THREADS, stream.stream, &mut args).unwrap() };
+    let mut out = [layout::GaScalerState::default()];
+    state.read(&mut out).unwrap();
+    assert_eq!((out[0].steps, out[0].growth_tracker), (1, 1), "one step, not one per thread");
+}
+
+/// A model of more tensors than one launch carries (`SOURCES_PER_LAUNCH`): `add` splits them over
+/// several launches, bit for bit the CPU backend's result.
+#[test]
+fn many_tensors_span_several_add_launches() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("many_tensors_span_several_add_launches");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let descs: Vec<TensorDesc> = (0..2 * layout::SOURCES_PER_LAUNCH + 17)
+        .map(|_| TensorDesc { numel: [1, 5, 64, 300, 8193][rng.range(0, 4) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
+        .collect();
+    let config = AccumulatorConfig::default();
+    let cpu = Accumulator::new(config, &descs).unwrap();
+    let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+    let (sc, sg) = (Scaler::new(ScalerConfig::default()).unwrap(), CudaScaler::new(ScalerConfig::default(), 0, stream.stream).unwrap());
+    for _ in 0..2 {
+        let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 65536.0, false)).collect();
+        let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
+        let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+        cpu.add(&sc, &views, 2).unwrap();
+        gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 2).unwrap();
+    }
+    let (want, got) = (cpu.sync(None).unwrap(), gpu.sync(None, true).unwrap().unwrap());
+    assert_eq!(want.grad_norm.to_bits(), got.grad_norm.to_bits());
+    masters_equal(&cpu, &gpu, "many tensors");
+}
