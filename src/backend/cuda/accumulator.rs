@@ -423,7 +423,14 @@ impl CudaAccumulator {
         if !read {
             return Ok(None);
         }
-        match self.read_info()? {
+        let info = self.read_info()?;
+        // An abort (or a peer's failure) ends the collectives the read waited for without
+        // reducing: the values read are not the boundary's.
+        if let Err(e) = comm.map_or(Ok(()), NcclComm::health) {
+            self.discard(&mut w)?;
+            return Err(e);
+        }
+        match info {
             Some(info) => Ok(Some(info)),
             None => {
                 self.discard(&mut w)?;
@@ -622,6 +629,7 @@ impl CudaAccumulator {
         comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
         let mut max = [0u64; 4];
         self.layout_check.read(&mut max)?;
+        comm.health()?;
         let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
         if max_numel != min_numel || max_hash != min_hash {
             return Err(Error::new(
