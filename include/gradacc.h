@@ -173,7 +173,9 @@ typedef struct gradacc_device_t {
     int32_t ordinal;
     /**
      * The caller's `cudaStream_t` / `CUstream` (borrowed, never destroyed; it must outlive every
-     * object created on it, whose device memory is freed on it); NULL for the CPU.
+     * object created on it, whose device memory is freed on it); NULL for the CPU. On CUDA, NULL
+     * or `CU_STREAM_LEGACY` is the legacy default stream; `CU_STREAM_PER_THREAD` (0x2) is refused
+     * (it names another stream on every thread).
      */
     void *stream;
 } gradacc_device_t;
