@@ -100,4 +100,3 @@ fn row(len: usize, what: &str, threads: usize, bytes: f64, seconds: [f64; 3]) {
         ns / prefetching
     );
 }
-

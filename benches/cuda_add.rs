@@ -55,14 +55,7 @@ fn main() {
             let (src, dst) = (DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap(), DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap());
             let add = time(&ctx, s, || acc.add(&scaler, &[grad.ptr()], 1).unwrap());
             let floor = time(&ctx, s, || driver::copy(&ctx, s, dst.ptr(), src.ptr(), bytes / 2).unwrap());
-            println!(
-                "| {n} | {} | {:.3} | {:.3} | {:.2} | {:.0} |",
-                dtype.name(),
-                add * 1e3,
-                floor * 1e3,
-                floor / add,
-                bytes as f64 / add / 1e9
-            );
+            println!("| {n} | {} | {:.3} | {:.3} | {:.2} | {:.0} |", dtype.name(), add * 1e3, floor * 1e3, floor / add, bytes as f64 / add / 1e9);
         }
     }
 }

@@ -177,7 +177,11 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                 );
                 o.record(
                     "sweep",
-                    &format!("\"numel\":{len},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}", dtype_name(dtype), len * bytes_per_element(dtype)),
+                    &format!(
+                        "\"numel\":{len},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}",
+                        dtype_name(dtype),
+                        len * bytes_per_element(dtype)
+                    ),
                     &[("gradacc", t[0]), ("copy", t[1]), ("triad", t[2]), ("triad_prefetch", t[3])],
                 );
             }
@@ -341,7 +345,11 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
             );
             o.record(
                 "overhead",
-                &format!("\"tensors\":{tensors},\"numel\":{numel},\"dtype\":\"{}\",\"threads\":1,\"bytes\":{}", dtype_name(dtype), total * bytes_per_element(dtype)),
+                &format!(
+                    "\"tensors\":{tensors},\"numel\":{numel},\"dtype\":\"{}\",\"threads\":1,\"bytes\":{}",
+                    dtype_name(dtype),
+                    total * bytes_per_element(dtype)
+                ),
                 &[("rust_api", t[0]), ("c_abi", t[1]), ("triad", t[2]), ("triad_prefetch", t[3])],
             );
         }
@@ -418,10 +426,6 @@ fn boundary(o: &mut Options, n: usize) {
         let stat = |i: usize| Stats::of(&rows.iter().map(|r| r[i]).collect::<Vec<_>>());
         let (d, nv, b) = (stat(0), stat(1), stat(2));
         println!("K = {k}: {:.1} | {:.1} | {:.1}", d.median * 1e3, nv.median * 1e3, b.median * 1e3);
-        o.record(
-            "boundary_local",
-            &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k}"),
-            &[("deferred", d), ("naive", nv), ("bare", b)],
-        );
+        o.record("boundary_local", &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k}"), &[("deferred", d), ("naive", nv), ("bare", b)]);
     }
 }

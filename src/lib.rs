@@ -15,9 +15,9 @@ pub mod scaler;
 mod state;
 
 pub use accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
-pub use comm::{Communicator, LocalComm};
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
+pub use comm::{Communicator, LocalComm};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
 pub use scaler::{Scaler, ScalerConfig, ScalerStats};

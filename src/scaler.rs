@@ -239,9 +239,8 @@ impl Scaler {
     /// bytes without changing anything.
     pub fn load(&self, bytes: &[u8]) -> Result<()> {
         let mut r = state::Reader::open("scaler state", bytes, STATE_MAGIC, STATE_VERSION)?;
-        let small = |v: u64, what: &str| {
-            u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")))
-        };
+        let small =
+            |v: u64, what: &str| u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")));
         let config = ScalerConfig {
             init_scale: r.f32()?,
             growth_factor: r.f32()?,

@@ -39,9 +39,8 @@ fn run_case(rng: &mut Rng, case: usize) {
     let world = rng.range(1, 4) as usize;
     let sizes = [1usize, 2, 7, 33, 1000, 4097];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors: Vec<TensorDesc> = (0..rng.range(1, 6))
-        .map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
-        .collect();
+    let tensors: Vec<TensorDesc> =
+        (0..rng.range(1, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect();
     let normalize = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize];
     let loss_reduction = if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
     let config = AccumulatorConfig {
@@ -129,12 +128,8 @@ fn run_case(rng: &mut Rng, case: usize) {
 
                     for m in window {
                         let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
-                        let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> = m
-                            .contributions
-                            .iter()
-                            .zip(tensors)
-                            .map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect())
-                            .collect();
+                        let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> =
+                            m.contributions.iter().zip(tensors).map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect()).collect();
                         fn view<'a>(dtype: Dtype, e: &'a (Vec<f32>, Vec<u16>)) -> Grad<'a> {
                             match dtype {
                                 Dtype::F32 => Grad::F32(&e.0),

@@ -318,7 +318,8 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
     let mut rng = Rng::fresh("nccl_boundary_across_gpus_matches_the_local_communicator");
     let descs = random_layout(&mut rng);
     let config = AccumulatorConfig { bucket_numel: 70_000, max_grad_norm: 0.5, ..Default::default() };
-    let grads: Vec<Vec<HostGrad>> = (0..world).map(|_| descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1.0, false)).collect()).collect();
+    let grads: Vec<Vec<HostGrad>> =
+        (0..world).map(|_| descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1.0, false)).collect()).collect();
     let local = gradacc::LocalComm::group(world).unwrap();
     let id = nccl::unique_id().unwrap();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
@@ -391,11 +392,8 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     let mut rng = Rng::fresh("add_and_sync_can_be_captured_into_a_graph");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let descs = [
-        TensorDesc { numel: 4097, dtype: Dtype::F16 },
-        TensorDesc { numel: 3, dtype: Dtype::Bf16 },
-        TensorDesc { numel: 65537, dtype: Dtype::F32 },
-    ];
+    let descs =
+        [TensorDesc { numel: 4097, dtype: Dtype::F16 }, TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 65537, dtype: Dtype::F32 }];
     let config = AccumulatorConfig { max_grad_norm: 0.5, ..Default::default() };
     let scale = 1024.0;
     let (sc, sg) = (
@@ -467,7 +465,16 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
         module.function(c"ga_scaler_update").unwrap()
     };
     let state = DeviceBuffer::from_slice(&ctx, stream.stream, &[layout::GaScalerState { scale: 8.0, ..Default::default() }]).unwrap();
-    let rule = layout::GaScalerRule { growth_factor: 2.0, backoff_factor: 0.5, min_scale: 1.0, max_scale: 1e9, growth_interval: 1000, hysteresis: 1, dynamic: 1, ..Default::default() };
+    let rule = layout::GaScalerRule {
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        min_scale: 1.0,
+        max_scale: 1e9,
+        growth_interval: 1000,
+        hysteresis: 1,
+        dynamic: 1,
+        ..Default::default()
+    };
     let ptr = state.ptr();
     let mut args = [&ptr as *const _ as *mut std::ffi::c_void, &rule as *const _ as *mut std::ffi::c_void];
     // SAFETY: the arguments follow ga_scaler_update(ga_scaler_state *, ga_scaler_rule).

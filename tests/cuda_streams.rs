@@ -19,18 +19,13 @@ use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::ffi;
-use gradacc::{
-    Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc,
-};
+use gradacc::{Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc};
 
 fn gpu_or_skip() -> bool {
     if cuda::available() {
         return true;
     }
-    assert!(
-        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-        "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable"
-    );
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
     eprintln!("no CUDA device: skipping");
     false
 }
@@ -39,37 +34,18 @@ fn nccl_or_skip() -> bool {
     if nccl::nccl_available() {
         return true;
     }
-    assert!(
-        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-        "GRADACC_REQUIRE_GPU=1 but NCCL does not load"
-    );
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but NCCL does not load");
     eprintln!("no NCCL: skipping");
     false
 }
 
 /// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
-const TENSORS: [TensorDesc; 3] = [
-    TensorDesc {
-        numel: 3000,
-        dtype: Dtype::F16,
-    },
-    TensorDesc {
-        numel: 37,
-        dtype: Dtype::Bf16,
-    },
-    TensorDesc {
-        numel: 1025,
-        dtype: Dtype::F32,
-    },
-];
+const TENSORS: [TensorDesc; 3] =
+    [TensorDesc { numel: 3000, dtype: Dtype::F16 }, TensorDesc { numel: 37, dtype: Dtype::Bf16 }, TensorDesc { numel: 1025, dtype: Dtype::F32 }];
 
 /// Scale changes often: growth every second finite step, backoff on an overflow.
 fn scaler_config() -> ScalerConfig {
-    ScalerConfig {
-        init_scale: 1024.0,
-        growth_interval: 2,
-        ..Default::default()
-    }
+    ScalerConfig { init_scale: 1024.0, growth_interval: 2, ..Default::default() }
 }
 
 /// One micro-batch's gradients: host values for the CPU backend, device copies for the CUDA one.
@@ -81,19 +57,11 @@ struct Batch {
 impl Batch {
     /// Random gradients of about `scale` / 100 (one inf in tensor 0 with `poison`), copied to the
     /// device on `stream`, the stream that reads them.
-    fn new(
-        rng: &mut Rng,
-        ctx: &Arc<Context>,
-        stream: driver::CUstream,
-        scale: f32,
-        poison: bool,
-    ) -> Batch {
+    fn new(rng: &mut Rng, ctx: &Arc<Context>, stream: driver::CUstream, scale: f32, poison: bool) -> Batch {
         let mut host = Vec::new();
         let mut device = Vec::new();
         for (i, d) in TENSORS.iter().enumerate() {
-            let mut f32s: Vec<f32> = (0..d.numel)
-                .map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32)
-                .collect();
+            let mut f32s: Vec<f32> = (0..d.numel).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
             if poison && i == 0 {
                 f32s[rng.range(0, d.numel as u64 - 1) as usize] = f32::INFINITY;
             }
@@ -129,13 +97,7 @@ impl Batch {
 
     /// The micro-batch through both backends: all at once, or tensor by tensor in reverse (as
     /// backward hooks deliver them).
-    fn add(
-        &self,
-        cpu: (&Accumulator, &Scaler),
-        gpu: (&CudaAccumulator, &CudaScaler),
-        count: u64,
-        hooks: bool,
-    ) {
+    fn add(&self, cpu: (&Accumulator, &Scaler), gpu: (&CudaAccumulator, &CudaScaler), count: u64, hooks: bool) {
         let (views, ptrs) = (self.views(), self.ptrs());
         if hooks {
             cpu.0.begin_microbatch(count).unwrap();
@@ -160,10 +122,7 @@ fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
         gpu.read_master(i, &mut got).unwrap();
         cpu.with_master(i, |want| {
             for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(
-                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}"
-                );
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
             }
         })
         .unwrap();
@@ -190,20 +149,10 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
     }
     let mut rng = Rng::fresh("an_update_waits_for_adds_of_accumulators_not_passed_to_it");
     let ctx = Context::get(0).unwrap();
-    let (ss, sa, sb) = (
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-    );
+    let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let config = AccumulatorConfig::default();
-    let (cs, gs) = (
-        Scaler::new(scaler_config()).unwrap(),
-        CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
-    );
-    let (ca, cb) = (
-        Accumulator::new(config, &TENSORS).unwrap(),
-        Accumulator::new(config, &TENSORS).unwrap(),
-    );
+    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
+    let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
     let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
     let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
     let mut batches = Vec::new();
@@ -225,11 +174,7 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
     }
     assert_eq!(cs.scale(), gs.scale().unwrap());
     assert_eq!(cs.stats(), gs.stats().unwrap());
-    assert!(
-        cs.stats().backoffs == 1 && cs.stats().growths > 0,
-        "{:?}",
-        cs.stats()
-    );
+    assert!(cs.stats().backoffs == 1 && cs.stats().growths > 0, "{:?}", cs.stats());
 }
 
 /// The scaler is destroyed as soon as adds on other streams that read its state are enqueued:
@@ -241,23 +186,13 @@ fn the_scaler_destroyed_right_after_adds_on_other_streams() {
     }
     let mut rng = Rng::fresh("the_scaler_destroyed_right_after_adds_on_other_streams");
     let ctx = Context::get(0).unwrap();
-    let (ss, sa, sb) = (
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-    );
+    let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let config = AccumulatorConfig::default();
-    let (ca, cb) = (
-        Accumulator::new(config, &TENSORS).unwrap(),
-        Accumulator::new(config, &TENSORS).unwrap(),
-    );
+    let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
     let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
     let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
     for round in 0..3 {
-        let (cs, gs) = (
-            Scaler::new(scaler_config()).unwrap(),
-            CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
-        );
+        let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
         let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
         let b = Batch::new(&mut rng, &ctx, sb.stream, cs.scale(), false);
         a.add((&ca, &cs), (&ga, &gs), 2, round == 1);
@@ -283,20 +218,11 @@ fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
     }
     let mut rng = Rng::fresh("a_boundary_is_rewritten_only_after_the_scaler_stream_read_it");
     let ctx = Context::get(0).unwrap();
-    let streams = [
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-    ];
+    let streams = [OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap()];
     let sa = OwnedStream::new(&ctx).unwrap();
     let config = AccumulatorConfig::default();
-    let cpu = [
-        Scaler::new(scaler_config()).unwrap(),
-        Scaler::new(scaler_config()).unwrap(),
-    ];
-    let gpu = [
-        CudaScaler::new(scaler_config(), 0, streams[0].stream).unwrap(),
-        CudaScaler::new(scaler_config(), 0, streams[1].stream).unwrap(),
-    ];
+    let cpu = [Scaler::new(scaler_config()).unwrap(), Scaler::new(scaler_config()).unwrap()];
+    let gpu = [CudaScaler::new(scaler_config(), 0, streams[0].stream).unwrap(), CudaScaler::new(scaler_config(), 0, streams[1].stream).unwrap()];
     let ca = Accumulator::new(config, &TENSORS).unwrap();
     let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
     let mut batches = Vec::new();
@@ -308,10 +234,7 @@ fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
         step((&ca, cs), (&ga, gs));
         // A second sync at once closes an empty window: refused at world size 1, and the
         // boundary the scaler gathers from is left as it was.
-        assert_eq!(
-            ga.sync(None, false).unwrap_err().kind,
-            ErrorKind::EmptyWindow
-        );
+        assert_eq!(ga.sync(None, false).unwrap_err().kind, ErrorKind::EmptyWindow);
         assert_eq!(ca.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
     }
     masters_equal(&ca, &ga, "last window");
@@ -331,19 +254,10 @@ fn an_accumulator_dropped_right_after_early_reductions() {
     }
     let mut rng = Rng::fresh("an_accumulator_dropped_right_after_early_reductions");
     let ctx = Context::get(0).unwrap();
-    let (ss, sa) = (
-        OwnedStream::new(&ctx).unwrap(),
-        OwnedStream::new(&ctx).unwrap(),
-    );
+    let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let comm = Arc::new(NcclComm::new(&nccl::unique_id().unwrap(), 0, 1, 0).unwrap());
-    let config = AccumulatorConfig {
-        bucket_numel: 1000,
-        ..Default::default()
-    };
-    let (cs, gs) = (
-        Scaler::new(scaler_config()).unwrap(),
-        CudaScaler::new(scaler_config(), 0, ss.stream).unwrap(),
-    );
+    let config = AccumulatorConfig { bucket_numel: 1000, ..Default::default() };
+    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
     for keep in [false, false, true] {
         let ca = Accumulator::new(config, &TENSORS).unwrap();
         let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
@@ -382,20 +296,13 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
         return;
     }
     if driver::device_count() < 2 {
-        assert!(
-            std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-            "GRADACC_REQUIRE_GPU=1 but only one CUDA device is visible"
-        );
+        assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but only one CUDA device is visible");
         eprintln!("one GPU: the two-rank test needs two");
         return;
     }
     let id = nccl::unique_id().unwrap();
     let local = gradacc::LocalComm::group(2).unwrap();
-    let config = AccumulatorConfig {
-        bucket_numel: 1000,
-        max_grad_norm: 0.5,
-        ..Default::default()
-    };
+    let config = AccumulatorConfig { bucket_numel: 1000, max_grad_norm: 0.5, ..Default::default() };
     std::thread::scope(|s| {
         for (rank, lc) in local.into_iter().enumerate() {
             let id = &id;
@@ -408,26 +315,13 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                     assert!(!ctx.memory_pools());
                 }
                 let comm = Arc::new(NcclComm::new(id, rank, 2, ordinal).unwrap());
-                let (ss, sa) = (
-                    OwnedStream::new(&ctx).unwrap(),
-                    OwnedStream::new(&ctx).unwrap(),
-                );
-                let (cs, gs) = (
-                    Scaler::new(scaler_config()).unwrap(),
-                    CudaScaler::new(scaler_config(), ordinal, ss.stream).unwrap(),
-                );
+                let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+                let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), ordinal, ss.stream).unwrap());
                 let mut batches = Vec::new();
                 for window in 0..4 {
                     let ca = Accumulator::new(config, &TENSORS).unwrap();
-                    let ga =
-                        CudaAccumulator::new(config, &TENSORS, ordinal, sa.stream, None).unwrap();
-                    let first = Batch::new(
-                        &mut rng,
-                        &ctx,
-                        sa.stream,
-                        cs.scale(),
-                        window == 1 && rank == 1,
-                    );
+                    let ga = CudaAccumulator::new(config, &TENSORS, ordinal, sa.stream, None).unwrap();
+                    let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), window == 1 && rank == 1);
                     first.add((&ca, &cs), (&ga, &gs), 2 + rank as u64, window % 2 == 0);
                     let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
                     let (views, ptrs) = (last.views(), last.ptrs());
@@ -476,65 +370,31 @@ fn the_per_thread_default_stream_is_refused() {
         return;
     }
     let per_thread = 0x2 as driver::CUstream;
-    let err = CudaScaler::new(ScalerConfig::default(), 0, per_thread)
-        .err()
-        .expect("a scaler on the per-thread stream");
+    let err = CudaScaler::new(ScalerConfig::default(), 0, per_thread).err().expect("a scaler on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
-    let err = CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, per_thread, None)
-        .err()
-        .expect("an accumulator on the per-thread stream");
+    let err =
+        CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, per_thread, None).err().expect("an accumulator on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
 
-    let device = ffi::gradacc_device_t {
-        kind: ffi::GRADACC_DEVICE_CUDA,
-        ordinal: 0,
-        stream: 0x2 as *mut c_void,
-    };
-    let last_error = || {
-        unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }
-            .to_string_lossy()
-            .into_owned()
-    };
+    let device = ffi::gradacc_device_t { kind: ffi::GRADACC_DEVICE_CUDA, ordinal: 0, stream: 0x2 as *mut c_void };
+    let last_error = || unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }.to_string_lossy().into_owned();
     let mut scaler = std::ptr::null_mut();
-    assert_eq!(
-        ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler),
-        ffi::GRADACC_STATUS_INVALID_ARGUMENT
-    );
-    assert!(
-        scaler.is_null() && last_error().contains("`device`.stream = 0x2"),
-        "{}",
-        last_error()
-    );
-    let descs: Vec<ffi::gradacc_tensor_desc_t> = TENSORS
-        .iter()
-        .map(|t| ffi::gradacc_tensor_desc_t {
-            numel: t.numel as u64,
-            dtype: t.dtype.code(),
-        })
-        .collect();
+    assert_eq!(ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler), ffi::GRADACC_STATUS_INVALID_ARGUMENT);
+    assert!(scaler.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
+    let descs: Vec<ffi::gradacc_tensor_desc_t> =
+        TENSORS.iter().map(|t| ffi::gradacc_tensor_desc_t { numel: t.numel as u64, dtype: t.dtype.code() }).collect();
     let mut acc = std::ptr::null_mut();
     assert_eq!(
-        ffi::gradacc_accumulator_create(
-            std::ptr::null(),
-            descs.as_ptr(),
-            descs.len(),
-            &device,
-            &mut acc
-        ),
+        ffi::gradacc_accumulator_create(std::ptr::null(), descs.as_ptr(), descs.len(), &device, &mut acc),
         ffi::GRADACC_STATUS_INVALID_ARGUMENT
     );
-    assert!(
-        acc.is_null() && last_error().contains("`device`.stream = 0x2"),
-        "{}",
-        last_error()
-    );
+    assert!(acc.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
 
     for legacy in [std::ptr::null_mut(), 0x1 as driver::CUstream] {
         let scaler = CudaScaler::new(ScalerConfig::default(), 0, legacy).unwrap();
-        let acc =
-            CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, legacy, None).unwrap();
+        let acc = CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, legacy, None).unwrap();
         assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);
         drop((acc, scaler));
     }

@@ -181,15 +181,7 @@ fn assert_close_to_exact(what: &str, master: &[f32], grad: &Buf, g0: usize, fact
 }
 
 /// Runs `accumulate` on copies of `master[m0..]` with the gradient from `g0`.
-fn run_accumulate(
-    isa: Isa,
-    threads: usize,
-    master: &[f32],
-    grad: &Buf,
-    g0: usize,
-    factor: f32,
-    assign: bool,
-) -> (Vec<f32>, bool) {
+fn run_accumulate(isa: Isa, threads: usize, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -> (Vec<f32>, bool) {
     let mut out = master.to_vec();
     let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
     (out, bad)
@@ -224,10 +216,7 @@ fn accumulate_matches_reference_on_every_path() {
                         assert_same(&what, &got, &want);
                         assert_eq!(bad, want_bad, "{what}: non-finite flag");
                         let scalar = scalar_result.get_or_insert(got.clone());
-                        assert!(
-                            got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{what}: differs from scalar"
-                        );
+                        assert!(got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from scalar");
                     }
                 }
             }
@@ -264,17 +253,10 @@ fn accumulate_flags_non_finite_inputs_anywhere() {
                     grad.set(pos, bad_value);
                     for (isa, threads) in paths() {
                         for assign in [false, true] {
-                            let what = format!(
-                                "{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}",
-                                isa.name()
-                            );
+                            let what = format!("{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}", isa.name());
                             let (got, bad) = run_accumulate(isa, threads, &master, &grad, 0, 0.5, assign);
                             assert!(bad, "{what}: flag not raised");
-                            assert!(
-                                !got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()),
-                                "{what}: wrote {}",
-                                got[pos]
-                            );
+                            assert!(!got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()), "{what}: wrote {}", got[pos]);
                             assert_same(&what, &got, &reference(&master, &grad, 0, 0.5, assign));
                         }
                     }
@@ -400,10 +382,7 @@ fn conversion_edge_cases() -> Vec<f32> {
         f32::from_bits(0x0000_8000),
         f32::from_bits(0x0001_8000),
     ];
-    let more: Vec<f32> = v
-        .iter()
-        .flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))])
-        .collect();
+    let more: Vec<f32> = v.iter().flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))]).collect();
     v.extend(more);
     v
 }
@@ -453,11 +432,7 @@ fn scale_is_a_rounded_multiply_on_every_path() {
             for (isa, threads) in paths() {
                 let mut got = buf.clone();
                 cpu::with_isa(isa, || cpu::scale(&mut got[offset..], factor, threads));
-                assert_same(
-                    &format!("scale len {len} offset {offset} {} threads {threads}", isa.name()),
-                    &got[offset..],
-                    &want,
-                );
+                assert_same(&format!("scale len {len} offset {offset} {} threads {threads}", isa.name()), &got[offset..], &want);
                 assert_eq!(got[..offset], buf[..offset], "scale wrote before its slice");
             }
         }
@@ -646,9 +621,7 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
 #[test]
 fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
     let widest = *cpu::supported_isas().last().unwrap();
-    for (name, want) in
-        [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)]
-    {
+    for (name, want) in [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)] {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "report_active_isa", "--nocapture", "--test-threads=1"])
             .env("GRADACC_CPU_ISA", name)

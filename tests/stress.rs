@@ -330,7 +330,11 @@ fn concurrent_local_groups_match_serial() {
     let grads: Vec<Vec<Vec<Vec<Buf>>>> = (0..world)
         .map(|r| {
             (0..windows)
-                .map(|w| (0..2).map(|m| ds.iter().enumerate().map(|(t, d)| Buf::new(&mut rng, d, 512.0, r == 2 && w == 2 && m == 0 && t == 1)).collect()).collect())
+                .map(|w| {
+                    (0..2)
+                        .map(|m| ds.iter().enumerate().map(|(t, d)| Buf::new(&mut rng, d, 512.0, r == 2 && w == 2 && m == 0 && t == 1)).collect())
+                        .collect()
+                })
                 .collect()
         })
         .collect();
@@ -351,8 +355,7 @@ fn concurrent_local_groups_match_serial() {
                                 let ptrs: Vec<*const c_void> = grads[r][w][m].iter().map(|b| b.ptr()).collect();
                                 ok(gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64));
                             }
-                            let mut info =
-                                gradacc_sync_info_t { found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 };
+                            let mut info = gradacc_sync_info_t { found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 };
                             ok(gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info));
                             got.extend(masters(a, ds.len()));
                             got.push(info.found_inf as u32);

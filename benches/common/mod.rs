@@ -253,11 +253,9 @@ mod x86 {
         match src {
             Grad::F32([]) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0))),
             Grad::F32(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_loadu_ps(s.as_ptr().add(i)))),
-            Grad::F16(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(
-                K,
-                d.add(i),
-                _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))
-            )),
+            Grad::F16(s) => {
+                floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
+            }
             Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(
                 K,
                 d.add(i),
@@ -271,11 +269,9 @@ mod x86 {
         match src {
             Grad::F32([]) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0))),
             Grad::F32(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_loadu_ps(s.as_ptr().add(i)))),
-            Grad::F16(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(
-                K,
-                d.add(i),
-                _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))
-            )),
+            Grad::F16(s) => {
+                floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
+            }
             Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(
                 K,
                 d.add(i),

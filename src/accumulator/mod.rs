@@ -331,13 +331,7 @@ impl Accumulator {
                 cpu::scale(all, factor, threads);
             }
         }
-        let info = SyncInfo {
-            found_inf: total.found_inf,
-            total_count: total.count,
-            microbatches: total.microbatches,
-            grad_norm,
-            clip_coef,
-        };
+        let info = SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef };
         self.found_inf.store(total.found_inf, Ordering::Relaxed);
         w.phase = Phase::Synced(info);
         Ok(info)
@@ -448,10 +442,7 @@ impl Accumulator {
             ));
         }
         if g.len() != d.numel {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("gradient {index} has {} elements, tensor {index} has {}", g.len(), d.numel),
-            ));
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("gradient {index} has {} elements, tensor {index} has {}", g.len(), d.numel)));
         }
         Ok(())
     }

@@ -182,7 +182,19 @@ mod tests {
                     let sum = c
                         .reduce_control(&Control { numel: 10 + r, layout: 5, count: r + 1, microbatches: 1, found_inf: r == 2, error: false })
                         .unwrap();
-                    assert_eq!(sum, ControlSum { min_numel: 10, max_numel: 12, min_layout: 5, max_layout: 5, count: 6, microbatches: 3, found_inf: true, error: false });
+                    assert_eq!(
+                        sum,
+                        ControlSum {
+                            min_numel: 10,
+                            max_numel: 12,
+                            min_layout: 5,
+                            max_layout: 5,
+                            count: 6,
+                            microbatches: 3,
+                            found_inf: true,
+                            error: false
+                        }
+                    );
                     let mut buf = vec![1.0f32; 4 + c.rank()];
                     let err = c.allreduce_sum(&mut buf).unwrap_err();
                     assert_eq!(err.kind, ErrorKind::SizeMismatch);

@@ -176,9 +176,7 @@ pub(crate) fn check_buckets(len: usize, buckets: &[Range<usize>]) -> Result<()> 
     let mut end = 0;
     for (i, b) in buckets.iter().enumerate() {
         if b.start < end || b.start > b.end || b.end > len {
-            return Err(Error::invalid(format!(
-                "bucket {i} ({b:?}) overlaps the previous one or leaves the buffer of {len} elements"
-            )));
+            return Err(Error::invalid(format!("bucket {i} ({b:?}) overlaps the previous one or leaves the buffer of {len} elements")));
         }
         end = b.end;
     }

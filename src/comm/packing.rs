@@ -11,10 +11,7 @@ pub const MAX_WORDS: usize = 6;
 
 /// One rank's control values as the SUM words and the MAX words.
 pub fn pack(c: &Control) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
-    (
-        [c.count, c.microbatches, c.found_inf as u64, c.error as u64],
-        [c.numel, !c.numel, c.layout, !c.layout, c.count, c.microbatches],
-    )
+    ([c.count, c.microbatches, c.found_inf as u64, c.error as u64], [c.numel, !c.numel, c.layout, !c.layout, c.count, c.microbatches])
 }
 
 /// The reduction from the element-wise SUM and MAX over every rank's words. A sum that wrapped

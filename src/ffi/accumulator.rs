@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock};
 use super::comm::{gradacc_comm_t, CommObj, COMMS};
 use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, ScalerObj, SCALERS};
-use super::status::{guard, gradacc_status_t, null};
+use super::status::{gradacc_status_t, guard, null};
 use super::types::*;
 use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
 use crate::backend::cuda::{CudaAccumulator, CudaScaler};
@@ -124,7 +124,8 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         GRADACC_NORMALIZE_NONE => Normalize::None,
         v => return Err(Error::invalid(format!("`config`.normalize = {v} is not a GRADACC_NORMALIZE_* value"))),
     };
-    let bucket_numel = usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
+    let bucket_numel =
+        usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
     Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize })
 }
 
@@ -327,7 +328,11 @@ pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumul
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_begin_final_microbatch(acc: *mut gradacc_accumulator_t, count: u64, comm: *mut gradacc_comm_t) -> gradacc_status_t {
+pub extern "C" fn gradacc_accumulator_begin_final_microbatch(
+    acc: *mut gradacc_accumulator_t,
+    count: u64,
+    comm: *mut gradacc_comm_t,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_begin_final_microbatch", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         let c = COMMS.get(comm, "comm")?;
@@ -359,9 +364,10 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
     guard("gradacc_accumulator_add_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         let s = SCALERS.get(scaler, "scaler")?;
-        let desc = *a.tensors().get(index).ok_or_else(|| {
-            Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len()))
-        })?;
+        let desc = *a
+            .tensors()
+            .get(index)
+            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len())))?;
         if numel != desc.numel {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
         }
@@ -501,9 +507,10 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
     guard("gradacc_accumulator_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         let out = out_ptr(out, "out")?;
-        let d = a.tensors().get(index).ok_or_else(|| {
-            Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len()))
-        })?;
+        let d = a
+            .tensors()
+            .get(index)
+            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len())))?;
         *out = gradacc_tensor_desc_t { numel: d.numel as u64, dtype: dtype_to_c(d.dtype) };
         Ok(())
     })
@@ -514,14 +521,12 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_reset", || {
-        match &*ACCUMULATORS.get(acc, "acc")? {
-            AccumulatorObj::Cpu(a) => {
-                a.reset();
-                Ok(())
-            }
-            AccumulatorObj::Cuda(a) => a.reset(),
+    guard("gradacc_accumulator_reset", || match &*ACCUMULATORS.get(acc, "acc")? {
+        AccumulatorObj::Cpu(a) => {
+            a.reset();
+            Ok(())
         }
+        AccumulatorObj::Cuda(a) => a.reset(),
     })
 }
 

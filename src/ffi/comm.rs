@@ -3,7 +3,7 @@
 use std::sync::{Arc, LazyLock};
 
 use super::handle::Registry;
-use super::status::{guard, gradacc_status_t, null};
+use super::status::{gradacc_status_t, guard, null};
 use super::types::{out_ptr, read_config};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};

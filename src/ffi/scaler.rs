@@ -6,7 +6,7 @@ use std::sync::{Arc, LazyLock};
 
 use super::accumulator::{AccumulatorObj, ACCUMULATORS};
 use super::handle::Registry;
-use super::status::{guard, null, gradacc_status_t};
+use super::status::{gradacc_status_t, guard, null};
 use super::types::*;
 use crate::backend::cuda::CudaScaler;
 use crate::dtype::{Dtype, GradMut};
@@ -255,11 +255,10 @@ pub extern "C" fn gradacc_scaler_update(
         if n == 0 {
             return Err(Error::invalid("`n` is 0: pass the accumulators whose step this update ends"));
         }
-        let accs = (0..n)
-            .map(|i| ACCUMULATORS.get(unsafe { *accumulators.add(i) }, &format!("accumulators[{i}]")))
-            .collect::<Result<Vec<_>>>()?;
-        let not_synced =
-            |i: usize| Error::wrong_state(format!("accumulators[{i}] has not been synced in its current window: call gradacc_accumulator_sync first"));
+        let accs = (0..n).map(|i| ACCUMULATORS.get(unsafe { *accumulators.add(i) }, &format!("accumulators[{i}]"))).collect::<Result<Vec<_>>>()?;
+        let not_synced = |i: usize| {
+            Error::wrong_state(format!("accumulators[{i}] has not been synced in its current window: call gradacc_accumulator_sync first"))
+        };
         let mismatch = |i: usize| Error::new(ErrorKind::DeviceMismatch, format!("accumulators[{i}] is on another device than the scaler"));
         let skipped = match &*s {
             ScalerObj::Cpu(s) => {
@@ -301,12 +300,7 @@ pub extern "C" fn gradacc_scaler_update(
 pub extern "C" fn gradacc_scaler_get_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
     guard("gradacc_scaler_get_stats", || {
         let s = SCALERS.get(scaler, "scaler")?.stats()?;
-        *out_ptr(out, "out")? = gradacc_scaler_stats_t {
-            steps: s.steps,
-            skipped_steps: s.skipped_steps,
-            growths: s.growths,
-            backoffs: s.backoffs,
-        };
+        *out_ptr(out, "out")? = gradacc_scaler_stats_t { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs };
         Ok(())
     })
 }
@@ -317,12 +311,7 @@ pub extern "C" fn gradacc_scaler_get_stats(scaler: *const gradacc_scaler_t, out:
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_save(
-    scaler: *const gradacc_scaler_t,
-    buf: *mut u8,
-    capacity: usize,
-    out_len: *mut usize,
-) -> gradacc_status_t {
+pub extern "C" fn gradacc_scaler_save(scaler: *const gradacc_scaler_t, buf: *mut u8, capacity: usize, out_len: *mut usize) -> gradacc_status_t {
     guard("gradacc_scaler_save", || write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len))
 }
 
@@ -337,4 +326,3 @@ pub extern "C" fn gradacc_scaler_load(scaler: *mut gradacc_scaler_t, bytes: *con
         s.load(unsafe { read_bytes(bytes, len, "bytes")? })
     })
 }
-

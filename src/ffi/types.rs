@@ -193,10 +193,7 @@ pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: 
     let len_out = out_ptr(out_len, "out_len")?;
     if !buf.is_null() {
         if capacity < bytes.len() {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("`capacity` = {capacity} is too small: the state needs {} bytes", bytes.len()),
-            ));
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("`capacity` = {capacity} is too small: the state needs {} bytes", bytes.len())));
         }
         // SAFETY: buf holds at least `capacity` >= bytes.len() writable bytes (API contract).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };

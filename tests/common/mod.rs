@@ -8,9 +8,10 @@ pub struct Rng(u64);
 impl Rng {
     /// A generator seeded from the clock unless GRADACC_TEST_SEED is set; prints the seed.
     pub fn fresh(test: &str) -> Rng {
-        let seed = std::env::var("GRADACC_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        });
+        let seed = std::env::var("GRADACC_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
         eprintln!("{test}: GRADACC_TEST_SEED={seed}");
         Rng(seed)
     }

@@ -163,8 +163,7 @@ mod tests {
         // Magnitudes far apart, so that a different order gives different bits.
         let lanes: [f64; NORM_LANES] = std::array::from_fn(|j| 1e8f64.powi(j as i32 % 3) / (j as f64 + 3.0));
         assert_ne!(combine_lanes(lanes), lanes.iter().sum::<f64>());
-        let by_hand = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12]))
-            + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
+        let by_hand = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
             + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
         assert_eq!(combine_lanes(lanes), by_hand);
         assert_eq!(block_sum_squares(&[]).to_bits(), 0.0f64.to_bits());

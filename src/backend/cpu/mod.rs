@@ -57,9 +57,7 @@ pub fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool,
     if threads <= 1 || grad.len() < 2 * MIN_ELEMENTS_PER_THREAD {
         return accumulate_part(isa, master, grad, factor, assign);
     }
-    run_parts(master, part_ends(grad.len(), threads), |start, m| {
-        accumulate_part(isa, m, grad.slice(start, start + m.len()), factor, assign)
-    })
+    run_parts(master, part_ends(grad.len(), threads), |start, m| accumulate_part(isa, m, grad.slice(start, start + m.len()), factor, assign))
 }
 
 /// One tensor's fused pass in [`accumulate_many`]: its master, its gradient (same length) and
@@ -83,9 +81,7 @@ pub fn accumulate_many(tensors: Vec<TensorPass<'_>>, factor: f32, threads: usize
     let isa = active_isa();
     let total: usize = tensors.iter().map(|t| t.master.len()).sum();
     let parts = threads.min(total / MIN_ELEMENTS_PER_THREAD).max(1);
-    let run = |group: Vec<TensorPass<'_>>| {
-        group.into_iter().fold(false, |bad, t| accumulate_part(isa, t.master, t.grad, factor, t.assign) | bad)
-    };
+    let run = |group: Vec<TensorPass<'_>>| group.into_iter().fold(false, |bad, t| accumulate_part(isa, t.master, t.grad, factor, t.assign) | bad);
     if parts == 1 {
         return run(tensors);
     }
@@ -281,11 +277,7 @@ fn part_ends(len: usize, threads: usize) -> impl Iterator<Item = usize> {
 /// Cuts `buf` at `ends` (increasing, the last one `buf.len()`) and runs `work(first_index, part)`
 /// on every part: the first on the calling thread, the others on scoped threads. Returns whether
 /// any call returned `true`. A single part runs directly, with no thread and no allocation.
-fn run_parts<T: Send>(
-    buf: &mut [T],
-    ends: impl Iterator<Item = usize>,
-    work: impl Fn(usize, &mut [T]) -> bool + Sync,
-) -> bool {
+fn run_parts<T: Send>(buf: &mut [T], ends: impl Iterator<Item = usize>, work: impl Fn(usize, &mut [T]) -> bool + Sync) -> bool {
     let mut ends = ends.peekable();
     let first_end = ends.next().unwrap_or(buf.len());
     if ends.peek().is_none() {
@@ -325,10 +317,7 @@ mod tests {
                 assert!(ends.len() <= threads.max(1) && ends.len() <= (len / MIN_ELEMENTS_PER_THREAD).max(1));
                 let mut start = 0usize;
                 for &end in &ends {
-                    assert!(
-                        start.is_multiple_of(block) && end > start || len == 0,
-                        "len {len} threads {threads}: {ends:?}"
-                    );
+                    assert!(start.is_multiple_of(block) && end > start || len == 0, "len {len} threads {threads}: {ends:?}");
                     start = end;
                 }
                 let block_ends: Vec<usize> = part_block_ends(len, threads).collect();

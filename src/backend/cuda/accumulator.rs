@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::driver::{check_stream, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
@@ -31,7 +31,9 @@ const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
 enum Phase {
     Empty,
     Open,
-    InMicrobatch { count: u64 },
+    InMicrobatch {
+        count: u64,
+    },
     /// The boundary is enqueued.
     Synced,
 }
@@ -105,20 +107,33 @@ impl CudaAccumulator {
     /// An accumulator on device `ordinal` whose work is ordered on the caller's `stream`; the
     /// master is allocated on that stream (zeroed), or `adopt` is the caller's device buffer of
     /// exactly the total element count.
-    pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc], ordinal: i32, stream: CUstream, adopt: Option<(CUdeviceptr, usize)>) -> Result<Self> {
+    pub fn new(
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        ordinal: i32,
+        stream: CUstream,
+        adopt: Option<(CUdeviceptr, usize)>,
+    ) -> Result<Self> {
         check_stream(stream, "`stream`")?;
         config.validate()?;
         let layout = Layout::new(tensors, config.bucket_numel)?;
         let len = layout.len();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
-        let table: Vec<GaTensor> =
-            tensors.iter().enumerate().map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: t.dtype.code(), pad: 0 }).collect();
+        let table: Vec<GaTensor> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: t.dtype.code(), pad: 0 })
+            .collect();
         let chunks: Vec<GaChunk> = tensors
             .iter()
             .enumerate()
             .flat_map(|(i, t)| {
-                (0..t.numel).step_by(CHUNK).map(move |start| GaChunk { tensor: i as u64, start: start as u64, len: (t.numel - start).min(CHUNK) as u64 })
+                (0..t.numel).step_by(CHUNK).map(move |start| GaChunk {
+                    tensor: i as u64,
+                    start: start as u64,
+                    len: (t.numel - start).min(CHUNK) as u64,
+                })
             })
             .collect();
         let launches = (0..tensors.len())
@@ -231,7 +246,10 @@ impl CudaAccumulator {
         }
         self.check_not_after_final()?;
         if grads.len() != self.descs.len() {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("add got {} gradients, the accumulator has {} tensors", grads.len(), self.descs.len())));
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("add got {} gradients, the accumulator has {} tensors", grads.len(), self.descs.len()),
+            ));
         }
         for (i, (&g, d)) in grads.iter().zip(&self.descs).enumerate() {
             check_grad_ptr(g, d, || format!("grads[{i}]"))?;
@@ -244,7 +262,8 @@ impl CudaAccumulator {
         let f = self.kernels.add_multi;
         let (tensors, master, weight, found_inf) = (self.tensors.ptr(), self.master.ptr(), self.config.weight(count), self.found_inf.ptr());
         for launch in &self.launches {
-            let mut sources = GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            let mut sources =
+                GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
             for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
                 *slot = GaSource { grad: grads[i], assign: (self.written_in[i].load(Ordering::Relaxed) != w.id) as u32, pad: 0 };
             }
@@ -514,7 +533,13 @@ impl CudaAccumulator {
         if b.empty != 0 {
             return Ok(None);
         }
-        Ok(Some(SyncInfo { found_inf: b.found_inf != 0, total_count: b.count, microbatches: b.microbatches, grad_norm: b.grad_norm, clip_coef: b.clip_coef }))
+        Ok(Some(SyncInfo {
+            found_inf: b.found_inf != 0,
+            total_count: b.count,
+            microbatches: b.microbatches,
+            grad_norm: b.grad_norm,
+            clip_coef: b.clip_coef,
+        }))
     }
 
     /// Device address of the synced boundary (for the scaler's update), or None when the window

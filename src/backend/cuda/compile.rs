@@ -54,9 +54,13 @@ impl Target {
         if known.contains(&arch) {
             return Ok(Target::Cubin(arch));
         }
-        known.iter().copied().filter(|&a| a <= arch).max().map(Target::Ptx).ok_or_else(|| {
-            Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})"))
-        })
+        known
+            .iter()
+            .copied()
+            .filter(|&a| a <= arch)
+            .max()
+            .map(Target::Ptx)
+            .ok_or_else(|| Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})")))
     }
 
     fn option(self) -> String {
@@ -101,7 +105,6 @@ pub fn supported_architectures() -> Result<Vec<u32>> {
     Ok(archs.into_iter().map(|a| a as u32).collect())
 }
 
-
 /// Compiles [`SOURCE`] for `target`. Errors carry NVRTC's log.
 pub fn compile(target: Target) -> Result<Compiled> {
     compile_source(SOURCE, target)
@@ -126,25 +129,15 @@ pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
 fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compiled> {
     // The launch geometry the Rust side uses, so kernels and launches cannot disagree.
     let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::accumulator::CHUNK)];
-    let options: Vec<CString> = OPTIONS
-        .iter()
-        .map(|o| o.to_string())
-        .chain(geometry)
-        .chain([target.option()])
-        .map(|o| CString::new(o).expect("option has no NUL"))
-        .collect();
+    let options: Vec<CString> =
+        OPTIONS.iter().map(|o| o.to_string()).chain(geometry).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
     let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     let status = unsafe { sys::nvrtcCompileProgram(program, pointers.len() as i32, pointers.as_ptr()) };
     let log = program_log(program)?;
     if status != nvrtcResult::NVRTC_SUCCESS {
         return Err(Error::new(ErrorKind::Internal, format!("NVRTC could not compile the kernels for {target:?}: {status:?}\n{log}")));
     }
-    let warnings = log
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE))
-        .map(String::from)
-        .collect();
+    let warnings = log.lines().map(str::trim).filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE)).map(String::from).collect();
     let image = match target {
         Target::Cubin(_) => {
             let mut size = 0;

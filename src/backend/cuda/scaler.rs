@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{check_stream, launch_args, Context, CUdeviceptr, CUstream, DeviceBuffer, Event, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::dtype::Dtype;
