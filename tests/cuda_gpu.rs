@@ -10,87 +10,17 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{to_bf16, to_f16, Rng};
+use common::cuda::{gpu_or_skip, masters_equal, HostGrad};
+use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, layout, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
 
-fn gpu_or_skip() -> bool {
-    if cuda::available() {
-        return true;
-    }
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
-    eprintln!("no CUDA device: skipping");
-    false
-}
-
-/// One tensor's gradient in every representation the two backends need.
-struct HostGrad {
-    dtype: Dtype,
-    f32s: Vec<f32>,
-    u16s: Vec<u16>,
-}
-
-impl HostGrad {
-    fn random(rng: &mut Rng, dtype: Dtype, n: usize, scale: f32, poison: bool) -> HostGrad {
-        let mut f32s: Vec<f32> = (0..n).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
-        if poison && n > 0 {
-            let at = rng.range(0, n as u64 - 1) as usize;
-            f32s[at] = if rng.range(0, 1) == 0 { f32::INFINITY } else { f32::NAN };
-        }
-        let u16s = match dtype {
-            Dtype::F16 => f32s.iter().map(|&v| to_f16(v)).collect(),
-            Dtype::Bf16 => f32s.iter().map(|&v| to_bf16(v)).collect(),
-            Dtype::F32 => Vec::new(),
-        };
-        HostGrad { dtype, f32s, u16s }
-    }
-
-    fn view(&self) -> Grad<'_> {
-        match self.dtype {
-            Dtype::F32 => Grad::F32(&self.f32s),
-            Dtype::F16 => Grad::F16(&self.u16s),
-            Dtype::Bf16 => Grad::Bf16(&self.u16s),
-        }
-    }
-
-    /// A device copy, starting `shift` elements into its allocation (an unaligned address).
-    fn upload(&self, ctx: &Arc<Context>, stream: driver::CUstream, shift: usize) -> (DeviceBuffer, u64) {
-        let buf = match self.dtype {
-            Dtype::F32 => {
-                let mut v = vec![0f32; shift];
-                v.extend_from_slice(&self.f32s);
-                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
-            }
-            _ => {
-                let mut v = vec![0u16; shift];
-                v.extend_from_slice(&self.u16s);
-                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
-            }
-        };
-        let addr = buf.ptr() + (shift * self.dtype.size()) as u64;
-        (buf, addr)
-    }
-}
-
 fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
     let sizes = [1usize, 3, 7, 64, 4097, 65536, 65537, 1_000_003];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
     (0..rng.range(1, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
-}
-
-fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
-    for (i, d) in cpu.tensors().iter().enumerate() {
-        let mut got = vec![0f32; d.numel];
-        gpu.read_master(i, &mut got).unwrap();
-        cpu.with_master(i, |want| {
-            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
-            }
-        })
-        .unwrap();
-    }
 }
 
 /// Random windows through both backends, bit for bit.

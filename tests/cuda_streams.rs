@@ -14,30 +14,13 @@ mod common;
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
+use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
+use gradacc::backend::cuda::{CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::ffi;
 use gradacc::{Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc};
-
-fn gpu_or_skip() -> bool {
-    if cuda::available() {
-        return true;
-    }
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
-    eprintln!("no CUDA device: skipping");
-    false
-}
-
-fn nccl_or_skip() -> bool {
-    if nccl::nccl_available() {
-        return true;
-    }
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but NCCL does not load");
-    eprintln!("no NCCL: skipping");
-    false
-}
 
 /// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
 const TENSORS: [TensorDesc; 3] =
@@ -112,20 +95,6 @@ impl Batch {
             cpu.0.add(cpu.1, &views, count).unwrap();
             gpu.0.add(gpu.1, &ptrs, count).unwrap();
         }
-    }
-}
-
-/// The masters bit for bit (a host read of the accumulator's stream only).
-fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
-    for (i, d) in TENSORS.iter().enumerate() {
-        let mut got = vec![0f32; d.numel];
-        gpu.read_master(i, &mut got).unwrap();
-        cpu.with_master(i, |want| {
-            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
-            }
-        })
-        .unwrap();
     }
 }
 

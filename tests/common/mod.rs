@@ -3,6 +3,8 @@
 //! references never reuse the library's own conversions.
 #![allow(dead_code)]
 
+pub mod cuda;
+
 pub struct Rng(u64);
 
 impl Rng {

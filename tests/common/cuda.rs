@@ -1,0 +1,95 @@
+//! Helpers of the CUDA test suites (tests/cuda_*.rs): skipping without a device unless
+//! GRADACC_REQUIRE_GPU=1, gradients in every representation both backends take, and the bitwise
+//! comparison of masters.
+
+use std::sync::Arc;
+
+use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer};
+use gradacc::backend::cuda::{self, CudaAccumulator};
+use gradacc::comm::nccl;
+use gradacc::{Accumulator, Dtype, Grad};
+
+use super::{to_bf16, to_f16, Rng};
+
+/// Whether CUDA objects can be made here; with GRADACC_REQUIRE_GPU=1 a missing device fails.
+pub fn gpu_or_skip() -> bool {
+    if cuda::available() {
+        return true;
+    }
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
+    eprintln!("no CUDA device: skipping");
+    false
+}
+
+/// Whether NCCL loads; with GRADACC_REQUIRE_GPU=1 a missing NCCL fails.
+pub fn nccl_or_skip() -> bool {
+    if nccl::nccl_available() {
+        return true;
+    }
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but NCCL does not load");
+    eprintln!("no NCCL: skipping");
+    false
+}
+
+/// One tensor's gradient in every representation the two backends need.
+pub struct HostGrad {
+    pub dtype: Dtype,
+    pub f32s: Vec<f32>,
+    pub u16s: Vec<u16>,
+}
+
+impl HostGrad {
+    pub fn random(rng: &mut Rng, dtype: Dtype, n: usize, scale: f32, poison: bool) -> HostGrad {
+        let mut f32s: Vec<f32> = (0..n).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
+        if poison && n > 0 {
+            let at = rng.range(0, n as u64 - 1) as usize;
+            f32s[at] = if rng.range(0, 1) == 0 { f32::INFINITY } else { f32::NAN };
+        }
+        let u16s = match dtype {
+            Dtype::F16 => f32s.iter().map(|&v| to_f16(v)).collect(),
+            Dtype::Bf16 => f32s.iter().map(|&v| to_bf16(v)).collect(),
+            Dtype::F32 => Vec::new(),
+        };
+        HostGrad { dtype, f32s, u16s }
+    }
+
+    pub fn view(&self) -> Grad<'_> {
+        match self.dtype {
+            Dtype::F32 => Grad::F32(&self.f32s),
+            Dtype::F16 => Grad::F16(&self.u16s),
+            Dtype::Bf16 => Grad::Bf16(&self.u16s),
+        }
+    }
+
+    /// A device copy, starting `shift` elements into its allocation (an unaligned address).
+    pub fn upload(&self, ctx: &Arc<Context>, stream: driver::CUstream, shift: usize) -> (DeviceBuffer, u64) {
+        let buf = match self.dtype {
+            Dtype::F32 => {
+                let mut v = vec![0f32; shift];
+                v.extend_from_slice(&self.f32s);
+                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
+            }
+            _ => {
+                let mut v = vec![0u16; shift];
+                v.extend_from_slice(&self.u16s);
+                DeviceBuffer::from_slice(ctx, stream, &v).unwrap()
+            }
+        };
+        let addr = buf.ptr() + (shift * self.dtype.size()) as u64;
+        (buf, addr)
+    }
+}
+
+/// Every tensor's master bit for bit (NaN matching any NaN).
+pub fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
+    for (i, d) in cpu.tensors().iter().enumerate() {
+        let mut got = vec![0f32; d.numel];
+        gpu.read_master(i, &mut got).unwrap();
+        cpu.with_master(i, |want| {
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
+            }
+        })
+        .unwrap();
+    }
+}
