@@ -169,3 +169,41 @@ fn collective_without_peer() {
         });
     });
 }
+
+/// A rank's stream-ordered master handed to NCCL while its pool denies the peer device: the
+/// access several ranks in one process need (cuMemPoolSetAccess).
+#[test]
+fn pool_access_not_granted() {
+    expect_caught("pool_access_not_granted", "did not grant it access", || {
+        let id = nccl::unique_id().unwrap();
+        let ready = Arc::new(Barrier::new(2));
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                let (id, ready) = (&id, ready.clone());
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
+                    if rank == 0 {
+                        let _current = ctx.enter().unwrap();
+                        let mut pool = std::ptr::null_mut();
+                        let deny = cu::CUmemAccessDesc {
+                            location: cu::CUmemLocation { type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 1 },
+                            flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+                        };
+                        // SAFETY: device 0's default pool; one valid descriptor.
+                        unsafe {
+                            assert_eq!(cu::cuDeviceGetDefaultMemPool(&mut pool, 0), cu::CUresult::CUDA_SUCCESS);
+                            assert_eq!(cu::cuMemPoolSetAccess(pool, &deny, 1), cu::CUresult::CUDA_SUCCESS);
+                        }
+                    }
+                    ready.wait();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
+                    comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
+                    let mut out = [0f32; 1];
+                    buf.read(&mut out).unwrap();
+                });
+            }
+        });
+    });
+}

@@ -175,14 +175,24 @@ void release(uint64_t base) {
     }
 }
 
+namespace {
+
+/* Under memory_mutex: `device` may touch `a` (its own memory, another device's plain memory, or
+ * another device's pool memory the pool granted it). */
+void check_reach(const Alloc *a, uint64_t ptr, int device, const std::string &what) {
+    if (a->device != device && a->pool && !sim::device(a->device).pool_access[device])
+        violation("%s: device %d touches %#llx, a stream-ordered allocation of device %d whose pool did not grant it access (cuMemPoolSetAccess)",
+                  what.c_str(), device, (unsigned long long)ptr, a->device);
+}
+
+} // namespace
+
 void Footprint::peer_access(uint64_t ptr, uint64_t bytes, int peer) {
     std::lock_guard<std::mutex> lock(memory_mutex);
     std::string why;
     Alloc *a = check_range(ptr, bytes, -1, &why, false);
     if (!a) violation("%s: %s", what_.c_str(), why.c_str());
-    if (a->device != peer && a->pool && !device(a->device).pool_access[peer])
-        violation("%s: device %d reads %#llx, a stream-ordered allocation of device %d whose pool did not grant it access (cuMemPoolSetAccess)",
-                  what_.c_str(), peer, (unsigned long long)ptr, a->device);
+    check_reach(a, ptr, peer, what_);
 }
 
 void Footprint::access(uint64_t ptr, uint64_t bytes, bool write) {
@@ -191,8 +201,7 @@ void Footprint::access(uint64_t ptr, uint64_t bytes, bool write) {
     std::string why;
     Alloc *a = check_range(ptr, bytes, -1, &why, false);
     if (!a) violation("%s %s: %s", what_.c_str(), write ? "writes" : "reads", why.c_str());
-    if (a->device != device_ && !(a->pool ? device(a->device).pool_access[device_] : true))
-        violation("%s: device %d touches %#llx of device %d's pool without access", what_.c_str(), device_, (unsigned long long)ptr, a->device);
+    check_reach(a, ptr, device_, what_);
     if (bytes == 0) return;
     uint64_t lo = ptr, hi = ptr + bytes;
     auto &records = a->records;
@@ -321,8 +330,6 @@ Stream *resolve_stream(void *handle, Context *ctx) {
     auto *s = static_cast<Stream *>(handle);
     return s->ctx == ctx ? s : nullptr;
 }
-
-int stream_device(Stream *s) { return s->ctx->device->ordinal; }
 
 namespace {
 

@@ -82,7 +82,6 @@ struct Op {
 /* Stream handle resolution: NULL/0x1 = the context's legacy stream, 0x2 = this thread's
  * per-thread stream, else a created stream that must belong to `ctx`. Null when invalid. */
 Stream *resolve_stream(void *handle, Context *ctx);
-int stream_device(Stream *s);
 /* Enqueues `op` after the stream's earlier work (and the legacy stream's rule); returns its
  * sequence number on the stream. */
 uint64_t enqueue(Stream *s, Op op);
