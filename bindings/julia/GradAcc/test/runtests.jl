@@ -9,7 +9,7 @@ if Threads.nthreads() < 2
 end
 
 using GradAcc
-using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_INVALID_ARGUMENT, rank, world_size
+using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, rank, world_size
 
 bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
 
@@ -33,12 +33,13 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
                 add!(acc, s, grads, 1)
             end
             info = sync!(acc, comms[r])
-            out = (info, copy(master(acc, 1)), copy(master(acc, 2)), update!(s, acc), rank(comms[r]))
+            out = (info, copy(master(acc, 1)), copy(master(acc, 2)), update!(s, acc), rank(comms[r]),
+                   world_size(comms[r]))
             close(acc); close(acc); close(s)
             out
         end for r in 1:2])
-        for (r, (info, gw, gb, skipped, rk)) in enumerate(results)
-            @test rk == r - 1
+        for (r, (info, gw, gb, skipped, rk, ws)) in enumerate(results)
+            @test rk == r - 1 && ws == 2
             @test !skipped && !info.found_inf
             @test info.total_count == 4 && info.microbatches == 4
             @test gw == [w] && gb == [b]
