@@ -9,7 +9,9 @@ if Threads.nthreads() < 2
 end
 
 using GradAcc
-using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, rank, world_size
+using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
+               rank, world_size, update!, scale, master, reset!
+using BFloat16s: BFloat16s
 
 bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
 
@@ -62,10 +64,9 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         info = sync!(acc)
         @test info.total_count == 8
         @test !update!(s, acc)
-        GC.@preserve acc begin
-            @test master(acc, 1)[1] == -102
-            w = Float32(w - 0.02 * master(acc, 1)[1])
-        end
+        m = master(acc, 1)  # keeps acc alive while it is used
+        @test m[1] == -102
+        w = Float32(w - 0.02 * m[1])
         @test isapprox(w, 2.04; rtol=2e-7)
     end
 
@@ -113,5 +114,99 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         @test_throws ArgumentError add!(acc, s, [zeros(Float32, 4)], 1)
         close(acc); close(s)
         @test_throws ArgumentError scale(s)
+        @test !isopen(acc) && !isopen(s)
+    end
+
+    @testset "index and type checks" begin
+        s = Scaler()
+        acc = Accumulator([(2, Float32)])
+        begin_microbatch!(acc, 1)
+        @test_throws BoundsError add_tensor!(acc, s, 0, zeros(Float32, 2))
+        @test_throws BoundsError add_tensor!(acc, s, 2, zeros(Float32, 2))
+        @test_throws BoundsError master(acc, 0)
+        @test_throws BoundsError master(acc, 2)
+        @test_throws ArgumentError add_tensor!(acc, s, 1, zeros(Float64, 2))
+        @test_throws ArgumentError Accumulator([(1, Float64)])
+        @test_throws ArgumentError Accumulator([(1, :f64)])
+        @test_throws ArgumentError Accumulator([(1, Float32)]; normalize=:by_nothing)
+        close(acc); close(s)
+    end
+
+    # bf16 gradients as raw words, as BFloat16s.jl's type (the extension), as Core.BFloat16
+    # (Julia 1.11+), and as a reinterpreted view of either.
+    @testset "bf16 as $name" for (name, conv) in (("UInt16", x -> bf16(x)),
+                                                  ("BFloat16s.BFloat16", BFloat16s.BFloat16),
+                                                  ("reinterpret(UInt16, ...)", x -> bf16(x)))
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(2, :bf16)])
+        g = [conv(1.5f0), conv(-2f0)]
+        name == "reinterpret(UInt16, ...)" && (g = reinterpret(UInt16, BFloat16s.BFloat16.([1.5f0, -2f0])))
+        add!(acc, s, [g], 1)
+        sync!(acc)
+        @test master(acc, 1) == Float32[1.5, -2]
+    end
+    if isdefined(Core, :BFloat16)
+        @testset "Core.BFloat16" begin
+            s = Scaler(init_scale=1.0)
+            acc = Accumulator([(1, Core.BFloat16)])
+            add!(acc, s, [Core.BFloat16[0.5f0]], 1)
+            sync!(acc)
+            @test master(acc, 1) == Float32[0.5]
+        end
+    end
+
+    @testset "introspection" begin
+        @test GradAcc.backend_available(:local)
+        @test GradAcc.backend_available(:cuda) isa Bool
+        @test_throws ArgumentError GradAcc.backend_available(:gloo)
+        acc = Accumulator([(3, Float32), (5, :bf16)])
+        @test GradAcc.num_tensors(acc) == 2
+        @test GradAcc.tensor(acc, 2) == (5, GRADACC_DTYPE_BF16)
+        @test occursin("2 tensors", sprint(show, acc))
+        comms = local_group(2)
+        @test occursin("rank 1 of 2", sprint(show, comms[2]))
+        close.(comms); close(comms[1])
+        @test occursin("closed", sprint(show, comms[1]))
+    end
+
+    @testset "caller's buffer" begin
+        buf = fill(7f0, 3)
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(1, Float32), (2, Float32)], buf)
+        add!(acc, s, [Float32[1], Float32[2, 3]], 1)
+        sync!(acc)
+        @test buf == Float32[1, 2, 3]
+        close(acc)
+    end
+
+    @testset "scale_loss!" begin
+        s = Scaler(init_scale=1024.0)
+        @test GradAcc.scale_loss!(s, Float32[0.5, 2]) == Float32[512, 2048]
+        @test GradAcc.scale_loss!(s, Float16[1]) == Float16[1024]
+        @test_throws ArgumentError GradAcc.scale_loss!(s, [1.0])
+    end
+
+    @testset "save and load" begin
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(2, Float32)])
+        add!(acc, s, [Float32[1, 2]], 1)
+        window = GradAcc.save_window(acc)
+        reset!(acc)
+        GradAcc.load_window!(acc, window)
+        add!(acc, s, [Float32[3, 4]], 1)
+        sync!(acc)
+        @test master(acc, 1) == Float32[2, 3]  # (1 + 3) / 2, (2 + 4) / 2: the saved micro-batch counts
+        @test !update!(s, acc)
+        @test GradAcc.stats(s).steps == 1
+        state = GradAcc.save(s)
+        s2 = Scaler(init_scale=4.0)
+        GradAcc.load!(s2, state)
+        @test scale(s2) == scale(s) == 1
+        err = try
+            GradAcc.load!(s2, UInt8[1, 2, 3]); nothing
+        catch e
+            e
+        end
+        @test err isa GradAccError && err.status == GRADACC_STATUS_CORRUPT_STATE
     end
 end
