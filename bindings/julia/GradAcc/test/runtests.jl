@@ -98,6 +98,83 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         @test isapprox(copy(master(acc16, 1)), vec(full); rtol=2e-3, atol=2e-3)
     end
 
+    # Seed unequal counts: mean-reduced losses over micro-batches of 3, 7, 1 items on rank 0 and
+    # 5, 2, 9 on rank 1. :by_count gives the gradient of the mean loss over all 27 items,
+    # :by_microbatches the mean of the 6 micro-batch means, a different vector.
+    @testset "unequal counts" begin
+        sizes = ([3, 7, 1], [5, 2, 9])
+        W = [sin(o + j) / 2 for o in 1:2, j in 1:4]
+        b = [0.1, -0.2]
+        X = [cos(3i + j) for i in 1:27, j in 1:4]
+        Y = [sin(2i - o) + i % 5 for i in 1:27, o in 1:2]
+        function gsum(rows)  # summed gradient of 0.5 |W x + b - y|^2 over the rows, W then b
+            R = X[rows, :] * W' .+ b' .- Y[rows, :]
+            return vcat(vec(R' * X[rows, :]), vec(sum(R; dims=1)))
+        end
+        per_item = gsum(1:27) ./ 27
+        starts = (0, sum(sizes[1]))
+        batches = [starts[r] .+ (1:n) .+ sum(sizes[r][1:m-1]) for r in 1:2 for (m, n) in enumerate(sizes[r])]
+        mean_of_means = sum(gsum(rows) ./ length(rows) for rows in batches) ./ 6
+        @test maximum(abs.(per_item .- mean_of_means)) > 0.01
+        for (normalize, truth) in ((:by_count, per_item), (:by_microbatches, mean_of_means))
+            comms = local_group(2)
+            results = fetch.([Threads.@spawn begin
+                s = Scaler(init_scale=1.0)
+                acc = Accumulator([(10, Float32)]; normalize)
+                first = starts[r]
+                for n in sizes[r]
+                    rows = first+1:first+n
+                    first += n
+                    add!(acc, s, [Float32.(gsum(rows) ./ n)], n)
+                end
+                info = sync!(acc, comms[r])
+                (info, copy(master(acc, 1)))
+            end for r in 1:2])
+            for (info, m) in results
+                @test info.total_count == 27 && info.microbatches == 6
+                @test isapprox(m, truth; rtol=1e-5)
+            end
+            @test results[1][2] == results[2][2]
+            close.(comms)
+        end
+    end
+
+    # Seed overflow on one rank: an inf or NaN in one rank's gradient makes both ranks report
+    # found_inf, skip, and back off alike; the next, clean window steps at the backed-off scale.
+    @testset "overflow on rank $bad: $T $what" for bad in 1:2,
+                                                   (T, what, poison) in ((Float16, "+inf", Inf16), (Float16, "NaN", NaN16),
+                                                                         (Float32, "inf", Inf32), (Float32, "NaN", NaN32))
+        comms = local_group(2)
+        results = fetch.([Threads.@spawn begin
+            s = Scaler()  # 65536, backoff 0.5
+            acc = Accumulator([(6, T), (1, Float32)])
+            infos, skipped, scales = GradAcc.gradacc_sync_info_t[], Bool[], Float32[]
+            for window in 1:2
+                for m in 1:3
+                    sc = scale(s)
+                    g = T[r * 0.001 * i * m * sc for i in 1:6]
+                    window == 1 && r == bad && m == 1 && (g[3] = poison)
+                    add!(acc, s, [g, Float32[sc * 0.25f0]], 2)
+                end
+                push!(infos, sync!(acc, comms[r]))
+                push!(skipped, update!(s, acc))
+                push!(scales, scale(s))
+            end
+            out = (infos, skipped, scales, copy(master(acc, 1)), GradAcc.stats(s))
+            close(acc); close(s)
+            out
+        end for r in 1:2])
+        for (infos, skipped, scales, _, st) in results
+            @test infos[1].found_inf && skipped[1] && scales[1] == 32768
+            @test !infos[2].found_inf && !skipped[2] && scales[2] == 32768
+            @test st.steps == 2 && st.skipped_steps == 1 && st.backoffs == 1 && st.growths == 0
+        end
+        @test results[1][4] == results[2][4]
+        want = [sum(2 * r * 0.001 * i * m for r in 1:2, m in 1:3) / 12 for i in 1:6]
+        @test isapprox(results[1][4], want; rtol=T === Float16 ? 1e-3 : 1e-6)
+        close.(comms)
+    end
+
     @testset "errors carry status and message" begin
         s = Scaler()
         acc = Accumulator([(4, Float16)])
