@@ -175,6 +175,46 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         close.(comms)
     end
 
+    # Seed partial window: after a full window, the last window of an epoch has 3 of 4 planned
+    # micro-batches (4, 6, 5 items); it is normalised by what was added, nothing carries over.
+    @testset "partial window $normalize" for normalize in (:by_count, :by_microbatches)
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(3, Float32)]; normalize)
+        for n in 1:4
+            add!(acc, s, [Float32[n, -n, 100]], n)
+        end
+        sync!(acc)
+        counts = (4, 6, 5)
+        gs = [Float32[m, 2m, -m / 4] for m in 1:3]
+        for (g, n) in zip(gs, counts)
+            add!(acc, s, [g], n)
+        end
+        info = sync!(acc)
+        @test info.total_count == 15 && info.microbatches == 3
+        want = normalize === :by_count ? sum(n .* g for (g, n) in zip(gs, counts)) ./ 15 : sum(gs) ./ 3
+        @test isapprox(master(acc, 1), want; rtol=1e-6)
+    end
+
+    # Seed partial chunks: one micro-batch's gradient of a tensor arrives in chunks through
+    # add_tensor!; the chunks' partial gradients add up to the micro-batch's.
+    @testset "partial chunks" begin
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(4, Float32), (2, Float16)])
+        full = [Float32[1, 2, 3, 4], Float32[0.5, -0.25]]
+        for m in 1:2
+            begin_microbatch!(acc, 4)
+            for _ in 1:4  # four chunks of tensor 1, each a quarter of its gradient
+                add_tensor!(acc, s, 1, full[1] .* m ./ 4)
+            end
+            add_tensor!(acc, s, 2, Float16.(full[2] .* m))
+            end_microbatch!(acc)
+        end
+        info = sync!(acc)
+        @test info.total_count == 8 && info.microbatches == 2
+        @test isapprox(master(acc, 1), full[1] .* 1.5f0; rtol=1e-6)  # (1 + 2) / 2
+        @test master(acc, 2) == full[2] .* 1.5f0
+    end
+
     @testset "errors carry status and message" begin
         s = Scaler()
         acc = Accumulator([(4, Float16)])
