@@ -284,7 +284,7 @@ function gradacc_mpi_config_default(out)
     ccall((:gradacc_mpi_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_mpi_config_t},), out)
 end
 
-"Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm)` in MPI.jl (whose `comm.val` is the C handle, not this one)."
+"Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one)."
 function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
     # blocks: GC-safe call
     fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_create_mpi)
