@@ -11,9 +11,8 @@ using MPI: MPI
 # `comm.val`. The MPI.Comm is preserved until gradacc has duplicated it (its finalizer would
 # free the handle).
 function GradAcc.mpi_communicator(comm::MPI.Comm; kw...)
-    GC.@preserve comm begin
-        return GradAcc.mpi_communicator(Int64(MPI.API.MPI_Comm_c2f(comm.val)); kw...)
-    end
+    c = GC.@preserve comm GradAcc.mpi_communicator(Int64(MPI.API.MPI_Comm_c2f(comm.val)); kw...)
+    return c
 end
 
 end # module
