@@ -215,6 +215,34 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         @test master(acc, 2) == full[2] .* 1.5f0
     end
 
+    # Seed scale change: micro-batches scaled by two different scalers (one scale not a power of
+    # two) in one window; each is unscaled by its own scale as it is added.
+    @testset "scale change" begin
+        s1, s2 = Scaler(init_scale=1024.0), Scaler(init_scale=3.0)
+        acc = Accumulator([(3, Float32)])
+        g1, g2 = Float32[1, 2, 4], Float32[0.5, -1, 3]
+        add!(acc, s1, [g1 .* 1024], 2)
+        add!(acc, s2, [g2 .* 3], 2)
+        sync!(acc)
+        @test isapprox(master(acc, 1), (g1 .+ g2) ./ 2; rtol=1e-6)
+    end
+
+    # Seed two optimizers: one scaler, two accumulators. An inf in either skips both and backs
+    # off once; clipping sees the unscaled gradient (clip_coef = max / (norm + 1e-6)).
+    @testset "two optimizers" begin
+        s = Scaler(init_scale=256.0)
+        a = Accumulator([(2, Float16)]; max_grad_norm=1)
+        b = Accumulator([(1, Float32)])
+        add!(a, s, [Float16[3 * 256, 4 * 256]], 1)
+        add!(b, s, [Float32[Inf]], 1)
+        info = sync!(a)
+        @test !info.found_inf && isapprox(info.grad_norm, 5) && isapprox(info.clip_coef, 1 / (5 + 1e-6))
+        @test sync!(b).found_inf
+        @test GradAcc.update!(s, a, b)
+        @test scale(s) == 128
+        @test GradAcc.stats(s).backoffs == 1
+    end
+
     @testset "errors carry status and message" begin
         s = Scaler()
         acc = Accumulator([(4, Float16)])
