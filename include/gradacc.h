@@ -738,8 +738,9 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
 /**
  * Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
  * GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle:
- * `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl. `config` NULL means
- * the defaults. Every rank of the communicator must call this (it is collective).
+ * `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in
+ * MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one). `config` NULL means the
+ * defaults. Every rank of the communicator must call this (it is collective).
  *
  * gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
  * caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives

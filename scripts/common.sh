@@ -30,3 +30,14 @@ python_venv() {
     [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
     "$py" -c 'import numpy, pytest' 2>/dev/null || "$py" -m pip install --quiet numpy pytest
 }
+
+# fatou (a Julia parser and linter in a Rust wheel; it never runs Julia) in the project's .venv,
+# pinned because its rules change between releases; prints the path of its executable.
+FATOU_VERSION=0.24.0
+fatou_bin() {
+    local py="$GRADACC_ROOT/.venv/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
+    [ "$("$GRADACC_ROOT/.venv/bin/fatou" --version 2>/dev/null)" = "fatou $FATOU_VERSION" ] ||
+        "$py" -m pip install --quiet "fatou==$FATOU_VERSION" >&2
+    echo "$GRADACC_ROOT/.venv/bin/fatou"
+}

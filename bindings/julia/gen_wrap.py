@@ -21,6 +21,20 @@ SCALARS = {
     "size_t": "Csize_t",
 }
 
+# Functions that can wait on other ranks or threads (collectives, barriers, an NCCL finalise).
+# They run in the GC-safe state: a thread blocked in a plain ccall cannot stop for a collection,
+# so a collection started by another rank's thread would wait for it forever (JuliaLang/julia#51574).
+BLOCKING = {
+    "gradacc_accumulator_sync",
+    "gradacc_accumulator_begin_final_microbatch",
+    "gradacc_comm_create_mpi",
+    "gradacc_comm_create_nccl",
+    "gradacc_comm_adopt_nccl",
+    "gradacc_comm_destroy",
+    "gradacc_comm_abort",
+    "gradacc_scaler_update",
+}
+
 
 def jltype(decl, known, result=False):
     name, stars, length = gen_ffi.parse_type(decl)
@@ -42,14 +56,41 @@ def jlstr(text):
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
 
 
+def gcsafe_body(name, names, types, rtype, tuple_):
+    """The body of a blocking function: symbol lookup and argument conversion (which may allocate)
+    before the thread enters the GC-safe state, only the foreign call inside it."""
+    body = ["    # blocks: GC-safe call", f"    fptr = Libdl.dlsym(libgradacc_handle(), :{name})"]
+    body += [f"    c_{a} = Base.cconvert({t}, {a})" for a, t in zip(names, types)]
+    roots = " ".join(f"c_{a}" for a in names)
+    body.append(f"    GC.@preserve {roots} begin" if roots else "    begin")
+    body += [f"        p_{a} = Base.unsafe_convert({t}, c_{a})" for a, t in zip(names, types)]
+    call_args = "".join(", p_" + a for a in names)
+    body += [
+        "        gc_state = ccall(:jl_gc_safe_enter, Int8, ())",
+        f"        ret = ccall(fptr, {rtype}, {tuple_}{call_args})",
+        "        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)",
+        "        ret",
+        "    end",
+    ]
+    return body
+
+
 def render(h):
     known = set(h.aliases) | set(h.structs)
+    missing = BLOCKING - {n for n, _, _ in h.functions}
+    if missing:  # a renamed or removed function must not silently lose its GC-safe call
+        raise ValueError(f"BLOCKING names functions not in the header: {sorted(missing)}")
     out = [
         "# ccall declarations of the gradacc C API.",
         "#",
         "# Generated from include/gradacc.h by bindings/julia/gen_wrap.py. Do not edit by hand:",
         "# change src/ffi/, run scripts/gen-header, then bindings/julia/gen_wrap.py.",
-        "# `libgradacc` (the library path) is defined by the including module.",
+        "# `libgradacc()` (the library path) and `libgradacc_handle()` (its dlopen handle) are",
+        "# defined by the including module and set when it loads. Functions marked \"blocks\" can",
+        "# wait on other ranks: they convert their arguments first, then call with the thread in the",
+        "# GC-safe state (jl_gc_safe_enter/leave around the call, as CUDA.jl's @gcsafe_ccall), so that",
+        "# a collection started by another thread does not wait for them (JuliaLang/julia#51574).",
+        "# The library never calls back into Julia, which the GC-safe state requires.",
         "",
     ]
     for name, value in h.constants:
@@ -79,9 +120,13 @@ def render(h):
         names = [a for a, _ in args]
         types = [jltype(t, known) for _, t in args]
         tuple_ = "(" + ", ".join(types) + ("," if len(types) == 1 else "") + ")"
+        rtype = jltype(ret, known, result=True)
         out.append(f"function {name}({', '.join(names)})")
-        call_args = "".join(", " + a for a in names)
-        out.append(f"    ccall((:{name}, libgradacc), {jltype(ret, known, result=True)}, {tuple_}{call_args})")
+        if name in BLOCKING:
+            out.extend(gcsafe_body(name, names, types, rtype, tuple_))
+        else:
+            call_args = "".join(", " + a for a in names)
+            out.append(f"    ccall((:{name}, libgradacc()), {rtype}, {tuple_}{call_args})")
         out.append("end")
     out.append("")
     return "\n".join(out)

@@ -177,8 +177,9 @@ pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> 
 
 /// Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
 /// GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle:
-/// `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl. `config` NULL means
-/// the defaults. Every rank of the communicator must call this (it is collective).
+/// `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in
+/// MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one). `config` NULL means the
+/// defaults. Every rank of the communicator must call this (it is collective).
 ///
 /// gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
 /// caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives

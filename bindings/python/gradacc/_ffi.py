@@ -283,7 +283,7 @@ gradacc_mpi_config_default.restype = gradacc_status_t
 gradacc_mpi_config_default.argtypes = [ctypes.POINTER(gradacc_mpi_config_t)]
 # arguments: out
 
-# Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl.
+# Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one).
 gradacc_comm_create_mpi = dll.gradacc_comm_create_mpi
 gradacc_comm_create_mpi.restype = gradacc_status_t
 gradacc_comm_create_mpi.argtypes = [ctypes.c_int64, ctypes.POINTER(gradacc_mpi_config_t), ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]

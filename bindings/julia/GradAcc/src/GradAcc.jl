@@ -3,23 +3,69 @@
 
 Julia binding of gradacc: correct mixed-precision gradient accumulation behind a stable C ABI.
 `libgradacc.jl` (generated from include/gradacc.h by bindings/julia/gen_wrap.py) is the ccall
-layer; this module owns the handles (`mutable struct` + `finalizer` + idempotent `close`) and
-turns statuses into [`GradAccError`](@ref).
+layer; this module owns the handles (`mutable struct`, idempotent `close`, a finalizer where
+destroying is local) and turns statuses into [`GradAccError`](@ref).
 
-The library is the file named by `ENV["GRADACC_LIBRARY"]` when the package is loaded, otherwise
-`target/release/libgradacc.so` of the repository this package sits in.
+The library is found when the package is loaded (not when it is precompiled): the file named
+by `ENV["GRADACC_LIBRARY"]`, else `target/release` of the repository this package sits in (a
+checkout or `Pkg.develop`), else `libgradacc` (`gradacc.dll` on Windows) on the system's library
+path. Loading fails if the library's version does not match the header the ccall layer was
+generated from.
+
+Exported: the types, [`local_group`](@ref), [`add!`](@ref), [`add_tensor!`](@ref),
+[`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref). Names that other
+packages also use (`update!`, `reset!`, `scale`, `master`, `save`, `load!`, ...) are public but
+not exported: call them qualified, `GradAcc.update!(scaler, acc)`.
 """
 module GradAcc
 
 using Libdl
 
 export Scaler, Accumulator, Communicator, GradAccError, local_group
-export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, master, update!, scale, reset!
+export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!
 
-const libgradacc = get(ENV, "GRADACC_LIBRARY",
-                       joinpath(@__DIR__, "..", "..", "..", "..", "target", "release", "libgradacc." * Libdl.dlext))
+# `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
+if VERSION >= v"1.11.0-DEV.469"
+    eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, stats, save, load!,
+        save_window, load_window!, num_tensors, tensor, backend_available, mpi_communicator,
+        nccl_unique_id, nccl_communicator, adopt_nccl, abort, rank, world_size, version"""))
+end
+
+# Set by __init__ when the package loads, so GRADACC_LIBRARY is read then, not frozen into the
+# precompiled image.
+const LIBRARY = Ref{String}("")
+const HANDLE = Ref{Ptr{Cvoid}}(C_NULL)
+libgradacc() = LIBRARY[]
+libgradacc_handle() = HANDLE[]
 
 include("libgradacc.jl")
+
+# Rust names the library gradacc.dll on Windows, libgradacc.{so,dylib} elsewhere.
+const LIBNAME = (Sys.iswindows() ? "gradacc." : "libgradacc.") * Libdl.dlext
+
+function find_library_path()
+    path = get(ENV, "GRADACC_LIBRARY", "")
+    isempty(path) || return path
+    dev = normpath(joinpath(@__DIR__, "..", "..", "..", "..", "target", "release", LIBNAME))
+    isfile(dev) && return dev
+    found = Libdl.find_library(["libgradacc", "gradacc"])
+    isempty(found) || return found
+    error("GradAcc: libgradacc not found: set ENV[\"GRADACC_LIBRARY\"] to its path before loading GradAcc")
+end
+
+function __init__()
+    path = find_library_path()
+    HANDLE[] = Libdl.dlopen(path)
+    LIBRARY[] = path
+    lib = Int(gradacc_version_number())  # MAJOR * 10000 + MINOR * 100 + PATCH
+    major, minor = lib ÷ 10000, lib % 10000 ÷ 100
+    # Below 1.0 a minor release may break the ABI; from 1.0 a newer minor only adds.
+    ok = major == GRADACC_VERSION_MAJOR &&
+         (major == 0 ? minor == GRADACC_VERSION_MINOR : minor >= GRADACC_VERSION_MINOR)
+    ok || error("GradAcc: $path is version $(unsafe_string(gradacc_version_string())), " *
+                "but this package was generated from the header of version $GRADACC_VERSION_STRING")
+    return nothing
+end
 
 """
     GradAccError(status, message)
@@ -32,8 +78,9 @@ struct GradAccError <: Exception
     message::String
 end
 
-Base.showerror(io::IO, e::GradAccError) =
+function Base.showerror(io::IO, e::GradAccError)
     print(io, "GradAccError: ", unsafe_string(gradacc_status_string(e.status)), ": ", e.message)
+end
 
 # The message is per OS thread: it is read by the next ccall, with no yield point in between, so
 # the task cannot have moved to another thread.
@@ -42,14 +89,71 @@ Base.showerror(io::IO, e::GradAccError) =
     throw(GradAccError(status, unsafe_string(gradacc_last_error())))
 end
 
-"The loaded library's version."
+"""
+    GradAcc.version() -> VersionNumber
+
+The loaded library's version.
+"""
 version() = VersionNumber(unsafe_string(gradacc_version_string()))
 
-const DTYPES = Dict{Any,Int32}(Float32 => GRADACC_DTYPE_F32, Float16 => GRADACC_DTYPE_F16,
-                               :f32 => GRADACC_DTYPE_F32, :f16 => GRADACC_DTYPE_F16, :bf16 => GRADACC_DTYPE_BF16)
+const BACKENDS = Dict(:local => GRADACC_BACKEND_LOCAL, :mpi => GRADACC_BACKEND_MPI,
+                      :nccl => GRADACC_BACKEND_NCCL, :cuda => GRADACC_BACKEND_CUDA)
+
+"""
+    GradAcc.backend_available(backend) -> Bool
+
+Whether `backend` (`:local`, `:mpi`, `:nccl` or `:cuda`) can be used by this build on this
+machine; a constructor of an unavailable one throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`.
+"""
+function backend_available(backend::Symbol)
+    haskey(BACKENDS, backend) || throw(ArgumentError("unknown backend :$backend; use one of $(keys(BACKENDS))"))
+    out = Ref{Bool}(false)
+    check(gradacc_backend_available(BACKENDS[backend], out))
+    return out[]
+end
+
+# ---- dtypes ----------------------------------------------------------------------------------
+
+# The dtype code of a tensor description: an element type or :f32/:f16/:bf16. bf16 element types
+# get methods below (Core.BFloat16) and in the BFloat16s.jl extension.
+dtype_code(::Type{Float32}) = GRADACC_DTYPE_F32
+dtype_code(::Type{Float16}) = GRADACC_DTYPE_F16
+function dtype_code(s::Symbol)
+    s === :f32 && return GRADACC_DTYPE_F32
+    s === :f16 && return GRADACC_DTYPE_F16
+    s === :bf16 && return GRADACC_DTYPE_BF16
+    throw(ArgumentError("unknown dtype :$s; use :f32, :f16 or :bf16"))
+end
+dtype_code(x) = throw(ArgumentError("unsupported dtype $x; use Float32, Float16, a BFloat16 type, " *
+                                    "or :f32, :f16, :bf16"))
+
+# Element types whose bits are a bf16: raw UInt16 words, and the BFloat16 types.
+isbf16(::Type) = false
+isbf16(::Type{UInt16}) = true
+
+@static if isdefined(Core, :BFloat16)  # Julia 1.11 and later
+    dtype_code(::Type{Core.BFloat16}) = GRADACC_DTYPE_BF16
+    isbf16(::Type{Core.BFloat16}) = true
+end
+
+# The element types a gradient or loss buffer of this dtype code may have.
+function eltype_matches(dt, T::Type)
+    dt == GRADACC_DTYPE_F32 && return T === Float32
+    dt == GRADACC_DTYPE_F16 && return (T === Float16 || T === UInt16)
+    return isbf16(T)
+end
+
+# ---- config structs ----------------------------------------------------------------------------
+
 const NORMALIZE = Dict(:by_count => GRADACC_NORMALIZE_BY_COUNT, :by_microbatches => GRADACC_NORMALIZE_BY_MICROBATCHES,
                        :by_world => GRADACC_NORMALIZE_BY_WORLD, :none => GRADACC_NORMALIZE_NONE)
 const REDUCTION = Dict(:mean => GRADACC_LOSS_REDUCTION_MEAN, :sum => GRADACC_LOSS_REDUCTION_SUM)
+
+function enum_value(table, field, v)
+    v isa Symbol || return v
+    haskey(table, v) || throw(ArgumentError("unknown $field :$v; use one of $(keys(table))"))
+    return table[v]
+end
 
 # A config struct from its C default with some fields replaced (keywords; symbols for enums).
 function config(::Type{T}, default_fn; kw...) where {T}
@@ -61,34 +165,88 @@ function config(::Type{T}, default_fn; kw...) where {T}
     end
     values = map(fieldnames(T)) do f
         v = haskey(kw, f) ? kw[f] : getfield(c, f)
-        v = f === :normalize && v isa Symbol ? NORMALIZE[v] : v
-        v = f === :loss_reduction && v isa Symbol ? REDUCTION[v] : v
+        v = f === :normalize ? enum_value(NORMALIZE, f, v) : v
+        v = f === :loss_reduction ? enum_value(REDUCTION, f, v) : v
         convert(fieldtype(T, f), v)
     end
     return T(values...)
 end
 
-cpu_device() = gradacc_device_t(GRADACC_DEVICE_CPU, 0, C_NULL)
-
-# ---- communicator ----------------------------------------------------------------------------
-
-"One rank's endpoint of a data-parallel group; see [`local_group`](@ref)."
-mutable struct Communicator
-    ptr::Ptr{gradacc_comm_t}
-    function Communicator(ptr::Ptr{gradacc_comm_t})
-        c = new(ptr)
-        finalizer(close, c)
-    end
+# `device`: :cpu, (:cuda, ordinal) or (:cuda, ordinal, stream::Ptr{Cvoid}) (CUDA.jl's
+# `CUDA.stream().handle`); NULL stream means the device's default stream.
+device_struct(d::Symbol) = d === :cpu ? gradacc_device_t(GRADACC_DEVICE_CPU, 0, C_NULL) :
+                           d === :cuda ? device_struct((:cuda, 0)) :
+                           throw(ArgumentError("unknown device :$d; use :cpu or (:cuda, ordinal[, stream])"))
+function device_struct(d::Tuple)
+    length(d) in (2, 3) && d[1] === :cuda ||
+        throw(ArgumentError("a device tuple is (:cuda, ordinal[, stream]), not $d"))
+    stream = length(d) == 3 ? convert(Ptr{Cvoid}, d[3]) : C_NULL
+    return gradacc_device_t(GRADACC_DEVICE_CUDA, d[2], stream)
 end
 
-"Destroys the handle; calling it again does nothing."
-function Base.close(c::Communicator)
-    ptr, c.ptr = c.ptr, C_NULL
-    ptr == C_NULL || check(gradacc_comm_destroy(ptr))
+# ---- handles -----------------------------------------------------------------------------------
+
+# Each handle type's pointer field is atomic: `close` swaps it to NULL, so two tasks (or a task
+# and the finalizer) closing one object destroy it once. A call racing a close gets a handle the
+# library already destroyed, which it reports (GRADACC_STATUS_INVALID_HANDLE) without touching it.
+# The finalizer: never throws (an exception in a finalizer is only printed, and the status has
+# nobody to go to), and does nothing after an explicit close.
+function destroy_quietly(x, destroy)
+    p = @atomicswap x.ptr = C_NULL
+    p == C_NULL || destroy(p)
     return nothing
 end
 
-handle(c::Communicator) = c.ptr == C_NULL ? throw(ArgumentError("the Communicator is closed")) : c.ptr
+# ---- communicator ------------------------------------------------------------------------------
+
+"""
+One rank's endpoint of a data-parallel group: [`local_group`](@ref) (ranks are threads of this
+process), [`GradAcc.mpi_communicator`](@ref), [`GradAcc.nccl_communicator`](@ref),
+[`GradAcc.adopt_nccl`](@ref).
+
+In-process communicators are destroyed by the GC if not closed. MPI and NCCL ones are not: their
+destroy is collective, and the GC would run it at a different time on each rank, so close them
+explicitly, on every rank in the same order (`close(comm)`, before `MPI.Finalize()`).
+"""
+mutable struct Communicator
+    @atomic ptr::Ptr{gradacc_comm_t}
+    const backend::Symbol
+    function Communicator(ptr::Ptr{gradacc_comm_t}, backend::Symbol)
+        c = new(ptr, backend)
+        backend === :local && finalizer(c -> destroy_quietly(c, gradacc_comm_destroy), c)
+        return c
+    end
+end
+
+Base.isopen(x::Communicator) = (@atomic x.ptr) != C_NULL
+function handle(x::Communicator)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the Communicator is closed"))
+    return p
+end
+# ccall keeps the object alive through the call and passes its C handle.
+Base.cconvert(::Type{Ptr{gradacc_comm_t}}, x::Communicator) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_comm_t}}, x::Communicator) = handle(x)
+
+"""
+    close(comm::Communicator)
+
+Destroys the handle; calling it again, from any task, does nothing. For MPI and NCCL every rank
+must close its communicator (a healthy NCCL one waits for its pending collectives).
+"""
+function Base.close(c::Communicator)
+    p = @atomicswap c.ptr = C_NULL
+    p == C_NULL || check(gradacc_comm_destroy(p))
+    return nothing
+end
+
+function Base.show(io::IO, c::Communicator)
+    if isopen(c)
+        print(io, "GradAcc.Communicator(:", c.backend, ", rank ", rank(c), " of ", world_size(c), ")")
+    else
+        print(io, "GradAcc.Communicator(:", c.backend, ", closed)")
+    end
+end
 
 """
     local_group(n) -> Vector{Communicator}
@@ -97,100 +255,312 @@ An in-process group of `n` ranks, rank 0 first. Run each rank in its own task on
 (`Threads.@spawn`, Julia started with at least `n` threads); every rank takes part in every sync.
 """
 function local_group(n::Integer)
+    n >= 1 || throw(ArgumentError("a group has at least one rank, not $n"))
     raw = Vector{Ptr{gradacc_comm_t}}(undef, n)
     check(gradacc_comm_create_local(n, raw))
-    return [Communicator(p) for p in raw]
+    return [Communicator(p, :local) for p in raw]
 end
 
+"""
+    GradAcc.rank(comm) -> Int
+
+This endpoint's rank, 0-based.
+"""
 function rank(c::Communicator)
     out = Ref{Csize_t}(0)
-    GC.@preserve c check(gradacc_comm_rank(handle(c), out))
+    check(gradacc_comm_rank(c, out))
     return Int(out[])
 end
 
+"""
+    GradAcc.world_size(comm) -> Int
+
+The group's number of ranks.
+"""
 function world_size(c::Communicator)
     out = Ref{Csize_t}(0)
-    GC.@preserve c check(gradacc_comm_world_size(handle(c), out))
+    check(gradacc_comm_world_size(c, out))
     return Int(out[])
 end
 
-# ---- scaler ----------------------------------------------------------------------------------
-
 """
-    Scaler(; init_scale=65536, growth_interval=2000, hysteresis=1, ...)
+    GradAcc.mpi_communicator([fortran_comm]; max_in_flight) -> Communicator
 
-A dynamic loss scaler; keywords replace fields of `gradacc_scaler_config_default`.
+This process's rank of an MPI communicator, collectively on every rank: MPI_COMM_WORLD by
+default, else the communicator whose *Fortran* handle is `fortran_comm` (`MPI_Comm_c2f`). With
+MPI.jl loaded, pass an `MPI.Comm` directly: `GradAcc.mpi_communicator(MPI.COMM_WORLD)`. Close it
+explicitly on every rank, before `MPI.Finalize()`.
 """
-mutable struct Scaler
-    ptr::Ptr{gradacc_scaler_t}
-    function Scaler(; kw...)
-        cfg = Ref(config(gradacc_scaler_config_t, gradacc_scaler_config_default; kw...))
-        out = Ref{Ptr{gradacc_scaler_t}}(C_NULL)
-        check(gradacc_scaler_create(cfg, Ref(cpu_device()), out))
-        finalizer(close, new(out[]))
-    end
+function mpi_communicator(fortran_comm::Integer=GRADACC_MPI_COMM_WORLD; kw...)
+    cfg = Ref(config(gradacc_mpi_config_t, gradacc_mpi_config_default; kw...))
+    out = Ref{Ptr{gradacc_comm_t}}(C_NULL)
+    check(gradacc_comm_create_mpi(fortran_comm, cfg, out))
+    return Communicator(out[], :mpi)
 end
 
-"Destroys the scaler; calling it again does nothing."
-function Base.close(s::Scaler)
-    ptr, s.ptr = s.ptr, C_NULL
-    ptr == C_NULL || check(gradacc_scaler_destroy(ptr))
+"""
+    GradAcc.nccl_unique_id() -> Vector{UInt8}
+
+A new NCCL unique id (128 bytes): rank 0 makes it and sends it to every rank (`MPI.Bcast!`, a
+file) before they call [`GradAcc.nccl_communicator`](@ref).
+"""
+function nccl_unique_id()
+    out = Ref{gradacc_nccl_unique_id_t}()
+    check(gradacc_nccl_get_unique_id(out))
+    return collect(out[].internal)
+end
+
+"""
+    GradAcc.nccl_communicator(id, rank, world_size, device_ordinal) -> Communicator
+
+Rank `rank` (0-based) of the NCCL group named by `id` (from [`GradAcc.nccl_unique_id`](@ref)),
+on CUDA device `device_ordinal`; returns when every rank has called it. Close it explicitly on
+every rank, or [`GradAcc.abort`](@ref) it first after a peer failed.
+"""
+function nccl_communicator(id::AbstractVector{UInt8}, rank::Integer, world_size::Integer, device_ordinal::Integer)
+    length(id) == 128 || throw(ArgumentError("an NCCL unique id has 128 bytes, not $(length(id))"))
+    uid = Ref(gradacc_nccl_unique_id_t(NTuple{128,UInt8}(id)))
+    out = Ref{Ptr{gradacc_comm_t}}(C_NULL)
+    check(gradacc_comm_create_nccl(uid, rank, world_size, device_ordinal, out))
+    return Communicator(out[], :nccl)
+end
+
+"""
+    GradAcc.adopt_nccl(nccl_comm::Ptr{Cvoid}) -> Communicator
+
+Wraps the caller's `ncclComm_t` (NCCL.jl's `comm.handle`), which stays the caller's: close the
+returned Communicator before destroying it.
+"""
+function adopt_nccl(nccl_comm::Ptr{Cvoid})
+    out = Ref{Ptr{gradacc_comm_t}}(C_NULL)
+    check(gradacc_comm_adopt_nccl(nccl_comm, out))
+    return Communicator(out[], :nccl)
+end
+
+"""
+    GradAcc.abort(comm)
+
+Aborts an NCCL communicator gradacc created: pending and future collectives end (a sync blocked
+on a dead peer returns an error). The communicator still has to be closed.
+"""
+function abort(c::Communicator)
+    check(gradacc_comm_abort(c))
     return nothing
 end
 
-handle(s::Scaler) = s.ptr == C_NULL ? throw(ArgumentError("the Scaler is closed")) : s.ptr
+# ---- scaler ------------------------------------------------------------------------------------
 
-"The current loss scale."
+"""
+    Scaler(; init_scale=65536, growth_interval=2000, hysteresis=1, ..., device=:cpu)
+
+A dynamic loss scaler; keywords replace fields of `gradacc_scaler_config_default`. `device` is
+`:cpu` or `(:cuda, ordinal[, stream])`. Destroyed by `close` or the GC.
+"""
+mutable struct Scaler
+    @atomic ptr::Ptr{gradacc_scaler_t}
+    function Scaler(; device=:cpu, kw...)
+        cfg = Ref(config(gradacc_scaler_config_t, gradacc_scaler_config_default; kw...))
+        out = Ref{Ptr{gradacc_scaler_t}}(C_NULL)
+        check(gradacc_scaler_create(cfg, Ref(device_struct(device)), out))
+        return finalizer(s -> destroy_quietly(s, gradacc_scaler_destroy), new(out[]))
+    end
+end
+
+Base.isopen(x::Scaler) = (@atomic x.ptr) != C_NULL
+function handle(x::Scaler)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the Scaler is closed"))
+    return p
+end
+# ccall keeps the object alive through the call and passes its C handle.
+Base.cconvert(::Type{Ptr{gradacc_scaler_t}}, x::Scaler) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_scaler_t}}, x::Scaler) = handle(x)
+
+"""
+    close(scaler::Scaler)
+
+Destroys the scaler; calling it again, from any task, does nothing.
+"""
+function Base.close(s::Scaler)
+    p = @atomicswap s.ptr = C_NULL
+    p == C_NULL || check(gradacc_scaler_destroy(p))
+    return nothing
+end
+
+Base.show(io::IO, s::Scaler) =
+    isopen(s) ? print(io, "GradAcc.Scaler(scale=", scale(s), ")") : print(io, "GradAcc.Scaler(closed)")
+
+"""
+    GradAcc.scale(scaler) -> Float32
+
+The current loss scale.
+"""
 function scale(s::Scaler)
     out = Ref{Cfloat}(0)
-    GC.@preserve s check(gradacc_scaler_get_scale(handle(s), out))
+    check(gradacc_scaler_get_scale(s, out))
     return out[]
 end
 
-# ---- accumulator -----------------------------------------------------------------------------
+"""
+    GradAcc.scale_loss!(scaler, loss::AbstractVector) -> loss
+
+Multiplies the loss values (Float32, Float16, or bf16: `UInt16` words or a BFloat16 type) in
+place by the current scale, before the backward pass.
+
+    GradAcc.scale_loss!(scaler, ptr::Ptr, numel, dtype)
+
+The same for a device buffer of a CUDA scaler (`dtype` as in [`Accumulator`](@ref)).
+"""
+function scale_loss!(s::Scaler, loss::AbstractVector)
+    T = eltype(loss)
+    dt = T === Float32 ? GRADACC_DTYPE_F32 : T === Float16 ? GRADACC_DTYPE_F16 :
+         isbf16(T) ? GRADACC_DTYPE_BF16 : throw(ArgumentError("unsupported loss element type $T"))
+    contiguous(loss) || throw(ArgumentError("the loss must be a contiguous vector"))
+    GC.@preserve loss check(gradacc_scaler_scale_loss(s, pointer(loss), length(loss), dt))
+    return loss
+end
+
+function scale_loss!(s::Scaler, ptr::Ptr, numel::Integer, dtype)
+    check(gradacc_scaler_scale_loss(s, Ptr{Cvoid}(ptr), numel, dtype_code(dtype)))
+    return nothing
+end
 
 """
-    Accumulator(tensors; normalize=:by_count, loss_reduction=:mean, max_grad_norm=0, ...)
+    GradAcc.stats(scaler) -> gradacc_scaler_stats_t
 
-FP32 master gradients of `tensors`, a vector of `(numel, dtype)` with dtype `Float32`, `Float16`
-or `:bf16` (bf16 gradients are passed as `Vector{UInt16}` words).
+The scaler's statistics (fields `steps`, `skipped_steps`, `growths`, ...).
+"""
+function stats(s::Scaler)
+    out = Ref{gradacc_scaler_stats_t}()
+    check(gradacc_scaler_get_stats(s, out))
+    return out[]
+end
+
+# Both save functions: ask for the size, then fill a buffer of it.
+function saved_bytes(f, x)
+    n = Ref{Csize_t}(0)
+    check(f(x, Ptr{UInt8}(C_NULL), 0, n))
+    buf = Vector{UInt8}(undef, n[])
+    check(f(x, buf, length(buf), n))
+    return resize!(buf, n[])
+end
+
+"""
+    GradAcc.save(scaler) -> Vector{UInt8}
+
+The scaler's complete state as versioned bytes, for a checkpoint; see [`GradAcc.load!`](@ref).
+"""
+save(s::Scaler) = saved_bytes(gradacc_scaler_save, s)
+
+"""
+    GradAcc.load!(scaler, bytes) -> scaler
+
+Restores a state written by [`GradAcc.save`](@ref); corrupt or foreign bytes throw
+`GRADACC_STATUS_CORRUPT_STATE`.
+"""
+function load!(s::Scaler, bytes::AbstractVector{UInt8})
+    b = Vector{UInt8}(bytes)
+    check(gradacc_scaler_load(s, b, length(b)))
+    return s
+end
+
+# ---- accumulator -------------------------------------------------------------------------------
+
+"""
+    Accumulator(tensors[, buffer]; normalize=:by_count, loss_reduction=:mean, max_grad_norm=0, ..., device=:cpu)
+
+FP32 master gradients of `tensors`, a vector of `(numel, dtype)`; dtype is `Float32`, `Float16`,
+a BFloat16 type (`Core.BFloat16` from Julia 1.11, `BFloat16s.BFloat16` with BFloat16s.jl
+loaded) or `:f32`/`:f16`/`:bf16` (bf16 gradients may then also be passed as `UInt16` words).
+With `buffer`, a `Vector{Float32}` of the tensors' total length, the masters live in it (the
+accumulator keeps it referenced). Destroyed by `close` or the GC.
 """
 mutable struct Accumulator
-    ptr::Ptr{gradacc_accumulator_t}
-    tensors::Vector{gradacc_tensor_desc_t}
-    function Accumulator(tensors::AbstractVector; kw...)
+    @atomic ptr::Ptr{gradacc_accumulator_t}
+    const tensors::Vector{gradacc_tensor_desc_t}
+    const device::gradacc_device_t
+    const buffer::Union{Nothing,Vector{Float32}}
+    function Accumulator(tensors::AbstractVector, buffer::Union{Nothing,Vector{Float32}}=nothing;
+                         device=:cpu, kw...)
         cfg = Ref(config(gradacc_accumulator_config_t, gradacc_accumulator_config_default; kw...))
-        descs = [gradacc_tensor_desc_t(n, DTYPES[d]) for (n, d) in tensors]
+        descs = [gradacc_tensor_desc_t(n, dtype_code(d)) for (n, d) in tensors]
+        dev = device_struct(device)
         out = Ref{Ptr{gradacc_accumulator_t}}(C_NULL)
-        check(gradacc_accumulator_create(cfg, descs, length(descs), Ref(cpu_device()), out))
-        finalizer(close, new(out[], descs))
+        if buffer === nothing
+            check(gradacc_accumulator_create(cfg, descs, length(descs), Ref(dev), out))
+        else
+            check(gradacc_accumulator_create_with_buffer(cfg, descs, length(descs), Ref(dev), buffer,
+                                                         length(buffer), out))
+        end
+        acc = new(out[], descs, dev, buffer)
+        return finalizer(a -> destroy_quietly(a, gradacc_accumulator_destroy), acc)
     end
 end
 
-"Destroys the accumulator (arrays from [`master`](@ref) become invalid); calling it again does nothing."
+Base.isopen(x::Accumulator) = (@atomic x.ptr) != C_NULL
+function handle(x::Accumulator)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the Accumulator is closed"))
+    return p
+end
+# ccall keeps the object alive through the call and passes its C handle.
+Base.cconvert(::Type{Ptr{gradacc_accumulator_t}}, x::Accumulator) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_accumulator_t}}, x::Accumulator) = handle(x)
+
+"""
+    close(acc::Accumulator)
+
+Destroys the accumulator; calling it again, from any task, does nothing. Arrays from
+[`GradAcc.master`](@ref) must not be used after it (the GC alone never frees them early).
+"""
 function Base.close(a::Accumulator)
-    ptr, a.ptr = a.ptr, C_NULL
-    ptr == C_NULL || check(gradacc_accumulator_destroy(ptr))
+    p = @atomicswap a.ptr = C_NULL
+    p == C_NULL || check(gradacc_accumulator_destroy(p))
     return nothing
 end
 
-handle(a::Accumulator) = a.ptr == C_NULL ? throw(ArgumentError("the Accumulator is closed")) : a.ptr
+function Base.show(io::IO, a::Accumulator)
+    print(io, "GradAcc.Accumulator(", length(a.tensors), " tensors", isopen(a) ? "" : ", closed", ")")
+end
 
-# The element type a gradient array must have for a tensor of this dtype.
+"""
+    GradAcc.num_tensors(acc) -> Int
+
+The number of tensors.
+"""
+num_tensors(a::Accumulator) = length(a.tensors)
+
+"""
+    GradAcc.tensor(acc, i) -> (numel, dtype_code)
+
+Tensor `i`'s (1-based) element count and `GRADACC_DTYPE_*` code.
+"""
+function tensor(a::Accumulator, i::Integer)
+    check_index(a, i)
+    out = Ref{gradacc_tensor_desc_t}()
+    check(gradacc_accumulator_tensor(a, i - 1, out))
+    return (Int(out[].numel), out[].dtype)
+end
+
+check_index(a::Accumulator, i::Integer) =
+    1 <= i <= length(a.tensors) || throw(BoundsError(a, i))
+
+contiguous(g::AbstractVector) = g isa DenseVector || (g isa StridedVector && stride(g, 1) == 1)
+
+# A gradient must be contiguous and of an element type its tensor's dtype arrives in.
 function check_grad(a::Accumulator, i::Integer, g::AbstractVector)
-    g isa DenseVector || throw(ArgumentError("gradient $i must be a dense vector"))
-    dt = a.tensors[i].dtype
-    ok = dt == GRADACC_DTYPE_F32 ? eltype(g) == Float32 :
-         dt == GRADACC_DTYPE_F16 ? eltype(g) in (Float16, UInt16) : eltype(g) == UInt16
-    ok || throw(ArgumentError("gradient $i has element type $(eltype(g)), which does not match tensor $i's dtype"))
+    check_index(a, i)
+    contiguous(g) || throw(ArgumentError("gradient $i must be a contiguous vector"))
+    eltype_matches(a.tensors[i].dtype, eltype(g)) ||
+        throw(ArgumentError("gradient $i has element type $(eltype(g)), which does not match tensor $i's dtype"))
     return nothing
 end
 
 """
-    add!(acc, scaler, grads, count)
+    add!(acc, scaler, grads, count) -> acc
 
-One micro-batch of `count` items: `grads[i]` is tensor `i`'s gradient (`Vector{Float32}`,
-`Vector{Float16}`, or `Vector{UInt16}` for bf16).
+One micro-batch of `count` items: `grads[i]` is tensor `i`'s gradient, a contiguous vector of
+its dtype (`Float32`; `Float16`; for bf16 a BFloat16 type or `UInt16` words).
 """
 function add!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer)
     length(grads) == length(a.tensors) ||
@@ -200,29 +570,49 @@ function add!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer)
         length(g) == a.tensors[i].numel ||  # add takes no lengths: check before C reads past the end
             throw(DimensionMismatch("gradient $i has $(length(g)) elements, tensor $i has $(a.tensors[i].numel)"))
     end
-    GC.@preserve a s grads begin
+    GC.@preserve grads begin
         ptrs = Ptr{Cvoid}[pointer(g) for g in grads]
-        check(gradacc_accumulator_add(handle(a), handle(s), ptrs, length(ptrs), count))
+        check(gradacc_accumulator_add(a, s, ptrs, length(ptrs), count))
     end
     return a
 end
 
-"Opens a micro-batch of `count` items whose gradients arrive through [`add_tensor!`](@ref)."
-function begin_microbatch!(a::Accumulator, count::Integer)
-    GC.@preserve a check(gradacc_accumulator_begin_microbatch(handle(a), count))
+"""
+    begin_microbatch!(acc, count[, comm]; final=false) -> acc
+
+Opens a micro-batch of `count` items whose gradients arrive through [`add_tensor!`](@ref).
+`final=true` (with `comm`) marks the last micro-batch of the window, whose buckets are reduced
+as they fill; every rank calls it.
+"""
+function begin_microbatch!(a::Accumulator, count::Integer, comm::Union{Nothing,Communicator}=nothing;
+                           final::Bool=false)
+    if final
+        check(gradacc_accumulator_begin_final_microbatch(a, count, something(comm, Ptr{gradacc_comm_t}(C_NULL))))
+    else
+        comm === nothing || throw(ArgumentError("a communicator is only passed with final=true"))
+        check(gradacc_accumulator_begin_microbatch(a, count))
+    end
     return a
 end
 
-"One contribution to tensor `i` (1-based) of the open micro-batch."
+"""
+    add_tensor!(acc, scaler, i, grad) -> acc
+
+One contribution to tensor `i` (1-based) of the open micro-batch.
+"""
 function add_tensor!(a::Accumulator, s::Scaler, i::Integer, g::AbstractVector)
-    1 <= i <= length(a.tensors) && check_grad(a, i, g)
-    GC.@preserve a s g check(gradacc_accumulator_add_tensor(handle(a), handle(s), i - 1, pointer(g), length(g)))
+    check_grad(a, i, g)
+    GC.@preserve g check(gradacc_accumulator_add_tensor(a, s, i - 1, pointer(g), length(g)))
     return a
 end
 
-"Closes the open micro-batch."
+"""
+    end_microbatch!(acc) -> acc
+
+Closes the open micro-batch.
+"""
 function end_microbatch!(a::Accumulator)
-    GC.@preserve a check(gradacc_accumulator_end_microbatch(handle(a)))
+    check(gradacc_accumulator_end_microbatch(a))
     return a
 end
 
@@ -234,43 +624,71 @@ The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
     info = Ref{gradacc_sync_info_t}()
-    c = comm === nothing ? Ptr{gradacc_comm_t}(C_NULL) : handle(comm)
-    GC.@preserve a comm check(gradacc_accumulator_sync(handle(a), c, info))
+    check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
     return info[]
 end
 
 """
-    master(acc, i) -> Vector{Float32}
+    GradAcc.master(acc, i) -> Vector{Float32}
 
-Tensor `i`'s (1-based) FP32 master gradient, an array over gradacc's memory (no copy). It does
-not keep `acc` alive: it is valid until `acc` is closed or finalized, so keep `acc` referenced
-(`GC.@preserve acc ...`) while using it, or `copy` it.
+Tensor `i`'s (1-based) FP32 master gradient, an array over gradacc's memory (no copy) that keeps
+`acc` alive while it is reachable. It is invalid after an explicit `close(acc)`. CPU only.
 """
 function master(a::Accumulator, i::Integer)
+    check_index(a, i)
+    a.device.kind == GRADACC_DEVICE_CPU ||
+        throw(ArgumentError("the masters of a CUDA accumulator are device memory; use the C API's pointer"))
     p = Ref{Ptr{Cfloat}}(C_NULL)
     n = Ref{Csize_t}(0)
-    GC.@preserve a check(gradacc_accumulator_master(handle(a), i - 1, p, n))
-    return unsafe_wrap(Array, p[], Int(n[]); own=false)
+    check(gradacc_accumulator_master(a, i - 1, p, n))
+    arr = unsafe_wrap(Array, p[], Int(n[]); own=false)
+    # The finalizer closure references `a`, so `a` (and its memory) lives as long as `arr`.
+    finalizer(_ -> (a; nothing), arr)
+    return arr
 end
 
-"Discards the window in progress."
+"""
+    GradAcc.reset!(acc) -> acc
+
+Discards the window in progress.
+"""
 function reset!(a::Accumulator)
-    GC.@preserve a check(gradacc_accumulator_reset(handle(a)))
+    check(gradacc_accumulator_reset(a))
     return a
 end
 
 """
-    update!(scaler, accs...) -> Bool
+    GradAcc.update!(scaler, accs...) -> Bool
 
 Ends an optimizer step from the synced accumulators; `true` means: skip the step.
 """
 function update!(s::Scaler, accs::Accumulator...)
     skipped = Ref{Bool}(false)
-    GC.@preserve s accs begin
+    GC.@preserve accs begin
         ptrs = Ptr{gradacc_accumulator_t}[handle(a) for a in accs]
-        check(gradacc_scaler_update(handle(s), ptrs, length(ptrs), skipped))
+        check(gradacc_scaler_update(s, ptrs, length(ptrs), skipped))
     end
     return skipped[]
+end
+
+"""
+    GradAcc.save_window(acc) -> Vector{UInt8}
+
+The window in progress as versioned bytes, for a checkpoint in the middle of accumulation (not
+inside a micro-batch nor after sync); see [`GradAcc.load_window!`](@ref).
+"""
+save_window(a::Accumulator) = saved_bytes(gradacc_accumulator_save_window, a)
+
+"""
+    GradAcc.load_window!(acc, bytes) -> acc
+
+Restores a window written by [`GradAcc.save_window`](@ref) from an accumulator with the same
+tensors.
+"""
+function load_window!(a::Accumulator, bytes::AbstractVector{UInt8})
+    b = Vector{UInt8}(bytes)
+    check(gradacc_accumulator_load_window(a, b, length(b)))
+    return a
 end
 
 end # module

@@ -2,7 +2,12 @@
 #
 # Generated from include/gradacc.h by bindings/julia/gen_wrap.py. Do not edit by hand:
 # change src/ffi/, run scripts/gen-header, then bindings/julia/gen_wrap.py.
-# `libgradacc` (the library path) is defined by the including module.
+# `libgradacc()` (the library path) and `libgradacc_handle()` (its dlopen handle) are
+# defined by the including module and set when it loads. Functions marked "blocks" can
+# wait on other ranks: they convert their arguments first, then call with the thread in the
+# GC-safe state (jl_gc_safe_enter/leave around the call, as CUDA.jl's @gcsafe_ccall), so that
+# a collection started by another thread does not wait for them (JuliaLang/julia#51574).
+# The library never calls back into Julia, which the GC-safe state requires.
 
 const GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
 const GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
@@ -136,200 +141,300 @@ end
 
 "Fills `*out` with the default accumulator configuration (and its struct_size)."
 function gradacc_accumulator_config_default(out)
-    ccall((:gradacc_accumulator_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t},), out)
+    ccall((:gradacc_accumulator_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t},), out)
 end
 
 "Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the tensors' total size, laid out tensor after tensor."
 function gradacc_accumulator_create(config, tensors, n, device, out)
-    ccall((:gradacc_accumulator_create, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, out)
+    ccall((:gradacc_accumulator_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, out)
 end
 
 "Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own contiguous gradient buffer."
 function gradacc_accumulator_create_with_buffer(config, tensors, n, device, master, master_numel, out)
-    ccall((:gradacc_accumulator_create_with_buffer, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
+    ccall((:gradacc_accumulator_create_with_buffer, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
 end
 
 "Destroys an accumulator."
 function gradacc_accumulator_destroy(acc)
-    ccall((:gradacc_accumulator_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+    ccall((:gradacc_accumulator_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
 end
 
 "Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums over ranks stay exact): `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale."
 function gradacc_accumulator_add(acc, scaler, grads, n, count)
-    ccall((:gradacc_accumulator_add, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), acc, scaler, grads, n, count)
+    ccall((:gradacc_accumulator_add, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), acc, scaler, grads, n, count)
 end
 
 "Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them)."
 function gradacc_accumulator_begin_microbatch(acc, count)
-    ccall((:gradacc_accumulator_begin_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
+    ccall((:gradacc_accumulator_begin_microbatch, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
 end
 
 "Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary."
 function gradacc_accumulator_begin_final_microbatch(acc, count, comm)
-    ccall((:gradacc_accumulator_begin_final_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64, Ptr{gradacc_comm_t}), acc, count, comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_begin_final_microbatch)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_count = Base.cconvert(UInt64, count)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    GC.@preserve c_acc c_count c_comm begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_count = Base.unsafe_convert(UInt64, c_count)
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64, Ptr{gradacc_comm_t}), p_acc, p_count, p_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`."
 function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
-    ccall((:gradacc_accumulator_add_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
+    ccall((:gradacc_accumulator_add_tensor, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
 end
 
 "Closes the open micro-batch."
 function gradacc_accumulator_end_microbatch(acc)
-    ccall((:gradacc_accumulator_end_microbatch, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+    ccall((:gradacc_accumulator_end_microbatch, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
 end
 
 "The accumulation boundary."
 function gradacc_accumulator_sync(acc, comm, out_info)
-    ccall((:gradacc_accumulator_sync, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, comm, out_info)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_sync)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    c_out_info = Base.cconvert(Ptr{gradacc_sync_info_t}, out_info)
+    GC.@preserve c_acc c_comm c_out_info begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        p_out_info = Base.unsafe_convert(Ptr{gradacc_sync_info_t}, c_out_info)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), p_acc, p_comm, p_out_info)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."
 function gradacc_accumulator_master(acc, index, out_data, out_numel)
-    ccall((:gradacc_accumulator_master, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
+    ccall((:gradacc_accumulator_master, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
 end
 
 "Writes the number of tensors to `*out`."
 function gradacc_accumulator_num_tensors(acc, out)
-    ccall((:gradacc_accumulator_num_tensors, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}), acc, out)
+    ccall((:gradacc_accumulator_num_tensors, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}), acc, out)
 end
 
 "Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did not create the accumulator can still size its buffers."
 function gradacc_accumulator_tensor(acc, index, out)
-    ccall((:gradacc_accumulator_tensor, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{gradacc_tensor_desc_t}), acc, index, out)
+    ccall((:gradacc_accumulator_tensor, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{gradacc_tensor_desc_t}), acc, index, out)
 end
 
 "Discards the window in progress (or the synced result); the next micro-batch starts a new one."
 function gradacc_accumulator_reset(acc)
-    ccall((:gradacc_accumulator_reset, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+    ccall((:gradacc_accumulator_reset, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
 end
 
 "Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned bytes, for a checkpoint in the middle of accumulation."
 function gradacc_accumulator_save_window(acc, buf, capacity, out_len)
-    ccall((:gradacc_accumulator_save_window, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), acc, buf, capacity, out_len)
+    ccall((:gradacc_accumulator_save_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), acc, buf, capacity, out_len)
 end
 
 "Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors."
 function gradacc_accumulator_load_window(acc, bytes, len)
-    ccall((:gradacc_accumulator_load_window, libgradacc), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
+    ccall((:gradacc_accumulator_load_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
 end
 
 "Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`."
 function gradacc_comm_create_local(world_size, out_comms)
-    ccall((:gradacc_comm_create_local, libgradacc), gradacc_status_t, (Csize_t, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
+    ccall((:gradacc_comm_create_local, libgradacc()), gradacc_status_t, (Csize_t, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
 end
 
 "Destroys a communicator handle."
 function gradacc_comm_destroy(comm)
-    ccall((:gradacc_comm_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t},), comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_destroy)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    GC.@preserve c_comm begin
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_comm_t},), p_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes this handle's rank (0-based) to `*out`."
 function gradacc_comm_rank(comm, out)
-    ccall((:gradacc_comm_rank, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+    ccall((:gradacc_comm_rank, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
 end
 
 "Writes the group's number of ranks to `*out`."
 function gradacc_comm_world_size(comm, out)
-    ccall((:gradacc_comm_world_size, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+    ccall((:gradacc_comm_world_size, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
 end
 
 "Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was built with it; CUDA and NCCL when their libraries load on this machine (checked without ever failing: a machine with no driver just answers false)."
 function gradacc_backend_available(backend, out)
-    ccall((:gradacc_backend_available, libgradacc), gradacc_status_t, (gradacc_backend_t, Ptr{Bool}), backend, out)
+    ccall((:gradacc_backend_available, libgradacc()), gradacc_status_t, (gradacc_backend_t, Ptr{Bool}), backend, out)
 end
 
 "Fills `*out` with the default MPI communicator options (and their struct_size)."
 function gradacc_mpi_config_default(out)
-    ccall((:gradacc_mpi_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_mpi_config_t},), out)
+    ccall((:gradacc_mpi_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_mpi_config_t},), out)
 end
 
-"Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl."
+"Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is GRADACC_MPI_COMM_WORLD (-1), otherwise the caller's communicator given by its Fortran handle: `MPI_Comm_c2f(comm)` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one)."
 function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
-    ccall((:gradacc_comm_create_mpi, libgradacc), gradacc_status_t, (Int64, Ptr{gradacc_mpi_config_t}, Ptr{Ptr{gradacc_comm_t}}), fortran_comm, config, out_comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_create_mpi)
+    c_fortran_comm = Base.cconvert(Int64, fortran_comm)
+    c_config = Base.cconvert(Ptr{gradacc_mpi_config_t}, config)
+    c_out_comm = Base.cconvert(Ptr{Ptr{gradacc_comm_t}}, out_comm)
+    GC.@preserve c_fortran_comm c_config c_out_comm begin
+        p_fortran_comm = Base.unsafe_convert(Int64, c_fortran_comm)
+        p_config = Base.unsafe_convert(Ptr{gradacc_mpi_config_t}, c_config)
+        p_out_comm = Base.unsafe_convert(Ptr{Ptr{gradacc_comm_t}}, c_out_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Int64, Ptr{gradacc_mpi_config_t}, Ptr{Ptr{gradacc_comm_t}}), p_fortran_comm, p_config, p_out_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes)."
 function gradacc_nccl_get_unique_id(out)
-    ccall((:gradacc_nccl_get_unique_id, libgradacc), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
+    ccall((:gradacc_nccl_get_unique_id, libgradacc()), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
 end
 
 "Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU)."
 function gradacc_comm_create_nccl(id, rank, world_size, device_ordinal, out_comm)
-    ccall((:gradacc_comm_create_nccl, libgradacc), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t}, Int32, Int32, Int32, Ptr{Ptr{gradacc_comm_t}}), id, rank, world_size, device_ordinal, out_comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_create_nccl)
+    c_id = Base.cconvert(Ptr{gradacc_nccl_unique_id_t}, id)
+    c_rank = Base.cconvert(Int32, rank)
+    c_world_size = Base.cconvert(Int32, world_size)
+    c_device_ordinal = Base.cconvert(Int32, device_ordinal)
+    c_out_comm = Base.cconvert(Ptr{Ptr{gradacc_comm_t}}, out_comm)
+    GC.@preserve c_id c_rank c_world_size c_device_ordinal c_out_comm begin
+        p_id = Base.unsafe_convert(Ptr{gradacc_nccl_unique_id_t}, c_id)
+        p_rank = Base.unsafe_convert(Int32, c_rank)
+        p_world_size = Base.unsafe_convert(Int32, c_world_size)
+        p_device_ordinal = Base.unsafe_convert(Int32, c_device_ordinal)
+        p_out_comm = Base.unsafe_convert(Ptr{Ptr{gradacc_comm_t}}, c_out_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t}, Int32, Int32, Int32, Ptr{Ptr{gradacc_comm_t}}), p_id, p_rank, p_world_size, p_device_ordinal, p_out_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from it. gradacc never destroys or aborts an adopted communicator."
 function gradacc_comm_adopt_nccl(nccl_comm, out_comm)
-    ccall((:gradacc_comm_adopt_nccl, libgradacc), gradacc_status_t, (Ptr{Cvoid}, Ptr{Ptr{gradacc_comm_t}}), nccl_comm, out_comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_adopt_nccl)
+    c_nccl_comm = Base.cconvert(Ptr{Cvoid}, nccl_comm)
+    c_out_comm = Base.cconvert(Ptr{Ptr{gradacc_comm_t}}, out_comm)
+    GC.@preserve c_nccl_comm c_out_comm begin
+        p_nccl_comm = Base.unsafe_convert(Ptr{Cvoid}, c_nccl_comm)
+        p_out_comm = Base.unsafe_convert(Ptr{Ptr{gradacc_comm_t}}, c_out_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{Cvoid}, Ptr{Ptr{gradacc_comm_t}}), p_nccl_comm, p_out_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it when a peer died and a sync would wait forever), and later syncs fail with GRADACC_STATUS_COMM_FAILURE."
 function gradacc_comm_abort(comm)
-    ccall((:gradacc_comm_abort, libgradacc), gradacc_status_t, (Ptr{gradacc_comm_t},), comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_abort)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    GC.@preserve c_comm begin
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_comm_t},), p_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Fills `*out` with the default scaler configuration (and its struct_size)."
 function gradacc_scaler_config_default(out)
-    ccall((:gradacc_scaler_config_default, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_config_t},), out)
+    ccall((:gradacc_scaler_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_config_t},), out)
 end
 
 "Creates a scaler."
 function gradacc_scaler_create(config, device, out)
-    ccall((:gradacc_scaler_create, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_config_t}, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_scaler_t}}), config, device, out)
+    ccall((:gradacc_scaler_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_config_t}, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_scaler_t}}), config, device, out)
 end
 
 "Destroys a scaler."
 function gradacc_scaler_destroy(scaler)
-    ccall((:gradacc_scaler_destroy, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t},), scaler)
+    ccall((:gradacc_scaler_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t},), scaler)
 end
 
 "Reads the current loss scale into `*out`."
 function gradacc_scaler_get_scale(scaler, out)
-    ccall((:gradacc_scaler_get_scale, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
+    ccall((:gradacc_scaler_get_scale, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
 end
 
 "Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even)."
 function gradacc_scaler_scale_loss(scaler, loss, numel, dtype)
-    ccall((:gradacc_scaler_scale_loss, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cvoid}, Csize_t, gradacc_dtype_t), scaler, loss, numel, dtype)
+    ccall((:gradacc_scaler_scale_loss, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cvoid}, Csize_t, gradacc_dtype_t), scaler, loss, numel, dtype)
 end
 
 "Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each must have completed gradacc_accumulator_sync for its current window), and updates the scale once."
 function gradacc_scaler_update(scaler, accumulators, n, out_skipped)
-    ccall((:gradacc_scaler_update, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Ptr{gradacc_accumulator_t}}, Csize_t, Ptr{Bool}), scaler, accumulators, n, out_skipped)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_scaler_update)
+    c_scaler = Base.cconvert(Ptr{gradacc_scaler_t}, scaler)
+    c_accumulators = Base.cconvert(Ptr{Ptr{gradacc_accumulator_t}}, accumulators)
+    c_n = Base.cconvert(Csize_t, n)
+    c_out_skipped = Base.cconvert(Ptr{Bool}, out_skipped)
+    GC.@preserve c_scaler c_accumulators c_n c_out_skipped begin
+        p_scaler = Base.unsafe_convert(Ptr{gradacc_scaler_t}, c_scaler)
+        p_accumulators = Base.unsafe_convert(Ptr{Ptr{gradacc_accumulator_t}}, c_accumulators)
+        p_n = Base.unsafe_convert(Csize_t, c_n)
+        p_out_skipped = Base.unsafe_convert(Ptr{Bool}, c_out_skipped)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Ptr{gradacc_accumulator_t}}, Csize_t, Ptr{Bool}), p_scaler, p_accumulators, p_n, p_out_skipped)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes the scaler's statistics to `*out`."
 function gradacc_scaler_get_stats(scaler, out)
-    ccall((:gradacc_scaler_get_stats, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
+    ccall((:gradacc_scaler_get_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
 end
 
 "Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes."
 function gradacc_scaler_save(scaler, buf, capacity, out_len)
-    ccall((:gradacc_scaler_save, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), scaler, buf, capacity, out_len)
+    ccall((:gradacc_scaler_save, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), scaler, buf, capacity, out_len)
 end
 
 "Restores a state written by gradacc_scaler_save."
 function gradacc_scaler_load(scaler, bytes, len)
-    ccall((:gradacc_scaler_load, libgradacc), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t), scaler, bytes, len)
+    ccall((:gradacc_scaler_load, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{UInt8}, Csize_t), scaler, bytes, len)
 end
 
 "A static description of a status code (never NULL; unknown codes get a generic text)."
 function gradacc_status_string(status)
-    ccall((:gradacc_status_string, libgradacc), Cstring, (gradacc_status_t,), status)
+    ccall((:gradacc_status_string, libgradacc()), Cstring, (gradacc_status_t,), status)
 end
 
 "The message of the most recent failed gradacc call on the calling thread (\"\" if none yet)."
 function gradacc_last_error()
-    ccall((:gradacc_last_error, libgradacc), Cstring, ())
+    ccall((:gradacc_last_error, libgradacc()), Cstring, ())
 end
 
 "The loaded library's version as \"MAJOR.MINOR.PATCH\" (static storage, never NULL)."
 function gradacc_version_string()
-    ccall((:gradacc_version_string, libgradacc), Cstring, ())
+    ccall((:gradacc_version_string, libgradacc()), Cstring, ())
 end
 
 "The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH."
 function gradacc_version_number()
-    ccall((:gradacc_version_number, libgradacc), UInt32, ())
+    ccall((:gradacc_version_number, libgradacc()), UInt32, ())
 end

@@ -9,7 +9,9 @@ if Threads.nthreads() < 2
 end
 
 using GradAcc
-using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_INVALID_ARGUMENT, rank, world_size
+using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
+               rank, world_size, update!, scale, master, reset!
+using BFloat16s: BFloat16s
 
 bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
 
@@ -33,12 +35,13 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
                 add!(acc, s, grads, 1)
             end
             info = sync!(acc, comms[r])
-            out = (info, copy(master(acc, 1)), copy(master(acc, 2)), update!(s, acc), rank(comms[r]))
+            out = (info, copy(master(acc, 1)), copy(master(acc, 2)), update!(s, acc), rank(comms[r]),
+                   world_size(comms[r]))
             close(acc); close(acc); close(s)
             out
         end for r in 1:2])
-        for (r, (info, gw, gb, skipped, rk)) in enumerate(results)
-            @test rk == r - 1
+        for (r, (info, gw, gb, skipped, rk, ws)) in enumerate(results)
+            @test rk == r - 1 && ws == 2
             @test !skipped && !info.found_inf
             @test info.total_count == 4 && info.microbatches == 4
             @test gw == [w] && gb == [b]
@@ -61,10 +64,9 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         info = sync!(acc)
         @test info.total_count == 8
         @test !update!(s, acc)
-        GC.@preserve acc begin
-            @test master(acc, 1)[1] == -102
-            w = Float32(w - 0.02 * master(acc, 1)[1])
-        end
+        m = master(acc, 1)  # keeps acc alive while it is used
+        @test m[1] == -102
+        w = Float32(w - 0.02 * m[1])
         @test isapprox(w, 2.04; rtol=2e-7)
     end
 
@@ -96,6 +98,151 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         @test isapprox(copy(master(acc16, 1)), vec(full); rtol=2e-3, atol=2e-3)
     end
 
+    # Seed unequal counts: mean-reduced losses over micro-batches of 3, 7, 1 items on rank 0 and
+    # 5, 2, 9 on rank 1. :by_count gives the gradient of the mean loss over all 27 items,
+    # :by_microbatches the mean of the 6 micro-batch means, a different vector.
+    @testset "unequal counts" begin
+        sizes = ([3, 7, 1], [5, 2, 9])
+        W = [sin(o + j) / 2 for o in 1:2, j in 1:4]
+        b = [0.1, -0.2]
+        X = [cos(3i + j) for i in 1:27, j in 1:4]
+        Y = [sin(2i - o) + i % 5 for i in 1:27, o in 1:2]
+        function gsum(rows)  # summed gradient of 0.5 |W x + b - y|^2 over the rows, W then b
+            R = X[rows, :] * W' .+ b' .- Y[rows, :]
+            return vcat(vec(R' * X[rows, :]), vec(sum(R; dims=1)))
+        end
+        per_item = gsum(1:27) ./ 27
+        starts = (0, sum(sizes[1]))
+        batches = [starts[r] .+ (1:n) .+ sum(sizes[r][1:m-1]) for r in 1:2 for (m, n) in enumerate(sizes[r])]
+        mean_of_means = sum(gsum(rows) ./ length(rows) for rows in batches) ./ 6
+        @test maximum(abs.(per_item .- mean_of_means)) > 0.01
+        for (normalize, truth) in ((:by_count, per_item), (:by_microbatches, mean_of_means))
+            comms = local_group(2)
+            results = fetch.([Threads.@spawn begin
+                s = Scaler(init_scale=1.0)
+                acc = Accumulator([(10, Float32)]; normalize)
+                first = starts[r]
+                for n in sizes[r]
+                    rows = first+1:first+n
+                    first += n
+                    add!(acc, s, [Float32.(gsum(rows) ./ n)], n)
+                end
+                info = sync!(acc, comms[r])
+                (info, copy(master(acc, 1)))
+            end for r in 1:2])
+            for (info, m) in results
+                @test info.total_count == 27 && info.microbatches == 6
+                @test isapprox(m, truth; rtol=1e-5)
+            end
+            @test results[1][2] == results[2][2]
+            close.(comms)
+        end
+    end
+
+    # Seed overflow on one rank: an inf or NaN in one rank's gradient makes both ranks report
+    # found_inf, skip, and back off alike; the next, clean window steps at the backed-off scale.
+    @testset "overflow on rank $bad: $T $what" for bad in 1:2,
+                                                   (T, what, poison) in ((Float16, "+inf", Inf16), (Float16, "NaN", NaN16),
+                                                                         (Float32, "inf", Inf32), (Float32, "NaN", NaN32))
+        comms = local_group(2)
+        results = fetch.([Threads.@spawn begin
+            s = Scaler()  # 65536, backoff 0.5
+            acc = Accumulator([(6, T), (1, Float32)])
+            infos, skipped, scales = GradAcc.gradacc_sync_info_t[], Bool[], Float32[]
+            for window in 1:2
+                for m in 1:3
+                    sc = scale(s)
+                    g = T[r * 0.001 * i * m * sc for i in 1:6]
+                    window == 1 && r == bad && m == 1 && (g[3] = poison)
+                    add!(acc, s, [g, Float32[sc * 0.25f0]], 2)
+                end
+                push!(infos, sync!(acc, comms[r]))
+                push!(skipped, update!(s, acc))
+                push!(scales, scale(s))
+            end
+            out = (infos, skipped, scales, copy(master(acc, 1)), GradAcc.stats(s))
+            close(acc); close(s)
+            out
+        end for r in 1:2])
+        for (infos, skipped, scales, _, st) in results
+            @test infos[1].found_inf && skipped[1] && scales[1] == 32768
+            @test !infos[2].found_inf && !skipped[2] && scales[2] == 32768
+            @test st.steps == 2 && st.skipped_steps == 1 && st.backoffs == 1 && st.growths == 0
+        end
+        @test results[1][4] == results[2][4]
+        want = [sum(2 * r * 0.001 * i * m for r in 1:2, m in 1:3) / 12 for i in 1:6]
+        @test isapprox(results[1][4], want; rtol=T === Float16 ? 1e-3 : 1e-6)
+        close.(comms)
+    end
+
+    # Seed partial window: after a full window, the last window of an epoch has 3 of 4 planned
+    # micro-batches (4, 6, 5 items); it is normalised by what was added, nothing carries over.
+    @testset "partial window $normalize" for normalize in (:by_count, :by_microbatches)
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(3, Float32)]; normalize)
+        for n in 1:4
+            add!(acc, s, [Float32[n, -n, 100]], n)
+        end
+        sync!(acc)
+        counts = (4, 6, 5)
+        gs = [Float32[m, 2m, -m / 4] for m in 1:3]
+        for (g, n) in zip(gs, counts)
+            add!(acc, s, [g], n)
+        end
+        info = sync!(acc)
+        @test info.total_count == 15 && info.microbatches == 3
+        want = normalize === :by_count ? sum(n .* g for (g, n) in zip(gs, counts)) ./ 15 : sum(gs) ./ 3
+        @test isapprox(master(acc, 1), want; rtol=1e-6)
+    end
+
+    # Seed partial chunks: one micro-batch's gradient of a tensor arrives in chunks through
+    # add_tensor!; the chunks' partial gradients add up to the micro-batch's.
+    @testset "partial chunks" begin
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(4, Float32), (2, Float16)])
+        full = [Float32[1, 2, 3, 4], Float32[0.5, -0.25]]
+        for m in 1:2
+            begin_microbatch!(acc, 4)
+            for _ in 1:4  # four chunks of tensor 1, each a quarter of its gradient
+                add_tensor!(acc, s, 1, full[1] .* m ./ 4)
+            end
+            add_tensor!(acc, s, 2, Float16.(full[2] .* m))
+            end_microbatch!(acc)
+        end
+        info = sync!(acc)
+        @test info.total_count == 8 && info.microbatches == 2
+        @test isapprox(master(acc, 1), full[1] .* 1.5f0; rtol=1e-6)  # (1 + 2) / 2
+        @test master(acc, 2) == full[2] .* 1.5f0
+    end
+
+    # Seed scale change: micro-batches scaled by two different scalers (one scale not a power of
+    # two) in one window; each is unscaled by its own scale as it is added.
+    @testset "scale change" begin
+        s1, s2 = Scaler(init_scale=1024.0), Scaler(init_scale=3.0)
+        acc = Accumulator([(3, Float32)])
+        g1, g2 = Float32[1, 2, 4], Float32[0.5, -1, 3]
+        add!(acc, s1, [g1 .* 1024], 2)
+        add!(acc, s2, [g2 .* 3], 2)
+        sync!(acc)
+        @test isapprox(master(acc, 1), (g1 .+ g2) ./ 2; rtol=1e-6)
+    end
+
+    # Seed two optimizers: one scaler, two accumulators. An inf in either skips both and backs
+    # off once; clipping sees the unscaled gradient (clip_coef = max / (norm + 1e-6)).
+    @testset "two optimizers" begin
+        s = Scaler(init_scale=256.0)
+        a = Accumulator([(2, Float16)]; max_grad_norm=1)
+        b = Accumulator([(1, Float32)])
+        add!(a, s, [Float16[3 * 256, 4 * 256]], 1)
+        add!(b, s, [Float32[Inf]], 1)
+        info = sync!(a)
+        @test !info.found_inf && isapprox(info.grad_norm, 5) && isapprox(info.clip_coef, 1 / (5 + 1e-6))
+        @test sync!(b).found_inf
+        @test GradAcc.update!(s, a, b)
+        @test scale(s) == 128
+        @test GradAcc.stats(s).backoffs == 1
+    end
+
     @testset "errors carry status and message" begin
         s = Scaler()
         acc = Accumulator([(4, Float16)])
@@ -112,5 +259,99 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
         @test_throws ArgumentError add!(acc, s, [zeros(Float32, 4)], 1)
         close(acc); close(s)
         @test_throws ArgumentError scale(s)
+        @test !isopen(acc) && !isopen(s)
+    end
+
+    @testset "index and type checks" begin
+        s = Scaler()
+        acc = Accumulator([(2, Float32)])
+        begin_microbatch!(acc, 1)
+        @test_throws BoundsError add_tensor!(acc, s, 0, zeros(Float32, 2))
+        @test_throws BoundsError add_tensor!(acc, s, 2, zeros(Float32, 2))
+        @test_throws BoundsError master(acc, 0)
+        @test_throws BoundsError master(acc, 2)
+        @test_throws ArgumentError add_tensor!(acc, s, 1, zeros(Float64, 2))
+        @test_throws ArgumentError Accumulator([(1, Float64)])
+        @test_throws ArgumentError Accumulator([(1, :f64)])
+        @test_throws ArgumentError Accumulator([(1, Float32)]; normalize=:by_nothing)
+        close(acc); close(s)
+    end
+
+    # bf16 gradients as raw words, as BFloat16s.jl's type (the extension), as Core.BFloat16
+    # (Julia 1.11+), and as a reinterpreted view of either.
+    @testset "bf16 as $name" for (name, conv) in (("UInt16", x -> bf16(x)),
+                                                  ("BFloat16s.BFloat16", BFloat16s.BFloat16),
+                                                  ("reinterpret(UInt16, ...)", x -> bf16(x)))
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(2, :bf16)])
+        g = [conv(1.5f0), conv(-2f0)]
+        name == "reinterpret(UInt16, ...)" && (g = reinterpret(UInt16, BFloat16s.BFloat16.([1.5f0, -2f0])))
+        add!(acc, s, [g], 1)
+        sync!(acc)
+        @test master(acc, 1) == Float32[1.5, -2]
+    end
+    if isdefined(Core, :BFloat16)
+        @testset "Core.BFloat16" begin
+            s = Scaler(init_scale=1.0)
+            acc = Accumulator([(1, Core.BFloat16)])
+            add!(acc, s, [Core.BFloat16[0.5f0]], 1)
+            sync!(acc)
+            @test master(acc, 1) == Float32[0.5]
+        end
+    end
+
+    @testset "introspection" begin
+        @test GradAcc.backend_available(:local)
+        @test GradAcc.backend_available(:cuda) isa Bool
+        @test_throws ArgumentError GradAcc.backend_available(:gloo)
+        acc = Accumulator([(3, Float32), (5, :bf16)])
+        @test GradAcc.num_tensors(acc) == 2
+        @test GradAcc.tensor(acc, 2) == (5, GRADACC_DTYPE_BF16)
+        @test occursin("2 tensors", sprint(show, acc))
+        comms = local_group(2)
+        @test occursin("rank 1 of 2", sprint(show, comms[2]))
+        close.(comms); close(comms[1])
+        @test occursin("closed", sprint(show, comms[1]))
+    end
+
+    @testset "caller's buffer" begin
+        buf = fill(7f0, 3)
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(1, Float32), (2, Float32)], buf)
+        add!(acc, s, [Float32[1], Float32[2, 3]], 1)
+        sync!(acc)
+        @test buf == Float32[1, 2, 3]
+        close(acc)
+    end
+
+    @testset "scale_loss!" begin
+        s = Scaler(init_scale=1024.0)
+        @test GradAcc.scale_loss!(s, Float32[0.5, 2]) == Float32[512, 2048]
+        @test GradAcc.scale_loss!(s, Float16[1]) == Float16[1024]
+        @test_throws ArgumentError GradAcc.scale_loss!(s, [1.0])
+    end
+
+    @testset "save and load" begin
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(2, Float32)])
+        add!(acc, s, [Float32[1, 2]], 1)
+        window = GradAcc.save_window(acc)
+        reset!(acc)
+        GradAcc.load_window!(acc, window)
+        add!(acc, s, [Float32[3, 4]], 1)
+        sync!(acc)
+        @test master(acc, 1) == Float32[2, 3]  # (1 + 3) / 2, (2 + 4) / 2: the saved micro-batch counts
+        @test !update!(s, acc)
+        @test GradAcc.stats(s).steps == 1
+        state = GradAcc.save(s)
+        s2 = Scaler(init_scale=4.0)
+        GradAcc.load!(s2, state)
+        @test scale(s2) == scale(s) == 1
+        err = try
+            GradAcc.load!(s2, UInt8[1, 2, 3]); nothing
+        catch e
+            e
+        end
+        @test err isa GradAccError && err.status == GRADACC_STATUS_CORRUPT_STATE
     end
 end
