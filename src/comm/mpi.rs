@@ -123,7 +123,7 @@ impl MpiComm {
     }
 
     /// A communicator over the caller's communicator, given as its Fortran handle (the value of
-    /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `comm.val` in MPI.jl). The caller's
+    /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl). The caller's
     /// communicator is duplicated, never changed, and may be freed once this returns.
     pub fn from_fortran(handle: i64) -> Result<Self> {
         let f = ffi::RSMPI_Fint::try_from(handle)
