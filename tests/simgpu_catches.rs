@@ -135,23 +135,32 @@ fn kernel_signature_drift() {
     });
 }
 
+/// Runs `rank(r, comm, ctx, ready)` for ranks 0 and 1 of a new NCCL group on devices 0 and 1,
+/// each on a thread of its own; `ready` is a barrier of the two.
+fn two_ranks(rank: impl Fn(usize, &NcclComm, &Arc<Context>, &Barrier) + Sync) {
+    let id = nccl::unique_id().unwrap();
+    let ready = Barrier::new(2);
+    std::thread::scope(|s| {
+        for r in 0..2usize {
+            let (id, ready, rank) = (&id, &ready, &rank);
+            s.spawn(move || {
+                let ctx = Context::get(r as i32).unwrap();
+                let comm = NcclComm::new(id, r, 2, r as i32).unwrap();
+                rank(r, &comm, &ctx, ready);
+            });
+        }
+    });
+}
+
 /// Two ranks whose n-th collectives differ (a boundary that reduced another bucket list).
 #[test]
 fn collective_sequence_mismatch() {
     expect_caught("collective_sequence_mismatch", "differs between ranks", || {
-        let id = nccl::unique_id().unwrap();
-        std::thread::scope(|s| {
-            for rank in 0..2usize {
-                let id = &id;
-                s.spawn(move || {
-                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
-                    comm.allreduce_sum_f32(buf.ptr(), 4 + rank, stream.stream).unwrap();
-                    std::thread::sleep(Duration::from_secs(5));
-                });
-            }
+        two_ranks(|rank, comm, ctx, _| {
+            let stream = OwnedStream::new(ctx).unwrap();
+            let buf = DeviceBuffer::zeroed(ctx, stream.stream, 64).unwrap();
+            comm.allreduce_sum_f32(buf.ptr(), 4 + rank, stream.stream).unwrap();
+            std::thread::sleep(Duration::from_secs(5));
         });
     });
 }
@@ -160,25 +169,16 @@ fn collective_sequence_mismatch() {
 #[test]
 fn collective_without_peer() {
     expect_caught("collective_without_peer", "a hang", || {
-        let id = nccl::unique_id().unwrap();
-        let ready = Arc::new(Barrier::new(2));
-        std::thread::scope(|s| {
-            for rank in 0..2usize {
-                let (id, ready) = (&id, ready.clone());
-                s.spawn(move || {
-                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
-                    ready.wait();
-                    if rank == 0 {
-                        let ctx = Context::get(0).unwrap();
-                        let stream = OwnedStream::new(&ctx).unwrap();
-                        let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
-                        comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
-                        let mut out = [0f32; 1];
-                        buf.read(&mut out).unwrap();
-                    }
-                    std::thread::sleep(Duration::from_secs(8));
-                });
+        two_ranks(|rank, comm, ctx, ready| {
+            ready.wait();
+            if rank == 0 {
+                let stream = OwnedStream::new(ctx).unwrap();
+                let buf = DeviceBuffer::zeroed(ctx, stream.stream, 64).unwrap();
+                comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
+                let mut out = [0f32; 1];
+                buf.read(&mut out).unwrap();
             }
+            std::thread::sleep(Duration::from_secs(8));
         });
     });
 }
@@ -192,35 +192,26 @@ fn pool_access_not_granted() {
         return;
     }
     expect_caught("pool_access_not_granted", "did not grant it access", || {
-        let id = nccl::unique_id().unwrap();
-        let ready = Arc::new(Barrier::new(2));
-        std::thread::scope(|s| {
-            for rank in 0..2usize {
-                let (id, ready) = (&id, ready.clone());
-                s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let comm = NcclComm::new(id, rank, 2, rank as i32).unwrap();
-                    if rank == 0 {
-                        let _current = ctx.enter().unwrap();
-                        let mut pool = std::ptr::null_mut();
-                        let deny = cu::CUmemAccessDesc {
-                            location: cu::CUmemLocation { type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 1 },
-                            flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
-                        };
-                        // SAFETY: device 0's default pool; one valid descriptor.
-                        unsafe {
-                            assert_eq!(cu::cuDeviceGetDefaultMemPool(&mut pool, 0), cu::CUresult::CUDA_SUCCESS);
-                            assert_eq!(cu::cuMemPoolSetAccess(pool, &deny, 1), cu::CUresult::CUDA_SUCCESS);
-                        }
-                    }
-                    ready.wait();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let buf = DeviceBuffer::zeroed(&ctx, stream.stream, 64).unwrap();
-                    comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
-                    let mut out = [0f32; 1];
-                    buf.read(&mut out).unwrap();
-                });
+        two_ranks(|rank, comm, ctx, ready| {
+            if rank == 0 {
+                let _current = ctx.enter().unwrap();
+                let mut pool = std::ptr::null_mut();
+                let deny = cu::CUmemAccessDesc {
+                    location: cu::CUmemLocation { type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 1 },
+                    flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+                };
+                // SAFETY: device 0's default pool; one valid descriptor.
+                unsafe {
+                    assert_eq!(cu::cuDeviceGetDefaultMemPool(&mut pool, 0), cu::CUresult::CUDA_SUCCESS);
+                    assert_eq!(cu::cuMemPoolSetAccess(pool, &deny, 1), cu::CUresult::CUDA_SUCCESS);
+                }
             }
+            ready.wait();
+            let stream = OwnedStream::new(ctx).unwrap();
+            let buf = DeviceBuffer::zeroed(ctx, stream.stream, 64).unwrap();
+            comm.allreduce_sum_f32(buf.ptr(), 16, stream.stream).unwrap();
+            let mut out = [0f32; 1];
+            buf.read(&mut out).unwrap();
         });
     });
 }
