@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::cuda::{gpu_or_skip, masters_equal, HostGrad};
+use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip, ApexSeed, HostGrad};
 use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, layout, CudaAccumulator, CudaScaler};
@@ -183,21 +183,15 @@ fn shared_struct_layouts_agree_with_the_device_compiler() {
 /// The seed of the Apex O2 report on one GPU with NCCL at world size 1: weight 3.0, bias 2.0.
 #[test]
 fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
-    if !gpu_or_skip() || !nccl::nccl_available() {
-        assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1") || nccl::nccl_available(), "NCCL does not load");
+    if !gpu_or_skip() || !nccl_or_skip() {
         return;
     }
     let id = nccl::unique_id().unwrap();
     let comm = Arc::new(NcclComm::new(&id, 0, 1, 0).unwrap());
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
-    let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
-    let scaler = CudaScaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }, 0, stream.stream).unwrap();
-    let acc = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
     // Rank 0 of the seed: micro-batches with weight grads 0.5 and 2.5, bias 1.0 and 1.0.
-    let g = |v: f32| DeviceBuffer::from_slice(&ctx, stream.stream, &[v]).unwrap();
-    let (w1, b1, w2, b2) = (g(0.5), g(1.0), g(2.5), g(1.0));
+    let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } = ApexSeed::new(&ctx, stream.stream);
     acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
     acc.begin_final_microbatch(1, comm.clone()).unwrap();
     acc.add_tensor(&scaler, 1, b2.ptr()).unwrap();

@@ -5,15 +5,18 @@
 //!
 //! Skips without a GPU and NCCL; GRADACC_REQUIRE_GPU=1 makes that a failure.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use common::cuda::ApexSeed;
 use cudarc::nccl::sys as nccl_sys;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{AccumulatorConfig, Dtype, ErrorKind, LossReduction, Normalize, ScalerConfig, TensorDesc};
+use gradacc::{AccumulatorConfig, Dtype, ErrorKind, ScalerConfig, TensorDesc};
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without them the test skips, unless
 /// GRADACC_REQUIRE_GPU=1, which makes it fail.
@@ -341,12 +344,7 @@ fn an_adopted_nonblocking_communicator_syncs() {
         let comm = unsafe { NcclComm::adopt(raw.cast()) }.unwrap();
         assert_eq!((comm.rank(), comm.world_size(), comm.ordinal()), (0, 1, 0));
         let stream = OwnedStream::new(&ctx).unwrap();
-        let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
-        let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
-        let scaler = CudaScaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }, 0, stream.stream).unwrap();
-        let acc = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
-        let g = |v: f32| DeviceBuffer::from_slice(&ctx, stream.stream, &[v]).unwrap();
-        let (w1, b1, w2, b2) = (g(0.5), g(1.0), g(2.5), g(1.0));
+        let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } = ApexSeed::new(&ctx, stream.stream);
         for step in 0..3 {
             acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
             acc.add(&scaler, &[w2.ptr(), b2.ptr()], 1).unwrap();

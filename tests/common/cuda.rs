@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer};
-use gradacc::backend::cuda::{self, CudaAccumulator};
+use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl;
-use gradacc::{Accumulator, Dtype, Grad};
+use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, LossReduction, Normalize, ScalerConfig, TensorDesc};
 
 use super::{to_bf16, to_f16, Rng};
 
@@ -91,5 +91,29 @@ pub fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
             }
         })
         .unwrap();
+    }
+}
+
+/// Rank 0 of the Apex O2 seed on device 0: weight and bias (f32, a bucket each) summed over
+/// micro-batches and averaged over ranks (DDP without loss division), at loss scale 1; the
+/// micro-batches' gradients are weight 0.5 then 2.5, bias 1.0 then 1.0.
+pub struct ApexSeed {
+    pub scaler: CudaScaler,
+    pub acc: CudaAccumulator,
+    pub first: [DeviceBuffer; 2],
+    pub second: [DeviceBuffer; 2],
+}
+
+impl ApexSeed {
+    pub fn new(ctx: &Arc<Context>, stream: driver::CUstream) -> ApexSeed {
+        let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
+        let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
+        let g = |v: f32| DeviceBuffer::from_slice(ctx, stream, &[v]).unwrap();
+        ApexSeed {
+            scaler: CudaScaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }, 0, stream).unwrap(),
+            acc: CudaAccumulator::new(config, &descs, 0, stream, None).unwrap(),
+            first: [g(0.5), g(1.0)],
+            second: [g(2.5), g(1.0)],
+        }
     }
 }
