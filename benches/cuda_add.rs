@@ -7,9 +7,9 @@
 
 use std::time::Instant;
 
+use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
-use gradacc::{AccumulatorConfig, Dtype, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, Scaler, ScalerConfig, TensorDesc};
 
 const REPEATS: usize = 15;
 
@@ -42,13 +42,14 @@ fn main() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let s = stream.stream;
+    let device = Device::Cuda { ordinal: 0, stream: s };
     println!("| elements | dtype | add (ms) | copy floor, same bytes (ms) | floor / add | GB/s |");
     println!("|---|---|---|---|---|---|");
     for n in [1usize << 24, 1 << 26, 1 << 28] {
         for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
             let descs = [TensorDesc { numel: n, dtype }];
-            let acc = CudaAccumulator::new(AccumulatorConfig::default(), &descs, 0, s, None).unwrap();
-            let scaler = CudaScaler::new(ScalerConfig::default(), 0, s).unwrap();
+            let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
+            let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
             let grad = DeviceBuffer::zeroed(&ctx, s, n * dtype.size()).unwrap();
             let bytes = n * (dtype.size() + 8);
             // A copy reads and writes its size: half the fused pass's traffic each way.

@@ -23,7 +23,7 @@ use std::time::Instant;
 use common::{floor, interleaved, kind, AlignedF32, Stats};
 use gradacc::backend::cpu;
 use gradacc::ffi::*;
-use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, TensorDesc};
 
 const MI: usize = 1 << 20;
 

@@ -8,16 +8,18 @@
 pub mod accumulator;
 pub mod backend;
 pub mod comm;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod ffi;
 pub mod scaler;
 mod state;
 
-pub use accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
+pub use accumulator::{Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, SyncInfo, TensorDesc};
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
-pub use comm::{Communicator, LocalComm};
+pub use comm::{Communicator, HostCollectives, LocalComm};
+pub use device::Device;
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
 pub use scaler::{Scaler, ScalerConfig, ScalerStats};

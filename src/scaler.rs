@@ -1,12 +1,22 @@
 //! The dynamic loss scaler. With `hysteresis = 1` its scale sequence is PyTorch GradScaler's for
 //! any sequence of overflow flags; `hysteresis > 1` follows Megatron-Core's DynamicGradScaler, and
-//! `consecutive_hysteresis` DeepSpeed's option of that name. State sits behind a lock so that one
-//! scaler can serve accumulators used from several threads.
+//! `consecutive_hysteresis` DeepSpeed's option of that name.
+//!
+//! One [`Scaler`] serves every device. This module holds its semantics once: the configuration
+//! and its checks, the update rule (`next_state`; the device twin is `ga_scaler_next` in the
+//! CUDA kernels, tested against it), the saved bytes, and which accumulators an update may read.
+//! On the CPU the state sits behind a lock here, so one scaler can serve accumulators used from
+//! several threads; on CUDA it lives in device memory (`backend::cuda::scaler`), updated by a
+//! kernel with no host round trip.
 
+use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::accumulator::Accumulator;
 use crate::backend::cpu::math;
-use crate::dtype::GradMut;
+use crate::backend::cuda::CudaScaler;
+use crate::device::Device;
+use crate::dtype::{self, Dtype, GradMut};
 use crate::error::{Error, ErrorKind, Result};
 use crate::state;
 
@@ -124,149 +134,270 @@ pub struct StepOutcome {
     pub scale: f32,
 }
 
-/// A dynamic (or fixed) loss scaler.
-#[derive(Debug)]
+/// A dynamic (or fixed) loss scaler, on one device.
 pub struct Scaler {
-    state: Mutex<State>,
+    imp: Imp,
+}
+
+enum Imp {
+    Host(Mutex<State>),
+    Cuda(CudaScaler),
+}
+
+impl std::fmt::Debug for Scaler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scaler").field("device", &self.device()).field("config", &self.config()).finish()
+    }
 }
 
 const STATE_MAGIC: [u8; 4] = *b"GASC";
 const STATE_VERSION: u32 = 1;
 
 impl Scaler {
+    /// A CPU scaler.
     pub fn new(config: ScalerConfig) -> Result<Self> {
-        config.validate()?;
-        Ok(Scaler {
-            state: Mutex::new(State {
-                config,
-                scale: config.init_scale,
-                growth_tracker: 0,
-                hysteresis_tracker: config.hysteresis,
-                stats: ScalerStats::default(),
-            }),
-        })
+        Self::on(Device::Cpu, config)
     }
 
-    /// A scaler resumed from `state` under `config`, checked as [`Scaler::load`] checks bytes.
+    /// A scaler on `device` (on CUDA, its state is in device memory, ordered on the device's stream).
+    pub fn on(device: Device, config: ScalerConfig) -> Result<Self> {
+        config.validate()?;
+        let imp = match device.check()? {
+            Device::Cpu => Imp::Host(Mutex::new(State::initial(config))),
+            Device::Cuda { ordinal, stream } => Imp::Cuda(CudaScaler::new(config, &State::initial(config).moving(), ordinal, stream)?),
+        };
+        Ok(Scaler { imp })
+    }
+
+    /// A CPU scaler resumed from `state` under `config`, checked as [`Scaler::load`] checks bytes.
     pub fn with_state(config: ScalerConfig, state: ScalerState) -> Result<Self> {
         let s = Scaler::new(config)?;
-        s.load(&Scaler::encode(&State {
-            config,
-            scale: state.scale,
-            growth_tracker: state.growth_tracker,
-            hysteresis_tracker: state.hysteresis_tracker,
-            stats: state.stats,
-        }))?;
+        s.load(&encode(config, &state))?;
         Ok(s)
     }
 
-    /// The moving parts of the state.
-    pub fn state(&self) -> ScalerState {
-        let s = *self.lock();
-        ScalerState { scale: s.scale, growth_tracker: s.growth_tracker, hysteresis_tracker: s.hysteresis_tracker, stats: s.stats }
+    pub fn device(&self) -> Device {
+        match &self.imp {
+            Imp::Host(_) => Device::Cpu,
+            Imp::Cuda(c) => Device::Cuda { ordinal: c.ordinal(), stream: c.stream() },
+        }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
         // A panic cannot leave the state half-written (updates assign a finished copy), so a
         // poisoned lock still guards consistent data.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn config(&self) -> ScalerConfig {
-        self.lock().config
+        match &self.imp {
+            Imp::Host(m) => Self::lock(m).config,
+            Imp::Cuda(c) => c.config(),
+        }
     }
 
-    /// The current loss scale.
-    pub fn scale(&self) -> f32 {
-        self.lock().scale
+    /// The moving parts of the state (on CUDA a host read: waits for the scaler's stream).
+    pub fn state(&self) -> Result<ScalerState> {
+        match &self.imp {
+            Imp::Host(m) => Ok(Self::lock(m).moving()),
+            Imp::Cuda(c) => c.state(),
+        }
     }
 
-    pub fn stats(&self) -> ScalerStats {
-        self.lock().stats
+    /// The current loss scale (on CUDA a host read: waits for the scaler's stream).
+    pub fn scale(&self) -> Result<f32> {
+        Ok(self.state()?.scale)
     }
 
-    /// Multiplies a loss buffer in place by the current scale (16-bit values round to nearest even).
-    pub fn scale_loss(&self, loss: GradMut<'_>) {
-        let s = self.scale();
+    /// The scale the CPU's add passes unscale by.
+    pub(crate) fn host_scale(&self) -> Result<f32> {
+        match &self.imp {
+            Imp::Host(m) => Ok(Self::lock(m).scale),
+            Imp::Cuda(_) => Err(self.not_on_cpu()),
+        }
+    }
+
+    /// The device state, for the CUDA kernels.
+    pub(crate) fn cuda(&self) -> Result<&CudaScaler> {
+        match &self.imp {
+            Imp::Cuda(c) => Ok(c),
+            Imp::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "the scaler is on the CPU, not on a CUDA device")),
+        }
+    }
+
+    fn not_on_cpu(&self) -> Error {
+        Error::new(ErrorKind::DeviceMismatch, format!("the scaler is on {}: this call needs a CPU scaler", self.device().name()))
+    }
+
+    /// Statistics (on CUDA a host read).
+    pub fn stats(&self) -> Result<ScalerStats> {
+        Ok(self.state()?.stats)
+    }
+
+    /// Multiplies a host loss buffer in place by the current scale (16-bit values round to
+    /// nearest even). CPU scalers only; see [`Scaler::scale_loss_raw`] for any device.
+    pub fn scale_loss(&self, loss: GradMut<'_>) -> Result<()> {
+        let s = self.host_scale()?;
         match loss {
             GradMut::F32(v) => v.iter_mut().for_each(|x| *x *= s),
             GradMut::F16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s)),
             GradMut::Bf16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s)),
         }
+        Ok(())
     }
 
-    /// Ends an optimizer step whose window overflowed (`found_inf`) or not. Every rank must pass
-    /// the same, agreed flag (the accumulator's `sync` provides it), so every replica's scaler
-    /// moves identically.
+    /// Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale: a host
+    /// pointer on the CPU, a device address on CUDA (enqueued on the scaler's stream). The address
+    /// is checked for null, alignment and size first; `argument` names it in the error.
+    ///
+    /// # Safety
+    /// On the CPU, a non-null `loss` must point to `numel` writable values of `dtype`, not used by
+    /// anything else during the call.
+    pub unsafe fn scale_loss_raw(&self, loss: *mut c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<()> {
+        dtype::check_buffer(loss, numel, dtype, argument)?;
+        match &self.imp {
+            Imp::Host(_) => {
+                // SAFETY: checked above; writable and unshared by the caller's contract.
+                let view = unsafe {
+                    match dtype {
+                        Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
+                        Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+                        Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+                    }
+                };
+                self.scale_loss(view)
+            }
+            Imp::Cuda(c) => c.scale_loss(loss as u64, numel, dtype),
+        }
+    }
+
+    /// Ends an optimizer step whose window overflowed (`found_inf`) or not, on a CPU scaler.
+    /// Every rank must pass the same, agreed flag (the accumulator's `sync` provides it), so every
+    /// replica's scaler moves identically. [`Scaler::update_from`] reads the flags itself.
     ///
     /// Fails with [`ErrorKind::ScaleAtMinimum`], changing nothing, when an overflow needs a backoff
     /// while the scale already sits at `min_scale`.
     pub fn update(&self, found_inf: bool) -> Result<StepOutcome> {
-        let mut guard = self.lock();
+        let Imp::Host(m) = &self.imp else { return Err(self.not_on_cpu()) };
+        let mut guard = Self::lock(m);
         let next = next_state(&guard, found_inf)?;
         *guard = next;
         Ok(StepOutcome { skipped: found_inf, scale: next.scale })
     }
 
-    /// The complete state (config, scale, trackers, statistics) as versioned bytes.
-    pub fn save(&self) -> Vec<u8> {
-        Scaler::encode(&self.lock())
-    }
-
-    fn encode(s: &State) -> Vec<u8> {
-        let c = s.config;
-        let mut w = state::Writer::new(STATE_MAGIC, STATE_VERSION);
-        w.f32(c.init_scale)
-            .f32(c.growth_factor)
-            .f32(c.backoff_factor)
-            .u64(c.growth_interval as u64)
-            .u64(c.hysteresis as u64)
-            .bool(c.consecutive_hysteresis)
-            .f32(c.min_scale)
-            .f32(c.max_scale)
-            .bool(c.dynamic)
-            .f32(s.scale)
-            .u64(s.growth_tracker as u64)
-            .u64(s.hysteresis_tracker as u64)
-            .u64(s.stats.steps)
-            .u64(s.stats.skipped_steps)
-            .u64(s.stats.growths)
-            .u64(s.stats.backoffs);
-        w.finish()
-    }
-
-    /// Restores a state written by [`Scaler::save`]. Rejects corrupt, foreign or inconsistent
-    /// bytes without changing anything.
-    pub fn load(&self, bytes: &[u8]) -> Result<()> {
-        let mut r = state::Reader::open("scaler state", bytes, STATE_MAGIC, STATE_VERSION)?;
-        let small =
-            |v: u64, what: &str| u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")));
-        let config = ScalerConfig {
-            init_scale: r.f32()?,
-            growth_factor: r.f32()?,
-            backoff_factor: r.f32()?,
-            growth_interval: small(r.u64()?, "growth_interval")?,
-            hysteresis: small(r.u64()?, "hysteresis")?,
-            consecutive_hysteresis: r.bool()?,
-            min_scale: r.f32()?,
-            max_scale: r.f32()?,
-            dynamic: r.bool()?,
-        };
-        let scale = r.f32()?;
-        let growth_tracker = small(r.u64()?, "growth_tracker")?;
-        let hysteresis_tracker = small(r.u64()?, "hysteresis_tracker")?;
-        let stats = ScalerStats { steps: r.u64()?, skipped_steps: r.u64()?, growths: r.u64()?, backoffs: r.u64()? };
-        r.finish()?;
-        config.validate().map_err(|e| Error::new(ErrorKind::CorruptState, format!("scaler state: {}", e.message)))?;
-        if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale)
-            || growth_tracker >= config.growth_interval
-            || hysteresis_tracker > config.hysteresis
-        {
-            return Err(Error::new(ErrorKind::CorruptState, "scaler state: scale or trackers inconsistent with the config"));
+    /// Ends an optimizer step from the agreed overflow flags of `accumulators` (each synced in its
+    /// current window, on this scaler's device), updating the scale once. Returns whether the
+    /// step must be skipped; on CUDA the flags are gathered and the scale updated by kernels on
+    /// the scaler's stream, and the answer is read (a host wait) only with `wait`, else `None`.
+    /// Every check runs first, so a failing call changes nothing.
+    pub fn update_from(&self, accumulators: &[&Accumulator], wait: bool) -> Result<Option<bool>> {
+        if accumulators.is_empty() {
+            return Err(Error::invalid("no accumulators: pass the accumulators whose step this update ends"));
         }
-        *self.lock() = State { config, scale, growth_tracker, hysteresis_tracker, stats };
-        Ok(())
+        let mut found_inf = false;
+        for (i, a) in accumulators.iter().enumerate() {
+            let what = format!("accumulators[{i}]");
+            Device::require_same((&what, a.device()), ("the scaler", self.device()))?;
+            found_inf |= a.check_synced(&what)?.is_some_and(|info| info.found_inf);
+        }
+        match &self.imp {
+            Imp::Host(_) => Ok(Some(self.update(found_inf)?.skipped)),
+            Imp::Cuda(c) => {
+                for (i, a) in accumulators.iter().enumerate() {
+                    a.gather_into(c, &format!("accumulators[{i}]"))?;
+                }
+                c.update(wait)
+            }
+        }
     }
+
+    /// The complete state (config, scale, trackers, statistics) as versioned bytes, the same on
+    /// every device (on CUDA a host read).
+    pub fn save(&self) -> Result<Vec<u8>> {
+        Ok(encode(self.config(), &self.state()?))
+    }
+
+    /// Restores a state written by [`Scaler::save`] on any device. Rejects corrupt, foreign or
+    /// inconsistent bytes without changing anything.
+    pub fn load(&self, bytes: &[u8]) -> Result<()> {
+        let (config, state) = decode(bytes)?;
+        match &self.imp {
+            Imp::Host(m) => {
+                *Self::lock(m) = State {
+                    config,
+                    scale: state.scale,
+                    growth_tracker: state.growth_tracker,
+                    hysteresis_tracker: state.hysteresis_tracker,
+                    stats: state.stats,
+                };
+                Ok(())
+            }
+            Imp::Cuda(c) => c.load(config, &state),
+        }
+    }
+}
+
+impl State {
+    fn initial(config: ScalerConfig) -> Self {
+        State { config, scale: config.init_scale, growth_tracker: 0, hysteresis_tracker: config.hysteresis, stats: ScalerStats::default() }
+    }
+
+    fn moving(&self) -> ScalerState {
+        ScalerState { scale: self.scale, growth_tracker: self.growth_tracker, hysteresis_tracker: self.hysteresis_tracker, stats: self.stats }
+    }
+}
+
+/// The saved bytes of a scaler.
+fn encode(c: ScalerConfig, s: &ScalerState) -> Vec<u8> {
+    let mut w = state::Writer::new(STATE_MAGIC, STATE_VERSION);
+    w.f32(c.init_scale)
+        .f32(c.growth_factor)
+        .f32(c.backoff_factor)
+        .u64(c.growth_interval as u64)
+        .u64(c.hysteresis as u64)
+        .bool(c.consecutive_hysteresis)
+        .f32(c.min_scale)
+        .f32(c.max_scale)
+        .bool(c.dynamic)
+        .f32(s.scale)
+        .u64(s.growth_tracker as u64)
+        .u64(s.hysteresis_tracker as u64)
+        .u64(s.stats.steps)
+        .u64(s.stats.skipped_steps)
+        .u64(s.stats.growths)
+        .u64(s.stats.backoffs);
+    w.finish()
+}
+
+/// Parses and checks saved bytes: corrupt, foreign or inconsistent bytes are CORRUPT_STATE.
+fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
+    let mut r = state::Reader::open("scaler state", bytes, STATE_MAGIC, STATE_VERSION)?;
+    let small =
+        |v: u64, what: &str| u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")));
+    let config = ScalerConfig {
+        init_scale: r.f32()?,
+        growth_factor: r.f32()?,
+        backoff_factor: r.f32()?,
+        growth_interval: small(r.u64()?, "growth_interval")?,
+        hysteresis: small(r.u64()?, "hysteresis")?,
+        consecutive_hysteresis: r.bool()?,
+        min_scale: r.f32()?,
+        max_scale: r.f32()?,
+        dynamic: r.bool()?,
+    };
+    let scale = r.f32()?;
+    let growth_tracker = small(r.u64()?, "growth_tracker")?;
+    let hysteresis_tracker = small(r.u64()?, "hysteresis_tracker")?;
+    let stats = ScalerStats { steps: r.u64()?, skipped_steps: r.u64()?, growths: r.u64()?, backoffs: r.u64()? };
+    r.finish()?;
+    config.validate().map_err(|e| Error::new(ErrorKind::CorruptState, format!("scaler state: {}", e.message)))?;
+    if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale)
+        || growth_tracker >= config.growth_interval
+        || hysteresis_tracker > config.hysteresis
+    {
+        return Err(Error::new(ErrorKind::CorruptState, "scaler state: scale or trackers inconsistent with the config"));
+    }
+    Ok((config, ScalerState { scale, growth_tracker, hysteresis_tracker, stats }))
 }
 
 /// The update rule, as a pure function of the state.
@@ -333,8 +464,8 @@ mod tests {
         let s = Scaler::new(ScalerConfig { dynamic: false, init_scale: 128.0, ..Default::default() }).unwrap();
         assert!(s.update(true).unwrap().skipped);
         assert!(!s.update(false).unwrap().skipped);
-        assert_eq!(s.scale(), 128.0);
-        assert_eq!(s.stats(), ScalerStats { steps: 2, skipped_steps: 1, growths: 0, backoffs: 0 });
+        assert_eq!(s.scale().unwrap(), 128.0);
+        assert_eq!(s.stats().unwrap(), ScalerStats { steps: 2, skipped_steps: 1, growths: 0, backoffs: 0 });
     }
 
     #[test]

@@ -8,14 +8,15 @@
 
 mod common;
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip, ApexSeed, HostGrad};
 use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::backend::cuda::{self, layout, CudaAccumulator, CudaScaler};
+use gradacc::backend::cuda::{self, layout};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
 
 fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
     let sizes = [1usize, 3, 7, 64, 4097, 65536, 65537, 1_000_003];
@@ -32,6 +33,7 @@ fn random_windows_match_the_cpu_backend_bitwise() {
     let mut rng = Rng::fresh("random_windows_match_the_cpu_backend_bitwise");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
     let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     for round in 0..24 {
         let descs = random_layout(&mut rng);
@@ -43,12 +45,12 @@ fn random_windows_match_the_cpu_backend_bitwise() {
             ..AccumulatorConfig::default()
         };
         let cpu = Accumulator::new(config, &descs).unwrap();
-        let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+        let gpu = Accumulator::on(device, config, &descs).unwrap();
         // Two windows on the same objects: the second starts by assigning, may leave a tensor
         // untouched (it must read zero), and follows a reset on even rounds.
         for window in 0..2 {
             if window == 1 && round % 2 == 0 {
-                cpu.reset();
+                cpu.reset().unwrap();
                 gpu.reset().unwrap();
             }
             let skipped = if window == 1 { Some(rng.range(0, descs.len() as u64 - 1) as usize) } else { None };
@@ -57,14 +59,14 @@ fn random_windows_match_the_cpu_backend_bitwise() {
                 // Each micro-batch with its own scale: a scale change inside a window.
                 let scale = 2f32.powi(rng.range(0, 16) as i32);
                 let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
-                let sg = CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap();
+                let sg = Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
                 let count = rng.range(1, 9);
                 let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison && m == 0)).collect();
-                let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
+                let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
                 let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
                 if skipped.is_none() && rng.range(0, 1) == 0 {
                     cpu.add(&sc, &views, count).unwrap();
-                    gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), count).unwrap();
+                    gpu.add(&sg, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), count).unwrap();
                 } else {
                     // Hook style, tensors in reverse; the last one gets two contributions (a
                     // chunked backward), the skipped one none.
@@ -74,7 +76,7 @@ fn random_windows_match_the_cpu_backend_bitwise() {
                         let times = if i + 1 == descs.len() { 2 } else { 1 };
                         for _ in 0..times {
                             cpu.add_tensor(&sc, i, views[i]).unwrap();
-                            gpu.add_tensor(&sg, i, device[i].1).unwrap();
+                            gpu.add_tensor(&sg, i, uploads[i].1).unwrap();
                         }
                     }
                     cpu.end_microbatch().unwrap();
@@ -82,7 +84,7 @@ fn random_windows_match_the_cpu_backend_bitwise() {
                 }
             }
             let want = cpu.sync(None).unwrap();
-            let got = gpu.sync(None, true).unwrap().unwrap();
+            let got = gpu.sync(None).unwrap();
             let what = format!("round {round} window {window} {descs:?} {config:?}");
             assert_eq!(want.found_inf, got.found_inf, "{what}");
             assert_eq!((want.total_count, want.microbatches), (got.total_count, got.microbatches), "{what}");
@@ -113,30 +115,34 @@ fn scaler_trace_matches_the_cpu_scaler() {
         ScalerConfig { dynamic: false, ..Default::default() },
         ScalerConfig { init_scale: 4.0, min_scale: 1.0, growth_interval: 50, ..Default::default() },
     ];
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    // The overflow flag reaches the device scaler through an accumulator's boundary: a window of
+    // one element, infinite on an overflow step.
+    let one = [TensorDesc { numel: 1, dtype: Dtype::F32 }];
+    let (inf, finite) =
+        (DeviceBuffer::from_slice(&ctx, stream.stream, &[f32::INFINITY]).unwrap(), DeviceBuffer::from_slice(&ctx, stream.stream, &[0f32]).unwrap());
     for config in configs {
         let cpu = Scaler::new(config).unwrap();
-        let gpu = CudaScaler::new(config, 0, stream.stream).unwrap();
-        let flags = [layout::GaBoundary { found_inf: 1, ..Default::default() }, layout::GaBoundary::default()];
-        let boundaries: Vec<DeviceBuffer> = flags.iter().map(|b| DeviceBuffer::from_slice(&ctx, stream.stream, &[*b]).unwrap()).collect();
+        let gpu = Scaler::on(device, config).unwrap();
+        let acc = Accumulator::on(device, AccumulatorConfig::default(), &one).unwrap();
         for step in 0..300 {
             let overflow = rng.range(0, 9) < 3;
             let want = cpu.update(overflow);
-            if overflow {
-                gpu.gather(boundaries[0].ptr(), stream.stream).unwrap();
-            }
-            let got = gpu.update(true);
+            acc.add(&gpu, &[if overflow { inf.ptr() } else { finite.ptr() }], 1).unwrap();
+            acc.sync_enqueue(None).unwrap();
+            let got = gpu.update_from(&[&acc], true);
             match (want, got) {
                 (Ok(w), Ok(g)) => assert_eq!(Some(w.skipped), g, "{config:?} step {step}"),
                 (Err(w), Err(g)) => assert_eq!(w.kind, g.kind, "{config:?} step {step}"),
                 (w, g) => panic!("{config:?} step {step}: cpu {w:?}, gpu {g:?}"),
             }
-            assert_eq!(cpu.scale(), gpu.scale().unwrap(), "{config:?} step {step}");
-            assert_eq!(cpu.stats(), gpu.stats().unwrap(), "{config:?} step {step}");
+            assert_eq!(cpu.scale().unwrap(), gpu.scale().unwrap(), "{config:?} step {step}");
+            assert_eq!(cpu.stats().unwrap(), gpu.stats().unwrap(), "{config:?} step {step}");
         }
         // The device state saves the CPU scaler's bytes and loads them back.
-        assert_eq!(cpu.save(), gpu.save().unwrap());
-        gpu.load(&cpu.save()).unwrap();
-        assert_eq!(cpu.scale(), gpu.scale().unwrap());
+        assert_eq!(cpu.save().unwrap(), gpu.save().unwrap());
+        gpu.load(&cpu.save().unwrap()).unwrap();
+        assert_eq!(cpu.scale().unwrap(), gpu.scale().unwrap());
     }
 }
 
@@ -148,17 +154,19 @@ fn loss_scaling_matches_the_cpu_scaler() {
     let mut rng = Rng::fresh("loss_scaling_matches_the_cpu_scaler");
     let ctx = Context::get(0).unwrap();
     let config = ScalerConfig { init_scale: 1024.0, ..Default::default() };
-    let (cpu, gpu) = (Scaler::new(config).unwrap(), CudaScaler::new(config, 0, std::ptr::null_mut()).unwrap());
+    let (cpu, gpu) = (Scaler::new(config).unwrap(), Scaler::on(Device::Cuda { ordinal: 0, stream: std::ptr::null_mut() }, config).unwrap());
     for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
         let loss = HostGrad::random(&mut rng, dtype, 1001, 1000.0, false);
         let (buf, addr) = loss.upload(&ctx, std::ptr::null_mut(), 1);
-        gpu.scale_loss(addr, 1001, dtype).unwrap();
+        // SAFETY: `addr` holds 1001 values of `dtype` in `buf`, alive until the end of the iteration.
+        unsafe { gpu.scale_loss_raw(addr as *mut c_void, 1001, dtype, "loss") }.unwrap();
         let (mut f, mut h) = (loss.f32s.clone(), loss.u16s.clone());
         cpu.scale_loss(match dtype {
             Dtype::F32 => gradacc::GradMut::F32(&mut f),
             Dtype::F16 => gradacc::GradMut::F16(&mut h),
             Dtype::Bf16 => gradacc::GradMut::Bf16(&mut h),
-        });
+        })
+        .unwrap();
         if dtype == Dtype::F32 {
             let mut got = vec![0f32; 1002];
             buf.read(&mut got).unwrap();
@@ -197,7 +205,7 @@ fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
     acc.add_tensor(&scaler, 1, b2.ptr()).unwrap();
     acc.add_tensor(&scaler, 0, w2.ptr()).unwrap();
     acc.end_microbatch().unwrap();
-    let info = acc.sync(Some(&comm), true).unwrap().unwrap();
+    let info = acc.sync(Some(&*comm)).unwrap();
     let (mut w, mut b) = ([0f32], [0f32]);
     acc.read_master(0, &mut w).unwrap();
     acc.read_master(1, &mut b).unwrap();
@@ -255,13 +263,14 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                 s.spawn(move || {
                     let ctx = Context::get(rank as i32).unwrap();
                     let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
-                    let scaler = CudaScaler::new(ScalerConfig::default(), rank as i32, std::ptr::null_mut()).unwrap();
-                    let acc = CudaAccumulator::new(config, descs, rank as i32, std::ptr::null_mut(), None).unwrap();
-                    let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: std::ptr::null_mut() };
+                    let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+                    let acc = Accumulator::on(device, config, descs).unwrap();
+                    let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
                     let cpu = Accumulator::new(config, descs).unwrap();
                     let sc = Scaler::new(ScalerConfig::default()).unwrap();
                     let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
-                    acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 3).unwrap();
+                    acc.add(&scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 3).unwrap();
                     cpu.add(&sc, &views, 3).unwrap();
                     // The final micro-batch, tensor by tensor in reverse (buckets reduce early);
                     // one tensor comes in two contributions before its bucket is complete.
@@ -271,16 +280,16 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                     for i in (0..descs.len()).rev() {
                         let times = if Some(i) == twice { 2 } else { 1 };
                         for _ in 0..times {
-                            acc.add_tensor(&scaler, i, device[i].1).unwrap();
+                            acc.add_tensor(&scaler, i, uploads[i].1).unwrap();
                             cpu.add_tensor(&sc, i, views[i]).unwrap();
                         }
                     }
                     acc.end_microbatch().unwrap();
                     cpu.end_microbatch().unwrap();
                     // Its buckets are reduced: nothing more may join the window before the sync.
-                    let refused = acc.add(&scaler, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 1).unwrap_err();
+                    let refused = acc.add(&scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 1).unwrap_err();
                     assert_eq!(refused.kind, gradacc::ErrorKind::WrongState);
-                    acc.sync(Some(&comm), true).unwrap();
+                    acc.sync(Some(&*comm)).unwrap();
                     cpu.sync(Some(&lc)).unwrap();
                     let mut out = Vec::new();
                     for (i, d) in descs.iter().enumerate() {
@@ -322,13 +331,13 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     let scale = 1024.0;
     let (sc, sg) = (
         Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
-        CudaScaler::new(ScalerConfig { init_scale: scale, ..Default::default() }, 0, stream.stream).unwrap(),
+        Scaler::on(Device::Cuda { ordinal: 0, stream: stream.stream }, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
     );
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
+    let gpu = Accumulator::on(Device::Cuda { ordinal: 0, stream: stream.stream }, config, &descs).unwrap();
     let first: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
-    let device: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
-    let addresses: Vec<u64> = device.iter().map(|d| d.1).collect();
+    let uploads: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
+    let addresses: Vec<u64> = uploads.iter().map(|d| d.1).collect();
     driver::synchronize(&ctx, stream.stream).unwrap();
 
     let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
@@ -339,7 +348,7 @@ fn add_and_sync_can_be_captured_into_a_graph() {
         assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
     }
     let added = gpu.add(&sg, &addresses, 3);
-    let synced = added.as_ref().ok().map(|_| gpu.sync(None, false));
+    let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
     let _current = ctx.enter().unwrap();
     // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
     let ended = unsafe { cu::cuStreamEndCapture(stream.stream, &mut graph) };
@@ -351,7 +360,7 @@ fn add_and_sync_can_be_captured_into_a_graph() {
 
     for replay in 0..3 {
         let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2)).collect();
-        for (g, (buf, _)) in grads.iter().zip(&device) {
+        for (g, (buf, _)) in grads.iter().zip(&uploads) {
             match g.dtype {
                 Dtype::F32 => buf.write(&g.f32s).unwrap(),
                 _ => buf.write(&g.u16s).unwrap(),
@@ -424,16 +433,17 @@ fn many_tensors_span_several_add_launches() {
         .collect();
     let config = AccumulatorConfig::default();
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let gpu = CudaAccumulator::new(config, &descs, 0, stream.stream, None).unwrap();
-    let (sc, sg) = (Scaler::new(ScalerConfig::default()).unwrap(), CudaScaler::new(ScalerConfig::default(), 0, stream.stream).unwrap());
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let gpu = Accumulator::on(device, config, &descs).unwrap();
+    let (sc, sg) = (Scaler::new(ScalerConfig::default()).unwrap(), Scaler::on(device, ScalerConfig::default()).unwrap());
     for _ in 0..2 {
         let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 65536.0, false)).collect();
-        let device: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
+        let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
         let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
         cpu.add(&sc, &views, 2).unwrap();
-        gpu.add(&sg, &device.iter().map(|d| d.1).collect::<Vec<_>>(), 2).unwrap();
+        gpu.add(&sg, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 2).unwrap();
     }
-    let (want, got) = (cpu.sync(None).unwrap(), gpu.sync(None, true).unwrap().unwrap());
+    let (want, got) = (cpu.sync(None).unwrap(), gpu.sync(None).unwrap());
     assert_eq!(want.grad_norm.to_bits(), got.grad_norm.to_bits());
     masters_equal(&cpu, &gpu, "many tensors");
 }

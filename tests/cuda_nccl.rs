@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use common::cuda::ApexSeed;
 use cudarc::nccl::sys as nccl_sys;
+use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{AccumulatorConfig, Dtype, ErrorKind, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Scaler, ScalerConfig, TensorDesc};
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without them the test skips, unless
 /// GRADACC_REQUIRE_GPU=1, which makes it fail.
@@ -81,8 +81,9 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
         let ctx = Context::get(0).unwrap();
         let stream = OwnedStream::new(&ctx).unwrap();
         let descs = [TensorDesc { numel: 1000, dtype: Dtype::F32 }];
-        let scaler = CudaScaler::new(ScalerConfig::default(), 0, stream.stream).unwrap();
-        let acc = CudaAccumulator::new(AccumulatorConfig::default(), &descs, 0, stream.stream, None).unwrap();
+        let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+        let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+        let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
         let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
         acc.add(&scaler, &[grad.ptr()], 4).unwrap();
 
@@ -97,7 +98,7 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
                 aborted_at
             })
         };
-        let result = acc.sync(Some(&comm), true);
+        let result = acc.sync(Some(&*comm));
         let returned_at = Instant::now();
         returned.store(true, Ordering::SeqCst);
         let aborted_at = aborter.join().unwrap();
@@ -348,7 +349,7 @@ fn an_adopted_nonblocking_communicator_syncs() {
         for step in 0..3 {
             acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
             acc.add(&scaler, &[w2.ptr(), b2.ptr()], 1).unwrap();
-            let info = acc.sync(Some(&comm), true).unwrap().unwrap();
+            let info = acc.sync(Some(&comm)).unwrap();
             let (mut w, mut b) = ([0f32], [0f32]);
             acc.read_master(0, &mut w).unwrap();
             acc.read_master(1, &mut b).unwrap();

@@ -17,10 +17,9 @@ use std::sync::Arc;
 use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::backend::cuda::{CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::ffi;
-use gradacc::{Accumulator, AccumulatorConfig, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc};
 
 /// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
 const TENSORS: [TensorDesc; 3] =
@@ -29,6 +28,11 @@ const TENSORS: [TensorDesc; 3] =
 /// Scale changes often: growth every second finite step, backoff on an overflow.
 fn scaler_config() -> ScalerConfig {
     ScalerConfig { init_scale: 1024.0, growth_interval: 2, ..Default::default() }
+}
+
+/// Device 0 with `stream` ordering its objects' work.
+fn on(stream: &OwnedStream) -> Device {
+    Device::Cuda { ordinal: 0, stream: stream.stream }
 }
 
 /// One micro-batch's gradients: host values for the CPU backend, device copies for the CUDA one.
@@ -80,7 +84,7 @@ impl Batch {
 
     /// The micro-batch through both backends: all at once, or tensor by tensor in reverse (as
     /// backward hooks deliver them).
-    fn add(&self, cpu: (&Accumulator, &Scaler), gpu: (&CudaAccumulator, &CudaScaler), count: u64, hooks: bool) {
+    fn add(&self, cpu: (&Accumulator, &Scaler), gpu: (&Accumulator, &Scaler), count: u64, hooks: bool) {
         let (views, ptrs) = (self.views(), self.ptrs());
         if hooks {
             cpu.0.begin_microbatch(count).unwrap();
@@ -99,12 +103,11 @@ impl Batch {
 }
 
 /// Ends an optimizer step on both backends from one accumulator's window.
-fn step(cpu: (&Accumulator, &Scaler), gpu: (&CudaAccumulator, &CudaScaler)) {
+fn step(cpu: (&Accumulator, &Scaler), gpu: (&Accumulator, &Scaler)) {
     let info = cpu.0.sync(None).unwrap();
-    gpu.0.sync(None, false).unwrap();
+    gpu.0.sync_enqueue(None).unwrap();
     cpu.1.update(info.found_inf).unwrap();
-    gpu.0.gather_into(gpu.1).unwrap();
-    gpu.1.update(false).unwrap();
+    assert_eq!(gpu.1.update_from(&[gpu.0], false).unwrap(), None);
 }
 
 /// Scaler and two accumulators on three streams, six windows. Accumulator `a`'s step ends (its
@@ -120,14 +123,14 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
     let ctx = Context::get(0).unwrap();
     let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let config = AccumulatorConfig::default();
-    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
+    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
     let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
-    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
-    let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
+    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
+    let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
     let mut batches = Vec::new();
     for window in 0..6 {
         for m in 0..2 {
-            let (count, scale) = (rng.range(1, 5), cs.scale());
+            let (count, scale) = (rng.range(1, 5), cs.scale().unwrap());
             let a = Batch::new(&mut rng, &ctx, sa.stream, scale, false);
             let b = Batch::new(&mut rng, &ctx, sb.stream, scale, window == 2 && m == 1);
             a.add((&ca, &cs), (&ga, &gs), count, m == 1);
@@ -141,9 +144,10 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
             masters_equal(&cb, &gb, &format!("window {window} b"));
         }
     }
-    assert_eq!(cs.scale(), gs.scale().unwrap());
-    assert_eq!(cs.stats(), gs.stats().unwrap());
-    assert!(cs.stats().backoffs == 1 && cs.stats().growths > 0, "{:?}", cs.stats());
+    assert_eq!(cs.scale().unwrap(), gs.scale().unwrap());
+    let stats = cs.stats().unwrap();
+    assert_eq!(stats, gs.stats().unwrap());
+    assert!(stats.backoffs == 1 && stats.growths > 0, "{stats:?}");
 }
 
 /// The scaler is destroyed as soon as adds on other streams that read its state are enqueued:
@@ -158,19 +162,19 @@ fn the_scaler_destroyed_right_after_adds_on_other_streams() {
     let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let config = AccumulatorConfig::default();
     let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
-    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
-    let gb = CudaAccumulator::new(config, &TENSORS, 0, sb.stream, None).unwrap();
+    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
+    let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
     for round in 0..3 {
-        let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
-        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
-        let b = Batch::new(&mut rng, &ctx, sb.stream, cs.scale(), false);
+        let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
+        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
+        let b = Batch::new(&mut rng, &ctx, sb.stream, cs.scale().unwrap(), false);
         a.add((&ca, &cs), (&ga, &gs), 2, round == 1);
         b.add((&cb, &cs), (&gb, &gs), 3, round != 1);
         drop(gs);
         ca.sync(None).unwrap();
         cb.sync(None).unwrap();
-        ga.sync(None, false).unwrap();
-        gb.sync(None, false).unwrap();
+        ga.sync_enqueue(None).unwrap();
+        gb.sync_enqueue(None).unwrap();
         masters_equal(&ca, &ga, &format!("round {round} a"));
         masters_equal(&cb, &gb, &format!("round {round} b"));
     }
@@ -191,25 +195,25 @@ fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
     let sa = OwnedStream::new(&ctx).unwrap();
     let config = AccumulatorConfig::default();
     let cpu = [Scaler::new(scaler_config()).unwrap(), Scaler::new(scaler_config()).unwrap()];
-    let gpu = [CudaScaler::new(scaler_config(), 0, streams[0].stream).unwrap(), CudaScaler::new(scaler_config(), 0, streams[1].stream).unwrap()];
+    let gpu = [Scaler::on(on(&streams[0]), scaler_config()).unwrap(), Scaler::on(on(&streams[1]), scaler_config()).unwrap()];
     let ca = Accumulator::new(config, &TENSORS).unwrap();
-    let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
+    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
     let mut batches = Vec::new();
     for window in 0..8 {
         let (cs, gs) = (&cpu[window % 2], &gpu[window % 2]);
-        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), window % 3 == 1);
+        let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), window % 3 == 1);
         a.add((&ca, cs), (&ga, gs), 1 + window as u64, window % 4 == 3);
         batches.push(a);
         step((&ca, cs), (&ga, gs));
         // A second sync at once closes an empty window: refused at world size 1, and the
         // boundary the scaler gathers from is left as it was.
-        assert_eq!(ga.sync(None, false).unwrap_err().kind, ErrorKind::EmptyWindow);
+        assert_eq!(ga.sync_enqueue(None).unwrap_err().kind, ErrorKind::EmptyWindow);
         assert_eq!(ca.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
     }
     masters_equal(&ca, &ga, "last window");
     for (cs, gs) in cpu.iter().zip(&gpu) {
-        assert_eq!(cs.scale(), gs.scale().unwrap());
-        assert_eq!(cs.stats(), gs.stats().unwrap());
+        assert_eq!(cs.scale().unwrap(), gs.scale().unwrap());
+        assert_eq!(cs.stats().unwrap(), gs.stats().unwrap());
     }
 }
 
@@ -226,13 +230,13 @@ fn an_accumulator_dropped_right_after_early_reductions() {
     let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let comm = Arc::new(NcclComm::new(&nccl::unique_id().unwrap(), 0, 1, 0).unwrap());
     let config = AccumulatorConfig { bucket_numel: 1000, ..Default::default() };
-    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), 0, ss.stream).unwrap());
+    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
     for keep in [false, false, true] {
         let ca = Accumulator::new(config, &TENSORS).unwrap();
-        let ga = CudaAccumulator::new(config, &TENSORS, 0, sa.stream, None).unwrap();
-        let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+        let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
+        let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
         first.add((&ca, &cs), (&ga, &gs), 2, false);
-        let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+        let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
         let (views, ptrs) = (last.views(), last.ptrs());
         ga.begin_final_microbatch(3, comm.clone()).unwrap();
         ca.begin_microbatch(3).unwrap();
@@ -247,7 +251,7 @@ fn an_accumulator_dropped_right_after_early_reductions() {
             continue;
         }
         let want = ca.sync(None).unwrap();
-        let got = ga.sync(Some(&comm), true).unwrap().unwrap();
+        let got = ga.sync(Some(&*comm)).unwrap();
         assert_eq!(want.grad_norm.to_bits(), got.grad_norm.to_bits());
         masters_equal(&ca, &ga, "after the final micro-batch");
     }
@@ -285,14 +289,15 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                 }
                 let comm = Arc::new(NcclComm::new(id, rank, 2, ordinal).unwrap());
                 let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
-                let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), CudaScaler::new(scaler_config(), ordinal, ss.stream).unwrap());
+                let (cs, gs) =
+                    (Scaler::new(scaler_config()).unwrap(), Scaler::on(Device::Cuda { ordinal, stream: ss.stream }, scaler_config()).unwrap());
                 let mut batches = Vec::new();
                 for window in 0..4 {
                     let ca = Accumulator::new(config, &TENSORS).unwrap();
-                    let ga = CudaAccumulator::new(config, &TENSORS, ordinal, sa.stream, None).unwrap();
-                    let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), window == 1 && rank == 1);
+                    let ga = Accumulator::on(Device::Cuda { ordinal, stream: sa.stream }, config, &TENSORS).unwrap();
+                    let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), window == 1 && rank == 1);
                     first.add((&ca, &cs), (&ga, &gs), 2 + rank as u64, window % 2 == 0);
-                    let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale(), false);
+                    let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
                     let (views, ptrs) = (last.views(), last.ptrs());
                     ga.begin_final_microbatch(1, comm.clone()).unwrap();
                     ca.begin_microbatch(1).unwrap();
@@ -310,22 +315,20 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                         continue;
                     }
                     let info = ca.sync(Some(&lc)).unwrap();
-                    ga.sync(Some(&comm), false).unwrap();
+                    ga.sync_enqueue(Some(&*comm)).unwrap();
                     cs.update(info.found_inf).unwrap();
-                    ga.gather_into(&gs).unwrap();
-                    gs.update(false).unwrap();
+                    gs.update_from(&[&ga], false).unwrap();
                     masters_equal(&ca, &ga, &format!("rank {rank} window {window}"));
                     // A sync right after the sync: an empty window on every rank, whose boundary
                     // overwrites the one the scaler's stream gathered; its update is no step.
                     // (The master then reads zero on the device, while the CPU, which refuses
                     // the empty window before touching it, keeps the last result.)
-                    ga.sync(Some(&comm), false).unwrap();
+                    ga.sync_enqueue(Some(&*comm)).unwrap();
                     assert_eq!(ca.sync(Some(&lc)).unwrap_err().kind, ErrorKind::EmptyWindow);
-                    ga.gather_into(&gs).unwrap();
-                    gs.update(false).unwrap();
+                    gs.update_from(&[&ga], false).unwrap();
                 }
-                assert_eq!(cs.scale(), gs.scale().unwrap(), "rank {rank}");
-                assert_eq!(cs.stats(), gs.stats().unwrap(), "rank {rank}");
+                assert_eq!(cs.scale().unwrap(), gs.scale().unwrap(), "rank {rank}");
+                assert_eq!(cs.stats().unwrap(), gs.stats().unwrap(), "rank {rank}");
             });
         }
     });
@@ -339,11 +342,11 @@ fn the_per_thread_default_stream_is_refused() {
         return;
     }
     let per_thread = 0x2 as driver::CUstream;
-    let err = CudaScaler::new(ScalerConfig::default(), 0, per_thread).err().expect("a scaler on the per-thread stream");
+    let device = Device::Cuda { ordinal: 0, stream: per_thread };
+    let err = Scaler::on(device, ScalerConfig::default()).expect_err("a scaler on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
-    let err =
-        CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, per_thread, None).err().expect("an accumulator on the per-thread stream");
+    let err = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS).expect_err("an accumulator on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
 
@@ -362,8 +365,9 @@ fn the_per_thread_default_stream_is_refused() {
     assert!(acc.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
 
     for legacy in [std::ptr::null_mut(), 0x1 as driver::CUstream] {
-        let scaler = CudaScaler::new(ScalerConfig::default(), 0, legacy).unwrap();
-        let acc = CudaAccumulator::new(AccumulatorConfig::default(), &TENSORS, 0, legacy, None).unwrap();
+        let device = Device::Cuda { ordinal: 0, stream: legacy };
+        let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+        let acc = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS).unwrap();
         assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);
         drop((acc, scaler));
     }

@@ -1,25 +1,37 @@
 //! The accumulator: FP32 master gradients for a set of tensors, filled micro-batch by micro-batch
 //! in one fused pass each, and turned at the boundary into the normalised, all-reduced, clipped
 //! gradient of the whole effective batch, identical on every rank.
+//!
+//! One [`Accumulator`] serves every device. This module holds the semantics, once: the window and
+//! its phases (`window`), counts and normalisation rules (`config`), the tensor and bucket layout
+//! (`layout`), which checks run before anything changes, and the order of the boundary's steps.
+//! A device supplies the memory and the kernels through the [`Store`] trait: `backend::cpu` (a
+//! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
+//! caller's stream, NCCL). A trait object rather than a type parameter: the device is chosen at
+//! run time by every caller of the C ABI and of the bindings, so one concrete type keeps that
+//! choice out of their code, and the per-call cost of one indirect call is nothing beside a pass
+//! over a tensor.
 
 mod config;
 mod layout;
-mod master;
+mod window;
 
 pub use config::{AccumulatorConfig, LossReduction, Normalize, TensorDesc};
 
+use std::ffi::c_void;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 
-use crate::backend::cpu::{self, math};
-use crate::comm::{BlockPass, Communicator, Control, ControlSum};
-use crate::dtype::Grad;
+use crate::backend::cuda::driver::CUdeviceptr;
+use crate::backend::{cpu, cuda};
+use crate::comm::{Collectives, Communicator, Control, ControlSum};
+use crate::device::Device;
+use crate::dtype::{self, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 use crate::state;
 pub(crate) use layout::Layout;
-use master::Master;
+use window::{Phase, State, Window};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
 /// 2: the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
@@ -40,450 +52,649 @@ pub struct SyncInfo {
     pub clip_coef: f64,
 }
 
-/// Where the window stands.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Phase {
-    /// No micro-batch yet.
-    Empty,
-    /// At least one micro-batch added.
-    Open,
-    /// Between `begin_microbatch(count)` and `end_microbatch()`.
-    InMicrobatch { count: u64 },
-    /// The boundary ran; masters hold the result until the next micro-batch opens a new window.
-    Synced(SyncInfo),
+/// One micro-batch's gradients, tensor by tensor, in the accumulator's memory: host slices for
+/// the CPU, device addresses (each holding its tensor's declared numel and dtype) for CUDA.
+#[derive(Clone, Copy, Debug)]
+pub enum Grads<'a> {
+    Host(&'a [Grad<'a>]),
+    Device(&'a [CUdeviceptr]),
 }
 
+impl<'a> From<&'a [Grad<'a>]> for Grads<'a> {
+    fn from(g: &'a [Grad<'a>]) -> Self {
+        Grads::Host(g)
+    }
+}
+
+impl<'a> From<&'a Vec<Grad<'a>>> for Grads<'a> {
+    fn from(g: &'a Vec<Grad<'a>>) -> Self {
+        Grads::Host(g)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [Grad<'a>; N]> for Grads<'a> {
+    fn from(g: &'a [Grad<'a>; N]) -> Self {
+        Grads::Host(g)
+    }
+}
+
+impl<'a> From<&'a [CUdeviceptr]> for Grads<'a> {
+    fn from(g: &'a [CUdeviceptr]) -> Self {
+        Grads::Device(g)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [CUdeviceptr; N]> for Grads<'a> {
+    fn from(g: &'a [CUdeviceptr; N]) -> Self {
+        Grads::Device(g)
+    }
+}
+
+impl<'a> From<&'a Vec<CUdeviceptr>> for Grads<'a> {
+    fn from(g: &'a Vec<CUdeviceptr>) -> Self {
+        Grads::Device(g)
+    }
+}
+
+impl Grads<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Grads::Host(g) => g.len(),
+            Grads::Device(g) => g.len(),
+        }
+    }
+
+    /// Tensor `index`'s gradient.
+    fn get(&self, index: usize) -> Gradient<'_> {
+        match self {
+            Grads::Host(g) => Gradient::Host(g[index]),
+            Grads::Device(g) => Gradient::Device(g[index]),
+        }
+    }
+}
+
+/// One tensor's gradient (one contribution of `add_tensor`), in the accumulator's memory.
+#[derive(Clone, Copy, Debug)]
+pub enum Gradient<'a> {
+    Host(Grad<'a>),
+    /// A device address holding the tensor's declared numel values of its dtype.
+    Device(CUdeviceptr),
+}
+
+impl<'a> From<Grad<'a>> for Gradient<'a> {
+    fn from(g: Grad<'a>) -> Self {
+        Gradient::Host(g)
+    }
+}
+
+impl From<CUdeviceptr> for Gradient<'_> {
+    fn from(g: CUdeviceptr) -> Self {
+        Gradient::Device(g)
+    }
+}
+
+/// What an accumulator is made of besides its window: shared with its store.
 #[derive(Debug)]
-struct Window {
-    /// Identifies the window; a tensor last written in another window reads as zero.
-    id: u64,
-    phase: Phase,
-    count: u64,
-    microbatches: u64,
+pub(crate) struct Plan {
+    pub config: AccumulatorConfig,
+    pub descs: Vec<TensorDesc>,
+    pub layout: Layout,
 }
 
-/// Mixed-precision gradient accumulator over a fixed list of tensors.
+/// What this rank brings to a boundary.
+pub(crate) struct Proposal<'a> {
+    pub comm: Option<&'a dyn Communicator>,
+    pub count: u64,
+    pub microbatches: u64,
+    /// This rank's call is invalid; the store tells the other ranks if its transport can.
+    pub error: Option<Error>,
+}
+
+/// What the ranks agreed on, as far as the host knows before the reduction.
+pub(crate) struct Agreed {
+    pub world: u64,
+    /// The global totals, when the host has them (the CPU always; a device only alone): the
+    /// accumulator then tells an empty window before anything changes.
+    pub totals: Option<ControlSum>,
+}
+
+/// A device's part of an accumulator: the master's memory and the kernels over it. The
+/// accumulator decides what runs and when, after its checks; a store only does it.
+pub(crate) trait Store: Send + Sync {
+    fn device(&self) -> Device;
+
+    /// Refuses a new micro-batch when the window cannot take one.
+    fn check_open(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
+    /// `scaler`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
+    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()>;
+
+    /// Adds one contribution to tensor `index` (the caller holds the tensor's lock).
+    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()>;
+
+    /// The window's last micro-batch opens, with the communicator of its boundary.
+    fn begin_final(&self, _comm: &Arc<dyn Communicator>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Ends what `begin_final` started, before a reset or the boundary.
+    fn end_final(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Zeroes tensor `index`'s master.
+    fn zero(&self, index: usize) -> Result<()>;
+
+    /// The window's overflow flag starts clear.
+    fn clear_found_inf(&self) -> Result<()>;
+
+    /// The control step: the ranks agree on counts, layouts and errors before any bucket moves.
+    fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed>;
+
+    /// The reduction step: sum over the ranks, normalise, measure, clip. With `read`, the info.
+    fn reduce(&self, proposal: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>>;
+
+    /// Address of master element `offset` (a device address on a device).
+    fn master_address(&self, offset: usize) -> *mut f32;
+
+    /// Copies master elements `range` to `out` (waits for the device).
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()>;
+
+    /// Overwrites master elements from 0 with `values`.
+    fn write(&self, values: &[f32]) -> Result<()>;
+
+    /// The window's overflow flag (waits for the device).
+    fn found_inf(&self) -> Result<bool>;
+
+    fn set_found_inf(&self, value: bool) -> Result<()>;
+
+    /// The host view of the master, when it is in host memory.
+    fn host(&self) -> Option<&cpu::HostStore> {
+        None
+    }
+
+    /// Enqueues `scaler`'s read of the synced boundary's overflow flag (a device's scaler).
+    fn gather_into(&self, _scaler: &cuda::CudaScaler) -> Result<()> {
+        Err(Error::new(ErrorKind::DeviceMismatch, "a CUDA scaler cannot gather a CPU accumulator's boundary"))
+    }
+}
+
+/// Mixed-precision gradient accumulator over a fixed list of tensors, on one device.
 ///
 /// `add`, `begin_microbatch`/`end_microbatch`, `sync` and `reset` serialise on the window.
 /// `add_tensor` may run concurrently from several threads: distinct tensors in parallel, several
 /// contributions to one tensor one after another.
-#[derive(Debug)]
 pub struct Accumulator {
-    config: AccumulatorConfig,
-    descs: Vec<TensorDesc>,
-    layout: Layout,
-    master: Master,
-    /// The window id in which each tensor was last written.
-    written_in: Vec<AtomicU64>,
-    /// Serialises contributions to one tensor from `add_tensor` callers on different threads.
-    tensor_locks: Vec<Mutex<()>>,
-    /// The window's sticky non-finite flag (set by concurrent `add_tensor` callers).
-    found_inf: AtomicBool,
-    window: RwLock<Window>,
+    plan: Arc<Plan>,
+    window: Window,
+    store: Box<dyn Store>,
+}
+
+impl std::fmt::Debug for Accumulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accumulator").field("device", &self.device()).field("plan", &self.plan).finish()
+    }
 }
 
 impl Accumulator {
-    /// An accumulator that owns its master buffer.
+    /// A CPU accumulator that owns its master buffer.
     pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
-        let layout = Layout::new(tensors, config.bucket_numel)?;
-        let master = Master::owned(layout.len())?;
-        Self::build(config, tensors, layout, master)
+        Self::on(Device::Cpu, config, tensors)
     }
 
-    /// An accumulator that adopts a caller's FP32 buffer of exactly the total element count as its
-    /// master buffer.
+    /// An accumulator on `device` that owns its master (zeroed; on CUDA allocated on the
+    /// device's stream, and every later call's work is ordered on that stream).
+    pub fn on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
+        Self::build(device, config, tensors, None)
+    }
+
+    /// A CPU accumulator that adopts a caller's FP32 buffer of exactly the total element count as
+    /// its master buffer.
     ///
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` f32 values, and used by nothing else
     /// while the accumulator is alive except through the accumulator's own accessors.
     pub unsafe fn with_buffer(config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
-        let layout = Layout::new(tensors, config.bucket_numel)?;
-        let want = layout.len();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { Self::on_buffer(Device::Cpu, config, tensors, ptr, len) }
+    }
+
+    /// An accumulator on `device` that adopts the caller's FP32 buffer (host memory for the CPU,
+    /// a device address for CUDA) of exactly the total element count as its master.
+    ///
+    /// # Safety
+    /// As [`Accumulator::with_buffer`], in the device's memory.
+    pub unsafe fn on_buffer(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
         if ptr.is_null() {
             return Err(Error::new(ErrorKind::NullArgument, "master buffer is null"));
-        }
-        if len != want {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {want}")));
         }
         if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));
         }
-        Self::build(config, tensors, layout, Master::borrowed(ptr, len))
+        Self::build(device, config, tensors, Some((ptr, len)))
     }
 
-    fn build(config: AccumulatorConfig, tensors: &[TensorDesc], layout: Layout, master: Master) -> Result<Self> {
+    fn build(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], adopt: Option<(*mut f32, usize)>) -> Result<Self> {
         config.validate()?;
-        Ok(Accumulator {
-            config,
-            descs: tensors.to_vec(),
-            layout,
-            master,
-            written_in: tensors.iter().map(|_| AtomicU64::new(0)).collect(),
-            tensor_locks: tensors.iter().map(|_| Mutex::new(())).collect(),
-            found_inf: AtomicBool::new(false),
-            window: RwLock::new(Window { id: 1, phase: Phase::Empty, count: 0, microbatches: 0 }),
-        })
+        let layout = Layout::new(tensors, config.bucket_numel)?;
+        if let Some((_, len)) = adopt {
+            if len != layout.len() {
+                return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {}", layout.len())));
+            }
+        }
+        let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
+        let store: Box<dyn Store> = match device.check()? {
+            Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
+            Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(plan.clone(), ordinal, stream, adopt.map(|(p, _)| p as u64))?),
+        };
+        Ok(Accumulator { window: Window::new(tensors.len()), plan, store })
+    }
+
+    pub fn device(&self) -> Device {
+        self.store.device()
     }
 
     pub fn config(&self) -> &AccumulatorConfig {
-        &self.config
+        &self.plan.config
     }
 
     pub fn tensors(&self) -> &[TensorDesc] {
-        &self.descs
+        &self.plan.descs
     }
 
     /// Total elements of the master buffer.
     pub fn len(&self) -> usize {
-        self.master.len()
+        self.plan.layout.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.master.len() == 0
+        self.len() == 0
     }
 
     /// Element ranges of the communication buckets.
     pub fn buckets(&self) -> &[Range<usize>] {
-        self.layout.buckets()
-    }
-
-    fn read(&self) -> RwLockReadGuard<'_, Window> {
-        // Window updates are single assignments after all checks, so a poisoned lock still holds
-        // a consistent window.
-        self.window.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn write(&self) -> RwLockWriteGuard<'_, Window> {
-        self.window.write().unwrap_or_else(|e| e.into_inner())
+        self.plan.layout.buckets()
     }
 
     fn range(&self, index: usize) -> Range<usize> {
-        self.layout.range(index)
+        self.plan.layout.range(index)
     }
 
     /// Adds one micro-batch: every tensor's gradient, scaled by `scaler`'s current scale, for
-    /// `count` items. Fails without changing anything on a wrong tensor count, length or dtype.
-    pub fn add(&self, scaler: &Scaler, grads: &[Grad<'_>], count: u64) -> Result<()> {
-        let mut w = self.write();
-        if matches!(w.phase, Phase::InMicrobatch { .. }) {
-            return Err(Error::wrong_state("add inside begin_microbatch/end_microbatch: use add_tensor, or end the micro-batch first"));
+    /// `count` items. Fails without changing anything on a wrong tensor count, length, dtype or
+    /// device. On CUDA the work is enqueued on the accumulator's stream (one launch for up to
+    /// 240 tensors) and the call returns without waiting; the buffers must stay valid until the
+    /// stream has run it.
+    pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
+        let grads = grads.into();
+        let mut w = self.window.write();
+        w.between_microbatches("add inside begin_microbatch/end_microbatch: use add_tensor, or end the micro-batch first")?;
+        self.store.check_open()?;
+        let n = self.plan.descs.len();
+        if grads.len() != n {
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("add got {} gradients, the accumulator has {n} tensors", grads.len())));
         }
-        if grads.len() != self.descs.len() {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("add got {} gradients, the accumulator has {} tensors", grads.len(), self.descs.len()),
-            ));
+        for i in 0..n {
+            self.check_grad(i, grads.get(i), || format!("grads[{i}]"))?;
         }
-        for (i, g) in grads.iter().enumerate() {
-            self.check_grad(i, g)?;
+        self.plan.config.check_count(w.open_count(), count)?;
+        self.check_scaler(scaler)?;
+        self.start_window_if_synced(&mut w)?;
+        let weight = self.plan.config.weight(count);
+        self.store.add(scaler, grads, weight, &|i| !self.window.written(&w, i))?;
+        for i in 0..n {
+            self.window.mark_written(&w, i);
         }
-        self.check_count(&w, count)?;
-        self.start_window_if_synced(&mut w);
-        let factor = self.factor(scaler, count);
-        let mut passes = Vec::with_capacity(grads.len());
-        for (i, g) in grads.iter().enumerate() {
-            // SAFETY: the window's write lock excludes every other writer of the master buffer,
-            // and the tensors' ranges do not overlap.
-            let master = unsafe { self.master.slice_mut(self.range(i)) };
-            // A load and a store rather than a swap: the write lock excludes every other writer, and
-            // a locked exchange per tensor showed in the per-call cost of many small tensors.
-            let assign = self.written_in[i].load(Ordering::Relaxed) != w.id;
-            if assign {
-                self.written_in[i].store(w.id, Ordering::Relaxed);
-            }
-            passes.push(cpu::TensorPass { master, grad: *g, assign });
-        }
-        // One pass over all tensors: the threads share the micro-batch, not each large tensor.
-        let bad = cpu::accumulate_many(passes, factor, self.config.threads);
-        if bad {
-            self.found_inf.store(true, Ordering::Relaxed);
-        }
-        w.count += count;
-        w.microbatches += 1;
-        w.phase = Phase::Open;
+        w.add_microbatch(count);
         Ok(())
+    }
+
+    /// Like [`Accumulator::add`], with the gradients as raw addresses in the accumulator's
+    /// memory (host pointers on the CPU, device addresses on CUDA), each checked for null,
+    /// alignment and size.
+    ///
+    /// # Safety
+    /// On the CPU, each non-null address must point to its tensor's declared numel readable
+    /// values of its dtype for the duration of the call.
+    pub unsafe fn add_raw(&self, scaler: &Scaler, grads: &[*const c_void], count: u64) -> Result<()> {
+        match self.device() {
+            Device::Cpu => {
+                let mut views = Vec::with_capacity(grads.len());
+                for (i, (&p, d)) in grads.iter().zip(self.tensors()).enumerate() {
+                    // The checks without a message first: over a thousand small tensors, building
+                    // the argument's name (or returning a Result through memory) cost as much as
+                    // the adds.
+                    // SAFETY: the caller's contract.
+                    match unsafe { dtype::grad_view(p, d.numel, d.dtype) } {
+                        Some(g) => views.push(g),
+                        None => return Err(dtype::buffer_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
+                    }
+                }
+                self.add(scaler, Grads::Host(&views), count)
+            }
+            Device::Cuda { .. } => {
+                let addresses: Vec<CUdeviceptr> = grads.iter().map(|&p| p as CUdeviceptr).collect();
+                self.add(scaler, Grads::Device(&addresses), count)
+            }
+        }
     }
 
     /// Opens a micro-batch of `count` items whose tensors arrive one by one through `add_tensor`.
     pub fn begin_microbatch(&self, count: u64) -> Result<()> {
-        let mut w = self.write();
-        if matches!(w.phase, Phase::InMicrobatch { .. }) {
-            return Err(Error::wrong_state("begin_microbatch while a micro-batch is open: call end_microbatch first"));
+        self.begin(count, None)
+    }
+
+    /// Opens the window's last micro-batch of `count` items and names the communicator of its
+    /// boundary. On CUDA with NCCL, each bucket is all-reduced as soon as all of its tensors
+    /// arrived (one contribution each), overlapping the rest of the backward pass; `sync` over
+    /// the same communicator completes the boundary. Every rank must do the same. On the CPU it
+    /// is `begin_microbatch`.
+    pub fn begin_final_microbatch(&self, count: u64, comm: Arc<dyn Communicator>) -> Result<()> {
+        self.begin(count, Some(comm))
+    }
+
+    fn begin(&self, count: u64, comm: Option<Arc<dyn Communicator>>) -> Result<()> {
+        let mut w = self.window.write();
+        w.between_microbatches("begin_microbatch while a micro-batch is open: call end_microbatch first")?;
+        self.store.check_open()?;
+        self.plan.config.check_count(w.open_count(), count)?;
+        if let Some(c) = &comm {
+            self.check_comm(&**c)?;
+            self.store.begin_final(c)?;
         }
-        self.check_count(&w, count)?;
-        self.start_window_if_synced(&mut w);
+        self.start_window_if_synced(&mut w)?;
         w.phase = Phase::InMicrobatch { count };
         Ok(())
     }
 
     /// Adds one contribution to tensor `index` in the open micro-batch. Callable from several
     /// threads at once; a tensor may receive several contributions (a chunked backward).
-    pub fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Grad<'_>) -> Result<()> {
-        let w = self.read();
-        let Phase::InMicrobatch { count } = w.phase else {
-            return Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first"));
-        };
-        self.layout.check_index(index)?;
-        self.check_grad(index, &grad)?;
-        let factor = self.factor(scaler, count);
-        let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
-        // excludes other `add_tensor` callers on this tensor; tensors never overlap.
-        let m = unsafe { self.master.slice_mut(self.range(index)) };
-        let assign = self.written_in[index].load(Ordering::Relaxed) != w.id;
-        let bad = cpu::accumulate(m, grad, factor, assign, self.config.threads);
-        self.written_in[index].store(w.id, Ordering::Relaxed);
-        if bad {
-            self.found_inf.store(true, Ordering::Relaxed);
-        }
+    pub fn add_tensor<'a>(&self, scaler: &Scaler, index: usize, grad: impl Into<Gradient<'a>>) -> Result<()> {
+        let grad = grad.into();
+        let w = self.window.read();
+        let count = w.microbatch_count()?;
+        self.plan.layout.check_index(index)?;
+        self.check_grad(index, grad, || "grad".into())?;
+        self.check_scaler(scaler)?;
+        let weight = self.plan.config.weight(count);
+        let _tensor = self.window.lock_tensor(index);
+        self.store.add_tensor(scaler, index, grad, weight, !self.window.written(&w, index))?;
+        self.window.mark_written(&w, index);
         Ok(())
+    }
+
+    /// Like [`Accumulator::add_tensor`], with the gradient as a raw address of `numel` elements in
+    /// the accumulator's memory, checked for null, alignment, size and the tensor's numel.
+    ///
+    /// # Safety
+    /// On the CPU, a non-null `grad` must point to `numel` readable values of the tensor's dtype
+    /// for the duration of the call.
+    pub unsafe fn add_tensor_raw(&self, scaler: &Scaler, index: usize, grad: *const c_void, numel: usize) -> Result<()> {
+        let desc = *self
+            .tensors()
+            .get(index)
+            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", self.tensors().len())))?;
+        if numel != desc.numel {
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
+        }
+        dtype::check_buffer(grad, numel, desc.dtype, "grad")?;
+        match self.device() {
+            // SAFETY: checked above; readable by the caller's contract.
+            Device::Cpu => self.add_tensor(scaler, index, unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above")),
+            Device::Cuda { .. } => self.add_tensor(scaler, index, grad as CUdeviceptr),
+        }
     }
 
     /// Closes the open micro-batch; its count and one micro-batch join the window.
     pub fn end_microbatch(&self) -> Result<()> {
-        let mut w = self.write();
+        let mut w = self.window.write();
         let Phase::InMicrobatch { count } = w.phase else {
             return Err(Error::wrong_state("end_microbatch without begin_microbatch"));
         };
-        w.count += count;
-        w.microbatches += 1;
-        w.phase = Phase::Open;
+        w.add_microbatch(count);
         Ok(())
     }
 
     /// The boundary. With a communicator, every rank of its group must call it: the control
-    /// values are reduced first (so ranks agree on counts and overflow, and all fail together if
-    /// any rank's call is invalid), then the master buffer is summed bucket by bucket, normalised,
-    /// measured and clipped. `None` is the single-process boundary.
+    /// values are agreed first (so ranks agree on counts and overflow, and fail together where
+    /// the transport can tell them), then the master is summed bucket by bucket, normalised,
+    /// measured and clipped. `None` is the single-process boundary. On CUDA this waits for the
+    /// accumulator's stream to read the info; [`Accumulator::sync_enqueue`] does not.
     pub fn sync(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
-        let mut w = self.write();
-        let local_error = match w.phase {
-            Phase::InMicrobatch { .. } => Some(Error::wrong_state("sync inside a micro-batch: call end_microbatch first")),
-            _ => None,
-        };
-        // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
-        // time still takes part in the boundary of the others.
-        let empty_again = matches!(w.phase, Phase::Synced(_));
-        let mine = if empty_again {
-            Control { numel: self.len() as u64, layout: self.layout.hash(), ..Default::default() }
-        } else {
-            Control {
-                numel: self.len() as u64,
-                layout: self.layout.hash(),
-                count: w.count,
-                microbatches: w.microbatches,
-                found_inf: self.found_inf.load(Ordering::Relaxed),
-                error: local_error.is_some(),
-            }
-        };
-        let (total, world) = match comm {
-            Some(c) => (c.reduce_control(&mine)?, c.world_size()),
-            None => (ControlSum::of(&mine), 1),
-        };
-        if let Some(e) = local_error {
-            return Err(e);
-        }
-        check_agreement(&total)?;
-        let divisor = self.config.normalize.divisor(total.count, total.microbatches, world as u64);
-        if divisor == 0 {
-            return Err(Error::new(ErrorKind::EmptyWindow, "the window's global item count is 0: nothing to normalise by"));
-        }
-
-        // From here on the window is consumed: every rank passed the same checks.
-        if empty_again {
-            self.discard(&mut w);
-        }
-        for i in 0..self.descs.len() {
-            if self.written_in[i].load(Ordering::Relaxed) != w.id {
-                // SAFETY: the write lock is held.
-                unsafe { self.master.slice_mut(self.range(i)) }.fill(0.0);
-            }
-        }
-        // SAFETY: the write lock is held for the rest of the call.
-        let all = unsafe { self.master.slice_mut(0..self.len()) };
-        let threads = self.config.threads;
-        let max = self.config.max_grad_norm as f64;
-        let normalize = (1.0 / divisor as f64) as f32;
-        // Without clipping the factor is known before the norm, so the pass that measures each
-        // block also normalises it. With clipping the factor depends on the norm: the pass only
-        // measures, and a second pass scales when the norm calls for it.
-        let pass = NormPass { factor: (max == 0.0 && normalize != 1.0).then_some(normalize), threads };
-        let block_sums = match comm.filter(|c| c.world_size() > 1) {
-            // The communicator runs the pass on the sum, possibly share by share as it completes.
-            Some(c) => match c.allreduce_with_pass(all, self.layout.buckets(), &pass) {
-                Ok(sums) => sums,
-                Err(e) => {
-                    self.discard(&mut w);
-                    return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
-                }
-            },
-            None => {
-                let mut sums = vec![0.0; cpu::blocks(all.len())];
-                pass.run(all, &mut sums);
-                sums
-            }
-        };
-        let grad_norm = cpu::fold_block_sums(&block_sums).sqrt() / divisor as f64;
-        let clip_coef = if max == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max / (grad_norm + 1e-6)).min(1.0) };
-        if max != 0.0 {
-            let factor = (clip_coef / divisor as f64) as f32;
-            if factor != 1.0 {
-                cpu::scale(all, factor, threads);
-            }
-        }
-        let info = SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef };
-        self.found_inf.store(total.found_inf, Ordering::Relaxed);
-        w.phase = Phase::Synced(info);
-        Ok(info)
+        self.boundary(comm, true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
-    /// The last boundary's result, while the window is still synced.
+    /// The boundary without reading its info: on CUDA everything is enqueued on the accumulator's
+    /// stream and the call returns at once (the info stays on the device for the scaler's
+    /// update); on the CPU it is [`Accumulator::sync`].
+    pub fn sync_enqueue(&self, comm: Option<&dyn Communicator>) -> Result<()> {
+        self.boundary(comm, false).map(drop)
+    }
+
+    fn boundary(&self, comm: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+        if let Some(c) = comm {
+            if let Err(e) = self.check_comm(c) {
+                refuse_boundary(c);
+                return Err(e);
+            }
+        }
+        let mut w = self.window.write();
+        let error = w.in_microbatch().then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"));
+        // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
+        // time still takes part in the boundary of the others.
+        let empty_again = w.synced();
+        let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
+        let agreed = self.store.agree(&Proposal { comm, count, microbatches, error })?;
+        if let Some(t) = &agreed.totals {
+            if t.microbatches == 0 {
+                return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
+            }
+            if self.plan.config.normalize.divisor(t.count, t.microbatches, agreed.world) == 0 {
+                return Err(Error::new(ErrorKind::EmptyWindow, "the window's global item count is 0: nothing to normalise by"));
+            }
+        }
+
+        // From here on the window is consumed: every rank passed the same checks, and a failure
+        // discards the window (a retry must not reduce a bucket twice).
+        let proposal = Proposal { comm, count, microbatches, error: None };
+        let result = self.consume(&mut w, empty_again, &proposal, &agreed, read);
+        match result {
+            Ok(info) => {
+                w.phase = Phase::Synced(info);
+                Ok(info)
+            }
+            Err(e) => {
+                let _ = self.discard(&mut w);
+                Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)))
+            }
+        }
+    }
+
+    fn consume(&self, w: &mut State, empty_again: bool, proposal: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+        if empty_again {
+            self.discard(w)?;
+        }
+        let untouched: Vec<usize> = self.window.untouched(w).collect();
+        for i in untouched {
+            self.store.zero(i)?;
+            self.window.mark_written(w, i);
+        }
+        self.store.reduce(proposal, agreed, read)
+    }
+
+    /// The last boundary's result, while the window is still synced and its info was read.
     pub fn synced_info(&self) -> Option<SyncInfo> {
-        match self.read().phase {
-            Phase::Synced(info) => Some(info),
+        match self.window.read().phase {
+            Phase::Synced(info) => info,
             _ => None,
         }
     }
 
     /// Discards the window in progress (or the synced result): the next micro-batch starts afresh.
-    pub fn reset(&self) {
-        let mut w = self.write();
-        self.discard(&mut w);
+    pub fn reset(&self) -> Result<()> {
+        let mut w = self.window.write();
+        self.store.end_final()?;
+        self.discard(&mut w)
     }
 
-    /// Runs `f` on tensor `index`'s FP32 master gradient (all zeros for a tensor that received
-    /// nothing in a synced window).
-    pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-        self.layout.check_index(index)?;
-        let _w = self.write();
-        // SAFETY: the write lock excludes every writer.
-        Ok(f(unsafe { self.master.slice_mut(self.range(index)) }))
-    }
-
-    /// Raw pointer to tensor `index`'s master gradient and its length, for callers across the C
-    /// boundary. The buffer never moves while the accumulator lives.
-    pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
-        self.layout.check_index(index)?;
+    /// Copies tensor `index`'s FP32 master gradient to `out` (all zeros for a tensor that received
+    /// nothing in a synced window). On CUDA this waits for the accumulator's stream.
+    pub fn read_master(&self, index: usize, out: &mut [f32]) -> Result<()> {
+        self.plan.layout.check_index(index)?;
         let r = self.range(index);
-        Ok((self.master.ptr_at(r.start), r.len()))
+        if out.len() != r.len() {
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {}", out.len(), r.len())));
+        }
+        let _w = self.window.write();
+        self.store.read(r, out)
+    }
+
+    /// Runs `f` on tensor `index`'s FP32 master gradient: in place on the CPU, on a host copy on
+    /// a device.
+    pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        self.plan.layout.check_index(index)?;
+        let _w = self.window.write();
+        match self.store.host() {
+            // SAFETY: the write lock excludes every writer.
+            Some(host) => Ok(f(unsafe { host.slice(self.range(index)) })),
+            None => {
+                let mut copy = vec![0.0; self.range(index).len()];
+                self.store.read(self.range(index), &mut copy)?;
+                Ok(f(&copy))
+            }
+        }
+    }
+
+    /// Address of tensor `index`'s master gradient (a device address on CUDA) and its length, for
+    /// callers across the C boundary. The buffer never moves while the accumulator lives.
+    pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
+        self.plan.layout.check_index(index)?;
+        let r = self.range(index);
+        Ok((self.store.master_address(r.start), r.len()))
     }
 
     /// The window in progress (masters, counts, micro-batches, overflow flag, which tensors were
-    /// written) as versioned bytes: a checkpoint in the middle of accumulation.
+    /// written) as versioned bytes: a checkpoint in the middle of accumulation. On CUDA this
+    /// waits for the accumulator's stream.
     pub fn save_window(&self) -> Result<Vec<u8>> {
-        let w = self.write();
+        let w = self.window.write();
         if !matches!(w.phase, Phase::Empty | Phase::Open) {
             return Err(Error::wrong_state("save_window needs a window between micro-batches (not inside one, not synced)"));
         }
+        self.store.check_open()?;
+        let mut masters = vec![0.0; self.len()];
+        self.store.read(0..self.len(), &mut masters)?;
         let mut out = state::Writer::new(WINDOW_MAGIC, WINDOW_VERSION);
-        out.u64(self.layout.hash()).u64(w.count).u64(w.microbatches).bool(self.found_inf.load(Ordering::Relaxed));
-        for written in &self.written_in {
-            out.bool(written.load(Ordering::Relaxed) == w.id);
+        out.u64(self.plan.layout.hash()).u64(w.count).u64(w.microbatches).bool(self.store.found_inf()?);
+        for i in 0..self.tensors().len() {
+            out.bool(self.window.written(&w, i));
         }
-        // SAFETY: the write lock is held.
-        out.f32s(unsafe { self.master.slice_mut(0..self.len()) });
+        out.f32s(&masters);
         Ok(out.finish())
     }
 
     /// Restores a window written by [`Accumulator::save_window`] of an accumulator with the same
-    /// layout. Corrupt or foreign bytes are rejected and leave the accumulator unchanged.
+    /// layout, on any device. Corrupt or foreign bytes are rejected and leave the accumulator
+    /// unchanged.
     pub fn load_window(&self, bytes: &[u8]) -> Result<()> {
-        let mut w = self.write();
-        if matches!(w.phase, Phase::InMicrobatch { .. }) {
-            return Err(Error::wrong_state("load_window inside a micro-batch: call end_microbatch or reset first"));
-        }
+        let mut w = self.window.write();
+        w.between_microbatches("load_window inside a micro-batch: call end_microbatch or reset first")?;
+        self.store.check_open()?;
         let mut r = state::Reader::open("accumulator window", bytes, WINDOW_MAGIC, WINDOW_VERSION)?;
-        if r.u64()? != self.layout.hash() {
+        if r.u64()? != self.plan.layout.hash() {
             return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
         }
         let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
-        let written: Vec<bool> = (0..self.descs.len()).map(|_| r.bool()).collect::<Result<_>>()?;
+        let written: Vec<bool> = (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
         let mut values = Vec::new();
         r.f32s_into(&mut values, self.len())?;
         r.finish()?;
-        let id = w.id + 1;
-        for (slot, &was_written) in self.written_in.iter().zip(&written) {
-            slot.store(if was_written { id } else { 0 }, Ordering::Relaxed);
-        }
-        // SAFETY: the write lock is held.
-        unsafe { self.master.slice_mut(0..self.len()) }.copy_from_slice(&values);
-        self.found_inf.store(found_inf, Ordering::Relaxed);
-        let phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
-        *w = Window { id, phase, count, microbatches };
+        self.store.write(&values)?;
+        self.store.set_found_inf(found_inf)?;
+        self.window.restore(&mut w, &written);
+        w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
+        w.count = count;
+        w.microbatches = microbatches;
         Ok(())
     }
 
-    fn discard(&self, w: &mut Window) {
-        *w = Window { id: w.id + 1, phase: Phase::Empty, count: 0, microbatches: 0 };
-        self.found_inf.store(false, Ordering::Relaxed);
-    }
-
-    fn start_window_if_synced(&self, w: &mut Window) {
-        if matches!(w.phase, Phase::Synced(_)) {
-            self.discard(w);
+    /// Checks that the window is synced (WRONG_STATE naming `what` otherwise) and returns its
+    /// info when the host has it.
+    pub(crate) fn check_synced(&self, what: &str) -> Result<Option<SyncInfo>> {
+        match self.window.read().phase {
+            Phase::Synced(info) => Ok(info),
+            _ => Err(Error::wrong_state(format!("{what} has not been synced in its current window: call sync first"))),
         }
     }
 
-    fn factor(&self, scaler: &Scaler, count: u64) -> f32 {
-        math::unscale_factor(self.config.weight(count), scaler.scale())
-    }
-
-    fn check_count(&self, w: &Window, count: u64) -> Result<()> {
-        // A synced window restarts from zero, so only an open window's total can overflow.
-        self.config.check_count(if matches!(w.phase, Phase::Synced(_)) { 0 } else { w.count }, count)
-    }
-
-    fn check_grad(&self, index: usize, g: &Grad<'_>) -> Result<()> {
-        let d = self.descs[index];
-        if g.dtype() != d.dtype {
-            return Err(Error::new(
-                ErrorKind::DtypeMismatch,
-                format!("gradient {index} is {}, tensor {index} was declared {}", g.dtype().name(), d.dtype.name()),
-            ));
+    /// Enqueues a CUDA scaler's read of the synced boundary's overflow flag.
+    pub(crate) fn gather_into(&self, scaler: &cuda::CudaScaler, what: &str) -> Result<()> {
+        let w = self.window.read();
+        if !w.synced() {
+            return Err(Error::wrong_state(format!("{what} has not been synced in its current window: call sync first")));
         }
-        if g.len() != d.numel {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("gradient {index} has {} elements, tensor {index} has {}", g.len(), d.numel)));
+        self.store.gather_into(scaler)
+    }
+
+    fn discard(&self, w: &mut State) -> Result<()> {
+        w.next();
+        self.store.clear_found_inf()
+    }
+
+    fn start_window_if_synced(&self, w: &mut State) -> Result<()> {
+        if w.synced() {
+            self.discard(w)?;
         }
         Ok(())
     }
-}
 
-/// The boundary's pass over the summed master buffer: each block's sum of squares, and the
-/// normalisation when its factor is known before the norm (no clipping).
-struct NormPass {
-    factor: Option<f32>,
-    threads: usize,
-}
+    fn check_scaler(&self, scaler: &Scaler) -> Result<()> {
+        Device::require_same(("the scaler", scaler.device()), ("the accumulator", self.device()))
+    }
 
-impl BlockPass for NormPass {
-    fn run(&self, run: &mut [f32], sums: &mut [f64]) {
-        match self.factor {
-            Some(factor) => cpu::scale_and_block_sum_squares(run, factor, sums, self.threads),
-            None => cpu::block_sum_squares(run, sums, self.threads),
+    fn check_comm(&self, comm: &dyn Communicator) -> Result<()> {
+        Device::require_same(("the communicator", comm.device()), ("the accumulator", self.device()))
+    }
+
+    /// A gradient matches its tensor (dtype, length) and the accumulator's memory. `argument`
+    /// names it in the error, and is only formatted when a check fails.
+    fn check_grad(&self, index: usize, g: Gradient<'_>, argument: impl FnOnce() -> String) -> Result<()> {
+        let d = self.plan.descs[index];
+        match (g, self.device()) {
+            (Gradient::Host(g), Device::Cpu) => {
+                if g.dtype() != d.dtype {
+                    return Err(Error::new(
+                        ErrorKind::DtypeMismatch,
+                        format!("{} is {}, tensor {index} was declared {}", argument(), g.dtype().name(), d.dtype.name()),
+                    ));
+                }
+                if g.len() != d.numel {
+                    return Err(Error::new(
+                        ErrorKind::SizeMismatch,
+                        format!("{} has {} elements, tensor {index} has {}", argument(), g.len(), d.numel),
+                    ));
+                }
+                Ok(())
+            }
+            (Gradient::Device(p), Device::Cuda { .. }) => dtype::check_buffer(p as *const c_void, d.numel, d.dtype, &argument()),
+            (Gradient::Host(_), device) => {
+                Err(Error::new(ErrorKind::DeviceMismatch, format!("{} is host memory, the accumulator is on {}", argument(), device.name())))
+            }
+            (Gradient::Device(_), _) => {
+                Err(Error::new(ErrorKind::DeviceMismatch, format!("{} is a device address, the accumulator is on the CPU", argument())))
+            }
         }
     }
-
-    fn add_and_run(&self, run: &mut [f32], addend: &[f32], sums: &mut [f64]) {
-        cpu::add_and_block_sum_squares(run, addend, self.factor, sums);
-    }
 }
 
-/// Fails on every rank alike when the ranks' control values are inconsistent.
-fn check_agreement(total: &ControlSum) -> Result<()> {
-    if total.error {
-        return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
+/// Takes part in a boundary this rank cannot run (its arguments are invalid), so the other ranks
+/// fail instead of waiting: a host communicator's control reduction carries the error. A device
+/// communicator cannot carry it; its peers wait until they are aborted or time out.
+pub(crate) fn refuse_boundary(comm: &dyn Communicator) {
+    if let Collectives::Host(c) = comm.collectives() {
+        let _ = c.reduce_control(&Control { error: true, ..Default::default() });
     }
-    if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
-        return Err(Error::new(
-            ErrorKind::SizeMismatch,
-            format!(
-                "ranks' accumulators differ (element counts from {} to {}, or a different tensor layout); no rank reduced",
-                total.min_numel, total.max_numel
-            ),
-        ));
-    }
-    if total.microbatches == 0 {
-        return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
-    }
-    Ok(())
 }

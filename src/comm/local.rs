@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use super::{Busy, BusyGuard, Communicator, Control, ControlSum};
+use super::{Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::backend::cpu;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -71,6 +71,12 @@ impl Communicator for LocalComm {
         self.group.world
     }
 
+    fn collectives(&self) -> Collectives<'_> {
+        Collectives::Host(self)
+    }
+}
+
+impl HostCollectives for LocalComm {
     fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
         let _busy = self.enter()?;
         let g = &*self.group;

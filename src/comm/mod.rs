@@ -1,8 +1,18 @@
 //! Communicators: how the ranks of a data-parallel group meet at the accumulation boundary.
-//! A communicator offers two collectives: the small control reduction that makes every rank agree
-//! on counts, overflow and errors, and an in-place sum of FP32 buffers whose result is bitwise
-//! identical on every rank (one buffer, or several buckets of one buffer at once), which the
-//! boundary runs together with its per-block pass over the sum.
+//!
+//! Every communicator has one shape, [`Communicator`]: its rank, its group's size, its device,
+//! abort, and its collectives. The collectives come in two kinds, because the two kinds of memory
+//! ask for different calls, and this is the one place that says so:
+//! - [`HostCollectives`] (in-process threads, MPI) reduce host buffers and return when done: the
+//!   small control reduction that makes every rank agree on counts, overflow and errors, and an
+//!   in-place sum of FP32 buffers, bitwise identical on every rank, run together with the
+//!   boundary's per-block pass over the sum.
+//! - [`nccl::NcclComm`] reduces device buffers, enqueued on CUDA streams: its calls return before
+//!   the data moved, the control words are reduced on the device beside the buckets, and results
+//!   reach the host only when a caller reads them.
+//!
+//! An accumulator asks its communicator for the kind its device needs ([`Collectives`]); a
+//! communicator of the other kind is a DEVICE_MISMATCH, found before anything is reduced.
 
 mod local;
 #[cfg(feature = "mpi")]
@@ -23,9 +33,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::cpu;
-use crate::error::{Error, Result};
+use crate::device::Device;
+use crate::error::{Error, ErrorKind, Result};
 
-/// The boundary's work on the summed buffer, handed to [`Communicator::allreduce_with_pass`].
+/// The boundary's work on the summed buffer, handed to [`HostCollectives::allreduce_with_pass`].
 /// It runs on runs of the sum that start at a multiple of [`cpu::math::NORM_BLOCK`] elements of
 /// the whole buffer and hold whole blocks (only the buffer's last block may be short); it may
 /// change the run in place and writes one value per block of the run. What it does to a block,
@@ -105,8 +116,6 @@ impl ControlSum {
 }
 
 /// One rank's endpoint of a data-parallel group.
-///
-/// Both collectives must be called by every rank of the group, in the same order.
 pub trait Communicator: Send + Sync {
     /// This rank's index, in `0..world_size()`.
     fn rank(&self) -> usize;
@@ -114,6 +123,30 @@ pub trait Communicator: Send + Sync {
     /// Number of ranks in the group.
     fn world_size(&self) -> usize;
 
+    /// Where the buffers it reduces live.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// What it reduces, and how (see the module documentation).
+    fn collectives(&self) -> Collectives<'_>;
+
+    /// Stops this rank's use of the group: calls waiting in it, on any thread, fail, and so does
+    /// every later call. The default refuses: the communicator cannot be interrupted.
+    fn abort(&self) -> Result<()> {
+        Err(Error::new(ErrorKind::WrongState, "only NCCL communicators can be aborted"))
+    }
+}
+
+/// A communicator's collectives, by the kind of memory they reduce.
+#[derive(Clone, Copy)]
+pub enum Collectives<'a> {
+    Host(&'a dyn HostCollectives),
+    Nccl(&'a nccl::NcclComm),
+}
+
+/// The collectives of a host communicator. Every rank of the group must call them, in the same order.
+pub trait HostCollectives: Send + Sync {
     /// Reduces every rank's control values; every rank receives the same [`ControlSum`].
     fn reduce_control(&self, mine: &Control) -> Result<ControlSum>;
 
@@ -131,7 +164,7 @@ pub trait Communicator: Send + Sync {
         Ok(())
     }
 
-    /// Sums `buf` over all ranks in place, as [`Communicator::allreduce_buckets`] does, and runs
+    /// Sums `buf` over all ranks in place, as [`HostCollectives::allreduce_buckets`] does, and runs
     /// `pass` once over every element of the sum; returns the value `pass` wrote for each block of
     /// `buf`, in block order. Every rank ends with the same bits in `buf` and the same values.
     ///

@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard};
 use mpi::ffi;
 
 use super::shares::{self, ShareTransport};
-use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Communicator, Control, ControlSum};
+use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::error::{Error, ErrorKind, Result};
 
 extern "C" {
@@ -288,6 +288,12 @@ impl Communicator for MpiComm {
         self.world
     }
 
+    fn collectives(&self) -> Collectives<'_> {
+        Collectives::Host(self)
+    }
+}
+
+impl HostCollectives for MpiComm {
     /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words.
     fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
         let _busy = self.enter()?;

@@ -642,6 +642,28 @@ impl Drop for GroupOwner<'_> {
     }
 }
 
+impl super::Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn device(&self) -> crate::device::Device {
+        crate::device::Device::Cuda { ordinal: self.ctx.ordinal, stream: std::ptr::null_mut() }
+    }
+
+    fn collectives(&self) -> super::Collectives<'_> {
+        super::Collectives::Nccl(self)
+    }
+
+    fn abort(&self) -> Result<()> {
+        NcclComm::abort(self)
+    }
+}
+
 impl Drop for NcclComm {
     /// A healthy communicator is finalised (its pending operations complete, up to the timeout)
     /// and destroyed; one whose peers failed is aborted, since finalising it would wait for them.

@@ -130,7 +130,7 @@ pub(crate) trait ShareTransport {
 
 /// Sums `buf` over the ranks of `t` in shares of about `share_numel` elements and runs `pass` on
 /// each share of the sum by its owner; returns the values `pass` wrote for every block of `buf`,
-/// in block order, the same on every rank. See [`super::Communicator::allreduce_with_pass`].
+/// in block order, the same on every rank. See [`super::HostCollectives::allreduce_with_pass`].
 pub(crate) fn reduce_in_shares(t: &impl ShareTransport, buf: &mut [f32], share_numel: usize, pass: &dyn BlockPass) -> Result<Vec<f64>> {
     let (rank, world) = (t.rank(), t.world());
     let plan = Plan::new(buf.len(), world, share_numel);
@@ -184,7 +184,7 @@ mod tests {
     use std::sync::{Arc, Barrier, Mutex};
 
     use super::*;
-    use crate::comm::{Communicator, LocalComm};
+    use crate::comm::{Communicator, HostCollectives, LocalComm};
 
     #[test]
     fn plans_cut_whole_blocks_and_cover_the_buffer() {

@@ -4,13 +4,13 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::comm::{gradacc_comm_t, CommObj, COMMS};
+use super::comm::{gradacc_comm_t, COMMS};
 use super::handle::Registry;
-use super::scaler::{gradacc_scaler_t, ScalerObj, SCALERS};
+use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null};
 use super::types::*;
-use crate::accumulator::{Accumulator, AccumulatorConfig, LossReduction, Normalize, SyncInfo, TensorDesc};
-use crate::backend::cuda::{CudaAccumulator, CudaScaler};
+use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
+use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
@@ -19,43 +19,7 @@ pub struct gradacc_accumulator_t {
     _private: [u8; 0],
 }
 
-/// An accumulator of either device (held in an `Arc`, so the variants' sizes do not matter).
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum AccumulatorObj {
-    Cpu(Accumulator),
-    Cuda(CudaAccumulator),
-}
-
-impl AccumulatorObj {
-    fn tensors(&self) -> &[TensorDesc] {
-        match self {
-            AccumulatorObj::Cpu(a) => a.tensors(),
-            AccumulatorObj::Cuda(a) => a.tensors(),
-        }
-    }
-}
-
-pub(crate) static ACCUMULATORS: LazyLock<Registry<AccumulatorObj>> = LazyLock::new(|| Registry::new("accumulator"));
-
-fn device_mismatch(what: &str) -> Error {
-    Error::new(ErrorKind::DeviceMismatch, format!("{what} is on another device than the accumulator (CPU with CUDA)"))
-}
-
-/// The CPU scaler behind `scaler`, or DEVICE_MISMATCH.
-fn cpu_scaler(s: &ScalerObj) -> Result<&crate::scaler::Scaler> {
-    match s {
-        ScalerObj::Cpu(s) => Ok(s),
-        ScalerObj::Cuda(_) => Err(device_mismatch("`scaler`")),
-    }
-}
-
-/// The CUDA scaler behind `scaler`, or DEVICE_MISMATCH.
-fn cuda_scaler(s: &ScalerObj) -> Result<&CudaScaler> {
-    match s {
-        ScalerObj::Cuda(s) => Ok(s),
-        ScalerObj::Cpu(_) => Err(device_mismatch("`scaler`")),
-    }
-}
+pub(crate) static ACCUMULATORS: LazyLock<Registry<Accumulator>> = LazyLock::new(|| Registry::new("accumulator"));
 
 /// How the caller reduced its loss over the `count` items of a micro-batch.
 pub type gradacc_loss_reduction_t = i32;
@@ -194,11 +158,7 @@ pub extern "C" fn gradacc_accumulator_create(
     guard("gradacc_accumulator_create", || {
         let out = out_ptr(out, "out")?;
         let (config, descs, device) = creation_args(config, tensors, n, device)?;
-        let acc = match device {
-            Device::Cpu => AccumulatorObj::Cpu(Accumulator::new(config, &descs)?),
-            Device::Cuda { ordinal, stream } => AccumulatorObj::Cuda(CudaAccumulator::new(config, &descs, ordinal, stream, None)?),
-        };
-        *out = ACCUMULATORS.insert(Arc::new(acc));
+        *out = ACCUMULATORS.insert(Arc::new(Accumulator::on(device, config, &descs)?));
         Ok(())
     })
 }
@@ -225,14 +185,9 @@ pub extern "C" fn gradacc_accumulator_create_with_buffer(
         if master.is_null() {
             return Err(null("master"));
         }
-        let acc = match device {
-            // SAFETY: the caller lends `master_numel` f32 values for the accumulator's lifetime.
-            Device::Cpu => AccumulatorObj::Cpu(unsafe { Accumulator::with_buffer(config, &descs, master, master_numel)? }),
-            Device::Cuda { ordinal, stream } => {
-                AccumulatorObj::Cuda(CudaAccumulator::new(config, &descs, ordinal, stream, Some((master as u64, master_numel)))?)
-            }
-        };
-        *out = ACCUMULATORS.insert(Arc::new(acc));
+        // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
+        // accumulator's lifetime (API contract).
+        *out = ACCUMULATORS.insert(Arc::new(unsafe { Accumulator::on_buffer(device, config, &descs, master, master_numel)? }));
         Ok(())
     })
 }
@@ -282,27 +237,9 @@ pub extern "C" fn gradacc_accumulator_add(
         if n != a.tensors().len() {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())));
         }
-        let ptrs = unsafe { std::slice::from_raw_parts(grads, n) };
-        match &*a {
-            AccumulatorObj::Cpu(a) => {
-                let mut views = Vec::with_capacity(n);
-                for (i, (&p, d)) in ptrs.iter().zip(a.tensors()).enumerate() {
-                    // The checks without a message first: over a thousand small tensors, building
-                    // the argument's name (or returning a Result through memory) cost as much as
-                    // the adds.
-                    match unsafe { grad_view(p, d.numel, d.dtype) } {
-                        Some(grad) => views.push(grad),
-                        None => return Err(grad_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
-                    }
-                }
-                a.add(cpu_scaler(&s)?, &views, count)
-            }
-            AccumulatorObj::Cuda(a) => {
-                // Device addresses: CudaAccumulator::add checks them (never dereferenced here).
-                let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
-                a.add(cuda_scaler(&s)?, &addresses, count)
-            }
-        }
+        // SAFETY: the caller passes `n` addresses at `grads`, each holding its tensor's
+        // gradient (API contract); `add_raw` checks each before use.
+        unsafe { a.add_raw(&s, std::slice::from_raw_parts(grads, n), count) }
     })
 }
 
@@ -312,10 +249,7 @@ pub extern "C" fn gradacc_accumulator_add(
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
-    guard("gradacc_accumulator_begin_microbatch", || match &*ACCUMULATORS.get(acc, "acc")? {
-        AccumulatorObj::Cpu(a) => a.begin_microbatch(count),
-        AccumulatorObj::Cuda(a) => a.begin_microbatch(count),
-    })
+    guard("gradacc_accumulator_begin_microbatch", || ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count))
 }
 
 /// Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
@@ -335,12 +269,7 @@ pub extern "C" fn gradacc_accumulator_begin_final_microbatch(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_begin_final_microbatch", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let c = COMMS.get(comm, "comm")?;
-        match (&*a, &*c) {
-            (AccumulatorObj::Cpu(a), CommObj::Host(_)) => a.begin_microbatch(count),
-            (AccumulatorObj::Cuda(a), CommObj::Nccl(n)) => a.begin_final_microbatch(count, n.clone()),
-            _ => Err(device_mismatch("`comm`")),
-        }
+        a.begin_final_microbatch(count, COMMS.get(comm, "comm")?)
     })
 }
 
@@ -364,20 +293,9 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
     guard("gradacc_accumulator_add_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         let s = SCALERS.get(scaler, "scaler")?;
-        let desc = *a
-            .tensors()
-            .get(index)
-            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len())))?;
-        if numel != desc.numel {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
-        }
-        match &*a {
-            AccumulatorObj::Cpu(a) => a.add_tensor(cpu_scaler(&s)?, index, unsafe { grad_from_c(grad, numel, desc.dtype, "grad")? }),
-            AccumulatorObj::Cuda(a) => {
-                check_buffer(grad, numel, desc.dtype, "grad")?;
-                a.add_tensor(cuda_scaler(&s)?, index, grad as u64)
-            }
-        }
+        // SAFETY: the caller passes `numel` values of the tensor's dtype at `grad` (API
+        // contract); `add_tensor_raw` checks the address and the count before use.
+        unsafe { a.add_tensor_raw(&s, index, grad, numel) }
     })
 }
 
@@ -387,10 +305,7 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
 /// gradacc_accumulator_add_tensor of the micro-batch has returned.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_end_microbatch", || match &*ACCUMULATORS.get(acc, "acc")? {
-        AccumulatorObj::Cpu(a) => a.end_microbatch(),
-        AccumulatorObj::Cuda(a) => a.end_microbatch(),
-    })
+    guard("gradacc_accumulator_end_microbatch", || ACCUMULATORS.get(acc, "acc")?.end_microbatch())
 }
 
 /// The accumulation boundary. With `comm` (every rank of its group must call this): the control
@@ -420,41 +335,31 @@ pub extern "C" fn gradacc_accumulator_sync(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
         let comm = if comm.is_null() { None } else { Some(COMMS.get(comm, "comm")?) };
-        let host_comm = |c: &Option<Arc<CommObj>>| match c.as_deref() {
-            Some(CommObj::Host(c)) => Some(c.clone()),
-            _ => None,
-        };
         let a = match ACCUMULATORS.get(acc, "acc") {
             Ok(a) => a,
             Err(e) => {
-                // Still take part in the collective so the other ranks fail instead of waiting forever.
-                if let Some(c) = host_comm(&comm) {
-                    let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
+                // Still take part in the boundary so the other ranks fail instead of waiting.
+                if let Some(c) = &comm {
+                    refuse_boundary(&**c);
                 }
                 return Err(e);
             }
         };
-        let info: Option<SyncInfo> = match (&*a, comm.as_deref()) {
-            (AccumulatorObj::Cpu(a), None) => Some(a.sync(None)?),
-            (AccumulatorObj::Cpu(a), Some(CommObj::Host(c))) => Some(a.sync(Some(&**c))?),
-            (AccumulatorObj::Cuda(a), None) => a.sync(None, !out_info.is_null())?,
-            (AccumulatorObj::Cuda(a), Some(CommObj::Nccl(c))) => a.sync(Some(&**c), !out_info.is_null())?,
-            (AccumulatorObj::Cpu(_), Some(CommObj::Nccl(_))) => return Err(device_mismatch("`comm` (NCCL)")),
-            (AccumulatorObj::Cuda(_), Some(CommObj::Host(c))) => {
-                let _ = c.reduce_control(&crate::comm::Control { error: true, ..Default::default() });
-                return Err(device_mismatch("`comm` (a host communicator)"));
+        let comm = comm.as_deref();
+        match unsafe { out_info.as_mut() } {
+            None => a.sync_enqueue(comm),
+            Some(o) => {
+                let info = a.sync(comm)?;
+                *o = gradacc_sync_info_t {
+                    found_inf: info.found_inf,
+                    total_count: info.total_count,
+                    microbatches: info.microbatches,
+                    grad_norm: info.grad_norm,
+                    clip_coef: info.clip_coef,
+                };
+                Ok(())
             }
-        };
-        if let (Some(o), Some(info)) = (unsafe { out_info.as_mut() }, info) {
-            *o = gradacc_sync_info_t {
-                found_inf: info.found_inf,
-                total_count: info.total_count,
-                microbatches: info.microbatches,
-                grad_norm: info.grad_norm,
-                clip_coef: info.clip_coef,
-            };
         }
-        Ok(())
     })
 }
 
@@ -475,11 +380,7 @@ pub extern "C" fn gradacc_accumulator_master(
         let a = ACCUMULATORS.get(acc, "acc")?;
         let p = out_ptr(out_data, "out_data")?;
         let n = out_ptr(out_numel, "out_numel")?;
-        let (ptr, len) = match &*a {
-            AccumulatorObj::Cpu(a) => a.master_ptr(index),
-            AccumulatorObj::Cuda(a) => a.master_ptr(index).map(|(p, n)| (p as *mut f32, n)),
-        }
-        .map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
+        let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;
         *n = len;
         Ok(())
@@ -521,13 +422,7 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_reset", || match &*ACCUMULATORS.get(acc, "acc")? {
-        AccumulatorObj::Cpu(a) => {
-            a.reset();
-            Ok(())
-        }
-        AccumulatorObj::Cuda(a) => a.reset(),
-    })
+    guard("gradacc_accumulator_reset", || ACCUMULATORS.get(acc, "acc")?.reset())
 }
 
 /// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
@@ -542,10 +437,7 @@ pub extern "C" fn gradacc_accumulator_save_window(
     capacity: usize,
     out_len: *mut usize,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_save_window", || match &*ACCUMULATORS.get(acc, "acc")? {
-        AccumulatorObj::Cpu(a) => write_bytes(&a.save_window()?, buf, capacity, out_len),
-        AccumulatorObj::Cuda(_) => Err(cuda_window_checkpoint()),
-    })
+    guard("gradacc_accumulator_save_window", || write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len))
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
@@ -556,16 +448,6 @@ pub extern "C" fn gradacc_accumulator_save_window(
 pub extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_accumulator_load_window", || {
         let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
-        match &*ACCUMULATORS.get(acc, "acc")? {
-            AccumulatorObj::Cpu(a) => a.load_window(bytes),
-            AccumulatorObj::Cuda(_) => Err(cuda_window_checkpoint()),
-        }
+        ACCUMULATORS.get(acc, "acc")?.load_window(bytes)
     })
-}
-
-fn cuda_window_checkpoint() -> Error {
-    Error::new(
-        ErrorKind::BackendUnavailable,
-        "window checkpoints are CPU-only in this version: on CUDA, checkpoint at a boundary (the masters are then the synced gradient)",
-    )
 }

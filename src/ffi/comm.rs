@@ -7,7 +7,7 @@ use super::status::{gradacc_status_t, guard, null};
 use super::types::{out_ptr, read_config};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
-use crate::error::{Error, ErrorKind};
+use crate::error::Error;
 
 /// A backend gradacc may be built with: a communicator transport or a device kind.
 pub type gradacc_backend_t = i32;
@@ -51,29 +51,7 @@ pub struct gradacc_nccl_unique_id_t {
     pub internal: [u8; 128],
 }
 
-/// A communicator of any backend: a host one (local, MPI) reduces host buffers, NCCL device ones.
-pub(crate) enum CommObj {
-    Host(Arc<dyn Communicator>),
-    Nccl(Arc<NcclComm>),
-}
-
-impl CommObj {
-    fn rank(&self) -> usize {
-        match self {
-            CommObj::Host(c) => c.rank(),
-            CommObj::Nccl(c) => c.rank(),
-        }
-    }
-
-    fn world_size(&self) -> usize {
-        match self {
-            CommObj::Host(c) => c.world_size(),
-            CommObj::Nccl(c) => c.world_size(),
-        }
-    }
-}
-
-pub(crate) static COMMS: LazyLock<Registry<CommObj>> = LazyLock::new(|| Registry::new("communicator"));
+pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(|| Registry::new("communicator"));
 
 /// Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
 /// socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
@@ -92,8 +70,7 @@ pub extern "C" fn gradacc_comm_create_local(world_size: usize, out_comms: *mut *
         if world_size == 0 || world_size > 4096 {
             return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")));
         }
-        let handles: Vec<*mut gradacc_comm_t> =
-            LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(CommObj::Host(Arc::new(c))))).collect();
+        let handles: Vec<*mut gradacc_comm_t> = LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c))).collect();
         // SAFETY: the caller provides room for `world_size` handles.
         unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), out_comms, world_size) };
         Ok(())
@@ -219,7 +196,7 @@ pub extern "C" fn gradacc_comm_create_mpi(
         {
             use crate::comm::MpiComm;
             let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world()? } else { MpiComm::from_fortran(fortran_comm)? };
-            *out = COMMS.insert(Arc::new(CommObj::Host(Arc::new(comm))));
+            *out = COMMS.insert(Arc::new(comm));
             Ok(())
         }
         #[cfg(not(feature = "mpi"))]
@@ -278,7 +255,7 @@ pub extern "C" fn gradacc_comm_create_nccl(
         }
         let id: &[u8; UNIQUE_ID_BYTES] = &id.internal;
         let comm = NcclComm::new(id, rank as usize, world_size as usize, device_ordinal)?;
-        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
+        *out = COMMS.insert(Arc::new(comm));
         Ok(())
     })
 }
@@ -300,7 +277,7 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
         }
         // SAFETY: the caller passes a live ncclComm_t that outlives the handle (API contract).
         let comm = unsafe { NcclComm::adopt(nccl_comm)? };
-        *out = COMMS.insert(Arc::new(CommObj::Nccl(Arc::new(comm))));
+        *out = COMMS.insert(Arc::new(comm));
         Ok(())
     })
 }
@@ -314,8 +291,5 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
 /// (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
 #[no_mangle]
 pub extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
-    guard("gradacc_comm_abort", || match &*COMMS.get(comm, "comm")? {
-        CommObj::Nccl(c) => c.abort(),
-        CommObj::Host(_) => Err(Error::new(ErrorKind::WrongState, "only NCCL communicators can be aborted")),
-    })
+    guard("gradacc_comm_abort", || COMMS.get(comm, "comm")?.abort())
 }

@@ -4,57 +4,19 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::accumulator::{AccumulatorObj, ACCUMULATORS};
+use super::accumulator::ACCUMULATORS;
 use super::handle::Registry;
 use super::status::{gradacc_status_t, guard, null};
 use super::types::*;
-use crate::backend::cuda::CudaScaler;
-use crate::dtype::{Dtype, GradMut};
-use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::{Scaler, ScalerConfig, ScalerStats};
+use crate::error::Result;
+use crate::scaler::{Scaler, ScalerConfig};
 
 /// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
 pub struct gradacc_scaler_t {
     _private: [u8; 0],
 }
 
-/// A scaler of either device.
-pub(crate) enum ScalerObj {
-    Cpu(Scaler),
-    Cuda(CudaScaler),
-}
-
-impl ScalerObj {
-    fn scale(&self) -> Result<f32> {
-        match self {
-            ScalerObj::Cpu(s) => Ok(s.scale()),
-            ScalerObj::Cuda(s) => s.scale(),
-        }
-    }
-
-    fn stats(&self) -> Result<ScalerStats> {
-        match self {
-            ScalerObj::Cpu(s) => Ok(s.stats()),
-            ScalerObj::Cuda(s) => s.stats(),
-        }
-    }
-
-    fn save(&self) -> Result<Vec<u8>> {
-        match self {
-            ScalerObj::Cpu(s) => Ok(s.save()),
-            ScalerObj::Cuda(s) => s.save(),
-        }
-    }
-
-    fn load(&self, bytes: &[u8]) -> Result<()> {
-        match self {
-            ScalerObj::Cpu(s) => s.load(bytes),
-            ScalerObj::Cuda(s) => s.load(bytes),
-        }
-    }
-}
-
-pub(crate) static SCALERS: LazyLock<Registry<ScalerObj>> = LazyLock::new(|| Registry::new("scaler"));
+pub(crate) static SCALERS: LazyLock<Registry<Scaler>> = LazyLock::new(|| Registry::new("scaler"));
 
 /// Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
 #[repr(C)]
@@ -156,11 +118,7 @@ pub extern "C" fn gradacc_scaler_create(
     guard("gradacc_scaler_create", || {
         let out = out_ptr(out, "out")?;
         let config = if config.is_null() { ScalerConfig::default() } else { (&unsafe { read_config(config, "config")? }).into() };
-        let scaler = match parse_device(device)? {
-            Device::Cpu => ScalerObj::Cpu(Scaler::new(config)?),
-            Device::Cuda { ordinal, stream } => ScalerObj::Cuda(CudaScaler::new(config, ordinal, stream)?),
-        };
-        *out = SCALERS.insert(Arc::new(scaler));
+        *out = SCALERS.insert(Arc::new(Scaler::on(parse_device(device)?, config)?));
         Ok(())
     })
 }
@@ -207,23 +165,9 @@ pub extern "C" fn gradacc_scaler_scale_loss(
     guard("gradacc_scaler_scale_loss", || {
         let s = SCALERS.get(scaler, "scaler")?;
         let dtype = dtype_from_c(dtype, "dtype")?;
-        // Pointer, alignment and length; a CUDA address is never dereferenced on the host.
-        check_buffer(loss, numel, dtype, "loss")?;
-        match &*s {
-            ScalerObj::Cpu(s) => {
-                // SAFETY: the mutable view has the extent just checked.
-                let view = unsafe {
-                    match dtype {
-                        Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
-                        Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
-                        Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
-                    }
-                };
-                s.scale_loss(view);
-                Ok(())
-            }
-            ScalerObj::Cuda(s) => s.scale_loss(loss as u64, numel, dtype),
-        }
+        // SAFETY: the caller passes `numel` writable values of `dtype` at `loss` (API contract);
+        // the address is checked before use, and a CUDA address is never dereferenced here.
+        unsafe { s.scale_loss_raw(loss, numel, dtype, "loss") }
     })
 }
 
@@ -253,39 +197,13 @@ pub extern "C" fn gradacc_scaler_update(
             return Err(null("accumulators"));
         }
         if n == 0 {
-            return Err(Error::invalid("`n` is 0: pass the accumulators whose step this update ends"));
+            return Err(crate::error::Error::invalid("`n` is 0: pass the accumulators whose step this update ends"));
         }
-        let accs = (0..n).map(|i| ACCUMULATORS.get(unsafe { *accumulators.add(i) }, &format!("accumulators[{i}]"))).collect::<Result<Vec<_>>>()?;
-        let not_synced = |i: usize| {
-            Error::wrong_state(format!("accumulators[{i}] has not been synced in its current window: call gradacc_accumulator_sync first"))
-        };
-        let mismatch = |i: usize| Error::new(ErrorKind::DeviceMismatch, format!("accumulators[{i}] is on another device than the scaler"));
-        let skipped = match &*s {
-            ScalerObj::Cpu(s) => {
-                let mut found_inf = false;
-                for (i, a) in accs.iter().enumerate() {
-                    let AccumulatorObj::Cpu(a) = &**a else { return Err(mismatch(i)) };
-                    found_inf |= a.synced_info().ok_or_else(|| not_synced(i))?.found_inf;
-                }
-                Some(s.update(found_inf)?.skipped)
-            }
-            ScalerObj::Cuda(s) => {
-                // Every check first, so a failing call gathers nothing.
-                let mut cuda = Vec::with_capacity(n);
-                for (i, a) in accs.iter().enumerate() {
-                    let AccumulatorObj::Cuda(a) = &**a else { return Err(mismatch(i)) };
-                    if a.ordinal() != s.ordinal() {
-                        return Err(mismatch(i));
-                    }
-                    a.synced_boundary().ok_or_else(|| not_synced(i))?;
-                    cuda.push(a);
-                }
-                for a in cuda {
-                    a.gather_into(s)?;
-                }
-                s.update(!out_skipped.is_null())?
-            }
-        };
+        // SAFETY: the caller passes `n` handles at `accumulators` (API contract).
+        let handles = unsafe { std::slice::from_raw_parts(accumulators, n) };
+        let accs = handles.iter().enumerate().map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]"))).collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&crate::Accumulator> = accs.iter().map(|a| &**a).collect();
+        let skipped = s.update_from(&refs, !out_skipped.is_null())?;
         if let (Some(o), Some(skipped)) = (unsafe { out_skipped.as_mut() }, skipped) {
             *o = skipped;
         }

@@ -6,7 +6,8 @@ use std::ffi::c_void;
 use std::mem::size_of;
 
 use super::status::null;
-use crate::dtype::{Dtype, Grad};
+use crate::device::Device;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Element type of a model gradient buffer.
@@ -64,13 +65,6 @@ pub(crate) fn dtype_to_c(dtype: Dtype) -> gradacc_dtype_t {
     dtype.code()
 }
 
-/// A parsed `gradacc_device_t`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Device {
-    Cpu,
-    Cuda { ordinal: i32, stream: crate::backend::cuda::driver::CUstream },
-}
-
 /// Reads the device argument: NULL or a CPU device, or a CUDA device where a driver and NVRTC
 /// are present (else BACKEND_UNAVAILABLE).
 pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
@@ -94,73 +88,9 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
                 return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)));
             }
             crate::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
-            crate::backend::cuda::driver::require_driver()?;
-            if !crate::backend::cuda::compile::nvrtc_available() {
-                return Err(Error::new(
-                    ErrorKind::BackendUnavailable,
-                    "`device`.kind is CUDA, but NVRTC (libnvrtc.so.12) could not be loaded to compile the kernels",
-                ));
-            }
-            Ok(Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ })
+            Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ }.check()
         }
         k => Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value"))),
-    }
-}
-
-/// Whether a buffer argument (host or device address) passes the checks: non-null, aligned for
-/// `dtype`, and a length that fits the address space. Element sizes are powers of two: a mask and
-/// a multiplication instead of divisions.
-#[inline]
-fn buffer_ok(ptr: *const c_void, numel: usize, dtype: Dtype) -> bool {
-    let aligned = ptr as usize & (dtype.size() - 1) == 0;
-    !ptr.is_null() && aligned && numel.checked_mul(dtype.size()).is_some_and(|bytes| bytes <= isize::MAX as usize)
-}
-
-/// Checks a buffer argument without touching it (a CUDA address is never dereferenced on the
-/// host); the error names `argument`.
-pub(crate) fn check_buffer(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<()> {
-    if buffer_ok(ptr, numel, dtype) {
-        Ok(())
-    } else {
-        Err(grad_error(ptr, numel, dtype, argument))
-    }
-}
-
-/// Borrows a C gradient buffer as a typed slice if it passes [`check_buffer`]'s checks; `None`
-/// otherwise. No message is built, and inlined it returns in registers:
-/// `gradacc_accumulator_add` runs it once per tensor on every call.
-///
-/// # Safety
-/// As for [`grad_from_c`].
-#[inline]
-pub(crate) unsafe fn grad_view<'a>(ptr: *const c_void, numel: usize, dtype: Dtype) -> Option<Grad<'a>> {
-    if !buffer_ok(ptr, numel, dtype) {
-        return None;
-    }
-    Some(match dtype {
-        Dtype::F32 => Grad::F32(std::slice::from_raw_parts(ptr as *const f32, numel)),
-        Dtype::F16 => Grad::F16(std::slice::from_raw_parts(ptr as *const u16, numel)),
-        Dtype::Bf16 => Grad::Bf16(std::slice::from_raw_parts(ptr as *const u16, numel)),
-    })
-}
-
-/// Borrows a C gradient buffer as a typed slice after checking pointer, alignment and size; the
-/// error names `argument`.
-///
-/// # Safety
-/// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
-pub(crate) unsafe fn grad_from_c<'a>(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<Grad<'a>> {
-    grad_view(ptr, numel, dtype).ok_or_else(|| grad_error(ptr, numel, dtype, argument))
-}
-
-/// The error for a gradient buffer that [`grad_view`] refused.
-pub(crate) fn grad_error(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Error {
-    if ptr.is_null() {
-        null(argument)
-    } else if ptr as usize & (dtype.size() - 1) != 0 {
-        Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name()))
-    } else {
-        Error::invalid(format!("`{argument}` length {numel} is too large"))
     }
 }
 

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
+use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer};
-use gradacc::backend::cuda::{self, CudaAccumulator, CudaScaler};
 use gradacc::comm::nccl;
-use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, LossReduction, Normalize, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
 
 use super::{to_bf16, to_f16, Rng};
 
@@ -81,7 +81,7 @@ impl HostGrad {
 }
 
 /// Every tensor's master bit for bit (NaN matching any NaN).
-pub fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
+pub fn masters_equal(cpu: &Accumulator, gpu: &Accumulator, what: &str) {
     for (i, d) in cpu.tensors().iter().enumerate() {
         let mut got = vec![0f32; d.numel];
         gpu.read_master(i, &mut got).unwrap();
@@ -98,8 +98,8 @@ pub fn masters_equal(cpu: &Accumulator, gpu: &CudaAccumulator, what: &str) {
 /// micro-batches and averaged over ranks (DDP without loss division), at loss scale 1; the
 /// micro-batches' gradients are weight 0.5 then 2.5, bias 1.0 then 1.0.
 pub struct ApexSeed {
-    pub scaler: CudaScaler,
-    pub acc: CudaAccumulator,
+    pub scaler: Scaler,
+    pub acc: Accumulator,
     pub first: [DeviceBuffer; 2],
     pub second: [DeviceBuffer; 2],
 }
@@ -109,9 +109,10 @@ impl ApexSeed {
         let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
         let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
         let g = |v: f32| DeviceBuffer::from_slice(ctx, stream, &[v]).unwrap();
+        let device = Device::Cuda { ordinal: 0, stream };
         ApexSeed {
-            scaler: CudaScaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }, 0, stream).unwrap(),
-            acc: CudaAccumulator::new(config, &descs, 0, stream, None).unwrap(),
+            scaler: Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap(),
+            acc: Accumulator::on(device, config, &descs).unwrap(),
             first: [g(0.5), g(1.0)],
             second: [g(2.5), g(1.0)],
         }

@@ -8,10 +8,13 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod isa;
+mod master;
 pub mod math;
 mod scalar;
+mod store;
 
 pub use isa::{active_isa, supported_isas, with_isa, Isa};
+pub(crate) use store::HostStore;
 
 use crate::dtype::Grad;
 

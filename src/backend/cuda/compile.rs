@@ -128,7 +128,7 @@ pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
 
 fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compiled> {
     // The launch geometry the Rust side uses, so kernels and launches cannot disagree.
-    let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::accumulator::CHUNK)];
+    let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::store::CHUNK)];
     let options: Vec<CString> =
         OPTIONS.iter().map(|o| o.to_string()).chain(geometry).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
     let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();

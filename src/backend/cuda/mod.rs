@@ -4,16 +4,16 @@
 //! loaded at run time, so the library builds and loads on machines without CUDA; every entry
 //! point then reports BACKEND_UNAVAILABLE.
 
-pub mod accumulator;
 pub mod compile;
 pub mod driver;
 mod driver_api;
 mod kernels;
 pub mod layout;
-pub mod scaler;
+mod scaler;
+mod store;
 
-pub use accumulator::CudaAccumulator;
-pub use scaler::CudaScaler;
+pub(crate) use scaler::CudaScaler;
+pub(crate) use store::DeviceStore;
 
 /// Whether CUDA objects can be created here: a driver with a device, and NVRTC to compile the
 /// kernels. Never panics.

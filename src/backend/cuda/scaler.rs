@@ -4,12 +4,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats};
+use crate::scaler::{ScalerConfig, ScalerState, ScalerStats};
 
 /// A dynamic loss scaler whose state is in device memory, ordered on one stream.
 ///
@@ -29,8 +29,6 @@ struct Inner {
     config: ScalerConfig,
     /// The state's readers on other streams, and its writes on the scaler's.
     reads: SharedReads,
-    /// Orders the scaler's stream after a stream whose buffer a gather reads.
-    event: Event,
 }
 
 // SAFETY: the stream handle is only used through driver calls, which are thread-safe.
@@ -65,16 +63,16 @@ fn device_state(s: &ScalerState) -> GaScalerState {
 }
 
 impl CudaScaler {
-    /// A scaler on device `ordinal`, ordered on the caller's `stream` (borrowed).
-    pub fn new(config: ScalerConfig, ordinal: i32, stream: CUstream) -> Result<Self> {
+    /// A scaler on device `ordinal` starting from `initial` (checked by the caller), ordered on
+    /// the caller's `stream` (borrowed).
+    pub(crate) fn new(config: ScalerConfig, initial: &ScalerState, ordinal: i32, stream: CUstream) -> Result<Self> {
         check_stream(stream, "`stream`")?;
-        let initial = Scaler::new(config)?.state();
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
-        let state = DeviceBuffer::from_slice(&ctx, stream, &[device_state(&initial)])?;
+        let state = DeviceBuffer::from_slice(&ctx, stream, &[device_state(initial)])?;
         let mut reads = SharedReads::new(&ctx, stream)?;
         reads.after_write()?;
-        let inner = Inner { config, reads, event: Event::new(&ctx)? };
+        let inner = Inner { config, reads };
         Ok(CudaScaler { ctx, kernels, stream, state, inner: Mutex::new(inner) })
     }
 
@@ -84,11 +82,6 @@ impl CudaScaler {
 
     pub fn stream(&self) -> CUstream {
         self.stream
-    }
-
-    /// Device address of the state; kernels read the scale from it.
-    pub fn state_ptr(&self) -> CUdeviceptr {
-        self.state.ptr()
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -134,15 +127,19 @@ impl CudaScaler {
         Ok(s)
     }
 
-    /// The current scale (a host read: waits for the scaler's stream).
-    pub fn scale(&self) -> Result<f32> {
-        Ok(self.read_state()?.scale)
+    pub fn config(&self) -> ScalerConfig {
+        self.lock().config
     }
 
-    /// Statistics (a host read).
-    pub fn stats(&self) -> Result<ScalerStats> {
+    /// The state (a host read: waits for the scaler's stream).
+    pub fn state(&self) -> Result<ScalerState> {
         let s = self.read_state()?;
-        Ok(ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs })
+        Ok(ScalerState {
+            scale: s.scale,
+            growth_tracker: s.growth_tracker,
+            hysteresis_tracker: s.hysteresis_tracker,
+            stats: ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+        })
     }
 
     /// Enqueues `loss *= scale` on `numel` values of `dtype` at device address `loss`, on the
@@ -154,16 +151,6 @@ impl CudaScaler {
         let mut args = launch_args!(loss, n, dtype_code, state);
         // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's contract).
         unsafe { f.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args) }
-    }
-
-    /// Enqueues: take the agreed overflow flag of a boundary (device address of a `ga_boundary`
-    /// written on `stream`) into the next update. The scaler's stream waits for everything
-    /// enqueued on `stream` so far; nothing orders a later write of the boundary after this read
-    /// (an accumulator's `gather_into` does).
-    pub fn gather(&self, boundary: CUdeviceptr, stream: CUstream) -> Result<()> {
-        let mut inner = self.lock();
-        inner.event.order(stream, self.stream)?;
-        self.launch_gather(&mut inner, boundary)
     }
 
     /// Enqueues the gather of a boundary the caller has ordered before the scaler's stream, and
@@ -201,26 +188,12 @@ impl CudaScaler {
         Ok(Some(self.read_state()?.last_skipped != 0))
     }
 
-    /// The state as the CPU scaler's versioned bytes (a host read).
-    pub fn save(&self) -> Result<Vec<u8>> {
-        let s = self.read_state()?;
-        let state = ScalerState {
-            scale: s.scale,
-            growth_tracker: s.growth_tracker,
-            hysteresis_tracker: s.hysteresis_tracker,
-            stats: ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
-        };
-        let config = self.lock().config;
-        Ok(Scaler::with_state(config, state)?.save())
-    }
-
-    /// Restores bytes written by any scaler's save (CPU or CUDA). Invalid bytes change nothing.
-    pub fn load(&self, bytes: &[u8]) -> Result<()> {
-        let parsed = Scaler::new(ScalerConfig::default())?;
-        parsed.load(bytes)?;
+    /// Replaces the configuration and the state (checked by the caller), ordered after every
+    /// read of the state.
+    pub(crate) fn load(&self, config: ScalerConfig, state: &ScalerState) -> Result<()> {
         let mut inner = self.lock();
-        self.write_state(&mut inner, |_| self.state.write(&[device_state(&parsed.state())]))?;
-        inner.config = parsed.config();
+        self.write_state(&mut inner, |_| self.state.write(&[device_state(state)]))?;
+        inner.config = config;
         Ok(())
     }
 }

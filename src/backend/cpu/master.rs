@@ -31,10 +31,6 @@ impl Master {
         Master { ptr, len, owned: false }
     }
 
-    pub(super) fn len(&self) -> usize {
-        self.len
-    }
-
     pub(super) fn ptr_at(&self, offset: usize) -> *mut f32 {
         debug_assert!(offset <= self.len);
         // SAFETY: offset is within the allocation (or one past its end).

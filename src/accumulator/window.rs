@@ -1,0 +1,144 @@
+//! The accumulation window's state machine, the one copy of its rules for every device: which
+//! call may follow which, how counts add up, when a window starts and ends, and which tensors
+//! were written in it (a tensor not written in the current window reads as zero at the
+//! boundary, and its first contribution overwrites instead of adding).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::SyncInfo;
+use crate::error::{Error, Result};
+
+/// Where the window stands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Phase {
+    /// No micro-batch yet.
+    Empty,
+    /// At least one micro-batch added.
+    Open,
+    /// Between `begin_microbatch(count)` and `end_microbatch()`.
+    InMicrobatch { count: u64 },
+    /// The boundary ran (or, on a device, is enqueued); the masters hold its result until the
+    /// next micro-batch opens a new window. The info, once the host has it.
+    Synced(Option<SyncInfo>),
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    /// Identifies the window; tensors remember the id of the window that last wrote them.
+    pub id: u64,
+    pub phase: Phase,
+    /// Items added in this window on this rank.
+    pub count: u64,
+    /// Micro-batches added in this window on this rank.
+    pub microbatches: u64,
+}
+
+impl State {
+    pub fn in_microbatch(&self) -> bool {
+        matches!(self.phase, Phase::InMicrobatch { .. })
+    }
+
+    pub fn synced(&self) -> bool {
+        matches!(self.phase, Phase::Synced(_))
+    }
+
+    /// Fails with WRONG_STATE (`message`) inside a micro-batch.
+    pub fn between_microbatches(&self, message: &str) -> Result<()> {
+        if self.in_microbatch() {
+            return Err(Error::wrong_state(message));
+        }
+        Ok(())
+    }
+
+    /// The open micro-batch's item count.
+    pub fn microbatch_count(&self) -> Result<u64> {
+        match self.phase {
+            Phase::InMicrobatch { count } => Ok(count),
+            _ => Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first")),
+        }
+    }
+
+    /// Items already in the window a new micro-batch would join (a synced window restarts from 0).
+    pub fn open_count(&self) -> u64 {
+        if self.synced() {
+            0
+        } else {
+            self.count
+        }
+    }
+
+    /// A micro-batch of `count` items joins the window.
+    pub fn add_microbatch(&mut self, count: u64) {
+        self.count += count;
+        self.microbatches += 1;
+        self.phase = Phase::Open;
+    }
+
+    /// Starts a new, empty window; everything written before reads as zero.
+    pub fn next(&mut self) {
+        *self = State { id: self.id + 1, phase: Phase::Empty, count: 0, microbatches: 0 };
+    }
+}
+
+/// The window and the per-tensor marks, behind their locks.
+///
+/// Calls that change the window take the write lock. `add_tensor` callers share the read lock
+/// and serialise per tensor, so distinct tensors are added in parallel.
+#[derive(Debug)]
+pub(crate) struct Window {
+    state: RwLock<State>,
+    /// The id of the window in which each tensor was last written.
+    written_in: Vec<AtomicU64>,
+    /// Serialises contributions to one tensor from `add_tensor` callers on different threads.
+    tensor_locks: Vec<Mutex<()>>,
+}
+
+impl Window {
+    pub fn new(tensors: usize) -> Self {
+        Window {
+            state: RwLock::new(State { id: 1, phase: Phase::Empty, count: 0, microbatches: 0 }),
+            written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
+            tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
+        }
+    }
+
+    // Window updates are single assignments after all checks, so a poisoned lock still holds a
+    // consistent window.
+    pub fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn write(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn lock_tensor(&self, index: usize) -> MutexGuard<'_, ()> {
+        self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether tensor `index` was written in window `w`. Relaxed: the window's lock orders
+    /// every access (the write lock, or the read lock and the tensor's lock).
+    pub fn written(&self, w: &State, index: usize) -> bool {
+        self.written_in[index].load(Ordering::Relaxed) == w.id
+    }
+
+    pub fn mark_written(&self, w: &State, index: usize) {
+        self.written_in[index].store(w.id, Ordering::Relaxed);
+    }
+
+    /// Tensors not written in window `w`.
+    pub fn untouched<'a>(&'a self, w: &'a State) -> impl Iterator<Item = usize> + 'a {
+        (0..self.written_in.len()).filter(move |&i| !self.written(w, i))
+    }
+
+    /// Opens a new window `w.id + 1` in which exactly the tensors marked in `written` count as
+    /// written (a restored checkpoint).
+    pub fn restore(&self, w: &mut State, written: &[bool]) {
+        let id = w.id + 1;
+        for (slot, &was) in self.written_in.iter().zip(written) {
+            slot.store(if was { id } else { 0 }, Ordering::Relaxed);
+        }
+        w.id = id;
+    }
+}

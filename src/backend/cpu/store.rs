@@ -1,0 +1,230 @@
+//! The accumulator's store in host memory: the FP32 master buffer, the window's overflow flag,
+//! the SIMD passes over them, and the boundary over a host communicator.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::master::Master;
+use super::math;
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::comm::{BlockPass, Collectives, Control, ControlSum};
+use crate::device::Device;
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::Scaler;
+
+#[derive(Debug)]
+pub(crate) struct HostStore {
+    plan: Arc<Plan>,
+    master: Master,
+    /// The window's sticky non-finite flag (set by concurrent `add_tensor` callers).
+    found_inf: AtomicBool,
+}
+
+impl HostStore {
+    /// Owns a zeroed master, or adopts the caller's buffer of the layout's length.
+    pub(crate) fn new(plan: Arc<Plan>, adopt: Option<*mut f32>) -> Result<Self> {
+        let len = plan.layout.len();
+        let master = match adopt {
+            Some(ptr) => Master::borrowed(ptr, len),
+            None => Master::owned(len)?,
+        };
+        Ok(HostStore { plan, master, found_inf: AtomicBool::new(false) })
+    }
+
+    /// The master elements `range`.
+    ///
+    /// # Safety
+    /// The caller holds exclusive access to `range` for the slice's lifetime (the accumulator's
+    /// window lock, or the read lock and the tensor's lock).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice(&self, range: Range<usize>) -> &mut [f32] {
+        // SAFETY: the caller's contract.
+        unsafe { self.master.slice_mut(range) }
+    }
+
+    fn factor(&self, scaler: &Scaler, weight: f64) -> Result<f32> {
+        Ok(math::unscale_factor(weight, scaler.host_scale()?))
+    }
+
+    fn flag(&self, bad: bool) {
+        if bad {
+            self.found_inf.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Store for HostStore {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()> {
+        let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
+        let factor = self.factor(scaler, weight)?;
+        let passes = grads
+            .iter()
+            .enumerate()
+            .map(|(i, &grad)| {
+                // SAFETY: the window's write lock excludes every other writer of the master
+                // buffer, and the tensors' ranges do not overlap.
+                let master = unsafe { self.slice(self.plan.layout.range(i)) };
+                super::TensorPass { master, grad, assign: first(i) }
+            })
+            .collect();
+        // One pass over all tensors: the threads share the micro-batch, not each large tensor.
+        self.flag(super::accumulate_many(passes, factor, self.plan.config.threads));
+        Ok(())
+    }
+
+    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()> {
+        let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
+        let factor = self.factor(scaler, weight)?;
+        // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
+        // excludes other `add_tensor` callers on this tensor; tensors never overlap.
+        let master = unsafe { self.slice(self.plan.layout.range(index)) };
+        self.flag(super::accumulate(master, grad, factor, first, self.plan.config.threads));
+        Ok(())
+    }
+
+    fn zero(&self, index: usize) -> Result<()> {
+        // SAFETY: the window's write lock is held (the boundary).
+        unsafe { self.slice(self.plan.layout.range(index)) }.fill(0.0);
+        Ok(())
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// One control reduction: a rank whose call is invalid still takes part, with its error flag,
+    /// so every rank fails together.
+    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        let layout = &self.plan.layout;
+        let mine = Control {
+            numel: layout.len() as u64,
+            layout: layout.hash(),
+            count: p.count,
+            microbatches: p.microbatches,
+            found_inf: p.microbatches != 0 && self.found_inf.load(Ordering::Relaxed),
+            error: p.error.is_some(),
+        };
+        let (total, world) = match p.comm.map(|c| (c.collectives(), c.world_size())) {
+            Some((Collectives::Host(c), world)) => (c.reduce_control(&mine)?, world),
+            Some((Collectives::Nccl(_), _)) => return Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator")),
+            None => (ControlSum::of(&mine), 1),
+        };
+        if let Some(e) = &p.error {
+            return Err(e.clone());
+        }
+        check_agreement(&total)?;
+        Ok(Agreed { world: world as u64, totals: Some(total) })
+    }
+
+    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+        let total = agreed.totals.expect("the host agreement has totals");
+        let config = &self.plan.config;
+        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
+        // SAFETY: the window's write lock is held for the whole boundary.
+        let all = unsafe { self.slice(0..self.plan.layout.len()) };
+        let threads = config.threads;
+        let max = config.max_grad_norm as f64;
+        let normalize = (1.0 / divisor as f64) as f32;
+        // Without clipping the factor is known before the norm, so the pass that measures each
+        // block also normalises it. With clipping the factor depends on the norm: the pass only
+        // measures, and a second pass scales when the norm calls for it.
+        let pass = NormPass { factor: (max == 0.0 && normalize != 1.0).then_some(normalize), threads };
+        let host = p.comm.filter(|c| c.world_size() > 1).and_then(|c| match c.collectives() {
+            Collectives::Host(h) => Some(h),
+            Collectives::Nccl(_) => None,
+        });
+        let block_sums = match host {
+            // The communicator runs the pass on the sum, possibly share by share as it completes.
+            Some(c) => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            None => {
+                let mut sums = vec![0.0; super::blocks(all.len())];
+                pass.run(all, &mut sums);
+                sums
+            }
+        };
+        let grad_norm = super::fold_block_sums(&block_sums).sqrt() / divisor as f64;
+        let clip_coef = if max == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max / (grad_norm + 1e-6)).min(1.0) };
+        if max != 0.0 {
+            let factor = (clip_coef / divisor as f64) as f32;
+            if factor != 1.0 {
+                super::scale(all, factor, threads);
+            }
+        }
+        Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
+        self.master.ptr_at(offset)
+    }
+
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        // SAFETY: the accumulator's window lock is held for reading the master.
+        out.copy_from_slice(unsafe { self.slice(range) });
+        Ok(())
+    }
+
+    fn write(&self, values: &[f32]) -> Result<()> {
+        // SAFETY: the window's write lock is held.
+        unsafe { self.slice(0..values.len()) }.copy_from_slice(values);
+        Ok(())
+    }
+
+    fn found_inf(&self) -> Result<bool> {
+        Ok(self.found_inf.load(Ordering::Relaxed))
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.found_inf.store(value, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn host(&self) -> Option<&HostStore> {
+        Some(self)
+    }
+}
+
+/// The boundary's pass over the summed master buffer: each block's sum of squares, and the
+/// normalisation when its factor is known before the norm (no clipping).
+struct NormPass {
+    factor: Option<f32>,
+    threads: usize,
+}
+
+impl BlockPass for NormPass {
+    fn run(&self, run: &mut [f32], sums: &mut [f64]) {
+        match self.factor {
+            Some(factor) => super::scale_and_block_sum_squares(run, factor, sums, self.threads),
+            None => super::block_sum_squares(run, sums, self.threads),
+        }
+    }
+
+    fn add_and_run(&self, run: &mut [f32], addend: &[f32], sums: &mut [f64]) {
+        super::add_and_block_sum_squares(run, addend, self.factor, sums);
+    }
+}
+
+/// Fails on every rank alike when the ranks' control values are inconsistent.
+fn check_agreement(total: &ControlSum) -> Result<()> {
+    if total.error {
+        return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
+    }
+    if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!(
+                "ranks' accumulators differ (element counts from {} to {}, or a different tensor layout); no rank reduced",
+                total.min_numel, total.max_numel
+            ),
+        ));
+    }
+    if total.microbatches == 0 {
+        return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
+    }
+    Ok(())
+}

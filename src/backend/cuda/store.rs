@@ -1,0 +1,486 @@
+//! The accumulator's store on a CUDA device: the same results as the CPU's (bitwise: the
+//! per-element math is shared, see kernels/math.cuh), with the FP32 master in device memory and
+//! every step enqueued on the caller's stream. The boundary reduces the control words and the
+//! master buckets with NCCL and normalises, measures and clips on the device; only calls that
+//! return values to the host wait for the stream, and they say so.
+//!
+//! A micro-batch opened with `begin_final_microbatch` ends the window: as its tensors arrive, each
+//! bucket whose tensors have all arrived is all-reduced at once on a communication stream, so
+//! the reduction overlaps the rest of the backward pass.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
+use super::kernels::Kernels;
+use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
+use super::scaler::CudaScaler;
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::backend::cpu::math::NORM_BLOCK;
+use crate::comm::nccl::NcclComm;
+use crate::comm::{Collectives, Communicator, ControlSum};
+use crate::device::Device;
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::Scaler;
+
+/// Elements per thread block of an add launch (a piece of one tensor): small enough that a tensor
+/// of a million elements still spreads over every SM.
+pub(crate) const CHUNK: usize = 8192;
+/// NORM_BLOCKs per thread block of the sum-of-squares kernel (a half-warp each).
+const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
+
+/// The final micro-batch's early bucket reductions.
+struct Overlap {
+    comm: Arc<dyn Communicator>,
+    /// Tensors of each bucket still to arrive.
+    missing: Vec<usize>,
+    /// Tensors that arrived (a tensor's later contributions to a bucket not yet reduced are
+    /// added, but count once).
+    arrived: Vec<bool>,
+    /// Buckets are launched in reverse order (backward produces the last tensors first), and
+    /// only in that order, so every rank issues the same collectives in the same sequence.
+    next: usize,
+}
+
+/// One `ga_add_multi` launch of an `add`: tensors `first..first + count` and their chunks, which
+/// are consecutive in the chunk table (it lists tensor after tensor).
+struct AddLaunch {
+    first: usize,
+    count: usize,
+    first_chunk: usize,
+    num_chunks: u64,
+}
+
+/// The accumulator's store in CUDA device memory: the FP32 master and the kernels' tables, with
+/// every step enqueued on the accumulator's stream.
+pub(crate) struct DeviceStore {
+    ctx: Arc<Context>,
+    kernels: Arc<Kernels>,
+    stream: CUstream,
+    plan: Arc<Plan>,
+    master: DeviceBuffer,
+    tensors: DeviceBuffer,
+    chunks: DeviceBuffer,
+    /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
+    launches: Vec<AddLaunch>,
+    /// The window's overflow flag (a u32 written by the add kernels).
+    found_inf: DeviceBuffer,
+    boundary: DeviceBuffer,
+    partials: DeviceBuffer,
+    layout_check: DeviceBuffer,
+    /// Communicators this accumulator's layout was verified against.
+    verified: Mutex<Vec<u64>>,
+    /// The final micro-batch's early reductions, from `begin_final` to the boundary.
+    overlap: Mutex<Option<Overlap>>,
+    comm_stream: OnceLock<OwnedStream>,
+    event: Mutex<Event>,
+    /// The boundary is read by scalers' gathers on their streams: the next boundary (and the
+    /// free) waits for those reads.
+    boundary_reads: Mutex<SharedReads>,
+}
+
+// SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
+// host state is behind locks.
+unsafe impl Send for DeviceStore {}
+// SAFETY: as Send.
+unsafe impl Sync for DeviceStore {}
+
+/// The NCCL communicator behind `comm`, or DEVICE_MISMATCH.
+fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
+    match comm.collectives() {
+        Collectives::Nccl(c) => Ok(c),
+        Collectives::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "a host communicator for a CUDA accumulator: use an NCCL communicator")),
+    }
+}
+
+impl DeviceStore {
+    /// Allocates the master (zeroed) on `stream`, or adopts the caller's device buffer of the
+    /// layout's length, and uploads the kernels' tables.
+    pub(crate) fn new(plan: Arc<Plan>, ordinal: i32, stream: CUstream, adopt: Option<CUdeviceptr>) -> Result<Self> {
+        check_stream(stream, "`stream`")?;
+        let (layout, tensors) = (&plan.layout, &plan.descs);
+        let len = layout.len();
+        let ctx = Context::get(ordinal)?;
+        let kernels = Kernels::of(&ctx)?;
+        let table: Vec<GaTensor> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: t.dtype.code(), pad: 0 })
+            .collect();
+        let chunks: Vec<GaChunk> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| {
+                (0..t.numel).step_by(CHUNK).map(move |start| GaChunk {
+                    tensor: i as u64,
+                    start: start as u64,
+                    len: (t.numel - start).min(CHUNK) as u64,
+                })
+            })
+            .collect();
+        let launches = (0..tensors.len())
+            .step_by(SOURCES_PER_LAUNCH)
+            .map(|first| {
+                let count = SOURCES_PER_LAUNCH.min(tensors.len() - first);
+                let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
+                let num_chunks = chunks[first_chunk..].partition_point(|c| (c.tensor as usize) < first + count) as u64;
+                AddLaunch { first, count, first_chunk, num_chunks }
+            })
+            .collect();
+        let master = match adopt {
+            Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, len * 4),
+            None => DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
+        };
+        Ok(DeviceStore {
+            tensors: DeviceBuffer::from_slice(&ctx, stream, &table)?,
+            chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
+            launches,
+            found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
+            boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
+            partials: DeviceBuffer::zeroed(&ctx, stream, len.div_ceil(NORM_BLOCK) * 8)?,
+            layout_check: DeviceBuffer::zeroed(&ctx, stream, 4 * 8)?,
+            event: Mutex::new(Event::new(&ctx)?),
+            boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
+            master,
+            verified: Mutex::new(Vec::new()),
+            overlap: Mutex::new(None),
+            comm_stream: OnceLock::new(),
+            ctx,
+            kernels,
+            stream,
+            plan,
+        })
+    }
+
+    fn overlap(&self) -> MutexGuard<'_, Option<Overlap>> {
+        self.overlap.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
+        self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn master_at(&self, offset: usize) -> CUdeviceptr {
+        self.master.ptr() + 4 * offset as u64
+    }
+
+    /// Counts a final-micro-batch tensor in and launches every bucket that is ready, in order.
+    fn tensor_arrived(&self, o: &mut Overlap, index: usize) -> Result<()> {
+        if std::mem::replace(&mut o.arrived[index], true) {
+            return Ok(());
+        }
+        let layout = &self.plan.layout;
+        o.missing[layout.bucket_of(index)] -= 1;
+        let comm_stream = self.comm_stream()?.stream;
+        while o.next > 0 && o.missing[o.next - 1] == 0 {
+            o.next -= 1;
+            let bucket = &layout.buckets()[o.next];
+            self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
+            nccl(&*o.comm)?.allreduce_sum_f32(self.master_at(bucket.start), bucket.len(), comm_stream)?;
+        }
+        Ok(())
+    }
+
+    /// The boundary's device work: the control words and the buckets not reduced early, then
+    /// normalise, norm and clip.
+    fn run_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+        // The boundary is rewritten: after the scalers' gathers of the last one.
+        let mut reads = self.boundary_reads();
+        reads.before_write()?;
+        let result = self.enqueue_boundary(p, world);
+        // Recorded even after a failure: part of the boundary may be enqueued.
+        reads.after_write()?;
+        result
+    }
+
+    fn enqueue_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+        let overlap = self.overlap().take();
+        if let Some(o) = &overlap {
+            self.finish_overlap(o)?;
+        }
+        let boundary = self.boundary.ptr();
+        let (count, microbatches, found_inf) = (p.count, p.microbatches, self.found_inf.ptr());
+        let mut args = launch_args!(boundary, count, microbatches, found_inf);
+        // SAFETY: argument types follow ga_pack_control.
+        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
+        if let Some(c) = p.comm {
+            let c = nccl(c)?;
+            let buckets = self.plan.layout.buckets();
+            let reduced_early = overlap.as_ref().map_or(buckets.len(), |o| o.next);
+            c.group(|| {
+                c.allreduce_u64(boundary, 3, false, self.stream)?;
+                for b in &buckets[..reduced_early] {
+                    c.allreduce_sum_f32(self.master_at(b.start), b.len(), self.stream)?;
+                }
+                Ok(())
+            })?;
+        }
+        self.finish_boundary(world)
+    }
+
+    /// Normalise, norm and clip, on the device, from the reduced control words.
+    fn finish_boundary(&self, world: u64) -> Result<()> {
+        let n = self.plan.layout.len() as u64;
+        let num_blocks = n.div_ceil(NORM_BLOCK as u64);
+        let max_norm = self.plan.config.max_grad_norm as f64;
+        let (boundary, master, partials) = (self.boundary.ptr(), self.master.ptr(), self.partials.ptr());
+        let normalize_code = self.plan.config.normalize.code();
+        // Without clipping the normalisation is applied with the norm pass; with clipping the
+        // norm decides the factor, so a second pass applies it.
+        let normalize_now: i32 = (max_norm == 0.0) as i32;
+        // SAFETY (all launches): argument types follow the kernels; buffers were sized at creation.
+        unsafe {
+            let mut args = launch_args!(boundary, normalize_code, world);
+            self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
+            let mut args = launch_args!(master, n, boundary, normalize_now, partials);
+            let grid = self.ctx.grid_for(num_blocks.div_ceil(NORM_BLOCKS_PER_CTA));
+            self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
+            let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
+            self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
+            if max_norm != 0.0 {
+                let mut args = launch_args!(master, n, boundary);
+                self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the boundary's result (waits for the stream); None for an empty window.
+    fn read_info(&self) -> Result<Option<SyncInfo>> {
+        let mut b = [GaBoundary::default()];
+        self.boundary.read(&mut b)?;
+        let b = b[0];
+        if b.empty != 0 {
+            return Ok(None);
+        }
+        Ok(Some(SyncInfo {
+            found_inf: b.found_inf != 0,
+            total_count: b.count,
+            microbatches: b.microbatches,
+            grad_norm: b.grad_norm,
+            clip_coef: b.clip_coef,
+        }))
+    }
+
+    fn comm_stream(&self) -> Result<&OwnedStream> {
+        if let Some(s) = self.comm_stream.get() {
+            return Ok(s);
+        }
+        let created = OwnedStream::new(&self.ctx)?;
+        Ok(self.comm_stream.get_or_init(|| created))
+    }
+
+    /// Makes the accumulator's stream wait for the early reductions on the communication stream.
+    fn finish_overlap(&self, _: &Overlap) -> Result<()> {
+        let comm_stream = self.comm_stream()?.stream;
+        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(comm_stream, self.stream)
+    }
+
+    /// Once per communicator: every rank checks that all ranks have the same layout (a blocking
+    /// exchange of the element count and the layout hash, with their complements, by MAX), so a
+    /// mismatch fails on every rank instead of corrupting memory inside NCCL.
+    fn verify_layout(&self, comm: &NcclComm) -> Result<()> {
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        if verified.contains(&comm.id()) {
+            return Ok(());
+        }
+        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.layout.hash());
+        let mine = [numel, hash, !numel, !hash];
+        self.layout_check.write(&mine)?;
+        comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
+        let mut max = [0u64; 4];
+        self.layout_check.read(&mut max)?;
+        comm.health()?;
+        let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
+        if max_numel != min_numel || max_hash != min_hash {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout); no rank reduced"),
+            ));
+        }
+        verified.push(comm.id());
+        Ok(())
+    }
+}
+
+impl Store for DeviceStore {
+    fn device(&self) -> Device {
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+    }
+
+    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
+    fn check_open(&self) -> Result<()> {
+        if self.overlap().is_some() {
+            return Err(Error::wrong_state("the window's final micro-batch has ended: call sync (or reset) before adding more"));
+        }
+        Ok(())
+    }
+
+    /// One `ga_add_multi` launch per SOURCES_PER_LAUNCH tensors (one for most models). The
+    /// gradient addresses travel as a kernel parameter, copied by the launch: no per-call copy
+    /// from host memory, so a step's adds can be captured into a CUDA graph.
+    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()> {
+        let Grads::Device(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "host gradients for a CUDA accumulator")) };
+        let scaler = scaler.cuda()?;
+        let f = self.kernels.add_multi;
+        let (tensors, master, found_inf) = (self.tensors.ptr(), self.master.ptr(), self.found_inf.ptr());
+        for launch in &self.launches {
+            let mut sources =
+                GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
+                *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
+            }
+            let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let num_chunks = launch.num_chunks;
+            scaler.launch_reading(self.stream, |state| {
+                let mut args = launch_args!(tensors, chunks, num_chunks, sources, master, state, weight, found_inf);
+                // SAFETY: argument types follow ga_add_multi (`sources` by value); the chunk range
+                // is this launch's tensors', tables and master were sized at creation, and the
+                // gradient addresses hold their tensors' numel values (the caller's contract).
+                unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()> {
+        let Gradient::Device(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a host gradient for a CUDA accumulator")) };
+        let scaler = scaler.cuda()?;
+        let mut overlap = self.overlap();
+        if let Some(o) = overlap.as_ref() {
+            if o.next <= self.plan.layout.bucket_of(index) {
+                return Err(Error::wrong_state(format!(
+                    "tensor {index} got a second contribution in the final micro-batch after its bucket's all-reduce started"
+                )));
+            }
+        }
+        let desc = self.plan.descs[index];
+        let f = self.kernels.add_one;
+        let master = self.master_at(self.plan.layout.range(index).start);
+        let (numel, dtype, assign, found_inf) = (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
+        scaler.launch_reading(self.stream, |state| {
+            let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
+            // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
+            unsafe { f.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+        })?;
+        if let Some(o) = overlap.as_mut() {
+            self.tensor_arrived(o, index)?;
+        }
+        Ok(())
+    }
+
+    /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+    fn begin_final(&self, comm: &Arc<dyn Communicator>) -> Result<()> {
+        self.verify_layout(nccl(&**comm)?)?;
+        self.comm_stream()?;
+        // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
+        // no tensor of it can be stale: nothing needs zeroing first.
+        let layout = &self.plan.layout;
+        let mut missing = vec![0; layout.buckets().len()];
+        for i in 0..self.plan.descs.len() {
+            missing[layout.bucket_of(i)] += 1;
+        }
+        let next = missing.len();
+        *self.overlap() = Some(Overlap { comm: comm.clone(), missing, arrived: vec![false; self.plan.descs.len()], next });
+        Ok(())
+    }
+
+    fn end_final(&self) -> Result<()> {
+        match self.overlap().take() {
+            Some(o) => self.finish_overlap(&o),
+            None => Ok(()),
+        }
+    }
+
+    fn zero(&self, index: usize) -> Result<()> {
+        self.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.zero_f32(0, 1)
+    }
+
+    /// A call that fails here does not enter NCCL, so the other ranks wait, as in any NCCL
+    /// program, until the communicator is aborted. The counts stay on the device, where the
+    /// boundary reduces them with the buckets; alone, the host knows them already.
+    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        if let Some(e) = &p.error {
+            return Err(e.clone());
+        }
+        let comm = p.comm.map(nccl).transpose()?;
+        {
+            let overlap = self.overlap();
+            match (comm, overlap.as_ref()) {
+                (Some(c), Some(o)) if c.id() != nccl(&*o.comm)?.id() => {
+                    return Err(Error::invalid("sync got another communicator than the final micro-batch's"));
+                }
+                (None, Some(_)) => return Err(Error::invalid("`comm` is NULL, but the final micro-batch was opened with a communicator")),
+                _ => {}
+            }
+        }
+        if let Some(c) = comm {
+            self.verify_layout(c)?;
+        }
+        let world = comm.map_or(1, |c| c.world_size()) as u64;
+        let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
+        Ok(Agreed { world, totals })
+    }
+
+    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+        self.run_boundary(p, agreed.world)?;
+        if !read {
+            return Ok(None);
+        }
+        let info = self.read_info()?;
+        // An abort (or a peer's failure) ends the collectives the read waited for without
+        // reducing: the values read are not the boundary's.
+        if let Some(c) = p.comm {
+            nccl(c)?.health()?;
+        }
+        match info {
+            Some(info) => Ok(Some(info)),
+            None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
+        }
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
+        self.master_at(offset) as *mut f32
+    }
+
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        self.master.read_at(4 * range.start, &mut out[..range.len()])
+    }
+
+    fn write(&self, values: &[f32]) -> Result<()> {
+        self.master.write(values)
+    }
+
+    fn found_inf(&self) -> Result<bool> {
+        let mut flag = [0u32];
+        self.found_inf.read(&mut flag)?;
+        Ok(flag[0] != 0)
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.found_inf.write(&[value as u32])
+    }
+
+    /// On the scaler's stream: after the boundary is written, and before the next boundary or the
+    /// free overwrites it.
+    fn gather_into(&self, scaler: &CudaScaler) -> Result<()> {
+        let mut reads = self.boundary_reads();
+        reads.before_read(scaler.stream())?;
+        scaler.gather_ordered(self.boundary.ptr())?;
+        reads.after_read(scaler.stream())
+    }
+}
+
+impl Drop for DeviceStore {
+    fn drop(&mut self) {
+        // Pending early reductions read the master, and scalers' gathers the boundary: let the
+        // stream order the frees after them.
+        let _ = self.end_final();
+        let _ = self.boundary_reads().before_write();
+    }
+}
