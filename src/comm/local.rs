@@ -113,8 +113,10 @@ impl HostCollectives for LocalComm {
         let mut start = mine.start;
         while start < mine.end {
             let n = SUM_BLOCK.min(mine.end - start);
-            // SAFETY: slice `rank` of each peer buffer is read only by this rank in this phase,
-            // and each buffer is alive (its owner waits at the barrier below).
+            // SAFETY: every peer published its live buffer before the barrier above and cannot
+            // return before the barrier below; all lengths equal `len` (checked above), so
+            // start..start + n, inside slice `rank`, is in bounds; in this phase only this rank
+            // touches slice `rank` of any buffer, and only reads the peers' copies.
             unsafe {
                 acc[..n].copy_from_slice(std::slice::from_raw_parts(peers[0].ptr.add(start), n));
                 for p in &peers[1..] {
@@ -130,7 +132,9 @@ impl HostCollectives for LocalComm {
         for (r, p) in peers.iter().enumerate() {
             if r != rank {
                 let s = slice_of(r);
-                // SAFETY: slice r of rank r's buffer is final and nobody writes any buffer in this phase.
+                // SAFETY: rank r's buffer is `len` long and alive until the last barrier; slice r of
+                // it was finished in phase 1, and in this phase each rank writes only the slices of
+                // its own buffer that other ranks own, never slice r of rank r's.
                 let src = unsafe { std::slice::from_raw_parts(p.ptr.add(s.start), s.len()) };
                 buf[s].copy_from_slice(src);
             }

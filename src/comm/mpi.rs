@@ -47,22 +47,27 @@ pub struct MpiComm {
     busy: Busy,
 }
 
-// SAFETY: an MPI_Comm is a handle; MPI allows it to be used from any thread at
-// MPI_THREAD_MULTIPLE, below it `serialize` keeps gradacc's calls one at a time, and `busy` keeps
-// one handle to one collective at a time.
+// SAFETY: an MPI_Comm is a handle (an int in MPICH, a pointer in Open MPI) that MPI lets any
+// thread pass: freely at MPI_THREAD_MULTIPLE, and below it one call at a time, which `serialize`
+// enforces (`enter` takes `SERIAL`); the other fields are plain data.
 unsafe impl Send for MpiComm {}
+// SAFETY: every `&self` method that calls MPI goes through `enter` first, where `busy` refuses a
+// second collective on the same handle and `SERIAL` orders all of them below MPI_THREAD_MULTIPLE;
+// `rank`, `world` and `serialize` never change after `adopt`.
 unsafe impl Sync for MpiComm {}
 
 /// MPI's own text for an error code.
 fn error_text(code: c_int) -> String {
     let mut buf = vec![0 as c_char; 4096];
     let mut len: c_int = 0;
-    // SAFETY: the buffer is larger than MPI_MAX_ERROR_STRING of any MPI (Open MPI 256, MPICH 1024).
+    // SAFETY: MPI writes at most MPI_MAX_ERROR_STRING chars, and `buf` is larger than that of any
+    // MPI (Open MPI 256, MPICH 1024); `len` is a live int.
     let rc = unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr(), &mut len) };
     if rc != ffi::MPI_SUCCESS as c_int {
         return format!("MPI error code {code}");
     }
-    // SAFETY: MPI wrote a NUL-terminated string into the buffer.
+    // SAFETY: MPI_Error_string succeeded, so it wrote a NUL-terminated string into `buf`, which
+    // outlives this borrow.
     unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
 }
 
@@ -77,14 +82,18 @@ fn check(rc: c_int, what: &str) -> Result<()> {
 
 fn flag(f: unsafe extern "C" fn(*mut c_int) -> c_int) -> bool {
     let mut v: c_int = 0;
-    // SAFETY: MPI_Initialized and MPI_Finalized may be called at any time, from any thread.
+    // SAFETY: `f` is MPI_Initialized or MPI_Finalized (the only functions passed in), which MPI
+    // allows at any time, before MPI_Init and after MPI_Finalize, from any thread; each writes one
+    // int to `v`, a live local.
     unsafe { f(&mut v) };
     v != 0
 }
 
 extern "C" fn finalize_at_exit() {
     if flag(ffi::MPI_Initialized) && !flag(ffi::MPI_Finalized) {
-        // SAFETY: gradacc initialised MPI and nobody finalised it; the process is exiting.
+        // SAFETY: `ensure_initialized` registers this handler only after its own MPI_Init_thread
+        // succeeded; MPI is initialised and not finalised (checked just above), and the process is
+        // exiting, so no gradacc collective is in flight.
         unsafe { ffi::MPI_Finalize() };
     }
 }
@@ -101,14 +110,17 @@ fn ensure_initialized() -> Result<()> {
         return Ok(());
     }
     let mut provided: c_int = 0;
-    // SAFETY: MPI is neither initialised nor finalised; NULL argc/argv are allowed.
+    // SAFETY: MPI is neither initialised nor finalised (both checked above under `INIT`, which
+    // keeps two gradacc threads from racing here); MPI allows NULL argc and argv, and `provided` is
+    // a live int.
     let rc = unsafe { ffi::MPI_Init_thread(std::ptr::null_mut(), std::ptr::null_mut(), ffi::RSMPI_THREAD_MULTIPLE, &mut provided) };
     if rc != ffi::MPI_SUCCESS as c_int {
         return Err(Error::new(ErrorKind::BackendUnavailable, format!("MPI_Init_thread failed (code {rc})")));
     }
     if !*ours {
         *ours = true;
-        // SAFETY: registering a plain extern "C" function.
+        // SAFETY: `finalize_at_exit` is an `extern "C" fn()` that cannot unwind, as atexit requires;
+        // `ours` makes this the only registration.
         unsafe { atexit(finalize_at_exit) };
     }
     Ok(())
@@ -118,7 +130,8 @@ impl MpiComm {
     /// A communicator over MPI_COMM_WORLD (initialising MPI if nobody has).
     pub fn world() -> Result<Self> {
         ensure_initialized()?;
-        // SAFETY: MPI is initialised; MPI_COMM_WORLD is valid until it is finalised.
+        // SAFETY: reads rsmpi's extern constant for MPI_COMM_WORLD, set when the library loads and
+        // never written; `ensure_initialized` just made the handle usable.
         Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD })
     }
 
@@ -129,9 +142,10 @@ impl MpiComm {
         let f = ffi::RSMPI_Fint::try_from(handle)
             .map_err(|_| Error::invalid(format!("Fortran communicator handle {handle} does not fit in an MPI_Fint")))?;
         ensure_initialized()?;
-        // SAFETY: MPI is initialised; f2c of an unknown handle yields MPI_COMM_NULL (checked below)
-        // or an invalid handle that the duplication rejects.
+        // SAFETY: `ensure_initialized` ran; MPI_Comm_f2c takes any integer and maps one it does not
+        // know to MPI_COMM_NULL (checked below) or to a handle the duplication rejects.
         let comm = unsafe { ffi::RSMPI_Comm_f2c(f) };
+        // SAFETY: reads rsmpi's extern constant for MPI_COMM_NULL, set at load and never written.
         if comm == unsafe { ffi::RSMPI_COMM_NULL } {
             return Err(Error::invalid(format!("Fortran communicator handle {handle} is MPI_COMM_NULL or unknown")));
         }
@@ -140,27 +154,33 @@ impl MpiComm {
 
     fn adopt(parent: ffi::MPI_Comm) -> Result<Self> {
         let mut level: c_int = 0;
-        // SAFETY: MPI is initialised; plain output pointer.
+        // SAFETY: both callers ran `ensure_initialized` first; MPI writes one int to `level`.
         check(unsafe { ffi::MPI_Query_thread(&mut level) }, "MPI_Query_thread")?;
+        // SAFETY: reads rsmpi's extern constant for MPI_THREAD_MULTIPLE, set at load, never written.
         let serialize = level < unsafe { ffi::RSMPI_THREAD_MULTIPLE };
         let mut inter: c_int = 0;
-        // SAFETY: parent is a communicator handle; errors follow the caller's error handler.
+        // SAFETY: `parent` is MPI_COMM_WORLD or an f2c result other than MPI_COMM_NULL; MPI reports
+        // a stale one through the caller's error handler; `inter` is a live int.
         check(unsafe { ffi::MPI_Comm_test_inter(parent, &mut inter) }, "MPI_Comm_test_inter")?;
         if inter != 0 {
             // Collectives on an intercommunicator combine the other group's data, not this one's.
             return Err(Error::invalid("the communicator is an intercommunicator; gradacc needs an intracommunicator (one group of ranks)"));
         }
-        // SAFETY: a zeroed handle is only a placeholder for the output of MPI_Comm_dup.
+        // SAFETY: MPI_Comm is an int (MPICH) or a pointer (Open MPI), for which all-zero bits are a
+        // valid value; it is only a placeholder that MPI_Comm_dup overwrites before any use.
         let mut comm: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
-        // SAFETY: parent is a valid communicator; errors here follow the caller's error handler.
+        // SAFETY: `parent` passed MPI_Comm_test_inter just above; MPI writes the new handle to
+        // `comm`, and a failure follows the caller's error handler.
         check(unsafe { ffi::MPI_Comm_dup(parent, &mut comm) }, "MPI_Comm_dup")?;
         let mut this = MpiComm { comm, rank: 0, world: 0, serialize, busy: Busy::default() };
         // From here on `this` frees the duplicate on every path.
-        // SAFETY: `comm` is our own duplicate; the caller's communicator keeps its handler.
+        // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
+        // handler leaves the caller's communicator as it was; ERRORS_RETURN is rsmpi's constant.
         check(unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) }, "MPI_Comm_set_errhandler")?;
         let (mut rank, mut size): (c_int, c_int) = (0, 0);
-        // SAFETY: valid communicator and output pointers.
+        // SAFETY: `this.comm` is the live duplicate made above; MPI writes one int to `rank`.
         check(unsafe { ffi::MPI_Comm_rank(this.comm, &mut rank) }, "MPI_Comm_rank")?;
+        // SAFETY: as for MPI_Comm_rank; MPI writes one int to `size`.
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
@@ -201,8 +221,10 @@ impl ShareTransport for Shares<'_> {
             recv_counts[q] = count(slots[q].len(), "a share")?;
             recv_at[q] = count(slots[q].start, "a share's offset")?;
         }
-        // SAFETY: every range lies inside its buffer (the plan's shares of this chunk, slots of
-        // `scratch`), the buffers do not overlap, and the call is blocking.
+        // SAFETY: `reduce_in_shares` cuts `shares` from this chunk and `slots` from `scratch`, so
+        // every count and displacement stays inside its buffer; each array has `world` entries,
+        // the communicator's size; `chunk` and `scratch` are distinct borrows, and the call
+        // blocks until MPI is done with both.
         let rc = unsafe {
             ffi::MPI_Alltoallv(
                 chunk.as_ptr() as *const c_void,
@@ -222,8 +244,10 @@ impl ShareTransport for Shares<'_> {
     fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
         let counts = shares.iter().map(|s| count(s.len(), "a share")).collect::<Result<Vec<_>>>()?;
         let at = shares.iter().map(|s| count(s.start, "a share's offset")).collect::<Result<Vec<_>>>()?;
-        // SAFETY: the shares lie inside the chunk; in place, each rank's share is read from its
-        // own place in `chunk` (MPI_IN_PLACE), and the call is blocking.
+        // SAFETY: `reduce_in_shares` cuts one share per rank (`world` entries) from this chunk, so
+        // every count and displacement stays inside `chunk`; with MPI_IN_PLACE (the shim's value
+        // for the linked MPI) the send arguments are ignored and this rank's share is read from
+        // its place in `chunk`; the call blocks until MPI is done with it.
         let rc = unsafe {
             ffi::MPI_Allgatherv(
                 gradacc_internal_mpi_in_place(),
@@ -247,7 +271,9 @@ impl ShareTransport for Shares<'_> {
             next += n;
         }
         let counts = counts.iter().map(|&n| count(n, "the block values")).collect::<Result<Vec<_>>>()?;
-        // SAFETY: `mine` holds this rank's count, `all` the sum of the counts; blocking call.
+        // SAFETY: `mine` holds this rank's `counts[rank]` values and `reduce_in_shares` sizes `all`
+        // to the sum of `counts`; the displacements are the running sums, so every rank's values
+        // land inside `all`; `at` and `counts` have `world` entries; the call blocks.
         let rc = unsafe {
             ffi::MPI_Allgatherv(
                 mine.as_ptr() as *const c_void,
@@ -273,7 +299,9 @@ impl Drop for MpiComm {
     fn drop(&mut self) {
         // After MPI_Finalize (the caller's, or ours at exit) every communicator is gone already.
         if !flag(ffi::MPI_Finalized) {
-            // SAFETY: our own duplicate, no request of ours in flight (collectives wait for theirs).
+            // SAFETY: `self.comm` is the duplicate `adopt` made, freed only here, once; MPI is not
+            // finalised (checked above), and no request is in flight on it: every collective
+            // waits for its own before returning, and `&mut self` excludes a running one.
             unsafe { ffi::MPI_Comm_free(&mut self.comm) };
         }
     }
@@ -300,9 +328,12 @@ impl HostCollectives for MpiComm {
         let (sum_in, max_in) = packing::pack(mine);
         let mut sum = [0u64; packing::SUM_WORDS];
         let mut max = [0u64; packing::MAX_WORDS];
-        // SAFETY: the null request is a plain constant.
+        // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 2];
-        // SAFETY: the arrays outlive the Waitall below; counts match their lengths.
+        // SAFETY: each count is the length of the local u64 arrays it goes with (SUM_WORDS,
+        // MAX_WORDS), and those arrays and `requests` stay alive and untouched until MPI_Waitall
+        // completes every request posted (one if the second post failed, none if the first did:
+        // `?` returns before any is in flight).
         unsafe {
             check(
                 ffi::MPI_Iallreduce(
@@ -339,7 +370,8 @@ impl HostCollectives for MpiComm {
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let _busy = self.enter()?;
         for piece in buf.chunks_mut(MAX_COUNT) {
-            // SAFETY: the piece is valid for its length; MPI_IN_PLACE reads and writes it.
+            // SAFETY: `piece` is a live `&mut` of at most MAX_COUNT (2^30) elements, so its length
+            // fits a C int; with MPI_IN_PLACE MPI reads and writes only `piece`, before returning.
             let rc = unsafe {
                 ffi::MPI_Allreduce(
                     gradacc_internal_mpi_in_place(),

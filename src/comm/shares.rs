@@ -314,7 +314,9 @@ mod tests {
         fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
             for q in (0..self.world).filter(|&q| q != self.rank) {
-                // SAFETY: rank q's chunk is alive and unwritten until the barrier below.
+                // SAFETY: `posts[q]` is the pointer and length of rank q's `chunk`, published before
+                // `publish`'s barrier; rank q holds it as `&[f32]`, so nobody writes it, and it stays
+                // alive until rank q passes the barrier below.
                 let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
                 scratch[slots[q].clone()].copy_from_slice(&theirs[shares[self.rank].clone()]);
             }
@@ -326,8 +328,9 @@ mod tests {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
             for q in (0..self.world).filter(|&q| q != self.rank) {
                 let s = shares[q].clone();
-                // SAFETY: share q of rank q's chunk is final and only read in this phase; every rank
-                // writes only the other shares of its own chunk.
+                // SAFETY: `posts[q]` is rank q's chunk, alive until the barrier below; `shares[q]` is
+                // inside it (same plan on every rank), and share q is final and only read now: every
+                // rank writes only the other ranks' shares of its own chunk.
                 let theirs = unsafe { std::slice::from_raw_parts((posts[q].0 as *const f32).add(s.start), s.len()) };
                 chunk[s].copy_from_slice(theirs);
             }
@@ -340,7 +343,8 @@ mod tests {
             let mut at = 0;
             for q in 0..self.world {
                 assert_eq!(posts[q].1, counts[q]);
-                // SAFETY: every rank's values are alive and unwritten until the barrier below.
+                // SAFETY: `posts[q]` is rank q's `mine`, held as `&[f64]` (so unwritten) and alive
+                // until the barrier below; its length was checked against `counts[q]` just above.
                 let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f64, posts[q].1) };
                 all[at..at + counts[q]].copy_from_slice(theirs);
                 at += counts[q];

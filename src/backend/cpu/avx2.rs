@@ -21,32 +21,52 @@ const fn starts_line<E>(k: usize) -> bool {
     (k * LANES * size_of::<E>()).is_multiple_of(64)
 }
 
+/// Loads LANES f32s from `p`.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `f32`s, and the CPU must have AVX2 and F16C.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn load_f32(p: *const f32) -> __m256 {
-    _mm256_loadu_ps(p)
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    unsafe { _mm256_loadu_ps(p) }
 }
 
+/// Loads LANES f16 bit patterns from `p`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `u16`s, and the CPU must have AVX2 and F16C.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn load_f16(p: *const u16) -> __m256 {
-    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
 }
 
+/// Loads LANES bf16 bit patterns from `p`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `u16`s, and the CPU must have AVX2 and F16C.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn load_bf16(p: *const u16) -> __m256 {
-    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast()) })))
 }
 
 /// One vector of the fused pass. `seen` keeps the largest exponent field written per lane: it
 /// reaches all ones exactly when some written value is infinite or NaN.
+///
+/// # Safety
+/// `m` must be valid for reading and writing LANES f32s, and the CPU must have AVX2 and F16C.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen: &mut __m256i) {
     let v = _mm256_mul_ps(g, factor);
-    let r = if ASSIGN { v } else { _mm256_add_ps(_mm256_loadu_ps(m), v) };
-    _mm256_storeu_ps(m, r);
+    // SAFETY: the caller passes `m` valid for LANES reads (see `# Safety`); the load is unaligned.
+    let r = if ASSIGN { v } else { _mm256_add_ps(unsafe { _mm256_loadu_ps(m) }, v) };
+    // SAFETY: `m` is also valid for LANES writes; the store is unaligned.
+    unsafe { _mm256_storeu_ps(m, r) };
     *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
 }
 
@@ -61,8 +81,6 @@ macro_rules! accumulate_fn {
             let f = _mm256_set1_ps(factor);
             let mut seen = _mm256_setzero_si256();
             let mut i = head;
-            // SAFETY (all blocks below): every access covers elements i..i + LANES with
-            // i + LANES <= n, inside both slices.
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
@@ -72,11 +90,16 @@ macro_rules! accumulate_fn {
                     if starts_line::<$elem>(k) {
                         prefetch(g, j);
                     }
+                    // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
+                    // shorter slice's length, so both LANES-element runs at j are in bounds, and no
+                    // reference to `master` is live while `m` writes; the CPU features are this
+                    // function's own, which the caller checked.
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
                 i += LANES * UNROLL;
             }
             while i + LANES <= n {
+                // SAFETY: as in the loop above, with i + LANES <= n from this loop's condition.
                 unsafe { step::<ASSIGN>(m.add(i), $load(g.add(i)), f, &mut seen) };
                 i += LANES;
             }
@@ -113,7 +136,7 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     while i + LINE <= n {
         prefetch(p, i);
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: elements j..j + LANES are inside `buf`.
+            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
             unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), f)) };
         }
         i += LINE;
@@ -134,7 +157,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         while i < full {
             prefetch(p, i);
             for (k, a) in acc.iter_mut().enumerate() {
-                // SAFETY: elements i..i + 16 are inside `block`.
+                // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
                 let x = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(p.add(i + 4 * k)) });
                 *a = _mm256_add_pd(*a, _mm256_mul_pd(x, x));
             }
@@ -142,7 +165,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         }
         let mut lanes = [0.0; math::NORM_LANES];
         for (k, a) in acc.iter().enumerate() {
-            // SAFETY: `lanes` holds 16 f64.
+            // SAFETY: `lanes` holds NORM_LANES (16, asserted above) f64s; the stores are unaligned.
             unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * k), *a) };
         }
         math::add_squares_to_lanes(&mut lanes, &block[full..]);
@@ -161,7 +184,7 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
         prefetch(d, i);
         prefetch(s, i);
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: elements j..j + LANES are inside both slices.
+            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
             unsafe { _mm256_storeu_ps(d.add(j), _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j)))) };
         }
         i += LINE;

@@ -24,32 +24,52 @@ const fn starts_line<E>(k: usize) -> bool {
     (k * LANES * size_of::<E>()).is_multiple_of(64)
 }
 
+/// Loads LANES f32s from `p`.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `f32`s, and the CPU must have AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn load_f32(p: *const f32) -> __m512 {
-    _mm512_loadu_ps(p)
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    unsafe { _mm512_loadu_ps(p) }
 }
 
+/// Loads LANES f16 bit patterns from `p`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `u16`s, and the CPU must have AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn load_f16(p: *const u16) -> __m512 {
-    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
 }
 
+/// Loads LANES bf16 bit patterns from `p`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading LANES `u16`s, and the CPU must have AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn load_bf16(p: *const u16) -> __m512 {
-    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+    // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(unsafe { _mm256_loadu_si256(p.cast()) })))
 }
 
 /// One vector of the fused pass. `seen` keeps the largest exponent field written per lane: it
 /// reaches all ones exactly when some written value is infinite or NaN.
+///
+/// # Safety
+/// `m` must be valid for reading and writing LANES f32s, and the CPU must have AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m512, factor: __m512, seen: &mut __m512i) {
     let v = _mm512_mul_ps(g, factor);
-    let r = if ASSIGN { v } else { _mm512_add_ps(_mm512_loadu_ps(m), v) };
-    _mm512_storeu_ps(m, r);
+    // SAFETY: the caller passes `m` valid for LANES reads (see `# Safety`); the load is unaligned.
+    let r = if ASSIGN { v } else { _mm512_add_ps(unsafe { _mm512_loadu_ps(m) }, v) };
+    // SAFETY: `m` is also valid for LANES writes; the store is unaligned.
+    unsafe { _mm512_storeu_ps(m, r) };
     *seen = _mm512_max_epu32(*seen, _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(EXPONENT)));
 }
 
@@ -64,8 +84,6 @@ macro_rules! accumulate_fn {
             let f = _mm512_set1_ps(factor);
             let mut seen = _mm512_setzero_si512();
             let mut i = head;
-            // SAFETY (all blocks below): every access covers elements i..i + LANES with
-            // i + LANES <= n, inside both slices.
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
@@ -75,11 +93,16 @@ macro_rules! accumulate_fn {
                     if starts_line::<$elem>(k) {
                         prefetch(g, j);
                     }
+                    // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
+                    // shorter slice's length, so both LANES-element runs at j are in bounds, and no
+                    // reference to `master` is live while `m` writes; the CPU features are this
+                    // function's own, which the caller checked.
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
                 i += LANES * UNROLL;
             }
             while i + LANES <= n {
+                // SAFETY: as in the loop above, with i + LANES <= n from this loop's condition.
                 unsafe { step::<ASSIGN>(m.add(i), $load(g.add(i)), f, &mut seen) };
                 i += LANES;
             }
@@ -116,7 +139,7 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     while i + LINE <= n {
         prefetch(p, i);
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: elements j..j + LANES are inside `buf`.
+            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
             unsafe { _mm512_storeu_ps(p.add(j), _mm512_mul_ps(_mm512_loadu_ps(p.add(j)), f)) };
         }
         i += LINE;
@@ -135,7 +158,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let mut i = 0;
         while i < full {
             prefetch(p, i);
-            // SAFETY: elements i..i + 16 are inside `block`.
+            // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
             let (a, b) = unsafe { (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 8))) };
             let (a, b) = (_mm512_cvtps_pd(a), _mm512_cvtps_pd(b));
             // A fused multiply-add rounds like multiply-then-add here: squares are exact in f64.
@@ -144,7 +167,7 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
             i += math::NORM_LANES;
         }
         let mut lanes = [0.0; math::NORM_LANES];
-        // SAFETY: `lanes` holds 16 f64.
+        // SAFETY: `lanes` holds NORM_LANES (16, asserted above) f64s; the stores are unaligned.
         unsafe {
             _mm512_storeu_pd(lanes.as_mut_ptr(), lo);
             _mm512_storeu_pd(lanes.as_mut_ptr().add(8), hi);
@@ -165,7 +188,7 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
         prefetch(d, i);
         prefetch(s, i);
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: elements j..j + LANES are inside both slices.
+            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
             unsafe { _mm512_storeu_ps(d.add(j), _mm512_add_ps(_mm512_loadu_ps(d.add(j)), _mm512_loadu_ps(s.add(j)))) };
         }
         i += LINE;

@@ -222,9 +222,11 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
 
 fn add_assign_part(isa: Isa, dst: &mut [f32], src: &[f32]) {
     match isa {
-        // SAFETY: `isa` comes from `active_isa`, which only returns paths the CPU supports.
+        // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::add_assign(dst, src) },
+        // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::add_assign(dst, src) },
         _ => scalar::add_assign(dst, src),
@@ -233,9 +235,11 @@ fn add_assign_part(isa: Isa, dst: &mut [f32], src: &[f32]) {
 
 fn accumulate_part(isa: Isa, master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
     match isa {
-        // SAFETY: `isa` comes from `active_isa`, which only returns paths the CPU supports.
+        // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::accumulate(master, grad, factor, assign) },
+        // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::accumulate(master, grad, factor, assign) },
         _ => scalar::accumulate(master, grad, factor, assign),
@@ -244,9 +248,11 @@ fn accumulate_part(isa: Isa, master: &mut [f32], grad: Grad<'_>, factor: f32, as
 
 fn scale_part(isa: Isa, buf: &mut [f32], factor: f32) {
     match isa {
-        // SAFETY: as in `accumulate_part`.
+        // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::scale(buf, factor) },
+        // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::scale(buf, factor) },
         _ => scalar::scale(buf, factor),
@@ -255,9 +261,11 @@ fn scale_part(isa: Isa, buf: &mut [f32], factor: f32) {
 
 fn block_sums_part(isa: Isa, buf: &[f32], out: &mut [f64]) {
     match isa {
-        // SAFETY: as in `accumulate_part`.
+        // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::block_sums(buf, out) },
+        // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::block_sums(buf, out) },
         _ => scalar::block_sums(buf, out),

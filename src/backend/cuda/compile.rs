@@ -83,7 +83,8 @@ pub struct Compiled {
 /// closes the library, and every CUDA entry point asks.
 pub fn nvrtc_available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    // SAFETY: only tries to dlopen the library by its usual names.
+    // SAFETY: `is_culib_present` only tries to dlopen the library by its usual names and closes
+    // it again; it calls no NVRTC entry point, so it is sound whether or not NVRTC exists.
     *AVAILABLE.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
@@ -91,6 +92,8 @@ pub fn nvrtc_available() -> bool {
 pub fn nvrtc_version() -> Result<(i32, i32)> {
     require_nvrtc()?;
     let (mut major, mut minor) = (0, 0);
+    // SAFETY: `require_nvrtc` checked that NVRTC loads, so cudarc's lazily resolved stub finds it
+    // instead of panicking; both out-pointers are live locals of the `int` type the prototype names.
     check(unsafe { sys::nvrtcVersion(&mut major, &mut minor) }, "nvrtcVersion")?;
     Ok((major, minor))
 }
@@ -99,8 +102,10 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 pub fn supported_architectures() -> Result<Vec<u32>> {
     require_nvrtc()?;
     let mut n = 0;
+    // SAFETY: `require_nvrtc` checked that NVRTC loads; `n` is a live local `int` for the count.
     check(unsafe { sys::nvrtcGetNumSupportedArchs(&mut n) }, "nvrtcGetNumSupportedArchs")?;
     let mut archs = vec![0; n.max(0) as usize];
+    // SAFETY: NVRTC writes as many `int`s as it just counted, and `archs` holds exactly `n` of them.
     check(unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }, "nvrtcGetSupportedArchs")?;
     Ok(archs.into_iter().map(|a| a as u32).collect())
 }
@@ -118,10 +123,14 @@ pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
     let name = c"gradacc_kernels.cu";
     let mut program = std::ptr::null_mut();
     check(
+        // SAFETY: `require_nvrtc` checked that NVRTC loads; `source` and `name` are NUL-terminated
+        // and outlive the call (NVRTC copies them); zero headers, so both header arrays may be null.
         unsafe { sys::nvrtcCreateProgram(&mut program, source.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
         "nvrtcCreateProgram",
     )?;
     let result = compile_program(program, target);
+    // SAFETY: `program` was created above (the `?` returned before this if creation failed), and
+    // `compile_program` has returned, so nothing uses it after it is destroyed here, once.
     unsafe { sys::nvrtcDestroyProgram(&mut program) };
     result
 }
@@ -132,6 +141,9 @@ fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compile
     let options: Vec<CString> =
         OPTIONS.iter().map(|o| o.to_string()).chain(geometry).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
     let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: `program` is live (created by the only caller, `compile_source`, which destroys it
+    // after this returns); `pointers` holds `pointers.len()` NUL-terminated strings owned by
+    // `options`, which outlives the call.
     let status = unsafe { sys::nvrtcCompileProgram(program, pointers.len() as i32, pointers.as_ptr()) };
     let log = program_log(program)?;
     if status != nvrtcResult::NVRTC_SUCCESS {
@@ -141,15 +153,19 @@ fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compile
     let image = match target {
         Target::Cubin(_) => {
             let mut size = 0;
+            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
             check(unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }, "nvrtcGetCUBINSize")?;
             let mut image = vec![0u8; size];
+            // SAFETY: NVRTC writes the CUBIN's `size` bytes, the length `image` was just given.
             check(unsafe { sys::nvrtcGetCUBIN(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
             image
         }
         Target::Ptx(_) => {
             let mut size = 0;
+            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
             check(unsafe { sys::nvrtcGetPTXSize(program, &mut size) }, "nvrtcGetPTXSize")?;
             let mut image = vec![0u8; size];
+            // SAFETY: NVRTC writes the PTX's `size` bytes (NUL included), the length `image` was just given.
             check(unsafe { sys::nvrtcGetPTX(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetPTX")?;
             image
         }
@@ -159,8 +175,11 @@ fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compile
 
 fn program_log(program: sys::nvrtcProgram) -> Result<String> {
     let mut size = 0;
+    // SAFETY: `program` is live: the only caller, `compile_program`, has it from `compile_source`,
+    // which destroys it later; `size` is a live `size_t` out-pointer.
     check(unsafe { sys::nvrtcGetProgramLogSize(program, &mut size) }, "nvrtcGetProgramLogSize")?;
     let mut log = vec![0u8; size.max(1)];
+    // SAFETY: NVRTC writes `size` bytes (NUL included); `log` holds at least that many.
     check(unsafe { sys::nvrtcGetProgramLog(program, log.as_mut_ptr() as *mut c_char) }, "nvrtcGetProgramLog")?;
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     Ok(String::from_utf8_lossy(&log[..end]).into_owned())

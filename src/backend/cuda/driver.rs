@@ -28,7 +28,9 @@ pub fn driver_available() -> bool {
     *AVAILABLE.get_or_init(|| {
         let Ok(api) = driver_api::get() else { return false };
         let mut count = 0;
-        // SAFETY: plain driver calls with a valid out-pointer.
+        // SAFETY: `api` holds entry points resolved from the loaded libcuda with their cuda.h
+        // prototypes; cuInit takes flags 0, and cuDeviceGetCount runs only after it succeeded (`&&`)
+        // and writes one `int` to `count`, a live local.
         unsafe { (api.cuInit)(0) == SUCCESS && (api.cuDeviceGetCount)(&mut count) == SUCCESS && count > 0 }
     })
 }
@@ -49,7 +51,8 @@ pub fn require_driver() -> Result<()> {
 pub fn device_count() -> i32 {
     let (true, Ok(api)) = (driver_available(), driver_api::get()) else { return 0 };
     let mut count = 0;
-    // SAFETY: the driver is initialised (driver_available); a valid out-pointer.
+    // SAFETY: `driver_available` returned true, so cuInit succeeded in this process; the driver
+    // writes one `int` to `count`, a live local.
     if unsafe { (api.cuDeviceGetCount)(&mut count) } == SUCCESS {
         count
     } else {
@@ -82,7 +85,9 @@ fn check(api: &Api, code: u32, what: &str) -> Result<()> {
     // string, for one it does not it fails and the pointer stays null.
     let known = unsafe { (api.cuGetErrorString)(code, &mut text) } == SUCCESS && !text.is_null();
     let text = if known {
-        // SAFETY: a NUL-terminated static string from the driver.
+        // SAFETY: `known` means cuGetErrorString succeeded and left `text` non-null, pointing at a
+        // NUL-terminated string in the driver's static data, which lives as long as the library
+        // (never unloaded); the borrow ends with this expression's `to_string_lossy`.
         unsafe { CStr::from_ptr(text) }.to_string_lossy()
     } else {
         "a result code this driver does not describe".into()
@@ -104,9 +109,11 @@ pub struct Context {
     memory_pools: bool,
 }
 
-// SAFETY: a CUcontext may be made current on any thread; the struct is immutable after creation.
+// SAFETY: the only non-Send field is the CUcontext handle, which the driver lets any thread make
+// current (`enter` pushes it on the calling thread); `api` is `&'static` and the rest is plain data.
 unsafe impl Send for Context {}
-// SAFETY: as Send: nothing in it changes after creation.
+// SAFETY: no field changes after `get` builds the struct and every method takes `&self`, so shared
+// use only reads; the handle goes to driver calls, which are thread-safe.
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -120,20 +127,21 @@ impl Context {
             return Ok(c.clone());
         }
         let mut count = 0;
-        // SAFETY: the driver is initialised; a valid out-pointer.
+        // SAFETY: `require_driver` saw cuInit succeed; the driver writes one `int` to `count`.
         check(api, unsafe { (api.cuDeviceGetCount)(&mut count) }, "cuDeviceGetCount")?;
         if ordinal < 0 || ordinal >= count {
             return Err(Error::invalid(format!("`device`.ordinal = {ordinal}, but {count} CUDA device(s) are visible")));
         }
         let mut device = 0;
-        // SAFETY: a valid out-pointer and an ordinal below the device count.
+        // SAFETY: `ordinal` is in 0..count (checked just above); `device` is a live CUdevice.
         check(api, unsafe { (api.cuDeviceGet)(&mut device, ordinal) }, "cuDeviceGet")?;
         let mut context = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer and a device handle from cuDeviceGet.
+        // SAFETY: `device` came from the successful cuDeviceGet above; `context` is a live CUcontext.
         check(api, unsafe { (api.cuDevicePrimaryCtxRetain)(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
         let attribute = |a: sys::CUdevice_attribute| {
             let mut v = 0;
-            // SAFETY: a valid out-pointer, an attribute number from cuda.h and a device handle.
+            // SAFETY: `a` is a CUdevice_attribute value from cudarc's cuda.h bindings, `device` came
+            // from cuDeviceGet above, and the driver writes one `int` to `v`, a live local.
             check(api, unsafe { (api.cuDeviceGetAttribute)(&mut v, a as c_int, device) }, "cuDeviceGetAttribute").map(|_| v)
         };
         use sys::CUdevice_attribute::*;
@@ -164,18 +172,20 @@ impl Context {
         let api = self.api;
         let _g = self.enter()?;
         let mut pool = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer and a device handle from cuDeviceGet.
+        // SAFETY: `device` is the handle `get` had from cuDeviceGet for this context; the driver
+        // writes one CUmemoryPool to `pool`, a live local.
         check(api, unsafe { (api.cuDeviceGetDefaultMemPool)(&mut pool, device) }, "cuDeviceGetDefaultMemPool")?;
         for peer in (0..count).filter(|&p| p != self.ordinal) {
             let mut peer_device = 0;
-            // SAFETY: a valid out-pointer and an ordinal below the device count.
+            // SAFETY: `peer` is in 0..count, the device count `get` read; `peer_device` is live.
             check(api, unsafe { (api.cuDeviceGet)(&mut peer_device, peer) }, "cuDeviceGet")?;
             let access = MemAccessDesc {
                 location_type: driver_api::MEM_LOCATION_TYPE_DEVICE,
                 location_id: peer_device,
                 flags: driver_api::MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
-            // SAFETY: the device's default pool and one access descriptor laid out as cuda.h's.
+            // SAFETY: `pool` came from cuDeviceGetDefaultMemPool above; the count is 1 and `access`
+            // is one live `MemAccessDesc`, `#[repr(C)]` with CUmemAccessDesc's fields and layout.
             let _ = unsafe { (api.cuMemPoolSetAccess)(pool, &access, 1) };
         }
         Ok(())
@@ -189,7 +199,8 @@ impl Context {
     /// Makes this context current on the calling thread until the guard drops, then restores the
     /// caller's context: gradacc never leaves a different context current behind.
     pub fn enter(&self) -> Result<ContextGuard> {
-        // SAFETY: a context retained by cuDevicePrimaryCtxRetain, never released.
+        // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
+        // released (the process-wide cache keeps every Context), so it is a live context to push.
         check(self.api, unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) }, "cuCtxPushCurrent")?;
         Ok(ContextGuard { api: self.api })
     }
@@ -207,7 +218,8 @@ pub struct ContextGuard {
 impl Drop for ContextGuard {
     fn drop(&mut self) {
         let mut previous = std::ptr::null_mut();
-        // SAFETY: pops the context `enter` pushed on this thread.
+        // SAFETY: a guard exists only after `enter`'s push succeeded, so this pops that context;
+        // the driver writes the popped handle to `previous`, a live local.
         unsafe { (self.api.cuCtxPopCurrent_v2)(&mut previous) };
     }
 }
@@ -225,9 +237,11 @@ pub struct DeviceBuffer {
     owned: bool,
 }
 
-// SAFETY: a device address and a stream handle may be used from any thread.
+// SAFETY: the raw fields are a device address (an integer) and a CUstream handle, which the
+// driver accepts from any thread once the owning context is current, as every method makes it.
 unsafe impl Send for DeviceBuffer {}
-// SAFETY: as Send; the struct is immutable.
+// SAFETY: no field changes after construction and every method takes `&self`; the copies and
+// fills it enqueues are ordered by the stream, not by Rust borrows.
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
@@ -238,14 +252,16 @@ impl DeviceBuffer {
         let mut ptr = 0;
         let size = bytes.max(4);
         if ctx.memory_pools {
-            // SAFETY: a valid out-pointer; the stream belongs to the current context (caller's contract).
+            // SAFETY: `_g` made `ctx` current and `stream` is a stream of it (the constructors'
+            // callers pass the stream their object was created with); `ptr` is a live out-pointer.
             check(api, unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) }, "cuMemAllocAsync")?;
         } else {
-            // SAFETY: a valid out-pointer.
+            // SAFETY: `_g` made `ctx` current, so the memory belongs to it; `ptr` is a live out-pointer.
             check(api, unsafe { (api.cuMemAlloc_v2)(&mut ptr, size) }, "cuMemAlloc")?;
         }
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
-        // SAFETY: `size` bytes at `ptr` were just allocated, usable on `stream` from here.
+        // SAFETY: the allocation above succeeded (`?`) with exactly `size` bytes at `ptr`, usable
+        // on `stream`, and the fill covers those bytes only.
         check(api, unsafe { (api.cuMemsetD8Async)(ptr, 0, size, stream) }, "cuMemsetD8Async")?;
         Ok(buffer)
     }
@@ -282,8 +298,9 @@ impl DeviceBuffer {
         let api = self.ctx.api;
         let _g = self.ctx.enter()?;
         let dst = self.ptr + offset as u64;
-        // SAFETY: the range is inside the buffer (asserted); the driver stages pageable host memory
-        // before returning, so `values` need not outlive the call.
+        // SAFETY: offset + bytes <= self.bytes (asserted above), so the destination is inside the
+        // buffer; the source is `values`, `bytes` readable bytes, which the driver stages from
+        // pageable host memory before returning, so the slice need not outlive the call.
         check(api, unsafe { (api.cuMemcpyHtoDAsync_v2)(dst, values.as_ptr() as *const c_void, bytes, self.stream) }, "cuMemcpyHtoDAsync")
     }
 
@@ -299,10 +316,11 @@ impl DeviceBuffer {
         let api = self.ctx.api;
         let _g = self.ctx.enter()?;
         let src = self.ptr + offset as u64;
-        // SAFETY: the range is inside the buffer (asserted) and `out` holds `bytes` writable bytes;
-        // the stream is synchronised below before `out` is used.
+        // SAFETY: offset + bytes <= self.bytes (asserted above), so the source is inside the
+        // buffer; `out` is `bytes` writable bytes borrowed mutably until the synchronise below,
+        // which completes the copy before `out` is released or read.
         check(api, unsafe { (api.cuMemcpyDtoHAsync_v2)(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
-        // SAFETY: a stream handle of the current context.
+        // SAFETY: `self.stream` is the stream the buffer was made on, in the context `_g` made current.
         check(api, unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
     }
 
@@ -314,7 +332,8 @@ impl DeviceBuffer {
         }
         let api = self.ctx.api;
         let _g = self.ctx.enter()?;
-        // SAFETY: the range is inside the buffer (asserted).
+        // SAFETY: (start + count) * 4 <= self.bytes (asserted above), so the `count` 32-bit words
+        // from element `start` are inside the buffer; `_g` made its context current.
         check(api, unsafe { (api.cuMemsetD32Async)(self.ptr + 4 * start as u64, 0, count, self.stream) }, "cuMemsetD32Async")
     }
 }
@@ -327,14 +346,16 @@ impl Drop for DeviceBuffer {
         let api = self.ctx.api;
         if let Ok(_g) = self.ctx.enter() {
             if self.ctx.memory_pools {
-                // SAFETY: allocated by cuMemAllocAsync; freed once, ordered after the buffer's work
-                // (the owners order other streams' uses before it with events).
+                // SAFETY: `owned` buffers come only from `zeroed`, which used cuMemAllocAsync when
+                // `memory_pools`; `drop` runs once, and the free is ordered on the buffer's stream
+                // after its work (the owners order other streams' uses before it with events).
                 unsafe { (api.cuMemFreeAsync)(self.ptr, self.stream) };
             } else {
                 // cuMemFree takes effect at once: wait for every use enqueued before it (other
                 // streams' uses are ordered before the buffer's stream's end with events).
-                // SAFETY: a stream of the current context; the memory came from cuMemAlloc and
-                // is freed once, after its last use completed.
+                // SAFETY: `owned` buffers come only from `zeroed`, which used cuMemAlloc without
+                // pools; `drop` runs once, and the synchronise completes the buffer's last use
+                // before the free.
                 unsafe {
                     (api.cuStreamSynchronize)(self.stream);
                     (api.cuMemFree_v2)(self.ptr);
@@ -347,7 +368,8 @@ impl Drop for DeviceBuffer {
 /// Waits on the host for everything enqueued on `stream` so far.
 pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     let _g = ctx.enter()?;
-    // SAFETY: a stream handle of the current context (caller's contract).
+    // SAFETY: `_g` made `ctx` current; `stream` is a stream of it, as every caller passes the
+    // stream its object was created on in that context.
     check(ctx.api, unsafe { (ctx.api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")
 }
 
@@ -355,7 +377,9 @@ pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
 /// benchmarks).
 pub fn copy(ctx: &Context, stream: CUstream, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
     let _g = ctx.enter()?;
-    // SAFETY: the driver checks the addresses; both ranges are the caller's allocations.
+    // SAFETY: `_g` made `ctx` current; `dst` and `src` are each `bytes` bytes of device memory of
+    // this context: the one caller, the copy-bandwidth benchmark, passes two buffers it allocated
+    // with at least that size.
     check(ctx.api, unsafe { (ctx.api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
 }
 
@@ -365,9 +389,11 @@ pub struct Event {
     event: sys::CUevent,
 }
 
-// SAFETY: an event handle may be recorded and waited on from any thread.
+// SAFETY: the only non-Send field is the CUevent handle, which the driver lets any thread record
+// and wait on once its context is current (every method enters `ctx` first).
 unsafe impl Send for Event {}
-// SAFETY: as Send; the driver serialises operations on one event.
+// SAFETY: the handle never changes after `new` and every method takes `&self`; the driver
+// serialises cuEventRecord and cuStreamWaitEvent on one event internally.
 unsafe impl Sync for Event {}
 
 impl Event {
@@ -375,7 +401,8 @@ impl Event {
         let _g = ctx.enter()?;
         let mut event = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: a valid out-pointer and a flag from cuda.h.
+        // SAFETY: `_g` made `ctx` current; CU_EVENT_DISABLE_TIMING is a valid flag and `event` is a
+        // live out-pointer.
         check(ctx.api, unsafe { (ctx.api.cuEventCreate)(&mut event, flags) }, "cuEventCreate")?;
         Ok(Event { ctx: ctx.clone(), event })
     }
@@ -383,14 +410,17 @@ impl Event {
     /// Captures everything enqueued on `stream` so far.
     pub fn record(&self, stream: CUstream) -> Result<()> {
         let _g = self.ctx.enter()?;
-        // SAFETY: an event of this context and a stream of the caller's.
+        // SAFETY: `self.event` is live (created in `new`, destroyed only in `drop`) and belongs to
+        // the context `_g` made current; `stream` is a stream of that context, as callers pass
+        // their object's streams.
         check(self.ctx.api, unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) }, "cuEventRecord")
     }
 
     /// Makes `stream` wait (on the device) for the work the last `record` captured.
     pub fn wait(&self, stream: CUstream) -> Result<()> {
         let _g = self.ctx.enter()?;
-        // SAFETY: an event of this context and a stream of the caller's.
+        // SAFETY: as in `record`: a live event of the current context and one of its streams;
+        // flags 0 is the only value the driver defines.
         check(self.ctx.api, unsafe { (self.ctx.api.cuStreamWaitEvent)(stream, self.event, 0) }, "cuStreamWaitEvent")
     }
 
@@ -408,7 +438,8 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
-            // SAFETY: created by cuEventCreate; the driver defers destruction past pending work.
+            // SAFETY: `self.event` was created by cuEventCreate in `new` and is destroyed only here,
+            // once; the driver defers the release past work that still uses it.
             unsafe { (self.ctx.api.cuEventDestroy_v2)(self.event) };
         }
     }
@@ -438,10 +469,11 @@ struct Reader {
     seen: u64,
 }
 
-// SAFETY: stream handles are used only through driver calls, which are thread-safe; the struct
-// is used behind its owner's lock.
+// SAFETY: its only non-Send fields are CUstream handles, which it only passes to driver calls
+// (through `Event`, itself Send) after entering the context; those calls work from any thread.
 unsafe impl Send for SharedReads {}
-// SAFETY: as Send; every method takes `&mut self`.
+// SAFETY: every method takes `&mut self`, so a `&SharedReads` shared across threads allows no
+// access to the handles or counters at all.
 unsafe impl Sync for SharedReads {}
 
 impl SharedReads {
@@ -501,9 +533,11 @@ pub struct OwnedStream {
     pub stream: CUstream,
 }
 
-// SAFETY: a stream handle may be used from any thread.
+// SAFETY: the CUstream handle is accepted by the driver from any thread once its context is
+// current; `drop` enters the context first.
 unsafe impl Send for OwnedStream {}
-// SAFETY: as Send; the struct is immutable.
+// SAFETY: the handle never changes after `new`; shared use only copies it into driver calls,
+// which are thread-safe.
 unsafe impl Sync for OwnedStream {}
 
 impl OwnedStream {
@@ -511,7 +545,8 @@ impl OwnedStream {
         let _g = ctx.enter()?;
         let mut stream = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: a valid out-pointer and a flag from cuda.h.
+        // SAFETY: `_g` made `ctx` current; CU_STREAM_NON_BLOCKING is a valid flag and `stream` is
+        // a live out-pointer.
         check(ctx.api, unsafe { (ctx.api.cuStreamCreate)(&mut stream, flags) }, "cuStreamCreate")?;
         Ok(OwnedStream { ctx: ctx.clone(), stream })
     }
@@ -520,7 +555,8 @@ impl OwnedStream {
 impl Drop for OwnedStream {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
-            // SAFETY: created by cuStreamCreate; pending work completes before it is released.
+            // SAFETY: `self.stream` was created by cuStreamCreate in `new` and is destroyed only
+            // here, once; the driver lets pending work complete before releasing it.
             unsafe { (self.ctx.api.cuStreamDestroy_v2)(self.stream) };
         }
     }
@@ -532,9 +568,11 @@ pub struct Module {
     module: sys::CUmodule,
 }
 
-// SAFETY: module and function handles are usable from any thread of the context's process.
+// SAFETY: a CUmodule handle is usable from any thread while its context is current; modules
+// are never unloaded, and `api` is `&'static`.
 unsafe impl Send for Module {}
-// SAFETY: as Send; the struct is immutable.
+// SAFETY: the handle never changes after `load`; `function` only passes it to
+// cuModuleGetFunction, which is thread-safe.
 unsafe impl Sync for Module {}
 
 impl Module {
@@ -542,14 +580,17 @@ impl Module {
     pub fn load(ctx: &Context, image: &[u8]) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut module = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer and a complete image that NVRTC produced.
+        // SAFETY: `_g` made `ctx` current; `image` is a whole CUBIN, or PTX with its NUL, from
+        // NVRTC (every caller passes `Compiled::image`), so the driver reads only inside the slice;
+        // `module` is a live out-pointer.
         check(ctx.api, unsafe { (ctx.api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
         Ok(Module { api: ctx.api, module })
     }
 
     pub fn function(&self, name: &CStr) -> Result<Function> {
         let mut f = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer, a loaded module and a NUL-terminated name.
+        // SAFETY: `self.module` was loaded in `load` and is never unloaded; `name` is a `CStr`,
+        // so NUL-terminated; `f` is a live out-pointer.
         check(self.api, unsafe { (self.api.cuModuleGetFunction)(&mut f, self.module, name.as_ptr()) }, "cuModuleGetFunction")?;
         Ok(Function(f))
     }
@@ -558,9 +599,10 @@ impl Module {
 #[derive(Clone, Copy)]
 pub struct Function(sys::CUfunction);
 
-// SAFETY: as Module.
+// SAFETY: a CUfunction is a handle into a module that is never unloaded; the driver launches
+// it from any thread once its context is current (`launch` enters it).
 unsafe impl Send for Function {}
-// SAFETY: as Module.
+// SAFETY: the handle is immutable and only copied into cuLaunchKernel, which is thread-safe.
 unsafe impl Sync for Function {}
 
 /// Threads per block of every launch (the kernels' __launch_bounds__).
@@ -578,7 +620,11 @@ impl Function {
         let api = ctx.api;
         check(
             api,
-            (api.cuLaunchKernel)(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()),
+            // SAFETY: `self.0` came from cuModuleGetFunction on a module never unloaded, and `_g`
+            // made its context current; `args` holds one pointer per kernel parameter to a value
+            // of its type, valid for the kernel's accesses (this function's `# Safety` contract);
+            // `extra` is null, as the driver requires when `kernelParams` is given.
+            unsafe { (api.cuLaunchKernel)(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()) },
             "cuLaunchKernel",
         )
     }

@@ -30,7 +30,8 @@ pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 7]> {
     let out = driver::DeviceBuffer::zeroed(&ctx, stream, 7 * 8)?;
     let ptr = out.ptr();
     let mut args = driver::launch_args!(ptr);
-    // SAFETY: ga_layout_sizes writes seven u64 values to its argument.
+    // SAFETY: ga_layout_sizes takes one `ga_u64 *` and writes seven u64s through it; `ptr` is a
+    // CUdeviceptr (a u64 address) of `out`, 7 * 8 bytes in this context, which lives past the read.
     unsafe { k.layout_sizes.launch(&ctx, 1, 1, stream, &mut args)? };
     let mut sizes = [0u64; 7];
     out.read(&mut sizes)?;
