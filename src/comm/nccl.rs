@@ -322,6 +322,7 @@ pub struct NcclComm {
 // SAFETY: the ncclComm_t is used by one thread at a time (`serial`, `call`), except for
 // ncclCommAbort, which NCCL allows from any thread and which never runs during another call.
 unsafe impl Send for NcclComm {}
+// SAFETY: as Send: every method serialises its NCCL calls through `serial` and `call`.
 unsafe impl Sync for NcclComm {}
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

@@ -16,6 +16,8 @@ pub(super) struct Master {
 
 // SAFETY: the buffer is plain f32 memory; the accumulator serialises every access to a range.
 unsafe impl Send for Master {}
+// SAFETY: shared references only hand out ranges through `slice_mut`, whose callers hold the
+// accumulator's locks for those ranges.
 unsafe impl Sync for Master {}
 
 impl Master {
@@ -42,7 +44,9 @@ impl Master {
     #[allow(clippy::mut_from_ref)]
     pub(super) unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [f32] {
         assert!(range.start <= range.end && range.end <= self.len);
-        std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len())
+        // SAFETY: the range lies inside the allocation (asserted), and the caller holds exclusive
+        // access to it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 }
 

@@ -229,7 +229,8 @@ impl DeviceStore {
         // Without clipping the normalisation is applied with the norm pass; with clipping the
         // norm decides the factor, so a second pass applies it.
         let normalize_now: i32 = (max_norm == 0.0) as i32;
-        // SAFETY (all launches): argument types follow the kernels; buffers were sized at creation.
+        // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu, and every
+        // buffer it touches (master, boundary, partials) was sized for this layout at creation.
         unsafe {
             let mut args = launch_args!(boundary, normalize_code, world);
             self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
