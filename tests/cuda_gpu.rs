@@ -447,3 +447,62 @@ fn many_tensors_span_several_add_launches() {
     assert_eq!(want.grad_norm.to_bits(), got.grad_norm.to_bits());
     masters_equal(&cpu, &gpu, "many tensors");
 }
+
+/// A window saved mid-accumulation moves between devices: saved on CUDA and loaded on the CPU
+/// (and back), the windows finish with the same bits as one that never stopped; the overflow
+/// flag and the untouched tensors travel too, and a save inside a micro-batch is refused.
+#[test]
+fn window_checkpoints_move_between_devices() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("window_checkpoints_move_between_devices");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    for round in 0..6 {
+        let descs = random_layout(&mut rng);
+        let config = AccumulatorConfig { bucket_numel: rng.range(1, 2_000_000) as usize, ..AccumulatorConfig::default() };
+        let scale = 2f32.powi(rng.range(0, 12) as i32);
+        let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+        let sg = Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+        let reference = Accumulator::new(config, &descs).unwrap();
+        let gpu = Accumulator::on(device, config, &descs).unwrap();
+        let cpu = Accumulator::new(config, &descs).unwrap();
+        let gpu_again = Accumulator::on(device, config, &descs).unwrap();
+        let untouched = rng.range(0, descs.len() as u64 - 1) as usize;
+        let poison = round % 3 == 2;
+        // One micro-batch before the checkpoint, the tensor `untouched` left out.
+        let first: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison)).collect();
+        let uploads: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
+        for a in [&reference, &gpu] {
+            a.begin_microbatch(3).unwrap();
+        }
+        for i in (0..descs.len()).filter(|&i| i != untouched) {
+            reference.add_tensor(&sc, i, first[i].view()).unwrap();
+            gpu.add_tensor(&sg, i, uploads[i].1).unwrap();
+        }
+        assert_eq!(gpu.save_window().unwrap_err().kind, gradacc::ErrorKind::WrongState, "inside a micro-batch");
+        for a in [&reference, &gpu] {
+            a.end_microbatch().unwrap();
+        }
+        // CUDA -> CPU -> CUDA, then one more micro-batch everywhere.
+        cpu.load_window(&gpu.save_window().unwrap()).unwrap();
+        gpu_again.load_window(&cpu.save_window().unwrap()).unwrap();
+        let second: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
+        let views: Vec<Grad<'_>> = second.iter().map(HostGrad::view).collect();
+        let uploads: Vec<(DeviceBuffer, u64)> = second.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
+        let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
+        reference.add(&sc, &views, 5).unwrap();
+        cpu.add(&sc, &views, 5).unwrap();
+        gpu_again.add(&sg, &addresses, 5).unwrap();
+        let want = reference.sync(None).unwrap();
+        for (name, got) in [("cpu", cpu.sync(None).unwrap()), ("gpu", gpu_again.sync(None).unwrap())] {
+            let what = format!("round {round} {name} {descs:?}");
+            assert_eq!((want.found_inf, want.total_count, want.microbatches), (got.found_inf, got.total_count, got.microbatches), "{what}");
+            assert_eq!(want.found_inf, poison, "{what}");
+        }
+        masters_equal(&reference, &cpu, &format!("round {round} cpu"));
+        masters_equal(&reference, &gpu_again, &format!("round {round} gpu"));
+    }
+}
