@@ -19,7 +19,7 @@ int main(void)
     EXPECT_OK(gradacc_backend_available(GRADACC_BACKEND_NCCL, &nccl));
     if (!nccl) {
         gradacc_nccl_unique_id_t id;
-        EXPECT_ERROR(gradacc_nccl_get_unique_id(&id), GRADACC_STATUS_BACKEND_UNAVAILABLE, "NCCL");
+        EXPECT_ERROR(gradacc_nccl_unique_id(&id), GRADACC_STATUS_BACKEND_UNAVAILABLE, "NCCL");
     }
     EXPECT_ERROR(gradacc_backend_available(99, &yes), GRADACC_STATUS_INVALID_ARGUMENT, "backend");
     EXPECT_ERROR(gradacc_backend_available(GRADACC_BACKEND_LOCAL, NULL), GRADACC_STATUS_NULL_ARGUMENT, "out");

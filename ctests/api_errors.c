@@ -319,10 +319,10 @@ static void test_handles(void)
         unsigned char buf[64];
         const gradacc_accumulator_t *list[1] = {live};
         const void *grads[3] = {g0[0], g1[0], g2[0]};
-        EXPECT_ERROR(gradacc_scaler_get_scale(x, &f), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
+        EXPECT_ERROR(gradacc_scaler_scale(x, &f), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_scale_loss(x, &f, 1, GRADACC_DTYPE_F32), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_update(x, list, 1, NULL), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
-        EXPECT_ERROR(gradacc_scaler_get_stats(x, &st), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
+        EXPECT_ERROR(gradacc_scaler_stats(x, &st), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_save(x, NULL, 0, &n), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_load(x, buf, sizeof buf), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_accumulator_add(live, x, grads, 3, 1), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
@@ -598,12 +598,12 @@ static void test_scaler_calls(void)
     window_ref w;
     memset(&w, 0, sizeof w);
     float f = -3.0f;
-    EXPECT_ERROR(gradacc_scaler_get_scale(NULL, &f), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
-    EXPECT_ERROR(gradacc_scaler_get_scale(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
+    EXPECT_ERROR(gradacc_scaler_scale(NULL, &f), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
+    EXPECT_ERROR(gradacc_scaler_scale(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     CHECK(f == -3.0f, "get_scale output written on failure");
     gradacc_scaler_stats_t st;
-    EXPECT_ERROR(gradacc_scaler_get_stats(NULL, &st), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
-    EXPECT_ERROR(gradacc_scaler_get_stats(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
+    EXPECT_ERROR(gradacc_scaler_stats(NULL, &st), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
+    EXPECT_ERROR(gradacc_scaler_stats(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
 
     /* scale_loss */
     {
@@ -632,7 +632,7 @@ static void test_scaler_calls(void)
     REQUIRE_OK(gradacc_accumulator_sync(a, NULL, NULL));
     memset(&w, 0, sizeof w);
     gradacc_scaler_stats_t before;
-    REQUIRE_OK(gradacc_scaler_get_stats(s, &before));
+    REQUIRE_OK(gradacc_scaler_stats(s, &before));
     {
         const gradacc_accumulator_t *list[2] = {a, b};
         bool skipped = true;
@@ -644,11 +644,11 @@ static void test_scaler_calls(void)
         EXPECT_ERROR(gradacc_scaler_update(s, with_null, 2, &skipped), GRADACC_STATUS_NULL_ARGUMENT, "`accumulators[1]`");
         CHECK(skipped, "out_skipped written by a failing update");
         gradacc_scaler_stats_t after;
-        REQUIRE_OK(gradacc_scaler_get_stats(s, &after));
-        REQUIRE_OK(gradacc_scaler_get_scale(s, &f));
+        REQUIRE_OK(gradacc_scaler_stats(s, &after));
+        REQUIRE_OK(gradacc_scaler_scale(s, &f));
         CHECK(memcmp(&before, &after, sizeof before) == 0 && f == SCALE, "a failing update changed the scaler");
         EXPECT_OK(gradacc_scaler_update(s, list, 1, NULL)); /* out_skipped may be NULL */
-        REQUIRE_OK(gradacc_scaler_get_stats(s, &after));
+        REQUIRE_OK(gradacc_scaler_stats(s, &after));
         CHECK(after.steps == before.steps + 1, "steps %llu", (unsigned long long)after.steps);
     }
 
@@ -870,7 +870,7 @@ static void *error_thread(void *arg)
     gradacc_status_t st;
     if (t->which == 0) {
         float f;
-        st = gradacc_scaler_get_scale(NULL, &f);
+        st = gradacc_scaler_scale(NULL, &f);
     } else {
         gradacc_comm_t *c[1];
         st = gradacc_comm_create_local(0, c);

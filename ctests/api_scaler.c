@@ -111,7 +111,7 @@ static gradacc_accumulator_t *new_acc(void)
 static float get_scale(const gradacc_scaler_t *s)
 {
     float v = -1.0f;
-    REQUIRE_OK(gradacc_scaler_get_scale(s, &v));
+    REQUIRE_OK(gradacc_scaler_scale(s, &v));
     return v;
 }
 
@@ -119,7 +119,7 @@ static gradacc_scaler_stats_t get_stats(const gradacc_scaler_t *s)
 {
     gradacc_scaler_stats_t st;
     memset(&st, 0xab, sizeof st);
-    REQUIRE_OK(gradacc_scaler_get_stats(s, &st));
+    REQUIRE_OK(gradacc_scaler_stats(s, &st));
     return st;
 }
 

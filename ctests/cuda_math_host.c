@@ -381,7 +381,7 @@ static void run_microbatch(const layout *L, const microbatch *mb, device_model *
     gradacc_scaler_t *scaler = acc ? scaler_at(mb->scale) : NULL;
     if (scaler) {
         float s = 0.0f;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &s));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &s));
         CHECK(bits32(s) == bits32(mb->scale), "scale %a, expected %a", (double)s, (double)mb->scale);
     }
     if (mb->whole) {
@@ -696,8 +696,8 @@ static trace_counts check_trace(test_rng *r, const char *name, const gradacc_sca
 
         float scale_before = 0.0f;
         gradacc_scaler_stats_t stats_before;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale_before));
-        REQUIRE_OK(gradacc_scaler_get_stats(scaler, &stats_before));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale_before));
+        REQUIRE_OK(gradacc_scaler_stats(scaler, &stats_before));
         bool skipped = !overflow;
         gradacc_status_t st = gradacc_scaler_update(scaler, accs, nacc, &skipped);
 
@@ -711,8 +711,8 @@ static trace_counts check_trace(test_rng *r, const char *name, const gradacc_sca
 
         float scale = 0.0f;
         gradacc_scaler_stats_t stats;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
-        REQUIRE_OK(gradacc_scaler_get_stats(scaler, &stats));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_stats(scaler, &stats));
         int ok;
         if (at_min) {
             /* ga_scaler_next raises only at_minimum; the C API fails and changes nothing */

@@ -50,7 +50,7 @@ static void test_update_mid_window(test_rng *rng)
             CHECK(skipped == (m == 1), "helper step %d skipped %d", m, skipped);
         }
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         CHECK(scale == scales[m], "micro-batch %d: scale %g, expected %g", m, scale, scales[m]);
         double v[N], exact[N];
         for (int k = 0; k < N; k++)

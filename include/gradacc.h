@@ -227,7 +227,7 @@ typedef struct gradacc_mpi_config_t {
 } gradacc_mpi_config_t;
 
 /**
- * An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+ * An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to
  * every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
  */
 typedef struct gradacc_nccl_unique_id_t {
@@ -772,7 +772,7 @@ gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out);
+gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
 
 /**
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
@@ -851,7 +851,7 @@ gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_get_scale(const struct gradacc_scaler_t *scaler, float *out);
+gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler, float *out);
 
 /**
  * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
@@ -890,8 +890,8 @@ gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_get_stats(const struct gradacc_scaler_t *scaler,
-                                          struct gradacc_scaler_stats_t *out);
+gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
+                                      struct gradacc_scaler_stats_t *out);
 
 /**
  * Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.

@@ -192,7 +192,7 @@ public:
     /** The current loss scale (synchronises with the stream on CUDA). */
     float scale() const {
         float s = 0.0f;
-        check(gradacc_scaler_get_scale(handle_.get(), &s));
+        check(gradacc_scaler_scale(handle_.get(), &s));
         return s;
     }
 
@@ -208,7 +208,7 @@ public:
 
     ScalerStats stats() const {
         ScalerStats s{};
-        check(gradacc_scaler_get_stats(handle_.get(), &s));
+        check(gradacc_scaler_stats(handle_.get(), &s));
         return s;
     }
 

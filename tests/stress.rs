@@ -181,9 +181,9 @@ fn independent_objects_on_threads_match_serial() {
         for step in 0..steps {
             for m in 0..2 {
                 let mut scale = 0.0;
-                ok(gradacc_scaler_get_scale(s, &mut scale));
+                ok(gradacc_scaler_scale(s, &mut scale));
                 let mut shared_scale = 0.0;
-                ok(gradacc_scaler_get_scale(shared_h.0 as *const _, &mut shared_scale));
+                ok(gradacc_scaler_scale(shared_h.0 as *const _, &mut shared_scale));
                 assert_eq!(shared_scale, 8.0);
                 let bufs: Vec<Buf> = ds.iter().map(|d| Buf::new(&mut rng, d, scale, step % 7 == 3 && m == 1)).collect();
                 let ptrs: Vec<*const c_void> = bufs.iter().map(|b| b.ptr()).collect();
@@ -195,9 +195,9 @@ fn independent_objects_on_threads_match_serial() {
             ok(gradacc_scaler_update(s, list.as_ptr(), 1, null_mut()));
         }
         let mut scale = 0.0;
-        ok(gradacc_scaler_get_scale(s, &mut scale));
+        ok(gradacc_scaler_scale(s, &mut scale));
         let mut st = gradacc_scaler_stats_t { steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-        ok(gradacc_scaler_get_stats(s, &mut st));
+        ok(gradacc_scaler_stats(s, &mut st));
         ok(gradacc_accumulator_destroy(a));
         ok(gradacc_scaler_destroy(s));
         (all, scale, [st.steps, st.skipped_steps, st.growths, st.backoffs])
@@ -253,7 +253,7 @@ fn destroy_races_report_invalid_handle() {
                                 }
                                 2 => {
                                     let mut v = 0.0;
-                                    gradacc_scaler_get_scale(s, &mut v)
+                                    gradacc_scaler_scale(s, &mut v)
                                 }
                                 3 => {
                                     let mut n = 0;
@@ -273,7 +273,7 @@ fn destroy_races_report_invalid_handle() {
                                 }
                                 _ => {
                                     let mut st = gradacc_scaler_stats_t { steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-                                    gradacc_scaler_get_stats(s, &mut st)
+                                    gradacc_scaler_stats(s, &mut st)
                                 }
                             };
                             match st {

@@ -200,7 +200,7 @@ func (s *Scaler) Scale() (float32, error) {
 		return 0, err
 	}
 	var out C.float
-	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_scale(p, &out) })
+	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_scale(p, &out) })
 	runtime.KeepAlive(s)
 	return float32(out), err
 }
@@ -267,7 +267,7 @@ func (s *Scaler) Stats() (ScalerStats, error) {
 		return ScalerStats{}, err
 	}
 	var c C.gradacc_scaler_stats_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_stats(p, &c) })
+	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_stats(p, &c) })
 	runtime.KeepAlive(s)
 	return ScalerStats{uint64(c.steps), uint64(c.skipped_steps), uint64(c.growths), uint64(c.backoffs)}, err
 }

@@ -30,7 +30,7 @@ int main(void) {
     float scale = 0.0f;
     if (check(gradacc_scaler_config_default(&config), "gradacc_scaler_config_default") ||
         check(gradacc_scaler_create(&config, NULL, &scaler), "gradacc_scaler_create") ||
-        check(gradacc_scaler_get_scale(scaler, &scale), "gradacc_scaler_get_scale")) {
+        check(gradacc_scaler_scale(scaler, &scale), "gradacc_scaler_scale")) {
         return 1;
     }
     if (scale != config.init_scale) {

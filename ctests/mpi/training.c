@@ -60,7 +60,7 @@ int main(int argc, char **argv)
 
     for (int step = 0; step < STEPS; step++) {
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         for (int i = 0; i < TENSORS; i++)
             memset(ref[i], 0, numel[i] * sizeof(double));
         uint64_t total = 0;

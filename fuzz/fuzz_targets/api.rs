@@ -236,7 +236,6 @@ impl AccModel {
     }
 }
 
-
 struct World {
     scalers: Vec<(*mut gradacc_scaler_t, ScalerModel)>,
     accs: Vec<AccModel>,
@@ -272,10 +271,7 @@ impl World {
         self.calls += 1;
         if status != GRADACC_STATUS_OK {
             let msg = last_error();
-            assert!(
-                (1..=15).contains(&status) && status != GRADACC_STATUS_INTERNAL,
-                "{function}: status {status}: {msg}"
-            );
+            assert!((1..=15).contains(&status) && status != GRADACC_STATUS_INTERNAL, "{function}: status {status}: {msg}");
             assert!(msg.starts_with(function), "{function} failed with status {status} but the last error is {msg:?}");
             let text = unsafe { CStr::from_ptr(gradacc_status_string(status)) }.to_string_lossy();
             assert!(text.starts_with("GRADACC_STATUS_"), "{text}");
@@ -679,11 +675,7 @@ fn scaler_create(world: &mut World, input: &mut Input) {
     if world.scalers.len() >= MAX_OBJECTS && cfg_ok && device_ok && !null_out {
         return; // keep the population small
     }
-    let status = gradacc_scaler_create(
-        if pass_null { null() } else { &c },
-        device_ptr,
-        if null_out { null_mut() } else { &mut out },
-    );
+    let status = gradacc_scaler_create(if pass_null { null() } else { &c }, device_ptr, if null_out { null_mut() } else { &mut out });
     if world.check("gradacc_scaler_create", status, want) {
         // With a NULL config, `c` is still gradacc_scaler_config_default's output: the defaults.
         world.scalers.push((out, ScalerModel::new(cfg)));
@@ -753,8 +745,7 @@ fn acc_create(world: &mut World, input: &mut Input) {
         _ => {}
     }
     let bad_device = gradacc_device_t { kind: GRADACC_DEVICE_CUDA, ordinal: 0, stream: null_mut() };
-    let (device, device_ok): (*const gradacc_device_t, bool) =
-        if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
+    let (device, device_ok): (*const gradacc_device_t, bool) = if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
     let total: usize = descs.iter().map(|d| d.numel as usize).fold(0usize, |a, b| a.saturating_add(b));
     let with_buffer = input.u8() % 4 == 0;
     let mut buffer: Option<Vec<f32>> = None;
@@ -1092,10 +1083,7 @@ fn sync(world: &mut World, input: &mut Input) {
         for (k, &v) in got.iter().enumerate() {
             let i = a.offsets[t] + k;
             let sim = if factor != 1.0 { a.w.sim[i] * factor } else { a.w.sim[i] };
-            assert!(
-                v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()),
-                "tensor {t} element {k}: library {v:e}, f32 model {sim:e}"
-            );
+            assert!(v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()), "tensor {t} element {k}: library {v:e}, f32 model {sim:e}");
             if !a.w.found_inf && a.w.exact[i].is_finite() && sim.is_finite() {
                 let exact = a.w.exact[i] * clip / divisor as f64;
                 let bound = (a.w.magnitude[i] * clip / divisor as f64) * (a.w.adds[i] as f64 + 3.0) * f32::EPSILON as f64
@@ -1128,12 +1116,8 @@ fn update(world: &mut World, input: &mut Input) {
     let null_list = input.u8() % 16 == 0;
     let mut skipped = false;
     let want_skipped = input.u8() % 8 != 0;
-    let st = gradacc_scaler_update(
-        scaler,
-        if null_list { null() } else { handles.as_ptr() },
-        n,
-        if want_skipped { &mut skipped } else { null_mut() },
-    );
+    let st =
+        gradacc_scaler_update(scaler, if null_list { null() } else { handles.as_ptr() }, n, if want_skipped { &mut skipped } else { null_mut() });
     let next = si.and_then(|i| world.scalers[i].1.update(found_inf));
     let want = si.is_some() && !null_list && n > 0 && all_synced && next.is_some();
     let at_minimum = si.is_some() && !null_list && n > 0 && all_synced && next.is_none();
@@ -1274,8 +1258,8 @@ fn queries(world: &mut World, input: &mut Input) {
         0 => {
             let (s, si) = world.scaler_arg(input);
             let mut v = -1.0f32;
-            let st = gradacc_scaler_get_scale(s, if null_out { null_mut() } else { &mut v });
-            if world.check("gradacc_scaler_get_scale", st, si.is_some() && !null_out) {
+            let st = gradacc_scaler_scale(s, if null_out { null_mut() } else { &mut v });
+            if world.check("gradacc_scaler_scale", st, si.is_some() && !null_out) {
                 assert_eq!(v, world.scalers[si.unwrap()].1.scale, "scale");
             } else {
                 assert_eq!(v, -1.0);
@@ -1284,8 +1268,8 @@ fn queries(world: &mut World, input: &mut Input) {
         1 => {
             let (s, si) = world.scaler_arg(input);
             let mut v = gradacc_scaler_stats_t { steps: 99, skipped_steps: 99, growths: 99, backoffs: 99 };
-            let st = gradacc_scaler_get_stats(s, if null_out { null_mut() } else { &mut v });
-            if world.check("gradacc_scaler_get_stats", st, si.is_some() && !null_out) {
+            let st = gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v });
+            if world.check("gradacc_scaler_stats", st, si.is_some() && !null_out) {
                 assert_eq!([v.steps, v.skipped_steps, v.growths, v.backoffs], world.scalers[si.unwrap()].1.stats, "stats");
             } else {
                 assert_eq!(v.steps, 99);
@@ -1357,16 +1341,8 @@ fn comm_create(world: &mut World, input: &mut Input) {
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input { data, pos: 0 };
-    let mut world = World {
-        scalers: vec![],
-        accs: vec![],
-        comms: vec![],
-        dead: vec![],
-        windows: vec![],
-        scaler_states: vec![],
-        calls: 0,
-        syncs_checked: 0,
-    };
+    let mut world =
+        World { scalers: vec![], accs: vec![], comms: vec![], dead: vec![], windows: vec![], scaler_states: vec![], calls: 0, syncs_checked: 0 };
     while !input.done() && world.calls < 400 {
         match input.u8() % 20 {
             0 | 1 => scaler_create(&mut world, &mut input),

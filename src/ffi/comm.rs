@@ -42,7 +42,7 @@ pub struct gradacc_comm_t {
     _private: [u8; 0],
 }
 
-/// An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+/// An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to
 /// every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -238,8 +238,8 @@ pub extern "C" fn gradacc_comm_create_mpi(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_nccl_get_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
-    guard("gradacc_nccl_get_unique_id", || {
+pub extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
+    guard("gradacc_nccl_unique_id", || {
         let out = out_ptr(out, "out")?;
         *out = gradacc_nccl_unique_id_t { internal: nccl::unique_id()? };
         Ok(())

@@ -183,8 +183,8 @@ pub extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> grada
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_get_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
-    guard("gradacc_scaler_get_scale", || {
+pub extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
+    guard("gradacc_scaler_scale", || {
         let s = SCALERS.get(scaler, "scaler")?;
         let out = out_ptr(out, "out")?;
         *out = s.scale()?;
@@ -297,8 +297,8 @@ pub extern "C" fn gradacc_scaler_update(
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_get_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
-    guard("gradacc_scaler_get_stats", || {
+pub extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
+    guard("gradacc_scaler_stats", || {
         let s = SCALERS.get(scaler, "scaler")?.stats()?;
         *out_ptr(out, "out")? = gradacc_scaler_stats_t { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs };
         Ok(())

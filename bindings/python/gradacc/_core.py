@@ -243,7 +243,7 @@ class Scaler(_Managed):
     def scale(self):
         """The current loss scale (synchronises with the stream on CUDA)."""
         out = ctypes.c_float()
-        _check(ffi.gradacc_scaler_get_scale(self._handle(), ctypes.byref(out)))
+        _check(ffi.gradacc_scaler_scale(self._handle(), ctypes.byref(out)))
         return out.value
 
     def scale_loss(self, loss, dtype=None, numel=None):
@@ -274,7 +274,7 @@ class Scaler(_Managed):
     @property
     def stats(self):
         out = ffi.gradacc_scaler_stats_t()
-        _check(ffi.gradacc_scaler_get_stats(self._handle(), ctypes.byref(out)))
+        _check(ffi.gradacc_scaler_stats(self._handle(), ctypes.byref(out)))
         return _from_struct(ScalerStats, out)
 
     def save(self):

@@ -120,7 +120,7 @@ class gradacc_mpi_config_t(ctypes.Structure):
         ("max_in_flight", ctypes.c_uint32),
     ]
 
-# An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+# An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
 class gradacc_nccl_unique_id_t(ctypes.Structure):
     _fields_ = [
         ("internal", (ctypes.c_uint8 * 128)),
@@ -290,9 +290,9 @@ gradacc_comm_create_mpi.argtypes = [ctypes.c_int64, ctypes.POINTER(gradacc_mpi_c
 # arguments: fortran_comm, config, out_comm
 
 # Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes).
-gradacc_nccl_get_unique_id = dll.gradacc_nccl_get_unique_id
-gradacc_nccl_get_unique_id.restype = gradacc_status_t
-gradacc_nccl_get_unique_id.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t)]
+gradacc_nccl_unique_id = dll.gradacc_nccl_unique_id
+gradacc_nccl_unique_id.restype = gradacc_status_t
+gradacc_nccl_unique_id.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t)]
 # arguments: out
 
 # Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU).
@@ -332,9 +332,9 @@ gradacc_scaler_destroy.argtypes = [ctypes.POINTER(gradacc_scaler_t)]
 # arguments: scaler
 
 # Reads the current loss scale into `*out`.
-gradacc_scaler_get_scale = dll.gradacc_scaler_get_scale
-gradacc_scaler_get_scale.restype = gradacc_status_t
-gradacc_scaler_get_scale.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_float)]
+gradacc_scaler_scale = dll.gradacc_scaler_scale
+gradacc_scaler_scale.restype = gradacc_status_t
+gradacc_scaler_scale.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_float)]
 # arguments: scaler, out
 
 # Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even).
@@ -350,9 +350,9 @@ gradacc_scaler_update.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINT
 # arguments: scaler, accumulators, n, out_skipped
 
 # Writes the scaler's statistics to `*out`.
-gradacc_scaler_get_stats = dll.gradacc_scaler_get_stats
-gradacc_scaler_get_stats.restype = gradacc_status_t
-gradacc_scaler_get_stats.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_scaler_stats_t)]
+gradacc_scaler_stats = dll.gradacc_scaler_stats
+gradacc_scaler_stats.restype = gradacc_status_t
+gradacc_scaler_stats.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_scaler_stats_t)]
 # arguments: scaler, out
 
 # Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.

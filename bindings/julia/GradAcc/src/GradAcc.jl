@@ -306,7 +306,7 @@ file) before they call [`GradAcc.nccl_communicator`](@ref).
 """
 function nccl_unique_id()
     out = Ref{gradacc_nccl_unique_id_t}()
-    check(gradacc_nccl_get_unique_id(out))
+    check(gradacc_nccl_unique_id(out))
     return collect(out[].internal)
 end
 
@@ -397,7 +397,7 @@ The current loss scale.
 """
 function scale(s::Scaler)
     out = Ref{Cfloat}(0)
-    check(gradacc_scaler_get_scale(s, out))
+    check(gradacc_scaler_scale(s, out))
     return out[]
 end
 
@@ -432,7 +432,7 @@ The scaler's statistics (fields `steps`, `skipped_steps`, `growths`, ...).
 """
 function stats(s::Scaler)
     out = Ref{gradacc_scaler_stats_t}()
-    check(gradacc_scaler_get_stats(s, out))
+    check(gradacc_scaler_stats(s, out))
     return out[]
 end
 

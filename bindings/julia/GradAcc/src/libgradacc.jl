@@ -112,7 +112,7 @@ struct gradacc_mpi_config_t
     max_in_flight::UInt32
 end
 
-"An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
+"An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
 struct gradacc_nccl_unique_id_t
     internal::NTuple{128, UInt8}
 end
@@ -303,8 +303,8 @@ function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
 end
 
 "Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes)."
-function gradacc_nccl_get_unique_id(out)
-    ccall((:gradacc_nccl_get_unique_id, libgradacc()), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
+function gradacc_nccl_unique_id(out)
+    ccall((:gradacc_nccl_unique_id, libgradacc()), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
 end
 
 "Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU)."
@@ -375,8 +375,8 @@ function gradacc_scaler_destroy(scaler)
 end
 
 "Reads the current loss scale into `*out`."
-function gradacc_scaler_get_scale(scaler, out)
-    ccall((:gradacc_scaler_get_scale, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
+function gradacc_scaler_scale(scaler, out)
+    ccall((:gradacc_scaler_scale, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
 end
 
 "Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even)."
@@ -405,8 +405,8 @@ function gradacc_scaler_update(scaler, accumulators, n, out_skipped)
 end
 
 "Writes the scaler's statistics to `*out`."
-function gradacc_scaler_get_stats(scaler, out)
-    ccall((:gradacc_scaler_get_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
+function gradacc_scaler_stats(scaler, out)
+    ccall((:gradacc_scaler_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
 end
 
 "Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes."
