@@ -35,7 +35,11 @@
  *   NULL where a value is required, a wrong size, a dtype or device mismatch, a destroyed or
  *   foreign handle, or a call in the wrong state is reported as a status, never a crash.
  * - Config structs start with `size_t struct_size`: fill them with their `*_config_default()`
- *   initialiser, then change fields. Fields are only ever appended, so old callers keep working.
+ *   initialiser, then change fields. Fields are only ever appended, so old callers keep working:
+ *   the size of an older header's struct (any size that ends on a field, padded to 8 bytes or not)
+ *   is accepted and the fields it lacks take their defaults; a larger size (a header newer than the
+ *   library loaded), 0, or a size that ends inside a field fails with
+ *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value.
  * - Ownership: every function that creates an object names the function that destroys it. Each
  *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
  *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;

@@ -605,12 +605,42 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
 
 // ---- the operations ------------------------------------------------------------------------------
 
+fn pointee_size<F>(_: *const F) -> usize {
+    std::mem::size_of::<F>()
+}
+
+/// The end offset of each listed field of a struct, in order.
+macro_rules! field_ends {
+    ($t:ty: $($field:ident),+) => {{
+        let u = std::mem::MaybeUninit::<$t>::uninit();
+        let p = u.as_ptr();
+        [$(std::mem::offset_of!($t, $field) + pointee_size(unsafe { std::ptr::addr_of!((*p).$field) })),+]
+    }};
+}
+
+/// What the library reads from a config whose struct_size is `c.struct_size`: the fields that end
+/// within that size (an older header's struct) over the defaults; None for a refused size (0,
+/// larger than the struct, or not the end of a field, padded to the struct's alignment or not).
+fn config_as_read<T: Copy>(c: &T, defaults: &T, field_ends: &[usize]) -> Option<T> {
+    let size = unsafe { *(c as *const T as *const usize) };
+    let align = std::mem::align_of::<T>();
+    if size > std::mem::size_of::<T>() || !field_ends.iter().any(|&e| size == e || size == e.next_multiple_of(align)) {
+        return None;
+    }
+    // Only the fields: the bytes past the last one up to `size` are the older struct's padding.
+    let fields = field_ends.iter().copied().filter(|&e| e <= size).max().unwrap_or(0);
+    let mut out = *defaults;
+    unsafe { std::ptr::copy_nonoverlapping(c as *const T as *const u8, &mut out as *mut T as *mut u8, fields) };
+    Some(out)
+}
+
 const POW2_SCALES: [f32; 6] = [1.0, 2.0, 256.0, 1024.0, 65536.0, 16777216.0];
 
 fn scaler_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_scaler_config_t>::uninit();
     assert_eq!(gradacc_scaler_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
-    let mut c = unsafe { c.assume_init() };
+    let defaults = unsafe { c.assume_init() };
+    let mut c = defaults;
     let variant = input.u8();
     let mut pass_null = false;
     match variant % 8 {
@@ -659,18 +689,22 @@ fn scaler_create(world: &mut World, input: &mut Input) {
     };
     let null_out = input.u8() % 16 == 0;
     let mut out: *mut gradacc_scaler_t = 0x5 as *mut _; // must stay as it is on failure
+    let ends = field_ends!(gradacc_scaler_config_t: struct_size, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+        consecutive_hysteresis, min_scale, max_scale, dynamic);
+    let read = if pass_null { Some(c) } else { config_as_read(&c, &defaults, &ends) };
+    let r = read.unwrap_or(c);
     let cfg = ScalerCfg {
-        init_scale: c.init_scale,
-        growth_factor: c.growth_factor,
-        backoff_factor: c.backoff_factor,
-        growth_interval: c.growth_interval,
-        hysteresis: c.hysteresis,
-        consecutive_hysteresis: c.consecutive_hysteresis,
-        min_scale: c.min_scale,
-        max_scale: c.max_scale,
-        dynamic: c.dynamic,
+        init_scale: r.init_scale,
+        growth_factor: r.growth_factor,
+        backoff_factor: r.backoff_factor,
+        growth_interval: r.growth_interval,
+        hysteresis: r.hysteresis,
+        consecutive_hysteresis: r.consecutive_hysteresis,
+        min_scale: r.min_scale,
+        max_scale: r.max_scale,
+        dynamic: r.dynamic,
     };
-    let cfg_ok = pass_null || (c.struct_size == std::mem::size_of::<gradacc_scaler_config_t>() && cfg.valid());
+    let cfg_ok = read.is_some() && cfg.valid();
     let want = cfg_ok && device_ok && !null_out && world.scalers.len() < MAX_OBJECTS;
     if world.scalers.len() >= MAX_OBJECTS && cfg_ok && device_ok && !null_out {
         return; // keep the population small
@@ -687,7 +721,8 @@ fn scaler_create(world: &mut World, input: &mut Input) {
 fn acc_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_accumulator_config_t>::uninit();
     assert_eq!(gradacc_accumulator_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
-    let mut c = unsafe { c.assume_init() };
+    let defaults = unsafe { c.assume_init() };
+    let mut c = defaults;
     let pass_null_config = input.u8() % 4 == 0;
     let mut cfg_ok = true;
     if !pass_null_config {
@@ -705,7 +740,12 @@ fn acc_create(world: &mut World, input: &mut Input) {
             5 => c.threads = [0, 1025, u32::MAX][input.below(3)],
             _ => {}
         }
-        cfg_ok = c.struct_size == std::mem::size_of::<gradacc_accumulator_config_t>()
+        let ends = field_ends!(gradacc_accumulator_config_t: struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads);
+        let read = config_as_read(&c, &defaults, &ends);
+        cfg_ok = read.is_some();
+        // The model works on what the library read: an older size leaves the later fields at their defaults.
+        c = read.unwrap_or(c);
+        cfg_ok = cfg_ok
             && (0..=1).contains(&c.loss_reduction)
             && (0..=3).contains(&c.normalize)
             && c.max_grad_norm.is_finite()
