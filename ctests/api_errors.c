@@ -53,7 +53,7 @@ static void add_mb(gradacc_accumulator_t *acc, gradacc_scaler_t *s, int m, uint6
 /* Syncs and checks the master against the reference window (BY_COUNT, MEAN); starts a new ref. */
 static void finish(gradacc_accumulator_t *acc, window_ref *w, const char *what)
 {
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(acc, NULL, &info));
     CHECK(info.total_count == w->count, "%s: total_count %llu, expected %llu", what, (unsigned long long)info.total_count,
           (unsigned long long)w->count);
@@ -313,8 +313,9 @@ static void test_handles(void)
     for (int i = 0; i < 3; i++) {
         gradacc_scaler_t *x = as_scaler[i];
         float f = -3.0f;
-        gradacc_scaler_stats_t st;
+        gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
         memset(&st, 0x5a, sizeof st);
+        st.struct_size = sizeof st;
         size_t n = 777;
         unsigned char buf[64];
         const gradacc_accumulator_t *list[1] = {live};
@@ -375,8 +376,9 @@ static void test_accumulator_calls(void)
     EXPECT_ERROR(gradacc_accumulator_end_microbatch(a), GRADACC_STATUS_WRONG_STATE, "begin_microbatch");
     EXPECT_ERROR(gradacc_accumulator_add_tensor(a, s, 0, g0[0], N0), GRADACC_STATUS_WRONG_STATE, "begin_microbatch");
     {
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         memset(&info, 0x5a, sizeof info);
+        info.struct_size = sizeof info;
         gradacc_sync_info_t before = info;
         EXPECT_STATUS(gradacc_accumulator_sync(a, NULL, &info), GRADACC_STATUS_EMPTY_WINDOW);
         CHECK(memcmp(&info, &before, sizeof info) == 0, "out_info written by a failing sync");
@@ -452,8 +454,9 @@ static void test_accumulator_calls(void)
         read_master(a, 0, before, N0);
         read_master(a, 1, before + N0, N1);
         read_master(a, 2, before + N0 + N1, N2);
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         memset(&info, 0x3c, sizeof info);
+        info.struct_size = sizeof info;
         gradacc_sync_info_t copy = info;
         EXPECT_ERROR(gradacc_accumulator_sync(a, NULL, &info), GRADACC_STATUS_EMPTY_WINDOW, "empty");
         CHECK(memcmp(&info, &copy, sizeof info) == 0, "out_info written by a failing sync");
@@ -575,7 +578,7 @@ static void test_accumulator_calls(void)
         EXPECT_STATUS(gradacc_accumulator_sync(sum, NULL, NULL), GRADACC_STATUS_EMPTY_WINDOW);
         const void *g3[3] = {g0[3], g1[3], g2[3]};
         REQUIRE_OK(gradacc_accumulator_add(sum, s, g3, 3, 4));
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         EXPECT_OK(gradacc_accumulator_sync(sum, NULL, &info));
         CHECK(info.total_count == 4 && info.microbatches == 2, "count %llu micro-batches %llu",
               (unsigned long long)info.total_count, (unsigned long long)info.microbatches);
@@ -601,7 +604,7 @@ static void test_scaler_calls(void)
     EXPECT_ERROR(gradacc_scaler_scale(NULL, &f), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
     EXPECT_ERROR(gradacc_scaler_scale(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     CHECK(f == -3.0f, "get_scale output written on failure");
-    gradacc_scaler_stats_t st;
+    gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
     EXPECT_ERROR(gradacc_scaler_stats(NULL, &st), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
     EXPECT_ERROR(gradacc_scaler_stats(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
 
@@ -631,7 +634,7 @@ static void test_scaler_calls(void)
     add_mb(a, s, 0, 1, &w);
     REQUIRE_OK(gradacc_accumulator_sync(a, NULL, NULL));
     memset(&w, 0, sizeof w);
-    gradacc_scaler_stats_t before;
+    gradacc_scaler_stats_t before = GRADACC_SCALER_STATS_INIT;
     REQUIRE_OK(gradacc_scaler_stats(s, &before));
     {
         const gradacc_accumulator_t *list[2] = {a, b};
@@ -643,7 +646,7 @@ static void test_scaler_calls(void)
         const gradacc_accumulator_t *with_null[2] = {a, NULL};
         EXPECT_ERROR(gradacc_scaler_update(s, with_null, 2, &skipped), GRADACC_STATUS_NULL_ARGUMENT, "`accumulators[1]`");
         CHECK(skipped, "out_skipped written by a failing update");
-        gradacc_scaler_stats_t after;
+        gradacc_scaler_stats_t after = GRADACC_SCALER_STATS_INIT;
         REQUIRE_OK(gradacc_scaler_stats(s, &after));
         REQUIRE_OK(gradacc_scaler_scale(s, &f));
         CHECK(memcmp(&before, &after, sizeof before) == 0 && f == SCALE, "a failing update changed the scaler");
@@ -708,7 +711,7 @@ static void test_comm_calls(void)
     memset(&w, 0, sizeof w);
     add_mb(a, s, 1, 3, &w);
     add_mb(a, s, 2, 1, &w);
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(a, comms[0], &info));
     CHECK(info.total_count == 4, "total_count");
     double got[N0];
@@ -744,8 +747,9 @@ static void *sync_rank_main(void *arg)
         const void *grads[3] = {g0[1], g1[1], g2[1]};
         REQUIRE_OK(gradacc_accumulator_add(r->acc, r->scaler, grads, 3, 2));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     memset(&info, 0x5a, sizeof info);
+    info.struct_size = sizeof info;
     unsigned char untouched[sizeof info];
     memcpy(untouched, &info, sizeof info);
     r->st[0] = gradacc_accumulator_sync(r->acc, r->comm, &info);

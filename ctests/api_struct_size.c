@@ -3,7 +3,8 @@
  * field is accepted, and the fields past it take their defaults; a size inside a field, 0, or one
  * larger than this library's struct (a newer header) is refused with a message naming the argument
  * and the value. The older structs are declared here, as an old header would have them, and passed
- * by cast. */
+ * by cast. Output structs follow the same rule: the library writes only the fields the caller's
+ * struct_size covers. */
 #include "common.h"
 
 #include <stddef.h>
@@ -123,10 +124,79 @@ static void refused_sizes(void)
     CHECK(acc == (gradacc_accumulator_t *)0x5, "output written on failure");
 }
 
+/* gradacc_sync_info_t as an older header might have had it, followed by bytes that must stay. */
+typedef struct {
+    size_t struct_size;
+    bool found_inf;
+    uint64_t total_count;
+} old_sync_info_t;
+
+typedef struct {
+    old_sync_info_t info;
+    unsigned char canary[64];
+} guarded_sync_info_t;
+
+static void older_output_structs(void)
+{
+    gradacc_tensor_desc_t t[1] = {{2, GRADACC_DTYPE_F32}};
+    gradacc_accumulator_t *acc = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(NULL, t, 1, NULL, &acc));
+    gradacc_scaler_t *s = scaler_with_scale(1.0f);
+    const float g[2] = {1.0f, 2.0f};
+    const void *grads[1] = {g};
+
+    guarded_sync_info_t out;
+    memset(&out, 0xee, sizeof out);
+    out.info.struct_size = sizeof out.info;
+    EXPECT_OK(gradacc_accumulator_add(acc, s, grads, 1, 3));
+    EXPECT_OK(gradacc_accumulator_sync(acc, NULL, (gradacc_sync_info_t *)&out.info));
+    CHECK(out.info.struct_size == sizeof out.info, "struct_size changed to %zu", out.info.struct_size);
+    CHECK(!out.info.found_inf && out.info.total_count == 3, "found_inf %d total_count %llu", out.info.found_inf,
+          (unsigned long long)out.info.total_count);
+    int intact = 1;
+    for (size_t i = 0; i < sizeof out.canary; i++)
+        intact &= out.canary[i] == 0xee;
+    CHECK(intact, "bytes past the caller's struct_size were written");
+
+    /* 0, inside a field, larger than the library's: refused before anything happens, the window stays. */
+    const size_t bad[3] = {0, sizeof(size_t) + 4, sizeof(gradacc_sync_info_t) + 8};
+    for (int i = 0; i < 3; i++) {
+        memset(&out, 0xee, sizeof out);
+        out.info.struct_size = bad[i];
+        char want[64];
+        snprintf(want, sizeof want, "`out_info`.struct_size = %zu", bad[i]);
+        EXPECT_OK(gradacc_accumulator_add(acc, s, grads, 1, 1));
+        EXPECT_ERROR(gradacc_accumulator_sync(acc, NULL, (gradacc_sync_info_t *)&out.info),
+                     GRADACC_STATUS_INVALID_ARGUMENT, want);
+        CHECK(out.info.total_count == 0xeeeeeeeeeeeeeeeeull, "written on failure");
+        EXPECT_OK(gradacc_accumulator_reset(acc));
+    }
+
+    /* The scaler's statistics: cut after `steps`; then refused sizes. */
+    struct {
+        size_t struct_size;
+        uint64_t steps;
+        uint64_t canary;
+    } st = {sizeof(size_t) + sizeof(uint64_t), 99, 7};
+    EXPECT_OK(gradacc_scaler_stats(s, (gradacc_scaler_stats_t *)&st));
+    CHECK(st.steps == 0 && st.canary == 7, "steps %llu, canary %llu", (unsigned long long)st.steps,
+          (unsigned long long)st.canary);
+    st.struct_size = 0;
+    EXPECT_ERROR(gradacc_scaler_stats(s, (gradacc_scaler_stats_t *)&st), GRADACC_STATUS_INVALID_ARGUMENT,
+                 "`out`.struct_size = 0");
+    gradacc_scaler_stats_t full = GRADACC_SCALER_STATS_INIT;
+    full.struct_size += 8;
+    EXPECT_ERROR(gradacc_scaler_stats(s, &full), GRADACC_STATUS_INVALID_ARGUMENT, "`out`.struct_size");
+
+    EXPECT_OK(gradacc_accumulator_destroy(acc));
+    EXPECT_OK(gradacc_scaler_destroy(s));
+}
+
 int main(void)
 {
     older_scaler_config();
     older_accumulator_config();
     refused_sizes();
+    older_output_structs();
     return test_finish();
 }

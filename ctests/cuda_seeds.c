@@ -104,6 +104,7 @@ static void window(rank_args *a, gradacc_accumulator_t *acc, gradacc_scaler_t *s
     REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 1, g[1], 1));
     REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 0, g[0], 1));
     REQUIRE_OK(gradacc_accumulator_end_microbatch(acc));
+    info->struct_size = sizeof *info;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, info));
     const gradacc_accumulator_t *accs[1] = {acc};
     REQUIRE_OK(gradacc_scaler_update(scaler, accs, 1, skipped));

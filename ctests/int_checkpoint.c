@@ -66,6 +66,7 @@ static void add_micro(gradacc_accumulator_t *acc, gradacc_scaler_t *s, int t, in
 
 static void finish_step(gradacc_accumulator_t *acc, gradacc_scaler_t *s, step_result *r)
 {
+    r->info.struct_size = sizeof r->info;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &r->info));
     for (int i = 0; i < 3; i++) {
         float *p;
@@ -76,6 +77,7 @@ static void finish_step(gradacc_accumulator_t *acc, gradacc_scaler_t *s, step_re
     const gradacc_accumulator_t *list[1] = {acc};
     REQUIRE_OK(gradacc_scaler_update(s, list, 1, &r->skipped));
     REQUIRE_OK(gradacc_scaler_scale(s, &r->scale));
+    r->stats.struct_size = sizeof r->stats;
     REQUIRE_OK(gradacc_scaler_stats(s, &r->stats));
 }
 

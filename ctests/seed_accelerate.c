@@ -42,7 +42,7 @@ static void run(gradacc_normalize_t normalize, gradacc_dtype_t dtype, const doub
         const void *grads[1] = {g.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 1, PER));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
     const gradacc_accumulator_t *accs[1] = {acc};
     bool skipped = true;

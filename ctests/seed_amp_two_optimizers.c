@@ -58,7 +58,7 @@ static void test_skip_together(void)
     unsigned long long backoffs = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         bool skipped = false;
-        gradacc_sync_info_t ia, ib;
+        gradacc_sync_info_t ia = GRADACC_SYNC_INFO_INIT, ib = GRADACC_SYNC_INFO_INIT;
         step(cases[c].inf_a, cases[c].inf_b, &skipped, &ia, &ib);
         int any = cases[c].inf_a || cases[c].inf_b;
         CHECK(ia.found_inf == (cases[c].inf_a != 0) && ib.found_inf == (cases[c].inf_b != 0),
@@ -70,7 +70,7 @@ static void test_skip_together(void)
         CHECK(scale == cases[c].scale_after, "case %zu: scale %g, expected %g (one backoff per step)", c, scale,
               cases[c].scale_after);
         backoffs += any ? 1 : 0;
-        gradacc_scaler_stats_t st;
+        gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
         REQUIRE_OK(gradacc_scaler_stats(scaler, &st));
         CHECK(st.steps == c + 1 && st.backoffs == backoffs, "case %zu: steps %llu backoffs %llu, expected %zu and %llu",
               c, (unsigned long long)st.steps, (unsigned long long)st.backoffs, c + 1, backoffs);
@@ -125,7 +125,7 @@ static void test_clip_unscaled(test_rng *rng)
                 const void *grads[1] = {g.data};
                 REQUIRE_OK(gradacc_accumulator_add(acc, sclr, grads, 1, 4));
             }
-            gradacc_sync_info_t info;
+            gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
             REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
             double norm = 0.0;
             for (int i = 0; i < N; i++)

@@ -41,6 +41,7 @@ static void *rank_main(void *p)
         const void *g[2] = {w.data, b.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, g, 2, 1));
     }
+    a->info.struct_size = sizeof a->info;
     a->status = gradacc_accumulator_sync(acc, a->comm, &a->info);
     if (a->status == GRADACC_STATUS_OK) {
         float *p0 = NULL, *p1 = NULL;

@@ -47,6 +47,7 @@ static void *rank_main(void *arg)
             const void *grads[2] = {g.data, &other};
             REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, 2));
         }
+        a->info[window].struct_size = sizeof a->info[window];
         REQUIRE_OK(gradacc_accumulator_sync(acc, a->comm, &a->info[window]));
         const gradacc_accumulator_t *accs[1] = {acc};
         REQUIRE_OK(gradacc_scaler_update(scaler, accs, 1, &a->skipped[window]));
@@ -56,6 +57,7 @@ static void *rank_main(void *arg)
     size_t n;
     REQUIRE_OK(gradacc_accumulator_master(acc, 0, &p, &n));
     memcpy(a->master, p, sizeof a->master);
+    a->stats.struct_size = sizeof a->stats;
     REQUIRE_OK(gradacc_scaler_stats(scaler, &a->stats));
     grad_free(&g);
     gradacc_accumulator_destroy(acc);

@@ -227,7 +227,7 @@ static void *rank_step(void *arg)
             grads[t] = &g16[tensor_offset[t]];
         CHECK(gradacc_accumulator_add(rs->acc, rs->scaler, grads, 4, (uint64_t)n));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce */
     const gradacc_accumulator_t *accs[1] = {rs->acc};
     CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));

@@ -39,7 +39,10 @@
  *   the size of an older header's struct (any size that ends on a field, padded to 8 bytes or not)
  *   is accepted and the fields it lacks take their defaults; a larger size (a header newer than the
  *   library loaded), 0, or a size that ends inside a field fails with
- *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value.
+ *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value. Output structs
+ *   (gradacc_sync_info_t, gradacc_scaler_stats_t) start with struct_size too: the caller sets it
+ *   (GRADACC_SYNC_INFO_INIT / GRADACC_SCALER_STATS_INIT in C), the same sizes are accepted, and
+ *   the library writes only the fields that size covers.
  * - Ownership: every function that creates an object names the function that destroys it. Each
  *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
  *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;
@@ -69,6 +72,16 @@
 #define GRADACC_VERSION_PATCH 0
 /** Full version of this header, as a string (from Cargo.toml). */
 #define GRADACC_VERSION_STRING "0.1.0"
+
+/**
+ * Initialiser of gradacc_sync_info_t for C99 and later (`gradacc_sync_info_t info =
+ * GRADACC_SYNC_INFO_INIT;`): struct_size is this header's size, every other field 0. Output structs
+ * carry struct_size like config structs, so the library writes only the fields the caller knows; a
+ * struct_size of 0 fails. In C++ and other languages: zero the struct, then set struct_size.
+ */
+#define GRADACC_SYNC_INFO_INIT {.struct_size = sizeof(gradacc_sync_info_t)}
+/** Initialiser of gradacc_scaler_stats_t for C99 and later, as GRADACC_SYNC_INFO_INIT. */
+#define GRADACC_SCALER_STATS_INIT {.struct_size = sizeof(gradacc_scaler_stats_t)}
 
 
 /**
@@ -185,9 +198,15 @@ typedef struct gradacc_device_t {
 } gradacc_device_t;
 
 /**
- * What the boundary reports; identical on every rank.
+ * What the boundary reports; identical on every rank. Set struct_size before the call
+ * (`gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;` in C).
  */
 typedef struct gradacc_sync_info_t {
+    /**
+     * sizeof(gradacc_sync_info_t), set by the caller: the library writes only the fields this size
+     * covers (an older header's size is accepted), and never changes struct_size itself.
+     */
+    size_t struct_size;
     /**
      * Some rank saw an inf or NaN in this window: skip the optimizer step.
      */
@@ -291,9 +310,15 @@ typedef struct gradacc_scaler_config_t {
 } gradacc_scaler_config_t;
 
 /**
- * Statistics of a scaler since creation or since its state was loaded.
+ * Statistics of a scaler since creation or since its state was loaded. Set struct_size before
+ * the call (`gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;` in C).
  */
 typedef struct gradacc_scaler_stats_t {
+    /**
+     * sizeof(gradacc_scaler_stats_t), set by the caller: the library writes only the fields this
+     * size covers (an older header's size is accepted), and never changes struct_size itself.
+     */
+    size_t struct_size;
     /**
      * Optimizer steps seen by gradacc_scaler_update.
      */

@@ -208,6 +208,7 @@ public:
 
     ScalerStats stats() const {
         ScalerStats s{};
+        s.struct_size = sizeof s;
         check(gradacc_scaler_stats(handle_.get(), &s));
         return s;
     }
@@ -330,6 +331,7 @@ private:
 
     SyncInfo sync_with(gradacc_comm_t *comm) {
         SyncInfo info{};
+        info.struct_size = sizeof info;
         check(gradacc_accumulator_sync(handle_.get(), comm, &info));
         return info;
     }

@@ -267,6 +267,7 @@ func (s *Scaler) Stats() (ScalerStats, error) {
 		return ScalerStats{}, err
 	}
 	var c C.gradacc_scaler_stats_t
+	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
 	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_stats(p, &c) })
 	runtime.KeepAlive(s)
 	return ScalerStats{uint64(c.steps), uint64(c.skipped_steps), uint64(c.growths), uint64(c.backoffs)}, err
@@ -453,6 +454,7 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 		}
 	}
 	var c C.gradacc_sync_info_t
+	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
 	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_sync(p, cp, &c) })
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(comm)

@@ -36,6 +36,10 @@ SCALARS = {
 }
 
 
+# Macros of the header that are not constants: C initialisers and the export attribute.
+NOT_CONSTANTS = {"GRADACC_API", "GRADACC_SYNC_INFO_INIT", "GRADACC_SCALER_STATS_INIT"}
+
+
 class Header:
     def __init__(self):
         self.constants = []  # (name, python literal)
@@ -122,6 +126,8 @@ def parse(text):
     for item, doc in items:
         if item.startswith("#"):
             m = re.match(r"#define\s+([A-Za-z_][A-Za-z0-9_]*)\s+(.+)$", item)
+            if m and m.group(1) in NOT_CONSTANTS:
+                continue
             if m:
                 name, value = m.group(1), m.group(2).strip()
                 if not re.fullmatch(r'-?\d+|"[^"\\]*"', value):

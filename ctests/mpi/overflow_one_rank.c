@@ -21,7 +21,7 @@ int main(int argc, char **argv)
             grad_poke(&g, 3, 0x7c00, INFINITY);
         const void *p[1] = {g.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, 1, 2));
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
         CHECK(info.found_inf == (step == 0), "step %d rank %d: found_inf %d", step, rank, (int)info.found_inf);
         bool skip = false;

@@ -19,7 +19,7 @@ static void run(gradacc_comm_t *comm, gradacc_normalize_t normalize, gradacc_dty
         const void *g[2] = {w.data, b.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, g, 2, 1));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(acc, comm, &info));
     double got[2] = {0};
     read_master(acc, 0, &got[0], 1);

@@ -1053,7 +1053,14 @@ fn sync(world: &mut World, input: &mut Input) {
         _ => (null_mut(), true),
     };
     let want_info = input.u8() % 8 != 0;
-    let mut info = gradacc_sync_info_t { found_inf: false, total_count: 7, microbatches: 7, grad_norm: -1.0, clip_coef: -1.0 };
+    let mut info = gradacc_sync_info_t {
+        struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
+        found_inf: false,
+        total_count: 7,
+        microbatches: 7,
+        grad_norm: -1.0,
+        clip_coef: -1.0,
+    };
     let st = gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() });
     let expected = ai.and_then(|i| {
         let a = &world.accs[i];
@@ -1307,7 +1314,13 @@ fn queries(world: &mut World, input: &mut Input) {
         }
         1 => {
             let (s, si) = world.scaler_arg(input);
-            let mut v = gradacc_scaler_stats_t { steps: 99, skipped_steps: 99, growths: 99, backoffs: 99 };
+            let mut v = gradacc_scaler_stats_t {
+                struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
+                steps: 99,
+                skipped_steps: 99,
+                growths: 99,
+                backoffs: 99,
+            };
             let st = gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v });
             if world.check("gradacc_scaler_stats", st, si.is_some() && !null_out) {
                 assert_eq!([v.steps, v.skipped_steps, v.growths, v.backoffs], world.scalers[si.unwrap()].1.stats, "stats");

@@ -95,10 +95,14 @@ pub struct gradacc_accumulator_config_t {
     pub threads: u32,
 }
 
-/// What the boundary reports; identical on every rank.
+/// What the boundary reports; identical on every rank. Set struct_size before the call
+/// (`gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;` in C).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_sync_info_t {
+    /// sizeof(gradacc_sync_info_t), set by the caller: the library writes only the fields this size
+    /// covers (an older header's size is accepted), and never changes struct_size itself.
+    pub struct_size: usize,
     /// Some rank saw an inf or NaN in this window: skip the optimizer step.
     pub found_inf: bool,
     /// Items added over all micro-batches and ranks.
@@ -424,7 +428,7 @@ pub extern "C" fn gradacc_accumulator_sync(
             Some(CommObj::Host(c)) => Some(c.clone()),
             _ => None,
         };
-        let a = match ACCUMULATORS.get(acc, "acc") {
+        let a = match check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc")) {
             Ok(a) => a,
             Err(e) => {
                 // Still take part in the collective so the other ranks fail instead of waiting forever.
@@ -445,14 +449,18 @@ pub extern "C" fn gradacc_accumulator_sync(
                 return Err(device_mismatch("`comm` (a host communicator)"));
             }
         };
-        if let (Some(o), Some(info)) = (unsafe { out_info.as_mut() }, info) {
-            *o = gradacc_sync_info_t {
-                found_inf: info.found_inf,
-                total_count: info.total_count,
-                microbatches: info.microbatches,
-                grad_norm: info.grad_norm,
-                clip_coef: info.clip_coef,
-            };
+        if let Some(info) = info {
+            write_out_struct(
+                out_info,
+                gradacc_sync_info_t {
+                    struct_size: 0,
+                    found_inf: info.found_inf,
+                    total_count: info.total_count,
+                    microbatches: info.microbatches,
+                    grad_norm: info.grad_norm,
+                    clip_coef: info.clip_coef,
+                },
+            );
         }
         Ok(())
     })

@@ -226,9 +226,9 @@ macro_rules! versioned {
     };
 }
 
-use super::accumulator::{gradacc_accumulator_config_default, gradacc_accumulator_config_t};
+use super::accumulator::{gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t};
 use super::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
-use super::scaler::{gradacc_scaler_config_default, gradacc_scaler_config_t};
+use super::scaler::{gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t};
 
 versioned!(
     gradacc_accumulator_config_t { struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads },
@@ -250,6 +250,8 @@ versioned!(
     defaults: gradacc_scaler_config_default
 );
 versioned!(gradacc_mpi_config_t { struct_size, max_in_flight }, defaults: gradacc_mpi_config_default);
+versioned!(gradacc_sync_info_t { struct_size, found_inf, total_count, microbatches, grad_norm, clip_coef });
+versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
 
 /// The sizes of `T` this library accepts: one per field, as its end and as that end rounded up
 /// to `T`'s alignment, in increasing order.
@@ -306,6 +308,43 @@ pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &st
     Ok(out)
 }
 
+/// Checks an output struct's `struct_size` up front, so a call fails before it changes anything;
+/// NULL passes (for optional outputs).
+pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> Result<()> {
+    if !ptr.is_null() {
+        // SAFETY: non-null, and by the API contract points to a struct that starts with struct_size.
+        check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
+    }
+    Ok(())
+}
+
+/// Writes `value` into the part of `*ptr` its caller's `struct_size` covers, leaving struct_size
+/// as the caller set it; NULL does nothing. The size was checked by [`check_out_struct`] (a size
+/// that fails the check now writes nothing).
+pub(crate) fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
+    if ptr.is_null() {
+        return;
+    }
+    // SAFETY: non-null, and by the API contract points to `struct_size` writable bytes.
+    let declared = unsafe { std::ptr::read_unaligned(ptr as *const usize) };
+    if let Ok(fields) = check_struct_size::<T>(declared, "out") {
+        let head = size_of::<usize>();
+        // SAFETY: `declared` >= `fields` bytes of *ptr are writable, and `value` has
+        // size_of::<T>() >= `fields` bytes.
+        unsafe { std::ptr::copy_nonoverlapping((&value as *const T as *const u8).add(head), (ptr as *mut u8).add(head), fields - head) };
+    }
+}
+
+/// A required output struct: NULL and struct_size checked, then written as [`write_out_struct`].
+pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> Result<()> {
+    if ptr.is_null() {
+        return Err(null(argument));
+    }
+    check_out_struct(ptr, argument)?;
+    write_out_struct(ptr, value);
+    Ok(())
+}
+
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
 pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> Result<()> {
     let len_out = out_ptr(out_len, "out_len")?;
@@ -351,6 +390,8 @@ mod tests {
         check::<gradacc_accumulator_config_t>();
         check::<gradacc_scaler_config_t>();
         check::<gradacc_mpi_config_t>();
+        check::<gradacc_sync_info_t>();
+        check::<gradacc_scaler_stats_t>();
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8 bucket_numel, 4 threads.
         assert_eq!(accepted_sizes::<gradacc_accumulator_config_t>(), [8, 12, 16, 20, 24, 32, 36, 40]);
         let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();

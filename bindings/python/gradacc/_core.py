@@ -80,6 +80,13 @@ def _from_struct(cls, s):
     return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
 
 
+def _out_struct(struct_type):
+    """An output struct with its struct_size set, as the C API requires."""
+    out = struct_type()
+    out.struct_size = ctypes.sizeof(struct_type)
+    return out
+
+
 # ---- buffers --------------------------------------------------------------------------------
 
 # numpy dtype names accepted for each gradacc dtype. 16-bit words as uint16 are accepted for fp16
@@ -273,7 +280,7 @@ class Scaler(_Managed):
 
     @property
     def stats(self):
-        out = ffi.gradacc_scaler_stats_t()
+        out = _out_struct(ffi.gradacc_scaler_stats_t)
         _check(ffi.gradacc_scaler_stats(self._handle(), ctypes.byref(out)))
         return _from_struct(ScalerStats, out)
 
@@ -368,7 +375,7 @@ class Accumulator(_Managed):
 
     def sync(self, comm=None):
         """The boundary; with ``comm`` every rank of its group calls it, each on its own thread."""
-        info = ffi.gradacc_sync_info_t()
+        info = _out_struct(ffi.gradacc_sync_info_t)
         c = comm._handle() if comm is not None else None
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
         return _from_struct(SyncInfo, info)

@@ -103,6 +103,7 @@ class gradacc_device_t(ctypes.Structure):
 # What the boundary reports; identical on every rank.
 class gradacc_sync_info_t(ctypes.Structure):
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("found_inf", ctypes.c_bool),
         ("total_count", ctypes.c_uint64),
         ("microbatches", ctypes.c_uint64),
@@ -144,6 +145,7 @@ class gradacc_scaler_config_t(ctypes.Structure):
 # Statistics of a scaler since creation or since its state was loaded.
 class gradacc_scaler_stats_t(ctypes.Structure):
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("steps", ctypes.c_uint64),
         ("skipped_steps", ctypes.c_uint64),
         ("growths", ctypes.c_uint64),

@@ -425,13 +425,16 @@ function scale_loss!(s::Scaler, ptr::Ptr, numel::Integer, dtype)
     return nothing
 end
 
+# An output struct with its struct_size set: the library writes only the fields that size covers.
+out_struct(::Type{T}) where {T} = Ref(T(sizeof(T), (zero(fieldtype(T, i)) for i in 2:fieldcount(T))...))
+
 """
     GradAcc.stats(scaler) -> gradacc_scaler_stats_t
 
 The scaler's statistics (fields `steps`, `skipped_steps`, `growths`, ...).
 """
 function stats(s::Scaler)
-    out = Ref{gradacc_scaler_stats_t}()
+    out = out_struct(gradacc_scaler_stats_t)
     check(gradacc_scaler_stats(s, out))
     return out[]
 end
@@ -623,7 +626,7 @@ The boundary: with `comm`, every rank of its group calls it from its own task an
 The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`.
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
-    info = Ref{gradacc_sync_info_t}()
+    info = out_struct(gradacc_sync_info_t)
     check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
     return info[]
 end

@@ -96,6 +96,7 @@ end
 
 "What the boundary reports; identical on every rank."
 struct gradacc_sync_info_t
+    struct_size::Csize_t
     found_inf::Bool
     total_count::UInt64
     microbatches::UInt64
@@ -133,6 +134,7 @@ end
 
 "Statistics of a scaler since creation or since its state was loaded."
 struct gradacc_scaler_stats_t
+    struct_size::Csize_t
     steps::UInt64
     skipped_steps::UInt64
     growths::UInt64
