@@ -192,11 +192,28 @@ static void older_output_structs(void)
     EXPECT_OK(gradacc_scaler_destroy(s));
 }
 
+/* 0.1's gradacc_mpi_config_t had an ignored max_in_flight; 0.2 removed it, so its size is now
+ * larger than the library's struct and refused (before the backend is looked at). */
+static void removed_mpi_field(void)
+{
+    struct {
+        size_t struct_size;
+        uint32_t max_in_flight;
+    } v01 = {sizeof v01, 8};
+    gradacc_comm_t *c = (gradacc_comm_t *)0x5;
+    char want[64];
+    snprintf(want, sizeof want, "`config`.struct_size = %zu", sizeof v01);
+    EXPECT_ERROR(gradacc_comm_create_mpi(GRADACC_MPI_COMM_WORLD, (const gradacc_mpi_config_t *)&v01, &c),
+                 GRADACC_STATUS_INVALID_ARGUMENT, want);
+    CHECK(c == (gradacc_comm_t *)0x5, "output written on failure");
+}
+
 int main(void)
 {
     older_scaler_config();
     older_accumulator_config();
     refused_sizes();
     older_output_structs();
+    removed_mpi_field();
     return test_finish();
 }

@@ -236,17 +236,14 @@ typedef int32_t gradacc_backend_t;
 
 /**
  * MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+ * It has no option yet besides its size: the struct is there so options can be appended without
+ * changing gradacc_comm_create_mpi.
  */
 typedef struct gradacc_mpi_config_t {
     /**
      * sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
      */
     size_t struct_size;
-    /**
-     * Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
-     * Kept so the struct's layout, and programs that set it, stay valid.
-     */
-    uint32_t max_in_flight;
 } gradacc_mpi_config_t;
 
 /**

@@ -27,14 +27,13 @@ pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
 pub const GRADACC_MPI_COMM_WORLD: i64 = -1;
 
 /// MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+/// It has no option yet besides its size: the struct is there so options can be appended without
+/// changing gradacc_comm_create_mpi.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_mpi_config_t {
     /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
     pub struct_size: usize,
-    /// Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
-    /// Kept so the struct's layout, and programs that set it, stay valid.
-    pub max_in_flight: u32,
 }
 
 /// One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
@@ -170,7 +169,7 @@ pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mu
 pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
     guard("gradacc_mpi_config_default", || {
         let out = out_ptr(out, "out")?;
-        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>(), max_in_flight: 8 };
+        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>() };
         Ok(())
     })
 }

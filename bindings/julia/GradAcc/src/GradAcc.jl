@@ -284,7 +284,7 @@ function world_size(c::Communicator)
 end
 
 """
-    GradAcc.mpi_communicator([fortran_comm]; max_in_flight) -> Communicator
+    GradAcc.mpi_communicator([fortran_comm]) -> Communicator
 
 This process's rank of an MPI communicator, collectively on every rank: MPI_COMM_WORLD by
 default, else the communicator whose *Fortran* handle is `fortran_comm` (`MPI_Comm_c2f`). With
