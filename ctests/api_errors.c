@@ -333,7 +333,7 @@ static void test_handles(void)
     }
     gradacc_comm_t *as_comm[3] = {(gradacc_comm_t *)(void *)live, (gradacc_comm_t *)(void *)&not_a_handle, dead_c[0]};
     for (int i = 0; i < 3; i++) {
-        size_t n = 777;
+        int32_t n = 777;
         EXPECT_ERROR(gradacc_comm_rank(as_comm[i], &n), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
         EXPECT_ERROR(gradacc_comm_world_size(as_comm[i], &n), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
         EXPECT_ERROR(gradacc_accumulator_sync(live, as_comm[i], NULL), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
@@ -691,19 +691,20 @@ static void test_comm_calls(void)
     EXPECT_ERROR(gradacc_comm_create_local(2, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out_comms`");
     EXPECT_ERROR(gradacc_comm_create_local(0, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size`");
     EXPECT_ERROR(gradacc_comm_create_local(4097, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size`");
+    EXPECT_ERROR(gradacc_comm_create_local(-1, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size` = -1");
     CHECK(comms[0] == SENTINEL_PTR && comms[1] == SENTINEL_PTR, "out_comms written by a failing create");
     REQUIRE_OK(gradacc_comm_create_local(1, comms));
     CHECK(comms[1] == SENTINEL_PTR, "create_local(1) wrote past its one handle");
-    size_t n = 777;
+    int32_t n = 777;
     EXPECT_ERROR(gradacc_comm_rank(NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`comm`");
     EXPECT_ERROR(gradacc_comm_rank(comms[0], NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     EXPECT_ERROR(gradacc_comm_world_size(NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`comm`");
     EXPECT_ERROR(gradacc_comm_world_size(comms[0], NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     CHECK(n == 777, "rank/world_size output written on failure");
     EXPECT_OK(gradacc_comm_rank(comms[0], &n));
-    CHECK(n == 0, "rank %zu", n);
+    CHECK(n == 0, "rank %d", n);
     EXPECT_OK(gradacc_comm_world_size(comms[0], &n));
-    CHECK(n == 1, "world size %zu", n);
+    CHECK(n == 1, "world size %d", n);
     /* a one-rank group works as a boundary, also after the errors */
     gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *a = new_acc();
@@ -851,9 +852,9 @@ static void test_status_strings(void)
         size_t len = strlen(names[i]);
         CHECK(s != NULL && strncmp(s, names[i], len) == 0 && (s[len] == ':' || s[len] == '\0'),
               "status %d: \"%s\" should start with %s", codes[i], s ? s : "(null)", names[i]);
-        CHECK(codes[i] == i, "%s = %d", names[i], codes[i]);
+        CHECK((int)codes[i] == i, "%s = %d", names[i], (int)codes[i]);
     }
-    static const gradacc_status_t unknown[5] = {17, 18, -1, 1000, INT32_MIN};
+    static const int32_t unknown[5] = {17, 18, -1, 1000, INT32_MIN};
     for (int i = 0; i < 5; i++) {
         const char *s = gradacc_status_string(unknown[i]);
         CHECK(s != NULL && strstr(s, "unknown") != NULL, "unknown status %d: \"%s\"", unknown[i], s ? s : "(null)");

@@ -29,6 +29,8 @@
  *   gradacc_status_string() (names a code) and gradacc_last_error() (a message about the calling
  *   thread's most recent failure that names the argument and the value that was wrong). The last
  *   error is per thread: a failure on one thread never overwrites another thread's message.
+ *   gradacc_status_t is a C enum; codes may be added in later versions, so a `switch` over it
+ *   needs a `default`.
  * - Outputs: output arguments come last and are written only on success; on failure they keep
  *   whatever the caller put there.
  * - Arguments: the object comes first, then inputs; a buffer pointer is followed by its length.
@@ -43,6 +45,12 @@
  *   (gradacc_sync_info_t, gradacc_scaler_stats_t) start with struct_size too: the caller sets it
  *   (GRADACC_SYNC_INFO_INIT / GRADACC_SCALER_STATS_INIT in C), the same sizes are accepted, and
  *   the library writes only the fields that size covers.
+ * - Ranks and world sizes are `int32_t` in every communicator function, as in MPI and NCCL, whose
+ *   `int` ranks callers pass on unchanged; values out of range fail with
+ *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value.
+ * - Checkpoints: gradacc_scaler_save / _load work on every device; the accumulator's window
+ *   checkpoints (gradacc_accumulator_save_window / _load_window) are CPU-only and fail with
+ *   GRADACC_STATUS_BACKEND_UNAVAILABLE on CUDA, where a run is checkpointed at a boundary.
  * - Ownership: every function that creates an object names the function that destroys it. Each
  *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
  *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;
@@ -90,6 +98,84 @@
 #define GRADACC_MPI_COMM_WORLD -1
 
 /**
+ * Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code. A C enum whose
+ * values never change meaning; new codes may be added, so a `switch` over it needs a default.
+ * Functions that take a status back (gradacc_status_string) take it as `int32_t`, so any value is
+ * safe to pass.
+ */
+typedef enum gradacc_status_t {
+    /**
+     * Success.
+     */
+    GRADACC_STATUS_OK = 0,
+    /**
+     * A required pointer argument was NULL.
+     */
+    GRADACC_STATUS_NULL_ARGUMENT = 1,
+    /**
+     * An argument's value is outside its domain (a count, an index, an enum value, a config field).
+     */
+    GRADACC_STATUS_INVALID_ARGUMENT = 2,
+    /**
+     * A handle that was destroyed, never created, or is of another object type.
+     */
+    GRADACC_STATUS_INVALID_HANDLE = 3,
+    /**
+     * A gradient's dtype differs from its tensor's declared dtype.
+     */
+    GRADACC_STATUS_DTYPE_MISMATCH = 4,
+    /**
+     * A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
+     */
+    GRADACC_STATUS_SIZE_MISMATCH = 5,
+    /**
+     * Objects bound to different devices or backends were combined.
+     */
+    GRADACC_STATUS_DEVICE_MISMATCH = 6,
+    /**
+     * The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
+     */
+    GRADACC_STATUS_WRONG_STATE = 7,
+    /**
+     * The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
+     */
+    GRADACC_STATUS_EMPTY_WINDOW = 8,
+    /**
+     * An overflow needed a backoff while the loss scale was already at min_scale.
+     */
+    GRADACC_STATUS_SCALE_AT_MINIMUM = 9,
+    /**
+     * The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
+     */
+    GRADACC_STATUS_BACKEND_UNAVAILABLE = 10,
+    /**
+     * The communicator failed.
+     */
+    GRADACC_STATUS_COMM_FAILURE = 11,
+    /**
+     * Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
+     */
+    GRADACC_STATUS_PEER_FAILURE = 12,
+    /**
+     * Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
+     */
+    GRADACC_STATUS_CORRUPT_STATE = 13,
+    /**
+     * An allocation failed.
+     */
+    GRADACC_STATUS_OUT_OF_MEMORY = 14,
+    /**
+     * An internal error (a bug in gradacc); the message says where.
+     */
+    GRADACC_STATUS_INTERNAL = 15,
+    /**
+     * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
+     * device that fell off the bus); the message carries the driver's own text.
+     */
+    GRADACC_STATUS_DEVICE_FAILURE = 16,
+} gradacc_status_t;
+
+/**
  * A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
  * gradacc_accumulator_destroy.
  */
@@ -104,11 +190,6 @@ typedef struct gradacc_comm_t gradacc_comm_t;
  * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
  */
 typedef struct gradacc_scaler_t gradacc_scaler_t;
-
-/**
- * Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
- */
-typedef int32_t gradacc_status_t;
 
 /**
  * How the caller reduced its loss over the `count` items of a micro-batch.
@@ -389,92 +470,6 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_BACKEND_CUDA 3
 
 /**
- * Success.
- */
-#define GRADACC_STATUS_OK 0
-
-/**
- * A required pointer argument was NULL.
- */
-#define GRADACC_STATUS_NULL_ARGUMENT 1
-
-/**
- * An argument's value is outside its domain (a count, an index, an enum value, a config field).
- */
-#define GRADACC_STATUS_INVALID_ARGUMENT 2
-
-/**
- * A handle that was destroyed, never created, or is of another object type.
- */
-#define GRADACC_STATUS_INVALID_HANDLE 3
-
-/**
- * A gradient's dtype differs from its tensor's declared dtype.
- */
-#define GRADACC_STATUS_DTYPE_MISMATCH 4
-
-/**
- * A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
- */
-#define GRADACC_STATUS_SIZE_MISMATCH 5
-
-/**
- * Objects bound to different devices or backends were combined.
- */
-#define GRADACC_STATUS_DEVICE_MISMATCH 6
-
-/**
- * The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
- */
-#define GRADACC_STATUS_WRONG_STATE 7
-
-/**
- * The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
- */
-#define GRADACC_STATUS_EMPTY_WINDOW 8
-
-/**
- * An overflow needed a backoff while the loss scale was already at min_scale.
- */
-#define GRADACC_STATUS_SCALE_AT_MINIMUM 9
-
-/**
- * The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
- */
-#define GRADACC_STATUS_BACKEND_UNAVAILABLE 10
-
-/**
- * The communicator failed.
- */
-#define GRADACC_STATUS_COMM_FAILURE 11
-
-/**
- * Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
- */
-#define GRADACC_STATUS_PEER_FAILURE 12
-
-/**
- * Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
- */
-#define GRADACC_STATUS_CORRUPT_STATE 13
-
-/**
- * An allocation failed.
- */
-#define GRADACC_STATUS_OUT_OF_MEMORY 14
-
-/**
- * An internal error (a bug in gradacc); the message says where.
- */
-#define GRADACC_STATUS_INTERNAL 15
-
-/**
- * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
- * device that fell off the bus); the message carries the driver's own text.
- */
-#define GRADACC_STATUS_DEVICE_FAILURE 16
-
-/**
  * IEEE 754 binary32.
  */
 #define GRADACC_DTYPE_F32 0
@@ -508,7 +503,7 @@ extern "C" {
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
+enum gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
 
 /**
  * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
@@ -520,11 +515,11 @@ gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_c
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
  * Thread safety: any thread. See each function for what may run concurrently on the result.
  */
-gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
-                                            const struct gradacc_tensor_desc_t *tensors,
-                                            size_t n,
-                                            const struct gradacc_device_t *device,
-                                            struct gradacc_accumulator_t **out);
+enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
+                                                 const struct gradacc_tensor_desc_t *tensors,
+                                                 size_t n,
+                                                 const struct gradacc_device_t *device,
+                                                 struct gradacc_accumulator_t **out);
 
 /**
  * Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
@@ -534,13 +529,13 @@ gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_con
  * Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
  * Thread safety: as gradacc_accumulator_create.
  */
-gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
-                                                        const struct gradacc_tensor_desc_t *tensors,
-                                                        size_t n,
-                                                        const struct gradacc_device_t *device,
-                                                        float *master,
-                                                        size_t master_numel,
-                                                        struct gradacc_accumulator_t **out);
+enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
+                                                             const struct gradacc_tensor_desc_t *tensors,
+                                                             size_t n,
+                                                             const struct gradacc_device_t *device,
+                                                             float *master,
+                                                             size_t master_numel,
+                                                             struct gradacc_accumulator_t **out);
 
 /**
  * Destroys an accumulator. NULL is accepted and does nothing; must not be called twice on one
@@ -549,7 +544,7 @@ gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_acc
  *
  * Thread safety: any thread, once no other call uses the accumulator.
  */
-gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
+enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
 
 /**
  * Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums
@@ -566,11 +561,11 @@ gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
  * Thread safety: serialised with every other call on `acc`; buffers are read during the call only
  * (on CUDA: by the stream's work).
  */
-gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
-                                         const struct gradacc_scaler_t *scaler,
-                                         const void *const *grads,
-                                         size_t n,
-                                         uint64_t count);
+enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
+                                              const struct gradacc_scaler_t *scaler,
+                                              const void *const *grads,
+                                              size_t n,
+                                              uint64_t count);
 
 /**
  * Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through
@@ -578,8 +573,8 @@ gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
-                                                      uint64_t count);
+enum gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
+                                                           uint64_t count);
 
 /**
  * Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
@@ -592,9 +587,9 @@ gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
-                                                            uint64_t count,
-                                                            struct gradacc_comm_t *comm);
+enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
+                                                                 uint64_t count,
+                                                                 struct gradacc_comm_t *comm);
 
 /**
  * Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
@@ -607,11 +602,11 @@ gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accum
  * threads can round differently from run to run: for reproducible bits, give each tensor's
  * contributions from one thread); not concurrently with other calls on `acc`.
  */
-gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
-                                                const struct gradacc_scaler_t *scaler,
-                                                size_t index,
-                                                const void *grad,
-                                                size_t numel);
+enum gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
+                                                     const struct gradacc_scaler_t *scaler,
+                                                     size_t index,
+                                                     const void *grad,
+                                                     size_t numel);
 
 /**
  * Closes the open micro-batch.
@@ -619,7 +614,7 @@ gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *ac
  * Thread safety: serialised with every other call on `acc`; call it after every
  * gradacc_accumulator_add_tensor of the micro-batch has returned.
  */
-gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
+enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
 
 /**
  * The accumulation boundary. With `comm` (every rank of its group must call this): the control
@@ -642,9 +637,9 @@ gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t
  * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
  * rank's thread.
  */
-gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
-                                          struct gradacc_comm_t *comm,
-                                          struct gradacc_sync_info_t *out_info);
+enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
+                                               struct gradacc_comm_t *comm,
+                                               struct gradacc_sync_info_t *out_info);
 
 /**
  * Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
@@ -654,18 +649,18 @@ gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
  *
  * Thread safety: any thread; reading through the pointer must not overlap calls that add.
  */
-gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
-                                            size_t index,
-                                            float **out_data,
-                                            size_t *out_numel);
+enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
+                                                 size_t index,
+                                                 float **out_data,
+                                                 size_t *out_numel);
 
 /**
  * Writes the number of tensors to `*out`.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
-                                                 size_t *out);
+enum gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
+                                                      size_t *out);
 
 /**
  * Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did
@@ -673,42 +668,45 @@ gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulato
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
-                                            size_t index,
-                                            struct gradacc_tensor_desc_t *out);
+enum gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
+                                                 size_t index,
+                                                 struct gradacc_tensor_desc_t *out);
 
 /**
  * Discards the window in progress (or the synced result); the next micro-batch starts a new one.
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
+enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
 
 /**
  * Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
  * bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
- * With `buf` NULL, only writes the needed size to `*out_len`.
+ * With `buf` NULL, only writes the needed size to `*out_len`. CPU only: on a CUDA accumulator it
+ * fails with GRADACC_STATUS_BACKEND_UNAVAILABLE (checkpoint a CUDA run at a boundary, where the
+ * masters are the synced gradient; gradacc_scaler_save works on both devices).
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
-                                                 uint8_t *buf,
-                                                 size_t capacity,
-                                                 size_t *out_len);
+enum gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
+                                                      uint8_t *buf,
+                                                      size_t capacity,
+                                                      size_t *out_len);
 
 /**
  * Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
- * tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+ * tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged. CPU only, as
+ * gradacc_accumulator_save_window.
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
-                                                 const uint8_t *bytes,
-                                                 size_t len);
+enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
+                                                      const uint8_t *bytes,
+                                                      size_t len);
 
 /**
- * Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
- * socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+ * Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
+ * per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
  * Reductions sum in rank order, so every rank gets bitwise-identical results.
  *
  * Ownership: each handle is the caller's; free each with gradacc_comm_destroy.
@@ -716,7 +714,8 @@ gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *a
  * the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
  * in every sync, or the others wait for it.
  */
-gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_comm_t **out_comms);
+enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
+                                                struct gradacc_comm_t **out_comms);
 
 /**
  * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
@@ -727,21 +726,22 @@ gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_com
  *
  * Thread safety: any thread, once no call uses the handle.
  */
-gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
+enum gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
 
 /**
- * Writes this handle's rank (0-based) to `*out`.
+ * Writes this handle's rank (0-based) to `*out`. Ranks and world sizes are `int32_t` in every
+ * communicator function, as in MPI and NCCL, whose `int` ranks callers pass on unchanged.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *out);
+enum gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, int32_t *out);
 
 /**
  * Writes the group's number of ranks to `*out`.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
+enum gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, int32_t *out);
 
 /**
  * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
@@ -751,7 +751,7 @@ gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
+enum gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
 
 /**
  * Fills `*out` with the default MPI communicator options (and their struct_size). Available in
@@ -759,7 +759,7 @@ gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out)
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
+enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
 
 /**
  * Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
@@ -788,9 +788,9 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
  * runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
  * FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
  */
-gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
-                                         const struct gradacc_mpi_config_t *config,
-                                         struct gradacc_comm_t **out_comm);
+enum gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
+                                              const struct gradacc_mpi_config_t *config,
+                                              struct gradacc_comm_t **out_comm);
 
 /**
  * Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
@@ -798,7 +798,7 @@ gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
+enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
 
 /**
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
@@ -814,11 +814,11 @@ gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
  * from backward hooks, another accumulator's sync) run one at a time; every rank must still
  * issue them in the same order.
  */
-gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
-                                          int32_t rank,
-                                          int32_t world_size,
-                                          int32_t device_ordinal,
-                                          struct gradacc_comm_t **out_comm);
+enum gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
+                                               int32_t rank,
+                                               int32_t world_size,
+                                               int32_t device_ordinal,
+                                               struct gradacc_comm_t **out_comm);
 
 /**
  * Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
@@ -830,7 +830,7 @@ gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t 
  * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
  * the communicator concurrently with a gradacc call on it.
  */
-gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
+enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
 
 /**
  * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
@@ -841,14 +841,14 @@ gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t 
  * Thread safety: any thread, also while another thread is blocked in a sync on the communicator
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
-gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
+enum gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
 
 /**
  * Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU. On a CUDA
@@ -860,9 +860,9 @@ gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *o
  * Thread safety: any thread. The new scaler may be used from several threads: reads and
  * gradacc_scaler_update are internally serialised.
  */
-gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
-                                       const struct gradacc_device_t *device,
-                                       struct gradacc_scaler_t **out);
+enum gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
+                                            const struct gradacc_device_t *device,
+                                            struct gradacc_scaler_t **out);
 
 /**
  * Destroys a scaler. NULL is accepted and does nothing; must not be called twice on one handle
@@ -870,14 +870,14 @@ gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *con
  *
  * Thread safety: any thread, once no other call uses the scaler.
  */
-gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
+enum gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
 
 /**
  * Reads the current loss scale into `*out`. On CUDA this synchronises with the scaler's stream.
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler, float *out);
+enum gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler, float *out);
 
 /**
  * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
@@ -886,10 +886,10 @@ gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler, flo
  *
  * Thread safety: any thread; `loss` must not be used concurrently.
  */
-gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
-                                           void *loss,
-                                           size_t numel,
-                                           gradacc_dtype_t dtype);
+enum gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
+                                                void *loss,
+                                                size_t numel,
+                                                gradacc_dtype_t dtype);
 
 /**
  * Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each
@@ -906,18 +906,18 @@ gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler
  * get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
-gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
-                                       const struct gradacc_accumulator_t *const *accumulators,
-                                       size_t n,
-                                       bool *out_skipped);
+enum gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
+                                            const struct gradacc_accumulator_t *const *accumulators,
+                                            size_t n,
+                                            bool *out_skipped);
 
 /**
  * Writes the scaler's statistics to `*out`.
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
-                                      struct gradacc_scaler_stats_t *out);
+enum gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
+                                           struct gradacc_scaler_stats_t *out);
 
 /**
  * Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.
@@ -926,10 +926,10 @@ gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
-                                     uint8_t *buf,
-                                     size_t capacity,
-                                     size_t *out_len);
+enum gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
+                                          uint8_t *buf,
+                                          size_t capacity,
+                                          size_t *out_len);
 
 /**
  * Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with
@@ -937,16 +937,17 @@ gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
-gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
-                                     const uint8_t *bytes,
-                                     size_t len);
+enum gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
+                                          const uint8_t *bytes,
+                                          size_t len);
 
 /**
- * A static description of a status code (never NULL; unknown codes get a generic text).
+ * A static description of a status code (never NULL; unknown codes get a generic text). The code
+ * is an `int32_t` rather than a gradacc_status_t so that any value may be passed.
  *
  * Thread safety: may be called from any thread at any time.
  */
-const char *gradacc_status_string(gradacc_status_t status);
+const char *gradacc_status_string(int32_t status);
 
 /**
  * The message of the most recent failed gradacc call on the calling thread ("" if none yet).

@@ -302,7 +302,7 @@ fn destroy_races_report_invalid_handle() {
                                     let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
                                     assert!(msg.contains("not a live"), "{msg}");
                                 }
-                                other => panic!("round {round}: a racing call returned {other}: {}", unsafe {
+                                other => panic!("round {round}: a racing call returned {other:?}: {}", unsafe {
                                     std::ffi::CStr::from_ptr(gradacc_last_error()).to_string_lossy()
                                 }),
                             }
@@ -359,7 +359,7 @@ fn concurrent_local_groups_match_serial() {
         .collect();
     let group_run = || -> Vec<Vec<u32>> {
         let mut comms = vec![null_mut(); world];
-        ok(gradacc_comm_create_local(world, comms.as_mut_ptr()));
+        ok(gradacc_comm_create_local(world as i32, comms.as_mut_ptr()));
         let hs: Vec<H> = comms.iter().map(|&c| H(c as usize)).collect();
         let out = std::thread::scope(|sc| {
             let joins: Vec<_> = (0..world)

@@ -12,10 +12,10 @@ int main(int argc, char **argv)
     MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank, &half);
     gradacc_comm_t *comm = comm_of(half);
     MPI_Comm_free(&half);
-    size_t r = 99, n = 99;
+    int32_t r = 99, n = 99;
     EXPECT_OK(gradacc_comm_rank(comm, &r));
     EXPECT_OK(gradacc_comm_world_size(comm, &n));
-    CHECK(r == (size_t)(rank % 2) && n == 2, "world rank %d: group rank %zu of %zu", rank, r, n);
+    CHECK(r == rank % 2 && n == 2, "world rank %d: group rank %d of %d", rank, r, n);
 
     gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
     gradacc_tensor_desc_t t[1] = {{3, GRADACC_DTYPE_F32}};

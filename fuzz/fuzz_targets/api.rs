@@ -271,15 +271,15 @@ impl World {
         self.calls += 1;
         if status != GRADACC_STATUS_OK {
             let msg = last_error();
-            assert!((1..=15).contains(&status) && status != GRADACC_STATUS_INTERNAL, "{function}: status {status}: {msg}");
-            assert!(msg.starts_with(function), "{function} failed with status {status} but the last error is {msg:?}");
-            let text = unsafe { CStr::from_ptr(gradacc_status_string(status)) }.to_string_lossy();
+            assert!((1..=15).contains(&(status as i32)) && status != GRADACC_STATUS_INTERNAL, "{function}: status {status:?}: {msg}");
+            assert!(msg.starts_with(function), "{function} failed with status {status:?} but the last error is {msg:?}");
+            let text = unsafe { CStr::from_ptr(gradacc_status_string(status as i32)) }.to_string_lossy();
             assert!(text.starts_with("GRADACC_STATUS_"), "{text}");
         }
         assert_eq!(
             status == GRADACC_STATUS_OK,
             expect_ok,
-            "{function}: returned {status} ({}), the model expected {}",
+            "{function}: returned {status:?} ({}), the model expected {}",
             last_error(),
             if expect_ok { "success" } else { "an error" }
         );
@@ -1353,15 +1353,15 @@ fn queries(world: &mut World, input: &mut Input) {
         }
         4 => {
             let (c, ci) = world.comm_arg(input);
-            let mut r = 77usize;
-            let mut w = 77usize;
+            let mut r = 77i32;
+            let mut w = 77i32;
             let st = gradacc_comm_rank(c, if null_out { null_mut() } else { &mut r });
             if world.check("gradacc_comm_rank", st, ci.is_some() && !null_out) {
-                assert_eq!(r, world.comms[ci.unwrap()].1);
+                assert_eq!(r as usize, world.comms[ci.unwrap()].1);
             }
             let st = gradacc_comm_world_size(c, &mut w);
             if world.check("gradacc_comm_world_size", st, ci.is_some()) {
-                assert_eq!(w, world.comms[ci.unwrap()].2);
+                assert_eq!(w as usize, world.comms[ci.unwrap()].2);
             }
         }
         _ => {
@@ -1375,17 +1375,17 @@ fn queries(world: &mut World, input: &mut Input) {
 }
 
 fn comm_create(world: &mut World, input: &mut Input) {
-    let world_size = [1usize, 1, 2, 3, 0, 4097, usize::MAX][input.below(7)];
+    let world_size = [1i32, 1, 2, 3, 0, 4097, -1, i32::MAX][input.below(8)];
     let valid = (1..=4096).contains(&world_size);
     let null_out = input.u8() % 16 == 0;
     if valid && !null_out && world.comms.len() >= 2 * MAX_OBJECTS {
         return;
     }
-    let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size } else { 1 }];
+    let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size as usize } else { 1 }];
     let st = gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() });
     if world.check("gradacc_comm_create_local", st, valid && !null_out) {
         for (r, h) in out.into_iter().enumerate() {
-            world.comms.push((h, r, world_size));
+            world.comms.push((h, r, world_size as usize));
         }
     } else {
         assert!(out.iter().all(|&h| h as usize == 0x11), "gradacc_comm_create_local wrote its output on failure");

@@ -540,7 +540,9 @@ pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> 
 
 /// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
 /// bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
-/// With `buf` NULL, only writes the needed size to `*out_len`.
+/// With `buf` NULL, only writes the needed size to `*out_len`. CPU only: on a CUDA accumulator it
+/// fails with GRADACC_STATUS_BACKEND_UNAVAILABLE (checkpoint a CUDA run at a boundary, where the
+/// masters are the synced gradient; gradacc_scaler_save works on both devices).
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
@@ -557,7 +559,8 @@ pub extern "C" fn gradacc_accumulator_save_window(
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
-/// tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged. CPU only, as
+/// gradacc_accumulator_save_window.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]

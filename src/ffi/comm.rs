@@ -4,7 +4,7 @@ use std::sync::{Arc, LazyLock};
 
 use super::handle::Registry;
 use super::status::{gradacc_status_t, guard, null};
-use super::types::{out_ptr, read_config};
+use super::types::{out_ptr, rank_to_c, read_config};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
 use crate::error::{Error, ErrorKind};
@@ -74,8 +74,8 @@ impl CommObj {
 
 pub(crate) static COMMS: LazyLock<Registry<CommObj>> = LazyLock::new(|| Registry::new("communicator"));
 
-/// Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
-/// socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+/// Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
+/// per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
 /// Reductions sum in rank order, so every rank gets bitwise-identical results.
 ///
 /// Ownership: each handle is the caller's; free each with gradacc_comm_destroy.
@@ -83,14 +83,15 @@ pub(crate) static COMMS: LazyLock<Registry<CommObj>> = LazyLock::new(|| Registry
 /// the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
 /// in every sync, or the others wait for it.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_create_local(world_size: usize, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_create_local", || {
         if out_comms.is_null() {
             return Err(null("out_comms"));
         }
-        if world_size == 0 || world_size > 4096 {
+        if !(1..=4096).contains(&world_size) {
             return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")));
         }
+        let world_size = world_size as usize;
         let handles: Vec<*mut gradacc_comm_t> =
             LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(CommObj::Host(Arc::new(c))))).collect();
         // SAFETY: the caller provides room for `world_size` handles.
@@ -116,14 +117,15 @@ pub extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_sta
     })
 }
 
-/// Writes this handle's rank (0-based) to `*out`.
+/// Writes this handle's rank (0-based) to `*out`. Ranks and world sizes are `int32_t` in every
+/// communicator function, as in MPI and NCCL, whose `int` ranks callers pass on unchanged.
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut usize) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_rank", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = c.rank();
+        *out_ptr(out, "out")? = rank_to_c(c.rank());
         Ok(())
     })
 }
@@ -132,10 +134,10 @@ pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut usize
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut usize) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_world_size", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = c.world_size();
+        *out_ptr(out, "out")? = rank_to_c(c.world_size());
         Ok(())
     })
 }

@@ -345,6 +345,12 @@ pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> 
     Ok(())
 }
 
+/// A rank or world size as the C API's `int32_t`. Every communicator's ranks come from an `int`
+/// (MPI, NCCL) or from gradacc_comm_create_local's 1..=4096, so they always fit.
+pub(crate) fn rank_to_c(rank: usize) -> i32 {
+    i32::try_from(rank).unwrap_or(i32::MAX)
+}
+
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
 pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> Result<()> {
     let len_out = out_ptr(out_len, "out_len")?;

@@ -215,13 +215,13 @@ class Communicator(_Managed):
 
     @property
     def rank(self):
-        out = ctypes.c_size_t()
+        out = ctypes.c_int32()
         _check(ffi.gradacc_comm_rank(self._handle(), ctypes.byref(out)))
         return out.value
 
     @property
     def world_size(self):
-        out = ctypes.c_size_t()
+        out = ctypes.c_int32()
         _check(ffi.gradacc_comm_world_size(self._handle(), ctypes.byref(out)))
         return out.value
 
@@ -229,8 +229,11 @@ class Communicator(_Managed):
 def local_group(world_size):
     """An in-process group of ``world_size`` ranks: a list of communicators, rank 0 first. Give
     communicator r to the thread that runs rank r; every rank must take part in every sync."""
-    raw = (ctypes.POINTER(ffi.gradacc_comm_t) * world_size)()
-    _check(ffi.gradacc_comm_create_local(world_size, raw))
+    # int32_t in the C API: ctypes would truncate a larger value silently, so it goes in as -1 and
+    # the library reports it.
+    n = world_size if -(2**31) <= world_size < 2**31 else -1
+    raw = (ctypes.POINTER(ffi.gradacc_comm_t) * (max(world_size, 1) if n == world_size else 1))()
+    _check(ffi.gradacc_comm_create_local(n, raw))
     return [Communicator(raw[r]) for r in range(world_size)]
 
 

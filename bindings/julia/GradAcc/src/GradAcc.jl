@@ -267,7 +267,7 @@ end
 This endpoint's rank, 0-based.
 """
 function rank(c::Communicator)
-    out = Ref{Csize_t}(0)
+    out = Ref{Int32}(0)
     check(gradacc_comm_rank(c, out))
     return Int(out[])
 end
@@ -278,7 +278,7 @@ end
 The group's number of ranks.
 """
 function world_size(c::Communicator)
-    out = Ref{Csize_t}(0)
+    out = Ref{Int32}(0)
     check(gradacc_comm_world_size(c, out))
     return Int(out[])
 end
