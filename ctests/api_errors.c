@@ -919,6 +919,8 @@ static void test_version(void)
           gradacc_version_string(), GRADACC_VERSION_STRING);
     unsigned want = GRADACC_VERSION_MAJOR * 10000u + GRADACC_VERSION_MINOR * 100u + GRADACC_VERSION_PATCH;
     CHECK(gradacc_version_number() == want, "version number %u, macros give %u", gradacc_version_number(), want);
+    CHECK(gradacc_version_number() == (uint32_t)GRADACC_VERSION_NUMBER, "version number %u, GRADACC_VERSION_NUMBER %u",
+          gradacc_version_number(), (unsigned)GRADACC_VERSION_NUMBER);
     char buf[64];
     snprintf(buf, sizeof buf, "%d.%d.%d", GRADACC_VERSION_MAJOR, GRADACC_VERSION_MINOR, GRADACC_VERSION_PATCH);
     CHECK(strncmp(GRADACC_VERSION_STRING, buf, strlen(buf)) == 0, "GRADACC_VERSION_STRING %s vs macros %s",

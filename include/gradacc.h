@@ -16,7 +16,9 @@
  * - pkg-config: `cc app.c $(pkg-config --cflags --libs gradacc)`; for the static library add
  *   `--static` and link `libgradacc.a` explicitly.
  * - By hand: `-I<prefix>/include -L<prefix>/lib -lgradacc`; the static library also needs
- *   `-lpthread -ldl -lm -lgcc_s` (the list rustc prints with `--print native-static-libs`).
+ *   `-lgcc_s -lutil -lrt -lpthread -lm -ldl`: the list rustc prints with `--print native-static-libs`, kept in
+ *   one place, GRADACC_NATIVE_STATIC_LIBS in CMakeLists.txt, which gradacc::static and gradacc.pc
+ *   (`pkg-config --static --libs gradacc`) carry and from which this line is generated.
  *
  * GRADACC_VERSION_MAJOR / _MINOR / _PATCH / _STRING give the version of this header;
  * gradacc_version_string() and gradacc_version_number() give the version of the library actually
@@ -80,6 +82,31 @@
 #define GRADACC_VERSION_PATCH 0
 /** Full version of this header, as a string (from Cargo.toml). */
 #define GRADACC_VERSION_STRING "0.1.0"
+/**
+ * Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as
+ * NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to
+ * gradacc_version_number() of the library it came with.
+ */
+#define GRADACC_VERSION_NUMBER 100
+/** A version as one number, comparable with GRADACC_VERSION_NUMBER. */
+#define GRADACC_VERSION(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
+
+/**
+ * GRADACC_API marks every function of the C API: default visibility with GCC and Clang (the
+ * declarations stay exported when the including code builds with -fvisibility=hidden), and
+ * __declspec(dllimport) on Windows unless GRADACC_STATIC is defined (the CMake target
+ * gradacc::static defines it for programs that link the static library). Define GRADACC_API
+ * before including the header to replace it.
+ */
+#ifndef GRADACC_API
+#  if defined(_WIN32) && !defined(GRADACC_STATIC)
+#    define GRADACC_API __declspec(dllimport)
+#  elif defined(__GNUC__)
+#    define GRADACC_API __attribute__((visibility("default")))
+#  else
+#    define GRADACC_API
+#  endif
+#endif
 
 /**
  * Initialiser of gradacc_sync_info_t for C99 and later (`gradacc_sync_info_t info =
@@ -503,6 +530,7 @@ extern "C" {
  *
  * Thread safety: any thread.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
 
 /**
@@ -515,6 +543,7 @@ enum gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumula
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
  * Thread safety: any thread. See each function for what may run concurrently on the result.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
                                                  const struct gradacc_tensor_desc_t *tensors,
                                                  size_t n,
@@ -529,6 +558,7 @@ enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulato
  * Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
  * Thread safety: as gradacc_accumulator_create.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
                                                              const struct gradacc_tensor_desc_t *tensors,
                                                              size_t n,
@@ -544,7 +574,7 @@ enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradac
  *
  * Thread safety: any thread, once no other call uses the accumulator.
  */
-enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
+GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
 
 /**
  * Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums
@@ -561,6 +591,7 @@ enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *
  * Thread safety: serialised with every other call on `acc`; buffers are read during the call only
  * (on CUDA: by the stream's work).
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
                                               const struct gradacc_scaler_t *scaler,
                                               const void *const *grads,
@@ -573,6 +604,7 @@ enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
  *
  * Thread safety: serialised with every other call on `acc`.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
                                                            uint64_t count);
 
@@ -587,6 +619,7 @@ enum gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumu
  *
  * Thread safety: serialised with every other call on `acc`.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
                                                                  uint64_t count,
                                                                  struct gradacc_comm_t *comm);
@@ -602,6 +635,7 @@ enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_
  * threads can round differently from run to run: for reproducible bits, give each tensor's
  * contributions from one thread); not concurrently with other calls on `acc`.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
                                                      const struct gradacc_scaler_t *scaler,
                                                      size_t index,
@@ -614,6 +648,7 @@ enum gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_
  * Thread safety: serialised with every other call on `acc`; call it after every
  * gradacc_accumulator_add_tensor of the micro-batch has returned.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
 
 /**
@@ -637,6 +672,7 @@ enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumula
  * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
  * rank's thread.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
                                                struct gradacc_comm_t *comm,
                                                struct gradacc_sync_info_t *out_info);
@@ -649,6 +685,7 @@ enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc
  *
  * Thread safety: any thread; reading through the pointer must not overlap calls that add.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
                                                  size_t index,
                                                  float **out_data,
@@ -659,6 +696,7 @@ enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulato
  *
  * Thread safety: any thread.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
                                                       size_t *out);
 
@@ -668,6 +706,7 @@ enum gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accum
  *
  * Thread safety: any thread.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
                                                  size_t index,
                                                  struct gradacc_tensor_desc_t *out);
@@ -677,7 +716,7 @@ enum gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulato
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
+GRADACC_API enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
 
 /**
  * Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
@@ -688,6 +727,7 @@ enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *ac
  *
  * Thread safety: serialised with every other call on `acc`.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
                                                       uint8_t *buf,
                                                       size_t capacity,
@@ -700,6 +740,7 @@ enum gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accum
  *
  * Thread safety: serialised with every other call on `acc`.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
                                                       const uint8_t *bytes,
                                                       size_t len);
@@ -714,6 +755,7 @@ enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator
  * the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
  * in every sync, or the others wait for it.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
                                                 struct gradacc_comm_t **out_comms);
 
@@ -726,7 +768,7 @@ enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
  *
  * Thread safety: any thread, once no call uses the handle.
  */
-enum gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
+GRADACC_API enum gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
 
 /**
  * Writes this handle's rank (0-based) to `*out`. Ranks and world sizes are `int32_t` in every
@@ -734,14 +776,18 @@ enum gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
  *
  * Thread safety: any thread.
  */
-enum gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, int32_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm,
+                                        int32_t *out);
 
 /**
  * Writes the group's number of ranks to `*out`.
  *
  * Thread safety: any thread.
  */
-enum gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, int32_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm,
+                                              int32_t *out);
 
 /**
  * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
@@ -751,7 +797,7 @@ enum gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm,
  *
  * Thread safety: any thread.
  */
-enum gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
+GRADACC_API enum gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
 
 /**
  * Fills `*out` with the default MPI communicator options (and their struct_size). Available in
@@ -759,7 +805,7 @@ enum gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool 
  *
  * Thread safety: any thread.
  */
-enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
+GRADACC_API enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
 
 /**
  * Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
@@ -788,6 +834,7 @@ enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *ou
  * runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
  * FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
                                               const struct gradacc_mpi_config_t *config,
                                               struct gradacc_comm_t **out_comm);
@@ -798,7 +845,7 @@ enum gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
  *
  * Thread safety: any thread.
  */
-enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
+GRADACC_API enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
 
 /**
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
@@ -814,6 +861,7 @@ enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *ou
  * from backward hooks, another accumulator's sync) run one at a time; every rank must still
  * issue them in the same order.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
                                                int32_t rank,
                                                int32_t world_size,
@@ -830,7 +878,9 @@ enum gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_
  * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
  * the communicator concurrently with a gradacc call on it.
  */
-enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm,
+                                              struct gradacc_comm_t **out_comm);
 
 /**
  * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
@@ -841,13 +891,14 @@ enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_co
  * Thread safety: any thread, also while another thread is blocked in a sync on the communicator
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
-enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+GRADACC_API enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).
  *
  * Thread safety: any thread.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
 
 /**
@@ -860,6 +911,7 @@ enum gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config
  * Thread safety: any thread. The new scaler may be used from several threads: reads and
  * gradacc_scaler_update are internally serialised.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
                                             const struct gradacc_device_t *device,
                                             struct gradacc_scaler_t **out);
@@ -870,14 +922,16 @@ enum gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t
  *
  * Thread safety: any thread, once no other call uses the scaler.
  */
-enum gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
+GRADACC_API enum gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
 
 /**
  * Reads the current loss scale into `*out`. On CUDA this synchronises with the scaler's stream.
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-enum gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler, float *out);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler,
+                                           float *out);
 
 /**
  * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
@@ -886,6 +940,7 @@ enum gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler
  *
  * Thread safety: any thread; `loss` must not be used concurrently.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
                                                 void *loss,
                                                 size_t numel,
@@ -906,6 +961,7 @@ enum gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *s
  * get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
                                             const struct gradacc_accumulator_t *const *accumulators,
                                             size_t n,
@@ -916,6 +972,7 @@ enum gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
                                            struct gradacc_scaler_stats_t *out);
 
@@ -926,6 +983,7 @@ enum gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
                                           uint8_t *buf,
                                           size_t capacity,
@@ -937,6 +995,7 @@ enum gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
+GRADACC_API
 enum gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
                                           const uint8_t *bytes,
                                           size_t len);
@@ -947,7 +1006,7 @@ enum gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
  *
  * Thread safety: may be called from any thread at any time.
  */
-const char *gradacc_status_string(int32_t status);
+GRADACC_API const char *gradacc_status_string(int32_t status);
 
 /**
  * The message of the most recent failed gradacc call on the calling thread ("" if none yet).
@@ -958,7 +1017,7 @@ const char *gradacc_status_string(int32_t status);
  * the same thread; copy it to keep it.
  * Thread safety: per thread; may be called from any thread.
  */
-const char *gradacc_last_error(void);
+GRADACC_API const char *gradacc_last_error(void);
 
 /**
  * The loaded library's version as "MAJOR.MINOR.PATCH" (static storage, never NULL). Compare with
@@ -966,14 +1025,14 @@ const char *gradacc_last_error(void);
  *
  * Thread safety: any thread.
  */
-const char *gradacc_version_string(void);
+GRADACC_API const char *gradacc_version_string(void);
 
 /**
  * The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH.
  *
  * Thread safety: any thread.
  */
-uint32_t gradacc_version_number(void);
+GRADACC_API uint32_t gradacc_version_number(void);
 
 #ifdef __cplusplus
 }  // extern "C"

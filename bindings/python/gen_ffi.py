@@ -182,6 +182,7 @@ def parse(text):
             if doc:
                 h.docs[m.group(2)] = first_sentence(doc)
             continue
+        flat = re.sub(r"^GRADACC_API ", "", flat)  # the export macro, not part of the type
         m = re.fullmatch(r"(.+?)\b(\w+)\((.*)\);", flat)
         if m:
             restype = ctype(m.group(1), h)
