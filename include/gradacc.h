@@ -10,7 +10,7 @@
  *
  * \section linking Building and linking
  *
- * - CMake: `find_package(gradacc 0.1 REQUIRED)` then link `gradacc::gradacc` (shared library) or
+ * - CMake: `find_package(gradacc 0.2 REQUIRED)` then link `gradacc::gradacc` (shared library) or
  *   `gradacc::static` (static library, which brings its system libraries with it). The same target
  *   names exist when the source tree is added with `add_subdirectory`.
  * - pkg-config: `cc app.c $(pkg-config --cflags --libs gradacc)`; for the static library add
@@ -77,17 +77,17 @@
 /** Major version of this header (from Cargo.toml). */
 #define GRADACC_VERSION_MAJOR 0
 /** Minor version of this header (from Cargo.toml). */
-#define GRADACC_VERSION_MINOR 1
+#define GRADACC_VERSION_MINOR 2
 /** Patch version of this header (from Cargo.toml). */
 #define GRADACC_VERSION_PATCH 0
 /** Full version of this header, as a string (from Cargo.toml). */
-#define GRADACC_VERSION_STRING "0.1.0"
+#define GRADACC_VERSION_STRING "0.2.0"
 /**
  * Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as
  * NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to
  * gradacc_version_number() of the library it came with.
  */
-#define GRADACC_VERSION_NUMBER 100
+#define GRADACC_VERSION_NUMBER 200
 /** A version as one number, comparable with GRADACC_VERSION_NUMBER. */
 #define GRADACC_VERSION(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
 

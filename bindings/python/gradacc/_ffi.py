@@ -9,10 +9,10 @@ import ctypes
 from ._lib import dll
 
 GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
-GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
+GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml).
 GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
-GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
-GRADACC_VERSION_NUMBER = 100  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
+GRADACC_VERSION_STRING = "0.2.0"  # Full version of this header, as a string (from Cargo.toml).
+GRADACC_VERSION_NUMBER = 200  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
 GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
 GRADACC_STATUS_OK = 0  # Success.
 GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
