@@ -90,7 +90,7 @@ int main(int argc, char **argv)
                 OK(gradacc_accumulator_add(acc, scaler, grads, 1, 1));
             MPI_Barrier(MPI_COMM_WORLD);
             double t0 = MPI_Wtime();
-            gradacc_sync_info_t info;
+            gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
             OK(gradacc_accumulator_sync(acc, comm, &info));
             double d = slowest(t0);
 

@@ -53,7 +53,7 @@ static void add_mb(gradacc_accumulator_t *acc, gradacc_scaler_t *s, int m, uint6
 /* Syncs and checks the master against the reference window (BY_COUNT, MEAN); starts a new ref. */
 static void finish(gradacc_accumulator_t *acc, window_ref *w, const char *what)
 {
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(acc, NULL, &info));
     CHECK(info.total_count == w->count, "%s: total_count %llu, expected %llu", what, (unsigned long long)info.total_count,
           (unsigned long long)w->count);
@@ -313,16 +313,17 @@ static void test_handles(void)
     for (int i = 0; i < 3; i++) {
         gradacc_scaler_t *x = as_scaler[i];
         float f = -3.0f;
-        gradacc_scaler_stats_t st;
+        gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
         memset(&st, 0x5a, sizeof st);
+        st.struct_size = sizeof st;
         size_t n = 777;
         unsigned char buf[64];
         const gradacc_accumulator_t *list[1] = {live};
         const void *grads[3] = {g0[0], g1[0], g2[0]};
-        EXPECT_ERROR(gradacc_scaler_get_scale(x, &f), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
+        EXPECT_ERROR(gradacc_scaler_scale(x, &f), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_scale_loss(x, &f, 1, GRADACC_DTYPE_F32), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_update(x, list, 1, NULL), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
-        EXPECT_ERROR(gradacc_scaler_get_stats(x, &st), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
+        EXPECT_ERROR(gradacc_scaler_stats(x, &st), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_save(x, NULL, 0, &n), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_scaler_load(x, buf, sizeof buf), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
         EXPECT_ERROR(gradacc_accumulator_add(live, x, grads, 3, 1), GRADACC_STATUS_INVALID_HANDLE, "`scaler`");
@@ -332,7 +333,7 @@ static void test_handles(void)
     }
     gradacc_comm_t *as_comm[3] = {(gradacc_comm_t *)(void *)live, (gradacc_comm_t *)(void *)&not_a_handle, dead_c[0]};
     for (int i = 0; i < 3; i++) {
-        size_t n = 777;
+        int32_t n = 777;
         EXPECT_ERROR(gradacc_comm_rank(as_comm[i], &n), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
         EXPECT_ERROR(gradacc_comm_world_size(as_comm[i], &n), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
         EXPECT_ERROR(gradacc_accumulator_sync(live, as_comm[i], NULL), GRADACC_STATUS_INVALID_HANDLE, "`comm`");
@@ -375,8 +376,9 @@ static void test_accumulator_calls(void)
     EXPECT_ERROR(gradacc_accumulator_end_microbatch(a), GRADACC_STATUS_WRONG_STATE, "begin_microbatch");
     EXPECT_ERROR(gradacc_accumulator_add_tensor(a, s, 0, g0[0], N0), GRADACC_STATUS_WRONG_STATE, "begin_microbatch");
     {
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         memset(&info, 0x5a, sizeof info);
+        info.struct_size = sizeof info;
         gradacc_sync_info_t before = info;
         EXPECT_STATUS(gradacc_accumulator_sync(a, NULL, &info), GRADACC_STATUS_EMPTY_WINDOW);
         CHECK(memcmp(&info, &before, sizeof info) == 0, "out_info written by a failing sync");
@@ -452,8 +454,9 @@ static void test_accumulator_calls(void)
         read_master(a, 0, before, N0);
         read_master(a, 1, before + N0, N1);
         read_master(a, 2, before + N0 + N1, N2);
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         memset(&info, 0x3c, sizeof info);
+        info.struct_size = sizeof info;
         gradacc_sync_info_t copy = info;
         EXPECT_ERROR(gradacc_accumulator_sync(a, NULL, &info), GRADACC_STATUS_EMPTY_WINDOW, "empty");
         CHECK(memcmp(&info, &copy, sizeof info) == 0, "out_info written by a failing sync");
@@ -575,7 +578,7 @@ static void test_accumulator_calls(void)
         EXPECT_STATUS(gradacc_accumulator_sync(sum, NULL, NULL), GRADACC_STATUS_EMPTY_WINDOW);
         const void *g3[3] = {g0[3], g1[3], g2[3]};
         REQUIRE_OK(gradacc_accumulator_add(sum, s, g3, 3, 4));
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         EXPECT_OK(gradacc_accumulator_sync(sum, NULL, &info));
         CHECK(info.total_count == 4 && info.microbatches == 2, "count %llu micro-batches %llu",
               (unsigned long long)info.total_count, (unsigned long long)info.microbatches);
@@ -598,12 +601,12 @@ static void test_scaler_calls(void)
     window_ref w;
     memset(&w, 0, sizeof w);
     float f = -3.0f;
-    EXPECT_ERROR(gradacc_scaler_get_scale(NULL, &f), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
-    EXPECT_ERROR(gradacc_scaler_get_scale(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
+    EXPECT_ERROR(gradacc_scaler_scale(NULL, &f), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
+    EXPECT_ERROR(gradacc_scaler_scale(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     CHECK(f == -3.0f, "get_scale output written on failure");
-    gradacc_scaler_stats_t st;
-    EXPECT_ERROR(gradacc_scaler_get_stats(NULL, &st), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
-    EXPECT_ERROR(gradacc_scaler_get_stats(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
+    gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
+    EXPECT_ERROR(gradacc_scaler_stats(NULL, &st), GRADACC_STATUS_NULL_ARGUMENT, "`scaler`");
+    EXPECT_ERROR(gradacc_scaler_stats(s, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
 
     /* scale_loss */
     {
@@ -631,8 +634,8 @@ static void test_scaler_calls(void)
     add_mb(a, s, 0, 1, &w);
     REQUIRE_OK(gradacc_accumulator_sync(a, NULL, NULL));
     memset(&w, 0, sizeof w);
-    gradacc_scaler_stats_t before;
-    REQUIRE_OK(gradacc_scaler_get_stats(s, &before));
+    gradacc_scaler_stats_t before = GRADACC_SCALER_STATS_INIT;
+    REQUIRE_OK(gradacc_scaler_stats(s, &before));
     {
         const gradacc_accumulator_t *list[2] = {a, b};
         bool skipped = true;
@@ -643,12 +646,12 @@ static void test_scaler_calls(void)
         const gradacc_accumulator_t *with_null[2] = {a, NULL};
         EXPECT_ERROR(gradacc_scaler_update(s, with_null, 2, &skipped), GRADACC_STATUS_NULL_ARGUMENT, "`accumulators[1]`");
         CHECK(skipped, "out_skipped written by a failing update");
-        gradacc_scaler_stats_t after;
-        REQUIRE_OK(gradacc_scaler_get_stats(s, &after));
-        REQUIRE_OK(gradacc_scaler_get_scale(s, &f));
+        gradacc_scaler_stats_t after = GRADACC_SCALER_STATS_INIT;
+        REQUIRE_OK(gradacc_scaler_stats(s, &after));
+        REQUIRE_OK(gradacc_scaler_scale(s, &f));
         CHECK(memcmp(&before, &after, sizeof before) == 0 && f == SCALE, "a failing update changed the scaler");
         EXPECT_OK(gradacc_scaler_update(s, list, 1, NULL)); /* out_skipped may be NULL */
-        REQUIRE_OK(gradacc_scaler_get_stats(s, &after));
+        REQUIRE_OK(gradacc_scaler_stats(s, &after));
         CHECK(after.steps == before.steps + 1, "steps %llu", (unsigned long long)after.steps);
     }
 
@@ -688,19 +691,20 @@ static void test_comm_calls(void)
     EXPECT_ERROR(gradacc_comm_create_local(2, NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out_comms`");
     EXPECT_ERROR(gradacc_comm_create_local(0, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size`");
     EXPECT_ERROR(gradacc_comm_create_local(4097, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size`");
+    EXPECT_ERROR(gradacc_comm_create_local(-1, comms), GRADACC_STATUS_INVALID_ARGUMENT, "`world_size` = -1");
     CHECK(comms[0] == SENTINEL_PTR && comms[1] == SENTINEL_PTR, "out_comms written by a failing create");
     REQUIRE_OK(gradacc_comm_create_local(1, comms));
     CHECK(comms[1] == SENTINEL_PTR, "create_local(1) wrote past its one handle");
-    size_t n = 777;
+    int32_t n = 777;
     EXPECT_ERROR(gradacc_comm_rank(NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`comm`");
     EXPECT_ERROR(gradacc_comm_rank(comms[0], NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     EXPECT_ERROR(gradacc_comm_world_size(NULL, &n), GRADACC_STATUS_NULL_ARGUMENT, "`comm`");
     EXPECT_ERROR(gradacc_comm_world_size(comms[0], NULL), GRADACC_STATUS_NULL_ARGUMENT, "`out`");
     CHECK(n == 777, "rank/world_size output written on failure");
     EXPECT_OK(gradacc_comm_rank(comms[0], &n));
-    CHECK(n == 0, "rank %zu", n);
+    CHECK(n == 0, "rank %d", n);
     EXPECT_OK(gradacc_comm_world_size(comms[0], &n));
-    CHECK(n == 1, "world size %zu", n);
+    CHECK(n == 1, "world size %d", n);
     /* a one-rank group works as a boundary, also after the errors */
     gradacc_scaler_t *s = scaler_with_scale(SCALE);
     gradacc_accumulator_t *a = new_acc();
@@ -708,7 +712,7 @@ static void test_comm_calls(void)
     memset(&w, 0, sizeof w);
     add_mb(a, s, 1, 3, &w);
     add_mb(a, s, 2, 1, &w);
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(a, comms[0], &info));
     CHECK(info.total_count == 4, "total_count");
     double got[N0];
@@ -744,8 +748,9 @@ static void *sync_rank_main(void *arg)
         const void *grads[3] = {g0[1], g1[1], g2[1]};
         REQUIRE_OK(gradacc_accumulator_add(r->acc, r->scaler, grads, 3, 2));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     memset(&info, 0x5a, sizeof info);
+    info.struct_size = sizeof info;
     unsigned char untouched[sizeof info];
     memcpy(untouched, &info, sizeof info);
     r->st[0] = gradacc_accumulator_sync(r->acc, r->comm, &info);
@@ -847,9 +852,9 @@ static void test_status_strings(void)
         size_t len = strlen(names[i]);
         CHECK(s != NULL && strncmp(s, names[i], len) == 0 && (s[len] == ':' || s[len] == '\0'),
               "status %d: \"%s\" should start with %s", codes[i], s ? s : "(null)", names[i]);
-        CHECK(codes[i] == i, "%s = %d", names[i], codes[i]);
+        CHECK((int)codes[i] == i, "%s = %d", names[i], (int)codes[i]);
     }
-    static const gradacc_status_t unknown[5] = {17, 18, -1, 1000, INT32_MIN};
+    static const int32_t unknown[5] = {17, 18, -1, 1000, INT32_MIN};
     for (int i = 0; i < 5; i++) {
         const char *s = gradacc_status_string(unknown[i]);
         CHECK(s != NULL && strstr(s, "unknown") != NULL, "unknown status %d: \"%s\"", unknown[i], s ? s : "(null)");
@@ -870,7 +875,7 @@ static void *error_thread(void *arg)
     gradacc_status_t st;
     if (t->which == 0) {
         float f;
-        st = gradacc_scaler_get_scale(NULL, &f);
+        st = gradacc_scaler_scale(NULL, &f);
     } else {
         gradacc_comm_t *c[1];
         st = gradacc_comm_create_local(0, c);
@@ -914,6 +919,8 @@ static void test_version(void)
           gradacc_version_string(), GRADACC_VERSION_STRING);
     unsigned want = GRADACC_VERSION_MAJOR * 10000u + GRADACC_VERSION_MINOR * 100u + GRADACC_VERSION_PATCH;
     CHECK(gradacc_version_number() == want, "version number %u, macros give %u", gradacc_version_number(), want);
+    CHECK(gradacc_version_number() == (uint32_t)GRADACC_VERSION_NUMBER, "version number %u, GRADACC_VERSION_NUMBER %u",
+          gradacc_version_number(), (unsigned)GRADACC_VERSION_NUMBER);
     char buf[64];
     snprintf(buf, sizeof buf, "%d.%d.%d", GRADACC_VERSION_MAJOR, GRADACC_VERSION_MINOR, GRADACC_VERSION_PATCH);
     CHECK(strncmp(GRADACC_VERSION_STRING, buf, strlen(buf)) == 0, "GRADACC_VERSION_STRING %s vs macros %s",

@@ -93,7 +93,7 @@ static gradacc_status_t lib_step(gradacc_scaler_t *s, gradacc_accumulator_t *acc
         g[1] = 0x7c00;
     const void *grads[1] = {g};
     REQUIRE_OK(gradacc_accumulator_add(acc, s, grads, 1, 1));
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
     CHECK(info.found_inf == (overflow != 0), "sync's found_inf %d, window overflowed %d", info.found_inf, overflow);
     const gradacc_accumulator_t *accs[1] = {acc};
@@ -111,15 +111,16 @@ static gradacc_accumulator_t *new_acc(void)
 static float get_scale(const gradacc_scaler_t *s)
 {
     float v = -1.0f;
-    REQUIRE_OK(gradacc_scaler_get_scale(s, &v));
+    REQUIRE_OK(gradacc_scaler_scale(s, &v));
     return v;
 }
 
 static gradacc_scaler_stats_t get_stats(const gradacc_scaler_t *s)
 {
-    gradacc_scaler_stats_t st;
+    gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
     memset(&st, 0xab, sizeof st);
-    REQUIRE_OK(gradacc_scaler_get_stats(s, &st));
+    st.struct_size = sizeof st;
+    REQUIRE_OK(gradacc_scaler_stats(s, &st));
     return st;
 }
 

@@ -381,7 +381,7 @@ static void run_microbatch(const layout *L, const microbatch *mb, device_model *
     gradacc_scaler_t *scaler = acc ? scaler_at(mb->scale) : NULL;
     if (scaler) {
         float s = 0.0f;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &s));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &s));
         CHECK(bits32(s) == bits32(mb->scale), "scale %a, expected %a", (double)s, (double)mb->scale);
     }
     if (mb->whole) {
@@ -573,8 +573,9 @@ static void check_windows(test_rng *r, int trial, int *windows_synced, int *clip
             if (!d.written[t])
                 memset(d.master + L.offset[t], 0, L.desc[t].numel * sizeof(float));
         boundary b = emulate_boundary(d.master, total, L.normalize, d.count, d.microbatches, (double)max_norm);
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         memset(&info, 0, sizeof info);
+        info.struct_size = sizeof info;
         gradacc_status_t st = gradacc_accumulator_sync(acc, NULL, &info);
         if (b.empty) {
             EXPECT_STATUS(st, GRADACC_STATUS_EMPTY_WINDOW);
@@ -629,7 +630,7 @@ static flag_sources make_flag_sources(void)
     const void *g1[1] = {&one}, *g2[1] = {&inf};
     REQUIRE_OK(gradacc_accumulator_add(f.finite, s, g1, 1, 1));
     REQUIRE_OK(gradacc_accumulator_add(f.overflowed, s, g2, 1, 1));
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(f.finite, NULL, &info));
     CHECK(!info.found_inf, "the finite window has no overflow");
     REQUIRE_OK(gradacc_accumulator_sync(f.overflowed, NULL, &info));
@@ -695,9 +696,9 @@ static trace_counts check_trace(test_rng *r, const char *name, const gradacc_sca
             accs[rng_below(r, (uint32_t)nacc)] = src->overflowed;
 
         float scale_before = 0.0f;
-        gradacc_scaler_stats_t stats_before;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale_before));
-        REQUIRE_OK(gradacc_scaler_get_stats(scaler, &stats_before));
+        gradacc_scaler_stats_t stats_before = GRADACC_SCALER_STATS_INIT;
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale_before));
+        REQUIRE_OK(gradacc_scaler_stats(scaler, &stats_before));
         bool skipped = !overflow;
         gradacc_status_t st = gradacc_scaler_update(scaler, accs, nacc, &skipped);
 
@@ -710,9 +711,9 @@ static trace_counts check_trace(test_rng *r, const char *name, const gradacc_sca
         int at_min = ga_scaler_next(&s, &rule, found_inf);
 
         float scale = 0.0f;
-        gradacc_scaler_stats_t stats;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
-        REQUIRE_OK(gradacc_scaler_get_stats(scaler, &stats));
+        gradacc_scaler_stats_t stats = GRADACC_SCALER_STATS_INIT;
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_stats(scaler, &stats));
         int ok;
         if (at_min) {
             /* ga_scaler_next raises only at_minimum; the C API fails and changes nothing */

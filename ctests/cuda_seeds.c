@@ -92,7 +92,7 @@ static void window(rank_args *a, gradacc_accumulator_t *acc, gradacc_scaler_t *s
                    grad_buf *hw, grad_buf *hb, void *stream, int inf, gradacc_sync_info_t *info, bool *skipped)
 {
     float scale;
-    REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+    REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
     upload(hw, w, a->input, scale, stream);
     upload(hb, b, 1.0, scale, stream);
     const void *g[2] = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)b};
@@ -104,6 +104,7 @@ static void window(rank_args *a, gradacc_accumulator_t *acc, gradacc_scaler_t *s
     REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 1, g[1], 1));
     REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 0, g[0], 1));
     REQUIRE_OK(gradacc_accumulator_end_microbatch(acc));
+    info->struct_size = sizeof *info;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, info));
     const gradacc_accumulator_t *accs[1] = {acc};
     REQUIRE_OK(gradacc_scaler_update(scaler, accs, 1, skipped));
@@ -145,7 +146,7 @@ static void *rank_main(void *p)
     a->bias_grad = read_first(p1, stream);
 
     window(a, acc, scaler, comm, w, b, &hw, &hb, stream, a->overflow, &a->overflow_info, &a->skipped_second);
-    REQUIRE_OK(gradacc_scaler_get_scale(scaler, &a->scale_after_overflow));
+    REQUIRE_OK(gradacc_scaler_scale(scaler, &a->scale_after_overflow));
 
     CU(cu.stream_sync(stream));
     grad_free(&hw);
@@ -166,7 +167,7 @@ static void run(int world, gradacc_normalize_t normalize, gradacc_dtype_t dtype,
     rank_args args[MAX_RANKS];
     memset(args, 0, sizeof args);
     gradacc_nccl_unique_id_t id;
-    REQUIRE_OK(gradacc_nccl_get_unique_id(&id));
+    REQUIRE_OK(gradacc_nccl_unique_id(&id));
     for (int r = 0; r < world; r++) {
         args[r] = (rank_args){.rank = r, .world = world, .id = id, .normalize = normalize, .dtype = dtype};
         args[r].input = r == 0 ? 1.0 : 2.0;

@@ -18,6 +18,13 @@
 #if GRADACC_VERSION_MAJOR < 0 || GRADACC_VERSION_MINOR < 0 || GRADACC_VERSION_PATCH < 0
 #error "gradacc version macros must be non-negative integers"
 #endif
+#if !defined(GRADACC_VERSION_NUMBER) ||                                                             \
+    GRADACC_VERSION_NUMBER != GRADACC_VERSION(GRADACC_VERSION_MAJOR, GRADACC_VERSION_MINOR, GRADACC_VERSION_PATCH)
+#error "GRADACC_VERSION_NUMBER must be GRADACC_VERSION(MAJOR, MINOR, PATCH)"
+#endif
+#ifndef GRADACC_API
+#error "gradacc.h must define the export macro GRADACC_API"
+#endif
 
 int main(void) {
     const char *numbers =

@@ -45,7 +45,7 @@ static gradacc_accumulator_t *new_acc(void)
 static void add_micro(gradacc_accumulator_t *acc, gradacc_scaler_t *s, int t, int m)
 {
     float scale;
-    REQUIRE_OK(gradacc_scaler_get_scale(s, &scale));
+    REQUIRE_OK(gradacc_scaler_scale(s, &scale));
     uint16_t g0[N0], g1[N1];
     float g2[N2];
     for (int k = 0; k < NALL; k++) {
@@ -66,6 +66,7 @@ static void add_micro(gradacc_accumulator_t *acc, gradacc_scaler_t *s, int t, in
 
 static void finish_step(gradacc_accumulator_t *acc, gradacc_scaler_t *s, step_result *r)
 {
+    r->info.struct_size = sizeof r->info;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &r->info));
     for (int i = 0; i < 3; i++) {
         float *p;
@@ -75,8 +76,9 @@ static void finish_step(gradacc_accumulator_t *acc, gradacc_scaler_t *s, step_re
     }
     const gradacc_accumulator_t *list[1] = {acc};
     REQUIRE_OK(gradacc_scaler_update(s, list, 1, &r->skipped));
-    REQUIRE_OK(gradacc_scaler_get_scale(s, &r->scale));
-    REQUIRE_OK(gradacc_scaler_get_stats(s, &r->stats));
+    REQUIRE_OK(gradacc_scaler_scale(s, &r->scale));
+    r->stats.struct_size = sizeof r->stats;
+    REQUIRE_OK(gradacc_scaler_stats(s, &r->stats));
 }
 
 static uint8_t *save(gradacc_status_t (*fn)(const void *, uint8_t *, size_t, size_t *), const void *obj, size_t *len)

@@ -65,7 +65,7 @@ static void cycle(unsigned i)
     EXPECT_STATUS(gradacc_comm_create_local(0, comms), GRADACC_STATUS_INVALID_ARGUMENT);
     CHECK(gradacc_last_error()[0] != '\0', "an error leaves a message");
 
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, world == 1 ? comms[0] : NULL, &info));
     bool skipped = true;
     const gradacc_accumulator_t *list[1] = {acc};

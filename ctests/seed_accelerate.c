@@ -35,14 +35,14 @@ static void run(gradacc_normalize_t normalize, gradacc_dtype_t dtype, const doub
     for (int m = 0; m < MB; m++) {
         double gm = grad_mse(weight, x, y, m * PER, (m + 1) * PER);
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         double exact;
         grad_encode(&g, &gm, scale, &exact);
         CHECK(exact == gm, "micro-batch %d gradient %g is not exact in %s", m, gm, dtype_name(dtype));
         const void *grads[1] = {g.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 1, PER));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
     const gradacc_accumulator_t *accs[1] = {acc};
     bool skipped = true;

@@ -19,7 +19,7 @@ static void step(int inf_a, int inf_b, bool *skipped, gradacc_sync_info_t *ia, g
              b2 = grad_alloc(GRADACC_DTYPE_F32, NB2);
     for (int m = 0; m < 2; m++) {
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         double v[NA];
         for (int i = 0; i < NA; i++)
             v[i] = 0.01 * (i + 1) * (m + 1);
@@ -58,7 +58,7 @@ static void test_skip_together(void)
     unsigned long long backoffs = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         bool skipped = false;
-        gradacc_sync_info_t ia, ib;
+        gradacc_sync_info_t ia = GRADACC_SYNC_INFO_INIT, ib = GRADACC_SYNC_INFO_INIT;
         step(cases[c].inf_a, cases[c].inf_b, &skipped, &ia, &ib);
         int any = cases[c].inf_a || cases[c].inf_b;
         CHECK(ia.found_inf == (cases[c].inf_a != 0) && ib.found_inf == (cases[c].inf_b != 0),
@@ -66,12 +66,12 @@ static void test_skip_together(void)
         CHECK(skipped == (any != 0), "case %zu (inf in a: %d, in b: %d): skipped = %d", c, cases[c].inf_a,
               cases[c].inf_b, skipped);
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         CHECK(scale == cases[c].scale_after, "case %zu: scale %g, expected %g (one backoff per step)", c, scale,
               cases[c].scale_after);
         backoffs += any ? 1 : 0;
-        gradacc_scaler_stats_t st;
-        REQUIRE_OK(gradacc_scaler_get_stats(scaler, &st));
+        gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;
+        REQUIRE_OK(gradacc_scaler_stats(scaler, &st));
         CHECK(st.steps == c + 1 && st.backoffs == backoffs, "case %zu: steps %llu backoffs %llu, expected %zu and %llu",
               c, (unsigned long long)st.steps, (unsigned long long)st.backoffs, c + 1, backoffs);
         if (!any) { /* a clean step: both groups hold the count-weighted mean, (3*v + 5*2v) / 8 */
@@ -125,7 +125,7 @@ static void test_clip_unscaled(test_rng *rng)
                 const void *grads[1] = {g.data};
                 REQUIRE_OK(gradacc_accumulator_add(acc, sclr, grads, 1, 4));
             }
-            gradacc_sync_info_t info;
+            gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
             REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
             double norm = 0.0;
             for (int i = 0; i < N; i++)

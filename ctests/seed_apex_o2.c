@@ -35,12 +35,13 @@ static void *rank_main(void *p)
     grad_buf w = grad_alloc(a->dtype, 1), b = grad_alloc(a->dtype, 1);
     for (int m = 0; m < MICROBATCHES; m++) {
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         grad_encode(&w, &grads[0], scale, NULL);
         grad_encode(&b, &grads[1], scale, NULL);
         const void *g[2] = {w.data, b.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, g, 2, 1));
     }
+    a->info.struct_size = sizeof a->info;
     a->status = gradacc_accumulator_sync(acc, a->comm, &a->info);
     if (a->status == GRADACC_STATUS_OK) {
         float *p0 = NULL, *p1 = NULL;

@@ -66,7 +66,7 @@ static void run(const problem *p, gradacc_loss_reduction_t reduction, gradacc_dt
         const void *grads[2] = {gw.data, gb.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, PER));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
     CHECK(info.total_count == BATCH && info.microbatches == MB && !info.found_inf, "sync info");
 

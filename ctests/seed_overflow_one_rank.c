@@ -36,7 +36,7 @@ static void *rank_main(void *arg)
     for (int window = 0; window < 2; window++) {
         for (int m = 0; m < 3; m++) {
             float scale;
-            REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+            REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
             double v[N];
             for (int i = 0; i < N; i++)
                 v[i] = (a->rank + 1) * 0.001 * (i + 1) * (m + 1);
@@ -47,16 +47,18 @@ static void *rank_main(void *arg)
             const void *grads[2] = {g.data, &other};
             REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, 2));
         }
+        a->info[window].struct_size = sizeof a->info[window];
         REQUIRE_OK(gradacc_accumulator_sync(acc, a->comm, &a->info[window]));
         const gradacc_accumulator_t *accs[1] = {acc};
         REQUIRE_OK(gradacc_scaler_update(scaler, accs, 1, &a->skipped[window]));
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &a->scale[window]));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &a->scale[window]));
     }
     float *p;
     size_t n;
     REQUIRE_OK(gradacc_accumulator_master(acc, 0, &p, &n));
     memcpy(a->master, p, sizeof a->master);
-    REQUIRE_OK(gradacc_scaler_get_stats(scaler, &a->stats));
+    a->stats.struct_size = sizeof a->stats;
+    REQUIRE_OK(gradacc_scaler_stats(scaler, &a->stats));
     grad_free(&g);
     gradacc_accumulator_destroy(acc);
     gradacc_scaler_destroy(scaler);

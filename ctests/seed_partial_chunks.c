@@ -119,7 +119,7 @@ static void test_chunked(const problem *p, gradacc_dtype_t d_w1, gradacc_dtype_t
         }
         REQUIRE_OK(gradacc_accumulator_end_microbatch(head));
     }
-    gradacc_sync_info_t ih, ib;
+    gradacc_sync_info_t ih = GRADACC_SYNC_INFO_INIT, ib = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(head, NULL, &ih));
     REQUIRE_OK(gradacc_accumulator_sync(body, NULL, &ib));
     CHECK(ih.total_count == MB * BATCH && ih.microbatches == MB && !ih.found_inf, "head: count %llu micro-batches %llu",
@@ -214,7 +214,7 @@ static void test_threads(test_rng *rng)
             pthread_barrier_destroy(&start);
             REQUIRE_OK(gradacc_accumulator_end_microbatch(parallel));
         }
-        gradacc_sync_info_t is, ip;
+        gradacc_sync_info_t is = GRADACC_SYNC_INFO_INIT, ip = GRADACC_SYNC_INFO_INIT;
         REQUIRE_OK(gradacc_accumulator_sync(serial, NULL, &is));
         REQUIRE_OK(gradacc_accumulator_sync(parallel, NULL, &ip));
         CHECK(is.grad_norm == ip.grad_norm && is.total_count == ip.total_count, "window %d: norms %.17g / %.17g", window,

@@ -42,7 +42,7 @@ static void run(test_rng *rng, gradacc_normalize_t normalize)
             REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, counts[window][m]));
         }
         double div = normalize == GRADACC_NORMALIZE_BY_COUNT ? (double)items : (double)added[window];
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
         CHECK(info.total_count == items && info.microbatches == (uint64_t)added[window],
               "%s window %d: total_count %llu (want %llu), microbatches %llu (want %d)", how, window,
@@ -101,6 +101,7 @@ static void *rank_main(void *arg)
             const void *grads[2] = {ga.data, gb.data};
             REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, 4));
         }
+        a->info[window].struct_size = sizeof a->info[window];
         REQUIRE_OK(gradacc_accumulator_sync(acc, a->comm, &a->info[window]));
         float *p;
         size_t numel;

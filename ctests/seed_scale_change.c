@@ -50,7 +50,7 @@ static void test_update_mid_window(test_rng *rng)
             CHECK(skipped == (m == 1), "helper step %d skipped %d", m, skipped);
         }
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         CHECK(scale == scales[m], "micro-batch %d: scale %g, expected %g", m, scale, scales[m]);
         double v[N], exact[N];
         for (int k = 0; k < N; k++)
@@ -66,7 +66,7 @@ static void test_update_mid_window(test_rng *rng)
         const void *gg[1] = {g.data};
         REQUIRE_OK(gradacc_accumulator_add(main_acc, scaler, gg, 1, counts[m]));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(main_acc, NULL, &info));
     CHECK(!info.found_inf, "the main window has no overflow");
     compare("scale changed mid-window", main_acc, from_inputs, truth, magnitude);

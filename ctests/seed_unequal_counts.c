@@ -75,6 +75,7 @@ static void *rank_main(void *arg)
         const void *grads[2] = {gw.data, gb.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, (uint64_t)n));
     }
+    a->info.struct_size = sizeof a->info;
     a->status = gradacc_accumulator_sync(acc, a->comm, &a->info);
     if (a->status == GRADACC_STATUS_OK) {
         float *p0, *p1;

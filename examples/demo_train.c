@@ -218,7 +218,7 @@ static void *rank_step(void *arg)
     for (int m = 0; m < MB; m++) {
         int lo = mb_start(rs->rank, m), n = mb_size[rs->rank][m];
         float scale;
-        CHECK(gradacc_scaler_get_scale(rs->scaler, &scale));
+        CHECK(gradacc_scaler_scale(rs->scaler, &scale));
         backward_f32(rs->w, &X[rs->step][lo], &Y[rs->step][lo], n, g);
         for (int k = 0; k < NPARAM; k++)
             g16[k] = to_f16(g[k] * scale); /* the fp16 gradient of the scaled loss */
@@ -227,7 +227,7 @@ static void *rank_step(void *arg)
             grads[t] = &g16[tensor_offset[t]];
         CHECK(gradacc_accumulator_add(rs->acc, rs->scaler, grads, 4, (uint64_t)n));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce */
     const gradacc_accumulator_t *accs[1] = {rs->acc};
     CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
@@ -335,7 +335,7 @@ int main(void)
     double worst_ratio = 0.0, worst_naive_rel = 0.0, drift = 0.0;
     for (int step = 0; step < STEPS; step++) {
         float scale;
-        CHECK(gradacc_scaler_get_scale(ranks[0].scaler, &scale));
+        CHECK(gradacc_scaler_scale(ranks[0].scaler, &scale));
 
         /* references at gradacc's weights, and the largest micro-batch gradient (the tolerance's scale) */
         double ref[NPARAM], g_mb[NPARAM], big = 0.0;

@@ -10,13 +10,15 @@
  *
  * \section linking Building and linking
  *
- * - CMake: `find_package(gradacc 0.1 REQUIRED)` then link `gradacc::gradacc` (shared library) or
+ * - CMake: `find_package(gradacc 0.2 REQUIRED)` then link `gradacc::gradacc` (shared library) or
  *   `gradacc::static` (static library, which brings its system libraries with it). The same target
  *   names exist when the source tree is added with `add_subdirectory`.
  * - pkg-config: `cc app.c $(pkg-config --cflags --libs gradacc)`; for the static library add
  *   `--static` and link `libgradacc.a` explicitly.
  * - By hand: `-I<prefix>/include -L<prefix>/lib -lgradacc`; the static library also needs
- *   `-lpthread -ldl -lm -lgcc_s` (the list rustc prints with `--print native-static-libs`).
+ *   `-lgcc_s -lutil -lrt -lpthread -lm -ldl`: the list rustc prints with `--print native-static-libs`, kept in
+ *   one place, GRADACC_NATIVE_STATIC_LIBS in CMakeLists.txt, which gradacc::static and gradacc.pc
+ *   (`pkg-config --static --libs gradacc`) carry and from which this line is generated.
  *
  * GRADACC_VERSION_MAJOR / _MINOR / _PATCH / _STRING give the version of this header;
  * gradacc_version_string() and gradacc_version_number() give the version of the library actually
@@ -29,13 +31,28 @@
  *   gradacc_status_string() (names a code) and gradacc_last_error() (a message about the calling
  *   thread's most recent failure that names the argument and the value that was wrong). The last
  *   error is per thread: a failure on one thread never overwrites another thread's message.
+ *   gradacc_status_t is a C enum; codes may be added in later versions, so a `switch` over it
+ *   needs a `default`.
  * - Outputs: output arguments come last and are written only on success; on failure they keep
  *   whatever the caller put there.
  * - Arguments: the object comes first, then inputs; a buffer pointer is followed by its length.
  *   NULL where a value is required, a wrong size, a dtype or device mismatch, a destroyed or
  *   foreign handle, or a call in the wrong state is reported as a status, never a crash.
  * - Config structs start with `size_t struct_size`: fill them with their `*_config_default()`
- *   initialiser, then change fields. Fields are only ever appended, so old callers keep working.
+ *   initialiser, then change fields. Fields are only ever appended, so old callers keep working:
+ *   the size of an older header's struct (any size that ends on a field, padded to 8 bytes or not)
+ *   is accepted and the fields it lacks take their defaults; a larger size (a header newer than the
+ *   library loaded), 0, or a size that ends inside a field fails with
+ *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value. Output structs
+ *   (gradacc_sync_info_t, gradacc_scaler_stats_t) start with struct_size too: the caller sets it
+ *   (GRADACC_SYNC_INFO_INIT / GRADACC_SCALER_STATS_INIT in C), the same sizes are accepted, and
+ *   the library writes only the fields that size covers.
+ * - Ranks and world sizes are `int32_t` in every communicator function, as in MPI and NCCL, whose
+ *   `int` ranks callers pass on unchanged; values out of range fail with
+ *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value.
+ * - Checkpoints: gradacc_scaler_save / _load work on every device; the accumulator's window
+ *   checkpoints (gradacc_accumulator_save_window / _load_window) are CPU-only and fail with
+ *   GRADACC_STATUS_BACKEND_UNAVAILABLE on CUDA, where a run is checkpointed at a boundary.
  * - Ownership: every function that creates an object names the function that destroys it. Each
  *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
  *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;
@@ -60,17 +77,130 @@
 /** Major version of this header (from Cargo.toml). */
 #define GRADACC_VERSION_MAJOR 0
 /** Minor version of this header (from Cargo.toml). */
-#define GRADACC_VERSION_MINOR 1
+#define GRADACC_VERSION_MINOR 2
 /** Patch version of this header (from Cargo.toml). */
 #define GRADACC_VERSION_PATCH 0
 /** Full version of this header, as a string (from Cargo.toml). */
-#define GRADACC_VERSION_STRING "0.1.0"
+#define GRADACC_VERSION_STRING "0.2.0"
+/**
+ * Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as
+ * NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to
+ * gradacc_version_number() of the library it came with.
+ */
+#define GRADACC_VERSION_NUMBER 200
+/** A version as one number, comparable with GRADACC_VERSION_NUMBER. */
+#define GRADACC_VERSION(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
+
+/**
+ * GRADACC_API marks every function of the C API: default visibility with GCC and Clang (the
+ * declarations stay exported when the including code builds with -fvisibility=hidden), and
+ * __declspec(dllimport) on Windows unless GRADACC_STATIC is defined (the CMake target
+ * gradacc::static defines it for programs that link the static library). Define GRADACC_API
+ * before including the header to replace it.
+ */
+#ifndef GRADACC_API
+#  if defined(_WIN32) && !defined(GRADACC_STATIC)
+#    define GRADACC_API __declspec(dllimport)
+#  elif defined(__GNUC__)
+#    define GRADACC_API __attribute__((visibility("default")))
+#  else
+#    define GRADACC_API
+#  endif
+#endif
+
+/**
+ * Initialiser of gradacc_sync_info_t for C99 and later (`gradacc_sync_info_t info =
+ * GRADACC_SYNC_INFO_INIT;`): struct_size is this header's size, every other field 0. Output structs
+ * carry struct_size like config structs, so the library writes only the fields the caller knows; a
+ * struct_size of 0 fails. In C++ and other languages: zero the struct, then set struct_size.
+ */
+#define GRADACC_SYNC_INFO_INIT {.struct_size = sizeof(gradacc_sync_info_t)}
+/** Initialiser of gradacc_scaler_stats_t for C99 and later, as GRADACC_SYNC_INFO_INIT. */
+#define GRADACC_SCALER_STATS_INIT {.struct_size = sizeof(gradacc_scaler_stats_t)}
 
 
 /**
  * The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
  */
 #define GRADACC_MPI_COMM_WORLD -1
+
+/**
+ * Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code. A C enum whose
+ * values never change meaning; new codes may be added, so a `switch` over it needs a default.
+ * Functions that take a status back (gradacc_status_string) take it as `int32_t`, so any value is
+ * safe to pass.
+ */
+typedef enum gradacc_status_t {
+    /**
+     * Success.
+     */
+    GRADACC_STATUS_OK = 0,
+    /**
+     * A required pointer argument was NULL.
+     */
+    GRADACC_STATUS_NULL_ARGUMENT = 1,
+    /**
+     * An argument's value is outside its domain (a count, an index, an enum value, a config field).
+     */
+    GRADACC_STATUS_INVALID_ARGUMENT = 2,
+    /**
+     * A handle that was destroyed, never created, or is of another object type.
+     */
+    GRADACC_STATUS_INVALID_HANDLE = 3,
+    /**
+     * A gradient's dtype differs from its tensor's declared dtype.
+     */
+    GRADACC_STATUS_DTYPE_MISMATCH = 4,
+    /**
+     * A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
+     */
+    GRADACC_STATUS_SIZE_MISMATCH = 5,
+    /**
+     * Objects bound to different devices or backends were combined.
+     */
+    GRADACC_STATUS_DEVICE_MISMATCH = 6,
+    /**
+     * The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
+     */
+    GRADACC_STATUS_WRONG_STATE = 7,
+    /**
+     * The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
+     */
+    GRADACC_STATUS_EMPTY_WINDOW = 8,
+    /**
+     * An overflow needed a backoff while the loss scale was already at min_scale.
+     */
+    GRADACC_STATUS_SCALE_AT_MINIMUM = 9,
+    /**
+     * The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
+     */
+    GRADACC_STATUS_BACKEND_UNAVAILABLE = 10,
+    /**
+     * The communicator failed.
+     */
+    GRADACC_STATUS_COMM_FAILURE = 11,
+    /**
+     * Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
+     */
+    GRADACC_STATUS_PEER_FAILURE = 12,
+    /**
+     * Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
+     */
+    GRADACC_STATUS_CORRUPT_STATE = 13,
+    /**
+     * An allocation failed.
+     */
+    GRADACC_STATUS_OUT_OF_MEMORY = 14,
+    /**
+     * An internal error (a bug in gradacc); the message says where.
+     */
+    GRADACC_STATUS_INTERNAL = 15,
+    /**
+     * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
+     * device that fell off the bus); the message carries the driver's own text.
+     */
+    GRADACC_STATUS_DEVICE_FAILURE = 16,
+} gradacc_status_t;
 
 /**
  * A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
@@ -87,11 +217,6 @@ typedef struct gradacc_comm_t gradacc_comm_t;
  * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
  */
 typedef struct gradacc_scaler_t gradacc_scaler_t;
-
-/**
- * Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
- */
-typedef int32_t gradacc_status_t;
 
 /**
  * How the caller reduced its loss over the `count` items of a micro-batch.
@@ -181,9 +306,15 @@ typedef struct gradacc_device_t {
 } gradacc_device_t;
 
 /**
- * What the boundary reports; identical on every rank.
+ * What the boundary reports; identical on every rank. Set struct_size before the call
+ * (`gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;` in C).
  */
 typedef struct gradacc_sync_info_t {
+    /**
+     * sizeof(gradacc_sync_info_t), set by the caller: the library writes only the fields this size
+     * covers (an older header's size is accepted), and never changes struct_size itself.
+     */
+    size_t struct_size;
     /**
      * Some rank saw an inf or NaN in this window: skip the optimizer step.
      */
@@ -213,21 +344,18 @@ typedef int32_t gradacc_backend_t;
 
 /**
  * MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+ * It has no option yet besides its size: the struct is there so options can be appended without
+ * changing gradacc_comm_create_mpi.
  */
 typedef struct gradacc_mpi_config_t {
     /**
      * sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
      */
     size_t struct_size;
-    /**
-     * Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
-     * Kept so the struct's layout, and programs that set it, stay valid.
-     */
-    uint32_t max_in_flight;
 } gradacc_mpi_config_t;
 
 /**
- * An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+ * An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to
  * every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
  */
 typedef struct gradacc_nccl_unique_id_t {
@@ -287,9 +415,15 @@ typedef struct gradacc_scaler_config_t {
 } gradacc_scaler_config_t;
 
 /**
- * Statistics of a scaler since creation or since its state was loaded.
+ * Statistics of a scaler since creation or since its state was loaded. Set struct_size before
+ * the call (`gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;` in C).
  */
 typedef struct gradacc_scaler_stats_t {
+    /**
+     * sizeof(gradacc_scaler_stats_t), set by the caller: the library writes only the fields this
+     * size covers (an older header's size is accepted), and never changes struct_size itself.
+     */
+    size_t struct_size;
     /**
      * Optimizer steps seen by gradacc_scaler_update.
      */
@@ -363,92 +497,6 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_BACKEND_CUDA 3
 
 /**
- * Success.
- */
-#define GRADACC_STATUS_OK 0
-
-/**
- * A required pointer argument was NULL.
- */
-#define GRADACC_STATUS_NULL_ARGUMENT 1
-
-/**
- * An argument's value is outside its domain (a count, an index, an enum value, a config field).
- */
-#define GRADACC_STATUS_INVALID_ARGUMENT 2
-
-/**
- * A handle that was destroyed, never created, or is of another object type.
- */
-#define GRADACC_STATUS_INVALID_HANDLE 3
-
-/**
- * A gradient's dtype differs from its tensor's declared dtype.
- */
-#define GRADACC_STATUS_DTYPE_MISMATCH 4
-
-/**
- * A buffer's length, or an accumulator's layout across ranks, differs from what is expected.
- */
-#define GRADACC_STATUS_SIZE_MISMATCH 5
-
-/**
- * Objects bound to different devices or backends were combined.
- */
-#define GRADACC_STATUS_DEVICE_MISMATCH 6
-
-/**
- * The call is not allowed in the object's current state (e.g. sync inside a micro-batch).
- */
-#define GRADACC_STATUS_WRONG_STATE 7
-
-/**
- * The accumulation window holds no micro-batch (on any rank), or its global item count is 0.
- */
-#define GRADACC_STATUS_EMPTY_WINDOW 8
-
-/**
- * An overflow needed a backoff while the loss scale was already at min_scale.
- */
-#define GRADACC_STATUS_SCALE_AT_MINIMUM 9
-
-/**
- * The requested backend (CUDA, NCCL, MPI) is not in this build or not on this machine.
- */
-#define GRADACC_STATUS_BACKEND_UNAVAILABLE 10
-
-/**
- * The communicator failed.
- */
-#define GRADACC_STATUS_COMM_FAILURE 11
-
-/**
- * Another rank's call failed, so this rank stopped the collective too (nothing was reduced).
- */
-#define GRADACC_STATUS_PEER_FAILURE 12
-
-/**
- * Saved state bytes are corrupt, truncated, foreign, or of an unsupported version.
- */
-#define GRADACC_STATUS_CORRUPT_STATE 13
-
-/**
- * An allocation failed.
- */
-#define GRADACC_STATUS_OUT_OF_MEMORY 14
-
-/**
- * An internal error (a bug in gradacc); the message says where.
- */
-#define GRADACC_STATUS_INTERNAL 15
-
-/**
- * The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
- * device that fell off the bus); the message carries the driver's own text.
- */
-#define GRADACC_STATUS_DEVICE_FAILURE 16
-
-/**
  * IEEE 754 binary32.
  */
 #define GRADACC_DTYPE_F32 0
@@ -482,7 +530,8 @@ extern "C" {
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
 
 /**
  * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
@@ -494,11 +543,12 @@ gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_c
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
  * Thread safety: any thread. See each function for what may run concurrently on the result.
  */
-gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
-                                            const struct gradacc_tensor_desc_t *tensors,
-                                            size_t n,
-                                            const struct gradacc_device_t *device,
-                                            struct gradacc_accumulator_t **out);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_config_t *config,
+                                                 const struct gradacc_tensor_desc_t *tensors,
+                                                 size_t n,
+                                                 const struct gradacc_device_t *device,
+                                                 struct gradacc_accumulator_t **out);
 
 /**
  * Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
@@ -508,13 +558,14 @@ gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulator_con
  * Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
  * Thread safety: as gradacc_accumulator_create.
  */
-gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
-                                                        const struct gradacc_tensor_desc_t *tensors,
-                                                        size_t n,
-                                                        const struct gradacc_device_t *device,
-                                                        float *master,
-                                                        size_t master_numel,
-                                                        struct gradacc_accumulator_t **out);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_accumulator_config_t *config,
+                                                             const struct gradacc_tensor_desc_t *tensors,
+                                                             size_t n,
+                                                             const struct gradacc_device_t *device,
+                                                             float *master,
+                                                             size_t master_numel,
+                                                             struct gradacc_accumulator_t **out);
 
 /**
  * Destroys an accumulator. NULL is accepted and does nothing; must not be called twice on one
@@ -523,7 +574,7 @@ gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradacc_acc
  *
  * Thread safety: any thread, once no other call uses the accumulator.
  */
-gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
+GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
 
 /**
  * Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums
@@ -540,11 +591,12 @@ gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
  * Thread safety: serialised with every other call on `acc`; buffers are read during the call only
  * (on CUDA: by the stream's work).
  */
-gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
-                                         const struct gradacc_scaler_t *scaler,
-                                         const void *const *grads,
-                                         size_t n,
-                                         uint64_t count);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
+                                              const struct gradacc_scaler_t *scaler,
+                                              const void *const *grads,
+                                              size_t n,
+                                              uint64_t count);
 
 /**
  * Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through
@@ -552,8 +604,9 @@ gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
-                                                      uint64_t count);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator_t *acc,
+                                                           uint64_t count);
 
 /**
  * Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
@@ -566,9 +619,10 @@ gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumulator
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
-                                                            uint64_t count,
-                                                            struct gradacc_comm_t *comm);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accumulator_t *acc,
+                                                                 uint64_t count,
+                                                                 struct gradacc_comm_t *comm);
 
 /**
  * Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
@@ -581,11 +635,12 @@ gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_accum
  * threads can round differently from run to run: for reproducible bits, give each tensor's
  * contributions from one thread); not concurrently with other calls on `acc`.
  */
-gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
-                                                const struct gradacc_scaler_t *scaler,
-                                                size_t index,
-                                                const void *grad,
-                                                size_t numel);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *acc,
+                                                     const struct gradacc_scaler_t *scaler,
+                                                     size_t index,
+                                                     const void *grad,
+                                                     size_t numel);
 
 /**
  * Closes the open micro-batch.
@@ -593,7 +648,8 @@ gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_t *ac
  * Thread safety: serialised with every other call on `acc`; call it after every
  * gradacc_accumulator_add_tensor of the micro-batch has returned.
  */
-gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
 
 /**
  * The accumulation boundary. With `comm` (every rank of its group must call this): the control
@@ -616,9 +672,10 @@ gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t
  * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
  * rank's thread.
  */
-gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
-                                          struct gradacc_comm_t *comm,
-                                          struct gradacc_sync_info_t *out_info);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
+                                               struct gradacc_comm_t *comm,
+                                               struct gradacc_sync_info_t *out_info);
 
 /**
  * Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
@@ -628,18 +685,20 @@ gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
  *
  * Thread safety: any thread; reading through the pointer must not overlap calls that add.
  */
-gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
-                                            size_t index,
-                                            float **out_data,
-                                            size_t *out_numel);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulator_t *acc,
+                                                 size_t index,
+                                                 float **out_data,
+                                                 size_t *out_numel);
 
 /**
  * Writes the number of tensors to `*out`.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
-                                                 size_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulator_t *acc,
+                                                      size_t *out);
 
 /**
  * Writes tensor `index`'s descriptor (element count and dtype) to `*out`, so a caller that did
@@ -647,42 +706,46 @@ gradacc_status_t gradacc_accumulator_num_tensors(const struct gradacc_accumulato
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
-                                            size_t index,
-                                            struct gradacc_tensor_desc_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_tensor(const struct gradacc_accumulator_t *acc,
+                                                 size_t index,
+                                                 struct gradacc_tensor_desc_t *out);
 
 /**
  * Discards the window in progress (or the synced result); the next micro-batch starts a new one.
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
+GRADACC_API enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accumulator_t *acc);
 
 /**
  * Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
  * bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
- * With `buf` NULL, only writes the needed size to `*out_len`.
+ * With `buf` NULL, only writes the needed size to `*out_len`. On CUDA it copies the masters to
+ * the host (it waits for the accumulator's stream); the bytes are the same on every device.
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
-                                                 uint8_t *buf,
-                                                 size_t capacity,
-                                                 size_t *out_len);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accumulator_t *acc,
+                                                      uint8_t *buf,
+                                                      size_t capacity,
+                                                      size_t *out_len);
 
 /**
  * Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
- * tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+ * tensors, saved on any device. Corrupt or foreign bytes fail and leave the accumulator unchanged.
  *
  * Thread safety: serialised with every other call on `acc`.
  */
-gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
-                                                 const uint8_t *bytes,
-                                                 size_t len);
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *acc,
+                                                      const uint8_t *bytes,
+                                                      size_t len);
 
 /**
- * Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
- * socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+ * Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
+ * per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
  * Reductions sum in rank order, so every rank gets bitwise-identical results.
  *
  * Ownership: each handle is the caller's; free each with gradacc_comm_destroy.
@@ -690,7 +753,9 @@ gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator_t *a
  * the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
  * in every sync, or the others wait for it.
  */
-gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_comm_t **out_comms);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
+                                                struct gradacc_comm_t **out_comms);
 
 /**
  * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
@@ -701,21 +766,26 @@ gradacc_status_t gradacc_comm_create_local(size_t world_size, struct gradacc_com
  *
  * Thread safety: any thread, once no call uses the handle.
  */
-gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
+GRADACC_API enum gradacc_status_t gradacc_comm_destroy(struct gradacc_comm_t *comm);
 
 /**
- * Writes this handle's rank (0-based) to `*out`.
+ * Writes this handle's rank (0-based) to `*out`. Ranks and world sizes are `int32_t` in every
+ * communicator function, as in MPI and NCCL, whose `int` ranks callers pass on unchanged.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm, size_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_rank(const struct gradacc_comm_t *comm,
+                                        int32_t *out);
 
 /**
  * Writes the group's number of ranks to `*out`.
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm,
+                                              int32_t *out);
 
 /**
  * Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was
@@ -725,7 +795,7 @@ gradacc_status_t gradacc_comm_world_size(const struct gradacc_comm_t *comm, size
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
+GRADACC_API enum gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out);
 
 /**
  * Fills `*out` with the default MPI communicator options (and their struct_size). Available in
@@ -733,7 +803,7 @@ gradacc_status_t gradacc_backend_available(gradacc_backend_t backend, bool *out)
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
+GRADACC_API enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
 
 /**
  * Creates this process's rank of an MPI communicator: MPI_COMM_WORLD when `fortran_comm` is
@@ -762,9 +832,10 @@ gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_config_t *out);
  * runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
  * FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
  */
-gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
-                                         const struct gradacc_mpi_config_t *config,
-                                         struct gradacc_comm_t **out_comm);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
+                                              const struct gradacc_mpi_config_t *config,
+                                              struct gradacc_comm_t **out_comm);
 
 /**
  * Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
@@ -772,7 +843,7 @@ gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out);
+GRADACC_API enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_unique_id_t *out);
 
 /**
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
@@ -788,11 +859,12 @@ gradacc_status_t gradacc_nccl_get_unique_id(struct gradacc_nccl_unique_id_t *out
  * from backward hooks, another accumulator's sync) run one at a time; every rank must still
  * issue them in the same order.
  */
-gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
-                                          int32_t rank,
-                                          int32_t world_size,
-                                          int32_t device_ordinal,
-                                          struct gradacc_comm_t **out_comm);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t *id,
+                                               int32_t rank,
+                                               int32_t world_size,
+                                               int32_t device_ordinal,
+                                               struct gradacc_comm_t **out_comm);
 
 /**
  * Wraps the caller's `ncclComm_t` (passed as `void*`); its rank, size and device are read from
@@ -804,7 +876,9 @@ gradacc_status_t gradacc_comm_create_nccl(const struct gradacc_nccl_unique_id_t 
  * Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
  * the communicator concurrently with a gradacc call on it.
  */
-gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t **out_comm);
+GRADACC_API
+enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm,
+                                              struct gradacc_comm_t **out_comm);
 
 /**
  * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
@@ -815,14 +889,15 @@ gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm, struct gradacc_comm_t 
  * Thread safety: any thread, also while another thread is blocked in a sync on the communicator
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
-gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+GRADACC_API enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).
  *
  * Thread safety: any thread.
  */
-gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *out);
 
 /**
  * Creates a scaler. `config` NULL means the defaults; `device` NULL means the CPU. On a CUDA
@@ -834,9 +909,10 @@ gradacc_status_t gradacc_scaler_config_default(struct gradacc_scaler_config_t *o
  * Thread safety: any thread. The new scaler may be used from several threads: reads and
  * gradacc_scaler_update are internally serialised.
  */
-gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
-                                       const struct gradacc_device_t *device,
-                                       struct gradacc_scaler_t **out);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *config,
+                                            const struct gradacc_device_t *device,
+                                            struct gradacc_scaler_t **out);
 
 /**
  * Destroys a scaler. NULL is accepted and does nothing; must not be called twice on one handle
@@ -844,14 +920,16 @@ gradacc_status_t gradacc_scaler_create(const struct gradacc_scaler_config_t *con
  *
  * Thread safety: any thread, once no other call uses the scaler.
  */
-gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
+GRADACC_API enum gradacc_status_t gradacc_scaler_destroy(struct gradacc_scaler_t *scaler);
 
 /**
  * Reads the current loss scale into `*out`. On CUDA this synchronises with the scaler's stream.
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_get_scale(const struct gradacc_scaler_t *scaler, float *out);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_scale(const struct gradacc_scaler_t *scaler,
+                                           float *out);
 
 /**
  * Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit
@@ -860,10 +938,11 @@ gradacc_status_t gradacc_scaler_get_scale(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread; `loss` must not be used concurrently.
  */
-gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
-                                           void *loss,
-                                           size_t numel,
-                                           gradacc_dtype_t dtype);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler,
+                                                void *loss,
+                                                size_t numel,
+                                                gradacc_dtype_t dtype);
 
 /**
  * Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each
@@ -880,18 +959,20 @@ gradacc_status_t gradacc_scaler_scale_loss(const struct gradacc_scaler_t *scaler
  * get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
-gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
-                                       const struct gradacc_accumulator_t *const *accumulators,
-                                       size_t n,
-                                       bool *out_skipped);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_update(struct gradacc_scaler_t *scaler,
+                                            const struct gradacc_accumulator_t *const *accumulators,
+                                            size_t n,
+                                            bool *out_skipped);
 
 /**
  * Writes the scaler's statistics to `*out`.
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_get_stats(const struct gradacc_scaler_t *scaler,
-                                          struct gradacc_scaler_stats_t *out);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_stats(const struct gradacc_scaler_t *scaler,
+                                           struct gradacc_scaler_stats_t *out);
 
 /**
  * Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.
@@ -900,10 +981,11 @@ gradacc_status_t gradacc_scaler_get_stats(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread, concurrently with other calls on the scaler.
  */
-gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
-                                     uint8_t *buf,
-                                     size_t capacity,
-                                     size_t *out_len);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
+                                          uint8_t *buf,
+                                          size_t capacity,
+                                          size_t *out_len);
 
 /**
  * Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with
@@ -911,16 +993,18 @@ gradacc_status_t gradacc_scaler_save(const struct gradacc_scaler_t *scaler,
  *
  * Thread safety: any thread; serialised with other updates of the scaler.
  */
-gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
-                                     const uint8_t *bytes,
-                                     size_t len);
+GRADACC_API
+enum gradacc_status_t gradacc_scaler_load(struct gradacc_scaler_t *scaler,
+                                          const uint8_t *bytes,
+                                          size_t len);
 
 /**
- * A static description of a status code (never NULL; unknown codes get a generic text).
+ * A static description of a status code (never NULL; unknown codes get a generic text). The code
+ * is an `int32_t` rather than a gradacc_status_t so that any value may be passed.
  *
  * Thread safety: may be called from any thread at any time.
  */
-const char *gradacc_status_string(gradacc_status_t status);
+GRADACC_API const char *gradacc_status_string(int32_t status);
 
 /**
  * The message of the most recent failed gradacc call on the calling thread ("" if none yet).
@@ -931,7 +1015,7 @@ const char *gradacc_status_string(gradacc_status_t status);
  * the same thread; copy it to keep it.
  * Thread safety: per thread; may be called from any thread.
  */
-const char *gradacc_last_error(void);
+GRADACC_API const char *gradacc_last_error(void);
 
 /**
  * The loaded library's version as "MAJOR.MINOR.PATCH" (static storage, never NULL). Compare with
@@ -939,14 +1023,14 @@ const char *gradacc_last_error(void);
  *
  * Thread safety: any thread.
  */
-const char *gradacc_version_string(void);
+GRADACC_API const char *gradacc_version_string(void);
 
 /**
  * The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH.
  *
  * Thread safety: any thread.
  */
-uint32_t gradacc_version_number(void);
+GRADACC_API uint32_t gradacc_version_number(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -139,13 +139,14 @@ public:
     /** Takes ownership of a handle from the C API (e.g. gradacc_comm_create_local). */
     explicit Communicator(gradacc_comm_t *owned) noexcept : handle_(owned) {}
 
-    std::size_t rank() const {
-        std::size_t r = 0;
+    /** This handle's rank; ranks and world sizes are int, as in the C API, MPI and NCCL. */
+    int rank() const {
+        std::int32_t r = 0;
         check(gradacc_comm_rank(handle_.get(), &r));
         return r;
     }
-    std::size_t world_size() const {
-        std::size_t n = 0;
+    int world_size() const {
+        std::int32_t n = 0;
         check(gradacc_comm_world_size(handle_.get(), &n));
         return n;
     }
@@ -162,10 +163,11 @@ private:
  * thread that runs rank r; every rank must take part in every sync. */
 class LocalGroup {
 public:
-    explicit LocalGroup(std::size_t world_size) {
-        std::vector<gradacc_comm_t *> raw(world_size, nullptr);
+    explicit LocalGroup(int world_size) {
+        // At least one slot, so a world_size out of range is reported as such, not as a NULL buffer.
+        std::vector<gradacc_comm_t *> raw(world_size > 0 ? static_cast<std::size_t>(world_size) : 1, nullptr);
         check(gradacc_comm_create_local(world_size, raw.data()));
-        comms_.reserve(world_size);
+        comms_.reserve(raw.size());
         for (gradacc_comm_t *c : raw)
             comms_.emplace_back(c); // reserve() above: no allocation, so no leak on throw
     }
@@ -192,7 +194,7 @@ public:
     /** The current loss scale (synchronises with the stream on CUDA). */
     float scale() const {
         float s = 0.0f;
-        check(gradacc_scaler_get_scale(handle_.get(), &s));
+        check(gradacc_scaler_scale(handle_.get(), &s));
         return s;
     }
 
@@ -208,7 +210,8 @@ public:
 
     ScalerStats stats() const {
         ScalerStats s{};
-        check(gradacc_scaler_get_stats(handle_.get(), &s));
+        s.struct_size = sizeof s;
+        check(gradacc_scaler_stats(handle_.get(), &s));
         return s;
     }
 
@@ -330,6 +333,7 @@ private:
 
     SyncInfo sync_with(gradacc_comm_t *comm) {
         SyncInfo info{};
+        info.struct_size = sizeof info;
         check(gradacc_accumulator_sync(handle_.get(), comm, &info));
         return info;
     }

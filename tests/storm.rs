@@ -73,7 +73,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         let storm_now = burst_left > 0;
         burst_left = burst_left.saturating_sub(1);
         let mut scale = 0.0f32;
-        ok(gradacc_scaler_get_scale(s, &mut scale));
+        ok(gradacc_scaler_scale(s, &mut scale));
         assert!(scale.is_finite() && scale >= c.min_scale && scale <= c.max_scale, "step {step}: scale {scale} out of range");
         assert_eq!(scale, state.0, "step {step}: scale differs from the reference rule");
         lowest = lowest.min(scale);
@@ -82,7 +82,14 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         let grad: Vec<u16> = (0..8).map(|i| to_f16((magnitude * if i % 2 == 0 { 1.0 } else { -0.5 }) as f32 * scale)).collect();
         let grads = [grad.as_ptr() as *const c_void];
         ok(gradacc_accumulator_add(a, s, grads.as_ptr(), 1, 16));
-        let mut info = gradacc_sync_info_t { found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 };
+        let mut info = gradacc_sync_info_t {
+            struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
+            found_inf: false,
+            total_count: 0,
+            microbatches: 0,
+            grad_norm: 0.0,
+            clip_coef: 0.0,
+        };
         ok(gradacc_accumulator_sync(a, null_mut(), &mut info));
         let overflow_expected = grad.iter().any(|&h| h & 0x7c00 == 0x7c00);
         assert_eq!(info.found_inf, overflow_expected, "step {step}");
@@ -101,7 +108,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
                 let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
                 assert!(msg.contains("min_scale"), "{msg}");
                 let mut after = 0.0f32;
-                ok(gradacc_scaler_get_scale(s, &mut after));
+                ok(gradacc_scaler_scale(s, &mut after));
                 assert_eq!(after, c.min_scale, "a refused update leaves the scale at the minimum");
                 at_minimum += 1;
                 hit_min_in_burst = true;
@@ -113,7 +120,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         } else if hit_min_in_burst {
             calm_since_min += 1;
             let mut now = 0.0f32;
-            ok(gradacc_scaler_get_scale(s, &mut now));
+            ok(gradacc_scaler_scale(s, &mut now));
             if now > c.min_scale {
                 recoveries += 1;
                 hit_min_in_burst = false;
@@ -124,8 +131,9 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
             }
         }
     }
-    let mut st = gradacc_scaler_stats_t { steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-    ok(gradacc_scaler_get_stats(s, &mut st));
+    let mut st =
+        gradacc_scaler_stats_t { struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(), steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
+    ok(gradacc_scaler_stats(s, &mut st));
     eprintln!(
         "{name}: {steps} steps, {bursts} overflow bursts, {skipped} skipped steps, {} growths, {} backoffs, \
          {at_minimum} SCALE_AT_MINIMUM, {recoveries} recoveries from the minimum, lowest scale {lowest}",

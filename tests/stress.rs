@@ -144,7 +144,14 @@ fn concurrent_add_tensor_matches_serial() {
                 });
                 ok(gradacc_accumulator_end_microbatch(a));
             }
-            let mut info = gradacc_sync_info_t { found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 };
+            let mut info = gradacc_sync_info_t {
+                struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
+                found_inf: false,
+                total_count: 0,
+                microbatches: 0,
+                grad_norm: 0.0,
+                clip_coef: 0.0,
+            };
             ok(gradacc_accumulator_sync(a, null_mut(), &mut info));
             results.push((masters(a, ds.len()), info.found_inf));
         }
@@ -181,9 +188,9 @@ fn independent_objects_on_threads_match_serial() {
         for step in 0..steps {
             for m in 0..2 {
                 let mut scale = 0.0;
-                ok(gradacc_scaler_get_scale(s, &mut scale));
+                ok(gradacc_scaler_scale(s, &mut scale));
                 let mut shared_scale = 0.0;
-                ok(gradacc_scaler_get_scale(shared_h.0 as *const _, &mut shared_scale));
+                ok(gradacc_scaler_scale(shared_h.0 as *const _, &mut shared_scale));
                 assert_eq!(shared_scale, 8.0);
                 let bufs: Vec<Buf> = ds.iter().map(|d| Buf::new(&mut rng, d, scale, step % 7 == 3 && m == 1)).collect();
                 let ptrs: Vec<*const c_void> = bufs.iter().map(|b| b.ptr()).collect();
@@ -195,9 +202,15 @@ fn independent_objects_on_threads_match_serial() {
             ok(gradacc_scaler_update(s, list.as_ptr(), 1, null_mut()));
         }
         let mut scale = 0.0;
-        ok(gradacc_scaler_get_scale(s, &mut scale));
-        let mut st = gradacc_scaler_stats_t { steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-        ok(gradacc_scaler_get_stats(s, &mut st));
+        ok(gradacc_scaler_scale(s, &mut scale));
+        let mut st = gradacc_scaler_stats_t {
+            struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
+            steps: 0,
+            skipped_steps: 0,
+            growths: 0,
+            backoffs: 0,
+        };
+        ok(gradacc_scaler_stats(s, &mut st));
         ok(gradacc_accumulator_destroy(a));
         ok(gradacc_scaler_destroy(s));
         (all, scale, [st.steps, st.skipped_steps, st.growths, st.backoffs])
@@ -253,7 +266,7 @@ fn destroy_races_report_invalid_handle() {
                                 }
                                 2 => {
                                     let mut v = 0.0;
-                                    gradacc_scaler_get_scale(s, &mut v)
+                                    gradacc_scaler_scale(s, &mut v)
                                 }
                                 3 => {
                                     let mut n = 0;
@@ -272,8 +285,14 @@ fn destroy_races_report_invalid_handle() {
                                     gradacc_scaler_scale_loss(s, loss.as_mut_ptr() as *mut c_void, 4, GRADACC_DTYPE_F32)
                                 }
                                 _ => {
-                                    let mut st = gradacc_scaler_stats_t { steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-                                    gradacc_scaler_get_stats(s, &mut st)
+                                    let mut st = gradacc_scaler_stats_t {
+                                        struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
+                                        steps: 0,
+                                        skipped_steps: 0,
+                                        growths: 0,
+                                        backoffs: 0,
+                                    };
+                                    gradacc_scaler_stats(s, &mut st)
                                 }
                             };
                             match st {
@@ -283,7 +302,7 @@ fn destroy_races_report_invalid_handle() {
                                     let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
                                     assert!(msg.contains("not a live"), "{msg}");
                                 }
-                                other => panic!("round {round}: a racing call returned {other}: {}", unsafe {
+                                other => panic!("round {round}: a racing call returned {other:?}: {}", unsafe {
                                     std::ffi::CStr::from_ptr(gradacc_last_error()).to_string_lossy()
                                 }),
                             }
@@ -340,7 +359,7 @@ fn concurrent_local_groups_match_serial() {
         .collect();
     let group_run = || -> Vec<Vec<u32>> {
         let mut comms = vec![null_mut(); world];
-        ok(gradacc_comm_create_local(world, comms.as_mut_ptr()));
+        ok(gradacc_comm_create_local(world as i32, comms.as_mut_ptr()));
         let hs: Vec<H> = comms.iter().map(|&c| H(c as usize)).collect();
         let out = std::thread::scope(|sc| {
             let joins: Vec<_> = (0..world)
@@ -355,7 +374,14 @@ fn concurrent_local_groups_match_serial() {
                                 let ptrs: Vec<*const c_void> = grads[r][w][m].iter().map(|b| b.ptr()).collect();
                                 ok(gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64));
                             }
-                            let mut info = gradacc_sync_info_t { found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 };
+                            let mut info = gradacc_sync_info_t {
+                                struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
+                                found_inf: false,
+                                total_count: 0,
+                                microbatches: 0,
+                                grad_norm: 0.0,
+                                clip_coef: 0.0,
+                            };
                             ok(gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info));
                             got.extend(masters(a, ds.len()));
                             got.push(info.found_inf as u32);

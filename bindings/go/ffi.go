@@ -50,7 +50,7 @@ const (
 
 // String is gradacc_status_string: the code's name and a description.
 func (s Status) String() string {
-	return C.GoString(C.gradacc_status_string(C.gradacc_status_t(s)))
+	return C.GoString(C.gradacc_status_string(C.int32_t(s)))
 }
 
 // DType is the element type gradients of a tensor arrive in.
@@ -88,7 +88,8 @@ func Version() string { return C.GoString(C.gradacc_version_string()) }
 
 // call runs one C call and, on failure, reads the thread's last error before anything else can
 // run on that thread: the goroutine stays on its OS thread for both.
-func call(f func() C.gradacc_status_t) error {
+// gradacc_status_t is a C enum: cgo types the functions that return it as C.enum_gradacc_status_t.
+func call(f func() C.enum_gradacc_status_t) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	st := f()

@@ -5,6 +5,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"unsafe"
 )
@@ -25,7 +26,7 @@ type ScalerConfig struct {
 // DefaultScalerConfig is gradacc_scaler_config_default.
 func DefaultScalerConfig() ScalerConfig {
 	var c C.gradacc_scaler_config_t
-	if err := call(func() C.gradacc_status_t { return C.gradacc_scaler_config_default(&c) }); err != nil {
+	if err := call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_config_default(&c) }); err != nil {
 		panic(err) // cannot fail: a non-NULL output is its only requirement
 	}
 	return ScalerConfig{
@@ -63,7 +64,7 @@ type AccumulatorConfig struct {
 // DefaultAccumulatorConfig is gradacc_accumulator_config_default.
 func DefaultAccumulatorConfig() AccumulatorConfig {
 	var c C.gradacc_accumulator_config_t
-	if err := call(func() C.gradacc_status_t { return C.gradacc_accumulator_config_default(&c) }); err != nil {
+	if err := call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_config_default(&c) }); err != nil {
 		panic(err)
 	}
 	return AccumulatorConfig{
@@ -167,7 +168,7 @@ func NewScaler(config *ScalerConfig, device *Device) (*Scaler, error) {
 	}
 	dev := device.c()
 	var p *C.gradacc_scaler_t
-	if err := call(func() C.gradacc_status_t { return C.gradacc_scaler_create(cfg, &dev, &p) }); err != nil {
+	if err := call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_create(cfg, &dev, &p) }); err != nil {
 		return nil, err
 	}
 	s := &Scaler{ptr: p}
@@ -183,7 +184,7 @@ func (s *Scaler) Close() error {
 	runtime.SetFinalizer(s, nil)
 	p := s.ptr
 	s.ptr = nil
-	return call(func() C.gradacc_status_t { return C.gradacc_scaler_destroy(p) })
+	return call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_destroy(p) })
 }
 
 func (s *Scaler) handle() (*C.gradacc_scaler_t, error) {
@@ -200,7 +201,7 @@ func (s *Scaler) Scale() (float32, error) {
 		return 0, err
 	}
 	var out C.float
-	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_scale(p, &out) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_scale(p, &out) })
 	runtime.KeepAlive(s)
 	return float32(out), err
 }
@@ -227,7 +228,7 @@ func (s *Scaler) ScaleLossPointer(loss unsafe.Pointer, numel int, dtype DType) e
 	if err != nil {
 		return err
 	}
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_scaler_scale_loss(p, loss, C.size_t(numel), C.gradacc_dtype_t(dtype))
 	})
 	runtime.KeepAlive(s)
@@ -252,7 +253,7 @@ func (s *Scaler) Update(accumulators ...*Accumulator) (skipped bool, err error) 
 		arr = &raw[0]
 	}
 	var out C.bool
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_scaler_update(p, arr, C.size_t(len(raw)), &out)
 	})
 	runtime.KeepAlive(s)
@@ -267,7 +268,8 @@ func (s *Scaler) Stats() (ScalerStats, error) {
 		return ScalerStats{}, err
 	}
 	var c C.gradacc_scaler_stats_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_get_stats(p, &c) })
+	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_stats(p, &c) })
 	runtime.KeepAlive(s)
 	return ScalerStats{uint64(c.steps), uint64(c.skipped_steps), uint64(c.growths), uint64(c.backoffs)}, err
 }
@@ -279,11 +281,11 @@ func (s *Scaler) Save() ([]byte, error) {
 		return nil, err
 	}
 	var n C.size_t
-	if err = call(func() C.gradacc_status_t { return C.gradacc_scaler_save(p, nil, 0, &n) }); err != nil {
+	if err = call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_save(p, nil, 0, &n) }); err != nil {
 		return nil, err
 	}
 	buf := make([]byte, int(n)+1) // +1: never a zero-length slice to index
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_scaler_save(p, (*C.uint8_t)(unsafe.Pointer(&buf[0])), n, &n)
 	})
 	runtime.KeepAlive(s)
@@ -300,7 +302,7 @@ func (s *Scaler) Load(state []byte) error {
 	if len(state) > 0 {
 		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
 	}
-	err = call(func() C.gradacc_status_t { return C.gradacc_scaler_load(p, ptr, C.size_t(len(state))) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_load(p, ptr, C.size_t(len(state))) })
 	runtime.KeepAlive(s)
 	return err
 }
@@ -328,7 +330,7 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 	}
 	dev := device.c()
 	var p *C.gradacc_accumulator_t
-	err := call(func() C.gradacc_status_t {
+	err := call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_create(cfg, &descs[0], C.size_t(len(tensors)), &dev, &p)
 	})
 	if err != nil {
@@ -347,7 +349,7 @@ func (a *Accumulator) Close() error {
 	runtime.SetFinalizer(a, nil)
 	p := a.ptr
 	a.ptr = nil
-	return call(func() C.gradacc_status_t { return C.gradacc_accumulator_destroy(p) })
+	return call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_destroy(p) })
 }
 
 func (a *Accumulator) handle() (*C.gradacc_accumulator_t, error) {
@@ -386,7 +388,7 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 		}
 		ptrs[i] = g.ptr
 	}
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_add(p, sp, &ptrs[0], C.size_t(len(grads)), C.uint64_t(count))
 	})
 	runtime.KeepAlive(a)
@@ -401,7 +403,7 @@ func (a *Accumulator) BeginMicrobatch(count uint64) error {
 	if err != nil {
 		return err
 	}
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_begin_microbatch(p, C.uint64_t(count)) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_begin_microbatch(p, C.uint64_t(count)) })
 	runtime.KeepAlive(a)
 	return err
 }
@@ -420,7 +422,7 @@ func (a *Accumulator) AddTensor(s *Scaler, index int, g Grad) error {
 	if index >= 0 && index < len(a.tensors) && !g.raw && g.f32 != (a.tensors[index].DType == F32) {
 		return g.check("grad", a.tensors[index])
 	}
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_add_tensor(p, sp, C.size_t(index), g.ptr, C.size_t(g.numel))
 	})
 	runtime.KeepAlive(a)
@@ -434,7 +436,7 @@ func (a *Accumulator) EndMicrobatch() error {
 	if err != nil {
 		return err
 	}
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_end_microbatch(p) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_end_microbatch(p) })
 	runtime.KeepAlive(a)
 	return err
 }
@@ -453,7 +455,8 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 		}
 	}
 	var c C.gradacc_sync_info_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_sync(p, cp, &c) })
+	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_sync(p, cp, &c) })
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(comm)
 	if err != nil {
@@ -474,7 +477,7 @@ func (a *Accumulator) Master(index int) ([]float32, error) {
 	}
 	var ptr *C.float
 	var n C.size_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_master(p, C.size_t(index), &ptr, &n) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_master(p, C.size_t(index), &ptr, &n) })
 	runtime.KeepAlive(a)
 	if err != nil {
 		return nil, err
@@ -499,7 +502,7 @@ func (a *Accumulator) Reset() error {
 	if err != nil {
 		return err
 	}
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_reset(p) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_reset(p) })
 	runtime.KeepAlive(a)
 	return err
 }
@@ -511,11 +514,11 @@ func (a *Accumulator) SaveWindow() ([]byte, error) {
 		return nil, err
 	}
 	var n C.size_t
-	if err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_save_window(p, nil, 0, &n) }); err != nil {
+	if err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_save_window(p, nil, 0, &n) }); err != nil {
 		return nil, err
 	}
 	buf := make([]byte, int(n)+1)
-	err = call(func() C.gradacc_status_t {
+	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_save_window(p, (*C.uint8_t)(unsafe.Pointer(&buf[0])), n, &n)
 	})
 	runtime.KeepAlive(a)
@@ -532,7 +535,7 @@ func (a *Accumulator) LoadWindow(state []byte) error {
 	if len(state) > 0 {
 		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
 	}
-	err = call(func() C.gradacc_status_t { return C.gradacc_accumulator_load_window(p, ptr, C.size_t(len(state))) })
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_load_window(p, ptr, C.size_t(len(state))) })
 	runtime.KeepAlive(a)
 	return err
 }
@@ -547,8 +550,17 @@ type Comm struct {
 // NewLocalGroup creates an in-process group of worldSize ranks, rank 0 first. Run each rank in
 // its own goroutine; every rank must take part in every Sync.
 func NewLocalGroup(worldSize int) ([]*Comm, error) {
-	raw := make([]*C.gradacc_comm_t, worldSize+1)
-	if err := call(func() C.gradacc_status_t { return C.gradacc_comm_create_local(C.size_t(worldSize), &raw[0]) }); err != nil {
+	// Ranks and world sizes are int32_t in the C API; a value outside that range goes in as -1,
+	// so the library reports it rather than a truncated size passing.
+	n := C.int32_t(-1)
+	if worldSize >= math.MinInt32 && worldSize <= math.MaxInt32 {
+		n = C.int32_t(worldSize)
+	}
+	raw := make([]*C.gradacc_comm_t, 1)
+	if n == C.int32_t(worldSize) && worldSize > 0 {
+		raw = make([]*C.gradacc_comm_t, worldSize)
+	}
+	if err := call(func() C.enum_gradacc_status_t { return C.gradacc_comm_create_local(n, &raw[0]) }); err != nil {
 		return nil, err
 	}
 	comms := make([]*Comm, worldSize)
@@ -567,7 +579,7 @@ func (c *Comm) Close() error {
 	runtime.SetFinalizer(c, nil)
 	p := c.ptr
 	c.ptr = nil
-	return call(func() C.gradacc_status_t { return C.gradacc_comm_destroy(p) })
+	return call(func() C.enum_gradacc_status_t { return C.gradacc_comm_destroy(p) })
 }
 
 func (c *Comm) handle() (*C.gradacc_comm_t, error) {
@@ -583,8 +595,8 @@ func (c *Comm) Rank() (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	var out C.size_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_comm_rank(p, &out) })
+	var out C.int32_t
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_rank(p, &out) })
 	runtime.KeepAlive(c)
 	return int(out), err
 }
@@ -595,8 +607,8 @@ func (c *Comm) WorldSize() (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	var out C.size_t
-	err = call(func() C.gradacc_status_t { return C.gradacc_comm_world_size(p, &out) })
+	var out C.int32_t
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_world_size(p, &out) })
 	runtime.KeepAlive(c)
 	return int(out), err
 }

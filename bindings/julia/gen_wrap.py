@@ -6,6 +6,7 @@ include/gradacc.h, with the header parser of bindings/python/gen_ffi.py (one par
     gen_wrap.py --check    exit 1, showing the diff, if the committed file differs from the output
 """
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -13,6 +14,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import gen_ffi  # noqa: E402
 
 OUTPUT = os.path.join(HERE, "GradAcc", "src", "libgradacc.jl")
+PROJECT = os.path.join(HERE, "GradAcc", "Project.toml")
 
 SCALARS = {
     "void": "Cvoid", "bool": "Bool", "char": "Cchar", "float": "Cfloat", "double": "Cdouble",
@@ -75,7 +77,18 @@ def gcsafe_body(name, names, types, rtype, tuple_):
     return body
 
 
+def check_project_version(h):
+    """GradAcc/Project.toml's version is the header's (one version number, Cargo.toml's)."""
+    header = dict(h.constants)["GRADACC_VERSION_STRING"].strip('"')
+    with open(PROJECT) as f:
+        m = re.search(r'^version = "([^"]*)"', f.read(), re.M)
+    if not m or m.group(1) != header:
+        raise ValueError(f"bindings/julia/GradAcc/Project.toml has version {m.group(1) if m else '(none)'}, "
+                         f"the header {header} (from Cargo.toml): update Project.toml")
+
+
 def render(h):
+    check_project_version(h)
     known = set(h.aliases) | set(h.structs)
     missing = BLOCKING - {n for n, _, _ in h.functions}
     if missing:  # a renamed or removed function must not silently lose its GC-safe call

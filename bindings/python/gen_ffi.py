@@ -36,6 +36,10 @@ SCALARS = {
 }
 
 
+# Macros of the header that are not constants: C initialisers and the export attribute.
+NOT_CONSTANTS = {"GRADACC_API", "GRADACC_SYNC_INFO_INIT", "GRADACC_SCALER_STATS_INIT"}
+
+
 class Header:
     def __init__(self):
         self.constants = []  # (name, python literal)
@@ -63,7 +67,7 @@ def parse_type(decl):
         base, stars, _ = parse_type(array.group(1))
         return base, stars, int(array.group(2))
     words = decl.replace("*", " * ").split()
-    base = [w for w in words if w not in ("const", "struct", "*")]
+    base = [w for w in words if w not in ("const", "struct", "enum", "*")]
     if len(base) != 1:
         raise ValueError(f"cannot read the type `{decl}`")
     return base[0], words.count("*"), None
@@ -122,6 +126,8 @@ def parse(text):
     for item, doc in items:
         if item.startswith("#"):
             m = re.match(r"#define\s+([A-Za-z_][A-Za-z0-9_]*)\s+(.+)$", item)
+            if m and m.group(1) in NOT_CONSTANTS:
+                continue
             if m:
                 name, value = m.group(1), m.group(2).strip()
                 if not re.fullmatch(r'-?\d+|"[^"\\]*"', value):
@@ -153,6 +159,21 @@ def parse(text):
             if doc:
                 h.docs[name] = first_sentence(doc)
             continue
+        # A C enum (gradacc_status_t): its values become constants, the type an int32_t alias
+        # (a C enum is an int, 32 bits on every platform gradacc supports).
+        m = re.fullmatch(r"typedef enum (\w+) \{(.*)\} (\w+);", flat)
+        if m and m.group(1) == m.group(3):
+            raw_body = re.search(r"\{(.*)\}", item, re.S).group(1)  # with its line breaks, for the docs
+            for vdoc, vname, value in re.findall(r"(?:/\*\*(.*?)\*/\s*)?(\w+) = (-?\d+),?", raw_body, re.S):
+                h.constants.append((vname, value))
+                if vdoc:
+                    h.docs[vname] = first_sentence(vdoc)
+            h.aliases[m.group(1)] = ctype("int32_t", h)
+            h.c_types[m.group(1)] = "int32_t"
+            h.order.append(("alias", m.group(1)))
+            if doc:
+                h.docs[m.group(1)] = first_sentence(doc)
+            continue
         m = re.fullmatch(r"typedef ([\w ]+?) (\w+);", flat)
         if m:
             h.aliases[m.group(2)] = ctype(m.group(1), h)
@@ -161,6 +182,7 @@ def parse(text):
             if doc:
                 h.docs[m.group(2)] = first_sentence(doc)
             continue
+        flat = re.sub(r"^GRADACC_API ", "", flat)  # the export macro, not part of the type
         m = re.fullmatch(r"(.+?)\b(\w+)\((.*)\);", flat)
         if m:
             restype = ctype(m.group(1), h)

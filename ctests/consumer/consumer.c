@@ -18,6 +18,10 @@ int main(void) {
     const unsigned long number = (unsigned long)gradacc_version_number();
     const unsigned long expected =
         GRADACC_VERSION_MAJOR * 10000UL + GRADACC_VERSION_MINOR * 100UL + GRADACC_VERSION_PATCH;
+    if (expected != (unsigned long)GRADACC_VERSION_NUMBER) {
+        fprintf(stderr, "GRADACC_VERSION_NUMBER %lu differs from the version macros\n", (unsigned long)GRADACC_VERSION_NUMBER);
+        return 1;
+    }
     printf("gradacc header %s, library %s (%lu)\n", GRADACC_VERSION_STRING,
            runtime ? runtime : "(null)", number);
     if (runtime == NULL || strcmp(runtime, GRADACC_VERSION_STRING) != 0 || number != expected) {
@@ -30,7 +34,7 @@ int main(void) {
     float scale = 0.0f;
     if (check(gradacc_scaler_config_default(&config), "gradacc_scaler_config_default") ||
         check(gradacc_scaler_create(&config, NULL, &scaler), "gradacc_scaler_create") ||
-        check(gradacc_scaler_get_scale(scaler, &scale), "gradacc_scaler_get_scale")) {
+        check(gradacc_scaler_scale(scaler, &scale), "gradacc_scaler_scale")) {
         return 1;
     }
     if (scale != config.init_scale) {

@@ -87,7 +87,7 @@ static void check_case(gradacc_comm_t *comm, gradacc_scaler_t *scaler, const lay
     add_rank(acc, scaler, l, rank);
     for (int r = 0; r < world; r++)
         add_rank(ref, scaler, l, r);
-    gradacc_sync_info_t got, want;
+    gradacc_sync_info_t got = GRADACC_SYNC_INFO_INIT, want = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &got));
     REQUIRE_OK(gradacc_accumulator_sync(ref, NULL, &want));
 

@@ -52,7 +52,7 @@ int main(int argc, char **argv)
     float g[3] = {1, 2, 3};
     const void *p[1] = {g};
     REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, 1, 1));
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
     double got[3];
     read_master(acc, 0, got, 3);

@@ -20,7 +20,7 @@ int main(void)
         float g[2] = {1.0f, 2.0f};
         const void *p[1] = {g};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, 1, 1));
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
         double got[2] = {0};
         read_master(acc, 0, got, 2);

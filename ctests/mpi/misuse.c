@@ -19,7 +19,7 @@ int main(int argc, char **argv)
     float g[5] = {1, 2, 3, 4, 5};
     const void *p[1] = {g};
     REQUIRE_OK(gradacc_accumulator_add(bad, scaler, p, 1, 1));
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_ERROR(gradacc_accumulator_sync(bad, comm, &info), GRADACC_STATUS_SIZE_MISMATCH, "differ");
     double got[5] = {0};
     read_master(bad, 0, got, n);

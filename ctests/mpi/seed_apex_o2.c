@@ -19,7 +19,7 @@ static void run(gradacc_comm_t *comm, gradacc_normalize_t normalize, gradacc_dty
         const void *g[2] = {w.data, b.data};
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, g, 2, 1));
     }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     EXPECT_OK(gradacc_accumulator_sync(acc, comm, &info));
     double got[2] = {0};
     read_master(acc, 0, &got[0], 1);
@@ -40,10 +40,10 @@ int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
     gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
-    size_t rank = 99, size = 99;
+    int32_t rank = 99, size = 99;
     EXPECT_OK(gradacc_comm_rank(comm, &rank));
     EXPECT_OK(gradacc_comm_world_size(comm, &size));
-    CHECK(rank == (size_t)world_rank() && size == 2, "rank %zu of %zu", rank, size);
+    CHECK(rank == world_rank() && size == 2, "rank %d of %d", rank, size);
     static const gradacc_dtype_t dtypes[3] = {GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32};
     for (int d = 0; d < 3; d++) {
         run(comm, GRADACC_NORMALIZE_BY_WORLD, dtypes[d], 3.0f, 2.0f);

@@ -12,10 +12,10 @@ int main(int argc, char **argv)
     MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank, &half);
     gradacc_comm_t *comm = comm_of(half);
     MPI_Comm_free(&half);
-    size_t r = 99, n = 99;
+    int32_t r = 99, n = 99;
     EXPECT_OK(gradacc_comm_rank(comm, &r));
     EXPECT_OK(gradacc_comm_world_size(comm, &n));
-    CHECK(r == (size_t)(rank % 2) && n == 2, "world rank %d: group rank %zu of %zu", rank, r, n);
+    CHECK(r == rank % 2 && n == 2, "world rank %d: group rank %d of %d", rank, r, n);
 
     gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
     gradacc_tensor_desc_t t[1] = {{3, GRADACC_DTYPE_F32}};
@@ -23,7 +23,7 @@ int main(int argc, char **argv)
     float g[3] = {(float)(rank + 1), 10.0f * (float)(rank + 1), -1.0f};
     const void *p[1] = {g};
     REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, 1, 1));
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
     double got[3] = {0};
     read_master(acc, 0, got, 3);

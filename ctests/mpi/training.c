@@ -60,7 +60,7 @@ int main(int argc, char **argv)
 
     for (int step = 0; step < STEPS; step++) {
         float scale;
-        REQUIRE_OK(gradacc_scaler_get_scale(scaler, &scale));
+        REQUIRE_OK(gradacc_scaler_scale(scaler, &scale));
         for (int i = 0; i < TENSORS; i++)
             memset(ref[i], 0, numel[i] * sizeof(double));
         uint64_t total = 0;
@@ -74,7 +74,7 @@ int main(int argc, char **argv)
                     REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, TENSORS, (uint64_t)items_of(step, r, m)));
                 }
             }
-        gradacc_sync_info_t info;
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
         REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
         CHECK(info.total_count == total && !info.found_inf, "step %d: total_count %llu, expected %llu", step,
               (unsigned long long)info.total_count, (unsigned long long)total);

@@ -31,7 +31,7 @@ int main(int argc, char **argv)
                 REQUIRE_OK(gradacc_accumulator_add(acc, scaler, p, 1, (uint64_t)n));
             }
         }
-    gradacc_sync_info_t info;
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
     REQUIRE_OK(gradacc_accumulator_sync(acc, comm, &info));
     double got[4] = {0};
     read_master(acc, 0, got, 4);

@@ -236,7 +236,6 @@ impl AccModel {
     }
 }
 
-
 struct World {
     scalers: Vec<(*mut gradacc_scaler_t, ScalerModel)>,
     accs: Vec<AccModel>,
@@ -272,18 +271,15 @@ impl World {
         self.calls += 1;
         if status != GRADACC_STATUS_OK {
             let msg = last_error();
-            assert!(
-                (1..=15).contains(&status) && status != GRADACC_STATUS_INTERNAL,
-                "{function}: status {status}: {msg}"
-            );
-            assert!(msg.starts_with(function), "{function} failed with status {status} but the last error is {msg:?}");
-            let text = unsafe { CStr::from_ptr(gradacc_status_string(status)) }.to_string_lossy();
+            assert!((1..=15).contains(&(status as i32)) && status != GRADACC_STATUS_INTERNAL, "{function}: status {status:?}: {msg}");
+            assert!(msg.starts_with(function), "{function} failed with status {status:?} but the last error is {msg:?}");
+            let text = unsafe { CStr::from_ptr(gradacc_status_string(status as i32)) }.to_string_lossy();
             assert!(text.starts_with("GRADACC_STATUS_"), "{text}");
         }
         assert_eq!(
             status == GRADACC_STATUS_OK,
             expect_ok,
-            "{function}: returned {status} ({}), the model expected {}",
+            "{function}: returned {status:?} ({}), the model expected {}",
             last_error(),
             if expect_ok { "success" } else { "an error" }
         );
@@ -609,12 +605,42 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
 
 // ---- the operations ------------------------------------------------------------------------------
 
+fn pointee_size<F>(_: *const F) -> usize {
+    std::mem::size_of::<F>()
+}
+
+/// The end offset of each listed field of a struct, in order.
+macro_rules! field_ends {
+    ($t:ty: $($field:ident),+) => {{
+        let u = std::mem::MaybeUninit::<$t>::uninit();
+        let p = u.as_ptr();
+        [$(std::mem::offset_of!($t, $field) + pointee_size(unsafe { std::ptr::addr_of!((*p).$field) })),+]
+    }};
+}
+
+/// What the library reads from a config whose struct_size is `c.struct_size`: the fields that end
+/// within that size (an older header's struct) over the defaults; None for a refused size (0,
+/// larger than the struct, or not the end of a field, padded to the struct's alignment or not).
+fn config_as_read<T: Copy>(c: &T, defaults: &T, field_ends: &[usize]) -> Option<T> {
+    let size = unsafe { *(c as *const T as *const usize) };
+    let align = std::mem::align_of::<T>();
+    if size > std::mem::size_of::<T>() || !field_ends.iter().any(|&e| size == e || size == e.next_multiple_of(align)) {
+        return None;
+    }
+    // Only the fields: the bytes past the last one up to `size` are the older struct's padding.
+    let fields = field_ends.iter().copied().filter(|&e| e <= size).max().unwrap_or(0);
+    let mut out = *defaults;
+    unsafe { std::ptr::copy_nonoverlapping(c as *const T as *const u8, &mut out as *mut T as *mut u8, fields) };
+    Some(out)
+}
+
 const POW2_SCALES: [f32; 6] = [1.0, 2.0, 256.0, 1024.0, 65536.0, 16777216.0];
 
 fn scaler_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_scaler_config_t>::uninit();
     assert_eq!(gradacc_scaler_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
-    let mut c = unsafe { c.assume_init() };
+    let defaults = unsafe { c.assume_init() };
+    let mut c = defaults;
     let variant = input.u8();
     let mut pass_null = false;
     match variant % 8 {
@@ -663,27 +689,27 @@ fn scaler_create(world: &mut World, input: &mut Input) {
     };
     let null_out = input.u8() % 16 == 0;
     let mut out: *mut gradacc_scaler_t = 0x5 as *mut _; // must stay as it is on failure
+    let ends = field_ends!(gradacc_scaler_config_t: struct_size, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+        consecutive_hysteresis, min_scale, max_scale, dynamic);
+    let read = if pass_null { Some(c) } else { config_as_read(&c, &defaults, &ends) };
+    let r = read.unwrap_or(c);
     let cfg = ScalerCfg {
-        init_scale: c.init_scale,
-        growth_factor: c.growth_factor,
-        backoff_factor: c.backoff_factor,
-        growth_interval: c.growth_interval,
-        hysteresis: c.hysteresis,
-        consecutive_hysteresis: c.consecutive_hysteresis,
-        min_scale: c.min_scale,
-        max_scale: c.max_scale,
-        dynamic: c.dynamic,
+        init_scale: r.init_scale,
+        growth_factor: r.growth_factor,
+        backoff_factor: r.backoff_factor,
+        growth_interval: r.growth_interval,
+        hysteresis: r.hysteresis,
+        consecutive_hysteresis: r.consecutive_hysteresis,
+        min_scale: r.min_scale,
+        max_scale: r.max_scale,
+        dynamic: r.dynamic,
     };
-    let cfg_ok = pass_null || (c.struct_size == std::mem::size_of::<gradacc_scaler_config_t>() && cfg.valid());
+    let cfg_ok = read.is_some() && cfg.valid();
     let want = cfg_ok && device_ok && !null_out && world.scalers.len() < MAX_OBJECTS;
     if world.scalers.len() >= MAX_OBJECTS && cfg_ok && device_ok && !null_out {
         return; // keep the population small
     }
-    let status = gradacc_scaler_create(
-        if pass_null { null() } else { &c },
-        device_ptr,
-        if null_out { null_mut() } else { &mut out },
-    );
+    let status = gradacc_scaler_create(if pass_null { null() } else { &c }, device_ptr, if null_out { null_mut() } else { &mut out });
     if world.check("gradacc_scaler_create", status, want) {
         // With a NULL config, `c` is still gradacc_scaler_config_default's output: the defaults.
         world.scalers.push((out, ScalerModel::new(cfg)));
@@ -695,7 +721,8 @@ fn scaler_create(world: &mut World, input: &mut Input) {
 fn acc_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_accumulator_config_t>::uninit();
     assert_eq!(gradacc_accumulator_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
-    let mut c = unsafe { c.assume_init() };
+    let defaults = unsafe { c.assume_init() };
+    let mut c = defaults;
     let pass_null_config = input.u8() % 4 == 0;
     let mut cfg_ok = true;
     if !pass_null_config {
@@ -713,7 +740,12 @@ fn acc_create(world: &mut World, input: &mut Input) {
             5 => c.threads = [0, 1025, u32::MAX][input.below(3)],
             _ => {}
         }
-        cfg_ok = c.struct_size == std::mem::size_of::<gradacc_accumulator_config_t>()
+        let ends = field_ends!(gradacc_accumulator_config_t: struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads);
+        let read = config_as_read(&c, &defaults, &ends);
+        cfg_ok = read.is_some();
+        // The model works on what the library read: an older size leaves the later fields at their defaults.
+        c = read.unwrap_or(c);
+        cfg_ok = cfg_ok
             && (0..=1).contains(&c.loss_reduction)
             && (0..=3).contains(&c.normalize)
             && c.max_grad_norm.is_finite()
@@ -753,8 +785,7 @@ fn acc_create(world: &mut World, input: &mut Input) {
         _ => {}
     }
     let bad_device = gradacc_device_t { kind: GRADACC_DEVICE_CUDA, ordinal: 0, stream: null_mut() };
-    let (device, device_ok): (*const gradacc_device_t, bool) =
-        if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
+    let (device, device_ok): (*const gradacc_device_t, bool) = if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
     let total: usize = descs.iter().map(|d| d.numel as usize).fold(0usize, |a, b| a.saturating_add(b));
     let with_buffer = input.u8() % 4 == 0;
     let mut buffer: Option<Vec<f32>> = None;
@@ -1022,7 +1053,14 @@ fn sync(world: &mut World, input: &mut Input) {
         _ => (null_mut(), true),
     };
     let want_info = input.u8() % 8 != 0;
-    let mut info = gradacc_sync_info_t { found_inf: false, total_count: 7, microbatches: 7, grad_norm: -1.0, clip_coef: -1.0 };
+    let mut info = gradacc_sync_info_t {
+        struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
+        found_inf: false,
+        total_count: 7,
+        microbatches: 7,
+        grad_norm: -1.0,
+        clip_coef: -1.0,
+    };
     let st = gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() });
     let expected = ai.and_then(|i| {
         let a = &world.accs[i];
@@ -1092,10 +1130,7 @@ fn sync(world: &mut World, input: &mut Input) {
         for (k, &v) in got.iter().enumerate() {
             let i = a.offsets[t] + k;
             let sim = if factor != 1.0 { a.w.sim[i] * factor } else { a.w.sim[i] };
-            assert!(
-                v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()),
-                "tensor {t} element {k}: library {v:e}, f32 model {sim:e}"
-            );
+            assert!(v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()), "tensor {t} element {k}: library {v:e}, f32 model {sim:e}");
             if !a.w.found_inf && a.w.exact[i].is_finite() && sim.is_finite() {
                 let exact = a.w.exact[i] * clip / divisor as f64;
                 let bound = (a.w.magnitude[i] * clip / divisor as f64) * (a.w.adds[i] as f64 + 3.0) * f32::EPSILON as f64
@@ -1128,12 +1163,8 @@ fn update(world: &mut World, input: &mut Input) {
     let null_list = input.u8() % 16 == 0;
     let mut skipped = false;
     let want_skipped = input.u8() % 8 != 0;
-    let st = gradacc_scaler_update(
-        scaler,
-        if null_list { null() } else { handles.as_ptr() },
-        n,
-        if want_skipped { &mut skipped } else { null_mut() },
-    );
+    let st =
+        gradacc_scaler_update(scaler, if null_list { null() } else { handles.as_ptr() }, n, if want_skipped { &mut skipped } else { null_mut() });
     let next = si.and_then(|i| world.scalers[i].1.update(found_inf));
     let want = si.is_some() && !null_list && n > 0 && all_synced && next.is_some();
     let at_minimum = si.is_some() && !null_list && n > 0 && all_synced && next.is_none();
@@ -1274,8 +1305,8 @@ fn queries(world: &mut World, input: &mut Input) {
         0 => {
             let (s, si) = world.scaler_arg(input);
             let mut v = -1.0f32;
-            let st = gradacc_scaler_get_scale(s, if null_out { null_mut() } else { &mut v });
-            if world.check("gradacc_scaler_get_scale", st, si.is_some() && !null_out) {
+            let st = gradacc_scaler_scale(s, if null_out { null_mut() } else { &mut v });
+            if world.check("gradacc_scaler_scale", st, si.is_some() && !null_out) {
                 assert_eq!(v, world.scalers[si.unwrap()].1.scale, "scale");
             } else {
                 assert_eq!(v, -1.0);
@@ -1283,9 +1314,15 @@ fn queries(world: &mut World, input: &mut Input) {
         }
         1 => {
             let (s, si) = world.scaler_arg(input);
-            let mut v = gradacc_scaler_stats_t { steps: 99, skipped_steps: 99, growths: 99, backoffs: 99 };
-            let st = gradacc_scaler_get_stats(s, if null_out { null_mut() } else { &mut v });
-            if world.check("gradacc_scaler_get_stats", st, si.is_some() && !null_out) {
+            let mut v = gradacc_scaler_stats_t {
+                struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
+                steps: 99,
+                skipped_steps: 99,
+                growths: 99,
+                backoffs: 99,
+            };
+            let st = gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v });
+            if world.check("gradacc_scaler_stats", st, si.is_some() && !null_out) {
                 assert_eq!([v.steps, v.skipped_steps, v.growths, v.backoffs], world.scalers[si.unwrap()].1.stats, "stats");
             } else {
                 assert_eq!(v.steps, 99);
@@ -1316,15 +1353,15 @@ fn queries(world: &mut World, input: &mut Input) {
         }
         4 => {
             let (c, ci) = world.comm_arg(input);
-            let mut r = 77usize;
-            let mut w = 77usize;
+            let mut r = 77i32;
+            let mut w = 77i32;
             let st = gradacc_comm_rank(c, if null_out { null_mut() } else { &mut r });
             if world.check("gradacc_comm_rank", st, ci.is_some() && !null_out) {
-                assert_eq!(r, world.comms[ci.unwrap()].1);
+                assert_eq!(r as usize, world.comms[ci.unwrap()].1);
             }
             let st = gradacc_comm_world_size(c, &mut w);
             if world.check("gradacc_comm_world_size", st, ci.is_some()) {
-                assert_eq!(w, world.comms[ci.unwrap()].2);
+                assert_eq!(w as usize, world.comms[ci.unwrap()].2);
             }
         }
         _ => {
@@ -1338,17 +1375,17 @@ fn queries(world: &mut World, input: &mut Input) {
 }
 
 fn comm_create(world: &mut World, input: &mut Input) {
-    let world_size = [1usize, 1, 2, 3, 0, 4097, usize::MAX][input.below(7)];
+    let world_size = [1i32, 1, 2, 3, 0, 4097, -1, i32::MAX][input.below(8)];
     let valid = (1..=4096).contains(&world_size);
     let null_out = input.u8() % 16 == 0;
     if valid && !null_out && world.comms.len() >= 2 * MAX_OBJECTS {
         return;
     }
-    let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size } else { 1 }];
+    let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size as usize } else { 1 }];
     let st = gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() });
     if world.check("gradacc_comm_create_local", st, valid && !null_out) {
         for (r, h) in out.into_iter().enumerate() {
-            world.comms.push((h, r, world_size));
+            world.comms.push((h, r, world_size as usize));
         }
     } else {
         assert!(out.iter().all(|&h| h as usize == 0x11), "gradacc_comm_create_local wrote its output on failure");
@@ -1357,16 +1394,8 @@ fn comm_create(world: &mut World, input: &mut Input) {
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input { data, pos: 0 };
-    let mut world = World {
-        scalers: vec![],
-        accs: vec![],
-        comms: vec![],
-        dead: vec![],
-        windows: vec![],
-        scaler_states: vec![],
-        calls: 0,
-        syncs_checked: 0,
-    };
+    let mut world =
+        World { scalers: vec![], accs: vec![], comms: vec![], dead: vec![], windows: vec![], scaler_states: vec![], calls: 0, syncs_checked: 0 };
     while !input.done() && world.calls < 400 {
         match input.u8() % 20 {
             0 | 1 => scaler_create(&mut world, &mut input),

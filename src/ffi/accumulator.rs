@@ -59,10 +59,14 @@ pub struct gradacc_accumulator_config_t {
     pub threads: u32,
 }
 
-/// What the boundary reports; identical on every rank.
+/// What the boundary reports; identical on every rank. Set struct_size before the call
+/// (`gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;` in C).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_sync_info_t {
+    /// sizeof(gradacc_sync_info_t), set by the caller: the library writes only the fields this size
+    /// covers (an older header's size is accepted), and never changes struct_size itself.
+    pub struct_size: usize,
     /// Some rank saw an inf or NaN in this window: skip the optimizer step.
     pub found_inf: bool,
     /// Items added over all micro-batches and ranks.
@@ -335,7 +339,7 @@ pub extern "C" fn gradacc_accumulator_sync(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
         let comm = if comm.is_null() { None } else { Some(COMMS.get(comm, "comm")?) };
-        let a = match ACCUMULATORS.get(acc, "acc") {
+        let a = match check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc")) {
             Ok(a) => a,
             Err(e) => {
                 // Still take part in the boundary so the other ranks fail instead of waiting.
@@ -346,20 +350,22 @@ pub extern "C" fn gradacc_accumulator_sync(
             }
         };
         let comm = comm.as_deref();
-        match unsafe { out_info.as_mut() } {
-            None => a.sync_enqueue(comm),
-            Some(o) => {
-                let info = a.sync(comm)?;
-                *o = gradacc_sync_info_t {
-                    found_inf: info.found_inf,
-                    total_count: info.total_count,
-                    microbatches: info.microbatches,
-                    grad_norm: info.grad_norm,
-                    clip_coef: info.clip_coef,
-                };
-                Ok(())
-            }
+        if out_info.is_null() {
+            return a.sync_enqueue(comm);
         }
+        let info = a.sync(comm)?;
+        write_out_struct(
+            out_info,
+            gradacc_sync_info_t {
+                struct_size: 0,
+                found_inf: info.found_inf,
+                total_count: info.total_count,
+                microbatches: info.microbatches,
+                grad_norm: info.grad_norm,
+                clip_coef: info.clip_coef,
+            },
+        );
+        Ok(())
     })
 }
 
@@ -427,7 +433,8 @@ pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> 
 
 /// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
 /// bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
-/// With `buf` NULL, only writes the needed size to `*out_len`.
+/// With `buf` NULL, only writes the needed size to `*out_len`. On CUDA it copies the masters to
+/// the host (it waits for the accumulator's stream); the bytes are the same on every device.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
@@ -441,7 +448,7 @@ pub extern "C" fn gradacc_accumulator_save_window(
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
-/// tensors. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// tensors, saved on any device. Corrupt or foreign bytes fail and leave the accumulator unchanged.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]

@@ -4,7 +4,7 @@ use std::sync::{Arc, LazyLock};
 
 use super::handle::Registry;
 use super::status::{gradacc_status_t, guard, null};
-use super::types::{out_ptr, read_config};
+use super::types::{out_ptr, rank_to_c, read_config};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
 use crate::error::Error;
@@ -27,14 +27,13 @@ pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
 pub const GRADACC_MPI_COMM_WORLD: i64 = -1;
 
 /// MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
+/// It has no option yet besides its size: the struct is there so options can be appended without
+/// changing gradacc_comm_create_mpi.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_mpi_config_t {
     /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
     pub struct_size: usize,
-    /// Ignored (default 8): the boundary reduces in rank shares, not in buckets kept in flight.
-    /// Kept so the struct's layout, and programs that set it, stay valid.
-    pub max_in_flight: u32,
 }
 
 /// One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
@@ -42,7 +41,7 @@ pub struct gradacc_comm_t {
     _private: [u8; 0],
 }
 
-/// An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to
+/// An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to
 /// every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -53,8 +52,8 @@ pub struct gradacc_nccl_unique_id_t {
 
 pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(|| Registry::new("communicator"));
 
-/// Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per
-/// socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+/// Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
+/// per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
 /// Reductions sum in rank order, so every rank gets bitwise-identical results.
 ///
 /// Ownership: each handle is the caller's; free each with gradacc_comm_destroy.
@@ -62,14 +61,15 @@ pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(||
 /// the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
 /// in every sync, or the others wait for it.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_create_local(world_size: usize, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_create_local", || {
         if out_comms.is_null() {
             return Err(null("out_comms"));
         }
-        if world_size == 0 || world_size > 4096 {
+        if !(1..=4096).contains(&world_size) {
             return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")));
         }
+        let world_size = world_size as usize;
         let handles: Vec<*mut gradacc_comm_t> = LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c))).collect();
         // SAFETY: the caller provides room for `world_size` handles.
         unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), out_comms, world_size) };
@@ -94,14 +94,15 @@ pub extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_sta
     })
 }
 
-/// Writes this handle's rank (0-based) to `*out`.
+/// Writes this handle's rank (0-based) to `*out`. Ranks and world sizes are `int32_t` in every
+/// communicator function, as in MPI and NCCL, whose `int` ranks callers pass on unchanged.
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut usize) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_rank", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = c.rank();
+        *out_ptr(out, "out")? = rank_to_c(c.rank());
         Ok(())
     })
 }
@@ -110,10 +111,10 @@ pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut usize
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut usize) -> gradacc_status_t {
+pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_world_size", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = c.world_size();
+        *out_ptr(out, "out")? = rank_to_c(c.world_size());
         Ok(())
     })
 }
@@ -147,7 +148,7 @@ pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mu
 pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
     guard("gradacc_mpi_config_default", || {
         let out = out_ptr(out, "out")?;
-        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>(), max_in_flight: 8 };
+        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>() };
         Ok(())
     })
 }
@@ -215,8 +216,8 @@ pub extern "C" fn gradacc_comm_create_mpi(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_nccl_get_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
-    guard("gradacc_nccl_get_unique_id", || {
+pub extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
+    guard("gradacc_nccl_unique_id", || {
         let out = out_ptr(out, "out")?;
         *out = gradacc_nccl_unique_id_t { internal: nccl::unique_id()? };
         Ok(())

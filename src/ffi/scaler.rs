@@ -47,10 +47,14 @@ pub struct gradacc_scaler_config_t {
     pub dynamic: bool,
 }
 
-/// Statistics of a scaler since creation or since its state was loaded.
+/// Statistics of a scaler since creation or since its state was loaded. Set struct_size before
+/// the call (`gradacc_scaler_stats_t st = GRADACC_SCALER_STATS_INIT;` in C).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_scaler_stats_t {
+    /// sizeof(gradacc_scaler_stats_t), set by the caller: the library writes only the fields this
+    /// size covers (an older header's size is accepted), and never changes struct_size itself.
+    pub struct_size: usize,
     /// Optimizer steps seen by gradacc_scaler_update.
     pub steps: u64,
     /// Steps skipped because of an overflow.
@@ -141,8 +145,8 @@ pub extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> grada
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_get_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
-    guard("gradacc_scaler_get_scale", || {
+pub extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
+    guard("gradacc_scaler_scale", || {
         let s = SCALERS.get(scaler, "scaler")?;
         let out = out_ptr(out, "out")?;
         *out = s.scale()?;
@@ -215,11 +219,14 @@ pub extern "C" fn gradacc_scaler_update(
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_get_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
-    guard("gradacc_scaler_get_stats", || {
+pub extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
+    guard("gradacc_scaler_stats", || {
         let s = SCALERS.get(scaler, "scaler")?.stats()?;
-        *out_ptr(out, "out")? = gradacc_scaler_stats_t { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs };
-        Ok(())
+        write_out(
+            out,
+            "out",
+            gradacc_scaler_stats_t { struct_size: 0, steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+        )
     })
 }
 

@@ -100,22 +100,185 @@ pub(crate) fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> Result<&'a mut T> {
     unsafe { ptr.as_mut() }.ok_or_else(|| null(argument))
 }
 
-/// Reads a config struct that starts with `size_t struct_size`, checking that size.
+/// A C struct that starts with `size_t struct_size` and only ever grows by appending fields, so a
+/// caller compiled against an older header passes a shorter struct. The sizes accepted are those
+/// of the struct cut after one of its fields: the field's end, or that end rounded up to the
+/// struct's alignment (what `sizeof` gives for the shorter struct); the fields read are those
+/// that end within the size. This is NCCL's rule for `ncclConfig_t` (`parseCommConfig`): read the
+/// prefix the caller has, default the rest. It stays unambiguous as long as a field appended in a
+/// release starts at or past the previous release's `sizeof` (pad explicitly when it would not),
+/// so an older caller's padding is never read as a field.
+pub(crate) trait Versioned: Copy {
+    /// The C name, for messages.
+    const NAME: &'static str;
+    /// The end offset of each field in declaration order (struct_size's first).
+    fn field_ends() -> Vec<usize>;
+}
+
+/// A versioned config struct: the fields an older caller does not have take these values.
+pub(crate) trait ConfigDefaults: Versioned {
+    fn defaults() -> Self;
+}
+
+fn pointee_size<F>(_: *const F) -> usize {
+    size_of::<F>()
+}
+
+/// Implements [`Versioned`] (and, given its `*_config_default` function, [`ConfigDefaults`]) for a
+/// struct from its field list. The list must name every field in declaration order: a field added
+/// to the struct but not here fails to compile (the destructuring pattern below has no `..`).
+macro_rules! versioned {
+    ($t:ident { $($field:ident),+ $(,)? } $(, defaults: $default_fn:path)?) => {
+        impl Versioned for $t {
+            const NAME: &'static str = stringify!($t);
+            fn field_ends() -> Vec<usize> {
+                #[allow(dead_code)]
+                fn every_field_is_listed(v: $t) {
+                    let $t { $($field: _),+ } = v;
+                }
+                let u = std::mem::MaybeUninit::<$t>::uninit();
+                let base = u.as_ptr();
+                // SAFETY: addr_of! only computes field addresses inside the (uninitialised) value.
+                vec![$(std::mem::offset_of!($t, $field) + pointee_size(unsafe { std::ptr::addr_of!((*base).$field) })),+]
+            }
+        }
+        $(
+            impl ConfigDefaults for $t {
+                fn defaults() -> Self {
+                    let mut out = std::mem::MaybeUninit::<$t>::uninit();
+                    let status = $default_fn(out.as_mut_ptr());
+                    assert!(status == super::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
+                    // SAFETY: the default function fills every field on success.
+                    unsafe { out.assume_init() }
+                }
+            }
+        )?
+    };
+}
+
+use super::accumulator::{gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t};
+use super::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
+use super::scaler::{gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t};
+
+versioned!(
+    gradacc_accumulator_config_t { struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads },
+    defaults: gradacc_accumulator_config_default
+);
+versioned!(
+    gradacc_scaler_config_t {
+        struct_size,
+        init_scale,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        consecutive_hysteresis,
+        min_scale,
+        max_scale,
+        dynamic,
+    },
+    defaults: gradacc_scaler_config_default
+);
+versioned!(gradacc_mpi_config_t { struct_size }, defaults: gradacc_mpi_config_default);
+versioned!(gradacc_sync_info_t { struct_size, found_inf, total_count, microbatches, grad_norm, clip_coef });
+versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
+
+/// The sizes of `T` this library accepts: one per field, as its end and as that end rounded up
+/// to `T`'s alignment, in increasing order.
+pub(crate) fn accepted_sizes<T: Versioned>() -> Vec<usize> {
+    let align = std::mem::align_of::<T>();
+    let mut sizes: Vec<usize> = T::field_ends().into_iter().flat_map(|end| [end, end.next_multiple_of(align)]).collect();
+    sizes.dedup();
+    sizes
+}
+
+/// Checks a caller's `struct_size` for `T` and returns how many bytes of it hold fields (the end
+/// of the last field it covers: the bytes past it up to `struct_size` are the caller's padding,
+/// and may lie inside the next field of the current struct); 0, a size inside a field, or a size
+/// larger than this library's `T` (a caller built against a newer header) fails, naming
+/// `argument` and the value.
+fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> Result<usize> {
+    let current = size_of::<T>();
+    if declared == 0 {
+        return Err(Error::invalid(format!(
+            "`{argument}`.struct_size = 0: set it to sizeof({}) before the call (see the header's *_INIT macros)",
+            T::NAME
+        )));
+    }
+    if declared > current {
+        return Err(Error::invalid(format!(
+            "`{argument}`.struct_size = {declared} is larger than this library's sizeof({}) = {current}: the caller was built \
+             against a newer gradacc.h than the library loaded ({})",
+            T::NAME,
+            crate::VERSION
+        )));
+    }
+    let sizes = accepted_sizes::<T>();
+    if !sizes.contains(&declared) {
+        return Err(Error::invalid(format!(
+            "`{argument}`.struct_size = {declared} does not end on a field of {} (sizes accepted: {sizes:?})",
+            T::NAME
+        )));
+    }
+    Ok(T::field_ends().into_iter().filter(|&end| end <= declared).max().unwrap_or(0))
+}
+
+/// Reads a config struct that starts with `size_t struct_size`: the prefix its caller's size
+/// covers over the defaults, so a caller built against an older header keeps working.
 ///
 /// # Safety
 /// A non-null `ptr` must point to at least `struct_size` readable bytes.
-pub(crate) unsafe fn read_config<T: Copy>(ptr: *const T, argument: &str) -> Result<T> {
+pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &str) -> Result<T> {
     if ptr.is_null() {
         return Err(null(argument));
     }
-    let declared = *(ptr as *const usize);
-    if declared != size_of::<T>() {
-        return Err(Error::invalid(format!(
-            "`{argument}`.struct_size = {declared}, expected {} (initialise it with its *_config_default function)",
-            size_of::<T>()
-        )));
+    let fields = check_struct_size::<T>(std::ptr::read_unaligned(ptr as *const usize), argument)?;
+    let mut out = T::defaults();
+    std::ptr::copy_nonoverlapping(ptr as *const u8, &mut out as *mut T as *mut u8, fields);
+    Ok(out)
+}
+
+/// Checks an output struct's `struct_size` up front, so a call fails before it changes anything;
+/// NULL passes (for optional outputs).
+pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> Result<()> {
+    if !ptr.is_null() {
+        // SAFETY: non-null, and by the API contract points to a struct that starts with struct_size.
+        check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
     }
-    Ok(*ptr)
+    Ok(())
+}
+
+/// Writes `value` into the part of `*ptr` its caller's `struct_size` covers, leaving struct_size
+/// as the caller set it; NULL does nothing. The size was checked by [`check_out_struct`] (a size
+/// that fails the check now writes nothing).
+pub(crate) fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
+    if ptr.is_null() {
+        return;
+    }
+    // SAFETY: non-null, and by the API contract points to `struct_size` writable bytes.
+    let declared = unsafe { std::ptr::read_unaligned(ptr as *const usize) };
+    if let Ok(fields) = check_struct_size::<T>(declared, "out") {
+        let head = size_of::<usize>();
+        // SAFETY: `declared` >= `fields` bytes of *ptr are writable, and `value` has
+        // size_of::<T>() >= `fields` bytes.
+        unsafe { std::ptr::copy_nonoverlapping((&value as *const T as *const u8).add(head), (ptr as *mut u8).add(head), fields - head) };
+    }
+}
+
+/// A required output struct: NULL and struct_size checked, then written as [`write_out_struct`].
+pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> Result<()> {
+    if ptr.is_null() {
+        return Err(null(argument));
+    }
+    check_out_struct(ptr, argument)?;
+    write_out_struct(ptr, value);
+    Ok(())
+}
+
+/// A rank or world size as the C API's `int32_t`. Every communicator's ranks come from an `int`
+/// (MPI, NCCL) or from gradacc_comm_create_local's 1..=4096, so they always fit.
+pub(crate) fn rank_to_c(rank: usize) -> i32 {
+    i32::try_from(rank).unwrap_or(i32::MAX)
 }
 
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
@@ -141,4 +304,55 @@ pub(crate) unsafe fn read_bytes<'a>(ptr: *const u8, len: usize, argument: &str) 
         return Err(null(argument));
     }
     Ok(std::slice::from_raw_parts(ptr, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check<T: Versioned>() {
+        let ends = T::field_ends();
+        assert_eq!(ends[0], size_of::<usize>(), "{}: struct_size comes first", T::NAME);
+        assert!(ends.windows(2).all(|w| w[0] < w[1]), "{}: fields in declaration order", T::NAME);
+        assert_eq!(ends.last().unwrap().next_multiple_of(std::mem::align_of::<T>()), size_of::<T>(), "{}", T::NAME);
+        assert!(check_struct_size::<T>(size_of::<T>(), "x").is_ok());
+        for bad in [0, 1, size_of::<usize>() - 1, size_of::<T>() + 1, size_of::<T>() + 8] {
+            assert!(check_struct_size::<T>(bad, "x").is_err(), "{}: size {bad}", T::NAME);
+        }
+    }
+
+    #[test]
+    fn versioned_structs_accept_field_boundaries_only() {
+        check::<gradacc_accumulator_config_t>();
+        check::<gradacc_scaler_config_t>();
+        check::<gradacc_mpi_config_t>();
+        check::<gradacc_sync_info_t>();
+        check::<gradacc_scaler_stats_t>();
+        // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8 bucket_numel, 4 threads.
+        assert_eq!(accepted_sizes::<gradacc_accumulator_config_t>(), [8, 12, 16, 20, 24, 32, 36, 40]);
+        let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();
+        assert!(e.message.contains("`config`.struct_size = 22"), "{}", e.message);
+    }
+
+    #[test]
+    fn an_older_config_takes_the_defaults_past_its_size() {
+        let mut c = gradacc_scaler_config_t::defaults();
+        c.init_scale = 8.0;
+        c.growth_interval = 7;
+        c.struct_size = std::mem::offset_of!(gradacc_scaler_config_t, growth_interval);
+        let read = unsafe { read_config(&c, "config") }.unwrap();
+        assert_eq!(read.init_scale, 8.0);
+        assert_eq!(read.growth_interval, gradacc_scaler_config_t::defaults().growth_interval);
+        // Cut after init_scale without padding: 12 bytes, growth_factor not read.
+        c.growth_factor = 0.0;
+        c.struct_size = 12;
+        let read = unsafe { read_config(&c, "config") }.unwrap();
+        assert_eq!(read.init_scale, 8.0);
+        assert_eq!(read.growth_factor, gradacc_scaler_config_t::defaults().growth_factor);
+        // Cut after consecutive_hysteresis and padded to 32: the padding is not min_scale's.
+        c.min_scale = 0.0;
+        c.struct_size = 32;
+        let read = unsafe { read_config(&c, "config") }.unwrap();
+        assert_eq!(read.min_scale, gradacc_scaler_config_t::defaults().min_scale);
+    }
 }

@@ -80,6 +80,13 @@ def _from_struct(cls, s):
     return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
 
 
+def _out_struct(struct_type):
+    """An output struct with its struct_size set, as the C API requires."""
+    out = struct_type()
+    out.struct_size = ctypes.sizeof(struct_type)
+    return out
+
+
 # ---- buffers --------------------------------------------------------------------------------
 
 # numpy dtype names accepted for each gradacc dtype. 16-bit words as uint16 are accepted for fp16
@@ -208,13 +215,13 @@ class Communicator(_Managed):
 
     @property
     def rank(self):
-        out = ctypes.c_size_t()
+        out = ctypes.c_int32()
         _check(ffi.gradacc_comm_rank(self._handle(), ctypes.byref(out)))
         return out.value
 
     @property
     def world_size(self):
-        out = ctypes.c_size_t()
+        out = ctypes.c_int32()
         _check(ffi.gradacc_comm_world_size(self._handle(), ctypes.byref(out)))
         return out.value
 
@@ -222,8 +229,11 @@ class Communicator(_Managed):
 def local_group(world_size):
     """An in-process group of ``world_size`` ranks: a list of communicators, rank 0 first. Give
     communicator r to the thread that runs rank r; every rank must take part in every sync."""
-    raw = (ctypes.POINTER(ffi.gradacc_comm_t) * world_size)()
-    _check(ffi.gradacc_comm_create_local(world_size, raw))
+    # int32_t in the C API: ctypes would truncate a larger value silently, so it goes in as -1 and
+    # the library reports it.
+    n = world_size if -(2**31) <= world_size < 2**31 else -1
+    raw = (ctypes.POINTER(ffi.gradacc_comm_t) * (max(world_size, 1) if n == world_size else 1))()
+    _check(ffi.gradacc_comm_create_local(n, raw))
     return [Communicator(raw[r]) for r in range(world_size)]
 
 
@@ -243,7 +253,7 @@ class Scaler(_Managed):
     def scale(self):
         """The current loss scale (synchronises with the stream on CUDA)."""
         out = ctypes.c_float()
-        _check(ffi.gradacc_scaler_get_scale(self._handle(), ctypes.byref(out)))
+        _check(ffi.gradacc_scaler_scale(self._handle(), ctypes.byref(out)))
         return out.value
 
     def scale_loss(self, loss, dtype=None, numel=None):
@@ -273,8 +283,8 @@ class Scaler(_Managed):
 
     @property
     def stats(self):
-        out = ffi.gradacc_scaler_stats_t()
-        _check(ffi.gradacc_scaler_get_stats(self._handle(), ctypes.byref(out)))
+        out = _out_struct(ffi.gradacc_scaler_stats_t)
+        _check(ffi.gradacc_scaler_stats(self._handle(), ctypes.byref(out)))
         return _from_struct(ScalerStats, out)
 
     def save(self):
@@ -368,7 +378,7 @@ class Accumulator(_Managed):
 
     def sync(self, comm=None):
         """The boundary; with ``comm`` every rank of its group calls it, each on its own thread."""
-        info = ffi.gradacc_sync_info_t()
+        info = _out_struct(ffi.gradacc_sync_info_t)
         c = comm._handle() if comm is not None else None
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
         return _from_struct(SyncInfo, info)

@@ -9,20 +9,11 @@ import ctypes
 from ._lib import dll
 
 GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
-GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
+GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml).
 GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
-GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+GRADACC_VERSION_STRING = "0.2.0"  # Full version of this header, as a string (from Cargo.toml).
+GRADACC_VERSION_NUMBER = 200  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
 GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
-GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
-GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
-GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
-GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
-GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
-GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
-GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
-GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
-GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
-GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 GRADACC_STATUS_OK = 0  # Success.
 GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -40,12 +31,25 @@ GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, f
 GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
 GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
 GRADACC_STATUS_DEVICE_FAILURE = 16  # The CUDA driver reported an error (a failed launch or copy, an invalid device address, a device that fell off the bus); the message carries the driver's own text.
+GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
+GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
+GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
+GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
+GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
+GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
+GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
 GRADACC_DEVICE_CPU = 0  # Host memory; buffers are host pointers.
 GRADACC_DEVICE_CUDA = 1  # A CUDA device; buffers are device pointers and work is ordered on the given stream.
 
+
+# Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
+gradacc_status_t = ctypes.c_int32
 
 # A gradient accumulator (opaque).
 class gradacc_accumulator_t(ctypes.Structure):
@@ -58,9 +62,6 @@ class gradacc_comm_t(ctypes.Structure):
 # A dynamic loss scaler (opaque).
 class gradacc_scaler_t(ctypes.Structure):
     pass
-
-# Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code.
-gradacc_status_t = ctypes.c_int32
 
 # How the caller reduced its loss over the `count` items of a micro-batch.
 gradacc_loss_reduction_t = ctypes.c_int32
@@ -103,6 +104,7 @@ class gradacc_device_t(ctypes.Structure):
 # What the boundary reports; identical on every rank.
 class gradacc_sync_info_t(ctypes.Structure):
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("found_inf", ctypes.c_bool),
         ("total_count", ctypes.c_uint64),
         ("microbatches", ctypes.c_uint64),
@@ -117,10 +119,9 @@ gradacc_backend_t = ctypes.c_int32
 class gradacc_mpi_config_t(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("max_in_flight", ctypes.c_uint32),
     ]
 
-# An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
+# An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.
 class gradacc_nccl_unique_id_t(ctypes.Structure):
     _fields_ = [
         ("internal", (ctypes.c_uint8 * 128)),
@@ -144,6 +145,7 @@ class gradacc_scaler_config_t(ctypes.Structure):
 # Statistics of a scaler since creation or since its state was loaded.
 class gradacc_scaler_stats_t(ctypes.Structure):
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("steps", ctypes.c_uint64),
         ("skipped_steps", ctypes.c_uint64),
         ("growths", ctypes.c_uint64),
@@ -241,16 +243,16 @@ gradacc_accumulator_save_window.restype = gradacc_status_t
 gradacc_accumulator_save_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, buf, capacity, out_len
 
-# Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors.
+# Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors, saved on any device.
 gradacc_accumulator_load_window = dll.gradacc_accumulator_load_window
 gradacc_accumulator_load_window.restype = gradacc_status_t
 gradacc_accumulator_load_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
 # arguments: acc, bytes, len
 
-# Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
+# Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
 gradacc_comm_create_local = dll.gradacc_comm_create_local
 gradacc_comm_create_local.restype = gradacc_status_t
-gradacc_comm_create_local.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+gradacc_comm_create_local.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
 # arguments: world_size, out_comms
 
 # Destroys a communicator handle.
@@ -262,13 +264,13 @@ gradacc_comm_destroy.argtypes = [ctypes.POINTER(gradacc_comm_t)]
 # Writes this handle's rank (0-based) to `*out`.
 gradacc_comm_rank = dll.gradacc_comm_rank
 gradacc_comm_rank.restype = gradacc_status_t
-gradacc_comm_rank.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
+gradacc_comm_rank.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_int32)]
 # arguments: comm, out
 
 # Writes the group's number of ranks to `*out`.
 gradacc_comm_world_size = dll.gradacc_comm_world_size
 gradacc_comm_world_size.restype = gradacc_status_t
-gradacc_comm_world_size.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_size_t)]
+gradacc_comm_world_size.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_int32)]
 # arguments: comm, out
 
 # Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was built with it; CUDA and NCCL when their libraries load on this machine (checked without ever failing: a machine with no driver just answers false).
@@ -290,9 +292,9 @@ gradacc_comm_create_mpi.argtypes = [ctypes.c_int64, ctypes.POINTER(gradacc_mpi_c
 # arguments: fortran_comm, config, out_comm
 
 # Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes).
-gradacc_nccl_get_unique_id = dll.gradacc_nccl_get_unique_id
-gradacc_nccl_get_unique_id.restype = gradacc_status_t
-gradacc_nccl_get_unique_id.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t)]
+gradacc_nccl_unique_id = dll.gradacc_nccl_unique_id
+gradacc_nccl_unique_id.restype = gradacc_status_t
+gradacc_nccl_unique_id.argtypes = [ctypes.POINTER(gradacc_nccl_unique_id_t)]
 # arguments: out
 
 # Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU).
@@ -332,9 +334,9 @@ gradacc_scaler_destroy.argtypes = [ctypes.POINTER(gradacc_scaler_t)]
 # arguments: scaler
 
 # Reads the current loss scale into `*out`.
-gradacc_scaler_get_scale = dll.gradacc_scaler_get_scale
-gradacc_scaler_get_scale.restype = gradacc_status_t
-gradacc_scaler_get_scale.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_float)]
+gradacc_scaler_scale = dll.gradacc_scaler_scale
+gradacc_scaler_scale.restype = gradacc_status_t
+gradacc_scaler_scale.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_float)]
 # arguments: scaler, out
 
 # Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even).
@@ -350,9 +352,9 @@ gradacc_scaler_update.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINT
 # arguments: scaler, accumulators, n, out_skipped
 
 # Writes the scaler's statistics to `*out`.
-gradacc_scaler_get_stats = dll.gradacc_scaler_get_stats
-gradacc_scaler_get_stats.restype = gradacc_status_t
-gradacc_scaler_get_stats.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_scaler_stats_t)]
+gradacc_scaler_stats = dll.gradacc_scaler_stats
+gradacc_scaler_stats.restype = gradacc_status_t
+gradacc_scaler_stats.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_scaler_stats_t)]
 # arguments: scaler, out
 
 # Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes.
@@ -370,7 +372,7 @@ gradacc_scaler_load.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER
 # A static description of a status code (never NULL; unknown codes get a generic text).
 gradacc_status_string = dll.gradacc_status_string
 gradacc_status_string.restype = ctypes.c_char_p
-gradacc_status_string.argtypes = [gradacc_status_t]
+gradacc_status_string.argtypes = [ctypes.c_int32]
 # arguments: status
 
 # The message of the most recent failed gradacc call on the calling thread ("" if none yet).

@@ -158,5 +158,5 @@ def test_adopted_master_buffer_and_state_round_trip():
 
 def test_ctypes_declarations_match_the_header():
     from gradacc import _ffi
-    assert ctypes.sizeof(_ffi.gradacc_sync_info_t) == 40
+    assert ctypes.sizeof(_ffi.gradacc_sync_info_t) == 48
     assert _ffi.gradacc_status_string(5).decode().startswith("GRADACC_STATUS_SIZE_MISMATCH")

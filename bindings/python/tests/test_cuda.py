@@ -131,7 +131,7 @@ def test_random_windows_match_the_cpu_backend_bitwise(dtype):
 def test_apex_o2_seed_through_nccl():
     """Both ranks 3.0 / 2.0 (BY_WORLD), bitwise equal, where Apex O2 gives 2.5 and 3.5."""
     uid = ffi.gradacc_nccl_unique_id_t()
-    _check(ffi.gradacc_nccl_get_unique_id(ctypes.byref(uid)))
+    _check(ffi.gradacc_nccl_unique_id(ctypes.byref(uid)))
     results, errors = [None, None], []
 
     def rank(r):

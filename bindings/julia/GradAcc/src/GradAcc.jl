@@ -267,7 +267,7 @@ end
 This endpoint's rank, 0-based.
 """
 function rank(c::Communicator)
-    out = Ref{Csize_t}(0)
+    out = Ref{Int32}(0)
     check(gradacc_comm_rank(c, out))
     return Int(out[])
 end
@@ -278,13 +278,13 @@ end
 The group's number of ranks.
 """
 function world_size(c::Communicator)
-    out = Ref{Csize_t}(0)
+    out = Ref{Int32}(0)
     check(gradacc_comm_world_size(c, out))
     return Int(out[])
 end
 
 """
-    GradAcc.mpi_communicator([fortran_comm]; max_in_flight) -> Communicator
+    GradAcc.mpi_communicator([fortran_comm]) -> Communicator
 
 This process's rank of an MPI communicator, collectively on every rank: MPI_COMM_WORLD by
 default, else the communicator whose *Fortran* handle is `fortran_comm` (`MPI_Comm_c2f`). With
@@ -306,7 +306,7 @@ file) before they call [`GradAcc.nccl_communicator`](@ref).
 """
 function nccl_unique_id()
     out = Ref{gradacc_nccl_unique_id_t}()
-    check(gradacc_nccl_get_unique_id(out))
+    check(gradacc_nccl_unique_id(out))
     return collect(out[].internal)
 end
 
@@ -397,7 +397,7 @@ The current loss scale.
 """
 function scale(s::Scaler)
     out = Ref{Cfloat}(0)
-    check(gradacc_scaler_get_scale(s, out))
+    check(gradacc_scaler_scale(s, out))
     return out[]
 end
 
@@ -425,14 +425,17 @@ function scale_loss!(s::Scaler, ptr::Ptr, numel::Integer, dtype)
     return nothing
 end
 
+# An output struct with its struct_size set: the library writes only the fields that size covers.
+out_struct(::Type{T}) where {T} = Ref(T(sizeof(T), (zero(fieldtype(T, i)) for i in 2:fieldcount(T))...))
+
 """
     GradAcc.stats(scaler) -> gradacc_scaler_stats_t
 
 The scaler's statistics (fields `steps`, `skipped_steps`, `growths`, ...).
 """
 function stats(s::Scaler)
-    out = Ref{gradacc_scaler_stats_t}()
-    check(gradacc_scaler_get_stats(s, out))
+    out = out_struct(gradacc_scaler_stats_t)
+    check(gradacc_scaler_stats(s, out))
     return out[]
 end
 
@@ -623,7 +626,7 @@ The boundary: with `comm`, every rank of its group calls it from its own task an
 The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`.
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
-    info = Ref{gradacc_sync_info_t}()
+    info = out_struct(gradacc_sync_info_t)
     check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
     return info[]
 end

@@ -10,20 +10,11 @@
 # The library never calls back into Julia, which the GC-safe state requires.
 
 const GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
-const GRADACC_VERSION_MINOR = 1  # Minor version of this header (from Cargo.toml).
+const GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml).
 const GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
-const GRADACC_VERSION_STRING = "0.1.0"  # Full version of this header, as a string (from Cargo.toml).
+const GRADACC_VERSION_STRING = "0.2.0"  # Full version of this header, as a string (from Cargo.toml).
+const GRADACC_VERSION_NUMBER = 200  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
 const GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
-const GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
-const GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
-const GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
-const GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
-const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
-const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
-const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
-const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
-const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
-const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 const GRADACC_STATUS_OK = 0  # Success.
 const GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
 const GRADACC_STATUS_INVALID_ARGUMENT = 2  # An argument's value is outside its domain (a count, an index, an enum value, a config field).
@@ -41,11 +32,24 @@ const GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, trunca
 const GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
 const GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
 const GRADACC_STATUS_DEVICE_FAILURE = 16  # The CUDA driver reported an error (a failed launch or copy, an invalid device address, a device that fell off the bus); the message carries the driver's own text.
+const GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
+const GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
+const GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
+const GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
+const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
+const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
+const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
+const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (libnvrtc.so.12) loads.
 const GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 const GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 const GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
 const GRADACC_DEVICE_CPU = 0  # Host memory; buffers are host pointers.
 const GRADACC_DEVICE_CUDA = 1  # A CUDA device; buffers are device pointers and work is ordered on the given stream.
+
+"Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code."
+const gradacc_status_t = Int32
 
 "A gradient accumulator (opaque)."
 mutable struct gradacc_accumulator_t end
@@ -55,9 +59,6 @@ mutable struct gradacc_comm_t end
 
 "A dynamic loss scaler (opaque)."
 mutable struct gradacc_scaler_t end
-
-"Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code."
-const gradacc_status_t = Int32
 
 "How the caller reduced its loss over the `count` items of a micro-batch."
 const gradacc_loss_reduction_t = Int32
@@ -96,6 +97,7 @@ end
 
 "What the boundary reports; identical on every rank."
 struct gradacc_sync_info_t
+    struct_size::Csize_t
     found_inf::Bool
     total_count::UInt64
     microbatches::UInt64
@@ -109,10 +111,9 @@ const gradacc_backend_t = Int32
 "MPI communicator options."
 struct gradacc_mpi_config_t
     struct_size::Csize_t
-    max_in_flight::UInt32
 end
 
-"An NCCL unique id: rank 0 makes it with gradacc_nccl_get_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
+"An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
 struct gradacc_nccl_unique_id_t
     internal::NTuple{128, UInt8}
 end
@@ -133,6 +134,7 @@ end
 
 "Statistics of a scaler since creation or since its state was loaded."
 struct gradacc_scaler_stats_t
+    struct_size::Csize_t
     steps::UInt64
     skipped_steps::UInt64
     growths::UInt64
@@ -240,14 +242,14 @@ function gradacc_accumulator_save_window(acc, buf, capacity, out_len)
     ccall((:gradacc_accumulator_save_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), acc, buf, capacity, out_len)
 end
 
-"Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors."
+"Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors, saved on any device."
 function gradacc_accumulator_load_window(acc, bytes, len)
     ccall((:gradacc_accumulator_load_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
 end
 
-"Creates an in-process group of `world_size` ranks (one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`."
+"Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`."
 function gradacc_comm_create_local(world_size, out_comms)
-    ccall((:gradacc_comm_create_local, libgradacc()), gradacc_status_t, (Csize_t, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
+    ccall((:gradacc_comm_create_local, libgradacc()), gradacc_status_t, (Int32, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
 end
 
 "Destroys a communicator handle."
@@ -266,12 +268,12 @@ end
 
 "Writes this handle's rank (0-based) to `*out`."
 function gradacc_comm_rank(comm, out)
-    ccall((:gradacc_comm_rank, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+    ccall((:gradacc_comm_rank, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Int32}), comm, out)
 end
 
 "Writes the group's number of ranks to `*out`."
 function gradacc_comm_world_size(comm, out)
-    ccall((:gradacc_comm_world_size, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Csize_t}), comm, out)
+    ccall((:gradacc_comm_world_size, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Int32}), comm, out)
 end
 
 "Writes to `*out` whether `backend` (GRADACC_BACKEND_*) can be used: MPI when the library was built with it; CUDA and NCCL when their libraries load on this machine (checked without ever failing: a machine with no driver just answers false)."
@@ -303,8 +305,8 @@ function gradacc_comm_create_mpi(fortran_comm, config, out_comm)
 end
 
 "Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes)."
-function gradacc_nccl_get_unique_id(out)
-    ccall((:gradacc_nccl_get_unique_id, libgradacc()), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
+function gradacc_nccl_unique_id(out)
+    ccall((:gradacc_nccl_unique_id, libgradacc()), gradacc_status_t, (Ptr{gradacc_nccl_unique_id_t},), out)
 end
 
 "Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device `device_ordinal` (one rank per GPU)."
@@ -375,8 +377,8 @@ function gradacc_scaler_destroy(scaler)
 end
 
 "Reads the current loss scale into `*out`."
-function gradacc_scaler_get_scale(scaler, out)
-    ccall((:gradacc_scaler_get_scale, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
+function gradacc_scaler_scale(scaler, out)
+    ccall((:gradacc_scaler_scale, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{Cfloat}), scaler, out)
 end
 
 "Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (16-bit values round to nearest even)."
@@ -405,8 +407,8 @@ function gradacc_scaler_update(scaler, accumulators, n, out_skipped)
 end
 
 "Writes the scaler's statistics to `*out`."
-function gradacc_scaler_get_stats(scaler, out)
-    ccall((:gradacc_scaler_get_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
+function gradacc_scaler_stats(scaler, out)
+    ccall((:gradacc_scaler_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_scaler_t}, Ptr{gradacc_scaler_stats_t}), scaler, out)
 end
 
 "Saves the scaler's complete state (config, scale, trackers, statistics) as versioned bytes."
@@ -421,7 +423,7 @@ end
 
 "A static description of a status code (never NULL; unknown codes get a generic text)."
 function gradacc_status_string(status)
-    ccall((:gradacc_status_string, libgradacc()), Cstring, (gradacc_status_t,), status)
+    ccall((:gradacc_status_string, libgradacc()), Cstring, (Int32,), status)
 end
 
 "The message of the most recent failed gradacc call on the calling thread (\"\" if none yet)."

@@ -18,6 +18,7 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
 @testset "GradAcc" begin
     @testset "version" begin
         @test GradAcc.version() == VersionNumber(GradAcc.GRADACC_VERSION_STRING)
+        @test pkgversion(GradAcc) == GradAcc.version()  # Project.toml follows Cargo.toml
     end
 
     # Seed apex-o2: Linear(1,1), loss = mean(output), inputs 1 and 2 on two ranks, two
