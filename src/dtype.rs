@@ -3,7 +3,7 @@
 
 use std::ffi::c_void;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 
 /// Element type of a model gradient buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -132,7 +132,7 @@ pub(crate) unsafe fn grad_view<'a>(ptr: *const c_void, numel: usize, dtype: Dtyp
 /// The error for a buffer address that [`check_buffer`] refuses.
 pub(crate) fn buffer_error(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Error {
     if ptr.is_null() {
-        Error::new(ErrorKind::NullArgument, format!("argument `{argument}` is NULL"))
+        Error::invalid(format!("argument `{argument}` is NULL"))
     } else if ptr as usize & (dtype.size() - 1) != 0 {
         Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name()))
     } else {

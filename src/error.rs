@@ -1,17 +1,18 @@
-//! The error type of the Rust API. Each kind maps one-to-one onto a C status code, and every
-//! error carries a message that names the argument or state and the value that was wrong.
+//! The error type of the Rust API. Every error carries a message that names the argument or state
+//! and the value that was wrong. Each kind has its own C status code (a kind without one does not
+//! compile: see `ffi::status`); the C layer adds the two failures only C can have, a NULL pointer
+//! and an unknown handle.
 
 use std::fmt;
 
-/// What went wrong, as a stable category (the C status code is derived from it).
+/// What went wrong, as a stable category (the C status code is derived from it). New kinds may
+/// be added in any release.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ErrorKind {
-    /// A required pointer was null.
-    NullArgument,
-    /// An argument had a value outside its domain (a count, a size, an enum value, a config field).
+    /// An argument had a value outside its domain (a count, a size, an enum value, a config field,
+    /// a null or misaligned address).
     InvalidArgument,
-    /// A handle that was destroyed, never created, or is of another type.
-    InvalidHandle,
     /// A gradient's dtype differs from the tensor's declared dtype.
     DtypeMismatch,
     /// A buffer's length differs from what the object expects.

@@ -269,7 +269,7 @@ impl Accumulator {
     /// As [`Accumulator::with_buffer`], in the device's memory.
     pub unsafe fn on_buffer(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
         if ptr.is_null() {
-            return Err(Error::new(ErrorKind::NullArgument, "master buffer is null"));
+            return Err(Error::invalid("master buffer is null"));
         }
         if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));

@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock};
 use super::comm::{gradacc_comm_t, COMMS};
 use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
-use super::status::{gradacc_status_t, guard, null};
+use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
 use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
 use crate::device::Device;
@@ -123,13 +123,13 @@ fn creation_args(
     tensors: *const gradacc_tensor_desc_t,
     n: usize,
     device: *const gradacc_device_t,
-) -> Result<(AccumulatorConfig, Vec<TensorDesc>, Device)> {
+) -> CallResult<(AccumulatorConfig, Vec<TensorDesc>, Device)> {
     let config = if config.is_null() { AccumulatorConfig::default() } else { config_from_c(&unsafe { read_config(config, "config")? })? };
     if tensors.is_null() {
         return Err(null("tensors"));
     }
     if n == 0 {
-        return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor"));
+        return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor").into());
     }
     let raw = unsafe { std::slice::from_raw_parts(tensors, n) };
     let descs = raw
@@ -139,7 +139,7 @@ fn creation_args(
             let numel = usize::try_from(t.numel).map_err(|_| Error::invalid(format!("`tensors[{i}]`.numel = {} is too large", t.numel)))?;
             Ok(TensorDesc { numel, dtype: dtype_from_c(t.dtype, &format!("tensors[{i}].dtype"))? })
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<CallResult<Vec<_>>>()?;
     Ok((config, descs, parse_device(device)?))
 }
 
@@ -239,11 +239,16 @@ pub extern "C" fn gradacc_accumulator_add(
             return Err(null("grads"));
         }
         if n != a.tensors().len() {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())));
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())).into());
         }
-        // SAFETY: the caller passes `n` addresses at `grads`, each holding its tensor's
-        // gradient (API contract); `add_raw` checks each before use.
-        unsafe { a.add_raw(&s, std::slice::from_raw_parts(grads, n), count) }
+        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+        let grads = unsafe { std::slice::from_raw_parts(grads, n) };
+        if let Some(i) = grads.iter().position(|g| g.is_null()) {
+            return Err(null(&format!("grads[{i}]")));
+        }
+        // SAFETY: each address holds its tensor's gradient (API contract); `add_raw` checks its
+        // alignment and size before use.
+        Ok(unsafe { a.add_raw(&s, grads, count) }?)
     })
 }
 
@@ -253,7 +258,7 @@ pub extern "C" fn gradacc_accumulator_add(
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
-    guard("gradacc_accumulator_begin_microbatch", || ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count))
+    guard("gradacc_accumulator_begin_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count)?))
 }
 
 /// Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
@@ -273,7 +278,7 @@ pub extern "C" fn gradacc_accumulator_begin_final_microbatch(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_begin_final_microbatch", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        a.begin_final_microbatch(count, COMMS.get(comm, "comm")?)
+        Ok(a.begin_final_microbatch(count, COMMS.get(comm, "comm")?)?)
     })
 }
 
@@ -299,7 +304,10 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
         let s = SCALERS.get(scaler, "scaler")?;
         // SAFETY: the caller passes `numel` values of the tensor's dtype at `grad` (API
         // contract); `add_tensor_raw` checks the address and the count before use.
-        unsafe { a.add_tensor_raw(&s, index, grad, numel) }
+        if grad.is_null() {
+            return Err(null("grad"));
+        }
+        Ok(unsafe { a.add_tensor_raw(&s, index, grad, numel) }?)
     })
 }
 
@@ -309,7 +317,7 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
 /// gradacc_accumulator_add_tensor of the micro-batch has returned.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_end_microbatch", || ACCUMULATORS.get(acc, "acc")?.end_microbatch())
+    guard("gradacc_accumulator_end_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.end_microbatch()?))
 }
 
 /// The accumulation boundary. With `comm` (every rank of its group must call this): the control
@@ -351,7 +359,7 @@ pub extern "C" fn gradacc_accumulator_sync(
         };
         let comm = comm.as_deref();
         if out_info.is_null() {
-            return a.sync_enqueue(comm);
+            return Ok(a.sync_enqueue(comm)?);
         }
         let info = a.sync(comm)?;
         write_out_struct(
@@ -428,7 +436,7 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
 pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_reset", || ACCUMULATORS.get(acc, "acc")?.reset())
+    guard("gradacc_accumulator_reset", || Ok(ACCUMULATORS.get(acc, "acc")?.reset()?))
 }
 
 /// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
@@ -455,6 +463,6 @@ pub extern "C" fn gradacc_accumulator_save_window(
 pub extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_accumulator_load_window", || {
         let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
-        ACCUMULATORS.get(acc, "acc")?.load_window(bytes)
+        Ok(ACCUMULATORS.get(acc, "acc")?.load_window(bytes)?)
     })
 }

@@ -67,7 +67,7 @@ pub extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mu
             return Err(null("out_comms"));
         }
         if !(1..=4096).contains(&world_size) {
-            return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")));
+            return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")).into());
         }
         let world_size = world_size as usize;
         let handles: Vec<*mut gradacc_comm_t> = LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c))).collect();
@@ -134,7 +134,7 @@ pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mu
             GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
             GRADACC_BACKEND_NCCL => crate::backend::cuda::driver::driver_available() && nccl::nccl_available(),
             GRADACC_BACKEND_CUDA => crate::backend::cuda::available(),
-            v => return Err(Error::invalid(format!("`backend` = {v} is not a GRADACC_BACKEND_* value"))),
+            v => return Err(Error::invalid(format!("`backend` = {v} is not a GRADACC_BACKEND_* value")).into()),
         };
         Ok(())
     })
@@ -191,7 +191,7 @@ pub extern "C" fn gradacc_comm_create_mpi(
             unsafe { read_config(config, "config")? };
         }
         if fortran_comm < GRADACC_MPI_COMM_WORLD {
-            return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")));
+            return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")).into());
         }
         #[cfg(feature = "mpi")]
         {
@@ -206,7 +206,8 @@ pub extern "C" fn gradacc_comm_create_mpi(
             Err(Error::new(
                 crate::error::ErrorKind::BackendUnavailable,
                 "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",
-            ))
+            )
+            .into())
         }
     })
 }
@@ -249,10 +250,10 @@ pub extern "C" fn gradacc_comm_create_nccl(
         // SAFETY: points to a gradacc_nccl_unique_id_t when non-null (API contract).
         let id = unsafe { id.as_ref() }.ok_or_else(|| null("id"))?;
         if world_size < 1 || rank < 0 || rank >= world_size {
-            return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")));
+            return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")).into());
         }
         if device_ordinal < 0 {
-            return Err(Error::invalid(format!("`device_ordinal` = {device_ordinal} is negative")));
+            return Err(Error::invalid(format!("`device_ordinal` = {device_ordinal} is negative")).into());
         }
         let id: &[u8; UNIQUE_ID_BYTES] = &id.internal;
         let comm = NcclComm::new(id, rank as usize, world_size as usize, device_ordinal)?;
@@ -292,5 +293,5 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
 /// (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
 #[no_mangle]
 pub extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
-    guard("gradacc_comm_abort", || COMMS.get(comm, "comm")?.abort())
+    guard("gradacc_comm_abort", || Ok(COMMS.get(comm, "comm")?.abort()?))
 }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::error::{Error, ErrorKind, Result};
+use super::status::{CallError, CallResult};
 
 /// Handle numbers are multiples of 16 from an arbitrary base, so they look like aligned pointers
 /// to C and are never 0.
@@ -32,7 +32,7 @@ impl<T: ?Sized> Registry<T> {
     }
 
     /// The object behind `handle`, or an error naming the argument.
-    pub(crate) fn get<H>(&self, handle: *const H, argument: &str) -> Result<Arc<T>> {
+    pub(crate) fn get<H>(&self, handle: *const H, argument: &str) -> CallResult<Arc<T>> {
         if handle.is_null() {
             return Err(super::status::null(argument));
         }
@@ -40,14 +40,14 @@ impl<T: ?Sized> Registry<T> {
     }
 
     /// Unregisters `handle`; the object is dropped once no call is using it any more.
-    pub(crate) fn remove<H>(&self, handle: *const H, argument: &str) -> Result<Arc<T>> {
+    pub(crate) fn remove<H>(&self, handle: *const H, argument: &str) -> CallResult<Arc<T>> {
         self.live.write().unwrap_or_else(|e| e.into_inner()).remove(&(handle as usize)).ok_or_else(|| self.unknown(handle as usize, argument))
     }
 
-    fn unknown(&self, handle: usize, argument: &str) -> Error {
-        Error::new(
-            ErrorKind::InvalidHandle,
-            format!("argument `{argument}` = {handle:#x} is not a live {} handle (destroyed, never created, or another type)", self.what),
-        )
+    fn unknown(&self, handle: usize, argument: &str) -> CallError {
+        CallError::Handle(format!(
+            "argument `{argument}` = {handle:#x} is not a live {} handle (destroyed, never created, or another type)",
+            self.what
+        ))
     }
 }

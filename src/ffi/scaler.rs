@@ -6,9 +6,8 @@ use std::sync::{Arc, LazyLock};
 
 use super::accumulator::ACCUMULATORS;
 use super::handle::Registry;
-use super::status::{gradacc_status_t, guard, null};
+use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
-use crate::error::Result;
 use crate::scaler::{Scaler, ScalerConfig};
 
 /// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
@@ -171,7 +170,10 @@ pub extern "C" fn gradacc_scaler_scale_loss(
         let dtype = dtype_from_c(dtype, "dtype")?;
         // SAFETY: the caller passes `numel` writable values of `dtype` at `loss` (API contract);
         // the address is checked before use, and a CUDA address is never dereferenced here.
-        unsafe { s.scale_loss_raw(loss, numel, dtype, "loss") }
+        if loss.is_null() {
+            return Err(null("loss"));
+        }
+        Ok(unsafe { s.scale_loss_raw(loss, numel, dtype, "loss") }?)
     })
 }
 
@@ -201,11 +203,11 @@ pub extern "C" fn gradacc_scaler_update(
             return Err(null("accumulators"));
         }
         if n == 0 {
-            return Err(crate::error::Error::invalid("`n` is 0: pass the accumulators whose step this update ends"));
+            return Err(crate::error::Error::invalid("`n` is 0: pass the accumulators whose step this update ends").into());
         }
         // SAFETY: the caller passes `n` handles at `accumulators` (API contract).
         let handles = unsafe { std::slice::from_raw_parts(accumulators, n) };
-        let accs = handles.iter().enumerate().map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]"))).collect::<Result<Vec<_>>>()?;
+        let accs = handles.iter().enumerate().map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]"))).collect::<CallResult<Vec<_>>>()?;
         let refs: Vec<&crate::Accumulator> = accs.iter().map(|a| &**a).collect();
         let skipped = s.update_from(&refs, !out_skipped.is_null())?;
         if let (Some(o), Some(skipped)) = (unsafe { out_skipped.as_mut() }, skipped) {
@@ -248,6 +250,6 @@ pub extern "C" fn gradacc_scaler_save(scaler: *const gradacc_scaler_t, buf: *mut
 pub extern "C" fn gradacc_scaler_load(scaler: *mut gradacc_scaler_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_scaler_load", || {
         let s = SCALERS.get(scaler, "scaler")?;
-        s.load(unsafe { read_bytes(bytes, len, "bytes")? })
+        Ok(s.load(unsafe { read_bytes(bytes, len, "bytes")? })?)
     })
 }

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind};
 
 /// Result of every gradacc function: `GRADACC_STATUS_OK` (0) or an error code. A C enum whose
 /// values never change meaning; new codes may be added, so a `switch` over it needs a default.
@@ -55,35 +55,77 @@ pub enum gradacc_status_t {
 pub use gradacc_status_t::*;
 
 /// Every status with its name and meaning, in code order.
-const STATUS_TEXT: [(gradacc_status_t, &CStr, ErrorKind); 16] = [
-    (GRADACC_STATUS_NULL_ARGUMENT, c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL", ErrorKind::NullArgument),
-    (GRADACC_STATUS_INVALID_ARGUMENT, c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain", ErrorKind::InvalidArgument),
-    (GRADACC_STATUS_INVALID_HANDLE, c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle", ErrorKind::InvalidHandle),
-    (GRADACC_STATUS_DTYPE_MISMATCH, c"GRADACC_STATUS_DTYPE_MISMATCH: gradient dtype differs from the tensor's", ErrorKind::DtypeMismatch),
-    (GRADACC_STATUS_SIZE_MISMATCH, c"GRADACC_STATUS_SIZE_MISMATCH: buffer length or layout differs from the expected one", ErrorKind::SizeMismatch),
-    (GRADACC_STATUS_DEVICE_MISMATCH, c"GRADACC_STATUS_DEVICE_MISMATCH: objects of different devices or backends combined", ErrorKind::DeviceMismatch),
-    (GRADACC_STATUS_WRONG_STATE, c"GRADACC_STATUS_WRONG_STATE: call not allowed in the object's current state", ErrorKind::WrongState),
-    (GRADACC_STATUS_EMPTY_WINDOW, c"GRADACC_STATUS_EMPTY_WINDOW: the accumulation window is empty", ErrorKind::EmptyWindow),
-    (
-        GRADACC_STATUS_SCALE_AT_MINIMUM,
-        c"GRADACC_STATUS_SCALE_AT_MINIMUM: overflow with the loss scale already at min_scale",
-        ErrorKind::ScaleAtMinimum,
-    ),
-    (
-        GRADACC_STATUS_BACKEND_UNAVAILABLE,
-        c"GRADACC_STATUS_BACKEND_UNAVAILABLE: backend not in this build or not on this machine",
-        ErrorKind::BackendUnavailable,
-    ),
-    (GRADACC_STATUS_COMM_FAILURE, c"GRADACC_STATUS_COMM_FAILURE: the communicator failed", ErrorKind::CommFailure),
-    (GRADACC_STATUS_PEER_FAILURE, c"GRADACC_STATUS_PEER_FAILURE: another rank's call failed; nothing was reduced", ErrorKind::PeerFailure),
-    (GRADACC_STATUS_CORRUPT_STATE, c"GRADACC_STATUS_CORRUPT_STATE: saved state bytes are corrupt or of another version", ErrorKind::CorruptState),
-    (GRADACC_STATUS_OUT_OF_MEMORY, c"GRADACC_STATUS_OUT_OF_MEMORY: an allocation failed", ErrorKind::OutOfMemory),
-    (GRADACC_STATUS_INTERNAL, c"GRADACC_STATUS_INTERNAL: internal error in gradacc", ErrorKind::Internal),
-    (GRADACC_STATUS_DEVICE_FAILURE, c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error", ErrorKind::DeviceFailure),
+const STATUS_TEXT: [(gradacc_status_t, &CStr); 16] = [
+    (GRADACC_STATUS_NULL_ARGUMENT, c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL"),
+    (GRADACC_STATUS_INVALID_ARGUMENT, c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain"),
+    (GRADACC_STATUS_INVALID_HANDLE, c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle"),
+    (GRADACC_STATUS_DTYPE_MISMATCH, c"GRADACC_STATUS_DTYPE_MISMATCH: gradient dtype differs from the tensor's"),
+    (GRADACC_STATUS_SIZE_MISMATCH, c"GRADACC_STATUS_SIZE_MISMATCH: buffer length or layout differs from the expected one"),
+    (GRADACC_STATUS_DEVICE_MISMATCH, c"GRADACC_STATUS_DEVICE_MISMATCH: objects of different devices or backends combined"),
+    (GRADACC_STATUS_WRONG_STATE, c"GRADACC_STATUS_WRONG_STATE: call not allowed in the object's current state"),
+    (GRADACC_STATUS_EMPTY_WINDOW, c"GRADACC_STATUS_EMPTY_WINDOW: the accumulation window is empty"),
+    (GRADACC_STATUS_SCALE_AT_MINIMUM, c"GRADACC_STATUS_SCALE_AT_MINIMUM: overflow with the loss scale already at min_scale"),
+    (GRADACC_STATUS_BACKEND_UNAVAILABLE, c"GRADACC_STATUS_BACKEND_UNAVAILABLE: backend not in this build or not on this machine"),
+    (GRADACC_STATUS_COMM_FAILURE, c"GRADACC_STATUS_COMM_FAILURE: the communicator failed"),
+    (GRADACC_STATUS_PEER_FAILURE, c"GRADACC_STATUS_PEER_FAILURE: another rank's call failed; nothing was reduced"),
+    (GRADACC_STATUS_CORRUPT_STATE, c"GRADACC_STATUS_CORRUPT_STATE: saved state bytes are corrupt or of another version"),
+    (GRADACC_STATUS_OUT_OF_MEMORY, c"GRADACC_STATUS_OUT_OF_MEMORY: an allocation failed"),
+    (GRADACC_STATUS_INTERNAL, c"GRADACC_STATUS_INTERNAL: internal error in gradacc"),
+    (GRADACC_STATUS_DEVICE_FAILURE, c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error"),
 ];
 
-fn status_of(kind: ErrorKind) -> gradacc_status_t {
-    STATUS_TEXT.iter().find(|(_, _, k)| *k == kind).map_or(GRADACC_STATUS_INTERNAL, |(status, _, _)| *status)
+/// What an exported function fails with: a core error, or one of the two failures only a C
+/// caller can cause.
+#[derive(Debug)]
+pub(crate) enum CallError {
+    Core(Error),
+    /// A required pointer argument was NULL; the message names it.
+    Null(String),
+    /// A handle that is not live in its registry; the message names the argument and the value.
+    Handle(String),
+}
+
+impl From<Error> for CallError {
+    fn from(e: Error) -> Self {
+        CallError::Core(e)
+    }
+}
+
+/// The result of an exported function's body.
+pub(crate) type CallResult<T> = std::result::Result<T, CallError>;
+
+impl CallError {
+    pub(crate) fn message(&self) -> &str {
+        match self {
+            CallError::Core(e) => &e.message,
+            CallError::Null(m) | CallError::Handle(m) => m,
+        }
+    }
+
+    /// The status of the failure: one per kind, and a new kind must be given one here.
+    fn status(&self) -> gradacc_status_t {
+        let kind = match self {
+            CallError::Null(_) => return GRADACC_STATUS_NULL_ARGUMENT,
+            CallError::Handle(_) => return GRADACC_STATUS_INVALID_HANDLE,
+            CallError::Core(e) => e.kind,
+        };
+        match kind {
+            ErrorKind::InvalidArgument => GRADACC_STATUS_INVALID_ARGUMENT,
+            ErrorKind::DtypeMismatch => GRADACC_STATUS_DTYPE_MISMATCH,
+            ErrorKind::SizeMismatch => GRADACC_STATUS_SIZE_MISMATCH,
+            ErrorKind::DeviceMismatch => GRADACC_STATUS_DEVICE_MISMATCH,
+            ErrorKind::WrongState => GRADACC_STATUS_WRONG_STATE,
+            ErrorKind::EmptyWindow => GRADACC_STATUS_EMPTY_WINDOW,
+            ErrorKind::ScaleAtMinimum => GRADACC_STATUS_SCALE_AT_MINIMUM,
+            ErrorKind::BackendUnavailable => GRADACC_STATUS_BACKEND_UNAVAILABLE,
+            ErrorKind::CommFailure => GRADACC_STATUS_COMM_FAILURE,
+            ErrorKind::PeerFailure => GRADACC_STATUS_PEER_FAILURE,
+            ErrorKind::CorruptState => GRADACC_STATUS_CORRUPT_STATE,
+            ErrorKind::OutOfMemory => GRADACC_STATUS_OUT_OF_MEMORY,
+            ErrorKind::DeviceFailure => GRADACC_STATUS_DEVICE_FAILURE,
+            ErrorKind::Internal => GRADACC_STATUS_INTERNAL,
+        }
+    }
 }
 
 thread_local! {
@@ -98,12 +140,12 @@ fn set_last_error(message: &str) {
 
 /// Runs an exported function's body: errors become a status plus the thread's last-error
 /// message, and a panic never unwinds into the caller.
-pub(crate) fn guard(function: &str, body: impl FnOnce() -> Result<()>) -> gradacc_status_t {
+pub(crate) fn guard(function: &str, body: impl FnOnce() -> CallResult<()>) -> gradacc_status_t {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => GRADACC_STATUS_OK,
         Ok(Err(e)) => {
-            set_last_error(&format!("{function}: {}", e.message));
-            status_of(e.kind)
+            set_last_error(&format!("{function}: {}", e.message()));
+            e.status()
         }
         Err(panic) => {
             let what = panic
@@ -118,8 +160,8 @@ pub(crate) fn guard(function: &str, body: impl FnOnce() -> Result<()>) -> gradac
 }
 
 /// Error for a NULL pointer argument.
-pub(crate) fn null(argument: &str) -> Error {
-    Error::new(ErrorKind::NullArgument, format!("argument `{argument}` is NULL"))
+pub(crate) fn null(argument: &str) -> CallError {
+    CallError::Null(format!("argument `{argument}` is NULL"))
 }
 
 /// A static description of a status code (never NULL; unknown codes get a generic text). The code
@@ -131,7 +173,7 @@ pub extern "C" fn gradacc_status_string(status: i32) -> *const c_char {
     let text: &CStr = if status == GRADACC_STATUS_OK as i32 {
         c"GRADACC_STATUS_OK: success"
     } else {
-        STATUS_TEXT.iter().find(|(s, _, _)| *s as i32 == status).map_or(c"unknown gradacc status code", |(_, text, _)| text)
+        STATUS_TEXT.iter().find(|(s, _)| *s as i32 == status).map_or(c"unknown gradacc status code", |(_, text)| text)
     };
     text.as_ptr()
 }

@@ -5,10 +5,10 @@
 use std::ffi::c_void;
 use std::mem::size_of;
 
-use super::status::null;
+use super::status::{null, CallResult};
 use crate::device::Device;
 use crate::dtype::Dtype;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind};
 
 /// Element type of a model gradient buffer.
 pub type gradacc_dtype_t = i32;
@@ -52,12 +52,12 @@ pub struct gradacc_tensor_desc_t {
     pub dtype: gradacc_dtype_t,
 }
 
-pub(crate) fn dtype_from_c(value: gradacc_dtype_t, argument: &str) -> Result<Dtype> {
+pub(crate) fn dtype_from_c(value: gradacc_dtype_t, argument: &str) -> CallResult<Dtype> {
     match value {
         GRADACC_DTYPE_F32 => Ok(Dtype::F32),
         GRADACC_DTYPE_F16 => Ok(Dtype::F16),
         GRADACC_DTYPE_BF16 => Ok(Dtype::Bf16),
-        v => Err(Error::invalid(format!("`{argument}` = {v} is not a GRADACC_DTYPE_* value"))),
+        v => Err(Error::invalid(format!("`{argument}` = {v} is not a GRADACC_DTYPE_* value")).into()),
     }
 }
 
@@ -67,7 +67,7 @@ pub(crate) fn dtype_to_c(dtype: Dtype) -> gradacc_dtype_t {
 
 /// Reads the device argument: NULL or a CPU device, or a CUDA device where a driver and NVRTC
 /// are present (else BACKEND_UNAVAILABLE).
-pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
+pub(crate) fn parse_device(device: *const gradacc_device_t) -> CallResult<Device> {
     if device.is_null() {
         return Ok(Device::Cpu);
     }
@@ -79,23 +79,24 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> Result<Device> {
                 return Err(Error::invalid(format!(
                     "a CPU `device` takes ordinal 0 and a NULL stream, got ordinal {} and stream {:p}",
                     d.ordinal, d.stream
-                )));
+                ))
+                .into());
             }
             Ok(Device::Cpu)
         }
         GRADACC_DEVICE_CUDA => {
             if d.ordinal < 0 {
-                return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)));
+                return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)).into());
             }
             crate::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
-            Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ }.check()
+            Ok(Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ }.check()?)
         }
-        k => Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value"))),
+        k => Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value")).into()),
     }
 }
 
 /// Checks an output pointer up front, so a call fails before it changes anything.
-pub(crate) fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> Result<&'a mut T> {
+pub(crate) fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> CallResult<&'a mut T> {
     // SAFETY: non-null, and by the API contract points to writable storage for a T.
     unsafe { ptr.as_mut() }.ok_or_else(|| null(argument))
 }
@@ -197,13 +198,14 @@ pub(crate) fn accepted_sizes<T: Versioned>() -> Vec<usize> {
 /// and may lie inside the next field of the current struct); 0, a size inside a field, or a size
 /// larger than this library's `T` (a caller built against a newer header) fails, naming
 /// `argument` and the value.
-fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> Result<usize> {
+fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> CallResult<usize> {
     let current = size_of::<T>();
     if declared == 0 {
         return Err(Error::invalid(format!(
             "`{argument}`.struct_size = 0: set it to sizeof({}) before the call (see the header's *_INIT macros)",
             T::NAME
-        )));
+        ))
+        .into());
     }
     if declared > current {
         return Err(Error::invalid(format!(
@@ -211,14 +213,16 @@ fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> Result<us
              against a newer gradacc.h than the library loaded ({})",
             T::NAME,
             crate::VERSION
-        )));
+        ))
+        .into());
     }
     let sizes = accepted_sizes::<T>();
     if !sizes.contains(&declared) {
         return Err(Error::invalid(format!(
             "`{argument}`.struct_size = {declared} does not end on a field of {} (sizes accepted: {sizes:?})",
             T::NAME
-        )));
+        ))
+        .into());
     }
     Ok(T::field_ends().into_iter().filter(|&end| end <= declared).max().unwrap_or(0))
 }
@@ -228,7 +232,7 @@ fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> Result<us
 ///
 /// # Safety
 /// A non-null `ptr` must point to at least `struct_size` readable bytes.
-pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &str) -> Result<T> {
+pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &str) -> CallResult<T> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -240,7 +244,7 @@ pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &st
 
 /// Checks an output struct's `struct_size` up front, so a call fails before it changes anything;
 /// NULL passes (for optional outputs).
-pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> Result<()> {
+pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> CallResult<()> {
     if !ptr.is_null() {
         // SAFETY: non-null, and by the API contract points to a struct that starts with struct_size.
         check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
@@ -266,7 +270,7 @@ pub(crate) fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
 }
 
 /// A required output struct: NULL and struct_size checked, then written as [`write_out_struct`].
-pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> Result<()> {
+pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> CallResult<()> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -282,11 +286,13 @@ pub(crate) fn rank_to_c(rank: usize) -> i32 {
 }
 
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
-pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> Result<()> {
+pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> CallResult<()> {
     let len_out = out_ptr(out_len, "out_len")?;
     if !buf.is_null() {
         if capacity < bytes.len() {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("`capacity` = {capacity} is too small: the state needs {} bytes", bytes.len())));
+            return Err(
+                Error::new(ErrorKind::SizeMismatch, format!("`capacity` = {capacity} is too small: the state needs {} bytes", bytes.len())).into()
+            );
         }
         // SAFETY: buf holds at least `capacity` >= bytes.len() writable bytes (API contract).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
@@ -299,7 +305,7 @@ pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: 
 ///
 /// # Safety
 /// A non-null `ptr` must point to `len` readable bytes.
-pub(crate) unsafe fn read_bytes<'a>(ptr: *const u8, len: usize, argument: &str) -> Result<&'a [u8]> {
+pub(crate) unsafe fn read_bytes<'a>(ptr: *const u8, len: usize, argument: &str) -> CallResult<&'a [u8]> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -331,7 +337,7 @@ mod tests {
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8 bucket_numel, 4 threads.
         assert_eq!(accepted_sizes::<gradacc_accumulator_config_t>(), [8, 12, 16, 20, 24, 32, 36, 40]);
         let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();
-        assert!(e.message.contains("`config`.struct_size = 22"), "{}", e.message);
+        assert!(e.message().contains("`config`.struct_size = 22"), "{}", e.message());
     }
 
     #[test]
