@@ -295,9 +295,9 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
     let mut c_scaler: *mut gradacc_scaler_t = std::ptr::null_mut();
     // SAFETY: a plain C struct of numbers and bools, filled in by the default initialiser next.
     let mut sc: gradacc_scaler_config_t = unsafe { std::mem::zeroed() };
-    assert_eq!(gradacc_scaler_config_default(&mut sc), GRADACC_STATUS_OK);
+    assert_eq!(unsafe { gradacc_scaler_config_default(&mut sc) }, GRADACC_STATUS_OK);
     sc.init_scale = 1024.0;
-    assert_eq!(gradacc_scaler_create(&sc, std::ptr::null(), &mut c_scaler), GRADACC_STATUS_OK);
+    assert_eq!(unsafe { gradacc_scaler_create(&sc, std::ptr::null(), &mut c_scaler) }, GRADACC_STATUS_OK);
     for &(dtype, grad) in flat.iter().filter(|(d, _)| *d != Dtype::Bf16) {
         for (tensors, numel) in [(1000usize, 1000usize), (1000, 1), (1, 1_000_000)] {
             let layout = vec![numel; tensors];
@@ -321,19 +321,21 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
                 })
                 .collect();
             let mut c_acc: *mut gradacc_accumulator_t = std::ptr::null_mut();
-            let status = gradacc_accumulator_create_with_buffer(std::ptr::null(), c_descs.as_ptr(), tensors, std::ptr::null(), mp, total, &mut c_acc);
+            let status = unsafe {
+                gradacc_accumulator_create_with_buffer(std::ptr::null(), c_descs.as_ptr(), tensors, std::ptr::null(), mp, total, &mut c_acc)
+            };
             assert_eq!(status, GRADACC_STATUS_OK);
             let t = interleaved(
                 o.rounds,
                 o.min_sample,
                 &mut [
                     &mut || acc.add(&scaler, &grads, 1).expect("add"),
-                    &mut || assert_eq!(gradacc_accumulator_add(c_acc, c_scaler, raw.as_ptr(), tensors, 1), GRADACC_STATUS_OK),
+                    &mut || assert_eq!(unsafe { gradacc_accumulator_add(c_acc, c_scaler, raw.as_ptr(), tensors, 1) }, GRADACC_STATUS_OK),
                     &mut || floor::<{ kind::TRIAD }, false>(isa, view(mp, total), g, 1),
                     &mut || floor::<{ kind::TRIAD }, true>(isa, view(mp, total), g, 1),
                 ],
             );
-            assert_eq!(gradacc_accumulator_destroy(c_acc), GRADACC_STATUS_OK);
+            assert_eq!(unsafe { gradacc_accumulator_destroy(c_acc) }, GRADACC_STATUS_OK);
             let best = t[2].median.min(t[3].median);
             println!(
                 "{tensors:>5} x {numel:<7} {:>4}  {:.2} | {:.2} | {:.2} | {:.2}",
@@ -354,7 +356,7 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
             );
         }
     }
-    assert_eq!(gradacc_scaler_destroy(c_scaler), GRADACC_STATUS_OK);
+    assert_eq!(unsafe { gradacc_scaler_destroy(c_scaler) }, GRADACC_STATUS_OK);
 }
 
 /// The boundary at 2 in-process ranks (one thread each) over `n` fp16 parameters in one tensor, as

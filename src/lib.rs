@@ -5,6 +5,9 @@
 //! the boundary ([`Accumulator::sync`]) all-reduces it once over a [`Communicator`], normalises it,
 //! measures its norm and clips it. The C ABI in `ffi` exposes the same objects.
 
+// Every unsafe operation sits in its own block with a `SAFETY:` comment saying why it is sound.
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 pub mod accumulator;
 pub mod backend;
 pub mod comm;

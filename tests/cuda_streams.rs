@@ -353,13 +353,13 @@ fn the_per_thread_default_stream_is_refused() {
     let device = ffi::gradacc_device_t { kind: ffi::GRADACC_DEVICE_CUDA, ordinal: 0, stream: 0x2 as *mut c_void };
     let last_error = || unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }.to_string_lossy().into_owned();
     let mut scaler = std::ptr::null_mut();
-    assert_eq!(ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler), ffi::GRADACC_STATUS_INVALID_ARGUMENT);
+    assert_eq!(unsafe { ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler) }, ffi::GRADACC_STATUS_INVALID_ARGUMENT);
     assert!(scaler.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
     let descs: Vec<ffi::gradacc_tensor_desc_t> =
         TENSORS.iter().map(|t| ffi::gradacc_tensor_desc_t { numel: t.numel as u64, dtype: t.dtype.code() }).collect();
     let mut acc = std::ptr::null_mut();
     assert_eq!(
-        ffi::gradacc_accumulator_create(std::ptr::null(), descs.as_ptr(), descs.len(), &device, &mut acc),
+        unsafe { ffi::gradacc_accumulator_create(std::ptr::null(), descs.as_ptr(), descs.len(), &device, &mut acc) },
         ffi::GRADACC_STATUS_INVALID_ARGUMENT
     );
     assert!(acc.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());

@@ -44,7 +44,7 @@ fn reference(c: &gradacc_scaler_config_t, state: (f32, u32, u32), found_inf: boo
 fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
     let mut rng = Rng::fresh(name);
     let mut c = std::mem::MaybeUninit::uninit();
-    ok(gradacc_scaler_config_default(c.as_mut_ptr()));
+    ok(unsafe { gradacc_scaler_config_default(c.as_mut_ptr()) });
     let mut c: gradacc_scaler_config_t = unsafe { c.assume_init() };
     c.growth_interval = 50;
     c.min_scale = 4.0;
@@ -52,10 +52,10 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
     c.hysteresis = hysteresis;
     c.consecutive_hysteresis = consecutive;
     let mut s = null_mut();
-    ok(gradacc_scaler_create(&c, null(), &mut s));
+    ok(unsafe { gradacc_scaler_create(&c, null(), &mut s) });
     let desc = gradacc_tensor_desc_t { numel: 8, dtype: GRADACC_DTYPE_F16 };
     let mut a = null_mut();
-    ok(gradacc_accumulator_create(null(), &desc, 1, null(), &mut a));
+    ok(unsafe { gradacc_accumulator_create(null(), &desc, 1, null(), &mut a) });
 
     let steps = 100_000;
     let mut state = (c.init_scale, 0u32, c.hysteresis);
@@ -73,7 +73,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         let storm_now = burst_left > 0;
         burst_left = burst_left.saturating_sub(1);
         let mut scale = 0.0f32;
-        ok(gradacc_scaler_scale(s, &mut scale));
+        ok(unsafe { gradacc_scaler_scale(s, &mut scale) });
         assert!(scale.is_finite() && scale >= c.min_scale && scale <= c.max_scale, "step {step}: scale {scale} out of range");
         assert_eq!(scale, state.0, "step {step}: scale differs from the reference rule");
         lowest = lowest.min(scale);
@@ -81,7 +81,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         let magnitude = if storm_now { 1e5 } else { rng.uniform(0.01, 0.6) };
         let grad: Vec<u16> = (0..8).map(|i| to_f16((magnitude * if i % 2 == 0 { 1.0 } else { -0.5 }) as f32 * scale)).collect();
         let grads = [grad.as_ptr() as *const c_void];
-        ok(gradacc_accumulator_add(a, s, grads.as_ptr(), 1, 16));
+        ok(unsafe { gradacc_accumulator_add(a, s, grads.as_ptr(), 1, 16) });
         let mut info = gradacc_sync_info_t {
             struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
             found_inf: false,
@@ -90,12 +90,12 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
             grad_norm: 0.0,
             clip_coef: 0.0,
         };
-        ok(gradacc_accumulator_sync(a, null_mut(), &mut info));
+        ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
         let overflow_expected = grad.iter().any(|&h| h & 0x7c00 == 0x7c00);
         assert_eq!(info.found_inf, overflow_expected, "step {step}");
         let list = [a as *const gradacc_accumulator_t];
         let mut skip = false;
-        let st = gradacc_scaler_update(s, list.as_ptr(), 1, &mut skip);
+        let st = unsafe { gradacc_scaler_update(s, list.as_ptr(), 1, &mut skip) };
         match reference(&c, state, info.found_inf) {
             Some(next) => {
                 ok(st);
@@ -108,7 +108,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
                 let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
                 assert!(msg.contains("min_scale"), "{msg}");
                 let mut after = 0.0f32;
-                ok(gradacc_scaler_scale(s, &mut after));
+                ok(unsafe { gradacc_scaler_scale(s, &mut after) });
                 assert_eq!(after, c.min_scale, "a refused update leaves the scale at the minimum");
                 at_minimum += 1;
                 hit_min_in_burst = true;
@@ -120,7 +120,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         } else if hit_min_in_burst {
             calm_since_min += 1;
             let mut now = 0.0f32;
-            ok(gradacc_scaler_scale(s, &mut now));
+            ok(unsafe { gradacc_scaler_scale(s, &mut now) });
             if now > c.min_scale {
                 recoveries += 1;
                 hit_min_in_burst = false;
@@ -133,7 +133,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
     }
     let mut st =
         gradacc_scaler_stats_t { struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(), steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
-    ok(gradacc_scaler_stats(s, &mut st));
+    ok(unsafe { gradacc_scaler_stats(s, &mut st) });
     eprintln!(
         "{name}: {steps} steps, {bursts} overflow bursts, {skipped} skipped steps, {} growths, {} backoffs, \
          {at_minimum} SCALE_AT_MINIMUM, {recoveries} recoveries from the minimum, lowest scale {lowest}",
@@ -142,8 +142,8 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
     assert_eq!(st.steps, steps - at_minimum, "refused updates are not counted as steps");
     assert_eq!(st.skipped_steps, skipped);
     assert!(at_minimum > 0 && recoveries > 0 && lowest == c.min_scale, "the storm reached the minimum and recovered");
-    ok(gradacc_accumulator_destroy(a));
-    ok(gradacc_scaler_destroy(s));
+    ok(unsafe { gradacc_accumulator_destroy(a) });
+    ok(unsafe { gradacc_scaler_destroy(s) });
 }
 
 #[test]

@@ -26,24 +26,24 @@ fn ok(status: gradacc_status_t) {
 
 fn scaler(init: f32, growth_interval: u32) -> *mut gradacc_scaler_t {
     let mut c = std::mem::MaybeUninit::uninit();
-    ok(gradacc_scaler_config_default(c.as_mut_ptr()));
+    ok(unsafe { gradacc_scaler_config_default(c.as_mut_ptr()) });
     let mut c = unsafe { c.assume_init() };
     c.init_scale = init;
     c.growth_interval = growth_interval;
     let mut s = null_mut();
-    ok(gradacc_scaler_create(&c, null(), &mut s));
+    ok(unsafe { gradacc_scaler_create(&c, null(), &mut s) });
     s
 }
 
 fn accumulator(descs: &[gradacc_tensor_desc_t], threads: u32) -> *mut gradacc_accumulator_t {
     let mut c = std::mem::MaybeUninit::uninit();
-    ok(gradacc_accumulator_config_default(c.as_mut_ptr()));
+    ok(unsafe { gradacc_accumulator_config_default(c.as_mut_ptr()) });
     let mut c = unsafe { c.assume_init() };
     c.threads = threads;
     c.max_grad_norm = 10.0;
     c.bucket_numel = 5000;
     let mut a = null_mut();
-    ok(gradacc_accumulator_create(&c, descs.as_ptr(), descs.len(), null(), &mut a));
+    ok(unsafe { gradacc_accumulator_create(&c, descs.as_ptr(), descs.len(), null(), &mut a) });
     a
 }
 
@@ -82,7 +82,7 @@ fn masters(a: *mut gradacc_accumulator_t, n: usize) -> Vec<u32> {
     let mut out = vec![];
     for i in 0..n {
         let (mut p, mut len) = (null_mut(), 0);
-        ok(gradacc_accumulator_master(a, i, &mut p, &mut len));
+        ok(unsafe { gradacc_accumulator_master(a, i, &mut p, &mut len) });
         out.extend(unsafe { std::slice::from_raw_parts(p, len) }.iter().map(|v| v.to_bits()));
     }
     out
@@ -122,7 +122,7 @@ fn concurrent_add_tensor_matches_serial() {
         let mut results = vec![];
         for w in 0..windows {
             for m in 0..micro {
-                ok(gradacc_accumulator_begin_microbatch(a, 4 + m as u64));
+                ok(unsafe { gradacc_accumulator_begin_microbatch(a, 4 + m as u64) });
                 let next = AtomicUsize::new(0);
                 std::thread::scope(|sc| {
                     for _ in 0..threads {
@@ -136,13 +136,13 @@ fn concurrent_add_tensor_matches_serial() {
                                 }
                                 for c in 0..2 {
                                     let g = &grads[w][m][t][c];
-                                    ok(gradacc_accumulator_add_tensor(a, s, t, g.ptr(), ds[t].numel as usize));
+                                    ok(unsafe { gradacc_accumulator_add_tensor(a, s, t, g.ptr(), ds[t].numel as usize) });
                                 }
                             }
                         });
                     }
                 });
-                ok(gradacc_accumulator_end_microbatch(a));
+                ok(unsafe { gradacc_accumulator_end_microbatch(a) });
             }
             let mut info = gradacc_sync_info_t {
                 struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
@@ -152,11 +152,11 @@ fn concurrent_add_tensor_matches_serial() {
                 grad_norm: 0.0,
                 clip_coef: 0.0,
             };
-            ok(gradacc_accumulator_sync(a, null_mut(), &mut info));
+            ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
             results.push((masters(a, ds.len()), info.found_inf));
         }
-        ok(gradacc_accumulator_destroy(a));
-        ok(gradacc_scaler_destroy(s));
+        ok(unsafe { gradacc_accumulator_destroy(a) });
+        ok(unsafe { gradacc_scaler_destroy(s) });
         results
     };
     let serial = run(1, 1);
@@ -188,21 +188,21 @@ fn independent_objects_on_threads_match_serial() {
         for step in 0..steps {
             for m in 0..2 {
                 let mut scale = 0.0;
-                ok(gradacc_scaler_scale(s, &mut scale));
+                ok(unsafe { gradacc_scaler_scale(s, &mut scale) });
                 let mut shared_scale = 0.0;
-                ok(gradacc_scaler_scale(shared_h.0 as *const _, &mut shared_scale));
+                ok(unsafe { gradacc_scaler_scale(shared_h.0 as *const _, &mut shared_scale) });
                 assert_eq!(shared_scale, 8.0);
                 let bufs: Vec<Buf> = ds.iter().map(|d| Buf::new(&mut rng, d, scale, step % 7 == 3 && m == 1)).collect();
                 let ptrs: Vec<*const c_void> = bufs.iter().map(|b| b.ptr()).collect();
-                ok(gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 2));
+                ok(unsafe { gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 2) });
             }
-            ok(gradacc_accumulator_sync(a, null_mut(), null_mut()));
+            ok(unsafe { gradacc_accumulator_sync(a, null_mut(), null_mut()) });
             all.extend(masters(a, ds.len()));
             let list = [a as *const gradacc_accumulator_t];
-            ok(gradacc_scaler_update(s, list.as_ptr(), 1, null_mut()));
+            ok(unsafe { gradacc_scaler_update(s, list.as_ptr(), 1, null_mut()) });
         }
         let mut scale = 0.0;
-        ok(gradacc_scaler_scale(s, &mut scale));
+        ok(unsafe { gradacc_scaler_scale(s, &mut scale) });
         let mut st = gradacc_scaler_stats_t {
             struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
             steps: 0,
@@ -210,9 +210,9 @@ fn independent_objects_on_threads_match_serial() {
             growths: 0,
             backoffs: 0,
         };
-        ok(gradacc_scaler_stats(s, &mut st));
-        ok(gradacc_accumulator_destroy(a));
-        ok(gradacc_scaler_destroy(s));
+        ok(unsafe { gradacc_scaler_stats(s, &mut st) });
+        ok(unsafe { gradacc_accumulator_destroy(a) });
+        ok(unsafe { gradacc_scaler_destroy(s) });
         (all, scale, [st.steps, st.skipped_steps, st.growths, st.backoffs])
     };
     let serial: Vec<_> = (0..pairs).map(train).collect();
@@ -226,7 +226,7 @@ fn independent_objects_on_threads_match_serial() {
             assert!(concurrent[p] == serial[p], "round {round}: pair {p} differs from its serial run");
         }
     }
-    ok(gradacc_scaler_destroy(shared));
+    ok(unsafe { gradacc_scaler_destroy(shared) });
 }
 
 /// One thread destroys accumulators, scalers and communicators while 6 others keep calling on the
@@ -244,7 +244,7 @@ fn destroy_races_report_invalid_handle() {
         let s = scaler(1.0, 10);
         let a = accumulator(&ds, 1);
         let mut comms = [null_mut(); 2];
-        ok(gradacc_comm_create_local(2, comms.as_mut_ptr()));
+        ok(unsafe { gradacc_comm_create_local(2, comms.as_mut_ptr()) });
         let (sh, ah, ch) = (H(s as usize), H(a as usize), H(comms[0] as usize));
         let barrier = Barrier::new(callers + 1);
         let stop = AtomicBool::new(false);
@@ -259,30 +259,30 @@ fn destroy_races_report_invalid_handle() {
                         barrier.wait();
                         for i in 0.. {
                             let st = match (k + i) % 8 {
-                                0 => gradacc_accumulator_add(a, s, grads.as_ptr(), 2, 3),
+                                0 => unsafe { gradacc_accumulator_add(a, s, grads.as_ptr(), 2, 3) },
                                 1 => {
                                     let (mut p, mut n) = (null_mut(), 0);
-                                    gradacc_accumulator_master(a, 0, &mut p, &mut n)
+                                    unsafe { gradacc_accumulator_master(a, 0, &mut p, &mut n) }
                                 }
                                 2 => {
                                     let mut v = 0.0;
-                                    gradacc_scaler_scale(s, &mut v)
+                                    unsafe { gradacc_scaler_scale(s, &mut v) }
                                 }
                                 3 => {
                                     let mut n = 0;
-                                    gradacc_accumulator_num_tensors(a, &mut n)
+                                    unsafe { gradacc_accumulator_num_tensors(a, &mut n) }
                                 }
                                 4 => {
                                     let mut r = 0;
-                                    gradacc_comm_rank(c, &mut r)
+                                    unsafe { gradacc_comm_rank(c, &mut r) }
                                 }
                                 5 => {
                                     let mut len = 0;
-                                    gradacc_scaler_save(s, null_mut(), 0, &mut len)
+                                    unsafe { gradacc_scaler_save(s, null_mut(), 0, &mut len) }
                                 }
                                 6 => {
                                     let mut loss = [1.5f32; 4];
-                                    gradacc_scaler_scale_loss(s, loss.as_mut_ptr() as *mut c_void, 4, GRADACC_DTYPE_F32)
+                                    unsafe { gradacc_scaler_scale_loss(s, loss.as_mut_ptr() as *mut c_void, 4, GRADACC_DTYPE_F32) }
                                 }
                                 _ => {
                                     let mut st = gradacc_scaler_stats_t {
@@ -292,7 +292,7 @@ fn destroy_races_report_invalid_handle() {
                                         growths: 0,
                                         backoffs: 0,
                                     };
-                                    gradacc_scaler_stats(s, &mut st)
+                                    unsafe { gradacc_scaler_stats(s, &mut st) }
                                 }
                             };
                             match st {
@@ -319,10 +319,10 @@ fn destroy_races_report_invalid_handle() {
             for _ in 0..(round % 5) * 200 {
                 std::hint::spin_loop();
             }
-            ok(gradacc_accumulator_destroy(a));
-            ok(gradacc_scaler_destroy(s));
-            ok(gradacc_comm_destroy(comms[0]));
-            ok(gradacc_comm_destroy(comms[1]));
+            ok(unsafe { gradacc_accumulator_destroy(a) });
+            ok(unsafe { gradacc_scaler_destroy(s) });
+            ok(unsafe { gradacc_comm_destroy(comms[0]) });
+            ok(unsafe { gradacc_comm_destroy(comms[1]) });
             stop.store(true, Ordering::Release);
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
@@ -330,7 +330,7 @@ fn destroy_races_report_invalid_handle() {
             seen_ok += o;
             seen_invalid += i;
         }
-        assert_eq!(gradacc_accumulator_destroy(a), GRADACC_STATUS_INVALID_HANDLE);
+        assert_eq!(unsafe { gradacc_accumulator_destroy(a) }, GRADACC_STATUS_INVALID_HANDLE);
     }
     eprintln!("destroy races: {seen_ok} calls succeeded, {seen_invalid} reported INVALID_HANDLE");
     assert!(seen_invalid > 0 && seen_ok > 0);
@@ -359,7 +359,7 @@ fn concurrent_local_groups_match_serial() {
         .collect();
     let group_run = || -> Vec<Vec<u32>> {
         let mut comms = vec![null_mut(); world];
-        ok(gradacc_comm_create_local(world as i32, comms.as_mut_ptr()));
+        ok(unsafe { gradacc_comm_create_local(world as i32, comms.as_mut_ptr()) });
         let hs: Vec<H> = comms.iter().map(|&c| H(c as usize)).collect();
         let out = std::thread::scope(|sc| {
             let joins: Vec<_> = (0..world)
@@ -372,7 +372,7 @@ fn concurrent_local_groups_match_serial() {
                         for w in 0..windows {
                             for m in 0..2 {
                                 let ptrs: Vec<*const c_void> = grads[r][w][m].iter().map(|b| b.ptr()).collect();
-                                ok(gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64));
+                                ok(unsafe { gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64) });
                             }
                             let mut info = gradacc_sync_info_t {
                                 struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
@@ -382,12 +382,12 @@ fn concurrent_local_groups_match_serial() {
                                 grad_norm: 0.0,
                                 clip_coef: 0.0,
                             };
-                            ok(gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info));
+                            ok(unsafe { gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info) });
                             got.extend(masters(a, ds.len()));
                             got.push(info.found_inf as u32);
                         }
-                        ok(gradacc_accumulator_destroy(a));
-                        ok(gradacc_scaler_destroy(s));
+                        ok(unsafe { gradacc_accumulator_destroy(a) });
+                        ok(unsafe { gradacc_scaler_destroy(s) });
                         got
                     })
                 })
@@ -395,7 +395,7 @@ fn concurrent_local_groups_match_serial() {
             joins.into_iter().map(|j| j.join().unwrap()).collect::<Vec<_>>()
         });
         for c in comms {
-            ok(gradacc_comm_destroy(c));
+            ok(unsafe { gradacc_comm_destroy(c) });
         }
         out
     };

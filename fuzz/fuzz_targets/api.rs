@@ -638,7 +638,7 @@ const POW2_SCALES: [f32; 6] = [1.0, 2.0, 256.0, 1024.0, 65536.0, 16777216.0];
 
 fn scaler_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_scaler_config_t>::uninit();
-    assert_eq!(gradacc_scaler_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
+    assert_eq!(unsafe { gradacc_scaler_config_default(c.as_mut_ptr()) }, GRADACC_STATUS_OK);
     let defaults = unsafe { c.assume_init() };
     let mut c = defaults;
     let variant = input.u8();
@@ -709,7 +709,7 @@ fn scaler_create(world: &mut World, input: &mut Input) {
     if world.scalers.len() >= MAX_OBJECTS && cfg_ok && device_ok && !null_out {
         return; // keep the population small
     }
-    let status = gradacc_scaler_create(if pass_null { null() } else { &c }, device_ptr, if null_out { null_mut() } else { &mut out });
+    let status = unsafe { gradacc_scaler_create(if pass_null { null() } else { &c }, device_ptr, if null_out { null_mut() } else { &mut out }) };
     if world.check("gradacc_scaler_create", status, want) {
         // With a NULL config, `c` is still gradacc_scaler_config_default's output: the defaults.
         world.scalers.push((out, ScalerModel::new(cfg)));
@@ -720,7 +720,7 @@ fn scaler_create(world: &mut World, input: &mut Input) {
 
 fn acc_create(world: &mut World, input: &mut Input) {
     let mut c = std::mem::MaybeUninit::<gradacc_accumulator_config_t>::uninit();
-    assert_eq!(gradacc_accumulator_config_default(c.as_mut_ptr()), GRADACC_STATUS_OK);
+    assert_eq!(unsafe { gradacc_accumulator_config_default(c.as_mut_ptr()) }, GRADACC_STATUS_OK);
     let defaults = unsafe { c.assume_init() };
     let mut c = defaults;
     let pass_null_config = input.u8() % 4 == 0;
@@ -816,9 +816,9 @@ fn acc_create(world: &mut World, input: &mut Input) {
             buffer_ok = false;
         }
         buffer = Some(buf);
-        gradacc_accumulator_create_with_buffer(config_ptr, tensors_ptr, n_arg, device, ptr, claimed, out_ptr)
+        unsafe { gradacc_accumulator_create_with_buffer(config_ptr, tensors_ptr, n_arg, device, ptr, claimed, out_ptr) }
     } else {
-        gradacc_accumulator_create(config_ptr, tensors_ptr, n_arg, device, out_ptr)
+        unsafe { gradacc_accumulator_create(config_ptr, tensors_ptr, n_arg, device, out_ptr) }
     };
     let want = cfg_ok && tensors_ok && device_ok && buffer_ok && !null_out;
     let function = if with_buffer { "gradacc_accumulator_create_with_buffer" } else { "gradacc_accumulator_create" };
@@ -865,7 +865,7 @@ fn destroy(world: &mut World, input: &mut Input) {
     match input.below(3) {
         0 => {
             let (h, live) = world.scaler_arg(input);
-            let st = gradacc_scaler_destroy(h);
+            let st = unsafe { gradacc_scaler_destroy(h) };
             if world.check("gradacc_scaler_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
                 world.scalers.remove(live.unwrap());
                 world.dead.push(h as usize);
@@ -873,7 +873,7 @@ fn destroy(world: &mut World, input: &mut Input) {
         }
         1 => {
             let (h, live) = world.acc_arg(input);
-            let st = gradacc_accumulator_destroy(h);
+            let st = unsafe { gradacc_accumulator_destroy(h) };
             if world.check("gradacc_accumulator_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
                 world.accs.remove(live.unwrap());
                 world.dead.push(h as usize);
@@ -881,7 +881,7 @@ fn destroy(world: &mut World, input: &mut Input) {
         }
         _ => {
             let (h, live) = world.comm_arg(input);
-            let st = gradacc_comm_destroy(h);
+            let st = unsafe { gradacc_comm_destroy(h) };
             if world.check("gradacc_comm_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
                 world.comms.remove(live.unwrap());
                 world.dead.push(h as usize);
@@ -945,7 +945,7 @@ fn add(world: &mut World, input: &mut Input) {
         }
         _ => {}
     }
-    let st = gradacc_accumulator_add(acc, scaler, grads_ptr, n_arg, count);
+    let st = unsafe { gradacc_accumulator_add(acc, scaler, grads_ptr, n_arg, count) };
     let ok_now = match (ai, si) {
         (Some(i), Some(_)) => {
             let a = &world.accs[i];
@@ -968,7 +968,7 @@ fn add(world: &mut World, input: &mut Input) {
 fn begin(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let count = count_arg(input);
-    let st = gradacc_accumulator_begin_microbatch(acc, count);
+    let st = unsafe { gradacc_accumulator_begin_microbatch(acc, count) };
     let want = ai.is_some_and(|i| {
         let a = &world.accs[i];
         !matches!(a.w.phase, Phase::InMicrobatch(_)) && a.count_ok(count)
@@ -1012,7 +1012,7 @@ fn add_tensor(world: &mut World, input: &mut Input) {
         }
         _ => {}
     }
-    let st = gradacc_accumulator_add_tensor(acc, scaler, index, ptr, numel_arg);
+    let st = unsafe { gradacc_accumulator_add_tensor(acc, scaler, index, ptr, numel_arg) };
     let want = args_ok && index_ok && si.is_some() && ai.is_some_and(|i| matches!(world.accs[i].w.phase, Phase::InMicrobatch(_)));
     if world.check("gradacc_accumulator_add_tensor", st, want) {
         let a = &mut world.accs[ai.unwrap()];
@@ -1023,7 +1023,7 @@ fn add_tensor(world: &mut World, input: &mut Input) {
 
 fn end(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
-    let st = gradacc_accumulator_end_microbatch(acc);
+    let st = unsafe { gradacc_accumulator_end_microbatch(acc) };
     let want = ai.is_some_and(|i| matches!(world.accs[i].w.phase, Phase::InMicrobatch(_)));
     if world.check("gradacc_accumulator_end_microbatch", st, want) {
         let a = &mut world.accs[ai.unwrap()];
@@ -1061,7 +1061,7 @@ fn sync(world: &mut World, input: &mut Input) {
         grad_norm: -1.0,
         clip_coef: -1.0,
     };
-    let st = gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() });
+    let st = unsafe { gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() }) };
     let expected = ai.and_then(|i| {
         let a = &world.accs[i];
         if !comm_ok {
@@ -1124,7 +1124,7 @@ fn sync(world: &mut World, input: &mut Input) {
     for t in 0..a.numels.len() {
         let mut p: *mut f32 = null_mut();
         let mut len = 0usize;
-        assert_eq!(gradacc_accumulator_master(a.handle, t, &mut p, &mut len), GRADACC_STATUS_OK);
+        assert_eq!(unsafe { gradacc_accumulator_master(a.handle, t, &mut p, &mut len) }, GRADACC_STATUS_OK);
         assert_eq!(len, a.numels[t]);
         let got = unsafe { std::slice::from_raw_parts(p, len) };
         for (k, &v) in got.iter().enumerate() {
@@ -1163,8 +1163,9 @@ fn update(world: &mut World, input: &mut Input) {
     let null_list = input.u8() % 16 == 0;
     let mut skipped = false;
     let want_skipped = input.u8() % 8 != 0;
-    let st =
-        gradacc_scaler_update(scaler, if null_list { null() } else { handles.as_ptr() }, n, if want_skipped { &mut skipped } else { null_mut() });
+    let st = unsafe {
+        gradacc_scaler_update(scaler, if null_list { null() } else { handles.as_ptr() }, n, if want_skipped { &mut skipped } else { null_mut() })
+    };
     let next = si.and_then(|i| world.scalers[i].1.update(found_inf));
     let want = si.is_some() && !null_list && n > 0 && all_synced && next.is_some();
     let at_minimum = si.is_some() && !null_list && n > 0 && all_synced && next.is_none();
@@ -1180,7 +1181,7 @@ fn update(world: &mut World, input: &mut Input) {
 
 fn reset(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
-    let st = gradacc_accumulator_reset(acc);
+    let st = unsafe { gradacc_accumulator_reset(acc) };
     if world.check("gradacc_accumulator_reset", st, ai.is_some()) {
         let a = &mut world.accs[ai.unwrap()];
         a.w = a.fresh_window();
@@ -1191,7 +1192,7 @@ fn save_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let ok_state = ai.is_some_and(|i| matches!(world.accs[i].w.phase, Phase::Empty | Phase::Open));
     let mut need = 0usize;
-    let st = gradacc_accumulator_save_window(acc, null_mut(), 0, &mut need);
+    let st = unsafe { gradacc_accumulator_save_window(acc, null_mut(), 0, &mut need) };
     if !world.check("gradacc_accumulator_save_window", st, ok_state) {
         return;
     }
@@ -1200,7 +1201,7 @@ fn save_window(world: &mut World, input: &mut Input) {
     let mut len = 0usize;
     let capacity = if short { need - 1 } else { need };
     let null_len = input.u8() % 16 == 0;
-    let st = gradacc_accumulator_save_window(acc, buf.as_mut_ptr(), capacity, if null_len { null_mut() } else { &mut len });
+    let st = unsafe { gradacc_accumulator_save_window(acc, buf.as_mut_ptr(), capacity, if null_len { null_mut() } else { &mut len }) };
     if world.check("gradacc_accumulator_save_window", st, !short && !null_len) {
         assert_eq!(len, need);
         world.windows.push(buf);
@@ -1219,7 +1220,7 @@ fn load_window(world: &mut World, input: &mut Input) {
     };
     let damage = mutate(input, &mut bytes);
     let null_bytes = input.u8() % 16 == 0;
-    let st = gradacc_accumulator_load_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len());
+    let st = unsafe { gradacc_accumulator_load_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len()) };
     let decoded = ai.and_then(|i| {
         let a = &world.accs[i];
         if null_bytes || matches!(a.w.phase, Phase::InMicrobatch(_)) || damage == Some(usize::MAX) {
@@ -1237,14 +1238,14 @@ fn load_window(world: &mut World, input: &mut Input) {
 fn scaler_save(world: &mut World, input: &mut Input) {
     let (s, si) = world.scaler_arg(input);
     let mut need = 0usize;
-    let st = gradacc_scaler_save(s, null_mut(), 0, &mut need);
+    let st = unsafe { gradacc_scaler_save(s, null_mut(), 0, &mut need) };
     if !world.check("gradacc_scaler_save", st, si.is_some()) {
         return;
     }
     let short = input.u8() % 8 == 0;
     let mut buf = vec![0u8; need];
     let mut len = 0;
-    let st = gradacc_scaler_save(s, buf.as_mut_ptr(), if short { need / 2 } else { need }, &mut len);
+    let st = unsafe { gradacc_scaler_save(s, buf.as_mut_ptr(), if short { need / 2 } else { need }, &mut len) };
     if world.check("gradacc_scaler_save", st, !short) {
         assert_eq!(decode_scaler(&buf), Some(world.scalers[si.unwrap()].1), "saved scaler state differs from the model");
         world.scaler_states.push(buf);
@@ -1263,7 +1264,7 @@ fn scaler_load(world: &mut World, input: &mut Input) {
     };
     mutate(input, &mut bytes);
     let decoded = decode_scaler(&bytes);
-    let st = gradacc_scaler_load(s, bytes.as_ptr(), bytes.len());
+    let st = unsafe { gradacc_scaler_load(s, bytes.as_ptr(), bytes.len()) };
     if world.check("gradacc_scaler_load", st, si.is_some() && decoded.is_some()) {
         world.scalers[si.unwrap()].1 = decoded.unwrap();
     } else if si.is_some() {
@@ -1287,7 +1288,7 @@ fn scale_loss(world: &mut World, input: &mut Input) {
     };
     let null_ptr = input.u8() % 16 == 0;
     let ptr = if null_ptr { null_mut() } else { g.ptr() as *mut c_void };
-    let st = gradacc_scaler_scale_loss(s, ptr, numel_arg, dtype_raw);
+    let st = unsafe { gradacc_scaler_scale_loss(s, ptr, numel_arg, dtype_raw) };
     let want = si.is_some() && dtype == dtype_raw && !misalign && !huge && !null_ptr;
     if world.check("gradacc_scaler_scale_loss", st, want) && dtype == GRADACC_DTYPE_F32 {
         let scale = world.scalers[si.unwrap()].1.scale;
@@ -1305,7 +1306,7 @@ fn queries(world: &mut World, input: &mut Input) {
         0 => {
             let (s, si) = world.scaler_arg(input);
             let mut v = -1.0f32;
-            let st = gradacc_scaler_scale(s, if null_out { null_mut() } else { &mut v });
+            let st = unsafe { gradacc_scaler_scale(s, if null_out { null_mut() } else { &mut v }) };
             if world.check("gradacc_scaler_scale", st, si.is_some() && !null_out) {
                 assert_eq!(v, world.scalers[si.unwrap()].1.scale, "scale");
             } else {
@@ -1321,7 +1322,7 @@ fn queries(world: &mut World, input: &mut Input) {
                 growths: 99,
                 backoffs: 99,
             };
-            let st = gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v });
+            let st = unsafe { gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v }) };
             if world.check("gradacc_scaler_stats", st, si.is_some() && !null_out) {
                 assert_eq!([v.steps, v.skipped_steps, v.growths, v.backoffs], world.scalers[si.unwrap()].1.stats, "stats");
             } else {
@@ -1331,7 +1332,7 @@ fn queries(world: &mut World, input: &mut Input) {
         2 => {
             let (a, ai) = world.acc_arg(input);
             let mut v = 77usize;
-            let st = gradacc_accumulator_num_tensors(a, if null_out { null_mut() } else { &mut v });
+            let st = unsafe { gradacc_accumulator_num_tensors(a, if null_out { null_mut() } else { &mut v }) };
             if world.check("gradacc_accumulator_num_tensors", st, ai.is_some() && !null_out) {
                 assert_eq!(v, world.accs[ai.unwrap()].numels.len());
             } else {
@@ -1343,7 +1344,7 @@ fn queries(world: &mut World, input: &mut Input) {
             let index = input.below(6);
             let mut p: *mut f32 = 0x3 as *mut f32;
             let mut len = 77usize;
-            let st = gradacc_accumulator_master(a, index, if null_out { null_mut() } else { &mut p }, &mut len);
+            let st = unsafe { gradacc_accumulator_master(a, index, if null_out { null_mut() } else { &mut p }, &mut len) };
             let want = !null_out && ai.is_some_and(|i| index < world.accs[i].numels.len());
             if world.check("gradacc_accumulator_master", st, want) {
                 assert_eq!(len, world.accs[ai.unwrap()].numels[index]);
@@ -1355,11 +1356,11 @@ fn queries(world: &mut World, input: &mut Input) {
             let (c, ci) = world.comm_arg(input);
             let mut r = 77i32;
             let mut w = 77i32;
-            let st = gradacc_comm_rank(c, if null_out { null_mut() } else { &mut r });
+            let st = unsafe { gradacc_comm_rank(c, if null_out { null_mut() } else { &mut r }) };
             if world.check("gradacc_comm_rank", st, ci.is_some() && !null_out) {
                 assert_eq!(r as usize, world.comms[ci.unwrap()].1);
             }
-            let st = gradacc_comm_world_size(c, &mut w);
+            let st = unsafe { gradacc_comm_world_size(c, &mut w) };
             if world.check("gradacc_comm_world_size", st, ci.is_some()) {
                 assert_eq!(w as usize, world.comms[ci.unwrap()].2);
             }
@@ -1382,7 +1383,7 @@ fn comm_create(world: &mut World, input: &mut Input) {
         return;
     }
     let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size as usize } else { 1 }];
-    let st = gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() });
+    let st = unsafe { gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() }) };
     if world.check("gradacc_comm_create_local", st, valid && !null_out) {
         for (r, h) in out.into_iter().enumerate() {
             world.comms.push((h, r, world_size as usize));
@@ -1432,14 +1433,14 @@ fuzz_target!(|data: &[u8]| {
     }
     // Every object goes, so runs do not pile objects up; each destroy must succeed once and only once.
     for (h, _) in world.scalers.drain(..) {
-        assert_eq!(gradacc_scaler_destroy(h), GRADACC_STATUS_OK);
-        assert_eq!(gradacc_scaler_destroy(h), GRADACC_STATUS_INVALID_HANDLE);
+        assert_eq!(unsafe { gradacc_scaler_destroy(h) }, GRADACC_STATUS_OK);
+        assert_eq!(unsafe { gradacc_scaler_destroy(h) }, GRADACC_STATUS_INVALID_HANDLE);
     }
     for a in world.accs.drain(..) {
-        assert_eq!(gradacc_accumulator_destroy(a.handle), GRADACC_STATUS_OK);
-        assert_eq!(gradacc_accumulator_destroy(a.handle), GRADACC_STATUS_INVALID_HANDLE);
+        assert_eq!(unsafe { gradacc_accumulator_destroy(a.handle) }, GRADACC_STATUS_OK);
+        assert_eq!(unsafe { gradacc_accumulator_destroy(a.handle) }, GRADACC_STATUS_INVALID_HANDLE);
     }
     for (h, _, _) in world.comms.drain(..) {
-        assert_eq!(gradacc_comm_destroy(h), GRADACC_STATUS_OK);
+        assert_eq!(unsafe { gradacc_comm_destroy(h) }, GRADACC_STATUS_OK);
     }
 });

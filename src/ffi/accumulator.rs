@@ -101,9 +101,10 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_accumulator_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_accumulator_config_t) -> gradacc_status_t {
     guard("gradacc_accumulator_config_default", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         let d = AccumulatorConfig::default();
         *out = gradacc_accumulator_config_t {
             struct_size: size_of::<gradacc_accumulator_config_t>(),
@@ -124,6 +125,7 @@ fn creation_args(
     n: usize,
     device: *const gradacc_device_t,
 ) -> CallResult<(AccumulatorConfig, Vec<TensorDesc>, Device)> {
+    // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API contract).
     let config = if config.is_null() { AccumulatorConfig::default() } else { config_from_c(&unsafe { read_config(config, "config")? })? };
     if tensors.is_null() {
         return Err(null("tensors"));
@@ -131,6 +133,7 @@ fn creation_args(
     if n == 0 {
         return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor").into());
     }
+    // SAFETY: non-null, and by the API contract `n` descriptors.
     let raw = unsafe { std::slice::from_raw_parts(tensors, n) };
     let descs = raw
         .iter()
@@ -152,7 +155,7 @@ fn creation_args(
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy.
 /// Thread safety: any thread. See each function for what may run concurrently on the result.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_create(
+pub unsafe extern "C" fn gradacc_accumulator_create(
     config: *const gradacc_accumulator_config_t,
     tensors: *const gradacc_tensor_desc_t,
     n: usize,
@@ -160,7 +163,8 @@ pub extern "C" fn gradacc_accumulator_create(
     out: *mut *mut gradacc_accumulator_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_create", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         let (config, descs, device) = creation_args(config, tensors, n, device)?;
         *out = ACCUMULATORS.insert(Arc::new(Accumulator::on(device, config, &descs)?));
         Ok(())
@@ -174,7 +178,7 @@ pub extern "C" fn gradacc_accumulator_create(
 /// Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
 /// Thread safety: as gradacc_accumulator_create.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_create_with_buffer(
+pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
     config: *const gradacc_accumulator_config_t,
     tensors: *const gradacc_tensor_desc_t,
     n: usize,
@@ -184,7 +188,8 @@ pub extern "C" fn gradacc_accumulator_create_with_buffer(
     out: *mut *mut gradacc_accumulator_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_create_with_buffer", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         let (config, descs, device) = creation_args(config, tensors, n, device)?;
         if master.is_null() {
             return Err(null("master"));
@@ -202,7 +207,7 @@ pub extern "C" fn gradacc_accumulator_create_with_buffer(
 ///
 /// Thread safety: any thread, once no other call uses the accumulator.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
     guard("gradacc_accumulator_destroy", || {
         if !acc.is_null() {
             ACCUMULATORS.remove(acc, "acc")?;
@@ -225,7 +230,7 @@ pub extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -
 /// Thread safety: serialised with every other call on `acc`; buffers are read during the call only
 /// (on CUDA: by the stream's work).
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_add(
+pub unsafe extern "C" fn gradacc_accumulator_add(
     acc: *mut gradacc_accumulator_t,
     scaler: *const gradacc_scaler_t,
     grads: *const *const c_void,
@@ -257,7 +262,7 @@ pub extern "C" fn gradacc_accumulator_add(
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
     guard("gradacc_accumulator_begin_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count)?))
 }
 
@@ -271,7 +276,7 @@ pub extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumul
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_begin_final_microbatch(
+pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
     acc: *mut gradacc_accumulator_t,
     count: u64,
     comm: *mut gradacc_comm_t,
@@ -292,7 +297,7 @@ pub extern "C" fn gradacc_accumulator_begin_final_microbatch(
 /// threads can round differently from run to run: for reproducible bits, give each tensor's
 /// contributions from one thread); not concurrently with other calls on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_add_tensor(
+pub unsafe extern "C" fn gradacc_accumulator_add_tensor(
     acc: *mut gradacc_accumulator_t,
     scaler: *const gradacc_scaler_t,
     index: usize,
@@ -307,6 +312,8 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
         if grad.is_null() {
             return Err(null("grad"));
         }
+        // SAFETY: `grad` holds `numel` values of the tensor's dtype (API contract);
+        // `add_tensor_raw` checks its alignment, size and count before use.
         Ok(unsafe { a.add_tensor_raw(&s, index, grad, numel) }?)
     })
 }
@@ -316,7 +323,7 @@ pub extern "C" fn gradacc_accumulator_add_tensor(
 /// Thread safety: serialised with every other call on `acc`; call it after every
 /// gradacc_accumulator_add_tensor of the micro-batch has returned.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
     guard("gradacc_accumulator_end_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.end_microbatch()?))
 }
 
@@ -340,7 +347,7 @@ pub extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulat
 /// Thread safety: serialised with every other call on `acc`; one call per rank, each on its
 /// rank's thread.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_sync(
+pub unsafe extern "C" fn gradacc_accumulator_sync(
     acc: *mut gradacc_accumulator_t,
     comm: *mut gradacc_comm_t,
     out_info: *mut gradacc_sync_info_t,
@@ -362,17 +369,20 @@ pub extern "C" fn gradacc_accumulator_sync(
             return Ok(a.sync_enqueue(comm)?);
         }
         let info = a.sync(comm)?;
-        write_out_struct(
-            out_info,
-            gradacc_sync_info_t {
-                struct_size: 0,
-                found_inf: info.found_inf,
-                total_count: info.total_count,
-                microbatches: info.microbatches,
-                grad_norm: info.grad_norm,
-                clip_coef: info.clip_coef,
-            },
-        );
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        unsafe {
+            write_out_struct(
+                out_info,
+                gradacc_sync_info_t {
+                    struct_size: 0,
+                    found_inf: info.found_inf,
+                    total_count: info.total_count,
+                    microbatches: info.microbatches,
+                    grad_norm: info.grad_norm,
+                    clip_coef: info.clip_coef,
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -384,7 +394,7 @@ pub extern "C" fn gradacc_accumulator_sync(
 ///
 /// Thread safety: any thread; reading through the pointer must not overlap calls that add.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_master(
+pub unsafe extern "C" fn gradacc_accumulator_master(
     acc: *const gradacc_accumulator_t,
     index: usize,
     out_data: *mut *mut f32,
@@ -392,8 +402,10 @@ pub extern "C" fn gradacc_accumulator_master(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_master", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let p = out_ptr(out_data, "out_data")?;
-        let n = out_ptr(out_numel, "out_numel")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let p = unsafe { out_ptr(out_data, "out_data") }?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let n = unsafe { out_ptr(out_numel, "out_numel") }?;
         let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;
         *n = len;
@@ -405,10 +417,11 @@ pub extern "C" fn gradacc_accumulator_master(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulator_t, out: *mut usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulator_t, out: *mut usize) -> gradacc_status_t {
     guard("gradacc_accumulator_num_tensors", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        *out_ptr(out, "out")? = a.tensors().len();
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        *unsafe { out_ptr(out, "out") }? = a.tensors().len();
         Ok(())
     })
 }
@@ -418,10 +431,15 @@ pub extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulato
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, index: usize, out: *mut gradacc_tensor_desc_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_tensor(
+    acc: *const gradacc_accumulator_t,
+    index: usize,
+    out: *mut gradacc_tensor_desc_t,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         let d = a
             .tensors()
             .get(index)
@@ -435,7 +453,7 @@ pub extern "C" fn gradacc_accumulator_tensor(acc: *const gradacc_accumulator_t, 
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
     guard("gradacc_accumulator_reset", || Ok(ACCUMULATORS.get(acc, "acc")?.reset()?))
 }
 
@@ -446,13 +464,14 @@ pub extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> 
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_save_window(
+pub unsafe extern "C" fn gradacc_accumulator_save_window(
     acc: *const gradacc_accumulator_t,
     buf: *mut u8,
     capacity: usize,
     out_len: *mut usize,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_save_window", || write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len))
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    guard("gradacc_accumulator_save_window", || unsafe { write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len) })
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
@@ -460,8 +479,9 @@ pub extern "C" fn gradacc_accumulator_save_window(
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_accumulator_load_window", || {
+        // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).
         let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
         Ok(ACCUMULATORS.get(acc, "acc")?.load_window(bytes)?)
     })

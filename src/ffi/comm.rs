@@ -61,7 +61,7 @@ pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(||
 /// the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
 /// in every sync, or the others wait for it.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_create_local", || {
         if out_comms.is_null() {
             return Err(null("out_comms"));
@@ -85,7 +85,7 @@ pub extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mu
 ///
 /// Thread safety: any thread, once no call uses the handle.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_destroy", || {
         if !comm.is_null() {
             COMMS.remove(comm, "comm")?;
@@ -99,10 +99,11 @@ pub extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_sta
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_rank", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = rank_to_c(c.rank());
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        *unsafe { out_ptr(out, "out") }? = rank_to_c(c.rank());
         Ok(())
     })
 }
@@ -111,10 +112,11 @@ pub extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) 
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
     guard("gradacc_comm_world_size", || {
         let c = COMMS.get(comm, "comm")?;
-        *out_ptr(out, "out")? = rank_to_c(c.world_size());
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        *unsafe { out_ptr(out, "out") }? = rank_to_c(c.world_size());
         Ok(())
     })
 }
@@ -126,9 +128,10 @@ pub extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mut bool) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mut bool) -> gradacc_status_t {
     guard("gradacc_backend_available", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         *out = match backend {
             GRADACC_BACKEND_LOCAL => true,
             GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
@@ -145,9 +148,10 @@ pub extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mu
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
     guard("gradacc_mpi_config_default", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>() };
         Ok(())
     })
@@ -179,13 +183,14 @@ pub extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> 
 /// runs its collectives one at a time in the process, which MPI_THREAD_SERIALIZED needs; with
 /// FUNNELED or SINGLE, make every gradacc MPI call from the thread that makes the caller's.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_create_mpi(
+pub unsafe extern "C" fn gradacc_comm_create_mpi(
     fortran_comm: i64,
     config: *const gradacc_mpi_config_t,
     out_comm: *mut *mut gradacc_comm_t,
 ) -> gradacc_status_t {
     guard("gradacc_comm_create_mpi", || {
-        let out = out_ptr(out_comm, "out_comm")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_comm, "out_comm") }?;
         if !config.is_null() {
             // SAFETY: non-null; read_config checks the declared size first.
             unsafe { read_config(config, "config")? };
@@ -217,9 +222,10 @@ pub extern "C" fn gradacc_comm_create_mpi(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
     guard("gradacc_nccl_unique_id", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         *out = gradacc_nccl_unique_id_t { internal: nccl::unique_id()? };
         Ok(())
     })
@@ -238,7 +244,7 @@ pub extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> 
 /// from backward hooks, another accumulator's sync) run one at a time; every rank must still
 /// issue them in the same order.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_create_nccl(
+pub unsafe extern "C" fn gradacc_comm_create_nccl(
     id: *const gradacc_nccl_unique_id_t,
     rank: i32,
     world_size: i32,
@@ -246,7 +252,8 @@ pub extern "C" fn gradacc_comm_create_nccl(
     out_comm: *mut *mut gradacc_comm_t,
 ) -> gradacc_status_t {
     guard("gradacc_comm_create_nccl", || {
-        let out = out_ptr(out_comm, "out_comm")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_comm, "out_comm") }?;
         // SAFETY: points to a gradacc_nccl_unique_id_t when non-null (API contract).
         let id = unsafe { id.as_ref() }.ok_or_else(|| null("id"))?;
         if world_size < 1 || rank < 0 || rank >= world_size {
@@ -271,9 +278,10 @@ pub extern "C" fn gradacc_comm_create_nccl(
 /// Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
 /// the communicator concurrently with a gradacc call on it.
 #[no_mangle]
-pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_comm: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_comm: *mut *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_adopt_nccl", || {
-        let out = out_ptr(out_comm, "out_comm")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_comm, "out_comm") }?;
         if nccl_comm.is_null() {
             return Err(null("nccl_comm"));
         }
@@ -292,6 +300,6 @@ pub extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_
 /// Thread safety: any thread, also while another thread is blocked in a sync on the communicator
 /// (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
 #[no_mangle]
-pub extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_abort", || Ok(COMMS.get(comm, "comm")?.abort()?))
 }

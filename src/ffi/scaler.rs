@@ -84,9 +84,10 @@ impl From<&gradacc_scaler_config_t> for ScalerConfig {
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_t) -> gradacc_status_t {
     guard("gradacc_scaler_config_default", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         let d = ScalerConfig::default();
         *out = gradacc_scaler_config_t {
             struct_size: size_of::<gradacc_scaler_config_t>(),
@@ -113,13 +114,15 @@ pub extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_
 /// Thread safety: any thread. The new scaler may be used from several threads: reads and
 /// gradacc_scaler_update are internally serialised.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_create(
+pub unsafe extern "C" fn gradacc_scaler_create(
     config: *const gradacc_scaler_config_t,
     device: *const gradacc_device_t,
     out: *mut *mut gradacc_scaler_t,
 ) -> gradacc_status_t {
     guard("gradacc_scaler_create", || {
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API contract).
         let config = if config.is_null() { ScalerConfig::default() } else { (&unsafe { read_config(config, "config")? }).into() };
         *out = SCALERS.insert(Arc::new(Scaler::on(parse_device(device)?, config)?));
         Ok(())
@@ -131,7 +134,7 @@ pub extern "C" fn gradacc_scaler_create(
 ///
 /// Thread safety: any thread, once no other call uses the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> gradacc_status_t {
     guard("gradacc_scaler_destroy", || {
         if !scaler.is_null() {
             SCALERS.remove(scaler, "scaler")?;
@@ -144,10 +147,11 @@ pub extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -> grada
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
     guard("gradacc_scaler_scale", || {
         let s = SCALERS.get(scaler, "scaler")?;
-        let out = out_ptr(out, "out")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
         *out = s.scale()?;
         Ok(())
     })
@@ -159,7 +163,7 @@ pub extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mu
 ///
 /// Thread safety: any thread; `loss` must not be used concurrently.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_scale_loss(
+pub unsafe extern "C" fn gradacc_scaler_scale_loss(
     scaler: *const gradacc_scaler_t,
     loss: *mut c_void,
     numel: usize,
@@ -173,6 +177,8 @@ pub extern "C" fn gradacc_scaler_scale_loss(
         if loss.is_null() {
             return Err(null("loss"));
         }
+        // SAFETY: `loss` holds `numel` writable values of `dtype` (API contract);
+        // `scale_loss_raw` checks its alignment and size, and never dereferences a CUDA address.
         Ok(unsafe { s.scale_loss_raw(loss, numel, dtype, "loss") }?)
     })
 }
@@ -191,7 +197,7 @@ pub extern "C" fn gradacc_scaler_scale_loss(
 /// get_stats, save, or an update with `out_skipped`); with `out_skipped` it waits (a host read).
 /// Thread safety: any thread; serialised with other updates of the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_update(
+pub unsafe extern "C" fn gradacc_scaler_update(
     scaler: *mut gradacc_scaler_t,
     accumulators: *const *const super::accumulator::gradacc_accumulator_t,
     n: usize,
@@ -210,6 +216,7 @@ pub extern "C" fn gradacc_scaler_update(
         let accs = handles.iter().enumerate().map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]"))).collect::<CallResult<Vec<_>>>()?;
         let refs: Vec<&crate::Accumulator> = accs.iter().map(|a| &**a).collect();
         let skipped = s.update_from(&refs, !out_skipped.is_null())?;
+        // SAFETY: a non-null `out_skipped` points to a writable bool (API contract).
         if let (Some(o), Some(skipped)) = (unsafe { out_skipped.as_mut() }, skipped) {
             *o = skipped;
         }
@@ -221,14 +228,17 @@ pub extern "C" fn gradacc_scaler_update(
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
     guard("gradacc_scaler_stats", || {
         let s = SCALERS.get(scaler, "scaler")?.stats()?;
-        write_out(
-            out,
-            "out",
-            gradacc_scaler_stats_t { struct_size: 0, steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
-        )
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        unsafe {
+            write_out(
+                out,
+                "out",
+                gradacc_scaler_stats_t { struct_size: 0, steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+            )
+        }
     })
 }
 
@@ -238,8 +248,14 @@ pub extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mu
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_save(scaler: *const gradacc_scaler_t, buf: *mut u8, capacity: usize, out_len: *mut usize) -> gradacc_status_t {
-    guard("gradacc_scaler_save", || write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len))
+pub unsafe extern "C" fn gradacc_scaler_save(
+    scaler: *const gradacc_scaler_t,
+    buf: *mut u8,
+    capacity: usize,
+    out_len: *mut usize,
+) -> gradacc_status_t {
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    guard("gradacc_scaler_save", || unsafe { write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len) })
 }
 
 /// Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with
@@ -247,9 +263,10 @@ pub extern "C" fn gradacc_scaler_save(scaler: *const gradacc_scaler_t, buf: *mut
 ///
 /// Thread safety: any thread; serialised with other updates of the scaler.
 #[no_mangle]
-pub extern "C" fn gradacc_scaler_load(scaler: *mut gradacc_scaler_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_load(scaler: *mut gradacc_scaler_t, bytes: *const u8, len: usize) -> gradacc_status_t {
     guard("gradacc_scaler_load", || {
         let s = SCALERS.get(scaler, "scaler")?;
+        // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).
         Ok(s.load(unsafe { read_bytes(bytes, len, "bytes")? })?)
     })
 }

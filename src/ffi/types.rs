@@ -96,7 +96,7 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> CallResult<Device
 }
 
 /// Checks an output pointer up front, so a call fails before it changes anything.
-pub(crate) fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> CallResult<&'a mut T> {
+pub(crate) unsafe fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> CallResult<&'a mut T> {
     // SAFETY: non-null, and by the API contract points to writable storage for a T.
     unsafe { ptr.as_mut() }.ok_or_else(|| null(argument))
 }
@@ -147,7 +147,8 @@ macro_rules! versioned {
             impl ConfigDefaults for $t {
                 fn defaults() -> Self {
                     let mut out = std::mem::MaybeUninit::<$t>::uninit();
-                    let status = $default_fn(out.as_mut_ptr());
+                    // SAFETY: the pointer is to writable storage for one struct.
+                    let status = unsafe { $default_fn(out.as_mut_ptr()) };
                     assert!(status == super::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
                     // SAFETY: the default function fills every field on success.
                     unsafe { out.assume_init() }
@@ -236,9 +237,12 @@ pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &st
     if ptr.is_null() {
         return Err(null(argument));
     }
-    let fields = check_struct_size::<T>(std::ptr::read_unaligned(ptr as *const usize), argument)?;
+    // SAFETY: non-null, and every config struct starts with a readable `size_t struct_size`.
+    let fields = check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
     let mut out = T::defaults();
-    std::ptr::copy_nonoverlapping(ptr as *const u8, &mut out as *mut T as *mut u8, fields);
+    // SAFETY: the caller's struct holds `struct_size` >= `fields` readable bytes, and `out` is a
+    // whole T, which is at least `fields` bytes long (checked against the field ends).
+    unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, &mut out as *mut T as *mut u8, fields) };
     Ok(out)
 }
 
@@ -255,7 +259,7 @@ pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> C
 /// Writes `value` into the part of `*ptr` its caller's `struct_size` covers, leaving struct_size
 /// as the caller set it; NULL does nothing. The size was checked by [`check_out_struct`] (a size
 /// that fails the check now writes nothing).
-pub(crate) fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
+pub(crate) unsafe fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
     if ptr.is_null() {
         return;
     }
@@ -270,12 +274,13 @@ pub(crate) fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
 }
 
 /// A required output struct: NULL and struct_size checked, then written as [`write_out_struct`].
-pub(crate) fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> CallResult<()> {
+pub(crate) unsafe fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> CallResult<()> {
     if ptr.is_null() {
         return Err(null(argument));
     }
     check_out_struct(ptr, argument)?;
-    write_out_struct(ptr, value);
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    unsafe { write_out_struct(ptr, value) };
     Ok(())
 }
 
@@ -286,8 +291,9 @@ pub(crate) fn rank_to_c(rank: usize) -> i32 {
 }
 
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
-pub(crate) fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> CallResult<()> {
-    let len_out = out_ptr(out_len, "out_len")?;
+pub(crate) unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> CallResult<()> {
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    let len_out = unsafe { out_ptr(out_len, "out_len") }?;
     if !buf.is_null() {
         if capacity < bytes.len() {
             return Err(
@@ -309,7 +315,8 @@ pub(crate) unsafe fn read_bytes<'a>(ptr: *const u8, len: usize, argument: &str) 
     if ptr.is_null() {
         return Err(null(argument));
     }
-    Ok(std::slice::from_raw_parts(ptr, len))
+    // SAFETY: non-null, and `len` readable bytes by the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
 #[cfg(test)]
@@ -346,18 +353,21 @@ mod tests {
         c.init_scale = 8.0;
         c.growth_interval = 7;
         c.struct_size = std::mem::offset_of!(gradacc_scaler_config_t, growth_interval);
+        // SAFETY: `c` is a whole struct, at least `struct_size` bytes.
         let read = unsafe { read_config(&c, "config") }.unwrap();
         assert_eq!(read.init_scale, 8.0);
         assert_eq!(read.growth_interval, gradacc_scaler_config_t::defaults().growth_interval);
         // Cut after init_scale without padding: 12 bytes, growth_factor not read.
         c.growth_factor = 0.0;
         c.struct_size = 12;
+        // SAFETY: `c` is a whole struct, at least `struct_size` bytes.
         let read = unsafe { read_config(&c, "config") }.unwrap();
         assert_eq!(read.init_scale, 8.0);
         assert_eq!(read.growth_factor, gradacc_scaler_config_t::defaults().growth_factor);
         // Cut after consecutive_hysteresis and padded to 32: the padding is not min_scale's.
         c.min_scale = 0.0;
         c.struct_size = 32;
+        // SAFETY: `c` is a whole struct, at least `struct_size` bytes.
         let read = unsafe { read_config(&c, "config") }.unwrap();
         assert_eq!(read.min_scale, gradacc_scaler_config_t::defaults().min_scale);
     }
