@@ -652,22 +652,13 @@ GRADACC_API
 enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumulator_t *acc);
 
 /**
- * The accumulation boundary. With `comm` (every rank of its group must call this): the control
- * values (item count, micro-batches, overflow flag, layout) are reduced first, then the FP32
- * master is summed over ranks bucket by bucket; with `comm` NULL it is the single-process
- * boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
- * measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
- * same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
- * reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
- *
- * On CUDA (with an NCCL `comm`, or NULL): everything is enqueued on the accumulator's stream and
- * the call returns without waiting when `out_info` is NULL; the info then stays on the device,
- * where gradacc_scaler_update reads it. A non-NULL `out_info` is a host read: the call waits for
- * the stream. A call that fails before communicating (inside a micro-batch, a device mismatch)
- * does not enter NCCL, so the other ranks wait, as in any NCCL program: abort the communicator
- * (gradacc_comm_abort). Layouts are checked across ranks once per communicator (a host wait). A sync right after a
- * sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
- * others' boundary (and reads zeros before the reduction).
+ * The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process).
+ * The ranks agree on counts, overflow and layout first, then the FP32 master is summed bucket
+ * by bucket, normalised (gradacc_normalize_t), measured and, if configured, clipped: every rank
+ * ends with the same bits and the same `*out_info` (may be NULL). If any rank's call is invalid,
+ * every rank fails and nothing is reduced; a window empty on every rank is EMPTY_WINDOW. A sync
+ * right after a sync takes part with an empty window. On CUDA the work is enqueued on the
+ * accumulator's stream and only a non-NULL `out_info` waits; see docs/cuda.md for NCCL's rules.
  *
  * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
  * rank's thread.
@@ -812,18 +803,10 @@ GRADACC_API enum gradacc_status_t gradacc_mpi_config_default(struct gradacc_mpi_
  * MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one). `config` NULL means the
  * defaults. Every rank of the communicator must call this (it is collective).
  *
- * gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
- * caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives
- * come back as GRADACC_STATUS_COMM_FAILURE with MPI's error string. The caller's communicator is
- * not changed and may be freed afterwards. If MPI is not initialised yet, gradacc initialises it
- * (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and then finalises it at process exit, unless
- * the caller did first; an MPI the caller initialised is never finalised by gradacc.
- * The boundary sums each rank's share of the master in rank order (MPI_Alltoallv, then
- * MPI_Allgatherv of the finished shares), so every rank gets the same bits by construction, equal
- * to the in-process communicator's.
- *
- * In a build without MPI (gradacc_backend_available(GRADACC_BACKEND_MPI) says false) it fails
- * with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+ * gradacc works on a duplicate (MPI_Comm_dup) with MPI_ERRORS_RETURN, so MPI errors come back
+ * as GRADACC_STATUS_COMM_FAILURE; it initialises MPI if the caller has not (and then finalises
+ * it at exit). A build without MPI fails with GRADACC_STATUS_BACKEND_UNAVAILABLE. Details, and
+ * how the boundary reduces: docs/mpi.md.
  *
  * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
  * when the caller finalises MPI itself).

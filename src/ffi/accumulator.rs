@@ -327,22 +327,13 @@ pub unsafe extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_ac
     guard("gradacc_accumulator_end_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.end_microbatch()?))
 }
 
-/// The accumulation boundary. With `comm` (every rank of its group must call this): the control
-/// values (item count, micro-batches, overflow flag, layout) are reduced first, then the FP32
-/// master is summed over ranks bucket by bucket; with `comm` NULL it is the single-process
-/// boundary. Then the master is normalised (see gradacc_normalize_t), its global L2 norm
-/// measured and, if configured, clipped. Every rank ends with bitwise-identical masters and the
-/// same `*out_info` (may be NULL). If any rank's call is invalid, every rank fails and nothing is
-/// reduced; an empty global window fails with GRADACC_STATUS_EMPTY_WINDOW.
-///
-/// On CUDA (with an NCCL `comm`, or NULL): everything is enqueued on the accumulator's stream and
-/// the call returns without waiting when `out_info` is NULL; the info then stays on the device,
-/// where gradacc_scaler_update reads it. A non-NULL `out_info` is a host read: the call waits for
-/// the stream. A call that fails before communicating (inside a micro-batch, a device mismatch)
-/// does not enter NCCL, so the other ranks wait, as in any NCCL program: abort the communicator
-/// (gradacc_comm_abort). Layouts are checked across ranks once per communicator (a host wait). A sync right after a
-/// sync closes a new, empty window: a rank with no micro-batch this time still takes part in the
-/// others' boundary (and reads zeros before the reduction).
+/// The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process).
+/// The ranks agree on counts, overflow and layout first, then the FP32 master is summed bucket
+/// by bucket, normalised (gradacc_normalize_t), measured and, if configured, clipped: every rank
+/// ends with the same bits and the same `*out_info` (may be NULL). If any rank's call is invalid,
+/// every rank fails and nothing is reduced; a window empty on every rank is EMPTY_WINDOW. A sync
+/// right after a sync takes part with an empty window. On CUDA the work is enqueued on the
+/// accumulator's stream and only a non-NULL `out_info` waits; see docs/cuda.md for NCCL's rules.
 ///
 /// Thread safety: serialised with every other call on `acc`; one call per rank, each on its
 /// rank's thread.

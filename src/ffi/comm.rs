@@ -163,18 +163,10 @@ pub unsafe extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config
 /// MPI.jl (`comm.val` alone is MPI.jl's C handle, not this one). `config` NULL means the
 /// defaults. Every rank of the communicator must call this (it is collective).
 ///
-/// gradacc duplicates the communicator (MPI_Comm_dup), so its traffic never mixes with the
-/// caller's, and sets MPI_ERRORS_RETURN on the duplicate only: MPI errors in gradacc's collectives
-/// come back as GRADACC_STATUS_COMM_FAILURE with MPI's error string. The caller's communicator is
-/// not changed and may be freed afterwards. If MPI is not initialised yet, gradacc initialises it
-/// (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and then finalises it at process exit, unless
-/// the caller did first; an MPI the caller initialised is never finalised by gradacc.
-/// The boundary sums each rank's share of the master in rank order (MPI_Alltoallv, then
-/// MPI_Allgatherv of the finished shares), so every rank gets the same bits by construction, equal
-/// to the in-process communicator's.
-///
-/// In a build without MPI (gradacc_backend_available(GRADACC_BACKEND_MPI) says false) it fails
-/// with GRADACC_STATUS_BACKEND_UNAVAILABLE.
+/// gradacc works on a duplicate (MPI_Comm_dup) with MPI_ERRORS_RETURN, so MPI errors come back
+/// as GRADACC_STATUS_COMM_FAILURE; it initialises MPI if the caller has not (and then finalises
+/// it at exit). A build without MPI fails with GRADACC_STATUS_BACKEND_UNAVAILABLE. Details, and
+/// how the boundary reduces: docs/mpi.md.
 ///
 /// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy (before MPI_Finalize
 /// when the caller finalises MPI itself).

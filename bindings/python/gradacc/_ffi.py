@@ -207,7 +207,7 @@ gradacc_accumulator_end_microbatch.restype = gradacc_status_t
 gradacc_accumulator_end_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t)]
 # arguments: acc
 
-# The accumulation boundary.
+# The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process).
 gradacc_accumulator_sync = dll.gradacc_accumulator_sync
 gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]

@@ -199,7 +199,7 @@ function gradacc_accumulator_end_microbatch(acc)
     ccall((:gradacc_accumulator_end_microbatch, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
 end
 
-"The accumulation boundary."
+"The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process)."
 function gradacc_accumulator_sync(acc, comm, out_info)
     # blocks: GC-safe call
     fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_sync)
