@@ -200,6 +200,11 @@ typedef enum gradacc_status_t {
      * device that fell off the bus); the message carries the driver's own text.
      */
     GRADACC_STATUS_DEVICE_FAILURE = 16,
+    /**
+     * A collective did not complete within the communicator's timeout (gradacc_comm_set_timeout);
+     * the communicator was aborted, and the message names the phase and how long it waited.
+     */
+    GRADACC_STATUS_TIMEOUT = 17,
 } gradacc_status_t;
 
 /**

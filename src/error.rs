@@ -29,6 +29,9 @@ pub enum ErrorKind {
     BackendUnavailable,
     /// The communicator failed, or ranks disagreed in a way that makes the collective meaningless.
     CommFailure,
+    /// A collective did not complete within the communicator's timeout; the communicator was
+    /// aborted.
+    Timeout,
     /// Another rank of the collective reported an error, so this rank did not complete it either.
     PeerFailure,
     /// Serialised state is corrupt, truncated, or of an unknown version.

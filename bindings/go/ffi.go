@@ -42,6 +42,7 @@ const (
 	StatusBackendUnavailable Status = C.GRADACC_STATUS_BACKEND_UNAVAILABLE
 	StatusCommFailure        Status = C.GRADACC_STATUS_COMM_FAILURE
 	StatusPeerFailure        Status = C.GRADACC_STATUS_PEER_FAILURE
+	StatusTimeout            Status = C.GRADACC_STATUS_TIMEOUT
 	StatusCorruptState       Status = C.GRADACC_STATUS_CORRUPT_STATE
 	StatusOutOfMemory        Status = C.GRADACC_STATUS_OUT_OF_MEMORY
 	StatusInternal           Status = C.GRADACC_STATUS_INTERNAL

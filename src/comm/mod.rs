@@ -31,6 +31,7 @@ pub use mpi::MpiComm;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use crate::backend::cpu;
 use crate::device::Device;
@@ -115,6 +116,9 @@ impl ControlSum {
     }
 }
 
+/// How long a collective waits for the other ranks by default: PyTorch's process groups' default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// One rank's endpoint of a data-parallel group.
 pub trait Communicator: Send + Sync {
     /// This rank's index, in `0..world_size()`.
@@ -131,10 +135,21 @@ pub trait Communicator: Send + Sync {
     /// What it reduces, and how (see the module documentation).
     fn collectives(&self) -> Collectives<'_>;
 
-    /// Stops this rank's use of the group: calls waiting in it, on any thread, fail, and so does
-    /// every later call. The default refuses: the communicator cannot be interrupted.
+    /// Stops this rank's use of the group: calls waiting in it, on any thread, fail with
+    /// COMM_FAILURE, and so does every later call. Idempotent.
     fn abort(&self) -> Result<()> {
-        Err(Error::new(ErrorKind::WrongState, "only NCCL communicators can be aborted"))
+        Err(Error::new(ErrorKind::WrongState, "this communicator cannot be aborted"))
+    }
+
+    /// How long a collective may wait for the other ranks before it fails with TIMEOUT and aborts
+    /// the communicator; `None` waits forever. [`DEFAULT_TIMEOUT`] at creation.
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Sets [`Communicator::timeout`] for the collectives that start after this call.
+    fn set_timeout(&self, _timeout: Option<Duration>) -> Result<()> {
+        Err(Error::new(ErrorKind::WrongState, "this communicator has no timeout"))
     }
 }
 

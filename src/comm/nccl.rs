@@ -22,9 +22,9 @@ use crate::error::{Error, ErrorKind, Result};
 pub const UNIQUE_ID_BYTES: usize = 128;
 
 /// How long a rank waits for the others (to create the communicator, to enqueue a collective, to
-/// finalise it) before it gives up: the default timeout of PyTorch's NCCL process groups. A rank
-/// that starts minutes after the others is normal; one that never comes is a failure.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// finalise it) before it gives up. A rank that starts minutes after the others is normal; one
+/// that never comes is a failure.
+pub use super::DEFAULT_TIMEOUT;
 
 /// The NCCL entry points gradacc calls, resolved from the library cudarc loaded, but typed to
 /// return a plain integer. cudarc declares them returning its `ncclResult_t` enum, and a code

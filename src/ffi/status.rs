@@ -50,12 +50,15 @@ pub enum gradacc_status_t {
     /// The CUDA driver reported an error (a failed launch or copy, an invalid device address, a
     /// device that fell off the bus); the message carries the driver's own text.
     GRADACC_STATUS_DEVICE_FAILURE = 16,
+    /// A collective did not complete within the communicator's timeout (gradacc_comm_set_timeout);
+    /// the communicator was aborted, and the message names the phase and how long it waited.
+    GRADACC_STATUS_TIMEOUT = 17,
 }
 
 pub use gradacc_status_t::*;
 
 /// Every status with its name and meaning, in code order.
-const STATUS_TEXT: [(gradacc_status_t, &CStr); 16] = [
+const STATUS_TEXT: [(gradacc_status_t, &CStr); 17] = [
     (GRADACC_STATUS_NULL_ARGUMENT, c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL"),
     (GRADACC_STATUS_INVALID_ARGUMENT, c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain"),
     (GRADACC_STATUS_INVALID_HANDLE, c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle"),
@@ -72,6 +75,7 @@ const STATUS_TEXT: [(gradacc_status_t, &CStr); 16] = [
     (GRADACC_STATUS_OUT_OF_MEMORY, c"GRADACC_STATUS_OUT_OF_MEMORY: an allocation failed"),
     (GRADACC_STATUS_INTERNAL, c"GRADACC_STATUS_INTERNAL: internal error in gradacc"),
     (GRADACC_STATUS_DEVICE_FAILURE, c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error"),
+    (GRADACC_STATUS_TIMEOUT, c"GRADACC_STATUS_TIMEOUT: a collective did not complete within the communicator's timeout"),
 ];
 
 /// What an exported function fails with: a core error, or one of the two failures only a C
@@ -119,6 +123,7 @@ impl CallError {
             ErrorKind::ScaleAtMinimum => GRADACC_STATUS_SCALE_AT_MINIMUM,
             ErrorKind::BackendUnavailable => GRADACC_STATUS_BACKEND_UNAVAILABLE,
             ErrorKind::CommFailure => GRADACC_STATUS_COMM_FAILURE,
+            ErrorKind::Timeout => GRADACC_STATUS_TIMEOUT,
             ErrorKind::PeerFailure => GRADACC_STATUS_PEER_FAILURE,
             ErrorKind::CorruptState => GRADACC_STATUS_CORRUPT_STATE,
             ErrorKind::OutOfMemory => GRADACC_STATUS_OUT_OF_MEMORY,

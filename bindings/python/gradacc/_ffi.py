@@ -31,6 +31,7 @@ GRADACC_STATUS_CORRUPT_STATE = 13  # Saved state bytes are corrupt, truncated, f
 GRADACC_STATUS_OUT_OF_MEMORY = 14  # An allocation failed.
 GRADACC_STATUS_INTERNAL = 15  # An internal error (a bug in gradacc); the message says where.
 GRADACC_STATUS_DEVICE_FAILURE = 16  # The CUDA driver reported an error (a failed launch or copy, an invalid device address, a device that fell off the bus); the message carries the driver's own text.
+GRADACC_STATUS_TIMEOUT = 17  # A collective did not complete within the communicator's timeout (gradacc_comm_set_timeout); the communicator was aborted, and the message names the phase and how long it waited.
 GRADACC_LOSS_REDUCTION_MEAN = 0  # The loss is the mean over the micro-batch's items (default).
 GRADACC_LOSS_REDUCTION_SUM = 1  # The loss is the sum over the micro-batch's items.
 GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and ranks (default): the gradient of the mean loss over every item of the effective batch.
