@@ -869,10 +869,31 @@ enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm,
                                               struct gradacc_comm_t **out_comm);
 
 /**
- * Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
- * when a peer died and a sync would wait forever), and later syncs fail with
- * GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
- * adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
+ * Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails
+ * with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator.
+ * 0 waits forever; the default is 600 (10 minutes). Applies to collectives that start later.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_comm_set_timeout(struct gradacc_comm_t *comm,
+                                               double seconds);
+
+/**
+ * Writes `comm`'s timeout in seconds to `*out` (0: it waits forever).
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_comm_timeout(const struct gradacc_comm_t *comm,
+                                           double *out);
+
+/**
+ * Aborts this rank's communicator, of any backend: a sync waiting in it on any thread, and every
+ * later one, fails with GRADACC_STATUS_COMM_FAILURE (use it when a peer died). In-process, every
+ * rank of the group fails; with MPI, this rank stops waiting (MPI itself is not aborted). The
+ * handle still needs gradacc_comm_destroy. An adopted NCCL communicator fails with
+ * GRADACC_STATUS_WRONG_STATE (abort it with ncclCommAbort).
  *
  * Thread safety: any thread, also while another thread is blocked in a sync on the communicator
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).

@@ -204,8 +204,8 @@ fn nonblocking_config() -> ncclConfig_t {
 /// Polls `state` (ncclCommGetAsyncError's answer) until it leaves ncclInProgress: Ok once it is
 /// ncclSuccess, `error(code)` for an error, a timeout error after `timeout`. Sleeps between
 /// polls, a little longer each time up to 1 ms, so a long wait costs no core.
-fn poll(timeout: Duration, what: &str, mut state: impl FnMut() -> Result<c_int>, error: impl FnOnce(c_int) -> Error) -> Result<()> {
-    let deadline = Instant::now() + timeout;
+fn poll(timeout: Option<Duration>, what: &str, mut state: impl FnMut() -> Result<c_int>, error: impl FnOnce(c_int) -> Error) -> Result<()> {
+    let start = Instant::now();
     let mut pause = Duration::from_micros(10);
     loop {
         match state()? {
@@ -213,9 +213,9 @@ fn poll(timeout: Duration, what: &str, mut state: impl FnMut() -> Result<c_int>,
             IN_PROGRESS => {}
             code => return Err(error(code)),
         }
-        if Instant::now() >= deadline {
+        if let Some(timeout) = timeout.filter(|&t| start.elapsed() >= t) {
             return Err(Error::new(
-                ErrorKind::CommFailure,
+                ErrorKind::Timeout,
                 format!("{what} did not complete within {timeout:?}: a rank failed or never arrived; the communicator is no longer usable"),
             ));
         }
@@ -313,7 +313,8 @@ pub struct NcclComm {
     /// NCCL reported an error or a wait timed out: a peer may be gone, so later calls fail, and
     /// drop aborts instead of finalising (which would wait for the peers).
     failed: AtomicBool,
-    timeout: Duration,
+    /// Milliseconds a call waits for the other ranks; u64::MAX waits forever.
+    timeout_ms: AtomicU64,
     _membership: Option<Membership>,
     /// Process-unique: accumulators remember which communicators they verified their layout with.
     id: u64,
@@ -371,7 +372,7 @@ impl NcclComm {
             call: Mutex::new(()),
             aborted: AtomicBool::new(false),
             failed: AtomicBool::new(false),
-            timeout,
+            timeout_ms: AtomicU64::new(timeout.as_millis().min(u64::MAX as u128 - 1) as u64),
             _membership: Some(membership),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         };
@@ -395,7 +396,7 @@ impl NcclComm {
             check(api, unsafe { (api.comm_get_async_error)(comm, &mut state) }, "ncclCommGetAsyncError", comm)?;
             Ok(state)
         };
-        poll(DEFAULT_TIMEOUT, what, state, |code| nccl_error(api, code, what, &last_error(api, comm)))?;
+        poll(Some(DEFAULT_TIMEOUT), what, state, |code| nccl_error(api, code, what, &last_error(api, comm)))?;
         let (mut rank, mut count, mut device) = (0, 0, 0);
         // SAFETY: as above; the three queries only read the communicator.
         unsafe {
@@ -416,7 +417,7 @@ impl NcclComm {
             call: Mutex::new(()),
             aborted: AtomicBool::new(false),
             failed: AtomicBool::new(false),
-            timeout: DEFAULT_TIMEOUT,
+            timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
             _membership: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
@@ -439,8 +440,8 @@ impl NcclComm {
     }
 
     /// How long a call waits for the other ranks before it fails.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
+    pub fn timeout(&self) -> Option<Duration> {
+        Some(self.timeout_ms.load(Ordering::Relaxed)).filter(|&ms| ms != u64::MAX).map(Duration::from_millis)
     }
 
     /// Whether [`NcclComm::abort`] ran, or NCCL reported an error (a peer failed) or a wait timed
@@ -545,7 +546,7 @@ impl NcclComm {
     fn finish(&self, code: c_int, what: &str) -> Result<()> {
         let result = match code {
             SUCCESS => return Ok(()),
-            IN_PROGRESS => poll(self.timeout, what, || self.async_state(), |code| self.error(code, what)),
+            IN_PROGRESS => poll(self.timeout(), what, || self.async_state(), |code| self.error(code, what)),
             code => Err(self.error(code, what)),
         };
         if result.is_err() && !self.aborted.load(Ordering::Acquire) {
@@ -662,6 +663,16 @@ impl super::Communicator for NcclComm {
 
     fn abort(&self) -> Result<()> {
         NcclComm::abort(self)
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        NcclComm::timeout(self)
+    }
+
+    fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
+        let ms = timeout.map_or(u64::MAX, |t| t.as_millis().clamp(1, u64::MAX as u128 - 1) as u64);
+        self.timeout_ms.store(ms, Ordering::Relaxed);
+        Ok(())
     }
 }
 

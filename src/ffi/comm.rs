@@ -284,10 +284,40 @@ pub unsafe extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_voi
     })
 }
 
-/// Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it
-/// when a peer died and a sync would wait forever), and later syncs fail with
-/// GRADACC_STATUS_COMM_FAILURE. The handle still needs gradacc_comm_destroy. Other backends and
-/// adopted communicators fail with GRADACC_STATUS_WRONG_STATE.
+/// Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails
+/// with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator.
+/// 0 waits forever; the default is 600 (10 minutes). Applies to collectives that start later.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_comm_set_timeout(comm: *mut gradacc_comm_t, seconds: f64) -> gradacc_status_t {
+    guard("gradacc_comm_set_timeout", || {
+        let c = COMMS.get(comm, "comm")?;
+        if !(seconds.is_finite() && (0.0..=1e9).contains(&seconds)) {
+            return Err(Error::invalid(format!("`seconds` = {seconds} is not in 0..=1e9 (0 waits forever)")).into());
+        }
+        Ok(c.set_timeout((seconds > 0.0).then(|| std::time::Duration::from_secs_f64(seconds)))?)
+    })
+}
+
+/// Writes `comm`'s timeout in seconds to `*out` (0: it waits forever).
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_comm_timeout(comm: *const gradacc_comm_t, out: *mut f64) -> gradacc_status_t {
+    guard("gradacc_comm_timeout", || {
+        let c = COMMS.get(comm, "comm")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        *unsafe { out_ptr(out, "out") }? = c.timeout().map_or(0.0, |t| t.as_secs_f64());
+        Ok(())
+    })
+}
+
+/// Aborts this rank's communicator, of any backend: a sync waiting in it on any thread, and every
+/// later one, fails with GRADACC_STATUS_COMM_FAILURE (use it when a peer died). In-process, every
+/// rank of the group fails; with MPI, this rank stops waiting (MPI itself is not aborted). The
+/// handle still needs gradacc_comm_destroy. An adopted NCCL communicator fails with
+/// GRADACC_STATUS_WRONG_STATE (abort it with ncclCommAbort).
 ///
 /// Thread safety: any thread, also while another thread is blocked in a sync on the communicator
 /// (that sync then fails with GRADACC_STATUS_COMM_FAILURE).

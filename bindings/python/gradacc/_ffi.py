@@ -310,7 +310,19 @@ gradacc_comm_adopt_nccl.restype = gradacc_status_t
 gradacc_comm_adopt_nccl.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
 # arguments: nccl_comm, out_comm
 
-# Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it when a peer died and a sync would wait forever), and later syncs fail with GRADACC_STATUS_COMM_FAILURE.
+# Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator. 0 waits forever; the default is 600 (10 minutes).
+gradacc_comm_set_timeout = dll.gradacc_comm_set_timeout
+gradacc_comm_set_timeout.restype = gradacc_status_t
+gradacc_comm_set_timeout.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.c_double]
+# arguments: comm, seconds
+
+# Writes `comm`'s timeout in seconds to `*out` (0: it waits forever).
+gradacc_comm_timeout = dll.gradacc_comm_timeout
+gradacc_comm_timeout.restype = gradacc_status_t
+gradacc_comm_timeout.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_double)]
+# arguments: comm, out
+
+# Aborts this rank's communicator, of any backend: a sync waiting in it on any thread, and every later one, fails with GRADACC_STATUS_COMM_FAILURE (use it when a peer died).
 gradacc_comm_abort = dll.gradacc_comm_abort
 gradacc_comm_abort.restype = gradacc_status_t
 gradacc_comm_abort.argtypes = [ctypes.POINTER(gradacc_comm_t)]

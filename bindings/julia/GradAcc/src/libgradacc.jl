@@ -348,7 +348,17 @@ function gradacc_comm_adopt_nccl(nccl_comm, out_comm)
     end
 end
 
-"Aborts an NCCL communicator gradacc created: pending and future collectives on it end (use it when a peer died and a sync would wait forever), and later syncs fail with GRADACC_STATUS_COMM_FAILURE."
+"Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator. 0 waits forever; the default is 600 (10 minutes)."
+function gradacc_comm_set_timeout(comm, seconds)
+    ccall((:gradacc_comm_set_timeout, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Cdouble), comm, seconds)
+end
+
+"Writes `comm`'s timeout in seconds to `*out` (0: it waits forever)."
+function gradacc_comm_timeout(comm, out)
+    ccall((:gradacc_comm_timeout, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Ptr{Cdouble}), comm, out)
+end
+
+"Aborts this rank's communicator, of any backend: a sync waiting in it on any thread, and every later one, fails with GRADACC_STATUS_COMM_FAILURE (use it when a peer died)."
 function gradacc_comm_abort(comm)
     # blocks: GC-safe call
     fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_abort)
