@@ -823,7 +823,7 @@ static void test_sync_across_ranks(void)
 
 static void test_status_strings(void)
 {
-    static const char *names[17] = {"GRADACC_STATUS_OK",
+    static const char *names[18] = {"GRADACC_STATUS_OK",
                                     "GRADACC_STATUS_NULL_ARGUMENT",
                                     "GRADACC_STATUS_INVALID_ARGUMENT",
                                     "GRADACC_STATUS_INVALID_HANDLE",
@@ -839,22 +839,23 @@ static void test_status_strings(void)
                                     "GRADACC_STATUS_CORRUPT_STATE",
                                     "GRADACC_STATUS_OUT_OF_MEMORY",
                                     "GRADACC_STATUS_INTERNAL",
-                                    "GRADACC_STATUS_DEVICE_FAILURE"};
-    static const gradacc_status_t codes[17] = {
+                                    "GRADACC_STATUS_DEVICE_FAILURE",
+                                    "GRADACC_STATUS_TIMEOUT"};
+    static const gradacc_status_t codes[18] = {
         GRADACC_STATUS_OK,           GRADACC_STATUS_NULL_ARGUMENT,   GRADACC_STATUS_INVALID_ARGUMENT,
         GRADACC_STATUS_INVALID_HANDLE, GRADACC_STATUS_DTYPE_MISMATCH, GRADACC_STATUS_SIZE_MISMATCH,
         GRADACC_STATUS_DEVICE_MISMATCH, GRADACC_STATUS_WRONG_STATE,   GRADACC_STATUS_EMPTY_WINDOW,
         GRADACC_STATUS_SCALE_AT_MINIMUM, GRADACC_STATUS_BACKEND_UNAVAILABLE, GRADACC_STATUS_COMM_FAILURE,
         GRADACC_STATUS_PEER_FAILURE,  GRADACC_STATUS_CORRUPT_STATE,   GRADACC_STATUS_OUT_OF_MEMORY,
-        GRADACC_STATUS_INTERNAL,      GRADACC_STATUS_DEVICE_FAILURE};
-    for (int i = 0; i < 17; i++) {
+        GRADACC_STATUS_INTERNAL,      GRADACC_STATUS_DEVICE_FAILURE,  GRADACC_STATUS_TIMEOUT};
+    for (int i = 0; i < 18; i++) {
         const char *s = gradacc_status_string(codes[i]);
         size_t len = strlen(names[i]);
         CHECK(s != NULL && strncmp(s, names[i], len) == 0 && (s[len] == ':' || s[len] == '\0'),
               "status %d: \"%s\" should start with %s", codes[i], s ? s : "(null)", names[i]);
         CHECK((int)codes[i] == i, "%s = %d", names[i], (int)codes[i]);
     }
-    static const int32_t unknown[5] = {17, 18, -1, 1000, INT32_MIN};
+    static const int32_t unknown[5] = {18, 19, -1, 1000, INT32_MIN};
     for (int i = 0; i < 5; i++) {
         const char *s = gradacc_status_string(unknown[i]);
         CHECK(s != NULL && strstr(s, "unknown") != NULL, "unknown status %d: \"%s\"", unknown[i], s ? s : "(null)");

@@ -740,6 +740,20 @@ enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator
                                                       size_t len);
 
 /**
+ * Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same
+ * tensors, on any device or rank) into `acc`'s current window: masters add, item counts and
+ * micro-batches add, overflow flags OR. Windows are sums, so work saved on N ranks resumes on M
+ * (4 ranks to 2: each survivor merges one lost rank's window). Corrupt or foreign bytes fail and
+ * leave the accumulator unchanged.
+ *
+ * Thread safety: serialised with every other call on `acc`.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_merge_window(struct gradacc_accumulator_t *acc,
+                                                       const uint8_t *bytes,
+                                                       size_t len);
+
+/**
  * Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
  * per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
  * Reductions sum in rank order, so every rank gets bitwise-identical results.

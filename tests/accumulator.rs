@@ -330,3 +330,106 @@ fn window_checkpoint_resumes_bitwise() {
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
 }
+
+/// Elastic resume: windows saved on 4 ranks, merged into 2 survivors (each merges one lost
+/// rank's window, one of them after a sync, one mid-window, one tensor never written on some
+/// ranks), give the f64 reference of all 4 ranks' work; the overflow flag ORs; corrupt, foreign
+/// and mid-micro-batch merges change nothing.
+#[test]
+fn merged_windows_from_four_ranks_resume_on_two() {
+    let mut rng = Rng::fresh("merged_windows_from_four_ranks_resume_on_two");
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let tensors: Vec<TensorDesc> =
+        (0..rng.range(2, 5)).map(|_| TensorDesc { numel: rng.range(1, 3000) as usize, dtype: dtypes[rng.range(0, 2) as usize] }).collect();
+    let config = AccumulatorConfig { bucket_numel: rng.range(1, 4000) as usize, ..AccumulatorConfig::default() };
+    let scale = 2f32.powi(rng.range(0, 10) as i32);
+    let scaler = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+    // Rank r's micro-batches: (count, per-tensor true gradients or None for a tensor left out).
+    let skipped = rng.range(0, tensors.len() as u64 - 1) as usize;
+    let mut sum = vec![vec![0f64; 0]; tensors.len()];
+    for (t, d) in tensors.iter().enumerate() {
+        sum[t] = vec![0.0; d.numel];
+    }
+    let mut total = 0u64;
+    let mut saved = Vec::new();
+    for rank in 0..4 {
+        let acc = Accumulator::new(config, &tensors).unwrap();
+        for _ in 0..rng.range(1, 3) {
+            let count = rng.range(1, 9);
+            total += count;
+            let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect();
+            let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&values).map(|(d, v)| encode(d.dtype, v, scale)).collect();
+            acc.begin_microbatch(count).unwrap();
+            for (t, d) in tensors.iter().enumerate() {
+                if rank % 2 == 1 && t == skipped {
+                    continue;
+                }
+                let grad = match d.dtype {
+                    Dtype::F32 => Grad::F32(&encoded[t].0),
+                    Dtype::F16 => Grad::F16(&encoded[t].1),
+                    Dtype::Bf16 => Grad::Bf16(&encoded[t].1),
+                };
+                acc.add_tensor(&scaler, t, grad).unwrap();
+                // Mean-reduced micro-batches are weighted by their count.
+                for (s, v) in sum[t].iter_mut().zip(&values[t]) {
+                    *s += decoded(d.dtype, *v, scale) * count as f64;
+                }
+            }
+            acc.end_microbatch().unwrap();
+        }
+        saved.push(acc.save_window().unwrap());
+    }
+    // Two survivors resume: the first from its own save after a fresh start, then merges rank 2's;
+    // the second merges rank 1's into a window that was synced before (it starts anew), then 3's.
+    let comms = LocalComm::group(2).unwrap();
+    let survivors = [Accumulator::new(config, &tensors).unwrap(), Accumulator::new(config, &tensors).unwrap()];
+    survivors[0].load_window(&saved[0]).unwrap();
+    let mut corrupt = saved[2].clone();
+    corrupt[30] ^= 1;
+    assert_eq!(survivors[0].merge_window(&corrupt).unwrap_err().kind, ErrorKind::CorruptState);
+    let other = Accumulator::new(config, &[TensorDesc { numel: 5, dtype: Dtype::F32 }]).unwrap();
+    assert_eq!(other.merge_window(&saved[2]).unwrap_err().kind, ErrorKind::SizeMismatch);
+    survivors[0].merge_window(&saved[2]).unwrap();
+    // The second survivor finished an earlier step: its synced window must not leak into the merge.
+    survivors[1].load_window(&saved[0]).unwrap();
+    survivors[1].sync(None).unwrap();
+    survivors[1].merge_window(&saved[1]).unwrap();
+    survivors[1].begin_microbatch(1).unwrap();
+    assert_eq!(survivors[1].merge_window(&saved[3]).unwrap_err().kind, ErrorKind::WrongState);
+    survivors[1].reset().unwrap();
+    survivors[1].merge_window(&saved[1]).unwrap();
+    survivors[1].merge_window(&saved[3]).unwrap();
+    let infos: Vec<SyncInfo> = std::thread::scope(|s| {
+        let handles: Vec<_> = survivors.iter().zip(&comms).map(|(a, c)| s.spawn(move || a.sync(Some(c)).unwrap())).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(infos[0], infos[1]);
+    assert_eq!(infos[0].total_count, total);
+    assert!(!infos[0].found_inf);
+    for (t, d) in tensors.iter().enumerate() {
+        let got = survivors[0].with_master(t, |m| m.to_vec()).unwrap();
+        for (k, (g, s)) in got.iter().zip(&sum[t]).enumerate() {
+            let want = s / total as f64;
+            // f32 adds of at most ~20 terms of |x| <= 8 (weights up to 8), then one division.
+            assert!((*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "tensor {t} ({:?}) element {k}: {g} vs {want}", d.dtype);
+        }
+    }
+    // An overflow in one saved window ORs into the merged one.
+    let poisoned = Accumulator::new(config, &tensors).unwrap();
+    let inf: Vec<Vec<f32>> = tensors.iter().map(|d| vec![f32::INFINITY; d.numel]).collect();
+    let enc: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&inf).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
+    let grads: Vec<Grad> = tensors
+        .iter()
+        .zip(&enc)
+        .map(|(d, e)| match d.dtype {
+            Dtype::F32 => Grad::F32(&e.0),
+            Dtype::F16 => Grad::F16(&e.1),
+            Dtype::Bf16 => Grad::Bf16(&e.1),
+        })
+        .collect();
+    poisoned.add(&scaler, &grads, 1).unwrap();
+    let clean = Accumulator::new(config, &tensors).unwrap();
+    clean.load_window(&saved[0]).unwrap();
+    clean.merge_window(&poisoned.save_window().unwrap()).unwrap();
+    assert!(clean.sync(None).unwrap().found_inf);
+}

@@ -16,7 +16,7 @@ use cudarc::nccl::sys as nccl_sys;
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Scaler, ScalerConfig, TensorDesc};
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without them the test skips, unless
 /// GRADACC_REQUIRE_GPU=1, which makes it fail.
@@ -180,7 +180,7 @@ fn creation_fails_at_the_deadline_when_a_rank_never_comes() {
         let id = nccl::unique_id().unwrap();
         let start = Instant::now();
         let err = NcclComm::with_timeout(&id, 0, 2, 0, Duration::from_secs(2)).err().expect("a group of 2 was created by one rank");
-        assert_eq!(err.kind, ErrorKind::CommFailure, "{err}");
+        assert_eq!(err.kind, ErrorKind::Timeout, "{err}");
         assert!(err.message.contains("did not complete within"), "{err}");
         let took = start.elapsed();
         assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(10), "gave up after {took:?}");
@@ -366,5 +366,91 @@ fn an_adopted_nonblocking_communicator_syncs() {
             wait_ready(raw);
             assert_eq!(nccl_sys::ncclCommDestroy(raw), nccl_sys::ncclResult_t::ncclSuccess);
         }
+    });
+}
+
+/// One rank of two on device `ordinal`'s own stream, with a window of one micro-batch added.
+/// Fields drop in order: the stream last.
+struct Rank {
+    acc: Accumulator,
+    _scaler: Scaler,
+    _grad: DeviceBuffer,
+    _stream: OwnedStream,
+}
+
+fn rank_with_a_window(ordinal: i32) -> Rank {
+    let ctx = Context::get(ordinal).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal, stream: stream.stream };
+    let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+    let acc = Accumulator::on(device, AccumulatorConfig::default(), &[TensorDesc { numel: 1000, dtype: Dtype::F32 }]).unwrap();
+    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
+    acc.add(&scaler, &[grad.ptr()], 4).unwrap();
+    Rank { acc, _scaler: scaler, _grad: grad, _stream: stream }
+}
+
+/// A rank that never reaches the boundary: the other's sync fails with TIMEOUT once its
+/// communicator's timeout has passed (not before, and within a second after), naming the wait;
+/// the communicator is aborted, and dropping everything does not hang.
+#[test]
+fn a_sync_times_out_when_a_rank_never_comes() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    within(Duration::from_secs(120), "the timeout scenario", || {
+        let id = nccl::unique_id().unwrap();
+        let rank0_done = Arc::new(Barrier::new(2));
+        let rank1 = {
+            let rank0_done = rank0_done.clone();
+            std::thread::spawn(move || {
+                let comm = NcclComm::new(&id, 1, 2, 1).unwrap();
+                rank0_done.wait();
+                drop(comm);
+            })
+        };
+        let comm = NcclComm::new(&id, 0, 2, 0).unwrap();
+        let timeout = Duration::from_millis(700);
+        Communicator::set_timeout(&comm, Some(timeout)).unwrap();
+        assert_eq!(comm.timeout(), Some(timeout));
+        let rank = rank_with_a_window(0);
+        let start = Instant::now();
+        let err = rank.acc.sync(Some(&comm)).expect_err("sync succeeded without rank 1");
+        let waited = start.elapsed();
+        assert_eq!(err.kind, ErrorKind::Timeout, "{err}");
+        assert!(err.message.contains("700ms"), "{err}");
+        assert!(waited >= timeout && waited < timeout + Duration::from_secs(1), "sync returned after {waited:?}");
+        assert!(comm.is_failed());
+        assert_eq!(rank.acc.sync(Some(&comm)).unwrap_err().kind, ErrorKind::CommFailure, "a later sync fails at once");
+        let start = Instant::now();
+        drop(rank);
+        drop(comm);
+        assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
+        rank0_done.wait();
+        rank1.join().unwrap();
+    });
+}
+
+/// A rank destroys its communicator before the boundary (it failed and cleaned up): the other's
+/// sync does not hang; it fails within its timeout, and its own communicator drops promptly.
+#[test]
+fn a_sync_after_a_peer_destroyed_its_communicator_does_not_hang() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    within(Duration::from_secs(120), "the destroyed-peer scenario", || {
+        let id = nccl::unique_id().unwrap();
+        let rank1 = std::thread::spawn(move || drop(NcclComm::new(&id, 1, 2, 1).unwrap()));
+        let comm = NcclComm::new(&id, 0, 2, 0).unwrap();
+        rank1.join().unwrap();
+        Communicator::set_timeout(&comm, Some(Duration::from_millis(500))).unwrap();
+        let rank = rank_with_a_window(0);
+        let start = Instant::now();
+        let err = rank.acc.sync(Some(&comm)).expect_err("sync succeeded without rank 1");
+        assert!(matches!(err.kind, ErrorKind::Timeout | ErrorKind::CommFailure), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(2), "sync returned after {:?}", start.elapsed());
+        let start = Instant::now();
+        drop(rank);
+        drop(comm);
+        assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
     });
 }

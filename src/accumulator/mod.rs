@@ -133,6 +133,15 @@ impl From<CUdeviceptr> for Gradient<'_> {
     }
 }
 
+/// A window read back from [`Accumulator::save_window`]'s bytes.
+struct SavedWindow {
+    count: u64,
+    microbatches: u64,
+    found_inf: bool,
+    written: Vec<bool>,
+    masters: Vec<f32>,
+}
+
 /// What an accumulator is made of besides its window: shared with its store.
 #[derive(Debug)]
 pub(crate) struct Plan {
@@ -475,6 +484,17 @@ impl Accumulator {
     }
 
     fn boundary(&self, comm: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+        let result = self.run_boundary(comm, read);
+        if let (Err(e), Some(c)) = (&result, comm) {
+            // A boundary past its deadline ends this rank's use of the group, on every transport.
+            if e.kind == ErrorKind::Timeout {
+                let _ = c.abort();
+            }
+        }
+        result
+    }
+
+    fn run_boundary(&self, comm: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
         if let Some(c) = comm {
             if let Err(e) = self.check_comm(c) {
                 refuse_boundary(c);
@@ -487,7 +507,14 @@ impl Accumulator {
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
         let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
-        let agreed = self.store.agree(&Proposal { comm, count, microbatches, error })?;
+        let agreed = self.store.agree(&Proposal { comm, count, microbatches, error }).map_err(|e| match e.kind {
+            // Nothing was reduced: the caller may save the window or sync again on a new group.
+            ErrorKind::CommFailure | ErrorKind::Timeout => Error::new(
+                e.kind,
+                format!("control exchange: {}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message),
+            ),
+            _ => e,
+        })?;
         if let Some(t) = &agreed.totals {
             if t.microbatches == 0 {
                 return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
@@ -603,22 +630,69 @@ impl Accumulator {
         let mut w = self.window.write();
         w.between_microbatches("load_window inside a micro-batch: call end_microbatch or reset first")?;
         self.store.check_open()?;
+        let saved = self.parse_window(bytes)?;
+        self.store.write(&saved.masters)?;
+        self.store.set_found_inf(saved.found_inf)?;
+        self.window.restore(&mut w, &saved.written);
+        w.phase = if saved.microbatches == 0 { Phase::Empty } else { Phase::Open };
+        w.count = saved.count;
+        w.microbatches = saved.microbatches;
+        Ok(())
+    }
+
+    /// Adds a window written by [`Accumulator::save_window`] (of an accumulator with the same
+    /// layout, on any device and rank) into the current one: windows are sums, so work saved on N
+    /// ranks resumes on M. Masters add (in f32, the current value first), counts and micro-batches
+    /// add, overflow flags OR; a tensor written in either window counts as written. After a sync
+    /// it starts a new window, as `add` does. On CUDA this waits for the accumulator's stream.
+    /// Corrupt or foreign bytes are rejected and leave the accumulator unchanged.
+    pub fn merge_window(&self, bytes: &[u8]) -> Result<()> {
+        let mut w = self.window.write();
+        w.between_microbatches("merge_window inside a micro-batch: call end_microbatch or reset first")?;
+        self.store.check_open()?;
+        let saved = self.parse_window(bytes)?;
+        self.plan.config.check_count(w.open_count(), saved.count)?;
+        let microbatches = if w.synced() { 0 } else { w.microbatches };
+        if microbatches.checked_add(saved.microbatches).is_none() {
+            return Err(Error::invalid("merge_window: the micro-batch count overflows"));
+        }
+        self.start_window_if_synced(&mut w)?;
+        let mut masters = vec![0.0; self.len()];
+        self.store.read(0..self.len(), &mut masters)?;
+        let mut written = saved.written.clone();
+        for (i, theirs) in saved.written.iter().enumerate() {
+            let mine = self.window.written(&w, i);
+            let r = self.range(i);
+            match (mine, *theirs) {
+                (true, true) => masters[r.clone()].iter_mut().zip(&saved.masters[r]).for_each(|(m, s)| *m += s),
+                (false, true) => masters[r.clone()].copy_from_slice(&saved.masters[r]),
+                _ => {}
+            }
+            written[i] |= mine;
+        }
+        let found_inf = self.store.found_inf()? || saved.found_inf;
+        self.store.write(&masters)?;
+        self.store.set_found_inf(found_inf)?;
+        let (count, microbatches) = (w.count + saved.count, w.microbatches + saved.microbatches);
+        self.window.restore(&mut w, &written);
+        w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
+        w.count = count;
+        w.microbatches = microbatches;
+        Ok(())
+    }
+
+    /// Reads and checks saved window bytes against this accumulator's layout.
+    fn parse_window(&self, bytes: &[u8]) -> Result<SavedWindow> {
         let mut r = state::Reader::open("accumulator window", bytes, WINDOW_MAGIC, WINDOW_VERSION)?;
         if r.u64()? != self.plan.layout.hash() {
             return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
         }
         let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
         let written: Vec<bool> = (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
-        let mut values = Vec::new();
-        r.f32s_into(&mut values, self.len())?;
+        let mut masters = Vec::new();
+        r.f32s_into(&mut masters, self.len())?;
         r.finish()?;
-        self.store.write(&values)?;
-        self.store.set_found_inf(found_inf)?;
-        self.window.restore(&mut w, &written);
-        w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
-        w.count = count;
-        w.microbatches = microbatches;
-        Ok(())
+        Ok(SavedWindow { count, microbatches, found_inf, written, masters })
     }
 
     /// Checks that the window is synced (WRONG_STATE naming `what` otherwise) and returns its

@@ -477,3 +477,19 @@ pub unsafe extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accum
         Ok(ACCUMULATORS.get(acc, "acc")?.load_window(bytes)?)
     })
 }
+
+/// Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same
+/// tensors, on any device or rank) into `acc`'s current window: masters add, item counts and
+/// micro-batches add, overflow flags OR. Windows are sums, so work saved on N ranks resumes on M
+/// (4 ranks to 2: each survivor merges one lost rank's window). Corrupt or foreign bytes fail and
+/// leave the accumulator unchanged.
+///
+/// Thread safety: serialised with every other call on `acc`.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_merge_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+    guard("gradacc_accumulator_merge_window", || {
+        // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).
+        let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
+        Ok(ACCUMULATORS.get(acc, "acc")?.merge_window(bytes)?)
+    })
+}

@@ -250,6 +250,12 @@ gradacc_accumulator_load_window.restype = gradacc_status_t
 gradacc_accumulator_load_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
 # arguments: acc, bytes, len
 
+# Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same tensors, on any device or rank) into `acc`'s current window: masters add, item counts and micro-batches add, overflow flags OR.
+gradacc_accumulator_merge_window = dll.gradacc_accumulator_merge_window
+gradacc_accumulator_merge_window.restype = gradacc_status_t
+gradacc_accumulator_merge_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
+# arguments: acc, bytes, len
+
 # Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
 gradacc_comm_create_local = dll.gradacc_comm_create_local
 gradacc_comm_create_local.restype = gradacc_status_t

@@ -9,6 +9,7 @@
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
@@ -371,6 +372,32 @@ pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     // SAFETY: `_g` made `ctx` current; `stream` is a stream of it, as every caller passes the
     // stream its object was created on in that context.
     check(ctx.api, unsafe { (ctx.api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")
+}
+
+/// Waits on the host for everything enqueued on `stream` so far, like [`synchronize`], but fails
+/// with TIMEOUT once `timeout` has passed, and with `healthy`'s error as soon as it reports one
+/// (called between polls: a communicator's health, so a failed peer ends the wait). Sleeps
+/// between polls, a little longer each time up to 1 ms, so a long wait costs no core.
+pub fn wait_until_done(ctx: &Context, stream: CUstream, timeout: Option<Duration>, mut healthy: impl FnMut() -> Result<()>) -> Result<()> {
+    const NOT_READY: u32 = 600;
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(5);
+    loop {
+        let code = {
+            let _g = ctx.enter()?;
+            // SAFETY: `_g` made `ctx` current; `stream` is a stream of it (as for `synchronize`).
+            unsafe { (ctx.api.cuStreamQuery)(stream) }
+        };
+        if code != NOT_READY {
+            return check(ctx.api, code, "cuStreamQuery");
+        }
+        healthy()?;
+        if let Some(t) = timeout.filter(|&t| start.elapsed() >= t) {
+            return Err(Error::new(ErrorKind::Timeout, format!("the stream's work did not complete within {t:?}")));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
 }
 
 /// Enqueues a device-to-device copy of `bytes` bytes on `stream` (the bandwidth floor of the

@@ -72,6 +72,7 @@ driver_api! {
     cuStreamCreate(*mut CUstream, c_uint);
     cuStreamDestroy_v2(CUstream);
     cuStreamSynchronize(CUstream);
+    cuStreamQuery(CUstream);
     cuStreamWaitEvent(CUstream, CUevent, c_uint);
     cuEventCreate(*mut CUevent, c_uint);
     cuEventRecord(CUevent, CUstream);

@@ -11,7 +11,9 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
+use super::driver::{
+    check_stream, launch_args, synchronize, wait_until_done, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS,
+};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
@@ -264,6 +266,24 @@ impl DeviceStore {
         }))
     }
 
+    /// Waits for the stream's collectives on `comm` up to its timeout, failing early when NCCL
+    /// reports a peer's failure. A timeout aborts the communicator (its kernels then end, and the
+    /// stream drains) and fails with TIMEOUT.
+    fn wait_for_collectives(&self, comm: &NcclComm) -> Result<()> {
+        let result = wait_until_done(&self.ctx, self.stream, comm.timeout(), || comm.health());
+        if let Err(e) = &result {
+            if e.kind == ErrorKind::Timeout {
+                let _ = comm.abort();
+                synchronize(&self.ctx, self.stream)?;
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("the boundary's collectives: {}; a rank failed or never arrived, and the communicator was aborted", e.message),
+                ));
+            }
+        }
+        result
+    }
+
     fn comm_stream(&self) -> Result<&OwnedStream> {
         if let Some(s) = self.comm_stream.get() {
             return Ok(s);
@@ -290,6 +310,7 @@ impl DeviceStore {
         let mine = [numel, hash, !numel, !hash];
         self.layout_check.write(&mine)?;
         comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
+        self.wait_for_collectives(comm)?;
         let mut max = [0u64; 4];
         self.layout_check.read(&mut max)?;
         comm.health()?;
@@ -432,6 +453,9 @@ impl Store for DeviceStore {
         self.run_boundary(p, agreed.world)?;
         if !read {
             return Ok(None);
+        }
+        if let Some(c) = p.comm {
+            self.wait_for_collectives(nccl(c)?)?;
         }
         let info = self.read_info()?;
         // An abort (or a peer's failure) ends the collectives the read waited for without

@@ -248,6 +248,11 @@ function gradacc_accumulator_load_window(acc, bytes, len)
     ccall((:gradacc_accumulator_load_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
 end
 
+"Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same tensors, on any device or rank) into `acc`'s current window: masters add, item counts and micro-batches add, overflow flags OR."
+function gradacc_accumulator_merge_window(acc, bytes, len)
+    ccall((:gradacc_accumulator_merge_window, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{UInt8}, Csize_t), acc, bytes, len)
+end
+
 "Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`."
 function gradacc_comm_create_local(world_size, out_comms)
     ccall((:gradacc_comm_create_local, libgradacc()), gradacc_status_t, (Int32, Ptr{Ptr{gradacc_comm_t}}), world_size, out_comms)
