@@ -490,6 +490,18 @@ fn window_checkpoints_move_between_devices() {
         // CUDA -> CPU -> CUDA, then one more micro-batch everywhere.
         cpu.load_window(&gpu.save_window().unwrap()).unwrap();
         gpu_again.load_window(&cpu.save_window().unwrap()).unwrap();
+        // Merging the same window twice on either device gives the same bits (each master added
+        // to itself) and twice the counts.
+        let saved = gpu.save_window().unwrap();
+        let (cpu_merged, gpu_merged) = (Accumulator::new(config, &descs).unwrap(), Accumulator::on(device, config, &descs).unwrap());
+        for a in [&cpu_merged, &gpu_merged] {
+            a.merge_window(&saved).unwrap();
+            a.merge_window(&saved).unwrap();
+        }
+        let (want, got) = (cpu_merged.sync(None).unwrap(), gpu_merged.sync(None).unwrap());
+        assert_eq!((want.total_count, want.microbatches, want.found_inf), (6, 2, poison), "round {round} merged");
+        assert_eq!((got.total_count, got.microbatches, got.found_inf), (6, 2, poison), "round {round} merged");
+        masters_equal(&cpu_merged, &gpu_merged, &format!("round {round} merged"));
         let second: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
         let views: Vec<Grad<'_>> = second.iter().map(HostGrad::view).collect();
         let uploads: Vec<(DeviceBuffer, u64)> = second.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
