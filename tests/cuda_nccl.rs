@@ -65,27 +65,9 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
     }
     within(Duration::from_secs(120), "the abort scenario", || {
         let id = nccl::unique_id().unwrap();
-        let rank0_done = Arc::new(Barrier::new(2));
-        let rank1 = {
-            let rank0_done = rank0_done.clone();
-            std::thread::spawn(move || {
-                let comm = NcclComm::new(&id, 1, 2, 1).unwrap();
-                // Never syncs: waits until rank 0 gave up, then leaves.
-                rank0_done.wait();
-                let start = Instant::now();
-                drop(comm);
-                start.elapsed()
-            })
-        };
+        let (rank0_done, rank1) = absent_rank1(id);
         let comm = Arc::new(NcclComm::new(&id, 0, 2, 0).unwrap());
-        let ctx = Context::get(0).unwrap();
-        let stream = OwnedStream::new(&ctx).unwrap();
-        let descs = [TensorDesc { numel: 1000, dtype: Dtype::F32 }];
-        let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-        let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-        let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
-        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
-        acc.add(&scaler, &[grad.ptr()], 4).unwrap();
+        let rank = rank_with_a_window(0);
 
         let returned = Arc::new(AtomicBool::new(false));
         let aborter = {
@@ -98,7 +80,7 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
                 aborted_at
             })
         };
-        let result = acc.sync(Some(&*comm));
+        let result = rank.acc.sync(Some(&*comm));
         let returned_at = Instant::now();
         returned.store(true, Ordering::SeqCst);
         let aborted_at = aborter.join().unwrap();
@@ -109,11 +91,11 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
         // Later calls fail at once; abort is idempotent.
         assert!(comm.is_failed());
         assert_eq!(comm.health().unwrap_err().kind, ErrorKind::CommFailure);
-        assert_eq!(comm.allreduce_sum_f32(grad.ptr(), 1, stream.stream).unwrap_err().kind, ErrorKind::CommFailure);
+        assert_eq!(comm.allreduce_sum_f32(rank.grad.ptr(), 1, rank.stream.stream).unwrap_err().kind, ErrorKind::CommFailure);
         comm.abort().unwrap();
 
         let start = Instant::now();
-        drop(acc);
+        drop(rank);
         drop(comm);
         assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
         rank0_done.wait();
@@ -369,13 +351,30 @@ fn an_adopted_nonblocking_communicator_syncs() {
     });
 }
 
+/// Rank 1 of a group of two on device 1 that joins but never syncs: it waits until rank 0 passes
+/// the returned barrier, then leaves, and reports how long dropping its communicator took.
+fn absent_rank1(id: [u8; nccl::UNIQUE_ID_BYTES]) -> (Arc<Barrier>, std::thread::JoinHandle<Duration>) {
+    let rank0_done = Arc::new(Barrier::new(2));
+    let rank1 = {
+        let rank0_done = rank0_done.clone();
+        std::thread::spawn(move || {
+            let comm = NcclComm::new(&id, 1, 2, 1).unwrap();
+            rank0_done.wait();
+            let start = Instant::now();
+            drop(comm);
+            start.elapsed()
+        })
+    };
+    (rank0_done, rank1)
+}
+
 /// One rank of two on device `ordinal`'s own stream, with a window of one micro-batch added.
 /// Fields drop in order: the stream last.
 struct Rank {
     acc: Accumulator,
     _scaler: Scaler,
-    _grad: DeviceBuffer,
-    _stream: OwnedStream,
+    grad: DeviceBuffer,
+    stream: OwnedStream,
 }
 
 fn rank_with_a_window(ordinal: i32) -> Rank {
@@ -386,7 +385,7 @@ fn rank_with_a_window(ordinal: i32) -> Rank {
     let acc = Accumulator::on(device, AccumulatorConfig::default(), &[TensorDesc { numel: 1000, dtype: Dtype::F32 }]).unwrap();
     let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
     acc.add(&scaler, &[grad.ptr()], 4).unwrap();
-    Rank { acc, _scaler: scaler, _grad: grad, _stream: stream }
+    Rank { acc, _scaler: scaler, grad, stream }
 }
 
 /// A rank that never reaches the boundary: the other's sync fails with TIMEOUT once its
@@ -399,15 +398,7 @@ fn a_sync_times_out_when_a_rank_never_comes() {
     }
     within(Duration::from_secs(120), "the timeout scenario", || {
         let id = nccl::unique_id().unwrap();
-        let rank0_done = Arc::new(Barrier::new(2));
-        let rank1 = {
-            let rank0_done = rank0_done.clone();
-            std::thread::spawn(move || {
-                let comm = NcclComm::new(&id, 1, 2, 1).unwrap();
-                rank0_done.wait();
-                drop(comm);
-            })
-        };
+        let (rank0_done, rank1) = absent_rank1(id);
         let comm = NcclComm::new(&id, 0, 2, 0).unwrap();
         let timeout = Duration::from_millis(700);
         Communicator::set_timeout(&comm, Some(timeout)).unwrap();
