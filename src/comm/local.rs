@@ -1,15 +1,28 @@
 //! The in-process communicator: N ranks as threads of one process, one handle per rank. Buffers
 //! are reduced in place without a scratch copy: rank r sums slice r over all ranks in rank order
 //! (so the bits are the same whoever computes them), then every rank copies the other slices.
+//!
+//! Ranks meet at an abortable, time-limited barrier (one mutex, one condition variable, a
+//! generation counter). The group has a failure state: an abort, a timeout or a dropped handle
+//! sets it (the first one's reason is kept), wakes every waiting rank, and fails every later
+//! collective. Because ranks read each other's buffers, the barrier also counts the ranks inside
+//! the reading phases of an all-reduce: a rank that fails out of one waits until no rank reads
+//! any more before it returns, so its caller never frees a buffer a peer still reads.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use super::{Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives};
+use super::{Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
 use crate::backend::cpu;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Elements summed per step of the reduction (fits in cache, and on the stack).
 const SUM_BLOCK: usize = 2048;
+
+/// The handle's timeout in nanoseconds when it is this value: wait forever.
+const FOREVER: u64 = u64::MAX;
 
 /// A rank's published buffer during a reduction.
 #[derive(Clone, Copy)]
@@ -18,39 +31,239 @@ struct Published {
     len: usize,
 }
 
-// SAFETY: a published pointer is only dereferenced between the barriers of one collective, while
-// its owner is blocked inside the same collective and keeps the buffer alive and untouched.
+// SAFETY: a published pointer is only dereferenced inside the reading phases of one all-reduce,
+// while its owner is inside the same collective and keeps the buffer alive: the owner returns only
+// after every rank has left the reading phases (see `Group::wait`).
 unsafe impl Send for Published {}
+
+/// What a rank waits for at a barrier, for the messages of timeouts and failures.
+#[derive(Clone, Copy)]
+enum What {
+    Control,
+    AllReduce(usize),
+}
+
+impl fmt::Display for What {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            What::Control => f.write_str("the control exchange"),
+            What::AllReduce(n) => write!(f, "the all-reduce of {n} elements"),
+        }
+    }
+}
+
+/// How a barrier relates to the reading phases of an all-reduce (ranks reading peers' buffers).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reads {
+    /// No rank reads a peer's buffer around this barrier.
+    None,
+    /// Reading starts when this barrier opens: every rank becomes a reader at once.
+    Start,
+    /// This rank reads before and after this barrier.
+    Within,
+    /// This rank has stopped reading when it arrives here.
+    End,
+}
+
+/// Why the group failed: the first failure's reason, given to every rank that fails after it.
+struct Failure {
+    reason: String,
+}
+
+struct State {
+    /// Ranks arrived at the barrier of the current generation.
+    arrived: Vec<bool>,
+    count: usize,
+    /// Bumped each time the barrier opens.
+    generation: u64,
+    /// Ranks inside the reading phases of an all-reduce (whose buffers others may read).
+    readers: usize,
+    failure: Option<Failure>,
+    buffers: Vec<Published>,
+    controls: Vec<Control>,
+}
 
 struct Group {
     world: usize,
-    barrier: Barrier,
-    buffers: Mutex<Vec<Published>>,
-    controls: Mutex<Vec<Control>>,
+    state: Mutex<State>,
+    cv: Condvar,
 }
 
 /// One rank of an in-process group. Each handle is meant for one thread (one replica); the
-/// handles of a group must all take part in every collective.
+/// handles of a group must all take part in every collective. Dropping a handle fails the group
+/// (the rank left it): ranks waiting for it, and every later collective, fail with COMM_FAILURE.
 pub struct LocalComm {
     rank: usize,
     group: Arc<Group>,
     /// Set while this handle is inside a collective: a second concurrent use is refused, not raced.
     busy: Busy,
+    /// How long a wait at a barrier may last, in nanoseconds ([`FOREVER`]: no limit).
+    timeout_ns: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn ranks(list: &[usize]) -> String {
+    match list {
+        [r] => format!("rank {r}"),
+        _ => format!("ranks {list:?}"),
+    }
+}
+
+impl Group {
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Marks the group failed with `reason` unless it already failed, and wakes every waiter.
+    fn fail(&self, s: &mut State, reason: impl FnOnce() -> String) {
+        if s.failure.is_none() {
+            s.failure = Some(Failure { reason: reason() });
+        }
+        self.cv.notify_all();
+    }
+
+    /// Arrives at the barrier (with `s` locked, so a rank can publish its values in the same
+    /// critical section) and waits until every rank has arrived, the group fails, or `timeout`
+    /// passes. On a failure, a rank that reads peers' buffers first stops being a reader, and
+    /// every rank waits until no rank reads any more: then no buffer of this collective is read
+    /// after its owner returns.
+    fn wait(&self, mut s: MutexGuard<'_, State>, rank: usize, what: What, timeout: Option<Duration>, reads: Reads) -> Result<()> {
+        let mut reading = reads == Reads::Within;
+        if reads == Reads::End {
+            s.readers -= 1;
+        }
+        if s.failure.is_some() {
+            return Err(self.leave(s, rank, what, reading));
+        }
+        s.arrived[rank] = true;
+        s.count += 1;
+        if s.count == self.world {
+            self.open(&mut s, reads);
+            return Ok(());
+        }
+        let generation = s.generation;
+        let start = Instant::now();
+        let deadline = timeout.and_then(|t| start.checked_add(t));
+        loop {
+            s = match deadline {
+                None => self.cv.wait(s).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        break;
+                    }
+                    self.cv.wait_timeout(s, d - now).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
+            if s.generation != generation {
+                return Ok(());
+            }
+            if s.failure.is_some() {
+                return Err(self.leave(s, rank, what, reading));
+            }
+        }
+        // Timed out: name the ranks that had not arrived, and fail the group so they stop too.
+        let waited = start.elapsed();
+        let missing: Vec<usize> = (0..self.world).filter(|&r| !s.arrived[r]).collect();
+        let first = s.failure.is_none();
+        self.fail(&mut s, || format!("rank {rank} timed out after {waited:.2?} in {what} waiting for {}; the group was aborted", ranks(&missing)));
+        if !first {
+            return Err(self.leave(s, rank, what, reading));
+        }
+        if std::mem::take(&mut reading) {
+            s.readers -= 1;
+        }
+        drop(self.drain(s));
+        Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "local communicator rank {rank}: {what} did not complete within the timeout of {:?} (waited {waited:.2?}): {} had not arrived; the group was aborted",
+                timeout.unwrap_or_default(),
+                ranks(&missing)
+            ),
+        ))
+    }
+
+    /// Opens the barrier: the last rank arrived.
+    fn open(&self, s: &mut State, reads: Reads) {
+        s.count = 0;
+        s.arrived.fill(false);
+        s.generation = s.generation.wrapping_add(1);
+        if reads == Reads::Start {
+            s.readers = self.world;
+        }
+        self.cv.notify_all();
+    }
+
+    /// The failed group's error for `rank`, once no rank reads a peer's buffer any more.
+    fn leave(&self, mut s: MutexGuard<'_, State>, rank: usize, what: What, reading: bool) -> Error {
+        if reading {
+            s.readers -= 1;
+        }
+        let s = self.drain(s);
+        let reason = s.failure.as_ref().map_or("", |f| f.reason.as_str());
+        Error::new(ErrorKind::CommFailure, format!("local communicator rank {rank}: {what} failed: {reason}"))
+    }
+
+    /// Waits until no rank is inside a reading phase. Readers only read memory and then arrive at
+    /// a barrier, where they see the failure and stop reading: the wait is short and bounded.
+    fn drain<'a>(&'a self, mut s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        if s.readers == 0 {
+            self.cv.notify_all();
+        }
+        while s.readers > 0 {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        s
+    }
+}
+
+/// Held by a rank inside the reading phases of an all-reduce. Should the rank panic there, it
+/// fails the group and, before the unwinding frees the rank's buffer, stops reading and waits
+/// until no peer reads any more. It does nothing unless the thread panics.
+struct Reading<'a> {
+    group: &'a Group,
+    rank: usize,
+    counted: bool,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        if self.counted && std::thread::panicking() {
+            let rank = self.rank;
+            let mut s = self.group.state();
+            self.group.fail(&mut s, || format!("rank {rank} panicked in an all-reduce"));
+            s.readers -= 1;
+            drop(self.group.drain(s));
+        }
+    }
 }
 
 impl LocalComm {
-    /// Creates the `world` handles of a new group, rank 0 first.
+    /// Creates the `world` handles of a new group, rank 0 first. Each has the timeout
+    /// [`DEFAULT_TIMEOUT`].
     pub fn group(world: usize) -> Result<Vec<LocalComm>> {
         if world == 0 {
             return Err(Error::invalid("world_size must be >= 1, got 0"));
         }
         let group = Arc::new(Group {
             world,
-            barrier: Barrier::new(world),
-            buffers: Mutex::new(vec![Published { ptr: std::ptr::null_mut(), len: 0 }; world]),
-            controls: Mutex::new(vec![Control::default(); world]),
+            state: Mutex::new(State {
+                arrived: vec![false; world],
+                count: 0,
+                generation: 0,
+                readers: 0,
+                failure: None,
+                buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0 }; world],
+                controls: vec![Control::default(); world],
+            }),
+            cv: Condvar::new(),
         });
-        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone(), busy: Busy::default() }).collect())
+        let ns = DEFAULT_TIMEOUT.as_nanos() as u64;
+        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone(), busy: Busy::default(), timeout_ns: AtomicU64::new(ns) }).collect())
     }
 
     fn enter(&self) -> Result<BusyGuard<'_>> {
@@ -58,8 +271,15 @@ impl LocalComm {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+impl Drop for LocalComm {
+    /// A rank that leaves fails the group, so peers waiting for it wake instead of waiting
+    /// forever. No collective of this handle is running (it would borrow the handle), so no peer
+    /// reads this rank's buffers.
+    fn drop(&mut self) {
+        let rank = self.rank;
+        let mut s = self.group.state();
+        self.group.fail(&mut s, || format!("rank {rank} left the group"));
+    }
 }
 
 impl Communicator for LocalComm {
@@ -74,36 +294,70 @@ impl Communicator for LocalComm {
     fn collectives(&self) -> Collectives<'_> {
         Collectives::Host(self)
     }
+
+    /// Fails the whole group: every rank waiting in a collective returns COMM_FAILURE (after no
+    /// rank reads its buffer any more), and so does every later collective of any rank.
+    fn abort(&self) -> Result<()> {
+        let rank = self.rank;
+        let mut s = self.group.state();
+        self.group.fail(&mut s, || format!("the group was aborted by rank {rank}"));
+        Ok(())
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        match self.timeout_ns.load(Ordering::Relaxed) {
+            FOREVER => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
+        let ns = timeout.map_or(FOREVER, |t| u64::try_from(t.as_nanos()).unwrap_or(FOREVER - 1).min(FOREVER - 1));
+        self.timeout_ns.store(ns, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 impl HostCollectives for LocalComm {
     fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
         let _busy = self.enter()?;
         let g = &*self.group;
-        lock(&g.controls)[self.rank] = *mine;
-        g.barrier.wait();
+        let (rank, timeout, what) = (self.rank, self.timeout(), What::Control);
+        let mut s = g.state();
+        s.controls[rank] = *mine;
+        g.wait(s, rank, what, timeout, Reads::None)?;
         let sum = {
-            let all = lock(&g.controls);
-            all[1..].iter().fold(ControlSum::of(&all[0]), |acc, c| acc.fold(c))
+            let s = g.state();
+            s.controls[1..].iter().fold(ControlSum::of(&s.controls[0]), |acc, c| acc.fold(c))
         };
         // Nobody may publish the next round's values before everyone has read this one.
-        g.barrier.wait();
+        g.wait(g.state(), rank, what, timeout, Reads::None)?;
         Ok(sum)
     }
 
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let _busy = self.enter()?;
         let g = &*self.group;
-        let (rank, world) = (self.rank, g.world);
-        lock(&g.buffers)[rank] = Published { ptr: buf.as_mut_ptr(), len: buf.len() };
-        g.barrier.wait();
-        let peers: Vec<Published> = lock(&g.buffers).clone();
-        if peers.iter().any(|p| p.len != buf.len()) {
-            g.barrier.wait();
+        let (rank, world, timeout) = (self.rank, g.world, self.timeout());
+        let len = buf.len();
+        let what = What::AllReduce(len);
+        // Every access of this rank to its buffer goes through `base`, the pointer its peers read
+        // through too: `buf` is not used again, so no access through it invalidates theirs.
+        let base = buf.as_mut_ptr();
+        let mut s = g.state();
+        s.buffers[rank] = Published { ptr: base, len };
+        // From here until this rank arrives at the last barrier, every rank is a reader.
+        g.wait(s, rank, what, timeout, Reads::Start)?;
+        let mut reading = Reading { group: g, rank, counted: true };
+        let peers: Vec<Published> = g.state().buffers.clone();
+        if peers.iter().any(|p| p.len != len) {
+            // Nobody reads: leave the reading phase at once, and wait so that nobody publishes
+            // the next round's buffer before everyone has copied this round's list.
+            reading.counted = false;
+            g.wait(g.state(), rank, what, timeout, Reads::End)?;
             let lens: Vec<usize> = peers.iter().map(|p| p.len).collect();
             return Err(Error::new(ErrorKind::SizeMismatch, format!("all-reduce buffer lengths differ across ranks: {lens:?}")));
         }
-        let len = buf.len();
         let slice_of = |r: usize| (len * r / world)..(len * (r + 1) / world);
 
         // Phase 1: rank r owns slice r of every buffer; it sums that slice over ranks 0..world in
@@ -113,34 +367,42 @@ impl HostCollectives for LocalComm {
         let mut start = mine.start;
         while start < mine.end {
             let n = SUM_BLOCK.min(mine.end - start);
-            // SAFETY: every peer published its live buffer before the barrier above and cannot
-            // return before the barrier below; all lengths equal `len` (checked above), so
-            // start..start + n, inside slice `rank`, is in bounds; in this phase only this rank
-            // touches slice `rank` of any buffer, and only reads the peers' copies.
+            // SAFETY: every peer published its live buffer before the barrier above, and does
+            // not return before every rank has left the reading phases (`Group::wait` holds a
+            // failing rank until the reader count is 0), so each buffer outlives these reads;
+            // all lengths equal `len` (checked above), so start..start + n, inside slice `rank`,
+            // is in bounds; in this phase only this rank touches slice `rank` of any buffer: it
+            // reads the peers' copies and writes its own through `base`, the pointer it
+            // published, which no other rank dereferences in this slice now.
             unsafe {
                 acc[..n].copy_from_slice(std::slice::from_raw_parts(peers[0].ptr.add(start), n));
                 for p in &peers[1..] {
                     cpu::add_assign(&mut acc[..n], std::slice::from_raw_parts(p.ptr.add(start), n));
                 }
+                std::slice::from_raw_parts_mut(base.add(start), n).copy_from_slice(&acc[..n]);
             }
-            buf[start..start + n].copy_from_slice(&acc[..n]);
             start += n;
         }
-        g.barrier.wait();
+        g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
 
-        // Phase 2: copy every other slice from the rank that owns it; buffers are only read now.
+        // Phase 2: copy every other slice from the rank that owns it, which only reads now.
         for (r, p) in peers.iter().enumerate() {
             if r != rank {
                 let s = slice_of(r);
-                // SAFETY: rank r's buffer is `len` long and alive until the last barrier; slice r of
-                // it was finished in phase 1, and in this phase each rank writes only the slices of
-                // its own buffer that other ranks own, never slice r of rank r's.
-                let src = unsafe { std::slice::from_raw_parts(p.ptr.add(s.start), s.len()) };
-                buf[s].copy_from_slice(src);
+                // SAFETY: rank r's buffer is `len` long and alive while any rank reads (as in
+                // phase 1); slice r of it was finished in phase 1 and is only read in this phase;
+                // this rank writes slice r of its own buffer, through the pointer it published,
+                // which no other rank reads in this phase (each reads slice q of rank q's only),
+                // and `r != rank`, so the two slices never alias.
+                unsafe {
+                    let src = std::slice::from_raw_parts(p.ptr.add(s.start), s.len());
+                    std::slice::from_raw_parts_mut(base.add(s.start), s.len()).copy_from_slice(src);
+                }
             }
         }
-        // Nobody may return (and reuse its buffer) while others still read it.
-        g.barrier.wait();
+        // Nobody may return (and free or reuse its buffer) while others still read it.
+        reading.counted = false;
+        g.wait(g.state(), rank, what, timeout, Reads::End)?;
         Ok(())
     }
 }
@@ -212,5 +474,70 @@ mod tests {
                 });
             }
         });
+    }
+
+    #[test]
+    fn timeouts_are_per_handle_and_default_to_ten_minutes() {
+        let comms = LocalComm::group(2).unwrap();
+        assert_eq!(comms[0].timeout(), Some(DEFAULT_TIMEOUT));
+        comms[0].set_timeout(None).unwrap();
+        assert_eq!(comms[0].timeout(), None);
+        assert_eq!(comms[1].timeout(), Some(DEFAULT_TIMEOUT));
+        comms[1].set_timeout(Some(Duration::from_millis(250))).unwrap();
+        assert_eq!(comms[1].timeout(), Some(Duration::from_millis(250)));
+        comms[1].set_timeout(Some(Duration::MAX)).unwrap();
+        assert!(comms[1].timeout().is_some());
+    }
+
+    /// A rank held inside a reading phase (it reads a peer's buffer) while the group is aborted:
+    /// the aborted peers may not return (and free their buffers) before it stops reading.
+    #[test]
+    fn a_failing_rank_waits_for_readers() {
+        let comms = LocalComm::group(3).unwrap();
+        let g = comms[0].group.clone();
+        // Pretend every rank passed the first barrier of an all-reduce.
+        {
+            let mut s = g.state();
+            s.readers = 3;
+        }
+        let left = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for r in 0..2 {
+                let (g, left) = (&g, &left);
+                sc.spawn(move || {
+                    let err = g.wait(g.state(), r, What::AllReduce(8), None, Reads::Within).unwrap_err();
+                    assert_eq!(err.kind, ErrorKind::CommFailure);
+                    assert!(err.message.contains("aborted by rank 2"), "{}", err.message);
+                    left.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+            comms[2].abort().unwrap();
+            comms[2].abort().unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(left.load(Ordering::SeqCst), 0, "a rank returned while rank 2 still read its buffer");
+            // Rank 2 stops reading: it arrives at its barrier and sees the failure.
+            let err = g.wait(g.state(), 2, What::AllReduce(8), None, Reads::End).unwrap_err();
+            assert!(err.message.contains("all-reduce of 8 elements failed: the group was aborted by rank 2"), "{}", err.message);
+        });
+        assert_eq!(left.load(Ordering::SeqCst), 2);
+        assert_eq!(g.state().readers, 0);
+    }
+
+    #[test]
+    fn a_rank_that_panics_while_reading_fails_the_group_after_it_stops_reading() {
+        let comms = LocalComm::group(2).unwrap();
+        let g = comms[0].group.clone();
+        g.state().readers = 2;
+        std::thread::scope(|sc| {
+            let g = &g;
+            let h = sc.spawn(move || {
+                let _reading = Reading { group: g, rank: 1, counted: true };
+                panic!("injected panic inside a reading phase");
+            });
+            let err = g.wait(g.state(), 0, What::AllReduce(8), None, Reads::Within).unwrap_err();
+            assert!(err.message.contains("rank 1 panicked in an all-reduce"), "{}", err.message);
+            assert!(h.join().is_err());
+        });
+        assert_eq!(g.state().readers, 0);
     }
 }

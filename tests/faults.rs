@@ -1,0 +1,492 @@
+//! Peer failures on the in-process communicator: ranks that leave, never arrive, or are aborted,
+//! before and in the middle of the boundary; later calls on a failed group; and an elastic resume
+//! of saved windows on fewer ranks (fresh seed each run).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gradacc::comm::Collectives;
+use gradacc::{
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, TensorDesc,
+};
+
+/// How long a waiting rank may take to notice a failure that has happened.
+const PROMPT: Duration = Duration::from_secs(1);
+
+/// A group whose handles give up after `timeout`, so a broken wake-up fails the test instead of
+/// hanging it.
+fn group(world: usize, timeout: Duration) -> Vec<LocalComm> {
+    let comms = LocalComm::group(world).unwrap();
+    for c in &comms {
+        c.set_timeout(Some(timeout)).unwrap();
+    }
+    comms
+}
+
+fn unit_scaler() -> Scaler {
+    Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap()
+}
+
+/// One f32 tensor of small integers: every sum below is exact.
+fn add_integers(acc: &Accumulator, rank: usize, microbatches: usize, numel: usize) -> (Vec<f32>, u64) {
+    let scaler = unit_scaler();
+    let mut want = vec![0f32; numel];
+    let mut count = 0;
+    for k in 0..microbatches {
+        let n = (k + rank + 1) as u64;
+        let g: Vec<f32> = (0..numel).map(|i| ((i * 3 + rank * 5 + k) % 7) as f32 - 3.0).collect();
+        acc.add(&scaler, &[Grad::F32(&g)], n).unwrap();
+        // Mean-reduced micro-batches normalised by count are weighted by their count.
+        want.iter_mut().zip(&g).for_each(|(w, v)| *w += v * n as f32);
+        count += n;
+    }
+    (want, count)
+}
+
+fn assert_comm_failure(e: &Error, naming: &str) {
+    assert_eq!(e.kind, ErrorKind::CommFailure, "{}", e.message);
+    assert!(e.message.contains(naming), "`{}` does not name `{naming}`", e.message);
+}
+
+#[test]
+fn a_rank_that_exits_before_the_boundary_fails_the_others_with_their_windows_intact() {
+    let numel = 1001;
+    let tensors = [TensorDesc { numel, dtype: Dtype::F32 }];
+    let comms = group(3, Duration::from_secs(5));
+    std::thread::scope(|s| {
+        for comm in comms {
+            s.spawn(move || {
+                let rank = comm.rank();
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                let (want, count) = add_integers(&acc, rank, 2 + rank, numel);
+                if rank == 2 {
+                    // This rank exits before the boundary: its communicator and window go away.
+                    std::thread::sleep(Duration::from_millis(100));
+                    drop(comm);
+                    drop(acc);
+                    return;
+                }
+                let before = acc.save_window().unwrap();
+                let t = Instant::now();
+                let e = acc.sync(Some(&comm)).unwrap_err();
+                assert!(t.elapsed() < PROMPT, "rank {rank} noticed the exit after {:?}", t.elapsed());
+                assert_comm_failure(&e, "rank 2 left the group");
+                assert!(e.message.contains("control exchange"), "{}", e.message);
+                assert!(e.message.contains("window is intact"), "{}", e.message);
+
+                // The window is intact: the same bytes, the same master, and it still syncs alone.
+                let after = acc.save_window().unwrap();
+                assert_eq!(before, after, "rank {rank}: the failed boundary changed the window");
+                acc.with_master(0, |m| assert_eq!(m, &want[..], "rank {rank}")).unwrap();
+                let alone = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                alone.load_window(&after).unwrap();
+                let info = alone.sync(None).unwrap();
+                assert_eq!((info.total_count, info.microbatches), (count, 2 + rank as u64));
+
+                // Every later collective fails the same way.
+                let e = acc.sync(Some(&comm)).unwrap_err();
+                assert_comm_failure(&e, "rank 2 left the group");
+            });
+        }
+    });
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_the_waiting_ranks() {
+    let timeout = Duration::from_millis(300);
+    let tensors = [TensorDesc { numel: 77, dtype: Dtype::F32 }];
+    let comms = group(3, Duration::from_secs(5));
+    // Rank 0 gives up first; rank 1 would wait longer, but learns of the timeout at once.
+    comms[0].set_timeout(Some(timeout)).unwrap();
+    assert_eq!(comms[0].timeout(), Some(timeout));
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for comm in &comms {
+            s.spawn(move || {
+                let rank = comm.rank();
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                add_integers(&acc, rank, 1, 77);
+                if rank == 2 {
+                    // Keeps its handle, but arrives long after the others gave up.
+                    std::thread::sleep(timeout * 3);
+                    let e = acc.sync(Some(comm)).unwrap_err();
+                    assert_comm_failure(&e, "rank 0 timed out");
+                    return;
+                }
+                let e = acc.sync(Some(comm)).unwrap_err();
+                let waited = start.elapsed();
+                assert!(waited < timeout + PROMPT, "rank {rank} returned after {waited:?}");
+                if rank == 0 {
+                    assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.message);
+                    assert!(waited >= timeout, "rank 0 gave up after {waited:?}");
+                    for part in
+                        ["control exchange", "did not complete within the timeout of 300ms (waited 3", "rank 2 had not arrived", "window is intact"]
+                    {
+                        assert!(e.message.contains(part), "`{}` does not say `{part}`", e.message);
+                    }
+                } else {
+                    assert_comm_failure(&e, "rank 0 timed out");
+                    assert!(e.message.contains("waiting for rank 2"), "{}", e.message);
+                }
+                acc.save_window().unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn abort_from_another_thread_wakes_every_waiting_rank() {
+    let tensors = [TensorDesc { numel: 4096, dtype: Dtype::F16 }];
+    let comms = group(4, Duration::from_secs(5));
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        // Ranks 0..3 wait at the boundary for rank 3, which never comes.
+        for comm in &comms[..3] {
+            s.spawn(move || {
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                acc.add(&scaler, &[Grad::F16(&[to_f16(0.5); 4096])], 3).unwrap();
+                let e = acc.sync(Some(comm)).unwrap_err();
+                assert!(start.elapsed() < Duration::from_millis(100) + PROMPT, "returned after {:?}", start.elapsed());
+                assert_comm_failure(&e, "aborted by rank 3");
+            });
+        }
+        // A thread that is no rank aborts rank 3's handle.
+        let comm = &comms[3];
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            comm.abort().unwrap();
+            comm.abort().unwrap(); // idempotent
+        });
+    });
+    // Rank 3 itself, and every rank again, fail the same way.
+    for c in &comms {
+        assert_comm_failure(&c.reduce_control(&Default::default()).unwrap_err(), "aborted by rank 3");
+    }
+}
+
+/// Wraps a rank's communicator and aborts the group just before its `at`-th bucket reduction.
+struct AbortAt {
+    inner: LocalComm,
+    at: usize,
+    calls: AtomicUsize,
+}
+
+impl Communicator for AbortAt {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn collectives(&self) -> Collectives<'_> {
+        Collectives::Host(self)
+    }
+    fn abort(&self) -> gradacc::Result<()> {
+        self.inner.abort()
+    }
+}
+
+impl HostCollectives for AbortAt {
+    fn reduce_control(&self, mine: &gradacc::comm::Control) -> gradacc::Result<gradacc::comm::ControlSum> {
+        self.inner.reduce_control(mine)
+    }
+    fn allreduce_sum(&self, buf: &mut [f32]) -> gradacc::Result<()> {
+        if self.calls.fetch_add(1, Ordering::Relaxed) == self.at {
+            self.inner.abort()?;
+        }
+        self.inner.allreduce_sum(buf)
+    }
+}
+
+/// 64 tensors of 16K mixed-precision elements, one bucket each.
+fn big_layout() -> (Vec<TensorDesc>, AccumulatorConfig) {
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let tensors = (0..64).map(|i| TensorDesc { numel: (16 << 10) + i % 3, dtype: dtypes[i % 3] }).collect();
+    (tensors, AccumulatorConfig { bucket_numel: 16 << 10, ..Default::default() })
+}
+
+fn add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) {
+    let scaler = unit_scaler();
+    let f32s: Vec<Vec<f32>> = tensors.iter().map(|t| (0..t.numel).map(|i| (i % 13) as f32 * 0.25 + rank as f32).collect()).collect();
+    let halves: Vec<Vec<u16>> =
+        tensors.iter().zip(&f32s).map(|(t, v)| v.iter().map(|&x| if t.dtype == Dtype::F16 { to_f16(x) } else { to_bf16(x) }).collect()).collect();
+    let grads: Vec<Grad> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.dtype {
+            Dtype::F32 => Grad::F32(&f32s[i]),
+            Dtype::F16 => Grad::F16(&halves[i]),
+            Dtype::Bf16 => Grad::Bf16(&halves[i]),
+        })
+        .collect();
+    acc.add(&scaler, &grads, 2).unwrap();
+}
+
+#[test]
+fn abort_in_the_middle_of_the_bucket_reduction_discards_every_window() {
+    let (tensors, config) = big_layout();
+    let mut comms = group(3, Duration::from_secs(5));
+    let plain: Vec<LocalComm> = comms.split_off(1);
+    let faulty = AbortAt { inner: comms.pop().unwrap(), at: 17, calls: AtomicUsize::new(0) };
+    let ranks: Vec<&dyn Communicator> = std::iter::once(&faulty as &dyn Communicator).chain(plain.iter().map(|c| c as &dyn Communicator)).collect();
+    std::thread::scope(|s| {
+        for comm in ranks {
+            let tensors = &tensors;
+            s.spawn(move || {
+                let rank = comm.rank();
+                let acc = Accumulator::new(config, tensors).unwrap();
+                add_big(&acc, tensors, rank);
+                let t = Instant::now();
+                let e = acc.sync(Some(comm)).unwrap_err();
+                assert!(t.elapsed() < PROMPT, "rank {rank} returned after {:?}", t.elapsed());
+                assert_comm_failure(&e, "aborted by rank 0");
+                assert!(e.message.contains("all-reduce of"), "{}", e.message);
+                assert!(e.message.ends_with(" (the window was discarded)"), "{}", e.message);
+                // The window is gone: nothing is left to sync, and the accumulator works on.
+                assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
+                add_big(&acc, tensors, rank);
+                let info = acc.sync(None).unwrap();
+                assert_eq!((info.total_count, info.microbatches), (2, 1));
+                assert_comm_failure(&acc.sync(Some(comm)).unwrap_err(), "aborted by rank 0");
+            });
+        }
+    });
+    assert_eq!(faulty.calls.load(Ordering::Relaxed), 18, "rank 0 stopped at its aborted bucket");
+}
+
+#[test]
+fn abort_at_a_random_moment_fails_every_rank_alike() {
+    let mut rng = Rng::fresh("abort_at_a_random_moment_fails_every_rank_alike");
+    let (tensors, config) = big_layout();
+    let (mut failed, mut completed) = (0, 0);
+    // Round 0 is not aborted: it measures how long a round takes, so that the later aborts land
+    // anywhere from before the boundary to after it.
+    let mut healthy = Duration::ZERO;
+    for round in 0..13 {
+        let comms = group(2, Duration::from_secs(5));
+        let delay = Duration::from_micros(rng.range(0, healthy.as_micros() as u64 * 3 / 2));
+        let start = Instant::now();
+        let outcomes: Vec<gradacc::Result<Vec<f32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    let tensors = &tensors;
+                    s.spawn(move || {
+                        let acc = Accumulator::new(config, tensors).unwrap();
+                        add_big(&acc, tensors, comm.rank());
+                        acc.sync(Some(comm))?;
+                        Ok(acc.with_master(37, |m| m.to_vec()).unwrap())
+                    })
+                })
+                .collect();
+            let comm = &comms[1];
+            if round > 0 {
+                s.spawn(move || {
+                    std::thread::sleep(delay);
+                    comm.abort().unwrap();
+                });
+            }
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        if round == 0 {
+            healthy = start.elapsed();
+            assert!(outcomes.iter().all(|o| o.is_ok()));
+            continue;
+        }
+        match (&outcomes[0], &outcomes[1]) {
+            (Ok(a), Ok(b)) => {
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "round {round}");
+                completed += 1;
+            }
+            (Err(a), Err(b)) => {
+                assert_comm_failure(a, "aborted by rank 1");
+                assert_comm_failure(b, "aborted by rank 1");
+                failed += 1;
+            }
+            _ => panic!(
+                "round {round} (abort after {delay:?}): the ranks disagree: {:?}",
+                outcomes.iter().map(|o| o.as_ref().map(drop)).collect::<Vec<_>>()
+            ),
+        }
+    }
+    eprintln!("a round takes {healthy:?}; aborts that failed the boundary: {failed}, boundaries that completed first: {completed}");
+}
+
+#[test]
+fn a_failed_group_stays_failed_and_a_new_group_works() {
+    let tensors = [TensorDesc { numel: 33, dtype: Dtype::Bf16 }];
+    let comms = group(2, Duration::from_secs(5));
+    let scaler = &unit_scaler();
+    std::thread::scope(|s| {
+        for comm in &comms {
+            s.spawn(move || {
+                let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                acc.add(scaler, &[Grad::Bf16(&[to_bf16(1.0); 33])], 1).unwrap();
+                if comm.rank() == 1 {
+                    comm.abort().unwrap();
+                }
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    assert_comm_failure(&acc.sync(Some(comm)).unwrap_err(), "aborted by rank 1");
+                    assert!(t.elapsed() < PROMPT, "a failed group waited {:?}", t.elapsed());
+                }
+                let mut buf = [1.0f32; 5];
+                assert_comm_failure(&comm.allreduce_sum(&mut buf).unwrap_err(), "aborted by rank 1");
+                assert_eq!(buf, [1.0; 5]);
+            });
+        }
+    });
+    // A new group of the same size works, and dropping its handles after use is silent.
+    let comms = LocalComm::group(2).unwrap();
+    let infos: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+                    acc.add(scaler, &[Grad::Bf16(&[to_bf16(1.0); 33])], 1).unwrap();
+                    let info = acc.sync(Some(&comm)).unwrap();
+                    acc.with_master(0, |m| assert!(m.iter().all(|&v| v == 1.0))).unwrap();
+                    info
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(infos.iter().all(|i| i.total_count == 2 && i.microbatches == 2));
+}
+
+/// One micro-batch of a rank's window: item count, loss scale, and per tensor the true gradient.
+struct Micro {
+    count: u64,
+    scale: f32,
+    grads: Vec<Vec<f32>>,
+}
+
+fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro) {
+    let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
+    let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors
+        .iter()
+        .zip(&m.grads)
+        .map(|(t, g)| match t.dtype {
+            Dtype::F32 => (g.iter().map(|v| v * m.scale).collect(), vec![]),
+            Dtype::F16 => (vec![], g.iter().map(|v| to_f16(v * m.scale)).collect()),
+            Dtype::Bf16 => (vec![], g.iter().map(|v| to_bf16(v * m.scale)).collect()),
+        })
+        .collect();
+    let grads: Vec<Grad> = tensors
+        .iter()
+        .zip(&encoded)
+        .map(|(t, e)| match t.dtype {
+            Dtype::F32 => Grad::F32(&e.0),
+            Dtype::F16 => Grad::F16(&e.1),
+            Dtype::Bf16 => Grad::Bf16(&e.1),
+        })
+        .collect();
+    acc.add(&scaler, &grads, m.count).unwrap();
+}
+
+/// The value the library sees for one element, decoded independently, in f64 and unscaled.
+fn decoded(dtype: Dtype, v: f32, scale: f32) -> f64 {
+    let scaled = v * scale;
+    let d = match dtype {
+        Dtype::F32 => scaled as f64,
+        Dtype::F16 => from_f16(to_f16(scaled)),
+        Dtype::Bf16 => from_bf16(to_bf16(scaled)),
+    };
+    d / scale as f64
+}
+
+#[test]
+fn elastic_resume_of_four_ranks_windows_on_two() {
+    let mut rng = Rng::fresh("elastic_resume_of_four_ranks_windows_on_two");
+    let sizes = [1usize, 3, 7, 33, 1001, 4099];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let tensors: Vec<TensorDesc> =
+        (0..rng.range(2, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect();
+    let config = AccumulatorConfig { bucket_numel: rng.range(1, 5000) as usize, ..Default::default() };
+    let windows: Vec<Vec<Micro>> = (0..4)
+        .map(|_| {
+            (0..rng.range(1, 4))
+                .map(|_| Micro {
+                    count: rng.range(1, 9),
+                    scale: 2f32.powi(rng.range(0, 10) as i32),
+                    grads: tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect(),
+                })
+                .collect()
+        })
+        .collect();
+
+    // Four ranks accumulate; rank 3 saves its window and fails before the boundary.
+    let comms = group(4, Duration::from_secs(5));
+    let saved: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .zip(&windows)
+            .map(|(comm, window)| {
+                let tensors = &tensors;
+                s.spawn(move || {
+                    let acc = Accumulator::new(config, tensors).unwrap();
+                    for m in window {
+                        add_micro(&acc, tensors, m);
+                    }
+                    if comm.rank() == 3 {
+                        let bytes = acc.save_window().unwrap();
+                        drop(comm);
+                        return bytes;
+                    }
+                    assert_comm_failure(&acc.sync(Some(&comm)).unwrap_err(), "rank 3 left the group");
+                    acc.save_window().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    // Two new ranks resume: each loads one survivor's window and merges one more.
+    let comms = group(2, Duration::from_secs(5));
+    let results: Vec<(gradacc::SyncInfo, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                let (tensors, saved) = (&tensors, &saved);
+                s.spawn(move || {
+                    let r = comm.rank();
+                    let acc = Accumulator::new(config, tensors).unwrap();
+                    acc.load_window(&saved[r]).unwrap();
+                    acc.merge_window(&saved[r + 2]).unwrap();
+                    let info = acc.sync(Some(comm)).unwrap();
+                    (info, (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    // The f64 reference of all four ranks' work, normalised by the total count.
+    let total_count: u64 = windows.iter().flatten().map(|m| m.count).sum();
+    let total_micro = windows.iter().map(|w| w.len() as u64).sum::<u64>();
+    let (info, masters) = &results[0];
+    assert_eq!(results[1].0, *info);
+    assert!(masters.iter().flatten().zip(results[1].1.iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_eq!((info.total_count, info.microbatches), (total_count, total_micro));
+    assert!(!info.found_inf);
+    for (t, (desc, master)) in tensors.iter().zip(masters).enumerate() {
+        assert_eq!(master.len(), desc.numel);
+        for (i, &got) in master.iter().enumerate() {
+            let (mut want, mut magnitude) = (0f64, 0f64);
+            for m in windows.iter().flatten() {
+                let x = decoded(desc.dtype, m.grads[t][i], m.scale) * m.count as f64;
+                want += x;
+                magnitude += x.abs();
+            }
+            let (want, tol) = (want / total_count as f64, 2e-6 * magnitude / total_count as f64 + 1e-30);
+            let got = got as f64;
+            assert!((got - want).abs() <= tol, "tensor {t} ({:?}) element {i}: {got} vs {want} (tol {tol})", desc.dtype);
+        }
+    }
+}
