@@ -1,11 +1,20 @@
 //! The MPI communicator (feature `mpi`): one rank of an MPI communicator, which gradacc duplicates
 //! so its traffic never mixes with the caller's, and sets to return errors instead of aborting.
-//! The boundary reduces in shares (see `shares`): per chunk one MPI_Alltoallv, this rank's sum
-//! and pass, one MPI_Allgatherv. Each element is summed by one rank, in rank order, so every rank
+//! The boundary reduces in shares (see `shares`): per chunk one MPI_Ialltoallv, this rank's sum
+//! and pass, one MPI_Iallgatherv. Each element is summed by one rank, in rank order, so every rank
 //! gets the same bits by construction, and they are the in-process communicator's bits.
 //!
-//! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Allreduce; its identical
+//! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Iallreduce; its identical
 //! bits on every rank rest on MPI, whose standard advises "the same result on all processes".
+//!
+//! No rank waits forever: every collective is non-blocking and its requests are polled with
+//! MPI_Testall, sleeping between polls, until they complete, the communicator's timeout passes
+//! (TIMEOUT, naming the phase; the communicator is then aborted) or another thread aborts it
+//! (COMM_FAILURE). Requests abandoned that way stay pending inside MPI and may still complete
+//! later (a late peer arrives), so every buffer MPI may touch besides the caller's (control words,
+//! counts and displacements, scratch) belongs to the communicator and outlives those requests:
+//! if they are still pending when the communicator is dropped, that memory and the MPI
+//! communicator itself are leaked instead of freed (see Drop).
 //!
 //! An MPI initialised below MPI_THREAD_MULTIPLE (by the caller) gets every gradacc collective of
 //! the process behind one lock, so two communicators used from two threads never call MPI at
@@ -14,12 +23,14 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use super::shares::{self, ShareTransport};
-use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives};
+use super::shares::{self, ShareTransport, Step, Workspace};
+use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
 use crate::error::{Error, ErrorKind, Result};
 
 extern "C" {
@@ -37,6 +48,19 @@ static INIT: Mutex<bool> = Mutex::new(false);
 /// Serialises gradacc's MPI calls when MPI runs below MPI_THREAD_MULTIPLE.
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// How long a wait polls without sleeping. A healthy collective of the boundary completes within
+/// tens of microseconds, and MPI moves data only while this process calls it (shared memory,
+/// TCP), so sleeping at once would add a sleep's latency to each of them; see docs/mpi.md.
+const SPIN: Duration = Duration::from_micros(200);
+/// The first sleep between two polls after [`SPIN`]; each next one doubles, up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_micros(5);
+/// The longest sleep between two polls: how late a wait may notice that its requests completed,
+/// the timeout passed, or the communicator was aborted.
+const MAX_PAUSE: Duration = Duration::from_micros(500);
+
+/// A timeout of `None` (wait forever), as stored.
+const FOREVER: u64 = u64::MAX;
+
 /// One rank of a duplicated MPI communicator.
 pub struct MpiComm {
     comm: ffi::MPI_Comm,
@@ -45,6 +69,48 @@ pub struct MpiComm {
     /// MPI was initialised below MPI_THREAD_MULTIPLE: collectives take [`SERIAL`].
     serialize: bool,
     busy: Busy,
+    /// The timeout in nanoseconds, [`FOREVER`] for none.
+    timeout_ns: AtomicU64,
+    /// Set by [`Communicator::abort`], a timeout or an MPI error inside a wait: every collective
+    /// fails from then on, and a wait in progress stops.
+    aborted: AtomicBool,
+    /// Why it was aborted, for the errors of later calls.
+    reason: Mutex<Option<String>>,
+    /// The memory MPI may use besides the caller's buffer, and the requests abandoned in it. Only
+    /// the collective holding `busy` locks it.
+    mem: Mutex<Memory>,
+}
+
+/// The control exchange's words, at a fixed heap address: a request abandoned by a timeout may
+/// still read the inputs and write the results when a late peer arrives.
+#[derive(Debug, Default)]
+struct ControlWords {
+    sum_in: [u64; packing::SUM_WORDS],
+    max_in: [u64; packing::MAX_WORDS],
+    sum: [u64; packing::SUM_WORDS],
+    max: [u64; packing::MAX_WORDS],
+}
+
+/// Counts and displacements of the vector collectives (`world` entries each), which MPI reads
+/// until a non-blocking collective completes.
+#[derive(Debug, Default)]
+struct Counts {
+    send: Vec<c_int>,
+    send_at: Vec<c_int>,
+    recv: Vec<c_int>,
+    recv_at: Vec<c_int>,
+}
+
+/// Everything a pending request may name, except the caller's buffer.
+#[derive(Debug, Default)]
+struct Memory {
+    control: Box<ControlWords>,
+    counts: Counts,
+    work: Workspace,
+    /// Requests a timeout, an abort or an MPI error left pending. Once there is one, the
+    /// communicator is aborted: nothing above is touched again, and it is leaked at drop unless
+    /// they completed by then.
+    abandoned: Vec<ffi::MPI_Request>,
 }
 
 // SAFETY: an MPI_Comm is a handle (an int in MPICH, a pointer in Open MPI) that MPI lets any
@@ -53,7 +119,9 @@ pub struct MpiComm {
 unsafe impl Send for MpiComm {}
 // SAFETY: every `&self` method that calls MPI goes through `enter` first, where `busy` refuses a
 // second collective on the same handle and `SERIAL` orders all of them below MPI_THREAD_MULTIPLE;
-// `rank`, `world` and `serialize` never change after `adopt`.
+// `rank`, `world` and `serialize` never change after `adopt`; the timeout and the abort flag are
+// atomics and `reason` and `mem` mutexes (`abort`, the one method other threads may call during
+// a collective, touches only the flag and `reason`, and never calls MPI).
 unsafe impl Sync for MpiComm {}
 
 /// MPI's own text for an error code.
@@ -172,7 +240,17 @@ impl MpiComm {
         // SAFETY: `parent` passed MPI_Comm_test_inter just above; MPI writes the new handle to
         // `comm`, and a failure follows the caller's error handler.
         check(unsafe { ffi::MPI_Comm_dup(parent, &mut comm) }, "MPI_Comm_dup")?;
-        let mut this = MpiComm { comm, rank: 0, world: 0, serialize, busy: Busy::default() };
+        let mut this = MpiComm {
+            comm,
+            rank: 0,
+            world: 0,
+            serialize,
+            busy: Busy::default(),
+            timeout_ns: AtomicU64::new(DEFAULT_TIMEOUT.as_nanos() as u64),
+            aborted: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            mem: Mutex::new(Memory::default()),
+        };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
         // handler leaves the caller's communicator as it was; ERRORS_RETURN is rsmpi's constant.
@@ -188,10 +266,105 @@ impl MpiComm {
     }
 
     fn enter(&self) -> Result<Entered<'_>> {
+        self.check_live()?;
         let busy = self.busy.enter(|| format!("MPI communicator rank {}", self.rank))?;
         let serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
-        Ok(Entered(busy, serial))
+        // Aborted while this call waited for the process's MPI lock.
+        self.check_live()?;
+        Ok(Entered(busy, serial, lock(&self.mem)))
     }
+
+    /// COMM_FAILURE once the communicator was aborted.
+    fn check_live(&self) -> Result<()> {
+        if !self.aborted.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let reason = lock(&self.reason).clone().unwrap_or_default();
+        Err(Error::new(
+            ErrorKind::CommFailure,
+            format!("MPI communicator rank {} of {} was aborted{reason}; it cannot be used again (destroy it)", self.rank, self.world),
+        ))
+    }
+
+    /// Marks the communicator aborted; the first reason given is kept.
+    fn set_aborted(&self, reason: String) {
+        let mut r = lock(&self.reason);
+        if r.is_none() {
+            *r = Some(reason);
+        }
+        self.aborted.store(true, Ordering::Release);
+    }
+
+    /// Waits until every request in `requests` completes: polls MPI_Testall, spinning for
+    /// [`SPIN`] and then sleeping between polls ([`FIRST_PAUSE`] doubling up to [`MAX_PAUSE`]).
+    /// Past the timeout it fails with TIMEOUT naming `phase`; once another thread aborted the
+    /// communicator, with COMM_FAILURE. Either way, and on an MPI error, the requests still
+    /// pending go to `abandoned` (their memory must stay alive) and the communicator is aborted.
+    fn wait(&self, requests: &mut [ffi::MPI_Request], abandoned: &mut Vec<ffi::MPI_Request>, phase: &dyn Fn() -> String) -> Result<()> {
+        let timeout = self.timeout();
+        let start = Instant::now();
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let mut done: c_int = 0;
+            // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
+            // none completed yet; MPI_Testall frees and nulls them only when all completed, and
+            // writes one int to `done`.
+            let rc = unsafe { ffi::MPI_Testall(requests.len() as c_int, requests.as_mut_ptr(), &mut done, ffi::RSMPI_STATUSES_IGNORE) };
+            if rc != ffi::MPI_SUCCESS as c_int {
+                let e = Error::new(ErrorKind::CommFailure, format!("MPI {} failed: {}; the communicator was aborted", phase(), error_text(rc)));
+                self.abandon(requests, abandoned, &e.message);
+                return Err(e);
+            }
+            if done != 0 {
+                return Ok(());
+            }
+            if self.aborted.load(Ordering::Acquire) {
+                self.abandon(requests, abandoned, "");
+                return Err(Error::new(
+                    ErrorKind::CommFailure,
+                    format!(
+                        "MPI {} stopped after {:.3?}: the communicator (rank {} of {}) was aborted",
+                        phase(),
+                        start.elapsed(),
+                        self.rank,
+                        self.world
+                    ),
+                ));
+            }
+            let waited = start.elapsed();
+            if let Some(t) = timeout.filter(|&t| waited >= t) {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "MPI {} did not complete within the timeout of {t:?} (waited {waited:.3?}) on rank {} of {}: a rank failed, is late, or did not call it; the communicator was aborted",
+                        phase(),
+                        self.rank,
+                        self.world
+                    ),
+                );
+                self.abandon(requests, abandoned, &e.message);
+                return Err(e);
+            }
+            if waited < SPIN {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+        }
+    }
+
+    /// Keeps the still pending ones of `requests` (and so the memory they name) and aborts.
+    fn abandon(&self, requests: &[ffi::MPI_Request], abandoned: &mut Vec<ffi::MPI_Request>, reason: &str) {
+        // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        abandoned.extend(requests.iter().copied().filter(|&r| r != null));
+        self.set_aborted(if reason.is_empty() { String::new() } else { format!(" after: {reason}") });
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An MPI count or displacement; larger ones fail instead of wrapping.
@@ -199,111 +372,175 @@ fn count(n: usize, what: &str) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| Error::invalid(format!("{what} of {n} elements exceeds what one MPI call takes")))
 }
 
-/// The reduction in shares over MPI, on a communicator whose collective is already entered.
-struct Shares<'a>(&'a MpiComm);
+/// The reduction in shares over MPI, on a communicator whose collective is already entered:
+/// counts and displacements go to the communicator's [`Counts`], abandoned requests to its list.
+struct Shares<'a> {
+    comm: &'a MpiComm,
+    counts: &'a mut Counts,
+    abandoned: &'a mut Vec<ffi::MPI_Request>,
+}
+
+impl Shares<'_> {
+    /// Waits for one request posted with return code `rc` (nothing was posted when it failed).
+    fn finish(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
+        check(rc, call)?;
+        self.comm.wait(std::slice::from_mut(&mut request), self.abandoned, step)
+    }
+}
+
+/// Sets `v` to `world` zeros, keeping its memory.
+fn zeroed(v: &mut Vec<c_int>, world: usize) {
+    v.clear();
+    v.resize(world, 0);
+}
 
 impl ShareTransport for Shares<'_> {
     fn rank(&self) -> usize {
-        self.0.rank
+        self.comm.rank
     }
 
     fn world(&self) -> usize {
-        self.0.world
+        self.comm.world
     }
 
-    fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
-        let world = self.0.world;
-        let (mut send_counts, mut send_at) = (vec![0 as c_int; world], vec![0 as c_int; world]);
-        let (mut recv_counts, mut recv_at) = (vec![0 as c_int; world], vec![0 as c_int; world]);
-        for q in (0..world).filter(|&q| q != self.0.rank) {
-            send_counts[q] = count(shares[q].len(), "a share")?;
-            send_at[q] = count(shares[q].start, "a share's offset")?;
-            recv_counts[q] = count(slots[q].len(), "a share")?;
-            recv_at[q] = count(slots[q].start, "a share's offset")?;
+    fn exchange(&mut self, step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+        let (world, rank) = (self.comm.world, self.comm.rank);
+        let c = &mut *self.counts;
+        for v in [&mut c.send, &mut c.send_at, &mut c.recv, &mut c.recv_at] {
+            zeroed(v, world);
         }
+        for q in (0..world).filter(|&q| q != rank) {
+            c.send[q] = count(shares[q].len(), "a share")?;
+            c.send_at[q] = count(shares[q].start, "a share's offset")?;
+            c.recv[q] = count(slots[q].len(), "a share")?;
+            c.recv_at[q] = count(slots[q].start, "a share's offset")?;
+        }
+        // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `reduce_in_shares` cuts `shares` from this chunk and `slots` from `scratch`, so
         // every count and displacement stays inside its buffer; each array has `world` entries,
-        // the communicator's size; `chunk` and `scratch` are distinct borrows, and the call
-        // blocks until MPI is done with both.
+        // the communicator's size. MPI uses them until the request completes: the counts are the
+        // communicator's `Counts` and `scratch` its `Workspace`, never touched again nor freed
+        // while a request is abandoned (see `Memory`); `chunk` is the caller's buffer, which
+        // `wait` returns with (or the docs say what an abandoned request may do to it).
         let rc = unsafe {
-            ffi::MPI_Alltoallv(
+            ffi::MPI_Ialltoallv(
                 chunk.as_ptr() as *const c_void,
-                send_counts.as_ptr(),
-                send_at.as_ptr(),
+                c.send.as_ptr(),
+                c.send_at.as_ptr(),
                 ffi::RSMPI_FLOAT,
                 scratch.as_mut_ptr() as *mut c_void,
-                recv_counts.as_ptr(),
-                recv_at.as_ptr(),
+                c.recv.as_ptr(),
+                c.recv_at.as_ptr(),
                 ffi::RSMPI_FLOAT,
-                self.0.comm,
+                self.comm.comm,
+                &mut request,
             )
         };
-        check(rc, "MPI_Alltoallv")
+        self.finish(rc, request, "MPI_Ialltoallv", &|| step.to_string())
     }
 
-    fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
-        let counts = shares.iter().map(|s| count(s.len(), "a share")).collect::<Result<Vec<_>>>()?;
-        let at = shares.iter().map(|s| count(s.start, "a share's offset")).collect::<Result<Vec<_>>>()?;
+    fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
+        let c = &mut *self.counts;
+        c.recv.clear();
+        c.recv_at.clear();
+        for s in shares {
+            c.recv.push(count(s.len(), "a share")?);
+            c.recv_at.push(count(s.start, "a share's offset")?);
+        }
+        // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `reduce_in_shares` cuts one share per rank (`world` entries) from this chunk, so
         // every count and displacement stays inside `chunk`; with MPI_IN_PLACE (the shim's value
         // for the linked MPI) the send arguments are ignored and this rank's share is read from
-        // its place in `chunk`; the call blocks until MPI is done with it.
+        // its place in `chunk`. The counts live in the communicator's `Counts` until the request
+        // completes or is abandoned (see `exchange`).
         let rc = unsafe {
-            ffi::MPI_Allgatherv(
+            ffi::MPI_Iallgatherv(
                 gradacc_internal_mpi_in_place(),
                 0,
                 ffi::RSMPI_FLOAT,
                 chunk.as_mut_ptr() as *mut c_void,
-                counts.as_ptr(),
-                at.as_ptr(),
+                c.recv.as_ptr(),
+                c.recv_at.as_ptr(),
                 ffi::RSMPI_FLOAT,
-                self.0.comm,
+                self.comm.comm,
+                &mut request,
             )
         };
-        check(rc, "MPI_Allgatherv")
+        self.finish(rc, request, "MPI_Iallgatherv", &|| step.to_string())
     }
 
-    fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
-        let mut at = Vec::with_capacity(counts.len());
+    fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+        let c = &mut *self.counts;
+        c.recv.clear();
+        c.recv_at.clear();
         let mut next = 0;
         for &n in counts {
-            at.push(count(next, "the block values' offset")?);
+            c.recv_at.push(count(next, "the block values' offset")?);
+            c.recv.push(count(n, "the block values")?);
             next += n;
         }
-        let counts = counts.iter().map(|&n| count(n, "the block values")).collect::<Result<Vec<_>>>()?;
+        let send = count(mine.len(), "the block values")?;
+        // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `mine` holds this rank's `counts[rank]` values and `reduce_in_shares` sizes `all`
         // to the sum of `counts`; the displacements are the running sums, so every rank's values
-        // land inside `all`; `at` and `counts` have `world` entries; the call blocks.
+        // land inside `all`; the arrays have `world` entries. `mine` and `all` are the
+        // communicator's `Workspace` and the counts its `Counts`: alive until the request
+        // completes, or for good once it is abandoned.
         let rc = unsafe {
-            ffi::MPI_Allgatherv(
+            ffi::MPI_Iallgatherv(
                 mine.as_ptr() as *const c_void,
-                count(mine.len(), "the block values")?,
+                send,
                 ffi::RSMPI_DOUBLE,
                 all.as_mut_ptr() as *mut c_void,
-                counts.as_ptr(),
-                at.as_ptr(),
+                c.recv.as_ptr(),
+                c.recv_at.as_ptr(),
                 ffi::RSMPI_DOUBLE,
-                self.0.comm,
+                self.comm.comm,
+                &mut request,
             )
         };
-        check(rc, "MPI_Allgatherv (block values)")
+        self.finish(rc, request, "MPI_Iallgatherv (block values)", &|| Step::Values.to_string())
     }
 }
 
-/// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's): held,
-/// never read.
-#[allow(dead_code)]
-struct Entered<'a>(BusyGuard<'a>, Option<MutexGuard<'static, ()>>);
+/// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's), and
+/// the communicator's memory: the guards are held while it runs.
+struct Entered<'a>(#[allow(dead_code)] BusyGuard<'a>, #[allow(dead_code)] Option<MutexGuard<'static, ()>>, MutexGuard<'a, Memory>);
 
 impl Drop for MpiComm {
+    /// Frees the duplicate, unless a timeout or an abort left requests pending on it that have
+    /// not completed since: then the MPI communicator and the memory those requests name are
+    /// leaked, because a late peer may still make MPI write into that memory, and freeing the
+    /// communicator under pending requests is not something to rely on (MPI lets the free
+    /// return before they complete; Open MPI would then run them on a released communicator).
     fn drop(&mut self) {
-        // After MPI_Finalize (the caller's, or ours at exit) every communicator is gone already.
-        if !flag(ffi::MPI_Finalized) {
-            // SAFETY: `self.comm` is the duplicate `adopt` made, freed only here, once; MPI is not
-            // finalised (checked above), and no request is in flight on it: every collective
-            // waits for its own before returning, and `&mut self` excludes a running one.
-            unsafe { ffi::MPI_Comm_free(&mut self.comm) };
+        // After MPI_Finalize (the caller's, or ours at exit) every communicator is gone already,
+        // and MPI touches no memory.
+        if flag(ffi::MPI_Finalized) {
+            return;
         }
+        let _serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
+        let mem = self.mem.get_mut().unwrap_or_else(|e| e.into_inner());
+        if !mem.abandoned.is_empty() {
+            let mut done: c_int = 0;
+            // SAFETY: the requests were posted on this communicator and never completed nor freed
+            // (a wait that abandons them returns at once); MPI is not finalised (checked above),
+            // and `&mut self` excludes any other use of them.
+            let rc = unsafe { ffi::MPI_Testall(mem.abandoned.len() as c_int, mem.abandoned.as_mut_ptr(), &mut done, ffi::RSMPI_STATUSES_IGNORE) };
+            if rc != ffi::MPI_SUCCESS as c_int || done == 0 {
+                // Still pending: leak what they may still use, and the communicator.
+                std::mem::forget(std::mem::take(mem));
+                return;
+            }
+        }
+        // SAFETY: `self.comm` is the duplicate `adopt` made, freed only here, once; MPI is not
+        // finalised (checked above), and no request is pending on it: every collective waits for
+        // its own, and those it abandoned completed (just checked); `&mut self` excludes a
+        // running one.
+        unsafe { ffi::MPI_Comm_free(&mut self.comm) };
     }
 }
 
@@ -319,26 +556,45 @@ impl Communicator for MpiComm {
     fn collectives(&self) -> Collectives<'_> {
         Collectives::Host(self)
     }
+
+    /// Sets the flag a wait in progress polls (it then fails with COMM_FAILURE) and every later
+    /// collective checks. MPI is not called, nor aborted: the other ranks are not told, and time
+    /// out unless they abort too.
+    fn abort(&self) -> Result<()> {
+        self.set_aborted(String::new());
+        Ok(())
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.timeout_ns.load(Ordering::Relaxed)).filter(|&ns| ns != FOREVER).map(Duration::from_nanos)
+    }
+
+    fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
+        let ns = timeout.map_or(FOREVER, |t| t.as_nanos().clamp(1, FOREVER as u128 - 1) as u64);
+        self.timeout_ns.store(ns, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 impl HostCollectives for MpiComm {
-    /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words.
+    /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words,
+    /// in the communicator's [`ControlWords`].
     fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
-        let _busy = self.enter()?;
-        let (sum_in, max_in) = packing::pack(mine);
-        let mut sum = [0u64; packing::SUM_WORDS];
-        let mut max = [0u64; packing::MAX_WORDS];
+        let mut entered = self.enter()?;
+        let mem = &mut *entered.2;
+        let words = &mut *mem.control;
+        (words.sum_in, words.max_in) = packing::pack(mine);
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 2];
-        // SAFETY: each count is the length of the local u64 arrays it goes with (SUM_WORDS,
-        // MAX_WORDS), and those arrays and `requests` stay alive and untouched until MPI_Waitall
-        // completes every request posted (one if the second post failed, none if the first did:
-        // `?` returns before any is in flight).
-        unsafe {
-            check(
+        // SAFETY: each count is the length of the u64 arrays it goes with (SUM_WORDS, MAX_WORDS);
+        // the arrays are the communicator's heap `ControlWords`, untouched until `wait` completes
+        // every request posted, and kept alive for good if it abandons them (see `Memory`); a
+        // request whose post failed stays MPI_REQUEST_NULL, which MPI_Testall skips.
+        let (first, second) = unsafe {
+            let first = check(
                 ffi::MPI_Iallreduce(
-                    sum_in.as_ptr() as *const c_void,
-                    sum.as_mut_ptr() as *mut c_void,
+                    words.sum_in.as_ptr() as *const c_void,
+                    words.sum.as_mut_ptr() as *mut c_void,
                     packing::SUM_WORDS as c_int,
                     ffi::RSMPI_UINT64_T,
                     ffi::RSMPI_SUM,
@@ -346,43 +602,55 @@ impl HostCollectives for MpiComm {
                     &mut requests[0],
                 ),
                 "MPI_Iallreduce (control, SUM)",
-            )?;
-            let second = check(
-                ffi::MPI_Iallreduce(
-                    max_in.as_ptr() as *const c_void,
-                    max.as_mut_ptr() as *mut c_void,
-                    packing::MAX_WORDS as c_int,
-                    ffi::RSMPI_UINT64_T,
-                    ffi::RSMPI_MAX,
-                    self.comm,
-                    &mut requests[1],
-                ),
-                "MPI_Iallreduce (control, MAX)",
             );
-            let posted = if second.is_ok() { 2 } else { 1 };
-            let waited = check(ffi::MPI_Waitall(posted, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE), "MPI_Waitall (control)");
-            second.and(waited)?;
-        }
-        Ok(packing::unpack(&sum, &max))
+            let second = if first.is_ok() {
+                check(
+                    ffi::MPI_Iallreduce(
+                        words.max_in.as_ptr() as *const c_void,
+                        words.max.as_mut_ptr() as *mut c_void,
+                        packing::MAX_WORDS as c_int,
+                        ffi::RSMPI_UINT64_T,
+                        ffi::RSMPI_MAX,
+                        self.comm,
+                        &mut requests[1],
+                    ),
+                    "MPI_Iallreduce (control, MAX)",
+                )
+            } else {
+                Ok(())
+            };
+            (first, second)
+        };
+        first?;
+        let waited = self.wait(&mut requests, &mut mem.abandoned, &|| "control exchange".to_string());
+        second.and(waited)?;
+        Ok(packing::unpack(&words.sum, &words.max))
     }
 
-    /// MPI_Allreduce in place, in pieces of at most 2^30 elements (an MPI count is a C int).
+    /// MPI_Iallreduce in place, in pieces of at most 2^30 elements (an MPI count is a C int).
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let _busy = self.enter()?;
-        for piece in buf.chunks_mut(MAX_COUNT) {
+        let mut entered = self.enter()?;
+        let abandoned = &mut entered.2.abandoned;
+        let pieces = buf.len().div_ceil(MAX_COUNT);
+        for (k, piece) in buf.chunks_mut(MAX_COUNT).enumerate() {
+            // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+            let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
             // SAFETY: `piece` is a live `&mut` of at most MAX_COUNT (2^30) elements, so its length
-            // fits a C int; with MPI_IN_PLACE MPI reads and writes only `piece`, before returning.
+            // fits a C int; with MPI_IN_PLACE MPI reads and writes only `piece`, until `wait`
+            // completes the request (docs/mpi.md says what an abandoned one may still do to it).
             let rc = unsafe {
-                ffi::MPI_Allreduce(
+                ffi::MPI_Iallreduce(
                     gradacc_internal_mpi_in_place(),
                     piece.as_mut_ptr() as *mut c_void,
                     piece.len() as c_int,
                     ffi::RSMPI_FLOAT,
                     ffi::RSMPI_SUM,
                     self.comm,
+                    &mut request,
                 )
             };
-            check(rc, "MPI_Allreduce")?;
+            check(rc, "MPI_Iallreduce")?;
+            self.wait(std::slice::from_mut(&mut request), abandoned, &|| format!("all-reduce, piece {} of {pieces}", k + 1))?;
         }
         Ok(())
     }
@@ -391,7 +659,9 @@ impl HostCollectives for MpiComm {
     /// buffer into its own chunks and the buckets are only checked.
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
-        let _busy = self.enter()?;
-        shares::reduce_in_shares(&Shares(self), buf, shares::SHARE_NUMEL, pass)
+        let mut entered = self.enter()?;
+        let mem = &mut *entered.2;
+        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned };
+        shares::reduce_in_shares(&mut t, &mut mem.work, buf, shares::SHARE_NUMEL, pass)
     }
 }

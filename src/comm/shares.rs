@@ -55,6 +55,11 @@ impl Plan {
         (0..len).step_by(size).map(move |start| start..(start + size).min(len))
     }
 
+    /// How many chunks [`Plan::chunks`] yields.
+    pub fn chunk_count(&self) -> usize {
+        self.len.div_ceil(self.share * self.world)
+    }
+
     /// Rank `q`'s share of `chunk`, in elements of the whole buffer: whole blocks, the chunk's
     /// blocks split as evenly as they go (so in a short chunk some shares may be empty). In a
     /// full chunk every share has `share_numel` elements.
@@ -109,36 +114,82 @@ pub fn sum_and_pass<'a>(own: &mut [f32], rank: usize, world: usize, other: impl 
     pass.run(own, values);
 }
 
+/// Where the reduction in shares is, for a transport's error messages (a timeout names it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// The exchange of chunk `chunk` (counted from 1) of `chunks`.
+    Exchange { chunk: usize, chunks: usize },
+    /// The gather of chunk `chunk` (counted from 1) of `chunks`.
+    Gather { chunk: usize, chunks: usize },
+    /// The final gather of every rank's block values.
+    Values,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::Exchange { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (exchange)"),
+            Step::Gather { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (gather)"),
+            Step::Values => write!(f, "share reduction, the final gather of the block sums"),
+        }
+    }
+}
+
+/// The memory the reduction in shares hands a transport besides the caller's buffer: the other
+/// ranks' copies of this rank's share and the block values. A transport between processes keeps
+/// it for as long as a collective it abandoned (a timeout, an abort) may still write into it,
+/// instead of freeing it when the call returns.
+#[derive(Debug, Default)]
+pub(crate) struct Workspace {
+    scratch: Vec<f32>,
+    mine: Vec<f64>,
+    all: Vec<f64>,
+}
+
 /// The three collectives the reduction in shares needs from a transport between processes.
-/// Every rank calls each of them, in the same order, with the same `shares` and `counts`.
+/// Every rank calls each of them, in the same order, with the same `shares` and `counts`. `step`
+/// says where the reduction is, for error messages.
 pub(crate) trait ShareTransport {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
 
     /// Sends `chunk[shares[q]]` to every other rank `q`, and receives every other rank `q`'s copy
     /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`.
-    fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()>;
+    fn exchange(&mut self, step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()>;
 
     /// Copies every other rank `q`'s finished `chunk[shares[q]]` into the same place of this
     /// rank's `chunk`; this rank's own share is left as it is.
-    fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
+    fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
 
     /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order into
     /// `all`.
-    fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()>;
+    fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()>;
 }
 
 /// Sums `buf` over the ranks of `t` in shares of about `share_numel` elements and runs `pass` on
 /// each share of the sum by its owner; returns the values `pass` wrote for every block of `buf`,
 /// in block order, the same on every rank. See [`super::HostCollectives::allreduce_with_pass`].
-pub(crate) fn reduce_in_shares(t: &impl ShareTransport, buf: &mut [f32], share_numel: usize, pass: &dyn BlockPass) -> Result<Vec<f64>> {
+/// The scratch memory comes from `ws` (kept by the caller between calls).
+pub(crate) fn reduce_in_shares(
+    t: &mut impl ShareTransport,
+    ws: &mut Workspace,
+    buf: &mut [f32],
+    share_numel: usize,
+    pass: &dyn BlockPass,
+) -> Result<Vec<f64>> {
     let (rank, world) = (t.rank(), t.world());
     let plan = Plan::new(buf.len(), world, share_numel);
     let share = plan.share_numel();
+    let chunks = plan.chunk_count();
     // Other ranks' copies of this rank's share, in rank order, without a slot for its own.
-    let mut scratch = vec![0f32; (world - 1) * share];
-    let mut mine: Vec<f64> = Vec::new();
-    for chunk in plan.chunks() {
+    let scratch_len = (world - 1) * share;
+    if ws.scratch.len() < scratch_len {
+        ws.scratch.resize(scratch_len, 0.0);
+    }
+    let scratch = &mut ws.scratch[..scratch_len];
+    let mine = &mut ws.mine;
+    mine.clear();
+    for (k, chunk) in plan.chunks().enumerate() {
         let shares: Vec<Range<usize>> = (0..world)
             .map(|q| {
                 let s = plan.share(&chunk, q);
@@ -157,16 +208,18 @@ pub(crate) fn reduce_in_shares(t: &impl ShareTransport, buf: &mut [f32], share_n
             })
             .collect();
         let piece = &mut buf[chunk];
-        t.exchange(piece, &shares, &mut scratch, &slots)?;
+        t.exchange(Step::Exchange { chunk: k + 1, chunks }, piece, &shares, scratch, &slots)?;
         let first = mine.len();
         mine.resize(first + cpu::blocks(own.len()), 0.0);
         sum_and_pass(&mut piece[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
-        t.gather(piece, &shares)?;
+        t.gather(Step::Gather { chunk: k + 1, chunks }, piece, &shares)?;
     }
 
     let counts: Vec<usize> = (0..world).map(|q| plan.owned_blocks(q).map(|b| b.len()).sum()).collect();
-    let mut all = vec![0.0; counts.iter().sum()];
-    t.gather_values(&mine, &counts, &mut all)?;
+    let all = &mut ws.all;
+    all.clear();
+    all.resize(counts.iter().sum(), 0.0);
+    t.gather_values(mine, &counts, all)?;
     let mut values = vec![0.0; cpu::blocks(buf.len())];
     let mut next = all.iter();
     for q in 0..world {
@@ -213,6 +266,7 @@ mod tests {
                         next = chunk.end;
                     }
                     assert_eq!(next, len);
+                    assert_eq!(plan.chunk_count(), plan.chunks().count());
                     for q in 0..world {
                         for b in plan.owned_blocks(q) {
                             for k in b {
@@ -311,7 +365,7 @@ mod tests {
             self.world
         }
 
-        fn exchange(&self, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+        fn exchange(&mut self, _step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
             for q in (0..self.world).filter(|&q| q != self.rank) {
                 // SAFETY: `posts[q]` is the pointer and length of rank q's `chunk`, published before
@@ -324,7 +378,7 @@ mod tests {
             Ok(())
         }
 
-        fn gather(&self, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
+        fn gather(&mut self, _step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
             for q in (0..self.world).filter(|&q| q != self.rank) {
                 let s = shares[q].clone();
@@ -338,7 +392,7 @@ mod tests {
             Ok(())
         }
 
-        fn gather_values(&self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+        fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
             let posts = self.publish(mine.as_ptr(), mine.len());
             let mut at = 0;
             for q in 0..self.world {
@@ -360,12 +414,17 @@ mod tests {
         let pass = Normalise { factor, fused: true };
         std::thread::scope(|s| {
             let handles: Vec<_> = group
-                .iter()
-                .map(|t| {
+                .into_iter()
+                .map(|mut t| {
                     let pass = &pass;
                     s.spawn(move || {
                         let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
-                        let values = reduce_in_shares(t, &mut buf, share_numel, pass).unwrap();
+                        // Twice over one workspace: the second call reuses the first's memory.
+                        let mut ws = Workspace::default();
+                        let mut copy = buf.clone();
+                        let first = reduce_in_shares(&mut t, &mut ws, &mut copy, share_numel, pass).unwrap();
+                        let values = reduce_in_shares(&mut t, &mut ws, &mut buf, share_numel, pass).unwrap();
+                        assert!(copy.iter().zip(&buf).all(|(a, b)| a.to_bits() == b.to_bits()) && first == values);
                         (buf, values)
                     })
                 })
