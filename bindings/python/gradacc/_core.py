@@ -36,10 +36,19 @@ class GradaccError(Exception):
         super().__init__(f"{name}: {message}")
 
 
+class GradaccTimeoutError(GradaccError, TimeoutError):
+    """A collective did not complete within the communicator's timeout (status
+    :attr:`Status.TIMEOUT`); the communicator was aborted. Also a built-in ``TimeoutError``."""
+
+
+# Statuses raised as a subclass of GradaccError; every other status raises GradaccError itself.
+_ERRORS = {ffi.GRADACC_STATUS_TIMEOUT: GradaccTimeoutError}
+
+
 def _check(status):
     # Read the message at once, on this thread: it is per thread and the next failure replaces it.
     if status != ffi.GRADACC_STATUS_OK:
-        raise GradaccError(status, ffi.gradacc_last_error().decode("utf-8", "replace"))
+        raise _ERRORS.get(status, GradaccError)(status, ffi.gradacc_last_error().decode("utf-8", "replace"))
 
 
 def version():
@@ -224,6 +233,27 @@ class Communicator(_Managed):
         out = ctypes.c_int32()
         _check(ffi.gradacc_comm_world_size(self._handle(), ctypes.byref(out)))
         return out.value
+
+    @property
+    def timeout(self):
+        """How long a collective may wait for the other ranks, in seconds (default 600); None
+        waits forever (as does 0, the C API's value for it). Past it, the sync raises
+        :class:`GradaccTimeoutError` and the communicator is aborted. Setting it applies to the
+        collectives that start later; negative, NaN and infinite values raise GradaccError
+        (INVALID_ARGUMENT)."""
+        out = ctypes.c_double()
+        _check(ffi.gradacc_comm_timeout(self._handle(), ctypes.byref(out)))
+        return out.value or None
+
+    @timeout.setter
+    def timeout(self, seconds):
+        _check(ffi.gradacc_comm_set_timeout(self._handle(), 0.0 if seconds is None else float(seconds)))
+
+    def abort(self):
+        """Aborts this rank's communicator (after a peer died): a sync blocked in it on another
+        thread, and every later one, raises GradaccError with COMM_FAILURE. In-process, every
+        rank of the group fails. The handle still needs close()."""
+        _check(ffi.gradacc_comm_abort(self._handle()))
 
 
 def local_group(world_size):
@@ -419,4 +449,13 @@ class Accumulator(_Managed):
     def load_window(self, state):
         data = bytes(state)
         _check(ffi.gradacc_accumulator_load_window(
+            self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))
+
+    def merge_window(self, state):
+        """Adds a window written by save_window() (of an accumulator with the same tensors, on any
+        rank or device) into the current one: masters, counts and micro-batches add, overflow
+        flags OR. Windows saved on N ranks resume on M. Corrupt bytes raise (CORRUPT_STATE) and
+        leave the window unchanged."""
+        data = bytes(state)
+        _check(ffi.gradacc_accumulator_merge_window(
             self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))
