@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"time"
 	"unsafe"
 )
 
@@ -540,6 +541,26 @@ func (a *Accumulator) LoadWindow(state []byte) error {
 	return err
 }
 
+// MergeWindow adds a window written by SaveWindow (of an accumulator with the same tensors, on
+// any rank or device) into the window in progress: masters, counts and micro-batches add,
+// overflow flags OR, so windows saved on N ranks resume on M. Corrupt bytes fail with
+// StatusCorruptState and leave the window unchanged.
+func (a *Accumulator) MergeWindow(state []byte) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	var ptr *C.uint8_t
+	if len(state) > 0 {
+		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
+	}
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_accumulator_merge_window(p, ptr, C.size_t(len(state)))
+	})
+	runtime.KeepAlive(a)
+	return err
+}
+
 // ---- Comm -----------------------------------------------------------------------------------
 
 // Comm is one rank's endpoint of a data-parallel group.
@@ -611,4 +632,43 @@ func (c *Comm) WorldSize() (int, error) {
 	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_world_size(p, &out) })
 	runtime.KeepAlive(c)
 	return int(out), err
+}
+
+// SetTimeout sets how long a collective may wait for the other ranks (default 10 minutes); 0
+// waits forever. Past it, Sync fails with StatusTimeout and the communicator is aborted. It
+// applies to the collectives that start later; a negative duration fails with
+// StatusInvalidArgument.
+func (c *Comm) SetTimeout(d time.Duration) error {
+	p, err := c.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_set_timeout(p, C.double(d.Seconds())) })
+	runtime.KeepAlive(c)
+	return err
+}
+
+// Timeout is the communicator's timeout; 0 means it waits forever.
+func (c *Comm) Timeout() (time.Duration, error) {
+	p, err := c.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out C.double
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_timeout(p, &out) })
+	runtime.KeepAlive(c)
+	return time.Duration(math.Round(float64(out) * float64(time.Second))), err
+}
+
+// Abort aborts this rank's communicator (after a peer died): a Sync blocked in it in another
+// goroutine, and every later one, fails with StatusCommFailure. In a local group every rank
+// fails. The handle still needs Close.
+func (c *Comm) Abort() error {
+	p, err := c.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_abort(p) })
+	runtime.KeepAlive(c)
+	return err
 }
