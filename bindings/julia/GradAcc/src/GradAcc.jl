@@ -27,8 +27,9 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
     eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, stats, save, load!,
-        save_window, load_window!, num_tensors, tensor, backend_available, mpi_communicator,
-        nccl_unique_id, nccl_communicator, adopt_nccl, abort, rank, world_size, version"""))
+        save_window, load_window!, merge_window!, num_tensors, tensor, backend_available,
+        mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
+        set_timeout!, rank, world_size, version"""))
 end
 
 # Set by __init__ when the package loads, so GRADACC_LIBRARY is read then, not frozen into the
@@ -315,7 +316,7 @@ end
 
 Rank `rank` (0-based) of the NCCL group named by `id` (from [`GradAcc.nccl_unique_id`](@ref)),
 on CUDA device `device_ordinal`; returns when every rank has called it. Close it explicitly on
-every rank, or [`GradAcc.abort`](@ref) it first after a peer failed.
+every rank, or [`GradAcc.abort!`](@ref) it first after a peer failed.
 """
 function nccl_communicator(id::AbstractVector{UInt8}, rank::Integer, world_size::Integer, device_ordinal::Integer)
     length(id) == 128 || throw(ArgumentError("an NCCL unique id has 128 bytes, not $(length(id))"))
@@ -338,14 +339,45 @@ function adopt_nccl(nccl_comm::Ptr{Cvoid})
 end
 
 """
-    GradAcc.abort(comm)
+    GradAcc.abort!(comm) -> comm
 
-Aborts an NCCL communicator gradacc created: pending and future collectives end (a sync blocked
-on a dead peer returns an error). The communicator still has to be closed.
+Aborts this rank's communicator, of any backend, after a peer died: a sync blocked in it on
+another task, and every later one, throws `GRADACC_STATUS_COMM_FAILURE`. In a
+[`local_group`](@ref) every rank fails; with MPI this rank stops waiting (MPI itself is not
+aborted). An adopted NCCL communicator throws `GRADACC_STATUS_WRONG_STATE`. The communicator
+still has to be closed.
 """
-function abort(c::Communicator)
+function abort!(c::Communicator)
     check(gradacc_comm_abort(c))
-    return nothing
+    return c
+end
+
+# The name before abort!; kept so that existing callers still work.
+Base.@deprecate abort(c::Communicator) abort!(c) false
+
+"""
+    GradAcc.timeout(comm) -> Union{Float64,Nothing}
+
+How long a collective on `comm` may wait for the other ranks, in seconds (600 by default);
+`nothing` when it waits forever. See [`GradAcc.set_timeout!`](@ref).
+"""
+function timeout(c::Communicator)
+    out = Ref{Cdouble}(0)
+    check(gradacc_comm_timeout(c, out))
+    return out[] == 0 ? nothing : out[]
+end
+
+"""
+    GradAcc.set_timeout!(comm, seconds) -> comm
+
+Sets how long a collective on `comm` may wait for the other ranks; `nothing` (or 0) waits
+forever. Past it, the sync throws `GRADACC_STATUS_TIMEOUT` and the communicator is aborted.
+Applies to the collectives that start later; a negative, NaN or infinite value throws
+`GRADACC_STATUS_INVALID_ARGUMENT`.
+"""
+function set_timeout!(c::Communicator, seconds::Union{Real,Nothing})
+    check(gradacc_comm_set_timeout(c, seconds === nothing ? 0.0 : Float64(seconds)))
+    return c
 end
 
 # ---- scaler ------------------------------------------------------------------------------------
@@ -691,6 +723,20 @@ tensors.
 function load_window!(a::Accumulator, bytes::AbstractVector{UInt8})
     b = Vector{UInt8}(bytes)
     check(gradacc_accumulator_load_window(a, b, length(b)))
+    return a
+end
+
+"""
+    GradAcc.merge_window!(acc, bytes) -> acc
+
+Adds a window written by [`GradAcc.save_window`](@ref) (of an accumulator with the same tensors,
+on any rank or device) into the window in progress: masters, counts and micro-batches add,
+overflow flags OR, so windows saved on N ranks resume on M. Corrupt or foreign bytes throw
+`GRADACC_STATUS_CORRUPT_STATE` and leave the window unchanged.
+"""
+function merge_window!(a::Accumulator, bytes::AbstractVector{UInt8})
+    b = Vector{UInt8}(bytes)
+    check(gradacc_accumulator_merge_window(a, b, length(b)))
     return a
 end
 

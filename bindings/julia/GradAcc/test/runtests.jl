@@ -10,10 +10,39 @@ end
 
 using GradAcc
 using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
+               GRADACC_STATUS_INVALID_ARGUMENT, GRADACC_STATUS_COMM_FAILURE, GRADACC_STATUS_TIMEOUT,
                rank, world_size, update!, scale, master, reset!
 using BFloat16s: BFloat16s
 
 bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
+
+# The GradAccError a call throws (nothing when it returns).
+function thrown(f)
+    try
+        f()
+        return nothing
+    catch e
+        e isa GradAccError || rethrow()
+        return e
+    end
+end
+
+# The window of one rank that added one Float32 micro-batch of `count` items.
+function saved_window(grad, count)
+    s = Scaler(init_scale=1.0)
+    acc = Accumulator([(length(grad), Float32)])
+    add!(acc, s, [Float32.(grad)], count)
+    window = GradAcc.save_window(acc)
+    close(acc); close(s)
+    return window
+end
+
+function one_microbatch!(acc)
+    s = Scaler(init_scale=1.0)
+    add!(acc, s, [Float32[1, 1]], 1)
+    close(s)
+    return acc
+end
 
 @testset "GradAcc" begin
     @testset "version" begin
@@ -354,5 +383,88 @@ bf16(x::Float32) = UInt16(reinterpret(UInt32, x) >> 16)
             e
         end
         @test err isa GradAccError && err.status == GRADACC_STATUS_CORRUPT_STATE
+    end
+
+    # Two ranks' saved windows resume on one: merged into a fresh accumulator, they sync as one.
+    @testset "merge windows of two ranks into one" begin
+        a, b = saved_window([1, 2], 1), saved_window([3, 5], 3)
+        comm = only(local_group(1))
+        acc = Accumulator([(2, Float32)])
+        @test GradAcc.merge_window!(acc, a) === acc
+        GradAcc.merge_window!(acc, b)
+        info = sync!(acc, comm)
+        @test info.total_count == 4 && info.microbatches == 2 && !info.found_inf
+        @test master(acc, 1) == Float32[2.5, 4.25]  # (1 * a + 3 * b) / 4 items
+        close(acc); close(comm)
+    end
+
+    @testset "merge_window! refuses corrupt bytes" begin
+        window = saved_window([4, 8], 2)
+        acc = Accumulator([(2, Float32)])
+        for bad in (UInt8[0], Vector{UInt8}("not a window"), window[1:end-1])
+            err = thrown(() -> GradAcc.merge_window!(acc, bad))
+            @test err isa GradAccError && err.status == GRADACC_STATUS_CORRUPT_STATE
+        end
+        GradAcc.merge_window!(acc, window)
+        info = sync!(acc)
+        @test info.total_count == 2 && info.microbatches == 1  # the failed merges added nothing
+        @test master(acc, 1) == Float32[4, 8]
+        close(acc)
+    end
+
+    @testset "timeout round trip" begin
+        comms = local_group(2)
+        c = comms[1]
+        @test GradAcc.timeout(c) == 600
+        @test GradAcc.set_timeout!(c, 2.5) === c
+        @test GradAcc.timeout(c) == 2.5
+        @test GradAcc.timeout(comms[2]) == 600  # per handle
+        GradAcc.set_timeout!(c, nothing)
+        @test GradAcc.timeout(c) === nothing  # waits forever
+        GradAcc.set_timeout!(c, 7)
+        GradAcc.set_timeout!(c, 0)  # the C API's "forever"
+        @test GradAcc.timeout(c) === nothing
+        for bad in (-1.0, NaN, Inf)
+            err = thrown(() -> GradAcc.set_timeout!(c, bad))
+            @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT
+        end
+        @test GradAcc.timeout(c) === nothing  # a refused value changes nothing
+        close.(comms)
+        @test_throws ArgumentError GradAcc.set_timeout!(c, 1)
+    end
+
+    @testset "abort! then sync fails" begin
+        comm = only(local_group(1))
+        acc = one_microbatch!(Accumulator([(2, Float32)]))
+        @test GradAcc.abort!(comm) === comm
+        for _ in 1:2
+            err = thrown(() -> sync!(acc, comm))
+            @test err isa GradAccError && err.status == GRADACC_STATUS_COMM_FAILURE
+        end
+        close(acc); close(comm)
+    end
+
+    @testset "abort! wakes a peer blocked in sync" begin
+        comms = local_group(2)
+        GradAcc.set_timeout!(comms[1], 60)  # a broken abort fails the test instead of hanging it
+        acc = one_microbatch!(Accumulator([(2, Float32)]))
+        # Rank 0 syncs, rank 1 never does: it gives up, which fails the whole in-process group.
+        blocked = Threads.@spawn thrown(() -> sync!(acc, comms[1]))
+        aborter = Threads.@spawn (sleep(0.2); GradAcc.abort!(comms[2]))
+        err = fetch(blocked)
+        @test fetch(aborter) === comms[2]
+        @test err isa GradAccError && err.status == GRADACC_STATUS_COMM_FAILURE
+        close(acc); close.(comms)
+    end
+
+    @testset "a timeout throws and aborts" begin
+        comms = local_group(2)
+        GradAcc.set_timeout!(comms[1], 0.2)
+        acc = one_microbatch!(Accumulator([(2, Float32)]))
+        err = thrown(() -> sync!(acc, comms[1]))  # rank 1 never syncs
+        @test err isa GradAccError && err.status == GRADACC_STATUS_TIMEOUT
+        err = thrown(() -> sync!(acc, comms[1]))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_COMM_FAILURE
+        close(acc); close.(comms)
     end
 end
