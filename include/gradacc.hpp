@@ -5,7 +5,8 @@
  * Every C handle is owned by exactly one C++ object (a `std::unique_ptr` whose deleter calls the
  * matching `gradacc_*_destroy`), so handles cannot leak or be freed twice; objects can be moved,
  * never copied. Every failing C call becomes a `gradacc::Error` carrying the status and the
- * message of gradacc_last_error(), read on the same thread right after the call.
+ * message of gradacc_last_error(), read on the same thread right after the call (a
+ * `gradacc::TimeoutError`, derived from it, for GRADACC_STATUS_TIMEOUT).
  *
  * \code
  *   gradacc::Scaler scaler;                                   // defaults, CPU
@@ -24,6 +25,7 @@
 #include "gradacc.h"
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -53,10 +55,21 @@ private:
     std::string message_;
 };
 
-/** Throws gradacc::Error unless `status` is GRADACC_STATUS_OK. Call it right after the C call. */
+/** GRADACC_STATUS_TIMEOUT: a collective did not complete within the communicator's timeout
+ * (Communicator::set_timeout), and the communicator was aborted. Catch it before gradacc::Error. */
+class TimeoutError : public Error {
+public:
+    explicit TimeoutError(const std::string &message) : Error(GRADACC_STATUS_TIMEOUT, message) {}
+};
+
+/** Throws gradacc::Error (TimeoutError for GRADACC_STATUS_TIMEOUT) unless `status` is
+ * GRADACC_STATUS_OK. Call it right after the C call. */
 inline void check(gradacc_status_t status) {
-    if (status != GRADACC_STATUS_OK)
-        throw Error(status, gradacc_last_error());
+    if (status == GRADACC_STATUS_OK)
+        return;
+    if (status == GRADACC_STATUS_TIMEOUT)
+        throw TimeoutError(gradacc_last_error());
+    throw Error(status, gradacc_last_error());
 }
 
 /** The loaded library's version ("MAJOR.MINOR.PATCH"); compare with GRADACC_VERSION_STRING. */
@@ -150,6 +163,26 @@ public:
         check(gradacc_comm_world_size(handle_.get(), &n));
         return n;
     }
+
+    /** How long a collective may wait for the other ranks, in seconds (default 600); 0 means
+     * forever. Past it, the sync throws TimeoutError and the communicator is aborted. Applies to
+     * collectives that start later; a negative, NaN or infinite value throws INVALID_ARGUMENT. */
+    void set_timeout(double seconds) { check(gradacc_comm_set_timeout(handle_.get(), seconds)); }
+    template <class Rep, class Period>
+    void set_timeout(std::chrono::duration<Rep, Period> timeout) {
+        set_timeout(std::chrono::duration<double>(timeout).count());
+    }
+    /** The timeout in seconds; 0 when it waits forever. */
+    double timeout() const {
+        double seconds = 0.0;
+        check(gradacc_comm_timeout(handle_.get(), &seconds));
+        return seconds;
+    }
+
+    /** Aborts this rank's communicator (after a peer died): a sync blocked in it on another
+     * thread, and every later one, throws COMM_FAILURE; in a LocalGroup every rank fails. Safe
+     * while another thread is blocked in a sync on it. The handle stays owned here. */
+    void abort() { check(gradacc_comm_abort(handle_.get())); }
 
     gradacc_comm_t *get() const noexcept { return handle_.get(); }
     /** Gives the handle up: the caller must now free it with gradacc_comm_destroy. */
@@ -322,6 +355,12 @@ public:
     }
     void load_window(span<const uint8_t> bytes) {
         check(gradacc_accumulator_load_window(handle_.get(), bytes.data(), bytes.size()));
+    }
+    /** Adds a window from save_window() (same tensors, any rank or device) into the current one:
+     * masters, counts and micro-batches add, overflow flags OR, so windows saved on N ranks resume
+     * on M. Corrupt bytes throw CORRUPT_STATE and leave the window unchanged. */
+    void merge_window(span<const uint8_t> bytes) {
+        check(gradacc_accumulator_merge_window(handle_.get(), bytes.data(), bytes.size()));
     }
 
     gradacc_accumulator_t *get() const noexcept { return handle_.get(); }
