@@ -7,7 +7,9 @@
 //! of the objects says it must, and it keeps a shadow of every object: the master gradient twice,
 //! once with the library's documented f32 arithmetic (compared bit for bit at every successful
 //! sync) and once in f64 (compared within a rounding bound), the window's counts and overflow
-//! flag, and the scaler's scale, trackers and statistics.
+//! flag, and the scaler's scale, trackers and statistics. Communicators are aborted and given
+//! timeouts (any value: only single-rank groups ever sync, so no collective can wait), and saved
+//! windows, whole or damaged, are merged into windows in progress.
 
 #![no_main]
 
@@ -236,11 +238,23 @@ impl AccModel {
     }
 }
 
+/// A live communicator handle.
+struct CommModel {
+    handle: *mut gradacc_comm_t,
+    rank: usize,
+    size: usize,
+    /// Index into `World::aborted`: an abort of any rank fails the whole in-process group.
+    group: usize,
+    /// Seconds; 0 waits forever.
+    timeout: f64,
+}
+
 struct World {
     scalers: Vec<(*mut gradacc_scaler_t, ScalerModel)>,
     accs: Vec<AccModel>,
-    /// Live communicators and their (rank, world size).
-    comms: Vec<(*mut gradacc_comm_t, usize, usize)>,
+    comms: Vec<CommModel>,
+    /// Whether each group ever created was aborted.
+    aborted: Vec<bool>,
     /// Handles that were destroyed: never valid again.
     dead: Vec<usize>,
     windows: Vec<Vec<u8>>,
@@ -300,7 +314,7 @@ impl World {
     fn other_handle(&self, k: usize) -> usize {
         let mut all: Vec<usize> = self.scalers.iter().map(|s| s.0 as usize).collect();
         all.extend(self.accs.iter().map(|a| a.handle as usize));
-        all.extend(self.comms.iter().map(|c| c.0 as usize));
+        all.extend(self.comms.iter().map(|c| c.handle as usize));
         if all.is_empty() {
             0x6ac0_0000 + 16 * k
         } else {
@@ -341,11 +355,11 @@ impl World {
 
     fn comm_arg(&mut self, input: &mut Input) -> (*mut gradacc_comm_t, Option<usize>) {
         match self.pick(input, self.comms.len()) {
-            Pick::Live(i) => (self.comms[i].0, Some(i)),
+            Pick::Live(i) => (self.comms[i].handle, Some(i)),
             Pick::Null => (null_mut(), None),
             p => {
                 let h = self.stray(p);
-                (h as *mut _, self.comms.iter().position(|c| c.0 as usize == h))
+                (h as *mut _, self.comms.iter().position(|c| c.handle as usize == h))
             }
         }
     }
@@ -1036,21 +1050,22 @@ fn end(world: &mut World, input: &mut Input) {
 
 fn sync(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
-    // Only single-rank groups: a rank of a larger group would wait for its peers.
-    let (comm, comm_ok) = match input.u8() % 8 {
+    // Only single-rank groups: a rank of a larger group would wait for its peers. An aborted
+    // group fails the sync (COMM_FAILURE) and leaves the window as it was.
+    let (comm, comm_ok, aborted) = match input.u8() % 8 {
         0 => {
             let (c, ci) = world.comm_arg(input);
             match ci {
-                Some(k) if world.comms[k].2 > 1 => (null_mut(), true),
-                Some(_) => (c, true),
-                None => (c, c.is_null()),
+                Some(k) if world.comms[k].size > 1 => (null_mut(), true, false),
+                Some(k) => (c, !world.aborted[world.comms[k].group], world.aborted[world.comms[k].group]),
+                None => (c, c.is_null(), false),
             }
         }
-        1 | 2 => match world.comms.iter().find(|c| c.2 == 1) {
-            Some(c) => (c.0, true),
-            None => (null_mut(), true),
+        1 | 2 => match world.comms.iter().find(|c| c.size == 1) {
+            Some(c) => (c.handle, !world.aborted[c.group], world.aborted[c.group]),
+            None => (null_mut(), true, false),
         },
-        _ => (null_mut(), true),
+        _ => (null_mut(), true, false),
     };
     let want_info = input.u8() % 8 != 0;
     let mut info = gradacc_sync_info_t {
@@ -1062,11 +1077,9 @@ fn sync(world: &mut World, input: &mut Input) {
         clip_coef: -1.0,
     };
     let st = unsafe { gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() }) };
-    let expected = ai.and_then(|i| {
+    // What the sync gives on a healthy communicator.
+    let healthy = ai.and_then(|i| {
         let a = &world.accs[i];
-        if !comm_ok {
-            return None;
-        }
         let (count, mbs) = match a.w.phase {
             Phase::InMicrobatch(_) => return None,
             Phase::Synced(_) => (0, 0), // a sync after a sync: an empty window on the only rank
@@ -1082,7 +1095,11 @@ fn sync(world: &mut World, input: &mut Input) {
         };
         (divisor != 0).then_some(divisor)
     });
+    let expected = healthy.filter(|_| comm_ok);
     if !world.check("gradacc_accumulator_sync", st, expected.is_some()) {
+        if healthy.is_some() && aborted {
+            assert_eq!(st, GRADACC_STATUS_COMM_FAILURE, "sync on an aborted communicator: {}", last_error());
+        }
         if want_info {
             assert_eq!(info.total_count, 7, "sync wrote its output on failure");
         }
@@ -1213,12 +1230,7 @@ fn save_window(world: &mut World, input: &mut Input) {
 
 fn load_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
-    let mut bytes = if world.windows.is_empty() || input.u8() % 16 == 0 {
-        (0..input.below(64)).map(|_| input.u8()).collect::<Vec<u8>>()
-    } else {
-        world.windows[input.below(world.windows.len())].clone()
-    };
-    let damage = mutate(input, &mut bytes);
+    let (bytes, damage) = window_bytes(world, input);
     let null_bytes = input.u8() % 16 == 0;
     let st = unsafe { gradacc_accumulator_load_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len()) };
     let decoded = ai.and_then(|i| {
@@ -1232,6 +1244,119 @@ fn load_window(world: &mut World, input: &mut Input) {
     });
     if world.check("gradacc_accumulator_load_window", st, decoded.is_some()) {
         world.accs[ai.unwrap()].w = decoded.unwrap();
+    }
+}
+
+/// Bytes to load or merge: a window the sequence saved, or a few random bytes; then damaged or not
+/// (the `mutate` verdict).
+fn window_bytes(world: &World, input: &mut Input) -> (Vec<u8>, Option<usize>) {
+    let mut bytes = if world.windows.is_empty() || input.u8() % 16 == 0 {
+        (0..input.below(64)).map(|_| input.u8()).collect::<Vec<u8>>()
+    } else {
+        world.windows[input.below(world.windows.len())].clone()
+    };
+    let damage = mutate(input, &mut bytes);
+    (bytes, damage)
+}
+
+fn merge_window(world: &mut World, input: &mut Input) {
+    let (acc, ai) = world.acc_arg(input);
+    let (bytes, damage) = window_bytes(world, input);
+    let null_bytes = input.u8() % 16 == 0;
+    let st = unsafe { gradacc_accumulator_merge_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len()) };
+    let saved = ai.and_then(|i| {
+        let a = &world.accs[i];
+        if null_bytes || matches!(a.w.phase, Phase::InMicrobatch(_)) || damage == Some(usize::MAX) {
+            return None;
+        }
+        let same = bytes.get(8..16).is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
+        let saved = decode_window(&bytes, a, same)?;
+        // The saved items join the window's total, under the same rules as a micro-batch's count
+        // (so an empty window saved by a mean-reduced accumulator, of 0 items, is refused).
+        let microbatches = if matches!(a.w.phase, Phase::Synced(_)) { 0 } else { a.w.microbatches };
+        (a.count_ok(saved.count) && microbatches.checked_add(saved.microbatches).is_some()).then_some(saved)
+    });
+    if !world.check("gradacc_accumulator_merge_window", st, saved.is_some()) {
+        return;
+    }
+    let saved = saved.unwrap();
+    let a = &mut world.accs[ai.unwrap()];
+    a.restart_if_synced(); // after a sync it starts a new window, as add does
+    for t in 0..a.numels.len() {
+        let range = a.offsets[t]..a.offsets[t + 1];
+        match (a.w.written[t], saved.written[t]) {
+            (true, true) => {
+                for i in range {
+                    a.w.sim[i] += saved.sim[i]; // in f32, the current value first
+                    a.w.exact[i] += saved.sim[i] as f64;
+                    a.w.magnitude[i] += (saved.sim[i] as f64).abs();
+                    a.w.adds[i] += 1;
+                }
+            }
+            (false, true) => {
+                for i in range {
+                    a.w.sim[i] = saved.sim[i];
+                    a.w.exact[i] = saved.exact[i];
+                    a.w.magnitude[i] = saved.magnitude[i];
+                    a.w.adds[i] = saved.adds[i];
+                    a.w.raw[i] = 0.0;
+                }
+                a.w.written[t] = true;
+            }
+            _ => {}
+        }
+    }
+    a.w.found_inf |= saved.found_inf;
+    a.w.count += saved.count;
+    a.w.microbatches += saved.microbatches;
+    a.w.phase = if a.w.microbatches == 0 { Phase::Empty } else { Phase::Open };
+}
+
+fn comm_abort(world: &mut World, input: &mut Input) {
+    let (c, ci) = world.comm_arg(input);
+    let st = unsafe { gradacc_comm_abort(c) };
+    if world.check("gradacc_comm_abort", st, ci.is_some()) {
+        let group = world.comms[ci.unwrap()].group;
+        world.aborted[group] = true; // again on an aborted group: still OK
+    }
+}
+
+/// Sets a timeout (valid or not), or reads one back. Any value is safe: no collective here waits.
+fn comm_timeout(world: &mut World, input: &mut Input) {
+    let (c, ci) = world.comm_arg(input);
+    if input.u8() & 1 == 0 {
+        let seconds = match input.below(16) {
+            0 => f64::NAN,
+            1 => f64::INFINITY,
+            2 => f64::NEG_INFINITY,
+            3 => -1.0,
+            4 => -1e-300,
+            5 => 1e9 * (1.0 + f64::EPSILON),
+            6 => f64::MAX,
+            7 => f64::from_bits(input.u64()),
+            8 => -0.0,
+            9 => 1e-12, // under a nanosecond
+            10 => 1e9,
+            k => [0.0, 1e-3, 0.05, 2.5, 600.0][k - 11],
+        };
+        let valid = seconds.is_finite() && (0.0..=1e9).contains(&seconds);
+        let st = unsafe { gradacc_comm_set_timeout(c, seconds) };
+        if world.check("gradacc_comm_set_timeout", st, ci.is_some() && valid) {
+            world.comms[ci.unwrap()].timeout = seconds;
+        } else if ci.is_some() {
+            assert_eq!(st, GRADACC_STATUS_INVALID_ARGUMENT, "gradacc_comm_set_timeout({seconds}): {}", last_error());
+        }
+    } else {
+        let null_out = input.u8() % 16 == 0;
+        let mut got = -7.0f64;
+        let st = unsafe { gradacc_comm_timeout(c, if null_out { null_mut() } else { &mut got }) };
+        if world.check("gradacc_comm_timeout", st, ci.is_some() && !null_out) {
+            // Kept in whole nanoseconds.
+            let want = world.comms[ci.unwrap()].timeout;
+            assert!((got - want).abs() <= 1e-9 + want * 1e-15, "timeout {got} read back, {want} set");
+        } else {
+            assert_eq!(got, -7.0, "gradacc_comm_timeout wrote its output on failure");
+        }
     }
 }
 
@@ -1358,11 +1483,11 @@ fn queries(world: &mut World, input: &mut Input) {
             let mut w = 77i32;
             let st = unsafe { gradacc_comm_rank(c, if null_out { null_mut() } else { &mut r }) };
             if world.check("gradacc_comm_rank", st, ci.is_some() && !null_out) {
-                assert_eq!(r as usize, world.comms[ci.unwrap()].1);
+                assert_eq!(r as usize, world.comms[ci.unwrap()].rank);
             }
             let st = unsafe { gradacc_comm_world_size(c, &mut w) };
             if world.check("gradacc_comm_world_size", st, ci.is_some()) {
-                assert_eq!(w as usize, world.comms[ci.unwrap()].2);
+                assert_eq!(w as usize, world.comms[ci.unwrap()].size);
             }
         }
         _ => {
@@ -1385,8 +1510,10 @@ fn comm_create(world: &mut World, input: &mut Input) {
     let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size as usize } else { 1 }];
     let st = unsafe { gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() }) };
     if world.check("gradacc_comm_create_local", st, valid && !null_out) {
-        for (r, h) in out.into_iter().enumerate() {
-            world.comms.push((h, r, world_size as usize));
+        let group = world.aborted.len();
+        world.aborted.push(false);
+        for (rank, handle) in out.into_iter().enumerate() {
+            world.comms.push(CommModel { handle, rank, size: world_size as usize, group, timeout: 600.0 });
         }
     } else {
         assert!(out.iter().all(|&h| h as usize == 0x11), "gradacc_comm_create_local wrote its output on failure");
@@ -1395,10 +1522,19 @@ fn comm_create(world: &mut World, input: &mut Input) {
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input { data, pos: 0 };
-    let mut world =
-        World { scalers: vec![], accs: vec![], comms: vec![], dead: vec![], windows: vec![], scaler_states: vec![], calls: 0, syncs_checked: 0 };
+    let mut world = World {
+        scalers: vec![],
+        accs: vec![],
+        comms: vec![],
+        aborted: vec![],
+        dead: vec![],
+        windows: vec![],
+        scaler_states: vec![],
+        calls: 0,
+        syncs_checked: 0,
+    };
     while !input.done() && world.calls < 400 {
-        match input.u8() % 20 {
+        match input.u8() % 23 {
             0 | 1 => scaler_create(&mut world, &mut input),
             2 | 3 => acc_create(&mut world, &mut input),
             4 => destroy(&mut world, &mut input),
@@ -1419,6 +1555,9 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             18 => scale_loss(&mut world, &mut input),
+            19 => merge_window(&mut world, &mut input),
+            20 => comm_abort(&mut world, &mut input),
+            21 => comm_timeout(&mut world, &mut input),
             _ => {
                 if input.u8() % 4 == 0 {
                     comm_create(&mut world, &mut input)
@@ -1440,7 +1579,7 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(unsafe { gradacc_accumulator_destroy(a.handle) }, GRADACC_STATUS_OK);
         assert_eq!(unsafe { gradacc_accumulator_destroy(a.handle) }, GRADACC_STATUS_INVALID_HANDLE);
     }
-    for (h, _, _) in world.comms.drain(..) {
-        assert_eq!(unsafe { gradacc_comm_destroy(h) }, GRADACC_STATUS_OK);
+    for c in world.comms.drain(..) {
+        assert_eq!(unsafe { gradacc_comm_destroy(c.handle) }, GRADACC_STATUS_OK);
     }
 });
