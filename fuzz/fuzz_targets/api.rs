@@ -1271,10 +1271,10 @@ fn merge_window(world: &mut World, input: &mut Input) {
         }
         let same = bytes.get(8..16).is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
         let saved = decode_window(&bytes, a, same)?;
-        // The saved items join the window's total, under the same rules as a micro-batch's count
-        // (so an empty window saved by a mean-reduced accumulator, of 0 items, is refused).
+        // The saved items join the window's total, which must stay within its limit; an empty
+        // saved window (0 items) merges as nothing.
         let microbatches = if matches!(a.w.phase, Phase::Synced(_)) { 0 } else { a.w.microbatches };
-        (a.count_ok(saved.count) && microbatches.checked_add(saved.microbatches).is_some()).then_some(saved)
+        ((saved.count == 0 || a.count_ok(saved.count)) && microbatches.checked_add(saved.microbatches).is_some()).then_some(saved)
     });
     if !world.check("gradacc_accumulator_merge_window", st, saved.is_some()) {
         return;

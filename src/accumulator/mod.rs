@@ -651,7 +651,10 @@ impl Accumulator {
         w.between_microbatches("merge_window inside a micro-batch: call end_microbatch or reset first")?;
         self.store.check_open()?;
         let saved = self.parse_window(bytes)?;
-        self.plan.config.check_count(w.open_count(), saved.count)?;
+        // An empty saved window (a rank that had added nothing) merges as nothing.
+        if saved.count > 0 {
+            self.plan.config.check_count(w.open_count(), saved.count)?;
+        }
         let microbatches = if w.synced() { 0 } else { w.microbatches };
         if microbatches.checked_add(saved.microbatches).is_none() {
             return Err(Error::invalid("merge_window: the micro-batch count overflows"));

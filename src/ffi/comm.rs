@@ -296,7 +296,9 @@ pub unsafe extern "C" fn gradacc_comm_set_timeout(comm: *mut gradacc_comm_t, sec
         if !(seconds.is_finite() && (0.0..=1e9).contains(&seconds)) {
             return Err(Error::invalid(format!("`seconds` = {seconds} is not in 0..=1e9 (0 waits forever)")).into());
         }
-        Ok(c.set_timeout((seconds > 0.0).then(|| std::time::Duration::from_secs_f64(seconds)))?)
+        // Below a nanosecond still times out at once: only 0 means forever.
+        let timeout = (seconds > 0.0).then(|| std::time::Duration::from_secs_f64(seconds).max(std::time::Duration::from_nanos(1)));
+        Ok(c.set_timeout(timeout)?)
     })
 }
 
