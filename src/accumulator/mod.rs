@@ -511,7 +511,7 @@ impl Accumulator {
             // Nothing was reduced: the caller may save the window or sync again on a new group.
             ErrorKind::CommFailure | ErrorKind::Timeout => Error::new(
                 e.kind,
-                format!("control exchange: {}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message),
+                format!("{}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message),
             ),
             _ => e,
         })?;
