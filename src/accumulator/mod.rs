@@ -509,10 +509,9 @@ impl Accumulator {
         let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
         let agreed = self.store.agree(&Proposal { comm, count, microbatches, error }).map_err(|e| match e.kind {
             // Nothing was reduced: the caller may save the window or sync again on a new group.
-            ErrorKind::CommFailure | ErrorKind::Timeout => Error::new(
-                e.kind,
-                format!("{}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message),
-            ),
+            ErrorKind::CommFailure | ErrorKind::Timeout => {
+                Error::new(e.kind, format!("{}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message))
+            }
             _ => e,
         })?;
         if let Some(t) = &agreed.totals {
