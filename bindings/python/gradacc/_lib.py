@@ -1,7 +1,8 @@
 """Finds and loads the gradacc shared library.
 
-Order: the file named by the GRADACC_LIBRARY environment variable; the build of the repository this
-package sits in (target/release, then target/debug); then the system's search path.
+Order: the file named by the GRADACC_LIBRARY environment variable; the copy bundled in this package
+by its wheel (libgradacc.so.<major>, the library's SONAME); the build of the repository this package
+sits in (target/release, then target/debug); then the system's search path.
 """
 import ctypes
 import ctypes.util
@@ -17,6 +18,10 @@ def _candidates():
     if env:
         yield env
         return  # an explicit choice that fails must not fall back to another copy
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name == _FILE or name.startswith(_FILE + "."):
+            yield os.path.join(here, name)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     for profile in ("release", "debug"):
         path = os.path.join(root, "target", profile, _FILE)
@@ -31,7 +36,7 @@ def _load():
     tried = []
     for path in _candidates():
         try:
-            return ctypes.CDLL(path)
+            return path, ctypes.CDLL(path)
         except OSError as e:
             tried.append(f"{path}: {e}")
     raise ImportError(
@@ -40,4 +45,4 @@ def _load():
         + ("".join("\n  tried " + t for t in tried) if tried else ""))
 
 
-dll = _load()
+path, dll = _load()  # path: the file loaded

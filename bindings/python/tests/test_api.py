@@ -1,6 +1,9 @@
 """The binding itself: errors, handle lifetimes, buffers of every accepted kind."""
 import ctypes
 import gc
+import importlib.metadata
+import os
+import re
 import threading
 
 import numpy as np
@@ -9,8 +12,30 @@ import pytest
 import gradacc
 
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+INSTALLED = os.environ.get("GRADACC_TEST_INSTALLED") == "1"
+
+
 def test_version_matches_header():
     assert gradacc.version() == gradacc.__version__
+
+
+def test_version_is_cargo_version():
+    """Cargo.toml's version is the one source: the header and the ctypes layer (__version__), the
+    library's gradacc_version_string(), and the installed distribution's metadata."""
+    with open(os.path.join(ROOT, "Cargo.toml"), encoding="utf-8") as f:
+        cargo = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.MULTILINE).group(1)
+    assert gradacc.__version__ == cargo
+    assert gradacc.version() == cargo
+    if INSTALLED:
+        assert importlib.metadata.version("gradacc") == cargo
+
+
+@pytest.mark.skipif(not INSTALLED, reason="tests the installed wheel (GRADACC_TEST_INSTALLED=1)")
+def test_installed_package_loads_its_bundled_library():
+    package = os.path.dirname(os.path.abspath(gradacc.__file__))
+    assert not package.startswith(ROOT + os.sep), package  # not the source tree
+    assert os.path.dirname(gradacc._lib.path) == package, gradacc._lib.path
 
 
 def test_error_carries_status_and_message():
