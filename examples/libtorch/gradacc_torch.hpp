@@ -1,11 +1,12 @@
 // gradacc_torch.hpp: gradacc for a torch::nn::Module (libtorch, CPU). Copy it into your project.
 //
-// A Binding owns one gradacc accumulator over a module's parameters (bf16, fp16 or fp32) and their
-// FP32 master weights, whose .grad() IS gradacc's FP32 master gradient (torch::from_blob, no copy).
-// Feed it either from backward hooks, tensor by tensor as autograd produces the gradients
-// (begin_microbatch / backward / end_microbatch), or with one add() after backward(). step() runs
-// a stock torch::optim optimizer built over master_weights() and copies the weights back to the
-// module, unless the scaler says the step must be skipped (an inf or NaN on any rank).
+// A Binding owns one gradacc accumulator over a module's trainable parameters (bf16, fp16 or fp32,
+// on the CPU) and their FP32 master weights, whose .grad() IS gradacc's FP32 master gradient
+// (torch::from_blob, no copy). Feed it either from backward hooks, tensor by tensor as autograd
+// produces the gradients (begin_microbatch / backward / end_microbatch), or with one add() after
+// backward(). step() runs a stock torch::optim optimizer built over master_weights() and copies the
+// weights back to the module, unless the scaler says the step must be skipped (an inf or NaN on
+// any rank). Do not build the optimizer over the module's own parameters.
 #pragma once
 
 #include <gradacc.hpp>
@@ -32,7 +33,7 @@ class Binding {
 public:
     Binding(torch::nn::Module &model, gradacc::Scaler &scaler,
             const gradacc::AccumulatorConfig &config = gradacc::AccumulatorConfig())
-        : params_(model.parameters()), scaler_(scaler), acc_(make_accumulator(params_, config)) {
+        : params_(trainable(model)), scaler_(scaler), acc_(make_accumulator(params_, config)) {
         torch::NoGradGuard no_grad;
         for (std::size_t i = 0; i < params_.size(); i++) {
             masters_.push_back(params_[i].detach().to(torch::kFloat, false, true).requires_grad_());
@@ -77,8 +78,8 @@ public:
     void add(std::uint64_t count) {
         std::vector<torch::Tensor> grads;
         std::vector<const void *> ptrs;
-        for (const torch::Tensor &p : params_) {
-            grads.push_back(p.grad().contiguous());
+        for (const torch::Tensor &p : params_) { // a parameter the loss did not use adds zeros
+            grads.push_back(p.grad().defined() ? p.grad().contiguous() : torch::zeros_like(p));
             ptrs.push_back(grads.back().data_ptr());
         }
         acc_.add(scaler_, ptrs, count);
@@ -103,6 +104,13 @@ public:
     }
 
 private:
+    static std::vector<torch::Tensor> trainable(torch::nn::Module &model) {
+        std::vector<torch::Tensor> params;
+        for (const torch::Tensor &p : model.parameters())
+            if (p.requires_grad())
+                params.push_back(p);
+        return params;
+    }
     static gradacc::Accumulator make_accumulator(const std::vector<torch::Tensor> &params,
                                                  const gradacc::AccumulatorConfig &config) {
         std::vector<gradacc::TensorDesc> descs;

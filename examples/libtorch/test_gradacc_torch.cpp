@@ -1,9 +1,10 @@
 // Tests of gradacc_torch.hpp driving libtorch (2 in-process ranks, bf16 MLP, unequal micro-batches):
-//  1. the gradient gradacc accumulates, for both feeding styles, against
+//  1. the gradient gradacc accumulates, for both feeding styles, in bf16 and in fp16, against
 //     a) libtorch's own FP32 gradient of the full effective batch (29 items), normwise, within the
-//        bf16 tolerance below; a plain mean of the micro-batch means is shown to fall outside it;
-//     b) the same bf16 micro-batch gradients combined in float64, elementwise, within FP32
+//        tolerances below; a plain mean of the micro-batch means is shown to fall outside them;
+//     b) the same 16-bit micro-batch gradients combined in float64, elementwise, within FP32
 //        accumulation rounding;
+//     and a frozen parameter is left out, an unused one gets a zero gradient;
 //  2. hooks, add and the two alternated give bitwise the same weights after several steps, and both
 //     ranks always hold bitwise-identical 16-bit weights and FP32 masters;
 //  3. an inf in one micro-batch of rank 1 skips the step on both ranks: weights, masters and the
@@ -63,6 +64,9 @@ constexpr double kScale = 65536.0;
 // normwise relative error by 8u = 2^-5 (3.1%); rounding errors of random sign keep the measured
 // error near u (printed below).
 const double kBf16Tol = 8.0 * std::ldexp(1.0, -8);
+// The same 8 roundings in fp16 (11 significant bits, u = 2^-11), the scaled gradients well inside
+// its range: 8u = 2^-8.
+const double kFp16Tol = 8.0 * std::ldexp(1.0, -11);
 // FP32 accumulation of 6 micro-batches (unscale and item weighting included): at most ~8 FP32
 // roundings of unit 2^-24 per element, relative to the sum of the terms' magnitudes; 16 leaves margin.
 const double kFp32Tol = 16.0 * std::ldexp(1.0, -24);
@@ -72,11 +76,12 @@ const char *name(example::Style s) {
 }
 
 // Test 1: one step; the masters right after the boundary.
-void test_gradient(example::Style style) {
+void test_gradient(example::Style style, torch::ScalarType dtype) {
     const example::Data data = example::make_data(1, kDataSeed);
-    std::vector<example::Mlp> models = example::make_replicas(kModelSeed, torch::kBFloat16);
+    std::vector<example::Mlp> models = example::make_replicas(kModelSeed, dtype);
     example::Options opt;
     opt.style = style;
+    opt.dtype = dtype;
     opt.steps = 1;
     std::vector<std::vector<torch::Tensor>> master(example::kRanks);
     std::vector<gradacc::SyncInfo> info(example::kRanks);
@@ -87,23 +92,25 @@ void test_gradient(example::Style style) {
             master[rank].push_back(b.master_grad(t).clone());
     };
     example::run_ranks(models, data, opt, obs);
-    const std::string s = name(style);
+    const bool bf16 = dtype == torch::kBFloat16;
+    const double tol = bf16 ? kBf16Tol : kFp16Tol;
+    const std::string s = std::string(name(style)) + (bf16 ? " bf16" : " fp16");
     check(same_bits(master[0], master[1]), s + ": both ranks hold the same master gradient bits");
     check(info[0].total_count == 29 && info[0].microbatches == 6 && !info[0].found_inf,
           s + ": the boundary counts 29 items in 6 micro-batches");
 
     // a) libtorch's FP32 gradient of the mean loss over all 29 items, at the same (bf16) weights.
     example::Mlp ref = example::make_model(kModelSeed);
-    ref->to(torch::kBFloat16);
+    ref->to(dtype);
     ref->to(torch::kFloat);
     torch::nn::functional::cross_entropy(ref(data.x[0]), data.y[0]).backward();
     // The plain mean of the micro-batch mean gradients (unequal sizes weighted alike), in FP32.
     example::Mlp naive = example::make_model(kModelSeed);
-    naive->to(torch::kBFloat16);
+    naive->to(dtype);
     naive->to(torch::kFloat);
     // b) the bf16 micro-batch gradients, unscaled, weighted by items, summed in float64.
     example::Mlp half = example::make_model(kModelSeed);
-    half->to(torch::kBFloat16);
+    half->to(dtype);
     const auto rp = ref->parameters(), np = naive->parameters(), hp = half->parameters();
     std::vector<torch::Tensor> exact, magnitude, naive_sum;
     for (const torch::Tensor &p : hp) {
@@ -116,7 +123,7 @@ void test_gradient(example::Style style) {
             const int64_t n = example::kMicrobatches[r][k], o = data.offset(r, k);
             const torch::Tensor x = data.x[0].slice(0, o, o + n), y = data.y[0].slice(0, o, o + n);
             torch::nn::functional::cross_entropy(naive(x), y).backward();
-            (torch::nn::functional::cross_entropy(half(x.to(torch::kBFloat16)).to(torch::kFloat), y) *
+            (torch::nn::functional::cross_entropy(half(x.to(dtype)).to(torch::kFloat), y) *
              kScale)
                 .backward();
             for (std::size_t t = 0; t < hp.size(); t++) {
@@ -139,15 +146,50 @@ void test_gradient(example::Style style) {
     }
     char line[200];
     std::snprintf(line, sizeof line,
-                  "%s: vs FP32 full-batch gradient, worst normwise error %.2e <= %.2e (2^-5)",
-                  s.c_str(), worst, kBf16Tol);
-    check(worst <= kBf16Tol, line);
+                  "%s: vs FP32 full-batch gradient, worst normwise error %.2e <= %.2e (8u)",
+                  s.c_str(), worst, tol);
+    check(worst <= tol, line);
     std::snprintf(line, sizeof line,
                   "%s: a plain mean of micro-batch means is off by at least %.2e > 2 x tolerance",
                   s.c_str(), worst_naive);
-    check(worst_naive > 2.0 * kBf16Tol, line);
+    check(worst_naive > 2.0 * tol, line);
     check(worst_exact <= 0.0,
-          s + ": equals the bf16 micro-batch gradients combined in float64 within 16 FP32 ulps");
+          s + ": equals the 16-bit micro-batch gradients combined in float64 within 16 FP32 ulps");
+}
+
+// A frozen parameter is left out; one the loss does not use gets a zero gradient in both styles.
+struct ThreeImpl : torch::nn::Module {
+    ThreeImpl() {
+        used = register_parameter("used", torch::ones({3}, torch::kBFloat16));
+        unused = register_parameter("unused", torch::ones({2}, torch::kBFloat16));
+        frozen = register_parameter("frozen", torch::ones({4}, torch::kBFloat16), false);
+    }
+    torch::Tensor used, unused, frozen;
+};
+TORCH_MODULE(Three);
+
+void test_frozen_and_unused() {
+    for (example::Style style : {example::Style::hooks, example::Style::add}) {
+        Three m;
+        gradacc::Scaler scaler;
+        gradacc_torch::Binding b(*m, scaler);
+        const torch::Tensor x = torch::tensor({0.5f, -2.0f, 3.0f});
+        // The mean over 2 items of a loss whose gradient is x for each: x.
+        torch::Tensor loss = (m->used.to(torch::kFloat) * x).sum() * (m->frozen.to(torch::kFloat).sum() / 4.0f);
+        if (style == example::Style::hooks) {
+            b.begin_microbatch(2);
+            b.scale_loss(loss).backward();
+            b.end_microbatch();
+        } else {
+            b.scale_loss(loss).backward();
+            b.add(2);
+        }
+        b.sync();
+        const std::string s = name(style);
+        check(b.master_weights().size() == 2, s + ": a frozen parameter gets no master");
+        check(same_bits(b.master_grad(0), x) && same_bits(b.master_grad(1), torch::zeros({2})),
+              s + ": the used parameter's master gradient is exact, the unused one's is zero");
+    }
 }
 
 struct Snapshot {
@@ -255,8 +297,10 @@ void test_overflow_skips() {
 int main() {
     torch::set_num_threads(1);
     try {
-        test_gradient(example::Style::hooks);
-        test_gradient(example::Style::add);
+        for (torch::ScalarType dtype : {torch::kBFloat16, torch::kHalf})
+            for (example::Style style : {example::Style::hooks, example::Style::add})
+                test_gradient(style, dtype);
+        test_frozen_and_unused();
         test_styles_agree();
         test_overflow_skips();
     } catch (const std::exception &e) {
