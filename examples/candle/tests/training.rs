@@ -3,7 +3,7 @@
 //! skipping the step on both.
 
 use candle_core::{DType, Device, Tensor, Var};
-use gradacc::{Communicator, LocalComm, ScalerConfig};
+use gradacc::{LocalComm, ScalerConfig};
 use gradacc_candle::adapter;
 use gradacc_candle::train::{self, Batch, Replica, IN};
 
@@ -76,7 +76,7 @@ fn check_gradient(dtype: DType, unit: f64) {
             let per: Vec<Vec<f64>> = rep.weights.iter().map(|w| values(grads.get(w).unwrap())).collect();
             terms.push(per.into_iter().map(|g| g.into_iter().map(|v| v / scale * b.items as f64).collect()).collect());
         }
-        let info = rep.acc.sync(Some(comm as &dyn Communicator)).unwrap();
+        let info = rep.acc.sync(Some(comm)).unwrap();
         let masters: Vec<Vec<f32>> = (0..rep.weights.len()).map(|i| rep.acc.with_master(i, |g| g.to_vec()).unwrap()).collect();
         (info, masters, terms)
     });
