@@ -76,6 +76,10 @@ struct State {
     count: usize,
     /// Bumped each time the barrier opens.
     generation: u64,
+    /// The collective and the barrier within it that the first rank of this generation arrived
+    /// at: a rank that arrives at another one (ranks calling different collectives) fails the
+    /// group before anyone reads a buffer that was published for another collective.
+    tag: Option<(std::mem::Discriminant<What>, Reads)>,
     /// Ranks inside the reading phases of an all-reduce (whose buffers others may read).
     readers: usize,
     failure: Option<Failure>,
@@ -138,6 +142,11 @@ impl Group {
         if s.failure.is_some() {
             return Err(self.leave(s, rank, what, reading));
         }
+        let tag = (std::mem::discriminant(&what), reads);
+        if *s.tag.get_or_insert(tag) != tag {
+            self.fail(&mut s, || format!("the ranks called different collectives (rank {rank} arrived in {what}); the group was aborted"));
+            return Err(self.leave(s, rank, what, reading));
+        }
         s.arrived[rank] = true;
         s.count += 1;
         if s.count == self.world {
@@ -192,6 +201,7 @@ impl Group {
         s.count = 0;
         s.arrived.fill(false);
         s.generation = s.generation.wrapping_add(1);
+        s.tag = None;
         if reads == Reads::Start {
             s.readers = self.world;
         }
@@ -255,6 +265,7 @@ impl LocalComm {
                 arrived: vec![false; world],
                 count: 0,
                 generation: 0,
+                tag: None,
                 readers: 0,
                 failure: None,
                 buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0 }; world],
@@ -539,5 +550,32 @@ mod tests {
             assert!(h.join().is_err());
         });
         assert_eq!(g.state().readers, 0);
+    }
+
+    /// Ranks that call different collectives (one the control exchange, one an all-reduce, with
+    /// a buffer of the length another rank published earlier) fail the group at the first
+    /// barrier: no rank reads a buffer published for another collective.
+    #[test]
+    fn ranks_in_different_collectives_fail_before_reading() {
+        let comms = LocalComm::group(2).unwrap();
+        std::thread::scope(|s| {
+            let mut stale = vec![1.0f32; 8];
+            s.spawn(|| comms[1].allreduce_sum(&mut [2.0f32; 8]).unwrap());
+            comms[0].allreduce_sum(&mut stale).unwrap();
+        });
+        let (control, reduce) = std::thread::scope(|s| {
+            let control = s.spawn(|| comms[0].reduce_control(&Control::default()));
+            let reduce = s.spawn(|| {
+                let mut w = vec![3.0f32; 8];
+                (comms[1].allreduce_sum(&mut w), w)
+            });
+            (control.join().unwrap(), reduce.join().unwrap())
+        });
+        assert_eq!(control.unwrap_err().kind, ErrorKind::CommFailure);
+        let (result, w) = reduce;
+        let err = result.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::CommFailure);
+        assert!(err.message.contains("different collectives"), "{err}");
+        assert!(w.iter().all(|&v| v == 3.0), "the buffer was changed: {w:?}");
     }
 }
