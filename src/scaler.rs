@@ -304,7 +304,11 @@ impl Scaler {
             Imp::Host(_) => Ok(Some(self.update(found_inf)?.skipped)),
             Imp::Cuda(c) => {
                 for (i, a) in accumulators.iter().enumerate() {
-                    a.gather_into(c, &format!("accumulators[{i}]"))?;
+                    if let Err(e) = a.gather_into(c, &format!("accumulators[{i}]")) {
+                        // The gathers so far would otherwise count in the next update.
+                        c.clear_gathered()?;
+                        return Err(e);
+                    }
                 }
                 c.update(wait)
             }

@@ -598,6 +598,10 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     if r.1 != body.len() {
         return None;
     }
+    // Counts no window can have: refused as corrupt.
+    if count > 1 << 47 || (microbatches == 0 && count != 0) {
+        return None;
+    }
     let mut w = a.fresh_window();
     w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
     w.count = count;

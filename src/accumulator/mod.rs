@@ -570,6 +570,8 @@ impl Accumulator {
     /// nothing in a synced window). On CUDA this waits for the accumulator's stream.
     pub fn read_master(&self, index: usize, out: &mut [f32]) -> Result<()> {
         self.plan.layout.check_index(index)?;
+        // After a final micro-batch began, its buckets are being reduced on another stream.
+        self.store.check_open()?;
         let r = self.range(index);
         if out.len() != r.len() {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {}", out.len(), r.len())));
@@ -582,6 +584,7 @@ impl Accumulator {
     /// a device.
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.plan.layout.check_index(index)?;
+        self.store.check_open()?;
         let _w = self.window.write();
         match self.store.host() {
             // SAFETY: the write lock excludes every writer.
@@ -694,6 +697,12 @@ impl Accumulator {
         let mut masters = Vec::new();
         r.f32s_into(&mut masters, self.len())?;
         r.finish()?;
+        if count > config::MAX_WINDOW_COUNT || (microbatches == 0 && count != 0) {
+            return Err(Error::new(
+                ErrorKind::CorruptState,
+                format!("accumulator window: {count} items in {microbatches} micro-batches is not a window this library saves"),
+            ));
+        }
         Ok(SavedWindow { count, microbatches, found_inf, written, masters })
     }
 

@@ -474,6 +474,11 @@ impl NcclComm {
         }
     }
 
+    /// Marks the communicator failed: every later call fails, and drop aborts it.
+    pub(crate) fn mark_failed(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
     /// Fails with COMM_FAILURE when the communicator was aborted, failed before, or has an
     /// asynchronous error now (a peer failed or aborted). For a caller that has waited on its
     /// stream for collectives: an abort ends them without a result, and the wait cannot tell.

@@ -225,8 +225,8 @@ pub unsafe extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id
 
 /// Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
 /// `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it, or
-/// fails with GRADACC_STATUS_COMM_FAILURE when they have not within 10 minutes; every later call
-/// waits as long at most for the other ranks. Two ranks of one group on one device in one process
+/// fails with GRADACC_STATUS_TIMEOUT when they have not within 10 minutes; every later call waits
+/// at most the communicator's timeout (gradacc_comm_set_timeout) for the other ranks. Two ranks of one group on one device in one process
 /// are refused (GRADACC_STATUS_INVALID_ARGUMENT). Accumulators on that device sync over it; their
 /// stream carries the collectives.
 ///

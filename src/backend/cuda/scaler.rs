@@ -169,6 +169,13 @@ impl CudaScaler {
         })
     }
 
+    /// Forgets the flags gathered since the last update (a step that failed halfway through its
+    /// gathers must not leave some of them to the next update).
+    pub(crate) fn clear_gathered(&self) -> Result<()> {
+        let mut inner = self.lock();
+        self.write_state(&mut inner, |_| self.state.write_at(std::mem::offset_of!(GaScalerState, pending_found_inf), &[0u32]))
+    }
+
     /// Enqueues one optimizer step's update from the gathered flags. With `read`, waits for it and
     /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back off).
     pub fn update(&self, read: bool) -> Result<Option<bool>> {

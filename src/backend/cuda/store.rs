@@ -175,10 +175,11 @@ impl DeviceStore {
         o.missing[layout.bucket_of(index)] -= 1;
         let comm_stream = self.comm_stream()?.stream;
         while o.next > 0 && o.missing[o.next - 1] == 0 {
-            o.next -= 1;
-            let bucket = &layout.buckets()[o.next];
+            let bucket = &layout.buckets()[o.next - 1];
             self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
             nccl(&*o.comm)?.allreduce_sum_f32(self.master_at(bucket.start), bucket.len(), comm_stream)?;
+            // Counted as reduced early only once issued: the boundary reduces every other bucket.
+            o.next -= 1;
         }
         Ok(())
     }
@@ -273,12 +274,17 @@ impl DeviceStore {
         let result = wait_until_done(&self.ctx, self.stream, comm.timeout(), || comm.health());
         if let Err(e) = &result {
             if e.kind == ErrorKind::Timeout {
-                let _ = comm.abort();
+                let what = format!("the boundary's collectives: {}; a rank failed or never arrived", e.message);
+                // Only an abort ends NCCL's kernels; without one the stream would never drain.
+                if let Err(refused) = comm.abort() {
+                    comm.mark_failed();
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!("{what}, and the communicator could not be aborted ({}): abort it, then the stream drains", refused.message),
+                    ));
+                }
                 synchronize(&self.ctx, self.stream)?;
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("the boundary's collectives: {}; a rank failed or never arrived, and the communicator was aborted", e.message),
-                ));
+                return Err(Error::new(ErrorKind::Timeout, format!("{what}, and the communicator was aborted")));
             }
         }
         result
