@@ -4,27 +4,32 @@
 //! and pass, one MPI_Iallgatherv. Each element is summed by one rank, in rank order, so every rank
 //! gets the same bits by construction, and they are the in-process communicator's bits.
 //!
-//! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Iallreduce; its identical
-//! bits on every rank rest on MPI, whose standard advises "the same result on all processes".
+//! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Iallreduce, piece by piece
+//! through a buffer of the communicator; its identical bits on every rank rest on MPI, whose
+//! standard advises "the same result on all processes".
 //!
 //! No rank waits forever: every collective is non-blocking and its requests are polled with
 //! MPI_Testall, sleeping between polls, until they complete, the communicator's timeout passes
 //! (TIMEOUT, naming the phase; the communicator is then aborted) or another thread aborts it
 //! (COMM_FAILURE). Requests abandoned that way stay pending inside MPI and may still complete
-//! later (a late peer arrives), so every buffer MPI may touch besides the caller's (control words,
-//! counts and displacements, scratch) belongs to the communicator and outlives those requests:
-//! if they are still pending when the communicator is dropped, that memory and the MPI
-//! communicator itself are leaked instead of freed (see Drop).
+//! later (a late peer arrives), so MPI is never handed the caller's memory: every buffer a request
+//! names (control words, counts and displacements, the staged chunk, scratch, the all-reduce's
+//! piece) belongs to the communicator, data is copied into it before a post and out of it only
+//! after the request completed, and it outlives those requests: if they are still pending when
+//! the communicator is dropped, that memory and the MPI communicator itself are leaked instead of
+//! freed (see Drop). Once anything was posted, any failure aborts the communicator, so a rank
+//! that fell out of step with its peers' collectives never posts another one.
 //!
 //! An MPI initialised below MPI_THREAD_MULTIPLE (by the caller) gets every gradacc collective of
 //! the process behind one lock, so two communicators used from two threads never call MPI at
 //! once (enough for MPI_THREAD_SERIALIZED; with FUNNELED or SINGLE, call gradacc from the thread
-//! that makes the program's MPI calls).
+//! that makes the program's MPI calls). A collective waits for that lock the way it waits for its
+//! requests, so the timeout and an abort hold there too.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
@@ -39,8 +44,8 @@ extern "C" {
     fn atexit(f: extern "C" fn()) -> c_int;
 }
 
-/// The largest element count one MPI call takes (its count is a C int); larger buckets are split.
-const MAX_COUNT: usize = 1 << 30;
+/// Elements `allreduce_sum` reduces per MPI call, through the communicator's piece buffer (4 MB).
+const SUM_PIECE: usize = 1 << 20;
 
 /// Whether gradacc initialised MPI in this process (then it finalises it at exit).
 static INIT: Mutex<bool> = Mutex::new(false);
@@ -60,6 +65,32 @@ const MAX_PAUSE: Duration = Duration::from_micros(500);
 
 /// A timeout of `None` (wait forever), as stored.
 const FOREVER: u64 = u64::MAX;
+
+/// The pauses of a polling wait: none for [`SPIN`], then sleeps from [`FIRST_PAUSE`] doubling
+/// up to [`MAX_PAUSE`].
+struct Backoff {
+    start: Instant,
+    pause: Duration,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { start: Instant::now(), pause: FIRST_PAUSE }
+    }
+
+    fn waited(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    fn pause(&mut self) {
+        if self.start.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(self.pause);
+            self.pause = (self.pause * 2).min(MAX_PAUSE);
+        }
+    }
+}
 
 /// One rank of a duplicated MPI communicator.
 pub struct MpiComm {
@@ -107,6 +138,9 @@ struct Memory {
     control: Box<ControlWords>,
     counts: Counts,
     work: Workspace,
+    /// `allreduce_sum`'s piece: each piece of the caller's buffer is copied in, reduced in place
+    /// and copied back once the request completed.
+    piece: Vec<f32>,
     /// Requests a timeout, an abort or an MPI error left pending. Once there is one, the
     /// communicator is aborted: nothing above is touched again, and it is leaked at drop unless
     /// they completed by then.
@@ -268,10 +302,49 @@ impl MpiComm {
     fn enter(&self) -> Result<Entered<'_>> {
         self.check_live()?;
         let busy = self.busy.enter(|| format!("MPI communicator rank {}", self.rank))?;
-        let serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
+        let serial = if self.serialize { Some(self.serial()?) } else { None };
         // Aborted while this call waited for the process's MPI lock.
         self.check_live()?;
         Ok(Entered(busy, serial, lock(&self.mem)))
+    }
+
+    /// Takes [`SERIAL`], polling it the way [`MpiComm::wait`] polls requests: past this
+    /// communicator's timeout it fails with TIMEOUT and aborts the communicator (its peers may
+    /// have posted the collective this rank could not), and once another thread aborted it, with
+    /// COMM_FAILURE.
+    fn serial(&self) -> Result<MutexGuard<'static, ()>> {
+        let timeout = self.timeout();
+        let mut backoff = Backoff::new();
+        loop {
+            match SERIAL.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(e)) => return Ok(e.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            self.check_live()?;
+            let waited = backoff.waited();
+            if let Some(t) = timeout.filter(|&t| waited >= t) {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "MPI collective on rank {} of {} did not start within the timeout of {t:?} (waited {waited:.3?}): MPI runs below MPI_THREAD_MULTIPLE and another gradacc collective of this process held the process's MPI lock; the communicator was aborted",
+                        self.rank, self.world
+                    ),
+                );
+                self.set_aborted(format!(" after: {}", e.message));
+                return Err(e);
+            }
+            backoff.pause();
+        }
+    }
+
+    /// Aborts the communicator after an MPI call failed to post a collective: its peers may have
+    /// posted theirs, or this rank posted an earlier part of the same collective, so its next
+    /// collective could pair with the wrong one of theirs.
+    fn post_failed(&self, mut e: Error) -> Error {
+        e.message.push_str("; the communicator was aborted");
+        self.set_aborted(format!(" after: {}", e.message));
+        e
     }
 
     /// COMM_FAILURE once the communicator was aborted.
@@ -302,8 +375,7 @@ impl MpiComm {
     /// pending go to `abandoned` (their memory must stay alive) and the communicator is aborted.
     fn wait(&self, requests: &mut [ffi::MPI_Request], abandoned: &mut Vec<ffi::MPI_Request>, phase: &dyn Fn() -> String) -> Result<()> {
         let timeout = self.timeout();
-        let start = Instant::now();
-        let mut pause = FIRST_PAUSE;
+        let mut backoff = Backoff::new();
         loop {
             let mut done: c_int = 0;
             // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
@@ -325,13 +397,13 @@ impl MpiComm {
                     format!(
                         "MPI {} stopped after {:.3?}: the communicator (rank {} of {}) was aborted",
                         phase(),
-                        start.elapsed(),
+                        backoff.waited(),
                         self.rank,
                         self.world
                     ),
                 ));
             }
-            let waited = start.elapsed();
+            let waited = backoff.waited();
             if let Some(t) = timeout.filter(|&t| waited >= t) {
                 let e = Error::new(
                     ErrorKind::Timeout,
@@ -345,12 +417,7 @@ impl MpiComm {
                 self.abandon(requests, abandoned, &e.message);
                 return Err(e);
             }
-            if waited < SPIN {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(MAX_PAUSE);
-            }
+            backoff.pause();
         }
     }
 
@@ -378,12 +445,16 @@ struct Shares<'a> {
     comm: &'a MpiComm,
     counts: &'a mut Counts,
     abandoned: &'a mut Vec<ffi::MPI_Request>,
+    /// Whether a collective was posted: a failure from then on aborts the communicator.
+    posted: bool,
 }
 
 impl Shares<'_> {
-    /// Waits for one request posted with return code `rc` (nothing was posted when it failed).
+    /// Waits for one request posted with return code `rc` (nothing was posted when it failed,
+    /// and the communicator is aborted).
     fn finish(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
-        check(rc, call)?;
+        check(rc, call).map_err(|e| self.comm.post_failed(e))?;
+        self.posted = true;
         self.comm.wait(std::slice::from_mut(&mut request), self.abandoned, step)
     }
 }
@@ -420,9 +491,9 @@ impl ShareTransport for Shares<'_> {
         // SAFETY: `reduce_in_shares` cuts `shares` from this chunk and `slots` from `scratch`, so
         // every count and displacement stays inside its buffer; each array has `world` entries,
         // the communicator's size. MPI uses them until the request completes: the counts are the
-        // communicator's `Counts` and `scratch` its `Workspace`, never touched again nor freed
-        // while a request is abandoned (see `Memory`); `chunk` is the caller's buffer, which
-        // `wait` returns with (or the docs say what an abandoned request may do to it).
+        // communicator's `Counts`, and `chunk` and `scratch` its `Workspace` (the chunk staged
+        // there, never the caller's buffer), never touched again nor freed while a request is
+        // abandoned (see `Memory`).
         let rc = unsafe {
             ffi::MPI_Ialltoallv(
                 chunk.as_ptr() as *const c_void,
@@ -453,8 +524,9 @@ impl ShareTransport for Shares<'_> {
         // SAFETY: `reduce_in_shares` cuts one share per rank (`world` entries) from this chunk, so
         // every count and displacement stays inside `chunk`; with MPI_IN_PLACE (the shim's value
         // for the linked MPI) the send arguments are ignored and this rank's share is read from
-        // its place in `chunk`. The counts live in the communicator's `Counts` until the request
-        // completes or is abandoned (see `exchange`).
+        // its place in `chunk`. `chunk` is the communicator's `Workspace` (the staged chunk, never
+        // the caller's buffer) and the counts its `Counts`: alive until the request completes, or
+        // for good once it is abandoned (see `exchange`).
         let rc = unsafe {
             ffi::MPI_Iallgatherv(
                 gradacc_internal_mpi_in_place(),
@@ -522,8 +594,31 @@ impl Drop for MpiComm {
         if flag(ffi::MPI_Finalized) {
             return;
         }
-        let _serial = self.serialize.then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
+        let timeout = self.timeout();
         let mem = self.mem.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Below MPI_THREAD_MULTIPLE, MPI is called only under `SERIAL`, polled like a collective
+        // polls it. Past this communicator's timeout the communicator (and, with requests pending,
+        // their memory) is leaked instead of freed. With no timeout, this waits as long as the
+        // other communicator's collective holds the lock, which its own timeout or abort bounds:
+        // a destroy cannot fail, and freeing the communicator needs an MPI call.
+        let mut backoff = Backoff::new();
+        let _serial = loop {
+            if !self.serialize {
+                break None;
+            }
+            match SERIAL.try_lock() {
+                Ok(guard) => break Some(guard),
+                Err(TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            if timeout.is_some_and(|t| backoff.waited() >= t) {
+                if !mem.abandoned.is_empty() {
+                    std::mem::forget(std::mem::take(mem));
+                }
+                return;
+            }
+            backoff.pause();
+        };
         if !mem.abandoned.is_empty() {
             let mut done: c_int = 0;
             // SAFETY: the requests were posted on this communicator and never completed nor freed
@@ -588,56 +683,62 @@ impl HostCollectives for MpiComm {
         let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 2];
         // SAFETY: each count is the length of the u64 arrays it goes with (SUM_WORDS, MAX_WORDS);
         // the arrays are the communicator's heap `ControlWords`, untouched until `wait` completes
-        // every request posted, and kept alive for good if it abandons them (see `Memory`); a
-        // request whose post failed stays MPI_REQUEST_NULL, which MPI_Testall skips.
-        let (first, second) = unsafe {
-            let first = check(
-                ffi::MPI_Iallreduce(
-                    words.sum_in.as_ptr() as *const c_void,
-                    words.sum.as_mut_ptr() as *mut c_void,
-                    packing::SUM_WORDS as c_int,
-                    ffi::RSMPI_UINT64_T,
-                    ffi::RSMPI_SUM,
-                    self.comm,
-                    &mut requests[0],
-                ),
-                "MPI_Iallreduce (control, SUM)",
-            );
-            let second = if first.is_ok() {
-                check(
-                    ffi::MPI_Iallreduce(
-                        words.max_in.as_ptr() as *const c_void,
-                        words.max.as_mut_ptr() as *mut c_void,
-                        packing::MAX_WORDS as c_int,
-                        ffi::RSMPI_UINT64_T,
-                        ffi::RSMPI_MAX,
-                        self.comm,
-                        &mut requests[1],
-                    ),
-                    "MPI_Iallreduce (control, MAX)",
-                )
-            } else {
-                Ok(())
-            };
-            (first, second)
+        // every request posted, and kept alive for good if it (or a failed second post) abandons
+        // them (see `Memory`).
+        let rc = unsafe {
+            ffi::MPI_Iallreduce(
+                words.sum_in.as_ptr() as *const c_void,
+                words.sum.as_mut_ptr() as *mut c_void,
+                packing::SUM_WORDS as c_int,
+                ffi::RSMPI_UINT64_T,
+                ffi::RSMPI_SUM,
+                self.comm,
+                &mut requests[0],
+            )
         };
-        first?;
-        let waited = self.wait(&mut requests, &mut mem.abandoned, &|| "control exchange".to_string());
-        second.and(waited)?;
+        check(rc, "MPI_Iallreduce (control, SUM)").map_err(|e| self.post_failed(e))?;
+        // SAFETY: as for the first.
+        let rc = unsafe {
+            ffi::MPI_Iallreduce(
+                words.max_in.as_ptr() as *const c_void,
+                words.max.as_mut_ptr() as *mut c_void,
+                packing::MAX_WORDS as c_int,
+                ffi::RSMPI_UINT64_T,
+                ffi::RSMPI_MAX,
+                self.comm,
+                &mut requests[1],
+            )
+        };
+        if let Err(e) = check(rc, "MPI_Iallreduce (control, MAX)") {
+            // The SUM is posted: keep its request and memory, and abort.
+            let e = self.post_failed(e);
+            self.abandon(&requests, &mut mem.abandoned, &e.message);
+            return Err(e);
+        }
+        self.wait(&mut requests, &mut mem.abandoned, &|| "control exchange".to_string())?;
         Ok(packing::unpack(&words.sum, &words.max))
     }
 
-    /// MPI_Iallreduce in place, in pieces of at most 2^30 elements (an MPI count is a C int).
+    /// MPI_Iallreduce in place, in pieces of [`SUM_PIECE`] elements, each copied into the
+    /// communicator's piece buffer, reduced there and copied back once its request completed, so
+    /// a request abandoned by a timeout or an abort never touches `buf`.
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let mut entered = self.enter()?;
-        let abandoned = &mut entered.2.abandoned;
-        let pieces = buf.len().div_ceil(MAX_COUNT);
-        for (k, piece) in buf.chunks_mut(MAX_COUNT).enumerate() {
+        let mem = &mut *entered.2;
+        let most = SUM_PIECE.min(buf.len());
+        if mem.piece.len() < most {
+            mem.piece.resize(most, 0.0);
+        }
+        let pieces = buf.len().div_ceil(SUM_PIECE);
+        for (k, part) in buf.chunks_mut(SUM_PIECE).enumerate() {
+            let piece = &mut mem.piece[..part.len()];
+            piece.copy_from_slice(part);
             // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
             let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-            // SAFETY: `piece` is a live `&mut` of at most MAX_COUNT (2^30) elements, so its length
-            // fits a C int; with MPI_IN_PLACE MPI reads and writes only `piece`, until `wait`
-            // completes the request (docs/mpi.md says what an abandoned one may still do to it).
+            // SAFETY: `piece` is the communicator's piece buffer, of at most SUM_PIECE (2^20)
+            // elements, so its length fits a C int; with MPI_IN_PLACE MPI reads and writes only
+            // `piece`, which is untouched until `wait` completes the request and kept alive for
+            // good if it abandons it (see `Memory`).
             let rc = unsafe {
                 ffi::MPI_Iallreduce(
                     gradacc_internal_mpi_in_place(),
@@ -649,8 +750,9 @@ impl HostCollectives for MpiComm {
                     &mut request,
                 )
             };
-            check(rc, "MPI_Iallreduce")?;
-            self.wait(std::slice::from_mut(&mut request), abandoned, &|| format!("all-reduce, piece {} of {pieces}", k + 1))?;
+            check(rc, "MPI_Iallreduce").map_err(|e| self.post_failed(e))?;
+            self.wait(std::slice::from_mut(&mut request), &mut mem.abandoned, &|| format!("all-reduce, piece {} of {pieces}", k + 1))?;
+            part.copy_from_slice(piece);
         }
         Ok(())
     }
@@ -661,7 +763,14 @@ impl HostCollectives for MpiComm {
         check_buckets(buf.len(), buckets)?;
         let mut entered = self.enter()?;
         let mem = &mut *entered.2;
-        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned };
-        shares::reduce_in_shares(&mut t, &mut mem.work, buf, shares::SHARE_NUMEL, pass)
+        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
+        let result = shares::reduce_in_shares(&mut t, &mut mem.work, buf, shares::SHARE_NUMEL, pass);
+        if let Err(e) = &result {
+            if t.posted {
+                // Out of step with the peers, who may post the next collective of this one.
+                self.set_aborted(format!(" after: {}", e.message));
+            }
+        }
+        result
     }
 }

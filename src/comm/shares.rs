@@ -135,12 +135,16 @@ impl std::fmt::Display for Step {
     }
 }
 
-/// The memory the reduction in shares hands a transport besides the caller's buffer: the other
-/// ranks' copies of this rank's share and the block values. A transport between processes keeps
-/// it for as long as a collective it abandoned (a timeout, an abort) may still write into it,
-/// instead of freeing it when the call returns.
+/// The only memory the reduction in shares hands a transport: a copy of the chunk in flight, the
+/// other ranks' copies of this rank's share, and the block values. The caller's buffer is never
+/// handed over; it is copied into `stage` before a collective and out of it after one completed.
+/// A transport between processes keeps the workspace for as long as a collective it abandoned (a
+/// timeout, an abort) may still read or write it, instead of freeing it when the call returns.
 #[derive(Debug, Default)]
 pub(crate) struct Workspace {
+    /// One chunk at the chunk's own offsets: the shares this rank sends in the exchange, then the
+    /// gather's in-place buffer.
+    stage: Vec<f32>,
     scratch: Vec<f32>,
     mine: Vec<f64>,
     all: Vec<f64>,
@@ -148,17 +152,20 @@ pub(crate) struct Workspace {
 
 /// The three collectives the reduction in shares needs from a transport between processes.
 /// Every rank calls each of them, in the same order, with the same `shares` and `counts`. `step`
-/// says where the reduction is, for error messages.
+/// says where the reduction is, for error messages. Every buffer passed is in the [`Workspace`],
+/// never the caller's memory.
 pub(crate) trait ShareTransport {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
 
     /// Sends `chunk[shares[q]]` to every other rank `q`, and receives every other rank `q`'s copy
-    /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`.
+    /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`. `chunk` is the
+    /// workspace's copy of the chunk (only the other ranks' shares are filled in).
     fn exchange(&mut self, step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()>;
 
     /// Copies every other rank `q`'s finished `chunk[shares[q]]` into the same place of this
-    /// rank's `chunk`; this rank's own share is left as it is.
+    /// rank's `chunk` (the workspace's copy, holding this rank's finished share); this rank's own
+    /// share is left as it is.
     fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
 
     /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order into
@@ -187,6 +194,11 @@ pub(crate) fn reduce_in_shares(
         ws.scratch.resize(scratch_len, 0.0);
     }
     let scratch = &mut ws.scratch[..scratch_len];
+    let stage_len = world * share;
+    if ws.stage.len() < stage_len {
+        ws.stage.resize(stage_len, 0.0);
+    }
+    let stage = &mut ws.stage[..stage_len];
     let mine = &mut ws.mine;
     mine.clear();
     for (k, chunk) in plan.chunks().enumerate() {
@@ -208,11 +220,22 @@ pub(crate) fn reduce_in_shares(
             })
             .collect();
         let piece = &mut buf[chunk];
-        t.exchange(Step::Exchange { chunk: k + 1, chunks }, piece, &shares, scratch, &slots)?;
+        let staged = &mut stage[..piece.len()];
+        // The shares this rank sends, copied out of the caller's buffer before the exchange.
+        for q in (0..world).filter(|&q| q != rank) {
+            staged[shares[q].clone()].copy_from_slice(&piece[shares[q].clone()]);
+        }
+        t.exchange(Step::Exchange { chunk: k + 1, chunks }, staged, &shares, scratch, &slots)?;
         let first = mine.len();
         mine.resize(first + cpu::blocks(own.len()), 0.0);
-        sum_and_pass(&mut piece[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
-        t.gather(Step::Gather { chunk: k + 1, chunks }, piece, &shares)?;
+        sum_and_pass(&mut piece[own.clone()], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
+        // The finished share goes out through the stage, and the others come back into the
+        // caller's buffer only once the gather completed.
+        staged[own.clone()].copy_from_slice(&piece[own]);
+        t.gather(Step::Gather { chunk: k + 1, chunks }, staged, &shares)?;
+        for q in (0..world).filter(|&q| q != rank) {
+            piece[shares[q].clone()].copy_from_slice(&staged[shares[q].clone()]);
+        }
     }
 
     let counts: Vec<usize> = (0..world).map(|q| plan.owned_blocks(q).map(|b| b.len()).sum()).collect();
@@ -339,17 +362,21 @@ mod tests {
         world: usize,
         barrier: Arc<Barrier>,
         posts: Arc<Mutex<Vec<(usize, usize)>>>,
+        /// The address ranges of every buffer this rank was handed, for the test to check that
+        /// none is the caller's.
+        handed: Vec<Range<usize>>,
     }
 
     impl Threads {
         fn group(world: usize) -> Vec<Threads> {
             let barrier = Arc::new(Barrier::new(world));
             let posts = Arc::new(Mutex::new(vec![(0, 0); world]));
-            (0..world).map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone() }).collect()
+            (0..world).map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone(), handed: Vec::new() }).collect()
         }
 
         /// Publishes this rank's buffer; returns every rank's, once all have published.
-        fn publish<T>(&self, p: *const T, len: usize) -> Vec<(usize, usize)> {
+        fn publish<T>(&mut self, p: *const T, len: usize) -> Vec<(usize, usize)> {
+            self.handed.push(p as usize..p as usize + len * std::mem::size_of::<T>());
             self.posts.lock().unwrap()[self.rank] = (p as usize, len);
             self.barrier.wait();
             self.posts.lock().unwrap().clone()
@@ -367,6 +394,7 @@ mod tests {
 
         fn exchange(&mut self, _step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
+            self.handed.push(scratch.as_ptr() as usize..scratch.as_ptr() as usize + std::mem::size_of_val(scratch));
             for q in (0..self.world).filter(|&q| q != self.rank) {
                 // SAFETY: `posts[q]` is the pointer and length of rank q's `chunk`, published before
                 // `publish`'s barrier; rank q holds it as `&[f32]`, so nobody writes it, and it stays
@@ -394,6 +422,7 @@ mod tests {
 
         fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
             let posts = self.publish(mine.as_ptr(), mine.len());
+            self.handed.push(all.as_ptr() as usize..all.as_ptr() as usize + std::mem::size_of_val(all));
             let mut at = 0;
             for q in 0..self.world {
                 assert_eq!(posts[q].1, counts[q]);
@@ -425,6 +454,16 @@ mod tests {
                         let first = reduce_in_shares(&mut t, &mut ws, &mut copy, share_numel, pass).unwrap();
                         let values = reduce_in_shares(&mut t, &mut ws, &mut buf, share_numel, pass).unwrap();
                         assert!(copy.iter().zip(&buf).all(|(a, b)| a.to_bits() == b.to_bits()) && first == values);
+                        // No collective was handed the caller's memory, which an abandoned request
+                        // between processes could still read or write after the call returned.
+                        for caller in [buf.as_ptr_range(), copy.as_ptr_range()] {
+                            let caller = caller.start as usize..caller.end as usize;
+                            assert!(!t.handed.is_empty());
+                            assert!(
+                                t.handed.iter().all(|h| h.is_empty() || h.end <= caller.start || caller.end <= h.start),
+                                "a transport was handed the caller's buffer"
+                            );
+                        }
                         (buf, values)
                     })
                 })
