@@ -113,15 +113,7 @@ fn run_case(rng: &mut Rng, case: usize) {
                     let acc = Accumulator::new(config, tensors).unwrap();
                     let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
                     let junk_grads: Vec<Vec<u16>> = tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
-                    let views: Vec<Grad> = tensors
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| match t.dtype {
-                            Dtype::F32 => Grad::F32(&junk[i]),
-                            Dtype::F16 => Grad::F16(&junk_grads[i]),
-                            Dtype::Bf16 => Grad::Bf16(&junk_grads[i]),
-                        })
-                        .collect();
+                    let views: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &junk[i], &junk_grads[i])).collect();
                     let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                     acc.add(&one, &views, 1).unwrap();
                     acc.sync(Some(comm)).unwrap();
@@ -131,11 +123,7 @@ fn run_case(rng: &mut Rng, case: usize) {
                         let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> =
                             m.contributions.iter().zip(tensors).map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect()).collect();
                         fn view<'a>(dtype: Dtype, e: &'a (Vec<f32>, Vec<u16>)) -> Grad<'a> {
-                            match dtype {
-                                Dtype::F32 => Grad::F32(&e.0),
-                                Dtype::F16 => Grad::F16(&e.1),
-                                Dtype::Bf16 => Grad::Bf16(&e.1),
-                            }
+                            grad_of(dtype, &e.0, &e.1)
                         }
                         if m.hook {
                             acc.begin_microbatch(m.count).unwrap();
@@ -364,11 +352,7 @@ fn merged_windows_from_four_ranks_resume_on_two() {
                 if rank % 2 == 1 && t == skipped {
                     continue;
                 }
-                let grad = match d.dtype {
-                    Dtype::F32 => Grad::F32(&encoded[t].0),
-                    Dtype::F16 => Grad::F16(&encoded[t].1),
-                    Dtype::Bf16 => Grad::Bf16(&encoded[t].1),
-                };
+                let grad = grad_of(d.dtype, &encoded[t].0, &encoded[t].1);
                 acc.add_tensor(&scaler, t, grad).unwrap();
                 // Mean-reduced micro-batches are weighted by their count.
                 for (s, v) in sum[t].iter_mut().zip(&values[t]) {
@@ -418,15 +402,7 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     let poisoned = Accumulator::new(config, &tensors).unwrap();
     let inf: Vec<Vec<f32>> = tensors.iter().map(|d| vec![f32::INFINITY; d.numel]).collect();
     let enc: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&inf).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
-    let grads: Vec<Grad> = tensors
-        .iter()
-        .zip(&enc)
-        .map(|(d, e)| match d.dtype {
-            Dtype::F32 => Grad::F32(&e.0),
-            Dtype::F16 => Grad::F16(&e.1),
-            Dtype::Bf16 => Grad::Bf16(&e.1),
-        })
-        .collect();
+    let grads: Vec<Grad> = tensors.iter().zip(&enc).map(|(d, e)| grad_of(d.dtype, &e.0, &e.1)).collect();
     poisoned.add(&scaler, &grads, 1).unwrap();
     let clean = Accumulator::new(config, &tensors).unwrap();
     clean.load_window(&saved[0]).unwrap();

@@ -214,15 +214,7 @@ fn add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) {
     let f32s: Vec<Vec<f32>> = tensors.iter().map(|t| (0..t.numel).map(|i| (i % 13) as f32 * 0.25 + rank as f32).collect()).collect();
     let halves: Vec<Vec<u16>> =
         tensors.iter().zip(&f32s).map(|(t, v)| v.iter().map(|&x| if t.dtype == Dtype::F16 { to_f16(x) } else { to_bf16(x) }).collect()).collect();
-    let grads: Vec<Grad> = tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| match t.dtype {
-            Dtype::F32 => Grad::F32(&f32s[i]),
-            Dtype::F16 => Grad::F16(&halves[i]),
-            Dtype::Bf16 => Grad::Bf16(&halves[i]),
-        })
-        .collect();
+    let grads: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &f32s[i], &halves[i])).collect();
     acc.add(&scaler, &grads, 2).unwrap();
 }
 
@@ -378,15 +370,7 @@ fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro) {
             Dtype::Bf16 => (vec![], g.iter().map(|v| to_bf16(v * m.scale)).collect()),
         })
         .collect();
-    let grads: Vec<Grad> = tensors
-        .iter()
-        .zip(&encoded)
-        .map(|(t, e)| match t.dtype {
-            Dtype::F32 => Grad::F32(&e.0),
-            Dtype::F16 => Grad::F16(&e.1),
-            Dtype::Bf16 => Grad::Bf16(&e.1),
-        })
-        .collect();
+    let grads: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
     acc.add(&scaler, &grads, m.count).unwrap();
 }
 

@@ -299,10 +299,7 @@ func (s *Scaler) Load(state []byte) error {
 	if err != nil {
 		return err
 	}
-	var ptr *C.uint8_t
-	if len(state) > 0 {
-		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
-	}
+	ptr := bytesArg(state)
 	err = call(func() C.enum_gradacc_status_t { return C.gradacc_scaler_load(p, ptr, C.size_t(len(state))) })
 	runtime.KeepAlive(s)
 	return err
@@ -532,10 +529,7 @@ func (a *Accumulator) LoadWindow(state []byte) error {
 	if err != nil {
 		return err
 	}
-	var ptr *C.uint8_t
-	if len(state) > 0 {
-		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
-	}
+	ptr := bytesArg(state)
 	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_load_window(p, ptr, C.size_t(len(state))) })
 	runtime.KeepAlive(a)
 	return err
@@ -550,10 +544,7 @@ func (a *Accumulator) MergeWindow(state []byte) error {
 	if err != nil {
 		return err
 	}
-	var ptr *C.uint8_t
-	if len(state) > 0 {
-		ptr = (*C.uint8_t)(unsafe.Pointer(&state[0]))
-	}
+	ptr := bytesArg(state)
 	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_merge_window(p, ptr, C.size_t(len(state)))
 	})
@@ -671,4 +662,12 @@ func (c *Comm) Abort() error {
 	err = call(func() C.enum_gradacc_status_t { return C.gradacc_comm_abort(p) })
 	runtime.KeepAlive(c)
 	return err
+}
+
+// bytesArg is the C pointer to b's bytes, or NULL for an empty slice.
+func bytesArg(b []byte) *C.uint8_t {
+	if len(b) == 0 {
+		return nil
+	}
+	return (*C.uint8_t)(unsafe.Pointer(&b[0]))
 }

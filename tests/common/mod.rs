@@ -43,6 +43,15 @@ impl Rng {
     }
 }
 
+/// A gradient of `dtype` over the buffer that holds it: `f32s` for F32, the 16-bit bits otherwise.
+pub fn grad_of<'a>(dtype: gradacc::Dtype, f32s: &'a [f32], halves: &'a [u16]) -> gradacc::Grad<'a> {
+    match dtype {
+        gradacc::Dtype::F32 => gradacc::Grad::F32(f32s),
+        gradacc::Dtype::F16 => gradacc::Grad::F16(halves),
+        gradacc::Dtype::Bf16 => gradacc::Grad::Bf16(halves),
+    }
+}
+
 pub fn to_f16(v: f32) -> u16 {
     half::f16::from_f32(v).to_bits()
 }
