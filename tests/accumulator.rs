@@ -16,25 +16,6 @@ struct Micro {
     contributions: Vec<Vec<Vec<f32>>>, // [tensor][contribution][element] = true (unscaled) gradient
 }
 
-fn encode(dtype: Dtype, values: &[f32], scale: f32) -> (Vec<f32>, Vec<u16>) {
-    match dtype {
-        Dtype::F32 => (values.iter().map(|v| v * scale).collect(), vec![]),
-        Dtype::F16 => (vec![], values.iter().map(|v| to_f16(v * scale)).collect()),
-        Dtype::Bf16 => (vec![], values.iter().map(|v| to_bf16(v * scale)).collect()),
-    }
-}
-
-/// The value the library sees for one element, decoded independently, in f64 and unscaled.
-fn decoded(dtype: Dtype, v: f32, scale: f32) -> f64 {
-    let scaled = v * scale;
-    let d = match dtype {
-        Dtype::F32 => scaled as f64,
-        Dtype::F16 => from_f16(to_f16(scaled)),
-        Dtype::Bf16 => from_bf16(to_bf16(scaled)),
-    };
-    d / scale as f64
-}
-
 fn run_case(rng: &mut Rng, case: usize) {
     let world = rng.range(1, 4) as usize;
     let sizes = [1usize, 2, 7, 33, 1000, 4097];

@@ -374,17 +374,6 @@ fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro) {
     acc.add(&scaler, &grads, m.count).unwrap();
 }
 
-/// The value the library sees for one element, decoded independently, in f64 and unscaled.
-fn decoded(dtype: Dtype, v: f32, scale: f32) -> f64 {
-    let scaled = v * scale;
-    let d = match dtype {
-        Dtype::F32 => scaled as f64,
-        Dtype::F16 => from_f16(to_f16(scaled)),
-        Dtype::Bf16 => from_bf16(to_bf16(scaled)),
-    };
-    d / scale as f64
-}
-
 #[test]
 fn elastic_resume_of_four_ranks_windows_on_two() {
     let mut rng = Rng::fresh("elastic_resume_of_four_ranks_windows_on_two");

@@ -52,6 +52,26 @@ pub fn grad_of<'a>(dtype: gradacc::Dtype, f32s: &'a [f32], halves: &'a [u16]) ->
     }
 }
 
+/// `values` times `scale`, as the buffer of `dtype` holds them: f32s, or 16-bit bits.
+pub fn encode(dtype: gradacc::Dtype, values: &[f32], scale: f32) -> (Vec<f32>, Vec<u16>) {
+    match dtype {
+        gradacc::Dtype::F32 => (values.iter().map(|v| v * scale).collect(), vec![]),
+        gradacc::Dtype::F16 => (vec![], values.iter().map(|v| to_f16(v * scale)).collect()),
+        gradacc::Dtype::Bf16 => (vec![], values.iter().map(|v| to_bf16(v * scale)).collect()),
+    }
+}
+
+/// The value the library sees for one element, decoded independently, in f64 and unscaled.
+pub fn decoded(dtype: gradacc::Dtype, v: f32, scale: f32) -> f64 {
+    let scaled = v * scale;
+    let d = match dtype {
+        gradacc::Dtype::F32 => scaled as f64,
+        gradacc::Dtype::F16 => from_f16(to_f16(scaled)),
+        gradacc::Dtype::Bf16 => from_bf16(to_bf16(scaled)),
+    };
+    d / scale as f64
+}
+
 pub fn to_f16(v: f32) -> u16 {
     half::f16::from_f32(v).to_bits()
 }
