@@ -17,6 +17,7 @@ rules; this layer adds none of its own.
 """
 from ._core import (
     Accumulator,
+    BoundGrads,
     Communicator,
     DType,
     GradaccError,
@@ -35,6 +36,7 @@ from ._ffi import GRADACC_VERSION_STRING as HEADER_VERSION
 __version__ = HEADER_VERSION
 __all__ = [
     "Accumulator",
+    "BoundGrads",
     "Communicator",
     "DType",
     "GradaccError",

@@ -105,6 +105,9 @@ _ACCEPTED = {
     DType.F16: ("float16", "uint16"),
     DType.BF16: ("bfloat16", "uint16"),
 }
+# The same as numpy dtype objects: a set lookup, where reading `dtype.name` costs microseconds,
+# which over a thousand tensors per add was most of a call.
+_ACCEPTED_NUMPY = {d: {np.dtype(n) for n in names if n != "bfloat16"} for d, names in _ACCEPTED.items()}
 _DTYPE_NAMES = {
     "f32": DType.F32, "float32": DType.F32, "float": DType.F32,
     "f16": DType.F16, "float16": DType.F16, "half": DType.F16,
@@ -138,7 +141,7 @@ def _buffer(obj, dtype, what, writable=False):
             raise ValueError(f"{what} must be C-contiguous (got strides {arr.strides})")
         if writable and not arr.flags.writeable:
             raise ValueError(f"{what} must be writable")
-        if dtype is not None and arr.dtype.name not in _ACCEPTED[dtype]:
+        if dtype is not None and arr.dtype not in _ACCEPTED_NUMPY[dtype] and arr.dtype.name not in _ACCEPTED[dtype]:
             raise TypeError(f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
                             f"{dtype.name} (accepted: {', '.join(_ACCEPTED[dtype])})")
         return arr.ctypes.data, arr.size, arr
@@ -330,6 +333,18 @@ class Scaler(_Managed):
         _check(ffi.gradacc_scaler_load(self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))
 
 
+class BoundGrads:
+    """Gradient buffers checked and converted once by :meth:`Accumulator.bind`."""
+
+    __slots__ = ("_acc", "_array", "_keep")
+
+    def __init__(self, acc, array, keep):
+        self._acc, self._array, self._keep = acc, array, keep
+
+    def __len__(self):
+        return len(self._array)
+
+
 class Accumulator(_Managed):
     """FP32 master gradients of a list of tensors, each ``(numel, dtype)`` with dtype 'f32',
     'f16', 'bf16' (or a DType, or a numpy dtype). Config fields are keywords
@@ -368,7 +383,18 @@ class Accumulator(_Managed):
         return len(self._tensors)
 
     def add(self, scaler, grads, count):
-        """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient."""
+        """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient, or ``grads``
+        is what :meth:`bind` returned for the same buffers (one C call, nothing converted)."""
+        bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
+        if bound._acc is not self:
+            raise ValueError("these gradients were bound to another accumulator")
+        _check(ffi.gradacc_accumulator_add(self._handle(), scaler._handle(), bound._array, len(bound._array), count))
+
+    def bind(self, grads):
+        """Checks and converts the gradient buffers once (dtype, length, contiguity) for
+        :meth:`add`: a training loop whose backward writes into the same buffers every
+        micro-batch passes the result to each ``add``. The buffers are referenced, not copied,
+        and kept alive by the result; ``add`` reads what they hold when it is called."""
         if len(grads) != len(self._tensors):
             raise ValueError(f"{len(grads)} gradients for {len(self._tensors)} tensors")
         ptrs, keep = [], []
@@ -379,8 +405,7 @@ class Accumulator(_Managed):
                 raise ValueError(f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
             ptrs.append(ptr)
             keep.append(k)
-        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        _check(ffi.gradacc_accumulator_add(self._handle(), scaler._handle(), arr, len(ptrs), count))
+        return BoundGrads(self, (ctypes.c_void_p * len(ptrs))(*ptrs), keep)
 
     def begin_microbatch(self, count):
         _check(ffi.gradacc_accumulator_begin_microbatch(self._handle(), count))

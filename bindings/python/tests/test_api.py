@@ -185,3 +185,31 @@ def test_ctypes_declarations_match_the_header():
     from gradacc import _ffi
     assert ctypes.sizeof(_ffi.gradacc_sync_info_t) == 48
     assert _ffi.gradacc_status_string(5).decode().startswith("GRADACC_STATUS_SIZE_MISMATCH")
+
+
+def test_bound_gradients_add_what_the_buffers_hold_at_each_add():
+    """bind() converts once; each add reads the buffers as they are then (a backward that writes
+    into the same arrays every micro-batch), and equals the plain add bit for bit."""
+    rng = np.random.default_rng()
+    tensors = [(3, "f32"), (1001, "f16"), (17, "bf16"), (64, "f32")]
+    grads = [np.zeros(n, dtype=np.float32 if dt != "f16" else np.float16) for n, dt in tensors]
+    grads[2] = np.zeros(17, dtype=np.uint16)  # bf16 travels as its bits
+    scaler = gradacc.Scaler(init_scale=1.0)
+    plain, bound_acc = gradacc.Accumulator(tensors), gradacc.Accumulator(tensors)
+    bound = bound_acc.bind(grads)
+    assert len(bound) == 4
+    for count in (3, 5):
+        for g in grads:
+            if g.dtype == np.uint16:
+                g[:] = (rng.standard_normal(g.size).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            else:
+                g[:] = rng.standard_normal(g.size).astype(g.dtype)
+        plain.add(scaler, grads, count)
+        bound_acc.add(scaler, bound, count)
+    assert plain.sync() == bound_acc.sync()
+    for i in range(len(tensors)):
+        assert np.array_equal(plain.master(i).view(np.uint32), bound_acc.master(i).view(np.uint32))
+    with pytest.raises(ValueError, match="another accumulator"):
+        plain.add(scaler, bound, 1)
+    with pytest.raises(ValueError, match="4 tensors"):
+        bound_acc.bind(grads[:3])
