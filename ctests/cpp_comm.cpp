@@ -11,17 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-static int failures = 0;
-
-#define EXPECT(cond, ...)                                                                          \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            std::fprintf(stderr, "%s:%d: FAILED: %s: ", __FILE__, __LINE__, #cond);                \
-            std::fprintf(stderr, __VA_ARGS__);                                                     \
-            std::fprintf(stderr, "\n");                                                            \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "cpp_expect.hpp"
 
 static_assert(std::is_base_of_v<gradacc::Error, gradacc::TimeoutError>, "TimeoutError is an Error");
 

@@ -11,17 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-static int failures = 0;
-
-#define EXPECT(cond, ...)                                                                          \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            std::fprintf(stderr, "%s:%d: FAILED: %s: ", __FILE__, __LINE__, #cond);                \
-            std::fprintf(stderr, __VA_ARGS__);                                                     \
-            std::fprintf(stderr, "\n");                                                            \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "cpp_expect.hpp"
 
 static_assert(!std::is_copy_constructible_v<gradacc::Scaler> && std::is_move_constructible_v<gradacc::Scaler>,
               "Scaler is move-only");
