@@ -82,14 +82,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         let grad: Vec<u16> = (0..8).map(|i| to_f16((magnitude * if i % 2 == 0 { 1.0 } else { -0.5 }) as f32 * scale)).collect();
         let grads = [grad.as_ptr() as *const c_void];
         ok(unsafe { gradacc_accumulator_add(a, s, grads.as_ptr(), 1, 16) });
-        let mut info = gradacc_sync_info_t {
-            struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
-            found_inf: false,
-            total_count: 0,
-            microbatches: 0,
-            grad_norm: 0.0,
-            clip_coef: 0.0,
-        };
+        let mut info = gradacc_sync_info_t::default();
         ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
         let overflow_expected = grad.iter().any(|&h| h & 0x7c00 == 0x7c00);
         assert_eq!(info.found_inf, overflow_expected, "step {step}");
@@ -131,8 +124,7 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
             }
         }
     }
-    let mut st =
-        gradacc_scaler_stats_t { struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(), steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 };
+    let mut st = gradacc_scaler_stats_t::default();
     ok(unsafe { gradacc_scaler_stats(s, &mut st) });
     eprintln!(
         "{name}: {steps} steps, {bursts} overflow bursts, {skipped} skipped steps, {} growths, {} backoffs, \

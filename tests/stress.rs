@@ -144,14 +144,7 @@ fn concurrent_add_tensor_matches_serial() {
                 });
                 ok(unsafe { gradacc_accumulator_end_microbatch(a) });
             }
-            let mut info = gradacc_sync_info_t {
-                struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
-                found_inf: false,
-                total_count: 0,
-                microbatches: 0,
-                grad_norm: 0.0,
-                clip_coef: 0.0,
-            };
+            let mut info = gradacc_sync_info_t::default();
             ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
             results.push((masters(a, ds.len()), info.found_inf));
         }
@@ -203,13 +196,7 @@ fn independent_objects_on_threads_match_serial() {
         }
         let mut scale = 0.0;
         ok(unsafe { gradacc_scaler_scale(s, &mut scale) });
-        let mut st = gradacc_scaler_stats_t {
-            struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
-            steps: 0,
-            skipped_steps: 0,
-            growths: 0,
-            backoffs: 0,
-        };
+        let mut st = gradacc_scaler_stats_t::default();
         ok(unsafe { gradacc_scaler_stats(s, &mut st) });
         ok(unsafe { gradacc_accumulator_destroy(a) });
         ok(unsafe { gradacc_scaler_destroy(s) });
@@ -285,13 +272,7 @@ fn destroy_races_report_invalid_handle() {
                                     unsafe { gradacc_scaler_scale_loss(s, loss.as_mut_ptr() as *mut c_void, 4, GRADACC_DTYPE_F32) }
                                 }
                                 _ => {
-                                    let mut st = gradacc_scaler_stats_t {
-                                        struct_size: std::mem::size_of::<gradacc_scaler_stats_t>(),
-                                        steps: 0,
-                                        skipped_steps: 0,
-                                        growths: 0,
-                                        backoffs: 0,
-                                    };
+                                    let mut st = gradacc_scaler_stats_t::default();
                                     unsafe { gradacc_scaler_stats(s, &mut st) }
                                 }
                             };
@@ -374,14 +355,7 @@ fn concurrent_local_groups_match_serial() {
                                 let ptrs: Vec<*const c_void> = grads[r][w][m].iter().map(|b| b.ptr()).collect();
                                 ok(unsafe { gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64) });
                             }
-                            let mut info = gradacc_sync_info_t {
-                                struct_size: std::mem::size_of::<gradacc_sync_info_t>(),
-                                found_inf: false,
-                                total_count: 0,
-                                microbatches: 0,
-                                grad_norm: 0.0,
-                                clip_coef: 0.0,
-                            };
+                            let mut info = gradacc_sync_info_t::default();
                             ok(unsafe { gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info) });
                             got.extend(masters(a, ds.len()));
                             got.push(info.found_inf as u32);

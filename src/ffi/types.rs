@@ -185,6 +185,20 @@ versioned!(gradacc_mpi_config_t { struct_size }, defaults: gradacc_mpi_config_de
 versioned!(gradacc_sync_info_t { struct_size, found_inf, total_count, microbatches, grad_norm, clip_coef });
 versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
 
+/// The Rust twin of the header's GRADACC_SYNC_INFO_INIT: zeros, with this version's struct_size.
+impl Default for gradacc_sync_info_t {
+    fn default() -> Self {
+        gradacc_sync_info_t { struct_size: size_of::<Self>(), found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 }
+    }
+}
+
+/// The Rust twin of the header's GRADACC_SCALER_STATS_INIT.
+impl Default for gradacc_scaler_stats_t {
+    fn default() -> Self {
+        gradacc_scaler_stats_t { struct_size: size_of::<Self>(), steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 }
+    }
+}
+
 /// The sizes of `T` this library accepts: one per field, as its end and as that end rounded up
 /// to `T`'s alignment, in increasing order.
 pub(crate) fn accepted_sizes<T: Versioned>() -> Vec<usize> {
