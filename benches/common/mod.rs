@@ -1,6 +1,6 @@
 //! What the benchmarks share: 64-byte-aligned buffers, the memory-bandwidth floors (plain SIMD
-//! loops that move the same bytes as a kernel and do none of its arithmetic), and timing by the
-//! median of repeats taken in turns.
+//! loops that move the same bytes as a kernel, with none of its arithmetic or with the plainest
+//! form of it), and timing by the median of repeats taken in turns.
 // Each benchmark uses a part of this module.
 #![allow(dead_code)]
 
@@ -127,18 +127,17 @@ pub fn parallel<T: Send>(buf: &mut [T], threads: usize, work: impl Fn(usize, &mu
     });
 }
 
-/// A floor loop of kind `K` (see [`kind`]) over `dst` and `src`, plain (`PF = false`) or with the
-/// kernels' software prefetch (`PF = true`), with the ISA the kernels use. An empty `src` adds
-/// 1.0 instead (`ADD` only): the floor for `scale`, which has no second input.
-pub fn floor<const K: u8, const PF: bool>(isa: cpu::Isa, dst: &mut [f32], src: Grad<'_>, threads: usize) {
+/// A floor loop of kind `K` (see [`kind`]) over `dst` and `src`, with the ISA the kernels use. An
+/// empty `src` adds 1.0 instead (`ADD` only): the floor for `scale`, which has no second input.
+pub fn floor<const K: u8>(isa: cpu::Isa, dst: &mut [f32], src: Grad<'_>, threads: usize) {
     parallel(dst, threads, |start, part| {
         let src = if src.is_empty() { src } else { src.slice(start, start + part.len()) };
         match isa {
             // SAFETY: `active_isa` only reports paths the CPU supports.
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx512 => unsafe { x86::avx512::<K, PF>(part, src) },
+            cpu::Isa::Avx512 => unsafe { x86::avx512::<K>(part, src) },
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx2 => unsafe { x86::avx2::<K, PF>(part, src) },
+            cpu::Isa::Avx2 => unsafe { x86::avx2::<K>(part, src) },
             _ => floor_scalar::<K>(part, src),
         }
     });
@@ -161,20 +160,79 @@ fn floor_scalar<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
 }
 
 /// The floor for `sum_squares`: a plain f32 sum, no widening, per-part results added.
-pub fn floor_sum<const PF: bool>(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
+pub fn floor_sum(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
     let total = std::sync::Mutex::new(0.0);
     parallel(buf, threads, |_, part| {
         let s = match isa {
             // SAFETY: as in `floor`.
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx512 => unsafe { x86::sum_avx512::<PF>(part) },
+            cpu::Isa::Avx512 => unsafe { x86::sum_avx512(part) },
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx2 => unsafe { x86::sum_avx2::<PF>(part) },
+            cpu::Isa::Avx2 => unsafe { x86::sum_avx2(part) },
             _ => part.iter().sum::<f32>(),
         };
         *total.lock().unwrap() += s as f64;
     });
     total.into_inner().unwrap()
+}
+
+/// The plainest fused loop a user could write instead of `add`, one call per tensor over the
+/// caller's own per-tensor masters: load a vector of the gradient, widen it, multiply by `factor`,
+/// add it to the master, store, and keep the largest exponent field written (the non-finite
+/// check). No prefetch, no alignment peeling, no unrolling. With `threads > 1` the tensors'
+/// elements, taken in order, are cut into that many runs of about equal length (at multiples of
+/// 64 elements), as `accumulate_many` cuts them. Returns whether some written value is not finite.
+pub fn fused(isa: cpu::Isa, masters: &mut [&mut [f32]], grads: &[Grad<'_>], factor: f32, threads: usize) -> bool {
+    let total: usize = masters.iter().map(|m| m.len()).sum();
+    let parts = threads.min(total / cpu::MIN_ELEMENTS_PER_THREAD).max(1);
+    let one = |m: &mut [f32], g: Grad<'_>| match isa {
+        // SAFETY: `active_isa` only reports paths the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        cpu::Isa::Avx512 => unsafe { x86::fused_avx512(m, g, factor) },
+        #[cfg(target_arch = "x86_64")]
+        cpu::Isa::Avx2 => unsafe { x86::fused_avx2(m, g, factor) },
+        _ => fused_scalar(m, g, factor),
+    };
+    if parts == 1 {
+        return masters.iter_mut().zip(grads).fold(false, |bad, (m, &g)| one(m, g) | bad);
+    }
+    let mut runs: Vec<Vec<(&mut [f32], Grad<'_>)>> = (0..parts).map(|_| Vec::new()).collect();
+    let end_of = |k: usize| if k == parts { total } else { (total * k / parts).next_multiple_of(64).min(total) };
+    let (mut k, mut pos) = (0, 0);
+    for (m, &g) in masters.iter_mut().zip(grads) {
+        let (mut m, mut g) = (&mut **m, g);
+        while !m.is_empty() {
+            let take = (end_of(k + 1) - pos).min(m.len());
+            if take == 0 {
+                k += 1;
+                continue;
+            }
+            let (head, rest) = m.split_at_mut(take);
+            runs[k].push((head, g.slice(0, take)));
+            (m, g, pos) = (rest, g.slice(take, g.len()), pos + take);
+        }
+    }
+    let run = |run: Vec<(&mut [f32], Grad<'_>)>| run.into_iter().fold(false, |bad, (m, g)| one(m, g) | bad);
+    let mut runs = runs.into_iter();
+    let first = runs.next().unwrap_or_default();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = runs.map(|r| scope.spawn(move || run(r))).collect();
+        handles.into_iter().fold(run(first), |bad, h| h.join().unwrap() | bad)
+    })
+}
+
+fn fused_scalar(m: &mut [f32], g: Grad<'_>, factor: f32) -> bool {
+    let mut bad = false;
+    for (i, d) in m.iter_mut().enumerate() {
+        let v = match g {
+            Grad::F32(s) => s[i],
+            Grad::F16(s) => cpu::math::f16_to_f32(s[i]),
+            Grad::Bf16(s) => cpu::math::bf16_to_f32(s[i]),
+        };
+        *d += v * factor;
+        bad |= !d.is_finite();
+    }
+    bad
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -185,34 +243,13 @@ mod x86 {
 
     use super::{floor_scalar, kind, TRIAD_FACTOR};
 
-    /// The kernels' prefetch distance and level (`PREFETCH_BYTES` in `src/backend/cpu/mod.rs`).
-    const PREFETCH_BYTES: usize = 4096;
-
-    #[inline(always)]
-    unsafe fn prefetch<T>(p: *const T, i: usize) {
-        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(i).cast::<i8>().wrapping_add(PREFETCH_BYTES));
-    }
-
-    /// 64 elements per iteration: four lines of `dst`, two or four of `src`, each prefetched once
-    /// when `$pf`; `$body` handles the `$lanes` elements from `$j`.
+    /// 64 elements per iteration; `$body` handles the `$lanes` elements from `$j`.
     macro_rules! floor_loop {
-        ($k:ident, $pf:ident, $dst:ident, $src:ident, $lanes:expr, |$d:ident, $j:ident| $body:expr) => {{
+        ($k:ident, $dst:ident, $src:ident, $lanes:expr, |$d:ident, $j:ident| $body:expr) => {{
             let n = $dst.len() / 64 * 64;
             let $d = $dst.as_mut_ptr();
-            let (s, src_bytes) = match $src {
-                Grad::F32(s) => (s.as_ptr().cast::<u8>(), 4 * s.len().min(1)),
-                Grad::F16(s) | Grad::Bf16(s) => (s.as_ptr().cast::<u8>(), 2),
-            };
             let mut i = 0;
             while i < n {
-                if $pf {
-                    for line in 0..4 {
-                        prefetch($d, i + 16 * line);
-                    }
-                    for line in 0..src_bytes {
-                        prefetch(s, i * src_bytes + 64 * line);
-                    }
-                }
                 for $j in (i..i + 64).step_by($lanes) {
                     $body;
                 }
@@ -249,14 +286,14 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512<const K: u8, const PF: bool>(dst: &mut [f32], src: Grad<'_>) {
+    pub unsafe fn avx512<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
         match src {
-            Grad::F32([]) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0))),
-            Grad::F32(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F32([]) => floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0))),
+            Grad::F32(s) => floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_loadu_ps(s.as_ptr().add(i)))),
             Grad::F16(s) => {
-                floor_loop!(K, PF, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
+                floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
             }
-            Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 16, |d, i| store512!(
+            Grad::Bf16(s) => floor_loop!(K, dst, src, 16, |d, i| store512!(
                 K,
                 d.add(i),
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
@@ -265,14 +302,14 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn avx2<const K: u8, const PF: bool>(dst: &mut [f32], src: Grad<'_>) {
+    pub unsafe fn avx2<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
         match src {
-            Grad::F32([]) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0))),
-            Grad::F32(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F32([]) => floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0))),
+            Grad::F32(s) => floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_loadu_ps(s.as_ptr().add(i)))),
             Grad::F16(s) => {
-                floor_loop!(K, PF, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
+                floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
             }
-            Grad::Bf16(s) => floor_loop!(K, PF, dst, src, 8, |d, i| store256!(
+            Grad::Bf16(s) => floor_loop!(K, dst, src, 8, |d, i| store256!(
                 K,
                 d.add(i),
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
@@ -280,17 +317,158 @@ mod x86 {
         }
     }
 
+    /// The body of `fused` for one tensor: `$widen` loads vector `$i` of the gradient as f32s;
+    /// the remainder goes to the scalar loop.
+    macro_rules! fused_loop {
+        ($v:ident, $m:ident, $g:ident, $factor:ident, |$i:ident| $widen:expr) => {{
+            let n = $m.len() / $v::LANES * $v::LANES;
+            let (d, f, exp) = ($m.as_mut_ptr(), $v::set1($factor), $v::set1i(0x7f80_0000));
+            let mut seen = $v::zero();
+            for $i in (0..n).step_by($v::LANES) {
+                let r = $v::add($v::load(d.add($i)), $v::mul($widen, f));
+                $v::store(d.add($i), r);
+                seen = $v::max_exponent(seen, r, exp);
+            }
+            super::fused_scalar(&mut $m[n..], $g.slice(n, $g.len()), $factor) | $v::any_eq(seen, exp)
+        }};
+    }
+
+    /// `fused` for one tensor, 16 lanes.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fused_avx512(m: &mut [f32], g: Grad<'_>, factor: f32) -> bool {
+        use v512 as v;
+        match g {
+            Grad::F32(s) => fused_loop!(v, m, g, factor, |i| _mm512_loadu_ps(s.as_ptr().add(i))),
+            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))),
+            Grad::Bf16(s) => fused_loop!(v, m, g, factor, |i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(s.as_ptr().add(i).cast())
+            )))),
+        }
+    }
+
+    /// `fused` for one tensor, 8 lanes.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn fused_avx2(m: &mut [f32], g: Grad<'_>, factor: f32) -> bool {
+        use v256 as v;
+        match g {
+            Grad::F32(s) => fused_loop!(v, m, g, factor, |i| _mm256_loadu_ps(s.as_ptr().add(i))),
+            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))),
+            Grad::Bf16(s) => fused_loop!(v, m, g, factor, |i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                s.as_ptr().add(i).cast()
+            ))))),
+        }
+    }
+
+    /// The vector operations `fused_loop` uses, 16 lanes.
+    mod v512 {
+        use std::arch::x86_64::*;
+        pub const LANES: usize = 16;
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn set1(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn set1i(x: i32) -> __m512i {
+            _mm512_set1_epi32(x)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn zero() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn max_exponent(seen: __m512i, r: __m512, exp: __m512i) -> __m512i {
+            _mm512_max_epu32(seen, _mm512_and_si512(_mm512_castps_si512(r), exp))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn any_eq(seen: __m512i, exp: __m512i) -> bool {
+            _mm512_cmpeq_epi32_mask(seen, exp) != 0
+        }
+    }
+
+    /// The vector operations `fused_loop` uses, 8 lanes.
+    mod v256 {
+        use std::arch::x86_64::*;
+        pub const LANES: usize = 8;
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn set1(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn set1i(x: i32) -> __m256i {
+            _mm256_set1_epi32(x)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn zero() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            _mm256_add_ps(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn max_exponent(seen: __m256i, r: __m256, exp: __m256i) -> __m256i {
+            _mm256_max_epu32(seen, _mm256_and_si256(_mm256_castps_si256(r), exp))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn any_eq(seen: __m256i, exp: __m256i) -> bool {
+            _mm256_movemask_epi8(_mm256_cmpeq_epi32(seen, exp)) != 0
+        }
+    }
+
     /// Four independent accumulators, so the sum runs at load speed rather than add latency.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn sum_avx512<const PF: bool>(buf: &[f32]) -> f32 {
+    pub unsafe fn sum_avx512(buf: &[f32]) -> f32 {
         let n = buf.len() / 64 * 64;
         let p = buf.as_ptr();
         let mut acc = [_mm512_setzero_ps(); 4];
         for i in (0..n).step_by(64) {
             for (k, a) in acc.iter_mut().enumerate() {
-                if PF {
-                    prefetch(p, i + 16 * k);
-                }
                 *a = _mm512_add_ps(*a, _mm512_loadu_ps(p.add(i + 16 * k)));
             }
         }
@@ -299,15 +477,11 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn sum_avx2<const PF: bool>(buf: &[f32]) -> f32 {
+    pub unsafe fn sum_avx2(buf: &[f32]) -> f32 {
         let n = buf.len() / 32 * 32;
         let p = buf.as_ptr();
         let mut acc = [_mm256_setzero_ps(); 4];
         for i in (0..n).step_by(32) {
-            if PF {
-                prefetch(p, i);
-                prefetch(p, i + 16);
-            }
             for (k, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_add_ps(*a, _mm256_loadu_ps(p.add(i + 8 * k)));
             }

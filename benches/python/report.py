@@ -42,7 +42,7 @@ def spread(rec, name):
 
 
 def floor_of(rec):
-    return min(med(rec, "triad"), med(rec, "triad_prefetch"))
+    return med(rec, "fused")
 
 
 def size(n):
@@ -223,10 +223,10 @@ class Report:
             g = med(r, "gradacc")
             rows.append([size(n), r["dtype"], r["threads"], f"{g * 1e9 / n:.3f}", f"{r['bytes'] / g / 1e9:.1f}",
                          f"{med(r, 'copy') * 1e9 / n:.3f}", f"{med(r, 'triad') * 1e9 / n:.3f}",
-                         f"{med(r, 'triad_prefetch') * 1e9 / n:.3f}", f"{r['bytes'] / fl / 1e9:.1f}",
+                         f"{med(r, 'fused') * 1e9 / n:.3f}", f"{r['bytes'] / fl / 1e9:.1f}",
                          f"**{g / fl:.2f}**", f"{spread(r, 'gradacc') * 100:.0f}%"])
         return table(["elements", "grads", "threads", "gradacc ns/elem", "gradacc GB/s", "copy ns/elem", "triad ns/elem",
-                      "triad+prefetch ns/elem", "floor GB/s", "gradacc ÷ floor", "spread"],
+                      "plain fused ns/elem", "floor GB/s", "gradacc ÷ floor", "spread"],
                      rows, ["---:", "---", "---:"] + ["---:"] * 8)
 
     def layout_section(self):
@@ -542,11 +542,13 @@ the same threads (`benches/suite.rs`, loops in `benches/common/mod.rs`):
   stream);
 - **triad** `m[i] = m[i] + widen(g[i]) * s`: the fused pass's traffic and arithmetic without its
   non-finite check;
-- **triad+prefetch**: the same loop with the kernels' software prefetch.
+- **plain fused**: the plainest loop that does the whole fused pass (per vector: widen, multiply,
+  add, store, keep the largest exponent field; no unrolling, alignment or prefetch), the loop a
+  user would write instead of calling `add`.
 
-The **floor** is the faster of the two triads, per row; GB/s counts g + 8 B per element. Sizes below
-about 200K elements (f16) fit in L2, the rest up to the L3 size the hypervisor reports (300 MiB),
-the largest rows stream from DRAM. Below `MIN_ELEMENTS_PER_THREAD` (256K elements per thread) both
+The **floor** is the plain fused loop; GB/s counts g + 8 B per element. Sizes below about 200K
+elements (f16) fit in L2, larger ones in L3 up to the L3 size `lscpu` reports, and the rest stream
+from DRAM. Below `MIN_ELEMENTS_PER_THREAD` (256K elements per thread) both
 gradacc and the floors run on one thread, so the 2-thread rows equal the 1-thread ones there."""
 
 PEER_METHOD = """\

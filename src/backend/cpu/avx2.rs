@@ -4,9 +4,8 @@
 //! through `isa`.
 
 use std::arch::x86_64::*;
-use std::mem::size_of;
 
-use super::{math, prefetch, scalar};
+use super::{math, scalar};
 use crate::dtype::Grad;
 
 const LANES: usize = 8;
@@ -14,12 +13,6 @@ const UNROLL: usize = 4;
 /// f32 elements per 64-byte cache line.
 const LINE: usize = 16;
 const EXPONENT: i32 = 0x7f80_0000;
-
-/// Whether vector `k` of an unrolled iteration starts a new 64-byte line of a stream of `E`s (the
-/// loops prefetch once per line). Constant once the `k` loop is unrolled.
-const fn starts_line<E>(k: usize) -> bool {
-    (k * LANES * size_of::<E>()).is_multiple_of(64)
-}
 
 /// Loads LANES f32s from `p`.
 ///
@@ -84,12 +77,6 @@ macro_rules! accumulate_fn {
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
-                    if starts_line::<f32>(k) {
-                        prefetch(m, j);
-                    }
-                    if starts_line::<$elem>(k) {
-                        prefetch(g, j);
-                    }
                     // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
                     // shorter slice's length, so both LANES-element runs at j are in bounds, and no
                     // reference to `master` is live while `m` writes; the CPU features are this
@@ -134,7 +121,6 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let f = _mm256_set1_ps(factor);
     let mut i = head;
     while i + LINE <= n {
-        prefetch(p, i);
         for j in (i..i + LINE).step_by(LANES) {
             // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
             unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), f)) };
@@ -155,7 +141,6 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let mut acc = [_mm256_setzero_pd(); 4];
         let mut i = 0;
         while i < full {
-            prefetch(p, i);
             for (k, a) in acc.iter_mut().enumerate() {
                 // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
                 let x = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(p.add(i + 4 * k)) });
@@ -181,8 +166,6 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
     let mut i = head;
     while i + LINE <= n {
-        prefetch(d, i);
-        prefetch(s, i);
         for j in (i..i + LINE).step_by(LANES) {
             // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
             unsafe { _mm256_storeu_ps(d.add(j), _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j)))) };

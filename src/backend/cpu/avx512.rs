@@ -1,15 +1,14 @@
 //! AVX-512F kernels, 16 f32 lanes per vector. Each loop peels a scalar head so stores are 64-byte
-//! aligned, runs four vectors per iteration (prefetching every stream a few lines ahead, see
-//! `PREFETCH_BYTES`), then one, and leaves the last few elements to the scalar kernel, which
-//! computes the same bits.
+//! aligned, runs four vectors per iteration, then one, and leaves the last few elements to the
+//! scalar kernel, which computes the same bits. No software prefetch: the hardware prefetchers
+//! keep up with these sequential streams (see `docs/kernels.md`).
 //!
 //! The functions are safe to call only where the CPU has AVX-512F, AVX2 and F16C: the caller
 //! checks that through `isa`.
 
 use std::arch::x86_64::*;
-use std::mem::size_of;
 
-use super::{math, prefetch, scalar};
+use super::{math, scalar};
 use crate::dtype::Grad;
 
 const LANES: usize = 16;
@@ -17,12 +16,6 @@ const UNROLL: usize = 4;
 /// f32 elements per 64-byte cache line.
 const LINE: usize = 16;
 const EXPONENT: i32 = 0x7f80_0000;
-
-/// Whether vector `k` of an unrolled iteration starts a new 64-byte line of a stream of `E`s (the
-/// loops prefetch once per line). Constant once the `k` loop is unrolled.
-const fn starts_line<E>(k: usize) -> bool {
-    (k * LANES * size_of::<E>()).is_multiple_of(64)
-}
 
 /// Loads LANES f32s from `p`.
 ///
@@ -87,12 +80,6 @@ macro_rules! accumulate_fn {
             while i + LANES * UNROLL <= n {
                 for k in 0..UNROLL {
                     let j = i + k * LANES;
-                    if starts_line::<f32>(k) {
-                        prefetch(m, j);
-                    }
-                    if starts_line::<$elem>(k) {
-                        prefetch(g, j);
-                    }
                     // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
                     // shorter slice's length, so both LANES-element runs at j are in bounds, and no
                     // reference to `master` is live while `m` writes; the CPU features are this
@@ -137,7 +124,6 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let f = _mm512_set1_ps(factor);
     let mut i = head;
     while i + LINE <= n {
-        prefetch(p, i);
         for j in (i..i + LINE).step_by(LANES) {
             // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
             unsafe { _mm512_storeu_ps(p.add(j), _mm512_mul_ps(_mm512_loadu_ps(p.add(j)), f)) };
@@ -157,7 +143,6 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
         let mut i = 0;
         while i < full {
-            prefetch(p, i);
             // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
             let (a, b) = unsafe { (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 8))) };
             let (a, b) = (_mm512_cvtps_pd(a), _mm512_cvtps_pd(b));
@@ -185,8 +170,6 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
     let mut i = head;
     while i + LINE <= n {
-        prefetch(d, i);
-        prefetch(s, i);
         for j in (i..i + LINE).step_by(LANES) {
             // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
             unsafe { _mm512_storeu_ps(d.add(j), _mm512_add_ps(_mm512_loadu_ps(d.add(j)), _mm512_loadu_ps(s.add(j)))) };

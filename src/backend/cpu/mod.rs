@@ -22,26 +22,6 @@ use crate::dtype::Grad;
 /// start, about what one core needs to stream a quarter million elements.
 pub const MIN_ELEMENTS_PER_THREAD: usize = 256 * 1024;
 
-/// How far ahead of the current element (in bytes of the buffer being read) the SIMD loops
-/// prefetch, into L2. A core keeps only as many cache-line misses in flight as its out-of-order
-/// window reaches: from DRAM that made the fused pass take 1.10-1.15 times as long as a plain
-/// `dst += widen(src)` loop, and the sum of squares 1.55-2 times as long as a plain f32 sum. A
-/// prefetch retires at once and lets the misses run further ahead. 4 KiB into L2 measured best
-/// among 1-8 KiB into L1 or L2 on a Xeon (see docs/kernels.md).
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_BYTES: usize = 4096;
-
-/// Prefetches the cache line `PREFETCH_BYTES` past element `i` of `p`. A hint: it never faults,
-/// and `wrapping_add` keeps the address arithmetic defined past the end of the buffer.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch<T>(p: *const T, i: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    let ahead = p.wrapping_add(i).cast::<i8>().wrapping_add(PREFETCH_BYTES);
-    // SAFETY: prefetching reads nothing architecturally and cannot fault, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead) }
-}
-
 // Thread parts start at multiples of NORM_BLOCK, so every sum-of-squares block lies in one part;
 // being multiples of 64 elements also keeps each part's start aligned like the buffer's start.
 const _: () = assert!(math::NORM_BLOCK.is_multiple_of(64) && math::NORM_BLOCK.is_multiple_of(math::NORM_LANES));
