@@ -259,6 +259,36 @@ fn ranks_with_different_layouts_fail_together() {
     });
 }
 
+/// Ranks that would compute different gradients from the same sums (another loss reduction,
+/// normalisation or clipping norm) fail together before anything is reduced, and keep their
+/// windows; with clipping on one rank only they would also run different collectives.
+#[test]
+fn ranks_with_different_boundary_settings_fail_together() {
+    let variants: [fn(&mut AccumulatorConfig); 3] =
+        [|c| c.max_grad_norm = 1.0, |c| c.normalize = Normalize::ByWorld, |c| c.loss_reduction = LossReduction::Sum];
+    for change in variants {
+        let comms = LocalComm::group(2).unwrap();
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    let mut config = AccumulatorConfig::default();
+                    if c.rank() == 1 {
+                        change(&mut config);
+                    }
+                    let tensors = [TensorDesc { numel: 300, dtype: Dtype::F32 }];
+                    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let acc = Accumulator::new(config, &tensors).unwrap();
+                    acc.add(&scaler, &[Grad::F32(&[2.0; 300])], 1).unwrap();
+                    let e = acc.sync(Some(c)).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::SizeMismatch);
+                    assert!(e.message.contains("max_grad_norm"), "{e}");
+                    acc.with_master(0, |m| assert!(m.iter().all(|&v| v == 2.0))).unwrap();
+                });
+            }
+        });
+    }
+}
+
 #[test]
 fn window_checkpoint_resumes_bitwise() {
     let mut rng = Rng::fresh("window_checkpoint_resumes_bitwise");

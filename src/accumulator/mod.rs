@@ -150,6 +150,33 @@ pub(crate) struct Plan {
     pub layout: Layout,
 }
 
+impl Plan {
+    /// What the ranks of a group must hold alike to reduce together: the layout, and the settings
+    /// that decide what the boundary computes (the loss reduction, the normalisation and the
+    /// clipping norm). Ranks that differ in any of them would end with different gradients, and
+    /// with clipping on one rank only, would run different collectives.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let c = &self.config;
+        let mut bytes = self.layout.hash().to_le_bytes().to_vec();
+        bytes.push(matches!(c.loss_reduction, LossReduction::Sum) as u8);
+        bytes.extend(c.normalize.code().to_le_bytes());
+        bytes.extend(c.max_grad_norm.to_bits().to_le_bytes());
+        state::checksum(&bytes)
+    }
+}
+
+/// The error when the ranks' fingerprints or element counts differ: the same words on every
+/// device.
+pub(crate) fn ranks_differ(min_numel: u64, max_numel: u64) -> Error {
+    Error::new(
+        ErrorKind::SizeMismatch,
+        format!(
+            "ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout, loss reduction, \
+             normalisation or max_grad_norm); no rank reduced"
+        ),
+    )
+}
+
 /// What this rank brings to a boundary.
 pub(crate) struct Proposal<'a> {
     pub comm: Option<&'a dyn Communicator>,

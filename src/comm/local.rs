@@ -10,12 +10,14 @@
 //! any more before it returns, so its caller never frees a buffer a peer still reads.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
+use super::{check_buckets, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
 use crate::backend::cpu;
+use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Elements summed per step of the reduction (fits in cache, and on the stack).
@@ -24,11 +26,13 @@ const SUM_BLOCK: usize = 2048;
 /// The handle's timeout in nanoseconds when it is this value: wait forever.
 const FOREVER: u64 = u64::MAX;
 
-/// A rank's published buffer during a reduction.
+/// A rank's published buffers during a reduction: the one being summed, and (in a reduction
+/// with a pass) its values, one per block.
 #[derive(Clone, Copy)]
 struct Published {
     ptr: *mut f32,
     len: usize,
+    values: *mut f64,
 }
 
 // SAFETY: a published pointer is only dereferenced inside the reading phases of one all-reduce,
@@ -36,11 +40,13 @@ struct Published {
 // after every rank has left the reading phases (see `Group::wait`).
 unsafe impl Send for Published {}
 
-/// What a rank waits for at a barrier, for the messages of timeouts and failures.
+/// What a rank waits for at a barrier, for the messages of timeouts and failures. Each kind of
+/// collective is its own variant: ranks in different ones fail at their first barrier.
 #[derive(Clone, Copy)]
 enum What {
     Control,
     AllReduce(usize),
+    AllReduceWithPass(usize),
 }
 
 impl fmt::Display for What {
@@ -48,6 +54,7 @@ impl fmt::Display for What {
         match self {
             What::Control => f.write_str("the control exchange"),
             What::AllReduce(n) => write!(f, "the all-reduce of {n} elements"),
+            What::AllReduceWithPass(n) => write!(f, "the boundary's all-reduce of {n} elements"),
         }
     }
 }
@@ -268,7 +275,7 @@ impl LocalComm {
                 tag: None,
                 readers: 0,
                 failure: None,
-                buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0 }; world],
+                buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0, values: std::ptr::null_mut() }; world],
                 controls: vec![Control::default(); world],
             }),
             cv: Condvar::new(),
@@ -355,20 +362,7 @@ impl HostCollectives for LocalComm {
         // Every access of this rank to its buffer goes through `base`, the pointer its peers read
         // through too: `buf` is not used again, so no access through it invalidates theirs.
         let base = buf.as_mut_ptr();
-        let mut s = g.state();
-        s.buffers[rank] = Published { ptr: base, len };
-        // From here until this rank arrives at the last barrier, every rank is a reader.
-        g.wait(s, rank, what, timeout, Reads::Start)?;
-        let mut reading = Reading { group: g, rank, counted: true };
-        let peers: Vec<Published> = g.state().buffers.clone();
-        if peers.iter().any(|p| p.len != len) {
-            // Nobody reads: leave the reading phase at once, and wait so that nobody publishes
-            // the next round's buffer before everyone has copied this round's list.
-            reading.counted = false;
-            g.wait(g.state(), rank, what, timeout, Reads::End)?;
-            let lens: Vec<usize> = peers.iter().map(|p| p.len).collect();
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("all-reduce buffer lengths differ across ranks: {lens:?}")));
-        }
+        let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: std::ptr::null_mut() }, what)?;
         let slice_of = |r: usize| (len * r / world)..(len * (r + 1) / world);
 
         // Phase 1: rank r owns slice r of every buffer; it sums that slice over ranks 0..world in
@@ -399,22 +393,138 @@ impl HostCollectives for LocalComm {
         // Phase 2: copy every other slice from the rank that owns it, which only reads now.
         for (r, p) in peers.iter().enumerate() {
             if r != rank {
-                let s = slice_of(r);
                 // SAFETY: rank r's buffer is `len` long and alive while any rank reads (as in
                 // phase 1); slice r of it was finished in phase 1 and is only read in this phase;
                 // this rank writes slice r of its own buffer, through the pointer it published,
                 // which no other rank reads in this phase (each reads slice q of rank q's only),
                 // and `r != rank`, so the two slices never alias.
+                unsafe { copy_from_peer(base, p, slice_of(r)) };
+            }
+        }
+        self.stop_reading(reading, what)
+    }
+
+    /// The reduction in shares of `shares::reduce_in_shares`, with the peers' buffers read in
+    /// place instead of exchanged: the buffer is cut by the same plan, rank r sums its share of
+    /// each chunk over all ranks in rank order and runs `pass` on it while it is in cache, the
+    /// ranks read each other's block values, each scales its own shares when the pass has a
+    /// second step, and then every rank copies the other shares. Each rank passes over
+    /// `1/world` of the buffer, and the bits are those of the reduction in shares between
+    /// processes. Buckets do not change the result: they are only checked.
+    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        check_buckets(buf.len(), buckets)?;
+        let _busy = self.enter()?;
+        let g = &*self.group;
+        let (rank, world, timeout) = (self.rank, g.world, self.timeout());
+        let len = buf.len();
+        let what = What::AllReduceWithPass(len);
+        let plan = shares::Plan::new(len, world, shares::SHARE_NUMEL);
+        let mut values = vec![0.0f64; cpu::blocks(len)];
+        // As in `allreduce_sum`, every access to the two published buffers goes through the
+        // published pointers from here on.
+        let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
+        let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
+        let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
+
+        // Phase 1: this rank's share of every chunk, summed over the ranks and passed.
+        for chunk in plan.chunks() {
+            let own = plan.share(&chunk, rank);
+            let blocks = blocks_of(&own);
+            // SAFETY: the peers' buffers are `len` long (checked by `start_reading`) and alive
+            // while any rank reads, as in `allreduce_sum`; in this phase only this rank touches
+            // share `own` of any buffer and blocks `blocks` of any value array (the shares of one
+            // plan are disjoint, start on block boundaries, and each block lies in one share), so
+            // the peers' copies are only read, and this rank's own, reached through the pointers
+            // it published, are written by it alone.
+            unsafe {
+                let mine = std::slice::from_raw_parts_mut(base.add(own.start), own.len());
+                let sums = std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len());
+                let other = |q: usize| std::slice::from_raw_parts(peers[q].ptr.add(own.start).cast_const(), own.len());
+                shares::sum_and_pass(mine, rank, world, other, pass, sums);
+            }
+        }
+        g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
+
+        // Phase 2: the other ranks' block values, then this rank's second step on its shares.
+        for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
+            for blocks in plan.owned_blocks(q) {
+                // SAFETY: rank q's value array holds `cpu::blocks(len)` values and stays alive
+                // while any rank reads; rank q wrote its own blocks in phase 1 and nobody writes
+                // them now; this rank writes only blocks it does not own into its own array,
+                // which its peers do not read (each reads the blocks of their owner only).
                 unsafe {
-                    let src = std::slice::from_raw_parts(p.ptr.add(s.start), s.len());
-                    std::slice::from_raw_parts_mut(base.add(s.start), s.len()).copy_from_slice(src);
+                    let theirs = std::slice::from_raw_parts(p.values.add(blocks.start).cast_const(), blocks.len());
+                    std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len()).copy_from_slice(theirs);
                 }
             }
         }
-        // Nobody may return (and free or reuse its buffer) while others still read it.
+        if pass.rescales() {
+            // SAFETY: this rank's value array, complete now, is read by nobody else in this phase.
+            let all = unsafe { std::slice::from_raw_parts(vbase.cast_const(), values.len()) };
+            if let Some(factor) = pass.rescale(all) {
+                for chunk in plan.chunks() {
+                    let own = plan.share(&chunk, rank);
+                    // SAFETY: as in phase 1, this rank's share of its own buffer is touched by
+                    // it alone until the barrier below.
+                    cpu::scale(unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) }, factor, 1);
+                }
+            }
+            g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
+        }
+
+        // Phase 3: every other share, copied from its owner, which only reads now.
+        for chunk in plan.chunks() {
+            for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
+                // SAFETY: as in `allreduce_sum`'s phase 2, with rank q's finished share of this
+                // chunk for its slice.
+                unsafe { copy_from_peer(base, p, plan.share(&chunk, q)) };
+            }
+        }
+        self.stop_reading(reading, what)?;
+        Ok(values)
+    }
+}
+
+impl LocalComm {
+    /// Publishes this rank's buffers and waits for every rank's: from then on every rank is a
+    /// reader until it calls [`LocalComm::stop_reading`]. Fails with SIZE_MISMATCH, on every
+    /// rank and before anyone reads, when the buffers' lengths differ.
+    fn start_reading(&self, mine: Published, what: What) -> Result<(Vec<Published>, Reading<'_>)> {
+        let (g, rank, timeout) = (&*self.group, self.rank, self.timeout());
+        let mut s = g.state();
+        s.buffers[rank] = mine;
+        g.wait(s, rank, what, timeout, Reads::Start)?;
+        let mut reading = Reading { group: g, rank, counted: true };
+        let peers: Vec<Published> = g.state().buffers.clone();
+        if peers.iter().any(|p| p.len != mine.len) {
+            // Nobody reads: leave the reading phase at once, and wait so that nobody publishes
+            // the next round's buffer before everyone has copied this round's list.
+            reading.counted = false;
+            g.wait(g.state(), rank, what, timeout, Reads::End)?;
+            let lens: Vec<usize> = peers.iter().map(|p| p.len).collect();
+            return Err(Error::new(ErrorKind::SizeMismatch, format!("all-reduce buffer lengths differ across ranks: {lens:?}")));
+        }
+        Ok((peers, reading))
+    }
+
+    /// Leaves the reading phases: nobody may return (and free or reuse its buffers) while others
+    /// still read them.
+    fn stop_reading(&self, mut reading: Reading<'_>, what: What) -> Result<()> {
         reading.counted = false;
-        g.wait(g.state(), rank, what, timeout, Reads::End)?;
-        Ok(())
+        self.group.wait(self.group.state(), self.rank, what, self.timeout(), Reads::End)
+    }
+}
+
+/// Copies `range` of a peer's published buffer into the same range of this rank's, `base`.
+///
+/// # Safety
+/// `peer` must be alive with `range` inside it and unwritten during the copy; `base` must be
+/// this rank's published buffer with `range` inside it, read by no other rank during the copy.
+unsafe fn copy_from_peer(base: *mut f32, peer: &Published, range: Range<usize>) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let src = std::slice::from_raw_parts(peer.ptr.add(range.start).cast_const(), range.len());
+        std::slice::from_raw_parts_mut(base.add(range.start), range.len()).copy_from_slice(src);
     }
 }
 

@@ -22,6 +22,7 @@ mod mpi;
 pub mod nccl;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod packing;
+// Without MPI only the plan and the per-share sum are used (by the in-process communicator).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod shares;
 
@@ -53,6 +54,23 @@ pub trait BlockPass: Sync {
     fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
         cpu::add_assign(run, addend);
         self.run(run, values);
+    }
+
+    /// Whether the pass has a second step, [`BlockPass::rescale`]: a factor for every element of
+    /// the sum that depends on every block's value (the boundary's clipping coefficient). A
+    /// communicator that hands out finished shares as it goes must then hold them until every
+    /// block's value is known. `false` by default.
+    fn rescales(&self) -> bool {
+        false
+    }
+
+    /// The second step's factor, from the values of every block of the buffer in block order
+    /// (the same on every rank), or `None` to leave the sum as it is. Called once per rank, only
+    /// when [`BlockPass::rescales`]; the communicator multiplies each element of the sum by the
+    /// factor exactly once (each rank its own shares, before handing them out), with
+    /// [`cpu::scale`]'s bits.
+    fn rescale(&self, _values: &[f64]) -> Option<f32> {
+        None
     }
 }
 
@@ -183,15 +201,16 @@ pub trait HostCollectives: Send + Sync {
     /// `pass` once over every element of the sum; returns the value `pass` wrote for each block of
     /// `buf`, in block order. Every rank ends with the same bits in `buf` and the same values.
     ///
+    /// With [`BlockPass::rescales`], the sum is then multiplied by the factor
+    /// [`BlockPass::rescale`] returns, and the values are those the pass wrote before that.
+    ///
     /// This default reduces the buckets, then runs `pass` over the whole buffer on every rank. A
     /// backend may instead have each rank sum a share of the buffer, run `pass` on that share while
     /// it is still in cache, and then share the results: each rank then passes over `1/world` of
     /// the buffer, and never over memory another core has just written.
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         self.allreduce_buckets(buf, buckets)?;
-        let mut values = vec![0.0; cpu::blocks(buf.len())];
-        pass.run(buf, &mut values);
-        Ok(values)
+        Ok(pass_whole(buf, pass, 1))
     }
 }
 
@@ -217,6 +236,18 @@ impl Drop for BusyGuard<'_> {
     fn drop(&mut self) {
         self.0.store(false, Ordering::Release);
     }
+}
+
+/// Runs `pass` over all of `buf` on this rank alone, then its second step on `threads` threads:
+/// what a group of one rank, or a communicator without shares, does with the sum. Returns the
+/// values of the first step.
+pub(crate) fn pass_whole(buf: &mut [f32], pass: &dyn BlockPass, threads: usize) -> Vec<f64> {
+    let mut values = vec![0.0; cpu::blocks(buf.len())];
+    pass.run(buf, &mut values);
+    if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
+        cpu::scale(buf, factor, threads);
+    }
+    values
 }
 
 /// Buckets must be disjoint, ascending and inside the buffer.

@@ -130,7 +130,7 @@ impl std::fmt::Display for Step {
         match self {
             Step::Exchange { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (exchange)"),
             Step::Gather { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (gather)"),
-            Step::Values => write!(f, "share reduction, the final gather of the block sums"),
+            Step::Values => write!(f, "share reduction, the gather of the block sums"),
         }
     }
 }
@@ -169,7 +169,8 @@ pub(crate) trait ShareTransport {
     fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
 
     /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order into
-    /// `all`.
+    /// `all`. It comes after every chunk's exchange, and before the gathers when the pass has a
+    /// second step (they need every block's value).
     fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()>;
 }
 
@@ -201,13 +202,33 @@ pub(crate) fn reduce_in_shares(
     let stage = &mut ws.stage[..stage_len];
     let mine = &mut ws.mine;
     mine.clear();
-    for (k, chunk) in plan.chunks().enumerate() {
+    // With a second step the finished shares wait for every block's value before they go out:
+    // first every chunk is exchanged, summed and passed, then the values are gathered, each rank
+    // scales its own shares, and the gathers follow. Without one, each chunk's share goes out
+    // while it is still in cache.
+    let deferred = pass.rescales();
+    let cut = |k: usize, chunk: &Range<usize>| {
         let shares: Vec<Range<usize>> = (0..world)
             .map(|q| {
-                let s = plan.share(&chunk, q);
+                let s = plan.share(chunk, q);
                 s.start - chunk.start..s.end - chunk.start
             })
             .collect();
+        (Step::Gather { chunk: k + 1, chunks }, shares)
+    };
+    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], piece: &mut [f32], step: Step, shares: &[Range<usize>]| -> Result<()> {
+        // The finished share goes out through the stage, and the others come back into the
+        // caller's buffer only once the gather completed.
+        let staged = &mut stage[..piece.len()];
+        staged[shares[rank].clone()].copy_from_slice(&piece[shares[rank].clone()]);
+        t.gather(step, staged, shares)?;
+        for q in (0..world).filter(|&q| q != rank) {
+            piece[shares[q].clone()].copy_from_slice(&staged[shares[q].clone()]);
+        }
+        Ok(())
+    };
+    for (k, chunk) in plan.chunks().enumerate() {
+        let (step, shares) = cut(k, &chunk);
         let own = shares[rank].clone();
         let slots: Vec<Range<usize>> = (0..world)
             .map(|q| {
@@ -228,13 +249,9 @@ pub(crate) fn reduce_in_shares(
         t.exchange(Step::Exchange { chunk: k + 1, chunks }, staged, &shares, scratch, &slots)?;
         let first = mine.len();
         mine.resize(first + cpu::blocks(own.len()), 0.0);
-        sum_and_pass(&mut piece[own.clone()], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
-        // The finished share goes out through the stage, and the others come back into the
-        // caller's buffer only once the gather completed.
-        staged[own.clone()].copy_from_slice(&piece[own]);
-        t.gather(Step::Gather { chunk: k + 1, chunks }, staged, &shares)?;
-        for q in (0..world).filter(|&q| q != rank) {
-            piece[shares[q].clone()].copy_from_slice(&staged[shares[q].clone()]);
+        sum_and_pass(&mut piece[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
+        if !deferred {
+            gather(t, stage, piece, step, &shares)?;
         }
     }
 
@@ -250,6 +267,17 @@ pub(crate) fn reduce_in_shares(
             for (slot, &v) in values[blocks].iter_mut().zip(next.by_ref()) {
                 *slot = v;
             }
+        }
+    }
+    if deferred {
+        let factor = pass.rescale(&values);
+        for (k, chunk) in plan.chunks().enumerate() {
+            let (step, shares) = cut(k, &chunk);
+            let piece = &mut buf[chunk];
+            if let Some(factor) = factor {
+                cpu::scale(&mut piece[shares[rank].clone()], factor, 1);
+            }
+            gather(t, stage, piece, step, &shares)?;
         }
     }
     Ok(values)
@@ -308,10 +336,17 @@ mod tests {
     }
 
     /// Normalises and measures, like the boundary; `fused` picks the block-by-block fused
-    /// `add_and_run` instead of the trait's default.
+    /// `add_and_run` instead of the trait's default; `clip` adds a second step whose factor
+    /// depends on every block's value, like clipping.
     struct Normalise {
         factor: f32,
         fused: bool,
+        clip: bool,
+    }
+
+    /// The second step's factor in the tests: a function of every block's value, not 1.
+    fn clip_factor(values: &[f64]) -> f32 {
+        (1.0 / (1.0 + cpu::fold_block_sums(values).sqrt())) as f32
     }
 
     impl BlockPass for Normalise {
@@ -327,6 +362,14 @@ mod tests {
                 self.run(run, values);
             }
         }
+
+        fn rescales(&self) -> bool {
+            self.clip
+        }
+
+        fn rescale(&self, values: &[f64]) -> Option<f32> {
+            self.clip.then(|| clip_factor(values))
+        }
     }
 
     #[test]
@@ -341,7 +384,7 @@ mod tests {
                 for fused in [false, true] {
                     let mut own = data[rank].clone();
                     let mut values = vec![0.0; cpu::blocks(len)];
-                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused }, &mut values);
+                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused, clip: false }, &mut values);
                     assert!(own.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
                     assert!(values.iter().zip(&want_values).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
                 }
@@ -438,9 +481,9 @@ mod tests {
     }
 
     /// Every rank's buffer and block values from the reduction in shares.
-    fn in_shares(world: usize, len: usize, share_numel: usize, factor: f32) -> Vec<(Vec<f32>, Vec<f64>)> {
+    fn in_shares(world: usize, len: usize, share_numel: usize, factor: f32, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
         let group = Threads::group(world);
-        let pass = Normalise { factor, fused: true };
+        let pass = Normalise { factor, fused: true, clip };
         std::thread::scope(|s| {
             let handles: Vec<_> = group
                 .into_iter()
@@ -472,11 +515,11 @@ mod tests {
         })
     }
 
-    /// Every rank's buffer and block values from the in-process communicator: its all-reduce,
-    /// then the pass over the whole buffer.
-    fn in_process(world: usize, len: usize, factor: f32) -> Vec<(Vec<f32>, Vec<f64>)> {
+    /// Every rank's buffer and block values from the in-process communicator's reduction in
+    /// shares.
+    fn in_process(world: usize, len: usize, factor: f32, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
         let comms = LocalComm::group(world).unwrap();
-        let pass = Normalise { factor, fused: false };
+        let pass = Normalise { factor, fused: false, clip };
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .iter()
@@ -501,18 +544,34 @@ mod tests {
             && a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
+    /// The reference: the sum in rank order, the pass over the whole buffer, then the second
+    /// step's scaling, on one thread.
+    fn reference(world: usize, len: usize, factor: f32, clip: bool) -> (Vec<f32>, Vec<f64>) {
+        let mut sum: Vec<f32> = (0..len).map(|i| (1..world).fold(value(0, i), |s, r| s + value(r, i))).collect();
+        let mut values = vec![0.0; cpu::blocks(len)];
+        cpu::scale_and_block_sum_squares(&mut sum, factor, &mut values, 1);
+        if clip {
+            cpu::scale(&mut sum, clip_factor(&values), 1);
+        }
+        (sum, values)
+    }
+
     #[test]
-    fn shares_give_the_in_process_bits_for_any_cut() {
+    fn shares_give_the_reference_bits_for_any_cut() {
         let block = NORM_BLOCK;
         for world in [1, 2, 3, 5] {
             // Buffers shorter than a block, with fewer blocks than ranks, not a multiple of the
             // chunk, and spanning several chunks; shares smaller than a block and not whole blocks.
             for len in [1, 100, block + 1, 3 * block + 7, 7 * block, 2 * world * 3 * block + 2 * block + 99] {
-                let want = in_process(world, len, 0.3);
-                assert!(want.iter().all(|w| same_bits(w, &want[0])));
-                for share_numel in [1, block, 2 * block + 1, 3 * block, SHARE_NUMEL] {
-                    for (rank, got) in in_shares(world, len, share_numel, 0.3).iter().enumerate() {
-                        assert!(same_bits(got, &want[0]), "world {world} len {len} share {share_numel} rank {rank}");
+                for clip in [false, true] {
+                    let want = reference(world, len, 0.3, clip);
+                    for (rank, got) in in_process(world, len, 0.3, clip).iter().enumerate() {
+                        assert!(same_bits(got, &want), "in process: world {world} len {len} clip {clip} rank {rank}");
+                    }
+                    for share_numel in [1, block, 2 * block + 1, 3 * block, SHARE_NUMEL] {
+                        for (rank, got) in in_shares(world, len, share_numel, 0.3, clip).iter().enumerate() {
+                            assert!(same_bits(got, &want), "world {world} len {len} share {share_numel} clip {clip} rank {rank}");
+                        }
                     }
                 }
             }

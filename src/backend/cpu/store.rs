@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::master::Master;
 use super::math;
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
-use crate::comm::{BlockPass, Collectives, Control, ControlSum};
+use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::comm::{pass_whole, BlockPass, Collectives, Control, ControlSum};
 use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
@@ -104,7 +104,7 @@ impl Store for HostStore {
         let layout = &self.plan.layout;
         let mine = Control {
             numel: layout.len() as u64,
-            layout: layout.hash(),
+            layout: self.plan.fingerprint(),
             count: p.count,
             microbatches: p.microbatches,
             found_inf: p.microbatches != 0 && self.found_inf.load(Ordering::Relaxed),
@@ -129,12 +129,13 @@ impl Store for HostStore {
         // SAFETY: the window's write lock is held for the whole boundary.
         let all = unsafe { self.slice(0..self.plan.layout.len()) };
         let threads = config.threads;
-        let max = config.max_grad_norm as f64;
+        let max_norm = config.max_grad_norm as f64;
         let normalize = (1.0 / divisor as f64) as f32;
         // Without clipping the factor is known before the norm, so the pass that measures each
         // block also normalises it. With clipping the factor depends on the norm: the pass only
-        // measures, and a second pass scales when the norm calls for it.
-        let pass = NormPass { factor: (max == 0.0 && normalize != 1.0).then_some(normalize), threads };
+        // measures, and its second step scales once every block's sum is known.
+        let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
+        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads };
         let host = p.comm.filter(|c| c.world_size() > 1).and_then(|c| match c.collectives() {
             Collectives::Host(h) => Some(h),
             Collectives::Nccl(_) => None,
@@ -142,20 +143,9 @@ impl Store for HostStore {
         let block_sums = match host {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
             Some(c) => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
-            None => {
-                let mut sums = vec![0.0; super::blocks(all.len())];
-                pass.run(all, &mut sums);
-                sums
-            }
+            None => pass_whole(all, &pass, threads),
         };
-        let grad_norm = super::fold_block_sums(&block_sums).sqrt() / divisor as f64;
-        let clip_coef = if max == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max / (grad_norm + 1e-6)).min(1.0) };
-        if max != 0.0 {
-            let factor = (clip_coef / divisor as f64) as f32;
-            if factor != 1.0 {
-                super::scale(all, factor, threads);
-            }
-        }
+        let (grad_norm, clip_coef) = norm_and_clip(&block_sums, divisor, max_norm);
         Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
     }
 
@@ -190,10 +180,29 @@ impl Store for HostStore {
 }
 
 /// The boundary's pass over the summed master buffer: each block's sum of squares, and the
-/// normalisation when its factor is known before the norm (no clipping).
+/// normalisation when its factor is known before the norm (no clipping); with clipping, a second
+/// step scales by the clipping coefficient over the divisor once the norm is known.
 struct NormPass {
     factor: Option<f32>,
+    clip: Option<Clip>,
     threads: usize,
+}
+
+/// What the clipping coefficient needs beyond the block sums.
+#[derive(Clone, Copy)]
+struct Clip {
+    max_norm: f64,
+    divisor: u64,
+}
+
+/// The global norm of the normalised gradient and the clipping coefficient, from the block sums
+/// of squares of the unnormalised sum: `max_norm / (norm + 1e-6)`, at most 1; 1 for a non-finite
+/// norm or without clipping (`max_norm` 0). Every rank computes it from the same sums, so every
+/// rank has the same bits.
+fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
+    let grad_norm = super::fold_block_sums(block_sums).sqrt() / divisor as f64;
+    let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max_norm / (grad_norm + 1e-6)).min(1.0) };
+    (grad_norm, clip_coef)
 }
 
 impl BlockPass for NormPass {
@@ -207,6 +216,17 @@ impl BlockPass for NormPass {
     fn add_and_run(&self, run: &mut [f32], addend: &[f32], sums: &mut [f64]) {
         super::add_and_block_sum_squares(run, addend, self.factor, sums);
     }
+
+    fn rescales(&self) -> bool {
+        self.clip.is_some()
+    }
+
+    /// The clipping coefficient over the divisor, rounded to f32 once; `None` when that is 1.
+    fn rescale(&self, sums: &[f64]) -> Option<f32> {
+        let clip = self.clip?;
+        let (_, clip_coef) = norm_and_clip(sums, clip.divisor, clip.max_norm);
+        Some((clip_coef / clip.divisor as f64) as f32).filter(|&f| f != 1.0)
+    }
 }
 
 /// Fails on every rank alike when the ranks' control values are inconsistent.
@@ -215,13 +235,7 @@ fn check_agreement(total: &ControlSum) -> Result<()> {
         return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
     }
     if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
-        return Err(Error::new(
-            ErrorKind::SizeMismatch,
-            format!(
-                "ranks' accumulators differ (element counts from {} to {}, or a different tensor layout); no rank reduced",
-                total.min_numel, total.max_numel
-            ),
-        ));
+        return Err(ranks_differ(total.min_numel, total.max_numel));
     }
     if total.microbatches == 0 {
         return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));

@@ -17,7 +17,7 @@ use super::driver::{
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
@@ -312,7 +312,7 @@ impl DeviceStore {
         if verified.contains(&comm.id()) {
             return Ok(());
         }
-        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.layout.hash());
+        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint());
         let mine = [numel, hash, !numel, !hash];
         self.layout_check.write(&mine)?;
         comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
@@ -322,10 +322,7 @@ impl DeviceStore {
         comm.health()?;
         let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
         if max_numel != min_numel || max_hash != min_hash {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout); no rank reduced"),
-            ));
+            return Err(ranks_differ(min_numel, max_numel));
         }
         verified.push(comm.id());
         Ok(())
