@@ -5,12 +5,14 @@
 //!
 //! - sweep: one flat tensor, 4K to 256M elements, f16/bf16/f32, 1 and 2 threads; gradacc's `add`
 //!   and three floors with the same byte traffic, taking turns.
-//! - layout: a transformer's 500 tensors (100M elements), against the floor over one flat buffer of
-//!   the same bytes.
+//! - layout: model layouts (a GPT-2-like stack of 148 tensors and a GPT-style stack of 500, at
+//!   several widths), gradacc's `add` over one flat master against the plain fused loop over
+//!   per-tensor masters and the triad over one flat buffer of the same bytes, taking turns.
 //! - overhead: 1000 tensors of 1000 elements and of 1 element, through the Rust API and the C ABI;
 //!   overhead = the call's time minus the floor's time for the same bytes.
 //! - boundary: `sync` of 100M parameters over the in-process communicator with 2 ranks, deferred
-//!   (one sync per K micro-batches) against an all-reduce after every micro-batch.
+//!   (one sync per K micro-batches), with and without clipping, against an all-reduce after every
+//!   micro-batch and one bare all-reduce of the same bytes.
 
 mod common;
 
@@ -82,8 +84,9 @@ fn main() {
     o.record("machine", &format!("\"isa\":\"{}\",\"quick\":{}", isa.name(), o.quick), &[]);
 
     let max = if o.quick { 16 * MI } else { 256 * MI };
-    let layout = transformer(if o.quick { 128 } else { 512 });
-    let needed = if o.wants("sweep") { max } else { layout.iter().sum::<usize>().max(MI) };
+    let models = models(o.quick);
+    let largest = models.iter().map(|m| m.numels.iter().sum::<usize>()).max().unwrap_or(0);
+    let needed = if o.wants("sweep") { max.max(largest) } else { largest.max(MI) };
     if o.wants("sweep") || o.wants("layout") || o.wants("overhead") {
         let t = Instant::now();
         let mut master = AlignedF32::new(needed);
@@ -94,7 +97,7 @@ fn main() {
             sweep(&mut o, &mut master, &flat, max);
         }
         if o.wants("layout") {
-            layouts(&mut o, &mut master, &flat, &layout);
+            layouts(&mut o, &mut master, &flat, &models);
         }
         if o.wants("overhead") {
             overhead(&mut o, &mut master, &flat);
@@ -121,6 +124,36 @@ fn transformer(d: usize) -> Vec<usize> {
     }
     t.extend([d, d]);
     t
+}
+
+/// A GPT-2-like stack of 148 tensors, in parameter order: token embedding (64·d x d: the
+/// vocabulary grows with the width), position embedding (1024 x d), 12 blocks of [ln_1 weight and
+/// bias; c_attn d x 3d and its bias; attn c_proj d x d and its bias; ln_2 weight and bias; c_fc
+/// d x 4d and its bias; mlp c_proj 4d x d and its bias], ln_f weight and bias. 98 of the tensors
+/// hold d to 4d elements; d = 64, 256, 512, 1024 give 927,616, 13,934,080, 55,131,136 and
+/// 219,314,176 elements.
+fn gpt2(d: usize) -> Vec<usize> {
+    let mut t = vec![64 * d * d, 1024 * d];
+    for _ in 0..12 {
+        t.extend([d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]);
+    }
+    t.extend([d, d]);
+    t
+}
+
+/// One model's tensor sizes, in parameter order.
+struct Model {
+    name: &'static str,
+    d: usize,
+    numels: Vec<usize>,
+}
+
+/// The layouts the `layout` part measures, smallest first within each. The transformer at
+/// d = 512 (quick: 128) is the layout `benches/python/peer.py` measures PyTorch on.
+fn models(quick: bool) -> Vec<Model> {
+    let (g, t): (&[usize], &[usize]) = if quick { (&[64, 256], &[64, 128]) } else { (&[64, 256, 512, 1024], &[64, 256, 512]) };
+    let gpt = g.iter().map(|&d| Model { name: "gpt2", d, numels: gpt2(d) });
+    gpt.chain(t.iter().map(|&d| Model { name: "transformer", d, numels: transformer(d) })).collect()
 }
 
 fn dtype_name(d: Dtype) -> &'static str {
@@ -244,43 +277,70 @@ fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
         .collect()
 }
 
-fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], layout: &[usize]) {
-    let total: usize = layout.iter().sum();
-    println!("\n## add, transformer layout: {} tensors, {} elements: ms (gradacc | triad floor, flat | ratio)", layout.len(), total);
+/// Each model layout, dtype and thread count: gradacc's `add` over one flat 64-byte-aligned master
+/// (as `Accumulator::new` lays it out), the plain fused loop over per-tensor masters allocated one
+/// by one (as a user's own parameters are), and the triad over one flat buffer of the same bytes;
+/// all three read the same separately allocated gradients (the triad a flat one), taking turns.
+fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
+    println!("\n## add, model layouts: ms (gradacc | plain fused loop, per tensor | triad, flat | gradacc / plain fused)");
     let isa = cpu::active_isa();
     let mp = master.slice().as_mut_ptr();
     let scaler = scaler();
-    for &(dtype, grad) in flat {
-        let owned = owned_grads(layout, dtype, grad);
-        let grads = views(&owned, dtype);
-        let g = grad.slice(0, total);
-        for threads in [1, 2] {
-            let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
-            let descs: Vec<TensorDesc> = layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
-            // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
-            let acc = unsafe { Accumulator::with_buffer(config, &descs, mp, total) }.expect("accumulator");
-            let t = interleaved(
-                o.rounds,
-                o.min_sample,
-                &mut [
-                    &mut || acc.add(&scaler, &grads, 1).expect("add"),
-                    &mut || floor::<{ kind::COPY }>(isa, view(mp, total), g, threads),
-                    &mut || floor::<{ kind::TRIAD }>(isa, view(mp, total), g, threads),
-                    &mut || assert!(!fused(isa, &mut [view(mp, total)], &[g], TRIAD_FACTOR, threads)),
-                ],
-            );
-            let best = t[3].median;
-            println!("{:>4} {}T  {:.2} | {:.2} | {:.2}", dtype_name(dtype), threads, t[0].median * 1e3, best * 1e3, t[0].median / best);
-            o.record(
-                "layout",
-                &format!(
-                    "\"layout\":\"transformer\",\"tensors\":{},\"numel\":{total},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}",
-                    layout.len(),
+    for model in models {
+        let numels = &model.numels;
+        let total: usize = numels.iter().sum();
+        // The largest layouts take a second or more a round per variant: fewer rounds keep the
+        // full run within its time.
+        let rounds = if total > 128 * MI {
+            o.rounds.min(5)
+        } else if total > 32 * MI {
+            o.rounds.min(7)
+        } else {
+            o.rounds
+        };
+        println!("{} d = {}: {} tensors, {} elements", model.name, model.d, numels.len(), total);
+        let mut own: Vec<AlignedF32> = numels.iter().map(|&n| AlignedF32::new(n)).collect();
+        let mut masters: Vec<&mut [f32]> = own.iter_mut().map(AlignedF32::slice).collect();
+        let descs = |dtype| numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect::<Vec<_>>();
+        for &(dtype, grad) in flat {
+            let owned = owned_grads(numels, dtype, grad);
+            let grads = views(&owned, dtype);
+            let g = grad.slice(0, total);
+            for threads in [1, 2] {
+                let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
+                // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
+                let acc = unsafe { Accumulator::with_buffer(config, &descs(dtype), mp, total) }.expect("accumulator");
+                let t = interleaved(
+                    rounds,
+                    o.min_sample,
+                    &mut [
+                        &mut || acc.add(&scaler, &grads, 1).expect("add"),
+                        &mut || assert!(!fused(isa, &mut masters, &grads, TRIAD_FACTOR, threads)),
+                        &mut || floor::<{ kind::TRIAD }>(isa, view(mp, total), g, threads),
+                    ],
+                );
+                println!(
+                    "{:>4} {}T  {:.2} | {:.2} | {:.2} | {:.2}",
                     dtype_name(dtype),
-                    total * bytes_per_element(dtype)
-                ),
-                &[("gradacc", t[0]), ("copy", t[1]), ("triad", t[2]), ("fused", t[3])],
-            );
+                    threads,
+                    t[0].median * 1e3,
+                    t[1].median * 1e3,
+                    t[2].median * 1e3,
+                    t[0].median / t[1].median
+                );
+                o.record(
+                    "layout",
+                    &format!(
+                        "\"layout\":\"{}\",\"d\":{},\"tensors\":{},\"numel\":{total},\"dtype\":\"{}\",\"threads\":{threads},\"bytes\":{}",
+                        model.name,
+                        model.d,
+                        numels.len(),
+                        dtype_name(dtype),
+                        total * bytes_per_element(dtype)
+                    ),
+                    &[("gradacc", t[0]), ("fused", t[1]), ("triad", t[2])],
+                );
+            }
         }
     }
 }
@@ -362,24 +422,34 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
 /// The boundary at 2 in-process ranks (one thread each) over `n` fp16 parameters in one tensor, as
 /// `benches/mpi_boundary.c` does over MPI: K micro-batches per step, then
 ///   deferred: `sync` (control reduction, all-reduce of the FP32 master, normalisation, norm);
+///   clipped:  the same with `max_grad_norm` below the norm, so clipping applies (its accumulator
+///             gets one micro-batch per step: `sync`'s work does not depend on K);
 ///   naive:    an all-reduce of an FP32 gradient of the same size after every micro-batch;
 ///   bare:     one all-reduce of the same bytes, nothing else.
 /// The adds are the same in both patterns and not timed; each time is the slowest rank's.
 fn boundary(o: &mut Options, n: usize) {
-    println!("\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | naive K all-reduces | bare all-reduce)", n);
+    println!(
+        "\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | clipped sync | naive K all-reduces | bare all-reduce)",
+        n
+    );
     let comms = LocalComm::group(2).expect("group");
     let rounds = if o.quick { 3 } else { 7 };
     let barrier = Barrier::new(2);
     let whole = 0..n;
     let bucket = std::slice::from_ref(&whole);
-    let results: Vec<Vec<(usize, [f64; 3])>> = std::thread::scope(|s| {
+    let results: Vec<Vec<(usize, [f64; 4])>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|comm| {
                 let barrier = &barrier;
                 s.spawn(move || {
                     let (_, g16, _) = common::gradients(n);
-                    let acc = Accumulator::new(AccumulatorConfig::default(), &[TensorDesc { numel: n, dtype: Dtype::F16 }]).expect("accumulator");
+                    let desc = [TensorDesc { numel: n, dtype: Dtype::F16 }];
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &desc).expect("accumulator");
+                    // The gradients, in [-0.5, 0.5) unscaled by 1024, make a norm of about 2.8e-4
+                    // per sqrt(element): over 1 at 16M elements, so 1e-3 clips at any size here.
+                    let clip_config = AccumulatorConfig { max_grad_norm: 1e-3, ..AccumulatorConfig::default() };
+                    let clip = Accumulator::new(clip_config, &desc).expect("accumulator");
                     let scaler = scaler();
                     let mut plain = vec![1.0f32; n];
                     let timed = |f: &mut dyn FnMut()| {
@@ -395,9 +465,14 @@ fn boundary(o: &mut Options, n: usize) {
                             for _ in 0..k {
                                 acc.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
                             }
+                            clip.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
                             let d = timed(&mut || {
                                 acc.sync(Some(comm as &dyn Communicator)).expect("sync");
                             });
+                            let mut info = None;
+                            let c = timed(&mut || info = Some(clip.sync(Some(comm as &dyn Communicator)).expect("sync")));
+                            let info = info.expect("sync info");
+                            assert!(info.clip_coef < 1.0, "clipping did not apply (norm {})", info.grad_norm);
                             let nv = timed(&mut || {
                                 for _ in 0..k {
                                     comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce");
@@ -406,7 +481,7 @@ fn boundary(o: &mut Options, n: usize) {
                             let b = timed(&mut || comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce"));
                             plain.fill(1.0); // keep the values finite
                             if round > 0 {
-                                times.push([d, nv, b]);
+                                times.push([d, c, nv, b]);
                             }
                         }
                         out.push((k, times));
@@ -419,15 +494,27 @@ fn boundary(o: &mut Options, n: usize) {
     });
     for k in [1usize, 4, 8] {
         // Each round's time is its slowest rank's.
-        let rows: Vec<[f64; 3]> = results[0]
+        let rows: Vec<[f64; 4]> = results[0]
             .iter()
             .zip(&results[1])
             .filter(|((k0, _), _)| *k0 == k)
-            .map(|((_, a), (_, b))| [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])])
+            .map(|((_, a), (_, b))| std::array::from_fn(|i| a[i].max(b[i])))
             .collect();
         let stat = |i: usize| Stats::of(&rows.iter().map(|r| r[i]).collect::<Vec<_>>());
-        let (d, nv, b) = (stat(0), stat(1), stat(2));
-        println!("K = {k}: {:.1} | {:.1} | {:.1}", d.median * 1e3, nv.median * 1e3, b.median * 1e3);
-        o.record("boundary_local", &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k}"), &[("deferred", d), ("naive", nv), ("bare", b)]);
+        let (d, c, nv, b) = (stat(0), stat(1), stat(2), stat(3));
+        println!(
+            "K = {k}: {:.1} | {:.1} | {:.1} | {:.1}  (sync / bare {:.2}, clipped / bare {:.2})",
+            d.median * 1e3,
+            c.median * 1e3,
+            nv.median * 1e3,
+            b.median * 1e3,
+            d.median / b.median,
+            c.median / b.median
+        );
+        o.record(
+            "boundary_local",
+            &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k},\"max_grad_norm\":1e-3"),
+            &[("deferred", d), ("clipped", c), ("naive", nv), ("bare", b)],
+        );
     }
 }
