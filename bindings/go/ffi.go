@@ -1,10 +1,16 @@
 // Package gradacc is the Go binding of gradacc, correct mixed-precision gradient accumulation
 // behind a stable C ABI (include/gradacc.h, whose comments are the reference for every call).
 //
-// Every object owns one C handle: Close frees it (calling it again does nothing), and a
-// finalizer frees it if Close was never called. Failing calls return an *Error with the status
-// and the message gradacc recorded for the calling OS thread; the binding locks the goroutine to
-// its thread for the call and the message read, so the message is always the call's own.
+// Every object owns one C handle (a BoundGrads: C memory and pins): Close frees it (calling it
+// again does nothing), and a finalizer frees it if Close was never called. Failing calls return
+// an *Error with the status and the message gradacc recorded for the calling OS thread; the
+// binding locks the goroutine to its thread for the call and the message read, so the message
+// is always the call's own.
+//
+// Accumulator.Add checks and pins every gradient on each call. A training loop whose backward
+// writes into the same buffers every micro-batch binds them once with Accumulator.Bind, which
+// checks them, pins their Go memory and keeps their addresses in C memory; AddBound is then one
+// C call, and reads what the buffers hold when it is called.
 //
 // This file is the only one with cgo directives: it links target/release/libgradacc.so of the
 // repository this package sits in (build it with `cargo build --release`), with an rpath to it.

@@ -1,5 +1,6 @@
 package gradacc
 
+// #include <stdlib.h>
 // #include <gradacc.h>
 import "C"
 
@@ -105,8 +106,9 @@ type ScalerStats struct {
 	Steps, SkippedSteps, Growths, Backoffs uint64
 }
 
-// Grad is one gradient buffer handed to Add or AddTensor: build it with Float32s, Words16 or
-// Pointer. It borrows the memory for the duration of the call only.
+// Grad is one gradient buffer handed to Add, AddTensor or Bind: build it with Float32s, Words16
+// or Pointer. It borrows the memory for the duration of the call only (Bind: until the
+// BoundGrads is closed).
 type Grad struct {
 	ptr   unsafe.Pointer
 	numel int
@@ -136,6 +138,11 @@ func Words16(g []uint16) Grad {
 // for a CUDA accumulator. gradacc cannot check what lies there.
 func Pointer(p unsafe.Pointer, numel int) Grad {
 	return Grad{ptr: p, numel: numel, raw: true}
+}
+
+// fits is check's test alone: the hot path tests each gradient without building its name.
+func (g Grad) fits(want TensorDesc) bool {
+	return (g.raw || g.f32 == (want.DType == F32)) && uint64(g.numel) == want.Numel
 }
 
 func (g Grad) check(what string, want TensorDesc) error {
@@ -360,7 +367,22 @@ func (a *Accumulator) handle() (*C.gradacc_accumulator_t, error) {
 // Tensors returns the declared tensors.
 func (a *Accumulator) Tensors() []TensorDesc { return append([]TensorDesc(nil), a.tensors...) }
 
-// Add adds one micro-batch of count items: grads[i] is tensor i's gradient.
+// checkGrads checks one gradient per tensor, each against its tensor (Add and Bind).
+func (a *Accumulator) checkGrads(grads []Grad) error {
+	if len(grads) != len(a.tensors) {
+		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("%d gradients for %d tensors", len(grads), len(a.tensors))}
+	}
+	for i, g := range grads {
+		if !g.fits(a.tensors[i]) {
+			return g.check(fmt.Sprintf("grads[%d]", i), a.tensors[i])
+		}
+	}
+	return nil
+}
+
+// Add adds one micro-batch of count items: grads[i] is tensor i's gradient. It checks and pins
+// every gradient on each call; a loop that passes the same buffers every micro-batch binds them
+// once with Bind and calls AddBound.
 func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 	p, err := a.handle()
 	if err != nil {
@@ -370,17 +392,14 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 	if err != nil {
 		return err
 	}
-	if len(grads) != len(a.tensors) {
-		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("%d gradients for %d tensors", len(grads), len(a.tensors))}
+	if err := a.checkGrads(grads); err != nil {
+		return err
 	}
 	// The C call takes an array of pointers; Go memory passed to C may only hold pinned pointers.
 	var pin runtime.Pinner
 	defer pin.Unpin()
 	ptrs := make([]unsafe.Pointer, len(grads)+1)
 	for i, g := range grads {
-		if err := g.check(fmt.Sprintf("grads[%d]", i), a.tensors[i]); err != nil {
-			return err
-		}
 		if g.ptr != nil {
 			pin.Pin(g.ptr) // does nothing for C or device memory
 		}
@@ -393,6 +412,98 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 	runtime.KeepAlive(s)
 	runtime.KeepAlive(grads)
 	return err
+}
+
+// BoundGrads is one gradient per tensor of an accumulator, checked once by Bind for AddBound.
+// It references the buffers, never copies them: AddBound reads what they hold when it is
+// called. Until Close, the buffers' Go memory stays pinned (the garbage collector neither moves
+// nor frees it) and their addresses stay in C memory. Close must come after every AddBound that
+// uses it has returned; like the other objects, it has a finalizer if Close is never called.
+type BoundGrads struct {
+	acc  *Accumulator
+	ptrs *unsafe.Pointer // n addresses in C memory (C.malloc); nil once closed
+	n    int
+	pin  runtime.Pinner
+}
+
+// Bind checks grads against the accumulator's tensors as Add does (same errors), pins their Go
+// memory and stores their addresses in C memory, once: a training loop whose backward writes
+// into the same buffers every micro-batch passes the result to AddBound, which is then one C
+// call. Close the result when the buffers change or are no longer used.
+func (a *Accumulator) Bind(grads []Grad) (*BoundGrads, error) {
+	if _, err := a.handle(); err != nil {
+		return nil, err
+	}
+	if err := a.checkGrads(grads); err != nil {
+		return nil, err
+	}
+	n := len(grads)
+	// C memory may hold Go pointers while their objects are pinned (runtime.Pinner).
+	mem := C.malloc(C.size_t(max(n, 1)) * C.size_t(unsafe.Sizeof(unsafe.Pointer(nil))))
+	if mem == nil {
+		return nil, &Error{Status: StatusOutOfMemory, Message: fmt.Sprintf("no memory for the addresses of %d gradients", n)}
+	}
+	b := &BoundGrads{acc: a, ptrs: (*unsafe.Pointer)(mem), n: n}
+	addrs := unsafe.Slice(b.ptrs, n)
+	for i, g := range grads {
+		if g.ptr != nil {
+			b.pin.Pin(g.ptr) // does nothing for C or device memory
+		}
+		addrs[i] = g.ptr
+	}
+	runtime.SetFinalizer(b, (*BoundGrads).Close)
+	return b, nil
+}
+
+// Close unpins the buffers and frees the addresses. Calling it again does nothing.
+func (b *BoundGrads) Close() error {
+	if b.ptrs == nil {
+		return nil
+	}
+	runtime.SetFinalizer(b, nil)
+	C.free(unsafe.Pointer(b.ptrs))
+	b.ptrs = nil
+	b.acc = nil
+	b.pin.Unpin()
+	return nil
+}
+
+// AddBound adds one micro-batch of count items from the buffers bound by Bind, as Add(s, grads,
+// count) with the same buffers does, in one C call. A closed BoundGrads fails with
+// StatusInvalidHandle, one bound by another accumulator with StatusInvalidArgument.
+func (a *Accumulator) AddBound(s *Scaler, b *BoundGrads, count uint64) error {
+	p, err := a.handle()
+	if err != nil {
+		return err
+	}
+	sp, err := s.handle()
+	if err != nil {
+		return err
+	}
+	if b == nil || b.ptrs == nil {
+		return &Error{Status: StatusInvalidHandle, Message: "argument `b`: the BoundGrads is closed"}
+	}
+	if b.acc != a {
+		return &Error{Status: StatusInvalidArgument, Message: "argument `b`: the BoundGrads was bound by another Accumulator"}
+	}
+	ptrs, n := b.ptrs, b.n
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_accumulator_add(p, sp, ptrs, C.size_t(n), C.uint64_t(count))
+	})
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(b)
+	return err
+}
+
+// addBare is AddBound's C call alone: no checks, no thread lock, no message. The benchmarks
+// measure the binding's overhead against it (a _test.go file cannot use cgo).
+func (a *Accumulator) addBare(s *Scaler, b *BoundGrads, count uint64) Status {
+	st := C.gradacc_accumulator_add(a.ptr, s.ptr, b.ptrs, C.size_t(b.n), C.uint64_t(count))
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(b)
+	return Status(st)
 }
 
 // BeginMicrobatch opens a micro-batch of count items whose gradients arrive through AddTensor.
