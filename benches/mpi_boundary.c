@@ -2,11 +2,13 @@
  * step. Times per step, median over repeats after warm-up repeats, the slowest rank's time:
  *   deferred  gradacc_accumulator_sync once per step (control reduction, all-reduce of the FP32
  *             master, normalisation, norm)
+ *   clipped   the same with clipping that applies (max_grad_norm below the norm)
  *   naive     an MPI_Allreduce of the FP32 gradient after every micro-batch (K per step)
- *   bare      one MPI_Allreduce of the same 64 MB, nothing else
- *   pieces    MPI_Allreduce of the same 64 MB in PIECE-element calls, nothing else: what the MPI
- *             library's own all-reduce can do when it is not handed one large message
- * Each repeat times the four in turn, so load from other work falls on all of them alike. The
+ *   bare      one MPI_Allreduce of the same bytes, nothing else
+ *   pieces    MPI_Allreduce of the same bytes in calls of PIECES[i] elements, nothing else, for
+ *             each size: what the MPI library's own all-reduce can do when it is not handed one
+ *             large message. The fastest size (by median) is the floor the syncs are held to.
+ * Each repeat times them all in turn, so load from other work falls on all of them alike. The
  * fused adds are the same in every pattern and are not timed. */
 #include <gradacc.h>
 #include <mpi.h>
@@ -19,8 +21,9 @@
  * later in the run (old and new boundary alike); three bring it level. */
 enum { REPEATS = 15, WARMUP = 3 };
 
-/* Elements per MPI_Allreduce call of the "pieces" column (4 MB). */
-static const size_t PIECE = (size_t)1 << 20;
+/* Elements per MPI_Allreduce call of the "pieces" columns: 256 KB to 16 MB. */
+enum { NPIECES = 4 };
+static const size_t PIECES[NPIECES] = {(size_t)1 << 16, (size_t)1 << 18, (size_t)1 << 20, (size_t)1 << 22};
 
 static int cmp(const void *a, const void *b)
 {
@@ -70,6 +73,11 @@ int main(int argc, char **argv)
     if (getenv("GRADACC_BENCH_BUCKET"))
         ac.bucket_numel = strtoull(getenv("GRADACC_BENCH_BUCKET"), NULL, 0);
     OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &acc));
+    /* The gradients, 1.0-1.5 unscaled by the default scale of 65536, make a norm of about
+     * 0.08 at 16M parameters: a clipping norm of 1e-3 applies at any size from 1M up. */
+    ac.max_grad_norm = 1e-3f;
+    gradacc_accumulator_t *clip;
+    OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &clip));
     uint16_t *g = malloc(n * 2);
     float *plain = malloc(n * 4);
     for (size_t i = 0; i < n; i++) {
@@ -78,21 +86,39 @@ int main(int argc, char **argv)
     }
     const void *grads[1] = {g};
 
-    if (rank == 0)
-        printf("| K | deferred sync (ms) | naive K x all-reduce (ms) | naive / deferred | bare MPI_Allreduce (ms) | "
-               "sync / bare | MPI_Allreduce in 4 MB pieces (ms) | sync / pieces |\n|---|---|---|---|---|---|---|---|\n");
+    if (rank == 0) {
+        printf("| K | deferred sync (ms) | clipped sync (ms) | naive K x all-reduce (ms) | naive / deferred | "
+               "bare MPI_Allreduce (ms) |");
+        for (int i = 0; i < NPIECES; i++)
+            printf(" in %zu KB pieces (ms) |", PIECES[i] * 4 >> 10);
+        printf(" sync / fastest | clipped / fastest |\n|---|---|---|---|---|---|");
+        for (int i = 0; i < NPIECES; i++)
+            printf("---|");
+        printf("---|---|\n");
+    }
     const int ks[3] = {1, 4, 8};
     for (int ki = 0; ki < 3; ki++) {
         int k = ks[ki];
-        double deferred[REPEATS], naive[REPEATS], bare[REPEATS], pieces[REPEATS];
+        double deferred[REPEATS], clipped[REPEATS], naive[REPEATS], bare[REPEATS], pieces[NPIECES][REPEATS];
         for (int rep = -WARMUP; rep < REPEATS; rep++) { /* negative repeats warm up */
-            for (int m = 0; m < k; m++)
+            for (int m = 0; m < k; m++) {
                 OK(gradacc_accumulator_add(acc, scaler, grads, 1, 1));
+                OK(gradacc_accumulator_add(clip, scaler, grads, 1, 1));
+            }
             MPI_Barrier(MPI_COMM_WORLD);
             double t0 = MPI_Wtime();
             gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
             OK(gradacc_accumulator_sync(acc, comm, &info));
             double d = slowest(t0);
+
+            MPI_Barrier(MPI_COMM_WORLD);
+            t0 = MPI_Wtime();
+            OK(gradacc_accumulator_sync(clip, comm, &info));
+            double c = slowest(t0);
+            if (info.clip_coef >= 1.0) {
+                fprintf(stderr, "clipping did not apply (norm %g)\n", info.grad_norm);
+                MPI_Abort(MPI_COMM_WORLD, 1);
+            }
 
             MPI_Barrier(MPI_COMM_WORLD);
             t0 = MPI_Wtime();
@@ -105,30 +131,43 @@ int main(int argc, char **argv)
             MPI_Allreduce(MPI_IN_PLACE, plain, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             double b = slowest(t0);
 
-            MPI_Barrier(MPI_COMM_WORLD);
-            t0 = MPI_Wtime();
-            for (size_t s = 0; s < n; s += PIECE)
-                MPI_Allreduce(MPI_IN_PLACE, plain + s, (int)(n - s < PIECE ? n - s : PIECE), MPI_FLOAT, MPI_SUM,
-                              MPI_COMM_WORLD);
-            double p = slowest(t0);
+            for (int i = 0; i < NPIECES; i++) {
+                size_t piece = PIECES[i];
+                MPI_Barrier(MPI_COMM_WORLD);
+                t0 = MPI_Wtime();
+                for (size_t s = 0; s < n; s += piece)
+                    MPI_Allreduce(MPI_IN_PLACE, plain + s, (int)(n - s < piece ? n - s : piece), MPI_FLOAT, MPI_SUM,
+                                  MPI_COMM_WORLD);
+                double p = slowest(t0);
+                if (rep >= 0)
+                    pieces[i][rep] = p;
+            }
             for (size_t i = 0; i < n; i++) /* keep the values finite */
                 plain[i] = 1.0f;
             if (rep >= 0) {
                 deferred[rep] = d;
+                clipped[rep] = c;
                 naive[rep] = nv;
                 bare[rep] = b;
-                pieces[rep] = p;
             }
         }
-        double d = median(deferred, REPEATS), nv = median(naive, REPEATS), b = median(bare, REPEATS);
-        double p = median(pieces, REPEATS);
-        if (rank == 0)
-            printf("| %d | %.1f | %.1f | %.2f | %.1f | %.2f | %.1f | %.2f |\n", k, d * 1e3, nv * 1e3, nv / d, b * 1e3, d / b,
-                   p * 1e3, d / p);
+        double d = median(deferred, REPEATS), c = median(clipped, REPEATS), nv = median(naive, REPEATS);
+        double b = median(bare, REPEATS), p[NPIECES], fastest = b;
+        for (int i = 0; i < NPIECES; i++) {
+            p[i] = median(pieces[i], REPEATS);
+            fastest = p[i] < fastest ? p[i] : fastest;
+        }
+        if (rank == 0) {
+            printf("| %d | %.1f | %.1f | %.1f | %.2f | %.1f |", k, d * 1e3, c * 1e3, nv * 1e3, nv / d, b * 1e3);
+            for (int i = 0; i < NPIECES; i++)
+                printf(" %.1f |", p[i] * 1e3);
+            printf(" %.2f | %.2f |\n", d / fastest, c / fastest);
+        }
     }
     free(g);
     free(plain);
     gradacc_accumulator_destroy(acc);
+    gradacc_accumulator_destroy(clip);
     gradacc_scaler_destroy(scaler);
     gradacc_comm_destroy(comm);
     MPI_Finalize();
