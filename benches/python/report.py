@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 
 import matplotlib
 
@@ -30,6 +31,8 @@ GRAD_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 # The targets the tables are held to.
 FLOOR_TARGET = 1.05
 BOUNDARY_TARGET = 1.10
+# The bindings' prepared call over 1,000 tensors, in seconds.
+BINDING_TARGET = 100e-6
 LAYOUT_NAMES = {"gpt2": "GPT-2-like", "transformer": "GPT-style"}
 
 
@@ -166,6 +169,7 @@ class Run:
         self.peer = [r for r in peer if r["group"] == "peer"]
         self.count = [r for r in peer if r["group"] == "count"]
         self.mpi = parse_mpi(os.path.join(d, "mpi.txt"))
+        self.bindings = parse_bindings(d)
 
     def floor_for(self, numel, dtype, threads):
         """The same-run floor of `numel` elements, from the sweep (one flat tensor of that size) or
@@ -174,6 +178,24 @@ class Run:
             if r["numel"] == numel and r["dtype"] == dtype and r["threads"] == threads:
                 return floor_of(r)
         return None
+
+
+def parse_bindings(d):
+    """The bindings' per-call costs of one run, seconds per call by language and form (plain, bound,
+    bare): Python from bind.py's JSON line, Go from `go test -bench` (the median of its -count lines)."""
+    out = {}
+    for r in load(os.path.join(d, "bind.jsonl")):
+        out[r["language"]] = {name: t["median"] for name, t in r["times"].items()}
+    path = os.path.join(d, "go-bench.txt")
+    if os.path.exists(path):
+        samples = {}
+        for line in open(path):
+            m = re.match(r"BenchmarkAdd/(\w+)(?:-\d+)?\s+\d+\s+([\d.]+) ns/op", line)
+            if m:
+                samples.setdefault(m.group(1), []).append(float(m.group(2)) * 1e-9)
+        if samples:
+            out["go"] = {name: statistics.median(v) for name, v in samples.items()}
+    return out
 
 
 def best_effort(rec):
@@ -341,6 +363,14 @@ class Report:
                       f"{self.per_run([f'{x * 1e6:.1f} µs (' + w['dtype'] + ')' for x, w in zip(over, worst)], str)} through the C ABI "
                       f"(worst dtype); 1,000 × 1 element: {self.per_run(tiny, lambda x: f'{x * 1e6:.1f}')} µs per call",
                       self.verdict([x < 50e-6 for x in over])])
+        # 4b. the bindings' prepared call over 1,000 tensors.
+        for lang, name, call in (("python", "Python", "`Accumulator.add` of bound gradients"), ("go", "Go", "`AddBound`")):
+            per = [run.bindings.get(lang) for run in runs]
+            if all(per):
+                t.append([f"{name}: {call}, 1,000 tensors, ≤ {BINDING_TARGET * 1e6:.0f} µs per call",
+                          f"{self.per_run([b['bound'] for b in per], us)} µs (the bare C call: "
+                          f"{self.per_run([b['bare'] for b in per], us)} µs; the plain call: {self.per_run([b['plain'] for b in per], us)} µs)",
+                          self.verdict([b["bound"] <= BINDING_TARGET for b in per])])
         # 5. the in-process boundary against a bare all-reduce of the same bytes.
         if all(run.local for run in runs):
             parts, oks = [], []
@@ -491,6 +521,19 @@ class Report:
         return table(["tensors × elements", "grads", "Rust API µs", "C ABI µs", "floor µs", "C ABI − floor µs",
                       "per tensor ns", "C ABI spread", "Python, ctypes µs", "Python, `Accumulator.add` µs",
                       "`Accumulator.add` spread"], rows, ["---", "---"] + ["---:"] * 9)
+
+    def bindings_section(self):
+        rows = []
+        for lang, name in (("python", "Python (`Accumulator.add`)"), ("go", "Go (`Accumulator.Add`)")):
+            per = [run.bindings.get(lang) for run in self.runs]
+            if not all(per):
+                continue
+            rows.append([name] + [self.per_run([b[form] for b in per], us) for form in ("plain", "bound", "bare")]
+                        + [self.per_run([b["bound"] - b["bare"] for b in per], us)])
+        if not rows:
+            return "Not measured in this run."
+        return table(["binding", "plain call µs", "bound call µs", "bare C call µs", "bound − bare µs"], rows,
+                     ["---"] + ["---:"] * 4)
 
     def count_section(self):
         rows = []
@@ -706,6 +749,12 @@ class Report:
             "",
             self.overhead_section(),
             "",
+            "### The bindings' hot call",
+            "",
+            BINDINGS_METHOD,
+            "",
+            self.bindings_section(),
+            "",
             "## Scale with tensor count",
             "",
             self.count_section(),
@@ -750,6 +799,14 @@ gradient into FP32): **1.4× at equal bandwidth**. With f32 gradients the GradSc
 8 + 12 = 20 B against 12 B: **1.7×**. Ratios above these come from PyTorch's kernels running below
 bandwidth (mixed-dtype adds through TensorIterator's casting loop, per-tensor dispatch, fresh pages
 for every temporary), not from gradacc moving fewer bytes than the fused pass needs."""
+
+BINDINGS_METHOD = """\
+A training loop's per-micro-batch call from Python and Go over 1,000 tensors of 4 fp16 elements (so
+the C work itself is small): the *plain* call, which checks and converts every gradient buffer each
+time; the *bound* call, over buffers checked once (`Accumulator.bind` in Python, `Bind` and
+`AddBound` in Go); and the *bare* C call `gradacc_accumulator_add` that both make, from the same
+language. Python: `benches/python/bind.py`, the three taking turns, median of 200 calls each. Go:
+`go test -bench BenchmarkAdd -benchtime 2000x -count 5` in `bindings/go`, the median of the five."""
 
 FLOOR_METHOD = """\
 One flat tensor, gradacc's `Accumulator::add` (`assign = false`: a window in progress) against three
