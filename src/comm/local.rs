@@ -1,6 +1,8 @@
 //! The in-process communicator: N ranks as threads of one process, one handle per rank. Buffers
 //! are reduced in place without a scratch copy: rank r sums slice r over all ranks in rank order
 //! (so the bits are the same whoever computes them), then every rank copies the other slices.
+//! The boundary's reduction does the same over the shares of `shares::Plan`, running its pass on
+//! each share as it is summed, so its bits are those of the MPI communicator's.
 //!
 //! Ranks meet at an abortable, time-limited barrier (one mutex, one condition variable, a
 //! generation counter). The group has a failure state: an abort, a timeout or a dropped handle
