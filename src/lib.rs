@@ -18,7 +18,7 @@ pub mod ffi;
 pub mod scaler;
 mod state;
 
-pub use accumulator::{Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, SyncInfo, TensorDesc};
+pub use accumulator::{Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc};
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
 pub use comm::{Communicator, HostCollectives, LocalComm};

@@ -30,6 +30,7 @@ fn run_case(rng: &mut Rng, case: usize) {
         max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
         bucket_numel: rng.range(1, 6000) as usize,
         threads: rng.range(1, 3) as usize,
+        sharding: Sharding::None,
     };
     let weights_by_count = config.weights_by_count();
 
@@ -91,15 +92,20 @@ fn run_case(rng: &mut Rng, case: usize) {
             .map(|(comm, window)| {
                 let tensors = &tensors;
                 s.spawn(move || {
-                    let acc = Accumulator::new(config, tensors).unwrap();
+                    // The same window into an accumulator that keeps only this rank's shard.
+                    let sharding = Sharding::ReduceScatter { shards: comm.world_size(), rank: comm.rank() };
+                    let accs =
+                        [Accumulator::new(config, tensors).unwrap(), Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap()];
                     let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
                     let junk_grads: Vec<Vec<u16>> = tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
                     let views: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &junk[i], &junk_grads[i])).collect();
                     let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                    acc.add(&one, &views, 1).unwrap();
-                    acc.sync(Some(comm)).unwrap();
+                    for acc in &accs {
+                        acc.add(&one, &views, 1).unwrap();
+                        acc.sync(Some(comm)).unwrap();
+                    }
 
-                    for m in window {
+                    for (m, acc) in window.iter().flat_map(|m| accs.iter().map(move |acc| (m, acc))) {
                         let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
                         let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> =
                             m.contributions.iter().zip(tensors).map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect()).collect();
@@ -119,8 +125,21 @@ fn run_case(rng: &mut Rng, case: usize) {
                             acc.add(&scaler, &grads, m.count).unwrap();
                         }
                     }
+                    let [acc, sharded] = &accs;
                     let info = acc.sync(Some(comm)).unwrap();
-                    let masters = (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                    let masters: Vec<Vec<f32>> = (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                    // The shard holds the all-reduce's bits for its range, with the same info.
+                    assert_eq!(sharded.sync(Some(comm)).unwrap(), info, "case {case}: the sharded boundary reports differently");
+                    let (range, ptr) = sharded.shard().unwrap();
+                    let flat: Vec<f32> = masters.concat();
+                    // SAFETY: the shard's address and length come from the live accumulator, which
+                    // nothing writes until the next micro-batch.
+                    let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
+                    assert!(
+                        shard.iter().zip(&flat[range.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "case {case}: rank {}'s shard {range:?} differs from the all-reduce",
+                        comm.rank()
+                    );
                     (info, masters)
                 })
             })
@@ -419,4 +438,107 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     clean.load_window(&saved[0]).unwrap();
     clean.merge_window(&poisoned.save_window().unwrap()).unwrap();
     assert!(clean.sync(None).unwrap().found_inf);
+}
+
+/// Reduce-scatter at the boundary on buffers of many pieces per shard, 1 to 5 ranks, with and
+/// without clipping: the shards tile the layout in rank order on block boundaries, and each holds
+/// the all-reduce's bits and reports its info.
+#[test]
+fn reduce_scatter_shards_hold_the_all_reduce_bits() {
+    let mut rng = Rng::fresh("reduce_scatter_shards_hold_the_all_reduce_bits");
+    for world in 1..=5usize {
+        let tensors: Vec<TensorDesc> =
+            (0..3).map(|i| TensorDesc { numel: rng.range(1, 150_000) as usize, dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][i] }).collect();
+        let total: usize = tensors.iter().map(|t| t.numel).sum();
+        let clip = rng.range(0, 1) == 0;
+        let config = AccumulatorConfig { max_grad_norm: if clip { 1e-3 } else { 0.0 }, normalize: Normalize::ByCount, ..Default::default() };
+        let grads: Vec<Vec<Vec<f32>>> =
+            (0..world).map(|_| tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()).collect();
+        let comms = LocalComm::group(world).unwrap();
+        let shards: Vec<std::ops::Range<usize>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    let (tensors, grads) = (&tensors, &grads[comm.rank()]);
+                    s.spawn(move || {
+                        let sharding = Sharding::ReduceScatter { shards: world, rank: comm.rank() };
+                        let plain = Accumulator::new(config, tensors).unwrap();
+                        let sharded = Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap();
+                        assert!(plain.shard().is_none());
+                        let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(grads).map(|(t, g)| encode(t.dtype, g, 1.0)).collect();
+                        let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+                        let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        plain.add(&one, &views, 2).unwrap();
+                        sharded.add(&one, &views, 2).unwrap();
+                        let info = plain.sync(Some(comm)).unwrap();
+                        assert_eq!(sharded.sync(Some(comm)).unwrap(), info);
+                        assert_eq!(info.clip_coef < 1.0, clip);
+                        let flat: Vec<f32> = (0..tensors.len()).flat_map(|t| plain.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                        let (range, ptr) = sharded.shard().unwrap();
+                        // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
+                        let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
+                        assert!(shard.iter().zip(&flat[range.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} shard {range:?}");
+                        range
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut end = 0;
+        for s in &shards {
+            assert_eq!(s.start, end, "world {world}: shards {shards:?} do not tile the layout in rank order");
+            assert!(s.start.is_multiple_of(4096) || s.is_empty(), "world {world}: {shards:?}");
+            end = s.end;
+        }
+        assert_eq!(end, total);
+    }
+}
+
+/// A sharded accumulator synced on a communicator of another size or rank, or on none, fails on
+/// every rank (never a hang, never a wrong shard) and keeps its window; so does a group whose
+/// ranks disagree on sharding.
+#[test]
+fn sharded_sync_on_a_mismatched_group_fails_on_every_rank() {
+    let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
+    assert_eq!(
+        Accumulator::new(AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank: 2 }, ..Default::default() }, &tensors)
+            .unwrap_err()
+            .kind,
+        ErrorKind::InvalidArgument
+    );
+    // (shards, rank) per rank of a 2-rank group, and the error each rank sees.
+    let cases: [[(Sharding, ErrorKind); 2]; 4] = [
+        [
+            (Sharding::ReduceScatter { shards: 3, rank: 0 }, ErrorKind::InvalidArgument),
+            (Sharding::ReduceScatter { shards: 3, rank: 1 }, ErrorKind::InvalidArgument),
+        ],
+        [
+            (Sharding::ReduceScatter { shards: 2, rank: 1 }, ErrorKind::InvalidArgument),
+            (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::InvalidArgument),
+        ],
+        [
+            (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::PeerFailure),
+            (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::InvalidArgument),
+        ],
+        [(Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::SizeMismatch), (Sharding::None, ErrorKind::SizeMismatch)],
+    ];
+    for case in cases {
+        let comms = LocalComm::group(2).unwrap();
+        std::thread::scope(|s| {
+            for (comm, (sharding, want)) in comms.iter().zip(case) {
+                let tensors = &tensors;
+                s.spawn(move || {
+                    let acc = Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, tensors).unwrap();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    acc.add(&one, &[Grad::F32(&[2.0; 10_000])], 1).unwrap();
+                    let e = acc.sync(Some(comm)).unwrap_err();
+                    assert_eq!(e.kind, want, "{sharding:?}: {e}");
+                    acc.with_master(0, |m| assert!(m.iter().all(|&v| v == 2.0), "{sharding:?}: the window changed")).unwrap();
+                    if let Sharding::ReduceScatter { shards: 2, .. } = sharding {
+                        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::InvalidArgument, "a sync with no communicator");
+                    }
+                });
+            }
+        });
+    }
 }

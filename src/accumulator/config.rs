@@ -56,6 +56,21 @@ impl Normalize {
     }
 }
 
+/// What each rank holds of the reduced gradient after the boundary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every rank holds the whole reduced gradient (an all-reduce, as DDP). The default.
+    #[default]
+    None,
+    /// Rank `rank` of `shards` holds only its shard of the reduced gradient, a contiguous range of
+    /// the flat layout ([`Accumulator::shard`](super::Accumulator::shard)): a reduce-scatter, a
+    /// distributed optimizer's pattern. The window accumulates the whole gradient as with
+    /// `None`; the norm and the clipping coefficient are the whole gradient's, the same on every
+    /// rank, and the shard holds the bits an all-reduce would leave there. `sync` takes a
+    /// communicator of `shards` ranks on which this is rank `rank`.
+    ReduceScatter { shards: usize, rank: usize },
+}
+
 /// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AccumulatorConfig {
@@ -69,6 +84,8 @@ pub struct AccumulatorConfig {
     pub bucket_numel: usize,
     /// Threads used by one kernel call on large tensors; results do not depend on it (default 1).
     pub threads: usize,
+    /// What each rank holds after the boundary (default [`Sharding::None`]: all of it).
+    pub sharding: Sharding,
 }
 
 impl Default for AccumulatorConfig {
@@ -79,6 +96,7 @@ impl Default for AccumulatorConfig {
             max_grad_norm: 0.0,
             bucket_numel: 4 << 20,
             threads: 1,
+            sharding: Sharding::None,
         }
     }
 }
@@ -96,6 +114,11 @@ impl AccumulatorConfig {
         }
         if self.threads == 0 || self.threads > 1024 {
             return Err(Error::invalid(format!("threads must be in 1..=1024, got {}", self.threads)));
+        }
+        if let Sharding::ReduceScatter { shards, rank } = self.sharding {
+            if shards == 0 || rank >= shards {
+                return Err(Error::invalid(format!("sharding: rank must be in 0..shards, got rank {rank} of {shards} shards")));
+            }
         }
         Ok(())
     }

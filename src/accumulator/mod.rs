@@ -16,7 +16,7 @@ mod config;
 mod layout;
 mod window;
 
-pub use config::{AccumulatorConfig, LossReduction, Normalize, TensorDesc};
+pub use config::{AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -161,7 +161,21 @@ impl Plan {
         bytes.push(matches!(c.loss_reduction, LossReduction::Sum) as u8);
         bytes.extend(c.normalize.code().to_le_bytes());
         bytes.extend(c.max_grad_norm.to_bits().to_le_bytes());
+        if let Sharding::ReduceScatter { shards, .. } = c.sharding {
+            bytes.extend((shards as u64).to_le_bytes());
+        }
         state::checksum(&bytes)
+    }
+
+    /// Every rank's shard under [`Sharding::ReduceScatter`], in rank order; empty without it.
+    /// Shards split the flat layout into equal parts rounded up to whole blocks of the norm
+    /// ([`cpu::math::NORM_BLOCK`] elements, so a shard's block sums are the all-reduce's); the
+    /// last ones may be shorter or empty.
+    pub(crate) fn shards(&self) -> Vec<Range<usize>> {
+        let Sharding::ReduceScatter { shards, .. } = self.config.sharding else { return Vec::new() };
+        let len = self.layout.len();
+        let size = len.div_ceil(shards).next_multiple_of(cpu::math::NORM_BLOCK);
+        (0..shards).map(|q| (q * size).min(len)..((q + 1) * size).min(len)).collect()
     }
 }
 
@@ -172,7 +186,7 @@ pub(crate) fn ranks_differ(min_numel: u64, max_numel: u64) -> Error {
         ErrorKind::SizeMismatch,
         format!(
             "ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout, loss reduction, \
-             normalisation or max_grad_norm); no rank reduced"
+             normalisation, max_grad_norm or shard count); no rank reduced"
         ),
     )
 }
@@ -321,6 +335,9 @@ impl Accumulator {
                 return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {}", layout.len())));
             }
         }
+        if config.sharding != Sharding::None && device != Device::Cpu {
+            return Err(Error::new(ErrorKind::BackendUnavailable, format!("sharding ({:?}) is on the CPU only so far", config.sharding)));
+        }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store: Box<dyn Store> = match device.check()? {
             Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
@@ -353,6 +370,18 @@ impl Accumulator {
     /// Element ranges of the communication buckets.
     pub fn buckets(&self) -> &[Range<usize>] {
         self.plan.layout.buckets()
+    }
+
+    /// This rank's shard under [`Sharding::ReduceScatter`]: its element range in the flat master
+    /// and the address of its first element (on the CPU, valid while the accumulator lives).
+    /// After a `sync` the range holds this rank's part of the reduced, normalised (and clipped)
+    /// gradient; the rest of the master is unspecified until the next window's first micro-batch
+    /// overwrites it. `None` without sharding.
+    pub fn shard(&self) -> Option<(Range<usize>, *mut f32)> {
+        let Sharding::ReduceScatter { rank, .. } = self.plan.config.sharding else { return None };
+        let range = self.plan.shards().swap_remove(rank);
+        let ptr = self.store.master_address(range.start);
+        Some((range, ptr))
     }
 
     fn range(&self, index: usize) -> Range<usize> {
@@ -529,7 +558,10 @@ impl Accumulator {
             }
         }
         let mut w = self.window.write();
-        let error = w.in_microbatch().then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"));
+        let error = w
+            .in_microbatch()
+            .then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"))
+            .or_else(|| self.check_shard_comm(comm).err());
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
@@ -564,6 +596,20 @@ impl Accumulator {
                 Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)))
             }
         }
+    }
+
+    /// A sharded accumulator reduces only on a communicator whose size and rank are its own
+    /// (checked on every rank, and told to the others through the control reduction).
+    fn check_shard_comm(&self, comm: Option<&dyn Communicator>) -> Result<()> {
+        let Sharding::ReduceScatter { shards, rank } = self.plan.config.sharding else { return Ok(()) };
+        let (world, at) = comm.map_or((1, 0), |c| (c.world_size(), c.rank()));
+        if (world, at) != (shards, rank) {
+            return Err(Error::invalid(format!(
+                "the accumulator holds shard {rank} of {shards}, but the communicator is rank {at} of {world}{}",
+                if comm.is_none() { " (no communicator)" } else { "" }
+            )));
+        }
+        Ok(())
     }
 
     fn consume(&self, w: &mut State, empty_again: bool, proposal: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{check_buckets, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
+use super::{
+    check_buckets, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
+};
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
@@ -49,6 +51,7 @@ enum What {
     Control,
     AllReduce(usize),
     AllReduceWithPass(usize),
+    ReduceScatterWithPass(usize),
 }
 
 impl fmt::Display for What {
@@ -57,6 +60,7 @@ impl fmt::Display for What {
             What::Control => f.write_str("the control exchange"),
             What::AllReduce(n) => write!(f, "the all-reduce of {n} elements"),
             What::AllReduceWithPass(n) => write!(f, "the boundary's all-reduce of {n} elements"),
+            What::ReduceScatterWithPass(n) => write!(f, "the boundary's reduce-scatter of {n} elements"),
         }
     }
 }
@@ -415,29 +419,60 @@ impl HostCollectives for LocalComm {
     /// processes. Buckets do not change the result: they are only checked.
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
+        let plan = shares::Plan::new(buf.len(), self.group.world, shares::SHARE_NUMEL);
+        let owned = |q: usize| plan.chunks().map(|c| plan.share(&c, q)).collect();
+        self.reduce_with_pass(buf, What::AllReduceWithPass(buf.len()), &owned, true, pass)
+    }
+
+    /// As the reduction in shares, with each rank's shard whole: rank r sums shard r in pieces
+    /// of `shares::SHARE_NUMEL` elements, each passed while in cache, and nobody copies the
+    /// other shards.
+    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        check_shards(buf.len(), shards, self.group.world)?;
+        let owned = |q: usize| {
+            let s = &shards[q];
+            (s.start..s.end).step_by(shares::SHARE_NUMEL).map(|at| at..(at + shares::SHARE_NUMEL).min(s.end)).collect()
+        };
+        self.reduce_with_pass(buf, What::ReduceScatterWithPass(buf.len()), &owned, false, pass)
+    }
+}
+
+impl LocalComm {
+    /// The boundary's reduction over ranges: `owned(q)` lists the ranges rank q sums over the
+    /// ranks in rank order and passes (disjoint across ranks, each starting on a block boundary
+    /// and holding whole blocks, only the buffer's last block short). Phase 1: this rank's
+    /// ranges, summed and passed while in cache. Phase 2: the other ranks' block values, then
+    /// the pass's second step on this rank's ranges. Phase 3, with `share_out`: every rank's
+    /// ranges copied from their owner. Returns every block's value, the same on every rank.
+    fn reduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        what: What,
+        owned: &dyn Fn(usize) -> Vec<Range<usize>>,
+        share_out: bool,
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         let _busy = self.enter()?;
         let g = &*self.group;
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
         let len = buf.len();
-        let what = What::AllReduceWithPass(len);
-        let plan = shares::Plan::new(len, world, shares::SHARE_NUMEL);
         let mut values = vec![0.0f64; cpu::blocks(len)];
         // As in `allreduce_sum`, every access to the two published buffers goes through the
         // published pointers from here on.
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
         let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
+        let mine = owned(rank);
 
-        // Phase 1: this rank's share of every chunk, summed over the ranks and passed.
-        for chunk in plan.chunks() {
-            let own = plan.share(&chunk, rank);
-            let blocks = blocks_of(&own);
+        // Phase 1: this rank's ranges, summed over the ranks and passed.
+        for own in &mine {
+            let blocks = blocks_of(own);
             // SAFETY: the peers' buffers are `len` long (checked by `start_reading`) and alive
             // while any rank reads, as in `allreduce_sum`; in this phase only this rank touches
-            // share `own` of any buffer and blocks `blocks` of any value array (the shares of one
-            // plan are disjoint, start on block boundaries, and each block lies in one share), so
-            // the peers' copies are only read, and this rank's own, reached through the pointers
-            // it published, are written by it alone.
+            // range `own` of any buffer and blocks `blocks` of any value array (the ranks' ranges
+            // are disjoint, start on block boundaries, and each block lies in one range), so the
+            // peers' copies are only read, and this rank's own, reached through the pointers it
+            // published, are written by it alone.
             unsafe {
                 let mine = std::slice::from_raw_parts_mut(base.add(own.start), own.len());
                 let sums = std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len());
@@ -447,9 +482,10 @@ impl HostCollectives for LocalComm {
         }
         g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
 
-        // Phase 2: the other ranks' block values, then this rank's second step on its shares.
+        // Phase 2: the other ranks' block values, then this rank's second step on its ranges.
+        let theirs: Vec<Vec<Range<usize>>> = (0..world).map(|q| if q == rank { Vec::new() } else { owned(q) }).collect();
         for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
-            for blocks in plan.owned_blocks(q) {
+            for blocks in theirs[q].iter().map(blocks_of) {
                 // SAFETY: rank q's value array holds `cpu::blocks(len)` values and stays alive
                 // while any rank reads; rank q wrote its own blocks in phase 1 and nobody writes
                 // them now; this rank writes only blocks it does not own into its own array,
@@ -464,9 +500,8 @@ impl HostCollectives for LocalComm {
             // SAFETY: this rank's value array, complete now, is read by nobody else in this phase.
             let all = unsafe { std::slice::from_raw_parts(vbase.cast_const(), values.len()) };
             if let Some(factor) = pass.rescale(all) {
-                for chunk in plan.chunks() {
-                    let own = plan.share(&chunk, rank);
-                    // SAFETY: as in phase 1, this rank's share of its own buffer is touched by
+                for own in &mine {
+                    // SAFETY: as in phase 1, this rank's ranges of its own buffer are touched by
                     // it alone until the barrier below.
                     cpu::scale(unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) }, factor, 1);
                 }
@@ -474,20 +509,20 @@ impl HostCollectives for LocalComm {
             g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
         }
 
-        // Phase 3: every other share, copied from its owner, which only reads now.
-        for chunk in plan.chunks() {
+        // Phase 3: every other rank's ranges, copied from their owner, which only reads now.
+        if share_out {
             for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
-                // SAFETY: as in `allreduce_sum`'s phase 2, with rank q's finished share of this
-                // chunk for its slice.
-                unsafe { copy_from_peer(base, p, plan.share(&chunk, q)) };
+                for range in &theirs[q] {
+                    // SAFETY: as in `allreduce_sum`'s phase 2, with rank q's finished range for
+                    // its slice.
+                    unsafe { copy_from_peer(base, p, range.clone()) };
+                }
             }
         }
         self.stop_reading(reading, what)?;
         Ok(values)
     }
-}
 
-impl LocalComm {
     /// Publishes this rank's buffers and waits for every rank's: from then on every rank is a
     /// reader until it calls [`LocalComm::stop_reading`]. Fails with SIZE_MISMATCH, on every
     /// rank and before anyone reads, when the buffers' lengths differ.

@@ -212,6 +212,19 @@ pub trait HostCollectives: Send + Sync {
         self.allreduce_buckets(buf, buckets)?;
         Ok(pass_whole(buf, pass, 1))
     }
+
+    /// As [`HostCollectives::allreduce_with_pass`], but this rank needs only `shards[rank]` of
+    /// the result: the shards are contiguous, disjoint, in rank order, start on block boundaries
+    /// and cover `buf`, one per rank, the same on every rank. That shard of `buf` ends with the
+    /// sum, passed (and rescaled), bitwise as `allreduce_with_pass` leaves it; the rest of `buf`
+    /// is unspecified. The values of every block are returned, as there.
+    ///
+    /// This default is the all-reduce, which leaves every shard reduced. A backend may instead
+    /// sum and pass only each rank's own shard: half an all-reduce's traffic.
+    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        check_shards(buf.len(), shards, shards.len())?;
+        self.allreduce_with_pass(buf, std::slice::from_ref(&(0..buf.len())), pass)
+    }
 }
 
 /// One communicator handle's collective in progress: a concurrent second one on the same handle
@@ -248,6 +261,23 @@ pub(crate) fn pass_whole(buf: &mut [f32], pass: &dyn BlockPass, threads: usize) 
         cpu::scale(buf, factor, threads);
     }
     values
+}
+
+/// Shards must be `world` contiguous ranges in rank order that cover the buffer, each starting on
+/// a block boundary of the norm.
+pub(crate) fn check_shards(len: usize, shards: &[Range<usize>], world: usize) -> Result<()> {
+    let mut end = 0;
+    for (q, s) in shards.iter().enumerate() {
+        if s.start != end || s.start > s.end || !(s.start.is_multiple_of(cpu::math::NORM_BLOCK) || s.is_empty()) {
+            let block = cpu::math::NORM_BLOCK;
+            return Err(Error::invalid(format!("shard {q} ({s:?}) must start at {end}, a multiple of {block} elements")));
+        }
+        end = s.end;
+    }
+    if shards.len() != world || end != len {
+        return Err(Error::invalid(format!("{} shards covering {end} elements for {world} ranks and a buffer of {len}", shards.len())));
+    }
+    Ok(())
 }
 
 /// Buckets must be disjoint, ascending and inside the buffer.

@@ -9,7 +9,7 @@ use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
-use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, TensorDesc};
+use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
 use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -94,7 +94,14 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     };
     let bucket_numel =
         usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
-    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize })
+    Ok(AccumulatorConfig {
+        loss_reduction,
+        normalize,
+        max_grad_norm: c.max_grad_norm,
+        bucket_numel,
+        threads: c.threads as usize,
+        sharding: Sharding::None,
+    })
 }
 
 /// Fills `*out` with the default accumulator configuration (and its struct_size).

@@ -140,9 +140,11 @@ impl Store for HostStore {
             Collectives::Host(h) => Some(h),
             Collectives::Nccl(_) => None,
         });
+        let shards = self.plan.shards();
         let block_sums = match host {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
-            Some(c) => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            Some(c) if shards.is_empty() => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            Some(c) => c.reduce_scatter_with_pass(all, &shards, &pass)?,
             None => pass_whole(all, &pass, threads),
         };
         let (grad_norm, clip_coef) = norm_and_clip(&block_sums, divisor, max_norm);
