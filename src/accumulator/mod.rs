@@ -173,9 +173,7 @@ impl Plan {
     /// last ones may be shorter or empty.
     pub(crate) fn shards(&self) -> Vec<Range<usize>> {
         let Sharding::ReduceScatter { shards, .. } = self.config.sharding else { return Vec::new() };
-        let len = self.layout.len();
-        let size = len.div_ceil(shards).next_multiple_of(cpu::math::NORM_BLOCK);
-        (0..shards).map(|q| (q * size).min(len)..((q + 1) * size).min(len)).collect()
+        crate::comm::shares::shard_ranges(self.layout.len(), shards)
     }
 }
 

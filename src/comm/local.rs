@@ -420,8 +420,7 @@ impl HostCollectives for LocalComm {
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
         let plan = shares::Plan::new(buf.len(), self.group.world, shares::SHARE_NUMEL);
-        let owned = |q: usize| plan.chunks().map(|c| plan.share(&c, q)).collect();
-        self.reduce_with_pass(buf, What::AllReduceWithPass(buf.len()), &owned, true, pass)
+        self.reduce_with_pass(buf, What::AllReduceWithPass(buf.len()), &plan, true, pass)
     }
 
     /// As the reduction in shares, with each rank's shard whole: rank r sums shard r in pieces
@@ -429,29 +428,18 @@ impl HostCollectives for LocalComm {
     /// other shards.
     fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_shards(buf.len(), shards, self.group.world)?;
-        let owned = |q: usize| {
-            let s = &shards[q];
-            (s.start..s.end).step_by(shares::SHARE_NUMEL).map(|at| at..(at + shares::SHARE_NUMEL).min(s.end)).collect()
-        };
-        self.reduce_with_pass(buf, What::ReduceScatterWithPass(buf.len()), &owned, false, pass)
+        let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
+        self.reduce_with_pass(buf, What::ReduceScatterWithPass(buf.len()), &cut, false, pass)
     }
 }
 
 impl LocalComm {
-    /// The boundary's reduction over ranges: `owned(q)` lists the ranges rank q sums over the
-    /// ranks in rank order and passes (disjoint across ranks, each starting on a block boundary
-    /// and holding whole blocks, only the buffer's last block short). Phase 1: this rank's
+    /// The boundary's reduction by `cut` (see `shares::Cut`): rank q sums its pieces over the
+    /// ranks in rank order and passes them. Phase 1: this rank's
     /// ranges, summed and passed while in cache. Phase 2: the other ranks' block values, then
     /// the pass's second step on this rank's ranges. Phase 3, with `share_out`: every rank's
     /// ranges copied from their owner. Returns every block's value, the same on every rank.
-    fn reduce_with_pass(
-        &self,
-        buf: &mut [f32],
-        what: What,
-        owned: &dyn Fn(usize) -> Vec<Range<usize>>,
-        share_out: bool,
-        pass: &dyn BlockPass,
-    ) -> Result<Vec<f64>> {
+    fn reduce_with_pass(&self, buf: &mut [f32], what: What, cut: &dyn shares::Cut, share_out: bool, pass: &dyn BlockPass) -> Result<Vec<f64>> {
         let _busy = self.enter()?;
         let g = &*self.group;
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
@@ -462,7 +450,7 @@ impl LocalComm {
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
         let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
-        let mine = owned(rank);
+        let mine = cut.pieces(rank);
 
         // Phase 1: this rank's ranges, summed over the ranks and passed.
         for own in &mine {
@@ -483,7 +471,7 @@ impl LocalComm {
         g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
 
         // Phase 2: the other ranks' block values, then this rank's second step on its ranges.
-        let theirs: Vec<Vec<Range<usize>>> = (0..world).map(|q| if q == rank { Vec::new() } else { owned(q) }).collect();
+        let theirs: Vec<Vec<Range<usize>>> = (0..world).map(|q| if q == rank { Vec::new() } else { cut.pieces(q) }).collect();
         for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
             for blocks in theirs[q].iter().map(blocks_of) {
                 // SAFETY: rank q's value array holds `cpu::blocks(len)` values and stays alive

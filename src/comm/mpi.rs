@@ -35,7 +35,10 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use super::shares::{self, ShareTransport, Step, Workspace};
-use super::{check_buckets, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT};
+use super::{
+    check_buckets, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives,
+    DEFAULT_TIMEOUT,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 extern "C" {
@@ -450,6 +453,17 @@ struct Shares<'a> {
 }
 
 impl Shares<'_> {
+    /// A reduction's result: a failure once anything was posted leaves this rank out of step with
+    /// its peers, who may post the next collective of this one, so it aborts the communicator.
+    fn settle<T>(&self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            if self.posted {
+                self.comm.set_aborted(format!(" after: {}", e.message));
+            }
+        }
+        result
+    }
+
     /// Waits for one request posted with return code `rc` (nothing was posted when it failed,
     /// and the communicator is aborted).
     fn finish(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
@@ -765,12 +779,18 @@ impl HostCollectives for MpiComm {
         let mem = &mut *entered.2;
         let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
         let result = shares::reduce_in_shares(&mut t, &mut mem.work, buf, shares::SHARE_NUMEL, pass);
-        if let Err(e) = &result {
-            if t.posted {
-                // Out of step with the peers, who may post the next collective of this one.
-                self.set_aborted(format!(" after: {}", e.message));
-            }
-        }
-        result
+        t.settle(result)
+    }
+
+    /// The reduction in shares by shards: each rank exchanges only its copies of the others'
+    /// shards and sums its own, and nothing is gathered: half an all-reduce's traffic.
+    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        check_shards(buf.len(), shards, self.world)?;
+        let mut entered = self.enter()?;
+        let mem = &mut *entered.2;
+        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
+        let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
+        let result = shares::reduce_by_cut(&mut t, &mut mem.work, buf, &cut, false, pass);
+        t.settle(result)
     }
 }

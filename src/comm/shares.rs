@@ -44,15 +44,16 @@ impl Plan {
         Plan { len, world, share: blocks * NORM_BLOCK }
     }
 
-    /// Elements of a share of a full chunk.
-    pub fn share_numel(&self) -> usize {
-        self.share
+    /// Chunk `k`: `world` shares, the last chunk shorter.
+    pub fn chunk(&self, k: usize) -> Range<usize> {
+        let size = self.share * self.world;
+        (k * size).min(self.len)..((k + 1) * size).min(self.len)
     }
 
-    /// The chunks, in order: `world` shares each, the last one shorter.
-    pub fn chunks(&self) -> impl Iterator<Item = Range<usize>> {
-        let (len, size) = (self.len, self.share * self.world);
-        (0..len).step_by(size).map(move |start| start..(start + size).min(len))
+    /// The chunks, in order.
+    #[cfg(test)]
+    pub fn chunks(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.chunk_count()).map(|k| self.chunk(k))
     }
 
     /// How many chunks [`Plan::chunks`] yields.
@@ -69,14 +70,65 @@ impl Plan {
         let at = |k: usize| chunk.start + (blocks * k / self.world * NORM_BLOCK).min(len);
         at(q)..at(q + 1)
     }
+}
 
-    /// The blocks of the whole buffer that rank `q` passes, one range per chunk, in order.
-    pub fn owned_blocks(&self, q: usize) -> impl Iterator<Item = Range<usize>> + '_ {
-        self.chunks().map(move |c| {
-            let s = self.share(&c, q);
-            // A share starts on a block boundary; only the buffer's last block may be short.
-            s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len())
-        })
+/// How a reduction in shares cuts the buffer: in step `k` of `steps()`, rank `q` sums and passes
+/// `piece(k, q)` (elements of the whole buffer). Pieces of one step are disjoint, in rank order,
+/// start on block boundaries and hold whole blocks (only the buffer's last may be short), hold at
+/// most `largest()` elements, and may be empty; over all steps they cover the buffer once.
+pub(crate) trait Cut {
+    fn steps(&self) -> usize;
+    fn piece(&self, k: usize, q: usize) -> Range<usize>;
+    fn largest(&self) -> usize;
+
+    /// Rank `q`'s pieces, step by step.
+    fn pieces(&self, q: usize) -> Vec<Range<usize>> {
+        (0..self.steps()).map(|k| self.piece(k, q)).collect()
+    }
+}
+
+/// The all-reduce's cut: step k is chunk k, and rank q's piece its share of it.
+impl Cut for Plan {
+    fn steps(&self) -> usize {
+        self.chunk_count()
+    }
+
+    fn piece(&self, k: usize, q: usize) -> Range<usize> {
+        self.share(&self.chunk(k), q)
+    }
+
+    fn largest(&self) -> usize {
+        self.share
+    }
+}
+
+/// `shards` contiguous shards of a buffer of `len` elements, in rank order: equal parts rounded up
+/// to whole blocks of the norm, so a shard's block sums are those of any other cut at block
+/// boundaries; the last shards may be shorter or empty.
+pub(crate) fn shard_ranges(len: usize, shards: usize) -> Vec<Range<usize>> {
+    let size = len.div_ceil(shards.max(1)).next_multiple_of(NORM_BLOCK);
+    (0..shards).map(|q| (q * size).min(len)..((q + 1) * size).min(len)).collect()
+}
+
+/// The reduce-scatter's cut: rank q's pieces are its shard, `piece_numel` elements at a time.
+pub(crate) struct ShardCut<'a> {
+    pub shards: &'a [Range<usize>],
+    pub piece_numel: usize,
+}
+
+impl Cut for ShardCut<'_> {
+    fn steps(&self) -> usize {
+        self.shards.iter().map(|s| s.len().div_ceil(self.piece_numel)).max().unwrap_or(0)
+    }
+
+    fn piece(&self, k: usize, q: usize) -> Range<usize> {
+        let s = &self.shards[q];
+        let start = (s.start + k * self.piece_numel).min(s.end);
+        start..(start + self.piece_numel).min(s.end)
+    }
+
+    fn largest(&self) -> usize {
+        self.piece_numel
     }
 }
 
@@ -185,77 +237,94 @@ pub(crate) fn reduce_in_shares(
     share_numel: usize,
     pass: &dyn BlockPass,
 ) -> Result<Vec<f64>> {
+    let plan = Plan::new(buf.len(), t.world(), share_numel);
+    reduce_by_cut(t, ws, buf, &plan, true, pass)
+}
+
+/// As [`reduce_in_shares`], by any [`Cut`]: each step's pieces are staged packed in rank order,
+/// exchanged, summed and passed by their owner. With `share_out` every rank then gathers every
+/// finished piece (an all-reduce); without, each rank keeps only its own pieces and the rest of
+/// `buf` is left as it was (a reduce-scatter). Returns every block's value.
+pub(crate) fn reduce_by_cut(
+    t: &mut impl ShareTransport,
+    ws: &mut Workspace,
+    buf: &mut [f32],
+    cut: &dyn Cut,
+    share_out: bool,
+    pass: &dyn BlockPass,
+) -> Result<Vec<f64>> {
     let (rank, world) = (t.rank(), t.world());
-    let plan = Plan::new(buf.len(), world, share_numel);
-    let share = plan.share_numel();
-    let chunks = plan.chunk_count();
-    // Other ranks' copies of this rank's share, in rank order, without a slot for its own.
-    let scratch_len = (world - 1) * share;
+    let (steps, largest) = (cut.steps(), cut.largest());
+    // Other ranks' copies of this rank's piece, in rank order, without a slot for its own.
+    let scratch_len = (world - 1) * largest;
     if ws.scratch.len() < scratch_len {
         ws.scratch.resize(scratch_len, 0.0);
     }
     let scratch = &mut ws.scratch[..scratch_len];
-    let stage_len = world * share;
+    let stage_len = world * largest;
     if ws.stage.len() < stage_len {
         ws.stage.resize(stage_len, 0.0);
     }
     let stage = &mut ws.stage[..stage_len];
     let mine = &mut ws.mine;
     mine.clear();
-    // With a second step the finished shares wait for every block's value before they go out:
-    // first every chunk is exchanged, summed and passed, then the values are gathered, each rank
-    // scales its own shares, and the gathers follow. Without one, each chunk's share goes out
-    // while it is still in cache.
-    let deferred = pass.rescales();
-    let cut = |k: usize, chunk: &Range<usize>| {
-        let shares: Vec<Range<usize>> = (0..world)
-            .map(|q| {
-                let s = plan.share(chunk, q);
-                s.start - chunk.start..s.end - chunk.start
+    // Step k's pieces, and where each lies in the stage: packed in rank order.
+    let step_of = |k: usize| {
+        let pieces: Vec<Range<usize>> = (0..world).map(|q| cut.piece(k, q)).collect();
+        let mut at = 0;
+        let packed: Vec<Range<usize>> = pieces
+            .iter()
+            .map(|p| {
+                at += p.len();
+                at - p.len()..at
             })
             .collect();
-        (Step::Gather { chunk: k + 1, chunks }, shares)
+        (pieces, packed)
     };
-    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], piece: &mut [f32], step: Step, shares: &[Range<usize>]| -> Result<()> {
-        // The finished share goes out through the stage, and the others come back into the
-        // caller's buffer only once the gather completed.
-        let staged = &mut stage[..piece.len()];
-        staged[shares[rank].clone()].copy_from_slice(&piece[shares[rank].clone()]);
-        t.gather(step, staged, shares)?;
+    // The finished piece goes out through the stage, and the others come back into the caller's
+    // buffer only once the gather completed.
+    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], buf: &mut [f32], k: usize| -> Result<()> {
+        let (pieces, packed) = step_of(k);
+        stage[packed[rank].clone()].copy_from_slice(&buf[pieces[rank].clone()]);
+        t.gather(Step::Gather { chunk: k + 1, chunks: steps }, &mut stage[..packed[world - 1].end], &packed)?;
         for q in (0..world).filter(|&q| q != rank) {
-            piece[shares[q].clone()].copy_from_slice(&staged[shares[q].clone()]);
+            buf[pieces[q].clone()].copy_from_slice(&stage[packed[q].clone()]);
         }
         Ok(())
     };
-    for (k, chunk) in plan.chunks().enumerate() {
-        let (step, shares) = cut(k, &chunk);
-        let own = shares[rank].clone();
+    // With a second step the finished pieces wait for every block's value before they go out:
+    // first every step is exchanged, summed and passed, then the values are gathered, each rank
+    // scales its own pieces, and the gathers follow. Without one, each step's piece goes out
+    // while it is still in cache.
+    let deferred = pass.rescales();
+    for k in 0..steps {
+        let (pieces, packed) = step_of(k);
+        let own = pieces[rank].clone();
         let slots: Vec<Range<usize>> = (0..world)
             .map(|q| {
                 let slot = q - usize::from(q > rank);
                 if q == rank {
                     0..0
                 } else {
-                    slot * share..slot * share + own.len()
+                    slot * largest..slot * largest + own.len()
                 }
             })
             .collect();
-        let piece = &mut buf[chunk];
-        let staged = &mut stage[..piece.len()];
-        // The shares this rank sends, copied out of the caller's buffer before the exchange.
+        // The pieces this rank sends, copied out of the caller's buffer before the exchange.
         for q in (0..world).filter(|&q| q != rank) {
-            staged[shares[q].clone()].copy_from_slice(&piece[shares[q].clone()]);
+            stage[packed[q].clone()].copy_from_slice(&buf[pieces[q].clone()]);
         }
-        t.exchange(Step::Exchange { chunk: k + 1, chunks }, staged, &shares, scratch, &slots)?;
+        t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, &stage[..packed[world - 1].end], &packed, scratch, &slots)?;
         let first = mine.len();
         mine.resize(first + cpu::blocks(own.len()), 0.0);
-        sum_and_pass(&mut piece[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
-        if !deferred {
-            gather(t, stage, piece, step, &shares)?;
+        sum_and_pass(&mut buf[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
+        if share_out && !deferred {
+            gather(t, stage, buf, k)?;
         }
     }
 
-    let counts: Vec<usize> = (0..world).map(|q| plan.owned_blocks(q).map(|b| b.len()).sum()).collect();
+    let blocks_of = |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
+    let counts: Vec<usize> = (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
     let all = &mut ws.all;
     all.clear();
     all.resize(counts.iter().sum(), 0.0);
@@ -263,21 +332,21 @@ pub(crate) fn reduce_in_shares(
     let mut values = vec![0.0; cpu::blocks(buf.len())];
     let mut next = all.iter();
     for q in 0..world {
-        for blocks in plan.owned_blocks(q) {
-            for (slot, &v) in values[blocks].iter_mut().zip(next.by_ref()) {
+        for p in cut.pieces(q) {
+            for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
                 *slot = v;
             }
         }
     }
     if deferred {
         let factor = pass.rescale(&values);
-        for (k, chunk) in plan.chunks().enumerate() {
-            let (step, shares) = cut(k, &chunk);
-            let piece = &mut buf[chunk];
+        for k in 0..steps {
             if let Some(factor) = factor {
-                cpu::scale(&mut piece[shares[rank].clone()], factor, 1);
+                cpu::scale(&mut buf[cut.piece(k, rank)], factor, 1);
             }
-            gather(t, stage, piece, step, &shares)?;
+            if share_out {
+                gather(t, stage, buf, k)?;
+            }
         }
     }
     Ok(values)
@@ -297,20 +366,20 @@ mod tests {
             for share_numel in [1, block - 1, block, block + 1, 3 * block, SHARE_NUMEL] {
                 for len in [1, 100, block, block + 1, 2 * block - 1, 5 * block + 17, 3 * world * 4 * block + 3 * block + 5] {
                     let plan = Plan::new(len, world, share_numel);
-                    assert_eq!(plan.share_numel() % block, 0);
-                    assert!(plan.share_numel() >= share_numel.min(MAX_CHUNK_NUMEL / world).max(1));
+                    assert_eq!(plan.largest() % block, 0);
+                    assert!(plan.largest() >= share_numel.min(MAX_CHUNK_NUMEL / world).max(1));
                     let mut next = 0;
                     let mut blocks_seen = vec![0u32; cpu::blocks(len)];
                     for chunk in plan.chunks() {
                         assert_eq!(chunk.start, next);
-                        assert!(chunk.len() <= world * plan.share_numel());
-                        let full = chunk.len() == world * plan.share_numel();
+                        assert!(chunk.len() <= world * plan.largest());
+                        let full = chunk.len() == world * plan.largest();
                         let mut at = chunk.start;
                         for q in 0..world {
                             let s = plan.share(&chunk, q);
                             assert_eq!(s.start, at, "shares are contiguous, in rank order");
                             assert!(s.start.is_multiple_of(block) || s.is_empty() && s.start == chunk.end);
-                            assert!(!full || s.len() == plan.share_numel());
+                            assert!(!full || s.len() == plan.largest());
                             at = s.end;
                         }
                         assert_eq!(at, chunk.end);
@@ -319,20 +388,23 @@ mod tests {
                     assert_eq!(next, len);
                     assert_eq!(plan.chunk_count(), plan.chunks().count());
                     for q in 0..world {
-                        for b in plan.owned_blocks(q) {
-                            for k in b {
-                                blocks_seen[k] += 1;
-                            }
+                        for p in plan.pieces(q) {
+                            assert!(p.start.is_multiple_of(block) || p.is_empty());
+                            let first = p.start / block;
+                            blocks_seen[first..first + cpu::blocks(p.len())].iter_mut().for_each(|n| *n += 1);
                         }
                     }
                     assert!(blocks_seen.iter().all(|&n| n == 1), "every block is passed by exactly one rank");
                 }
             }
         }
+        // The pieces of a plan are its shares, chunk by chunk.
+        let plan = Plan::new(5 * block + 17, 2, block);
+        assert_eq!(plan.pieces(1), [block..2 * block, 3 * block..4 * block, 5 * block..5 * block + 17]);
         // Many ranks: chunks stay bounded, shares never drop below a block.
-        assert_eq!(Plan::new(1 << 30, 64, SHARE_NUMEL).share_numel(), SHARE_NUMEL);
-        assert_eq!(Plan::new(1 << 30, 256, SHARE_NUMEL).share_numel(), MAX_CHUNK_NUMEL / 256);
-        assert_eq!(Plan::new(1 << 30, 4096, SHARE_NUMEL).share_numel(), block);
+        assert_eq!(Plan::new(1 << 30, 64, SHARE_NUMEL).largest(), SHARE_NUMEL);
+        assert_eq!(Plan::new(1 << 30, 256, SHARE_NUMEL).largest(), MAX_CHUNK_NUMEL / 256);
+        assert_eq!(Plan::new(1 << 30, 4096, SHARE_NUMEL).largest(), block);
     }
 
     /// Normalises and measures, like the boundary; `fused` picks the block-by-block fused
@@ -513,6 +585,58 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Every rank's own shard and the block values of a reduce-scatter, between processes
+    /// (`reduce_by_cut` over the test transport) or in process.
+    fn scattered(world: usize, len: usize, piece_numel: usize, clip: bool, local: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
+        let shards = shard_ranges(len, world);
+        let pass = Normalise { factor: 0.3, fused: true, clip };
+        let comms = LocalComm::group(world).unwrap();
+        let group = Threads::group(world);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .zip(&comms)
+                .map(|(mut t, comm)| {
+                    let (pass, shards) = (&pass, &shards);
+                    s.spawn(move || {
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
+                        let values = if local {
+                            comm.reduce_scatter_with_pass(&mut buf, shards, pass).unwrap()
+                        } else {
+                            let cut = ShardCut { shards, piece_numel };
+                            reduce_by_cut(&mut t, &mut Workspace::default(), &mut buf, &cut, false, pass).unwrap()
+                        };
+                        (buf[shards[t.rank].clone()].to_vec(), values)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn reduce_scatter_leaves_each_rank_its_shard_of_the_reference() {
+        let block = NORM_BLOCK;
+        for world in [1, 2, 3, 5] {
+            for len in [1, 100, block + 1, 3 * block + 7, 7 * block, 2 * world * 3 * block + 2 * block + 99] {
+                let shards = shard_ranges(len, world);
+                for clip in [false, true] {
+                    let (sum, values) = reference(world, len, 0.3, clip);
+                    let mut runs = vec![("in process", scattered(world, len, SHARE_NUMEL, clip, true))];
+                    for piece_numel in [block, 2 * block, SHARE_NUMEL] {
+                        runs.push(("between processes", scattered(world, len, piece_numel, clip, false)));
+                    }
+                    for (how, run) in runs {
+                        for (rank, got) in run.iter().enumerate() {
+                            let want = (sum[shards[rank].clone()].to_vec(), values.clone());
+                            assert!(same_bits(got, &want), "{how}: world {world} len {len} clip {clip} rank {rank}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Every rank's buffer and block values from the in-process communicator's reduction in
