@@ -434,11 +434,11 @@ impl HostCollectives for LocalComm {
 }
 
 impl LocalComm {
-    /// The boundary's reduction by `cut` (see `shares::Cut`): rank q sums its pieces over the
-    /// ranks in rank order and passes them. Phase 1: this rank's
-    /// ranges, summed and passed while in cache. Phase 2: the other ranks' block values, then
-    /// the pass's second step on this rank's ranges. Phase 3, with `share_out`: every rank's
-    /// ranges copied from their owner. Returns every block's value, the same on every rank.
+    /// The boundary's reduction by `cut` (see `shares::Cut`), in which rank q sums its pieces
+    /// over the ranks in rank order and passes them. Phase 1: this rank's pieces, summed and
+    /// passed while in cache. Phase 2: the other ranks' block values, then the pass's second step
+    /// on this rank's pieces. Phase 3, with `share_out`: every other rank's pieces, copied from
+    /// their owner. Returns every block's value, the same on every rank.
     fn reduce_with_pass(&self, buf: &mut [f32], what: What, cut: &dyn shares::Cut, share_out: bool, pass: &dyn BlockPass) -> Result<Vec<f64>> {
         let _busy = self.enter()?;
         let g = &*self.group;
