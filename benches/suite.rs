@@ -25,7 +25,7 @@ use std::time::Instant;
 use common::{floor, fused, interleaved, kind, AlignedF32, Stats, TRIAD_FACTOR};
 use gradacc::backend::cpu;
 use gradacc::ffi::*;
-use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, Sharding, TensorDesc};
 
 const MI: usize = 1 << 20;
 
@@ -424,12 +424,14 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
 ///   deferred: `sync` (control reduction, all-reduce of the FP32 master, normalisation, norm);
 ///   clipped:  the same with `max_grad_norm` below the norm, so clipping applies (its accumulator
 ///             gets one micro-batch per step: `sync`'s work does not depend on K);
+///   scatter:  the same `sync` as a reduce-scatter (`Sharding::ReduceScatter`): each rank ends with
+///             only its shard (one micro-batch per step, as clipped);
 ///   naive:    an all-reduce of an FP32 gradient of the same size after every micro-batch;
 ///   bare:     one all-reduce of the same bytes, nothing else.
 /// The adds are the same in both patterns and not timed; each time is the slowest rank's.
 fn boundary(o: &mut Options, n: usize) {
     println!(
-        "\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | clipped sync | naive K all-reduces | bare all-reduce)",
+        "\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | clipped sync | reduce-scatter sync | naive K all-reduces | bare all-reduce)",
         n
     );
     let comms = LocalComm::group(2).expect("group");
@@ -437,7 +439,7 @@ fn boundary(o: &mut Options, n: usize) {
     let barrier = Barrier::new(2);
     let whole = 0..n;
     let bucket = std::slice::from_ref(&whole);
-    let results: Vec<Vec<(usize, [f64; 4])>> = std::thread::scope(|s| {
+    let results: Vec<Vec<(usize, [f64; 5])>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|comm| {
@@ -450,6 +452,8 @@ fn boundary(o: &mut Options, n: usize) {
                     // per sqrt(element): over 1 at 16M elements, so 1e-3 clips at any size here.
                     let clip_config = AccumulatorConfig { max_grad_norm: 1e-3, ..AccumulatorConfig::default() };
                     let clip = Accumulator::new(clip_config, &desc).expect("accumulator");
+                    let sharding = Sharding::ReduceScatter { shards: 2, rank: comm.rank() };
+                    let scatter = Accumulator::new(AccumulatorConfig { sharding, ..AccumulatorConfig::default() }, &desc).expect("accumulator");
                     let scaler = scaler();
                     let mut plain = vec![1.0f32; n];
                     let timed = |f: &mut dyn FnMut()| {
@@ -466,6 +470,7 @@ fn boundary(o: &mut Options, n: usize) {
                                 acc.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
                             }
                             clip.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
+                            scatter.add(&scaler, &[Grad::F16(&g16)], 1).expect("add");
                             let d = timed(&mut || {
                                 acc.sync(Some(comm as &dyn Communicator)).expect("sync");
                             });
@@ -473,6 +478,9 @@ fn boundary(o: &mut Options, n: usize) {
                             let c = timed(&mut || info = Some(clip.sync(Some(comm as &dyn Communicator)).expect("sync")));
                             let info = info.expect("sync info");
                             assert!(info.clip_coef < 1.0, "clipping did not apply (norm {})", info.grad_norm);
+                            let r = timed(&mut || {
+                                scatter.sync(Some(comm as &dyn Communicator)).expect("sync");
+                            });
                             let nv = timed(&mut || {
                                 for _ in 0..k {
                                     comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce");
@@ -481,7 +489,7 @@ fn boundary(o: &mut Options, n: usize) {
                             let b = timed(&mut || comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce"));
                             plain.fill(1.0); // keep the values finite
                             if round > 0 {
-                                times.push([d, c, nv, b]);
+                                times.push([d, c, r, nv, b]);
                             }
                         }
                         out.push((k, times));
@@ -494,27 +502,29 @@ fn boundary(o: &mut Options, n: usize) {
     });
     for k in [1usize, 4, 8] {
         // Each round's time is its slowest rank's.
-        let rows: Vec<[f64; 4]> = results[0]
+        let rows: Vec<[f64; 5]> = results[0]
             .iter()
             .zip(&results[1])
             .filter(|((k0, _), _)| *k0 == k)
             .map(|((_, a), (_, b))| std::array::from_fn(|i| a[i].max(b[i])))
             .collect();
         let stat = |i: usize| Stats::of(&rows.iter().map(|r| r[i]).collect::<Vec<_>>());
-        let (d, c, nv, b) = (stat(0), stat(1), stat(2), stat(3));
+        let (d, c, r, nv, b) = (stat(0), stat(1), stat(2), stat(3), stat(4));
         println!(
-            "K = {k}: {:.1} | {:.1} | {:.1} | {:.1}  (sync / bare {:.2}, clipped / bare {:.2})",
+            "K = {k}: {:.1} | {:.1} | {:.1} | {:.1} | {:.1}  (sync / bare {:.2}, clipped / bare {:.2}, reduce-scatter / sync {:.2})",
             d.median * 1e3,
             c.median * 1e3,
+            r.median * 1e3,
             nv.median * 1e3,
             b.median * 1e3,
             d.median / b.median,
-            c.median / b.median
+            c.median / b.median,
+            r.median / d.median
         );
         o.record(
             "boundary_local",
             &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k},\"max_grad_norm\":1e-3"),
-            &[("deferred", d), ("clipped", c), ("naive", nv), ("bare", b)],
+            &[("deferred", d), ("clipped", c), ("reduce_scatter", r), ("naive", nv), ("bare", b)],
         );
     }
 }

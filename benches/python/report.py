@@ -572,9 +572,16 @@ class Report:
                      self.each("local", r, lambda r: med(r, "clipped") / med(r, "bare"), x2, bold=True),
                      self.each("local", r, lambda r: spread(r, "deferred"), pct)]
                     for r in self.local]
+            header = ["K", "deferred `sync` ms", "clipped `sync` ms", "all-reduce per micro-batch ms",
+                      "per-micro-batch ÷ deferred", "bare all-reduce ms", "sync ÷ bare", "clipped ÷ bare", "spread"]
+            # The reduce-scatter's sync (each rank keeps only its shard), where the run timed it.
+            if all(has(r, "reduce_scatter") for r in self.local):
+                header[3:3] = ["reduce-scatter `sync` ms", "reduce-scatter ÷ deferred"]
+                for row, r in zip(rows, self.local):
+                    row[3:3] = [ms(med(r, "reduce_scatter")),
+                                self.each("local", r, lambda r: med(r, "reduce_scatter") / med(r, "deferred"), x2, bold=True)]
             out.append(f"In-process communicator, 2 ranks (one thread each), {n:,} fp16 parameters in one tensor:\n\n"
-                       + table(["K", "deferred `sync` ms", "clipped `sync` ms", "all-reduce per micro-batch ms",
-                                "per-micro-batch ÷ deferred", "bare all-reduce ms", "sync ÷ bare", "clipped ÷ bare", "spread"], rows))
+                       + table(header, rows))
         if self.mpi:
             rows = [[r["k"], ms(r["deferred"]), ms(r["clipped"]) if "clipped" in r else "–", ms(r["naive"]),
                      self.each("mpi", r, lambda r: r["naive"] / r["deferred"], x2), ms(r["bare"]),
@@ -875,7 +882,9 @@ BOUNDARY_METHOD = """\
 the FP32 master, normalisation and norm) once per K micro-batches; *clipped* is the same with
 `max_grad_norm` below the gradient's norm, so clipping applies; *all-reduce per micro-batch* is the
 pattern without deferral, an all-reduce of an FP32 gradient of the same size after every
-micro-batch; *bare* is one all-reduce of the same bytes and nothing else. The target is `sync`
+micro-batch; *bare* is one all-reduce of the same bytes and nothing else; *reduce-scatter* (in
+process) is `sync` with `Sharding::ReduceScatter`, after which each rank holds only its shard. The
+target is `sync`
 within 1.10× of the bare all-reduce (over MPI: of the fastest all-reduce of the same bytes). With
 clipping the factor needs the global norm, so each rank passes over its own shares once more, after
 the block sums are shared and before the shares are: 1/world of the buffer, where a second pass
