@@ -1,8 +1,8 @@
 //! The in-process communicator: N ranks as threads of one process, one handle per rank. Buffers
-//! are reduced in place without a scratch copy: rank r sums slice r over all ranks in rank order
-//! (so the bits are the same whoever computes them), then every rank copies the other slices.
-//! The boundary's reduction does the same over the shares of `shares::Plan`, running its pass on
-//! each share as it is summed, so its bits are those of the MPI communicator's.
+//! are reduced in place without a scratch copy, by the cuts of `shares` that MPI uses: rank r
+//! sums its pieces over all ranks in rank order (so the bits are the same whoever computes them)
+//! and runs the boundary's pass on each while it is in cache, then every rank copies the other
+//! pieces (or, for a reduce-scatter, keeps only its own). The bits are the MPI communicator's.
 //!
 //! Ranks meet at an abortable, time-limited barrier (one mutex, one condition variable, a
 //! generation counter). The group has a failure state: an abort, a timeout or a dropped handle
@@ -23,9 +23,6 @@ use super::{
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
-
-/// Elements summed per step of the reduction (fits in cache, and on the stack).
-const SUM_BLOCK: usize = 2048;
 
 /// The handle's timeout in nanoseconds when it is this value: wait forever.
 const FOREVER: u64 = u64::MAX;
@@ -359,55 +356,11 @@ impl HostCollectives for LocalComm {
         Ok(sum)
     }
 
+    /// The boundary's reduction by the share plan with nothing to pass: rank r sums its shares
+    /// over the ranks in rank order, and every rank copies the others' shares.
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let _busy = self.enter()?;
-        let g = &*self.group;
-        let (rank, world, timeout) = (self.rank, g.world, self.timeout());
-        let len = buf.len();
-        let what = What::AllReduce(len);
-        // Every access of this rank to its buffer goes through `base`, the pointer its peers read
-        // through too: `buf` is not used again, so no access through it invalidates theirs.
-        let base = buf.as_mut_ptr();
-        let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: std::ptr::null_mut() }, what)?;
-        let slice_of = |r: usize| (len * r / world)..(len * (r + 1) / world);
-
-        // Phase 1: rank r owns slice r of every buffer; it sums that slice over ranks 0..world in
-        // order and writes the result into its own buffer. No other rank touches slice r now.
-        let mine = slice_of(rank);
-        let mut acc = [0f32; SUM_BLOCK];
-        let mut start = mine.start;
-        while start < mine.end {
-            let n = SUM_BLOCK.min(mine.end - start);
-            // SAFETY: every peer published its live buffer before the barrier above, and does
-            // not return before every rank has left the reading phases (`Group::wait` holds a
-            // failing rank until the reader count is 0), so each buffer outlives these reads;
-            // all lengths equal `len` (checked above), so start..start + n, inside slice `rank`,
-            // is in bounds; in this phase only this rank touches slice `rank` of any buffer: it
-            // reads the peers' copies and writes its own through `base`, the pointer it
-            // published, which no other rank dereferences in this slice now.
-            unsafe {
-                acc[..n].copy_from_slice(std::slice::from_raw_parts(peers[0].ptr.add(start), n));
-                for p in &peers[1..] {
-                    cpu::add_assign(&mut acc[..n], std::slice::from_raw_parts(p.ptr.add(start), n));
-                }
-                std::slice::from_raw_parts_mut(base.add(start), n).copy_from_slice(&acc[..n]);
-            }
-            start += n;
-        }
-        g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
-
-        // Phase 2: copy every other slice from the rank that owns it, which only reads now.
-        for (r, p) in peers.iter().enumerate() {
-            if r != rank {
-                // SAFETY: rank r's buffer is `len` long and alive while any rank reads (as in
-                // phase 1); slice r of it was finished in phase 1 and is only read in this phase;
-                // this rank writes slice r of its own buffer, through the pointer it published,
-                // which no other rank reads in this phase (each reads slice q of rank q's only),
-                // and `r != rank`, so the two slices never alias.
-                unsafe { copy_from_peer(base, p, slice_of(r)) };
-            }
-        }
-        self.stop_reading(reading, what)
+        let plan = shares::Plan::new(buf.len(), self.group.world, shares::SHARE_NUMEL);
+        self.reduce_with_pass(buf, What::AllReduce(buf.len()), &plan, true, &Sum).map(drop)
     }
 
     /// The reduction in shares of `shares::reduce_in_shares`, with the peers' buffers read in
@@ -445,8 +398,9 @@ impl LocalComm {
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
         let len = buf.len();
         let mut values = vec![0.0f64; cpu::blocks(len)];
-        // As in `allreduce_sum`, every access to the two published buffers goes through the
-        // published pointers from here on.
+        // Every access of this rank to its two published buffers goes through the pointers its
+        // peers read through too: `buf` and `values` are not used through their own handles
+        // until the end, so no access through them invalidates the peers'.
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
         let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
@@ -456,7 +410,8 @@ impl LocalComm {
         for own in &mine {
             let blocks = blocks_of(own);
             // SAFETY: the peers' buffers are `len` long (checked by `start_reading`) and alive
-            // while any rank reads, as in `allreduce_sum`; in this phase only this rank touches
+            // while any rank reads (`Group::wait` holds a failing rank until the reader count is
+            // 0, so no peer returns and frees them first); in this phase only this rank touches
             // range `own` of any buffer and blocks `blocks` of any value array (the ranks' ranges
             // are disjoint, start on block boundaries, and each block lies in one range), so the
             // peers' copies are only read, and this rank's own, reached through the pointers it
@@ -501,8 +456,11 @@ impl LocalComm {
         if share_out {
             for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
                 for range in &theirs[q] {
-                    // SAFETY: as in `allreduce_sum`'s phase 2, with rank q's finished range for
-                    // its slice.
+                    // SAFETY: rank q's buffer is `len` long and alive while any rank reads (as in
+                    // phase 1); its range was finished before the barrier above and is only read
+                    // now; this rank writes that range of its own buffer, through the pointer it
+                    // published, which no other rank reads now (each reads its owner's ranges,
+                    // and this rank does not own the range).
                     unsafe { copy_from_peer(base, p, range.clone()) };
                 }
             }
@@ -538,6 +496,13 @@ impl LocalComm {
         reading.counted = false;
         self.group.wait(self.group.state(), self.rank, what, self.timeout(), Reads::End)
     }
+}
+
+/// The plain all-reduce's pass: the sum alone (`add_and_run`'s default adds, `run` does nothing).
+struct Sum;
+
+impl BlockPass for Sum {
+    fn run(&self, _run: &mut [f32], _values: &mut [f64]) {}
 }
 
 /// Copies `range` of a peer's published buffer into the same range of this rank's, `base`.

@@ -241,6 +241,9 @@ pub(crate) fn reduce_in_shares(
     reduce_by_cut(t, ws, buf, &plan, true, pass)
 }
 
+/// One step's pieces in the buffer, and where each lies in the stage (packed in rank order).
+type StepPieces = (Vec<Range<usize>>, Vec<Range<usize>>);
+
 /// As [`reduce_in_shares`], by any [`Cut`]: each step's pieces are staged packed in rank order,
 /// exchanged, summed and passed by their owner. With `share_out` every rank then gathers every
 /// finished piece (an all-reduce); without, each rank keeps only its own pieces and the rest of
@@ -283,10 +286,9 @@ pub(crate) fn reduce_by_cut(
     };
     // The finished piece goes out through the stage, and the others come back into the caller's
     // buffer only once the gather completed.
-    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], buf: &mut [f32], k: usize| -> Result<()> {
-        let (pieces, packed) = step_of(k);
+    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], buf: &mut [f32], k: usize, (pieces, packed): &StepPieces| -> Result<()> {
         stage[packed[rank].clone()].copy_from_slice(&buf[pieces[rank].clone()]);
-        t.gather(Step::Gather { chunk: k + 1, chunks: steps }, &mut stage[..packed[world - 1].end], &packed)?;
+        t.gather(Step::Gather { chunk: k + 1, chunks: steps }, &mut stage[..packed[world - 1].end], packed)?;
         for q in (0..world).filter(|&q| q != rank) {
             buf[pieces[q].clone()].copy_from_slice(&stage[packed[q].clone()]);
         }
@@ -319,7 +321,7 @@ pub(crate) fn reduce_by_cut(
         mine.resize(first + cpu::blocks(own.len()), 0.0);
         sum_and_pass(&mut buf[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
         if share_out && !deferred {
-            gather(t, stage, buf, k)?;
+            gather(t, stage, buf, k, &(pieces, packed))?;
         }
     }
 
@@ -345,7 +347,7 @@ pub(crate) fn reduce_by_cut(
                 cpu::scale(&mut buf[cut.piece(k, rank)], factor, 1);
             }
             if share_out {
-                gather(t, stage, buf, k)?;
+                gather(t, stage, buf, k, &step_of(k))?;
             }
         }
     }
