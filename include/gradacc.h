@@ -234,6 +234,11 @@ typedef int32_t gradacc_loss_reduction_t;
 typedef int32_t gradacc_normalize_t;
 
 /**
+ * What each rank holds of the reduced gradient after the boundary.
+ */
+typedef int32_t gradacc_sharding_t;
+
+/**
  * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
  */
 typedef struct gradacc_accumulator_config_t {
@@ -262,6 +267,24 @@ typedef struct gradacc_accumulator_config_t {
      * value (default 1).
      */
     uint32_t threads;
+    /**
+     * Padding, ignored (0.1's struct ended at `threads`, padded to 40 bytes: a field here would
+     * read an older caller's padding).
+     */
+    uint32_t reserved;
+    /**
+     * GRADACC_SHARDING_* (default NONE).
+     */
+    gradacc_sharding_t sharding;
+    /**
+     * Ranks the gradient is sharded over: the size of the communicator given to sync (default 1;
+     * must be 1 unless sharding is on).
+     */
+    uint32_t shard_count;
+    /**
+     * This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
+     */
+    uint32_t shard_rank;
 } gradacc_accumulator_config_t;
 
 /**
@@ -479,6 +502,21 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_NORMALIZE_NONE 3
 
 /**
+ * Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
+ */
+#define GRADACC_SHARDING_NONE 0
+
+/**
+ * Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous
+ * range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's
+ * traffic, as a distributed optimizer (ZeRO-1) needs. The window accumulates the whole gradient;
+ * the norm and clipping coefficient are the whole gradient's, the same on every rank; the shard
+ * holds the bits an all-reduce would leave there. Sync on a communicator of `shard_count` ranks
+ * on which this is rank `shard_rank`.
+ */
+#define GRADACC_SHARDING_REDUCE_SCATTER 1
+
+/**
  * The in-process communicator (gradacc_comm_create_local); in every build.
  */
 #define GRADACC_BACKEND_LOCAL 0
@@ -686,6 +724,26 @@ enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulato
                                                  size_t index,
                                                  float **out_data,
                                                  size_t *out_numel);
+
+/**
+ * This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the
+ * flat layout (tensor after tensor), `*out_data` the address of its first element (a device
+ * address on CUDA). Without sharding the shard is the whole master. Under
+ * GRADACC_SHARDING_REDUCE_SCATTER, after a successful sync the range holds this rank's part of
+ * the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
+ * the rest of the master is unspecified until the next window's first micro-batch. Shards split
+ * the layout into equal parts rounded up to whole blocks of 4096 elements; the last ones may be
+ * shorter or empty (`*out_numel` 0).
+ *
+ * Ownership: `*out_data` is borrowed from `acc` and valid until it is destroyed.
+ * Thread safety: any thread; the range never changes, and the data is stable while no call
+ * writes the master.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_shard(const struct gradacc_accumulator_t *acc,
+                                                size_t *out_offset,
+                                                size_t *out_numel,
+                                                float **out_data);
 
 /**
  * Writes the number of tensors to `*out`.

@@ -370,16 +370,19 @@ impl Accumulator {
         self.plan.layout.buckets()
     }
 
-    /// This rank's shard under [`Sharding::ReduceScatter`]: its element range in the flat master
-    /// and the address of its first element (on the CPU, valid while the accumulator lives).
-    /// After a `sync` the range holds this rank's part of the reduced, normalised (and clipped)
-    /// gradient; the rest of the master is unspecified until the next window's first micro-batch
-    /// overwrites it. `None` without sharding.
-    pub fn shard(&self) -> Option<(Range<usize>, *mut f32)> {
-        let Sharding::ReduceScatter { rank, .. } = self.plan.config.sharding else { return None };
-        let range = self.plan.shards().swap_remove(rank);
+    /// This rank's shard: its element range in the flat master and the address of its first
+    /// element (a device address on CUDA; valid while the accumulator lives). Without sharding it
+    /// is the whole master, so an optimizer can always update just `shard()`. Under
+    /// [`Sharding::ReduceScatter`], after a `sync` the range holds this rank's part of the reduced,
+    /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
+    /// window's first micro-batch overwrites it.
+    pub fn shard(&self) -> (Range<usize>, *mut f32) {
+        let range = match self.plan.config.sharding {
+            Sharding::ReduceScatter { rank, .. } => self.plan.shards().swap_remove(rank),
+            Sharding::None => 0..self.len(),
+        };
         let ptr = self.store.master_address(range.start);
-        Some((range, ptr))
+        (range, ptr)
     }
 
     fn range(&self, index: usize) -> Range<usize> {

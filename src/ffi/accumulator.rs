@@ -40,6 +40,18 @@ pub const GRADACC_NORMALIZE_BY_WORLD: gradacc_normalize_t = 2;
 /// No division: the plain sum.
 pub const GRADACC_NORMALIZE_NONE: gradacc_normalize_t = 3;
 
+/// What each rank holds of the reduced gradient after the boundary.
+pub type gradacc_sharding_t = i32;
+/// Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
+pub const GRADACC_SHARDING_NONE: gradacc_sharding_t = 0;
+/// Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous
+/// range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's
+/// traffic, as a distributed optimizer (ZeRO-1) needs. The window accumulates the whole gradient;
+/// the norm and clipping coefficient are the whole gradient's, the same on every rank; the shard
+/// holds the bits an all-reduce would leave there. Sync on a communicator of `shard_count` ranks
+/// on which this is rank `shard_rank`.
+pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
+
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -57,6 +69,16 @@ pub struct gradacc_accumulator_config_t {
     /// Threads one kernel call may use on large tensors; results are bitwise identical for any
     /// value (default 1).
     pub threads: u32,
+    /// Padding, ignored (0.1's struct ended at `threads`, padded to 40 bytes: a field here would
+    /// read an older caller's padding).
+    pub reserved: u32,
+    /// GRADACC_SHARDING_* (default NONE).
+    pub sharding: gradacc_sharding_t,
+    /// Ranks the gradient is sharded over: the size of the communicator given to sync (default 1;
+    /// must be 1 unless sharding is on).
+    pub shard_count: u32,
+    /// This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
+    pub shard_rank: u32,
 }
 
 /// What the boundary reports; identical on every rank. Set struct_size before the call
@@ -94,14 +116,19 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     };
     let bucket_numel =
         usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
-    Ok(AccumulatorConfig {
-        loss_reduction,
-        normalize,
-        max_grad_norm: c.max_grad_norm,
-        bucket_numel,
-        threads: c.threads as usize,
-        sharding: Sharding::None,
-    })
+    let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
+    let sharding = match c.sharding {
+        GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
+        GRADACC_SHARDING_NONE => return Err(Error::invalid(format!(
+            "`config`.shard_count = {shards} and `config`.shard_rank = {rank} need a sharding policy, but `config`.sharding is GRADACC_SHARDING_NONE"
+        ))),
+        GRADACC_SHARDING_REDUCE_SCATTER if shards >= 1 && rank < shards => Sharding::ReduceScatter { shards, rank },
+        GRADACC_SHARDING_REDUCE_SCATTER => {
+            return Err(Error::invalid(format!("`config`.shard_rank = {rank} is not below `config`.shard_count = {shards}")))
+        }
+        v => return Err(Error::invalid(format!("`config`.sharding = {v} is not a GRADACC_SHARDING_* value"))),
+    };
+    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize, sharding })
 }
 
 /// Fills `*out` with the default accumulator configuration (and its struct_size).
@@ -120,6 +147,10 @@ pub unsafe extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_ac
             max_grad_norm: d.max_grad_norm,
             bucket_numel: d.bucket_numel as u64,
             threads: d.threads as u32,
+            reserved: 0,
+            sharding: GRADACC_SHARDING_NONE,
+            shard_count: 1,
+            shard_rank: 0,
         };
         Ok(())
     })
@@ -407,6 +438,39 @@ pub unsafe extern "C" fn gradacc_accumulator_master(
         let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;
         *n = len;
+        Ok(())
+    })
+}
+
+/// This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the
+/// flat layout (tensor after tensor), `*out_data` the address of its first element (a device
+/// address on CUDA). Without sharding the shard is the whole master. Under
+/// GRADACC_SHARDING_REDUCE_SCATTER, after a successful sync the range holds this rank's part of
+/// the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
+/// the rest of the master is unspecified until the next window's first micro-batch. Shards split
+/// the layout into equal parts rounded up to whole blocks of 4096 elements; the last ones may be
+/// shorter or empty (`*out_numel` 0).
+///
+/// Ownership: `*out_data` is borrowed from `acc` and valid until it is destroyed.
+/// Thread safety: any thread; the range never changes, and the data is stable while no call
+/// writes the master.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_shard(
+    acc: *const gradacc_accumulator_t,
+    out_offset: *mut usize,
+    out_numel: *mut usize,
+    out_data: *mut *mut f32,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_shard", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let offset = unsafe { out_ptr(out_offset, "out_offset") }?;
+        // SAFETY: as above.
+        let numel = unsafe { out_ptr(out_numel, "out_numel") }?;
+        // SAFETY: as above.
+        let data = unsafe { out_ptr(out_data, "out_data") }?;
+        let (range, ptr) = a.shard();
+        (*offset, *numel, *data) = (range.start, range.len(), ptr);
         Ok(())
     })
 }

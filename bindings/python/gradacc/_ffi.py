@@ -38,6 +38,8 @@ GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches and r
 GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
 GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
 GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
+GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
 GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
@@ -70,6 +72,9 @@ gradacc_loss_reduction_t = ctypes.c_int32
 # What the summed gradient is divided by at the boundary.
 gradacc_normalize_t = ctypes.c_int32
 
+# What each rank holds of the reduced gradient after the boundary.
+gradacc_sharding_t = ctypes.c_int32
+
 # Accumulator configuration.
 class gradacc_accumulator_config_t(ctypes.Structure):
     _fields_ = [
@@ -79,6 +84,10 @@ class gradacc_accumulator_config_t(ctypes.Structure):
         ("max_grad_norm", ctypes.c_float),
         ("bucket_numel", ctypes.c_uint64),
         ("threads", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("sharding", gradacc_sharding_t),
+        ("shard_count", ctypes.c_uint32),
+        ("shard_rank", ctypes.c_uint32),
     ]
 
 # Element type of a model gradient buffer.
@@ -219,6 +228,12 @@ gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, index, out_data, out_numel
+
+# This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor), `*out_data` the address of its first element (a device address on CUDA).
+gradacc_accumulator_shard = dll.gradacc_accumulator_shard
+gradacc_accumulator_shard.restype = gradacc_status_t
+gradacc_accumulator_shard.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.POINTER(ctypes.c_float))]
+# arguments: acc, out_offset, out_numel, out_data
 
 # Writes the number of tensors to `*out`.
 gradacc_accumulator_num_tensors = dll.gradacc_accumulator_num_tensors

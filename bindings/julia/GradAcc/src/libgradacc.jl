@@ -39,6 +39,8 @@ const GRADACC_NORMALIZE_BY_COUNT = 0  # The global item count over micro-batches
 const GRADACC_NORMALIZE_BY_MICROBATCHES = 1  # The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
 const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
 const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
+const GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
+const GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
 const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
@@ -67,6 +69,9 @@ const gradacc_loss_reduction_t = Int32
 "What the summed gradient is divided by at the boundary."
 const gradacc_normalize_t = Int32
 
+"What each rank holds of the reduced gradient after the boundary."
+const gradacc_sharding_t = Int32
+
 "Accumulator configuration."
 struct gradacc_accumulator_config_t
     struct_size::Csize_t
@@ -75,6 +80,10 @@ struct gradacc_accumulator_config_t
     max_grad_norm::Cfloat
     bucket_numel::UInt64
     threads::UInt32
+    reserved::UInt32
+    sharding::gradacc_sharding_t
+    shard_count::UInt32
+    shard_rank::UInt32
 end
 
 "Element type of a model gradient buffer."
@@ -221,6 +230,11 @@ end
 "Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."
 function gradacc_accumulator_master(acc, index, out_data, out_numel)
     ccall((:gradacc_accumulator_master, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
+end
+
+"This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor), `*out_data` the address of its first element (a device address on CUDA)."
+function gradacc_accumulator_shard(acc, out_offset, out_numel, out_data)
+    ccall((:gradacc_accumulator_shard, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Ptr{Cfloat}}), acc, out_offset, out_numel, out_data)
 end
 
 "Writes the number of tensors to `*out`."
