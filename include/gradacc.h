@@ -239,6 +239,11 @@ typedef int32_t gradacc_normalize_t;
 typedef int32_t gradacc_sharding_t;
 
 /**
+ * Element type of a model gradient buffer.
+ */
+typedef int32_t gradacc_dtype_t;
+
+/**
  * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
  */
 typedef struct gradacc_accumulator_config_t {
@@ -285,12 +290,14 @@ typedef struct gradacc_accumulator_config_t {
      * This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
      */
     uint32_t shard_rank;
+    /**
+     * What the boundary's reductions send: GRADACC_DTYPE_F32 (default), or GRADACC_DTYPE_BF16,
+     * half the bytes: each rank rounds its contribution to bf16 once, and the receiver sums the
+     * contributions in FP32, so the error does not grow with the number of ranks (bound in
+     * docs/sharding.md).
+     */
+    gradacc_dtype_t wire_dtype;
 } gradacc_accumulator_config_t;
-
-/**
- * Element type of a model gradient buffer.
- */
-typedef int32_t gradacc_dtype_t;
 
 /**
  * One tensor of an accumulator: element count and the dtype its gradients arrive in.

@@ -31,6 +31,7 @@ fn run_case(rng: &mut Rng, case: usize) {
         bucket_numel: rng.range(1, 6000) as usize,
         threads: rng.range(1, 3) as usize,
         sharding: Sharding::None,
+        wire: Dtype::F32,
     };
     let weights_by_count = config.weights_by_count();
 

@@ -86,6 +86,10 @@ pub struct AccumulatorConfig {
     pub threads: usize,
     /// What each rank holds after the boundary (default [`Sharding::None`]: all of it).
     pub sharding: Sharding,
+    /// What the boundary's reductions send (default [`Dtype::F32`]). [`Dtype::Bf16`] halves the
+    /// bytes: each rank rounds its contribution to bf16 once, and the receiver sums the
+    /// contributions in FP32, so the error does not grow with the number of ranks.
+    pub wire: Dtype,
 }
 
 impl Default for AccumulatorConfig {
@@ -97,6 +101,7 @@ impl Default for AccumulatorConfig {
             bucket_numel: 4 << 20,
             threads: 1,
             sharding: Sharding::None,
+            wire: Dtype::F32,
         }
     }
 }
@@ -119,6 +124,9 @@ impl AccumulatorConfig {
             if shards == 0 || rank >= shards {
                 return Err(Error::invalid(format!("sharding: rank must be in 0..shards, got rank {rank} of {shards} shards")));
             }
+        }
+        if self.wire != Dtype::F32 {
+            return Err(Error::invalid(format!("wire: the reductions send f32 only so far, got {}", self.wire.name())));
         }
         Ok(())
     }

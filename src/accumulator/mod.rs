@@ -26,7 +26,7 @@ use crate::backend::cuda::driver::CUdeviceptr;
 use crate::backend::{cpu, cuda};
 use crate::comm::{Collectives, Communicator, Control, ControlSum};
 use crate::device::Device;
-use crate::dtype::{self, Grad};
+use crate::dtype::{self, Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 use crate::state;
@@ -153,8 +153,8 @@ pub(crate) struct Plan {
 impl Plan {
     /// What the ranks of a group must hold alike to reduce together: the layout, and the settings
     /// that decide what the boundary computes (the loss reduction, the normalisation and the
-    /// clipping norm). Ranks that differ in any of them would end with different gradients, and
-    /// with clipping on one rank only, would run different collectives.
+    /// clipping norm, the shard count and the wire dtype). Ranks that differ in any of them would
+    /// end with different gradients, or run different collectives.
     pub(crate) fn fingerprint(&self) -> u64 {
         let c = &self.config;
         let mut bytes = self.layout.hash().to_le_bytes().to_vec();
@@ -163,6 +163,9 @@ impl Plan {
         bytes.extend(c.max_grad_norm.to_bits().to_le_bytes());
         if let Sharding::ReduceScatter { shards, .. } = c.sharding {
             bytes.extend((shards as u64).to_le_bytes());
+        }
+        if c.wire != Dtype::F32 {
+            bytes.extend(c.wire.code().to_le_bytes());
         }
         state::checksum(&bytes)
     }

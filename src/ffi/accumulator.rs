@@ -11,6 +11,7 @@ use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
 use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
 use crate::device::Device;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
@@ -79,6 +80,11 @@ pub struct gradacc_accumulator_config_t {
     pub shard_count: u32,
     /// This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
     pub shard_rank: u32,
+    /// What the boundary's reductions send: GRADACC_DTYPE_F32 (default), or GRADACC_DTYPE_BF16,
+    /// half the bytes: each rank rounds its contribution to bf16 once, and the receiver sums the
+    /// contributions in FP32, so the error does not grow with the number of ranks (bound in
+    /// docs/sharding.md).
+    pub wire_dtype: gradacc_dtype_t,
 }
 
 /// What the boundary reports; identical on every rank. Set struct_size before the call
@@ -119,16 +125,23 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
     let sharding = match c.sharding {
         GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
-        GRADACC_SHARDING_NONE => return Err(Error::invalid(format!(
+        GRADACC_SHARDING_NONE => {
+            return Err(Error::invalid(format!(
             "`config`.shard_count = {shards} and `config`.shard_rank = {rank} need a sharding policy, but `config`.sharding is GRADACC_SHARDING_NONE"
-        ))),
+        )))
+        }
         GRADACC_SHARDING_REDUCE_SCATTER if shards >= 1 && rank < shards => Sharding::ReduceScatter { shards, rank },
         GRADACC_SHARDING_REDUCE_SCATTER => {
             return Err(Error::invalid(format!("`config`.shard_rank = {rank} is not below `config`.shard_count = {shards}")))
         }
         v => return Err(Error::invalid(format!("`config`.sharding = {v} is not a GRADACC_SHARDING_* value"))),
     };
-    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize, sharding })
+    let wire = match c.wire_dtype {
+        GRADACC_DTYPE_F32 => Dtype::F32,
+        GRADACC_DTYPE_BF16 => Dtype::Bf16,
+        v => return Err(Error::invalid(format!("`config`.wire_dtype = {v} is neither GRADACC_DTYPE_F32 nor GRADACC_DTYPE_BF16"))),
+    };
+    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize, sharding, wire })
 }
 
 /// Fills `*out` with the default accumulator configuration (and its struct_size).
@@ -151,6 +164,7 @@ pub unsafe extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_ac
             sharding: GRADACC_SHARDING_NONE,
             shard_count: 1,
             shard_rank: 0,
+            wire_dtype: d.wire.code(),
         };
         Ok(())
     })

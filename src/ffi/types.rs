@@ -174,6 +174,7 @@ versioned!(
         sharding,
         shard_count,
         shard_rank,
+        wire_dtype,
     },
     defaults: gradacc_accumulator_config_default
 );
@@ -367,7 +368,8 @@ mod tests {
         check::<gradacc_sync_info_t>();
         check::<gradacc_scaler_stats_t>();
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8 bucket_numel,
-        // 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4 shard_count, 4 shard_rank.
+        // 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4 shard_count, 4 shard_rank,
+        // 4 wire_dtype.
         assert_eq!(accepted_sizes::<gradacc_accumulator_config_t>(), [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56]);
         let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();
         assert!(e.message().contains("`config`.struct_size = 22"), "{}", e.message());
@@ -377,12 +379,12 @@ mod tests {
     fn fields_appended_after_0_1_start_past_its_padding() {
         assert_eq!(std::mem::offset_of!(gradacc_accumulator_config_t, sharding), 40, "0.1's config was 40 bytes");
         let mut c = gradacc_accumulator_config_t::defaults();
-        (c.reserved, c.sharding, c.shard_count, c.shard_rank) = (u32::MAX, 7, 9, 9);
+        (c.reserved, c.sharding, c.shard_count, c.shard_rank, c.wire_dtype) = (u32::MAX, 7, 9, 9, 7);
         c.struct_size = 40;
         // SAFETY: `c` is a whole struct, at least `struct_size` bytes.
         let read = unsafe { read_config(&c, "config") }.unwrap();
         let d = gradacc_accumulator_config_t::defaults();
-        assert_eq!((read.sharding, read.shard_count, read.shard_rank), (d.sharding, d.shard_count, d.shard_rank));
+        assert_eq!((read.sharding, read.shard_count, read.shard_rank, read.wire_dtype), (d.sharding, d.shard_count, d.shard_rank, d.wire_dtype));
     }
 
     #[test]

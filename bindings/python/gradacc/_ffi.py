@@ -75,6 +75,9 @@ gradacc_normalize_t = ctypes.c_int32
 # What each rank holds of the reduced gradient after the boundary.
 gradacc_sharding_t = ctypes.c_int32
 
+# Element type of a model gradient buffer.
+gradacc_dtype_t = ctypes.c_int32
+
 # Accumulator configuration.
 class gradacc_accumulator_config_t(ctypes.Structure):
     _fields_ = [
@@ -88,10 +91,8 @@ class gradacc_accumulator_config_t(ctypes.Structure):
         ("sharding", gradacc_sharding_t),
         ("shard_count", ctypes.c_uint32),
         ("shard_rank", ctypes.c_uint32),
+        ("wire_dtype", gradacc_dtype_t),
     ]
-
-# Element type of a model gradient buffer.
-gradacc_dtype_t = ctypes.c_int32
 
 # One tensor of an accumulator: element count and the dtype its gradients arrive in.
 class gradacc_tensor_desc_t(ctypes.Structure):

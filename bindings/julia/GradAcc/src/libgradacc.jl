@@ -72,6 +72,9 @@ const gradacc_normalize_t = Int32
 "What each rank holds of the reduced gradient after the boundary."
 const gradacc_sharding_t = Int32
 
+"Element type of a model gradient buffer."
+const gradacc_dtype_t = Int32
+
 "Accumulator configuration."
 struct gradacc_accumulator_config_t
     struct_size::Csize_t
@@ -84,10 +87,8 @@ struct gradacc_accumulator_config_t
     sharding::gradacc_sharding_t
     shard_count::UInt32
     shard_rank::UInt32
+    wire_dtype::gradacc_dtype_t
 end
-
-"Element type of a model gradient buffer."
-const gradacc_dtype_t = Int32
 
 "One tensor of an accumulator: element count and the dtype its gradients arrive in."
 struct gradacc_tensor_desc_t
