@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import typing
 
 import numpy as np
 
@@ -19,6 +20,7 @@ Status = enum.IntEnum("Status", _constants("GRADACC_STATUS_"), module=__name__)
 DType = enum.IntEnum("DType", _constants("GRADACC_DTYPE_"), module=__name__)
 Normalize = enum.IntEnum("Normalize", _constants("GRADACC_NORMALIZE_"), module=__name__)
 LossReduction = enum.IntEnum("LossReduction", _constants("GRADACC_LOSS_REDUCTION_"), module=__name__)
+Sharding = enum.IntEnum("Sharding", _constants("GRADACC_SHARDING_"), module=__name__)
 
 
 class GradaccError(Exception):
@@ -77,6 +79,15 @@ class SyncInfo:
     clip_coef: float
 
 
+class Shard(typing.NamedTuple):
+    """This rank's shard of the flat FP32 master (:meth:`Accumulator.shard`): elements
+    ``offset`` to ``offset + numel`` of the tensors laid out one after another, and ``data``, a
+    float32 view of them."""
+    offset: int
+    numel: int
+    data: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalerStats:
     steps: int
@@ -130,6 +141,11 @@ def _enum(cls, value):
     return cls[value.upper()] if isinstance(value, str) else int(value)  # the C API validates ints
 
 
+def _wire_dtype(value):
+    # A name or a numpy dtype as for tensors; an int goes in as is, the C API validates it.
+    return int(value) if isinstance(value, int) else int(_dtype(value))
+
+
 def _buffer(obj, dtype, what, writable=False):
     """(address, numel or None, object to keep alive) of a buffer: a numpy array, an object with
     __array_interface__ or data_ptr() (e.g. a torch tensor), or a raw address as an int."""
@@ -180,7 +196,12 @@ def _config(struct, default_fn, config, fields, enums):
     for key, value in fields.items():
         if key not in names:
             raise TypeError(f"unknown {struct.__name__} field {key!r} (fields: {', '.join(sorted(names))})")
-        setattr(config, key, _enum(enums[key], value) if key in enums else value)
+        conv = enums.get(key)
+        if isinstance(conv, type) and issubclass(conv, enum.Enum):
+            value = _enum(conv, value)
+        elif conv is not None:
+            value = conv(value)
+        setattr(config, key, value)
     return config
 
 
@@ -348,13 +369,20 @@ class BoundGrads:
 class Accumulator(_Managed):
     """FP32 master gradients of a list of tensors, each ``(numel, dtype)`` with dtype 'f32',
     'f16', 'bf16' (or a DType, or a numpy dtype). Config fields are keywords
-    (``normalize='by_world'``, ``loss_reduction='sum'``, ``max_grad_norm=1.0``, ...)."""
+    (``normalize='by_world'``, ``loss_reduction='sum'``, ``max_grad_norm=1.0``, ...).
+
+    ``sharding='reduce_scatter', shard_count=n, shard_rank=r`` makes the boundary a
+    reduce-scatter: :meth:`sync` takes a communicator of ``n`` ranks on which this is rank
+    ``r``, and after it only :meth:`shard` holds the reduced gradient (the bits an unsharded
+    sync leaves in that range); the norm and clipping are still the whole gradient's.
+    ``wire_dtype`` ('f32', the default) is the dtype the boundary's reductions send."""
     _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
 
     def __init__(self, tensors, config=None, *, device=None, master=None, **fields):
         specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
         cfg = _config(ffi.gradacc_accumulator_config_t, ffi.gradacc_accumulator_config_default, config, fields,
-                      {"normalize": Normalize, "loss_reduction": LossReduction})
+                      {"normalize": Normalize, "loss_reduction": LossReduction, "sharding": Sharding,
+                       "wire_dtype": _wire_dtype})
         descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
         dev = _device(device)
         out = ctypes.POINTER(ffi.gradacc_accumulator_t)()
@@ -460,6 +488,31 @@ class Accumulator(_Managed):
         raw = (ctypes.c_float * n).from_address(addr)
         raw._owner = self  # the numpy view's base is `raw`, which keeps the accumulator alive
         return np.frombuffer(raw, dtype=np.float32)
+
+    def shard_ptr(self):
+        """(offset, numel, address) of this rank's shard of the flat FP32 master (a device
+        pointer on CUDA); see :meth:`shard`."""
+        offset, n = ctypes.c_size_t(), ctypes.c_size_t()
+        p = ctypes.POINTER(ctypes.c_float)()
+        _check(ffi.gradacc_accumulator_shard(self._handle(), ctypes.byref(offset), ctypes.byref(n), ctypes.byref(p)))
+        return offset.value, n.value, ctypes.cast(p, ctypes.c_void_p).value
+
+    def shard(self):
+        """This rank's shard of the master as a :class:`Shard` ``(offset, numel, data)``: its
+        element range in the flat layout (the tensors one after another) and a writable float32
+        numpy view of it (no copy), valid as :meth:`master`'s views are. Without sharding it is
+        the whole master. With ``sharding='reduce_scatter'``, after a sync only the shard holds
+        the reduced gradient; the rest of the master is unspecified until the next window's
+        first micro-batch. Shards are cut in whole blocks of 4096 elements, so the last ones may
+        be shorter or empty. The range never changes."""
+        if not self._on_host:
+            raise ValueError("shard() views host memory; use shard_ptr() for a CUDA accumulator")
+        offset, n, addr = self.shard_ptr()
+        if n == 0:
+            return Shard(offset, 0, np.zeros(0, np.float32))
+        raw = (ctypes.c_float * n).from_address(addr)
+        raw._owner = self  # as in master(): the view keeps the accumulator object alive
+        return Shard(offset, n, np.frombuffer(raw, dtype=np.float32))
 
     def reset(self):
         _check(ffi.gradacc_accumulator_reset(self._handle()))

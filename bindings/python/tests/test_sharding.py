@@ -1,0 +1,198 @@
+"""Reduce-scatter sharding: each rank's shard after a sharded sync against an unsharded sync of the
+same window, the shards' layout, and the errors of a sharded accumulator used wrongly."""
+import threading
+
+import numpy as np
+import pytest
+
+import gradacc
+
+# 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+TENSORS = [(7000, "f16"), (5000, "f32"), (6000, "bf16"), (3, "f32")]
+TOTAL = sum(n for n, _ in TENSORS)
+
+
+def run_ranks(world, body):
+    """body(rank) on one thread per rank; the results in rank order (an exception re-raised)."""
+    results = [None] * world
+
+    def target(r):
+        try:
+            results[r] = ("ok", body(r))
+        except BaseException as e:  # re-raised on the main thread
+            results[r] = ("raised", e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results
+
+
+def random_grads(rng):
+    """One micro-batch of loss-scaled gradients in each tensor's dtype (bf16 as uint16 words)."""
+    out = []
+    for numel, dtype in TENSORS:
+        g = (rng.standard_normal(numel) * 64.0).astype(np.float32)
+        if dtype == "f16":
+            out.append(g.astype(np.float16))
+        elif dtype == "bf16":
+            out.append((g.view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.25], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_shard_is_the_unsharded_masters_range_bit_for_bit(world, max_grad_norm):
+    sharded_group, plain_group = gradacc.local_group(world), gradacc.local_group(world)
+
+    def rank(r):
+        rng = np.random.default_rng(100 * world + r)
+        with gradacc.Scaler(init_scale=1024.0) as scaler, \
+                gradacc.Accumulator(TENSORS, sharding="reduce_scatter", shard_count=world, shard_rank=r,
+                                    max_grad_norm=max_grad_norm) as sharded, \
+                gradacc.Accumulator(TENSORS, max_grad_norm=max_grad_norm) as plain:
+            for m in range(3):
+                grads = random_grads(rng)
+                count = 1 + (3 * r + m) % 5
+                sharded.add(scaler, grads, count)
+                plain.add(scaler, grads, count)
+            info_sharded = sharded.sync(sharded_group[r])
+            info_plain = plain.sync(plain_group[r])
+            offset, numel, data = sharded.shard()
+            _, _, address = sharded.shard_ptr()
+            flat = np.concatenate([plain.master(i) for i in range(len(TENSORS))])
+            return dict(info=(info_sharded, info_plain), offset=offset, numel=numel, shard=data.copy(),
+                        plain=flat, address=(address, sharded.master_ptr(0)[0] + 4 * offset))
+
+    results = run_ranks(world, rank)
+    for c in sharded_group + plain_group:
+        c.close()
+    for status, value in results:
+        if status == "raised":
+            raise value
+    ranks = [value for _, value in results]
+
+    # The shards tile the layout in rank order.
+    assert ranks[0]["offset"] == 0
+    for a, b in zip(ranks, ranks[1:]):
+        assert a["offset"] + a["numel"] == b["offset"]
+    assert ranks[-1]["offset"] + ranks[-1]["numel"] == TOTAL
+    assert all(0 < x["numel"] < TOTAL for x in ranks)
+
+    for r, x in enumerate(ranks):
+        info_sharded, info_plain = x["info"]
+        assert info_sharded == info_plain, f"rank {r}"
+        assert info_sharded == ranks[0]["info"][0], f"rank {r} disagrees with rank 0"
+        assert info_sharded.total_count == sum(1 + (3 * q + m) % 5 for q in range(world) for m in range(3))
+        assert info_sharded.microbatches == 3 * world and not info_sharded.found_inf
+        assert (info_sharded.clip_coef < 1.0) == (max_grad_norm > 0), info_sharded
+        # The shard's address is the flat master's at its offset.
+        assert x["address"][0] == x["address"][1], f"rank {r}"
+        # Bit for bit what the unsharded sync left in the same range.
+        want = x["plain"][x["offset"]:x["offset"] + x["numel"]]
+        assert x["shard"].shape == want.shape
+        assert np.array_equal(x["shard"].view(np.uint32), want.view(np.uint32)), f"rank {r}"
+        assert np.any(want != 0)
+        # Every rank's unsharded master is the same: the shards together are the whole gradient.
+        assert np.array_equal(x["plain"].view(np.uint32), ranks[0]["plain"].view(np.uint32))
+
+
+def test_an_unsharded_accumulators_shard_is_the_whole_master():
+    rng = np.random.default_rng(7)
+    with gradacc.Scaler(init_scale=1024.0) as scaler, gradacc.Accumulator(TENSORS) as acc:
+        acc.add(scaler, random_grads(rng), 4)
+        acc.sync()
+        offset, numel, data = acc.shard()
+        assert (offset, numel) == (0, TOTAL)
+        assert acc.shard_ptr() == (0, TOTAL, acc.master_ptr(0)[0])
+        flat = np.concatenate([acc.master(i) for i in range(len(TENSORS))])
+        assert np.array_equal(data.view(np.uint32), flat.view(np.uint32))
+        assert np.shares_memory(data, acc.master(0))  # a view, not a copy
+        data[0] = 123.0
+        assert acc.master(0)[0] == 123.0
+    assert gradacc.Sharding.NONE == 0 and gradacc.Sharding.REDUCE_SCATTER == 1
+
+
+def test_config_keywords_take_names_and_values():
+    with gradacc.Accumulator(TENSORS, sharding=gradacc.Sharding.REDUCE_SCATTER, shard_count=3, shard_rank=2,
+                             wire_dtype=np.float32) as a, \
+            gradacc.Accumulator(TENSORS, sharding="REDUCE_SCATTER", shard_count=2, shard_rank=1,
+                                wire_dtype="f32") as b:
+        assert a.shard()[:2] == (16384, TOTAL - 16384)
+        assert b.shard()[:2] == (12288, TOTAL - 12288)
+
+
+def expect_invalid(word, **config):
+    with pytest.raises(gradacc.GradaccError) as e:
+        gradacc.Accumulator(TENSORS, **config)
+    assert e.value.status == gradacc.Status.INVALID_ARGUMENT
+    assert word in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("count,rank", [(2, 2), (3, 7), (0, 0)])
+def test_shard_rank_not_below_shard_count_is_refused(count, rank):
+    expect_invalid("shard_rank", sharding="reduce_scatter", shard_count=count, shard_rank=rank)
+
+
+def test_bad_sharding_settings_are_refused():
+    expect_invalid("sharding", shard_count=2, shard_rank=1)  # no policy
+    expect_invalid("sharding", sharding=7)
+    expect_invalid("wire_dtype", wire_dtype="f16")
+    expect_invalid("wire_dtype", wire_dtype=9)
+
+
+def sharded_sync_errors(world, shard_count, shard_rank_of):
+    """Each rank of a local group of ``world`` syncs an accumulator holding shard
+    ``shard_rank_of(r)`` of ``shard_count``: the GradaccError each rank raised (None if none)."""
+    group = gradacc.local_group(world)
+    for c in group:
+        c.timeout = 30  # a rank left waiting fails instead of hanging the test
+
+    def rank(r):
+        with gradacc.Scaler(init_scale=1.0) as scaler, \
+                gradacc.Accumulator([(5, "f32")], sharding="reduce_scatter", shard_count=shard_count,
+                                    shard_rank=shard_rank_of(r)) as acc:
+            acc.add(scaler, [np.ones(5, np.float32)], 1)
+            try:
+                acc.sync(group[r])
+            except gradacc.GradaccError as e:
+                return e
+            return None
+
+    results = run_ranks(world, rank)
+    for c in group:
+        c.close()
+    for status, value in results:
+        if status == "raised":
+            raise value
+    return [value for _, value in results]
+
+
+def test_a_communicator_of_the_wrong_size_fails_every_rank():
+    errors = sharded_sync_errors(2, 3, lambda r: r)
+    for r, e in enumerate(errors):
+        assert e is not None, f"rank {r} synced 3 shards on 2 ranks"
+        assert e.status == gradacc.Status.INVALID_ARGUMENT, e
+        assert "shard" in e.message and "of 3" in e.message and "of 2" in e.message, e.message
+
+
+def test_one_rank_holding_the_wrong_shard_fails_every_rank():
+    errors = sharded_sync_errors(2, 2, lambda r: 0)  # rank 1 claims shard 0 too
+    assert all(e is not None for e in errors), errors
+    assert errors[1].status == gradacc.Status.INVALID_ARGUMENT and "shard 0 of 2" in errors[1].message
+    assert errors[0].status == gradacc.Status.PEER_FAILURE, errors[0]
+
+
+def test_a_sharded_sync_without_its_communicator_fails():
+    with gradacc.Scaler(init_scale=1.0) as scaler, \
+            gradacc.Accumulator([(5, "f32")], sharding="reduce_scatter", shard_count=2, shard_rank=0) as acc:
+        acc.add(scaler, [np.ones(5, np.float32)], 1)
+        with pytest.raises(gradacc.GradaccError) as e:
+            acc.sync()
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT
+        assert "no communicator" in e.value.message
