@@ -125,8 +125,8 @@ impl AccumulatorConfig {
                 return Err(Error::invalid(format!("sharding: rank must be in 0..shards, got rank {rank} of {shards} shards")));
             }
         }
-        if self.wire != Dtype::F32 {
-            return Err(Error::invalid(format!("wire: the reductions send f32 only so far, got {}", self.wire.name())));
+        if self.wire == Dtype::F16 {
+            return Err(Error::invalid("wire: the reductions send f32 or bf16, got f16 (its range would overflow sums)"));
         }
         Ok(())
     }

@@ -36,6 +36,7 @@ use std::time::Duration;
 
 use crate::backend::cpu;
 use crate::device::Device;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 /// The boundary's work on the summed buffer, handed to [`HostCollectives::allreduce_with_pass`].
@@ -71,6 +72,14 @@ pub trait BlockPass: Sync {
     /// [`cpu::scale`]'s bits.
     fn rescale(&self, _values: &[f64]) -> Option<f32> {
         None
+    }
+
+    /// What the contributions may travel as: with [`Dtype::Bf16`] every value of the buffer is a
+    /// bfloat16 value (the caller rounded it, [`cpu::round_to_bf16`]), so a transport between
+    /// processes may send the upper 16 bits of each and widen them back exactly. The sums stay
+    /// FP32, and the bits are those of sending FP32. [`Dtype::F32`] by default.
+    fn wire(&self) -> Dtype {
+        Dtype::F32
     }
 }
 

@@ -488,7 +488,7 @@ impl ShareTransport for Shares<'_> {
         self.comm.world
     }
 
-    fn exchange(&mut self, step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+    fn exchange(&mut self, step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()> {
         let (world, rank) = (self.comm.world, self.comm.rank);
         let c = &mut *self.counts;
         for v in [&mut c.send, &mut c.send_at, &mut c.recv, &mut c.recv_at] {
@@ -513,11 +513,11 @@ impl ShareTransport for Shares<'_> {
                 chunk.as_ptr() as *const c_void,
                 c.send.as_ptr(),
                 c.send_at.as_ptr(),
-                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_UINT16_T,
                 scratch.as_mut_ptr() as *mut c_void,
                 c.recv.as_ptr(),
                 c.recv_at.as_ptr(),
-                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_UINT16_T,
                 self.comm.comm,
                 &mut request,
             )

@@ -8,7 +8,8 @@
 use std::ops::Range;
 
 use super::BlockPass;
-use crate::backend::cpu::{self, math::NORM_BLOCK};
+use crate::backend::cpu::{self, math, math::NORM_BLOCK};
+use crate::dtype::Dtype;
 use crate::error::Result;
 
 /// Elements of one rank's share of a full chunk (256 KB). A share and the other ranks' copies of
@@ -198,8 +199,29 @@ pub(crate) struct Workspace {
     /// gather's in-place buffer.
     stage: Vec<f32>,
     scratch: Vec<f32>,
+    /// With a bf16 wire: the stage and the scratch as they travel, one word per value.
+    wire_stage: Vec<u16>,
+    wire_scratch: Vec<u16>,
     mine: Vec<f64>,
     all: Vec<f64>,
+}
+
+/// The 16-bit words an FP32 buffer travels as: two per value, bit for bit.
+fn words(v: &[f32]) -> &[u16] {
+    // SAFETY: the same bytes viewed as u16 (alignment 2 divides f32's 4, every bit pattern is a
+    // valid u16), borrowed for as long as `v`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2) }
+}
+
+/// [`words`], writable: any words written make valid f32 bit patterns.
+fn words_mut(v: &mut [f32]) -> &mut [u16] {
+    // SAFETY: as in `words`, and every pattern written through the view is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2) }
+}
+
+/// Element ranges as ranges of [`words`].
+fn in_words(ranges: &[Range<usize>]) -> Vec<Range<usize>> {
+    ranges.iter().map(|r| 2 * r.start..2 * r.end).collect()
 }
 
 /// The three collectives the reduction in shares needs from a transport between processes.
@@ -212,8 +234,9 @@ pub(crate) trait ShareTransport {
 
     /// Sends `chunk[shares[q]]` to every other rank `q`, and receives every other rank `q`'s copy
     /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`. `chunk` is the
-    /// workspace's copy of the chunk (only the other ranks' shares are filled in).
-    fn exchange(&mut self, step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()>;
+    /// workspace's copy of the chunk (only the other ranks' shares are filled in), in 16-bit
+    /// words: two per FP32 value, or one per value on a bf16 wire; the ranges count words.
+    fn exchange(&mut self, step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()>;
 
     /// Copies every other rank `q`'s finished `chunk[shares[q]]` into the same place of this
     /// rank's `chunk` (the workspace's copy, holding this rank's finished share); this rank's own
@@ -269,6 +292,11 @@ pub(crate) fn reduce_by_cut(
         ws.stage.resize(stage_len, 0.0);
     }
     let stage = &mut ws.stage[..stage_len];
+    let bf16 = pass.wire() == Dtype::Bf16;
+    if bf16 {
+        ws.wire_stage.resize(ws.wire_stage.len().max(stage_len), 0);
+        ws.wire_scratch.resize(ws.wire_scratch.len().max(scratch_len), 0);
+    }
     let mine = &mut ws.mine;
     mine.clear();
     // Step k's pieces, and where each lies in the stage: packed in rank order.
@@ -312,11 +340,30 @@ pub(crate) fn reduce_by_cut(
                 }
             })
             .collect();
-        // The pieces this rank sends, copied out of the caller's buffer before the exchange.
-        for q in (0..world).filter(|&q| q != rank) {
-            stage[packed[q].clone()].copy_from_slice(&buf[pieces[q].clone()]);
+        // The pieces this rank sends, copied out of the caller's buffer before the exchange: as
+        // they are, or on a bf16 wire their upper halves (exact: the caller rounded them), which
+        // are widened back on arrival.
+        let others = (0..world).filter(|&q| q != rank);
+        let step = Step::Exchange { chunk: k + 1, chunks: steps };
+        let end = packed[world - 1].end;
+        if bf16 {
+            for q in others.clone() {
+                for (w, &v) in ws.wire_stage[packed[q].clone()].iter_mut().zip(&buf[pieces[q].clone()]) {
+                    *w = math::f32_to_bf16(v);
+                }
+            }
+            t.exchange(step, &ws.wire_stage[..end], &packed, &mut ws.wire_scratch[..scratch_len], &slots)?;
+            for q in others {
+                for (v, &w) in scratch[slots[q].clone()].iter_mut().zip(&ws.wire_scratch[slots[q].clone()]) {
+                    *v = math::bf16_to_f32(w);
+                }
+            }
+        } else {
+            for q in others {
+                stage[packed[q].clone()].copy_from_slice(&buf[pieces[q].clone()]);
+            }
+            t.exchange(step, words(&stage[..end]), &in_words(&packed), words_mut(scratch), &in_words(&slots))?;
         }
-        t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, &stage[..packed[world - 1].end], &packed, scratch, &slots)?;
         let first = mine.len();
         mine.resize(first + cpu::blocks(own.len()), 0.0);
         sum_and_pass(&mut buf[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
@@ -416,6 +463,7 @@ mod tests {
         factor: f32,
         fused: bool,
         clip: bool,
+        wire: Dtype,
     }
 
     /// The second step's factor in the tests: a function of every block's value, not 1.
@@ -444,6 +492,10 @@ mod tests {
         fn rescale(&self, values: &[f64]) -> Option<f32> {
             self.clip.then(|| clip_factor(values))
         }
+
+        fn wire(&self) -> Dtype {
+            self.wire
+        }
     }
 
     #[test]
@@ -458,7 +510,7 @@ mod tests {
                 for fused in [false, true] {
                     let mut own = data[rank].clone();
                     let mut values = vec![0.0; cpu::blocks(len)];
-                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused, clip: false }, &mut values);
+                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused, clip: false, wire: Dtype::F32 }, &mut values);
                     assert!(own.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
                     assert!(values.iter().zip(&want_values).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
                 }
@@ -482,13 +534,17 @@ mod tests {
         /// The address ranges of every buffer this rank was handed, for the test to check that
         /// none is the caller's.
         handed: Vec<Range<usize>>,
+        /// 16-bit words received in exchanges.
+        words_received: usize,
     }
 
     impl Threads {
         fn group(world: usize) -> Vec<Threads> {
             let barrier = Arc::new(Barrier::new(world));
             let posts = Arc::new(Mutex::new(vec![(0, 0); world]));
-            (0..world).map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone(), handed: Vec::new() }).collect()
+            (0..world)
+                .map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone(), handed: Vec::new(), words_received: 0 })
+                .collect()
         }
 
         /// Publishes this rank's buffer; returns every rank's, once all have published.
@@ -509,14 +565,15 @@ mod tests {
             self.world
         }
 
-        fn exchange(&mut self, _step: Step, chunk: &[f32], shares: &[Range<usize>], scratch: &mut [f32], slots: &[Range<usize>]) -> Result<()> {
+        fn exchange(&mut self, _step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()> {
             let posts = self.publish(chunk.as_ptr(), chunk.len());
             self.handed.push(scratch.as_ptr() as usize..scratch.as_ptr() as usize + std::mem::size_of_val(scratch));
             for q in (0..self.world).filter(|&q| q != self.rank) {
+                self.words_received += slots[q].len();
                 // SAFETY: `posts[q]` is the pointer and length of rank q's `chunk`, published before
-                // `publish`'s barrier; rank q holds it as `&[f32]`, so nobody writes it, and it stays
+                // `publish`'s barrier; rank q holds it as `&[u16]`, so nobody writes it, and it stays
                 // alive until rank q passes the barrier below.
-                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
+                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const u16, posts[q].1) };
                 scratch[slots[q].clone()].copy_from_slice(&theirs[shares[self.rank].clone()]);
             }
             self.barrier.wait();
@@ -557,7 +614,7 @@ mod tests {
     /// Every rank's buffer and block values from the reduction in shares.
     fn in_shares(world: usize, len: usize, share_numel: usize, factor: f32, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
         let group = Threads::group(world);
-        let pass = Normalise { factor, fused: true, clip };
+        let pass = Normalise { factor, fused: true, clip, wire: Dtype::F32 };
         std::thread::scope(|s| {
             let handles: Vec<_> = group
                 .into_iter()
@@ -593,7 +650,7 @@ mod tests {
     /// (`reduce_by_cut` over the test transport) or in process.
     fn scattered(world: usize, len: usize, piece_numel: usize, clip: bool, local: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
         let shards = shard_ranges(len, world);
-        let pass = Normalise { factor: 0.3, fused: true, clip };
+        let pass = Normalise { factor: 0.3, fused: true, clip, wire: Dtype::F32 };
         let comms = LocalComm::group(world).unwrap();
         let group = Threads::group(world);
         std::thread::scope(|s| {
@@ -641,11 +698,60 @@ mod tests {
         }
     }
 
+    /// Every rank's result (its whole buffer after an all-reduce, its shard after a
+    /// reduce-scatter), the block values, and the 16-bit words it received in exchanges, for
+    /// bf16-exact inputs sent on `wire` through the test transport.
+    fn over_the_wire(world: usize, len: usize, scatter: bool, wire: Dtype) -> Vec<(Vec<f32>, Vec<f64>, usize)> {
+        let shards = shard_ranges(len, world);
+        let pass = Normalise { factor: 0.3, fused: true, clip: true, wire };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = Threads::group(world)
+                .into_iter()
+                .map(|mut t| {
+                    let (pass, shards) = (&pass, &shards);
+                    s.spawn(move || {
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
+                        cpu::round_to_bf16(&mut buf, 1);
+                        let mut ws = Workspace::default();
+                        let values = if scatter {
+                            let cut = ShardCut { shards, piece_numel: 2 * NORM_BLOCK };
+                            let values = reduce_by_cut(&mut t, &mut ws, &mut buf, &cut, false, pass).unwrap();
+                            buf = buf[shards[t.rank].clone()].to_vec();
+                            values
+                        } else {
+                            reduce_in_shares(&mut t, &mut ws, &mut buf, NORM_BLOCK, pass).unwrap()
+                        };
+                        (buf, values, t.words_received)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn a_bf16_wire_sends_half_the_words_for_the_same_sums() {
+        for world in [2, 3, 5] {
+            for len in [1, 3 * NORM_BLOCK + 7, 4 * world * NORM_BLOCK + 99] {
+                for scatter in [false, true] {
+                    let f32s = over_the_wire(world, len, scatter, Dtype::F32);
+                    let bf16s = over_the_wire(world, len, scatter, Dtype::Bf16);
+                    for (rank, (a, b)) in f32s.iter().zip(&bf16s).enumerate() {
+                        let what = format!("world {world} len {len} scatter {scatter} rank {rank}");
+                        assert!(same_bits(&(a.0.clone(), a.1.clone()), &(b.0.clone(), b.1.clone())), "{what}");
+                        assert_eq!(a.2, 2 * b.2, "{what}: words received");
+                    }
+                    assert!(bf16s.iter().any(|r| r.2 > 0) || len < world, "something travelled");
+                }
+            }
+        }
+    }
+
     /// Every rank's buffer and block values from the in-process communicator's reduction in
     /// shares.
     fn in_process(world: usize, len: usize, factor: f32, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
         let comms = LocalComm::group(world).unwrap();
-        let pass = Normalise { factor, fused: false, clip };
+        let pass = Normalise { factor, fused: false, clip, wire: Dtype::F32 };
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .iter()

@@ -108,6 +108,17 @@ pub fn scale(buf: &mut [f32], factor: f32, threads: usize) {
     });
 }
 
+/// `buf[i]` rounded to the nearest bfloat16 value, ties to even (NaN stays NaN): what a
+/// contribution becomes when it travels in bf16. Rounding twice changes nothing.
+pub fn round_to_bf16(buf: &mut [f32], threads: usize) {
+    run_parts(buf, part_ends(buf.len(), threads), |_, part| {
+        for v in part {
+            *v = math::bf16_to_f32(math::f32_to_bf16(*v));
+        }
+        false
+    });
+}
+
 /// Sum of squares in f64. Each block of [`math::NORM_BLOCK`] elements is summed by
 /// [`math::block_sum_squares`] and the block sums are added in block order, starting from `0.0`,
 /// so the result does not depend on the thread count or the SIMD path.

@@ -10,6 +10,7 @@ use super::math;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{pass_whole, BlockPass, Collectives, Control, ControlSum};
 use crate::device::Device;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 
@@ -135,11 +136,17 @@ impl Store for HostStore {
         // block also normalises it. With clipping the factor depends on the norm: the pass only
         // measures, and its second step scales once every block's sum is known.
         let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
-        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads };
         let host = p.comm.filter(|c| c.world_size() > 1).and_then(|c| match c.collectives() {
             Collectives::Host(h) => Some(h),
             Collectives::Nccl(_) => None,
         });
+        // A bf16 wire rounds each rank's contribution once, here, before any transport reads it,
+        // so every communicator sums the same values; only a reduction between ranks has a wire.
+        let wire = if host.is_some() { config.wire } else { Dtype::F32 };
+        if wire == Dtype::Bf16 {
+            super::round_to_bf16(all, threads);
+        }
+        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads, wire };
         let shards = self.plan.shards();
         let block_sums = match host {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
@@ -188,6 +195,7 @@ struct NormPass {
     factor: Option<f32>,
     clip: Option<Clip>,
     threads: usize,
+    wire: Dtype,
 }
 
 /// What the clipping coefficient needs beyond the block sums.
@@ -228,6 +236,10 @@ impl BlockPass for NormPass {
         let clip = self.clip?;
         let (_, clip_coef) = norm_and_clip(sums, clip.divisor, clip.max_norm);
         Some((clip_coef / clip.divisor as f64) as f32).filter(|&f| f != 1.0)
+    }
+
+    fn wire(&self) -> Dtype {
+        self.wire
     }
 }
 
