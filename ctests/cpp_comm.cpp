@@ -1,12 +1,19 @@
 // Communicator failures and resumed windows through the C++ wrapper (gradacc.hpp): two saved
 // windows merged into a fresh accumulator, the timeout round trip and its refused values, abort
 // of a local group (also waking a peer blocked in sync), and a timeout as gradacc::TimeoutError.
+// Reduce-scatter sharding: each rank's shard against an unsharded sync of the same window on
+// groups of 2 and 3, and the errors of a sharded accumulator configured or synced wrongly.
 #include <gradacc.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <limits>
+#include <random>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -146,6 +153,269 @@ static void timeout_throws_timeout_error()
     EXPECT(status_of([&] { acc.sync(group[0]); }) == GRADACC_STATUS_COMM_FAILURE, "after the timeout");
 }
 
+// ---- reduce-scatter sharding ---------------------------------------------------------------
+
+// 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+static const std::vector<gradacc::TensorDesc> kShardTensors = {
+    {7000, GRADACC_DTYPE_F16}, {5000, GRADACC_DTYPE_F32}, {6000, GRADACC_DTYPE_BF16}, {3, GRADACC_DTYPE_F32}};
+static const std::size_t kShardTotal = 18003;
+
+static bool same_bits(const float *a, const float *b, std::size_t n)
+{
+    return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+static bool same_info(const gradacc::SyncInfo &a, const gradacc::SyncInfo &b)
+{
+    return a.found_inf == b.found_inf && a.total_count == b.total_count && a.microbatches == b.microbatches &&
+           std::memcmp(&a.grad_norm, &b.grad_norm, sizeof a.grad_norm) == 0 &&
+           std::memcmp(&a.clip_coef, &b.clip_coef, sizeof a.clip_coef) == 0;
+}
+
+// One micro-batch of loss-scaled random gradients: f32 values, f16 and bf16 words (finite).
+struct RandomGrads {
+    std::vector<std::vector<float>> f32;
+    std::vector<std::vector<uint16_t>> words;
+    std::vector<const void *> ptrs;
+
+    explicit RandomGrads(std::mt19937 &rng)
+    {
+        f32.reserve(kShardTensors.size()); // no reallocation: ptrs point into these buffers
+        words.reserve(kShardTensors.size());
+        std::normal_distribution<float> normal(0.0f, 64.0f);
+        for (const gradacc::TensorDesc &t : kShardTensors) {
+            std::vector<float> g(t.numel);
+            for (float &x : g)
+                x = normal(rng);
+            if (t.dtype == GRADACC_DTYPE_F32) {
+                f32.push_back(std::move(g));
+                ptrs.push_back(f32.back().data());
+                continue;
+            }
+            std::vector<uint16_t> w(t.numel);
+            for (std::size_t i = 0; i < w.size(); i++) {
+                uint32_t bits;
+                std::memcpy(&bits, &g[i], sizeof bits);
+                if (t.dtype == GRADACC_DTYPE_BF16) {
+                    w[i] = static_cast<uint16_t>(bits >> 16);
+                } else { // fp16 of |x| < 2^14 by truncation (magnitudes below 2^-14 flush to zero)
+                    const int e = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
+                    const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+                    w[i] = e <= 0 ? sign : static_cast<uint16_t>(sign | (std::min(e, 29) << 10) | ((bits >> 13) & 0x3ff));
+                }
+            }
+            words.push_back(std::move(w));
+            ptrs.push_back(words.back().data());
+        }
+    }
+};
+
+struct ShardRank {
+    std::string error; // an unexpected exception on the rank's thread
+    gradacc::SyncInfo sharded_info{}, plain_info{};
+    std::size_t offset = 0, numel = 0;
+    bool address_is_flat_master_at_offset = false;
+    std::vector<float> shard, plain; // the shard's values; the unsharded flat master
+};
+
+static uint64_t microbatch_count(int rank, int m) { return 1 + static_cast<uint64_t>((3 * rank + m) % 5); }
+
+// Every rank adds the same three random micro-batches to a sharded and an unsharded accumulator
+// and syncs each on its own group: the shard must be the unsharded master's range, bit for bit.
+static void sharded_sync_matches_unsharded(int world, float max_grad_norm)
+{
+    gradacc::LocalGroup sharded_group(world), plain_group(world);
+    std::vector<ShardRank> ranks(static_cast<std::size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; r++) {
+        threads.emplace_back([&, r] {
+            ShardRank &out = ranks[static_cast<std::size_t>(r)];
+            try {
+                gradacc::ScalerConfig sc;
+                sc.init_scale = 1024.0f;
+                gradacc::Scaler scaler(sc);
+                gradacc::AccumulatorConfig plain_config;
+                plain_config.max_grad_norm = max_grad_norm;
+                gradacc::AccumulatorConfig sharded_config = plain_config;
+                sharded_config.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+                sharded_config.shard_count = static_cast<uint32_t>(world);
+                sharded_config.shard_rank = static_cast<uint32_t>(r);
+                gradacc::Accumulator sharded(kShardTensors, sharded_config), plain(kShardTensors, plain_config);
+                std::mt19937 rng(static_cast<uint32_t>(100 * world + r));
+                for (int m = 0; m < 3; m++) {
+                    const RandomGrads g(rng);
+                    sharded.add(scaler, g.ptrs, microbatch_count(r, m));
+                    plain.add(scaler, g.ptrs, microbatch_count(r, m));
+                }
+                out.sharded_info = sharded.sync(sharded_group[static_cast<std::size_t>(r)]);
+                out.plain_info = plain.sync(plain_group[static_cast<std::size_t>(r)]);
+                const gradacc::Shard s = sharded.shard();
+                out.offset = s.offset;
+                out.numel = s.numel();
+                out.shard.assign(s.data.begin(), s.data.end());
+                out.address_is_flat_master_at_offset = s.data.data() == sharded.master(0).data() + s.offset;
+                for (std::size_t i = 0; i < plain.num_tensors(); i++)
+                    out.plain.insert(out.plain.end(), plain.master(i).begin(), plain.master(i).end());
+            } catch (const std::exception &e) {
+                out.error = e.what();
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+
+    uint64_t total_count = 0;
+    for (int r = 0; r < world; r++)
+        for (int m = 0; m < 3; m++)
+            total_count += microbatch_count(r, m);
+    std::size_t next = 0; // the shards tile the layout in rank order
+    for (int r = 0; r < world; r++) {
+        const ShardRank &x = ranks[static_cast<std::size_t>(r)];
+        EXPECT(x.error.empty(), "world %d rank %d: %s", world, r, x.error.c_str());
+        if (!x.error.empty())
+            continue;
+        EXPECT(x.offset == next, "world %d rank %d: shard at %zu, the previous ended at %zu", world, r, x.offset, next);
+        EXPECT(x.numel > 0 && x.numel < kShardTotal, "world %d rank %d: %zu elements", world, r, x.numel);
+        next = x.offset + x.numel;
+        EXPECT(x.address_is_flat_master_at_offset, "world %d rank %d: the shard's address", world, r);
+        EXPECT(same_info(x.sharded_info, x.plain_info), "world %d rank %d: norm %.9g vs %.9g, clip %.9g vs %.9g",
+               world, r, x.sharded_info.grad_norm, x.plain_info.grad_norm, x.sharded_info.clip_coef,
+               x.plain_info.clip_coef);
+        EXPECT(same_info(x.sharded_info, ranks[0].sharded_info), "world %d rank %d: info differs from rank 0", world, r);
+        EXPECT(x.sharded_info.total_count == total_count && x.sharded_info.microbatches == 3u * world &&
+                   !x.sharded_info.found_inf,
+               "world %d rank %d: count %llu, micro-batches %llu", world, r,
+               (unsigned long long)x.sharded_info.total_count, (unsigned long long)x.sharded_info.microbatches);
+        EXPECT((x.sharded_info.clip_coef < 1.0) == (max_grad_norm > 0.0f), "world %d: clip_coef %g", world,
+               x.sharded_info.clip_coef);
+        EXPECT(x.plain.size() == kShardTotal && x.offset + x.numel <= x.plain.size() &&
+                   same_bits(x.shard.data(), x.plain.data() + x.offset, x.numel),
+               "world %d rank %d: the shard is not the unsharded master's elements %zu..%zu", world, r, x.offset,
+               x.offset + x.numel);
+        bool any_nonzero = false;
+        for (float v : x.shard)
+            any_nonzero = any_nonzero || v != 0.0f;
+        EXPECT(any_nonzero, "world %d rank %d: an all-zero shard", world, r);
+        EXPECT(x.plain.size() == ranks[0].plain.size() && same_bits(x.plain.data(), ranks[0].plain.data(), x.plain.size()),
+               "world %d rank %d: the unsharded masters differ", world, r);
+    }
+    EXPECT(next == kShardTotal, "world %d: the shards end at %zu of %zu", world, next, kShardTotal);
+}
+
+static void unsharded_shard_is_the_whole_master()
+{
+    gradacc::Scaler scaler = unit_scaler();
+    gradacc::Accumulator acc(kShardTensors);
+    std::mt19937 rng(7);
+    const RandomGrads g(rng);
+    acc.add(scaler, g.ptrs, 4);
+    acc.sync();
+    const gradacc::Shard s = acc.shard();
+    EXPECT(s.offset == 0 && s.numel() == kShardTotal, "offset %zu, %zu elements", s.offset, s.numel());
+    EXPECT(s.data.data() == acc.master(0).data(), "not the master's address");
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < acc.num_tensors(); i++) {
+        const gradacc::span<float> m = acc.master(i);
+        EXPECT(at + m.size() <= s.numel() && m.data() == s.data.data() + at, "tensor %zu is not in the shard", i);
+        at += m.size();
+    }
+}
+
+// The INVALID_ARGUMENT that creating an accumulator with `config` throws, or "" if it succeeds.
+static std::string refused(const gradacc::AccumulatorConfig &config)
+{
+    try {
+        gradacc::Accumulator acc(kShardTensors, config);
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_INVALID_ARGUMENT, "%s", e.what());
+        return e.message();
+    }
+    return "";
+}
+
+static void bad_sharding_configs_are_refused()
+{
+    const uint32_t bad[][2] = {{2, 2}, {3, 7}, {0, 0}};
+    for (const auto &cr : bad) {
+        gradacc::AccumulatorConfig c;
+        c.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+        c.shard_count = cr[0];
+        c.shard_rank = cr[1];
+        const std::string m = refused(c);
+        EXPECT(m.find("shard_rank") != std::string::npos, "rank %u of %u: \"%s\"", cr[1], cr[0], m.c_str());
+    }
+    gradacc::AccumulatorConfig no_policy;
+    no_policy.shard_count = 2;
+    no_policy.shard_rank = 1;
+    std::string m = refused(no_policy);
+    EXPECT(m.find("sharding") != std::string::npos, "no policy: \"%s\"", m.c_str());
+    gradacc::AccumulatorConfig unknown;
+    unknown.sharding = 7;
+    m = refused(unknown);
+    EXPECT(m.find("sharding") != std::string::npos, "policy 7: \"%s\"", m.c_str());
+    gradacc::AccumulatorConfig f16_wire;
+    f16_wire.wire_dtype = GRADACC_DTYPE_F16;
+    m = refused(f16_wire);
+    EXPECT(m.find("wire_dtype") != std::string::npos, "f16 wire: \"%s\"", m.c_str());
+}
+
+// Each rank of a local group of `world` syncs an accumulator holding shard `shard_rank[r]` of
+// `shard_count`: the status each rank's sync threw (GRADACC_STATUS_OK if none) and its message.
+static std::vector<std::pair<gradacc_status_t, std::string>> sharded_sync_statuses(int world, uint32_t shard_count,
+                                                                                     const std::vector<uint32_t> &shard_rank)
+{
+    gradacc::LocalGroup group(world);
+    for (gradacc::Communicator &c : group)
+        c.set_timeout(std::chrono::seconds(30)); // a rank left waiting fails instead of hanging
+    std::vector<std::pair<gradacc_status_t, std::string>> seen(static_cast<std::size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; r++) {
+        threads.emplace_back([&, r] {
+            const std::size_t q = static_cast<std::size_t>(r);
+            try {
+                gradacc::AccumulatorConfig c;
+                c.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+                c.shard_count = shard_count;
+                c.shard_rank = shard_rank[q];
+                gradacc::Accumulator acc({{2, GRADACC_DTYPE_F32}}, c);
+                one_microbatch(acc);
+                acc.sync(group[q]);
+                seen[q] = {GRADACC_STATUS_OK, ""};
+            } catch (const gradacc::Error &e) {
+                seen[q] = {e.status(), e.message()};
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+    return seen;
+}
+
+static void sharded_sync_on_the_wrong_group_fails_every_rank()
+{
+    const auto wrong_size = sharded_sync_statuses(2, 3, {0, 1});
+    for (std::size_t r = 0; r < wrong_size.size(); r++) {
+        EXPECT(wrong_size[r].first == GRADACC_STATUS_INVALID_ARGUMENT, "3 shards on 2 ranks, rank %zu: status %d",
+               r, (int)wrong_size[r].first);
+        EXPECT(wrong_size[r].second.find("of 3") != std::string::npos &&
+                   wrong_size[r].second.find("of 2") != std::string::npos,
+               "rank %zu: \"%s\"", r, wrong_size[r].second.c_str());
+    }
+    const auto one_wrong = sharded_sync_statuses(2, 2, {0, 0}); // rank 1 claims shard 0 too
+    EXPECT(one_wrong[1].first == GRADACC_STATUS_INVALID_ARGUMENT &&
+               one_wrong[1].second.find("shard 0 of 2") != std::string::npos,
+           "rank 1: %d \"%s\"", (int)one_wrong[1].first, one_wrong[1].second.c_str());
+    EXPECT(one_wrong[0].first == GRADACC_STATUS_PEER_FAILURE, "rank 0, whose shard is right: status %d",
+           (int)one_wrong[0].first);
+
+    gradacc::AccumulatorConfig c;
+    c.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+    c.shard_count = 2;
+    gradacc::Accumulator acc({{2, GRADACC_DTYPE_F32}}, c);
+    one_microbatch(acc);
+    EXPECT(status_of([&] { acc.sync(); }) == GRADACC_STATUS_INVALID_ARGUMENT, "a sharded sync with no communicator");
+}
+
 int main()
 {
     try {
@@ -155,6 +425,12 @@ int main()
         abort_then_sync_fails();
         abort_wakes_a_blocked_peer();
         timeout_throws_timeout_error();
+        for (int world : {2, 3})
+            for (float max_grad_norm : {0.0f, 0.25f})
+                sharded_sync_matches_unsharded(world, max_grad_norm);
+        unsharded_shard_is_the_whole_master();
+        bad_sharding_configs_are_refused();
+        sharded_sync_on_the_wrong_group_fails_every_rank();
     } catch (const gradacc::Error &e) {
         std::fprintf(stderr, "unexpected: %s\n", e.what());
         return 1;

@@ -119,11 +119,23 @@ struct ScalerConfig : gradacc_scaler_config_t {
     ScalerConfig() : gradacc_scaler_config_t() { check(gradacc_scaler_config_default(this)); }
 };
 
-/** gradacc_accumulator_config_t initialised by gradacc_accumulator_config_default(). */
+/** gradacc_accumulator_config_t initialised by gradacc_accumulator_config_default(). For a
+ * reduce-scatter boundary set `sharding = GRADACC_SHARDING_REDUCE_SCATTER`, `shard_count` (the
+ * communicator's size) and `shard_rank` (this rank on it); `wire_dtype` is what the boundary's
+ * reductions send (GRADACC_DTYPE_F32 by default). */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));
     }
+};
+
+/** A rank's shard of an accumulator's flat FP32 master (Accumulator::shard()): elements `offset`
+ * to `offset + data.size()` of the tensors laid out one after another, and a view of them (device
+ * memory on CUDA). */
+struct Shard {
+    std::size_t offset = 0;
+    span<float> data;
+    std::size_t numel() const noexcept { return data.size(); }
 };
 
 using TensorDesc = gradacc_tensor_desc_t;
@@ -322,7 +334,9 @@ public:
 
     /** The boundary for one process. */
     SyncInfo sync() { return sync_with(nullptr); }
-    /** The boundary across `comm`'s group: every rank calls it, each on its own thread. */
+    /** The boundary across `comm`'s group: every rank calls it, each on its own thread. A
+     * sharded accumulator needs a group of `shard_count` ranks on which it is `shard_rank`;
+     * otherwise every rank throws. */
     SyncInfo sync(Communicator &comm) { return sync_with(comm.get()); }
 
     /** Tensor `index`'s FP32 master gradient, as a view into the accumulator's buffer. It stays
@@ -334,6 +348,22 @@ public:
         std::size_t n = 0;
         check(gradacc_accumulator_master(handle_.get(), index, &p, &n));
         return span<float>(p, n);
+    }
+
+    /** This rank's shard of the master: its range in the flat layout and a view of it, valid as
+     * master()'s views are; the range never changes. Without sharding it is the whole master.
+     * With GRADACC_SHARDING_REDUCE_SCATTER, after a sync only the shard holds the reduced
+     * gradient (the bits an unsharded sync leaves there); the rest of the master is unspecified
+     * until the next window's first micro-batch. Shards are cut in whole blocks of 4096
+     * elements, so the last ones may be shorter or empty. */
+    Shard shard() const {
+        std::size_t offset = 0, n = 0;
+        float *p = nullptr;
+        check(gradacc_accumulator_shard(handle_.get(), &offset, &n, &p));
+        Shard s;
+        s.offset = offset;
+        s.data = span<float>(p, n);
+        return s;
     }
 
     std::size_t num_tensors() const {
