@@ -87,6 +87,17 @@ const (
 	NormalizeNone  Normalize = C.GRADACC_NORMALIZE_NONE
 )
 
+// Sharding says what each rank holds of the reduced gradient after the boundary.
+type Sharding int32
+
+const (
+	// ShardingNone: every rank holds the whole reduced gradient (an all-reduce, as DDP).
+	ShardingNone Sharding = C.GRADACC_SHARDING_NONE
+	// ShardingReduceScatter: rank ShardRank of ShardCount holds only its shard of the reduced
+	// gradient (Accumulator.Shard), through a reduce-scatter, as a distributed optimizer needs.
+	ShardingReduceScatter Sharding = C.GRADACC_SHARDING_REDUCE_SCATTER
+)
+
 // HeaderVersion is the version of the header this package was compiled against.
 const HeaderVersion = C.GRADACC_VERSION_STRING
 

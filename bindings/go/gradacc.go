@@ -61,6 +61,13 @@ type AccumulatorConfig struct {
 	MaxGradNorm   float32
 	BucketNumel   uint64
 	Threads       uint32
+	// Sharding is the boundary's policy (default ShardingNone). With ShardingReduceScatter,
+	// Sync takes a communicator of ShardCount ranks on which this is rank ShardRank.
+	Sharding   Sharding
+	ShardCount uint32 // default 1; must be 1 without sharding
+	ShardRank  uint32 // default 0; below ShardCount
+	// WireDType is what the boundary's reductions send (default F32).
+	WireDType DType
 }
 
 // DefaultAccumulatorConfig is gradacc_accumulator_config_default.
@@ -72,6 +79,8 @@ func DefaultAccumulatorConfig() AccumulatorConfig {
 	return AccumulatorConfig{
 		LossReduction: LossReduction(c.loss_reduction), Normalize: Normalize(c.normalize),
 		MaxGradNorm: float32(c.max_grad_norm), BucketNumel: uint64(c.bucket_numel), Threads: uint32(c.threads),
+		Sharding: Sharding(c.sharding), ShardCount: uint32(c.shard_count), ShardRank: uint32(c.shard_rank),
+		WireDType: DType(c.wire_dtype),
 	}
 }
 
@@ -83,6 +92,10 @@ func (a *AccumulatorConfig) c() C.gradacc_accumulator_config_t {
 	c.max_grad_norm = C.float(a.MaxGradNorm)
 	c.bucket_numel = C.uint64_t(a.BucketNumel)
 	c.threads = C.uint32_t(a.Threads)
+	c.sharding = C.gradacc_sharding_t(a.Sharding)
+	c.shard_count = C.uint32_t(a.ShardCount)
+	c.shard_rank = C.uint32_t(a.ShardRank)
+	c.wire_dtype = C.gradacc_dtype_t(a.WireDType)
 	return c
 }
 
@@ -603,6 +616,39 @@ func (a *Accumulator) CopyMaster(index int) ([]float32, error) {
 	out := append([]float32(nil), view...)
 	runtime.KeepAlive(a)
 	return out, nil
+}
+
+// Shard returns this rank's shard of the FP32 master: its offset in the flat layout (the
+// tensors one after another) and a slice over its elements in gradacc's memory (no copy; host
+// accumulators only), valid as Master's slices are. Without sharding it is the whole master.
+// With ShardingReduceScatter, after a Sync only the shard holds the reduced gradient (the bits
+// an unsharded Sync leaves there); the rest of the master is unspecified until the next window's
+// first micro-batch. Shards are cut in whole blocks of 4096 elements, so the last ones may be
+// shorter or empty. The range never changes.
+func (a *Accumulator) Shard() (offset int, shard []float32, err error) {
+	p, err := a.handle()
+	if err != nil {
+		return 0, nil, err
+	}
+	var off, n C.size_t
+	var ptr *C.float
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_shard(p, &off, &n, &ptr) })
+	runtime.KeepAlive(a)
+	if err != nil {
+		return 0, nil, err
+	}
+	return int(off), unsafe.Slice((*float32)(unsafe.Pointer(ptr)), int(n)), nil
+}
+
+// CopyShard returns Shard's offset and a copy of its elements.
+func (a *Accumulator) CopyShard() (offset int, shard []float32, err error) {
+	offset, view, err := a.Shard()
+	if err != nil {
+		return 0, nil, err
+	}
+	out := append([]float32(nil), view...)
+	runtime.KeepAlive(a)
+	return offset, out, nil
 }
 
 // Reset discards the window in progress.

@@ -1,0 +1,355 @@
+package gradacc
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+var shardTensors = []TensorDesc{{7000, F16}, {5000, F32}, {6000, BF16}, {3, F32}}
+
+const shardTotal = 18003
+
+// f16Trunc is x as fp16 bits by truncation; magnitudes below 2^-14 flush to zero, so every
+// word is finite for the |x| < 2^15 drawn here.
+func f16Trunc(x float32) uint16 {
+	bits := math.Float32bits(x)
+	sign := uint16(bits>>16) & 0x8000
+	e := int(bits>>23&0xff) - 127 + 15
+	if e <= 0 {
+		return sign
+	}
+	return sign | uint16(min(e, 29))<<10 | uint16(bits>>13&0x3ff)
+}
+
+// randomGrads is one micro-batch of loss-scaled random gradients in each tensor's dtype.
+func randomGrads(rng *rand.Rand) []Grad {
+	grads := make([]Grad, len(shardTensors))
+	for i, t := range shardTensors {
+		g := make([]float32, t.Numel)
+		for j := range g {
+			g[j] = float32(rng.NormFloat64() * 64)
+		}
+		switch t.DType {
+		case F32:
+			grads[i] = Float32s(g)
+		case F16:
+			w := make([]uint16, len(g))
+			for j, x := range g {
+				w[j] = f16Trunc(x)
+			}
+			grads[i] = Words16(w)
+		default:
+			w := make([]uint16, len(g))
+			for j, x := range g {
+				w[j] = bf16(x)
+			}
+			grads[i] = Words16(w)
+		}
+	}
+	return grads
+}
+
+// onRanks runs body(r) for every rank of a world, each in its own goroutine locked to its own
+// OS thread, and fails the test if a rank has not returned within a minute.
+func onRanks(t *testing.T, world int, body func(r int)) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for r := 0; r < world; r++ {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			body(r)
+		}(r)
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("a rank hangs")
+	}
+}
+
+func closeAll(comms []*Comm) {
+	for _, c := range comms {
+		c.Close()
+	}
+}
+
+func microbatchCount(r, m int) uint64 { return 1 + uint64((3*r+m)%5) }
+
+type shardResult struct {
+	err                   error
+	sharded, plain        SyncInfo
+	offset                int
+	shard, flat           []float32
+	addressIsFlatAtOffset bool
+}
+
+// Every rank adds the same random micro-batches to a sharded and an unsharded accumulator and
+// syncs each on its own group: the shard must be the unsharded master's range, bit for bit.
+func TestShardedSyncMatchesTheUnshardedMaster(t *testing.T) {
+	for _, world := range []int{2, 3} {
+		for _, maxNorm := range []float32{0, 0.25} {
+			t.Run(fmt.Sprintf("world%d/maxnorm%g", world, maxNorm), func(t *testing.T) {
+				checkShardedSync(t, world, maxNorm)
+			})
+		}
+	}
+}
+
+func checkShardedSync(t *testing.T, world int, maxNorm float32) {
+	shardedComms, plainComms := must(NewLocalGroup(world)), must(NewLocalGroup(world))
+	defer closeAll(shardedComms)
+	defer closeAll(plainComms)
+	res := make([]shardResult, world)
+	onRanks(t, world, func(r int) {
+		res[r].err = func() error {
+			scaler := scalerWithScale(t, 1024)
+			defer scaler.Close()
+			pc := DefaultAccumulatorConfig()
+			pc.MaxGradNorm = maxNorm
+			sc := pc
+			sc.Sharding, sc.ShardCount, sc.ShardRank = ShardingReduceScatter, uint32(world), uint32(r)
+			sharded, err := NewAccumulator(shardTensors, &sc, nil)
+			if err != nil {
+				return err
+			}
+			defer sharded.Close()
+			plain, err := NewAccumulator(shardTensors, &pc, nil)
+			if err != nil {
+				return err
+			}
+			defer plain.Close()
+			rng := rand.New(rand.NewSource(int64(100*world + r)))
+			for m := 0; m < 3; m++ {
+				g := randomGrads(rng)
+				if err := sharded.Add(scaler, g, microbatchCount(r, m)); err != nil {
+					return err
+				}
+				if err := plain.Add(scaler, g, microbatchCount(r, m)); err != nil {
+					return err
+				}
+			}
+			if res[r].sharded, err = sharded.Sync(shardedComms[r]); err != nil {
+				return err
+			}
+			if res[r].plain, err = plain.Sync(plainComms[r]); err != nil {
+				return err
+			}
+			offset, view, err := sharded.Shard()
+			if err != nil {
+				return err
+			}
+			m0, err := sharded.Master(0)
+			if err != nil {
+				return err
+			}
+			res[r].offset, res[r].shard = offset, append([]float32(nil), view...)
+			res[r].addressIsFlatAtOffset = len(view) > 0 &&
+				unsafe.Pointer(&view[0]) == unsafe.Add(unsafe.Pointer(&m0[0]), 4*offset)
+			for i := range shardTensors {
+				m, err := plain.CopyMaster(i)
+				if err != nil {
+					return err
+				}
+				res[r].flat = append(res[r].flat, m...)
+			}
+			runtime.KeepAlive(sharded)
+			return nil
+		}()
+	})
+
+	var count uint64
+	for r := 0; r < world; r++ {
+		for m := 0; m < 3; m++ {
+			count += microbatchCount(r, m)
+		}
+	}
+	next := 0 // the shards tile the layout in rank order
+	for r, x := range res {
+		if x.err != nil {
+			t.Fatalf("rank %d: %v", r, x.err)
+		}
+		if x.offset != next || len(x.shard) == 0 || len(x.shard) >= shardTotal {
+			t.Fatalf("rank %d: shard %d..%d, the previous ended at %d", r, x.offset, x.offset+len(x.shard), next)
+		}
+		next = x.offset + len(x.shard)
+		if !x.addressIsFlatAtOffset {
+			t.Errorf("rank %d: the shard's address is not the flat master's at offset %d", r, x.offset)
+		}
+		if x.sharded != x.plain || x.sharded != res[0].sharded {
+			t.Errorf("rank %d: sharded %+v, unsharded %+v, rank 0 %+v", r, x.sharded, x.plain, res[0].sharded)
+		}
+		if x.sharded.TotalCount != count || x.sharded.Microbatches != uint64(3*world) || x.sharded.FoundInf {
+			t.Errorf("rank %d: %+v", r, x.sharded)
+		}
+		if (x.sharded.ClipCoef < 1) != (maxNorm > 0) {
+			t.Errorf("rank %d: clip_coef %v with max_grad_norm %v", r, x.sharded.ClipCoef, maxNorm)
+		}
+		if len(x.flat) != shardTotal {
+			t.Fatalf("rank %d: %d elements in the unsharded masters", r, len(x.flat))
+		}
+		nonzero := false
+		for i, v := range x.shard {
+			if math.Float32bits(v) != math.Float32bits(x.flat[x.offset+i]) {
+				t.Fatalf("rank %d: element %d of the shard (%d of the layout) is %v, unsharded %v",
+					r, i, x.offset+i, v, x.flat[x.offset+i])
+			}
+			nonzero = nonzero || v != 0
+		}
+		if !nonzero {
+			t.Errorf("rank %d: an all-zero shard", r)
+		}
+		for i := range x.flat {
+			if math.Float32bits(x.flat[i]) != math.Float32bits(res[0].flat[i]) {
+				t.Fatalf("rank %d: the unsharded masters differ from rank 0's at %d", r, i)
+			}
+		}
+	}
+	if next != shardTotal {
+		t.Fatalf("the shards end at %d of %d", next, shardTotal)
+	}
+}
+
+func TestUnshardedShardIsTheWholeMaster(t *testing.T) {
+	scaler := scalerWithScale(t, 1024)
+	defer scaler.Close()
+	acc := must(NewAccumulator(shardTensors, nil, nil))
+	defer acc.Close()
+	if err := acc.Add(scaler, randomGrads(rand.New(rand.NewSource(7))), 4); err != nil {
+		t.Fatal(err)
+	}
+	must(acc.Sync(nil))
+	offset, shard, err := acc.Shard()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if offset != 0 || len(shard) != shardTotal {
+		t.Fatalf("shard %d..%d, want 0..%d", offset, offset+len(shard), shardTotal)
+	}
+	at := 0
+	for i := range shardTensors {
+		m := must(acc.Master(i))
+		if &m[0] != &shard[at] {
+			t.Fatalf("tensor %d is not at element %d of the shard", i, at)
+		}
+		at += len(m)
+	}
+	if off, c, err := acc.CopyShard(); err != nil || off != 0 || len(c) != shardTotal || c[5] != shard[5] {
+		t.Fatalf("CopyShard: %d, %d elements, %v", off, len(c), err)
+	}
+	runtime.KeepAlive(acc)
+	acc.Close()
+	if _, _, err := acc.Shard(); !errors.Is(err, &Error{Status: StatusInvalidHandle}) {
+		t.Fatalf("closed: %v", err)
+	}
+}
+
+func TestDefaultConfigIsUnshardedWithF32Wire(t *testing.T) {
+	c := DefaultAccumulatorConfig()
+	if c.Sharding != ShardingNone || c.ShardCount != 1 || c.ShardRank != 0 || c.WireDType != F32 {
+		t.Fatalf("%+v", c)
+	}
+	c.Sharding, c.ShardCount, c.ShardRank = ShardingReduceScatter, 3, 2
+	acc := must(NewAccumulator(shardTensors, &c, nil))
+	defer acc.Close()
+	if offset, shard, err := acc.Shard(); err != nil || offset != 16384 || len(shard) != shardTotal-16384 {
+		t.Fatalf("rank 2 of 3: %d, %d elements, %v", offset, len(shard), err)
+	}
+}
+
+// refused checks that creating an accumulator with c fails with StatusInvalidArgument and a
+// message naming word.
+func refused(t *testing.T, what string, c AccumulatorConfig, word string) {
+	t.Helper()
+	acc, err := NewAccumulator(shardTensors, &c, nil)
+	var e *Error
+	if !errors.As(err, &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, word) {
+		if acc != nil {
+			acc.Close()
+		}
+		t.Errorf("%s: got %v, want INVALID_ARGUMENT naming %s", what, err, word)
+	}
+}
+
+func TestBadShardingConfigsAreRefused(t *testing.T) {
+	for _, cr := range [][2]uint32{{2, 2}, {3, 7}, {0, 0}} {
+		c := DefaultAccumulatorConfig()
+		c.Sharding, c.ShardCount, c.ShardRank = ShardingReduceScatter, cr[0], cr[1]
+		refused(t, fmt.Sprintf("rank %d of %d", cr[1], cr[0]), c, "shard_rank")
+	}
+	c := DefaultAccumulatorConfig()
+	c.ShardCount, c.ShardRank = 2, 1
+	refused(t, "no policy", c, "sharding")
+	c = DefaultAccumulatorConfig()
+	c.Sharding = 7
+	refused(t, "policy 7", c, "sharding")
+	c = DefaultAccumulatorConfig()
+	c.WireDType = F16
+	refused(t, "f16 wire", c, "wire_dtype")
+}
+
+// shardedSyncErrors has each rank of a local group of world sync an accumulator holding shard
+// shardRank[r] of shardCount, and returns each rank's error.
+func shardedSyncErrors(t *testing.T, world int, shardCount uint32, shardRank []uint32) []error {
+	comms := must(NewLocalGroup(world))
+	defer closeAll(comms)
+	for _, c := range comms {
+		if err := c.SetTimeout(30 * time.Second); err != nil { // a rank left waiting fails, not hangs
+			t.Fatal(err)
+		}
+	}
+	errs := make([]error, world)
+	onRanks(t, world, func(r int) {
+		c := DefaultAccumulatorConfig()
+		c.Sharding, c.ShardCount, c.ShardRank = ShardingReduceScatter, shardCount, shardRank[r]
+		acc, err := NewAccumulator([]TensorDesc{{2, F32}}, &c, nil)
+		if err != nil {
+			errs[r] = fmt.Errorf("create: %w", err)
+			return
+		}
+		defer acc.Close()
+		oneMicrobatch(t, acc)
+		_, errs[r] = acc.Sync(comms[r])
+	})
+	return errs
+}
+
+func TestShardedSyncOnTheWrongGroupFailsEveryRank(t *testing.T) {
+	for r, err := range shardedSyncErrors(t, 2, 3, []uint32{0, 1}) {
+		var e *Error
+		if !errors.As(err, &e) || e.Status != StatusInvalidArgument ||
+			!strings.Contains(e.Message, "of 3") || !strings.Contains(e.Message, "of 2") {
+			t.Errorf("3 shards on 2 ranks, rank %d: %v", r, err)
+		}
+	}
+	errs := shardedSyncErrors(t, 2, 2, []uint32{0, 0}) // rank 1 claims shard 0 too
+	var e *Error
+	if !errors.As(errs[1], &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, "shard 0 of 2") {
+		t.Errorf("rank 1: %v", errs[1])
+	}
+	if !errors.Is(errs[0], &Error{Status: StatusPeerFailure}) {
+		t.Errorf("rank 0, whose shard is right: %v", errs[0])
+	}
+
+	c := DefaultAccumulatorConfig()
+	c.Sharding, c.ShardCount = ShardingReduceScatter, 2
+	acc := must(NewAccumulator([]TensorDesc{{2, F32}}, &c, nil))
+	defer acc.Close()
+	oneMicrobatch(t, acc)
+	if _, err := acc.Sync(nil); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
+		t.Fatalf("a sharded sync with no communicator: %v", err)
+	}
+}
