@@ -1,0 +1,83 @@
+/* Helpers of the MPI reduce-scatter tests: an accumulator holding this rank's shard of the world,
+ * and the check that a sharded boundary left the all-reduce's bits in the shard. */
+#ifndef GRADACC_CTESTS_MPI_SHARD_COMMON_H
+#define GRADACC_CTESTS_MPI_SHARD_COMMON_H
+
+#include "mpi/mpi_common.h"
+
+/* An accumulator over `n` tensors; `shards` 0 means unsharded, otherwise shard `rank` of `shards`. */
+static inline gradacc_accumulator_t *make_shard_acc(const gradacc_tensor_desc_t *t, size_t n, gradacc_normalize_t normalize,
+                                                    float max_grad_norm, int shards, int rank)
+{
+    gradacc_accumulator_config_t ac;
+    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
+    ac.normalize = normalize;
+    ac.max_grad_norm = max_grad_norm;
+    if (shards) {
+        ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+        ac.shard_count = (uint32_t)shards;
+        ac.shard_rank = (uint32_t)rank;
+    }
+    gradacc_accumulator_t *a = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(&ac, t, n, NULL, &a));
+    return a;
+}
+
+static inline uint64_t double_bits(double x)
+{
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline int same_info(const gradacc_sync_info_t *a, const gradacc_sync_info_t *b)
+{
+    return a->found_inf == b->found_inf && a->total_count == b->total_count && a->microbatches == b->microbatches &&
+           double_bits(a->grad_norm) == double_bits(b->grad_norm) && double_bits(a->clip_coef) == double_bits(b->clip_coef);
+}
+
+/* After `sharded` (shard world_rank() of world_size()) and `plain` (unsharded), holding the same
+ * window, synced on MPI_COMM_WORLD with infos `si` and `pi`: the infos are the same bits, on
+ * every rank; the shards tile the master in rank order; and this rank's shard holds the bits of
+ * the same range of the all-reduced master (not compared when `values` is 0: an overflow). */
+static inline void check_shard(gradacc_accumulator_t *sharded, gradacc_accumulator_t *plain, const gradacc_sync_info_t *si,
+                               const gradacc_sync_info_t *pi, int values, const char *what)
+{
+    const int rank = world_rank(), world = world_size();
+    CHECK(same_info(si, pi), "%s rank %d: sharded info {inf %d count %llu mb %llu norm %.17g clip %.17g}, all-reduce "
+                             "{inf %d count %llu mb %llu norm %.17g clip %.17g}",
+          what, rank, (int)si->found_inf, (unsigned long long)si->total_count, (unsigned long long)si->microbatches,
+          si->grad_norm, si->clip_coef, (int)pi->found_inf, (unsigned long long)pi->total_count,
+          (unsigned long long)pi->microbatches, pi->grad_norm, pi->clip_coef);
+    CHECK(same_on_all_ranks(double_bits(si->grad_norm), MPI_COMM_WORLD) &&
+              same_on_all_ranks(double_bits(si->clip_coef), MPI_COMM_WORLD) &&
+              same_on_all_ranks(si->total_count, MPI_COMM_WORLD) && same_on_all_ranks(si->found_inf, MPI_COMM_WORLD),
+          "%s: the sharded infos differ between ranks", what);
+
+    size_t off = 0, n = 0, flat_off = 1, len = 0;
+    float *data = NULL, *flat = NULL;
+    REQUIRE_OK(gradacc_accumulator_shard(sharded, &off, &n, &data));
+    REQUIRE_OK(gradacc_accumulator_shard(plain, &flat_off, &len, &flat));
+    CHECK(flat_off == 0, "%s: the unsharded accumulator's shard starts at %zu", what, flat_off);
+    unsigned long long mine[2] = {off, n}, all[2 * 64];
+    if (world <= 64) {
+        MPI_Allgather(mine, 2, MPI_UNSIGNED_LONG_LONG, all, 2, MPI_UNSIGNED_LONG_LONG, MPI_COMM_WORLD);
+        unsigned long long next = 0;
+        for (int r = 0; r < world; r++) {
+            CHECK(all[2 * r] == next, "%s: rank %d's shard starts at %llu, the previous one ends at %llu", what, r,
+                  all[2 * r], next);
+            next = all[2 * r] + all[2 * r + 1];
+        }
+        CHECK(next == len, "%s: the shards end at %llu of %zu", what, next, len);
+    }
+    if (!values || off + n > len)
+        return;
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < n; i++)
+        if (float_bits(data[i]) != float_bits(flat[off + i]) && !bad++)
+            first = i;
+    CHECK(bad == 0, "%s rank %d: %zu of %zu shard elements differ from the all-reduce, first at %zu: %.9g vs %.9g", what,
+          rank, bad, n, off + first, (double)data[first], (double)flat[off + first]);
+}
+
+#endif
