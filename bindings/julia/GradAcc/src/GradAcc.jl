@@ -27,7 +27,7 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
     eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, stats, save, load!,
-        save_window, load_window!, merge_window!, num_tensors, tensor, backend_available,
+        save_window, load_window!, merge_window!, num_tensors, tensor, shard, backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
         set_timeout!, rank, world_size, version"""))
 end
@@ -149,6 +149,7 @@ end
 const NORMALIZE = Dict(:by_count => GRADACC_NORMALIZE_BY_COUNT, :by_microbatches => GRADACC_NORMALIZE_BY_MICROBATCHES,
                        :by_world => GRADACC_NORMALIZE_BY_WORLD, :none => GRADACC_NORMALIZE_NONE)
 const REDUCTION = Dict(:mean => GRADACC_LOSS_REDUCTION_MEAN, :sum => GRADACC_LOSS_REDUCTION_SUM)
+const SHARDING = Dict(:none => GRADACC_SHARDING_NONE, :reduce_scatter => GRADACC_SHARDING_REDUCE_SCATTER)
 
 function enum_value(table, field, v)
     v isa Symbol || return v
@@ -168,6 +169,8 @@ function config(::Type{T}, default_fn; kw...) where {T}
         v = haskey(kw, f) ? kw[f] : getfield(c, f)
         v = f === :normalize ? enum_value(NORMALIZE, f, v) : v
         v = f === :loss_reduction ? enum_value(REDUCTION, f, v) : v
+        v = f === :sharding ? enum_value(SHARDING, f, v) : v
+        v = f === :wire_dtype && !(v isa Integer) ? dtype_code(v) : v  # the C API validates codes
         convert(fieldtype(T, f), v)
     end
     return T(values...)
@@ -509,6 +512,13 @@ a BFloat16 type (`Core.BFloat16` from Julia 1.11, `BFloat16s.BFloat16` with BFlo
 loaded) or `:f32`/`:f16`/`:bf16` (bf16 gradients may then also be passed as `UInt16` words).
 With `buffer`, a `Vector{Float32}` of the tensors' total length, the masters live in it (the
 accumulator keeps it referenced). Destroyed by `close` or the GC.
+
+`sharding=:reduce_scatter, shard_count=n, shard_rank=r` makes the boundary a reduce-scatter:
+[`sync!`](@ref) takes a communicator of `n` ranks on which this is rank `r` (0-based, as
+[`GradAcc.rank`](@ref)), and after it only [`GradAcc.shard`](@ref) holds the reduced gradient
+(the bits an unsharded sync leaves in that range); the norm and clipping are still the whole
+gradient's. `wire_dtype` (`Float32` or `:f32`, the default) is what the boundary's reductions
+send.
 """
 mutable struct Accumulator
     @atomic ptr::Ptr{gradacc_accumulator_t}
@@ -546,7 +556,8 @@ Base.unsafe_convert(::Type{Ptr{gradacc_accumulator_t}}, x::Accumulator) = handle
     close(acc::Accumulator)
 
 Destroys the accumulator; calling it again, from any task, does nothing. Arrays from
-[`GradAcc.master`](@ref) must not be used after it (the GC alone never frees them early).
+[`GradAcc.master`](@ref) and [`GradAcc.shard`](@ref) must not be used after it (the GC alone
+never frees them early).
 """
 function Base.close(a::Accumulator)
     p = @atomicswap a.ptr = C_NULL
@@ -656,6 +667,8 @@ end
 
 The boundary: with `comm`, every rank of its group calls it from its own task and thread.
 The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`.
+A sharded accumulator needs the group of its `shard_count` ranks, on which it is `shard_rank`;
+otherwise every rank throws.
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
     info = out_struct(gradacc_sync_info_t)
@@ -680,6 +693,28 @@ function master(a::Accumulator, i::Integer)
     # The finalizer closure references `a`, so `a` (and its memory) lives as long as `arr`.
     finalizer(_ -> (a; nothing), arr)
     return arr
+end
+
+"""
+    GradAcc.shard(acc) -> (; offset, numel, data)
+
+This rank's shard of the flat FP32 master (the tensors one after another): `offset` elements
+precede it, it has `numel`, and `data` is a `Vector{Float32}` over them in gradacc's memory (no
+copy), valid as [`GradAcc.master`](@ref)'s arrays are. Without sharding it is the whole master.
+With `sharding=:reduce_scatter`, after a sync only the shard holds the reduced gradient; the
+rest of the master is unspecified until the next window's first micro-batch. Shards are cut in
+whole blocks of 4096 elements, so the last ones may be shorter or empty. CPU only.
+"""
+function shard(a::Accumulator)
+    a.device.kind == GRADACC_DEVICE_CPU ||
+        throw(ArgumentError("the shard of a CUDA accumulator is device memory; use the C API's pointer"))
+    offset = Ref{Csize_t}(0)
+    n = Ref{Csize_t}(0)
+    p = Ref{Ptr{Cfloat}}(C_NULL)
+    check(gradacc_accumulator_shard(a, offset, n, p))
+    data = unsafe_wrap(Array, p[], Int(n[]); own=false)
+    finalizer(_ -> (a; nothing), data)  # as in `master`: the array keeps `a` alive
+    return (; offset=Int(offset[]), numel=Int(n[]), data)
 end
 
 """

@@ -1,9 +1,9 @@
-# The seed scenarios through the Julia binding. Ranks run as tasks on separate threads, so this
-# file re-runs itself with 2 threads when started with fewer.
+# The seed scenarios through the Julia binding. Ranks run as tasks on separate threads (up to 3
+# ranks), so this file re-runs itself with 3 threads when started with fewer.
 using Test
 
-if Threads.nthreads() < 2
-    cmd = `$(Base.julia_cmd()) --project=$(Base.active_project()) -t 2 $(@__FILE__)`
+if Threads.nthreads() < 3
+    cmd = `$(Base.julia_cmd()) --project=$(Base.active_project()) -t 3 $(@__FILE__)`
     @test success(pipeline(cmd; stdout, stderr))
     exit()
 end
@@ -11,6 +11,7 @@ end
 using GradAcc
 using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
                GRADACC_STATUS_INVALID_ARGUMENT, GRADACC_STATUS_COMM_FAILURE, GRADACC_STATUS_TIMEOUT,
+               GRADACC_STATUS_PEER_FAILURE, GRADACC_SHARDING_REDUCE_SCATTER, GRADACC_DTYPE_F16,
                rank, world_size, update!, scale, master, reset!
 using BFloat16s: BFloat16s
 
@@ -42,6 +43,57 @@ function one_microbatch!(acc)
     add!(acc, s, [Float32[1, 1]], 1)
     close(s)
     return acc
+end
+
+# 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+const SHARD_TENSORS = [(7000, Float16), (5000, Float32), (6000, :bf16), (3, Float32)]
+const SHARD_TOTAL = 18003
+
+# One micro-batch of loss-scaled random gradients in each tensor's dtype (bf16 as UInt16 words).
+function random_grads()
+    return map(SHARD_TENSORS) do (n, T)
+        g = randn(Float32, n) .* 64f0
+        T === Float16 ? Float16.(g) : T === :bf16 ? bf16.(g) : g
+    end
+end
+
+microbatch_count(r, m) = 1 + (3r + m) % 5
+
+# The collectives of a rank run on their own thread. While one is blocked in the C call, that
+# thread cannot reach a GC safepoint, so the accumulators are filled beforehand, on this task,
+# and the ranks' tasks only sync; the timeout turns a hang into a failure.
+function on_ranks(f, comms_per_rank...; timeout=60)
+    for comms in comms_per_rank
+        foreach(c -> GradAcc.set_timeout!(c, timeout), comms)
+    end
+    return fetch.([Threads.@spawn f(r) for r in 0:length(first(comms_per_rank))-1])
+end
+
+# Rank r of `world`: a sharded and an unsharded accumulator with the same three random
+# micro-batches added.
+function sharded_and_unsharded(world, r, max_grad_norm)
+    s = Scaler(init_scale=1024.0)
+    sharded = Accumulator(SHARD_TENSORS; sharding=:reduce_scatter, shard_count=world, shard_rank=r,
+                          max_grad_norm=max_grad_norm)
+    plain = Accumulator(SHARD_TENSORS; max_grad_norm=max_grad_norm)
+    for m in 0:2
+        g = random_grads()
+        add!(sharded, s, g, microbatch_count(r, m))
+        add!(plain, s, g, microbatch_count(r, m))
+    end
+    close(s)
+    return sharded, plain
+end
+
+# Each rank of a local group of `world` syncs an accumulator holding shard `ranks[r + 1]` of
+# `count`: the GradAccError each rank's sync threw (nothing if none).
+function sharded_sync_errors(world, count, ranks)
+    comms = local_group(world)
+    accs = [one_microbatch!(Accumulator([(2, Float32)]; sharding=:reduce_scatter, shard_count=count,
+                                        shard_rank=ranks[r + 1])) for r in 0:world-1]
+    errs = on_ranks(r -> thrown(() -> sync!(accs[r + 1], comms[r + 1])), comms; timeout=30)
+    close.(accs); close.(comms)
+    return errs
 end
 
 @testset "GradAcc" begin
@@ -455,6 +507,86 @@ end
         @test fetch(aborter) === comms[2]
         @test err isa GradAccError && err.status == GRADACC_STATUS_COMM_FAILURE
         close(acc); close.(comms)
+    end
+
+    # Reduce-scatter sharding: every shard is the unsharded master's range, bit for bit.
+    @testset "sharded sync on $world ranks, max_grad_norm $max_grad_norm" for world in (2, 3),
+                                                                             max_grad_norm in (0.0, 0.25)
+        sharded_comms, plain_comms = local_group(world), local_group(world)
+        accs = [sharded_and_unsharded(world, r, max_grad_norm) for r in 0:world-1]
+        infos = on_ranks(sharded_comms, plain_comms) do r
+            sharded, plain = accs[r + 1]
+            return (sync!(sharded, sharded_comms[r + 1]), sync!(plain, plain_comms[r + 1]))
+        end
+        close.(sharded_comms); close.(plain_comms)
+        total = sum(microbatch_count(r, m) for r in 0:world-1, m in 0:2)
+        flat0 = reduce(vcat, [master(accs[1][2], i) for i in 1:length(SHARD_TENSORS)])
+        @test length(flat0) == SHARD_TOTAL
+        next = 0
+        for ((sharded, plain), (info, plain_info)) in zip(accs, infos)
+            offset, numel, data = GradAcc.shard(sharded)
+            @test offset == next  # the shards tile the layout in rank order
+            @test 0 < numel < SHARD_TOTAL && length(data) == numel
+            next = offset + numel
+            @test pointer(data) == pointer(master(sharded, 1)) + sizeof(Float32) * offset
+            @test info == plain_info == infos[1][1]
+            @test info.total_count == total && info.microbatches == 3world && !info.found_inf
+            @test (info.clip_coef < 1) == (max_grad_norm > 0)
+            flat = reduce(vcat, [master(plain, i) for i in 1:length(SHARD_TENSORS)])
+            @test reinterpret(UInt32, data) == reinterpret(UInt32, flat[offset+1:offset+numel])
+            @test any(!iszero, data)
+            @test reinterpret(UInt32, flat) == reinterpret(UInt32, flat0)
+        end
+        @test next == SHARD_TOTAL
+        for (sharded, plain) in accs
+            close(sharded); close(plain)
+        end
+    end
+
+    @testset "an unsharded accumulator's shard is the whole master" begin
+        s = Scaler(init_scale=1024.0)
+        acc = Accumulator(SHARD_TENSORS)
+        add!(acc, s, random_grads(), 4)
+        sync!(acc)
+        offset, numel, data = GradAcc.shard(acc)
+        @test (offset, numel) == (0, SHARD_TOTAL)
+        @test pointer(data) == pointer(master(acc, 1))
+        @test data == reduce(vcat, [master(acc, i) for i in 1:length(SHARD_TENSORS)])
+        close(acc); close(s)
+        acc = Accumulator(SHARD_TENSORS; sharding=GRADACC_SHARDING_REDUCE_SCATTER, shard_count=3, shard_rank=2,
+                          wire_dtype=Float32)
+        sh = GradAcc.shard(acc)
+        @test (sh.offset, sh.numel, length(sh.data)) == (16384, SHARD_TOTAL - 16384, SHARD_TOTAL - 16384)
+        close(acc)
+    end
+
+    @testset "bad sharding configs are refused" begin
+        for (kw, word) in (((sharding=:reduce_scatter, shard_count=2, shard_rank=2), "shard_rank"),
+                           ((sharding=:reduce_scatter, shard_count=3, shard_rank=7), "shard_rank"),
+                           ((sharding=:reduce_scatter, shard_count=0, shard_rank=0), "shard_rank"),
+                           ((shard_count=2, shard_rank=1), "sharding"),
+                           ((sharding=7,), "sharding"),
+                           ((wire_dtype=Float16,), "wire_dtype"),
+                           ((wire_dtype=GRADACC_DTYPE_F16,), "wire_dtype"))
+            err = thrown(() -> Accumulator(SHARD_TENSORS; kw...))
+            @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin(word, err.message)
+        end
+        @test_throws ArgumentError Accumulator(SHARD_TENSORS; sharding=:zero3)
+    end
+
+    @testset "a sharded sync on the wrong group fails on every rank" begin
+        for err in sharded_sync_errors(2, 3, (0, 1))  # 3 shards on 2 ranks
+            @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT &&
+                  occursin("of 3", err.message) && occursin("of 2", err.message)
+        end
+        errs = sharded_sync_errors(2, 2, (0, 0))  # rank 1 claims shard 0 too
+        @test errs[2] isa GradAccError && errs[2].status == GRADACC_STATUS_INVALID_ARGUMENT &&
+              occursin("shard 0 of 2", errs[2].message)
+        @test errs[1] isa GradAccError && errs[1].status == GRADACC_STATUS_PEER_FAILURE
+        acc = one_microbatch!(Accumulator([(2, Float32)]; sharding=:reduce_scatter, shard_count=2))
+        err = thrown(() -> sync!(acc))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT
+        close(acc)
     end
 
     @testset "a timeout throws and aborts" begin
