@@ -1,6 +1,6 @@
 /* demo_train: data-parallel mixed-precision training with gradient accumulation, done right.
  *
- * A small MLP (16 -> 32 tanh -> 1, 577 parameters) learns a synthetic regression task on 2 ranks
+ * A small MLP (16 -> 448 tanh -> 1, 8065 parameters) learns a synthetic regression task on 2 ranks
  * (two threads joined by gradacc's in-process communicator). Every step, each rank runs 4
  * micro-batches of different sizes (rank 0: 5, 9, 3, 7 items; rank 1: 8, 2, 6, 4), and each
  * micro-batch's backward produces fp16 gradients of a scaled loss, as an fp16 backward does: the
@@ -17,8 +17,19 @@
  * gradient is wrong (mean of micro-batch means, mostly local data), and its two replicas step with
  * different gradients, so their weights drift apart.
  *
- * Exit status: 0 if gradacc's gradient stays within tolerance of the reference at every step and
- * both ranks hold bitwise-identical gradients and weights; 1 otherwise. */
+ * Beside it, the same training under the other boundary policy, on a second pair of ranks:
+ * reduce-scatter (GRADACC_SHARDING_REDUCE_SCATTER), as a distributed optimizer (ZeRO-1) runs it.
+ * Each rank's accumulator keeps only its shard of the reduced gradient (gradacc_accumulator_shard:
+ * rank 0 the first 4096 elements of the flat layout, rank 1 the other 3969; the model is as wide
+ * as it is so that both shards hold part of it), the rank updates only that range of its weights,
+ * and the ranks then share their updated ranges (an all-gather, written here over the threads).
+ * With an FP32 wire the shard holds the all-reduce's bits, so these weights must stay bitwise
+ * equal to the all-reduce's. `demo_train --wire bf16` sends bf16 in that run instead and reports
+ * how far its weights move from the all-reduce's.
+ *
+ * Exit status: 0 if gradacc's gradient stays within tolerance of the reference at every step,
+ * both ranks hold bitwise-identical gradients and weights, and (FP32 wire) the reduce-scatter's
+ * weights equal the all-reduce's bit for bit; 1 otherwise. */
 #include <gradacc.h>
 
 #include <math.h>
@@ -29,7 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { IN = 16, HID = 32, RANKS = 2, MB = 4, STEPS = 30, ITEMS = 44 };
+enum { IN = 16, HID = 448, RANKS = 2, MB = 4, STEPS = 30, ITEMS = 44 };
 /* parameters, flat: W1 [HID][IN], b1 [HID], W2 [HID], b2 [1] */
 enum { OFF_W1 = 0, OFF_B1 = HID * IN, OFF_W2 = OFF_B1 + HID, OFF_B2 = OFF_W2 + HID, NPARAM = OFF_B2 + 1 };
 static const size_t tensor_numel[4] = {HID * IN, HID, HID, 1};
@@ -126,7 +137,7 @@ static void init_weights(float *w)
     for (int k = 0; k < HID * IN; k++)
         w[OFF_W1 + k] = (float)uniform(-0.25, 0.25);
     for (int k = 0; k < HID; k++)
-        w[OFF_W2 + k] = (float)uniform(-0.18, 0.18);
+        w[OFF_W2 + k] = (float)uniform(-1.0, 1.0) / sqrtf((float)HID);
 }
 
 /* The framework's backward: gradient of the micro-batch's mean loss 0.5 (f(x) - y)^2, in f32. */
@@ -199,15 +210,18 @@ static int mb_start(int r, int m)
 
 /* ---- one rank with gradacc ------------------------------------------------------------------ */
 
-typedef struct {
+typedef struct rank_state {
     int rank, step;
     gradacc_comm_t *comm;
     gradacc_scaler_t *scaler;
     gradacc_accumulator_t *acc;
     float w[NPARAM];      /* this replica's weights */
-    float grad[NPARAM];   /* the boundary's gradient */
+    float grad[NPARAM];   /* the boundary's gradient (under reduce-scatter: only the shard) */
     bool skipped;
     uint16_t g16[NPARAM]; /* one micro-batch's fp16 gradients */
+    /* reduce-scatter only: every rank of the group, and a barrier between update and all-gather */
+    struct rank_state *group;
+    pthread_barrier_t *updated;
 } rank_state;
 
 static void *rank_step(void *arg)
@@ -228,9 +242,30 @@ static void *rank_step(void *arg)
         CHECK(gradacc_accumulator_add(rs->acc, rs->scaler, grads, 4, (uint64_t)n));
     }
     gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
-    CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce */
+    CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce (or reduce-scatter) */
     const gradacc_accumulator_t *accs[1] = {rs->acc};
     CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
+    if (rs->group) {
+        /* Reduce-scatter: this rank holds only its shard of the gradient and steps only those
+         * weights (the optimizer state, were there any, would be sharded the same way). */
+        size_t off, n;
+        float *shard;
+        CHECK(gradacc_accumulator_shard(rs->acc, &off, &n, &shard));
+        memcpy(&rs->grad[off], shard, n * sizeof(float));
+        if (!rs->skipped)
+            for (size_t k = off; k < off + n; k++)
+                rs->w[k] -= LR * rs->grad[k];
+        /* All-gather of the weights: once every rank has stepped its shard, copy the others'. */
+        pthread_barrier_wait(rs->updated);
+        for (int q = 0; q < RANKS; q++) {
+            if (q == rs->rank)
+                continue;
+            CHECK(gradacc_accumulator_shard(rs->group[q].acc, &off, &n, &shard));
+            memcpy(&rs->w[off], &rs->group[q].w[off], n * sizeof(float));
+        }
+        /* No rank writes its weights again before the next boundary, which waits for all. */
+        return NULL;
+    }
     for (int t = 0; t < 4; t++) {
         float *master;
         size_t numel;
@@ -292,16 +327,29 @@ static double max_gap(const float *a, const double *b)
     return m;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    gradacc_dtype_t wire = GRADACC_DTYPE_F32;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc && strcmp(argv[i], "--wire") == 0 ? argv[++i] : NULL;
+        if (v && strcmp(v, "bf16") == 0) {
+            wire = GRADACC_DTYPE_BF16;
+        } else if (!v || strcmp(v, "f32") != 0) {
+            fprintf(stderr, "usage: %s [--wire f32|bf16]   (the reduce-scatter run's wire dtype; default f32)\n", argv[0]);
+            return 2;
+        }
+    }
     make_data();
-    static rank_state ranks[RANKS];
+    static rank_state ranks[RANKS], sharded[RANKS];
     static float naive_w[RANKS][NPARAM], naive_grad[RANKS][NPARAM];
     float w0[NPARAM];
     init_weights(w0);
 
-    gradacc_comm_t *comms[RANKS];
+    gradacc_comm_t *comms[RANKS], *shard_comms[RANKS];
     CHECK(gradacc_comm_create_local(RANKS, comms));
+    CHECK(gradacc_comm_create_local(RANKS, shard_comms));
+    pthread_barrier_t updated;
+    pthread_barrier_init(&updated, NULL, RANKS);
     gradacc_scaler_config_t sc;
     CHECK(gradacc_scaler_config_default(&sc));
     sc.init_scale = INIT_SCALE;
@@ -321,17 +369,40 @@ int main(void)
         memcpy(ranks[r].w, w0, sizeof w0);
         memcpy(naive_w[r], w0, sizeof w0);
     }
+    /* The reduce-scatter run: the same model, data and settings, shard r of RANKS on rank r. */
+    gradacc_accumulator_config_t sharded_ac = ac;
+    sharded_ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+    sharded_ac.shard_count = RANKS;
+    sharded_ac.wire_dtype = wire;
+    size_t shard_off[RANKS], shard_n[RANKS];
+    for (int r = 0; r < RANKS; r++) {
+        sharded[r].rank = r;
+        sharded[r].comm = shard_comms[r];
+        sharded[r].group = sharded;
+        sharded[r].updated = &updated;
+        sharded_ac.shard_rank = (uint32_t)r;
+        CHECK(gradacc_scaler_create(&sc, NULL, &sharded[r].scaler));
+        CHECK(gradacc_accumulator_create(&sharded_ac, tensors, 4, NULL, &sharded[r].acc));
+        float *unused;
+        CHECK(gradacc_accumulator_shard(sharded[r].acc, &shard_off[r], &shard_n[r], &unused));
+        memcpy(sharded[r].w, w0, sizeof w0);
+    }
 
     printf("gradacc %s demo: MLP %d-%d-1 (%d parameters), 2 ranks on threads, fp16 gradients\n",
            gradacc_version_string(), IN, HID, NPARAM);
     printf("micro-batches per step: rank 0 = 5, 9, 3, 7 items; rank 1 = 8, 2, 6, 4 items (44 in all)\n");
+    printf("boundary policies: all-reduce (DDP; the table) and reduce-scatter (%s wire; rank 0 steps weights\n"
+           "[%zu, %zu), rank 1 [%zu, %zu), then the ranks all-gather them), each on its own 2 ranks\n",
+           wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16", shard_off[0], shard_off[0] + shard_n[0], shard_off[1],
+           shard_off[1] + shard_n[1]);
     printf("gap = max |gradient - f64 full-batch gradient over the 44 items, at the same weights|\n");
     printf("tol = 1e-3 x largest micro-batch gradient element (fp16 rounding is 4.9e-4 of it at most)\n\n");
     printf("%4s %9s %6s | %10s %10s %9s | %10s %10s\n", "step", "loss", "scale", "gradacc", "tol", "rank diff",
            "naive", "replicas");
     printf("%4s %9s %6s | %10s %10s %9s | %10s %10s\n", "", "", "", "gap", "", "", "gap", "w drift");
 
-    int failures = 0, over_tol = 0, skipped_steps = 0;
+    int failures = 0, over_tol = 0, skipped_steps = 0, rs_replicas_differ = 0, rs_not_ddp = 0;
+    double rs_gap = 0.0;
     double worst_ratio = 0.0, worst_naive_rel = 0.0, drift = 0.0;
     for (int step = 0; step < STEPS; step++) {
         float scale;
@@ -349,15 +420,28 @@ int main(void)
             }
         double tol = 1e-3 * big;
 
-        /* gradacc: both ranks, one thread each */
-        pthread_t threads[RANKS];
+        /* gradacc: both ranks of each policy, one thread each */
+        pthread_t threads[2 * RANKS];
         for (int r = 0; r < RANKS; r++) {
-            ranks[r].step = step;
-            if (pthread_create(&threads[r], NULL, rank_step, &ranks[r]) != 0)
+            ranks[r].step = sharded[r].step = step;
+            if (pthread_create(&threads[r], NULL, rank_step, &ranks[r]) != 0 ||
+                pthread_create(&threads[RANKS + r], NULL, rank_step, &sharded[r]) != 0)
                 return 2;
         }
-        for (int r = 0; r < RANKS; r++)
+        for (int r = 0; r < 2 * RANKS; r++)
             pthread_join(threads[r], NULL);
+
+        /* reduce-scatter: replicas equal to each other, and (fp32 wire) to the all-reduce's bits */
+        double gap_rs = 0.0;
+        for (int k = 0; k < NPARAM; k++) {
+            double d = fabs((double)sharded[0].w[k] - ranks[0].w[k]);
+            gap_rs = d > gap_rs || d != d ? d : gap_rs;
+        }
+        rs_gap = gap_rs > rs_gap ? gap_rs : rs_gap;
+        if (memcmp(sharded[0].w, sharded[1].w, sizeof sharded[0].w) != 0 || sharded[0].skipped != sharded[1].skipped)
+            rs_replicas_differ++;
+        if (memcmp(sharded[0].w, ranks[0].w, sizeof ranks[0].w) != 0 || sharded[0].skipped != ranks[0].skipped)
+            rs_not_ddp++;
 
         /* the naive scheme, each replica measured against the reference at its own weights */
         double naive_gap = 0.0;
@@ -416,13 +500,27 @@ int main(void)
            failures > over_tol ? "NO" : "yes");
     printf("  naive:   gap up to %.1f%% of the gradient scale (%.0fx gradacc's tolerance); replicas drifted %.2e apart\n",
            100.0 * worst_naive_rel, worst_naive_rel / 1e-3, drift);
-    printf("%s\n", failures ? "FAILED: gradacc missed its tolerance or its ranks differ"
-                            : "PASS: gradacc gives the full-batch gradient on every rank; the naive scheme does not");
+    double final_rs = 0.0;
+    for (int k = 0; k < NPARAM; k++)
+        final_rs = fmax(final_rs, fabs((double)sharded[0].w[k] - ranks[0].w[k]));
+    printf("  reduce-scatter (%s wire): final weights vs the all-reduce's: max |diff| %.3g (largest at any step %.3g);\n"
+           "           bitwise equal at every step: %s; its two replicas bitwise equal at every step: %s\n",
+           wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16", final_rs, rs_gap, rs_not_ddp ? "no" : "yes",
+           rs_replicas_differ ? "NO" : "yes");
+    int rs_failed = rs_replicas_differ || (wire == GRADACC_DTYPE_F32 && rs_not_ddp);
+    printf("%s\n", failures    ? "FAILED: gradacc missed its tolerance or its ranks differ"
+                    : rs_failed ? "FAILED: the reduce-scatter run's weights differ from the all-reduce's or between its ranks"
+                                : "PASS: gradacc gives the full-batch gradient on every rank; the naive scheme does not");
+    failures += rs_failed;
 
     for (int r = 0; r < RANKS; r++) {
         CHECK(gradacc_accumulator_destroy(ranks[r].acc));
         CHECK(gradacc_scaler_destroy(ranks[r].scaler));
         CHECK(gradacc_comm_destroy(comms[r]));
+        CHECK(gradacc_accumulator_destroy(sharded[r].acc));
+        CHECK(gradacc_scaler_destroy(sharded[r].scaler));
+        CHECK(gradacc_comm_destroy(shard_comms[r]));
     }
+    pthread_barrier_destroy(&updated);
     return failures ? 1 : 0;
 }
