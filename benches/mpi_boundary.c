@@ -9,7 +9,19 @@
  *             each size: what the MPI library's own all-reduce can do when it is not handed one
  *             large message. The fastest size (by median) is the floor the syncs are held to.
  * Each repeat times them all in turn, so load from other work falls on all of them alike. The
- * fused adds are the same in every pattern and are not timed. */
+ * fused adds are the same in every pattern and are not timed.
+ *
+ * With --reduce-scatter (scripts/bench-mpi --reduce-scatter runs it at 2 and 4 processes, 16M and
+ * 64M parameters) it times instead, one micro-batch per step, at any number of processes:
+ *   all-reduce      gradacc_accumulator_sync of an unsharded accumulator (GRADACC_SHARDING_NONE)
+ *   reduce-scatter  the same sync of an accumulator holding shard `rank` of `size`
+ *                   (GRADACC_SHARDING_REDUCE_SCATTER); the table's ratio is its median over the
+ *                   all-reduce's median, with the quartiles of the per-repeat ratio beside it
+ *   floors          MPI_Allreduce, MPI_Reduce_scatter_block and MPI_Reduce_scatter (equal counts)
+ *                   of the same bytes, each as one call and in calls of 4 MB; each sync is also
+ *                   given over the fastest form of its own collective (the reduce-scatter's: of
+ *                   either reduce-scatter call; Open MPI 4.1 runs MPI_Reduce_scatter_block as a
+ *                   reduce to one rank and a scatter, MPI_Reduce_scatter by its tuned algorithms). */
 #include <gradacc.h>
 #include <mpi.h>
 #include <stdint.h>
@@ -37,6 +49,13 @@ static double median(double *v, int n)
     return v[n / 2];
 }
 
+/* The q-quantile of n sorted values (nearest rank). */
+static double quantile(const double *sorted, int n, double q)
+{
+    int i = (int)(q * (n - 1) + 0.5);
+    return sorted[i];
+}
+
 /* The slowest rank's elapsed time since t0. */
 static double slowest(double t0)
 {
@@ -53,11 +72,135 @@ static double slowest(double t0)
         }                                                                                          \
     } while (0)
 
+/* Elements per call of the floors' "in pieces" form: 4 MB. */
+enum { RS_PIECE = 1 << 20 };
+
+enum { ALLREDUCE, REDUCE_SCATTER_BLOCK, REDUCE_SCATTER, FLOORS };
+static const char *const FLOOR_NAMES[FLOORS] = {"MPI_Allreduce", "MPI_Reduce_scatter_block", "MPI_Reduce_scatter"};
+
+/* One collective of kind `kind` over len floats at buf (out receives a reduce-scatter's part). */
+static void collective(int kind, float *buf, float *out, size_t len, int size)
+{
+    int part = (int)(len / (size_t)size), counts[64];
+    switch (kind) {
+    case ALLREDUCE:
+        MPI_Allreduce(MPI_IN_PLACE, buf, (int)len, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        break;
+    case REDUCE_SCATTER_BLOCK:
+        MPI_Reduce_scatter_block(buf, out, part, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        break;
+    default:
+        for (int q = 0; q < size; q++)
+            counts[q] = part;
+        MPI_Reduce_scatter(buf, out, counts, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    }
+}
+
+/* A collective of `kind` over n floats as one call and in calls of 4 MB: the slowest rank's times. */
+static void time_floor(int kind, float *buf, float *out, size_t n, int size, double *one, double *pieces)
+{
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = MPI_Wtime();
+    collective(kind, buf, out, n, size);
+    *one = slowest(t0);
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = MPI_Wtime();
+    for (size_t s = 0; s < n; s += RS_PIECE)
+        collective(kind, buf + s, out, n - s < RS_PIECE ? n - s : RS_PIECE, size);
+    *pieces = slowest(t0);
+}
+
+static void reduce_scatter_table(size_t n, gradacc_comm_t *comm, gradacc_scaler_t *scaler)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (n % ((size_t)size * RS_PIECE) != 0 || size > 64) {
+        if (rank == 0)
+            fprintf(stderr, "--reduce-scatter needs at most 64 processes and a parameter count that is a multiple "
+                            "of %d x 2^20\n", size);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    gradacc_tensor_desc_t t = {n, GRADACC_DTYPE_F16};
+    gradacc_accumulator_config_t ac;
+    OK(gradacc_accumulator_config_default(&ac));
+    gradacc_accumulator_t *ar, *rs;
+    OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &ar));
+    ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+    ac.shard_count = (uint32_t)size;
+    ac.shard_rank = (uint32_t)rank;
+    OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &rs));
+    uint16_t *g = malloc(n * 2);
+    float *plain = malloc(n * 4), *out = malloc(n / (size_t)size * 4);
+    for (size_t i = 0; i < n; i++) {
+        g[i] = (uint16_t)(0x3c00 + (i % 512)); /* 1.0 .. 1.5 */
+        plain[i] = 1.0f;
+    }
+    const void *grads[1] = {g};
+    double t_ar[REPEATS], t_rs[REPEATS], ratio[REPEATS], floor_t[2 * FLOORS][REPEATS];
+    for (int rep = -WARMUP; rep < REPEATS; rep++) { /* negative repeats warm up */
+        OK(gradacc_accumulator_add(ar, scaler, grads, 1, 1));
+        OK(gradacc_accumulator_add(rs, scaler, grads, 1, 1));
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = MPI_Wtime();
+        OK(gradacc_accumulator_sync(ar, comm, &info));
+        double a = slowest(t0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = MPI_Wtime();
+        OK(gradacc_accumulator_sync(rs, comm, &info));
+        double r = slowest(t0);
+        double f[2 * FLOORS];
+        for (int k = 0; k < FLOORS; k++)
+            time_floor(k, plain, out, n, size, &f[2 * k], &f[2 * k + 1]);
+        for (size_t i = 0; i < n; i++) /* keep the values finite */
+            plain[i] = 1.0f;
+        if (rep >= 0) {
+            t_ar[rep] = a;
+            t_rs[rep] = r;
+            ratio[rep] = r / a;
+            for (int k = 0; k < 2 * FLOORS; k++)
+                floor_t[k][rep] = f[k];
+        }
+    }
+    double a = median(t_ar, REPEATS), r = median(t_rs, REPEATS), f[2 * FLOORS];
+    median(ratio, REPEATS); /* sorts */
+    for (int k = 0; k < 2 * FLOORS; k++)
+        f[k] = median(floor_t[k], REPEATS);
+    double fastest_ar = f[0] < f[1] ? f[0] : f[1], fastest_rs = f[2];
+    for (int k = 3; k < 2 * FLOORS; k++)
+        fastest_rs = f[k] < fastest_rs ? f[k] : fastest_rs;
+    if (rank == 0) {
+        printf("| processes | fp16 parameters | all-reduce sync (ms) | reduce-scatter sync (ms) | reduce-scatter / "
+               "all-reduce [quartiles] |");
+        for (int k = 0; k < FLOORS; k++)
+            printf(" %s (ms) | %s in 4 MB pieces (ms) |", FLOOR_NAMES[k], FLOOR_NAMES[k]);
+        printf(" all-reduce sync / fastest all-reduce | reduce-scatter sync / fastest reduce-scatter |\n|");
+        for (int k = 0; k < 7 + 2 * FLOORS; k++)
+            printf("---|");
+        printf("\n| %d | %zuM | %.1f | %.1f | %.2f [%.2f-%.2f] |", size, n >> 20, a * 1e3, r * 1e3, r / a,
+               quantile(ratio, REPEATS, 0.25), quantile(ratio, REPEATS, 0.75));
+        for (int k = 0; k < 2 * FLOORS; k++)
+            printf(" %.1f |", f[k] * 1e3);
+        printf(" %.2f | %.2f |\n", a / fastest_ar, r / fastest_rs);
+    }
+    free(g);
+    free(plain);
+    free(out);
+    gradacc_accumulator_destroy(ar);
+    gradacc_accumulator_destroy(rs);
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    int sharding = argc > 1 && strcmp(argv[1], "--reduce-scatter") == 0;
+    if (sharding) {
+        argc--;
+        argv++;
+    }
     size_t n = argc > 1 ? (size_t)strtoull(argv[1], NULL, 0) : (size_t)16 << 20;
 
     gradacc_mpi_config_t mc;
@@ -66,6 +209,13 @@ int main(int argc, char **argv)
     OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
     gradacc_scaler_t *scaler;
     OK(gradacc_scaler_create(NULL, NULL, &scaler));
+    if (sharding) {
+        reduce_scatter_table(n, comm, scaler);
+        gradacc_scaler_destroy(scaler);
+        gradacc_comm_destroy(comm);
+        MPI_Finalize();
+        return 0;
+    }
     gradacc_tensor_desc_t t = {n, GRADACC_DTYPE_F16};
     gradacc_accumulator_t *acc;
     gradacc_accumulator_config_t ac;
