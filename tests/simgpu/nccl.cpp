@@ -1,8 +1,10 @@
-/* NCCL on the software GPU: unique ids, rendezvous with a timeout, all-reduce summed in rank
- * order (so every rank gets the same bits), group calls collected per thread, blocking and
- * non-blocking communicators, abort that wakes every waiter. Misuse is a violation, never a hang:
- * two threads inside one communicator, ranks whose collective sequences differ (count, type, op),
- * use of an aborted or destroyed communicator, a collective whose peers never come. */
+/* NCCL on the software GPU: unique ids, rendezvous with a timeout, all-reduce, reduce-scatter and
+ * reduce summed in rank order (so every rank gets the same bits, and a reduce-scatter's or a
+ * reduce's elements are the all-reduce's), all-gather, group calls collected per thread, blocking
+ * and non-blocking communicators, abort that wakes every waiter. Misuse is a violation, never a
+ * hang: two threads inside one communicator, ranks whose collective sequences differ (kind, count,
+ * type, op, root), send and receive buffers that overlap other than in place, use of an aborted
+ * or destroyed communicator, a collective whose peers never come. */
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -54,10 +56,27 @@ struct Collective {
     std::vector<void *> recv;
 };
 
+/* The collectives modelled; `count` is what the call's count argument means for each: the
+ * all-reduce's and the reduce's elements, the reduce-scatter's receive count, the all-gather's
+ * send count. */
+enum Kind { kAllReduce, kReduceScatter, kAllGather, kReduce };
+
+const char *kind_name(int kind) {
+    switch (kind) {
+    case kAllReduce: return "ncclAllReduce";
+    case kReduceScatter: return "ncclReduceScatter";
+    case kAllGather: return "ncclAllGather";
+    default: return "ncclReduce";
+    }
+}
+
 struct Signature {
+    int kind;
     size_t count;
-    int dtype, op;
-    bool operator!=(const Signature &o) const { return count != o.count || dtype != o.dtype || op != o.op; }
+    int dtype, op, root; /* op and root only where the call takes them (else 0) */
+    bool operator!=(const Signature &o) const {
+        return kind != o.kind || count != o.count || dtype != o.dtype || op != o.op || root != o.root;
+    }
 };
 
 struct Group {
@@ -94,8 +113,7 @@ struct Pending {
     Comm *comm;
     const void *send;
     void *recv;
-    size_t count;
-    int dtype, op;
+    Signature sig;
     sim::Stream *stream;
 };
 thread_local int group_depth = 0;
@@ -119,19 +137,76 @@ template <typename T> T combine(T a, T b, int op) {
     }
 }
 
-/* The reduction over every rank in rank order, written to every rank's receive buffer. */
-template <typename T> void reduce(Collective &c, size_t count, int op) {
-    std::vector<T> sum(count);
-    memcpy(sum.data(), c.send[0], count * sizeof(T));
+/* Bytes a rank's send and receive buffers span in a collective of `nranks` ranks (a reduce's
+ * receive buffer is only the root's). */
+size_t send_bytes(const Signature &s, int nranks) { return s.count * dtype_size(s.dtype) * (s.kind == kReduceScatter ? nranks : 1); }
+size_t recv_bytes(const Signature &s, int nranks, int rank) {
+    if (s.kind == kReduce && rank != s.root) return 0;
+    return s.count * dtype_size(s.dtype) * (s.kind == kAllGather ? nranks : 1);
+}
+
+/* The sum (or other op) of every rank's `n` elements in rank order. */
+template <typename T> std::vector<T> combined(const Collective &c, size_t n, int op) {
+    std::vector<T> sum(n);
+    memcpy(sum.data(), c.send[0], n * sizeof(T));
     for (size_t r = 1; r < c.send.size(); ++r) {
         const T *in = static_cast<const T *>(c.send[r]);
-        for (size_t i = 0; i < count; ++i) sum[i] = combine(sum[i], in[i], op);
+        for (size_t i = 0; i < n; ++i) sum[i] = combine(sum[i], in[i], op);
     }
-    for (void *out : c.recv) memcpy(out, sum.data(), count * sizeof(T));
+    return sum;
+}
+
+/* A reduction over every rank in rank order: the all-reduce writes it to every rank, the
+ * reduce-scatter rank r's part r to rank r, the reduce to the root. The whole result is
+ * computed before any receive buffer is written, as in-place receive buffers alias the sends. */
+template <typename T> void reduce(Collective &c, const Signature &s) {
+    size_t nranks = c.send.size();
+    switch (s.kind) {
+    case kAllReduce: {
+        std::vector<T> sum = combined<T>(c, s.count, s.op);
+        for (void *out : c.recv) memcpy(out, sum.data(), s.count * sizeof(T));
+        break;
+    }
+    case kReduceScatter: {
+        std::vector<T> sum = combined<T>(c, nranks * s.count, s.op);
+        for (size_t r = 0; r < nranks; ++r) memcpy(c.recv[r], sum.data() + r * s.count, s.count * sizeof(T));
+        break;
+    }
+    case kReduce: {
+        std::vector<T> sum = combined<T>(c, s.count, s.op);
+        memcpy(c.recv[s.root], sum.data(), s.count * sizeof(T));
+        break;
+    }
+    default: sim::violation("%s is not a reduction", kind_name(s.kind));
+    }
+}
+
+/* Every rank's send buffer, in rank order, to every rank. */
+void gather(Collective &c, const Signature &s) {
+    size_t nranks = c.send.size(), bytes = s.count * dtype_size(s.dtype);
+    std::vector<char> all(nranks * bytes);
+    for (size_t r = 0; r < nranks; ++r) memcpy(all.data() + r * bytes, c.send[r], bytes);
+    for (void *out : c.recv) memcpy(out, all.data(), all.size());
+}
+
+void run(Collective &c, const Signature &s) {
+    if (s.kind == kAllGather) return gather(c, s);
+    switch (s.dtype) {
+    case ncclFloat32: reduce<float>(c, s); break;
+    case ncclFloat64: reduce<double>(c, s); break;
+    case ncclUint64: reduce<uint64_t>(c, s); break;
+    case ncclInt64: reduce<int64_t>(c, s); break;
+    case ncclUint32: reduce<uint32_t>(c, s); break;
+    case ncclInt32: reduce<int32_t>(c, s); break;
+    default: sim::violation("%s: type %d is not modelled", kind_name(s.kind), s.dtype);
+    }
 }
 
 std::string describe(const Signature &s) {
-    return "allreduce(count " + std::to_string(s.count) + ", type " + std::to_string(s.dtype) + ", op " + std::to_string(s.op) + ")";
+    std::string text = std::string(kind_name(s.kind)) + "(count " + std::to_string(s.count) + ", type " + std::to_string(s.dtype);
+    if (s.kind != kAllGather) text += ", op " + std::to_string(s.op);
+    if (s.kind == kReduce) text += ", root " + std::to_string(s.root);
+    return text + ")";
 }
 
 /* Under `mutex`: the communicator is usable by this thread. */
@@ -176,19 +251,19 @@ ncclResult_t finish(Comm *c, std::unique_lock<std::mutex> &lock) {
 void enqueue_collective(const Pending &p, uint64_t index) {
     Comm *c = p.comm;
     Group *g = c->group;
-    size_t bytes = p.count * dtype_size(p.dtype);
+    size_t in = send_bytes(p.sig, g->nranks), out = recv_bytes(p.sig, g->nranks, c->rank);
     char what[160];
-    snprintf(what, sizeof what, "ncclAllReduce #%llu of rank %d (group %.8s)", (unsigned long long)index, c->rank, g->id.c_str());
+    snprintf(what, sizeof what, "%s #%llu of rank %d (group %.8s)", kind_name(p.sig.kind), (unsigned long long)index, c->rank, g->id.c_str());
     sim::Op op;
     op.what = what;
-    op.footprint = [p, bytes, g](sim::Footprint &f) {
-        f.access((uint64_t)(uintptr_t)p.send, bytes, false);
-        f.access((uint64_t)(uintptr_t)p.recv, bytes, true);
+    op.footprint = [p, in, out, g](sim::Footprint &f) {
+        f.access((uint64_t)(uintptr_t)p.send, in, false);
+        if (out) f.access((uint64_t)(uintptr_t)p.recv, out, true);
         /* Every peer device in this process reads and writes these buffers. */
         for (Comm *peer : g->ranks)
             if (peer && peer->device != p.comm->device) {
-                f.peer_access((uint64_t)(uintptr_t)p.send, bytes, peer->device);
-                f.peer_access((uint64_t)(uintptr_t)p.recv, bytes, peer->device);
+                f.peer_access((uint64_t)(uintptr_t)p.send, in, peer->device);
+                if (out) f.peer_access((uint64_t)(uintptr_t)p.recv, out, peer->device);
             }
     };
     op.run = [p, index, g, c] {
@@ -201,15 +276,7 @@ void enqueue_collective(const Pending &p, uint64_t index) {
         col.send[c->rank] = p.send;
         col.recv[c->rank] = p.recv;
         if (++col.arrived == g->nranks) {
-            switch (p.dtype) {
-            case ncclFloat32: reduce<float>(col, p.count, p.op); break;
-            case ncclFloat64: reduce<double>(col, p.count, p.op); break;
-            case ncclUint64: reduce<uint64_t>(col, p.count, p.op); break;
-            case ncclInt64: reduce<int64_t>(col, p.count, p.op); break;
-            case ncclUint32: reduce<uint32_t>(col, p.count, p.op); break;
-            case ncclInt32: reduce<int32_t>(col, p.count, p.op); break;
-            default: sim::violation("ncclAllReduce: type %d is not modelled", p.dtype);
-            }
+            run(col, p.sig);
             col.done = true;
             changed.notify_all();
         }
@@ -219,7 +286,7 @@ void enqueue_collective(const Pending &p, uint64_t index) {
             std::string missing;
             for (int r = 0; r < g->nranks; ++r)
                 if (!col.send[r]) missing += " " + std::to_string(r);
-            sim::violation("%s waited %u s for ranks%s: a hang", describe({p.count, p.dtype, p.op}).c_str(), sim::config().timeout_s, missing.c_str());
+            sim::violation("%s waited %u s for ranks%s: a hang", describe(p.sig).c_str(), sim::config().timeout_s, missing.c_str());
         }
         if (!col.done && !c->aborted) {
             c->async = ncclRemoteError;
@@ -391,29 +458,52 @@ EXPORT ncclResult_t ncclGroupEnd() {
     return result;
 }
 
-EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype, int op, void *handle, void *stream_handle) {
+namespace {
+
+/* NCCL's rule for a receive buffer that overlaps the send buffer: only the in-place layout
+ * (recvbuff == sendbuff; a reduce-scatter's recvbuff == sendbuff + rank * recvcount; an
+ * all-gather's sendbuff == recvbuff + rank * sendcount) is defined. */
+void check_in_place(const Pending &p, int nranks, int rank) {
+    size_t in = send_bytes(p.sig, nranks), out = recv_bytes(p.sig, nranks, rank);
+    uint64_t send = (uint64_t)(uintptr_t)p.send, recv = (uint64_t)(uintptr_t)p.recv;
+    if (!in || !out || send + in <= recv || recv + out <= send) return;
+    size_t part = p.sig.count * dtype_size(p.sig.dtype) * rank;
+    bool in_place = p.sig.kind == kReduceScatter ? recv == send + part : p.sig.kind == kAllGather ? send == recv + part : recv == send;
+    if (!in_place)
+        sim::violation("%s of rank %d: the receive buffer [%#llx, +%zu) overlaps the send buffer [%#llx, +%zu) but is not in place (%s)",
+                       kind_name(p.sig.kind), rank, (unsigned long long)recv, out, (unsigned long long)send, in,
+                       p.sig.kind == kReduceScatter ? "recvbuff must be sendbuff + rank * recvcount"
+                       : p.sig.kind == kAllGather   ? "sendbuff must be recvbuff + rank * sendcount"
+                                                    : "recvbuff must be sendbuff");
+}
+
+/* Issues one collective of rank `handle` (collected while a group is open). */
+ncclResult_t collective(const void *send, void *recv, Signature sig, void *handle, void *stream_handle) {
+    const char *call = kind_name(sig.kind);
     if (!handle) return ncclInvalidArgument;
     Comm *c = as_comm(handle);
     std::unique_lock<std::mutex> lock(mutex);
-    enter(c, "ncclAllReduce");
+    enter(c, call);
     auto fail = [&](ncclResult_t r, std::string why) {
         c->last_error = std::move(why);
         leave(c);
         return r;
     };
     if (c->async != ncclSuccess && c->async != ncclInProgress) return fail(c->async, "the communicator has an asynchronous error");
-    if (dtype < ncclInt8 || dtype > ncclBfloat16 || op < ncclSum || op > ncclAvg) return fail(ncclInvalidArgument, "bad type or op");
+    if (sig.dtype < ncclInt8 || sig.dtype > ncclBfloat16 || sig.op < ncclSum || sig.op > ncclAvg) return fail(ncclInvalidArgument, "bad type or op");
+    if (sig.root < 0 || sig.root >= c->group->nranks) return fail(ncclInvalidArgument, "bad root");
     sim::Stream *stream = sim::resolve_stream(stream_handle, c->ctx);
     if (!stream) return fail(ncclInvalidArgument, "the stream is not of the communicator's device");
-    size_t bytes = count * dtype_size(dtype);
-    std::string why;
-    for (const void *buf : {send, (const void *)recv})
-        if (bytes && !sim::find_live((uint64_t)(uintptr_t)buf, bytes, c->device, &why))
-            sim::violation("ncclAllReduce of rank %d: %s", c->rank, why.c_str());
-    /* Every rank must issue the same collectives in the same order. */
     Group &g = *c->group;
-    uint64_t index = c->issued + (group_depth > 0 ? std::count_if(group_pending.begin(), group_pending.end(), [&](const Pending &p) { return p.comm == c; }) : 0);
-    Signature sig{count, dtype, op};
+    Pending p{c, send, recv, sig, stream};
+    std::string why;
+    size_t in = send_bytes(sig, g.nranks), out = recv_bytes(sig, g.nranks, c->rank);
+    if (in && !sim::find_live((uint64_t)(uintptr_t)send, in, c->device, &why)) sim::violation("%s of rank %d: send buffer: %s", call, c->rank, why.c_str());
+    if (out && !sim::find_live((uint64_t)(uintptr_t)recv, out, c->device, &why))
+        sim::violation("%s of rank %d: receive buffer: %s", call, c->rank, why.c_str());
+    check_in_place(p, g.nranks, c->rank);
+    /* Every rank must issue the same collectives in the same order. */
+    uint64_t index = c->issued + (group_depth > 0 ? std::count_if(group_pending.begin(), group_pending.end(), [&](const Pending &q) { return q.comm == c; }) : 0);
     if (index < g.sequence.size()) {
         if (g.sequence[index].second != sig)
             sim::violation("collective #%llu differs between ranks: rank %d issued %s, rank %d issues %s", (unsigned long long)index,
@@ -421,7 +511,6 @@ EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, in
     } else {
         g.sequence.emplace_back(c->rank, sig);
     }
-    Pending p{c, send, recv, count, dtype, op, stream};
     if (group_depth > 0) {
         group_pending.push_back(p);
         return ncclSuccess;
@@ -430,6 +519,24 @@ EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, in
     ncclResult_t r = finish(c, lock);
     leave(c);
     return r;
+}
+
+} // namespace
+
+EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype, int op, void *handle, void *stream) {
+    return collective(send, recv, Signature{kAllReduce, count, dtype, op, 0}, handle, stream);
+}
+
+EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recvcount, int dtype, int op, void *handle, void *stream) {
+    return collective(send, recv, Signature{kReduceScatter, recvcount, dtype, op, 0}, handle, stream);
+}
+
+EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t sendcount, int dtype, void *handle, void *stream) {
+    return collective(send, recv, Signature{kAllGather, sendcount, dtype, ncclSum, 0}, handle, stream);
+}
+
+EXPORT ncclResult_t ncclReduce(const void *send, void *recv, size_t count, int dtype, int op, int root, void *handle, void *stream) {
+    return collective(send, recv, Signature{kReduce, count, dtype, op, root}, handle, stream);
 }
 
 /* Waits (host) for the communicator's collectives to leave their streams. */
