@@ -64,6 +64,9 @@ mod api {
         pub comm_count: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_cu_device: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
+        pub reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
+        pub all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclComm_t, cudaStream_t) -> c_int,
+        pub reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
         pub group_start: unsafe extern "C" fn() -> c_int,
         pub group_end: unsafe extern "C" fn() -> c_int,
         pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> c_int,
@@ -95,6 +98,9 @@ mod api {
                 comm_count: resolve!("ncclCommCount"),
                 comm_cu_device: resolve!("ncclCommCuDevice"),
                 all_reduce: resolve!("ncclAllReduce"),
+                reduce_scatter: resolve!("ncclReduceScatter"),
+                all_gather: resolve!("ncclAllGather"),
+                reduce: resolve!("ncclReduce"),
                 group_start: resolve!("ncclGroupStart"),
                 group_end: resolve!("ncclGroupEnd"),
                 comm_finalize: resolve!("ncclCommFinalize"),
@@ -578,21 +584,61 @@ impl NcclComm {
     }
 
     fn allreduce(&self, ptr: CUdeviceptr, count: usize, dtype: ncclDataType_t, op: ncclRedOp_t, stream: CUstream) -> Result<()> {
-        let api = self.api;
-        let buf = ptr as *mut c_void;
-        // SAFETY: a live communicator (checked by the callers below); NCCL reads and writes
-        // `count` elements at `buf` on `stream`, the caller's device buffer.
-        let issue = |comm| unsafe { (api.all_reduce)(buf, buf, count, dtype, op, comm, stream as _) };
+        let (api, buf) = (self.api, ptr as *mut c_void);
+        // SAFETY: a live communicator (`issue`); NCCL reads and writes `count` elements at `buf`
+        // on `stream`, the caller's device buffer.
+        self.issue("ncclAllReduce", |comm| unsafe { (api.all_reduce)(buf, buf, count, dtype, op, comm, stream as _) })
+    }
+
+    /// Enqueues an in-place reduce-scatter (sum) of f32: `ptr` holds `world_size * recv_count`
+    /// values, and rank r's part, `recv_count` values from `ptr + r * recv_count` (NCCL's in-place
+    /// layout), receives the sum of every rank's part r.
+    pub fn reduce_scatter_sum_f32(&self, ptr: CUdeviceptr, recv_count: usize, stream: CUstream) -> Result<()> {
+        let (api, send) = (self.api, ptr as *const c_void);
+        let recv = (ptr + (4 * self.rank * recv_count) as u64) as *mut c_void;
+        // SAFETY: a live communicator (`issue`); NCCL reads `world_size * recv_count` f32 at
+        // `send` and writes the `recv_count` at `recv`, inside it, on `stream` (the caller's
+        // buffer of that size).
+        self.issue("ncclReduceScatter", |comm| unsafe {
+            (api.reduce_scatter)(send, recv, recv_count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, comm, stream as _)
+        })
+    }
+
+    /// Enqueues an in-place sum of `count` f32 at `ptr` into rank `root`'s buffer; the other
+    /// ranks' buffers are only read.
+    pub fn reduce_sum_f32(&self, ptr: CUdeviceptr, count: usize, root: usize, stream: CUstream) -> Result<()> {
+        let (api, buf) = (self.api, ptr as *mut c_void);
+        let root = c_int::try_from(root).map_err(|_| Error::invalid(format!("NCCL root {root} is out of range")))?;
+        // SAFETY: a live communicator (`issue`); NCCL reads `count` f32 at `buf` and, on the
+        // root, writes them, on `stream` (the caller's buffer of that size).
+        self.issue("ncclReduce", |comm| unsafe {
+            (api.reduce)(buf, buf, count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, root, comm, stream as _)
+        })
+    }
+
+    /// Enqueues an in-place all-gather of f64: `ptr` holds `world_size * send_count` values, and
+    /// every rank's part r, `send_count` values from `ptr + r * send_count`, receives rank r's.
+    pub fn allgather_f64(&self, ptr: CUdeviceptr, send_count: usize, stream: CUstream) -> Result<()> {
+        let (api, recv) = (self.api, ptr as *mut c_void);
+        let send = (ptr + (8 * self.rank * send_count) as u64) as *const c_void;
+        // SAFETY: a live communicator (`issue`); NCCL reads the `send_count` f64 at `send` and
+        // writes `world_size * send_count` at `recv`, which holds them, on `stream`.
+        self.issue("ncclAllGather", |comm| unsafe { (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat64, comm, stream as _) })
+    }
+
+    /// Issues one collective: inside this thread's [`NcclComm::group`] NCCL collects it (the
+    /// group checked the communicator and holds it), otherwise it is enqueued at once.
+    fn issue(&self, what: &str, call: impl FnOnce(ncclComm_t) -> c_int) -> Result<()> {
         if self.in_own_group() {
             // This thread holds `serial` and `call` for the group, which checked the
             // communicator: NCCL collects the call, and ncclGroupEnd launches and waits for it.
             let _g = self.ctx.enter()?;
-            let code = issue(self.comm);
-            return if code == SUCCESS || code == IN_PROGRESS { Ok(()) } else { self.finish(code, "ncclAllReduce") };
+            let code = call(self.comm);
+            return if code == SUCCESS || code == IN_PROGRESS { Ok(()) } else { self.finish(code, what) };
         }
         let _serial = lock(&self.serial);
-        let code = self.call(issue)?;
-        self.finish(code, "ncclAllReduce")
+        let code = self.call(call)?;
+        self.finish(code, what)
     }
 
     /// Runs `f` between ncclGroupStart and ncclGroupEnd, so the collectives it issues on this
