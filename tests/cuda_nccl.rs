@@ -1,22 +1,30 @@
 //! The NCCL communicator's contract on CUDA devices (the software GPU in CI): an abort from
 //! another thread ends a sync that waits for a rank that never comes, and nothing hangs after
 //! it; one communicator used by several threads at once is serialised; two ranks of a group on
-//! one device are refused; a non-blocking communicator the caller made and gradacc adopted syncs.
+//! one device are refused; a non-blocking communicator the caller made and gradacc adopted syncs;
+//! the reduce-scatter boundary leaves each rank its shard of the all-reduce's result (the CPU
+//! backend's and an f64 reference's), and a sharded sync on the wrong group fails on every rank.
 //!
 //! Skips without a GPU and NCCL; GRADACC_REQUIRE_GPU=1 makes that a failure.
 
 mod common;
 
+use std::ops::Range;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::cuda::ApexSeed;
+use common::cuda::{ApexSeed, HostGrad};
+use common::{from_bf16, from_f16, Rng};
 use cudarc::nccl::sys as nccl_sys;
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Grad, LocalComm, LossReduction, Normalize, Scaler, ScalerConfig,
+    Sharding, SyncInfo, TensorDesc,
+};
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without them the test skips, unless
 /// GRADACC_REQUIRE_GPU=1, which makes it fail.
@@ -443,5 +451,396 @@ fn a_sync_after_a_peer_destroyed_its_communicator_does_not_hang() {
         drop(rank);
         drop(comm);
         assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
+    });
+}
+
+/// How a rank adds one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Style {
+    /// `add`: every tensor in one call.
+    Add,
+    /// `begin_microbatch` + `add_tensor` in reverse, the last tensor in two contributions.
+    Hooks,
+    /// The window's last, through `begin_final_microbatch`: buckets reduce as their tensors land.
+    Final,
+}
+
+/// One rank's micro-batch: its loss scale, item count, gradients (already scaled) and style.
+struct Micro {
+    scale: f32,
+    count: u64,
+    grads: Vec<HostGrad>,
+    style: Style,
+}
+
+/// One round of the sharded test: a layout and config, and per window, per rank, micro-batches.
+struct ShardRound {
+    descs: Vec<TensorDesc>,
+    config: AccumulatorConfig,
+    /// The sharded accumulator adopts a master buffer of the layout's length.
+    adopt: bool,
+    windows: Vec<Vec<Vec<Micro>>>,
+}
+
+/// The tensor that takes two contributions in a micro-batch added tensor by tensor in reverse:
+/// the last one, unless it would start its bucket's early reduction alone (a final micro-batch
+/// refuses a second contribution after that); then one that shares its bucket with the tensor
+/// before it.
+fn twice_added(buckets: &[Range<usize>], descs: &[TensorDesc], style: Style) -> Option<usize> {
+    if style != Style::Final {
+        return Some(descs.len() - 1);
+    }
+    let starts: Vec<usize> = descs.iter().scan(0, |at, d| Some(std::mem::replace(at, *at + d.numel))).collect();
+    let bucket = |i: usize| buckets.iter().position(|b| b.contains(&starts[i]));
+    (1..descs.len()).rev().find(|&i| bucket(i) == bucket(i - 1))
+}
+
+fn random_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
+    // Lengths around the 4096-element norm blocks, so shards end mid-tensor, the last shard is
+    // short, and a small layout leaves the last ranks' shards empty.
+    let sizes = [1usize, 3, 64, 4095, 4097, 5000, 12289, 40_000];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    let descs: Vec<TensorDesc> = if round == 0 {
+        // Exactly `world` full shards: a caller's master needs no padding for the in-place
+        // reduce-scatter.
+        vec![TensorDesc { numel: world * 4096 - 100, dtype: Dtype::F16 }, TensorDesc { numel: 100, dtype: Dtype::Bf16 }]
+    } else {
+        (0..rng.range(1, 5)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+    };
+    let config = AccumulatorConfig {
+        normalize: modes[round % 4],
+        loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+        // Small enough that clipping acts in most windows where it is on.
+        max_grad_norm: if round % 3 == 2 { 1e-4 } else { 0.0 },
+        bucket_numel: rng.range(1, 30_000) as usize,
+        ..AccumulatorConfig::default()
+    };
+    let windows = (0..rng.range(2, 3))
+        .map(|window| {
+            let last = if rng.range(0, 2) == 0 { Style::Final } else { Style::Hooks };
+            let poison = round % 5 == 3 && window == 1;
+            (0..world)
+                .map(|rank| {
+                    let n = rng.range(1, 3) as usize;
+                    (0..n)
+                        .map(|m| {
+                            let scale = 2f32.powi(rng.range(0, 14) as i32);
+                            let style = if m + 1 == n {
+                                last
+                            } else if rng.range(0, 1) == 0 {
+                                Style::Add
+                            } else {
+                                Style::Hooks
+                            };
+                            let bad = poison && rank == world - 1 && m == 0;
+                            let grads = descs.iter().map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad)).collect();
+                            Micro { scale, count: rng.range(1, 9), grads, style }
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    ShardRound { descs, config, adopt: round.is_multiple_of(3), windows }
+}
+
+/// The f64 reference of one window over the flat layout: the sum over ranks and micro-batches,
+/// normalised; with the norm and clipping coefficient, and each element's sum of magnitudes.
+struct Reference {
+    values: Vec<f64>,
+    magnitude: Vec<f64>,
+    norm: f64,
+    coef: f64,
+    divisor: f64,
+}
+
+fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) -> Reference {
+    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let (mut values, mut magnitude) = (vec![0f64; len], vec![0f64; len]);
+    let (mut items, mut micro) = (0u64, 0u64);
+    for m in window.iter().flatten() {
+        items += m.count;
+        micro += 1;
+        let weight = r.config.weight(m.count);
+        let twice = twice_added(buckets, &r.descs, m.style);
+        let mut at = 0;
+        for (i, (d, g)) in r.descs.iter().zip(&m.grads).enumerate() {
+            let times = if m.style != Style::Add && Some(i) == twice { 2.0 } else { 1.0 };
+            for k in 0..d.numel {
+                let v = match d.dtype {
+                    Dtype::F32 => g.f32s[k] as f64,
+                    Dtype::F16 => from_f16(g.u16s[k]),
+                    Dtype::Bf16 => from_bf16(g.u16s[k]),
+                };
+                let x = v / m.scale as f64 * weight * times;
+                values[at + k] += x;
+                magnitude[at + k] += x.abs();
+            }
+            at += d.numel;
+        }
+    }
+    let divisor = r.config.normalize.divisor(items, micro, window.len() as u64) as f64;
+    values.iter_mut().for_each(|v| *v /= divisor);
+    let norm = values.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let max = r.config.max_grad_norm as f64;
+    let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
+    Reference { values, magnitude, norm, coef, divisor }
+}
+
+/// Bit equality of two infos (NaN norms match any NaN).
+fn same_info(a: &SyncInfo, b: &SyncInfo) -> bool {
+    let same = |x: f64, y: f64| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+    (a.found_inf, a.total_count, a.microbatches) == (b.found_inf, b.total_count, b.microbatches)
+        && same(a.grad_norm, b.grad_norm)
+        && same(a.clip_coef, b.clip_coef)
+}
+
+/// Whether `got` is `want` bit for bit (NaN matching any NaN) or, off the software GPU, where
+/// NCCL's summation order is its own, within a relative 1e-5.
+fn close(got: f32, want: f32, exact: bool) -> bool {
+    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()) || (!exact && (got - want).abs() <= 1e-5 * want.abs().max(1e-6))
+}
+
+/// What one rank's sharded boundary left, per window: its info and its shard.
+type RankResult = Vec<(SyncInfo, Range<usize>, Vec<f32>)>;
+
+/// One rank of a round: an unsharded and a sharded CUDA accumulator over NCCL, and a sharded CPU
+/// accumulator over the in-process communicator, fed the same micro-batches.
+fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID_BYTES], lc: &LocalComm, exact: bool) -> RankResult {
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+    Communicator::set_timeout(&*comm, Some(Duration::from_secs(30))).unwrap();
+    let sharded_config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..r.config };
+    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    // Declared before the accumulator that adopts it, so it outlives it.
+    let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
+    let plain = Accumulator::on(device, r.config, &r.descs).unwrap();
+    let sharded = if r.adopt {
+        // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
+        unsafe { Accumulator::on_buffer(device, sharded_config, &r.descs, adopted.ptr() as *mut f32, len) }.unwrap()
+    } else {
+        Accumulator::on(device, sharded_config, &r.descs).unwrap()
+    };
+    let cpu = Accumulator::new(sharded_config, &r.descs).unwrap();
+    let (range, ptr) = sharded.shard();
+    assert_eq!(range, cpu.shard().0, "rank {rank}: the shard is not the CPU accumulator's");
+    let mut results = Vec::new();
+    for (w, window) in r.windows.iter().enumerate() {
+        for m in &window[rank] {
+            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> = m.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + rank) % 3)).collect();
+            let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
+            let views: Vec<Grad<'_>> = m.grads.iter().map(HostGrad::view).collect();
+            if m.style == Style::Add {
+                plain.add(&gs, &addresses, m.count).unwrap();
+                sharded.add(&gs, &addresses, m.count).unwrap();
+                cpu.add(&cs, &views, m.count).unwrap();
+                continue;
+            }
+            if m.style == Style::Final {
+                plain.begin_final_microbatch(m.count, comm.clone()).unwrap();
+                sharded.begin_final_microbatch(m.count, comm.clone()).unwrap();
+            } else {
+                plain.begin_microbatch(m.count).unwrap();
+                sharded.begin_microbatch(m.count).unwrap();
+            }
+            cpu.begin_microbatch(m.count).unwrap();
+            let twice = twice_added(plain.buckets(), &r.descs, m.style);
+            for i in (0..r.descs.len()).rev() {
+                for _ in 0..if Some(i) == twice { 2 } else { 1 } {
+                    plain.add_tensor(&gs, i, addresses[i]).unwrap();
+                    sharded.add_tensor(&gs, i, addresses[i]).unwrap();
+                    cpu.add_tensor(&cs, i, views[i]).unwrap();
+                }
+            }
+            for a in [&plain, &sharded, &cpu] {
+                a.end_microbatch().unwrap();
+            }
+            if m.style == Style::Final {
+                assert_eq!(sharded.add(&gs, &addresses, 1).unwrap_err().kind, ErrorKind::WrongState, "an add after the final micro-batch");
+            }
+        }
+        let what = format!("rank {rank} window {w} {:?} {:?} adopt {}", r.descs, r.config, r.adopt);
+        let want = plain.sync(Some(&*comm)).unwrap();
+        let got = sharded.sync(Some(&*comm)).unwrap();
+        let on_cpu = cpu.sync(Some(lc)).unwrap();
+        assert!(same_info(&got, &want), "{what}: sharded {got:?}, all-reduce {want:?}");
+        assert_eq!((got.found_inf, got.total_count, got.microbatches), (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches), "{what}");
+        assert!(same_info(&got, &on_cpu) || !exact, "{what}: CUDA {got:?}, CPU {on_cpu:?}");
+        let mut flat = Vec::with_capacity(len);
+        for (i, d) in r.descs.iter().enumerate() {
+            let mut m = vec![0f32; d.numel];
+            plain.read_master(i, &mut m).unwrap();
+            flat.extend(m);
+        }
+        let mut shard = vec![0f32; range.len()];
+        if !shard.is_empty() {
+            // The shard's device address, read on the accumulator's stream after its sync.
+            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4).read(&mut shard).unwrap();
+        }
+        // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
+        let cpu_shard = unsafe { std::slice::from_raw_parts(cpu.shard().1, range.len()) };
+        for (k, (&s, i)) in shard.iter().zip(range.clone()).enumerate() {
+            assert!(close(s, flat[i], exact), "{what}: shard element {k} (master {i}): {s:e}, the all-reduce has {:e}", flat[i]);
+            assert!(close(s, cpu_shard[k], exact), "{what}: shard element {k} (master {i}): {s:e}, the CPU has {:e}", cpu_shard[k]);
+        }
+        results.push((got, range.clone(), shard));
+    }
+    results
+}
+
+/// Random layouts, dtypes, normalisations and clipping over several windows, each rank's last
+/// micro-batch through `add`, hooks or the final micro-batch's early reductions, with owned and
+/// adopted masters: every rank's shard holds the unsharded CUDA sync's bits in its range (on the
+/// software GPU also the sharded CPU accumulator's, whose sums are in rank order too) and the f64
+/// reference's values; the info is the all-reduce's on every rank.
+fn sharded_rounds(world: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
+    for round in 0..12 {
+        let r = random_round(&mut rng, world, round);
+        let id = nccl::unique_id().unwrap();
+        let locals = LocalComm::group(world).unwrap();
+        let results: Vec<RankResult> = within(Duration::from_secs(300), "a sharded round", move || {
+            let r = &r;
+            let results = std::thread::scope(|s| {
+                let handles: Vec<_> = locals.iter().enumerate().map(|(rank, lc)| s.spawn(move || run_rank(r, rank, world, &id, lc, exact))).collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+            });
+            check_against_reference(r, &results, world, round);
+            results
+        });
+        assert_eq!(results.len(), world);
+    }
+}
+
+/// The ranks' infos agree, their shards tile the layout, and each value is the f64 reference's.
+fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize, round: usize) {
+    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let buckets = Accumulator::new(r.config, &r.descs).unwrap().buckets().to_vec();
+    for (w, window) in r.windows.iter().enumerate() {
+        let what = format!("round {round} window {w} {:?} {:?}", r.descs, r.config);
+        let info = results[0][w].0;
+        for (rank, rr) in results.iter().enumerate() {
+            assert!(same_info(&rr[w].0, &info), "{what}: rank {rank} reports {:?}, rank 0 {info:?}", rr[w].0);
+        }
+        let covered: usize = results.iter().map(|rr| rr[w].1.len()).sum();
+        assert_eq!(covered, len, "{what}: the shards do not cover the layout");
+        if info.found_inf {
+            continue;
+        }
+        let want = reference(r, window, &buckets);
+        assert_eq!(info.total_count, window.iter().flatten().map(|m| m.count).sum::<u64>(), "{what}");
+        assert!((info.grad_norm - want.norm).abs() <= 1e-5 * want.norm + 1e-12, "{what}: norm {} vs {}", info.grad_norm, want.norm);
+        assert!((info.clip_coef - want.coef).abs() <= 1e-5 * want.coef, "{what}: clip {} vs {}", info.clip_coef, want.coef);
+        for rr in results {
+            let (_, range, shard) = &rr[w];
+            for (&got, i) in shard.iter().zip(range.clone()) {
+                let expect = want.values[i] * want.coef;
+                let tol = 4e-6 * want.magnitude[i] / want.divisor * want.coef + want.values[i].abs() * (info.clip_coef - want.coef).abs() + 1e-30;
+                assert!((got as f64 - expect).abs() <= tol, "{what}: element {i}: {got} vs {expect} (tol {tol}), world {world}");
+            }
+        }
+    }
+}
+
+/// The number of CUDA devices, or 0 without a GPU and NCCL (the test then skips, or fails under
+/// GRADACC_REQUIRE_GPU=1).
+fn device_count() -> i32 {
+    if !gpus_or_skip(2) {
+        return 0;
+    }
+    let mut count = 0;
+    // SAFETY: the driver loads (gpus_or_skip); valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    count
+}
+
+#[test]
+fn sharded_boundary_holds_the_all_reduce_shard_at_two_ranks() {
+    if device_count() < 2 {
+        return;
+    }
+    sharded_rounds(2, "sharded_boundary_holds_the_all_reduce_shard_at_two_ranks");
+}
+
+/// Three ranks: on the software GPU, whose device count is fixed when it loads, in a child
+/// process with three devices; on real GPUs only where there are three.
+#[test]
+fn sharded_boundary_holds_the_all_reduce_shard_at_three_ranks() {
+    const TEST: &str = "sharded_boundary_holds_the_all_reduce_shard_at_three_ranks";
+    let count = device_count();
+    if count >= 3 {
+        return sharded_rounds(3, TEST);
+    }
+    if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
+        eprintln!("{count} device(s): the three-rank test needs three");
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env("SIMGPU_DEVICES", "3")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "the three-device run failed:\n{text}");
+    eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
+}
+
+/// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another
+/// size or rank fails on every rank, never hanging and keeping every window; so does a group whose
+/// ranks disagree on sharding; and a sync without a communicator fails alone.
+#[test]
+fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
+    if device_count() < 2 {
+        return;
+    }
+    let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
+    // (shards, rank) per rank, and the error each rank sees; the last case gives each rank a
+    // group of its own.
+    let cases: [([(Sharding, ErrorKind); 2], bool); 5] = [
+        ([(rs(3, 0), ErrorKind::InvalidArgument), (rs(3, 1), ErrorKind::InvalidArgument)], true),
+        ([(rs(2, 1), ErrorKind::InvalidArgument), (rs(2, 0), ErrorKind::InvalidArgument)], true),
+        ([(rs(2, 0), ErrorKind::PeerFailure), (rs(2, 0), ErrorKind::InvalidArgument)], true),
+        ([(rs(2, 0), ErrorKind::SizeMismatch), (Sharding::None, ErrorKind::SizeMismatch)], true),
+        ([(rs(2, 0), ErrorKind::InvalidArgument), (rs(2, 1), ErrorKind::InvalidArgument)], false),
+    ];
+    within(Duration::from_secs(240), "syncs on mismatched groups", move || {
+        for (case, (ranks, shared)) in cases.into_iter().enumerate() {
+            let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
+            std::thread::scope(|s| {
+                for (rank, (sharding, want)) in ranks.into_iter().enumerate() {
+                    let ids = &ids;
+                    s.spawn(move || {
+                        let (id, at, world) = if shared { (&ids[0], rank, 2) } else { (&ids[rank], 0, 1) };
+                        let ctx = Context::get(rank as i32).unwrap();
+                        let stream = OwnedStream::new(&ctx).unwrap();
+                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                        let comm = Arc::new(NcclComm::new(id, at, world, rank as i32).unwrap());
+                        Communicator::set_timeout(&*comm, Some(Duration::from_secs(20))).unwrap();
+                        let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
+                        let acc = Accumulator::on(device, AccumulatorConfig { sharding, ..Default::default() }, &tensors).unwrap();
+                        let one = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000]).unwrap();
+                        acc.add(&one, &[grad.ptr()], 1).unwrap();
+                        let what = format!("case {case} rank {rank} {sharding:?}");
+                        let e = acc.begin_final_microbatch(1, comm.clone()).unwrap_err();
+                        assert_eq!(e.kind, want, "{what}: begin_final_microbatch: {e}");
+                        let e = acc.sync(Some(&*comm)).unwrap_err();
+                        assert_eq!(e.kind, want, "{what}: sync: {e}");
+                        let mut m = vec![0f32; 10_000];
+                        acc.read_master(0, &mut m).unwrap();
+                        assert!(m.iter().all(|&v| v == 2.0), "{what}: the window changed");
+                        if let Sharding::ReduceScatter { shards: 2, .. } = sharding {
+                            assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::InvalidArgument, "{what}: a sync with no communicator");
+                        }
+                    });
+                }
+            });
+        }
     });
 }

@@ -336,8 +336,8 @@ impl Accumulator {
                 return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {}", layout.len())));
             }
         }
-        if config.sharding != Sharding::None && device != Device::Cpu {
-            return Err(Error::new(ErrorKind::BackendUnavailable, format!("sharding ({:?}) is on the CPU only so far", config.sharding)));
+        if config.wire != Dtype::F32 && device != Device::Cpu {
+            return Err(Error::new(ErrorKind::BackendUnavailable, "bf16 on the wire is on host communicators only so far"));
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store: Box<dyn Store> = match device.check()? {

@@ -7,6 +7,12 @@
 //! A micro-batch opened with `begin_final_microbatch` ends the window: as its tensors arrive, each
 //! bucket whose tensors have all arrived is all-reduced at once on a communication stream, so
 //! the reduction overlaps the rest of the backward pass.
+//!
+//! Under reduce-scatter sharding the boundary leaves each rank only its shard reduced: one
+//! in-place ncclReduceScatter over the master, padded to the shards' equal split (a caller's
+//! master of the layout's length is summed shard by shard into each owner with ncclReduce, and a
+//! final micro-batch's buckets piece by piece the same way). The norm's block sums are computed
+//! on each shard and all-gathered, so every rank folds the same sums in the same order.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -17,7 +23,7 @@ use super::driver::{
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
-use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
@@ -30,6 +36,9 @@ use crate::scaler::Scaler;
 pub(crate) const CHUNK: usize = 8192;
 /// NORM_BLOCKs per thread block of the sum-of-squares kernel (a half-warp each).
 const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
+/// Words of the layout check: element count, fingerprint, their complements (so one MAX gives
+/// both extremes), and whether a rank's shard does not fit the communicator.
+const LAYOUT_WORDS: usize = 5;
 
 /// The final micro-batch's early bucket reductions.
 struct Overlap {
@@ -42,6 +51,42 @@ struct Overlap {
     /// Buckets are launched in reverse order (backward produces the last tensors first), and
     /// only in that order, so every rank issues the same collectives in the same sequence.
     next: usize,
+}
+
+/// Reduce-scatter at the boundary: every rank's shard and how this rank's master is reduced.
+struct Sharded {
+    rank: usize,
+    /// Every rank's shard in rank order ([`Plan::shards`]): shard q starts at `q * size`.
+    shards: Vec<Range<usize>>,
+    /// Elements of the equal split, a whole number of NORM_BLOCKs.
+    size: usize,
+    /// The master holds `shards.len() * size` elements (an owned master is padded with zeros no
+    /// add touches), NCCL's layout for an in-place reduce-scatter. A caller's master of the
+    /// layout's length is not, and its shards are reduced one by one into their owners.
+    padded: bool,
+}
+
+impl Sharded {
+    /// The split of `plan`'s sharding, None without it. The in-place collectives (reduce-scatter
+    /// of the master, all-gather of the block sums) need shards of equal size on whole blocks.
+    fn of(plan: &Plan) -> Result<Option<Sharded>> {
+        let Sharding::ReduceScatter { rank, .. } = plan.config.sharding else { return Ok(None) };
+        let (shards, len) = (plan.shards(), plan.layout.len());
+        let size = shards[0].len().next_multiple_of(NORM_BLOCK);
+        if !shards.iter().enumerate().all(|(q, r)| *r == ((q * size).min(len)..((q + 1) * size).min(len))) {
+            return Err(Error::new(ErrorKind::Internal, format!("the shards {shards:?} are not an equal split in whole blocks")));
+        }
+        Ok(Some(Sharded { rank, shards, size, padded: false }))
+    }
+
+    fn own(&self) -> Range<usize> {
+        self.shards[self.rank].clone()
+    }
+
+    /// Elements of the padded master: every shard at its full size.
+    fn padded_len(&self) -> usize {
+        self.shards.len() * self.size
+    }
 }
 
 /// One `ga_add_multi` launch of an `add`: tensors `first..first + count` and their chunks, which
@@ -70,6 +115,7 @@ pub(crate) struct DeviceStore {
     boundary: DeviceBuffer,
     partials: DeviceBuffer,
     layout_check: DeviceBuffer,
+    sharded: Option<Sharded>,
     /// Communicators this accumulator's layout was verified against.
     verified: Mutex<Vec<u64>>,
     /// The final micro-batch's early reductions, from `begin_final` to the boundary.
@@ -129,18 +175,29 @@ impl DeviceStore {
                 AddLaunch { first, count, first_chunk, num_chunks }
             })
             .collect();
+        let mut sharded = Sharded::of(&plan)?;
+        // Sharded, the master's padding (zero, never added to) makes the reduce-scatter in place;
+        // the block sums are all-gathered in place, every shard's at its full size.
+        let (padded_len, num_partials) = match &sharded {
+            Some(s) => (s.padded_len(), s.padded_len() / NORM_BLOCK),
+            None => (len, len.div_ceil(NORM_BLOCK)),
+        };
         let master = match adopt {
             Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, len * 4),
-            None => DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
+            None => DeviceBuffer::zeroed(&ctx, stream, padded_len * 4)?,
         };
+        if let Some(s) = &mut sharded {
+            s.padded = adopt.is_none() || len == padded_len;
+        }
         Ok(DeviceStore {
             tensors: DeviceBuffer::from_slice(&ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
             launches,
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
-            partials: DeviceBuffer::zeroed(&ctx, stream, len.div_ceil(NORM_BLOCK) * 8)?,
-            layout_check: DeviceBuffer::zeroed(&ctx, stream, 4 * 8)?,
+            partials: DeviceBuffer::zeroed(&ctx, stream, num_partials * 8)?,
+            layout_check: DeviceBuffer::zeroed(&ctx, stream, LAYOUT_WORDS * 8)?,
+            sharded,
             event: Mutex::new(Event::new(&ctx)?),
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
             master,
@@ -177,7 +234,7 @@ impl DeviceStore {
         while o.next > 0 && o.missing[o.next - 1] == 0 {
             let bucket = &layout.buckets()[o.next - 1];
             self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
-            nccl(&*o.comm)?.allreduce_sum_f32(self.master_at(bucket.start), bucket.len(), comm_stream)?;
+            self.reduce_bucket(nccl(&*o.comm)?, bucket, comm_stream)?;
             // Counted as reduced early only once issued: the boundary reduces every other bucket.
             o.next -= 1;
         }
@@ -207,42 +264,84 @@ impl DeviceStore {
         // SAFETY: argument types follow ga_pack_control.
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
-        if let Some(c) = p.comm {
-            let c = nccl(c)?;
+        let comm = p.comm.map(nccl).transpose()?;
+        if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
-            let reduced_early = overlap.as_ref().map_or(buckets.len(), |o| o.next);
             c.group(|| {
                 c.allreduce_u64(boundary, 3, false, self.stream)?;
-                for b in &buckets[..reduced_early] {
-                    c.allreduce_sum_f32(self.master_at(b.start), b.len(), self.stream)?;
+                match (&self.sharded, &overlap) {
+                    (Some(s), None) => self.reduce_shards(c, s),
+                    // The buckets the final micro-batch did not reduce early.
+                    (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.next)].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream)),
                 }
-                Ok(())
             })?;
         }
-        self.finish_boundary(world)
+        self.finish_boundary(world, comm)
     }
 
-    /// Normalise, norm and clip, on the device, from the reduced control words.
-    fn finish_boundary(&self, world: u64) -> Result<()> {
-        let n = self.plan.layout.len() as u64;
-        let num_blocks = n.div_ceil(NORM_BLOCK as u64);
+    /// Enqueues bucket `b`'s reduction on `stream`: an in-place all-reduce; sharded, each of its
+    /// pieces (a bucket may span shards) summed into the rank whose shard holds it.
+    fn reduce_bucket(&self, c: &NcclComm, b: &Range<usize>, stream: CUstream) -> Result<()> {
+        let Some(s) = &self.sharded else { return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream) };
+        c.group(|| {
+            for (owner, shard) in s.shards.iter().enumerate() {
+                let piece = b.start.max(shard.start)..b.end.min(shard.end);
+                if !piece.is_empty() {
+                    c.reduce_sum_f32(self.master_at(piece.start), piece.len(), owner, stream)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Enqueues the reduce-scatter of the whole master on the accumulator's stream: in place over
+    /// the padded master, or shard by shard into each owner.
+    fn reduce_shards(&self, c: &NcclComm, s: &Sharded) -> Result<()> {
+        if s.padded {
+            return c.reduce_scatter_sum_f32(self.master.ptr(), s.size, self.stream);
+        }
+        for (owner, shard) in s.shards.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            c.reduce_sum_f32(self.master_at(shard.start), shard.len(), owner, self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Normalise, norm and clip, on the device, from the reduced control words: over the whole
+    /// master, or sharded over this rank's shard, with the block sums of every shard gathered
+    /// from the ranks before the norm.
+    fn finish_boundary(&self, world: u64, comm: Option<&NcclComm>) -> Result<()> {
+        let num_blocks = self.plan.layout.len().div_ceil(NORM_BLOCK) as u64;
+        let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
+        // The shard starts on a block boundary, so its blocks (and their sums) are the whole
+        // master's, in the same places.
+        let (master, n, own_partials) = (self.master_at(own.start), own.len() as u64, self.partials.ptr() + 8 * (own.start / NORM_BLOCK) as u64);
+        let own_blocks = n.div_ceil(NORM_BLOCK as u64);
         let max_norm = self.plan.config.max_grad_norm as f64;
-        let (boundary, master, partials) = (self.boundary.ptr(), self.master.ptr(), self.partials.ptr());
+        let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
         let normalize_code = self.plan.config.normalize.code();
         // Without clipping the normalisation is applied with the norm pass; with clipping the
         // norm decides the factor, so a second pass applies it.
         let normalize_now: i32 = (max_norm == 0.0) as i32;
         // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu, and every
-        // buffer it touches (master, boundary, partials) was sized for this layout at creation.
+        // buffer it touches (the master's range `own`, boundary, partials from the range's first
+        // block) was sized for this layout at creation. An empty shard launches nothing on it.
         unsafe {
             let mut args = launch_args!(boundary, normalize_code, world);
             self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
-            let mut args = launch_args!(master, n, boundary, normalize_now, partials);
-            let grid = self.ctx.grid_for(num_blocks.div_ceil(NORM_BLOCKS_PER_CTA));
-            self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
+            if n > 0 {
+                let mut args = launch_args!(master, n, boundary, normalize_now, own_partials);
+                let grid = self.ctx.grid_for(own_blocks.div_ceil(NORM_BLOCKS_PER_CTA));
+                self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
+            }
+        }
+        if let (Some(s), Some(c)) = (&self.sharded, comm) {
+            c.allgather_f64(partials, s.size / NORM_BLOCK, self.stream)?;
+        }
+        // SAFETY: as above.
+        unsafe {
             let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
             self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
-            if max_norm != 0.0 {
+            if max_norm != 0.0 && n > 0 {
                 let mut args = launch_args!(master, n, boundary);
                 self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
             }
@@ -306,26 +405,42 @@ impl DeviceStore {
 
     /// Once per communicator: every rank checks that all ranks have the same layout (a blocking
     /// exchange of the element count and the layout hash, with their complements, by MAX), so a
-    /// mismatch fails on every rank instead of corrupting memory inside NCCL.
+    /// mismatch fails on every rank instead of corrupting memory inside NCCL. A sharded rank
+    /// whose shard is not its rank's on `comm` fails it too, and the others with it.
     fn verify_layout(&self, comm: &NcclComm) -> Result<()> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         if verified.contains(&comm.id()) {
             return Ok(());
         }
+        let misfit = self.shard_misfit(comm);
         let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint());
-        let mine = [numel, hash, !numel, !hash];
+        let mine: [u64; LAYOUT_WORDS] = [numel, hash, !numel, !hash, misfit.is_some() as u64];
         self.layout_check.write(&mine)?;
-        comm.allreduce_u64(self.layout_check.ptr(), 4, true, self.stream)?;
+        comm.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
         self.wait_for_collectives(comm)?;
-        let mut max = [0u64; 4];
+        let mut max = [0u64; LAYOUT_WORDS];
         self.layout_check.read(&mut max)?;
         comm.health()?;
+        if let Some(e) = misfit {
+            return Err(e);
+        }
+        if max[4] != 0 {
+            return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
+        }
         let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
         if max_numel != min_numel || max_hash != min_hash {
             return Err(ranks_differ(min_numel, max_numel));
         }
         verified.push(comm.id());
         Ok(())
+    }
+
+    /// Why this rank's shard cannot be reduced over `comm` (another size, or another rank), if so.
+    fn shard_misfit(&self, comm: &NcclComm) -> Option<Error> {
+        let Sharding::ReduceScatter { shards, rank } = self.plan.config.sharding else { return None };
+        let (world, at) = (comm.world_size(), comm.rank());
+        ((world, at) != (shards, rank))
+            .then(|| Error::invalid(format!("the accumulator holds shard {rank} of {shards}, but the communicator is rank {at} of {world}")))
     }
 }
 
@@ -431,6 +546,12 @@ impl Store for DeviceStore {
     /// boundary reduces them with the buckets; alone, the host knows them already.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         if let Some(e) = &p.error {
+            // A shard that does not fit the communicator fails the layout check, the one exchange
+            // every rank runs before the boundary's collectives: this rank takes part, so the
+            // others fail with it instead of waiting for its collectives.
+            if let Some(c) = p.comm.and_then(|c| nccl(c).ok()).filter(|c| self.shard_misfit(c).is_some()) {
+                let _ = self.verify_layout(c);
+            }
             return Err(e.clone());
         }
         let comm = p.comm.map(nccl).transpose()?;
