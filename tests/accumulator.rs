@@ -596,3 +596,159 @@ fn a_bf16_wire_rounds_each_contribution_once() {
         }
     }
 }
+
+/// `shards` × `replicas` ranks on threads: rank `a * shards + i` holds shard `i` in shard group
+/// `a` and is replica `a` in replica group `i`. Each runs `f(rank, shard group, replica group)`.
+fn hybrid_grid<T: Send>(shards: usize, replicas: usize, f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync) -> Vec<T> {
+    let shard_groups: Vec<Vec<LocalComm>> = (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
+    let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..shards * replicas)
+            .map(|g| {
+                let (a, i) = (g / shards, g % shards);
+                let (sc, rc) = (&shard_groups[a][i], &replica_groups[i][a]);
+                s.spawn(move || f(g, sc, rc))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The hybrid boundary (HSDP) against the f64 reference over every rank of both groups, with
+/// random settings: replicas hold the same bits, the shards tile the gradient, every rank reports
+/// the same info; with one replica it is the plain reduce-scatter, with one shard DDP over the
+/// replicas, bit for bit.
+#[test]
+fn hybrid_boundaries_match_the_reference_on_every_rank() {
+    let mut rng = Rng::fresh("hybrid_boundaries_match_the_reference_on_every_rank");
+    for (case, (shards, replicas)) in [(2, 2), (3, 2), (2, 3), (1, 3), (3, 1), (2, 2), (4, 2)].into_iter().enumerate() {
+        let world = shards * replicas;
+        let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+        let tensors: Vec<TensorDesc> = (0..rng.range(1, 5))
+            .map(|_| TensorDesc { numel: [1, 33, 4097, 9000][rng.range(0, 3) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
+            .collect();
+        let config = AccumulatorConfig {
+            loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+            normalize: [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize],
+            max_grad_norm: if rng.range(0, 1) == 0 { 0.05 } else { 0.0 },
+            wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
+            ..Default::default()
+        };
+        // Per rank: micro-batches of (count, gradient per tensor).
+        let windows: Vec<Vec<(u64, Vec<Vec<f32>>)>> = (0..world)
+            .map(|_| {
+                (0..rng.range(1, 2))
+                    .map(|_| (rng.range(1, 9), tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()))
+                    .collect()
+            })
+            .collect();
+        // `hybrid`: sync_hybrid; otherwise the plain boundary on the group of more than one rank,
+        // sharded when that is the shard group, DDP over the replicas when there is one shard.
+        let run = |g: usize, sc: &LocalComm, rc: &LocalComm, hybrid: bool| {
+            let sharding = if hybrid || shards > 1 { Sharding::ReduceScatter { shards, rank: sc.rank() } } else { Sharding::None };
+            let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, &tensors).unwrap();
+            let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+            for (count, grads) in &windows[g] {
+                let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(grads).map(|(t, v)| encode(t.dtype, v, 1.0)).collect();
+                let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+                acc.add(&one, &views, *count).unwrap();
+            }
+            let info = match (hybrid, shards) {
+                (true, _) => acc.sync_hybrid(sc, rc).unwrap(),
+                (false, 1) => acc.sync(Some(rc)).unwrap(),
+                (false, _) => acc.sync(Some(sc)).unwrap(),
+            };
+            let (range, ptr) = acc.shard();
+            // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
+            (info, range.clone(), unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec())
+        };
+        let results = hybrid_grid(shards, replicas, |g, sc, rc| run(g, sc, rc, true));
+
+        let what = format!("case {case}: {shards} shards x {replicas} replicas, {config:?}");
+        let info = results[0].0;
+        assert!(results.iter().all(|r| r.0 == info), "{what}: ranks report differently");
+        for (g, r) in results.iter().enumerate() {
+            let twin = &results[g % shards];
+            assert!(r.1 == twin.1 && r.2.iter().zip(&twin.2).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: rank {g} differs from its replica");
+        }
+        let flat: Vec<f32> = results[..shards].iter().flat_map(|r| r.2.clone()).collect();
+        assert_eq!(flat.len(), tensors.iter().map(|t| t.numel).sum::<usize>(), "{what}: the shards tile the gradient");
+
+        // The f64 reference over every rank.
+        let weights_by_count = config.weights_by_count();
+        let (mut reference, mut magnitude) = (vec![0f64; flat.len()], vec![0f64; flat.len()]);
+        for (count, grads) in windows.iter().flatten() {
+            let w = if weights_by_count { *count as f64 } else { 1.0 };
+            for (i, v) in tensors.iter().zip(grads).flat_map(|(t, g)| g.iter().map(move |&v| decoded(t.dtype, v, 1.0))).enumerate() {
+                reference[i] += v * w;
+                magnitude[i] += (v * w).abs();
+            }
+        }
+        let total_count: u64 = windows.iter().flatten().map(|m| m.0).sum();
+        let microbatches = windows.iter().map(|w| w.len() as u64).sum::<u64>();
+        assert_eq!((info.total_count, info.microbatches), (total_count, microbatches), "{what}");
+        let divisor = config.normalize.divisor(total_count, microbatches, world as u64) as f64;
+        let norm = reference.iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
+        let wire_error = if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
+        let norm_tol = 1e-5 * norm + wire_error * magnitude.iter().map(|m| (m / divisor).powi(2)).sum::<f64>().sqrt();
+        assert!((info.grad_norm - norm).abs() <= norm_tol, "{what}: norm {} vs {norm}", info.grad_norm);
+        let coef = if config.max_grad_norm > 0.0 { (config.max_grad_norm as f64 / (norm + 1e-6)).min(1.0) } else { 1.0 };
+        for (i, &got) in flat.iter().enumerate() {
+            let want = reference[i] / divisor * coef;
+            let tol = (2e-6 + wire_error) * magnitude[i] / divisor * coef + (reference[i] / divisor).abs() * (info.clip_coef - coef).abs() + 1e-30;
+            assert!((got as f64 - want).abs() <= tol, "{what}: element {i}: {got} vs {want} (tol {tol})");
+        }
+
+        // Degenerate grids are the plain boundaries, bit for bit.
+        if replicas == 1 || shards == 1 {
+            let plain = hybrid_grid(shards, replicas, |g, sc, rc| run(g, sc, rc, false));
+            for (g, (a, b)) in results.iter().zip(&plain).enumerate() {
+                assert!(
+                    a.0 == b.0 && a.2.iter().zip(&b.2).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{what}: rank {g} differs from the plain boundary"
+                );
+            }
+        }
+    }
+}
+
+/// Hybrid misuse fails on every rank, never hangs: replica groups whose ranks hold different
+/// shards, an unsharded accumulator, and shard groups whose replica groups differ in size.
+#[test]
+fn hybrid_misuse_fails_on_every_rank() {
+    let tensors = [TensorDesc { numel: 3 * 4096 + 5, dtype: Dtype::F32 }];
+    let grads = vec![0.5f32; tensors[0].numel];
+    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    let sync = |sharding: Sharding, sc: &LocalComm, rc: &LocalComm| {
+        for c in [sc, rc] {
+            c.set_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+        }
+        let acc = Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, &tensors).unwrap();
+        acc.add(&one, &[Grad::F32(&grads)], 1).unwrap();
+        let e = acc.sync_hybrid(sc, rc).unwrap_err();
+        // The window is intact: a plain sync on the shard group still reduces it.
+        if let Sharding::ReduceScatter { .. } = sharding {
+            acc.sync(Some(sc)).unwrap();
+        }
+        e.kind
+    };
+    // 2 x 2, but shard group 1 joins the replica groups crosswise: replica group j pairs shard j
+    // of shard group 0 with shard 1 - j of shard group 1. Every shard check passes.
+    let shard_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
+    let replica_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
+    let kinds: Vec<ErrorKind> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                let (a, i) = (g / 2, g % 2);
+                let (sc, rc) = (&shard_groups[a][i], &replica_groups[if a == 1 { 1 - i } else { i }][a]);
+                s.spawn(move || sync(Sharding::ReduceScatter { shards: 2, rank: i }, sc, rc))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(kinds.iter().all(|&k| k == ErrorKind::SizeMismatch), "{kinds:?}");
+    // An unsharded accumulator cannot take a hybrid boundary.
+    let kinds = hybrid_grid(2, 2, |_, sc, rc| sync(Sharding::None, sc, rc));
+    assert!(kinds.iter().all(|&k| k == ErrorKind::InvalidArgument), "{kinds:?}");
+}

@@ -193,7 +193,7 @@ impl Communicator for AbortAt {
 }
 
 impl HostCollectives for AbortAt {
-    fn reduce_control(&self, mine: &gradacc::comm::Control) -> gradacc::Result<gradacc::comm::ControlSum> {
+    fn reduce_control(&self, mine: &gradacc::comm::ControlSum) -> gradacc::Result<gradacc::comm::ControlSum> {
         self.inner.reduce_control(mine)
     }
     fn allreduce_sum(&self, buf: &mut [f32]) -> gradacc::Result<()> {

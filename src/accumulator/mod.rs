@@ -187,7 +187,7 @@ pub(crate) fn ranks_differ(min_numel: u64, max_numel: u64) -> Error {
         ErrorKind::SizeMismatch,
         format!(
             "ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout, loss reduction, \
-             normalisation, max_grad_norm or shard count); no rank reduced"
+             normalisation, max_grad_norm, shard count, wire dtype or replica groups); no rank reduced"
         ),
     )
 }
@@ -195,6 +195,8 @@ pub(crate) fn ranks_differ(min_numel: u64, max_numel: u64) -> Error {
 /// What this rank brings to a boundary.
 pub(crate) struct Proposal<'a> {
     pub comm: Option<&'a dyn Communicator>,
+    /// A hybrid boundary's replica group: the shard is then all-reduced over it.
+    pub replicas: Option<&'a dyn Communicator>,
     pub count: u64,
     pub microbatches: u64,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
@@ -533,33 +535,45 @@ impl Accumulator {
     /// measured and clipped. `None` is the single-process boundary. On CUDA this waits for the
     /// accumulator's stream to read the info; [`Accumulator::sync_enqueue`] does not.
     pub fn sync(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
-        self.boundary(comm, true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+        self.boundary(comm, None, true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
     /// The boundary without reading its info: on CUDA everything is enqueued on the accumulator's
     /// stream and the call returns at once (the info stays on the device for the scaler's
     /// update); on the CPU it is [`Accumulator::sync`].
     pub fn sync_enqueue(&self, comm: Option<&dyn Communicator>) -> Result<()> {
-        self.boundary(comm, false).map(drop)
+        self.boundary(comm, None, false).map(drop)
     }
 
-    fn boundary(&self, comm: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
-        let result = self.run_boundary(comm, read);
-        if let (Err(e), Some(c)) = (&result, comm) {
-            // A boundary past its deadline ends this rank's use of the group, on every transport.
+    /// The hybrid boundary (HSDP): a sharded accumulator reduce-scatters over `shard` (its
+    /// [`Sharding::ReduceScatter`] group), and each shard is then all-reduced over `replicas`,
+    /// the ranks that hold the same shard in the other shard groups, once. Every rank of both
+    /// groups must call it. Counts, micro-batches and overflow are agreed over every rank of both
+    /// (the world is their product); the norm is the whole gradient's, the same everywhere. The
+    /// shard holds the sum over each shard group in rank order, summed over the replicas in
+    /// their rank order. Only a host communicator (in-process, MPI) can be a replica group.
+    pub fn sync_hybrid(&self, shard: &dyn Communicator, replicas: &dyn Communicator) -> Result<SyncInfo> {
+        self.boundary(Some(shard), Some(replicas), true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+    }
+
+    fn boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+        let result = self.run_boundary(comm, replicas, read);
+        if let Err(e) = &result {
+            // A boundary past its deadline ends this rank's use of its groups, on every transport.
             if e.kind == ErrorKind::Timeout {
-                let _ = c.abort();
+                for c in comm.iter().chain(&replicas) {
+                    let _ = c.abort();
+                }
             }
         }
         result
     }
 
-    fn run_boundary(&self, comm: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
-        if let Some(c) = comm {
-            if let Err(e) = self.check_comm(c) {
-                refuse_boundary(c);
-                return Err(e);
-            }
+    fn run_boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+        let groups = || comm.iter().chain(&replicas).copied();
+        if let Err(e) = groups().try_for_each(|c| self.check_comm(c)).and_then(|()| self.check_replicas(replicas)) {
+            groups().for_each(refuse_boundary);
+            return Err(e);
         }
         let mut w = self.window.write();
         let error = w
@@ -570,7 +584,7 @@ impl Accumulator {
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
         let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
-        let agreed = self.store.agree(&Proposal { comm, count, microbatches, error }).map_err(|e| match e.kind {
+        let agreed = self.store.agree(&Proposal { comm, replicas, count, microbatches, error }).map_err(|e| match e.kind {
             // Nothing was reduced: the caller may save the window or sync again on a new group.
             ErrorKind::CommFailure | ErrorKind::Timeout => {
                 Error::new(e.kind, format!("{}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message))
@@ -588,7 +602,7 @@ impl Accumulator {
 
         // From here on the window is consumed: every rank passed the same checks, and a failure
         // discards the window (a retry must not reduce a bucket twice).
-        let proposal = Proposal { comm, count, microbatches, error: None };
+        let proposal = Proposal { comm, replicas, count, microbatches, error: None };
         let result = self.consume(&mut w, empty_again, &proposal, &agreed, read);
         match result {
             Ok(info) => {
@@ -821,6 +835,21 @@ impl Accumulator {
         Device::require_same(("the communicator", comm.device()), ("the accumulator", self.device()))
     }
 
+    /// A hybrid boundary needs a sharded CPU accumulator (every rank of the group is alike, so
+    /// every rank refuses alike).
+    fn check_replicas(&self, replicas: Option<&dyn Communicator>) -> Result<()> {
+        if replicas.is_none() {
+            return Ok(());
+        }
+        if self.device() != Device::Cpu {
+            return Err(Error::new(ErrorKind::BackendUnavailable, "a hybrid boundary (replica groups) is on the CPU only so far"));
+        }
+        if !matches!(self.plan.config.sharding, Sharding::ReduceScatter { .. }) {
+            return Err(Error::invalid("a hybrid boundary needs a sharded accumulator (Sharding::ReduceScatter over the shard group)"));
+        }
+        Ok(())
+    }
+
     /// A gradient matches its tensor (dtype, length) and the accumulator's memory. `argument`
     /// names it in the error, and is only formatted when a check fails.
     fn check_grad(&self, index: usize, g: Gradient<'_>, argument: impl FnOnce() -> String) -> Result<()> {
@@ -857,6 +886,6 @@ impl Accumulator {
 /// communicator cannot carry it; its peers wait until they are aborted or time out.
 pub(crate) fn refuse_boundary(comm: &dyn Communicator) {
     if let Collectives::Host(c) = comm.collectives() {
-        let _ = c.reduce_control(&Control { error: true, ..Default::default() });
+        let _ = c.reduce_control(&ControlSum::of(&Control { error: true, ..Default::default() }));
     }
 }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    check_buckets, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
+    check_buckets, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
@@ -94,7 +94,7 @@ struct State {
     readers: usize,
     failure: Option<Failure>,
     buffers: Vec<Published>,
-    controls: Vec<Control>,
+    controls: Vec<ControlSum>,
 }
 
 struct Group {
@@ -279,7 +279,7 @@ impl LocalComm {
                 readers: 0,
                 failure: None,
                 buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0, values: std::ptr::null_mut() }; world],
-                controls: vec![Control::default(); world],
+                controls: vec![ControlSum::default(); world],
             }),
             cv: Condvar::new(),
         });
@@ -340,7 +340,7 @@ impl Communicator for LocalComm {
 }
 
 impl HostCollectives for LocalComm {
-    fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
+    fn reduce_control(&self, mine: &ControlSum) -> Result<ControlSum> {
         let _busy = self.enter()?;
         let g = &*self.group;
         let (rank, timeout, what) = (self.rank, self.timeout(), What::Control);
@@ -349,7 +349,7 @@ impl HostCollectives for LocalComm {
         g.wait(s, rank, what, timeout, Reads::None)?;
         let sum = {
             let s = g.state();
-            s.controls[1..].iter().fold(ControlSum::of(&s.controls[0]), |acc, c| acc.fold(c))
+            s.controls[1..].iter().fold(s.controls[0], |acc, c| acc.merge(c))
         };
         // Nobody may publish the next round's values before everyone has read this one.
         g.wait(g.state(), rank, what, timeout, Reads::None)?;
@@ -521,6 +521,7 @@ unsafe fn copy_from_peer(base: *mut f32, peer: &Published, range: Range<usize>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::Control;
 
     #[test]
     fn sums_are_exact_and_identical_on_every_rank() {
@@ -563,7 +564,14 @@ mod tests {
                 s.spawn(move || {
                     let r = c.rank() as u64;
                     let sum = c
-                        .reduce_control(&Control { numel: 10 + r, layout: 5, count: r + 1, microbatches: 1, found_inf: r == 2, error: false })
+                        .reduce_control(&ControlSum::of(&Control {
+                            numel: 10 + r,
+                            layout: 5,
+                            count: r + 1,
+                            microbatches: 1,
+                            found_inf: r == 2,
+                            error: false,
+                        }))
                         .unwrap();
                     assert_eq!(
                         sum,
@@ -664,7 +672,7 @@ mod tests {
             comms[0].allreduce_sum(&mut stale).unwrap();
         });
         let (control, reduce) = std::thread::scope(|s| {
-            let control = s.spawn(|| comms[0].reduce_control(&Control::default()));
+            let control = s.spawn(|| comms[0].reduce_control(&ControlSum::default()));
             let reduce = s.spawn(|| {
                 let mut w = vec![3.0f32; 8];
                 (comms[1].allreduce_sum(&mut w), w)

@@ -128,17 +128,23 @@ impl ControlSum {
         }
     }
 
-    /// Folds one more rank in. Saturating sums: a wrapped count would silently mis-normalise.
+    /// Folds one more rank in.
     pub fn fold(self, c: &Control) -> Self {
+        self.merge(&ControlSum::of(c))
+    }
+
+    /// The reduction over the ranks of both. Saturating sums: a wrapped count would silently
+    /// mis-normalise.
+    pub fn merge(self, o: &ControlSum) -> Self {
         ControlSum {
-            min_numel: self.min_numel.min(c.numel),
-            max_numel: self.max_numel.max(c.numel),
-            min_layout: self.min_layout.min(c.layout),
-            max_layout: self.max_layout.max(c.layout),
-            count: self.count.saturating_add(c.count),
-            microbatches: self.microbatches.saturating_add(c.microbatches),
-            found_inf: self.found_inf | c.found_inf,
-            error: self.error | c.error,
+            min_numel: self.min_numel.min(o.min_numel),
+            max_numel: self.max_numel.max(o.max_numel),
+            min_layout: self.min_layout.min(o.min_layout),
+            max_layout: self.max_layout.max(o.max_layout),
+            count: self.count.saturating_add(o.count),
+            microbatches: self.microbatches.saturating_add(o.microbatches),
+            found_inf: self.found_inf | o.found_inf,
+            error: self.error | o.error,
         }
     }
 }
@@ -189,8 +195,9 @@ pub enum Collectives<'a> {
 
 /// The collectives of a host communicator. Every rank of the group must call them, in the same order.
 pub trait HostCollectives: Send + Sync {
-    /// Reduces every rank's control values; every rank receives the same [`ControlSum`].
-    fn reduce_control(&self, mine: &Control) -> Result<ControlSum>;
+    /// Reduces every rank's control values (a rank's own are `ControlSum::of(&control)`, or
+    /// already the reduction over another group); every rank receives the same [`ControlSum`].
+    fn reduce_control(&self, mine: &ControlSum) -> Result<ControlSum>;
 
     /// Sums `buf` over all ranks in place. Every rank ends with bitwise-identical contents.
     fn allreduce_sum(&self, buf: &mut [f32]) -> Result<()>;

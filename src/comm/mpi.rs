@@ -36,8 +36,7 @@ use mpi::ffi;
 
 use super::shares::{self, ShareTransport, Step, Workspace};
 use super::{
-    check_buckets, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, Control, ControlSum, HostCollectives,
-    DEFAULT_TIMEOUT,
+    check_buckets, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -688,7 +687,7 @@ impl Communicator for MpiComm {
 impl HostCollectives for MpiComm {
     /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words,
     /// in the communicator's [`ControlWords`].
-    fn reduce_control(&self, mine: &Control) -> Result<ControlSum> {
+    fn reduce_control(&self, mine: &ControlSum) -> Result<ControlSum> {
         let mut entered = self.enter()?;
         let mem = &mut *entered.2;
         let words = &mut *mem.control;

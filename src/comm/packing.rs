@@ -2,16 +2,16 @@
 //! (MPI, NCCL) reduces them in two collectives: SUM for counts and flags, MAX for the rest, where
 //! a minimum is the complement of the maximum of complements.
 
-use super::{Control, ControlSum};
+use super::ControlSum;
 
 /// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1).
 pub const SUM_WORDS: usize = 4;
 /// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches.
 pub const MAX_WORDS: usize = 6;
 
-/// One rank's control values as the SUM words and the MAX words.
-pub fn pack(c: &Control) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
-    ([c.count, c.microbatches, c.found_inf as u64, c.error as u64], [c.numel, !c.numel, c.layout, !c.layout, c.count, c.microbatches])
+/// One rank's control values (or a group's reduction) as the SUM words and the MAX words.
+pub fn pack(c: &ControlSum) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
+    ([c.count, c.microbatches, c.found_inf as u64, c.error as u64], [c.max_numel, !c.min_numel, c.max_layout, !c.min_layout, c.count, c.microbatches])
 }
 
 /// The reduction from the element-wise SUM and MAX over every rank's words. A sum that wrapped
@@ -33,9 +33,15 @@ pub fn unpack(sum: &[u64; SUM_WORDS], max: &[u64; MAX_WORDS]) -> ControlSum {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::Control;
 
     /// What SUM and MAX collectives would compute over `ranks`.
     fn reduce(ranks: &[Control]) -> ControlSum {
+        reduce_sums(&ranks.iter().map(ControlSum::of).collect::<Vec<_>>())
+    }
+
+    /// The same over ranks that each bring a group's reduction.
+    fn reduce_sums(ranks: &[ControlSum]) -> ControlSum {
         let mut sum = [0u64; SUM_WORDS];
         let mut max = [0u64; MAX_WORDS];
         for c in ranks {
@@ -89,6 +95,9 @@ mod tests {
                 })
                 .collect();
             assert_eq!(reduce(&ranks), fold(&ranks), "{ranks:?}");
+            // In two levels, as a hybrid boundary reduces: groups first, then their reductions.
+            let groups: Vec<ControlSum> = ranks.chunks(1 + (next() % 3) as usize).map(reduce).collect();
+            assert_eq!(reduce_sums(&groups), fold(&ranks), "{ranks:?} in groups");
         }
     }
 }

@@ -3,12 +3,13 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
+use crate::accumulator::Sharding;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
-use crate::comm::{pass_whole, BlockPass, Collectives, Control, ControlSum};
+use crate::comm::{pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -103,19 +104,34 @@ impl Store for HostStore {
     /// so every rank fails together.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         let layout = &self.plan.layout;
+        // The ranks of a shard group must have replica groups of one size: it is in the world.
+        let replicas = p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
         let mine = Control {
             numel: layout.len() as u64,
-            layout: self.plan.fingerprint(),
+            layout: self.plan.fingerprint() ^ replicas,
             count: p.count,
             microbatches: p.microbatches,
             found_inf: p.microbatches != 0 && self.found_inf.load(Ordering::Relaxed),
             error: p.error.is_some(),
         };
-        let (total, world) = match p.comm.map(|c| (c.collectives(), c.world_size())) {
-            Some((Collectives::Host(c), world)) => (c.reduce_control(&mine)?, world),
-            Some((Collectives::Nccl(_), _)) => return Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator")),
-            None => (ControlSum::of(&mine), 1),
-        };
+        let mut total = ControlSum::of(&mine);
+        let mut world = 1;
+        if let Some(c) = p.comm {
+            total = host_collectives(c)?.reduce_control(&total)?;
+            world = c.world_size();
+        }
+        if let Some(r) = p.replicas {
+            // The replicas of a shard must hold the same shard: the fingerprint is tagged with
+            // the shard's rank, so ranks holding different shards differ in it.
+            let shard = match self.plan.config.sharding {
+                Sharding::ReduceScatter { rank, .. } => rank as u64,
+                Sharding::None => u64::MAX,
+            };
+            let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            (total.min_layout, total.max_layout) = (total.min_layout ^ tag, total.max_layout ^ tag);
+            total = host_collectives(r)?.reduce_control(&total)?;
+            world *= r.world_size();
+        }
         if let Some(e) = &p.error {
             return Err(e.clone());
         }
@@ -136,23 +152,24 @@ impl Store for HostStore {
         // block also normalises it. With clipping the factor depends on the norm: the pass only
         // measures, and its second step scales once every block's sum is known.
         let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
-        let host = p.comm.filter(|c| c.world_size() > 1).and_then(|c| match c.collectives() {
-            Collectives::Host(h) => Some(h),
-            Collectives::Nccl(_) => None,
-        });
+        let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
         // A bf16 wire rounds each rank's contribution once, here, before any transport reads it,
-        // so every communicator sums the same values; only a reduction between ranks has a wire.
-        let wire = if host.is_some() { config.wire } else { Dtype::F32 };
+        // so every communicator sums the same values; only a reduction between ranks has a wire
+        // (in a hybrid boundary, the first: the replicas then sum FP32 sums).
+        let wire = if host.or(replicas).is_some() { config.wire } else { Dtype::F32 };
         if wire == Dtype::Bf16 {
             super::round_to_bf16(all, threads);
         }
         let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads, wire };
         let shards = self.plan.shards();
-        let block_sums = match host {
+        let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
-            Some(c) if shards.is_empty() => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
-            Some(c) => c.reduce_scatter_with_pass(all, &shards, &pass)?,
-            None => pass_whole(all, &pass, threads),
+            (Some(c), None) if shards.is_empty() => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &pass)?,
+            (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass)?,
+            // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
+            (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            (None, None) => pass_whole(all, &pass, threads),
         };
         let (grad_norm, clip_coef) = norm_and_clip(&block_sums, divisor, max_norm);
         Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
@@ -191,11 +208,76 @@ impl Store for HostStore {
 /// The boundary's pass over the summed master buffer: each block's sum of squares, and the
 /// normalisation when its factor is known before the norm (no clipping); with clipping, a second
 /// step scales by the clipping coefficient over the divisor once the norm is known.
+#[derive(Clone, Copy)]
 struct NormPass {
     factor: Option<f32>,
     clip: Option<Clip>,
     threads: usize,
     wire: Dtype,
+}
+
+/// The host collectives of a communicator: a CPU accumulator reduces on no other.
+fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
+    match c.collectives() {
+        Collectives::Host(h) => Ok(h),
+        Collectives::Nccl(_) => Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator")),
+    }
+}
+
+/// The host collectives of a group of more than one rank; `None` for no group or a group of one.
+fn between_ranks(c: Option<&dyn Communicator>) -> Result<Option<&dyn HostCollectives>> {
+    c.filter(|c| c.world_size() > 1).map(host_collectives).transpose()
+}
+
+/// The hybrid boundary: a reduce-scatter over the shard group whose pass all-reduces each piece
+/// of the shard over the replicas (with the normalisation, but without the second step), so the
+/// pieces are final before the shard group gathers the block values and clips. A failure on any
+/// replica group then fails every rank, through one more control reduction over the shard group.
+fn hybrid(shard: &dyn HostCollectives, replicas: &dyn HostCollectives, buf: &mut [f32], shards: &[Range<usize>], pass: NormPass) -> Result<Vec<f64>> {
+    let over = OverReplicas { replicas, inner: NormPass { clip: None, wire: Dtype::F32, ..pass }, outer: pass, failed: Mutex::new(None) };
+    let values = shard.reduce_scatter_with_pass(buf, shards, &over)?;
+    let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
+    let told = shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
+    match failed {
+        Some(e) => Err(e),
+        None if told.error => Err(Error::new(ErrorKind::PeerFailure, "the replica reduction failed on another rank of the shard group")),
+        None => Ok(values),
+    }
+}
+
+/// The hybrid boundary's pass over the shard group (see [`hybrid`]). The shard group calls `run`
+/// on one piece at a time, in the same order on every replica.
+struct OverReplicas<'a> {
+    replicas: &'a dyn HostCollectives,
+    /// What the replicas run on each piece: `outer` without its second step.
+    inner: NormPass,
+    outer: NormPass,
+    failed: Mutex<Option<Error>>,
+}
+
+impl BlockPass for OverReplicas<'_> {
+    fn run(&self, run: &mut [f32], values: &mut [f64]) {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        if failed.is_none() {
+            let whole = 0..run.len();
+            match self.replicas.allreduce_with_pass(run, std::slice::from_ref(&whole), &self.inner) {
+                Ok(v) => values.copy_from_slice(&v),
+                Err(e) => *failed = Some(e),
+            }
+        }
+    }
+
+    fn rescales(&self) -> bool {
+        self.outer.rescales()
+    }
+
+    fn rescale(&self, values: &[f64]) -> Option<f32> {
+        self.outer.rescale(values)
+    }
+
+    fn wire(&self) -> Dtype {
+        self.outer.wire
+    }
 }
 
 /// What the clipping coefficient needs beyond the block sums.
