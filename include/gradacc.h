@@ -518,8 +518,10 @@ typedef struct gradacc_scaler_stats_t {
  * range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's
  * traffic, as a distributed optimizer (ZeRO-1) needs. The window accumulates the whole gradient;
  * the norm and clipping coefficient are the whole gradient's, the same on every rank; the shard
- * holds the bits an all-reduce would leave there. Sync on a communicator of `shard_count` ranks
- * on which this is rank `shard_rank`.
+ * holds the bits an all-reduce would leave there (on host communicators; on real NCCL, whose
+ * collectives may order their sums differently, within the last bits). Sync on a communicator
+ * of `shard_count` ranks on which this is rank `shard_rank`, on the CPU or CUDA, or with
+ * gradacc_accumulator_sync_hybrid over a shard group and a replica group (HSDP).
  */
 #define GRADACC_SHARDING_REDUCE_SCATTER 1
 
@@ -717,6 +719,27 @@ GRADACC_API
 enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc,
                                                struct gradacc_comm_t *comm,
                                                struct gradacc_sync_info_t *out_info);
+
+/**
+ * The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER:
+ * the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one
+ * rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding
+ * the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a
+ * and replica a of replica group i, say). Every rank of both groups calls it. Counts, overflow
+ * and layout are agreed over all ranks (the world is the product of the group sizes); the norm
+ * is the whole gradient's; each shard is summed in its shard group in rank order, then over
+ * the replicas in their rank order. Replica groups whose ranks hold different shards, or an
+ * unsharded accumulator, fail on every rank with nothing reduced. Host communicators only
+ * (in-process, MPI); a CUDA accumulator gets GRADACC_STATUS_BACKEND_UNAVAILABLE. `*out_info`
+ * may be NULL.
+ *
+ * Thread safety: as gradacc_accumulator_sync.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_sync_hybrid(struct gradacc_accumulator_t *acc,
+                                                      struct gradacc_comm_t *shard_comm,
+                                                      struct gradacc_comm_t *replica_comm,
+                                                      struct gradacc_sync_info_t *out_info);
 
 /**
  * Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device

@@ -9,7 +9,7 @@ use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
-use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
+use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -49,8 +49,10 @@ pub const GRADACC_SHARDING_NONE: gradacc_sharding_t = 0;
 /// range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's
 /// traffic, as a distributed optimizer (ZeRO-1) needs. The window accumulates the whole gradient;
 /// the norm and clipping coefficient are the whole gradient's, the same on every rank; the shard
-/// holds the bits an all-reduce would leave there. Sync on a communicator of `shard_count` ranks
-/// on which this is rank `shard_rank`.
+/// holds the bits an all-reduce would leave there (on host communicators; on real NCCL, whose
+/// collectives may order their sums differently, within the last bits). Sync on a communicator
+/// of `shard_count` ranks on which this is rank `shard_rank`, on the CPU or CUDA, or with
+/// gradacc_accumulator_sync_hybrid over a shard group and a replica group (HSDP).
 pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
 
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
@@ -413,19 +415,67 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
         }
         let info = a.sync(comm)?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
-        unsafe {
-            write_out_struct(
-                out_info,
-                gradacc_sync_info_t {
-                    struct_size: 0,
-                    found_inf: info.found_inf,
-                    total_count: info.total_count,
-                    microbatches: info.microbatches,
-                    grad_norm: info.grad_norm,
-                    clip_coef: info.clip_coef,
-                },
-            )
+        unsafe { write_sync_info(out_info, &info) };
+        Ok(())
+    })
+}
+
+/// Writes a boundary's info to a caller's non-null `out`.
+///
+/// # Safety
+/// `out` points to a writable `gradacc_sync_info_t` of its `struct_size`.
+unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
+    let c = gradacc_sync_info_t {
+        struct_size: 0,
+        found_inf: info.found_inf,
+        total_count: info.total_count,
+        microbatches: info.microbatches,
+        grad_norm: info.grad_norm,
+        clip_coef: info.clip_coef,
+    };
+    // SAFETY: by the caller's contract.
+    unsafe { write_out_struct(out, c) }
+}
+
+/// The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER:
+/// the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one
+/// rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding
+/// the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a
+/// and replica a of replica group i, say). Every rank of both groups calls it. Counts, overflow
+/// and layout are agreed over all ranks (the world is the product of the group sizes); the norm
+/// is the whole gradient's; each shard is summed in its shard group in rank order, then over
+/// the replicas in their rank order. Replica groups whose ranks hold different shards, or an
+/// unsharded accumulator, fail on every rank with nothing reduced. Host communicators only
+/// (in-process, MPI); a CUDA accumulator gets GRADACC_STATUS_BACKEND_UNAVAILABLE. `*out_info`
+/// may be NULL.
+///
+/// Thread safety: as gradacc_accumulator_sync.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
+    acc: *mut gradacc_accumulator_t,
+    shard_comm: *mut gradacc_comm_t,
+    replica_comm: *mut gradacc_comm_t,
+    out_info: *mut gradacc_sync_info_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_sync_hybrid", || {
+        let shard = COMMS.get(shard_comm, "shard_comm");
+        let replicas = COMMS.get(replica_comm, "replica_comm");
+        let checked = check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc"));
+        let (a, shard, replicas) = match (checked, shard, replicas) {
+            (Ok(a), Ok(s), Ok(r)) => (a, s, r),
+            (a, s, r) => {
+                // Still take part in the boundary so the other ranks fail instead of waiting.
+                for c in [&s, &r].into_iter().flatten() {
+                    refuse_boundary(&**c);
+                }
+                return Err([a.err(), s.err(), r.err()].into_iter().flatten().next().expect("one argument failed"));
+            }
         };
+        let info = a.sync_hybrid(&*shard, &*replicas)?;
+        if !out_info.is_null() {
+            // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+            unsafe { write_sync_info(out_info, &info) };
+        }
         Ok(())
     })
 }

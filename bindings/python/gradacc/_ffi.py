@@ -224,6 +224,12 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
+# The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say).
+gradacc_accumulator_sync_hybrid = dll.gradacc_accumulator_sync_hybrid
+gradacc_accumulator_sync_hybrid.restype = gradacc_status_t
+gradacc_accumulator_sync_hybrid.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
+# arguments: acc, shard_comm, replica_comm, out_info
+
 # Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order).
 gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t

@@ -228,6 +228,11 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     end
 end
 
+"The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say)."
+function gradacc_accumulator_sync_hybrid(acc, shard_comm, replica_comm, out_info)
+    ccall((:gradacc_accumulator_sync_hybrid, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, shard_comm, replica_comm, out_info)
+end
+
 "Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."
 function gradacc_accumulator_master(acc, index, out_data, out_numel)
     ccall((:gradacc_accumulator_master, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
