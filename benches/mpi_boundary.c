@@ -22,7 +22,10 @@
  *                   of the same bytes, each as one call and in calls of 4 MB; each sync is also
  *                   given over the fastest form of its own collective (the reduce-scatter's: of
  *                   either reduce-scatter call; Open MPI 4.1 runs MPI_Reduce_scatter_block as a
- *                   reduce to one rank and a scatter, MPI_Reduce_scatter by its tuned algorithms). */
+ *                   reduce to one rank and a scatter, MPI_Reduce_scatter by its tuned algorithms).
+ *
+ * With --wire (scripts/bench-mpi --wire) it times both syncs with FP32 and with BF16 on the wire,
+ * and measures each result's error against f64 (see wire_table). */
 #include <gradacc.h>
 #include <mpi.h>
 #include <stdint.h>
@@ -192,13 +195,99 @@ static void reduce_scatter_table(size_t n, gradacc_comm_t *comm, gradacc_scaler_
     gradacc_accumulator_destroy(rs);
 }
 
+/* A contribution of rank r to element i: magnitudes from 1e-3 to 1e3 across ranks, both signs. */
+static float wire_value(int r, size_t i)
+{
+    static const float scale[4] = {1.0f, 1e3f, 1e-3f, 7.0f};
+    unsigned long long h = (unsigned long long)i * 2654435761ull + (unsigned long long)r * 40503ull;
+    return ((float)(h % 100003) / 100003.0f - 0.5f) * scale[r % 4];
+}
+
+/* With --wire: the all-reduce and the reduce-scatter sync with FP32 and with BF16 on the wire, one
+ * micro-batch of FP32 gradients per step, and the largest error of each result against the f64
+ * sum, in units of 2^-8 times the element's magnitude (the sum of the contributions' absolute
+ * values): the BF16 wire's bound is 1 in those units, whatever the process count. */
+static void wire_table(size_t n, gradacc_comm_t *comm)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    gradacc_scaler_config_t sc;
+    OK(gradacc_scaler_config_default(&sc));
+    sc.init_scale = 1.0f;
+    gradacc_scaler_t *one;
+    OK(gradacc_scaler_create(&sc, NULL, &one));
+    gradacc_tensor_desc_t t = {n, GRADACC_DTYPE_F32};
+    gradacc_accumulator_t *accs[4]; /* all-reduce f32, all-reduce bf16, reduce-scatter f32, bf16 */
+    for (int k = 0; k < 4; k++) {
+        gradacc_accumulator_config_t ac;
+        OK(gradacc_accumulator_config_default(&ac));
+        ac.wire_dtype = k % 2 ? GRADACC_DTYPE_BF16 : GRADACC_DTYPE_F32;
+        if (k >= 2) {
+            ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+            ac.shard_count = (uint32_t)size;
+            ac.shard_rank = (uint32_t)rank;
+        }
+        OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &accs[k]));
+    }
+    float *g = malloc(n * 4);
+    for (size_t i = 0; i < n; i++)
+        g[i] = wire_value(rank, i);
+    const void *grads[1] = {g};
+    double times[4][REPEATS];
+    for (int rep = -WARMUP; rep < REPEATS; rep++) {
+        for (int k = 0; k < 4; k++) {
+            OK(gradacc_accumulator_add(accs[k], one, grads, 1, 1));
+            gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+            MPI_Barrier(MPI_COMM_WORLD);
+            double t0 = MPI_Wtime();
+            OK(gradacc_accumulator_sync(accs[k], comm, &info));
+            double e = slowest(t0);
+            if (rep >= 0)
+                times[k][rep] = e;
+        }
+    }
+    double err[4];
+    for (int k = 0; k < 4; k++) {
+        size_t offset, numel;
+        float *data;
+        OK(gradacc_accumulator_shard(accs[k], &offset, &numel, &data));
+        double worst = 0;
+        for (size_t j = 0; j < numel; j++) {
+            double exact = 0, magnitude = 0;
+            for (int r = 0; r < size; r++) {
+                double x = wire_value(r, offset + j);
+                exact += x;
+                magnitude += x < 0 ? -x : x;
+            }
+            double d = (double)data[j] * size - exact; /* the sync divided by the item count */
+            d = d < 0 ? -d : d;
+            if (magnitude > 0 && d / magnitude > worst)
+                worst = d / magnitude;
+        }
+        MPI_Allreduce(&worst, &err[k], 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    }
+    if (rank == 0) {
+        printf("| processes | fp32 parameters | wire | all-reduce sync (ms) | reduce-scatter sync (ms) | largest error / "
+               "(2^-8 x magnitude), all-reduce | the same, reduce-scatter |\n|---|---|---|---|---|---|---|\n");
+        for (int w = 0; w < 2; w++)
+            printf("| %d | %zuM | %s | %.1f | %.1f | %.6f | %.6f |\n", size, n >> 20, w ? "bf16" : "fp32",
+                   median(times[w], REPEATS) * 1e3, median(times[2 + w], REPEATS) * 1e3, err[w] * 256, err[2 + w] * 256);
+    }
+    free(g);
+    for (int k = 0; k < 4; k++)
+        gradacc_accumulator_destroy(accs[k]);
+    gradacc_scaler_destroy(one);
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     int sharding = argc > 1 && strcmp(argv[1], "--reduce-scatter") == 0;
-    if (sharding) {
+    int wire = argc > 1 && strcmp(argv[1], "--wire") == 0;
+    if (sharding || wire) {
         argc--;
         argv++;
     }
@@ -210,8 +299,11 @@ int main(int argc, char **argv)
     OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
     gradacc_scaler_t *scaler;
     OK(gradacc_scaler_create(NULL, NULL, &scaler));
-    if (sharding) {
-        reduce_scatter_table(n, comm, scaler);
+    if (sharding || wire) {
+        if (sharding)
+            reduce_scatter_table(n, comm, scaler);
+        else
+            wire_table(n, comm);
         gradacc_scaler_destroy(scaler);
         gradacc_comm_destroy(comm);
         MPI_Finalize();

@@ -22,6 +22,7 @@ use super::{
 };
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 /// The handle's timeout in nanoseconds when it is this value: wait forever.
@@ -401,6 +402,10 @@ impl LocalComm {
         // Every access of this rank to its two published buffers goes through the pointers its
         // peers read through too: `buf` and `values` are not used through their own handles
         // until the end, so no access through them invalidates the peers'.
+        // A bf16 wire: the peers read this rank's contribution rounded, once.
+        if pass.wire() == Dtype::Bf16 {
+            cpu::round_to_bf16(buf, 1);
+        }
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
         let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());

@@ -74,10 +74,10 @@ pub trait BlockPass: Sync {
         None
     }
 
-    /// What the contributions may travel as: with [`Dtype::Bf16`] every value of the buffer is a
-    /// bfloat16 value (the caller rounded it, [`cpu::round_to_bf16`]), so a transport between
-    /// processes may send the upper 16 bits of each and widen them back exactly. The sums stay
-    /// FP32, and the bits are those of sending FP32. [`Dtype::F32`] by default.
+    /// What the contributions travel as: with [`Dtype::Bf16`] the communicator rounds each
+    /// rank's contribution to bfloat16 once ([`cpu::round_to_bf16`]'s bits) before it is summed,
+    /// so a transport between processes sends half the bytes; the sums stay FP32 in rank order,
+    /// the bits of an FP32 wire on rounded contributions. [`Dtype::F32`] by default.
     fn wire(&self) -> Dtype {
         Dtype::F32
     }

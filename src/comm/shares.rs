@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use super::BlockPass;
-use crate::backend::cpu::{self, math, math::NORM_BLOCK};
+use crate::backend::cpu::{self, math::NORM_BLOCK};
 use crate::dtype::Dtype;
 use crate::error::Result;
 
@@ -341,21 +341,20 @@ pub(crate) fn reduce_by_cut(
             })
             .collect();
         // The pieces this rank sends, copied out of the caller's buffer before the exchange: as
-        // they are, or on a bf16 wire their upper halves (exact: the caller rounded them), which
-        // are widened back on arrival.
+        // they are, or on a bf16 wire rounded to bf16 bits, which are widened back on arrival
+        // (exactly), and this rank's own piece rounded in place before the sum.
         let others = (0..world).filter(|&q| q != rank);
         let step = Step::Exchange { chunk: k + 1, chunks: steps };
         let end = packed[world - 1].end;
         if bf16 {
             for q in others.clone() {
-                for (w, &v) in ws.wire_stage[packed[q].clone()].iter_mut().zip(&buf[pieces[q].clone()]) {
-                    *w = math::f32_to_bf16(v);
-                }
+                cpu::to_bf16_bits(&buf[pieces[q].clone()], &mut ws.wire_stage[packed[q].clone()]);
             }
             t.exchange(step, &ws.wire_stage[..end], &packed, &mut ws.wire_scratch[..scratch_len], &slots)?;
+            cpu::round_to_bf16(&mut buf[own.clone()], 1);
             for q in others {
                 for (v, &w) in scratch[slots[q].clone()].iter_mut().zip(&ws.wire_scratch[slots[q].clone()]) {
-                    *v = math::bf16_to_f32(w);
+                    *v = f32::from_bits((w as u32) << 16);
                 }
             }
         } else {
@@ -699,9 +698,9 @@ mod tests {
     }
 
     /// Every rank's result (its whole buffer after an all-reduce, its shard after a
-    /// reduce-scatter), the block values, and the 16-bit words it received in exchanges, for
-    /// bf16-exact inputs sent on `wire` through the test transport.
-    fn over_the_wire(world: usize, len: usize, scatter: bool, wire: Dtype) -> Vec<(Vec<f32>, Vec<f64>, usize)> {
+    /// reduce-scatter), the block values, and the 16-bit words it received in exchanges, sent on
+    /// `wire` through the test transport; with `round`, the inputs are rounded to bf16 first.
+    fn over_the_wire(world: usize, len: usize, scatter: bool, wire: Dtype, round: bool) -> Vec<(Vec<f32>, Vec<f64>, usize)> {
         let shards = shard_ranges(len, world);
         let pass = Normalise { factor: 0.3, fused: true, clip: true, wire };
         std::thread::scope(|s| {
@@ -711,7 +710,9 @@ mod tests {
                     let (pass, shards) = (&pass, &shards);
                     s.spawn(move || {
                         let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
-                        cpu::round_to_bf16(&mut buf, 1);
+                        if round {
+                            cpu::round_to_bf16(&mut buf, 1);
+                        }
                         let mut ws = Workspace::default();
                         let values = if scatter {
                             let cut = ShardCut { shards, piece_numel: 2 * NORM_BLOCK };
@@ -730,12 +731,13 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_wire_sends_half_the_words_for_the_same_sums() {
+    fn a_bf16_wire_rounds_once_and_sends_half_the_words() {
         for world in [2, 3, 5] {
             for len in [1, 3 * NORM_BLOCK + 7, 4 * world * NORM_BLOCK + 99] {
                 for scatter in [false, true] {
-                    let f32s = over_the_wire(world, len, scatter, Dtype::F32);
-                    let bf16s = over_the_wire(world, len, scatter, Dtype::Bf16);
+                    // The bits of an FP32 wire on contributions rounded beforehand.
+                    let f32s = over_the_wire(world, len, scatter, Dtype::F32, true);
+                    let bf16s = over_the_wire(world, len, scatter, Dtype::Bf16, false);
                     for (rank, (a, b)) in f32s.iter().zip(&bf16s).enumerate() {
                         let what = format!("world {world} len {len} scatter {scatter} rank {rank}");
                         assert!(same_bits(&(a.0.clone(), a.1.clone()), &(b.0.clone(), b.1.clone())), "{what}");

@@ -113,10 +113,30 @@ pub fn scale(buf: &mut [f32], factor: f32, threads: usize) {
 pub fn round_to_bf16(buf: &mut [f32], threads: usize) {
     run_parts(buf, part_ends(buf.len(), threads), |_, part| {
         for v in part {
-            *v = math::bf16_to_f32(math::f32_to_bf16(*v));
+            *v = f32::from_bits(rounded_bf16(*v) & 0xffff_0000);
         }
         false
     });
+}
+
+/// `dst[i]` = the bfloat16 bits of `src[i]`, rounded as [`round_to_bf16`] rounds.
+pub fn to_bf16_bits(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = (rounded_bf16(v) >> 16) as u16;
+    }
+}
+
+/// [`math::f32_to_bf16`] in the upper half of an f32's bits, without its branch, so that loops
+/// over it vectorise.
+#[inline(always)]
+fn rounded_bf16(v: f32) -> u32 {
+    let x = v.to_bits();
+    if v.is_nan() {
+        x | 0x0040_0000
+    } else {
+        x.wrapping_add(0x7fff + ((x >> 16) & 1))
+    }
 }
 
 /// Sum of squares in f64. Each block of [`math::NORM_BLOCK`] elements is summed by
@@ -308,6 +328,26 @@ fn run_parts<T: Send>(buf: &mut [T], ends: impl Iterator<Item = usize>, work: im
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_to_bf16_is_the_scalar_conversion_and_back() {
+        let mut values = vec![0.0, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, -1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        values.extend([0x3f80_8000u32, 0x3f81_8000, 0x3f80_7fff, 0x7f7f_ffff, 0xffc0_0001, 0x7f80_0001].map(f32::from_bits));
+        let mut state = 0x9e37_79b9u32;
+        values.extend((0..10_000).map(|_| {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            f32::from_bits(state)
+        }));
+        let mut rounded = values.clone();
+        round_to_bf16(&mut rounded, 2);
+        let mut bits = vec![0u16; values.len()];
+        to_bf16_bits(&values, &mut bits);
+        for ((&v, &r), &b) in values.iter().zip(&rounded).zip(&bits) {
+            assert_eq!(b, math::f32_to_bf16(v), "{v:e}");
+            let want = math::bf16_to_f32(math::f32_to_bf16(v));
+            assert_eq!(r.to_bits(), want.to_bits(), "{v:e} ({:#x}): {r:e} vs {want:e}", v.to_bits());
+        }
+    }
 
     #[test]
     fn parts_are_whole_blocks_covering_the_buffer() {

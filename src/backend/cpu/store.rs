@@ -153,13 +153,9 @@ impl Store for HostStore {
         // measures, and its second step scales once every block's sum is known.
         let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
-        // A bf16 wire rounds each rank's contribution once, here, before any transport reads it,
-        // so every communicator sums the same values; only a reduction between ranks has a wire
-        // (in a hybrid boundary, the first: the replicas then sum FP32 sums).
+        // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
+        // replicas then sum FP32 sums); the communicator rounds the contributions.
         let wire = if host.or(replicas).is_some() { config.wire } else { Dtype::F32 };
-        if wire == Dtype::Bf16 {
-            super::round_to_bf16(all, threads);
-        }
         let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads, wire };
         let shards = self.plan.shards();
         let block_sums = match (host, replicas) {
