@@ -752,3 +752,56 @@ fn hybrid_misuse_fails_on_every_rank() {
     let kinds = hybrid_grid(2, 2, |_, sc, rc| sync(Sharding::None, sc, rc));
     assert!(kinds.iter().all(|&k| k == ErrorKind::InvalidArgument), "{kinds:?}");
 }
+
+/// A window saved mid-accumulation on sharded ranks restores on as many new sharded ranks (and
+/// merges into others): the synced shards are those of the uninterrupted window, bit for bit.
+#[test]
+fn sharded_windows_survive_a_checkpoint() {
+    let mut rng = Rng::fresh("sharded_windows_survive_a_checkpoint");
+    let world = 3;
+    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F16 }, TensorDesc { numel: 7001, dtype: Dtype::F32 }];
+    let grads: Vec<Vec<Vec<f32>>> =
+        (0..world * 2).map(|_| tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()).collect();
+    let comms = LocalComm::group(world).unwrap();
+    std::thread::scope(|s| {
+        for comm in &comms {
+            let (grads, tensors) = (&grads, &tensors);
+            s.spawn(move || {
+                let r = comm.rank();
+                let config =
+                    AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank: r }, max_grad_norm: 0.5, ..Default::default() };
+                let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let add = |acc: &Accumulator, k: usize| {
+                    let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&grads[k]).map(|(t, g)| encode(t.dtype, g, 1.0)).collect();
+                    let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+                    acc.add(&one, &views, 1 + k as u64).unwrap();
+                };
+                let shard_of = |acc: &Accumulator| {
+                    let (range, ptr) = acc.shard();
+                    // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
+                    unsafe { std::slice::from_raw_parts(ptr, range.len()) }.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                };
+                // Uninterrupted: two micro-batches, then the boundary.
+                let whole = Accumulator::new(config, tensors).unwrap();
+                add(&whole, 2 * r);
+                add(&whole, 2 * r + 1);
+                let info = whole.sync(Some(comm)).unwrap();
+                // Interrupted after the first micro-batch: saved, restored into a new accumulator.
+                let before = Accumulator::new(config, tensors).unwrap();
+                add(&before, 2 * r);
+                let saved = before.save_window().unwrap();
+                let after = Accumulator::new(config, tensors).unwrap();
+                after.load_window(&saved).unwrap();
+                add(&after, 2 * r + 1);
+                assert_eq!(after.sync(Some(comm)).unwrap(), info);
+                assert_eq!(shard_of(&after), shard_of(&whole), "rank {r}: restored window");
+                // Merged into a window that holds the second micro-batch.
+                let merged = Accumulator::new(config, tensors).unwrap();
+                add(&merged, 2 * r + 1);
+                merged.merge_window(&saved).unwrap();
+                let merged_info = merged.sync(Some(comm)).unwrap();
+                assert_eq!((merged_info.total_count, merged_info.microbatches), (info.total_count, info.microbatches));
+            });
+        }
+    });
+}

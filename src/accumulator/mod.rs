@@ -459,8 +459,10 @@ impl Accumulator {
     }
 
     /// Opens the window's last micro-batch of `count` items and names the communicator of its
-    /// boundary. On CUDA with NCCL, each bucket is all-reduced as soon as all of its tensors
-    /// arrived (one contribution each), overlapping the rest of the backward pass; `sync` over
+    /// boundary. On CUDA with NCCL, each bucket is all-reduced (under
+    /// [`Sharding::ReduceScatter`]: each of its pieces reduced into the piece's shard owner) as
+    /// soon as all of its tensors arrived (one contribution each), overlapping the rest of the
+    /// backward pass; `sync` over
     /// the same communicator completes the boundary. Every rank must do the same. On the CPU it
     /// is `begin_microbatch`.
     pub fn begin_final_microbatch(&self, count: u64, comm: Arc<dyn Communicator>) -> Result<()> {
