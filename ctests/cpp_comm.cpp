@@ -3,6 +3,8 @@
 // of a local group (also waking a peer blocked in sync), and a timeout as gradacc::TimeoutError.
 // Reduce-scatter sharding: each rank's shard against an unsharded sync of the same window on
 // groups of 2 and 3, and the errors of a sharded accumulator configured or synced wrongly.
+// The hybrid boundary (sync_hybrid) on a 2x2 grid against a 4-rank unsharded sync, and crosswise
+// replica groups failing on every rank.
 #include <gradacc.hpp>
 
 #include <algorithm>
@@ -416,6 +418,174 @@ static void sharded_sync_on_the_wrong_group_fails_every_rank()
     EXPECT(status_of([&] { acc.sync(); }) == GRADACC_STATUS_INVALID_ARGUMENT, "a sharded sync with no communicator");
 }
 
+// ---- hybrid boundary (HSDP) ------------------------------------------------------------------
+
+// The communicators of a 2x2 grid: rank a * 2 + i is rank i of shard group a and rank a of
+// replica group i. `crosswise` joins shard group 1 to the replica groups the other way round, so
+// each replica group holds shards 0 and 1.
+struct HybridGrid {
+    static constexpr int S = 2, R = 2, W = S * R;
+    std::vector<gradacc::LocalGroup> shard_groups, replica_groups;
+    bool crosswise;
+
+    explicit HybridGrid(bool crosswise_ = false) : crosswise(crosswise_)
+    {
+        for (int k = 0; k < R; k++)
+            shard_groups.emplace_back(S);
+        for (int k = 0; k < S; k++)
+            replica_groups.emplace_back(R);
+        for (auto *groups : {&shard_groups, &replica_groups})
+            for (gradacc::LocalGroup &g : *groups)
+                for (gradacc::Communicator &c : g)
+                    c.set_timeout(std::chrono::seconds(30)); // a rank left waiting fails, not hangs
+    }
+    gradacc::Communicator &shard(int g) { return shard_groups[static_cast<std::size_t>(g / S)][static_cast<std::size_t>(g % S)]; }
+    gradacc::Communicator &replicas(int g)
+    {
+        const int a = g / S, i = g % S, j = crosswise && a == 1 ? S - 1 - i : i;
+        return replica_groups[static_cast<std::size_t>(j)][static_cast<std::size_t>(a)];
+    }
+};
+
+struct HybridRank {
+    std::string error;
+    gradacc::SyncInfo hybrid_info{}, ddp_info{};
+    std::size_t offset = 0;
+    std::vector<float> shard, ddp; // the hybrid shard; the unsharded 4-rank master
+};
+
+// Every rank of a 2x2 grid adds the same three random micro-batches to a sharded accumulator
+// (synced with sync_hybrid) and to an unsharded one (synced over all 4 ranks, as DDP): the shards
+// must match the DDP master within the rounding of another summation order, replicas must hold
+// the same bits, and the infos must agree.
+static void hybrid_matches_ddp(float max_grad_norm)
+{
+    HybridGrid grid;
+    gradacc::LocalGroup ddp_group(HybridGrid::W);
+    std::vector<HybridRank> ranks(HybridGrid::W);
+    std::vector<std::thread> threads;
+    for (int g = 0; g < HybridGrid::W; g++) {
+        threads.emplace_back([&, g] {
+            HybridRank &out = ranks[static_cast<std::size_t>(g)];
+            try {
+                gradacc::ScalerConfig sc;
+                sc.init_scale = 1024.0f;
+                gradacc::Scaler scaler(sc);
+                gradacc::AccumulatorConfig ddp_config;
+                ddp_config.max_grad_norm = max_grad_norm;
+                gradacc::AccumulatorConfig hybrid_config = ddp_config;
+                hybrid_config.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+                hybrid_config.shard_count = HybridGrid::S;
+                hybrid_config.shard_rank = static_cast<uint32_t>(g % HybridGrid::S);
+                gradacc::Accumulator hybrid(kShardTensors, hybrid_config), ddp(kShardTensors, ddp_config);
+                std::mt19937 rng(static_cast<uint32_t>(500 + g));
+                for (int m = 0; m < 3; m++) {
+                    const RandomGrads grads(rng);
+                    hybrid.add(scaler, grads.ptrs, microbatch_count(g, m));
+                    ddp.add(scaler, grads.ptrs, microbatch_count(g, m));
+                }
+                out.hybrid_info = hybrid.sync_hybrid(grid.shard(g), grid.replicas(g));
+                out.ddp_info = ddp.sync(ddp_group[static_cast<std::size_t>(g)]);
+                const gradacc::Shard s = hybrid.shard();
+                out.offset = s.offset;
+                out.shard.assign(s.data.begin(), s.data.end());
+                for (std::size_t i = 0; i < ddp.num_tensors(); i++)
+                    out.ddp.insert(out.ddp.end(), ddp.master(i).begin(), ddp.master(i).end());
+            } catch (const std::exception &e) {
+                out.error = e.what();
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+
+    uint64_t total_count = 0;
+    for (int g = 0; g < HybridGrid::W; g++)
+        for (int m = 0; m < 3; m++)
+            total_count += microbatch_count(g, m);
+    bool raised = false;
+    for (const HybridRank &x : ranks) {
+        EXPECT(x.error.empty(), "%s", x.error.c_str());
+        raised = raised || !x.error.empty();
+    }
+    if (raised)
+        return;
+    const std::vector<float> &ddp = ranks[0].ddp;
+    float largest = 0.0f;
+    for (float v : ddp)
+        largest = std::max(largest, std::fabs(v));
+    std::size_t next = 0;
+    for (int g = 0; g < HybridGrid::W; g++) {
+        const HybridRank &x = ranks[static_cast<std::size_t>(g)];
+        const gradacc::SyncInfo &h = x.hybrid_info, &d = x.ddp_info;
+        EXPECT(same_info(h, ranks[0].hybrid_info), "rank %d: the hybrid info differs from rank 0's", g);
+        EXPECT(h.total_count == total_count && d.total_count == total_count && h.microbatches == 12 && !h.found_inf,
+               "rank %d: count %llu (DDP %llu), micro-batches %llu", g, (unsigned long long)h.total_count,
+               (unsigned long long)d.total_count, (unsigned long long)h.microbatches);
+        EXPECT(std::fabs(h.grad_norm - d.grad_norm) <= 1e-5 * d.grad_norm &&
+                   std::fabs(h.clip_coef - d.clip_coef) <= 1e-5 * d.clip_coef,
+               "rank %d: norm %.9g (DDP %.9g), clip %.9g (DDP %.9g)", g, h.grad_norm, d.grad_norm, h.clip_coef,
+               d.clip_coef);
+        EXPECT((h.clip_coef < 1.0) == (max_grad_norm > 0.0f), "rank %d: clip_coef %g", g, h.clip_coef);
+        if (g >= HybridGrid::S) { // a replica: the bits of the shard group 0 rank holding its shard
+            const HybridRank &twin = ranks[static_cast<std::size_t>(g % HybridGrid::S)];
+            EXPECT(x.offset == twin.offset && x.shard.size() == twin.shard.size() &&
+                       same_bits(x.shard.data(), twin.shard.data(), x.shard.size()),
+                   "rank %d differs from its replica, rank %d", g, g % HybridGrid::S);
+            continue;
+        }
+        EXPECT(x.offset == next && !x.shard.empty(), "rank %d: shard at %zu, the previous ended at %zu", g, x.offset, next);
+        next = x.offset + x.shard.size();
+        std::size_t bad = 0;
+        for (std::size_t k = 0; k < x.shard.size() && x.offset + k < ddp.size(); k++)
+            bad += !(std::fabs(x.shard[k] - ddp[x.offset + k]) <= 1e-5f * largest);
+        EXPECT(bad == 0, "rank %d: %zu of %zu shard elements differ from the DDP master by more than %g", g, bad,
+               x.shard.size(), 1e-5 * largest);
+    }
+    EXPECT(next == kShardTotal, "the shards end at %zu of %zu", next, kShardTotal);
+}
+
+// Replica groups that pair different shards throw SIZE_MISMATCH on every rank; the window stays
+// intact, so sync_hybrid on the right groups then counts every rank's micro-batch.
+static void crosswise_replicas_fail_every_rank()
+{
+    HybridGrid wrong(true), right;
+    std::vector<std::pair<gradacc_status_t, std::string>> seen(HybridGrid::W);
+    std::vector<gradacc::SyncInfo> after(HybridGrid::W);
+    std::vector<std::thread> threads;
+    for (int g = 0; g < HybridGrid::W; g++) {
+        threads.emplace_back([&, g] {
+            const std::size_t q = static_cast<std::size_t>(g);
+            try {
+                gradacc::AccumulatorConfig c;
+                c.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+                c.shard_count = HybridGrid::S;
+                c.shard_rank = static_cast<uint32_t>(g % HybridGrid::S);
+                gradacc::Accumulator acc({{2, GRADACC_DTYPE_F32}}, c);
+                one_microbatch(acc);
+                try {
+                    acc.sync_hybrid(wrong.shard(g), wrong.replicas(g));
+                    seen[q] = {GRADACC_STATUS_OK, ""};
+                } catch (const gradacc::Error &e) {
+                    seen[q] = {e.status(), e.message()};
+                }
+                after[q] = acc.sync_hybrid(right.shard(g), right.replicas(g));
+            } catch (const gradacc::Error &e) {
+                seen[q] = {e.status(), std::string("afterwards: ") + e.message()};
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+    for (int g = 0; g < HybridGrid::W; g++) {
+        const auto &x = seen[static_cast<std::size_t>(g)];
+        EXPECT(x.first == GRADACC_STATUS_SIZE_MISMATCH && x.second.find("replica groups") != std::string::npos,
+               "rank %d: status %d \"%s\"", g, (int)x.first, x.second.c_str());
+        EXPECT(after[static_cast<std::size_t>(g)].microbatches == HybridGrid::W, "rank %d: %llu micro-batches afterwards", g,
+               (unsigned long long)after[static_cast<std::size_t>(g)].microbatches);
+    }
+}
+
 int main()
 {
     try {
@@ -431,6 +601,9 @@ int main()
         unsharded_shard_is_the_whole_master();
         bad_sharding_configs_are_refused();
         sharded_sync_on_the_wrong_group_fails_every_rank();
+        for (float max_grad_norm : {0.0f, 0.25f})
+            hybrid_matches_ddp(max_grad_norm);
+        crosswise_replicas_fail_every_rank();
     } catch (const gradacc::Error &e) {
         std::fprintf(stderr, "unexpected: %s\n", e.what());
         return 1;

@@ -121,8 +121,9 @@ struct ScalerConfig : gradacc_scaler_config_t {
 
 /** gradacc_accumulator_config_t initialised by gradacc_accumulator_config_default(). For a
  * reduce-scatter boundary set `sharding = GRADACC_SHARDING_REDUCE_SCATTER`, `shard_count` (the
- * communicator's size) and `shard_rank` (this rank on it); `wire_dtype` is what the boundary's
- * reductions send (GRADACC_DTYPE_F32 by default). */
+ * communicator's size, or the shard group's for Accumulator::sync_hybrid) and `shard_rank` (this
+ * rank on it); `wire_dtype` is what the boundary's reductions send (GRADACC_DTYPE_F32 by
+ * default, or GRADACC_DTYPE_BF16). */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));
@@ -338,6 +339,20 @@ public:
      * sharded accumulator needs a group of `shard_count` ranks on which it is `shard_rank`;
      * otherwise every rank throws. */
     SyncInfo sync(Communicator &comm) { return sync_with(comm.get()); }
+    /** The hybrid boundary (HSDP) of an accumulator with GRADACC_SHARDING_REDUCE_SCATTER: a
+     * reduce-scatter over `shard` (its shard group: `shard_count` ranks, this one `shard_rank`),
+     * then an all-reduce of the shard over `replicas`, the ranks holding the same shard in the
+     * other shard groups. Every rank of both groups calls it, each on its own thread. Counts,
+     * overflow and the norm are the whole grid's, the same on every rank, and replicas hold the
+     * same bits. Replica groups pairing different shards throw SIZE_MISMATCH, and an unsharded
+     * accumulator INVALID_ARGUMENT, on every rank with the window intact. Host communicators
+     * only (in-process, MPI); a CUDA accumulator throws BACKEND_UNAVAILABLE. */
+    SyncInfo sync_hybrid(Communicator &shard, Communicator &replicas) {
+        SyncInfo info{};
+        info.struct_size = sizeof info;
+        check(gradacc_accumulator_sync_hybrid(handle_.get(), shard.get(), replicas.get(), &info));
+        return info;
+    }
 
     /** Tensor `index`'s FP32 master gradient, as a view into the accumulator's buffer. It stays
      * valid until the accumulator is destroyed (moving the Accumulator object does not move the
