@@ -375,7 +375,8 @@ class Accumulator(_Managed):
     reduce-scatter: :meth:`sync` takes a communicator of ``n`` ranks on which this is rank
     ``r``, and after it only :meth:`shard` holds the reduced gradient (the bits an unsharded
     sync leaves in that range); the norm and clipping are still the whole gradient's.
-    ``wire_dtype`` ('f32', the default) is the dtype the boundary's reductions send."""
+    :meth:`sync_hybrid` takes such a shard group and a replica group (HSDP).
+    ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the boundary's reductions send."""
     _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
 
     def __init__(self, tensors, config=None, *, device=None, master=None, **fields):
@@ -464,6 +465,20 @@ class Accumulator(_Managed):
         info = _out_struct(ffi.gradacc_sync_info_t)
         c = comm._handle() if comm is not None else None
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
+        return _from_struct(SyncInfo, info)
+
+    def sync_hybrid(self, shard_comm, replica_comm):
+        """The hybrid boundary (HSDP) of an accumulator with ``sharding='reduce_scatter'``: a
+        reduce-scatter over ``shard_comm`` (its shard group: ``shard_count`` ranks, this one
+        ``shard_rank``), then an all-reduce of the shard over ``replica_comm``, the ranks that
+        hold the same shard in the other shard groups. Every rank of both groups calls it, each
+        on its own thread. Counts, overflow and the norm are the whole grid's, the same on every
+        rank, and replicas hold the same bits (:meth:`shard`). Replica groups pairing different
+        shards raise SIZE_MISMATCH, and an unsharded accumulator INVALID_ARGUMENT, on every rank
+        with the window intact. Host communicators only (in-process, MPI)."""
+        info = _out_struct(ffi.gradacc_sync_info_t)
+        _check(ffi.gradacc_accumulator_sync_hybrid(self._handle(), shard_comm._handle(), replica_comm._handle(),
+                                                   ctypes.byref(info)))
         return _from_struct(SyncInfo, info)
 
     def master_ptr(self, index):

@@ -1,5 +1,6 @@
 """Reduce-scatter sharding: each rank's shard after a sharded sync against an unsharded sync of the
-same window, the shards' layout, and the errors of a sharded accumulator used wrongly."""
+same window, the shards' layout, and the errors of a sharded accumulator used wrongly. The hybrid
+boundary (sync_hybrid) on a 2x2 grid against a 4-rank unsharded sync, and its misuse."""
 import threading
 
 import numpy as np
@@ -196,3 +197,120 @@ def test_a_sharded_sync_without_its_communicator_fails():
             acc.sync()
         assert e.value.status == gradacc.Status.INVALID_ARGUMENT
         assert "no communicator" in e.value.message
+
+
+# ---- the hybrid boundary (HSDP) ---------------------------------------------------------------
+
+S, R = 2, 2  # rank a * S + i: rank i of shard group a, rank a of replica group i
+
+
+def hybrid_grid(crosswise=False):
+    """The communicators of a 2x2 grid: (shard communicator, replica communicator) per rank, and
+    every communicator. ``crosswise`` joins shard group 1 to the replica groups the other way
+    round, so each replica group holds shards 0 and 1."""
+    shard_groups = [gradacc.local_group(S) for _ in range(R)]
+    replica_groups = [gradacc.local_group(R) for _ in range(S)]
+    every = [c for g in shard_groups + replica_groups for c in g]
+    for c in every:
+        c.timeout = 30  # a rank left waiting fails instead of hanging the test
+    per_rank = []
+    for g in range(S * R):
+        a, i = divmod(g, S)
+        j = S - 1 - i if crosswise and a == 1 else i
+        per_rank.append((shard_groups[a][i], replica_groups[j][a]))
+    return per_rank, every
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.25], ids=["unclipped", "clipped"])
+def test_a_hybrid_grid_matches_ddp_over_every_rank(max_grad_norm):
+    grid, comms = hybrid_grid()
+    ddp_group = gradacc.local_group(S * R)
+
+    def rank(g):
+        rng = np.random.default_rng(500 + g)
+        with gradacc.Scaler(init_scale=1024.0) as scaler, \
+                gradacc.Accumulator(TENSORS, sharding="reduce_scatter", shard_count=S, shard_rank=g % S,
+                                    max_grad_norm=max_grad_norm) as hybrid, \
+                gradacc.Accumulator(TENSORS, max_grad_norm=max_grad_norm) as ddp:
+            for m in range(3):
+                grads = random_grads(rng)
+                count = 1 + (3 * g + m) % 5
+                hybrid.add(scaler, grads, count)
+                ddp.add(scaler, grads, count)
+            info = hybrid.sync_hybrid(*grid[g])
+            ddp_info = ddp.sync(ddp_group[g])
+            offset, numel, data = hybrid.shard()
+            flat = np.concatenate([ddp.master(i) for i in range(len(TENSORS))])
+            return dict(info=info, ddp_info=ddp_info, offset=offset, shard=data.copy(), ddp=flat)
+
+    results = run_ranks(S * R, rank)
+    for c in comms + ddp_group:
+        c.close()
+    for status, value in results:
+        if status == "raised":
+            raise value
+    ranks = [value for _, value in results]
+
+    total = sum(1 + (3 * g + m) % 5 for g in range(S * R) for m in range(3))
+    ddp = ranks[0]["ddp"]
+    for g, x in enumerate(ranks):
+        info, ddp_info = x["info"], x["ddp_info"]
+        assert info == ranks[0]["info"], f"rank {g} disagrees with rank 0"
+        assert info.total_count == ddp_info.total_count == total and info.microbatches == 3 * S * R
+        assert not info.found_inf
+        assert info.grad_norm == pytest.approx(ddp_info.grad_norm, rel=1e-5)
+        assert info.clip_coef == pytest.approx(ddp_info.clip_coef, rel=1e-5)
+        assert (info.clip_coef < 1.0) == (max_grad_norm > 0), info
+        twin = ranks[g % S]  # shard group 0's rank holding the same shard
+        assert x["offset"] == twin["offset"]
+        assert np.array_equal(x["shard"].view(np.uint32), twin["shard"].view(np.uint32)), f"rank {g} vs its replica"
+    # Shard group 0's shards tile the gradient and match DDP's within the rounding of another
+    # summation order.
+    flat = np.concatenate([ranks[i]["shard"] for i in range(S)])
+    assert [ranks[i]["offset"] for i in range(S)] == [0, len(ranks[0]["shard"])] and flat.size == TOTAL
+    np.testing.assert_allclose(flat, ddp, rtol=0, atol=1e-5 * np.abs(ddp).max())
+
+
+def hybrid_errors(crosswise, config):
+    """Each rank g of a 2x2 grid syncs a one-micro-batch accumulator with ``config(g)`` through
+    sync_hybrid: the GradaccError each rank raised (None if none), and the info of a sync_hybrid
+    on the right groups afterwards (None if that raised too)."""
+    wrong, wrong_comms = hybrid_grid(crosswise)
+    right, right_comms = hybrid_grid()
+
+    def rank(g):
+        with gradacc.Scaler(init_scale=1.0) as scaler, \
+                gradacc.Accumulator([(5, "f32")], **config(g)) as acc:
+            acc.add(scaler, [np.ones(5, np.float32)], 1)
+            try:
+                acc.sync_hybrid(*wrong[g])
+                error = None
+            except gradacc.GradaccError as e:
+                error = e
+            try:
+                return error, acc.sync_hybrid(*right[g])
+            except gradacc.GradaccError:
+                return error, None
+
+    results = run_ranks(S * R, rank)
+    for c in wrong_comms + right_comms:
+        c.close()
+    for status, value in results:
+        if status == "raised":
+            raise value
+    return [value for _, value in results]
+
+
+def test_crosswise_replica_groups_fail_every_rank_and_keep_the_window():
+    results = hybrid_errors(True, lambda g: dict(sharding="reduce_scatter", shard_count=S, shard_rank=g % S))
+    for g, (error, after) in enumerate(results):
+        assert error is not None and error.status == gradacc.Status.SIZE_MISMATCH, f"rank {g}: {error}"
+        assert "replica groups" in error.message
+        assert after is not None and after.microbatches == S * R, f"rank {g}: the window was not intact: {after}"
+
+
+def test_an_unsharded_accumulator_has_no_hybrid_boundary():
+    results = hybrid_errors(False, lambda g: {})
+    for g, (error, _) in enumerate(results):
+        assert error is not None and error.status == gradacc.Status.INVALID_ARGUMENT, f"rank {g}: {error}"
+        assert "sharded accumulator" in error.message
