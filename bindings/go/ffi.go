@@ -94,7 +94,8 @@ const (
 	// ShardingNone: every rank holds the whole reduced gradient (an all-reduce, as DDP).
 	ShardingNone Sharding = C.GRADACC_SHARDING_NONE
 	// ShardingReduceScatter: rank ShardRank of ShardCount holds only its shard of the reduced
-	// gradient (Accumulator.Shard), through a reduce-scatter, as a distributed optimizer needs.
+	// gradient (Accumulator.Shard), through a reduce-scatter, as a distributed optimizer needs;
+	// Accumulator.SyncHybrid then also all-reduces the shard over a replica group (HSDP).
 	ShardingReduceScatter Sharding = C.GRADACC_SHARDING_REDUCE_SCATTER
 )
 

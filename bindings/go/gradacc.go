@@ -62,11 +62,12 @@ type AccumulatorConfig struct {
 	BucketNumel   uint64
 	Threads       uint32
 	// Sharding is the boundary's policy (default ShardingNone). With ShardingReduceScatter,
-	// Sync takes a communicator of ShardCount ranks on which this is rank ShardRank.
+	// Sync takes a communicator of ShardCount ranks on which this is rank ShardRank, and
+	// SyncHybrid such a shard group and a replica group.
 	Sharding   Sharding
 	ShardCount uint32 // default 1; must be 1 without sharding
 	ShardRank  uint32 // default 0; below ShardCount
-	// WireDType is what the boundary's reductions send (default F32).
+	// WireDType is what the boundary's reductions send (default F32, or BF16).
 	WireDType DType
 }
 
@@ -587,6 +588,34 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
 }
 
+// SyncHybrid is the hybrid boundary (HSDP) of an accumulator with ShardingReduceScatter: a
+// reduce-scatter over shard (its shard group: ShardCount ranks, this one ShardRank), then an
+// all-reduce of the shard over replicas, the ranks holding the same shard in the other shard
+// groups. Every rank of both groups calls it, each from its own goroutine. Counts, overflow and
+// the norm are the whole grid's, the same on every rank, and replicas hold the same bits (Shard).
+// Replica groups pairing different shards fail with StatusSizeMismatch, and an unsharded
+// accumulator with StatusInvalidArgument, on every rank with the window intact. Host
+// communicators only (in-process, MPI). A nil or closed Accumulator or Comm still reaches the C
+// call, which fails this rank (StatusNullArgument) and takes part in the other group's exchange,
+// so its ranks fail too instead of waiting.
+func (a *Accumulator) SyncHybrid(shard, replicas *Comm) (SyncInfo, error) {
+	var p *C.gradacc_accumulator_t
+	if a != nil {
+		p = a.ptr
+	}
+	var c C.gradacc_sync_info_t
+	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
+	sp, rp := shard.orNil(), replicas.orNil()
+	err := call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_sync_hybrid(p, sp, rp, &c) })
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(shard)
+	runtime.KeepAlive(replicas)
+	if err != nil {
+		return SyncInfo{}, err
+	}
+	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
+}
+
 // Master returns tensor index's FP32 master gradient as a slice over gradacc's memory (no copy;
 // host accumulators only). The slice is valid until the accumulator is closed, and the
 // accumulator's finalizer closes it once the *Accumulator is unreachable, which the slice does
@@ -749,6 +778,14 @@ func (c *Comm) Close() error {
 	p := c.ptr
 	c.ptr = nil
 	return call(func() C.enum_gradacc_status_t { return C.gradacc_comm_destroy(p) })
+}
+
+// orNil is the handle, or nil for a nil or closed Comm.
+func (c *Comm) orNil() *C.gradacc_comm_t {
+	if c == nil {
+		return nil
+	}
+	return c.ptr
 }
 
 func (c *Comm) handle() (*C.gradacc_comm_t, error) {

@@ -353,3 +353,241 @@ func TestShardedSyncOnTheWrongGroupFailsEveryRank(t *testing.T) {
 		t.Fatalf("a sharded sync with no communicator: %v", err)
 	}
 }
+
+// ---- the hybrid boundary (HSDP) --------------------------------------------------------------
+
+// hybridGrid is the communicators of a 2x2 grid: rank a*2 + i is rank i of shard group a and
+// rank a of replica group i. Crosswise, shard group 1 joins the replica groups the other way
+// round, so each replica group holds shards 0 and 1.
+type hybridGrid struct {
+	shard, replica [2][]*Comm // shard[a][i], replica[i][a]
+	crosswise      bool
+}
+
+const hybridS, hybridR = 2, 2
+
+func newHybridGrid(t *testing.T, crosswise bool, timeout time.Duration) *hybridGrid {
+	g := &hybridGrid{crosswise: crosswise}
+	for k := 0; k < 2; k++ {
+		g.shard[k] = must(NewLocalGroup(hybridS))
+		g.replica[k] = must(NewLocalGroup(hybridR))
+		for _, c := range append(append([]*Comm(nil), g.shard[k]...), g.replica[k]...) {
+			if err := c.SetTimeout(timeout); err != nil { // a rank left waiting fails, not hangs
+				t.Fatal(err)
+			}
+		}
+	}
+	return g
+}
+
+func (g *hybridGrid) of(rank int) (shard, replicas *Comm) {
+	a, i := rank/hybridS, rank%hybridS
+	j := i
+	if g.crosswise && a == 1 {
+		j = hybridS - 1 - i
+	}
+	return g.shard[a][i], g.replica[j][a]
+}
+
+func (g *hybridGrid) Close() {
+	for k := 0; k < 2; k++ {
+		closeAll(g.shard[k])
+		closeAll(g.replica[k])
+	}
+}
+
+type hybridResult struct {
+	err               error
+	hybrid, ddp       SyncInfo
+	offset            int
+	shard, ddpMasters []float32
+}
+
+// Every rank of a 2x2 grid adds the same random micro-batches to a sharded accumulator synced
+// with SyncHybrid and to an unsharded one synced over all 4 ranks (DDP): shard group 0's shards
+// tile the gradient and match the DDP master within the rounding of another summation order,
+// replicas hold the same bits, and every rank reports the same info.
+func TestSyncHybridOnA2x2GridMatchesDDP(t *testing.T) {
+	for _, maxNorm := range []float32{0, 0.25} {
+		t.Run(fmt.Sprintf("maxnorm%g", maxNorm), func(t *testing.T) {
+			const world = hybridS * hybridR
+			grid := newHybridGrid(t, false, time.Minute)
+			defer grid.Close()
+			ddpComms := must(NewLocalGroup(world))
+			defer closeAll(ddpComms)
+			res := make([]hybridResult, world)
+			onRanks(t, world, func(r int) {
+				res[r].err = func() error {
+					scaler := scalerWithScale(t, 1024)
+					defer scaler.Close()
+					dc := DefaultAccumulatorConfig()
+					dc.MaxGradNorm = maxNorm
+					hc := dc
+					hc.Sharding, hc.ShardCount, hc.ShardRank = ShardingReduceScatter, hybridS, uint32(r%hybridS)
+					hybrid, err := NewAccumulator(shardTensors, &hc, nil)
+					if err != nil {
+						return err
+					}
+					defer hybrid.Close()
+					ddp, err := NewAccumulator(shardTensors, &dc, nil)
+					if err != nil {
+						return err
+					}
+					defer ddp.Close()
+					rng := rand.New(rand.NewSource(int64(500 + r)))
+					for m := 0; m < 3; m++ {
+						g := randomGrads(rng)
+						if err := hybrid.Add(scaler, g, microbatchCount(r, m)); err != nil {
+							return err
+						}
+						if err := ddp.Add(scaler, g, microbatchCount(r, m)); err != nil {
+							return err
+						}
+					}
+					if res[r].hybrid, err = hybrid.SyncHybrid(grid.of(r)); err != nil {
+						return err
+					}
+					if res[r].ddp, err = ddp.Sync(ddpComms[r]); err != nil {
+						return err
+					}
+					if res[r].offset, res[r].shard, err = hybrid.CopyShard(); err != nil {
+						return err
+					}
+					for i := range shardTensors {
+						m, err := ddp.CopyMaster(i)
+						if err != nil {
+							return err
+						}
+						res[r].ddpMasters = append(res[r].ddpMasters, m...)
+					}
+					return nil
+				}()
+			})
+
+			var count uint64
+			for r := 0; r < world; r++ {
+				for m := 0; m < 3; m++ {
+					count += microbatchCount(r, m)
+				}
+			}
+			for r, x := range res {
+				if x.err != nil {
+					t.Fatalf("rank %d: %v", r, x.err)
+				}
+			}
+			ddp := res[0].ddpMasters
+			largest := 0.0
+			for _, v := range ddp {
+				largest = math.Max(largest, math.Abs(float64(v)))
+			}
+			next := 0
+			for r, x := range res {
+				h, d := x.hybrid, x.ddp
+				if h != res[0].hybrid {
+					t.Errorf("rank %d: %+v, rank 0 %+v", r, h, res[0].hybrid)
+				}
+				if h.TotalCount != count || d.TotalCount != count || h.Microbatches != 3*world || h.FoundInf {
+					t.Errorf("rank %d: %+v (DDP %+v)", r, h, d)
+				}
+				if math.Abs(h.GradNorm-d.GradNorm) > 1e-5*d.GradNorm || math.Abs(h.ClipCoef-d.ClipCoef) > 1e-5*d.ClipCoef {
+					t.Errorf("rank %d: norm %v clip %v, DDP norm %v clip %v", r, h.GradNorm, h.ClipCoef, d.GradNorm, d.ClipCoef)
+				}
+				if (h.ClipCoef < 1) != (maxNorm > 0) {
+					t.Errorf("rank %d: clip_coef %v with max_grad_norm %v", r, h.ClipCoef, maxNorm)
+				}
+				if r >= hybridS { // a replica: the bits of shard group 0's rank holding its shard
+					twin := res[r%hybridS]
+					if x.offset != twin.offset || len(x.shard) != len(twin.shard) {
+						t.Fatalf("rank %d: shard %d+%d, its replica's %d+%d", r, x.offset, len(x.shard), twin.offset, len(twin.shard))
+					}
+					for i := range x.shard {
+						if math.Float32bits(x.shard[i]) != math.Float32bits(twin.shard[i]) {
+							t.Fatalf("rank %d: element %d differs from its replica, rank %d", r, x.offset+i, r%hybridS)
+						}
+					}
+					continue
+				}
+				if x.offset != next || len(x.shard) == 0 {
+					t.Fatalf("rank %d: shard %d..%d, the previous ended at %d", r, x.offset, x.offset+len(x.shard), next)
+				}
+				next = x.offset + len(x.shard)
+				for i, v := range x.shard {
+					if math.Abs(float64(v)-float64(ddp[x.offset+i])) > 1e-5*largest {
+						t.Fatalf("rank %d: element %d is %v, DDP %v", r, x.offset+i, v, ddp[x.offset+i])
+					}
+				}
+			}
+			if next != shardTotal {
+				t.Fatalf("the shards end at %d of %d", next, shardTotal)
+			}
+		})
+	}
+}
+
+// hybridErrors has every rank of a 2x2 grid add one micro-batch to a sharded accumulator and call
+// SyncHybrid on grid (with rank nilRank's replica communicator nil, if in range); it returns
+// each rank's error and the info of a SyncHybrid on fresh, right groups afterwards.
+func hybridErrors(t *testing.T, grid *hybridGrid, nilRank int) ([]error, []SyncInfo) {
+	right := newHybridGrid(t, false, time.Minute)
+	defer right.Close()
+	errs := make([]error, hybridS*hybridR)
+	after := make([]SyncInfo, hybridS*hybridR)
+	onRanks(t, hybridS*hybridR, func(r int) {
+		c := DefaultAccumulatorConfig()
+		c.Sharding, c.ShardCount, c.ShardRank = ShardingReduceScatter, hybridS, uint32(r%hybridS)
+		acc, err := NewAccumulator([]TensorDesc{{2, F32}}, &c, nil)
+		if err != nil {
+			errs[r] = fmt.Errorf("create: %w", err)
+			return
+		}
+		defer acc.Close()
+		oneMicrobatch(t, acc)
+		shard, replicas := grid.of(r)
+		if r == nilRank {
+			replicas = nil
+		}
+		_, errs[r] = acc.SyncHybrid(shard, replicas)
+		var err2 error
+		if after[r], err2 = acc.SyncHybrid(right.of(r)); err2 != nil {
+			after[r] = SyncInfo{}
+		}
+	})
+	return errs, after
+}
+
+// Replica groups that pair different shards fail with StatusSizeMismatch on every rank, and the
+// windows stay intact.
+func TestSyncHybridWithCrosswiseReplicasFailsEveryRank(t *testing.T) {
+	grid := newHybridGrid(t, true, 30*time.Second)
+	defer grid.Close()
+	errs, after := hybridErrors(t, grid, -1)
+	for r, err := range errs {
+		var e *Error
+		if !errors.As(err, &e) || e.Status != StatusSizeMismatch || !strings.Contains(e.Message, "replica groups") {
+			t.Errorf("rank %d: %v, want SIZE_MISMATCH naming the replica groups", r, err)
+		}
+		if after[r].Microbatches != hybridS*hybridR {
+			t.Errorf("rank %d: the window was not intact: %+v afterwards", r, after[r])
+		}
+	}
+}
+
+// A nil replica Comm still reaches the C call: that rank fails naming the argument, and the
+// others fail too (within their timeouts) instead of waiting for it.
+func TestSyncHybridWithANilCommFailsEveryRank(t *testing.T) {
+	grid := newHybridGrid(t, false, 2*time.Second)
+	defer grid.Close()
+	errs, after := hybridErrors(t, grid, 1)
+	for r, err := range errs {
+		var e *Error
+		switch {
+		case r == 1 && (!errors.As(err, &e) || e.Status != StatusNullArgument || !strings.Contains(e.Message, "`replica_comm`")):
+			t.Errorf("rank 1, with a nil replica Comm: %v", err)
+		case r != 1 && err == nil:
+			t.Errorf("rank %d synced beside a rank with a nil Comm", r)
+		}
+		if after[r].Microbatches != hybridS*hybridR {
+			t.Errorf("rank %d: the window was not intact: %+v afterwards", r, after[r])
+		}
+	}
+}
