@@ -13,7 +13,7 @@ path. Loading fails if the library's version does not match the header the ccall
 generated from.
 
 Exported: the types, [`local_group`](@ref), [`add!`](@ref), [`add_tensor!`](@ref),
-[`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref). Names that other
+[`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref), [`sync_hybrid!`](@ref). Names that other
 packages also use (`update!`, `reset!`, `scale`, `master`, `save`, `load!`, ...) are public but
 not exported: call them qualified, `GradAcc.update!(scaler, acc)`.
 """
@@ -22,7 +22,7 @@ module GradAcc
 using Libdl
 
 export Scaler, Accumulator, Communicator, GradAccError, local_group
-export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!
+export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid!
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
@@ -517,7 +517,8 @@ accumulator keeps it referenced). Destroyed by `close` or the GC.
 [`sync!`](@ref) takes a communicator of `n` ranks on which this is rank `r` (0-based, as
 [`GradAcc.rank`](@ref)), and after it only [`GradAcc.shard`](@ref) holds the reduced gradient
 (the bits an unsharded sync leaves in that range); the norm and clipping are still the whole
-gradient's. `wire_dtype` (`Float32` or `:f32`, the default) is what the boundary's reductions
+gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group (HSDP).
+`wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the boundary's reductions
 send.
 """
 mutable struct Accumulator
@@ -673,6 +674,24 @@ otherwise every rank throws.
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
     info = out_struct(gradacc_sync_info_t)
     check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
+    return info[]
+end
+
+"""
+    sync_hybrid!(acc, shard, replicas) -> gradacc_sync_info_t
+
+The hybrid boundary (HSDP) of an accumulator with `sharding=:reduce_scatter`: a reduce-scatter
+over `shard` (its shard group: `shard_count` ranks, this one `shard_rank`), then an all-reduce of
+the shard over `replicas`, the ranks that hold the same shard in the other shard groups. Every
+rank of both groups calls it from its own task and thread. Counts, overflow and the norm are the
+whole grid's, the same on every rank, and replicas hold the same bits ([`GradAcc.shard`](@ref)).
+Replica groups pairing different shards throw `GRADACC_STATUS_SIZE_MISMATCH`, and an unsharded
+accumulator `GRADACC_STATUS_INVALID_ARGUMENT`, on every rank with the window intact. Host
+communicators only (local, MPI).
+"""
+function sync_hybrid!(a::Accumulator, shard::Communicator, replicas::Communicator)
+    info = out_struct(gradacc_sync_info_t)
+    check(gradacc_accumulator_sync_hybrid(a, shard, replicas, info))
     return info[]
 end
 

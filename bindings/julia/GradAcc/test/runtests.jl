@@ -1,9 +1,9 @@
-# The seed scenarios through the Julia binding. Ranks run as tasks on separate threads (up to 3
-# ranks), so this file re-runs itself with 3 threads when started with fewer.
+# The seed scenarios through the Julia binding. Ranks run as tasks on separate threads (up to 4
+# ranks), so this file re-runs itself with 4 threads when started with fewer.
 using Test
 
-if Threads.nthreads() < 3
-    cmd = `$(Base.julia_cmd()) --project=$(Base.active_project()) -t 3 $(@__FILE__)`
+if Threads.nthreads() < 4
+    cmd = `$(Base.julia_cmd()) --project=$(Base.active_project()) -t 4 $(@__FILE__)`
     @test success(pipeline(cmd; stdout, stderr))
     exit()
 end
@@ -83,6 +83,32 @@ function sharded_and_unsharded(world, r, max_grad_norm)
     end
     close(s)
     return sharded, plain
+end
+
+# The communicators of a 2x2 grid, per rank: rank g = 2a + i is rank i of shard group a and rank a
+# of replica group i. `crosswise` joins shard group 1 to the replica groups the other way round,
+# so each replica group holds shards 0 and 1.
+function hybrid_grid(; crosswise=false)
+    shard_groups, replica_groups = [local_group(2) for _ in 1:2], [local_group(2) for _ in 1:2]
+    shard = [shard_groups[g ÷ 2 + 1][g % 2 + 1] for g in 0:3]
+    replicas = [replica_groups[(crosswise && g ÷ 2 == 1 ? 1 - g % 2 : g % 2) + 1][g ÷ 2 + 1] for g in 0:3]
+    return shard, replicas
+end
+
+# Rank g of a 2x2 grid: a sharded accumulator (shard g % 2 of 2) and an unsharded one with the
+# same three random micro-batches added.
+function hybrid_and_ddp(g, max_grad_norm)
+    s = Scaler(init_scale=1024.0)
+    hybrid = Accumulator(SHARD_TENSORS; sharding=:reduce_scatter, shard_count=2, shard_rank=g % 2,
+                         max_grad_norm=max_grad_norm)
+    ddp = Accumulator(SHARD_TENSORS; max_grad_norm=max_grad_norm)
+    for m in 0:2
+        grads = random_grads()
+        add!(hybrid, s, grads, microbatch_count(g, m))
+        add!(ddp, s, grads, microbatch_count(g, m))
+    end
+    close(s)
+    return hybrid, ddp
 end
 
 # Each rank of a local group of `world` syncs an accumulator holding shard `ranks[r + 1]` of
@@ -587,6 +613,59 @@ end
         err = thrown(() -> sync!(acc))
         @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT
         close(acc)
+    end
+
+    # The hybrid boundary on a 2x2 grid against a 4-rank unsharded sync of the same micro-batches:
+    # the same info everywhere, replicas with the same bits, and shard group 0's shards within the
+    # rounding of another summation order of the DDP master.
+    @testset "hybrid sync on a 2x2 grid, max_grad_norm $max_grad_norm" for max_grad_norm in (0.0, 0.25)
+        shard, replicas = hybrid_grid()
+        ddp_comms = local_group(4)
+        accs = [hybrid_and_ddp(g, max_grad_norm) for g in 0:3]
+        infos = on_ranks(shard, replicas, ddp_comms) do g
+            hybrid, ddp = accs[g + 1]
+            return (sync_hybrid!(hybrid, shard[g + 1], replicas[g + 1]), sync!(ddp, ddp_comms[g + 1]))
+        end
+        foreach(close, [shard; replicas; ddp_comms])
+        total = sum(microbatch_count(g, m) for g in 0:3, m in 0:2)
+        ddp = reduce(vcat, [master(accs[1][2], i) for i in 1:length(SHARD_TENSORS)])
+        tol = 1f-5 * maximum(abs, ddp)
+        next = 0
+        for (g, ((hybrid, _), (info, ddp_info))) in enumerate(zip(accs, infos))
+            offset, numel, data = GradAcc.shard(hybrid)
+            @test info == infos[1][1]
+            @test info.total_count == ddp_info.total_count == total && info.microbatches == 12 && !info.found_inf
+            @test isapprox(info.grad_norm, ddp_info.grad_norm; rtol=1e-5)
+            @test isapprox(info.clip_coef, ddp_info.clip_coef; rtol=1e-5)
+            @test (info.clip_coef < 1) == (max_grad_norm > 0)
+            if g > 2  # a replica: the bits of shard group 0's rank holding the same shard
+                twin = GradAcc.shard(accs[g - 2][1])
+                @test (offset, numel) == (twin.offset, twin.numel)
+                @test reinterpret(UInt32, data) == reinterpret(UInt32, twin.data)
+            else
+                @test offset == next && numel > 0
+                next = offset + numel
+                @test all(abs.(data .- ddp[offset+1:offset+numel]) .<= tol)
+            end
+        end
+        @test next == SHARD_TOTAL
+        for (hybrid, plain) in accs
+            close(hybrid); close(plain)
+        end
+    end
+
+    @testset "crosswise replica groups fail on every rank" begin
+        shard, replicas = hybrid_grid(crosswise=true)
+        accs = [one_microbatch!(Accumulator([(2, Float32)]; sharding=:reduce_scatter, shard_count=2,
+                                            shard_rank=g % 2)) for g in 0:3]
+        errs = on_ranks(shard, replicas; timeout=30) do g
+            return thrown(() -> sync_hybrid!(accs[g + 1], shard[g + 1], replicas[g + 1]))
+        end
+        for err in errs
+            @test err isa GradAccError && err.status == GRADACC_STATUS_SIZE_MISMATCH &&
+                  occursin("replica groups", err.message)
+        end
+        close.(accs); foreach(close, [shard; replicas])
     end
 
     @testset "a timeout throws and aborts" begin
