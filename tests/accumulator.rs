@@ -720,19 +720,21 @@ fn hybrid_misuse_fails_on_every_rank() {
     let tensors = [TensorDesc { numel: 3 * 4096 + 5, dtype: Dtype::F32 }];
     let grads = vec![0.5f32; tensors[0].numel];
     let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-    let sync = |sharding: Sharding, sc: &LocalComm, rc: &LocalComm| {
+    // The error of a hybrid sync; with `recover`, a plain sync on the shard group then reduces
+    // the window, which the failure left intact.
+    let sync = |config: AccumulatorConfig, sc: &LocalComm, rc: &LocalComm, recover: bool| {
         for c in [sc, rc] {
             c.set_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
         }
-        let acc = Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, &tensors).unwrap();
+        let acc = Accumulator::new(config, &tensors).unwrap();
         acc.add(&one, &[Grad::F32(&grads)], 1).unwrap();
         let e = acc.sync_hybrid(sc, rc).unwrap_err();
-        // The window is intact: a plain sync on the shard group still reduces it.
-        if let Sharding::ReduceScatter { .. } = sharding {
+        if recover {
             acc.sync(Some(sc)).unwrap();
         }
         e.kind
     };
+    let sharded = |rank: usize| AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank }, ..Default::default() };
     // 2 x 2, but shard group 1 joins the replica groups crosswise: replica group j pairs shard j
     // of shard group 0 with shard 1 - j of shard group 1. Every shard check passes.
     let shard_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
@@ -742,14 +744,37 @@ fn hybrid_misuse_fails_on_every_rank() {
             .map(|g| {
                 let (a, i) = (g / 2, g % 2);
                 let (sc, rc) = (&shard_groups[a][i], &replica_groups[if a == 1 { 1 - i } else { i }][a]);
-                s.spawn(move || sync(Sharding::ReduceScatter { shards: 2, rank: i }, sc, rc))
+                s.spawn(move || sync(sharded(i), sc, rc, true))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(kinds.iter().all(|&k| k == ErrorKind::SizeMismatch), "{kinds:?}");
+    // One rank of shard group 0 clips and the others do not: its group differs before the replica
+    // tags, and must stay different whatever they are.
+    for norm in [0.125, 2.5, 0.3, 7.0, 1e-3] {
+        let kinds = hybrid_grid(2, 2, |g, sc, rc| {
+            sync(AccumulatorConfig { max_grad_norm: if g == 1 { norm } else { 0.0 }, ..sharded(sc.rank()) }, sc, rc, false)
+        });
+        assert!(kinds.iter().all(|&k| k == ErrorKind::SizeMismatch), "max_grad_norm {norm} on one rank: {kinds:?}");
+    }
+    // Replica groups of two sizes: ranks 0 and 2 are replicas, ranks 1 and 3 each alone.
+    let shard_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
+    let pair = LocalComm::group(2).unwrap();
+    let alone: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(1).unwrap()).collect();
+    let kinds: Vec<ErrorKind> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                let (a, i) = (g / 2, g % 2);
+                let (sc, rc) = (&shard_groups[a][i], if i == 0 { &pair[a] } else { &alone[a][0] });
+                s.spawn(move || sync(sharded(i), sc, rc, true))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert!(kinds.iter().all(|&k| k == ErrorKind::SizeMismatch), "{kinds:?}");
     // An unsharded accumulator cannot take a hybrid boundary.
-    let kinds = hybrid_grid(2, 2, |_, sc, rc| sync(Sharding::None, sc, rc));
+    let kinds = hybrid_grid(2, 2, |_, sc, rc| sync(AccumulatorConfig::default(), sc, rc, false));
     assert!(kinds.iter().all(|&k| k == ErrorKind::InvalidArgument), "{kinds:?}");
 }
 

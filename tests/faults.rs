@@ -233,6 +233,9 @@ impl BlockPass for AbortingPass<'_> {
     fn rescale(&self, values: &[f64]) -> Option<f32> {
         self.inner.rescale(values)
     }
+    fn wire(&self) -> Dtype {
+        self.inner.wire()
+    }
 }
 
 /// 64 tensors of 16K mixed-precision elements, one bucket each.

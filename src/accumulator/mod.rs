@@ -462,9 +462,8 @@ impl Accumulator {
     /// boundary. On CUDA with NCCL, each bucket is all-reduced (under
     /// [`Sharding::ReduceScatter`]: each of its pieces reduced into the piece's shard owner) as
     /// soon as all of its tensors arrived (one contribution each), overlapping the rest of the
-    /// backward pass; `sync` over
-    /// the same communicator completes the boundary. Every rank must do the same. On the CPU it
-    /// is `begin_microbatch`.
+    /// backward pass; `sync` over the same communicator completes the boundary. Every rank must
+    /// do the same. On the CPU it is `begin_microbatch`.
     pub fn begin_final_microbatch(&self, count: u64, comm: Arc<dyn Communicator>) -> Result<()> {
         self.begin(count, Some(comm))
     }

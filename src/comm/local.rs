@@ -399,13 +399,14 @@ impl LocalComm {
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
         let len = buf.len();
         let mut values = vec![0.0f64; cpu::blocks(len)];
-        // Every access of this rank to its two published buffers goes through the pointers its
-        // peers read through too: `buf` and `values` are not used through their own handles
-        // until the end, so no access through them invalidates the peers'.
-        // A bf16 wire: the peers read this rank's contribution rounded, once.
+        // A bf16 wire: the peers read this rank's contribution rounded, once (a pass over the
+        // buffer before the reduction: they read it in place).
         if pass.wire() == Dtype::Bf16 {
             cpu::round_to_bf16(buf, 1);
         }
+        // Every access of this rank to its two published buffers goes through the pointers its
+        // peers read through too: `buf` and `values` are not used through their own handles
+        // until the end, so no access through them invalidates the peers'.
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
         let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());

@@ -225,6 +225,9 @@ pub trait HostCollectives: Send + Sync {
     /// it is still in cache, and then share the results: each rank then passes over `1/world` of
     /// the buffer, and never over memory another core has just written.
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+        if pass.wire() == Dtype::Bf16 {
+            cpu::round_to_bf16(buf, 1);
+        }
         self.allreduce_buckets(buf, buckets)?;
         Ok(pass_whole(buf, pass, 1))
     }

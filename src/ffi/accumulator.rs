@@ -420,10 +420,10 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     })
 }
 
-/// Writes a boundary's info to a caller's non-null `out`.
+/// Writes a boundary's info to a caller's `out` (nothing when it is NULL).
 ///
 /// # Safety
-/// `out` points to a writable `gradacc_sync_info_t` of its `struct_size`.
+/// A non-null `out` points to a writable `gradacc_sync_info_t` of its `struct_size`.
 unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
     let c = gradacc_sync_info_t {
         struct_size: 0,
@@ -472,10 +472,9 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
             }
         };
         let info = a.sync_hybrid(&*shard, &*replicas)?;
-        if !out_info.is_null() {
-            // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
-            unsafe { write_sync_info(out_info, &info) };
-        }
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract);
+        // a NULL one is skipped.
+        unsafe { write_sync_info(out_info, &info) };
         Ok(())
     })
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::master::Master;
 use super::math;
 use crate::accumulator::Sharding;
-use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::Dtype;
@@ -117,18 +117,22 @@ impl Store for HostStore {
         let mut total = ControlSum::of(&mine);
         let mut world = 1;
         if let Some(c) = p.comm {
-            total = host_collectives(c)?.reduce_control(&total)?;
+            // A shard group that fails here still tells the replicas, which would wait otherwise.
+            total = host_collectives(c)?.reduce_control(&total).inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
             world = c.world_size();
         }
         if let Some(r) = p.replicas {
             // The replicas of a shard must hold the same shard: the fingerprint is tagged with
-            // the shard's rank, so ranks holding different shards differ in it.
+            // the shard's rank, so ranks holding different shards differ in it. A shard group
+            // that already differs stays different whatever the tags (a tag could reorder a
+            // minimum and a maximum into agreement).
             let shard = match self.plan.config.sharding {
                 Sharding::ReduceScatter { rank, .. } => rank as u64,
-                Sharding::None => u64::MAX,
+                Sharding::None => unreachable!("a hybrid boundary is refused without sharding"),
             };
             let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            (total.min_layout, total.max_layout) = (total.min_layout ^ tag, total.max_layout ^ tag);
+            (total.min_layout, total.max_layout) =
+                if total.min_layout == total.max_layout { (total.min_layout ^ tag, total.max_layout ^ tag) } else { (0, u64::MAX) };
             total = host_collectives(r)?.reduce_control(&total)?;
             world *= r.world_size();
         }
