@@ -846,7 +846,9 @@ impl Accumulator {
             return Err(Error::new(ErrorKind::BackendUnavailable, "a hybrid boundary (replica groups) is on the CPU only so far"));
         }
         if !matches!(self.plan.config.sharding, Sharding::ReduceScatter { .. }) {
-            return Err(Error::invalid("a hybrid boundary needs a sharded accumulator (Sharding::ReduceScatter over the shard group)"));
+            return Err(Error::invalid(
+                "a hybrid boundary needs a sharded accumulator (reduce-scatter over the shard group); this one is not sharded",
+            ));
         }
         Ok(())
     }

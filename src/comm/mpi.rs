@@ -55,6 +55,25 @@ static INIT: Mutex<bool> = Mutex::new(false);
 /// Serialises gradacc's MPI calls when MPI runs below MPI_THREAD_MULTIPLE.
 static SERIAL: Mutex<()> = Mutex::new(());
 
+thread_local! {
+    /// This thread holds [`SERIAL`]: a collective it runs inside another one (the hybrid
+    /// boundary's replica all-reduce, inside the shard group's reduce-scatter) is still one
+    /// thread's MPI calls, one at a time, and must not wait for itself.
+    static HOLDING_SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// This thread's hold on [`SERIAL`]: the lock itself, or nothing for a collective nested in one
+/// that holds it.
+struct Serial(#[allow(dead_code)] Option<MutexGuard<'static, ()>>);
+
+impl Drop for Serial {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            HOLDING_SERIAL.with(|h| h.set(false));
+        }
+    }
+}
+
 /// How long a wait polls without sleeping. A healthy collective of the boundary completes within
 /// tens of microseconds, and MPI moves data only while this process calls it (shared memory,
 /// TCP), so sleeping at once would add a sleep's latency to each of them; see docs/mpi.md.
@@ -310,17 +329,25 @@ impl MpiComm {
         Ok(Entered(busy, serial, lock(&self.mem)))
     }
 
-    /// Takes [`SERIAL`], polling it the way [`MpiComm::wait`] polls requests: past this
+    /// Takes [`SERIAL`] (unless this thread holds it already), polling it the way
+    /// [`MpiComm::wait`] polls requests: past this
     /// communicator's timeout it fails with TIMEOUT and aborts the communicator (its peers may
     /// have posted the collective this rank could not), and once another thread aborted it, with
     /// COMM_FAILURE.
-    fn serial(&self) -> Result<MutexGuard<'static, ()>> {
+    fn serial(&self) -> Result<Serial> {
+        if HOLDING_SERIAL.with(|h| h.get()) {
+            return Ok(Serial(None));
+        }
         let timeout = self.timeout();
         let mut backoff = Backoff::new();
+        let held = |guard| {
+            HOLDING_SERIAL.with(|h| h.set(true));
+            Ok(Serial(Some(guard)))
+        };
         loop {
             match SERIAL.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(TryLockError::Poisoned(e)) => return Ok(e.into_inner()),
+                Ok(guard) => return held(guard),
+                Err(TryLockError::Poisoned(e)) => return held(e.into_inner()),
                 Err(TryLockError::WouldBlock) => {}
             }
             self.check_live()?;
@@ -593,7 +620,7 @@ impl ShareTransport for Shares<'_> {
 
 /// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's), and
 /// the communicator's memory: the guards are held while it runs.
-struct Entered<'a>(#[allow(dead_code)] BusyGuard<'a>, #[allow(dead_code)] Option<MutexGuard<'static, ()>>, MutexGuard<'a, Memory>);
+struct Entered<'a>(#[allow(dead_code)] BusyGuard<'a>, #[allow(dead_code)] Option<Serial>, MutexGuard<'a, Memory>);
 
 impl Drop for MpiComm {
     /// Frees the duplicate, unless a timeout or an abort left requests pending on it that have
