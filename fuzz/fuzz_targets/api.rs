@@ -756,9 +756,16 @@ fn acc_create(world: &mut World, input: &mut Input) {
             3 => c.max_grad_norm = [-1.0, f32::NAN, f32::INFINITY][input.below(3)],
             4 => c.bucket_numel = 0,
             5 => c.threads = [0, 1025, u32::MAX][input.below(3)],
+            // One shard of one, and a bf16 wire, behave as the defaults for a rank alone (the
+            // model's accumulators sync alone); the rest is refused.
+            6 => c.sharding = [GRADACC_SHARDING_REDUCE_SCATTER, 2, -1][input.below(3)],
+            7 => (c.shard_count, c.shard_rank) = [(0, 0), (2, 2), (1, 1), (3, 0)][input.below(4)],
+            8 => c.wire_dtype = [GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16, 7][input.below(3)],
+            9 => c.reserved = input.u8() as u32,
             _ => {}
         }
-        let ends = field_ends!(gradacc_accumulator_config_t: struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads);
+        let ends = field_ends!(gradacc_accumulator_config_t: struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads,
+            reserved, sharding, shard_count, shard_rank, wire_dtype);
         let read = config_as_read(&c, &defaults, &ends);
         cfg_ok = read.is_some();
         // The model works on what the library read: an older size leaves the later fields at their defaults.
@@ -769,7 +776,13 @@ fn acc_create(world: &mut World, input: &mut Input) {
             && c.max_grad_norm.is_finite()
             && c.max_grad_norm >= 0.0
             && c.bucket_numel >= 1
-            && (1..=1024).contains(&c.threads);
+            && (1..=1024).contains(&c.threads)
+            && match c.sharding {
+                GRADACC_SHARDING_NONE => (c.shard_count, c.shard_rank) == (1, 0),
+                GRADACC_SHARDING_REDUCE_SCATTER => c.shard_rank < c.shard_count,
+                _ => false,
+            }
+            && [GRADACC_DTYPE_F32, GRADACC_DTYPE_BF16].contains(&c.wire_dtype);
     }
     let n = 1 + input.below(4);
     let mut descs: Vec<gradacc_tensor_desc_t> =
