@@ -22,7 +22,7 @@
  * MPI is initialised with MPI_Init (MPI_THREAD_SINGLE), the common case: gradacc then serialises
  * its MPI calls under one process-wide lock, and the replica group's all-reduce runs inside the
  * shard group's reduce-scatter, on the thread that holds it. */
-#include "mpi/mpi_common.h"
+#include "mpi/shard_common.h"
 
 enum { T = 4 };
 static const size_t numel[T] = {150001, 100003, 50001, 7};
@@ -207,27 +207,14 @@ static void add_window(int sc, gradacc_scaler_t *scaler, gradacc_accumulator_t *
         grad_free(&g[t]);
 }
 
-static uint64_t dbits(double x)
-{
-    uint64_t u;
-    memcpy(&u, &x, sizeof u);
-    return u;
-}
-
-static int same_info(const gradacc_sync_info_t *a, const gradacc_sync_info_t *b)
-{
-    return a->found_inf == b->found_inf && a->total_count == b->total_count && a->microbatches == b->microbatches &&
-           dbits(a->grad_norm) == dbits(b->grad_norm) && dbits(a->clip_coef) == dbits(b->clip_coef);
-}
-
 /* After a successful hybrid sync of `acc` with `info` on grid `g`: the checks of the file's
  * comment (the values only without an overflow). */
 static void check_hybrid(const char *what, const grid *g, const scenario *s, const reference *ref, float max_norm,
                          gradacc_accumulator_t *acc, const gradacc_sync_info_t *info)
 {
     const int rank = world_rank(), world = world_size();
-    CHECK(same_on_all_ranks(dbits(info->grad_norm), MPI_COMM_WORLD) &&
-              same_on_all_ranks(dbits(info->clip_coef), MPI_COMM_WORLD) &&
+    CHECK(same_on_all_ranks(double_bits(info->grad_norm), MPI_COMM_WORLD) &&
+              same_on_all_ranks(double_bits(info->clip_coef), MPI_COMM_WORLD) &&
               same_on_all_ranks(info->total_count, MPI_COMM_WORLD) &&
               same_on_all_ranks(info->microbatches, MPI_COMM_WORLD) && same_on_all_ranks(info->found_inf, MPI_COMM_WORLD),
           "%s: the infos differ between ranks", what);
