@@ -128,11 +128,6 @@ impl ControlSum {
         }
     }
 
-    /// Folds one more rank in.
-    pub fn fold(self, c: &Control) -> Self {
-        self.merge(&ControlSum::of(c))
-    }
-
     /// The reduction over the ranks of both. Saturating sums: a wrapped count would silently
     /// mis-normalise.
     pub fn merge(self, o: &ControlSum) -> Self {

@@ -15,7 +15,7 @@ pub fn pack(c: &ControlSum) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
 }
 
 /// The reduction from the element-wise SUM and MAX over every rank's words. A sum that wrapped
-/// is smaller than the largest term and saturates, as [`ControlSum::fold`] does.
+/// is smaller than the largest term and saturates, as [`ControlSum::merge`] does.
 pub fn unpack(sum: &[u64; SUM_WORDS], max: &[u64; MAX_WORDS]) -> ControlSum {
     let saturate = |s: u64, m: u64| if s < m { u64::MAX } else { s };
     ControlSum {
@@ -57,7 +57,7 @@ mod tests {
     }
 
     fn fold(ranks: &[Control]) -> ControlSum {
-        ranks[1..].iter().fold(ControlSum::of(&ranks[0]), |acc, c| acc.fold(c))
+        ranks[1..].iter().fold(ControlSum::of(&ranks[0]), |acc, c| acc.merge(&ControlSum::of(c)))
     }
 
     #[test]

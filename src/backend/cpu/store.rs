@@ -7,8 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
-use crate::accumulator::Sharding;
-use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::comm::{pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::Dtype;
