@@ -202,6 +202,9 @@ impl HostCollectives for AbortAt {
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> gradacc::Result<Vec<f64>> {
         self.inner.allreduce_with_pass(buf, buckets, &AbortingPass { at: self, inner: pass })
     }
+    fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> gradacc::Result<Vec<f64>> {
+        self.inner.allgather_values(mine, counts)
+    }
 }
 
 /// The boundary's pass, counting its calls on the wrapper and aborting at the wrapper's `at`.

@@ -18,7 +18,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    check_buckets, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
+    check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives,
+    DEFAULT_TIMEOUT,
 };
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
@@ -50,6 +51,7 @@ enum What {
     AllReduce(usize),
     AllReduceWithPass(usize),
     ReduceScatterWithPass(usize),
+    Gather(usize),
 }
 
 impl fmt::Display for What {
@@ -59,6 +61,7 @@ impl fmt::Display for What {
             What::AllReduce(n) => write!(f, "the all-reduce of {n} elements"),
             What::AllReduceWithPass(n) => write!(f, "the boundary's all-reduce of {n} elements"),
             What::ReduceScatterWithPass(n) => write!(f, "the boundary's reduce-scatter of {n} elements"),
+            What::Gather(n) => write!(f, "the gather of {n} values"),
         }
     }
 }
@@ -384,6 +387,35 @@ impl HostCollectives for LocalComm {
         check_shards(buf.len(), shards, self.group.world)?;
         let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
         self.reduce_with_pass(buf, What::ReduceScatterWithPass(buf.len()), &cut, false, pass)
+    }
+
+    /// Each rank publishes its values in place in its own result and copies the others' from
+    /// their owners' results.
+    fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>> {
+        let (rank, world) = (self.rank, self.group.world);
+        check_counts(mine.len(), counts, rank, world)?;
+        let _busy = self.enter()?;
+        let what = What::Gather(counts.iter().sum());
+        let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        let mut all = vec![0.0f64; counts.iter().sum()];
+        all[starts[rank]..starts[rank] + mine.len()].copy_from_slice(mine);
+        // As in `reduce_with_pass`, the result is only used through the published pointer
+        // until the end.
+        let base = all.as_mut_ptr();
+        let (peers, reading) = self.start_reading(Published { ptr: std::ptr::null_mut(), len: all.len(), values: base }, what)?;
+        for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
+            // SAFETY: every rank's result is `all.len()` long (checked by `start_reading`) and
+            // alive while any rank reads (see `reduce_with_pass`); rank q wrote its own values
+            // before publishing and nobody writes them now; this rank writes only rank q's
+            // range of its own result, which its peers do not read (each reads the range of its
+            // owner only).
+            unsafe {
+                let theirs = std::slice::from_raw_parts(p.values.add(starts[q]).cast_const(), counts[q]);
+                std::slice::from_raw_parts_mut(base.add(starts[q]), counts[q]).copy_from_slice(theirs);
+            }
+        }
+        self.stop_reading(reading, what)?;
+        Ok(all)
     }
 }
 

@@ -239,6 +239,19 @@ pub trait HostCollectives: Send + Sync {
         check_shards(buf.len(), shards, shards.len())?;
         self.allreduce_with_pass(buf, std::slice::from_ref(&(0..buf.len())), pass)
     }
+
+    /// Every rank's `mine` concatenated in rank order, on every rank: rank q brings `counts[q]`
+    /// values, and every rank passes the same `counts`. A sharded accumulation's boundary
+    /// gathers its shards' block values with it.
+    fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>>;
+}
+
+/// `counts` has one entry per rank and this rank's is `mine`'s length.
+pub(crate) fn check_counts(mine: usize, counts: &[usize], rank: usize, world: usize) -> Result<()> {
+    if counts.len() != world || counts[rank] != mine {
+        return Err(Error::invalid(format!("{} counts for {world} ranks, rank {rank} bringing {mine} values: {counts:?}", counts.len())));
+    }
+    Ok(())
 }
 
 /// One communicator handle's collective in progress: a concurrent second one on the same handle

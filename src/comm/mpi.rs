@@ -36,7 +36,8 @@ use mpi::ffi;
 
 use super::shares::{self, ShareTransport, Step, Workspace};
 use super::{
-    check_buckets, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
+    check_buckets, check_counts, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives,
+    DEFAULT_TIMEOUT,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -817,6 +818,16 @@ impl HostCollectives for MpiComm {
         let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
         let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
         let result = shares::reduce_by_cut(&mut t, &mut mem.work, buf, &cut, false, pass);
+        t.settle(result)
+    }
+
+    /// MPI_Iallgatherv of doubles, through the communicator's workspace.
+    fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>> {
+        check_counts(mine.len(), counts, self.rank, self.world)?;
+        let mut entered = self.enter()?;
+        let mem = &mut *entered.2;
+        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
+        let result = shares::allgather_values(&mut t, &mut mem.work, mine, counts);
         t.settle(result)
     }
 }

@@ -264,6 +264,17 @@ pub(crate) fn reduce_in_shares(
     reduce_by_cut(t, ws, buf, &plan, true, pass)
 }
 
+/// Every rank's `mine` in rank order (rank q brings `counts[q]` values), through the transport's
+/// gather of block values and the workspace it keeps alive.
+pub(crate) fn allgather_values(t: &mut impl ShareTransport, ws: &mut Workspace, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>> {
+    ws.mine.clear();
+    ws.mine.extend_from_slice(mine);
+    ws.all.clear();
+    ws.all.resize(counts.iter().sum(), 0.0);
+    t.gather_values(&ws.mine, counts, &mut ws.all)?;
+    Ok(ws.all.clone())
+}
+
 /// One step's pieces in the buffer, and where each lies in the stage (packed in rank order).
 type StepPieces = (Vec<Range<usize>>, Vec<Range<usize>>);
 
