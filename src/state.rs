@@ -60,6 +60,11 @@ pub struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     pub fn open(what: &'static str, bytes: &'a [u8], magic: [u8; 4], version: u32) -> Result<Self> {
+        Self::open_versions(what, bytes, magic, version..=version).map(|(r, _)| r)
+    }
+
+    /// As [`Reader::open`], accepting any format version in `versions`; returns the one found.
+    pub fn open_versions(what: &'static str, bytes: &'a [u8], magic: [u8; 4], versions: std::ops::RangeInclusive<u32>) -> Result<(Self, u32)> {
         if bytes.len() < HEADER_LEN + CHECKSUM_LEN {
             return Err(corrupt(what, format!("{} bytes is too short", bytes.len())));
         }
@@ -67,14 +72,15 @@ impl<'a> Reader<'a> {
             return Err(corrupt(what, "magic tag does not match (not a saved state of this object)"));
         }
         let found = u32::from_le_bytes(bytes[4..8].try_into().unwrap());
-        if found != version {
-            return Err(corrupt(what, format!("format version {found} is not supported (expected {version})")));
+        if !versions.contains(&found) {
+            let expected = if versions.start() == versions.end() { versions.start().to_string() } else { format!("{versions:?}") };
+            return Err(corrupt(what, format!("format version {found} is not supported (expected {expected})")));
         }
         let (body, tail) = bytes.split_at(bytes.len() - CHECKSUM_LEN);
         if checksum(body).to_le_bytes() != tail {
             return Err(corrupt(what, "checksum mismatch (bytes corrupted or truncated)"));
         }
-        Ok(Reader { what, bytes: body, pos: HEADER_LEN })
+        Ok((Reader { what, bytes: body, pos: HEADER_LEN }, found))
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {

@@ -69,6 +69,26 @@ pub enum Sharding {
     /// rank, and the shard holds the bits an all-reduce would leave there. `sync` takes a
     /// communicator of `shards` ranks on which this is rank `rank`.
     ReduceScatter { shards: usize, rank: usize },
+    /// Sharded accumulation (ZeRO-2): rank `rank` of `shards` holds only its shard of the FP32
+    /// gradient, plus one bucket of FP32 staging. Every micro-batch is converted, unscaled,
+    /// checked and weighted bucket by bucket into the staging, reduce-scattered over the
+    /// accumulator's communicator (given at creation: [`Accumulator::sharded`]) and added into
+    /// the shard; the boundary agrees on counts and overflow, and normalises, measures and clips
+    /// the shard. Every rank must add the same micro-batches (the reductions pair up call by
+    /// call). CPU accumulators on host communicators.
+    ///
+    /// [`Accumulator::sharded`]: super::Accumulator::sharded
+    Accumulate { shards: usize, rank: usize },
+}
+
+impl Sharding {
+    /// The shard count and this rank's shard, under either sharded policy.
+    pub fn shard(self) -> Option<(usize, usize)> {
+        match self {
+            Sharding::None => None,
+            Sharding::ReduceScatter { shards, rank } | Sharding::Accumulate { shards, rank } => Some((shards, rank)),
+        }
+    }
 }
 
 /// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented defaults.
@@ -120,7 +140,7 @@ impl AccumulatorConfig {
         if self.threads == 0 || self.threads > 1024 {
             return Err(Error::invalid(format!("threads must be in 1..=1024, got {}", self.threads)));
         }
-        if let Sharding::ReduceScatter { shards, rank } = self.sharding {
+        if let Some((shards, rank)) = self.sharding.shard() {
             if shards == 0 || rank >= shards {
                 return Err(Error::invalid(format!("sharding: rank must be in 0..shards, got rank {rank} of {shards} shards")));
             }

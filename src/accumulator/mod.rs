@@ -36,6 +36,9 @@ use window::{Phase, State, Window};
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
 /// 2: the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
 const WINDOW_VERSION: u32 = 2;
+/// 3: a sharded accumulation's shard (version 2 with the shard count and rank after the layout,
+/// and only the shard's masters).
+const SHARD_WINDOW_VERSION: u32 = 3;
 
 /// What the boundary reports; identical on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -161,8 +164,11 @@ impl Plan {
         bytes.push(matches!(c.loss_reduction, LossReduction::Sum) as u8);
         bytes.extend(c.normalize.code().to_le_bytes());
         bytes.extend(c.max_grad_norm.to_bits().to_le_bytes());
-        if let Sharding::ReduceScatter { shards, .. } = c.sharding {
-            bytes.extend((shards as u64).to_le_bytes());
+        match c.sharding {
+            Sharding::None => {}
+            Sharding::ReduceScatter { shards, .. } => bytes.extend((shards as u64).to_le_bytes()),
+            // Sharded accumulation reduces every micro-batch: it never pairs with the others.
+            Sharding::Accumulate { shards, .. } => bytes.extend((shards as u64 | 1 << 63).to_le_bytes()),
         }
         if c.wire != Dtype::F32 {
             bytes.extend(c.wire.code().to_le_bytes());
@@ -170,13 +176,30 @@ impl Plan {
         state::checksum(&bytes)
     }
 
-    /// Every rank's shard under [`Sharding::ReduceScatter`], in rank order; empty without it.
+    /// Every rank's shard under either sharded policy, in rank order; empty without sharding.
     /// Shards split the flat layout into equal parts rounded up to whole blocks of the norm
     /// ([`cpu::math::NORM_BLOCK`] elements, so a shard's block sums are the all-reduce's); the
     /// last ones may be shorter or empty.
     pub(crate) fn shards(&self) -> Vec<Range<usize>> {
-        let Sharding::ReduceScatter { shards, .. } = self.config.sharding else { return Vec::new() };
+        let Some((shards, _)) = self.config.sharding.shard() else { return Vec::new() };
         crate::comm::shares::shard_ranges(self.layout.len(), shards)
+    }
+
+    /// This rank's shard; the whole layout without sharding.
+    pub(crate) fn shard(&self) -> Range<usize> {
+        match self.config.sharding.shard() {
+            Some((_, rank)) => self.shards().swap_remove(rank),
+            None => 0..self.layout.len(),
+        }
+    }
+
+    /// The part of the flat master the store holds: the shard under sharded accumulation, the
+    /// whole layout otherwise.
+    pub(crate) fn held(&self) -> Range<usize> {
+        match self.config.sharding {
+            Sharding::Accumulate { .. } => self.shard(),
+            _ => 0..self.layout.len(),
+        }
     }
 }
 
@@ -221,6 +244,30 @@ pub(crate) trait Store: Send + Sync {
         Ok(())
     }
 
+    /// A micro-batch opens (`add`, `begin_microbatch`), the window's first with `first`. With
+    /// `error` this rank's call is invalid: a store that reduces every micro-batch still takes
+    /// part in the micro-batch's control step, so that every rank fails together; the error is
+    /// returned.
+    fn open_microbatch(&self, _first: bool, error: Option<&Error>) -> Result<()> {
+        error.map_or(Ok(()), |e| Err(e.clone()))
+    }
+
+    /// The micro-batch `begin_microbatch` opened ends (or is reset): a store that reduces every
+    /// micro-batch reduces the buckets still waiting.
+    fn close_microbatch(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether a reduction failed since the last call, leaving the window's sums incomplete.
+    fn take_lost(&self) -> bool {
+        false
+    }
+
+    /// The communicator a store reduces every micro-batch over (sharded accumulation).
+    fn bound(&self) -> Option<&dyn Communicator> {
+        None
+    }
+
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
     /// `scaler`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
     fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()>;
@@ -253,10 +300,10 @@ pub(crate) trait Store: Send + Sync {
     /// Address of master element `offset` (a device address on a device).
     fn master_address(&self, offset: usize) -> *mut f32;
 
-    /// Copies master elements `range` to `out` (waits for the device).
+    /// Copies master elements `range` (held ones) to `out` (waits for the device).
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()>;
 
-    /// Overwrites master elements from 0 with `values`.
+    /// Overwrites the held master elements (see `Plan::held`) with `values`.
     fn write(&self, values: &[f32]) -> Result<()>;
 
     /// The window's overflow flag (waits for the device).
@@ -301,7 +348,7 @@ impl Accumulator {
     /// An accumulator on `device` that owns its master (zeroed; on CUDA allocated on the
     /// device's stream, and every later call's work is ordered on that stream).
     pub fn on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
-        Self::build(device, config, tensors, None)
+        Self::build(device, config, tensors, None, None)
     }
 
     /// A CPU accumulator that adopts a caller's FP32 buffer of exactly the total element count as
@@ -327,10 +374,36 @@ impl Accumulator {
         if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));
         }
-        Self::build(device, config, tensors, Some((ptr, len)))
+        Self::build(device, config, tensors, Some((ptr, len)), None)
     }
 
-    fn build(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], adopt: Option<(*mut f32, usize)>) -> Result<Self> {
+    /// A sharded accumulation (ZeRO-2, [`Sharding::Accumulate`] in `config`): a CPU accumulator
+    /// that holds only its shard of the FP32 master and one bucket of staging, and reduce-scatters
+    /// every micro-batch over `comm`, a host communicator of `shards` ranks on which it is rank
+    /// `rank`. Every rank adds the same micro-batches; `sync` takes `comm` again (or `None`).
+    pub fn sharded(config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
+        let Sharding::Accumulate { shards, rank } = config.sharding else {
+            return Err(Error::invalid(
+                "a communicator at creation is for sharded accumulation (Sharding::Accumulate); this config does not shard it",
+            ));
+        };
+        if (comm.world_size(), comm.rank()) != (shards, rank) {
+            return Err(Error::invalid(format!(
+                "the accumulator holds shard {rank} of {shards}, but the communicator is rank {} of {}",
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
+        Self::build(Device::Cpu, config, tensors, None, Some(comm))
+    }
+
+    fn build(
+        device: Device,
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        adopt: Option<(*mut f32, usize)>,
+        comm: Option<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
         config.validate()?;
         let layout = Layout::new(tensors, config.bucket_numel)?;
         if let Some((_, len)) = adopt {
@@ -341,8 +414,28 @@ impl Accumulator {
         if config.wire != Dtype::F32 && device != Device::Cpu {
             return Err(Error::new(ErrorKind::BackendUnavailable, "bf16 on the wire is on host communicators only so far"));
         }
+        if let Sharding::Accumulate { shards, .. } = config.sharding {
+            if device != Device::Cpu {
+                return Err(Error::new(ErrorKind::BackendUnavailable, "sharded accumulation is on the CPU only so far"));
+            }
+            if adopt.is_some() {
+                return Err(Error::invalid("sharded accumulation owns its shard: it cannot adopt a whole master buffer"));
+            }
+            if comm.is_none() && shards > 1 {
+                return Err(Error::invalid(format!(
+                    "sharded accumulation over {shards} ranks reduces every micro-batch: create it with its communicator (Accumulator::sharded)"
+                )));
+            }
+        }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store: Box<dyn Store> = match device.check()? {
+            Device::Cpu if matches!(config.sharding, Sharding::Accumulate { .. }) => {
+                let comm = match comm {
+                    Some(c) => c,
+                    None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
+                };
+                Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
+            }
             Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
             Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(plan.clone(), ordinal, stream, adopt.map(|(p, _)| p as u64))?),
         };
@@ -380,12 +473,11 @@ impl Accumulator {
     /// is the whole master, so an optimizer can always update just `shard()`. Under
     /// [`Sharding::ReduceScatter`], after a `sync` the range holds this rank's part of the reduced,
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
-    /// window's first micro-batch overwrites it.
+    /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all the accumulator holds: it accumulates the
+    /// window's sum over the ranks, and after a `sync` holds the reduced, normalised (and
+    /// clipped) gradient.
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
-        let range = match self.plan.config.sharding {
-            Sharding::ReduceScatter { rank, .. } => self.plan.shards().swap_remove(rank),
-            Sharding::None => 0..self.len(),
-        };
+        let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
         (range, ptr)
     }
@@ -399,9 +491,28 @@ impl Accumulator {
     /// device. On CUDA the work is enqueued on the accumulator's stream (one launch for up to
     /// 240 tensors) and the call returns without waiting; the buffers must stay valid until the
     /// stream has run it.
+    ///
+    /// Under [`Sharding::Accumulate`] every rank must call it alike: the micro-batch is
+    /// reduce-scattered bucket by bucket. An invalid call on one rank fails on every rank with
+    /// nothing added; a reduction that fails midway discards the window.
     pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
         let grads = grads.into();
         let mut w = self.window.write();
+        let checked = self.check_add(&w, scaler, grads, count);
+        self.store.open_microbatch(self.opens_window(&w), checked.as_ref().err())?;
+        self.start_window_if_synced(&mut w)?;
+        let weight = self.plan.config.weight(count);
+        let added = self.store.add(scaler, grads, weight, &|i| !self.window.written(&w, i));
+        self.settle_lost(&mut w, added)?;
+        for i in 0..self.plan.descs.len() {
+            self.window.mark_written(&w, i);
+        }
+        w.add_microbatch(count);
+        Ok(())
+    }
+
+    /// `add`'s checks, before anything changes.
+    fn check_add(&self, w: &State, scaler: &Scaler, grads: Grads<'_>, count: u64) -> Result<()> {
         w.between_microbatches("add inside begin_microbatch/end_microbatch: use add_tensor, or end the micro-batch first")?;
         self.store.check_open()?;
         let n = self.plan.descs.len();
@@ -412,15 +523,25 @@ impl Accumulator {
             self.check_grad(i, grads.get(i), || format!("grads[{i}]"))?;
         }
         self.plan.config.check_count(w.open_count(), count)?;
-        self.check_scaler(scaler)?;
-        self.start_window_if_synced(&mut w)?;
-        let weight = self.plan.config.weight(count);
-        self.store.add(scaler, grads, weight, &|i| !self.window.written(&w, i))?;
-        for i in 0..n {
-            self.window.mark_written(&w, i);
+        self.check_scaler(scaler)
+    }
+
+    /// Whether the next micro-batch is its window's first (it assigns).
+    fn opens_window(&self, w: &State) -> bool {
+        w.synced() || w.microbatches == 0 && !self.window.written(w, 0)
+    }
+
+    /// After a failed reduction of a sharded accumulation the window holds part of a
+    /// micro-batch: it is discarded, and the call's error says so.
+    fn settle_lost(&self, w: &mut State, result: Result<()>) -> Result<()> {
+        if !self.store.take_lost() {
+            return result;
         }
-        w.add_microbatch(count);
-        Ok(())
+        self.discard(w)?;
+        Err(match result {
+            Err(e) => Error::new(e.kind, format!("{} (the window was discarded)", e.message)),
+            Ok(()) => Error::new(ErrorKind::CommFailure, "a reduction of this micro-batch failed in add_tensor; the window was discarded"),
+        })
     }
 
     /// Like [`Accumulator::add`], with the gradients as raw addresses in the accumulator's
@@ -470,11 +591,13 @@ impl Accumulator {
 
     fn begin(&self, count: u64, comm: Option<Arc<dyn Communicator>>) -> Result<()> {
         let mut w = self.window.write();
-        w.between_microbatches("begin_microbatch while a micro-batch is open: call end_microbatch first")?;
-        self.store.check_open()?;
-        self.plan.config.check_count(w.open_count(), count)?;
+        let checked = w
+            .between_microbatches("begin_microbatch while a micro-batch is open: call end_microbatch first")
+            .and_then(|()| self.store.check_open())
+            .and_then(|()| self.plan.config.check_count(w.open_count(), count))
+            .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)));
+        self.store.open_microbatch(self.opens_window(&w), checked.as_ref().err())?;
         if let Some(c) = &comm {
-            self.check_comm(&**c)?;
             self.store.begin_final(c)?;
         }
         self.start_window_if_synced(&mut w)?;
@@ -521,11 +644,22 @@ impl Accumulator {
     }
 
     /// Closes the open micro-batch; its count and one micro-batch join the window.
+    ///
+    /// Under [`Sharding::Accumulate`] the buckets still waiting are reduced here (a tensor that
+    /// received nothing contributes zeros), and a failed reduction discards the window.
     pub fn end_microbatch(&self) -> Result<()> {
         let mut w = self.window.write();
         let Phase::InMicrobatch { count } = w.phase else {
             return Err(Error::wrong_state("end_microbatch without begin_microbatch"));
         };
+        let closed = self.store.close_microbatch();
+        self.settle_lost(&mut w, closed)?;
+        if self.store.bound().is_some() {
+            // Every bucket was reduced: the whole shard is written.
+            for i in 0..self.plan.descs.len() {
+                self.window.mark_written(&w, i);
+            }
+        }
         w.add_microbatch(count);
         Ok(())
     }
@@ -558,6 +692,17 @@ impl Accumulator {
     }
 
     fn boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+        // Sharded accumulation reduces over its own communicator; `None` names it too.
+        let bound = self.store.bound();
+        if let (Some(b), Some(c)) = (bound, comm) {
+            if !std::ptr::addr_eq(b, c) {
+                refuse_boundary(b);
+                return Err(Error::invalid(
+                    "a sharded accumulation reduces over the communicator it was created with; sync got another (pass it, or none)",
+                ));
+            }
+        }
+        let comm = comm.or(bound);
         let result = self.run_boundary(comm, replicas, read);
         if let Err(e) = &result {
             // A boundary past its deadline ends this rank's use of its groups, on every transport.
@@ -620,7 +765,7 @@ impl Accumulator {
     /// A sharded accumulator reduces only on a communicator whose size and rank are its own
     /// (checked on every rank, and told to the others through the control reduction).
     fn check_shard_comm(&self, comm: Option<&dyn Communicator>) -> Result<()> {
-        let Sharding::ReduceScatter { shards, rank } = self.plan.config.sharding else { return Ok(()) };
+        let Some((shards, rank)) = self.plan.config.sharding.shard() else { return Ok(()) };
         let (world, at) = comm.map_or((1, 0), |c| (c.world_size(), c.rank()));
         if (world, at) != (shards, rank) {
             return Err(Error::invalid(format!(
@@ -652,19 +797,25 @@ impl Accumulator {
     }
 
     /// Discards the window in progress (or the synced result): the next micro-batch starts afresh.
+    ///
+    /// Under [`Sharding::Accumulate`], inside a micro-batch the buckets still waiting are reduced
+    /// first (the other ranks' reductions pair with them), and then discarded.
     pub fn reset(&self) -> Result<()> {
         let mut w = self.window.write();
         self.store.end_final()?;
-        self.discard(&mut w)
+        let closed = if w.in_microbatch() { self.store.close_microbatch() } else { Ok(()) };
+        self.store.take_lost();
+        self.discard(&mut w)?;
+        closed
     }
 
     /// Copies tensor `index`'s FP32 master gradient to `out` (all zeros for a tensor that received
     /// nothing in a synced window). On CUDA this waits for the accumulator's stream.
+    /// Under [`Sharding::Accumulate`], only a tensor inside the shard can be read.
     pub fn read_master(&self, index: usize, out: &mut [f32]) -> Result<()> {
-        self.plan.layout.check_index(index)?;
+        let r = self.held_tensor(index)?;
         // After a final micro-batch began, its buckets are being reduced on another stream.
         self.store.check_open()?;
-        let r = self.range(index);
         if out.len() != r.len() {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {}", out.len(), r.len())));
         }
@@ -675,7 +826,7 @@ impl Accumulator {
     /// Runs `f` on tensor `index`'s FP32 master gradient: in place on the CPU, on a host copy on
     /// a device.
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-        self.plan.layout.check_index(index)?;
+        self.held_tensor(index)?;
         self.store.check_open()?;
         let _w = self.window.write();
         match self.store.host() {
@@ -692,9 +843,20 @@ impl Accumulator {
     /// Address of tensor `index`'s master gradient (a device address on CUDA) and its length, for
     /// callers across the C boundary. The buffer never moves while the accumulator lives.
     pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
-        self.plan.layout.check_index(index)?;
-        let r = self.range(index);
+        let r = self.held_tensor(index)?;
         Ok((self.store.master_address(r.start), r.len()))
+    }
+
+    /// Tensor `index`'s range, when the store holds all of it.
+    fn held_tensor(&self, index: usize) -> Result<Range<usize>> {
+        self.plan.layout.check_index(index)?;
+        let (r, held) = (self.range(index), self.plan.held());
+        if r.start < held.start || r.end > held.end {
+            return Err(Error::invalid(format!(
+                "tensor {index} (elements {r:?}) is not inside this rank's shard {held:?}: a sharded accumulation holds only its shard (see shard())"
+            )));
+        }
+        Ok(r)
     }
 
     /// The window in progress (masters, counts, micro-batches, overflow flag, which tensors were
@@ -706,10 +868,16 @@ impl Accumulator {
             return Err(Error::wrong_state("save_window needs a window between micro-batches (not inside one, not synced)"));
         }
         self.store.check_open()?;
-        let mut masters = vec![0.0; self.len()];
-        self.store.read(0..self.len(), &mut masters)?;
-        let mut out = state::Writer::new(WINDOW_MAGIC, WINDOW_VERSION);
-        out.u64(self.plan.layout.hash()).u64(w.count).u64(w.microbatches).bool(self.store.found_inf()?);
+        let held = self.plan.held();
+        let mut masters = vec![0.0; held.len()];
+        self.store.read(held, &mut masters)?;
+        let shard = self.sharded_accumulation();
+        let mut out = state::Writer::new(WINDOW_MAGIC, if shard.is_some() { SHARD_WINDOW_VERSION } else { WINDOW_VERSION });
+        out.u64(self.plan.layout.hash());
+        if let Some((shards, rank)) = shard {
+            out.u64(shards as u64).u64(rank as u64);
+        }
+        out.u64(w.count).u64(w.microbatches).bool(self.store.found_inf()?);
         for i in 0..self.tensors().len() {
             out.bool(self.window.written(&w, i));
         }
@@ -754,12 +922,15 @@ impl Accumulator {
             return Err(Error::invalid("merge_window: the micro-batch count overflows"));
         }
         self.start_window_if_synced(&mut w)?;
-        let mut masters = vec![0.0; self.len()];
-        self.store.read(0..self.len(), &mut masters)?;
+        let held = self.plan.held();
+        let mut masters = vec![0.0; held.len()];
+        self.store.read(held.clone(), &mut masters)?;
         let mut written = saved.written.clone();
         for (i, theirs) in saved.written.iter().enumerate() {
             let mine = self.window.written(&w, i);
+            // The tensor's part of the held range, in `masters`.
             let r = self.range(i);
+            let r = r.start.clamp(held.start, held.end) - held.start..r.end.clamp(held.start, held.end) - held.start;
             match (mine, *theirs) {
                 (true, true) => masters[r.clone()].iter_mut().zip(&saved.masters[r]).for_each(|(m, s)| *m += s),
                 (false, true) => masters[r.clone()].copy_from_slice(&saved.masters[r]),
@@ -780,14 +951,24 @@ impl Accumulator {
 
     /// Reads and checks saved window bytes against this accumulator's layout.
     fn parse_window(&self, bytes: &[u8]) -> Result<SavedWindow> {
-        let mut r = state::Reader::open("accumulator window", bytes, WINDOW_MAGIC, WINDOW_VERSION)?;
+        let what = "accumulator window";
+        let (mut r, version) = state::Reader::open_versions(what, bytes, WINDOW_MAGIC, WINDOW_VERSION..=SHARD_WINDOW_VERSION)?;
         if r.u64()? != self.plan.layout.hash() {
             return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
+        }
+        let saved = if version == SHARD_WINDOW_VERSION { Some((r.u64()?, r.u64()?)) } else { None };
+        let mine = self.sharded_accumulation().map(|(shards, rank)| (shards as u64, rank as u64));
+        if saved != mine {
+            let name = |s: Option<(u64, u64)>| match s {
+                Some((shards, rank)) => format!("shard {rank} of {shards} of a sharded accumulation"),
+                None => "a whole window (not a sharded accumulation)".to_string(),
+            };
+            return Err(Error::new(ErrorKind::CorruptState, format!("{what}: it holds {}, and this accumulator {}", name(saved), name(mine))));
         }
         let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
         let written: Vec<bool> = (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
         let mut masters = Vec::new();
-        r.f32s_into(&mut masters, self.len())?;
+        r.f32s_into(&mut masters, self.plan.held().len())?;
         r.finish()?;
         if count > config::MAX_WINDOW_COUNT || (microbatches == 0 && count != 0) {
             return Err(Error::new(
@@ -796,6 +977,14 @@ impl Accumulator {
             ));
         }
         Ok(SavedWindow { count, microbatches, found_inf, written, masters })
+    }
+
+    /// The shard count and this rank's shard under [`Sharding::Accumulate`].
+    fn sharded_accumulation(&self) -> Option<(usize, usize)> {
+        match self.plan.config.sharding {
+            Sharding::Accumulate { shards, rank } => Some((shards, rank)),
+            _ => None,
+        }
     }
 
     /// Checks that the window is synced (WRONG_STATE naming `what` otherwise) and returns its
@@ -845,7 +1034,7 @@ impl Accumulator {
         if self.device() != Device::Cpu {
             return Err(Error::new(ErrorKind::BackendUnavailable, "a hybrid boundary (replica groups) is on the CPU only so far"));
         }
-        if !matches!(self.plan.config.sharding, Sharding::ReduceScatter { .. }) {
+        if self.plan.config.sharding.shard().is_none() {
             return Err(Error::invalid(
                 "a hybrid boundary needs a sharded accumulator (reduce-scatter over the shard group); this one is not sharded",
             ));

@@ -11,9 +11,11 @@ mod isa;
 mod master;
 pub mod math;
 mod scalar;
+mod sharded;
 mod store;
 
 pub use isa::{active_isa, supported_isas, with_isa, Isa};
+pub(crate) use sharded::ShardedStore;
 pub(crate) use store::HostStore;
 
 use crate::dtype::Grad;

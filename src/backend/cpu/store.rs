@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
-use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::Dtype;
@@ -99,47 +99,8 @@ impl Store for HostStore {
         Ok(())
     }
 
-    /// One control reduction: a rank whose call is invalid still takes part, with its error flag,
-    /// so every rank fails together.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
-        let layout = &self.plan.layout;
-        // The ranks of a shard group must have replica groups of one size: it is in the world.
-        let replicas = p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
-        let mine = Control {
-            numel: layout.len() as u64,
-            layout: self.plan.fingerprint() ^ replicas,
-            count: p.count,
-            microbatches: p.microbatches,
-            found_inf: p.microbatches != 0 && self.found_inf.load(Ordering::Relaxed),
-            error: p.error.is_some(),
-        };
-        let mut total = ControlSum::of(&mine);
-        let mut world = 1;
-        if let Some(c) = p.comm {
-            // A shard group that fails here still tells the replicas, which would wait otherwise.
-            total = host_collectives(c)?.reduce_control(&total).inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
-            world = c.world_size();
-        }
-        if let Some(r) = p.replicas {
-            // The replicas of a shard must hold the same shard: the fingerprint is tagged with
-            // the shard's rank, so ranks holding different shards differ in it. A shard group
-            // that already differs stays different whatever the tags (a tag could reorder a
-            // minimum and a maximum into agreement).
-            let shard = match self.plan.config.sharding {
-                Sharding::ReduceScatter { rank, .. } => rank as u64,
-                Sharding::None => unreachable!("a hybrid boundary is refused without sharding"),
-            };
-            let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            (total.min_layout, total.max_layout) =
-                if total.min_layout == total.max_layout { (total.min_layout ^ tag, total.max_layout ^ tag) } else { (0, u64::MAX) };
-            total = host_collectives(r)?.reduce_control(&total)?;
-            world *= r.world_size();
-        }
-        if let Some(e) = &p.error {
-            return Err(e.clone());
-        }
-        check_agreement(&total)?;
-        Ok(Agreed { world: world as u64, totals: Some(total) })
+        agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
     }
 
     fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
@@ -204,19 +165,60 @@ impl Store for HostStore {
     }
 }
 
+/// The boundary's control step over the shard group (or the whole group) and the replicas: one
+/// control reduction each, in which a rank whose call is invalid still takes part, with its error
+/// flag, so every rank fails together.
+pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
+    let layout = &plan.layout;
+    // The ranks of a shard group must have replica groups of one size: it is in the world.
+    let replicas = p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
+    let mine = Control {
+        numel: layout.len() as u64,
+        layout: plan.fingerprint() ^ replicas,
+        count: p.count,
+        microbatches: p.microbatches,
+        found_inf: p.microbatches != 0 && found_inf,
+        error: p.error.is_some(),
+    };
+    let mut total = ControlSum::of(&mine);
+    let mut world = 1;
+    if let Some(c) = p.comm {
+        // A shard group that fails here still tells the replicas, which would wait otherwise.
+        total = host_collectives(c)?.reduce_control(&total).inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
+        world = c.world_size();
+    }
+    if let Some(r) = p.replicas {
+        // The replicas of a shard must hold the same shard: the fingerprint is tagged with
+        // the shard's rank, so ranks holding different shards differ in it. A shard group
+        // that already differs stays different whatever the tags (a tag could reorder a
+        // minimum and a maximum into agreement).
+        let shard = plan.config.sharding.shard().map_or(0, |(_, rank)| rank as u64);
+        let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (total.min_layout, total.max_layout) =
+            if total.min_layout == total.max_layout { (total.min_layout ^ tag, total.max_layout ^ tag) } else { (0, u64::MAX) };
+        total = host_collectives(r)?.reduce_control(&total)?;
+        world *= r.world_size();
+    }
+    if let Some(e) = &p.error {
+        return Err(e.clone());
+    }
+    check_agreement(&total)?;
+    Ok(Agreed { world: world as u64, totals: Some(total) })
+}
+
 /// The boundary's pass over the summed master buffer: each block's sum of squares, and the
 /// normalisation when its factor is known before the norm (no clipping); with clipping, a second
 /// step scales by the clipping coefficient over the divisor once the norm is known.
 #[derive(Clone, Copy)]
-struct NormPass {
-    factor: Option<f32>,
-    clip: Option<Clip>,
-    threads: usize,
-    wire: Dtype,
+pub(super) struct NormPass {
+    pub factor: Option<f32>,
+    pub clip: Option<Clip>,
+    pub threads: usize,
+    pub wire: Dtype,
 }
 
 /// The host collectives of a communicator: a CPU accumulator reduces on no other.
-fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
+pub(super) fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
     match c.collectives() {
         Collectives::Host(h) => Ok(h),
         Collectives::Nccl(_) => Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator")),
@@ -224,7 +226,7 @@ fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
 }
 
 /// The host collectives of a group of more than one rank; `None` for no group or a group of one.
-fn between_ranks(c: Option<&dyn Communicator>) -> Result<Option<&dyn HostCollectives>> {
+pub(super) fn between_ranks(c: Option<&dyn Communicator>) -> Result<Option<&dyn HostCollectives>> {
     c.filter(|c| c.world_size() > 1).map(host_collectives).transpose()
 }
 
@@ -281,16 +283,16 @@ impl BlockPass for OverReplicas<'_> {
 
 /// What the clipping coefficient needs beyond the block sums.
 #[derive(Clone, Copy)]
-struct Clip {
-    max_norm: f64,
-    divisor: u64,
+pub(super) struct Clip {
+    pub max_norm: f64,
+    pub divisor: u64,
 }
 
 /// The global norm of the normalised gradient and the clipping coefficient, from the block sums
 /// of squares of the unnormalised sum: `max_norm / (norm + 1e-6)`, at most 1; 1 for a non-finite
 /// norm or without clipping (`max_norm` 0). Every rank computes it from the same sums, so every
 /// rank has the same bits.
-fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
+pub(super) fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
     let grad_norm = super::fold_block_sums(block_sums).sqrt() / divisor as f64;
     let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max_norm / (grad_norm + 1e-6)).min(1.0) };
     (grad_norm, clip_coef)
@@ -325,7 +327,7 @@ impl BlockPass for NormPass {
 }
 
 /// Fails on every rank alike when the ranks' control values are inconsistent.
-fn check_agreement(total: &ControlSum) -> Result<()> {
+pub(super) fn check_agreement(total: &ControlSum) -> Result<()> {
     if total.error {
         return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
     }

@@ -1,0 +1,454 @@
+//! The store of a sharded accumulation (ZeRO-2): this rank's shard of the FP32 master and one
+//! bucket of FP32 staging, in host memory. Every micro-batch goes bucket by bucket, in the
+//! backward's order (the last bucket first): its gradients are converted, unscaled, weighted and
+//! checked into the staging, the staging is reduce-scattered over the accumulator's
+//! communicator, and this rank's part is added into the shard (assigned in a window's first
+//! micro-batch) while it is in cache. The boundary only agrees, normalises, measures and clips.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::master::Master;
+use super::math::{self, NORM_BLOCK};
+use super::store::{agree, between_ranks, host_collectives, norm_and_clip, Clip, NormPass};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
+use crate::device::Device;
+use crate::dtype::Dtype;
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::Scaler;
+
+/// XORed into the fingerprint in a micro-batch's control step, so that a rank at a micro-batch
+/// and a rank at the boundary never agree.
+const MICROBATCH_TAG: u64 = 0x5851_f42d_4c95_7f2d;
+
+pub(crate) struct ShardedStore {
+    plan: Arc<Plan>,
+    comm: Arc<dyn Communicator>,
+    /// Every rank's range of the flat layout, and this rank's.
+    shards: Vec<Range<usize>>,
+    own: Range<usize>,
+    /// Each bucket's tensors.
+    bucket_tensors: Vec<Range<usize>>,
+    shard: Master,
+    /// The window's sticky non-finite flag (this rank's gradients only).
+    found_inf: AtomicBool,
+    /// A reduction failed after the micro-batch's control step: the shard holds part of it.
+    lost: AtomicBool,
+    microbatch: Mutex<Microbatch>,
+}
+
+impl std::fmt::Debug for ShardedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedStore").field("own", &self.own).field("shards", &self.shards).finish()
+    }
+}
+
+/// The micro-batch in progress, tensor by tensor (`add_tensor`).
+struct Microbatch {
+    /// Whether a micro-batch is open and the shard is assigned by it (the window's first).
+    open: bool,
+    first: bool,
+    /// Buckets reduced so far, in the order of `schedule`.
+    reduced: usize,
+    /// Each tensor's contribution has landed.
+    landed: Vec<bool>,
+    /// Each bucket's tensors still to land.
+    missing: Vec<usize>,
+    /// Each bucket's staging while it fills; a bucket that fills before its turn keeps its own.
+    stages: Vec<Option<Vec<f32>>>,
+    /// Staging no bucket holds, kept for the next.
+    spare: Vec<Vec<f32>>,
+}
+
+impl ShardedStore {
+    /// Allocates the shard and one bucket of staging; `comm` must be the group of the shards
+    /// (checked by the accumulator).
+    pub(crate) fn new(plan: Arc<Plan>, comm: Arc<dyn Communicator>) -> Result<Self> {
+        host_collectives(&*comm)?;
+        let shards = plan.shards();
+        let own = shards[comm.rank()].clone();
+        let shard = Master::owned(own.len())?;
+        let staging = Self::allocate_stage(&plan)?;
+        let mut bucket_tensors = vec![0..0; plan.layout.buckets().len()];
+        for i in 0..plan.descs.len() {
+            let t = &mut bucket_tensors[plan.layout.bucket_of(i)];
+            *t = if t.start == t.end { i..i + 1 } else { t.start..i + 1 };
+        }
+        let microbatch = Microbatch {
+            open: false,
+            first: true,
+            reduced: 0,
+            landed: vec![false; plan.descs.len()],
+            missing: vec![0; plan.layout.buckets().len()],
+            stages: (0..plan.layout.buckets().len()).map(|_| None).collect(),
+            spare: vec![staging],
+        };
+        Ok(ShardedStore {
+            plan,
+            comm,
+            shards,
+            own,
+            bucket_tensors,
+            shard,
+            found_inf: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
+            microbatch: Mutex::new(microbatch),
+        })
+    }
+
+    /// One bucket's staging: room for the largest bucket, from the norm block it starts in (so
+    /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
+    /// needs).
+    fn allocate_stage(plan: &Plan) -> Result<Vec<f32>> {
+        let len = plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
+        let mut v = Vec::new();
+        v.try_reserve_exact(len)
+            .map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot allocate a staging bucket of {len} f32 elements")))?;
+        v.resize(len, 0.0);
+        Ok(v)
+    }
+
+    fn state(&self) -> MutexGuard<'_, Microbatch> {
+        self.microbatch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The buckets in the order every rank reduces them: the backward's (the last first).
+    fn schedule(&self, k: usize) -> usize {
+        self.plan.layout.buckets().len() - 1 - k
+    }
+
+    /// The tensors of bucket `b`.
+    fn tensors_of(&self, b: usize) -> Range<usize> {
+        self.bucket_tensors[b].clone()
+    }
+
+    fn factor(&self, scaler: &Scaler, weight: f64) -> Result<f32> {
+        Ok(math::unscale_factor(weight, scaler.host_scale()?))
+    }
+
+    /// Converts tensor `index`'s gradient into bucket `b`'s staging (assigned); flags overflow.
+    fn stage_tensors(&self, stage: &mut [f32], b: usize, grads: &mut dyn Iterator<Item = (usize, crate::dtype::Grad<'_>)>, factor: f32) {
+        let base = stage_base(&self.plan.layout.buckets()[b]);
+        let mut rest = &mut stage[..];
+        let mut at = base;
+        let mut passes = Vec::new();
+        for (i, grad) in grads {
+            let r = self.plan.layout.range(i);
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+            let (master, tail) = tail.split_at_mut(r.len());
+            passes.push(super::TensorPass { master, grad, assign: true });
+            (rest, at) = (tail, r.end);
+        }
+        if super::accumulate_many(passes, factor, self.plan.config.threads) {
+            self.found_inf.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Reduce-scatters bucket `b`'s staging and adds this rank's part into the shard (assigns it
+    /// with `first`). A failure loses the window.
+    fn reduce_bucket(&self, b: usize, stage: &mut [f32], first: bool) -> Result<()> {
+        let bucket = self.plan.layout.buckets()[b].clone();
+        let base = stage_base(&bucket);
+        let stage = &mut stage[..bucket.end - base];
+        let clamp = |s: &Range<usize>| s.start.clamp(base, bucket.end) - base..s.end.clamp(base, bucket.end) - base;
+        let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
+        // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
+        let own = clamp(&self.own);
+        let own = own.start.max(bucket.start - base)..own.end.max(bucket.start - base);
+        let into = AddInto {
+            stage: stage.as_ptr() as usize,
+            own: own.clone(),
+            // The shard element at staging position `own.start`.
+            dst: self.shard.ptr_at((own.start + base).saturating_sub(self.own.start).min(self.own.len())) as usize,
+            assign: first,
+            wire: self.plan.config.wire,
+        };
+        let result = match between_ranks(Some(&*self.comm))? {
+            Some(c) => c.reduce_scatter_with_pass(stage, &pieces, &into).map(drop),
+            None => {
+                into.run(stage, &mut []);
+                Ok(())
+            }
+        };
+        result.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+    }
+
+    /// Reduces, in schedule order, every bucket from the next one on that is complete (with
+    /// `all`: every bucket, its missing tensors zeroed).
+    fn reduce_ready(&self, m: &mut Microbatch, all: bool) -> Result<()> {
+        let buckets = self.plan.layout.buckets().len();
+        while m.reduced < buckets {
+            let b = self.schedule(m.reduced);
+            if m.missing[b] != 0 && !all {
+                return Ok(());
+            }
+            let mut stage = match m.stages[b].take() {
+                Some(stage) => stage,
+                None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan), Ok)?,
+            };
+            let base = stage_base(&self.plan.layout.buckets()[b]);
+            for i in self.tensors_of(b).filter(|&i| !m.landed[i]) {
+                let r = self.plan.layout.range(i);
+                stage[r.start - base..r.end - base].fill(0.0);
+            }
+            let result = self.reduce_bucket(b, &mut stage, m.first);
+            m.spare.push(stage);
+            m.reduced += 1;
+            result?;
+        }
+        Ok(())
+    }
+
+    /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
+    fn finish(&self, m: &mut Microbatch) {
+        m.open = false;
+        m.first = false;
+        let kept = m.spare.pop().or_else(|| m.stages.iter_mut().find_map(Option::take));
+        m.spare.clear();
+        m.stages.iter_mut().for_each(|s| *s = None);
+        m.spare.extend(kept);
+    }
+}
+
+/// Where bucket `b`'s staging starts in the flat layout: the norm block it starts in.
+fn stage_base(b: &Range<usize>) -> usize {
+    b.start / NORM_BLOCK * NORM_BLOCK
+}
+
+/// A micro-batch's pass over the reduce-scattered staging: this rank's part of the bucket is
+/// added into the shard (or assigned), while it is in cache. It writes no block values.
+struct AddInto {
+    /// The staging's address, and this rank's part of the bucket in it.
+    stage: usize,
+    own: Range<usize>,
+    /// The shard element at staging position `own.start` (an address, so the pass is `Sync`).
+    dst: usize,
+    assign: bool,
+    wire: Dtype,
+}
+
+impl BlockPass for AddInto {
+    fn run(&self, run: &mut [f32], _values: &mut [f64]) {
+        // Every communicator passes over runs of the buffer it reduces, here the staging.
+        let at = (run.as_ptr() as usize).wrapping_sub(self.stage) / size_of::<f32>();
+        let (lo, hi) = (at.max(self.own.start), (at + run.len()).min(self.own.end));
+        if lo >= hi {
+            return;
+        }
+        let src = &run[lo - at..hi - at];
+        // SAFETY: `dst` addresses the shard element of staging position `own.start`, and the
+        // shard holds every element of `own` from there; only this pass writes the shard while
+        // the store's micro-batch lock (or the window's write lock) is held.
+        let dst = unsafe { std::slice::from_raw_parts_mut((self.dst as *mut f32).add(lo - self.own.start), hi - lo) };
+        if self.assign {
+            dst.copy_from_slice(src);
+        } else {
+            super::add_assign(dst, src);
+        }
+    }
+
+    fn wire(&self) -> Dtype {
+        self.wire
+    }
+}
+
+impl Store for ShardedStore {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// The micro-batch's control step: the ranks agree that they all add a micro-batch to the
+    /// same layout, or all fail with nothing reduced.
+    fn open_microbatch(&self, first: bool, error: Option<&Error>) -> Result<()> {
+        let mut m = self.state();
+        let mine = Control {
+            numel: self.plan.layout.len() as u64,
+            layout: self.plan.fingerprint() ^ MICROBATCH_TAG,
+            error: error.is_some(),
+            ..Default::default()
+        };
+        let total = match between_ranks(Some(&*self.comm))? {
+            Some(c) => c.reduce_control(&ControlSum::of(&mine))?,
+            None => ControlSum::of(&mine),
+        };
+        if let Some(e) = error {
+            return Err(e.clone());
+        }
+        if total.error {
+            return Err(Error::new(ErrorKind::PeerFailure, "another rank's micro-batch call was invalid; no rank reduced this micro-batch"));
+        }
+        if total.min_layout != total.max_layout || total.min_numel != total.max_numel {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                "the ranks are not at the same step (a micro-batch on some, the boundary on others) or their accumulators differ; \
+                 no rank reduced this micro-batch",
+            ));
+        }
+        m.open = true;
+        m.first = first;
+        m.reduced = 0;
+        m.landed.fill(false);
+        for b in 0..m.missing.len() {
+            m.missing[b] = self.tensors_of(b).len();
+        }
+        Ok(())
+    }
+
+    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
+        let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
+        let factor = self.factor(scaler, weight)?;
+        let mut m = self.state();
+        let mut stage = match m.spare.pop() {
+            Some(stage) => stage,
+            None => Self::allocate_stage(&self.plan)?,
+        };
+        let mut result = Ok(());
+        for k in 0..self.plan.layout.buckets().len() {
+            let b = self.schedule(k);
+            self.stage_tensors(&mut stage, b, &mut self.tensors_of(b).map(|i| (i, grads[i])), factor);
+            result = self.reduce_bucket(b, &mut stage, m.first);
+            if result.is_err() {
+                break;
+            }
+        }
+        m.spare.push(stage);
+        self.finish(&mut m);
+        result
+    }
+
+    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, _first: bool) -> Result<()> {
+        let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
+        let factor = self.factor(scaler, weight)?;
+        let mut m = self.state();
+        let m = &mut *m;
+        if !m.open {
+            return Err(Error::wrong_state("the micro-batch's reductions failed; end_microbatch discards the window"));
+        }
+        if m.landed[index] {
+            return Err(Error::wrong_state(format!(
+                "tensor {index} already has its contribution to this micro-batch: under sharded accumulation a bucket is reduced \
+                 once all of its tensors have landed, so each tensor takes one contribution per micro-batch"
+            )));
+        }
+        let b = self.plan.layout.bucket_of(index);
+        let mut stage = match m.stages[b].take() {
+            Some(stage) => stage,
+            None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan), Ok)?,
+        };
+        self.stage_tensors(&mut stage, b, &mut std::iter::once((index, grad)), factor);
+        m.stages[b] = Some(stage);
+        m.landed[index] = true;
+        m.missing[b] -= 1;
+        self.reduce_ready(m, false).inspect_err(|_| m.open = false)
+    }
+
+    fn close_microbatch(&self) -> Result<()> {
+        let mut m = self.state();
+        let result = if m.open { self.reduce_ready(&mut m, true) } else { Ok(()) };
+        self.finish(&mut m);
+        result
+    }
+
+    fn take_lost(&self) -> bool {
+        self.lost.swap(false, Ordering::Relaxed)
+    }
+
+    fn bound(&self) -> Option<&dyn Communicator> {
+        Some(&*self.comm)
+    }
+
+    fn zero(&self, index: usize) -> Result<()> {
+        let r = self.plan.layout.range(index);
+        let (lo, hi) = (r.start.max(self.own.start), r.end.min(self.own.end));
+        if lo < hi {
+            // SAFETY: the window's write lock is held (the boundary).
+            unsafe { self.shard.slice_mut(lo - self.own.start..hi - self.own.start) }.fill(0.0);
+        }
+        Ok(())
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
+    }
+
+    /// The shard holds the window's sum over the ranks: it is normalised and measured here, its
+    /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
+    /// the shard is first all-reduced over the replicas.
+    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+        let total = agreed.totals.expect("the host agreement has totals");
+        let config = &self.plan.config;
+        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
+        let max_norm = config.max_grad_norm as f64;
+        let normalize = (1.0 / divisor as f64) as f32;
+        let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
+        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads: config.threads, wire: Dtype::F32 };
+        // SAFETY: the window's write lock is held for the whole boundary.
+        let shard = unsafe { self.shard.slice_mut(0..self.own.len()) };
+        let mine = match between_ranks(p.replicas)? {
+            Some(r) => over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?,
+            None => {
+                let mut values = vec![0.0; super::blocks(shard.len())];
+                pass.run(shard, &mut values);
+                values
+            }
+        };
+        let values = match between_ranks(p.comm)? {
+            Some(c) => {
+                let counts: Vec<usize> = self.shards.iter().map(|s| super::blocks(s.len())).collect();
+                c.allgather_values(&mine, &counts)?
+            }
+            None => mine,
+        };
+        if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
+            super::scale(shard, factor, config.threads);
+        }
+        let (grad_norm, clip_coef) = norm_and_clip(&values, divisor, max_norm);
+        Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
+        self.shard.ptr_at(offset.saturating_sub(self.own.start).min(self.own.len()))
+    }
+
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        // SAFETY: the accumulator's window lock is held for reading; it reads only held ranges.
+        out.copy_from_slice(unsafe { self.shard.slice_mut(range.start - self.own.start..range.end - self.own.start) });
+        Ok(())
+    }
+
+    fn write(&self, values: &[f32]) -> Result<()> {
+        // SAFETY: the window's write lock is held.
+        unsafe { self.shard.slice_mut(0..values.len()) }.copy_from_slice(values);
+        Ok(())
+    }
+
+    fn found_inf(&self) -> Result<bool> {
+        Ok(self.found_inf.load(Ordering::Relaxed))
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.found_inf.store(value, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A hybrid boundary's replica step: the shard all-reduced over the replicas with `pass` (the
+/// same bits on every replica), then one control reduction over the shard group so that a
+/// replica failure on any rank fails every rank. Returns the shard's block values.
+fn over_replicas(replicas: &dyn HostCollectives, group: Option<&dyn HostCollectives>, shard: &mut [f32], pass: &NormPass) -> Result<Vec<f64>> {
+    let result = replicas.allreduce_with_pass(shard, std::slice::from_ref(&(0..shard.len())), pass);
+    let Some(group) = group else { return result };
+    let told = group.reduce_control(&ControlSum { error: result.is_err(), ..Default::default() })?;
+    match result {
+        Err(e) => Err(e),
+        Ok(_) if told.error => Err(Error::new(ErrorKind::PeerFailure, "the replica reduction failed on another rank of the shard group")),
+        ok => ok,
+    }
+}
