@@ -282,8 +282,9 @@ typedef struct gradacc_accumulator_config_t {
      */
     gradacc_sharding_t sharding;
     /**
-     * Ranks the gradient is sharded over: the size of the communicator given to sync (default 1;
-     * must be 1 unless sharding is on).
+     * Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
+     * GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
+     * unless sharding is on).
      */
     uint32_t shard_count;
     /**
@@ -526,6 +527,17 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_SHARDING_REDUCE_SCATTER 1
 
 /**
+ * Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the
+ * FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master). Every
+ * micro-batch is converted, unscaled, checked and weighted bucket by bucket into the staging,
+ * reduce-scattered over the accumulator's communicator, and added into the shard; the boundary
+ * agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
+ * clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
+ * micro-batches. CPU accumulators on host communicators (in-process, MPI).
+ */
+#define GRADACC_SHARDING_ACCUMULATE 2
+
+/**
  * The in-process communicator (gradacc_comm_create_local); in every build.
  */
 #define GRADACC_BACKEND_LOCAL 0
@@ -620,6 +632,32 @@ enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradac
                                                              struct gradacc_accumulator_t **out);
 
 /**
+ * Creates a sharded accumulation (ZeRO-2): `config`->sharding must be
+ * GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of
+ * `config`->shard_count ranks on which this is rank `config`->shard_rank. The accumulator owns
+ * only its shard (gradacc_accumulator_shard) and one bucket of staging, and reduce-scatters
+ * every micro-batch over `comm`, so every rank of `comm` must make the same calls: add, or
+ * begin_microbatch / add_tensor / end_microbatch, then sync with `comm` or NULL. An invalid call
+ * on one rank fails on every rank with nothing added; a reduction that fails midway discards the
+ * window. With add_tensor, buckets are reduced in the backward's order (the last bucket first)
+ * as soon as their tensors have all landed (one contribution each per micro-batch); a bucket
+ * that fills before its turn keeps a staging buffer until then. `device` must be NULL or the
+ * CPU (GRADACC_STATUS_BACKEND_UNAVAILABLE for CUDA).
+ *
+ * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
+ * keeps `comm` alive; destroy `comm` only after the accumulator (a destroyed handle's
+ * communicator leaves the group, and the accumulator's reductions then fail).
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_create_sharded(const struct gradacc_accumulator_config_t *config,
+                                                         const struct gradacc_tensor_desc_t *tensors,
+                                                         size_t n,
+                                                         const struct gradacc_device_t *device,
+                                                         struct gradacc_comm_t *comm,
+                                                         struct gradacc_accumulator_t **out);
+
+/**
  * Destroys an accumulator. NULL is accepted and does nothing; must not be called twice on one
  * handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
  * gradacc_accumulator_master become invalid.
@@ -711,6 +749,8 @@ enum gradacc_status_t gradacc_accumulator_end_microbatch(struct gradacc_accumula
  * every rank fails and nothing is reduced; a window empty on every rank is EMPTY_WINDOW. A sync
  * right after a sync takes part with an empty window. On CUDA the work is enqueued on the
  * accumulator's stream and only a non-NULL `out_info` waits; see docs/cuda.md for NCCL's rules.
+ * A sharded accumulation (GRADACC_SHARDING_ACCUMULATE) syncs over the communicator it was created
+ * with: `comm` is that handle or NULL (another fails on every rank).
  *
  * Thread safety: serialised with every other call on `acc`; one call per rank, each on its
  * rank's thread.
@@ -721,9 +761,11 @@ enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc
                                                struct gradacc_sync_info_t *out_info);
 
 /**
- * The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER:
- * the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one
- * rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding
+ * The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or
+ * GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group:
+ * shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created
+ * with, which reduced every micro-batch already), and each shard is then all-reduced over
+ * `replica_comm`, the ranks holding
  * the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a
  * and replica a of replica group i, say). Every rank of both groups calls it. Counts, overflow
  * and layout are agreed over all ranks (the world is the product of the group sizes); the norm
@@ -745,7 +787,9 @@ enum gradacc_status_t gradacc_accumulator_sync_hybrid(struct gradacc_accumulator
  * Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
  * address on CUDA, whose contents are ready in the accumulator's stream order). The pointer
  * stays valid until the accumulator is destroyed; its contents are the boundary's result after
- * gradacc_accumulator_sync, and in progress otherwise.
+ * gradacc_accumulator_sync, and in progress otherwise. A sharded accumulation holds only its
+ * shard: a tensor not wholly inside it is GRADACC_STATUS_INVALID_ARGUMENT (use
+ * gradacc_accumulator_shard).
  *
  * Thread safety: any thread; reading through the pointer must not overlap calls that add.
  */
@@ -763,7 +807,9 @@ enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulato
  * the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
  * the rest of the master is unspecified until the next window's first micro-batch. Shards split
  * the layout into equal parts rounded up to whole blocks of 4096 elements; the last ones may be
- * shorter or empty (`*out_numel` 0).
+ * shorter or empty (`*out_numel` 0). Under GRADACC_SHARDING_ACCUMULATE the shard is all the
+ * accumulator holds: the window's sum over the ranks while accumulating, the reduced, normalised
+ * (and clipped) gradient after sync.
  *
  * Ownership: `*out_data` is borrowed from `acc` and valid until it is destroyed.
  * Thread safety: any thread; the range never changes, and the data is stable while no call
@@ -806,7 +852,9 @@ GRADACC_API enum gradacc_status_t gradacc_accumulator_reset(struct gradacc_accum
  * Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
  * bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
  * With `buf` NULL, only writes the needed size to `*out_len`. On CUDA it copies the masters to
- * the host (it waits for the accumulator's stream); the bytes are the same on every device.
+ * the host (it waits for the accumulator's stream); the bytes are the same on every device. A
+ * sharded accumulation saves its shard, and the bytes name it: they load only into the same
+ * shard of an accumulation over as many ranks (anything else is GRADACC_STATUS_CORRUPT_STATE).
  *
  * Thread safety: serialised with every other call on `acc`.
  */

@@ -757,8 +757,10 @@ fn acc_create(world: &mut World, input: &mut Input) {
             4 => c.bucket_numel = 0,
             5 => c.threads = [0, 1025, u32::MAX][input.below(3)],
             // One shard of one, and a bf16 wire, behave as the defaults for a rank alone (the
-            // model's accumulators sync alone); the rest is refused.
-            6 => c.sharding = [GRADACC_SHARDING_REDUCE_SCATTER, 2, -1][input.below(3)],
+            // model's accumulators sync alone); the rest is refused. Sharded accumulation
+            // (GRADACC_SHARDING_ACCUMULATE) saves windows no other accumulator loads: the model
+            // leaves it out.
+            6 => c.sharding = [GRADACC_SHARDING_REDUCE_SCATTER, 3, -1][input.below(3)],
             7 => (c.shard_count, c.shard_rank) = [(0, 0), (2, 2), (1, 1), (3, 0)][input.below(4)],
             8 => c.wire_dtype = [GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16, 7][input.below(3)],
             9 => c.reserved = input.u8() as u32,

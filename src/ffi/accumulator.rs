@@ -54,6 +54,14 @@ pub const GRADACC_SHARDING_NONE: gradacc_sharding_t = 0;
 /// of `shard_count` ranks on which this is rank `shard_rank`, on the CPU or CUDA, or with
 /// gradacc_accumulator_sync_hybrid over a shard group and a replica group (HSDP).
 pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
+/// Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the
+/// FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master). Every
+/// micro-batch is converted, unscaled, checked and weighted bucket by bucket into the staging,
+/// reduce-scattered over the accumulator's communicator, and added into the shard; the boundary
+/// agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
+/// clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
+/// micro-batches. CPU accumulators on host communicators (in-process, MPI).
+pub const GRADACC_SHARDING_ACCUMULATE: gradacc_sharding_t = 2;
 
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
 #[repr(C)]
@@ -77,8 +85,9 @@ pub struct gradacc_accumulator_config_t {
     pub reserved: u32,
     /// GRADACC_SHARDING_* (default NONE).
     pub sharding: gradacc_sharding_t,
-    /// Ranks the gradient is sharded over: the size of the communicator given to sync (default 1;
-    /// must be 1 unless sharding is on).
+    /// Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
+    /// GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
+    /// unless sharding is on).
     pub shard_count: u32,
     /// This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
     pub shard_rank: u32,
@@ -133,7 +142,8 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         )))
         }
         GRADACC_SHARDING_REDUCE_SCATTER if shards >= 1 && rank < shards => Sharding::ReduceScatter { shards, rank },
-        GRADACC_SHARDING_REDUCE_SCATTER => {
+        GRADACC_SHARDING_ACCUMULATE if shards >= 1 && rank < shards => Sharding::Accumulate { shards, rank },
+        GRADACC_SHARDING_REDUCE_SCATTER | GRADACC_SHARDING_ACCUMULATE => {
             return Err(Error::invalid(format!("`config`.shard_rank = {rank} is not below `config`.shard_count = {shards}")))
         }
         v => return Err(Error::invalid(format!("`config`.sharding = {v} is not a GRADACC_SHARDING_* value"))),
@@ -251,6 +261,51 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
         // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
         // accumulator's lifetime (API contract).
         *out = ACCUMULATORS.insert(Arc::new(unsafe { Accumulator::on_buffer(device, config, &descs, master, master_numel)? }));
+        Ok(())
+    })
+}
+
+/// Creates a sharded accumulation (ZeRO-2): `config`->sharding must be
+/// GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of
+/// `config`->shard_count ranks on which this is rank `config`->shard_rank. The accumulator owns
+/// only its shard (gradacc_accumulator_shard) and one bucket of staging, and reduce-scatters
+/// every micro-batch over `comm`, so every rank of `comm` must make the same calls: add, or
+/// begin_microbatch / add_tensor / end_microbatch, then sync with `comm` or NULL. An invalid call
+/// on one rank fails on every rank with nothing added; a reduction that fails midway discards the
+/// window. With add_tensor, buckets are reduced in the backward's order (the last bucket first)
+/// as soon as their tensors have all landed (one contribution each per micro-batch); a bucket
+/// that fills before its turn keeps a staging buffer until then. `device` must be NULL or the
+/// CPU (GRADACC_STATUS_BACKEND_UNAVAILABLE for CUDA).
+///
+/// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
+/// keeps `comm` alive; destroy `comm` only after the accumulator (a destroyed handle's
+/// communicator leaves the group, and the accumulator's reductions then fail).
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
+    config: *const gradacc_accumulator_config_t,
+    tensors: *const gradacc_tensor_desc_t,
+    n: usize,
+    device: *const gradacc_device_t,
+    comm: *mut gradacc_comm_t,
+    out: *mut *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_create_sharded", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        let (config, descs, device) = creation_args(config, tensors, n, device)?;
+        let comm = COMMS.get(comm, "comm")?;
+        if device != Device::Cpu {
+            return Err(Error::new(
+                ErrorKind::BackendUnavailable,
+                format!("`device`: sharded accumulation is on the CPU only, got {}", device.name()),
+            )
+            .into());
+        }
+        if !matches!(config.sharding, Sharding::Accumulate { .. }) {
+            return Err(Error::invalid("`config`.sharding must be GRADACC_SHARDING_ACCUMULATE for gradacc_accumulator_create_sharded").into());
+        }
+        *out = ACCUMULATORS.insert(Arc::new(Accumulator::sharded(config, &descs, comm)?));
         Ok(())
     })
 }
@@ -388,6 +443,8 @@ pub unsafe extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_ac
 /// every rank fails and nothing is reduced; a window empty on every rank is EMPTY_WINDOW. A sync
 /// right after a sync takes part with an empty window. On CUDA the work is enqueued on the
 /// accumulator's stream and only a non-NULL `out_info` waits; see docs/cuda.md for NCCL's rules.
+/// A sharded accumulation (GRADACC_SHARDING_ACCUMULATE) syncs over the communicator it was created
+/// with: `comm` is that handle or NULL (another fails on every rank).
 ///
 /// Thread safety: serialised with every other call on `acc`; one call per rank, each on its
 /// rank's thread.
@@ -437,9 +494,11 @@ unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
     unsafe { write_out_struct(out, c) }
 }
 
-/// The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER:
-/// the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one
-/// rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding
+/// The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or
+/// GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group:
+/// shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created
+/// with, which reduced every micro-batch already), and each shard is then all-reduced over
+/// `replica_comm`, the ranks holding
 /// the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a
 /// and replica a of replica group i, say). Every rank of both groups calls it. Counts, overflow
 /// and layout are agreed over all ranks (the world is the product of the group sizes); the norm
@@ -482,7 +541,9 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
 /// Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device
 /// address on CUDA, whose contents are ready in the accumulator's stream order). The pointer
 /// stays valid until the accumulator is destroyed; its contents are the boundary's result after
-/// gradacc_accumulator_sync, and in progress otherwise.
+/// gradacc_accumulator_sync, and in progress otherwise. A sharded accumulation holds only its
+/// shard: a tensor not wholly inside it is GRADACC_STATUS_INVALID_ARGUMENT (use
+/// gradacc_accumulator_shard).
 ///
 /// Thread safety: any thread; reading through the pointer must not overlap calls that add.
 #[no_mangle]
@@ -512,7 +573,9 @@ pub unsafe extern "C" fn gradacc_accumulator_master(
 /// the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
 /// the rest of the master is unspecified until the next window's first micro-batch. Shards split
 /// the layout into equal parts rounded up to whole blocks of 4096 elements; the last ones may be
-/// shorter or empty (`*out_numel` 0).
+/// shorter or empty (`*out_numel` 0). Under GRADACC_SHARDING_ACCUMULATE the shard is all the
+/// accumulator holds: the window's sum over the ranks while accumulating, the reduced, normalised
+/// (and clipped) gradient after sync.
 ///
 /// Ownership: `*out_data` is borrowed from `acc` and valid until it is destroyed.
 /// Thread safety: any thread; the range never changes, and the data is stable while no call
@@ -585,7 +648,9 @@ pub unsafe extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator
 /// Saves the window in progress (masters, counts, micro-batches, overflow flag) as versioned
 /// bytes, for a checkpoint in the middle of accumulation. Not inside a micro-batch nor after sync.
 /// With `buf` NULL, only writes the needed size to `*out_len`. On CUDA it copies the masters to
-/// the host (it waits for the accumulator's stream); the bytes are the same on every device.
+/// the host (it waits for the accumulator's stream); the bytes are the same on every device. A
+/// sharded accumulation saves its shard, and the bytes name it: they load only into the same
+/// shard of an accumulation over as many ranks (anything else is GRADACC_STATUS_CORRUPT_STATE).
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
