@@ -6,12 +6,14 @@ mod common;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use gradacc::comm::{BlockPass, Collectives};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, Sharding,
+    TensorDesc,
 };
 
 /// How long a waiting rank may take to notice a failure that has happened.
@@ -202,6 +204,9 @@ impl HostCollectives for AbortAt {
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> gradacc::Result<Vec<f64>> {
         self.inner.allreduce_with_pass(buf, buckets, &AbortingPass { at: self, inner: pass })
     }
+    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> gradacc::Result<Vec<f64>> {
+        self.inner.reduce_scatter_with_pass(buf, shards, &AbortingPass { at: self, inner: pass })
+    }
     fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> gradacc::Result<Vec<f64>> {
         self.inner.allgather_values(mine, counts)
     }
@@ -249,12 +254,16 @@ fn big_layout() -> (Vec<TensorDesc>, AccumulatorConfig) {
 }
 
 fn add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) {
+    try_add_big(acc, tensors, rank).unwrap()
+}
+
+fn try_add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) -> gradacc::Result<()> {
     let scaler = unit_scaler();
     let f32s: Vec<Vec<f32>> = tensors.iter().map(|t| (0..t.numel).map(|i| (i % 13) as f32 * 0.25 + rank as f32).collect()).collect();
     let halves: Vec<Vec<u16>> =
         tensors.iter().zip(&f32s).map(|(t, v)| v.iter().map(|&x| if t.dtype == Dtype::F16 { to_f16(x) } else { to_bf16(x) }).collect()).collect();
     let grads: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &f32s[i], &halves[i])).collect();
-    acc.add(&scaler, &grads, 2).unwrap();
+    acc.add(&scaler, &grads, 2)
 }
 
 #[test]
@@ -289,6 +298,57 @@ fn abort_in_the_middle_of_the_boundary_reduction_discards_every_window() {
     // The abort came in the middle of the reduction: rank 0 passed every share it owns (it only
     // meets the failure at its next barrier), and at least one of them after the abort.
     assert!(faulty.calls.load(Ordering::Relaxed) > faulty.at + 1, "the abort came with rank 0's last share");
+}
+
+#[test]
+fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
+    // Sharded accumulation reduces every micro-batch bucket by bucket: a failure after the
+    // micro-batch's control step leaves part of it in the shards, so every rank discards its window.
+    let (tensors, base) = big_layout();
+    let world = 3;
+    let mut comms = group(world, Duration::from_secs(5));
+    let plain = comms.split_off(1);
+    // One pass call per bucket: 64 per micro-batch.
+    let faulty = Arc::new(AbortAt { inner: comms.pop().unwrap(), at: 70, calls: AtomicUsize::new(0) });
+    let ranks: Vec<Arc<dyn Communicator>> =
+        std::iter::once(faulty.clone() as Arc<dyn Communicator>).chain(plain.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>)).collect();
+    let saved: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|comm| {
+                let tensors = &tensors;
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..base };
+                    let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
+                    // 64 buckets a micro-batch: the first passes, the second fails at its 7th.
+                    add_big(&acc, tensors, rank);
+                    let e = try_add_big(&acc, tensors, rank).unwrap_err();
+                    assert_comm_failure(&e, "aborted by rank 0");
+                    assert!(e.message.ends_with(" (the window was discarded)"), "{}", e.message);
+                    assert_comm_failure(&acc.sync(None).unwrap_err(), "aborted by rank 0");
+                    acc.save_window().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let calls = faulty.calls.load(Ordering::Relaxed);
+    assert!((71..128).contains(&calls), "the abort came in the second micro-batch, not after {calls} passes");
+    // The saved windows are empty: on a healthy group they hold nothing to sync.
+    let healthy: Vec<Arc<dyn Communicator>> =
+        group(world, Duration::from_secs(5)).into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+    std::thread::scope(|s| {
+        for (comm, saved) in healthy.iter().zip(&saved) {
+            let tensors = &tensors;
+            s.spawn(move || {
+                let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank: comm.rank() }, ..base };
+                let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
+                acc.load_window(saved).unwrap();
+                assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
+            });
+        }
+    });
 }
 
 #[test]
