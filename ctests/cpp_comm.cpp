@@ -5,6 +5,9 @@
 // groups of 2 and 3, and the errors of a sharded accumulator configured or synced wrongly.
 // The hybrid boundary (sync_hybrid) on a 2x2 grid against a 4-rank unsharded sync, and crosswise
 // replica groups failing on every rank.
+// Sharded accumulation (Accumulator::sharded): shards on 2 and 3 ranks against an unsharded DDP
+// sync of the same data, add and add_tensor bit for bit alike, one shard of one against the
+// unsharded accumulator, and calls that fail on one rank failing on every rank.
 #include <gradacc.hpp>
 
 #include <algorithm>
@@ -17,7 +20,9 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpp_expect.hpp"
@@ -586,6 +591,256 @@ static void crosswise_replicas_fail_every_rank()
     }
 }
 
+// ---- sharded accumulation (ZeRO-2) ------------------------------------------------------------
+
+static gradacc::AccumulatorConfig accumulate_config(uint32_t shards, uint32_t rank, float max_grad_norm = 0.0f)
+{
+    gradacc::AccumulatorConfig c;
+    c.sharding = GRADACC_SHARDING_ACCUMULATE;
+    c.shard_count = shards;
+    c.shard_rank = rank;
+    c.max_grad_norm = max_grad_norm;
+    c.bucket_numel = 4096; // several buckets, so micro-batches are reduced piece by piece
+    return c;
+}
+
+// The elements of `shard` as a vector.
+static std::vector<float> copied(const gradacc::Shard &shard) { return {shard.data.begin(), shard.data.end()}; }
+
+struct AccumulateRank {
+    std::string error;
+    gradacc::SyncInfo by_add{}, by_tensor{}, ddp_info{};
+    std::size_t offset = 0;
+    std::vector<float> shard, tensor_shard, ddp; // shards filled by add and by add_tensor; DDP's flat master
+    std::vector<bool> readable;                  // master(i) succeeds: tensor i lies wholly in the shard
+};
+
+// Every rank adds the same three random micro-batches to two sharded accumulations (one through
+// add, one tensor by tensor in backward order through add_tensor) and to an unsharded one synced
+// over the whole group (DDP). The two ways must give the same bits, and the shards DDP's values
+// within the rounding of another summation order.
+static void sharded_accumulation_matches_ddp(int world, float max_grad_norm)
+{
+    gradacc::LocalGroup add_group(world), tensor_group(world), ddp_group(world);
+    for (gradacc::LocalGroup *g : {&add_group, &tensor_group})
+        for (gradacc::Communicator &c : *g)
+            c.set_timeout(std::chrono::seconds(60)); // a rank out of step fails instead of hanging
+    std::vector<AccumulateRank> ranks(static_cast<std::size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; r++) {
+        threads.emplace_back([&, r] {
+            const std::size_t q = static_cast<std::size_t>(r);
+            AccumulateRank &out = ranks[q];
+            try {
+                gradacc::ScalerConfig sc;
+                sc.init_scale = 1024.0f;
+                gradacc::Scaler scaler(sc);
+                const gradacc::AccumulatorConfig config = accumulate_config(static_cast<uint32_t>(world), static_cast<uint32_t>(r), max_grad_norm);
+                gradacc::Accumulator by_add = gradacc::Accumulator::sharded(kShardTensors, add_group[q], config);
+                gradacc::Accumulator by_tensor = gradacc::Accumulator::sharded(kShardTensors, tensor_group[q], config);
+                gradacc::AccumulatorConfig ddp_config;
+                ddp_config.max_grad_norm = max_grad_norm;
+                gradacc::Accumulator ddp(kShardTensors, ddp_config);
+                std::mt19937 rng(static_cast<uint32_t>(900 + 10 * world + r));
+                for (int m = 0; m < 3; m++) {
+                    const RandomGrads g(rng);
+                    const uint64_t count = microbatch_count(r, m);
+                    by_add.add(scaler, g.ptrs, count);
+                    by_tensor.begin_microbatch(count);
+                    for (std::size_t i = kShardTensors.size(); i-- > 0;)
+                        by_tensor.add_tensor(scaler, i, g.ptrs[i], kShardTensors[i].numel);
+                    by_tensor.end_microbatch();
+                    ddp.add(scaler, g.ptrs, count);
+                }
+                out.by_add = by_add.sync();                   // NULL: the creation communicator
+                out.by_tensor = by_tensor.sync(tensor_group[q]); // or the same handle
+                out.ddp_info = ddp.sync(ddp_group[q]);
+                const gradacc::Shard s = by_add.shard();
+                out.offset = s.offset;
+                out.shard = copied(s);
+                out.tensor_shard = copied(by_tensor.shard());
+                for (std::size_t i = 0; i < ddp.num_tensors(); i++) {
+                    out.ddp.insert(out.ddp.end(), ddp.master(i).begin(), ddp.master(i).end());
+                    const gradacc_status_t st = status_of([&] { by_add.master(i); });
+                    EXPECT(st == GRADACC_STATUS_OK || st == GRADACC_STATUS_INVALID_ARGUMENT, "rank %d tensor %zu: %d", r, i, (int)st);
+                    out.readable.push_back(st == GRADACC_STATUS_OK);
+                }
+            } catch (const std::exception &e) {
+                out.error = e.what();
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+
+    uint64_t total_count = 0;
+    for (int r = 0; r < world; r++)
+        for (int m = 0; m < 3; m++)
+            total_count += microbatch_count(r, m);
+    for (int r = 0; r < world; r++)
+        EXPECT(ranks[static_cast<std::size_t>(r)].error.empty(), "world %d rank %d: %s", world, r,
+               ranks[static_cast<std::size_t>(r)].error.c_str());
+    for (const AccumulateRank &x : ranks)
+        if (!x.error.empty())
+            return;
+    const std::vector<float> &ddp = ranks[0].ddp;
+    float largest = 0.0f;
+    for (float v : ddp)
+        largest = std::max(largest, std::fabs(v));
+    std::size_t next = 0;
+    for (int r = 0; r < world; r++) {
+        const AccumulateRank &x = ranks[static_cast<std::size_t>(r)];
+        const gradacc::SyncInfo &h = x.by_add, &d = x.ddp_info;
+        EXPECT(same_info(h, x.by_tensor) && x.shard.size() == x.tensor_shard.size() &&
+                   same_bits(x.shard.data(), x.tensor_shard.data(), x.shard.size()),
+               "world %d rank %d: add_tensor differs from add", world, r);
+        EXPECT(same_info(h, ranks[0].by_add), "world %d rank %d: the info differs from rank 0's", world, r);
+        EXPECT(h.total_count == total_count && d.total_count == total_count && h.microbatches == 3u * world &&
+                   !h.found_inf,
+               "world %d rank %d: count %llu (DDP %llu), micro-batches %llu", world, r,
+               (unsigned long long)h.total_count, (unsigned long long)d.total_count,
+               (unsigned long long)h.microbatches);
+        EXPECT(std::fabs(h.grad_norm - d.grad_norm) <= 1e-5 * d.grad_norm &&
+                   std::fabs(h.clip_coef - d.clip_coef) <= 1e-5 * d.clip_coef,
+               "world %d rank %d: norm %.9g (DDP %.9g), clip %.9g (DDP %.9g)", world, r, h.grad_norm, d.grad_norm,
+               h.clip_coef, d.clip_coef);
+        EXPECT((h.clip_coef < 1.0) == (max_grad_norm > 0.0f), "world %d: clip_coef %g", world, h.clip_coef);
+        EXPECT(x.offset == next && !x.shard.empty() && x.shard.size() < kShardTotal,
+               "world %d rank %d: shard %zu..%zu, the previous ended at %zu", world, r, x.offset,
+               x.offset + x.shard.size(), next);
+        next = x.offset + x.shard.size();
+        std::size_t bad = 0;
+        for (std::size_t k = 0; k < x.shard.size() && x.offset + k < ddp.size(); k++) {
+            const float want = ddp[x.offset + k];
+            bad += !(std::fabs(x.shard[k] - want) <= 1e-5f * std::fabs(want) + 1e-6f * largest);
+        }
+        EXPECT(bad == 0, "world %d rank %d: %zu of %zu shard elements differ from DDP's", world, r, bad, x.shard.size());
+        // master(i) works exactly for the tensors wholly inside the shard.
+        std::size_t at = 0;
+        for (std::size_t i = 0; i < kShardTensors.size(); i++) {
+            const std::size_t end = at + kShardTensors[i].numel;
+            const bool inside = x.offset <= at && end <= x.offset + x.shard.size();
+            EXPECT(x.readable[i] == inside, "world %d rank %d: master(%zu) %s", world, r, i,
+                   inside ? "refused inside the shard" : "given outside the shard");
+            at = end;
+        }
+    }
+    EXPECT(next == kShardTotal, "world %d: the shards end at %zu of %zu", world, next, kShardTotal);
+}
+
+// One shard of one, created without a communicator, is the unsharded accumulator bit for bit.
+static void one_shard_is_the_unsharded_accumulator()
+{
+    gradacc::ScalerConfig sc;
+    sc.init_scale = 1024.0f;
+    gradacc::Scaler scaler(sc);
+    gradacc::AccumulatorConfig plain_config;
+    plain_config.bucket_numel = 4096;
+    gradacc::Accumulator one(kShardTensors, accumulate_config(1, 0)), plain(kShardTensors, plain_config);
+    std::mt19937 rng(11);
+    for (int m = 0; m < 3; m++) {
+        const RandomGrads g(rng);
+        one.add(scaler, g.ptrs, microbatch_count(0, m));
+        plain.add(scaler, g.ptrs, microbatch_count(0, m));
+    }
+    const gradacc::SyncInfo a = one.sync(), b = plain.sync();
+    const gradacc::Shard s = one.shard(), t = plain.shard();
+    EXPECT(same_info(a, b), "norm %.9g vs %.9g", a.grad_norm, b.grad_norm);
+    EXPECT(s.offset == 0 && s.numel() == kShardTotal && t.numel() == kShardTotal &&
+               same_bits(s.data.data(), t.data.data(), kShardTotal),
+           "one shard of one: %zu elements at %zu differ from the unsharded master", s.numel(), s.offset);
+}
+
+// The sharded creation path refuses what does not fit: the policy, the communicator, the device.
+static void sharded_creation_is_checked()
+{
+    gradacc::LocalGroup group(2);
+    const auto refused_with = [&](const gradacc::AccumulatorConfig &c, const gradacc::Device &device = gradacc::Device()) {
+        try {
+            gradacc::Accumulator::sharded(kShardTensors, group[0], c, device);
+        } catch (const gradacc::Error &e) {
+            return std::make_pair(e.status(), e.message());
+        }
+        return std::make_pair(GRADACC_STATUS_OK, std::string());
+    };
+    auto [status, message] = refused_with(accumulate_config(2, 1)); // the communicator is rank 0
+    EXPECT(status == GRADACC_STATUS_INVALID_ARGUMENT && message.find("shard 1 of 2") != std::string::npos,
+           "rank 1 on rank 0's communicator: %d \"%s\"", (int)status, message.c_str());
+    std::tie(status, message) = refused_with(accumulate_config(3, 0));
+    EXPECT(status == GRADACC_STATUS_INVALID_ARGUMENT, "3 shards on 2 ranks: %d \"%s\"", (int)status, message.c_str());
+    gradacc::AccumulatorConfig rs = accumulate_config(2, 0);
+    rs.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+    std::tie(status, message) = refused_with(rs);
+    EXPECT(status == GRADACC_STATUS_INVALID_ARGUMENT && message.find("GRADACC_SHARDING_ACCUMULATE") != std::string::npos,
+           "another policy: %d \"%s\"", (int)status, message.c_str());
+    std::tie(status, message) = refused_with(accumulate_config(2, 0), gradacc::Device::cuda(0, nullptr));
+    EXPECT(status == GRADACC_STATUS_BACKEND_UNAVAILABLE, "CUDA: %d \"%s\"", (int)status, message.c_str());
+    // Over several ranks the plain constructor has no communicator to reduce the micro-batches on.
+    const std::string m = refused(accumulate_config(2, 0));
+    EXPECT(m.find("communicator") != std::string::npos, "no communicator: \"%s\"", m.c_str());
+}
+
+// Rank 1's micro-batch is invalid (no items for a mean loss): it throws there and PEER_FAILURE
+// on rank 0, with nothing added on either. Then rank 0 syncs on a stranger communicator:
+// INVALID_ARGUMENT there, PEER_FAILURE on rank 1. The window survives both, and the sync
+// afterwards counts only the valid micro-batches.
+static void a_bad_call_on_one_rank_fails_every_rank()
+{
+    gradacc::LocalGroup group(2), stranger(1);
+    for (gradacc::Communicator &c : group)
+        c.set_timeout(std::chrono::seconds(30)); // a rank left waiting fails instead of hanging
+    std::vector<std::pair<gradacc_status_t, std::string>> add_seen(2), sync_seen(2);
+    std::vector<bool> unchanged(2, false);
+    std::vector<gradacc::SyncInfo> after(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; r++) {
+        threads.emplace_back([&, r] {
+            const std::size_t q = static_cast<std::size_t>(r);
+            const auto caught = [](auto &&f) {
+                try {
+                    f();
+                } catch (const gradacc::Error &e) {
+                    return std::make_pair(e.status(), e.message());
+                }
+                return std::make_pair(GRADACC_STATUS_OK, std::string());
+            };
+            try {
+                gradacc::Scaler scaler = unit_scaler();
+                gradacc::Accumulator acc = gradacc::Accumulator::sharded(kShardTensors, group[q], accumulate_config(2, static_cast<uint32_t>(r)));
+                std::mt19937 rng(static_cast<uint32_t>(40 + r));
+                const RandomGrads g(rng);
+                acc.add(scaler, g.ptrs, 2);
+                const std::vector<float> before = copied(acc.shard());
+                add_seen[q] = caught([&] { acc.add(scaler, g.ptrs, r == 1 ? 0 : 2); });
+                sync_seen[q] = caught([&] { r == 0 ? acc.sync(stranger[0]) : acc.sync(); });
+                const std::vector<float> now = copied(acc.shard());
+                unchanged[q] = now.size() == before.size() && same_bits(now.data(), before.data(), now.size());
+                after[q] = acc.sync(group[q]);
+            } catch (const std::exception &e) {
+                errors[q] = e.what();
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+    for (int r = 0; r < 2; r++) {
+        const std::size_t q = static_cast<std::size_t>(r);
+        EXPECT(errors[q].empty(), "rank %d: %s", r, errors[q].c_str());
+        EXPECT(unchanged[q], "rank %d: the failed calls changed the shard", r);
+        EXPECT(after[q].microbatches == 2 && after[q].total_count == 4, "rank %d: %llu micro-batches, %llu items afterwards", r,
+               (unsigned long long)after[q].microbatches, (unsigned long long)after[q].total_count);
+    }
+    EXPECT(add_seen[1].first == GRADACC_STATUS_INVALID_ARGUMENT && add_seen[1].second.find("count") != std::string::npos,
+           "rank 1's add of 0 items: %d \"%s\"", (int)add_seen[1].first, add_seen[1].second.c_str());
+    EXPECT(add_seen[0].first == GRADACC_STATUS_PEER_FAILURE, "rank 0's valid add: %d \"%s\"", (int)add_seen[0].first,
+           add_seen[0].second.c_str());
+    EXPECT(sync_seen[0].first == GRADACC_STATUS_INVALID_ARGUMENT, "rank 0's sync on a stranger: %d \"%s\"",
+           (int)sync_seen[0].first, sync_seen[0].second.c_str());
+    EXPECT(sync_seen[1].first == GRADACC_STATUS_PEER_FAILURE, "rank 1's sync: %d \"%s\"", (int)sync_seen[1].first,
+           sync_seen[1].second.c_str());
+}
+
 int main()
 {
     try {
@@ -604,6 +859,12 @@ int main()
         for (float max_grad_norm : {0.0f, 0.25f})
             hybrid_matches_ddp(max_grad_norm);
         crosswise_replicas_fail_every_rank();
+        for (int world : {2, 3})
+            for (float max_grad_norm : {0.0f, 0.25f})
+                sharded_accumulation_matches_ddp(world, max_grad_norm);
+        one_shard_is_the_unsharded_accumulator();
+        sharded_creation_is_checked();
+        a_bad_call_on_one_rank_fails_every_rank();
     } catch (const gradacc::Error &e) {
         std::fprintf(stderr, "unexpected: %s\n", e.what());
         return 1;

@@ -122,8 +122,9 @@ struct ScalerConfig : gradacc_scaler_config_t {
 /** gradacc_accumulator_config_t initialised by gradacc_accumulator_config_default(). For a
  * reduce-scatter boundary set `sharding = GRADACC_SHARDING_REDUCE_SCATTER`, `shard_count` (the
  * communicator's size, or the shard group's for Accumulator::sync_hybrid) and `shard_rank` (this
- * rank on it); `wire_dtype` is what the boundary's reductions send (GRADACC_DTYPE_F32 by
- * default, or GRADACC_DTYPE_BF16). */
+ * rank on it); for sharded accumulation (ZeRO-2) `sharding = GRADACC_SHARDING_ACCUMULATE` with
+ * the same two fields, and create it with Accumulator::sharded. `wire_dtype` is what the
+ * reductions send (GRADACC_DTYPE_F32 by default, or GRADACC_DTYPE_BF16). */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));
@@ -284,7 +285,7 @@ private:
 
 /** FP32 master gradients of a list of tensors. Move-only; destroyed with
  * gradacc_accumulator_destroy. The scalers and communicators passed to its methods are borrowed
- * for the call only. */
+ * for the call only, except the communicator of Accumulator::sharded, which must outlive it. */
 class Accumulator {
 public:
     explicit Accumulator(span<const TensorDesc> tensors,
@@ -305,6 +306,25 @@ public:
         gradacc_accumulator_t *p = nullptr;
         check(gradacc_accumulator_create_with_buffer(&config, tensors.data(), tensors.size(), &device,
                                                      master.data(), master.size(), &p));
+        return Accumulator(p);
+    }
+
+    /** Sharded accumulation (ZeRO-2): `config.sharding` is GRADACC_SHARDING_ACCUMULATE and `comm`
+     * a host communicator (in-process or MPI) of `config.shard_count` ranks on which this is rank
+     * `config.shard_rank`; anything else throws INVALID_ARGUMENT (a CUDA `device`,
+     * BACKEND_UNAVAILABLE). The accumulator holds only its shard (shard()) and one bucket of
+     * staging, and reduce-scatters every micro-batch over `comm`: every rank makes the same add,
+     * or begin_microbatch / add_tensor / end_microbatch, calls, each on its own thread, then
+     * sync() or sync(comm). An invalid call on one rank throws there and PEER_FAILURE on the
+     * others, with nothing added. With add_tensor each tensor takes one contribution per
+     * micro-batch. The result differs from an unsharded all-reduce only by the order of the FP32
+     * sums. `comm` must outlive the accumulator: destroying it first makes every later
+     * reduction fail. */
+    static Accumulator sharded(span<const TensorDesc> tensors, Communicator &comm,
+                               const AccumulatorConfig &config, const Device &device = Device()) {
+        gradacc_accumulator_t *p = nullptr;
+        check(gradacc_accumulator_create_sharded(&config, tensors.data(), tensors.size(), &device, comm.get(),
+                                                 &p));
         return Accumulator(p);
     }
 
@@ -333,20 +353,24 @@ public:
     }
     void end_microbatch() { check(gradacc_accumulator_end_microbatch(handle_.get())); }
 
-    /** The boundary for one process. */
+    /** The boundary for one process; for a sharded accumulation (Accumulator::sharded), the
+     * boundary over the communicator it was created with. */
     SyncInfo sync() { return sync_with(nullptr); }
     /** The boundary across `comm`'s group: every rank calls it, each on its own thread. A
      * sharded accumulator needs a group of `shard_count` ranks on which it is `shard_rank`;
-     * otherwise every rank throws. */
+     * otherwise every rank throws. A sharded accumulation takes only the communicator it was
+     * created with (another throws INVALID_ARGUMENT there and PEER_FAILURE on the other ranks). */
     SyncInfo sync(Communicator &comm) { return sync_with(comm.get()); }
-    /** The hybrid boundary (HSDP) of an accumulator with GRADACC_SHARDING_REDUCE_SCATTER: a
-     * reduce-scatter over `shard` (its shard group: `shard_count` ranks, this one `shard_rank`),
-     * then an all-reduce of the shard over `replicas`, the ranks holding the same shard in the
-     * other shard groups. Every rank of both groups calls it, each on its own thread. Counts,
-     * overflow and the norm are the whole grid's, the same on every rank, and replicas hold the
-     * same bits. Replica groups pairing different shards throw SIZE_MISMATCH, and an unsharded
-     * accumulator INVALID_ARGUMENT, on every rank with the window intact. Host communicators
-     * only (in-process, MPI); a CUDA accumulator throws BACKEND_UNAVAILABLE. */
+    /** The hybrid boundary (HSDP) of an accumulator with GRADACC_SHARDING_REDUCE_SCATTER or
+     * GRADACC_SHARDING_ACCUMULATE: a reduce-scatter over `shard` (its shard group: `shard_count`
+     * ranks, this one `shard_rank`; for a sharded accumulation, the communicator it was created
+     * with, which reduced every micro-batch already), then an all-reduce of the shard over
+     * `replicas`, the ranks holding the same shard in the other shard groups. Every rank of
+     * both groups calls it, each on its own thread. Counts, overflow and the norm are the whole
+     * grid's, the same on every rank, and replicas hold the same bits. Replica groups pairing
+     * different shards throw SIZE_MISMATCH, and an unsharded accumulator INVALID_ARGUMENT, on
+     * every rank with the window intact. Host communicators only (in-process, MPI); a CUDA
+     * accumulator throws BACKEND_UNAVAILABLE. */
     SyncInfo sync_hybrid(Communicator &shard, Communicator &replicas) {
         SyncInfo info{};
         info.struct_size = sizeof info;
@@ -357,7 +381,8 @@ public:
     /** Tensor `index`'s FP32 master gradient, as a view into the accumulator's buffer. It stays
      * valid until the accumulator is destroyed (moving the Accumulator object does not move the
      * buffer); its contents are the boundary's result after sync(), a window in progress otherwise.
-     * Reading it must not overlap calls that add. */
+     * Reading it must not overlap calls that add. A sharded accumulation holds only its shard: a
+     * tensor not wholly inside it throws INVALID_ARGUMENT (use shard()). */
     span<float> master(std::size_t index) const {
         float *p = nullptr;
         std::size_t n = 0;
@@ -369,8 +394,10 @@ public:
      * master()'s views are; the range never changes. Without sharding it is the whole master.
      * With GRADACC_SHARDING_REDUCE_SCATTER, after a sync only the shard holds the reduced
      * gradient (the bits an unsharded sync leaves there); the rest of the master is unspecified
-     * until the next window's first micro-batch. Shards are cut in whole blocks of 4096
-     * elements, so the last ones may be shorter or empty. */
+     * until the next window's first micro-batch. With GRADACC_SHARDING_ACCUMULATE the shard is
+     * all the accumulator holds: the window's sum over the ranks while accumulating, the
+     * reduced gradient after sync(). Shards are cut in whole blocks of 4096 elements, so the
+     * last ones may be shorter or empty. */
     Shard shard() const {
         std::size_t offset = 0, n = 0;
         float *p = nullptr;
@@ -389,7 +416,9 @@ public:
 
     void reset() { check(gradacc_accumulator_reset(handle_.get())); }
 
-    /** The window in progress as versioned bytes (a checkpoint in the middle of accumulation). */
+    /** The window in progress as versioned bytes (a checkpoint in the middle of accumulation). A
+     * sharded accumulation saves its shard: the bytes load only into the same shard of an
+     * accumulation over as many ranks (anything else throws CORRUPT_STATE). */
     std::vector<uint8_t> save_window() const {
         std::size_t n = 0;
         check(gradacc_accumulator_save_window(handle_.get(), nullptr, 0, &n));
