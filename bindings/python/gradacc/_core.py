@@ -376,10 +376,21 @@ class Accumulator(_Managed):
     ``r``, and after it only :meth:`shard` holds the reduced gradient (the bits an unsharded
     sync leaves in that range); the norm and clipping are still the whole gradient's.
     :meth:`sync_hybrid` takes such a shard group and a replica group (HSDP).
-    ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the boundary's reductions send."""
-    _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
+    ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the reductions send.
 
-    def __init__(self, tensors, config=None, *, device=None, master=None, **fields):
+    ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
+    (ZeRO-2): ``c`` is a host communicator of ``n`` ranks on which this is rank ``r``, the
+    accumulator holds only its shard (:meth:`shard`) and one bucket of staging, and every
+    micro-batch is reduce-scattered over ``c``. Every rank makes the same :meth:`add`, or
+    :meth:`begin_microbatch` / :meth:`add_tensor` / :meth:`end_microbatch`, calls, each on its own
+    thread, then :meth:`sync` (with ``c`` or None); an invalid call on one rank raises there and
+    PEER_FAILURE on the others, with nothing added. The shard differs from an unsharded
+    all-reduce only by the order of the FP32 sums. The accumulator keeps ``c`` referenced; do not
+    close ``c`` before it (its reductions would then fail). CPU only."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
+    _comm = None
+
+    def __init__(self, tensors, config=None, *, device=None, master=None, comm=None, **fields):
         specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
         cfg = _config(ffi.gradacc_accumulator_config_t, ffi.gradacc_accumulator_config_default, config, fields,
                       {"normalize": Normalize, "loss_reduction": LossReduction, "sharding": Sharding,
@@ -387,10 +398,16 @@ class Accumulator(_Managed):
         descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
         dev = _device(device)
         out = ctypes.POINTER(ffi.gradacc_accumulator_t)()
-        if master is None:
+        self._master_keep = self._comm = None
+        if comm is not None:
+            if master is not None:
+                raise ValueError("a sharded accumulation (comm=) owns its shard: it cannot adopt master=")
+            _check(ffi.gradacc_accumulator_create_sharded(ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
+                                                          comm._handle(), ctypes.byref(out)))
+            self._comm = comm  # every micro-batch reduces over it: it must outlive the accumulator
+        elif master is None:
             _check(ffi.gradacc_accumulator_create(ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
                                                   ctypes.byref(out)))
-            self._master_keep = None
         else:
             ptr, n, keep = _buffer(master, DType.F32, "master", writable=True)
             if n is None:
@@ -402,6 +419,10 @@ class Accumulator(_Managed):
         self._ptr = out
         self._tensors = specs
         self._on_host = dev.kind == ffi.GRADACC_DEVICE_CPU
+
+    def close(self):
+        super().close()
+        self._comm = None  # the handle is gone, and with it the need for its communicator
 
     @property
     def tensors(self):
@@ -461,21 +482,25 @@ class Accumulator(_Managed):
         self.end_microbatch()
 
     def sync(self, comm=None):
-        """The boundary; with ``comm`` every rank of its group calls it, each on its own thread."""
+        """The boundary; with ``comm`` every rank of its group calls it, each on its own thread.
+        A sharded accumulation (``comm=`` at creation) syncs over its own communicator: ``comm``
+        is None or that one (another raises INVALID_ARGUMENT there, PEER_FAILURE elsewhere)."""
         info = _out_struct(ffi.gradacc_sync_info_t)
         c = comm._handle() if comm is not None else None
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
         return _from_struct(SyncInfo, info)
 
     def sync_hybrid(self, shard_comm, replica_comm):
-        """The hybrid boundary (HSDP) of an accumulator with ``sharding='reduce_scatter'``: a
-        reduce-scatter over ``shard_comm`` (its shard group: ``shard_count`` ranks, this one
-        ``shard_rank``), then an all-reduce of the shard over ``replica_comm``, the ranks that
-        hold the same shard in the other shard groups. Every rank of both groups calls it, each
-        on its own thread. Counts, overflow and the norm are the whole grid's, the same on every
-        rank, and replicas hold the same bits (:meth:`shard`). Replica groups pairing different
-        shards raise SIZE_MISMATCH, and an unsharded accumulator INVALID_ARGUMENT, on every rank
-        with the window intact. Host communicators only (in-process, MPI)."""
+        """The hybrid boundary (HSDP) of an accumulator with ``sharding='reduce_scatter'`` or
+        ``'accumulate'``: a reduce-scatter over ``shard_comm`` (its shard group: ``shard_count``
+        ranks, this one ``shard_rank``; for a sharded accumulation, its own communicator, which
+        reduced every micro-batch already), then an all-reduce of the shard over
+        ``replica_comm``, the ranks that hold the same shard in the other shard groups. Every
+        rank of both groups calls it, each on its own thread. Counts, overflow and the norm are
+        the whole grid's, the same on every rank, and replicas hold the same bits
+        (:meth:`shard`). Replica groups pairing different shards raise SIZE_MISMATCH, and an
+        unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Host
+        communicators only (in-process, MPI)."""
         info = _out_struct(ffi.gradacc_sync_info_t)
         _check(ffi.gradacc_accumulator_sync_hybrid(self._handle(), shard_comm._handle(), replica_comm._handle(),
                                                    ctypes.byref(info)))
@@ -494,7 +519,9 @@ class Accumulator(_Managed):
         The view keeps this Accumulator object alive, but not its C buffer past close(): it is
         valid until the accumulator is closed (or collected after its last reference, view
         included, is gone). It holds the boundary's result after sync() and a window in progress
-        otherwise; do not read it while another thread adds. Copy it (``.copy()``) to keep it."""
+        otherwise; do not read it while another thread adds. Copy it (``.copy()``) to keep it.
+        A sharded accumulation holds only its shard: a tensor not wholly inside it raises
+        INVALID_ARGUMENT (use :meth:`shard`)."""
         if not self._on_host:
             raise ValueError("master() views host memory; use master_ptr() for a CUDA accumulator")
         addr, n = self.master_ptr(index)
@@ -518,8 +545,10 @@ class Accumulator(_Managed):
         numpy view of it (no copy), valid as :meth:`master`'s views are. Without sharding it is
         the whole master. With ``sharding='reduce_scatter'``, after a sync only the shard holds
         the reduced gradient; the rest of the master is unspecified until the next window's
-        first micro-batch. Shards are cut in whole blocks of 4096 elements, so the last ones may
-        be shorter or empty. The range never changes."""
+        first micro-batch. With ``sharding='accumulate'`` the shard is all the accumulator holds:
+        the window's sum over the ranks while accumulating, the reduced gradient after a sync.
+        Shards are cut in whole blocks of 4096 elements, so the last ones may be shorter or
+        empty. The range never changes."""
         if not self._on_host:
             raise ValueError("shard() views host memory; use shard_ptr() for a CUDA accumulator")
         offset, n, addr = self.shard_ptr()
@@ -533,6 +562,9 @@ class Accumulator(_Managed):
         _check(ffi.gradacc_accumulator_reset(self._handle()))
 
     def save_window(self):
+        """The window in progress as versioned bytes (not inside a micro-batch nor after sync). A
+        sharded accumulation saves its shard: the bytes load only into the same shard of an
+        accumulation over as many ranks (anything else raises CORRUPT_STATE)."""
         n = ctypes.c_size_t()
         _check(ffi.gradacc_accumulator_save_window(self._handle(), None, 0, ctypes.byref(n)))
         buf = (ctypes.c_uint8 * n.value)()

@@ -40,6 +40,7 @@ GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, m
 GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
+GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master).
 GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
@@ -182,6 +183,12 @@ gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
 gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, master, master_numel, out
 
+# Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of `config`->shard_count ranks on which this is rank `config`->shard_rank.
+gradacc_accumulator_create_sharded = dll.gradacc_accumulator_create_sharded
+gradacc_accumulator_create_sharded.restype = gradacc_status_t
+gradacc_accumulator_create_sharded.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
+# arguments: config, tensors, n, device, comm, out
+
 # Destroys an accumulator.
 gradacc_accumulator_destroy = dll.gradacc_accumulator_destroy
 gradacc_accumulator_destroy.restype = gradacc_status_t
@@ -224,7 +231,7 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
-# The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say).
+# The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created with, which reduced every micro-batch already), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say).
 gradacc_accumulator_sync_hybrid = dll.gradacc_accumulator_sync_hybrid
 gradacc_accumulator_sync_hybrid.restype = gradacc_status_t
 gradacc_accumulator_sync_hybrid.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]

@@ -1,7 +1,11 @@
 """Reduce-scatter sharding: each rank's shard after a sharded sync against an unsharded sync of the
 same window, the shards' layout, and the errors of a sharded accumulator used wrongly. The hybrid
-boundary (sync_hybrid) on a 2x2 grid against a 4-rank unsharded sync, and its misuse."""
+boundary (sync_hybrid) on a 2x2 grid against a 4-rank unsharded sync, and its misuse. Sharded
+accumulation (comm= at creation): shards against an unsharded DDP sync, add and add_tensor alike,
+one shard of one, its communicator kept alive, and misuse failing on every rank."""
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -314,3 +318,184 @@ def test_an_unsharded_accumulator_has_no_hybrid_boundary():
     for g, (error, _) in enumerate(results):
         assert error is not None and error.status == gradacc.Status.INVALID_ARGUMENT, f"rank {g}: {error}"
         assert "sharded accumulator" in error.message
+
+
+# ---- sharded accumulation (ZeRO-2) ------------------------------------------------------------
+
+def accumulate(r, world, comm, **config):
+    """Rank ``r``'s sharded accumulation over ``comm``, with buckets small enough that every
+    micro-batch is reduced in several pieces."""
+    return gradacc.Accumulator(TENSORS, sharding="accumulate", shard_count=world, shard_rank=r, comm=comm,
+                               bucket_numel=4096, **config)
+
+
+def results_of(results):
+    for status, value in results:
+        if status == "raised":
+            raise value
+    return [value for _, value in results]
+
+
+def inside(offset, numel):
+    """Whether each tensor lies wholly in the flat range offset..offset+numel."""
+    ends = np.cumsum([n for n, _ in TENSORS])
+    return [offset <= end - n and end <= offset + numel for (n, _), end in zip(TENSORS, ends)]
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.25], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_accumulation_matches_ddp(world, max_grad_norm):
+    add_group, tensor_group, ddp_group = (gradacc.local_group(world) for _ in range(3))
+    for c in add_group + tensor_group:
+        c.timeout = 60  # a rank out of step fails instead of hanging the test
+
+    def rank(r):
+        rng = np.random.default_rng(900 + 10 * world + r)
+        with gradacc.Scaler(init_scale=1024.0) as scaler, \
+                accumulate(r, world, add_group[r], max_grad_norm=max_grad_norm) as by_add, \
+                accumulate(r, world, tensor_group[r], max_grad_norm=max_grad_norm) as by_tensor, \
+                gradacc.Accumulator(TENSORS, max_grad_norm=max_grad_norm) as ddp:
+            for m in range(3):
+                grads = random_grads(rng)
+                count = 1 + (3 * r + m) % 5
+                by_add.add(scaler, grads, count)
+                with by_tensor.microbatch(count):
+                    for i in reversed(range(len(TENSORS))):  # as a backward pass produces them
+                        by_tensor.add_tensor(scaler, i, grads[i])
+                ddp.add(scaler, grads, count)
+            infos = (by_add.sync(), by_tensor.sync(tensor_group[r]), ddp.sync(ddp_group[r]))
+            offset, numel, data = by_add.shard()
+            readable = []
+            for i, start in enumerate(np.cumsum([0] + [n for n, _ in TENSORS[:-1]])):
+                try:
+                    view = by_add.master(i)
+                except gradacc.GradaccError as e:
+                    assert e.status == gradacc.Status.INVALID_ARGUMENT, e
+                    readable.append(False)
+                    continue
+                at = start - offset  # a view of the shard's elements of the tensor
+                readable.append(np.shares_memory(view, data) and np.array_equal(view, data[at:at + view.size]))
+            return dict(infos=infos, offset=offset, numel=numel, shard=data.copy(),
+                        tensor_shard=by_tensor.shard().data.copy(), readable=readable,
+                        ddp=np.concatenate([ddp.master(i) for i in range(len(TENSORS))]))
+
+    ranks = results_of(run_ranks(world, rank))
+    for c in add_group + tensor_group + ddp_group:
+        c.close()
+
+    total = sum(1 + (3 * q + m) % 5 for q in range(world) for m in range(3))
+    ddp = ranks[0]["ddp"]
+    assert ranks[0]["offset"] == 0 and ranks[-1]["offset"] + ranks[-1]["numel"] == TOTAL
+    for a, b in zip(ranks, ranks[1:]):
+        assert a["offset"] + a["numel"] == b["offset"]  # the shards tile the layout in rank order
+    for r, x in enumerate(ranks):
+        info, tensor_info, ddp_info = x["infos"]
+        assert info == tensor_info and np.array_equal(x["shard"].view(np.uint32), x["tensor_shard"].view(np.uint32)), \
+            f"rank {r}: add_tensor differs from add"
+        assert info == ranks[0]["infos"][0], f"rank {r} disagrees with rank 0"
+        assert info.total_count == ddp_info.total_count == total and info.microbatches == 3 * world
+        assert not info.found_inf
+        assert info.grad_norm == pytest.approx(ddp_info.grad_norm, rel=1e-5)
+        assert info.clip_coef == pytest.approx(ddp_info.clip_coef, rel=1e-5)
+        assert (info.clip_coef < 1.0) == (max_grad_norm > 0), info
+        want = ddp[x["offset"]:x["offset"] + x["numel"]]
+        np.testing.assert_allclose(x["shard"], want, rtol=1e-5, atol=1e-6 * np.abs(ddp).max(), err_msg=f"rank {r}")
+        # master(i) gives exactly the tensors wholly inside the shard, as views of it.
+        assert x["readable"] == inside(x["offset"], x["numel"]), f"rank {r}"
+
+
+def test_one_shard_of_one_is_the_unsharded_accumulator():
+    rng = np.random.default_rng(11)
+    with gradacc.Scaler(init_scale=1024.0) as scaler, \
+            gradacc.Accumulator(TENSORS, sharding=gradacc.Sharding.ACCUMULATE, bucket_numel=4096) as one, \
+            gradacc.Accumulator(TENSORS, bucket_numel=4096) as plain:
+        for m in range(3):
+            grads = random_grads(rng)
+            one.add(scaler, grads, 1 + m)
+            plain.add(scaler, grads, 1 + m)
+        assert one.sync() == plain.sync()
+        offset, numel, data = one.shard()
+        assert (offset, numel) == (0, TOTAL)
+        assert np.array_equal(data.view(np.uint32), plain.shard().data.view(np.uint32))
+    assert gradacc.Sharding.ACCUMULATE == 2
+
+
+def test_sharded_creation_is_checked():
+    c0, c1 = gradacc.local_group(2)
+    with c0, c1:
+        for config, word in ((dict(sharding="ACCUMULATE", shard_count=2, shard_rank=1), "shard 1 of 2"),
+                             (dict(sharding="accumulate", shard_count=3, shard_rank=0), "shard 0 of 3"),
+                             (dict(sharding="reduce_scatter", shard_count=2, shard_rank=0),
+                              "GRADACC_SHARDING_ACCUMULATE")):
+            with pytest.raises(gradacc.GradaccError) as e:
+                gradacc.Accumulator(TENSORS, comm=c0, **config)  # c0 is rank 0 of 2
+            assert e.value.status == gradacc.Status.INVALID_ARGUMENT and word in e.value.message, e.value
+        # Over several ranks, micro-batches need the communicator from the start.
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Accumulator(TENSORS, sharding="accumulate", shard_count=2, shard_rank=0)
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "communicator" in e.value.message
+        with pytest.raises(ValueError, match="master="):
+            gradacc.Accumulator(TENSORS, sharding="accumulate", shard_count=2, shard_rank=0, comm=c0,
+                                master=np.zeros(TOTAL, np.float32))
+        c1.close()
+        with pytest.raises(ValueError, match="closed"):
+            gradacc.Accumulator(TENSORS, sharding="accumulate", shard_count=2, shard_rank=1, comm=c1)
+
+
+def test_the_accumulator_keeps_its_communicator_alive():
+    comms = gradacc.local_group(2)
+    accs = [gradacc.Accumulator([(5, "f32")], sharding="accumulate", shard_count=2, shard_rank=r, comm=c)
+            for r, c in enumerate(comms)]
+    refs = [weakref.ref(c) for c in comms]
+    del comms
+    gc.collect()
+    assert all(ref() is not None and not ref().closed for ref in refs)
+
+    def rank(r):
+        with gradacc.Scaler(init_scale=1.0) as scaler:
+            accs[r].add(scaler, [np.full(5, r + 1.0, np.float32)], 1)
+            return accs[r].sync(), accs[r].shard()
+
+    (info, (offset, numel, data)), _ = results_of(run_ranks(2, rank))
+    assert (info.total_count, info.microbatches, offset, numel) == (2, 2, 0, 5)
+    assert data.tolist() == [1.5] * 5  # (1 + 2) / 2 items
+    for a in accs:
+        a.close()
+    gc.collect()
+    assert all(ref() is None for ref in refs)  # closing the accumulators released them
+
+
+def test_a_bad_call_on_one_rank_fails_every_rank_and_keeps_the_window():
+    group, (stranger,) = gradacc.local_group(2), gradacc.local_group(1)
+    for c in group:
+        c.timeout = 30  # a rank left waiting fails instead of hanging the test
+
+    def caught(f, *args):
+        try:
+            f(*args)
+        except gradacc.GradaccError as e:
+            return e
+        return None
+
+    def rank(r):
+        rng = np.random.default_rng(40 + r)
+        with gradacc.Scaler(init_scale=1.0) as scaler, accumulate(r, 2, group[r]) as acc:
+            grads = random_grads(rng)
+            acc.add(scaler, grads, 2)
+            before = acc.shard().data.copy()
+            bad_add = caught(acc.add, scaler, grads, 0 if r == 1 else 2)  # rank 1: no items for a mean loss
+            bad_sync = caught(acc.sync, stranger if r == 0 else None)  # rank 0: another communicator
+            unchanged = np.array_equal(acc.shard().data.view(np.uint32), before.view(np.uint32))
+            return bad_add, bad_sync, unchanged, acc.sync(group[r])
+
+    results = results_of(run_ranks(2, rank))
+    for c in group + [stranger]:
+        c.close()
+    (add0, sync0, _, _), (add1, sync1, _, _) = results
+    assert add1 is not None and add1.status == gradacc.Status.INVALID_ARGUMENT and "count" in add1.message, add1
+    assert add0 is not None and add0.status == gradacc.Status.PEER_FAILURE, add0
+    assert sync0 is not None and sync0.status == gradacc.Status.INVALID_ARGUMENT, sync0
+    assert sync1 is not None and sync1.status == gradacc.Status.PEER_FAILURE, sync1
+    for r, (_, _, unchanged, after) in enumerate(results):
+        assert unchanged, f"rank {r}: a failed call changed the shard"
+        assert (after.microbatches, after.total_count) == (2, 4), f"rank {r}: {after}"
