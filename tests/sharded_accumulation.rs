@@ -117,15 +117,14 @@ fn random_windows_match_the_f64_reference_on_every_rank() {
         let world = rng.range(1, 5) as usize;
         let tensors = random_layout(&mut rng);
         let config = random_config(&mut rng);
-        // Every rank adds the same number of micro-batches, each its own way.
-        let microbatches = rng.range(1, 4) as usize;
+        // Every rank adds the same micro-batches: whole, or tensor by tensor in its own order.
+        let hooks: Vec<bool> = (0..rng.range(1, 4)).map(|_| rng.range(0, 1) == 0).collect();
         let mut windows = Vec::new();
         let mut values = Vec::new();
         let mut orders = Vec::new();
         for _ in 0..world {
             let (mut w, mut v, mut o) = (Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..microbatches {
-                let hook = rng.range(0, 1) == 0;
+            for &hook in &hooks {
                 let (m, vals) = random_micro(&mut rng, &tensors, hook);
                 let mut order: Vec<usize> = (0..tensors.len()).collect();
                 for i in (1..order.len()).rev() {
@@ -368,6 +367,11 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // Rank 0 at the boundary while rank 1 adds: both fail with nothing reduced.
         let e = if r == 0 { acc.sync(None).unwrap_err() } else { acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err() };
+        assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
+        assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
+        // Rank 0 adds a whole micro-batch while rank 1 opens one tensor by tensor: the two cut
+        // the micro-batch differently, so both fail with nothing reduced.
+        let e = if r == 0 { acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err() } else { acc.begin_microbatch(1).unwrap_err() };
         assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // A second contribution to a tensor in one micro-batch is refused.

@@ -81,6 +81,11 @@ impl Layout {
         Ok(())
     }
 
+    /// The tensor holding element `pos` of the master.
+    pub(crate) fn tensor_at(&self, pos: usize) -> usize {
+        self.offsets.partition_point(|&o| o <= pos) - 1
+    }
+
     /// The bucket holding tensor `index`.
     pub(crate) fn bucket_of(&self, index: usize) -> usize {
         self.buckets.partition_point(|b| b.end <= self.offsets[index])

@@ -244,11 +244,12 @@ pub(crate) trait Store: Send + Sync {
         Ok(())
     }
 
-    /// A micro-batch opens (`add`, `begin_microbatch`), the window's first with `first`. With
+    /// A micro-batch opens, the window's first with `first`, `whole` from `add` (else tensor by
+    /// tensor, from `begin_microbatch`). With
     /// `error` this rank's call is invalid: a store that reduces every micro-batch still takes
     /// part in the micro-batch's control step, so that every rank fails together; the error is
     /// returned.
-    fn open_microbatch(&self, _first: bool, error: Option<&Error>) -> Result<()> {
+    fn open_microbatch(&self, _first: bool, _whole: bool, error: Option<&Error>) -> Result<()> {
         error.map_or(Ok(()), |e| Err(e.clone()))
     }
 
@@ -499,7 +500,7 @@ impl Accumulator {
         let grads = grads.into();
         let mut w = self.window.write();
         let checked = self.check_add(&w, scaler, grads, count);
-        self.store.open_microbatch(self.opens_window(&w), checked.as_ref().err())?;
+        self.store.open_microbatch(self.opens_window(&w), true, checked.as_ref().err())?;
         self.start_window_if_synced(&mut w)?;
         let weight = self.plan.config.weight(count);
         let added = self.store.add(scaler, grads, weight, &|i| !self.window.written(&w, i));
@@ -596,7 +597,7 @@ impl Accumulator {
             .and_then(|()| self.store.check_open())
             .and_then(|()| self.plan.config.check_count(w.open_count(), count))
             .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)));
-        self.store.open_microbatch(self.opens_window(&w), checked.as_ref().err())?;
+        self.store.open_microbatch(self.opens_window(&w), false, checked.as_ref().err())?;
         if let Some(c) = &comm {
             self.store.begin_final(c)?;
         }

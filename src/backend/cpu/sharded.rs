@@ -1,9 +1,17 @@
 //! The store of a sharded accumulation (ZeRO-2): this rank's shard of the FP32 master and one
-//! bucket of FP32 staging, in host memory. Every micro-batch goes bucket by bucket, in the
-//! backward's order (the last bucket first): its gradients are converted, unscaled, weighted and
-//! checked into the staging, the staging is reduce-scattered over the accumulator's
-//! communicator, and this rank's part is added into the shard (assigned in a window's first
-//! micro-batch) while it is in cache. The boundary only agrees, normalises, measures and clips.
+//! bucket of FP32 staging, in host memory. A micro-batch goes through the staging a part at a
+//! time: its gradients are converted, unscaled, weighted and checked into the staging, the
+//! staging is reduce-scattered over the accumulator's communicator, and this rank's part is added
+//! into the shard (assigned in a window's first micro-batch) while it is in cache. The boundary
+//! only agrees, normalises, measures and clips.
+//!
+//! The parts are cut two ways, and every rank cuts the same way in a micro-batch (the control
+//! step checks it). A whole micro-batch (`add`) goes by stripes: stripe k holds the k-th slice of
+//! every shard, so each reduce-scatter is balanced, every rank receiving and summing its own
+//! slice. Tensors arriving one by one (`add_tensor`) go by buckets, in the backward's order (the
+//! last bucket first), each reduced as soon as its tensors have landed; a bucket inside one shard
+//! is then a reduce into its owner. Either way each element is the same sum in rank order, so the
+//! bits do not depend on the cut.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,13 +23,14 @@ use super::store::{agree, between_ranks, host_collectives, norm_and_clip, Clip, 
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 
 /// XORed into the fingerprint in a micro-batch's control step, so that a rank at a micro-batch
-/// and a rank at the boundary never agree.
-const MICROBATCH_TAG: u64 = 0x5851_f42d_4c95_7f2d;
+/// and a rank at the boundary never agree, nor a rank cutting by stripes and one by buckets.
+const BY_STRIPES: u64 = 0x5851_f42d_4c95_7f2d;
+const BY_BUCKETS: u64 = 0x2545_f491_4f6c_dd1d;
 
 pub(crate) struct ShardedStore {
     plan: Arc<Plan>,
@@ -31,6 +40,8 @@ pub(crate) struct ShardedStore {
     own: Range<usize>,
     /// Each bucket's tensors.
     bucket_tensors: Vec<Range<usize>>,
+    /// Elements of each shard in one stripe: a bucket's worth over all ranks, in whole norm blocks.
+    stripe: usize,
     shard: Master,
     /// The window's sticky non-finite flag (this rank's gradients only).
     found_inf: AtomicBool,
@@ -70,7 +81,8 @@ impl ShardedStore {
         let shards = plan.shards();
         let own = shards[comm.rank()].clone();
         let shard = Master::owned(own.len())?;
-        let staging = Self::allocate_stage(&plan)?;
+        let stripe = plan.config.bucket_numel.div_ceil(shards.len()).next_multiple_of(NORM_BLOCK);
+        let staging = Self::allocate_stage(&plan, &shards, stripe)?;
         let mut bucket_tensors = vec![0..0; plan.layout.buckets().len()];
         for i in 0..plan.descs.len() {
             let t = &mut bucket_tensors[plan.layout.bucket_of(i)];
@@ -91,6 +103,7 @@ impl ShardedStore {
             shards,
             own,
             bucket_tensors,
+            stripe,
             shard,
             found_inf: AtomicBool::new(false),
             lost: AtomicBool::new(false),
@@ -98,11 +111,12 @@ impl ShardedStore {
         })
     }
 
-    /// One bucket's staging: room for the largest bucket, from the norm block it starts in (so
+    /// One part's staging: room for the largest bucket, from the norm block it starts in (so
     /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
-    /// needs).
-    fn allocate_stage(plan: &Plan) -> Result<Vec<f32>> {
-        let len = plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
+    /// needs), and for a stripe.
+    fn allocate_stage(plan: &Plan, shards: &[Range<usize>], stripe: usize) -> Result<Vec<f32>> {
+        let buckets = plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
+        let len = buckets.max(shards.iter().map(|s| s.len().min(stripe)).sum());
         let mut v = Vec::new();
         v.try_reserve_exact(len)
             .map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot allocate a staging bucket of {len} f32 elements")))?;
@@ -128,45 +142,61 @@ impl ShardedStore {
         Ok(math::unscale_factor(weight, scaler.host_scale()?))
     }
 
-    /// Converts tensor `index`'s gradient into bucket `b`'s staging (assigned); flags overflow.
-    fn stage_tensors(&self, stage: &mut [f32], b: usize, grads: &mut dyn Iterator<Item = (usize, crate::dtype::Grad<'_>)>, factor: f32) {
-        let base = stage_base(&self.plan.layout.buckets()[b]);
-        let mut rest = &mut stage[..];
-        let mut at = base;
+    /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
+    /// range at its staging position; flags overflow. `flat` ascends, and so do the positions.
+    fn stage_ranges<'g>(&self, stage: &mut [f32], parts: &[(Range<usize>, usize)], grads: &dyn Fn(usize) -> Grad<'g>, factor: f32) {
+        let layout = &self.plan.layout;
+        let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
-        for (i, grad) in grads {
-            let r = self.plan.layout.range(i);
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
-            let (master, tail) = tail.split_at_mut(r.len());
-            passes.push(super::TensorPass { master, grad, assign: true });
-            (rest, at) = (tail, r.end);
+        for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
+            let mut i = layout.tensor_at(flat.start);
+            while i < self.plan.descs.len() && layout.range(i).start < flat.end {
+                let t = layout.range(i);
+                let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
+                let (master, tail) = tail.split_at_mut(hi - lo);
+                passes.push(super::TensorPass { master, grad: grads(i).slice(lo - t.start, hi - t.start), assign: true });
+                (rest, at) = (tail, position + (hi - flat.start));
+                i += 1;
+            }
         }
         if super::accumulate_many(passes, factor, self.plan.config.threads) {
             self.found_inf.store(true, Ordering::Relaxed);
         }
     }
 
+    /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
+    /// packed in rank order.
+    fn stripe(&self, k: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+        let flat: Vec<Range<usize>> =
+            self.shards.iter().map(|s| (s.start + k * self.stripe).min(s.end)..(s.start + (k + 1) * self.stripe).min(s.end)).collect();
+        let mut at = 0;
+        let pieces = flat.iter().map(|f| (at..at + f.len(), at += f.len()).0).collect();
+        (flat, pieces)
+    }
+
     /// Reduce-scatters bucket `b`'s staging and adds this rank's part into the shard (assigns it
-    /// with `first`). A failure loses the window.
+    /// with `first`).
     fn reduce_bucket(&self, b: usize, stage: &mut [f32], first: bool) -> Result<()> {
         let bucket = self.plan.layout.buckets()[b].clone();
         let base = stage_base(&bucket);
-        let stage = &mut stage[..bucket.end - base];
         let clamp = |s: &Range<usize>| s.start.clamp(base, bucket.end) - base..s.end.clamp(base, bucket.end) - base;
         let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
         // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
         let own = clamp(&self.own);
         let own = own.start.max(bucket.start - base)..own.end.max(bucket.start - base);
-        let into = AddInto {
-            stage: stage.as_ptr() as usize,
-            own: own.clone(),
-            // The shard element at staging position `own.start`.
-            dst: self.shard.ptr_at((own.start + base).saturating_sub(self.own.start).min(self.own.len())) as usize,
-            assign: first,
-            wire: self.plan.config.wire,
-        };
+        let shard_at = (own.start + base).saturating_sub(self.own.start).min(self.own.len());
+        self.reduce_part(&mut stage[..bucket.end - base], &pieces, own, shard_at, first)
+    }
+
+    /// Reduce-scatters `stage` cut into `pieces` (one per rank) and adds `own`, this rank's part,
+    /// into the shard from element `shard_at` (assigns it with `first`). A failure loses the
+    /// window.
+    fn reduce_part(&self, stage: &mut [f32], pieces: &[Range<usize>], own: Range<usize>, shard_at: usize, first: bool) -> Result<()> {
+        let into =
+            AddInto { stage: stage.as_ptr() as usize, own, dst: self.shard.ptr_at(shard_at) as usize, assign: first, wire: self.plan.config.wire };
         let result = match between_ranks(Some(&*self.comm))? {
-            Some(c) => c.reduce_scatter_with_pass(stage, &pieces, &into).map(drop),
+            Some(c) => c.reduce_scatter_with_pass(stage, pieces, &into).map(drop),
             None => {
                 into.run(stage, &mut []);
                 Ok(())
@@ -186,7 +216,7 @@ impl ShardedStore {
             }
             let mut stage = match m.stages[b].take() {
                 Some(stage) => stage,
-                None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan), Ok)?,
+                None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan, &self.shards, self.stripe), Ok)?,
             };
             let base = stage_base(&self.plan.layout.buckets()[b]);
             for i in self.tensors_of(b).filter(|&i| !m.landed[i]) {
@@ -261,11 +291,11 @@ impl Store for ShardedStore {
 
     /// The micro-batch's control step: the ranks agree that they all add a micro-batch to the
     /// same layout, or all fail with nothing reduced.
-    fn open_microbatch(&self, first: bool, error: Option<&Error>) -> Result<()> {
+    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         let mut m = self.state();
         let mine = Control {
             numel: self.plan.layout.len() as u64,
-            layout: self.plan.fingerprint() ^ MICROBATCH_TAG,
+            layout: self.plan.fingerprint() ^ if whole { BY_STRIPES } else { BY_BUCKETS },
             error: error.is_some(),
             ..Default::default()
         };
@@ -282,8 +312,8 @@ impl Store for ShardedStore {
         if total.min_layout != total.max_layout || total.min_numel != total.max_numel {
             return Err(Error::new(
                 ErrorKind::SizeMismatch,
-                "the ranks are not at the same step (a micro-batch on some, the boundary on others) or their accumulators differ; \
-                 no rank reduced this micro-batch",
+                "the ranks are not at the same step (a micro-batch on some, the boundary on others; or add on some, \
+                 add_tensor on others) or their accumulators differ; no rank reduced this micro-batch",
             ));
         }
         m.open = true;
@@ -302,13 +332,17 @@ impl Store for ShardedStore {
         let mut m = self.state();
         let mut stage = match m.spare.pop() {
             Some(stage) => stage,
-            None => Self::allocate_stage(&self.plan)?,
+            None => Self::allocate_stage(&self.plan, &self.shards, self.stripe)?,
         };
         let mut result = Ok(());
-        for k in 0..self.plan.layout.buckets().len() {
-            let b = self.schedule(k);
-            self.stage_tensors(&mut stage, b, &mut self.tensors_of(b).map(|i| (i, grads[i])), factor);
-            result = self.reduce_bucket(b, &mut stage, m.first);
+        let rank = self.comm.rank();
+        // The first shard is the largest.
+        for k in 0..self.shards[0].len().div_ceil(self.stripe) {
+            let (flat, pieces) = self.stripe(k);
+            let parts: Vec<(Range<usize>, usize)> = flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
+            self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
+            let end = pieces.last().map_or(0, |p| p.end);
+            result = self.reduce_part(&mut stage[..end], &pieces, pieces[rank].clone(), k * self.stripe, m.first);
             if result.is_err() {
                 break;
             }
@@ -335,9 +369,11 @@ impl Store for ShardedStore {
         let b = self.plan.layout.bucket_of(index);
         let mut stage = match m.stages[b].take() {
             Some(stage) => stage,
-            None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan), Ok)?,
+            None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan, &self.shards, self.stripe), Ok)?,
         };
-        self.stage_tensors(&mut stage, b, &mut std::iter::once((index, grad)), factor);
+        let base = stage_base(&self.plan.layout.buckets()[b]);
+        let r = self.plan.layout.range(index);
+        self.stage_ranges(&mut stage, &[(r.clone(), r.start - base)], &|_| grad, factor);
         m.stages[b] = Some(stage);
         m.landed[index] = true;
         m.missing[b] -= 1;
