@@ -25,7 +25,12 @@
  *                   reduce to one rank and a scatter, MPI_Reduce_scatter by its tuned algorithms).
  *
  * With --wire (scripts/bench-mpi --wire) it times both syncs with FP32 and with BF16 on the wire,
- * and measures each result's error against f64 (see wire_table). */
+ * and measures each result's error against f64 (see wire_table).
+ *
+ * With --zero2 (scripts/bench-mpi --zero2) it times one micro-batch of sharded accumulation
+ * (GRADACC_SHARDING_ACCUMULATE: convert into staging, reduce-scatter, add into the shard, bucket
+ * by bucket) against gradacc_accumulator_add of an unsharded accumulator plus the fastest bare
+ * reduce-scatter of the same FP32 bytes (see zero2_table). */
 #include <gradacc.h>
 #include <mpi.h>
 #include <stdint.h>
@@ -195,6 +200,102 @@ static void reduce_scatter_table(size_t n, gradacc_comm_t *comm, gradacc_scaler_
     gradacc_accumulator_destroy(rs);
 }
 
+/* With --zero2: per micro-batch, sharded accumulation's add against an unsharded add plus the
+ * fastest bare reduce-scatter of the FP32 gradient (MPI_Reduce_scatter_block or MPI_Reduce_scatter,
+ * as one call or in 4 MB pieces), over tensors of 1M fp16 elements in the default 4M-element
+ * buckets; also the sharded boundary's time and each rank's FP32 memory. */
+static void zero2_table(size_t n, gradacc_comm_t *comm, gradacc_scaler_t *scaler)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    enum { TENSOR = 1 << 20, MAX_TENSORS = 256 };
+    size_t nt = n / TENSOR;
+    if (n % ((size_t)size * RS_PIECE) != 0 || n % TENSOR != 0 || nt > MAX_TENSORS || size > 64) {
+        if (rank == 0)
+            fprintf(stderr, "--zero2 needs at most 64 processes and a parameter count that is a multiple of %d x 2^20, "
+                            "at most 256 x 2^20\n", size);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    gradacc_tensor_desc_t t[MAX_TENSORS];
+    for (size_t i = 0; i < nt; i++)
+        t[i] = (gradacc_tensor_desc_t){TENSOR, GRADACC_DTYPE_F16};
+    gradacc_accumulator_config_t ac;
+    OK(gradacc_accumulator_config_default(&ac));
+    gradacc_accumulator_t *plain_acc, *z;
+    OK(gradacc_accumulator_create(&ac, t, nt, NULL, &plain_acc));
+    ac.sharding = GRADACC_SHARDING_ACCUMULATE;
+    ac.shard_count = (uint32_t)size;
+    ac.shard_rank = (uint32_t)rank;
+    OK(gradacc_accumulator_create_sharded(&ac, t, nt, NULL, comm, &z));
+    uint16_t *g = malloc(n * 2);
+    float *plain = malloc(n * 4), *out = malloc(n / (size_t)size * 4);
+    for (size_t i = 0; i < n; i++) {
+        g[i] = (uint16_t)(0x3c00 + (i % 512)); /* 1.0 .. 1.5 */
+        plain[i] = 1.0f;
+    }
+    const void *grads[MAX_TENSORS];
+    for (size_t i = 0; i < nt; i++)
+        grads[i] = g + i * TENSOR;
+    double t_add[REPEATS], t_z[REPEATS], t_sync[REPEATS], ratio[REPEATS], floor_t[4][REPEATS];
+    for (int rep = -WARMUP; rep < REPEATS; rep++) { /* negative repeats warm up */
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = MPI_Wtime();
+        OK(gradacc_accumulator_add(plain_acc, scaler, grads, nt, 1));
+        double a = slowest(t0);
+        double f[4];
+        time_floor(REDUCE_SCATTER_BLOCK, plain, out, n, size, &f[0], &f[1]);
+        time_floor(REDUCE_SCATTER, plain, out, n, size, &f[2], &f[3]);
+        for (size_t i = 0; i < n; i++) /* keep the values finite */
+            plain[i] = 1.0f;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = MPI_Wtime();
+        OK(gradacc_accumulator_add(z, scaler, grads, nt, 1));
+        double zt = slowest(t0);
+        gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = MPI_Wtime();
+        OK(gradacc_accumulator_sync(z, comm, &info));
+        double st = slowest(t0);
+        OK(gradacc_accumulator_reset(plain_acc)); /* each micro-batch the window's first, as z's */
+        if (rep >= 0) {
+            double fastest = f[0];
+            for (int k = 1; k < 4; k++)
+                fastest = f[k] < fastest ? f[k] : fastest;
+            t_add[rep] = a;
+            t_z[rep] = zt;
+            t_sync[rep] = st;
+            ratio[rep] = zt / (a + fastest);
+            for (int k = 0; k < 4; k++)
+                floor_t[k][rep] = f[k];
+        }
+    }
+    double a = median(t_add, REPEATS), zt = median(t_z, REPEATS), st = median(t_sync, REPEATS), f[4];
+    median(ratio, REPEATS); /* sorts */
+    for (int k = 0; k < 4; k++)
+        f[k] = median(floor_t[k], REPEATS);
+    double fastest = f[0];
+    for (int k = 1; k < 4; k++)
+        fastest = f[k] < fastest ? f[k] : fastest;
+    size_t offset, shard_numel;
+    float *data;
+    OK(gradacc_accumulator_shard(z, &offset, &shard_numel, &data));
+    if (rank == 0) {
+        printf("| processes | fp16 parameters | add, unsharded (ms) | fastest reduce-scatter (ms) | sharded add (ms) | "
+               "sharded add / (add + reduce-scatter) | the same per repeat: median [quartiles] | sharded sync (ms) | "
+               "FP32 held per rank by layout, sharded / unsharded (MB) |\n|---|---|---|---|---|---|---|---|---|\n");
+        printf("| %d | %zuM | %.1f | %.1f | %.1f | %.2f | %.2f [%.2f-%.2f] | %.2f | %.0f / %.0f |\n", size, n >> 20, a * 1e3,
+               fastest * 1e3, zt * 1e3, zt / (a + fastest), quantile(ratio, REPEATS, 0.5), quantile(ratio, REPEATS, 0.25),
+               quantile(ratio, REPEATS, 0.75), st * 1e3, (double)(shard_numel + 4 * (size_t)TENSOR) * 4 / 1e6,
+               (double)n * 4 / 1e6);
+    }
+    free(g);
+    free(plain);
+    free(out);
+    gradacc_accumulator_destroy(plain_acc);
+    gradacc_accumulator_destroy(z);
+}
+
 /* A contribution of rank r to element i: magnitudes from 1e-3 to 1e3 across ranks, both signs. */
 static float wire_value(int r, size_t i)
 {
@@ -287,7 +388,8 @@ int main(int argc, char **argv)
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     int sharding = argc > 1 && strcmp(argv[1], "--reduce-scatter") == 0;
     int wire = argc > 1 && strcmp(argv[1], "--wire") == 0;
-    if (sharding || wire) {
+    int zero2 = argc > 1 && strcmp(argv[1], "--zero2") == 0;
+    if (sharding || wire || zero2) {
         argc--;
         argv++;
     }
@@ -299,9 +401,11 @@ int main(int argc, char **argv)
     OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
     gradacc_scaler_t *scaler;
     OK(gradacc_scaler_create(NULL, NULL, &scaler));
-    if (sharding || wire) {
+    if (sharding || wire || zero2) {
         if (sharding)
             reduce_scatter_table(n, comm, scaler);
+        else if (zero2)
+            zero2_table(n, comm, scaler);
         else
             wire_table(n, comm);
         gradacc_scaler_destroy(scaler);
