@@ -97,6 +97,10 @@ const (
 	// gradient (Accumulator.Shard), through a reduce-scatter, as a distributed optimizer needs;
 	// Accumulator.SyncHybrid then also all-reduces the shard over a replica group (HSDP).
 	ShardingReduceScatter Sharding = C.GRADACC_SHARDING_REDUCE_SCATTER
+	// ShardingAccumulate: sharded accumulation (ZeRO-2). Rank ShardRank of ShardCount holds only
+	// its shard of the FP32 gradient and one bucket of staging, and every micro-batch is
+	// reduce-scattered over the communicator given to NewShardedAccumulator.
+	ShardingAccumulate Sharding = C.GRADACC_SHARDING_ACCUMULATE
 )
 
 // HeaderVersion is the version of the header this package was compiled against.

@@ -63,11 +63,12 @@ type AccumulatorConfig struct {
 	Threads       uint32
 	// Sharding is the boundary's policy (default ShardingNone). With ShardingReduceScatter,
 	// Sync takes a communicator of ShardCount ranks on which this is rank ShardRank, and
-	// SyncHybrid such a shard group and a replica group.
+	// SyncHybrid such a shard group and a replica group. ShardingAccumulate (sharded
+	// accumulation) takes that communicator at creation: NewShardedAccumulator.
 	Sharding   Sharding
 	ShardCount uint32 // default 1; must be 1 without sharding
 	ShardRank  uint32 // default 0; below ShardCount
-	// WireDType is what the boundary's reductions send (default F32, or BF16).
+	// WireDType is what the reductions send (default F32, or BF16).
 	WireDType DType
 }
 
@@ -333,10 +334,15 @@ func (s *Scaler) Load(state []byte) error {
 type Accumulator struct {
 	ptr     *C.gradacc_accumulator_t
 	tensors []TensorDesc
+	// comm is a sharded accumulation's communicator, referenced so that its finalizer cannot
+	// destroy the handle before the accumulator (gradacc_accumulator_create_sharded asks for
+	// that order: every micro-batch reduces over it).
+	comm *Comm
 }
 
-// NewAccumulator creates an accumulator; a nil config means the defaults, a nil device the CPU.
-func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Device) (*Accumulator, error) {
+// creationArgs are the C arguments every constructor shares: the config (nil for the
+// defaults), the tensor descriptions and the device.
+func creationArgs(tensors []TensorDesc, config *AccumulatorConfig, device *Device) (*C.gradacc_accumulator_config_t, []C.gradacc_tensor_desc_t, C.gradacc_device_t) {
 	var cfg *C.gradacc_accumulator_config_t
 	if config != nil {
 		c := config.c()
@@ -347,7 +353,12 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 		descs[i].numel = C.uint64_t(t.Numel)
 		descs[i].dtype = C.gradacc_dtype_t(t.DType)
 	}
-	dev := device.c()
+	return cfg, descs, device.c()
+}
+
+// NewAccumulator creates an accumulator; a nil config means the defaults, a nil device the CPU.
+func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Device) (*Accumulator, error) {
+	cfg, descs, dev := creationArgs(tensors, config, device)
 	var p *C.gradacc_accumulator_t
 	err := call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_create(cfg, &descs[0], C.size_t(len(tensors)), &dev, &p)
@@ -355,9 +366,44 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 	if err != nil {
 		return nil, err
 	}
-	a := &Accumulator{ptr: p, tensors: append([]TensorDesc(nil), tensors...)}
+	return newAccumulator(p, tensors, nil), nil
+}
+
+// NewShardedAccumulator creates a sharded accumulation (ZeRO-2): config.Sharding is
+// ShardingAccumulate and comm a host communicator (in-process or MPI) of config.ShardCount ranks
+// on which this is rank config.ShardRank; anything else fails with StatusInvalidArgument (a CUDA
+// device with StatusBackendUnavailable). The accumulator holds only its shard (Shard) and one
+// bucket of staging, and reduce-scatters every micro-batch over comm: every rank makes the same
+// Add, or BeginMicrobatch / AddTensor / EndMicrobatch, calls, each from its own goroutine, then
+// Sync with comm or nil. An invalid call on one rank fails there and with StatusPeerFailure on
+// the others, with nothing added; with AddTensor each tensor takes one contribution per
+// micro-batch. The shard differs from an unsharded all-reduce only by the order of the FP32
+// sums. The accumulator keeps comm referenced until Close; closing comm first makes every later
+// reduction fail.
+func NewShardedAccumulator(tensors []TensorDesc, config *AccumulatorConfig, comm *Comm, device *Device) (*Accumulator, error) {
+	cfg, descs, dev := creationArgs(tensors, config, device)
+	var cp *C.gradacc_comm_t // nil: the C call names the missing argument
+	if comm != nil {
+		var err error
+		if cp, err = comm.handle(); err != nil {
+			return nil, err
+		}
+	}
+	var p *C.gradacc_accumulator_t
+	err := call(func() C.enum_gradacc_status_t {
+		return C.gradacc_accumulator_create_sharded(cfg, &descs[0], C.size_t(len(tensors)), &dev, cp, &p)
+	})
+	runtime.KeepAlive(comm)
+	if err != nil {
+		return nil, err
+	}
+	return newAccumulator(p, tensors, comm), nil
+}
+
+func newAccumulator(p *C.gradacc_accumulator_t, tensors []TensorDesc, comm *Comm) *Accumulator {
+	a := &Accumulator{ptr: p, tensors: append([]TensorDesc(nil), tensors...), comm: comm}
 	runtime.SetFinalizer(a, (*Accumulator).Close)
-	return a, nil
+	return a
 }
 
 // Close destroys the accumulator; slices from Master become invalid. Calling it again does nothing.
@@ -368,6 +414,7 @@ func (a *Accumulator) Close() error {
 	runtime.SetFinalizer(a, nil)
 	p := a.ptr
 	a.ptr = nil
+	a.comm = nil
 	return call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_destroy(p) })
 }
 
@@ -565,7 +612,9 @@ func (a *Accumulator) EndMicrobatch() error {
 }
 
 // Sync is the boundary. With a communicator every rank calls it, each from its own goroutine;
-// nil is the single-process boundary.
+// nil is the single-process boundary, or for a sharded accumulation (NewShardedAccumulator) the
+// boundary over its own communicator, the only other one it takes (another fails there with
+// StatusInvalidArgument and on the other ranks with StatusPeerFailure).
 func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	p, err := a.handle()
 	if err != nil {
@@ -588,10 +637,11 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
 }
 
-// SyncHybrid is the hybrid boundary (HSDP) of an accumulator with ShardingReduceScatter: a
-// reduce-scatter over shard (its shard group: ShardCount ranks, this one ShardRank), then an
-// all-reduce of the shard over replicas, the ranks holding the same shard in the other shard
-// groups. Every rank of both groups calls it, each from its own goroutine. Counts, overflow and
+// SyncHybrid is the hybrid boundary (HSDP) of an accumulator with ShardingReduceScatter or
+// ShardingAccumulate: a reduce-scatter over shard (its shard group: ShardCount ranks, this one
+// ShardRank; for a sharded accumulation, its own communicator, which reduced every micro-batch
+// already), then an all-reduce of the shard over replicas, the ranks holding the same shard in
+// the other shard groups. Every rank of both groups calls it, each from its own goroutine. Counts, overflow and
 // the norm are the whole grid's, the same on every rank, and replicas hold the same bits (Shard).
 // Replica groups pairing different shards fail with StatusSizeMismatch, and an unsharded
 // accumulator with StatusInvalidArgument, on every rank with the window intact. Host
@@ -620,7 +670,9 @@ func (a *Accumulator) SyncHybrid(shard, replicas *Comm) (SyncInfo, error) {
 // host accumulators only). The slice is valid until the accumulator is closed, and the
 // accumulator's finalizer closes it once the *Accumulator is unreachable, which the slice does
 // not prevent: keep the accumulator alive while using the slice (runtime.KeepAlive(acc) after
-// the last use), or use CopyMaster. Its contents are the boundary's result after Sync.
+// the last use), or use CopyMaster. Its contents are the boundary's result after Sync. A sharded
+// accumulation holds only its shard: a tensor not wholly inside it fails with
+// StatusInvalidArgument (use Shard).
 func (a *Accumulator) Master(index int) ([]float32, error) {
 	p, err := a.handle()
 	if err != nil {
@@ -652,8 +704,10 @@ func (a *Accumulator) CopyMaster(index int) ([]float32, error) {
 // accumulators only), valid as Master's slices are. Without sharding it is the whole master.
 // With ShardingReduceScatter, after a Sync only the shard holds the reduced gradient (the bits
 // an unsharded Sync leaves there); the rest of the master is unspecified until the next window's
-// first micro-batch. Shards are cut in whole blocks of 4096 elements, so the last ones may be
-// shorter or empty. The range never changes.
+// first micro-batch. With ShardingAccumulate the shard is all the accumulator holds: the
+// window's sum over the ranks while accumulating, the reduced gradient after Sync. Shards are
+// cut in whole blocks of 4096 elements, so the last ones may be shorter or empty. The range
+// never changes.
 func (a *Accumulator) Shard() (offset int, shard []float32, err error) {
 	p, err := a.handle()
 	if err != nil {
@@ -691,7 +745,9 @@ func (a *Accumulator) Reset() error {
 	return err
 }
 
-// SaveWindow returns the window in progress as versioned bytes.
+// SaveWindow returns the window in progress as versioned bytes. A sharded accumulation saves its
+// shard: the bytes load only into the same shard of an accumulation over as many ranks
+// (anything else fails with StatusCorruptState).
 func (a *Accumulator) SaveWindow() ([]byte, error) {
 	p, err := a.handle()
 	if err != nil {

@@ -591,3 +591,389 @@ func TestSyncHybridWithANilCommFailsEveryRank(t *testing.T) {
 		}
 	}
 }
+
+// ---- sharded accumulation (ZeRO-2) -----------------------------------------------------------
+
+// accumulateConfig is rank r of world's sharded accumulation, with buckets small enough that
+// every micro-batch is reduced in several pieces.
+func accumulateConfig(world, r int, maxNorm float32) AccumulatorConfig {
+	c := DefaultAccumulatorConfig()
+	c.Sharding, c.ShardCount, c.ShardRank = ShardingAccumulate, uint32(world), uint32(r)
+	c.MaxGradNorm, c.BucketNumel = maxNorm, 4096
+	return c
+}
+
+// setTimeouts makes a rank left waiting fail instead of hanging the test.
+func setTimeouts(t *testing.T, d time.Duration, groups ...[]*Comm) {
+	for _, g := range groups {
+		for _, c := range g {
+			if err := c.SetTimeout(d); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+type accumulateResult struct {
+	err                   error
+	byAdd, byTensor, ddp  SyncInfo
+	offset                int
+	shard, tensorShard    []float32
+	ddpMasters            []float32
+	readable, viewOfShard []bool // Master(i) succeeds; and is the shard's memory
+}
+
+// Every rank adds the same random micro-batches to two sharded accumulations, one through Add
+// and one tensor by tensor in backward order through AddTensor, and to an unsharded one synced
+// over the whole group (DDP). The two ways give the same bits, and the shards tile the gradient
+// and match DDP's within the rounding of another summation order.
+func TestShardedAccumulationMatchesDDP(t *testing.T) {
+	for _, world := range []int{2, 3} {
+		for _, maxNorm := range []float32{0, 0.25} {
+			t.Run(fmt.Sprintf("world%d/maxnorm%g", world, maxNorm), func(t *testing.T) {
+				checkShardedAccumulation(t, world, maxNorm)
+			})
+		}
+	}
+}
+
+func checkShardedAccumulation(t *testing.T, world int, maxNorm float32) {
+	addComms, tensorComms, ddpComms := must(NewLocalGroup(world)), must(NewLocalGroup(world)), must(NewLocalGroup(world))
+	defer closeAll(addComms)
+	defer closeAll(tensorComms)
+	defer closeAll(ddpComms)
+	setTimeouts(t, time.Minute, addComms, tensorComms)
+	res := make([]accumulateResult, world)
+	onRanks(t, world, func(r int) {
+		x := &res[r]
+		x.err = func() error {
+			scaler := scalerWithScale(t, 1024)
+			defer scaler.Close()
+			c := accumulateConfig(world, r, maxNorm)
+			byAdd, err := NewShardedAccumulator(shardTensors, &c, addComms[r], nil)
+			if err != nil {
+				return err
+			}
+			defer byAdd.Close()
+			byTensor, err := NewShardedAccumulator(shardTensors, &c, tensorComms[r], nil)
+			if err != nil {
+				return err
+			}
+			defer byTensor.Close()
+			dc := DefaultAccumulatorConfig()
+			dc.MaxGradNorm = maxNorm
+			ddp, err := NewAccumulator(shardTensors, &dc, nil)
+			if err != nil {
+				return err
+			}
+			defer ddp.Close()
+			rng := rand.New(rand.NewSource(int64(900 + 10*world + r)))
+			for m := 0; m < 3; m++ {
+				g, count := randomGrads(rng), microbatchCount(r, m)
+				if err := byAdd.Add(scaler, g, count); err != nil {
+					return err
+				}
+				if err := byTensor.BeginMicrobatch(count); err != nil {
+					return err
+				}
+				for i := len(g) - 1; i >= 0; i-- { // as a backward pass produces them
+					if err := byTensor.AddTensor(scaler, i, g[i]); err != nil {
+						return err
+					}
+				}
+				if err := byTensor.EndMicrobatch(); err != nil {
+					return err
+				}
+				if err := ddp.Add(scaler, g, count); err != nil {
+					return err
+				}
+			}
+			if x.byAdd, err = byAdd.Sync(nil); err != nil { // nil: its own communicator
+				return err
+			}
+			if x.byTensor, err = byTensor.Sync(tensorComms[r]); err != nil { // or the same one
+				return err
+			}
+			if x.ddp, err = ddp.Sync(ddpComms[r]); err != nil {
+				return err
+			}
+			offset, view, err := byAdd.Shard()
+			if err != nil {
+				return err
+			}
+			x.offset, x.shard = offset, append([]float32(nil), view...)
+			if _, x.tensorShard, err = byTensor.CopyShard(); err != nil {
+				return err
+			}
+			at := 0
+			for i, d := range shardTensors {
+				m, err := ddp.CopyMaster(i)
+				if err != nil {
+					return err
+				}
+				x.ddpMasters = append(x.ddpMasters, m...)
+				own, err := byAdd.Master(i)
+				var e *Error
+				if err != nil && (!errors.As(err, &e) || e.Status != StatusInvalidArgument) {
+					return fmt.Errorf("Master(%d): %w", i, err)
+				}
+				x.readable = append(x.readable, err == nil)
+				x.viewOfShard = append(x.viewOfShard, err == nil && len(own) > 0 &&
+					unsafe.Pointer(&own[0]) == unsafe.Pointer(&view[at-offset]))
+				at += int(d.Numel)
+			}
+			runtime.KeepAlive(byAdd)
+			return nil
+		}()
+	})
+
+	var count uint64
+	for r := 0; r < world; r++ {
+		for m := 0; m < 3; m++ {
+			count += microbatchCount(r, m)
+		}
+	}
+	for r, x := range res {
+		if x.err != nil {
+			t.Fatalf("rank %d: %v", r, x.err)
+		}
+	}
+	ddp := res[0].ddpMasters
+	largest := 0.0
+	for _, v := range ddp {
+		largest = math.Max(largest, math.Abs(float64(v)))
+	}
+	next := 0
+	for r, x := range res {
+		h, d := x.byAdd, x.ddp
+		if x.byTensor != h || len(x.tensorShard) != len(x.shard) {
+			t.Fatalf("rank %d: AddTensor %+v, Add %+v", r, x.byTensor, h)
+		}
+		for i := range x.shard {
+			if math.Float32bits(x.shard[i]) != math.Float32bits(x.tensorShard[i]) {
+				t.Fatalf("rank %d: element %d is %v through Add, %v through AddTensor", r, x.offset+i, x.shard[i], x.tensorShard[i])
+			}
+		}
+		if h != res[0].byAdd {
+			t.Errorf("rank %d: %+v, rank 0 %+v", r, h, res[0].byAdd)
+		}
+		if h.TotalCount != count || d.TotalCount != count || h.Microbatches != uint64(3*world) || h.FoundInf {
+			t.Errorf("rank %d: %+v (DDP %+v)", r, h, d)
+		}
+		if math.Abs(h.GradNorm-d.GradNorm) > 1e-5*d.GradNorm || math.Abs(h.ClipCoef-d.ClipCoef) > 1e-5*d.ClipCoef {
+			t.Errorf("rank %d: norm %v clip %v, DDP norm %v clip %v", r, h.GradNorm, h.ClipCoef, d.GradNorm, d.ClipCoef)
+		}
+		if (h.ClipCoef < 1) != (maxNorm > 0) {
+			t.Errorf("rank %d: clip_coef %v with max_grad_norm %v", r, h.ClipCoef, maxNorm)
+		}
+		if x.offset != next || len(x.shard) == 0 || len(x.shard) >= shardTotal {
+			t.Fatalf("rank %d: shard %d..%d, the previous ended at %d", r, x.offset, x.offset+len(x.shard), next)
+		}
+		next = x.offset + len(x.shard)
+		for i, v := range x.shard {
+			want := float64(ddp[x.offset+i])
+			if math.Abs(float64(v)-want) > 1e-5*math.Abs(want)+1e-6*largest {
+				t.Fatalf("rank %d: element %d is %v, DDP %v", r, x.offset+i, v, want)
+			}
+		}
+		// Master gives exactly the tensors wholly inside the shard, over the shard's memory.
+		at := 0
+		for i, d := range shardTensors {
+			inside := x.offset <= at && at+int(d.Numel) <= next
+			if x.readable[i] != inside || x.viewOfShard[i] != inside {
+				t.Errorf("rank %d: Master(%d) readable %v, over the shard %v; inside the shard %v", r, i, x.readable[i], x.viewOfShard[i], inside)
+			}
+			at += int(d.Numel)
+		}
+	}
+	if next != shardTotal {
+		t.Fatalf("the shards end at %d of %d", next, shardTotal)
+	}
+}
+
+// One shard of one, created without a communicator, is the unsharded accumulator bit for bit.
+func TestOneShardOfOneIsTheUnshardedAccumulator(t *testing.T) {
+	scaler := scalerWithScale(t, 1024)
+	defer scaler.Close()
+	oc := accumulateConfig(1, 0, 0)
+	pc := DefaultAccumulatorConfig()
+	pc.BucketNumel = oc.BucketNumel
+	one := must(NewAccumulator(shardTensors, &oc, nil))
+	defer one.Close()
+	plain := must(NewAccumulator(shardTensors, &pc, nil))
+	defer plain.Close()
+	rng := rand.New(rand.NewSource(11))
+	for m := 0; m < 3; m++ {
+		g := randomGrads(rng)
+		for _, acc := range []*Accumulator{one, plain} {
+			if err := acc.Add(scaler, g, uint64(1+m)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if a, b := must(one.Sync(nil)), must(plain.Sync(nil)); a != b {
+		t.Fatalf("one shard %+v, unsharded %+v", a, b)
+	}
+	offset, a, err := one.CopyShard()
+	if err != nil || offset != 0 || len(a) != shardTotal {
+		t.Fatalf("one shard of one: %d, %d elements, %v", offset, len(a), err)
+	}
+	_, b, _ := plain.CopyShard()
+	for i := range a {
+		if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+			t.Fatalf("element %d: %v, unsharded %v", i, a[i], b[i])
+		}
+	}
+}
+
+func TestShardedCreationIsChecked(t *testing.T) {
+	comms := must(NewLocalGroup(2))
+	defer closeAll(comms)
+	refusedWith := func(what string, c AccumulatorConfig, comm *Comm, want Status, word string) {
+		t.Helper()
+		acc, err := NewShardedAccumulator(shardTensors, &c, comm, nil)
+		var e *Error
+		if !errors.As(err, &e) || e.Status != want || !strings.Contains(e.Message, word) {
+			if acc != nil {
+				acc.Close()
+			}
+			t.Errorf("%s: got %v, want %v naming %q", what, err, want, word)
+		}
+	}
+	refusedWith("rank 1 on rank 0's communicator", accumulateConfig(2, 1, 0), comms[0], StatusInvalidArgument, "shard 1 of 2")
+	refusedWith("3 shards on 2 ranks", accumulateConfig(3, 0, 0), comms[0], StatusInvalidArgument, "shard 0 of 3")
+	rs := accumulateConfig(2, 0, 0)
+	rs.Sharding = ShardingReduceScatter
+	refusedWith("another policy", rs, comms[0], StatusInvalidArgument, "GRADACC_SHARDING_ACCUMULATE")
+	refusedWith("no communicator", accumulateConfig(2, 0, 0), nil, StatusNullArgument, "comm")
+	// Over several ranks, the plain constructor has no communicator for the micro-batches.
+	refused(t, "NewAccumulator", accumulateConfig(2, 0, 0), "communicator")
+	comms[1].Close()
+	refusedWith("a closed communicator", accumulateConfig(2, 1, 0), comms[1], StatusInvalidHandle, "closed")
+}
+
+// The accumulator references its communicator: with every other reference gone and the
+// collector run, the Comm's finalizer must not have destroyed the handle it reduces over, and
+// Sync takes that handle. Close lets it go.
+func TestShardedAccumulatorKeepsItsCommAlive(t *testing.T) {
+	accs := make([]*Accumulator, 2)
+	func() {
+		comms := must(NewLocalGroup(2))
+		setTimeouts(t, 30*time.Second, comms)
+		for r := range accs {
+			c := accumulateConfig(2, r, 0)
+			accs[r] = must(NewShardedAccumulator([]TensorDesc{{2, F32}}, &c, comms[r], nil))
+		}
+	}()
+	for i := 0; i < 3; i++ {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond) // finalizers run on their own goroutine
+	}
+	infos, shards, errs := make([]SyncInfo, 2), make([][]float32, 2), make([]error, 2)
+	onRanks(t, 2, func(r int) {
+		s := scalerWithScale(t, 1)
+		defer s.Close()
+		if errs[r] = accs[r].Add(s, []Grad{Float32s([]float32{float32(r + 1), float32(r + 1)})}, 1); errs[r] != nil {
+			return
+		}
+		if accs[r].comm == nil {
+			errs[r] = errors.New("the accumulator dropped its Comm")
+			return
+		}
+		if infos[r], errs[r] = accs[r].Sync(accs[r].comm); errs[r] == nil { // a destroyed handle would fail here
+			_, shards[r], errs[r] = accs[r].CopyShard()
+		}
+	})
+	for r := range accs {
+		if errs[r] != nil {
+			t.Fatalf("rank %d: %v", r, errs[r])
+		}
+		if infos[r].TotalCount != 2 || infos[r].Microbatches != 2 {
+			t.Errorf("rank %d: %+v", r, infos[r])
+		}
+		accs[r].Close()
+		if accs[r].comm != nil {
+			t.Errorf("rank %d: the closed accumulator still holds its Comm", r)
+		}
+	}
+	// The two elements lie in shard 0: (1 + 2) / 2 items.
+	if len(shards[0]) != 2 || shards[0][0] != 1.5 || shards[0][1] != 1.5 || len(shards[1]) != 0 {
+		t.Fatalf("shards %v", shards)
+	}
+}
+
+// Rank 1's micro-batch is invalid (no items for a mean loss): it fails there and with
+// StatusPeerFailure on rank 0, nothing added on either. Then rank 0 syncs on a stranger
+// communicator: StatusInvalidArgument there, StatusPeerFailure on rank 1. The windows survive.
+func TestShardedMisuseOnOneRankFailsEveryRank(t *testing.T) {
+	comms, stranger := must(NewLocalGroup(2)), must(NewLocalGroup(1))
+	defer closeAll(comms)
+	defer closeAll(stranger)
+	setTimeouts(t, 30*time.Second, comms)
+	addErrs, syncErrs, after, errs := make([]error, 2), make([]error, 2), make([]SyncInfo, 2), make([]error, 2)
+	unchanged := make([]bool, 2)
+	onRanks(t, 2, func(r int) {
+		errs[r] = func() error {
+			s := scalerWithScale(t, 1)
+			defer s.Close()
+			c := accumulateConfig(2, r, 0)
+			acc, err := NewShardedAccumulator(shardTensors, &c, comms[r], nil)
+			if err != nil {
+				return err
+			}
+			defer acc.Close()
+			g := randomGrads(rand.New(rand.NewSource(int64(40 + r))))
+			if err := acc.Add(s, g, 2); err != nil {
+				return err
+			}
+			_, before, err := acc.CopyShard()
+			if err != nil {
+				return err
+			}
+			count := uint64(2)
+			if r == 1 {
+				count = 0
+			}
+			addErrs[r] = acc.Add(s, g, count)
+			var comm *Comm
+			if r == 0 {
+				comm = stranger[0]
+			}
+			_, syncErrs[r] = acc.Sync(comm)
+			_, now, err := acc.CopyShard()
+			if err != nil {
+				return err
+			}
+			unchanged[r] = len(now) == len(before)
+			for i := range now {
+				unchanged[r] = unchanged[r] && math.Float32bits(now[i]) == math.Float32bits(before[i])
+			}
+			after[r], err = acc.Sync(comms[r])
+			return err
+		}()
+	})
+	for r := range errs {
+		if errs[r] != nil {
+			t.Fatalf("rank %d: %v", r, errs[r])
+		}
+		if !unchanged[r] {
+			t.Errorf("rank %d: a failed call changed the shard", r)
+		}
+		if after[r].Microbatches != 2 || after[r].TotalCount != 4 {
+			t.Errorf("rank %d: %+v afterwards", r, after[r])
+		}
+	}
+	var e *Error
+	if !errors.As(addErrs[1], &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, "count") {
+		t.Errorf("rank 1's Add of 0 items: %v", addErrs[1])
+	}
+	if !errors.Is(addErrs[0], &Error{Status: StatusPeerFailure}) {
+		t.Errorf("rank 0's valid Add: %v", addErrs[0])
+	}
+	if !errors.Is(syncErrs[0], &Error{Status: StatusInvalidArgument}) {
+		t.Errorf("rank 0's Sync on a stranger: %v", syncErrs[0])
+	}
+	if !errors.Is(syncErrs[1], &Error{Status: StatusPeerFailure}) {
+		t.Errorf("rank 1's Sync: %v", syncErrs[1])
+	}
+}
