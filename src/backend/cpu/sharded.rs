@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::master::Master;
 use super::math::{self, NORM_BLOCK};
-use super::store::{agree, between_ranks, host_collectives, norm_and_clip, Clip, NormPass};
+use super::store::{agree, between_ranks, host_collectives, Boundary, NormPass};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
@@ -418,13 +418,9 @@ impl Store for ShardedStore {
     /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
     /// the shard is first all-reduced over the replicas.
     fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
-        let total = agreed.totals.expect("the host agreement has totals");
-        let config = &self.plan.config;
-        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
-        let max_norm = config.max_grad_norm as f64;
-        let normalize = (1.0 / divisor as f64) as f32;
-        let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
-        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads: config.threads, wire: Dtype::F32 };
+        // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
+        let boundary = Boundary::new(&self.plan, agreed, Dtype::F32);
+        let pass = boundary.pass;
         // SAFETY: the window's write lock is held for the whole boundary.
         let shard = unsafe { self.shard.slice_mut(0..self.own.len()) };
         let mine = match between_ranks(p.replicas)? {
@@ -443,10 +439,9 @@ impl Store for ShardedStore {
             None => mine,
         };
         if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
-            super::scale(shard, factor, config.threads);
+            super::scale(shard, factor, pass.threads);
         }
-        let (grad_norm, clip_coef) = norm_and_clip(&values, divisor, max_norm);
-        Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
+        Ok(Some(boundary.info(&values)))
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {

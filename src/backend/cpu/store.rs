@@ -104,23 +104,14 @@ impl Store for HostStore {
     }
 
     fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
-        let total = agreed.totals.expect("the host agreement has totals");
-        let config = &self.plan.config;
-        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
         // SAFETY: the window's write lock is held for the whole boundary.
         let all = unsafe { self.slice(0..self.plan.layout.len()) };
-        let threads = config.threads;
-        let max_norm = config.max_grad_norm as f64;
-        let normalize = (1.0 / divisor as f64) as f32;
-        // Without clipping the factor is known before the norm, so the pass that measures each
-        // block also normalises it. With clipping the factor depends on the norm: the pass only
-        // measures, and its second step scales once every block's sum is known.
-        let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
         // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
         // replicas then sum FP32 sums); the communicator rounds the contributions.
-        let wire = if host.or(replicas).is_some() { config.wire } else { Dtype::F32 };
-        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads, wire };
+        let wire = if host.or(replicas).is_some() { self.plan.config.wire } else { Dtype::F32 };
+        let boundary = Boundary::new(&self.plan, agreed, wire);
+        let pass = boundary.pass;
         let shards = self.plan.shards();
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
@@ -129,10 +120,9 @@ impl Store for HostStore {
             (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass)?,
             // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
             (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
-            (None, None) => pass_whole(all, &pass, threads),
+            (None, None) => pass_whole(all, &pass, pass.threads),
         };
-        let (grad_norm, clip_coef) = norm_and_clip(&block_sums, divisor, max_norm);
-        Ok(Some(SyncInfo { found_inf: total.found_inf, total_count: total.count, microbatches: total.microbatches, grad_norm, clip_coef }))
+        Ok(Some(boundary.info(&block_sums)))
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
@@ -204,6 +194,37 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
     }
     check_agreement(&total)?;
     Ok(Agreed { world: world as u64, totals: Some(total) })
+}
+
+/// What a boundary computes from the agreed totals: the divisor and the pass over the sum.
+pub(super) struct Boundary {
+    total: ControlSum,
+    divisor: u64,
+    pub pass: NormPass,
+}
+
+impl Boundary {
+    /// Without clipping the factor is known before the norm, so the pass that measures each
+    /// block also normalises it. With clipping the factor depends on the norm: the pass only
+    /// measures, and its second step scales once every block's sum is known.
+    pub(super) fn new(plan: &Plan, agreed: &Agreed, wire: Dtype) -> Self {
+        let total = agreed.totals.expect("the host agreement has totals");
+        let config = &plan.config;
+        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
+        let max_norm = config.max_grad_norm as f64;
+        let normalize = (1.0 / divisor as f64) as f32;
+        let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
+        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads: config.threads, wire };
+        Boundary { total, divisor, pass }
+    }
+
+    /// The boundary's report, from the values of every block of the sum.
+    pub(super) fn info(&self, block_sums: &[f64]) -> SyncInfo {
+        let max_norm = self.pass.clip.map_or(0.0, |c| c.max_norm);
+        let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
+        let t = &self.total;
+        SyncInfo { found_inf: t.found_inf, total_count: t.count, microbatches: t.microbatches, grad_norm, clip_coef }
+    }
 }
 
 /// The boundary's pass over the summed master buffer: each block's sum of squares, and the
@@ -284,15 +305,15 @@ impl BlockPass for OverReplicas<'_> {
 /// What the clipping coefficient needs beyond the block sums.
 #[derive(Clone, Copy)]
 pub(super) struct Clip {
-    pub max_norm: f64,
-    pub divisor: u64,
+    max_norm: f64,
+    divisor: u64,
 }
 
 /// The global norm of the normalised gradient and the clipping coefficient, from the block sums
 /// of squares of the unnormalised sum: `max_norm / (norm + 1e-6)`, at most 1; 1 for a non-finite
 /// norm or without clipping (`max_norm` 0). Every rank computes it from the same sums, so every
 /// rank has the same bits.
-pub(super) fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
+fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
     let grad_norm = super::fold_block_sums(block_sums).sqrt() / divisor as f64;
     let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max_norm / (grad_norm + 1e-6)).min(1.0) };
     (grad_norm, clip_coef)
