@@ -26,9 +26,15 @@ SCALARS = {
 # Functions that can wait on other ranks or threads (collectives, barriers, an NCCL finalise).
 # They run in the GC-safe state: a thread blocked in a plain ccall cannot stop for a collection,
 # so a collection started by another rank's thread would wait for it forever (JuliaLang/julia#51574).
+# Under sharded accumulation every micro-batch call is a collective too.
 BLOCKING = {
     "gradacc_accumulator_sync",
+    "gradacc_accumulator_sync_hybrid",
     "gradacc_accumulator_begin_final_microbatch",
+    "gradacc_accumulator_begin_microbatch",
+    "gradacc_accumulator_add",
+    "gradacc_accumulator_add_tensor",
+    "gradacc_accumulator_end_microbatch",
     "gradacc_comm_create_mpi",
     "gradacc_comm_create_nccl",
     "gradacc_comm_adopt_nccl",

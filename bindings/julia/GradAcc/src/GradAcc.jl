@@ -149,7 +149,8 @@ end
 const NORMALIZE = Dict(:by_count => GRADACC_NORMALIZE_BY_COUNT, :by_microbatches => GRADACC_NORMALIZE_BY_MICROBATCHES,
                        :by_world => GRADACC_NORMALIZE_BY_WORLD, :none => GRADACC_NORMALIZE_NONE)
 const REDUCTION = Dict(:mean => GRADACC_LOSS_REDUCTION_MEAN, :sum => GRADACC_LOSS_REDUCTION_SUM)
-const SHARDING = Dict(:none => GRADACC_SHARDING_NONE, :reduce_scatter => GRADACC_SHARDING_REDUCE_SCATTER)
+const SHARDING = Dict(:none => GRADACC_SHARDING_NONE, :reduce_scatter => GRADACC_SHARDING_REDUCE_SCATTER,
+                      :accumulate => GRADACC_SHARDING_ACCUMULATE)
 
 function enum_value(table, field, v)
     v isa Symbol || return v
@@ -505,7 +506,7 @@ end
 # ---- accumulator -------------------------------------------------------------------------------
 
 """
-    Accumulator(tensors[, buffer]; normalize=:by_count, loss_reduction=:mean, max_grad_norm=0, ..., device=:cpu)
+    Accumulator(tensors[, buffer]; normalize=:by_count, loss_reduction=:mean, max_grad_norm=0, ..., device=:cpu, comm=nothing)
 
 FP32 master gradients of `tensors`, a vector of `(numel, dtype)`; dtype is `Float32`, `Float16`,
 a BFloat16 type (`Core.BFloat16` from Julia 1.11, `BFloat16s.BFloat16` with BFloat16s.jl
@@ -518,27 +519,44 @@ accumulator keeps it referenced). Destroyed by `close` or the GC.
 [`GradAcc.rank`](@ref)), and after it only [`GradAcc.shard`](@ref) holds the reduced gradient
 (the bits an unsharded sync leaves in that range); the norm and clipping are still the whole
 gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group (HSDP).
-`wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the boundary's reductions
-send.
+`wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the reductions send.
+
+`sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2):
+`c` is a host communicator (local or MPI) of `n` ranks on which this is rank `r`, the
+accumulator holds only its shard ([`GradAcc.shard`](@ref)) and one bucket of staging, and every
+micro-batch is reduce-scattered over `c`. Every rank makes the same [`add!`](@ref), or
+[`begin_microbatch!`](@ref) / [`add_tensor!`](@ref) / [`end_microbatch!`](@ref), calls, each from
+its own task and thread, then [`sync!`](@ref) (with `c` or without a communicator); an invalid
+call on one rank throws there and `GRADACC_STATUS_PEER_FAILURE` on the others, with nothing
+added. With `add_tensor!` each tensor takes one contribution per micro-batch. The shard differs
+from an unsharded all-reduce only by the order of the FP32 sums. The accumulator keeps `c`
+referenced; close `c` only after it. CPU only, and no `buffer`.
 """
 mutable struct Accumulator
     @atomic ptr::Ptr{gradacc_accumulator_t}
     const tensors::Vector{gradacc_tensor_desc_t}
     const device::gradacc_device_t
     const buffer::Union{Nothing,Vector{Float32}}
+    # A sharded accumulation's communicator: every micro-batch reduces over it, so the GC must
+    # not destroy it first.
+    const comm::Union{Nothing,Communicator}
     function Accumulator(tensors::AbstractVector, buffer::Union{Nothing,Vector{Float32}}=nothing;
-                         device=:cpu, kw...)
+                         device=:cpu, comm::Union{Nothing,Communicator}=nothing, kw...)
         cfg = Ref(config(gradacc_accumulator_config_t, gradacc_accumulator_config_default; kw...))
         descs = [gradacc_tensor_desc_t(n, dtype_code(d)) for (n, d) in tensors]
         dev = device_struct(device)
         out = Ref{Ptr{gradacc_accumulator_t}}(C_NULL)
-        if buffer === nothing
+        if comm !== nothing
+            buffer === nothing ||
+                throw(ArgumentError("a sharded accumulation (comm=) owns its shard: it cannot adopt a buffer"))
+            check(gradacc_accumulator_create_sharded(cfg, descs, length(descs), Ref(dev), comm, out))
+        elseif buffer === nothing
             check(gradacc_accumulator_create(cfg, descs, length(descs), Ref(dev), out))
         else
             check(gradacc_accumulator_create_with_buffer(cfg, descs, length(descs), Ref(dev), buffer,
                                                          length(buffer), out))
         end
-        acc = new(out[], descs, dev, buffer)
+        acc = new(out[], descs, dev, buffer, comm)
         return finalizer(a -> destroy_quietly(a, gradacc_accumulator_destroy), acc)
     end
 end
@@ -669,7 +687,9 @@ end
 The boundary: with `comm`, every rank of its group calls it from its own task and thread.
 The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`.
 A sharded accumulator needs the group of its `shard_count` ranks, on which it is `shard_rank`;
-otherwise every rank throws.
+otherwise every rank throws. A sharded accumulation (`comm=` at creation) syncs over its own
+communicator: `comm` is that one or omitted (another throws `GRADACC_STATUS_INVALID_ARGUMENT`
+there and `GRADACC_STATUS_PEER_FAILURE` on the other ranks).
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
     info = out_struct(gradacc_sync_info_t)
@@ -680,9 +700,11 @@ end
 """
     sync_hybrid!(acc, shard, replicas) -> gradacc_sync_info_t
 
-The hybrid boundary (HSDP) of an accumulator with `sharding=:reduce_scatter`: a reduce-scatter
-over `shard` (its shard group: `shard_count` ranks, this one `shard_rank`), then an all-reduce of
-the shard over `replicas`, the ranks that hold the same shard in the other shard groups. Every
+The hybrid boundary (HSDP) of an accumulator with `sharding=:reduce_scatter` or `:accumulate`:
+a reduce-scatter over `shard` (its shard group: `shard_count` ranks, this one `shard_rank`; for
+a sharded accumulation, its own communicator, which reduced every micro-batch already), then an
+all-reduce of the shard over `replicas`, the ranks that hold the same shard in the other shard
+groups. Every
 rank of both groups calls it from its own task and thread. Counts, overflow and the norm are the
 whole grid's, the same on every rank, and replicas hold the same bits ([`GradAcc.shard`](@ref)).
 Replica groups pairing different shards throw `GRADACC_STATUS_SIZE_MISMATCH`, and an unsharded
@@ -699,7 +721,9 @@ end
     GradAcc.master(acc, i) -> Vector{Float32}
 
 Tensor `i`'s (1-based) FP32 master gradient, an array over gradacc's memory (no copy) that keeps
-`acc` alive while it is reachable. It is invalid after an explicit `close(acc)`. CPU only.
+`acc` alive while it is reachable. It is invalid after an explicit `close(acc)`. CPU only. A
+sharded accumulation holds only its shard: a tensor not wholly inside it throws
+`GRADACC_STATUS_INVALID_ARGUMENT` (use [`GradAcc.shard`](@ref)).
 """
 function master(a::Accumulator, i::Integer)
     check_index(a, i)
@@ -721,8 +745,10 @@ This rank's shard of the flat FP32 master (the tensors one after another): `offs
 precede it, it has `numel`, and `data` is a `Vector{Float32}` over them in gradacc's memory (no
 copy), valid as [`GradAcc.master`](@ref)'s arrays are. Without sharding it is the whole master.
 With `sharding=:reduce_scatter`, after a sync only the shard holds the reduced gradient; the
-rest of the master is unspecified until the next window's first micro-batch. Shards are cut in
-whole blocks of 4096 elements, so the last ones may be shorter or empty. CPU only.
+rest of the master is unspecified until the next window's first micro-batch. With
+`sharding=:accumulate` the shard is all the accumulator holds: the window's sum over the ranks
+while accumulating, the reduced gradient after a sync. Shards are cut in whole blocks of 4096
+elements, so the last ones may be shorter or empty. CPU only.
 """
 function shard(a::Accumulator)
     a.device.kind == GRADACC_DEVICE_CPU ||
@@ -764,7 +790,9 @@ end
     GradAcc.save_window(acc) -> Vector{UInt8}
 
 The window in progress as versioned bytes, for a checkpoint in the middle of accumulation (not
-inside a micro-batch nor after sync); see [`GradAcc.load_window!`](@ref).
+inside a micro-batch nor after sync); see [`GradAcc.load_window!`](@ref). A sharded accumulation
+saves its shard: the bytes load only into the same shard of an accumulation over as many ranks
+(anything else throws `GRADACC_STATUS_CORRUPT_STATE`).
 """
 save_window(a::Accumulator) = saved_bytes(gradacc_accumulator_save_window, a)
 

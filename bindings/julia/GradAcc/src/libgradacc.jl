@@ -41,6 +41,7 @@ const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batc
 const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 const GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 const GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
+const GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master).
 const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and libnccl.so load.
@@ -167,6 +168,11 @@ function gradacc_accumulator_create_with_buffer(config, tensors, n, device, mast
     ccall((:gradacc_accumulator_create_with_buffer, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
 end
 
+"Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of `config`->shard_count ranks on which this is rank `config`->shard_rank."
+function gradacc_accumulator_create_sharded(config, tensors, n, device, comm, out)
+    ccall((:gradacc_accumulator_create_sharded, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{gradacc_comm_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, comm, out)
+end
+
 "Destroys an accumulator."
 function gradacc_accumulator_destroy(acc)
     ccall((:gradacc_accumulator_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
@@ -174,12 +180,40 @@ end
 
 "Adds one micro-batch of `count` items (a window holds at most 2^47 items per rank, so sums over ranks stay exact): `grads[i]` is tensor i's gradient (numel and dtype as declared), produced from a loss scaled by `scaler`'s current scale."
 function gradacc_accumulator_add(acc, scaler, grads, n, count)
-    ccall((:gradacc_accumulator_add, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), acc, scaler, grads, n, count)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_add)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_scaler = Base.cconvert(Ptr{gradacc_scaler_t}, scaler)
+    c_grads = Base.cconvert(Ptr{Ptr{Cvoid}}, grads)
+    c_n = Base.cconvert(Csize_t, n)
+    c_count = Base.cconvert(UInt64, count)
+    GC.@preserve c_acc c_scaler c_grads c_n c_count begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_scaler = Base.unsafe_convert(Ptr{gradacc_scaler_t}, c_scaler)
+        p_grads = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, c_grads)
+        p_n = Base.unsafe_convert(Csize_t, c_n)
+        p_count = Base.unsafe_convert(UInt64, c_count)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), p_acc, p_scaler, p_grads, p_n, p_count)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them)."
 function gradacc_accumulator_begin_microbatch(acc, count)
-    ccall((:gradacc_accumulator_begin_microbatch, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), acc, count)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_begin_microbatch)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_count = Base.cconvert(UInt64, count)
+    GC.@preserve c_acc c_count begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_count = Base.unsafe_convert(UInt64, c_count)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, UInt64), p_acc, p_count)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary."
@@ -202,12 +236,38 @@ end
 
 "Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`."
 function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
-    ccall((:gradacc_accumulator_add_tensor, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), acc, scaler, index, grad, numel)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_add_tensor)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_scaler = Base.cconvert(Ptr{gradacc_scaler_t}, scaler)
+    c_index = Base.cconvert(Csize_t, index)
+    c_grad = Base.cconvert(Ptr{Cvoid}, grad)
+    c_numel = Base.cconvert(Csize_t, numel)
+    GC.@preserve c_acc c_scaler c_index c_grad c_numel begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_scaler = Base.unsafe_convert(Ptr{gradacc_scaler_t}, c_scaler)
+        p_index = Base.unsafe_convert(Csize_t, c_index)
+        p_grad = Base.unsafe_convert(Ptr{Cvoid}, c_grad)
+        p_numel = Base.unsafe_convert(Csize_t, c_numel)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{Cvoid}, Csize_t), p_acc, p_scaler, p_index, p_grad, p_numel)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Closes the open micro-batch."
 function gradacc_accumulator_end_microbatch(acc)
-    ccall((:gradacc_accumulator_end_microbatch, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t},), acc)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_end_microbatch)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    GC.@preserve c_acc begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t},), p_acc)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process)."
@@ -228,9 +288,24 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     end
 end
 
-"The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say)."
+"The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created with, which reduced every micro-batch already), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say)."
 function gradacc_accumulator_sync_hybrid(acc, shard_comm, replica_comm, out_info)
-    ccall((:gradacc_accumulator_sync_hybrid, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, shard_comm, replica_comm, out_info)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_sync_hybrid)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_shard_comm = Base.cconvert(Ptr{gradacc_comm_t}, shard_comm)
+    c_replica_comm = Base.cconvert(Ptr{gradacc_comm_t}, replica_comm)
+    c_out_info = Base.cconvert(Ptr{gradacc_sync_info_t}, out_info)
+    GC.@preserve c_acc c_shard_comm c_replica_comm c_out_info begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_shard_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_shard_comm)
+        p_replica_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_replica_comm)
+        p_out_info = Base.unsafe_convert(Ptr{gradacc_sync_info_t}, c_out_info)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), p_acc, p_shard_comm, p_replica_comm, p_out_info)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes a pointer to tensor `index`'s FP32 master gradient and its element count (a device address on CUDA, whose contents are ready in the accumulator's stream order)."

@@ -12,6 +12,7 @@ using GradAcc
 using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
                GRADACC_STATUS_INVALID_ARGUMENT, GRADACC_STATUS_COMM_FAILURE, GRADACC_STATUS_TIMEOUT,
                GRADACC_STATUS_PEER_FAILURE, GRADACC_SHARDING_REDUCE_SCATTER, GRADACC_DTYPE_F16,
+               GRADACC_SHARDING_ACCUMULATE,
                rank, world_size, update!, scale, master, reset!
 using BFloat16s: BFloat16s
 
@@ -121,6 +122,11 @@ function sharded_sync_errors(world, count, ranks)
     close.(accs); close.(comms)
     return errs
 end
+
+# Rank r of `world`'s sharded accumulation over `comm`, with buckets small enough that every
+# micro-batch is reduced in several pieces. Each add is a collective: the ranks' tasks add.
+sharded_accumulation(world, r, comm; kw...) =
+    Accumulator(SHARD_TENSORS; sharding=:accumulate, shard_count=world, shard_rank=r, comm, bucket_numel=4096, kw...)
 
 @testset "GradAcc" begin
     @testset "version" begin
@@ -666,6 +672,147 @@ end
                   occursin("replica groups", err.message)
         end
         close.(accs); foreach(close, [shard; replicas])
+    end
+
+    # Sharded accumulation against a DDP sync of the same micro-batches: add and add_tensor! give
+    # the same bits, and the shards tile the gradient within the rounding of another summation
+    # order of the DDP master.
+    @testset "sharded accumulation on $world ranks, max_grad_norm $max_grad_norm" for world in (2, 3),
+                                                                                     max_grad_norm in (0.0, 0.25)
+        add_comms, tensor_comms, ddp_comms = local_group(world), local_group(world), local_group(world)
+        grads = [[random_grads() for _ in 0:2] for _ in 0:world-1]
+        results = on_ranks(add_comms, tensor_comms, ddp_comms) do r
+            s = Scaler(init_scale=1024.0)
+            by_add = sharded_accumulation(world, r, add_comms[r + 1]; max_grad_norm)
+            by_tensor = sharded_accumulation(world, r, tensor_comms[r + 1]; max_grad_norm)
+            plain = Accumulator(SHARD_TENSORS; max_grad_norm)
+            for m in 0:2
+                g, items = grads[r + 1][m + 1], microbatch_count(r, m)
+                add!(by_add, s, g, items)
+                begin_microbatch!(by_tensor, items)
+                for i in length(g):-1:1  # as a backward pass produces them
+                    add_tensor!(by_tensor, s, i, g[i])
+                end
+                end_microbatch!(by_tensor)
+                add!(plain, s, g, items)
+            end
+            infos = (sync!(by_add), sync!(by_tensor, tensor_comms[r + 1]), sync!(plain, ddp_comms[r + 1]))
+            close(s)
+            return by_add, by_tensor, plain, infos
+        end
+        total = sum(microbatch_count(r, m) for r in 0:world-1, m in 0:2)
+        ddp = reduce(vcat, [master(results[1][3], i) for i in 1:length(SHARD_TENSORS)])
+        largest = maximum(abs, ddp)
+        starts = cumsum([0; [n for (n, _) in SHARD_TENSORS]])
+        next = 0
+        for (acc, tensor_acc, _, (info, tensor_info, ddp_info)) in results
+            offset, numel, data = GradAcc.shard(acc)
+            @test offset == next && 0 < numel < SHARD_TOTAL  # the shards tile the layout in rank order
+            next = offset + numel
+            @test info == tensor_info == results[1][4][1]
+            @test reinterpret(UInt32, data) == reinterpret(UInt32, GradAcc.shard(tensor_acc).data)
+            @test info.total_count == ddp_info.total_count == total && info.microbatches == 3world && !info.found_inf
+            @test isapprox(info.grad_norm, ddp_info.grad_norm; rtol=1e-5)
+            @test isapprox(info.clip_coef, ddp_info.clip_coef; rtol=1e-5)
+            @test (info.clip_coef < 1) == (max_grad_norm > 0)
+            want = ddp[offset+1:offset+numel]
+            @test all(abs.(data .- want) .<= 1f-5 .* abs.(want) .+ 1f-6 * largest)
+            # master gives exactly the tensors wholly inside the shard, as views of it.
+            for (i, (n, _)) in enumerate(SHARD_TENSORS)
+                err = thrown(() -> master(acc, i))
+                if offset <= starts[i] && starts[i] + n <= offset + numel
+                    @test err === nothing &&
+                          pointer(master(acc, i)) == pointer(data) + sizeof(Float32) * (starts[i] - offset)
+                else
+                    @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT
+                end
+            end
+        end
+        @test next == SHARD_TOTAL
+        for (acc, tensor_acc, plain_acc, _) in results
+            close(acc); close(tensor_acc); close(plain_acc)
+        end
+        foreach(close, [add_comms; tensor_comms; ddp_comms])
+    end
+
+    @testset "one shard of one is the unsharded accumulator" begin
+        s = Scaler(init_scale=1024.0)
+        single = Accumulator(SHARD_TENSORS; sharding=GRADACC_SHARDING_ACCUMULATE, bucket_numel=4096)
+        plain = Accumulator(SHARD_TENSORS; bucket_numel=4096)
+        for m in 0:2
+            g = random_grads()
+            add!(single, s, g, 1 + m)
+            add!(plain, s, g, 1 + m)
+        end
+        @test sync!(single) == sync!(plain)
+        sh = GradAcc.shard(single)
+        @test (sh.offset, sh.numel) == (0, SHARD_TOTAL)
+        @test reinterpret(UInt32, sh.data) == reinterpret(UInt32, GradAcc.shard(plain).data)
+        close(single); close(plain); close(s)
+    end
+
+    @testset "sharded creation is checked" begin
+        comms = local_group(2)
+        for (kw, word) in (((sharding=:accumulate, shard_count=2, shard_rank=1), "shard 1 of 2"),
+                           ((sharding=:accumulate, shard_count=3, shard_rank=0), "shard 0 of 3"),
+                           ((sharding=:reduce_scatter, shard_count=2, shard_rank=0), "GRADACC_SHARDING_ACCUMULATE"))
+            err = thrown(() -> Accumulator(SHARD_TENSORS; comm=comms[1], kw...))  # rank 0 of 2
+            @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin(word, err.message)
+        end
+        # Over several ranks, micro-batches need the communicator from the start.
+        err = thrown(() -> Accumulator(SHARD_TENSORS; sharding=:accumulate, shard_count=2, shard_rank=0))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("communicator", err.message)
+        @test_throws ArgumentError Accumulator(SHARD_TENSORS, zeros(Float32, SHARD_TOTAL); sharding=:accumulate,
+                                               shard_count=2, shard_rank=0, comm=comms[1])
+        close(comms[2])
+        @test_throws ArgumentError Accumulator(SHARD_TENSORS; sharding=:accumulate, shard_count=2, shard_rank=1,
+                                               comm=comms[2])
+        close(comms[1])
+    end
+
+    @testset "a sharded accumulation keeps its communicator" begin
+        accs = let comms = local_group(2)
+            [Accumulator([(2, Float32)]; sharding=:accumulate, shard_count=2, shard_rank=r, comm=comms[r + 1])
+             for r in 0:1]
+        end
+        GC.gc(); GC.gc()  # the group's finalizers would destroy unreferenced handles
+        @test all(a -> a.comm !== nothing && isopen(a.comm), accs)
+        infos = on_ranks([a.comm for a in accs]; timeout=30) do r
+            one_microbatch!(accs[r + 1])
+            return sync!(accs[r + 1], accs[r + 1].comm)
+        end
+        @test all(info -> (info.total_count, info.microbatches) == (2, 2), infos)
+        @test GradAcc.shard(accs[1]).data == Float32[1, 1]  # both elements in shard 0: (1 + 1) / 2 items
+        close.(accs)
+    end
+
+    # Rank 1's micro-batch is invalid (no items for a mean loss): it throws there and PEER_FAILURE
+    # on rank 0, nothing added on either. Then rank 0 syncs on a stranger communicator:
+    # INVALID_ARGUMENT there, PEER_FAILURE on rank 1. The windows survive both.
+    @testset "a bad call on one sharded rank fails on every rank" begin
+        comms, stranger = local_group(2), local_group(1)
+        grads = [random_grads() for _ in 1:2]
+        results = on_ranks(comms; timeout=30) do r
+            s = Scaler(init_scale=1.0)
+            acc = sharded_accumulation(2, r, comms[r + 1])
+            add!(acc, s, grads[r + 1], 2)
+            before = copy(GradAcc.shard(acc).data)
+            bad_add = thrown(() -> add!(acc, s, grads[r + 1], r == 1 ? 0 : 2))
+            bad_sync = thrown(() -> r == 0 ? sync!(acc, stranger[1]) : sync!(acc))
+            unchanged = reinterpret(UInt32, GradAcc.shard(acc).data) == reinterpret(UInt32, before)
+            after = sync!(acc, comms[r + 1])
+            close(acc); close(s)
+            return bad_add, bad_sync, unchanged, after
+        end
+        (add0, sync0, _, _), (add1, sync1, _, _) = results
+        @test add1 isa GradAccError && add1.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("count", add1.message)
+        @test add0 isa GradAccError && add0.status == GRADACC_STATUS_PEER_FAILURE
+        @test sync0 isa GradAccError && sync0.status == GRADACC_STATUS_INVALID_ARGUMENT
+        @test sync1 isa GradAccError && sync1.status == GRADACC_STATUS_PEER_FAILURE
+        for (_, _, same, info) in results
+            @test same && (info.microbatches, info.total_count) == (2, 4)
+        end
+        foreach(close, [comms; stranger])
     end
 
     @testset "a timeout throws and aborts" begin
