@@ -1,6 +1,6 @@
-/* Helpers of the in-process sharding tests (api_shard, api_hybrid): random layouts of odd-sized
- * f16 / bf16 / f32 tensors, windows of random micro-batches per rank with their f64 reference,
- * and the shard cut the header documents. */
+/* Helpers of the in-process sharding tests (api_shard, api_hybrid, api_sharded): random layouts
+ * of odd-sized f16 / bf16 / f32 tensors, windows of random micro-batches per rank with their f64
+ * reference, and the shard cut the header documents. */
 #ifndef GRADACC_CTESTS_SHARD_WINDOW_H
 #define GRADACC_CTESTS_SHARD_WINDOW_H
 
@@ -70,8 +70,8 @@ static inline void add_window(gradacc_accumulator_t *acc, gradacc_scaler_t *scal
     }
 }
 
-/* An accumulator over `l`; `shards` 0 means unsharded, otherwise shard `rank` of `shards`. */
-static inline gradacc_accumulator_t *make_acc(const layout *l, const setup *s, float max_norm, int shards, int rank)
+/* The configuration of `s`, unsharded. */
+static inline gradacc_accumulator_config_t setup_config(const setup *s, float max_norm)
 {
     gradacc_accumulator_config_t ac;
     REQUIRE_OK(gradacc_accumulator_config_default(&ac));
@@ -80,6 +80,13 @@ static inline gradacc_accumulator_t *make_acc(const layout *l, const setup *s, f
     ac.max_grad_norm = max_norm;
     ac.wire_dtype = s->wire;
     ac.bucket_numel = 5000; /* several buckets, edges inside blocks */
+    return ac;
+}
+
+/* An accumulator over `l`; `shards` 0 means unsharded, otherwise shard `rank` of `shards`. */
+static inline gradacc_accumulator_t *make_acc(const layout *l, const setup *s, float max_norm, int shards, int rank)
+{
+    gradacc_accumulator_config_t ac = setup_config(s, max_norm);
     if (shards) {
         ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
         ac.shard_count = (uint32_t)shards;
@@ -90,8 +97,11 @@ static inline gradacc_accumulator_t *make_acc(const layout *l, const setup *s, f
     return a;
 }
 
-/* Fills one window of `ranks` ranks with random micro-batches; rank r's loss scale is 2^(8 + r). */
-static inline void make_window(test_rng *rng, const layout *l, const setup *s, int ranks, int overflow, window *w)
+/* Fills one window of `ranks` ranks with random micro-batches; rank r's loss scale is 2^(8 + r).
+ * `microbatches` 0 to MAX_MB gives every rank that many (as sharded accumulation needs: every rank
+ * makes the same calls); -1 draws each rank's number (some ranks may add none). */
+static inline void make_window_of(test_rng *rng, const layout *l, const setup *s, int ranks, int overflow, int microbatches,
+                                  window *w)
 {
     memset(w, 0, sizeof *w);
     w->sum = calloc(l->len, sizeof(double));
@@ -100,7 +110,9 @@ static inline void make_window(test_rng *rng, const layout *l, const setup *s, i
     for (int r = 0; r < ranks; r++) {
         rank_window *rw = &w->rank[r];
         rw->microbatches = (int)rng_below(rng, MAX_MB + 1);
-        if (r == ranks - 1 && w->microbatches == 0 && rw->microbatches == 0)
+        if (microbatches >= 0)
+            rw->microbatches = microbatches;
+        else if (r == ranks - 1 && w->microbatches == 0 && rw->microbatches == 0)
             rw->microbatches = 1; /* some rank adds something */
         rw->by_tensor = (int)rng_below(rng, 2);
         double scale = ldexp(1.0, 8 + r);
@@ -141,6 +153,11 @@ static inline void make_window(test_rng *rng, const layout *l, const setup *s, i
                                                                      : 1.0;
     free(v);
     free(exact);
+}
+
+static inline void make_window(test_rng *rng, const layout *l, const setup *s, int ranks, int overflow, window *w)
+{
+    make_window_of(rng, l, s, ranks, overflow, -1, w);
 }
 
 static inline void free_window(window *w, const layout *l, int ranks)
