@@ -1,5 +1,6 @@
-/* Helpers of the MPI reduce-scatter tests: an accumulator holding this rank's shard of the world,
- * and the check that a sharded boundary left the all-reduce's bits in the shard. */
+/* Helpers of the MPI sharding tests: an accumulator holding this rank's shard of the world (at
+ * the boundary, or accumulated), and the check that a sharded boundary left the all-reduce's bits
+ * in the shard. */
 #ifndef GRADACC_CTESTS_MPI_SHARD_COMMON_H
 #define GRADACC_CTESTS_MPI_SHARD_COMMON_H
 
@@ -20,6 +21,22 @@ static inline gradacc_accumulator_t *make_shard_acc(const gradacc_tensor_desc_t 
     }
     gradacc_accumulator_t *a = NULL;
     REQUIRE_OK(gradacc_accumulator_create(&ac, t, n, NULL, &a));
+    return a;
+}
+
+/* Sharded accumulation (GRADACC_SHARDING_ACCUMULATE) with `ac`'s other settings: this rank's
+ * shard of `comm`'s ranks, reduced over `comm` every micro-batch. */
+static inline gradacc_accumulator_t *make_accumulate_acc(gradacc_accumulator_config_t ac, const gradacc_tensor_desc_t *t,
+                                                         size_t n, gradacc_comm_t *comm)
+{
+    int32_t rank = -1, size = -1;
+    REQUIRE_OK(gradacc_comm_rank(comm, &rank));
+    REQUIRE_OK(gradacc_comm_world_size(comm, &size));
+    ac.sharding = GRADACC_SHARDING_ACCUMULATE;
+    ac.shard_count = (uint32_t)size;
+    ac.shard_rank = (uint32_t)rank;
+    gradacc_accumulator_t *a = NULL;
+    REQUIRE_OK(gradacc_accumulator_create_sharded(&ac, t, n, NULL, comm, &a));
     return a;
 }
 
