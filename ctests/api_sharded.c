@@ -689,6 +689,21 @@ static void *misuse_rank(void *arg)
               r, (int)st, gradacc_status_string(st), gradacc_last_error());
     CHECK(shard_hash(acc) == before, "rank %d: the invalid add changed the shard", r);
 
+    /* Arguments refused before the micro-batch's control step still reach it: rank 1 passes a
+     * wrong tensor count, then a NULL gradient, then a misaligned one. */
+    st = gradacc_accumulator_add(acc, scaler, p, r == 1 ? 2 : 3, 1);
+    CHECK(st == (r == 1 ? GRADACC_STATUS_SIZE_MISMATCH : peer), "wrong n on rank 1, rank %d: status %d (%s): %s", r, (int)st,
+          gradacc_status_string(st), gradacc_last_error());
+    const void *holed[3] = {g->f0, r == 1 ? NULL : (const void *)g->h1, g->f2};
+    st = gradacc_accumulator_add(acc, scaler, holed, 3, 1);
+    CHECK(st == (r == 1 ? GRADACC_STATUS_NULL_ARGUMENT : peer), "NULL grads[1] on rank 1, rank %d: status %d (%s): %s", r,
+          (int)st, gradacc_status_string(st), gradacc_last_error());
+    const void *skewed[3] = {r == 1 ? (const void *)((const char *)g->f0 + 1) : (const void *)g->f0, g->h1, g->f2};
+    st = gradacc_accumulator_add(acc, scaler, skewed, 3, 1);
+    CHECK(st == (r == 1 ? GRADACC_STATUS_INVALID_ARGUMENT : peer), "misaligned grads[0] on rank 1, rank %d: status %d (%s): %s",
+          r, (int)st, gradacc_status_string(st), gradacc_last_error());
+    CHECK(shard_hash(acc) == before, "rank %d: the refused adds changed the shard", r);
+
     /* Rank 2 opens a micro-batch of 0 items: nothing opens anywhere. */
     st = gradacc_accumulator_begin_microbatch(acc, r == 2 ? 0 : 1);
     CHECK(st == (r == 2 ? GRADACC_STATUS_INVALID_ARGUMENT : peer), "invalid begin_microbatch on rank 2, rank %d: status %d (%s)",
@@ -711,6 +726,15 @@ static void *misuse_rank(void *arg)
     EXPECT_ERROR(gradacc_accumulator_add_tensor(acc, scaler, 2, g->f2, 10), GRADACC_STATUS_WRONG_STATE, "tensor 2");
     EXPECT_OK(gradacc_accumulator_add_tensor(acc, scaler, 1, g->h1, 5900));
     EXPECT_OK(gradacc_accumulator_end_microbatch(acc));
+
+    /* Rank 1's info struct has a size no header ever had; the others sync on the creation
+     * communicator (NULL): every rank fails, nothing is reduced. */
+    gradacc_sync_info_t odd = GRADACC_SYNC_INFO_INIT;
+    if (r == 1)
+        odd.struct_size = 3;
+    st = gradacc_accumulator_sync(acc, NULL, &odd);
+    CHECK(st == (r == 1 ? GRADACC_STATUS_INVALID_ARGUMENT : peer), "odd out_info on rank 1, rank %d: status %d (%s): %s", r,
+          (int)st, gradacc_status_string(st), gradacc_last_error());
 
     /* Rank 0 names a foreign communicator at the boundary: every rank fails. */
     gradacc_comm_t *stranger[1] = {NULL};

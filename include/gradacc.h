@@ -645,8 +645,9 @@ enum gradacc_status_t gradacc_accumulator_create_with_buffer(const struct gradac
  * CPU (GRADACC_STATUS_BACKEND_UNAVAILABLE for CUDA).
  *
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
- * keeps `comm` alive; destroy `comm` only after the accumulator (a destroyed handle's
- * communicator leaves the group, and the accumulator's reductions then fail).
+ * holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the
+ * handle only, and the group stays usable through the accumulator (for MPI, destroy the
+ * accumulator before MPI_Finalize).
  * Thread safety: any thread.
  */
 GRADACC_API

@@ -424,7 +424,8 @@ impl Accumulator {
             }
             if comm.is_none() && shards > 1 {
                 return Err(Error::invalid(format!(
-                    "sharded accumulation over {shards} ranks reduces every micro-batch: create it with its communicator (Accumulator::sharded)"
+                    "sharded accumulation over {shards} ranks reduces every micro-batch: create it with its communicator \
+                     (gradacc_accumulator_create_sharded; Accumulator::sharded in Rust)"
                 )));
             }
         }
@@ -563,7 +564,10 @@ impl Accumulator {
                     // SAFETY: the caller's contract.
                     match unsafe { dtype::grad_view(p, d.numel, d.dtype) } {
                         Some(g) => views.push(g),
-                        None => return Err(dtype::buffer_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
+                        None => {
+                            self.refuse_collective();
+                            return Err(dtype::buffer_error(p, d.numel, d.dtype, &format!("grads[{i}]")));
+                        }
                     }
                 }
                 self.add(scaler, Grads::Host(&views), count)
@@ -763,6 +767,15 @@ impl Accumulator {
         }
     }
 
+    /// Takes part in the collective that this rank's invalid call would have joined, so that the
+    /// other ranks fail instead of waiting: under sharded accumulation every micro-batch and
+    /// boundary is a collective over the creation communicator. Nothing otherwise.
+    pub(crate) fn refuse_collective(&self) {
+        if let Some(c) = self.store.bound() {
+            refuse_boundary(c);
+        }
+    }
+
     /// A sharded accumulator reduces only on a communicator whose size and rank are its own
     /// (checked on every rank, and told to the others through the control reduction).
     fn check_shard_comm(&self, comm: Option<&dyn Communicator>) -> Result<()> {
@@ -854,7 +867,7 @@ impl Accumulator {
         let (r, held) = (self.range(index), self.plan.held());
         if r.start < held.start || r.end > held.end {
             return Err(Error::invalid(format!(
-                "tensor {index} (elements {r:?}) is not inside this rank's shard {held:?}: a sharded accumulation holds only its shard (see shard())"
+                "tensor {index} (elements {r:?}) is not inside this rank's shard {held:?}: a sharded accumulation holds only its shard (gradacc_accumulator_shard; shard() in Rust)"
             )));
         }
         Ok(r)

@@ -278,8 +278,9 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
 /// CPU (GRADACC_STATUS_BACKEND_UNAVAILABLE for CUDA).
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
-/// keeps `comm` alive; destroy `comm` only after the accumulator (a destroyed handle's
-/// communicator leaves the group, and the accumulator's reductions then fail).
+/// holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the
+/// handle only, and the group stays usable through the accumulator (for MPI, destroy the
+/// accumulator before MPI_Finalize).
 /// Thread safety: any thread.
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
@@ -348,18 +349,23 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_add", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let s = SCALERS.get(scaler, "scaler")?;
-        if grads.is_null() {
-            return Err(null("grads"));
-        }
-        if n != a.tensors().len() {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())).into());
-        }
-        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
-        let grads = unsafe { std::slice::from_raw_parts(grads, n) };
-        if let Some(i) = grads.iter().position(|g| g.is_null()) {
-            return Err(null(&format!("grads[{i}]")));
-        }
+        let args = || {
+            let s = SCALERS.get(scaler, "scaler")?;
+            if grads.is_null() {
+                return Err(null("grads"));
+            }
+            if n != a.tensors().len() {
+                return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())).into());
+            }
+            // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+            let grads = unsafe { std::slice::from_raw_parts(grads, n) };
+            if let Some(i) = grads.iter().position(|g| g.is_null()) {
+                return Err(null(&format!("grads[{i}]")));
+            }
+            Ok((s, grads))
+        };
+        // Under sharded accumulation the other ranks are in the micro-batch's collective.
+        let (s, grads) = args().inspect_err(|_| a.refuse_collective())?;
         // SAFETY: each address holds its tensor's gradient (API contract); `add_raw` checks its
         // alignment and size before use.
         Ok(unsafe { a.add_raw(&s, grads, count) }?)
@@ -459,9 +465,12 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
         let a = match check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc")) {
             Ok(a) => a,
             Err(e) => {
-                // Still take part in the boundary so the other ranks fail instead of waiting.
-                if let Some(c) = &comm {
-                    refuse_boundary(&**c);
+                // Still take part in the boundary so the other ranks fail instead of waiting
+                // (a sharded accumulation's boundary is over its own communicator).
+                match (&comm, ACCUMULATORS.get(acc, "acc")) {
+                    (Some(c), _) => refuse_boundary(&**c),
+                    (None, Ok(a)) => a.refuse_collective(),
+                    (None, Err(_)) => {}
                 }
                 return Err(e);
             }
