@@ -451,10 +451,10 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 	}
 	sp, err := s.handle()
 	if err != nil {
-		return err
+		return a.refuseAdd(p, s, err)
 	}
 	if err := a.checkGrads(grads); err != nil {
-		return err
+		return a.refuseAdd(p, s, err)
 	}
 	// The C call takes an array of pointers; Go memory passed to C may only hold pinned pointers.
 	var pin runtime.Pinner
@@ -472,6 +472,21 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(s)
 	runtime.KeepAlive(grads)
+	return err
+}
+
+// refuseAdd returns err, the binding's own refusal of an Add or AddBound on the open accumulator
+// p, after a C add that the library refuses on every rank (no gradients): a sharded
+// accumulation's other ranks are already in this micro-batch's reduction and fail at once,
+// instead of waiting until their timeout. For any other accumulator that call only fails here.
+func (a *Accumulator) refuseAdd(p *C.gradacc_accumulator_t, s *Scaler, err error) error {
+	var sp *C.gradacc_scaler_t // the scaler's handle if it is open, else nil
+	if s != nil {
+		sp = s.ptr
+	}
+	C.gradacc_accumulator_add(p, sp, nil, 0, 0)
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
 	return err
 }
 
@@ -539,13 +554,13 @@ func (a *Accumulator) AddBound(s *Scaler, b *BoundGrads, count uint64) error {
 	}
 	sp, err := s.handle()
 	if err != nil {
-		return err
+		return a.refuseAdd(p, s, err)
 	}
 	if b == nil || b.ptrs == nil {
-		return &Error{Status: StatusInvalidHandle, Message: "argument `b`: the BoundGrads is closed"}
+		return a.refuseAdd(p, s, &Error{Status: StatusInvalidHandle, Message: "argument `b`: the BoundGrads is closed"})
 	}
 	if b.acc != a {
-		return &Error{Status: StatusInvalidArgument, Message: "argument `b`: the BoundGrads was bound by another Accumulator"}
+		return a.refuseAdd(p, s, &Error{Status: StatusInvalidArgument, Message: "argument `b`: the BoundGrads was bound by another Accumulator"})
 	}
 	ptrs, n := b.ptrs, b.n
 	err = call(func() C.enum_gradacc_status_t {
@@ -623,6 +638,11 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	var cp *C.gradacc_comm_t
 	if comm != nil {
 		if cp, err = comm.handle(); err != nil {
+			// A sharded accumulation's other ranks are already in the boundary: a C sync with
+			// struct_size 0 is refused on every rank, so they fail at once.
+			var bad C.gradacc_sync_info_t
+			C.gradacc_accumulator_sync(p, nil, &bad)
+			runtime.KeepAlive(a)
 			return SyncInfo{}, err
 		}
 	}

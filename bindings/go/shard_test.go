@@ -977,3 +977,95 @@ func TestShardedMisuseOnOneRankFailsEveryRank(t *testing.T) {
 		t.Errorf("rank 1's Sync: %v", syncErrs[1])
 	}
 }
+
+// Arguments the binding refuses itself (a gradient count or length that does not fit, a closed
+// Scaler or Comm, another accumulator's BoundGrads) fail there at once and with
+// StatusPeerFailure on the other rank, promptly rather than at the communicator's timeout; both
+// ranks then add and sync as if nothing had happened.
+func TestShardedBindingRefusalFailsThePeerAtOnce(t *testing.T) {
+	comms := must(NewLocalGroup(2))
+	defer closeAll(comms)
+	setTimeouts(t, 5*time.Second, comms)
+	closedComm := must(NewLocalGroup(1))[0]
+	closedComm.Close()
+	steps := []struct {
+		what string
+		want Status // rank 1's error
+		bad  func(acc *Accumulator, s *Scaler, g []Grad) error
+	}{
+		{"3 of 4 gradients", StatusSizeMismatch, func(acc *Accumulator, s *Scaler, g []Grad) error { return acc.Add(s, g[:3], 2) }},
+		{"a short gradient", StatusSizeMismatch, func(acc *Accumulator, s *Scaler, g []Grad) error {
+			short := append([]Grad(nil), g...)
+			short[1] = Float32s(make([]float32, shardTensors[1].Numel-1))
+			return acc.Add(s, short, 2)
+		}},
+		{"a closed Scaler", StatusInvalidHandle, func(acc *Accumulator, _ *Scaler, g []Grad) error {
+			closed := scalerWithScale(t, 1)
+			closed.Close()
+			return acc.Add(closed, g, 2)
+		}},
+		{"another accumulator's BoundGrads", StatusInvalidArgument, func(acc *Accumulator, s *Scaler, g []Grad) error {
+			other := must(NewAccumulator(shardTensors, nil, nil))
+			defer other.Close()
+			b := must(other.Bind(g))
+			defer b.Close()
+			return acc.AddBound(s, b, 2)
+		}},
+		{"Sync on a closed Comm", StatusInvalidHandle, func(acc *Accumulator, _ *Scaler, _ []Grad) error {
+			_, err := acc.Sync(closedComm)
+			return err
+		}},
+	}
+	errs, took := make([][2]error, len(steps)), make([]time.Duration, len(steps))
+	final, failed := make([]SyncInfo, 2), make([]error, 2)
+	onRanks(t, 2, func(r int) {
+		failed[r] = func() error {
+			s := scalerWithScale(t, 1)
+			defer s.Close()
+			c := accumulateConfig(2, r, 0)
+			acc, err := NewShardedAccumulator(shardTensors, &c, comms[r], nil)
+			if err != nil {
+				return err
+			}
+			defer acc.Close()
+			g := randomGrads(rand.New(rand.NewSource(int64(60 + r))))
+			if err := acc.Add(s, g, 2); err != nil {
+				return err
+			}
+			for i, step := range steps {
+				start := time.Now()
+				if r == 1 {
+					errs[i][r] = step.bad(acc, s, g)
+				} else if strings.HasPrefix(step.what, "Sync") {
+					_, errs[i][r] = acc.Sync(nil)
+				} else {
+					errs[i][r] = acc.Add(s, g, 2)
+				}
+				if r == 0 {
+					took[i] = time.Since(start)
+				}
+			}
+			if err := acc.Add(s, g, 2); err != nil {
+				return err
+			}
+			final[r], err = acc.Sync(nil)
+			return err
+		}()
+	})
+	for i, step := range steps {
+		if !errors.Is(errs[i][1], &Error{Status: step.want}) {
+			t.Errorf("%s: rank 1 got %v, want status %d", step.what, errs[i][1], step.want)
+		}
+		if !errors.Is(errs[i][0], &Error{Status: StatusPeerFailure}) || took[i] > 2*time.Second {
+			t.Errorf("%s: rank 0 got %v after %v, want StatusPeerFailure at once", step.what, errs[i][0], took[i])
+		}
+	}
+	for r := range failed {
+		if failed[r] != nil {
+			t.Fatalf("rank %d: %v", r, failed[r])
+		}
+		if final[r].Microbatches != 4 || final[r].TotalCount != 8 {
+			t.Errorf("rank %d: %+v afterwards, want 4 micro-batches of 8 items", r, final[r])
+		}
+	}
+}

@@ -435,10 +435,24 @@ class Accumulator(_Managed):
     def add(self, scaler, grads, count):
         """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient, or ``grads``
         is what :meth:`bind` returned for the same buffers (one C call, nothing converted)."""
-        bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
-        if bound._acc is not self:
-            raise ValueError("these gradients were bound to another accumulator")
-        _check(ffi.gradacc_accumulator_add(self._handle(), scaler._handle(), bound._array, len(bound._array), count))
+        try:
+            bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
+            if bound._acc is not self:
+                raise ValueError("these gradients were bound to another accumulator")
+            s = scaler._handle()
+        except Exception:
+            self._refuse_add(scaler)
+            raise
+        _check(ffi.gradacc_accumulator_add(self._handle(), s, bound._array, len(bound._array), count))
+
+    def _refuse_add(self, scaler):
+        """After add's own checks refused its arguments: a C add that the library refuses on every
+        rank (no gradients), so that a sharded accumulation's other ranks, already in this
+        micro-batch's reduction, fail at once instead of at their timeout. Elsewhere it only fails
+        here (its status is dropped: the caller raises its own error)."""
+        if self._ptr is not None:
+            s = scaler._ptr if isinstance(scaler, Scaler) else None  # None once closed
+            ffi.gradacc_accumulator_add(self._ptr, s, None, 0, 0)
 
     def bind(self, grads):
         """Checks and converts the gradient buffers once (dtype, length, contiguity) for
@@ -486,7 +500,14 @@ class Accumulator(_Managed):
         A sharded accumulation (``comm=`` at creation) syncs over its own communicator: ``comm``
         is None or that one (another raises INVALID_ARGUMENT there, PEER_FAILURE elsewhere)."""
         info = _out_struct(ffi.gradacc_sync_info_t)
-        c = comm._handle() if comm is not None else None
+        try:
+            c = comm._handle() if comm is not None else None
+        except Exception:
+            if self._ptr is not None:
+                # A sharded accumulation's other ranks are already in the boundary: a C sync
+                # with struct_size 0 is refused on every rank, so they fail at once.
+                ffi.gradacc_accumulator_sync(self._ptr, None, ctypes.byref(ffi.gradacc_sync_info_t()))
+            raise
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
         return _from_struct(SyncInfo, info)
 
@@ -502,6 +523,13 @@ class Accumulator(_Managed):
         unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Host
         communicators only (in-process, MPI)."""
         info = _out_struct(ffi.gradacc_sync_info_t)
+        objs = (shard_comm, replica_comm)
+        if self._ptr is None or not all(isinstance(c, Communicator) and c._ptr is not None for c in objs):
+            # The C call still takes part in the open groups' exchange, so their ranks fail at once.
+            ffi.gradacc_accumulator_sync_hybrid(
+                self._ptr, *(c._ptr if isinstance(c, Communicator) else None for c in objs), ctypes.byref(info))
+            for x in (self, *objs):
+                x._handle()  # raises the binding's error for the closed one
         _check(ffi.gradacc_accumulator_sync_hybrid(self._handle(), shard_comm._handle(), replica_comm._handle(),
                                                    ctypes.byref(info)))
         return _from_struct(SyncInfo, info)

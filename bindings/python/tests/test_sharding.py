@@ -5,6 +5,7 @@ accumulation (comm= at creation): shards against an unsharded DDP sync, add and 
 one shard of one, its communicator kept alive, and misuse failing on every rank."""
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -499,3 +500,61 @@ def test_a_bad_call_on_one_rank_fails_every_rank_and_keeps_the_window():
     for r, (_, _, unchanged, after) in enumerate(results):
         assert unchanged, f"rank {r}: a failed call changed the shard"
         assert (after.microbatches, after.total_count) == (2, 4), f"rank {r}: {after}"
+
+
+def test_arguments_the_binding_refuses_fail_the_other_rank_at_once():
+    """A call add or sync refuses before the C call (a gradient count or length that does not
+    fit, grads bound to another accumulator, a closed scaler or communicator) raises there and
+    PEER_FAILURE on the other rank at once, not at the communicator's timeout; both ranks then add
+    and sync as before."""
+    group, (closed_comm,) = gradacc.local_group(2), gradacc.local_group(1)
+    closed_comm.close()
+    for c in group:
+        c.timeout = 5  # without the refusal rank 0 would wait this long
+    other = gradacc.Accumulator(TENSORS)
+    closed_scaler = gradacc.Scaler()
+    closed_scaler.close()
+
+    def short(grads):
+        return grads[:1] + [grads[1][:-1]] + grads[2:]
+
+    steps = [  # (what, rank 1's call, the exception it raises)
+        ("3 of 4 gradients", lambda acc, s, g: acc.add(s, g[:3], 2), ValueError),
+        ("a short gradient", lambda acc, s, g: acc.add(s, short(g), 2), ValueError),
+        ("another accumulator's bound grads", lambda acc, s, g: acc.add(s, other.bind(g), 2), ValueError),
+        ("a closed scaler", lambda acc, s, g: acc.add(closed_scaler, g, 2), ValueError),
+        ("sync on a closed communicator", lambda acc, s, g: acc.sync(closed_comm), ValueError),
+    ]
+
+    def rank(r):
+        rng = np.random.default_rng(60 + r)
+        out = []
+        with gradacc.Scaler(init_scale=1.0) as scaler, accumulate(r, 2, group[r]) as acc:
+            grads = random_grads(rng)
+            acc.add(scaler, grads, 2)
+            for what, bad, _ in steps:
+                start = time.monotonic()
+                try:
+                    if r == 1:
+                        bad(acc, scaler, grads)
+                    elif what.startswith("sync"):
+                        acc.sync()
+                    else:
+                        acc.add(scaler, grads, 2)
+                    out.append((None, time.monotonic() - start))
+                except Exception as e:  # compared below
+                    out.append((e, time.monotonic() - start))
+            acc.add(scaler, grads, 2)
+            return out, acc.sync()
+
+    results = results_of(run_ranks(2, rank))
+    for c in group:
+        c.close()
+    other.close()
+    (caught0, after0), (caught1, after1) = results
+    for (what, _, raised), (e0, took0), (e1, _) in zip(steps, caught0, caught1):
+        assert type(e1) is raised, f"{what}: rank 1 raised {e1!r}"
+        assert isinstance(e0, gradacc.GradaccError) and e0.status == gradacc.Status.PEER_FAILURE, f"{what}: {e0!r}"
+        assert took0 < 2, f"{what}: rank 0 failed after {took0:.2f} s"
+    for r, after in enumerate((after0, after1)):
+        assert (after.microbatches, after.total_count) == (4, 8), f"rank {r}: {after}"

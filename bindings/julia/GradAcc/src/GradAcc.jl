@@ -612,13 +612,47 @@ check_index(a::Accumulator, i::Integer) =
 
 contiguous(g::AbstractVector) = g isa DenseVector || (g isa StridedVector && stride(g, 1) == 1)
 
-# A gradient must be contiguous and of an element type its tensor's dtype arrives in.
-function check_grad(a::Accumulator, i::Integer, g::AbstractVector)
-    check_index(a, i)
-    contiguous(g) || throw(ArgumentError("gradient $i must be a contiguous vector"))
+# A gradient must be contiguous and of an element type its tensor's dtype arrives in: the
+# exception that says why not, or nothing.
+function grad_error(a::Accumulator, i::Integer, g::AbstractVector)
+    1 <= i <= length(a.tensors) || return BoundsError(a, i)
+    contiguous(g) || return ArgumentError("gradient $i must be a contiguous vector")
     eltype_matches(a.tensors[i].dtype, eltype(g)) ||
-        throw(ArgumentError("gradient $i has element type $(eltype(g)), which does not match tensor $i's dtype"))
+        return ArgumentError("gradient $i has element type $(eltype(g)), which does not match tensor $i's dtype")
     return nothing
+end
+
+function check_grad(a::Accumulator, i::Integer, g::AbstractVector)
+    err = grad_error(a, i, g)
+    err === nothing || throw(err)
+    return nothing
+end
+
+# What add! refuses before the C call (the exception), or nothing.
+function add_error(a::Accumulator, s::Scaler, grads::AbstractVector)
+    length(grads) == length(a.tensors) ||
+        return ArgumentError("$(length(grads)) gradients for $(length(a.tensors)) tensors")
+    for (i, g) in enumerate(grads)
+        err = grad_error(a, i, g)
+        err === nothing || return err
+        length(g) == a.tensors[i].numel ||  # add takes no lengths: check before C reads past the end
+            return DimensionMismatch("gradient $i has $(length(g)) elements, tensor $i has $(a.tensors[i].numel)")
+    end
+    # A closed accumulator is the C call's to report.
+    isopen(s) || !isopen(a) || return ArgumentError("the Scaler is closed")
+    return nothing
+end
+
+# Throws add!'s own refusal `err` after a C add that the library refuses on every rank (no
+# gradients): a sharded accumulation's other ranks, already in this micro-batch's reduction, fail
+# at once instead of at their timeout. Elsewhere that call only fails here.
+function refuse_add(a::Accumulator, s::Scaler, err::Exception)
+    p = @atomic a.ptr
+    if p != C_NULL
+        sp = @atomic s.ptr  # C_NULL once closed
+        GC.@preserve a s gradacc_accumulator_add(p, sp, Ptr{Ptr{Cvoid}}(C_NULL), 0, 0)
+    end
+    throw(err)
 end
 
 """
@@ -628,13 +662,8 @@ One micro-batch of `count` items: `grads[i]` is tensor `i`'s gradient, a contigu
 its dtype (`Float32`; `Float16`; for bf16 a BFloat16 type or `UInt16` words).
 """
 function add!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer)
-    length(grads) == length(a.tensors) ||
-        throw(ArgumentError("$(length(grads)) gradients for $(length(a.tensors)) tensors"))
-    for (i, g) in enumerate(grads)
-        check_grad(a, i, g)
-        length(g) == a.tensors[i].numel ||  # add takes no lengths: check before C reads past the end
-            throw(DimensionMismatch("gradient $i has $(length(g)) elements, tensor $i has $(a.tensors[i].numel)"))
-    end
+    err = add_error(a, s, grads)
+    err === nothing || refuse_add(a, s, err)
     GC.@preserve grads begin
         ptrs = Ptr{Cvoid}[pointer(g) for g in grads]
         check(gradacc_accumulator_add(a, s, ptrs, length(ptrs), count))
@@ -693,6 +722,16 @@ there and `GRADACC_STATUS_PEER_FAILURE` on the other ranks).
 """
 function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
     info = out_struct(gradacc_sync_info_t)
+    if comm !== nothing && !isopen(comm)
+        p = @atomic a.ptr
+        if p != C_NULL
+            # A sharded accumulation's other ranks are already in the boundary: a C sync with
+            # struct_size 0 is refused on every rank, so they fail at once.
+            refused = Ref(gradacc_sync_info_t(0, false, 0, 0, 0, 0))
+            GC.@preserve a gradacc_accumulator_sync(p, Ptr{gradacc_comm_t}(C_NULL), refused)
+        end
+        handle(comm)  # throws the binding's error
+    end
     check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
     return info[]
 end
@@ -713,6 +752,12 @@ communicators only (local, MPI).
 """
 function sync_hybrid!(a::Accumulator, shard::Communicator, replicas::Communicator)
     info = out_struct(gradacc_sync_info_t)
+    if !(isopen(a) && isopen(shard) && isopen(replicas))
+        # The C call still takes part in the open groups' exchange, so their ranks fail at once.
+        p, sp, rp = (@atomic a.ptr), (@atomic shard.ptr), (@atomic replicas.ptr)
+        GC.@preserve a shard replicas gradacc_accumulator_sync_hybrid(p, sp, rp, info)
+        foreach(handle, (a, shard, replicas))  # throws the binding's error
+    end
     check(gradacc_accumulator_sync_hybrid(a, shard, replicas, info))
     return info[]
 end

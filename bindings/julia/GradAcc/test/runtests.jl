@@ -815,6 +815,53 @@ sharded_accumulation(world, r, comm; kw...) =
         foreach(close, [comms; stranger])
     end
 
+    # Calls add! and sync! refuse before the C call (a gradient count or length that does not fit,
+    # a closed scaler or communicator) throw there and PEER_FAILURE on the other rank at once, not
+    # at the communicator's timeout; both ranks then add and sync as before.
+    @testset "a call the binding refuses on one sharded rank fails the other at once" begin
+        comms, (closed_comm,) = local_group(2), local_group(1)
+        close(closed_comm)
+        closed_scaler = Scaler()
+        close(closed_scaler)
+        grads = [random_grads() for _ in 1:2]
+        steps = [  # (what, rank 1's call, the exception type it throws)
+            ("3 of 4 gradients", (acc, s, g) -> add!(acc, s, g[1:3], 2), ArgumentError),
+            ("a short gradient", (acc, s, g) -> add!(acc, s, [g[1], g[2][1:end-1], g[3], g[4]], 2), DimensionMismatch),
+            ("a closed scaler", (acc, _, g) -> add!(acc, closed_scaler, g, 2), ArgumentError),
+            ("sync! on a closed communicator", (acc, _, _) -> sync!(acc, closed_comm), ArgumentError),
+        ]
+        results = on_ranks(comms; timeout=5) do r  # without the refusal rank 0 would wait 5 s
+            s = Scaler(init_scale=1.0)
+            acc = sharded_accumulation(2, r, comms[r + 1])
+            g = grads[r + 1]
+            add!(acc, s, g, 2)
+            caught = map(steps) do (what, bad, _)
+                start = time()
+                err = try
+                    r == 1 ? bad(acc, s, g) : startswith(what, "sync!") ? sync!(acc) : add!(acc, s, g, 2)
+                    nothing
+                catch e
+                    e
+                end
+                return err, time() - start
+            end
+            add!(acc, s, g, 2)
+            after = sync!(acc)
+            close(acc); close(s)
+            return caught, after
+        end
+        (caught0, after0), (caught1, after1) = results
+        for ((_, _, T), (err0, took0), (err1, _)) in zip(steps, caught0, caught1)
+            @test err1 isa T
+            @test err0 isa GradAccError && err0.status == GRADACC_STATUS_PEER_FAILURE
+            @test took0 < 2
+        end
+        for info in (after0, after1)
+            @test (info.microbatches, info.total_count) == (4, 8)
+        end
+        foreach(close, comms)
+    end
+
     @testset "a timeout throws and aborts" begin
         comms = local_group(2)
         GradAcc.set_timeout!(comms[1], 0.2)
