@@ -718,12 +718,10 @@ static void *misuse_rank(void *arg)
           gradacc_last_error());
     CHECK(shard_hash(acc) == before, "rank %d: the mismatched step changed the shard", r);
 
-    /* A second contribution to a tensor within one micro-batch is refused (each tensor takes one
-     * per micro-batch); the micro-batch itself is good. */
+    /* A micro-batch tensor by tensor, whole. */
     EXPECT_OK(gradacc_accumulator_begin_microbatch(acc, 1));
     EXPECT_OK(gradacc_accumulator_add_tensor(acc, scaler, 2, g->f2, 10));
     EXPECT_OK(gradacc_accumulator_add_tensor(acc, scaler, 0, g->f0, 100));
-    EXPECT_ERROR(gradacc_accumulator_add_tensor(acc, scaler, 2, g->f2, 10), GRADACC_STATUS_WRONG_STATE, "tensor 2");
     EXPECT_OK(gradacc_accumulator_add_tensor(acc, scaler, 1, g->h1, 5900));
     EXPECT_OK(gradacc_accumulator_end_microbatch(acc));
 
@@ -770,6 +768,21 @@ static void *misuse_rank(void *arg)
     CHECK(info.total_count == 6 && info.microbatches == 3, "next window, rank %d: count %llu, mb %llu", r,
           (unsigned long long)info.total_count, (unsigned long long)info.microbatches);
     check_shard_value(acc, 0, MISUSE_LEN, 6.0f, "the window after the failures", r);
+
+    /* A second contribution to a tensor within one micro-batch, on rank 2, is refused (each
+     * tensor takes one per micro-batch), and a NULL one on rank 1: the micro-batch fails on every
+     * rank when it ends, and the windows are discarded. */
+    EXPECT_OK(gradacc_accumulator_begin_microbatch(acc, 1));
+    EXPECT_OK(gradacc_accumulator_add_tensor(acc, scaler, 2, g->f2, 10));
+    if (r == 2)
+        EXPECT_ERROR(gradacc_accumulator_add_tensor(acc, scaler, 2, g->f2, 10), GRADACC_STATUS_WRONG_STATE, "tensor 2");
+    if (r == 1)
+        EXPECT_STATUS(gradacc_accumulator_add_tensor(acc, scaler, 0, NULL, 100), GRADACC_STATUS_NULL_ARGUMENT);
+    st = gradacc_accumulator_end_microbatch(acc);
+    CHECK(st == (r == 0 ? peer : GRADACC_STATUS_WRONG_STATE) && strstr(gradacc_last_error(), "window was discarded"),
+          "refused contributions on ranks 1 and 2, rank %d: status %d (%s): %s", r, (int)st, gradacc_status_string(st),
+          gradacc_last_error());
+    EXPECT_STATUS(gradacc_accumulator_sync(acc, NULL, &info), GRADACC_STATUS_EMPTY_WINDOW);
     EXPECT_OK(gradacc_accumulator_destroy(acc));
     EXPECT_OK(gradacc_scaler_destroy(scaler));
     return NULL;

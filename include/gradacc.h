@@ -718,7 +718,10 @@ enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_
 /**
  * Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
  * tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
- * backward); they are summed.
+ * backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
+ * contribution per micro-batch, the calls run one at a time (one may reduce a bucket), and a
+ * call refused on any rank fails the micro-batch on every rank at gradacc_accumulator_end_microbatch
+ * (the windows are discarded).
  *
  * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
  * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are

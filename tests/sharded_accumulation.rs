@@ -374,10 +374,10 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         let e = if r == 0 { acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err() } else { acc.begin_microbatch(1).unwrap_err() };
         assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
-        // A second contribution to a tensor in one micro-batch is refused.
+        // A micro-batch tensor by tensor, whole.
         acc.begin_microbatch(1).unwrap();
         acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap();
-        assert_eq!(acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap_err().kind, ErrorKind::WrongState);
+        acc.add_tensor(&s, 0, Grad::F16(&big)).unwrap();
         acc.end_microbatch().unwrap();
         // Another communicator at the boundary on rank 0.
         let stranger = LocalComm::group(1).unwrap();
@@ -391,6 +391,17 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         assert_eq!(acc.shard().0, if r == 0 { 0..4096 } else { 4096..6010 });
         assert_eq!(acc.read_master(1, &mut [0.0; 10]).is_ok(), r == 1, "rank {r}");
         assert_eq!(acc.master_ptr(0).unwrap_err().kind, ErrorKind::InvalidArgument, "rank {r}");
+
+        // A second contribution to a tensor in one micro-batch (rank 1's) is refused, and the
+        // micro-batch then fails on every rank, its window discarded.
+        acc.begin_microbatch(1).unwrap();
+        acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap();
+        if r == 1 {
+            assert_eq!(acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap_err().kind, ErrorKind::WrongState);
+        }
+        let e = acc.end_microbatch().unwrap_err();
+        assert_eq!(e.kind, if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "rank {r}");
     });
 }
 
@@ -496,4 +507,125 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         let first_group: Vec<_> = results[..shards].iter().map(|(_, r, s)| (r.clone(), s.clone())).collect();
         want.check(&results[0].0, &first_group, &what);
     }
+}
+
+#[test]
+fn short_and_empty_shards_and_one_huge_bucket() {
+    // Stripes past the end of a short (or empty) shard, and a bucket_numel that would overflow
+    // its rounding: shard 2 of 24577 elements over 3 ranks is 8193 - 2 x 8192 = 1 element... and
+    // with bucket_numel 1 every stripe is one block.
+    let tensors = [TensorDesc { numel: 24577, dtype: Dtype::F32 }];
+    for bucket_numel in [1, 4096, usize::MAX] {
+        let config = AccumulatorConfig { bucket_numel, ..Default::default() };
+        let shards = on_ranks(3, |r, comm| {
+            let acc = sharded(config, &tensors, comm);
+            let g = vec![(r + 1) as f32; 24577];
+            acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
+            acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
+            acc.sync(None).unwrap();
+            (acc.shard().0, shard_bits(&acc))
+        });
+        // (1 + 2 + 3) x 2 items / 6 items = 2 everywhere.
+        assert_eq!(shards.iter().map(|(r, _)| r.len()).sum::<usize>(), 24577, "bucket_numel {bucket_numel}");
+        for (r, (_, bits)) in shards.iter().enumerate() {
+            assert!(bits.iter().all(|&b| b == 2f32.to_bits()), "bucket_numel {bucket_numel}: shard {r}");
+        }
+    }
+    let one = Sharding::Accumulate { shards: 1, rank: 0 };
+    let acc = Accumulator::new(AccumulatorConfig { sharding: one, bucket_numel: usize::MAX, ..Default::default() }, &tensors).unwrap();
+    acc.add(&scaler(1.0), &[Grad::F32(&[0.5; 24577])], 1).unwrap();
+    assert_eq!(acc.sync(None).unwrap().total_count, 1);
+}
+
+#[test]
+fn an_overflowing_sum_is_found_as_the_unsharded_accumulator_finds_it() {
+    // Each contribution is finite; their sum over micro-batches (one rank) or over ranks is not.
+    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F32 }];
+    let big = vec![3e38f32; 5000];
+    let config = AccumulatorConfig { normalize: Normalize::None, loss_reduction: LossReduction::Sum, ..Default::default() };
+    let plain = Accumulator::new(config, &tensors).unwrap();
+    let one = Accumulator::new(AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config }, &tensors).unwrap();
+    for acc in [&plain, &one] {
+        acc.add(&scaler(1.0), &[Grad::F32(&big)], 1).unwrap();
+        acc.add(&scaler(1.0), &[Grad::F32(&big)], 1).unwrap();
+    }
+    let (a, b) = (plain.sync(None).unwrap(), one.sync(None).unwrap());
+    assert!(a.found_inf && b.found_inf, "{a:?} {b:?}");
+    assert_eq!(shard_bits(&plain), shard_bits(&one));
+    let infos = on_ranks(2, |_, comm| {
+        let acc = sharded(config, &tensors, comm);
+        acc.add(&scaler(1.0), &[Grad::F32(&big)], 1).unwrap();
+        acc.sync(None).unwrap()
+    });
+    assert!(infos.iter().all(|i| i.found_inf), "a sum over ranks overflowing: {infos:?}");
+}
+
+#[test]
+fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
+    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F16 }, TensorDesc { numel: 3000, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { bucket_numel: 4096, ..Default::default() };
+    let quick = Duration::from_secs(2);
+    on_ranks(3, |r, comm| {
+        comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
+        let acc = sharded(config, &tensors, comm);
+        let s = scaler(1.0);
+        let (halves, floats) = (vec![to_f16(1.0); 5000], vec![1.0f32; 3000]);
+        acc.add(&s, &[Grad::F16(&halves), Grad::F32(&floats)], 1).unwrap();
+        let before = shard_bits(&acc);
+
+        // A contribution refused on rank 1 (a wrong length): every rank's micro-batch fails when
+        // it ends, and every window is discarded.
+        let t = std::time::Instant::now();
+        acc.begin_microbatch(1).unwrap();
+        acc.add_tensor(&s, 1, Grad::F32(&floats)).unwrap();
+        let short = vec![to_f16(1.0); 4999];
+        let e = acc.add_tensor(&s, 0, if r == 1 { Grad::F16(&short) } else { Grad::F16(&halves) });
+        assert_eq!(e.is_err(), r == 1, "rank {r}");
+        let e = acc.end_microbatch().unwrap_err();
+        assert_eq!(e.kind, if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        assert!(e.message.ends_with("(the window was discarded)"), "rank {r}: {e}");
+        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "rank {r}: the window is gone");
+        assert!(t.elapsed() < quick, "rank {r} waited {:?}", t.elapsed());
+
+        // end_microbatch without a micro-batch on rank 2, while the others open and close one:
+        // they fail at once, nothing is reduced.
+        acc.add(&s, &[Grad::F16(&halves), Grad::F32(&floats)], 1).unwrap();
+        let t = std::time::Instant::now();
+        if r == 2 {
+            assert_eq!(acc.end_microbatch().unwrap_err().kind, ErrorKind::WrongState);
+        } else {
+            assert_eq!(acc.begin_microbatch(1).unwrap_err().kind, ErrorKind::PeerFailure, "rank {r}");
+        }
+        assert!(t.elapsed() < quick, "rank {r} waited {:?}", t.elapsed());
+        assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
+        let info = acc.sync(None).unwrap();
+        assert_eq!((info.total_count, info.microbatches), (3, 3), "rank {r}");
+    });
+}
+
+#[test]
+fn a_hybrid_boundary_on_a_stray_shard_group_fails_every_rank_at_once() {
+    let tensors = [TensorDesc { numel: 9000, dtype: Dtype::F32 }];
+    let (shards, replicas) = (2, 2);
+    let shard_groups: Vec<Vec<Arc<dyn Communicator>>> = (0..replicas).map(|_| group(shards)).collect();
+    let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+    let stray = LocalComm::group(2).unwrap();
+    std::thread::scope(|s| {
+        for g in 0..shards * replicas {
+            let (a, i) = (g / shards, g % shards);
+            let (comm, replica, stray, tensors) = (&shard_groups[a][i], &replica_groups[i][a], &stray, &tensors);
+            s.spawn(move || {
+                comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
+                replica.set_timeout(Some(Duration::from_secs(30))).unwrap();
+                let acc = sharded(AccumulatorConfig::default(), tensors, comm);
+                acc.add(&scaler(1.0), &[Grad::F32(&[1.0; 9000])], 1).unwrap();
+                let t = std::time::Instant::now();
+                let e = acc.sync_hybrid(if g == 0 { &stray[0] as &dyn Communicator } else { &**comm }, replica).unwrap_err();
+                assert_eq!(e.kind, if g == 0 { ErrorKind::InvalidArgument } else { ErrorKind::PeerFailure }, "rank {g}: {e}");
+                assert!(t.elapsed() < Duration::from_secs(2), "rank {g} waited {:?}", t.elapsed());
+                // Nothing was reduced: the boundary on the right groups works.
+                assert_eq!(acc.sync_hybrid(&**comm, replica).unwrap().total_count, 4, "rank {g}");
+            });
+        }
+    });
 }

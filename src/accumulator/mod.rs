@@ -264,6 +264,10 @@ pub(crate) trait Store: Send + Sync {
         false
     }
 
+    /// An `add_tensor` of the open micro-batch failed on this rank: a store that reduces every
+    /// micro-batch fails it on every rank when it closes.
+    fn note_invalid(&self) {}
+
     /// The communicator a store reduces every micro-batch over (sharded accumulation).
     fn bound(&self) -> Option<&dyn Communicator> {
         None
@@ -600,7 +604,8 @@ impl Accumulator {
             .between_microbatches("begin_microbatch while a micro-batch is open: call end_microbatch first")
             .and_then(|()| self.store.check_open())
             .and_then(|()| self.plan.config.check_count(w.open_count(), count))
-            .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)));
+            .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)))
+            .and_then(|()| self.check_bound(comm.as_deref()));
         self.store.open_microbatch(self.opens_window(&w), false, checked.as_ref().err())?;
         if let Some(c) = &comm {
             self.store.begin_final(c)?;
@@ -612,16 +617,28 @@ impl Accumulator {
 
     /// Adds one contribution to tensor `index` in the open micro-batch. Callable from several
     /// threads at once; a tensor may receive several contributions (a chunked backward).
+    ///
+    /// Under [`Sharding::Accumulate`] each tensor takes one contribution per micro-batch, and the
+    /// calls run one at a time (a call may reduce a bucket); a call that fails on any rank fails
+    /// the micro-batch on every rank when it ends, and the windows are discarded.
     pub fn add_tensor<'a>(&self, scaler: &Scaler, index: usize, grad: impl Into<Gradient<'a>>) -> Result<()> {
         let grad = grad.into();
         let w = self.window.read();
         let count = w.microbatch_count()?;
-        self.plan.layout.check_index(index)?;
-        self.check_grad(index, grad, || "grad".into())?;
-        self.check_scaler(scaler)?;
-        let weight = self.plan.config.weight(count);
-        let _tensor = self.window.lock_tensor(index);
-        self.store.add_tensor(scaler, index, grad, weight, !self.window.written(&w, index))?;
+        let added = self
+            .plan
+            .layout
+            .check_index(index)
+            .and_then(|()| self.check_grad(index, grad, || "grad".into()))
+            .and_then(|()| self.check_scaler(scaler))
+            .and_then(|()| {
+                let _tensor = self.window.lock_tensor(index);
+                self.store.add_tensor(scaler, index, grad, self.plan.config.weight(count), !self.window.written(&w, index))
+            });
+        if added.is_err() {
+            self.refuse_tensor();
+        }
+        added?;
         self.window.mark_written(&w, index);
         Ok(())
     }
@@ -633,14 +650,17 @@ impl Accumulator {
     /// On the CPU, a non-null `grad` must point to `numel` readable values of the tensor's dtype
     /// for the duration of the call.
     pub unsafe fn add_tensor_raw(&self, scaler: &Scaler, index: usize, grad: *const c_void, numel: usize) -> Result<()> {
-        let desc = *self
+        let checked = self
             .tensors()
             .get(index)
-            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", self.tensors().len())))?;
-        if numel != desc.numel {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
-        }
-        dtype::check_buffer(grad, numel, desc.dtype, "grad")?;
+            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", self.tensors().len())))
+            .and_then(|&desc| {
+                if numel != desc.numel {
+                    return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
+                }
+                dtype::check_buffer(grad, numel, desc.dtype, "grad").map(|()| desc)
+            });
+        let desc = checked.inspect_err(|_| self.refuse_tensor())?;
         match self.device() {
             // SAFETY: checked above; readable by the caller's contract.
             Device::Cpu => self.add_tensor(scaler, index, unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above")),
@@ -655,6 +675,8 @@ impl Accumulator {
     pub fn end_microbatch(&self) -> Result<()> {
         let mut w = self.window.write();
         let Phase::InMicrobatch { count } = w.phase else {
+            // The other ranks of a sharded accumulation are closing theirs: tell them.
+            self.refuse_collective();
             return Err(Error::wrong_state("end_microbatch without begin_microbatch"));
         };
         let closed = self.store.close_microbatch();
@@ -698,16 +720,13 @@ impl Accumulator {
 
     fn boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
         // Sharded accumulation reduces over its own communicator; `None` names it too.
-        let bound = self.store.bound();
-        if let (Some(b), Some(c)) = (bound, comm) {
-            if !std::ptr::addr_eq(b, c) {
-                refuse_boundary(b);
-                return Err(Error::invalid(
-                    "a sharded accumulation reduces over the communicator it was created with; sync got another (pass it, or none)",
-                ));
-            }
+        if let Err(e) = self.check_bound(comm) {
+            // The shard group, then the replicas, as the boundary's control step would.
+            self.refuse_collective();
+            replicas.into_iter().for_each(refuse_boundary);
+            return Err(e);
         }
-        let comm = comm.or(bound);
+        let comm = comm.or(self.store.bound());
         let result = self.run_boundary(comm, replicas, read);
         if let Err(e) = &result {
             // A boundary past its deadline ends this rank's use of its groups, on every transport.
@@ -738,7 +757,13 @@ impl Accumulator {
         let agreed = self.store.agree(&Proposal { comm, replicas, count, microbatches, error }).map_err(|e| match e.kind {
             // Nothing was reduced: the caller may save the window or sync again on a new group.
             ErrorKind::CommFailure | ErrorKind::Timeout => {
-                Error::new(e.kind, format!("{}; this rank's window is intact (save_window it, or sync again on a new communicator)", e.message))
+                // A sharded accumulation is bound to its communicator: it resumes in a new one.
+                let next = if self.store.bound().is_some() {
+                    "load it into an accumulation on a new communicator"
+                } else {
+                    "or sync again on a new communicator"
+                };
+                Error::new(e.kind, format!("{}; this rank's window is intact (save_window it, {next})", e.message))
             }
             _ => e,
         })?;
@@ -773,6 +798,24 @@ impl Accumulator {
     pub(crate) fn refuse_collective(&self) {
         if let Some(c) = self.store.bound() {
             refuse_boundary(c);
+        }
+    }
+
+    /// An `add_tensor` that failed before reaching the accumulator (an argument refused on the
+    /// way): under sharded accumulation the open micro-batch then fails on every rank when it
+    /// ends.
+    pub(crate) fn refuse_tensor(&self) {
+        self.store.note_invalid();
+    }
+
+    /// A sharded accumulation reduces over the communicator it was created with: another is
+    /// refused (`None` names its own).
+    fn check_bound(&self, comm: Option<&dyn Communicator>) -> Result<()> {
+        match (self.store.bound(), comm) {
+            (Some(b), Some(c)) if !std::ptr::addr_eq(b, c) => Err(Error::invalid(
+                "a sharded accumulation reduces over the communicator it was created with; this call got another (pass it, or none)",
+            )),
+            _ => Ok(()),
         }
     }
 

@@ -398,13 +398,18 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_begin_final_microbatch", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        Ok(a.begin_final_microbatch(count, COMMS.get(comm, "comm")?)?)
+        // Under sharded accumulation the other ranks are in the micro-batch's control step.
+        let comm = COMMS.get(comm, "comm").inspect_err(|_| a.refuse_collective())?;
+        Ok(a.begin_final_microbatch(count, comm)?)
     })
 }
 
 /// Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
 /// tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
-/// backward); they are summed.
+/// backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
+/// contribution per micro-batch, the calls run one at a time (one may reduce a bucket), and a
+/// call refused on any rank fails the micro-batch on every rank at gradacc_accumulator_end_microbatch
+/// (the windows are discarded).
 ///
 /// Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
 /// accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
@@ -421,10 +426,10 @@ pub unsafe extern "C" fn gradacc_accumulator_add_tensor(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_add_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
-        let s = SCALERS.get(scaler, "scaler")?;
-        // SAFETY: the caller passes `numel` values of the tensor's dtype at `grad` (API
-        // contract); `add_tensor_raw` checks the address and the count before use.
+        // Under sharded accumulation a refused contribution fails the micro-batch everywhere.
+        let s = SCALERS.get(scaler, "scaler").inspect_err(|_| a.refuse_tensor())?;
         if grad.is_null() {
+            a.refuse_tensor();
             return Err(null("grad"));
         }
         // SAFETY: `grad` holds `numel` values of the tensor's dtype (API contract);
@@ -461,7 +466,11 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
-        let comm = if comm.is_null() { None } else { Some(COMMS.get(comm, "comm")?) };
+        let comm = match (comm.is_null(), ACCUMULATORS.get(acc, "acc")) {
+            (true, _) => None,
+            // A sharded accumulation's peers are in the boundary on its own communicator.
+            (false, a) => Some(COMMS.get(comm, "comm").inspect_err(|_| a.iter().for_each(|a| a.refuse_collective()))?),
+        };
         let a = match check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc")) {
             Ok(a) => a,
             Err(e) => {

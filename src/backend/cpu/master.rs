@@ -34,7 +34,7 @@ impl Master {
     }
 
     pub(super) fn ptr_at(&self, offset: usize) -> *mut f32 {
-        debug_assert!(offset <= self.len);
+        assert!(offset <= self.len, "master offset {offset} past its {} elements", self.len);
         // SAFETY: offset is within the allocation (or one past its end).
         unsafe { self.ptr.add(offset) }
     }

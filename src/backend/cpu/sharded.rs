@@ -31,6 +31,8 @@ use crate::scaler::Scaler;
 /// and a rank at the boundary never agree, nor a rank cutting by stripes and one by buckets.
 const BY_STRIPES: u64 = 0x5851_f42d_4c95_7f2d;
 const BY_BUCKETS: u64 = 0x2545_f491_4f6c_dd1d;
+/// The same for the control step that closes a micro-batch added tensor by tensor.
+const CLOSING: u64 = 0x9fb2_1c65_1e98_df25;
 
 pub(crate) struct ShardedStore {
     plan: Arc<Plan>,
@@ -61,6 +63,8 @@ struct Microbatch {
     /// Whether a micro-batch is open and the shard is assigned by it (the window's first).
     open: bool,
     first: bool,
+    /// An `add_tensor` of this micro-batch was invalid on this rank: closing it fails every rank.
+    invalid: bool,
     /// Buckets reduced so far, in the order of `schedule`.
     reduced: usize,
     /// Each tensor's contribution has landed.
@@ -81,7 +85,8 @@ impl ShardedStore {
         let shards = plan.shards();
         let own = shards[comm.rank()].clone();
         let shard = Master::owned(own.len())?;
-        let stripe = plan.config.bucket_numel.div_ceil(shards.len()).next_multiple_of(NORM_BLOCK);
+        // Clamped first: a bucket_numel near usize::MAX ("one bucket") must not wrap.
+        let stripe = plan.config.bucket_numel.div_ceil(shards.len()).min(plan.layout.len()).max(1).next_multiple_of(NORM_BLOCK);
         let staging = Self::allocate_stage(&plan, &shards, stripe)?;
         let mut bucket_tensors = vec![0..0; plan.layout.buckets().len()];
         for i in 0..plan.descs.len() {
@@ -91,6 +96,7 @@ impl ShardedStore {
         let microbatch = Microbatch {
             open: false,
             first: true,
+            invalid: false,
             reduced: 0,
             landed: vec![false; plan.descs.len()],
             missing: vec![0; plan.layout.buckets().len()],
@@ -193,8 +199,15 @@ impl ShardedStore {
     /// into the shard from element `shard_at` (assigns it with `first`). A failure loses the
     /// window.
     fn reduce_part(&self, stage: &mut [f32], pieces: &[Range<usize>], own: Range<usize>, shard_at: usize, first: bool) -> Result<()> {
-        let into =
-            AddInto { stage: stage.as_ptr() as usize, own, dst: self.shard.ptr_at(shard_at) as usize, assign: first, wire: self.plan.config.wire };
+        let into = AddInto {
+            stage: stage.as_ptr() as usize..stage.as_ptr_range().end as usize,
+            own,
+            // An empty part may start past a short shard's end: the address is never written.
+            dst: self.shard.ptr_at(shard_at.min(self.own.len())) as usize,
+            assign: first,
+            wire: self.plan.config.wire,
+            found_inf: &self.found_inf,
+        };
         let result = match between_ranks(Some(&*self.comm))? {
             Some(c) => c.reduce_scatter_with_pass(stage, pieces, &into).map(drop),
             None => {
@@ -216,7 +229,7 @@ impl ShardedStore {
             }
             let mut stage = match m.stages[b].take() {
                 Some(stage) => stage,
-                None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan, &self.shards, self.stripe), Ok)?,
+                None => self.spare_stage(&mut m.spare)?,
             };
             let base = stage_base(&self.plan.layout.buckets()[b]);
             for i in self.tensors_of(b).filter(|&i| !m.landed[i]) {
@@ -227,6 +240,39 @@ impl ShardedStore {
             m.spare.push(stage);
             m.reduced += 1;
             result?;
+        }
+        Ok(())
+    }
+
+    /// A staging buffer for the next part, after the micro-batch's control step: the peers are
+    /// then waiting for this rank's reductions, so a rank that cannot allocate one aborts the
+    /// communicator (they fail instead of waiting) and loses its window.
+    fn spare_stage(&self, spare: &mut Vec<Vec<f32>>) -> Result<Vec<f32>> {
+        match spare.pop() {
+            Some(stage) => Ok(stage),
+            None => Self::allocate_stage(&self.plan, &self.shards, self.stripe).inspect_err(|_| {
+                self.lost.store(true, Ordering::Relaxed);
+                let _ = self.comm.abort();
+            }),
+        }
+    }
+
+    /// The control step that closes a micro-batch added tensor by tensor: an invalid
+    /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
+    /// is lost.
+    fn close_together(&self, invalid: bool) -> Result<()> {
+        let mine = Control { numel: self.plan.layout.len() as u64, layout: self.plan.fingerprint() ^ CLOSING, error: invalid, ..Default::default() };
+        let total = match between_ranks(Some(&*self.comm))? {
+            Some(c) => c.reduce_control(&ControlSum::of(&mine)).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?,
+            None => ControlSum::of(&mine),
+        };
+        if total.error || total.min_layout != total.max_layout {
+            self.lost.store(true, Ordering::Relaxed);
+            return Err(if invalid {
+                Error::wrong_state("an add_tensor call of this micro-batch was refused on this rank: the micro-batch fails on every rank")
+            } else {
+                Error::new(ErrorKind::PeerFailure, "an add_tensor call of this micro-batch was refused on another rank, so the sums lack its tensor")
+            });
         }
         Ok(())
     }
@@ -248,21 +294,25 @@ fn stage_base(b: &Range<usize>) -> usize {
 }
 
 /// A micro-batch's pass over the reduce-scattered staging: this rank's part of the bucket is
-/// added into the shard (or assigned), while it is in cache. It writes no block values.
-struct AddInto {
-    /// The staging's address, and this rank's part of the bucket in it.
-    stage: usize,
+/// added into the shard (or assigned), while it is in cache, and checked, as the unsharded
+/// accumulation checks what it writes into its master. It writes no block values.
+struct AddInto<'a> {
+    /// The staging's addresses, and this rank's part of the bucket in it.
+    stage: Range<usize>,
     own: Range<usize>,
     /// The shard element at staging position `own.start` (an address, so the pass is `Sync`).
     dst: usize,
     assign: bool,
     wire: Dtype,
+    found_inf: &'a AtomicBool,
 }
 
-impl BlockPass for AddInto {
+impl BlockPass for AddInto<'_> {
     fn run(&self, run: &mut [f32], _values: &mut [f64]) {
         // Every communicator passes over runs of the buffer it reduces, here the staging.
-        let at = (run.as_ptr() as usize).wrapping_sub(self.stage) / size_of::<f32>();
+        let span = run.as_ptr_range();
+        debug_assert!(self.stage.start <= span.start as usize && span.end as usize <= self.stage.end, "a run outside the staging");
+        let at = (span.start as usize).wrapping_sub(self.stage.start) / size_of::<f32>();
         let (lo, hi) = (at.max(self.own.start), (at + run.len()).min(self.own.end));
         if lo >= hi {
             return;
@@ -276,6 +326,9 @@ impl BlockPass for AddInto {
             dst.copy_from_slice(src);
         } else {
             super::add_assign(dst, src);
+        }
+        if dst.iter().fold(false, |bad, v| bad | !v.is_finite()) {
+            self.found_inf.store(true, Ordering::Relaxed);
         }
     }
 
@@ -318,6 +371,7 @@ impl Store for ShardedStore {
         }
         m.open = true;
         m.first = first;
+        m.invalid = false;
         m.reduced = 0;
         m.landed.fill(false);
         for b in 0..m.missing.len() {
@@ -330,10 +384,7 @@ impl Store for ShardedStore {
         let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
         let factor = self.factor(scaler, weight)?;
         let mut m = self.state();
-        let mut stage = match m.spare.pop() {
-            Some(stage) => stage,
-            None => Self::allocate_stage(&self.plan, &self.shards, self.stripe)?,
-        };
+        let mut stage = self.spare_stage(&mut m.spare)?;
         let mut result = Ok(());
         let rank = self.comm.rank();
         // The first shard is the largest.
@@ -369,7 +420,7 @@ impl Store for ShardedStore {
         let b = self.plan.layout.bucket_of(index);
         let mut stage = match m.stages[b].take() {
             Some(stage) => stage,
-            None => m.spare.pop().map_or_else(|| Self::allocate_stage(&self.plan, &self.shards, self.stripe), Ok)?,
+            None => self.spare_stage(&mut m.spare)?,
         };
         let base = stage_base(&self.plan.layout.buckets()[b]);
         let r = self.plan.layout.range(index);
@@ -382,9 +433,13 @@ impl Store for ShardedStore {
 
     fn close_microbatch(&self) -> Result<()> {
         let mut m = self.state();
-        let result = if m.open { self.reduce_ready(&mut m, true) } else { Ok(()) };
+        let result = if m.open { self.reduce_ready(&mut m, true).and_then(|()| self.close_together(m.invalid)) } else { Ok(()) };
         self.finish(&mut m);
         result
+    }
+
+    fn note_invalid(&self) {
+        self.state().invalid = true;
     }
 
     fn take_lost(&self) -> bool {
