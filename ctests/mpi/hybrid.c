@@ -111,57 +111,31 @@ static void make_grads(int sc, const scenario *s, int rank, int mb, grad_buf *g,
     free(v);
 }
 
-/* The f64 reference of scenario `sc` over every rank of the world. */
+/* Scenario `sc`'s values, for `reference_of`. */
 typedef struct {
-    double *sum, *magnitude, divisor, norm, spread; /* spread: the norm of the magnitudes, normalised */
-    uint64_t items, microbatches;
-} reference;
+    int sc;
+} scenario_args;
 
-static reference make_reference(int sc)
+static int args_microbatches(const void *ctx, int rank) { return microbatches_of(&scenarios[((const scenario_args *)ctx)->sc], rank); }
+
+static void scenario_exact(const void *ctx, int rank, int mb, double *exact)
 {
-    const scenario *s = &scenarios[sc];
-    const int world = world_size();
-    reference ref;
-    memset(&ref, 0, sizeof ref);
-    ref.sum = calloc(LEN, sizeof(double));
-    ref.magnitude = calloc(LEN, sizeof(double));
-    double *exact = malloc(LEN * sizeof(double));
+    const int sc = ((const scenario_args *)ctx)->sc;
     grad_buf g[T];
     for (int t = 0; t < T; t++)
         g[t] = grad_alloc(dtypes[t], numel[t]);
-    for (int r = 0; r < world; r++)
-        for (int m = 0; m < microbatches_of(s, r); m++) {
-            make_grads(sc, s, r, m, g, exact);
-            double w = s->loss == GRADACC_LOSS_REDUCTION_MEAN && s->normalize == GRADACC_NORMALIZE_BY_COUNT
-                           ? (double)count_of(r, m)
-                           : 1.0;
-            for (size_t i = 0; i < LEN; i++) {
-                ref.sum[i] += w * exact[i];
-                ref.magnitude[i] += fabs(w * exact[i]);
-            }
-            ref.items += count_of(r, m);
-            ref.microbatches++;
-        }
-    ref.divisor = s->normalize == GRADACC_NORMALIZE_BY_COUNT         ? (double)ref.items
-                  : s->normalize == GRADACC_NORMALIZE_BY_MICROBATCHES ? (double)ref.microbatches
-                  : s->normalize == GRADACC_NORMALIZE_BY_WORLD        ? (double)world
-                                                                      : 1.0;
-    for (size_t i = 0; i < LEN; i++) {
-        ref.norm += (ref.sum[i] / ref.divisor) * (ref.sum[i] / ref.divisor);
-        ref.spread += (ref.magnitude[i] / ref.divisor) * (ref.magnitude[i] / ref.divisor);
-    }
-    ref.norm = sqrt(ref.norm);
-    ref.spread = sqrt(ref.spread);
+    make_grads(sc, &scenarios[sc], rank, mb, g, exact);
     for (int t = 0; t < T; t++)
         grad_free(&g[t]);
-    free(exact);
-    return ref;
 }
 
-static void free_reference(reference *ref)
+/* The f64 reference of scenario `sc` over every rank of the world. */
+static reference make_reference(int sc)
 {
-    free(ref->sum);
-    free(ref->magnitude);
+    const scenario *s = &scenarios[sc];
+    scenario_args a = {sc};
+    window_of_ranks w = {args_microbatches, count_of, scenario_exact, &a};
+    return reference_of(&w, LEN, world_size(), s->normalize, s->loss);
 }
 
 static gradacc_accumulator_t *make_hybrid_acc(const scenario *s, float max_norm, int shards, int rank)

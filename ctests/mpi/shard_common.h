@@ -1,10 +1,71 @@
-/* Helpers of the MPI sharding tests: an accumulator holding this rank's shard of the world (at
- * the boundary, or accumulated), and the check that a sharded boundary left the all-reduce's bits
- * in the shard. */
+/* Helpers of the MPI sharding tests: the f64 reference of a window over the world's ranks, an
+ * accumulator holding this rank's shard of the world (at the boundary, or accumulated), and the
+ * check that a sharded boundary left the all-reduce's bits in the shard. */
 #ifndef GRADACC_CTESTS_MPI_SHARD_COMMON_H
 #define GRADACC_CTESTS_MPI_SHARD_COMMON_H
 
 #include "mpi/mpi_common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The f64 reference of one window over the world's ranks: the sum and the sum of magnitudes per
+ * element, the divisor, the norm of the normalised gradient and of the magnitudes. */
+typedef struct {
+    double *sum, *magnitude, divisor, norm, spread; /* spread: the norm of the magnitudes, normalised */
+    uint64_t items, microbatches;
+} reference;
+
+/* One rank's part of a window for `reference_of`: how many micro-batches rank `rank` adds, each
+ * one's item count, and its values once unscaled (`len` elements, written to `exact`). */
+typedef struct {
+    int (*microbatches)(const void *ctx, int rank);
+    uint64_t (*count)(int rank, int mb);
+    void (*exact)(const void *ctx, int rank, int mb, double *exact);
+    const void *ctx;
+} window_of_ranks;
+
+/* The reference of window `w` over `world` ranks and `len` elements, as the library normalises
+ * it with `normalize` and `loss`. */
+static inline reference reference_of(const window_of_ranks *w, size_t len, int world, gradacc_normalize_t normalize,
+                                     gradacc_loss_reduction_t loss)
+{
+    reference ref;
+    memset(&ref, 0, sizeof ref);
+    ref.sum = calloc(len, sizeof(double));
+    ref.magnitude = calloc(len, sizeof(double));
+    double *exact = malloc(len * sizeof(double));
+    for (int r = 0; r < world; r++)
+        for (int m = 0; m < w->microbatches(w->ctx, r); m++) {
+            w->exact(w->ctx, r, m, exact);
+            double weight = loss == GRADACC_LOSS_REDUCTION_MEAN && normalize == GRADACC_NORMALIZE_BY_COUNT ? (double)w->count(r, m) : 1.0;
+            for (size_t i = 0; i < len; i++) {
+                ref.sum[i] += weight * exact[i];
+                ref.magnitude[i] += fabs(weight * exact[i]);
+            }
+            ref.items += w->count(r, m);
+            ref.microbatches++;
+        }
+    ref.divisor = normalize == GRADACC_NORMALIZE_BY_COUNT         ? (double)ref.items
+                  : normalize == GRADACC_NORMALIZE_BY_MICROBATCHES ? (double)ref.microbatches
+                  : normalize == GRADACC_NORMALIZE_BY_WORLD        ? (double)world
+                                                                   : 1.0;
+    for (size_t i = 0; i < len; i++) {
+        ref.norm += (ref.sum[i] / ref.divisor) * (ref.sum[i] / ref.divisor);
+        ref.spread += (ref.magnitude[i] / ref.divisor) * (ref.magnitude[i] / ref.divisor);
+    }
+    ref.norm = sqrt(ref.norm);
+    ref.spread = sqrt(ref.spread);
+    free(exact);
+    return ref;
+}
+
+static inline void free_reference(reference *ref)
+{
+    free(ref->sum);
+    free(ref->magnitude);
+}
 
 /* An accumulator over `n` tensors; `shards` 0 means unsharded, otherwise shard `rank` of `shards`. */
 static inline gradacc_accumulator_t *make_shard_acc(const gradacc_tensor_desc_t *t, size_t n, gradacc_normalize_t normalize,

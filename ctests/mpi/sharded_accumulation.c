@@ -101,57 +101,35 @@ static void make_grads(int sc, int step, int rank, int mb, grad_buf *g, double *
     free(v);
 }
 
-/* The f64 reference of one window over the world's ranks. */
+/* One window of scenario `sc` (step `step`, `microbatches` on every rank) for `reference_of`. */
 typedef struct {
-    double *sum, *magnitude, divisor, norm, spread; /* spread: the norm of the magnitudes, normalised */
-    uint64_t items, microbatches;
-} reference;
+    int sc, step, microbatches;
+} window_args;
 
-static reference make_reference(int sc, int step, int microbatches)
+static int window_microbatches_of(const void *ctx, int rank)
 {
-    const scenario *s = &scenarios[sc];
-    const int world = world_size();
-    reference ref;
-    memset(&ref, 0, sizeof ref);
-    ref.sum = calloc(LEN, sizeof(double));
-    ref.magnitude = calloc(LEN, sizeof(double));
-    double *exact = malloc(LEN * sizeof(double));
+    (void)rank;
+    return ((const window_args *)ctx)->microbatches;
+}
+
+static void window_exact(const void *ctx, int rank, int mb, double *exact)
+{
+    const window_args *a = ctx;
     grad_buf g[T];
     for (int t = 0; t < T; t++)
         g[t] = grad_alloc(dtypes[t], numel[t]);
-    for (int r = 0; r < world; r++)
-        for (int m = 0; m < microbatches; m++) {
-            make_grads(sc, step, r, m, g, exact);
-            double w = s->loss == GRADACC_LOSS_REDUCTION_MEAN && s->normalize == GRADACC_NORMALIZE_BY_COUNT
-                           ? (double)count_of(r, m)
-                           : 1.0;
-            for (size_t i = 0; i < LEN; i++) {
-                ref.sum[i] += w * exact[i];
-                ref.magnitude[i] += fabs(w * exact[i]);
-            }
-            ref.items += count_of(r, m);
-            ref.microbatches++;
-        }
-    ref.divisor = s->normalize == GRADACC_NORMALIZE_BY_COUNT         ? (double)ref.items
-                  : s->normalize == GRADACC_NORMALIZE_BY_MICROBATCHES ? (double)ref.microbatches
-                  : s->normalize == GRADACC_NORMALIZE_BY_WORLD        ? (double)world
-                                                                      : 1.0;
-    for (size_t i = 0; i < LEN; i++) {
-        ref.norm += (ref.sum[i] / ref.divisor) * (ref.sum[i] / ref.divisor);
-        ref.spread += (ref.magnitude[i] / ref.divisor) * (ref.magnitude[i] / ref.divisor);
-    }
-    ref.norm = sqrt(ref.norm);
-    ref.spread = sqrt(ref.spread);
+    make_grads(a->sc, a->step, rank, mb, g, exact);
     for (int t = 0; t < T; t++)
         grad_free(&g[t]);
-    free(exact);
-    return ref;
 }
 
-static void free_reference(reference *ref)
+/* The f64 reference of one window over the world's ranks. */
+static reference make_reference(int sc, int step, int microbatches)
 {
-    free(ref->sum);
-    free(ref->magnitude);
+    const scenario *s = &scenarios[sc];
+    window_args a = {sc, step, microbatches};
+    window_of_ranks w = {window_microbatches_of, count_of, window_exact, &a};
+    return reference_of(&w, LEN, world_size(), s->normalize, s->loss);
 }
 
 /* Adds this rank's micro-batches of one window: to `whole` through add, to `hooked` through
