@@ -844,3 +844,304 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
         }
     });
 }
+
+/// A round of sharded accumulation: every rank adds the same number of whole micro-batches per
+/// window (every micro-batch is a collective), with random layouts, dtypes, normalisations and
+/// clipping. Round 0 has hundreds of small tensors, so a stripe needs several launches; in every
+/// fifth round from the fourth, one rank's first micro-batch of window 1 holds an inf or NaN.
+fn accumulate_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
+    let sizes = [1usize, 3, 64, 4095, 4097, 5000, 12289, 40_000];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    let descs: Vec<TensorDesc> = if round == 0 {
+        (0..600).map(|i| TensorDesc { numel: rng.range(3, 64) as usize, dtype: dtypes[i % 3] }).collect()
+    } else {
+        (0..rng.range(1, 5)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+    };
+    let config = AccumulatorConfig {
+        normalize: modes[round % 4],
+        loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+        max_grad_norm: if round % 3 == 2 { 1e-4 } else { 0.0 },
+        bucket_numel: if round == 0 { 8192 * world } else { rng.range(1, 30_000) as usize },
+        ..AccumulatorConfig::default()
+    };
+    let windows = (0..rng.range(2, 3))
+        .map(|window| {
+            let n = rng.range(1, 3) as usize;
+            let poison = round % 5 == 3 && window == 1;
+            (0..world)
+                .map(|rank| {
+                    (0..n)
+                        .map(|m| {
+                            let scale = 2f32.powi(rng.range(0, 14) as i32);
+                            let bad = poison && rank == world - 1 && m == 0;
+                            let grads = descs.iter().map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad)).collect();
+                            Micro { scale, count: rng.range(1, 9), grads, style: Style::Add }
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    ShardRound { descs, config, adopt: false, windows }
+}
+
+/// One rank of a sharded accumulation: a CUDA accumulator over NCCL and a CPU one over the
+/// in-process communicator, fed the same micro-batches. Each window's shard and info must be the
+/// CPU's (bit for bit where NCCL sums in rank order, as the software GPU does). In window 1 the
+/// window is saved after its first micro-batch (the CPU's bytes on the software GPU), reset,
+/// overwritten by another micro-batch, reset and loaded back; in window 2 merged back instead.
+fn run_accumulate_rank(
+    r: &ShardRound,
+    rank: usize,
+    world: usize,
+    id: &[u8; nccl::UNIQUE_ID_BYTES],
+    lc: Arc<dyn Communicator>,
+    exact: bool,
+) -> RankResult {
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+    comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
+    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
+    let acc = Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap();
+    let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
+    let (range, ptr) = acc.shard();
+    assert_eq!(range, cpu.shard().0, "rank {rank}: the shard is not the CPU accumulator's");
+    let mut results = Vec::new();
+    for (w, window) in r.windows.iter().enumerate() {
+        let what = format!("rank {rank} window {w} {} tensors {:?}", r.descs.len(), r.config);
+        for (m, micro) in window[rank].iter().enumerate() {
+            let gs = Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> = micro.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + rank + m) % 3)).collect();
+            let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
+            let views: Vec<Grad<'_>> = micro.grads.iter().map(HostGrad::view).collect();
+            acc.add(&gs, &addresses, micro.count).unwrap();
+            cpu.add(&cs, &views, micro.count).unwrap();
+            if m == 0 && (w == 1 || w == 2) {
+                let bytes = acc.save_window().unwrap();
+                assert!(bytes == cpu.save_window().unwrap() || !exact, "{what}: the saved window is not the CPU's");
+                // Another micro-batch (on every rank) overwrites the shard; then the saved window
+                // comes back.
+                acc.reset().unwrap();
+                let other = Scaler::on(device, ScalerConfig { init_scale: micro.scale * 2.0, ..Default::default() }).unwrap();
+                acc.add(&other, &addresses, micro.count).unwrap();
+                acc.reset().unwrap();
+                if w == 1 {
+                    acc.load_window(&bytes).unwrap();
+                } else {
+                    acc.merge_window(&bytes).unwrap();
+                }
+                assert_eq!(acc.save_window().unwrap(), bytes, "{what}: the window did not come back");
+            }
+        }
+        // Through the creation communicator, named or not.
+        let got = acc.sync(if w % 2 == 0 { None } else { Some(&*comm) }).unwrap();
+        let on_cpu = cpu.sync(None).unwrap();
+        assert_eq!((got.found_inf, got.total_count, got.microbatches), (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches), "{what}");
+        assert!(same_info(&got, &on_cpu) || !exact, "{what}: CUDA {got:?}, CPU {on_cpu:?}");
+        if window.iter().flatten().any(|m| m.grads.iter().any(|g| g.f32s.iter().any(|v| !v.is_finite()))) {
+            assert!(got.found_inf, "{what}: a rank's gradient overflowed, but the info says {got:?}");
+        }
+        let mut shard = vec![0f32; range.len()];
+        if !shard.is_empty() {
+            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4).read(&mut shard).unwrap();
+        }
+        // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
+        let cpu_shard = unsafe { std::slice::from_raw_parts(cpu.shard().1, range.len()) };
+        for (k, (&s, &c)) in shard.iter().zip(cpu_shard).enumerate() {
+            assert!(close(s, c, exact), "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}", range.start + k);
+        }
+        // A tensor inside the shard reads as its part of the shard; any other is refused.
+        let mut at = 0;
+        for (i, d) in r.descs.iter().enumerate() {
+            let t = at..at + d.numel;
+            at = t.end;
+            let mut out = vec![0f32; d.numel];
+            if t.start >= range.start && t.end <= range.end {
+                acc.read_master(i, &mut out).unwrap();
+                assert!(
+                    out.iter().zip(&shard[t.start - range.start..t.end - range.start]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: tensor {i}"
+                );
+            } else {
+                assert_eq!(acc.read_master(i, &mut out).unwrap_err().kind, ErrorKind::InvalidArgument, "{what}: tensor {i} {t:?}");
+            }
+        }
+        results.push((got, range.clone(), shard));
+    }
+    results
+}
+
+/// Sharded accumulation on CUDA at `world` ranks, round after round: every rank's shard and info
+/// are the sharded CPU accumulation's and the f64 reference's, and the info is every rank's.
+fn accumulate_rounds(world: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
+    for round in 0..10 {
+        let r = accumulate_round(&mut rng, world, round);
+        let id = nccl::unique_id().unwrap();
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        within(Duration::from_secs(300), "a sharded accumulation round", move || {
+            let r = &r;
+            let results: Vec<RankResult> = std::thread::scope(|s| {
+                let handles: Vec<_> =
+                    locals.into_iter().enumerate().map(|(rank, lc)| s.spawn(move || run_accumulate_rank(r, rank, world, &id, lc, exact))).collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            check_against_reference(r, &results, world, round);
+        });
+    }
+}
+
+#[test]
+fn sharded_accumulation_matches_the_cpu_at_two_ranks() {
+    if device_count() < 2 {
+        return;
+    }
+    accumulate_rounds(2, "sharded_accumulation_matches_the_cpu_at_two_ranks");
+}
+
+/// Three ranks: on the software GPU in a child process with three devices, as above.
+#[test]
+fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
+    const TEST: &str = "sharded_accumulation_matches_the_cpu_at_three_ranks";
+    let count = device_count();
+    if count >= 3 {
+        return accumulate_rounds(3, TEST);
+    }
+    if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
+        eprintln!("{count} device(s): the three-rank test needs three");
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env("SIMGPU_DEVICES", "3")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "the three-device run failed:\n{text}");
+    eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
+}
+
+/// What a sharded CUDA accumulation refuses: tensor-by-tensor micro-batches (on every rank, so
+/// none waits), a BF16 wire, a host communicator, an NCCL communicator on another device, and a
+/// hybrid boundary. After the refusals whole micro-batches still add, and a CUDA scaler's update
+/// reads the boundary's overflow flag.
+#[test]
+fn sharded_accumulation_on_cuda_refuses_hooks_on_every_rank() {
+    if device_count() < 2 {
+        return;
+    }
+    within(Duration::from_secs(120), "sharded accumulation's refusals", || {
+        let id = nccl::unique_id().unwrap();
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(2).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        std::thread::scope(|s| {
+            for (rank, local) in locals.into_iter().enumerate() {
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                    let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
+                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
+                    let bf16 = AccumulatorConfig { wire: Dtype::Bf16, ..config };
+                    let e = Accumulator::sharded_on(device, bf16, &tensors, comm.clone()).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "a BF16 wire: {e}");
+                    let e = Accumulator::sharded_on(device, config, &tensors, local.clone()).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a host communicator: {e}");
+                    let other = Device::Cuda { ordinal: 1 - rank as i32, stream: std::ptr::null_mut() };
+                    let e = Accumulator::sharded_on(other, config, &tensors, comm.clone()).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a communicator on another device: {e}");
+
+                    let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+                    let e = acc.begin_microbatch(1).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_microbatch: {e}");
+                    let e = acc.begin_final_microbatch(1, comm.clone()).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_final_microbatch: {e}");
+                    let e = acc.sync_hybrid(&*comm, &*comm).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: a hybrid boundary: {e}");
+
+                    let mut values = vec![2.0f32 + rank as f32; 10_000];
+                    values[rank * 7000] = f32::INFINITY;
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
+                    acc.add(&scaler, &[grad.ptr()], 1).unwrap();
+                    let info = acc.sync(None).unwrap();
+                    assert_eq!((info.found_inf, info.total_count, info.microbatches), (true, 2, 2), "rank {rank}");
+                    assert_eq!(scaler.update_from(&[&acc], true).unwrap(), Some(true), "rank {rank}: the scaler's update");
+                    assert_eq!(scaler.scale().unwrap(), 2.0, "rank {rank}: the scale did not back off");
+
+                    // A window without overflow, each rank's gradient unscaled by 2, summed over
+                    // the ranks and normalised by the 2 items: (2 / 2 + 3 / 2) / 2 everywhere.
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![2.0f32 + rank as f32; 10_000]).unwrap();
+                    acc.add(&scaler, &[grad.ptr()], 1).unwrap();
+                    let info = acc.sync(Some(&*comm)).unwrap();
+                    assert!(!info.found_inf, "rank {rank}: {info:?}");
+                    let (range, _) = acc.shard();
+                    assert_eq!(range, if rank == 0 { 0..8192 } else { 8192..10_000 });
+                    let mut shard = vec![0f32; range.len()];
+                    let e = acc.read_master(0, &mut vec![0f32; 10_000]).unwrap_err();
+                    assert_eq!(e.kind, ErrorKind::InvalidArgument, "rank {rank}: a tensor outside the shard: {e}");
+                    DeviceBuffer::adopt(&ctx, stream.stream, acc.shard().1 as u64, range.len() * 4).read(&mut shard).unwrap();
+                    assert!(shard.iter().all(|&v| v == 1.25), "rank {rank}: {:?}", &shard[..4]);
+                });
+            }
+        });
+    });
+}
+
+/// The ranks of a sharded CUDA accumulation check each other once, at the first micro-batch: an
+/// invalid add on one rank fails there and with PEER_FAILURE on the other; ranks with different
+/// layouts, or one adding while the other syncs, fail together; nothing is added, and the ranks
+/// then accumulate together.
+#[test]
+fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
+    if device_count() < 2 {
+        return;
+    }
+    within(Duration::from_secs(120), "the first micro-batch's check", || {
+        // Per case, per rank: its tensor's length, whether its add is invalid, whether it syncs
+        // first, and the error it sees.
+        let cases = [
+            [(10_000, false, false, ErrorKind::PeerFailure), (10_000, true, false, ErrorKind::SizeMismatch)],
+            [(10_000, false, false, ErrorKind::SizeMismatch), (10_001, false, false, ErrorKind::SizeMismatch)],
+            [(10_000, false, false, ErrorKind::SizeMismatch), (10_000, false, true, ErrorKind::SizeMismatch)],
+        ];
+        for (case, ranks) in cases.into_iter().enumerate() {
+            let id = nccl::unique_id().unwrap();
+            std::thread::scope(|s| {
+                for (rank, (numel, invalid, syncs, want)) in ranks.into_iter().enumerate() {
+                    s.spawn(move || {
+                        let ctx = Context::get(rank as i32).unwrap();
+                        let stream = OwnedStream::new(&ctx).unwrap();
+                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                        comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                        let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
+                        let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
+                        let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel]).unwrap();
+                        let what = format!("case {case} rank {rank}");
+                        let e = if syncs {
+                            acc.sync(None).unwrap_err()
+                        } else if invalid {
+                            acc.add(&scaler, &[grad.ptr(), grad.ptr()], 1).unwrap_err()
+                        } else {
+                            acc.add(&scaler, &[grad.ptr()], 1).unwrap_err()
+                        };
+                        assert_eq!(e.kind, want, "{what}: {e}");
+                        if case == 0 {
+                            acc.add(&scaler, &[grad.ptr()], 1).unwrap();
+                            let info = acc.sync(None).unwrap();
+                            assert_eq!((info.total_count, info.microbatches, info.grad_norm), (2, 2, 10_000f64.sqrt()), "{what}");
+                        }
+                    });
+                }
+            });
+        }
+    });
+}

@@ -387,6 +387,16 @@ impl Accumulator {
     /// every micro-batch over `comm`, a host communicator of `shards` ranks on which it is rank
     /// `rank`. Every rank adds the same micro-batches; `sync` takes `comm` again (or `None`).
     pub fn sharded(config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
+        Self::sharded_on(Device::Cpu, config, tensors, comm)
+    }
+
+    /// [`Accumulator::sharded`] on `device`: on CUDA, `comm` is an NCCL communicator on the same
+    /// device, the shard and one stripe of staging are device memory, and every micro-batch is
+    /// reduce-scattered on the device's stream. On CUDA, micro-batches are whole (`add`);
+    /// `begin_microbatch` is BACKEND_UNAVAILABLE so far. The ranks check their layouts once, at
+    /// the first micro-batch (a host wait); after that a rank whose call is invalid enqueues
+    /// nothing, and the others wait in NCCL until their communicator times out or is aborted.
+    pub fn sharded_on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
         let Sharding::Accumulate { shards, rank } = config.sharding else {
             return Err(Error::invalid(
                 "a communicator at creation is for sharded accumulation (Sharding::Accumulate); this config does not shard it",
@@ -399,7 +409,7 @@ impl Accumulator {
                 comm.world_size()
             )));
         }
-        Self::build(Device::Cpu, config, tensors, None, Some(comm))
+        Self::build(device, config, tensors, None, Some(comm))
     }
 
     fn build(
@@ -420,9 +430,6 @@ impl Accumulator {
             return Err(Error::new(ErrorKind::BackendUnavailable, "bf16 on the wire is on host communicators only so far"));
         }
         if let Sharding::Accumulate { shards, .. } = config.sharding {
-            if device != Device::Cpu {
-                return Err(Error::new(ErrorKind::BackendUnavailable, "sharded accumulation is on the CPU only so far"));
-            }
             if adopt.is_some() {
                 return Err(Error::invalid("sharded accumulation owns its shard: it cannot adopt a whole master buffer"));
             }
@@ -443,6 +450,9 @@ impl Accumulator {
                 Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
             }
             Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
+            Device::Cuda { ordinal, stream } if matches!(config.sharding, Sharding::Accumulate { .. }) => {
+                Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
+            }
             Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(plan.clone(), ordinal, stream, adopt.map(|(p, _)| p as u64))?),
         };
         Ok(Accumulator { window: Window::new(tensors.len()), plan, store })

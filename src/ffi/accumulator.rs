@@ -266,16 +266,24 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
 }
 
 /// Creates a sharded accumulation (ZeRO-2): `config`->sharding must be
-/// GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of
-/// `config`->shard_count ranks on which this is rank `config`->shard_rank. The accumulator owns
-/// only its shard (gradacc_accumulator_shard) and one bucket of staging, and reduce-scatters
+/// GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on
+/// which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU
+/// (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA. The accumulator
+/// owns only its shard (gradacc_accumulator_shard) and one bucket of staging, and reduce-scatters
 /// every micro-batch over `comm`, so every rank of `comm` must make the same calls: add, or
-/// begin_microbatch / add_tensor / end_microbatch, then sync with `comm` or NULL. An invalid call
-/// on one rank fails on every rank with nothing added; a reduction that fails midway discards the
-/// window. With add_tensor, buckets are reduced in the backward's order (the last bucket first)
-/// as soon as their tensors have all landed (one contribution each per micro-batch); a bucket
-/// that fills before its turn keeps a staging buffer until then. `device` must be NULL or the
-/// CPU (GRADACC_STATUS_BACKEND_UNAVAILABLE for CUDA).
+/// begin_microbatch / add_tensor / end_microbatch, then sync with `comm` or NULL. On the CPU an
+/// invalid call on one rank fails on every rank with nothing added; a reduction that fails midway
+/// discards the window. With add_tensor, buckets are reduced in the backward's order (the last
+/// bucket first) as soon as their tensors have all landed (one contribution each per
+/// micro-batch); a bucket that fills before its turn keeps a staging buffer until then.
+///
+/// On CUDA the shard and one stripe of staging (`shard_count` pieces of `bucket_numel /
+/// shard_count` elements, rounded up to 4096) are device memory, and add enqueues each stripe's
+/// conversion, ncclReduceScatter and shard add on the device's stream without waiting. The ranks
+/// check their layouts once, at the first micro-batch (it waits); after that a rank whose call is
+/// invalid enqueues nothing and the others wait in NCCL until the communicator's timeout (their
+/// sync then fails with GRADACC_STATUS_TIMEOUT) or an abort. Micro-batches are whole (add):
+/// begin_microbatch is GRADACC_STATUS_BACKEND_UNAVAILABLE on every rank, and so is a BF16 wire.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
 /// holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the
@@ -296,17 +304,10 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
         let out = unsafe { out_ptr(out, "out") }?;
         let (config, descs, device) = creation_args(config, tensors, n, device)?;
         let comm = COMMS.get(comm, "comm")?;
-        if device != Device::Cpu {
-            return Err(Error::new(
-                ErrorKind::BackendUnavailable,
-                format!("`device`: sharded accumulation is on the CPU only, got {}", device.name()),
-            )
-            .into());
-        }
         if !matches!(config.sharding, Sharding::Accumulate { .. }) {
             return Err(Error::invalid("`config`.sharding must be GRADACC_SHARDING_ACCUMULATE for gradacc_accumulator_create_sharded").into());
         }
-        *out = ACCUMULATORS.insert(Arc::new(Accumulator::sharded(config, &descs, comm)?));
+        *out = ACCUMULATORS.insert(Arc::new(Accumulator::sharded_on(device, config, &descs, comm)?));
         Ok(())
     })
 }

@@ -10,9 +10,11 @@ mod driver_api;
 mod kernels;
 pub mod layout;
 mod scaler;
+mod sharded;
 mod store;
 
 pub(crate) use scaler::CudaScaler;
+pub(crate) use sharded::ShardedDeviceStore;
 pub(crate) use store::DeviceStore;
 
 /// Whether CUDA objects can be created here: a driver with a device, and NVRTC to compile the

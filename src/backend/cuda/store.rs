@@ -35,7 +35,7 @@ use crate::scaler::Scaler;
 /// of a million elements still spreads over every SM.
 pub(crate) const CHUNK: usize = 8192;
 /// NORM_BLOCKs per thread block of the sum-of-squares kernel (a half-warp each).
-const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
+pub(super) const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
 /// Words of the layout check: element count, fingerprint, their complements (so one MAX gives
 /// both extremes), and whether a rank's shard does not fit the communicator.
 const LAYOUT_WORDS: usize = 5;
@@ -134,11 +134,51 @@ unsafe impl Send for DeviceStore {}
 unsafe impl Sync for DeviceStore {}
 
 /// The NCCL communicator behind `comm`, or DEVICE_MISMATCH.
-fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
+pub(super) fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
     match comm.collectives() {
         Collectives::Nccl(c) => Ok(c),
         Collectives::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "a host communicator for a CUDA accumulator: use an NCCL communicator")),
     }
+}
+
+/// Reads the boundary's result (waits for the stream); None for an empty window.
+pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
+    let mut b = [GaBoundary::default()];
+    boundary.read(&mut b)?;
+    let b = b[0];
+    if b.empty != 0 {
+        return Ok(None);
+    }
+    Ok(Some(SyncInfo {
+        found_inf: b.found_inf != 0,
+        total_count: b.count,
+        microbatches: b.microbatches,
+        grad_norm: b.grad_norm,
+        clip_coef: b.clip_coef,
+    }))
+}
+
+/// Waits for the stream's collectives on `comm` up to its timeout, failing early when NCCL
+/// reports a peer's failure. A timeout aborts the communicator (its kernels then end, and the
+/// stream drains) and fails with TIMEOUT.
+pub(super) fn wait_for_collectives(ctx: &Context, stream: CUstream, comm: &NcclComm) -> Result<()> {
+    let result = wait_until_done(ctx, stream, comm.timeout(), || comm.health());
+    if let Err(e) = &result {
+        if e.kind == ErrorKind::Timeout {
+            let what = format!("the boundary's collectives: {}; a rank failed or never arrived", e.message);
+            // Only an abort ends NCCL's kernels; without one the stream would never drain.
+            if let Err(refused) = comm.abort() {
+                comm.mark_failed();
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{what}, and the communicator could not be aborted ({}): abort it, then the stream drains", refused.message),
+                ));
+            }
+            synchronize(ctx, stream)?;
+            return Err(Error::new(ErrorKind::Timeout, format!("{what}, and the communicator was aborted")));
+        }
+    }
+    result
 }
 
 impl DeviceStore {
@@ -351,42 +391,11 @@ impl DeviceStore {
 
     /// Reads the boundary's result (waits for the stream); None for an empty window.
     fn read_info(&self) -> Result<Option<SyncInfo>> {
-        let mut b = [GaBoundary::default()];
-        self.boundary.read(&mut b)?;
-        let b = b[0];
-        if b.empty != 0 {
-            return Ok(None);
-        }
-        Ok(Some(SyncInfo {
-            found_inf: b.found_inf != 0,
-            total_count: b.count,
-            microbatches: b.microbatches,
-            grad_norm: b.grad_norm,
-            clip_coef: b.clip_coef,
-        }))
+        read_info(&self.boundary)
     }
 
-    /// Waits for the stream's collectives on `comm` up to its timeout, failing early when NCCL
-    /// reports a peer's failure. A timeout aborts the communicator (its kernels then end, and the
-    /// stream drains) and fails with TIMEOUT.
     fn wait_for_collectives(&self, comm: &NcclComm) -> Result<()> {
-        let result = wait_until_done(&self.ctx, self.stream, comm.timeout(), || comm.health());
-        if let Err(e) = &result {
-            if e.kind == ErrorKind::Timeout {
-                let what = format!("the boundary's collectives: {}; a rank failed or never arrived", e.message);
-                // Only an abort ends NCCL's kernels; without one the stream would never drain.
-                if let Err(refused) = comm.abort() {
-                    comm.mark_failed();
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!("{what}, and the communicator could not be aborted ({}): abort it, then the stream drains", refused.message),
-                    ));
-                }
-                synchronize(&self.ctx, self.stream)?;
-                return Err(Error::new(ErrorKind::Timeout, format!("{what}, and the communicator was aborted")));
-            }
-        }
-        result
+        wait_for_collectives(&self.ctx, self.stream, comm)
     }
 
     fn comm_stream(&self) -> Result<&OwnedStream> {

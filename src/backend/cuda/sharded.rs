@@ -1,0 +1,501 @@
+//! The store of a sharded accumulation (ZeRO-2) on a CUDA device: this rank's shard of the FP32
+//! master and one stripe of FP32 staging in device memory, and every micro-batch reduce-scattered
+//! with NCCL on the accumulator's stream. Nothing waits on the host but a first exchange per
+//! communicator, which checks that every rank holds the same layout.
+//!
+//! A whole micro-batch (`add`) goes by stripes, as on the CPU: stripe k is the k-th slice of
+//! `stripe` elements of every shard (shorter or empty past a shard's end). For each stripe the
+//! add kernel converts, unscales, weights and checks the gradients into the staging, rank r's
+//! slice at `r * count` (NCCL's in-place layout, every piece `count` long); an in-place
+//! ncclReduceScatter sums the slices over the ranks; and the add kernel again, on that F32 part
+//! with factor 1, assigns it to the shard (the window's first micro-batch) or adds it, which is
+//! `dst = src` or `dst += src` bit for bit, and flags a non-finite sum. Each element is the CPU's
+//! sum in the same order, so with a communicator that sums in rank order the shard holds the CPU
+//! store's bits.
+//!
+//! Tensor-by-tensor micro-batches (backward hooks) are not here yet: BACKEND_UNAVAILABLE.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS};
+use super::kernels::Kernels;
+use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
+use super::scaler::CudaScaler;
+use super::store::{nccl, read_info, wait_for_collectives, CHUNK, NORM_BLOCKS_PER_CTA};
+use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::backend::cpu::math::NORM_BLOCK;
+use crate::comm::nccl::NcclComm;
+use crate::comm::{Communicator, ControlSum};
+use crate::device::Device;
+use crate::dtype::Dtype;
+use crate::error::{Error, ErrorKind, Result};
+use crate::scaler::Scaler;
+
+/// XORed into the fingerprint of the layout check, so that a rank checking at its first
+/// micro-batch and one checking at the boundary do not agree (their next collectives differ).
+const AT_MICROBATCH: u64 = 0x5851_f42d_4c95_7f2d;
+const AT_BOUNDARY: u64 = 0x1405_7b7e_f767_814f;
+/// Words of the layout check: element count, fingerprint, their complements (one MAX gives both
+/// extremes), and whether a rank's call is invalid.
+const LAYOUT_WORDS: usize = 5;
+
+/// One `ga_add_multi` launch of a stripe: pieces `first..first + count` of the piece table and
+/// their chunks, consecutive in the chunk table.
+struct AddLaunch {
+    first: usize,
+    count: usize,
+    first_chunk: usize,
+    num_chunks: u64,
+}
+
+/// One stripe: its reduce-scatter's piece length, this rank's slice and the conversion launches.
+struct Stripe {
+    /// Elements of every rank's piece of the staging (the longest slice: the first shard's).
+    count: usize,
+    /// This rank's slice: its length, at shard offset `k * stripe`.
+    own: usize,
+    launches: Vec<AddLaunch>,
+}
+
+/// Where a piece of the staging reads its gradient: tensor `tensor` from element `from`.
+#[derive(Clone, Copy)]
+struct Source {
+    tensor: usize,
+    from: usize,
+}
+
+pub(crate) struct ShardedDeviceStore {
+    ctx: Arc<Context>,
+    kernels: Arc<Kernels>,
+    stream: CUstream,
+    plan: Arc<Plan>,
+    /// The shard group; None only for one shard created without one.
+    comm: Option<Arc<dyn Communicator>>,
+    rank: usize,
+    /// This rank's range of the flat layout.
+    own: Range<usize>,
+    /// Every shard's length rounded up to whole norm blocks: the block sums' all-gather piece.
+    padded: usize,
+    /// Elements of each shard in one stripe (the CPU store's stripe).
+    stripe: usize,
+    stripes: Vec<Stripe>,
+    /// Each piece's gradient, by the piece table's index.
+    sources: Vec<Source>,
+    /// The piece table (`ga_tensor`: a piece's staging offset, length and dtype) and its chunks.
+    pieces: DeviceBuffer,
+    chunks: DeviceBuffer,
+    shard: DeviceBuffer,
+    staging: DeviceBuffer,
+    /// A scaler state of scale 1: the shard add's factor is then exactly 1.
+    unit: DeviceBuffer,
+    /// The window's overflow flag: a non-finite value in this rank's gradients, or in what the
+    /// shard add writes (a sum that overflows), as on the CPU.
+    found_inf: DeviceBuffer,
+    boundary: DeviceBuffer,
+    partials: DeviceBuffer,
+    layout_check: DeviceBuffer,
+    /// The open micro-batch assigns the shard (the window's first).
+    first: AtomicBool,
+    /// A reduction failed after part of a micro-batch reached the shard.
+    lost: AtomicBool,
+    /// Communicators the layout was checked on.
+    verified: Mutex<Vec<u64>>,
+    /// Scalers' gathers read the boundary on their streams: the next boundary (and the free)
+    /// waits for them.
+    boundary_reads: Mutex<SharedReads>,
+}
+
+// SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
+// host state is behind locks or atomics.
+unsafe impl Send for ShardedDeviceStore {}
+// SAFETY: as Send.
+unsafe impl Sync for ShardedDeviceStore {}
+
+impl ShardedDeviceStore {
+    /// Allocates the shard and the staging (zeroed) on `stream` and uploads the stripes' tables.
+    /// `comm` must be an NCCL communicator on the same device (the accumulator checked its size
+    /// and rank); None only for one shard.
+    pub(crate) fn new(plan: Arc<Plan>, ordinal: i32, stream: CUstream, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
+        check_stream(stream, "`stream`")?;
+        let Sharding::Accumulate { shards: world, rank } = plan.config.sharding else {
+            return Err(Error::new(ErrorKind::Internal, "a sharded store for an accumulator that does not shard"));
+        };
+        if let Some(c) = &comm {
+            let c = nccl(&**c)?;
+            if c.ordinal() != ordinal {
+                return Err(Error::new(
+                    ErrorKind::DeviceMismatch,
+                    format!("the communicator is on CUDA device {}, the accumulator on CUDA device {ordinal}", c.ordinal()),
+                ));
+            }
+        }
+        let shards = plan.shards();
+        let own = shards[rank].clone();
+        // The first shard is the longest; whole blocks, so the block sums tile the layout's.
+        let padded = shards[0].len().next_multiple_of(NORM_BLOCK);
+        // Clamped first, as on the CPU: a bucket_numel near usize::MAX must not wrap.
+        let stripe = plan.config.bucket_numel.div_ceil(world).min(plan.layout.len()).max(1).next_multiple_of(NORM_BLOCK);
+        let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, stripe);
+        let staging = stripes.first().map_or(0, |s| s.count) * world;
+        let ctx = Context::get(ordinal)?;
+        let kernels = Kernels::of(&ctx)?;
+        let unit = GaScalerState { scale: 1.0, ..Default::default() };
+        Ok(ShardedDeviceStore {
+            pieces: DeviceBuffer::from_slice(&ctx, stream, &table)?,
+            chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
+            shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
+            // Zeroed once: past a short slice the staging is summed but never read back.
+            staging: DeviceBuffer::zeroed(&ctx, stream, staging * 4)?,
+            unit: DeviceBuffer::from_slice(&ctx, stream, &[unit])?,
+            found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
+            boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
+            partials: DeviceBuffer::zeroed(&ctx, stream, world * (padded / NORM_BLOCK) * 8)?,
+            layout_check: DeviceBuffer::zeroed(&ctx, stream, LAYOUT_WORDS * 8)?,
+            boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
+            first: AtomicBool::new(true),
+            lost: AtomicBool::new(false),
+            verified: Mutex::new(Vec::new()),
+            ctx,
+            kernels,
+            stream,
+            comm,
+            rank,
+            own,
+            padded,
+            stripe,
+            stripes,
+            sources,
+            plan,
+        })
+    }
+
+    /// Cuts the layout into stripes: per stripe, every rank's slice split at tensor boundaries
+    /// into pieces (in rank order, each at its staging offset), the pieces into chunks, and the
+    /// chunks into launches of up to SOURCES_PER_LAUNCH pieces.
+    #[allow(clippy::type_complexity)]
+    fn cut(plan: &Plan, shards: &[Range<usize>], rank: usize, stripe: usize) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
+        let (layout, descs) = (&plan.layout, &plan.descs);
+        let (mut stripes, mut sources, mut table, mut chunks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let slice = |s: &Range<usize>, k: usize| (s.start + k * stripe).min(s.end)..(s.start + (k + 1) * stripe).min(s.end);
+        for k in 0..shards[0].len().div_ceil(stripe) {
+            let count = slice(&shards[0], k).len();
+            let first_piece = table.len();
+            for (r, s) in shards.iter().enumerate() {
+                let flat = slice(s, k);
+                if flat.is_empty() {
+                    continue;
+                }
+                let mut i = layout.tensor_at(flat.start);
+                while i < descs.len() && layout.range(i).start < flat.end {
+                    let t = layout.range(i);
+                    let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
+                    if lo < hi {
+                        let offset = (r * count + lo - flat.start) as u64;
+                        table.push(GaTensor { offset, numel: (hi - lo) as u64, dtype: descs[i].dtype.code(), pad: 0 });
+                        sources.push(Source { tensor: i, from: lo - t.start });
+                    }
+                    i += 1;
+                }
+            }
+            let launches = (first_piece..table.len())
+                .step_by(SOURCES_PER_LAUNCH)
+                .map(|first| {
+                    let count = SOURCES_PER_LAUNCH.min(table.len() - first);
+                    let first_chunk = chunks.len();
+                    for (p, piece) in table.iter().enumerate().skip(first).take(count) {
+                        let numel = piece.numel as usize;
+                        chunks.extend((0..numel).step_by(CHUNK).map(|start| GaChunk {
+                            tensor: p as u64,
+                            start: start as u64,
+                            len: (numel - start).min(CHUNK) as u64,
+                        }));
+                    }
+                    AddLaunch { first, count, first_chunk, num_chunks: (chunks.len() - first_chunk) as u64 }
+                })
+                .collect();
+            stripes.push(Stripe { count, own: slice(&shards[rank], k).len(), launches });
+        }
+        (stripes, sources, table, chunks)
+    }
+
+    fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
+        self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn shard_at(&self, offset: usize) -> CUdeviceptr {
+        self.shard.ptr() + 4 * offset as u64
+    }
+
+    /// The NCCL communicator of the shard group, when there is one.
+    fn group(&self) -> Result<Option<&NcclComm>> {
+        self.comm.as_deref().map(nccl).transpose()
+    }
+
+    /// Stripe `k`: converts this rank's gradients into the staging, reduce-scatters it, and adds
+    /// this rank's slice into the shard (assigns it with `assign`).
+    fn add_stripe(&self, scaler: &CudaScaler, grads: &[CUdeviceptr], weight: f64, k: usize, assign: bool) -> Result<()> {
+        let s = &self.stripes[k];
+        let (pieces, staging, found_inf) = (self.pieces.ptr(), self.staging.ptr(), self.found_inf.ptr());
+        for launch in &s.launches {
+            let mut sources =
+                GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            for (slot, p) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
+                let Source { tensor, from } = self.sources[p];
+                let bytes = if self.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
+                *slot = GaSource { grad: grads[tensor] + (from * bytes) as u64, assign: 1, pad: 0 };
+            }
+            let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let num_chunks = launch.num_chunks;
+            scaler.launch_reading(self.stream, |state| {
+                let mut args = launch_args!(pieces, chunks, num_chunks, sources, staging, state, weight, found_inf);
+                // SAFETY: argument types follow ga_add_multi (`sources` by value). The chunks are
+                // this launch's pieces', each inside the staging (`world * count` elements); a
+                // piece's gradient address is its tensor's from element `from`, and the piece
+                // ends inside the tensor, whose numel values the caller's address holds.
+                unsafe { self.kernels.add_multi.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+            })?;
+        }
+        if let Some(c) = self.group()? {
+            c.reduce_scatter_sum_f32(staging, s.count, self.stream).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+        }
+        if s.own == 0 {
+            return Ok(());
+        }
+        let (dst, src) = (self.shard_at(k * self.stripe), staging + (4 * self.rank * s.count) as u64);
+        let (numel, dtype, unit, weight, assign, flag) =
+            (s.own as u64, Dtype::F32.code(), self.unit.ptr(), 1.0f64, assign as u32, self.found_inf.ptr());
+        let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
+        // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece, `own`
+        // of its `count` elements at `rank * count` in the staging; the destination the shard
+        // from `k * stripe`, which holds this stripe's slice of `own` elements.
+        unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+    }
+
+    /// Once per communicator (it waits): every rank checks that all ranks hold the same layout
+    /// and take the same step (`at`: the first micro-batch or the boundary), so that they never
+    /// run collectives of different sizes. A rank with `error` takes part, and the others fail
+    /// with PEER_FAILURE.
+    fn verify_layout(&self, comm: &NcclComm, at: u64, error: Option<&Error>) -> Result<()> {
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        if verified.contains(&comm.id()) {
+            return error.map_or(Ok(()), |e| Err(e.clone()));
+        }
+        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint() ^ at);
+        self.layout_check.write(&[numel, hash, !numel, !hash, error.is_some() as u64])?;
+        comm.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
+        wait_for_collectives(&self.ctx, self.stream, comm)?;
+        let mut max = [0u64; LAYOUT_WORDS];
+        self.layout_check.read(&mut max)?;
+        comm.health()?;
+        if let Some(e) = error {
+            return Err(e.clone());
+        }
+        if max[4] != 0 {
+            return Err(Error::new(ErrorKind::PeerFailure, "another rank's call was invalid; no rank reduced"));
+        }
+        if max[0] != !max[2] || max[1] != !max[3] {
+            return Err(ranks_differ(!max[2], max[0]));
+        }
+        verified.push(comm.id());
+        Ok(())
+    }
+
+    /// The boundary's device work: the control words summed over the group, then normalise and
+    /// measure the shard, gather every shard's block sums, and clip the shard.
+    fn enqueue_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+        let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
+        let (count, microbatches, found_inf) = (p.count, p.microbatches, self.found_inf.ptr());
+        let mut args = launch_args!(boundary, count, microbatches, found_inf);
+        // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
+        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        let comm = p.comm.map(nccl).transpose()?;
+        if let Some(c) = comm {
+            c.allreduce_u64(boundary, 3, false, self.stream)?;
+        }
+        let (shard, n) = (self.shard.ptr(), self.own.len() as u64);
+        // Block sums by the layout's block index: the shard starts on a block boundary.
+        let own_partials = partials + 8 * (self.rank * self.padded / NORM_BLOCK) as u64;
+        let num_blocks = self.plan.layout.len().div_ceil(NORM_BLOCK) as u64;
+        let max_norm = self.plan.config.max_grad_norm as f64;
+        let normalize_code = self.plan.config.normalize.code();
+        // Without clipping the normalisation goes with the norm pass; with clipping the norm
+        // decides the factor, so a second pass applies it.
+        let normalize_now: i32 = (max_norm == 0.0) as i32;
+        // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu; the shard
+        // holds `n` elements, and `own_partials` this rank's `padded / NORM_BLOCK` block sums.
+        unsafe {
+            let mut args = launch_args!(boundary, normalize_code, world);
+            self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
+            if n > 0 {
+                let mut args = launch_args!(shard, n, boundary, normalize_now, own_partials);
+                let grid = self.ctx.grid_for(n.div_ceil(NORM_BLOCK as u64).div_ceil(NORM_BLOCKS_PER_CTA));
+                self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
+            }
+        }
+        // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
+        // only the trailing shards are short): every rank folds the same sums in the same order.
+        if let Some(c) = comm {
+            c.allgather_f64(partials, self.padded / NORM_BLOCK, self.stream)?;
+        }
+        // SAFETY: as above; `partials` holds every shard's blocks, at least `num_blocks`.
+        unsafe {
+            let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
+            self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
+            if max_norm != 0.0 && n > 0 {
+                let mut args = launch_args!(shard, n, boundary);
+                self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store for ShardedDeviceStore {
+    fn device(&self) -> Device {
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+    }
+
+    /// No control step per micro-batch (it would wait for the stream): the ranks check their
+    /// layouts once, at the first micro-batch. A rank whose call is invalid after that enqueues
+    /// nothing, and the others' reductions wait, as in any NCCL program, until their
+    /// communicator times out or is aborted.
+    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+        if !whole {
+            return Err(error.cloned().unwrap_or_else(|| {
+                Error::new(
+                    ErrorKind::BackendUnavailable,
+                    "tensor-by-tensor micro-batches (begin_microbatch, add_tensor) of a sharded accumulation are on the CPU only so far: use add",
+                )
+            }));
+        }
+        match self.group()? {
+            Some(c) => self.verify_layout(c, AT_MICROBATCH, error)?,
+            None => error.map_or(Ok(()), |e| Err(e.clone()))?,
+        }
+        self.first.store(first, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn take_lost(&self) -> bool {
+        self.lost.swap(false, Ordering::Relaxed)
+    }
+
+    fn bound(&self) -> Option<&dyn Communicator> {
+        self.comm.as_deref()
+    }
+
+    /// One conversion launch per SOURCES_PER_LAUNCH pieces of a stripe, its reduce-scatter and
+    /// the shard add, stripe after stripe; nothing waits.
+    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
+        let Grads::Device(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "host gradients for a CUDA accumulator")) };
+        let scaler = scaler.cuda()?;
+        let assign = self.first.load(Ordering::Relaxed);
+        for k in 0..self.stripes.len() {
+            // After the first stripe's reduction the shard holds part of the micro-batch.
+            self.add_stripe(scaler, grads, weight, k, assign).inspect_err(|_| {
+                if k > 0 {
+                    self.lost.store(true, Ordering::Relaxed);
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn add_tensor(&self, _: &Scaler, _: usize, _: Gradient<'_>, _: f64, _: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::BackendUnavailable, "add_tensor on a sharded CUDA accumulation: use add"))
+    }
+
+    fn zero(&self, index: usize) -> Result<()> {
+        let r = self.plan.layout.range(index);
+        let (lo, hi) = (r.start.max(self.own.start), r.end.min(self.own.end));
+        if lo < hi {
+            self.shard.zero_f32(lo - self.own.start, hi - lo)?;
+        }
+        Ok(())
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.zero_f32(0, 1)
+    }
+
+    /// The counts stay on the device, where the boundary sums them; alone, the host knows them.
+    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        if let Some(e) = &p.error {
+            return Err(e.clone());
+        }
+        let comm = p.comm.map(nccl).transpose()?;
+        if let Some(c) = comm {
+            self.verify_layout(c, AT_BOUNDARY, None)?;
+        }
+        let world = comm.map_or(1, |c| c.world_size()) as u64;
+        let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
+        Ok(Agreed { world, totals })
+    }
+
+    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+        {
+            // The boundary is rewritten: after the scalers' gathers of the last one.
+            let mut reads = self.boundary_reads();
+            reads.before_write()?;
+            let result = self.enqueue_boundary(p, agreed.world);
+            // Recorded even after a failure: part of the boundary may be enqueued.
+            reads.after_write()?;
+            result?;
+        }
+        if !read {
+            return Ok(None);
+        }
+        let comm = p.comm.map(nccl).transpose()?;
+        if let Some(c) = comm {
+            wait_for_collectives(&self.ctx, self.stream, c)?;
+        }
+        let info = read_info(&self.boundary)?;
+        // An abort (or a peer's failure) ends the collectives without reducing.
+        if let Some(c) = comm {
+            c.health()?;
+        }
+        info.map(Some)
+            .ok_or_else(|| Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0"))
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
+        self.shard_at(offset.saturating_sub(self.own.start).min(self.own.len())) as *mut f32
+    }
+
+    /// `range` lies inside the shard (the accumulator reads only held ranges).
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        self.shard.read_at(4 * (range.start - self.own.start), &mut out[..range.len()])
+    }
+
+    fn write(&self, values: &[f32]) -> Result<()> {
+        self.shard.write(values)
+    }
+
+    fn found_inf(&self) -> Result<bool> {
+        let mut flag = [0u32];
+        self.found_inf.read(&mut flag)?;
+        Ok(flag[0] != 0)
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.found_inf.write(&[value as u32])
+    }
+
+    /// On the scaler's stream: after the boundary is written, and before the next one.
+    fn gather_into(&self, scaler: &CudaScaler) -> Result<()> {
+        let mut reads = self.boundary_reads();
+        reads.before_read(scaler.stream())?;
+        scaler.gather_ordered(self.boundary.ptr())?;
+        reads.after_read(scaler.stream())
+    }
+}
+
+impl Drop for ShardedDeviceStore {
+    fn drop(&mut self) {
+        // Scalers' gathers read the boundary: the stream orders the frees after them.
+        let _ = self.boundary_reads().before_write();
+    }
+}
