@@ -138,13 +138,15 @@ static void test_creation(void)
     EXPECT_ERROR(gradacc_accumulator_create_sharded(&c, NULL, 2, NULL, pair[0], &out), GRADACC_STATUS_NULL_ARGUMENT,
                  "`tensors`");
 
-    /* A CUDA device: sharded accumulation is on the CPU (where there is no driver, CUDA itself is
-     * what is unavailable). */
+    /* A CUDA device with a host communicator: a CUDA accumulation needs NCCL (where there is no
+     * driver, CUDA itself is what is unavailable). */
     bool cuda = false;
     EXPECT_OK(gradacc_backend_available(GRADACC_BACKEND_CUDA, &cuda));
     gradacc_device_t gpu = {GRADACC_DEVICE_CUDA, 0, NULL};
-    EXPECT_ERROR(gradacc_accumulator_create_sharded(&c, t, 2, &gpu, pair[0], &out), GRADACC_STATUS_BACKEND_UNAVAILABLE,
-                 cuda ? "`device`" : "CUDA");
+    if (cuda)
+        EXPECT_STATUS(gradacc_accumulator_create_sharded(&c, t, 2, &gpu, pair[0], &out), GRADACC_STATUS_DEVICE_MISMATCH);
+    else
+        EXPECT_ERROR(gradacc_accumulator_create_sharded(&c, t, 2, &gpu, pair[0], &out), GRADACC_STATUS_BACKEND_UNAVAILABLE, "CUDA");
     gradacc_device_t cpu = {GRADACC_DEVICE_CPU, 0, NULL};
     CHECK(out == SENTINEL_PTR, "output written on failure");
 
