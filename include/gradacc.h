@@ -533,7 +533,8 @@ typedef struct gradacc_scaler_stats_t {
  * reduce-scattered over the accumulator's communicator, and added into the shard; the boundary
  * agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
  * clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
- * micro-batches. CPU accumulators on host communicators (in-process, MPI).
+ * micro-batches. CPU accumulators on host communicators (in-process, MPI); CUDA accumulators on
+ * NCCL communicators, for whole micro-batches (add).
  */
 #define GRADACC_SHARDING_ACCUMULATE 2
 

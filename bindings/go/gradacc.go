@@ -370,9 +370,10 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 }
 
 // NewShardedAccumulator creates a sharded accumulation (ZeRO-2): config.Sharding is
-// ShardingAccumulate and comm a host communicator (in-process or MPI) of config.ShardCount ranks
-// on which this is rank config.ShardRank; anything else fails with StatusInvalidArgument (a CUDA
-// device with StatusBackendUnavailable). The accumulator holds only its shard (Shard) and one
+// ShardingAccumulate and comm a communicator of config.ShardCount ranks on which this is rank
+// config.ShardRank: a host communicator (in-process or MPI) for the CPU, an NCCL communicator on
+// the same device for CUDA (whole micro-batches only: Add); anything else fails with
+// StatusInvalidArgument. The accumulator holds only its shard (Shard) and one
 // bucket of staging, and reduce-scatters every micro-batch over comm: every rank makes the same
 // Add, or BeginMicrobatch / AddTensor / EndMicrobatch, calls, each from its own goroutine, then
 // Sync with comm or nil. An invalid call on one rank fails there and with StatusPeerFailure on

@@ -509,8 +509,10 @@ impl Accumulator {
     /// stream has run it.
     ///
     /// Under [`Sharding::Accumulate`] every rank must call it alike: the micro-batch is
-    /// reduce-scattered bucket by bucket. An invalid call on one rank fails on every rank with
-    /// nothing added; a reduction that fails midway discards the window.
+    /// reduce-scattered stripe by stripe. An invalid call on one rank fails on every rank with
+    /// nothing added (on CUDA only at the first micro-batch, which checks the layouts: later the
+    /// other ranks wait in NCCL until their timeout); a reduction that fails midway discards the
+    /// window.
     pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
         let grads = grads.into();
         let mut w = self.window.write();

@@ -183,7 +183,7 @@ gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
 gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, master, master_numel, out
 
-# Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of `config`->shard_count ranks on which this is rank `config`->shard_rank.
+# Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA.
 gradacc_accumulator_create_sharded = dll.gradacc_accumulator_create_sharded
 gradacc_accumulator_create_sharded.restype = gradacc_status_t
 gradacc_accumulator_create_sharded.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]

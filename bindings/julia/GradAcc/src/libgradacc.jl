@@ -168,7 +168,7 @@ function gradacc_accumulator_create_with_buffer(config, tensors, n, device, mast
     ccall((:gradacc_accumulator_create_with_buffer, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
 end
 
-"Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a host communicator (in-process or MPI) of `config`->shard_count ranks on which this is rank `config`->shard_rank."
+"Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA."
 function gradacc_accumulator_create_sharded(config, tensors, n, device, comm, out)
     ccall((:gradacc_accumulator_create_sharded, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{gradacc_comm_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, comm, out)
 end
