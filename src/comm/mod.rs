@@ -74,6 +74,13 @@ pub trait BlockPass: Sync {
         None
     }
 
+    /// Whether the values the pass writes are wanted: without them (`false`) a communicator may
+    /// skip gathering them between ranks, and returns zeros. A pass that rescales needs them.
+    /// `true` by default.
+    fn writes_values(&self) -> bool {
+        true
+    }
+
     /// What the contributions travel as: with [`Dtype::Bf16`] the communicator rounds each
     /// rank's contribution to bfloat16 once ([`cpu::round_to_bf16`]'s bits) before it is summed,
     /// so a transport between processes sends half the bytes; the sums stay FP32 in rank order,

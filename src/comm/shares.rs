@@ -382,18 +382,20 @@ pub(crate) fn reduce_by_cut(
         }
     }
 
-    let blocks_of = |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
-    let counts: Vec<usize> = (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
-    let all = &mut ws.all;
-    all.clear();
-    all.resize(counts.iter().sum(), 0.0);
-    t.gather_values(mine, &counts, all)?;
     let mut values = vec![0.0; cpu::blocks(buf.len())];
-    let mut next = all.iter();
-    for q in 0..world {
-        for p in cut.pieces(q) {
-            for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
-                *slot = v;
+    if pass.writes_values() {
+        let blocks_of = |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
+        let counts: Vec<usize> = (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
+        let all = &mut ws.all;
+        all.clear();
+        all.resize(counts.iter().sum(), 0.0);
+        t.gather_values(mine, &counts, all)?;
+        let mut next = all.iter();
+        for q in 0..world {
+            for p in cut.pieces(q) {
+                for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
+                    *slot = v;
+                }
             }
         }
     }

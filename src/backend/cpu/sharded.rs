@@ -335,6 +335,11 @@ impl BlockPass for AddInto<'_> {
     fn wire(&self) -> Dtype {
         self.wire
     }
+
+    /// Nothing to gather: the shard is all a micro-batch's reduction leaves.
+    fn writes_values(&self) -> bool {
+        false
+    }
 }
 
 impl Store for ShardedStore {
