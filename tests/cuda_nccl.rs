@@ -1145,3 +1145,54 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
         }
     });
 }
+
+#[test]
+fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
+    if device_count() < 2 {
+        return;
+    }
+    within(Duration::from_secs(120), "a refused call after the first micro-batch", || {
+        let id = nccl::unique_id().unwrap();
+        let numel = 10_000;
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
+                    let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
+                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel]).unwrap();
+                    // The first micro-batch checks the layouts.
+                    acc.add(&scaler, &[grad.ptr()], 1).unwrap();
+                    let t = std::time::Instant::now();
+                    if rank == 1 {
+                        // Refused after the check: this rank aborts its communicator rather than
+                        // ever pairing a later collective with rank 0's reduce-scatter.
+                        let e = acc.add(&scaler, &[grad.ptr(), grad.ptr()], 1).unwrap_err();
+                        assert_eq!(e.kind, ErrorKind::SizeMismatch, "{e}");
+                        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::CommFailure);
+                        // Its own window is intact and saves (the stream drained on the abort).
+                        assert!(acc.save_window().is_ok());
+                    } else {
+                        // The second micro-batch's reduce-scatter never meets its peer: it fails
+                        // when enqueued after the peer's abort, or reading the window waits no
+                        // longer than the communicator's timeout; either way the window is lost.
+                        match acc.add(&scaler, &[grad.ptr()], 1) {
+                            Err(e) => assert!(e.kind == ErrorKind::CommFailure && e.message.ends_with("(the window was discarded)"), "{e}"),
+                            Ok(()) => {
+                                let e = acc.save_window().unwrap_err();
+                                assert!(matches!(e.kind, ErrorKind::Timeout | ErrorKind::CommFailure), "{e}");
+                            }
+                        }
+                        assert!(acc.sync(None).is_err());
+                    }
+                    assert!(t.elapsed() < Duration::from_secs(15), "rank {rank} waited {:?}", t.elapsed());
+                });
+            }
+        });
+    });
+}

@@ -273,6 +273,14 @@ pub(crate) trait Store: Send + Sync {
         None
     }
 
+    /// This rank's call was refused before it reached the collective its peers are in: a store
+    /// bound to a communicator tells them (a host communicator's control step carries the error).
+    fn refuse(&self) {
+        if let Some(c) = self.bound() {
+            refuse_boundary(c);
+        }
+    }
+
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
     /// `scaler`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
     fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()>;
@@ -510,9 +518,9 @@ impl Accumulator {
     ///
     /// Under [`Sharding::Accumulate`] every rank must call it alike: the micro-batch is
     /// reduce-scattered stripe by stripe. An invalid call on one rank fails on every rank with
-    /// nothing added (on CUDA only at the first micro-batch, which checks the layouts: later the
-    /// other ranks wait in NCCL until their timeout); a reduction that fails midway discards the
-    /// window.
+    /// nothing added (on CUDA at the first micro-batch, which checks the layouts; later a refused
+    /// call aborts the communicator, and the other ranks' calls fail); a reduction that fails
+    /// midway discards the window.
     pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
         let grads = grads.into();
         let mut w = self.window.write();
@@ -808,9 +816,7 @@ impl Accumulator {
     /// other ranks fail instead of waiting: under sharded accumulation every micro-batch and
     /// boundary is a collective over the creation communicator. Nothing otherwise.
     pub(crate) fn refuse_collective(&self) {
-        if let Some(c) = self.store.bound() {
-            refuse_boundary(c);
-        }
+        self.store.refuse();
     }
 
     /// An `add_tensor` that failed before reaching the accumulator (an argument refused on the

@@ -281,10 +281,13 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
 /// On CUDA the shard and one stripe of staging (`shard_count` pieces of `bucket_numel /
 /// shard_count` elements, rounded up to 4096) are device memory, and add enqueues each stripe's
 /// conversion, ncclReduceScatter and shard add on the device's stream without waiting. The ranks
-/// check their layouts once, at the first micro-batch (it waits); after that a rank whose call is
-/// invalid enqueues nothing and the others wait in NCCL until the communicator's timeout (their
-/// sync then fails with GRADACC_STATUS_TIMEOUT) or an abort. Micro-batches are whole (add):
-/// begin_microbatch is GRADACC_STATUS_BACKEND_UNAVAILABLE on every rank, and so is a BF16 wire.
+/// check their layouts once, at the first micro-batch (it waits), and a rank whose call is
+/// invalid takes part with its error. After that a rank whose call is refused waits for its own
+/// earlier collectives, then aborts the communicator, so that it never pairs a later call with
+/// the peers' reductions: their calls fail with GRADACC_STATUS_COMM_FAILURE or, at the latest,
+/// GRADACC_STATUS_TIMEOUT; a host read (save_window, master) waits no longer than the timeout.
+/// Micro-batches are whole (add): begin_microbatch is GRADACC_STATUS_BACKEND_UNAVAILABLE on every
+/// rank, and so is a BF16 wire.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
 /// holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the

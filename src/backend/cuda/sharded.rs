@@ -281,7 +281,20 @@ impl ShardedDeviceStore {
     fn verify_layout(&self, comm: &NcclComm, at: u64, error: Option<&Error>) -> Result<()> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         if verified.contains(&comm.id()) {
-            return error.map_or(Ok(()), |e| Err(e.clone()));
+            return match error {
+                Some(e) => {
+                    // The peers are in the call's collectives, which this rank never makes. Its
+                    // own earlier ones complete first (the peers made them too), so its window
+                    // stays whole; one that cannot complete loses it.
+                    drop(verified);
+                    if self.drain().is_err() {
+                        self.lost.store(true, Ordering::Relaxed);
+                    }
+                    stop_pairing(comm);
+                    Err(e.clone())
+                }
+                None => Ok(()),
+            };
         }
         let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint() ^ at);
         self.layout_check.write(&[numel, hash, !numel, !hash, error.is_some() as u64])?;
@@ -301,6 +314,16 @@ impl ShardedDeviceStore {
         }
         verified.push(comm.id());
         Ok(())
+    }
+
+    /// Host reads wait for the stream, which a reduce-scatter that a peer never joined would hold
+    /// forever: the wait is the communicator's (its timeout aborts it, and the stream drains).
+    /// After an abort the stream drains by itself.
+    fn drain(&self) -> Result<()> {
+        match self.group()? {
+            Some(c) if c.health().is_ok() => wait_for_collectives(&self.ctx, self.stream, c),
+            _ => Ok(()),
+        }
     }
 
     /// The boundary's device work: the control words summed over the group, then normalise and
@@ -359,17 +382,20 @@ impl Store for ShardedDeviceStore {
     }
 
     /// No control step per micro-batch (it would wait for the stream): the ranks check their
-    /// layouts once, at the first micro-batch. A rank whose call is invalid after that enqueues
-    /// nothing, and the others' reductions wait, as in any NCCL program, until their
+    /// layouts once, at the first micro-batch, and a rank whose call is invalid takes part with
+    /// its error. After that a rank whose call is invalid aborts the communicator, so that it
+    /// never pairs a later collective with the peers' reductions; theirs fail when their
     /// communicator times out or is aborted.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         if !whole {
-            return Err(error.cloned().unwrap_or_else(|| {
+            let e = error.cloned().unwrap_or_else(|| {
                 Error::new(
                     ErrorKind::BackendUnavailable,
                     "tensor-by-tensor micro-batches (begin_microbatch, add_tensor) of a sharded accumulation are on the CPU only so far: use add",
                 )
-            }));
+            });
+            self.refuse();
+            return Err(e);
         }
         match self.group()? {
             Some(c) => self.verify_layout(c, AT_MICROBATCH, error)?,
@@ -387,6 +413,13 @@ impl Store for ShardedDeviceStore {
         self.comm.as_deref()
     }
 
+    /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
+    fn refuse(&self) {
+        if let Ok(Some(c)) = self.group() {
+            let _ = self.verify_layout(c, AT_MICROBATCH, Some(&Error::invalid("this rank's call was refused")));
+        }
+    }
+
     /// One conversion launch per SOURCES_PER_LAUNCH pieces of a stripe, its reduce-scatter and
     /// the shard add, stripe after stripe; nothing waits.
     fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
@@ -394,10 +427,13 @@ impl Store for ShardedDeviceStore {
         let scaler = scaler.cuda()?;
         let assign = self.first.load(Ordering::Relaxed);
         for k in 0..self.stripes.len() {
-            // After the first stripe's reduction the shard holds part of the micro-batch.
+            // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
+            // reduce-scatter or the next: the window is lost, and the communicator aborted so
+            // that this rank never pairs another collective with theirs.
             self.add_stripe(scaler, grads, weight, k, assign).inspect_err(|_| {
-                if k > 0 {
-                    self.lost.store(true, Ordering::Relaxed);
+                self.lost.store(true, Ordering::Relaxed);
+                if let Ok(Some(c)) = self.group() {
+                    stop_pairing(c);
                 }
             })?;
         }
@@ -423,12 +459,10 @@ impl Store for ShardedDeviceStore {
 
     /// The counts stay on the device, where the boundary sums them; alone, the host knows them.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
-        if let Some(e) = &p.error {
-            return Err(e.clone());
-        }
         let comm = p.comm.map(nccl).transpose()?;
-        if let Some(c) = comm {
-            self.verify_layout(c, AT_BOUNDARY, None)?;
+        match comm {
+            Some(c) => self.verify_layout(c, AT_BOUNDARY, p.error.as_ref())?,
+            None => p.error.clone().map_or(Ok(()), Err)?,
         }
         let world = comm.map_or(1, |c| c.world_size()) as u64;
         let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
@@ -467,20 +501,24 @@ impl Store for ShardedDeviceStore {
 
     /// `range` lies inside the shard (the accumulator reads only held ranges).
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        self.drain()?;
         self.shard.read_at(4 * (range.start - self.own.start), &mut out[..range.len()])
     }
 
     fn write(&self, values: &[f32]) -> Result<()> {
+        self.drain()?;
         self.shard.write(values)
     }
 
     fn found_inf(&self) -> Result<bool> {
+        self.drain()?;
         let mut flag = [0u32];
         self.found_inf.read(&mut flag)?;
         Ok(flag[0] != 0)
     }
 
     fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.drain()?;
         self.found_inf.write(&[value as u32])
     }
 
@@ -490,6 +528,15 @@ impl Store for ShardedDeviceStore {
         reads.before_read(scaler.stream())?;
         scaler.gather_ordered(self.boundary.ptr())?;
         reads.after_read(scaler.stream())
+    }
+}
+
+/// Ends this rank's use of `comm` (an abort, or for an adopted communicator that cannot be
+/// aborted, the failed mark that refuses every later call): its peers' pending collectives then
+/// fail at their timeout instead of pairing with a call they did not make.
+fn stop_pairing(comm: &NcclComm) {
+    if comm.abort().is_err() {
+        comm.mark_failed();
     }
 }
 
