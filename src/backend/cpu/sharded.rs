@@ -322,12 +322,9 @@ impl BlockPass for AddInto<'_> {
         // shard holds every element of `own` from there; only this pass writes the shard while
         // the store's micro-batch lock (or the window's write lock) is held.
         let dst = unsafe { std::slice::from_raw_parts_mut((self.dst as *mut f32).add(lo - self.own.start), hi - lo) };
-        if self.assign {
-            dst.copy_from_slice(src);
-        } else {
-            super::add_assign(dst, src);
-        }
-        if dst.iter().fold(false, |bad, v| bad | !v.is_finite()) {
+        // The accumulation kernel with a factor of 1 (exact): `dst = src` or `dst += src`, and
+        // whether a value it wrote is not finite, in one vectorised pass.
+        if super::accumulate(dst, Grad::F32(src), 1.0, self.assign, 1) {
             self.found_inf.store(true, Ordering::Relaxed);
         }
     }
