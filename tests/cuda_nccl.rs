@@ -768,27 +768,30 @@ fn sharded_boundary_holds_the_all_reduce_shard_at_two_ranks() {
     sharded_rounds(2, "sharded_boundary_holds_the_all_reduce_shard_at_two_ranks");
 }
 
-/// Three ranks: on the software GPU, whose device count is fixed when it loads, in a child
-/// process with three devices; on real GPUs only where there are three.
-#[test]
-fn sharded_boundary_holds_the_all_reduce_shard_at_three_ranks() {
-    const TEST: &str = "sharded_boundary_holds_the_all_reduce_shard_at_three_ranks";
+/// Runs `rounds(3, test)` where there are three devices: on real GPUs only where there are; on
+/// the software GPU, whose device count is fixed when it loads, in a child process with three.
+fn at_three_ranks(test: &str, rounds: fn(usize, &str)) {
     let count = device_count();
     if count >= 3 {
-        return sharded_rounds(3, TEST);
+        return rounds(3, test);
     }
     if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
         eprintln!("{count} device(s): the three-rank test needs three");
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("SIMGPU_DEVICES", "3")
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("1 passed"), "the three-device run failed:\n{text}");
     eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
+}
+
+#[test]
+fn sharded_boundary_holds_the_all_reduce_shard_at_three_ranks() {
+    at_three_ranks("sharded_boundary_holds_the_all_reduce_shard_at_three_ranks", sharded_rounds);
 }
 
 /// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another
@@ -1004,26 +1007,9 @@ fn sharded_accumulation_matches_the_cpu_at_two_ranks() {
     accumulate_rounds(2, "sharded_accumulation_matches_the_cpu_at_two_ranks");
 }
 
-/// Three ranks: on the software GPU in a child process with three devices, as above.
 #[test]
 fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
-    const TEST: &str = "sharded_accumulation_matches_the_cpu_at_three_ranks";
-    let count = device_count();
-    if count >= 3 {
-        return accumulate_rounds(3, TEST);
-    }
-    if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
-        eprintln!("{count} device(s): the three-rank test needs three");
-        return;
-    }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-        .env("SIMGPU_DEVICES", "3")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "the three-device run failed:\n{text}");
-    eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
+    at_three_ranks("sharded_accumulation_matches_the_cpu_at_three_ranks", accumulate_rounds);
 }
 
 /// What a sharded CUDA accumulation refuses: tensor-by-tensor micro-batches (on every rank, so
