@@ -23,7 +23,7 @@ use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, D
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
-use super::store::{nccl, read_info, wait_for_collectives, CHUNK, NORM_BLOCKS_PER_CTA};
+use super::store::{nccl, norm_and_clip, read_info, wait_for_collectives, NormSpan, CHUNK};
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -338,41 +338,13 @@ impl ShardedDeviceStore {
         if let Some(c) = comm {
             c.allreduce_u64(boundary, 3, false, self.stream)?;
         }
-        let (shard, n) = (self.shard.ptr(), self.own.len() as u64);
-        // Block sums by the layout's block index: the shard starts on a block boundary.
-        let own_partials = partials + 8 * (self.rank * self.padded / NORM_BLOCK) as u64;
-        let num_blocks = self.plan.layout.len().div_ceil(NORM_BLOCK) as u64;
-        let max_norm = self.plan.config.max_grad_norm as f64;
-        let normalize_code = self.plan.config.normalize.code();
-        // Without clipping the normalisation goes with the norm pass; with clipping the norm
-        // decides the factor, so a second pass applies it.
-        let normalize_now: i32 = (max_norm == 0.0) as i32;
-        // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu; the shard
-        // holds `n` elements, and `own_partials` this rank's `padded / NORM_BLOCK` block sums.
-        unsafe {
-            let mut args = launch_args!(boundary, normalize_code, world);
-            self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
-            if n > 0 {
-                let mut args = launch_args!(shard, n, boundary, normalize_now, own_partials);
-                let grid = self.ctx.grid_for(n.div_ceil(NORM_BLOCK as u64).div_ceil(NORM_BLOCKS_PER_CTA));
-                self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
-            }
-        }
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
         // only the trailing shards are short): every rank folds the same sums in the same order.
-        if let Some(c) = comm {
-            c.allgather_f64(partials, self.padded / NORM_BLOCK, self.stream)?;
-        }
-        // SAFETY: as above; `partials` holds every shard's blocks, at least `num_blocks`.
-        unsafe {
-            let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
-            self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
-            if max_norm != 0.0 && n > 0 {
-                let mut args = launch_args!(shard, n, boundary);
-                self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
-            }
-        }
-        Ok(())
+        let gather = comm.map(|c| (c, self.padded / NORM_BLOCK));
+        let span = NormSpan { data: self.shard.ptr(), n: self.own.len() as u64, first_block: self.rank * self.padded / NORM_BLOCK, gather };
+        // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
+        // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
+        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, boundary, partials, world, span) }
     }
 }
 

@@ -181,6 +181,71 @@ pub(super) fn wait_for_collectives(ctx: &Context, stream: CUstream, comm: &NcclC
     result
 }
 
+/// What the boundary's norm pass runs over: `n` elements at `data`, starting at block
+/// `first_block` of the layout (their block sums go there in the partials); with `gather`, every
+/// rank's that many block sums are then all-gathered over the communicator.
+pub(super) struct NormSpan<'a> {
+    pub data: CUdeviceptr,
+    pub n: u64,
+    pub first_block: usize,
+    pub gather: Option<(&'a NcclComm, usize)>,
+}
+
+/// Normalise, norm and clip on the device, from the reduced control words in `boundary`: the
+/// span's blocks are scaled (without clipping) and measured into `partials`, gathered from every
+/// rank when the span is a shard, folded into the norm, and scaled by the clipping factor.
+///
+/// # Safety
+/// `boundary` holds a ga_boundary; `partials` holds a block sum for every block of the layout
+/// (and of every rank's padded shard); the span's `n` elements at `data` are device memory of
+/// the stream's context.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn norm_and_clip(
+    ctx: &Context,
+    kernels: &Kernels,
+    stream: CUstream,
+    plan: &Plan,
+    boundary: CUdeviceptr,
+    partials: CUdeviceptr,
+    world: u64,
+    span: NormSpan<'_>,
+) -> Result<()> {
+    let NormSpan { data, n, first_block, gather } = span;
+    let num_blocks = plan.layout.len().div_ceil(NORM_BLOCK) as u64;
+    // The span starts on a block boundary, so its blocks (and their sums) are the layout's, in
+    // the same places.
+    let own_partials = partials + 8 * first_block as u64;
+    let max_norm = plan.config.max_grad_norm as f64;
+    let normalize_code = plan.config.normalize.code();
+    // Without clipping the normalisation is applied with the norm pass; with clipping the norm
+    // decides the factor, so a second pass applies it.
+    let normalize_now: i32 = (max_norm == 0.0) as i32;
+    // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu, over the
+    // buffers of the caller's contract. An empty span launches nothing on it.
+    unsafe {
+        let mut args = launch_args!(boundary, normalize_code, world);
+        kernels.begin_boundary.launch(ctx, 1, 1, stream, &mut args)?;
+        if n > 0 {
+            let mut args = launch_args!(data, n, boundary, normalize_now, own_partials);
+            let grid = ctx.grid_for(n.div_ceil(NORM_BLOCK as u64).div_ceil(NORM_BLOCKS_PER_CTA));
+            kernels.scale_sum_squares.launch(ctx, grid, THREADS, stream, &mut args)?;
+        }
+    }
+    if let Some((c, blocks)) = gather {
+        c.allgather_f64(partials, blocks, stream)?;
+    }
+    // SAFETY: as above.
+    unsafe {
+        let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
+        kernels.finish_norm.launch(ctx, 1, THREADS, stream, &mut args)?;
+        if max_norm != 0.0 && n > 0 {
+            let mut args = launch_args!(data, n, boundary);
+            kernels.scale_by.launch(ctx, ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, stream, &mut args)?;
+        }
+    }
+    Ok(())
+}
+
 impl DeviceStore {
     /// Allocates the master (zeroed) on `stream`, or adopts the caller's device buffer of the
     /// layout's length, and uploads the kernels' tables.
@@ -350,43 +415,12 @@ impl DeviceStore {
     /// master, or sharded over this rank's shard, with the block sums of every shard gathered
     /// from the ranks before the norm.
     fn finish_boundary(&self, world: u64, comm: Option<&NcclComm>) -> Result<()> {
-        let num_blocks = self.plan.layout.len().div_ceil(NORM_BLOCK) as u64;
         let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
-        // The shard starts on a block boundary, so its blocks (and their sums) are the whole
-        // master's, in the same places.
-        let (master, n, own_partials) = (self.master_at(own.start), own.len() as u64, self.partials.ptr() + 8 * (own.start / NORM_BLOCK) as u64);
-        let own_blocks = n.div_ceil(NORM_BLOCK as u64);
-        let max_norm = self.plan.config.max_grad_norm as f64;
-        let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
-        let normalize_code = self.plan.config.normalize.code();
-        // Without clipping the normalisation is applied with the norm pass; with clipping the
-        // norm decides the factor, so a second pass applies it.
-        let normalize_now: i32 = (max_norm == 0.0) as i32;
-        // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu, and every
-        // buffer it touches (the master's range `own`, boundary, partials from the range's first
-        // block) was sized for this layout at creation. An empty shard launches nothing on it.
-        unsafe {
-            let mut args = launch_args!(boundary, normalize_code, world);
-            self.kernels.begin_boundary.launch(&self.ctx, 1, 1, self.stream, &mut args)?;
-            if n > 0 {
-                let mut args = launch_args!(master, n, boundary, normalize_now, own_partials);
-                let grid = self.ctx.grid_for(own_blocks.div_ceil(NORM_BLOCKS_PER_CTA));
-                self.kernels.scale_sum_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?;
-            }
-        }
-        if let (Some(s), Some(c)) = (&self.sharded, comm) {
-            c.allgather_f64(partials, s.size / NORM_BLOCK, self.stream)?;
-        }
-        // SAFETY: as above.
-        unsafe {
-            let mut args = launch_args!(boundary, partials, num_blocks, max_norm);
-            self.kernels.finish_norm.launch(&self.ctx, 1, THREADS, self.stream, &mut args)?;
-            if max_norm != 0.0 && n > 0 {
-                let mut args = launch_args!(master, n, boundary);
-                self.kernels.scale_by.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args)?;
-            }
-        }
-        Ok(())
+        let gather = self.sharded.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
+        let span = NormSpan { data: self.master_at(own.start), n: own.len() as u64, first_block: own.start / NORM_BLOCK, gather };
+        // SAFETY: the master holds the range `own`, and `boundary` and `partials` were sized for
+        // this layout (and its shards, padded) at creation.
+        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, self.boundary.ptr(), self.partials.ptr(), world, span) }
     }
 
     /// Reads the boundary's result (waits for the stream); None for an empty window.
