@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::master::Master;
-use super::math::{self, NORM_BLOCK};
-use super::store::{agree, between_ranks, host_collectives, Boundary, NormPass};
+use super::math::NORM_BLOCK;
+use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
@@ -144,10 +144,6 @@ impl ShardedStore {
         self.bucket_tensors[b].clone()
     }
 
-    fn factor(&self, scaler: &Scaler, weight: f64) -> Result<f32> {
-        Ok(math::unscale_factor(weight, scaler.host_scale()?))
-    }
-
     /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
     /// range at its staging position; flags overflow. `flat` ascends, and so do the positions.
     fn stage_ranges<'g>(&self, stage: &mut [f32], parts: &[(Range<usize>, usize)], grads: &dyn Fn(usize) -> Grad<'g>, factor: f32) {
@@ -261,11 +257,7 @@ impl ShardedStore {
     /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
     /// is lost.
     fn close_together(&self, invalid: bool) -> Result<()> {
-        let mine = Control { numel: self.plan.layout.len() as u64, layout: self.plan.fingerprint() ^ CLOSING, error: invalid, ..Default::default() };
-        let total = match between_ranks(Some(&*self.comm))? {
-            Some(c) => c.reduce_control(&ControlSum::of(&mine)).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?,
-            None => ControlSum::of(&mine),
-        };
+        let total = self.control_step(CLOSING, invalid).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
         if total.error || total.min_layout != total.max_layout {
             self.lost.store(true, Ordering::Relaxed);
             return Err(if invalid {
@@ -275,6 +267,16 @@ impl ShardedStore {
             });
         }
         Ok(())
+    }
+
+    /// One control reduction of a micro-batch: the layout with the step's tag, and the error flag.
+    fn control_step(&self, tag: u64, error: bool) -> Result<ControlSum> {
+        let mine =
+            ControlSum::of(&Control { numel: self.plan.layout.len() as u64, layout: self.plan.fingerprint() ^ tag, error, ..Default::default() });
+        match between_ranks(Some(&*self.comm))? {
+            Some(c) => c.reduce_control(&mine),
+            None => Ok(mine),
+        }
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
@@ -348,16 +350,7 @@ impl Store for ShardedStore {
     /// same layout, or all fail with nothing reduced.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         let mut m = self.state();
-        let mine = Control {
-            numel: self.plan.layout.len() as u64,
-            layout: self.plan.fingerprint() ^ if whole { BY_STRIPES } else { BY_BUCKETS },
-            error: error.is_some(),
-            ..Default::default()
-        };
-        let total = match between_ranks(Some(&*self.comm))? {
-            Some(c) => c.reduce_control(&ControlSum::of(&mine))?,
-            None => ControlSum::of(&mine),
-        };
+        let total = self.control_step(if whole { BY_STRIPES } else { BY_BUCKETS }, error.is_some())?;
         if let Some(e) = error {
             return Err(e.clone());
         }
@@ -384,7 +377,7 @@ impl Store for ShardedStore {
 
     fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
         let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
-        let factor = self.factor(scaler, weight)?;
+        let factor = unscale_factor(scaler, weight)?;
         let mut m = self.state();
         let mut stage = self.spare_stage(&mut m.spare)?;
         let mut result = Ok(());
@@ -407,7 +400,7 @@ impl Store for ShardedStore {
 
     fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, _first: bool) -> Result<()> {
         let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
-        let factor = self.factor(scaler, weight)?;
+        let factor = unscale_factor(scaler, weight)?;
         let mut m = self.state();
         let m = &mut *m;
         if !m.open {

@@ -44,10 +44,6 @@ impl HostStore {
         unsafe { self.master.slice_mut(range) }
     }
 
-    fn factor(&self, scaler: &Scaler, weight: f64) -> Result<f32> {
-        Ok(math::unscale_factor(weight, scaler.host_scale()?))
-    }
-
     fn flag(&self, bad: bool) {
         if bad {
             self.found_inf.store(true, Ordering::Relaxed);
@@ -62,7 +58,7 @@ impl Store for HostStore {
 
     fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()> {
         let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
-        let factor = self.factor(scaler, weight)?;
+        let factor = unscale_factor(scaler, weight)?;
         let passes = grads
             .iter()
             .enumerate()
@@ -80,7 +76,7 @@ impl Store for HostStore {
 
     fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()> {
         let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
-        let factor = self.factor(scaler, weight)?;
+        let factor = unscale_factor(scaler, weight)?;
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.
         let master = unsafe { self.slice(self.plan.layout.range(index)) };
@@ -194,6 +190,12 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
     }
     check_agreement(&total)?;
     Ok(Agreed { world: world as u64, totals: Some(total) })
+}
+
+/// The factor that unscales and weights a micro-batch's gradients: `weight` over the scaler's
+/// host scale.
+pub(super) fn unscale_factor(scaler: &Scaler, weight: f64) -> Result<f32> {
+    Ok(math::unscale_factor(weight, scaler.host_scale()?))
 }
 
 /// What a boundary computes from the agreed totals: the divisor and the pass over the sum.
