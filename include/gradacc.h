@@ -380,14 +380,20 @@ typedef int32_t gradacc_backend_t;
 
 /**
  * MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
- * It has no option yet besides its size: the struct is there so options can be appended without
- * changing gradacc_comm_create_mpi.
+ * Options are appended over time; an older struct_size gives the missing ones their defaults.
  */
 typedef struct gradacc_mpi_config_t {
     /**
      * sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
      */
     size_t struct_size;
+    /**
+     * 1: when every rank is on one host, move the boundary's data through memory the ranks
+     * share (POSIX shared memory, a few MB) instead of MPI messages; MPI still carries the
+     * control reduction and the block sums. Ranks on several hosts, or where the memory cannot
+     * be shared, use MPI either way. 0: MPI only. Default 1.
+     */
+    uint32_t shared_memory;
 } gradacc_mpi_config_t;
 
 /**

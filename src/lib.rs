@@ -19,9 +19,9 @@ pub mod scaler;
 mod state;
 
 pub use accumulator::{Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc};
-#[cfg(feature = "mpi")]
-pub use comm::MpiComm;
 pub use comm::{Communicator, HostCollectives, LocalComm};
+#[cfg(feature = "mpi")]
+pub use comm::{MpiComm, MpiOptions};
 pub use device::Device;
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};

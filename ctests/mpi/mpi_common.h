@@ -8,11 +8,16 @@
 
 #include <mpi.h>
 
-/* A gradacc communicator adopting `comm` through its Fortran handle, as mpi4py and MPI.jl pass it. */
+/* A gradacc communicator adopting `comm` through its Fortran handle, as mpi4py and MPI.jl pass it.
+ * GRADACC_TEST_MPI_SHARED_MEMORY=0 (CTest's *_messages runs) turns shared memory off, so the
+ * boundary's data travels as MPI messages. */
 static inline gradacc_comm_t *comm_of(MPI_Comm comm)
 {
     gradacc_mpi_config_t cfg;
     REQUIRE_OK(gradacc_mpi_config_default(&cfg));
+    const char *shm = getenv("GRADACC_TEST_MPI_SHARED_MEMORY");
+    if (shm)
+        cfg.shared_memory = (uint32_t)atoi(shm);
     gradacc_comm_t *c = NULL;
     REQUIRE_OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(comm), &cfg, &c));
     return c;

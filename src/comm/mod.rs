@@ -25,10 +25,12 @@ pub(crate) mod packing;
 // Without MPI only the plan and the per-share sum are used (by the in-process communicator).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod shares;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) mod shm;
 
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]
-pub use mpi::MpiComm;
+pub use mpi::{MpiComm, MpiOptions};
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,8 +1,12 @@
 //! The MPI communicator (feature `mpi`): one rank of an MPI communicator, which gradacc duplicates
 //! so its traffic never mixes with the caller's, and sets to return errors instead of aborting.
-//! The boundary reduces in shares (see `shares`): per chunk one MPI_Ialltoallv, this rank's sum
-//! and pass, one MPI_Iallgatherv. Each element is summed by one rank, in rank order, so every rank
-//! gets the same bits by construction, and they are the in-process communicator's bits.
+//! The boundary reduces in shares (see `shares`): per chunk an exchange, this rank's sum and pass,
+//! and a gather. Each element is summed by one rank, in rank order, so every rank gets the same
+//! bits by construction, and they are the in-process communicator's bits. When every rank of the
+//! group is on one host, the exchange and the gather go through memory the ranks share (see
+//! `shm`; set up at creation, [`MpiOptions::shared_memory`]); otherwise they are one
+//! MPI_Ialltoallv and one MPI_Iallgatherv. The control reduction and the block values are MPI
+//! collectives either way.
 //!
 //! `allreduce_sum` (the Rust API's plain sum, not the boundary) is MPI_Iallreduce, piece by piece
 //! through a buffer of the communicator; its identical bits on every rank rest on MPI, whose
@@ -35,6 +39,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use super::shares::{self, ShareTransport, Step, Workspace};
+use super::shm::{self, posix, Region, Shm};
 use super::{
     check_buckets, check_counts, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives,
     DEFAULT_TIMEOUT,
@@ -132,6 +137,31 @@ pub struct MpiComm {
     /// The memory MPI may use besides the caller's buffer, and the requests abandoned in it. Only
     /// the collective holding `busy` locks it.
     mem: Mutex<Memory>,
+    /// Memory every rank of the group maps, when all are on one host: the boundary's data then
+    /// moves through it instead of through MPI (see `shm`).
+    shared: Option<Shared>,
+}
+
+/// The group's shared memory and the region over it (the region goes first, then the mapping).
+struct Shared {
+    region: Region,
+    _mapping: posix::Mapping,
+}
+
+/// Options of an MPI communicator, fixed at creation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MpiOptions {
+    /// When every rank of the group is on one host, reduce the boundary's data through shared
+    /// memory the ranks map (MPI still carries the control reduction and the block values).
+    /// `true` by default; a group across hosts, or one whose memory cannot be shared, uses MPI
+    /// for everything either way.
+    pub shared_memory: bool,
+}
+
+impl Default for MpiOptions {
+    fn default() -> Self {
+        MpiOptions { shared_memory: true }
+    }
 }
 
 /// The control exchange's words, at a fixed heap address: a request abandoned by a timeout may
@@ -167,6 +197,8 @@ struct Memory {
     /// communicator is aborted: nothing above is touched again, and it is leaked at drop unless
     /// they completed by then.
     abandoned: Vec<ffi::MPI_Request>,
+    /// Barriers this rank passed in the shared memory.
+    passed: u64,
 }
 
 // SAFETY: an MPI_Comm is a handle (an int in MPICH, a pointer in Open MPI) that MPI lets any
@@ -253,16 +285,26 @@ fn ensure_initialized() -> Result<()> {
 impl MpiComm {
     /// A communicator over MPI_COMM_WORLD (initialising MPI if nobody has).
     pub fn world() -> Result<Self> {
+        Self::world_with(MpiOptions::default())
+    }
+
+    /// [`MpiComm::world`] with `options`.
+    pub fn world_with(options: MpiOptions) -> Result<Self> {
         ensure_initialized()?;
         // SAFETY: reads rsmpi's extern constant for MPI_COMM_WORLD, set when the library loads and
         // never written; `ensure_initialized` just made the handle usable.
-        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD })
+        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD }, options)
     }
 
     /// A communicator over the caller's communicator, given as its Fortran handle (the value of
     /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl). The caller's
     /// communicator is duplicated, never changed, and may be freed once this returns.
     pub fn from_fortran(handle: i64) -> Result<Self> {
+        Self::from_fortran_with(handle, MpiOptions::default())
+    }
+
+    /// [`MpiComm::from_fortran`] with `options`.
+    pub fn from_fortran_with(handle: i64, options: MpiOptions) -> Result<Self> {
         let f = ffi::RSMPI_Fint::try_from(handle)
             .map_err(|_| Error::invalid(format!("Fortran communicator handle {handle} does not fit in an MPI_Fint")))?;
         ensure_initialized()?;
@@ -273,10 +315,10 @@ impl MpiComm {
         if comm == unsafe { ffi::RSMPI_COMM_NULL } {
             return Err(Error::invalid(format!("Fortran communicator handle {handle} is MPI_COMM_NULL or unknown")));
         }
-        Self::adopt(comm)
+        Self::adopt(comm, options)
     }
 
-    fn adopt(parent: ffi::MPI_Comm) -> Result<Self> {
+    fn adopt(parent: ffi::MPI_Comm, options: MpiOptions) -> Result<Self> {
         let mut level: c_int = 0;
         // SAFETY: both callers ran `ensure_initialized` first; MPI writes one int to `level`.
         check(unsafe { ffi::MPI_Query_thread(&mut level) }, "MPI_Query_thread")?;
@@ -306,6 +348,7 @@ impl MpiComm {
             aborted: AtomicBool::new(false),
             reason: Mutex::new(None),
             mem: Mutex::new(Memory::default()),
+            shared: None,
         };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
@@ -318,7 +361,76 @@ impl MpiComm {
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
+        if options.shared_memory {
+            this.shared = this.share_memory()?;
+        }
         Ok(this)
+    }
+
+    /// Maps shared memory for the group, when every rank can (collective, at creation): rank 0
+    /// creates the object and broadcasts its name, every rank maps it, and all agree whether all
+    /// could; then rank 0 removes the name. `None` where any rank could not (another host, no
+    /// /dev/shm, too little room there) or the group is too large or a single rank.
+    fn share_memory(&self) -> Result<Option<Shared>> {
+        let Some(piece) = shm::piece_for(self.world) else { return Ok(None) };
+        let size = Region::size(self.world, piece);
+        let mut name = [0u8; 64];
+        let fresh = posix::fresh_name();
+        let created = if self.rank == 0 { posix::Mapping::create(&fresh, size).ok() } else { None };
+        if created.is_some() {
+            name[..fresh.len()].copy_from_slice(fresh.as_bytes());
+        }
+        // SAFETY: `name` is 64 writable bytes on every rank, the count given; rank 0 is the root
+        // of a blocking broadcast on the communicator's own duplicate, which every rank calls here.
+        check(unsafe { ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm) }, "MPI_Bcast (shared memory)")?;
+        let name = String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)]).into_owned();
+        let mapping = match created {
+            Some(m) => Some(m),
+            None if !name.is_empty() => posix::Mapping::open(&name, size).ok(),
+            None => None,
+        };
+        let (mine, mut all): (c_int, c_int) = (c_int::from(mapping.is_some()), 0);
+        // SAFETY: one int in, one int out, a blocking all-reduce every rank calls here.
+        let agreed = check(
+            unsafe {
+                ffi::MPI_Allreduce((&mine as *const c_int).cast(), (&mut all as *mut c_int).cast(), 1, ffi::RSMPI_INT32_T, ffi::RSMPI_MIN, self.comm)
+            },
+            "MPI_Allreduce (shared memory)",
+        );
+        if self.rank == 0 && !name.is_empty() {
+            posix::unlink(&name);
+        }
+        agreed?;
+        Ok(match mapping {
+            // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
+            // by every rank of the group (all agreed) and used only through this region, which
+            // lives beside it in `Shared` and goes first.
+            Some(m) if all == 1 => Some(Shared { region: unsafe { Region::new(m.base(), self.world, piece) }, _mapping: m }),
+            _ => None,
+        })
+    }
+
+    /// Whether the boundary's data moves through shared memory.
+    pub fn shares_memory(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// Runs one reduction in shares over this communicator's transport: shared memory when the
+    /// group has it, MPI otherwise; a failure once anything moved aborts the communicator.
+    fn in_shares<R>(&self, run: impl FnOnce(&mut dyn ShareTransport) -> Result<R>) -> Result<R> {
+        let mut entered = self.enter()?;
+        let mem = &mut *entered.2;
+        let mut t = Shares::new(self, &mut mem.counts, &mut mem.work, &mut mem.abandoned);
+        let result = match &self.shared {
+            Some(shared) => {
+                // A barrier raised is as good as a post: a failure leaves the peers out of step.
+                t.posted = true;
+                let mut s = Shm::new(&mut t, &shared.region, &mut mem.passed, self.timeout(), &self.aborted, "MPI");
+                run(&mut s)
+            }
+            None => run(&mut t),
+        };
+        t.settle(result)
     }
 
     fn enter(&self) -> Result<Entered<'_>> {
@@ -396,6 +508,10 @@ impl MpiComm {
             *r = Some(reason);
         }
         self.aborted.store(true, Ordering::Release);
+        // The peers waiting in shared memory stop at once.
+        if let Some(shared) = &self.shared {
+            shared.region.abort();
+        }
     }
 
     /// Waits until every request in `requests` completes: polls MPI_Testall, spinning for
@@ -470,16 +586,26 @@ fn count(n: usize, what: &str) -> Result<c_int> {
 }
 
 /// The reduction in shares over MPI, on a communicator whose collective is already entered:
-/// counts and displacements go to the communicator's [`Counts`], abandoned requests to its list.
+/// counts and displacements go to the communicator's [`Counts`], data to its [`Workspace`],
+/// abandoned requests to its list.
 struct Shares<'a> {
     comm: &'a MpiComm,
     counts: &'a mut Counts,
+    work: &'a mut Workspace,
     abandoned: &'a mut Vec<ffi::MPI_Request>,
+    /// Where each other rank's copy of this rank's piece lies in the scratch (words), and the
+    /// last gather's ranges.
+    slots: Vec<Range<usize>>,
+    packed: Vec<Range<usize>>,
     /// Whether a collective was posted: a failure from then on aborts the communicator.
     posted: bool,
 }
 
-impl Shares<'_> {
+impl<'a> Shares<'a> {
+    fn new(comm: &'a MpiComm, counts: &'a mut Counts, work: &'a mut Workspace, abandoned: &'a mut Vec<ffi::MPI_Request>) -> Self {
+        Shares { comm, counts, work, abandoned, slots: Vec::new(), packed: Vec::new(), posted: false }
+    }
+
     /// A reduction's result: a failure once anything was posted leaves this rank out of step with
     /// its peers, who may post the next collective of this one, so it aborts the communicator.
     fn settle<T>(&self, result: Result<T>) -> Result<T> {
@@ -493,7 +619,7 @@ impl Shares<'_> {
 
     /// Waits for one request posted with return code `rc` (nothing was posted when it failed,
     /// and the communicator is aborted).
-    fn finish(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
+    fn finish_one(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
         check(rc, call).map_err(|e| self.comm.post_failed(e))?;
         self.posted = true;
         self.comm.wait(std::slice::from_mut(&mut request), self.abandoned, step)
@@ -506,6 +632,13 @@ fn zeroed(v: &mut Vec<c_int>, world: usize) {
     v.resize(world, 0);
 }
 
+/// Grows `v` to at least `n` values, keeping its memory.
+fn at_least(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
 impl ShareTransport for Shares<'_> {
     fn rank(&self) -> usize {
         self.comm.rank
@@ -515,29 +648,39 @@ impl ShareTransport for Shares<'_> {
         self.comm.world
     }
 
-    fn exchange(&mut self, step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()> {
+    fn outbox(&mut self, _k: usize, words: usize) -> &mut [u16] {
+        at_least(&mut self.work.stage, words.div_ceil(2));
+        shares::words_mut(&mut self.work.stage)
+    }
+
+    fn exchange(&mut self, step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
         let (world, rank) = (self.comm.world, self.comm.rank);
+        let own = packed[rank].len();
+        // One slot of `own` words per rank but this one, in rank order.
+        self.slots = (0..world).map(|q| (q - usize::from(q > rank)) * own).map(|at| at..at + own).collect();
+        at_least(&mut self.work.scratch, ((world - 1) * own).div_ceil(2));
         let c = &mut *self.counts;
         for v in [&mut c.send, &mut c.send_at, &mut c.recv, &mut c.recv_at] {
             zeroed(v, world);
         }
         for q in (0..world).filter(|&q| q != rank) {
-            c.send[q] = count(shares[q].len(), "a share")?;
-            c.send_at[q] = count(shares[q].start, "a share's offset")?;
-            c.recv[q] = count(slots[q].len(), "a share")?;
-            c.recv_at[q] = count(slots[q].start, "a share's offset")?;
+            c.send[q] = count(packed[q].len(), "a share")?;
+            c.send_at[q] = count(packed[q].start, "a share's offset")?;
+            c.recv[q] = count(own, "a share")?;
+            c.recv_at[q] = count(self.slots[q].start, "a share's offset")?;
         }
+        let (stage, scratch) = (shares::words(&self.work.stage), shares::words_mut(&mut self.work.scratch));
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: `reduce_in_shares` cuts `shares` from this chunk and `slots` from `scratch`, so
-        // every count and displacement stays inside its buffer; each array has `world` entries,
-        // the communicator's size. MPI uses them until the request completes: the counts are the
-        // communicator's `Counts`, and `chunk` and `scratch` its `Workspace` (the chunk staged
-        // there, never the caller's buffer), never touched again nor freed while a request is
-        // abandoned (see `Memory`).
+        // SAFETY: the reduction sized the outbox (the stage) to hold every range of `packed`, and
+        // the scratch was sized above to hold every slot, so every count and displacement stays
+        // inside its buffer; each array has `world` entries, the communicator's size. MPI uses
+        // them until the request completes: the counts are the communicator's `Counts`, and the
+        // stage and scratch its `Workspace` (never the caller's buffer), never touched again nor
+        // freed while a request is abandoned (see `Memory`).
         let rc = unsafe {
             ffi::MPI_Ialltoallv(
-                chunk.as_ptr() as *const c_void,
+                stage.as_ptr() as *const c_void,
                 c.send.as_ptr(),
                 c.send_at.as_ptr(),
                 ffi::RSMPI_UINT16_T,
@@ -549,31 +692,37 @@ impl ShareTransport for Shares<'_> {
                 &mut request,
             )
         };
-        self.finish(rc, request, "MPI_Ialltoallv", &|| step.to_string())
+        self.finish_one(rc, request, "MPI_Ialltoallv", &|| step.to_string())
     }
 
-    fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
+    fn incoming(&self, q: usize) -> &[u16] {
+        &shares::words(&self.work.scratch)[self.slots[q].clone()]
+    }
+
+    fn gather(&mut self, step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
         let c = &mut *self.counts;
         c.recv.clear();
         c.recv_at.clear();
-        for s in shares {
+        for s in packed {
             c.recv.push(count(s.len(), "a share")?);
             c.recv_at.push(count(s.start, "a share's offset")?);
         }
+        self.packed = packed.to_vec();
+        let stage = &mut self.work.stage;
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: `reduce_in_shares` cuts one share per rank (`world` entries) from this chunk, so
-        // every count and displacement stays inside `chunk`; with MPI_IN_PLACE (the shim's value
-        // for the linked MPI) the send arguments are ignored and this rank's share is read from
-        // its place in `chunk`. `chunk` is the communicator's `Workspace` (the staged chunk, never
-        // the caller's buffer) and the counts its `Counts`: alive until the request completes, or
-        // for good once it is abandoned (see `exchange`).
+        // SAFETY: the reduction sized the stage to hold every range of `packed`, one per rank
+        // (`world` entries), so every count and displacement stays inside it; with MPI_IN_PLACE
+        // (the shim's value for the linked MPI) the send arguments are ignored and this rank's
+        // piece is read from its place in the stage. The stage is the communicator's `Workspace`
+        // (never the caller's buffer) and the counts its `Counts`: alive until the request
+        // completes, or for good once it is abandoned (see `exchange`).
         let rc = unsafe {
             ffi::MPI_Iallgatherv(
                 gradacc_internal_mpi_in_place(),
                 0,
                 ffi::RSMPI_FLOAT,
-                chunk.as_mut_ptr() as *mut c_void,
+                stage.as_mut_ptr() as *mut c_void,
                 c.recv.as_ptr(),
                 c.recv_at.as_ptr(),
                 ffi::RSMPI_FLOAT,
@@ -581,10 +730,14 @@ impl ShareTransport for Shares<'_> {
                 &mut request,
             )
         };
-        self.finish(rc, request, "MPI_Iallgatherv", &|| step.to_string())
+        self.finish_one(rc, request, "MPI_Iallgatherv", &|| step.to_string())
     }
 
-    fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+    fn finished(&self, q: usize) -> &[f32] {
+        &self.work.stage[self.packed[q].clone()]
+    }
+
+    fn gather_values(&mut self, mine: &[f64], counts: &[usize]) -> Result<&[f64]> {
         let c = &mut *self.counts;
         c.recv.clear();
         c.recv_at.clear();
@@ -595,19 +748,24 @@ impl ShareTransport for Shares<'_> {
             next += n;
         }
         let send = count(mine.len(), "the block values")?;
+        let w = &mut *self.work;
+        w.mine.clear();
+        w.mine.extend_from_slice(mine);
+        w.all.clear();
+        w.all.resize(next, 0.0);
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: `mine` holds this rank's `counts[rank]` values and `reduce_in_shares` sizes `all`
-        // to the sum of `counts`; the displacements are the running sums, so every rank's values
-        // land inside `all`; the arrays have `world` entries. `mine` and `all` are the
-        // communicator's `Workspace` and the counts its `Counts`: alive until the request
-        // completes, or for good once it is abandoned.
+        // SAFETY: `w.mine` holds this rank's `counts[rank]` values and `w.all` the sum of
+        // `counts`; the displacements are the running sums, so every rank's values land inside
+        // `w.all`; the arrays have `world` entries. Both are the communicator's `Workspace` and
+        // the counts its `Counts`: alive until the request completes, or for good once it is
+        // abandoned.
         let rc = unsafe {
             ffi::MPI_Iallgatherv(
-                mine.as_ptr() as *const c_void,
+                w.mine.as_ptr() as *const c_void,
                 send,
                 ffi::RSMPI_DOUBLE,
-                all.as_mut_ptr() as *mut c_void,
+                w.all.as_mut_ptr() as *mut c_void,
                 c.recv.as_ptr(),
                 c.recv_at.as_ptr(),
                 ffi::RSMPI_DOUBLE,
@@ -615,7 +773,8 @@ impl ShareTransport for Shares<'_> {
                 &mut request,
             )
         };
-        self.finish(rc, request, "MPI_Iallgatherv (block values)", &|| Step::Values.to_string())
+        self.finish_one(rc, request, "MPI_Iallgatherv (block values)", &|| Step::Values.to_string())?;
+        Ok(&self.work.all)
     }
 }
 
@@ -802,23 +961,17 @@ impl HostCollectives for MpiComm {
     /// buffer into its own chunks and the buckets are only checked.
     fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
-        let mut entered = self.enter()?;
-        let mem = &mut *entered.2;
-        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
-        let result = shares::reduce_in_shares(&mut t, &mut mem.work, buf, shares::SHARE_NUMEL, pass);
-        t.settle(result)
+        self.in_shares(|t| shares::reduce_in_shares(t, buf, shares::SHARE_NUMEL, pass))
     }
 
     /// The reduction in shares by shards: each rank exchanges only its copies of the others'
     /// shards and sums its own, and nothing is gathered: half an all-reduce's traffic.
     fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
         check_shards(buf.len(), shards, self.world)?;
-        let mut entered = self.enter()?;
-        let mem = &mut *entered.2;
-        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
-        let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
-        let result = shares::reduce_by_cut(&mut t, &mut mem.work, buf, &cut, false, pass);
-        t.settle(result)
+        self.in_shares(|t| {
+            let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL.min(t.piece_limit()) };
+            shares::reduce_by_cut(t, buf, &cut, false, pass)
+        })
     }
 
     /// MPI_Iallgatherv of doubles, through the communicator's workspace.
@@ -826,8 +979,8 @@ impl HostCollectives for MpiComm {
         check_counts(mine.len(), counts, self.rank, self.world)?;
         let mut entered = self.enter()?;
         let mem = &mut *entered.2;
-        let mut t = Shares { comm: self, counts: &mut mem.counts, abandoned: &mut mem.abandoned, posted: false };
-        let result = shares::allgather_values(&mut t, &mut mem.work, mine, counts);
+        let mut t = Shares::new(self, &mut mem.counts, &mut mem.work, &mut mem.abandoned);
+        let result = t.gather_values(mine, counts).map(<[f64]>::to_vec);
         t.settle(result)
     }
 }

@@ -176,6 +176,8 @@ pub(crate) enum Step {
     Gather { chunk: usize, chunks: usize },
     /// The final gather of every rank's block values.
     Values,
+    /// The closing wait, after which every rank may reuse its outboxes.
+    Done,
 }
 
 impl std::fmt::Display for Step {
@@ -184,201 +186,218 @@ impl std::fmt::Display for Step {
             Step::Exchange { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (exchange)"),
             Step::Gather { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (gather)"),
             Step::Values => write!(f, "share reduction, the gather of the block sums"),
+            Step::Done => write!(f, "share reduction, the closing wait"),
         }
     }
 }
 
-/// The only memory the reduction in shares hands a transport: a copy of the chunk in flight, the
-/// other ranks' copies of this rank's share, and the block values. The caller's buffer is never
-/// handed over; it is copied into `stage` before a collective and out of it after one completed.
-/// A transport between processes keeps the workspace for as long as a collective it abandoned (a
-/// timeout, an abort) may still read or write it, instead of freeing it when the call returns.
+/// The memory a copying transport hands its collectives: its outbox, the other ranks' copies of
+/// this rank's piece, and the block values. The caller's buffer is never handed over; it is
+/// copied into the outbox before a collective and out of it after one completed. A transport
+/// between processes keeps the workspace for as long as a collective it abandoned (a timeout, an
+/// abort) may still read or write it, instead of freeing it when the call returns.
 #[derive(Debug, Default)]
 pub(crate) struct Workspace {
-    /// One chunk at the chunk's own offsets: the shares this rank sends in the exchange, then the
-    /// gather's in-place buffer.
-    stage: Vec<f32>,
-    scratch: Vec<f32>,
-    /// With a bf16 wire: the stage and the scratch as they travel, one word per value.
-    wire_stage: Vec<u16>,
-    wire_scratch: Vec<u16>,
-    mine: Vec<f64>,
-    all: Vec<f64>,
+    /// One step's pieces, packed in rank order: the pieces this rank sends in the exchange, then
+    /// the gather's in-place buffer.
+    pub stage: Vec<f32>,
+    /// The other ranks' copies of this rank's piece, one slot per other rank, in rank order.
+    pub scratch: Vec<f32>,
+    pub mine: Vec<f64>,
+    pub all: Vec<f64>,
 }
 
 /// The 16-bit words an FP32 buffer travels as: two per value, bit for bit.
-fn words(v: &[f32]) -> &[u16] {
+pub(crate) fn words(v: &[f32]) -> &[u16] {
     // SAFETY: the same bytes viewed as u16 (alignment 2 divides f32's 4, every bit pattern is a
     // valid u16), borrowed for as long as `v`.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2) }
 }
 
 /// [`words`], writable: any words written make valid f32 bit patterns.
-fn words_mut(v: &mut [f32]) -> &mut [u16] {
+pub(crate) fn words_mut(v: &mut [f32]) -> &mut [u16] {
     // SAFETY: as in `words`, and every pattern written through the view is a valid f32.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2) }
 }
 
-/// Element ranges as ranges of [`words`].
-fn in_words(ranges: &[Range<usize>]) -> Vec<Range<usize>> {
-    ranges.iter().map(|r| 2 * r.start..2 * r.end).collect()
+/// FP32 values travelling as [`words`]: the words must start on a 4-byte boundary and come in
+/// pairs (every outbox and every range of FP32 values in one does).
+pub(crate) fn values(w: &[u16]) -> &[f32] {
+    assert!(w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2), "FP32 values travel as aligned pairs of words");
+    // SAFETY: the assertion makes the pointer f32-aligned and the length whole values; every bit
+    // pattern is a valid f32; borrowed for as long as `w`.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), w.len() / 2) }
 }
 
-/// The three collectives the reduction in shares needs from a transport between processes.
-/// Every rank calls each of them, in the same order, with the same `shares` and `counts`. `step`
-/// says where the reduction is, for error messages. Every buffer passed is in the [`Workspace`],
-/// never the caller's memory.
+/// [`values`], writable.
+pub(crate) fn values_mut(w: &mut [u16]) -> &mut [f32] {
+    assert!(w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2), "FP32 values travel as aligned pairs of words");
+    // SAFETY: as in `values`; any f32 written makes valid u16 words.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast(), w.len() / 2) }
+}
+
+/// What the reduction in shares needs from a transport between ranks that do not share the
+/// caller's memory. Every rank calls `exchange`, `gather`, `gather_values` and `finish` in the same
+/// order, with the same ranges. `step` says where the reduction is, for error messages.
+///
+/// In one step the reduction stages the pieces this rank sends in the step's outbox, at the
+/// word ranges of `packed` (this rank's own piece included, so every rank has the same ranges):
+/// two 16-bit words per FP32 value, one per value on a bf16 wire.
 pub(crate) trait ShareTransport {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
 
-    /// Sends `chunk[shares[q]]` to every other rank `q`, and receives every other rank `q`'s copy
-    /// of this rank's share, `chunk[shares[rank]]` there, into `scratch[slots[q]]`. `chunk` is the
-    /// workspace's copy of the chunk (only the other ranks' shares are filled in), in 16-bit
-    /// words: two per FP32 value, or one per value on a bf16 wire; the ranges count words.
-    fn exchange(&mut self, step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()>;
+    /// The most elements one rank's piece of a step may hold: the cut is capped to it.
+    fn piece_limit(&self) -> usize {
+        usize::MAX
+    }
 
-    /// Copies every other rank `q`'s finished `chunk[shares[q]]` into the same place of this
-    /// rank's `chunk` (the workspace's copy, holding this rank's finished share); this rank's own
-    /// share is left as it is.
-    fn gather(&mut self, step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()>;
+    /// Step `k`'s outbox, at least `words` words long. Steps alternate between outboxes, so the
+    /// one of step `k` may be read by the other ranks until they reach step `k + 1`'s exchange.
+    fn outbox(&mut self, k: usize, words: usize) -> &mut [u16];
 
-    /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order into
-    /// `all`. It comes after every chunk's exchange, and before the gathers when the pass has a
-    /// second step (they need every block's value).
-    fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()>;
+    /// Sends `outbox[packed[q]]` to every other rank `q`; then [`ShareTransport::incoming`]`(q)`
+    /// is rank `q`'s `outbox[packed[rank]]`: its copy of this rank's piece.
+    fn exchange(&mut self, step: Step, k: usize, packed: &[Range<usize>]) -> Result<()>;
+
+    /// Rank `q`'s copy of this rank's piece, after the exchange.
+    fn incoming(&self, q: usize) -> &[u16];
+
+    /// Every rank's finished piece, FP32 at `packed[q]` (in values) of step `k`'s outbox, to
+    /// every other rank; then [`ShareTransport::finished`]`(q)` is rank `q`'s.
+    fn gather(&mut self, step: Step, k: usize, packed: &[Range<usize>]) -> Result<()>;
+
+    /// Rank `q`'s finished piece, after the gather.
+    fn finished(&self, q: usize) -> &[f32];
+
+    /// Every rank's `mine` (rank `q`'s holding `counts[q]` values) concatenated in rank order.
+    /// It comes after every step's exchange, and before the gathers when the pass has a second
+    /// step (they need every block's value).
+    fn gather_values(&mut self, mine: &[f64], counts: &[usize]) -> Result<&[f64]>;
+
+    /// After the last step: returns once no rank reads this rank's outboxes any more, so the
+    /// next reduction may write them.
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Sums `buf` over the ranks of `t` in shares of about `share_numel` elements and runs `pass` on
 /// each share of the sum by its owner; returns the values `pass` wrote for every block of `buf`,
 /// in block order, the same on every rank. See [`super::HostCollectives::allreduce_with_pass`].
-/// The scratch memory comes from `ws` (kept by the caller between calls).
 pub(crate) fn reduce_in_shares(
-    t: &mut impl ShareTransport,
-    ws: &mut Workspace,
+    t: &mut (impl ShareTransport + ?Sized),
     buf: &mut [f32],
     share_numel: usize,
     pass: &dyn BlockPass,
 ) -> Result<Vec<f64>> {
-    let plan = Plan::new(buf.len(), t.world(), share_numel);
-    reduce_by_cut(t, ws, buf, &plan, true, pass)
+    let plan = Plan::new(buf.len(), t.world(), share_numel.min(t.piece_limit()));
+    reduce_by_cut(t, buf, &plan, true, pass)
 }
 
-/// Every rank's `mine` in rank order (rank q brings `counts[q]` values), through the transport's
-/// gather of block values and the workspace it keeps alive.
-pub(crate) fn allgather_values(t: &mut impl ShareTransport, ws: &mut Workspace, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>> {
-    ws.mine.clear();
-    ws.mine.extend_from_slice(mine);
-    ws.all.clear();
-    ws.all.resize(counts.iter().sum(), 0.0);
-    t.gather_values(&ws.mine, counts, &mut ws.all)?;
-    Ok(ws.all.clone())
+/// One step's pieces in the buffer, and where each lies in the outbox (packed in rank order).
+struct StepPieces {
+    pieces: Vec<Range<usize>>,
+    packed: Vec<Range<usize>>,
 }
 
-/// One step's pieces in the buffer, and where each lies in the stage (packed in rank order).
-type StepPieces = (Vec<Range<usize>>, Vec<Range<usize>>);
-
-/// As [`reduce_in_shares`], by any [`Cut`]: each step's pieces are staged packed in rank order,
-/// exchanged, summed and passed by their owner. With `share_out` every rank then gathers every
-/// finished piece (an all-reduce); without, each rank keeps only its own pieces and the rest of
-/// `buf` is left as it was (a reduce-scatter). Returns every block's value.
-pub(crate) fn reduce_by_cut(
-    t: &mut impl ShareTransport,
-    ws: &mut Workspace,
-    buf: &mut [f32],
-    cut: &dyn Cut,
-    share_out: bool,
-    pass: &dyn BlockPass,
-) -> Result<Vec<f64>> {
-    let (rank, world) = (t.rank(), t.world());
-    let (steps, largest) = (cut.steps(), cut.largest());
-    // Other ranks' copies of this rank's piece, in rank order, without a slot for its own.
-    let scratch_len = (world - 1) * largest;
-    if ws.scratch.len() < scratch_len {
-        ws.scratch.resize(scratch_len, 0.0);
-    }
-    let scratch = &mut ws.scratch[..scratch_len];
-    let stage_len = world * largest;
-    if ws.stage.len() < stage_len {
-        ws.stage.resize(stage_len, 0.0);
-    }
-    let stage = &mut ws.stage[..stage_len];
-    let bf16 = pass.wire() == Dtype::Bf16;
-    if bf16 {
-        ws.wire_stage.resize(ws.wire_stage.len().max(stage_len), 0);
-        ws.wire_scratch.resize(ws.wire_scratch.len().max(scratch_len), 0);
-    }
-    let mine = &mut ws.mine;
-    mine.clear();
-    // Step k's pieces, and where each lies in the stage: packed in rank order.
-    let step_of = |k: usize| {
+impl StepPieces {
+    fn of(cut: &dyn Cut, world: usize, k: usize) -> StepPieces {
         let pieces: Vec<Range<usize>> = (0..world).map(|q| cut.piece(k, q)).collect();
         let mut at = 0;
-        let packed: Vec<Range<usize>> = pieces
+        let packed = pieces
             .iter()
             .map(|p| {
                 at += p.len();
                 at - p.len()..at
             })
             .collect();
-        (pieces, packed)
-    };
-    // The finished piece goes out through the stage, and the others come back into the caller's
-    // buffer only once the gather completed.
-    let gather = |t: &mut dyn ShareTransport, stage: &mut [f32], buf: &mut [f32], k: usize, (pieces, packed): &StepPieces| -> Result<()> {
-        stage[packed[rank].clone()].copy_from_slice(&buf[pieces[rank].clone()]);
-        t.gather(Step::Gather { chunk: k + 1, chunks: steps }, &mut stage[..packed[world - 1].end], packed)?;
-        for q in (0..world).filter(|&q| q != rank) {
-            buf[pieces[q].clone()].copy_from_slice(&stage[packed[q].clone()]);
-        }
-        Ok(())
-    };
+        StepPieces { pieces, packed }
+    }
+
+    /// The outbox's length in values.
+    fn len(&self) -> usize {
+        self.packed.last().map_or(0, |p| p.end)
+    }
+}
+
+/// The finished piece of step `k` goes out through the outbox, and the others come back into the
+/// caller's buffer once the gather completed.
+fn gather_step(t: &mut (impl ShareTransport + ?Sized), buf: &mut [f32], k: usize, steps: usize, s: &StepPieces) -> Result<()> {
+    let rank = t.rank();
+    let len = s.len();
+    values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()].copy_from_slice(&buf[s.pieces[rank].clone()]);
+    t.gather(Step::Gather { chunk: k + 1, chunks: steps }, k, &s.packed)?;
+    for q in (0..t.world()).filter(|&q| q != rank) {
+        buf[s.pieces[q].clone()].copy_from_slice(t.finished(q));
+    }
+    Ok(())
+}
+
+/// As [`reduce_in_shares`], by any [`Cut`] (whose pieces the caller keeps within
+/// [`ShareTransport::piece_limit`]): each step's pieces are staged packed in rank order,
+/// exchanged, summed and passed by their owner. With `share_out` every rank then gathers every
+/// finished piece (an all-reduce); without, each rank keeps only its own pieces and the rest of
+/// `buf` is left as it was (a reduce-scatter). Returns every block's value.
+pub(crate) fn reduce_by_cut(
+    t: &mut (impl ShareTransport + ?Sized),
+    buf: &mut [f32],
+    cut: &dyn Cut,
+    share_out: bool,
+    pass: &dyn BlockPass,
+) -> Result<Vec<f64>> {
+    let (rank, world) = (t.rank(), t.world());
+    let steps = cut.steps();
+    assert!(cut.largest() <= t.piece_limit(), "the cut's pieces exceed the transport's");
+    // Words per value on the wire.
+    let bf16 = pass.wire() == Dtype::Bf16;
+    let per_value = if bf16 { 1 } else { 2 };
+    // On a bf16 wire, the other ranks' copies of this rank's piece, widened back to FP32.
+    let mut widened = Vec::new();
+    let mut mine = Vec::new();
     // With a second step the finished pieces wait for every block's value before they go out:
     // first every step is exchanged, summed and passed, then the values are gathered, each rank
     // scales its own pieces, and the gathers follow. Without one, each step's piece goes out
     // while it is still in cache.
     let deferred = pass.rescales();
     for k in 0..steps {
-        let (pieces, packed) = step_of(k);
-        let own = pieces[rank].clone();
-        let slots: Vec<Range<usize>> = (0..world)
-            .map(|q| {
-                let slot = q - usize::from(q > rank);
-                if q == rank {
-                    0..0
-                } else {
-                    slot * largest..slot * largest + own.len()
-                }
-            })
-            .collect();
-        // The pieces this rank sends, copied out of the caller's buffer before the exchange: as
-        // they are, or on a bf16 wire rounded to bf16 bits, which are widened back on arrival
-        // (exactly), and this rank's own piece rounded in place before the sum.
+        let s = StepPieces::of(cut, world, k);
+        let own = s.pieces[rank].clone();
+        // Each piece where its FP32 values would lie, so a bf16 piece never overlaps the place
+        // of this rank's finished piece, which the gather writes while others may still read.
+        let on_wire: Vec<Range<usize>> = s.packed.iter().map(|p| 2 * p.start..2 * p.start + per_value * p.len()).collect();
+        // The pieces this rank sends, copied out of the caller's buffer: as they are, or on a
+        // bf16 wire rounded to bf16 bits, which are widened back on arrival (exactly), and this
+        // rank's own piece rounded in place before the sum.
         let others = (0..world).filter(|&q| q != rank);
-        let step = Step::Exchange { chunk: k + 1, chunks: steps };
-        let end = packed[world - 1].end;
-        if bf16 {
-            for q in others.clone() {
-                cpu::to_bf16_bits(&buf[pieces[q].clone()], &mut ws.wire_stage[packed[q].clone()]);
+        let out = t.outbox(k, 2 * s.len());
+        for q in others.clone() {
+            let (from, to) = (&buf[s.pieces[q].clone()], &mut out[on_wire[q].clone()]);
+            if bf16 {
+                cpu::to_bf16_bits(from, to);
+            } else {
+                values_mut(to).copy_from_slice(from);
             }
-            t.exchange(step, &ws.wire_stage[..end], &packed, &mut ws.wire_scratch[..scratch_len], &slots)?;
+        }
+        t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, k, &on_wire)?;
+        let first = mine.len();
+        mine.resize(first + cpu::blocks(own.len()), 0.0);
+        let n = own.len();
+        if bf16 {
             cpu::round_to_bf16(&mut buf[own.clone()], 1);
+            widened.resize(world * n, 0.0);
             for q in others {
-                for (v, &w) in scratch[slots[q].clone()].iter_mut().zip(&ws.wire_scratch[slots[q].clone()]) {
+                for (v, &w) in widened[q * n..(q + 1) * n].iter_mut().zip(t.incoming(q)) {
                     *v = f32::from_bits((w as u32) << 16);
                 }
             }
+            sum_and_pass(&mut buf[own], rank, world, |q| &widened[q * n..(q + 1) * n], pass, &mut mine[first..]);
         } else {
-            for q in others {
-                stage[packed[q].clone()].copy_from_slice(&buf[pieces[q].clone()]);
-            }
-            t.exchange(step, words(&stage[..end]), &in_words(&packed), words_mut(scratch), &in_words(&slots))?;
+            let t = &*t;
+            sum_and_pass(&mut buf[own], rank, world, |q| values(t.incoming(q)), pass, &mut mine[first..]);
         }
-        let first = mine.len();
-        mine.resize(first + cpu::blocks(own.len()), 0.0);
-        sum_and_pass(&mut buf[own], rank, world, |q| &scratch[slots[q].clone()], pass, &mut mine[first..]);
         if share_out && !deferred {
-            gather(t, stage, buf, k, &(pieces, packed))?;
+            gather_step(t, buf, k, steps, &s)?;
         }
     }
 
@@ -386,11 +405,7 @@ pub(crate) fn reduce_by_cut(
     if pass.writes_values() {
         let blocks_of = |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
         let counts: Vec<usize> = (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
-        let all = &mut ws.all;
-        all.clear();
-        all.resize(counts.iter().sum(), 0.0);
-        t.gather_values(mine, &counts, all)?;
-        let mut next = all.iter();
+        let mut next = t.gather_values(&mine, &counts)?.iter();
         for q in 0..world {
             for p in cut.pieces(q) {
                 for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
@@ -406,10 +421,11 @@ pub(crate) fn reduce_by_cut(
                 cpu::scale(&mut buf[cut.piece(k, rank)], factor, 1);
             }
             if share_out {
-                gather(t, stage, buf, k, &step_of(k))?;
+                gather_step(t, buf, k, steps, &StepPieces::of(cut, world, k))?;
             }
         }
     }
+    t.finish()?;
     Ok(values)
 }
 
@@ -537,12 +553,17 @@ mod tests {
     }
 
     /// An in-process transport: the ranks are threads that read each other's published buffers
-    /// between barriers, with the same contract as the MPI one.
+    /// between barriers, with the same contract as the MPI one: it copies into a workspace of
+    /// its own, as MPI does.
     struct Threads {
         rank: usize,
         world: usize,
         barrier: Arc<Barrier>,
         posts: Arc<Mutex<Vec<(usize, usize)>>>,
+        work: Workspace,
+        /// Where `incoming(q)` lies in the scratch (words), and the last gather's ranges.
+        slots: Vec<Range<usize>>,
+        packed: Vec<Range<usize>>,
         /// The address ranges of every buffer this rank was handed, for the test to check that
         /// none is the caller's.
         handed: Vec<Range<usize>>,
@@ -555,7 +576,17 @@ mod tests {
             let barrier = Arc::new(Barrier::new(world));
             let posts = Arc::new(Mutex::new(vec![(0, 0); world]));
             (0..world)
-                .map(|rank| Threads { rank, world, barrier: barrier.clone(), posts: posts.clone(), handed: Vec::new(), words_received: 0 })
+                .map(|rank| Threads {
+                    rank,
+                    world,
+                    barrier: barrier.clone(),
+                    posts: posts.clone(),
+                    work: Workspace::default(),
+                    slots: Vec::new(),
+                    packed: Vec::new(),
+                    handed: Vec::new(),
+                    words_received: 0,
+                })
                 .collect()
         }
 
@@ -577,38 +608,63 @@ mod tests {
             self.world
         }
 
-        fn exchange(&mut self, _step: Step, chunk: &[u16], shares: &[Range<usize>], scratch: &mut [u16], slots: &[Range<usize>]) -> Result<()> {
-            let posts = self.publish(chunk.as_ptr(), chunk.len());
-            self.handed.push(scratch.as_ptr() as usize..scratch.as_ptr() as usize + std::mem::size_of_val(scratch));
+        fn outbox(&mut self, _k: usize, words: usize) -> &mut [u16] {
+            let stage = &mut self.work.stage;
+            stage.resize(stage.len().max(words.div_ceil(2)), 0.0);
+            words_mut(stage)
+        }
+
+        fn exchange(&mut self, _step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
+            let own = packed[self.rank].len();
+            let scratch = &mut self.work.scratch;
+            scratch.resize(scratch.len().max((self.world * own).div_ceil(2)), 0.0);
+            self.slots = (0..self.world).map(|q| q * own..(q + 1) * own).collect();
+            let (stage, at) = (self.work.stage.as_ptr(), self.work.stage.len());
+            let posts = self.publish(stage, at);
+            let scratch = &mut self.work.scratch;
+            self.handed.push(scratch.as_ptr() as usize..scratch.as_ptr() as usize + std::mem::size_of_val(scratch.as_slice()));
             for q in (0..self.world).filter(|&q| q != self.rank) {
-                self.words_received += slots[q].len();
-                // SAFETY: `posts[q]` is the pointer and length of rank q's `chunk`, published before
-                // `publish`'s barrier; rank q holds it as `&[u16]`, so nobody writes it, and it stays
-                // alive until rank q passes the barrier below.
-                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const u16, posts[q].1) };
-                scratch[slots[q].clone()].copy_from_slice(&theirs[shares[self.rank].clone()]);
+                self.words_received += own;
+                // SAFETY: `posts[q]` is the pointer and length of rank q's stage, published before
+                // `publish`'s barrier; rank q does not touch it until it passes the barrier below.
+                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
+                words_mut(scratch)[self.slots[q].clone()].copy_from_slice(&words(theirs)[packed[self.rank].clone()]);
             }
             self.barrier.wait();
             Ok(())
         }
 
-        fn gather(&mut self, _step: Step, chunk: &mut [f32], shares: &[Range<usize>]) -> Result<()> {
-            let posts = self.publish(chunk.as_ptr(), chunk.len());
+        fn incoming(&self, q: usize) -> &[u16] {
+            &words(&self.work.scratch)[self.slots[q].clone()]
+        }
+
+        fn gather(&mut self, _step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
+            let (stage, at) = (self.work.stage.as_ptr(), self.work.stage.len());
+            let posts = self.publish(stage, at);
             for q in (0..self.world).filter(|&q| q != self.rank) {
-                let s = shares[q].clone();
-                // SAFETY: `posts[q]` is rank q's chunk, alive until the barrier below; `shares[q]` is
-                // inside it (same plan on every rank), and share q is final and only read now: every
-                // rank writes only the other ranks' shares of its own chunk.
+                let s = packed[q].clone();
+                // SAFETY: `posts[q]` is rank q's stage, alive and unwritten until the barrier
+                // below; `packed[q]` is inside it (same ranges on every rank), and only rank q's
+                // own place is read, which no rank writes now: each writes only the other ranks'
+                // places of its own stage.
                 let theirs = unsafe { std::slice::from_raw_parts((posts[q].0 as *const f32).add(s.start), s.len()) };
-                chunk[s].copy_from_slice(theirs);
+                self.work.stage[s].copy_from_slice(theirs);
             }
+            self.packed = packed.to_vec();
             self.barrier.wait();
             Ok(())
         }
 
-        fn gather_values(&mut self, mine: &[f64], counts: &[usize], all: &mut [f64]) -> Result<()> {
+        fn finished(&self, q: usize) -> &[f32] {
+            &self.work.stage[self.packed[q].clone()]
+        }
+
+        fn gather_values(&mut self, mine: &[f64], counts: &[usize]) -> Result<&[f64]> {
             let posts = self.publish(mine.as_ptr(), mine.len());
-            self.handed.push(all.as_ptr() as usize..all.as_ptr() as usize + std::mem::size_of_val(all));
+            let all = &mut self.work.all;
+            all.clear();
+            all.resize(counts.iter().sum(), 0.0);
+            self.handed.push(all.as_ptr() as usize..all.as_ptr() as usize + std::mem::size_of_val(all.as_slice()));
             let mut at = 0;
             for q in 0..self.world {
                 assert_eq!(posts[q].1, counts[q]);
@@ -619,7 +675,7 @@ mod tests {
                 at += counts[q];
             }
             self.barrier.wait();
-            Ok(())
+            Ok(&self.work.all)
         }
     }
 
@@ -634,11 +690,10 @@ mod tests {
                     let pass = &pass;
                     s.spawn(move || {
                         let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
-                        // Twice over one workspace: the second call reuses the first's memory.
-                        let mut ws = Workspace::default();
+                        // Twice over one transport: the second call reuses the first's memory.
                         let mut copy = buf.clone();
-                        let first = reduce_in_shares(&mut t, &mut ws, &mut copy, share_numel, pass).unwrap();
-                        let values = reduce_in_shares(&mut t, &mut ws, &mut buf, share_numel, pass).unwrap();
+                        let first = reduce_in_shares(&mut t, &mut copy, share_numel, pass).unwrap();
+                        let values = reduce_in_shares(&mut t, &mut buf, share_numel, pass).unwrap();
                         assert!(copy.iter().zip(&buf).all(|(a, b)| a.to_bits() == b.to_bits()) && first == values);
                         // No collective was handed the caller's memory, which an abandoned request
                         // between processes could still read or write after the call returned.
@@ -677,7 +732,7 @@ mod tests {
                             comm.reduce_scatter_with_pass(&mut buf, shards, pass).unwrap()
                         } else {
                             let cut = ShardCut { shards, piece_numel };
-                            reduce_by_cut(&mut t, &mut Workspace::default(), &mut buf, &cut, false, pass).unwrap()
+                            reduce_by_cut(&mut t, &mut buf, &cut, false, pass).unwrap()
                         };
                         (buf[shards[t.rank].clone()].to_vec(), values)
                     })
@@ -726,14 +781,13 @@ mod tests {
                         if round {
                             cpu::round_to_bf16(&mut buf, 1);
                         }
-                        let mut ws = Workspace::default();
                         let values = if scatter {
                             let cut = ShardCut { shards, piece_numel: 2 * NORM_BLOCK };
-                            let values = reduce_by_cut(&mut t, &mut ws, &mut buf, &cut, false, pass).unwrap();
+                            let values = reduce_by_cut(&mut t, &mut buf, &cut, false, pass).unwrap();
                             buf = buf[shards[t.rank].clone()].to_vec();
                             values
                         } else {
-                            reduce_in_shares(&mut t, &mut ws, &mut buf, NORM_BLOCK, pass).unwrap()
+                            reduce_in_shares(&mut t, &mut buf, NORM_BLOCK, pass).unwrap()
                         };
                         (buf, values, t.words_received)
                     })
@@ -822,6 +876,144 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Memory standing in for a shared mapping: zeroed, 8-byte aligned.
+    fn heap_region(world: usize, piece: usize) -> (Vec<u64>, super::super::shm::Region) {
+        let mut mem = vec![0u64; super::super::shm::Region::size(world, piece).div_ceil(8)];
+        // SAFETY: `mem` is zeroed, 8-byte aligned, `size` bytes, and outlives the region (the
+        // caller keeps both together and drops the region's users first); only the threads of
+        // one group use it, each through its own `Shm` over this one region.
+        let region = unsafe { super::super::shm::Region::new(mem.as_mut_ptr().cast(), world, piece) };
+        (mem, region)
+    }
+
+    /// Every rank's result through shared memory (`shm::Shm` over threads), as
+    /// [`over_the_wire`]: its whole buffer after an all-reduce, its shard after a reduce-scatter.
+    /// Each rank reduces twice in a row over one region, the first time into a copy it drops.
+    fn through_shared_memory(world: usize, len: usize, piece: usize, scatter: bool, wire: Dtype, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
+        use super::super::shm::Shm;
+        let shards = shard_ranges(len, world);
+        let pass = Normalise { factor: 0.3, fused: true, clip, wire };
+        let (_mem, region) = heap_region(world, piece);
+        let stopped = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = Threads::group(world)
+                .into_iter()
+                .map(|mut inner| {
+                    let (pass, shards, region, stopped) = (&pass, &shards, &region, &stopped);
+                    s.spawn(move || {
+                        let mut passed = 0;
+                        let mut t = Shm::new(&mut inner, region, &mut passed, Some(std::time::Duration::from_secs(60)), stopped, "test");
+                        let rank = t.rank();
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                        let mut run = |buf: &mut Vec<f32>| {
+                            if scatter {
+                                let cut = ShardCut { shards, piece_numel: piece };
+                                reduce_by_cut(&mut t, buf, &cut, false, pass).unwrap()
+                            } else {
+                                reduce_in_shares(&mut t, buf, SHARE_NUMEL, pass).unwrap()
+                            }
+                        };
+                        run(&mut buf.clone());
+                        let values = run(&mut buf);
+                        if scatter {
+                            buf = buf[shards[rank].clone()].to_vec();
+                        }
+                        (buf, values)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn shared_memory_gives_the_bits_of_the_copying_transport() {
+        let block = NORM_BLOCK;
+        for world in [2, 3, 5] {
+            for len in [1, 100, block + 1, 3 * block + 7, 2 * world * 3 * block + 2 * block + 99] {
+                for (scatter, wire, clip) in [
+                    (false, Dtype::F32, false),
+                    (false, Dtype::F32, true),
+                    (true, Dtype::F32, true),
+                    (false, Dtype::Bf16, true),
+                    (true, Dtype::Bf16, true),
+                ] {
+                    let shards = shard_ranges(len, world);
+                    // The copying transport, checked against the reference by the tests above.
+                    let want: Vec<(Vec<f32>, Vec<f64>)> = if wire == Dtype::F32 && !scatter {
+                        let (sum, values) = reference(world, len, 0.3, clip);
+                        vec![(sum, values); world]
+                    } else if wire == Dtype::F32 {
+                        let (sum, values) = reference(world, len, 0.3, clip);
+                        (0..world).map(|r| (sum[shards[r].clone()].to_vec(), values.clone())).collect()
+                    } else {
+                        assert!(clip, "over_the_wire clips");
+                        over_the_wire(world, len, scatter, wire, false).into_iter().map(|(b, v, _)| (b, v)).collect()
+                    };
+                    // Pieces of one block make many steps, so both outboxes of every rank turn over.
+                    let piece = if scatter && wire == Dtype::Bf16 { 2 * block } else { block };
+                    let got = through_shared_memory(world, len, piece, scatter, wire, clip);
+                    for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(same_bits(g, w), "world {world} len {len} scatter {scatter} wire {wire:?} clip {clip} rank {rank}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A rank that never arrives: the others fail with TIMEOUT once their timeout passed, or at
+    /// once with COMM_FAILURE when another rank gave up first; a rank whose communicator is
+    /// aborted stops with COMM_FAILURE and tells the others.
+    #[test]
+    fn shared_memory_barriers_time_out_and_pass_an_abort_on() {
+        use super::super::shm::Shm;
+        use crate::error::ErrorKind;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        let (world, len) = (3, 5 * NORM_BLOCK);
+        let pass = Normalise { factor: 1.0, fused: true, clip: false, wire: Dtype::F32 };
+        for abort in [false, true] {
+            let (_mem, region) = heap_region(world, NORM_BLOCK);
+            let flags: Vec<AtomicBool> = (0..world).map(|_| AtomicBool::new(false)).collect();
+            let timeouts = [Duration::from_millis(300), Duration::from_secs(30), Duration::from_secs(30)];
+            let results: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..world)
+                    .map(|rank| {
+                        let (pass, region, flags) = (&pass, &region, &flags);
+                        s.spawn(move || {
+                            // Rank 2 never comes: a one-rank group of its own for the inner transport.
+                            if rank == 2 {
+                                return None;
+                            }
+                            let mut inner = Threads::group(world).swap_remove(rank);
+                            let mut passed = 0;
+                            let mut t = Shm::new(&mut inner, region, &mut passed, Some(timeouts[rank]), &flags[rank], "test");
+                            if abort && rank == 0 {
+                                flags[0].store(true, Ordering::Release);
+                            }
+                            let start = Instant::now();
+                            let e = reduce_in_shares(&mut t, &mut vec![1.0; len], SHARE_NUMEL, pass).unwrap_err();
+                            Some((e.kind, e.message.clone(), start.elapsed()))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let (kind0, message0, _) = results[0].clone().unwrap();
+            let (kind1, message1, took1) = results[1].clone().unwrap();
+            if abort {
+                assert_eq!(kind0, ErrorKind::CommFailure, "{message0}");
+                assert!(message0.contains("the communicator was aborted"), "{message0}");
+            } else {
+                assert_eq!(kind0, ErrorKind::Timeout, "{message0}");
+                assert!(message0.contains("chunk 1 of 2 (exchange)") && message0.contains("waited"), "{message0}");
+            }
+            assert_eq!(kind1, ErrorKind::CommFailure, "{message1}");
+            assert!(message1.contains("another rank"), "{message1}");
+            assert!(took1 < Duration::from_secs(10), "rank 1 waited {took1:?} for a peer that gave up");
         }
     }
 }

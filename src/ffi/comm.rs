@@ -4,7 +4,7 @@ use std::sync::{Arc, LazyLock};
 
 use super::handle::Registry;
 use super::status::{gradacc_status_t, guard, null};
-use super::types::{out_ptr, rank_to_c, read_config};
+use super::types::{out_ptr, rank_to_c, read_config, ConfigDefaults};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
 use crate::error::Error;
@@ -27,13 +27,17 @@ pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
 pub const GRADACC_MPI_COMM_WORLD: i64 = -1;
 
 /// MPI communicator options. Initialise with gradacc_mpi_config_default, then change fields.
-/// It has no option yet besides its size: the struct is there so options can be appended without
-/// changing gradacc_comm_create_mpi.
+/// Options are appended over time; an older struct_size gives the missing ones their defaults.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_mpi_config_t {
     /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
     pub struct_size: usize,
+    /// 1: when every rank is on one host, move the boundary's data through memory the ranks
+    /// share (POSIX shared memory, a few MB) instead of MPI messages; MPI still carries the
+    /// control reduction and the block sums. Ranks on several hosts, or where the memory cannot
+    /// be shared, use MPI either way. 0: MPI only. Default 1.
+    pub shared_memory: u32,
 }
 
 /// One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
@@ -152,7 +156,7 @@ pub unsafe extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config
     guard("gradacc_mpi_config_default", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
-        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>() };
+        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>(), shared_memory: 1 };
         Ok(())
     })
 }
@@ -183,23 +187,33 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
     guard("gradacc_comm_create_mpi", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out_comm, "out_comm") }?;
-        if !config.is_null() {
+        let config = if config.is_null() {
+            gradacc_mpi_config_t::defaults()
+        } else {
             // SAFETY: non-null; read_config checks the declared size first.
-            unsafe { read_config(config, "config")? };
+            unsafe { read_config(config, "config")? }
+        };
+        if config.shared_memory > 1 {
+            return Err(Error::invalid(format!("`config.shared_memory` = {} is neither 0 nor 1", config.shared_memory)).into());
         }
         if fortran_comm < GRADACC_MPI_COMM_WORLD {
             return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")).into());
         }
         #[cfg(feature = "mpi")]
         {
-            use crate::comm::MpiComm;
-            let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD { MpiComm::world()? } else { MpiComm::from_fortran(fortran_comm)? };
+            use crate::comm::{MpiComm, MpiOptions};
+            let options = MpiOptions { shared_memory: config.shared_memory == 1 };
+            let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD {
+                MpiComm::world_with(options)?
+            } else {
+                MpiComm::from_fortran_with(fortran_comm, options)?
+            };
             *out = COMMS.insert(Arc::new(comm));
             Ok(())
         }
         #[cfg(not(feature = "mpi"))]
         {
-            let _ = out;
+            let _ = (out, config);
             Err(Error::new(
                 crate::error::ErrorKind::BackendUnavailable,
                 "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",

@@ -193,7 +193,7 @@ versioned!(
     },
     defaults: gradacc_scaler_config_default
 );
-versioned!(gradacc_mpi_config_t { struct_size }, defaults: gradacc_mpi_config_default);
+versioned!(gradacc_mpi_config_t { struct_size, shared_memory }, defaults: gradacc_mpi_config_default);
 versioned!(gradacc_sync_info_t { struct_size, found_inf, total_count, microbatches, grad_norm, clip_coef });
 versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
 

@@ -131,6 +131,7 @@ gradacc_backend_t = ctypes.c_int32
 class gradacc_mpi_config_t(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
+        ("shared_memory", ctypes.c_uint32),
     ]
 
 # An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl.

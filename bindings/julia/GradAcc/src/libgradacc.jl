@@ -123,6 +123,7 @@ const gradacc_backend_t = Int32
 "MPI communicator options."
 struct gradacc_mpi_config_t
     struct_size::Csize_t
+    shared_memory::UInt32
 end
 
 "An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
