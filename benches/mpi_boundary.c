@@ -1,8 +1,11 @@
 /* The MPI boundary at 2 processes (scripts/bench-mpi): 16M fp16 parameters, K micro-batches per
  * step. Times per step, median over repeats after warm-up repeats, the slowest rank's time:
  *   deferred  gradacc_accumulator_sync once per step (control reduction, all-reduce of the FP32
- *             master, normalisation, norm)
+ *             master, normalisation, norm), its data through shared memory (the default on one
+ *             host)
  *   clipped   the same with clipping that applies (max_grad_norm below the norm)
+ *   messages  the deferred sync over a communicator whose data travels as MPI messages
+ *             (shared_memory = 0), as between hosts
  *   naive     an MPI_Allreduce of the FP32 gradient after every micro-batch (K per step)
  *   bare      one MPI_Allreduce of the same bytes, nothing else
  *   pieces    MPI_Allreduce of the same bytes in calls of PIECES[i] elements, nothing else, for
@@ -425,6 +428,12 @@ int main(int argc, char **argv)
     ac.max_grad_norm = 1e-3f;
     gradacc_accumulator_t *clip;
     OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &clip));
+    ac.max_grad_norm = 0.0f;
+    gradacc_accumulator_t *msg;
+    OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &msg));
+    mc.shared_memory = 0;
+    gradacc_comm_t *messages;
+    OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &messages));
     uint16_t *g = malloc(n * 2);
     float *plain = malloc(n * 4);
     for (size_t i = 0; i < n; i++) {
@@ -434,23 +443,25 @@ int main(int argc, char **argv)
     const void *grads[1] = {g};
 
     if (rank == 0) {
-        printf("| K | deferred sync (ms) | clipped sync (ms) | naive K x all-reduce (ms) | naive / deferred | "
-               "bare MPI_Allreduce (ms) |");
+        printf("| K | deferred sync (ms) | clipped sync (ms) | messages sync (ms) | naive K x all-reduce (ms) | "
+               "naive / deferred | bare MPI_Allreduce (ms) |");
         for (int i = 0; i < NPIECES; i++)
             printf(" in %zu KB pieces (ms) |", PIECES[i] * 4 >> 10);
-        printf(" sync / fastest | clipped / fastest |\n|---|---|---|---|---|---|");
+        printf(" sync / fastest | clipped / fastest | messages / fastest |\n|---|---|---|---|---|---|---|");
         for (int i = 0; i < NPIECES; i++)
             printf("---|");
-        printf("---|---|\n");
+        printf("---|---|---|\n");
     }
     const int ks[3] = {1, 4, 8};
     for (int ki = 0; ki < 3; ki++) {
         int k = ks[ki];
-        double deferred[REPEATS], clipped[REPEATS], naive[REPEATS], bare[REPEATS], pieces[NPIECES][REPEATS];
+        double deferred[REPEATS], clipped[REPEATS], messaged[REPEATS], naive[REPEATS], bare[REPEATS],
+            pieces[NPIECES][REPEATS];
         for (int rep = -WARMUP; rep < REPEATS; rep++) { /* negative repeats warm up */
             for (int m = 0; m < k; m++) {
                 OK(gradacc_accumulator_add(acc, scaler, grads, 1, 1));
                 OK(gradacc_accumulator_add(clip, scaler, grads, 1, 1));
+                OK(gradacc_accumulator_add(msg, scaler, grads, 1, 1));
             }
             MPI_Barrier(MPI_COMM_WORLD);
             double t0 = MPI_Wtime();
@@ -466,6 +477,11 @@ int main(int argc, char **argv)
                 fprintf(stderr, "clipping did not apply (norm %g)\n", info.grad_norm);
                 MPI_Abort(MPI_COMM_WORLD, 1);
             }
+
+            MPI_Barrier(MPI_COMM_WORLD);
+            t0 = MPI_Wtime();
+            OK(gradacc_accumulator_sync(msg, messages, &info));
+            double ms = slowest(t0);
 
             MPI_Barrier(MPI_COMM_WORLD);
             t0 = MPI_Wtime();
@@ -494,28 +510,33 @@ int main(int argc, char **argv)
             if (rep >= 0) {
                 deferred[rep] = d;
                 clipped[rep] = c;
+                messaged[rep] = ms;
                 naive[rep] = nv;
                 bare[rep] = b;
             }
         }
-        double d = median(deferred, REPEATS), c = median(clipped, REPEATS), nv = median(naive, REPEATS);
+        double d = median(deferred, REPEATS), c = median(clipped, REPEATS), ms = median(messaged, REPEATS);
+        double nv = median(naive, REPEATS);
         double b = median(bare, REPEATS), p[NPIECES], fastest = b;
         for (int i = 0; i < NPIECES; i++) {
             p[i] = median(pieces[i], REPEATS);
             fastest = p[i] < fastest ? p[i] : fastest;
         }
         if (rank == 0) {
-            printf("| %d | %.1f | %.1f | %.1f | %.2f | %.1f |", k, d * 1e3, c * 1e3, nv * 1e3, nv / d, b * 1e3);
+            printf("| %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f |", k, d * 1e3, c * 1e3, ms * 1e3, nv * 1e3, nv / d,
+                   b * 1e3);
             for (int i = 0; i < NPIECES; i++)
                 printf(" %.1f |", p[i] * 1e3);
-            printf(" %.2f | %.2f |\n", d / fastest, c / fastest);
+            printf(" %.2f | %.2f | %.2f |\n", d / fastest, c / fastest, ms / fastest);
         }
     }
     free(g);
     free(plain);
     gradacc_accumulator_destroy(acc);
     gradacc_accumulator_destroy(clip);
+    gradacc_accumulator_destroy(msg);
     gradacc_scaler_destroy(scaler);
+    gradacc_comm_destroy(messages);
     gradacc_comm_destroy(comm);
     MPI_Finalize();
     return 0;
