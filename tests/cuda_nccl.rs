@@ -771,21 +771,27 @@ fn sharded_boundary_holds_the_all_reduce_shard_at_two_ranks() {
 /// Runs `rounds(3, test)` where there are three devices: on real GPUs only where there are; on
 /// the software GPU, whose device count is fixed when it loads, in a child process with three.
 fn at_three_ranks(test: &str, rounds: fn(usize, &str)) {
+    at_devices(3, test, |test| rounds(3, test));
+}
+
+/// Runs `f(test)` where there are `devices` devices: on real GPUs only where there are; on the
+/// software GPU, whose device count is fixed when it loads, in a child process with that many.
+fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
     let count = device_count();
-    if count >= 3 {
-        return rounds(3, test);
+    if count >= devices {
+        return f(test);
     }
     if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
-        eprintln!("{count} device(s): the three-rank test needs three");
+        eprintln!("{count} device(s): the test needs {devices}");
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env("SIMGPU_DEVICES", "3")
+        .env("SIMGPU_DEVICES", devices.to_string())
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "the three-device run failed:\n{text}");
+    assert!(out.status.success() && text.contains("1 passed"), "the {devices}-device run failed:\n{text}");
     eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
 }
 
@@ -1014,7 +1020,7 @@ fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
 
 /// What a sharded CUDA accumulation refuses: tensor-by-tensor micro-batches (on every rank, so
 /// none waits), a BF16 wire, a host communicator, an NCCL communicator on another device, and a
-/// hybrid boundary. After the refusals whole micro-batches still add, and a CUDA scaler's update
+/// hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
 /// reads the boundary's overflow flag.
 #[test]
 fn sharded_accumulation_on_cuda_refuses_hooks_on_every_rank() {
@@ -1049,8 +1055,9 @@ fn sharded_accumulation_on_cuda_refuses_hooks_on_every_rank() {
                     assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_microbatch: {e}");
                     let e = acc.begin_final_microbatch(1, comm.clone()).unwrap_err();
                     assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_final_microbatch: {e}");
+                    // The shard group as its own replica group: its ranks hold different shards.
                     let e = acc.sync_hybrid(&*comm, &*comm).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: a hybrid boundary: {e}");
+                    assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: a hybrid boundary over one group: {e}");
 
                     let mut values = vec![2.0f32 + rank as f32; 10_000];
                     values[rank * 7000] = f32::INFINITY;
@@ -1180,5 +1187,254 @@ fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
                 });
             }
         });
+    });
+}
+
+/// The groups of one rank of a hybrid grid, on NCCL and on the in-process communicators: rank
+/// `g = a * shards + i` is shard `i` of shard group `a` and replica `a` of replica group `i`.
+struct GridRank {
+    g: usize,
+    shards: usize,
+    replicas: usize,
+    shard_id: [u8; nccl::UNIQUE_ID_BYTES],
+    replica_id: [u8; nccl::UNIQUE_ID_BYTES],
+    shard_local: Arc<dyn Communicator>,
+    replica_local: Arc<dyn Communicator>,
+}
+
+/// Every rank's groups of a `shards` × `replicas` grid.
+fn grid(shards: usize, replicas: usize) -> Vec<GridRank> {
+    let shard_ids: Vec<_> = (0..replicas).map(|_| nccl::unique_id().unwrap()).collect();
+    let replica_ids: Vec<_> = (0..shards).map(|_| nccl::unique_id().unwrap()).collect();
+    let group = |n| LocalComm::group(n).unwrap().into_iter().map(|c| Some(Arc::new(c) as Arc<dyn Communicator>)).collect::<Vec<_>>();
+    let mut shard_locals: Vec<_> = (0..replicas).map(|_| group(shards)).collect();
+    let mut replica_locals: Vec<_> = (0..shards).map(|_| group(replicas)).collect();
+    (0..shards * replicas)
+        .map(|g| {
+            let (a, i) = (g / shards, g % shards);
+            GridRank {
+                g,
+                shards,
+                replicas,
+                shard_id: shard_ids[a],
+                replica_id: replica_ids[i],
+                shard_local: shard_locals[a][i].take().unwrap(),
+                replica_local: replica_locals[i][a].take().unwrap(),
+            }
+        })
+        .collect()
+}
+
+impl GridRank {
+    /// This rank's NCCL shard and replica groups on its device.
+    fn nccl(&self) -> (Arc<dyn Communicator>, Arc<dyn Communicator>) {
+        let (a, i, g) = (self.g / self.shards, self.g % self.shards, self.g as i32);
+        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&self.shard_id, i, self.shards, g).unwrap());
+        let reps: Arc<dyn Communicator> = Arc::new(NcclComm::new(&self.replica_id, a, self.replicas, g).unwrap());
+        for c in [&comm, &reps] {
+            c.set_timeout(Some(Duration::from_secs(30))).unwrap();
+        }
+        (comm, reps)
+    }
+}
+
+/// One micro-batch of one rank, added alike to a CUDA and a CPU accumulator in its style; hooks
+/// arrive in `order` (tensor `twice` in two contributions), and a final micro-batch reduces
+/// early over `comm`.
+#[allow(clippy::too_many_arguments)]
+fn add_alike(
+    gpu: &Accumulator,
+    cpu: &Accumulator,
+    m: &Micro,
+    gs: &Scaler,
+    cs: &Scaler,
+    addresses: &[u64],
+    views: &[Grad<'_>],
+    order: &[usize],
+    twice: Option<usize>,
+    comm: &Arc<dyn Communicator>,
+) {
+    if m.style == Style::Add {
+        gpu.add(gs, addresses, m.count).unwrap();
+        cpu.add(cs, views, m.count).unwrap();
+        return;
+    }
+    if m.style == Style::Final {
+        gpu.begin_final_microbatch(m.count, comm.clone()).unwrap();
+    } else {
+        gpu.begin_microbatch(m.count).unwrap();
+    }
+    cpu.begin_microbatch(m.count).unwrap();
+    for &i in order {
+        for _ in 0..if Some(i) == twice { 2 } else { 1 } {
+            gpu.add_tensor(gs, i, addresses[i]).unwrap();
+            cpu.add_tensor(cs, i, views[i]).unwrap();
+        }
+    }
+    gpu.end_microbatch().unwrap();
+    cpu.end_microbatch().unwrap();
+}
+
+/// The shard a CUDA accumulator holds, read back to the host.
+fn read_shard(acc: &Accumulator, ctx: &Arc<Context>, stream: driver::CUstream) -> Vec<f32> {
+    let (range, ptr) = acc.shard();
+    let mut shard = vec![0f32; range.len()];
+    if !shard.is_empty() {
+        DeviceBuffer::adopt(ctx, stream, ptr as u64, range.len() * 4).read(&mut shard).unwrap();
+    }
+    shard
+}
+
+/// One rank of a hybrid round: a CUDA accumulator over its NCCL groups and a CPU accumulator over
+/// the in-process ones, fed the same micro-batches; every boundary's info and shard must be the
+/// CPU's (bit for bit where NCCL sums in rank order, as on the software GPU).
+fn run_hybrid_rank(r: &ShardRound, rank: &GridRank, accumulate: bool, exact: bool) -> Vec<SyncInfo> {
+    let (g, shards) = (rank.g, rank.shards);
+    let ctx = Context::get(g as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: g as i32, stream: stream.stream };
+    let (comm, reps) = rank.nccl();
+    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
+    let (gpu, cpu) = if accumulate {
+        let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards, rank: g % shards }, ..r.config };
+        (
+            Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap(),
+            Accumulator::sharded(config, &r.descs, rank.shard_local.clone()).unwrap(),
+        )
+    } else {
+        let config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards, rank: g % shards }, ..r.config };
+        let gpu = if r.adopt {
+            // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
+            unsafe { Accumulator::on_buffer(device, config, &r.descs, adopted.ptr() as *mut f32, len) }.unwrap()
+        } else {
+            Accumulator::on(device, config, &r.descs).unwrap()
+        };
+        (gpu, Accumulator::new(config, &r.descs).unwrap())
+    };
+    let mut infos = Vec::new();
+    for (w, window) in r.windows.iter().enumerate() {
+        for m in &window[g] {
+            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> = m.grads.iter().map(|h| h.upload(&ctx, stream.stream, (w + g) % 3)).collect();
+            let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
+            let views: Vec<Grad<'_>> = m.grads.iter().map(HostGrad::view).collect();
+            let order: Vec<usize> = (0..r.descs.len()).rev().collect();
+            let twice = if accumulate { None } else { twice_added(gpu.buckets(), &r.descs, m.style) };
+            add_alike(&gpu, &cpu, m, &gs, &cs, &addresses, &views, &order, twice, &comm);
+        }
+        let what = format!("grid {shards}x{} rank {g} window {w} {:?} {:?} adopt {}", rank.replicas, r.descs, r.config, r.adopt);
+        let got = gpu.sync_hybrid(&*comm, &*reps).unwrap();
+        let want = cpu.sync_hybrid(&*rank.shard_local, &*rank.replica_local).unwrap();
+        assert_eq!((got.found_inf, got.total_count, got.microbatches), (want.found_inf, want.total_count, want.microbatches), "{what}");
+        assert!(same_info(&got, &want) || !exact, "{what}: CUDA {got:?}, CPU {want:?}");
+        let (range, cpu_ptr) = cpu.shard();
+        assert_eq!(range, gpu.shard().0, "{what}");
+        let shard = read_shard(&gpu, &ctx, stream.stream);
+        // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
+        let cpu_shard = unsafe { std::slice::from_raw_parts(cpu_ptr, range.len()) };
+        for (k, (&s, &c)) in shard.iter().zip(cpu_shard).enumerate() {
+            assert!(close(s, c, exact), "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}", range.start + k);
+        }
+        infos.push(got);
+    }
+    infos
+}
+
+/// Hybrid boundaries on a `shards` × `replicas` grid of CUDA devices, under both sharded
+/// policies: every rank's shard and info are the CPU's, and every rank of the grid reports the
+/// same info.
+fn hybrid_rounds(shards: usize, replicas: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
+    let world = shards * replicas;
+    for round in 0..8 {
+        // Odd rounds accumulate sharded; round 0's layout (hundreds of tiny tensors) is an even
+        // round's, so the accumulation's rounds start at 1.
+        let accumulate = round % 2 == 1;
+        let r = if accumulate { accumulate_round(&mut rng, world, round) } else { random_round(&mut rng, world, round) };
+        let ranks = grid(shards, replicas);
+        within(Duration::from_secs(300), "a hybrid round", move || {
+            let r = &r;
+            let infos: Vec<Vec<SyncInfo>> = std::thread::scope(|s| {
+                let handles: Vec<_> = ranks.iter().map(|rank| s.spawn(move || run_hybrid_rank(r, rank, accumulate, exact))).collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (g, i) in infos.iter().enumerate() {
+                for (w, (a, b)) in i.iter().zip(&infos[0]).enumerate() {
+                    assert!(same_info(a, b), "round {round} window {w}: rank {g} reports {a:?}, rank 0 {b:?}");
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn hybrid_boundaries_match_the_cpu_at_two_devices() {
+    if device_count() < 2 {
+        return;
+    }
+    hybrid_rounds(1, 2, "hybrid_boundaries_match_the_cpu_at_two_devices (1x2)");
+    hybrid_rounds(2, 1, "hybrid_boundaries_match_the_cpu_at_two_devices (2x1)");
+}
+
+#[test]
+fn hybrid_boundaries_match_the_cpu_at_three_devices() {
+    at_devices(3, "hybrid_boundaries_match_the_cpu_at_three_devices", |test| {
+        hybrid_rounds(3, 1, &format!("{test} (3x1)"));
+        hybrid_rounds(1, 3, &format!("{test} (1x3)"));
+    });
+}
+
+#[test]
+fn hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid() {
+    at_devices(4, "hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid", |test| hybrid_rounds(2, 2, test));
+}
+
+/// A "replica group" whose ranks hold different shards (both ranks of a shard group, once more)
+/// fails the hybrid boundary on every rank with nothing reduced, under both policies; the
+/// windows stay whole and sync over the shard group afterwards.
+#[test]
+fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
+    if device_count() < 2 {
+        return;
+    }
+    within(Duration::from_secs(120), "a hybrid sync on a stray replica group", || {
+        for accumulate in [false, true] {
+            let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
+            std::thread::scope(|s| {
+                for rank in 0..2usize {
+                    let ids = &ids;
+                    s.spawn(move || {
+                        let ctx = Context::get(rank as i32).unwrap();
+                        let stream = OwnedStream::new(&ctx).unwrap();
+                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[0], rank, 2, rank as i32).unwrap());
+                        let stray: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[1], rank, 2, rank as i32).unwrap());
+                        comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                        stray.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                        let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
+                        let acc = if accumulate {
+                            let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
+                            Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap()
+                        } else {
+                            let config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank }, ..Default::default() };
+                            Accumulator::on(device, config, &tensors).unwrap()
+                        };
+                        let one = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000]).unwrap();
+                        acc.add(&one, &[grad.ptr()], 1).unwrap();
+                        let what = format!("rank {rank}, accumulate {accumulate}");
+                        let e = acc.sync_hybrid(&*comm, &*stray).unwrap_err();
+                        assert_eq!(e.kind, ErrorKind::SizeMismatch, "{what}: {e}");
+                        let info = acc.sync(Some(&*comm)).unwrap();
+                        assert_eq!((info.total_count, info.microbatches), (2, 2), "{what}");
+                        // (2 + 2) / 2 items everywhere.
+                        assert!(read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 2.0), "{what}");
+                    });
+                }
+            });
+        }
     });
 }

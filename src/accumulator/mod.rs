@@ -733,7 +733,8 @@ impl Accumulator {
     /// groups must call it. Counts, micro-batches and overflow are agreed over every rank of both
     /// (the world is their product); the norm is the whole gradient's, the same everywhere. The
     /// shard holds the sum over each shard group in rank order, summed over the replicas in
-    /// their rank order. Only a host communicator (in-process, MPI) can be a replica group.
+    /// their rank order. On CUDA both groups are NCCL communicators on the accumulator's device;
+    /// the first hybrid sync per pair of groups checks the grid's layouts (a host wait).
     pub fn sync_hybrid(&self, shard: &dyn Communicator, replicas: &dyn Communicator) -> Result<SyncInfo> {
         self.boundary(Some(shard), Some(replicas), true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
@@ -1100,14 +1101,11 @@ impl Accumulator {
         Device::require_same(("the communicator", comm.device()), ("the accumulator", self.device()))
     }
 
-    /// A hybrid boundary needs a sharded CPU accumulator (every rank of the group is alike, so
+    /// A hybrid boundary needs a sharded accumulator (every rank of the group is alike, so
     /// every rank refuses alike).
     fn check_replicas(&self, replicas: Option<&dyn Communicator>) -> Result<()> {
         if replicas.is_none() {
             return Ok(());
-        }
-        if self.device() != Device::Cpu {
-            return Err(Error::new(ErrorKind::BackendUnavailable, "a hybrid boundary (replica groups) is on the CPU only so far"));
         }
         if self.plan.config.sharding.shard().is_none() {
             return Err(Error::invalid(

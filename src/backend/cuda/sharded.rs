@@ -23,7 +23,7 @@ use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, D
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
-use super::store::{nccl, norm_and_clip, read_info, wait_for_collectives, NormSpan, CHUNK};
+use super::store::{check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, GridCheck, NormSpan, CHUNK};
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -102,6 +102,8 @@ pub(crate) struct ShardedDeviceStore {
     lost: AtomicBool,
     /// Communicators the layout was checked on.
     verified: Mutex<Vec<u64>>,
+    /// Shard and replica groups (0: none) a hybrid boundary's layout was checked on.
+    verified_grids: Mutex<Vec<(u64, u64)>>,
     /// Scalers' gathers read the boundary on their streams: the next boundary (and the free)
     /// waits for them.
     boundary_reads: Mutex<SharedReads>,
@@ -157,6 +159,7 @@ impl ShardedDeviceStore {
             first: AtomicBool::new(true),
             lost: AtomicBool::new(false),
             verified: Mutex::new(Vec::new()),
+            verified_grids: Mutex::new(Vec::new()),
             ctx,
             kernels,
             stream,
@@ -316,6 +319,31 @@ impl ShardedDeviceStore {
         Ok(())
     }
 
+    /// [`verify_layout`](Self::verify_layout) of a hybrid boundary, once per pair of groups:
+    /// the grid check ([`check_grid`]). After it, a rank whose call is invalid stops pairing on
+    /// both groups, whose peers wait in the boundary's collectives.
+    fn verify_grid(&self, comm: Option<&NcclComm>, replicas: &NcclComm, error: Option<&Error>) -> Result<()> {
+        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
+        let pair = (comm.map_or(0, NcclComm::id), replicas.id());
+        if verified.contains(&pair) {
+            return match error {
+                Some(e) => {
+                    drop(verified);
+                    if self.drain().is_err() {
+                        self.lost.store(true, Ordering::Relaxed);
+                    }
+                    comm.into_iter().chain([replicas]).for_each(stop_pairing);
+                    Err(e.clone())
+                }
+                None => Ok(()),
+            };
+        }
+        let me = GridCheck { numel: self.plan.layout.len() as u64, fingerprint: self.plan.fingerprint() ^ AT_BOUNDARY, shard: self.rank, error };
+        check_grid(&self.ctx, self.stream, &self.layout_check, comm, replicas, me)?;
+        verified.push(pair);
+        Ok(())
+    }
+
     /// Host reads wait for the stream, which a reduce-scatter that a peer never joined would hold
     /// forever: the wait is the communicator's (its timeout aborts it, and the stream drains).
     /// After an abort the stream drains by itself.
@@ -337,6 +365,18 @@ impl ShardedDeviceStore {
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm {
             c.allreduce_u64(boundary, 3, false, self.stream)?;
+        }
+        // A hybrid boundary: the counts and the shard (the shard group's sum) are summed over the
+        // replicas (FP32 sums, as on the CPU) before the norm.
+        if let Some(r) = p.replicas.map(nccl).transpose()? {
+            // Every replica holds the same shard: an empty one is skipped by all of them.
+            r.group(|| {
+                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                if self.own.is_empty() {
+                    return Ok(());
+                }
+                r.allreduce_sum_f32(self.shard.ptr(), self.own.len(), self.stream)
+            })?;
         }
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
         // only the trailing shards are short): every rank folds the same sums in the same order.
@@ -431,12 +471,14 @@ impl Store for ShardedDeviceStore {
 
     /// The counts stay on the device, where the boundary sums them; alone, the host knows them.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
-        let comm = p.comm.map(nccl).transpose()?;
-        match comm {
-            Some(c) => self.verify_layout(c, AT_BOUNDARY, p.error.as_ref())?,
-            None => p.error.clone().map_or(Ok(()), Err)?,
+        let (comm, replicas) = (p.comm.map(nccl).transpose()?, p.replicas.map(nccl).transpose()?);
+        match (comm, replicas) {
+            (c, Some(r)) => self.verify_grid(c, r, p.error.as_ref())?,
+            (Some(c), None) => self.verify_layout(c, AT_BOUNDARY, p.error.as_ref())?,
+            (None, None) => p.error.clone().map_or(Ok(()), Err)?,
         }
-        let world = comm.map_or(1, |c| c.world_size()) as u64;
+        // A hybrid boundary's world is the grid: counts are agreed over every rank of it.
+        let world = (comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size())) as u64;
         let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
         Ok(Agreed { world, totals })
     }
@@ -454,15 +496,11 @@ impl Store for ShardedDeviceStore {
         if !read {
             return Ok(None);
         }
-        let comm = p.comm.map(nccl).transpose()?;
-        if let Some(c) = comm {
-            wait_for_collectives(&self.ctx, self.stream, c)?;
-        }
+        let groups: Vec<&NcclComm> = p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
+        wait_for_groups(&self.ctx, self.stream, &groups)?;
         let info = read_info(&self.boundary)?;
         // An abort (or a peer's failure) ends the collectives without reducing.
-        if let Some(c) = comm {
-            c.health()?;
-        }
+        groups.iter().try_for_each(|c| c.health())?;
         info.map(Some)
             .ok_or_else(|| Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0"))
     }

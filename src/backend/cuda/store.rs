@@ -118,6 +118,8 @@ pub(crate) struct DeviceStore {
     sharded: Option<Sharded>,
     /// Communicators this accumulator's layout was verified against.
     verified: Mutex<Vec<u64>>,
+    /// Pairs of shard and replica groups a hybrid boundary's layout was verified against.
+    verified_grids: Mutex<Vec<(u64, u64)>>,
     /// The final micro-batch's early reductions, from `begin_final` to the boundary.
     overlap: Mutex<Option<Overlap>>,
     comm_stream: OnceLock<OwnedStream>,
@@ -162,13 +164,27 @@ pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
 /// reports a peer's failure. A timeout aborts the communicator (its kernels then end, and the
 /// stream drains) and fails with TIMEOUT.
 pub(super) fn wait_for_collectives(ctx: &Context, stream: CUstream, comm: &NcclComm) -> Result<()> {
-    let result = wait_until_done(ctx, stream, comm.timeout(), || comm.health());
+    wait_for_groups(ctx, stream, &[comm])
+}
+
+/// [`wait_for_collectives`] for a stream with collectives on several communicators (a hybrid
+/// boundary's shard and replica groups): up to the shortest timeout, failing early on any
+/// group's failure. A timeout aborts every group: the stream may wait in any of them.
+pub(super) fn wait_for_groups(ctx: &Context, stream: CUstream, groups: &[&NcclComm]) -> Result<()> {
+    let timeout = groups.iter().filter_map(|c| c.timeout()).min();
+    let result = wait_until_done(ctx, stream, timeout, || groups.iter().try_for_each(|c| c.health()));
     if let Err(e) = &result {
         if e.kind == ErrorKind::Timeout {
             let what = format!("the boundary's collectives: {}; a rank failed or never arrived", e.message);
             // Only an abort ends NCCL's kernels; without one the stream would never drain.
-            if let Err(refused) = comm.abort() {
-                comm.mark_failed();
+            let mut refused = None;
+            for c in groups {
+                if let Err(e) = c.abort() {
+                    c.mark_failed();
+                    refused.get_or_insert(e);
+                }
+            }
+            if let Some(refused) = refused {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!("{what}, and the communicator could not be aborted ({}): abort it, then the stream drains", refused.message),
@@ -179,6 +195,69 @@ pub(super) fn wait_for_collectives(ctx: &Context, stream: CUstream, comm: &NcclC
         }
     }
     result
+}
+
+/// Tags the layout check of a hybrid boundary: ranks checking a plain boundary never agree with it.
+const HYBRID: u64 = 0x2545_f491_4f6c_dd1d;
+
+/// What the grid check of a hybrid boundary compares: this rank's layout (element count and
+/// fingerprint), its shard and whether its call is invalid.
+pub(super) struct GridCheck<'a> {
+    pub numel: u64,
+    pub fingerprint: u64,
+    pub shard: usize,
+    pub error: Option<&'a Error>,
+}
+
+/// The layout check of a hybrid boundary, once per pair of groups (it waits), as the CPU's
+/// control step runs it: every rank of the shard group compares its layout, with the replica
+/// group's size mixed in (the grid is the same shape everywhere), then every replica compares
+/// the shard group's result tagged with the shard it holds (the replicas of a shard hold the same
+/// shard). A shard group that already differs stays different whatever the tags. Both exchanges
+/// run even when the first fails (with the error flag), so no replica waits for a rank that
+/// gave up; every rank of the grid fails alike. `words` holds LAYOUT_WORDS u64 of the stream's
+/// context.
+pub(super) fn check_grid(
+    ctx: &Context,
+    stream: CUstream,
+    words: &DeviceBuffer,
+    comm: Option<&NcclComm>,
+    replicas: &NcclComm,
+    me: GridCheck<'_>,
+) -> Result<()> {
+    let size = (replicas.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    let (numel, hash) = (me.numel, me.fingerprint ^ size ^ HYBRID);
+    let exchange = |c: &NcclComm, mine: [u64; LAYOUT_WORDS]| -> Result<[u64; LAYOUT_WORDS]> {
+        words.write(&mine)?;
+        c.allreduce_u64(words.ptr(), LAYOUT_WORDS, true, stream)?;
+        wait_for_collectives(ctx, stream, c)?;
+        let mut max = [0u64; LAYOUT_WORDS];
+        words.read(&mut max)?;
+        c.health()?;
+        Ok(max)
+    };
+    let mine = [numel, hash, !numel, !hash, me.error.is_some() as u64];
+    // A shard group of one (a sharded accumulation created without a communicator) has no
+    // exchange of its own.
+    let group = comm.map_or(Ok(mine), |c| exchange(c, mine));
+    let tag = (me.shard as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let tagged = match &group {
+        Ok(max) if max[1] == !max[3] => [max[0], max[1] ^ tag, max[2], !(max[1] ^ tag), max[4]],
+        Ok(max) => [max[0], u64::MAX, max[2], u64::MAX, max[4]],
+        Err(_) => [numel, hash, !numel, !hash, 1],
+    };
+    let grid = exchange(replicas, tagged);
+    if let Some(e) = me.error {
+        return Err(e.clone());
+    }
+    let max = group.and(grid)?;
+    if max[4] != 0 {
+        return Err(Error::new(ErrorKind::PeerFailure, "another rank's call was invalid; no rank reduced"));
+    }
+    if max[0] != !max[2] || max[1] != !max[3] {
+        return Err(ranks_differ(!max[2], max[0]));
+    }
+    Ok(())
 }
 
 /// What the boundary's norm pass runs over: `n` elements at `data`, starting at block
@@ -307,6 +386,7 @@ impl DeviceStore {
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
             master,
             verified: Mutex::new(Vec::new()),
+            verified_grids: Mutex::new(Vec::new()),
             overlap: Mutex::new(None),
             comm_stream: OnceLock::new(),
             ctx,
@@ -381,6 +461,20 @@ impl DeviceStore {
                 }
             })?;
         }
+        // A hybrid boundary: the counts, and the shard the shard group just reduced, are summed
+        // over the replicas (FP32 sums, as on the CPU) before the norm.
+        if let Some(r) = p.replicas.map(nccl).transpose()? {
+            let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
+            // Every replica holds the same shard: an empty one is skipped by all of them (its
+            // address may be one past a caller's master).
+            r.group(|| {
+                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                if own.is_empty() {
+                    return Ok(());
+                }
+                r.allreduce_sum_f32(self.master_at(own.start), own.len(), self.stream)
+            })?;
+        }
         self.finish_boundary(world, comm)
     }
 
@@ -430,6 +524,26 @@ impl DeviceStore {
 
     fn wait_for_collectives(&self, comm: &NcclComm) -> Result<()> {
         wait_for_collectives(&self.ctx, self.stream, comm)
+    }
+
+    /// Once per pair of groups: the layout check of a hybrid boundary over the shard group and
+    /// the replicas ([`check_grid`]); a shard that does not fit the shard group fails it.
+    fn verify_grid(&self, comm: &NcclComm, replicas: &NcclComm, error: Option<&Error>) -> Result<()> {
+        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
+        let pair = (comm.id(), replicas.id());
+        if verified.contains(&pair) {
+            return error.map_or(Ok(()), |e| Err(e.clone()));
+        }
+        let misfit = self.shard_misfit(comm);
+        let me = GridCheck {
+            numel: self.plan.layout.len() as u64,
+            fingerprint: self.plan.fingerprint(),
+            shard: self.sharded.as_ref().map_or(0, |s| s.rank),
+            error: error.or(misfit.as_ref()),
+        };
+        check_grid(&self.ctx, self.stream, &self.layout_check, Some(comm), replicas, me)?;
+        verified.push(pair);
+        Ok(())
     }
 
     fn comm_stream(&self) -> Result<&OwnedStream> {
@@ -588,12 +702,16 @@ impl Store for DeviceStore {
     /// program, until the communicator is aborted. The counts stay on the device, where the
     /// boundary reduces them with the buckets; alone, the host knows them already.
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        let replicas = p.replicas.map(nccl).transpose()?;
         if let Some(e) = &p.error {
             // A shard that does not fit the communicator fails the layout check, the one exchange
             // every rank runs before the boundary's collectives: this rank takes part, so the
             // others fail with it instead of waiting for its collectives.
             if let Some(c) = p.comm.and_then(|c| nccl(c).ok()).filter(|c| self.shard_misfit(c).is_some()) {
-                let _ = self.verify_layout(c);
+                let _ = match replicas {
+                    Some(r) => self.verify_grid(c, r, Some(e)),
+                    None => self.verify_layout(c),
+                };
             }
             return Err(e.clone());
         }
@@ -608,10 +726,13 @@ impl Store for DeviceStore {
                 _ => {}
             }
         }
-        if let Some(c) = comm {
-            self.verify_layout(c)?;
+        match (comm, replicas) {
+            (Some(c), Some(r)) => self.verify_grid(c, r, None)?,
+            (Some(c), None) => self.verify_layout(c)?,
+            _ => {}
         }
-        let world = comm.map_or(1, |c| c.world_size()) as u64;
+        // A hybrid boundary's world is the grid: counts are agreed over every rank of it.
+        let world = (comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size())) as u64;
         let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
         Ok(Agreed { world, totals })
     }
@@ -621,15 +742,12 @@ impl Store for DeviceStore {
         if !read {
             return Ok(None);
         }
-        if let Some(c) = p.comm {
-            self.wait_for_collectives(nccl(c)?)?;
-        }
+        let groups: Vec<&NcclComm> = p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
+        wait_for_groups(&self.ctx, self.stream, &groups)?;
         let info = self.read_info()?;
         // An abort (or a peer's failure) ends the collectives the read waited for without
         // reducing: the values read are not the boundary's.
-        if let Some(c) = p.comm {
-            nccl(c)?.health()?;
-        }
+        groups.iter().try_for_each(|c| c.health())?;
         match info {
             Some(info) => Ok(Some(info)),
             None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
