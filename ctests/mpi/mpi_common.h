@@ -23,6 +23,29 @@ static inline gradacc_comm_t *comm_of(MPI_Comm comm)
     return c;
 }
 
+/* On Linux, checks that this process maps a gradacc shared-memory object (its name removed once
+ * every rank mapped it) exactly when the test asked for shared memory: a group on one host that
+ * fell back to MPI messages would otherwise test the messages path twice. */
+static inline void check_transport(void)
+{
+#ifdef __linux__
+    const char *want = getenv("GRADACC_TEST_MPI_SHARED_MEMORY");
+    FILE *maps = fopen("/proc/self/maps", "r");
+    if (!want || !maps) {
+        if (maps)
+            fclose(maps);
+        return;
+    }
+    char line[512];
+    int mapped = 0;
+    while (fgets(line, sizeof line, maps))
+        mapped |= strstr(line, "/dev/shm/gradacc-") != NULL;
+    fclose(maps);
+    CHECK(mapped == (atoi(want) != 0), "shared memory %s, but a gradacc object is %smapped", want,
+          mapped ? "" : "not ");
+#endif
+}
+
 /* FNV-1a over the bits of `n` floats. */
 static inline uint64_t bits_hash(const float *p, size_t n)
 {

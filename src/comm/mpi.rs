@@ -382,7 +382,11 @@ impl MpiComm {
         }
         // SAFETY: `name` is 64 writable bytes on every rank, the count given; rank 0 is the root
         // of a blocking broadcast on the communicator's own duplicate, which every rank calls here.
-        check(unsafe { ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm) }, "MPI_Bcast (shared memory)")?;
+        let sent = check(unsafe { ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm) }, "MPI_Bcast (shared memory)");
+        if sent.is_err() && created.is_some() {
+            posix::unlink(&fresh);
+        }
+        sent?;
         let name = String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)]).into_owned();
         let mapping = match created {
             Some(m) => Some(m),
