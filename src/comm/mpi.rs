@@ -636,13 +636,6 @@ fn zeroed(v: &mut Vec<c_int>, world: usize) {
     v.resize(world, 0);
 }
 
-/// Grows `v` to at least `n` values, keeping its memory.
-fn at_least(v: &mut Vec<f32>, n: usize) {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-}
-
 impl ShareTransport for Shares<'_> {
     fn rank(&self) -> usize {
         self.comm.rank
@@ -653,8 +646,7 @@ impl ShareTransport for Shares<'_> {
     }
 
     fn outbox(&mut self, _k: usize, words: usize) -> &mut [u16] {
-        at_least(&mut self.work.stage, words.div_ceil(2));
-        shares::words_mut(&mut self.work.stage)
+        shares::words_mut(shares::skewed(&mut self.work.stage, words.div_ceil(2)))
     }
 
     fn exchange(&mut self, step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
@@ -662,7 +654,7 @@ impl ShareTransport for Shares<'_> {
         let own = packed[rank].len();
         // One slot of `own` words per rank but this one, in rank order.
         self.slots = (0..world).map(|q| (q - usize::from(q > rank)) * own).map(|at| at..at + own).collect();
-        at_least(&mut self.work.scratch, ((world - 1) * own).div_ceil(2));
+        let scratch = shares::words_mut(shares::skewed(&mut self.work.scratch, ((world - 1) * own).div_ceil(2)));
         let c = &mut *self.counts;
         for v in [&mut c.send, &mut c.send_at, &mut c.recv, &mut c.recv_at] {
             zeroed(v, world);
@@ -673,7 +665,7 @@ impl ShareTransport for Shares<'_> {
             c.recv[q] = count(own, "a share")?;
             c.recv_at[q] = count(self.slots[q].start, "a share's offset")?;
         }
-        let (stage, scratch) = (shares::words(&self.work.stage), shares::words_mut(&mut self.work.scratch));
+        let stage = shares::words(shares::skewed_ref(&self.work.stage));
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: the reduction sized the outbox (the stage) to hold every range of `packed`, and
@@ -700,7 +692,7 @@ impl ShareTransport for Shares<'_> {
     }
 
     fn incoming(&self, q: usize) -> &[u16] {
-        &shares::words(&self.work.scratch)[self.slots[q].clone()]
+        &shares::words(shares::skewed_ref(&self.work.scratch))[self.slots[q].clone()]
     }
 
     fn gather(&mut self, step: Step, _k: usize, packed: &[Range<usize>]) -> Result<()> {
@@ -712,7 +704,7 @@ impl ShareTransport for Shares<'_> {
             c.recv_at.push(count(s.start, "a share's offset")?);
         }
         self.packed = packed.to_vec();
-        let stage = &mut self.work.stage;
+        let stage = shares::skewed(&mut self.work.stage, packed.last().map_or(0, |p| p.end));
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: the reduction sized the stage to hold every range of `packed`, one per rank
@@ -738,7 +730,7 @@ impl ShareTransport for Shares<'_> {
     }
 
     fn finished(&self, q: usize) -> &[f32] {
-        &self.work.stage[self.packed[q].clone()]
+        &shares::skewed_ref(&self.work.stage)[self.packed[q].clone()]
     }
 
     fn gather_values(&mut self, mine: &[f64], counts: &[usize]) -> Result<&[f64]> {

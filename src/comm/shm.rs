@@ -23,24 +23,13 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::shares::{self, ShareTransport, Step, SHARE_NUMEL};
+use super::shares::{self, ShareTransport, Step, PAGE, SHARE_NUMEL, SKEW};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
 
 /// One cache line and its neighbour (the adjacent-line prefetcher pairs them): the abort word and
 /// each rank's counter get their own, so a rank polling one never slows the rank raising another.
 const LINE: usize = 128;
-
-/// Outboxes start on page boundaries.
-const PAGE: usize = 4096;
-
-/// Where an outbox starts within its first page. Copies between an outbox and the caller's
-/// buffer run at half speed when the two addresses agree in their low 12 bits, or nearly (a load
-/// waits for an unrelated store that looks like the same address: "4K aliasing"); the caller's
-/// buffers usually start a few bytes past a page boundary (malloc's header) or on one, so
-/// outboxes start half a page past one. Measured at 2 processes, 16M elements: the sync took
-/// 1.4-2x as long with page-aligned outboxes as with these.
-const SKEW: usize = PAGE / 2;
 
 /// At most this many bytes of outboxes for a whole group (two per rank): pieces shrink with the
 /// square of the group's size to stay within it, down to one block of the norm; a larger group
@@ -229,9 +218,9 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
     /// Rank `q`'s outbox of the current step, as words.
     fn theirs(&self, q: usize) -> &[u16] {
         // SAFETY: the outbox lies inside the region (see `Region::outbox`), `outbox_words` long,
-        // 4-byte aligned (SKEW past a page boundary); rank q wrote it before the barrier this rank passed and
-        // writes it again only after every rank passed a later barrier (the module's protocol),
-        // so nothing writes it while this borrow of `self` lasts.
+        // 4-byte aligned (SKEW past a page boundary); rank q wrote it before the barrier this rank
+        // passed and writes it again only after every rank passed a later barrier (the module's
+        // protocol), so nothing writes it while this borrow of `self` lasts.
         unsafe { std::slice::from_raw_parts(self.region.outbox(q, self.parity), self.region.outbox_words()) }
     }
 }
