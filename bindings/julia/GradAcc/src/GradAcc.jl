@@ -293,7 +293,9 @@ end
 
 This process's rank of an MPI communicator, collectively on every rank: MPI_COMM_WORLD by
 default, else the communicator whose *Fortran* handle is `fortran_comm` (`MPI_Comm_c2f`). With
-MPI.jl loaded, pass an `MPI.Comm` directly: `GradAcc.mpi_communicator(MPI.COMM_WORLD)`. Close it
+MPI.jl loaded, pass an `MPI.Comm` directly: `GradAcc.mpi_communicator(MPI.COMM_WORLD)`. Keywords
+set fields of `gradacc_mpi_config_t`: `shared_memory=0` sends the boundary's data as MPI messages
+even when every rank is on one host (by default it goes through shared memory there). Close it
 explicitly on every rank, before `MPI.Finalize()`.
 """
 function mpi_communicator(fortran_comm::Integer=GRADACC_MPI_COMM_WORLD; kw...)
