@@ -849,7 +849,8 @@ impl Communicator for MpiComm {
     }
 
     /// Sets the flag a wait in progress polls (it then fails with COMM_FAILURE) and every later
-    /// collective checks. MPI is not called, nor aborted: the other ranks are not told, and time
+    /// collective checks. MPI is not called, nor aborted: the other ranks learn of it only at a
+    /// barrier in shared memory (whose abort word this raises); in an MPI collective they time
     /// out unless they abort too.
     fn abort(&self) -> Result<()> {
         self.set_aborted(String::new());
