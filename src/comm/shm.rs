@@ -40,6 +40,9 @@ const BUDGET: usize = 32 << 20;
 const SPINS: u32 = 64;
 /// How long a barrier spins before it yields the core between polls: giving the core away at
 /// once would let other work take it for a whole time slice while the peers are microseconds away.
+/// Only when the group has a core per rank: with more ranks than cores, the rank a barrier waits
+/// for may be the one that needs this core, so it yields at once (4 processes on 2 cores, sharded
+/// accumulation at 16M: 1.31x add plus MPI's reduce-scatter spinning, 0.66x yielding).
 const SPIN_FOR: Duration = Duration::from_micros(200);
 /// How long a barrier yields the core between polls before it sleeps between them.
 const YIELD_FOR: Duration = Duration::from_millis(2);
@@ -61,6 +64,8 @@ pub(crate) struct Region {
     base: *mut u8,
     world: usize,
     piece: usize,
+    /// [`SPIN_FOR`], or nothing when the group has more ranks than this process has cores.
+    spin_for: Duration,
 }
 
 // SAFETY: the region is plain memory that every rank's process maps; within a process the
@@ -97,7 +102,9 @@ impl Region {
     /// `piece`, each rank through one region at a time.
     pub(crate) unsafe fn new(base: *mut u8, world: usize, piece: usize) -> Region {
         assert!(base.cast::<AtomicU64>().is_aligned() && world > 0 && piece > 0);
-        Region { base, world, piece }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin_for = if world <= cores { SPIN_FOR } else { Duration::ZERO };
+        Region { base, world, piece, spin_for }
     }
 
     fn word(&self, line: usize) -> &AtomicU64 {
@@ -204,7 +211,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
                     ),
                 );
             }
-            if waited < SPIN_FOR {
+            if waited < region.spin_for {
                 std::hint::spin_loop();
             } else if waited < YIELD_FOR {
                 std::thread::yield_now();
