@@ -1018,12 +1018,11 @@ fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
     at_three_ranks("sharded_accumulation_matches_the_cpu_at_three_ranks", accumulate_rounds);
 }
 
-/// What a sharded CUDA accumulation refuses: tensor-by-tensor micro-batches (on every rank, so
-/// none waits), a BF16 wire, a host communicator, an NCCL communicator on another device, and a
-/// hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
+/// What a sharded CUDA accumulation refuses: a BF16 wire, a host communicator, an NCCL
+/// communicator on another device, and a hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
 /// reads the boundary's overflow flag.
 #[test]
-fn sharded_accumulation_on_cuda_refuses_hooks_on_every_rank() {
+fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
     if device_count() < 2 {
         return;
     }
@@ -1051,10 +1050,6 @@ fn sharded_accumulation_on_cuda_refuses_hooks_on_every_rank() {
 
                     let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
                     let scaler = Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
-                    let e = acc.begin_microbatch(1).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_microbatch: {e}");
-                    let e = acc.begin_final_microbatch(1, comm.clone()).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "rank {rank}: begin_final_microbatch: {e}");
                     // The shard group as its own replica group: its ranks hold different shards.
                     let e = acc.sync_hybrid(&*comm, &*comm).unwrap_err();
                     assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: a hybrid boundary over one group: {e}");
@@ -1436,5 +1431,291 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                 }
             });
         }
+    });
+}
+
+/// The order a rank's hooks deliver its tensors in one micro-batch: the backward's, the
+/// forward's or shuffled, with some tensors left out (they contribute zeros).
+fn hook_order(rng: &mut Rng, n: usize, kind: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = match kind {
+        0 => (0..n).rev().collect(),
+        1 => (0..n).collect(),
+        _ => {
+            let mut v: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                v.swap(i, rng.range(0, i as u64) as usize);
+            }
+            v
+        }
+    };
+    if n > 1 {
+        order.retain(|_| rng.range(0, 4) != 0);
+    }
+    order
+}
+
+/// One rank of a round of hooks under sharded accumulation: a CUDA accumulation fed tensor by
+/// tensor in each rank's `orders`, a second fed the same micro-batches whole through `add` (an
+/// absent tensor as a zero gradient), and a CPU accumulation fed the same hooks. Every boundary's
+/// shard and info must be the same bits on all three (CPU: where NCCL sums in rank order).
+fn run_hooks_rank(
+    r: &ShardRound,
+    orders: &[Vec<Vec<usize>>],
+    rank: usize,
+    world: usize,
+    ids: [[u8; nccl::UNIQUE_ID_BYTES]; 2],
+    lc: Arc<dyn Communicator>,
+    exact: bool,
+) {
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let comms: Vec<Arc<dyn Communicator>> = ids
+        .iter()
+        .map(|id| {
+            let c: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+            c.set_timeout(Some(Duration::from_secs(30))).unwrap();
+            c
+        })
+        .collect();
+    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
+    let hooks = Accumulator::sharded_on(device, config, &r.descs, comms[0].clone()).unwrap();
+    let whole = Accumulator::sharded_on(device, config, &r.descs, comms[1].clone()).unwrap();
+    let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
+    for (w, window) in r.windows.iter().enumerate() {
+        for (m, micro) in window[rank].iter().enumerate() {
+            let order = &orders[w][m];
+            let gs = Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> = micro.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + m) % 3)).collect();
+            let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
+            let views: Vec<Grad<'_>> = micro.grads.iter().map(HostGrad::view).collect();
+            let zeros: Vec<DeviceBuffer> = r.descs.iter().map(|d| DeviceBuffer::zeroed(&ctx, stream.stream, d.numel * 4).unwrap()).collect();
+            let present: Vec<u64> = (0..r.descs.len()).map(|i| if order.contains(&i) { addresses[i] } else { zeros[i].ptr() }).collect();
+            whole.add(&gs, &present, micro.count).unwrap();
+            // One accumulation after the other: each rank's issue of an NCCL reduction waits for
+            // its peers to issue it, and the CPU's for its peers to reach it.
+            hooks.begin_microbatch(micro.count).unwrap();
+            for &i in order {
+                hooks.add_tensor(&gs, i, addresses[i]).unwrap();
+            }
+            hooks.end_microbatch().unwrap();
+            cpu.begin_microbatch(micro.count).unwrap();
+            for &i in order {
+                cpu.add_tensor(&cs, i, views[i]).unwrap();
+            }
+            cpu.end_microbatch().unwrap();
+        }
+        let what = format!("rank {rank} window {w} {:?} {:?} orders {:?}", r.descs, r.config, orders[w]);
+        let by_hooks = hooks.sync(None).unwrap();
+        let by_add = whole.sync(None).unwrap();
+        let on_cpu = cpu.sync(None).unwrap();
+        assert!(same_info(&by_hooks, &by_add), "{what}: hooks {by_hooks:?}, add {by_add:?}");
+        assert_eq!(
+            (by_hooks.found_inf, by_hooks.total_count, by_hooks.microbatches),
+            (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches),
+            "{what}"
+        );
+        assert!(same_info(&by_hooks, &on_cpu) || !exact, "{what}: CUDA {by_hooks:?}, CPU {on_cpu:?}");
+        let (a, b) = (read_shard(&hooks, &ctx, stream.stream), read_shard(&whole, &ctx, stream.stream));
+        let (range, cpu_ptr) = cpu.shard();
+        // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
+        let cpu_shard = unsafe { std::slice::from_raw_parts(cpu_ptr, range.len()) };
+        for (k, ((&h, &w), &c)) in a.iter().zip(&b).zip(cpu_shard).enumerate() {
+            assert!(close(h, w, true), "{what}: shard element {k}: hooks {h:e}, add {w:e}");
+            assert!(close(h, c, exact), "{what}: shard element {k} (master {}): {h:e}, the CPU has {c:e}", range.start + k);
+        }
+    }
+}
+
+/// Hooks under sharded accumulation on CUDA at `world` ranks, round after round (see
+/// [`run_hooks_rank`]): random layouts, dtypes, normalisations, clipping and overflow; buckets
+/// of one tensor and of many; tensors in the backward's, the forward's and shuffled orders, each
+/// rank its own, some left out.
+fn hooks_rounds(world: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
+    for round in 0..10 {
+        let mut r = accumulate_round(&mut rng, world, round);
+        if round == 0 {
+            // Fewer of the tiny tensors (each add_tensor is a launch), still over several buckets.
+            r.descs.truncate(60);
+            r.config.bucket_numel = 300;
+            for window in r.windows.iter_mut().flatten().flatten() {
+                window.grads.truncate(60);
+            }
+        }
+        let orders: Vec<Vec<Vec<Vec<usize>>>> = (0..world)
+            .map(|_| {
+                r.windows
+                    .iter()
+                    .enumerate()
+                    .map(|(w, window)| (0..window[0].len()).map(|m| hook_order(&mut rng, r.descs.len(), round + w + m)).collect())
+                    .collect()
+            })
+            .collect();
+        let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        within(Duration::from_secs(300), "a round of hooks", move || {
+            let (r, orders) = (&r, &orders);
+            std::thread::scope(|s| {
+                for (rank, lc) in locals.into_iter().enumerate() {
+                    s.spawn(move || run_hooks_rank(r, &orders[rank], rank, world, ids, lc, exact));
+                }
+            });
+        });
+    }
+}
+
+#[test]
+fn sharded_hooks_on_cuda_match_add_and_the_cpu_at_two_ranks() {
+    if device_count() < 2 {
+        return;
+    }
+    hooks_rounds(2, "sharded_hooks_on_cuda_match_add_and_the_cpu_at_two_ranks");
+}
+
+#[test]
+fn sharded_hooks_on_cuda_match_add_and_the_cpu_at_three_ranks() {
+    at_three_ranks("sharded_hooks_on_cuda_match_add_and_the_cpu_at_three_ranks", hooks_rounds);
+}
+
+/// Hooks under sharded accumulation on CUDA: a first micro-batch that one rank adds whole and the
+/// other tensor by tensor fails on both; a refused add_tensor on one rank (a second contribution,
+/// then a gradient of the wrong length) fails the micro-batch on every rank at end_microbatch and
+/// discards both windows, and the ranks then accumulate together again; a sum that overflows is
+/// caught.
+#[test]
+fn sharded_hooks_on_cuda_fail_every_rank_together() {
+    if device_count() < 2 {
+        return;
+    }
+    within(Duration::from_secs(120), "refused hooks", || {
+        let id = nccl::unique_id().unwrap();
+        // Four tensors of two buckets each.
+        let tensors = [TensorDesc { numel: 3000, dtype: Dtype::F32 }; 4];
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 6000, ..Default::default() };
+                    let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    assert_eq!(acc.buckets().len(), 2);
+                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32 + rank as f32; 3000]).unwrap();
+                    let grads = [grad.ptr(); 4];
+
+                    // The first micro-batch: whole on rank 0, by hooks on rank 1.
+                    let e = if rank == 0 { acc.add(&scaler, &grads, 1).unwrap_err() } else { acc.begin_microbatch(1).unwrap_err() };
+                    assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: add and hooks at the first micro-batch: {e}");
+
+                    for (case, want) in [(0, [ErrorKind::PeerFailure, ErrorKind::WrongState]), (1, [ErrorKind::PeerFailure, ErrorKind::SizeMismatch])]
+                    {
+                        acc.add(&scaler, &grads, 1).unwrap();
+                        acc.begin_microbatch(1).unwrap();
+                        for i in (0..4).rev() {
+                            acc.add_tensor(&scaler, i, grad.ptr()).unwrap();
+                            if rank == 1 && i == 2 {
+                                let e = if case == 0 {
+                                    acc.add_tensor(&scaler, 2, grad.ptr()).unwrap_err()
+                                } else {
+                                    // SAFETY: a device address; the call refuses its length first.
+                                    unsafe { acc.add_tensor_raw(&scaler, 1, grad.ptr() as *const _, 2999) }.unwrap_err()
+                                };
+                                assert_eq!(e.kind, want[1], "case {case}: the refused add_tensor: {e}");
+                            }
+                        }
+                        let e = acc.end_microbatch().unwrap_err();
+                        let kind = if rank == 1 { ErrorKind::WrongState } else { want[0] };
+                        assert_eq!(e.kind, kind, "case {case} rank {rank}: end_microbatch: {e}");
+                        assert!(e.message.ends_with("(the window was discarded)"), "case {case} rank {rank}: {e}");
+                        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "case {case} rank {rank}: the window was discarded");
+                    }
+
+                    // Together again.
+                    acc.begin_microbatch(1).unwrap();
+                    for i in (0..4).rev() {
+                        acc.add_tensor(&scaler, i, grad.ptr()).unwrap();
+                    }
+                    acc.end_microbatch().unwrap();
+                    let info = acc.sync(None).unwrap();
+                    assert_eq!((info.found_inf, info.total_count, info.microbatches), (false, 2, 2), "rank {rank}");
+                    // (1 + 2) / 2 items.
+                    assert!(read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 1.5), "rank {rank}");
+
+                    // Finite gradients whose sum overflows: caught where the owner adds it into
+                    // its shard, on the communication stream.
+                    let big = DeviceBuffer::from_slice(&ctx, stream.stream, &[3e38f32; 3000]).unwrap();
+                    acc.begin_microbatch(1).unwrap();
+                    for i in (0..4).rev() {
+                        acc.add_tensor(&scaler, i, big.ptr()).unwrap();
+                    }
+                    acc.end_microbatch().unwrap();
+                    assert!(acc.sync(None).unwrap().found_inf, "rank {rank}: an overflowing sum");
+                });
+            }
+        });
+    });
+}
+
+/// The reductions of a micro-batch added by hooks are enqueued without a host wait: on the
+/// software GPU with every stream operation delayed (up to 200 ms, in a child process), the
+/// add_tensor calls of eight one-tensor buckets return long before the device has run them, and
+/// only end_microbatch waits for them.
+#[test]
+fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
+    const TEST: &str = "sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket";
+    if device_count() < 2 {
+        return;
+    }
+    let slow = std::env::var("SIMGPU_DELAY_US").ok().and_then(|v| v.parse::<u64>().ok()).is_some_and(|us| us >= 100_000);
+    if std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1") && !slow {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+            .env("SIMGPU_DELAY_US", "200000")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "the run with slow streams failed:\n{text}");
+        return;
+    }
+    within(Duration::from_secs(300), "hooks on slow streams", || {
+        let id = nccl::unique_id().unwrap();
+        let tensors = [TensorDesc { numel: 1000, dtype: Dtype::F16 }; 8];
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(120))).unwrap();
+                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 1000, ..Default::default() };
+                    let acc = Accumulator::sharded_on(device, config, &tensors, comm).unwrap();
+                    assert_eq!(acc.buckets().len(), 8);
+                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    // 1.0 in f16.
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0x3c00u16; 1000]).unwrap();
+                    acc.begin_microbatch(1).unwrap();
+                    let start = Instant::now();
+                    for i in (0..8).rev() {
+                        acc.add_tensor(&scaler, i, grad.ptr()).unwrap();
+                    }
+                    let issued = start.elapsed();
+                    acc.end_microbatch().unwrap();
+                    let done = start.elapsed();
+                    assert!(
+                        issued < Duration::from_millis(1000) && issued * 2 < done,
+                        "rank {rank}: the add_tensor calls took {issued:?}, the micro-batch {done:?}: a host wait per bucket"
+                    );
+                    let info = acc.sync(None).unwrap();
+                    assert_eq!((info.total_count, info.microbatches), (2, 2), "rank {rank}");
+                });
+            }
+        });
     });
 }

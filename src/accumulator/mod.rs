@@ -400,10 +400,12 @@ impl Accumulator {
 
     /// [`Accumulator::sharded`] on `device`: on CUDA, `comm` is an NCCL communicator on the same
     /// device, the shard and one stripe of staging are device memory, and every micro-batch is
-    /// reduce-scattered on the device's stream. On CUDA, micro-batches are whole (`add`);
-    /// `begin_microbatch` is BACKEND_UNAVAILABLE so far. The ranks check their layouts once, at
-    /// the first micro-batch (a host wait); after that a rank whose call is invalid enqueues
-    /// nothing, and the others wait in NCCL until their communicator times out or is aborted.
+    /// reduce-scattered on the device's stream; hooks (`begin_microbatch`, `add_tensor`) reduce
+    /// each bucket on a communication stream as soon as its tensors have landed, and
+    /// `end_microbatch` waits for the closing control step. The ranks check their layouts once,
+    /// at the first micro-batch (a host wait); after that a rank whose call is invalid (other
+    /// than an `add_tensor`, which fails the micro-batch on every rank when it ends) aborts the
+    /// communicator, and the others' calls fail when it is aborted or times out.
     pub fn sharded_on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
         let Sharding::Accumulate { shards, rank } = config.sharding else {
             return Err(Error::invalid(

@@ -55,6 +55,11 @@ void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 
     if (found_inf) f.read(found_inf, 4);
 }
 
+void fp_or_flag(Footprint &f, ga_u32 *into, const ga_u32 *from) {
+    f.write(into, 4);
+    f.read(from, 4);
+}
+
 void fp_begin_boundary(Footprint &f, ga_boundary *b, int, ga_u64) { f.write(b, sizeof *b); }
 
 void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary *b, int, double *partials) {
@@ -123,6 +128,7 @@ const std::vector<KernelInfo> &registry() {
         make("ga_add_multi", ga_add_multi, fp_add_multi),
         make("ga_add_one", ga_add_one, fp_add_one),
         make("ga_pack_control", ga_pack_control, fp_pack_control),
+        make("ga_or_flag", ga_or_flag, fp_or_flag),
         make("ga_begin_boundary", ga_begin_boundary, fp_begin_boundary),
         make("ga_scale_sum_squares", ga_scale_sum_squares, fp_scale_sum_squares),
         make("ga_finish_norm", ga_finish_norm, fp_finish_norm),

@@ -13,13 +13,28 @@
 //! sum in the same order, so with a communicator that sums in rank order the shard holds the CPU
 //! store's bits.
 //!
-//! Tensor-by-tensor micro-batches (backward hooks) are not here yet: BACKEND_UNAVAILABLE.
+//! Tensors arriving one by one (`begin_microbatch`, `add_tensor`: backward hooks) go by buckets,
+//! as on the CPU: each tensor is converted into its bucket's staging on the accumulator's stream,
+//! and each bucket, in the backward's order (the last first), is reduced as soon as its last
+//! tensor has landed, on a communication stream that waits for the conversions with an event:
+//! every piece of the bucket inside a shard is summed into that shard's owner (ncclReduce, one
+//! NCCL group per bucket) and the owner adds its piece into the shard, so the reductions overlap
+//! the rest of the backward and nothing waits on the host. A staging buffer goes back to a pool
+//! once its reduction is enqueued, and the next bucket that takes it waits (on the device) for
+//! that reduction only; two are kept between micro-batches, so the conversions of one bucket run
+//! beside the reduction of the one before. `end_microbatch` reduces the buckets still waiting
+//! (their absent tensors as zeros), orders the accumulator's stream after the communication
+//! stream, and runs the closing control step, the micro-batch's one host wait: a refused
+//! `add_tensor` on any rank fails the micro-batch on every rank and discards the windows. Each
+//! element is the same sum in rank order as by stripes, so `add` and `add_tensor` give the same
+//! bits.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS};
+use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
@@ -37,6 +52,13 @@ use crate::scaler::Scaler;
 /// micro-batch and one checking at the boundary do not agree (their next collectives differ).
 const AT_MICROBATCH: u64 = 0x5851_f42d_4c95_7f2d;
 const AT_BOUNDARY: u64 = 0x1405_7b7e_f767_814f;
+/// XORed into the first micro-batch's check when it goes tensor by tensor: ranks cutting it by
+/// stripes and by buckets issue different collectives.
+const BY_BUCKETS: u64 = 0x2545_f491_4f6c_dd1d;
+/// The same for the control step that closes a micro-batch added tensor by tensor.
+const CLOSING: u64 = 0x9fb2_1c65_1e98_df25;
+/// Staging buffers kept between tensor-by-tensor micro-batches.
+const KEPT_STAGES: usize = 2;
 /// Words of the layout check: element count, fingerprint, their complements (one MAX gives both
 /// extremes), and whether a rank's call is invalid.
 const LAYOUT_WORDS: usize = 5;
@@ -66,6 +88,32 @@ struct Source {
     from: usize,
 }
 
+/// One bucket's staging of a tensor-by-tensor micro-batch, in device memory on the accumulator's
+/// stream.
+struct Stage {
+    buf: DeviceBuffer,
+    /// Recorded on the communication stream after the last reduction that read the buffer.
+    free: Event,
+}
+
+/// The tensor-by-tensor micro-batch in progress.
+struct Hooks {
+    /// A micro-batch is open (and its reductions have not failed).
+    open: bool,
+    /// An `add_tensor` of this micro-batch was refused on this rank: closing it fails every rank.
+    invalid: bool,
+    /// Buckets reduced so far, the last bucket first.
+    reduced: usize,
+    /// Each tensor's contribution has landed.
+    landed: Vec<bool>,
+    /// Each bucket's tensors still to land.
+    missing: Vec<usize>,
+    /// Each bucket's staging while it fills.
+    stages: Vec<Option<Stage>>,
+    /// Staging no bucket holds, the longest unused first.
+    spare: VecDeque<Stage>,
+}
+
 pub(crate) struct ShardedDeviceStore {
     ctx: Arc<Context>,
     kernels: Arc<Kernels>,
@@ -74,7 +122,8 @@ pub(crate) struct ShardedDeviceStore {
     /// The shard group; None only for one shard created without one.
     comm: Option<Arc<dyn Communicator>>,
     rank: usize,
-    /// This rank's range of the flat layout.
+    /// Every rank's range of the flat layout, and this rank's.
+    shards: Vec<Range<usize>>,
     own: Range<usize>,
     /// Every shard's length rounded up to whole norm blocks: the block sums' all-gather piece.
     padded: usize,
@@ -104,6 +153,18 @@ pub(crate) struct ShardedDeviceStore {
     verified: Mutex<Vec<u64>>,
     /// Shard and replica groups (0: none) a hybrid boundary's layout was checked on.
     verified_grids: Mutex<Vec<(u64, u64)>>,
+    /// Each bucket's tensors.
+    bucket_tensors: Vec<Range<usize>>,
+    /// Elements of the longest bucket: one staging buffer of a tensor-by-tensor micro-batch.
+    bucket_len: usize,
+    hooks: Mutex<Hooks>,
+    /// Where a tensor-by-tensor micro-batch's buckets are reduced, and the event that orders it
+    /// after the conversions (and the accumulator's stream after it when the micro-batch ends).
+    comm_stream: OnceLock<OwnedStream>,
+    event: Mutex<Event>,
+    /// The overflow flag of the bucket adds on the communication stream (a separate word: two
+    /// streams never write one), merged into `found_inf` when the micro-batch ends.
+    sum_inf: DeviceBuffer,
     /// Scalers' gathers read the boundary on their streams: the next boundary (and the free)
     /// waits for them.
     boundary_reads: Mutex<SharedReads>,
@@ -144,7 +205,28 @@ impl ShardedDeviceStore {
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
         let unit = GaScalerState { scale: 1.0, ..Default::default() };
+        let buckets = plan.layout.buckets();
+        let mut bucket_tensors = vec![0..0; buckets.len()];
+        for i in 0..plan.descs.len() {
+            let t = &mut bucket_tensors[plan.layout.bucket_of(i)];
+            *t = if t.start == t.end { i..i + 1 } else { t.start..i + 1 };
+        }
+        let hooks = Hooks {
+            open: false,
+            invalid: false,
+            reduced: 0,
+            landed: vec![false; plan.descs.len()],
+            missing: vec![0; buckets.len()],
+            stages: (0..buckets.len()).map(|_| None).collect(),
+            spare: VecDeque::new(),
+        };
         Ok(ShardedDeviceStore {
+            bucket_len: buckets.iter().map(|b| b.len()).max().unwrap_or(0),
+            bucket_tensors,
+            hooks: Mutex::new(hooks),
+            comm_stream: OnceLock::new(),
+            event: Mutex::new(Event::new(&ctx)?),
+            sum_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             pieces: DeviceBuffer::from_slice(&ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
             shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
@@ -165,6 +247,7 @@ impl ShardedDeviceStore {
             stream,
             comm,
             rank,
+            shards,
             own,
             padded,
             stripe,
@@ -225,6 +308,196 @@ impl ShardedDeviceStore {
 
     fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
         self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn hooks(&self) -> MutexGuard<'_, Hooks> {
+        self.hooks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn event(&self) -> MutexGuard<'_, Event> {
+        self.event.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn comm_stream(&self) -> Result<CUstream> {
+        if let Some(s) = self.comm_stream.get() {
+            return Ok(s.stream);
+        }
+        let created = OwnedStream::new(&self.ctx)?;
+        Ok(self.comm_stream.get_or_init(|| created).stream)
+    }
+
+    /// Orders the accumulator's stream after the communication stream's bucket reductions: the
+    /// shard and the staging are the accumulator's stream's again.
+    fn join_comm_stream(&self) -> Result<()> {
+        match self.comm_stream.get() {
+            Some(s) => self.event().order(s.stream, self.stream),
+            None => Ok(()),
+        }
+    }
+
+    /// A staging buffer for a bucket: a new one while fewer than KEPT_STAGES exist (so a
+    /// bucket's conversions need not wait for the reduction before it) or none is spare; else
+    /// the longest unused, once its last reduction is done (a wait on the device).
+    fn take_stage(&self, h: &mut Hooks) -> Result<Stage> {
+        let existing = h.spare.len() + h.stages.iter().flatten().count();
+        if existing >= KEPT_STAGES {
+            if let Some(stage) = h.spare.pop_front() {
+                stage.free.wait(self.stream)?;
+                return Ok(stage);
+            }
+        }
+        Ok(Stage { buf: DeviceBuffer::zeroed(&self.ctx, self.stream, self.bucket_len * 4)?, free: Event::new(&self.ctx)? })
+    }
+
+    /// Converts tensor `index`'s gradient into its bucket's staging (unscaled, weighted and
+    /// checked, as `add` converts it into a stripe), on the accumulator's stream.
+    fn convert(&self, scaler: &CudaScaler, index: usize, grad: CUdeviceptr, weight: f64, stage: &Stage) -> Result<()> {
+        let (desc, r) = (self.plan.descs[index], self.plan.layout.range(index));
+        let bucket = &self.plan.layout.buckets()[self.plan.layout.bucket_of(index)];
+        let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
+        let (numel, dtype, assign, found_inf) = (desc.numel as u64, desc.dtype.code(), 1u32, self.found_inf.ptr());
+        scaler.launch_reading(self.stream, |state| {
+            let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, found_inf);
+            // SAFETY: argument types follow ga_add_one. The destination is the tensor's place in
+            // its bucket's staging (`bucket_len` elements from the bucket's start, and the bucket
+            // holds the tensor); the gradient holds the tensor's numel values (the caller's
+            // contract, checked for size by the accumulator).
+            unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+        })
+    }
+
+    /// Enqueues bucket `b`'s reduction on the communication stream, after the conversions: each
+    /// piece inside a shard summed into its owner, and this rank's piece added into the shard
+    /// (assigned with `assign`). The staging's `free` event marks the end of its use.
+    fn reduce_bucket(&self, b: usize, stage: &Stage, assign: bool) -> Result<()> {
+        let bucket = self.plan.layout.buckets()[b].clone();
+        let stream = self.comm_stream()?;
+        self.event().order(self.stream, stream)?;
+        let at = |flat: usize| stage.buf.ptr() + 4 * (flat - bucket.start) as u64;
+        let reduced = match self.group()? {
+            Some(c) => c.group(|| {
+                for (owner, shard) in self.shards.iter().enumerate() {
+                    let piece = bucket.start.max(shard.start)..bucket.end.min(shard.end);
+                    if !piece.is_empty() {
+                        c.reduce_sum_f32(at(piece.start), piece.len(), owner, stream)?;
+                    }
+                }
+                Ok(())
+            }),
+            None => Ok(()),
+        };
+        let own = bucket.start.max(self.own.start)..bucket.end.min(self.own.end);
+        let added = reduced.and_then(|()| {
+            if own.is_empty() {
+                return Ok(());
+            }
+            let (dst, src) = (self.shard_at(own.start - self.own.start), at(own.start));
+            let (numel, dtype, unit, weight, assign, flag) =
+                (own.len() as u64, Dtype::F32.code(), self.unit.ptr(), 1.0f64, assign as u32, self.sum_inf.ptr());
+            let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
+            // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece
+            // of the bucket in the staging, the destination the shard's elements of that piece;
+            // `sum_inf` is written on this stream only.
+            unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, stream, &mut args) }
+        });
+        // Recorded even after a failure: part of the reduction may be enqueued.
+        let recorded = stage.free.record(stream);
+        added.and(recorded)
+    }
+
+    /// Reduces, the last bucket first, every bucket from the next one on whose tensors have all
+    /// landed (with `all`: every bucket, its absent tensors as zeros). The peers wait for each
+    /// bucket's reduction: one that cannot be enqueued loses the window and stops this rank's
+    /// pairing.
+    fn reduce_ready(&self, h: &mut Hooks, all: bool) -> Result<()> {
+        let n = self.bucket_tensors.len();
+        while h.reduced < n {
+            let b = n - 1 - h.reduced;
+            if h.missing[b] != 0 && !all {
+                return Ok(());
+            }
+            let result = self.reduce_next(h, b);
+            h.reduced += 1;
+            result.inspect_err(|_| self.stop())?;
+        }
+        Ok(())
+    }
+
+    fn reduce_next(&self, h: &mut Hooks, b: usize) -> Result<()> {
+        let stage = match h.stages[b].take() {
+            Some(stage) => stage,
+            None => self.take_stage(h)?,
+        };
+        let bucket = &self.plan.layout.buckets()[b];
+        let mut result = Ok(());
+        for i in self.bucket_tensors[b].clone().filter(|&i| !h.landed[i]) {
+            let r = self.plan.layout.range(i);
+            result = result.and_then(|()| stage.buf.zero_f32(r.start - bucket.start, r.len()));
+        }
+        let result = result.and_then(|()| self.reduce_bucket(b, &stage, self.first.load(Ordering::Relaxed)));
+        h.spare.push_back(stage);
+        result
+    }
+
+    /// This rank's window is lost and it never pairs another collective with its peers'.
+    fn stop(&self) {
+        self.lost.store(true, Ordering::Relaxed);
+        if let Ok(Some(c)) = self.group() {
+            stop_pairing(c);
+        }
+    }
+
+    /// The control step that closes a micro-batch added tensor by tensor (it waits, for the
+    /// micro-batch's reductions too): a refused `add_tensor` on any rank left its tensor out of
+    /// every rank's sums, so every rank's window is lost.
+    fn close_together(&self, invalid: bool) -> Result<()> {
+        let failed = match self.group()? {
+            Some(c) => {
+                let max = self.closing_exchange(c, invalid).inspect_err(|_| self.stop())?;
+                max[4] != 0 || max[0] != !max[2] || max[1] != !max[3]
+            }
+            None => invalid,
+        };
+        if !failed {
+            return Ok(());
+        }
+        self.lost.store(true, Ordering::Relaxed);
+        Err(if invalid {
+            Error::wrong_state("an add_tensor call of this micro-batch was refused on this rank: the micro-batch fails on every rank")
+        } else {
+            Error::new(ErrorKind::PeerFailure, "an add_tensor call of this micro-batch was refused on another rank, so the sums lack its tensor")
+        })
+    }
+
+    /// The closing step's exchange (MAX of the layout words and the error flag).
+    fn closing_exchange(&self, c: &NcclComm, invalid: bool) -> Result<[u64; LAYOUT_WORDS]> {
+        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint() ^ CLOSING);
+        self.layout_check.write(&[numel, hash, !numel, !hash, invalid as u64])?;
+        c.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
+        wait_for_collectives(&self.ctx, self.stream, c)?;
+        let mut max = [0u64; LAYOUT_WORDS];
+        self.layout_check.read(&mut max)?;
+        c.health()?;
+        Ok(max)
+    }
+
+    /// After the communication stream is joined: its overflow flag goes into the window's.
+    fn merge_sum_inf(&self) -> Result<()> {
+        let (into, from) = (self.found_inf.ptr(), self.sum_inf.ptr());
+        let mut args = launch_args!(into, from);
+        // SAFETY: argument types follow ga_or_flag; both are u32 flags of this store.
+        unsafe { self.kernels.or_flag.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        self.sum_inf.zero_f32(0, 1)
+    }
+
+    /// Ends the tensor-by-tensor micro-batch (reduced, or failed): its staging goes back to the
+    /// pool, of which KEPT_STAGES buffers stay (the others are freed on the accumulator's stream,
+    /// after the reductions that read them).
+    fn finish(&self, h: &mut Hooks) {
+        h.open = false;
+        let held: Vec<Stage> = h.stages.iter_mut().filter_map(Option::take).collect();
+        h.spare.extend(held);
+        h.spare.truncate(KEPT_STAGES);
     }
 
     fn shard_at(&self, offset: usize) -> CUdeviceptr {
@@ -348,6 +621,7 @@ impl ShardedDeviceStore {
     /// forever: the wait is the communicator's (its timeout aborts it, and the stream drains).
     /// After an abort the stream drains by itself.
     fn drain(&self) -> Result<()> {
+        self.join_comm_stream()?;
         match self.group()? {
             Some(c) if c.health().is_ok() => wait_for_collectives(&self.ctx, self.stream, c),
             _ => Ok(()),
@@ -393,28 +667,51 @@ impl Store for ShardedDeviceStore {
         Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
     }
 
-    /// No control step per micro-batch (it would wait for the stream): the ranks check their
-    /// layouts once, at the first micro-batch, and a rank whose call is invalid takes part with
-    /// its error. After that a rank whose call is invalid aborts the communicator, so that it
-    /// never pairs a later collective with the peers' reductions; theirs fail when their
-    /// communicator times out or is aborted.
+    /// No control step when a micro-batch opens (it would wait for the stream): the ranks check
+    /// their layouts once, at the first micro-batch (whose cut, by stripes or by buckets, they
+    /// must share), and a rank whose call is invalid takes part with its error. After that a rank
+    /// whose call is invalid aborts the communicator, so that it never pairs a later collective
+    /// with the peers' reductions; theirs fail when their communicator times out or is aborted.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
-        if !whole {
-            let e = error.cloned().unwrap_or_else(|| {
-                Error::new(
-                    ErrorKind::BackendUnavailable,
-                    "tensor-by-tensor micro-batches (begin_microbatch, add_tensor) of a sharded accumulation are on the CPU only so far: use add",
-                )
-            });
-            self.refuse();
-            return Err(e);
-        }
+        let at = if whole { AT_MICROBATCH } else { AT_MICROBATCH ^ BY_BUCKETS };
         match self.group()? {
-            Some(c) => self.verify_layout(c, AT_MICROBATCH, error)?,
+            Some(c) => self.verify_layout(c, at, error)?,
             None => error.map_or(Ok(()), |e| Err(e.clone()))?,
         }
         self.first.store(first, Ordering::Relaxed);
+        if !whole {
+            let mut h = self.hooks();
+            let h = &mut *h;
+            (h.open, h.invalid, h.reduced) = (true, false, 0);
+            h.landed.fill(false);
+            for (missing, tensors) in h.missing.iter_mut().zip(&self.bucket_tensors) {
+                *missing = tensors.len();
+            }
+        }
         Ok(())
+    }
+
+    /// Reduces the buckets still waiting, joins the communication stream, and runs the closing
+    /// control step (a host wait).
+    fn close_microbatch(&self) -> Result<()> {
+        let mut h = self.hooks();
+        let open = h.open;
+        let reduced = if open { self.reduce_ready(&mut h, true) } else { Ok(()) };
+        let joined = self.join_comm_stream().and_then(|()| self.merge_sum_inf());
+        let result = reduced.and_then(|()| {
+            if !open {
+                return Ok(());
+            }
+            // A rank that cannot join never reaches the closing exchange its peers wait in.
+            joined.inspect_err(|_| self.stop())?;
+            self.close_together(h.invalid)
+        });
+        self.finish(&mut h);
+        result
+    }
+
+    fn note_invalid(&self) {
+        self.hooks().invalid = true;
     }
 
     fn take_lost(&self) -> bool {
@@ -452,8 +749,33 @@ impl Store for ShardedDeviceStore {
         Ok(())
     }
 
-    fn add_tensor(&self, _: &Scaler, _: usize, _: Gradient<'_>, _: f64, _: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::BackendUnavailable, "add_tensor on a sharded CUDA accumulation: use add"))
+    /// Converts the tensor into its bucket's staging and enqueues the reduction of every bucket
+    /// that is then complete, in the backward's order; nothing waits.
+    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, _first: bool) -> Result<()> {
+        let Gradient::Device(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a host gradient for a CUDA accumulator")) };
+        let scaler = scaler.cuda()?;
+        let mut h = self.hooks();
+        let h = &mut *h;
+        if !h.open {
+            return Err(Error::wrong_state("the micro-batch's reductions failed; end_microbatch discards the window"));
+        }
+        if h.landed[index] {
+            return Err(Error::wrong_state(format!(
+                "tensor {index} already has its contribution to this micro-batch: under sharded accumulation a bucket is reduced \
+                 once all of its tensors have landed, so each tensor takes one contribution per micro-batch"
+            )));
+        }
+        let b = self.plan.layout.bucket_of(index);
+        let stage = match h.stages[b].take() {
+            Some(stage) => stage,
+            None => self.take_stage(h)?,
+        };
+        let converted = self.convert(scaler, index, grad, weight, &stage);
+        h.stages[b] = Some(stage);
+        converted?;
+        h.landed[index] = true;
+        h.missing[b] -= 1;
+        self.reduce_ready(h, false).inspect_err(|_| h.open = false)
     }
 
     fn zero(&self, index: usize) -> Result<()> {
@@ -552,7 +874,9 @@ fn stop_pairing(comm: &NcclComm) {
 
 impl Drop for ShardedDeviceStore {
     fn drop(&mut self) {
-        // Scalers' gathers read the boundary: the stream orders the frees after them.
+        // Scalers' gathers read the boundary, and bucket reductions the shard and the staging:
+        // the stream orders the frees after them.
+        let _ = self.join_comm_stream();
         let _ = self.boundary_reads().before_write();
     }
 }

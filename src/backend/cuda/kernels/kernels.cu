@@ -172,6 +172,15 @@ extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 
     b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
 }
 
+/* Merges an overflow flag written on another stream (a sharded accumulation's bucket adds on
+ * its communication stream) into the window's, once the streams are ordered. */
+extern "C" __global__ void ga_or_flag(ga_u32 *into, const ga_u32 *from) {
+    GA_ONE_THREAD();
+    if (*from != 0) {
+        *into = 1;
+    }
+}
+
 /* After the control words are summed: what the boundary divides by. */
 extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize, ga_u64 world) {
     GA_ONE_THREAD();
