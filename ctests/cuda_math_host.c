@@ -11,6 +11,9 @@
  *      grad_norm and clip_coef as gradacc_accumulator_sync.
  *   4. the scaler rule ga_scaler_next (through the gather/update kernels' flag handling) against
  *      gradacc_scaler_update on long random overflow sequences with bursts, several configs.
+ *   5. the BF16 wire, emulated as ga_to_bf16 and ga_sum_bf16 run it (each rank's values rounded by
+ *      ga_f32_to_bf16, the owner's ga_sum_bf16_at over the words in rank order), against 2 and 3
+ *      in-process CPU ranks synced with wire_dtype BF16: the same bits.
  *
  * NaN: on every CPU path a NaN gradient leaves the fused add quiet with its payload (the multiply
  * by the unscale factor quiets a signalling one), and so does the emulation; conversions and loss
@@ -829,6 +832,82 @@ static void check_scaler(test_rng *r)
     REQUIRE_OK(gradacc_accumulator_destroy(src.overflowed));
 }
 
+/* --- 5. the BF16 wire --------------------------------------------------------------------- */
+
+enum { WIRE_N = 5003 };
+
+typedef struct {
+    gradacc_comm_t *comm;
+    const float *x;
+    float *out;
+} wire_rank;
+
+/* One CPU rank: its values summed over the group on the BF16 wire, unnormalised, at scale 1. */
+static void *wire_rank_sync(void *arg)
+{
+    wire_rank *w = arg;
+    gradacc_accumulator_config_t c;
+    REQUIRE_OK(gradacc_accumulator_config_default(&c));
+    c.normalize = GRADACC_NORMALIZE_NONE;
+    c.loss_reduction = GRADACC_LOSS_REDUCTION_SUM;
+    c.wire_dtype = GRADACC_DTYPE_BF16;
+    gradacc_tensor_desc_t t = {WIRE_N, GRADACC_DTYPE_F32};
+    gradacc_accumulator_t *acc = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(&c, &t, 1, NULL, &acc));
+    gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
+    const void *grads[1] = {w->x};
+    REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 1, 1));
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+    REQUIRE_OK(gradacc_accumulator_sync(acc, w->comm, &info));
+    float *master = NULL;
+    size_t n = 0;
+    REQUIRE_OK(gradacc_accumulator_master(acc, 0, &master, &n));
+    memcpy(w->out, master, n * sizeof(float));
+    gradacc_accumulator_destroy(acc);
+    gradacc_scaler_destroy(scaler);
+    return NULL;
+}
+
+static void check_bf16_wire(test_rng *r)
+{
+    for (int world = 2; world <= 3; world++) {
+        float *x = xmalloc((size_t)world * WIRE_N * sizeof(float));
+        float *out = xmalloc((size_t)world * WIRE_N * sizeof(float));
+        unsigned short *words = xmalloc((size_t)world * WIRE_N * sizeof(unsigned short));
+        for (size_t i = 0; i < (size_t)world * WIRE_N; i++) {
+            float v = (float)(exp(rng_range(r, log(1e-3), log(1e3))) * (rng_below(r, 2) ? -1.0 : 1.0));
+            if (i % 7 == 0) {
+                /* a tie between two bf16 values: round to even */
+                uint32_t b = bits32(v);
+                b = (b & 0xffff0000u) | 0x8000u;
+                memcpy(&v, &b, sizeof v);
+            }
+            x[i] = v;
+            words[i] = ga_f32_to_bf16(v);
+        }
+        gradacc_comm_t *comms[3] = {NULL, NULL, NULL};
+        REQUIRE_OK(gradacc_comm_create_local(world, comms));
+        wire_rank args[3];
+        for (int q = 0; q < world; q++)
+            args[q] = (wire_rank){comms[q], x + (size_t)q * WIRE_N, out + (size_t)q * WIRE_N};
+        run_ranks((size_t)world, wire_rank_sync, args, sizeof args[0]);
+        int bad = 0;
+        for (int q = 0; q < world; q++)
+            for (size_t i = 0; i < WIRE_N; i++) {
+                float want = ga_sum_bf16_at(words, WIRE_N, (ga_u64)world, i);
+                if (bits32(out[(size_t)q * WIRE_N + i]) != bits32(want) && bad++ < SHOWN)
+                    fprintf(stderr, "bf16 wire, %d ranks: rank %d element %zu: CPU %a, math.cuh %a\n", world, q, i,
+                            out[(size_t)q * WIRE_N + i], want);
+            }
+        CHECK(bad == 0, "bf16 wire, %d ranks: %d sums differ", world, bad);
+        for (int q = 0; q < world; q++)
+            gradacc_comm_destroy(comms[q]);
+        free(x);
+        free(out);
+        free(words);
+    }
+}
+
 int main(void)
 {
     test_rng rng = rng_fresh("cuda_math_host");
@@ -858,5 +937,6 @@ int main(void)
            clipped, overflowed);
 
     check_scaler(&rng);
+    check_bf16_wire(&rng);
     return test_finish();
 }

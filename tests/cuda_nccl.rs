@@ -514,6 +514,7 @@ fn random_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
         // Small enough that clipping acts in most windows where it is on.
         max_grad_norm: if round % 3 == 2 { 1e-4 } else { 0.0 },
         bucket_numel: rng.range(1, 30_000) as usize,
+        wire: if round % 4 == 1 { Dtype::Bf16 } else { Dtype::F32 },
         ..AccumulatorConfig::default()
     };
     let windows = (0..rng.range(2, 3))
@@ -551,6 +552,8 @@ struct Reference {
     values: Vec<f64>,
     magnitude: Vec<f64>,
     norm: f64,
+    /// The norm of the normalised magnitudes: what a BF16 wire may move the norm by, times 2^-8.
+    magnitude_norm: f64,
     coef: f64,
     divisor: f64,
 }
@@ -583,9 +586,10 @@ fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) ->
     let divisor = r.config.normalize.divisor(items, micro, window.len() as u64) as f64;
     values.iter_mut().for_each(|v| *v /= divisor);
     let norm = values.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let magnitude_norm = magnitude.iter().map(|m| (m / divisor) * (m / divisor)).sum::<f64>().sqrt();
     let max = r.config.max_grad_norm as f64;
     let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
-    Reference { values, magnitude, norm, coef, divisor }
+    Reference { values, magnitude, norm, magnitude_norm, coef, divisor }
 }
 
 /// Bit equality of two infos (NaN norms match any NaN).
@@ -735,13 +739,19 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
         }
         let want = reference(r, window, &buckets);
         assert_eq!(info.total_count, window.iter().flatten().map(|m| m.count).sum::<u64>(), "{what}");
-        assert!((info.grad_norm - want.norm).abs() <= 1e-5 * want.norm + 1e-12, "{what}: norm {} vs {}", info.grad_norm, want.norm);
-        assert!((info.clip_coef - want.coef).abs() <= 1e-5 * want.coef, "{what}: clip {} vs {}", info.clip_coef, want.coef);
+        // The BF16 wire rounds each contribution once: each element moves by at most
+        // (2^-8 + (W - 1) 2^-24) of its magnitude, and the norm by 2^-8 of the magnitudes' norm.
+        let bf16 = if r.config.wire == Dtype::Bf16 { 2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24) } else { 0.0 };
+        let norm_tol = 1e-5 * want.norm + 1e-12 + bf16 * want.magnitude_norm;
+        assert!((info.grad_norm - want.norm).abs() <= norm_tol, "{what}: norm {} vs {}", info.grad_norm, want.norm);
+        let clip_tol = (1e-5 + norm_tol / want.norm.max(1e-30)) * want.coef;
+        assert!((info.clip_coef - want.coef).abs() <= clip_tol, "{what}: clip {} vs {}", info.clip_coef, want.coef);
         for rr in results {
             let (_, range, shard) = &rr[w];
             for (&got, i) in shard.iter().zip(range.clone()) {
                 let expect = want.values[i] * want.coef;
-                let tol = 4e-6 * want.magnitude[i] / want.divisor * want.coef + want.values[i].abs() * (info.clip_coef - want.coef).abs() + 1e-30;
+                let tol =
+                    (4e-6 + bf16) * want.magnitude[i] / want.divisor * want.coef + want.values[i].abs() * (info.clip_coef - want.coef).abs() + 1e-30;
                 assert!((got as f64 - expect).abs() <= tol, "{what}: element {i}: {got} vs {expect} (tol {tol}), world {world}");
             }
         }
@@ -872,6 +882,7 @@ fn accumulate_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
         loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
         max_grad_norm: if round % 3 == 2 { 1e-4 } else { 0.0 },
         bucket_numel: if round == 0 { 8192 * world } else { rng.range(1, 30_000) as usize },
+        wire: if round % 4 == 1 || round % 4 == 2 { Dtype::Bf16 } else { Dtype::F32 },
         ..AccumulatorConfig::default()
     };
     let windows = (0..rng.range(2, 3))
@@ -1018,8 +1029,8 @@ fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
     at_three_ranks("sharded_accumulation_matches_the_cpu_at_three_ranks", accumulate_rounds);
 }
 
-/// What a sharded CUDA accumulation refuses: a BF16 wire, a host communicator, an NCCL
-/// communicator on another device, and a hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
+/// What a sharded CUDA accumulation refuses: a host communicator, an NCCL communicator on another
+/// device, and a hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
 /// reads the boundary's overflow flag.
 #[test]
 fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
@@ -1039,9 +1050,6 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
                     comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
                     let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
-                    let bf16 = AccumulatorConfig { wire: Dtype::Bf16, ..config };
-                    let e = Accumulator::sharded_on(device, bf16, &tensors, comm.clone()).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "a BF16 wire: {e}");
                     let e = Accumulator::sharded_on(device, config, &tensors, local.clone()).unwrap_err();
                     assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a host communicator: {e}");
                     let other = Device::Cuda { ordinal: 1 - rank as i32, stream: std::ptr::null_mut() };
@@ -1348,7 +1356,10 @@ fn hybrid_rounds(shards: usize, replicas: usize, test: &str) {
         // Odd rounds accumulate sharded; round 0's layout (hundreds of tiny tensors) is an even
         // round's, so the accumulation's rounds start at 1.
         let accumulate = round % 2 == 1;
-        let r = if accumulate { accumulate_round(&mut rng, world, round) } else { random_round(&mut rng, world, round) };
+        let mut r = if accumulate { accumulate_round(&mut rng, world, round) } else { random_round(&mut rng, world, round) };
+        // The BF16 wire on both policies: the shard group's, or the replicas' after a shard
+        // group of one.
+        r.config.wire = if round % 4 < 2 { Dtype::Bf16 } else { Dtype::F32 };
         let ranks = grid(shards, replicas);
         within(Duration::from_secs(300), "a hybrid round", move || {
             let r = &r;
@@ -1718,4 +1729,125 @@ fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
             }
         });
     });
+}
+
+/// The bfloat16 bits of `v`, rounded to nearest even (NaN stays NaN), widened back.
+fn bf16_round(v: f32) -> f32 {
+    let x = v.to_bits();
+    if v.is_nan() {
+        return f32::from_bits((x | 0x0040_0000) & 0xffff_0000);
+    }
+    f32::from_bits((x.wrapping_add(0x7fff + ((x >> 16) & 1))) & 0xffff_0000)
+}
+
+/// The BF16 wire at `world` ranks: an all-reduce, a reduce-scatter at the boundary, and sharded
+/// accumulations by `add` and by hooks, each over its own NCCL group, of contributions from
+/// 1e-3 to 1e3 in magnitude, unnormalised: every rank's result holds exactly the bits of
+/// `fl(...(b(x_0) + b(x_1)) + ... + b(x_{W-1}))` (each contribution rounded to bf16 once, the
+/// sum in FP32 in rank order), and is within `(2^-8 + (W - 1) 2^-24) sum |x_r|` of the f64 sum.
+fn bf16_wire_rounds(world: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    let descs =
+        [TensorDesc { numel: 7000, dtype: Dtype::F32 }, TensorDesc { numel: 5003, dtype: Dtype::F32 }, TensorDesc { numel: 8000, dtype: Dtype::F32 }];
+    let len: usize = descs.iter().map(|d| d.numel).sum();
+    let x: Vec<Vec<f32>> = (0..world)
+        .map(|_| (0..len).map(|_| (if rng.range(0, 1) == 0 { -1.0 } else { 1.0 }) * 10f64.powf(rng.uniform(-3.0, 3.0)) as f32).collect())
+        .collect();
+    let recipe: Vec<f32> = (0..len).map(|i| (1..world).fold(bf16_round(x[0][i]), |s, q| s + bf16_round(x[q][i]))).collect();
+    let bound = 2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24);
+    let config = AccumulatorConfig {
+        normalize: Normalize::None,
+        loss_reduction: LossReduction::Sum,
+        bucket_numel: 6000,
+        wire: Dtype::Bf16,
+        ..AccumulatorConfig::default()
+    };
+    let ids: Vec<_> = (0..4).map(|_| nccl::unique_id().unwrap()).collect();
+    let worst = std::sync::Mutex::new(0f64);
+    within(Duration::from_secs(300), "the BF16 wire", move || {
+        let (x, recipe, ids, worst) = (&x, &recipe, &ids, &worst);
+        std::thread::scope(|s| {
+            for rank in 0..world {
+                s.spawn(move || {
+                    let ctx = Context::get(rank as i32).unwrap();
+                    let stream = OwnedStream::new(&ctx).unwrap();
+                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let comms: Vec<Arc<dyn Communicator>> = ids
+                        .iter()
+                        .map(|id| {
+                            let c: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+                            c.set_timeout(Some(Duration::from_secs(30))).unwrap();
+                            c
+                        })
+                        .collect();
+                    let plain = Accumulator::on(device, config, &descs).unwrap();
+                    let scatter =
+                        Accumulator::on(device, AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..config }, &descs)
+                            .unwrap();
+                    let accumulate = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..config };
+                    let by_add = Accumulator::sharded_on(device, accumulate, &descs, comms[2].clone()).unwrap();
+                    let by_hooks = Accumulator::sharded_on(device, accumulate, &descs, comms[3].clone()).unwrap();
+                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let mut at = 0;
+                    let grads: Vec<DeviceBuffer> = descs
+                        .iter()
+                        .map(|d| {
+                            at += d.numel;
+                            DeviceBuffer::from_slice(&ctx, stream.stream, &x[rank][at - d.numel..at]).unwrap()
+                        })
+                        .collect();
+                    let addresses: Vec<u64> = grads.iter().map(DeviceBuffer::ptr).collect();
+                    for a in [&plain, &scatter, &by_add] {
+                        a.add(&scaler, &addresses, 1).unwrap();
+                    }
+                    by_hooks.begin_microbatch(1).unwrap();
+                    for i in (0..descs.len()).rev() {
+                        by_hooks.add_tensor(&scaler, i, addresses[i]).unwrap();
+                    }
+                    by_hooks.end_microbatch().unwrap();
+                    plain.sync(Some(&*comms[0])).unwrap();
+                    scatter.sync(Some(&*comms[1])).unwrap();
+                    by_add.sync(None).unwrap();
+                    by_hooks.sync(None).unwrap();
+                    let mut whole = vec![0f32; len];
+                    let mut at = 0;
+                    for (i, d) in descs.iter().enumerate() {
+                        plain.read_master(i, &mut whole[at..at + d.numel]).unwrap();
+                        at += d.numel;
+                    }
+                    let results = [
+                        ("all-reduce", 0..len, whole),
+                        ("reduce-scatter", scatter.shard().0, read_shard(&scatter, &ctx, stream.stream)),
+                        ("sharded accumulation by add", by_add.shard().0, read_shard(&by_add, &ctx, stream.stream)),
+                        ("sharded accumulation by hooks", by_hooks.shard().0, read_shard(&by_hooks, &ctx, stream.stream)),
+                    ];
+                    for (what, range, got) in results {
+                        for (&g, i) in got.iter().zip(range) {
+                            assert_eq!(g.to_bits(), recipe[i].to_bits(), "rank {rank} {what}: element {i}: {g:e}, the recipe gives {:e}", recipe[i]);
+                            let exact: f64 = x.iter().map(|v| v[i] as f64).sum();
+                            let magnitude: f64 = x.iter().map(|v| (v[i] as f64).abs()).sum();
+                            let error = (g as f64 - exact).abs() / magnitude;
+                            assert!(error <= bound, "rank {rank} {what}: element {i}: error {error:e} of the magnitudes, bound {bound:e}");
+                            let mut w = worst.lock().unwrap();
+                            *w = w.max(error);
+                        }
+                    }
+                });
+            }
+        });
+        eprintln!("{world} ranks: the largest error is {:.3} of the bound", *worst.lock().unwrap() / bound);
+    });
+}
+
+#[test]
+fn a_bf16_wire_on_cuda_rounds_each_contribution_once_at_two_ranks() {
+    if device_count() < 2 {
+        return;
+    }
+    bf16_wire_rounds(2, "a_bf16_wire_on_cuda_rounds_each_contribution_once_at_two_ranks");
+}
+
+#[test]
+fn a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks() {
+    at_three_ranks("a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks", bf16_wire_rounds);
 }

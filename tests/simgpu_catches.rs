@@ -183,6 +183,45 @@ fn collective_without_peer() {
     });
 }
 
+/// A send whose receive has another count (a BF16 wire whose ranks cut a bucket differently).
+#[test]
+fn send_receive_mismatch() {
+    expect_caught("send_receive_mismatch", "does not match", || {
+        two_ranks(|rank, comm, ctx, _| {
+            let stream = OwnedStream::new(ctx).unwrap();
+            let buf = DeviceBuffer::zeroed(ctx, stream.stream, 64).unwrap();
+            let (mut sends, mut recvs) = (vec![(buf.ptr(), 0); 2], vec![(buf.ptr(), 0); 2]);
+            if rank == 0 {
+                sends[1].1 = 4;
+            } else {
+                recvs[0].1 = 5;
+            }
+            comm.exchange_bf16(&sends, &recvs, stream.stream).unwrap();
+            std::thread::sleep(Duration::from_secs(5));
+        });
+    });
+}
+
+/// A send that its peer never receives: reported after the timeout, not a hang.
+#[test]
+fn send_without_receive() {
+    expect_caught("send_without_receive", "a hang", || {
+        two_ranks(|rank, comm, ctx, ready| {
+            ready.wait();
+            if rank == 0 {
+                let stream = OwnedStream::new(ctx).unwrap();
+                let buf = DeviceBuffer::zeroed(ctx, stream.stream, 64).unwrap();
+                let (mut sends, recvs) = (vec![(buf.ptr(), 0); 2], vec![(buf.ptr(), 0); 2]);
+                sends[1].1 = 4;
+                comm.exchange_bf16(&sends, &recvs, stream.stream).unwrap();
+                // The buffer and the stream stay: without memory pools a free waits for the stream.
+                std::thread::sleep(Duration::from_secs(8));
+            }
+            std::thread::sleep(Duration::from_secs(8));
+        });
+    });
+}
+
 /// A rank's stream-ordered master handed to NCCL while its pool denies the peer device: the
 /// access several ranks in one process need (cuMemPoolSetAccess).
 #[test]

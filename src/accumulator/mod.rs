@@ -436,9 +436,6 @@ impl Accumulator {
                 return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {}", layout.len())));
             }
         }
-        if config.wire != Dtype::F32 && device != Device::Cpu {
-            return Err(Error::new(ErrorKind::BackendUnavailable, "bf16 on the wire is on host communicators only so far"));
-        }
         if let Sharding::Accumulate { shards, .. } = config.sharding {
             if adopt.is_some() {
                 return Err(Error::invalid("sharded accumulation owns its shard: it cannot adopt a whole master buffer"));

@@ -67,6 +67,8 @@ mod api {
         pub reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
         pub all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclComm_t, cudaStream_t) -> c_int,
         pub reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
+        pub send: unsafe extern "C" fn(*const c_void, usize, ncclDataType_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
+        pub recv: unsafe extern "C" fn(*mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
         pub group_start: unsafe extern "C" fn() -> c_int,
         pub group_end: unsafe extern "C" fn() -> c_int,
         pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> c_int,
@@ -101,6 +103,9 @@ mod api {
                 reduce_scatter: resolve!("ncclReduceScatter"),
                 all_gather: resolve!("ncclAllGather"),
                 reduce: resolve!("ncclReduce"),
+                // Since NCCL 2.7.
+                send: resolve!("ncclSend"),
+                recv: resolve!("ncclRecv"),
                 group_start: resolve!("ncclGroupStart"),
                 group_end: resolve!("ncclGroupEnd"),
                 comm_finalize: resolve!("ncclCommFinalize"),
@@ -624,6 +629,43 @@ impl NcclComm {
         // SAFETY: a live communicator (`issue`); NCCL reads the `send_count` f64 at `send` and
         // writes `world_size * send_count` at `recv`, which holds them, on `stream`.
         self.issue("ncclAllGather", |comm| unsafe { (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat64, comm, stream as _) })
+    }
+
+    /// Enqueues, as one NCCL group, this rank's part of an exchange of bf16 words (16-bit values
+    /// bit for bit): `sends[q]` (an address and a count) goes to rank `q`, and `recvs[q]` receives
+    /// rank `q`'s message to this rank; an empty one is neither sent nor received. Every pair
+    /// of ranks must agree on each message's count. A rank may send to itself.
+    pub fn exchange_bf16(&self, sends: &[(CUdeviceptr, usize)], recvs: &[(CUdeviceptr, usize)], stream: CUstream) -> Result<()> {
+        if sends.len() != self.world_size || recvs.len() != self.world_size {
+            return Err(Error::invalid(format!("an exchange over {} ranks got {} sends and {} receives", self.world_size, sends.len(), recvs.len())));
+        }
+        let api = self.api;
+        let dtype = ncclDataType_t::ncclBfloat16;
+        self.group(|| {
+            for (q, (&(send, s), &(recv, r))) in sends.iter().zip(recvs).enumerate() {
+                let peer = q as c_int;
+                if s > 0 {
+                    // SAFETY: a live communicator (`issue`); NCCL reads `s` 16-bit words at
+                    // `send` on `stream` (the caller's device buffer of that size).
+                    self.issue("ncclSend", |comm| unsafe { (api.send)(send as *const c_void, s, dtype, peer, comm, stream as _) })?;
+                }
+                if r > 0 {
+                    // SAFETY: as above; NCCL writes `r` words at `recv`.
+                    self.issue("ncclRecv", |comm| unsafe { (api.recv)(recv as *mut c_void, r, dtype, peer, comm, stream as _) })?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Enqueues an in-place all-gather of f32: `ptr` holds `world_size * send_count` values, and
+    /// every rank's part r receives rank r's.
+    pub fn allgather_f32(&self, ptr: CUdeviceptr, send_count: usize, stream: CUstream) -> Result<()> {
+        let (api, recv) = (self.api, ptr as *mut c_void);
+        let send = (ptr + (4 * self.rank * send_count) as u64) as *const c_void;
+        // SAFETY: a live communicator (`issue`); NCCL reads the `send_count` f32 at `send` and
+        // writes `world_size * send_count` at `recv`, which holds them, on `stream`.
+        self.issue("ncclAllGather", |comm| unsafe { (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat32, comm, stream as _) })
     }
 
     /// Issues one collective: inside this thread's [`NcclComm::group`] NCCL collects it (the

@@ -60,6 +60,16 @@ void fp_or_flag(Footprint &f, ga_u32 *into, const ga_u32 *from) {
     f.read(from, 4);
 }
 
+void fp_to_bf16(Footprint &f, unsigned short *out, const float *in, ga_u64 n) {
+    f.write(out, n * 2);
+    f.read(in, n * 4);
+}
+
+void fp_sum_bf16(Footprint &f, float *out, const unsigned short *in, ga_u64 n, ga_u64 world) {
+    f.write(out, n * 4);
+    f.read(in, world * n * 2);
+}
+
 void fp_begin_boundary(Footprint &f, ga_boundary *b, int, ga_u64) { f.write(b, sizeof *b); }
 
 void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary *b, int, double *partials) {
@@ -129,6 +139,8 @@ const std::vector<KernelInfo> &registry() {
         make("ga_add_one", ga_add_one, fp_add_one),
         make("ga_pack_control", ga_pack_control, fp_pack_control),
         make("ga_or_flag", ga_or_flag, fp_or_flag),
+        make("ga_to_bf16", ga_to_bf16, fp_to_bf16),
+        make("ga_sum_bf16", ga_sum_bf16, fp_sum_bf16),
         make("ga_begin_boundary", ga_begin_boundary, fp_begin_boundary),
         make("ga_scale_sum_squares", ga_scale_sum_squares, fp_scale_sum_squares),
         make("ga_finish_norm", ga_finish_norm, fp_finish_norm),

@@ -1,10 +1,11 @@
 /* NCCL on the software GPU: unique ids, rendezvous with a timeout, all-reduce, reduce-scatter and
  * reduce summed in rank order (so every rank gets the same bits, and a reduce-scatter's or a
- * reduce's elements are the all-reduce's), all-gather, group calls collected per thread, blocking
- * and non-blocking communicators, abort that wakes every waiter. Misuse is a violation, never a
- * hang: two threads inside one communicator, ranks whose collective sequences differ (kind, count,
- * type, op, root), send and receive buffers that overlap other than in place, use of an aborted
- * or destroyed communicator, a collective whose peers never come. */
+ * reduce's elements are the all-reduce's), all-gather, point-to-point send and receive, group
+ * calls collected per thread, blocking and non-blocking communicators, abort that wakes every
+ * waiter. Misuse is a violation, never a hang: two threads inside one communicator, ranks whose
+ * collective sequences differ (kind, count, type, op, root), a send whose receive differs (count,
+ * type) or never comes, send and receive buffers that overlap other than in place, use of an
+ * aborted or destroyed communicator, a collective whose peers never come. */
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -79,6 +80,22 @@ struct Signature {
     }
 };
 
+/* One point-to-point message: the n-th send from one rank to another pairs with the n-th receive
+ * of the other from the one (NCCL's order per pair of ranks). */
+struct Message {
+    bool sent = false, received = false; /* each side issued */
+    size_t count = 0;
+    int dtype = 0;
+    const void *data = nullptr; /* the send buffer, once the sender's stream reached it */
+    bool copied = false;
+};
+
+/* The messages from one rank to another, by their index in that order. */
+struct Channel {
+    uint64_t sends = 0, receives = 0;
+    std::map<uint64_t, Message> messages;
+};
+
 struct Group {
     std::string id;
     int nranks;
@@ -88,6 +105,7 @@ struct Group {
     bool peer_aborted = false;
     std::vector<std::pair<int, Signature>> sequence; /* first rank to issue each collective, and what */
     std::map<uint64_t, Collective> collectives;
+    std::map<std::pair<int, int>, Channel> channels; /* (from, to) */
 };
 
 struct Comm {
@@ -118,6 +136,19 @@ struct Pending {
 };
 thread_local int group_depth = 0;
 thread_local std::vector<Pending> group_pending;
+
+/* A send or receive of one rank, as issued (its message's index in its channel). */
+struct P2p {
+    Comm *comm;
+    bool send;
+    int peer;
+    uint64_t index;
+    const void *send_buf;
+    void *recv_buf;
+    size_t bytes;
+    sim::Stream *stream;
+};
+thread_local std::vector<P2p> group_p2p;
 
 size_t dtype_size(int dtype) {
     switch (dtype) {
@@ -432,6 +463,139 @@ EXPORT ncclResult_t ncclCommCuDevice(void *handle, int *device) {
     return ncclSuccess;
 }
 
+namespace {
+
+std::string describe_message(bool send, int from, int to, uint64_t index, size_t count, int dtype) {
+    char text[160];
+    snprintf(text, sizeof text, "%s #%llu from rank %d to rank %d (count %zu, type %d)", send ? "ncclSend" : "ncclRecv", (unsigned long long)index, from,
+             to, count, dtype);
+    return text;
+}
+
+/* One rank's sends and receives of a group (or one call), as one stream operation: its sends are
+ * posted first, then each receive waits for its message and copies it, then the operation waits
+ * until its own sends were copied (so their buffers stay untouched until then). Every rank posts
+ * before it waits, so the exchanges of a group never deadlock. */
+void enqueue_p2p(Comm *c, std::vector<P2p> ops) {
+    Group *g = c->group;
+    sim::Stream *stream = ops[0].stream;
+    for (const P2p &p : ops)
+        if (p.stream != stream) sim::violation("rank %d's sends and receives of one group are on different streams", c->rank);
+    char what[160];
+    snprintf(what, sizeof what, "ncclSend/ncclRecv x%zu of rank %d (group %.8s)", ops.size(), c->rank, g->id.c_str());
+    sim::Op op;
+    op.what = what;
+    op.footprint = [ops, g, c](sim::Footprint &f) {
+        for (const P2p &p : ops) {
+            uint64_t at = (uint64_t)(uintptr_t)(p.send ? p.send_buf : p.recv_buf);
+            f.access(at, p.bytes, !p.send);
+            for (Comm *peer : g->ranks)
+                if (peer && peer->device != c->device && peer->rank == p.peer) f.peer_access(at, p.bytes, peer->device);
+        }
+    };
+    op.run = [ops, g, c] {
+        std::unique_lock<std::mutex> lock(mutex);
+        auto message = [&](const P2p &p) -> Message & {
+            std::pair<int, int> key = p.send ? std::make_pair(c->rank, p.peer) : std::make_pair(p.peer, c->rank);
+            return g->channels[key].messages[p.index];
+        };
+        auto wait = [&](const P2p &p, const std::function<bool()> &ready) {
+            auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(sim::config().timeout_s);
+            bool ok = changed.wait_until(lock, deadline, [&] { return ready() || c->aborted || g->peer_aborted; });
+            if (!ok) {
+                const Message &m = message(p);
+                sim::violation("%s waited %u s for its %s: a hang", describe_message(p.send, p.send ? c->rank : p.peer, p.send ? p.peer : c->rank, p.index, m.count, m.dtype).c_str(),
+                               sim::config().timeout_s, p.send ? "receive" : "send");
+            }
+            return ready();
+        };
+        bool failed = false;
+        for (const P2p &p : ops)
+            if (p.send) message(p).data = p.send_buf;
+        changed.notify_all();
+        for (const P2p &p : ops) {
+            if (p.send || failed) continue;
+            if (!wait(p, [&] { return message(p).data != nullptr; })) {
+                failed = true;
+                continue;
+            }
+            Message &m = message(p);
+            memcpy(p.recv_buf, m.data, p.bytes);
+            m.copied = true;
+            changed.notify_all();
+        }
+        for (const P2p &p : ops)
+            if (p.send && !failed && !wait(p, [&] { return message(p).copied; })) failed = true;
+        if (failed && !c->aborted) {
+            c->async = ncclRemoteError;
+            c->last_error = "a peer aborted its communicator";
+        }
+        /* A message is done once its receiver copied it and its sender saw that. */
+        for (const P2p &p : ops) {
+            if (!p.send) continue;
+            Channel &ch = g->channels[std::make_pair(c->rank, p.peer)];
+            auto it = ch.messages.find(p.index);
+            if (it != ch.messages.end() && it->second.copied) ch.messages.erase(it);
+        }
+    };
+    if (std::find(c->streams.begin(), c->streams.end(), stream) == c->streams.end()) c->streams.push_back(stream);
+    sim::enqueue(stream, std::move(op));
+}
+
+/* Issues one send or receive of rank `handle` (collected while a group is open). Its message must
+ * match the other side's of the same index, checked as soon as both are issued. */
+ncclResult_t p2p(bool send, const void *send_buf, void *recv_buf, size_t count, int dtype, int peer, void *handle, void *stream_handle) {
+    const char *call = send ? "ncclSend" : "ncclRecv";
+    if (!handle) return ncclInvalidArgument;
+    Comm *c = as_comm(handle);
+    std::unique_lock<std::mutex> lock(mutex);
+    enter(c, call);
+    auto fail = [&](ncclResult_t r, std::string why) {
+        c->last_error = std::move(why);
+        leave(c);
+        return r;
+    };
+    if (c->async != ncclSuccess && c->async != ncclInProgress) return fail(c->async, "the communicator has an asynchronous error");
+    if (dtype < ncclInt8 || dtype > ncclBfloat16) return fail(ncclInvalidArgument, "bad type");
+    Group &g = *c->group;
+    if (peer < 0 || peer >= g.nranks) return fail(ncclInvalidArgument, "bad peer");
+    sim::Stream *stream = sim::resolve_stream(stream_handle, c->ctx);
+    if (!stream) return fail(ncclInvalidArgument, "the stream is not of the communicator's device");
+    size_t bytes = count * dtype_size(dtype);
+    std::string why;
+    const void *buf = send ? send_buf : recv_buf;
+    if (bytes && !sim::find_live((uint64_t)(uintptr_t)buf, bytes, c->device, &why)) sim::violation("%s of rank %d: buffer: %s", call, c->rank, why.c_str());
+    int from = send ? c->rank : peer, to = send ? peer : c->rank;
+    Channel &ch = g.channels[std::make_pair(from, to)];
+    uint64_t index = send ? ch.sends++ : ch.receives++;
+    Message &m = ch.messages[index];
+    bool other = send ? m.received : m.sent;
+    if (other && (m.count != count || m.dtype != dtype))
+        sim::violation("%s does not match %s", describe_message(send, from, to, index, count, dtype).c_str(),
+                       describe_message(!send, from, to, index, m.count, m.dtype).c_str());
+    (send ? m.sent : m.received) = true;
+    m.count = count;
+    m.dtype = dtype;
+    P2p p{c, send, peer, index, send_buf, recv_buf, bytes, stream};
+    if (group_depth > 0) {
+        group_p2p.push_back(p);
+        return ncclSuccess;
+    }
+    enqueue_p2p(c, {p});
+    leave(c);
+    return ncclSuccess;
+}
+
+} // namespace
+
+EXPORT ncclResult_t ncclSend(const void *send, size_t count, int dtype, int peer, void *handle, void *stream) {
+    return p2p(true, send, nullptr, count, dtype, peer, handle, stream);
+}
+
+EXPORT ncclResult_t ncclRecv(void *recv, size_t count, int dtype, int peer, void *handle, void *stream) {
+    return p2p(false, nullptr, recv, count, dtype, peer, handle, stream);
+}
+
 EXPORT ncclResult_t ncclGroupStart() {
     group_depth++;
     return ncclSuccess;
@@ -442,9 +606,23 @@ EXPORT ncclResult_t ncclGroupEnd() {
     if (--group_depth > 0) return ncclSuccess;
     std::vector<Pending> pending;
     pending.swap(group_pending);
+    std::vector<P2p> p2ps;
+    p2ps.swap(group_p2p);
     std::unique_lock<std::mutex> lock(mutex);
     ncclResult_t result = ncclSuccess;
     std::vector<Comm *> used;
+    /* Each communicator's sends and receives of the group: one stream operation. */
+    std::vector<Comm *> exchanging;
+    for (const P2p &p : p2ps)
+        if (std::find(exchanging.begin(), exchanging.end(), p.comm) == exchanging.end()) exchanging.push_back(p.comm);
+    for (Comm *c : exchanging) {
+        if (c->aborted) sim::violation("ncclGroupEnd: a send or receive of rank %d's communicator, which was aborted inside the group", c->rank);
+        std::vector<P2p> mine;
+        for (const P2p &p : p2ps)
+            if (p.comm == c) mine.push_back(p);
+        enqueue_p2p(c, mine);
+        if (std::find(used.begin(), used.end(), c) == used.end()) c->inside = std::thread::id();
+    }
     for (const Pending &p : pending) {
         if (p.comm->aborted) sim::violation("ncclGroupEnd: a collective of rank %d's communicator, which was aborted inside the group", p.comm->rank);
         enqueue_collective(p, p.comm->issued++);

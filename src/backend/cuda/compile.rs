@@ -13,11 +13,13 @@ use crate::error::{Error, ErrorKind, Result};
 pub const SOURCE: &str = concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 12] = [
+pub const KERNELS: [&str; 14] = [
     "ga_add_multi",
     "ga_add_one",
     "ga_pack_control",
     "ga_or_flag",
+    "ga_to_bf16",
+    "ga_sum_bf16",
     "ga_begin_boundary",
     "ga_scale_sum_squares",
     "ga_finish_norm",

@@ -279,6 +279,11 @@ impl DeviceBuffer {
         DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: false }
     }
 
+    /// The buffer's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     pub fn ptr(&self) -> CUdeviceptr {
         self.ptr
     }

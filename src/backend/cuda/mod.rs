@@ -12,6 +12,7 @@ pub mod layout;
 mod scaler;
 mod sharded;
 mod store;
+mod wire;
 
 pub(crate) use scaler::CudaScaler;
 pub(crate) use sharded::ShardedDeviceStore;

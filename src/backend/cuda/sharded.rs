@@ -39,6 +39,7 @@ use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
 use super::store::{check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, GridCheck, NormSpan, CHUNK};
+use super::wire::Wire;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -165,6 +166,8 @@ pub(crate) struct ShardedDeviceStore {
     /// The overflow flag of the bucket adds on the communication stream (a separate word: two
     /// streams never write one), merged into `found_inf` when the micro-batch ends.
     sum_inf: DeviceBuffer,
+    /// The BF16 wire's staging, with `wire_dtype` BF16: every micro-batch's reductions have it.
+    wire: Option<Wire>,
     /// Scalers' gathers read the boundary on their streams: the next boundary (and the free)
     /// waits for them.
     boundary_reads: Mutex<SharedReads>,
@@ -227,6 +230,7 @@ impl ShardedDeviceStore {
             comm_stream: OnceLock::new(),
             event: Mutex::new(Event::new(&ctx)?),
             sum_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
+            wire: (plan.config.wire == Dtype::Bf16).then(|| Wire::new(ctx.clone(), kernels.clone(), stream)).transpose()?,
             pieces: DeviceBuffer::from_slice(&ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
             shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
@@ -375,6 +379,15 @@ impl ShardedDeviceStore {
         self.event().order(self.stream, stream)?;
         let at = |flat: usize| stage.buf.ptr() + 4 * (flat - bucket.start) as u64;
         let reduced = match self.group()? {
+            Some(c) if self.bf16(c).is_some() => {
+                let pieces: Vec<Range<usize>> = self
+                    .shards
+                    .iter()
+                    .map(|s| s.start.clamp(bucket.start, bucket.end) - bucket.start..s.end.clamp(bucket.start, bucket.end) - bucket.start)
+                    .collect();
+                let out = at(bucket.start + pieces[self.rank].start);
+                self.bf16(c).expect("matched above").reduce_to_owners(c, at(bucket.start), &pieces, out, stream)
+            }
             Some(c) => c.group(|| {
                 for (owner, shard) in self.shards.iter().enumerate() {
                     let piece = bucket.start.max(shard.start)..bucket.end.min(shard.end);
@@ -504,6 +517,11 @@ impl ShardedDeviceStore {
         self.shard.ptr() + 4 * offset as u64
     }
 
+    /// The BF16 wire's staging for a reduction over `c`: only between ranks.
+    fn bf16(&self, c: &NcclComm) -> Option<&Wire> {
+        self.wire.as_ref().filter(|_| c.world_size() > 1)
+    }
+
     /// The NCCL communicator of the shard group, when there is one.
     fn group(&self) -> Result<Option<&NcclComm>> {
         self.comm.as_deref().map(nccl).transpose()
@@ -534,7 +552,15 @@ impl ShardedDeviceStore {
             })?;
         }
         if let Some(c) = self.group()? {
-            c.reduce_scatter_sum_f32(staging, s.count, self.stream).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+            let reduced = match self.bf16(c) {
+                // The staging in NCCL's in-place layout: rank q's piece at `q * count`.
+                Some(wire) => {
+                    let pieces: Vec<Range<usize>> = (0..c.world_size()).map(|q| q * s.count..(q + 1) * s.count).collect();
+                    wire.reduce_to_owners(c, staging, &pieces, staging + (4 * self.rank * s.count) as u64, self.stream)
+                }
+                None => c.reduce_scatter_sum_f32(staging, s.count, self.stream),
+            };
+            reduced.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
         }
         if s.own == 0 {
             return Ok(());

@@ -23,11 +23,13 @@ use super::driver::{
 use super::kernels::Kernels;
 use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
+use super::wire::Wire;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
 use crate::device::Device;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 
@@ -127,6 +129,8 @@ pub(crate) struct DeviceStore {
     /// The boundary is read by scalers' gathers on their streams: the next boundary (and the
     /// free) waits for those reads.
     boundary_reads: Mutex<SharedReads>,
+    /// The BF16 wire's staging, with `wire_dtype` BF16.
+    wire: Option<Wire>,
 }
 
 // SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
@@ -389,6 +393,7 @@ impl DeviceStore {
             verified_grids: Mutex::new(Vec::new()),
             overlap: Mutex::new(None),
             comm_stream: OnceLock::new(),
+            wire: (plan.config.wire == Dtype::Bf16).then(|| Wire::new(ctx.clone(), kernels.clone(), stream)).transpose()?,
             ctx,
             kernels,
             stream,
@@ -450,7 +455,14 @@ impl DeviceStore {
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
         let comm = p.comm.map(nccl).transpose()?;
-        if let Some(c) = comm {
+        if let Some(c) = comm.filter(|c| self.bf16(c).is_some()) {
+            // The wire's kernels run between its collectives: no NCCL group around them. Bucket
+            // by bucket (sharded, each bucket's pieces to their owners), which bounds its staging.
+            c.allreduce_u64(boundary, 3, false, self.stream)?;
+            let buckets = self.plan.layout.buckets();
+            let left = overlap.as_ref().map_or(buckets.len(), |o| o.next);
+            buckets[..left].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream))?;
+        } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
             c.group(|| {
                 c.allreduce_u64(boundary, 3, false, self.stream)?;
@@ -465,6 +477,18 @@ impl DeviceStore {
         // over the replicas (FP32 sums, as on the CPU) before the norm.
         if let Some(r) = p.replicas.map(nccl).transpose()? {
             let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
+            // The wire is the first reduction's between ranks: the replicas', after a shard group
+            // of one (whose shard is the whole master, bucket by bucket).
+            if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
+                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                for b in self.plan.layout.buckets() {
+                    let piece = b.start.max(own.start)..b.end.min(own.end);
+                    if !piece.is_empty() {
+                        wire.allreduce(r, self.master_at(piece.start), piece.len(), self.stream)?;
+                    }
+                }
+                return self.finish_boundary(world, comm);
+            }
             // Every replica holds the same shard: an empty one is skipped by all of them (its
             // address may be one past a caller's master).
             r.group(|| {
@@ -478,9 +502,22 @@ impl DeviceStore {
         self.finish_boundary(world, comm)
     }
 
+    /// The BF16 wire's staging for a reduction over `c`: only between ranks.
+    fn bf16(&self, c: &NcclComm) -> Option<&Wire> {
+        self.wire.as_ref().filter(|_| c.world_size() > 1)
+    }
+
     /// Enqueues bucket `b`'s reduction on `stream`: an in-place all-reduce; sharded, each of its
-    /// pieces (a bucket may span shards) summed into the rank whose shard holds it.
+    /// pieces (a bucket may span shards) summed into the rank whose shard holds it. On the BF16
+    /// wire the same, through [`Wire`] (never inside an NCCL group: its kernels run between).
     fn reduce_bucket(&self, c: &NcclComm, b: &Range<usize>, stream: CUstream) -> Result<()> {
+        if let Some(wire) = self.bf16(c) {
+            let data = self.master_at(b.start);
+            let Some(s) = &self.sharded else { return wire.allreduce(c, data, b.len(), stream) };
+            let pieces: Vec<Range<usize>> =
+                s.shards.iter().map(|r| r.start.clamp(b.start, b.end) - b.start..r.end.clamp(b.start, b.end) - b.start).collect();
+            return wire.reduce_to_owners(c, data, &pieces, data + 4 * pieces[s.rank].start as u64, stream);
+        }
         let Some(s) = &self.sharded else { return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream) };
         c.group(|| {
             for (owner, shard) in s.shards.iter().enumerate() {

@@ -172,6 +172,21 @@ extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 
     b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
 }
 
+/* A bf16 wire's outgoing words: each FP32 value rounded to bfloat16 once (to nearest even). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_to_bf16(unsigned short *out, const float *in, ga_u64 n) {
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        out[i] = ga_f32_to_bf16(in[i]);
+    }
+}
+
+/* A bf16 wire's arrival: `out[i]` is the FP32 sum in rank order of the `world` contributions of
+ * `n` words each (ga_sum_bf16_at). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_sum_bf16(float *out, const unsigned short *in, ga_u64 n, ga_u64 world) {
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        out[i] = ga_sum_bf16_at(in, n, world, i);
+    }
+}
+
 /* Merges an overflow flag written on another stream (a sharded accumulation's bucket adds on
  * its communication stream) into the window's, once the streams are ordered. */
 extern "C" __global__ void ga_or_flag(ga_u32 *into, const ga_u32 *from) {

@@ -146,6 +146,17 @@ GA_HD unsigned short ga_f32_to_bf16(float value) {
     return (unsigned short)((x + rounding) >> 16);
 }
 
+/* Element i of a bf16 wire's reduction: `world` contributions of `n` bfloat16 words each (rank
+ * q's at q * n), widened exactly and summed in FP32 in rank order, each add rounded (the CPU's
+ * shares::sum_and_pass on widened words). */
+GA_HD float ga_sum_bf16_at(const unsigned short *in, ga_u64 n, ga_u64 world, ga_u64 i) {
+    float sum = ga_bf16_to_f32(in[i]);
+    for (ga_u64 q = 1; q < world; ++q) {
+        sum = GA_ADD(sum, ga_bf16_to_f32(in[q * n + i]));
+    }
+    return sum;
+}
+
 /* One gradient element of any dtype, widened to f32. */
 GA_HD float ga_load_grad(const void *grad, ga_u64 i, int dtype) {
     if (dtype == GA_DTYPE_F32) {
