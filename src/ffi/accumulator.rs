@@ -286,8 +286,11 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
 /// earlier collectives, then aborts the communicator, so that it never pairs a later call with
 /// the peers' reductions: their calls fail with GRADACC_STATUS_COMM_FAILURE or, at the latest,
 /// GRADACC_STATUS_TIMEOUT; a host read (save_window, master) waits no longer than the timeout.
-/// Micro-batches are whole (add): begin_microbatch is GRADACC_STATUS_BACKEND_UNAVAILABLE on every
-/// rank, and so is a BF16 wire.
+/// With add_tensor each bucket is reduced on a communication stream as soon as its tensors have
+/// landed, without a host wait; end_microbatch waits for the micro-batch's closing control step,
+/// which fails the micro-batch on every rank when an add_tensor was refused on any (the windows
+/// are discarded, the communicator stays usable). A BF16 wire exchanges bf16 words with
+/// ncclSend / ncclRecv and sums them in FP32 in rank order, as on the CPU.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
 /// holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the
@@ -527,9 +530,10 @@ unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
 /// and layout are agreed over all ranks (the world is the product of the group sizes); the norm
 /// is the whole gradient's; each shard is summed in its shard group in rank order, then over
 /// the replicas in their rank order. Replica groups whose ranks hold different shards, or an
-/// unsharded accumulator, fail on every rank with nothing reduced. Host communicators only
-/// (in-process, MPI); a CUDA accumulator gets GRADACC_STATUS_BACKEND_UNAVAILABLE. `*out_info`
-/// may be NULL.
+/// unsharded accumulator, fail on every rank with nothing reduced. Host communicators (in-process,
+/// MPI) for a CPU accumulator; for a CUDA accumulator, two NCCL communicators on its device (the
+/// first hybrid sync per pair of groups checks the grid's layouts, a host wait). `*out_info` may
+/// be NULL.
 ///
 /// Thread safety: as gradacc_accumulator_sync.
 #[no_mangle]
