@@ -597,6 +597,37 @@ fn add_assign_is_a_rounded_add_on_every_path() {
     }
 }
 
+#[test]
+fn copy_streaming_copies_every_bit_on_every_path() {
+    let mut rng = Rng::for_test("copy_streaming_copies_every_bit_on_every_path");
+    for len in SIZES {
+        for offset in 0..=7 {
+            let dst: Vec<f32> = (0..offset + len + 5).map(|_| rng.f32_in(30)).collect();
+            // NaN payloads and negative zeros travel as bits.
+            let src: Vec<f32> = (0..len + 3)
+                .map(|i| {
+                    if i % 11 == 0 {
+                        f32::from_bits(0x7fc0_1234 ^ i as u32)
+                    } else if i % 13 == 0 {
+                        -0.0
+                    } else {
+                        rng.f32_in(30)
+                    }
+                })
+                .collect();
+            let src = &src[3..];
+            for isa in cpu::supported_isas() {
+                let mut got = dst.clone();
+                cpu::with_isa(isa, || cpu::copy_streaming(&mut got[offset..offset + len], src));
+                let what = format!("copy_streaming len {len} offset {offset} {}", isa.name());
+                assert!(got[offset..offset + len].iter().zip(src).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: bits differ");
+                assert_eq!(got[..offset], dst[..offset], "{what}: wrote before its slice");
+                assert!(got[offset + len..].iter().zip(&dst[offset + len..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: wrote past it");
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Choosing the path
 

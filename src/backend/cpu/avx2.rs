@@ -174,3 +174,21 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     }
     scalar::add_assign(&mut dst[i..n], &src[i..n]);
 }
+
+/// `dst = src`, the 32-byte-aligned part with stores that bypass the cache, then a store fence.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn copy_streaming(dst: &mut [f32], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    let head = dst.as_ptr().align_offset(32).min(n);
+    dst[..head].copy_from_slice(&src[..head]);
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    let mut i = head;
+    while i + LANES <= n {
+        // SAFETY: i + LANES <= n, so i..i + LANES is in both slices; d + i is 32-byte aligned
+        // (head aligned it, and LANES f32s are 32 bytes).
+        unsafe { _mm256_stream_ps(d.add(i), _mm256_loadu_ps(s.add(i))) };
+        i += LANES;
+    }
+    dst[i..n].copy_from_slice(&src[i..n]);
+    _mm_sfence();
+}

@@ -227,6 +227,18 @@ pub fn add_and_block_sum_squares(buf: &mut [f32], addend: &[f32], factor: Option
     }
 }
 
+/// `dst = src` with stores that bypass the cache where the CPU has them (AVX2), then a store
+/// fence: for data another core reads next.
+pub fn copy_streaming(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len());
+    match active_isa() {
+        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::copy_streaming(dst, src) },
+        _ => dst.copy_from_slice(src),
+    }
+}
+
 /// `dst[i] += src[i]`, the reduction step of the communicators.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
