@@ -770,13 +770,30 @@ fn device_count() -> i32 {
     count
 }
 
-#[test]
-fn sharded_boundary_holds_the_all_reduce_shard_at_two_ranks() {
-    if device_count() < 2 {
-        return;
-    }
-    sharded_rounds(2, "sharded_boundary_holds_the_all_reduce_shard_at_two_ranks");
+/// Two tests of `rounds`: `$two` at two ranks, where there are two devices, and `$three` at three
+/// (see [`at_three_ranks`]).
+macro_rules! at_two_and_three_ranks {
+    ($two:ident, $three:ident, $rounds:ident) => {
+        #[test]
+        fn $two() {
+            if device_count() < 2 {
+                return;
+            }
+            $rounds(2, stringify!($two));
+        }
+
+        #[test]
+        fn $three() {
+            at_three_ranks(stringify!($three), $rounds);
+        }
+    };
 }
+
+at_two_and_three_ranks!(
+    sharded_boundary_holds_the_all_reduce_shard_at_two_ranks,
+    sharded_boundary_holds_the_all_reduce_shard_at_three_ranks,
+    sharded_rounds
+);
 
 /// Runs `rounds(3, test)` where there are three devices: on real GPUs only where there are; on
 /// the software GPU, whose device count is fixed when it loads, in a child process with three.
@@ -803,11 +820,6 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("1 passed"), "the {devices}-device run failed:\n{text}");
     eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
-}
-
-#[test]
-fn sharded_boundary_holds_the_all_reduce_shard_at_three_ranks() {
-    at_three_ranks("sharded_boundary_holds_the_all_reduce_shard_at_three_ranks", sharded_rounds);
 }
 
 /// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another
@@ -1016,18 +1028,7 @@ fn accumulate_rounds(world: usize, test: &str) {
     }
 }
 
-#[test]
-fn sharded_accumulation_matches_the_cpu_at_two_ranks() {
-    if device_count() < 2 {
-        return;
-    }
-    accumulate_rounds(2, "sharded_accumulation_matches_the_cpu_at_two_ranks");
-}
-
-#[test]
-fn sharded_accumulation_matches_the_cpu_at_three_ranks() {
-    at_three_ranks("sharded_accumulation_matches_the_cpu_at_three_ranks", accumulate_rounds);
-}
+at_two_and_three_ranks!(sharded_accumulation_matches_the_cpu_at_two_ranks, sharded_accumulation_matches_the_cpu_at_three_ranks, accumulate_rounds);
 
 /// What a sharded CUDA accumulation refuses: a host communicator, an NCCL communicator on another
 /// device, and a hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
@@ -1578,18 +1579,11 @@ fn hooks_rounds(world: usize, test: &str) {
     }
 }
 
-#[test]
-fn sharded_hooks_on_cuda_match_add_and_the_cpu_at_two_ranks() {
-    if device_count() < 2 {
-        return;
-    }
-    hooks_rounds(2, "sharded_hooks_on_cuda_match_add_and_the_cpu_at_two_ranks");
-}
-
-#[test]
-fn sharded_hooks_on_cuda_match_add_and_the_cpu_at_three_ranks() {
-    at_three_ranks("sharded_hooks_on_cuda_match_add_and_the_cpu_at_three_ranks", hooks_rounds);
-}
+at_two_and_three_ranks!(
+    sharded_hooks_on_cuda_match_add_and_the_cpu_at_two_ranks,
+    sharded_hooks_on_cuda_match_add_and_the_cpu_at_three_ranks,
+    hooks_rounds
+);
 
 /// Hooks under sharded accumulation on CUDA: a first micro-batch that one rank adds whole and the
 /// other tensor by tensor fails on both; a refused add_tensor on one rank (a second contribution,
@@ -1839,15 +1833,8 @@ fn bf16_wire_rounds(world: usize, test: &str) {
     });
 }
 
-#[test]
-fn a_bf16_wire_on_cuda_rounds_each_contribution_once_at_two_ranks() {
-    if device_count() < 2 {
-        return;
-    }
-    bf16_wire_rounds(2, "a_bf16_wire_on_cuda_rounds_each_contribution_once_at_two_ranks");
-}
-
-#[test]
-fn a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks() {
-    at_three_ranks("a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks", bf16_wire_rounds);
-}
+at_two_and_three_ranks!(
+    a_bf16_wire_on_cuda_rounds_each_contribution_once_at_two_ranks,
+    a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks,
+    bf16_wire_rounds
+);
