@@ -211,8 +211,9 @@ pub(crate) struct Workspace {
 /// between such a buffer and the caller's run at half speed when the two addresses agree in their
 /// low 12 bits, or nearly (a load waits for an unrelated store that looks like the same address:
 /// "4K aliasing"), and the caller's buffers usually start on a page boundary or a few bytes past
-/// one (malloc's header). Measured at 2 processes, 16M elements: the shared-memory sync took
-/// 1.4-2x as long with page-aligned outboxes as with these.
+/// one (malloc's header). Measured at 2 processes, 16M elements, on a loaded machine: the
+/// shared-memory sync took 43.8 ms with page-aligned outboxes and 23.8 ms with these (39.3 and
+/// 40.9 ms as MPI messages in the same runs).
 pub(crate) const SKEW: usize = 2048;
 
 /// Bytes in a page.
@@ -1014,7 +1015,7 @@ mod tests {
                     .map(|rank| {
                         let (pass, region, flags) = (&pass, &region, &flags);
                         s.spawn(move || {
-                            // Rank 2 never comes: a one-rank group of its own for the inner transport.
+                            // Rank 2 never comes; the others' inner transports are never reached.
                             if rank == 2 {
                                 return None;
                             }

@@ -147,7 +147,7 @@ impl Region {
 /// The reduction in shares over a [`Region`]: the data moves through the region, and `inner`
 /// (the group's own transport) gathers the block values.
 pub(crate) struct Shm<'a, T: ShareTransport + ?Sized> {
-    pub inner: &'a mut T,
+    inner: &'a mut T,
     region: &'a Region,
     /// Barriers this rank passed over the region's life: every rank passes the same ones.
     passed: &'a mut u64,
