@@ -175,6 +175,59 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     scalar::add_assign(&mut dst[i..n], &src[i..n]);
 }
 
+/// `dst[i] += src[i]`, the sum of squares of each `NORM_BLOCK` of the result into `out`, then
+/// `dst[i] *= factor` with `SCALE`, all in one sweep: the bits of `add_assign`, `block_sums` and
+/// `scale` run in turn, with one load and one store per element where those three make three each.
+///
+/// Unlike the other loops it prefetches both streams `AHEAD` bytes ahead: the serial f64 sums
+/// keep so many instructions in flight that the core stops running ahead of the hardware
+/// prefetchers. Over 50M elements streaming from DRAM, the sweep cost 1.22x `add_assign` without
+/// it and 1.12x with it; the three separate sweeps cost 1.45x.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn add_and_block_sums<const SCALE: bool>(dst: &mut [f32], src: &[f32], factor: f32, out: &mut [f64]) {
+    const _: () = assert!(math::NORM_LANES == 2 * LANES);
+    const AHEAD: usize = 1024;
+    let f = _mm256_set1_ps(factor);
+    for ((block, add), sum) in dst.chunks_mut(math::NORM_BLOCK).zip(src.chunks(math::NORM_BLOCK)).zip(out.iter_mut()) {
+        let n = block.len().min(add.len());
+        let full = n / math::NORM_LANES * math::NORM_LANES;
+        let (d, s) = (block.as_mut_ptr(), add.as_ptr());
+        // Lanes 4k..4k + 4 in `acc[k]`, as in `block_sums`: the low and high halves of each vector.
+        let mut acc = [_mm256_setzero_pd(); 4];
+        let mut i = 0;
+        while i < full {
+            // A prefetch never faults, so the addresses may run past the slices.
+            _mm_prefetch::<_MM_HINT_T0>(d.cast::<i8>().wrapping_add(4 * i + AHEAD));
+            _mm_prefetch::<_MM_HINT_T0>(s.cast::<i8>().wrapping_add(4 * i + AHEAD));
+            for (h, pair) in acc.chunks_exact_mut(2).enumerate() {
+                let j = i + h * LANES;
+                // SAFETY: j + LANES <= i + NORM_LANES <= full <= n, the shorter length, so j..j + LANES is in both slices.
+                let v = unsafe { _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j))) };
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+                pair[0] = _mm256_add_pd(pair[0], _mm256_mul_pd(lo, lo));
+                pair[1] = _mm256_add_pd(pair[1], _mm256_mul_pd(hi, hi));
+                let v = if SCALE { _mm256_mul_ps(v, f) } else { v };
+                // SAFETY: as for the loads.
+                unsafe { _mm256_storeu_ps(d.add(j), v) };
+            }
+            i += math::NORM_LANES;
+        }
+        let tail = &mut block[full..n];
+        scalar::add_assign(tail, &add[full..n]);
+        let mut lanes = [0.0; math::NORM_LANES];
+        for (k, a) in acc.iter().enumerate() {
+            // SAFETY: `lanes` holds NORM_LANES (16, asserted above) f64s; the stores are unaligned.
+            unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * k), *a) };
+        }
+        math::add_squares_to_lanes(&mut lanes, tail);
+        *sum = math::combine_lanes(lanes);
+        if SCALE {
+            scalar::scale(tail, factor);
+        }
+    }
+}
+
 /// `dst = src`, the 32-byte-aligned part with stores that bypass the cache, then a store fence.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn copy_streaming(dst: &mut [f32], src: &[f32]) {

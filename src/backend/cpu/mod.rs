@@ -212,12 +212,22 @@ pub fn scale_and_block_sum_squares(buf: &mut [f32], factor: f32, out: &mut [f64]
 
 /// `buf[i] += addend[i]`, then `out[b]` = the sum of squares of block `b` of the result, then
 /// `buf[i] *= factor` when there is a factor: block by block, so each block is added to, measured
-/// and scaled while it is in L1. Same bits as [`add_assign`], then [`block_sum_squares`], then
-/// [`scale`]. One thread: the boundary runs it on one rank's share of a chunk, a few hundred KB.
+/// and scaled while it is in L1 (on AVX2 and AVX-512 in one sweep, see `docs/kernels.md`). Same
+/// bits as [`add_assign`], then [`block_sum_squares`], then [`scale`]. One thread: the boundary
+/// runs it on one rank's share of a chunk, a few hundred KB.
 pub fn add_and_block_sum_squares(buf: &mut [f32], addend: &[f32], factor: Option<f32>, out: &mut [f64]) {
     assert_eq!(buf.len(), addend.len(), "buffer and addend lengths differ");
     assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
     let isa = active_isa();
+    match (isa, factor) {
+        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2 | Isa::Avx512, Some(factor)) => return unsafe { avx2::add_and_block_sums::<true>(buf, addend, factor, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2 | Isa::Avx512, None) => return unsafe { avx2::add_and_block_sums::<false>(buf, addend, 1.0, out) },
+        _ => {}
+    }
     for ((block, add), sum) in buf.chunks_mut(math::NORM_BLOCK).zip(addend.chunks(math::NORM_BLOCK)).zip(out) {
         add_assign_part(isa, block, add);
         block_sums_part(isa, block, std::slice::from_mut(sum));
