@@ -22,7 +22,7 @@ use std::io::Write as _;
 use std::sync::Barrier;
 use std::time::Instant;
 
-use common::{floor, fused, interleaved, kind, AlignedF32, Stats, TRIAD_FACTOR};
+use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FACTOR};
 use gradacc::backend::cpu;
 use gradacc::ffi::*;
 use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, Sharding, TensorDesc};
@@ -64,13 +64,19 @@ impl Options {
     }
 
     /// Writes one result line: `fields` is a JSON object body, `times` each variant's seconds.
-    fn record(&mut self, group: &str, fields: &str, times: &[(&str, Stats)]) {
-        let mut line = format!("{{\"group\":\"{group}\",{fields},\"times\":{{");
-        for (i, (name, s)) in times.iter().enumerate() {
-            let sep = if i > 0 { "," } else { "" };
-            let _ = write!(line, "{sep}\"{name}\":{{\"median\":{:e},\"min\":{:e},\"max\":{:e},\"n\":{}}}", s.median, s.min, s.max, s.n);
+    /// One JSON line: the times of the variants, and `ratios`, each the round-by-round ratio of
+    /// two of them (`"a/b"`, see [`common::Turns::ratio`]).
+    fn record(&mut self, group: &str, fields: &str, times: &[(&str, Stats)], ratios: &[(&str, Stats)]) {
+        let mut line = format!("{{\"group\":\"{group}\",{fields}");
+        for (key, entries) in [("times", times), ("ratios", ratios)] {
+            let _ = write!(line, ",\"{key}\":{{");
+            for (i, (name, s)) in entries.iter().enumerate() {
+                let sep = if i > 0 { "," } else { "" };
+                let _ = write!(line, "{sep}\"{name}\":{{\"median\":{:e},\"min\":{:e},\"max\":{:e},\"n\":{}}}", s.median, s.min, s.max, s.n);
+            }
+            line.push('}');
         }
-        line.push_str("}}\n");
+        line.push_str("}\n");
         if let Some(f) = &mut self.out {
             f.write_all(line.as_bytes()).expect("cannot write results");
         }
@@ -81,7 +87,7 @@ fn main() {
     let mut o = Options::parse();
     let isa = cpu::active_isa();
     println!("gradacc benchmark suite: {} path, median of {} rounds{}", isa.name(), o.rounds, if o.quick { " (quick)" } else { "" });
-    o.record("machine", &format!("\"isa\":\"{}\",\"quick\":{}", isa.name(), o.quick), &[]);
+    o.record("machine", &format!("\"isa\":\"{}\",\"quick\":{}", isa.name(), o.quick), &[], &[]);
 
     let max = if o.quick { 16 * MI } else { 256 * MI };
     let models = models(o.quick);
@@ -206,7 +212,7 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                     threads,
                     t[0].median * 1e9 / len as f64,
                     best * 1e9 / len as f64,
-                    t[0].median / best
+                    t.ratio(0, 3).median
                 );
                 o.record(
                     "sweep",
@@ -216,6 +222,7 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                         len * bytes_per_element(dtype)
                     ),
                     &[("gradacc", t[0]), ("copy", t[1]), ("triad", t[2]), ("fused", t[3])],
+                    &[("gradacc/fused", t.ratio(0, 3))],
                 );
             }
         }
@@ -326,7 +333,7 @@ fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)],
                     t[0].median * 1e3,
                     t[1].median * 1e3,
                     t[2].median * 1e3,
-                    t[0].median / t[1].median
+                    t.ratio(0, 1).median
                 );
                 o.record(
                     "layout",
@@ -339,6 +346,7 @@ fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)],
                         total * bytes_per_element(dtype)
                     ),
                     &[("gradacc", t[0]), ("fused", t[1]), ("triad", t[2])],
+                    &[("gradacc/fused", t.ratio(0, 1))],
                 );
             }
         }
@@ -413,6 +421,7 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
                     total * bytes_per_element(dtype)
                 ),
                 &[("rust_api", t[0]), ("c_abi", t[1]), ("triad", t[2]), ("fused", t[3])],
+                &[],
             );
         }
     }
@@ -508,8 +517,9 @@ fn boundary(o: &mut Options, n: usize) {
             .filter(|((k0, _), _)| *k0 == k)
             .map(|((_, a), (_, b))| std::array::from_fn(|i| a[i].max(b[i])))
             .collect();
-        let stat = |i: usize| Stats::of(&rows.iter().map(|r| r[i]).collect::<Vec<_>>());
-        let (d, c, r, nv, b) = (stat(0), stat(1), stat(2), stat(3), stat(4));
+        let t = Turns::new((0..5).map(|i| rows.iter().map(|r| r[i]).collect()).collect());
+        let (d, c, r, nv, b) = (t[0], t[1], t[2], t[3], t[4]);
+        let (d_b, c_b, r_d) = (t.ratio(0, 4), t.ratio(1, 4), t.ratio(2, 0));
         println!(
             "K = {k}: {:.1} | {:.1} | {:.1} | {:.1} | {:.1}  (sync / bare {:.2}, clipped / bare {:.2}, reduce-scatter / sync {:.2})",
             d.median * 1e3,
@@ -517,14 +527,15 @@ fn boundary(o: &mut Options, n: usize) {
             r.median * 1e3,
             nv.median * 1e3,
             b.median * 1e3,
-            d.median / b.median,
-            c.median / b.median,
-            r.median / d.median
+            d_b.median,
+            c_b.median,
+            r_d.median
         );
         o.record(
             "boundary_local",
             &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k},\"max_grad_norm\":1e-3"),
             &[("deferred", d), ("clipped", c), ("reduce_scatter", r), ("naive", nv), ("bare", b)],
+            &[("deferred/bare", d_b), ("clipped/bare", c_b), ("reduce_scatter/deferred", r_d)],
         );
     }
 }

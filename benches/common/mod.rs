@@ -78,11 +78,38 @@ impl Stats {
     }
 }
 
+/// The rounds of variants that took turns: `turns[i]` is variant `i`'s seconds per call.
+pub struct Turns {
+    stats: Vec<Stats>,
+    times: Vec<Vec<f64>>,
+}
+
+impl Turns {
+    pub fn new(times: Vec<Vec<f64>>) -> Turns {
+        Turns { stats: times.iter().map(|t| Stats::of(t)).collect(), times }
+    }
+
+    /// Variant `a`'s time over variant `b`'s, round by round. The two ran back to back in each
+    /// round, so a change of machine state between rounds (another process, a frequency step)
+    /// moves both and cancels in the ratio, where it does not cancel in a ratio of medians.
+    pub fn ratio(&self, a: usize, b: usize) -> Stats {
+        Stats::of(&self.times[a].iter().zip(&self.times[b]).map(|(x, y)| x / y).collect::<Vec<_>>())
+    }
+}
+
+impl std::ops::Index<usize> for Turns {
+    type Output = Stats;
+
+    fn index(&self, i: usize) -> &Stats {
+        &self.stats[i]
+    }
+}
+
 /// Runs `variants` in turns, `rounds` times after one untimed round, and returns each one's
 /// seconds per call. A variant whose call is shorter than `min_sample` seconds is called as many
 /// times per sample as it takes to reach that, so clock resolution and the loop do not count.
 /// Taking turns makes every variant see the same machine state (other processes, frequency).
-pub fn interleaved(rounds: usize, min_sample: f64, variants: &mut [&mut dyn FnMut()]) -> Vec<Stats> {
+pub fn interleaved(rounds: usize, min_sample: f64, variants: &mut [&mut dyn FnMut()]) -> Turns {
     let calls: Vec<usize> = variants
         .iter_mut()
         .map(|run| {
@@ -102,7 +129,7 @@ pub fn interleaved(rounds: usize, min_sample: f64, variants: &mut [&mut dyn FnMu
             times.push(t.elapsed().as_secs_f64() / k as f64);
         }
     }
-    times.iter().map(|t| Stats::of(t)).collect()
+    Turns::new(times)
 }
 
 /// Contiguous parts of whole 4096-element blocks, one per thread, the first on the calling thread.

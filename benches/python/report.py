@@ -60,6 +60,18 @@ def floor_of(rec):
     return med(rec, "fused")
 
 
+def ratio(rec, a, b):
+    """Variant a's time over variant b's: the median of their round-by-round ratios where the
+    benchmark recorded them (the two ran back to back in each round, so a change of machine state
+    between rounds cancels), else the ratio of their medians."""
+    paired = rec.get("ratios", {}).get(f"{a}/{b}")
+    return paired["median"] if paired else med(rec, a) / med(rec, b)
+
+
+def over_floor(rec):
+    return ratio(rec, "gradacc", "fused")
+
+
 def size(n):
     if n >= M and n % M == 0:
         return f"{n // M}M"
@@ -122,8 +134,11 @@ def parse_mpi(path):
             continue
         if header is None or not cells[0].isdigit():
             continue
-        row = {"k": int(cells[0]), "pieces": {}}
+        row = {"k": int(cells[0]), "pieces": {}, "over_fastest": {}}
         for name, cell in zip(header[1:], cells[1:]):
+            over = re.fullmatch(r"(\w+) / fastest", name)
+            if over:  # the median of the per-repeat ratios to the fastest all-reduce
+                row["over_fastest"][{"sync": "deferred"}.get(over.group(1), over.group(1))] = float(cell)
             if "(ms)" not in name:
                 continue
             v = float(cell) / 1e3
@@ -137,6 +152,12 @@ def parse_mpi(path):
             row["fastest"], row["fastest_form"] = best
             rows.append(row)
     return rows
+
+
+def over_fastest(row, name):
+    """An MPI row's `name` time over the fastest all-reduce: as the benchmark computed it, the
+    median of the per-repeat ratios, where its table has the column."""
+    return row["over_fastest"].get(name) or row[name] / row["fastest"]
 
 
 # How a record is matched across runs, per group.
@@ -315,16 +336,16 @@ class Report:
         # 1. add at the plain fused loop, flat and per layout, 1 and 2 threads, from 1M elements.
         per = [self.floor_rows(run) for run in runs]
         if all(per):
-            worst = [max(rows, key=lambda r: med(r, "gradacc") / floor_of(r)) for rows in per]
-            ratio = [med(w, "gradacc") / floor_of(w) for w in worst]
-            over = [sum(med(r, "gradacc") / floor_of(r) > FLOOR_TARGET for r in rows) for rows in per]
+            worst = [max(rows, key=over_floor) for rows in per]
+            worst_ratio = [over_floor(w) for w in worst]
+            over = [sum(over_floor(r) > FLOOR_TARGET for r in rows) for rows in per]
             flat = sum("layout" not in r for r in per[0])
-            measured = (f"worst {self.per_run([f'{x:.2f}× ({row_label(w)})' for x, w in zip(ratio, worst)], str)}, over "
+            measured = (f"worst {self.per_run([f'{x:.2f}× ({row_label(w)})' for x, w in zip(worst_ratio, worst)], str)}, over "
                         f"{len(per[0])} rows ({flat} flat, {len(per[0]) - flat} layout)")
             if any(over):
                 measured += f"; rows above {FLOOR_TARGET:.2f}×: {self.per_run(over, str)}"
                 # A row a single run puts above the target may be noise; one every run does is not.
-                above = [{row_label(r) for r in rows if med(r, "gradacc") / floor_of(r) > FLOOR_TARGET} for rows in per]
+                above = [{row_label(r) for r in rows if over_floor(r) > FLOOR_TARGET} for rows in per]
                 every = sorted(set.intersection(*above)) if len(per) > 1 else []
                 measured += (f"; above it in every run: {', '.join(every)}" if every else
                              "; no row above it in every run" if len(per) > 1 else "")
@@ -377,7 +398,7 @@ class Report:
             for name, what in (("deferred", "`sync`"), ("clipped", "with clipping")):
                 if not all(all(has(r, name) for r in run.local) for run in runs):
                     continue
-                worst = [max(med(r, name) / med(r, "bare") for r in run.local) for run in runs]
+                worst = [max(ratio(r, name, "bare") for r in run.local) for run in runs]
                 parts.append(f"{what} {self.per_run(worst, x2)}")
                 if name == "deferred":
                     oks.append([w <= BOUNDARY_TARGET for w in worst])
@@ -391,7 +412,7 @@ class Report:
             for name, what in (("deferred", "`sync`"), ("clipped", "with clipping"), ("messages", "as MPI messages")):
                 if not all(all(name in r for r in run.mpi) for run in runs):
                     continue
-                worst = [max(r[name] / r["fastest"] for r in run.mpi) for run in runs]
+                worst = [max(over_fastest(r, name) for r in run.mpi) for run in runs]
                 parts.append(f"{what} {self.per_run(worst, x2)}")
                 if name == "deferred":
                     oks.append([w <= BOUNDARY_TARGET for w in worst])
@@ -413,7 +434,7 @@ class Report:
                and any(p["case"] == "transformer" and p["numel"] == r["numel"] for p in self.peer)]
         peer = [r for r in self.peer if r["case"] == "transformer" and r["dtype"] != "f32"]
         if lay and peer:
-            at = [v for r in lay for v in self.values("layout", r, lambda r: med(r, "gradacc") / floor_of(r)) if v is not None]
+            at = [v for r in lay for v in self.values("layout", r, over_floor) if v is not None]
             # PyTorch's best effort against its own bound: the floor's time scaled from gradacc's
             # 10 B per element to the 14 B the best form moves.
             own = []
@@ -447,7 +468,7 @@ class Report:
             rows.append([size(n), r["dtype"], r["threads"], f"{g * 1e9 / n:.3f}", f"{r['bytes'] / g / 1e9:.1f}",
                          f"{med(r, 'copy') * 1e9 / n:.3f}", f"{med(r, 'triad') * 1e9 / n:.3f}",
                          f"{fl * 1e9 / n:.3f}", f"{r['bytes'] / fl / 1e9:.1f}",
-                         self.each("sweep", r, lambda r: med(r, "gradacc") / floor_of(r), x2, bold=True),
+                         self.each("sweep", r, over_floor, x2, bold=True),
                          self.each("sweep", r, lambda r: spread(r, "gradacc"), pct)])
         return table(["elements", "grads", "threads", "gradacc ns/elem", "gradacc GB/s", "copy ns/elem", "triad ns/elem",
                       "plain fused ns/elem", "floor GB/s", "gradacc ÷ floor", "spread"],
@@ -461,7 +482,7 @@ class Report:
             g, fl = med(r, "gradacc"), floor_of(r)
             rows.append([f"{LAYOUT_NAMES.get(r['layout'], r['layout'])}, d = {r.get('d', '?')}", r["tensors"], millions(r["numel"]),
                          r["dtype"], r["threads"], ms(g), ms(fl),
-                         self.each("layout", r, lambda r: med(r, "gradacc") / floor_of(r), x2, bold=True),
+                         self.each("layout", r, over_floor, x2, bold=True),
                          ms(med(r, "triad")), f"{r['bytes'] / g / 1e9:.1f}",
                          self.each("layout", r, lambda r: spread(r, "gradacc"), pct)])
         if not rows:
@@ -569,8 +590,8 @@ class Report:
             n = self.local[0]["numel"]
             rows = [[r["k"], ms(med(r, "deferred")), ms(med(r, "clipped")) if has(r, "clipped") else "–", ms(med(r, "naive")),
                      self.each("local", r, lambda r: med(r, "naive") / med(r, "deferred"), x2), ms(med(r, "bare")),
-                     self.each("local", r, lambda r: med(r, "deferred") / med(r, "bare"), x2, bold=True),
-                     self.each("local", r, lambda r: med(r, "clipped") / med(r, "bare"), x2, bold=True),
+                     self.each("local", r, lambda r: ratio(r, "deferred", "bare"), x2, bold=True),
+                     self.each("local", r, lambda r: ratio(r, "clipped", "bare"), x2, bold=True),
                      self.each("local", r, lambda r: spread(r, "deferred"), pct)]
                     for r in self.local]
             header = ["K", "deferred `sync` ms", "clipped `sync` ms", "all-reduce per micro-batch ms",
@@ -580,7 +601,7 @@ class Report:
                 header[3:3] = ["reduce-scatter `sync` ms", "reduce-scatter ÷ deferred"]
                 for row, r in zip(rows, self.local):
                     row[3:3] = [ms(med(r, "reduce_scatter")),
-                                self.each("local", r, lambda r: med(r, "reduce_scatter") / med(r, "deferred"), x2, bold=True)]
+                                self.each("local", r, lambda r: ratio(r, "reduce_scatter", "deferred"), x2, bold=True)]
             out.append(f"In-process communicator, 2 ranks (one thread each), {n:,} fp16 parameters in one tensor:\n\n"
                        + table(header, rows))
         if self.mpi:
@@ -588,14 +609,14 @@ class Report:
                      ms(r["messages"]) if "messages" in r else "–", ms(r["naive"]),
                      self.each("mpi", r, lambda r: r["naive"] / r["deferred"], x2), ms(r["bare"]),
                      f"{ms(r['fastest'])} ({r['fastest_form']})",
-                     self.each("mpi", r, lambda r: r["deferred"] / r["fastest"], x2, bold=True),
-                     self.each("mpi", r, lambda r: r["clipped"] / r["fastest"], x2, bold=True),
-                     self.each("mpi", r, lambda r: r["messages"] / r["fastest"], x2) if "messages" in r else "–"]
+                     self.each("mpi", r, lambda r: over_fastest(r, "deferred"), x2, bold=True),
+                     self.each("mpi", r, lambda r: over_fastest(r, "clipped"), x2, bold=True),
+                     self.each("mpi", r, lambda r: over_fastest(r, "messages"), x2) if "messages" in r else "–"]
                     for r in self.mpi]
             n = f"{self.mpi_n:,}" if self.mpi_n else "the same number of"
             out.append(f"Open MPI, 2 processes on this host (`scripts/bench-mpi {self.mpi_n}`), {n} fp16 parameters in one tensor; "
                        "*fastest all-reduce* is the fastest way `MPI_Allreduce` moved the same bytes in that run, one call or "
-                       "pieces of one size:\n\n"
+                       "pieces of one size, by median; each ratio to it is the median of the per-repeat ratios:\n\n"
                        + table(["K", "deferred `sync` ms", "clipped `sync` ms", "messages `sync` ms",
                                 "`MPI_Allreduce` per micro-batch ms", "per-micro-batch ÷ deferred", "bare `MPI_Allreduce` ms",
                                 "fastest all-reduce ms", "sync ÷ fastest", "clipped ÷ fastest", "messages ÷ fastest"], rows))
@@ -914,7 +935,13 @@ METHOD = """\
   (slowest − fastest) ÷ median over the rounds, for gradacc's column.
 - Taking turns keeps the floor and the competitors in the same machine state as gradacc, which
   matters on a shared 2-core machine: other work moves single rows by several percent from run to
-  run, and the 2-thread rows most."""
+  run, and the 2-thread rows most.
+- The ratios of the Rust suite (÷ floor, and the in-process boundary's ÷ bare and reduce-scatter ÷
+  deferred) are the median of the round-by-round ratios: the two variants ran back to back in
+  each round, so a change of machine state between rounds moves both and cancels, where it would
+  not cancel in a ratio of two medians. So are the MPI boundary's ratios to its fastest
+  all-reduce (that form chosen by median). The times shown are the medians; the PyTorch
+  comparison's ratios are ratios of medians."""
 
 
 def main():
