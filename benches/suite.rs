@@ -41,7 +41,7 @@ struct Options {
 
 impl Options {
     fn parse() -> Options {
-        let mut o = Options { quick: false, out: None, only: None, rounds: 9, min_sample: 0.004 };
+        let mut o = Options { quick: false, out: None, only: None, rounds: 15, min_sample: 0.01 };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
             match a.as_str() {
@@ -299,9 +299,9 @@ fn layouts(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)],
         // The largest layouts take a second or more a round per variant: fewer rounds keep the
         // full run within its time.
         let rounds = if total > 128 * MI {
-            o.rounds.min(5)
-        } else if total > 32 * MI {
             o.rounds.min(7)
+        } else if total > 32 * MI {
+            o.rounds.min(9)
         } else {
             o.rounds
         };
