@@ -557,22 +557,32 @@ fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
 #[test]
 fn add_and_block_sum_squares_equals_the_separate_passes_on_every_path() {
     let mut rng = Rng::for_test("add_and_block_sum_squares_equals_the_separate_passes_on_every_path");
-    let extra = [math::NORM_BLOCK - 1, 3 * math::NORM_BLOCK + 15, (1 << 20) + 4096 * 5 + 1000];
+    // Blocks that end in a whole vector group, exactly or after a partial last block.
+    let extra = [math::NORM_BLOCK - 1, 2 * math::NORM_BLOCK, math::NORM_BLOCK + 32, 3 * math::NORM_BLOCK + 15, (1 << 20) + 4096 * 5 + 1000];
     for len in SIZES.into_iter().chain(extra) {
-        let offset = rng.below(8) as usize;
+        let (offset, addend_offset) = (rng.below(8) as usize, rng.below(8) as usize);
         // GUARD elements after the slice catch a write past its end.
         const GUARD: usize = 24;
-        let buf: Vec<f32> = (0..offset + len + GUARD).map(|_| rng.f32_in(2)).collect();
-        let addend: Vec<f32> = (0..len).map(|_| rng.f32_in(2)).collect();
+        let mut buf: Vec<f32> = (0..offset + len + GUARD).map(|_| rng.f32_in(2)).collect();
+        let mut addend: Vec<f32> = (0..addend_offset + len).map(|_| rng.f32_in(2)).collect();
+        if len > 1 {
+            // One NaN (a single one, so no two payloads meet) and one sum that overflows to inf.
+            let (nan, big) = (rng.below(len as u64) as usize, rng.below(len as u64) as usize);
+            buf[offset + nan] = f32::NAN;
+            if big != nan {
+                (buf[offset + big], addend[addend_offset + big]) = (3e38, 3e38);
+            }
+        }
+        let addend = &addend[addend_offset..];
         let factor = rng.f32_in(10);
-        let sum: Vec<f32> = buf[offset..offset + len].iter().zip(&addend).map(|(&a, &b)| a + b).collect();
+        let sum: Vec<f32> = buf[offset..offset + len].iter().zip(addend).map(|(&a, &b)| a + b).collect();
         let want_sums = block_sums_by_definition(&sum);
         for (scale, want) in [(None, sum.clone()), (Some(factor), sum.iter().map(|&v| v * factor).collect())] {
             for isa in cpu::supported_isas() {
                 let what = format!("add_and_block_sum_squares len {len} offset {offset} scale {scale:?} {}", isa.name());
                 let mut got = buf.clone();
                 let mut sums = vec![-1.0; cpu::blocks(len)];
-                cpu::with_isa(isa, || cpu::add_and_block_sum_squares(&mut got[offset..offset + len], &addend, scale, &mut sums));
+                cpu::with_isa(isa, || cpu::add_and_block_sum_squares(&mut got[offset..offset + len], addend, scale, &mut sums));
                 assert_same_f64(&what, &sums, &want_sums);
                 assert_same(&what, &got[offset..offset + len], &want);
                 assert_eq!(got[..offset], buf[..offset], "{what}: wrote before its slice");
