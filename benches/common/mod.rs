@@ -89,9 +89,9 @@ impl Turns {
         Turns { stats: times.iter().map(|t| Stats::of(t)).collect(), times }
     }
 
-    /// Variant `a`'s time over variant `b`'s, round by round. The two ran back to back in each
-    /// round, so a change of machine state between rounds (another process, a frequency step)
-    /// moves both and cancels in the ratio, where it does not cancel in a ratio of medians.
+    /// Variant `a`'s time over variant `b`'s, round by round. The two ran in the same round, so a
+    /// change of machine state between rounds (another process, a frequency step) moves both and
+    /// cancels in the ratio, where it does not cancel in a ratio of medians.
     pub fn ratio(&self, a: usize, b: usize) -> Stats {
         Stats::of(&self.times[a].iter().zip(&self.times[b]).map(|(x, y)| x / y).collect::<Vec<_>>())
     }

@@ -62,8 +62,8 @@ def floor_of(rec):
 
 def ratio(rec, a, b):
     """Variant a's time over variant b's: the median of their round-by-round ratios where the
-    benchmark recorded them (the two ran back to back in each round, so a change of machine state
-    between rounds cancels), else the ratio of their medians."""
+    benchmark recorded them (the two ran in the same round, so a change of machine state between
+    rounds cancels), else the ratio of their medians."""
     paired = rec.get("ratios", {}).get(f"{a}/{b}")
     return paired["median"] if paired else med(rec, a) / med(rec, b)
 
@@ -937,9 +937,9 @@ METHOD = """\
   matters on a shared 2-core machine: other work moves single rows by several percent from run to
   run, and the 2-thread rows most.
 - The ratios of the Rust suite (÷ floor, and the in-process boundary's ÷ bare and reduce-scatter ÷
-  deferred) are the median of the round-by-round ratios: the two variants ran back to back in
-  each round, so a change of machine state between rounds moves both and cancels, where it would
-  not cancel in a ratio of two medians. So are the MPI boundary's ratios to its fastest
+  deferred) are the median of the round-by-round ratios: the two variants ran in the same round,
+  so a change of machine state between rounds moves both and cancels, where it would not cancel
+  in a ratio of two medians. So are the MPI boundary's ratios to its fastest
   all-reduce (that form chosen by median). The times shown are the medians; the PyTorch
   comparison's ratios are ratios of medians."""
 
