@@ -63,6 +63,22 @@ fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T 
     }
 }
 
+/// The device of rank `rank` (every rank of these tests runs on the device of its number): its
+/// context, a stream of its own, and the `Device` that names them.
+fn rank_device(rank: usize) -> (Arc<Context>, OwnedStream, Device) {
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    (ctx, stream, device)
+}
+
+/// Rank `rank` of the two-rank group `id`, on its own device, waiting at most `timeout`.
+fn pair_comm(id: &[u8; nccl::UNIQUE_ID_BYTES], rank: usize, timeout: Duration) -> Arc<dyn Communicator> {
+    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, 2, rank as i32).unwrap());
+    comm.set_timeout(Some(timeout)).unwrap();
+    comm
+}
+
 /// Defect 1: rank 1 never reaches the boundary, so rank 0's sync waits for it; another thread
 /// aborts rank 0's communicator. The sync must end with COMM_FAILURE soon after, and dropping
 /// both ranks' communicators must not wait for anything.
@@ -612,9 +628,7 @@ type RankResult = Vec<(SyncInfo, Range<usize>, Vec<f32>)>;
 /// One rank of a round: an unsharded and a sharded CUDA accumulator over NCCL, and a sharded CPU
 /// accumulator over the in-process communicator, fed the same micro-batches.
 fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID_BYTES], lc: &LocalComm, exact: bool) -> RankResult {
-    let ctx = Context::get(rank as i32).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let (ctx, stream, device) = rank_device(rank);
     let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
     Communicator::set_timeout(&*comm, Some(Duration::from_secs(30))).unwrap();
     let sharded_config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..r.config };
@@ -848,9 +862,7 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
                     let ids = &ids;
                     s.spawn(move || {
                         let (id, at, world) = if shared { (&ids[0], rank, 2) } else { (&ids[rank], 0, 1) };
-                        let ctx = Context::get(rank as i32).unwrap();
-                        let stream = OwnedStream::new(&ctx).unwrap();
-                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                        let (ctx, stream, device) = rank_device(rank);
                         let comm = Arc::new(NcclComm::new(id, at, world, rank as i32).unwrap());
                         Communicator::set_timeout(&*comm, Some(Duration::from_secs(20))).unwrap();
                         let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
@@ -931,9 +943,7 @@ fn run_accumulate_rank(
     lc: Arc<dyn Communicator>,
     exact: bool,
 ) -> RankResult {
-    let ctx = Context::get(rank as i32).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let (ctx, stream, device) = rank_device(rank);
     let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
     comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
@@ -1044,11 +1054,8 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
         std::thread::scope(|s| {
             for (rank, local) in locals.into_iter().enumerate() {
                 s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
-                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
-                    comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                    let (ctx, stream, device) = rank_device(rank);
+                    let comm = pair_comm(&id, rank, Duration::from_secs(20));
                     let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
                     let e = Accumulator::sharded_on(device, config, &tensors, local.clone()).unwrap_err();
@@ -1113,11 +1120,8 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
             std::thread::scope(|s| {
                 for (rank, (numel, invalid, syncs, want)) in ranks.into_iter().enumerate() {
                     s.spawn(move || {
-                        let ctx = Context::get(rank as i32).unwrap();
-                        let stream = OwnedStream::new(&ctx).unwrap();
-                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
-                        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
-                        comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                        let (ctx, stream, device) = rank_device(rank);
+                        let comm = pair_comm(&id, rank, Duration::from_secs(20));
                         let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
                         let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
                         let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
@@ -1154,11 +1158,8 @@ fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
         std::thread::scope(|s| {
             for rank in 0..2usize {
                 s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
-                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
-                    comm.set_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let (ctx, stream, device) = rank_device(rank);
+                    let comm = pair_comm(&id, rank, Duration::from_secs(5));
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
                     let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
                     let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
@@ -1414,9 +1415,7 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                 for rank in 0..2usize {
                     let ids = &ids;
                     s.spawn(move || {
-                        let ctx = Context::get(rank as i32).unwrap();
-                        let stream = OwnedStream::new(&ctx).unwrap();
-                        let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                        let (ctx, stream, device) = rank_device(rank);
                         let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[0], rank, 2, rank as i32).unwrap());
                         let stray: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[1], rank, 2, rank as i32).unwrap());
                         comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -1479,9 +1478,7 @@ fn run_hooks_rank(
     lc: Arc<dyn Communicator>,
     exact: bool,
 ) {
-    let ctx = Context::get(rank as i32).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let (ctx, stream, device) = rank_device(rank);
     let comms: Vec<Arc<dyn Communicator>> = ids
         .iter()
         .map(|id| {
@@ -1602,11 +1599,8 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
         std::thread::scope(|s| {
             for rank in 0..2usize {
                 s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
-                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
-                    comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
+                    let (ctx, stream, device) = rank_device(rank);
+                    let comm = pair_comm(&id, rank, Duration::from_secs(20));
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 6000, ..Default::default() };
                     let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
                     assert_eq!(acc.buckets().len(), 2);
@@ -1694,11 +1688,8 @@ fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
         std::thread::scope(|s| {
             for rank in 0..2usize {
                 s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
-                    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
-                    comm.set_timeout(Some(Duration::from_secs(120))).unwrap();
+                    let (ctx, stream, device) = rank_device(rank);
+                    let comm = pair_comm(&id, rank, Duration::from_secs(120));
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 1000, ..Default::default() };
                     let acc = Accumulator::sharded_on(device, config, &tensors, comm).unwrap();
                     assert_eq!(acc.buckets().len(), 8);
@@ -1763,9 +1754,7 @@ fn bf16_wire_rounds(world: usize, test: &str) {
         std::thread::scope(|s| {
             for rank in 0..world {
                 s.spawn(move || {
-                    let ctx = Context::get(rank as i32).unwrap();
-                    let stream = OwnedStream::new(&ctx).unwrap();
-                    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+                    let (ctx, stream, device) = rank_device(rank);
                     let comms: Vec<Arc<dyn Communicator>> = ids
                         .iter()
                         .map(|id| {
