@@ -61,6 +61,23 @@ fn main() {
                 );
                 row(len, "sum_squares (f32)", threads, 4.0, times);
             }
+            // The boundary's sweep over a rank's share, on one thread, as the communicators run it.
+            let addend = vec![0.25f32; len];
+            let times = compare(
+                &mut master,
+                |m| in_pieces(m, &addend, |m, a, sums| cpu::add_and_block_sum_squares(m, a, Some(0.5), sums)),
+                |m| in_pieces(m, &addend, |m, a, _| cpu::add_assign(m, a)),
+                |m| {
+                    in_pieces(m, &addend, |m, a, sums| {
+                        for ((m, a), sum) in m.chunks_mut(cpu::math::NORM_BLOCK).zip(a.chunks(cpu::math::NORM_BLOCK)).zip(sums) {
+                            cpu::add_assign(m, a);
+                            cpu::block_sum_squares(m, std::slice::from_mut(sum), 1);
+                            cpu::scale(m, 0.5, 1);
+                        }
+                    })
+                },
+            );
+            row(len, "boundary sweep (f32 + f32)", 1, 12.0, times);
         }
     }
     println!("\nGB/s counts the bytes each element moves once: the gradient (2 or 4 B) plus the master read");
@@ -68,7 +85,19 @@ fn main() {
     println!("the same traffic and no multiply or check (`dst += widen(src)`); the plain fused loop adds the");
     println!("multiply and the check, one vector at a time. The scale floor is the plain loop with no second");
     println!("input; the sum_squares floor is an f32 sum with no conversion to f64 (its two floor columns are");
-    println!("two samples of the same loop).");
+    println!("two samples of the same loop). The boundary sweep (`add_and_block_sum_squares`: add a peer's");
+    println!("FP32 share, sum the squares, normalise, in pieces as the communicators run it) moves 12 B; its");
+    println!("floor is `add_assign` alone, and its third column is the three sweeps per block it replaces.");
+}
+
+/// `f(piece of master, piece of addend, its block sums)` over pieces of the communicators' share
+/// size (`comm::shares::SHARE_NUMEL`, 64K elements), in order.
+fn in_pieces(master: &mut [f32], addend: &[f32], mut f: impl FnMut(&mut [f32], &[f32], &mut [f64])) {
+    const PIECE: usize = 64 * 1024;
+    let mut sums = vec![0.0; cpu::blocks(PIECE)];
+    for (m, a) in master.chunks_mut(PIECE).zip(addend.chunks(PIECE)) {
+        f(m, a, &mut sums[..cpu::blocks(m.len())]);
+    }
 }
 
 /// Median seconds of each of `runs` on `buf`: the kernel and two floors.

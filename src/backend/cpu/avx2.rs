@@ -181,8 +181,7 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
 ///
 /// Unlike the other loops it prefetches both streams `AHEAD` bytes ahead: the serial f64 sums
 /// keep so many instructions in flight that the core stops running ahead of the hardware
-/// prefetchers. Over 50M elements streaming from DRAM, the sweep cost 1.22x `add_assign` without
-/// it and 1.12x with it; the three separate sweeps cost 1.45x.
+/// prefetchers (see `docs/kernels.md`; `cargo bench --bench add`, the `boundary sweep` row).
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn add_and_block_sums<const SCALE: bool>(dst: &mut [f32], src: &[f32], factor: f32, out: &mut [f64]) {
     const _: () = assert!(math::NORM_LANES == 2 * LANES);
