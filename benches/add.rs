@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::{floor, floor_sum, fused, kind, median, pattern, AlignedF32};
+use common::{floor, floor_sum, fused, interleaved, kind, median, pattern, AlignedF32};
 use gradacc::backend::cpu;
 use gradacc::Grad;
 
@@ -88,6 +88,65 @@ fn main() {
     println!("two samples of the same loop). The boundary sweep (`add_and_block_sum_squares`: add a peer's");
     println!("FP32 share, sum the squares, normalise, in pieces as the communicators run it) moves 12 B; its");
     println!("floor is `add_assign` alone, and its third column is the three sweeps per block it replaces.");
+    placement(isa);
+}
+
+/// Where the gradient lies below the master modulo 4 KiB, in bytes. A core matches each load
+/// against older stores by the low 12 address bits, so a forward loop whose f32 gradient lies
+/// just below its master (48 B: a 64-byte-aligned master beside an `mmap`ed `Vec`'s data, which
+/// starts 16 B into its page) waits on its own stores.
+const DISTANCES: [usize; 6] = [0, 16, 48, 144, 1024, 4048];
+
+/// `cpu::accumulate` and the plain fused loop over the same master and gradient, placed at each of
+/// `DISTANCES`, at sizes that live in L2, in L3, about fill it and stream from DRAM (1 thread).
+fn placement(isa: cpu::Isa) {
+    println!("\n| size | dtype | gradient below master (B, mod 4 KiB) | ns/element | plain fused ns/element | ratio to it (median of rounds) |");
+    println!("|---:|---|---:|---:|---:|---:|");
+    let mut worst = (0.0f64, String::new());
+    for len in [64 << 10, 1 << 20, 4 << 20, 16 << 20] {
+        for distance in DISTANCES {
+            // The master 64 bytes into a page, as a 64-byte-aligned allocation of its own lands.
+            let (mut master, m0) = placed(0.0f32, 64, len);
+            let (mut f32_grad, g32) = placed(0.0f32, (64 + 4096 - distance) % 4096, len);
+            let (mut f16_grad, g16) = placed(0u16, (64 + 4096 - distance) % 4096, len);
+            for i in 0..len {
+                f32_grad[g32 + i] = pattern(i) as f32 / 8192.0 - 0.5;
+                f16_grad[g16 + i] = cpu::math::f32_to_f16(f32_grad[g32 + i]);
+            }
+            for (name, grad) in [("f32", Grad::F32(&f32_grad[g32..g32 + len])), ("f16", Grad::F16(&f16_grad[g16..g16 + len]))] {
+                let mp = master[m0..].as_mut_ptr();
+                // SAFETY: `mp` points at `len` f32s of `master`, and the two variants take turns.
+                let m = || unsafe { std::slice::from_raw_parts_mut(mp, len) };
+                let t = interleaved(
+                    15,
+                    0.005,
+                    &mut [&mut || assert!(!cpu::accumulate(m(), grad, FACTOR, false, 1)), &mut || {
+                        assert!(!fused(isa, &mut [m()], &[grad], FACTOR, 1))
+                    }],
+                );
+                let ratio = t.ratio(0, 1).median;
+                let size = if len >= 1 << 20 { format!("{}M", len >> 20) } else { format!("{}K", len >> 10) };
+                println!(
+                    "| {size} | {name} | {distance} | {:.3} | {:.3} | {ratio:.2} |",
+                    t[0].median * 1e9 / len as f64,
+                    t[1].median * 1e9 / len as f64
+                );
+                if ratio > worst.0 {
+                    worst = (ratio, format!("{size} {name} at {distance} B"));
+                }
+            }
+        }
+    }
+    println!("\nWorst ratio to the plain fused loop over these placements: {:.2} ({}).", worst.0, worst.1);
+}
+
+/// A buffer with room for `len` elements that start `offset` bytes past a 4 KiB boundary, and the
+/// index of that start.
+fn placed<T: Copy>(fill: T, offset: usize, len: usize) -> (Vec<T>, usize) {
+    let size = std::mem::size_of::<T>();
+    let buf = vec![fill; (offset + 2 * 4096) / size + len];
+    let start = buf.as_ptr().align_offset(4096) + offset / size;
+    (buf, start)
 }
 
 /// `f(piece of master, piece of addend, its block sums)` over pieces of the communicators' share

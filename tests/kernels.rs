@@ -224,6 +224,58 @@ fn accumulate_matches_reference_on_every_path() {
     }
 }
 
+/// A buffer with room for `len` elements that start `offset` bytes past a 4 KiB boundary, filled
+/// with `fill`, and the index of that start: the kernels choose their loop by where the master and
+/// the gradient lie modulo 4 KiB.
+fn at_page_offset<T: Copy>(fill: T, offset: usize, len: usize) -> (Vec<T>, usize) {
+    let size = std::mem::size_of::<T>();
+    let buf = vec![fill; (offset + 2 * 4096) / size + len];
+    let start = (buf.as_ptr().align_offset(4096) * size + offset) / size;
+    (buf, start)
+}
+
+#[test]
+fn accumulate_gives_the_same_bits_wherever_the_buffers_lie() {
+    let mut rng = Rng::for_test("accumulate_gives_the_same_bits_wherever_the_buffers_lie");
+    // Master minus gradient modulo 4 KiB, in bytes: inside the window where the f32 kernel runs
+    // backward (1..256) and on both sides of it, at several alignments.
+    let distances = [0, 4, 16, 48, 128, 252, 256, 1028, 4048, 4092];
+    for len in [1, 7, 31, 33, 100, 4097, 70_001, (1 << 20) + 3] {
+        for distance in distances {
+            let master_offset = 4 * rng.below(1024) as usize;
+            let grad_offset = (master_offset + 4096 - distance) % 4096;
+            let (grad_buf, g0) = at_page_offset(0.0f32, grad_offset, len);
+            let grad_at = grad_buf[g0..].as_ptr() as usize;
+            let mut grad = Buf::F32(grad_buf);
+            for i in 0..len {
+                grad.set(g0 + i, f32::from_bits(rng.grad_bits(Dtype::F32, 2)));
+            }
+            // One non-finite value, in the first, last or some vector, for half the placements.
+            let planted = (distance % 8 == 0).then(|| [0, len - 1, rng.below(len as u64) as usize][rng.below(3) as usize]);
+            if let Some(pos) = planted {
+                grad.set(g0 + pos, f32::INFINITY);
+            }
+            let master: Vec<f32> = (0..len).map(|_| rng.f32_in(2)).collect();
+            let factor = rng.f32_in(2).abs();
+            // Every run writes into the same placed buffer; the guard value around it must survive.
+            let guard = -1.5f32;
+            let (mut out, m0) = at_page_offset(guard, master_offset, len);
+            assert_eq!((out[m0..].as_ptr() as usize).wrapping_sub(grad_at) % 4096, distance, "placement");
+            for assign in [false, true] {
+                let want = reference(&master, &grad, g0, factor, assign);
+                for (isa, threads) in paths() {
+                    let what = format!("len {len} distance {distance} assign {assign} {} threads {threads}", isa.name());
+                    out[m0..m0 + len].copy_from_slice(&master);
+                    let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out[m0..m0 + len], grad.grad(g0).slice(0, len), factor, assign, threads));
+                    assert_same(&what, &out[m0..m0 + len], &want);
+                    assert_eq!(bad, planted.is_some(), "{what}: non-finite flag");
+                    assert!(out[..m0].iter().chain(&out[m0 + len..]).all(|&v| v == guard), "{what}: wrote outside the slice");
+                }
+            }
+        }
+    }
+}
+
 /// Sizes for the non-finite tests: long ones split over threads, with the bad value also at a
 /// thread boundary.
 const FLAG_SIZES: [usize; 4] = [1, 7, 4097, (1 << 20) + 3];

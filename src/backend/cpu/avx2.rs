@@ -63,33 +63,59 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen:
     *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
 }
 
+/// Bytes within which a store to the master can stall a later load of an f32 gradient: the core
+/// matches a load against older stores by the low 12 address bits, so when the gradient lies
+/// 1..`ALIAS_WINDOW` bytes below the master modulo 4 KiB, the loads running ahead of the last
+/// stores wait on them. `cargo bench --bench add` measures it (the placement rows).
+const ALIAS_WINDOW: usize = 256;
+
+/// Longest f32 run worth turning around: beyond about the last-level cache the stall hides behind
+/// DRAM, and a descending stream streamed a few percent slower than an ascending one there.
+const REVERSE_MAX: usize = 4 << 20;
+
+/// Whether an f32 pass over `master` and `grad` should visit its vectors backward: a forward loop
+/// would stall on its own stores, and a backward one meets that only when the gradient lies just
+/// above the master instead.
+fn stores_alias_later_loads(master: &[f32], grad: &[f32]) -> bool {
+    let distance = (master.as_ptr() as usize).wrapping_sub(grad.as_ptr() as usize) % 4096;
+    (1..ALIAS_WINDOW).contains(&distance) && master.len() <= REVERSE_MAX
+}
+
 macro_rules! accumulate_fn {
     ($name:ident, $elem:ty, $load:ident, $decode:expr) => {
+        /// With `BACKWARD` the vectors are visited from the last to the first; every element's
+        /// arithmetic, and so every bit of the result, is the same either way.
         #[target_feature(enable = "avx2,f16c")]
-        fn $name<const ASSIGN: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
+        fn $name<const ASSIGN: bool, const BACKWARD: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
             let n = master.len().min(grad.len());
             let head = master.as_ptr().align_offset(32).min(n);
+            let body = (n - head) / LANES * LANES;
             let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
             let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
             let f = _mm256_set1_ps(factor);
             let mut seen = _mm256_setzero_si256();
-            let mut i = head;
-            while i + LANES * UNROLL <= n {
+            // The start of the `at`-th vector of the body counted from the end the loop begins at.
+            let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
+            let mut done = 0;
+            while (done + UNROLL) * LANES <= body {
                 for k in 0..UNROLL {
-                    let j = i + k * LANES;
-                    // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
-                    // shorter slice's length, so both LANES-element runs at j are in bounds, and no
+                    let j = vector(done + k);
+                    // SAFETY: head <= j and j + LANES <= head + body <= n (both ends of `vector`,
+                    // with (done + UNROLL) * LANES <= body from the loop condition), and n is the
+                    // shorter slice's length, so both LANES-element runs at j are in bounds; no
                     // reference to `master` is live while `m` writes; the CPU features are this
                     // function's own, which the caller checked.
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
-                i += LANES * UNROLL;
+                done += UNROLL;
             }
-            while i + LANES <= n {
-                // SAFETY: as in the loop above, with i + LANES <= n from this loop's condition.
-                unsafe { step::<ASSIGN>(m.add(i), $load(g.add(i)), f, &mut seen) };
-                i += LANES;
+            while (done + 1) * LANES <= body {
+                let j = vector(done);
+                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's condition.
+                unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
+                done += 1;
             }
+            let i = head + body;
             bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
             bad | (_mm256_movemask_epi8(_mm256_cmpeq_epi32(seen, _mm256_set1_epi32(EXPONENT))) != 0)
         }
@@ -100,15 +126,22 @@ accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
 accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
 accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
 
+/// The fused pass. f32 gradients that a forward loop would stall on (`stores_alias_later_loads`)
+/// are visited backward; 16-bit ones advance at half the master's pace, so no placement keeps them
+/// in the stall for long and they always run forward.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
     match (grad, assign) {
-        (Grad::F32(g), false) => accumulate_f32::<false>(master, g, factor),
-        (Grad::F32(g), true) => accumulate_f32::<true>(master, g, factor),
-        (Grad::F16(g), false) => accumulate_f16::<false>(master, g, factor),
-        (Grad::F16(g), true) => accumulate_f16::<true>(master, g, factor),
-        (Grad::Bf16(g), false) => accumulate_bf16::<false>(master, g, factor),
-        (Grad::Bf16(g), true) => accumulate_bf16::<true>(master, g, factor),
+        (Grad::F32(g), assign) => match (assign, stores_alias_later_loads(master, g)) {
+            (false, false) => accumulate_f32::<false, false>(master, g, factor),
+            (false, true) => accumulate_f32::<false, true>(master, g, factor),
+            (true, false) => accumulate_f32::<true, false>(master, g, factor),
+            (true, true) => accumulate_f32::<true, true>(master, g, factor),
+        },
+        (Grad::F16(g), false) => accumulate_f16::<false, false>(master, g, factor),
+        (Grad::F16(g), true) => accumulate_f16::<true, false>(master, g, factor),
+        (Grad::Bf16(g), false) => accumulate_bf16::<false, false>(master, g, factor),
+        (Grad::Bf16(g), true) => accumulate_bf16::<true, false>(master, g, factor),
     }
 }
 
@@ -243,4 +276,24 @@ pub(super) fn copy_streaming(dst: &mut [f32], src: &[f32]) {
     }
     dst[i..n].copy_from_slice(&src[i..n]);
     _mm_sfence();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_gradient_just_below_the_master_modulo_4_kib_turns_the_loop_around() {
+        let buf = vec![0.0f32; 4096];
+        let master = &buf[2048..2048 + 64];
+        for (bytes, backward) in
+            [(0, false), (4, true), (48, true), (252, true), (256, false), (2048, false), (4092, false), (4096, false), (4096 + 48, true)]
+        {
+            let grad = &buf[2048 - bytes / 4..][..64];
+            assert_eq!(stores_alias_later_loads(master, grad), backward, "gradient {bytes} bytes below the master");
+        }
+        let long = vec![0.0f32; REVERSE_MAX + 16];
+        assert!(stores_alias_later_loads(&long[12..12 + REVERSE_MAX], &long[..64]), "REVERSE_MAX elements");
+        assert!(!stores_alias_later_loads(&long[12..13 + REVERSE_MAX], &long[..64]), "longer than REVERSE_MAX");
+    }
 }
