@@ -869,8 +869,9 @@ LayerNorm: 98 tensors of d to 4d elements), and *GPT-style*, 500 tensors (embedd
 512 × d, 31 blocks with separate q/k/v/o projections: 310 tensors of d or 4d elements). gradacc's `add` writes one flat 64-byte-aligned master (the
 layout `Accumulator::new` makes); the floor is the **plain fused loop run per tensor over
 per-tensor masters, each allocated on its own** (what a user's own parameters are), reading the
-same gradients; *triad, flat* is the triad over one flat buffer of the same bytes. The three take
-turns. GB/s counts g + 8 B per element."""
+same gradients; *triad, flat* is the triad over gradacc's flat master. Both sides' masters are
+allocated together, for each model, so that neither gets its memory in another state of the
+machine. The three take turns. GB/s counts g + 8 B per element."""
 
 PEER_METHOD = """\
 `benches/python/peer.py`, one process: the gradients are PyTorch tensors allocated one per parameter,
