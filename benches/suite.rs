@@ -449,7 +449,7 @@ fn boundary(o: &mut Options, n: usize) {
         n
     );
     let comms = LocalComm::group(2).expect("group");
-    let rounds = if o.quick { 3 } else { 7 };
+    let rounds = o.rounds;
     let barrier = Barrier::new(2);
     let whole = 0..n;
     let bucket = std::slice::from_ref(&whole);

@@ -930,7 +930,7 @@ METHOD = """\
   On a shared machine one run can be lucky or unlucky; two that agree are a result.
 - Every measurement: one untimed call of each variant, then the variants take turns for a number of
   rounds (15 in the Rust suite, 9 for layouts of over 32M elements and 7 over 128M; 7 in the
-  PyTorch comparison, 5 where some variant takes over a quarter second a call; 7 for the
+  PyTorch comparison, 5 where some variant takes over a quarter second a call; 15 for the
   in-process boundary; 15 after 3 warm-up steps for the MPI one); calls shorter than 10
   milliseconds are repeated within a sample; the median over rounds is reported. *Spread* is
   (slowest − fastest) ÷ median over the rounds, for gradacc's column.
