@@ -284,8 +284,8 @@ fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
         .collect()
 }
 
-/// Each model layout, dtype and thread count: gradacc's `add` over one flat 64-byte-aligned master
-/// (as `Accumulator::new` lays it out), the plain fused loop over per-tensor masters allocated one
+/// Each model layout, dtype and thread count: gradacc's `add` over one flat master (the layout
+/// `Accumulator::new` uses, in an adopted 64-byte-aligned buffer), the plain fused loop over per-tensor masters allocated one
 /// by one (as a user's own parameters are), and the triad over the flat master; all three read
 /// the same separately allocated gradients (the triad a flat one), taking turns. The flat master
 /// is allocated with the per-tensor ones, for each model, so that both sides get their memory in

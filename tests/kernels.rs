@@ -229,8 +229,9 @@ fn accumulate_matches_reference_on_every_path() {
 /// the gradient lie modulo 4 KiB.
 fn at_page_offset<T: Copy>(fill: T, offset: usize, len: usize) -> (Vec<T>, usize) {
     let size = std::mem::size_of::<T>();
+    assert_eq!(offset % size, 0, "offset {offset} is not a whole number of elements");
     let buf = vec![fill; (offset + 2 * 4096) / size + len];
-    let start = (buf.as_ptr().align_offset(4096) * size + offset) / size;
+    let start = buf.as_ptr().align_offset(4096) + offset / size;
     (buf, start)
 }
 

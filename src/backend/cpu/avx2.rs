@@ -63,20 +63,22 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen:
     *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
 }
 
-/// Bytes within which a store to the master can stall a later load of an f32 gradient: the core
-/// matches a load against older stores by the low 12 address bits, so when the gradient lies
-/// 1..`ALIAS_WINDOW` bytes below the master modulo 4 KiB, the loads running ahead of the last
-/// stores wait on them. `cargo bench --bench add` measures it (the placement rows).
+/// Bytes within which a store to the master can stall a later load of an f32 gradient: the cores
+/// measured match a load against older stores by the low 12 address bits, so when the gradient
+/// lies 1..`ALIAS_WINDOW` bytes below the master modulo 4 KiB, loads running ahead of the last
+/// stores can wait on them. `cargo bench --bench add` measures it (the placement rows: 16, 48 and
+/// 144 bytes stall, 1024 and 4048 do not; the edge at 256 is not pinned down).
 const ALIAS_WINDOW: usize = 256;
 
-/// Longest f32 run worth turning around: beyond about the last-level cache the stall hides behind
-/// DRAM, and a descending stream streamed a few percent slower than an ascending one there.
+/// Longest f32 piece worth turning around (one call's: a thread's part of a tensor): beyond about
+/// the last-level cache the stall hides behind DRAM, and a descending pass ran a few percent
+/// slower than an ascending one there.
 const REVERSE_MAX: usize = 4 << 20;
 
 /// Whether an f32 pass over `master` and `grad` should visit its vectors backward: a forward loop
-/// would stall on its own stores, and a backward one meets that only when the gradient lies just
-/// above the master instead.
-fn stores_alias_later_loads(master: &[f32], grad: &[f32]) -> bool {
+/// would stall on its own stores (a backward one meets that only when the gradient lies just above
+/// the master instead), and the piece is at most `REVERSE_MAX` elements long.
+fn visit_backward(master: &[f32], grad: &[f32]) -> bool {
     let distance = (master.as_ptr() as usize).wrapping_sub(grad.as_ptr() as usize) % 4096;
     (1..ALIAS_WINDOW).contains(&distance) && master.len() <= REVERSE_MAX
 }
@@ -94,7 +96,8 @@ macro_rules! accumulate_fn {
             let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
             let f = _mm256_set1_ps(factor);
             let mut seen = _mm256_setzero_si256();
-            // The start of the `at`-th vector of the body counted from the end the loop begins at.
+            // Start of the `at`-th vector visited: counted from the body's start going forward, from its
+            // end going backward.
             let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
             let mut done = 0;
             while (done + UNROLL) * LANES <= body {
@@ -126,13 +129,13 @@ accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
 accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
 accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
 
-/// The fused pass. f32 gradients that a forward loop would stall on (`stores_alias_later_loads`)
+/// The fused pass. f32 gradients that a forward loop would stall on (`visit_backward`)
 /// are visited backward; 16-bit ones advance at half the master's pace, so no placement keeps them
 /// in the stall for long and they always run forward.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
     match (grad, assign) {
-        (Grad::F32(g), assign) => match (assign, stores_alias_later_loads(master, g)) {
+        (Grad::F32(g), assign) => match (assign, visit_backward(master, g)) {
             (false, false) => accumulate_f32::<false, false>(master, g, factor),
             (false, true) => accumulate_f32::<false, true>(master, g, factor),
             (true, false) => accumulate_f32::<true, false>(master, g, factor),
@@ -290,10 +293,10 @@ mod tests {
             [(0, false), (4, true), (48, true), (252, true), (256, false), (2048, false), (4092, false), (4096, false), (4096 + 48, true)]
         {
             let grad = &buf[2048 - bytes / 4..][..64];
-            assert_eq!(stores_alias_later_loads(master, grad), backward, "gradient {bytes} bytes below the master");
+            assert_eq!(visit_backward(master, grad), backward, "gradient {bytes} bytes below the master");
         }
         let long = vec![0.0f32; REVERSE_MAX + 16];
-        assert!(stores_alias_later_loads(&long[12..12 + REVERSE_MAX], &long[..64]), "REVERSE_MAX elements");
-        assert!(!stores_alias_later_loads(&long[12..13 + REVERSE_MAX], &long[..64]), "longer than REVERSE_MAX");
+        assert!(visit_backward(&long[12..12 + REVERSE_MAX], &long[..64]), "REVERSE_MAX elements");
+        assert!(!visit_backward(&long[12..13 + REVERSE_MAX], &long[..64]), "longer than REVERSE_MAX");
     }
 }
