@@ -91,10 +91,10 @@ fn main() {
     placement(isa);
 }
 
-/// Where the gradient lies below the master modulo 4 KiB, in bytes. A core matches each load
-/// against older stores by the low 12 address bits, so a forward loop whose f32 gradient lies
-/// just below its master (48 B: a 64-byte-aligned master beside an `mmap`ed `Vec`'s data, which
-/// starts 16 B into its page) waits on its own stores.
+/// Where the gradient lies below the master modulo 4 KiB, in bytes: inside the window where the
+/// AVX2 f32 loop runs backward (16, 48, 144; 48 is a 64-byte-aligned master beside an `mmap`ed
+/// `Vec`'s data, which starts 16 B into its page) and outside it (see `docs/kernels.md`, "Where
+/// the buffers lie").
 const DISTANCES: [usize; 6] = [0, 16, 48, 144, 1024, 4048];
 
 /// `cpu::accumulate` and the plain fused loop over the same master and gradient, placed at each of

@@ -285,8 +285,9 @@ fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
 }
 
 /// Each model layout, dtype and thread count: gradacc's `add` over one flat master (the layout
-/// `Accumulator::new` uses, in an adopted 64-byte-aligned buffer), the plain fused loop over per-tensor masters allocated one
-/// by one (as a user's own parameters are), and the triad over the flat master; all three read
+/// `Accumulator::new` uses, in an adopted 64-byte-aligned buffer), the plain fused loop over
+/// per-tensor masters allocated one by one (as a user's own parameters are), and the triad over
+/// the flat master; all three read
 /// the same separately allocated gradients (the triad a flat one), taking turns. The flat master
 /// is allocated with the per-tensor ones, for each model, so that both sides get their memory in
 /// the same state of the machine: a buffer allocated at another time can land in slower memory

@@ -866,8 +866,8 @@ Two stacks of tensors at several widths d, in parameter order, gradients allocat
 *GPT-2-like*, 148 tensors (token embedding 64·d × d, position embedding 1024 × d, 12 blocks of
 LayerNorm, attention (d × 3d, d × d) and MLP (d × 4d, 4d × d) weights with their biases, a final
 LayerNorm: 98 tensors of d to 4d elements), and *GPT-style*, 500 tensors (embeddings 4096·d × d and
-512 × d, 31 blocks with separate q/k/v/o projections: 310 tensors of d or 4d elements). gradacc's `add` writes one flat 64-byte-aligned master (the
-layout `Accumulator::new` makes); the floor is the **plain fused loop run per tensor over
+512 × d, 31 blocks with separate q/k/v/o projections: 310 tensors of d or 4d elements). gradacc's `add` writes one flat master (the
+layout `Accumulator::new` makes, in an adopted 64-byte-aligned buffer); the floor is the **plain fused loop run per tensor over
 per-tensor masters, each allocated on its own** (what a user's own parameters are), reading the
 same gradients; *triad, flat* is the triad over gradacc's flat master. Both sides' masters are
 allocated together, for each model, so that neither gets its memory in another state of the

@@ -96,8 +96,8 @@ macro_rules! accumulate_fn {
             let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
             let f = _mm256_set1_ps(factor);
             let mut seen = _mm256_setzero_si256();
-            // Start of the `at`-th vector visited: counted from the body's start going forward, from its
-            // end going backward.
+            // Start of the `at`-th vector visited: counted from the body's start going forward,
+            // from its end going backward.
             let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
             let mut done = 0;
             while (done + UNROLL) * LANES <= body {
