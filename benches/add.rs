@@ -98,12 +98,13 @@ fn main() {
 const DISTANCES: [usize; 6] = [0, 16, 48, 144, 1024, 4048];
 
 /// `cpu::accumulate` and the plain fused loop over the same master and gradient, placed at each of
-/// `DISTANCES`, at sizes that live in L2, in L3, about fill it and stream from DRAM (1 thread).
+/// `DISTANCES`, at sizes that live in L2, in L3, on both sides of `REVERSE_MAX` and from DRAM
+/// (1 thread).
 fn placement(isa: cpu::Isa) {
     println!("\n| size | dtype | gradient below master (B, mod 4 KiB) | ns/element | plain fused ns/element | ratio to it (median of rounds) |");
     println!("|---:|---|---:|---:|---:|---:|");
     let mut worst = (0.0f64, String::new());
-    for len in [64 << 10, 1 << 20, 4 << 20, 16 << 20] {
+    for len in [64 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20] {
         for distance in DISTANCES {
             // The master 64 bytes into a page, as a 64-byte-aligned allocation of its own lands.
             let (mut master, m0) = placed(0.0f32, 64, len);

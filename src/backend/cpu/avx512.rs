@@ -1,13 +1,15 @@
 //! AVX-512F kernels, 16 f32 lanes per vector. Each loop peels a scalar head so stores are 64-byte
 //! aligned, runs four vectors per iteration, then one, and leaves the last few elements to the
-//! scalar kernel, which computes the same bits. No software prefetch: the hardware prefetchers
-//! keep up with these sequential streams (see `docs/kernels.md`).
+//! scalar kernel, which computes the same bits; the fused pass may visit its vectors backward
+//! (`alias`). No software prefetch: the hardware prefetchers keep up with these sequential streams
+//! (see `docs/kernels.md`).
 //!
 //! The functions are safe to call only where the CPU has AVX-512F, AVX2 and F16C: the caller
 //! checks that through `isa`.
 
 use std::arch::x86_64::*;
 
+use super::alias::visit_backward;
 use super::{math, scalar};
 use crate::dtype::Grad;
 
@@ -68,31 +70,40 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m512, factor: __m512, seen:
 
 macro_rules! accumulate_fn {
     ($name:ident, $elem:ty, $load:ident, $decode:expr) => {
+        /// With `BACKWARD` the vectors are visited from the last to the first; every element's
+        /// arithmetic, and so every bit of the result, is the same either way.
         #[target_feature(enable = "avx512f")]
-        fn $name<const ASSIGN: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
+        fn $name<const ASSIGN: bool, const BACKWARD: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
             let n = master.len().min(grad.len());
             let head = master.as_ptr().align_offset(64).min(n);
+            let body = (n - head) / LANES * LANES;
             let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
             let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
             let f = _mm512_set1_ps(factor);
             let mut seen = _mm512_setzero_si512();
-            let mut i = head;
-            while i + LANES * UNROLL <= n {
+            // Start of the `at`-th vector visited: counted from the body's start going forward,
+            // from its end going backward.
+            let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
+            let mut done = 0;
+            while (done + UNROLL) * LANES <= body {
                 for k in 0..UNROLL {
-                    let j = i + k * LANES;
-                    // SAFETY: j + LANES <= i + LANES * UNROLL <= n (the loop condition) and n is the
-                    // shorter slice's length, so both LANES-element runs at j are in bounds, and no
+                    let j = vector(done + k);
+                    // SAFETY: head <= j and j + LANES <= head + body <= n (both ends of `vector`,
+                    // with (done + UNROLL) * LANES <= body from the loop condition), and n is the
+                    // shorter slice's length, so both LANES-element runs at j are in bounds; no
                     // reference to `master` is live while `m` writes; the CPU features are this
                     // function's own, which the caller checked.
                     unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 }
-                i += LANES * UNROLL;
+                done += UNROLL;
             }
-            while i + LANES <= n {
-                // SAFETY: as in the loop above, with i + LANES <= n from this loop's condition.
-                unsafe { step::<ASSIGN>(m.add(i), $load(g.add(i)), f, &mut seen) };
-                i += LANES;
+            while (done + 1) * LANES <= body {
+                let j = vector(done);
+                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's condition.
+                unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
+                done += 1;
             }
+            let i = head + body;
             bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
             bad | (_mm512_cmpeq_epi32_mask(seen, _mm512_set1_epi32(EXPONENT)) != 0)
         }
@@ -103,15 +114,21 @@ accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
 accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
 accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
 
+/// The fused pass, with the AVX2 path's choice of direction: f32 gradients that a forward loop
+/// would stall on (`visit_backward`) are visited backward, 16-bit ones always forward.
 #[target_feature(enable = "avx512f")]
 pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
     match (grad, assign) {
-        (Grad::F32(g), false) => accumulate_f32::<false>(master, g, factor),
-        (Grad::F32(g), true) => accumulate_f32::<true>(master, g, factor),
-        (Grad::F16(g), false) => accumulate_f16::<false>(master, g, factor),
-        (Grad::F16(g), true) => accumulate_f16::<true>(master, g, factor),
-        (Grad::Bf16(g), false) => accumulate_bf16::<false>(master, g, factor),
-        (Grad::Bf16(g), true) => accumulate_bf16::<true>(master, g, factor),
+        (Grad::F32(g), assign) => match (assign, visit_backward(master, g)) {
+            (false, false) => accumulate_f32::<false, false>(master, g, factor),
+            (false, true) => accumulate_f32::<false, true>(master, g, factor),
+            (true, false) => accumulate_f32::<true, false>(master, g, factor),
+            (true, true) => accumulate_f32::<true, true>(master, g, factor),
+        },
+        (Grad::F16(g), false) => accumulate_f16::<false, false>(master, g, factor),
+        (Grad::F16(g), true) => accumulate_f16::<true, false>(master, g, factor),
+        (Grad::Bf16(g), false) => accumulate_bf16::<false, false>(master, g, factor),
+        (Grad::Bf16(g), true) => accumulate_bf16::<true, false>(master, g, factor),
     }
 }
 

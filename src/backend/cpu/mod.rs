@@ -4,6 +4,8 @@
 //! bitwise identical for any ISA and any thread count.
 
 #[cfg(target_arch = "x86_64")]
+mod alias;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
