@@ -1,6 +1,6 @@
 //! Where an f32 pass would stall on its own stores ("4K aliasing"), and when the SIMD loops visit
-//! their vectors backward to avoid it. The AVX2 and AVX-512 loops share this rule; see
-//! `docs/kernels.md`, "Where the buffers lie".
+//! their vectors backward to avoid it. The AVX2 and AVX-512 fused passes share this rule through
+//! `accumulate_in_direction`; see `docs/kernels.md`, "Where the buffers lie".
 
 /// Bytes within which a store to the master can stall a later load of an f32 gradient: the cores
 /// measured match a load against older stores by the low 12 address bits, so when the gradient
@@ -22,6 +22,28 @@ pub(super) fn visit_backward(master: &[f32], grad: &[f32]) -> bool {
     let distance = (master.as_ptr() as usize).wrapping_sub(grad.as_ptr() as usize) % 4096;
     (1..ALIAS_WINDOW).contains(&distance) && master.len() <= REVERSE_MAX
 }
+
+/// The body of a SIMD path's fused pass: `accumulate_f32`, `accumulate_f16` and
+/// `accumulate_bf16`, the path's loops generic over `<ASSIGN, BACKWARD>`, called in the direction
+/// `visit_backward` picks for f32 gradients. 16-bit gradients advance at half the master's pace, so
+/// no placement keeps them in the stall for long: they always run forward.
+macro_rules! accumulate_in_direction {
+    ($master:ident, $grad:ident, $factor:ident, $assign:ident) => {
+        match ($grad, $assign) {
+            (Grad::F32(g), assign) => match (assign, super::alias::visit_backward($master, g)) {
+                (false, false) => accumulate_f32::<false, false>($master, g, $factor),
+                (false, true) => accumulate_f32::<false, true>($master, g, $factor),
+                (true, false) => accumulate_f32::<true, false>($master, g, $factor),
+                (true, true) => accumulate_f32::<true, true>($master, g, $factor),
+            },
+            (Grad::F16(g), false) => accumulate_f16::<false, false>($master, g, $factor),
+            (Grad::F16(g), true) => accumulate_f16::<true, false>($master, g, $factor),
+            (Grad::Bf16(g), false) => accumulate_bf16::<false, false>($master, g, $factor),
+            (Grad::Bf16(g), true) => accumulate_bf16::<true, false>($master, g, $factor),
+        }
+    };
+}
+pub(super) use accumulate_in_direction;
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::alias::visit_backward;
+use super::alias::accumulate_in_direction;
 use super::{math, scalar};
 use crate::dtype::Grad;
 
@@ -114,22 +114,10 @@ accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
 accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
 accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
 
-/// The fused pass, with the AVX2 path's choice of direction: f32 gradients that a forward loop
-/// would stall on (`visit_backward`) are visited backward, 16-bit ones always forward.
+/// The fused pass, each loop in the direction `alias` picks.
 #[target_feature(enable = "avx512f")]
 pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
-    match (grad, assign) {
-        (Grad::F32(g), assign) => match (assign, visit_backward(master, g)) {
-            (false, false) => accumulate_f32::<false, false>(master, g, factor),
-            (false, true) => accumulate_f32::<false, true>(master, g, factor),
-            (true, false) => accumulate_f32::<true, false>(master, g, factor),
-            (true, true) => accumulate_f32::<true, true>(master, g, factor),
-        },
-        (Grad::F16(g), false) => accumulate_f16::<false, false>(master, g, factor),
-        (Grad::F16(g), true) => accumulate_f16::<true, false>(master, g, factor),
-        (Grad::Bf16(g), false) => accumulate_bf16::<false, false>(master, g, factor),
-        (Grad::Bf16(g), true) => accumulate_bf16::<true, false>(master, g, factor),
-    }
+    accumulate_in_direction!(master, grad, factor, assign)
 }
 
 #[target_feature(enable = "avx512f")]
