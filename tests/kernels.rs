@@ -664,8 +664,8 @@ fn add_assign_is_a_rounded_add_on_every_path() {
 }
 
 #[test]
-fn copy_streaming_copies_every_bit_on_every_path() {
-    let mut rng = Rng::for_test("copy_streaming_copies_every_bit_on_every_path");
+fn copies_for_a_peer_copy_every_bit_on_every_path() {
+    let mut rng = Rng::for_test("copies_for_a_peer_copy_every_bit_on_every_path");
     for len in SIZES {
         for offset in 0..=7 {
             let dst: Vec<f32> = (0..offset + len + 5).map(|_| rng.f32_in(30)).collect();
@@ -682,10 +682,13 @@ fn copy_streaming_copies_every_bit_on_every_path() {
                 })
                 .collect();
             let src = &src[3..];
-            for isa in cpu::supported_isas() {
+            // The streaming copy, and the copy the communicators stage with (one of the two).
+            type Copy = fn(&mut [f32], &[f32]);
+            let copies: [(&str, Copy); 2] = [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
+            for (isa, (name, copy)) in cpu::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c))) {
                 let mut got = dst.clone();
-                cpu::with_isa(isa, || cpu::copy_streaming(&mut got[offset..offset + len], src));
-                let what = format!("copy_streaming len {len} offset {offset} {}", isa.name());
+                cpu::with_isa(isa, || copy(&mut got[offset..offset + len], src));
+                let what = format!("{name} len {len} offset {offset} {}", isa.name());
                 assert!(got[offset..offset + len].iter().zip(src).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: bits differ");
                 assert_eq!(got[..offset], dst[..offset], "{what}: wrote before its slice");
                 assert!(got[offset + len..].iter().zip(&dst[offset + len..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: wrote past it");

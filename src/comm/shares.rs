@@ -357,7 +357,7 @@ impl StepPieces {
 fn gather_step(t: &mut (impl ShareTransport + ?Sized), buf: &mut [f32], k: usize, steps: usize, s: &StepPieces) -> Result<()> {
     let rank = t.rank();
     let len = s.len();
-    cpu::copy_streaming(&mut values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()], &buf[s.pieces[rank].clone()]);
+    cpu::copy_for_peer(&mut values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()], &buf[s.pieces[rank].clone()]);
     t.gather(Step::Gather { chunk: k + 1, chunks: steps }, k, &s.packed)?;
     for q in (0..t.world()).filter(|&q| q != rank) {
         buf[s.pieces[q].clone()].copy_from_slice(t.finished(q));
@@ -407,7 +407,7 @@ pub(crate) fn reduce_by_cut(
             if bf16 {
                 cpu::to_bf16_bits(from, to);
             } else {
-                cpu::copy_streaming(values_mut(to), from);
+                cpu::copy_for_peer(values_mut(to), from);
             }
         }
         t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, k, &on_wire)?;

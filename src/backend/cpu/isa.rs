@@ -64,6 +64,32 @@ fn probe() -> Isa {
     Isa::Scalar
 }
 
+/// Whether data handed to another core (a communicator's outbox, read by a peer right after) is
+/// best written with streaming stores, which send it to memory, rather than left in this core's
+/// cache for the other core to fetch. Decided once, by the CPU's vendor, from the machines
+/// measured (`docs/mpi.md`, "Staging for the peer"): on AMD EPYC (Zen 3) the peer read freshly
+/// written lines more slowly than memory, on an Intel Xeon (Cascade Lake) faster, from the L3.
+pub fn stream_to_peers() -> bool {
+    static STREAM: OnceLock<bool> = OnceLock::new();
+    *STREAM.get_or_init(|| matches!(&vendor(), b"AuthenticAMD" | b"HygonGenuine"))
+}
+
+/// The CPU's vendor string (CPUID leaf 0: EBX, EDX, ECX).
+#[cfg(target_arch = "x86_64")]
+fn vendor() -> [u8; 12] {
+    let id = std::arch::x86_64::__cpuid(0);
+    let mut name = [0; 12];
+    for (bytes, reg) in name.chunks_exact_mut(4).zip([id.ebx, id.edx, id.ecx]) {
+        bytes.copy_from_slice(&reg.to_le_bytes());
+    }
+    name
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn vendor() -> [u8; 12] {
+    [0; 12]
+}
+
 /// The process default: the widest supported path, or the one `GRADACC_CPU_ISA` names (clamped).
 /// An unknown name is ignored.
 fn process_default() -> Isa {
@@ -125,5 +151,19 @@ mod tests {
         assert_eq!(active_isa(), before);
         assert_eq!(supported_isas().first(), Some(&Isa::Scalar));
         assert_eq!(supported_isas().last(), Some(&widest_supported()));
+    }
+
+    #[test]
+    fn the_vendor_is_read_as_text() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let vendor = vendor();
+            assert!(vendor.iter().all(u8::is_ascii_graphic), "{vendor:?}");
+            let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+            if let Some(line) = cpuinfo.lines().find(|l| l.starts_with("vendor_id")) {
+                assert!(line.ends_with(std::str::from_utf8(&vendor).unwrap()), "{line} against {vendor:?}");
+            }
+        }
+        assert_eq!(stream_to_peers(), matches!(&vendor(), b"AuthenticAMD" | b"HygonGenuine"));
     }
 }

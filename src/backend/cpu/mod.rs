@@ -16,7 +16,7 @@ mod scalar;
 mod sharded;
 mod store;
 
-pub use isa::{active_isa, supported_isas, with_isa, Isa};
+pub use isa::{active_isa, stream_to_peers, supported_isas, with_isa, Isa};
 pub(crate) use sharded::ShardedStore;
 pub(crate) use store::HostStore;
 
@@ -239,8 +239,18 @@ pub fn add_and_block_sum_squares(buf: &mut [f32], addend: &[f32], factor: Option
     }
 }
 
+/// `dst = src` for data another core reads next: with [`copy_streaming`] where
+/// [`isa::stream_to_peers`] says so, with the plain copy elsewhere.
+pub fn copy_for_peer(dst: &mut [f32], src: &[f32]) {
+    if isa::stream_to_peers() {
+        copy_streaming(dst, src)
+    } else {
+        dst.copy_from_slice(src)
+    }
+}
+
 /// `dst = src` with stores that bypass the cache where the CPU has them (AVX2), then a store
-/// fence: for data another core reads next.
+/// fence.
 pub fn copy_streaming(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
     match active_isa() {
