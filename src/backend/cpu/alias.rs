@@ -1,6 +1,7 @@
 //! Where an f32 pass would stall on its own stores ("4K aliasing"), and when the SIMD loops visit
-//! their vectors backward to avoid it. The AVX2 and AVX-512 fused passes share this rule through
-//! `accumulate_in_direction`; see `docs/kernels.md`, "Where the buffers lie".
+//! their vectors backward to avoid it. The AVX2 and AVX-512 fused passes share this rule, and the
+//! loop that can run either way (`accumulate_loop`, `accumulate_in_direction`); see
+//! `docs/kernels.md`, "Where the buffers lie".
 
 /// Bytes within which a store to the master can stall a later load of an f32 gradient: the cores
 /// measured match a load against older stores by the low 12 address bits, so when the gradient
@@ -22,6 +23,53 @@ pub(super) fn visit_backward(master: &[f32], grad: &[f32]) -> bool {
     let distance = (master.as_ptr() as usize).wrapping_sub(grad.as_ptr() as usize) % 4096;
     (1..ALIAS_WINDOW).contains(&distance) && master.len() <= REVERSE_MAX
 }
+
+/// Defines a SIMD path's fused loop for one gradient type, generic over `<ASSIGN, BACKWARD>`: a
+/// scalar head up to the path's store alignment (`$align` bytes), `UNROLL` vectors at a time, then
+/// single vectors, then a scalar tail; with `BACKWARD` the vectors are visited from the last to the
+/// first. Every element's arithmetic, and so every bit of the result, is the same either way. The
+/// path supplies `LANES`, `UNROLL`, `step` and, over its own vector types, `splat`, `nothing_seen`
+/// and `seen_non_finite`.
+macro_rules! accumulate_loop {
+    ($features:literal, $align:literal, $name:ident, $elem:ty, $load:ident, $decode:expr) => {
+        #[target_feature(enable = $features)]
+        fn $name<const ASSIGN: bool, const BACKWARD: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
+            let n = master.len().min(grad.len());
+            let head = master.as_ptr().align_offset($align).min(n);
+            let body = (n - head) / LANES * LANES;
+            let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
+            let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
+            let f = splat(factor);
+            let mut seen = nothing_seen();
+            // Start of the `at`-th vector visited: counted from the body's start going forward,
+            // from its end going backward.
+            let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
+            let mut done = 0;
+            while (done + UNROLL) * LANES <= body {
+                for k in 0..UNROLL {
+                    let j = vector(done + k);
+                    // SAFETY: head <= j and j + LANES <= head + body <= n (both ends of `vector`,
+                    // with (done + UNROLL) * LANES <= body from the loop condition), and n is the
+                    // shorter slice's length, so both LANES-element runs at j are in bounds; no
+                    // reference to `master` is live while `m` writes; the CPU features are this
+                    // function's own, which the caller checked.
+                    unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
+                }
+                done += UNROLL;
+            }
+            while (done + 1) * LANES <= body {
+                let j = vector(done);
+                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's condition.
+                unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
+                done += 1;
+            }
+            let i = head + body;
+            bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
+            bad | seen_non_finite(seen)
+        }
+    };
+}
+pub(super) use accumulate_loop;
 
 /// The body of a SIMD path's fused pass: `accumulate_f32`, `accumulate_f16` and
 /// `accumulate_bf16`, the path's loops generic over `<ASSIGN, BACKWARD>`, called in the direction

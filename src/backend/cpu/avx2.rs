@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::alias::accumulate_in_direction;
+use super::alias::{accumulate_in_direction, accumulate_loop};
 use super::{math, scalar};
 use crate::dtype::Grad;
 
@@ -64,51 +64,30 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen:
     *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
 }
 
-macro_rules! accumulate_fn {
-    ($name:ident, $elem:ty, $load:ident, $decode:expr) => {
-        /// With `BACKWARD` the vectors are visited from the last to the first; every element's
-        /// arithmetic, and so every bit of the result, is the same either way.
-        #[target_feature(enable = "avx2,f16c")]
-        fn $name<const ASSIGN: bool, const BACKWARD: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
-            let n = master.len().min(grad.len());
-            let head = master.as_ptr().align_offset(32).min(n);
-            let body = (n - head) / LANES * LANES;
-            let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
-            let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
-            let f = _mm256_set1_ps(factor);
-            let mut seen = _mm256_setzero_si256();
-            // Start of the `at`-th vector visited: counted from the body's start going forward,
-            // from its end going backward.
-            let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
-            let mut done = 0;
-            while (done + UNROLL) * LANES <= body {
-                for k in 0..UNROLL {
-                    let j = vector(done + k);
-                    // SAFETY: head <= j and j + LANES <= head + body <= n (both ends of `vector`,
-                    // with (done + UNROLL) * LANES <= body from the loop condition), and n is the
-                    // shorter slice's length, so both LANES-element runs at j are in bounds; no
-                    // reference to `master` is live while `m` writes; the CPU features are this
-                    // function's own, which the caller checked.
-                    unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
-                }
-                done += UNROLL;
-            }
-            while (done + 1) * LANES <= body {
-                let j = vector(done);
-                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's condition.
-                unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
-                done += 1;
-            }
-            let i = head + body;
-            bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
-            bad | (_mm256_movemask_epi8(_mm256_cmpeq_epi32(seen, _mm256_set1_epi32(EXPONENT))) != 0)
-        }
-    };
+/// `x` in every lane.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn splat(x: f32) -> __m256 {
+    _mm256_set1_ps(x)
 }
 
-accumulate_fn!(accumulate_f32, f32, load_f32, |x| x);
-accumulate_fn!(accumulate_f16, u16, load_f16, math::f16_to_f32);
-accumulate_fn!(accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
+/// The `seen` of `step` before any value.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn nothing_seen() -> __m256i {
+    _mm256_setzero_si256()
+}
+
+/// Whether `seen` (see `step`) holds the exponent of an infinite or NaN value.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn seen_non_finite(seen: __m256i) -> bool {
+    _mm256_movemask_epi8(_mm256_cmpeq_epi32(seen, _mm256_set1_epi32(EXPONENT))) != 0
+}
+
+accumulate_loop!("avx2,f16c", 32, accumulate_f32, f32, load_f32, |x| x);
+accumulate_loop!("avx2,f16c", 32, accumulate_f16, u16, load_f16, math::f16_to_f32);
+accumulate_loop!("avx2,f16c", 32, accumulate_bf16, u16, load_bf16, math::bf16_to_f32);
 
 /// The fused pass, each loop in the direction `alias` picks.
 #[target_feature(enable = "avx2,f16c")]
