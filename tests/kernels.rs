@@ -663,6 +663,9 @@ fn add_assign_is_a_rounded_add_on_every_path() {
     }
 }
 
+/// A copy kernel: `dst = src`.
+type CopyFn = fn(&mut [f32], &[f32]);
+
 #[test]
 fn copies_for_a_peer_copy_every_bit_on_every_path() {
     let mut rng = Rng::for_test("copies_for_a_peer_copy_every_bit_on_every_path");
@@ -683,8 +686,7 @@ fn copies_for_a_peer_copy_every_bit_on_every_path() {
                 .collect();
             let src = &src[3..];
             // The streaming copy, and the copy the communicators stage with (one of the two).
-            type Copy = fn(&mut [f32], &[f32]);
-            let copies: [(&str, Copy); 2] = [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
+            let copies: [(&str, CopyFn); 2] = [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
             for (isa, (name, copy)) in cpu::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c))) {
                 let mut got = dst.clone();
                 cpu::with_isa(isa, || copy(&mut got[offset..offset + len], src));
