@@ -92,7 +92,7 @@ fn main() {
 }
 
 /// Where the gradient lies below the master modulo 4 KiB, in bytes: inside the window where the
-/// AVX2 f32 loop runs backward (16, 48, 144; 48 is a 64-byte-aligned master beside an `mmap`ed
+/// f32 SIMD loops run backward (16, 48, 144; 48 is a 64-byte-aligned master beside an `mmap`ed
 /// `Vec`'s data, which starts 16 B into its page) and outside it (see `docs/kernels.md`, "Where
 /// the buffers lie").
 const DISTANCES: [usize; 6] = [0, 16, 48, 144, 1024, 4048];

@@ -11,9 +11,9 @@
 const ALIAS_WINDOW: usize = 256;
 
 /// Longest f32 piece worth turning around (one call's: a thread's part of a tensor; 8 MiB of
-/// master and gradient together): once the two streams come from DRAM the stall hides behind its
-/// latency, and a descending pass runs slower than an ascending one. On the Xeon measured that
-/// starts between 2M and 3M elements (6-11% slower at 3M and 4M), on the EPYC past 4M.
+/// master and gradient together). In longer pieces a descending pass ran slower than the
+/// ascending one it replaces on the Xeon measured (1.01-1.04x at 2M elements, 1.06-1.11x at 3M
+/// and 4M), while the EPYC still gained at 4M; 1M keeps both at or below the forward loop.
 const REVERSE_MAX: usize = 1 << 20;
 
 /// Whether an f32 pass over `master` and `grad` should visit its vectors backward: a forward loop
@@ -28,8 +28,8 @@ pub(super) fn visit_backward(master: &[f32], grad: &[f32]) -> bool {
 /// scalar head up to the path's store alignment (`$align` bytes), `UNROLL` vectors at a time, then
 /// single vectors, then a scalar tail; with `BACKWARD` the vectors are visited from the last to the
 /// first. Every element's arithmetic, and so every bit of the result, is the same either way. The
-/// path supplies `LANES`, `UNROLL`, `step` and, over its own vector types, `splat`, `nothing_seen`
-/// and `seen_non_finite`.
+/// path supplies `LANES`, `UNROLL`, `scalar`, `step` and, over its own vector types, `splat`,
+/// `nothing_seen` and `seen_non_finite`.
 macro_rules! accumulate_loop {
     ($features:literal, $align:literal, $name:ident, $elem:ty, $load:ident, $decode:expr) => {
         #[target_feature(enable = $features)]
