@@ -14,6 +14,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -128,7 +129,15 @@ inline void run_rank(int rank, Mlp model, gradacc::Communicator &comm, const Dat
         const gradacc::SyncInfo info = binding.sync(&comm);
         if (obs.after_sync)
             obs.after_sync(rank, step, info, binding);
-        const bool stepped = binding.step(adam);
+        // The ranks are threads of one process here, and libtorch's Adam step run on two threads
+        // at once gave one rank a different result now and then from bitwise-equal weights and
+        // gradients (3-9 runs in 100, with gradacc's buffers read-only through the step), so the
+        // ranks take turns. Ranks in processes of their own need no such lock.
+        const bool stepped = [&] {
+            static std::mutex one_step_at_a_time;
+            std::lock_guard<std::mutex> lock(one_step_at_a_time);
+            return binding.step(adam);
+        }();
         if (obs.after_step)
             obs.after_step(rank, step, stepped, scaler.scale(), loss_sum, binding, adam, model);
     }
