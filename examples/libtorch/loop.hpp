@@ -131,8 +131,8 @@ inline void run_rank(int rank, Mlp model, gradacc::Communicator &comm, const Dat
             obs.after_sync(rank, step, info, binding);
         // The ranks are threads of one process here, and libtorch's Adam step run on two threads
         // at once gave one rank a different result now and then from bitwise-equal weights and
-        // gradients (3-9 runs in 100, with gradacc's buffers read-only through the step), so the
-        // ranks take turns. Ranks in processes of their own need no such lock.
+        // gradients (3-9 runs in 100 of `train --style hooks --dtype fp16`; an instrumented build
+        // kept gradacc's buffers read-only through the step and still failed), so the ranks take turns. Ranks in processes of their own need no such lock.
         const bool stepped = [&] {
             static std::mutex one_step_at_a_time;
             std::lock_guard<std::mutex> lock(one_step_at_a_time);
