@@ -519,3 +519,43 @@ fn window_checkpoints_move_between_devices() {
         masters_equal(&reference, &gpu_again, &format!("round {round} gpu"));
     }
 }
+
+/// Eight threads give one tensor their contributions of a micro-batch at once, the first of each
+/// window racing: on the device too every contribution is counted, checked exactly against the
+/// serial sum (small integers, so any order gives the same bits).
+#[test]
+fn racing_contributions_to_one_tensor_are_all_counted() {
+    if !gpu_or_skip() {
+        return;
+    }
+    const THREADS: usize = 8;
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let descs: Vec<TensorDesc> = [Dtype::F32, Dtype::F16, Dtype::Bf16].iter().map(|&dtype| TensorDesc { numel: 33, dtype }).collect();
+    let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
+    let scaler = Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+    // Thread k's contribution to every element: (k + 1) × 4 (the scale), exact in every dtype.
+    let uploads: Vec<Vec<(DeviceBuffer, u64)>> = (0..THREADS)
+        .map(|k| descs.iter().map(|d| HostGrad::constant(d.dtype, d.numel, (4 * (k + 1)) as f32).upload(&ctx, stream.stream, k % 3)).collect())
+        .collect();
+    let want = (THREADS * (THREADS + 1) / 2) as f32;
+    let lost = common::race_rounds(
+        THREADS,
+        300,
+        |_| acc.begin_microbatch(1).unwrap(),
+        |k, round| acc.add_tensor(&scaler, round % 3, uploads[k][round % 3].1).unwrap(),
+        |round| {
+            acc.end_microbatch().unwrap();
+            acc.sync(None).unwrap();
+            (0..3).find_map(|t| {
+                let mut got = vec![0f32; 33];
+                acc.read_master(t, &mut got).unwrap();
+                let expected = if t == round % 3 { want } else { 0.0 };
+                let wrong = got.iter().position(|&v| v != expected)?;
+                Some(format!("round {round}: tensor {t} element {wrong} is {}, not {expected}", got[wrong]))
+            })
+        },
+    );
+    assert!(lost.is_none(), "a contribution was lost: {}", lost.unwrap());
+}

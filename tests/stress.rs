@@ -36,11 +36,15 @@ fn scaler(init: f32, growth_interval: u32) -> *mut gradacc_scaler_t {
 }
 
 fn accumulator(descs: &[gradacc_tensor_desc_t], threads: u32) -> *mut gradacc_accumulator_t {
+    accumulator_clipped_at(descs, threads, 10.0)
+}
+
+fn accumulator_clipped_at(descs: &[gradacc_tensor_desc_t], threads: u32, max_grad_norm: f32) -> *mut gradacc_accumulator_t {
     let mut c = std::mem::MaybeUninit::uninit();
     ok(unsafe { gradacc_accumulator_config_default(c.as_mut_ptr()) });
     let mut c = unsafe { c.assume_init() };
     c.threads = threads;
-    c.max_grad_norm = 10.0;
+    c.max_grad_norm = max_grad_norm;
     c.bucket_numel = 5000;
     let mut a = null_mut();
     ok(unsafe { gradacc_accumulator_create(&c, descs.as_ptr(), descs.len(), null(), &mut a) });
@@ -71,6 +75,16 @@ impl Buf {
                 _ => bytes[..2].copy_from_slice(&0x7c00u16.to_le_bytes()),
             }
         }
+        Buf { words }
+    }
+    /// Every element `v`, in `d`'s dtype.
+    fn of(d: &gradacc_tensor_desc_t, v: f32) -> Buf {
+        let n = d.numel as usize;
+        let words = match d.dtype {
+            GRADACC_DTYPE_F32 => vec![v.to_bits(); n],
+            GRADACC_DTYPE_F16 => vec![to_f16(v) as u32 * 0x1_0001; n.div_ceil(2)],
+            _ => vec![to_bf16(v) as u32 * 0x1_0001; n.div_ceil(2)],
+        };
         Buf { words }
     }
     fn ptr(&self) -> *const c_void {
@@ -160,6 +174,39 @@ fn concurrent_add_tensor_matches_serial() {
             assert!(g == s, "{threads} threads (kernel threads {kernel_threads}): window {w} differs from the serial run");
         }
     }
+}
+
+/// Many threads give one tensor its contributions of a micro-batch at once, the first of each
+/// window racing (a chunked backward): every contribution is counted, each round checked exactly
+/// against the serial sum (small integers, so any order of addition gives the same bits).
+#[test]
+fn racing_contributions_to_one_tensor_are_all_counted() {
+    const THREADS: usize = 16;
+    let ds: Vec<gradacc_tensor_desc_t> =
+        [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16].iter().map(|&dtype| gradacc_tensor_desc_t { numel: 33, dtype }).collect();
+    let s = scaler(4.0, 1_000_000);
+    let a = accumulator_clipped_at(&ds, 1, 0.0);
+    // Thread k's contribution to every element: (k + 1) × 4 (the scale), exact in every dtype.
+    let contributions: Vec<Vec<Buf>> = (0..THREADS).map(|k| ds.iter().map(|d| Buf::of(d, (4 * (k + 1)) as f32)).collect()).collect();
+    let want = (THREADS * (THREADS + 1) / 2) as f32;
+    let (sh, ah) = (H(s as usize), H(a as usize));
+    let lost = common::race_rounds(
+        THREADS,
+        10_000,
+        |_| ok(unsafe { gradacc_accumulator_begin_microbatch(ah.0 as *mut _, 1) }),
+        |k, round| ok(unsafe { gradacc_accumulator_add_tensor(ah.0 as *mut _, sh.0 as *const _, round % 3, contributions[k][round % 3].ptr(), 33) }),
+        |round| {
+            ok(unsafe { gradacc_accumulator_end_microbatch(a) });
+            let mut info = gradacc_sync_info_t::default();
+            ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
+            let got = masters(a, 3);
+            let wrong = (0..got.len()).find(|&i| f32::from_bits(got[i]) != if i / 33 == round % 3 { want } else { 0.0 })?;
+            Some(format!("round {round}: tensor {} element {} is {}, not {want}", wrong / 33, wrong % 33, f32::from_bits(got[wrong])))
+        },
+    );
+    assert!(lost.is_none(), "a contribution was lost: {}", lost.unwrap());
+    ok(unsafe { gradacc_accumulator_destroy(a) });
+    ok(unsafe { gradacc_scaler_destroy(s) });
 }
 
 /// Training loops of 6 accumulator+scaler pairs run at once on 6 threads, with overflow steps and

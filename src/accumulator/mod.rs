@@ -651,15 +651,13 @@ impl Accumulator {
             .and_then(|()| self.check_grad(index, grad, || "grad".into()))
             .and_then(|()| self.check_scaler(scaler))
             .and_then(|()| {
-                let _tensor = self.window.lock_tensor(index);
-                self.store.add_tensor(scaler, index, grad, self.plan.config.weight(count), !self.window.written(&w, index))
+                let weight = self.plan.config.weight(count);
+                self.window.contribute(&w, index, |first| self.store.add_tensor(scaler, index, grad, weight, first))
             });
         if added.is_err() {
             self.refuse_tensor();
         }
-        added?;
-        self.window.mark_written(&w, index);
-        Ok(())
+        added
     }
 
     /// Like [`Accumulator::add_tensor`], with the gradient as a raw address of `numel` elements in

@@ -4,7 +4,7 @@
 //! boundary, and its first contribution overwrites instead of adding).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::SyncInfo;
 use crate::error::{Error, Result};
@@ -113,8 +113,15 @@ impl Window {
         self.state.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn lock_tensor(&self, index: usize) -> MutexGuard<'_, ()> {
-        self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs one contribution to tensor `index` in window `w` (the read lock held), told whether
+    /// it is the tensor's first in the window (it then assigns), and marks the tensor written if
+    /// it succeeds. The tensor's lock covers the read of the mark, the contribution and the new
+    /// mark, so of two racing first contributions exactly one assigns.
+    pub fn contribute<R>(&self, w: &State, index: usize, add: impl FnOnce(bool) -> Result<R>) -> Result<R> {
+        let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
+        let added = add(!self.written(w, index))?;
+        self.mark_written(w, index);
+        Ok(added)
     }
 
     /// Whether tensor `index` was written in window `w`. Relaxed: the window's lock orders

@@ -53,6 +53,16 @@ impl HostGrad {
         HostGrad { dtype, f32s, u16s }
     }
 
+    /// Every element `v`.
+    pub fn constant(dtype: Dtype, n: usize, v: f32) -> HostGrad {
+        let u16s = match dtype {
+            Dtype::F16 => vec![to_f16(v); n],
+            Dtype::Bf16 => vec![to_bf16(v); n],
+            Dtype::F32 => Vec::new(),
+        };
+        HostGrad { dtype, f32s: vec![v; n], u16s }
+    }
+
     pub fn view(&self) -> Grad<'_> {
         match self.dtype {
             Dtype::F32 => Grad::F32(&self.f32s),

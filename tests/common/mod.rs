@@ -87,3 +87,48 @@ pub fn from_f16(b: u16) -> f64 {
 pub fn from_bf16(b: u16) -> f64 {
     half::bf16::from_bits(b).to_f64()
 }
+
+/// Rounds of `threads` workers racing: in each round `open(round)` runs, then every worker runs
+/// `work(worker, round)` at once (released together), then `check(round)`, which ends the rounds
+/// with its message when something is wrong. No worker is left waiting when a check fails.
+pub fn race_rounds(
+    threads: usize,
+    rounds: usize,
+    open: impl Fn(usize),
+    work: impl Fn(usize, usize) + Sync,
+    mut check: impl FnMut(usize) -> Option<String>,
+) -> Option<String> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Barrier;
+    let (start, done) = (Barrier::new(threads + 1), Barrier::new(threads + 1));
+    // The workers leave at the start of round `last`, so a failed check never strands one.
+    let last = AtomicUsize::new(rounds);
+    std::thread::scope(|sc| {
+        for worker in 0..threads {
+            let (start, done, last, work) = (&start, &done, &last, &work);
+            sc.spawn(move || {
+                for round in 0.. {
+                    start.wait();
+                    if round >= last.load(Ordering::Acquire) {
+                        return;
+                    }
+                    work(worker, round);
+                    done.wait();
+                }
+            });
+        }
+        let mut failed = None;
+        for round in 0..rounds {
+            open(round);
+            start.wait();
+            done.wait();
+            failed = check(round);
+            if failed.is_some() {
+                last.store(round + 1, Ordering::Release);
+                break;
+            }
+        }
+        start.wait();
+        failed
+    })
+}
