@@ -352,7 +352,8 @@ typedef struct gradacc_sync_info_t {
      */
     size_t struct_size;
     /**
-     * Some rank saw an inf or NaN in this window: skip the optimizer step.
+     * Some rank saw an inf or NaN in this window, or the reduced gradient holds one (finite
+     * windows whose sum overflowed): skip the optimizer step.
      */
     bool found_inf;
     /**

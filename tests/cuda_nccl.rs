@@ -1827,3 +1827,118 @@ at_two_and_three_ranks!(
     a_bf16_wire_on_cuda_rounds_each_contribution_once_at_three_ranks,
     bf16_wire_rounds
 );
+
+/// How a rank of [`reduction_overflow_on_grid`] adds and syncs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum OverflowPolicy {
+    /// An all-reduce over the shard group, of a whole micro-batch.
+    AllReduce,
+    /// An all-reduce over the shard group whose final micro-batch reduces its buckets early.
+    AllReduceEarly,
+    /// A reduce-scatter over the shard group, then the shard over the replicas.
+    HybridReduceScatter,
+    /// Sharded accumulation (by `add`, or by hooks), then the shard over the replicas.
+    HybridAccumulate,
+    HybridAccumulateHooks,
+}
+
+/// Every rank of a `shards` × `replicas` grid adds [3e38, 1, 1, 1] (and a bf16 tensor of small
+/// values): finite on each rank, infinite in the sum. Under every policy and wire dtype every rank
+/// reports `found_inf`, its CUDA scaler skips and backs off, the norm is not finite, clipping
+/// stays off, and the reduced gradient holds the infinity.
+fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
+    use OverflowPolicy::*;
+    let descs = [TensorDesc { numel: 4, dtype: Dtype::F32 }, TensorDesc { numel: 5000, dtype: Dtype::Bf16 }];
+    for policy in [AllReduce, AllReduceEarly, HybridReduceScatter, HybridAccumulate, HybridAccumulateHooks] {
+        for wire in [Dtype::F32, Dtype::Bf16] {
+            let config = AccumulatorConfig {
+                normalize: Normalize::ByCount,
+                loss_reduction: LossReduction::Sum,
+                max_grad_norm: 1.0,
+                bucket_numel: 1000,
+                wire,
+                ..Default::default()
+            };
+            let ranks = grid(shards, replicas);
+            let what = format!("{test}: {policy:?} wire {wire:?}");
+            within(Duration::from_secs(300), "an overflowing reduction", move || {
+                let (what, descs) = (&what, &descs);
+                let results: Vec<(SyncInfo, bool, f32, Vec<f32>)> = std::thread::scope(|s| {
+                    let handles: Vec<_> = ranks
+                        .iter()
+                        .map(|rank| {
+                            s.spawn(move || {
+                                let (g, i) = (rank.g, rank.g % shards);
+                                let (ctx, stream, device) = rank_device(g);
+                                let (comm, reps) = rank.nccl();
+                                let acc = match policy {
+                                    AllReduce | AllReduceEarly => Accumulator::on(device, config, descs).unwrap(),
+                                    HybridReduceScatter => {
+                                        let sharding = Sharding::ReduceScatter { shards, rank: i };
+                                        Accumulator::on(device, AccumulatorConfig { sharding, ..config }, descs).unwrap()
+                                    }
+                                    HybridAccumulate | HybridAccumulateHooks => {
+                                        let sharding = Sharding::Accumulate { shards, rank: i };
+                                        Accumulator::sharded_on(device, AccumulatorConfig { sharding, ..config }, descs, comm.clone()).unwrap()
+                                    }
+                                };
+                                let scaler_config = ScalerConfig { init_scale: 1.0, min_scale: 2f32.powi(-20), ..Default::default() };
+                                let scaler = Scaler::on(device, scaler_config).unwrap();
+                                let big = DeviceBuffer::from_slice(&ctx, stream.stream, &[3e38f32, 1.0, 1.0, 1.0]).unwrap();
+                                let small = DeviceBuffer::from_slice(&ctx, stream.stream, &[common::to_bf16(0.25); 5000]).unwrap();
+                                let addresses = [big.ptr(), small.ptr()];
+                                match policy {
+                                    AllReduce | HybridReduceScatter | HybridAccumulate => acc.add(&scaler, &addresses, 1).unwrap(),
+                                    AllReduceEarly | HybridAccumulateHooks => {
+                                        if policy == AllReduceEarly {
+                                            acc.begin_final_microbatch(1, comm.clone()).unwrap();
+                                        } else {
+                                            acc.begin_microbatch(1).unwrap();
+                                        }
+                                        acc.add_tensor(&scaler, 1, addresses[1]).unwrap();
+                                        acc.add_tensor(&scaler, 0, addresses[0]).unwrap();
+                                        acc.end_microbatch().unwrap();
+                                    }
+                                }
+                                let info = match policy {
+                                    AllReduce | AllReduceEarly => acc.sync(Some(&*comm)).unwrap(),
+                                    _ => acc.sync_hybrid(&*comm, &*reps).unwrap(),
+                                };
+                                let skipped = scaler.update_from(&[&acc], true).unwrap().unwrap();
+                                let values = match policy {
+                                    AllReduce | AllReduceEarly => {
+                                        let mut first = vec![0f32; 4];
+                                        acc.read_master(0, &mut first).unwrap();
+                                        first
+                                    }
+                                    _ => read_shard(&acc, &ctx, stream.stream),
+                                };
+                                (info, skipped, scaler.scale().unwrap(), values)
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (g, (info, skipped, scale, _)) in results.iter().enumerate() {
+                    assert!(info.found_inf, "{what}: rank {g} missed the overflow: {info:?}");
+                    assert!(*skipped && *scale == 0.5, "{what}: rank {g} skipped {skipped}, scale {scale}");
+                    assert!(!info.grad_norm.is_finite() && info.clip_coef == 1.0, "{what}: rank {g}: {info:?}");
+                }
+                assert!(results.iter().flat_map(|r| &r.3).any(|v| !v.is_finite()), "{what}: no rank holds the infinity");
+            });
+        }
+    }
+}
+
+#[test]
+fn an_overflowing_reduction_skips_on_every_rank_at_two_devices() {
+    if device_count() < 2 {
+        return;
+    }
+    reduction_overflow_on_grid(2, 1, "an_overflowing_reduction_skips_on_every_rank_at_two_devices");
+}
+
+#[test]
+fn an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid() {
+    at_devices(4, "an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid", |test| reduction_overflow_on_grid(2, 2, test));
+}

@@ -43,7 +43,8 @@ const SHARD_WINDOW_VERSION: u32 = 3;
 /// What the boundary reports; identical on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SyncInfo {
-    /// Some rank saw a non-finite value in this window: the optimizer step must be skipped.
+    /// Some rank saw a non-finite value in this window, or the reduced gradient holds one (every
+    /// window was finite, their sum overflowed): the optimizer step must be skipped.
     pub found_inf: bool,
     /// Items added over all micro-batches and ranks.
     pub total_count: u64,

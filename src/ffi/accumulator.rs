@@ -107,7 +107,8 @@ pub struct gradacc_sync_info_t {
     /// sizeof(gradacc_sync_info_t), set by the caller: the library writes only the fields this size
     /// covers (an older header's size is accepted), and never changes struct_size itself.
     pub struct_size: usize,
-    /// Some rank saw an inf or NaN in this window: skip the optimizer step.
+    /// Some rank saw an inf or NaN in this window, or the reduced gradient holds one (finite
+    /// windows whose sum overflowed): skip the optimizer step.
     pub found_inf: bool,
     /// Items added over all micro-batches and ranks.
     pub total_count: u64,

@@ -220,12 +220,18 @@ impl Boundary {
         Boundary { total, divisor, pass }
     }
 
-    /// The boundary's report, from the values of every block of the sum.
+    /// The boundary's report, from the values of every block of the sum. A non-finite norm is
+    /// an overflow too: every rank added finite values, but their sum overflowed (or a BF16 wire
+    /// rounded a value to infinity). The norm sums squares of f32 values in f64, where a finite
+    /// gradient cannot overflow and NaN propagates, so the norm is finite exactly when every
+    /// element of the reduced gradient is, and every rank has its bits: the ranks agree without
+    /// another collective.
     pub(super) fn info(&self, block_sums: &[f64]) -> SyncInfo {
         let max_norm = self.pass.clip.map_or(0.0, |c| c.max_norm);
         let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
         let t = &self.total;
-        SyncInfo { found_inf: t.found_inf, total_count: t.count, microbatches: t.microbatches, grad_norm, clip_coef }
+        let found_inf = t.found_inf || !grad_norm.is_finite();
+        SyncInfo { found_inf, total_count: t.count, microbatches: t.microbatches, grad_norm, clip_coef }
     }
 }
 

@@ -275,6 +275,11 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_finish_norm(ga_bound
     }
     double norm = sqrt(sum) / (double)b->divisor;
     b->grad_norm = norm;
+    /* A non-finite norm is an overflow of the reduction itself (every rank's window was finite):
+     * f64 squares of f32 values cannot overflow and NaN propagates (Boundary::info). */
+    if (!(norm - norm == 0.0)) {
+        b->found_inf = 1;
+    }
     if (max_norm != 0.0) {
         double coef = ga_clip_coef(norm, max_norm);
         b->clip_coef = coef;
