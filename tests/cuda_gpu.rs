@@ -559,3 +559,40 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
     );
     assert!(lost.is_none(), "a contribution was lost: {}", lost.unwrap());
 }
+
+/// Gradients that share device memory with an adopted master: refused at every overlapping
+/// shift, except exactly the tensor's own master (see `common::check_overlapping_gradients`).
+#[test]
+fn gradients_overlapping_the_master_are_refused_unless_exact() {
+    if !gpu_or_skip() {
+        return;
+    }
+    use common::{check_overlapping_gradients, OVERLAP_MARGIN, OVERLAP_TENSORS};
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
+    let values: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
+    let backing = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
+    let config = AccumulatorConfig { loss_reduction: LossReduction::Sum, normalize: Normalize::None, ..Default::default() };
+    let master = backing.ptr() + 4 * OVERLAP_MARGIN as u64;
+    // SAFETY: the master lies inside `backing`, which outlives the accumulator.
+    let acc = unsafe { Accumulator::on_buffer(device, config, &OVERLAP_TENSORS, master as *mut f32, len) }.unwrap();
+    let scaler = Scaler::on(device, ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
+    let first = DeviceBuffer::from_slice(&ctx, stream.stream, &[1.5f32; 8192]).unwrap();
+    let third = DeviceBuffer::from_slice(&ctx, stream.stream, &[common::to_f16(3.0); 50]).unwrap();
+    let read = |at: usize, n: usize| {
+        let mut out = vec![0f32; n];
+        DeviceBuffer::adopt(&ctx, stream.stream, backing.ptr() + 4 * at as u64, 4 * n).read(&mut out).unwrap();
+        out
+    };
+    let tried = check_overlapping_gradients(
+        &acc,
+        &scaler,
+        backing.ptr() as usize,
+        [first.ptr() as usize, third.ptr() as usize],
+        &|| read(OVERLAP_MARGIN, len),
+        &read,
+    );
+    assert!(tried > 24_000, "{tried} shifts");
+}

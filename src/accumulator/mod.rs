@@ -189,7 +189,7 @@ impl Plan {
     /// This rank's shard; the whole layout without sharding.
     pub(crate) fn shard(&self) -> Range<usize> {
         match self.config.sharding.shard() {
-            Some((_, rank)) => self.shards().swap_remove(rank),
+            Some((shards, rank)) => crate::comm::shares::shard_range(self.layout.len(), shards, rank),
             None => 0..self.layout.len(),
         }
     }
@@ -1113,10 +1113,45 @@ impl Accumulator {
         Ok(())
     }
 
-    /// A gradient matches its tensor (dtype, length) and the accumulator's memory. `argument`
-    /// names it in the error, and is only formatted when a check fails.
-    fn check_grad(&self, index: usize, g: Gradient<'_>, argument: impl FnOnce() -> String) -> Result<()> {
+    /// A gradient matches its tensor (dtype, length) and the accumulator's memory, and shares no
+    /// memory with the master but its own tensor's, exactly. `argument` names it in the error,
+    /// and is only formatted when a check fails.
+    fn check_grad(&self, index: usize, g: Gradient<'_>, argument: impl Fn() -> String) -> Result<()> {
         let d = self.plan.descs[index];
+        let address = match g {
+            Gradient::Host(g) => match g {
+                Grad::F32(s) => s.as_ptr() as usize,
+                Grad::F16(s) | Grad::Bf16(s) => s.as_ptr() as usize,
+            },
+            Gradient::Device(p) => p as usize,
+        };
+        self.check_form(index, g, &d, &argument)?;
+        self.check_overlap(index, address, &d, argument)
+    }
+
+    /// A gradient that overlaps the master would be read while the pass writes it: the result
+    /// would depend on the pass's direction and threads. Only its own tensor's master, exactly
+    /// (f32, the same address), is read and written element by element, so it alone is allowed.
+    fn check_overlap(&self, index: usize, address: usize, d: &TensorDesc, argument: impl Fn() -> String) -> Result<()> {
+        let held = self.plan.held();
+        let master = self.store.master_address(held.start) as usize;
+        let (end, master_end) = (address.saturating_add(d.numel * d.dtype.size()), master + held.len() * 4);
+        if address >= master_end || end <= master || d.numel == 0 {
+            return Ok(());
+        }
+        let own = self.range(index);
+        if d.dtype == Dtype::F32 && own.start >= held.start && address == master + (own.start - held.start) * 4 {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "{} (bytes {address:#x}..{end:#x}) overlaps the accumulator's master (bytes {master:#x}..{master_end:#x}): a gradient may \
+             be its own tensor's master exactly (f32, at gradacc_accumulator_master's address), and share no other memory with it",
+            argument()
+        )))
+    }
+
+    /// A gradient's dtype, length and memory kind match its tensor and the accumulator.
+    fn check_form(&self, index: usize, g: Gradient<'_>, d: &TensorDesc, argument: &impl Fn() -> String) -> Result<()> {
         match (g, self.device()) {
             (Gradient::Host(g), Device::Cpu) => {
                 if g.dtype() != d.dtype {

@@ -107,8 +107,13 @@ impl Cut for Plan {
 /// to whole blocks of the norm, so a shard's block sums are those of any other cut at block
 /// boundaries; the last shards may be shorter or empty.
 pub(crate) fn shard_ranges(len: usize, shards: usize) -> Vec<Range<usize>> {
+    (0..shards).map(|q| shard_range(len, shards, q)).collect()
+}
+
+/// Shard `q`'s range of [`shard_ranges`].
+pub(crate) fn shard_range(len: usize, shards: usize, q: usize) -> Range<usize> {
     let size = len.div_ceil(shards.max(1)).next_multiple_of(NORM_BLOCK);
-    (0..shards).map(|q| (q * size).min(len)..((q + 1) * size).min(len)).collect()
+    (q * size).min(len)..((q + 1) * size).min(len)
 }
 
 /// The reduce-scatter's cut: rank q's pieces are its shard, `piece_numel` elements at a time.

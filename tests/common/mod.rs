@@ -132,3 +132,87 @@ pub fn race_rounds(
         failed
     })
 }
+
+/// The layout of [`check_overlapping_gradients`]: two f32 tensors of equal size, so one's master
+/// can pose as the other's gradient, and an f16 one.
+pub const OVERLAP_TENSORS: [gradacc::TensorDesc; 3] = [
+    gradacc::TensorDesc { numel: 8192, dtype: gradacc::Dtype::F32 },
+    gradacc::TensorDesc { numel: 8192, dtype: gradacc::Dtype::F32 },
+    gradacc::TensorDesc { numel: 50, dtype: gradacc::Dtype::F16 },
+];
+
+/// Elements of backing memory on either side of the adopted master in
+/// [`check_overlapping_gradients`].
+pub const OVERLAP_MARGIN: usize = 16_500;
+
+/// Gradients that share memory with the master, on any device: `acc` adopted a master of
+/// [`OVERLAP_TENSORS`] at element [`OVERLAP_MARGIN`] of backing memory at `base` (f32 values `i`
+/// at element `i`, 2 × margin + the master long; a device address on CUDA), `others` are
+/// gradients of tensors 0 and 2 elsewhere, `read_master` reads the whole master and
+/// `read_backing(at, n)` `n` f32 of the backing memory. Tensor 1's gradient at every shift from
+/// its own master that overlaps the master (tensor 0's master exactly included), and a few
+/// beyond, through `add` and `add_tensor` in turn: an overlap is refused with INVALID_ARGUMENT and changes
+/// nothing, its own master exactly (shift 0) is unscaled in place, and a gradient beside the
+/// master is added as any other. Returns how many shifts it tried.
+pub fn check_overlapping_gradients(
+    acc: &gradacc::Accumulator,
+    scaler: &gradacc::Scaler,
+    base: usize,
+    others: [usize; 2],
+    read_master: &dyn Fn() -> Vec<f32>,
+    read_backing: &dyn Fn(usize, usize) -> Vec<f32>,
+) -> usize {
+    use std::ffi::c_void;
+    let scale = scaler.scale().unwrap();
+    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
+    let own = OVERLAP_TENSORS[0].numel;
+    let numel = OVERLAP_TENSORS[1].numel;
+    let at = |shift: isize| (OVERLAP_MARGIN + own).checked_add_signed(shift).unwrap();
+    let mut tried = 0;
+    for shift in -(own as isize + numel as isize + 116)..=(len - own) as isize + 58 {
+        let start = at(shift);
+        let overlaps = start < OVERLAP_MARGIN + len && start + numel > OVERLAP_MARGIN;
+        tried += 1;
+        let grad = (base + 4 * start) as *const c_void;
+        acc.reset().unwrap();
+        let before = read_master();
+        let via_hooks = shift % 2 == 0;
+        let result = if via_hooks {
+            acc.begin_microbatch(1).unwrap();
+            // SAFETY: the backing memory holds the tensor's numel f32 at `grad` (the margins).
+            let added = unsafe { acc.add_tensor_raw(scaler, 1, grad, numel) };
+            acc.end_microbatch().unwrap();
+            added
+        } else {
+            let grads = [others[0] as *const c_void, grad, others[1] as *const c_void];
+            // SAFETY: as above; `others` hold their tensors' values.
+            unsafe { acc.add_raw(scaler, &grads, 1) }
+        };
+        let what = format!("tensor 1's gradient {shift} elements from its master ({})", if via_hooks { "add_tensor" } else { "add" });
+        if overlaps && shift != 0 {
+            let e = result.expect_err(&what);
+            assert_eq!(e.kind, gradacc::ErrorKind::InvalidArgument, "{what}: {e:?}");
+            assert!(e.message.contains("overlaps the accumulator's master"), "{what}: {}", e.message);
+            let after = read_master();
+            assert!(after.iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: a refused add changed the master");
+            continue;
+        }
+        result.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        let got = read_master();
+        let want: Vec<f32> = if shift == 0 { before[own..own + numel].to_vec() } else { read_backing(start, numel) };
+        for (k, (g, w)) in got[own..own + numel].iter().zip(&want).enumerate() {
+            assert_eq!(*g, w / scale, "{what}: element {k}");
+        }
+    }
+    // An f16 gradient never matches the f32 master element for element: any overlap is refused.
+    for byte in [0usize, 2, 4 * own, 4 * own + 2, 4 * (len - 1)] {
+        let grad = (base + 4 * OVERLAP_MARGIN + byte) as *const c_void;
+        acc.reset().unwrap();
+        acc.begin_microbatch(1).unwrap();
+        // SAFETY: the backing memory holds 50 f16 from there.
+        let e = unsafe { acc.add_tensor_raw(scaler, 2, grad, 50) }.expect_err("an f16 gradient inside the master");
+        acc.end_microbatch().unwrap();
+        assert_eq!(e.kind, gradacc::ErrorKind::InvalidArgument, "f16 at master byte {byte}: {e:?}");
+    }
+    tried
+}
