@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use gradacc::comm::{BlockPass, Collectives};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, Sharding,
-    TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, LossReduction, Normalize, Scaler,
+    ScalerConfig, Sharding, TensorDesc,
 };
 
 /// How long a waiting rank may take to notice a failure that has happened.
@@ -451,6 +451,108 @@ fn a_failed_group_stays_failed_and_a_new_group_works() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert!(infos.iter().all(|i| i.total_count == 2 && i.microbatches == 2));
+}
+
+/// A 2 × 2 grid where rank 0 calls a plain `sync` on its shard group while ranks 1 to 3 call
+/// `sync_hybrid`. Rank 0 holds no replica communicator, so nothing reaches rank 2, its replica
+/// partner, which waits in the replica control exchange until its timeout (docs/reliability.md:
+/// the cases that end only at the timeout). Every window stays intact, and the groups rank 2's
+/// timeout aborted are replaced for the next, correct boundary.
+#[test]
+fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
+    let timeout = Duration::from_millis(500);
+    // Far above any healthy wait: a rank that waits for nothing but a timeout shows up here.
+    let generous = Duration::from_secs(20);
+    let tensors = [TensorDesc { numel: 3 * 4096 + 5, dtype: Dtype::F32 }, TensorDesc { numel: 77, dtype: Dtype::F16 }];
+    let numel: usize = tensors.iter().map(|t| t.numel).sum();
+    // Small integers and no normalisation: every sum is exact.
+    let value = |g: usize, k: usize, at: usize| ((at * 3 + g * 5 + k) % 7) as f32 - 3.0;
+    let config = |i: usize| AccumulatorConfig {
+        sharding: Sharding::ReduceScatter { shards: 2, rank: i },
+        normalize: Normalize::None,
+        loss_reduction: LossReduction::Sum,
+        ..Default::default()
+    };
+    // Rank a * 2 + i is shard i of shard group a and replica a of replica group i.
+    let shard_groups = [group(2, generous + generous), group(2, generous + generous)];
+    let replica_groups = [group(2, timeout), group(2, generous + generous)];
+    let accs: Vec<Accumulator> = (0..4).map(|g| Accumulator::new(config(g % 2), &tensors).unwrap()).collect();
+    let scaler = &unit_scaler();
+    for (g, acc) in accs.iter().enumerate() {
+        for k in 0..2 {
+            let flat: Vec<f32> = (0..numel).map(|at| value(g, k, at)).collect();
+            let halves: Vec<u16> = flat[tensors[0].numel..].iter().map(|&v| to_f16(v)).collect();
+            acc.add(scaler, &[Grad::F32(&flat[..tensors[0].numel]), Grad::F16(&halves)], 1 + k as u64).unwrap();
+        }
+    }
+    let before: Vec<Vec<u8>> = accs.iter().map(|a| a.save_window().unwrap()).collect();
+
+    let start = Instant::now();
+    let failures: Vec<(Error, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                let (a, i) = (g / 2, g % 2);
+                let (acc, sc, rc) = (&accs[g], &shard_groups[a][i], &replica_groups[i][a]);
+                s.spawn(move || {
+                    let e = if g == 0 { acc.sync(Some(sc)) } else { acc.sync_hybrid(sc, rc) }.unwrap_err();
+                    (e, start.elapsed())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (g, (e, waited)) in failures.iter().enumerate() {
+        if g == 2 {
+            assert_eq!(e.kind, ErrorKind::Timeout, "rank 2: {}", e.message);
+            assert!(*waited >= timeout && *waited < timeout + generous, "rank 2 gave up after {waited:?}");
+            for part in ["control exchange", "did not complete within the timeout of 500ms", "rank 0 had not arrived", "window is intact"] {
+                assert!(e.message.contains(part), "rank 2: `{}` does not say `{part}`", e.message);
+            }
+        } else {
+            // Found by the control values themselves, with no timeout involved.
+            assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {g}: {}", e.message);
+            assert!(*waited < generous, "rank {g} failed after {waited:?}");
+        }
+    }
+    for (g, acc) in accs.iter().enumerate() {
+        assert_eq!(acc.save_window().unwrap(), before[g], "rank {g}: the failed boundary changed the window");
+    }
+
+    // Rank 2's timeout aborted both of its groups: its shard group with rank 3 and its replica
+    // group with rank 0. The other two groups still work; new ones replace the aborted two.
+    // (Rank 2 is rank 0 of its shard group and rank 1 of its replica group.)
+    for (what, comm, naming) in
+        [("rank 3's shard group", &shard_groups[1][1], "aborted by rank 0"), ("rank 0's replica group", &replica_groups[0][0], "rank 1 timed out")]
+    {
+        let mut buf = [1.0f32; 5];
+        let t = Instant::now();
+        assert_comm_failure(&comm.allreduce_sum(&mut buf).unwrap_err(), naming);
+        assert!(t.elapsed() < generous, "{what} waited {:?}", t.elapsed());
+    }
+    let (shard_1, replica_0) = (group(2, generous), group(2, generous));
+    let results: Vec<(Range<usize>, Vec<f32>, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                let (a, i) = (g / 2, g % 2);
+                let sc = if a == 0 { &shard_groups[0][i] } else { &shard_1[i] };
+                let rc = if i == 0 { &replica_0[a] } else { &replica_groups[1][a] };
+                let acc = &accs[g];
+                s.spawn(move || {
+                    let info = acc.sync_hybrid(sc, rc).unwrap();
+                    let (range, ptr) = acc.shard();
+                    // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
+                    let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec();
+                    (range, shard, info.total_count)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (g, (range, shard, count)) in results.iter().enumerate() {
+        assert_eq!(*count, 4 * 3, "rank {g}: two micro-batches of 1 and 2 items on each of 4 ranks");
+        let want: Vec<f32> = range.clone().map(|at| (0..4).map(|r| (0..2).map(|k| value(r, k, at)).sum::<f32>()).sum()).collect();
+        assert_eq!(*shard, want, "rank {g}: shard {range:?}");
+    }
 }
 
 /// One micro-batch of a rank's window: item count, loss scale, and per tensor the true gradient.
