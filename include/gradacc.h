@@ -294,8 +294,9 @@ typedef struct gradacc_accumulator_config_t {
     /**
      * What the boundary's reductions send: GRADACC_DTYPE_F32 (default), or GRADACC_DTYPE_BF16,
      * half the bytes: each rank rounds its contribution to bf16 once, and the receiver sums the
-     * contributions in FP32, so the error does not grow with the number of ranks (bound in
-     * docs/sharding.md).
+     * contributions in FP32, so over W ranks the error is at most (2^-8 + (W-1) * 2^-24) of the
+     * magnitude (the sum of the contributions' absolute values): the bf16 rounding's share does
+     * not grow with the number of ranks (docs/sharding.md).
      */
     gradacc_dtype_t wire_dtype;
 } gradacc_accumulator_config_t;

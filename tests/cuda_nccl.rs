@@ -568,7 +568,8 @@ struct Reference {
     values: Vec<f64>,
     magnitude: Vec<f64>,
     norm: f64,
-    /// The norm of the normalised magnitudes: what a BF16 wire may move the norm by, times 2^-8.
+    /// The norm of the normalised magnitudes: what a BF16 wire may move the norm by, times
+    /// (2^-8 + (W - 1) 2^-24).
     magnitude_norm: f64,
     coef: f64,
     divisor: f64,
@@ -754,7 +755,7 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
         let want = reference(r, window, &buckets);
         assert_eq!(info.total_count, window.iter().flatten().map(|m| m.count).sum::<u64>(), "{what}");
         // The BF16 wire rounds each contribution once: each element moves by at most
-        // (2^-8 + (W - 1) 2^-24) of its magnitude, and the norm by 2^-8 of the magnitudes' norm.
+        // (2^-8 + (W - 1) 2^-24) of its magnitude, and the norm by as much of the magnitudes' norm.
         let bf16 = if r.config.wire == Dtype::Bf16 { 2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24) } else { 0.0 };
         let norm_tol = 1e-5 * want.norm + 1e-12 + bf16 * want.magnitude_norm;
         assert!((info.grad_norm - want.norm).abs() <= norm_tol, "{what}: norm {} vs {}", info.grad_norm, want.norm);

@@ -109,7 +109,9 @@ pub struct AccumulatorConfig {
     pub sharding: Sharding,
     /// What the boundary's reductions send (default [`Dtype::F32`]). [`Dtype::Bf16`] halves the
     /// bytes: each rank rounds its contribution to bf16 once, and the receiver sums the
-    /// contributions in FP32, so the error does not grow with the number of ranks.
+    /// contributions in FP32, so over W ranks the error is at most (2^-8 + (W-1) * 2^-24) of the
+    /// magnitude (the sum of the contributions' absolute values): the bf16 rounding's share does
+    /// not grow with the number of ranks.
     pub wire: Dtype,
 }
 

@@ -2,7 +2,8 @@
 //! round to nearest even, the CPU's `to_bf16_bits`), sends each rank the words of its piece
 //! (ncclSend / ncclRecv in one NCCL group), and the owner of a piece widens the words it received
 //! and sums them in FP32 in rank order (`ga_sum_bf16`), as the CPU's communicators do: every
-//! contribution is rounded once, so the error does not grow with the number of ranks. An
+//! contribution is rounded once, so the rounding's share of the error does not grow with the
+//! number of ranks (the bound: docs/sharding.md). An
 //! all-reduce then all-gathers the FP32 sums (ncclAllGather). An NCCL reduction in bf16 would
 //! round every partial sum instead.
 
