@@ -50,9 +50,10 @@
  * - Ranks and world sizes are `int32_t` in every communicator function, as in MPI and NCCL, whose
  *   `int` ranks callers pass on unchanged; values out of range fail with
  *   GRADACC_STATUS_INVALID_ARGUMENT, naming the argument and the value.
- * - Checkpoints: gradacc_scaler_save / _load work on every device; the accumulator's window
- *   checkpoints (gradacc_accumulator_save_window / _load_window) are CPU-only and fail with
- *   GRADACC_STATUS_BACKEND_UNAVAILABLE on CUDA, where a run is checkpointed at a boundary.
+ * - Checkpoints: gradacc_scaler_save / _load and the accumulator's window checkpoints
+ *   (gradacc_accumulator_save_window / _load_window / _merge_window) work on every device. On
+ *   CUDA they copy between the device and the host (waiting for the object's stream); the bytes
+ *   are the same on every device, so a window saved on CUDA resumes on the CPU and back.
  * - Ownership: every function that creates an object names the function that destroys it. Each
  *   `*_destroy` accepts NULL (and does nothing) and must not be called twice on the same handle.
  *   Pointers passed in are borrowed for the duration of the call unless a function says otherwise;
