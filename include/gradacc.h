@@ -543,7 +543,8 @@ typedef struct gradacc_scaler_stats_t {
  * agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
  * clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
  * micro-batches. CPU accumulators on host communicators (in-process, MPI); CUDA accumulators on
- * NCCL communicators, for whole micro-batches (add).
+ * NCCL communicators. Either adds whole micro-batches (add) or tensor by tensor
+ * (begin_microbatch / add_tensor / end_microbatch).
  */
 #define GRADACC_SHARDING_ACCUMULATE 2
 

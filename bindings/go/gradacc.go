@@ -372,15 +372,14 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 // NewShardedAccumulator creates a sharded accumulation (ZeRO-2): config.Sharding is
 // ShardingAccumulate and comm a communicator of config.ShardCount ranks on which this is rank
 // config.ShardRank: a host communicator (in-process or MPI) for the CPU, an NCCL communicator on
-// the same device for CUDA (whole micro-batches only: Add); anything else fails with
-// StatusInvalidArgument. The accumulator holds only its shard (Shard) and one
-// bucket of staging, and reduce-scatters every micro-batch over comm: every rank makes the same
-// Add, or BeginMicrobatch / AddTensor / EndMicrobatch, calls, each from its own goroutine, then
-// Sync with comm or nil. An invalid call on one rank fails there and with StatusPeerFailure on
-// the others, with nothing added; with AddTensor each tensor takes one contribution per
-// micro-batch. The shard differs from an unsharded all-reduce only by the order of the FP32
-// sums. The accumulator keeps comm referenced until Close; closing comm first makes every later
-// reduction fail.
+// the same device for CUDA; anything else fails with StatusInvalidArgument. On either device the
+// accumulator holds only its shard (Shard) and one bucket of staging, and reduce-scatters every
+// micro-batch over comm: every rank makes the same Add, or BeginMicrobatch / AddTensor /
+// EndMicrobatch, calls, each from its own goroutine, then Sync with comm or nil. An invalid call on
+// one rank fails there and with StatusPeerFailure on the others, with nothing added; with AddTensor
+// each tensor takes one contribution per micro-batch. The shard differs from an unsharded
+// all-reduce only by the order of the FP32 sums. The accumulator keeps comm referenced until Close;
+// closing comm first makes every later reduction fail.
 func NewShardedAccumulator(tensors []TensorDesc, config *AccumulatorConfig, comm *Comm, device *Device) (*Accumulator, error) {
 	cfg, descs, dev := creationArgs(tensors, config, device)
 	var cp *C.gradacc_comm_t // nil: the C call names the missing argument

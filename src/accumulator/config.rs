@@ -75,8 +75,9 @@ pub enum Sharding {
     /// accumulator's communicator (given at creation: [`Accumulator::sharded`]) and added into
     /// the shard; the boundary agrees on counts and overflow, and normalises, measures and clips
     /// the shard. Every rank must add the same micro-batches (the reductions pair up call by
-    /// call). CPU accumulators on host communicators; CUDA accumulators on NCCL, for whole
-    /// micro-batches (`add`).
+    /// call). CPU accumulators on host communicators; CUDA accumulators on NCCL. Either adds
+    /// whole micro-batches (`add`) or tensor by tensor (`begin_microbatch` / `add_tensor` /
+    /// `end_microbatch`).
     ///
     /// [`Accumulator::sharded`]: super::Accumulator::sharded
     Accumulate { shards: usize, rank: usize },

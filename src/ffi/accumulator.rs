@@ -61,7 +61,8 @@ pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
 /// agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
 /// clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
 /// micro-batches. CPU accumulators on host communicators (in-process, MPI); CUDA accumulators on
-/// NCCL communicators, for whole micro-batches (add).
+/// NCCL communicators. Either adds whole micro-batches (add) or tensor by tensor
+/// (begin_microbatch / add_tensor / end_microbatch).
 pub const GRADACC_SHARDING_ACCUMULATE: gradacc_sharding_t = 2;
 
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.

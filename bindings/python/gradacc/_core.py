@@ -379,14 +379,15 @@ class Accumulator(_Managed):
     ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the reductions send.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
-    (ZeRO-2): ``c`` is a host communicator of ``n`` ranks on which this is rank ``r``, the
-    accumulator holds only its shard (:meth:`shard`) and one bucket of staging, and every
-    micro-batch is reduce-scattered over ``c``. Every rank makes the same :meth:`add`, or
+    (ZeRO-2): ``c`` is a communicator of ``n`` ranks on which this is rank ``r`` (in-process or
+    MPI for the CPU; for a CUDA ``device``, an NCCL communicator on that device), the accumulator
+    holds only its shard (:meth:`shard`, or :meth:`shard_ptr` on CUDA) and one bucket of staging,
+    and every micro-batch is reduce-scattered over ``c``. Every rank makes the same :meth:`add`, or
     :meth:`begin_microbatch` / :meth:`add_tensor` / :meth:`end_microbatch`, calls, each on its own
     thread, then :meth:`sync` (with ``c`` or None); an invalid call on one rank raises there and
     PEER_FAILURE on the others, with nothing added. The shard differs from an unsharded
     all-reduce only by the order of the FP32 sums. The accumulator keeps ``c`` referenced; do not
-    close ``c`` before it (its reductions would then fail). CPU only."""
+    close ``c`` before it (its reductions would then fail). ``master=`` cannot be adopted."""
     _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
     _comm = None
 

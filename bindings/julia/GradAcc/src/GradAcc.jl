@@ -524,15 +524,16 @@ gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group 
 `wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the reductions send.
 
 `sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2):
-`c` is a host communicator (local or MPI) of `n` ranks on which this is rank `r`, the
-accumulator holds only its shard ([`GradAcc.shard`](@ref)) and one bucket of staging, and every
-micro-batch is reduce-scattered over `c`. Every rank makes the same [`add!`](@ref), or
+`c` is a communicator of `n` ranks on which this is rank `r` (local or MPI for the CPU; for a
+CUDA `device`, an NCCL communicator on that device), the accumulator holds only its shard
+([`GradAcc.shard`](@ref) on the CPU) and one bucket of staging, and every micro-batch is
+reduce-scattered over `c`. Every rank makes the same [`add!`](@ref), or
 [`begin_microbatch!`](@ref) / [`add_tensor!`](@ref) / [`end_microbatch!`](@ref), calls, each from
 its own task and thread, then [`sync!`](@ref) (with `c` or without a communicator); an invalid
 call on one rank throws there and `GRADACC_STATUS_PEER_FAILURE` on the others, with nothing
 added. With `add_tensor!` each tensor takes one contribution per micro-batch. The shard differs
 from an unsharded all-reduce only by the order of the FP32 sums. The accumulator keeps `c`
-referenced; close `c` only after it. CPU only, and no `buffer`.
+referenced; close `c` only after it. It adopts no `buffer`.
 """
 mutable struct Accumulator
     @atomic ptr::Ptr{gradacc_accumulator_t}
