@@ -351,6 +351,41 @@ fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
     });
 }
 
+/// A failed boundary never updates a scaler, whether it left the window intact (a peer aborted
+/// before the boundary) or discarded it (an abort in the middle of the reduction): the update
+/// needs a synced window and finds none, and the scaler's state is unchanged.
+#[test]
+fn a_failed_boundary_never_updates_the_scaler() {
+    let (tensors, config) = big_layout();
+    for in_the_middle in [false, true] {
+        let mut comms = group(2, Duration::from_secs(5));
+        let plain = comms.pop().unwrap();
+        let faulty = AbortAt { inner: comms.pop().unwrap(), at: if in_the_middle { 3 } else { usize::MAX }, calls: AtomicUsize::new(0) };
+        let ranks: [&dyn Communicator; 2] = [&faulty, &plain];
+        std::thread::scope(|s| {
+            for comm in ranks {
+                let tensors = &tensors;
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let scaler = Scaler::new(ScalerConfig { init_scale: 1024.0, growth_interval: 1, ..Default::default() }).unwrap();
+                    let acc = Accumulator::new(config, tensors).unwrap();
+                    add_big(&acc, tensors, rank);
+                    if !in_the_middle && rank == 0 {
+                        comm.abort().unwrap();
+                    }
+                    let before = scaler.save().unwrap();
+                    let e = acc.sync(Some(comm)).unwrap_err();
+                    assert_eq!(e.message.ends_with(" (the window was discarded)"), in_the_middle, "rank {rank}: {}", e.message);
+                    let refused = scaler.update_from(&[&acc], true).unwrap_err();
+                    assert_eq!(refused.kind, ErrorKind::WrongState, "rank {rank}: {}", refused.message);
+                    assert_eq!(scaler.save().unwrap(), before, "rank {rank}: a failed boundary changed the scaler");
+                    assert_eq!(scaler.scale().unwrap(), 1024.0, "rank {rank}");
+                });
+            }
+        });
+    }
+}
+
 #[test]
 fn abort_at_a_random_moment_fails_every_rank_alike() {
     let mut rng = Rng::fresh("abort_at_a_random_moment_fails_every_rank_alike");
