@@ -630,7 +630,8 @@ enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulato
  * `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
  * contiguous gradient buffer. Its contents are ignored until written.
  *
- * Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
+ * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. `master` stays the
+ * caller's and must outlive the accumulator; gradacc never frees it.
  * Thread safety: as gradacc_accumulator_create.
  */
 GRADACC_API

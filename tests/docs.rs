@@ -1,5 +1,6 @@
 //! Statements of the docs that a test can hold to the code: the README's API table against the
-//! functions the generated header exports.
+//! functions the generated header exports, and the header's promise that every function states
+//! its thread safety and every constructor the function that frees its result.
 
 use std::collections::BTreeSet;
 
@@ -59,4 +60,43 @@ fn the_readme_api_table_lists_every_exported_function() {
     let unknown: Vec<_> = listed.difference(&exported).collect();
     assert!(missing.is_empty(), "exported but not in the README's API table: {missing:?}");
     assert!(unknown.is_empty(), "in the README's API table but not exported: {unknown:?}");
+}
+
+/// Each exported function with the doc comment just before its declaration.
+fn documented_functions() -> Vec<(String, String)> {
+    let header = read("include/gradacc.h");
+    let mut out = Vec::new();
+    let mut rest = header.as_str();
+    while let Some(open) = rest.find("/**") {
+        let Some(close) = rest[open..].find("*/") else { break };
+        let doc = &rest[open + 3..open + close];
+        rest = &rest[open + close + 2..];
+        // The declaration that follows, up to its parameter list.
+        let decl = rest.split(['(', ';', '{']).next().unwrap_or("");
+        if decl.contains("/*") || !rest.trim_start().starts_with("GRADACC_API") {
+            continue;
+        }
+        if let Some(name) = decl.split_whitespace().last().map(|n| n.trim_start_matches('*')) {
+            if name.starts_with("gradacc_") {
+                out.push((name.to_string(), doc.to_string()));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_function_states_its_thread_safety_and_every_constructor_its_destroy() {
+    let functions = documented_functions();
+    let names: BTreeSet<String> = functions.iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(names, exported(), "a function without a doc comment right before it");
+    for (name, doc) in &functions {
+        assert!(doc.contains("Thread safety:"), "{name} states no thread safety");
+        let creates = ["_create", "_adopt_"].iter().any(|c| name.contains(c)) && !name.ends_with("_config_default");
+        if creates {
+            let object = if name.starts_with("gradacc_comm_") { "gradacc_comm" } else { &name[..name.find("_create").unwrap()] };
+            let destroy = format!("{object}_destroy");
+            assert!(doc.contains(&destroy), "{name} does not name {destroy}, which frees its result");
+        }
+    }
 }

@@ -243,7 +243,8 @@ pub unsafe extern "C" fn gradacc_accumulator_create(
 /// `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
 /// contiguous gradient buffer. Its contents are ignored until written.
 ///
-/// Ownership: `master` stays the caller's and must outlive the accumulator; gradacc never frees it.
+/// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. `master` stays the
+/// caller's and must outlive the accumulator; gradacc never frees it.
 /// Thread safety: as gradacc_accumulator_create.
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
