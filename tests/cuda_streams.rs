@@ -3,7 +3,8 @@
 //! that other accumulators' adds still read, the scaler destroyed right after adds, a boundary
 //! rewritten before the scaler's stream has read it, an accumulator dropped right after its early
 //! bucket reductions), two ranks of one process on two devices with stream-ordered masters, and
-//! the per-thread default stream refused.
+//! the per-thread default stream refused; and the caller's current context, as it was, after
+//! every call.
 //!
 //! Nothing here waits for the scaler's stream between the steps that need ordering, so on the
 //! software GPU (whose race detector sees every access of every stream) a missing event is a
@@ -370,5 +371,90 @@ fn the_per_thread_default_stream_is_refused() {
         let acc = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS).unwrap();
         assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);
         drop((acc, scaler));
+    }
+}
+
+/// The caller's current context on this thread, or null.
+fn current_context() -> cudarc::driver::sys::CUcontext {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the driver loaded (gpu_or_skip); it writes one CUcontext to a live local.
+    unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+    ctx
+}
+
+/// Every kind of call on device 0, each followed by a check that the current context is the one
+/// current before it.
+fn calls_keep_the_context(what: &str, seed: u64) {
+    let expected = current_context();
+    let check = |call: &str| assert_eq!(current_context(), expected, "{what}: {call} changed the current context");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    check("a stream of the test");
+    let device = on(&stream);
+    let scaler = Scaler::on(device, scaler_config()).unwrap();
+    check("Scaler::on");
+    let acc = Accumulator::on(device, AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() }, &TENSORS).unwrap();
+    check("Accumulator::on");
+    let batch = Batch::new(&mut Rng::seeded(seed), &ctx, stream.stream, 1024.0, false);
+    let ptrs = batch.ptrs();
+    check("the test's upload");
+    acc.add(&scaler, &ptrs, 3).unwrap();
+    check("add");
+    assert!(acc.add(&scaler, &ptrs[..1], 3).is_err());
+    check("a refused add");
+    acc.begin_microbatch(2).unwrap();
+    check("begin_microbatch");
+    for (i, &p) in ptrs.iter().enumerate().rev() {
+        acc.add_tensor(&scaler, i, p).unwrap();
+        check("add_tensor");
+    }
+    acc.end_microbatch().unwrap();
+    check("end_microbatch");
+    let bytes = acc.save_window().unwrap();
+    check("save_window");
+    acc.load_window(&bytes).unwrap();
+    check("load_window");
+    acc.sync(None).unwrap();
+    check("sync");
+    scaler.update_from(&[&acc], true).unwrap();
+    check("the scaler's update");
+    scaler.scale().unwrap();
+    check("scale");
+    acc.read_master(2, &mut vec![0.0; TENSORS[2].numel]).unwrap();
+    check("read_master");
+    let state = scaler.save().unwrap();
+    check("the scaler's save");
+    scaler.load(&state).unwrap();
+    check("the scaler's load");
+    drop(acc);
+    check("dropping the accumulator");
+    drop(scaler);
+    check("dropping the scaler");
+    drop((batch, stream));
+}
+
+/// gradacc works in the device's primary context and leaves the caller's current context as it
+/// found it after every call, failing ones included (docs/cuda.md): with no context current, and
+/// with another device's current (where there is one).
+#[test]
+fn every_call_leaves_the_callers_context_current() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = Rng::fresh("every_call_leaves_the_callers_context_current").next_u64();
+    // A thread of its own starts with no context current.
+    std::thread::spawn(move || {
+        assert!(current_context().is_null());
+        calls_keep_the_context("no context current", seed);
+    })
+    .join()
+    .unwrap();
+    let mut devices = 0;
+    // SAFETY: the driver loaded (gpu_or_skip); it writes one `int` to a live local.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut devices) };
+    if devices >= 2 {
+        let _current = Context::get(1).unwrap().enter().unwrap();
+        assert!(!current_context().is_null());
+        calls_keep_the_context("device 1's context current", seed);
     }
 }
