@@ -509,7 +509,8 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_NORMALIZE_BY_MICROBATCHES 1
 
 /**
- * The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+ * The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync). A window that
+ * merged saved windows counts the ranks that produced them (gradacc_accumulator_merge_window).
  */
 #define GRADACC_NORMALIZE_BY_WORLD 2
 
@@ -914,8 +915,11 @@ enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator
  * Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same
  * tensors, on any device or rank) into `acc`'s current window: masters add, item counts and
  * micro-batches add, overflow flags OR. Windows are sums, so work saved on N ranks resumes on M
- * (4 ranks to 2: each survivor merges one lost rank's window). Corrupt or foreign bytes fail and
- * leave the accumulator unchanged.
+ * (4 ranks to 2: each survivor merges one lost rank's window). The window counts the ranks'
+ * windows it sums (a merge into a window with no micro-batch yet replaces this rank's own in the
+ * count), so GRADACC_NORMALIZE_BY_WORLD divides by the size of the group that did the work; every
+ * normalisation then gives the original group's gradient. Windows saved by 0.2 count as one
+ * rank's window each. Corrupt or foreign bytes fail and leave the accumulator unchanged.
  *
  * Thread safety: serialised with every other call on `acc`.
  */

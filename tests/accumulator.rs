@@ -450,6 +450,90 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     assert!(clean.sync(None).unwrap().found_inf);
 }
 
+/// The windows of 4 ranks, saved: small-integer f32 gradients (every sum exact, in any order),
+/// 1 to 3 micro-batches of random counts each, summed losses.
+fn four_saved_windows(rng: &mut Rng, tensors: &[TensorDesc], config: AccumulatorConfig) -> Vec<Vec<u8>> {
+    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    (0..4)
+        .map(|_| {
+            let acc = Accumulator::new(config, tensors).unwrap();
+            for _ in 0..rng.range(1, 3) {
+                let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.range(0, 64) as f32 - 32.0).collect()).collect();
+                let grads: Vec<Grad> = values.iter().map(|v| Grad::F32(v)).collect();
+                acc.add(&scaler, &grads, rng.range(1, 9)).unwrap();
+            }
+            acc.save_window().unwrap()
+        })
+        .collect()
+}
+
+/// Syncs each accumulator as a rank of one in-process group; the infos and tensor 0's masters.
+fn sync_group(accs: &[Accumulator]) -> Vec<(SyncInfo, Vec<u32>)> {
+    let comms = LocalComm::group(accs.len()).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = accs
+            .iter()
+            .zip(&comms)
+            .map(|(a, c)| s.spawn(move || (a.sync(Some(c)).unwrap(), a.with_master(0, |m| m.iter().map(|v| v.to_bits()).collect()).unwrap())))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The 0.2 format of a window saved now: version 2, without the rank-window count (the u64 after
+/// the micro-batch count), and the FNV-1a checksum of the rest.
+fn as_saved_by_0_2(bytes: &[u8]) -> Vec<u8> {
+    let mut old = [&bytes[..4], &2u32.to_le_bytes(), &bytes[8..32], &bytes[40..bytes.len() - 8]].concat();
+    let sum = old.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    old.extend_from_slice(&sum.to_le_bytes());
+    old
+}
+
+/// Windows saved on 4 ranks and merged into 2 (or 1) normalise as the 4 ranks would have, under
+/// every normalisation: BY_WORLD divides by the 4 rank-windows, not the 2 ranks that sync. The
+/// gradient and the info are the 4-rank group's bit for bit, whether the survivors merge into
+/// fresh windows, keep their own and merge one lost rank's, or merge windows that were merges
+/// themselves; windows in the 0.2 format count as one rank's each.
+#[test]
+fn merged_windows_normalise_as_the_group_that_produced_them() {
+    let mut rng = Rng::fresh("merged_windows_normalise_as_the_group_that_produced_them");
+    let tensors = [TensorDesc { numel: rng.range(1, 5000) as usize, dtype: Dtype::F32 }, TensorDesc { numel: 7, dtype: Dtype::F32 }];
+    for normalize in [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches, Normalize::None] {
+        let config = AccumulatorConfig { normalize, loss_reduction: LossReduction::Sum, ..Default::default() };
+        let w = four_saved_windows(&mut rng, &tensors, config);
+        let fresh = || Accumulator::new(config, &tensors).unwrap();
+        let loaded = |i: usize| {
+            let a = fresh();
+            a.load_window(&w[i]).unwrap();
+            a
+        };
+        let want = sync_group(&[loaded(0), loaded(1), loaded(2), loaded(3)]).remove(0);
+        let merged = |a: Accumulator, windows: &[&[u8]]| {
+            windows.iter().for_each(|b| a.merge_window(b).unwrap());
+            a
+        };
+        let scenarios: Vec<(&str, Vec<Accumulator>)> = vec![
+            ("two fresh survivors merge two each", vec![merged(fresh(), &[&w[0], &w[1]]), merged(fresh(), &[&w[2], &w[3]])]),
+            ("survivors keep their own and merge one", vec![merged(loaded(0), &[&w[2]]), merged(loaded(1), &[&w[3]])]),
+            ("one merges three, the other one", vec![merged(loaded(0), &[&w[1], &w[2]]), merged(fresh(), &[&w[3]])]),
+            ("one rank merges all four", vec![merged(fresh(), &[&w[0], &w[1], &w[2], &w[3]])]),
+            (
+                "0.2 windows, one rank's each",
+                vec![merged(fresh(), &[&as_saved_by_0_2(&w[0]), &as_saved_by_0_2(&w[1])]), merged(loaded(2), &[&as_saved_by_0_2(&w[3])])],
+            ),
+        ];
+        for (what, accs) in scenarios {
+            for (rank, got) in sync_group(&accs).iter().enumerate() {
+                assert_eq!(got, &want, "{normalize:?}: {what}: rank {rank}");
+            }
+        }
+        // Merges of merges: two 2-rank merges saved, then merged into one fresh window.
+        let halves = [merged(fresh(), &[&w[0], &w[1]]).save_window().unwrap(), merged(loaded(2), &[&w[3]]).save_window().unwrap()];
+        let got = sync_group(&[merged(fresh(), &[&halves[0], &halves[1]])]).remove(0);
+        assert_eq!(got, want, "{normalize:?}: merges of merges");
+    }
+}
+
 /// Reduce-scatter at the boundary on buffers of many pieces per shard, 1 to 5 ranks, with and
 /// without clipping: the shards tile the layout in rank order on block boundaries, and each holds
 /// the all-reduce's bits and reports its info.

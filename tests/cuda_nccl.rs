@@ -1943,3 +1943,73 @@ fn an_overflowing_reduction_skips_on_every_rank_at_two_devices() {
 fn an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid() {
     at_devices(4, "an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid", |test| reduction_overflow_on_grid(2, 2, test));
 }
+
+/// Windows saved on 4 CPU ranks, merged two by two into 2 CUDA ranks over NCCL: under every
+/// normalisation the gradient and the info are the 4-rank CPU group's (BY_WORLD divides by the 4
+/// rank-windows the device sums in its control words, not by the 2 ranks).
+#[test]
+fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
+    if device_count() < 2 {
+        return;
+    }
+    let mut rng = Rng::fresh("merged_windows_normalise_as_the_group_that_produced_them_on_cuda");
+    let descs = [TensorDesc { numel: 3000, dtype: Dtype::F32 }];
+    for normalize in [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches] {
+        let config = AccumulatorConfig { normalize, loss_reduction: LossReduction::Sum, ..Default::default() };
+        let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+        let saved: Vec<Vec<u8>> = (0..4)
+            .map(|_| {
+                let acc = Accumulator::new(config, &descs).unwrap();
+                for _ in 0..rng.range(1, 3) {
+                    let values: Vec<f32> = (0..3000).map(|_| rng.range(0, 64) as f32 - 32.0).collect();
+                    acc.add(&scaler, &[Grad::F32(&values)], rng.range(1, 9)).unwrap();
+                }
+                acc.save_window().unwrap()
+            })
+            .collect();
+        let cpu: Vec<Accumulator> = saved
+            .iter()
+            .map(|b| {
+                let a = Accumulator::new(config, &descs).unwrap();
+                a.load_window(b).unwrap();
+                a
+            })
+            .collect();
+        let comms = LocalComm::group(4).unwrap();
+        let want: Vec<(SyncInfo, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                cpu.iter().zip(&comms).map(|(a, c)| s.spawn(move || (a.sync(Some(c)).unwrap(), a.with_master(0, |m| m.to_vec()).unwrap()))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let id = nccl::unique_id().unwrap();
+        let moved = saved.clone();
+        let got: Vec<(SyncInfo, Vec<f32>)> = within(Duration::from_secs(300), "merged windows on CUDA", move || {
+            let saved = &moved;
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let (_ctx, _stream, device) = rank_device(rank);
+                            let comm = pair_comm(&id, rank, Duration::from_secs(30));
+                            let acc = Accumulator::on(device, config, &descs).unwrap();
+                            acc.merge_window(&saved[2 * rank]).unwrap();
+                            acc.merge_window(&saved[2 * rank + 1]).unwrap();
+                            let info = acc.sync(Some(&*comm)).unwrap();
+                            let mut master = vec![0f32; 3000];
+                            acc.read_master(0, &mut master).unwrap();
+                            (info, master)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        });
+        for (rank, (info, master)) in got.iter().enumerate() {
+            assert_eq!((info.total_count, info.microbatches), (want[0].0.total_count, want[0].0.microbatches), "{normalize:?} rank {rank}");
+            assert!(same_info(info, &want[0].0), "{normalize:?} rank {rank}: {info:?}, the CPU's {:?}", want[0].0);
+            for (k, (g, w)) in master.iter().zip(&want[0].1).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{normalize:?} rank {rank} element {k}: {g} vs {w}");
+            }
+        }
+    }
+}

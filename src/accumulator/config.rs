@@ -28,6 +28,9 @@ pub enum Normalize {
     /// The global number of micro-batches: the usual `loss / steps` combined with a DDP mean.
     ByMicrobatches,
     /// The number of ranks: summed over micro-batches, averaged over ranks (DDP with no_sync).
+    /// Precisely, the number of rank-windows the boundary sums: a window that merged saved
+    /// windows counts each of them ([`Accumulator::merge_window`](super::Accumulator::merge_window)),
+    /// so windows of N ranks merged into M normalise as the N ranks would have.
     ByWorld,
     /// The plain sum.
     None,
@@ -36,11 +39,11 @@ pub enum Normalize {
 impl Normalize {
     /// What the summed gradient is divided by, given the window's global totals; 0 means there
     /// is nothing to normalise by (an empty window).
-    pub fn divisor(self, total_count: u64, total_microbatches: u64, world: u64) -> u64 {
+    pub fn divisor(self, total_count: u64, total_microbatches: u64, total_ranks: u64) -> u64 {
         match self {
             Normalize::ByCount => total_count,
             Normalize::ByMicrobatches => total_microbatches,
-            Normalize::ByWorld => world,
+            Normalize::ByWorld => total_ranks,
             Normalize::None => 1,
         }
     }

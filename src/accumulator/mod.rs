@@ -34,11 +34,17 @@ pub(crate) use layout::Layout;
 use window::{Phase, State, Window};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
-/// 2: the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
-const WINDOW_VERSION: u32 = 2;
-/// 3: a sharded accumulation's shard (version 2 with the shard count and rank after the layout,
-/// and only the shard's masters).
-const SHARD_WINDOW_VERSION: u32 = 3;
+/// 2 (0.2): the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
+/// 3 (0.2): a sharded accumulation's shard (version 2 with the shard count and rank after the
+/// layout, and only the shard's masters).
+/// 4 and 5: versions 2 and 3 with the number of rank-windows the window sums (at least 1) after
+/// its micro-batch count. Windows of versions 2 and 3 are one rank's window each.
+const WINDOW_VERSION: u32 = 4;
+const SHARD_WINDOW_VERSION: u32 = 5;
+const OLDEST_WINDOW_VERSION: u32 = 2;
+/// The most rank-windows a saved window may sum: far beyond any group, and a corrupt value is
+/// refused rather than normalised by.
+const MAX_WINDOW_RANKS: u64 = 1 << 32;
 
 /// What the boundary reports; identical on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -141,6 +147,8 @@ impl From<CUdeviceptr> for Gradient<'_> {
 struct SavedWindow {
     count: u64,
     microbatches: u64,
+    /// The rank-windows it sums (at least 1).
+    ranks: u64,
     found_inf: bool,
     written: Vec<bool>,
     masters: Vec<f32>,
@@ -223,13 +231,14 @@ pub(crate) struct Proposal<'a> {
     pub replicas: Option<&'a dyn Communicator>,
     pub count: u64,
     pub microbatches: u64,
+    /// The rank-windows this rank's window sums (at least 1).
+    pub ranks: u64,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
     pub error: Option<Error>,
 }
 
 /// What the ranks agreed on, as far as the host knows before the reduction.
 pub(crate) struct Agreed {
-    pub world: u64,
     /// The global totals, when the host has them (the CPU always; a device only alone): the
     /// accumulator then tells an empty window before anything changes.
     pub totals: Option<ControlSum>,
@@ -772,8 +781,8 @@ impl Accumulator {
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
-        let (count, microbatches) = if empty_again { (0, 0) } else { (w.count, w.microbatches) };
-        let agreed = self.store.agree(&Proposal { comm, replicas, count, microbatches, error }).map_err(|e| match e.kind {
+        let (count, microbatches, ranks) = if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
+        let agreed = self.store.agree(&Proposal { comm, replicas, count, microbatches, ranks, error }).map_err(|e| match e.kind {
             // Nothing was reduced: the caller may save the window or sync again on a new group.
             ErrorKind::CommFailure | ErrorKind::Timeout => {
                 // A sharded accumulation is bound to its communicator: it resumes in a new one.
@@ -790,14 +799,14 @@ impl Accumulator {
             if t.microbatches == 0 {
                 return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
             }
-            if self.plan.config.normalize.divisor(t.count, t.microbatches, agreed.world) == 0 {
+            if self.plan.config.normalize.divisor(t.count, t.microbatches, t.ranks) == 0 {
                 return Err(Error::new(ErrorKind::EmptyWindow, "the window's global item count is 0: nothing to normalise by"));
             }
         }
 
         // From here on the window is consumed: every rank passed the same checks, and a failure
         // discards the window (a retry must not reduce a bucket twice).
-        let proposal = Proposal { comm, replicas, count, microbatches, error: None };
+        let proposal = Proposal { comm, replicas, count, microbatches, ranks, error: None };
         let result = self.consume(&mut w, empty_again, &proposal, &agreed, read);
         match result {
             Ok(info) => {
@@ -951,7 +960,7 @@ impl Accumulator {
         if let Some((shards, rank)) = shard {
             out.u64(shards as u64).u64(rank as u64);
         }
-        out.u64(w.count).u64(w.microbatches).bool(self.store.found_inf()?);
+        out.u64(w.count).u64(w.microbatches).u64(w.rank_windows()).bool(self.store.found_inf()?);
         for i in 0..self.tensors().len() {
             out.bool(self.window.written(&w, i));
         }
@@ -973,13 +982,17 @@ impl Accumulator {
         w.phase = if saved.microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = saved.count;
         w.microbatches = saved.microbatches;
+        w.ranks = saved.ranks;
         Ok(())
     }
 
     /// Adds a window written by [`Accumulator::save_window`] (of an accumulator with the same
     /// layout, on any device and rank) into the current one: windows are sums, so work saved on N
     /// ranks resumes on M. Masters add (in f32, the current value first), counts and micro-batches
-    /// add, overflow flags OR; a tensor written in either window counts as written. After a sync
+    /// add, overflow flags OR; a tensor written in either window counts as written. The window
+    /// also counts the ranks' windows it sums (merged into a window with no micro-batch yet, a
+    /// saved window replaces this rank's own in that count), so [`Normalize::ByWorld`] divides by
+    /// the size of the group that produced the work. After a sync
     /// it starts a new window, as `add` does. On CUDA this waits for the accumulator's stream.
     /// Corrupt or foreign bytes are rejected and leave the accumulator unchanged.
     pub fn merge_window(&self, bytes: &[u8]) -> Result<()> {
@@ -1016,6 +1029,7 @@ impl Accumulator {
         self.store.write(&masters)?;
         self.store.set_found_inf(found_inf)?;
         let (count, microbatches) = (w.count + saved.count, w.microbatches + saved.microbatches);
+        w.merge_ranks(saved.ranks);
         self.window.restore(&mut w, &written);
         w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = count;
@@ -1026,11 +1040,11 @@ impl Accumulator {
     /// Reads and checks saved window bytes against this accumulator's layout.
     fn parse_window(&self, bytes: &[u8]) -> Result<SavedWindow> {
         let what = "accumulator window";
-        let (mut r, version) = state::Reader::open_versions(what, bytes, WINDOW_MAGIC, WINDOW_VERSION..=SHARD_WINDOW_VERSION)?;
+        let (mut r, version) = state::Reader::open_versions(what, bytes, WINDOW_MAGIC, OLDEST_WINDOW_VERSION..=SHARD_WINDOW_VERSION)?;
         if r.u64()? != self.plan.layout.hash() {
             return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
         }
-        let saved = if version == SHARD_WINDOW_VERSION { Some((r.u64()?, r.u64()?)) } else { None };
+        let saved = if version % 2 == 1 { Some((r.u64()?, r.u64()?)) } else { None };
         let mine = self.sharded_accumulation().map(|(shards, rank)| (shards as u64, rank as u64));
         if saved != mine {
             let name = |s: Option<(u64, u64)>| match s {
@@ -1039,18 +1053,22 @@ impl Accumulator {
             };
             return Err(Error::new(ErrorKind::CorruptState, format!("{what}: it holds {}, and this accumulator {}", name(saved), name(mine))));
         }
-        let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
+        let (count, microbatches) = (r.u64()?, r.u64()?);
+        let ranks = if version >= WINDOW_VERSION { r.u64()? } else { 1 };
+        let found_inf = r.bool()?;
         let written: Vec<bool> = (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
         let mut masters = Vec::new();
         r.f32s_into(&mut masters, self.plan.held().len())?;
         r.finish()?;
-        if count > config::MAX_WINDOW_COUNT || (microbatches == 0 && count != 0) {
+        if count > config::MAX_WINDOW_COUNT || (microbatches == 0 && count != 0) || !(1..=MAX_WINDOW_RANKS).contains(&ranks) {
             return Err(Error::new(
                 ErrorKind::CorruptState,
-                format!("accumulator window: {count} items in {microbatches} micro-batches is not a window this library saves"),
+                format!(
+                    "accumulator window: {count} items in {microbatches} micro-batches over {ranks} rank-windows is not a window this library saves"
+                ),
             ));
         }
-        Ok(SavedWindow { count, microbatches, found_inf, written, masters })
+        Ok(SavedWindow { count, microbatches, ranks, found_inf, written, masters })
     }
 
     /// The shard count and this rank's shard under [`Sharding::Accumulate`].

@@ -32,6 +32,9 @@ pub(crate) struct State {
     pub count: u64,
     /// Micro-batches added in this window on this rank.
     pub microbatches: u64,
+    /// How many ranks' windows this one sums, once a load or merge set it; 0 for this rank's own
+    /// window alone (it counts 1, and a merge into it while it is empty replaces it).
+    pub ranks: u64,
 }
 
 impl State {
@@ -68,6 +71,17 @@ impl State {
         }
     }
 
+    /// The rank-windows this window sums, for the boundary: at least its own.
+    pub fn rank_windows(&self) -> u64 {
+        self.ranks.max(1)
+    }
+
+    /// A saved window of `saved` rank-windows merges in. Into this rank's own window with
+    /// nothing in it yet it is the window, as a load would make it; otherwise both count.
+    pub fn merge_ranks(&mut self, saved: u64) {
+        self.ranks = if self.ranks == 0 && self.microbatches == 0 { saved } else { self.rank_windows().saturating_add(saved) };
+    }
+
     /// A micro-batch of `count` items joins the window.
     pub fn add_microbatch(&mut self, count: u64) {
         self.count += count;
@@ -77,7 +91,7 @@ impl State {
 
     /// Starts a new, empty window; everything written before reads as zero.
     pub fn next(&mut self) {
-        *self = State { id: self.id + 1, phase: Phase::Empty, count: 0, microbatches: 0 };
+        *self = State { id: self.id + 1, phase: Phase::Empty, count: 0, microbatches: 0, ranks: 0 };
     }
 }
 
@@ -97,7 +111,7 @@ pub(crate) struct Window {
 impl Window {
     pub fn new(tensors: usize) -> Self {
         Window {
-            state: RwLock::new(State { id: 1, phase: Phase::Empty, count: 0, microbatches: 0 }),
+            state: RwLock::new(State { id: 1, phase: Phase::Empty, count: 0, microbatches: 0, ranks: 0 }),
             written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
         }

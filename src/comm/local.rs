@@ -607,6 +607,7 @@ mod tests {
                             layout: 5,
                             count: r + 1,
                             microbatches: 1,
+                            ranks: r + 1,
                             found_inf: r == 2,
                             error: false,
                         }))
@@ -620,6 +621,7 @@ mod tests {
                             max_layout: 5,
                             count: 6,
                             microbatches: 3,
+                            ranks: 6,
                             found_inf: true,
                             error: false
                         }

@@ -103,6 +103,9 @@ pub struct Control {
     pub count: u64,
     /// Micro-batches added in this rank's window.
     pub microbatches: u64,
+    /// How many ranks' windows this rank's window sums: 1 for its own, more after merges of
+    /// saved windows. BY_WORLD divides by the sum over the group.
+    pub ranks: u64,
     /// This rank saw a non-finite value.
     pub found_inf: bool,
     /// This rank cannot complete the boundary (its call was invalid); all ranks then stop.
@@ -118,6 +121,7 @@ pub struct ControlSum {
     pub max_layout: u64,
     pub count: u64,
     pub microbatches: u64,
+    pub ranks: u64,
     pub found_inf: bool,
     pub error: bool,
 }
@@ -132,6 +136,7 @@ impl ControlSum {
             max_layout: c.layout,
             count: c.count,
             microbatches: c.microbatches,
+            ranks: c.ranks,
             found_inf: c.found_inf,
             error: c.error,
         }
@@ -147,6 +152,7 @@ impl ControlSum {
             max_layout: self.max_layout.max(o.max_layout),
             count: self.count.saturating_add(o.count),
             microbatches: self.microbatches.saturating_add(o.microbatches),
+            ranks: self.ranks.saturating_add(o.ranks),
             found_inf: self.found_inf | o.found_inf,
             error: self.error | o.error,
         }

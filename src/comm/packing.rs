@@ -4,14 +4,17 @@
 
 use super::ControlSum;
 
-/// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1).
-pub const SUM_WORDS: usize = 4;
-/// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches.
-pub const MAX_WORDS: usize = 6;
+/// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1), ranks.
+pub const SUM_WORDS: usize = 5;
+/// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches, ranks.
+pub const MAX_WORDS: usize = 7;
 
 /// One rank's control values (or a group's reduction) as the SUM words and the MAX words.
 pub fn pack(c: &ControlSum) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
-    ([c.count, c.microbatches, c.found_inf as u64, c.error as u64], [c.max_numel, !c.min_numel, c.max_layout, !c.min_layout, c.count, c.microbatches])
+    (
+        [c.count, c.microbatches, c.found_inf as u64, c.error as u64, c.ranks],
+        [c.max_numel, !c.min_numel, c.max_layout, !c.min_layout, c.count, c.microbatches, c.ranks],
+    )
 }
 
 /// The reduction from the element-wise SUM and MAX over every rank's words. A sum that wrapped
@@ -27,6 +30,7 @@ pub fn unpack(sum: &[u64; SUM_WORDS], max: &[u64; MAX_WORDS]) -> ControlSum {
         microbatches: saturate(sum[1], max[5]),
         found_inf: sum[2] != 0,
         error: sum[3] != 0,
+        ranks: saturate(sum[4], max[6]),
     }
 }
 
@@ -62,13 +66,22 @@ mod tests {
 
     #[test]
     fn matches_the_in_process_fold() {
-        let c = |numel, layout, count, microbatches, found_inf, error| Control { numel, layout, count, microbatches, found_inf, error };
+        let c = |numel, layout, count, microbatches, found_inf, error| Control {
+            numel,
+            layout,
+            count,
+            microbatches,
+            ranks: 1 + microbatches,
+            found_inf,
+            error,
+        };
         let cases: Vec<Vec<Control>> = vec![
             vec![c(10, 7, 3, 1, false, false)],
             vec![c(10, 7, 3, 1, false, false), c(10, 7, 0, 0, false, false)],
             vec![c(10, 7, 3, 1, false, false), c(12, 7, 5, 2, true, false), c(10, 9, 1, 1, false, true)],
             vec![c(0, 0, 0, 0, false, false), c(u64::MAX, u64::MAX, 4, 4, true, true)],
             vec![c(5, 5, u64::MAX / 2, 1, false, false), c(5, 5, u64::MAX / 2 + 7, 1, false, false)],
+            vec![c(5, 5, 1, u64::MAX / 2, false, false), c(5, 5, 1, u64::MAX / 2 + 7, false, false)],
         ];
         for ranks in &cases {
             assert_eq!(reduce(ranks), fold(ranks), "{ranks:?}");
@@ -90,6 +103,7 @@ mod tests {
                     layout: next() % 3,
                     count: next() % 1000,
                     microbatches: next() % 5,
+                    ranks: 1 + next() % 4,
                     found_inf: next() % 5 == 0,
                     error: next() % 7 == 0,
                 })

@@ -36,7 +36,8 @@ pub type gradacc_normalize_t = i32;
 pub const GRADACC_NORMALIZE_BY_COUNT: gradacc_normalize_t = 0;
 /// The global number of micro-batches (`loss / steps` with a DDP mean): a mean of means.
 pub const GRADACC_NORMALIZE_BY_MICROBATCHES: gradacc_normalize_t = 1;
-/// The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync).
+/// The number of ranks: sum over micro-batches, mean over ranks (DDP with no_sync). A window that
+/// merged saved windows counts the ranks that produced them (gradacc_accumulator_merge_window).
 pub const GRADACC_NORMALIZE_BY_WORLD: gradacc_normalize_t = 2;
 /// No division: the plain sum.
 pub const GRADACC_NORMALIZE_NONE: gradacc_normalize_t = 3;
@@ -715,8 +716,11 @@ pub unsafe extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accum
 /// Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same
 /// tensors, on any device or rank) into `acc`'s current window: masters add, item counts and
 /// micro-batches add, overflow flags OR. Windows are sums, so work saved on N ranks resumes on M
-/// (4 ranks to 2: each survivor merges one lost rank's window). Corrupt or foreign bytes fail and
-/// leave the accumulator unchanged.
+/// (4 ranks to 2: each survivor merges one lost rank's window). The window counts the ranks'
+/// windows it sums (a merge into a window with no micro-batch yet replaces this rank's own in the
+/// count), so GRADACC_NORMALIZE_BY_WORLD divides by the size of the group that did the work; every
+/// normalisation then gives the original group's gradient. Windows saved by 0.2 count as one
+/// rank's window each. Corrupt or foreign bytes fail and leave the accumulator unchanged.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]

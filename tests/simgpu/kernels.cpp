@@ -50,8 +50,8 @@ void fp_add_one(Footprint &f, float *master, const void *grad, ga_u64 numel, int
     f.write(found_inf, 4);
 }
 
-void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf) {
-    f.write(b, 3 * sizeof(ga_u64));
+void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64) {
+    f.write(b, 4 * sizeof(ga_u64));
     if (found_inf) f.read(found_inf, 4);
 }
 
@@ -70,7 +70,7 @@ void fp_sum_bf16(Footprint &f, float *out, const unsigned short *in, ga_u64 n, g
     f.read(in, world * n * 2);
 }
 
-void fp_begin_boundary(Footprint &f, ga_boundary *b, int, ga_u64) { f.write(b, sizeof *b); }
+void fp_begin_boundary(Footprint &f, ga_boundary *b, int) { f.write(b, sizeof *b); }
 
 void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary *b, int, double *partials) {
     f.read(b, sizeof *b);

@@ -163,15 +163,14 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
         layout: plan.fingerprint() ^ replicas,
         count: p.count,
         microbatches: p.microbatches,
+        ranks: p.ranks,
         found_inf: p.microbatches != 0 && found_inf,
         error: p.error.is_some(),
     };
     let mut total = ControlSum::of(&mine);
-    let mut world = 1;
     if let Some(c) = p.comm {
         // A shard group that fails here still tells the replicas, which would wait otherwise.
         total = host_collectives(c)?.reduce_control(&total).inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
-        world = c.world_size();
     }
     if let Some(r) = p.replicas {
         // The replicas of a shard must hold the same shard: the fingerprint is tagged with
@@ -183,13 +182,12 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
         (total.min_layout, total.max_layout) =
             if total.min_layout == total.max_layout { (total.min_layout ^ tag, total.max_layout ^ tag) } else { (0, u64::MAX) };
         total = host_collectives(r)?.reduce_control(&total)?;
-        world *= r.world_size();
     }
     if let Some(e) = &p.error {
         return Err(e.clone());
     }
     check_agreement(&total)?;
-    Ok(Agreed { world: world as u64, totals: Some(total) })
+    Ok(Agreed { totals: Some(total) })
 }
 
 /// The factor that unscales and weights a micro-batch's gradients: `weight` over the scaler's
@@ -212,7 +210,7 @@ impl Boundary {
     pub(super) fn new(plan: &Plan, agreed: &Agreed, wire: Dtype) -> Self {
         let total = agreed.totals.expect("the host agreement has totals");
         let config = &plan.config;
-        let divisor = config.normalize.divisor(total.count, total.microbatches, agreed.world);
+        let divisor = config.normalize.divisor(total.count, total.microbatches, total.ranks);
         let max_norm = config.max_grad_norm as f64;
         let normalize = (1.0 / divisor as f64) as f32;
         let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });

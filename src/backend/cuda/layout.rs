@@ -42,6 +42,10 @@ pub struct GaSources {
     pub s: [GaSource; SOURCES_PER_LAUNCH],
 }
 
+/// The leading u64 words of a `ga_boundary` that the ranks sum: count, micro-batches, found_inf,
+/// ranks.
+pub const CONTROL_WORDS: usize = 4;
+
 /// `ga_boundary`: control values (reduced across ranks) and the boundary's results.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -49,6 +53,7 @@ pub struct GaBoundary {
     pub count: u64,
     pub microbatches: u64,
     pub found_inf: u64,
+    pub ranks: u64,
     pub divisor: u64,
     pub grad_norm: f64,
     pub clip_coef: f64,

@@ -36,14 +36,14 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
 use super::kernels::Kernels;
-use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
+use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
-use super::store::{check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, GridCheck, NormSpan, CHUNK};
+use super::store::{alone, check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, GridCheck, NormSpan, CHUNK};
 use super::wire::Wire;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
-use crate::comm::{Communicator, ControlSum};
+use crate::comm::Communicator;
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -656,22 +656,22 @@ impl ShardedDeviceStore {
 
     /// The boundary's device work: the control words summed over the group, then normalise and
     /// measure the shard, gather every shard's block sums, and clip the shard.
-    fn enqueue_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+    fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
         let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
-        let (count, microbatches, found_inf) = (p.count, p.microbatches, self.found_inf.ptr());
-        let mut args = launch_args!(boundary, count, microbatches, found_inf);
+        let (count, microbatches, found_inf, ranks) = (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
+        let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
         // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm {
-            c.allreduce_u64(boundary, 3, false, self.stream)?;
+            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
         }
         // A hybrid boundary: the counts and the shard (the shard group's sum) are summed over the
         // replicas (FP32 sums, as on the CPU) before the norm.
         if let Some(r) = p.replicas.map(nccl).transpose()? {
             // Every replica holds the same shard: an empty one is skipped by all of them.
             r.group(|| {
-                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
                 if self.own.is_empty() {
                     return Ok(());
                 }
@@ -684,7 +684,7 @@ impl ShardedDeviceStore {
         let span = NormSpan { data: self.shard.ptr(), n: self.own.len() as u64, first_block: self.rank * self.padded / NORM_BLOCK, gather };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
-        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, boundary, partials, world, span) }
+        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, boundary, partials, span) }
     }
 }
 
@@ -825,18 +825,15 @@ impl Store for ShardedDeviceStore {
             (Some(c), None) => self.verify_layout(c, AT_BOUNDARY, p.error.as_ref())?,
             (None, None) => p.error.clone().map_or(Ok(()), Err)?,
         }
-        // A hybrid boundary's world is the grid: counts are agreed over every rank of it.
-        let world = (comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size())) as u64;
-        let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
-        Ok(Agreed { world, totals })
+        Ok(Agreed { totals: alone(p, comm, replicas) })
     }
 
-    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+    fn reduce(&self, p: &Proposal<'_>, _agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
         {
             // The boundary is rewritten: after the scalers' gathers of the last one.
             let mut reads = self.boundary_reads();
             reads.before_write()?;
-            let result = self.enqueue_boundary(p, agreed.world);
+            let result = self.enqueue_boundary(p);
             // Recorded even after a failure: part of the boundary may be enqueued.
             reads.after_write()?;
             result?;

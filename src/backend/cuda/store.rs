@@ -21,7 +21,7 @@ use super::driver::{
     check_stream, launch_args, synchronize, wait_until_done, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS,
 };
 use super::kernels::Kernels;
-use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
+use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH};
 use super::scaler::CudaScaler;
 use super::wire::Wire;
 use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
@@ -145,6 +145,14 @@ pub(super) fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
         Collectives::Nccl(c) => Ok(c),
         Collectives::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "a host communicator for a CUDA accumulator: use an NCCL communicator")),
     }
+}
+
+/// The totals of a boundary whose group is this rank alone: the host knows them (and tells an
+/// empty window before anything is enqueued); `None` when they are summed on the device. A
+/// hybrid boundary's group is the grid.
+pub(super) fn alone(p: &Proposal<'_>, comm: Option<&NcclComm>, replicas: Option<&NcclComm>) -> Option<ControlSum> {
+    let world = comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size());
+    (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ranks: p.ranks, ..Default::default() })
 }
 
 /// Reads the boundary's result (waits for the stream); None for an empty window.
@@ -290,7 +298,6 @@ pub(super) unsafe fn norm_and_clip(
     plan: &Plan,
     boundary: CUdeviceptr,
     partials: CUdeviceptr,
-    world: u64,
     span: NormSpan<'_>,
 ) -> Result<()> {
     let NormSpan { data, n, first_block, gather } = span;
@@ -306,7 +313,7 @@ pub(super) unsafe fn norm_and_clip(
     // SAFETY: each launch's arguments follow its kernel's signature in kernels.cu, over the
     // buffers of the caller's contract. An empty span launches nothing on it.
     unsafe {
-        let mut args = launch_args!(boundary, normalize_code, world);
+        let mut args = launch_args!(boundary, normalize_code);
         kernels.begin_boundary.launch(ctx, 1, 1, stream, &mut args)?;
         if n > 0 {
             let mut args = launch_args!(data, n, boundary, normalize_now, own_partials);
@@ -433,24 +440,24 @@ impl DeviceStore {
 
     /// The boundary's device work: the control words and the buckets not reduced early, then
     /// normalise, norm and clip.
-    fn run_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+    fn run_boundary(&self, p: &Proposal<'_>) -> Result<()> {
         // The boundary is rewritten: after the scalers' gathers of the last one.
         let mut reads = self.boundary_reads();
         reads.before_write()?;
-        let result = self.enqueue_boundary(p, world);
+        let result = self.enqueue_boundary(p);
         // Recorded even after a failure: part of the boundary may be enqueued.
         reads.after_write()?;
         result
     }
 
-    fn enqueue_boundary(&self, p: &Proposal<'_>, world: u64) -> Result<()> {
+    fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
         let overlap = self.overlap().take();
         if let Some(o) = &overlap {
             self.finish_overlap(o)?;
         }
         let boundary = self.boundary.ptr();
-        let (count, microbatches, found_inf) = (p.count, p.microbatches, self.found_inf.ptr());
-        let mut args = launch_args!(boundary, count, microbatches, found_inf);
+        let (count, microbatches, found_inf, ranks) = (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
+        let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
         // SAFETY: argument types follow ga_pack_control.
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
@@ -458,14 +465,14 @@ impl DeviceStore {
         if let Some(c) = comm.filter(|c| self.bf16(c).is_some()) {
             // The wire's kernels run between its collectives: no NCCL group around them. Bucket
             // by bucket (sharded, each bucket's pieces to their owners), which bounds its staging.
-            c.allreduce_u64(boundary, 3, false, self.stream)?;
+            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
             let buckets = self.plan.layout.buckets();
             let left = overlap.as_ref().map_or(buckets.len(), |o| o.next);
             buckets[..left].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream))?;
         } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
             c.group(|| {
-                c.allreduce_u64(boundary, 3, false, self.stream)?;
+                c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
                 match (&self.sharded, &overlap) {
                     (Some(s), None) => self.reduce_shards(c, s),
                     // The buckets the final micro-batch did not reduce early.
@@ -480,26 +487,26 @@ impl DeviceStore {
             // The wire is the first reduction's between ranks: the replicas', after a shard group
             // of one (whose shard is the whole master, bucket by bucket).
             if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
-                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
                 for b in self.plan.layout.buckets() {
                     let piece = b.start.max(own.start)..b.end.min(own.end);
                     if !piece.is_empty() {
                         wire.allreduce(r, self.master_at(piece.start), piece.len(), self.stream)?;
                     }
                 }
-                return self.finish_boundary(world, comm);
+                return self.finish_boundary(comm);
             }
             // Every replica holds the same shard: an empty one is skipped by all of them (its
             // address may be one past a caller's master).
             r.group(|| {
-                r.allreduce_u64(boundary, 3, false, self.stream)?;
+                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
                 if own.is_empty() {
                     return Ok(());
                 }
                 r.allreduce_sum_f32(self.master_at(own.start), own.len(), self.stream)
             })?;
         }
-        self.finish_boundary(world, comm)
+        self.finish_boundary(comm)
     }
 
     /// The BF16 wire's staging for a reduction over `c`: only between ranks.
@@ -545,13 +552,13 @@ impl DeviceStore {
     /// Normalise, norm and clip, on the device, from the reduced control words: over the whole
     /// master, or sharded over this rank's shard, with the block sums of every shard gathered
     /// from the ranks before the norm.
-    fn finish_boundary(&self, world: u64, comm: Option<&NcclComm>) -> Result<()> {
+    fn finish_boundary(&self, comm: Option<&NcclComm>) -> Result<()> {
         let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
         let gather = self.sharded.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
         let span = NormSpan { data: self.master_at(own.start), n: own.len() as u64, first_block: own.start / NORM_BLOCK, gather };
         // SAFETY: the master holds the range `own`, and `boundary` and `partials` were sized for
         // this layout (and its shards, padded) at creation.
-        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, self.boundary.ptr(), self.partials.ptr(), world, span) }
+        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, self.boundary.ptr(), self.partials.ptr(), span) }
     }
 
     /// Reads the boundary's result (waits for the stream); None for an empty window.
@@ -768,14 +775,11 @@ impl Store for DeviceStore {
             (Some(c), None) => self.verify_layout(c)?,
             _ => {}
         }
-        // A hybrid boundary's world is the grid: counts are agreed over every rank of it.
-        let world = (comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size())) as u64;
-        let totals = (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ..Default::default() });
-        Ok(Agreed { world, totals })
+        Ok(Agreed { totals: alone(p, comm, replicas) })
     }
 
-    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
-        self.run_boundary(p, agreed.world)?;
+    fn reduce(&self, p: &Proposal<'_>, _agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+        self.run_boundary(p)?;
         if !read {
             return Ok(None);
         }

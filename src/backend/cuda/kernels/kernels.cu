@@ -44,6 +44,7 @@ typedef struct {
     ga_u64 count;        /* reduced item count */
     ga_u64 microbatches; /* reduced micro-batch count */
     ga_u64 found_inf;    /* reduced: ranks that saw a non-finite value */
+    ga_u64 ranks;        /* reduced: rank-windows summed (BY_WORLD's divisor) */
     ga_u64 divisor;      /* what the sum is divided by; 0 = empty window */
     double grad_norm;
     double clip_coef;
@@ -165,11 +166,12 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_one(
         }                                              \
     } while (0)
 
-extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf) {
+extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf, ga_u64 ranks) {
     GA_ONE_THREAD();
     b->count = count;
     b->microbatches = microbatches;
     b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
+    b->ranks = ranks;
 }
 
 /* A bf16 wire's outgoing words: each FP32 value rounded to bfloat16 once (to nearest even). */
@@ -197,9 +199,9 @@ extern "C" __global__ void ga_or_flag(ga_u32 *into, const ga_u32 *from) {
 }
 
 /* After the control words are summed: what the boundary divides by. */
-extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize, ga_u64 world) {
+extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize) {
     GA_ONE_THREAD();
-    ga_u64 divisor = ga_divisor(normalize, b->count, b->microbatches, world);
+    ga_u64 divisor = ga_divisor(normalize, b->count, b->microbatches, b->ranks);
     b->divisor = divisor;
     b->empty = (b->microbatches == 0 || divisor == 0) ? 1u : 0u;
     b->grad_norm = 0.0;
