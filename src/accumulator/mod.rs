@@ -522,7 +522,7 @@ impl Accumulator {
     /// Adds one micro-batch: every tensor's gradient, scaled by `scaler`'s current scale, for
     /// `count` items. Fails without changing anything on a wrong tensor count, length, dtype or
     /// device. On CUDA the work is enqueued on the accumulator's stream (one launch for up to
-    /// 240 tensors) and the call returns without waiting; the buffers must stay valid until the
+    /// 224 tensors) and the call returns without waiting; the buffers must stay valid until the
     /// stream has run it.
     ///
     /// Under [`Sharding::Accumulate`] every rank must call it alike: the micro-batch is

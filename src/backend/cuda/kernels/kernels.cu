@@ -31,7 +31,7 @@ typedef struct {
 /* The gradients of up to GA_SOURCES_PER_LAUNCH consecutive tensors, passed by value as a kernel
  * parameter (4 KB of parameter space at most): a launch copies them, so an add needs no
  * host-to-device copy and can be captured into a CUDA graph. */
-#define GA_SOURCES_PER_LAUNCH 240
+#define GA_SOURCES_PER_LAUNCH 224
 typedef struct {
     ga_u64 first_tensor;
     ga_u64 count;
