@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gradacc
+from ranks import run_ranks
 
 
 def saved_window(grad, count):
@@ -123,22 +124,13 @@ def test_timeout_raises_a_timeout_error_and_aborts():
 
 def test_an_overflowing_reduction_skips_on_every_rank():
     """Each rank's window is finite, their sum is not: every rank finds it and skips."""
-    comms = gradacc.local_group(2)
-    results = [None, None]
 
-    def rank(r):
+    def rank(comm, r):
         with gradacc.Scaler(init_scale=1.0, min_scale=2.0**-20) as s, gradacc.Accumulator(
             [(4, "f32")], normalize="none", loss_reduction="sum"
         ) as a:
             a.add(s, [np.array([3e38, 1, 1, 1], np.float32)], 1)
-            info = a.sync(comms[r])
-            results[r] = (info.found_inf, math.isfinite(info.grad_norm), s.update(a), s.scale)
+            info = a.sync(comm)
+            return (info.found_inf, math.isfinite(info.grad_norm), s.update(a), s.scale)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for c in comms:
-        c.close()
-    assert results == [(True, False, True, 0.5)] * 2
+    assert run_ranks(2, rank) == [(True, False, True, 0.5)] * 2
