@@ -26,26 +26,12 @@ use gradacc::{
     Sharding, SyncInfo, TensorDesc,
 };
 
-/// Whether CUDA, NCCL and `devices` devices are usable; without them the test skips, unless
-/// GRADACC_REQUIRE_GPU=1, which makes it fail.
+/// Whether CUDA, NCCL and `devices` devices are usable; without CUDA or NCCL the test skips,
+/// unless GRADACC_REQUIRE_GPU=1, which makes it fail; with fewer devices it is not run
+/// ([`common::cuda::enough_devices`]).
 fn gpus_or_skip(devices: i32) -> bool {
-    let mut count = 0;
-    let usable = cuda::available() && nccl::nccl_available() && {
-        // SAFETY: the driver loads (cuda::available); valid out-pointer.
-        unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
-        count >= devices
-    };
-    if usable {
-        return true;
-    }
-    assert!(
-        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-        "GRADACC_REQUIRE_GPU=1 but CUDA, NCCL or {devices} device(s) are not usable (CUDA {}, NCCL {}, {count} device(s))",
-        cuda::available(),
-        nccl::nccl_available()
-    );
-    eprintln!("no CUDA with NCCL and {devices} device(s): skipping");
-    false
+    let count = device_count();
+    count > 0 && common::cuda::enough_devices(devices, count)
 }
 
 /// Runs `f` on its own thread and fails if it takes longer than `limit`: a hang is a failure, not
@@ -773,16 +759,23 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
     }
 }
 
-/// The number of CUDA devices, or 0 without a GPU and NCCL (the test then skips, or fails under
+/// The number of CUDA devices, or 0 without CUDA and NCCL (the test then skips, or fails under
 /// GRADACC_REQUIRE_GPU=1).
 fn device_count() -> i32 {
-    if !gpus_or_skip(2) {
-        return 0;
+    if cuda::available() && nccl::nccl_available() {
+        let mut count = 0;
+        // SAFETY: the driver loads (cuda::available); valid out-pointer.
+        unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+        return count;
     }
-    let mut count = 0;
-    // SAFETY: the driver loads (gpus_or_skip); valid out-pointer.
-    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
-    count
+    assert!(
+        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+        "GRADACC_REQUIRE_GPU=1 but CUDA or NCCL is not usable (CUDA {}, NCCL {})",
+        cuda::available(),
+        nccl::nccl_available()
+    );
+    eprintln!("no CUDA with NCCL: skipping");
+    0
 }
 
 /// Two tests of `rounds`: `$two` at two ranks, where there are two devices, and `$three` at three
@@ -791,7 +784,7 @@ macro_rules! at_two_and_three_ranks {
     ($two:ident, $three:ident, $rounds:ident) => {
         #[test]
         fn $two() {
-            if device_count() < 2 {
+            if !gpus_or_skip(2) {
                 return;
             }
             $rounds(2, stringify!($two));
@@ -823,8 +816,11 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
     if count >= devices {
         return f(test);
     }
-    if count == 0 || std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
-        eprintln!("{count} device(s): the test needs {devices}");
+    if count == 0 {
+        return;
+    }
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
+        eprintln!("not run: needs {devices} devices ({count} visible)");
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
@@ -842,7 +838,7 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
 /// ranks disagree on sharding; and a sync without a communicator fails alone.
 #[test]
 fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
@@ -1046,7 +1042,7 @@ at_two_and_three_ranks!(sharded_accumulation_matches_the_cpu_at_two_ranks, shard
 /// reads the boundary's overflow flag.
 #[test]
 fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     within(Duration::from_secs(120), "sharded accumulation's refusals", || {
@@ -1105,7 +1101,7 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
 /// then accumulate together.
 #[test]
 fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     within(Duration::from_secs(120), "the first micro-batch's check", || {
@@ -1150,7 +1146,7 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
 
 #[test]
 fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     within(Duration::from_secs(120), "a refused call after the first micro-batch", || {
@@ -1389,7 +1385,7 @@ fn hybrid_rounds(shards: usize, replicas: usize, test: &str) {
 
 #[test]
 fn hybrid_boundaries_match_the_cpu_at_two_devices() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     hybrid_rounds(1, 2, "hybrid_boundaries_match_the_cpu_at_two_devices (1x2)");
@@ -1414,7 +1410,7 @@ fn hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid() {
 /// windows stay whole and sync over the shard group afterwards.
 #[test]
 fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     within(Duration::from_secs(120), "a hybrid sync on a stray replica group", || {
@@ -1598,7 +1594,7 @@ at_two_and_three_ranks!(
 /// caught.
 #[test]
 fn sharded_hooks_on_cuda_fail_every_rank_together() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     within(Duration::from_secs(120), "refused hooks", || {
@@ -1677,7 +1673,7 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
 #[test]
 fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
     const TEST: &str = "sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket";
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     let slow = std::env::var("SIMGPU_DELAY_US").ok().and_then(|v| v.parse::<u64>().ok()).is_some_and(|us| us >= 100_000);
@@ -1941,7 +1937,7 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
 
 #[test]
 fn an_overflowing_reduction_skips_on_every_rank_at_two_devices() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     reduction_overflow_on_grid(2, 1, "an_overflowing_reduction_skips_on_every_rank_at_two_devices");
@@ -1957,7 +1953,7 @@ fn an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid() {
 /// rank-windows the device sums in its control words, not by the 2 ranks).
 #[test]
 fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
-    if device_count() < 2 {
+    if !gpus_or_skip(2) {
         return;
     }
     let mut rng = Rng::fresh("merged_windows_normalise_as_the_group_that_produced_them_on_cuda");

@@ -269,9 +269,7 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
     if !gpu_or_skip() || !nccl_or_skip() {
         return;
     }
-    if driver::device_count() < 2 {
-        assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but only one CUDA device is visible");
-        eprintln!("one GPU: the two-rank test needs two");
+    if !common::cuda::enough_devices(2, driver::device_count()) {
         return;
     }
     let id = nccl::unique_id().unwrap();

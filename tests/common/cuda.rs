@@ -21,6 +21,19 @@ pub fn gpu_or_skip() -> bool {
     false
 }
 
+/// Whether `devices` CUDA devices are visible (`count` of them are). A real machine with fewer
+/// does not run the test, also under GRADACC_REQUIRE_GPU=1: it prints "not run: needs N devices",
+/// the line the GPU bundle counts. The software GPU (GRADACC_SIMGPU=1) always has the devices a
+/// test asks for, so there a shortfall fails.
+pub fn enough_devices(devices: i32, count: i32) -> bool {
+    if count >= devices {
+        return true;
+    }
+    assert!(std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1"), "the software GPU shows {count} device(s), the test needs {devices}");
+    eprintln!("not run: needs {devices} devices ({count} visible)");
+    false
+}
+
 /// Whether NCCL loads; with GRADACC_REQUIRE_GPU=1 a missing NCCL fails.
 pub fn nccl_or_skip() -> bool {
     if nccl::nccl_available() {
