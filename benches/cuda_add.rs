@@ -34,6 +34,15 @@ fn time(ctx: &Context, stream: driver::CUstream, mut f: impl FnMut()) -> f64 {
     )
 }
 
+/// Element counts: 16M, 64M and 256M, or GRADACC_CUDA_ADD_SIZES (a comma-separated list; the
+/// software GPU runs kernels on the host, and measures small sizes only).
+fn sizes() -> Vec<usize> {
+    match std::env::var("GRADACC_CUDA_ADD_SIZES") {
+        Ok(list) => list.split(',').map(|n| n.trim().parse().expect("GRADACC_CUDA_ADD_SIZES: element counts")).collect(),
+        Err(_) => vec![1 << 24, 1 << 26, 1 << 28],
+    }
+}
+
 fn main() {
     if !cuda::available() {
         println!("no CUDA device (or no NVRTC): nothing to measure");
@@ -45,7 +54,7 @@ fn main() {
     let device = Device::Cuda { ordinal: 0, stream: s };
     println!("| elements | dtype | add (ms) | copy floor, same bytes (ms) | floor / add | GB/s |");
     println!("|---|---|---|---|---|---|");
-    for n in [1usize << 24, 1 << 26, 1 << 28] {
+    for n in sizes() {
         for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
             let descs = [TensorDesc { numel: n, dtype }];
             let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();

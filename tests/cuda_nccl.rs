@@ -830,7 +830,10 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("1 passed"), "the {devices}-device run failed:\n{text}");
-    eprintln!("{}", text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ")).collect::<Vec<_>>().join("\n"));
+    eprintln!(
+        "{}",
+        text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ") && !l.starts_with("test result")).collect::<Vec<_>>().join("\n")
+    );
 }
 
 /// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another
