@@ -26,12 +26,9 @@ impl Device {
             }
             driver::check_stream(stream, "`stream`")?;
             driver::require_driver()?;
-            if !crate::backend::cuda::compile::nvrtc_available() {
-                return Err(Error::new(
-                    ErrorKind::BackendUnavailable,
-                    "a CUDA device was asked for, but NVRTC (libnvrtc.so.12) could not be loaded to compile the kernels",
-                ));
-            }
+            crate::backend::cuda::compile::require_nvrtc().map_err(|e| {
+                Error::new(ErrorKind::BackendUnavailable, format!("a CUDA device was asked for, but the kernels cannot be compiled: {}", e.message))
+            })?;
         }
         Ok(self)
     }

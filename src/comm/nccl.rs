@@ -10,7 +10,7 @@
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
@@ -26,16 +26,20 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 /// that never comes is a failure.
 pub use super::DEFAULT_TIMEOUT;
 
-/// The NCCL entry points gradacc calls, resolved from the library cudarc loaded, but typed to
-/// return a plain integer. cudarc declares them returning its `ncclResult_t` enum, and a code
-/// outside that enum (from a newer NCCL, or a broken one) would be undefined behaviour before any
-/// check could look at it. The data type and operation stay cudarc's enums: gradacc only passes
+/// The NCCL entry points gradacc calls, resolved from the library `library::NCCL` loads, and
+/// typed to return a plain integer. cudarc declares them returning its `ncclResult_t` enum, and a
+/// code outside that enum (from a newer NCCL, or a broken one) would be undefined behaviour before
+/// any check could look at it. The data type and operation stay cudarc's enums: gradacc only passes
 /// values it made.
 mod api {
     use std::ffi::{c_char, c_int, c_void};
     use std::sync::OnceLock;
 
     use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+    use libloading::Library;
+
+    use crate::backend::cuda::library::{self, Opened};
+    use crate::error::Result;
 
     pub(super) const SUCCESS: c_int = 0;
     pub(super) const IN_PROGRESS: c_int = 7;
@@ -76,67 +80,71 @@ mod api {
         pub comm_abort: unsafe extern "C" fn(ncclComm_t) -> c_int,
         pub get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
         pub get_last_error: unsafe extern "C" fn(ncclComm_t) -> *const c_char,
+        /// Kept open for the entry points above.
+        _library: Library,
     }
 
-    /// Resolves every entry point once; an error names the first missing one. Call it only once
-    /// the library is known to load: cudarc's loader panics otherwise.
-    pub(super) fn get() -> Result<&'static Api, String> {
-        static API: OnceLock<Result<Api, String>> = OnceLock::new();
-        API.get_or_init(|| {
-            // SAFETY: the caller checked that the library loads, so culib does not panic.
-            let lib = unsafe { cudarc::nccl::sys::culib() };
-            macro_rules! resolve {
-                ($name:literal) => {
-                    // SAFETY: each field's type is the C prototype of the symbol in nccl.h, with
-                    // ncclResult_t (a C enum, an int) as c_int.
-                    *unsafe { lib.get($name) }.map_err(|e| format!("libnccl.so has no {}: {e}", $name))?
-                };
-            }
-            Ok(Api {
-                get_unique_id: resolve!("ncclGetUniqueId"),
-                comm_init_rank_config: resolve!("ncclCommInitRankConfig"),
-                comm_get_async_error: resolve!("ncclCommGetAsyncError"),
-                comm_user_rank: resolve!("ncclCommUserRank"),
-                comm_count: resolve!("ncclCommCount"),
-                comm_cu_device: resolve!("ncclCommCuDevice"),
-                all_reduce: resolve!("ncclAllReduce"),
-                reduce_scatter: resolve!("ncclReduceScatter"),
-                all_gather: resolve!("ncclAllGather"),
-                reduce: resolve!("ncclReduce"),
-                // Since NCCL 2.7.
-                send: resolve!("ncclSend"),
-                recv: resolve!("ncclRecv"),
-                group_start: resolve!("ncclGroupStart"),
-                group_end: resolve!("ncclGroupEnd"),
-                comm_finalize: resolve!("ncclCommFinalize"),
-                comm_destroy: resolve!("ncclCommDestroy"),
-                comm_abort: resolve!("ncclCommAbort"),
-                get_error_string: resolve!("ncclGetErrorString"),
-                get_last_error: resolve!("ncclGetLastError"),
-            })
+    /// Loads NCCL and resolves every entry point, once per process: the first candidate of
+    /// `library::NCCL` that has them all, or BACKEND_UNAVAILABLE listing each tried and why
+    /// (one without an entry point is named with the first it lacks).
+    pub(super) fn get() -> Result<&'static Api> {
+        static API: OnceLock<Result<Api>> = OnceLock::new();
+        API.get_or_init(|| library::load(&library::NCCL, resolve)).as_ref().map_err(Clone::clone)
+    }
+
+    fn resolve(opened: Opened) -> std::result::Result<Api, String> {
+        let lib = &opened.library;
+        macro_rules! resolve {
+            ($name:literal) => {
+                // SAFETY: each field's type is the C prototype of the symbol in nccl.h, with
+                // ncclResult_t (a C enum, an int) as c_int.
+                *unsafe { lib.get($name) }
+                    .map_err(|e| format!("it lacks {} (gradacc needs NCCL 2.14 or newer): {}", $name, library::reason(&e, &opened.candidate)))?
+            };
+        }
+        Ok(Api {
+            get_unique_id: resolve!("ncclGetUniqueId"),
+            comm_init_rank_config: resolve!("ncclCommInitRankConfig"),
+            comm_get_async_error: resolve!("ncclCommGetAsyncError"),
+            comm_user_rank: resolve!("ncclCommUserRank"),
+            comm_count: resolve!("ncclCommCount"),
+            comm_cu_device: resolve!("ncclCommCuDevice"),
+            all_reduce: resolve!("ncclAllReduce"),
+            reduce_scatter: resolve!("ncclReduceScatter"),
+            all_gather: resolve!("ncclAllGather"),
+            reduce: resolve!("ncclReduce"),
+            // Since NCCL 2.7.
+            send: resolve!("ncclSend"),
+            recv: resolve!("ncclRecv"),
+            group_start: resolve!("ncclGroupStart"),
+            group_end: resolve!("ncclGroupEnd"),
+            comm_finalize: resolve!("ncclCommFinalize"),
+            comm_destroy: resolve!("ncclCommDestroy"),
+            comm_abort: resolve!("ncclCommAbort"),
+            get_error_string: resolve!("ncclGetErrorString"),
+            get_last_error: resolve!("ncclGetLastError"),
+            _library: opened.library,
         })
-        .as_ref()
-        .map_err(Clone::clone)
     }
 }
 
 use api::{Api, IN_PROGRESS, SUCCESS};
 
-/// Whether the NCCL library loads and has every entry point gradacc calls (never panics; asked
-/// once per process). cudarc looks for `libnccl.so`; the PyPI wheel ships only `libnccl.so.2`,
-/// so a `libnccl.so` link next to it is needed.
+/// Whether the NCCL library loads and has every entry point gradacc calls (never panics; loaded
+/// once per process, by `GRADACC_NCCL_LIBRARY` or as `libnccl.so.2`, then `libnccl.so`).
 pub fn nccl_available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| nccl().is_ok())
+    nccl().is_ok()
 }
 
-/// The NCCL entry points, or BACKEND_UNAVAILABLE saying why not.
+/// BACKEND_UNAVAILABLE unless NCCL loads with every entry point, naming every library tried and
+/// why each failed.
+pub fn require_nccl() -> Result<()> {
+    nccl().map(|_| ())
+}
+
+/// The NCCL entry points, or BACKEND_UNAVAILABLE naming every library tried and why each failed.
 fn nccl() -> Result<&'static Api> {
-    // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err(Error::new(ErrorKind::BackendUnavailable, "NCCL (libnccl.so) could not be loaded: put its folder on LD_LIBRARY_PATH"));
-    }
-    api::get().map_err(|e| Error::new(ErrorKind::BackendUnavailable, format!("{e} (gradacc needs NCCL 2.14 or newer)")))
+    api::get()
 }
 
 /// COMM_FAILURE for result `code` of `what`, with NCCL's text for it and `detail` (its last

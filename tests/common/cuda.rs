@@ -16,7 +16,8 @@ pub fn gpu_or_skip() -> bool {
     if cuda::available() {
         return true;
     }
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable");
+    let why = driver::require_driver().and(cuda::compile::require_nvrtc()).err().map_or_else(String::new, |e| e.message);
+    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable: {why}");
     eprintln!("no CUDA device: skipping");
     false
 }
@@ -39,7 +40,11 @@ pub fn nccl_or_skip() -> bool {
     if nccl::nccl_available() {
         return true;
     }
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but NCCL does not load");
+    assert!(
+        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+        "GRADACC_REQUIRE_GPU=1 but NCCL does not load: {}",
+        nccl::require_nccl().err().map_or_else(String::new, |e| e.message)
+    );
     eprintln!("no NCCL: skipping");
     false
 }

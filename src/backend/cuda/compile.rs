@@ -2,11 +2,13 @@
 //! architecture (PTX when NVRTC does not know the device yet), once per device per process.
 //! Also what CI runs, without a GPU, to prove every kernel compiles for every target.
 
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use cudarc::nvrtc::sys::{self, nvrtcResult};
+use libloading::Library;
 
+use super::library::{self, Opened};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The kernels: the per-element math (also compiled on the host by the tests), then the kernels.
@@ -82,34 +84,37 @@ pub struct Compiled {
     pub warnings: Vec<String>,
 }
 
-/// Whether the NVRTC library can be loaded (never panics). Probed once: the probe opens and
-/// closes the library, and every CUDA entry point asks.
+/// Whether NVRTC loads (never panics). Loaded once: see [`nvrtc`].
 pub fn nvrtc_available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    // SAFETY: `is_culib_present` only tries to dlopen the library by its usual names and closes
-    // it again; it calls no NVRTC entry point, so it is sound whether or not NVRTC exists.
-    *AVAILABLE.get_or_init(|| unsafe { sys::is_culib_present() })
+    nvrtc().is_ok()
+}
+
+/// BACKEND_UNAVAILABLE unless NVRTC loads, listing every library tried and why each failed.
+pub fn require_nvrtc() -> Result<()> {
+    nvrtc().map(|_| ())
 }
 
 /// NVRTC's version, as (major, minor).
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    require_nvrtc()?;
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: `require_nvrtc` checked that NVRTC loads, so cudarc's lazily resolved stub finds it
-    // instead of panicking; both out-pointers are live locals of the `int` type the prototype names.
-    check(unsafe { sys::nvrtcVersion(&mut major, &mut minor) }, "nvrtcVersion")?;
-    Ok((major, minor))
+    Ok(nvrtc()?.version)
 }
 
-/// The architectures this NVRTC can compile for (as 70, 80, 90, ...).
+/// The file NVRTC was loaded from (links resolved), or the name it was loaded by where the
+/// dynamic loader does not say.
+pub fn nvrtc_file() -> Result<String> {
+    Ok(nvrtc()?.file.clone())
+}
+
+/// The architectures this NVRTC can compile for (as 75, 80, 90, ...).
 pub fn supported_architectures() -> Result<Vec<u32>> {
-    require_nvrtc()?;
+    let api = nvrtc()?;
     let mut n = 0;
-    // SAFETY: `require_nvrtc` checked that NVRTC loads; `n` is a live local `int` for the count.
-    check(unsafe { sys::nvrtcGetNumSupportedArchs(&mut n) }, "nvrtcGetNumSupportedArchs")?;
+    // SAFETY: an entry point of the loaded NVRTC with its nvrtc.h prototype; `n` is a live local
+    // `int` for the count.
+    api.check(unsafe { (api.get_num_supported_archs)(&mut n) }, "nvrtcGetNumSupportedArchs")?;
     let mut archs = vec![0; n.max(0) as usize];
     // SAFETY: NVRTC writes as many `int`s as it just counted, and `archs` holds exactly `n` of them.
-    check(unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }, "nvrtcGetSupportedArchs")?;
+    api.check(unsafe { (api.get_supported_archs)(archs.as_mut_ptr()) }, "nvrtcGetSupportedArchs")?;
     Ok(archs.into_iter().map(|a| a as u32).collect())
 }
 
@@ -121,24 +126,25 @@ pub fn compile(target: Target) -> Result<Compiled> {
 /// Compiles `source` (the kernels, or a test's variant of them) for `target` with the kernels'
 /// options. Errors carry NVRTC's log.
 pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
-    require_nvrtc()?;
+    let api = nvrtc()?;
     let source = CString::new(source).map_err(|_| Error::invalid("the CUDA source contains a NUL byte"))?;
     let name = c"gradacc_kernels.cu";
     let mut program = std::ptr::null_mut();
-    check(
-        // SAFETY: `require_nvrtc` checked that NVRTC loads; `source` and `name` are NUL-terminated
-        // and outlive the call (NVRTC copies them); zero headers, so both header arrays may be null.
-        unsafe { sys::nvrtcCreateProgram(&mut program, source.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
+    api.check(
+        // SAFETY: an entry point of the loaded NVRTC with its nvrtc.h prototype; `source` and
+        // `name` are NUL-terminated and outlive the call (NVRTC copies them); zero headers, so
+        // both header arrays may be null.
+        unsafe { (api.create_program)(&mut program, source.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
         "nvrtcCreateProgram",
     )?;
-    let result = compile_program(program, target);
+    let result = compile_program(api, program, target);
     // SAFETY: `program` was created above (the `?` returned before this if creation failed), and
     // `compile_program` has returned, so nothing uses it after it is destroyed here, once.
-    unsafe { sys::nvrtcDestroyProgram(&mut program) };
+    unsafe { (api.destroy_program)(&mut program) };
     result
 }
 
-fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compiled> {
+fn compile_program(api: &Nvrtc, program: Program, target: Target) -> Result<Compiled> {
     // The launch geometry the Rust side uses, so kernels and launches cannot disagree.
     let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::store::CHUNK)];
     let options: Vec<CString> =
@@ -147,62 +153,190 @@ fn compile_program(program: sys::nvrtcProgram, target: Target) -> Result<Compile
     // SAFETY: `program` is live (created by the only caller, `compile_source`, which destroys it
     // after this returns); `pointers` holds `pointers.len()` NUL-terminated strings owned by
     // `options`, which outlives the call.
-    let status = unsafe { sys::nvrtcCompileProgram(program, pointers.len() as i32, pointers.as_ptr()) };
-    let log = program_log(program)?;
-    if status != nvrtcResult::NVRTC_SUCCESS {
-        return Err(Error::new(ErrorKind::Internal, format!("NVRTC could not compile the kernels for {target:?}: {status:?}\n{log}")));
+    let status = unsafe { (api.compile_program)(program, pointers.len() as c_int, pointers.as_ptr()) };
+    let log = program_log(api, program)?;
+    if status != SUCCESS {
+        return Err(Error::new(
+            ErrorKind::Internal,
+            format!("NVRTC could not compile the kernels for {target:?}: {}\n{log}", api.result_name(status)),
+        ));
     }
     let warnings = log.lines().map(str::trim).filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE)).map(String::from).collect();
     let image = match target {
         Target::Cubin(_) => {
             let mut size = 0;
             // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
-            check(unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }, "nvrtcGetCUBINSize")?;
+            api.check(unsafe { (api.get_cubin_size)(program, &mut size) }, "nvrtcGetCUBINSize")?;
             let mut image = vec![0u8; size];
             // SAFETY: NVRTC writes the CUBIN's `size` bytes, the length `image` was just given.
-            check(unsafe { sys::nvrtcGetCUBIN(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
+            api.check(unsafe { (api.get_cubin)(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
             image
         }
         Target::Ptx(_) => {
             let mut size = 0;
             // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
-            check(unsafe { sys::nvrtcGetPTXSize(program, &mut size) }, "nvrtcGetPTXSize")?;
+            api.check(unsafe { (api.get_ptx_size)(program, &mut size) }, "nvrtcGetPTXSize")?;
             let mut image = vec![0u8; size];
             // SAFETY: NVRTC writes the PTX's `size` bytes (NUL included), the length `image` was just given.
-            check(unsafe { sys::nvrtcGetPTX(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetPTX")?;
+            api.check(unsafe { (api.get_ptx)(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetPTX")?;
             image
         }
     };
     Ok(Compiled { image, warnings })
 }
 
-fn program_log(program: sys::nvrtcProgram) -> Result<String> {
+fn program_log(api: &Nvrtc, program: Program) -> Result<String> {
     let mut size = 0;
     // SAFETY: `program` is live: the only caller, `compile_program`, has it from `compile_source`,
     // which destroys it later; `size` is a live `size_t` out-pointer.
-    check(unsafe { sys::nvrtcGetProgramLogSize(program, &mut size) }, "nvrtcGetProgramLogSize")?;
+    api.check(unsafe { (api.get_program_log_size)(program, &mut size) }, "nvrtcGetProgramLogSize")?;
     let mut log = vec![0u8; size.max(1)];
     // SAFETY: NVRTC writes `size` bytes (NUL included); `log` holds at least that many.
-    check(unsafe { sys::nvrtcGetProgramLog(program, log.as_mut_ptr() as *mut c_char) }, "nvrtcGetProgramLog")?;
+    api.check(unsafe { (api.get_program_log)(program, log.as_mut_ptr() as *mut c_char) }, "nvrtcGetProgramLog")?;
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     Ok(String::from_utf8_lossy(&log[..end]).into_owned())
 }
 
-fn require_nvrtc() -> Result<()> {
-    if nvrtc_available() {
-        Ok(())
-    } else {
-        Err(Error::new(
-            ErrorKind::BackendUnavailable,
-            "NVRTC (libnvrtc.so.12) could not be loaded: install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib folder on LD_LIBRARY_PATH",
-        ))
+/// `nvrtcProgram`: an opaque handle.
+type Program = *mut c_void;
+
+/// `NVRTC_SUCCESS`.
+const SUCCESS: c_int = 0;
+
+/// The NVRTC entry points gradacc calls, resolved from the library [`library::NVRTC`] loads and
+/// typed to return the raw `nvrtcResult` number: a code outside a Rust enum (from a newer NVRTC)
+/// would be undefined behaviour before any check could look at it.
+struct Nvrtc {
+    /// Where it was loaded from, for messages.
+    file: String,
+    version: (i32, i32),
+    get_num_supported_archs: unsafe extern "C" fn(*mut c_int) -> c_int,
+    get_supported_archs: unsafe extern "C" fn(*mut c_int) -> c_int,
+    create_program: unsafe extern "C" fn(*mut Program, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int,
+    compile_program: unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int,
+    get_cubin_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
+    get_cubin: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
+    get_ptx_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
+    get_ptx: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
+    get_program_log_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
+    get_program_log: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
+    destroy_program: unsafe extern "C" fn(*mut Program) -> c_int,
+    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    /// Kept open for the entry points above, and the builtins NVRTC loads by name at its first
+    /// compilation (see [`builtins_beside`]).
+    _library: Library,
+    _builtins: Option<Library>,
+}
+
+/// NVRTC, loaded once per process by [`library::NVRTC`]'s candidates: the first that resolves
+/// every entry point, or why none would do.
+fn nvrtc() -> Result<&'static Nvrtc> {
+    static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
+    NVRTC.get_or_init(|| library::load(&library::NVRTC, Nvrtc::accept)).as_ref().map_err(Clone::clone)
+}
+
+impl Nvrtc {
+    /// The table of one candidate, or why it does not do (an entry point is missing).
+    fn accept(opened: Opened) -> std::result::Result<Nvrtc, String> {
+        let lib = &opened.library;
+        macro_rules! resolve {
+            ($name:literal) => {
+                // SAFETY: each field's type is the C prototype of the symbol in nvrtc.h, with
+                // nvrtcResult (a C enum, an int) as c_int and nvrtcProgram as a pointer.
+                *unsafe { lib.get($name) }.map_err(|e| format!("it lacks {}: {}", $name, library::reason(&e, &opened.candidate)))?
+            };
+        }
+        let version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = resolve!("nvrtcVersion");
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: nvrtcVersion's prototype; both out-pointers are live locals.
+        let status = unsafe { version(&mut major, &mut minor) };
+        if status != SUCCESS {
+            return Err(format!("nvrtcVersion failed with code {status}"));
+        }
+        let file = opened.path.clone().or_else(|| library::file_of(version as *const c_void));
+        let builtins = match file.as_deref().and_then(|f| builtins_beside(f, major, minor)) {
+            Some(path) => Some(library::open_global(&path).map_err(|e| format!("its builtins {}: {e}", path.display()))?),
+            None => None,
+        };
+        Ok(Nvrtc {
+            file: file.map_or_else(|| opened.candidate.clone(), |f| f.display().to_string()),
+            version: (major, minor),
+            get_num_supported_archs: resolve!("nvrtcGetNumSupportedArchs"),
+            get_supported_archs: resolve!("nvrtcGetSupportedArchs"),
+            create_program: resolve!("nvrtcCreateProgram"),
+            compile_program: resolve!("nvrtcCompileProgram"),
+            get_cubin_size: resolve!("nvrtcGetCUBINSize"),
+            get_cubin: resolve!("nvrtcGetCUBIN"),
+            get_ptx_size: resolve!("nvrtcGetPTXSize"),
+            get_ptx: resolve!("nvrtcGetPTX"),
+            get_program_log_size: resolve!("nvrtcGetProgramLogSize"),
+            get_program_log: resolve!("nvrtcGetProgramLog"),
+            destroy_program: resolve!("nvrtcDestroyProgram"),
+            get_error_string: resolve!("nvrtcGetErrorString"),
+            _library: opened.library,
+            _builtins: builtins,
+        })
+    }
+
+    /// NVRTC's name for result `code` ("NVRTC_ERROR_COMPILATION"), with the number.
+    fn result_name(&self, code: c_int) -> String {
+        // SAFETY: nvrtcGetErrorString takes any code and returns a static NUL-terminated string,
+        // or null.
+        let text = unsafe { (self.get_error_string)(code) };
+        if text.is_null() {
+            return format!("code {code}");
+        }
+        // SAFETY: non-null, so a static NUL-terminated string.
+        format!("{} (code {code})", unsafe { CStr::from_ptr(text) }.to_string_lossy())
+    }
+
+    /// Ok for NVRTC_SUCCESS, otherwise an error naming `what` and the result.
+    fn check(&self, result: c_int, what: &str) -> Result<()> {
+        if result == SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::new(ErrorKind::Internal, format!("{what} failed: {}", self.result_name(result))))
+        }
     }
 }
 
-fn check(result: nvrtcResult, what: &str) -> Result<()> {
-    if result == nvrtcResult::NVRTC_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::new(ErrorKind::Internal, format!("{what} failed: {result:?}")))
+/// NVRTC's builtins library beside the NVRTC file `nvrtc`: `libnvrtc-builtins.so.<major>.<minor>`,
+/// else another of that major version there. NVRTC loads it by name at its first compilation,
+/// which finds it only in NVRTC's own folder as the dynamic loader sees it (CUDA 13's NVRTC:
+/// not through a link in another folder) or on the search path; loaded beforehand, it is found
+/// loaded.
+fn builtins_beside(nvrtc: &Path, major: i32, minor: i32) -> Option<PathBuf> {
+    let folder = nvrtc.parent()?;
+    let exact = folder.join(format!("libnvrtc-builtins.so.{major}.{minor}"));
+    if exact.is_file() {
+        return Some(exact);
+    }
+    let prefix = format!("libnvrtc-builtins.so.{major}.");
+    std::fs::read_dir(folder)
+        .ok()?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix)))
+        .max()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builtins_are_found_beside_nvrtc_by_version() {
+        let folder = std::env::temp_dir().join(format!("gradacc-builtins-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let nvrtc = folder.join("libnvrtc.so.13");
+        for name in ["libnvrtc.so.13", "libnvrtc-builtins.so.13.5", "libnvrtc-builtins.alt.so.13.5", "libnvrtc-builtins.so.12.9"] {
+            std::fs::write(folder.join(name), "").unwrap();
+        }
+        let found = [builtins_beside(&nvrtc, 13, 5), builtins_beside(&nvrtc, 13, 0), builtins_beside(&nvrtc, 12, 9), builtins_beside(&nvrtc, 11, 8)];
+        std::fs::remove_dir_all(&folder).unwrap();
+        let name = |p: &Option<PathBuf>| p.as_ref().map(|p| p.file_name().unwrap().to_string_lossy().into_owned());
+        assert_eq!(name(&found[0]).as_deref(), Some("libnvrtc-builtins.so.13.5"));
+        assert_eq!(name(&found[1]).as_deref(), Some("libnvrtc-builtins.so.13.5"), "another minor version of the same major");
+        assert_eq!(name(&found[2]).as_deref(), Some("libnvrtc-builtins.so.12.9"));
+        assert_eq!(found[3], None);
     }
 }

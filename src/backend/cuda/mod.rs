@@ -1,14 +1,15 @@
 //! The CUDA backend: kernels written in CUDA C (kernels/), compiled at first use by NVRTC
 //! (compile.rs) for the device's exact architecture, and launched on the caller's stream in the
 //! device's primary context through the driver API (driver.rs). The driver, NVRTC and NCCL are
-//! loaded at run time, so the library builds and loads on machines without CUDA; every entry
-//! point then reports BACKEND_UNAVAILABLE.
+//! loaded at run time (NVRTC and NCCL by library.rs), so the library builds and loads on machines
+//! without CUDA; every entry point then reports BACKEND_UNAVAILABLE.
 
 pub mod compile;
 pub mod driver;
 mod driver_api;
 mod kernels;
 pub mod layout;
+pub(crate) mod library;
 mod scaler;
 mod sharded;
 mod store;
