@@ -229,14 +229,17 @@ struct Nvrtc {
 }
 
 /// NVRTC, loaded once per process by [`library::NVRTC`]'s candidates: the first that resolves
-/// every entry point, or why none would do.
+/// every entry point and is not newer than the driver (where one loads), or why none would do.
 fn nvrtc() -> Result<&'static Nvrtc> {
     static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
     NVRTC.get_or_init(|| library::load(&library::NVRTC, Nvrtc::accept)).as_ref().map_err(Clone::clone)
 }
 
 impl Nvrtc {
-    /// The table of one candidate, or why it does not do (an entry point is missing).
+    /// The table of one candidate, or why it does not do: an entry point is missing, or it is
+    /// newer than the driver. A CUBIN records the ELF ABI of the NVRTC that made it (CUDA 13's
+    /// is v8) and an older driver refuses it, as it refuses PTX of a newer ISA; so an NVRTC of a
+    /// later major version than the driver's is skipped for the next candidate.
     fn accept(opened: Opened) -> std::result::Result<Nvrtc, String> {
         let lib = &opened.library;
         macro_rules! resolve {
@@ -252,6 +255,9 @@ impl Nvrtc {
         let status = unsafe { version(&mut major, &mut minor) };
         if status != SUCCESS {
             return Err(format!("nvrtcVersion failed with code {status}"));
+        }
+        if let Some(why) = super::driver::driver_version().and_then(|driver| newer_than_driver((major, minor), driver)) {
+            return Err(why);
         }
         let file = opened.path.clone().or_else(|| library::file_of(version as *const c_void));
         let builtins = match file.as_deref().and_then(|f| builtins_beside(f, major, minor)) {
@@ -300,6 +306,19 @@ impl Nvrtc {
     }
 }
 
+/// Why NVRTC `version` cannot compile for a driver of CUDA version `driver` (as 12080 for 12.8),
+/// if it cannot: it is of a later major version.
+fn newer_than_driver(version: (i32, i32), driver: i32) -> Option<String> {
+    let (major, minor) = version;
+    (major > driver / 1000).then(|| {
+        format!(
+            "NVRTC {major}.{minor} is newer than the driver, which supports CUDA {}.{}: its CUBIN would not load",
+            driver / 1000,
+            driver % 1000 / 10
+        )
+    })
+}
+
 /// NVRTC's builtins library beside the NVRTC file `nvrtc`: `libnvrtc-builtins.so.<major>.<minor>`,
 /// else another of that major version there. NVRTC loads it by name at its first compilation,
 /// which finds it only in NVRTC's own folder as the dynamic loader sees it (CUDA 13's NVRTC:
@@ -322,6 +341,17 @@ fn builtins_beside(nvrtc: &Path, major: i32, minor: i32) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_nvrtc_of_a_later_major_version_than_the_driver_is_refused() {
+        assert_eq!(
+            newer_than_driver((13, 0), 12080).as_deref(),
+            Some("NVRTC 13.0 is newer than the driver, which supports CUDA 12.8: its CUBIN would not load")
+        );
+        assert_eq!(newer_than_driver((12, 9), 12020), None, "a later minor version is fine: the CUBIN's ABI is the major version's");
+        assert_eq!(newer_than_driver((12, 8), 13000), None);
+        assert_eq!(newer_than_driver((13, 0), 13000), None);
+    }
 
     #[test]
     fn the_builtins_are_found_beside_nvrtc_by_version() {

@@ -48,6 +48,16 @@ pub fn require_driver() -> Result<()> {
     Err(Error::new(ErrorKind::BackendUnavailable, format!("no usable CUDA driver: {why}")))
 }
 
+/// The CUDA version the driver supports (as 13000 for 13.0), or None without a driver library.
+/// Needs no device and no cuInit.
+pub fn driver_version() -> Option<i32> {
+    let api = driver_api::get().ok()?;
+    let mut version = 0;
+    // SAFETY: `api` holds entry points resolved from the loaded libcuda with their cuda.h
+    // prototypes; cuDriverGetVersion writes one `int` to `version`, a live local.
+    (unsafe { (api.cuDriverGetVersion)(&mut version) } == SUCCESS).then_some(version)
+}
+
 /// The number of CUDA devices visible to the process (0 without a usable driver).
 pub fn device_count() -> i32 {
     let (true, Ok(api)) = (driver_available(), driver_api::get()) else { return 0 };

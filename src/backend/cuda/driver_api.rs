@@ -51,6 +51,7 @@ macro_rules! driver_api {
 
 driver_api! {
     cuInit(c_uint);
+    cuDriverGetVersion(*mut c_int);
     cuGetErrorString(u32, *mut *const c_char);
     cuDeviceGetCount(*mut c_int);
     cuDeviceGet(*mut CUdevice, c_int);
