@@ -9,10 +9,11 @@
 
 mod common;
 
+use std::ffi::c_int;
 use std::ops::Range;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Barrier};
+use std::sync::{mpsc, Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::cuda::{ApexSeed, HostGrad};
@@ -296,17 +297,58 @@ fn nonblocking_config() -> nccl_sys::ncclConfig_t {
     }
 }
 
+/// `ncclSuccess` and `ncclInProgress`.
+const NCCL_SUCCESS: c_int = 0;
+const NCCL_IN_PROGRESS: c_int = 7;
+
+/// The NCCL calls a caller makes to create and end its own communicator, from the library gradacc
+/// loads (GRADACC_NCCL_LIBRARY, else `libnccl.so.2`, else `libnccl.so`): NCCL's packages and wheels
+/// ship `libnccl.so.2`, a name cudarc's loader never tries.
+struct CallerNccl {
+    init_rank_config: unsafe extern "C" fn(*mut nccl_sys::ncclComm_t, c_int, nccl_sys::ncclUniqueId, c_int, *mut nccl_sys::ncclConfig_t) -> c_int,
+    get_async_error: unsafe extern "C" fn(nccl_sys::ncclComm_t, *mut c_int) -> c_int,
+    finalize: unsafe extern "C" fn(nccl_sys::ncclComm_t) -> c_int,
+    destroy: unsafe extern "C" fn(nccl_sys::ncclComm_t) -> c_int,
+    _library: libloading::Library,
+}
+
+fn caller_nccl() -> &'static CallerNccl {
+    static NCCL: OnceLock<CallerNccl> = OnceLock::new();
+    NCCL.get_or_init(|| {
+        let names = match std::env::var("GRADACC_NCCL_LIBRARY") {
+            Ok(file) if !file.is_empty() => vec![file],
+            _ => vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()],
+        };
+        // SAFETY: NCCL, which gradacc has loaded already (the tests ask nccl_available first).
+        let library = names.iter().find_map(|name| unsafe { libloading::Library::new(name) }.ok()).expect("NCCL loads");
+        macro_rules! resolve {
+            ($name:literal) => {
+                // SAFETY: each field's type is the symbol's prototype in nccl.h, with
+                // ncclResult_t as c_int.
+                *unsafe { library.get($name) }.unwrap_or_else(|e| panic!("{}: {e:?}", $name))
+            };
+        }
+        CallerNccl {
+            init_rank_config: resolve!("ncclCommInitRankConfig"),
+            get_async_error: resolve!("ncclCommGetAsyncError"),
+            finalize: resolve!("ncclCommFinalize"),
+            destroy: resolve!("ncclCommDestroy"),
+            _library: library,
+        }
+    })
+}
+
 /// Polls a non-blocking communicator until its last operation is done.
 fn wait_ready(comm: nccl_sys::ncclComm_t) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let mut state = nccl_sys::ncclResult_t::ncclInProgress;
+        let mut state = NCCL_IN_PROGRESS;
         // SAFETY: a live communicator; valid out-pointer.
-        assert_eq!(unsafe { nccl_sys::ncclCommGetAsyncError(comm, &mut state) }, nccl_sys::ncclResult_t::ncclSuccess);
+        assert_eq!(unsafe { (caller_nccl().get_async_error)(comm, &mut state) }, NCCL_SUCCESS);
         match state {
-            nccl_sys::ncclResult_t::ncclSuccess => return,
-            nccl_sys::ncclResult_t::ncclInProgress => assert!(Instant::now() < deadline, "the communicator stayed in progress"),
-            other => panic!("the communicator failed: {other:?}"),
+            NCCL_SUCCESS => return,
+            NCCL_IN_PROGRESS => assert!(Instant::now() < deadline, "the communicator stayed in progress"),
+            other => panic!("the communicator failed: NCCL result {other}"),
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -329,8 +371,8 @@ fn an_adopted_nonblocking_communicator_syncs() {
             let unique = nccl_sys::ncclUniqueId { internal: id.map(|b| b as _) };
             let mut config = nonblocking_config();
             // SAFETY: valid out-pointer and config; device 0's context is current.
-            let r = unsafe { nccl_sys::ncclCommInitRankConfig(&mut raw, 1, unique, 0, &mut config) };
-            assert!(matches!(r, nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress), "{r:?}");
+            let r = unsafe { (caller_nccl().init_rank_config)(&mut raw, 1, unique, 0, &mut config) };
+            assert!(matches!(r, NCCL_SUCCESS | NCCL_IN_PROGRESS), "ncclCommInitRankConfig: {r}");
             wait_ready(raw);
         }
         // SAFETY: `raw` is live until destroyed below, after the adopted object is gone.
@@ -354,9 +396,9 @@ fn an_adopted_nonblocking_communicator_syncs() {
         let _g = ctx.enter().unwrap();
         // SAFETY: the caller's communicator, no longer used by gradacc.
         unsafe {
-            assert!(matches!(nccl_sys::ncclCommFinalize(raw), nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress));
+            assert!(matches!((caller_nccl().finalize)(raw), NCCL_SUCCESS | NCCL_IN_PROGRESS));
             wait_ready(raw);
-            assert_eq!(nccl_sys::ncclCommDestroy(raw), nccl_sys::ncclResult_t::ncclSuccess);
+            assert_eq!((caller_nccl().destroy)(raw), NCCL_SUCCESS);
         }
     });
 }
