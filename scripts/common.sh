@@ -15,13 +15,22 @@ cargo_version() {
     sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$GRADACC_ROOT/Cargo.toml" | head -n 1
 }
 
-# NVRTC from PyPI (it compiles the CUDA kernels; no GPU or driver needed), in the project's
+# NVRTC 12 from PyPI (it compiles the CUDA kernels; no GPU or driver needed), in the project's
 # .venv; prints the folder holding libnvrtc.so.12.
 nvrtc_lib() {
     local py="$GRADACC_ROOT/.venv/bin/python"
     [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
     "$py" -c 'import nvidia.cuda_nvrtc' 2>/dev/null || "$py" -m pip install --quiet "nvidia-cuda-nvrtc-cu12>=12.8,<13" >&2
     "$py" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("nvidia.cuda_nvrtc").submodule_search_locations[0], "lib"))'
+}
+
+# NVRTC 13 from PyPI, in a venv of its own (.venv-cu13) so it never meets NVRTC 12; prints the
+# folder holding libnvrtc.so.13.
+nvrtc13_lib() {
+    local py="$GRADACC_ROOT/.venv-cu13/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv-cu13"
+    "$py" -c 'import nvidia.cu13' 2>/dev/null || "$py" -m pip install --quiet "nvidia-cuda-nvrtc>=13,<14" >&2
+    "$py" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("nvidia.cu13").submodule_search_locations[0], "lib"))'
 }
 
 # numpy and pytest for the Python binding, in the project's .venv (gitignored), from PyPI.
