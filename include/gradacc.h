@@ -562,13 +562,13 @@ typedef struct gradacc_scaler_stats_t {
 
 /**
  * The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA
- * driver and libnccl.so load.
+ * driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
  */
 #define GRADACC_BACKEND_NCCL 2
 
 /**
  * CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a
- * device and NVRTC (libnvrtc.so.12) loads.
+ * device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
  */
 #define GRADACC_BACKEND_CUDA 3
 
@@ -1016,7 +1016,7 @@ enum gradacc_status_t gradacc_comm_create_mpi(int64_t fortran_comm,
 
 /**
  * Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
- * a GPU; needs libnccl.so.
+ * a GPU; needs NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so).
  *
  * Thread safety: any thread.
  */

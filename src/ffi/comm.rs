@@ -17,10 +17,10 @@ pub const GRADACC_BACKEND_LOCAL: gradacc_backend_t = 0;
 /// (CMake option GRADACC_WITH_MPI).
 pub const GRADACC_BACKEND_MPI: gradacc_backend_t = 1;
 /// The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA
-/// driver and libnccl.so load.
+/// driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
 pub const GRADACC_BACKEND_NCCL: gradacc_backend_t = 2;
 /// CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a
-/// device and NVRTC (libnvrtc.so.12) loads.
+/// device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
 pub const GRADACC_BACKEND_CUDA: gradacc_backend_t = 3;
 
 /// The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
@@ -224,7 +224,7 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
 }
 
 /// Writes a new NCCL unique id to `*out` (rank 0 calls it, then shares the bytes). Works without
-/// a GPU; needs libnccl.so.
+/// a GPU; needs NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so).
 ///
 /// Thread safety: any thread.
 #[no_mangle]
