@@ -3,7 +3,13 @@
 Order: the file named by the GRADACC_LIBRARY environment variable; the copy bundled in this package
 by its wheel (libgradacc.so.<major>, the library's SONAME); the build of the repository this package
 sits in (target/release, then target/debug); then the system's search path.
+
+NVRTC and NCCL from the `nvidia-*` wheels of this environment (gradacc[cuda12] / gradacc[cuda13])
+are loaded first, by path, unless GRADACC_NVRTC_LIBRARY / GRADACC_NCCL_LIBRARY name files: the
+library then finds them by the names it tries (libnvrtc.so.13, libnvrtc.so.12, libnccl.so.2)
+without LD_LIBRARY_PATH, which a running process cannot change.
 """
+import glob
 import ctypes
 import ctypes.util
 import os
@@ -32,6 +38,44 @@ def _candidates():
         yield found
 
 
+# The wheels' libraries, newest first: (environment variable that overrides them, patterns under
+# the `nvidia` namespace package).
+_WHEELS = (
+    ("GRADACC_NVRTC_LIBRARY", ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12")),
+    ("GRADACC_NCCL_LIBRARY", ("cu13/lib/libnccl.so.2", "nccl/lib/libnccl.so.2")),
+)
+
+
+def _wheel_files():
+    """The NVRTC and NCCL files of this environment's nvidia-* wheels (none without them)."""
+    try:
+        import nvidia  # the namespace package the wheels install into
+    except ImportError:
+        return []
+    files = []
+    for variable, patterns in _WHEELS:
+        if os.environ.get(variable):
+            continue
+        for pattern in patterns:
+            for root in nvidia.__path__:
+                files.extend(sorted(glob.glob(os.path.join(root, pattern))))
+    return files
+
+
+def _preload():
+    """Loads the wheels' NVRTC and NCCL (RTLD_GLOBAL), so the library's lookups by name find
+    them; returns the files loaded. A file that does not load is left to the library's own
+    search, which reports what it tried."""
+    loaded = []
+    for f in _wheel_files():
+        try:
+            ctypes.CDLL(f, mode=ctypes.RTLD_GLOBAL)
+            loaded.append(f)
+        except OSError:
+            pass
+    return loaded
+
+
 def _load():
     tried = []
     for path in _candidates():
@@ -45,4 +89,5 @@ def _load():
         + ("".join("\n  tried " + t for t in tried) if tried else ""))
 
 
+preloaded = _preload()  # the wheels' NVRTC and NCCL files, loaded before the library
 path, dll = _load()  # path: the file loaded

@@ -213,3 +213,19 @@ def test_bound_gradients_add_what_the_buffers_hold_at_each_add():
         plain.add(scaler, bound, 1)
     with pytest.raises(ValueError, match="4 tensors"):
         bound_acc.bind(grads[:3])
+
+
+def test_the_wheels_nvrtc_is_loaded_without_a_library_path():
+    """With the nvidia-cuda-nvrtc wheel in the environment, its NVRTC is loaded at import, so
+    the library finds it by name with no LD_LIBRARY_PATH."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = [] if spec is None else spec.submodule_search_locations
+    wheels = [f for root in roots for f in glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so.1*"))]
+    if not wheels or os.environ.get("GRADACC_NVRTC_LIBRARY"):
+        pytest.skip("no NVRTC wheel in this environment, or NVRTC named by GRADACC_NVRTC_LIBRARY")
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    assert all(os.path.realpath(f) in mapped for f in wheels), wheels
