@@ -115,7 +115,7 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
 
 EXPORT CUresult cuDriverGetVersion(int *version) {
     if (!version) return CUDA_ERROR_INVALID_VALUE;
-    *version = 12080;
+    *version = sim::config().driver_version;
     return CUDA_SUCCESS;
 }
 

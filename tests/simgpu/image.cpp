@@ -1,4 +1,5 @@
-/* Module images: CUBIN (an ELF whose e_flags low byte is the SM version, with a .nv.info.<kernel>
+/* Module images: CUBIN (an ELF whose e_flags hold the SM version: the low byte up to ELF ABI
+ * version 7, NVRTC 12's; the second byte from version 8, NVRTC 13's; with a .nv.info.<kernel>
  * section per kernel holding EIATTR_KPARAM_INFO and EIATTR_MAX_THREADS records) or PTX text
  * (`.target sm_XY`, `.entry name(.param ...)`, `.maxntid`). */
 #include "image.h"
@@ -24,7 +25,7 @@ bool parse_cubin(const uint8_t *d, Image *image, std::string *why) {
         return false;
     }
     image->cubin = true;
-    image->arch = (int)(h.e_flags & 0xff);
+    image->arch = (int)(h.e_ident[EI_ABIVERSION] >= 8 ? (h.e_flags >> 8) & 0xff : h.e_flags & 0xff);
     std::vector<Elf64_Shdr> sections(h.e_shnum);
     memcpy(sections.data(), d + h.e_shoff, h.e_shnum * sizeof(Elf64_Shdr));
     const char *names = (const char *)d + sections[h.e_shstrndx].sh_offset;

@@ -52,6 +52,7 @@ const Config &config() {
         c.memory_pools = env_unsigned("SIMGPU_MEMORY_POOLS", 1) != 0;
         c.delay_us = env_unsigned("SIMGPU_DELAY_US", 0);
         c.timeout_s = env_unsigned("SIMGPU_TIMEOUT_S", 60);
+        c.driver_version = (int)env_unsigned("SIMGPU_DRIVER_VERSION", 12080);
         return c;
     }();
     return c;

@@ -24,6 +24,7 @@ struct Config {
     bool memory_pools = true;
     unsigned delay_us = 0; /* max random delay before each stream operation */
     unsigned timeout_s = 60; /* a wait longer than this is reported as a hang */
+    int driver_version = 12080; /* what cuDriverGetVersion reports: 13000 runs NVRTC 13's CUBINs */
 };
 const Config &config();
 
