@@ -3,7 +3,7 @@
 //! master (4 B); the floor is a device-to-device copy moving the same bytes. Median of 15 after a
 //! warm-up. Prints a Markdown table; without a GPU it says so and exits 0.
 //!
-//! `cargo bench --bench cuda_add` (scripts/gpu-check runs it).
+//! `cargo bench --bench cuda_add` (scripts/gpu-check runs it, and the GPU bundle's `run`).
 
 use std::time::Instant;
 

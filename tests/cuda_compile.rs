@@ -1,5 +1,6 @@
-//! The CUDA kernels compile, without a GPU: NVRTC turns the kernel source into CUBIN for every
-//! architecture from Volta to Blackwell that it supports and into PTX, with no warning and no
+//! The CUDA kernels compile, without a GPU: NVRTC turns the kernel source into CUBIN for each of
+//! sm_70, 75, 80, 86, 90, 100 and 120 that it supports (one per generation from Volta to
+//! Blackwell) and into PTX, with no warning and no
 //! error, and every kernel the backend launches is in the image. CI runs this with NVRTC 12 and
 //! NVRTC 13 and sets GRADACC_REQUIRE_NVRTC=1 (scripts/test installs both from PyPI), so a missing
 //! NVRTC fails there instead of skipping.
