@@ -561,9 +561,9 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
 }
 
 /// Gradients that share device memory with an adopted master: refused at every overlapping
-/// shift, except exactly the tensor's own master (see `common::check_overlapping_gradients`).
+/// shift, the tensor's own master included (see `common::check_overlapping_gradients`).
 #[test]
-fn gradients_overlapping_the_master_are_refused_unless_exact() {
+fn gradients_overlapping_the_master_are_refused() {
     if !gpu_or_skip() {
         return;
     }

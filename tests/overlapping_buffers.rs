@@ -1,7 +1,7 @@
 //! Gradients that share memory with the accumulator's master, on the CPU: refused with
-//! INVALID_ARGUMENT (nothing changes) at every shift that overlaps the master, except a gradient
-//! that is exactly its own tensor's master, which is unscaled in place (see
-//! `common::check_overlapping_gradients`; the CUDA twin is in tests/cuda_gpu.rs).
+//! INVALID_ARGUMENT (nothing changes) at every shift that overlaps the master, the tensor's own
+//! master included (see `common::check_overlapping_gradients`; the CUDA twin is in
+//! tests/cuda_gpu.rs).
 
 mod common;
 
@@ -9,7 +9,7 @@ use common::{check_overlapping_gradients, OVERLAP_MARGIN, OVERLAP_TENSORS};
 use gradacc::*;
 
 #[test]
-fn gradients_overlapping_the_master_are_refused_unless_exact() {
+fn gradients_overlapping_the_master_are_refused() {
     let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
     let mut backing: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let base = backing.as_mut_ptr();

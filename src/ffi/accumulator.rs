@@ -345,10 +345,8 @@ pub unsafe extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulat
 /// converts to f32, unscales (and weights by `count` for a mean-reduced loss normalised by count),
 /// flags non-finite values, and accumulates into the master (the first micro-batch of a window
 /// overwrites it). Fails without changing anything on a wrong tensor count, dtype or length, or
-/// a gradient that shares memory with the master (GRADACC_STATUS_INVALID_ARGUMENT): the one
-/// overlap allowed is an f32 gradient that is exactly its own tensor's master
-/// (gradacc_accumulator_master's address), unscaled in place. This holds for
-/// gradacc_accumulator_add_tensor too.
+/// a gradient that shares any byte with the master, its own tensor's master included
+/// (GRADACC_STATUS_INVALID_ARGUMENT; gradacc_accumulator_add_tensor too).
 ///
 /// On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
 /// returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
