@@ -39,10 +39,13 @@ def _candidates():
 
 
 # The wheels' libraries, newest first: (environment variable that overrides them, patterns under
-# the `nvidia` namespace package).
+# the `nvidia` namespace package, whether only the first found is loaded). Every NVRTC is loaded
+# (each major version has its own SONAME, and the library picks the one the driver takes); one
+# NCCL only, since both wheels' files are libnccl.so.2 and another library of the process (torch)
+# could bind to the wrong one.
 _WHEELS = (
-    ("GRADACC_NVRTC_LIBRARY", ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12")),
-    ("GRADACC_NCCL_LIBRARY", ("cu13/lib/libnccl.so.2", "nccl/lib/libnccl.so.2")),
+    ("GRADACC_NVRTC_LIBRARY", ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12"), False),
+    ("GRADACC_NCCL_LIBRARY", ("cu13/lib/libnccl.so.2", "nccl/lib/libnccl.so.2"), True),
 )
 
 
@@ -53,12 +56,11 @@ def _wheel_files():
     except ImportError:
         return []
     files = []
-    for variable, patterns in _WHEELS:
+    for variable, patterns, first_only in _WHEELS:
         if os.environ.get(variable):
             continue
-        for pattern in patterns:
-            for root in nvidia.__path__:
-                files.extend(sorted(glob.glob(os.path.join(root, pattern))))
+        found = [f for pattern in patterns for root in nvidia.__path__ for f in sorted(glob.glob(os.path.join(root, pattern)))]
+        files.extend(found[:1] if first_only else found)
     return files
 
 

@@ -320,7 +320,8 @@ fn newer_than_driver(version: (i32, i32), driver: i32) -> Option<String> {
 }
 
 /// NVRTC's builtins library beside the NVRTC file `nvrtc`: `libnvrtc-builtins.so.<major>.<minor>`,
-/// else another of that major version there. NVRTC loads it by name at its first compilation,
+/// else a file of that version with a longer suffix (`.so.13.0.88`): NVRTC asks for its own
+/// version's by name, so another version's would not be the one it finds. NVRTC loads it by name at its first compilation,
 /// which finds it only in NVRTC's own folder as the dynamic loader sees it (CUDA 13's NVRTC:
 /// not through a link in another folder) or on the search path; loaded beforehand, it is found
 /// loaded.
@@ -330,7 +331,7 @@ fn builtins_beside(nvrtc: &Path, major: i32, minor: i32) -> Option<PathBuf> {
     if exact.is_file() {
         return Some(exact);
     }
-    let prefix = format!("libnvrtc-builtins.so.{major}.");
+    let prefix = format!("libnvrtc-builtins.so.{major}.{minor}.");
     std::fs::read_dir(folder)
         .ok()?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
@@ -358,15 +359,15 @@ mod tests {
         let folder = std::env::temp_dir().join(format!("gradacc-builtins-{}", std::process::id()));
         std::fs::create_dir_all(&folder).unwrap();
         let nvrtc = folder.join("libnvrtc.so.13");
-        for name in ["libnvrtc.so.13", "libnvrtc-builtins.so.13.5", "libnvrtc-builtins.alt.so.13.5", "libnvrtc-builtins.so.12.9"] {
+        for name in ["libnvrtc.so.13", "libnvrtc-builtins.so.13.5", "libnvrtc-builtins.alt.so.13.5", "libnvrtc-builtins.so.12.9.86"] {
             std::fs::write(folder.join(name), "").unwrap();
         }
         let found = [builtins_beside(&nvrtc, 13, 5), builtins_beside(&nvrtc, 13, 0), builtins_beside(&nvrtc, 12, 9), builtins_beside(&nvrtc, 11, 8)];
         std::fs::remove_dir_all(&folder).unwrap();
         let name = |p: &Option<PathBuf>| p.as_ref().map(|p| p.file_name().unwrap().to_string_lossy().into_owned());
         assert_eq!(name(&found[0]).as_deref(), Some("libnvrtc-builtins.so.13.5"));
-        assert_eq!(name(&found[1]).as_deref(), Some("libnvrtc-builtins.so.13.5"), "another minor version of the same major");
-        assert_eq!(name(&found[2]).as_deref(), Some("libnvrtc-builtins.so.12.9"));
+        assert_eq!(found[1], None, "another minor version is not NVRTC 13.0's");
+        assert_eq!(name(&found[2]).as_deref(), Some("libnvrtc-builtins.so.12.9.86"), "the version with a longer suffix");
         assert_eq!(found[3], None);
     }
 }
