@@ -1000,9 +1000,14 @@ impl Accumulator {
         w.between_microbatches("merge_window inside a micro-batch: call end_microbatch or reset first")?;
         self.store.check_open()?;
         let saved = self.parse_window(bytes)?;
-        // An empty saved window (a rank that had added nothing) merges as nothing.
+        // An empty saved window (a rank that had added nothing) adds no items; it still counts as
+        // a rank-window (that rank was in the group).
         if saved.count > 0 {
             self.plan.config.check_count(w.open_count(), saved.count)?;
+        }
+        let ranks = w.ranks_after_merge(saved.ranks);
+        if ranks > MAX_WINDOW_RANKS {
+            return Err(Error::invalid(format!("merge_window: the window would sum {ranks} rank-windows, more than {MAX_WINDOW_RANKS}")));
         }
         let microbatches = if w.synced() { 0 } else { w.microbatches };
         if microbatches.checked_add(saved.microbatches).is_none() {
@@ -1029,7 +1034,7 @@ impl Accumulator {
         self.store.write(&masters)?;
         self.store.set_found_inf(found_inf)?;
         let (count, microbatches) = (w.count + saved.count, w.microbatches + saved.microbatches);
-        w.merge_ranks(saved.ranks);
+        w.ranks = ranks;
         self.window.restore(&mut w, &written);
         w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = count;

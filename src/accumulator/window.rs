@@ -76,10 +76,17 @@ impl State {
         self.ranks.max(1)
     }
 
-    /// A saved window of `saved` rank-windows merges in. Into this rank's own window with
-    /// nothing in it yet it is the window, as a load would make it; otherwise both count.
-    pub fn merge_ranks(&mut self, saved: u64) {
-        self.ranks = if self.ranks == 0 && self.microbatches == 0 { saved } else { self.rank_windows().saturating_add(saved) };
+    /// The rank-windows after a saved window of `saved` merges in (a synced window starts anew
+    /// first). Into this rank's own window with nothing in it yet the saved one is the window, as
+    /// a load would make it: merge-then-add continues the saved rank's window. Otherwise both
+    /// count: add-then-merge takes on another rank's work.
+    pub fn ranks_after_merge(&self, saved: u64) -> u64 {
+        let (ranks, microbatches) = if self.synced() { (0, 0) } else { (self.ranks, self.microbatches) };
+        if ranks == 0 && microbatches == 0 {
+            saved
+        } else {
+            ranks.max(1).saturating_add(saved)
+        }
     }
 
     /// A micro-batch of `count` items joins the window.
