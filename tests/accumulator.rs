@@ -450,23 +450,6 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     assert!(clean.sync(None).unwrap().found_inf);
 }
 
-/// The windows of 4 ranks, saved: small-integer f32 gradients (every sum exact, in any order),
-/// 1 to 3 micro-batches of random counts each, summed losses.
-fn four_saved_windows(rng: &mut Rng, tensors: &[TensorDesc], config: AccumulatorConfig) -> Vec<Vec<u8>> {
-    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-    (0..4)
-        .map(|_| {
-            let acc = Accumulator::new(config, tensors).unwrap();
-            for _ in 0..rng.range(1, 3) {
-                let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.range(0, 64) as f32 - 32.0).collect()).collect();
-                let grads: Vec<Grad> = values.iter().map(|v| Grad::F32(v)).collect();
-                acc.add(&scaler, &grads, rng.range(1, 9)).unwrap();
-            }
-            acc.save_window().unwrap()
-        })
-        .collect()
-}
-
 /// Syncs each accumulator as a rank of one in-process group; the infos and tensor 0's masters.
 fn sync_group(accs: &[Accumulator]) -> Vec<(SyncInfo, Vec<u32>)> {
     let comms = LocalComm::group(accs.len()).unwrap();

@@ -2005,17 +2005,7 @@ fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
     let descs = [TensorDesc { numel: 3000, dtype: Dtype::F32 }];
     for normalize in [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches] {
         let config = AccumulatorConfig { normalize, loss_reduction: LossReduction::Sum, ..Default::default() };
-        let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-        let saved: Vec<Vec<u8>> = (0..4)
-            .map(|_| {
-                let acc = Accumulator::new(config, &descs).unwrap();
-                for _ in 0..rng.range(1, 3) {
-                    let values: Vec<f32> = (0..3000).map(|_| rng.range(0, 64) as f32 - 32.0).collect();
-                    acc.add(&scaler, &[Grad::F32(&values)], rng.range(1, 9)).unwrap();
-                }
-                acc.save_window().unwrap()
-            })
-            .collect();
+        let saved = common::four_saved_windows(&mut rng, &descs, config);
         let cpu: Vec<Accumulator> = saved
             .iter()
             .map(|b| {

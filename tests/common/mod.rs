@@ -216,3 +216,21 @@ pub fn check_overlapping_gradients(
     }
     tried
 }
+
+/// The windows of 4 ranks, saved: small-integer f32 gradients (every sum exact, in any order),
+/// 1 to 3 micro-batches of random counts each.
+pub fn four_saved_windows(rng: &mut Rng, tensors: &[gradacc::TensorDesc], config: gradacc::AccumulatorConfig) -> Vec<Vec<u8>> {
+    use gradacc::{Accumulator, Grad, Scaler, ScalerConfig};
+    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    (0..4)
+        .map(|_| {
+            let acc = Accumulator::new(config, tensors).unwrap();
+            for _ in 0..rng.range(1, 3) {
+                let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.range(0, 64) as f32 - 32.0).collect()).collect();
+                let grads: Vec<Grad> = values.iter().map(|v| Grad::F32(v)).collect();
+                acc.add(&scaler, &grads, rng.range(1, 9)).unwrap();
+            }
+            acc.save_window().unwrap()
+        })
+        .collect()
+}
