@@ -145,6 +145,8 @@ struct Window {
     phase: Phase,
     count: u64,
     microbatches: u64,
+    /// The rank-windows it sums once a load or merge set it; 0 for this rank's own alone.
+    ranks: u64,
     found_inf: bool,
     written: Vec<bool>,
     /// The library's arithmetic: a rounded f32 multiply, then a rounded f32 add.
@@ -181,6 +183,7 @@ impl AccModel {
             phase: Phase::Empty,
             count: 0,
             microbatches: 0,
+            ranks: 0,
             found_inf: false,
             written: vec![false; self.numels.len()],
             sim: vec![0.0; t],
@@ -577,7 +580,9 @@ fn layout_hash(a: &AccModel) -> u64 {
 /// The window the bytes hold for an accumulator of `a`'s shape; `layout_same` says whether the
 /// saved layout field matches this accumulator's.
 fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window> {
-    if bytes.len() < 16 || &bytes[..4] != b"GAWN" || bytes[4..8] != 2u32.to_le_bytes() {
+    // Whole windows: format 2 (0.2, one rank's window) and 4 (with its rank-window count).
+    let version = bytes.get(4..8).map(|v| u32::from_le_bytes(v.try_into().unwrap()));
+    if bytes.len() < 16 || &bytes[..4] != b"GAWN" || !matches!(version, Some(2 | 4)) {
         return None;
     }
     let (body, tail) = bytes.split_at(bytes.len() - 8);
@@ -589,7 +594,9 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     if !layout_same {
         return None;
     }
-    let (count, microbatches, found_inf) = (r.u64()?, r.u64()?, r.bool()?);
+    let (count, microbatches) = (r.u64()?, r.u64()?);
+    let ranks = if version == Some(4) { r.u64()? } else { 1 };
+    let found_inf = r.bool()?;
     let written: Vec<bool> = (0..a.numels.len()).map(|_| r.bool()).collect::<Option<_>>()?;
     if r.u64()? != a.total() as u64 {
         return None;
@@ -599,10 +606,11 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
         return None;
     }
     // Counts no window can have: refused as corrupt.
-    if count > 1 << 47 || (microbatches == 0 && count != 0) {
+    if count > 1 << 47 || (microbatches == 0 && count != 0) || !(1..=1 << 32).contains(&ranks) {
         return None;
     }
     let mut w = a.fresh_window();
+    w.ranks = ranks;
     w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
     w.count = count;
     w.microbatches = microbatches;
@@ -877,6 +885,7 @@ fn acc_create(world: &mut World, input: &mut Input) {
                 phase: Phase::Empty,
                 count: 0,
                 microbatches: 0,
+                ranks: 0,
                 found_inf: false,
                 written: vec![],
                 sim: vec![],
@@ -1099,10 +1108,10 @@ fn sync(world: &mut World, input: &mut Input) {
     // What the sync gives on a healthy communicator.
     let healthy = ai.and_then(|i| {
         let a = &world.accs[i];
-        let (count, mbs) = match a.w.phase {
+        let (count, mbs, ranks) = match a.w.phase {
             Phase::InMicrobatch(_) => return None,
-            Phase::Synced(_) => (0, 0), // a sync after a sync: an empty window on the only rank
-            _ => (a.w.count, a.w.microbatches),
+            Phase::Synced(_) => (0, 0, 1), // a sync after a sync: an empty window on the only rank
+            _ => (a.w.count, a.w.microbatches, a.w.ranks.max(1)),
         };
         if mbs == 0 {
             return None;
@@ -1110,6 +1119,8 @@ fn sync(world: &mut World, input: &mut Input) {
         let divisor = match a.normalize {
             GRADACC_NORMALIZE_BY_COUNT => count,
             GRADACC_NORMALIZE_BY_MICROBATCHES => mbs,
+            // The rank-windows the window sums: merges count the ranks that did the work.
+            GRADACC_NORMALIZE_BY_WORLD => ranks,
             _ => 1,
         };
         (divisor != 0).then_some(divisor)
@@ -1140,6 +1151,8 @@ fn sync(world: &mut World, input: &mut Input) {
     }
     let sum_sq: f64 = a.w.sim.iter().map(|&v| v as f64 * v as f64).sum();
     let norm = sum_sq.sqrt() / divisor as f64;
+    // A non-finite gradient is an overflow even where no add saw one (a merge's f32 sum).
+    a.w.found_inf |= !norm.is_finite();
     if want_info {
         assert_eq!(info.found_inf, a.w.found_inf, "found_inf");
         assert_eq!(info.total_count, a.w.count, "total_count");
@@ -1278,6 +1291,18 @@ fn window_bytes(world: &World, input: &mut Input) -> (Vec<u8>, Option<usize>) {
     (bytes, damage)
 }
 
+/// The rank-windows after a saved window of `saved` merges into `w`: into this rank's own window
+/// with nothing in it yet the saved one is the window; otherwise both count (a synced window
+/// starts anew first).
+fn ranks_after_merge(w: &Window, saved: u64) -> u64 {
+    let (ranks, microbatches) = if matches!(w.phase, Phase::Synced(_)) { (0, 0) } else { (w.ranks, w.microbatches) };
+    if ranks == 0 && microbatches == 0 {
+        saved
+    } else {
+        ranks.max(1) + saved
+    }
+}
+
 fn merge_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let (bytes, damage) = window_bytes(world, input);
@@ -1293,14 +1318,18 @@ fn merge_window(world: &mut World, input: &mut Input) {
         // The saved items join the window's total, which must stay within its limit; an empty
         // saved window (0 items) merges as nothing.
         let microbatches = if matches!(a.w.phase, Phase::Synced(_)) { 0 } else { a.w.microbatches };
-        ((saved.count == 0 || a.count_ok(saved.count)) && microbatches.checked_add(saved.microbatches).is_some()).then_some(saved)
+        // The rank-windows after the merge stay within what a saved window may hold.
+        let ranks = ranks_after_merge(&a.w, saved.ranks);
+        ((saved.count == 0 || a.count_ok(saved.count)) && microbatches.checked_add(saved.microbatches).is_some() && ranks <= 1 << 32).then_some(saved)
     });
     if !world.check("gradacc_accumulator_merge_window", st, saved.is_some()) {
         return;
     }
     let saved = saved.unwrap();
     let a = &mut world.accs[ai.unwrap()];
+    let ranks = ranks_after_merge(&a.w, saved.ranks);
     a.restart_if_synced(); // after a sync it starts a new window, as add does
+    a.w.ranks = ranks;
     for t in 0..a.numels.len() {
         let range = a.offsets[t]..a.offsets[t + 1];
         match (a.w.written[t], saved.written[t]) {
