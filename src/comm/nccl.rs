@@ -93,13 +93,11 @@ mod api {
     }
 
     fn resolve(opened: Opened) -> std::result::Result<Api, String> {
-        let lib = &opened.library;
         macro_rules! resolve {
             ($name:literal) => {
                 // SAFETY: each field's type is the C prototype of the symbol in nccl.h, with
                 // ncclResult_t (a C enum, an int) as c_int.
-                *unsafe { lib.get($name) }
-                    .map_err(|e| format!("it lacks {} (gradacc needs NCCL 2.14 or newer): {}", $name, library::reason(&e, &opened.candidate)))?
+                unsafe { opened.symbol($name) }.map_err(|e| format!("{e} (gradacc needs NCCL 2.14 or newer)"))?
             };
         }
         Ok(Api {

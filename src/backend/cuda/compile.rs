@@ -241,12 +241,11 @@ impl Nvrtc {
     /// is v8) and an older driver refuses it, as it refuses PTX of a newer ISA; so an NVRTC of a
     /// later major version than the driver's is skipped for the next candidate.
     fn accept(opened: Opened) -> std::result::Result<Nvrtc, String> {
-        let lib = &opened.library;
         macro_rules! resolve {
             ($name:literal) => {
                 // SAFETY: each field's type is the C prototype of the symbol in nvrtc.h, with
                 // nvrtcResult (a C enum, an int) as c_int and nvrtcProgram as a pointer.
-                *unsafe { lib.get($name) }.map_err(|e| format!("it lacks {}: {}", $name, library::reason(&e, &opened.candidate)))?
+                unsafe { opened.symbol($name) }?
             };
         }
         let version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = resolve!("nvrtcVersion");
@@ -321,10 +320,10 @@ fn newer_than_driver(version: (i32, i32), driver: i32) -> Option<String> {
 
 /// NVRTC's builtins library beside the NVRTC file `nvrtc`: `libnvrtc-builtins.so.<major>.<minor>`,
 /// else a file of that version with a longer suffix (`.so.13.0.88`): NVRTC asks for its own
-/// version's by name, so another version's would not be the one it finds. NVRTC loads it by name at its first compilation,
-/// which finds it only in NVRTC's own folder as the dynamic loader sees it (CUDA 13's NVRTC:
-/// not through a link in another folder) or on the search path; loaded beforehand, it is found
-/// loaded.
+/// version's by name, so another version's would not be the one it finds. NVRTC loads it at its
+/// first compilation, and finds it only in NVRTC's own folder as the dynamic loader sees it (CUDA
+/// 13's NVRTC: not through a link in another folder) or on the search path; loaded beforehand,
+/// it is found loaded.
 fn builtins_beside(nvrtc: &Path, major: i32, minor: i32) -> Option<PathBuf> {
     let folder = nvrtc.parent()?;
     let exact = folder.join(format!("libnvrtc-builtins.so.{major}.{minor}"));

@@ -53,6 +53,17 @@ pub(crate) struct Opened {
     pub path: Option<PathBuf>,
 }
 
+impl Opened {
+    /// Entry point `name` of the opened library, or why not ("it lacks nvrtcVersion: ...").
+    ///
+    /// # Safety
+    /// `T` is the function-pointer type of `name`'s C prototype.
+    pub(crate) unsafe fn symbol<T: Copy>(&self, name: &str) -> Result<T, String> {
+        // SAFETY: the caller's contract: `T` is the symbol's type.
+        unsafe { self.library.get::<T>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("it lacks {name}: {}", reason(&e, &self.candidate)))
+    }
+}
+
 /// Loads `spec` from the candidates the environment gives it, see [`load_from`].
 pub(crate) fn load<T>(spec: &Spec, accept: impl FnMut(Opened) -> Result<T, String>) -> Result<T, Error> {
     let value = std::env::var_os(spec.env).filter(|v| !v.is_empty());
