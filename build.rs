@@ -19,10 +19,12 @@ fn main() {
 fn soname() {
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     let family = std::env::var("CARGO_CFG_TARGET_FAMILY").unwrap_or_default();
-    if family != "unix" || matches!(os.as_str(), "macos" | "ios" | "tvos" | "watchos" | "visionos") {
+    if family != "unix" || matches!(os.as_str(), "macos" | "ios" | "tvos" | "watchos" | "visionos")
+    {
         return;
     }
-    let major = std::env::var("CARGO_PKG_VERSION_MAJOR").expect("cargo sets CARGO_PKG_VERSION_MAJOR");
+    let major =
+        std::env::var("CARGO_PKG_VERSION_MAJOR").expect("cargo sets CARGO_PKG_VERSION_MAJOR");
     let soname = format!("libgradacc.so.{major}");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
 
@@ -50,7 +52,8 @@ fn link_soname(link: &Path) {
 #[cfg(feature = "mpi")]
 fn mpi_shim() {
     println!("cargo:rerun-if-changed=src/comm/mpi_shim.c");
-    let lib = build_probe_mpi::probe().unwrap_or_else(|errs| panic!("feature `mpi`: no MPI library found: {errs:?}"));
+    let lib = build_probe_mpi::probe()
+        .unwrap_or_else(|errs| panic!("feature `mpi`: no MPI library found: {errs:?}"));
     let mut build = cc::Build::new();
     build.file("src/comm/mpi_shim.c");
     match lib.mpicc {

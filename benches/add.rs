@@ -21,7 +21,10 @@ const FACTOR: f32 = 1.0 / 1024.0;
 
 fn main() {
     let isa = cpu::active_isa();
-    println!("gradacc CPU kernels, {} path, median of {REPEATS} runs after a warm-up\n", isa.name());
+    println!(
+        "gradacc CPU kernels, {} path, median of {REPEATS} runs after a warm-up\n",
+        isa.name()
+    );
     println!("| size | dtype | threads | ns/element | GB/s | floor ns/element | ratio to floor | plain fused ns/element | ratio to it |");
     println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     for &len in &SIZES {
@@ -29,7 +32,11 @@ fn main() {
         let f32_grad: Vec<f32> = (0..len).map(|i| pattern(i) as f32 / 8192.0 - 0.5).collect();
         let f16_grad: Vec<u16> = f32_grad.iter().map(|&v| cpu::math::f32_to_f16(v)).collect();
         let bf16_grad: Vec<u16> = f32_grad.iter().map(|&v| cpu::math::f32_to_bf16(v)).collect();
-        let grads = [("f16", Grad::F16(&f16_grad)), ("bf16", Grad::Bf16(&bf16_grad)), ("f32", Grad::F32(&f32_grad))];
+        let grads = [
+            ("f16", Grad::F16(&f16_grad)),
+            ("bf16", Grad::Bf16(&bf16_grad)),
+            ("f32", Grad::F32(&f32_grad)),
+        ];
         for (name, grad) in grads {
             let bytes = (grad.dtype().size() + 8) as f64;
             for threads in THREADS {
@@ -65,11 +72,19 @@ fn main() {
             let addend = vec![0.25f32; len];
             let times = compare(
                 &mut master,
-                |m| in_pieces(m, &addend, |m, a, sums| cpu::add_and_block_sum_squares(m, a, Some(0.5), sums)),
+                |m| {
+                    in_pieces(m, &addend, |m, a, sums| {
+                        cpu::add_and_block_sum_squares(m, a, Some(0.5), sums)
+                    })
+                },
                 |m| in_pieces(m, &addend, |m, a, _| cpu::add_assign(m, a)),
                 |m| {
                     in_pieces(m, &addend, |m, a, sums| {
-                        for ((m, a), sum) in m.chunks_mut(cpu::math::NORM_BLOCK).zip(a.chunks(cpu::math::NORM_BLOCK)).zip(sums) {
+                        for ((m, a), sum) in m
+                            .chunks_mut(cpu::math::NORM_BLOCK)
+                            .zip(a.chunks(cpu::math::NORM_BLOCK))
+                            .zip(sums)
+                        {
                             cpu::add_assign(m, a);
                             cpu::block_sum_squares(m, std::slice::from_mut(sum), 1);
                             cpu::scale(m, 0.5, 1);
@@ -114,19 +129,27 @@ fn placement(isa: cpu::Isa) {
                 f32_grad[g32 + i] = pattern(i) as f32 / 8192.0 - 0.5;
                 f16_grad[g16 + i] = cpu::math::f32_to_f16(f32_grad[g32 + i]);
             }
-            for (name, grad) in [("f32", Grad::F32(&f32_grad[g32..g32 + len])), ("f16", Grad::F16(&f16_grad[g16..g16 + len]))] {
+            for (name, grad) in [
+                ("f32", Grad::F32(&f32_grad[g32..g32 + len])),
+                ("f16", Grad::F16(&f16_grad[g16..g16 + len])),
+            ] {
                 let mp = master[m0..].as_mut_ptr();
                 // SAFETY: `mp` points at `len` f32s of `master`, and the two variants take turns.
                 let m = || unsafe { std::slice::from_raw_parts_mut(mp, len) };
                 let t = interleaved(
                     15,
                     0.005,
-                    &mut [&mut || assert!(!cpu::accumulate(m(), grad, FACTOR, false, 1)), &mut || {
-                        assert!(!fused(isa, &mut [m()], &[grad], FACTOR, 1))
-                    }],
+                    &mut [
+                        &mut || assert!(!cpu::accumulate(m(), grad, FACTOR, false, 1)),
+                        &mut || assert!(!fused(isa, &mut [m()], &[grad], FACTOR, 1)),
+                    ],
                 );
                 let ratio = t.ratio(0, 1).median;
-                let size = if len >= 1 << 20 { format!("{}M", len >> 20) } else { format!("{}K", len >> 10) };
+                let size = if len >= 1 << 20 {
+                    format!("{}M", len >> 20)
+                } else {
+                    format!("{}K", len >> 10)
+                };
                 println!(
                     "| {size} | {name} | {distance} | {:.3} | {:.3} | {ratio:.2} |",
                     t[0].median * 1e9 / len as f64,
@@ -138,7 +161,10 @@ fn placement(isa: cpu::Isa) {
             }
         }
     }
-    println!("\nWorst ratio to the plain fused loop over these placements: {:.2} ({}).", worst.0, worst.1);
+    println!(
+        "\nWorst ratio to the plain fused loop over these placements: {:.2} ({}).",
+        worst.0, worst.1
+    );
 }
 
 /// A buffer with room for `len` elements that start `offset` bytes past a 4 KiB boundary, and the
@@ -152,7 +178,11 @@ fn placed<T: Copy>(fill: T, offset: usize, len: usize) -> (Vec<T>, usize) {
 
 /// `f(piece of master, piece of addend, its block sums)` over pieces of the communicators' share
 /// size (`comm::shares::SHARE_NUMEL`, 64K elements), in order.
-fn in_pieces(master: &mut [f32], addend: &[f32], mut f: impl FnMut(&mut [f32], &[f32], &mut [f64])) {
+fn in_pieces(
+    master: &mut [f32],
+    addend: &[f32],
+    mut f: impl FnMut(&mut [f32], &[f32], &mut [f64]),
+) {
     const PIECE: usize = 64 * 1024;
     let mut sums = vec![0.0; cpu::blocks(PIECE)];
     for (m, a) in master.chunks_mut(PIECE).zip(addend.chunks(PIECE)) {

@@ -38,7 +38,10 @@ fn time(ctx: &Context, stream: driver::CUstream, mut f: impl FnMut()) -> f64 {
 /// software GPU runs kernels on the host, and measures small sizes only).
 fn sizes() -> Vec<usize> {
     match std::env::var("GRADACC_CUDA_ADD_SIZES") {
-        Ok(list) => list.split(',').map(|n| n.trim().parse().expect("GRADACC_CUDA_ADD_SIZES: element counts")).collect(),
+        Ok(list) => list
+            .split(',')
+            .map(|n| n.trim().parse().expect("GRADACC_CUDA_ADD_SIZES: element counts"))
+            .collect(),
         Err(_) => vec![1 << 24, 1 << 26, 1 << 28],
     }
 }
@@ -62,10 +65,21 @@ fn main() {
             let grad = DeviceBuffer::zeroed(&ctx, s, n * dtype.size()).unwrap();
             let bytes = n * (dtype.size() + 8);
             // A copy reads and writes its size: half the fused pass's traffic each way.
-            let (src, dst) = (DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap(), DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap());
+            let (src, dst) = (
+                DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap(),
+                DeviceBuffer::zeroed(&ctx, s, bytes / 2).unwrap(),
+            );
             let add = time(&ctx, s, || acc.add(&scaler, &[grad.ptr()], 1).unwrap());
-            let floor = time(&ctx, s, || driver::copy(&ctx, s, dst.ptr(), src.ptr(), bytes / 2).unwrap());
-            println!("| {n} | {} | {:.3} | {:.3} | {:.2} | {:.0} |", dtype.name(), add * 1e3, floor * 1e3, floor / add, bytes as f64 / add / 1e9);
+            let floor =
+                time(&ctx, s, || driver::copy(&ctx, s, dst.ptr(), src.ptr(), bytes / 2).unwrap());
+            println!(
+                "| {n} | {} | {:.3} | {:.3} | {:.2} | {:.0} |",
+                dtype.name(),
+                add * 1e3,
+                floor * 1e3,
+                floor / add,
+                bytes as f64 / add / 1e9
+            );
         }
     }
 }

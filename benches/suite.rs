@@ -25,7 +25,10 @@ use std::time::Instant;
 use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FACTOR};
 use gradacc::backend::cpu;
 use gradacc::ffi::*;
-use gradacc::{Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler, ScalerConfig, Sharding, TensorDesc};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler,
+    ScalerConfig, Sharding, TensorDesc,
+};
 
 const MI: usize = 1 << 20;
 
@@ -46,8 +49,17 @@ impl Options {
         while let Some(a) = args.next() {
             match a.as_str() {
                 "--quick" => o.quick = true,
-                "--out" => o.out = Some(std::fs::File::create(args.next().expect("--out FILE")).expect("cannot create --out file")),
-                "--only" => o.only = Some(args.next().expect("--only LIST").split(',').map(str::to_owned).collect()),
+                "--out" => {
+                    o.out = Some(
+                        std::fs::File::create(args.next().expect("--out FILE"))
+                            .expect("cannot create --out file"),
+                    )
+                }
+                "--only" => {
+                    o.only = Some(
+                        args.next().expect("--only LIST").split(',').map(str::to_owned).collect(),
+                    )
+                }
                 // `cargo bench` passes `--bench`; anything else is cargo's business too.
                 _ => {}
             }
@@ -66,13 +78,23 @@ impl Options {
     /// Writes one result line: `fields` is a JSON object body, `times` each variant's seconds.
     /// One JSON line: the times of the variants, and `ratios`, each the round-by-round ratio of
     /// two of them (`"a/b"`, see [`common::Turns::ratio`]).
-    fn record(&mut self, group: &str, fields: &str, times: &[(&str, Stats)], ratios: &[(&str, Stats)]) {
+    fn record(
+        &mut self,
+        group: &str,
+        fields: &str,
+        times: &[(&str, Stats)],
+        ratios: &[(&str, Stats)],
+    ) {
         let mut line = format!("{{\"group\":\"{group}\",{fields}");
         for (key, entries) in [("times", times), ("ratios", ratios)] {
             let _ = write!(line, ",\"{key}\":{{");
             for (i, (name, s)) in entries.iter().enumerate() {
                 let sep = if i > 0 { "," } else { "" };
-                let _ = write!(line, "{sep}\"{name}\":{{\"median\":{:e},\"min\":{:e},\"max\":{:e},\"n\":{}}}", s.median, s.min, s.max, s.n);
+                let _ = write!(
+                    line,
+                    "{sep}\"{name}\":{{\"median\":{:e},\"min\":{:e},\"max\":{:e},\"n\":{}}}",
+                    s.median, s.min, s.max, s.n
+                );
             }
             line.push('}');
         }
@@ -86,7 +108,12 @@ impl Options {
 fn main() {
     let mut o = Options::parse();
     let isa = cpu::active_isa();
-    println!("gradacc benchmark suite: {} path, median of {} rounds{}", isa.name(), o.rounds, if o.quick { " (quick)" } else { "" });
+    println!(
+        "gradacc benchmark suite: {} path, median of {} rounds{}",
+        isa.name(),
+        o.rounds,
+        if o.quick { " (quick)" } else { "" }
+    );
     o.record("machine", &format!("\"isa\":\"{}\",\"quick\":{}", isa.name(), o.quick), &[], &[]);
 
     let max = if o.quick { 16 * MI } else { 256 * MI };
@@ -97,8 +124,16 @@ fn main() {
         let t = Instant::now();
         let mut master = AlignedF32::new(needed);
         let (g32, g16, gb16) = common::gradients(needed);
-        let flat = [(Dtype::F16, Grad::F16(&g16)), (Dtype::Bf16, Grad::Bf16(&gb16)), (Dtype::F32, Grad::F32(&g32))];
-        println!("buffers of {}M elements ready in {:.1} s", needed / MI, t.elapsed().as_secs_f64());
+        let flat = [
+            (Dtype::F16, Grad::F16(&g16)),
+            (Dtype::Bf16, Grad::Bf16(&gb16)),
+            (Dtype::F32, Grad::F32(&g32)),
+        ];
+        println!(
+            "buffers of {}M elements ready in {:.1} s",
+            needed / MI,
+            t.elapsed().as_secs_f64()
+        );
         if o.wants("sweep") {
             sweep(&mut o, &mut master, &flat, max);
         }
@@ -157,7 +192,8 @@ struct Model {
 /// The layouts the `layout` part measures, smallest first within each. The transformer at
 /// d = 512 (quick: 128) is the layout `benches/python/peer.py` measures PyTorch on.
 fn models(quick: bool) -> Vec<Model> {
-    let (g, t): (&[usize], &[usize]) = if quick { (&[64, 256], &[64, 128]) } else { (&[64, 256, 512, 1024], &[64, 256, 512]) };
+    let (g, t): (&[usize], &[usize]) =
+        if quick { (&[64, 256], &[64, 128]) } else { (&[64, 256, 512, 1024], &[64, 256, 512]) };
     let gpt = g.iter().map(|&d| Model { name: "gpt2", d, numels: gpt2(d) });
     gpt.chain(t.iter().map(|&d| Model { name: "transformer", d, numels: transformer(d) })).collect()
 }
@@ -185,7 +221,8 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
     println!("\n## add, one flat tensor: ns/element (gradacc | triad floor | ratio)");
     let isa = cpu::active_isa();
     let mp = master.slice().as_mut_ptr();
-    let sizes: Vec<usize> = std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|&s| s <= max).collect();
+    let sizes: Vec<usize> =
+        std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|&s| s <= max).collect();
     let scaler = scaler();
     for &(dtype, grad) in flat {
         for &len in &sizes {
@@ -193,7 +230,10 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                 let g = grad.slice(0, len);
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
                 // SAFETY: `mp` holds at least `len` f32 for the accumulator's lifetime.
-                let acc = unsafe { Accumulator::with_buffer(config, &[TensorDesc { numel: len, dtype }], mp, len) }.expect("accumulator");
+                let acc = unsafe {
+                    Accumulator::with_buffer(config, &[TensorDesc { numel: len, dtype }], mp, len)
+                }
+                .expect("accumulator");
                 let t = interleaved(
                     o.rounds,
                     o.min_sample,
@@ -201,7 +241,9 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                         &mut || acc.add(&scaler, &[g], 1).expect("add"),
                         &mut || floor::<{ kind::COPY }>(isa, view(mp, len), g, threads),
                         &mut || floor::<{ kind::TRIAD }>(isa, view(mp, len), g, threads),
-                        &mut || assert!(!fused(isa, &mut [view(mp, len)], &[g], TRIAD_FACTOR, threads)),
+                        &mut || {
+                            assert!(!fused(isa, &mut [view(mp, len)], &[g], TRIAD_FACTOR, threads))
+                        },
                     ],
                 );
                 let best = t[3].median;
@@ -314,7 +356,8 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
         let mut masters: Vec<&mut [f32]> = own.iter_mut().map(AlignedF32::slice).collect();
         let mut master = AlignedF32::new(total);
         let mp = master.slice().as_mut_ptr();
-        let descs = |dtype| numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect::<Vec<_>>();
+        let descs =
+            |dtype| numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect::<Vec<_>>();
         for &(dtype, grad) in flat {
             let owned = owned_grads(numels, dtype, grad);
             let grads = views(&owned, dtype);
@@ -322,7 +365,8 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
             for threads in [1, 2] {
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
                 // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
-                let acc = unsafe { Accumulator::with_buffer(config, &descs(dtype), mp, total) }.expect("accumulator");
+                let acc = unsafe { Accumulator::with_buffer(config, &descs(dtype), mp, total) }
+                    .expect("accumulator");
                 let t = interleaved(
                     rounds,
                     o.min_sample,
@@ -371,7 +415,10 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
     let mut sc: gradacc_scaler_config_t = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { gradacc_scaler_config_default(&mut sc) }, GRADACC_STATUS_OK);
     sc.init_scale = 1024.0;
-    assert_eq!(unsafe { gradacc_scaler_create(&sc, std::ptr::null(), &mut c_scaler) }, GRADACC_STATUS_OK);
+    assert_eq!(
+        unsafe { gradacc_scaler_create(&sc, std::ptr::null(), &mut c_scaler) },
+        GRADACC_STATUS_OK
+    );
     for &(dtype, grad) in flat.iter().filter(|(d, _)| *d != Dtype::Bf16) {
         for (tensors, numel) in [(1000usize, 1000usize), (1000, 1), (1, 1_000_000)] {
             let layout = vec![numel; tensors];
@@ -380,9 +427,13 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
             let grads = views(&owned, dtype);
             let raw = ptrs(&owned);
             let g = grad.slice(0, total);
-            let descs: Vec<TensorDesc> = layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            let descs: Vec<TensorDesc> =
+                layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
             // SAFETY: `mp` holds at least `total` f32; the two accumulators take turns.
-            let acc = unsafe { Accumulator::with_buffer(AccumulatorConfig::default(), &descs, mp, total) }.expect("accumulator");
+            let acc = unsafe {
+                Accumulator::with_buffer(AccumulatorConfig::default(), &descs, mp, total)
+            }
+            .expect("accumulator");
             let c_descs: Vec<gradacc_tensor_desc_t> = layout
                 .iter()
                 .map(|&n| gradacc_tensor_desc_t {
@@ -396,7 +447,15 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
                 .collect();
             let mut c_acc: *mut gradacc_accumulator_t = std::ptr::null_mut();
             let status = unsafe {
-                gradacc_accumulator_create_with_buffer(std::ptr::null(), c_descs.as_ptr(), tensors, std::ptr::null(), mp, total, &mut c_acc)
+                gradacc_accumulator_create_with_buffer(
+                    std::ptr::null(),
+                    c_descs.as_ptr(),
+                    tensors,
+                    std::ptr::null(),
+                    mp,
+                    total,
+                    &mut c_acc,
+                )
             };
             assert_eq!(status, GRADACC_STATUS_OK);
             let t = interleaved(
@@ -404,7 +463,14 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
                 o.min_sample,
                 &mut [
                     &mut || acc.add(&scaler, &grads, 1).expect("add"),
-                    &mut || assert_eq!(unsafe { gradacc_accumulator_add(c_acc, c_scaler, raw.as_ptr(), tensors, 1) }, GRADACC_STATUS_OK),
+                    &mut || {
+                        assert_eq!(
+                            unsafe {
+                                gradacc_accumulator_add(c_acc, c_scaler, raw.as_ptr(), tensors, 1)
+                            },
+                            GRADACC_STATUS_OK
+                        )
+                    },
                     &mut || floor::<{ kind::TRIAD }>(isa, view(mp, total), g, 1),
                     &mut || assert!(!fused(isa, &mut [view(mp, total)], &[g], TRIAD_FACTOR, 1)),
                 ],
@@ -462,13 +528,19 @@ fn boundary(o: &mut Options, n: usize) {
                 s.spawn(move || {
                     let (_, g16, _) = common::gradients(n);
                     let desc = [TensorDesc { numel: n, dtype: Dtype::F16 }];
-                    let acc = Accumulator::new(AccumulatorConfig::default(), &desc).expect("accumulator");
+                    let acc =
+                        Accumulator::new(AccumulatorConfig::default(), &desc).expect("accumulator");
                     // The gradients, in [-0.5, 0.5) unscaled by 1024, make a norm of about 2.8e-4
                     // per sqrt(element): over 1 at 16M elements, so 1e-3 clips at any size here.
-                    let clip_config = AccumulatorConfig { max_grad_norm: 1e-3, ..AccumulatorConfig::default() };
+                    let clip_config =
+                        AccumulatorConfig { max_grad_norm: 1e-3, ..AccumulatorConfig::default() };
                     let clip = Accumulator::new(clip_config, &desc).expect("accumulator");
                     let sharding = Sharding::ReduceScatter { shards: 2, rank: comm.rank() };
-                    let scatter = Accumulator::new(AccumulatorConfig { sharding, ..AccumulatorConfig::default() }, &desc).expect("accumulator");
+                    let scatter = Accumulator::new(
+                        AccumulatorConfig { sharding, ..AccumulatorConfig::default() },
+                        &desc,
+                    )
+                    .expect("accumulator");
                     let scaler = scaler();
                     let mut plain = vec![1.0f32; n];
                     let timed = |f: &mut dyn FnMut()| {
@@ -490,9 +562,16 @@ fn boundary(o: &mut Options, n: usize) {
                                 acc.sync(Some(comm as &dyn Communicator)).expect("sync");
                             });
                             let mut info = None;
-                            let c = timed(&mut || info = Some(clip.sync(Some(comm as &dyn Communicator)).expect("sync")));
+                            let c = timed(&mut || {
+                                info =
+                                    Some(clip.sync(Some(comm as &dyn Communicator)).expect("sync"))
+                            });
                             let info = info.expect("sync info");
-                            assert!(info.clip_coef < 1.0, "clipping did not apply (norm {})", info.grad_norm);
+                            assert!(
+                                info.clip_coef < 1.0,
+                                "clipping did not apply (norm {})",
+                                info.grad_norm
+                            );
                             let r = timed(&mut || {
                                 scatter.sync(Some(comm as &dyn Communicator)).expect("sync");
                             });
@@ -501,7 +580,9 @@ fn boundary(o: &mut Options, n: usize) {
                                     comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce");
                                 }
                             });
-                            let b = timed(&mut || comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce"));
+                            let b = timed(&mut || {
+                                comm.allreduce_buckets(&mut plain, bucket).expect("all-reduce")
+                            });
                             plain.fill(1.0); // keep the values finite
                             if round > 0 {
                                 times.push([d, c, r, nv, b]);
@@ -509,7 +590,9 @@ fn boundary(o: &mut Options, n: usize) {
                         }
                         out.push((k, times));
                     }
-                    out.into_iter().flat_map(|(k, times)| times.into_iter().map(move |t| (k, t))).collect::<Vec<_>>()
+                    out.into_iter()
+                        .flat_map(|(k, times)| times.into_iter().map(move |t| (k, t)))
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -539,7 +622,9 @@ fn boundary(o: &mut Options, n: usize) {
         );
         o.record(
             "boundary_local",
-            &format!("\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k},\"max_grad_norm\":1e-3"),
+            &format!(
+                "\"ranks\":2,\"numel\":{n},\"dtype\":\"f16\",\"k\":{k},\"max_grad_norm\":1e-3"
+            ),
             &[("deferred", d), ("clipped", c), ("reduce_scatter", r), ("naive", nv), ("bare", b)],
             &[("deferred/bare", d_b), ("clipped/bare", c_b), ("reduce_scatter/deferred", r_d)],
         );

@@ -141,7 +141,8 @@ typedef enum gradacc_status_t {
      */
     GRADACC_STATUS_NULL_ARGUMENT = 1,
     /**
-     * An argument's value is outside its domain (a count, an index, an enum value, a config field).
+     * An argument's value is outside its domain (a count, an index, an enum value, a config
+     * field).
      */
     GRADACC_STATUS_INVALID_ARGUMENT = 2,
     /**
@@ -220,7 +221,8 @@ typedef struct gradacc_accumulator_t gradacc_accumulator_t;
 typedef struct gradacc_comm_t gradacc_comm_t;
 
 /**
- * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
+ * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with
+ * gradacc_scaler_destroy.
  */
 typedef struct gradacc_scaler_t gradacc_scaler_t;
 
@@ -245,7 +247,8 @@ typedef int32_t gradacc_sharding_t;
 typedef int32_t gradacc_dtype_t;
 
 /**
- * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
+ * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change
+ * fields.
  */
 typedef struct gradacc_accumulator_config_t {
     /**
@@ -749,8 +752,8 @@ enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_
  * tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
  * backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
  * contribution per micro-batch, the calls run one at a time (one may reduce a bucket), and a
- * call refused on any rank fails the micro-batch on every rank at gradacc_accumulator_end_microbatch
- * (the windows are discarded).
+ * call refused on any rank fails the micro-batch on every rank at
+ * gradacc_accumulator_end_microbatch (the windows are discarded).
  *
  * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
  * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
@@ -1024,9 +1027,9 @@ GRADACC_API enum gradacc_status_t gradacc_nccl_unique_id(struct gradacc_nccl_uni
  * Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
  * `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it, or
  * fails with GRADACC_STATUS_TIMEOUT when they have not within 10 minutes; every later call waits
- * at most the communicator's timeout (gradacc_comm_set_timeout) for the other ranks. Two ranks of one group on one device in one process
- * are refused (GRADACC_STATUS_INVALID_ARGUMENT). Accumulators on that device sync over it; their
- * stream carries the collectives.
+ * at most the communicator's timeout (gradacc_comm_set_timeout) for the other ranks. Two ranks of
+ * one group on one device in one process are refused (GRADACC_STATUS_INVALID_ARGUMENT).
+ * Accumulators on that device sync over it; their stream carries the collectives.
  *
  * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy, or first
  * gradacc_comm_abort to abandon pending collectives (after a peer failed).

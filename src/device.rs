@@ -27,7 +27,13 @@ impl Device {
             driver::check_stream(stream, "`stream`")?;
             driver::require_driver()?;
             crate::backend::cuda::compile::require_nvrtc().map_err(|e| {
-                Error::new(ErrorKind::BackendUnavailable, format!("a CUDA device was asked for, but the kernels cannot be compiled: {}", e.message))
+                Error::new(
+                    ErrorKind::BackendUnavailable,
+                    format!(
+                        "a CUDA device was asked for, but the kernels cannot be compiled: {}",
+                        e.message
+                    ),
+                )
             })?;
         }
         Ok(self)
@@ -56,6 +62,9 @@ impl Device {
         if a.1.same_as(b.1) {
             return Ok(());
         }
-        Err(Error::new(ErrorKind::DeviceMismatch, format!("{} is on {}, {} on {}", a.0, a.1.name(), b.0, b.1.name())))
+        Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            format!("{} is on {}, {} on {}", a.0, a.1.name(), b.0, b.1.name()),
+        ))
     }
 }

@@ -95,12 +95,19 @@ pub enum GradMut<'a> {
 #[inline]
 fn buffer_ok(ptr: *const c_void, numel: usize, dtype: Dtype) -> bool {
     let aligned = ptr as usize & (dtype.size() - 1) == 0;
-    !ptr.is_null() && aligned && numel.checked_mul(dtype.size()).is_some_and(|bytes| bytes <= isize::MAX as usize)
+    !ptr.is_null()
+        && aligned
+        && numel.checked_mul(dtype.size()).is_some_and(|bytes| bytes <= isize::MAX as usize)
 }
 
 /// Checks a buffer address without touching it (a device address is never dereferenced on the
 /// host); the error names `argument`.
-pub(crate) fn check_buffer(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<()> {
+pub(crate) fn check_buffer(
+    ptr: *const c_void,
+    numel: usize,
+    dtype: Dtype,
+    argument: &str,
+) -> Result<()> {
     if buffer_ok(ptr, numel, dtype) {
         Ok(())
     } else {
@@ -115,11 +122,16 @@ pub(crate) fn check_buffer(ptr: *const c_void, numel: usize, dtype: Dtype, argum
 /// # Safety
 /// A non-null `ptr` must point to `numel` readable elements of `dtype`, alive for `'a`.
 #[inline]
-pub(crate) unsafe fn grad_view<'a>(ptr: *const c_void, numel: usize, dtype: Dtype) -> Option<Grad<'a>> {
+pub(crate) unsafe fn grad_view<'a>(
+    ptr: *const c_void,
+    numel: usize,
+    dtype: Dtype,
+) -> Option<Grad<'a>> {
     if !buffer_ok(ptr, numel, dtype) {
         return None;
     }
-    // SAFETY: non-null and aligned (checked), readable for `numel` elements (the caller's contract).
+    // SAFETY: non-null and aligned (checked), readable for `numel` elements (the caller's
+    // contract).
     Some(unsafe {
         match dtype {
             Dtype::F32 => Grad::F32(std::slice::from_raw_parts(ptr as *const f32, numel)),
@@ -130,11 +142,20 @@ pub(crate) unsafe fn grad_view<'a>(ptr: *const c_void, numel: usize, dtype: Dtyp
 }
 
 /// The error for a buffer address that [`check_buffer`] refuses.
-pub(crate) fn buffer_error(ptr: *const c_void, numel: usize, dtype: Dtype, argument: &str) -> Error {
+pub(crate) fn buffer_error(
+    ptr: *const c_void,
+    numel: usize,
+    dtype: Dtype,
+    argument: &str,
+) -> Error {
     if ptr.is_null() {
         Error::invalid(format!("argument `{argument}` is NULL"))
     } else if ptr as usize & (dtype.size() - 1) != 0 {
-        Error::invalid(format!("`{argument}` = {ptr:p} is not aligned to {} bytes for {}", dtype.size(), dtype.name()))
+        Error::invalid(format!(
+            "`{argument}` = {ptr:p} is not aligned to {} bytes for {}",
+            dtype.size(),
+            dtype.name()
+        ))
     } else {
         Error::invalid(format!("`{argument}` length {numel} is too large"))
     }

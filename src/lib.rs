@@ -18,7 +18,10 @@ pub mod ffi;
 pub mod scaler;
 mod state;
 
-pub use accumulator::{Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc};
+pub use accumulator::{
+    Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, Sharding, SyncInfo,
+    TensorDesc,
+};
 pub use comm::{Communicator, HostCollectives, LocalComm};
 #[cfg(feature = "mpi")]
 pub use comm::{MpiComm, MpiOptions};

@@ -33,7 +33,8 @@ pub struct ScalerConfig {
     pub growth_interval: u32,
     /// Overflows tolerated before a backoff; 1 backs off on every overflow (default 1).
     pub hysteresis: u32,
-    /// Refill the hysteresis tracker after every finite step, not only after a growth (default false).
+    /// Refill the hysteresis tracker after every finite step, not only after a growth (default
+    /// false).
     pub consecutive_hysteresis: bool,
     /// Lowest scale; an overflow that needs a backoff below it is an error (default 1).
     pub min_scale: f32,
@@ -64,13 +65,22 @@ impl ScalerConfig {
     pub fn validate(&self) -> Result<()> {
         let c = self;
         if !(c.init_scale.is_finite() && c.init_scale > 0.0) {
-            return Err(Error::invalid(format!("init_scale must be finite and > 0, got {}", c.init_scale)));
+            return Err(Error::invalid(format!(
+                "init_scale must be finite and > 0, got {}",
+                c.init_scale
+            )));
         }
         if !(c.growth_factor.is_finite() && c.growth_factor > 1.0) {
-            return Err(Error::invalid(format!("growth_factor must be finite and > 1, got {}", c.growth_factor)));
+            return Err(Error::invalid(format!(
+                "growth_factor must be finite and > 1, got {}",
+                c.growth_factor
+            )));
         }
         if !(c.backoff_factor > 0.0 && c.backoff_factor < 1.0) {
-            return Err(Error::invalid(format!("backoff_factor must be in (0, 1), got {}", c.backoff_factor)));
+            return Err(Error::invalid(format!(
+                "backoff_factor must be in (0, 1), got {}",
+                c.backoff_factor
+            )));
         }
         if c.growth_interval == 0 {
             return Err(Error::invalid("growth_interval must be >= 1, got 0"));
@@ -79,13 +89,22 @@ impl ScalerConfig {
             return Err(Error::invalid("hysteresis must be >= 1, got 0"));
         }
         if !(c.min_scale.is_finite() && c.min_scale > 0.0) {
-            return Err(Error::invalid(format!("min_scale must be finite and > 0, got {}", c.min_scale)));
+            return Err(Error::invalid(format!(
+                "min_scale must be finite and > 0, got {}",
+                c.min_scale
+            )));
         }
         if c.max_scale.is_nan() || c.max_scale < c.init_scale {
-            return Err(Error::invalid(format!("max_scale must be >= init_scale ({}), got {}", c.init_scale, c.max_scale)));
+            return Err(Error::invalid(format!(
+                "max_scale must be >= init_scale ({}), got {}",
+                c.init_scale, c.max_scale
+            )));
         }
         if c.min_scale > c.init_scale {
-            return Err(Error::invalid(format!("min_scale must be <= init_scale ({}), got {}", c.init_scale, c.min_scale)));
+            return Err(Error::invalid(format!(
+                "min_scale must be <= init_scale ({}), got {}",
+                c.init_scale, c.min_scale
+            )));
         }
         Ok(())
     }
@@ -146,7 +165,10 @@ enum Imp {
 
 impl std::fmt::Debug for Scaler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scaler").field("device", &self.device()).field("config", &self.config()).finish()
+        f.debug_struct("Scaler")
+            .field("device", &self.device())
+            .field("config", &self.config())
+            .finish()
     }
 }
 
@@ -159,12 +181,18 @@ impl Scaler {
         Self::on(Device::Cpu, config)
     }
 
-    /// A scaler on `device` (on CUDA, its state is in device memory, ordered on the device's stream).
+    /// A scaler on `device` (on CUDA, its state is in device memory, ordered on the device's
+    /// stream).
     pub fn on(device: Device, config: ScalerConfig) -> Result<Self> {
         config.validate()?;
         let imp = match device.check()? {
             Device::Cpu => Imp::Host(Mutex::new(State::initial(config))),
-            Device::Cuda { ordinal, stream } => Imp::Cuda(CudaScaler::new(config, &State::initial(config).moving(), ordinal, stream)?),
+            Device::Cuda { ordinal, stream } => Imp::Cuda(CudaScaler::new(
+                config,
+                &State::initial(config).moving(),
+                ordinal,
+                stream,
+            )?),
         };
         Ok(Scaler { imp })
     }
@@ -221,12 +249,18 @@ impl Scaler {
     pub(crate) fn cuda(&self) -> Result<&CudaScaler> {
         match &self.imp {
             Imp::Cuda(c) => Ok(c),
-            Imp::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "the scaler is on the CPU, not on a CUDA device")),
+            Imp::Host(_) => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "the scaler is on the CPU, not on a CUDA device",
+            )),
         }
     }
 
     fn not_on_cpu(&self) -> Error {
-        Error::new(ErrorKind::DeviceMismatch, format!("the scaler is on {}: this call needs a CPU scaler", self.device().name()))
+        Error::new(
+            ErrorKind::DeviceMismatch,
+            format!("the scaler is on {}: this call needs a CPU scaler", self.device().name()),
+        )
     }
 
     /// Statistics (on CUDA a host read).
@@ -240,8 +274,12 @@ impl Scaler {
         let s = self.host_scale()?;
         match loss {
             GradMut::F32(v) => v.iter_mut().for_each(|x| *x *= s),
-            GradMut::F16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s)),
-            GradMut::Bf16(v) => v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s)),
+            GradMut::F16(v) => {
+                v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s))
+            }
+            GradMut::Bf16(v) => {
+                v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s))
+            }
         }
         Ok(())
     }
@@ -253,16 +291,28 @@ impl Scaler {
     /// # Safety
     /// On the CPU, a non-null `loss` must point to `numel` writable values of `dtype`, not used by
     /// anything else during the call.
-    pub unsafe fn scale_loss_raw(&self, loss: *mut c_void, numel: usize, dtype: Dtype, argument: &str) -> Result<()> {
+    pub unsafe fn scale_loss_raw(
+        &self,
+        loss: *mut c_void,
+        numel: usize,
+        dtype: Dtype,
+        argument: &str,
+    ) -> Result<()> {
         dtype::check_buffer(loss, numel, dtype, argument)?;
         match &self.imp {
             Imp::Host(_) => {
                 // SAFETY: checked above; writable and unshared by the caller's contract.
                 let view = unsafe {
                     match dtype {
-                        Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
-                        Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
-                        Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+                        Dtype::F32 => {
+                            GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel))
+                        }
+                        Dtype::F16 => {
+                            GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
+                        }
+                        Dtype::Bf16 => {
+                            GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
+                        }
                     }
                 };
                 self.scale_loss(view)
@@ -292,7 +342,9 @@ impl Scaler {
     /// Every check runs first, so a failing call changes nothing.
     pub fn update_from(&self, accumulators: &[&Accumulator], wait: bool) -> Result<Option<bool>> {
         if accumulators.is_empty() {
-            return Err(Error::invalid("no accumulators: pass the accumulators whose step this update ends"));
+            return Err(Error::invalid(
+                "no accumulators: pass the accumulators whose step this update ends",
+            ));
         }
         let mut found_inf = false;
         for (i, a) in accumulators.iter().enumerate() {
@@ -343,11 +395,22 @@ impl Scaler {
 
 impl State {
     fn initial(config: ScalerConfig) -> Self {
-        State { config, scale: config.init_scale, growth_tracker: 0, hysteresis_tracker: config.hysteresis, stats: ScalerStats::default() }
+        State {
+            config,
+            scale: config.init_scale,
+            growth_tracker: 0,
+            hysteresis_tracker: config.hysteresis,
+            stats: ScalerStats::default(),
+        }
     }
 
     fn moving(&self) -> ScalerState {
-        ScalerState { scale: self.scale, growth_tracker: self.growth_tracker, hysteresis_tracker: self.hysteresis_tracker, stats: self.stats }
+        ScalerState {
+            scale: self.scale,
+            growth_tracker: self.growth_tracker,
+            hysteresis_tracker: self.hysteresis_tracker,
+            stats: self.stats,
+        }
     }
 }
 
@@ -376,8 +439,11 @@ fn encode(c: ScalerConfig, s: &ScalerState) -> Vec<u8> {
 /// Parses and checks saved bytes: corrupt, foreign or inconsistent bytes are CORRUPT_STATE.
 fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
     let mut r = state::Reader::open("scaler state", bytes, STATE_MAGIC, STATE_VERSION)?;
-    let small =
-        |v: u64, what: &str| u32::try_from(v).map_err(|_| Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range")));
+    let small = |v: u64, what: &str| {
+        u32::try_from(v).map_err(|_| {
+            Error::new(ErrorKind::CorruptState, format!("scaler state: {what} {v} out of range"))
+        })
+    };
     let config = ScalerConfig {
         init_scale: r.f32()?,
         growth_factor: r.f32()?,
@@ -392,14 +458,24 @@ fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
     let scale = r.f32()?;
     let growth_tracker = small(r.u64()?, "growth_tracker")?;
     let hysteresis_tracker = small(r.u64()?, "hysteresis_tracker")?;
-    let stats = ScalerStats { steps: r.u64()?, skipped_steps: r.u64()?, growths: r.u64()?, backoffs: r.u64()? };
+    let stats = ScalerStats {
+        steps: r.u64()?,
+        skipped_steps: r.u64()?,
+        growths: r.u64()?,
+        backoffs: r.u64()?,
+    };
     r.finish()?;
-    config.validate().map_err(|e| Error::new(ErrorKind::CorruptState, format!("scaler state: {}", e.message)))?;
+    config
+        .validate()
+        .map_err(|e| Error::new(ErrorKind::CorruptState, format!("scaler state: {}", e.message)))?;
     if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale)
         || growth_tracker >= config.growth_interval
         || hysteresis_tracker > config.hysteresis
     {
-        return Err(Error::new(ErrorKind::CorruptState, "scaler state: scale or trackers inconsistent with the config"));
+        return Err(Error::new(
+            ErrorKind::CorruptState,
+            "scaler state: scale or trackers inconsistent with the config",
+        ));
     }
     Ok((config, ScalerState { scale, growth_tracker, hysteresis_tracker, stats }))
 }
@@ -459,17 +535,25 @@ mod tests {
     fn pytorch_trace_from_the_issue() {
         let c = ScalerConfig { growth_interval: 3, ..Default::default() };
         let got = trace(c, &[0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0]);
-        let want = [65536., 65536., 131072., 65536., 65536., 65536., 131072., 131072., 65536., 32768., 32768.];
+        let want = [
+            65536., 65536., 131072., 65536., 65536., 65536., 131072., 131072., 65536., 32768.,
+            32768.,
+        ];
         assert_eq!(got, want);
     }
 
     #[test]
     fn fixed_scale_counts_but_never_moves() {
-        let s = Scaler::new(ScalerConfig { dynamic: false, init_scale: 128.0, ..Default::default() }).unwrap();
+        let s =
+            Scaler::new(ScalerConfig { dynamic: false, init_scale: 128.0, ..Default::default() })
+                .unwrap();
         assert!(s.update(true).unwrap().skipped);
         assert!(!s.update(false).unwrap().skipped);
         assert_eq!(s.scale().unwrap(), 128.0);
-        assert_eq!(s.stats().unwrap(), ScalerStats { steps: 2, skipped_steps: 1, growths: 0, backoffs: 0 });
+        assert_eq!(
+            s.stats().unwrap(),
+            ScalerStats { steps: 2, skipped_steps: 1, growths: 0, backoffs: 0 }
+        );
     }
 
     #[test]

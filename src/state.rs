@@ -64,17 +64,32 @@ impl<'a> Reader<'a> {
     }
 
     /// As [`Reader::open`], accepting any format version in `versions`; returns the one found.
-    pub fn open_versions(what: &'static str, bytes: &'a [u8], magic: [u8; 4], versions: std::ops::RangeInclusive<u32>) -> Result<(Self, u32)> {
+    pub fn open_versions(
+        what: &'static str,
+        bytes: &'a [u8],
+        magic: [u8; 4],
+        versions: std::ops::RangeInclusive<u32>,
+    ) -> Result<(Self, u32)> {
         if bytes.len() < HEADER_LEN + CHECKSUM_LEN {
             return Err(corrupt(what, format!("{} bytes is too short", bytes.len())));
         }
         if bytes[..4] != magic {
-            return Err(corrupt(what, "magic tag does not match (not a saved state of this object)"));
+            return Err(corrupt(
+                what,
+                "magic tag does not match (not a saved state of this object)",
+            ));
         }
         let found = u32::from_le_bytes(bytes[4..8].try_into().unwrap());
         if !versions.contains(&found) {
-            let expected = if versions.start() == versions.end() { versions.start().to_string() } else { format!("{versions:?}") };
-            return Err(corrupt(what, format!("format version {found} is not supported (expected {expected})")));
+            let expected = if versions.start() == versions.end() {
+                versions.start().to_string()
+            } else {
+                format!("{versions:?}")
+            };
+            return Err(corrupt(
+                what,
+                format!("format version {found} is not supported (expected {expected})"),
+            ));
         }
         let (body, tail) = bytes.split_at(bytes.len() - CHECKSUM_LEN);
         if checksum(body).to_le_bytes() != tail {
@@ -114,19 +129,27 @@ impl<'a> Reader<'a> {
         if n != expected_len as u64 {
             return Err(Error::new(
                 ErrorKind::SizeMismatch,
-                format!("{}: saved buffer holds {n} elements, this object has {expected_len}", self.what),
+                format!(
+                    "{}: saved buffer holds {n} elements, this object has {expected_len}",
+                    self.what
+                ),
             ));
         }
         let raw = self.take(expected_len * 4)?;
         out.clear();
-        out.extend(raw.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))));
+        out.extend(
+            raw.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))),
+        );
         Ok(())
     }
 
     /// Fails unless every byte was consumed.
     pub fn finish(self) -> Result<()> {
         if self.pos != self.bytes.len() {
-            return Err(corrupt(self.what, format!("{} unexpected trailing bytes", self.bytes.len() - self.pos)));
+            return Err(corrupt(
+                self.what,
+                format!("{} unexpected trailing bytes", self.bytes.len() - self.pos),
+            ));
         }
         Ok(())
     }
@@ -139,7 +162,9 @@ fn corrupt(what: &str, detail: impl std::fmt::Display) -> Error {
 /// FNV-1a, 64-bit: catches truncation and bit flips; saved state is not an adversarial format.
 /// Also fingerprints an accumulator's layout.
 pub(crate) fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 #[cfg(test)]

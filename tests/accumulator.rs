@@ -20,10 +20,17 @@ fn run_case(rng: &mut Rng, case: usize) {
     let world = rng.range(1, 4) as usize;
     let sizes = [1usize, 2, 7, 33, 1000, 4097];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors: Vec<TensorDesc> =
-        (0..rng.range(1, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect();
-    let normalize = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize];
-    let loss_reduction = if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
+    let tensors: Vec<TensorDesc> = (0..rng.range(1, 6))
+        .map(|_| TensorDesc {
+            numel: sizes[rng.range(0, 5) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect();
+    let normalize =
+        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None]
+            [rng.range(0, 3) as usize];
+    let loss_reduction =
+        if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
     let config = AccumulatorConfig {
         loss_reduction,
         normalize,
@@ -45,16 +52,30 @@ fn run_case(rng: &mut Rng, case: usize) {
                         .iter()
                         .map(|t| {
                             let k = if hook { rng.range(0, 3) } else { 1 };
-                            (0..k).map(|_| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()
+                            (0..k)
+                                .map(|_| {
+                                    (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
+                                })
+                                .collect()
                         })
                         .collect();
-                    Micro { count: rng.range(1, 9), scale: (2f32).powi(rng.range(0, 15) as i32), hook, contributions }
+                    Micro {
+                        count: rng.range(1, 9),
+                        scale: (2f32).powi(rng.range(0, 15) as i32),
+                        hook,
+                        contributions,
+                    }
                 })
                 .collect()
         })
         .collect();
     if windows.iter().all(|w| w.is_empty()) {
-        windows[0].push(Micro { count: 3, scale: 8.0, hook: false, contributions: tensors.iter().map(|t| vec![vec![0.5; t.numel]]).collect() });
+        windows[0].push(Micro {
+            count: 3,
+            scale: 8.0,
+            hook: false,
+            contributions: tensors.iter().map(|t| vec![vec![0.5; t.numel]]).collect(),
+        });
     }
 
     // The f64 reference.
@@ -88,8 +109,15 @@ fn run_case(rng: &mut Rng, case: usize) {
     // summation's (W - 1) 2^-24 is within the 2e-6 below at these rank counts). The norm then
     // moves by at most the norm of those errors, and the clipping coefficient with it.
     let wire_error = if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
-    let norm_tol = 1e-5 * norm + 1e-12 + wire_error * magnitude.iter().flatten().map(|m| (m / divisor).powi(2)).sum::<f64>().sqrt();
-    let coef_tol = if coef < 1.0 { 1e-5 * coef + coef * norm_tol / (norm - norm_tol).max(f64::MIN_POSITIVE) } else { 1e-5 };
+    let norm_tol = 1e-5 * norm
+        + 1e-12
+        + wire_error
+            * magnitude.iter().flatten().map(|m| (m / divisor).powi(2)).sum::<f64>().sqrt();
+    let coef_tol = if coef < 1.0 {
+        1e-5 * coef + coef * norm_tol / (norm - norm_tol).max(f64::MIN_POSITIVE)
+    } else {
+        1e-5
+    };
 
     // Run every rank on its own thread, after a first window of garbage that must not leak.
     let comms = LocalComm::group(world).unwrap();
@@ -101,22 +129,42 @@ fn run_case(rng: &mut Rng, case: usize) {
                 let tensors = &tensors;
                 s.spawn(move || {
                     // The same window into an accumulator that keeps only this rank's shard.
-                    let sharding = Sharding::ReduceScatter { shards: comm.world_size(), rank: comm.rank() };
-                    let accs =
-                        [Accumulator::new(config, tensors).unwrap(), Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap()];
+                    let sharding =
+                        Sharding::ReduceScatter { shards: comm.world_size(), rank: comm.rank() };
+                    let accs = [
+                        Accumulator::new(config, tensors).unwrap(),
+                        Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
+                            .unwrap(),
+                    ];
                     let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
-                    let junk_grads: Vec<Vec<u16>> = tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
-                    let views: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &junk[i], &junk_grads[i])).collect();
-                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let junk_grads: Vec<Vec<u16>> =
+                        tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
+                    let views: Vec<Grad> = tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| grad_of(t.dtype, &junk[i], &junk_grads[i]))
+                        .collect();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                        .unwrap();
                     for acc in &accs {
                         acc.add(&one, &views, 1).unwrap();
                         acc.sync(Some(comm)).unwrap();
                     }
 
-                    for (m, acc) in window.iter().flat_map(|m| accs.iter().map(move |acc| (m, acc))) {
-                        let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
-                        let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> =
-                            m.contributions.iter().zip(tensors).map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect()).collect();
+                    for (m, acc) in window.iter().flat_map(|m| accs.iter().map(move |acc| (m, acc)))
+                    {
+                        let scaler = Scaler::new(ScalerConfig {
+                            init_scale: m.scale,
+                            min_scale: 1.0,
+                            ..Default::default()
+                        })
+                        .unwrap();
+                        let encoded: Vec<Vec<(Vec<f32>, Vec<u16>)>> = m
+                            .contributions
+                            .iter()
+                            .zip(tensors)
+                            .map(|(cs, t)| cs.iter().map(|c| encode(t.dtype, c, m.scale)).collect())
+                            .collect();
                         fn view<'a>(dtype: Dtype, e: &'a (Vec<f32>, Vec<u16>)) -> Grad<'a> {
                             grad_of(dtype, &e.0, &e.1)
                         }
@@ -129,22 +177,35 @@ fn run_case(rng: &mut Rng, case: usize) {
                             }
                             acc.end_microbatch().unwrap();
                         } else {
-                            let grads: Vec<Grad> = encoded.iter().enumerate().map(|(t, cs)| view(tensors[t].dtype, &cs[0])).collect();
+                            let grads: Vec<Grad> = encoded
+                                .iter()
+                                .enumerate()
+                                .map(|(t, cs)| view(tensors[t].dtype, &cs[0]))
+                                .collect();
                             acc.add(&scaler, &grads, m.count).unwrap();
                         }
                     }
                     let [acc, sharded] = &accs;
                     let info = acc.sync(Some(comm)).unwrap();
-                    let masters: Vec<Vec<f32>> = (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                    let masters: Vec<Vec<f32>> = (0..tensors.len())
+                        .map(|t| acc.with_master(t, |m| m.to_vec()).unwrap())
+                        .collect();
                     // The shard holds the all-reduce's bits for its range, with the same info.
-                    assert_eq!(sharded.sync(Some(comm)).unwrap(), info, "case {case}: the sharded boundary reports differently");
+                    assert_eq!(
+                        sharded.sync(Some(comm)).unwrap(),
+                        info,
+                        "case {case}: the sharded boundary reports differently"
+                    );
                     let (range, ptr) = sharded.shard();
                     let flat: Vec<f32> = masters.concat();
                     // SAFETY: the shard's address and length come from the live accumulator, which
                     // nothing writes until the next micro-batch.
                     let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
                     assert!(
-                        shard.iter().zip(&flat[range.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        shard
+                            .iter()
+                            .zip(&flat[range.clone()])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
                         "case {case}: rank {}'s shard {range:?} differs from the all-reduce",
                         comm.rank()
                     );
@@ -159,19 +220,34 @@ fn run_case(rng: &mut Rng, case: usize) {
     for (r, (other_info, other)) in results.iter().enumerate().skip(1) {
         assert_eq!(other_info, info, "case {case}: rank {r} reports differently");
         for (a, b) in masters.iter().flatten().zip(other.iter().flatten()) {
-            assert_eq!(a.to_bits(), b.to_bits(), "case {case}: rank {r} master differs from rank 0");
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "case {case}: rank {r} master differs from rank 0"
+            );
         }
     }
     assert_eq!(info.total_count, total_count, "case {case}");
     assert_eq!(info.microbatches, total_micro, "case {case}");
     assert!(!info.found_inf, "case {case}");
-    assert!((info.grad_norm - norm).abs() <= norm_tol, "case {case}: norm {} vs {norm} ({:?} wire)", info.grad_norm, config.wire);
-    assert!((info.clip_coef - coef).abs() <= coef_tol, "case {case}: clip {} vs {coef} ({:?} wire)", info.clip_coef, config.wire);
+    assert!(
+        (info.grad_norm - norm).abs() <= norm_tol,
+        "case {case}: norm {} vs {norm} ({:?} wire)",
+        info.grad_norm,
+        config.wire
+    );
+    assert!(
+        (info.clip_coef - coef).abs() <= coef_tol,
+        "case {case}: clip {} vs {coef} ({:?} wire)",
+        info.clip_coef,
+        config.wire
+    );
     for t in 0..tensors.len() {
         for i in 0..tensors[t].numel {
             let want = reference[t][i] / divisor * coef;
-            let tol =
-                (2e-6 + wire_error) * magnitude[t][i] / divisor * coef + (reference[t][i] / divisor).abs() * (info.clip_coef - coef).abs() + 1e-30;
+            let tol = (2e-6 + wire_error) * magnitude[t][i] / divisor * coef
+                + (reference[t][i] / divisor).abs() * (info.clip_coef - coef).abs()
+                + 1e-30;
             let got = masters[t][i] as f64;
             assert!(
                 (got - want).abs() <= tol,
@@ -194,7 +270,11 @@ fn random_windows_match_the_f64_reference_on_every_rank() {
 #[test]
 fn single_process_boundary_without_communicator() {
     let scaler = Scaler::new(ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
-    let acc = Accumulator::new(AccumulatorConfig::default(), &[TensorDesc { numel: 3, dtype: Dtype::F32 }]).unwrap();
+    let acc = Accumulator::new(
+        AccumulatorConfig::default(),
+        &[TensorDesc { numel: 3, dtype: Dtype::F32 }],
+    )
+    .unwrap();
     acc.add(&scaler, &[Grad::F32(&[4.0, 8.0, -4.0])], 2).unwrap(); // mean grads 1, 2, -1 over 2 items
     acc.add(&scaler, &[Grad::F32(&[0.0, 4.0, 4.0])], 1).unwrap(); // 0, 1, 1 over 1 item
     let info = acc.sync(None).unwrap();
@@ -244,14 +324,16 @@ fn invalid_sync_on_one_rank_fails_every_rank_without_reducing() {
     std::thread::scope(|s| {
         for c in &comms {
             s.spawn(move || {
-                let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let scaler =
+                    Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                 let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
                 acc.add(&scaler, &[Grad::F32(&[1.0; 4])], 1).unwrap();
                 if c.rank() == 0 {
                     acc.begin_microbatch(1).unwrap(); // sync inside a micro-batch is invalid
                 }
                 let e = acc.sync(Some(c)).unwrap_err();
-                let want = if c.rank() == 0 { ErrorKind::WrongState } else { ErrorKind::PeerFailure };
+                let want =
+                    if c.rank() == 0 { ErrorKind::WrongState } else { ErrorKind::PeerFailure };
                 assert_eq!(e.kind, want);
                 if c.rank() == 0 {
                     acc.end_microbatch().unwrap();
@@ -273,7 +355,8 @@ fn ranks_with_different_layouts_fail_together() {
             s.spawn(move || {
                 let numel = if c.rank() == 0 { 8 } else { 9 };
                 let tensors = [TensorDesc { numel, dtype: Dtype::F32 }];
-                let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let scaler =
+                    Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                 let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
                 acc.add(&scaler, &[Grad::F32(&vec![1.0; numel])], 1).unwrap();
                 assert_eq!(acc.sync(Some(c)).unwrap_err().kind, ErrorKind::SizeMismatch);
@@ -293,8 +376,11 @@ fn ranks_with_different_layouts_fail_together() {
 /// windows; with clipping on one rank only they would also run different collectives.
 #[test]
 fn ranks_with_different_boundary_settings_fail_together() {
-    let variants: [fn(&mut AccumulatorConfig); 3] =
-        [|c| c.max_grad_norm = 1.0, |c| c.normalize = Normalize::ByWorld, |c| c.loss_reduction = LossReduction::Sum];
+    let variants: [fn(&mut AccumulatorConfig); 3] = [
+        |c| c.max_grad_norm = 1.0,
+        |c| c.normalize = Normalize::ByWorld,
+        |c| c.loss_reduction = LossReduction::Sum,
+    ];
     for change in variants {
         let comms = LocalComm::group(2).unwrap();
         std::thread::scope(|s| {
@@ -305,7 +391,9 @@ fn ranks_with_different_boundary_settings_fail_together() {
                         change(&mut config);
                     }
                     let tensors = [TensorDesc { numel: 300, dtype: Dtype::F32 }];
-                    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let scaler =
+                        Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                            .unwrap();
                     let acc = Accumulator::new(config, &tensors).unwrap();
                     acc.add(&scaler, &[Grad::F32(&[2.0; 300])], 1).unwrap();
                     let e = acc.sync(Some(c)).unwrap_err();
@@ -321,7 +409,10 @@ fn ranks_with_different_boundary_settings_fail_together() {
 #[test]
 fn window_checkpoint_resumes_bitwise() {
     let mut rng = Rng::fresh("window_checkpoint_resumes_bitwise");
-    let tensors = [TensorDesc { numel: 1001, dtype: Dtype::Bf16 }, TensorDesc { numel: 17, dtype: Dtype::F32 }];
+    let tensors = [
+        TensorDesc { numel: 1001, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 17, dtype: Dtype::F32 },
+    ];
     let scaler = Scaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() }).unwrap();
     let batches: Vec<(Vec<u16>, Vec<f32>, u64)> = (0..4)
         .map(|_| {
@@ -347,7 +438,8 @@ fn window_checkpoint_resumes_bitwise() {
     corrupt[20] ^= 1;
     assert_eq!(resumed.load_window(&corrupt).unwrap_err().kind, ErrorKind::CorruptState);
     // A window of other tensors with the same total length is refused.
-    let swapped = Accumulator::new(AccumulatorConfig::default(), &[tensors[1], tensors[0]]).unwrap();
+    let swapped =
+        Accumulator::new(AccumulatorConfig::default(), &[tensors[1], tensors[0]]).unwrap();
     assert_eq!(swapped.load_window(&bytes).unwrap_err().kind, ErrorKind::SizeMismatch);
     resumed.load_window(&bytes).unwrap();
     feed(&resumed, 2..4);
@@ -367,9 +459,16 @@ fn window_checkpoint_resumes_bitwise() {
 fn merged_windows_from_four_ranks_resume_on_two() {
     let mut rng = Rng::fresh("merged_windows_from_four_ranks_resume_on_two");
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors: Vec<TensorDesc> =
-        (0..rng.range(2, 5)).map(|_| TensorDesc { numel: rng.range(1, 3000) as usize, dtype: dtypes[rng.range(0, 2) as usize] }).collect();
-    let config = AccumulatorConfig { bucket_numel: rng.range(1, 4000) as usize, ..AccumulatorConfig::default() };
+    let tensors: Vec<TensorDesc> = (0..rng.range(2, 5))
+        .map(|_| TensorDesc {
+            numel: rng.range(1, 3000) as usize,
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect();
+    let config = AccumulatorConfig {
+        bucket_numel: rng.range(1, 4000) as usize,
+        ..AccumulatorConfig::default()
+    };
     let scale = 2f32.powi(rng.range(0, 10) as i32);
     let scaler = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
     // Rank r's micro-batches: (count, per-tensor true gradients or None for a tensor left out).
@@ -385,8 +484,12 @@ fn merged_windows_from_four_ranks_resume_on_two() {
         for _ in 0..rng.range(1, 3) {
             let count = rng.range(1, 9);
             total += count;
-            let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect();
-            let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&values).map(|(d, v)| encode(d.dtype, v, scale)).collect();
+            let values: Vec<Vec<f32>> = tensors
+                .iter()
+                .map(|d| (0..d.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+                .collect();
+            let encoded: Vec<(Vec<f32>, Vec<u16>)> =
+                tensors.iter().zip(&values).map(|(d, v)| encode(d.dtype, v, scale)).collect();
             acc.begin_microbatch(count).unwrap();
             for (t, d) in tensors.iter().enumerate() {
                 if rank % 2 == 1 && t == skipped {
@@ -406,7 +509,8 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     // Two survivors resume: the first from its own save after a fresh start, then merges rank 2's;
     // the second merges rank 1's into a window that was synced before (it starts anew), then 3's.
     let comms = LocalComm::group(2).unwrap();
-    let survivors = [Accumulator::new(config, &tensors).unwrap(), Accumulator::new(config, &tensors).unwrap()];
+    let survivors =
+        [Accumulator::new(config, &tensors).unwrap(), Accumulator::new(config, &tensors).unwrap()];
     survivors[0].load_window(&saved[0]).unwrap();
     let mut corrupt = saved[2].clone();
     corrupt[30] ^= 1;
@@ -424,7 +528,11 @@ fn merged_windows_from_four_ranks_resume_on_two() {
     survivors[1].merge_window(&saved[1]).unwrap();
     survivors[1].merge_window(&saved[3]).unwrap();
     let infos: Vec<SyncInfo> = std::thread::scope(|s| {
-        let handles: Vec<_> = survivors.iter().zip(&comms).map(|(a, c)| s.spawn(move || a.sync(Some(c)).unwrap())).collect();
+        let handles: Vec<_> = survivors
+            .iter()
+            .zip(&comms)
+            .map(|(a, c)| s.spawn(move || a.sync(Some(c)).unwrap()))
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(infos[0], infos[1]);
@@ -435,14 +543,20 @@ fn merged_windows_from_four_ranks_resume_on_two() {
         for (k, (g, s)) in got.iter().zip(&sum[t]).enumerate() {
             let want = s / total as f64;
             // f32 adds of at most ~20 terms of |x| <= 8 (weights up to 8), then one division.
-            assert!((*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "tensor {t} ({:?}) element {k}: {g} vs {want}", d.dtype);
+            assert!(
+                (*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "tensor {t} ({:?}) element {k}: {g} vs {want}",
+                d.dtype
+            );
         }
     }
     // An overflow in one saved window ORs into the merged one.
     let poisoned = Accumulator::new(config, &tensors).unwrap();
     let inf: Vec<Vec<f32>> = tensors.iter().map(|d| vec![f32::INFINITY; d.numel]).collect();
-    let enc: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&inf).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
-    let grads: Vec<Grad> = tensors.iter().zip(&enc).map(|(d, e)| grad_of(d.dtype, &e.0, &e.1)).collect();
+    let enc: Vec<(Vec<f32>, Vec<u16>)> =
+        tensors.iter().zip(&inf).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
+    let grads: Vec<Grad> =
+        tensors.iter().zip(&enc).map(|(d, e)| grad_of(d.dtype, &e.0, &e.1)).collect();
     poisoned.add(&scaler, &grads, 1).unwrap();
     let clean = Accumulator::new(config, &tensors).unwrap();
     clean.load_window(&saved[0]).unwrap();
@@ -457,7 +571,14 @@ fn sync_group(accs: &[Accumulator]) -> Vec<(SyncInfo, Vec<u32>)> {
         let handles: Vec<_> = accs
             .iter()
             .zip(&comms)
-            .map(|(a, c)| s.spawn(move || (a.sync(Some(c)).unwrap(), a.with_master(0, |m| m.iter().map(|v| v.to_bits()).collect()).unwrap())))
+            .map(|(a, c)| {
+                s.spawn(move || {
+                    (
+                        a.sync(Some(c)).unwrap(),
+                        a.with_master(0, |m| m.iter().map(|v| v.to_bits()).collect()).unwrap(),
+                    )
+                })
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
@@ -466,8 +587,11 @@ fn sync_group(accs: &[Accumulator]) -> Vec<(SyncInfo, Vec<u32>)> {
 /// The 0.2 format of a window saved now: version 2, without the rank-window count (the u64 after
 /// the micro-batch count), and the FNV-1a checksum of the rest.
 fn as_saved_by_0_2(bytes: &[u8]) -> Vec<u8> {
-    let mut old = [&bytes[..4], &2u32.to_le_bytes(), &bytes[8..32], &bytes[40..bytes.len() - 8]].concat();
-    let sum = old.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    let mut old =
+        [&bytes[..4], &2u32.to_le_bytes(), &bytes[8..32], &bytes[40..bytes.len() - 8]].concat();
+    let sum = old
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
     old.extend_from_slice(&sum.to_le_bytes());
     old
 }
@@ -480,9 +604,18 @@ fn as_saved_by_0_2(bytes: &[u8]) -> Vec<u8> {
 #[test]
 fn merged_windows_normalise_as_the_group_that_produced_them() {
     let mut rng = Rng::fresh("merged_windows_normalise_as_the_group_that_produced_them");
-    let tensors = [TensorDesc { numel: rng.range(1, 5000) as usize, dtype: Dtype::F32 }, TensorDesc { numel: 7, dtype: Dtype::F32 }];
-    for normalize in [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches, Normalize::None] {
-        let config = AccumulatorConfig { normalize, loss_reduction: LossReduction::Sum, ..Default::default() };
+    let tensors = [
+        TensorDesc { numel: rng.range(1, 5000) as usize, dtype: Dtype::F32 },
+        TensorDesc { numel: 7, dtype: Dtype::F32 },
+    ];
+    for normalize in
+        [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches, Normalize::None]
+    {
+        let config = AccumulatorConfig {
+            normalize,
+            loss_reduction: LossReduction::Sum,
+            ..Default::default()
+        };
         let w = four_saved_windows(&mut rng, &tensors, config);
         let fresh = || Accumulator::new(config, &tensors).unwrap();
         let loaded = |i: usize| {
@@ -496,13 +629,25 @@ fn merged_windows_normalise_as_the_group_that_produced_them() {
             a
         };
         let scenarios: Vec<(&str, Vec<Accumulator>)> = vec![
-            ("two fresh survivors merge two each", vec![merged(fresh(), &[&w[0], &w[1]]), merged(fresh(), &[&w[2], &w[3]])]),
-            ("survivors keep their own and merge one", vec![merged(loaded(0), &[&w[2]]), merged(loaded(1), &[&w[3]])]),
-            ("one merges three, the other one", vec![merged(loaded(0), &[&w[1], &w[2]]), merged(fresh(), &[&w[3]])]),
+            (
+                "two fresh survivors merge two each",
+                vec![merged(fresh(), &[&w[0], &w[1]]), merged(fresh(), &[&w[2], &w[3]])],
+            ),
+            (
+                "survivors keep their own and merge one",
+                vec![merged(loaded(0), &[&w[2]]), merged(loaded(1), &[&w[3]])],
+            ),
+            (
+                "one merges three, the other one",
+                vec![merged(loaded(0), &[&w[1], &w[2]]), merged(fresh(), &[&w[3]])],
+            ),
             ("one rank merges all four", vec![merged(fresh(), &[&w[0], &w[1], &w[2], &w[3]])]),
             (
                 "0.2 windows, one rank's each",
-                vec![merged(fresh(), &[&as_saved_by_0_2(&w[0]), &as_saved_by_0_2(&w[1])]), merged(loaded(2), &[&as_saved_by_0_2(&w[3])])],
+                vec![
+                    merged(fresh(), &[&as_saved_by_0_2(&w[0]), &as_saved_by_0_2(&w[1])]),
+                    merged(loaded(2), &[&as_saved_by_0_2(&w[3])]),
+                ],
             ),
         ];
         for (what, accs) in scenarios {
@@ -511,7 +656,10 @@ fn merged_windows_normalise_as_the_group_that_produced_them() {
             }
         }
         // Merges of merges: two 2-rank merges saved, then merged into one fresh window.
-        let halves = [merged(fresh(), &[&w[0], &w[1]]).save_window().unwrap(), merged(loaded(2), &[&w[3]]).save_window().unwrap()];
+        let halves = [
+            merged(fresh(), &[&w[0], &w[1]]).save_window().unwrap(),
+            merged(loaded(2), &[&w[3]]).save_window().unwrap(),
+        ];
         let got = sync_group(&[merged(fresh(), &[&halves[0], &halves[1]])]).remove(0);
         assert_eq!(got, want, "{normalize:?}: merges of merges");
     }
@@ -524,13 +672,27 @@ fn merged_windows_normalise_as_the_group_that_produced_them() {
 fn reduce_scatter_shards_hold_the_all_reduce_bits() {
     let mut rng = Rng::fresh("reduce_scatter_shards_hold_the_all_reduce_bits");
     for world in 1..=5usize {
-        let tensors: Vec<TensorDesc> =
-            (0..3).map(|i| TensorDesc { numel: rng.range(1, 150_000) as usize, dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][i] }).collect();
+        let tensors: Vec<TensorDesc> = (0..3)
+            .map(|i| TensorDesc {
+                numel: rng.range(1, 150_000) as usize,
+                dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][i],
+            })
+            .collect();
         let total: usize = tensors.iter().map(|t| t.numel).sum();
         let clip = rng.range(0, 1) == 0;
-        let config = AccumulatorConfig { max_grad_norm: if clip { 1e-3 } else { 0.0 }, normalize: Normalize::ByCount, ..Default::default() };
-        let grads: Vec<Vec<Vec<f32>>> =
-            (0..world).map(|_| tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()).collect();
+        let config = AccumulatorConfig {
+            max_grad_norm: if clip { 1e-3 } else { 0.0 },
+            normalize: Normalize::ByCount,
+            ..Default::default()
+        };
+        let grads: Vec<Vec<Vec<f32>>> = (0..world)
+            .map(|_| {
+                tensors
+                    .iter()
+                    .map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+                    .collect()
+            })
+            .collect();
         let comms = LocalComm::group(world).unwrap();
         let shards: Vec<std::ops::Range<usize>> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
@@ -540,21 +702,42 @@ fn reduce_scatter_shards_hold_the_all_reduce_bits() {
                     s.spawn(move || {
                         let sharding = Sharding::ReduceScatter { shards: world, rank: comm.rank() };
                         let plain = Accumulator::new(config, tensors).unwrap();
-                        let sharded = Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap();
+                        let sharded =
+                            Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
+                                .unwrap();
                         assert_eq!(plain.shard().0, 0..plain.len(), "unsharded: the whole master");
-                        let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(grads).map(|(t, g)| encode(t.dtype, g, 1.0)).collect();
-                        let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
-                        let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors
+                            .iter()
+                            .zip(grads)
+                            .map(|(t, g)| encode(t.dtype, g, 1.0))
+                            .collect();
+                        let views: Vec<Grad> = tensors
+                            .iter()
+                            .zip(&encoded)
+                            .map(|(t, e)| grad_of(t.dtype, &e.0, &e.1))
+                            .collect();
+                        let one =
+                            Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                                .unwrap();
                         plain.add(&one, &views, 2).unwrap();
                         sharded.add(&one, &views, 2).unwrap();
                         let info = plain.sync(Some(comm)).unwrap();
                         assert_eq!(sharded.sync(Some(comm)).unwrap(), info);
                         assert_eq!(info.clip_coef < 1.0, clip);
-                        let flat: Vec<f32> = (0..tensors.len()).flat_map(|t| plain.with_master(t, |m| m.to_vec()).unwrap()).collect();
+                        let flat: Vec<f32> = (0..tensors.len())
+                            .flat_map(|t| plain.with_master(t, |m| m.to_vec()).unwrap())
+                            .collect();
                         let (range, ptr) = sharded.shard();
-                        // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
+                        // SAFETY: the live accumulator's shard, unwritten until its next
+                        // micro-batch.
                         let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
-                        assert!(shard.iter().zip(&flat[range.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} shard {range:?}");
+                        assert!(
+                            shard
+                                .iter()
+                                .zip(&flat[range.clone()])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "world {world} shard {range:?}"
+                        );
                         range
                     })
                 })
@@ -563,7 +746,10 @@ fn reduce_scatter_shards_hold_the_all_reduce_bits() {
         });
         let mut end = 0;
         for s in &shards {
-            assert_eq!(s.start, end, "world {world}: shards {shards:?} do not tile the layout in rank order");
+            assert_eq!(
+                s.start, end,
+                "world {world}: shards {shards:?} do not tile the layout in rank order"
+            );
             assert!(s.start.is_multiple_of(4096) || s.is_empty(), "world {world}: {shards:?}");
             end = s.end;
         }
@@ -578,9 +764,15 @@ fn reduce_scatter_shards_hold_the_all_reduce_bits() {
 fn sharded_sync_on_a_mismatched_group_fails_on_every_rank() {
     let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
     assert_eq!(
-        Accumulator::new(AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank: 2 }, ..Default::default() }, &tensors)
-            .unwrap_err()
-            .kind,
+        Accumulator::new(
+            AccumulatorConfig {
+                sharding: Sharding::ReduceScatter { shards: 2, rank: 2 },
+                ..Default::default()
+            },
+            &tensors
+        )
+        .unwrap_err()
+        .kind,
         ErrorKind::InvalidArgument
     );
     // (shards, rank) per rank of a 2-rank group, and the error each rank sees.
@@ -597,7 +789,10 @@ fn sharded_sync_on_a_mismatched_group_fails_on_every_rank() {
             (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::PeerFailure),
             (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::InvalidArgument),
         ],
-        [(Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::SizeMismatch), (Sharding::None, ErrorKind::SizeMismatch)],
+        [
+            (Sharding::ReduceScatter { shards: 2, rank: 0 }, ErrorKind::SizeMismatch),
+            (Sharding::None, ErrorKind::SizeMismatch),
+        ],
     ];
     for case in cases {
         let comms = LocalComm::group(2).unwrap();
@@ -605,14 +800,26 @@ fn sharded_sync_on_a_mismatched_group_fails_on_every_rank() {
             for (comm, (sharding, want)) in comms.iter().zip(case) {
                 let tensors = &tensors;
                 s.spawn(move || {
-                    let acc = Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, tensors).unwrap();
-                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let acc = Accumulator::new(
+                        AccumulatorConfig { sharding, ..Default::default() },
+                        tensors,
+                    )
+                    .unwrap();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                        .unwrap();
                     acc.add(&one, &[Grad::F32(&[2.0; 10_000])], 1).unwrap();
                     let e = acc.sync(Some(comm)).unwrap_err();
                     assert_eq!(e.kind, want, "{sharding:?}: {e}");
-                    acc.with_master(0, |m| assert!(m.iter().all(|&v| v == 2.0), "{sharding:?}: the window changed")).unwrap();
+                    acc.with_master(0, |m| {
+                        assert!(m.iter().all(|&v| v == 2.0), "{sharding:?}: the window changed")
+                    })
+                    .unwrap();
                     if let Sharding::ReduceScatter { shards: 2, .. } = sharding {
-                        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::InvalidArgument, "a sync with no communicator");
+                        assert_eq!(
+                            acc.sync(None).unwrap_err().kind,
+                            ErrorKind::InvalidArgument,
+                            "a sync with no communicator"
+                        );
                     }
                 });
             }
@@ -629,11 +836,22 @@ fn a_bf16_wire_rounds_each_contribution_once() {
     let mut rng = Rng::fresh("a_bf16_wire_rounds_each_contribution_once");
     let numel = 3 * 4096 + 5;
     for world in [2, 3, 8] {
-        let grads: Vec<Vec<f32>> =
-            (0..world).map(|r| (0..numel).map(|_| (rng.uniform(-1.0, 1.0) * [1.0, 1e3, 1e-3][r % 3]) as f32).collect()).collect();
+        let grads: Vec<Vec<f32>> = (0..world)
+            .map(|r| {
+                (0..numel)
+                    .map(|_| (rng.uniform(-1.0, 1.0) * [1.0, 1e3, 1e-3][r % 3]) as f32)
+                    .collect()
+            })
+            .collect();
         let rounded = |r: usize, i: usize| from_bf16(to_bf16(grads[r][i])) as f32;
-        let want: Vec<f32> = (0..numel).map(|i| (1..world).fold(rounded(0, i), |s, r| s + rounded(r, i))).collect();
-        let config = AccumulatorConfig { loss_reduction: LossReduction::Sum, normalize: Normalize::None, wire: Dtype::Bf16, ..Default::default() };
+        let want: Vec<f32> =
+            (0..numel).map(|i| (1..world).fold(rounded(0, i), |s, r| s + rounded(r, i))).collect();
+        let config = AccumulatorConfig {
+            loss_reduction: LossReduction::Sum,
+            normalize: Normalize::None,
+            wire: Dtype::Bf16,
+            ..Default::default()
+        };
         let tensors = [TensorDesc { numel, dtype: Dtype::F32 }];
         let comms = LocalComm::group(world).unwrap();
         std::thread::scope(|s| {
@@ -641,19 +859,31 @@ fn a_bf16_wire_rounds_each_contribution_once() {
                 let (grads, want, tensors) = (&grads[comm.rank()], &want, &tensors);
                 s.spawn(move || {
                     let sharding = Sharding::ReduceScatter { shards: world, rank: comm.rank() };
-                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                        .unwrap();
                     let plain = Accumulator::new(config, tensors).unwrap();
-                    let sharded = Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap();
+                    let sharded =
+                        Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
+                            .unwrap();
                     for acc in [&plain, &sharded] {
                         acc.add(&one, &[Grad::F32(grads)], 1).unwrap();
                         acc.sync(Some(comm)).unwrap();
                     }
                     let got = plain.with_master(0, |m| m.to_vec()).unwrap();
-                    assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world}: not the recipe's bits");
+                    assert!(
+                        got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world}: not the recipe's bits"
+                    );
                     let (range, ptr) = sharded.shard();
                     // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
                     let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
-                    assert!(shard.iter().zip(&want[range.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world}: shard {range:?}");
+                    assert!(
+                        shard
+                            .iter()
+                            .zip(&want[range.clone()])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world}: shard {range:?}"
+                    );
                 });
             }
         });
@@ -661,7 +891,10 @@ fn a_bf16_wire_rounds_each_contribution_once() {
             let exact: f64 = (0..world).map(|r| grads[r][i] as f64).sum();
             let magnitude: f64 = (0..world).map(|r| (grads[r][i] as f64).abs()).sum();
             let bound = ((2f64).powi(-8) + (world - 1) as f64 * (2f64).powi(-24)) * magnitude;
-            assert!((got as f64 - exact).abs() <= bound, "world {world} element {i}: {got} vs {exact}, bound {bound}");
+            assert!(
+                (got as f64 - exact).abs() <= bound,
+                "world {world} element {i}: {got} vs {exact}, bound {bound}"
+            );
         }
     }
 }
@@ -679,8 +912,15 @@ fn a_bf16_wire_reaches_its_error_bound() {
     let numel = exponents.len();
     let tiny = 1.0 + 2f64.powi(-8);
     for world in [2usize, 300] {
-        let contribution = |r: usize, i: usize| signs[i] * tiny * 2f64.powi(if r == 0 { exponents[i] } else { exponents[i] - 24 });
-        let config = AccumulatorConfig { loss_reduction: LossReduction::Sum, normalize: Normalize::None, wire: Dtype::Bf16, ..Default::default() };
+        let contribution = |r: usize, i: usize| {
+            signs[i] * tiny * 2f64.powi(if r == 0 { exponents[i] } else { exponents[i] - 24 })
+        };
+        let config = AccumulatorConfig {
+            loss_reduction: LossReduction::Sum,
+            normalize: Normalize::None,
+            wire: Dtype::Bf16,
+            ..Default::default()
+        };
         let tensors = [TensorDesc { numel, dtype: Dtype::F32 }];
         let comms = LocalComm::group(world).unwrap();
         let results: Vec<(SyncInfo, Vec<f32>)> = std::thread::scope(|s| {
@@ -689,8 +929,11 @@ fn a_bf16_wire_reaches_its_error_bound() {
                 .map(|comm| {
                     let tensors = &tensors;
                     s.spawn(move || {
-                        let grad: Vec<f32> = (0..numel).map(|i| contribution(comm.rank(), i) as f32).collect();
-                        let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                        let grad: Vec<f32> =
+                            (0..numel).map(|i| contribution(comm.rank(), i) as f32).collect();
+                        let one =
+                            Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                                .unwrap();
                         let acc = Accumulator::new(config, tensors).unwrap();
                         acc.add(&one, &[Grad::F32(&grad)], 1).unwrap();
                         let info = acc.sync(Some(comm)).unwrap();
@@ -710,28 +953,51 @@ fn a_bf16_wire_reaches_its_error_bound() {
             exact_norm += exact * exact;
             magnitude_norm += magnitude * magnitude;
             let got = results[0].1[i] as f64;
-            assert_eq!(got, signs[i] * 2f64.powi(exponents[i]), "world {world} element {i}: not the rounded recipe");
+            assert_eq!(
+                got,
+                signs[i] * 2f64.powi(exponents[i]),
+                "world {world} element {i}: not the rounded recipe"
+            );
             let ratio = (got - exact).abs() / (unit * magnitude);
-            assert!((0.99..=1.0).contains(&ratio), "world {world} element {i}: error {ratio} of the bound");
+            assert!(
+                (0.99..=1.0).contains(&ratio),
+                "world {world} element {i}: error {ratio} of the bound"
+            );
             if world == 300 {
                 let past = (got - exact).abs() / (2f64.powi(-8) * magnitude);
-                assert!(past > 1.0, "world {world} element {i}: error {past} of 2^-8 of the magnitude");
+                assert!(
+                    past > 1.0,
+                    "world {world} element {i}: error {past} of 2^-8 of the magnitude"
+                );
             }
         }
-        let norm_ratio = (results[0].0.grad_norm - exact_norm.sqrt()).abs() / (unit * magnitude_norm.sqrt());
-        assert!((0.99..=1.0).contains(&norm_ratio), "world {world}: the norm moved by {norm_ratio} of its bound");
+        let norm_ratio =
+            (results[0].0.grad_norm - exact_norm.sqrt()).abs() / (unit * magnitude_norm.sqrt());
+        assert!(
+            (0.99..=1.0).contains(&norm_ratio),
+            "world {world}: the norm moved by {norm_ratio} of its bound"
+        );
         for (r, (info, master)) in results.iter().enumerate() {
             assert_eq!(*info, results[0].0, "world {world}: rank {r}'s info");
-            assert!(master.iter().zip(&results[0].1).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world}: rank {r}'s master");
+            assert!(
+                master.iter().zip(&results[0].1).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "world {world}: rank {r}'s master"
+            );
         }
     }
 }
 
 /// `shards` × `replicas` ranks on threads: rank `a * shards + i` holds shard `i` in shard group
 /// `a` and is replica `a` in replica group `i`. Each runs `f(rank, shard group, replica group)`.
-fn hybrid_grid<T: Send>(shards: usize, replicas: usize, f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync) -> Vec<T> {
-    let shard_groups: Vec<Vec<LocalComm>> = (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
-    let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+fn hybrid_grid<T: Send>(
+    shards: usize,
+    replicas: usize,
+    f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync,
+) -> Vec<T> {
+    let shard_groups: Vec<Vec<LocalComm>> =
+        (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
+    let replica_groups: Vec<Vec<LocalComm>> =
+        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = (0..shards * replicas)
@@ -752,15 +1018,29 @@ fn hybrid_grid<T: Send>(shards: usize, replicas: usize, f: impl Fn(usize, &Local
 #[test]
 fn hybrid_boundaries_match_the_reference_on_every_rank() {
     let mut rng = Rng::fresh("hybrid_boundaries_match_the_reference_on_every_rank");
-    for (case, (shards, replicas)) in [(2, 2), (3, 2), (2, 3), (1, 3), (3, 1), (2, 2), (4, 2)].into_iter().enumerate() {
+    for (case, (shards, replicas)) in
+        [(2, 2), (3, 2), (2, 3), (1, 3), (3, 1), (2, 2), (4, 2)].into_iter().enumerate()
+    {
         let world = shards * replicas;
         let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
         let tensors: Vec<TensorDesc> = (0..rng.range(1, 5))
-            .map(|_| TensorDesc { numel: [1, 33, 4097, 9000][rng.range(0, 3) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
+            .map(|_| TensorDesc {
+                numel: [1, 33, 4097, 9000][rng.range(0, 3) as usize],
+                dtype: dtypes[rng.range(0, 2) as usize],
+            })
             .collect();
         let config = AccumulatorConfig {
-            loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
-            normalize: [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize],
+            loss_reduction: if rng.range(0, 1) == 0 {
+                LossReduction::Mean
+            } else {
+                LossReduction::Sum
+            },
+            normalize: [
+                Normalize::ByCount,
+                Normalize::ByMicrobatches,
+                Normalize::ByWorld,
+                Normalize::None,
+            ][rng.range(0, 3) as usize],
             max_grad_norm: if rng.range(0, 1) == 0 { 0.05 } else { 0.0 },
             wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
             ..Default::default()
@@ -769,19 +1049,38 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         let windows: Vec<Vec<(u64, Vec<Vec<f32>>)>> = (0..world)
             .map(|_| {
                 (0..rng.range(1, 2))
-                    .map(|_| (rng.range(1, 9), tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()))
+                    .map(|_| {
+                        (
+                            rng.range(1, 9),
+                            tensors
+                                .iter()
+                                .map(|t| {
+                                    (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
+                                })
+                                .collect(),
+                        )
+                    })
                     .collect()
             })
             .collect();
         // `hybrid`: sync_hybrid; otherwise the plain boundary on the group of more than one rank,
         // sharded when that is the shard group, DDP over the replicas when there is one shard.
         let run = |g: usize, sc: &LocalComm, rc: &LocalComm, hybrid: bool| {
-            let sharding = if hybrid || shards > 1 { Sharding::ReduceScatter { shards, rank: sc.rank() } } else { Sharding::None };
+            let sharding = if hybrid || shards > 1 {
+                Sharding::ReduceScatter { shards, rank: sc.rank() }
+            } else {
+                Sharding::None
+            };
             let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, &tensors).unwrap();
             let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
             for (count, grads) in &windows[g] {
-                let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(grads).map(|(t, v)| encode(t.dtype, v, 1.0)).collect();
-                let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+                let encoded: Vec<(Vec<f32>, Vec<u16>)> =
+                    tensors.iter().zip(grads).map(|(t, v)| encode(t.dtype, v, 1.0)).collect();
+                let views: Vec<Grad> = tensors
+                    .iter()
+                    .zip(&encoded)
+                    .map(|(t, e)| grad_of(t.dtype, &e.0, &e.1))
+                    .collect();
                 acc.add(&one, &views, *count).unwrap();
             }
             let info = match (hybrid, shards) {
@@ -800,17 +1099,29 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         assert!(results.iter().all(|r| r.0 == info), "{what}: ranks report differently");
         for (g, r) in results.iter().enumerate() {
             let twin = &results[g % shards];
-            assert!(r.1 == twin.1 && r.2.iter().zip(&twin.2).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: rank {g} differs from its replica");
+            assert!(
+                r.1 == twin.1 && r.2.iter().zip(&twin.2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: rank {g} differs from its replica"
+            );
         }
         let flat: Vec<f32> = results[..shards].iter().flat_map(|r| r.2.clone()).collect();
-        assert_eq!(flat.len(), tensors.iter().map(|t| t.numel).sum::<usize>(), "{what}: the shards tile the gradient");
+        assert_eq!(
+            flat.len(),
+            tensors.iter().map(|t| t.numel).sum::<usize>(),
+            "{what}: the shards tile the gradient"
+        );
 
         // The f64 reference over every rank.
         let weights_by_count = config.weights_by_count();
         let (mut reference, mut magnitude) = (vec![0f64; flat.len()], vec![0f64; flat.len()]);
         for (count, grads) in windows.iter().flatten() {
             let w = if weights_by_count { *count as f64 } else { 1.0 };
-            for (i, v) in tensors.iter().zip(grads).flat_map(|(t, g)| g.iter().map(move |&v| decoded(t.dtype, v, 1.0))).enumerate() {
+            for (i, v) in tensors
+                .iter()
+                .zip(grads)
+                .flat_map(|(t, g)| g.iter().map(move |&v| decoded(t.dtype, v, 1.0)))
+                .enumerate()
+            {
                 reference[i] += v * w;
                 magnitude[i] += (v * w).abs();
             }
@@ -820,14 +1131,29 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         assert_eq!((info.total_count, info.microbatches), (total_count, microbatches), "{what}");
         let divisor = config.normalize.divisor(total_count, microbatches, world as u64) as f64;
         let norm = reference.iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
-        let wire_error = if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
-        let norm_tol = 1e-5 * norm + wire_error * magnitude.iter().map(|m| (m / divisor).powi(2)).sum::<f64>().sqrt();
-        assert!((info.grad_norm - norm).abs() <= norm_tol, "{what}: norm {} vs {norm}", info.grad_norm);
-        let coef = if config.max_grad_norm > 0.0 { (config.max_grad_norm as f64 / (norm + 1e-6)).min(1.0) } else { 1.0 };
+        let wire_error =
+            if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
+        let norm_tol = 1e-5 * norm
+            + wire_error * magnitude.iter().map(|m| (m / divisor).powi(2)).sum::<f64>().sqrt();
+        assert!(
+            (info.grad_norm - norm).abs() <= norm_tol,
+            "{what}: norm {} vs {norm}",
+            info.grad_norm
+        );
+        let coef = if config.max_grad_norm > 0.0 {
+            (config.max_grad_norm as f64 / (norm + 1e-6)).min(1.0)
+        } else {
+            1.0
+        };
         for (i, &got) in flat.iter().enumerate() {
             let want = reference[i] / divisor * coef;
-            let tol = (2e-6 + wire_error) * magnitude[i] / divisor * coef + (reference[i] / divisor).abs() * (info.clip_coef - coef).abs() + 1e-30;
-            assert!((got as f64 - want).abs() <= tol, "{what}: element {i}: {got} vs {want} (tol {tol})");
+            let tol = (2e-6 + wire_error) * magnitude[i] / divisor * coef
+                + (reference[i] / divisor).abs() * (info.clip_coef - coef).abs()
+                + 1e-30;
+            assert!(
+                (got as f64 - want).abs() <= tol,
+                "{what}: element {i}: {got} vs {want} (tol {tol})"
+            );
         }
 
         // Degenerate grids are the plain boundaries, bit for bit.
@@ -864,16 +1190,21 @@ fn hybrid_misuse_fails_on_every_rank() {
         }
         e.kind
     };
-    let sharded = |rank: usize| AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank }, ..Default::default() };
+    let sharded = |rank: usize| AccumulatorConfig {
+        sharding: Sharding::ReduceScatter { shards: 2, rank },
+        ..Default::default()
+    };
     // 2 x 2, but shard group 1 joins the replica groups crosswise: replica group j pairs shard j
     // of shard group 0 with shard 1 - j of shard group 1. Every shard check passes.
     let shard_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
-    let replica_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
+    let replica_groups: Vec<Vec<LocalComm>> =
+        (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
     let kinds: Vec<ErrorKind> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
             .map(|g| {
                 let (a, i) = (g / 2, g % 2);
-                let (sc, rc) = (&shard_groups[a][i], &replica_groups[if a == 1 { 1 - i } else { i }][a]);
+                let (sc, rc) =
+                    (&shard_groups[a][i], &replica_groups[if a == 1 { 1 - i } else { i }][a]);
                 s.spawn(move || sync(sharded(i), sc, rc, true))
             })
             .collect();
@@ -884,9 +1215,20 @@ fn hybrid_misuse_fails_on_every_rank() {
     // tags, and must stay different whatever they are.
     for norm in [0.125, 2.5, 0.3, 7.0, 1e-3] {
         let kinds = hybrid_grid(2, 2, |g, sc, rc| {
-            sync(AccumulatorConfig { max_grad_norm: if g == 1 { norm } else { 0.0 }, ..sharded(sc.rank()) }, sc, rc, false)
+            sync(
+                AccumulatorConfig {
+                    max_grad_norm: if g == 1 { norm } else { 0.0 },
+                    ..sharded(sc.rank())
+                },
+                sc,
+                rc,
+                false,
+            )
         });
-        assert!(kinds.iter().all(|&k| k == ErrorKind::SizeMismatch), "max_grad_norm {norm} on one rank: {kinds:?}");
+        assert!(
+            kinds.iter().all(|&k| k == ErrorKind::SizeMismatch),
+            "max_grad_norm {norm} on one rank: {kinds:?}"
+        );
     }
     // Replica groups of two sizes: ranks 0 and 2 are replicas, ranks 1 and 3 each alone.
     let shard_groups: Vec<Vec<LocalComm>> = (0..2).map(|_| LocalComm::group(2).unwrap()).collect();
@@ -914,27 +1256,51 @@ fn hybrid_misuse_fails_on_every_rank() {
 fn sharded_windows_survive_a_checkpoint() {
     let mut rng = Rng::fresh("sharded_windows_survive_a_checkpoint");
     let world = 3;
-    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F16 }, TensorDesc { numel: 7001, dtype: Dtype::F32 }];
-    let grads: Vec<Vec<Vec<f32>>> =
-        (0..world * 2).map(|_| tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()).collect();
+    let tensors = [
+        TensorDesc { numel: 5000, dtype: Dtype::F16 },
+        TensorDesc { numel: 7001, dtype: Dtype::F32 },
+    ];
+    let grads: Vec<Vec<Vec<f32>>> = (0..world * 2)
+        .map(|_| {
+            tensors
+                .iter()
+                .map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+                .collect()
+        })
+        .collect();
     let comms = LocalComm::group(world).unwrap();
     std::thread::scope(|s| {
         for comm in &comms {
             let (grads, tensors) = (&grads, &tensors);
             s.spawn(move || {
                 let r = comm.rank();
-                let config =
-                    AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank: r }, max_grad_norm: 0.5, ..Default::default() };
-                let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+                let config = AccumulatorConfig {
+                    sharding: Sharding::ReduceScatter { shards: world, rank: r },
+                    max_grad_norm: 0.5,
+                    ..Default::default()
+                };
+                let one =
+                    Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                 let add = |acc: &Accumulator, k: usize| {
-                    let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors.iter().zip(&grads[k]).map(|(t, g)| encode(t.dtype, g, 1.0)).collect();
-                    let views: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+                    let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors
+                        .iter()
+                        .zip(&grads[k])
+                        .map(|(t, g)| encode(t.dtype, g, 1.0))
+                        .collect();
+                    let views: Vec<Grad> = tensors
+                        .iter()
+                        .zip(&encoded)
+                        .map(|(t, e)| grad_of(t.dtype, &e.0, &e.1))
+                        .collect();
                     acc.add(&one, &views, 1 + k as u64).unwrap();
                 };
                 let shard_of = |acc: &Accumulator| {
                     let (range, ptr) = acc.shard();
                     // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
-                    unsafe { std::slice::from_raw_parts(ptr, range.len()) }.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                    unsafe { std::slice::from_raw_parts(ptr, range.len()) }
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<u32>>()
                 };
                 // Uninterrupted: two micro-batches, then the boundary.
                 let whole = Accumulator::new(config, tensors).unwrap();
@@ -955,7 +1321,10 @@ fn sharded_windows_survive_a_checkpoint() {
                 add(&merged, 2 * r + 1);
                 merged.merge_window(&saved).unwrap();
                 let merged_info = merged.sync(Some(comm)).unwrap();
-                assert_eq!((merged_info.total_count, merged_info.microbatches), (info.total_count, info.microbatches));
+                assert_eq!(
+                    (merged_info.total_count, merged_info.microbatches),
+                    (info.total_count, info.microbatches)
+                );
             });
         }
     });

@@ -29,17 +29,31 @@ fn every_kernel_compiles_for_every_target_without_warnings() {
         return;
     }
     let targets = targets();
-    eprintln!("NVRTC {:?} from {}: {targets:?}", compile::nvrtc_version().unwrap(), compile::nvrtc_file().unwrap());
+    eprintln!(
+        "NVRTC {:?} from {}: {targets:?}",
+        compile::nvrtc_version().unwrap(),
+        compile::nvrtc_file().unwrap()
+    );
     for target in targets {
         let compiled = compile::compile(target).unwrap_or_else(|e| panic!("{target:?}: {e}"));
-        assert!(compiled.warnings.is_empty(), "{target:?} compiled with warnings:\n{}", compiled.warnings.join("\n"));
+        assert!(
+            compiled.warnings.is_empty(),
+            "{target:?} compiled with warnings:\n{}",
+            compiled.warnings.join("\n")
+        );
         assert!(compiled.image.len() > 1000, "{target:?}: image of {} bytes", compiled.image.len());
         match target {
             // CUBIN is ELF; its symbol table names every kernel.
             Target::Cubin(_) => {
                 assert_eq!(&compiled.image[..4], b"\x7fELF", "{target:?} is not an ELF image");
                 for k in KERNELS {
-                    assert!(compiled.image.windows(k.len() + 1).any(|w| &w[..k.len()] == k.as_bytes() && w[k.len()] == 0), "{target:?} lacks {k}");
+                    assert!(
+                        compiled
+                            .image
+                            .windows(k.len() + 1)
+                            .any(|w| &w[..k.len()] == k.as_bytes() && w[k.len()] == 0),
+                        "{target:?} lacks {k}"
+                    );
                 }
             }
             Target::Ptx(_) => {
@@ -59,8 +73,12 @@ fn every_kernel_compiles_for_every_target_without_warnings() {
 /// (NVRTC 13 dropped sm_70), and PTX for the oldest of them.
 fn targets() -> Vec<Target> {
     let supported = compile::supported_architectures().unwrap();
-    let archs: Vec<u32> = [70, 75, 80, 86, 90, 100, 120].into_iter().filter(|a| supported.contains(a)).collect();
-    assert!(archs.contains(&80) && archs.contains(&90), "NVRTC supports {supported:?}: no sm_80 or sm_90");
+    let archs: Vec<u32> =
+        [70, 75, 80, 86, 90, 100, 120].into_iter().filter(|a| supported.contains(a)).collect();
+    assert!(
+        archs.contains(&80) && archs.contains(&90),
+        "NVRTC supports {supported:?}: no sm_80 or sm_90"
+    );
     archs.iter().map(|&a| Target::Cubin(a)).chain([Target::Ptx(archs[0])]).collect()
 }
 
@@ -84,7 +102,9 @@ fn a_compile_error_comes_back_with_the_log() {
         return;
     }
     let broken = SOURCE.replace("ga_add_multi(", "ga_add_multi(undeclared_type t, ");
-    let e = compile::compile_source(&broken, Target::Cubin(80)).err().expect("the broken source must not compile");
+    let e = compile::compile_source(&broken, Target::Cubin(80))
+        .err()
+        .expect("the broken source must not compile");
     assert!(e.message.contains("undeclared_type"), "the log names the error: {}", e.message);
 }
 
@@ -99,14 +119,24 @@ const LINK_CHILD: &str = "GRADACC_TEST_NVRTC_LINK";
 fn nvrtc_named_through_a_link_in_another_folder_compiles() {
     if let Some(how) = std::env::var_os(LINK_CHILD) {
         let real = std::env::var_os("GRADACC_TEST_NVRTC_REAL").map(PathBuf::from).unwrap();
-        assert_eq!(Path::new(&compile::nvrtc_file().unwrap()), real, "{how:?} loaded another NVRTC");
-        let target = Target::Cubin(*compile::supported_architectures().unwrap().iter().max().unwrap());
-        let compiled = compile::compile(target).unwrap_or_else(|e| panic!("NVRTC named through a link ({how:?}): {e}"));
+        assert_eq!(
+            Path::new(&compile::nvrtc_file().unwrap()),
+            real,
+            "{how:?} loaded another NVRTC"
+        );
+        let target =
+            Target::Cubin(*compile::supported_architectures().unwrap().iter().max().unwrap());
+        let compiled = compile::compile(target)
+            .unwrap_or_else(|e| panic!("NVRTC named through a link ({how:?}): {e}"));
         assert_eq!(&compiled.image[..4], b"\x7fELF");
         return;
     }
-    let Some(named) = std::env::var_os("GRADACC_NVRTC_LIBRARY").filter(|v| Path::new(v).is_absolute()) else {
-        eprintln!("GRADACC_NVRTC_LIBRARY does not name NVRTC by path: skipping the check through a link");
+    let Some(named) =
+        std::env::var_os("GRADACC_NVRTC_LIBRARY").filter(|v| Path::new(v).is_absolute())
+    else {
+        eprintln!(
+            "GRADACC_NVRTC_LIBRARY does not name NVRTC by path: skipping the check through a link"
+        );
         return;
     };
     if !nvrtc_or_skip() {
@@ -119,9 +149,18 @@ fn nvrtc_named_through_a_link_in_another_folder_compiles() {
     std::os::unix::fs::symlink(&real, &link).unwrap();
     let child = |how: &str, env: &[(&str, &Path)]| {
         let mut command = Command::new(std::env::current_exe().unwrap());
-        command.args(["--exact", "nvrtc_named_through_a_link_in_another_folder_compiles", "--nocapture", "--test-threads=1"]);
+        command.args([
+            "--exact",
+            "nvrtc_named_through_a_link_in_another_folder_compiles",
+            "--nocapture",
+            "--test-threads=1",
+        ]);
         // Nothing else may lead NVRTC to its real folder.
-        command.env_remove("LD_LIBRARY_PATH").env_remove("GRADACC_NVRTC_LIBRARY").env(LINK_CHILD, how).env("GRADACC_TEST_NVRTC_REAL", &real);
+        command
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("GRADACC_NVRTC_LIBRARY")
+            .env(LINK_CHILD, how)
+            .env("GRADACC_TEST_NVRTC_REAL", &real);
         for (key, value) in env {
             command.env(key, value);
         }
@@ -133,7 +172,11 @@ fn nvrtc_named_through_a_link_in_another_folder_compiles() {
     ];
     std::fs::remove_dir_all(&links).unwrap();
     for (how, output) in outputs {
-        let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success() && text.contains("1 passed"), "NVRTC named through a link by {how}:\n{text}");
+        let text = String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success() && text.contains("1 passed"),
+            "NVRTC named through a link by {how}:\n{text}"
+        );
     }
 }

@@ -16,12 +16,20 @@ use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::{self, layout};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler,
+    ScalerConfig, TensorDesc,
+};
 
 fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
     let sizes = [1usize, 3, 7, 64, 4097, 65536, 65537, 1_000_003];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    (0..rng.range(1, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+    (0..rng.range(1, 6))
+        .map(|_| TensorDesc {
+            numel: sizes[rng.range(0, 7) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect()
 }
 
 /// Random windows through both backends, bit for bit.
@@ -34,12 +42,17 @@ fn random_windows_match_the_cpu_backend_bitwise() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    let modes =
+        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     for round in 0..24 {
         let descs = random_layout(&mut rng);
         let config = AccumulatorConfig {
             normalize: modes[round % 4],
-            loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+            loss_reduction: if rng.range(0, 1) == 0 {
+                LossReduction::Mean
+            } else {
+                LossReduction::Sum
+            },
             max_grad_norm: if round % 3 == 0 { 1e-3 } else { 0.0 },
             bucket_numel: rng.range(1, 2_000_000) as usize,
             ..AccumulatorConfig::default()
@@ -53,16 +66,29 @@ fn random_windows_match_the_cpu_backend_bitwise() {
                 cpu.reset().unwrap();
                 gpu.reset().unwrap();
             }
-            let skipped = if window == 1 { Some(rng.range(0, descs.len() as u64 - 1) as usize) } else { None };
+            let skipped = if window == 1 {
+                Some(rng.range(0, descs.len() as u64 - 1) as usize)
+            } else {
+                None
+            };
             let poison = round % 5 == 4 && window == 0;
             for m in 0..rng.range(1, 4) {
                 // Each micro-batch with its own scale: a scale change inside a window.
                 let scale = 2f32.powi(rng.range(0, 16) as i32);
-                let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
-                let sg = Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+                let sc =
+                    Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+                let sg =
+                    Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() })
+                        .unwrap();
                 let count = rng.range(1, 9);
-                let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison && m == 0)).collect();
-                let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize)).collect();
+                let grads: Vec<HostGrad> = descs
+                    .iter()
+                    .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison && m == 0))
+                    .collect();
+                let uploads: Vec<(DeviceBuffer, u64)> = grads
+                    .iter()
+                    .map(|g| g.upload(&ctx, stream.stream, rng.range(0, 3) as usize))
+                    .collect();
                 let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
                 if skipped.is_none() && rng.range(0, 1) == 0 {
                     cpu.add(&sc, &views, count).unwrap();
@@ -87,9 +113,14 @@ fn random_windows_match_the_cpu_backend_bitwise() {
             let got = gpu.sync(None).unwrap();
             let what = format!("round {round} window {window} {descs:?} {config:?}");
             assert_eq!(want.found_inf, got.found_inf, "{what}");
-            assert_eq!((want.total_count, want.microbatches), (got.total_count, got.microbatches), "{what}");
+            assert_eq!(
+                (want.total_count, want.microbatches),
+                (got.total_count, got.microbatches),
+                "{what}"
+            );
             assert!(
-                want.grad_norm.to_bits() == got.grad_norm.to_bits() || (want.grad_norm.is_nan() && got.grad_norm.is_nan()),
+                want.grad_norm.to_bits() == got.grad_norm.to_bits()
+                    || (want.grad_norm.is_nan() && got.grad_norm.is_nan()),
                 "{what}: norm {} vs {}",
                 want.grad_norm,
                 got.grad_norm
@@ -111,7 +142,13 @@ fn scaler_trace_matches_the_cpu_scaler() {
     let configs = [
         ScalerConfig { growth_interval: 3, ..Default::default() },
         ScalerConfig { growth_interval: 2, hysteresis: 3, ..Default::default() },
-        ScalerConfig { growth_interval: 2, hysteresis: 2, consecutive_hysteresis: true, max_scale: 1e6, ..Default::default() },
+        ScalerConfig {
+            growth_interval: 2,
+            hysteresis: 2,
+            consecutive_hysteresis: true,
+            max_scale: 1e6,
+            ..Default::default()
+        },
         ScalerConfig { dynamic: false, ..Default::default() },
         ScalerConfig { init_scale: 4.0, min_scale: 1.0, growth_interval: 50, ..Default::default() },
     ];
@@ -119,8 +156,10 @@ fn scaler_trace_matches_the_cpu_scaler() {
     // The overflow flag reaches the device scaler through an accumulator's boundary: a window of
     // one element, infinite on an overflow step.
     let one = [TensorDesc { numel: 1, dtype: Dtype::F32 }];
-    let (inf, finite) =
-        (DeviceBuffer::from_slice(&ctx, stream.stream, &[f32::INFINITY]).unwrap(), DeviceBuffer::from_slice(&ctx, stream.stream, &[0f32]).unwrap());
+    let (inf, finite) = (
+        DeviceBuffer::from_slice(&ctx, stream.stream, &[f32::INFINITY]).unwrap(),
+        DeviceBuffer::from_slice(&ctx, stream.stream, &[0f32]).unwrap(),
+    );
     for config in configs {
         let cpu = Scaler::new(config).unwrap();
         let gpu = Scaler::on(device, config).unwrap();
@@ -154,11 +193,15 @@ fn loss_scaling_matches_the_cpu_scaler() {
     let mut rng = Rng::fresh("loss_scaling_matches_the_cpu_scaler");
     let ctx = Context::get(0).unwrap();
     let config = ScalerConfig { init_scale: 1024.0, ..Default::default() };
-    let (cpu, gpu) = (Scaler::new(config).unwrap(), Scaler::on(Device::Cuda { ordinal: 0, stream: std::ptr::null_mut() }, config).unwrap());
+    let (cpu, gpu) = (
+        Scaler::new(config).unwrap(),
+        Scaler::on(Device::Cuda { ordinal: 0, stream: std::ptr::null_mut() }, config).unwrap(),
+    );
     for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
         let loss = HostGrad::random(&mut rng, dtype, 1001, 1000.0, false);
         let (buf, addr) = loss.upload(&ctx, std::ptr::null_mut(), 1);
-        // SAFETY: `addr` holds 1001 values of `dtype` in `buf`, alive until the end of the iteration.
+        // SAFETY: `addr` holds 1001 values of `dtype` in `buf`, alive until the end of the
+        // iteration.
         unsafe { gpu.scale_loss_raw(addr as *mut c_void, 1001, dtype, "loss") }.unwrap();
         let (mut f, mut h) = (loss.f32s.clone(), loss.u16s.clone());
         cpu.scale_loss(match dtype {
@@ -199,7 +242,8 @@ fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     // Rank 0 of the seed: micro-batches with weight grads 0.5 and 2.5, bias 1.0 and 1.0.
-    let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } = ApexSeed::new(&ctx, stream.stream);
+    let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } =
+        ApexSeed::new(&ctx, stream.stream);
     acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
     acc.begin_final_microbatch(1, comm.clone()).unwrap();
     acc.add_tensor(&scaler, 1, b2.ptr()).unwrap();
@@ -249,9 +293,13 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
     let world = count as usize;
     let mut rng = Rng::fresh("nccl_boundary_across_gpus_matches_the_local_communicator");
     let descs = random_layout(&mut rng);
-    let config = AccumulatorConfig { bucket_numel: 70_000, max_grad_norm: 0.5, ..Default::default() };
-    let grads: Vec<Vec<HostGrad>> =
-        (0..world).map(|_| descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1.0, false)).collect()).collect();
+    let config =
+        AccumulatorConfig { bucket_numel: 70_000, max_grad_norm: 0.5, ..Default::default() };
+    let grads: Vec<Vec<HostGrad>> = (0..world)
+        .map(|_| {
+            descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1.0, false)).collect()
+        })
+        .collect();
     let local = gradacc::LocalComm::group(world).unwrap();
     let id = nccl::unique_id().unwrap();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
@@ -263,10 +311,12 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                 s.spawn(move || {
                     let ctx = Context::get(rank as i32).unwrap();
                     let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
-                    let device = Device::Cuda { ordinal: rank as i32, stream: std::ptr::null_mut() };
+                    let device =
+                        Device::Cuda { ordinal: rank as i32, stream: std::ptr::null_mut() };
                     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
                     let acc = Accumulator::on(device, config, descs).unwrap();
-                    let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
+                    let uploads: Vec<(DeviceBuffer, u64)> =
+                        grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
                     let cpu = Accumulator::new(config, descs).unwrap();
                     let sc = Scaler::new(ScalerConfig::default()).unwrap();
                     let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
@@ -287,7 +337,9 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                     acc.end_microbatch().unwrap();
                     cpu.end_microbatch().unwrap();
                     // Its buckets are reduced: nothing more may join the window before the sync.
-                    let refused = acc.add(&scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 1).unwrap_err();
+                    let refused = acc
+                        .add(&scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 1)
+                        .unwrap_err();
                     assert_eq!(refused.kind, gradacc::ErrorKind::WrongState);
                     acc.sync(Some(&*comm)).unwrap();
                     cpu.sync(Some(&lc)).unwrap();
@@ -298,7 +350,10 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                         let want = cpu.with_master(i, |w| w.to_vec()).unwrap();
                         // Sums over ranks may be ordered differently by NCCL and the local ring.
                         for (a, b) in m.iter().zip(&want) {
-                            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "rank {rank} tensor {i}: {a} vs {b}");
+                            assert!(
+                                (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                                "rank {rank} tensor {i}: {a} vs {b}"
+                            );
                         }
                         out.push(m);
                     }
@@ -309,7 +364,13 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for r in &results[1..] {
-        assert!(r.iter().flatten().zip(results[0].iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits()), "ranks differ");
+        assert!(
+            r.iter()
+                .flatten()
+                .zip(results[0].iter().flatten())
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "ranks differ"
+        );
     }
 }
 
@@ -325,18 +386,28 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     let mut rng = Rng::fresh("add_and_sync_can_be_captured_into_a_graph");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let descs =
-        [TensorDesc { numel: 4097, dtype: Dtype::F16 }, TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 65537, dtype: Dtype::F32 }];
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
     let config = AccumulatorConfig { max_grad_norm: 0.5, ..Default::default() };
     let scale = 1024.0;
     let (sc, sg) = (
         Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
-        Scaler::on(Device::Cuda { ordinal: 0, stream: stream.stream }, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
+        Scaler::on(
+            Device::Cuda { ordinal: 0, stream: stream.stream },
+            ScalerConfig { init_scale: scale, ..Default::default() },
+        )
+        .unwrap(),
     );
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let gpu = Accumulator::on(Device::Cuda { ordinal: 0, stream: stream.stream }, config, &descs).unwrap();
-    let first: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
-    let uploads: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
+    let gpu = Accumulator::on(Device::Cuda { ordinal: 0, stream: stream.stream }, config, &descs)
+        .unwrap();
+    let first: Vec<HostGrad> =
+        descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
+    let uploads: Vec<(DeviceBuffer, u64)> =
+        first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
     let addresses: Vec<u64> = uploads.iter().map(|d| d.1).collect();
     driver::synchronize(&ctx, stream.stream).unwrap();
 
@@ -344,7 +415,12 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     {
         let _current = ctx.enter().unwrap();
         // SAFETY: a stream of this context; the capture ends below on every path that returns.
-        let begun = unsafe { cu::cuStreamBeginCapture_v2(stream.stream, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) };
+        let begun = unsafe {
+            cu::cuStreamBeginCapture_v2(
+                stream.stream,
+                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        };
         assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
     }
     let added = gpu.add(&sg, &addresses, 3);
@@ -356,10 +432,16 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     synced.unwrap().expect("sync without a host read during a capture");
     assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
     // SAFETY: a graph from a completed capture.
-    assert_eq!(unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, cu::CUresult::CUDA_SUCCESS);
+    assert_eq!(
+        unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        cu::CUresult::CUDA_SUCCESS
+    );
 
     for replay in 0..3 {
-        let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2)).collect();
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2))
+            .collect();
         for (g, (buf, _)) in grads.iter().zip(&uploads) {
             match g.dtype {
                 Dtype::F32 => buf.write(&g.f32s).unwrap(),
@@ -391,13 +473,20 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let (major, minor) = ctx.capability;
-    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap()).unwrap().image;
+    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap())
+        .unwrap()
+        .image;
     let module = driver::Module::load(&ctx, &image).unwrap();
     let update = {
         let _current = ctx.enter().unwrap();
         module.function(c"ga_scaler_update").unwrap()
     };
-    let state = DeviceBuffer::from_slice(&ctx, stream.stream, &[layout::GaScalerState { scale: 8.0, ..Default::default() }]).unwrap();
+    let state = DeviceBuffer::from_slice(
+        &ctx,
+        stream.stream,
+        &[layout::GaScalerState { scale: 8.0, ..Default::default() }],
+    )
+    .unwrap();
     let rule = layout::GaScalerRule {
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -409,7 +498,8 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
         ..Default::default()
     };
     let ptr = state.ptr();
-    let mut args = [&ptr as *const _ as *mut std::ffi::c_void, &rule as *const _ as *mut std::ffi::c_void];
+    let mut args =
+        [&ptr as *const _ as *mut std::ffi::c_void, &rule as *const _ as *mut std::ffi::c_void];
     // SAFETY: the arguments follow ga_scaler_update(ga_scaler_state *, ga_scaler_rule).
     unsafe { update.launch(&ctx, 2, driver::THREADS, stream.stream, &mut args).unwrap() };
     let mut out = [layout::GaScalerState::default()];
@@ -429,16 +519,26 @@ fn many_tensors_span_several_add_launches() {
     let stream = OwnedStream::new(&ctx).unwrap();
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
     let descs: Vec<TensorDesc> = (0..2 * layout::SOURCES_PER_LAUNCH + 17)
-        .map(|_| TensorDesc { numel: [1, 5, 64, 300, 8193][rng.range(0, 4) as usize], dtype: dtypes[rng.range(0, 2) as usize] })
+        .map(|_| TensorDesc {
+            numel: [1, 5, 64, 300, 8193][rng.range(0, 4) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
         .collect();
     let config = AccumulatorConfig::default();
     let cpu = Accumulator::new(config, &descs).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
     let gpu = Accumulator::on(device, config, &descs).unwrap();
-    let (sc, sg) = (Scaler::new(ScalerConfig::default()).unwrap(), Scaler::on(device, ScalerConfig::default()).unwrap());
+    let (sc, sg) = (
+        Scaler::new(ScalerConfig::default()).unwrap(),
+        Scaler::on(device, ScalerConfig::default()).unwrap(),
+    );
     for _ in 0..2 {
-        let grads: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 65536.0, false)).collect();
-        let uploads: Vec<(DeviceBuffer, u64)> = grads.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 65536.0, false))
+            .collect();
+        let uploads: Vec<(DeviceBuffer, u64)> =
+            grads.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
         let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
         cpu.add(&sc, &views, 2).unwrap();
         gpu.add(&sg, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 2).unwrap();
@@ -462,10 +562,14 @@ fn window_checkpoints_move_between_devices() {
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
     for round in 0..6 {
         let descs = random_layout(&mut rng);
-        let config = AccumulatorConfig { bucket_numel: rng.range(1, 2_000_000) as usize, ..AccumulatorConfig::default() };
+        let config = AccumulatorConfig {
+            bucket_numel: rng.range(1, 2_000_000) as usize,
+            ..AccumulatorConfig::default()
+        };
         let scale = 2f32.powi(rng.range(0, 12) as i32);
         let sc = Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
-        let sg = Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
+        let sg =
+            Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
         let reference = Accumulator::new(config, &descs).unwrap();
         let gpu = Accumulator::on(device, config, &descs).unwrap();
         let cpu = Accumulator::new(config, &descs).unwrap();
@@ -474,8 +578,12 @@ fn window_checkpoints_move_between_devices() {
         let untouched = (descs.len() > 1).then(|| rng.range(0, descs.len() as u64 - 1) as usize);
         let poison = round % 3 == 2;
         // One micro-batch before the checkpoint, the tensor `untouched` left out.
-        let first: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison)).collect();
-        let uploads: Vec<(DeviceBuffer, u64)> = first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
+        let first: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, poison))
+            .collect();
+        let uploads: Vec<(DeviceBuffer, u64)> =
+            first.iter().map(|g| g.upload(&ctx, stream.stream, 0)).collect();
         for a in [&reference, &gpu] {
             a.begin_microbatch(3).unwrap();
         }
@@ -483,7 +591,11 @@ fn window_checkpoints_move_between_devices() {
             reference.add_tensor(&sc, i, first[i].view()).unwrap();
             gpu.add_tensor(&sg, i, uploads[i].1).unwrap();
         }
-        assert_eq!(gpu.save_window().unwrap_err().kind, gradacc::ErrorKind::WrongState, "inside a micro-batch");
+        assert_eq!(
+            gpu.save_window().unwrap_err().kind,
+            gradacc::ErrorKind::WrongState,
+            "inside a micro-batch"
+        );
         for a in [&reference, &gpu] {
             a.end_microbatch().unwrap();
         }
@@ -493,26 +605,47 @@ fn window_checkpoints_move_between_devices() {
         // Merging the same window twice on either device gives the same bits (each master added
         // to itself) and twice the counts.
         let saved = gpu.save_window().unwrap();
-        let (cpu_merged, gpu_merged) = (Accumulator::new(config, &descs).unwrap(), Accumulator::on(device, config, &descs).unwrap());
+        let (cpu_merged, gpu_merged) = (
+            Accumulator::new(config, &descs).unwrap(),
+            Accumulator::on(device, config, &descs).unwrap(),
+        );
         for a in [&cpu_merged, &gpu_merged] {
             a.merge_window(&saved).unwrap();
             a.merge_window(&saved).unwrap();
         }
         let (want, got) = (cpu_merged.sync(None).unwrap(), gpu_merged.sync(None).unwrap());
-        assert_eq!((want.total_count, want.microbatches, want.found_inf), (6, 2, poison), "round {round} merged");
-        assert_eq!((got.total_count, got.microbatches, got.found_inf), (6, 2, poison), "round {round} merged");
+        assert_eq!(
+            (want.total_count, want.microbatches, want.found_inf),
+            (6, 2, poison),
+            "round {round} merged"
+        );
+        assert_eq!(
+            (got.total_count, got.microbatches, got.found_inf),
+            (6, 2, poison),
+            "round {round} merged"
+        );
         masters_equal(&cpu_merged, &gpu_merged, &format!("round {round} merged"));
-        let second: Vec<HostGrad> = descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
+        let second: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false))
+            .collect();
         let views: Vec<Grad<'_>> = second.iter().map(HostGrad::view).collect();
-        let uploads: Vec<(DeviceBuffer, u64)> = second.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
+        let uploads: Vec<(DeviceBuffer, u64)> =
+            second.iter().map(|g| g.upload(&ctx, stream.stream, 1)).collect();
         let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
         reference.add(&sc, &views, 5).unwrap();
         cpu.add(&sc, &views, 5).unwrap();
         gpu_again.add(&sg, &addresses, 5).unwrap();
         let want = reference.sync(None).unwrap();
-        for (name, got) in [("cpu", cpu.sync(None).unwrap()), ("gpu", gpu_again.sync(None).unwrap())] {
+        for (name, got) in
+            [("cpu", cpu.sync(None).unwrap()), ("gpu", gpu_again.sync(None).unwrap())]
+        {
             let what = format!("round {round} {name} {descs:?}");
-            assert_eq!((want.found_inf, want.total_count, want.microbatches), (got.found_inf, got.total_count, got.microbatches), "{what}");
+            assert_eq!(
+                (want.found_inf, want.total_count, want.microbatches),
+                (got.found_inf, got.total_count, got.microbatches),
+                "{what}"
+            );
             assert_eq!(want.found_inf, poison, "{what}");
         }
         masters_equal(&reference, &cpu, &format!("round {round} cpu"));
@@ -532,12 +665,27 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-    let descs: Vec<TensorDesc> = [Dtype::F32, Dtype::F16, Dtype::Bf16].iter().map(|&dtype| TensorDesc { numel: 33, dtype }).collect();
+    let descs: Vec<TensorDesc> = [Dtype::F32, Dtype::F16, Dtype::Bf16]
+        .iter()
+        .map(|&dtype| TensorDesc { numel: 33, dtype })
+        .collect();
     let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
-    let scaler = Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+    let scaler =
+        Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
     // Thread k's contribution to every element: (k + 1) × 4 (the scale), exact in every dtype.
     let uploads: Vec<Vec<(DeviceBuffer, u64)>> = (0..THREADS)
-        .map(|k| descs.iter().map(|d| HostGrad::constant(d.dtype, d.numel, (4 * (k + 1)) as f32).upload(&ctx, stream.stream, k % 3)).collect())
+        .map(|k| {
+            descs
+                .iter()
+                .map(|d| {
+                    HostGrad::constant(d.dtype, d.numel, (4 * (k + 1)) as f32).upload(
+                        &ctx,
+                        stream.stream,
+                        k % 3,
+                    )
+                })
+                .collect()
+        })
         .collect();
     let want = (THREADS * (THREADS + 1) / 2) as f32;
     let lost = common::race_rounds(
@@ -553,7 +701,10 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
                 acc.read_master(t, &mut got).unwrap();
                 let expected = if t == round % 3 { want } else { 0.0 };
                 let wrong = got.iter().position(|&v| v != expected)?;
-                Some(format!("round {round}: tensor {t} element {wrong} is {}, not {expected}", got[wrong]))
+                Some(format!(
+                    "round {round}: tensor {t} element {wrong} is {}, not {expected}",
+                    got[wrong]
+                ))
             })
         },
     );
@@ -574,16 +725,26 @@ fn gradients_overlapping_the_master_are_refused() {
     let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
     let values: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let backing = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
-    let config = AccumulatorConfig { loss_reduction: LossReduction::Sum, normalize: Normalize::None, ..Default::default() };
+    let config = AccumulatorConfig {
+        loss_reduction: LossReduction::Sum,
+        normalize: Normalize::None,
+        ..Default::default()
+    };
     let master = backing.ptr() + 4 * OVERLAP_MARGIN as u64;
     // SAFETY: the master lies inside `backing`, which outlives the accumulator.
-    let acc = unsafe { Accumulator::on_buffer(device, config, &OVERLAP_TENSORS, master as *mut f32, len) }.unwrap();
-    let scaler = Scaler::on(device, ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
+    let acc = unsafe {
+        Accumulator::on_buffer(device, config, &OVERLAP_TENSORS, master as *mut f32, len)
+    }
+    .unwrap();
+    let scaler =
+        Scaler::on(device, ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
     let first = DeviceBuffer::from_slice(&ctx, stream.stream, &[1.5f32; 8192]).unwrap();
     let third = DeviceBuffer::from_slice(&ctx, stream.stream, &[common::to_f16(3.0); 50]).unwrap();
     let read = |at: usize, n: usize| {
         let mut out = vec![0f32; n];
-        DeviceBuffer::adopt(&ctx, stream.stream, backing.ptr() + 4 * at as u64, 4 * n).read(&mut out).unwrap();
+        DeviceBuffer::adopt(&ctx, stream.stream, backing.ptr() + 4 * at as u64, 4 * n)
+            .read(&mut out)
+            .unwrap();
         out
     };
     let tried = check_overlapping_gradients(

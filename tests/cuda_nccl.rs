@@ -23,8 +23,8 @@ use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Grad, LocalComm, LossReduction, Normalize, Scaler, ScalerConfig,
-    Sharding, SyncInfo, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Grad, LocalComm,
+    LossReduction, Normalize, Scaler, ScalerConfig, Sharding, SyncInfo, TensorDesc,
 };
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without CUDA or NCCL the test skips,
@@ -37,16 +37,24 @@ fn gpus_or_skip(devices: i32) -> bool {
 
 /// Runs `f` on its own thread and fails if it takes longer than `limit`: a hang is a failure, not
 /// a test run that never ends.
-fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
     let (tx, rx) = mpsc::channel();
     let worker = std::thread::spawn(move || {
         let _ = tx.send(f());
     });
     match rx.recv_timeout(limit) {
         Ok(v) => v,
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what} did not finish within {limit:?}: it hangs"),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {limit:?}: it hangs")
+        }
         // The closure panicked: report its panic.
-        Err(mpsc::RecvTimeoutError::Disconnected) => std::panic::resume_unwind(worker.join().unwrap_err()),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(worker.join().unwrap_err())
+        }
     }
 }
 
@@ -60,7 +68,11 @@ fn rank_device(rank: usize) -> (Arc<Context>, OwnedStream, Device) {
 }
 
 /// Rank `rank` of the two-rank group `id`, on its own device, waiting at most `timeout`.
-fn pair_comm(id: &[u8; nccl::UNIQUE_ID_BYTES], rank: usize, timeout: Duration) -> Arc<dyn Communicator> {
+fn pair_comm(
+    id: &[u8; nccl::UNIQUE_ID_BYTES],
+    rank: usize,
+    timeout: Duration,
+) -> Arc<dyn Communicator> {
     let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, 2, rank as i32).unwrap());
     comm.set_timeout(Some(timeout)).unwrap();
     comm
@@ -85,7 +97,10 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
             let (comm, returned) = (comm.clone(), returned.clone());
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(500));
-                assert!(!returned.load(Ordering::SeqCst), "sync returned although rank 1 never reached the boundary");
+                assert!(
+                    !returned.load(Ordering::SeqCst),
+                    "sync returned although rank 1 never reached the boundary"
+                );
                 let aborted_at = Instant::now();
                 comm.abort().unwrap();
                 aborted_at
@@ -102,16 +117,26 @@ fn abort_ends_a_sync_waiting_for_a_missing_rank_and_drop_does_not_hang() {
         // Later calls fail at once; abort is idempotent.
         assert!(comm.is_failed());
         assert_eq!(comm.health().unwrap_err().kind, ErrorKind::CommFailure);
-        assert_eq!(comm.allreduce_sum_f32(rank.grad.ptr(), 1, rank.stream.stream).unwrap_err().kind, ErrorKind::CommFailure);
+        assert_eq!(
+            comm.allreduce_sum_f32(rank.grad.ptr(), 1, rank.stream.stream).unwrap_err().kind,
+            ErrorKind::CommFailure
+        );
         comm.abort().unwrap();
 
         let start = Instant::now();
         drop(rank);
         drop(comm);
-        assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "dropping rank 0 took {:?}",
+            start.elapsed()
+        );
         rank0_done.wait();
         let dropped_in = rank1.join().unwrap();
-        assert!(dropped_in < Duration::from_secs(5), "dropping rank 1 after its peer aborted took {dropped_in:?}");
+        assert!(
+            dropped_in < Duration::from_secs(5),
+            "dropping rank 1 after its peer aborted took {dropped_in:?}"
+        );
     });
 }
 
@@ -147,7 +172,10 @@ fn abort_beside_a_thread_issuing_groups() {
                         Ok(()) => groups += 1,
                         Err(e) => break e,
                     }
-                    assert!(Instant::now() < deadline, "the abort never reached the issuing thread");
+                    assert!(
+                        Instant::now() < deadline,
+                        "the abort never reached the issuing thread"
+                    );
                 };
                 driver::synchronize(&ctx, stream.stream).unwrap();
                 (groups, err)
@@ -172,11 +200,16 @@ fn creation_fails_at_the_deadline_when_a_rank_never_comes() {
     within(Duration::from_secs(60), "creation with a missing rank", || {
         let id = nccl::unique_id().unwrap();
         let start = Instant::now();
-        let err = NcclComm::with_timeout(&id, 0, 2, 0, Duration::from_secs(2)).err().expect("a group of 2 was created by one rank");
+        let err = NcclComm::with_timeout(&id, 0, 2, 0, Duration::from_secs(2))
+            .err()
+            .expect("a group of 2 was created by one rank");
         assert_eq!(err.kind, ErrorKind::Timeout, "{err}");
         assert!(err.message.contains("did not complete within"), "{err}");
         let took = start.elapsed();
-        assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(10), "gave up after {took:?}");
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(10),
+            "gave up after {took:?}"
+        );
     });
 }
 
@@ -211,7 +244,11 @@ fn two_threads_on_one_communicator_are_serialised() {
                 }
                 let mut out = [0f32; 64];
                 data.read(&mut out).unwrap();
-                assert!(out.iter().all(|&v| v == 1.5), "a world-size-1 sum changed the data: {:?}", &out[..4]);
+                assert!(
+                    out.iter().all(|&v| v == 1.5),
+                    "a world-size-1 sum changed the data: {:?}",
+                    &out[..4]
+                );
             })
         };
         let single = {
@@ -256,12 +293,20 @@ fn two_ranks_on_one_device_are_refused() {
         // One rank is refused at once; the other waits in NCCL for a rank 1 of another device.
         std::thread::sleep(Duration::from_millis(300));
         let finished: Vec<bool> = ranks.iter().map(|h| h.is_finished()).collect();
-        assert_eq!(finished.iter().filter(|&&f| f).count(), 1, "exactly one rank should be refused at once: {finished:?}");
+        assert_eq!(
+            finished.iter().filter(|&&f| f).count(),
+            1,
+            "exactly one rank should be refused at once: {finished:?}"
+        );
         let refused = ranks.iter().position(|h| h.is_finished()).unwrap();
         let mut ranks: Vec<_> = ranks.into_iter().map(Some).collect();
-        let (rank, err) = ranks[refused].take().unwrap().join().unwrap().err().expect("the refused rank");
+        let (rank, err) =
+            ranks[refused].take().unwrap().join().unwrap().err().expect("the refused rank");
         assert_eq!(err.kind, ErrorKind::InvalidArgument, "{err}");
-        assert!(err.message.contains("ranks 0 and 1") || err.message.contains("ranks 1 and 0"), "the error does not name both ranks: {err}");
+        assert!(
+            err.message.contains("ranks 0 and 1") || err.message.contains("ranks 1 and 0"),
+            "the error does not name both ranks: {err}"
+        );
         assert!(err.message.contains("device 0"), "the error does not name the device: {err}");
         let retried = NcclComm::new(&id, rank, 2, 1).unwrap();
         let other = ranks[1 - refused].take().unwrap().join().unwrap().map_err(|(_, e)| e).unwrap();
@@ -305,7 +350,13 @@ const NCCL_IN_PROGRESS: c_int = 7;
 /// loads (GRADACC_NCCL_LIBRARY, else `libnccl.so.2`, else `libnccl.so`): NCCL's packages and wheels
 /// ship `libnccl.so.2`, a name cudarc's loader never tries.
 struct CallerNccl {
-    init_rank_config: unsafe extern "C" fn(*mut nccl_sys::ncclComm_t, c_int, nccl_sys::ncclUniqueId, c_int, *mut nccl_sys::ncclConfig_t) -> c_int,
+    init_rank_config: unsafe extern "C" fn(
+        *mut nccl_sys::ncclComm_t,
+        c_int,
+        nccl_sys::ncclUniqueId,
+        c_int,
+        *mut nccl_sys::ncclConfig_t,
+    ) -> c_int,
     get_async_error: unsafe extern "C" fn(nccl_sys::ncclComm_t, *mut c_int) -> c_int,
     finalize: unsafe extern "C" fn(nccl_sys::ncclComm_t) -> c_int,
     destroy: unsafe extern "C" fn(nccl_sys::ncclComm_t) -> c_int,
@@ -320,7 +371,10 @@ fn caller_nccl() -> &'static CallerNccl {
             _ => vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()],
         };
         // SAFETY: NCCL, which gradacc has loaded already (the tests ask nccl_available first).
-        let library = names.iter().find_map(|name| unsafe { libloading::Library::new(name) }.ok()).expect("NCCL loads");
+        let library = names
+            .iter()
+            .find_map(|name| unsafe { libloading::Library::new(name) }.ok())
+            .expect("NCCL loads");
         macro_rules! resolve {
             ($name:literal) => {
                 // SAFETY: each field's type is the symbol's prototype in nccl.h, with
@@ -347,7 +401,9 @@ fn wait_ready(comm: nccl_sys::ncclComm_t) {
         assert_eq!(unsafe { (caller_nccl().get_async_error)(comm, &mut state) }, NCCL_SUCCESS);
         match state {
             NCCL_SUCCESS => return,
-            NCCL_IN_PROGRESS => assert!(Instant::now() < deadline, "the communicator stayed in progress"),
+            NCCL_IN_PROGRESS => {
+                assert!(Instant::now() < deadline, "the communicator stayed in progress")
+            }
             other => panic!("the communicator failed: NCCL result {other}"),
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -371,7 +427,8 @@ fn an_adopted_nonblocking_communicator_syncs() {
             let unique = nccl_sys::ncclUniqueId { internal: id.map(|b| b as _) };
             let mut config = nonblocking_config();
             // SAFETY: valid out-pointer and config; device 0's context is current.
-            let r = unsafe { (caller_nccl().init_rank_config)(&mut raw, 1, unique, 0, &mut config) };
+            let r =
+                unsafe { (caller_nccl().init_rank_config)(&mut raw, 1, unique, 0, &mut config) };
             assert!(matches!(r, NCCL_SUCCESS | NCCL_IN_PROGRESS), "ncclCommInitRankConfig: {r}");
             wait_ready(raw);
         }
@@ -379,7 +436,8 @@ fn an_adopted_nonblocking_communicator_syncs() {
         let comm = unsafe { NcclComm::adopt(raw.cast()) }.unwrap();
         assert_eq!((comm.rank(), comm.world_size(), comm.ordinal()), (0, 1, 0));
         let stream = OwnedStream::new(&ctx).unwrap();
-        let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } = ApexSeed::new(&ctx, stream.stream);
+        let ApexSeed { scaler, acc, first: [w1, b1], second: [w2, b2] } =
+            ApexSeed::new(&ctx, stream.stream);
         for step in 0..3 {
             acc.add(&scaler, &[w1.ptr(), b1.ptr()], 1).unwrap();
             acc.add(&scaler, &[w2.ptr(), b2.ptr()], 1).unwrap();
@@ -405,7 +463,9 @@ fn an_adopted_nonblocking_communicator_syncs() {
 
 /// Rank 1 of a group of two on device 1 that joins but never syncs: it waits until rank 0 passes
 /// the returned barrier, then leaves, and reports how long dropping its communicator took.
-fn absent_rank1(id: [u8; nccl::UNIQUE_ID_BYTES]) -> (Arc<Barrier>, std::thread::JoinHandle<Duration>) {
+fn absent_rank1(
+    id: [u8; nccl::UNIQUE_ID_BYTES],
+) -> (Arc<Barrier>, std::thread::JoinHandle<Duration>) {
     let rank0_done = Arc::new(Barrier::new(2));
     let rank1 = {
         let rank0_done = rank0_done.clone();
@@ -434,7 +494,12 @@ fn rank_with_a_window(ordinal: i32) -> Rank {
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal, stream: stream.stream };
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-    let acc = Accumulator::on(device, AccumulatorConfig::default(), &[TensorDesc { numel: 1000, dtype: Dtype::F32 }]).unwrap();
+    let acc = Accumulator::on(
+        device,
+        AccumulatorConfig::default(),
+        &[TensorDesc { numel: 1000, dtype: Dtype::F32 }],
+    )
+    .unwrap();
     let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
     acc.add(&scaler, &[grad.ptr()], 4).unwrap();
     Rank { acc, _scaler: scaler, grad, stream }
@@ -461,13 +526,24 @@ fn a_sync_times_out_when_a_rank_never_comes() {
         let waited = start.elapsed();
         assert_eq!(err.kind, ErrorKind::Timeout, "{err}");
         assert!(err.message.contains("700ms"), "{err}");
-        assert!(waited >= timeout && waited < timeout + Duration::from_secs(1), "sync returned after {waited:?}");
+        assert!(
+            waited >= timeout && waited < timeout + Duration::from_secs(1),
+            "sync returned after {waited:?}"
+        );
         assert!(comm.is_failed());
-        assert_eq!(rank.acc.sync(Some(&comm)).unwrap_err().kind, ErrorKind::CommFailure, "a later sync fails at once");
+        assert_eq!(
+            rank.acc.sync(Some(&comm)).unwrap_err().kind,
+            ErrorKind::CommFailure,
+            "a later sync fails at once"
+        );
         let start = Instant::now();
         drop(rank);
         drop(comm);
-        assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "dropping rank 0 took {:?}",
+            start.elapsed()
+        );
         rank0_done.wait();
         rank1.join().unwrap();
     });
@@ -490,11 +566,19 @@ fn a_sync_after_a_peer_destroyed_its_communicator_does_not_hang() {
         let start = Instant::now();
         let err = rank.acc.sync(Some(&comm)).expect_err("sync succeeded without rank 1");
         assert!(matches!(err.kind, ErrorKind::Timeout | ErrorKind::CommFailure), "{err}");
-        assert!(start.elapsed() < Duration::from_secs(2), "sync returned after {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "sync returned after {:?}",
+            start.elapsed()
+        );
         let start = Instant::now();
         drop(rank);
         drop(comm);
-        assert!(start.elapsed() < Duration::from_secs(5), "dropping rank 0 took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "dropping rank 0 took {:?}",
+            start.elapsed()
+        );
     });
 }
 
@@ -534,7 +618,8 @@ fn twice_added(buckets: &[Range<usize>], descs: &[TensorDesc], style: Style) -> 
     if style != Style::Final {
         return Some(descs.len() - 1);
     }
-    let starts: Vec<usize> = descs.iter().scan(0, |at, d| Some(std::mem::replace(at, *at + d.numel))).collect();
+    let starts: Vec<usize> =
+        descs.iter().scan(0, |at, d| Some(std::mem::replace(at, *at + d.numel))).collect();
     let bucket = |i: usize| buckets.iter().position(|b| b.contains(&starts[i]));
     (1..descs.len()).rev().find(|&i| bucket(i) == bucket(i - 1))
 }
@@ -544,13 +629,22 @@ fn random_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
     // short, and a small layout leaves the last ranks' shards empty.
     let sizes = [1usize, 3, 64, 4095, 4097, 5000, 12289, 40_000];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    let modes =
+        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     let descs: Vec<TensorDesc> = if round == 0 {
         // Exactly `world` full shards: a caller's master needs no padding for the in-place
         // reduce-scatter.
-        vec![TensorDesc { numel: world * 4096 - 100, dtype: Dtype::F16 }, TensorDesc { numel: 100, dtype: Dtype::Bf16 }]
+        vec![
+            TensorDesc { numel: world * 4096 - 100, dtype: Dtype::F16 },
+            TensorDesc { numel: 100, dtype: Dtype::Bf16 },
+        ]
     } else {
-        (0..rng.range(1, 5)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+        (0..rng.range(1, 5))
+            .map(|_| TensorDesc {
+                numel: sizes[rng.range(0, 7) as usize],
+                dtype: dtypes[rng.range(0, 2) as usize],
+            })
+            .collect()
     };
     let config = AccumulatorConfig {
         normalize: modes[round % 4],
@@ -579,7 +673,10 @@ fn random_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
                                 Style::Hooks
                             };
                             let bad = poison && rank == world - 1 && m == 0;
-                            let grads = descs.iter().map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad)).collect();
+                            let grads = descs
+                                .iter()
+                                .map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad))
+                                .collect();
                             Micro { scale, count: rng.range(1, 9), grads, style }
                         })
                         .collect()
@@ -631,7 +728,8 @@ fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) ->
     let divisor = r.config.normalize.divisor(items, micro, window.len() as u64) as f64;
     values.iter_mut().for_each(|v| *v /= divisor);
     let norm = values.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let magnitude_norm = magnitude.iter().map(|m| (m / divisor) * (m / divisor)).sum::<f64>().sqrt();
+    let magnitude_norm =
+        magnitude.iter().map(|m| (m / divisor) * (m / divisor)).sum::<f64>().sqrt();
     let max = r.config.max_grad_norm as f64;
     let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
     Reference { values, magnitude, norm, magnitude_norm, coef, divisor }
@@ -648,7 +746,9 @@ fn same_info(a: &SyncInfo, b: &SyncInfo) -> bool {
 /// Whether `got` is `want` bit for bit (NaN matching any NaN) or, off the software GPU, where
 /// NCCL's summation order is its own, within a relative 1e-5.
 fn close(got: f32, want: f32, exact: bool) -> bool {
-    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()) || (!exact && (got - want).abs() <= 1e-5 * want.abs().max(1e-6))
+    got.to_bits() == want.to_bits()
+        || (got.is_nan() && want.is_nan())
+        || (!exact && (got - want).abs() <= 1e-5 * want.abs().max(1e-6))
 }
 
 /// What one rank's sharded boundary left, per window: its info and its shard.
@@ -656,18 +756,29 @@ type RankResult = Vec<(SyncInfo, Range<usize>, Vec<f32>)>;
 
 /// One rank of a round: an unsharded and a sharded CUDA accumulator over NCCL, and a sharded CPU
 /// accumulator over the in-process communicator, fed the same micro-batches.
-fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID_BYTES], lc: &LocalComm, exact: bool) -> RankResult {
+fn run_rank(
+    r: &ShardRound,
+    rank: usize,
+    world: usize,
+    id: &[u8; nccl::UNIQUE_ID_BYTES],
+    lc: &LocalComm,
+    exact: bool,
+) -> RankResult {
     let (ctx, stream, device) = rank_device(rank);
     let comm = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
     Communicator::set_timeout(&*comm, Some(Duration::from_secs(30))).unwrap();
-    let sharded_config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..r.config };
+    let sharded_config =
+        AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..r.config };
     let len: usize = r.descs.iter().map(|d| d.numel).sum();
     // Declared before the accumulator that adopts it, so it outlives it.
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
     let plain = Accumulator::on(device, r.config, &r.descs).unwrap();
     let sharded = if r.adopt {
         // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
-        unsafe { Accumulator::on_buffer(device, sharded_config, &r.descs, adopted.ptr() as *mut f32, len) }.unwrap()
+        unsafe {
+            Accumulator::on_buffer(device, sharded_config, &r.descs, adopted.ptr() as *mut f32, len)
+        }
+        .unwrap()
     } else {
         Accumulator::on(device, sharded_config, &r.descs).unwrap()
     };
@@ -677,9 +788,12 @@ fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID
     let mut results = Vec::new();
     for (w, window) in r.windows.iter().enumerate() {
         for m in &window[rank] {
-            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
-            let cs = Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
-            let uploads: Vec<(DeviceBuffer, u64)> = m.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + rank) % 3)).collect();
+            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() })
+                .unwrap();
+            let cs =
+                Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> =
+                m.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + rank) % 3)).collect();
             let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
             let views: Vec<Grad<'_>> = m.grads.iter().map(HostGrad::view).collect();
             if m.style == Style::Add {
@@ -708,7 +822,11 @@ fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID
                 a.end_microbatch().unwrap();
             }
             if m.style == Style::Final {
-                assert_eq!(sharded.add(&gs, &addresses, 1).unwrap_err().kind, ErrorKind::WrongState, "an add after the final micro-batch");
+                assert_eq!(
+                    sharded.add(&gs, &addresses, 1).unwrap_err().kind,
+                    ErrorKind::WrongState,
+                    "an add after the final micro-batch"
+                );
             }
         }
         let what = format!("rank {rank} window {w} {:?} {:?} adopt {}", r.descs, r.config, r.adopt);
@@ -716,7 +834,11 @@ fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID
         let got = sharded.sync(Some(&*comm)).unwrap();
         let on_cpu = cpu.sync(Some(lc)).unwrap();
         assert!(same_info(&got, &want), "{what}: sharded {got:?}, all-reduce {want:?}");
-        assert_eq!((got.found_inf, got.total_count, got.microbatches), (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches), "{what}");
+        assert_eq!(
+            (got.found_inf, got.total_count, got.microbatches),
+            (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches),
+            "{what}"
+        );
         assert!(same_info(&got, &on_cpu) || !exact, "{what}: CUDA {got:?}, CPU {on_cpu:?}");
         let mut flat = Vec::with_capacity(len);
         for (i, d) in r.descs.iter().enumerate() {
@@ -727,13 +849,23 @@ fn run_rank(r: &ShardRound, rank: usize, world: usize, id: &[u8; nccl::UNIQUE_ID
         let mut shard = vec![0f32; range.len()];
         if !shard.is_empty() {
             // The shard's device address, read on the accumulator's stream after its sync.
-            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4).read(&mut shard).unwrap();
+            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4)
+                .read(&mut shard)
+                .unwrap();
         }
         // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
         let cpu_shard = unsafe { std::slice::from_raw_parts(cpu.shard().1, range.len()) };
         for (k, (&s, i)) in shard.iter().zip(range.clone()).enumerate() {
-            assert!(close(s, flat[i], exact), "{what}: shard element {k} (master {i}): {s:e}, the all-reduce has {:e}", flat[i]);
-            assert!(close(s, cpu_shard[k], exact), "{what}: shard element {k} (master {i}): {s:e}, the CPU has {:e}", cpu_shard[k]);
+            assert!(
+                close(s, flat[i], exact),
+                "{what}: shard element {k} (master {i}): {s:e}, the all-reduce has {:e}",
+                flat[i]
+            );
+            assert!(
+                close(s, cpu_shard[k], exact),
+                "{what}: shard element {k} (master {i}): {s:e}, the CPU has {:e}",
+                cpu_shard[k]
+            );
         }
         results.push((got, range.clone(), shard));
     }
@@ -752,15 +884,20 @@ fn sharded_rounds(world: usize, test: &str) {
         let r = random_round(&mut rng, world, round);
         let id = nccl::unique_id().unwrap();
         let locals = LocalComm::group(world).unwrap();
-        let results: Vec<RankResult> = within(Duration::from_secs(300), "a sharded round", move || {
-            let r = &r;
-            let results = std::thread::scope(|s| {
-                let handles: Vec<_> = locals.iter().enumerate().map(|(rank, lc)| s.spawn(move || run_rank(r, rank, world, &id, lc, exact))).collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        let results: Vec<RankResult> =
+            within(Duration::from_secs(300), "a sharded round", move || {
+                let r = &r;
+                let results = std::thread::scope(|s| {
+                    let handles: Vec<_> = locals
+                        .iter()
+                        .enumerate()
+                        .map(|(rank, lc)| s.spawn(move || run_rank(r, rank, world, &id, lc, exact)))
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+                });
+                check_against_reference(r, &results, world, round);
+                results
             });
-            check_against_reference(r, &results, world, round);
-            results
-        });
         assert_eq!(results.len(), world);
     }
 }
@@ -773,7 +910,11 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
         let what = format!("round {round} window {w} {:?} {:?}", r.descs, r.config);
         let info = results[0][w].0;
         for (rank, rr) in results.iter().enumerate() {
-            assert!(same_info(&rr[w].0, &info), "{what}: rank {rank} reports {:?}, rank 0 {info:?}", rr[w].0);
+            assert!(
+                same_info(&rr[w].0, &info),
+                "{what}: rank {rank} reports {:?}, rank 0 {info:?}",
+                rr[w].0
+            );
         }
         let covered: usize = results.iter().map(|rr| rr[w].1.len()).sum();
         assert_eq!(covered, len, "{what}: the shards do not cover the layout");
@@ -781,21 +922,43 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
             continue;
         }
         let want = reference(r, window, &buckets);
-        assert_eq!(info.total_count, window.iter().flatten().map(|m| m.count).sum::<u64>(), "{what}");
+        assert_eq!(
+            info.total_count,
+            window.iter().flatten().map(|m| m.count).sum::<u64>(),
+            "{what}"
+        );
         // The BF16 wire rounds each contribution once: each element moves by at most
         // (2^-8 + (W - 1) 2^-24) of its magnitude, and the norm by as much of the magnitudes' norm.
-        let bf16 = if r.config.wire == Dtype::Bf16 { 2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24) } else { 0.0 };
+        let bf16 = if r.config.wire == Dtype::Bf16 {
+            2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24)
+        } else {
+            0.0
+        };
         let norm_tol = 1e-5 * want.norm + 1e-12 + bf16 * want.magnitude_norm;
-        assert!((info.grad_norm - want.norm).abs() <= norm_tol, "{what}: norm {} vs {}", info.grad_norm, want.norm);
+        assert!(
+            (info.grad_norm - want.norm).abs() <= norm_tol,
+            "{what}: norm {} vs {}",
+            info.grad_norm,
+            want.norm
+        );
         let clip_tol = (1e-5 + norm_tol / want.norm.max(1e-30)) * want.coef;
-        assert!((info.clip_coef - want.coef).abs() <= clip_tol, "{what}: clip {} vs {}", info.clip_coef, want.coef);
+        assert!(
+            (info.clip_coef - want.coef).abs() <= clip_tol,
+            "{what}: clip {} vs {}",
+            info.clip_coef,
+            want.coef
+        );
         for rr in results {
             let (_, range, shard) = &rr[w];
             for (&got, i) in shard.iter().zip(range.clone()) {
                 let expect = want.values[i] * want.coef;
-                let tol =
-                    (4e-6 + bf16) * want.magnitude[i] / want.divisor * want.coef + want.values[i].abs() * (info.clip_coef - want.coef).abs() + 1e-30;
-                assert!((got as f64 - expect).abs() <= tol, "{what}: element {i}: {got} vs {expect} (tol {tol}), world {world}");
+                let tol = (4e-6 + bf16) * want.magnitude[i] / want.divisor * want.coef
+                    + want.values[i].abs() * (info.clip_coef - want.coef).abs()
+                    + 1e-30;
+                assert!(
+                    (got as f64 - expect).abs() <= tol,
+                    "{what}: element {i}: {got} vs {expect} (tol {tol}), world {world}"
+                );
             }
         }
     }
@@ -861,7 +1024,9 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
     if count == 0 {
         return;
     }
-    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1") || std::env::var("SIMGPU_DEVICES").is_ok() {
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1")
+        || std::env::var("SIMGPU_DEVICES").is_ok()
+    {
         eprintln!("not run: needs {devices} devices ({count} visible)");
         return;
     }
@@ -870,11 +1035,20 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
         .env("SIMGPU_DEVICES", devices.to_string())
         .output()
         .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "the {devices}-device run failed:\n{text}");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "the {devices}-device run failed:\n{text}"
+    );
     eprintln!(
         "{}",
-        text.lines().filter(|l| l.contains("SEED") || l.starts_with("test ") && !l.starts_with("test result")).collect::<Vec<_>>().join("\n")
+        text.lines()
+            .filter(
+                |l| l.contains("SEED") || l.starts_with("test ") && !l.starts_with("test result")
+            )
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 }
 
@@ -903,14 +1077,25 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
                 for (rank, (sharding, want)) in ranks.into_iter().enumerate() {
                     let ids = &ids;
                     s.spawn(move || {
-                        let (id, at, world) = if shared { (&ids[0], rank, 2) } else { (&ids[rank], 0, 1) };
+                        let (id, at, world) =
+                            if shared { (&ids[0], rank, 2) } else { (&ids[rank], 0, 1) };
                         let (ctx, stream, device) = rank_device(rank);
                         let comm = Arc::new(NcclComm::new(id, at, world, rank as i32).unwrap());
                         Communicator::set_timeout(&*comm, Some(Duration::from_secs(20))).unwrap();
                         let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
-                        let acc = Accumulator::on(device, AccumulatorConfig { sharding, ..Default::default() }, &tensors).unwrap();
-                        let one = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000]).unwrap();
+                        let acc = Accumulator::on(
+                            device,
+                            AccumulatorConfig { sharding, ..Default::default() },
+                            &tensors,
+                        )
+                        .unwrap();
+                        let one = Scaler::on(
+                            device,
+                            ScalerConfig { init_scale: 1.0, ..Default::default() },
+                        )
+                        .unwrap();
+                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000])
+                            .unwrap();
                         acc.add(&one, &[grad.ptr()], 1).unwrap();
                         let what = format!("case {case} rank {rank} {sharding:?}");
                         let e = acc.begin_final_microbatch(1, comm.clone()).unwrap_err();
@@ -921,7 +1106,11 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
                         acc.read_master(0, &mut m).unwrap();
                         assert!(m.iter().all(|&v| v == 2.0), "{what}: the window changed");
                         if let Sharding::ReduceScatter { shards: 2, .. } = sharding {
-                            assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::InvalidArgument, "{what}: a sync with no communicator");
+                            assert_eq!(
+                                acc.sync(None).unwrap_err().kind,
+                                ErrorKind::InvalidArgument,
+                                "{what}: a sync with no communicator"
+                            );
                         }
                     });
                 }
@@ -937,11 +1126,19 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
 fn accumulate_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
     let sizes = [1usize, 3, 64, 4095, 4097, 5000, 12289, 40_000];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let modes = [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
+    let modes =
+        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     let descs: Vec<TensorDesc> = if round == 0 {
-        (0..600).map(|i| TensorDesc { numel: rng.range(3, 64) as usize, dtype: dtypes[i % 3] }).collect()
+        (0..600)
+            .map(|i| TensorDesc { numel: rng.range(3, 64) as usize, dtype: dtypes[i % 3] })
+            .collect()
     } else {
-        (0..rng.range(1, 5)).map(|_| TensorDesc { numel: sizes[rng.range(0, 7) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+        (0..rng.range(1, 5))
+            .map(|_| TensorDesc {
+                numel: sizes[rng.range(0, 7) as usize],
+                dtype: dtypes[rng.range(0, 2) as usize],
+            })
+            .collect()
     };
     let config = AccumulatorConfig {
         normalize: modes[round % 4],
@@ -961,7 +1158,10 @@ fn accumulate_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
                         .map(|m| {
                             let scale = 2f32.powi(rng.range(0, 14) as i32);
                             let bad = poison && rank == world - 1 && m == 0;
-                            let grads = descs.iter().map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad)).collect();
+                            let grads = descs
+                                .iter()
+                                .map(|d| HostGrad::random(rng, d.dtype, d.numel, scale, bad))
+                                .collect();
                             Micro { scale, count: rng.range(1, 9), grads, style: Style::Add }
                         })
                         .collect()
@@ -986,9 +1186,11 @@ fn run_accumulate_rank(
     exact: bool,
 ) -> RankResult {
     let (ctx, stream, device) = rank_device(rank);
-    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+    let comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
     comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
-    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
+    let config =
+        AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
     let acc = Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap();
     let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
     let (range, ptr) = acc.shard();
@@ -997,20 +1199,34 @@ fn run_accumulate_rank(
     for (w, window) in r.windows.iter().enumerate() {
         let what = format!("rank {rank} window {w} {} tensors {:?}", r.descs.len(), r.config);
         for (m, micro) in window[rank].iter().enumerate() {
-            let gs = Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
-            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
-            let uploads: Vec<(DeviceBuffer, u64)> = micro.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + rank + m) % 3)).collect();
+            let gs =
+                Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() })
+                    .unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() })
+                .unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> = micro
+                .grads
+                .iter()
+                .map(|g| g.upload(&ctx, stream.stream, (w + rank + m) % 3))
+                .collect();
             let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
             let views: Vec<Grad<'_>> = micro.grads.iter().map(HostGrad::view).collect();
             acc.add(&gs, &addresses, micro.count).unwrap();
             cpu.add(&cs, &views, micro.count).unwrap();
             if m == 0 && (w == 1 || w == 2) {
                 let bytes = acc.save_window().unwrap();
-                assert!(bytes == cpu.save_window().unwrap() || !exact, "{what}: the saved window is not the CPU's");
+                assert!(
+                    bytes == cpu.save_window().unwrap() || !exact,
+                    "{what}: the saved window is not the CPU's"
+                );
                 // Another micro-batch (on every rank) overwrites the shard; then the saved window
                 // comes back.
                 acc.reset().unwrap();
-                let other = Scaler::on(device, ScalerConfig { init_scale: micro.scale * 2.0, ..Default::default() }).unwrap();
+                let other = Scaler::on(
+                    device,
+                    ScalerConfig { init_scale: micro.scale * 2.0, ..Default::default() },
+                )
+                .unwrap();
                 acc.add(&other, &addresses, micro.count).unwrap();
                 acc.reset().unwrap();
                 if w == 1 {
@@ -1018,25 +1234,46 @@ fn run_accumulate_rank(
                 } else {
                     acc.merge_window(&bytes).unwrap();
                 }
-                assert_eq!(acc.save_window().unwrap(), bytes, "{what}: the window did not come back");
+                assert_eq!(
+                    acc.save_window().unwrap(),
+                    bytes,
+                    "{what}: the window did not come back"
+                );
             }
         }
         // Through the creation communicator, named or not.
         let got = acc.sync(if w % 2 == 0 { None } else { Some(&*comm) }).unwrap();
         let on_cpu = cpu.sync(None).unwrap();
-        assert_eq!((got.found_inf, got.total_count, got.microbatches), (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches), "{what}");
+        assert_eq!(
+            (got.found_inf, got.total_count, got.microbatches),
+            (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches),
+            "{what}"
+        );
         assert!(same_info(&got, &on_cpu) || !exact, "{what}: CUDA {got:?}, CPU {on_cpu:?}");
-        if window.iter().flatten().any(|m| m.grads.iter().any(|g| g.f32s.iter().any(|v| !v.is_finite()))) {
-            assert!(got.found_inf, "{what}: a rank's gradient overflowed, but the info says {got:?}");
+        if window
+            .iter()
+            .flatten()
+            .any(|m| m.grads.iter().any(|g| g.f32s.iter().any(|v| !v.is_finite())))
+        {
+            assert!(
+                got.found_inf,
+                "{what}: a rank's gradient overflowed, but the info says {got:?}"
+            );
         }
         let mut shard = vec![0f32; range.len()];
         if !shard.is_empty() {
-            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4).read(&mut shard).unwrap();
+            DeviceBuffer::adopt(&ctx, stream.stream, ptr as u64, range.len() * 4)
+                .read(&mut shard)
+                .unwrap();
         }
         // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
         let cpu_shard = unsafe { std::slice::from_raw_parts(cpu.shard().1, range.len()) };
         for (k, (&s, &c)) in shard.iter().zip(cpu_shard).enumerate() {
-            assert!(close(s, c, exact), "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}", range.start + k);
+            assert!(
+                close(s, c, exact),
+                "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}",
+                range.start + k
+            );
         }
         // A tensor inside the shard reads as its part of the shard; any other is refused.
         let mut at = 0;
@@ -1047,11 +1284,17 @@ fn run_accumulate_rank(
             if t.start >= range.start && t.end <= range.end {
                 acc.read_master(i, &mut out).unwrap();
                 assert!(
-                    out.iter().zip(&shard[t.start - range.start..t.end - range.start]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    out.iter()
+                        .zip(&shard[t.start - range.start..t.end - range.start])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{what}: tensor {i}"
                 );
             } else {
-                assert_eq!(acc.read_master(i, &mut out).unwrap_err().kind, ErrorKind::InvalidArgument, "{what}: tensor {i} {t:?}");
+                assert_eq!(
+                    acc.read_master(i, &mut out).unwrap_err().kind,
+                    ErrorKind::InvalidArgument,
+                    "{what}: tensor {i} {t:?}"
+                );
             }
         }
         results.push((got, range.clone(), shard));
@@ -1067,12 +1310,21 @@ fn accumulate_rounds(world: usize, test: &str) {
     for round in 0..10 {
         let r = accumulate_round(&mut rng, world, round);
         let id = nccl::unique_id().unwrap();
-        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world)
+            .unwrap()
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
         within(Duration::from_secs(300), "a sharded accumulation round", move || {
             let r = &r;
             let results: Vec<RankResult> = std::thread::scope(|s| {
-                let handles: Vec<_> =
-                    locals.into_iter().enumerate().map(|(rank, lc)| s.spawn(move || run_accumulate_rank(r, rank, world, &id, lc, exact))).collect();
+                let handles: Vec<_> = locals
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, lc)| {
+                        s.spawn(move || run_accumulate_rank(r, rank, world, &id, lc, exact))
+                    })
+                    .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             check_against_reference(r, &results, world, round);
@@ -1080,11 +1332,15 @@ fn accumulate_rounds(world: usize, test: &str) {
     }
 }
 
-at_two_and_three_ranks!(sharded_accumulation_matches_the_cpu_at_two_ranks, sharded_accumulation_matches_the_cpu_at_three_ranks, accumulate_rounds);
+at_two_and_three_ranks!(
+    sharded_accumulation_matches_the_cpu_at_two_ranks,
+    sharded_accumulation_matches_the_cpu_at_three_ranks,
+    accumulate_rounds
+);
 
 /// What a sharded CUDA accumulation refuses: a host communicator, an NCCL communicator on another
-/// device, and a hybrid boundary whose replica group is the shard group. After the refusals whole micro-batches still add, and a CUDA scaler's update
-/// reads the boundary's overflow flag.
+/// device, and a hybrid boundary whose replica group is the shard group. After the refusals whole
+/// micro-batches still add, and a CUDA scaler's update reads the boundary's overflow flag.
 #[test]
 fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
     if !gpus_or_skip(2) {
@@ -1092,38 +1348,76 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
     }
     within(Duration::from_secs(120), "sharded accumulation's refusals", || {
         let id = nccl::unique_id().unwrap();
-        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(2).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
         std::thread::scope(|s| {
             for (rank, local) in locals.into_iter().enumerate() {
                 s.spawn(move || {
                     let (ctx, stream, device) = rank_device(rank);
                     let comm = pair_comm(&id, rank, Duration::from_secs(20));
                     let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
-                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
-                    let e = Accumulator::sharded_on(device, config, &tensors, local.clone()).unwrap_err();
+                    let config = AccumulatorConfig {
+                        sharding: Sharding::Accumulate { shards: 2, rank },
+                        ..Default::default()
+                    };
+                    let e = Accumulator::sharded_on(device, config, &tensors, local.clone())
+                        .unwrap_err();
                     assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a host communicator: {e}");
-                    let other = Device::Cuda { ordinal: 1 - rank as i32, stream: std::ptr::null_mut() };
-                    let e = Accumulator::sharded_on(other, config, &tensors, comm.clone()).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a communicator on another device: {e}");
+                    let other =
+                        Device::Cuda { ordinal: 1 - rank as i32, stream: std::ptr::null_mut() };
+                    let e =
+                        Accumulator::sharded_on(other, config, &tensors, comm.clone()).unwrap_err();
+                    assert_eq!(
+                        e.kind,
+                        ErrorKind::DeviceMismatch,
+                        "a communicator on another device: {e}"
+                    );
 
-                    let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
-                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+                    let acc =
+                        Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    let scaler =
+                        Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() })
+                            .unwrap();
                     // The shard group as its own replica group: its ranks hold different shards.
                     let e = acc.sync_hybrid(&*comm, &*comm).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: a hybrid boundary over one group: {e}");
+                    assert_eq!(
+                        e.kind,
+                        ErrorKind::SizeMismatch,
+                        "rank {rank}: a hybrid boundary over one group: {e}"
+                    );
 
                     let mut values = vec![2.0f32 + rank as f32; 10_000];
                     values[rank * 7000] = f32::INFINITY;
                     let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
                     acc.add(&scaler, &[grad.ptr()], 1).unwrap();
                     let info = acc.sync(None).unwrap();
-                    assert_eq!((info.found_inf, info.total_count, info.microbatches), (true, 2, 2), "rank {rank}");
-                    assert_eq!(scaler.update_from(&[&acc], true).unwrap(), Some(true), "rank {rank}: the scaler's update");
-                    assert_eq!(scaler.scale().unwrap(), 2.0, "rank {rank}: the scale did not back off");
+                    assert_eq!(
+                        (info.found_inf, info.total_count, info.microbatches),
+                        (true, 2, 2),
+                        "rank {rank}"
+                    );
+                    assert_eq!(
+                        scaler.update_from(&[&acc], true).unwrap(),
+                        Some(true),
+                        "rank {rank}: the scaler's update"
+                    );
+                    assert_eq!(
+                        scaler.scale().unwrap(),
+                        2.0,
+                        "rank {rank}: the scale did not back off"
+                    );
 
                     // A window without overflow, each rank's gradient unscaled by 2, summed over
                     // the ranks and normalised by the 2 items: (2 / 2 + 3 / 2) / 2 everywhere.
-                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![2.0f32 + rank as f32; 10_000]).unwrap();
+                    let grad = DeviceBuffer::from_slice(
+                        &ctx,
+                        stream.stream,
+                        &vec![2.0f32 + rank as f32; 10_000],
+                    )
+                    .unwrap();
                     acc.add(&scaler, &[grad.ptr()], 1).unwrap();
                     let info = acc.sync(Some(&*comm)).unwrap();
                     assert!(!info.found_inf, "rank {rank}: {info:?}");
@@ -1131,8 +1425,14 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
                     assert_eq!(range, if rank == 0 { 0..8192 } else { 8192..10_000 });
                     let mut shard = vec![0f32; range.len()];
                     let e = acc.read_master(0, &mut vec![0f32; 10_000]).unwrap_err();
-                    assert_eq!(e.kind, ErrorKind::InvalidArgument, "rank {rank}: a tensor outside the shard: {e}");
-                    DeviceBuffer::adopt(&ctx, stream.stream, acc.shard().1 as u64, range.len() * 4).read(&mut shard).unwrap();
+                    assert_eq!(
+                        e.kind,
+                        ErrorKind::InvalidArgument,
+                        "rank {rank}: a tensor outside the shard: {e}"
+                    );
+                    DeviceBuffer::adopt(&ctx, stream.stream, acc.shard().1 as u64, range.len() * 4)
+                        .read(&mut shard)
+                        .unwrap();
                     assert!(shard.iter().all(|&v| v == 1.25), "rank {rank}: {:?}", &shard[..4]);
                 });
             }
@@ -1153,9 +1453,18 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
         // Per case, per rank: its tensor's length, whether its add is invalid, whether it syncs
         // first, and the error it sees.
         let cases = [
-            [(10_000, false, false, ErrorKind::PeerFailure), (10_000, true, false, ErrorKind::SizeMismatch)],
-            [(10_000, false, false, ErrorKind::SizeMismatch), (10_001, false, false, ErrorKind::SizeMismatch)],
-            [(10_000, false, false, ErrorKind::SizeMismatch), (10_000, false, true, ErrorKind::SizeMismatch)],
+            [
+                (10_000, false, false, ErrorKind::PeerFailure),
+                (10_000, true, false, ErrorKind::SizeMismatch),
+            ],
+            [
+                (10_000, false, false, ErrorKind::SizeMismatch),
+                (10_001, false, false, ErrorKind::SizeMismatch),
+            ],
+            [
+                (10_000, false, false, ErrorKind::SizeMismatch),
+                (10_000, false, true, ErrorKind::SizeMismatch),
+            ],
         ];
         for (case, ranks) in cases.into_iter().enumerate() {
             let id = nccl::unique_id().unwrap();
@@ -1164,10 +1473,25 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
                     s.spawn(move || {
                         let (ctx, stream, device) = rank_device(rank);
                         let comm = pair_comm(&id, rank, Duration::from_secs(20));
-                        let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
-                        let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
-                        let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel]).unwrap();
+                        let config = AccumulatorConfig {
+                            sharding: Sharding::Accumulate { shards: 2, rank },
+                            ..Default::default()
+                        };
+                        let acc = Accumulator::sharded_on(
+                            device,
+                            config,
+                            &[TensorDesc { numel, dtype: Dtype::F32 }],
+                            comm.clone(),
+                        )
+                        .unwrap();
+                        let scaler = Scaler::on(
+                            device,
+                            ScalerConfig { init_scale: 1.0, ..Default::default() },
+                        )
+                        .unwrap();
+                        let grad =
+                            DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel])
+                                .unwrap();
                         let what = format!("case {case} rank {rank}");
                         let e = if syncs {
                             acc.sync(None).unwrap_err()
@@ -1180,7 +1504,11 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
                         if case == 0 {
                             acc.add(&scaler, &[grad.ptr()], 1).unwrap();
                             let info = acc.sync(None).unwrap();
-                            assert_eq!((info.total_count, info.microbatches, info.grad_norm), (2, 2, 10_000f64.sqrt()), "{what}");
+                            assert_eq!(
+                                (info.total_count, info.microbatches, info.grad_norm),
+                                (2, 2, 10_000f64.sqrt()),
+                                "{what}"
+                            );
                         }
                     });
                 }
@@ -1207,10 +1535,22 @@ fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
                 s.spawn(move || {
                     let (ctx, stream, device) = rank_device(rank);
                     let comm = pair_comm(&id, rank, Duration::from_secs(5));
-                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
-                    let acc = Accumulator::sharded_on(device, config, &[TensorDesc { numel, dtype: Dtype::F32 }], comm.clone()).unwrap();
-                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel]).unwrap();
+                    let config = AccumulatorConfig {
+                        sharding: Sharding::Accumulate { shards: 2, rank },
+                        ..Default::default()
+                    };
+                    let acc = Accumulator::sharded_on(
+                        device,
+                        config,
+                        &[TensorDesc { numel, dtype: Dtype::F32 }],
+                        comm.clone(),
+                    )
+                    .unwrap();
+                    let scaler =
+                        Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
+                            .unwrap();
+                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32; numel])
+                        .unwrap();
                     // The first micro-batch checks the layouts.
                     let first = acc.add(&scaler, &[grad.ptr()], 1);
                     first_added.wait();
@@ -1229,16 +1569,27 @@ fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
                         // when enqueued after the peer's abort, or reading the window waits no
                         // longer than the communicator's timeout; either way the window is lost.
                         match acc.add(&scaler, &[grad.ptr()], 1) {
-                            Err(e) => assert!(e.kind == ErrorKind::CommFailure && e.message.ends_with("(the window was discarded)"), "{e}"),
+                            Err(e) => assert!(
+                                e.kind == ErrorKind::CommFailure
+                                    && e.message.ends_with("(the window was discarded)"),
+                                "{e}"
+                            ),
                             Ok(()) => {
                                 let e = acc.save_window().unwrap_err();
-                                assert!(matches!(e.kind, ErrorKind::Timeout | ErrorKind::CommFailure), "{e}");
+                                assert!(
+                                    matches!(e.kind, ErrorKind::Timeout | ErrorKind::CommFailure),
+                                    "{e}"
+                                );
                             }
                         }
                         assert!(acc.sync(None).is_err());
                     }
                     // The 5 s timeout bounds the wait; the margin is for a busy machine.
-                    assert!(t.elapsed() < Duration::from_secs(30), "rank {rank} waited {:?}", t.elapsed());
+                    assert!(
+                        t.elapsed() < Duration::from_secs(30),
+                        "rank {rank} waited {:?}",
+                        t.elapsed()
+                    );
                 });
             }
         });
@@ -1261,7 +1612,13 @@ struct GridRank {
 fn grid(shards: usize, replicas: usize) -> Vec<GridRank> {
     let shard_ids: Vec<_> = (0..replicas).map(|_| nccl::unique_id().unwrap()).collect();
     let replica_ids: Vec<_> = (0..shards).map(|_| nccl::unique_id().unwrap()).collect();
-    let group = |n| LocalComm::group(n).unwrap().into_iter().map(|c| Some(Arc::new(c) as Arc<dyn Communicator>)).collect::<Vec<_>>();
+    let group = |n| {
+        LocalComm::group(n)
+            .unwrap()
+            .into_iter()
+            .map(|c| Some(Arc::new(c) as Arc<dyn Communicator>))
+            .collect::<Vec<_>>()
+    };
     let mut shard_locals: Vec<_> = (0..replicas).map(|_| group(shards)).collect();
     let mut replica_locals: Vec<_> = (0..shards).map(|_| group(replicas)).collect();
     (0..shards * replicas)
@@ -1284,8 +1641,10 @@ impl GridRank {
     /// This rank's NCCL shard and replica groups on its device.
     fn nccl(&self) -> (Arc<dyn Communicator>, Arc<dyn Communicator>) {
         let (a, i, g) = (self.g / self.shards, self.g % self.shards, self.g as i32);
-        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&self.shard_id, i, self.shards, g).unwrap());
-        let reps: Arc<dyn Communicator> = Arc::new(NcclComm::new(&self.replica_id, a, self.replicas, g).unwrap());
+        let comm: Arc<dyn Communicator> =
+            Arc::new(NcclComm::new(&self.shard_id, i, self.shards, g).unwrap());
+        let reps: Arc<dyn Communicator> =
+            Arc::new(NcclComm::new(&self.replica_id, a, self.replicas, g).unwrap());
         for c in [&comm, &reps] {
             c.set_timeout(Some(Duration::from_secs(30))).unwrap();
         }
@@ -1343,7 +1702,12 @@ fn read_shard(acc: &Accumulator, ctx: &Arc<Context>, stream: driver::CUstream) -
 /// One rank of a hybrid round: a CUDA accumulator over its NCCL groups and a CPU accumulator over
 /// the in-process ones, fed the same micro-batches; every boundary's info and shard must be the
 /// CPU's (bit for bit where NCCL sums in rank order, as on the software GPU).
-fn run_hybrid_rank(r: &ShardRound, rank: &GridRank, accumulate: bool, exact: bool) -> Vec<SyncInfo> {
+fn run_hybrid_rank(
+    r: &ShardRound,
+    rank: &GridRank,
+    accumulate: bool,
+    exact: bool,
+) -> Vec<SyncInfo> {
     let (g, shards) = (rank.g, rank.shards);
     let ctx = Context::get(g as i32).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
@@ -1352,16 +1716,25 @@ fn run_hybrid_rank(r: &ShardRound, rank: &GridRank, accumulate: bool, exact: boo
     let len: usize = r.descs.iter().map(|d| d.numel).sum();
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
     let (gpu, cpu) = if accumulate {
-        let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards, rank: g % shards }, ..r.config };
+        let config = AccumulatorConfig {
+            sharding: Sharding::Accumulate { shards, rank: g % shards },
+            ..r.config
+        };
         (
             Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap(),
             Accumulator::sharded(config, &r.descs, rank.shard_local.clone()).unwrap(),
         )
     } else {
-        let config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards, rank: g % shards }, ..r.config };
+        let config = AccumulatorConfig {
+            sharding: Sharding::ReduceScatter { shards, rank: g % shards },
+            ..r.config
+        };
         let gpu = if r.adopt {
             // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
-            unsafe { Accumulator::on_buffer(device, config, &r.descs, adopted.ptr() as *mut f32, len) }.unwrap()
+            unsafe {
+                Accumulator::on_buffer(device, config, &r.descs, adopted.ptr() as *mut f32, len)
+            }
+            .unwrap()
         } else {
             Accumulator::on(device, config, &r.descs).unwrap()
         };
@@ -1370,19 +1743,30 @@ fn run_hybrid_rank(r: &ShardRound, rank: &GridRank, accumulate: bool, exact: boo
     let mut infos = Vec::new();
     for (w, window) in r.windows.iter().enumerate() {
         for m in &window[g] {
-            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
-            let cs = Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
-            let uploads: Vec<(DeviceBuffer, u64)> = m.grads.iter().map(|h| h.upload(&ctx, stream.stream, (w + g) % 3)).collect();
+            let gs = Scaler::on(device, ScalerConfig { init_scale: m.scale, ..Default::default() })
+                .unwrap();
+            let cs =
+                Scaler::new(ScalerConfig { init_scale: m.scale, ..Default::default() }).unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> =
+                m.grads.iter().map(|h| h.upload(&ctx, stream.stream, (w + g) % 3)).collect();
             let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
             let views: Vec<Grad<'_>> = m.grads.iter().map(HostGrad::view).collect();
             let order: Vec<usize> = (0..r.descs.len()).rev().collect();
-            let twice = if accumulate { None } else { twice_added(gpu.buckets(), &r.descs, m.style) };
+            let twice =
+                if accumulate { None } else { twice_added(gpu.buckets(), &r.descs, m.style) };
             add_alike(&gpu, &cpu, m, &gs, &cs, &addresses, &views, &order, twice, &comm);
         }
-        let what = format!("grid {shards}x{} rank {g} window {w} {:?} {:?} adopt {}", rank.replicas, r.descs, r.config, r.adopt);
+        let what = format!(
+            "grid {shards}x{} rank {g} window {w} {:?} {:?} adopt {}",
+            rank.replicas, r.descs, r.config, r.adopt
+        );
         let got = gpu.sync_hybrid(&*comm, &*reps).unwrap();
         let want = cpu.sync_hybrid(&*rank.shard_local, &*rank.replica_local).unwrap();
-        assert_eq!((got.found_inf, got.total_count, got.microbatches), (want.found_inf, want.total_count, want.microbatches), "{what}");
+        assert_eq!(
+            (got.found_inf, got.total_count, got.microbatches),
+            (want.found_inf, want.total_count, want.microbatches),
+            "{what}"
+        );
         assert!(same_info(&got, &want) || !exact, "{what}: CUDA {got:?}, CPU {want:?}");
         let (range, cpu_ptr) = cpu.shard();
         assert_eq!(range, gpu.shard().0, "{what}");
@@ -1390,7 +1774,11 @@ fn run_hybrid_rank(r: &ShardRound, rank: &GridRank, accumulate: bool, exact: boo
         // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
         let cpu_shard = unsafe { std::slice::from_raw_parts(cpu_ptr, range.len()) };
         for (k, (&s, &c)) in shard.iter().zip(cpu_shard).enumerate() {
-            assert!(close(s, c, exact), "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}", range.start + k);
+            assert!(
+                close(s, c, exact),
+                "{what}: shard element {k} (master {}): {s:e}, the CPU has {c:e}",
+                range.start + k
+            );
         }
         infos.push(got);
     }
@@ -1408,7 +1796,11 @@ fn hybrid_rounds(shards: usize, replicas: usize, test: &str) {
         // Odd rounds accumulate sharded; round 0's layout (hundreds of tiny tensors) is an even
         // round's, so the accumulation's rounds start at 1.
         let accumulate = round % 2 == 1;
-        let mut r = if accumulate { accumulate_round(&mut rng, world, round) } else { random_round(&mut rng, world, round) };
+        let mut r = if accumulate {
+            accumulate_round(&mut rng, world, round)
+        } else {
+            random_round(&mut rng, world, round)
+        };
         // The BF16 wire on both policies: the shard group's, or the replicas' after a shard
         // group of one.
         r.config.wire = if round % 4 < 2 { Dtype::Bf16 } else { Dtype::F32 };
@@ -1416,12 +1808,18 @@ fn hybrid_rounds(shards: usize, replicas: usize, test: &str) {
         within(Duration::from_secs(300), "a hybrid round", move || {
             let r = &r;
             let infos: Vec<Vec<SyncInfo>> = std::thread::scope(|s| {
-                let handles: Vec<_> = ranks.iter().map(|rank| s.spawn(move || run_hybrid_rank(r, rank, accumulate, exact))).collect();
+                let handles: Vec<_> = ranks
+                    .iter()
+                    .map(|rank| s.spawn(move || run_hybrid_rank(r, rank, accumulate, exact)))
+                    .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for (g, i) in infos.iter().enumerate() {
                 for (w, (a, b)) in i.iter().zip(&infos[0]).enumerate() {
-                    assert!(same_info(a, b), "round {round} window {w}: rank {g} reports {a:?}, rank 0 {b:?}");
+                    assert!(
+                        same_info(a, b),
+                        "round {round} window {w}: rank {g} reports {a:?}, rank 0 {b:?}"
+                    );
                 }
             }
         });
@@ -1447,7 +1845,9 @@ fn hybrid_boundaries_match_the_cpu_at_three_devices() {
 
 #[test]
 fn hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid() {
-    at_devices(4, "hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid", |test| hybrid_rounds(2, 2, test));
+    at_devices(4, "hybrid_boundaries_match_the_cpu_on_a_two_by_two_grid", |test| {
+        hybrid_rounds(2, 2, test)
+    });
 }
 
 /// A "replica group" whose ranks hold different shards (both ranks of a shard group, once more)
@@ -1466,20 +1866,33 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                     let ids = &ids;
                     s.spawn(move || {
                         let (ctx, stream, device) = rank_device(rank);
-                        let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[0], rank, 2, rank as i32).unwrap());
-                        let stray: Arc<dyn Communicator> = Arc::new(NcclComm::new(&ids[1], rank, 2, rank as i32).unwrap());
+                        let comm: Arc<dyn Communicator> =
+                            Arc::new(NcclComm::new(&ids[0], rank, 2, rank as i32).unwrap());
+                        let stray: Arc<dyn Communicator> =
+                            Arc::new(NcclComm::new(&ids[1], rank, 2, rank as i32).unwrap());
                         comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
                         stray.set_timeout(Some(Duration::from_secs(20))).unwrap();
                         let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
                         let acc = if accumulate {
-                            let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, ..Default::default() };
+                            let config = AccumulatorConfig {
+                                sharding: Sharding::Accumulate { shards: 2, rank },
+                                ..Default::default()
+                            };
                             Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap()
                         } else {
-                            let config = AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: 2, rank }, ..Default::default() };
+                            let config = AccumulatorConfig {
+                                sharding: Sharding::ReduceScatter { shards: 2, rank },
+                                ..Default::default()
+                            };
                             Accumulator::on(device, config, &tensors).unwrap()
                         };
-                        let one = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000]).unwrap();
+                        let one = Scaler::on(
+                            device,
+                            ScalerConfig { init_scale: 1.0, ..Default::default() },
+                        )
+                        .unwrap();
+                        let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[2.0f32; 10_000])
+                            .unwrap();
                         acc.add(&one, &[grad.ptr()], 1).unwrap();
                         let what = format!("rank {rank}, accumulate {accumulate}");
                         let e = acc.sync_hybrid(&*comm, &*stray).unwrap_err();
@@ -1487,7 +1900,10 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                         let info = acc.sync(Some(&*comm)).unwrap();
                         assert_eq!((info.total_count, info.microbatches), (2, 2), "{what}");
                         // (2 + 2) / 2 items everywhere.
-                        assert!(read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 2.0), "{what}");
+                        assert!(
+                            read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 2.0),
+                            "{what}"
+                        );
                     });
                 }
             });
@@ -1532,25 +1948,37 @@ fn run_hooks_rank(
     let comms: Vec<Arc<dyn Communicator>> = ids
         .iter()
         .map(|id| {
-            let c: Arc<dyn Communicator> = Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
+            let c: Arc<dyn Communicator> =
+                Arc::new(NcclComm::new(id, rank, world, rank as i32).unwrap());
             c.set_timeout(Some(Duration::from_secs(30))).unwrap();
             c
         })
         .collect();
-    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
+    let config =
+        AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
     let hooks = Accumulator::sharded_on(device, config, &r.descs, comms[0].clone()).unwrap();
     let whole = Accumulator::sharded_on(device, config, &r.descs, comms[1].clone()).unwrap();
     let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
     for (w, window) in r.windows.iter().enumerate() {
         for (m, micro) in window[rank].iter().enumerate() {
             let order = &orders[w][m];
-            let gs = Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
-            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() }).unwrap();
-            let uploads: Vec<(DeviceBuffer, u64)> = micro.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + m) % 3)).collect();
+            let gs =
+                Scaler::on(device, ScalerConfig { init_scale: micro.scale, ..Default::default() })
+                    .unwrap();
+            let cs = Scaler::new(ScalerConfig { init_scale: micro.scale, ..Default::default() })
+                .unwrap();
+            let uploads: Vec<(DeviceBuffer, u64)> =
+                micro.grads.iter().map(|g| g.upload(&ctx, stream.stream, (w + m) % 3)).collect();
             let addresses: Vec<u64> = uploads.iter().map(|u| u.1).collect();
             let views: Vec<Grad<'_>> = micro.grads.iter().map(HostGrad::view).collect();
-            let zeros: Vec<DeviceBuffer> = r.descs.iter().map(|d| DeviceBuffer::zeroed(&ctx, stream.stream, d.numel * 4).unwrap()).collect();
-            let present: Vec<u64> = (0..r.descs.len()).map(|i| if order.contains(&i) { addresses[i] } else { zeros[i].ptr() }).collect();
+            let zeros: Vec<DeviceBuffer> = r
+                .descs
+                .iter()
+                .map(|d| DeviceBuffer::zeroed(&ctx, stream.stream, d.numel * 4).unwrap())
+                .collect();
+            let present: Vec<u64> = (0..r.descs.len())
+                .map(|i| if order.contains(&i) { addresses[i] } else { zeros[i].ptr() })
+                .collect();
             whole.add(&gs, &present, micro.count).unwrap();
             // One accumulation after the other: each rank's issue of an NCCL reduction waits for
             // its peers to issue it, and the CPU's for its peers to reach it.
@@ -1565,7 +1993,8 @@ fn run_hooks_rank(
             }
             cpu.end_microbatch().unwrap();
         }
-        let what = format!("rank {rank} window {w} {:?} {:?} orders {:?}", r.descs, r.config, orders[w]);
+        let what =
+            format!("rank {rank} window {w} {:?} {:?} orders {:?}", r.descs, r.config, orders[w]);
         let by_hooks = hooks.sync(None).unwrap();
         let by_add = whole.sync(None).unwrap();
         let on_cpu = cpu.sync(None).unwrap();
@@ -1575,14 +2004,22 @@ fn run_hooks_rank(
             (on_cpu.found_inf, on_cpu.total_count, on_cpu.microbatches),
             "{what}"
         );
-        assert!(same_info(&by_hooks, &on_cpu) || !exact, "{what}: CUDA {by_hooks:?}, CPU {on_cpu:?}");
-        let (a, b) = (read_shard(&hooks, &ctx, stream.stream), read_shard(&whole, &ctx, stream.stream));
+        assert!(
+            same_info(&by_hooks, &on_cpu) || !exact,
+            "{what}: CUDA {by_hooks:?}, CPU {on_cpu:?}"
+        );
+        let (a, b) =
+            (read_shard(&hooks, &ctx, stream.stream), read_shard(&whole, &ctx, stream.stream));
         let (range, cpu_ptr) = cpu.shard();
         // SAFETY: the CPU accumulator's shard, unwritten until its next micro-batch.
         let cpu_shard = unsafe { std::slice::from_raw_parts(cpu_ptr, range.len()) };
         for (k, ((&h, &w), &c)) in a.iter().zip(&b).zip(cpu_shard).enumerate() {
             assert!(close(h, w, true), "{what}: shard element {k}: hooks {h:e}, add {w:e}");
-            assert!(close(h, c, exact), "{what}: shard element {k} (master {}): {h:e}, the CPU has {c:e}", range.start + k);
+            assert!(
+                close(h, c, exact),
+                "{what}: shard element {k} (master {}): {h:e}, the CPU has {c:e}",
+                range.start + k
+            );
         }
     }
 }
@@ -1609,12 +2046,20 @@ fn hooks_rounds(world: usize, test: &str) {
                 r.windows
                     .iter()
                     .enumerate()
-                    .map(|(w, window)| (0..window[0].len()).map(|m| hook_order(&mut rng, r.descs.len(), round + w + m)).collect())
+                    .map(|(w, window)| {
+                        (0..window[0].len())
+                            .map(|m| hook_order(&mut rng, r.descs.len(), round + w + m))
+                            .collect()
+                    })
                     .collect()
             })
             .collect();
         let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
-        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+        let locals: Vec<Arc<dyn Communicator>> = LocalComm::group(world)
+            .unwrap()
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
         within(Duration::from_secs(300), "a round of hooks", move || {
             let (r, orders) = (&r, &orders);
             std::thread::scope(|s| {
@@ -1651,19 +2096,41 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
                 s.spawn(move || {
                     let (ctx, stream, device) = rank_device(rank);
                     let comm = pair_comm(&id, rank, Duration::from_secs(20));
-                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 6000, ..Default::default() };
-                    let acc = Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    let config = AccumulatorConfig {
+                        sharding: Sharding::Accumulate { shards: 2, rank },
+                        bucket_numel: 6000,
+                        ..Default::default()
+                    };
+                    let acc =
+                        Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
                     assert_eq!(acc.buckets().len(), 2);
-                    let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                    let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &vec![1.0f32 + rank as f32; 3000]).unwrap();
+                    let scaler =
+                        Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
+                            .unwrap();
+                    let grad = DeviceBuffer::from_slice(
+                        &ctx,
+                        stream.stream,
+                        &vec![1.0f32 + rank as f32; 3000],
+                    )
+                    .unwrap();
                     let grads = [grad.ptr(); 4];
 
                     // The first micro-batch: whole on rank 0, by hooks on rank 1.
-                    let e = if rank == 0 { acc.add(&scaler, &grads, 1).unwrap_err() } else { acc.begin_microbatch(1).unwrap_err() };
-                    assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: add and hooks at the first micro-batch: {e}");
+                    let e = if rank == 0 {
+                        acc.add(&scaler, &grads, 1).unwrap_err()
+                    } else {
+                        acc.begin_microbatch(1).unwrap_err()
+                    };
+                    assert_eq!(
+                        e.kind,
+                        ErrorKind::SizeMismatch,
+                        "rank {rank}: add and hooks at the first micro-batch: {e}"
+                    );
 
-                    for (case, want) in [(0, [ErrorKind::PeerFailure, ErrorKind::WrongState]), (1, [ErrorKind::PeerFailure, ErrorKind::SizeMismatch])]
-                    {
+                    for (case, want) in [
+                        (0, [ErrorKind::PeerFailure, ErrorKind::WrongState]),
+                        (1, [ErrorKind::PeerFailure, ErrorKind::SizeMismatch]),
+                    ] {
                         acc.add(&scaler, &grads, 1).unwrap();
                         acc.begin_microbatch(1).unwrap();
                         for i in (0..4).rev() {
@@ -1673,16 +2140,29 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
                                     acc.add_tensor(&scaler, 2, grad.ptr()).unwrap_err()
                                 } else {
                                     // SAFETY: a device address; the call refuses its length first.
-                                    unsafe { acc.add_tensor_raw(&scaler, 1, grad.ptr() as *const _, 2999) }.unwrap_err()
+                                    unsafe {
+                                        acc.add_tensor_raw(&scaler, 1, grad.ptr() as *const _, 2999)
+                                    }
+                                    .unwrap_err()
                                 };
-                                assert_eq!(e.kind, want[1], "case {case}: the refused add_tensor: {e}");
+                                assert_eq!(
+                                    e.kind, want[1],
+                                    "case {case}: the refused add_tensor: {e}"
+                                );
                             }
                         }
                         let e = acc.end_microbatch().unwrap_err();
                         let kind = if rank == 1 { ErrorKind::WrongState } else { want[0] };
                         assert_eq!(e.kind, kind, "case {case} rank {rank}: end_microbatch: {e}");
-                        assert!(e.message.ends_with("(the window was discarded)"), "case {case} rank {rank}: {e}");
-                        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "case {case} rank {rank}: the window was discarded");
+                        assert!(
+                            e.message.ends_with("(the window was discarded)"),
+                            "case {case} rank {rank}: {e}"
+                        );
+                        assert_eq!(
+                            acc.sync(None).unwrap_err().kind,
+                            ErrorKind::EmptyWindow,
+                            "case {case} rank {rank}: the window was discarded"
+                        );
                     }
 
                     // Together again.
@@ -1692,13 +2172,21 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
                     }
                     acc.end_microbatch().unwrap();
                     let info = acc.sync(None).unwrap();
-                    assert_eq!((info.found_inf, info.total_count, info.microbatches), (false, 2, 2), "rank {rank}");
+                    assert_eq!(
+                        (info.found_inf, info.total_count, info.microbatches),
+                        (false, 2, 2),
+                        "rank {rank}"
+                    );
                     // (1 + 2) / 2 items.
-                    assert!(read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 1.5), "rank {rank}");
+                    assert!(
+                        read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 1.5),
+                        "rank {rank}"
+                    );
 
                     // Finite gradients whose sum overflows: caught where the owner adds it into
                     // its shard, on the communication stream.
-                    let big = DeviceBuffer::from_slice(&ctx, stream.stream, &[3e38f32; 3000]).unwrap();
+                    let big =
+                        DeviceBuffer::from_slice(&ctx, stream.stream, &[3e38f32; 3000]).unwrap();
                     acc.begin_microbatch(1).unwrap();
                     for i in (0..4).rev() {
                         acc.add_tensor(&scaler, i, big.ptr()).unwrap();
@@ -1721,15 +2209,25 @@ fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
     if !gpus_or_skip(2) {
         return;
     }
-    let slow = std::env::var("SIMGPU_DELAY_US").ok().and_then(|v| v.parse::<u64>().ok()).is_some_and(|us| us >= 100_000);
+    let slow = std::env::var("SIMGPU_DELAY_US")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|us| us >= 100_000);
     if std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1") && !slow {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
             .env("SIMGPU_DELAY_US", "200000")
             .output()
             .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains("1 passed"), "the run with slow streams failed:\n{text}");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "the run with slow streams failed:\n{text}"
+        );
         return;
     }
     within(Duration::from_secs(300), "hooks on slow streams", || {
@@ -1782,13 +2280,25 @@ fn bf16_round(v: f32) -> f32 {
 /// sum in FP32 in rank order), and is within `(2^-8 + (W - 1) 2^-24) sum |x_r|` of the f64 sum.
 fn bf16_wire_rounds(world: usize, test: &str) {
     let mut rng = Rng::fresh(test);
-    let descs =
-        [TensorDesc { numel: 7000, dtype: Dtype::F32 }, TensorDesc { numel: 5003, dtype: Dtype::F32 }, TensorDesc { numel: 8000, dtype: Dtype::F32 }];
+    let descs = [
+        TensorDesc { numel: 7000, dtype: Dtype::F32 },
+        TensorDesc { numel: 5003, dtype: Dtype::F32 },
+        TensorDesc { numel: 8000, dtype: Dtype::F32 },
+    ];
     let len: usize = descs.iter().map(|d| d.numel).sum();
     let x: Vec<Vec<f32>> = (0..world)
-        .map(|_| (0..len).map(|_| (if rng.range(0, 1) == 0 { -1.0 } else { 1.0 }) * 10f64.powf(rng.uniform(-3.0, 3.0)) as f32).collect())
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    (if rng.range(0, 1) == 0 { -1.0 } else { 1.0 })
+                        * 10f64.powf(rng.uniform(-3.0, 3.0)) as f32
+                })
+                .collect()
+        })
         .collect();
-    let recipe: Vec<f32> = (0..len).map(|i| (1..world).fold(bf16_round(x[0][i]), |s, q| s + bf16_round(x[q][i]))).collect();
+    let recipe: Vec<f32> = (0..len)
+        .map(|i| (1..world).fold(bf16_round(x[0][i]), |s, q| s + bf16_round(x[q][i])))
+        .collect();
     let bound = 2f64.powi(-8) + (world as f64 - 1.0) * 2f64.powi(-24);
     let config = AccumulatorConfig {
         normalize: Normalize::None,
@@ -1868,7 +2378,10 @@ fn bf16_wire_rounds(world: usize, test: &str) {
                 });
             }
         });
-        eprintln!("{world} ranks: the largest error is {:.3} of the bound", *worst.lock().unwrap() / bound);
+        eprintln!(
+            "{world} ranks: the largest error is {:.3} of the bound",
+            *worst.lock().unwrap() / bound
+        );
     });
 }
 
@@ -1898,8 +2411,13 @@ enum OverflowPolicy {
 /// stays off, and the reduced gradient holds the infinity.
 fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
     use OverflowPolicy::*;
-    let descs = [TensorDesc { numel: 4, dtype: Dtype::F32 }, TensorDesc { numel: 5000, dtype: Dtype::Bf16 }];
-    for policy in [AllReduce, AllReduceEarly, HybridReduceScatter, HybridAccumulate, HybridAccumulateHooks] {
+    let descs = [
+        TensorDesc { numel: 4, dtype: Dtype::F32 },
+        TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
+    ];
+    for policy in
+        [AllReduce, AllReduceEarly, HybridReduceScatter, HybridAccumulate, HybridAccumulateHooks]
+    {
         for wire in [Dtype::F32, Dtype::Bf16] {
             let config = AccumulatorConfig {
                 normalize: Normalize::ByCount,
@@ -1922,23 +2440,52 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
                                 let (ctx, stream, device) = rank_device(g);
                                 let (comm, reps) = rank.nccl();
                                 let acc = match policy {
-                                    AllReduce | AllReduceEarly => Accumulator::on(device, config, descs).unwrap(),
+                                    AllReduce | AllReduceEarly => {
+                                        Accumulator::on(device, config, descs).unwrap()
+                                    }
                                     HybridReduceScatter => {
                                         let sharding = Sharding::ReduceScatter { shards, rank: i };
-                                        Accumulator::on(device, AccumulatorConfig { sharding, ..config }, descs).unwrap()
+                                        Accumulator::on(
+                                            device,
+                                            AccumulatorConfig { sharding, ..config },
+                                            descs,
+                                        )
+                                        .unwrap()
                                     }
                                     HybridAccumulate | HybridAccumulateHooks => {
                                         let sharding = Sharding::Accumulate { shards, rank: i };
-                                        Accumulator::sharded_on(device, AccumulatorConfig { sharding, ..config }, descs, comm.clone()).unwrap()
+                                        Accumulator::sharded_on(
+                                            device,
+                                            AccumulatorConfig { sharding, ..config },
+                                            descs,
+                                            comm.clone(),
+                                        )
+                                        .unwrap()
                                     }
                                 };
-                                let scaler_config = ScalerConfig { init_scale: 1.0, min_scale: 2f32.powi(-20), ..Default::default() };
+                                let scaler_config = ScalerConfig {
+                                    init_scale: 1.0,
+                                    min_scale: 2f32.powi(-20),
+                                    ..Default::default()
+                                };
                                 let scaler = Scaler::on(device, scaler_config).unwrap();
-                                let big = DeviceBuffer::from_slice(&ctx, stream.stream, &[3e38f32, 1.0, 1.0, 1.0]).unwrap();
-                                let small = DeviceBuffer::from_slice(&ctx, stream.stream, &[common::to_bf16(0.25); 5000]).unwrap();
+                                let big = DeviceBuffer::from_slice(
+                                    &ctx,
+                                    stream.stream,
+                                    &[3e38f32, 1.0, 1.0, 1.0],
+                                )
+                                .unwrap();
+                                let small = DeviceBuffer::from_slice(
+                                    &ctx,
+                                    stream.stream,
+                                    &[common::to_bf16(0.25); 5000],
+                                )
+                                .unwrap();
                                 let addresses = [big.ptr(), small.ptr()];
                                 match policy {
-                                    AllReduce | HybridReduceScatter | HybridAccumulate => acc.add(&scaler, &addresses, 1).unwrap(),
+                                    AllReduce | HybridReduceScatter | HybridAccumulate => {
+                                        acc.add(&scaler, &addresses, 1).unwrap()
+                                    }
                                     AllReduceEarly | HybridAccumulateHooks => {
                                         if policy == AllReduceEarly {
                                             acc.begin_final_microbatch(1, comm.clone()).unwrap();
@@ -1971,10 +2518,19 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
                 });
                 for (g, (info, skipped, scale, _)) in results.iter().enumerate() {
                     assert!(info.found_inf, "{what}: rank {g} missed the overflow: {info:?}");
-                    assert!(*skipped && *scale == 0.5, "{what}: rank {g} skipped {skipped}, scale {scale}");
-                    assert!(!info.grad_norm.is_finite() && info.clip_coef == 1.0, "{what}: rank {g}: {info:?}");
+                    assert!(
+                        *skipped && *scale == 0.5,
+                        "{what}: rank {g} skipped {skipped}, scale {scale}"
+                    );
+                    assert!(
+                        !info.grad_norm.is_finite() && info.clip_coef == 1.0,
+                        "{what}: rank {g}: {info:?}"
+                    );
                 }
-                assert!(results.iter().flat_map(|r| &r.3).any(|v| !v.is_finite()), "{what}: no rank holds the infinity");
+                assert!(
+                    results.iter().flat_map(|r| &r.3).any(|v| !v.is_finite()),
+                    "{what}: no rank holds the infinity"
+                );
             });
         }
     }
@@ -1990,7 +2546,9 @@ fn an_overflowing_reduction_skips_on_every_rank_at_two_devices() {
 
 #[test]
 fn an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid() {
-    at_devices(4, "an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid", |test| reduction_overflow_on_grid(2, 2, test));
+    at_devices(4, "an_overflowing_reduction_skips_on_every_rank_on_a_two_by_two_grid", |test| {
+        reduction_overflow_on_grid(2, 2, test)
+    });
 }
 
 /// Windows saved on 4 CPU ranks, merged two by two into 2 CUDA ranks over NCCL: under every
@@ -2004,7 +2562,11 @@ fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
     let mut rng = Rng::fresh("merged_windows_normalise_as_the_group_that_produced_them_on_cuda");
     let descs = [TensorDesc { numel: 3000, dtype: Dtype::F32 }];
     for normalize in [Normalize::ByWorld, Normalize::ByCount, Normalize::ByMicrobatches] {
-        let config = AccumulatorConfig { normalize, loss_reduction: LossReduction::Sum, ..Default::default() };
+        let config = AccumulatorConfig {
+            normalize,
+            loss_reduction: LossReduction::Sum,
+            ..Default::default()
+        };
         let saved = common::four_saved_windows(&mut rng, &descs, config);
         let cpu: Vec<Accumulator> = saved
             .iter()
@@ -2016,38 +2578,58 @@ fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
             .collect();
         let comms = LocalComm::group(4).unwrap();
         let want: Vec<(SyncInfo, Vec<f32>)> = std::thread::scope(|s| {
-            let handles: Vec<_> =
-                cpu.iter().zip(&comms).map(|(a, c)| s.spawn(move || (a.sync(Some(c)).unwrap(), a.with_master(0, |m| m.to_vec()).unwrap()))).collect();
+            let handles: Vec<_> = cpu
+                .iter()
+                .zip(&comms)
+                .map(|(a, c)| {
+                    s.spawn(move || {
+                        (a.sync(Some(c)).unwrap(), a.with_master(0, |m| m.to_vec()).unwrap())
+                    })
+                })
+                .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let id = nccl::unique_id().unwrap();
         let moved = saved.clone();
-        let got: Vec<(SyncInfo, Vec<f32>)> = within(Duration::from_secs(300), "merged windows on CUDA", move || {
-            let saved = &moved;
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..2)
-                    .map(|rank| {
-                        s.spawn(move || {
-                            let (_ctx, _stream, device) = rank_device(rank);
-                            let comm = pair_comm(&id, rank, Duration::from_secs(30));
-                            let acc = Accumulator::on(device, config, &descs).unwrap();
-                            acc.merge_window(&saved[2 * rank]).unwrap();
-                            acc.merge_window(&saved[2 * rank + 1]).unwrap();
-                            let info = acc.sync(Some(&*comm)).unwrap();
-                            let mut master = vec![0f32; 3000];
-                            acc.read_master(0, &mut master).unwrap();
-                            (info, master)
+        let got: Vec<(SyncInfo, Vec<f32>)> =
+            within(Duration::from_secs(300), "merged windows on CUDA", move || {
+                let saved = &moved;
+                std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..2)
+                        .map(|rank| {
+                            s.spawn(move || {
+                                let (_ctx, _stream, device) = rank_device(rank);
+                                let comm = pair_comm(&id, rank, Duration::from_secs(30));
+                                let acc = Accumulator::on(device, config, &descs).unwrap();
+                                acc.merge_window(&saved[2 * rank]).unwrap();
+                                acc.merge_window(&saved[2 * rank + 1]).unwrap();
+                                let info = acc.sync(Some(&*comm)).unwrap();
+                                let mut master = vec![0f32; 3000];
+                                acc.read_master(0, &mut master).unwrap();
+                                (info, master)
+                            })
                         })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            })
-        });
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                })
+            });
         for (rank, (info, master)) in got.iter().enumerate() {
-            assert_eq!((info.total_count, info.microbatches), (want[0].0.total_count, want[0].0.microbatches), "{normalize:?} rank {rank}");
-            assert!(same_info(info, &want[0].0), "{normalize:?} rank {rank}: {info:?}, the CPU's {:?}", want[0].0);
+            assert_eq!(
+                (info.total_count, info.microbatches),
+                (want[0].0.total_count, want[0].0.microbatches),
+                "{normalize:?} rank {rank}"
+            );
+            assert!(
+                same_info(info, &want[0].0),
+                "{normalize:?} rank {rank}: {info:?}, the CPU's {:?}",
+                want[0].0
+            );
             for (k, (g, w)) in master.iter().zip(&want[0].1).enumerate() {
-                assert_eq!(g.to_bits(), w.to_bits(), "{normalize:?} rank {rank} element {k}: {g} vs {w}");
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{normalize:?} rank {rank} element {k}: {g} vs {w}"
+                );
             }
         }
     }

@@ -20,11 +20,17 @@ use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::ffi;
-use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Grad, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Grad, Scaler, ScalerConfig,
+    TensorDesc,
+};
 
 /// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
-const TENSORS: [TensorDesc; 3] =
-    [TensorDesc { numel: 3000, dtype: Dtype::F16 }, TensorDesc { numel: 37, dtype: Dtype::Bf16 }, TensorDesc { numel: 1025, dtype: Dtype::F32 }];
+const TENSORS: [TensorDesc; 3] = [
+    TensorDesc { numel: 3000, dtype: Dtype::F16 },
+    TensorDesc { numel: 37, dtype: Dtype::Bf16 },
+    TensorDesc { numel: 1025, dtype: Dtype::F32 },
+];
 
 /// Scale changes often: growth every second finite step, backoff on an overflow.
 fn scaler_config() -> ScalerConfig {
@@ -45,11 +51,19 @@ struct Batch {
 impl Batch {
     /// Random gradients of about `scale` / 100 (one inf in tensor 0 with `poison`), copied to the
     /// device on `stream`, the stream that reads them.
-    fn new(rng: &mut Rng, ctx: &Arc<Context>, stream: driver::CUstream, scale: f32, poison: bool) -> Batch {
+    fn new(
+        rng: &mut Rng,
+        ctx: &Arc<Context>,
+        stream: driver::CUstream,
+        scale: f32,
+        poison: bool,
+    ) -> Batch {
         let mut host = Vec::new();
         let mut device = Vec::new();
         for (i, d) in TENSORS.iter().enumerate() {
-            let mut f32s: Vec<f32> = (0..d.numel).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
+            let mut f32s: Vec<f32> = (0..d.numel)
+                .map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32)
+                .collect();
             if poison && i == 0 {
                 f32s[rng.range(0, d.numel as u64 - 1) as usize] = f32::INFINITY;
             }
@@ -85,7 +99,13 @@ impl Batch {
 
     /// The micro-batch through both backends: all at once, or tensor by tensor in reverse (as
     /// backward hooks deliver them).
-    fn add(&self, cpu: (&Accumulator, &Scaler), gpu: (&Accumulator, &Scaler), count: u64, hooks: bool) {
+    fn add(
+        &self,
+        cpu: (&Accumulator, &Scaler),
+        gpu: (&Accumulator, &Scaler),
+        count: u64,
+        hooks: bool,
+    ) {
         let (views, ptrs) = (self.views(), self.ptrs());
         if hooks {
             cpu.0.begin_microbatch(count).unwrap();
@@ -122,10 +142,16 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
     }
     let mut rng = Rng::fresh("an_update_waits_for_adds_of_accumulators_not_passed_to_it");
     let ctx = Context::get(0).unwrap();
-    let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let (ss, sa, sb) = (
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    );
     let config = AccumulatorConfig::default();
-    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
-    let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
+    let (cs, gs) =
+        (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
+    let (ca, cb) =
+        (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
     let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
     let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
     let mut batches = Vec::new();
@@ -160,13 +186,19 @@ fn the_scaler_destroyed_right_after_adds_on_other_streams() {
     }
     let mut rng = Rng::fresh("the_scaler_destroyed_right_after_adds_on_other_streams");
     let ctx = Context::get(0).unwrap();
-    let (ss, sa, sb) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let (ss, sa, sb) = (
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+        OwnedStream::new(&ctx).unwrap(),
+    );
     let config = AccumulatorConfig::default();
-    let (ca, cb) = (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
+    let (ca, cb) =
+        (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
     let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
     let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
     for round in 0..3 {
-        let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
+        let (cs, gs) =
+            (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
         let a = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
         let b = Batch::new(&mut rng, &ctx, sb.stream, cs.scale().unwrap(), false);
         a.add((&ca, &cs), (&ga, &gs), 2, round == 1);
@@ -196,7 +228,10 @@ fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
     let sa = OwnedStream::new(&ctx).unwrap();
     let config = AccumulatorConfig::default();
     let cpu = [Scaler::new(scaler_config()).unwrap(), Scaler::new(scaler_config()).unwrap()];
-    let gpu = [Scaler::on(on(&streams[0]), scaler_config()).unwrap(), Scaler::on(on(&streams[1]), scaler_config()).unwrap()];
+    let gpu = [
+        Scaler::on(on(&streams[0]), scaler_config()).unwrap(),
+        Scaler::on(on(&streams[1]), scaler_config()).unwrap(),
+    ];
     let ca = Accumulator::new(config, &TENSORS).unwrap();
     let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
     let mut batches = Vec::new();
@@ -231,7 +266,8 @@ fn an_accumulator_dropped_right_after_early_reductions() {
     let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
     let comm = Arc::new(NcclComm::new(&nccl::unique_id().unwrap(), 0, 1, 0).unwrap());
     let config = AccumulatorConfig { bucket_numel: 1000, ..Default::default() };
-    let (cs, gs) = (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
+    let (cs, gs) =
+        (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
     for keep in [false, false, true] {
         let ca = Accumulator::new(config, &TENSORS).unwrap();
         let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
@@ -288,13 +324,27 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                 }
                 let comm = Arc::new(NcclComm::new(id, rank, 2, ordinal).unwrap());
                 let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
-                let (cs, gs) =
-                    (Scaler::new(scaler_config()).unwrap(), Scaler::on(Device::Cuda { ordinal, stream: ss.stream }, scaler_config()).unwrap());
+                let (cs, gs) = (
+                    Scaler::new(scaler_config()).unwrap(),
+                    Scaler::on(Device::Cuda { ordinal, stream: ss.stream }, scaler_config())
+                        .unwrap(),
+                );
                 let mut batches = Vec::new();
                 for window in 0..4 {
                     let ca = Accumulator::new(config, &TENSORS).unwrap();
-                    let ga = Accumulator::on(Device::Cuda { ordinal, stream: sa.stream }, config, &TENSORS).unwrap();
-                    let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), window == 1 && rank == 1);
+                    let ga = Accumulator::on(
+                        Device::Cuda { ordinal, stream: sa.stream },
+                        config,
+                        &TENSORS,
+                    )
+                    .unwrap();
+                    let first = Batch::new(
+                        &mut rng,
+                        &ctx,
+                        sa.stream,
+                        cs.scale().unwrap(),
+                        window == 1 && rank == 1,
+                    );
                     first.add((&ca, &cs), (&ga, &gs), 2 + rank as u64, window % 2 == 0);
                     let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
                     let (views, ptrs) = (last.views(), last.ptrs());
@@ -342,23 +392,43 @@ fn the_per_thread_default_stream_is_refused() {
     }
     let per_thread = 0x2 as driver::CUstream;
     let device = Device::Cuda { ordinal: 0, stream: per_thread };
-    let err = Scaler::on(device, ScalerConfig::default()).expect_err("a scaler on the per-thread stream");
+    let err =
+        Scaler::on(device, ScalerConfig::default()).expect_err("a scaler on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
-    let err = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS).expect_err("an accumulator on the per-thread stream");
+    let err = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS)
+        .expect_err("an accumulator on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
 
-    let device = ffi::gradacc_device_t { kind: ffi::GRADACC_DEVICE_CUDA, ordinal: 0, stream: 0x2 as *mut c_void };
-    let last_error = || unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }.to_string_lossy().into_owned();
+    let device = ffi::gradacc_device_t {
+        kind: ffi::GRADACC_DEVICE_CUDA,
+        ordinal: 0,
+        stream: 0x2 as *mut c_void,
+    };
+    let last_error =
+        || unsafe { CStr::from_ptr(ffi::gradacc_last_error()) }.to_string_lossy().into_owned();
     let mut scaler = std::ptr::null_mut();
-    assert_eq!(unsafe { ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler) }, ffi::GRADACC_STATUS_INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { ffi::gradacc_scaler_create(std::ptr::null(), &device, &mut scaler) },
+        ffi::GRADACC_STATUS_INVALID_ARGUMENT
+    );
     assert!(scaler.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
-    let descs: Vec<ffi::gradacc_tensor_desc_t> =
-        TENSORS.iter().map(|t| ffi::gradacc_tensor_desc_t { numel: t.numel as u64, dtype: t.dtype.code() }).collect();
+    let descs: Vec<ffi::gradacc_tensor_desc_t> = TENSORS
+        .iter()
+        .map(|t| ffi::gradacc_tensor_desc_t { numel: t.numel as u64, dtype: t.dtype.code() })
+        .collect();
     let mut acc = std::ptr::null_mut();
     assert_eq!(
-        unsafe { ffi::gradacc_accumulator_create(std::ptr::null(), descs.as_ptr(), descs.len(), &device, &mut acc) },
+        unsafe {
+            ffi::gradacc_accumulator_create(
+                std::ptr::null(),
+                descs.as_ptr(),
+                descs.len(),
+                &device,
+                &mut acc,
+            )
+        },
         ffi::GRADACC_STATUS_INVALID_ARGUMENT
     );
     assert!(acc.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
@@ -384,14 +454,21 @@ fn current_context() -> cudarc::driver::sys::CUcontext {
 /// current before it.
 fn calls_keep_the_context(what: &str, seed: u64) {
     let expected = current_context();
-    let check = |call: &str| assert_eq!(current_context(), expected, "{what}: {call} changed the current context");
+    let check = |call: &str| {
+        assert_eq!(current_context(), expected, "{what}: {call} changed the current context")
+    };
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     check("a stream of the test");
     let device = on(&stream);
     let scaler = Scaler::on(device, scaler_config()).unwrap();
     check("Scaler::on");
-    let acc = Accumulator::on(device, AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() }, &TENSORS).unwrap();
+    let acc = Accumulator::on(
+        device,
+        AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() },
+        &TENSORS,
+    )
+    .unwrap();
     check("Accumulator::on");
     let batch = Batch::new(&mut Rng::seeded(seed), &ctx, stream.stream, 1024.0, false);
     let ptrs = batch.ptrs();

@@ -5,7 +5,8 @@
 use std::collections::BTreeSet;
 
 fn read(path: &str) -> String {
-    std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 /// Every `gradacc_*` function declared in include/gradacc.h (comments stripped).
@@ -20,9 +21,11 @@ fn exported() -> BTreeSet<String> {
     code.push_str(rest);
     let mut names = BTreeSet::new();
     for (at, _) in code.match_indices("gradacc_") {
-        let name: String = code[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let name: String =
+            code[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
         let after = code[at + name.len()..].trim_start();
-        let starts_word = at == 0 || !code[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+        let starts_word =
+            at == 0 || !code[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
         if starts_word && after.starts_with('(') {
             names.insert(name);
         }
@@ -36,7 +39,9 @@ fn in_readme_table() -> BTreeSet<String> {
     let readme = read("README.md");
     let table = readme.split("## The API at a glance").nth(1).expect("the README has an API table");
     let mut names = BTreeSet::new();
-    for row in table.lines().skip_while(|l| !l.starts_with("| status")).take_while(|l| l.starts_with('|')) {
+    for row in
+        table.lines().skip_while(|l| !l.starts_with("| status")).take_while(|l| l.starts_with('|'))
+    {
         let cells: Vec<&str> = row.split('|').collect();
         let prefix = match cells[1].trim() {
             "status" => "gradacc",
@@ -46,7 +51,11 @@ fn in_readme_table() -> BTreeSet<String> {
             other => panic!("an API table row for `{other}`"),
         };
         for name in cells[2].split('`').skip(1).step_by(2) {
-            names.insert(if name.starts_with('_') { format!("{prefix}{name}") } else { name.to_string() });
+            names.insert(if name.starts_with('_') {
+                format!("{prefix}{name}")
+            } else {
+                name.to_string()
+            });
         }
     }
     names
@@ -55,7 +64,11 @@ fn in_readme_table() -> BTreeSet<String> {
 #[test]
 fn the_readme_api_table_lists_every_exported_function() {
     let (exported, listed) = (exported(), in_readme_table());
-    assert!(exported.len() >= 46, "the header parse found only {} functions: {exported:?}", exported.len());
+    assert!(
+        exported.len() >= 46,
+        "the header parse found only {} functions: {exported:?}",
+        exported.len()
+    );
     let missing: Vec<_> = exported.difference(&listed).collect();
     let unknown: Vec<_> = listed.difference(&exported).collect();
     assert!(missing.is_empty(), "exported but not in the README's API table: {missing:?}");
@@ -92,11 +105,19 @@ fn every_function_states_its_thread_safety_and_every_constructor_its_destroy() {
     assert_eq!(names, exported(), "a function without a doc comment right before it");
     for (name, doc) in &functions {
         assert!(doc.contains("Thread safety:"), "{name} states no thread safety");
-        let creates = ["_create", "_adopt_"].iter().any(|c| name.contains(c)) && !name.ends_with("_config_default");
+        let creates = ["_create", "_adopt_"].iter().any(|c| name.contains(c))
+            && !name.ends_with("_config_default");
         if creates {
-            let object = if name.starts_with("gradacc_comm_") { "gradacc_comm" } else { &name[..name.find("_create").unwrap()] };
+            let object = if name.starts_with("gradacc_comm_") {
+                "gradacc_comm"
+            } else {
+                &name[..name.find("_create").unwrap()]
+            };
             let destroy = format!("{object}_destroy");
-            assert!(doc.contains(&destroy), "{name} does not name {destroy}, which frees its result");
+            assert!(
+                doc.contains(&destroy),
+                "{name} does not name {destroy}, which frees its result"
+            );
         }
     }
 }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use gradacc::comm::{BlockPass, Collectives};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives, LocalComm, LossReduction, Normalize, Scaler,
-    ScalerConfig, Sharding, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives,
+    LocalComm, LossReduction, Normalize, Scaler, ScalerConfig, Sharding, TensorDesc,
 };
 
 /// How long a waiting rank may take to notice a failure that has happened.
@@ -34,7 +34,12 @@ fn unit_scaler() -> Scaler {
 }
 
 /// One f32 tensor of small integers: every sum below is exact.
-fn add_integers(acc: &Accumulator, rank: usize, microbatches: usize, numel: usize) -> (Vec<f32>, u64) {
+fn add_integers(
+    acc: &Accumulator,
+    rank: usize,
+    microbatches: usize,
+    numel: usize,
+) -> (Vec<f32>, u64) {
     let scaler = unit_scaler();
     let mut want = vec![0f32; numel];
     let mut count = 0;
@@ -75,7 +80,11 @@ fn a_rank_that_exits_before_the_boundary_fails_the_others_with_their_windows_int
                 let before = acc.save_window().unwrap();
                 let t = Instant::now();
                 let e = acc.sync(Some(&comm)).unwrap_err();
-                assert!(t.elapsed() < PROMPT, "rank {rank} noticed the exit after {:?}", t.elapsed());
+                assert!(
+                    t.elapsed() < PROMPT,
+                    "rank {rank} noticed the exit after {:?}",
+                    t.elapsed()
+                );
                 assert_comm_failure(&e, "rank 2 left the group");
                 assert!(e.message.contains("control exchange"), "{}", e.message);
                 assert!(e.message.contains("window is intact"), "{}", e.message);
@@ -125,9 +134,12 @@ fn a_rank_that_never_arrives_times_out_the_waiting_ranks() {
                 if rank == 0 {
                     assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.message);
                     assert!(waited >= timeout, "rank 0 gave up after {waited:?}");
-                    for part in
-                        ["control exchange", "did not complete within the timeout of 300ms (waited 3", "rank 2 had not arrived", "window is intact"]
-                    {
+                    for part in [
+                        "control exchange",
+                        "did not complete within the timeout of 300ms (waited 3",
+                        "rank 2 had not arrived",
+                        "window is intact",
+                    ] {
                         assert!(e.message.contains(part), "`{}` does not say `{part}`", e.message);
                     }
                 } else {
@@ -153,7 +165,11 @@ fn abort_from_another_thread_wakes_every_waiting_rank() {
                 let scaler = Scaler::new(ScalerConfig::default()).unwrap();
                 acc.add(&scaler, &[Grad::F16(&[to_f16(0.5); 4096])], 3).unwrap();
                 let e = acc.sync(Some(comm)).unwrap_err();
-                assert!(start.elapsed() < Duration::from_millis(100) + PROMPT, "returned after {:?}", start.elapsed());
+                assert!(
+                    start.elapsed() < Duration::from_millis(100) + PROMPT,
+                    "returned after {:?}",
+                    start.elapsed()
+                );
                 assert_comm_failure(&e, "aborted by rank 3");
             });
         }
@@ -167,7 +183,10 @@ fn abort_from_another_thread_wakes_every_waiting_rank() {
     });
     // Rank 3 itself, and every rank again, fail the same way.
     for c in &comms {
-        assert_comm_failure(&c.reduce_control(&Default::default()).unwrap_err(), "aborted by rank 3");
+        assert_comm_failure(
+            &c.reduce_control(&Default::default()).unwrap_err(),
+            "aborted by rank 3",
+        );
     }
 }
 
@@ -195,16 +214,29 @@ impl Communicator for AbortAt {
 }
 
 impl HostCollectives for AbortAt {
-    fn reduce_control(&self, mine: &gradacc::comm::ControlSum) -> gradacc::Result<gradacc::comm::ControlSum> {
+    fn reduce_control(
+        &self,
+        mine: &gradacc::comm::ControlSum,
+    ) -> gradacc::Result<gradacc::comm::ControlSum> {
         self.inner.reduce_control(mine)
     }
     fn allreduce_sum(&self, buf: &mut [f32]) -> gradacc::Result<()> {
         self.inner.allreduce_sum(buf)
     }
-    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> gradacc::Result<Vec<f64>> {
+    fn allreduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        buckets: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> gradacc::Result<Vec<f64>> {
         self.inner.allreduce_with_pass(buf, buckets, &AbortingPass { at: self, inner: pass })
     }
-    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> gradacc::Result<Vec<f64>> {
+    fn reduce_scatter_with_pass(
+        &self,
+        buf: &mut [f32],
+        shards: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> gradacc::Result<Vec<f64>> {
         self.inner.reduce_scatter_with_pass(buf, shards, &AbortingPass { at: self, inner: pass })
     }
     fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> gradacc::Result<Vec<f64>> {
@@ -249,7 +281,8 @@ impl BlockPass for AbortingPass<'_> {
 /// 64 tensors of 16K mixed-precision elements, one bucket each.
 fn big_layout() -> (Vec<TensorDesc>, AccumulatorConfig) {
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors = (0..64).map(|i| TensorDesc { numel: (16 << 10) + i % 3, dtype: dtypes[i % 3] }).collect();
+    let tensors =
+        (0..64).map(|i| TensorDesc { numel: (16 << 10) + i % 3, dtype: dtypes[i % 3] }).collect();
     (tensors, AccumulatorConfig { bucket_numel: 16 << 10, ..Default::default() })
 }
 
@@ -259,10 +292,19 @@ fn add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) {
 
 fn try_add_big(acc: &Accumulator, tensors: &[TensorDesc], rank: usize) -> gradacc::Result<()> {
     let scaler = unit_scaler();
-    let f32s: Vec<Vec<f32>> = tensors.iter().map(|t| (0..t.numel).map(|i| (i % 13) as f32 * 0.25 + rank as f32).collect()).collect();
-    let halves: Vec<Vec<u16>> =
-        tensors.iter().zip(&f32s).map(|(t, v)| v.iter().map(|&x| if t.dtype == Dtype::F16 { to_f16(x) } else { to_bf16(x) }).collect()).collect();
-    let grads: Vec<Grad> = tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &f32s[i], &halves[i])).collect();
+    let f32s: Vec<Vec<f32>> = tensors
+        .iter()
+        .map(|t| (0..t.numel).map(|i| (i % 13) as f32 * 0.25 + rank as f32).collect())
+        .collect();
+    let halves: Vec<Vec<u16>> = tensors
+        .iter()
+        .zip(&f32s)
+        .map(|(t, v)| {
+            v.iter().map(|&x| if t.dtype == Dtype::F16 { to_f16(x) } else { to_bf16(x) }).collect()
+        })
+        .collect();
+    let grads: Vec<Grad> =
+        tensors.iter().enumerate().map(|(i, t)| grad_of(t.dtype, &f32s[i], &halves[i])).collect();
     acc.add(&scaler, &grads, 2)
 }
 
@@ -272,7 +314,9 @@ fn abort_in_the_middle_of_the_boundary_reduction_discards_every_window() {
     let mut comms = group(3, Duration::from_secs(5));
     let plain: Vec<LocalComm> = comms.split_off(1);
     let faulty = AbortAt { inner: comms.pop().unwrap(), at: 3, calls: AtomicUsize::new(0) };
-    let ranks: Vec<&dyn Communicator> = std::iter::once(&faulty as &dyn Communicator).chain(plain.iter().map(|c| c as &dyn Communicator)).collect();
+    let ranks: Vec<&dyn Communicator> = std::iter::once(&faulty as &dyn Communicator)
+        .chain(plain.iter().map(|c| c as &dyn Communicator))
+        .collect();
     std::thread::scope(|s| {
         for comm in ranks {
             let tensors = &tensors;
@@ -297,21 +341,28 @@ fn abort_in_the_middle_of_the_boundary_reduction_discards_every_window() {
     });
     // The abort came in the middle of the reduction: rank 0 passed every share it owns (it only
     // meets the failure at its next barrier), and at least one of them after the abort.
-    assert!(faulty.calls.load(Ordering::Relaxed) > faulty.at + 1, "the abort came with rank 0's last share");
+    assert!(
+        faulty.calls.load(Ordering::Relaxed) > faulty.at + 1,
+        "the abort came with rank 0's last share"
+    );
 }
 
 #[test]
 fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
     // Sharded accumulation reduces every micro-batch bucket by bucket: a failure after the
-    // micro-batch's control step leaves part of it in the shards, so every rank discards its window.
+    // micro-batch's control step leaves part of it in the shards, so every rank discards its
+    // window.
     let (tensors, base) = big_layout();
     let world = 3;
     let mut comms = group(world, Duration::from_secs(5));
     let plain = comms.split_off(1);
     // One pass call per bucket: 64 per micro-batch.
-    let faulty = Arc::new(AbortAt { inner: comms.pop().unwrap(), at: 70, calls: AtomicUsize::new(0) });
+    let faulty =
+        Arc::new(AbortAt { inner: comms.pop().unwrap(), at: 70, calls: AtomicUsize::new(0) });
     let ranks: Vec<Arc<dyn Communicator>> =
-        std::iter::once(faulty.clone() as Arc<dyn Communicator>).chain(plain.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>)).collect();
+        std::iter::once(faulty.clone() as Arc<dyn Communicator>)
+            .chain(plain.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>))
+            .collect();
     let saved: Vec<Vec<u8>> = std::thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()
@@ -319,7 +370,10 @@ fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
                 let tensors = &tensors;
                 s.spawn(move || {
                     let rank = comm.rank();
-                    let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..base };
+                    let config = AccumulatorConfig {
+                        sharding: Sharding::Accumulate { shards: world, rank },
+                        ..base
+                    };
                     let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
                     // 64 buckets a micro-batch: the first passes, the second fails at its 7th.
                     add_big(&acc, tensors, rank);
@@ -334,15 +388,23 @@ fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let calls = faulty.calls.load(Ordering::Relaxed);
-    assert!((71..128).contains(&calls), "the abort came in the second micro-batch, not after {calls} passes");
+    assert!(
+        (71..128).contains(&calls),
+        "the abort came in the second micro-batch, not after {calls} passes"
+    );
     // The saved windows are empty: on a healthy group they hold nothing to sync.
-    let healthy: Vec<Arc<dyn Communicator>> =
-        group(world, Duration::from_secs(5)).into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+    let healthy: Vec<Arc<dyn Communicator>> = group(world, Duration::from_secs(5))
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
     std::thread::scope(|s| {
         for (comm, saved) in healthy.iter().zip(&saved) {
             let tensors = &tensors;
             s.spawn(move || {
-                let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank: comm.rank() }, ..base };
+                let config = AccumulatorConfig {
+                    sharding: Sharding::Accumulate { shards: world, rank: comm.rank() },
+                    ..base
+                };
                 let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
                 acc.load_window(saved).unwrap();
                 assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
@@ -360,14 +422,23 @@ fn a_failed_boundary_never_updates_the_scaler() {
     for in_the_middle in [false, true] {
         let mut comms = group(2, Duration::from_secs(5));
         let plain = comms.pop().unwrap();
-        let faulty = AbortAt { inner: comms.pop().unwrap(), at: if in_the_middle { 3 } else { usize::MAX }, calls: AtomicUsize::new(0) };
+        let faulty = AbortAt {
+            inner: comms.pop().unwrap(),
+            at: if in_the_middle { 3 } else { usize::MAX },
+            calls: AtomicUsize::new(0),
+        };
         let ranks: [&dyn Communicator; 2] = [&faulty, &plain];
         std::thread::scope(|s| {
             for comm in ranks {
                 let tensors = &tensors;
                 s.spawn(move || {
                     let rank = comm.rank();
-                    let scaler = Scaler::new(ScalerConfig { init_scale: 1024.0, growth_interval: 1, ..Default::default() }).unwrap();
+                    let scaler = Scaler::new(ScalerConfig {
+                        init_scale: 1024.0,
+                        growth_interval: 1,
+                        ..Default::default()
+                    })
+                    .unwrap();
                     let acc = Accumulator::new(config, tensors).unwrap();
                     add_big(&acc, tensors, rank);
                     if !in_the_middle && rank == 0 {
@@ -375,10 +446,24 @@ fn a_failed_boundary_never_updates_the_scaler() {
                     }
                     let before = scaler.save().unwrap();
                     let e = acc.sync(Some(comm)).unwrap_err();
-                    assert_eq!(e.message.ends_with(" (the window was discarded)"), in_the_middle, "rank {rank}: {}", e.message);
+                    assert_eq!(
+                        e.message.ends_with(" (the window was discarded)"),
+                        in_the_middle,
+                        "rank {rank}: {}",
+                        e.message
+                    );
                     let refused = scaler.update_from(&[&acc], true).unwrap_err();
-                    assert_eq!(refused.kind, ErrorKind::WrongState, "rank {rank}: {}", refused.message);
-                    assert_eq!(scaler.save().unwrap(), before, "rank {rank}: a failed boundary changed the scaler");
+                    assert_eq!(
+                        refused.kind,
+                        ErrorKind::WrongState,
+                        "rank {rank}: {}",
+                        refused.message
+                    );
+                    assert_eq!(
+                        scaler.save().unwrap(),
+                        before,
+                        "rank {rank}: a failed boundary changed the scaler"
+                    );
                     assert_eq!(scaler.scale().unwrap(), 1024.0, "rank {rank}");
                 });
             }
@@ -463,7 +548,10 @@ fn a_failed_group_stays_failed_and_a_new_group_works() {
                     assert!(t.elapsed() < PROMPT, "a failed group waited {:?}", t.elapsed());
                 }
                 let mut buf = [1.0f32; 5];
-                assert_comm_failure(&comm.allreduce_sum(&mut buf).unwrap_err(), "aborted by rank 1");
+                assert_comm_failure(
+                    &comm.allreduce_sum(&mut buf).unwrap_err(),
+                    "aborted by rank 1",
+                );
                 assert_eq!(buf, [1.0; 5]);
             });
         }
@@ -498,7 +586,10 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
     let timeout = Duration::from_millis(500);
     // Far above any healthy wait: a rank that waits for nothing but a timeout shows up here.
     let generous = Duration::from_secs(20);
-    let tensors = [TensorDesc { numel: 3 * 4096 + 5, dtype: Dtype::F32 }, TensorDesc { numel: 77, dtype: Dtype::F16 }];
+    let tensors = [
+        TensorDesc { numel: 3 * 4096 + 5, dtype: Dtype::F32 },
+        TensorDesc { numel: 77, dtype: Dtype::F16 },
+    ];
     let numel: usize = tensors.iter().map(|t| t.numel).sum();
     // Small integers and no normalisation: every sum is exact.
     let value = |g: usize, k: usize, at: usize| ((at * 3 + g * 5 + k) % 7) as f32 - 3.0;
@@ -511,13 +602,19 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
     // Rank a * 2 + i is shard i of shard group a and replica a of replica group i.
     let shard_groups = [group(2, generous + generous), group(2, generous + generous)];
     let replica_groups = [group(2, timeout), group(2, generous + generous)];
-    let accs: Vec<Accumulator> = (0..4).map(|g| Accumulator::new(config(g % 2), &tensors).unwrap()).collect();
+    let accs: Vec<Accumulator> =
+        (0..4).map(|g| Accumulator::new(config(g % 2), &tensors).unwrap()).collect();
     let scaler = &unit_scaler();
     for (g, acc) in accs.iter().enumerate() {
         for k in 0..2 {
             let flat: Vec<f32> = (0..numel).map(|at| value(g, k, at)).collect();
             let halves: Vec<u16> = flat[tensors[0].numel..].iter().map(|&v| to_f16(v)).collect();
-            acc.add(scaler, &[Grad::F32(&flat[..tensors[0].numel]), Grad::F16(&halves)], 1 + k as u64).unwrap();
+            acc.add(
+                scaler,
+                &[Grad::F32(&flat[..tensors[0].numel]), Grad::F16(&halves)],
+                1 + k as u64,
+            )
+            .unwrap();
         }
     }
     let before: Vec<Vec<u8>> = accs.iter().map(|a| a.save_window().unwrap()).collect();
@@ -529,7 +626,8 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
                 let (a, i) = (g / 2, g % 2);
                 let (acc, sc, rc) = (&accs[g], &shard_groups[a][i], &replica_groups[i][a]);
                 s.spawn(move || {
-                    let e = if g == 0 { acc.sync(Some(sc)) } else { acc.sync_hybrid(sc, rc) }.unwrap_err();
+                    let e = if g == 0 { acc.sync(Some(sc)) } else { acc.sync_hybrid(sc, rc) }
+                        .unwrap_err();
                     (e, start.elapsed())
                 })
             })
@@ -539,8 +637,16 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
     for (g, (e, waited)) in failures.iter().enumerate() {
         if g == 2 {
             assert_eq!(e.kind, ErrorKind::Timeout, "rank 2: {}", e.message);
-            assert!(*waited >= timeout && *waited < timeout + generous, "rank 2 gave up after {waited:?}");
-            for part in ["control exchange", "did not complete within the timeout of 500ms", "rank 0 had not arrived", "window is intact"] {
+            assert!(
+                *waited >= timeout && *waited < timeout + generous,
+                "rank 2 gave up after {waited:?}"
+            );
+            for part in [
+                "control exchange",
+                "did not complete within the timeout of 500ms",
+                "rank 0 had not arrived",
+                "window is intact",
+            ] {
                 assert!(e.message.contains(part), "rank 2: `{}` does not say `{part}`", e.message);
             }
         } else {
@@ -550,15 +656,20 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
         }
     }
     for (g, acc) in accs.iter().enumerate() {
-        assert_eq!(acc.save_window().unwrap(), before[g], "rank {g}: the failed boundary changed the window");
+        assert_eq!(
+            acc.save_window().unwrap(),
+            before[g],
+            "rank {g}: the failed boundary changed the window"
+        );
     }
 
     // Rank 2's timeout aborted both of its groups: its shard group with rank 3 and its replica
     // group with rank 0. The other two groups still work; new ones replace the aborted two.
     // (Rank 2 is rank 0 of its shard group and rank 1 of its replica group.)
-    for (what, comm, naming) in
-        [("rank 3's shard group", &shard_groups[1][1], "aborted by rank 0"), ("rank 0's replica group", &replica_groups[0][0], "rank 1 timed out")]
-    {
+    for (what, comm, naming) in [
+        ("rank 3's shard group", &shard_groups[1][1], "aborted by rank 0"),
+        ("rank 0's replica group", &replica_groups[0][0], "rank 1 timed out"),
+    ] {
         let mut buf = [1.0f32; 5];
         let t = Instant::now();
         assert_comm_failure(&comm.allreduce_sum(&mut buf).unwrap_err(), naming);
@@ -584,8 +695,15 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (g, (range, shard, count)) in results.iter().enumerate() {
-        assert_eq!(*count, 4 * 3, "rank {g}: two micro-batches of 1 and 2 items on each of 4 ranks");
-        let want: Vec<f32> = range.clone().map(|at| (0..4).map(|r| (0..2).map(|k| value(r, k, at)).sum::<f32>()).sum()).collect();
+        assert_eq!(
+            *count,
+            4 * 3,
+            "rank {g}: two micro-batches of 1 and 2 items on each of 4 ranks"
+        );
+        let want: Vec<f32> = range
+            .clone()
+            .map(|at| (0..4).map(|r| (0..2).map(|k| value(r, k, at)).sum::<f32>()).sum())
+            .collect();
         assert_eq!(*shard, want, "rank {g}: shard {range:?}");
     }
 }
@@ -598,7 +716,9 @@ struct Micro {
 }
 
 fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro) {
-    let scaler = Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() }).unwrap();
+    let scaler =
+        Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() })
+            .unwrap();
     let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors
         .iter()
         .zip(&m.grads)
@@ -608,7 +728,8 @@ fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro) {
             Dtype::Bf16 => (vec![], g.iter().map(|v| to_bf16(v * m.scale)).collect()),
         })
         .collect();
-    let grads: Vec<Grad> = tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
+    let grads: Vec<Grad> =
+        tensors.iter().zip(&encoded).map(|(t, e)| grad_of(t.dtype, &e.0, &e.1)).collect();
     acc.add(&scaler, &grads, m.count).unwrap();
 }
 
@@ -617,16 +738,24 @@ fn elastic_resume_of_four_ranks_windows_on_two() {
     let mut rng = Rng::fresh("elastic_resume_of_four_ranks_windows_on_two");
     let sizes = [1usize, 3, 7, 33, 1001, 4099];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors: Vec<TensorDesc> =
-        (0..rng.range(2, 6)).map(|_| TensorDesc { numel: sizes[rng.range(0, 5) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect();
-    let config = AccumulatorConfig { bucket_numel: rng.range(1, 5000) as usize, ..Default::default() };
+    let tensors: Vec<TensorDesc> = (0..rng.range(2, 6))
+        .map(|_| TensorDesc {
+            numel: sizes[rng.range(0, 5) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect();
+    let config =
+        AccumulatorConfig { bucket_numel: rng.range(1, 5000) as usize, ..Default::default() };
     let windows: Vec<Vec<Micro>> = (0..4)
         .map(|_| {
             (0..rng.range(1, 4))
                 .map(|_| Micro {
                     count: rng.range(1, 9),
                     scale: 2f32.powi(rng.range(0, 10) as i32),
-                    grads: tensors.iter().map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect(),
+                    grads: tensors
+                        .iter()
+                        .map(|t| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+                        .collect(),
                 })
                 .collect()
         })
@@ -650,7 +779,10 @@ fn elastic_resume_of_four_ranks_windows_on_two() {
                         drop(comm);
                         return bytes;
                     }
-                    assert_comm_failure(&acc.sync(Some(&comm)).unwrap_err(), "rank 3 left the group");
+                    assert_comm_failure(
+                        &acc.sync(Some(&comm)).unwrap_err(),
+                        "rank 3 left the group",
+                    );
                     acc.save_window().unwrap()
                 })
             })
@@ -671,7 +803,12 @@ fn elastic_resume_of_four_ranks_windows_on_two() {
                     acc.load_window(&saved[r]).unwrap();
                     acc.merge_window(&saved[r + 2]).unwrap();
                     let info = acc.sync(Some(comm)).unwrap();
-                    (info, (0..tensors.len()).map(|t| acc.with_master(t, |m| m.to_vec()).unwrap()).collect())
+                    (
+                        info,
+                        (0..tensors.len())
+                            .map(|t| acc.with_master(t, |m| m.to_vec()).unwrap())
+                            .collect(),
+                    )
                 })
             })
             .collect();
@@ -683,7 +820,11 @@ fn elastic_resume_of_four_ranks_windows_on_two() {
     let total_micro = windows.iter().map(|w| w.len() as u64).sum::<u64>();
     let (info, masters) = &results[0];
     assert_eq!(results[1].0, *info);
-    assert!(masters.iter().flatten().zip(results[1].1.iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(masters
+        .iter()
+        .flatten()
+        .zip(results[1].1.iter().flatten())
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
     assert_eq!((info.total_count, info.microbatches), (total_count, total_micro));
     assert!(!info.found_inf);
     for (t, (desc, master)) in tensors.iter().zip(masters).enumerate() {
@@ -695,9 +836,14 @@ fn elastic_resume_of_four_ranks_windows_on_two() {
                 want += x;
                 magnitude += x.abs();
             }
-            let (want, tol) = (want / total_count as f64, 2e-6 * magnitude / total_count as f64 + 1e-30);
+            let (want, tol) =
+                (want / total_count as f64, 2e-6 * magnitude / total_count as f64 + 1e-30);
             let got = got as f64;
-            assert!((got - want).abs() <= tol, "tensor {t} ({:?}) element {i}: {got} vs {want} (tol {tol})", desc.dtype);
+            assert!(
+                (got - want).abs() <= tol,
+                "tensor {t} ({:?}) element {i}: {got} vs {want} (tol {tol})",
+                desc.dtype
+            );
         }
     }
 }

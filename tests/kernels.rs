@@ -1,6 +1,6 @@
 //! The CPU kernels against an independent reference: 16-bit values decoded by the `half` crate,
-//! the contract's f32 arithmetic written out here, and f64 math. Every ISA path the CPU supports and
-//! several thread counts must give the same bits. Data is random with a fresh seed each run; a
+//! the contract's f32 arithmetic written out here, and f64 math. Every ISA path the CPU supports
+//! and several thread counts must give the same bits. Data is random with a fresh seed each run; a
 //! failing run prints its seed, and `GRADACC_TEST_SEED=<seed>` replays it.
 
 use gradacc::backend::cpu::{self, math, Isa};
@@ -22,7 +22,10 @@ impl Rng {
     fn for_test(name: &str) -> Rng {
         let seed = match std::env::var("GRADACC_TEST_SEED") {
             Ok(s) => s.trim().parse().expect("GRADACC_TEST_SEED must be an unsigned integer"),
-            Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64,
         };
         eprintln!("{name}: replay with GRADACC_TEST_SEED={seed}");
         let mut rng = Rng(seed);
@@ -166,13 +169,24 @@ fn reference(master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -
 /// The f32 reference is within rounding of the exact result: a multiply and an add each round
 /// once by at most half an ulp, so the error is at most 2^-23 (|m| + |g·f|), plus the
 /// absolute error of a subnormal result.
-fn assert_close_to_exact(what: &str, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool, result: &[f32]) {
+fn assert_close_to_exact(
+    what: &str,
+    master: &[f32],
+    grad: &Buf,
+    g0: usize,
+    factor: f32,
+    assign: bool,
+    result: &[f32],
+) {
     for (i, &r) in result.iter().enumerate() {
         let m = if assign { 0.0 } else { master[i] as f64 };
         let p = grad.value(g0 + i) as f64 * factor as f64;
         let exact = m + p;
         if !r.is_finite() {
-            assert!(exact.abs() >= f32::MAX as f64, "{what}: element {i}: {r} from finite {exact:e}");
+            assert!(
+                exact.abs() >= f32::MAX as f64,
+                "{what}: element {i}: {r} from finite {exact:e}"
+            );
             continue;
         }
         let bound = f64::powi(2.0, -23) * (m.abs() + p.abs()) + f64::powi(2.0, -149);
@@ -181,9 +195,18 @@ fn assert_close_to_exact(what: &str, master: &[f32], grad: &Buf, g0: usize, fact
 }
 
 /// Runs `accumulate` on copies of `master[m0..]` with the gradient from `g0`.
-fn run_accumulate(isa: Isa, threads: usize, master: &[f32], grad: &Buf, g0: usize, factor: f32, assign: bool) -> (Vec<f32>, bool) {
+fn run_accumulate(
+    isa: Isa,
+    threads: usize,
+    master: &[f32],
+    grad: &Buf,
+    g0: usize,
+    factor: f32,
+    assign: bool,
+) -> (Vec<f32>, bool) {
     let mut out = master.to_vec();
-    let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
+    let bad =
+        cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
     (out, bad)
 }
 
@@ -196,9 +219,11 @@ fn accumulate_matches_reference_on_every_path() {
     for dtype in DTYPES {
         for len in SIZES {
             for offset in 0..=7 {
-                // Master and gradient start at different element offsets, so their alignments differ.
+                // Master and gradient start at different element offsets, so their alignments
+                // differ.
                 let (m0, g0) = (offset, (offset * 3 + 1) % 8);
-                // Narrow exponent ranges make master and update comparable, so the add rounds often.
+                // Narrow exponent ranges make master and update comparable, so the add rounds
+                // often.
                 let spread = [2, 40][offset % 2];
                 let grad = Buf::random(&mut rng, dtype, g0 + len, spread);
                 let master_buf: Vec<f32> = (0..m0 + len).map(|_| rng.f32_in(spread)).collect();
@@ -207,16 +232,22 @@ fn accumulate_matches_reference_on_every_path() {
                 for assign in [false, true] {
                     let want = reference(master, &grad, g0, factor, assign);
                     let want_bad = want.iter().any(|v| !v.is_finite());
-                    let what = format!("{dtype:?} len {len} offsets {m0}/{g0} assign {assign} factor {factor:e}");
+                    let what = format!(
+                        "{dtype:?} len {len} offsets {m0}/{g0} assign {assign} factor {factor:e}"
+                    );
                     assert_close_to_exact(&what, master, &grad, g0, factor, assign, &want);
                     let mut scalar_result = None;
                     for (isa, threads) in paths() {
                         let what = format!("{what} {} threads {threads}", isa.name());
-                        let (got, bad) = run_accumulate(isa, threads, master, &grad, g0, factor, assign);
+                        let (got, bad) =
+                            run_accumulate(isa, threads, master, &grad, g0, factor, assign);
                         assert_same(&what, &got, &want);
                         assert_eq!(bad, want_bad, "{what}: non-finite flag");
                         let scalar = scalar_result.get_or_insert(got.clone());
-                        assert!(got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from scalar");
+                        assert!(
+                            got.iter().zip(scalar.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{what}: differs from scalar"
+                        );
                     }
                 }
             }
@@ -252,7 +283,8 @@ fn accumulate_gives_the_same_bits_wherever_the_buffers_lie() {
                 grad.set(g0 + i, f32::from_bits(rng.grad_bits(Dtype::F32, 2)));
             }
             // One non-finite value, in the first, last or some vector, for half the placements.
-            let planted = (distance % 8 == 0).then(|| [0, len - 1, rng.below(len as u64) as usize][rng.below(3) as usize]);
+            let planted = (distance % 8 == 0)
+                .then(|| [0, len - 1, rng.below(len as u64) as usize][rng.below(3) as usize]);
             if let Some(pos) = planted {
                 grad.set(g0 + pos, f32::INFINITY);
             }
@@ -261,16 +293,34 @@ fn accumulate_gives_the_same_bits_wherever_the_buffers_lie() {
             // Every run writes into the same placed buffer; the guard value around it must survive.
             let guard = -1.5f32;
             let (mut out, m0) = at_page_offset(guard, master_offset, len);
-            assert_eq!((out[m0..].as_ptr() as usize).wrapping_sub(grad_at) % 4096, distance, "placement");
+            assert_eq!(
+                (out[m0..].as_ptr() as usize).wrapping_sub(grad_at) % 4096,
+                distance,
+                "placement"
+            );
             for assign in [false, true] {
                 let want = reference(&master, &grad, g0, factor, assign);
                 for (isa, threads) in paths() {
-                    let what = format!("len {len} distance {distance} assign {assign} {} threads {threads}", isa.name());
+                    let what = format!(
+                        "len {len} distance {distance} assign {assign} {} threads {threads}",
+                        isa.name()
+                    );
                     out[m0..m0 + len].copy_from_slice(&master);
-                    let bad = cpu::with_isa(isa, || cpu::accumulate(&mut out[m0..m0 + len], grad.grad(g0).slice(0, len), factor, assign, threads));
+                    let bad = cpu::with_isa(isa, || {
+                        cpu::accumulate(
+                            &mut out[m0..m0 + len],
+                            grad.grad(g0).slice(0, len),
+                            factor,
+                            assign,
+                            threads,
+                        )
+                    });
                     assert_same(&what, &out[m0..m0 + len], &want);
                     assert_eq!(bad, planted.is_some(), "{what}: non-finite flag");
-                    assert!(out[..m0].iter().chain(&out[m0 + len..]).all(|&v| v == guard), "{what}: wrote outside the slice");
+                    assert!(
+                        out[..m0].iter().chain(&out[m0 + len..]).all(|&v| v == guard),
+                        "{what}: wrote outside the slice"
+                    );
                 }
             }
         }
@@ -291,7 +341,11 @@ fn accumulate_flags_non_finite_inputs_anywhere() {
             for (isa, threads) in paths() {
                 for assign in [false, true] {
                     let (_, bad) = run_accumulate(isa, threads, &master, &clean, 0, 0.5, assign);
-                    assert!(!bad, "{dtype:?} len {len} {} threads {threads}: flag on clean data", isa.name());
+                    assert!(
+                        !bad,
+                        "{dtype:?} len {len} {} threads {threads}: flag on clean data",
+                        isa.name()
+                    );
                 }
             }
             let mut positions = vec![0, len / 2, len - 1];
@@ -300,16 +354,22 @@ fn accumulate_flags_non_finite_inputs_anywhere() {
             }
             let specials = [f32::INFINITY, f32::NAN, f32::NEG_INFINITY];
             for (k, pos) in positions.into_iter().enumerate() {
-                // Two of the three specials at each position, NaN among them at the first and the last.
+                // Two of the three specials at each position, NaN among them at the first and the
+                // last.
                 for bad_value in [specials[k % 3], specials[(k + 1) % 3]] {
                     let mut grad = Buf::random(&mut rng, dtype, len, 40);
                     grad.set(pos, bad_value);
                     for (isa, threads) in paths() {
                         for assign in [false, true] {
                             let what = format!("{dtype:?} len {len} {bad_value} at {pos} {} threads {threads} assign {assign}", isa.name());
-                            let (got, bad) = run_accumulate(isa, threads, &master, &grad, 0, 0.5, assign);
+                            let (got, bad) =
+                                run_accumulate(isa, threads, &master, &grad, 0, 0.5, assign);
                             assert!(bad, "{what}: flag not raised");
-                            assert!(!got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()), "{what}: wrote {}", got[pos]);
+                            assert!(
+                                !got[pos].is_finite() && (got[pos].is_nan() == bad_value.is_nan()),
+                                "{what}: wrote {}",
+                                got[pos]
+                            );
                             assert_same(&what, &got, &reference(&master, &grad, 0, 0.5, assign));
                         }
                     }
@@ -330,21 +390,40 @@ fn accumulate_flags_overflow_from_the_factor_or_the_sum_only() {
     for (dtype, one, big, fine, overflows) in cases {
         for len in FLAG_SIZES {
             for pos in [0, len / 2, len - 1] {
-                let mut grad = Buf::from_bits(dtype, (0..len).map(|i| if i % 2 == 0 { one } else { 0 }));
+                let mut grad =
+                    Buf::from_bits(dtype, (0..len).map(|i| if i % 2 == 0 { one } else { 0 }));
                 grad.set(pos, big);
                 assert_eq!(grad.value(pos), big);
                 let zeros = vec![0.0f32; len];
                 let mut big_master = zeros.clone();
                 big_master[pos] = f32::MAX;
                 for (isa, threads) in paths() {
-                    let what = format!("{dtype:?} len {len} big at {pos} {} threads {threads}", isa.name());
+                    let what = format!(
+                        "{dtype:?} len {len} big at {pos} {} threads {threads}",
+                        isa.name()
+                    );
                     let (got, bad) = run_accumulate(isa, threads, &zeros, &grad, 0, fine, false);
                     assert!(!bad && got[pos].is_finite(), "{what}: flag raised by factor {fine}");
-                    let (got, bad) = run_accumulate(isa, threads, &zeros, &grad, 0, overflows, true);
-                    assert!(bad && got[pos] == f32::INFINITY, "{what}: overflow by factor {overflows} not flagged");
+                    let (got, bad) =
+                        run_accumulate(isa, threads, &zeros, &grad, 0, overflows, true);
+                    assert!(
+                        bad && got[pos] == f32::INFINITY,
+                        "{what}: overflow by factor {overflows} not flagged"
+                    );
                     // Finite after the multiply (half of f32::MAX), infinite only after the add.
-                    let (got, bad) = run_accumulate(isa, threads, &big_master, &grad, 0, f32::MAX / 2.0 / big, false);
-                    assert!(bad && got[pos] == f32::INFINITY, "{what}: overflow in the add not flagged");
+                    let (got, bad) = run_accumulate(
+                        isa,
+                        threads,
+                        &big_master,
+                        &grad,
+                        0,
+                        f32::MAX / 2.0 / big,
+                        false,
+                    );
+                    assert!(
+                        bad && got[pos] == f32::INFINITY,
+                        "{what}: overflow in the add not flagged"
+                    );
                 }
             }
         }
@@ -387,7 +466,11 @@ fn accumulate_rejects_length_mismatch() {
 fn f16_decoder_matches_half_on_all_65536_patterns() {
     for bits in 0..=0xffffu16 {
         let (got, want) = (math::f16_to_f32(bits), f16::from_bits(bits).to_f32());
-        assert!(same(got, want), "f16 {bits:#06x}: got {got:e} ({:#010x}), want {want:e}", got.to_bits());
+        assert!(
+            same(got, want),
+            "f16 {bits:#06x}: got {got:e} ({:#010x}), want {want:e}",
+            got.to_bits()
+        );
         assert!(same(math::bf16_to_f32(bits), bf16::from_bits(bits).to_f32()), "bf16 {bits:#06x}");
     }
 }
@@ -435,7 +518,15 @@ fn conversion_edge_cases() -> Vec<f32> {
         f32::from_bits(0x0000_8000),
         f32::from_bits(0x0001_8000),
     ];
-    let more: Vec<f32> = v.iter().flat_map(|&x| [f32::from_bits(x.to_bits().wrapping_add(1)), f32::from_bits(x.to_bits().wrapping_sub(1))]).collect();
+    let more: Vec<f32> = v
+        .iter()
+        .flat_map(|&x| {
+            [
+                f32::from_bits(x.to_bits().wrapping_add(1)),
+                f32::from_bits(x.to_bits().wrapping_sub(1)),
+            ]
+        })
+        .collect();
     v.extend(more);
     v
 }
@@ -448,7 +539,9 @@ fn f32_to_f16_and_bf16_round_like_half() {
         values.push(f32::from_bits(rng.next() as u32)); // every exponent, NaNs included
         values.push(rng.f32_in(26)); // the f16 range, subnormals included
         values.push((2 * rng.below(2048) + 1) as f32 * f32::powi(2.0, -25)); // ties between f16 subnormals
-                                                                             // Exact ties and their neighbours in both formats.
+                                                                             // Exact ties and their
+                                                                             // neighbours in both
+                                                                             // formats.
         let tie16 = (rng.f32_in(14).to_bits() & !0x1fff) | 0x1000;
         let tie_bf = (rng.next() as u32 & !0xffff) | 0x8000;
         for t in [tie16, tie_bf] {
@@ -458,13 +551,21 @@ fn f32_to_f16_and_bf16_round_like_half() {
     for x in values {
         let (got, want) = (math::f32_to_f16(x), f16::from_f32(x));
         if want.is_nan() {
-            assert!(f16::from_bits(got).is_nan(), "f32_to_f16({x:e} = {:#010x}) = {got:#06x}, want NaN", x.to_bits());
+            assert!(
+                f16::from_bits(got).is_nan(),
+                "f32_to_f16({x:e} = {:#010x}) = {got:#06x}, want NaN",
+                x.to_bits()
+            );
         } else {
             assert_eq!(got, want.to_bits(), "f32_to_f16({x:e} = {:#010x})", x.to_bits());
         }
         let (got, want) = (math::f32_to_bf16(x), bf16::from_f32(x));
         if want.is_nan() {
-            assert!(bf16::from_bits(got).is_nan(), "f32_to_bf16({x:e} = {:#010x}) = {got:#06x}, want NaN", x.to_bits());
+            assert!(
+                bf16::from_bits(got).is_nan(),
+                "f32_to_bf16({x:e} = {:#010x}) = {got:#06x}, want NaN",
+                x.to_bits()
+            );
         } else {
             assert_eq!(got, want.to_bits(), "f32_to_bf16({x:e} = {:#010x})", x.to_bits());
         }
@@ -485,7 +586,11 @@ fn scale_is_a_rounded_multiply_on_every_path() {
             for (isa, threads) in paths() {
                 let mut got = buf.clone();
                 cpu::with_isa(isa, || cpu::scale(&mut got[offset..], factor, threads));
-                assert_same(&format!("scale len {len} offset {offset} {} threads {threads}", isa.name()), &got[offset..], &want);
+                assert_same(
+                    &format!("scale len {len} offset {offset} {} threads {threads}", isa.name()),
+                    &got[offset..],
+                    &want,
+                );
                 assert_eq!(got[..offset], buf[..offset], "scale wrote before its slice");
             }
         }
@@ -517,7 +622,13 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
     let mut rng = Rng::for_test("sum_squares_has_the_same_bits_on_every_path_and_thread_count");
     // Last blocks that are full, shorter than a lane group, or whole lane groups plus a remainder.
     // A remainder's rounding only shows in the bits when its block is the first or only one.
-    let extra = [89, math::NORM_BLOCK - 1, math::NORM_BLOCK, 3 * math::NORM_BLOCK + 15, (1 << 21) + 4096 * 5 + 1000];
+    let extra = [
+        89,
+        math::NORM_BLOCK - 1,
+        math::NORM_BLOCK,
+        3 * math::NORM_BLOCK + 15,
+        (1 << 21) + 4096 * 5 + 1000,
+    ];
     for len in SIZES.into_iter().chain(extra) {
         for offset in [0, 1, 5] {
             // Squares of similar size, so every change of summation order changes the bits.
@@ -526,7 +637,10 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
             let buf = &buf[offset..];
             let want = sum_squares_by_definition(buf);
             let exact: f64 = buf.iter().map(|&v| v as f64 * v as f64).sum();
-            assert!((want - exact).abs() <= 1e-12 * exact, "definition {want:e} vs naive {exact:e}");
+            assert!(
+                (want - exact).abs() <= 1e-12 * exact,
+                "definition {want:e} vs naive {exact:e}"
+            );
             for (isa, threads) in paths() {
                 let got = cpu::with_isa(isa, || cpu::sum_squares(buf, threads));
                 assert_eq!(
@@ -547,7 +661,10 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
         assert!(with(f32::NAN).is_nan());
         assert_eq!(with(f32::NEG_INFINITY), f64::INFINITY);
         assert_eq!(with(f32::MAX), 4096.0 + f32::MAX as f64 * f32::MAX as f64);
-        assert_eq!(cpu::with_isa(isa, || cpu::sum_squares(&[], threads)).to_bits(), 0.0f64.to_bits());
+        assert_eq!(
+            cpu::with_isa(isa, || cpu::sum_squares(&[], threads)).to_bits(),
+            0.0f64.to_bits()
+        );
     }
 }
 
@@ -563,8 +680,13 @@ fn scale_and_sum_squares_equals_the_two_passes_on_every_path() {
         let want: Vec<f32> = buf[offset..].iter().map(|&v| v * factor).collect();
         for (isa, threads) in paths() {
             let mut got = buf.clone();
-            let sum = cpu::with_isa(isa, || cpu::scale_and_sum_squares(&mut got[offset..], factor, threads));
-            let what = format!("scale_and_sum_squares len {len} offset {offset} {} threads {threads}", isa.name());
+            let sum = cpu::with_isa(isa, || {
+                cpu::scale_and_sum_squares(&mut got[offset..], factor, threads)
+            });
+            let what = format!(
+                "scale_and_sum_squares len {len} offset {offset} {} threads {threads}",
+                isa.name()
+            );
             assert_eq!(sum.to_bits(), want_sum.to_bits(), "{what}: {sum:e} vs {want_sum:e}");
             assert_same(&what, &got[offset..], &want);
         }
@@ -591,7 +713,10 @@ fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
         let buf: Vec<f32> = (0..len).map(|_| rng.f32_in(2)).collect();
         let factor = rng.f32_in(10);
         let want = block_sums_by_definition(&buf);
-        assert_eq!(cpu::fold_block_sums(&want).to_bits(), sum_squares_by_definition(&buf).to_bits());
+        assert_eq!(
+            cpu::fold_block_sums(&want).to_bits(),
+            sum_squares_by_definition(&buf).to_bits()
+        );
         let want_scaled: Vec<f32> = buf.iter().map(|&v| v * factor).collect();
         for (isa, threads) in paths() {
             let what = format!("len {len} {} threads {threads}", isa.name());
@@ -600,7 +725,9 @@ fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
             assert_same_f64(&format!("block_sum_squares {what}"), &got, &want);
             let mut scaled = buf.clone();
             got.fill(-1.0);
-            cpu::with_isa(isa, || cpu::scale_and_block_sum_squares(&mut scaled, factor, &mut got, threads));
+            cpu::with_isa(isa, || {
+                cpu::scale_and_block_sum_squares(&mut scaled, factor, &mut got, threads)
+            });
             assert_same_f64(&format!("scale_and_block_sum_squares {what}"), &got, &want);
             assert_same(&format!("scale_and_block_sum_squares {what}"), &scaled, &want_scaled);
         }
@@ -609,9 +736,16 @@ fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
 
 #[test]
 fn add_and_block_sum_squares_equals_the_separate_passes_on_every_path() {
-    let mut rng = Rng::for_test("add_and_block_sum_squares_equals_the_separate_passes_on_every_path");
+    let mut rng =
+        Rng::for_test("add_and_block_sum_squares_equals_the_separate_passes_on_every_path");
     // Blocks that end in a whole vector group, exactly or after a partial last block.
-    let extra = [math::NORM_BLOCK - 1, 2 * math::NORM_BLOCK, math::NORM_BLOCK + 32, 3 * math::NORM_BLOCK + 15, (1 << 20) + 4096 * 5 + 1000];
+    let extra = [
+        math::NORM_BLOCK - 1,
+        2 * math::NORM_BLOCK,
+        math::NORM_BLOCK + 32,
+        3 * math::NORM_BLOCK + 15,
+        (1 << 20) + 4096 * 5 + 1000,
+    ];
     for len in SIZES.into_iter().chain(extra) {
         let (offset, addend_offset) = (rng.below(8) as usize, rng.below(8) as usize);
         // GUARD elements after the slice catch a write past its end.
@@ -628,18 +762,35 @@ fn add_and_block_sum_squares_equals_the_separate_passes_on_every_path() {
         }
         let addend = &addend[addend_offset..];
         let factor = rng.f32_in(10);
-        let sum: Vec<f32> = buf[offset..offset + len].iter().zip(addend).map(|(&a, &b)| a + b).collect();
+        let sum: Vec<f32> =
+            buf[offset..offset + len].iter().zip(addend).map(|(&a, &b)| a + b).collect();
         let want_sums = block_sums_by_definition(&sum);
-        for (scale, want) in [(None, sum.clone()), (Some(factor), sum.iter().map(|&v| v * factor).collect())] {
+        for (scale, want) in
+            [(None, sum.clone()), (Some(factor), sum.iter().map(|&v| v * factor).collect())]
+        {
             for isa in cpu::supported_isas() {
-                let what = format!("add_and_block_sum_squares len {len} offset {offset} scale {scale:?} {}", isa.name());
+                let what = format!(
+                    "add_and_block_sum_squares len {len} offset {offset} scale {scale:?} {}",
+                    isa.name()
+                );
                 let mut got = buf.clone();
                 let mut sums = vec![-1.0; cpu::blocks(len)];
-                cpu::with_isa(isa, || cpu::add_and_block_sum_squares(&mut got[offset..offset + len], addend, scale, &mut sums));
+                cpu::with_isa(isa, || {
+                    cpu::add_and_block_sum_squares(
+                        &mut got[offset..offset + len],
+                        addend,
+                        scale,
+                        &mut sums,
+                    )
+                });
                 assert_same_f64(&what, &sums, &want_sums);
                 assert_same(&what, &got[offset..offset + len], &want);
                 assert_eq!(got[..offset], buf[..offset], "{what}: wrote before its slice");
-                assert_eq!(got[offset + len..], buf[offset + len..], "{what}: wrote after its slice");
+                assert_eq!(
+                    got[offset + len..],
+                    buf[offset + len..],
+                    "{what}: wrote after its slice"
+                );
             }
         }
     }
@@ -657,7 +808,11 @@ fn add_assign_is_a_rounded_add_on_every_path() {
             for isa in cpu::supported_isas() {
                 let mut got = dst.clone();
                 cpu::with_isa(isa, || cpu::add_assign(&mut got[offset..], src));
-                assert_same(&format!("add_assign len {len} offset {offset} {}", isa.name()), &got[offset..], &want);
+                assert_same(
+                    &format!("add_assign len {len} offset {offset} {}", isa.name()),
+                    &got[offset..],
+                    &want,
+                );
             }
         }
     }
@@ -686,14 +841,29 @@ fn copies_for_a_peer_copy_every_bit_on_every_path() {
                 .collect();
             let src = &src[3..];
             // The streaming copy, and the copy the communicators stage with (one of the two).
-            let copies: [(&str, CopyFn); 2] = [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
-            for (isa, (name, copy)) in cpu::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c))) {
+            let copies: [(&str, CopyFn); 2] =
+                [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
+            for (isa, (name, copy)) in
+                cpu::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c)))
+            {
                 let mut got = dst.clone();
                 cpu::with_isa(isa, || copy(&mut got[offset..offset + len], src));
                 let what = format!("{name} len {len} offset {offset} {}", isa.name());
-                assert!(got[offset..offset + len].iter().zip(src).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: bits differ");
+                assert!(
+                    got[offset..offset + len]
+                        .iter()
+                        .zip(src)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: bits differ"
+                );
                 assert_eq!(got[..offset], dst[..offset], "{what}: wrote before its slice");
-                assert!(got[offset + len..].iter().zip(&dst[offset + len..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: wrote past it");
+                assert!(
+                    got[offset + len..]
+                        .iter()
+                        .zip(&dst[offset + len..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: wrote past it"
+                );
             }
         }
     }
@@ -707,7 +877,10 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
     let supported = cpu::supported_isas();
     assert_eq!(supported[0], Isa::Scalar);
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+    if is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("f16c")
+    {
         assert_eq!(supported.last(), Some(&Isa::Avx512));
     }
     if std::env::var_os("GRADACC_CPU_ISA").is_none() {
@@ -723,7 +896,12 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
 #[test]
 fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
     let widest = *cpu::supported_isas().last().unwrap();
-    for (name, want) in [("scalar", Isa::Scalar), ("avx2", Isa::Avx2.min(widest)), ("AVX512", widest), ("no-such-isa", widest)] {
+    for (name, want) in [
+        ("scalar", Isa::Scalar),
+        ("avx2", Isa::Avx2.min(widest)),
+        ("AVX512", widest),
+        ("no-such-isa", widest),
+    ] {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "report_active_isa", "--nocapture", "--test-threads=1"])
             .env("GRADACC_CPU_ISA", name)
@@ -732,7 +910,10 @@ fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "child failed: {stdout}");
-        assert!(stdout.contains(&format!("active isa: {}\n", want.name())), "GRADACC_CPU_ISA={name}: {stdout}");
+        assert!(
+            stdout.contains(&format!("active isa: {}\n", want.name())),
+            "GRADACC_CPU_ISA={name}: {stdout}"
+        );
     }
 }
 

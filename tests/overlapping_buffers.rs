@@ -13,13 +13,23 @@ fn gradients_overlapping_the_master_are_refused() {
     let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
     let mut backing: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let base = backing.as_mut_ptr();
-    let config = AccumulatorConfig { loss_reduction: LossReduction::Sum, normalize: Normalize::None, threads: 3, ..Default::default() };
+    let config = AccumulatorConfig {
+        loss_reduction: LossReduction::Sum,
+        normalize: Normalize::None,
+        threads: 3,
+        ..Default::default()
+    };
     // SAFETY: the master lies inside `backing`, which outlives the accumulator and is read below
     // only through raw pointers while no call runs.
-    let acc = unsafe { Accumulator::with_buffer(config, &OVERLAP_TENSORS, base.add(OVERLAP_MARGIN), len) }.unwrap();
+    let acc = unsafe {
+        Accumulator::with_buffer(config, &OVERLAP_TENSORS, base.add(OVERLAP_MARGIN), len)
+    }
+    .unwrap();
     let scaler = Scaler::new(ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
     let (first, third) = (vec![1.5f32; 8192], vec![common::to_f16(3.0); 50]);
-    let read = |at: usize, n: usize| (0..n).map(|k| unsafe { base.add(at + k).read() }).collect::<Vec<f32>>();
+    let read = |at: usize, n: usize| {
+        (0..n).map(|k| unsafe { base.add(at + k).read() }).collect::<Vec<f32>>()
+    };
     let tried = check_overlapping_gradients(
         &acc,
         &scaler,

@@ -52,9 +52,17 @@ fn boundary(
     tensors: &[TensorDesc],
     grads: &[Vec<Vec<f32>>],
 ) -> Vec<Outcome> {
-    let shard_groups: Vec<Vec<Arc<dyn Communicator>>> =
-        (0..replicas).map(|_| LocalComm::group(shards).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect()).collect();
-    let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+    let shard_groups: Vec<Vec<Arc<dyn Communicator>>> = (0..replicas)
+        .map(|_| {
+            LocalComm::group(shards)
+                .unwrap()
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+                .collect()
+        })
+        .collect();
+    let replica_groups: Vec<Vec<LocalComm>> =
+        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..shards * replicas)
             .map(|g| {
@@ -65,14 +73,25 @@ fn boundary(
                         Policy::AllReduce => Accumulator::new(config, tensors).unwrap(),
                         Policy::ReduceScatter | Policy::HybridReduceScatter => {
                             let sharding = Sharding::ReduceScatter { shards, rank: i };
-                            Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors).unwrap()
+                            Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
+                                .unwrap()
                         }
                         Policy::Accumulate | Policy::HybridAccumulate => {
                             let sharding = Sharding::Accumulate { shards, rank: i };
-                            Accumulator::sharded(AccumulatorConfig { sharding, ..config }, tensors, shard_comm.clone()).unwrap()
+                            Accumulator::sharded(
+                                AccumulatorConfig { sharding, ..config },
+                                tensors,
+                                shard_comm.clone(),
+                            )
+                            .unwrap()
                         }
                     };
-                    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, min_scale: 2f32.powi(-20), ..Default::default() }).unwrap();
+                    let scaler = Scaler::new(ScalerConfig {
+                        init_scale: 1.0,
+                        min_scale: 2f32.powi(-20),
+                        ..Default::default()
+                    })
+                    .unwrap();
                     let encoded: Vec<(Vec<f32>, Vec<u16>)> = tensors
                         .iter()
                         .zip(&grads[g])
@@ -81,10 +100,16 @@ fn boundary(
                             _ => (v.clone(), vec![]),
                         })
                         .collect();
-                    let views: Vec<Grad<'_>> = tensors.iter().zip(&encoded).map(|(d, (f, h))| common::grad_of(d.dtype, f, h)).collect();
+                    let views: Vec<Grad<'_>> = tensors
+                        .iter()
+                        .zip(&encoded)
+                        .map(|(d, (f, h))| common::grad_of(d.dtype, f, h))
+                        .collect();
                     acc.add(&scaler, &views, 1).unwrap();
                     let info = match policy {
-                        Policy::HybridReduceScatter | Policy::HybridAccumulate => acc.sync_hybrid(&**shard_comm, replica_comm).unwrap(),
+                        Policy::HybridReduceScatter | Policy::HybridAccumulate => {
+                            acc.sync_hybrid(&**shard_comm, replica_comm).unwrap()
+                        }
                         _ => acc.sync(Some(&**shard_comm)).unwrap(),
                     };
                     let skipped = scaler.update_from(&[&acc], true).unwrap().unwrap();
@@ -106,7 +131,11 @@ fn check_overflow_agreed(outcomes: &[Outcome], what: &str) {
         assert!(o.info.found_inf, "{what}: rank {g} missed the overflow: {:?}", o.info);
         assert!(o.skipped, "{what}: rank {g} stepped on an overflowing gradient");
         assert_eq!(o.scale, 0.5, "{what}: rank {g} did not back off");
-        assert!(!o.info.grad_norm.is_finite(), "{what}: rank {g}: a finite norm {} for an infinite gradient", o.info.grad_norm);
+        assert!(
+            !o.info.grad_norm.is_finite(),
+            "{what}: rank {g}: a finite norm {} for an infinite gradient",
+            o.info.grad_norm
+        );
         assert_eq!(o.info.clip_coef, 1.0, "{what}: rank {g}: clipping an overflowing gradient");
     }
     let non_finite = outcomes.iter().flat_map(|o| &o.values).filter(|v| !v.is_finite()).count();
@@ -117,10 +146,15 @@ fn check_overflow_agreed(outcomes: &[Outcome], what: &str) {
 /// every normalisation: [3e38, 1, 1, 1] on every rank is finite on each and infinite in the sum.
 #[test]
 fn an_overflowing_sum_skips_on_every_rank_under_every_policy() {
-    let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }, TensorDesc { numel: 5000, dtype: Dtype::Bf16 }];
+    let tensors = [
+        TensorDesc { numel: 4, dtype: Dtype::F32 },
+        TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
+    ];
     for (policy, shards, replicas) in POLICIES {
         for wire in [Dtype::F32, Dtype::Bf16] {
-            for (normalize, max_grad_norm) in [(Normalize::None, 0.0), (Normalize::ByCount, 1.0), (Normalize::ByWorld, 0.0)] {
+            for (normalize, max_grad_norm) in
+                [(Normalize::None, 0.0), (Normalize::ByCount, 1.0), (Normalize::ByWorld, 0.0)]
+            {
                 let config = AccumulatorConfig {
                     normalize,
                     loss_reduction: LossReduction::Sum,
@@ -129,9 +163,14 @@ fn an_overflowing_sum_skips_on_every_rank_under_every_policy() {
                     bucket_numel: 1000,
                     ..Default::default()
                 };
-                let grads: Vec<Vec<Vec<f32>>> = (0..shards * replicas).map(|_| vec![vec![3e38, 1.0, 1.0, 1.0], vec![0.25; 5000]]).collect();
+                let grads: Vec<Vec<Vec<f32>>> = (0..shards * replicas)
+                    .map(|_| vec![vec![3e38, 1.0, 1.0, 1.0], vec![0.25; 5000]])
+                    .collect();
                 let what = format!("{policy:?} {shards}x{replicas} wire {wire:?} {normalize:?} clip {max_grad_norm}");
-                check_overflow_agreed(&boundary(policy, shards, replicas, config, &tensors, &grads), &what);
+                check_overflow_agreed(
+                    &boundary(policy, shards, replicas, config, &tensors, &grads),
+                    &what,
+                );
             }
         }
     }
@@ -144,12 +183,23 @@ fn an_overflowing_sum_skips_on_every_rank_under_every_policy() {
 fn a_nan_made_by_the_reduction_skips_on_every_rank() {
     let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
     for (policy, shards, replicas) in POLICIES.into_iter().filter(|p| p.2 > 1) {
-        let config = AccumulatorConfig { normalize: Normalize::None, loss_reduction: LossReduction::Sum, max_grad_norm: 2.0, ..Default::default() };
-        // Rank g is in shard group g / shards: the first group brings +3e38 twice, the second −3e38.
-        let grads: Vec<Vec<Vec<f32>>> = (0..shards * replicas).map(|g| vec![vec![if g < shards { 3e38 } else { -3e38 }, 0.0, 1.0]]).collect();
+        let config = AccumulatorConfig {
+            normalize: Normalize::None,
+            loss_reduction: LossReduction::Sum,
+            max_grad_norm: 2.0,
+            ..Default::default()
+        };
+        // Rank g is in shard group g / shards: the first group brings +3e38 twice, the second
+        // −3e38.
+        let grads: Vec<Vec<Vec<f32>>> = (0..shards * replicas)
+            .map(|g| vec![vec![if g < shards { 3e38 } else { -3e38 }, 0.0, 1.0]])
+            .collect();
         let outcomes = boundary(policy, shards, replicas, config, &tensors, &grads);
         check_overflow_agreed(&outcomes, &format!("{policy:?} NaN"));
-        assert!(outcomes.iter().flat_map(|o| &o.values).any(|v| v.is_nan()), "{policy:?}: the sum holds a NaN");
+        assert!(
+            outcomes.iter().flat_map(|o| &o.values).any(|v| v.is_nan()),
+            "{policy:?}: the sum holds a NaN"
+        );
     }
 }
 
@@ -178,7 +228,8 @@ fn random_sums_near_the_float_maximum_match_the_f64_reference() {
             ..Default::default()
         };
         // A few elements carry large values on several ranks; the rest are small.
-        let hot: Vec<usize> = (0..rng.range(1, 3)).map(|_| rng.range(0, numel as u64 - 1) as usize).collect();
+        let hot: Vec<usize> =
+            (0..rng.range(1, 3)).map(|_| rng.range(0, numel as u64 - 1) as usize).collect();
         let spread = rng.uniform(0.2, 0.7);
         let grads: Vec<Vec<Vec<f32>>> = (0..world)
             .map(|_| {
@@ -194,8 +245,10 @@ fn random_sums_near_the_float_maximum_match_the_f64_reference() {
             Dtype::Bf16 => common::from_bf16(to_bf16(grads[g][0][k])),
             _ => grads[g][0][k] as f64,
         };
-        let exact_beyond = (0..numel).any(|k| (0..world).map(|g| added(g, k)).sum::<f64>() > max * 1.01);
-        let well_inside = (0..numel).all(|k| (0..world).map(|g| added(g, k).abs()).sum::<f64>() < max * 0.99);
+        let exact_beyond =
+            (0..numel).any(|k| (0..world).map(|g| added(g, k)).sum::<f64>() > max * 1.01);
+        let well_inside =
+            (0..numel).all(|k| (0..world).map(|g| added(g, k).abs()).sum::<f64>() < max * 0.99);
         let outcomes = boundary(policy, shards, replicas, config, &tensors, &grads);
         let what = format!("round {round}: {policy:?} {shards}x{replicas} {dtype:?} wire {wire:?} spread {spread:.3}");
         let found = outcomes[0].info.found_inf;
@@ -209,8 +262,16 @@ fn random_sums_near_the_float_maximum_match_the_f64_reference() {
         parts.sort_by_key(|o| o.range.start);
         parts.dedup_by_key(|o| o.range.clone());
         let non_finite = parts.iter().flat_map(|o| &o.values).any(|v| !v.is_finite());
-        assert_eq!(found, non_finite, "{what}: found_inf {found}, a non-finite element {non_finite}");
-        assert_eq!(found, !outcomes[0].info.grad_norm.is_finite(), "{what}: the norm {}", outcomes[0].info.grad_norm);
+        assert_eq!(
+            found, non_finite,
+            "{what}: found_inf {found}, a non-finite element {non_finite}"
+        );
+        assert_eq!(
+            found,
+            !outcomes[0].info.grad_norm.is_finite(),
+            "{what}: the norm {}",
+            outcomes[0].info.grad_norm
+        );
         if exact_beyond {
             assert!(found, "{what}: an element's exact sum is beyond the float maximum");
         }
@@ -223,5 +284,8 @@ fn random_sums_near_the_float_maximum_match_the_f64_reference() {
             finite += 1;
         }
     }
-    assert!(overflowed >= 5 && finite >= 5, "the draws must reach both sides: {overflowed} overflowed, {finite} finite");
+    assert!(
+        overflowed >= 5 && finite >= 5,
+        "the draws must reach both sides: {overflowed} overflowed, {finite} finite"
+    );
 }

@@ -32,7 +32,8 @@ fn pytorch(flags: &[bool], init: f32, growth: f32, backoff: f32, interval: u32) 
 
 /// Megatron-Core DynamicGradScaler.update, plus DeepSpeed's consecutive_hysteresis refill.
 fn megatron(flags: &[bool], c: &ScalerConfig) -> Vec<f32> {
-    let (mut scale, mut growth_tracker, mut hysteresis_tracker) = (c.init_scale, 0u32, c.hysteresis as i64);
+    let (mut scale, mut growth_tracker, mut hysteresis_tracker) =
+        (c.init_scale, 0u32, c.hysteresis as i64);
     flags
         .iter()
         .map(|&inf| {
@@ -138,7 +139,8 @@ fn hysteresis_matches_megatron_and_deepspeed() {
 
 #[test]
 fn min_scale_is_a_floor_then_an_error_and_recovery_follows() {
-    let c = ScalerConfig { init_scale: 8.0, min_scale: 3.0, growth_interval: 2, ..Default::default() };
+    let c =
+        ScalerConfig { init_scale: 8.0, min_scale: 3.0, growth_interval: 2, ..Default::default() };
     let s = Scaler::new(c).unwrap();
     assert_eq!(s.update(true).unwrap().scale, 4.0);
     assert_eq!(s.update(true).unwrap().scale, 3.0); // clamped, still a backoff
@@ -151,7 +153,13 @@ fn min_scale_is_a_floor_then_an_error_and_recovery_follows() {
 
 #[test]
 fn max_scale_caps_growth() {
-    let s = Scaler::new(ScalerConfig { init_scale: 4.0, max_scale: 6.0, growth_interval: 1, ..Default::default() }).unwrap();
+    let s = Scaler::new(ScalerConfig {
+        init_scale: 4.0,
+        max_scale: 6.0,
+        growth_interval: 1,
+        ..Default::default()
+    })
+    .unwrap();
     assert_eq!(run(&s, &[false, false, false]), [6.0, 6.0, 6.0]);
     assert_eq!(s.stats().unwrap().growths, 1);
 }
@@ -159,7 +167,12 @@ fn max_scale_caps_growth() {
 #[test]
 fn saved_state_resumes_identically_and_bad_bytes_change_nothing() {
     let mut rng = Rng::fresh("saved_state_resumes_identically_and_bad_bytes_change_nothing");
-    let c = ScalerConfig { growth_interval: 3, hysteresis: 2, min_scale: f32::MIN_POSITIVE, ..Default::default() };
+    let c = ScalerConfig {
+        growth_interval: 3,
+        hysteresis: 2,
+        min_scale: f32::MIN_POSITIVE,
+        ..Default::default()
+    };
     let a = Scaler::new(c).unwrap();
     run(&a, &random_flags(&mut rng, 50, 0.1));
     let bytes = a.save().unwrap();

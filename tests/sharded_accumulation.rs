@@ -12,20 +12,32 @@ use gradacc::*;
 
 /// A group of `world` in-process ranks, as the accumulator holds them.
 fn group(world: usize) -> Vec<Arc<dyn Communicator>> {
-    LocalComm::group(world).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect()
+    LocalComm::group(world)
+        .unwrap()
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect()
 }
 
 /// Runs `f(rank, comm)` on one thread per rank of a new group; returns the results in rank order.
-fn on_ranks<T: Send>(world: usize, f: impl Fn(usize, &Arc<dyn Communicator>) -> T + Sync) -> Vec<T> {
+fn on_ranks<T: Send>(
+    world: usize,
+    f: impl Fn(usize, &Arc<dyn Communicator>) -> T + Sync,
+) -> Vec<T> {
     let comms = group(world);
     let f = &f;
     std::thread::scope(|s| {
-        let handles: Vec<_> = comms.iter().enumerate().map(|(r, c)| s.spawn(move || f(r, c))).collect();
+        let handles: Vec<_> =
+            comms.iter().enumerate().map(|(r, c)| s.spawn(move || f(r, c))).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
 
-fn sharded(config: AccumulatorConfig, tensors: &[TensorDesc], comm: &Arc<dyn Communicator>) -> Accumulator {
+fn sharded(
+    config: AccumulatorConfig,
+    tensors: &[TensorDesc],
+    comm: &Arc<dyn Communicator>,
+) -> Accumulator {
     let sharding = Sharding::Accumulate { shards: comm.world_size(), rank: comm.rank() };
     Accumulator::sharded(AccumulatorConfig { sharding, ..config }, tensors, comm.clone()).unwrap()
 }
@@ -51,18 +63,28 @@ struct Micro {
 
 impl Micro {
     fn views<'a>(&'a self, tensors: &[TensorDesc]) -> Vec<Option<Grad<'a>>> {
-        self.grads.iter().zip(tensors).map(|(g, t)| g.as_ref().map(|e| grad_of(t.dtype, &e.0, &e.1))).collect()
+        self.grads
+            .iter()
+            .zip(tensors)
+            .map(|(g, t)| g.as_ref().map(|e| grad_of(t.dtype, &e.0, &e.1)))
+            .collect()
     }
 }
 
 /// Adds `m` whole (`add`, every tensor present) or tensor by tensor in `order`, from `threads`
 /// threads.
-fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro, hook: Option<(&[usize], usize)>) {
+fn add_micro(
+    acc: &Accumulator,
+    tensors: &[TensorDesc],
+    m: &Micro,
+    hook: Option<(&[usize], usize)>,
+) {
     let s = scaler(m.scale);
     let views = m.views(tensors);
     match hook {
         None => {
-            let grads: Vec<Grad> = views.iter().map(|v| v.expect("add takes every tensor")).collect();
+            let grads: Vec<Grad> =
+                views.iter().map(|v| v.expect("add takes every tensor")).collect();
             acc.add(&s, &grads, m.count).unwrap();
         }
         Some((order, threads)) => {
@@ -87,13 +109,23 @@ fn add_micro(acc: &Accumulator, tensors: &[TensorDesc], m: &Micro, hook: Option<
 fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
     let sizes = [1usize, 3, 64, 1000, 4095, 4097, 9000];
     let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    (0..rng.range(1, 7)).map(|_| TensorDesc { numel: sizes[rng.range(0, 6) as usize], dtype: dtypes[rng.range(0, 2) as usize] }).collect()
+    (0..rng.range(1, 7))
+        .map(|_| TensorDesc {
+            numel: sizes[rng.range(0, 6) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect()
 }
 
 fn random_config(rng: &mut Rng) -> AccumulatorConfig {
     AccumulatorConfig {
         loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
-        normalize: [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None][rng.range(0, 3) as usize],
+        normalize: [
+            Normalize::ByCount,
+            Normalize::ByMicrobatches,
+            Normalize::ByWorld,
+            Normalize::None,
+        ][rng.range(0, 3) as usize],
         max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
         bucket_numel: rng.range(1, 12000) as usize,
         threads: rng.range(1, 2) as usize,
@@ -102,17 +134,31 @@ fn random_config(rng: &mut Rng) -> AccumulatorConfig {
     }
 }
 
-fn random_micro(rng: &mut Rng, tensors: &[TensorDesc], hook: bool) -> (Micro, Vec<Option<Vec<f32>>>) {
+fn random_micro(
+    rng: &mut Rng,
+    tensors: &[TensorDesc],
+    hook: bool,
+) -> (Micro, Vec<Option<Vec<f32>>>) {
     let scale = (2f32).powi(rng.range(0, 14) as i32);
-    let values: Vec<Option<Vec<f32>>> =
-        tensors.iter().map(|t| (!hook || rng.range(0, 4) != 0).then(|| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())).collect();
-    let grads = values.iter().zip(tensors).map(|(v, t)| v.as_ref().map(|v| encode(t.dtype, v, scale))).collect();
+    let values: Vec<Option<Vec<f32>>> = tensors
+        .iter()
+        .map(|t| {
+            (!hook || rng.range(0, 4) != 0)
+                .then(|| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+        })
+        .collect();
+    let grads = values
+        .iter()
+        .zip(tensors)
+        .map(|(v, t)| v.as_ref().map(|v| encode(t.dtype, v, scale)))
+        .collect();
     (Micro { count: rng.range(1, 9), scale, grads }, values)
 }
 
 #[test]
 fn random_windows_match_the_f64_reference_on_every_rank() {
-    let mut rng = Rng::fresh("sharded_accumulation::random_windows_match_the_f64_reference_on_every_rank");
+    let mut rng =
+        Rng::fresh("sharded_accumulation::random_windows_match_the_f64_reference_on_every_rank");
     for case in 0..30 {
         let world = rng.range(1, 5) as usize;
         let tensors = random_layout(&mut rng);
@@ -151,12 +197,17 @@ fn random_windows_match_the_f64_reference_on_every_rank() {
             // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
             (info, range.clone(), unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec())
         });
-        let shards: Vec<(std::ops::Range<usize>, Vec<f32>)> = results.iter().map(|(_, r, s)| (r.clone(), s.clone())).collect();
+        let shards: Vec<(std::ops::Range<usize>, Vec<f32>)> =
+            results.iter().map(|(_, r, s)| (r.clone(), s.clone())).collect();
         for (r, (other, _, _)) in results.iter().enumerate() {
             assert_eq!(*other, results[0].0, "case {case}: rank {r} reports differently");
         }
         want.check(&results[0].0, &shards, &format!("case {case}: world {world}, {config:?}"));
-        assert_eq!(shards.last().unwrap().0.end, flat_len, "case {case}: the shards cover the layout");
+        assert_eq!(
+            shards.last().unwrap().0.end,
+            flat_len,
+            "case {case}: the shards cover the layout"
+        );
     }
 }
 
@@ -176,7 +227,13 @@ struct Reference {
 }
 
 impl Reference {
-    fn of(tensors: &[TensorDesc], config: &AccumulatorConfig, windows: &[Vec<Micro>], values: &[Vec<Vec<Option<Vec<f32>>>>], world: usize) -> Self {
+    fn of(
+        tensors: &[TensorDesc],
+        config: &AccumulatorConfig,
+        windows: &[Vec<Micro>],
+        values: &[Vec<Vec<Option<Vec<f32>>>>],
+        world: usize,
+    ) -> Self {
         let total_count: u64 = windows.iter().flatten().map(|m| m.count).sum();
         let microbatches = windows.iter().map(|w| w.len() as u64).sum::<u64>();
         let divisor = match config.normalize {
@@ -202,7 +259,8 @@ impl Reference {
         let norm = sum.iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
         let max = config.max_grad_norm as f64;
         let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
-        let wire_error = if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
+        let wire_error =
+            if config.wire == Dtype::Bf16 && world > 1 { (2f64).powi(-8) } else { 0.0 };
         let error = 1.2e-7 * (microbatches + 2) as f64 + wire_error;
         Reference { sum, magnitude, divisor, total_count, microbatches, norm, coef, error }
     }
@@ -210,20 +268,44 @@ impl Reference {
     /// Checks a boundary's info and the shards (range, values) against the reference.
     fn check(&self, info: &SyncInfo, shards: &[(std::ops::Range<usize>, Vec<f32>)], what: &str) {
         let d = self.divisor;
-        let norm_tol = 1e-5 * self.norm + 1e-12 + self.error * self.magnitude.iter().map(|m| (m / d).powi(2)).sum::<f64>().sqrt();
+        let norm_tol = 1e-5 * self.norm
+            + 1e-12
+            + self.error * self.magnitude.iter().map(|m| (m / d).powi(2)).sum::<f64>().sqrt();
         let coef = self.coef;
-        let coef_tol = if coef < 1.0 { 1e-5 * coef + coef * norm_tol / (self.norm - norm_tol).max(f64::MIN_POSITIVE) } else { 1e-5 };
-        assert_eq!((info.total_count, info.microbatches, info.found_inf), (self.total_count, self.microbatches, false), "{what}");
-        assert!((info.grad_norm - self.norm).abs() <= norm_tol, "{what}: norm {} vs {}", info.grad_norm, self.norm);
-        assert!((info.clip_coef - coef).abs() <= coef_tol, "{what}: clip {} vs {coef}", info.clip_coef);
+        let coef_tol = if coef < 1.0 {
+            1e-5 * coef + coef * norm_tol / (self.norm - norm_tol).max(f64::MIN_POSITIVE)
+        } else {
+            1e-5
+        };
+        assert_eq!(
+            (info.total_count, info.microbatches, info.found_inf),
+            (self.total_count, self.microbatches, false),
+            "{what}"
+        );
+        assert!(
+            (info.grad_norm - self.norm).abs() <= norm_tol,
+            "{what}: norm {} vs {}",
+            info.grad_norm,
+            self.norm
+        );
+        assert!(
+            (info.clip_coef - coef).abs() <= coef_tol,
+            "{what}: clip {} vs {coef}",
+            info.clip_coef
+        );
         let mut covered = 0;
         for (r, (range, shard)) in shards.iter().enumerate() {
             assert_eq!(range.start, covered, "{what}: shards in rank order");
             covered = range.end;
             for (i, &got) in range.clone().zip(shard) {
                 let want = self.sum[i] / d * coef;
-                let tol = self.error * self.magnitude[i] / d * coef + (self.sum[i] / d).abs() * (info.clip_coef - coef).abs() + 1e-30;
-                assert!((got as f64 - want).abs() <= tol, "{what}: element {i} of shard {r}: {got} vs {want} (tol {tol})");
+                let tol = self.error * self.magnitude[i] / d * coef
+                    + (self.sum[i] / d).abs() * (info.clip_coef - coef).abs()
+                    + 1e-30;
+                assert!(
+                    (got as f64 - want).abs() <= tol,
+                    "{what}: element {i} of shard {r}: {got} vs {want} (tol {tol})"
+                );
             }
         }
     }
@@ -237,14 +319,21 @@ fn every_way_of_adding_gives_the_same_bits() {
     let world = 3;
     let tensors = random_layout(&mut rng);
     let config = AccumulatorConfig { bucket_numel: 5000, ..random_config(&mut rng) };
-    let micros: Vec<Vec<Micro>> = (0..world).map(|_| (0..3).map(|_| random_micro(&mut rng, &tensors, false).0).collect()).collect();
+    let micros: Vec<Vec<Micro>> = (0..world)
+        .map(|_| (0..3).map(|_| random_micro(&mut rng, &tensors, false).0).collect())
+        .collect();
     let n = tensors.len();
     let mut shuffled: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         shuffled.swap(i, rng.range(0, i as u64) as usize);
     }
-    let orders: Vec<Option<(Vec<usize>, usize)>> =
-        vec![None, Some(((0..n).collect(), 1)), Some(((0..n).rev().collect(), 1)), Some((shuffled.clone(), 1)), Some((shuffled, 2))];
+    let orders: Vec<Option<(Vec<usize>, usize)>> = vec![
+        None,
+        Some(((0..n).collect(), 1)),
+        Some(((0..n).rev().collect(), 1)),
+        Some((shuffled.clone(), 1)),
+        Some((shuffled, 2)),
+    ];
     let results = on_ranks(world, |r, comm| {
         orders
             .iter()
@@ -270,7 +359,11 @@ fn a_single_shard_is_the_unsharded_boundary() {
     let tensors = random_layout(&mut rng);
     let config = random_config(&mut rng);
     let plain = Accumulator::new(config, &tensors).unwrap();
-    let one = Accumulator::new(AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config }, &tensors).unwrap();
+    let one = Accumulator::new(
+        AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config },
+        &tensors,
+    )
+    .unwrap();
     for _ in 0..3 {
         let (m, _) = random_micro(&mut rng, &tensors, false);
         for acc in [&plain, &one] {
@@ -283,9 +376,13 @@ fn a_single_shard_is_the_unsharded_boundary() {
 
 #[test]
 fn one_rank_overflowing_skips_the_window_on_every_rank() {
-    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F16 }, TensorDesc { numel: 300, dtype: Dtype::Bf16 }];
+    let tensors = [
+        TensorDesc { numel: 5000, dtype: Dtype::F16 },
+        TensorDesc { numel: 300, dtype: Dtype::Bf16 },
+    ];
     let infos = on_ranks(3, |r, comm| {
-        let acc = sharded(AccumulatorConfig { bucket_numel: 1000, ..Default::default() }, &tensors, comm);
+        let acc =
+            sharded(AccumulatorConfig { bucket_numel: 1000, ..Default::default() }, &tensors, comm);
         let s = scaler(1024.0);
         let mut halves = vec![to_f16(0.5); 5000];
         if r == 1 {
@@ -313,7 +410,8 @@ fn token_weighted_unequal_counts_and_a_changing_micro_batch_count() {
     // by count; and a window with another micro-batch count is normalised by its own totals.
     let tensors = [TensorDesc { numel: 4099, dtype: Dtype::F32 }];
     let results = on_ranks(2, |r, comm| {
-        let acc = sharded(AccumulatorConfig { bucket_numel: 4096, ..Default::default() }, &tensors, comm);
+        let acc =
+            sharded(AccumulatorConfig { bucket_numel: 4096, ..Default::default() }, &tensors, comm);
         let s = scaler(1.0);
         let mut out = Vec::new();
         for window in [&[(3u64, 1.0f32), (1, 5.0)][..], &[(2, 2.0), (2, 4.0), (4, 1.0)][..]] {
@@ -332,24 +430,44 @@ fn token_weighted_unequal_counts_and_a_changing_micro_batch_count() {
     // Window 1: (3·1 + 1·5)·3 / (4·2) = 3; window 2: (2·2 + 2·4 + 4·1)·3 / (8·2) = 3.
     for shards in &results {
         for (w, shard) in shards.iter().enumerate() {
-            assert!(shard.iter().all(|&v| v == 3.0), "window {w}: {:?}", &shard[..4.min(shard.len())]);
+            assert!(
+                shard.iter().all(|&v| v == 3.0),
+                "window {w}: {:?}",
+                &shard[..4.min(shard.len())]
+            );
         }
     }
 }
 
 #[test]
 fn misuse_fails_on_every_rank_and_leaves_the_windows() {
-    let tensors = [TensorDesc { numel: 6000, dtype: Dtype::F16 }, TensorDesc { numel: 10, dtype: Dtype::F32 }];
+    let tensors = [
+        TensorDesc { numel: 6000, dtype: Dtype::F16 },
+        TensorDesc { numel: 10, dtype: Dtype::F32 },
+    ];
     let config = AccumulatorConfig { bucket_numel: 4096, ..Default::default() };
     let comms = group(2);
     // Created on a communicator of another size or rank, or without one.
     let wrong = Sharding::Accumulate { shards: 3, rank: 0 };
-    let e = Accumulator::sharded(AccumulatorConfig { sharding: wrong, ..config }, &tensors, comms[0].clone()).unwrap_err();
+    let e = Accumulator::sharded(
+        AccumulatorConfig { sharding: wrong, ..config },
+        &tensors,
+        comms[0].clone(),
+    )
+    .unwrap_err();
     assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
     let swapped = Sharding::Accumulate { shards: 2, rank: 1 };
-    assert!(Accumulator::sharded(AccumulatorConfig { sharding: swapped, ..config }, &tensors, comms[0].clone()).is_err());
+    assert!(Accumulator::sharded(
+        AccumulatorConfig { sharding: swapped, ..config },
+        &tensors,
+        comms[0].clone()
+    )
+    .is_err());
     assert!(Accumulator::new(AccumulatorConfig { sharding: swapped, ..config }, &tensors).is_err());
-    assert!(Accumulator::sharded(config, &tensors, comms[0].clone()).is_err(), "a communicator for an unsharded accumulator");
+    assert!(
+        Accumulator::sharded(config, &tensors, comms[0].clone()).is_err(),
+        "a communicator for an unsharded accumulator"
+    );
 
     on_ranks(2, |r, comm| {
         comm.set_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -361,17 +479,33 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         let before = shard_bits(&acc);
         // Rank 1's call is invalid (a wrong dtype): both fail, nothing is added.
         let bad = vec![to_bf16(1.0); 6000];
-        let grads = if r == 1 { [Grad::Bf16(&bad), Grad::F32(&small)] } else { [Grad::F16(&big), Grad::F32(&small)] };
+        let grads = if r == 1 {
+            [Grad::Bf16(&bad), Grad::F32(&small)]
+        } else {
+            [Grad::F16(&big), Grad::F32(&small)]
+        };
         let e = acc.add(&s, &grads, 1).unwrap_err();
-        assert_eq!(e.kind, if r == 1 { ErrorKind::DtypeMismatch } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        assert_eq!(
+            e.kind,
+            if r == 1 { ErrorKind::DtypeMismatch } else { ErrorKind::PeerFailure },
+            "rank {r}: {e}"
+        );
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // Rank 0 at the boundary while rank 1 adds: both fail with nothing reduced.
-        let e = if r == 0 { acc.sync(None).unwrap_err() } else { acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err() };
+        let e = if r == 0 {
+            acc.sync(None).unwrap_err()
+        } else {
+            acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err()
+        };
         assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // Rank 0 adds a whole micro-batch while rank 1 opens one tensor by tensor: the two cut
         // the micro-batch differently, so both fail with nothing reduced.
-        let e = if r == 0 { acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err() } else { acc.begin_microbatch(1).unwrap_err() };
+        let e = if r == 0 {
+            acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err()
+        } else {
+            acc.begin_microbatch(1).unwrap_err()
+        };
         assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // A micro-batch tensor by tensor, whole.
@@ -381,8 +515,14 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         acc.end_microbatch().unwrap();
         // Another communicator at the boundary on rank 0.
         let stranger = LocalComm::group(1).unwrap();
-        let e = acc.sync(if r == 0 { Some(&stranger[0] as &dyn Communicator) } else { None }).unwrap_err();
-        assert_eq!(e.kind, if r == 0 { ErrorKind::InvalidArgument } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        let e = acc
+            .sync(if r == 0 { Some(&stranger[0] as &dyn Communicator) } else { None })
+            .unwrap_err();
+        assert_eq!(
+            e.kind,
+            if r == 0 { ErrorKind::InvalidArgument } else { ErrorKind::PeerFailure },
+            "rank {r}: {e}"
+        );
         // The window survived all of it: two micro-batches on each rank.
         let info = acc.sync(None).unwrap();
         assert_eq!((info.total_count, info.microbatches), (4, 4), "rank {r}");
@@ -397,10 +537,17 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         acc.begin_microbatch(1).unwrap();
         acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap();
         if r == 1 {
-            assert_eq!(acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap_err().kind, ErrorKind::WrongState);
+            assert_eq!(
+                acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap_err().kind,
+                ErrorKind::WrongState
+            );
         }
         let e = acc.end_microbatch().unwrap_err();
-        assert_eq!(e.kind, if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        assert_eq!(
+            e.kind,
+            if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure },
+            "rank {r}: {e}"
+        );
         assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "rank {r}");
     });
 }
@@ -410,7 +557,9 @@ fn a_window_saved_on_n_ranks_resumes_on_n_ranks() {
     let mut rng = Rng::fresh("sharded_accumulation::a_window_saved_on_n_ranks_resumes_on_n_ranks");
     let tensors = random_layout(&mut rng);
     let config = AccumulatorConfig { max_grad_norm: 0.5, ..random_config(&mut rng) };
-    let micros: Vec<Vec<Micro>> = (0..3).map(|_| (0..2).map(|_| random_micro(&mut rng, &tensors, false).0).collect()).collect();
+    let micros: Vec<Vec<Micro>> = (0..3)
+        .map(|_| (0..2).map(|_| random_micro(&mut rng, &tensors, false).0).collect())
+        .collect();
     on_ranks(3, |r, comm| {
         let whole = sharded(config, &tensors, comm);
         for m in &micros[r] {
@@ -432,7 +581,11 @@ fn a_window_saved_on_n_ranks_resumes_on_n_ranks() {
         add_micro(&merged, &tensors, &micros[r][1], None);
         merged.merge_window(&saved).unwrap();
         let m = merged.sync(None).unwrap();
-        assert_eq!((m.total_count, m.microbatches), (info.total_count, info.microbatches), "rank {r}");
+        assert_eq!(
+            (m.total_count, m.microbatches),
+            (info.total_count, info.microbatches),
+            "rank {r}"
+        );
 
         // Another shard, or a whole window, is refused and changes nothing.
         let unsharded = Accumulator::new(config, &tensors).unwrap();
@@ -441,8 +594,16 @@ fn a_window_saved_on_n_ranks_resumes_on_n_ranks() {
         add_micro(&unsharded, &tensors, &micros[r][0], None);
         let whole_window = unsharded.save_window().unwrap();
         let fresh = sharded(config, &tensors, comm);
-        assert_eq!(fresh.load_window(&whole_window).unwrap_err().kind, ErrorKind::CorruptState, "rank {r}");
-        assert_eq!(fresh.merge_window(&whole_window).unwrap_err().kind, ErrorKind::CorruptState, "rank {r}");
+        assert_eq!(
+            fresh.load_window(&whole_window).unwrap_err().kind,
+            ErrorKind::CorruptState,
+            "rank {r}"
+        );
+        assert_eq!(
+            fresh.merge_window(&whole_window).unwrap_err().kind,
+            ErrorKind::CorruptState,
+            "rank {r}"
+        );
         saved
     });
     // Rank 0's shard loaded on rank 1.
@@ -464,20 +625,24 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
     // Shard groups of 2 and 3 ranks, each replicated twice: the replicas all-reduce their shard
     // at the boundary. Every replica holds the same bits, and the shards the f64 reference over
     // every rank.
-    let mut rng = Rng::fresh("sharded_accumulation::hybrid_boundaries_match_the_reference_on_every_rank");
+    let mut rng =
+        Rng::fresh("sharded_accumulation::hybrid_boundaries_match_the_reference_on_every_rank");
     for (shards, replicas) in [(2, 2), (3, 2), (1, 3)] {
         let tensors = random_layout(&mut rng);
         let config = random_config(&mut rng);
         let world = shards * replicas;
         let (mut windows, mut values) = (Vec::new(), Vec::new());
         for _ in 0..world {
-            let (w, v): (Vec<Micro>, Vec<_>) = (0..2).map(|_| random_micro(&mut rng, &tensors, false)).unzip();
+            let (w, v): (Vec<Micro>, Vec<_>) =
+                (0..2).map(|_| random_micro(&mut rng, &tensors, false)).unzip();
             windows.push(w);
             values.push(v);
         }
         let want = Reference::of(&tensors, &config, &windows, &values, world);
-        let shard_groups: Vec<Vec<Arc<dyn Communicator>>> = (0..replicas).map(|_| group(shards)).collect();
-        let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+        let shard_groups: Vec<Vec<Arc<dyn Communicator>>> =
+            (0..replicas).map(|_| group(shards)).collect();
+        let replica_groups: Vec<Vec<LocalComm>> =
+            (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
         let results: Vec<(SyncInfo, std::ops::Range<usize>, Vec<f32>)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|g| {
@@ -491,8 +656,13 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
                         }
                         let info = acc.sync_hybrid(&**comm, replica).unwrap();
                         let (range, ptr) = acc.shard();
-                        // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
-                        (info, range.clone(), unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec())
+                        // SAFETY: the live accumulator's shard, unwritten until its next
+                        // micro-batch.
+                        (
+                            info,
+                            range.clone(),
+                            unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec(),
+                        )
                     })
                 })
                 .collect();
@@ -502,9 +672,13 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         for (g, r) in results.iter().enumerate() {
             assert_eq!(r.0, results[0].0, "{what}: rank {g}'s info");
             let replica_0 = &results[g % shards];
-            assert!(r.2.iter().zip(&replica_0.2).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: rank {g} differs from its replica");
+            assert!(
+                r.2.iter().zip(&replica_0.2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: rank {g} differs from its replica"
+            );
         }
-        let first_group: Vec<_> = results[..shards].iter().map(|(_, r, s)| (r.clone(), s.clone())).collect();
+        let first_group: Vec<_> =
+            results[..shards].iter().map(|(_, r, s)| (r.clone(), s.clone())).collect();
         want.check(&results[0].0, &first_group, &what);
     }
 }
@@ -526,13 +700,24 @@ fn short_and_empty_shards_and_one_huge_bucket() {
             (acc.shard().0, shard_bits(&acc))
         });
         // (1 + 2 + 3) x 2 items / 6 items = 2 everywhere.
-        assert_eq!(shards.iter().map(|(r, _)| r.len()).sum::<usize>(), 24577, "bucket_numel {bucket_numel}");
+        assert_eq!(
+            shards.iter().map(|(r, _)| r.len()).sum::<usize>(),
+            24577,
+            "bucket_numel {bucket_numel}"
+        );
         for (r, (_, bits)) in shards.iter().enumerate() {
-            assert!(bits.iter().all(|&b| b == 2f32.to_bits()), "bucket_numel {bucket_numel}: shard {r}");
+            assert!(
+                bits.iter().all(|&b| b == 2f32.to_bits()),
+                "bucket_numel {bucket_numel}: shard {r}"
+            );
         }
     }
     let one = Sharding::Accumulate { shards: 1, rank: 0 };
-    let acc = Accumulator::new(AccumulatorConfig { sharding: one, bucket_numel: usize::MAX, ..Default::default() }, &tensors).unwrap();
+    let acc = Accumulator::new(
+        AccumulatorConfig { sharding: one, bucket_numel: usize::MAX, ..Default::default() },
+        &tensors,
+    )
+    .unwrap();
     acc.add(&scaler(1.0), &[Grad::F32(&[0.5; 24577])], 1).unwrap();
     assert_eq!(acc.sync(None).unwrap().total_count, 1);
 }
@@ -542,9 +727,17 @@ fn an_overflowing_sum_is_found_as_the_unsharded_accumulator_finds_it() {
     // Each contribution is finite; their sum over micro-batches (one rank) or over ranks is not.
     let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F32 }];
     let big = vec![3e38f32; 5000];
-    let config = AccumulatorConfig { normalize: Normalize::None, loss_reduction: LossReduction::Sum, ..Default::default() };
+    let config = AccumulatorConfig {
+        normalize: Normalize::None,
+        loss_reduction: LossReduction::Sum,
+        ..Default::default()
+    };
     let plain = Accumulator::new(config, &tensors).unwrap();
-    let one = Accumulator::new(AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config }, &tensors).unwrap();
+    let one = Accumulator::new(
+        AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config },
+        &tensors,
+    )
+    .unwrap();
     for acc in [&plain, &one] {
         acc.add(&scaler(1.0), &[Grad::F32(&big)], 1).unwrap();
         acc.add(&scaler(1.0), &[Grad::F32(&big)], 1).unwrap();
@@ -562,7 +755,10 @@ fn an_overflowing_sum_is_found_as_the_unsharded_accumulator_finds_it() {
 
 #[test]
 fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
-    let tensors = [TensorDesc { numel: 5000, dtype: Dtype::F16 }, TensorDesc { numel: 3000, dtype: Dtype::F32 }];
+    let tensors = [
+        TensorDesc { numel: 5000, dtype: Dtype::F16 },
+        TensorDesc { numel: 3000, dtype: Dtype::F32 },
+    ];
     let config = AccumulatorConfig { bucket_numel: 4096, ..Default::default() };
     let quick = Duration::from_secs(2);
     on_ranks(3, |r, comm| {
@@ -582,9 +778,17 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
         let e = acc.add_tensor(&s, 0, if r == 1 { Grad::F16(&short) } else { Grad::F16(&halves) });
         assert_eq!(e.is_err(), r == 1, "rank {r}");
         let e = acc.end_microbatch().unwrap_err();
-        assert_eq!(e.kind, if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure }, "rank {r}: {e}");
+        assert_eq!(
+            e.kind,
+            if r == 1 { ErrorKind::WrongState } else { ErrorKind::PeerFailure },
+            "rank {r}: {e}"
+        );
         assert!(e.message.ends_with("(the window was discarded)"), "rank {r}: {e}");
-        assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow, "rank {r}: the window is gone");
+        assert_eq!(
+            acc.sync(None).unwrap_err().kind,
+            ErrorKind::EmptyWindow,
+            "rank {r}: the window is gone"
+        );
         assert!(t.elapsed() < quick, "rank {r} waited {:?}", t.elapsed());
 
         // end_microbatch without a micro-batch on rank 2, while the others open and close one:
@@ -594,7 +798,11 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
         if r == 2 {
             assert_eq!(acc.end_microbatch().unwrap_err().kind, ErrorKind::WrongState);
         } else {
-            assert_eq!(acc.begin_microbatch(1).unwrap_err().kind, ErrorKind::PeerFailure, "rank {r}");
+            assert_eq!(
+                acc.begin_microbatch(1).unwrap_err().kind,
+                ErrorKind::PeerFailure,
+                "rank {r}"
+            );
         }
         assert!(t.elapsed() < quick, "rank {r} waited {:?}", t.elapsed());
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
@@ -607,21 +815,33 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
 fn a_hybrid_boundary_on_a_stray_shard_group_fails_every_rank_at_once() {
     let tensors = [TensorDesc { numel: 9000, dtype: Dtype::F32 }];
     let (shards, replicas) = (2, 2);
-    let shard_groups: Vec<Vec<Arc<dyn Communicator>>> = (0..replicas).map(|_| group(shards)).collect();
-    let replica_groups: Vec<Vec<LocalComm>> = (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+    let shard_groups: Vec<Vec<Arc<dyn Communicator>>> =
+        (0..replicas).map(|_| group(shards)).collect();
+    let replica_groups: Vec<Vec<LocalComm>> =
+        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
     let stray = LocalComm::group(2).unwrap();
     std::thread::scope(|s| {
         for g in 0..shards * replicas {
             let (a, i) = (g / shards, g % shards);
-            let (comm, replica, stray, tensors) = (&shard_groups[a][i], &replica_groups[i][a], &stray, &tensors);
+            let (comm, replica, stray, tensors) =
+                (&shard_groups[a][i], &replica_groups[i][a], &stray, &tensors);
             s.spawn(move || {
                 comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
                 replica.set_timeout(Some(Duration::from_secs(30))).unwrap();
                 let acc = sharded(AccumulatorConfig::default(), tensors, comm);
                 acc.add(&scaler(1.0), &[Grad::F32(&[1.0; 9000])], 1).unwrap();
                 let t = std::time::Instant::now();
-                let e = acc.sync_hybrid(if g == 0 { &stray[0] as &dyn Communicator } else { &**comm }, replica).unwrap_err();
-                assert_eq!(e.kind, if g == 0 { ErrorKind::InvalidArgument } else { ErrorKind::PeerFailure }, "rank {g}: {e}");
+                let e = acc
+                    .sync_hybrid(
+                        if g == 0 { &stray[0] as &dyn Communicator } else { &**comm },
+                        replica,
+                    )
+                    .unwrap_err();
+                assert_eq!(
+                    e.kind,
+                    if g == 0 { ErrorKind::InvalidArgument } else { ErrorKind::PeerFailure },
+                    "rank {g}: {e}"
+                );
                 assert!(t.elapsed() < Duration::from_secs(2), "rank {g} waited {:?}", t.elapsed());
                 // Nothing was reduced: the boundary on the right groups works.
                 assert_eq!(acc.sync_hybrid(&**comm, replica).unwrap().total_count, 4, "rank {g}");

@@ -76,14 +76,21 @@ fn a_sharded_window_holds_its_shard_and_one_bucket() {
     const WORLD: usize = 4;
     const BUCKET: usize = 256 << 10;
     // 64 tensors of 64K + 3 elements (16.8M bytes of FP32 master), in buckets of 256K elements.
-    let tensors: Vec<TensorDesc> = (0..64).map(|i| TensorDesc { numel: (64 << 10) + 3, dtype: [Dtype::F16, Dtype::Bf16][i % 2] }).collect();
+    let tensors: Vec<TensorDesc> = (0..64)
+        .map(|i| TensorDesc { numel: (64 << 10) + 3, dtype: [Dtype::F16, Dtype::Bf16][i % 2] })
+        .collect();
     let numel: usize = tensors.iter().map(|t| t.numel).sum();
     let halves: Vec<Vec<u16>> = tensors.iter().map(|t| vec![to_f16(0.5); t.numel]).collect();
     let none: Vec<f32> = Vec::new();
-    let grads: Vec<Grad> = tensors.iter().zip(&halves).map(|(t, h)| grad_of(t.dtype, &none, h)).collect();
+    let grads: Vec<Grad> =
+        tensors.iter().zip(&halves).map(|(t, h)| grad_of(t.dtype, &none, h)).collect();
     let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
     let config = AccumulatorConfig { bucket_numel: BUCKET, ..Default::default() };
-    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(WORLD).unwrap().into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(WORLD)
+        .unwrap()
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
 
     // A window of two micro-batches on every rank: `add`, then the tensors one by one in the
     // backward's order (the last first), then the boundary.
@@ -94,7 +101,12 @@ fn a_sharded_window_holds_its_shard_and_one_bucket() {
                 s.spawn(move || {
                     let acc = if sharded {
                         let sharding = Sharding::Accumulate { shards: WORLD, rank: comm.rank() };
-                        Accumulator::sharded(AccumulatorConfig { sharding, ..config }, tensors, comm.clone()).unwrap()
+                        Accumulator::sharded(
+                            AccumulatorConfig { sharding, ..config },
+                            tensors,
+                            comm.clone(),
+                        )
+                        .unwrap()
                     } else {
                         Accumulator::new(config, tensors).unwrap()
                     };
@@ -121,8 +133,21 @@ fn a_sharded_window_holds_its_shard_and_one_bucket() {
     println!("sharded peak {sharded} B, designed {designed} B, unsharded peak {unsharded} B ({numel} elements, {WORLD} ranks)");
     // The rest (layouts, the collectives' block values, thread stacks' heap) is small.
     let slack = 512 << 10;
-    assert!(sharded <= designed + slack, "sharded accumulation peaked at {sharded} B, its shards and buckets are {designed} B");
-    assert!(sharded >= numel * f32s, "the shards alone are {} B: the count missed them ({sharded} B)", numel * f32s);
-    assert!(unsharded >= WORLD * numel * f32s, "each unsharded rank holds the whole master ({unsharded} B)");
-    assert!(sharded * 3 < unsharded, "a quarter of the master plus a bucket per rank: {sharded} B against {unsharded} B");
+    assert!(
+        sharded <= designed + slack,
+        "sharded accumulation peaked at {sharded} B, its shards and buckets are {designed} B"
+    );
+    assert!(
+        sharded >= numel * f32s,
+        "the shards alone are {} B: the count missed them ({sharded} B)",
+        numel * f32s
+    );
+    assert!(
+        unsharded >= WORLD * numel * f32s,
+        "each unsharded rank holds the whole master ({unsharded} B)"
+    );
+    assert!(
+        sharded * 3 < unsharded,
+        "a quarter of the master plus a bucket per rank: {sharded} B against {unsharded} B"
+    );
 }

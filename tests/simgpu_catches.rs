@@ -49,15 +49,27 @@ fn expect_caught(case: &str, expect: &str, misuse: impl FnOnce()) {
     }
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{case}: the child was not stopped\n{}{stderr}", String::from_utf8_lossy(&out.stdout));
-    let report = stderr.lines().find(|l| l.starts_with("simgpu: ")).unwrap_or_else(|| panic!("{case}: no report\n{stderr}"));
+    assert!(
+        !out.status.success(),
+        "{case}: the child was not stopped\n{}{stderr}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report = stderr
+        .lines()
+        .find(|l| l.starts_with("simgpu: "))
+        .unwrap_or_else(|| panic!("{case}: no report\n{stderr}"));
     assert!(report.contains(expect), "{case}: the report does not say `{expect}`: {report}");
     eprintln!("{case}: {report}");
 }
 
-fn kernel(ctx: &Context, source: &str, name: &str) -> (Module, gradacc::backend::cuda::driver::Function) {
+fn kernel(
+    ctx: &Context,
+    source: &str,
+    name: &str,
+) -> (Module, gradacc::backend::cuda::driver::Function) {
     let (major, minor) = ctx.capability;
-    let image = compile::compile_source(source, Target::for_device(major, minor).unwrap()).unwrap().image;
+    let image =
+        compile::compile_source(source, Target::for_device(major, minor).unwrap()).unwrap().image;
     let module = Module::load(ctx, &image).unwrap();
     let _current = ctx.enter().unwrap();
     let f = module.function(&CString::new(name).unwrap()).unwrap();
@@ -129,7 +141,8 @@ fn use_after_free() {
 fn kernel_signature_drift() {
     expect_caught("kernel_signature_drift", "parameter sizes differ", || {
         let ctx = Context::get(0).unwrap();
-        let drifted = compile::SOURCE.replace("ga_scale_by(float *buf, ga_u64 n,", "ga_scale_by(float *buf, ga_u32 n,");
+        let drifted = compile::SOURCE
+            .replace("ga_scale_by(float *buf, ga_u64 n,", "ga_scale_by(float *buf, ga_u32 n,");
         assert_ne!(drifted, compile::SOURCE, "the signature to drift was not found");
         kernel(&ctx, &drifted, "ga_scale_by");
     });
@@ -236,12 +249,18 @@ fn pool_access_not_granted() {
                 let _current = ctx.enter().unwrap();
                 let mut pool = std::ptr::null_mut();
                 let deny = cu::CUmemAccessDesc {
-                    location: cu::CUmemLocation { type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 1 },
+                    location: cu::CUmemLocation {
+                        type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: 1,
+                    },
                     flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
                 };
                 // SAFETY: device 0's default pool; one valid descriptor.
                 unsafe {
-                    assert_eq!(cu::cuDeviceGetDefaultMemPool(&mut pool, 0), cu::CUresult::CUDA_SUCCESS);
+                    assert_eq!(
+                        cu::cuDeviceGetDefaultMemPool(&mut pool, 0),
+                        cu::CUresult::CUDA_SUCCESS
+                    );
                     assert_eq!(cu::cuMemPoolSetAccess(pool, &deny, 1), cu::CUresult::CUDA_SUCCESS);
                 }
             }

@@ -14,12 +14,21 @@ use common::{to_f16, Rng};
 use gradacc::ffi::*;
 
 fn ok(status: gradacc_status_t) {
-    assert_eq!(status, GRADACC_STATUS_OK, "{}", unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy());
+    assert_eq!(
+        status,
+        GRADACC_STATUS_OK,
+        "{}",
+        unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy()
+    );
 }
 
 /// The documented update rule: (scale, growth tracker, hysteresis tracker) after a step, or None
 /// when the step must fail with SCALE_AT_MINIMUM.
-fn reference(c: &gradacc_scaler_config_t, state: (f32, u32, u32), found_inf: bool) -> Option<(f32, u32, u32)> {
+fn reference(
+    c: &gradacc_scaler_config_t,
+    state: (f32, u32, u32),
+    found_inf: bool,
+) -> Option<(f32, u32, u32)> {
     let (scale, growth, hyst) = state;
     if found_inf {
         let hyst = hyst.saturating_sub(1);
@@ -74,12 +83,17 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
         burst_left = burst_left.saturating_sub(1);
         let mut scale = 0.0f32;
         ok(unsafe { gradacc_scaler_scale(s, &mut scale) });
-        assert!(scale.is_finite() && scale >= c.min_scale && scale <= c.max_scale, "step {step}: scale {scale} out of range");
+        assert!(
+            scale.is_finite() && scale >= c.min_scale && scale <= c.max_scale,
+            "step {step}: scale {scale} out of range"
+        );
         assert_eq!(scale, state.0, "step {step}: scale differs from the reference rule");
         lowest = lowest.min(scale);
         // Calm gradients overflow fp16 only at the highest scales; storm gradients at any scale.
         let magnitude = if storm_now { 1e5 } else { rng.uniform(0.01, 0.6) };
-        let grad: Vec<u16> = (0..8).map(|i| to_f16((magnitude * if i % 2 == 0 { 1.0 } else { -0.5 }) as f32 * scale)).collect();
+        let grad: Vec<u16> = (0..8)
+            .map(|i| to_f16((magnitude * if i % 2 == 0 { 1.0 } else { -0.5 }) as f32 * scale))
+            .collect();
         let grads = [grad.as_ptr() as *const c_void];
         ok(unsafe { gradacc_accumulator_add(a, s, grads.as_ptr(), 1, 16) });
         let mut info = gradacc_sync_info_t::default();
@@ -98,7 +112,9 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
             }
             None => {
                 assert_eq!(st, GRADACC_STATUS_SCALE_AT_MINIMUM, "step {step}");
-                let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
+                let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }
+                    .to_string_lossy()
+                    .into_owned();
                 assert!(msg.contains("min_scale"), "{msg}");
                 let mut after = 0.0f32;
                 ok(unsafe { gradacc_scaler_scale(s, &mut after) });
@@ -120,7 +136,10 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
                 calm_since_min = 0;
             } else {
                 // Recovery needs only growth_interval finite steps once the storm is over.
-                assert!(calm_since_min <= c.growth_interval + 1, "step {step}: no growth {calm_since_min} calm steps after the minimum");
+                assert!(
+                    calm_since_min <= c.growth_interval + 1,
+                    "step {step}: no growth {calm_since_min} calm steps after the minimum"
+                );
             }
         }
     }
@@ -133,7 +152,10 @@ fn storm(name: &str, hysteresis: u32, consecutive: bool, max_scale: f32) {
     );
     assert_eq!(st.steps, steps - at_minimum, "refused updates are not counted as steps");
     assert_eq!(st.skipped_steps, skipped);
-    assert!(at_minimum > 0 && recoveries > 0 && lowest == c.min_scale, "the storm reached the minimum and recovered");
+    assert!(
+        at_minimum > 0 && recoveries > 0 && lowest == c.min_scale,
+        "the storm reached the minimum and recovered"
+    );
     ok(unsafe { gradacc_accumulator_destroy(a) });
     ok(unsafe { gradacc_scaler_destroy(s) });
 }

@@ -21,7 +21,12 @@ struct H(usize);
 unsafe impl Send for H {}
 
 fn ok(status: gradacc_status_t) {
-    assert_eq!(status, GRADACC_STATUS_OK, "{}", unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy());
+    assert_eq!(
+        status,
+        GRADACC_STATUS_OK,
+        "{}",
+        unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy()
+    );
 }
 
 fn scaler(init: f32, growth_interval: u32) -> *mut gradacc_scaler_t {
@@ -39,7 +44,11 @@ fn accumulator(descs: &[gradacc_tensor_desc_t], threads: u32) -> *mut gradacc_ac
     accumulator_clipped_at(descs, threads, 10.0)
 }
 
-fn accumulator_clipped_at(descs: &[gradacc_tensor_desc_t], threads: u32, max_grad_norm: f32) -> *mut gradacc_accumulator_t {
+fn accumulator_clipped_at(
+    descs: &[gradacc_tensor_desc_t],
+    threads: u32,
+    max_grad_norm: f32,
+) -> *mut gradacc_accumulator_t {
     let mut c = std::mem::MaybeUninit::uninit();
     ok(unsafe { gradacc_accumulator_config_default(c.as_mut_ptr()) });
     let mut c = unsafe { c.assume_init() };
@@ -65,7 +74,9 @@ impl Buf {
             let v = rng.uniform(-2.0, 2.0) as f32 * scale;
             match d.dtype {
                 GRADACC_DTYPE_F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-                GRADACC_DTYPE_F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&to_f16(v).to_le_bytes()),
+                GRADACC_DTYPE_F16 => {
+                    bytes[2 * i..2 * i + 2].copy_from_slice(&to_f16(v).to_le_bytes())
+                }
                 _ => bytes[2 * i..2 * i + 2].copy_from_slice(&to_bf16(v).to_le_bytes()),
             }
         }
@@ -103,7 +114,9 @@ fn masters(a: *mut gradacc_accumulator_t, n: usize) -> Vec<u32> {
 }
 
 fn descs(rng: &mut Rng, n: usize, max: u64) -> Vec<gradacc_tensor_desc_t> {
-    (0..n).map(|i| gradacc_tensor_desc_t { numel: rng.range(1, max), dtype: (i % 3) as i32 }).collect()
+    (0..n)
+        .map(|i| gradacc_tensor_desc_t { numel: rng.range(1, max), dtype: (i % 3) as i32 })
+        .collect()
 }
 
 /// 16 threads add the distinct tensors of one accumulator at once (each tensor in two chunks-worth
@@ -123,7 +136,18 @@ fn concurrent_add_tensor_matches_serial() {
                 .map(|m| {
                     ds.iter()
                         .enumerate()
-                        .map(|(t, d)| (0..2).map(|c| Buf::new(&mut rng, d, scale, w == 1 && m == 2 && t == 7 && c == 1)).collect())
+                        .map(|(t, d)| {
+                            (0..2)
+                                .map(|c| {
+                                    Buf::new(
+                                        &mut rng,
+                                        d,
+                                        scale,
+                                        w == 1 && m == 2 && t == 7 && c == 1,
+                                    )
+                                })
+                                .collect()
+                        })
                         .collect()
                 })
                 .collect()
@@ -141,16 +165,28 @@ fn concurrent_add_tensor_matches_serial() {
                 std::thread::scope(|sc| {
                     for _ in 0..threads {
                         sc.spawn(|| {
-                            let (s, a) = (sh.0 as *const gradacc_scaler_t, ah.0 as *mut gradacc_accumulator_t);
+                            let (s, a) = (
+                                sh.0 as *const gradacc_scaler_t,
+                                ah.0 as *mut gradacc_accumulator_t,
+                            );
                             loop {
-                                // Work items: (tensor, contribution), a tensor's two in order on one thread.
+                                // Work items: (tensor, contribution), a tensor's two in order on
+                                // one thread.
                                 let t = next.fetch_add(1, Ordering::Relaxed);
                                 if t >= ds.len() {
                                     break;
                                 }
                                 for c in 0..2 {
                                     let g = &grads[w][m][t][c];
-                                    ok(unsafe { gradacc_accumulator_add_tensor(a, s, t, g.ptr(), ds[t].numel as usize) });
+                                    ok(unsafe {
+                                        gradacc_accumulator_add_tensor(
+                                            a,
+                                            s,
+                                            t,
+                                            g.ptr(),
+                                            ds[t].numel as usize,
+                                        )
+                                    });
                                 }
                             }
                         });
@@ -182,26 +218,47 @@ fn concurrent_add_tensor_matches_serial() {
 #[test]
 fn racing_contributions_to_one_tensor_are_all_counted() {
     const THREADS: usize = 16;
-    let ds: Vec<gradacc_tensor_desc_t> =
-        [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16].iter().map(|&dtype| gradacc_tensor_desc_t { numel: 33, dtype }).collect();
+    let ds: Vec<gradacc_tensor_desc_t> = [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16]
+        .iter()
+        .map(|&dtype| gradacc_tensor_desc_t { numel: 33, dtype })
+        .collect();
     let s = scaler(4.0, 1_000_000);
     let a = accumulator_clipped_at(&ds, 1, 0.0);
     // Thread k's contribution to every element: (k + 1) × 4 (the scale), exact in every dtype.
-    let contributions: Vec<Vec<Buf>> = (0..THREADS).map(|k| ds.iter().map(|d| Buf::of(d, (4 * (k + 1)) as f32)).collect()).collect();
+    let contributions: Vec<Vec<Buf>> = (0..THREADS)
+        .map(|k| ds.iter().map(|d| Buf::of(d, (4 * (k + 1)) as f32)).collect())
+        .collect();
     let want = (THREADS * (THREADS + 1) / 2) as f32;
     let (sh, ah) = (H(s as usize), H(a as usize));
     let lost = common::race_rounds(
         THREADS,
         10_000,
         |_| ok(unsafe { gradacc_accumulator_begin_microbatch(ah.0 as *mut _, 1) }),
-        |k, round| ok(unsafe { gradacc_accumulator_add_tensor(ah.0 as *mut _, sh.0 as *const _, round % 3, contributions[k][round % 3].ptr(), 33) }),
+        |k, round| {
+            ok(unsafe {
+                gradacc_accumulator_add_tensor(
+                    ah.0 as *mut _,
+                    sh.0 as *const _,
+                    round % 3,
+                    contributions[k][round % 3].ptr(),
+                    33,
+                )
+            })
+        },
         |round| {
             ok(unsafe { gradacc_accumulator_end_microbatch(a) });
             let mut info = gradacc_sync_info_t::default();
             ok(unsafe { gradacc_accumulator_sync(a, null_mut(), &mut info) });
             let got = masters(a, 3);
-            let wrong = (0..got.len()).find(|&i| f32::from_bits(got[i]) != if i / 33 == round % 3 { want } else { 0.0 })?;
-            Some(format!("round {round}: tensor {} element {} is {}, not {want}", wrong / 33, wrong % 33, f32::from_bits(got[wrong])))
+            let wrong = (0..got.len()).find(|&i| {
+                f32::from_bits(got[i]) != if i / 33 == round % 3 { want } else { 0.0 }
+            })?;
+            Some(format!(
+                "round {round}: tensor {} element {} is {}, not {want}",
+                wrong / 33,
+                wrong % 33,
+                f32::from_bits(got[wrong])
+            ))
         },
     );
     assert!(lost.is_none(), "a contribution was lost: {}", lost.unwrap());
@@ -216,7 +273,8 @@ fn independent_objects_on_threads_match_serial() {
     let mut rng = Rng::fresh("independent_objects_on_threads_match_serial");
     let pairs = 6;
     let steps = 40;
-    let setups: Vec<(Vec<gradacc_tensor_desc_t>, u64)> = (0..pairs).map(|_| (descs(&mut rng, 5, 3000), rng.next_u64())).collect();
+    let setups: Vec<(Vec<gradacc_tensor_desc_t>, u64)> =
+        (0..pairs).map(|_| (descs(&mut rng, 5, 3000), rng.next_u64())).collect();
     let shared = scaler(8.0, 1);
     let shared_h = H(shared as usize);
     let train = |p: usize| -> (Vec<u32>, f32, [u64; 4]) {
@@ -232,7 +290,10 @@ fn independent_objects_on_threads_match_serial() {
                 let mut shared_scale = 0.0;
                 ok(unsafe { gradacc_scaler_scale(shared_h.0 as *const _, &mut shared_scale) });
                 assert_eq!(shared_scale, 8.0);
-                let bufs: Vec<Buf> = ds.iter().map(|d| Buf::new(&mut rng, d, scale, step % 7 == 3 && m == 1)).collect();
+                let bufs: Vec<Buf> = ds
+                    .iter()
+                    .map(|d| Buf::new(&mut rng, d, scale, step % 7 == 3 && m == 1))
+                    .collect();
                 let ptrs: Vec<*const c_void> = bufs.iter().map(|b| b.ptr()).collect();
                 ok(unsafe { gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 2) });
             }
@@ -250,14 +311,21 @@ fn independent_objects_on_threads_match_serial() {
         (all, scale, [st.steps, st.skipped_steps, st.growths, st.backoffs])
     };
     let serial: Vec<_> = (0..pairs).map(train).collect();
-    assert!(serial[0].2[1] > 0 && serial[0].2[2] > 0, "overflows and growths happened: {:?}", serial[0].2);
+    assert!(
+        serial[0].2[1] > 0 && serial[0].2[2] > 0,
+        "overflows and growths happened: {:?}",
+        serial[0].2
+    );
     for round in 0..3 {
         let concurrent: Vec<_> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..pairs).map(|p| sc.spawn(move || train(p))).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for p in 0..pairs {
-            assert!(concurrent[p] == serial[p], "round {round}: pair {p} differs from its serial run");
+            assert!(
+                concurrent[p] == serial[p],
+                "round {round}: pair {p} differs from its serial run"
+            );
         }
     }
     ok(unsafe { gradacc_scaler_destroy(shared) });
@@ -270,7 +338,10 @@ fn independent_objects_on_threads_match_serial() {
 fn destroy_races_report_invalid_handle() {
     let rounds = 1000;
     let callers = 6;
-    let ds = [gradacc_tensor_desc_t { numel: 4096, dtype: GRADACC_DTYPE_F16 }, gradacc_tensor_desc_t { numel: 33, dtype: GRADACC_DTYPE_F32 }];
+    let ds = [
+        gradacc_tensor_desc_t { numel: 4096, dtype: GRADACC_DTYPE_F16 },
+        gradacc_tensor_desc_t { numel: 33, dtype: GRADACC_DTYPE_F32 },
+    ];
     let g0 = vec![0x3c00u16; 4096];
     let g1 = vec![1.0f32; 33];
     let (mut seen_ok, mut seen_invalid) = (0usize, 0usize);
@@ -287,7 +358,11 @@ fn destroy_races_report_invalid_handle() {
                 .map(|k| {
                     let (barrier, stop, g0, g1) = (&barrier, &stop, &g0, &g1);
                     sc.spawn(move || {
-                        let (s, a, c) = (sh.0 as *mut gradacc_scaler_t, ah.0 as *mut gradacc_accumulator_t, ch.0 as *mut gradacc_comm_t);
+                        let (s, a, c) = (
+                            sh.0 as *mut gradacc_scaler_t,
+                            ah.0 as *mut gradacc_accumulator_t,
+                            ch.0 as *mut gradacc_comm_t,
+                        );
                         let grads = [g0.as_ptr() as *const c_void, g1.as_ptr() as *const c_void];
                         let (mut oks, mut invalid) = (0, 0);
                         barrier.wait();
@@ -316,7 +391,14 @@ fn destroy_races_report_invalid_handle() {
                                 }
                                 6 => {
                                     let mut loss = [1.5f32; 4];
-                                    unsafe { gradacc_scaler_scale_loss(s, loss.as_mut_ptr() as *mut c_void, 4, GRADACC_DTYPE_F32) }
+                                    unsafe {
+                                        gradacc_scaler_scale_loss(
+                                            s,
+                                            loss.as_mut_ptr() as *mut c_void,
+                                            4,
+                                            GRADACC_DTYPE_F32,
+                                        )
+                                    }
                                 }
                                 _ => {
                                     let mut st = gradacc_scaler_stats_t::default();
@@ -327,12 +409,19 @@ fn destroy_races_report_invalid_handle() {
                                 GRADACC_STATUS_OK => oks += 1,
                                 GRADACC_STATUS_INVALID_HANDLE => {
                                     invalid += 1;
-                                    let msg = unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned();
+                                    let msg =
+                                        unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }
+                                            .to_string_lossy()
+                                            .into_owned();
                                     assert!(msg.contains("not a live"), "{msg}");
                                 }
-                                other => panic!("round {round}: a racing call returned {other:?}: {}", unsafe {
-                                    std::ffi::CStr::from_ptr(gradacc_last_error()).to_string_lossy()
-                                }),
+                                other => panic!(
+                                    "round {round}: a racing call returned {other:?}: {}",
+                                    unsafe {
+                                        std::ffi::CStr::from_ptr(gradacc_last_error())
+                                            .to_string_lossy()
+                                    }
+                                ),
                             }
                             if stop.load(Ordering::Acquire) && i % 8 == 7 {
                                 break;
@@ -379,7 +468,19 @@ fn concurrent_local_groups_match_serial() {
             (0..windows)
                 .map(|w| {
                     (0..2)
-                        .map(|m| ds.iter().enumerate().map(|(t, d)| Buf::new(&mut rng, d, 512.0, r == 2 && w == 2 && m == 0 && t == 1)).collect())
+                        .map(|m| {
+                            ds.iter()
+                                .enumerate()
+                                .map(|(t, d)| {
+                                    Buf::new(
+                                        &mut rng,
+                                        d,
+                                        512.0,
+                                        r == 2 && w == 2 && m == 0 && t == 1,
+                                    )
+                                })
+                                .collect()
+                        })
                         .collect()
                 })
                 .collect()
@@ -399,11 +500,22 @@ fn concurrent_local_groups_match_serial() {
                         let mut got = vec![];
                         for w in 0..windows {
                             for m in 0..2 {
-                                let ptrs: Vec<*const c_void> = grads[r][w][m].iter().map(|b| b.ptr()).collect();
-                                ok(unsafe { gradacc_accumulator_add(a, s, ptrs.as_ptr(), ptrs.len(), 1 + r as u64) });
+                                let ptrs: Vec<*const c_void> =
+                                    grads[r][w][m].iter().map(|b| b.ptr()).collect();
+                                ok(unsafe {
+                                    gradacc_accumulator_add(
+                                        a,
+                                        s,
+                                        ptrs.as_ptr(),
+                                        ptrs.len(),
+                                        1 + r as u64,
+                                    )
+                                });
                             }
                             let mut info = gradacc_sync_info_t::default();
-                            ok(unsafe { gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info) });
+                            ok(unsafe {
+                                gradacc_accumulator_sync(a, c.0 as *mut gradacc_comm_t, &mut info)
+                            });
                             got.extend(masters(a, ds.len()));
                             got.push(info.found_inf as u32);
                         }

@@ -209,7 +209,13 @@ pub fn floor_sum(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
 /// check). No prefetch, no alignment peeling, no unrolling. With `threads > 1` the tensors'
 /// elements, taken in order, are cut into that many runs of about equal length (at multiples of
 /// 64 elements), as `accumulate_many` cuts them. Returns whether some written value is not finite.
-pub fn fused(isa: cpu::Isa, masters: &mut [&mut [f32]], grads: &[Grad<'_>], factor: f32, threads: usize) -> bool {
+pub fn fused(
+    isa: cpu::Isa,
+    masters: &mut [&mut [f32]],
+    grads: &[Grad<'_>],
+    factor: f32,
+    threads: usize,
+) -> bool {
     let total: usize = masters.iter().map(|m| m.len()).sum();
     let parts = threads.min(total / cpu::MIN_ELEMENTS_PER_THREAD).max(1);
     let one = |m: &mut [f32], g: Grad<'_>| match isa {
@@ -224,7 +230,13 @@ pub fn fused(isa: cpu::Isa, masters: &mut [&mut [f32]], grads: &[Grad<'_>], fact
         return masters.iter_mut().zip(grads).fold(false, |bad, (m, &g)| one(m, g) | bad);
     }
     let mut runs: Vec<Vec<(&mut [f32], Grad<'_>)>> = (0..parts).map(|_| Vec::new()).collect();
-    let end_of = |k: usize| if k == parts { total } else { (total * k / parts).next_multiple_of(64).min(total) };
+    let end_of = |k: usize| {
+        if k == parts {
+            total
+        } else {
+            (total * k / parts).next_multiple_of(64).min(total)
+        }
+    };
     let (mut k, mut pos) = (0, 0);
     for (m, &g) in masters.iter_mut().zip(grads) {
         let (mut m, mut g) = (&mut **m, g);
@@ -239,7 +251,9 @@ pub fn fused(isa: cpu::Isa, masters: &mut [&mut [f32]], grads: &[Grad<'_>], fact
             (m, g, pos) = (rest, g.slice(take, g.len()), pos + take);
         }
     }
-    let run = |run: Vec<(&mut [f32], Grad<'_>)>| run.into_iter().fold(false, |bad, (m, g)| one(m, g) | bad);
+    let run = |run: Vec<(&mut [f32], Grad<'_>)>| {
+        run.into_iter().fold(false, |bad, (m, g)| one(m, g) | bad)
+    };
     let mut runs = runs.into_iter();
     let first = runs.next().unwrap_or_default();
     std::thread::scope(|scope| {
@@ -302,28 +316,58 @@ mod x86 {
 
     macro_rules! store512 {
         ($k:ident, $p:expr, $g:expr) => {
-            store!($k, _mm512_loadu_ps, _mm512_add_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps, $p, $g)
+            store!(
+                $k,
+                _mm512_loadu_ps,
+                _mm512_add_ps,
+                _mm512_mul_ps,
+                _mm512_set1_ps,
+                _mm512_storeu_ps,
+                $p,
+                $g
+            )
         };
     }
 
     macro_rules! store256 {
         ($k:ident, $p:expr, $g:expr) => {
-            store!($k, _mm256_loadu_ps, _mm256_add_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_storeu_ps, $p, $g)
+            store!(
+                $k,
+                _mm256_loadu_ps,
+                _mm256_add_ps,
+                _mm256_mul_ps,
+                _mm256_set1_ps,
+                _mm256_storeu_ps,
+                $p,
+                $g
+            )
         };
     }
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn avx512<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
         match src {
-            Grad::F32([]) => floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0))),
-            Grad::F32(s) => floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F32([]) => {
+                floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_set1_ps(1.0)))
+            }
+            Grad::F32(s) => floor_loop!(K, dst, src, 16, |d, i| store512!(
+                K,
+                d.add(i),
+                _mm512_loadu_ps(s.as_ptr().add(i))
+            )),
             Grad::F16(s) => {
-                floor_loop!(K, dst, src, 16, |d, i| store512!(K, d.add(i), _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
+                floor_loop!(K, dst, src, 16, |d, i| store512!(
+                    K,
+                    d.add(i),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))
+                ))
             }
             Grad::Bf16(s) => floor_loop!(K, dst, src, 16, |d, i| store512!(
                 K,
                 d.add(i),
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().add(i).cast()))))
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(s.as_ptr().add(i).cast())
+                )))
             )),
         }
     }
@@ -331,15 +375,27 @@ mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn avx2<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
         match src {
-            Grad::F32([]) => floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0))),
-            Grad::F32(s) => floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_loadu_ps(s.as_ptr().add(i)))),
+            Grad::F32([]) => {
+                floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_set1_ps(1.0)))
+            }
+            Grad::F32(s) => floor_loop!(K, dst, src, 8, |d, i| store256!(
+                K,
+                d.add(i),
+                _mm256_loadu_ps(s.as_ptr().add(i))
+            )),
             Grad::F16(s) => {
-                floor_loop!(K, dst, src, 8, |d, i| store256!(K, d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
+                floor_loop!(K, dst, src, 8, |d, i| store256!(
+                    K,
+                    d.add(i),
+                    _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))
+                ))
             }
             Grad::Bf16(s) => floor_loop!(K, dst, src, 8, |d, i| store256!(
                 K,
                 d.add(i),
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().add(i).cast()))))
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(s.as_ptr().add(i).cast())
+                )))
             )),
         }
     }
@@ -356,7 +412,8 @@ mod x86 {
                 $v::store(d.add($i), r);
                 seen = $v::max_exponent(seen, r, exp);
             }
-            super::fused_scalar(&mut $m[n..], $g.slice(n, $g.len()), $factor) | $v::any_eq(seen, exp)
+            super::fused_scalar(&mut $m[n..], $g.slice(n, $g.len()), $factor)
+                | $v::any_eq(seen, exp)
         }};
     }
 
@@ -366,10 +423,14 @@ mod x86 {
         use v512 as v;
         match g {
             Grad::F32(s) => fused_loop!(v, m, g, factor, |i| _mm512_loadu_ps(s.as_ptr().add(i))),
-            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().add(i).cast()))),
-            Grad::Bf16(s) => fused_loop!(v, m, g, factor, |i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(s.as_ptr().add(i).cast())
-            )))),
+            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm512_cvtph_ps(_mm256_loadu_si256(
+                s.as_ptr().add(i).cast()
+            ))),
+            Grad::Bf16(s) => {
+                fused_loop!(v, m, g, factor, |i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().add(i).cast()))
+                )))
+            }
         }
     }
 
@@ -379,10 +440,14 @@ mod x86 {
         use v256 as v;
         match g {
             Grad::F32(s) => fused_loop!(v, m, g, factor, |i| _mm256_loadu_ps(s.as_ptr().add(i))),
-            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i).cast()))),
-            Grad::Bf16(s) => fused_loop!(v, m, g, factor, |i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+            Grad::F16(s) => fused_loop!(v, m, g, factor, |i| _mm256_cvtph_ps(_mm_loadu_si128(
                 s.as_ptr().add(i).cast()
-            ))))),
+            ))),
+            Grad::Bf16(s) => {
+                fused_loop!(v, m, g, factor, |i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().add(i).cast()))
+                )))
+            }
         }
     }
 

@@ -88,11 +88,17 @@ struct ScalerModel {
 
 impl ScalerModel {
     fn new(cfg: ScalerCfg) -> Self {
-        ScalerModel { cfg, scale: cfg.init_scale, growth_tracker: 0, hysteresis_tracker: cfg.hysteresis, stats: [0; 4] }
+        ScalerModel {
+            cfg,
+            scale: cfg.init_scale,
+            growth_tracker: 0,
+            hysteresis_tracker: cfg.hysteresis,
+            stats: [0; 4],
+        }
     }
 
-    /// PyTorch GradScaler with Megatron-Core's hysteresis and DeepSpeed's consecutive option, as the
-    /// header describes them. None: the update must fail with SCALE_AT_MINIMUM.
+    /// PyTorch GradScaler with Megatron-Core's hysteresis and DeepSpeed's consecutive option, as
+    /// the header describes them. None: the update must fail with SCALE_AT_MINIMUM.
     fn update(&self, found_inf: bool) -> Option<ScalerModel> {
         let c = self.cfg;
         let mut n = *self;
@@ -288,9 +294,16 @@ impl World {
         self.calls += 1;
         if status != GRADACC_STATUS_OK {
             let msg = last_error();
-            assert!((1..=15).contains(&(status as i32)) && status != GRADACC_STATUS_INTERNAL, "{function}: status {status:?}: {msg}");
-            assert!(msg.starts_with(function), "{function} failed with status {status:?} but the last error is {msg:?}");
-            let text = unsafe { CStr::from_ptr(gradacc_status_string(status as i32)) }.to_string_lossy();
+            assert!(
+                (1..=15).contains(&(status as i32)) && status != GRADACC_STATUS_INTERNAL,
+                "{function}: status {status:?}: {msg}"
+            );
+            assert!(
+                msg.starts_with(function),
+                "{function} failed with status {status:?} but the last error is {msg:?}"
+            );
+            let text =
+                unsafe { CStr::from_ptr(gradacc_status_string(status as i32)) }.to_string_lossy();
             assert!(text.starts_with("GRADACC_STATUS_"), "{text}");
         }
         assert_eq!(
@@ -381,7 +394,8 @@ impl World {
     }
 }
 
-// ---- gradients -----------------------------------------------------------------------------------
+// ---- gradients
+// -----------------------------------------------------------------------------------
 
 /// A gradient buffer with room for a misaligning offset, and its values decoded to f32.
 struct GradBuf {
@@ -434,17 +448,22 @@ fn make_grad(input: &mut Input, dtype: i32, numel: usize, scale: f32, misalign: 
             _ => (v.to_bits(), v),
         };
         decoded.push(back);
-        let bytes = unsafe { std::slice::from_raw_parts_mut(storage.as_mut_ptr() as *mut u8, storage.len() * 4) };
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(storage.as_mut_ptr() as *mut u8, storage.len() * 4)
+        };
         let at = offset + k * size;
         bytes[at..at + size].copy_from_slice(&bits.to_le_bytes()[..size]);
     }
     GradBuf { storage, offset, decoded }
 }
 
-// ---- saved state ---------------------------------------------------------------------------------
+// ---- saved state
+// ---------------------------------------------------------------------------------
 
 fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 fn rechecksum(bytes: &mut [u8]) {
@@ -573,7 +592,8 @@ fn layout_hash(a: &AccModel) -> u64 {
         bytes.extend((a.numels[i] as u64).to_le_bytes());
         bytes.push(a.dtypes[i] as u8);
     }
-    bytes.extend(buckets.iter().flat_map(|&(s, e)| [s as u64, e as u64]).flat_map(u64::to_le_bytes));
+    bytes
+        .extend(buckets.iter().flat_map(|&(s, e)| [s as u64, e as u64]).flat_map(u64::to_le_bytes));
     fnv(&bytes)
 }
 
@@ -629,7 +649,8 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     Some(w)
 }
 
-// ---- the operations ------------------------------------------------------------------------------
+// ---- the operations
+// ------------------------------------------------------------------------------
 
 fn pointee_size<F>(_: *const F) -> usize {
     std::mem::size_of::<F>()
@@ -650,13 +671,21 @@ macro_rules! field_ends {
 fn config_as_read<T: Copy>(c: &T, defaults: &T, field_ends: &[usize]) -> Option<T> {
     let size = unsafe { *(c as *const T as *const usize) };
     let align = std::mem::align_of::<T>();
-    if size > std::mem::size_of::<T>() || !field_ends.iter().any(|&e| size == e || size == e.next_multiple_of(align)) {
+    if size > std::mem::size_of::<T>()
+        || !field_ends.iter().any(|&e| size == e || size == e.next_multiple_of(align))
+    {
         return None;
     }
     // Only the fields: the bytes past the last one up to `size` are the older struct's padding.
     let fields = field_ends.iter().copied().filter(|&e| e <= size).max().unwrap_or(0);
     let mut out = *defaults;
-    unsafe { std::ptr::copy_nonoverlapping(c as *const T as *const u8, &mut out as *mut T as *mut u8, fields) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            c as *const T as *const u8,
+            &mut out as *mut T as *mut u8,
+            fields,
+        )
+    };
     Some(out)
 }
 
@@ -735,7 +764,13 @@ fn scaler_create(world: &mut World, input: &mut Input) {
     if world.scalers.len() >= MAX_OBJECTS && cfg_ok && device_ok && !null_out {
         return; // keep the population small
     }
-    let status = unsafe { gradacc_scaler_create(if pass_null { null() } else { &c }, device_ptr, if null_out { null_mut() } else { &mut out }) };
+    let status = unsafe {
+        gradacc_scaler_create(
+            if pass_null { null() } else { &c },
+            device_ptr,
+            if null_out { null_mut() } else { &mut out },
+        )
+    };
     if world.check("gradacc_scaler_create", status, want) {
         // With a NULL config, `c` is still gradacc_scaler_config_default's output: the defaults.
         world.scalers.push((out, ScalerModel::new(cfg)));
@@ -778,7 +813,8 @@ fn acc_create(world: &mut World, input: &mut Input) {
             reserved, sharding, shard_count, shard_rank, wire_dtype);
         let read = config_as_read(&c, &defaults, &ends);
         cfg_ok = read.is_some();
-        // The model works on what the library read: an older size leaves the later fields at their defaults.
+        // The model works on what the library read: an older size leaves the later fields at their
+        // defaults.
         c = read.unwrap_or(c);
         cfg_ok = cfg_ok
             && (0..=1).contains(&c.loss_reduction)
@@ -795,8 +831,12 @@ fn acc_create(world: &mut World, input: &mut Input) {
             && [GRADACC_DTYPE_F32, GRADACC_DTYPE_BF16].contains(&c.wire_dtype);
     }
     let n = 1 + input.below(4);
-    let mut descs: Vec<gradacc_tensor_desc_t> =
-        (0..n).map(|_| gradacc_tensor_desc_t { numel: 1 + input.below(40) as u64, dtype: input.below(3) as i32 }).collect();
+    let mut descs: Vec<gradacc_tensor_desc_t> = (0..n)
+        .map(|_| gradacc_tensor_desc_t {
+            numel: 1 + input.below(40) as u64,
+            dtype: input.below(3) as i32,
+        })
+        .collect();
     let mut n_arg = n;
     let mut tensors_ok = true;
     let mut tensors_ptr = descs.as_ptr();
@@ -810,7 +850,8 @@ fn acc_create(world: &mut World, input: &mut Input) {
             tensors_ok = false;
         }
         2 => {
-            descs[input.below(n)].numel = [0, u64::MAX, 1 << 62, (isize::MAX as u64) / 4 + 1][input.below(4)];
+            descs[input.below(n)].numel =
+                [0, u64::MAX, 1 << 62, (isize::MAX as u64) / 4 + 1][input.below(4)];
             tensors_ok = false;
         }
         3 => {
@@ -826,8 +867,10 @@ fn acc_create(world: &mut World, input: &mut Input) {
         _ => {}
     }
     let bad_device = gradacc_device_t { kind: GRADACC_DEVICE_CUDA, ordinal: 0, stream: null_mut() };
-    let (device, device_ok): (*const gradacc_device_t, bool) = if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
-    let total: usize = descs.iter().map(|d| d.numel as usize).fold(0usize, |a, b| a.saturating_add(b));
+    let (device, device_ok): (*const gradacc_device_t, bool) =
+        if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
+    let total: usize =
+        descs.iter().map(|d| d.numel as usize).fold(0usize, |a, b| a.saturating_add(b));
     let with_buffer = input.u8() % 4 == 0;
     let mut buffer: Option<Vec<f32>> = None;
     let mut buffer_ok = true;
@@ -857,12 +900,26 @@ fn acc_create(world: &mut World, input: &mut Input) {
             buffer_ok = false;
         }
         buffer = Some(buf);
-        unsafe { gradacc_accumulator_create_with_buffer(config_ptr, tensors_ptr, n_arg, device, ptr, claimed, out_ptr) }
+        unsafe {
+            gradacc_accumulator_create_with_buffer(
+                config_ptr,
+                tensors_ptr,
+                n_arg,
+                device,
+                ptr,
+                claimed,
+                out_ptr,
+            )
+        }
     } else {
         unsafe { gradacc_accumulator_create(config_ptr, tensors_ptr, n_arg, device, out_ptr) }
     };
     let want = cfg_ok && tensors_ok && device_ok && buffer_ok && !null_out;
-    let function = if with_buffer { "gradacc_accumulator_create_with_buffer" } else { "gradacc_accumulator_create" };
+    let function = if with_buffer {
+        "gradacc_accumulator_create_with_buffer"
+    } else {
+        "gradacc_accumulator_create"
+    };
     if world.check(function, status, want) {
         let numels: Vec<usize> = descs.iter().map(|d| d.numel as usize).collect();
         let mut offsets = vec![0];
@@ -870,8 +927,12 @@ fn acc_create(world: &mut World, input: &mut Input) {
             offsets.push(offsets.last().unwrap() + k);
         }
         // With a NULL config, `c` is still gradacc_accumulator_config_default's output.
-        let (mean, normalize, max_grad_norm, bucket_numel) =
-            (c.loss_reduction == GRADACC_LOSS_REDUCTION_MEAN, c.normalize, c.max_grad_norm, c.bucket_numel);
+        let (mean, normalize, max_grad_norm, bucket_numel) = (
+            c.loss_reduction == GRADACC_LOSS_REDUCTION_MEAN,
+            c.normalize,
+            c.max_grad_norm,
+            c.bucket_numel,
+        );
         let mut a = AccModel {
             handle: out,
             numels,
@@ -908,7 +969,9 @@ fn destroy(world: &mut World, input: &mut Input) {
         0 => {
             let (h, live) = world.scaler_arg(input);
             let st = unsafe { gradacc_scaler_destroy(h) };
-            if world.check("gradacc_scaler_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
+            if world.check("gradacc_scaler_destroy", st, h.is_null() || live.is_some())
+                && !h.is_null()
+            {
                 world.scalers.remove(live.unwrap());
                 world.dead.push(h as usize);
             }
@@ -916,7 +979,9 @@ fn destroy(world: &mut World, input: &mut Input) {
         1 => {
             let (h, live) = world.acc_arg(input);
             let st = unsafe { gradacc_accumulator_destroy(h) };
-            if world.check("gradacc_accumulator_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
+            if world.check("gradacc_accumulator_destroy", st, h.is_null() || live.is_some())
+                && !h.is_null()
+            {
                 world.accs.remove(live.unwrap());
                 world.dead.push(h as usize);
             }
@@ -924,7 +989,9 @@ fn destroy(world: &mut World, input: &mut Input) {
         _ => {
             let (h, live) = world.comm_arg(input);
             let st = unsafe { gradacc_comm_destroy(h) };
-            if world.check("gradacc_comm_destroy", st, h.is_null() || live.is_some()) && !h.is_null() {
+            if world.check("gradacc_comm_destroy", st, h.is_null() || live.is_some())
+                && !h.is_null()
+            {
                 world.comms.remove(live.unwrap());
                 world.dead.push(h as usize);
             }
@@ -959,7 +1026,9 @@ fn add(world: &mut World, input: &mut Input) {
         .iter()
         .zip(&dtypes)
         .enumerate()
-        .map(|(t, (&numel, &dtype))| make_grad(input, dtype, numel, scale, damage == 1 && t == victim))
+        .map(|(t, (&numel, &dtype))| {
+            make_grad(input, dtype, numel, scale, damage == 1 && t == victim)
+        })
         .collect();
     let mut ptrs: Vec<*const c_void> = grads.iter().map(|g| g.ptr()).collect();
     let misaligned = damage == 1;
@@ -1055,7 +1124,10 @@ fn add_tensor(world: &mut World, input: &mut Input) {
         _ => {}
     }
     let st = unsafe { gradacc_accumulator_add_tensor(acc, scaler, index, ptr, numel_arg) };
-    let want = args_ok && index_ok && si.is_some() && ai.is_some_and(|i| matches!(world.accs[i].w.phase, Phase::InMicrobatch(_)));
+    let want = args_ok
+        && index_ok
+        && si.is_some()
+        && ai.is_some_and(|i| matches!(world.accs[i].w.phase, Phase::InMicrobatch(_)));
     if world.check("gradacc_accumulator_add_tensor", st, want) {
         let a = &mut world.accs[ai.unwrap()];
         let Phase::InMicrobatch(count) = a.w.phase else { unreachable!() };
@@ -1085,7 +1157,9 @@ fn sync(world: &mut World, input: &mut Input) {
             let (c, ci) = world.comm_arg(input);
             match ci {
                 Some(k) if world.comms[k].size > 1 => (null_mut(), true, false),
-                Some(k) => (c, !world.aborted[world.comms[k].group], world.aborted[world.comms[k].group]),
+                Some(k) => {
+                    (c, !world.aborted[world.comms[k].group], world.aborted[world.comms[k].group])
+                }
                 None => (c, c.is_null(), false),
             }
         }
@@ -1104,7 +1178,9 @@ fn sync(world: &mut World, input: &mut Input) {
         grad_norm: -1.0,
         clip_coef: -1.0,
     };
-    let st = unsafe { gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() }) };
+    let st = unsafe {
+        gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() })
+    };
     // What the sync gives on a healthy communicator.
     let healthy = ai.and_then(|i| {
         let a = &world.accs[i];
@@ -1128,7 +1204,12 @@ fn sync(world: &mut World, input: &mut Input) {
     let expected = healthy.filter(|_| comm_ok);
     if !world.check("gradacc_accumulator_sync", st, expected.is_some()) {
         if healthy.is_some() && aborted {
-            assert_eq!(st, GRADACC_STATUS_COMM_FAILURE, "sync on an aborted communicator: {}", last_error());
+            assert_eq!(
+                st,
+                GRADACC_STATUS_COMM_FAILURE,
+                "sync on an aborted communicator: {}",
+                last_error()
+            );
         }
         if want_info {
             assert_eq!(info.total_count, 7, "sync wrote its output on failure");
@@ -1165,28 +1246,43 @@ fn sync(world: &mut World, input: &mut Input) {
     // The library's own norm decides the clip, so the factor is the same bits as the library's.
     let lib_norm = if want_info { info.grad_norm } else { norm };
     let max = a.max_grad_norm as f64;
-    let clip = if max > 0.0 && lib_norm.is_finite() { (max / (lib_norm + 1e-6)).min(1.0) } else { 1.0 };
+    let clip =
+        if max > 0.0 && lib_norm.is_finite() { (max / (lib_norm + 1e-6)).min(1.0) } else { 1.0 };
     if want_info {
-        assert!(info.clip_coef == clip || (info.clip_coef - clip).abs() <= 1e-12, "clip_coef {} vs {}", info.clip_coef, clip);
+        assert!(
+            info.clip_coef == clip || (info.clip_coef - clip).abs() <= 1e-12,
+            "clip_coef {} vs {}",
+            info.clip_coef,
+            clip
+        );
     }
     let factor = (clip / divisor as f64) as f32;
     for t in 0..a.numels.len() {
         let mut p: *mut f32 = null_mut();
         let mut len = 0usize;
-        assert_eq!(unsafe { gradacc_accumulator_master(a.handle, t, &mut p, &mut len) }, GRADACC_STATUS_OK);
+        assert_eq!(
+            unsafe { gradacc_accumulator_master(a.handle, t, &mut p, &mut len) },
+            GRADACC_STATUS_OK
+        );
         assert_eq!(len, a.numels[t]);
         let got = unsafe { std::slice::from_raw_parts(p, len) };
         for (k, &v) in got.iter().enumerate() {
             let i = a.offsets[t] + k;
             let sim = if factor != 1.0 { a.w.sim[i] * factor } else { a.w.sim[i] };
-            assert!(v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()), "tensor {t} element {k}: library {v:e}, f32 model {sim:e}");
+            assert!(
+                v.to_bits() == sim.to_bits() || (v.is_nan() && sim.is_nan()),
+                "tensor {t} element {k}: library {v:e}, f32 model {sim:e}"
+            );
             if !a.w.found_inf && a.w.exact[i].is_finite() && sim.is_finite() {
                 let exact = a.w.exact[i] * clip / divisor as f64;
                 let bound = (a.w.magnitude[i] * clip / divisor as f64) * (a.w.adds[i] as f64 + 3.0) * f32::EPSILON as f64
                     + (a.w.raw[i] * clip / divisor as f64 + a.w.adds[i] as f64 + 2.0) * 1e-44
                     // a subnormal clip-and-normalise factor (a huge norm clipped to a small one)
                     + a.w.magnitude[i] * 1e-44;
-                assert!((v as f64 - exact).abs() <= bound, "tensor {t} element {k}: library {v:e}, exact {exact:e}, bound {bound:e}");
+                assert!(
+                    (v as f64 - exact).abs() <= bound,
+                    "tensor {t} element {k}: library {v:e}, exact {exact:e}, bound {bound:e}"
+                );
             }
             a.w.sim[i] = v;
         }
@@ -1213,7 +1309,12 @@ fn update(world: &mut World, input: &mut Input) {
     let mut skipped = false;
     let want_skipped = input.u8() % 8 != 0;
     let st = unsafe {
-        gradacc_scaler_update(scaler, if null_list { null() } else { handles.as_ptr() }, n, if want_skipped { &mut skipped } else { null_mut() })
+        gradacc_scaler_update(
+            scaler,
+            if null_list { null() } else { handles.as_ptr() },
+            n,
+            if want_skipped { &mut skipped } else { null_mut() },
+        )
     };
     let next = si.and_then(|i| world.scalers[i].1.update(found_inf));
     let want = si.is_some() && !null_list && n > 0 && all_synced && next.is_some();
@@ -1250,7 +1351,14 @@ fn save_window(world: &mut World, input: &mut Input) {
     let mut len = 0usize;
     let capacity = if short { need - 1 } else { need };
     let null_len = input.u8() % 16 == 0;
-    let st = unsafe { gradacc_accumulator_save_window(acc, buf.as_mut_ptr(), capacity, if null_len { null_mut() } else { &mut len }) };
+    let st = unsafe {
+        gradacc_accumulator_save_window(
+            acc,
+            buf.as_mut_ptr(),
+            capacity,
+            if null_len { null_mut() } else { &mut len },
+        )
+    };
     if world.check("gradacc_accumulator_save_window", st, !short && !null_len) {
         assert_eq!(len, need);
         world.windows.push(buf);
@@ -1264,14 +1372,22 @@ fn load_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let (bytes, damage) = window_bytes(world, input);
     let null_bytes = input.u8() % 16 == 0;
-    let st = unsafe { gradacc_accumulator_load_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len()) };
+    let st = unsafe {
+        gradacc_accumulator_load_window(
+            acc,
+            if null_bytes { null() } else { bytes.as_ptr() },
+            bytes.len(),
+        )
+    };
     let decoded = ai.and_then(|i| {
         let a = &world.accs[i];
         if null_bytes || matches!(a.w.phase, Phase::InMicrobatch(_)) || damage == Some(usize::MAX) {
             return None;
         }
         // The saved layout field must equal this accumulator's layout fingerprint.
-        let same = bytes.get(8..16).is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
+        let same = bytes
+            .get(8..16)
+            .is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
         decode_window(&bytes, a, same)
     });
     if world.check("gradacc_accumulator_load_window", st, decoded.is_some()) {
@@ -1295,7 +1411,8 @@ fn window_bytes(world: &World, input: &mut Input) -> (Vec<u8>, Option<usize>) {
 /// with nothing in it yet the saved one is the window; otherwise both count (a synced window
 /// starts anew first).
 fn ranks_after_merge(w: &Window, saved: u64) -> u64 {
-    let (ranks, microbatches) = if matches!(w.phase, Phase::Synced(_)) { (0, 0) } else { (w.ranks, w.microbatches) };
+    let (ranks, microbatches) =
+        if matches!(w.phase, Phase::Synced(_)) { (0, 0) } else { (w.ranks, w.microbatches) };
     if ranks == 0 && microbatches == 0 {
         saved
     } else {
@@ -1307,20 +1424,31 @@ fn merge_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let (bytes, damage) = window_bytes(world, input);
     let null_bytes = input.u8() % 16 == 0;
-    let st = unsafe { gradacc_accumulator_merge_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, bytes.len()) };
+    let st = unsafe {
+        gradacc_accumulator_merge_window(
+            acc,
+            if null_bytes { null() } else { bytes.as_ptr() },
+            bytes.len(),
+        )
+    };
     let saved = ai.and_then(|i| {
         let a = &world.accs[i];
         if null_bytes || matches!(a.w.phase, Phase::InMicrobatch(_)) || damage == Some(usize::MAX) {
             return None;
         }
-        let same = bytes.get(8..16).is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
+        let same = bytes
+            .get(8..16)
+            .is_some_and(|f| u64::from_le_bytes(f.try_into().unwrap()) == layout_hash(a));
         let saved = decode_window(&bytes, a, same)?;
         // The saved items join the window's total, which must stay within its limit; an empty
         // saved window (0 items) merges as nothing.
         let microbatches = if matches!(a.w.phase, Phase::Synced(_)) { 0 } else { a.w.microbatches };
         // The rank-windows after the merge stay within what a saved window may hold.
         let ranks = ranks_after_merge(&a.w, saved.ranks);
-        ((saved.count == 0 || a.count_ok(saved.count)) && microbatches.checked_add(saved.microbatches).is_some() && ranks <= 1 << 32).then_some(saved)
+        ((saved.count == 0 || a.count_ok(saved.count))
+            && microbatches.checked_add(saved.microbatches).is_some()
+            && ranks <= 1 << 32)
+            .then_some(saved)
     });
     if !world.check("gradacc_accumulator_merge_window", st, saved.is_some()) {
         return;
@@ -1392,7 +1520,12 @@ fn comm_timeout(world: &mut World, input: &mut Input) {
         if world.check("gradacc_comm_set_timeout", st, ci.is_some() && valid) {
             world.comms[ci.unwrap()].timeout = seconds;
         } else if ci.is_some() {
-            assert_eq!(st, GRADACC_STATUS_INVALID_ARGUMENT, "gradacc_comm_set_timeout({seconds}): {}", last_error());
+            assert_eq!(
+                st,
+                GRADACC_STATUS_INVALID_ARGUMENT,
+                "gradacc_comm_set_timeout({seconds}): {}",
+                last_error()
+            );
         }
     } else {
         let null_out = input.u8() % 16 == 0;
@@ -1401,7 +1534,10 @@ fn comm_timeout(world: &mut World, input: &mut Input) {
         if world.check("gradacc_comm_timeout", st, ci.is_some() && !null_out) {
             // Kept in whole nanoseconds.
             let want = world.comms[ci.unwrap()].timeout;
-            assert!((got - want).abs() <= 1e-9 + want * 1e-15, "timeout {got} read back, {want} set");
+            assert!(
+                (got - want).abs() <= 1e-9 + want * 1e-15,
+                "timeout {got} read back, {want} set"
+            );
         } else {
             assert_eq!(got, -7.0, "gradacc_comm_timeout wrote its output on failure");
         }
@@ -1418,9 +1554,15 @@ fn scaler_save(world: &mut World, input: &mut Input) {
     let short = input.u8() % 8 == 0;
     let mut buf = vec![0u8; need];
     let mut len = 0;
-    let st = unsafe { gradacc_scaler_save(s, buf.as_mut_ptr(), if short { need / 2 } else { need }, &mut len) };
+    let st = unsafe {
+        gradacc_scaler_save(s, buf.as_mut_ptr(), if short { need / 2 } else { need }, &mut len)
+    };
     if world.check("gradacc_scaler_save", st, !short) {
-        assert_eq!(decode_scaler(&buf), Some(world.scalers[si.unwrap()].1), "saved scaler state differs from the model");
+        assert_eq!(
+            decode_scaler(&buf),
+            Some(world.scalers[si.unwrap()].1),
+            "saved scaler state differs from the model"
+        );
         world.scaler_states.push(buf);
         if world.scaler_states.len() > 6 {
             world.scaler_states.remove(0);
@@ -1447,7 +1589,8 @@ fn scaler_load(world: &mut World, input: &mut Input) {
 
 fn scale_loss(world: &mut World, input: &mut Input) {
     let (s, si) = world.scaler_arg(input);
-    let dtype_raw = [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, 3, -7][input.below(5)];
+    let dtype_raw =
+        [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, 3, -7][input.below(5)];
     let dtype = if (0..=2).contains(&dtype_raw) { dtype_raw } else { GRADACC_DTYPE_F32 };
     let numel = input.below(5);
     let misalign = input.u8() % 8 == 0;
@@ -1468,7 +1611,10 @@ fn scale_loss(world: &mut World, input: &mut Input) {
         let after = unsafe { std::slice::from_raw_parts(ptr as *const f32, numel) };
         for (k, &v) in after.iter().enumerate() {
             let want = g.decoded[k] * scale;
-            assert!(v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()), "scale_loss element {k}: {v} vs {want}");
+            assert!(
+                v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()),
+                "scale_loss element {k}: {v} vs {want}"
+            );
         }
     }
 }
@@ -1497,7 +1643,11 @@ fn queries(world: &mut World, input: &mut Input) {
             };
             let st = unsafe { gradacc_scaler_stats(s, if null_out { null_mut() } else { &mut v }) };
             if world.check("gradacc_scaler_stats", st, si.is_some() && !null_out) {
-                assert_eq!([v.steps, v.skipped_steps, v.growths, v.backoffs], world.scalers[si.unwrap()].1.stats, "stats");
+                assert_eq!(
+                    [v.steps, v.skipped_steps, v.growths, v.backoffs],
+                    world.scalers[si.unwrap()].1.stats,
+                    "stats"
+                );
             } else {
                 assert_eq!(v.steps, 99);
             }
@@ -1505,7 +1655,9 @@ fn queries(world: &mut World, input: &mut Input) {
         2 => {
             let (a, ai) = world.acc_arg(input);
             let mut v = 77usize;
-            let st = unsafe { gradacc_accumulator_num_tensors(a, if null_out { null_mut() } else { &mut v }) };
+            let st = unsafe {
+                gradacc_accumulator_num_tensors(a, if null_out { null_mut() } else { &mut v })
+            };
             if world.check("gradacc_accumulator_num_tensors", st, ai.is_some() && !null_out) {
                 assert_eq!(v, world.accs[ai.unwrap()].numels.len());
             } else {
@@ -1517,7 +1669,14 @@ fn queries(world: &mut World, input: &mut Input) {
             let index = input.below(6);
             let mut p: *mut f32 = 0x3 as *mut f32;
             let mut len = 77usize;
-            let st = unsafe { gradacc_accumulator_master(a, index, if null_out { null_mut() } else { &mut p }, &mut len) };
+            let st = unsafe {
+                gradacc_accumulator_master(
+                    a,
+                    index,
+                    if null_out { null_mut() } else { &mut p },
+                    &mut len,
+                )
+            };
             let want = !null_out && ai.is_some_and(|i| index < world.accs[i].numels.len());
             if world.check("gradacc_accumulator_master", st, want) {
                 assert_eq!(len, world.accs[ai.unwrap()].numels[index]);
@@ -1556,15 +1715,26 @@ fn comm_create(world: &mut World, input: &mut Input) {
         return;
     }
     let mut out = vec![0x11 as *mut gradacc_comm_t; if valid { world_size as usize } else { 1 }];
-    let st = unsafe { gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() }) };
+    let st = unsafe {
+        gradacc_comm_create_local(world_size, if null_out { null_mut() } else { out.as_mut_ptr() })
+    };
     if world.check("gradacc_comm_create_local", st, valid && !null_out) {
         let group = world.aborted.len();
         world.aborted.push(false);
         for (rank, handle) in out.into_iter().enumerate() {
-            world.comms.push(CommModel { handle, rank, size: world_size as usize, group, timeout: 600.0 });
+            world.comms.push(CommModel {
+                handle,
+                rank,
+                size: world_size as usize,
+                group,
+                timeout: 600.0,
+            });
         }
     } else {
-        assert!(out.iter().all(|&h| h as usize == 0x11), "gradacc_comm_create_local wrote its output on failure");
+        assert!(
+            out.iter().all(|&h| h as usize == 0x11),
+            "gradacc_comm_create_local wrote its output on failure"
+        );
     }
 }
 
@@ -1618,7 +1788,8 @@ fuzz_target!(|data: &[u8]| {
     if std::env::var_os("GRADACC_FUZZ_STATS").is_some() {
         eprintln!("gradacc-fuzz-stats calls={} syncs_checked={}", world.calls, world.syncs_checked);
     }
-    // Every object goes, so runs do not pile objects up; each destroy must succeed once and only once.
+    // Every object goes, so runs do not pile objects up; each destroy must succeed once and only
+    // once.
     for (h, _) in world.scalers.drain(..) {
         assert_eq!(unsafe { gradacc_scaler_destroy(h) }, GRADACC_STATUS_OK);
         assert_eq!(unsafe { gradacc_scaler_destroy(h) }, GRADACC_STATUS_INVALID_HANDLE);

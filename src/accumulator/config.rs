@@ -29,8 +29,9 @@ pub enum Normalize {
     ByMicrobatches,
     /// The number of ranks: summed over micro-batches, averaged over ranks (DDP with no_sync).
     /// Precisely, the number of rank-windows the boundary sums: a window that merged saved
-    /// windows counts each of them ([`Accumulator::merge_window`](super::Accumulator::merge_window)),
-    /// so windows of N ranks merged into M normalise as the N ranks would have.
+    /// windows counts each of them
+    /// ([`Accumulator::merge_window`](super::Accumulator::merge_window)), so windows of N ranks
+    /// merged into M normalise as the N ranks would have.
     ByWorld,
     /// The plain sum.
     None,
@@ -48,7 +49,8 @@ impl Normalize {
         }
     }
 
-    /// The stable code of the mode: GRADACC_NORMALIZE_* in the C API, GA_NORMALIZE_* in the kernels.
+    /// The stable code of the mode: GRADACC_NORMALIZE_* in the C API, GA_NORMALIZE_* in the
+    /// kernels.
     pub fn code(self) -> i32 {
         match self {
             Normalize::ByCount => 0,
@@ -91,12 +93,15 @@ impl Sharding {
     pub fn shard(self) -> Option<(usize, usize)> {
         match self {
             Sharding::None => None,
-            Sharding::ReduceScatter { shards, rank } | Sharding::Accumulate { shards, rank } => Some((shards, rank)),
+            Sharding::ReduceScatter { shards, rank } | Sharding::Accumulate { shards, rank } => {
+                Some((shards, rank))
+            }
         }
     }
 }
 
-/// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented defaults.
+/// Configuration of an [`Accumulator`](super::Accumulator). `Default` gives the documented
+/// defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AccumulatorConfig {
     /// Default [`LossReduction::Mean`].
@@ -139,21 +144,31 @@ pub const MAX_WINDOW_COUNT: u64 = 1 << 47;
 impl AccumulatorConfig {
     pub fn validate(&self) -> Result<()> {
         if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
-            return Err(Error::invalid(format!("max_grad_norm must be finite and >= 0 (0 = off), got {}", self.max_grad_norm)));
+            return Err(Error::invalid(format!(
+                "max_grad_norm must be finite and >= 0 (0 = off), got {}",
+                self.max_grad_norm
+            )));
         }
         if self.bucket_numel == 0 {
             return Err(Error::invalid("bucket_numel must be >= 1, got 0"));
         }
         if self.threads == 0 || self.threads > 1024 {
-            return Err(Error::invalid(format!("threads must be in 1..=1024, got {}", self.threads)));
+            return Err(Error::invalid(format!(
+                "threads must be in 1..=1024, got {}",
+                self.threads
+            )));
         }
         if let Some((shards, rank)) = self.sharding.shard() {
             if shards == 0 || rank >= shards {
-                return Err(Error::invalid(format!("sharding: rank must be in 0..shards, got rank {rank} of {shards} shards")));
+                return Err(Error::invalid(format!(
+                    "sharding: rank must be in 0..shards, got rank {rank} of {shards} shards"
+                )));
             }
         }
         if self.wire == Dtype::F16 {
-            return Err(Error::invalid("wire: the reductions send f32 or bf16, got f16 (its range would overflow sums)"));
+            return Err(Error::invalid(
+                "wire: the reductions send f32 or bf16, got f16 (its range would overflow sums)",
+            ));
         }
         Ok(())
     }
@@ -161,12 +176,16 @@ impl AccumulatorConfig {
     /// Checks a micro-batch's item count against the loss reduction and the window's total so far.
     pub fn check_count(&self, window_total: u64, count: u64) -> Result<()> {
         if count == 0 && self.loss_reduction == LossReduction::Mean {
-            return Err(Error::invalid("count is 0, but a mean-reduced loss needs at least one item"));
+            return Err(Error::invalid(
+                "count is 0, but a mean-reduced loss needs at least one item",
+            ));
         }
         // 2^47 items per rank and window: sums over up to 65536 ranks stay exact in u64 on every
         // communicator (the MPI control words are plain u64 sums).
         if window_total.checked_add(count).is_none_or(|t| t > MAX_WINDOW_COUNT) {
-            return Err(Error::invalid(format!("count {count} overflows the window's item total {window_total}")));
+            return Err(Error::invalid(format!(
+                "count {count} overflows the window's item total {window_total}"
+            )));
         }
         Ok(())
     }

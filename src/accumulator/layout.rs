@@ -35,7 +35,12 @@ impl Layout {
             total = total
                 .checked_add(t.numel)
                 .filter(|&n| n <= isize::MAX as usize / 4)
-                .ok_or_else(|| Error::invalid(format!("total element count overflows at tensors[{i}] (numel {})", t.numel)))?;
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "total element count overflows at tensors[{i}] (numel {})",
+                        t.numel
+                    ))
+                })?;
         }
         offsets.push(total);
         let buckets = plan_buckets(&offsets, bucket_numel);
@@ -76,7 +81,9 @@ impl Layout {
     pub(crate) fn check_index(&self, index: usize) -> Result<()> {
         let n = self.offsets.len() - 1;
         if index >= n {
-            return Err(Error::invalid(format!("index {index} is out of range (the accumulator has {n} tensors)")));
+            return Err(Error::invalid(format!(
+                "index {index} is out of range (the accumulator has {n} tensors)"
+            )));
         }
         Ok(())
     }
@@ -125,7 +132,8 @@ mod tests {
     #[test]
     fn the_fingerprint_tells_tensor_orders_dtypes_and_buckets_apart() {
         let layout = |numels: &[usize], dtype: Dtype, bucket: usize| {
-            let t: Vec<TensorDesc> = numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            let t: Vec<TensorDesc> =
+                numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
             Layout::new(&t, bucket).unwrap().hash()
         };
         let base = layout(&[3, 2], Dtype::F32, 100);
@@ -137,12 +145,18 @@ mod tests {
 
     #[test]
     fn every_tensor_lies_in_the_bucket_it_is_assigned() {
-        let tensors: Vec<TensorDesc> = [3, 2, 7, 1, 9, 4].iter().map(|&numel| TensorDesc { numel, dtype: Dtype::F32 }).collect();
+        let tensors: Vec<TensorDesc> = [3, 2, 7, 1, 9, 4]
+            .iter()
+            .map(|&numel| TensorDesc { numel, dtype: Dtype::F32 })
+            .collect();
         for target in 1..30 {
             let l = Layout::new(&tensors, target).unwrap();
             for i in 0..tensors.len() {
                 let b = &l.buckets()[l.bucket_of(i)];
-                assert!(b.start <= l.range(i).start && l.range(i).end <= b.end, "target {target} tensor {i}");
+                assert!(
+                    b.start <= l.range(i).start && l.range(i).end <= b.end,
+                    "target {target} tensor {i}"
+                );
             }
         }
     }

@@ -177,7 +177,9 @@ impl Plan {
             Sharding::None => {}
             Sharding::ReduceScatter { shards, .. } => bytes.extend((shards as u64).to_le_bytes()),
             // Sharded accumulation reduces every micro-batch: it never pairs with the others.
-            Sharding::Accumulate { shards, .. } => bytes.extend((shards as u64 | 1 << 63).to_le_bytes()),
+            Sharding::Accumulate { shards, .. } => {
+                bytes.extend((shards as u64 | 1 << 63).to_le_bytes())
+            }
         }
         if c.wire != Dtype::F32 {
             bytes.extend(c.wire.code().to_le_bytes());
@@ -197,7 +199,9 @@ impl Plan {
     /// This rank's shard; the whole layout without sharding.
     pub(crate) fn shard(&self) -> Range<usize> {
         match self.config.sharding.shard() {
-            Some((shards, rank)) => crate::comm::shares::shard_range(self.layout.len(), shards, rank),
+            Some((shards, rank)) => {
+                crate::comm::shares::shard_range(self.layout.len(), shards, rank)
+            }
             None => 0..self.layout.len(),
         }
     }
@@ -293,10 +297,23 @@ pub(crate) trait Store: Send + Sync {
 
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
     /// `scaler`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
-    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()>;
+    fn add(
+        &self,
+        scaler: &Scaler,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<()>;
 
     /// Adds one contribution to tensor `index` (the caller holds the tensor's lock).
-    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()>;
+    fn add_tensor(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<()>;
 
     /// The window's last micro-batch opens, with the communicator of its boundary.
     fn begin_final(&self, _comm: &Arc<dyn Communicator>) -> Result<()> {
@@ -318,7 +335,12 @@ pub(crate) trait Store: Send + Sync {
     fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed>;
 
     /// The reduction step: sum over the ranks, normalise, measure, clip. With `read`, the info.
-    fn reduce(&self, proposal: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>>;
+    fn reduce(
+        &self,
+        proposal: &Proposal<'_>,
+        agreed: &Agreed,
+        read: bool,
+    ) -> Result<Option<SyncInfo>>;
 
     /// Address of master element `offset` (a device address on a device).
     fn master_address(&self, offset: usize) -> *mut f32;
@@ -341,7 +363,10 @@ pub(crate) trait Store: Send + Sync {
 
     /// Enqueues `scaler`'s read of the synced boundary's overflow flag (a device's scaler).
     fn gather_into(&self, _scaler: &cuda::CudaScaler) -> Result<()> {
-        Err(Error::new(ErrorKind::DeviceMismatch, "a CUDA scaler cannot gather a CPU accumulator's boundary"))
+        Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            "a CUDA scaler cannot gather a CPU accumulator's boundary",
+        ))
     }
 }
 
@@ -358,7 +383,10 @@ pub struct Accumulator {
 
 impl std::fmt::Debug for Accumulator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Accumulator").field("device", &self.device()).field("plan", &self.plan).finish()
+        f.debug_struct("Accumulator")
+            .field("device", &self.device())
+            .field("plan", &self.plan)
+            .finish()
     }
 }
 
@@ -380,7 +408,12 @@ impl Accumulator {
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` f32 values, and used by nothing else
     /// while the accumulator is alive except through the accumulator's own accessors.
-    pub unsafe fn with_buffer(config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
+    pub unsafe fn with_buffer(
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        ptr: *mut f32,
+        len: usize,
+    ) -> Result<Self> {
         // SAFETY: the caller's contract, passed on.
         unsafe { Self::on_buffer(Device::Cpu, config, tensors, ptr, len) }
     }
@@ -390,7 +423,13 @@ impl Accumulator {
     ///
     /// # Safety
     /// As [`Accumulator::with_buffer`], in the device's memory.
-    pub unsafe fn on_buffer(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], ptr: *mut f32, len: usize) -> Result<Self> {
+    pub unsafe fn on_buffer(
+        device: Device,
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        ptr: *mut f32,
+        len: usize,
+    ) -> Result<Self> {
         if ptr.is_null() {
             return Err(Error::invalid("master buffer is null"));
         }
@@ -404,7 +443,11 @@ impl Accumulator {
     /// that holds only its shard of the FP32 master and one bucket of staging, and reduce-scatters
     /// every micro-batch over `comm`, a host communicator of `shards` ranks on which it is rank
     /// `rank`. Every rank adds the same micro-batches; `sync` takes `comm` again (or `None`).
-    pub fn sharded(config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub fn sharded(
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
         Self::sharded_on(Device::Cpu, config, tensors, comm)
     }
 
@@ -416,7 +459,12 @@ impl Accumulator {
     /// at the first micro-batch (a host wait); after that a rank whose call is invalid (other
     /// than an `add_tensor`, which fails the micro-batch on every rank when it ends) aborts the
     /// communicator, and the others' calls fail when it is aborted or times out.
-    pub fn sharded_on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc], comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub fn sharded_on(
+        device: Device,
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
         let Sharding::Accumulate { shards, rank } = config.sharding else {
             return Err(Error::invalid(
                 "a communicator at creation is for sharded accumulation (Sharding::Accumulate); this config does not shard it",
@@ -443,12 +491,20 @@ impl Accumulator {
         let layout = Layout::new(tensors, config.bucket_numel)?;
         if let Some((_, len)) = adopt {
             if len != layout.len() {
-                return Err(Error::new(ErrorKind::SizeMismatch, format!("master buffer holds {len} elements, the tensors need {}", layout.len())));
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!(
+                        "master buffer holds {len} elements, the tensors need {}",
+                        layout.len()
+                    ),
+                ));
             }
         }
         if let Sharding::Accumulate { shards, .. } = config.sharding {
             if adopt.is_some() {
-                return Err(Error::invalid("sharded accumulation owns its shard: it cannot adopt a whole master buffer"));
+                return Err(Error::invalid(
+                    "sharded accumulation owns its shard: it cannot adopt a whole master buffer",
+                ));
             }
             if comm.is_none() && shards > 1 {
                 return Err(Error::invalid(format!(
@@ -467,10 +523,17 @@ impl Accumulator {
                 Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
             }
             Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
-            Device::Cuda { ordinal, stream } if matches!(config.sharding, Sharding::Accumulate { .. }) => {
+            Device::Cuda { ordinal, stream }
+                if matches!(config.sharding, Sharding::Accumulate { .. }) =>
+            {
                 Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
             }
-            Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(plan.clone(), ordinal, stream, adopt.map(|(p, _)| p as u64))?),
+            Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(
+                plan.clone(),
+                ordinal,
+                stream,
+                adopt.map(|(p, _)| p as u64),
+            )?),
         };
         Ok(Accumulator { window: Window::new(tensors.len()), plan, store })
     }
@@ -506,9 +569,9 @@ impl Accumulator {
     /// is the whole master, so an optimizer can always update just `shard()`. Under
     /// [`Sharding::ReduceScatter`], after a `sync` the range holds this rank's part of the reduced,
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
-    /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all the accumulator holds: it accumulates the
-    /// window's sum over the ranks, and after a `sync` holds the reduced, normalised (and
-    /// clipped) gradient.
+    /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all
+    /// the accumulator holds: it accumulates the window's sum over the ranks, and after a `sync`
+    /// holds the reduced, normalised (and clipped) gradient.
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
         let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
@@ -552,7 +615,10 @@ impl Accumulator {
         self.store.check_open()?;
         let n = self.plan.descs.len();
         if grads.len() != n {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("add got {} gradients, the accumulator has {n} tensors", grads.len())));
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("add got {} gradients, the accumulator has {n} tensors", grads.len()),
+            ));
         }
         for i in 0..n {
             self.check_grad(i, grads.get(i), || format!("grads[{i}]"))?;
@@ -575,7 +641,10 @@ impl Accumulator {
         self.discard(w)?;
         Err(match result {
             Err(e) => Error::new(e.kind, format!("{} (the window was discarded)", e.message)),
-            Ok(()) => Error::new(ErrorKind::CommFailure, "a reduction of this micro-batch failed in add_tensor; the window was discarded"),
+            Ok(()) => Error::new(
+                ErrorKind::CommFailure,
+                "a reduction of this micro-batch failed in add_tensor; the window was discarded",
+            ),
         })
     }
 
@@ -586,7 +655,12 @@ impl Accumulator {
     /// # Safety
     /// On the CPU, each non-null address must point to its tensor's declared numel readable
     /// values of its dtype for the duration of the call.
-    pub unsafe fn add_raw(&self, scaler: &Scaler, grads: &[*const c_void], count: u64) -> Result<()> {
+    pub unsafe fn add_raw(
+        &self,
+        scaler: &Scaler,
+        grads: &[*const c_void],
+        count: u64,
+    ) -> Result<()> {
         match self.device() {
             Device::Cpu => {
                 let mut views = Vec::with_capacity(grads.len());
@@ -599,7 +673,12 @@ impl Accumulator {
                         Some(g) => views.push(g),
                         None => {
                             self.refuse_collective();
-                            return Err(dtype::buffer_error(p, d.numel, d.dtype, &format!("grads[{i}]")));
+                            return Err(dtype::buffer_error(
+                                p,
+                                d.numel,
+                                d.dtype,
+                                &format!("grads[{i}]"),
+                            ));
                         }
                     }
                 }
@@ -630,7 +709,9 @@ impl Accumulator {
     fn begin(&self, count: u64, comm: Option<Arc<dyn Communicator>>) -> Result<()> {
         let mut w = self.window.write();
         let checked = w
-            .between_microbatches("begin_microbatch while a micro-batch is open: call end_microbatch first")
+            .between_microbatches(
+                "begin_microbatch while a micro-batch is open: call end_microbatch first",
+            )
             .and_then(|()| self.store.check_open())
             .and_then(|()| self.plan.config.check_count(w.open_count(), count))
             .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)))
@@ -650,7 +731,12 @@ impl Accumulator {
     /// Under [`Sharding::Accumulate`] each tensor takes one contribution per micro-batch, and the
     /// calls run one at a time (a call may reduce a bucket); a call that fails on any rank fails
     /// the micro-batch on every rank when it ends, and the windows are discarded.
-    pub fn add_tensor<'a>(&self, scaler: &Scaler, index: usize, grad: impl Into<Gradient<'a>>) -> Result<()> {
+    pub fn add_tensor<'a>(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: impl Into<Gradient<'a>>,
+    ) -> Result<()> {
         let grad = grad.into();
         let w = self.window.read();
         let count = w.microbatch_count()?;
@@ -662,7 +748,9 @@ impl Accumulator {
             .and_then(|()| self.check_scaler(scaler))
             .and_then(|()| {
                 let weight = self.plan.config.weight(count);
-                self.window.contribute(&w, index, |first| self.store.add_tensor(scaler, index, grad, weight, first))
+                self.window.contribute(&w, index, |first| {
+                    self.store.add_tensor(scaler, index, grad, weight, first)
+                })
             });
         if added.is_err() {
             self.refuse_tensor();
@@ -676,21 +764,42 @@ impl Accumulator {
     /// # Safety
     /// On the CPU, a non-null `grad` must point to `numel` readable values of the tensor's dtype
     /// for the duration of the call.
-    pub unsafe fn add_tensor_raw(&self, scaler: &Scaler, index: usize, grad: *const c_void, numel: usize) -> Result<()> {
+    pub unsafe fn add_tensor_raw(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: *const c_void,
+        numel: usize,
+    ) -> Result<()> {
         let checked = self
             .tensors()
             .get(index)
-            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", self.tensors().len())))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "`index` = {index} is out of range (the accumulator has {} tensors)",
+                    self.tensors().len()
+                ))
+            })
             .and_then(|&desc| {
                 if numel != desc.numel {
-                    return Err(Error::new(ErrorKind::SizeMismatch, format!("`numel` = {numel}, but tensor {index} has {} elements", desc.numel)));
+                    return Err(Error::new(
+                        ErrorKind::SizeMismatch,
+                        format!(
+                            "`numel` = {numel}, but tensor {index} has {} elements",
+                            desc.numel
+                        ),
+                    ));
                 }
                 dtype::check_buffer(grad, numel, desc.dtype, "grad").map(|()| desc)
             });
         let desc = checked.inspect_err(|_| self.refuse_tensor())?;
         match self.device() {
             // SAFETY: checked above; readable by the caller's contract.
-            Device::Cpu => self.add_tensor(scaler, index, unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above")),
+            Device::Cpu => self.add_tensor(
+                scaler,
+                index,
+                unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above"),
+            ),
             Device::Cuda { .. } => self.add_tensor(scaler, index, grad as CUdeviceptr),
         }
     }
@@ -724,7 +833,8 @@ impl Accumulator {
     /// measured and clipped. `None` is the single-process boundary. On CUDA this waits for the
     /// accumulator's stream to read the info; [`Accumulator::sync_enqueue`] does not.
     pub fn sync(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
-        self.boundary(comm, None, true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+        self.boundary(comm, None, true)?
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
     /// The boundary without reading its info: on CUDA everything is enqueued on the accumulator's
@@ -742,11 +852,21 @@ impl Accumulator {
     /// shard holds the sum over each shard group in rank order, summed over the replicas in
     /// their rank order. On CUDA both groups are NCCL communicators on the accumulator's device;
     /// the first hybrid sync per pair of groups checks the grid's layouts (a host wait).
-    pub fn sync_hybrid(&self, shard: &dyn Communicator, replicas: &dyn Communicator) -> Result<SyncInfo> {
-        self.boundary(Some(shard), Some(replicas), true)?.ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+    pub fn sync_hybrid(
+        &self,
+        shard: &dyn Communicator,
+        replicas: &dyn Communicator,
+    ) -> Result<SyncInfo> {
+        self.boundary(Some(shard), Some(replicas), true)?
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
-    fn boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+    fn boundary(
+        &self,
+        comm: Option<&dyn Communicator>,
+        replicas: Option<&dyn Communicator>,
+        read: bool,
+    ) -> Result<Option<SyncInfo>> {
         // Sharded accumulation reduces over its own communicator; `None` names it too.
         if let Err(e) = self.check_bound(comm) {
             // The shard group, then the replicas, as the boundary's control step would.
@@ -767,9 +887,17 @@ impl Accumulator {
         result
     }
 
-    fn run_boundary(&self, comm: Option<&dyn Communicator>, replicas: Option<&dyn Communicator>, read: bool) -> Result<Option<SyncInfo>> {
+    fn run_boundary(
+        &self,
+        comm: Option<&dyn Communicator>,
+        replicas: Option<&dyn Communicator>,
+        read: bool,
+    ) -> Result<Option<SyncInfo>> {
         let groups = || comm.iter().chain(&replicas).copied();
-        if let Err(e) = groups().try_for_each(|c| self.check_comm(c)).and_then(|()| self.check_replicas(replicas)) {
+        if let Err(e) = groups()
+            .try_for_each(|c| self.check_comm(c))
+            .and_then(|()| self.check_replicas(replicas))
+        {
             groups().for_each(refuse_boundary);
             return Err(e);
         }
@@ -781,26 +909,42 @@ impl Accumulator {
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
-        let (count, microbatches, ranks) = if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
-        let agreed = self.store.agree(&Proposal { comm, replicas, count, microbatches, ranks, error }).map_err(|e| match e.kind {
-            // Nothing was reduced: the caller may save the window or sync again on a new group.
-            ErrorKind::CommFailure | ErrorKind::Timeout => {
-                // A sharded accumulation is bound to its communicator: it resumes in a new one.
-                let next = if self.store.bound().is_some() {
-                    "load it into an accumulation on a new communicator"
-                } else {
-                    "or sync again on a new communicator"
-                };
-                Error::new(e.kind, format!("{}; this rank's window is intact (save_window it, {next})", e.message))
-            }
-            _ => e,
-        })?;
+        let (count, microbatches, ranks) =
+            if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
+        let agreed = self
+            .store
+            .agree(&Proposal { comm, replicas, count, microbatches, ranks, error })
+            .map_err(|e| match e.kind {
+                // Nothing was reduced: the caller may save the window or sync again on a new group.
+                ErrorKind::CommFailure | ErrorKind::Timeout => {
+                    // A sharded accumulation is bound to its communicator: it resumes in a new one.
+                    let next = if self.store.bound().is_some() {
+                        "load it into an accumulation on a new communicator"
+                    } else {
+                        "or sync again on a new communicator"
+                    };
+                    Error::new(
+                        e.kind,
+                        format!(
+                            "{}; this rank's window is intact (save_window it, {next})",
+                            e.message
+                        ),
+                    )
+                }
+                _ => e,
+            })?;
         if let Some(t) = &agreed.totals {
             if t.microbatches == 0 {
-                return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
+                return Err(Error::new(
+                    ErrorKind::EmptyWindow,
+                    "sync on an empty window: no rank added a micro-batch",
+                ));
             }
             if self.plan.config.normalize.divisor(t.count, t.microbatches, t.ranks) == 0 {
-                return Err(Error::new(ErrorKind::EmptyWindow, "the window's global item count is 0: nothing to normalise by"));
+                return Err(Error::new(
+                    ErrorKind::EmptyWindow,
+                    "the window's global item count is 0: nothing to normalise by",
+                ));
             }
         }
 
@@ -859,7 +1003,14 @@ impl Accumulator {
         Ok(())
     }
 
-    fn consume(&self, w: &mut State, empty_again: bool, proposal: &Proposal<'_>, agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+    fn consume(
+        &self,
+        w: &mut State,
+        empty_again: bool,
+        proposal: &Proposal<'_>,
+        agreed: &Agreed,
+        read: bool,
+    ) -> Result<Option<SyncInfo>> {
         if empty_again {
             self.discard(w)?;
         }
@@ -900,7 +1051,10 @@ impl Accumulator {
         // After a final micro-batch began, its buckets are being reduced on another stream.
         self.store.check_open()?;
         if out.len() != r.len() {
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("output holds {} values, tensor {index} has {}", out.len(), r.len())));
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("output holds {} values, tensor {index} has {}", out.len(), r.len()),
+            ));
         }
         let _w = self.window.write();
         self.store.read(r, out)
@@ -948,14 +1102,19 @@ impl Accumulator {
     pub fn save_window(&self) -> Result<Vec<u8>> {
         let w = self.window.write();
         if !matches!(w.phase, Phase::Empty | Phase::Open) {
-            return Err(Error::wrong_state("save_window needs a window between micro-batches (not inside one, not synced)"));
+            return Err(Error::wrong_state(
+                "save_window needs a window between micro-batches (not inside one, not synced)",
+            ));
         }
         self.store.check_open()?;
         let held = self.plan.held();
         let mut masters = vec![0.0; held.len()];
         self.store.read(held, &mut masters)?;
         let shard = self.sharded_accumulation();
-        let mut out = state::Writer::new(WINDOW_MAGIC, if shard.is_some() { SHARD_WINDOW_VERSION } else { WINDOW_VERSION });
+        let mut out = state::Writer::new(
+            WINDOW_MAGIC,
+            if shard.is_some() { SHARD_WINDOW_VERSION } else { WINDOW_VERSION },
+        );
         out.u64(self.plan.layout.hash());
         if let Some((shards, rank)) = shard {
             out.u64(shards as u64).u64(rank as u64);
@@ -973,7 +1132,9 @@ impl Accumulator {
     /// unchanged.
     pub fn load_window(&self, bytes: &[u8]) -> Result<()> {
         let mut w = self.window.write();
-        w.between_microbatches("load_window inside a micro-batch: call end_microbatch or reset first")?;
+        w.between_microbatches(
+            "load_window inside a micro-batch: call end_microbatch or reset first",
+        )?;
         self.store.check_open()?;
         let saved = self.parse_window(bytes)?;
         self.store.write(&saved.masters)?;
@@ -997,7 +1158,9 @@ impl Accumulator {
     /// Corrupt or foreign bytes are rejected and leave the accumulator unchanged.
     pub fn merge_window(&self, bytes: &[u8]) -> Result<()> {
         let mut w = self.window.write();
-        w.between_microbatches("merge_window inside a micro-batch: call end_microbatch or reset first")?;
+        w.between_microbatches(
+            "merge_window inside a micro-batch: call end_microbatch or reset first",
+        )?;
         self.store.check_open()?;
         let saved = self.parse_window(bytes)?;
         // An empty saved window (a rank that had added nothing) adds no items; it still counts as
@@ -1022,9 +1185,12 @@ impl Accumulator {
             let mine = self.window.written(&w, i);
             // The tensor's part of the held range, in `masters`.
             let r = self.range(i);
-            let r = r.start.clamp(held.start, held.end) - held.start..r.end.clamp(held.start, held.end) - held.start;
+            let r = r.start.clamp(held.start, held.end) - held.start
+                ..r.end.clamp(held.start, held.end) - held.start;
             match (mine, *theirs) {
-                (true, true) => masters[r.clone()].iter_mut().zip(&saved.masters[r]).for_each(|(m, s)| *m += s),
+                (true, true) => {
+                    masters[r.clone()].iter_mut().zip(&saved.masters[r]).for_each(|(m, s)| *m += s)
+                }
                 (false, true) => masters[r.clone()].copy_from_slice(&saved.masters[r]),
                 _ => {}
             }
@@ -1045,27 +1211,44 @@ impl Accumulator {
     /// Reads and checks saved window bytes against this accumulator's layout.
     fn parse_window(&self, bytes: &[u8]) -> Result<SavedWindow> {
         let what = "accumulator window";
-        let (mut r, version) = state::Reader::open_versions(what, bytes, WINDOW_MAGIC, OLDEST_WINDOW_VERSION..=SHARD_WINDOW_VERSION)?;
+        let (mut r, version) = state::Reader::open_versions(
+            what,
+            bytes,
+            WINDOW_MAGIC,
+            OLDEST_WINDOW_VERSION..=SHARD_WINDOW_VERSION,
+        )?;
         if r.u64()? != self.plan.layout.hash() {
-            return Err(Error::new(ErrorKind::SizeMismatch, "accumulator window: saved from an accumulator with another tensor layout"));
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                "accumulator window: saved from an accumulator with another tensor layout",
+            ));
         }
         let saved = if version % 2 == 1 { Some((r.u64()?, r.u64()?)) } else { None };
         let mine = self.sharded_accumulation().map(|(shards, rank)| (shards as u64, rank as u64));
         if saved != mine {
             let name = |s: Option<(u64, u64)>| match s {
-                Some((shards, rank)) => format!("shard {rank} of {shards} of a sharded accumulation"),
+                Some((shards, rank)) => {
+                    format!("shard {rank} of {shards} of a sharded accumulation")
+                }
                 None => "a whole window (not a sharded accumulation)".to_string(),
             };
-            return Err(Error::new(ErrorKind::CorruptState, format!("{what}: it holds {}, and this accumulator {}", name(saved), name(mine))));
+            return Err(Error::new(
+                ErrorKind::CorruptState,
+                format!("{what}: it holds {}, and this accumulator {}", name(saved), name(mine)),
+            ));
         }
         let (count, microbatches) = (r.u64()?, r.u64()?);
         let ranks = if version >= WINDOW_VERSION { r.u64()? } else { 1 };
         let found_inf = r.bool()?;
-        let written: Vec<bool> = (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
+        let written: Vec<bool> =
+            (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
         let mut masters = Vec::new();
         r.f32s_into(&mut masters, self.plan.held().len())?;
         r.finish()?;
-        if count > config::MAX_WINDOW_COUNT || (microbatches == 0 && count != 0) || !(1..=MAX_WINDOW_RANKS).contains(&ranks) {
+        if count > config::MAX_WINDOW_COUNT
+            || (microbatches == 0 && count != 0)
+            || !(1..=MAX_WINDOW_RANKS).contains(&ranks)
+        {
             return Err(Error::new(
                 ErrorKind::CorruptState,
                 format!(
@@ -1089,7 +1272,9 @@ impl Accumulator {
     pub(crate) fn check_synced(&self, what: &str) -> Result<Option<SyncInfo>> {
         match self.window.read().phase {
             Phase::Synced(info) => Ok(info),
-            _ => Err(Error::wrong_state(format!("{what} has not been synced in its current window: call sync first"))),
+            _ => Err(Error::wrong_state(format!(
+                "{what} has not been synced in its current window: call sync first"
+            ))),
         }
     }
 
@@ -1097,7 +1282,9 @@ impl Accumulator {
     pub(crate) fn gather_into(&self, scaler: &cuda::CudaScaler, what: &str) -> Result<()> {
         let w = self.window.read();
         if !w.synced() {
-            return Err(Error::wrong_state(format!("{what} has not been synced in its current window: call sync first")));
+            return Err(Error::wrong_state(format!(
+                "{what} has not been synced in its current window: call sync first"
+            )));
         }
         self.store.gather_into(scaler)
     }
@@ -1119,7 +1306,10 @@ impl Accumulator {
     }
 
     fn check_comm(&self, comm: &dyn Communicator) -> Result<()> {
-        Device::require_same(("the communicator", comm.device()), ("the accumulator", self.device()))
+        Device::require_same(
+            ("the communicator", comm.device()),
+            ("the accumulator", self.device()),
+        )
     }
 
     /// A hybrid boundary needs a sharded accumulator (every rank of the group is alike, so
@@ -1139,7 +1329,12 @@ impl Accumulator {
     /// A gradient matches its tensor (dtype, length) and the accumulator's memory, and shares no
     /// memory with the master. `argument` names it in the error,
     /// and is only formatted when a check fails.
-    fn check_grad(&self, index: usize, g: Gradient<'_>, argument: impl Fn() -> String) -> Result<()> {
+    fn check_grad(
+        &self,
+        index: usize,
+        g: Gradient<'_>,
+        argument: impl Fn() -> String,
+    ) -> Result<()> {
         let d = self.plan.descs[index];
         let address = match g {
             Gradient::Host(g) => match g {
@@ -1156,10 +1351,16 @@ impl Accumulator {
     /// would depend on the pass's direction and threads (and on the CPU the pass would hold a
     /// shared and a mutable view of the same memory). Any overlap is refused, its own tensor's
     /// master included: the pass reads gradients and writes the master, never the same bytes.
-    fn check_overlap(&self, address: usize, d: &TensorDesc, argument: impl Fn() -> String) -> Result<()> {
+    fn check_overlap(
+        &self,
+        address: usize,
+        d: &TensorDesc,
+        argument: impl Fn() -> String,
+    ) -> Result<()> {
         let held = self.plan.held();
         let master = self.store.master_address(held.start) as usize;
-        let (end, master_end) = (address.saturating_add(d.numel * d.dtype.size()), master + held.len() * 4);
+        let (end, master_end) =
+            (address.saturating_add(d.numel * d.dtype.size()), master + held.len() * 4);
         if held.is_empty() || d.numel == 0 || address >= master_end || end <= master {
             return Ok(());
         }
@@ -1171,30 +1372,50 @@ impl Accumulator {
     }
 
     /// A gradient's dtype, length and memory kind match its tensor and the accumulator.
-    fn check_form(&self, index: usize, g: Gradient<'_>, d: &TensorDesc, argument: &impl Fn() -> String) -> Result<()> {
+    fn check_form(
+        &self,
+        index: usize,
+        g: Gradient<'_>,
+        d: &TensorDesc,
+        argument: &impl Fn() -> String,
+    ) -> Result<()> {
         match (g, self.device()) {
             (Gradient::Host(g), Device::Cpu) => {
                 if g.dtype() != d.dtype {
                     return Err(Error::new(
                         ErrorKind::DtypeMismatch,
-                        format!("{} is {}, tensor {index} was declared {}", argument(), g.dtype().name(), d.dtype.name()),
+                        format!(
+                            "{} is {}, tensor {index} was declared {}",
+                            argument(),
+                            g.dtype().name(),
+                            d.dtype.name()
+                        ),
                     ));
                 }
                 if g.len() != d.numel {
                     return Err(Error::new(
                         ErrorKind::SizeMismatch,
-                        format!("{} has {} elements, tensor {index} has {}", argument(), g.len(), d.numel),
+                        format!(
+                            "{} has {} elements, tensor {index} has {}",
+                            argument(),
+                            g.len(),
+                            d.numel
+                        ),
                     ));
                 }
                 Ok(())
             }
-            (Gradient::Device(p), Device::Cuda { .. }) => dtype::check_buffer(p as *const c_void, d.numel, d.dtype, &argument()),
-            (Gradient::Host(_), device) => {
-                Err(Error::new(ErrorKind::DeviceMismatch, format!("{} is host memory, the accumulator is on {}", argument(), device.name())))
+            (Gradient::Device(p), Device::Cuda { .. }) => {
+                dtype::check_buffer(p as *const c_void, d.numel, d.dtype, &argument())
             }
-            (Gradient::Device(_), _) => {
-                Err(Error::new(ErrorKind::DeviceMismatch, format!("{} is a device address, the accumulator is on the CPU", argument())))
-            }
+            (Gradient::Host(_), device) => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                format!("{} is host memory, the accumulator is on {}", argument(), device.name()),
+            )),
+            (Gradient::Device(_), _) => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                format!("{} is a device address, the accumulator is on the CPU", argument()),
+            )),
         }
     }
 }

@@ -58,7 +58,9 @@ impl State {
     pub fn microbatch_count(&self) -> Result<u64> {
         match self.phase {
             Phase::InMicrobatch { count } => Ok(count),
-            _ => Err(Error::wrong_state("add_tensor outside a micro-batch: call begin_microbatch first")),
+            _ => Err(Error::wrong_state(
+                "add_tensor outside a micro-batch: call begin_microbatch first",
+            )),
         }
     }
 
@@ -81,7 +83,8 @@ impl State {
     /// a load would make it: merge-then-add continues the saved rank's window. Otherwise both
     /// count: add-then-merge takes on another rank's work.
     pub fn ranks_after_merge(&self, saved: u64) -> u64 {
-        let (ranks, microbatches) = if self.synced() { (0, 0) } else { (self.ranks, self.microbatches) };
+        let (ranks, microbatches) =
+            if self.synced() { (0, 0) } else { (self.ranks, self.microbatches) };
         if ranks == 0 && microbatches == 0 {
             saved
         } else {
@@ -118,7 +121,13 @@ pub(crate) struct Window {
 impl Window {
     pub fn new(tensors: usize) -> Self {
         Window {
-            state: RwLock::new(State { id: 1, phase: Phase::Empty, count: 0, microbatches: 0, ranks: 0 }),
+            state: RwLock::new(State {
+                id: 1,
+                phase: Phase::Empty,
+                count: 0,
+                microbatches: 0,
+                ranks: 0,
+            }),
             written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
         }
@@ -138,7 +147,12 @@ impl Window {
     /// it is the tensor's first in the window (it then assigns), and marks the tensor written if
     /// it succeeds. The tensor's lock covers the read of the mark, the contribution and the new
     /// mark, so of two racing first contributions exactly one assigns.
-    pub fn contribute<R>(&self, w: &State, index: usize, add: impl FnOnce(bool) -> Result<R>) -> Result<R> {
+    pub fn contribute<R>(
+        &self,
+        w: &State,
+        index: usize,
+        add: impl FnOnce(bool) -> Result<R>,
+    ) -> Result<R> {
         let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
         let added = add(!self.written(w, index))?;
         self.mark_written(w, index);

@@ -18,8 +18,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives,
-    DEFAULT_TIMEOUT,
+    check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives,
+    Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::backend::cpu;
 use crate::backend::cpu::math::NORM_BLOCK;
@@ -60,7 +60,9 @@ impl fmt::Display for What {
             What::Control => f.write_str("the control exchange"),
             What::AllReduce(n) => write!(f, "the all-reduce of {n} elements"),
             What::AllReduceWithPass(n) => write!(f, "the boundary's all-reduce of {n} elements"),
-            What::ReduceScatterWithPass(n) => write!(f, "the boundary's reduce-scatter of {n} elements"),
+            What::ReduceScatterWithPass(n) => {
+                write!(f, "the boundary's reduce-scatter of {n} elements")
+            }
             What::Gather(n) => write!(f, "the gather of {n} values"),
         }
     }
@@ -148,7 +150,14 @@ impl Group {
     /// passes. On a failure, a rank that reads peers' buffers first stops being a reader, and
     /// every rank waits until no rank reads any more: then no buffer of this collective is read
     /// after its owner returns.
-    fn wait(&self, mut s: MutexGuard<'_, State>, rank: usize, what: What, timeout: Option<Duration>, reads: Reads) -> Result<()> {
+    fn wait(
+        &self,
+        mut s: MutexGuard<'_, State>,
+        rank: usize,
+        what: What,
+        timeout: Option<Duration>,
+        reads: Reads,
+    ) -> Result<()> {
         let mut reading = reads == Reads::Within;
         if reads == Reads::End {
             s.readers -= 1;
@@ -229,7 +238,10 @@ impl Group {
         }
         let s = self.drain(s);
         let reason = s.failure.as_ref().map_or("", |f| f.reason.as_str());
-        Error::new(ErrorKind::CommFailure, format!("local communicator rank {rank}: {what} failed: {reason}"))
+        Error::new(
+            ErrorKind::CommFailure,
+            format!("local communicator rank {rank}: {what} failed: {reason}"),
+        )
     }
 
     /// Waits until no rank is inside a reading phase. Readers only read memory and then arrive at
@@ -282,13 +294,27 @@ impl LocalComm {
                 tag: None,
                 readers: 0,
                 failure: None,
-                buffers: vec![Published { ptr: std::ptr::null_mut(), len: 0, values: std::ptr::null_mut() }; world],
+                buffers: vec![
+                    Published {
+                        ptr: std::ptr::null_mut(),
+                        len: 0,
+                        values: std::ptr::null_mut()
+                    };
+                    world
+                ],
                 controls: vec![ControlSum::default(); world],
             }),
             cv: Condvar::new(),
         });
         let ns = DEFAULT_TIMEOUT.as_nanos() as u64;
-        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone(), busy: Busy::default(), timeout_ns: AtomicU64::new(ns) }).collect())
+        Ok((0..world)
+            .map(|rank| LocalComm {
+                rank,
+                group: group.clone(),
+                busy: Busy::default(),
+                timeout_ns: AtomicU64::new(ns),
+            })
+            .collect())
     }
 
     fn enter(&self) -> Result<BusyGuard<'_>> {
@@ -337,7 +363,9 @@ impl Communicator for LocalComm {
     }
 
     fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
-        let ns = timeout.map_or(FOREVER, |t| u64::try_from(t.as_nanos()).unwrap_or(FOREVER - 1).min(FOREVER - 1));
+        let ns = timeout.map_or(FOREVER, |t| {
+            u64::try_from(t.as_nanos()).unwrap_or(FOREVER - 1).min(FOREVER - 1)
+        });
         self.timeout_ns.store(ns, Ordering::Relaxed);
         Ok(())
     }
@@ -374,7 +402,12 @@ impl HostCollectives for LocalComm {
     /// second step, and then every rank copies the other shares. Each rank passes over
     /// `1/world` of the buffer, and the bits are those of the reduction in shares between
     /// processes. Buckets do not change the result: they are only checked.
-    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn allreduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        buckets: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
         let plan = shares::Plan::new(buf.len(), self.group.world, shares::SHARE_NUMEL);
         self.reduce_with_pass(buf, What::AllReduceWithPass(buf.len()), &plan, true, pass)
@@ -383,7 +416,12 @@ impl HostCollectives for LocalComm {
     /// As the reduction in shares, with each rank's shard whole: rank r sums shard r in pieces
     /// of `shares::SHARE_NUMEL` elements, each passed while in cache, and nobody copies the
     /// other shards.
-    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn reduce_scatter_with_pass(
+        &self,
+        buf: &mut [f32],
+        shards: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         check_shards(buf.len(), shards, self.group.world)?;
         let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL };
         self.reduce_with_pass(buf, What::ReduceScatterWithPass(buf.len()), &cut, false, pass)
@@ -396,13 +434,17 @@ impl HostCollectives for LocalComm {
         check_counts(mine.len(), counts, rank, world)?;
         let _busy = self.enter()?;
         let what = What::Gather(counts.iter().sum());
-        let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        let starts: Vec<usize> =
+            counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
         let mut all = vec![0.0f64; counts.iter().sum()];
         all[starts[rank]..starts[rank] + mine.len()].copy_from_slice(mine);
         // As in `reduce_with_pass`, the result is only used through the published pointer
         // until the end.
         let base = all.as_mut_ptr();
-        let (peers, reading) = self.start_reading(Published { ptr: std::ptr::null_mut(), len: all.len(), values: base }, what)?;
+        let (peers, reading) = self.start_reading(
+            Published { ptr: std::ptr::null_mut(), len: all.len(), values: base },
+            what,
+        )?;
         for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
             // SAFETY: every rank's result is `all.len()` long (checked by `start_reading`) and
             // alive while any rank reads (see `reduce_with_pass`); rank q wrote its own values
@@ -410,8 +452,10 @@ impl HostCollectives for LocalComm {
             // range of its own result, which its peers do not read (each reads the range of its
             // owner only).
             unsafe {
-                let theirs = std::slice::from_raw_parts(p.values.add(starts[q]).cast_const(), counts[q]);
-                std::slice::from_raw_parts_mut(base.add(starts[q]), counts[q]).copy_from_slice(theirs);
+                let theirs =
+                    std::slice::from_raw_parts(p.values.add(starts[q]).cast_const(), counts[q]);
+                std::slice::from_raw_parts_mut(base.add(starts[q]), counts[q])
+                    .copy_from_slice(theirs);
             }
         }
         self.stop_reading(reading, what)?;
@@ -425,7 +469,14 @@ impl LocalComm {
     /// passed while in cache. Phase 2: the other ranks' block values, then the pass's second step
     /// on this rank's pieces. Phase 3, with `share_out`: every other rank's pieces, copied from
     /// their owner. Returns every block's value, the same on every rank.
-    fn reduce_with_pass(&self, buf: &mut [f32], what: What, cut: &dyn shares::Cut, share_out: bool, pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn reduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        what: What,
+        cut: &dyn shares::Cut,
+        share_out: bool,
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         let _busy = self.enter()?;
         let g = &*self.group;
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
@@ -440,8 +491,10 @@ impl LocalComm {
         // peers read through too: `buf` and `values` are not used through their own handles
         // until the end, so no access through them invalidates the peers'.
         let (base, vbase) = (buf.as_mut_ptr(), values.as_mut_ptr());
-        let (peers, mut reading) = self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
-        let blocks_of = |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
+        let (peers, mut reading) =
+            self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
+        let blocks_of =
+            |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
         let mine = cut.pieces(rank);
 
         // Phase 1: this rank's ranges, summed over the ranks and passed.
@@ -457,14 +510,18 @@ impl LocalComm {
             unsafe {
                 let mine = std::slice::from_raw_parts_mut(base.add(own.start), own.len());
                 let sums = std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len());
-                let other = |q: usize| std::slice::from_raw_parts(peers[q].ptr.add(own.start).cast_const(), own.len());
+                let other = |q: usize| {
+                    std::slice::from_raw_parts(peers[q].ptr.add(own.start).cast_const(), own.len())
+                };
                 shares::sum_and_pass(mine, rank, world, other, pass, sums);
             }
         }
-        g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
+        g.wait(g.state(), rank, what, timeout, Reads::Within)
+            .inspect_err(|_| reading.counted = false)?;
 
         // Phase 2: the other ranks' block values, then this rank's second step on its ranges.
-        let theirs: Vec<Vec<Range<usize>>> = (0..world).map(|q| if q == rank { Vec::new() } else { cut.pieces(q) }).collect();
+        let theirs: Vec<Vec<Range<usize>>> =
+            (0..world).map(|q| if q == rank { Vec::new() } else { cut.pieces(q) }).collect();
         for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
             for blocks in theirs[q].iter().map(blocks_of) {
                 // SAFETY: rank q's value array holds `cpu::blocks(len)` values and stays alive
@@ -472,8 +529,12 @@ impl LocalComm {
                 // them now; this rank writes only blocks it does not own into its own array,
                 // which its peers do not read (each reads the blocks of their owner only).
                 unsafe {
-                    let theirs = std::slice::from_raw_parts(p.values.add(blocks.start).cast_const(), blocks.len());
-                    std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len()).copy_from_slice(theirs);
+                    let theirs = std::slice::from_raw_parts(
+                        p.values.add(blocks.start).cast_const(),
+                        blocks.len(),
+                    );
+                    std::slice::from_raw_parts_mut(vbase.add(blocks.start), blocks.len())
+                        .copy_from_slice(theirs);
                 }
             }
         }
@@ -484,10 +545,15 @@ impl LocalComm {
                 for own in &mine {
                     // SAFETY: as in phase 1, this rank's ranges of its own buffer are touched by
                     // it alone until the barrier below.
-                    cpu::scale(unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) }, factor, 1);
+                    cpu::scale(
+                        unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) },
+                        factor,
+                        1,
+                    );
                 }
             }
-            g.wait(g.state(), rank, what, timeout, Reads::Within).inspect_err(|_| reading.counted = false)?;
+            g.wait(g.state(), rank, what, timeout, Reads::Within)
+                .inspect_err(|_| reading.counted = false)?;
         }
 
         // Phase 3: every other rank's ranges, copied from their owner, which only reads now.
@@ -523,7 +589,10 @@ impl LocalComm {
             reading.counted = false;
             g.wait(g.state(), rank, what, timeout, Reads::End)?;
             let lens: Vec<usize> = peers.iter().map(|p| p.len).collect();
-            return Err(Error::new(ErrorKind::SizeMismatch, format!("all-reduce buffer lengths differ across ranks: {lens:?}")));
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("all-reduce buffer lengths differ across ranks: {lens:?}"),
+            ));
         }
         Ok((peers, reading))
     }
@@ -572,7 +641,9 @@ mod tests {
                     .map(|c| {
                         s.spawn(move || {
                             let r = c.rank();
-                            let mut buf: Vec<f32> = (0..len).map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37 + r as f32).collect();
+                            let mut buf: Vec<f32> = (0..len)
+                                .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37 + r as f32)
+                                .collect();
                             c.allreduce_sum(&mut buf).unwrap();
                             buf
                         })
@@ -629,7 +700,10 @@ mod tests {
                     let mut buf = vec![1.0f32; 4 + c.rank()];
                     let err = c.allreduce_sum(&mut buf).unwrap_err();
                     assert_eq!(err.kind, ErrorKind::SizeMismatch);
-                    assert!(buf.iter().all(|&v| v == 1.0), "a failed reduction must leave the buffer as it was");
+                    assert!(
+                        buf.iter().all(|&v| v == 1.0),
+                        "a failed reduction must leave the buffer as it was"
+                    );
                 });
             }
         });
@@ -664,7 +738,8 @@ mod tests {
             for r in 0..2 {
                 let (g, left) = (&g, &left);
                 sc.spawn(move || {
-                    let err = g.wait(g.state(), r, What::AllReduce(8), None, Reads::Within).unwrap_err();
+                    let err =
+                        g.wait(g.state(), r, What::AllReduce(8), None, Reads::Within).unwrap_err();
                     assert_eq!(err.kind, ErrorKind::CommFailure);
                     assert!(err.message.contains("aborted by rank 2"), "{}", err.message);
                     left.fetch_add(1, Ordering::SeqCst);
@@ -673,10 +748,19 @@ mod tests {
             comms[2].abort().unwrap();
             comms[2].abort().unwrap();
             std::thread::sleep(Duration::from_millis(50));
-            assert_eq!(left.load(Ordering::SeqCst), 0, "a rank returned while rank 2 still read its buffer");
+            assert_eq!(
+                left.load(Ordering::SeqCst),
+                0,
+                "a rank returned while rank 2 still read its buffer"
+            );
             // Rank 2 stops reading: it arrives at its barrier and sees the failure.
             let err = g.wait(g.state(), 2, What::AllReduce(8), None, Reads::End).unwrap_err();
-            assert!(err.message.contains("all-reduce of 8 elements failed: the group was aborted by rank 2"), "{}", err.message);
+            assert!(
+                err.message
+                    .contains("all-reduce of 8 elements failed: the group was aborted by rank 2"),
+                "{}",
+                err.message
+            );
         });
         assert_eq!(left.load(Ordering::SeqCst), 2);
         assert_eq!(g.state().readers, 0);

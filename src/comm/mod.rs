@@ -95,7 +95,8 @@ pub trait BlockPass: Sync {
 /// What one rank brings to the boundary's control reduction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Control {
-    /// Elements this rank will reduce: ranks that disagree fail together instead of corrupting memory.
+    /// Elements this rank will reduce: ranks that disagree fail together instead of corrupting
+    /// memory.
     pub numel: u64,
     /// A fingerprint of the tensor and bucket layout, compared like `numel`.
     pub layout: u64,
@@ -203,7 +204,8 @@ pub enum Collectives<'a> {
     Nccl(&'a nccl::NcclComm),
 }
 
-/// The collectives of a host communicator. Every rank of the group must call them, in the same order.
+/// The collectives of a host communicator. Every rank of the group must call them, in the same
+/// order.
 pub trait HostCollectives: Send + Sync {
     /// Reduces every rank's control values (a rank's own are `ControlSum::of(&control)`, or
     /// already the reduction over another group); every rank receives the same [`ControlSum`].
@@ -234,7 +236,12 @@ pub trait HostCollectives: Send + Sync {
     /// backend may instead have each rank sum a share of the buffer, run `pass` on that share while
     /// it is still in cache, and then share the results: each rank then passes over `1/world` of
     /// the buffer, and never over memory another core has just written.
-    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn allreduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        buckets: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         if pass.wire() == Dtype::Bf16 {
             cpu::round_to_bf16(buf, 1);
         }
@@ -250,7 +257,12 @@ pub trait HostCollectives: Send + Sync {
     ///
     /// This default is the all-reduce, which leaves every shard reduced. A backend may instead
     /// sum and pass only each rank's own shard: half an all-reduce's traffic.
-    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn reduce_scatter_with_pass(
+        &self,
+        buf: &mut [f32],
+        shards: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         check_shards(buf.len(), shards, shards.len())?;
         self.allreduce_with_pass(buf, std::slice::from_ref(&(0..buf.len())), pass)
     }
@@ -264,7 +276,10 @@ pub trait HostCollectives: Send + Sync {
 /// `counts` has one entry per rank and this rank's is `mine`'s length.
 pub(crate) fn check_counts(mine: usize, counts: &[usize], rank: usize, world: usize) -> Result<()> {
     if counts.len() != world || counts[rank] != mine {
-        return Err(Error::invalid(format!("{} counts for {world} ranks, rank {rank} bringing {mine} values: {counts:?}", counts.len())));
+        return Err(Error::invalid(format!(
+            "{} counts for {world} ranks, rank {rank} bringing {mine} values: {counts:?}",
+            counts.len()
+        )));
     }
     Ok(())
 }
@@ -279,7 +294,10 @@ impl Busy {
     /// Marks the handle busy until the guard drops; `what` names it in the error.
     pub(crate) fn enter(&self, what: impl FnOnce() -> String) -> Result<BusyGuard<'_>> {
         if self.0.swap(true, Ordering::Acquire) {
-            return Err(Error::wrong_state(format!("{} is already inside a collective on another thread", what())));
+            return Err(Error::wrong_state(format!(
+                "{} is already inside a collective on another thread",
+                what()
+            )));
         }
         Ok(BusyGuard(&self.0))
     }
@@ -310,14 +328,22 @@ pub(crate) fn pass_whole(buf: &mut [f32], pass: &dyn BlockPass, threads: usize) 
 pub(crate) fn check_shards(len: usize, shards: &[Range<usize>], world: usize) -> Result<()> {
     let mut end = 0;
     for (q, s) in shards.iter().enumerate() {
-        if s.start != end || s.start > s.end || !(s.start.is_multiple_of(cpu::math::NORM_BLOCK) || s.is_empty()) {
+        if s.start != end
+            || s.start > s.end
+            || !(s.start.is_multiple_of(cpu::math::NORM_BLOCK) || s.is_empty())
+        {
             let block = cpu::math::NORM_BLOCK;
-            return Err(Error::invalid(format!("shard {q} ({s:?}) must start at {end}, a multiple of {block} elements")));
+            return Err(Error::invalid(format!(
+                "shard {q} ({s:?}) must start at {end}, a multiple of {block} elements"
+            )));
         }
         end = s.end;
     }
     if shards.len() != world || end != len {
-        return Err(Error::invalid(format!("{} shards covering {end} elements for {world} ranks and a buffer of {len}", shards.len())));
+        return Err(Error::invalid(format!(
+            "{} shards covering {end} elements for {world} ranks and a buffer of {len}",
+            shards.len()
+        )));
     }
     Ok(())
 }

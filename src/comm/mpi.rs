@@ -41,8 +41,8 @@ use mpi::ffi;
 use super::shares::{self, ShareTransport, Step, Workspace};
 use super::shm::{self, posix, Region, Shm};
 use super::{
-    check_buckets, check_counts, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives, Communicator, ControlSum, HostCollectives,
-    DEFAULT_TIMEOUT,
+    check_buckets, check_counts, check_shards, packing, BlockPass, Busy, BusyGuard, Collectives,
+    Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -260,7 +260,10 @@ extern "C" fn finalize_at_exit() {
 fn ensure_initialized() -> Result<()> {
     let mut ours = INIT.lock().unwrap_or_else(|e| e.into_inner());
     if flag(ffi::MPI_Finalized) {
-        return Err(Error::new(ErrorKind::BackendUnavailable, "MPI was already finalised in this process"));
+        return Err(Error::new(
+            ErrorKind::BackendUnavailable,
+            "MPI was already finalised in this process",
+        ));
     }
     if flag(ffi::MPI_Initialized) {
         return Ok(());
@@ -269,13 +272,24 @@ fn ensure_initialized() -> Result<()> {
     // SAFETY: MPI is neither initialised nor finalised (both checked above under `INIT`, which
     // keeps two gradacc threads from racing here); MPI allows NULL argc and argv, and `provided` is
     // a live int.
-    let rc = unsafe { ffi::MPI_Init_thread(std::ptr::null_mut(), std::ptr::null_mut(), ffi::RSMPI_THREAD_MULTIPLE, &mut provided) };
+    let rc = unsafe {
+        ffi::MPI_Init_thread(
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            ffi::RSMPI_THREAD_MULTIPLE,
+            &mut provided,
+        )
+    };
     if rc != ffi::MPI_SUCCESS as c_int {
-        return Err(Error::new(ErrorKind::BackendUnavailable, format!("MPI_Init_thread failed (code {rc})")));
+        return Err(Error::new(
+            ErrorKind::BackendUnavailable,
+            format!("MPI_Init_thread failed (code {rc})"),
+        ));
     }
     if !*ours {
         *ours = true;
-        // SAFETY: `finalize_at_exit` is an `extern "C" fn()` that cannot unwind, as atexit requires;
+        // SAFETY: `finalize_at_exit` is an `extern "C" fn()` that cannot unwind, as atexit
+        // requires;
         // `ours` makes this the only registration.
         unsafe { atexit(finalize_at_exit) };
     }
@@ -297,23 +311,28 @@ impl MpiComm {
     }
 
     /// A communicator over the caller's communicator, given as its Fortran handle (the value of
-    /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl). The caller's
-    /// communicator is duplicated, never changed, and may be freed once this returns.
+    /// `MPI_Comm_c2f` in C, `comm.py2f()` in mpi4py, `MPI.API.MPI_Comm_c2f(comm.val)` in MPI.jl).
+    /// The caller's communicator is duplicated, never changed, and may be freed once this returns.
     pub fn from_fortran(handle: i64) -> Result<Self> {
         Self::from_fortran_with(handle, MpiOptions::default())
     }
 
     /// [`MpiComm::from_fortran`] with `options`.
     pub fn from_fortran_with(handle: i64, options: MpiOptions) -> Result<Self> {
-        let f = ffi::RSMPI_Fint::try_from(handle)
-            .map_err(|_| Error::invalid(format!("Fortran communicator handle {handle} does not fit in an MPI_Fint")))?;
+        let f = ffi::RSMPI_Fint::try_from(handle).map_err(|_| {
+            Error::invalid(format!(
+                "Fortran communicator handle {handle} does not fit in an MPI_Fint"
+            ))
+        })?;
         ensure_initialized()?;
         // SAFETY: `ensure_initialized` ran; MPI_Comm_f2c takes any integer and maps one it does not
         // know to MPI_COMM_NULL (checked below) or to a handle the duplication rejects.
         let comm = unsafe { ffi::RSMPI_Comm_f2c(f) };
         // SAFETY: reads rsmpi's extern constant for MPI_COMM_NULL, set at load and never written.
         if comm == unsafe { ffi::RSMPI_COMM_NULL } {
-            return Err(Error::invalid(format!("Fortran communicator handle {handle} is MPI_COMM_NULL or unknown")));
+            return Err(Error::invalid(format!(
+                "Fortran communicator handle {handle} is MPI_COMM_NULL or unknown"
+            )));
         }
         Self::adopt(comm, options)
     }
@@ -322,7 +341,8 @@ impl MpiComm {
         let mut level: c_int = 0;
         // SAFETY: both callers ran `ensure_initialized` first; MPI writes one int to `level`.
         check(unsafe { ffi::MPI_Query_thread(&mut level) }, "MPI_Query_thread")?;
-        // SAFETY: reads rsmpi's extern constant for MPI_THREAD_MULTIPLE, set at load, never written.
+        // SAFETY: reads rsmpi's extern constant for MPI_THREAD_MULTIPLE, set at load, never
+        // written.
         let serialize = level < unsafe { ffi::RSMPI_THREAD_MULTIPLE };
         let mut inter: c_int = 0;
         // SAFETY: `parent` is MPI_COMM_WORLD or an f2c result other than MPI_COMM_NULL; MPI reports
@@ -353,7 +373,10 @@ impl MpiComm {
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
         // handler leaves the caller's communicator as it was; ERRORS_RETURN is rsmpi's constant.
-        check(unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) }, "MPI_Comm_set_errhandler")?;
+        check(
+            unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) },
+            "MPI_Comm_set_errhandler",
+        )?;
         let (mut rank, mut size): (c_int, c_int) = (0, 0);
         // SAFETY: `this.comm` is the live duplicate made above; MPI writes one int to `rank`.
         check(unsafe { ffi::MPI_Comm_rank(this.comm, &mut rank) }, "MPI_Comm_rank")?;
@@ -382,12 +405,19 @@ impl MpiComm {
         }
         // SAFETY: `name` is 64 writable bytes on every rank, the count given; rank 0 is the root
         // of a blocking broadcast on the communicator's own duplicate, which every rank calls here.
-        let sent = check(unsafe { ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm) }, "MPI_Bcast (shared memory)");
+        let sent = check(
+            unsafe {
+                ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm)
+            },
+            "MPI_Bcast (shared memory)",
+        );
         if sent.is_err() && created.is_some() {
             posix::unlink(&fresh);
         }
         sent?;
-        let name = String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)]).into_owned();
+        let name =
+            String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)])
+                .into_owned();
         let mapping = match created {
             Some(m) => Some(m),
             None if !name.is_empty() => posix::Mapping::open(&name, size).ok(),
@@ -397,7 +427,14 @@ impl MpiComm {
         // SAFETY: one int in, one int out, a blocking all-reduce every rank calls here.
         let agreed = check(
             unsafe {
-                ffi::MPI_Allreduce((&mine as *const c_int).cast(), (&mut all as *mut c_int).cast(), 1, ffi::RSMPI_INT32_T, ffi::RSMPI_MIN, self.comm)
+                ffi::MPI_Allreduce(
+                    (&mine as *const c_int).cast(),
+                    (&mut all as *mut c_int).cast(),
+                    1,
+                    ffi::RSMPI_INT32_T,
+                    ffi::RSMPI_MIN,
+                    self.comm,
+                )
             },
             "MPI_Allreduce (shared memory)",
         );
@@ -409,7 +446,10 @@ impl MpiComm {
             // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
             // by every rank of the group (all agreed) and used only through this region, which
             // lives beside it in `Shared` and goes first.
-            Some(m) if all == 1 => Some(Shared { region: unsafe { Region::new(m.base(), self.world, piece) }, _mapping: m }),
+            Some(m) if all == 1 => Some(Shared {
+                region: unsafe { Region::new(m.base(), self.world, piece) },
+                _mapping: m,
+            }),
             _ => None,
         })
     }
@@ -429,7 +469,14 @@ impl MpiComm {
             Some(shared) => {
                 // A barrier raised is as good as a post: a failure leaves the peers out of step.
                 t.posted = true;
-                let mut s = Shm::new(&mut t, &shared.region, &mut mem.passed, self.timeout(), &self.aborted, "MPI");
+                let mut s = Shm::new(
+                    &mut t,
+                    &shared.region,
+                    &mut mem.passed,
+                    self.timeout(),
+                    &self.aborted,
+                    "MPI",
+                );
                 run(&mut s)
             }
             None => run(&mut t),
@@ -523,7 +570,12 @@ impl MpiComm {
     /// Past the timeout it fails with TIMEOUT naming `phase`; once another thread aborted the
     /// communicator, with COMM_FAILURE. Either way, and on an MPI error, the requests still
     /// pending go to `abandoned` (their memory must stay alive) and the communicator is aborted.
-    fn wait(&self, requests: &mut [ffi::MPI_Request], abandoned: &mut Vec<ffi::MPI_Request>, phase: &dyn Fn() -> String) -> Result<()> {
+    fn wait(
+        &self,
+        requests: &mut [ffi::MPI_Request],
+        abandoned: &mut Vec<ffi::MPI_Request>,
+        phase: &dyn Fn() -> String,
+    ) -> Result<()> {
         let timeout = self.timeout();
         let mut backoff = Backoff::new();
         loop {
@@ -531,9 +583,23 @@ impl MpiComm {
             // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
             // none completed yet; MPI_Testall frees and nulls them only when all completed, and
             // writes one int to `done`.
-            let rc = unsafe { ffi::MPI_Testall(requests.len() as c_int, requests.as_mut_ptr(), &mut done, ffi::RSMPI_STATUSES_IGNORE) };
+            let rc = unsafe {
+                ffi::MPI_Testall(
+                    requests.len() as c_int,
+                    requests.as_mut_ptr(),
+                    &mut done,
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            };
             if rc != ffi::MPI_SUCCESS as c_int {
-                let e = Error::new(ErrorKind::CommFailure, format!("MPI {} failed: {}; the communicator was aborted", phase(), error_text(rc)));
+                let e = Error::new(
+                    ErrorKind::CommFailure,
+                    format!(
+                        "MPI {} failed: {}; the communicator was aborted",
+                        phase(),
+                        error_text(rc)
+                    ),
+                );
                 self.abandon(requests, abandoned, &e.message);
                 return Err(e);
             }
@@ -572,11 +638,20 @@ impl MpiComm {
     }
 
     /// Keeps the still pending ones of `requests` (and so the memory they name) and aborts.
-    fn abandon(&self, requests: &[ffi::MPI_Request], abandoned: &mut Vec<ffi::MPI_Request>, reason: &str) {
+    fn abandon(
+        &self,
+        requests: &[ffi::MPI_Request],
+        abandoned: &mut Vec<ffi::MPI_Request>,
+        reason: &str,
+    ) {
         // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
         abandoned.extend(requests.iter().copied().filter(|&r| r != null));
-        self.set_aborted(if reason.is_empty() { String::new() } else { format!(" after: {reason}") });
+        self.set_aborted(if reason.is_empty() {
+            String::new()
+        } else {
+            format!(" after: {reason}")
+        });
     }
 }
 
@@ -586,7 +661,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// An MPI count or displacement; larger ones fail instead of wrapping.
 fn count(n: usize, what: &str) -> Result<c_int> {
-    c_int::try_from(n).map_err(|_| Error::invalid(format!("{what} of {n} elements exceeds what one MPI call takes")))
+    c_int::try_from(n).map_err(|_| {
+        Error::invalid(format!("{what} of {n} elements exceeds what one MPI call takes"))
+    })
 }
 
 /// The reduction in shares over MPI, on a communicator whose collective is already entered:
@@ -606,8 +683,21 @@ struct Shares<'a> {
 }
 
 impl<'a> Shares<'a> {
-    fn new(comm: &'a MpiComm, counts: &'a mut Counts, work: &'a mut Workspace, abandoned: &'a mut Vec<ffi::MPI_Request>) -> Self {
-        Shares { comm, counts, work, abandoned, slots: Vec::new(), packed: Vec::new(), posted: false }
+    fn new(
+        comm: &'a MpiComm,
+        counts: &'a mut Counts,
+        work: &'a mut Workspace,
+        abandoned: &'a mut Vec<ffi::MPI_Request>,
+    ) -> Self {
+        Shares {
+            comm,
+            counts,
+            work,
+            abandoned,
+            slots: Vec::new(),
+            packed: Vec::new(),
+            posted: false,
+        }
     }
 
     /// A reduction's result: a failure once anything was posted leaves this rank out of step with
@@ -623,7 +713,13 @@ impl<'a> Shares<'a> {
 
     /// Waits for one request posted with return code `rc` (nothing was posted when it failed,
     /// and the communicator is aborted).
-    fn finish_one(&mut self, rc: c_int, mut request: ffi::MPI_Request, call: &str, step: &dyn Fn() -> String) -> Result<()> {
+    fn finish_one(
+        &mut self,
+        rc: c_int,
+        mut request: ffi::MPI_Request,
+        call: &str,
+        step: &dyn Fn() -> String,
+    ) -> Result<()> {
         check(rc, call).map_err(|e| self.comm.post_failed(e))?;
         self.posted = true;
         self.comm.wait(std::slice::from_mut(&mut request), self.abandoned, step)
@@ -653,8 +749,12 @@ impl ShareTransport for Shares<'_> {
         let (world, rank) = (self.comm.world, self.comm.rank);
         let own = packed[rank].len();
         // One slot of `own` words per rank but this one, in rank order.
-        self.slots = (0..world).map(|q| (q - usize::from(q > rank)) * own).map(|at| at..at + own).collect();
-        let scratch = shares::words_mut(shares::skewed(&mut self.work.scratch, ((world - 1) * own).div_ceil(2)));
+        self.slots =
+            (0..world).map(|q| (q - usize::from(q > rank)) * own).map(|at| at..at + own).collect();
+        let scratch = shares::words_mut(shares::skewed(
+            &mut self.work.scratch,
+            ((world - 1) * own).div_ceil(2),
+        ));
         let c = &mut *self.counts;
         for v in [&mut c.send, &mut c.send_at, &mut c.recv, &mut c.recv_at] {
             zeroed(v, world);
@@ -769,14 +869,20 @@ impl ShareTransport for Shares<'_> {
                 &mut request,
             )
         };
-        self.finish_one(rc, request, "MPI_Iallgatherv (block values)", &|| Step::Values.to_string())?;
+        self.finish_one(rc, request, "MPI_Iallgatherv (block values)", &|| {
+            Step::Values.to_string()
+        })?;
         Ok(&self.work.all)
     }
 }
 
 /// This handle's collective in progress (and, below MPI_THREAD_MULTIPLE, the process's), and
 /// the communicator's memory: the guards are held while it runs.
-struct Entered<'a>(#[allow(dead_code)] BusyGuard<'a>, #[allow(dead_code)] Option<Serial>, MutexGuard<'a, Memory>);
+struct Entered<'a>(
+    #[allow(dead_code)] BusyGuard<'a>,
+    #[allow(dead_code)] Option<Serial>,
+    MutexGuard<'a, Memory>,
+);
 
 impl Drop for MpiComm {
     /// Frees the duplicate, unless a timeout or an abort left requests pending on it that have
@@ -820,7 +926,14 @@ impl Drop for MpiComm {
             // SAFETY: the requests were posted on this communicator and never completed nor freed
             // (a wait that abandons them returns at once); MPI is not finalised (checked above),
             // and `&mut self` excludes any other use of them.
-            let rc = unsafe { ffi::MPI_Testall(mem.abandoned.len() as c_int, mem.abandoned.as_mut_ptr(), &mut done, ffi::RSMPI_STATUSES_IGNORE) };
+            let rc = unsafe {
+                ffi::MPI_Testall(
+                    mem.abandoned.len() as c_int,
+                    mem.abandoned.as_mut_ptr(),
+                    &mut done,
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            };
             if rc != ffi::MPI_SUCCESS as c_int || done == 0 {
                 // Still pending: leak what they may still use, and the communicator.
                 std::mem::forget(std::mem::take(mem));
@@ -858,7 +971,9 @@ impl Communicator for MpiComm {
     }
 
     fn timeout(&self) -> Option<Duration> {
-        Some(self.timeout_ns.load(Ordering::Relaxed)).filter(|&ns| ns != FOREVER).map(Duration::from_nanos)
+        Some(self.timeout_ns.load(Ordering::Relaxed))
+            .filter(|&ns| ns != FOREVER)
+            .map(Duration::from_nanos)
     }
 
     fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
@@ -930,7 +1045,8 @@ impl HostCollectives for MpiComm {
         for (k, part) in buf.chunks_mut(SUM_PIECE).enumerate() {
             let piece = &mut mem.piece[..part.len()];
             piece.copy_from_slice(part);
-            // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never written.
+            // SAFETY: reads rsmpi's extern constant for MPI_REQUEST_NULL, set at load, never
+            // written.
             let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
             // SAFETY: `piece` is the communicator's piece buffer, of at most SUM_PIECE (2^20)
             // elements, so its length fits a C int; with MPI_IN_PLACE MPI reads and writes only
@@ -948,7 +1064,9 @@ impl HostCollectives for MpiComm {
                 )
             };
             check(rc, "MPI_Iallreduce").map_err(|e| self.post_failed(e))?;
-            self.wait(std::slice::from_mut(&mut request), &mut mem.abandoned, &|| format!("all-reduce, piece {} of {pieces}", k + 1))?;
+            self.wait(std::slice::from_mut(&mut request), &mut mem.abandoned, &|| {
+                format!("all-reduce, piece {} of {pieces}", k + 1)
+            })?;
             part.copy_from_slice(piece);
         }
         Ok(())
@@ -956,17 +1074,28 @@ impl HostCollectives for MpiComm {
 
     /// The reduction in shares (see `shares`). Buckets do not change its result, so it cuts the
     /// buffer into its own chunks and the buckets are only checked.
-    fn allreduce_with_pass(&self, buf: &mut [f32], buckets: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn allreduce_with_pass(
+        &self,
+        buf: &mut [f32],
+        buckets: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
         self.in_shares(|t| shares::reduce_in_shares(t, buf, shares::SHARE_NUMEL, pass))
     }
 
     /// The reduction in shares by shards: each rank exchanges only its copies of the others'
     /// shards and sums its own, and nothing is gathered: half an all-reduce's traffic.
-    fn reduce_scatter_with_pass(&self, buf: &mut [f32], shards: &[Range<usize>], pass: &dyn BlockPass) -> Result<Vec<f64>> {
+    fn reduce_scatter_with_pass(
+        &self,
+        buf: &mut [f32],
+        shards: &[Range<usize>],
+        pass: &dyn BlockPass,
+    ) -> Result<Vec<f64>> {
         check_shards(buf.len(), shards, self.world)?;
         self.in_shares(|t| {
-            let cut = shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL.min(t.piece_limit()) };
+            let cut =
+                shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL.min(t.piece_limit()) };
             shares::reduce_by_cut(t, buf, &cut, false, pass)
         })
     }

@@ -35,7 +35,9 @@ mod api {
     use std::ffi::{c_char, c_int, c_void};
     use std::sync::OnceLock;
 
-    use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+    use cudarc::nccl::sys::{
+        cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId,
+    };
     use libloading::Library;
 
     use crate::backend::cuda::library::{self, Opened};
@@ -62,17 +64,69 @@ mod api {
 
     pub(super) struct Api {
         pub get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> c_int,
-        pub comm_init_rank_config: unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> c_int,
+        pub comm_init_rank_config: unsafe extern "C" fn(
+            *mut ncclComm_t,
+            c_int,
+            ncclUniqueId,
+            c_int,
+            *mut ncclConfig_t,
+        ) -> c_int,
         pub comm_get_async_error: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_user_rank: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_count: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
         pub comm_cu_device: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
-        pub all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
-        pub reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t) -> c_int,
-        pub all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclComm_t, cudaStream_t) -> c_int,
-        pub reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
-        pub send: unsafe extern "C" fn(*const c_void, usize, ncclDataType_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
-        pub recv: unsafe extern "C" fn(*mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, cudaStream_t) -> c_int,
+        pub all_reduce: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            ncclDataType_t,
+            ncclRedOp_t,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
+        pub reduce_scatter: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            ncclDataType_t,
+            ncclRedOp_t,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
+        pub all_gather: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            ncclDataType_t,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
+        pub reduce: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            ncclDataType_t,
+            ncclRedOp_t,
+            c_int,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
+        pub send: unsafe extern "C" fn(
+            *const c_void,
+            usize,
+            ncclDataType_t,
+            c_int,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
+        pub recv: unsafe extern "C" fn(
+            *mut c_void,
+            usize,
+            ncclDataType_t,
+            c_int,
+            ncclComm_t,
+            cudaStream_t,
+        ) -> c_int,
         pub group_start: unsafe extern "C" fn() -> c_int,
         pub group_end: unsafe extern "C" fn() -> c_int,
         pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> c_int,
@@ -97,7 +151,8 @@ mod api {
             ($name:literal) => {
                 // SAFETY: each field's type is the C prototype of the symbol in nccl.h, with
                 // ncclResult_t (a C enum, an int) as c_int.
-                unsafe { opened.symbol($name) }.map_err(|e| format!("{e} (gradacc needs NCCL 2.14 or newer)"))?
+                unsafe { opened.symbol($name) }
+                    .map_err(|e| format!("{e} (gradacc needs NCCL 2.14 or newer)"))?
             };
         }
         Ok(Api {
@@ -156,7 +211,10 @@ fn nccl_error(api: &Api, code: c_int, what: &str, detail: &str) -> Error {
         }
         None => format!("unknown NCCL result code {code}"),
     };
-    Error::new(ErrorKind::CommFailure, format!("{what} failed: {text} {detail}").trim_end().to_string())
+    Error::new(
+        ErrorKind::CommFailure,
+        format!("{what} failed: {text} {detail}").trim_end().to_string(),
+    )
 }
 
 /// NCCL's last error message. `comm` may be null (NCCL itself ignores it; a stand-in may keep
@@ -221,7 +279,12 @@ fn nonblocking_config() -> ncclConfig_t {
 /// Polls `state` (ncclCommGetAsyncError's answer) until it leaves ncclInProgress: Ok once it is
 /// ncclSuccess, `error(code)` for an error, a timeout error after `timeout`. Sleeps between
 /// polls, a little longer each time up to 1 ms, so a long wait costs no core.
-fn poll(timeout: Option<Duration>, what: &str, mut state: impl FnMut() -> Result<c_int>, error: impl FnOnce(c_int) -> Error) -> Result<()> {
+fn poll(
+    timeout: Option<Duration>,
+    what: &str,
+    mut state: impl FnMut() -> Result<c_int>,
+    error: impl FnOnce(c_int) -> Error,
+) -> Result<()> {
     let start = Instant::now();
     let mut pause = Duration::from_micros(10);
     loop {
@@ -348,16 +411,29 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl NcclComm {
     /// Joins the group named by `id` as `rank` of `world_size`, on device `ordinal`. Collective:
     /// returns once every rank has called it, or fails after [`DEFAULT_TIMEOUT`].
-    pub fn new(id: &[u8; UNIQUE_ID_BYTES], rank: usize, world_size: usize, ordinal: i32) -> Result<Self> {
+    pub fn new(
+        id: &[u8; UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+        ordinal: i32,
+    ) -> Result<Self> {
         Self::with_timeout(id, rank, world_size, ordinal, DEFAULT_TIMEOUT)
     }
 
     /// As [`NcclComm::new`], waiting at most `timeout` for the other ranks here and in every
     /// later call.
-    pub fn with_timeout(id: &[u8; UNIQUE_ID_BYTES], rank: usize, world_size: usize, ordinal: i32, timeout: Duration) -> Result<Self> {
+    pub fn with_timeout(
+        id: &[u8; UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+        ordinal: i32,
+        timeout: Duration,
+    ) -> Result<Self> {
         let api = nccl()?;
         if world_size == 0 || rank >= world_size || world_size > i32::MAX as usize {
-            return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")));
+            return Err(Error::invalid(format!(
+                "`rank` = {rank} is not in 0..`world_size` = {world_size}"
+            )));
         }
         let ctx = Context::get(ordinal)?;
         // Before NCCL, which finds a second rank on the device only once every rank arrived.
@@ -368,13 +444,29 @@ impl NcclComm {
             let unique = ncclUniqueId { internal: id.map(|b| b as _) };
             let mut config = nonblocking_config();
             // SAFETY: valid out-pointer and config; the current context picks the device.
-            unsafe { (api.comm_init_rank_config)(&mut comm, world_size as c_int, unique, rank as c_int, &mut config) }
+            unsafe {
+                (api.comm_init_rank_config)(
+                    &mut comm,
+                    world_size as c_int,
+                    unique,
+                    rank as c_int,
+                    &mut config,
+                )
+            }
         };
         if comm.is_null() {
             return Err(if code == SUCCESS || code == IN_PROGRESS {
-                Error::new(ErrorKind::CommFailure, "ncclCommInitRankConfig returned no communicator")
+                Error::new(
+                    ErrorKind::CommFailure,
+                    "ncclCommInitRankConfig returned no communicator",
+                )
             } else {
-                nccl_error(api, code, "ncclCommInitRankConfig", &last_error(api, std::ptr::null_mut()))
+                nccl_error(
+                    api,
+                    code,
+                    "ncclCommInitRankConfig",
+                    &last_error(api, std::ptr::null_mut()),
+                )
             });
         }
         let c = NcclComm {
@@ -409,11 +501,18 @@ impl NcclComm {
         let what = "the adopted communicator's creation";
         let state = || {
             let mut state = IN_PROGRESS;
-            // SAFETY: `comm` is live (the caller's promise); valid out-pointer.
-            check(api, unsafe { (api.comm_get_async_error)(comm, &mut state) }, "ncclCommGetAsyncError", comm)?;
+            check(
+                api,
+                // SAFETY: `comm` is live (the caller's promise); valid out-pointer.
+                unsafe { (api.comm_get_async_error)(comm, &mut state) },
+                "ncclCommGetAsyncError",
+                comm,
+            )?;
             Ok(state)
         };
-        poll(Some(DEFAULT_TIMEOUT), what, state, |code| nccl_error(api, code, what, &last_error(api, comm)))?;
+        poll(Some(DEFAULT_TIMEOUT), what, state, |code| {
+            nccl_error(api, code, what, &last_error(api, comm))
+        })?;
         let (mut rank, mut count, mut device) = (0, 0, 0);
         // SAFETY: as above; the three queries only read the communicator.
         unsafe {
@@ -458,7 +557,9 @@ impl NcclComm {
 
     /// How long a call waits for the other ranks before it fails.
     pub fn timeout(&self) -> Option<Duration> {
-        Some(self.timeout_ms.load(Ordering::Relaxed)).filter(|&ms| ms != u64::MAX).map(Duration::from_millis)
+        Some(self.timeout_ms.load(Ordering::Relaxed))
+            .filter(|&ms| ms != u64::MAX)
+            .map(Duration::from_millis)
     }
 
     /// Whether [`NcclComm::abort`] ran, or NCCL reported an error (a peer failed) or a wait timed
@@ -472,7 +573,9 @@ impl NcclComm {
     /// with COMM_FAILURE, as every later call does. Only for communicators gradacc created.
     pub fn abort(&self) -> Result<()> {
         if !self.owned {
-            return Err(Error::wrong_state("this communicator adopts the caller's ncclComm_t: abort it with ncclCommAbort"));
+            return Err(Error::wrong_state(
+                "this communicator adopts the caller's ncclComm_t: abort it with ncclCommAbort",
+            ));
         }
         if self.aborted.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -487,7 +590,12 @@ impl NcclComm {
         if code == SUCCESS || code == IN_PROGRESS {
             Ok(())
         } else {
-            Err(nccl_error(self.api, code, "ncclCommAbort", &last_error(self.api, std::ptr::null_mut())))
+            Err(nccl_error(
+                self.api,
+                code,
+                "ncclCommAbort",
+                &last_error(self.api, std::ptr::null_mut()),
+            ))
         }
     }
 
@@ -568,7 +676,9 @@ impl NcclComm {
     fn finish(&self, code: c_int, what: &str) -> Result<()> {
         let result = match code {
             SUCCESS => return Ok(()),
-            IN_PROGRESS => poll(self.timeout(), what, || self.async_state(), |code| self.error(code, what)),
+            IN_PROGRESS => {
+                poll(self.timeout(), what, || self.async_state(), |code| self.error(code, what))
+            }
             code => Err(self.error(code, what)),
         };
         if result.is_err() && !self.aborted.load(Ordering::Acquire) {
@@ -584,66 +694,132 @@ impl NcclComm {
 
     /// Enqueues an in-place sum of `count` values at `ptr` on `stream`. Inside [`NcclComm::group`],
     /// several are launched together.
-    pub fn allreduce_sum_f32(&self, ptr: CUdeviceptr, count: usize, stream: CUstream) -> Result<()> {
+    pub fn allreduce_sum_f32(
+        &self,
+        ptr: CUdeviceptr,
+        count: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         self.allreduce(ptr, count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, stream)
     }
 
     /// Enqueues an in-place u64 reduction (`max` false: sum) of `count` values at `ptr`.
-    pub fn allreduce_u64(&self, ptr: CUdeviceptr, count: usize, max: bool, stream: CUstream) -> Result<()> {
+    pub fn allreduce_u64(
+        &self,
+        ptr: CUdeviceptr,
+        count: usize,
+        max: bool,
+        stream: CUstream,
+    ) -> Result<()> {
         let op = if max { ncclRedOp_t::ncclMax } else { ncclRedOp_t::ncclSum };
         self.allreduce(ptr, count, ncclDataType_t::ncclUint64, op, stream)
     }
 
-    fn allreduce(&self, ptr: CUdeviceptr, count: usize, dtype: ncclDataType_t, op: ncclRedOp_t, stream: CUstream) -> Result<()> {
+    fn allreduce(
+        &self,
+        ptr: CUdeviceptr,
+        count: usize,
+        dtype: ncclDataType_t,
+        op: ncclRedOp_t,
+        stream: CUstream,
+    ) -> Result<()> {
         let (api, buf) = (self.api, ptr as *mut c_void);
         // SAFETY: a live communicator (`issue`); NCCL reads and writes `count` elements at `buf`
         // on `stream`, the caller's device buffer.
-        self.issue("ncclAllReduce", |comm| unsafe { (api.all_reduce)(buf, buf, count, dtype, op, comm, stream as _) })
+        self.issue("ncclAllReduce", |comm| unsafe {
+            (api.all_reduce)(buf, buf, count, dtype, op, comm, stream as _)
+        })
     }
 
     /// Enqueues an in-place reduce-scatter (sum) of f32: `ptr` holds `world_size * recv_count`
     /// values, and rank r's part, `recv_count` values from `ptr + r * recv_count` (NCCL's in-place
     /// layout), receives the sum of every rank's part r.
-    pub fn reduce_scatter_sum_f32(&self, ptr: CUdeviceptr, recv_count: usize, stream: CUstream) -> Result<()> {
+    pub fn reduce_scatter_sum_f32(
+        &self,
+        ptr: CUdeviceptr,
+        recv_count: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         let (api, send) = (self.api, ptr as *const c_void);
         let recv = (ptr + (4 * self.rank * recv_count) as u64) as *mut c_void;
         // SAFETY: a live communicator (`issue`); NCCL reads `world_size * recv_count` f32 at
         // `send` and writes the `recv_count` at `recv`, inside it, on `stream` (the caller's
         // buffer of that size).
         self.issue("ncclReduceScatter", |comm| unsafe {
-            (api.reduce_scatter)(send, recv, recv_count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, comm, stream as _)
+            (api.reduce_scatter)(
+                send,
+                recv,
+                recv_count,
+                ncclDataType_t::ncclFloat32,
+                ncclRedOp_t::ncclSum,
+                comm,
+                stream as _,
+            )
         })
     }
 
     /// Enqueues an in-place sum of `count` f32 at `ptr` into rank `root`'s buffer; the other
     /// ranks' buffers are only read.
-    pub fn reduce_sum_f32(&self, ptr: CUdeviceptr, count: usize, root: usize, stream: CUstream) -> Result<()> {
+    pub fn reduce_sum_f32(
+        &self,
+        ptr: CUdeviceptr,
+        count: usize,
+        root: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         let (api, buf) = (self.api, ptr as *mut c_void);
-        let root = c_int::try_from(root).map_err(|_| Error::invalid(format!("NCCL root {root} is out of range")))?;
+        let root = c_int::try_from(root)
+            .map_err(|_| Error::invalid(format!("NCCL root {root} is out of range")))?;
         // SAFETY: a live communicator (`issue`); NCCL reads `count` f32 at `buf` and, on the
         // root, writes them, on `stream` (the caller's buffer of that size).
         self.issue("ncclReduce", |comm| unsafe {
-            (api.reduce)(buf, buf, count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, root, comm, stream as _)
+            (api.reduce)(
+                buf,
+                buf,
+                count,
+                ncclDataType_t::ncclFloat32,
+                ncclRedOp_t::ncclSum,
+                root,
+                comm,
+                stream as _,
+            )
         })
     }
 
     /// Enqueues an in-place all-gather of f64: `ptr` holds `world_size * send_count` values, and
     /// every rank's part r, `send_count` values from `ptr + r * send_count`, receives rank r's.
-    pub fn allgather_f64(&self, ptr: CUdeviceptr, send_count: usize, stream: CUstream) -> Result<()> {
+    pub fn allgather_f64(
+        &self,
+        ptr: CUdeviceptr,
+        send_count: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         let (api, recv) = (self.api, ptr as *mut c_void);
         let send = (ptr + (8 * self.rank * send_count) as u64) as *const c_void;
         // SAFETY: a live communicator (`issue`); NCCL reads the `send_count` f64 at `send` and
         // writes `world_size * send_count` at `recv`, which holds them, on `stream`.
-        self.issue("ncclAllGather", |comm| unsafe { (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat64, comm, stream as _) })
+        self.issue("ncclAllGather", |comm| unsafe {
+            (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat64, comm, stream as _)
+        })
     }
 
     /// Enqueues, as one NCCL group, this rank's part of an exchange of bf16 words (16-bit values
     /// bit for bit): `sends[q]` (an address and a count) goes to rank `q`, and `recvs[q]` receives
     /// rank `q`'s message to this rank; an empty one is neither sent nor received. Every pair
     /// of ranks must agree on each message's count. A rank may send to itself.
-    pub fn exchange_bf16(&self, sends: &[(CUdeviceptr, usize)], recvs: &[(CUdeviceptr, usize)], stream: CUstream) -> Result<()> {
+    pub fn exchange_bf16(
+        &self,
+        sends: &[(CUdeviceptr, usize)],
+        recvs: &[(CUdeviceptr, usize)],
+        stream: CUstream,
+    ) -> Result<()> {
         if sends.len() != self.world_size || recvs.len() != self.world_size {
-            return Err(Error::invalid(format!("an exchange over {} ranks got {} sends and {} receives", self.world_size, sends.len(), recvs.len())));
+            return Err(Error::invalid(format!(
+                "an exchange over {} ranks got {} sends and {} receives",
+                self.world_size,
+                sends.len(),
+                recvs.len()
+            )));
         }
         let api = self.api;
         let dtype = ncclDataType_t::ncclBfloat16;
@@ -653,11 +829,15 @@ impl NcclComm {
                 if s > 0 {
                     // SAFETY: a live communicator (`issue`); NCCL reads `s` 16-bit words at
                     // `send` on `stream` (the caller's device buffer of that size).
-                    self.issue("ncclSend", |comm| unsafe { (api.send)(send as *const c_void, s, dtype, peer, comm, stream as _) })?;
+                    self.issue("ncclSend", |comm| unsafe {
+                        (api.send)(send as *const c_void, s, dtype, peer, comm, stream as _)
+                    })?;
                 }
                 if r > 0 {
                     // SAFETY: as above; NCCL writes `r` words at `recv`.
-                    self.issue("ncclRecv", |comm| unsafe { (api.recv)(recv as *mut c_void, r, dtype, peer, comm, stream as _) })?;
+                    self.issue("ncclRecv", |comm| unsafe {
+                        (api.recv)(recv as *mut c_void, r, dtype, peer, comm, stream as _)
+                    })?;
                 }
             }
             Ok(())
@@ -666,12 +846,19 @@ impl NcclComm {
 
     /// Enqueues an in-place all-gather of f32: `ptr` holds `world_size * send_count` values, and
     /// every rank's part r receives rank r's.
-    pub fn allgather_f32(&self, ptr: CUdeviceptr, send_count: usize, stream: CUstream) -> Result<()> {
+    pub fn allgather_f32(
+        &self,
+        ptr: CUdeviceptr,
+        send_count: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         let (api, recv) = (self.api, ptr as *mut c_void);
         let send = (ptr + (4 * self.rank * send_count) as u64) as *const c_void;
         // SAFETY: a live communicator (`issue`); NCCL reads the `send_count` f32 at `send` and
         // writes `world_size * send_count` at `recv`, which holds them, on `stream`.
-        self.issue("ncclAllGather", |comm| unsafe { (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat32, comm, stream as _) })
+        self.issue("ncclAllGather", |comm| unsafe {
+            (api.all_gather)(send, recv, send_count, ncclDataType_t::ncclFloat32, comm, stream as _)
+        })
     }
 
     /// Issues one collective: inside this thread's [`NcclComm::group`] NCCL collects it (the
@@ -682,7 +869,11 @@ impl NcclComm {
             // communicator: NCCL collects the call, and ncclGroupEnd launches and waits for it.
             let _g = self.ctx.enter()?;
             let code = call(self.comm);
-            return if code == SUCCESS || code == IN_PROGRESS { Ok(()) } else { self.finish(code, what) };
+            return if code == SUCCESS || code == IN_PROGRESS {
+                Ok(())
+            } else {
+                self.finish(code, what)
+            };
         }
         let _serial = lock(&self.serial);
         let code = self.call(call)?;
@@ -703,7 +894,11 @@ impl NcclComm {
             // SAFETY: as above.
             let end = unsafe { (api.group_end)() };
             let r = result?;
-            return if end == SUCCESS || end == IN_PROGRESS { Ok(r) } else { Err(self.error(end, "ncclGroupEnd")) };
+            return if end == SUCCESS || end == IN_PROGRESS {
+                Ok(r)
+            } else {
+                Err(self.error(end, "ncclGroupEnd"))
+            };
         }
         let _serial = lock(&self.serial);
         let end = {
@@ -782,7 +977,8 @@ impl Drop for NcclComm {
         if !self.owned || *self.aborted.get_mut() {
             return;
         }
-        let healthy = !*self.failed.get_mut() && matches!(self.async_state(), Ok(SUCCESS | IN_PROGRESS));
+        let healthy =
+            !*self.failed.get_mut() && matches!(self.async_state(), Ok(SUCCESS | IN_PROGRESS));
         let finalized = healthy && {
             let api = self.api;
             self.call(|comm| {
@@ -821,9 +1017,28 @@ mod tests {
     #[test]
     fn the_config_is_nccl_config_initializer_but_non_blocking() {
         let c = nonblocking_config();
-        assert_eq!((c.size, c.magic, c.version, c.blocking), (std::mem::size_of::<ncclConfig_t>(), 0xcafe_beef, 23000, 0));
-        let undefined = [c.cgaClusterSize, c.minCTAs, c.maxCTAs, c.splitShare, c.trafficClass, c.collnetEnable, c.CTAPolicy];
-        let more = [c.shrinkShare, c.nvlsCTAs, c.nChannelsPerNetPeer, c.nvlinkCentricSched, c.graphUsageMode, c.numRmaCtx, c.maxP2pPeers];
+        assert_eq!(
+            (c.size, c.magic, c.version, c.blocking),
+            (std::mem::size_of::<ncclConfig_t>(), 0xcafe_beef, 23000, 0)
+        );
+        let undefined = [
+            c.cgaClusterSize,
+            c.minCTAs,
+            c.maxCTAs,
+            c.splitShare,
+            c.trafficClass,
+            c.collnetEnable,
+            c.CTAPolicy,
+        ];
+        let more = [
+            c.shrinkShare,
+            c.nvlsCTAs,
+            c.nChannelsPerNetPeer,
+            c.nvlinkCentricSched,
+            c.graphUsageMode,
+            c.numRmaCtx,
+            c.maxP2pPeers,
+        ];
         assert!(undefined.iter().chain(&more).all(|&v| v == c_int::MIN));
         assert!(c.netName.is_null() && c.commName.is_null());
     }

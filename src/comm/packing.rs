@@ -78,10 +78,20 @@ mod tests {
         let cases: Vec<Vec<Control>> = vec![
             vec![c(10, 7, 3, 1, false, false)],
             vec![c(10, 7, 3, 1, false, false), c(10, 7, 0, 0, false, false)],
-            vec![c(10, 7, 3, 1, false, false), c(12, 7, 5, 2, true, false), c(10, 9, 1, 1, false, true)],
+            vec![
+                c(10, 7, 3, 1, false, false),
+                c(12, 7, 5, 2, true, false),
+                c(10, 9, 1, 1, false, true),
+            ],
             vec![c(0, 0, 0, 0, false, false), c(u64::MAX, u64::MAX, 4, 4, true, true)],
-            vec![c(5, 5, u64::MAX / 2, 1, false, false), c(5, 5, u64::MAX / 2 + 7, 1, false, false)],
-            vec![c(5, 5, 1, u64::MAX / 2, false, false), c(5, 5, 1, u64::MAX / 2 + 7, false, false)],
+            vec![
+                c(5, 5, u64::MAX / 2, 1, false, false),
+                c(5, 5, u64::MAX / 2 + 7, 1, false, false),
+            ],
+            vec![
+                c(5, 5, 1, u64::MAX / 2, false, false),
+                c(5, 5, 1, u64::MAX / 2 + 7, false, false),
+            ],
         ];
         for ranks in &cases {
             assert_eq!(reduce(ranks), fold(ranks), "{ranks:?}");
@@ -110,7 +120,8 @@ mod tests {
                 .collect();
             assert_eq!(reduce(&ranks), fold(&ranks), "{ranks:?}");
             // In two levels, as a hybrid boundary reduces: groups first, then their reductions.
-            let groups: Vec<ControlSum> = ranks.chunks(1 + (next() % 3) as usize).map(reduce).collect();
+            let groups: Vec<ControlSum> =
+                ranks.chunks(1 + (next() % 3) as usize).map(reduce).collect();
             assert_eq!(reduce_sums(&groups), fold(&ranks), "{ranks:?} in groups");
         }
     }

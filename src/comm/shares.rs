@@ -147,7 +147,14 @@ impl Cut for ShardCut<'_> {
 /// streaming pass per other rank, the last one fused with `pass` block by block (only a NaN's
 /// payload can depend on the order of two NaNs, as it does between SIMD paths). Ranks from 2 on
 /// sum run by run in a buffer that stays in L1, then pass.
-pub fn sum_and_pass<'a>(own: &mut [f32], rank: usize, world: usize, other: impl Fn(usize) -> &'a [f32], pass: &dyn BlockPass, values: &mut [f64]) {
+pub fn sum_and_pass<'a>(
+    own: &mut [f32],
+    rank: usize,
+    world: usize,
+    other: impl Fn(usize) -> &'a [f32],
+    pass: &dyn BlockPass,
+    values: &mut [f64],
+) {
     if rank <= 1 {
         let mut others = (0..world).filter(|&q| q != rank).peekable();
         while let Some(q) = others.next() {
@@ -165,7 +172,10 @@ pub fn sum_and_pass<'a>(own: &mut [f32], rank: usize, world: usize, other: impl 
         let acc = &mut acc[..run.len()];
         acc.copy_from_slice(&other(0)[run.clone()]);
         for q in 1..world {
-            cpu::add_assign(acc, if q == rank { &own[run.clone()] } else { &other(q)[run.clone()] });
+            cpu::add_assign(
+                acc,
+                if q == rank { &own[run.clone()] } else { &other(q)[run.clone()] },
+            );
         }
         own[run].copy_from_slice(acc);
     }
@@ -188,8 +198,12 @@ pub(crate) enum Step {
 impl std::fmt::Display for Step {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Step::Exchange { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (exchange)"),
-            Step::Gather { chunk, chunks } => write!(f, "share reduction, chunk {chunk} of {chunks} (gather)"),
+            Step::Exchange { chunk, chunks } => {
+                write!(f, "share reduction, chunk {chunk} of {chunks} (exchange)")
+            }
+            Step::Gather { chunk, chunks } => {
+                write!(f, "share reduction, chunk {chunk} of {chunks} (gather)")
+            }
             Step::Values => write!(f, "share reduction, the gather of the block sums"),
             Step::Done => write!(f, "share reduction, the closing wait"),
         }
@@ -259,7 +273,10 @@ pub(crate) fn words_mut(v: &mut [f32]) -> &mut [u16] {
 /// FP32 values travelling as [`words`]: the words must start on a 4-byte boundary and come in
 /// pairs (every outbox and every range of FP32 values in one does).
 pub(crate) fn values(w: &[u16]) -> &[f32] {
-    assert!(w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2), "FP32 values travel as aligned pairs of words");
+    assert!(
+        w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2),
+        "FP32 values travel as aligned pairs of words"
+    );
     // SAFETY: the assertion makes the pointer f32-aligned and the length whole values; every bit
     // pattern is a valid f32; borrowed for as long as `w`.
     unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), w.len() / 2) }
@@ -267,7 +284,10 @@ pub(crate) fn values(w: &[u16]) -> &[f32] {
 
 /// [`values`], writable.
 pub(crate) fn values_mut(w: &mut [u16]) -> &mut [f32] {
-    assert!(w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2), "FP32 values travel as aligned pairs of words");
+    assert!(
+        w.as_ptr().cast::<f32>().is_aligned() && w.len().is_multiple_of(2),
+        "FP32 values travel as aligned pairs of words"
+    );
     // SAFETY: as in `values`; any f32 written makes valid u16 words.
     unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast(), w.len() / 2) }
 }
@@ -359,10 +379,19 @@ impl StepPieces {
 
 /// The finished piece of step `k` goes out through the outbox, and the others come back into the
 /// caller's buffer once the gather completed.
-fn gather_step(t: &mut (impl ShareTransport + ?Sized), buf: &mut [f32], k: usize, steps: usize, s: &StepPieces) -> Result<()> {
+fn gather_step(
+    t: &mut (impl ShareTransport + ?Sized),
+    buf: &mut [f32],
+    k: usize,
+    steps: usize,
+    s: &StepPieces,
+) -> Result<()> {
     let rank = t.rank();
     let len = s.len();
-    cpu::copy_for_peer(&mut values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()], &buf[s.pieces[rank].clone()]);
+    cpu::copy_for_peer(
+        &mut values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()],
+        &buf[s.pieces[rank].clone()],
+    );
     t.gather(Step::Gather { chunk: k + 1, chunks: steps }, k, &s.packed)?;
     for q in (0..t.world()).filter(|&q| q != rank) {
         buf[s.pieces[q].clone()].copy_from_slice(t.finished(q));
@@ -401,7 +430,8 @@ pub(crate) fn reduce_by_cut(
         let own = s.pieces[rank].clone();
         // Each piece where its FP32 values would lie, so a bf16 piece never overlaps the place
         // of this rank's finished piece, which the gather writes while others may still read.
-        let on_wire: Vec<Range<usize>> = s.packed.iter().map(|p| 2 * p.start..2 * p.start + per_value * p.len()).collect();
+        let on_wire: Vec<Range<usize>> =
+            s.packed.iter().map(|p| 2 * p.start..2 * p.start + per_value * p.len()).collect();
         // The pieces this rank sends, copied out of the caller's buffer: as they are, or on a
         // bf16 wire rounded to bf16 bits, which are widened back on arrival (exactly), and this
         // rank's own piece rounded in place before the sum.
@@ -427,10 +457,24 @@ pub(crate) fn reduce_by_cut(
                     *v = f32::from_bits((w as u32) << 16);
                 }
             }
-            sum_and_pass(&mut buf[own], rank, world, |q| &widened[q * n..(q + 1) * n], pass, &mut mine[first..]);
+            sum_and_pass(
+                &mut buf[own],
+                rank,
+                world,
+                |q| &widened[q * n..(q + 1) * n],
+                pass,
+                &mut mine[first..],
+            );
         } else {
             let t = &*t;
-            sum_and_pass(&mut buf[own], rank, world, |q| values(t.incoming(q)), pass, &mut mine[first..]);
+            sum_and_pass(
+                &mut buf[own],
+                rank,
+                world,
+                |q| values(t.incoming(q)),
+                pass,
+                &mut mine[first..],
+            );
         }
         if share_out && !deferred {
             gather_step(t, buf, k, steps, &s)?;
@@ -439,8 +483,10 @@ pub(crate) fn reduce_by_cut(
 
     let mut values = vec![0.0; cpu::blocks(buf.len())];
     if pass.writes_values() {
-        let blocks_of = |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
-        let counts: Vec<usize> = (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
+        let blocks_of =
+            |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
+        let counts: Vec<usize> =
+            (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
         let mut next = t.gather_values(&mine, &counts)?.iter();
         for q in 0..world {
             for p in cut.pieces(q) {
@@ -477,7 +523,15 @@ mod tests {
         let block = NORM_BLOCK;
         for world in [1, 2, 3, 4, 7] {
             for share_numel in [1, block - 1, block, block + 1, 3 * block, SHARE_NUMEL] {
-                for len in [1, 100, block, block + 1, 2 * block - 1, 5 * block + 17, 3 * world * 4 * block + 3 * block + 5] {
+                for len in [
+                    1,
+                    100,
+                    block,
+                    block + 1,
+                    2 * block - 1,
+                    5 * block + 17,
+                    3 * world * 4 * block + 3 * block + 5,
+                ] {
                     let plan = Plan::new(len, world, share_numel);
                     assert_eq!(plan.largest() % block, 0);
                     assert!(plan.largest() >= share_numel.min(MAX_CHUNK_NUMEL / world).max(1));
@@ -491,7 +545,10 @@ mod tests {
                         for q in 0..world {
                             let s = plan.share(&chunk, q);
                             assert_eq!(s.start, at, "shares are contiguous, in rank order");
-                            assert!(s.start.is_multiple_of(block) || s.is_empty() && s.start == chunk.end);
+                            assert!(
+                                s.start.is_multiple_of(block)
+                                    || s.is_empty() && s.start == chunk.end
+                            );
                             assert!(!full || s.len() == plan.largest());
                             at = s.end;
                         }
@@ -504,16 +561,24 @@ mod tests {
                         for p in plan.pieces(q) {
                             assert!(p.start.is_multiple_of(block) || p.is_empty());
                             let first = p.start / block;
-                            blocks_seen[first..first + cpu::blocks(p.len())].iter_mut().for_each(|n| *n += 1);
+                            blocks_seen[first..first + cpu::blocks(p.len())]
+                                .iter_mut()
+                                .for_each(|n| *n += 1);
                         }
                     }
-                    assert!(blocks_seen.iter().all(|&n| n == 1), "every block is passed by exactly one rank");
+                    assert!(
+                        blocks_seen.iter().all(|&n| n == 1),
+                        "every block is passed by exactly one rank"
+                    );
                 }
             }
         }
         // The pieces of a plan are its shares, chunk by chunk.
         let plan = Plan::new(5 * block + 17, 2, block);
-        assert_eq!(plan.pieces(1), [block..2 * block, 3 * block..4 * block, 5 * block..5 * block + 17]);
+        assert_eq!(
+            plan.pieces(1),
+            [block..2 * block, 3 * block..4 * block, 5 * block..5 * block + 17]
+        );
         // Many ranks: chunks stay bounded, shares never drop below a block.
         assert_eq!(Plan::new(1 << 30, 64, SHARE_NUMEL).largest(), SHARE_NUMEL);
         assert_eq!(Plan::new(1 << 30, 256, SHARE_NUMEL).largest(), MAX_CHUNK_NUMEL / 256);
@@ -566,17 +631,32 @@ mod tests {
     fn share_sums_follow_rank_order_then_pass() {
         let len = 3 * RUN + 5;
         for world in [1, 2, 3, 5] {
-            let data: Vec<Vec<f32>> = (0..world).map(|r| (0..len).map(|i| value(r, i)).collect()).collect();
-            let mut want: Vec<f32> = (0..len).map(|i| (1..world).fold(data[0][i], |s, r| s + data[r][i])).collect();
+            let data: Vec<Vec<f32>> =
+                (0..world).map(|r| (0..len).map(|i| value(r, i)).collect()).collect();
+            let mut want: Vec<f32> =
+                (0..len).map(|i| (1..world).fold(data[0][i], |s, r| s + data[r][i])).collect();
             let mut want_values = vec![0.0; cpu::blocks(len)];
             cpu::scale_and_block_sum_squares(&mut want, 0.3, &mut want_values, 1);
             for rank in 0..world {
                 for fused in [false, true] {
                     let mut own = data[rank].clone();
                     let mut values = vec![0.0; cpu::blocks(len)];
-                    sum_and_pass(&mut own, rank, world, |q| &data[q], &Normalise { factor: 0.3, fused, clip: false, wire: Dtype::F32 }, &mut values);
-                    assert!(own.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
-                    assert!(values.iter().zip(&want_values).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world} rank {rank}");
+                    sum_and_pass(
+                        &mut own,
+                        rank,
+                        world,
+                        |q| &data[q],
+                        &Normalise { factor: 0.3, fused, clip: false, wire: Dtype::F32 },
+                        &mut values,
+                    );
+                    assert!(
+                        own.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world} rank {rank}"
+                    );
+                    assert!(
+                        values.iter().zip(&want_values).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world} rank {rank}"
+                    );
                 }
             }
         }
@@ -658,13 +738,18 @@ mod tests {
             let (stage, at) = (self.work.stage.as_ptr(), self.work.stage.len());
             let posts = self.publish(stage, at);
             let scratch = &mut self.work.scratch;
-            self.handed.push(scratch.as_ptr() as usize..scratch.as_ptr() as usize + std::mem::size_of_val(scratch.as_slice()));
+            self.handed.push(
+                scratch.as_ptr() as usize
+                    ..scratch.as_ptr() as usize + std::mem::size_of_val(scratch.as_slice()),
+            );
             for q in (0..self.world).filter(|&q| q != self.rank) {
                 self.words_received += own;
                 // SAFETY: `posts[q]` is the pointer and length of rank q's stage, published before
                 // `publish`'s barrier; rank q does not touch it until it passes the barrier below.
-                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
-                words_mut(scratch)[self.slots[q].clone()].copy_from_slice(&words(theirs)[packed[self.rank].clone()]);
+                let theirs =
+                    unsafe { std::slice::from_raw_parts(posts[q].0 as *const f32, posts[q].1) };
+                words_mut(scratch)[self.slots[q].clone()]
+                    .copy_from_slice(&words(theirs)[packed[self.rank].clone()]);
             }
             self.barrier.wait();
             Ok(())
@@ -683,7 +768,9 @@ mod tests {
                 // below; `packed[q]` is inside it (same ranges on every rank), and only rank q's
                 // own place is read, which no rank writes now: each writes only the other ranks'
                 // places of its own stage.
-                let theirs = unsafe { std::slice::from_raw_parts((posts[q].0 as *const f32).add(s.start), s.len()) };
+                let theirs = unsafe {
+                    std::slice::from_raw_parts((posts[q].0 as *const f32).add(s.start), s.len())
+                };
                 self.work.stage[s].copy_from_slice(theirs);
             }
             self.packed = packed.to_vec();
@@ -700,13 +787,17 @@ mod tests {
             let all = &mut self.work.all;
             all.clear();
             all.resize(counts.iter().sum(), 0.0);
-            self.handed.push(all.as_ptr() as usize..all.as_ptr() as usize + std::mem::size_of_val(all.as_slice()));
+            self.handed.push(
+                all.as_ptr() as usize
+                    ..all.as_ptr() as usize + std::mem::size_of_val(all.as_slice()),
+            );
             let mut at = 0;
             for q in 0..self.world {
                 assert_eq!(posts[q].1, counts[q]);
                 // SAFETY: `posts[q]` is rank q's `mine`, held as `&[f64]` (so unwritten) and alive
                 // until the barrier below; its length was checked against `counts[q]` just above.
-                let theirs = unsafe { std::slice::from_raw_parts(posts[q].0 as *const f64, posts[q].1) };
+                let theirs =
+                    unsafe { std::slice::from_raw_parts(posts[q].0 as *const f64, posts[q].1) };
                 all[at..at + counts[q]].copy_from_slice(theirs);
                 at += counts[q];
             }
@@ -716,7 +807,13 @@ mod tests {
     }
 
     /// Every rank's buffer and block values from the reduction in shares.
-    fn in_shares(world: usize, len: usize, share_numel: usize, factor: f32, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
+    fn in_shares(
+        world: usize,
+        len: usize,
+        share_numel: usize,
+        factor: f32,
+        clip: bool,
+    ) -> Vec<(Vec<f32>, Vec<f64>)> {
         let group = Threads::group(world);
         let pass = Normalise { factor, fused: true, clip, wire: Dtype::F32 };
         std::thread::scope(|s| {
@@ -730,14 +827,19 @@ mod tests {
                         let mut copy = buf.clone();
                         let first = reduce_in_shares(&mut t, &mut copy, share_numel, pass).unwrap();
                         let values = reduce_in_shares(&mut t, &mut buf, share_numel, pass).unwrap();
-                        assert!(copy.iter().zip(&buf).all(|(a, b)| a.to_bits() == b.to_bits()) && first == values);
+                        assert!(
+                            copy.iter().zip(&buf).all(|(a, b)| a.to_bits() == b.to_bits())
+                                && first == values
+                        );
                         // No collective was handed the caller's memory, which an abandoned request
                         // between processes could still read or write after the call returned.
                         for caller in [buf.as_ptr_range(), copy.as_ptr_range()] {
                             let caller = caller.start as usize..caller.end as usize;
                             assert!(!t.handed.is_empty());
                             assert!(
-                                t.handed.iter().all(|h| h.is_empty() || h.end <= caller.start || caller.end <= h.start),
+                                t.handed.iter().all(|h| h.is_empty()
+                                    || h.end <= caller.start
+                                    || caller.end <= h.start),
                                 "a transport was handed the caller's buffer"
                             );
                         }
@@ -751,7 +853,13 @@ mod tests {
 
     /// Every rank's own shard and the block values of a reduce-scatter, between processes
     /// (`reduce_by_cut` over the test transport) or in process.
-    fn scattered(world: usize, len: usize, piece_numel: usize, clip: bool, local: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
+    fn scattered(
+        world: usize,
+        len: usize,
+        piece_numel: usize,
+        clip: bool,
+        local: bool,
+    ) -> Vec<(Vec<f32>, Vec<f64>)> {
         let shards = shard_ranges(len, world);
         let pass = Normalise { factor: 0.3, fused: true, clip, wire: Dtype::F32 };
         let comms = LocalComm::group(world).unwrap();
@@ -782,18 +890,32 @@ mod tests {
     fn reduce_scatter_leaves_each_rank_its_shard_of_the_reference() {
         let block = NORM_BLOCK;
         for world in [1, 2, 3, 5] {
-            for len in [1, 100, block + 1, 3 * block + 7, 7 * block, 2 * world * 3 * block + 2 * block + 99] {
+            for len in [
+                1,
+                100,
+                block + 1,
+                3 * block + 7,
+                7 * block,
+                2 * world * 3 * block + 2 * block + 99,
+            ] {
                 let shards = shard_ranges(len, world);
                 for clip in [false, true] {
                     let (sum, values) = reference(world, len, 0.3, clip);
-                    let mut runs = vec![("in process", scattered(world, len, SHARE_NUMEL, clip, true))];
+                    let mut runs =
+                        vec![("in process", scattered(world, len, SHARE_NUMEL, clip, true))];
                     for piece_numel in [block, 2 * block, SHARE_NUMEL] {
-                        runs.push(("between processes", scattered(world, len, piece_numel, clip, false)));
+                        runs.push((
+                            "between processes",
+                            scattered(world, len, piece_numel, clip, false),
+                        ));
                     }
                     for (how, run) in runs {
                         for (rank, got) in run.iter().enumerate() {
                             let want = (sum[shards[rank].clone()].to_vec(), values.clone());
-                            assert!(same_bits(got, &want), "{how}: world {world} len {len} clip {clip} rank {rank}");
+                            assert!(
+                                same_bits(got, &want),
+                                "{how}: world {world} len {len} clip {clip} rank {rank}"
+                            );
                         }
                     }
                 }
@@ -804,7 +926,13 @@ mod tests {
     /// Every rank's result (its whole buffer after an all-reduce, its shard after a
     /// reduce-scatter), the block values, and the 16-bit words it received in exchanges, sent on
     /// `wire` through the test transport; with `round`, the inputs are rounded to bf16 first.
-    fn over_the_wire(world: usize, len: usize, scatter: bool, wire: Dtype, round: bool) -> Vec<(Vec<f32>, Vec<f64>, usize)> {
+    fn over_the_wire(
+        world: usize,
+        len: usize,
+        scatter: bool,
+        wire: Dtype,
+        round: bool,
+    ) -> Vec<(Vec<f32>, Vec<f64>, usize)> {
         let shards = shard_ranges(len, world);
         let pass = Normalise { factor: 0.3, fused: true, clip: true, wire };
         std::thread::scope(|s| {
@@ -819,7 +947,8 @@ mod tests {
                         }
                         let values = if scatter {
                             let cut = ShardCut { shards, piece_numel: 2 * NORM_BLOCK };
-                            let values = reduce_by_cut(&mut t, &mut buf, &cut, false, pass).unwrap();
+                            let values =
+                                reduce_by_cut(&mut t, &mut buf, &cut, false, pass).unwrap();
                             buf = buf[shards[t.rank].clone()].to_vec();
                             values
                         } else {
@@ -843,7 +972,10 @@ mod tests {
                     let bf16s = over_the_wire(world, len, scatter, Dtype::Bf16, false);
                     for (rank, (a, b)) in f32s.iter().zip(&bf16s).enumerate() {
                         let what = format!("world {world} len {len} scatter {scatter} rank {rank}");
-                        assert!(same_bits(&(a.0.clone(), a.1.clone()), &(b.0.clone(), b.1.clone())), "{what}");
+                        assert!(
+                            same_bits(&(a.0.clone(), a.1.clone()), &(b.0.clone(), b.1.clone())),
+                            "{what}"
+                        );
                         assert_eq!(a.2, 2 * b.2, "{what}: words received");
                     }
                     assert!(bf16s.iter().any(|r| r.2 > 0) || len < world, "something travelled");
@@ -884,7 +1016,8 @@ mod tests {
     /// The reference: the sum in rank order, the pass over the whole buffer, then the second
     /// step's scaling, on one thread.
     fn reference(world: usize, len: usize, factor: f32, clip: bool) -> (Vec<f32>, Vec<f64>) {
-        let mut sum: Vec<f32> = (0..len).map(|i| (1..world).fold(value(0, i), |s, r| s + value(r, i))).collect();
+        let mut sum: Vec<f32> =
+            (0..len).map(|i| (1..world).fold(value(0, i), |s, r| s + value(r, i))).collect();
         let mut values = vec![0.0; cpu::blocks(len)];
         cpu::scale_and_block_sum_squares(&mut sum, factor, &mut values, 1);
         if clip {
@@ -899,14 +1032,26 @@ mod tests {
         for world in [1, 2, 3, 5] {
             // Buffers shorter than a block, with fewer blocks than ranks, not a multiple of the
             // chunk, and spanning several chunks; shares smaller than a block and not whole blocks.
-            for len in [1, 100, block + 1, 3 * block + 7, 7 * block, 2 * world * 3 * block + 2 * block + 99] {
+            for len in [
+                1,
+                100,
+                block + 1,
+                3 * block + 7,
+                7 * block,
+                2 * world * 3 * block + 2 * block + 99,
+            ] {
                 for clip in [false, true] {
                     let want = reference(world, len, 0.3, clip);
                     for (rank, got) in in_process(world, len, 0.3, clip).iter().enumerate() {
-                        assert!(same_bits(got, &want), "in process: world {world} len {len} clip {clip} rank {rank}");
+                        assert!(
+                            same_bits(got, &want),
+                            "in process: world {world} len {len} clip {clip} rank {rank}"
+                        );
                     }
                     for share_numel in [1, block, 2 * block + 1, 3 * block, SHARE_NUMEL] {
-                        for (rank, got) in in_shares(world, len, share_numel, 0.3, clip).iter().enumerate() {
+                        for (rank, got) in
+                            in_shares(world, len, share_numel, 0.3, clip).iter().enumerate()
+                        {
                             assert!(same_bits(got, &want), "world {world} len {len} share {share_numel} clip {clip} rank {rank}");
                         }
                     }
@@ -921,14 +1066,22 @@ mod tests {
         // SAFETY: `mem` is zeroed, 8-byte aligned, `size` bytes, and outlives the region (the
         // caller keeps both together and drops the region's users first); only the threads of
         // one group use it, each through its own `Shm` over this one region.
-        let region = unsafe { super::super::shm::Region::new(mem.as_mut_ptr().cast(), world, piece) };
+        let region =
+            unsafe { super::super::shm::Region::new(mem.as_mut_ptr().cast(), world, piece) };
         (mem, region)
     }
 
     /// Every rank's result through shared memory (`shm::Shm` over threads), as
     /// [`over_the_wire`]: its whole buffer after an all-reduce, its shard after a reduce-scatter.
     /// Each rank reduces twice in a row over one region, the first time into a copy it drops.
-    fn through_shared_memory(world: usize, len: usize, piece: usize, scatter: bool, wire: Dtype, clip: bool) -> Vec<(Vec<f32>, Vec<f64>)> {
+    fn through_shared_memory(
+        world: usize,
+        len: usize,
+        piece: usize,
+        scatter: bool,
+        wire: Dtype,
+        clip: bool,
+    ) -> Vec<(Vec<f32>, Vec<f64>)> {
         use super::super::shm::Shm;
         let shards = shard_ranges(len, world);
         let pass = Normalise { factor: 0.3, fused: true, clip, wire };
@@ -941,7 +1094,14 @@ mod tests {
                     let (pass, shards, region, stopped) = (&pass, &shards, &region, &stopped);
                     s.spawn(move || {
                         let mut passed = 0;
-                        let mut t = Shm::new(&mut inner, region, &mut passed, Some(std::time::Duration::from_secs(60)), stopped, "test");
+                        let mut t = Shm::new(
+                            &mut inner,
+                            region,
+                            &mut passed,
+                            Some(std::time::Duration::from_secs(60)),
+                            stopped,
+                            "test",
+                        );
                         let rank = t.rank();
                         let mut buf: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
                         let mut run = |buf: &mut Vec<f32>| {
@@ -984,12 +1144,18 @@ mod tests {
                         vec![(sum, values); world]
                     } else if wire == Dtype::F32 {
                         let (sum, values) = reference(world, len, 0.3, clip);
-                        (0..world).map(|r| (sum[shards[r].clone()].to_vec(), values.clone())).collect()
+                        (0..world)
+                            .map(|r| (sum[shards[r].clone()].to_vec(), values.clone()))
+                            .collect()
                     } else {
                         assert!(clip, "over_the_wire clips");
-                        over_the_wire(world, len, scatter, wire, false).into_iter().map(|(b, v, _)| (b, v)).collect()
+                        over_the_wire(world, len, scatter, wire, false)
+                            .into_iter()
+                            .map(|(b, v, _)| (b, v))
+                            .collect()
                     };
-                    // Pieces of one block make many steps, so both outboxes of every rank turn over.
+                    // Pieces of one block make many steps, so both outboxes of every rank turn
+                    // over.
                     let piece = if scatter && wire == Dtype::Bf16 { 2 * block } else { block };
                     let got = through_shared_memory(world, len, piece, scatter, wire, clip);
                     for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -1014,7 +1180,8 @@ mod tests {
         for abort in [false, true] {
             let (_mem, region) = heap_region(world, NORM_BLOCK);
             let flags: Vec<AtomicBool> = (0..world).map(|_| AtomicBool::new(false)).collect();
-            let timeouts = [Duration::from_millis(300), Duration::from_secs(30), Duration::from_secs(30)];
+            let timeouts =
+                [Duration::from_millis(300), Duration::from_secs(30), Duration::from_secs(30)];
             let results: Vec<_> = std::thread::scope(|s| {
                 let handles: Vec<_> = (0..world)
                     .map(|rank| {
@@ -1026,12 +1193,21 @@ mod tests {
                             }
                             let mut inner = Threads::group(world).swap_remove(rank);
                             let mut passed = 0;
-                            let mut t = Shm::new(&mut inner, region, &mut passed, Some(timeouts[rank]), &flags[rank], "test");
+                            let mut t = Shm::new(
+                                &mut inner,
+                                region,
+                                &mut passed,
+                                Some(timeouts[rank]),
+                                &flags[rank],
+                                "test",
+                            );
                             if abort && rank == 0 {
                                 flags[0].store(true, Ordering::Release);
                             }
                             let start = Instant::now();
-                            let e = reduce_in_shares(&mut t, &mut vec![1.0; len], SHARE_NUMEL, pass).unwrap_err();
+                            let e =
+                                reduce_in_shares(&mut t, &mut vec![1.0; len], SHARE_NUMEL, pass)
+                                    .unwrap_err();
                             Some((e.kind, e.message.clone(), start.elapsed()))
                         })
                     })
@@ -1045,11 +1221,17 @@ mod tests {
                 assert!(message0.contains("the communicator was aborted"), "{message0}");
             } else {
                 assert_eq!(kind0, ErrorKind::Timeout, "{message0}");
-                assert!(message0.contains("chunk 1 of 2 (exchange)") && message0.contains("waited"), "{message0}");
+                assert!(
+                    message0.contains("chunk 1 of 2 (exchange)") && message0.contains("waited"),
+                    "{message0}"
+                );
             }
             assert_eq!(kind1, ErrorKind::CommFailure, "{message1}");
             assert!(message1.contains("another rank"), "{message1}");
-            assert!(took1 < Duration::from_secs(10), "rank 1 waited {took1:?} for a peer that gave up");
+            assert!(
+                took1 < Duration::from_secs(10),
+                "rank 1 waited {took1:?} for a peer that gave up"
+            );
         }
     }
 }

@@ -133,7 +133,9 @@ impl Region {
     /// Rank `q`'s outbox for step parity `parity`, in words.
     fn outbox(&self, q: usize, parity: usize) -> *mut u16 {
         assert!(q < self.world && parity < 2);
-        let at = Self::header_bytes(self.world) + (2 * q + parity) * Self::outbox_stride(self.world, self.piece) + SKEW;
+        let at = Self::header_bytes(self.world)
+            + (2 * q + parity) * Self::outbox_stride(self.world, self.piece)
+            + SKEW;
         // SAFETY: outbox `2q + parity` of `2 * world` lies inside the region (see `size`).
         unsafe { self.base.add(at).cast() }
     }
@@ -172,7 +174,17 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         label: &'a str,
     ) -> Self {
         assert_eq!(region.world, inner.world(), "a region per group");
-        Shm { inner, region, passed, timeout, stopped, label, parity: 0, on_wire: Vec::new(), packed: Vec::new() }
+        Shm {
+            inner,
+            region,
+            passed,
+            timeout,
+            stopped,
+            label,
+            parity: 0,
+            on_wire: Vec::new(),
+            packed: Vec::new(),
+        }
     }
 
     /// Arrives at the next barrier and waits for every rank of the group to arrive.
@@ -189,10 +201,19 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
             }
             let failed = |kind, why: String| {
                 region.abort();
-                Err(Error::new(kind, format!("{} {step} stopped on rank {rank} of {}: {why}", self.label, region.world)))
+                Err(Error::new(
+                    kind,
+                    format!(
+                        "{} {step} stopped on rank {rank} of {}: {why}",
+                        self.label, region.world
+                    ),
+                ))
             };
             if region.abort_word().load(Ordering::Acquire) != 0 {
-                return failed(ErrorKind::CommFailure, "another rank of the group failed, timed out or was aborted".into());
+                return failed(
+                    ErrorKind::CommFailure,
+                    "another rank of the group failed, timed out or was aborted".into(),
+                );
             }
             polls += 1;
             if polls % SPINS != 0 {
@@ -200,7 +221,10 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
                 continue;
             }
             if self.stopped.load(Ordering::Acquire) {
-                return failed(ErrorKind::CommFailure, format!("the communicator was aborted (after {:.3?})", start.elapsed()));
+                return failed(
+                    ErrorKind::CommFailure,
+                    format!("the communicator was aborted (after {:.3?})", start.elapsed()),
+                );
             }
             let waited = start.elapsed();
             if let Some(t) = self.timeout.filter(|&t| waited >= t) {
@@ -228,7 +252,12 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         // 4-byte aligned (SKEW past a page boundary); rank q wrote it before the barrier this rank
         // passed and writes it again only after every rank passed a later barrier (the module's
         // protocol), so nothing writes it while this borrow of `self` lasts.
-        unsafe { std::slice::from_raw_parts(self.region.outbox(q, self.parity), self.region.outbox_words()) }
+        unsafe {
+            std::slice::from_raw_parts(
+                self.region.outbox(q, self.parity),
+                self.region.outbox_words(),
+            )
+        }
     }
 }
 
@@ -305,8 +334,14 @@ pub(crate) mod posix {
     /// A fresh name: the process, a counter and the time, so two groups never meet by chance.
     pub(crate) fn fresh_name() -> String {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        format!("/gradacc-{}-{}-{nanos:x}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        format!(
+            "/gradacc-{}-{}-{nanos:x}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
     }
 
     fn last_error(what: &str) -> String {
@@ -319,14 +354,20 @@ pub(crate) mod posix {
         pub(crate) fn create(name: &str, len: usize) -> Result<Mapping, String> {
             let c = CString::new(name).map_err(|e| e.to_string())?;
             // SAFETY: `c` is a NUL-terminated name; the flags make a new object or fail.
-            let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+            let fd = unsafe {
+                libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600)
+            };
             if fd < 0 {
                 return Err(last_error("shm_open"));
             }
             // SAFETY: `fd` is the object just created; the sizes fit an off_t (a region is at most
             // tens of MB).
-            let sized = unsafe { libc::ftruncate(fd, len as libc::off_t) == 0 && libc::posix_fallocate(fd, 0, len as libc::off_t) == 0 };
-            let mapped = if sized { Self::map(fd, len) } else { Err(last_error("reserving shared memory")) };
+            let sized = unsafe {
+                libc::ftruncate(fd, len as libc::off_t) == 0
+                    && libc::posix_fallocate(fd, 0, len as libc::off_t) == 0
+            };
+            let mapped =
+                if sized { Self::map(fd, len) } else { Err(last_error("reserving shared memory")) };
             // SAFETY: `fd` is ours; the mapping (if any) keeps the object alive without it.
             unsafe { libc::close(fd) };
             if mapped.is_err() {
@@ -347,7 +388,11 @@ pub(crate) mod posix {
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
             // SAFETY: `fd` is open; fstat writes one `stat`.
             let sized = unsafe { libc::fstat(fd, &mut st) } == 0 && st.st_size as usize == len;
-            let mapped = if sized { Self::map(fd, len) } else { Err(format!("shared memory object {name} is not {len} bytes")) };
+            let mapped = if sized {
+                Self::map(fd, len)
+            } else {
+                Err(format!("shared memory object {name} is not {len} bytes"))
+            };
             // SAFETY: `fd` is ours; the mapping keeps the object alive without it.
             unsafe { libc::close(fd) };
             mapped
@@ -356,7 +401,16 @@ pub(crate) mod posix {
         fn map(fd: libc::c_int, len: usize) -> Result<Mapping, String> {
             // SAFETY: maps `len` bytes of the object behind `fd`, which is at least that long, at
             // an address the kernel picks; nothing else is affected.
-            let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
             if p == libc::MAP_FAILED {
                 return Err(last_error("mmap"));
             }

@@ -9,7 +9,10 @@ use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
-use crate::accumulator::{refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc};
+use crate::accumulator::{
+    refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo,
+    TensorDesc,
+};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -20,7 +23,8 @@ pub struct gradacc_accumulator_t {
     _private: [u8; 0],
 }
 
-pub(crate) static ACCUMULATORS: LazyLock<Registry<Accumulator>> = LazyLock::new(|| Registry::new("accumulator"));
+pub(crate) static ACCUMULATORS: LazyLock<Registry<Accumulator>> =
+    LazyLock::new(|| Registry::new("accumulator"));
 
 /// How the caller reduced its loss over the `count` items of a micro-batch.
 pub type gradacc_loss_reduction_t = i32;
@@ -66,7 +70,8 @@ pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
 /// (begin_microbatch / add_tensor / end_microbatch).
 pub const GRADACC_SHARDING_ACCUMULATE: gradacc_sharding_t = 2;
 
-/// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change fields.
+/// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change
+/// fields.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradacc_accumulator_config_t {
@@ -127,17 +132,26 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     let loss_reduction = match c.loss_reduction {
         GRADACC_LOSS_REDUCTION_MEAN => LossReduction::Mean,
         GRADACC_LOSS_REDUCTION_SUM => LossReduction::Sum,
-        v => return Err(Error::invalid(format!("`config`.loss_reduction = {v} is not a GRADACC_LOSS_REDUCTION_* value"))),
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.loss_reduction = {v} is not a GRADACC_LOSS_REDUCTION_* value"
+            )))
+        }
     };
     let normalize = match c.normalize {
         GRADACC_NORMALIZE_BY_COUNT => Normalize::ByCount,
         GRADACC_NORMALIZE_BY_MICROBATCHES => Normalize::ByMicrobatches,
         GRADACC_NORMALIZE_BY_WORLD => Normalize::ByWorld,
         GRADACC_NORMALIZE_NONE => Normalize::None,
-        v => return Err(Error::invalid(format!("`config`.normalize = {v} is not a GRADACC_NORMALIZE_* value"))),
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.normalize = {v} is not a GRADACC_NORMALIZE_* value"
+            )))
+        }
     };
-    let bucket_numel =
-        usize::try_from(c.bucket_numel).map_err(|_| Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel)))?;
+    let bucket_numel = usize::try_from(c.bucket_numel).map_err(|_| {
+        Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel))
+    })?;
     let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
     let sharding = match c.sharding {
         GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
@@ -156,16 +170,30 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     let wire = match c.wire_dtype {
         GRADACC_DTYPE_F32 => Dtype::F32,
         GRADACC_DTYPE_BF16 => Dtype::Bf16,
-        v => return Err(Error::invalid(format!("`config`.wire_dtype = {v} is neither GRADACC_DTYPE_F32 nor GRADACC_DTYPE_BF16"))),
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.wire_dtype = {v} is neither GRADACC_DTYPE_F32 nor GRADACC_DTYPE_BF16"
+            )))
+        }
     };
-    Ok(AccumulatorConfig { loss_reduction, normalize, max_grad_norm: c.max_grad_norm, bucket_numel, threads: c.threads as usize, sharding, wire })
+    Ok(AccumulatorConfig {
+        loss_reduction,
+        normalize,
+        max_grad_norm: c.max_grad_norm,
+        bucket_numel,
+        threads: c.threads as usize,
+        sharding,
+        wire,
+    })
 }
 
 /// Fills `*out` with the default accumulator configuration (and its struct_size).
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_config_default(out: *mut gradacc_accumulator_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_config_default(
+    out: *mut gradacc_accumulator_config_t,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_config_default", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
@@ -194,8 +222,13 @@ fn creation_args(
     n: usize,
     device: *const gradacc_device_t,
 ) -> CallResult<(AccumulatorConfig, Vec<TensorDesc>, Device)> {
-    // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API contract).
-    let config = if config.is_null() { AccumulatorConfig::default() } else { config_from_c(&unsafe { read_config(config, "config")? })? };
+    let config = if config.is_null() {
+        AccumulatorConfig::default()
+    } else {
+        // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API
+        // contract).
+        config_from_c(&unsafe { read_config(config, "config")? })?
+    };
     if tensors.is_null() {
         return Err(null("tensors"));
     }
@@ -208,7 +241,9 @@ fn creation_args(
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let numel = usize::try_from(t.numel).map_err(|_| Error::invalid(format!("`tensors[{i}]`.numel = {} is too large", t.numel)))?;
+            let numel = usize::try_from(t.numel).map_err(|_| {
+                Error::invalid(format!("`tensors[{i}]`.numel = {} is too large", t.numel))
+            })?;
             Ok(TensorDesc { numel, dtype: dtype_from_c(t.dtype, &format!("tensors[{i}].dtype"))? })
         })
         .collect::<CallResult<Vec<_>>>()?;
@@ -266,7 +301,9 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
         }
         // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
         // accumulator's lifetime (API contract).
-        *out = ACCUMULATORS.insert(Arc::new(unsafe { Accumulator::on_buffer(device, config, &descs, master, master_numel)? }));
+        *out = ACCUMULATORS.insert(Arc::new(unsafe {
+            Accumulator::on_buffer(device, config, &descs, master, master_numel)?
+        }));
         Ok(())
     })
 }
@@ -319,7 +356,8 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
         if !matches!(config.sharding, Sharding::Accumulate { .. }) {
             return Err(Error::invalid("`config`.sharding must be GRADACC_SHARDING_ACCUMULATE for gradacc_accumulator_create_sharded").into());
         }
-        *out = ACCUMULATORS.insert(Arc::new(Accumulator::sharded_on(device, config, &descs, comm)?));
+        *out =
+            ACCUMULATORS.insert(Arc::new(Accumulator::sharded_on(device, config, &descs, comm)?));
         Ok(())
     })
 }
@@ -330,7 +368,9 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
 ///
 /// Thread safety: any thread, once no other call uses the accumulator.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_destroy(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_destroy(
+    acc: *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_destroy", || {
         if !acc.is_null() {
             ACCUMULATORS.remove(acc, "acc")?;
@@ -370,7 +410,11 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
                 return Err(null("grads"));
             }
             if n != a.tensors().len() {
-                return Err(Error::new(ErrorKind::SizeMismatch, format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len())).into());
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len()),
+                )
+                .into());
             }
             // SAFETY: the caller passes `n` addresses at `grads` (API contract).
             let grads = unsafe { std::slice::from_raw_parts(grads, n) };
@@ -392,8 +436,13 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_begin_microbatch(acc: *mut gradacc_accumulator_t, count: u64) -> gradacc_status_t {
-    guard("gradacc_accumulator_begin_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count)?))
+pub unsafe extern "C" fn gradacc_accumulator_begin_microbatch(
+    acc: *mut gradacc_accumulator_t,
+    count: u64,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_begin_microbatch", || {
+        Ok(ACCUMULATORS.get(acc, "acc")?.begin_microbatch(count)?)
+    })
 }
 
 /// Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the
@@ -423,8 +472,8 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
 /// tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
 /// backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
 /// contribution per micro-batch, the calls run one at a time (one may reduce a bucket), and a
-/// call refused on any rank fails the micro-batch on every rank at gradacc_accumulator_end_microbatch
-/// (the windows are discarded).
+/// call refused on any rank fails the micro-batch on every rank at
+/// gradacc_accumulator_end_microbatch (the windows are discarded).
 ///
 /// Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
 /// accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
@@ -458,8 +507,12 @@ pub unsafe extern "C" fn gradacc_accumulator_add_tensor(
 /// Thread safety: serialised with every other call on `acc`; call it after every
 /// gradacc_accumulator_add_tensor of the micro-batch has returned.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_end_microbatch(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
-    guard("gradacc_accumulator_end_microbatch", || Ok(ACCUMULATORS.get(acc, "acc")?.end_microbatch()?))
+pub unsafe extern "C" fn gradacc_accumulator_end_microbatch(
+    acc: *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_end_microbatch", || {
+        Ok(ACCUMULATORS.get(acc, "acc")?.end_microbatch()?)
+    })
 }
 
 /// The accumulation boundary; every rank of `comm`'s group calls it (`comm` NULL: one process).
@@ -484,9 +537,15 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
         let comm = match (comm.is_null(), ACCUMULATORS.get(acc, "acc")) {
             (true, _) => None,
             // A sharded accumulation's peers are in the boundary on its own communicator.
-            (false, a) => Some(COMMS.get(comm, "comm").inspect_err(|_| a.iter().for_each(|a| a.refuse_collective()))?),
+            (false, a) => Some(
+                COMMS
+                    .get(comm, "comm")
+                    .inspect_err(|_| a.iter().for_each(|a| a.refuse_collective()))?,
+            ),
         };
-        let a = match check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc")) {
+        let a = match check_out_struct(out_info, "out_info")
+            .and_then(|()| ACCUMULATORS.get(acc, "acc"))
+        {
             Ok(a) => a,
             Err(e) => {
                 // Still take part in the boundary so the other ranks fail instead of waiting
@@ -553,7 +612,8 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
     guard("gradacc_accumulator_sync_hybrid", || {
         let shard = COMMS.get(shard_comm, "shard_comm");
         let replicas = COMMS.get(replica_comm, "replica_comm");
-        let checked = check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc"));
+        let checked =
+            check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc"));
         let (a, shard, replicas) = match (checked, shard, replicas) {
             (Ok(a), Ok(s), Ok(r)) => (a, s, r),
             (a, s, r) => {
@@ -561,7 +621,11 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
                 for c in [&s, &r].into_iter().flatten() {
                     refuse_boundary(&**c);
                 }
-                return Err([a.err(), s.err(), r.err()].into_iter().flatten().next().expect("one argument failed"));
+                return Err([a.err(), s.err(), r.err()]
+                    .into_iter()
+                    .flatten()
+                    .next()
+                    .expect("one argument failed"));
             }
         };
         let info = a.sync_hybrid(&*shard, &*replicas)?;
@@ -593,7 +657,9 @@ pub unsafe extern "C" fn gradacc_accumulator_master(
         let p = unsafe { out_ptr(out_data, "out_data") }?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let n = unsafe { out_ptr(out_numel, "out_numel") }?;
-        let (ptr, len) = a.master_ptr(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
+        let (ptr, len) = a
+            .master_ptr(index)
+            .map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         *p = ptr;
         *n = len;
         Ok(())
@@ -639,7 +705,10 @@ pub unsafe extern "C" fn gradacc_accumulator_shard(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_num_tensors(acc: *const gradacc_accumulator_t, out: *mut usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_num_tensors(
+    acc: *const gradacc_accumulator_t,
+    out: *mut usize,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_num_tensors", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
@@ -662,10 +731,12 @@ pub unsafe extern "C" fn gradacc_accumulator_tensor(
         let a = ACCUMULATORS.get(acc, "acc")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
-        let d = a
-            .tensors()
-            .get(index)
-            .ok_or_else(|| Error::invalid(format!("`index` = {index} is out of range (the accumulator has {} tensors)", a.tensors().len())))?;
+        let d = a.tensors().get(index).ok_or_else(|| {
+            Error::invalid(format!(
+                "`index` = {index} is out of range (the accumulator has {} tensors)",
+                a.tensors().len()
+            ))
+        })?;
         *out = gradacc_tensor_desc_t { numel: d.numel as u64, dtype: dtype_to_c(d.dtype) };
         Ok(())
     })
@@ -675,7 +746,9 @@ pub unsafe extern "C" fn gradacc_accumulator_tensor(
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_reset(acc: *mut gradacc_accumulator_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_reset(
+    acc: *mut gradacc_accumulator_t,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_reset", || Ok(ACCUMULATORS.get(acc, "acc")?.reset()?))
 }
 
@@ -695,7 +768,9 @@ pub unsafe extern "C" fn gradacc_accumulator_save_window(
     out_len: *mut usize,
 ) -> gradacc_status_t {
     // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
-    guard("gradacc_accumulator_save_window", || unsafe { write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len) })
+    guard("gradacc_accumulator_save_window", || unsafe {
+        write_bytes(&ACCUMULATORS.get(acc, "acc")?.save_window()?, buf, capacity, out_len)
+    })
 }
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
@@ -703,7 +778,11 @@ pub unsafe extern "C" fn gradacc_accumulator_save_window(
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_load_window(
+    acc: *mut gradacc_accumulator_t,
+    bytes: *const u8,
+    len: usize,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_load_window", || {
         // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).
         let bytes = unsafe { read_bytes(bytes, len, "bytes")? };
@@ -722,7 +801,11 @@ pub unsafe extern "C" fn gradacc_accumulator_load_window(acc: *mut gradacc_accum
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_accumulator_merge_window(acc: *mut gradacc_accumulator_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_accumulator_merge_window(
+    acc: *mut gradacc_accumulator_t,
+    bytes: *const u8,
+    len: usize,
+) -> gradacc_status_t {
     guard("gradacc_accumulator_merge_window", || {
         // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).
         let bytes = unsafe { read_bytes(bytes, len, "bytes")? };

@@ -54,7 +54,8 @@ pub struct gradacc_nccl_unique_id_t {
     pub internal: [u8; 128],
 }
 
-pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(|| Registry::new("communicator"));
+pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> =
+    LazyLock::new(|| Registry::new("communicator"));
 
 /// Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica
 /// per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
@@ -65,16 +66,22 @@ pub(crate) static COMMS: LazyLock<Registry<dyn Communicator>> = LazyLock::new(||
 /// the same handle fails with GRADACC_STATUS_WRONG_STATE); every rank of the group must take part
 /// in every sync, or the others wait for it.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_create_local(world_size: i32, out_comms: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_create_local(
+    world_size: i32,
+    out_comms: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
     guard("gradacc_comm_create_local", || {
         if out_comms.is_null() {
             return Err(null("out_comms"));
         }
         if !(1..=4096).contains(&world_size) {
-            return Err(Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")).into());
+            return Err(
+                Error::invalid(format!("`world_size` = {world_size} is outside 1..=4096")).into()
+            );
         }
         let world_size = world_size as usize;
-        let handles: Vec<*mut gradacc_comm_t> = LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c))).collect();
+        let handles: Vec<*mut gradacc_comm_t> =
+            LocalComm::group(world_size)?.into_iter().map(|c| COMMS.insert(Arc::new(c))).collect();
         // SAFETY: the caller provides room for `world_size` handles.
         unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), out_comms, world_size) };
         Ok(())
@@ -103,7 +110,10 @@ pub unsafe extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> grad
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_rank(
+    comm: *const gradacc_comm_t,
+    out: *mut i32,
+) -> gradacc_status_t {
     guard("gradacc_comm_rank", || {
         let c = COMMS.get(comm, "comm")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
@@ -116,7 +126,10 @@ pub unsafe extern "C" fn gradacc_comm_rank(comm: *const gradacc_comm_t, out: *mu
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, out: *mut i32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_world_size(
+    comm: *const gradacc_comm_t,
+    out: *mut i32,
+) -> gradacc_status_t {
     guard("gradacc_comm_world_size", || {
         let c = COMMS.get(comm, "comm")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
@@ -132,16 +145,26 @@ pub unsafe extern "C" fn gradacc_comm_world_size(comm: *const gradacc_comm_t, ou
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, out: *mut bool) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_backend_available(
+    backend: gradacc_backend_t,
+    out: *mut bool,
+) -> gradacc_status_t {
     guard("gradacc_backend_available", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
         *out = match backend {
             GRADACC_BACKEND_LOCAL => true,
             GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
-            GRADACC_BACKEND_NCCL => crate::backend::cuda::driver::driver_available() && nccl::nccl_available(),
+            GRADACC_BACKEND_NCCL => {
+                crate::backend::cuda::driver::driver_available() && nccl::nccl_available()
+            }
             GRADACC_BACKEND_CUDA => crate::backend::cuda::available(),
-            v => return Err(Error::invalid(format!("`backend` = {v} is not a GRADACC_BACKEND_* value")).into()),
+            v => {
+                return Err(Error::invalid(format!(
+                    "`backend` = {v} is not a GRADACC_BACKEND_* value"
+                ))
+                .into())
+            }
         };
         Ok(())
     })
@@ -152,11 +175,16 @@ pub unsafe extern "C" fn gradacc_backend_available(backend: gradacc_backend_t, o
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_mpi_config_default(out: *mut gradacc_mpi_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_mpi_config_default(
+    out: *mut gradacc_mpi_config_t,
+) -> gradacc_status_t {
     guard("gradacc_mpi_config_default", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
-        *out = gradacc_mpi_config_t { struct_size: std::mem::size_of::<gradacc_mpi_config_t>(), shared_memory: 1 };
+        *out = gradacc_mpi_config_t {
+            struct_size: std::mem::size_of::<gradacc_mpi_config_t>(),
+            shared_memory: 1,
+        };
         Ok(())
     })
 }
@@ -194,7 +222,11 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
             unsafe { read_config(config, "config")? }
         };
         if config.shared_memory > 1 {
-            return Err(Error::invalid(format!("`config.shared_memory` = {} is neither 0 nor 1", config.shared_memory)).into());
+            return Err(Error::invalid(format!(
+                "`config.shared_memory` = {} is neither 0 nor 1",
+                config.shared_memory
+            ))
+            .into());
         }
         if fortran_comm < GRADACC_MPI_COMM_WORLD {
             return Err(Error::invalid(format!("`fortran_comm` = {fortran_comm} is neither a Fortran handle nor GRADACC_MPI_COMM_WORLD (-1)")).into());
@@ -228,7 +260,9 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_nccl_unique_id(
+    out: *mut gradacc_nccl_unique_id_t,
+) -> gradacc_status_t {
     guard("gradacc_nccl_unique_id", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
@@ -240,9 +274,9 @@ pub unsafe extern "C" fn gradacc_nccl_unique_id(out: *mut gradacc_nccl_unique_id
 /// Creates rank `rank` of `world_size` of the NCCL group named by `id`, on CUDA device
 /// `device_ordinal` (one rank per GPU). Collective: returns once every rank has called it, or
 /// fails with GRADACC_STATUS_TIMEOUT when they have not within 10 minutes; every later call waits
-/// at most the communicator's timeout (gradacc_comm_set_timeout) for the other ranks. Two ranks of one group on one device in one process
-/// are refused (GRADACC_STATUS_INVALID_ARGUMENT). Accumulators on that device sync over it; their
-/// stream carries the collectives.
+/// at most the communicator's timeout (gradacc_comm_set_timeout) for the other ranks. Two ranks of
+/// one group on one device in one process are refused (GRADACC_STATUS_INVALID_ARGUMENT).
+/// Accumulators on that device sync over it; their stream carries the collectives.
 ///
 /// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy, or first
 /// gradacc_comm_abort to abandon pending collectives (after a peer failed).
@@ -263,10 +297,15 @@ pub unsafe extern "C" fn gradacc_comm_create_nccl(
         // SAFETY: points to a gradacc_nccl_unique_id_t when non-null (API contract).
         let id = unsafe { id.as_ref() }.ok_or_else(|| null("id"))?;
         if world_size < 1 || rank < 0 || rank >= world_size {
-            return Err(Error::invalid(format!("`rank` = {rank} is not in 0..`world_size` = {world_size}")).into());
+            return Err(Error::invalid(format!(
+                "`rank` = {rank} is not in 0..`world_size` = {world_size}"
+            ))
+            .into());
         }
         if device_ordinal < 0 {
-            return Err(Error::invalid(format!("`device_ordinal` = {device_ordinal} is negative")).into());
+            return Err(
+                Error::invalid(format!("`device_ordinal` = {device_ordinal} is negative")).into()
+            );
         }
         let id: &[u8; UNIQUE_ID_BYTES] = &id.internal;
         let comm = NcclComm::new(id, rank as usize, world_size as usize, device_ordinal)?;
@@ -284,7 +323,10 @@ pub unsafe extern "C" fn gradacc_comm_create_nccl(
 /// Thread safety: as gradacc_comm_create_nccl; the caller must not run its own collectives on
 /// the communicator concurrently with a gradacc call on it.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_void, out_comm: *mut *mut gradacc_comm_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_adopt_nccl(
+    nccl_comm: *mut std::ffi::c_void,
+    out_comm: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
     guard("gradacc_comm_adopt_nccl", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out_comm, "out_comm") }?;
@@ -304,14 +346,22 @@ pub unsafe extern "C" fn gradacc_comm_adopt_nccl(nccl_comm: *mut std::ffi::c_voi
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_set_timeout(comm: *mut gradacc_comm_t, seconds: f64) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_set_timeout(
+    comm: *mut gradacc_comm_t,
+    seconds: f64,
+) -> gradacc_status_t {
     guard("gradacc_comm_set_timeout", || {
         let c = COMMS.get(comm, "comm")?;
         if !(seconds.is_finite() && (0.0..=1e9).contains(&seconds)) {
-            return Err(Error::invalid(format!("`seconds` = {seconds} is not in 0..=1e9 (0 waits forever)")).into());
+            return Err(Error::invalid(format!(
+                "`seconds` = {seconds} is not in 0..=1e9 (0 waits forever)"
+            ))
+            .into());
         }
         // Below a nanosecond still times out at once: only 0 means forever.
-        let timeout = (seconds > 0.0).then(|| std::time::Duration::from_secs_f64(seconds).max(std::time::Duration::from_nanos(1)));
+        let timeout = (seconds > 0.0).then(|| {
+            std::time::Duration::from_secs_f64(seconds).max(std::time::Duration::from_nanos(1))
+        });
         Ok(c.set_timeout(timeout)?)
     })
 }
@@ -320,7 +370,10 @@ pub unsafe extern "C" fn gradacc_comm_set_timeout(comm: *mut gradacc_comm_t, sec
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_comm_timeout(comm: *const gradacc_comm_t, out: *mut f64) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_comm_timeout(
+    comm: *const gradacc_comm_t,
+    out: *mut f64,
+) -> gradacc_status_t {
     guard("gradacc_comm_timeout", || {
         let c = COMMS.get(comm, "comm")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).

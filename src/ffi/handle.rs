@@ -36,12 +36,21 @@ impl<T: ?Sized> Registry<T> {
         if handle.is_null() {
             return Err(super::status::null(argument));
         }
-        self.live.read().unwrap_or_else(|e| e.into_inner()).get(&(handle as usize)).cloned().ok_or_else(|| self.unknown(handle as usize, argument))
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(handle as usize))
+            .cloned()
+            .ok_or_else(|| self.unknown(handle as usize, argument))
     }
 
     /// Unregisters `handle`; the object is dropped once no call is using it any more.
     pub(crate) fn remove<H>(&self, handle: *const H, argument: &str) -> CallResult<Arc<T>> {
-        self.live.write().unwrap_or_else(|e| e.into_inner()).remove(&(handle as usize)).ok_or_else(|| self.unknown(handle as usize, argument))
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(handle as usize))
+            .ok_or_else(|| self.unknown(handle as usize, argument))
     }
 
     fn unknown(&self, handle: usize, argument: &str) -> CallError {

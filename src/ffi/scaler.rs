@@ -10,7 +10,8 @@ use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
 use crate::scaler::{Scaler, ScalerConfig};
 
-/// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with gradacc_scaler_destroy.
+/// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with
+/// gradacc_scaler_destroy.
 pub struct gradacc_scaler_t {
     _private: [u8; 0],
 }
@@ -84,7 +85,9 @@ impl From<&gradacc_scaler_config_t> for ScalerConfig {
 ///
 /// Thread safety: any thread.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_scaler_config_default(out: *mut gradacc_scaler_config_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_config_default(
+    out: *mut gradacc_scaler_config_t,
+) -> gradacc_status_t {
     guard("gradacc_scaler_config_default", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
@@ -122,8 +125,13 @@ pub unsafe extern "C" fn gradacc_scaler_create(
     guard("gradacc_scaler_create", || {
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
-        // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API contract).
-        let config = if config.is_null() { ScalerConfig::default() } else { (&unsafe { read_config(config, "config")? }).into() };
+        let config = if config.is_null() {
+            ScalerConfig::default()
+        } else {
+            // SAFETY: a non-null `config` points to a config struct of its `struct_size` (API
+            // contract).
+            (&unsafe { read_config(config, "config")? }).into()
+        };
         *out = SCALERS.insert(Arc::new(Scaler::on(parse_device(device)?, config)?));
         Ok(())
     })
@@ -147,7 +155,10 @@ pub unsafe extern "C" fn gradacc_scaler_destroy(scaler: *mut gradacc_scaler_t) -
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_scaler_scale(scaler: *const gradacc_scaler_t, out: *mut f32) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_scale(
+    scaler: *const gradacc_scaler_t,
+    out: *mut f32,
+) -> gradacc_status_t {
     guard("gradacc_scaler_scale", || {
         let s = SCALERS.get(scaler, "scaler")?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
@@ -209,11 +220,18 @@ pub unsafe extern "C" fn gradacc_scaler_update(
             return Err(null("accumulators"));
         }
         if n == 0 {
-            return Err(crate::error::Error::invalid("`n` is 0: pass the accumulators whose step this update ends").into());
+            return Err(crate::error::Error::invalid(
+                "`n` is 0: pass the accumulators whose step this update ends",
+            )
+            .into());
         }
         // SAFETY: the caller passes `n` handles at `accumulators` (API contract).
         let handles = unsafe { std::slice::from_raw_parts(accumulators, n) };
-        let accs = handles.iter().enumerate().map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]"))).collect::<CallResult<Vec<_>>>()?;
+        let accs = handles
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]")))
+            .collect::<CallResult<Vec<_>>>()?;
         let refs: Vec<&crate::Accumulator> = accs.iter().map(|a| &**a).collect();
         let skipped = s.update_from(&refs, !out_skipped.is_null())?;
         // SAFETY: a non-null `out_skipped` points to a writable bool (API contract).
@@ -228,7 +246,10 @@ pub unsafe extern "C" fn gradacc_scaler_update(
 ///
 /// Thread safety: any thread, concurrently with other calls on the scaler.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, out: *mut gradacc_scaler_stats_t) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_stats(
+    scaler: *const gradacc_scaler_t,
+    out: *mut gradacc_scaler_stats_t,
+) -> gradacc_status_t {
     guard("gradacc_scaler_stats", || {
         let s = SCALERS.get(scaler, "scaler")?.stats()?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
@@ -236,7 +257,13 @@ pub unsafe extern "C" fn gradacc_scaler_stats(scaler: *const gradacc_scaler_t, o
             write_out(
                 out,
                 "out",
-                gradacc_scaler_stats_t { struct_size: 0, steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+                gradacc_scaler_stats_t {
+                    struct_size: 0,
+                    steps: s.steps,
+                    skipped_steps: s.skipped_steps,
+                    growths: s.growths,
+                    backoffs: s.backoffs,
+                },
             )
         }
     })
@@ -255,7 +282,9 @@ pub unsafe extern "C" fn gradacc_scaler_save(
     out_len: *mut usize,
 ) -> gradacc_status_t {
     // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
-    guard("gradacc_scaler_save", || unsafe { write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len) })
+    guard("gradacc_scaler_save", || unsafe {
+        write_bytes(&SCALERS.get(scaler, "scaler")?.save()?, buf, capacity, out_len)
+    })
 }
 
 /// Restores a state written by gradacc_scaler_save. Corrupt, truncated or foreign bytes fail with
@@ -263,7 +292,11 @@ pub unsafe extern "C" fn gradacc_scaler_save(
 ///
 /// Thread safety: any thread; serialised with other updates of the scaler.
 #[no_mangle]
-pub unsafe extern "C" fn gradacc_scaler_load(scaler: *mut gradacc_scaler_t, bytes: *const u8, len: usize) -> gradacc_status_t {
+pub unsafe extern "C" fn gradacc_scaler_load(
+    scaler: *mut gradacc_scaler_t,
+    bytes: *const u8,
+    len: usize,
+) -> gradacc_status_t {
     guard("gradacc_scaler_load", || {
         let s = SCALERS.get(scaler, "scaler")?;
         // SAFETY: a non-null `bytes` points to `len` readable bytes (API contract).

@@ -19,7 +19,8 @@ pub enum gradacc_status_t {
     GRADACC_STATUS_OK = 0,
     /// A required pointer argument was NULL.
     GRADACC_STATUS_NULL_ARGUMENT = 1,
-    /// An argument's value is outside its domain (a count, an index, an enum value, a config field).
+    /// An argument's value is outside its domain (a count, an index, an enum value, a config
+    /// field).
     GRADACC_STATUS_INVALID_ARGUMENT = 2,
     /// A handle that was destroyed, never created, or is of another object type.
     GRADACC_STATUS_INVALID_HANDLE = 3,
@@ -59,23 +60,62 @@ pub use gradacc_status_t::*;
 
 /// Every status with its name and meaning, in code order.
 const STATUS_TEXT: [(gradacc_status_t, &CStr); 17] = [
-    (GRADACC_STATUS_NULL_ARGUMENT, c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL"),
-    (GRADACC_STATUS_INVALID_ARGUMENT, c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain"),
-    (GRADACC_STATUS_INVALID_HANDLE, c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle"),
-    (GRADACC_STATUS_DTYPE_MISMATCH, c"GRADACC_STATUS_DTYPE_MISMATCH: gradient dtype differs from the tensor's"),
-    (GRADACC_STATUS_SIZE_MISMATCH, c"GRADACC_STATUS_SIZE_MISMATCH: buffer length or layout differs from the expected one"),
-    (GRADACC_STATUS_DEVICE_MISMATCH, c"GRADACC_STATUS_DEVICE_MISMATCH: objects of different devices or backends combined"),
-    (GRADACC_STATUS_WRONG_STATE, c"GRADACC_STATUS_WRONG_STATE: call not allowed in the object's current state"),
+    (
+        GRADACC_STATUS_NULL_ARGUMENT,
+        c"GRADACC_STATUS_NULL_ARGUMENT: a required pointer argument was NULL",
+    ),
+    (
+        GRADACC_STATUS_INVALID_ARGUMENT,
+        c"GRADACC_STATUS_INVALID_ARGUMENT: an argument's value is outside its domain",
+    ),
+    (
+        GRADACC_STATUS_INVALID_HANDLE,
+        c"GRADACC_STATUS_INVALID_HANDLE: destroyed, unknown or wrong-type handle",
+    ),
+    (
+        GRADACC_STATUS_DTYPE_MISMATCH,
+        c"GRADACC_STATUS_DTYPE_MISMATCH: gradient dtype differs from the tensor's",
+    ),
+    (
+        GRADACC_STATUS_SIZE_MISMATCH,
+        c"GRADACC_STATUS_SIZE_MISMATCH: buffer length or layout differs from the expected one",
+    ),
+    (
+        GRADACC_STATUS_DEVICE_MISMATCH,
+        c"GRADACC_STATUS_DEVICE_MISMATCH: objects of different devices or backends combined",
+    ),
+    (
+        GRADACC_STATUS_WRONG_STATE,
+        c"GRADACC_STATUS_WRONG_STATE: call not allowed in the object's current state",
+    ),
     (GRADACC_STATUS_EMPTY_WINDOW, c"GRADACC_STATUS_EMPTY_WINDOW: the accumulation window is empty"),
-    (GRADACC_STATUS_SCALE_AT_MINIMUM, c"GRADACC_STATUS_SCALE_AT_MINIMUM: overflow with the loss scale already at min_scale"),
-    (GRADACC_STATUS_BACKEND_UNAVAILABLE, c"GRADACC_STATUS_BACKEND_UNAVAILABLE: backend not in this build or not on this machine"),
+    (
+        GRADACC_STATUS_SCALE_AT_MINIMUM,
+        c"GRADACC_STATUS_SCALE_AT_MINIMUM: overflow with the loss scale already at min_scale",
+    ),
+    (
+        GRADACC_STATUS_BACKEND_UNAVAILABLE,
+        c"GRADACC_STATUS_BACKEND_UNAVAILABLE: backend not in this build or not on this machine",
+    ),
     (GRADACC_STATUS_COMM_FAILURE, c"GRADACC_STATUS_COMM_FAILURE: the communicator failed"),
-    (GRADACC_STATUS_PEER_FAILURE, c"GRADACC_STATUS_PEER_FAILURE: another rank's call failed; nothing was reduced"),
-    (GRADACC_STATUS_CORRUPT_STATE, c"GRADACC_STATUS_CORRUPT_STATE: saved state bytes are corrupt or of another version"),
+    (
+        GRADACC_STATUS_PEER_FAILURE,
+        c"GRADACC_STATUS_PEER_FAILURE: another rank's call failed; nothing was reduced",
+    ),
+    (
+        GRADACC_STATUS_CORRUPT_STATE,
+        c"GRADACC_STATUS_CORRUPT_STATE: saved state bytes are corrupt or of another version",
+    ),
     (GRADACC_STATUS_OUT_OF_MEMORY, c"GRADACC_STATUS_OUT_OF_MEMORY: an allocation failed"),
     (GRADACC_STATUS_INTERNAL, c"GRADACC_STATUS_INTERNAL: internal error in gradacc"),
-    (GRADACC_STATUS_DEVICE_FAILURE, c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error"),
-    (GRADACC_STATUS_TIMEOUT, c"GRADACC_STATUS_TIMEOUT: a collective did not complete within the communicator's timeout"),
+    (
+        GRADACC_STATUS_DEVICE_FAILURE,
+        c"GRADACC_STATUS_DEVICE_FAILURE: the CUDA driver reported an error",
+    ),
+    (
+        GRADACC_STATUS_TIMEOUT,
+        c"GRADACC_STATUS_TIMEOUT: a collective did not complete within the communicator's timeout",
+    ),
 ];
 
 /// What an exported function fails with: a core error, or one of the two failures only a C
@@ -178,7 +218,10 @@ pub extern "C" fn gradacc_status_string(status: i32) -> *const c_char {
     let text: &CStr = if status == GRADACC_STATUS_OK as i32 {
         c"GRADACC_STATUS_OK: success"
     } else {
-        STATUS_TEXT.iter().find(|(s, _)| *s as i32 == status).map_or(c"unknown gradacc status code", |(_, text)| text)
+        STATUS_TEXT
+            .iter()
+            .find(|(s, _)| *s as i32 == status)
+            .map_or(c"unknown gradacc status code", |(_, text)| text)
     };
     text.as_ptr()
 }

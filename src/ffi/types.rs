@@ -57,7 +57,9 @@ pub(crate) fn dtype_from_c(value: gradacc_dtype_t, argument: &str) -> CallResult
         GRADACC_DTYPE_F32 => Ok(Dtype::F32),
         GRADACC_DTYPE_F16 => Ok(Dtype::F16),
         GRADACC_DTYPE_BF16 => Ok(Dtype::Bf16),
-        v => Err(Error::invalid(format!("`{argument}` = {v} is not a GRADACC_DTYPE_* value")).into()),
+        v => {
+            Err(Error::invalid(format!("`{argument}` = {v} is not a GRADACC_DTYPE_* value")).into())
+        }
     }
 }
 
@@ -86,12 +88,19 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> CallResult<Device
         }
         GRADACC_DEVICE_CUDA => {
             if d.ordinal < 0 {
-                return Err(Error::invalid(format!("`device`.ordinal = {} is negative", d.ordinal)).into());
+                return Err(Error::invalid(format!(
+                    "`device`.ordinal = {} is negative",
+                    d.ordinal
+                ))
+                .into());
             }
             crate::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
             Ok(Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ }.check()?)
         }
-        k => Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value")).into()),
+        k => {
+            Err(Error::invalid(format!("`device`.kind = {k} is not a GRADACC_DEVICE_* value"))
+                .into())
+        }
     }
 }
 
@@ -158,9 +167,13 @@ macro_rules! versioned {
     };
 }
 
-use super::accumulator::{gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t};
+use super::accumulator::{
+    gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t,
+};
 use super::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
-use super::scaler::{gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t};
+use super::scaler::{
+    gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t,
+};
 
 versioned!(
     gradacc_accumulator_config_t {
@@ -194,20 +207,40 @@ versioned!(
     defaults: gradacc_scaler_config_default
 );
 versioned!(gradacc_mpi_config_t { struct_size, shared_memory }, defaults: gradacc_mpi_config_default);
-versioned!(gradacc_sync_info_t { struct_size, found_inf, total_count, microbatches, grad_norm, clip_coef });
+versioned!(gradacc_sync_info_t {
+    struct_size,
+    found_inf,
+    total_count,
+    microbatches,
+    grad_norm,
+    clip_coef
+});
 versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
 
 /// The Rust twin of the header's GRADACC_SYNC_INFO_INIT: zeros, with this version's struct_size.
 impl Default for gradacc_sync_info_t {
     fn default() -> Self {
-        gradacc_sync_info_t { struct_size: size_of::<Self>(), found_inf: false, total_count: 0, microbatches: 0, grad_norm: 0.0, clip_coef: 0.0 }
+        gradacc_sync_info_t {
+            struct_size: size_of::<Self>(),
+            found_inf: false,
+            total_count: 0,
+            microbatches: 0,
+            grad_norm: 0.0,
+            clip_coef: 0.0,
+        }
     }
 }
 
 /// The Rust twin of the header's GRADACC_SCALER_STATS_INIT.
 impl Default for gradacc_scaler_stats_t {
     fn default() -> Self {
-        gradacc_scaler_stats_t { struct_size: size_of::<Self>(), steps: 0, skipped_steps: 0, growths: 0, backoffs: 0 }
+        gradacc_scaler_stats_t {
+            struct_size: size_of::<Self>(),
+            steps: 0,
+            skipped_steps: 0,
+            growths: 0,
+            backoffs: 0,
+        }
     }
 }
 
@@ -215,7 +248,8 @@ impl Default for gradacc_scaler_stats_t {
 /// to `T`'s alignment, in increasing order.
 pub(crate) fn accepted_sizes<T: Versioned>() -> Vec<usize> {
     let align = std::mem::align_of::<T>();
-    let mut sizes: Vec<usize> = T::field_ends().into_iter().flat_map(|end| [end, end.next_multiple_of(align)]).collect();
+    let mut sizes: Vec<usize> =
+        T::field_ends().into_iter().flat_map(|end| [end, end.next_multiple_of(align)]).collect();
     sizes.dedup();
     sizes
 }
@@ -259,16 +293,22 @@ fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> CallResul
 ///
 /// # Safety
 /// A non-null `ptr` must point to at least `struct_size` readable bytes.
-pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &str) -> CallResult<T> {
+pub(crate) unsafe fn read_config<T: ConfigDefaults>(
+    ptr: *const T,
+    argument: &str,
+) -> CallResult<T> {
     if ptr.is_null() {
         return Err(null(argument));
     }
     // SAFETY: non-null, and every config struct starts with a readable `size_t struct_size`.
-    let fields = check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
+    let fields =
+        check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
     let mut out = T::defaults();
     // SAFETY: the caller's struct holds `struct_size` >= `fields` readable bytes, and `out` is a
     // whole T, which is at least `fields` bytes long (checked against the field ends).
-    unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, &mut out as *mut T as *mut u8, fields) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(ptr as *const u8, &mut out as *mut T as *mut u8, fields)
+    };
     Ok(out)
 }
 
@@ -276,7 +316,8 @@ pub(crate) unsafe fn read_config<T: ConfigDefaults>(ptr: *const T, argument: &st
 /// NULL passes (for optional outputs).
 pub(crate) fn check_out_struct<T: Versioned>(ptr: *const T, argument: &str) -> CallResult<()> {
     if !ptr.is_null() {
-        // SAFETY: non-null, and by the API contract points to a struct that starts with struct_size.
+        // SAFETY: non-null, and by the API contract points to a struct that starts with
+        // struct_size.
         check_struct_size::<T>(unsafe { std::ptr::read_unaligned(ptr as *const usize) }, argument)?;
     }
     Ok(())
@@ -295,12 +336,22 @@ pub(crate) unsafe fn write_out_struct<T: Versioned>(ptr: *mut T, value: T) {
         let head = size_of::<usize>();
         // SAFETY: `declared` >= `fields` bytes of *ptr are writable, and `value` has
         // size_of::<T>() >= `fields` bytes.
-        unsafe { std::ptr::copy_nonoverlapping((&value as *const T as *const u8).add(head), (ptr as *mut u8).add(head), fields - head) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&value as *const T as *const u8).add(head),
+                (ptr as *mut u8).add(head),
+                fields - head,
+            )
+        };
     }
 }
 
 /// A required output struct: NULL and struct_size checked, then written as [`write_out_struct`].
-pub(crate) unsafe fn write_out<T: Versioned>(ptr: *mut T, argument: &str, value: T) -> CallResult<()> {
+pub(crate) unsafe fn write_out<T: Versioned>(
+    ptr: *mut T,
+    argument: &str,
+    value: T,
+) -> CallResult<()> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -317,14 +368,24 @@ pub(crate) fn rank_to_c(rank: usize) -> i32 {
 }
 
 /// Copies `bytes` into a caller's buffer; with a NULL buffer only reports the size needed.
-pub(crate) unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, out_len: *mut usize) -> CallResult<()> {
+pub(crate) unsafe fn write_bytes(
+    bytes: &[u8],
+    buf: *mut u8,
+    capacity: usize,
+    out_len: *mut usize,
+) -> CallResult<()> {
     // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
     let len_out = unsafe { out_ptr(out_len, "out_len") }?;
     if !buf.is_null() {
         if capacity < bytes.len() {
-            return Err(
-                Error::new(ErrorKind::SizeMismatch, format!("`capacity` = {capacity} is too small: the state needs {} bytes", bytes.len())).into()
-            );
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!(
+                    "`capacity` = {capacity} is too small: the state needs {} bytes",
+                    bytes.len()
+                ),
+            )
+            .into());
         }
         // SAFETY: buf holds at least `capacity` >= bytes.len() writable bytes (API contract).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
@@ -337,7 +398,11 @@ pub(crate) unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, capacity: usize, ou
 ///
 /// # Safety
 /// A non-null `ptr` must point to `len` readable bytes.
-pub(crate) unsafe fn read_bytes<'a>(ptr: *const u8, len: usize, argument: &str) -> CallResult<&'a [u8]> {
+pub(crate) unsafe fn read_bytes<'a>(
+    ptr: *const u8,
+    len: usize,
+    argument: &str,
+) -> CallResult<&'a [u8]> {
     if ptr.is_null() {
         return Err(null(argument));
     }
@@ -353,7 +418,12 @@ mod tests {
         let ends = T::field_ends();
         assert_eq!(ends[0], size_of::<usize>(), "{}: struct_size comes first", T::NAME);
         assert!(ends.windows(2).all(|w| w[0] < w[1]), "{}: fields in declaration order", T::NAME);
-        assert_eq!(ends.last().unwrap().next_multiple_of(std::mem::align_of::<T>()), size_of::<T>(), "{}", T::NAME);
+        assert_eq!(
+            ends.last().unwrap().next_multiple_of(std::mem::align_of::<T>()),
+            size_of::<T>(),
+            "{}",
+            T::NAME
+        );
         assert!(check_struct_size::<T>(size_of::<T>(), "x").is_ok());
         for bad in [0, 1, size_of::<usize>() - 1, size_of::<T>() + 1, size_of::<T>() + 8] {
             assert!(check_struct_size::<T>(bad, "x").is_err(), "{}: size {bad}", T::NAME);
@@ -367,24 +437,35 @@ mod tests {
         check::<gradacc_mpi_config_t>();
         check::<gradacc_sync_info_t>();
         check::<gradacc_scaler_stats_t>();
-        // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8 bucket_numel,
-        // 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4 shard_count, 4 shard_rank,
-        // 4 wire_dtype.
-        assert_eq!(accepted_sizes::<gradacc_accumulator_config_t>(), [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56]);
+        // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8
+        // bucket_numel, 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4
+        // shard_count, 4 shard_rank, 4 wire_dtype.
+        assert_eq!(
+            accepted_sizes::<gradacc_accumulator_config_t>(),
+            [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56]
+        );
         let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();
         assert!(e.message().contains("`config`.struct_size = 22"), "{}", e.message());
     }
 
     #[test]
     fn fields_appended_after_0_1_start_past_its_padding() {
-        assert_eq!(std::mem::offset_of!(gradacc_accumulator_config_t, sharding), 40, "0.1's config was 40 bytes");
+        assert_eq!(
+            std::mem::offset_of!(gradacc_accumulator_config_t, sharding),
+            40,
+            "0.1's config was 40 bytes"
+        );
         let mut c = gradacc_accumulator_config_t::defaults();
-        (c.reserved, c.sharding, c.shard_count, c.shard_rank, c.wire_dtype) = (u32::MAX, 7, 9, 9, 7);
+        (c.reserved, c.sharding, c.shard_count, c.shard_rank, c.wire_dtype) =
+            (u32::MAX, 7, 9, 9, 7);
         c.struct_size = 40;
         // SAFETY: `c` is a whole struct, at least `struct_size` bytes.
         let read = unsafe { read_config(&c, "config") }.unwrap();
         let d = gradacc_accumulator_config_t::defaults();
-        assert_eq!((read.sharding, read.shard_count, read.shard_rank, read.wire_dtype), (d.sharding, d.shard_count, d.shard_rank, d.wire_dtype));
+        assert_eq!(
+            (read.sharding, read.shard_count, read.shard_rank, read.wire_dtype),
+            (d.sharding, d.shard_count, d.shard_rank, d.wire_dtype)
+        );
     }
 
     #[test]

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer};
 use gradacc::comm::nccl;
-use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler, ScalerConfig, TensorDesc};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler,
+    ScalerConfig, TensorDesc,
+};
 
 use super::{to_bf16, to_f16, Rng};
 
@@ -16,8 +19,14 @@ pub fn gpu_or_skip() -> bool {
     if cuda::available() {
         return true;
     }
-    let why = driver::require_driver().and(cuda::compile::require_nvrtc()).err().map_or_else(String::new, |e| e.message);
-    assert!(std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"), "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable: {why}");
+    let why = driver::require_driver()
+        .and(cuda::compile::require_nvrtc())
+        .err()
+        .map_or_else(String::new, |e| e.message);
+    assert!(
+        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
+        "GRADACC_REQUIRE_GPU=1 but no CUDA device and NVRTC are usable: {why}"
+    );
     eprintln!("no CUDA device: skipping");
     false
 }
@@ -30,7 +39,10 @@ pub fn enough_devices(devices: i32, count: i32) -> bool {
     if count >= devices {
         return true;
     }
-    assert!(std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1"), "the software GPU shows {count} device(s), the test needs {devices}");
+    assert!(
+        std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1"),
+        "the software GPU shows {count} device(s), the test needs {devices}"
+    );
     eprintln!("not run: needs {devices} devices ({count} visible)");
     false
 }
@@ -58,7 +70,8 @@ pub struct HostGrad {
 
 impl HostGrad {
     pub fn random(rng: &mut Rng, dtype: Dtype, n: usize, scale: f32, poison: bool) -> HostGrad {
-        let mut f32s: Vec<f32> = (0..n).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
+        let mut f32s: Vec<f32> =
+            (0..n).map(|_| (rng.uniform(-1.0, 1.0) * scale as f64 * 0.01) as f32).collect();
         if poison && n > 0 {
             let at = rng.range(0, n as u64 - 1) as usize;
             f32s[at] = if rng.range(0, 1) == 0 { f32::INFINITY } else { f32::NAN };
@@ -90,7 +103,12 @@ impl HostGrad {
     }
 
     /// A device copy, starting `shift` elements into its allocation (an unaligned address).
-    pub fn upload(&self, ctx: &Arc<Context>, stream: driver::CUstream, shift: usize) -> (DeviceBuffer, u64) {
+    pub fn upload(
+        &self,
+        ctx: &Arc<Context>,
+        stream: driver::CUstream,
+        shift: usize,
+    ) -> (DeviceBuffer, u64) {
         let buf = match self.dtype {
             Dtype::F32 => {
                 let mut v = vec![0f32; shift];
@@ -115,7 +133,10 @@ pub fn masters_equal(cpu: &Accumulator, gpu: &Accumulator, what: &str) {
         gpu.read_master(i, &mut got).unwrap();
         cpu.with_master(i, |want| {
             for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}");
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{what}: tensor {i} element {k}: cpu {a:e} gpu {b:e}"
+                );
             }
         })
         .unwrap();
@@ -134,12 +155,21 @@ pub struct ApexSeed {
 
 impl ApexSeed {
     pub fn new(ctx: &Arc<Context>, stream: driver::CUstream) -> ApexSeed {
-        let descs = [TensorDesc { numel: 1, dtype: Dtype::F32 }, TensorDesc { numel: 1, dtype: Dtype::F32 }];
-        let config = AccumulatorConfig { normalize: Normalize::ByWorld, loss_reduction: LossReduction::Sum, bucket_numel: 1, ..Default::default() };
+        let descs = [
+            TensorDesc { numel: 1, dtype: Dtype::F32 },
+            TensorDesc { numel: 1, dtype: Dtype::F32 },
+        ];
+        let config = AccumulatorConfig {
+            normalize: Normalize::ByWorld,
+            loss_reduction: LossReduction::Sum,
+            bucket_numel: 1,
+            ..Default::default()
+        };
         let g = |v: f32| DeviceBuffer::from_slice(ctx, stream, &[v]).unwrap();
         let device = Device::Cuda { ordinal: 0, stream };
         ApexSeed {
-            scaler: Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap(),
+            scaler: Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
+                .unwrap(),
             acc: Accumulator::on(device, config, &descs).unwrap(),
             first: [g(0.5), g(1.0)],
             second: [g(2.5), g(1.0)],

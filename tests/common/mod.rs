@@ -13,7 +13,12 @@ impl Rng {
         let seed = std::env::var("GRADACC_TEST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         eprintln!("{test}: GRADACC_TEST_SEED={seed}");
         Rng(seed)
     }
@@ -188,13 +193,23 @@ pub fn check_overlapping_gradients(
             // SAFETY: as above; `others` hold their tensors' values.
             unsafe { acc.add_raw(scaler, &grads, 1) }
         };
-        let what = format!("tensor 1's gradient {shift} elements from its master ({})", if via_hooks { "add_tensor" } else { "add" });
+        let what = format!(
+            "tensor 1's gradient {shift} elements from its master ({})",
+            if via_hooks { "add_tensor" } else { "add" }
+        );
         if overlaps {
             let e = result.expect_err(&what);
             assert_eq!(e.kind, gradacc::ErrorKind::InvalidArgument, "{what}: {e:?}");
-            assert!(e.message.contains("overlaps the accumulator's master"), "{what}: {}", e.message);
+            assert!(
+                e.message.contains("overlaps the accumulator's master"),
+                "{what}: {}",
+                e.message
+            );
             let after = read_master();
-            assert!(after.iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: a refused add changed the master");
+            assert!(
+                after.iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: a refused add changed the master"
+            );
             continue;
         }
         result.unwrap_or_else(|e| panic!("{what}: {e:?}"));
@@ -210,7 +225,8 @@ pub fn check_overlapping_gradients(
         acc.reset().unwrap();
         acc.begin_microbatch(1).unwrap();
         // SAFETY: the backing memory holds 50 f16 from there.
-        let e = unsafe { acc.add_tensor_raw(scaler, 2, grad, 50) }.expect_err("an f16 gradient inside the master");
+        let e = unsafe { acc.add_tensor_raw(scaler, 2, grad, 50) }
+            .expect_err("an f16 gradient inside the master");
         acc.end_microbatch().unwrap();
         assert_eq!(e.kind, gradacc::ErrorKind::InvalidArgument, "f16 at master byte {byte}: {e:?}");
     }
@@ -219,14 +235,21 @@ pub fn check_overlapping_gradients(
 
 /// The windows of 4 ranks, saved: small-integer f32 gradients (every sum exact, in any order),
 /// 1 to 3 micro-batches of random counts each.
-pub fn four_saved_windows(rng: &mut Rng, tensors: &[gradacc::TensorDesc], config: gradacc::AccumulatorConfig) -> Vec<Vec<u8>> {
+pub fn four_saved_windows(
+    rng: &mut Rng,
+    tensors: &[gradacc::TensorDesc],
+    config: gradacc::AccumulatorConfig,
+) -> Vec<Vec<u8>> {
     use gradacc::{Accumulator, Grad, Scaler, ScalerConfig};
     let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
     (0..4)
         .map(|_| {
             let acc = Accumulator::new(config, tensors).unwrap();
             for _ in 0..rng.range(1, 3) {
-                let values: Vec<Vec<f32>> = tensors.iter().map(|d| (0..d.numel).map(|_| rng.range(0, 64) as f32 - 32.0).collect()).collect();
+                let values: Vec<Vec<f32>> = tensors
+                    .iter()
+                    .map(|d| (0..d.numel).map(|_| rng.range(0, 64) as f32 - 32.0).collect())
+                    .collect();
                 let grads: Vec<Grad> = values.iter().map(|v| Grad::F32(v)).collect();
                 acc.add(&scaler, &grads, rng.range(1, 9)).unwrap();
             }

@@ -31,17 +31,26 @@ pub fn descs(vars: &[Var]) -> Result<Vec<TensorDesc>> {
         DType::BF16 => Ok(Dtype::Bf16),
         d => candle_core::bail!("gradacc takes f32, f16 or bf16 gradients, not {d:?}"),
     };
-    vars.iter().map(|v| Ok(TensorDesc { numel: v.elem_count(), dtype: dtype(v.dtype())? })).collect()
+    vars.iter()
+        .map(|v| Ok(TensorDesc { numel: v.elem_count(), dtype: dtype(v.dtype())? }))
+        .collect()
 }
 
 /// Adds one micro-batch of `count` items: the gradients of `vars` in `grads` (of a loss scaled by
 /// `scaler.scale()`), read in place from candle's CPU storage. A Var without a gradient adds
 /// nothing (its master stays zero if no micro-batch reaches it).
-pub fn add_microbatch(acc: &Accumulator, scaler: &Scaler, grads: &GradStore, vars: &[Var], count: u64) -> Result<()> {
+pub fn add_microbatch(
+    acc: &Accumulator,
+    scaler: &Scaler,
+    grads: &GradStore,
+    vars: &[Var],
+    count: u64,
+) -> Result<()> {
     acc.begin_microbatch(count).map_err(err)?;
     for (i, g) in vars.iter().enumerate().filter_map(|(i, v)| grads.get(v).map(|g| (i, g))) {
         let (storage, layout) = g.storage_and_layout();
-        let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+        else {
             candle_core::bail!("gradient {i} is not a contiguous CPU tensor")
         };
         let grad = match g.dtype() {
@@ -60,7 +69,8 @@ pub fn add_microbatch(acc: &Accumulator, scaler: &Scaler, grads: &GradStore, var
 pub fn master_grads(acc: &Accumulator, masters: &[Var]) -> Result<GradStore> {
     let mut store = GradStore::default();
     for (i, m) in masters.iter().enumerate() {
-        let g = acc.with_master(i, |g| Tensor::from_slice(g, m.shape(), m.device())).map_err(err)??;
+        let g =
+            acc.with_master(i, |g| Tensor::from_slice(g, m.shape(), m.device())).map_err(err)??;
         store.insert(m, g);
     }
     Ok(store)

@@ -95,7 +95,8 @@ impl Replica {
         adapter::copy_weights(init, &masters)?;
         let (model, weights) = build(dtype)?;
         adapter::copy_weights(&masters, &weights)?;
-        let acc = Accumulator::new(AccumulatorConfig::default(), &adapter::descs(&weights)?).map_err(err)?;
+        let acc = Accumulator::new(AccumulatorConfig::default(), &adapter::descs(&weights)?)
+            .map_err(err)?;
         let opt = AdamW::new(masters.clone(), ParamsAdamW { lr: 1e-2, ..Default::default() })?;
         Ok(Replica { model, weights, masters, acc, scaler: Scaler::new(scaler).map_err(err)?, opt })
     }

@@ -73,11 +73,18 @@ fn check_gradient(dtype: DType, unit: f64) {
             rep.microbatch(&b).unwrap();
             // The same backward again: the 16-bit gradients the accumulator just read.
             let grads = (rep.model.loss(&b.x, &b.y).unwrap() * scale).unwrap().backward().unwrap();
-            let per: Vec<Vec<f64>> = rep.weights.iter().map(|w| values(grads.get(w).unwrap())).collect();
-            terms.push(per.into_iter().map(|g| g.into_iter().map(|v| v / scale * b.items as f64).collect()).collect());
+            let per: Vec<Vec<f64>> =
+                rep.weights.iter().map(|w| values(grads.get(w).unwrap())).collect();
+            terms.push(
+                per.into_iter()
+                    .map(|g| g.into_iter().map(|v| v / scale * b.items as f64).collect())
+                    .collect(),
+            );
         }
         let info = rep.acc.sync(Some(comm)).unwrap();
-        let masters: Vec<Vec<f32>> = (0..rep.weights.len()).map(|i| rep.acc.with_master(i, |g| g.to_vec()).unwrap()).collect();
+        let masters: Vec<Vec<f32>> = (0..rep.weights.len())
+            .map(|i| rep.acc.with_master(i, |g| g.to_vec()).unwrap())
+            .collect();
         (info, masters, terms)
     });
     let (info, masters, _) = &results[0];
@@ -93,16 +100,23 @@ fn check_gradient(dtype: DType, unit: f64) {
             let exact: f64 = all_terms.iter().map(|t| t[i][e]).sum::<f64>() / total;
             let magnitude: f64 = all_terms.iter().map(|t| t[i][e].abs()).sum::<f64>() / total;
             let bound = 11.0 * f64::powi(2.0, -24) * magnitude;
-            assert!((m as f64 - exact).abs() <= bound, "{dtype:?} tensor {i}[{e}]: master {m} vs {exact} (bound {bound})");
+            assert!(
+                (m as f64 - exact).abs() <= bound,
+                "{dtype:?} tensor {i}[{e}]: master {m} vs {exact} (bound {bound})"
+            );
             worst = worst.max((m as f64 - exact).abs() / magnitude.max(f64::MIN_POSITIVE));
         }
-        eprintln!("{dtype:?} tensor {i}: master vs f64 sum of the 16-bit gradients: {:.2} units of 2^-24", worst * 2f64.powi(24));
+        eprintln!(
+            "{dtype:?} tensor {i}: master vs f64 sum of the 16-bit gradients: {:.2} units of 2^-24",
+            worst * 2f64.powi(24)
+        );
     }
 
     // candle's FP32 full-batch gradient of the same weights over all 21 items.
     let (reference, ref_vars) = train::build(DType::F32).unwrap();
     adapter::copy_weights(&init, &ref_vars).unwrap();
-    let all: Vec<Batch> = (0..RANKS).flat_map(|r| train::batches(0, r, DType::F32).unwrap()).collect();
+    let all: Vec<Batch> =
+        (0..RANKS).flat_map(|r| train::batches(0, r, DType::F32).unwrap()).collect();
     let x = Tensor::cat(&all.iter().map(|b| &b.x).collect::<Vec<_>>(), 0).unwrap();
     let y = Tensor::cat(&all.iter().map(|b| &b.y).collect::<Vec<_>>(), 0).unwrap();
     let grads = reference.loss(&x, &y).unwrap().backward().unwrap();
@@ -111,7 +125,11 @@ fn check_gradient(dtype: DType, unit: f64) {
         let diff = norm(master.iter().zip(&g).map(|(&m, &r)| m as f64 - r));
         let rel = diff / norm(g.iter().copied());
         eprintln!("{dtype:?} tensor {i}: relative L2 distance to the FP32 full-batch gradient {rel:.2e} = {:.2} u", rel / unit);
-        assert!(rel <= 37.0 * unit, "{dtype:?} tensor {i}: relative distance {rel} exceeds 37 u = {}", 37.0 * unit);
+        assert!(
+            rel <= 37.0 * unit,
+            "{dtype:?} tensor {i}: relative distance {rel} exceeds 37 u = {}",
+            37.0 * unit
+        );
     }
 }
 
@@ -137,7 +155,11 @@ struct Step {
 
 /// Trains `steps` steps on both ranks; `poison(step, rank, k, batch)` may change a micro-batch.
 /// Returns each rank's steps.
-fn train(dtype: DType, steps: usize, poison: impl Fn(usize, usize, usize, &mut Batch) + Sync) -> Vec<Vec<Step>> {
+fn train(
+    dtype: DType,
+    steps: usize,
+    poison: impl Fn(usize, usize, usize, &mut Batch) + Sync,
+) -> Vec<Vec<Step>> {
     let init = init(dtype);
     on_ranks(|rank, comm| {
         let mut rep = Replica::new(dtype, &init, scaler()).unwrap();
@@ -150,9 +172,16 @@ fn train(dtype: DType, steps: usize, poison: impl Fn(usize, usize, usize, &mut B
                     loss += rep.microbatch(&b).unwrap() / 3.0;
                 }
                 let info = rep.step(comm).unwrap();
-                let weights: Vec<Vec<f32>> = rep.weights.iter().map(|w| values(w.as_tensor()).into_iter().map(|v| v as f32).collect()).collect();
+                let weights: Vec<Vec<f32>> = rep
+                    .weights
+                    .iter()
+                    .map(|w| values(w.as_tensor()).into_iter().map(|v| v as f32).collect())
+                    .collect();
                 let masters = rep.master_values().unwrap();
-                let half: Vec<Vec<f32>> = masters.iter().map(|m| m.iter().map(|&v| half_round(dtype, v)).collect()).collect();
+                let half: Vec<Vec<f32>> = masters
+                    .iter()
+                    .map(|m| m.iter().map(|&v| half_round(dtype, v)).collect())
+                    .collect();
                 assert_eq!(weights, half, "the {dtype:?} weights are the masters rounded");
                 Step { masters, skipped: info.found_inf, loss, scale: rep.scaler.scale().unwrap() }
             })
@@ -190,7 +219,10 @@ fn inf_on_one_rank_skips_the_step_on_both() {
         if step == 2 && rank == 1 && k == 1 {
             let mut mask = vec![0f32; b.items * IN];
             mask[IN - 1] = f32::INFINITY;
-            let mask = Tensor::from_vec(mask, (b.items, IN), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let mask = Tensor::from_vec(mask, (b.items, IN), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
             b.x = (&b.x + mask).unwrap();
         }
     });

@@ -33,17 +33,32 @@ pub(super) fn visit_backward(master: &[f32], grad: &[f32]) -> bool {
 macro_rules! accumulate_loop {
     ($features:literal, $align:literal, $name:ident, $elem:ty, $load:ident, $decode:expr) => {
         #[target_feature(enable = $features)]
-        fn $name<const ASSIGN: bool, const BACKWARD: bool>(master: &mut [f32], grad: &[$elem], factor: f32) -> bool {
+        fn $name<const ASSIGN: bool, const BACKWARD: bool>(
+            master: &mut [f32],
+            grad: &[$elem],
+            factor: f32,
+        ) -> bool {
             let n = master.len().min(grad.len());
             let head = master.as_ptr().align_offset($align).min(n);
             let body = (n - head) / LANES * LANES;
-            let mut bad = scalar::accumulate_with::<ASSIGN, _>(&mut master[..head], &grad[..head], factor, $decode);
+            let mut bad = scalar::accumulate_with::<ASSIGN, _>(
+                &mut master[..head],
+                &grad[..head],
+                factor,
+                $decode,
+            );
             let (m, g) = (master.as_mut_ptr(), grad.as_ptr());
             let f = splat(factor);
             let mut seen = nothing_seen();
             // Start of the `at`-th vector visited: counted from the body's start going forward,
             // from its end going backward.
-            let vector = |at: usize| if BACKWARD { head + body - (at + 1) * LANES } else { head + at * LANES };
+            let vector = |at: usize| {
+                if BACKWARD {
+                    head + body - (at + 1) * LANES
+                } else {
+                    head + at * LANES
+                }
+            };
             let mut done = 0;
             while (done + UNROLL) * LANES <= body {
                 for k in 0..UNROLL {
@@ -59,12 +74,18 @@ macro_rules! accumulate_loop {
             }
             while (done + 1) * LANES <= body {
                 let j = vector(done);
-                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's condition.
+                // SAFETY: as in the loop above, with (done + 1) * LANES <= body from this loop's
+                // condition.
                 unsafe { step::<ASSIGN>(m.add(j), $load(g.add(j)), f, &mut seen) };
                 done += 1;
             }
             let i = head + body;
-            bad |= scalar::accumulate_with::<ASSIGN, _>(&mut master[i..n], &grad[i..n], factor, $decode);
+            bad |= scalar::accumulate_with::<ASSIGN, _>(
+                &mut master[i..n],
+                &grad[i..n],
+                factor,
+                $decode,
+            );
             bad | seen_non_finite(seen)
         }
     };
@@ -101,14 +122,29 @@ mod tests {
     fn only_a_gradient_just_below_the_master_modulo_4_kib_turns_the_loop_around() {
         let buf = vec![0.0f32; 4096];
         let master = &buf[2048..2048 + 64];
-        for (bytes, backward) in
-            [(0, false), (4, true), (48, true), (252, true), (256, false), (2048, false), (4092, false), (4096, false), (4096 + 48, true)]
-        {
+        for (bytes, backward) in [
+            (0, false),
+            (4, true),
+            (48, true),
+            (252, true),
+            (256, false),
+            (2048, false),
+            (4092, false),
+            (4096, false),
+            (4096 + 48, true),
+        ] {
             let grad = &buf[2048 - bytes / 4..][..64];
-            assert_eq!(visit_backward(master, grad), backward, "gradient {bytes} bytes below the master");
+            assert_eq!(
+                visit_backward(master, grad),
+                backward,
+                "gradient {bytes} bytes below the master"
+            );
         }
         let long = vec![0.0f32; REVERSE_MAX + 16];
         assert!(visit_backward(&long[12..12 + REVERSE_MAX], &long[..64]), "REVERSE_MAX elements");
-        assert!(!visit_backward(&long[12..13 + REVERSE_MAX], &long[..64]), "longer than REVERSE_MAX");
+        assert!(
+            !visit_backward(&long[12..13 + REVERSE_MAX], &long[..64]),
+            "longer than REVERSE_MAX"
+        );
     }
 }

@@ -45,7 +45,9 @@ unsafe fn load_f16(p: *const u16) -> __m256 {
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn load_bf16(p: *const u16) -> __m256 {
     // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
-    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast()) })))
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(unsafe {
+        _mm_loadu_si128(p.cast())
+    })))
 }
 
 /// One vector of the fused pass. `seen` keeps the largest exponent field written per lane: it
@@ -61,7 +63,10 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m256, factor: __m256, seen:
     let r = if ASSIGN { v } else { _mm256_add_ps(unsafe { _mm256_loadu_ps(m) }, v) };
     // SAFETY: `m` is also valid for LANES writes; the store is unaligned.
     unsafe { _mm256_storeu_ps(m, r) };
-    *seen = _mm256_max_epu32(*seen, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)));
+    *seen = _mm256_max_epu32(
+        *seen,
+        _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(EXPONENT)),
+    );
 }
 
 /// `x` in every lane.
@@ -105,7 +110,8 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let mut i = head;
     while i + LINE <= n {
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
+            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are
+            // in `buf`.
             unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), f)) };
         }
         i += LINE;
@@ -125,7 +131,8 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let mut i = 0;
         while i < full {
             for (k, a) in acc.iter_mut().enumerate() {
-                // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
+                // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i
+                // + 16 is in it.
                 let x = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(p.add(i + 4 * k)) });
                 *a = _mm256_add_pd(*a, _mm256_mul_pd(x, x));
             }
@@ -150,8 +157,14 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     let mut i = head;
     while i + LINE <= n {
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
-            unsafe { _mm256_storeu_ps(d.add(j), _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j)))) };
+            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both
+            // slices.
+            unsafe {
+                _mm256_storeu_ps(
+                    d.add(j),
+                    _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j))),
+                )
+            };
         }
         i += LINE;
     }
@@ -166,11 +179,18 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
 /// keep so many instructions in flight that the core stops running ahead of the hardware
 /// prefetchers (see `docs/kernels.md`; `cargo bench --bench add`, the `boundary sweep` row).
 #[target_feature(enable = "avx2,f16c")]
-pub(super) fn add_and_block_sums<const SCALE: bool>(dst: &mut [f32], src: &[f32], factor: f32, out: &mut [f64]) {
+pub(super) fn add_and_block_sums<const SCALE: bool>(
+    dst: &mut [f32],
+    src: &[f32],
+    factor: f32,
+    out: &mut [f64],
+) {
     const _: () = assert!(math::NORM_LANES == 2 * LANES);
     const AHEAD: usize = 1024;
     let f = _mm256_set1_ps(factor);
-    for ((block, add), sum) in dst.chunks_mut(math::NORM_BLOCK).zip(src.chunks(math::NORM_BLOCK)).zip(out.iter_mut()) {
+    for ((block, add), sum) in
+        dst.chunks_mut(math::NORM_BLOCK).zip(src.chunks(math::NORM_BLOCK)).zip(out.iter_mut())
+    {
         let n = block.len().min(add.len());
         let full = n / math::NORM_LANES * math::NORM_LANES;
         let (d, s) = (block.as_mut_ptr(), add.as_ptr());
@@ -183,8 +203,10 @@ pub(super) fn add_and_block_sums<const SCALE: bool>(dst: &mut [f32], src: &[f32]
             _mm_prefetch::<_MM_HINT_T0>(s.cast::<i8>().wrapping_add(4 * i + AHEAD));
             for (h, pair) in acc.chunks_exact_mut(2).enumerate() {
                 let j = i + h * LANES;
-                // SAFETY: j + LANES <= i + NORM_LANES <= full <= n, the shorter length, so j..j + LANES is in both slices.
-                let v = unsafe { _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j))) };
+                // SAFETY: j + LANES <= i + NORM_LANES <= full <= n, the shorter length, so j..j +
+                // LANES is in both slices.
+                let v =
+                    unsafe { _mm256_add_ps(_mm256_loadu_ps(d.add(j)), _mm256_loadu_ps(s.add(j))) };
                 let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
                 let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
                 pair[0] = _mm256_add_pd(pair[0], _mm256_mul_pd(lo, lo));

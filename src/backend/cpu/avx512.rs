@@ -49,7 +49,9 @@ unsafe fn load_f16(p: *const u16) -> __m512 {
 #[target_feature(enable = "avx512f")]
 unsafe fn load_bf16(p: *const u16) -> __m512 {
     // SAFETY: the caller passes `p` valid for LANES reads (see `# Safety`); the load is unaligned.
-    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(unsafe { _mm256_loadu_si256(p.cast()) })))
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(unsafe {
+        _mm256_loadu_si256(p.cast())
+    })))
 }
 
 /// One vector of the fused pass. `seen` keeps the largest exponent field written per lane: it
@@ -65,7 +67,10 @@ unsafe fn step<const ASSIGN: bool>(m: *mut f32, g: __m512, factor: __m512, seen:
     let r = if ASSIGN { v } else { _mm512_add_ps(unsafe { _mm512_loadu_ps(m) }, v) };
     // SAFETY: `m` is also valid for LANES writes; the store is unaligned.
     unsafe { _mm512_storeu_ps(m, r) };
-    *seen = _mm512_max_epu32(*seen, _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(EXPONENT)));
+    *seen = _mm512_max_epu32(
+        *seen,
+        _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(EXPONENT)),
+    );
 }
 
 /// `x` in every lane.
@@ -109,7 +114,8 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     let mut i = head;
     while i + LINE <= n {
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are in `buf`.
+            // SAFETY: j + LANES <= i + LINE <= n (the loop condition), so elements j..j + LANES are
+            // in `buf`.
             unsafe { _mm512_storeu_ps(p.add(j), _mm512_mul_ps(_mm512_loadu_ps(p.add(j)), f)) };
         }
         i += LINE;
@@ -117,7 +123,8 @@ pub(super) fn scale(buf: &mut [f32], factor: f32) {
     scalar::scale(&mut buf[i..], factor);
 }
 
-/// Lanes 0..8 of the block's partial sums live in `lo`, lanes 8..16 in `hi` (see `math::NORM_LANES`).
+/// Lanes 0..8 of the block's partial sums live in `lo`, lanes 8..16 in `hi` (see
+/// `math::NORM_LANES`).
 #[target_feature(enable = "avx512f")]
 pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
     const _: () = assert!(math::NORM_LANES == 2 * 8);
@@ -127,7 +134,8 @@ pub(super) fn block_sums(buf: &[f32], out: &mut [f64]) {
         let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
         let mut i = 0;
         while i < full {
-            // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i + 16 is in it.
+            // SAFETY: i < full, a multiple of NORM_LANES (16) no larger than the block, so i..i +
+            // 16 is in it.
             let (a, b) = unsafe { (_mm256_loadu_ps(p.add(i)), _mm256_loadu_ps(p.add(i + 8))) };
             let (a, b) = (_mm512_cvtps_pd(a), _mm512_cvtps_pd(b));
             // A fused multiply-add rounds like multiply-then-add here: squares are exact in f64.
@@ -155,8 +163,14 @@ pub(super) fn add_assign(dst: &mut [f32], src: &[f32]) {
     let mut i = head;
     while i + LINE <= n {
         for j in (i..i + LINE).step_by(LANES) {
-            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both slices.
-            unsafe { _mm512_storeu_ps(d.add(j), _mm512_add_ps(_mm512_loadu_ps(d.add(j)), _mm512_loadu_ps(s.add(j)))) };
+            // SAFETY: j + LANES <= i + LINE <= n, the shorter length, so j..j + LANES is in both
+            // slices.
+            unsafe {
+                _mm512_storeu_ps(
+                    d.add(j),
+                    _mm512_add_ps(_mm512_loadu_ps(d.add(j)), _mm512_loadu_ps(s.add(j))),
+                )
+            };
         }
         i += LINE;
     }

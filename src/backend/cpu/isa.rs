@@ -108,7 +108,8 @@ fn vendor_from(ebx: u32, edx: u32, ecx: u32) -> [u8; 12] {
 fn process_default() -> Isa {
     static DEFAULT: OnceLock<Isa> = OnceLock::new();
     *DEFAULT.get_or_init(|| {
-        let requested = std::env::var("GRADACC_CPU_ISA").ok().and_then(|name| Isa::from_name(&name));
+        let requested =
+            std::env::var("GRADACC_CPU_ISA").ok().and_then(|name| Isa::from_name(&name));
         requested.unwrap_or(Isa::Avx512).clamp()
     })
 }
@@ -173,9 +174,16 @@ mod tests {
         assert_eq!(&vendor_from(0x6874_7541, 0x6974_6e65, 0x444d_4163), b"AuthenticAMD");
         // This CPU's, where Linux names it too.
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        if let Some(line) = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().lines().find(|l| l.starts_with("vendor_id")) {
+        if let Some(line) = std::fs::read_to_string("/proc/cpuinfo")
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("vendor_id"))
+        {
             let vendor = vendor();
-            assert!(line.ends_with(String::from_utf8_lossy(&vendor).trim()), "{line} against {vendor:?}");
+            assert!(
+                line.ends_with(String::from_utf8_lossy(&vendor).trim()),
+                "{line} against {vendor:?}"
+            );
         }
     }
 }

@@ -23,7 +23,12 @@ unsafe impl Sync for Master {}
 impl Master {
     pub(super) fn owned(len: usize) -> Result<Self> {
         let mut v: Vec<f32> = Vec::new();
-        v.try_reserve_exact(len).map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot allocate a master buffer of {len} f32 elements")))?;
+        v.try_reserve_exact(len).map_err(|_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!("cannot allocate a master buffer of {len} f32 elements"),
+            )
+        })?;
         v.resize(len, 0.0);
         let ptr = Box::into_raw(v.into_boxed_slice()) as *mut f32;
         Ok(Master { ptr, len, owned: true })

@@ -4,8 +4,9 @@
 /// Elements per block of the deterministic sum of squares.
 pub const NORM_BLOCK: usize = 4096;
 
-/// Partial sums per block of the sum of squares: element `i` of a block goes to lane `i % NORM_LANES`.
-/// Sixteen lanes are two AVX-512 or four AVX2 f64 vectors, so SIMD paths keep them in registers.
+/// Partial sums per block of the sum of squares: element `i` of a block goes to lane
+/// `i % NORM_LANES`. Sixteen lanes are two AVX-512 or four AVX2 f64 vectors, so SIMD paths keep
+/// them in registers.
 pub const NORM_LANES: usize = 16;
 
 /// `weight / scale`, rounded once to f32: the single multiplier applied to every element of a
@@ -112,8 +113,9 @@ pub fn add_squares_to_lanes(lanes: &mut [f64; NORM_LANES], values: &[f32]) {
     }
 }
 
-/// Combines the lanes by halving: lane `j` += lane `j + w` for `w` = 8, 4, 2, 1; the result is lane 0.
-/// This is the order a SIMD register reduction takes, fixed here so every path gives the same bits.
+/// Combines the lanes by halving: lane `j` += lane `j + w` for `w` = 8, 4, 2, 1; the result is lane
+/// 0. This is the order a SIMD register reduction takes, fixed here so every path gives the same
+/// bits.
 #[inline]
 pub fn combine_lanes(mut lanes: [f64; NORM_LANES]) -> f64 {
     let mut width = NORM_LANES / 2;
@@ -154,17 +156,23 @@ mod tests {
             let acc = f64::from_bits(next() >> 2); // non-negative, finite
             let fused = (v as f64).mul_add(v as f64, acc);
             let separate = acc + square(v);
-            assert!(fused.to_bits() == separate.to_bits() || (fused.is_nan() && separate.is_nan()), "{v:e} {acc:e}");
+            assert!(
+                fused.to_bits() == separate.to_bits() || (fused.is_nan() && separate.is_nan()),
+                "{v:e} {acc:e}"
+            );
         }
     }
 
     #[test]
     fn lanes_combine_by_halving() {
         // Magnitudes far apart, so that a different order gives different bits.
-        let lanes: [f64; NORM_LANES] = std::array::from_fn(|j| 1e8f64.powi(j as i32 % 3) / (j as f64 + 3.0));
+        let lanes: [f64; NORM_LANES] =
+            std::array::from_fn(|j| 1e8f64.powi(j as i32 % 3) / (j as f64 + 3.0));
         assert_ne!(combine_lanes(lanes), lanes.iter().sum::<f64>());
-        let by_hand = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12])) + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
-            + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13])) + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
+        let by_hand = (((lanes[0] + lanes[8]) + (lanes[4] + lanes[12]))
+            + ((lanes[2] + lanes[10]) + (lanes[6] + lanes[14])))
+            + (((lanes[1] + lanes[9]) + (lanes[5] + lanes[13]))
+                + ((lanes[3] + lanes[11]) + (lanes[7] + lanes[15])));
         assert_eq!(combine_lanes(lanes), by_hand);
         assert_eq!(block_sum_squares(&[]).to_bits(), 0.0f64.to_bits());
         assert_eq!(block_sum_squares(&[3.0; 17]), 153.0);

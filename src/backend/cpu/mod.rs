@@ -28,7 +28,9 @@ pub const MIN_ELEMENTS_PER_THREAD: usize = 256 * 1024;
 
 // Thread parts start at multiples of NORM_BLOCK, so every sum-of-squares block lies in one part;
 // being multiples of 64 elements also keeps each part's start aligned like the buffer's start.
-const _: () = assert!(math::NORM_BLOCK.is_multiple_of(64) && math::NORM_BLOCK.is_multiple_of(math::NORM_LANES));
+const _: () = assert!(
+    math::NORM_BLOCK.is_multiple_of(64) && math::NORM_BLOCK.is_multiple_of(math::NORM_LANES)
+);
 
 /// Fused pass for one tensor of one micro-batch:
 /// `master[i] = (assign ? 0 : master[i]) + to_f32(grad[i]) * factor` (a rounded multiply, then a
@@ -36,7 +38,13 @@ const _: () = assert!(math::NORM_BLOCK.is_multiple_of(64) && math::NORM_BLOCK.is
 ///
 /// `factor` is `weight / scale`, computed once by [`math::unscale_factor`]. `threads <= 1` runs on
 /// the calling thread only; buffers shorter than `threads * MIN_ELEMENTS_PER_THREAD` use fewer.
-pub fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool, threads: usize) -> bool {
+pub fn accumulate(
+    master: &mut [f32],
+    grad: Grad<'_>,
+    factor: f32,
+    assign: bool,
+    threads: usize,
+) -> bool {
     assert_eq!(master.len(), grad.len(), "master and gradient lengths differ");
     let isa = active_isa();
     // The common case of a model's many small tensors goes straight to the kernel: planning parts
@@ -44,7 +52,9 @@ pub fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool,
     if threads <= 1 || grad.len() < 2 * MIN_ELEMENTS_PER_THREAD {
         return accumulate_part(isa, master, grad, factor, assign);
     }
-    run_parts(master, part_ends(grad.len(), threads), |start, m| accumulate_part(isa, m, grad.slice(start, start + m.len()), factor, assign))
+    run_parts(master, part_ends(grad.len(), threads), |start, m| {
+        accumulate_part(isa, m, grad.slice(start, start + m.len()), factor, assign)
+    })
 }
 
 /// One tensor's fused pass in [`accumulate_many`]: its master, its gradient (same length) and
@@ -68,13 +78,23 @@ pub fn accumulate_many(tensors: Vec<TensorPass<'_>>, factor: f32, threads: usize
     let isa = active_isa();
     let total: usize = tensors.iter().map(|t| t.master.len()).sum();
     let parts = threads.min(total / MIN_ELEMENTS_PER_THREAD).max(1);
-    let run = |group: Vec<TensorPass<'_>>| group.into_iter().fold(false, |bad, t| accumulate_part(isa, t.master, t.grad, factor, t.assign) | bad);
+    let run = |group: Vec<TensorPass<'_>>| {
+        group
+            .into_iter()
+            .fold(false, |bad, t| accumulate_part(isa, t.master, t.grad, factor, t.assign) | bad)
+    };
     if parts == 1 {
         return run(tensors);
     }
     // Run k ends at element `total * k / parts` of the sequence, rounded to a multiple of 64
     // elements so that a cut inside a tensor keeps both halves' vector loops whole.
-    let end_of = |k: usize| if k == parts { total } else { (total * k / parts).next_multiple_of(64).min(total) };
+    let end_of = |k: usize| {
+        if k == parts {
+            total
+        } else {
+            (total * k / parts).next_multiple_of(64).min(total)
+        }
+    };
     let mut groups: Vec<Vec<TensorPass<'_>>> = (0..parts).map(|_| Vec::new()).collect();
     let (mut k, mut pos) = (0, 0);
     for t in tensors {
@@ -87,7 +107,11 @@ pub fn accumulate_many(tensors: Vec<TensorPass<'_>>, factor: f32, threads: usize
             }
             let take = room.min(master.len());
             let (head, rest) = master.split_at_mut(take);
-            groups[k].push(TensorPass { master: head, grad: grad.slice(0, take), assign: t.assign });
+            groups[k].push(TensorPass {
+                master: head,
+                grad: grad.slice(0, take),
+                assign: t.assign,
+            });
             (master, grad, pos) = (rest, grad.slice(take, grad.len()), pos + take);
         }
     }
@@ -161,7 +185,8 @@ pub fn scale_and_sum_squares(buf: &mut [f32], factor: f32, threads: usize) -> f6
     fold_block_sums(&sums)
 }
 
-/// Blocks of [`math::NORM_BLOCK`] elements in a buffer of `len` elements, the last one possibly short.
+/// Blocks of [`math::NORM_BLOCK`] elements in a buffer of `len` elements, the last one possibly
+/// short.
 pub fn blocks(len: usize) -> usize {
     len.div_ceil(math::NORM_BLOCK)
 }
@@ -171,9 +196,10 @@ pub fn fold_block_sums(sums: &[f64]) -> f64 {
     sums.iter().fold(0.0, |total, &block| total + block)
 }
 
-/// `out[b]` = [`math::block_sum_squares`] of block `b` of `buf` (`out.len()` = `blocks(buf.len())`).
-/// A block's sum depends on its elements only, so a buffer may be measured in pieces that start at
-/// multiples of `NORM_BLOCK`, by any thread or process, and its block sums are the same bits.
+/// `out[b]` = [`math::block_sum_squares`] of block `b` of `buf` (`out.len()` =
+/// `blocks(buf.len())`). A block's sum depends on its elements only, so a buffer may be measured in
+/// pieces that start at multiples of `NORM_BLOCK`, by any thread or process, and its block sums are
+/// the same bits.
 pub fn block_sum_squares(buf: &[f32], out: &mut [f64], threads: usize) {
     assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
     let isa = active_isa();
@@ -197,7 +223,8 @@ pub fn scale_and_block_sum_squares(buf: &mut [f32], factor: f32, out: &mut [f64]
     let (mut rest, mut rest_sums, mut start) = (buf, out, 0);
     for &end in &ends {
         let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
-        let (part_sums, tail_sums) = std::mem::take(&mut rest_sums).split_at_mut(blocks(end - start));
+        let (part_sums, tail_sums) =
+            std::mem::take(&mut rest_sums).split_at_mut(blocks(end - start));
         parts.push((part, part_sums));
         (rest, rest_sums, start) = (tail, tail_sums, end);
     }
@@ -217,20 +244,31 @@ pub fn scale_and_block_sum_squares(buf: &mut [f32], factor: f32, out: &mut [f64]
 /// and scaled while it is in L1 (on AVX2 and AVX-512 in one sweep, see `docs/kernels.md`). Same
 /// bits as [`add_assign`], then [`block_sum_squares`], then [`scale`]. One thread: the boundary
 /// runs it on one rank's share of a chunk, a few hundred KB.
-pub fn add_and_block_sum_squares(buf: &mut [f32], addend: &[f32], factor: Option<f32>, out: &mut [f64]) {
+pub fn add_and_block_sum_squares(
+    buf: &mut [f32],
+    addend: &[f32],
+    factor: Option<f32>,
+    out: &mut [f64],
+) {
     assert_eq!(buf.len(), addend.len(), "buffer and addend lengths differ");
     assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
     let isa = active_isa();
     match (isa, factor) {
-        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2 | Isa::Avx512, Some(factor)) => return unsafe { avx2::add_and_block_sums::<true>(buf, addend, factor, out) },
-        // SAFETY: as above.
+        (Isa::Avx2 | Isa::Avx512, Some(factor)) => {
+            // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+            return unsafe { avx2::add_and_block_sums::<true>(buf, addend, factor, out) };
+        }
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2 | Isa::Avx512, None) => return unsafe { avx2::add_and_block_sums::<false>(buf, addend, 1.0, out) },
+        (Isa::Avx2 | Isa::Avx512, None) => {
+            // SAFETY: as above.
+            return unsafe { avx2::add_and_block_sums::<false>(buf, addend, 1.0, out) };
+        }
         _ => {}
     }
-    for ((block, add), sum) in buf.chunks_mut(math::NORM_BLOCK).zip(addend.chunks(math::NORM_BLOCK)).zip(out) {
+    for ((block, add), sum) in
+        buf.chunks_mut(math::NORM_BLOCK).zip(addend.chunks(math::NORM_BLOCK)).zip(out)
+    {
         add_assign_part(isa, block, add);
         block_sums_part(isa, block, std::slice::from_mut(sum));
         if let Some(factor) = factor {
@@ -270,7 +308,8 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
 fn add_assign_part(isa: Isa, dst: &mut [f32], src: &[f32]) {
     match isa {
         // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
-        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel
+        // needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::add_assign(dst, src) },
         // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
@@ -280,10 +319,17 @@ fn add_assign_part(isa: Isa, dst: &mut [f32], src: &[f32]) {
     }
 }
 
-fn accumulate_part(isa: Isa, master: &mut [f32], grad: Grad<'_>, factor: f32, assign: bool) -> bool {
+fn accumulate_part(
+    isa: Isa,
+    master: &mut [f32],
+    grad: Grad<'_>,
+    factor: f32,
+    assign: bool,
+) -> bool {
     match isa {
         // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
-        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel
+        // needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::accumulate(master, grad, factor, assign) },
         // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
@@ -296,7 +342,8 @@ fn accumulate_part(isa: Isa, master: &mut [f32], grad: Grad<'_>, factor: f32, as
 fn scale_part(isa: Isa, buf: &mut [f32], factor: f32) {
     match isa {
         // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
-        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel
+        // needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::scale(buf, factor) },
         // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
@@ -309,7 +356,8 @@ fn scale_part(isa: Isa, buf: &mut [f32], factor: f32) {
 fn block_sums_part(isa: Isa, buf: &[f32], out: &mut [f64]) {
     match isa {
         // SAFETY: every caller passes `active_isa()`, which `Isa::clamp` keeps within what `probe`
-        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel needs.
+        // detected, so Avx512 here means the CPU has AVX-512F (hence AVX2 and F16C) as the kernel
+        // needs.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::block_sums(buf, out) },
         // SAFETY: likewise, `probe` reports Avx2 or wider only after detecting AVX2 and F16C.
@@ -335,7 +383,11 @@ fn part_ends(len: usize, threads: usize) -> impl Iterator<Item = usize> {
 /// Cuts `buf` at `ends` (increasing, the last one `buf.len()`) and runs `work(first_index, part)`
 /// on every part: the first on the calling thread, the others on scoped threads. Returns whether
 /// any call returned `true`. A single part runs directly, with no thread and no allocation.
-fn run_parts<T: Send>(buf: &mut [T], ends: impl Iterator<Item = usize>, work: impl Fn(usize, &mut [T]) -> bool + Sync) -> bool {
+fn run_parts<T: Send>(
+    buf: &mut [T],
+    ends: impl Iterator<Item = usize>,
+    work: impl Fn(usize, &mut [T]) -> bool + Sync,
+) -> bool {
     let mut ends = ends.peekable();
     let first_end = ends.next().unwrap_or(buf.len());
     if ends.peek().is_none() {
@@ -367,8 +419,22 @@ mod tests {
 
     #[test]
     fn round_to_bf16_is_the_scalar_conversion_and_back() {
-        let mut values = vec![0.0, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, -1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
-        values.extend([0x3f80_8000u32, 0x3f81_8000, 0x3f80_7fff, 0x7f7f_ffff, 0xffc0_0001, 0x7f80_0001].map(f32::from_bits));
+        let mut values = vec![
+            0.0,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        values.extend(
+            [0x3f80_8000u32, 0x3f81_8000, 0x3f80_7fff, 0x7f7f_ffff, 0xffc0_0001, 0x7f80_0001]
+                .map(f32::from_bits),
+        );
         let mut state = 0x9e37_79b9u32;
         values.extend((0..10_000).map(|_| {
             state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
@@ -381,21 +447,34 @@ mod tests {
         for ((&v, &r), &b) in values.iter().zip(&rounded).zip(&bits) {
             assert_eq!(b, math::f32_to_bf16(v), "{v:e}");
             let want = math::bf16_to_f32(math::f32_to_bf16(v));
-            assert_eq!(r.to_bits(), want.to_bits(), "{v:e} ({:#x}): {r:e} vs {want:e}", v.to_bits());
+            assert_eq!(
+                r.to_bits(),
+                want.to_bits(),
+                "{v:e} ({:#x}): {r:e} vs {want:e}",
+                v.to_bits()
+            );
         }
     }
 
     #[test]
     fn parts_are_whole_blocks_covering_the_buffer() {
         let block = math::NORM_BLOCK;
-        for len in [0, 1, block, 2 * MIN_ELEMENTS_PER_THREAD - 1, 2 * MIN_ELEMENTS_PER_THREAD, 10_000_019] {
+        for len in
+            [0, 1, block, 2 * MIN_ELEMENTS_PER_THREAD - 1, 2 * MIN_ELEMENTS_PER_THREAD, 10_000_019]
+        {
             for threads in [0, 1, 2, 3, 7, 64] {
                 let ends: Vec<usize> = part_ends(len, threads).collect();
                 assert_eq!(ends.last(), Some(&len));
-                assert!(ends.len() <= threads.max(1) && ends.len() <= (len / MIN_ELEMENTS_PER_THREAD).max(1));
+                assert!(
+                    ends.len() <= threads.max(1)
+                        && ends.len() <= (len / MIN_ELEMENTS_PER_THREAD).max(1)
+                );
                 let mut start = 0usize;
                 for &end in &ends {
-                    assert!(start.is_multiple_of(block) && end > start || len == 0, "len {len} threads {threads}: {ends:?}");
+                    assert!(
+                        start.is_multiple_of(block) && end > start || len == 0,
+                        "len {len} threads {threads}: {ends:?}"
+                    );
                     start = end;
                 }
                 let block_ends: Vec<usize> = part_block_ends(len, threads).collect();
@@ -407,10 +486,23 @@ mod tests {
     #[test]
     fn accumulate_many_matches_accumulate_per_tensor_for_any_thread_count() {
         // Sizes around the thread and vector cuts, and a large tensor among small ones.
-        let sizes = [1, 63, 64, 4097, 3 * MIN_ELEMENTS_PER_THREAD + 5, 17, MIN_ELEMENTS_PER_THREAD - 1, 100_003, 2];
+        let sizes = [
+            1,
+            63,
+            64,
+            4097,
+            3 * MIN_ELEMENTS_PER_THREAD + 5,
+            17,
+            MIN_ELEMENTS_PER_THREAD - 1,
+            100_003,
+            2,
+        ];
         let total: usize = sizes.iter().sum();
-        let grad: Vec<u16> = (0..total).map(|i| math::f32_to_f16(((i * 7919) % 2003) as f32 / 97.0 - 10.0)).collect();
-        let start: Vec<f32> = (0..total).map(|i| ((i * 104_729) % 1009) as f32 / 13.0 - 38.0).collect();
+        let grad: Vec<u16> = (0..total)
+            .map(|i| math::f32_to_f16(((i * 7919) % 2003) as f32 / 97.0 - 10.0))
+            .collect();
+        let start: Vec<f32> =
+            (0..total).map(|i| ((i * 104_729) % 1009) as f32 / 13.0 - 38.0).collect();
         for bad_at in [None, Some(total - 1), Some(sizes[..4].iter().sum::<usize>() + 12_345)] {
             let mut grad = grad.clone();
             if let Some(i) = bad_at {
@@ -419,7 +511,13 @@ mod tests {
             let mut want = start.clone();
             let (mut at, mut want_bad) = (0, false);
             for (k, &n) in sizes.iter().enumerate() {
-                want_bad |= accumulate(&mut want[at..at + n], Grad::F16(&grad[at..at + n]), 0.375, k % 3 == 1, 1);
+                want_bad |= accumulate(
+                    &mut want[at..at + n],
+                    Grad::F16(&grad[at..at + n]),
+                    0.375,
+                    k % 3 == 1,
+                    1,
+                );
                 at += n;
             }
             for threads in [1, 2, 3, 7] {
@@ -428,12 +526,19 @@ mod tests {
                 let (mut rest, mut at) = (got.as_mut_slice(), 0);
                 for (k, &n) in sizes.iter().enumerate() {
                     let (master, tail) = std::mem::take(&mut rest).split_at_mut(n);
-                    passes.push(TensorPass { master, grad: Grad::F16(&grad[at..at + n]), assign: k % 3 == 1 });
+                    passes.push(TensorPass {
+                        master,
+                        grad: Grad::F16(&grad[at..at + n]),
+                        assign: k % 3 == 1,
+                    });
                     (rest, at) = (tail, at + n);
                 }
                 let bad = accumulate_many(passes, 0.375, threads);
                 assert_eq!(bad, want_bad, "threads {threads}, inf at {bad_at:?}");
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "threads {threads}");
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "threads {threads}"
+                );
             }
         }
     }

@@ -7,7 +7,12 @@ use crate::dtype::Grad;
 /// The fused pass with the element decoder as a parameter; `ASSIGN` is a constant so the loop
 /// carries no branch.
 #[inline]
-pub(super) fn accumulate_with<const ASSIGN: bool, E: Copy>(master: &mut [f32], grad: &[E], factor: f32, decode: impl Fn(E) -> f32) -> bool {
+pub(super) fn accumulate_with<const ASSIGN: bool, E: Copy>(
+    master: &mut [f32],
+    grad: &[E],
+    factor: f32,
+    decode: impl Fn(E) -> f32,
+) -> bool {
     let mut bad = false;
     for (m, &g) in master.iter_mut().zip(grad) {
         *m = math::accumulate_one(*m, decode(g), factor, ASSIGN);

@@ -54,7 +54,10 @@ pub(crate) struct ShardedStore {
 
 impl std::fmt::Debug for ShardedStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardedStore").field("own", &self.own).field("shards", &self.shards).finish()
+        f.debug_struct("ShardedStore")
+            .field("own", &self.own)
+            .field("shards", &self.shards)
+            .finish()
     }
 }
 
@@ -86,7 +89,13 @@ impl ShardedStore {
         let own = shards[comm.rank()].clone();
         let shard = Master::owned(own.len())?;
         // Clamped first: a bucket_numel near usize::MAX ("one bucket") must not wrap.
-        let stripe = plan.config.bucket_numel.div_ceil(shards.len()).min(plan.layout.len()).max(1).next_multiple_of(NORM_BLOCK);
+        let stripe = plan
+            .config
+            .bucket_numel
+            .div_ceil(shards.len())
+            .min(plan.layout.len())
+            .max(1)
+            .next_multiple_of(NORM_BLOCK);
         let staging = Self::allocate_stage(&plan, &shards, stripe)?;
         let mut bucket_tensors = vec![0..0; plan.layout.buckets().len()];
         for i in 0..plan.descs.len() {
@@ -121,11 +130,16 @@ impl ShardedStore {
     /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
     /// needs), and for a stripe.
     fn allocate_stage(plan: &Plan, shards: &[Range<usize>], stripe: usize) -> Result<Vec<f32>> {
-        let buckets = plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
+        let buckets =
+            plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
         let len = buckets.max(shards.iter().map(|s| s.len().min(stripe)).sum());
         let mut v = Vec::new();
-        v.try_reserve_exact(len)
-            .map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot allocate a staging bucket of {len} f32 elements")))?;
+        v.try_reserve_exact(len).map_err(|_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!("cannot allocate a staging bucket of {len} f32 elements"),
+            )
+        })?;
         v.resize(len, 0.0);
         Ok(v)
     }
@@ -146,7 +160,13 @@ impl ShardedStore {
 
     /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
     /// range at its staging position; flags overflow. `flat` ascends, and so do the positions.
-    fn stage_ranges<'g>(&self, stage: &mut [f32], parts: &[(Range<usize>, usize)], grads: &dyn Fn(usize) -> Grad<'g>, factor: f32) {
+    fn stage_ranges<'g>(
+        &self,
+        stage: &mut [f32],
+        parts: &[(Range<usize>, usize)],
+        grads: &dyn Fn(usize) -> Grad<'g>,
+        factor: f32,
+    ) {
         let layout = &self.plan.layout;
         let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
@@ -155,9 +175,14 @@ impl ShardedStore {
             while i < self.plan.descs.len() && layout.range(i).start < flat.end {
                 let t = layout.range(i);
                 let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
+                let (_, tail) =
+                    std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
                 let (master, tail) = tail.split_at_mut(hi - lo);
-                passes.push(super::TensorPass { master, grad: grads(i).slice(lo - t.start, hi - t.start), assign: true });
+                passes.push(super::TensorPass {
+                    master,
+                    grad: grads(i).slice(lo - t.start, hi - t.start),
+                    assign: true,
+                });
                 (rest, at) = (tail, position + (hi - flat.start));
                 i += 1;
             }
@@ -170,8 +195,13 @@ impl ShardedStore {
     /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
     /// packed in rank order.
     fn stripe(&self, k: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
-        let flat: Vec<Range<usize>> =
-            self.shards.iter().map(|s| (s.start + k * self.stripe).min(s.end)..(s.start + (k + 1) * self.stripe).min(s.end)).collect();
+        let flat: Vec<Range<usize>> = self
+            .shards
+            .iter()
+            .map(|s| {
+                (s.start + k * self.stripe).min(s.end)..(s.start + (k + 1) * self.stripe).min(s.end)
+            })
+            .collect();
         let mut at = 0;
         let pieces = flat.iter().map(|f| (at..at + f.len(), at += f.len()).0).collect();
         (flat, pieces)
@@ -182,7 +212,9 @@ impl ShardedStore {
     fn reduce_bucket(&self, b: usize, stage: &mut [f32], first: bool) -> Result<()> {
         let bucket = self.plan.layout.buckets()[b].clone();
         let base = stage_base(&bucket);
-        let clamp = |s: &Range<usize>| s.start.clamp(base, bucket.end) - base..s.end.clamp(base, bucket.end) - base;
+        let clamp = |s: &Range<usize>| {
+            s.start.clamp(base, bucket.end) - base..s.end.clamp(base, bucket.end) - base
+        };
         let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
         // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
         let own = clamp(&self.own);
@@ -194,7 +226,14 @@ impl ShardedStore {
     /// Reduce-scatters `stage` cut into `pieces` (one per rank) and adds `own`, this rank's part,
     /// into the shard from element `shard_at` (assigns it with `first`). A failure loses the
     /// window.
-    fn reduce_part(&self, stage: &mut [f32], pieces: &[Range<usize>], own: Range<usize>, shard_at: usize, first: bool) -> Result<()> {
+    fn reduce_part(
+        &self,
+        stage: &mut [f32],
+        pieces: &[Range<usize>],
+        own: Range<usize>,
+        shard_at: usize,
+        first: bool,
+    ) -> Result<()> {
         let into = AddInto {
             stage: stage.as_ptr() as usize..stage.as_ptr_range().end as usize,
             own,
@@ -257,7 +296,9 @@ impl ShardedStore {
     /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
     /// is lost.
     fn close_together(&self, invalid: bool) -> Result<()> {
-        let total = self.control_step(CLOSING, invalid).inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+        let total = self
+            .control_step(CLOSING, invalid)
+            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
         if total.error || total.min_layout != total.max_layout {
             self.lost.store(true, Ordering::Relaxed);
             return Err(if invalid {
@@ -271,8 +312,12 @@ impl ShardedStore {
 
     /// One control reduction of a micro-batch: the layout with the step's tag, and the error flag.
     fn control_step(&self, tag: u64, error: bool) -> Result<ControlSum> {
-        let mine =
-            ControlSum::of(&Control { numel: self.plan.layout.len() as u64, layout: self.plan.fingerprint() ^ tag, error, ..Default::default() });
+        let mine = ControlSum::of(&Control {
+            numel: self.plan.layout.len() as u64,
+            layout: self.plan.fingerprint() ^ tag,
+            error,
+            ..Default::default()
+        });
         match between_ranks(Some(&*self.comm))? {
             Some(c) => c.reduce_control(&mine),
             None => Ok(mine),
@@ -313,7 +358,10 @@ impl BlockPass for AddInto<'_> {
     fn run(&self, run: &mut [f32], _values: &mut [f64]) {
         // Every communicator passes over runs of the buffer it reduces, here the staging.
         let span = run.as_ptr_range();
-        debug_assert!(self.stage.start <= span.start as usize && span.end as usize <= self.stage.end, "a run outside the staging");
+        debug_assert!(
+            self.stage.start <= span.start as usize && span.end as usize <= self.stage.end,
+            "a run outside the staging"
+        );
         let at = (span.start as usize).wrapping_sub(self.stage.start) / size_of::<f32>();
         let (lo, hi) = (at.max(self.own.start), (at + run.len()).min(self.own.end));
         if lo >= hi {
@@ -323,7 +371,9 @@ impl BlockPass for AddInto<'_> {
         // SAFETY: `dst` addresses the shard element of staging position `own.start`, and the
         // shard holds every element of `own` from there; only this pass writes the shard while
         // the store's micro-batch lock (or the window's write lock) is held.
-        let dst = unsafe { std::slice::from_raw_parts_mut((self.dst as *mut f32).add(lo - self.own.start), hi - lo) };
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((self.dst as *mut f32).add(lo - self.own.start), hi - lo)
+        };
         // The accumulation kernel with a factor of 1 (exact): `dst = src` or `dst += src`, and
         // whether a value it wrote is not finite, in one vectorised pass.
         if super::accumulate(dst, Grad::F32(src), 1.0, self.assign, 1) {
@@ -350,12 +400,16 @@ impl Store for ShardedStore {
     /// same layout, or all fail with nothing reduced.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         let mut m = self.state();
-        let total = self.control_step(if whole { BY_STRIPES } else { BY_BUCKETS }, error.is_some())?;
+        let total =
+            self.control_step(if whole { BY_STRIPES } else { BY_BUCKETS }, error.is_some())?;
         if let Some(e) = error {
             return Err(e.clone());
         }
         if total.error {
-            return Err(Error::new(ErrorKind::PeerFailure, "another rank's micro-batch call was invalid; no rank reduced this micro-batch"));
+            return Err(Error::new(
+                ErrorKind::PeerFailure,
+                "another rank's micro-batch call was invalid; no rank reduced this micro-batch",
+            ));
         }
         if total.min_layout != total.max_layout || total.min_numel != total.max_numel {
             return Err(Error::new(
@@ -375,8 +429,19 @@ impl Store for ShardedStore {
         Ok(())
     }
 
-    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
-        let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
+    fn add(
+        &self,
+        scaler: &Scaler,
+        grads: Grads<'_>,
+        weight: f64,
+        _first: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let Grads::Host(grads) = grads else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "device addresses for a CPU accumulator",
+            ));
+        };
         let factor = unscale_factor(scaler, weight)?;
         let mut m = self.state();
         let mut stage = self.spare_stage(&mut m.spare)?;
@@ -385,10 +450,17 @@ impl Store for ShardedStore {
         // The first shard is the largest.
         for k in 0..self.shards[0].len().div_ceil(self.stripe) {
             let (flat, pieces) = self.stripe(k);
-            let parts: Vec<(Range<usize>, usize)> = flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
+            let parts: Vec<(Range<usize>, usize)> =
+                flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
             self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
             let end = pieces.last().map_or(0, |p| p.end);
-            result = self.reduce_part(&mut stage[..end], &pieces, pieces[rank].clone(), k * self.stripe, m.first);
+            result = self.reduce_part(
+                &mut stage[..end],
+                &pieces,
+                pieces[rank].clone(),
+                k * self.stripe,
+                m.first,
+            );
             if result.is_err() {
                 break;
             }
@@ -398,13 +470,27 @@ impl Store for ShardedStore {
         result
     }
 
-    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, _first: bool) -> Result<()> {
-        let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
+    fn add_tensor(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        _first: bool,
+    ) -> Result<()> {
+        let Gradient::Host(grad) = grad else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "a device address for a CPU accumulator",
+            ));
+        };
         let factor = unscale_factor(scaler, weight)?;
         let mut m = self.state();
         let m = &mut *m;
         if !m.open {
-            return Err(Error::wrong_state("the micro-batch's reductions failed; end_microbatch discards the window"));
+            return Err(Error::wrong_state(
+                "the micro-batch's reductions failed; end_microbatch discards the window",
+            ));
         }
         if m.landed[index] {
             return Err(Error::wrong_state(format!(
@@ -428,7 +514,11 @@ impl Store for ShardedStore {
 
     fn close_microbatch(&self) -> Result<()> {
         let mut m = self.state();
-        let result = if m.open { self.reduce_ready(&mut m, true).and_then(|()| self.close_together(m.invalid)) } else { Ok(()) };
+        let result = if m.open {
+            self.reduce_ready(&mut m, true).and_then(|()| self.close_together(m.invalid))
+        } else {
+            Ok(())
+        };
         self.finish(&mut m);
         result
     }
@@ -474,7 +564,9 @@ impl Store for ShardedStore {
         // SAFETY: the window's write lock is held for the whole boundary.
         let shard = unsafe { self.shard.slice_mut(0..self.own.len()) };
         let mine = match between_ranks(p.replicas)? {
-            Some(r) => over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?,
+            Some(r) => {
+                over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?
+            }
             None => {
                 let mut values = vec![0.0; super::blocks(shard.len())];
                 pass.run(shard, &mut values);
@@ -483,7 +575,8 @@ impl Store for ShardedStore {
         };
         let values = match between_ranks(p.comm)? {
             Some(c) => {
-                let counts: Vec<usize> = self.shards.iter().map(|s| super::blocks(s.len())).collect();
+                let counts: Vec<usize> =
+                    self.shards.iter().map(|s| super::blocks(s.len())).collect();
                 c.allgather_values(&mine, &counts)?
             }
             None => mine,
@@ -500,7 +593,9 @@ impl Store for ShardedStore {
 
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
         // SAFETY: the accumulator's window lock is held for reading; it reads only held ranges.
-        out.copy_from_slice(unsafe { self.shard.slice_mut(range.start - self.own.start..range.end - self.own.start) });
+        out.copy_from_slice(unsafe {
+            self.shard.slice_mut(range.start - self.own.start..range.end - self.own.start)
+        });
         Ok(())
     }
 
@@ -523,13 +618,22 @@ impl Store for ShardedStore {
 /// A hybrid boundary's replica step: the shard all-reduced over the replicas with `pass` (the
 /// same bits on every replica), then one control reduction over the shard group so that a
 /// replica failure on any rank fails every rank. Returns the shard's block values.
-fn over_replicas(replicas: &dyn HostCollectives, group: Option<&dyn HostCollectives>, shard: &mut [f32], pass: &NormPass) -> Result<Vec<f64>> {
+fn over_replicas(
+    replicas: &dyn HostCollectives,
+    group: Option<&dyn HostCollectives>,
+    shard: &mut [f32],
+    pass: &NormPass,
+) -> Result<Vec<f64>> {
     let result = replicas.allreduce_with_pass(shard, std::slice::from_ref(&(0..shard.len())), pass);
     let Some(group) = group else { return result };
-    let told = group.reduce_control(&ControlSum { error: result.is_err(), ..Default::default() })?;
+    let told =
+        group.reduce_control(&ControlSum { error: result.is_err(), ..Default::default() })?;
     match result {
         Err(e) => Err(e),
-        Ok(_) if told.error => Err(Error::new(ErrorKind::PeerFailure, "the replica reduction failed on another rank of the shard group")),
+        Ok(_) if told.error => Err(Error::new(
+            ErrorKind::PeerFailure,
+            "the replica reduction failed on another rank of the shard group",
+        )),
         ok => ok,
     }
 }

@@ -7,8 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
-use crate::accumulator::{ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
-use crate::comm::{pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives};
+use crate::accumulator::{
+    ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo,
+};
+use crate::comm::{
+    pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
+};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -56,8 +60,19 @@ impl Store for HostStore {
         Device::Cpu
     }
 
-    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()> {
-        let Grads::Host(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "device addresses for a CPU accumulator")) };
+    fn add(
+        &self,
+        scaler: &Scaler,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let Grads::Host(grads) = grads else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "device addresses for a CPU accumulator",
+            ));
+        };
         let factor = unscale_factor(scaler, weight)?;
         let passes = grads
             .iter()
@@ -74,8 +89,20 @@ impl Store for HostStore {
         Ok(())
     }
 
-    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()> {
-        let Gradient::Host(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a device address for a CPU accumulator")) };
+    fn add_tensor(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<()> {
+        let Gradient::Host(grad) = grad else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "a device address for a CPU accumulator",
+            ));
+        };
         let factor = unscale_factor(scaler, weight)?;
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.
@@ -111,7 +138,9 @@ impl Store for HostStore {
         let shards = self.plan.shards();
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
-            (Some(c), None) if shards.is_empty() => c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
+            (Some(c), None) if shards.is_empty() => {
+                c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?
+            }
             (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &pass)?,
             (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass)?,
             // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
@@ -157,7 +186,8 @@ impl Store for HostStore {
 pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
     let layout = &plan.layout;
     // The ranks of a shard group must have replica groups of one size: it is in the world.
-    let replicas = p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
+    let replicas =
+        p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
     let mine = Control {
         numel: layout.len() as u64,
         layout: plan.fingerprint() ^ replicas,
@@ -170,7 +200,9 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
     let mut total = ControlSum::of(&mine);
     if let Some(c) = p.comm {
         // A shard group that fails here still tells the replicas, which would wait otherwise.
-        total = host_collectives(c)?.reduce_control(&total).inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
+        total = host_collectives(c)?
+            .reduce_control(&total)
+            .inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
     }
     if let Some(r) = p.replicas {
         // The replicas of a shard must hold the same shard: the fingerprint is tagged with
@@ -179,8 +211,11 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
         // minimum and a maximum into agreement).
         let shard = plan.config.sharding.shard().map_or(0, |(_, rank)| rank as u64);
         let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        (total.min_layout, total.max_layout) =
-            if total.min_layout == total.max_layout { (total.min_layout ^ tag, total.max_layout ^ tag) } else { (0, u64::MAX) };
+        (total.min_layout, total.max_layout) = if total.min_layout == total.max_layout {
+            (total.min_layout ^ tag, total.max_layout ^ tag)
+        } else {
+            (0, u64::MAX)
+        };
         total = host_collectives(r)?.reduce_control(&total)?;
     }
     if let Some(e) = &p.error {
@@ -214,7 +249,12 @@ impl Boundary {
         let max_norm = config.max_grad_norm as f64;
         let normalize = (1.0 / divisor as f64) as f32;
         let clip = (max_norm != 0.0).then_some(Clip { max_norm, divisor });
-        let pass = NormPass { factor: (clip.is_none() && normalize != 1.0).then_some(normalize), clip, threads: config.threads, wire };
+        let pass = NormPass {
+            factor: (clip.is_none() && normalize != 1.0).then_some(normalize),
+            clip,
+            threads: config.threads,
+            wire,
+        };
         Boundary { total, divisor, pass }
     }
 
@@ -229,7 +269,13 @@ impl Boundary {
         let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
         let t = &self.total;
         let found_inf = t.found_inf || !grad_norm.is_finite();
-        SyncInfo { found_inf, total_count: t.count, microbatches: t.microbatches, grad_norm, clip_coef }
+        SyncInfo {
+            found_inf,
+            total_count: t.count,
+            microbatches: t.microbatches,
+            grad_norm,
+            clip_coef,
+        }
     }
 }
 
@@ -248,7 +294,9 @@ pub(super) struct NormPass {
 pub(super) fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
     match c.collectives() {
         Collectives::Host(h) => Ok(h),
-        Collectives::Nccl(_) => Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator")),
+        Collectives::Nccl(_) => {
+            Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator"))
+        }
     }
 }
 
@@ -261,14 +309,29 @@ pub(super) fn between_ranks(c: Option<&dyn Communicator>) -> Result<Option<&dyn 
 /// of the shard over the replicas (with the normalisation, but without the second step), so the
 /// pieces are final before the shard group gathers the block values and clips. A failure on any
 /// replica group then fails every rank, through one more control reduction over the shard group.
-fn hybrid(shard: &dyn HostCollectives, replicas: &dyn HostCollectives, buf: &mut [f32], shards: &[Range<usize>], pass: NormPass) -> Result<Vec<f64>> {
-    let over = OverReplicas { replicas, inner: NormPass { clip: None, wire: Dtype::F32, ..pass }, outer: pass, failed: Mutex::new(None) };
+fn hybrid(
+    shard: &dyn HostCollectives,
+    replicas: &dyn HostCollectives,
+    buf: &mut [f32],
+    shards: &[Range<usize>],
+    pass: NormPass,
+) -> Result<Vec<f64>> {
+    let over = OverReplicas {
+        replicas,
+        inner: NormPass { clip: None, wire: Dtype::F32, ..pass },
+        outer: pass,
+        failed: Mutex::new(None),
+    };
     let values = shard.reduce_scatter_with_pass(buf, shards, &over)?;
     let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
-    let told = shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
+    let told =
+        shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
     match failed {
         Some(e) => Err(e),
-        None if told.error => Err(Error::new(ErrorKind::PeerFailure, "the replica reduction failed on another rank of the shard group")),
+        None if told.error => Err(Error::new(
+            ErrorKind::PeerFailure,
+            "the replica reduction failed on another rank of the shard group",
+        )),
         None => Ok(values),
     }
 }
@@ -288,7 +351,8 @@ impl BlockPass for OverReplicas<'_> {
         let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         if failed.is_none() {
             let whole = 0..run.len();
-            match self.replicas.allreduce_with_pass(run, std::slice::from_ref(&whole), &self.inner) {
+            match self.replicas.allreduce_with_pass(run, std::slice::from_ref(&whole), &self.inner)
+            {
                 Ok(v) => values.copy_from_slice(&v),
                 Err(e) => *failed = Some(e),
             }
@@ -321,7 +385,11 @@ pub(super) struct Clip {
 /// rank has the same bits.
 fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
     let grad_norm = super::fold_block_sums(block_sums).sqrt() / divisor as f64;
-    let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() { 1.0 } else { (max_norm / (grad_norm + 1e-6)).min(1.0) };
+    let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() {
+        1.0
+    } else {
+        (max_norm / (grad_norm + 1e-6)).min(1.0)
+    };
     (grad_norm, clip_coef)
 }
 
@@ -356,13 +424,19 @@ impl BlockPass for NormPass {
 /// Fails on every rank alike when the ranks' control values are inconsistent.
 pub(super) fn check_agreement(total: &ControlSum) -> Result<()> {
     if total.error {
-        return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
+        return Err(Error::new(
+            ErrorKind::PeerFailure,
+            "another rank's sync call was invalid; no rank reduced",
+        ));
     }
     if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
         return Err(ranks_differ(total.min_numel, total.max_numel));
     }
     if total.microbatches == 0 {
-        return Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch"));
+        return Err(Error::new(
+            ErrorKind::EmptyWindow,
+            "sync on an empty window: no rank added a micro-batch",
+        ));
     }
     Ok(())
 }

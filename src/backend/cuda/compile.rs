@@ -12,7 +12,8 @@ use super::library::{self, Opened};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The kernels: the per-element math (also compiled on the host by the tests), then the kernels.
-pub const SOURCE: &str = concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
+pub const SOURCE: &str =
+    concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
 pub const KERNELS: [&str; 14] = [
@@ -59,13 +60,12 @@ impl Target {
         if known.contains(&arch) {
             return Ok(Target::Cubin(arch));
         }
-        known
-            .iter()
-            .copied()
-            .filter(|&a| a <= arch)
-            .max()
-            .map(Target::Ptx)
-            .ok_or_else(|| Error::new(ErrorKind::BackendUnavailable, format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})")))
+        known.iter().copied().filter(|&a| a <= arch).max().map(Target::Ptx).ok_or_else(|| {
+            Error::new(
+                ErrorKind::BackendUnavailable,
+                format!("NVRTC cannot compile for sm_{arch} (it knows {known:?})"),
+            )
+        })
     }
 
     fn option(self) -> String {
@@ -113,7 +113,8 @@ pub fn supported_architectures() -> Result<Vec<u32>> {
     // `int` for the count.
     api.check(unsafe { (api.get_num_supported_archs)(&mut n) }, "nvrtcGetNumSupportedArchs")?;
     let mut archs = vec![0; n.max(0) as usize];
-    // SAFETY: NVRTC writes as many `int`s as it just counted, and `archs` holds exactly `n` of them.
+    // SAFETY: NVRTC writes as many `int`s as it just counted, and `archs` holds exactly `n` of
+    // them.
     api.check(unsafe { (api.get_supported_archs)(archs.as_mut_ptr()) }, "nvrtcGetSupportedArchs")?;
     Ok(archs.into_iter().map(|a| a as u32).collect())
 }
@@ -127,14 +128,24 @@ pub fn compile(target: Target) -> Result<Compiled> {
 /// options. Errors carry NVRTC's log.
 pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
     let api = nvrtc()?;
-    let source = CString::new(source).map_err(|_| Error::invalid("the CUDA source contains a NUL byte"))?;
+    let source =
+        CString::new(source).map_err(|_| Error::invalid("the CUDA source contains a NUL byte"))?;
     let name = c"gradacc_kernels.cu";
     let mut program = std::ptr::null_mut();
     api.check(
         // SAFETY: an entry point of the loaded NVRTC with its nvrtc.h prototype; `source` and
         // `name` are NUL-terminated and outlive the call (NVRTC copies them); zero headers, so
         // both header arrays may be null.
-        unsafe { (api.create_program)(&mut program, source.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
+        unsafe {
+            (api.create_program)(
+                &mut program,
+                source.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        },
         "nvrtcCreateProgram",
     )?;
     let result = compile_program(api, program, target);
@@ -146,39 +157,65 @@ pub fn compile_source(source: &str, target: Target) -> Result<Compiled> {
 
 fn compile_program(api: &Nvrtc, program: Program, target: Target) -> Result<Compiled> {
     // The launch geometry the Rust side uses, so kernels and launches cannot disagree.
-    let geometry = [format!("-DGA_THREADS={}", super::driver::THREADS), format!("-DGA_CHUNK={}", super::store::CHUNK)];
-    let options: Vec<CString> =
-        OPTIONS.iter().map(|o| o.to_string()).chain(geometry).chain([target.option()]).map(|o| CString::new(o).expect("option has no NUL")).collect();
+    let geometry = [
+        format!("-DGA_THREADS={}", super::driver::THREADS),
+        format!("-DGA_CHUNK={}", super::store::CHUNK),
+    ];
+    let options: Vec<CString> = OPTIONS
+        .iter()
+        .map(|o| o.to_string())
+        .chain(geometry)
+        .chain([target.option()])
+        .map(|o| CString::new(o).expect("option has no NUL"))
+        .collect();
     let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     // SAFETY: `program` is live (created by the only caller, `compile_source`, which destroys it
     // after this returns); `pointers` holds `pointers.len()` NUL-terminated strings owned by
     // `options`, which outlives the call.
-    let status = unsafe { (api.compile_program)(program, pointers.len() as c_int, pointers.as_ptr()) };
+    let status =
+        unsafe { (api.compile_program)(program, pointers.len() as c_int, pointers.as_ptr()) };
     let log = program_log(api, program)?;
     if status != SUCCESS {
         return Err(Error::new(
             ErrorKind::Internal,
-            format!("NVRTC could not compile the kernels for {target:?}: {}\n{log}", api.result_name(status)),
+            format!(
+                "NVRTC could not compile the kernels for {target:?}: {}\n{log}",
+                api.result_name(status)
+            ),
         ));
     }
-    let warnings = log.lines().map(str::trim).filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE)).map(String::from).collect();
+    let warnings = log
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.contains(PRE_TURING_NOTICE))
+        .map(String::from)
+        .collect();
     let image = match target {
         Target::Cubin(_) => {
             let mut size = 0;
-            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
+            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t`
+            // out-pointer.
             api.check(unsafe { (api.get_cubin_size)(program, &mut size) }, "nvrtcGetCUBINSize")?;
             let mut image = vec![0u8; size];
-            // SAFETY: NVRTC writes the CUBIN's `size` bytes, the length `image` was just given.
-            api.check(unsafe { (api.get_cubin)(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetCUBIN")?;
+            api.check(
+                // SAFETY: NVRTC writes the CUBIN's `size` bytes, the length `image` was just given.
+                unsafe { (api.get_cubin)(program, image.as_mut_ptr() as *mut c_char) },
+                "nvrtcGetCUBIN",
+            )?;
             image
         }
         Target::Ptx(_) => {
             let mut size = 0;
-            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t` out-pointer.
+            // SAFETY: a live program (see `nvrtcCompileProgram` above) and a live `size_t`
+            // out-pointer.
             api.check(unsafe { (api.get_ptx_size)(program, &mut size) }, "nvrtcGetPTXSize")?;
             let mut image = vec![0u8; size];
-            // SAFETY: NVRTC writes the PTX's `size` bytes (NUL included), the length `image` was just given.
-            api.check(unsafe { (api.get_ptx)(program, image.as_mut_ptr() as *mut c_char) }, "nvrtcGetPTX")?;
+            api.check(
+                // SAFETY: NVRTC writes the PTX's `size` bytes (NUL included), the length `image`
+                // was just given.
+                unsafe { (api.get_ptx)(program, image.as_mut_ptr() as *mut c_char) },
+                "nvrtcGetPTX",
+            )?;
             image
         }
     };
@@ -191,8 +228,11 @@ fn program_log(api: &Nvrtc, program: Program) -> Result<String> {
     // which destroys it later; `size` is a live `size_t` out-pointer.
     api.check(unsafe { (api.get_program_log_size)(program, &mut size) }, "nvrtcGetProgramLogSize")?;
     let mut log = vec![0u8; size.max(1)];
-    // SAFETY: NVRTC writes `size` bytes (NUL included); `log` holds at least that many.
-    api.check(unsafe { (api.get_program_log)(program, log.as_mut_ptr() as *mut c_char) }, "nvrtcGetProgramLog")?;
+    api.check(
+        // SAFETY: NVRTC writes `size` bytes (NUL included); `log` holds at least that many.
+        unsafe { (api.get_program_log)(program, log.as_mut_ptr() as *mut c_char) },
+        "nvrtcGetProgramLog",
+    )?;
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     Ok(String::from_utf8_lossy(&log[..end]).into_owned())
 }
@@ -212,7 +252,14 @@ struct Nvrtc {
     version: (i32, i32),
     get_num_supported_archs: unsafe extern "C" fn(*mut c_int) -> c_int,
     get_supported_archs: unsafe extern "C" fn(*mut c_int) -> c_int,
-    create_program: unsafe extern "C" fn(*mut Program, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int,
+    create_program: unsafe extern "C" fn(
+        *mut Program,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> c_int,
     compile_program: unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int,
     get_cubin_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
     get_cubin: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
@@ -232,7 +279,10 @@ struct Nvrtc {
 /// every entry point and is not newer than the driver (where one loads), or why none would do.
 fn nvrtc() -> Result<&'static Nvrtc> {
     static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
-    NVRTC.get_or_init(|| library::load(&library::NVRTC, Nvrtc::accept)).as_ref().map_err(Clone::clone)
+    NVRTC
+        .get_or_init(|| library::load(&library::NVRTC, Nvrtc::accept))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 impl Nvrtc {
@@ -248,19 +298,25 @@ impl Nvrtc {
                 unsafe { opened.symbol($name) }?
             };
         }
-        let version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int = resolve!("nvrtcVersion");
+        let version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int =
+            resolve!("nvrtcVersion");
         let (mut major, mut minor) = (0, 0);
         // SAFETY: nvrtcVersion's prototype; both out-pointers are live locals.
         let status = unsafe { version(&mut major, &mut minor) };
         if status != SUCCESS {
             return Err(format!("nvrtcVersion failed with code {status}"));
         }
-        if let Some(why) = super::driver::driver_version().and_then(|driver| newer_than_driver((major, minor), driver)) {
+        if let Some(why) = super::driver::driver_version()
+            .and_then(|driver| newer_than_driver((major, minor), driver))
+        {
             return Err(why);
         }
         let file = opened.path.clone().or_else(|| library::file_of(version as *const c_void));
         let builtins = match file.as_deref().and_then(|f| builtins_beside(f, major, minor)) {
-            Some(path) => Some(library::open_global(&path).map_err(|e| format!("its builtins {}: {e}", path.display()))?),
+            Some(path) => Some(
+                library::open_global(&path)
+                    .map_err(|e| format!("its builtins {}: {e}", path.display()))?,
+            ),
             None => None,
         };
         Ok(Nvrtc {
@@ -300,7 +356,10 @@ impl Nvrtc {
         if result == SUCCESS {
             Ok(())
         } else {
-            Err(Error::new(ErrorKind::Internal, format!("{what} failed: {}", self.result_name(result))))
+            Err(Error::new(
+                ErrorKind::Internal,
+                format!("{what} failed: {}", self.result_name(result)),
+            ))
         }
     }
 }
@@ -334,7 +393,9 @@ fn builtins_beside(nvrtc: &Path, major: i32, minor: i32) -> Option<PathBuf> {
     std::fs::read_dir(folder)
         .ok()?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|path| path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix)))
+        .filter(|path| {
+            path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix))
+        })
         .max()
 }
 
@@ -348,7 +409,11 @@ mod tests {
             newer_than_driver((13, 0), 12080).as_deref(),
             Some("NVRTC 13.0 is newer than the driver, which supports CUDA 12.8: its CUBIN would not load")
         );
-        assert_eq!(newer_than_driver((12, 9), 12020), None, "a later minor version is fine: the CUBIN's ABI is the major version's");
+        assert_eq!(
+            newer_than_driver((12, 9), 12020),
+            None,
+            "a later minor version is fine: the CUBIN's ABI is the major version's"
+        );
         assert_eq!(newer_than_driver((12, 8), 13000), None);
         assert_eq!(newer_than_driver((13, 0), 13000), None);
     }
@@ -358,15 +423,31 @@ mod tests {
         let folder = std::env::temp_dir().join(format!("gradacc-builtins-{}", std::process::id()));
         std::fs::create_dir_all(&folder).unwrap();
         let nvrtc = folder.join("libnvrtc.so.13");
-        for name in ["libnvrtc.so.13", "libnvrtc-builtins.so.13.5", "libnvrtc-builtins.alt.so.13.5", "libnvrtc-builtins.so.12.9.86"] {
+        for name in [
+            "libnvrtc.so.13",
+            "libnvrtc-builtins.so.13.5",
+            "libnvrtc-builtins.alt.so.13.5",
+            "libnvrtc-builtins.so.12.9.86",
+        ] {
             std::fs::write(folder.join(name), "").unwrap();
         }
-        let found = [builtins_beside(&nvrtc, 13, 5), builtins_beside(&nvrtc, 13, 0), builtins_beside(&nvrtc, 12, 9), builtins_beside(&nvrtc, 11, 8)];
+        let found = [
+            builtins_beside(&nvrtc, 13, 5),
+            builtins_beside(&nvrtc, 13, 0),
+            builtins_beside(&nvrtc, 12, 9),
+            builtins_beside(&nvrtc, 11, 8),
+        ];
         std::fs::remove_dir_all(&folder).unwrap();
-        let name = |p: &Option<PathBuf>| p.as_ref().map(|p| p.file_name().unwrap().to_string_lossy().into_owned());
+        let name = |p: &Option<PathBuf>| {
+            p.as_ref().map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        };
         assert_eq!(name(&found[0]).as_deref(), Some("libnvrtc-builtins.so.13.5"));
         assert_eq!(found[1], None, "another minor version is not NVRTC 13.0's");
-        assert_eq!(name(&found[2]).as_deref(), Some("libnvrtc-builtins.so.12.9.86"), "the version with a longer suffix");
+        assert_eq!(
+            name(&found[2]).as_deref(),
+            Some("libnvrtc-builtins.so.12.9.86"),
+            "the version with a longer suffix"
+        );
         assert_eq!(found[3], None);
     }
 }

@@ -30,9 +30,11 @@ pub fn driver_available() -> bool {
         let Ok(api) = driver_api::get() else { return false };
         let mut count = 0;
         // SAFETY: `api` holds entry points resolved from the loaded libcuda with their cuda.h
-        // prototypes; cuInit takes flags 0, and cuDeviceGetCount runs only after it succeeded (`&&`)
-        // and writes one `int` to `count`, a live local.
-        unsafe { (api.cuInit)(0) == SUCCESS && (api.cuDeviceGetCount)(&mut count) == SUCCESS && count > 0 }
+        // prototypes; cuInit takes flags 0, and cuDeviceGetCount runs only after it succeeded
+        // (`&&`) and writes one `int` to `count`, a live local.
+        unsafe {
+            (api.cuInit)(0) == SUCCESS && (api.cuDeviceGetCount)(&mut count) == SUCCESS && count > 0
+        }
     })
 }
 
@@ -103,7 +105,8 @@ fn check(api: &Api, code: u32, what: &str) -> Result<()> {
     } else {
         "a result code this driver does not describe".into()
     };
-    let kind = if code == ERROR_OUT_OF_MEMORY { ErrorKind::OutOfMemory } else { ErrorKind::DeviceFailure };
+    let kind =
+        if code == ERROR_OUT_OF_MEMORY { ErrorKind::OutOfMemory } else { ErrorKind::DeviceFailure };
     Err(Error::new(kind, format!("{what} failed: CUDA driver result {code} ({text})")))
 }
 
@@ -121,7 +124,8 @@ pub struct Context {
 }
 
 // SAFETY: the only non-Send field is the CUcontext handle, which the driver lets any thread make
-// current (`enter` pushes it on the calling thread); `api` is `&'static` and the rest is plain data.
+// current (`enter` pushes it on the calling thread); `api` is `&'static` and the rest is plain
+// data.
 unsafe impl Send for Context {}
 // SAFETY: no field changes after `get` builds the struct and every method takes `&self`, so shared
 // use only reads; the handle goes to driver calls, which are thread-safe.
@@ -131,7 +135,8 @@ impl Context {
     /// The primary context of device `ordinal`, shared by every gradacc object on that device.
     pub fn get(ordinal: i32) -> Result<Arc<Context>> {
         require_driver()?;
-        let api = driver_api::get().map_err(|why| Error::new(ErrorKind::BackendUnavailable, why))?;
+        let api =
+            driver_api::get().map_err(|why| Error::new(ErrorKind::BackendUnavailable, why))?;
         static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
         let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = contexts.iter().find(|c| c.ordinal == ordinal) {
@@ -141,26 +146,41 @@ impl Context {
         // SAFETY: `require_driver` saw cuInit succeed; the driver writes one `int` to `count`.
         check(api, unsafe { (api.cuDeviceGetCount)(&mut count) }, "cuDeviceGetCount")?;
         if ordinal < 0 || ordinal >= count {
-            return Err(Error::invalid(format!("`device`.ordinal = {ordinal}, but {count} CUDA device(s) are visible")));
+            return Err(Error::invalid(format!(
+                "`device`.ordinal = {ordinal}, but {count} CUDA device(s) are visible"
+            )));
         }
         let mut device = 0;
         // SAFETY: `ordinal` is in 0..count (checked just above); `device` is a live CUdevice.
         check(api, unsafe { (api.cuDeviceGet)(&mut device, ordinal) }, "cuDeviceGet")?;
         let mut context = std::ptr::null_mut();
-        // SAFETY: `device` came from the successful cuDeviceGet above; `context` is a live CUcontext.
-        check(api, unsafe { (api.cuDevicePrimaryCtxRetain)(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
+        check(
+            api,
+            // SAFETY: `device` came from the successful cuDeviceGet above; `context` is a live
+            // CUcontext.
+            unsafe { (api.cuDevicePrimaryCtxRetain)(&mut context, device) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
         let attribute = |a: sys::CUdevice_attribute| {
             let mut v = 0;
-            // SAFETY: `a` is a CUdevice_attribute value from cudarc's cuda.h bindings, `device` came
-            // from cuDeviceGet above, and the driver writes one `int` to `v`, a live local.
-            check(api, unsafe { (api.cuDeviceGetAttribute)(&mut v, a as c_int, device) }, "cuDeviceGetAttribute").map(|_| v)
+            // SAFETY: `a` is a CUdevice_attribute value from cudarc's cuda.h bindings, `device`
+            // came from cuDeviceGet above, and the driver writes one `int` to `v`, a live local.
+            check(
+                api,
+                unsafe { (api.cuDeviceGetAttribute)(&mut v, a as c_int, device) },
+                "cuDeviceGetAttribute",
+            )
+            .map(|_| v)
         };
         use sys::CUdevice_attribute::*;
         let c = Arc::new(Context {
             ordinal,
             context,
             api,
-            capability: (attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?),
+            capability: (
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
             multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
             memory_pools: attribute(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
         });
@@ -183,9 +203,13 @@ impl Context {
         let api = self.api;
         let _g = self.enter()?;
         let mut pool = std::ptr::null_mut();
-        // SAFETY: `device` is the handle `get` had from cuDeviceGet for this context; the driver
-        // writes one CUmemoryPool to `pool`, a live local.
-        check(api, unsafe { (api.cuDeviceGetDefaultMemPool)(&mut pool, device) }, "cuDeviceGetDefaultMemPool")?;
+        check(
+            api,
+            // SAFETY: `device` is the handle `get` had from cuDeviceGet for this context; the
+            // driver writes one CUmemoryPool to `pool`, a live local.
+            unsafe { (api.cuDeviceGetDefaultMemPool)(&mut pool, device) },
+            "cuDeviceGetDefaultMemPool",
+        )?;
         for peer in (0..count).filter(|&p| p != self.ordinal) {
             let mut peer_device = 0;
             // SAFETY: `peer` is in 0..count, the device count `get` read; `peer_device` is live.
@@ -210,9 +234,14 @@ impl Context {
     /// Makes this context current on the calling thread until the guard drops, then restores the
     /// caller's context: gradacc never leaves a different context current behind.
     pub fn enter(&self) -> Result<ContextGuard> {
-        // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
-        // released (the process-wide cache keeps every Context), so it is a live context to push.
-        check(self.api, unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) }, "cuCtxPushCurrent")?;
+        check(
+            self.api,
+            // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
+            // released (the process-wide cache keeps every Context), so it is a live context to
+            // push.
+            unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) },
+            "cuCtxPushCurrent",
+        )?;
         Ok(ContextGuard { api: self.api })
     }
 
@@ -263,11 +292,17 @@ impl DeviceBuffer {
         let mut ptr = 0;
         let size = bytes.max(4);
         if ctx.memory_pools {
-            // SAFETY: `_g` made `ctx` current and `stream` is a stream of it (the constructors'
-            // callers pass the stream their object was created with); `ptr` is a live out-pointer.
-            check(api, unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) }, "cuMemAllocAsync")?;
+            check(
+                api,
+                // SAFETY: `_g` made `ctx` current and `stream` is a stream of it (the constructors'
+                // callers pass the stream their object was created with); `ptr` is a live
+                // out-pointer.
+                unsafe { (api.cuMemAllocAsync)(&mut ptr, size, stream) },
+                "cuMemAllocAsync",
+            )?;
         } else {
-            // SAFETY: `_g` made `ctx` current, so the memory belongs to it; `ptr` is a live out-pointer.
+            // SAFETY: `_g` made `ctx` current, so the memory belongs to it; `ptr` is a live
+            // out-pointer.
             check(api, unsafe { (api.cuMemAlloc_v2)(&mut ptr, size) }, "cuMemAlloc")?;
         }
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
@@ -317,7 +352,18 @@ impl DeviceBuffer {
         // SAFETY: offset + bytes <= self.bytes (asserted above), so the destination is inside the
         // buffer; the source is `values`, `bytes` readable bytes, which the driver stages from
         // pageable host memory before returning, so the slice need not outlive the call.
-        check(api, unsafe { (api.cuMemcpyHtoDAsync_v2)(dst, values.as_ptr() as *const c_void, bytes, self.stream) }, "cuMemcpyHtoDAsync")
+        check(
+            api,
+            unsafe {
+                (api.cuMemcpyHtoDAsync_v2)(
+                    dst,
+                    values.as_ptr() as *const c_void,
+                    bytes,
+                    self.stream,
+                )
+            },
+            "cuMemcpyHtoDAsync",
+        )
     }
 
     /// Reads the buffer's first `out.len()` values: waits for the stream first (a host read).
@@ -332,11 +378,18 @@ impl DeviceBuffer {
         let api = self.ctx.api;
         let _g = self.ctx.enter()?;
         let src = self.ptr + offset as u64;
-        // SAFETY: offset + bytes <= self.bytes (asserted above), so the source is inside the
-        // buffer; `out` is `bytes` writable bytes borrowed mutably until the synchronise below,
-        // which completes the copy before `out` is released or read.
-        check(api, unsafe { (api.cuMemcpyDtoHAsync_v2)(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream) }, "cuMemcpyDtoHAsync")?;
-        // SAFETY: `self.stream` is the stream the buffer was made on, in the context `_g` made current.
+        check(
+            api,
+            // SAFETY: offset + bytes <= self.bytes (asserted above), so the source is inside the
+            // buffer; `out` is `bytes` writable bytes borrowed mutably until the synchronise below,
+            // which completes the copy before `out` is released or read.
+            unsafe {
+                (api.cuMemcpyDtoHAsync_v2)(out.as_mut_ptr() as *mut c_void, src, bytes, self.stream)
+            },
+            "cuMemcpyDtoHAsync",
+        )?;
+        // SAFETY: `self.stream` is the stream the buffer was made on, in the context `_g` made
+        // current.
         check(api, unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
     }
 
@@ -350,7 +403,11 @@ impl DeviceBuffer {
         let _g = self.ctx.enter()?;
         // SAFETY: (start + count) * 4 <= self.bytes (asserted above), so the `count` 32-bit words
         // from element `start` are inside the buffer; `_g` made its context current.
-        check(api, unsafe { (api.cuMemsetD32Async)(self.ptr + 4 * start as u64, 0, count, self.stream) }, "cuMemsetD32Async")
+        check(
+            api,
+            unsafe { (api.cuMemsetD32Async)(self.ptr + 4 * start as u64, 0, count, self.stream) },
+            "cuMemsetD32Async",
+        )
     }
 }
 
@@ -393,7 +450,12 @@ pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
 /// with TIMEOUT once `timeout` has passed, and with `healthy`'s error as soon as it reports one
 /// (called between polls: a communicator's health, so a failed peer ends the wait). Sleeps
 /// between polls, a little longer each time up to 1 ms, so a long wait costs no core.
-pub fn wait_until_done(ctx: &Context, stream: CUstream, timeout: Option<Duration>, mut healthy: impl FnMut() -> Result<()>) -> Result<()> {
+pub fn wait_until_done(
+    ctx: &Context,
+    stream: CUstream,
+    timeout: Option<Duration>,
+    mut healthy: impl FnMut() -> Result<()>,
+) -> Result<()> {
     const NOT_READY: u32 = 600;
     let start = Instant::now();
     let mut pause = Duration::from_micros(5);
@@ -408,7 +470,10 @@ pub fn wait_until_done(ctx: &Context, stream: CUstream, timeout: Option<Duration
         }
         healthy()?;
         if let Some(t) = timeout.filter(|&t| start.elapsed() >= t) {
-            return Err(Error::new(ErrorKind::Timeout, format!("the stream's work did not complete within {t:?}")));
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("the stream's work did not complete within {t:?}"),
+            ));
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(1));
@@ -417,12 +482,22 @@ pub fn wait_until_done(ctx: &Context, stream: CUstream, timeout: Option<Duration
 
 /// Enqueues a device-to-device copy of `bytes` bytes on `stream` (the bandwidth floor of the
 /// benchmarks).
-pub fn copy(ctx: &Context, stream: CUstream, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> Result<()> {
+pub fn copy(
+    ctx: &Context,
+    stream: CUstream,
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+) -> Result<()> {
     let _g = ctx.enter()?;
     // SAFETY: `_g` made `ctx` current; `dst` and `src` are each `bytes` bytes of device memory of
     // this context: the one caller, the copy-bandwidth benchmark, passes two buffers it allocated
     // with at least that size.
-    check(ctx.api, unsafe { (ctx.api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+    check(
+        ctx.api,
+        unsafe { (ctx.api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, stream) },
+        "cuMemcpyDtoDAsync",
+    )
 }
 
 /// An event used only for ordering (no timing), created in `ctx`.
@@ -455,7 +530,11 @@ impl Event {
         // SAFETY: `self.event` is live (created in `new`, destroyed only in `drop`) and belongs to
         // the context `_g` made current; `stream` is a stream of that context, as callers pass
         // their object's streams.
-        check(self.ctx.api, unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) }, "cuEventRecord")
+        check(
+            self.ctx.api,
+            unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) },
+            "cuEventRecord",
+        )
     }
 
     /// Makes `stream` wait (on the device) for the work the last `record` captured.
@@ -463,7 +542,11 @@ impl Event {
         let _g = self.ctx.enter()?;
         // SAFETY: as in `record`: a live event of the current context and one of its streams;
         // flags 0 is the only value the driver defines.
-        check(self.ctx.api, unsafe { (self.ctx.api.cuStreamWaitEvent)(stream, self.event, 0) }, "cuStreamWaitEvent")
+        check(
+            self.ctx.api,
+            unsafe { (self.ctx.api.cuStreamWaitEvent)(stream, self.event, 0) },
+            "cuStreamWaitEvent",
+        )
     }
 
     /// Makes `later` wait (on the device) for everything enqueued on `earlier` so far.
@@ -480,8 +563,8 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
-            // SAFETY: `self.event` was created by cuEventCreate in `new` and is destroyed only here,
-            // once; the driver defers the release past work that still uses it.
+            // SAFETY: `self.event` was created by cuEventCreate in `new` and is destroyed only
+            // here, once; the driver defers the release past work that still uses it.
             unsafe { (self.ctx.api.cuEventDestroy_v2)(self.event) };
         }
     }
@@ -520,7 +603,13 @@ unsafe impl Sync for SharedReads {}
 
 impl SharedReads {
     pub fn new(ctx: &Arc<Context>, owner: CUstream) -> Result<Self> {
-        Ok(SharedReads { ctx: ctx.clone(), owner, written: Event::new(ctx)?, writes: 0, readers: Vec::new() })
+        Ok(SharedReads {
+            ctx: ctx.clone(),
+            owner,
+            written: Event::new(ctx)?,
+            writes: 0,
+            readers: Vec::new(),
+        })
     }
 
     /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen.
@@ -532,7 +621,12 @@ impl SharedReads {
         let i = match self.readers.iter().position(|r| r.stream == stream) {
             Some(i) => i,
             None => {
-                self.readers.push(Reader { stream, read: Event::new(&self.ctx)?, pending: false, seen: 0 });
+                self.readers.push(Reader {
+                    stream,
+                    read: Event::new(&self.ctx)?,
+                    pending: false,
+                    seen: 0,
+                });
                 self.readers.len() - 1
             }
         };
@@ -622,18 +716,27 @@ impl Module {
     pub fn load(ctx: &Context, image: &[u8]) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut module = std::ptr::null_mut();
-        // SAFETY: `_g` made `ctx` current; `image` is a whole CUBIN, or PTX with its NUL, from
-        // NVRTC (every caller passes `Compiled::image`), so the driver reads only inside the slice;
-        // `module` is a live out-pointer.
-        check(ctx.api, unsafe { (ctx.api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        check(
+            ctx.api,
+            // SAFETY: `_g` made `ctx` current; `image` is a whole CUBIN, or PTX with its NUL, from
+            // NVRTC (every caller passes `Compiled::image`), so the driver reads only inside the
+            // slice;
+            // `module` is a live out-pointer.
+            unsafe { (ctx.api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void) },
+            "cuModuleLoadData",
+        )?;
         Ok(Module { api: ctx.api, module })
     }
 
     pub fn function(&self, name: &CStr) -> Result<Function> {
         let mut f = std::ptr::null_mut();
-        // SAFETY: `self.module` was loaded in `load` and is never unloaded; `name` is a `CStr`,
-        // so NUL-terminated; `f` is a live out-pointer.
-        check(self.api, unsafe { (self.api.cuModuleGetFunction)(&mut f, self.module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        check(
+            self.api,
+            // SAFETY: `self.module` was loaded in `load` and is never unloaded; `name` is a `CStr`,
+            // so NUL-terminated; `f` is a live out-pointer.
+            unsafe { (self.api.cuModuleGetFunction)(&mut f, self.module, name.as_ptr()) },
+            "cuModuleGetFunction",
+        )?;
         Ok(Function(f))
     }
 }
@@ -657,7 +760,14 @@ impl Function {
     /// # Safety
     /// The argument types and device addresses must match the kernel's signature and be valid
     /// for the kernel's accesses.
-    pub unsafe fn launch(&self, ctx: &Context, grid: u32, threads: u32, stream: CUstream, args: &mut [*mut c_void]) -> Result<()> {
+    pub unsafe fn launch(
+        &self,
+        ctx: &Context,
+        grid: u32,
+        threads: u32,
+        stream: CUstream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         let _g = ctx.enter()?;
         let api = ctx.api;
         check(
@@ -666,7 +776,21 @@ impl Function {
             // made its context current; `args` holds one pointer per kernel parameter to a value
             // of its type, valid for the kernel's accesses (this function's `# Safety` contract);
             // `extra` is null, as the driver requires when `kernelParams` is given.
-            unsafe { (api.cuLaunchKernel)(self.0, grid.max(1), 1, 1, threads, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()) },
+            unsafe {
+                (api.cuLaunchKernel)(
+                    self.0,
+                    grid.max(1),
+                    1,
+                    1,
+                    threads,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
             "cuLaunchKernel",
         )
     }
@@ -694,7 +818,11 @@ mod tests {
         };
         let e = check(api, 987_654, "cuSomething").unwrap_err();
         assert_eq!(e.kind, ErrorKind::DeviceFailure);
-        assert!(e.message.starts_with("cuSomething failed: CUDA driver result 987654"), "{}", e.message);
+        assert!(
+            e.message.starts_with("cuSomething failed: CUDA driver result 987654"),
+            "{}",
+            e.message
+        );
         let e = check(api, ERROR_OUT_OF_MEMORY, "cuMemAllocAsync").unwrap_err();
         assert_eq!(e.kind, ErrorKind::OutOfMemory);
         assert!(check(api, SUCCESS, "cuInit").is_ok());

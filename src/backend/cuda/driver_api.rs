@@ -5,7 +5,9 @@
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
-use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemoryPool, CUmodule, CUstream};
+use cudarc::driver::sys::{
+    self, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemoryPool, CUmodule, CUstream,
+};
 
 /// `CUmemAccessDesc`: one device's access to a memory pool (`CUmemLocation` then the flags).
 #[repr(C)]

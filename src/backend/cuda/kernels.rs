@@ -40,7 +40,8 @@ impl Kernels {
         let module = Module::load(ctx, &compiled.image)?;
         // cuModuleGetFunction, like every driver call on a context's objects, needs it current.
         let _current = ctx.enter()?;
-        let f = |name: &str| module.function(&CString::new(name).expect("kernel names have no NUL"));
+        let f =
+            |name: &str| module.function(&CString::new(name).expect("kernel names have no NUL"));
         let k = Arc::new(Kernels {
             add_multi: f("ga_add_multi")?,
             add_one: f("ga_add_one")?,

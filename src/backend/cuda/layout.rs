@@ -36,7 +36,8 @@ pub const SOURCES_PER_LAUNCH: usize = 224;
 
 /// `ga_add_multi`'s parameters: seven 8-byte ones beside the sources.
 const ADD_MULTI_PARAMS: usize = 7 * 8 + std::mem::size_of::<GaSources>();
-const _: () = assert!(ADD_MULTI_PARAMS <= 4096 - 256, "ga_add_multi's parameters must stay well inside 4 KB");
+const _: () =
+    assert!(ADD_MULTI_PARAMS <= 4096 - 256, "ga_add_multi's parameters must stay well inside 4 KB");
 
 /// `ga_sources`: the gradients of consecutive tensors, passed by value to `ga_add_multi`.
 #[repr(C)]

@@ -60,12 +60,17 @@ impl Opened {
     /// `T` is the function-pointer type of `name`'s C prototype.
     pub(crate) unsafe fn symbol<T: Copy>(&self, name: &str) -> Result<T, String> {
         // SAFETY: the caller's contract: `T` is the symbol's type.
-        unsafe { self.library.get::<T>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("it lacks {name}: {}", reason(&e, &self.candidate)))
+        unsafe { self.library.get::<T>(name.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| format!("it lacks {name}: {}", reason(&e, &self.candidate)))
     }
 }
 
 /// Loads `spec` from the candidates the environment gives it, see [`load_from`].
-pub(crate) fn load<T>(spec: &Spec, accept: impl FnMut(Opened) -> Result<T, String>) -> Result<T, Error> {
+pub(crate) fn load<T>(
+    spec: &Spec,
+    accept: impl FnMut(Opened) -> Result<T, String>,
+) -> Result<T, Error> {
     let value = std::env::var_os(spec.env).filter(|v| !v.is_empty());
     load_from(spec, value.as_deref(), accept)
 }
@@ -75,19 +80,33 @@ pub(crate) fn load<T>(spec: &Spec, accept: impl FnMut(Opened) -> Result<T, Strin
 /// or says why this one does not do (the next is then tried). BACKEND_UNAVAILABLE when none
 /// does, listing every candidate with its reason. A value with a `/` is a path: it is opened by
 /// its real file, links resolved, so libraries it loads from its own folder are found there.
-pub(crate) fn load_from<T>(spec: &Spec, value: Option<&OsStr>, mut accept: impl FnMut(Opened) -> Result<T, String>) -> Result<T, Error> {
+pub(crate) fn load_from<T>(
+    spec: &Spec,
+    value: Option<&OsStr>,
+    mut accept: impl FnMut(Opened) -> Result<T, String>,
+) -> Result<T, Error> {
     let candidates: Vec<(String, &OsStr)> = match value {
         Some(value) => vec![(format!("{}={}", spec.env, value.to_string_lossy()), value)],
         None => spec.names.iter().map(|&name| (name.to_string(), OsStr::new(name))).collect(),
     };
     let mut tried = Vec::with_capacity(candidates.len());
     for (label, file) in candidates {
-        match open(file).and_then(|(library, path)| accept(Opened { library, candidate: file.to_string_lossy().into_owned(), path })) {
+        match open(file).and_then(|(library, path)| {
+            accept(Opened { library, candidate: file.to_string_lossy().into_owned(), path })
+        }) {
             Ok(kept) => return Ok(kept),
             Err(why) => tried.push(format!("{label} ({why})")),
         }
     }
-    Err(Error::new(ErrorKind::BackendUnavailable, format!("{} could not be loaded; tried {}. To fix: {}", spec.what, tried.join(", "), spec.hint)))
+    Err(Error::new(
+        ErrorKind::BackendUnavailable,
+        format!(
+            "{} could not be loaded; tried {}. To fix: {}",
+            spec.what,
+            tried.join(", "),
+            spec.hint
+        ),
+    ))
 }
 
 /// Opens `file` (a path, by its real file, or a name the dynamic loader searches for).
@@ -96,11 +115,13 @@ fn open(file: &OsStr) -> Result<(Library, Option<PathBuf>), String> {
         let real = std::fs::canonicalize(file).map_err(|e| format!("cannot open it: {e}"))?;
         // SAFETY: loading runs the library's initialisers. The file is the one the user named for
         // this library (NVRTC or NCCL), whose initialisers have no preconditions on the caller.
-        let library = unsafe { Library::new(&real) }.map_err(|e| reason(&e, &real.to_string_lossy()))?;
+        let library =
+            unsafe { Library::new(&real) }.map_err(|e| reason(&e, &real.to_string_lossy()))?;
         Ok((library, Some(real)))
     } else {
         // SAFETY: as above, for a library the dynamic loader finds by one of its install names.
-        let library = unsafe { Library::new(file) }.map_err(|e| reason(&e, &file.to_string_lossy()))?;
+        let library =
+            unsafe { Library::new(file) }.map_err(|e| reason(&e, &file.to_string_lossy()))?;
         Ok((library, None))
     }
 }
@@ -111,14 +132,17 @@ pub(crate) fn open_global(path: &Path) -> Result<Library, String> {
     use libloading::os::unix::{Library as UnixLibrary, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: loading runs the library's initialisers; the callers open only companion libraries
     // of a library already loaded (NVRTC's builtins), whose initialisers have no preconditions.
-    let library = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| reason(&e, &path.to_string_lossy()))?;
+    let library = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| reason(&e, &path.to_string_lossy()))?;
     Ok(library.into())
 }
 
 /// Why a libloading call failed: the dynamic loader's own message (libloading's `Display` says
 /// only "dlopen failed"), without the file name it starts with, which the caller already gives.
 pub(crate) fn reason(error: &libloading::Error, file: &str) -> String {
-    let text = std::error::Error::source(error).map(ToString::to_string).unwrap_or_else(|| error.to_string());
+    let text = std::error::Error::source(error)
+        .map(ToString::to_string)
+        .unwrap_or_else(|| error.to_string());
     text.strip_prefix(file).and_then(|t| t.strip_prefix(": ")).map(str::to_string).unwrap_or(text)
 }
 
@@ -139,7 +163,12 @@ extern "C" {
 /// The real file (links resolved) of the loaded object that holds `address`, such as one of its
 /// functions; None if the dynamic loader does not know it.
 pub(crate) fn file_of(address: *const c_void) -> Option<PathBuf> {
-    let mut info = DlInfo { fname: std::ptr::null(), fbase: std::ptr::null_mut(), sname: std::ptr::null(), saddr: std::ptr::null_mut() };
+    let mut info = DlInfo {
+        fname: std::ptr::null(),
+        fbase: std::ptr::null_mut(),
+        sname: std::ptr::null(),
+        saddr: std::ptr::null_mut(),
+    };
     // SAFETY: dladdr only reads the loader's tables for `address` (any value is allowed) and
     // writes `info`, a live local of the `Dl_info` layout.
     if unsafe { dladdr(address, &mut info) } == 0 || info.fname.is_null() {
@@ -171,20 +200,35 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::BackendUnavailable);
         assert!(e.message.contains("GRADACC_NVRTC_LIBRARY=/nonexistent/folder/libnvrtc.so.13 (cannot open it: No such file"), "{}", e.message);
         // The override is the only candidate: the install names are not tried behind its back.
-        assert!(!e.message.contains("tried libnvrtc.so.12") && !e.message.contains(", libnvrtc.so.12"), "{}", e.message);
+        assert!(
+            !e.message.contains("tried libnvrtc.so.12") && !e.message.contains(", libnvrtc.so.12"),
+            "{}",
+            e.message
+        );
         let e = fails(&NCCL, Some(OsStr::new("libgradacc-no-such-nccl.so.2")));
-        assert!(e.message.contains("GRADACC_NCCL_LIBRARY=libgradacc-no-such-nccl.so.2 (cannot open shared object file"), "{}", e.message);
+        assert!(
+            e.message.contains(
+                "GRADACC_NCCL_LIBRARY=libgradacc-no-such-nccl.so.2 (cannot open shared object file"
+            ),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
     fn an_override_naming_a_file_that_is_no_library_fails_saying_why() {
-        let path = std::env::temp_dir().join(format!("gradacc-not-a-library-{}.so", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("gradacc-not-a-library-{}.so", std::process::id()));
         std::fs::write(&path, "this is text, not an ELF shared object\n").unwrap();
         let e = fails(&NCCL, Some(path.as_os_str()));
         std::fs::remove_file(&path).unwrap();
         let expected = format!("GRADACC_NCCL_LIBRARY={} (", path.display());
         assert!(e.message.contains(&expected), "{}", e.message);
-        assert!(e.message.contains("invalid ELF header") || e.message.contains("file too short"), "{}", e.message);
+        assert!(
+            e.message.contains("invalid ELF header") || e.message.contains("file too short"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -203,7 +247,11 @@ mod tests {
         for spec in [&NVRTC, &NCCL] {
             if let Err(e) = load_from(spec, None, |_| Ok(())) {
                 for name in spec.names {
-                    assert!(e.message.contains(&format!("{name} (")), "{name} is not listed: {}", e.message);
+                    assert!(
+                        e.message.contains(&format!("{name} (")),
+                        "{name} is not listed: {}",
+                        e.message
+                    );
                 }
                 assert!(e.message.contains(spec.env), "{}", e.message);
             }
@@ -213,7 +261,12 @@ mod tests {
     #[test]
     fn a_candidate_the_caller_refuses_is_listed_with_its_reason_and_the_next_one_tried() {
         // libc loads everywhere: refused first under one name, kept under the next.
-        let spec = Spec { what: "C", env: "GRADACC_C_LIBRARY", names: &["libc.so.6", "libc.so.6"], hint: "" };
+        let spec = Spec {
+            what: "C",
+            env: "GRADACC_C_LIBRARY",
+            names: &["libc.so.6", "libc.so.6"],
+            hint: "",
+        };
         let mut calls = 0;
         let kept = load_from(&spec, None, |opened| {
             calls += 1;
@@ -223,12 +276,17 @@ mod tests {
                 return Err("too old".into());
             }
             // SAFETY: getpid has no preconditions and this is its C prototype.
-            let getpid = unsafe { opened.library.get::<unsafe extern "C" fn() -> c_int>("getpid") }.map_err(|e| reason(&e, "libc"))?;
+            let getpid = unsafe { opened.library.get::<unsafe extern "C" fn() -> c_int>("getpid") }
+                .map_err(|e| reason(&e, "libc"))?;
             let file = file_of(*getpid as *const c_void).ok_or("no file")?;
             Ok(file)
         })
         .unwrap();
         assert_eq!(calls, 2);
-        assert!(kept.is_absolute() && kept.file_name().unwrap().to_string_lossy().starts_with("libc"), "{}", kept.display());
+        assert!(
+            kept.is_absolute() && kept.file_name().unwrap().to_string_lossy().starts_with("libc"),
+            "{}",
+            kept.display()
+        );
     }
 }

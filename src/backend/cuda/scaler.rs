@@ -4,7 +4,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS};
+use super::driver::{
+    check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS,
+};
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::dtype::Dtype;
@@ -65,7 +67,12 @@ fn device_state(s: &ScalerState) -> GaScalerState {
 impl CudaScaler {
     /// A scaler on device `ordinal` starting from `initial` (checked by the caller), ordered on
     /// the caller's `stream` (borrowed).
-    pub(crate) fn new(config: ScalerConfig, initial: &ScalerState, ordinal: i32, stream: CUstream) -> Result<Self> {
+    pub(crate) fn new(
+        config: ScalerConfig,
+        initial: &ScalerState,
+        ordinal: i32,
+        stream: CUstream,
+    ) -> Result<Self> {
         check_stream(stream, "`stream`")?;
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
@@ -90,7 +97,11 @@ impl CudaScaler {
 
     /// Enqueues `launch` (given the state's device address) on `stream`, a kernel that reads
     /// the state: after the scaler's pending writes, and before its next write or free.
-    pub(crate) fn launch_reading(&self, stream: CUstream, launch: impl FnOnce(CUdeviceptr) -> Result<()>) -> Result<()> {
+    pub(crate) fn launch_reading(
+        &self,
+        stream: CUstream,
+        launch: impl FnOnce(CUdeviceptr) -> Result<()>,
+    ) -> Result<()> {
         let mut inner = self.lock();
         inner.reads.before_read(stream)?;
         launch(self.state.ptr())?;
@@ -98,7 +109,11 @@ impl CudaScaler {
     }
 
     /// Enqueues `write` on the scaler's stream, ordered after every read of the state.
-    fn write_state<R>(&self, inner: &mut Inner, write: impl FnOnce(&mut Inner) -> Result<R>) -> Result<R> {
+    fn write_state<R>(
+        &self,
+        inner: &mut Inner,
+        write: impl FnOnce(&mut Inner) -> Result<R>,
+    ) -> Result<R> {
         inner.reads.before_write()?;
         let result = write(inner);
         // Recorded even after a failure: part of the write may be enqueued.
@@ -115,7 +130,9 @@ impl CudaScaler {
         self.state.read(&mut s)?;
         let s = s[0];
         if s.at_minimum != 0 {
-            self.write_state(&mut inner, |_| self.state.write_at(std::mem::offset_of!(GaScalerState, at_minimum), &[0u32]))?;
+            self.write_state(&mut inner, |_| {
+                self.state.write_at(std::mem::offset_of!(GaScalerState, at_minimum), &[0u32])
+            })?;
             return Err(Error::new(
                 ErrorKind::ScaleAtMinimum,
                 format!(
@@ -138,7 +155,12 @@ impl CudaScaler {
             scale: s.scale,
             growth_tracker: s.growth_tracker,
             hysteresis_tracker: s.hysteresis_tracker,
-            stats: ScalerStats { steps: s.steps, skipped_steps: s.skipped_steps, growths: s.growths, backoffs: s.backoffs },
+            stats: ScalerStats {
+                steps: s.steps,
+                skipped_steps: s.skipped_steps,
+                growths: s.growths,
+                backoffs: s.backoffs,
+            },
         })
     }
 
@@ -149,8 +171,17 @@ impl CudaScaler {
         let f = self.kernels.scale_loss;
         let (n, dtype_code, state) = (numel as u64, dtype.code(), self.state.ptr());
         let mut args = launch_args!(loss, n, dtype_code, state);
-        // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's contract).
-        unsafe { f.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, self.stream, &mut args) }
+        // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's
+        // contract).
+        unsafe {
+            f.launch(
+                &self.ctx,
+                self.ctx.grid_for(n.div_ceil(THREADS as u64)),
+                THREADS,
+                self.stream,
+                &mut args,
+            )
+        }
     }
 
     /// Enqueues the gather of a boundary the caller has ordered before the scaler's stream, and
@@ -173,11 +204,14 @@ impl CudaScaler {
     /// gathers must not leave some of them to the next update).
     pub(crate) fn clear_gathered(&self) -> Result<()> {
         let mut inner = self.lock();
-        self.write_state(&mut inner, |_| self.state.write_at(std::mem::offset_of!(GaScalerState, pending_found_inf), &[0u32]))
+        self.write_state(&mut inner, |_| {
+            self.state.write_at(std::mem::offset_of!(GaScalerState, pending_found_inf), &[0u32])
+        })
     }
 
     /// Enqueues one optimizer step's update from the gathered flags. With `read`, waits for it and
-    /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back off).
+    /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back
+    /// off).
     pub fn update(&self, read: bool) -> Result<Option<bool>> {
         {
             let mut inner = self.lock();

@@ -34,13 +34,24 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use super::driver::{check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS};
+use super::driver::{
+    check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream,
+    SharedReads, THREADS,
+};
 use super::kernels::Kernels;
-use super::layout::{GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH};
+use super::layout::{
+    GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS,
+    SOURCES_PER_LAUNCH,
+};
 use super::scaler::CudaScaler;
-use super::store::{alone, check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, GridCheck, NormSpan, CHUNK};
+use super::store::{
+    alone, check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups,
+    GridCheck, NormSpan, CHUNK,
+};
 use super::wire::Wire;
-use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::{
+    ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo,
+};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::Communicator;
@@ -183,10 +194,18 @@ impl ShardedDeviceStore {
     /// Allocates the shard and the staging (zeroed) on `stream` and uploads the stripes' tables.
     /// `comm` must be an NCCL communicator on the same device (the accumulator checked its size
     /// and rank); None only for one shard.
-    pub(crate) fn new(plan: Arc<Plan>, ordinal: i32, stream: CUstream, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        ordinal: i32,
+        stream: CUstream,
+        comm: Option<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
         check_stream(stream, "`stream`")?;
         let Sharding::Accumulate { shards: world, rank } = plan.config.sharding else {
-            return Err(Error::new(ErrorKind::Internal, "a sharded store for an accumulator that does not shard"));
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "a sharded store for an accumulator that does not shard",
+            ));
         };
         if let Some(c) = &comm {
             let c = nccl(&**c)?;
@@ -202,7 +221,13 @@ impl ShardedDeviceStore {
         // The first shard is the longest; whole blocks, so the block sums tile the layout's.
         let padded = shards[0].len().next_multiple_of(NORM_BLOCK);
         // Clamped first, as on the CPU: a bucket_numel near usize::MAX must not wrap.
-        let stripe = plan.config.bucket_numel.div_ceil(world).min(plan.layout.len()).max(1).next_multiple_of(NORM_BLOCK);
+        let stripe = plan
+            .config
+            .bucket_numel
+            .div_ceil(world)
+            .min(plan.layout.len())
+            .max(1)
+            .next_multiple_of(NORM_BLOCK);
         let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, stripe);
         let staging = stripes.first().map_or(0, |s| s.count) * world;
         let ctx = Context::get(ordinal)?;
@@ -230,7 +255,9 @@ impl ShardedDeviceStore {
             comm_stream: OnceLock::new(),
             event: Mutex::new(Event::new(&ctx)?),
             sum_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
-            wire: (plan.config.wire == Dtype::Bf16).then(|| Wire::new(ctx.clone(), kernels.clone(), stream)).transpose()?,
+            wire: (plan.config.wire == Dtype::Bf16)
+                .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
+                .transpose()?,
             pieces: DeviceBuffer::from_slice(&ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
             shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
@@ -265,10 +292,18 @@ impl ShardedDeviceStore {
     /// into pieces (in rank order, each at its staging offset), the pieces into chunks, and the
     /// chunks into launches of up to SOURCES_PER_LAUNCH pieces.
     #[allow(clippy::type_complexity)]
-    fn cut(plan: &Plan, shards: &[Range<usize>], rank: usize, stripe: usize) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
+    fn cut(
+        plan: &Plan,
+        shards: &[Range<usize>],
+        rank: usize,
+        stripe: usize,
+    ) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
         let (layout, descs) = (&plan.layout, &plan.descs);
-        let (mut stripes, mut sources, mut table, mut chunks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let slice = |s: &Range<usize>, k: usize| (s.start + k * stripe).min(s.end)..(s.start + (k + 1) * stripe).min(s.end);
+        let (mut stripes, mut sources, mut table, mut chunks) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let slice = |s: &Range<usize>, k: usize| {
+            (s.start + k * stripe).min(s.end)..(s.start + (k + 1) * stripe).min(s.end)
+        };
         for k in 0..shards[0].len().div_ceil(stripe) {
             let count = slice(&shards[0], k).len();
             let first_piece = table.len();
@@ -283,7 +318,12 @@ impl ShardedDeviceStore {
                     let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
                     if lo < hi {
                         let offset = (r * count + lo - flat.start) as u64;
-                        table.push(GaTensor { offset, numel: (hi - lo) as u64, dtype: descs[i].dtype.code(), pad: 0 });
+                        table.push(GaTensor {
+                            offset,
+                            numel: (hi - lo) as u64,
+                            dtype: descs[i].dtype.code(),
+                            pad: 0,
+                        });
                         sources.push(Source { tensor: i, from: lo - t.start });
                     }
                     i += 1;
@@ -302,7 +342,12 @@ impl ShardedDeviceStore {
                             len: (numel - start).min(CHUNK) as u64,
                         }));
                     }
-                    AddLaunch { first, count, first_chunk, num_chunks: (chunks.len() - first_chunk) as u64 }
+                    AddLaunch {
+                        first,
+                        count,
+                        first_chunk,
+                        num_chunks: (chunks.len() - first_chunk) as u64,
+                    }
                 })
                 .collect();
             stripes.push(Stripe { count, own: slice(&shards[rank], k).len(), launches });
@@ -350,23 +395,42 @@ impl ShardedDeviceStore {
                 return Ok(stage);
             }
         }
-        Ok(Stage { buf: DeviceBuffer::zeroed(&self.ctx, self.stream, self.bucket_len * 4)?, free: Event::new(&self.ctx)? })
+        Ok(Stage {
+            buf: DeviceBuffer::zeroed(&self.ctx, self.stream, self.bucket_len * 4)?,
+            free: Event::new(&self.ctx)?,
+        })
     }
 
     /// Converts tensor `index`'s gradient into its bucket's staging (unscaled, weighted and
     /// checked, as `add` converts it into a stripe), on the accumulator's stream.
-    fn convert(&self, scaler: &CudaScaler, index: usize, grad: CUdeviceptr, weight: f64, stage: &Stage) -> Result<()> {
+    fn convert(
+        &self,
+        scaler: &CudaScaler,
+        index: usize,
+        grad: CUdeviceptr,
+        weight: f64,
+        stage: &Stage,
+    ) -> Result<()> {
         let (desc, r) = (self.plan.descs[index], self.plan.layout.range(index));
         let bucket = &self.plan.layout.buckets()[self.plan.layout.bucket_of(index)];
         let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
-        let (numel, dtype, assign, found_inf) = (desc.numel as u64, desc.dtype.code(), 1u32, self.found_inf.ptr());
+        let (numel, dtype, assign, found_inf) =
+            (desc.numel as u64, desc.dtype.code(), 1u32, self.found_inf.ptr());
         scaler.launch_reading(self.stream, |state| {
             let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, found_inf);
             // SAFETY: argument types follow ga_add_one. The destination is the tensor's place in
             // its bucket's staging (`bucket_len` elements from the bucket's start, and the bucket
             // holds the tensor); the gradient holds the tensor's numel values (the caller's
             // contract, checked for size by the accumulator).
-            unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+            unsafe {
+                self.kernels.add_one.launch(
+                    &self.ctx,
+                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                    THREADS,
+                    self.stream,
+                    &mut args,
+                )
+            }
         })
     }
 
@@ -383,10 +447,19 @@ impl ShardedDeviceStore {
                 let pieces: Vec<Range<usize>> = self
                     .shards
                     .iter()
-                    .map(|s| s.start.clamp(bucket.start, bucket.end) - bucket.start..s.end.clamp(bucket.start, bucket.end) - bucket.start)
+                    .map(|s| {
+                        s.start.clamp(bucket.start, bucket.end) - bucket.start
+                            ..s.end.clamp(bucket.start, bucket.end) - bucket.start
+                    })
                     .collect();
                 let out = at(bucket.start + pieces[self.rank].start);
-                self.bf16(c).expect("matched above").reduce_to_owners(c, at(bucket.start), &pieces, out, stream)
+                self.bf16(c).expect("matched above").reduce_to_owners(
+                    c,
+                    at(bucket.start),
+                    &pieces,
+                    out,
+                    stream,
+                )
             }
             Some(c) => c.group(|| {
                 for (owner, shard) in self.shards.iter().enumerate() {
@@ -405,13 +478,27 @@ impl ShardedDeviceStore {
                 return Ok(());
             }
             let (dst, src) = (self.shard_at(own.start - self.own.start), at(own.start));
-            let (numel, dtype, unit, weight, assign, flag) =
-                (own.len() as u64, Dtype::F32.code(), self.unit.ptr(), 1.0f64, assign as u32, self.sum_inf.ptr());
+            let (numel, dtype, unit, weight, assign, flag) = (
+                own.len() as u64,
+                Dtype::F32.code(),
+                self.unit.ptr(),
+                1.0f64,
+                assign as u32,
+                self.sum_inf.ptr(),
+            );
             let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
             // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece
             // of the bucket in the staging, the destination the shard's elements of that piece;
             // `sum_inf` is written on this stream only.
-            unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, stream, &mut args) }
+            unsafe {
+                self.kernels.add_one.launch(
+                    &self.ctx,
+                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                    THREADS,
+                    stream,
+                    &mut args,
+                )
+            }
         });
         // Recorded even after a failure: part of the reduction may be enqueued.
         let recorded = stage.free.record(stream);
@@ -447,7 +534,8 @@ impl ShardedDeviceStore {
             let r = self.plan.layout.range(i);
             result = result.and_then(|()| stage.buf.zero_f32(r.start - bucket.start, r.len()));
         }
-        let result = result.and_then(|()| self.reduce_bucket(b, &stage, self.first.load(Ordering::Relaxed)));
+        let result =
+            result.and_then(|()| self.reduce_bucket(b, &stage, self.first.load(Ordering::Relaxed)));
         h.spare.push_back(stage);
         result
     }
@@ -529,34 +617,63 @@ impl ShardedDeviceStore {
 
     /// Stripe `k`: converts this rank's gradients into the staging, reduce-scatters it, and adds
     /// this rank's slice into the shard (assigns it with `assign`).
-    fn add_stripe(&self, scaler: &CudaScaler, grads: &[CUdeviceptr], weight: f64, k: usize, assign: bool) -> Result<()> {
+    fn add_stripe(
+        &self,
+        scaler: &CudaScaler,
+        grads: &[CUdeviceptr],
+        weight: f64,
+        k: usize,
+        assign: bool,
+    ) -> Result<()> {
         let s = &self.stripes[k];
-        let (pieces, staging, found_inf) = (self.pieces.ptr(), self.staging.ptr(), self.found_inf.ptr());
+        let (pieces, staging, found_inf) =
+            (self.pieces.ptr(), self.staging.ptr(), self.found_inf.ptr());
         for launch in &s.launches {
-            let mut sources =
-                GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            let mut sources = GaSources {
+                first_tensor: launch.first as u64,
+                count: launch.count as u64,
+                s: [GaSource::default(); SOURCES_PER_LAUNCH],
+            };
             for (slot, p) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
                 let Source { tensor, from } = self.sources[p];
                 let bytes = if self.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
                 *slot = GaSource { grad: grads[tensor] + (from * bytes) as u64, assign: 1, pad: 0 };
             }
-            let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let chunks =
+                self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
             scaler.launch_reading(self.stream, |state| {
-                let mut args = launch_args!(pieces, chunks, num_chunks, sources, staging, state, weight, found_inf);
+                let mut args = launch_args!(
+                    pieces, chunks, num_chunks, sources, staging, state, weight, found_inf
+                );
                 // SAFETY: argument types follow ga_add_multi (`sources` by value). The chunks are
                 // this launch's pieces', each inside the staging (`world * count` elements); a
                 // piece's gradient address is its tensor's from element `from`, and the piece
                 // ends inside the tensor, whose numel values the caller's address holds.
-                unsafe { self.kernels.add_multi.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+                unsafe {
+                    self.kernels.add_multi.launch(
+                        &self.ctx,
+                        self.ctx.grid_for(num_chunks),
+                        THREADS,
+                        self.stream,
+                        &mut args,
+                    )
+                }
             })?;
         }
         if let Some(c) = self.group()? {
             let reduced = match self.bf16(c) {
                 // The staging in NCCL's in-place layout: rank q's piece at `q * count`.
                 Some(wire) => {
-                    let pieces: Vec<Range<usize>> = (0..c.world_size()).map(|q| q * s.count..(q + 1) * s.count).collect();
-                    wire.reduce_to_owners(c, staging, &pieces, staging + (4 * self.rank * s.count) as u64, self.stream)
+                    let pieces: Vec<Range<usize>> =
+                        (0..c.world_size()).map(|q| q * s.count..(q + 1) * s.count).collect();
+                    wire.reduce_to_owners(
+                        c,
+                        staging,
+                        &pieces,
+                        staging + (4 * self.rank * s.count) as u64,
+                        self.stream,
+                    )
                 }
                 None => c.reduce_scatter_sum_f32(staging, s.count, self.stream),
             };
@@ -565,15 +682,30 @@ impl ShardedDeviceStore {
         if s.own == 0 {
             return Ok(());
         }
-        let (dst, src) = (self.shard_at(k * self.stripe), staging + (4 * self.rank * s.count) as u64);
-        let (numel, dtype, unit, weight, assign, flag) =
-            (s.own as u64, Dtype::F32.code(), self.unit.ptr(), 1.0f64, assign as u32, self.found_inf.ptr());
+        let (dst, src) =
+            (self.shard_at(k * self.stripe), staging + (4 * self.rank * s.count) as u64);
+        let (numel, dtype, unit, weight, assign, flag) = (
+            s.own as u64,
+            Dtype::F32.code(),
+            self.unit.ptr(),
+            1.0f64,
+            assign as u32,
+            self.found_inf.ptr(),
+        );
         let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
         // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece, `own`
         // of its `count` elements at `rank * count` in the staging; the destination the shard
         // from `k * stripe`, which holds this stripe's slice of `own` elements.
-        unsafe { self.kernels.add_one.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        unsafe {
+            self.kernels.add_one.launch(
+                &self.ctx,
+                self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                THREADS,
+                self.stream,
+                &mut args,
+            )
+        }
+        .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
     /// Once per communicator (it waits): every rank checks that all ranks hold the same layout
@@ -609,7 +741,10 @@ impl ShardedDeviceStore {
             return Err(e.clone());
         }
         if max[4] != 0 {
-            return Err(Error::new(ErrorKind::PeerFailure, "another rank's call was invalid; no rank reduced"));
+            return Err(Error::new(
+                ErrorKind::PeerFailure,
+                "another rank's call was invalid; no rank reduced",
+            ));
         }
         if max[0] != !max[2] || max[1] != !max[3] {
             return Err(ranks_differ(!max[2], max[0]));
@@ -621,7 +756,12 @@ impl ShardedDeviceStore {
     /// [`verify_layout`](Self::verify_layout) of a hybrid boundary, once per pair of groups:
     /// the grid check ([`check_grid`]). After it, a rank whose call is invalid stops pairing on
     /// both groups, whose peers wait in the boundary's collectives.
-    fn verify_grid(&self, comm: Option<&NcclComm>, replicas: &NcclComm, error: Option<&Error>) -> Result<()> {
+    fn verify_grid(
+        &self,
+        comm: Option<&NcclComm>,
+        replicas: &NcclComm,
+        error: Option<&Error>,
+    ) -> Result<()> {
         let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
         let pair = (comm.map_or(0, NcclComm::id), replicas.id());
         if verified.contains(&pair) {
@@ -637,7 +777,12 @@ impl ShardedDeviceStore {
                 None => Ok(()),
             };
         }
-        let me = GridCheck { numel: self.plan.layout.len() as u64, fingerprint: self.plan.fingerprint() ^ AT_BOUNDARY, shard: self.rank, error };
+        let me = GridCheck {
+            numel: self.plan.layout.len() as u64,
+            fingerprint: self.plan.fingerprint() ^ AT_BOUNDARY,
+            shard: self.rank,
+            error,
+        };
         check_grid(&self.ctx, self.stream, &self.layout_check, comm, replicas, me)?;
         verified.push(pair);
         Ok(())
@@ -658,7 +803,8 @@ impl ShardedDeviceStore {
     /// measure the shard, gather every shard's block sums, and clip the shard.
     fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
         let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
-        let (count, microbatches, found_inf, ranks) = (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
+        let (count, microbatches, found_inf, ranks) =
+            (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
         let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
         // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
@@ -681,10 +827,25 @@ impl ShardedDeviceStore {
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
         // only the trailing shards are short): every rank folds the same sums in the same order.
         let gather = comm.map(|c| (c, self.padded / NORM_BLOCK));
-        let span = NormSpan { data: self.shard.ptr(), n: self.own.len() as u64, first_block: self.rank * self.padded / NORM_BLOCK, gather };
+        let span = NormSpan {
+            data: self.shard.ptr(),
+            n: self.own.len() as u64,
+            first_block: self.rank * self.padded / NORM_BLOCK,
+            gather,
+        };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
-        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, boundary, partials, span) }
+        unsafe {
+            norm_and_clip(
+                &self.ctx,
+                &self.kernels,
+                self.stream,
+                &self.plan,
+                boundary,
+                partials,
+                span,
+            )
+        }
     }
 }
 
@@ -751,14 +912,29 @@ impl Store for ShardedDeviceStore {
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
     fn refuse(&self) {
         if let Ok(Some(c)) = self.group() {
-            let _ = self.verify_layout(c, AT_MICROBATCH, Some(&Error::invalid("this rank's call was refused")));
+            let _ = self.verify_layout(
+                c,
+                AT_MICROBATCH,
+                Some(&Error::invalid("this rank's call was refused")),
+            );
         }
     }
 
     /// One conversion launch per SOURCES_PER_LAUNCH pieces of a stripe, its reduce-scatter and
     /// the shard add, stripe after stripe; nothing waits.
-    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, _first: &dyn Fn(usize) -> bool) -> Result<()> {
-        let Grads::Device(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "host gradients for a CUDA accumulator")) };
+    fn add(
+        &self,
+        scaler: &Scaler,
+        grads: Grads<'_>,
+        weight: f64,
+        _first: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let Grads::Device(grads) = grads else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "host gradients for a CUDA accumulator",
+            ));
+        };
         let scaler = scaler.cuda()?;
         let assign = self.first.load(Ordering::Relaxed);
         for k in 0..self.stripes.len() {
@@ -777,13 +953,27 @@ impl Store for ShardedDeviceStore {
 
     /// Converts the tensor into its bucket's staging and enqueues the reduction of every bucket
     /// that is then complete, in the backward's order; nothing waits.
-    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, _first: bool) -> Result<()> {
-        let Gradient::Device(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a host gradient for a CUDA accumulator")) };
+    fn add_tensor(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        _first: bool,
+    ) -> Result<()> {
+        let Gradient::Device(grad) = grad else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "a host gradient for a CUDA accumulator",
+            ));
+        };
         let scaler = scaler.cuda()?;
         let mut h = self.hooks();
         let h = &mut *h;
         if !h.open {
-            return Err(Error::wrong_state("the micro-batch's reductions failed; end_microbatch discards the window"));
+            return Err(Error::wrong_state(
+                "the micro-batch's reductions failed; end_microbatch discards the window",
+            ));
         }
         if h.landed[index] {
             return Err(Error::wrong_state(format!(
@@ -841,7 +1031,8 @@ impl Store for ShardedDeviceStore {
         if !read {
             return Ok(None);
         }
-        let groups: Vec<&NcclComm> = p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
+        let groups: Vec<&NcclComm> =
+            p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
         wait_for_groups(&self.ctx, self.stream, &groups)?;
         let info = read_info(&self.boundary)?;
         // An abort (or a peer's failure) ends the collectives without reducing.

@@ -18,13 +18,18 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::driver::{
-    check_stream, launch_args, synchronize, wait_until_done, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream, SharedReads, THREADS,
+    check_stream, launch_args, synchronize, wait_until_done, CUdeviceptr, CUstream, Context,
+    DeviceBuffer, Event, OwnedStream, SharedReads, THREADS,
 };
 use super::kernels::Kernels;
-use super::layout::{GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH};
+use super::layout::{
+    GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
+};
 use super::scaler::CudaScaler;
 use super::wire::Wire;
-use crate::accumulator::{ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::{
+    ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo,
+};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
@@ -75,8 +80,15 @@ impl Sharded {
         let Sharding::ReduceScatter { rank, .. } = plan.config.sharding else { return Ok(None) };
         let (shards, len) = (plan.shards(), plan.layout.len());
         let size = shards[0].len().next_multiple_of(NORM_BLOCK);
-        if !shards.iter().enumerate().all(|(q, r)| *r == ((q * size).min(len)..((q + 1) * size).min(len))) {
-            return Err(Error::new(ErrorKind::Internal, format!("the shards {shards:?} are not an equal split in whole blocks")));
+        if !shards
+            .iter()
+            .enumerate()
+            .all(|(q, r)| *r == ((q * size).min(len)..((q + 1) * size).min(len)))
+        {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("the shards {shards:?} are not an equal split in whole blocks"),
+            ));
         }
         Ok(Some(Sharded { rank, shards, size, padded: false }))
     }
@@ -143,16 +155,28 @@ unsafe impl Sync for DeviceStore {}
 pub(super) fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
     match comm.collectives() {
         Collectives::Nccl(c) => Ok(c),
-        Collectives::Host(_) => Err(Error::new(ErrorKind::DeviceMismatch, "a host communicator for a CUDA accumulator: use an NCCL communicator")),
+        Collectives::Host(_) => Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            "a host communicator for a CUDA accumulator: use an NCCL communicator",
+        )),
     }
 }
 
 /// The totals of a boundary whose group is this rank alone: the host knows them (and tells an
 /// empty window before anything is enqueued); `None` when they are summed on the device. A
 /// hybrid boundary's group is the grid.
-pub(super) fn alone(p: &Proposal<'_>, comm: Option<&NcclComm>, replicas: Option<&NcclComm>) -> Option<ControlSum> {
+pub(super) fn alone(
+    p: &Proposal<'_>,
+    comm: Option<&NcclComm>,
+    replicas: Option<&NcclComm>,
+) -> Option<ControlSum> {
     let world = comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size());
-    (world == 1).then(|| ControlSum { count: p.count, microbatches: p.microbatches, ranks: p.ranks, ..Default::default() })
+    (world == 1).then(|| ControlSum {
+        count: p.count,
+        microbatches: p.microbatches,
+        ranks: p.ranks,
+        ..Default::default()
+    })
 }
 
 /// Reads the boundary's result (waits for the stream); None for an empty window.
@@ -184,10 +208,14 @@ pub(super) fn wait_for_collectives(ctx: &Context, stream: CUstream, comm: &NcclC
 /// group's failure. A timeout aborts every group: the stream may wait in any of them.
 pub(super) fn wait_for_groups(ctx: &Context, stream: CUstream, groups: &[&NcclComm]) -> Result<()> {
     let timeout = groups.iter().filter_map(|c| c.timeout()).min();
-    let result = wait_until_done(ctx, stream, timeout, || groups.iter().try_for_each(|c| c.health()));
+    let result =
+        wait_until_done(ctx, stream, timeout, || groups.iter().try_for_each(|c| c.health()));
     if let Err(e) = &result {
         if e.kind == ErrorKind::Timeout {
-            let what = format!("the boundary's collectives: {}; a rank failed or never arrived", e.message);
+            let what = format!(
+                "the boundary's collectives: {}; a rank failed or never arrived",
+                e.message
+            );
             // Only an abort ends NCCL's kernels; without one the stream would never drain.
             let mut refused = None;
             for c in groups {
@@ -203,7 +231,10 @@ pub(super) fn wait_for_groups(ctx: &Context, stream: CUstream, groups: &[&NcclCo
                 ));
             }
             synchronize(ctx, stream)?;
-            return Err(Error::new(ErrorKind::Timeout, format!("{what}, and the communicator was aborted")));
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("{what}, and the communicator was aborted"),
+            ));
         }
     }
     result
@@ -264,7 +295,10 @@ pub(super) fn check_grid(
     }
     let max = group.and(grid)?;
     if max[4] != 0 {
-        return Err(Error::new(ErrorKind::PeerFailure, "another rank's call was invalid; no rank reduced"));
+        return Err(Error::new(
+            ErrorKind::PeerFailure,
+            "another rank's call was invalid; no rank reduced",
+        ));
     }
     if max[0] != !max[2] || max[1] != !max[3] {
         return Err(ranks_differ(!max[2], max[0]));
@@ -330,7 +364,13 @@ pub(super) unsafe fn norm_and_clip(
         kernels.finish_norm.launch(ctx, 1, THREADS, stream, &mut args)?;
         if max_norm != 0.0 && n > 0 {
             let mut args = launch_args!(data, n, boundary);
-            kernels.scale_by.launch(ctx, ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, stream, &mut args)?;
+            kernels.scale_by.launch(
+                ctx,
+                ctx.grid_for(n.div_ceil(THREADS as u64)),
+                THREADS,
+                stream,
+                &mut args,
+            )?;
         }
     }
     Ok(())
@@ -339,7 +379,12 @@ pub(super) unsafe fn norm_and_clip(
 impl DeviceStore {
     /// Allocates the master (zeroed) on `stream`, or adopts the caller's device buffer of the
     /// layout's length, and uploads the kernels' tables.
-    pub(crate) fn new(plan: Arc<Plan>, ordinal: i32, stream: CUstream, adopt: Option<CUdeviceptr>) -> Result<Self> {
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        ordinal: i32,
+        stream: CUstream,
+        adopt: Option<CUdeviceptr>,
+    ) -> Result<Self> {
         check_stream(stream, "`stream`")?;
         let (layout, tensors) = (&plan.layout, &plan.descs);
         let len = layout.len();
@@ -348,7 +393,12 @@ impl DeviceStore {
         let table: Vec<GaTensor> = tensors
             .iter()
             .enumerate()
-            .map(|(i, t)| GaTensor { offset: layout.range(i).start as u64, numel: t.numel as u64, dtype: t.dtype.code(), pad: 0 })
+            .map(|(i, t)| GaTensor {
+                offset: layout.range(i).start as u64,
+                numel: t.numel as u64,
+                dtype: t.dtype.code(),
+                pad: 0,
+            })
             .collect();
         let chunks: Vec<GaChunk> = tensors
             .iter()
@@ -366,7 +416,9 @@ impl DeviceStore {
             .map(|first| {
                 let count = SOURCES_PER_LAUNCH.min(tensors.len() - first);
                 let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
-                let num_chunks = chunks[first_chunk..].partition_point(|c| (c.tensor as usize) < first + count) as u64;
+                let num_chunks = chunks[first_chunk..]
+                    .partition_point(|c| (c.tensor as usize) < first + count)
+                    as u64;
                 AddLaunch { first, count, first_chunk, num_chunks }
             })
             .collect();
@@ -400,7 +452,9 @@ impl DeviceStore {
             verified_grids: Mutex::new(Vec::new()),
             overlap: Mutex::new(None),
             comm_stream: OnceLock::new(),
-            wire: (plan.config.wire == Dtype::Bf16).then(|| Wire::new(ctx.clone(), kernels.clone(), stream)).transpose()?,
+            wire: (plan.config.wire == Dtype::Bf16)
+                .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
+                .transpose()?,
             ctx,
             kernels,
             stream,
@@ -456,11 +510,13 @@ impl DeviceStore {
             self.finish_overlap(o)?;
         }
         let boundary = self.boundary.ptr();
-        let (count, microbatches, found_inf, ranks) = (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
+        let (count, microbatches, found_inf, ranks) =
+            (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
         let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
         // SAFETY: argument types follow ga_pack_control.
         unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
-        // Also at world size 1: NCCL then copies in place, and the path is the one every rank takes.
+        // Also at world size 1: NCCL then copies in place, and the path is the one every rank
+        // takes.
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm.filter(|c| self.bf16(c).is_some()) {
             // The wire's kernels run between its collectives: no NCCL group around them. Bucket
@@ -476,7 +532,9 @@ impl DeviceStore {
                 match (&self.sharded, &overlap) {
                     (Some(s), None) => self.reduce_shards(c, s),
                     // The buckets the final micro-batch did not reduce early.
-                    (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.next)].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream)),
+                    (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.next)]
+                        .iter()
+                        .try_for_each(|b| self.reduce_bucket(c, b, self.stream)),
                 }
             })?;
         }
@@ -521,11 +579,24 @@ impl DeviceStore {
         if let Some(wire) = self.bf16(c) {
             let data = self.master_at(b.start);
             let Some(s) = &self.sharded else { return wire.allreduce(c, data, b.len(), stream) };
-            let pieces: Vec<Range<usize>> =
-                s.shards.iter().map(|r| r.start.clamp(b.start, b.end) - b.start..r.end.clamp(b.start, b.end) - b.start).collect();
-            return wire.reduce_to_owners(c, data, &pieces, data + 4 * pieces[s.rank].start as u64, stream);
+            let pieces: Vec<Range<usize>> = s
+                .shards
+                .iter()
+                .map(|r| {
+                    r.start.clamp(b.start, b.end) - b.start..r.end.clamp(b.start, b.end) - b.start
+                })
+                .collect();
+            return wire.reduce_to_owners(
+                c,
+                data,
+                &pieces,
+                data + 4 * pieces[s.rank].start as u64,
+                stream,
+            );
         }
-        let Some(s) = &self.sharded else { return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream) };
+        let Some(s) = &self.sharded else {
+            return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream);
+        };
         c.group(|| {
             for (owner, shard) in s.shards.iter().enumerate() {
                 let piece = b.start.max(shard.start)..b.end.min(shard.end);
@@ -555,10 +626,25 @@ impl DeviceStore {
     fn finish_boundary(&self, comm: Option<&NcclComm>) -> Result<()> {
         let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
         let gather = self.sharded.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
-        let span = NormSpan { data: self.master_at(own.start), n: own.len() as u64, first_block: own.start / NORM_BLOCK, gather };
+        let span = NormSpan {
+            data: self.master_at(own.start),
+            n: own.len() as u64,
+            first_block: own.start / NORM_BLOCK,
+            gather,
+        };
         // SAFETY: the master holds the range `own`, and `boundary` and `partials` were sized for
         // this layout (and its shards, padded) at creation.
-        unsafe { norm_and_clip(&self.ctx, &self.kernels, self.stream, &self.plan, self.boundary.ptr(), self.partials.ptr(), span) }
+        unsafe {
+            norm_and_clip(
+                &self.ctx,
+                &self.kernels,
+                self.stream,
+                &self.plan,
+                self.boundary.ptr(),
+                self.partials.ptr(),
+                span,
+            )
+        }
     }
 
     /// Reads the boundary's result (waits for the stream); None for an empty window.
@@ -572,7 +658,12 @@ impl DeviceStore {
 
     /// Once per pair of groups: the layout check of a hybrid boundary over the shard group and
     /// the replicas ([`check_grid`]); a shard that does not fit the shard group fails it.
-    fn verify_grid(&self, comm: &NcclComm, replicas: &NcclComm, error: Option<&Error>) -> Result<()> {
+    fn verify_grid(
+        &self,
+        comm: &NcclComm,
+        replicas: &NcclComm,
+        error: Option<&Error>,
+    ) -> Result<()> {
         let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
         let pair = (comm.id(), replicas.id());
         if verified.contains(&pair) {
@@ -626,7 +717,10 @@ impl DeviceStore {
             return Err(e);
         }
         if max[4] != 0 {
-            return Err(Error::new(ErrorKind::PeerFailure, "another rank's sync call was invalid; no rank reduced"));
+            return Err(Error::new(
+                ErrorKind::PeerFailure,
+                "another rank's sync call was invalid; no rank reduced",
+            ));
         }
         let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
         if max_numel != min_numel || max_hash != min_hash {
@@ -638,7 +732,9 @@ impl DeviceStore {
 
     /// Why this rank's shard cannot be reduced over `comm` (another size, or another rank), if so.
     fn shard_misfit(&self, comm: &NcclComm) -> Option<Error> {
-        let Sharding::ReduceScatter { shards, rank } = self.plan.config.sharding else { return None };
+        let Sharding::ReduceScatter { shards, rank } = self.plan.config.sharding else {
+            return None;
+        };
         let (world, at) = (comm.world_size(), comm.rank());
         ((world, at) != (shards, rank))
             .then(|| Error::invalid(format!("the accumulator holds shard {rank} of {shards}, but the communicator is rank {at} of {world}")))
@@ -653,7 +749,9 @@ impl Store for DeviceStore {
     /// Refuses a new micro-batch after the final one: its buckets are already reduced.
     fn check_open(&self) -> Result<()> {
         if self.overlap().is_some() {
-            return Err(Error::wrong_state("the window's final micro-batch has ended: call sync (or reset) before adding more"));
+            return Err(Error::wrong_state(
+                "the window's final micro-batch has ended: call sync (or reset) before adding more",
+            ));
         }
         Ok(())
     }
@@ -661,32 +759,70 @@ impl Store for DeviceStore {
     /// One `ga_add_multi` launch per SOURCES_PER_LAUNCH tensors (one for most models). The
     /// gradient addresses travel as a kernel parameter, copied by the launch: no per-call copy
     /// from host memory, so a step's adds can be captured into a CUDA graph.
-    fn add(&self, scaler: &Scaler, grads: Grads<'_>, weight: f64, first: &dyn Fn(usize) -> bool) -> Result<()> {
-        let Grads::Device(grads) = grads else { return Err(Error::new(ErrorKind::DeviceMismatch, "host gradients for a CUDA accumulator")) };
+    fn add(
+        &self,
+        scaler: &Scaler,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let Grads::Device(grads) = grads else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "host gradients for a CUDA accumulator",
+            ));
+        };
         let scaler = scaler.cuda()?;
         let f = self.kernels.add_multi;
-        let (tensors, master, found_inf) = (self.tensors.ptr(), self.master.ptr(), self.found_inf.ptr());
+        let (tensors, master, found_inf) =
+            (self.tensors.ptr(), self.master.ptr(), self.found_inf.ptr());
         for launch in &self.launches {
-            let mut sources =
-                GaSources { first_tensor: launch.first as u64, count: launch.count as u64, s: [GaSource::default(); SOURCES_PER_LAUNCH] };
+            let mut sources = GaSources {
+                first_tensor: launch.first as u64,
+                count: launch.count as u64,
+                s: [GaSource::default(); SOURCES_PER_LAUNCH],
+            };
             for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
                 *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
             }
-            let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let chunks =
+                self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
             scaler.launch_reading(self.stream, |state| {
-                let mut args = launch_args!(tensors, chunks, num_chunks, sources, master, state, weight, found_inf);
+                let mut args = launch_args!(
+                    tensors, chunks, num_chunks, sources, master, state, weight, found_inf
+                );
                 // SAFETY: argument types follow ga_add_multi (`sources` by value); the chunk range
                 // is this launch's tensors', tables and master were sized at creation, and the
                 // gradient addresses hold their tensors' numel values (the caller's contract).
-                unsafe { f.launch(&self.ctx, self.ctx.grid_for(num_chunks), THREADS, self.stream, &mut args) }
+                unsafe {
+                    f.launch(
+                        &self.ctx,
+                        self.ctx.grid_for(num_chunks),
+                        THREADS,
+                        self.stream,
+                        &mut args,
+                    )
+                }
             })?;
         }
         Ok(())
     }
 
-    fn add_tensor(&self, scaler: &Scaler, index: usize, grad: Gradient<'_>, weight: f64, first: bool) -> Result<()> {
-        let Gradient::Device(grad) = grad else { return Err(Error::new(ErrorKind::DeviceMismatch, "a host gradient for a CUDA accumulator")) };
+    fn add_tensor(
+        &self,
+        scaler: &Scaler,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<()> {
+        let Gradient::Device(grad) = grad else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "a host gradient for a CUDA accumulator",
+            ));
+        };
         let scaler = scaler.cuda()?;
         let mut overlap = self.overlap();
         if let Some(o) = overlap.as_ref() {
@@ -699,11 +835,21 @@ impl Store for DeviceStore {
         let desc = self.plan.descs[index];
         let f = self.kernels.add_one;
         let master = self.master_at(self.plan.layout.range(index).start);
-        let (numel, dtype, assign, found_inf) = (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
+        let (numel, dtype, assign, found_inf) =
+            (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
         scaler.launch_reading(self.stream, |state| {
-            let mut args = launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
+            let mut args =
+                launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
             // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
-            unsafe { f.launch(&self.ctx, self.ctx.grid_for(numel.div_ceil(CHUNK as u64)), THREADS, self.stream, &mut args) }
+            unsafe {
+                f.launch(
+                    &self.ctx,
+                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                    THREADS,
+                    self.stream,
+                    &mut args,
+                )
+            }
         })?;
         if let Some(o) = overlap.as_mut() {
             self.tensor_arrived(o, index)?;
@@ -723,7 +869,12 @@ impl Store for DeviceStore {
             missing[layout.bucket_of(i)] += 1;
         }
         let next = missing.len();
-        *self.overlap() = Some(Overlap { comm: comm.clone(), missing, arrived: vec![false; self.plan.descs.len()], next });
+        *self.overlap() = Some(Overlap {
+            comm: comm.clone(),
+            missing,
+            arrived: vec![false; self.plan.descs.len()],
+            next,
+        });
         Ok(())
     }
 
@@ -751,7 +902,9 @@ impl Store for DeviceStore {
             // A shard that does not fit the communicator fails the layout check, the one exchange
             // every rank runs before the boundary's collectives: this rank takes part, so the
             // others fail with it instead of waiting for its collectives.
-            if let Some(c) = p.comm.and_then(|c| nccl(c).ok()).filter(|c| self.shard_misfit(c).is_some()) {
+            if let Some(c) =
+                p.comm.and_then(|c| nccl(c).ok()).filter(|c| self.shard_misfit(c).is_some())
+            {
                 let _ = match replicas {
                     Some(r) => self.verify_grid(c, r, Some(e)),
                     None => self.verify_layout(c),
@@ -764,9 +917,15 @@ impl Store for DeviceStore {
             let overlap = self.overlap();
             match (comm, overlap.as_ref()) {
                 (Some(c), Some(o)) if c.id() != nccl(&*o.comm)?.id() => {
-                    return Err(Error::invalid("sync got another communicator than the final micro-batch's"));
+                    return Err(Error::invalid(
+                        "sync got another communicator than the final micro-batch's",
+                    ));
                 }
-                (None, Some(_)) => return Err(Error::invalid("`comm` is NULL, but the final micro-batch was opened with a communicator")),
+                (None, Some(_)) => {
+                    return Err(Error::invalid(
+                        "`comm` is NULL, but the final micro-batch was opened with a communicator",
+                    ))
+                }
                 _ => {}
             }
         }
@@ -783,7 +942,8 @@ impl Store for DeviceStore {
         if !read {
             return Ok(None);
         }
-        let groups: Vec<&NcclComm> = p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
+        let groups: Vec<&NcclComm> =
+            p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
         wait_for_groups(&self.ctx, self.stream, &groups)?;
         let info = self.read_info()?;
         // An abort (or a peer's failure) ends the collectives the read waited for without

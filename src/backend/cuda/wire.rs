@@ -10,7 +10,9 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::driver::{copy, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS};
+use super::driver::{
+    copy, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS,
+};
 use super::kernels::Kernels;
 use crate::comm::nccl::NcclComm;
 use crate::error::Result;
@@ -92,8 +94,22 @@ impl Wire {
         let (words, incoming) = {
             let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
             let b = &mut *b;
-            let words = at_least(&self.ctx, self.stream, &mut b.out, &mut b.retired, &mut b.fresh, 2 * len as usize)?;
-            let incoming = at_least(&self.ctx, self.stream, &mut b.incoming, &mut b.retired, &mut b.fresh, 2 * world * own)?;
+            let words = at_least(
+                &self.ctx,
+                self.stream,
+                &mut b.out,
+                &mut b.retired,
+                &mut b.fresh,
+                2 * len as usize,
+            )?;
+            let incoming = at_least(
+                &self.ctx,
+                self.stream,
+                &mut b.incoming,
+                &mut b.retired,
+                &mut b.fresh,
+                2 * world * own,
+            )?;
             self.ready_on(b, stream)?;
             (words, incoming)
         };
@@ -101,31 +117,63 @@ impl Wire {
             let mut args = launch_args!(words, data, len);
             // SAFETY: argument types follow ga_to_bf16; `words` holds `len` u16 (sized above) and
             // `data` the caller's `len` f32 of this context.
-            unsafe { self.kernels.to_bf16.launch(&self.ctx, self.ctx.grid_for(len.div_ceil(THREADS as u64)), THREADS, stream, &mut args)? };
+            unsafe {
+                self.kernels.to_bf16.launch(
+                    &self.ctx,
+                    self.ctx.grid_for(len.div_ceil(THREADS as u64)),
+                    THREADS,
+                    stream,
+                    &mut args,
+                )?
+            };
         }
-        let sends: Vec<(CUdeviceptr, usize)> = pieces.iter().map(|p| (words + 2 * p.start as u64, p.len())).collect();
-        let recvs: Vec<(CUdeviceptr, usize)> = (0..world).map(|q| (incoming + (2 * q * own) as u64, own)).collect();
+        let sends: Vec<(CUdeviceptr, usize)> =
+            pieces.iter().map(|p| (words + 2 * p.start as u64, p.len())).collect();
+        let recvs: Vec<(CUdeviceptr, usize)> =
+            (0..world).map(|q| (incoming + (2 * q * own) as u64, own)).collect();
         c.exchange_bf16(&sends, &recvs, stream)?;
         if own > 0 {
             let (n, world) = (own as u64, world as u64);
             let mut args = launch_args!(out, incoming, n, world);
             // SAFETY: argument types follow ga_sum_bf16; `incoming` holds `world * n` u16 (sized
             // above) and `out` the caller's `n` f32 of this context.
-            unsafe { self.kernels.sum_bf16.launch(&self.ctx, self.ctx.grid_for(n.div_ceil(THREADS as u64)), THREADS, stream, &mut args)? };
+            unsafe {
+                self.kernels.sum_bf16.launch(
+                    &self.ctx,
+                    self.ctx.grid_for(n.div_ceil(THREADS as u64)),
+                    THREADS,
+                    stream,
+                    &mut args,
+                )?
+            };
         }
         Ok(())
     }
 
     /// Enqueues on `stream` the all-reduce of the `len` FP32 values at `data` over `c`: reduced
     /// in equal pieces on the wire, and the pieces' FP32 sums all-gathered back into `data`.
-    pub(super) fn allreduce(&self, c: &NcclComm, data: CUdeviceptr, len: usize, stream: CUstream) -> Result<()> {
+    pub(super) fn allreduce(
+        &self,
+        c: &NcclComm,
+        data: CUdeviceptr,
+        len: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         let (world, rank) = (c.world_size(), c.rank());
         let p = len.div_ceil(world);
-        let pieces: Vec<Range<usize>> = (0..world).map(|q| (q * p).min(len)..((q + 1) * p).min(len)).collect();
+        let pieces: Vec<Range<usize>> =
+            (0..world).map(|q| (q * p).min(len)..((q + 1) * p).min(len)).collect();
         let gathered = {
             let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
             let b = &mut *b;
-            let gathered = at_least(&self.ctx, self.stream, &mut b.gathered, &mut b.retired, &mut b.fresh, 4 * world * p)?;
+            let gathered = at_least(
+                &self.ctx,
+                self.stream,
+                &mut b.gathered,
+                &mut b.retired,
+                &mut b.fresh,
+                4 * world * p,
+            )?;
             self.ready_on(b, stream)?;
             gathered
         };
