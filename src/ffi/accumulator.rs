@@ -10,7 +10,7 @@ use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
 use crate::accumulator::{
-    refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo,
+    protocol, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo,
     TensorDesc,
 };
 use crate::device::Device;
@@ -551,7 +551,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
                 // Still take part in the boundary so the other ranks fail instead of waiting
                 // (a sharded accumulation's boundary is over its own communicator).
                 match (&comm, ACCUMULATORS.get(acc, "acc")) {
-                    (Some(c), _) => refuse_boundary(&**c),
+                    (Some(c), _) => protocol::refuse(&**c),
                     (None, Ok(a)) => a.refuse_collective(),
                     (None, Err(_)) => {}
                 }
@@ -619,7 +619,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
             (a, s, r) => {
                 // Still take part in the boundary so the other ranks fail instead of waiting.
                 for c in [&s, &r].into_iter().flatten() {
-                    refuse_boundary(&**c);
+                    protocol::refuse(&**c);
                 }
                 return Err([a.err(), s.err(), r.err()]
                     .into_iter()
