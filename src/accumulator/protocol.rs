@@ -13,7 +13,9 @@
 //!
 //! The messages of the verdicts live here too, so every device says the same words.
 
-use super::Plan;
+use std::sync::Arc;
+
+use super::{Accumulator, Plan};
 use crate::comm::{Collectives, Communicator, Control, ControlSum, HostCollectives};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -227,5 +229,66 @@ pub(crate) fn exchange(
 pub(crate) fn refuse(comm: &dyn Communicator) {
     if let Collectives::Host(c) = comm.collectives() {
         let _ = c.reduce_control(&ControlSum::of(&Control { error: true, ..Default::default() }));
+    }
+}
+
+/// What a call owes the peers of its collective while its arguments are converted: dropped
+/// unsettled (an argument was refused), it tells them that this rank's call failed, so they fail
+/// instead of waiting: over the call's groups that are known, else through the accumulator (its
+/// own communicator under sharded accumulation; for an `add_tensor`, the micro-batch fails on
+/// every rank when it closes). [`Owed::settle`] once the call reaches the accumulator, which
+/// tells the peers itself from there.
+#[must_use = "dropping it tells the peers that this rank's call failed"]
+pub(crate) struct Owed {
+    accumulator: Option<(Arc<Accumulator>, bool)>,
+    groups: Vec<Arc<dyn Communicator>>,
+    settled: bool,
+}
+
+impl Owed {
+    /// A call whose collective is the accumulator's own: a micro-batch (or, under sharded
+    /// accumulation, a boundary) on its communicator.
+    pub(crate) fn collective(accumulator: &Arc<Accumulator>) -> Self {
+        Owed { accumulator: Some((accumulator.clone(), false)), groups: Vec::new(), settled: false }
+    }
+
+    /// An `add_tensor`.
+    pub(crate) fn tensor(accumulator: &Arc<Accumulator>) -> Self {
+        Owed { accumulator: Some((accumulator.clone(), true)), groups: Vec::new(), settled: false }
+    }
+
+    /// A boundary over `groups`, those of its communicators that are valid: owed over them, or
+    /// through the accumulator (when valid) if none is.
+    pub(crate) fn boundary<'a>(
+        accumulator: Option<&Arc<Accumulator>>,
+        groups: impl IntoIterator<Item = &'a Arc<dyn Communicator>>,
+    ) -> Self {
+        Owed {
+            accumulator: accumulator.map(|a| (a.clone(), false)),
+            groups: groups.into_iter().cloned().collect(),
+            settled: false,
+        }
+    }
+
+    /// The call reached the accumulator: nothing is owed from here.
+    pub(crate) fn settle(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if !self.groups.is_empty() {
+            self.groups.iter().for_each(|g| refuse(&**g));
+        } else if let Some((a, tensor)) = &self.accumulator {
+            if *tensor {
+                a.refuse_tensor();
+            } else {
+                a.refuse_collective();
+            }
+        }
     }
 }
