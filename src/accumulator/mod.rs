@@ -4,7 +4,9 @@
 //!
 //! One [`Accumulator`] serves every device. This module holds the semantics, once: the window and
 //! its phases (`window`), counts and normalisation rules (`config`), the tensor and bucket layout
-//! (`layout`), which checks run before anything changes, and the order of the boundary's steps.
+//! (`layout`), how the ranks agree before a collective and what each verdict says (`protocol`),
+//! how sharding cuts a micro-batch into stripes and buckets (`sharding`), which checks run before
+//! anything changes, and the order of the boundary's steps. A boundary feature starts here.
 //! A device supplies the memory and the kernels through the [`Store`] trait: `backend::cpu` (a
 //! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
 //! caller's stream, NCCL). A trait object rather than a type parameter: the device is chosen at
@@ -15,6 +17,7 @@
 mod config;
 mod layout;
 pub(crate) mod protocol;
+pub(crate) mod sharding;
 mod window;
 
 pub use config::{AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
@@ -1174,8 +1177,7 @@ impl Accumulator {
             let mine = self.window.written(&w, i);
             // The tensor's part of the held range, in `masters`.
             let r = self.range(i);
-            let r = r.start.clamp(held.start, held.end) - held.start
-                ..r.end.clamp(held.start, held.end) - held.start;
+            let r = sharding::relative(&sharding::intersect(&r, &held), held.start);
             match (mine, *theirs) {
                 (true, true) => {
                     masters[r.clone()].iter_mut().zip(&saved.masters[r]).for_each(|(m, s)| *m += s)

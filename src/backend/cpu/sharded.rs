@@ -5,14 +5,12 @@
 //! into the shard (assigned in a window's first micro-batch) while it is in cache. The boundary
 //! only agrees, normalises, measures and clips.
 //!
-//! The parts are cut two ways, and every rank cuts the same way in a micro-batch (the control
-//! step checks it). A whole micro-batch (`add`) goes by stripes: stripe k holds the k-th slice of
-//! every shard, so each reduce-scatter is balanced, every rank receiving and summing its own
-//! slice. Tensors arriving one by one (`add_tensor`) go by buckets, in the backward's order (the
-//! last bucket first), each reduced as soon as its tensors have landed; a bucket inside one shard
-//! is then a reduce into its owner. Either way each element is the same sum in rank order, so the
-//! bits do not depend on the cut.
+//! The parts are the core's ([`crate::accumulator::sharding`]): stripes for a whole micro-batch,
+//! every rank receiving and summing its own slice; buckets for tensors arriving one by one, a
+//! bucket inside one shard then a reduce into its owner. Either way each element is the same sum
+//! in rank order, so the bits do not depend on the cut.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -21,6 +19,7 @@ use super::master::Master;
 use super::math::NORM_BLOCK;
 use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
@@ -34,16 +33,15 @@ pub(crate) struct ShardedStore {
     /// Every rank's range of the flat layout, and this rank's.
     shards: Vec<Range<usize>>,
     own: Range<usize>,
-    /// Each bucket's tensors.
-    bucket_tensors: Vec<Range<usize>>,
-    /// Elements of each shard in one stripe: a bucket's worth over all ranks, in whole norm blocks.
-    stripe: usize,
+    stripes: Stripes,
     shard: Master,
     /// The window's sticky non-finite flag (this rank's gradients only).
     found_inf: AtomicBool,
     /// A reduction failed after the micro-batch's control step: the shard holds part of it.
     lost: AtomicBool,
-    microbatch: Mutex<Microbatch>,
+    /// The micro-batch assigns the shard (the window's first).
+    first: AtomicBool,
+    hooks: Mutex<Hooks<Vec<f32>>>,
 }
 
 impl std::fmt::Debug for ShardedStore {
@@ -55,25 +53,6 @@ impl std::fmt::Debug for ShardedStore {
     }
 }
 
-/// The micro-batch in progress, tensor by tensor (`add_tensor`).
-struct Microbatch {
-    /// Whether a micro-batch is open and the shard is assigned by it (the window's first).
-    open: bool,
-    first: bool,
-    /// An `add_tensor` of this micro-batch was invalid on this rank: closing it fails every rank.
-    invalid: bool,
-    /// Buckets reduced so far, in the order of `schedule`.
-    reduced: usize,
-    /// Each tensor's contribution has landed.
-    landed: Vec<bool>,
-    /// Each bucket's tensors still to land.
-    missing: Vec<usize>,
-    /// Each bucket's staging while it fills; a bucket that fills before its turn keeps its own.
-    stages: Vec<Option<Vec<f32>>>,
-    /// Staging no bucket holds, kept for the next.
-    spare: Vec<Vec<f32>>,
-}
-
 impl ShardedStore {
     /// Allocates the shard and one bucket of staging; `comm` must be the group of the shards
     /// (checked by the accumulator).
@@ -82,41 +61,20 @@ impl ShardedStore {
         let shards = plan.shards();
         let own = shards[comm.rank()].clone();
         let shard = Master::owned(own.len())?;
-        // Clamped first: a bucket_numel near usize::MAX ("one bucket") must not wrap.
-        let stripe = plan
-            .config
-            .bucket_numel
-            .div_ceil(shards.len())
-            .min(plan.layout.len())
-            .max(1)
-            .next_multiple_of(NORM_BLOCK);
-        let staging = Self::allocate_stage(&plan, &shards, stripe)?;
-        let mut bucket_tensors = vec![0..0; plan.layout.buckets().len()];
-        for i in 0..plan.descs.len() {
-            let t = &mut bucket_tensors[plan.layout.bucket_of(i)];
-            *t = if t.start == t.end { i..i + 1 } else { t.start..i + 1 };
-        }
-        let microbatch = Microbatch {
-            open: false,
-            first: true,
-            invalid: false,
-            reduced: 0,
-            landed: vec![false; plan.descs.len()],
-            missing: vec![0; plan.layout.buckets().len()],
-            stages: (0..plan.layout.buckets().len()).map(|_| None).collect(),
-            spare: vec![staging],
-        };
+        let stripes = Stripes::new(&plan, &shards);
+        let mut hooks = Hooks::new(&plan);
+        hooks.spare.push_back(Self::allocate_stage(&plan, &shards, stripes.len)?);
         Ok(ShardedStore {
             plan,
             comm,
             shards,
             own,
-            bucket_tensors,
-            stripe,
+            stripes,
             shard,
             found_inf: AtomicBool::new(false),
             lost: AtomicBool::new(false),
-            microbatch: Mutex::new(microbatch),
+            first: AtomicBool::new(true),
+            hooks: Mutex::new(hooks),
         })
     }
 
@@ -138,18 +96,8 @@ impl ShardedStore {
         Ok(v)
     }
 
-    fn state(&self) -> MutexGuard<'_, Microbatch> {
-        self.microbatch.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The buckets in the order every rank reduces them: the backward's (the last first).
-    fn schedule(&self, k: usize) -> usize {
-        self.plan.layout.buckets().len() - 1 - k
-    }
-
-    /// The tensors of bucket `b`.
-    fn tensors_of(&self, b: usize) -> Range<usize> {
-        self.bucket_tensors[b].clone()
+    fn hooks(&self) -> MutexGuard<'_, Hooks<Vec<f32>>> {
+        self.hooks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
@@ -189,13 +137,8 @@ impl ShardedStore {
     /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
     /// packed in rank order.
     fn stripe(&self, k: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
-        let flat: Vec<Range<usize>> = self
-            .shards
-            .iter()
-            .map(|s| {
-                (s.start + k * self.stripe).min(s.end)..(s.start + (k + 1) * self.stripe).min(s.end)
-            })
-            .collect();
+        let flat: Vec<Range<usize>> =
+            self.shards.iter().map(|s| self.stripes.slice(s, k)).collect();
         let mut at = 0;
         let pieces = flat.iter().map(|f| (at..at + f.len(), at += f.len()).0).collect();
         (flat, pieces)
@@ -206,9 +149,7 @@ impl ShardedStore {
     fn reduce_bucket(&self, b: usize, stage: &mut [f32], first: bool) -> Result<()> {
         let bucket = self.plan.layout.buckets()[b].clone();
         let base = stage_base(&bucket);
-        let clamp = |s: &Range<usize>| {
-            s.start.clamp(base, bucket.end) - base..s.end.clamp(base, bucket.end) - base
-        };
+        let clamp = |s: &Range<usize>| relative(&intersect(s, &(base..bucket.end)), base);
         let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
         // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
         let own = clamp(&self.own);
@@ -247,42 +188,18 @@ impl ShardedStore {
         result.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
-    /// Reduces, in schedule order, every bucket from the next one on that is complete (with
-    /// `all`: every bucket, its missing tensors zeroed).
-    fn reduce_ready(&self, m: &mut Microbatch, all: bool) -> Result<()> {
-        let buckets = self.plan.layout.buckets().len();
-        while m.reduced < buckets {
-            let b = self.schedule(m.reduced);
-            if m.missing[b] != 0 && !all {
-                return Ok(());
-            }
-            let mut stage = match m.stages[b].take() {
-                Some(stage) => stage,
-                None => self.spare_stage(&mut m.spare)?,
-            };
-            let base = stage_base(&self.plan.layout.buckets()[b]);
-            for i in self.tensors_of(b).filter(|&i| !m.landed[i]) {
-                let r = self.plan.layout.range(i);
-                stage[r.start - base..r.end - base].fill(0.0);
-            }
-            let result = self.reduce_bucket(b, &mut stage, m.first);
-            m.spare.push(stage);
-            m.reduced += 1;
-            result?;
-        }
-        Ok(())
-    }
-
     /// A staging buffer for the next part, after the micro-batch's control step: the peers are
     /// then waiting for this rank's reductions, so a rank that cannot allocate one aborts the
     /// communicator (they fail instead of waiting) and loses its window.
-    fn spare_stage(&self, spare: &mut Vec<Vec<f32>>) -> Result<Vec<f32>> {
-        match spare.pop() {
+    fn spare_stage(&self, spare: &mut VecDeque<Vec<f32>>) -> Result<Vec<f32>> {
+        match spare.pop_front() {
             Some(stage) => Ok(stage),
-            None => Self::allocate_stage(&self.plan, &self.shards, self.stripe).inspect_err(|_| {
-                self.lost.store(true, Ordering::Relaxed);
-                let _ = self.comm.abort();
-            }),
+            None => {
+                Self::allocate_stage(&self.plan, &self.shards, self.stripes.len).inspect_err(|_| {
+                    self.lost.store(true, Ordering::Relaxed);
+                    let _ = self.comm.abort();
+                })
+            }
         }
     }
 
@@ -304,13 +221,28 @@ impl ShardedStore {
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
-    fn finish(&self, m: &mut Microbatch) {
-        m.open = false;
-        m.first = false;
-        let kept = m.spare.pop().or_else(|| m.stages.iter_mut().find_map(Option::take));
-        m.spare.clear();
-        m.stages.iter_mut().for_each(|s| *s = None);
-        m.spare.extend(kept);
+    fn finish(&self, h: &mut Hooks<Vec<f32>>) {
+        h.finish();
+        h.spare.truncate(1);
+    }
+}
+
+/// Bucket by bucket, a staging buffer of host memory.
+impl Stages for ShardedStore {
+    type Stage = Vec<f32>;
+
+    fn take(&self, hooks: &mut Hooks<Vec<f32>>) -> Result<Vec<f32>> {
+        self.spare_stage(&mut hooks.spare)
+    }
+
+    fn zero(&self, stage: &mut Vec<f32>, b: usize, range: Range<usize>) -> Result<()> {
+        let base = stage_base(&self.plan.layout.buckets()[b]);
+        stage[relative(&range, base)].fill(0.0);
+        Ok(())
+    }
+
+    fn reduce(&self, stage: &mut Vec<f32>, b: usize) -> Result<()> {
+        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
     }
 }
 
@@ -378,16 +310,10 @@ impl Store for ShardedStore {
     /// The micro-batch's control step: the ranks agree that they all add a micro-batch to the
     /// same layout, or all fail with nothing reduced.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
-        let mut m = self.state();
+        let mut h = self.hooks();
         self.control_step(Step::Microbatch { whole }, error)?;
-        m.open = true;
-        m.first = first;
-        m.invalid = false;
-        m.reduced = 0;
-        m.landed.fill(false);
-        for b in 0..m.missing.len() {
-            m.missing[b] = self.tensors_of(b).len();
-        }
+        self.first.store(first, Ordering::Relaxed);
+        h.open();
         Ok(())
     }
 
@@ -405,12 +331,12 @@ impl Store for ShardedStore {
             ));
         };
         let factor = unscale_factor(scaler, weight)?;
-        let mut m = self.state();
-        let mut stage = self.spare_stage(&mut m.spare)?;
+        let mut h = self.hooks();
+        let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
         let rank = self.comm.rank();
         // The first shard is the largest.
-        for k in 0..self.shards[0].len().div_ceil(self.stripe) {
+        for k in 0..self.stripes.count {
             let (flat, pieces) = self.stripe(k);
             let parts: Vec<(Range<usize>, usize)> =
                 flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
@@ -420,15 +346,15 @@ impl Store for ShardedStore {
                 &mut stage[..end],
                 &pieces,
                 pieces[rank].clone(),
-                k * self.stripe,
-                m.first,
+                k * self.stripes.len,
+                self.first.load(Ordering::Relaxed),
             );
             if result.is_err() {
                 break;
             }
         }
-        m.spare.push(stage);
-        self.finish(&mut m);
+        h.spare.push_back(stage);
+        self.finish(&mut h);
         result
     }
 
@@ -447,36 +373,29 @@ impl Store for ShardedStore {
             ));
         };
         let factor = unscale_factor(scaler, weight)?;
-        let mut m = self.state();
-        let m = &mut *m;
-        protocol::check_contribution(m.open, m.landed[index], index)?;
-        let b = self.plan.layout.bucket_of(index);
-        let mut stage = match m.stages[b].take() {
-            Some(stage) => stage,
-            None => self.spare_stage(&mut m.spare)?,
-        };
-        let base = stage_base(&self.plan.layout.buckets()[b]);
-        let r = self.plan.layout.range(index);
-        self.stage_ranges(&mut stage, &[(r.clone(), r.start - base)], &|_| grad, factor);
-        m.stages[b] = Some(stage);
-        m.landed[index] = true;
-        m.missing[b] -= 1;
-        self.reduce_ready(m, false).inspect_err(|_| m.open = false)
+        let layout = &self.plan.layout;
+        let r = layout.range(index);
+        let base = stage_base(&layout.buckets()[layout.bucket_of(index)]);
+        self.hooks().contribute(self, layout, index, |stage| {
+            self.stage_ranges(stage, &[(r.clone(), r.start - base)], &|_| grad, factor);
+            Ok(())
+        })
     }
 
     fn close_microbatch(&self) -> Result<()> {
-        let mut m = self.state();
-        let result = if m.open {
-            self.reduce_ready(&mut m, true).and_then(|()| self.close_together(m.invalid))
+        let mut h = self.hooks();
+        let result = if h.open {
+            let reduced = h.reduce_ready(self, &self.plan.layout, true);
+            reduced.and_then(|()| self.close_together(h.invalid))
         } else {
             Ok(())
         };
-        self.finish(&mut m);
+        self.finish(&mut h);
         result
     }
 
     fn note_invalid(&self) {
-        self.state().invalid = true;
+        self.hooks().invalid = true;
     }
 
     fn take_lost(&self) -> bool {
@@ -488,12 +407,9 @@ impl Store for ShardedStore {
     }
 
     fn zero(&self, index: usize) -> Result<()> {
-        let r = self.plan.layout.range(index);
-        let (lo, hi) = (r.start.max(self.own.start), r.end.min(self.own.end));
-        if lo < hi {
-            // SAFETY: the window's write lock is held (the boundary).
-            unsafe { self.shard.slice_mut(lo - self.own.start..hi - self.own.start) }.fill(0.0);
-        }
+        let part = intersect(&self.plan.layout.range(index), &self.own);
+        // SAFETY: the window's write lock is held (the boundary).
+        unsafe { self.shard.slice_mut(relative(&part, self.own.start)) }.fill(0.0);
         Ok(())
     }
 

@@ -3,8 +3,8 @@
 //! with NCCL on the accumulator's stream. Nothing waits on the host but a first exchange per
 //! communicator, which checks that every rank holds the same layout.
 //!
-//! A whole micro-batch (`add`) goes by stripes, as on the CPU: stripe k is the k-th slice of
-//! `stripe` elements of every shard (shorter or empty past a shard's end). For each stripe the
+//! The parts of a micro-batch are the core's ([`crate::accumulator::sharding`]): this file holds
+//! only what the device does with them. A whole micro-batch (`add`) goes by stripes. For each the
 //! add kernel converts, unscales, weights and checks the gradients into the staging, rank r's
 //! slice at `r * count` (NCCL's in-place layout, every piece `count` long); an in-place
 //! ncclReduceScatter sums the slices over the ranks; and the add kernel again, on that F32 part
@@ -13,10 +13,10 @@
 //! sum in the same order, so with a communicator that sums in rank order the shard holds the CPU
 //! store's bits.
 //!
-//! Tensors arriving one by one (`begin_microbatch`, `add_tensor`: backward hooks) go by buckets,
-//! as on the CPU: each tensor is converted into its bucket's staging on the accumulator's stream,
-//! and each bucket, in the backward's order (the last first), is reduced as soon as its last
-//! tensor has landed, on a communication stream that waits for the conversions with an event:
+//! Tensors arriving one by one (`begin_microbatch`, `add_tensor`: backward hooks) go by buckets:
+//! each tensor is converted into its bucket's staging on the accumulator's stream, and each
+//! bucket is reduced when the schedule says, on a communication stream that waits for the
+//! conversions with an event:
 //! every piece of the bucket inside a shard is summed into that shard's owner (ncclReduce, one
 //! NCCL group per bucket) and the owner adds its piece into the shard, so the reductions overlap
 //! the rest of the backward and nothing waits on the host. A staging buffer goes back to a pool
@@ -29,7 +29,6 @@
 //! element is the same sum in rank order as by stripes, so `add` and `add_tensor` give the same
 //! bits.
 
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -45,11 +44,12 @@ use super::layout::{
 };
 use super::scaler::CudaScaler;
 use super::store::{
-    alone, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, Claims, NormSpan,
-    CHUNK,
+    alone, nccl, norm_and_clip, read_info, reduce_to_owners, wait_for_collectives, wait_for_groups,
+    Claims, NormSpan, CHUNK,
 };
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Step};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -88,28 +88,10 @@ struct Source {
 
 /// One bucket's staging of a tensor-by-tensor micro-batch, in device memory on the accumulator's
 /// stream.
-struct Stage {
+pub(crate) struct Stage {
     buf: DeviceBuffer,
     /// Recorded on the communication stream after the last reduction that read the buffer.
     free: Event,
-}
-
-/// The tensor-by-tensor micro-batch in progress.
-struct Hooks {
-    /// A micro-batch is open (and its reductions have not failed).
-    open: bool,
-    /// An `add_tensor` of this micro-batch was refused on this rank: closing it fails every rank.
-    invalid: bool,
-    /// Buckets reduced so far, the last bucket first.
-    reduced: usize,
-    /// Each tensor's contribution has landed.
-    landed: Vec<bool>,
-    /// Each bucket's tensors still to land.
-    missing: Vec<usize>,
-    /// Each bucket's staging while it fills.
-    stages: Vec<Option<Stage>>,
-    /// Staging no bucket holds, the longest unused first.
-    spare: VecDeque<Stage>,
 }
 
 pub(crate) struct ShardedDeviceStore {
@@ -125,8 +107,7 @@ pub(crate) struct ShardedDeviceStore {
     own: Range<usize>,
     /// Every shard's length rounded up to whole norm blocks: the block sums' all-gather piece.
     padded: usize,
-    /// Elements of each shard in one stripe (the CPU store's stripe).
-    stripe: usize,
+    striping: Stripes,
     stripes: Vec<Stripe>,
     /// Each piece's gradient, by the piece table's index.
     sources: Vec<Source>,
@@ -151,11 +132,9 @@ pub(crate) struct ShardedDeviceStore {
     verified: Mutex<Vec<u64>>,
     /// Shard and replica groups (0: none) a hybrid boundary's layout was checked on.
     verified_grids: Mutex<Vec<(u64, u64)>>,
-    /// Each bucket's tensors.
-    bucket_tensors: Vec<Range<usize>>,
     /// Elements of the longest bucket: one staging buffer of a tensor-by-tensor micro-batch.
     bucket_len: usize,
-    hooks: Mutex<Hooks>,
+    hooks: Mutex<Hooks<Stage>>,
     /// Where a tensor-by-tensor micro-batch's buckets are reduced, and the event that orders it
     /// after the conversions (and the accumulator's stream after it when the micro-batch ends).
     comm_stream: OnceLock<OwnedStream>,
@@ -206,38 +185,16 @@ impl ShardedDeviceStore {
         let own = shards[rank].clone();
         // The first shard is the longest; whole blocks, so the block sums tile the layout's.
         let padded = shards[0].len().next_multiple_of(NORM_BLOCK);
-        // Clamped first, as on the CPU: a bucket_numel near usize::MAX must not wrap.
-        let stripe = plan
-            .config
-            .bucket_numel
-            .div_ceil(world)
-            .min(plan.layout.len())
-            .max(1)
-            .next_multiple_of(NORM_BLOCK);
-        let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, stripe);
+        let striping = Stripes::new(&plan, &shards);
+        let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, striping);
         let staging = stripes.first().map_or(0, |s| s.count) * world;
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
         let unit = GaScalerState { scale: 1.0, ..Default::default() };
         let buckets = plan.layout.buckets();
-        let mut bucket_tensors = vec![0..0; buckets.len()];
-        for i in 0..plan.descs.len() {
-            let t = &mut bucket_tensors[plan.layout.bucket_of(i)];
-            *t = if t.start == t.end { i..i + 1 } else { t.start..i + 1 };
-        }
-        let hooks = Hooks {
-            open: false,
-            invalid: false,
-            reduced: 0,
-            landed: vec![false; plan.descs.len()],
-            missing: vec![0; buckets.len()],
-            stages: (0..buckets.len()).map(|_| None).collect(),
-            spare: VecDeque::new(),
-        };
         Ok(ShardedDeviceStore {
             bucket_len: buckets.iter().map(|b| b.len()).max().unwrap_or(0),
-            bucket_tensors,
-            hooks: Mutex::new(hooks),
+            hooks: Mutex::new(Hooks::new(&plan)),
             comm_stream: OnceLock::new(),
             event: Mutex::new(Event::new(&ctx)?),
             sum_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
@@ -267,7 +224,7 @@ impl ShardedDeviceStore {
             shards,
             own,
             padded,
-            stripe,
+            striping,
             stripes,
             sources,
             plan,
@@ -282,15 +239,13 @@ impl ShardedDeviceStore {
         plan: &Plan,
         shards: &[Range<usize>],
         rank: usize,
-        stripe: usize,
+        striping: Stripes,
     ) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
         let (layout, descs) = (&plan.layout, &plan.descs);
         let (mut stripes, mut sources, mut table, mut chunks) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let slice = |s: &Range<usize>, k: usize| {
-            (s.start + k * stripe).min(s.end)..(s.start + (k + 1) * stripe).min(s.end)
-        };
-        for k in 0..shards[0].len().div_ceil(stripe) {
+        let slice = |s: &Range<usize>, k: usize| striping.slice(s, k);
+        for k in 0..striping.count {
             let count = slice(&shards[0], k).len();
             let first_piece = table.len();
             for (r, s) in shards.iter().enumerate() {
@@ -345,7 +300,7 @@ impl ShardedDeviceStore {
         self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn hooks(&self) -> MutexGuard<'_, Hooks> {
+    fn hooks(&self) -> MutexGuard<'_, Hooks<Stage>> {
         self.hooks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -373,9 +328,8 @@ impl ShardedDeviceStore {
     /// A staging buffer for a bucket: a new one while fewer than KEPT_STAGES exist (so a
     /// bucket's conversions need not wait for the reduction before it) or none is spare; else
     /// the longest unused, once its last reduction is done (a wait on the device).
-    fn take_stage(&self, h: &mut Hooks) -> Result<Stage> {
-        let existing = h.spare.len() + h.stages.iter().flatten().count();
-        if existing >= KEPT_STAGES {
+    fn take_stage(&self, h: &mut Hooks<Stage>) -> Result<Stage> {
+        if h.staged() >= KEPT_STAGES {
             if let Some(stage) = h.spare.pop_front() {
                 stage.free.wait(self.stream)?;
                 return Ok(stage);
@@ -433,10 +387,7 @@ impl ShardedDeviceStore {
                 let pieces: Vec<Range<usize>> = self
                     .shards
                     .iter()
-                    .map(|s| {
-                        s.start.clamp(bucket.start, bucket.end) - bucket.start
-                            ..s.end.clamp(bucket.start, bucket.end) - bucket.start
-                    })
+                    .map(|s| relative(&intersect(s, &bucket), bucket.start))
                     .collect();
                 let out = at(bucket.start + pieces[self.rank].start);
                 self.bf16(c).expect("matched above").reduce_to_owners(
@@ -447,18 +398,10 @@ impl ShardedDeviceStore {
                     stream,
                 )
             }
-            Some(c) => c.group(|| {
-                for (owner, shard) in self.shards.iter().enumerate() {
-                    let piece = bucket.start.max(shard.start)..bucket.end.min(shard.end);
-                    if !piece.is_empty() {
-                        c.reduce_sum_f32(at(piece.start), piece.len(), owner, stream)?;
-                    }
-                }
-                Ok(())
-            }),
+            Some(c) => reduce_to_owners(c, &bucket, &self.shards, at, stream),
             None => Ok(()),
         };
-        let own = bucket.start.max(self.own.start)..bucket.end.min(self.own.end);
+        let own = intersect(&bucket, &self.own);
         let added = reduced.and_then(|()| {
             if own.is_empty() {
                 return Ok(());
@@ -489,41 +432,6 @@ impl ShardedDeviceStore {
         // Recorded even after a failure: part of the reduction may be enqueued.
         let recorded = stage.free.record(stream);
         added.and(recorded)
-    }
-
-    /// Reduces, the last bucket first, every bucket from the next one on whose tensors have all
-    /// landed (with `all`: every bucket, its absent tensors as zeros). The peers wait for each
-    /// bucket's reduction: one that cannot be enqueued loses the window and stops this rank's
-    /// pairing.
-    fn reduce_ready(&self, h: &mut Hooks, all: bool) -> Result<()> {
-        let n = self.bucket_tensors.len();
-        while h.reduced < n {
-            let b = n - 1 - h.reduced;
-            if h.missing[b] != 0 && !all {
-                return Ok(());
-            }
-            let result = self.reduce_next(h, b);
-            h.reduced += 1;
-            result.inspect_err(|_| self.stop())?;
-        }
-        Ok(())
-    }
-
-    fn reduce_next(&self, h: &mut Hooks, b: usize) -> Result<()> {
-        let stage = match h.stages[b].take() {
-            Some(stage) => stage,
-            None => self.take_stage(h)?,
-        };
-        let bucket = &self.plan.layout.buckets()[b];
-        let mut result = Ok(());
-        for i in self.bucket_tensors[b].clone().filter(|&i| !h.landed[i]) {
-            let r = self.plan.layout.range(i);
-            result = result.and_then(|()| stage.buf.zero_f32(r.start - bucket.start, r.len()));
-        }
-        let result =
-            result.and_then(|()| self.reduce_bucket(b, &stage, self.first.load(Ordering::Relaxed)));
-        h.spare.push_back(stage);
-        result
     }
 
     /// This rank's window is lost and it never pairs another collective with its peers'.
@@ -564,10 +472,8 @@ impl ShardedDeviceStore {
     /// Ends the tensor-by-tensor micro-batch (reduced, or failed): its staging goes back to the
     /// pool, of which KEPT_STAGES buffers stay (the others are freed on the accumulator's stream,
     /// after the reductions that read them).
-    fn finish(&self, h: &mut Hooks) {
-        h.open = false;
-        let held: Vec<Stage> = h.stages.iter_mut().filter_map(Option::take).collect();
-        h.spare.extend(held);
+    fn finish(&self, h: &mut Hooks<Stage>) {
+        h.finish();
         h.spare.truncate(KEPT_STAGES);
     }
 
@@ -653,7 +559,7 @@ impl ShardedDeviceStore {
             return Ok(());
         }
         let (dst, src) =
-            (self.shard_at(k * self.stripe), staging + (4 * self.rank * s.count) as u64);
+            (self.shard_at(k * self.striping.len), staging + (4 * self.rank * s.count) as u64);
         let (numel, dtype, unit, weight, assign, flag) = (
             s.own as u64,
             Dtype::F32.code(),
@@ -795,6 +701,29 @@ impl ShardedDeviceStore {
     }
 }
 
+/// Bucket by bucket, a staging buffer of device memory, reduced on the communication stream.
+impl Stages for ShardedDeviceStore {
+    type Stage = Stage;
+
+    fn take(&self, hooks: &mut Hooks<Stage>) -> Result<Stage> {
+        self.take_stage(hooks)
+    }
+
+    fn zero(&self, stage: &mut Stage, b: usize, range: Range<usize>) -> Result<()> {
+        let bucket = &self.plan.layout.buckets()[b];
+        stage.buf.zero_f32(range.start - bucket.start, range.len())
+    }
+
+    fn reduce(&self, stage: &mut Stage, b: usize) -> Result<()> {
+        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
+    }
+
+    /// The peers wait for each bucket's reduction: this rank stops pairing.
+    fn failed(&self) {
+        self.stop();
+    }
+}
+
 impl Store for ShardedDeviceStore {
     fn device(&self) -> Device {
         Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
@@ -812,13 +741,7 @@ impl Store for ShardedDeviceStore {
         }
         self.first.store(first, Ordering::Relaxed);
         if !whole {
-            let mut h = self.hooks();
-            let h = &mut *h;
-            (h.open, h.invalid, h.reduced) = (true, false, 0);
-            h.landed.fill(false);
-            for (missing, tensors) in h.missing.iter_mut().zip(&self.bucket_tensors) {
-                *missing = tensors.len();
-            }
+            self.hooks().open();
         }
         Ok(())
     }
@@ -828,7 +751,7 @@ impl Store for ShardedDeviceStore {
     fn close_microbatch(&self) -> Result<()> {
         let mut h = self.hooks();
         let open = h.open;
-        let reduced = if open { self.reduce_ready(&mut h, true) } else { Ok(()) };
+        let reduced = if open { h.reduce_ready(self, &self.plan.layout, true) } else { Ok(()) };
         let joined = self.join_comm_stream().and_then(|()| self.merge_sum_inf());
         let result = reduced.and_then(|()| {
             if !open {
@@ -913,29 +836,17 @@ impl Store for ShardedDeviceStore {
             ));
         };
         let scaler = scaler.cuda()?;
-        let mut h = self.hooks();
-        let h = &mut *h;
-        protocol::check_contribution(h.open, h.landed[index], index)?;
-        let b = self.plan.layout.bucket_of(index);
-        let stage = match h.stages[b].take() {
-            Some(stage) => stage,
-            None => self.take_stage(h)?,
-        };
-        let converted = self.convert(scaler, index, grad, weight, &stage);
-        h.stages[b] = Some(stage);
-        converted?;
-        h.landed[index] = true;
-        h.missing[b] -= 1;
-        self.reduce_ready(h, false).inspect_err(|_| h.open = false)
+        self.hooks().contribute(self, &self.plan.layout, index, |stage| {
+            self.convert(scaler, index, grad, weight, stage)
+        })
     }
 
     fn zero(&self, index: usize) -> Result<()> {
-        let r = self.plan.layout.range(index);
-        let (lo, hi) = (r.start.max(self.own.start), r.end.min(self.own.end));
-        if lo < hi {
-            self.shard.zero_f32(lo - self.own.start, hi - lo)?;
+        let part = intersect(&self.plan.layout.range(index), &self.own);
+        if part.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        self.shard.zero_f32(part.start - self.own.start, part.len())
     }
 
     fn clear_found_inf(&self) -> Result<()> {

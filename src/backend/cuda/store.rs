@@ -28,6 +28,7 @@ use super::layout::{
 use super::scaler::CudaScaler;
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
+use crate::accumulator::sharding::{intersect, relative, BucketSchedule};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -46,14 +47,9 @@ pub(super) const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
 /// The final micro-batch's early bucket reductions.
 struct Overlap {
     comm: Arc<dyn Communicator>,
-    /// Tensors of each bucket still to arrive.
-    missing: Vec<usize>,
-    /// Tensors that arrived (a tensor's later contributions to a bucket not yet reduced are
-    /// added, but count once).
-    arrived: Vec<bool>,
-    /// Buckets are launched in reverse order (backward produces the last tensors first), and
-    /// only in that order, so every rank issues the same collectives in the same sequence.
-    next: usize,
+    /// The buckets reduced early, as their tensors arrive (a tensor's later contributions to a
+    /// bucket not yet reduced are added, but count once).
+    schedule: BucketSchedule,
 }
 
 /// Reduce-scatter at the boundary: every rank's shard and how this rank's master is reduced.
@@ -310,6 +306,26 @@ impl Claims {
     }
 }
 
+/// Each piece of `bucket` inside a shard summed into that shard's owner (one ncclReduce per
+/// piece, in one NCCL group); `at(e)` is the device address of flat element `e`.
+pub(super) fn reduce_to_owners(
+    c: &NcclComm,
+    bucket: &Range<usize>,
+    shards: &[Range<usize>],
+    at: impl Fn(usize) -> CUdeviceptr,
+    stream: CUstream,
+) -> Result<()> {
+    c.group(|| {
+        for (owner, shard) in shards.iter().enumerate() {
+            let piece = intersect(bucket, shard);
+            if !piece.is_empty() {
+                c.reduce_sum_f32(at(piece.start), piece.len(), owner, stream)?;
+            }
+        }
+        Ok(())
+    })
+}
+
 /// What the boundary's norm pass runs over: `n` elements at `data`, starting at block
 /// `first_block` of the layout (their block sums go there in the partials); with `gather`, every
 /// rank's that many block sums are then all-gathered over the communicator.
@@ -480,18 +496,17 @@ impl DeviceStore {
 
     /// Counts a final-micro-batch tensor in and launches every bucket that is ready, in order.
     fn tensor_arrived(&self, o: &mut Overlap, index: usize) -> Result<()> {
-        if std::mem::replace(&mut o.arrived[index], true) {
+        let layout = &self.plan.layout;
+        if !o.schedule.land(index, layout.bucket_of(index)) {
             return Ok(());
         }
-        let layout = &self.plan.layout;
-        o.missing[layout.bucket_of(index)] -= 1;
         let comm_stream = self.comm_stream()?.stream;
-        while o.next > 0 && o.missing[o.next - 1] == 0 {
-            let bucket = &layout.buckets()[o.next - 1];
+        while let Some(b) = o.schedule.next(false) {
+            let bucket = &layout.buckets()[b];
             self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
             self.reduce_bucket(nccl(&*o.comm)?, bucket, comm_stream)?;
             // Counted as reduced early only once issued: the boundary reduces every other bucket.
-            o.next -= 1;
+            o.schedule.advance();
         }
         Ok(())
     }
@@ -527,7 +542,7 @@ impl DeviceStore {
             // by bucket (sharded, each bucket's pieces to their owners), which bounds its staging.
             c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
             let buckets = self.plan.layout.buckets();
-            let left = overlap.as_ref().map_or(buckets.len(), |o| o.next);
+            let left = overlap.as_ref().map_or(buckets.len(), |o| o.schedule.waiting());
             buckets[..left].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream))?;
         } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
@@ -536,7 +551,7 @@ impl DeviceStore {
                 match (&self.sharded, &overlap) {
                     (Some(s), None) => self.reduce_shards(c, s),
                     // The buckets the final micro-batch did not reduce early.
-                    (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.next)]
+                    (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.schedule.waiting())]
                         .iter()
                         .try_for_each(|b| self.reduce_bucket(c, b, self.stream)),
                 }
@@ -551,7 +566,7 @@ impl DeviceStore {
             if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
                 r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
                 for b in self.plan.layout.buckets() {
-                    let piece = b.start.max(own.start)..b.end.min(own.end);
+                    let piece = intersect(b, &own);
                     if !piece.is_empty() {
                         wire.allreduce(r, self.master_at(piece.start), piece.len(), self.stream)?;
                     }
@@ -583,13 +598,8 @@ impl DeviceStore {
         if let Some(wire) = self.bf16(c) {
             let data = self.master_at(b.start);
             let Some(s) = &self.sharded else { return wire.allreduce(c, data, b.len(), stream) };
-            let pieces: Vec<Range<usize>> = s
-                .shards
-                .iter()
-                .map(|r| {
-                    r.start.clamp(b.start, b.end) - b.start..r.end.clamp(b.start, b.end) - b.start
-                })
-                .collect();
+            let pieces: Vec<Range<usize>> =
+                s.shards.iter().map(|r| relative(&intersect(r, b), b.start)).collect();
             return wire.reduce_to_owners(
                 c,
                 data,
@@ -601,15 +611,7 @@ impl DeviceStore {
         let Some(s) = &self.sharded else {
             return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream);
         };
-        c.group(|| {
-            for (owner, shard) in s.shards.iter().enumerate() {
-                let piece = b.start.max(shard.start)..b.end.min(shard.end);
-                if !piece.is_empty() {
-                    c.reduce_sum_f32(self.master_at(piece.start), piece.len(), owner, stream)?;
-                }
-            }
-            Ok(())
-        })
+        reduce_to_owners(c, b, &s.shards, |at| self.master_at(at), stream)
     }
 
     /// Enqueues the reduce-scatter of the whole master on the accumulator's stream: in place over
@@ -807,7 +809,7 @@ impl Store for DeviceStore {
         let scaler = scaler.cuda()?;
         let mut overlap = self.overlap();
         if let Some(o) = overlap.as_ref() {
-            if o.next <= self.plan.layout.bucket_of(index) {
+            if self.plan.layout.bucket_of(index) >= o.schedule.waiting() {
                 return Err(Error::wrong_state(format!(
                     "tensor {index} got a second contribution in the final micro-batch after its bucket's all-reduce started"
                 )));
@@ -844,18 +846,8 @@ impl Store for DeviceStore {
         self.comm_stream()?;
         // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
         // no tensor of it can be stale: nothing needs zeroing first.
-        let layout = &self.plan.layout;
-        let mut missing = vec![0; layout.buckets().len()];
-        for i in 0..self.plan.descs.len() {
-            missing[layout.bucket_of(i)] += 1;
-        }
-        let next = missing.len();
-        *self.overlap() = Some(Overlap {
-            comm: comm.clone(),
-            missing,
-            arrived: vec![false; self.plan.descs.len()],
-            next,
-        });
+        let schedule = BucketSchedule::new(&self.plan.layout, self.plan.descs.len());
+        *self.overlap() = Some(Overlap { comm: comm.clone(), schedule });
         Ok(())
     }
 

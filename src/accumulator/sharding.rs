@@ -1,0 +1,292 @@
+//! Sharding as a policy of the core: how a micro-batch is cut into the parts that are reduced
+//! one at a time, the same on every device and every rank (the control step checks that the
+//! ranks cut alike).
+//!
+//! A whole micro-batch (`add`) goes by stripes ([`Stripes`]): stripe k holds the k-th slice of
+//! every shard, so each reduce-scatter is balanced. Tensors arriving one by one (hooks) go by
+//! buckets in the backward's order, the last bucket first, each reduced as soon as its tensors
+//! have landed ([`BucketSchedule`]); under sharded accumulation each bucket fills a staging
+//! buffer first ([`Hooks`]). A device supplies only what it does to a staging buffer
+//! ([`Stages`]): take one, zero part of it, reduce it.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use super::layout::Layout;
+use super::{protocol, Plan};
+use crate::backend::cpu::math::NORM_BLOCK;
+use crate::error::Result;
+
+/// The part of `a` inside `b`; when they do not meet, an empty range at the end of `b` nearest
+/// to `a`.
+pub(crate) fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    a.start.clamp(b.start, b.end)..a.end.clamp(b.start, b.end)
+}
+
+/// `r` counted from `base`.
+pub(crate) fn relative(r: &Range<usize>, base: usize) -> Range<usize> {
+    r.start - base..r.end - base
+}
+
+/// The stripes of a whole micro-batch: stripe k is the k-th slice of [`Stripes::len`] elements
+/// of every shard (shorter or empty past a shard's end).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stripes {
+    /// Elements of each shard in one stripe: a bucket's worth over all ranks, in whole norm
+    /// blocks (so that a shard's block sums are the all-reduce's).
+    pub len: usize,
+    /// Stripes in a micro-batch: enough for the first shard, the longest.
+    pub count: usize,
+}
+
+impl Stripes {
+    pub(crate) fn new(plan: &Plan, shards: &[Range<usize>]) -> Self {
+        // Clamped first: a bucket_numel near usize::MAX ("one bucket") must not wrap.
+        let len = plan
+            .config
+            .bucket_numel
+            .div_ceil(shards.len())
+            .min(plan.layout.len())
+            .max(1)
+            .next_multiple_of(NORM_BLOCK);
+        Stripes { len, count: shards[0].len().div_ceil(len) }
+    }
+
+    /// `shard`'s slice in stripe `k`.
+    pub(crate) fn slice(&self, shard: &Range<usize>, k: usize) -> Range<usize> {
+        intersect(&(shard.start + k * self.len..shard.start + (k + 1) * self.len), shard)
+    }
+}
+
+/// The buckets of a micro-batch whose tensors arrive one by one, reduced in the backward's order
+/// (the last bucket first), each once all of its tensors have landed, and only in that order, so
+/// every rank issues the same collectives in the same sequence.
+#[derive(Debug)]
+pub(crate) struct BucketSchedule {
+    /// Each bucket's tensors.
+    tensors: Vec<Range<usize>>,
+    /// Each tensor has landed.
+    landed: Vec<bool>,
+    /// Each bucket's tensors still to land.
+    missing: Vec<usize>,
+    /// Buckets reduced so far.
+    reduced: usize,
+}
+
+impl BucketSchedule {
+    pub(crate) fn new(layout: &Layout, tensors: usize) -> Self {
+        let mut of_bucket = vec![0..0; layout.buckets().len()];
+        for i in 0..tensors {
+            let t = &mut of_bucket[layout.bucket_of(i)];
+            *t = if t.start == t.end { i..i + 1 } else { t.start..i + 1 };
+        }
+        let missing = of_bucket.iter().map(|t| t.len()).collect();
+        BucketSchedule { tensors: of_bucket, landed: vec![false; tensors], missing, reduced: 0 }
+    }
+
+    /// A new micro-batch: nothing has landed, nothing is reduced.
+    pub(crate) fn restart(&mut self) {
+        self.landed.fill(false);
+        for (missing, tensors) in self.missing.iter_mut().zip(&self.tensors) {
+            *missing = tensors.len();
+        }
+        self.reduced = 0;
+    }
+
+    pub(crate) fn landed(&self, index: usize) -> bool {
+        self.landed[index]
+    }
+
+    /// Tensor `index` (of bucket `bucket`) landed; `false` when it had already.
+    pub(crate) fn land(&mut self, index: usize, bucket: usize) -> bool {
+        if std::mem::replace(&mut self.landed[index], true) {
+            return false;
+        }
+        self.missing[bucket] -= 1;
+        true
+    }
+
+    /// The next bucket to reduce, when all of its tensors have landed (with `all`, whatever
+    /// landed); `None` once every bucket is reduced.
+    pub(crate) fn next(&self, all: bool) -> Option<usize> {
+        let b = self.tensors.len().checked_sub(self.reduced + 1)?;
+        (all || self.missing[b] == 0).then_some(b)
+    }
+
+    /// The bucket [`BucketSchedule::next`] gave is reduced (or its reduction was issued).
+    pub(crate) fn advance(&mut self) {
+        self.reduced += 1;
+    }
+
+    /// Buckets not reduced yet: the first this many (the schedule reduces the last first).
+    pub(crate) fn waiting(&self) -> usize {
+        self.tensors.len() - self.reduced
+    }
+
+    /// Bucket `b`'s tensors.
+    pub(crate) fn tensors(&self, b: usize) -> Range<usize> {
+        self.tensors[b].clone()
+    }
+}
+
+/// What a device does with a bucket's staging under sharded accumulation.
+pub(crate) trait Stages {
+    type Stage;
+
+    /// A staging buffer for a bucket that holds none yet: one of `hooks`' spares, or a new one.
+    fn take(&self, hooks: &mut Hooks<Self::Stage>) -> Result<Self::Stage>;
+
+    /// Zeroes master elements `range` (inside bucket `b`) of bucket `b`'s staging.
+    fn zero(&self, stage: &mut Self::Stage, b: usize, range: Range<usize>) -> Result<()>;
+
+    /// Reduces bucket `b`'s staging over the shard group and adds this rank's part into the
+    /// shard.
+    fn reduce(&self, stage: &mut Self::Stage, b: usize) -> Result<()>;
+
+    /// Taking, zeroing or reducing a bucket failed: the peers wait for this rank's reductions.
+    fn failed(&self) {}
+}
+
+/// A sharded accumulation's micro-batch whose tensors arrive one by one (backward hooks): each
+/// tensor is converted into its bucket's staging, and each bucket is reduced in the
+/// [`BucketSchedule`]'s order once complete, its staging then going back to the spares.
+pub(crate) struct Hooks<S> {
+    /// A micro-batch is open (and its reductions have not failed).
+    pub open: bool,
+    /// An `add_tensor` of this micro-batch was refused on this rank: closing it fails every rank.
+    pub invalid: bool,
+    schedule: BucketSchedule,
+    /// Each bucket's staging while it fills.
+    stages: Vec<Option<S>>,
+    /// Staging no bucket holds, the longest unused first.
+    pub spare: VecDeque<S>,
+}
+
+impl<S> Hooks<S> {
+    pub(crate) fn new(plan: &Plan) -> Self {
+        let schedule = BucketSchedule::new(&plan.layout, plan.descs.len());
+        Hooks {
+            open: false,
+            invalid: false,
+            stages: (0..plan.layout.buckets().len()).map(|_| None).collect(),
+            schedule,
+            spare: VecDeque::new(),
+        }
+    }
+
+    /// Staging buffers that exist: the spares and those buckets hold.
+    pub(crate) fn staged(&self) -> usize {
+        self.spare.len() + self.stages.iter().flatten().count()
+    }
+
+    /// A micro-batch opens.
+    pub(crate) fn open(&mut self) {
+        (self.open, self.invalid) = (true, false);
+        self.schedule.restart();
+    }
+
+    /// Tensor `index`'s one contribution: `convert` writes it into its bucket's staging, then
+    /// every bucket now complete is reduced in order. A failed reduction fails the micro-batch.
+    pub(crate) fn contribute<D: Stages<Stage = S>>(
+        &mut self,
+        device: &D,
+        layout: &Layout,
+        index: usize,
+        convert: impl FnOnce(&mut S) -> Result<()>,
+    ) -> Result<()> {
+        protocol::check_contribution(self.open, self.schedule.landed(index), index)?;
+        let b = layout.bucket_of(index);
+        let mut stage = match self.stages[b].take() {
+            Some(stage) => stage,
+            None => device.take(self)?,
+        };
+        let converted = convert(&mut stage);
+        self.stages[b] = Some(stage);
+        converted?;
+        self.schedule.land(index, b);
+        self.reduce_ready(device, layout, false).inspect_err(|_| self.open = false)
+    }
+
+    /// Reduces, in the schedule's order, every bucket from the next one on that is complete
+    /// (with `all`: every bucket, its absent tensors as zeros). The schedule moves past a bucket
+    /// whose reduction failed: this rank's window is lost then, and the device told.
+    pub(crate) fn reduce_ready<D: Stages<Stage = S>>(
+        &mut self,
+        device: &D,
+        layout: &Layout,
+        all: bool,
+    ) -> Result<()> {
+        while let Some(b) = self.schedule.next(all) {
+            let result = self.reduce_bucket(device, layout, b);
+            self.schedule.advance();
+            result.inspect_err(|_| device.failed())?;
+        }
+        Ok(())
+    }
+
+    fn reduce_bucket<D: Stages<Stage = S>>(
+        &mut self,
+        device: &D,
+        layout: &Layout,
+        b: usize,
+    ) -> Result<()> {
+        let mut stage = match self.stages[b].take() {
+            Some(stage) => stage,
+            None => device.take(self)?,
+        };
+        let absent = self.schedule.tensors(b).filter(|&i| !self.schedule.landed(i));
+        let zeroed =
+            absent.map(|i| layout.range(i)).try_for_each(|r| device.zero(&mut stage, b, r));
+        let result = zeroed.and_then(|()| device.reduce(&mut stage, b));
+        self.spare.push_back(stage);
+        result
+    }
+
+    /// The micro-batch ends (reduced, or failed): every bucket's staging goes back to the spares.
+    pub(crate) fn finish(&mut self) {
+        self.open = false;
+        let held: Vec<S> = self.stages.iter_mut().filter_map(Option::take).collect();
+        self.spare.extend(held);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, TensorDesc};
+
+    #[test]
+    fn intersect_stays_inside_and_is_empty_when_apart() {
+        let b = 10..20;
+        assert_eq!(intersect(&(12..15), &b), 12..15);
+        assert_eq!(intersect(&(5..12), &b), 10..12);
+        assert_eq!(intersect(&(18..30), &b), 18..20);
+        assert_eq!(intersect(&(0..5), &b), 10..10);
+        assert_eq!(intersect(&(25..30), &b), 20..20);
+        assert_eq!(relative(&(12..15), 10), 2..5);
+    }
+
+    /// Buckets go last first, each only once complete and never before a later one.
+    #[test]
+    fn the_schedule_reduces_complete_buckets_in_backward_order() {
+        let descs = [4, 4, 4, 4, 4].map(|numel| TensorDesc { numel, dtype: Dtype::F32 });
+        let layout = Layout::new(&descs, 8).unwrap();
+        assert_eq!(layout.buckets().len(), 3, "{:?}", layout.buckets());
+        let mut s = BucketSchedule::new(&layout, descs.len());
+        assert_eq!((s.tensors(0), s.tensors(2)), (0..2, 4..5));
+        assert!(s.land(0, 0) && s.land(1, 0));
+        assert_eq!(s.next(false), None, "bucket 0 waits for bucket 2");
+        assert!(!s.land(1, 0), "a tensor lands once");
+        assert!(s.land(4, 2));
+        assert_eq!(s.next(false), Some(2));
+        s.advance();
+        assert_eq!((s.waiting(), s.next(false)), (2, None));
+        assert_eq!(s.next(true), Some(1), "with `all`, whatever landed");
+        s.advance();
+        assert_eq!(s.next(false), Some(0));
+        s.advance();
+        assert_eq!((s.waiting(), s.next(true)), (0, None));
+        s.restart();
+        assert!(!s.landed(0) && s.waiting() == 3);
+    }
+}
