@@ -4,6 +4,9 @@
 use crate::backend::cuda::driver::{self, CUstream};
 use crate::error::{Error, ErrorKind, Result};
 
+/// An address in a device's memory (CUDA's `CUdeviceptr`).
+pub type DevicePtr = u64;
+
 /// The CPU, or one CUDA device with the caller's stream that orders every call's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {

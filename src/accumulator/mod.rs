@@ -26,10 +26,9 @@ use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::cuda::driver::CUdeviceptr;
-use crate::backend::{cpu, cuda};
+use crate::backend::cuda;
 use crate::comm::{Communicator, ControlSum};
-use crate::device::Device;
+use crate::device::{Device, DevicePtr};
 use crate::dtype::{self, Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
@@ -71,7 +70,7 @@ pub struct SyncInfo {
 #[derive(Clone, Copy, Debug)]
 pub enum Grads<'a> {
     Host(&'a [Grad<'a>]),
-    Device(&'a [CUdeviceptr]),
+    Device(&'a [DevicePtr]),
 }
 
 impl<'a> From<&'a [Grad<'a>]> for Grads<'a> {
@@ -92,20 +91,20 @@ impl<'a, const N: usize> From<&'a [Grad<'a>; N]> for Grads<'a> {
     }
 }
 
-impl<'a> From<&'a [CUdeviceptr]> for Grads<'a> {
-    fn from(g: &'a [CUdeviceptr]) -> Self {
+impl<'a> From<&'a [DevicePtr]> for Grads<'a> {
+    fn from(g: &'a [DevicePtr]) -> Self {
         Grads::Device(g)
     }
 }
 
-impl<'a, const N: usize> From<&'a [CUdeviceptr; N]> for Grads<'a> {
-    fn from(g: &'a [CUdeviceptr; N]) -> Self {
+impl<'a, const N: usize> From<&'a [DevicePtr; N]> for Grads<'a> {
+    fn from(g: &'a [DevicePtr; N]) -> Self {
         Grads::Device(g)
     }
 }
 
-impl<'a> From<&'a Vec<CUdeviceptr>> for Grads<'a> {
-    fn from(g: &'a Vec<CUdeviceptr>) -> Self {
+impl<'a> From<&'a Vec<DevicePtr>> for Grads<'a> {
+    fn from(g: &'a Vec<DevicePtr>) -> Self {
         Grads::Device(g)
     }
 }
@@ -132,7 +131,7 @@ impl Grads<'_> {
 pub enum Gradient<'a> {
     Host(Grad<'a>),
     /// A device address holding the tensor's declared numel values of its dtype.
-    Device(CUdeviceptr),
+    Device(DevicePtr),
 }
 
 impl<'a> From<Grad<'a>> for Gradient<'a> {
@@ -141,8 +140,8 @@ impl<'a> From<Grad<'a>> for Gradient<'a> {
     }
 }
 
-impl From<CUdeviceptr> for Gradient<'_> {
-    fn from(g: CUdeviceptr) -> Self {
+impl From<DevicePtr> for Gradient<'_> {
+    fn from(g: DevicePtr) -> Self {
         Gradient::Device(g)
     }
 }
@@ -348,9 +347,13 @@ pub(crate) trait Store: Send + Sync {
 
     fn set_found_inf(&self, value: bool) -> Result<()>;
 
-    /// The host view of the master, when it is in host memory.
-    fn host(&self) -> Option<&cpu::HostStore> {
-        None
+    /// Runs `f` on master elements `range` (held ones, the window locked against writers): in
+    /// place in host memory, else on a host copy.
+    fn view(&self, range: Range<usize>, f: &mut dyn FnMut(&[f32])) -> Result<()> {
+        let mut copy = vec![0.0; range.len()];
+        self.read(range, &mut copy)?;
+        f(&copy);
+        Ok(())
     }
 
     /// Enqueues `scaler`'s read of the synced boundary's overflow flag (a device's scaler).
@@ -506,27 +509,7 @@ impl Accumulator {
             }
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
-        let store: Box<dyn Store> = match device.check()? {
-            Device::Cpu if matches!(config.sharding, Sharding::Accumulate { .. }) => {
-                let comm = match comm {
-                    Some(c) => c,
-                    None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
-                };
-                Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
-            }
-            Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt.map(|(p, _)| p))?),
-            Device::Cuda { ordinal, stream }
-                if matches!(config.sharding, Sharding::Accumulate { .. }) =>
-            {
-                Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
-            }
-            Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(
-                plan.clone(),
-                ordinal,
-                stream,
-                adopt.map(|(p, _)| p as u64),
-            )?),
-        };
+        let store = crate::backend::store_for(device.check()?, &plan, adopt.map(|(p, _)| p), comm)?;
         Ok(Accumulator { window: Window::new(tensors.len()), plan, store })
     }
 
@@ -677,7 +660,7 @@ impl Accumulator {
                 self.add(scaler, Grads::Host(&views), count)
             }
             Device::Cuda { .. } => {
-                let addresses: Vec<CUdeviceptr> = grads.iter().map(|&p| p as CUdeviceptr).collect();
+                let addresses: Vec<DevicePtr> = grads.iter().map(|&p| p as DevicePtr).collect();
                 self.add(scaler, Grads::Device(&addresses), count)
             }
         }
@@ -792,7 +775,7 @@ impl Accumulator {
                 index,
                 unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above"),
             ),
-            Device::Cuda { .. } => self.add_tensor(scaler, index, grad as CUdeviceptr),
+            Device::Cuda { .. } => self.add_tensor(scaler, index, grad as DevicePtr),
         }
     }
 
@@ -1058,15 +1041,9 @@ impl Accumulator {
         self.held_tensor(index)?;
         self.store.check_open()?;
         let _w = self.window.write();
-        match self.store.host() {
-            // SAFETY: the write lock excludes every writer.
-            Some(host) => Ok(f(unsafe { host.slice(self.range(index)) })),
-            None => {
-                let mut copy = vec![0.0; self.range(index).len()];
-                self.store.read(self.range(index), &mut copy)?;
-                Ok(f(&copy))
-            }
-        }
+        let (mut f, mut out) = (Some(f), None);
+        self.store.view(self.range(index), &mut |master| out = f.take().map(|f| f(master)))?;
+        Ok(out.expect("a view runs once"))
     }
 
     /// Address of tensor `index`'s master gradient (a device address on CUDA) and its length, for

@@ -1,5 +1,5 @@
-//! Devices: what differs between the CPU and CUDA, and nothing else. Each backend supplies an
-//! accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
+//! Devices: what differs between the CPU and CUDA, and nothing else. [`store_for`] is where a
+//! [`Device`] becomes its backend. Each backend supplies an accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
 //! `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's state on the device; the
 //! semantics (windows, counts, normalisation, the boundary's order, checks and errors) live once
 //! in `accumulator` and `scaler`. Every backend implements the same per-element contract (see
@@ -8,3 +8,41 @@
 
 pub mod cpu;
 pub mod cuda;
+
+use std::sync::Arc;
+
+use crate::accumulator::{Plan, Sharding, Store};
+use crate::comm::Communicator;
+use crate::device::Device;
+use crate::error::Result;
+
+/// The one place a [`Device`] becomes its backend: the store of an accumulator on `device` over
+/// `plan`, owning its master or adopting `adopt` (a host or device address of the layout's
+/// length), and for sharded accumulation bound to `comm` (none: a group of one).
+pub(crate) fn store_for(
+    device: Device,
+    plan: &Arc<Plan>,
+    adopt: Option<*mut f32>,
+    comm: Option<Arc<dyn Communicator>>,
+) -> Result<Box<dyn Store>> {
+    let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
+    Ok(match device {
+        Device::Cpu if sharded => {
+            let comm = match comm {
+                Some(c) => c,
+                None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
+            };
+            Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
+        }
+        Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt)?),
+        Device::Cuda { ordinal, stream } if sharded => {
+            Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
+        }
+        Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(
+            plan.clone(),
+            ordinal,
+            stream,
+            adopt.map(|p| p as u64),
+        )?),
+    })
+}

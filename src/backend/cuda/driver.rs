@@ -18,6 +18,9 @@ use crate::error::{Error, ErrorKind, Result};
 
 pub use sys::{CUdeviceptr, CUstream};
 
+// The core names device addresses without the driver's types: they must be the same type.
+const _: fn(crate::device::DevicePtr) -> CUdeviceptr = |p| p;
+
 /// `CU_STREAM_PER_THREAD`: the calling thread's own default stream, another stream on every thread.
 const STREAM_PER_THREAD: usize = 0x2;
 
