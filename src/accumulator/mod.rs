@@ -109,11 +109,27 @@ impl<'a> From<&'a Vec<DevicePtr>> for Grads<'a> {
     }
 }
 
-impl Grads<'_> {
+impl<'a> Grads<'a> {
     fn len(&self) -> usize {
         match self {
             Grads::Host(g) => g.len(),
             Grads::Device(g) => g.len(),
+        }
+    }
+
+    /// The host gradients a CPU store reads (the accumulator checked the device already).
+    pub(crate) fn host(self) -> Result<&'a [Grad<'a>]> {
+        match self {
+            Grads::Host(g) => Ok(g),
+            Grads::Device(_) => Err(wrong_memory("device addresses", "the CPU")),
+        }
+    }
+
+    /// The device addresses a device store reads.
+    pub(crate) fn device(self) -> Result<&'a [DevicePtr]> {
+        match self {
+            Grads::Device(g) => Ok(g),
+            Grads::Host(_) => Err(wrong_memory("host gradients", "a device")),
         }
     }
 
@@ -132,6 +148,29 @@ pub enum Gradient<'a> {
     Host(Grad<'a>),
     /// A device address holding the tensor's declared numel values of its dtype.
     Device(DevicePtr),
+}
+
+impl<'a> Gradient<'a> {
+    /// The host gradient a CPU store reads (the accumulator checked the device already).
+    pub(crate) fn host(self) -> Result<Grad<'a>> {
+        match self {
+            Gradient::Host(g) => Ok(g),
+            Gradient::Device(_) => Err(wrong_memory("a device address", "the CPU")),
+        }
+    }
+
+    /// The device address a device store reads.
+    pub(crate) fn device(self) -> Result<DevicePtr> {
+        match self {
+            Gradient::Device(g) => Ok(g),
+            Gradient::Host(_) => Err(wrong_memory("a host gradient", "a device")),
+        }
+    }
+}
+
+/// Gradients in memory the store cannot read.
+fn wrong_memory(what: &str, store: &str) -> Error {
+    Error::new(ErrorKind::DeviceMismatch, format!("{what} for an accumulator on {store}"))
 }
 
 impl<'a> From<Grad<'a>> for Gradient<'a> {

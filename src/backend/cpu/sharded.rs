@@ -324,12 +324,7 @@ impl Store for ShardedStore {
         weight: f64,
         _first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let Grads::Host(grads) = grads else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "device addresses for a CPU accumulator",
-            ));
-        };
+        let grads = grads.host()?;
         let factor = unscale_factor(scaler, weight)?;
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
@@ -366,12 +361,7 @@ impl Store for ShardedStore {
         weight: f64,
         _first: bool,
     ) -> Result<()> {
-        let Gradient::Host(grad) = grad else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "a device address for a CPU accumulator",
-            ));
-        };
+        let grad = grad.host()?;
         let factor = unscale_factor(scaler, weight)?;
         let layout = &self.plan.layout;
         let r = layout.range(index);

@@ -66,12 +66,7 @@ impl Store for HostStore {
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let Grads::Host(grads) = grads else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "device addresses for a CPU accumulator",
-            ));
-        };
+        let grads = grads.host()?;
         let factor = unscale_factor(scaler, weight)?;
         let passes = grads
             .iter()
@@ -96,12 +91,7 @@ impl Store for HostStore {
         weight: f64,
         first: bool,
     ) -> Result<()> {
-        let Gradient::Host(grad) = grad else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "a device address for a CPU accumulator",
-            ));
-        };
+        let grad = grad.host()?;
         let factor = unscale_factor(scaler, weight)?;
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.

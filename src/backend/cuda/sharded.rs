@@ -797,12 +797,7 @@ impl Store for ShardedDeviceStore {
         weight: f64,
         _first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let Grads::Device(grads) = grads else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "host gradients for a CUDA accumulator",
-            ));
-        };
+        let grads = grads.device()?;
         let scaler = scaler.cuda()?;
         let assign = self.first.load(Ordering::Relaxed);
         for k in 0..self.stripes.len() {
@@ -829,12 +824,7 @@ impl Store for ShardedDeviceStore {
         weight: f64,
         _first: bool,
     ) -> Result<()> {
-        let Gradient::Device(grad) = grad else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "a host gradient for a CUDA accumulator",
-            ));
-        };
+        let grad = grad.device()?;
         let scaler = scaler.cuda()?;
         self.hooks().contribute(self, &self.plan.layout, index, |stage| {
             self.convert(scaler, index, grad, weight, stage)

@@ -749,12 +749,7 @@ impl Store for DeviceStore {
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let Grads::Device(grads) = grads else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "host gradients for a CUDA accumulator",
-            ));
-        };
+        let grads = grads.device()?;
         let scaler = scaler.cuda()?;
         let f = self.kernels.add_multi;
         let (tensors, master, found_inf) =
@@ -800,12 +795,7 @@ impl Store for DeviceStore {
         weight: f64,
         first: bool,
     ) -> Result<()> {
-        let Gradient::Device(grad) = grad else {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "a host gradient for a CUDA accumulator",
-            ));
-        };
+        let grad = grad.device()?;
         let scaler = scaler.cuda()?;
         let mut overlap = self.overlap();
         if let Some(o) = overlap.as_ref() {
