@@ -72,14 +72,21 @@ def cargo_build():
     raise RuntimeError("cargo built no gradacc shared library")
 
 
+def abi_version(version):
+    """The part of the version the SONAME carries (build.rs): the major version, or 0.<minor>
+    while the major is 0, as a 0.x minor release may break the ABI."""
+    major, minor = version.split(".")[:2]
+    return f"0.{minor}" if major == "0" else major
+
+
 def bundled_name():
-    """The library's file name inside the package: on ELF systems its SONAME, libgradacc.so.<major>
+    """The library's file name inside the package: on ELF systems its SONAME, libgradacc.so.<abi>
     (build.rs), as a wheel cannot hold the libgradacc.so link; elsewhere cargo's file name."""
     if sys.platform == "darwin":
         return "libgradacc.dylib"
     if sys.platform == "win32":
         return "gradacc.dll"
-    return "libgradacc.so." + cargo_version().split(".")[0]
+    return "libgradacc.so." + abi_version(cargo_version())
 
 
 def platform_tag():

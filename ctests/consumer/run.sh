@@ -13,15 +13,23 @@ mkdir -p "$work"
 echo "-- install into $prefix"
 cmake --install "$build_dir" --prefix "$prefix" ${config:+--config "$config"}
 
-# The shared library is installed as libgradacc.so.<version> with the links libgradacc.so.<major>
-# (its SONAME, what programs load) and libgradacc.so (what -lgradacc finds).
+# The shared library is installed as libgradacc.so.<version> with the links libgradacc.so.<abi>
+# (its SONAME, what programs load) and libgradacc.so (what -lgradacc finds). <abi> is what may not
+# change without breaking callers: the major version, or 0.<minor> while the major is 0.
 full=$(sed -n 's/^#define GRADACC_VERSION_STRING "\([0-9]*\.[0-9]*\.[0-9]*\).*"/\1/p' "$prefix/include/gradacc.h")
+case $full in
+    0.*) abi=${full%.*} ;;
+    *) abi=${full%%.*} ;;
+esac
 shared_dir=$(dirname "$(find "$prefix" -name "libgradacc.so.$full" | head -n 1)")
 [ -f "$shared_dir/libgradacc.so.$full" ] && [ ! -L "$shared_dir/libgradacc.so.$full" ] ||
     { echo "libgradacc.so.$full is not installed as a file"; ls -l "$prefix"/lib*; exit 1; }
-[ "$(readlink "$shared_dir/libgradacc.so.${full%%.*}")" = "libgradacc.so.$full" ] &&
-    [ "$(readlink "$shared_dir/libgradacc.so")" = "libgradacc.so.${full%%.*}" ] ||
-    { echo "the libgradacc.so links are wrong:"; ls -l "$shared_dir"; exit 1; }
+[ "$(readlink "$shared_dir/libgradacc.so.$abi")" = "libgradacc.so.$full" ] &&
+    [ "$(readlink "$shared_dir/libgradacc.so")" = "libgradacc.so.$abi" ] ||
+    { echo "the libgradacc.so links are wrong (expected libgradacc.so -> libgradacc.so.$abi -> libgradacc.so.$full):"; ls -l "$shared_dir"; exit 1; }
+soname=$(readelf -d "$shared_dir/libgradacc.so.$full" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = "libgradacc.so.$abi" ] ||
+    { echo "libgradacc.so.$full has the SONAME '${soname:-none}', expected libgradacc.so.$abi"; exit 1; }
 
 echo "-- find_package(gradacc $version)"
 cmake -S "$here" -B "$work/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
@@ -35,8 +43,8 @@ ldd "$work/build/consumer_shared" | grep libgradacc | grep -qF "$prefix/" ||
     { echo "consumer_shared does not load libgradacc from $prefix:"; ldd "$work/build/consumer_shared"; exit 1; }
 # (the output is read whole: `grep -q` could end ldd early, and pipefail would count that as a failure)
 ldd_out=$(ldd "$work/build/consumer_shared")
-grep -q "libgradacc\.so\.${full%%.*} " <<<"$ldd_out" ||
-    { echo "consumer_shared does not record the SONAME libgradacc.so.${full%%.*}:"; ldd "$work/build/consumer_shared"; exit 1; }
+grep -qF "libgradacc.so.$abi " <<<"$ldd_out" ||
+    { echo "consumer_shared does not record the SONAME libgradacc.so.$abi:"; ldd "$work/build/consumer_shared"; exit 1; }
 
 echo "-- consumer_static"
 "$work/build/consumer_static"
