@@ -1,5 +1,5 @@
 """hatchling hooks that make the wheel: its version from Cargo.toml, and the gradacc shared library
-built by cargo (the crate root is two levels up) inside the package.
+built by cargo (the crate: two levels up, or rust/ in an sdist) inside the package.
 
 GRADACC_PREBUILT_LIBRARY=<path of libgradacc.so> bundles that file instead of running cargo (the
 test scripts use it to reuse target/release). Either way the library must report Cargo.toml's
@@ -17,7 +17,9 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 from hatchling.metadata.plugin.interface import MetadataHookInterface
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CRATE = os.path.normpath(os.path.join(HERE, "..", ".."))
+# The crate: the repository two levels up, or in an sdist the copy under rust/ (pyproject.toml).
+CRATE = next((d for d in (os.path.join(HERE, "rust"), os.path.normpath(os.path.join(HERE, "..", "..")))
+              if os.path.isfile(os.path.join(d, "Cargo.toml"))), os.path.join(HERE, "rust"))
 MANIFEST = os.path.join(CRATE, "Cargo.toml")
 
 
@@ -27,8 +29,8 @@ def cargo_version():
         with open(MANIFEST, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise RuntimeError(f"{MANIFEST} not found: the wheel is built from the gradacc repository "
-                           "(pip install ./bindings/python), not from an sdist") from None
+        raise RuntimeError(f"{MANIFEST} not found: build the wheel from the gradacc repository "
+                           "(pip install ./bindings/python) or from its sdist") from None
     m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
     if not m:
         raise RuntimeError(f"no version in {MANIFEST}")
