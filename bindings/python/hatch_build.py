@@ -2,7 +2,8 @@
 built by cargo (the crate: two levels up, or rust/ in an sdist) inside the package.
 
 GRADACC_PREBUILT_LIBRARY=<path of libgradacc.so> bundles that file instead of running cargo (the
-test scripts use it to reuse target/release). Either way the library must report Cargo.toml's
+test scripts use it to reuse target/release), and GRADACC_WHEEL_PLATFORM gives the platform tag
+of a library built for another machine (scripts/build-wheel's aarch64 wheel). Either way the library must report Cargo.toml's
 version, and so must the generated ctypes layer, or the build fails.
 """
 import ctypes
@@ -122,5 +123,6 @@ class LibraryHook(BuildHookInterface):
             return  # the package stays in the source tree, which finds target/release itself
         build_data["pure_python"] = False
         # ctypes needs no particular Python or ABI; only the library is platform specific.
-        build_data["tag"] = "py3-none-" + platform_tag()
+        # GRADACC_WHEEL_PLATFORM names the platform of a cross-built library (linux_aarch64).
+        build_data["tag"] = "py3-none-" + (os.environ.get("GRADACC_WHEEL_PLATFORM") or platform_tag())
         build_data["force_include"][library] = "gradacc/" + bundled_name()
