@@ -27,6 +27,7 @@ set(CPACK_DEBIAN_PACKAGE_REPLACES "${_gradacc_other_package}")
 # found by dpkg-shlibdeps; a shlibs file and the ldconfig trigger for the library's SONAME.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
-# The package's ABI promise is the SONAME's: a program built against 0.2 needs a 0.2 library.
+# Packages built against this one depend on exactly this version: the package name is the same
+# for every release, so ">=" would also accept a later 0.x, whose SONAME (and ABI) differs.
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY "=")
 include(CPack)
