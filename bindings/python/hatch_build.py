@@ -1,8 +1,9 @@
 """hatchling hooks that make the wheel: its version from Cargo.toml, and the gradacc shared library
-built by cargo (the crate root is two levels up) inside the package.
+built by cargo (the crate: two levels up, or rust/ in an sdist) inside the package.
 
 GRADACC_PREBUILT_LIBRARY=<path of libgradacc.so> bundles that file instead of running cargo (the
-test scripts use it to reuse target/release). Either way the library must report Cargo.toml's
+test scripts use it to reuse target/release), and GRADACC_WHEEL_PLATFORM gives the platform tag
+of a library built for another machine (scripts/build-wheel's aarch64 wheel). Either way the library must report Cargo.toml's
 version, and so must the generated ctypes layer, or the build fails.
 """
 import ctypes
@@ -17,7 +18,9 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 from hatchling.metadata.plugin.interface import MetadataHookInterface
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CRATE = os.path.normpath(os.path.join(HERE, "..", ".."))
+# The crate: the repository two levels up, or in an sdist the copy under rust/ (pyproject.toml).
+CRATE = next((d for d in (os.path.join(HERE, "rust"), os.path.normpath(os.path.join(HERE, "..", "..")))
+              if os.path.isfile(os.path.join(d, "Cargo.toml"))), os.path.join(HERE, "rust"))
 MANIFEST = os.path.join(CRATE, "Cargo.toml")
 
 
@@ -27,8 +30,8 @@ def cargo_version():
         with open(MANIFEST, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise RuntimeError(f"{MANIFEST} not found: the wheel is built from the gradacc repository "
-                           "(pip install ./bindings/python), not from an sdist") from None
+        raise RuntimeError(f"{MANIFEST} not found: build the wheel from the gradacc repository "
+                           "(pip install ./bindings/python) or from its sdist") from None
     m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
     if not m:
         raise RuntimeError(f"no version in {MANIFEST}")
@@ -72,14 +75,21 @@ def cargo_build():
     raise RuntimeError("cargo built no gradacc shared library")
 
 
+def abi_version(version):
+    """The part of the version the SONAME carries (build.rs): the major version, or 0.<minor>
+    while the major is 0, as a 0.x minor release may break the ABI."""
+    major, minor = version.split(".")[:2]
+    return f"0.{minor}" if major == "0" else major
+
+
 def bundled_name():
-    """The library's file name inside the package: on ELF systems its SONAME, libgradacc.so.<major>
+    """The library's file name inside the package: on ELF systems its SONAME, libgradacc.so.<abi>
     (build.rs), as a wheel cannot hold the libgradacc.so link; elsewhere cargo's file name."""
     if sys.platform == "darwin":
         return "libgradacc.dylib"
     if sys.platform == "win32":
         return "gradacc.dll"
-    return "libgradacc.so." + cargo_version().split(".")[0]
+    return "libgradacc.so." + abi_version(cargo_version())
 
 
 def platform_tag():
@@ -113,5 +123,6 @@ class LibraryHook(BuildHookInterface):
             return  # the package stays in the source tree, which finds target/release itself
         build_data["pure_python"] = False
         # ctypes needs no particular Python or ABI; only the library is platform specific.
-        build_data["tag"] = "py3-none-" + platform_tag()
+        # GRADACC_WHEEL_PLATFORM names the platform of a cross-built library (linux_aarch64).
+        build_data["tag"] = "py3-none-" + (os.environ.get("GRADACC_WHEEL_PLATFORM") or platform_tag())
         build_data["force_include"][library] = "gradacc/" + bundled_name()

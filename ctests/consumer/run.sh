@@ -1,42 +1,61 @@
 #!/usr/bin/env bash
 # Installs an already-built gradacc into a scratch prefix, then builds and runs consumer.c against
 # that prefix only: through find_package (shared and static targets) and through pkg-config.
-# Usage: run.sh <gradacc build dir> <scratch dir> <version to require> [<config> [<C compiler>]]
+# With --prefix=<dir> instead of a build folder, gradacc is already installed there (a Debian
+# package, scripts/deb-check); --prefix=/usr is the system's, found with no search hints at all.
+# Usage: run.sh <gradacc build dir | --prefix=dir> <scratch dir> <version to require> [<config> [<C compiler>]]
 set -euo pipefail
 
 build_dir=$1 work=$2 version=$3 config=${4:-} cc=${5:-cc}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-prefix=$work/prefix
 
 rm -rf "$work"
 mkdir -p "$work"
-echo "-- install into $prefix"
-cmake --install "$build_dir" --prefix "$prefix" ${config:+--config "$config"}
+if [[ $build_dir == --prefix=* ]]; then
+    prefix=${build_dir#--prefix=}
+    echo "-- gradacc installed in $prefix"
+else
+    prefix=$work/prefix
+    echo "-- install into $prefix"
+    cmake --install "$build_dir" --prefix "$prefix" ${config:+--config "$config"}
+fi
+# The system prefix is searched by default: passing it would hide a package that is not found there.
+hints=()
+[ "$prefix" = /usr ] || hints=(-DCMAKE_PREFIX_PATH="$prefix")
 
-# The shared library is installed as libgradacc.so.<version> with the links libgradacc.so.<major>
-# (its SONAME, what programs load) and libgradacc.so (what -lgradacc finds).
+# The shared library is installed as libgradacc.so.<version> with the links libgradacc.so.<abi>
+# (its SONAME, what programs load) and libgradacc.so (what -lgradacc finds). <abi> is what may not
+# change without breaking callers: the major version, or 0.<minor> while the major is 0.
 full=$(sed -n 's/^#define GRADACC_VERSION_STRING "\([0-9]*\.[0-9]*\.[0-9]*\).*"/\1/p' "$prefix/include/gradacc.h")
-shared_dir=$(dirname "$(find "$prefix" -name "libgradacc.so.$full" | head -n 1)")
+case $full in
+    0.*) abi=${full%.*} ;;
+    *) abi=${full%%.*} ;;
+esac
+shared_dir=$(dirname "$(find "$prefix"/lib* -name "libgradacc.so.$full" | head -n 1)")
 [ -f "$shared_dir/libgradacc.so.$full" ] && [ ! -L "$shared_dir/libgradacc.so.$full" ] ||
     { echo "libgradacc.so.$full is not installed as a file"; ls -l "$prefix"/lib*; exit 1; }
-[ "$(readlink "$shared_dir/libgradacc.so.${full%%.*}")" = "libgradacc.so.$full" ] &&
-    [ "$(readlink "$shared_dir/libgradacc.so")" = "libgradacc.so.${full%%.*}" ] ||
-    { echo "the libgradacc.so links are wrong:"; ls -l "$shared_dir"; exit 1; }
+[ "$(readlink "$shared_dir/libgradacc.so.$abi")" = "libgradacc.so.$full" ] &&
+    [ "$(readlink "$shared_dir/libgradacc.so")" = "libgradacc.so.$abi" ] ||
+    { echo "the libgradacc.so links are wrong (expected libgradacc.so -> libgradacc.so.$abi -> libgradacc.so.$full):"; ls -l "$shared_dir"; exit 1; }
+soname=$(readelf -d "$shared_dir/libgradacc.so.$full" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = "libgradacc.so.$abi" ] ||
+    { echo "libgradacc.so.$full has the SONAME '${soname:-none}', expected libgradacc.so.$abi"; exit 1; }
 
 echo "-- find_package(gradacc $version)"
-cmake -S "$here" -B "$work/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
+cmake -S "$here" -B "$work/build" "${hints[@]}" -DCMAKE_C_COMPILER="$cc" \
     -DCMAKE_BUILD_TYPE=Release -DGRADACC_REQUIRED_VERSION="$version"
 cmake --build "$work/build"
 
 echo "-- consumer_shared"
 "$work/build/consumer_shared"
-# It must run against the installed library, not the one in the build tree.
-ldd "$work/build/consumer_shared" | grep libgradacc | grep -qF "$prefix/" ||
-    { echo "consumer_shared does not load libgradacc from $prefix:"; ldd "$work/build/consumer_shared"; exit 1; }
-# (the output is read whole: `grep -q` could end ldd early, and pipefail would count that as a failure)
+# It records the SONAME and runs against the installed library, not the one in the build tree
+# (compared as real paths: the system's loader may name /usr/lib through the /lib link).
 ldd_out=$(ldd "$work/build/consumer_shared")
-grep -q "libgradacc\.so\.${full%%.*} " <<<"$ldd_out" ||
-    { echo "consumer_shared does not record the SONAME libgradacc.so.${full%%.*}:"; ldd "$work/build/consumer_shared"; exit 1; }
+loaded=$(sed -n "s/^[[:space:]]*libgradacc\.so\.$abi => \(.*\) (0x.*/\1/p" <<<"$ldd_out")
+[ -n "$loaded" ] ||
+    { echo "consumer_shared does not record the SONAME libgradacc.so.$abi:"; echo "$ldd_out"; exit 1; }
+[ "$(readlink -f "$loaded")" = "$(readlink -f "$shared_dir/libgradacc.so.$full")" ] ||
+    { echo "consumer_shared loads $loaded, not the library installed in $shared_dir:"; echo "$ldd_out"; exit 1; }
 
 echo "-- consumer_static"
 "$work/build/consumer_static"
@@ -44,9 +63,9 @@ echo "-- consumer_static"
     { echo "consumer_static still needs libgradacc.so"; exit 1; }
 
 echo "-- pkg-config"
-pc=$(find "$prefix" -name gradacc.pc)
+pc=$(find "$prefix"/lib* -name gradacc.pc)
 [ -n "$pc" ] || { echo "gradacc.pc is not installed"; exit 1; }
-export PKG_CONFIG_PATH=$(dirname "$pc")
+[ "$prefix" = /usr ] || export PKG_CONFIG_PATH=$(dirname "$pc")
 [ "$(pkg-config --modversion gradacc)" = "$(sed -n 's/^#define GRADACC_VERSION_STRING "\(.*\)"/\1/p' "$prefix/include/gradacc.h")" ] ||
     { echo "gradacc.pc version differs from the header's"; exit 1; }
 libdir=$(pkg-config --variable=libdir gradacc)

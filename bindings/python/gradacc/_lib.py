@@ -1,7 +1,7 @@
 """Finds and loads the gradacc shared library.
 
 Order: the file named by the GRADACC_LIBRARY environment variable; the copy bundled in this package
-by its wheel (libgradacc.so.<major>, the library's SONAME); the build of the repository this package
+by its wheel (libgradacc.so.<abi>, the library's SONAME); the build of the repository this package
 sits in (target/release, then target/debug); then the system's search path.
 
 NVRTC and NCCL from the `nvidia-*` wheels of this environment (gradacc[cuda12] / gradacc[cuda13])
