@@ -507,6 +507,73 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
     assert_eq!((out[0].steps, out[0].growth_tracker), (1, 1), "one step, not one per thread");
 }
 
+/// `ga_finish_norm` folds the block sums in parallel with exactly the CPU backend's order
+/// (`cpu::fold_block_sums`): from one sum to several rows of `FOLD_LANES`, at every width where
+/// the halving moves from registers to shared memory, with sums of similar size so that any
+/// other order changes the bits.
+#[test]
+fn finish_norm_folds_block_sums_like_the_cpu_backend() {
+    use gradacc::backend::cpu::{self, math::FOLD_LANES};
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("finish_norm_folds_block_sums_like_the_cpu_backend");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let (major, minor) = ctx.capability;
+    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap())
+        .unwrap()
+        .image;
+    let module = driver::Module::load(&ctx, &image).unwrap();
+    let finish = {
+        let _current = ctx.enter().unwrap();
+        module.function(c"ga_finish_norm").unwrap()
+    };
+    let threads = driver::THREADS as usize;
+    let lengths = [
+        1,
+        2,
+        3,
+        threads - 1,
+        threads,
+        threads + 1,
+        2 * threads + 3,
+        FOLD_LANES / 2 + 1,
+        FOLD_LANES,
+        FOLD_LANES + 1,
+        3 * FOLD_LANES + 1234,
+    ];
+    let mut differs_from_block_order = false;
+    for n in lengths {
+        let sums: Vec<f64> = (0..n).map(|_| rng.uniform(1.0, 2.0)).collect();
+        let want = cpu::fold_block_sums(&sums);
+        differs_from_block_order |= want != sums.iter().fold(0.0, |t, &s| t + s);
+        let partials = DeviceBuffer::from_slice(&ctx, stream.stream, &sums).unwrap();
+        let start = layout::GaBoundary { divisor: 1, clip_coef: 1.0, ..Default::default() };
+        let boundary = DeviceBuffer::from_slice(&ctx, stream.stream, &[start]).unwrap();
+        let (b, p, blocks, max_norm) = (boundary.ptr(), partials.ptr(), n as u64, 0.0f64);
+        let mut args = [
+            &b as *const _ as *mut c_void,
+            &p as *const _ as *mut c_void,
+            &blocks as *const _ as *mut c_void,
+            &max_norm as *const _ as *mut c_void,
+        ];
+        // SAFETY: the arguments follow ga_finish_norm(ga_boundary *, const double *, ga_u64,
+        // double), over a boundary and `n` block sums allocated above.
+        unsafe { finish.launch(&ctx, 1, driver::THREADS, stream.stream, &mut args).unwrap() };
+        let mut out = [layout::GaBoundary::default()];
+        boundary.read(&mut out).unwrap();
+        assert_eq!(
+            out[0].grad_norm.to_bits(),
+            want.sqrt().to_bits(),
+            "{n} block sums: device {:e}, CPU {:e}",
+            out[0].grad_norm,
+            want.sqrt()
+        );
+    }
+    assert!(differs_from_block_order, "the sums do not tell the fold's order from block order");
+}
+
 /// A model of more tensors than one launch carries (`SOURCES_PER_LAUNCH`): `add` splits them over
 /// several launches, bit for bit the CPU backend's result.
 #[test]
