@@ -463,6 +463,160 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     }
 }
 
+/// A capture may not wait on work recorded outside it: the driver refuses the wait
+/// (CUDA_ERROR_STREAM_CAPTURE_ISOLATION) and invalidates the capture, unless the wait is an
+/// external event node (CU_EVENT_WAIT_EXTERNAL). The software GPU does as the driver.
+#[test]
+fn a_capture_refuses_a_plain_wait_on_work_recorded_outside_it() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let ctx = Context::get(0).unwrap();
+    let (capturing, other) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let _current = ctx.enter().unwrap();
+    let mut event = std::ptr::null_mut();
+    // SAFETY: plain driver calls on live streams of the current context, with live out-pointers;
+    // every capture begun here is ended here, and the event and graph are destroyed at the end.
+    unsafe {
+        assert_eq!(cu::cuEventCreate(&mut event, 2), cu::CUresult::CUDA_SUCCESS);
+        assert_eq!(cu::cuEventRecord(event, other.stream), cu::CUresult::CUDA_SUCCESS);
+        for (flags, waited, ended) in [
+            (
+                0,
+                cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            ),
+            (1, cu::CUresult::CUDA_SUCCESS, cu::CUresult::CUDA_SUCCESS),
+        ] {
+            let mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            assert_eq!(
+                cu::cuStreamBeginCapture_v2(capturing.stream, mode),
+                cu::CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(cu::cuStreamWaitEvent(capturing.stream, event, flags), waited, "{flags}");
+            let mut graph = std::ptr::null_mut();
+            assert_eq!(cu::cuStreamEndCapture(capturing.stream, &mut graph), ended, "{flags}");
+            assert_eq!(graph.is_null(), ended != cu::CUresult::CUDA_SUCCESS);
+            if !graph.is_null() {
+                cu::cuGraphDestroy(graph);
+            }
+        }
+        // Outside a capture the external flag is invalid.
+        assert_eq!(
+            cu::cuStreamWaitEvent(capturing.stream, event, 1),
+            cu::CUresult::CUDA_ERROR_INVALID_VALUE
+        );
+        cu::cuEventDestroy_v2(event);
+    }
+}
+
+/// A training step captured on the accumulator's stream while the scaler lives on another
+/// stream, outside the graph: the add reads the scale the scaler's last update wrote, the
+/// scaler's gather reads the boundary the last replay wrote, and neither side overtakes the
+/// other. Every replay, and the scaler's updates between them (a poisoned replay backs off),
+/// equal the CPU backend's step.
+#[test]
+fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng =
+        Rng::fresh("a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream");
+    let ctx = Context::get(0).unwrap();
+    let (acc_stream, scaler_stream) =
+        (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
+    let config = AccumulatorConfig { max_grad_norm: 0.5, ..Default::default() };
+    let scaler_config =
+        ScalerConfig { init_scale: 1024.0, growth_interval: 2, ..Default::default() };
+    let sc = Scaler::new(scaler_config).unwrap();
+    let sg = Scaler::on(Device::Cuda { ordinal: 0, stream: scaler_stream.stream }, scaler_config)
+        .unwrap();
+    let cpu = Accumulator::new(config, &descs).unwrap();
+    let gpu =
+        Accumulator::on(Device::Cuda { ordinal: 0, stream: acc_stream.stream }, config, &descs)
+            .unwrap();
+    let first: Vec<HostGrad> =
+        descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1024.0, false)).collect();
+    let uploads: Vec<(DeviceBuffer, u64)> =
+        first.iter().map(|g| g.upload(&ctx, acc_stream.stream, 0)).collect();
+    let addresses: Vec<u64> = uploads.iter().map(|d| d.1).collect();
+    // One step outside the graph first: the capture then starts with reads and writes pending
+    // on both sides.
+    let views: Vec<Grad<'_>> = first.iter().map(HostGrad::view).collect();
+    cpu.add(&sc, &views, 3).unwrap();
+    gpu.add(&sg, &addresses, 3).unwrap();
+    let want = cpu.sync(None).unwrap();
+    gpu.sync_enqueue(None).unwrap();
+    sc.update(want.found_inf).unwrap();
+    sg.update_from(&[&gpu], false).unwrap();
+
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    {
+        let _current = ctx.enter().unwrap();
+        // SAFETY: a stream of this context; the capture ends below on every path that returns.
+        let begun = unsafe {
+            cu::cuStreamBeginCapture_v2(
+                acc_stream.stream,
+                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        };
+        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
+    }
+    let added = gpu.add(&sg, &addresses, 3);
+    let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
+    let _current = ctx.enter().unwrap();
+    // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
+    let ended = unsafe { cu::cuStreamEndCapture(acc_stream.stream, &mut graph) };
+    added.expect("add during a capture, the scaler on another stream");
+    synced.unwrap().expect("sync during a capture, the scaler on another stream");
+    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
+    // SAFETY: a graph from a completed capture.
+    assert_eq!(
+        unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        cu::CUresult::CUDA_SUCCESS
+    );
+
+    for replay in 0..5 {
+        let scale = sc.scale().unwrap();
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2))
+            .collect();
+        for (g, (buf, _)) in grads.iter().zip(&uploads) {
+            match g.dtype {
+                Dtype::F32 => buf.write(&g.f32s).unwrap(),
+                _ => buf.write(&g.u16s).unwrap(),
+            }
+        }
+        // SAFETY: an instantiated graph whose buffers are all alive.
+        assert_eq!(
+            unsafe { cu::cuGraphLaunch(exec, acc_stream.stream) },
+            cu::CUresult::CUDA_SUCCESS
+        );
+        sg.update_from(&[&gpu], false).unwrap();
+        let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+        cpu.add(&sc, &views, 3).unwrap();
+        let want = cpu.sync(None).unwrap();
+        sc.update(want.found_inf).unwrap();
+        masters_equal(&cpu, &gpu, &format!("replay {replay}"));
+        assert_eq!(want.found_inf, replay == 2);
+        assert_eq!(sg.state().unwrap(), sc.state().unwrap(), "replay {replay}");
+    }
+    assert_ne!(sc.scale().unwrap(), 1024.0, "the trace never moved");
+    // SAFETY: created above, destroyed once.
+    unsafe {
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+}
+
 /// The single-thread kernels (control words, scaler state) do their work once whatever the launch
 /// geometry: `ga_scaler_update` launched with two blocks of 256 threads is one optimizer step.
 #[test]

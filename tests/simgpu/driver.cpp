@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <set>
 
 #include "image.h"
 #include "kernels.h"
@@ -37,6 +38,8 @@ enum : CUresult {
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
 };
 
 struct Event {
@@ -44,6 +47,7 @@ struct Event {
     sim::Stream *stream = nullptr; /* of the last record */
     uint64_t seq = 0;
     sim::Clock clock;
+    uint64_t capture = 0; /* the capture the last record was made in (a capture-internal record), or 0 */
 };
 
 struct Module {
@@ -136,6 +140,8 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **text) {
     case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
     case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *text = "operation not permitted when stream is capturing"; break;
     case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: *text = "operation failed due to a previous error during capture"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_MERGE: *text = "operation would result in a merge of separate capture sequences"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_ISOLATION: *text = "dependency created on uncaptured work in another stream"; break;
     default: *text = nullptr; return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;
@@ -401,12 +407,36 @@ EXPORT CUresult cuStreamQuery(CUstream handle) {
 }
 
 enum { EVENT_DISABLE_TIMING = 2 };
+/* CU_EVENT_RECORD_EXTERNAL and CU_EVENT_WAIT_EXTERNAL: during a capture, a graph node. */
+enum { EVENT_EXTERNAL = 1 };
+
+namespace {
+
+/* Events alive now: a graph node that names a destroyed one is a violation when it runs. */
+std::mutex &events_mutex = *new std::mutex;
+std::set<Event *> &live_events = *new std::set<Event *>;
+
+void check_live(Event *event, const char *node) {
+    std::lock_guard<std::mutex> lock(events_mutex);
+    if (!live_events.count(event)) sim::violation("a graph's %s node names an event that was destroyed", node);
+}
+
+void record_now(Event *event, sim::Stream *stream) {
+    event->stream = stream;
+    event->seq = sim::last_enqueued(stream);
+    event->clock = sim::clock_of(stream);
+    event->capture = 0;
+}
+
+} // namespace
 
 EXPORT CUresult cuEventCreate(CUevent *event, unsigned flags) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
     if (!event || (flags & ~3u)) return CUDA_ERROR_INVALID_VALUE;
     *event = new Event{ctx};
+    std::lock_guard<std::mutex> lock(events_mutex);
+    live_events.insert(*event);
     return CUDA_SUCCESS;
 }
 
@@ -414,30 +444,74 @@ EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
     if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    {
+        std::lock_guard<std::mutex> lock(events_mutex);
+        live_events.erase(event);
+    }
     delete event;
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuEventRecord(CUevent event, CUstream handle) {
+/* In a capture, a plain record marks the event as the capture's own (a wait on it in the same
+ * capture is ordered already); an external one becomes a node that records at every replay. */
+EXPORT CUresult cuEventRecordWithFlags(CUevent event, CUstream handle, unsigned flags) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (!event) return CUDA_ERROR_INVALID_HANDLE;
     if (event->ctx != ctx) return CUDA_ERROR_INVALID_CONTEXT;
-    event->stream = stream;
-    event->seq = sim::last_enqueued(stream);
-    event->clock = sim::clock_of(stream);
+    if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
+    int capture = sim::capture_status(stream);
+    if (capture == 2) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    if (!capture) {
+        record_now(event, stream);
+    } else if (flags & EVENT_EXTERNAL) {
+        sim::Op node{"event record node", nullptr, nullptr, [event](sim::Stream *s) {
+                         check_live(event, "event record");
+                         record_now(event, s);
+                     }};
+        sim::enqueue(stream, std::move(node));
+    } else {
+        event->stream = stream;
+        event->capture = sim::capture_id(stream);
+    }
     return CUDA_SUCCESS;
 }
 
+EXPORT CUresult cuEventRecord(CUevent event, CUstream handle) { return cuEventRecordWithFlags(event, handle, 0); }
+
+/* A wait during a capture as the driver treats it: on the capture's own record, already in order;
+ * with CU_EVENT_WAIT_EXTERNAL, a node that waits at every replay for the event's last record
+ * before the launch; on work recorded outside the capture, refused with
+ * CUDA_ERROR_STREAM_CAPTURE_ISOLATION (another capture's: MERGE), invalidating the capture. */
 EXPORT CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (!event) return CUDA_ERROR_INVALID_HANDLE;
-    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (event->stream) sim::enqueue_wait(stream, event->stream, event->seq, event->clock);
-    return CUDA_SUCCESS;
+    if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
+    int capture = sim::capture_status(stream);
+    if (!capture) {
+        if (flags & EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE; /* invalid outside a capture */
+        if (event->capture)
+            sim::violation("cuStreamWaitEvent outside a capture on an event last recorded inside one: joining a stream into a capture "
+                           "(or using such an event after it) is not modelled; record it with CU_EVENT_RECORD_EXTERNAL");
+        if (event->stream) sim::enqueue_wait(stream, event->stream, event->seq, event->clock);
+        return CUDA_SUCCESS;
+    }
+    if (capture == 2) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    if (flags & EVENT_EXTERNAL) {
+        sim::Op node{"event wait node", nullptr, nullptr, [event](sim::Stream *s) {
+                         check_live(event, "event wait");
+                         if (event->capture) sim::violation("a graph's event wait node names an event last recorded inside a capture");
+                         if (event->stream) sim::enqueue_wait(s, event->stream, event->seq, event->clock);
+                     }};
+        sim::enqueue(stream, std::move(node));
+        return CUDA_SUCCESS;
+    }
+    if (event->capture == sim::capture_id(stream) || (!event->capture && !event->stream)) return CUDA_SUCCESS;
+    sim::invalidate_capture(stream);
+    return event->capture ? CUDA_ERROR_STREAM_CAPTURE_MERGE : CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent event) {
@@ -566,7 +640,12 @@ EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream handle) {
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (!exec) return CUDA_ERROR_INVALID_VALUE;
-    for (const sim::Op &op : exec->ops) sim::enqueue(stream, op);
+    for (const sim::Op &op : exec->ops) {
+        if (op.at_launch)
+            op.at_launch(stream);
+        else
+            sim::enqueue(stream, op);
+    }
     return CUDA_SUCCESS;
 }
 

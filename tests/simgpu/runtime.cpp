@@ -248,6 +248,7 @@ struct Stream {
     std::thread worker;
     std::unique_ptr<Graph> capture; /* while capturing */
     bool capture_invalid = false;
+    uint64_t capture_id = 0;
 };
 
 namespace {
@@ -372,9 +373,8 @@ uint64_t enqueue(Stream *s, Op op) {
 void enqueue_wait(Stream *s, Stream *other, uint64_t seq, const Clock &clock) {
     std::lock_guard<std::mutex> lock(stream_mutex);
     if (s->capture) {
-        /* A wait on the capturing stream's own work is already in the graph's order; joining
-         * another stream into the capture is not modelled. */
-        if (other != s) s->capture_invalid = true;
+        /* cuStreamWaitEvent sorts out waits during a capture; any other wait cannot be captured. */
+        s->capture_invalid = true;
         return;
     }
     join(s->clock, clock);
@@ -399,9 +399,11 @@ void host_wait(Stream *s, uint64_t seq) {
 
 bool begin_capture(Stream *s) {
     std::lock_guard<std::mutex> lock(stream_mutex);
+    static uint64_t captures = 0;
     if (s->capture) return false;
     s->capture = std::make_unique<Graph>();
     s->capture_invalid = false;
+    s->capture_id = ++captures;
     return true;
 }
 
@@ -410,12 +412,18 @@ std::unique_ptr<Graph> end_capture(Stream *s) {
     std::unique_ptr<Graph> g = std::move(s->capture);
     if (s->capture_invalid) g.reset();
     s->capture_invalid = false;
+    s->capture_id = 0;
     return g;
 }
 
 int capture_status(Stream *s) {
     std::lock_guard<std::mutex> lock(stream_mutex);
     return s->capture ? (s->capture_invalid ? 2 : 1) : 0;
+}
+
+uint64_t capture_id(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    return s->capture ? s->capture_id : 0;
 }
 
 void invalidate_capture(Stream *s) {

@@ -78,6 +78,9 @@ struct Op {
     std::string what;
     std::function<void(Footprint &)> footprint; /* may be empty */
     std::function<void()> run;                  /* may be empty */
+    /* A graph node that acts when the graph is launched (an external event record or wait):
+     * called with the launch's stream instead of enqueuing this op. */
+    std::function<void(Stream *)> at_launch;
 };
 
 /* Stream handle resolution: NULL/0x1 = the context's legacy stream, 0x2 = this thread's
@@ -95,6 +98,7 @@ using Graph = std::vector<Op>;
 bool begin_capture(Stream *s);                  /* false when already capturing */
 std::unique_ptr<Graph> end_capture(Stream *s);  /* null when invalidated or not capturing */
 int capture_status(Stream *s);                  /* 0 none, 1 active, 2 invalidated */
+uint64_t capture_id(Stream *s);                 /* the active capture's number, unique; 0 none */
 void invalidate_capture(Stream *s);
 /* Host waits: for operation `seq` of `s` (0 = everything enqueued so far). */
 void host_wait(Stream *s, uint64_t seq = 0);

@@ -500,6 +500,18 @@ pub fn copy(
     )
 }
 
+/// Whether `stream` is capturing a CUDA graph (an invalidated capture counts: its stream is still
+/// in capture mode until the capture ends).
+pub fn capturing(ctx: &Context, stream: CUstream) -> Result<bool> {
+    let _g = ctx.enter()?;
+    let mut status: c_int = 0;
+    // SAFETY: `_g` made `ctx` current; `stream` is a stream of it (callers pass their objects'
+    // streams); the driver writes one CUstreamCaptureStatus (an `int`) to `status`, a live local.
+    let code = unsafe { (ctx.api.cuStreamIsCapturing)(stream, &mut status) };
+    check(ctx.api, code, "cuStreamIsCapturing")?;
+    Ok(status != 0)
+}
+
 /// An event used only for ordering (no timing), created in `ctx`.
 pub struct Event {
     ctx: Arc<Context>,
@@ -549,6 +561,51 @@ impl Event {
         )
     }
 
+    /// As [`Event::record`] on a stream that is not capturing a graph. On one that is (`capturing`),
+    /// the record becomes a node of the graph (CU_EVENT_RECORD_EXTERNAL): every replay records the
+    /// event, so a stream outside the graph can wait for the replay's work.
+    pub fn record_across_capture(&self, stream: CUstream, capturing: bool) -> Result<()> {
+        if !capturing {
+            return self.record(stream);
+        }
+        let _g = self.ctx.enter()?;
+        // SAFETY: as in `record`; CU_EVENT_RECORD_EXTERNAL is the flag for a capturing stream.
+        check(
+            self.ctx.api,
+            unsafe {
+                (self.ctx.api.cuEventRecordWithFlags)(
+                    self.event,
+                    stream,
+                    driver_api::EVENT_RECORD_EXTERNAL,
+                )
+            },
+            "cuEventRecordWithFlags",
+        )
+    }
+
+    /// As [`Event::wait`] on a stream that is not capturing a graph. On one that is (`capturing`),
+    /// the wait becomes a node of the graph (CU_EVENT_WAIT_EXTERNAL) that waits, at every replay,
+    /// for the event's last record before the replay: a capture may not otherwise wait for work
+    /// recorded outside it (CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+    pub fn wait_across_capture(&self, stream: CUstream, capturing: bool) -> Result<()> {
+        if !capturing {
+            return self.wait(stream);
+        }
+        let _g = self.ctx.enter()?;
+        // SAFETY: as in `wait`; CU_EVENT_WAIT_EXTERNAL is the flag for a capturing stream.
+        check(
+            self.ctx.api,
+            unsafe {
+                (self.ctx.api.cuStreamWaitEvent)(
+                    stream,
+                    self.event,
+                    driver_api::EVENT_WAIT_EXTERNAL,
+                )
+            },
+            "cuStreamWaitEvent",
+        )
+    }
+
     /// Makes `later` wait (on the device) for everything enqueued on `earlier` so far.
     /// No-op when they are the same stream.
     pub fn order(&self, earlier: CUstream, later: CUstream) -> Result<()> {
@@ -574,6 +631,12 @@ impl Drop for Event {
 /// ways. A reader stream waits for the owner's writes before it reads (only when a write was
 /// enqueued since it last waited), and the owner waits for every read before it next writes or
 /// frees the buffer. One event per reader stream, reused; one record per read.
+///
+/// Either side may be captured into a CUDA graph while the other is not (the caller captures its
+/// step on one stream, and the other object's stream runs outside the graph): a capturing stream
+/// records and waits through graph nodes (`Event::record_across_capture`, `wait_across_capture`),
+/// and since replays then read or write behind the host's back, that side's events are waited for
+/// at every later write or read, not only when the host saw one enqueued.
 pub struct SharedReads {
     ctx: Arc<Context>,
     owner: CUstream,
@@ -581,6 +644,8 @@ pub struct SharedReads {
     written: Event,
     /// Writes enqueued so far (each followed by a record of `written`).
     writes: u64,
+    /// A write was captured into a graph: every read waits for `written`.
+    writes_replayed: bool,
     readers: Vec<Reader>,
 }
 
@@ -590,6 +655,8 @@ struct Reader {
     read: Event,
     /// A read was recorded that the owner has not waited for yet.
     pending: bool,
+    /// A read was captured into a graph: every write waits for `read`.
+    replayed: bool,
     /// The value of `writes` this stream last waited for.
     seen: u64,
 }
@@ -608,15 +675,18 @@ impl SharedReads {
             owner,
             written: Event::new(ctx)?,
             writes: 0,
+            writes_replayed: false,
             readers: Vec::new(),
         })
     }
 
-    /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen.
+    /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen. A
+    /// capturing stream always waits: the graph's replays must wait for the writes before each.
     pub fn before_read(&mut self, stream: CUstream) -> Result<()> {
         if stream == self.owner {
             return Ok(());
         }
+        let capturing = capturing(&self.ctx, stream)?;
         let writes = self.writes;
         let i = match self.readers.iter().position(|r| r.stream == stream) {
             Some(i) => i,
@@ -625,13 +695,14 @@ impl SharedReads {
                     stream,
                     read: Event::new(&self.ctx)?,
                     pending: false,
+                    replayed: false,
                     seen: 0,
                 });
                 self.readers.len() - 1
             }
         };
-        if self.readers[i].seen != writes {
-            self.written.wait(stream)?;
+        if self.readers[i].seen != writes || capturing || self.writes_replayed {
+            self.written.wait_across_capture(stream, capturing)?;
             self.readers[i].seen = writes;
         }
         Ok(())
@@ -639,17 +710,25 @@ impl SharedReads {
 
     /// After a read enqueued on `stream` (following `before_read`).
     pub fn after_read(&mut self, stream: CUstream) -> Result<()> {
+        if stream == self.owner {
+            return Ok(());
+        }
+        let capturing = capturing(&self.ctx, stream)?;
         if let Some(r) = self.readers.iter_mut().find(|r| r.stream == stream) {
-            r.read.record(stream)?;
+            r.read.record_across_capture(stream, capturing)?;
             r.pending = true;
+            r.replayed |= capturing;
         }
         Ok(())
     }
 
-    /// Before the owner's stream writes or frees the buffer: it waits for every read.
+    /// Before the owner's stream writes or frees the buffer: it waits for every read. A capturing
+    /// owner waits for every reader's last read: the graph's replays must wait for the reads
+    /// before each.
     pub fn before_write(&mut self) -> Result<()> {
-        for r in self.readers.iter_mut().filter(|r| r.pending) {
-            r.read.wait(self.owner)?;
+        let capturing = capturing(&self.ctx, self.owner)?;
+        for r in self.readers.iter_mut().filter(|r| r.pending || r.replayed || capturing) {
+            r.read.wait_across_capture(self.owner, capturing)?;
             r.pending = false;
         }
         Ok(())
@@ -657,8 +736,10 @@ impl SharedReads {
 
     /// After a write enqueued on the owner's stream.
     pub fn after_write(&mut self) -> Result<()> {
-        self.written.record(self.owner)?;
+        let capturing = capturing(&self.ctx, self.owner)?;
+        self.written.record_across_capture(self.owner, capturing)?;
         self.writes += 1;
+        self.writes_replayed |= capturing;
         Ok(())
     }
 }

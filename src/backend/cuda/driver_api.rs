@@ -77,8 +77,10 @@ driver_api! {
     cuStreamSynchronize(CUstream);
     cuStreamQuery(CUstream);
     cuStreamWaitEvent(CUstream, CUevent, c_uint);
+    cuStreamIsCapturing(CUstream, *mut c_int);
     cuEventCreate(*mut CUevent, c_uint);
     cuEventRecord(CUevent, CUstream);
+    cuEventRecordWithFlags(CUevent, CUstream, c_uint);
     cuEventDestroy_v2(CUevent);
     cuModuleLoadData(*mut CUmodule, *const c_void);
     cuModuleGetFunction(*mut CUfunction, CUmodule, *const c_char);
@@ -104,3 +106,7 @@ pub fn get() -> Result<&'static Api, &'static str> {
 pub const SUCCESS: u32 = 0;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const ERROR_OUT_OF_MEMORY: u32 = 2;
+/// `CU_EVENT_RECORD_EXTERNAL`: a record during stream capture becomes an event record node.
+pub const EVENT_RECORD_EXTERNAL: c_uint = 1;
+/// `CU_EVENT_WAIT_EXTERNAL`: a wait during stream capture becomes an event wait node.
+pub const EVENT_WAIT_EXTERNAL: c_uint = 1;
