@@ -617,6 +617,81 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
     }
 }
 
+/// A host program that resets the device's primary context (`cudaDeviceReset`) destroys every
+/// object made in it, gradacc's kernels included. Objects made after the reset work (the kernels
+/// are loaded again), and a call of an object made before it fails with a status that says why.
+/// The reset ends every context user in the process, so the test runs in a child process.
+#[test]
+fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
+    const CHILD: &str = "GRADACC_TEST_RESET_CHILD";
+    if !gpu_or_skip() {
+        return;
+    }
+    let test = "a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects";
+    if std::env::var(CHILD).is_err() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success() && text.contains("1 passed"), "the child failed:\n{text}");
+        return;
+    }
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
+    let config = AccumulatorConfig::default();
+    // One step on the device, the same gradients every time.
+    let step = |acc: &Accumulator, scaler: &Scaler, ctx: &Arc<Context>, stream| {
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut Rng::seeded(7), d.dtype, d.numel, 1024.0, false))
+            .collect();
+        let uploads: Vec<(DeviceBuffer, u64)> =
+            grads.iter().map(|g| g.upload(ctx, stream, 0)).collect();
+        acc.add(scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 1)?;
+        acc.sync(None)
+    };
+    let ctx = Context::get(0).unwrap();
+    let old_stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: old_stream.stream };
+    let old_scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+    let old_acc = Accumulator::on(device, config, &descs).unwrap();
+    let before = step(&old_acc, &old_scaler, &ctx, old_stream.stream).unwrap();
+
+    {
+        use cudarc::driver::sys as cu;
+        let mut dev = 0;
+        // SAFETY: plain driver calls with a live out-pointer; the reset is what the test is about.
+        unsafe {
+            assert_eq!(cu::cuDeviceGet(&mut dev, 0), cu::CUresult::CUDA_SUCCESS);
+            assert_eq!(cu::cuDevicePrimaryCtxReset_v2(dev), cu::CUresult::CUDA_SUCCESS);
+        }
+    }
+    assert!(ctx.was_reset());
+    // Addresses that were never memory: the call must fail before any kernel could touch them.
+    let e = old_acc.add(&old_scaler, &[0x1000, 0x2000], 1).unwrap_err();
+    assert_eq!(e.kind, gradacc::ErrorKind::DeviceFailure, "{e:?}");
+    assert!(e.message.contains("primary context was reset"), "{}", e.message);
+
+    let ctx = Context::get(0).unwrap();
+    assert!(!ctx.was_reset());
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+    let acc = Accumulator::on(device, config, &descs).unwrap();
+    let after = step(&acc, &scaler, &ctx, stream.stream).unwrap();
+    assert_eq!(after.grad_norm.to_bits(), before.grad_norm.to_bits());
+    // The old objects' memory went with the reset: dropping them frees nothing and fails nothing.
+    drop((old_acc, old_scaler, old_stream));
+}
+
 /// The single-thread kernels (control words, scaler state) do their work once whatever the launch
 /// geometry: `ga_scaler_update` launched with two blocks of 256 threads is one optimizer step.
 #[test]

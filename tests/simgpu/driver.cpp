@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <map>
 #include <set>
 
 #include "image.h"
@@ -52,11 +53,13 @@ struct Event {
 
 struct Module {
     sim::Image image;
+    sim::Context *ctx = nullptr;
 };
 
 struct Function {
     const sim::KernelInfo *kernel;
     sim::ImageKernel image;
+    sim::Context *ctx;
 };
 
 namespace {
@@ -94,10 +97,33 @@ CUresult need_device(const void *out, int device) {
 
 int current_device() { return sim::current_context()->device->ordinal; }
 
-/* A device range the host names in a copy or fill: must be live now (a violation otherwise). */
-void check_device_range(const char *call, CUdeviceptr ptr, size_t bytes) {
+/* A device range the host names in a copy or fill: must be live now (a violation otherwise), but
+ * memory a primary context reset freed is an error the driver returns. */
+CUresult check_device_range(const char *call, CUdeviceptr ptr, size_t bytes) {
     std::string why;
-    if (bytes && !sim::find_live(ptr, bytes, -1, &why)) sim::violation("%s: %s", call, why.c_str());
+    if (!bytes || sim::find_live(ptr, bytes, -1, &why)) return CUDA_SUCCESS;
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
+    sim::violation("%s: %s", call, why.c_str());
+}
+
+/* Modules, functions and events alive now: a primary context reset destroys its context's, and
+ * their handles are then invalid (CUDA_ERROR_INVALID_HANDLE), not dangling. */
+std::mutex &handles_mutex = *new std::mutex;
+std::map<const void *, sim::Context *> &live_handles = *new std::map<const void *, sim::Context *>;
+
+void handle_created(const void *h, sim::Context *ctx) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    live_handles[h] = ctx;
+}
+
+bool handle_live(const void *h) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    return live_handles.count(h) != 0;
+}
+
+bool handle_destroyed(const void *h) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    return live_handles.erase(h) != 0;
 }
 
 } // namespace
@@ -186,6 +212,17 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     return need_device(&device, device);
 }
 
+/* cudaDeviceReset's driver call: the primary context stays (its handle and retains too), but
+ * everything made in it is destroyed: memory, streams, events, modules and their functions. */
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
+    if (CUresult r = need_device(&device, device)) return r;
+    sim::Context *ctx = sim::device(device).primary;
+    sim::reset_context(ctx);
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    for (auto it = live_handles.begin(); it != live_handles.end();) it = it->second == ctx ? live_handles.erase(it) : std::next(it);
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
@@ -268,6 +305,7 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream handle) {
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (sim::capture_status(stream)) sim::violation("%s during a capture: graph memory nodes are not modelled", __func__);
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
     std::string why;
     uint64_t base = sim::find_live(ptr, 0, -1, &why);
     if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFreeAsync(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
@@ -290,6 +328,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
     std::string why;
     uint64_t base = sim::find_live(ptr, 0, -1, &why);
     if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFree(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
@@ -303,7 +342,7 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t cou
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    check_device_range("cuMemsetD8Async", ptr, count);
+    if (CUresult r = check_device_range("cuMemsetD8Async", ptr, count)) return r;
     sim::enqueue(stream, sim::Op{"cuMemsetD8Async", [=](sim::Footprint &f) { f.access(ptr, count, true); },
                                  [=] { memset((void *)(uintptr_t)ptr, value, count); }});
     return CUDA_SUCCESS;
@@ -314,7 +353,7 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t count, 
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (ptr % 4) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemsetD32Async", ptr, count * 4);
+    if (CUresult r = check_device_range("cuMemsetD32Async", ptr, count * 4)) return r;
     sim::enqueue(stream, sim::Op{"cuMemsetD32Async", [=](sim::Footprint &f) { f.access(ptr, count * 4, true); }, [=] {
                                      auto *p = (unsigned *)(uintptr_t)ptr;
                                      for (size_t i = 0; i < count; ++i) p[i] = value;
@@ -329,7 +368,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t by
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!src && bytes) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemcpyHtoDAsync", dst, bytes);
+    if (CUresult r = check_device_range("cuMemcpyHtoDAsync", dst, bytes)) return r;
     auto staged = std::make_shared<std::vector<uint8_t>>((const uint8_t *)src, (const uint8_t *)src + bytes);
     sim::enqueue(stream, sim::Op{"cuMemcpyHtoDAsync", [=](sim::Footprint &f) { f.access(dst, bytes, true); },
                                  [=] { memcpy((void *)(uintptr_t)dst, staged->data(), bytes); }});
@@ -343,7 +382,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, C
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!dst && bytes) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemcpyDtoHAsync", src, bytes);
+    if (CUresult r = check_device_range("cuMemcpyDtoHAsync", src, bytes)) return r;
     uint64_t seq = sim::enqueue(stream, sim::Op{"cuMemcpyDtoHAsync", [=](sim::Footprint &f) { f.access(src, bytes, false); },
                                                 [=] { memcpy(dst, (const void *)(uintptr_t)src, bytes); }});
     sim::host_wait(stream, seq);
@@ -354,14 +393,27 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t by
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    check_device_range("cuMemcpyDtoDAsync", src, bytes);
-    check_device_range("cuMemcpyDtoDAsync", dst, bytes);
+    if (CUresult r = check_device_range("cuMemcpyDtoDAsync", src, bytes)) return r;
+    if (CUresult r = check_device_range("cuMemcpyDtoDAsync", dst, bytes)) return r;
     sim::enqueue(stream, sim::Op{"cuMemcpyDtoDAsync",
                                  [=](sim::Footprint &f) {
                                      f.access(src, bytes, false);
                                      f.access(dst, bytes, true);
                                  },
                                  [=] { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes); }});
+    return CUDA_SUCCESS;
+}
+
+enum { POINTER_ATTRIBUTE_BUFFER_ID = 7 };
+
+/* Only CU_POINTER_ATTRIBUTE_BUFFER_ID: a process-unique id of the allocation holding `ptr`. */
+EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != POINTER_ATTRIBUTE_BUFFER_ID) sim::violation("cuPointerGetAttribute(%d): an attribute the software GPU does not model", attribute);
+    uint64_t id = sim::buffer_id(ptr);
+    if (!id) return CUDA_ERROR_INVALID_VALUE;
+    *(unsigned long long *)data = id;
     return CUDA_SUCCESS;
 }
 
@@ -412,13 +464,9 @@ enum { EVENT_EXTERNAL = 1 };
 
 namespace {
 
-/* Events alive now: a graph node that names a destroyed one is a violation when it runs. */
-std::mutex &events_mutex = *new std::mutex;
-std::set<Event *> &live_events = *new std::set<Event *>;
-
+/* A graph node that names a destroyed event is a violation when it runs. */
 void check_live(Event *event, const char *node) {
-    std::lock_guard<std::mutex> lock(events_mutex);
-    if (!live_events.count(event)) sim::violation("a graph's %s node names an event that was destroyed", node);
+    if (!handle_live(event)) sim::violation("a graph's %s node names an event that was destroyed", node);
 }
 
 void record_now(Event *event, sim::Stream *stream) {
@@ -435,19 +483,14 @@ EXPORT CUresult cuEventCreate(CUevent *event, unsigned flags) {
     if (CUresult r = need_context(&ctx)) return r;
     if (!event || (flags & ~3u)) return CUDA_ERROR_INVALID_VALUE;
     *event = new Event{ctx};
-    std::lock_guard<std::mutex> lock(events_mutex);
-    live_events.insert(*event);
+    handle_created(*event, ctx);
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
-    {
-        std::lock_guard<std::mutex> lock(events_mutex);
-        live_events.erase(event);
-    }
+    if (!event || !handle_destroyed(event)) return CUDA_ERROR_INVALID_HANDLE;
     delete event;
     return CUDA_SUCCESS;
 }
@@ -458,7 +501,7 @@ EXPORT CUresult cuEventRecordWithFlags(CUevent event, CUstream handle, unsigned 
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (!event || !handle_live(event)) return CUDA_ERROR_INVALID_HANDLE;
     if (event->ctx != ctx) return CUDA_ERROR_INVALID_CONTEXT;
     if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
     int capture = sim::capture_status(stream);
@@ -488,7 +531,7 @@ EXPORT CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (!event || !handle_live(event)) return CUDA_ERROR_INVALID_HANDLE;
     if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
     int capture = sim::capture_status(stream);
     if (!capture) {
@@ -536,12 +579,14 @@ EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *data) {
     int device = sim::config().cc_major * 10 + sim::config().cc_minor, arch = m->image.arch;
     bool runs = m->image.cubin ? arch / 10 == device / 10 && arch <= device : arch <= device;
     if (!runs) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    m->ctx = ctx;
     *module = m.release();
+    handle_created(*module, ctx);
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuModuleUnload(CUmodule module) {
-    if (!module) return CUDA_ERROR_INVALID_HANDLE;
+    if (!module || !handle_destroyed(module)) return CUDA_ERROR_INVALID_HANDLE;
     delete module;
     return CUDA_SUCCESS;
 }
@@ -550,6 +595,7 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
     if (!function || !module || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_live(module)) return CUDA_ERROR_INVALID_HANDLE;
     auto in_image = module->image.kernels.find(name);
     if (in_image == module->image.kernels.end()) return CUDA_ERROR_NOT_FOUND;
     const sim::KernelInfo *kernel = sim::find_kernel(name);
@@ -560,7 +606,8 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const
         for (size_t s : in_image->second.param_sizes) device += " " + std::to_string(s);
         sim::violation("%s: parameter sizes differ between the image (%s ) and the host build (%s )", name, device.c_str(), host.c_str());
     }
-    *function = new Function{kernel, in_image->second};
+    *function = new Function{kernel, in_image->second, module->ctx};
+    handle_created(*function, module->ctx);
     return CUDA_SUCCESS;
 }
 
@@ -569,7 +616,7 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned 
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (!f || !handle_live(f)) return CUDA_ERROR_INVALID_HANDLE;
     if (extra) sim::violation("cuLaunchKernel(%s): `extra` arguments are not modelled", f->kernel->name.c_str());
     if (!gx || !gy || !gz || !bx || !by || !bz || shared_bytes) return CUDA_ERROR_INVALID_VALUE;
     if ((uint64_t)bx * by * bz > f->image.max_threads) return CUDA_ERROR_INVALID_VALUE;

@@ -83,6 +83,8 @@ struct Alloc {
     bool pool;
     bool free_enqueued = false;
     bool dead = false;
+    uint64_t id = 0;
+    bool reset = false; /* freed by a primary context reset */
     std::vector<Record> records;
 };
 
@@ -134,8 +136,23 @@ uint64_t allocate(int dev, uint64_t bytes, bool pool) {
     std::lock_guard<std::mutex> lock(memory_mutex);
     uint64_t base = (uint64_t)(uintptr_t)p;
     allocations.erase(base); /* a quarantined block the allocator handed out again */
-    allocations.emplace(base, Alloc{base, bytes, dev, pool});
+    static uint64_t ids = 0;
+    Alloc a{base, bytes, dev, pool};
+    a.id = ++ids;
+    allocations.emplace(base, std::move(a));
     return base;
+}
+
+uint64_t buffer_id(uint64_t ptr) {
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    Alloc *a = check_range(ptr, 0, -1, nullptr, false);
+    return a ? a->id : 0;
+}
+
+bool freed_by_reset(uint64_t ptr) {
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    Alloc *a = containing(ptr);
+    return a && a->reset;
 }
 
 uint64_t find_live(uint64_t ptr, uint64_t bytes, int dev, std::string *why) {
@@ -158,9 +175,22 @@ uint64_t allocation_bytes(uint64_t base) {
     return it == allocations.end() ? 0 : it->second.bytes;
 }
 
+namespace {
+
+/* Under memory_mutex: frees `a` as a free does when it executes. */
+void release_locked(Alloc &a);
+
+} // namespace
+
 void release(uint64_t base) {
     std::lock_guard<std::mutex> lock(memory_mutex);
-    Alloc &a = allocations.at(base);
+    release_locked(allocations.at(base));
+}
+
+namespace {
+
+void release_locked(Alloc &a) {
+    uint64_t base = a.base;
     memset((void *)(uintptr_t)a.base, 0xff, a.bytes);
     a.dead = true;
     a.records.clear();
@@ -175,6 +205,8 @@ void release(uint64_t base) {
         allocations.erase(it);
     }
 }
+
+} // namespace
 
 namespace {
 
@@ -249,6 +281,7 @@ struct Stream {
     std::unique_ptr<Graph> capture; /* while capturing */
     bool capture_invalid = false;
     uint64_t capture_id = 0;
+    bool gone = false; /* destroyed by a primary context reset: its handle is invalid */
 };
 
 namespace {
@@ -256,6 +289,7 @@ namespace {
 std::mutex &stream_mutex = *new std::mutex;
 std::condition_variable &progress = *new std::condition_variable;
 uint32_t next_stream_id = 1;
+std::vector<Stream *> &all_streams = *new std::vector<Stream *>; /* every created stream, for a context reset */
 Clock &host_clock = *new Clock; /* what any host thread has seen complete (cuStreamSynchronize and friends) */
 
 void run_worker(Stream *s) {
@@ -296,6 +330,7 @@ Stream *new_stream(Context *ctx, bool blocking, bool legacy) {
     s->legacy = legacy;
     s->worker = std::thread(run_worker, s);
     if (blocking && !legacy) ctx->streams.push_back(s);
+    if (!legacy) all_streams.push_back(s);
     return s;
 }
 
@@ -330,7 +365,7 @@ Stream *resolve_stream(void *handle, Context *ctx) {
     }
     std::lock_guard<std::mutex> lock(stream_mutex);
     auto *s = static_cast<Stream *>(handle);
-    return s->ctx == ctx ? s : nullptr;
+    return s->ctx == ctx && !s->gone ? s : nullptr;
 }
 
 namespace {
@@ -455,6 +490,37 @@ void device_synchronize(int dev) {
         streams.push_back(ctx->legacy);
     }
     for (Stream *s : streams) host_wait(s);
+}
+
+void reset_context(Context *ctx) {
+    int dev = ctx->device->ordinal;
+    /* Every stream of the context drained first, as the driver synchronises the device. */
+    std::vector<Stream *> streams;
+    {
+        std::lock_guard<std::mutex> lock(stream_mutex);
+        for (Stream *s : all_streams)
+            if (s->ctx == ctx && !s->gone) streams.push_back(s);
+        streams.push_back(ctx->legacy);
+    }
+    for (Stream *s : streams) host_wait(s);
+    {
+        std::lock_guard<std::mutex> lock(stream_mutex);
+        for (Stream *s : all_streams)
+            if (s->ctx == ctx) s->gone = true;
+        ctx->streams.clear();
+    }
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    /* Released by base: a release may drop the oldest quarantined allocations from the map. */
+    std::vector<uint64_t> live;
+    for (auto &[base, a] : allocations)
+        if (a.device == dev && !a.dead) live.push_back(base);
+    for (uint64_t base : live) {
+        Alloc &a = allocations.at(base);
+        a.reset = true;
+        release_locked(a);
+    }
+    auto &access = ctx->device->pool_access;
+    for (size_t d = 0; d < access.size(); ++d) access[d] = (int)d == dev;
 }
 
 /* ---- Devices and contexts ---- */

@@ -116,6 +116,15 @@ uint64_t allocate(int device, uint64_t bytes, bool pool);
  * with the reason in `why`. */
 uint64_t find_live(uint64_t ptr, uint64_t bytes, int device, std::string *why);
 bool mark_free_enqueued(uint64_t base);
+/* The process-unique id of the live allocation holding `ptr` (CU_POINTER_ATTRIBUTE_BUFFER_ID), 0
+ * when none. */
+uint64_t buffer_id(uint64_t ptr);
+/* Whether `ptr` is inside an allocation a primary context reset freed: using it is an error the
+ * driver returns, not a violation. */
+bool freed_by_reset(uint64_t ptr);
+/* cuDevicePrimaryCtxReset: every live allocation of `device` freed, every stream created in `ctx`
+ * gone (after draining it), and the device's pool grants withdrawn. */
+void reset_context(Context *ctx);
 uint64_t allocation_bytes(uint64_t base);
 void release(uint64_t base); /* the free, as it executes: poison and quarantine */
 
