@@ -36,6 +36,7 @@ enum : CUresult {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
@@ -161,6 +162,7 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **text) {
     case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
     case CUDA_ERROR_NO_BINARY_FOR_GPU: *text = "no kernel image is available for execution on the device"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED: *text = "context is destroyed"; break;
     case CUDA_ERROR_NOT_FOUND: *text = "named symbol not found"; break;
     case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
@@ -205,6 +207,7 @@ EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
     if (CUresult r = need_device(ctx, device)) return r;
     *ctx = sim::device(device).primary;
+    (*ctx)->reset = false;
     return CUDA_SUCCESS;
 }
 
@@ -218,6 +221,7 @@ EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
     if (CUresult r = need_device(&device, device)) return r;
     sim::Context *ctx = sim::device(device).primary;
     sim::reset_context(ctx);
+    ctx->reset = true;
     std::lock_guard<std::mutex> lock(handles_mutex);
     for (auto it = live_handles.begin(); it != live_handles.end();) it = it->second == ctx ? live_handles.erase(it) : std::next(it);
     return CUDA_SUCCESS;
@@ -226,6 +230,7 @@ EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx->reset && sim::config().reset_refuses_push) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
     context_stack.push_back(ctx);
     return CUDA_SUCCESS;
 }

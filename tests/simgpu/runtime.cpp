@@ -53,6 +53,7 @@ const Config &config() {
         c.delay_us = env_unsigned("SIMGPU_DELAY_US", 0);
         c.timeout_s = env_unsigned("SIMGPU_TIMEOUT_S", 60);
         c.driver_version = (int)env_unsigned("SIMGPU_DRIVER_VERSION", 12080);
+        c.reset_refuses_push = env_unsigned("SIMGPU_RESET_REFUSES_PUSH", 0) != 0;
         return c;
     }();
     return c;

@@ -25,6 +25,7 @@ struct Config {
     unsigned delay_us = 0; /* max random delay before each stream operation */
     unsigned timeout_s = 60; /* a wait longer than this is reported as a hang */
     int driver_version = 12080; /* what cuDriverGetVersion reports: 13000 runs NVRTC 13's CUBINs */
+    bool reset_refuses_push = false; /* a reset primary context cannot be pushed until retained again */
 };
 const Config &config();
 
@@ -42,6 +43,7 @@ struct Context {
     Device *device;
     Stream *legacy; /* the NULL stream */
     std::vector<Stream *> streams; /* blocking streams created in it, for the legacy stream's rule */
+    bool reset = false; /* reset and not retained since */
 };
 
 Device &device(int ordinal);

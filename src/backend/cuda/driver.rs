@@ -269,7 +269,11 @@ impl Context {
     /// Whether the device's primary context was reset since this `Context` was made: its
     /// sentinel allocation is gone (or its address holds another allocation).
     pub fn was_reset(&self) -> bool {
-        let Ok(_g) = self.enter() else { return true };
+        // SAFETY: as in `enter`; a push the driver refuses counts as a reset.
+        if unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) } != SUCCESS {
+            return true;
+        }
+        let _g = ContextGuard { api: self.api };
         let mut id: u64 = 0;
         // SAFETY: `_g` made the context current; the attribute is a 64-bit id, written to `id`,
         // a live local; any address may be asked about (an unknown one is an error code).
@@ -308,14 +312,11 @@ impl Context {
     /// Makes this context current on the calling thread until the guard drops, then restores the
     /// caller's context: gradacc never leaves a different context current behind.
     pub fn enter(&self) -> Result<ContextGuard> {
-        check(
-            self.api,
-            // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
-            // released (the process-wide cache keeps every Context), so it is a live context to
-            // push.
-            unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) },
-            "cuCtxPushCurrent",
-        )?;
+        // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
+        // released, so it is a live context to push (after a reset of it the driver may refuse
+        // the push, and `check` says why).
+        let code = unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) };
+        self.check(code, "cuCtxPushCurrent")?;
         Ok(ContextGuard { api: self.api })
     }
 
