@@ -789,6 +789,9 @@ impl SharedReads {
     /// owner waits for every reader's last read: the graph's replays must wait for the reads
     /// before each.
     pub fn before_write(&mut self) -> Result<()> {
+        if self.readers.is_empty() {
+            return Ok(());
+        }
         let capturing = capturing(&self.ctx, self.owner)?;
         for r in self.readers.iter_mut().filter(|r| r.pending || r.replayed || capturing) {
             r.read.wait_across_capture(self.owner, capturing)?;
