@@ -457,10 +457,10 @@ static boundary emulate_boundary(float *buf, size_t n, int normalize, uint64_t c
             for (size_t i = start; i < start + len; i++)
                 buf[i] = GA_MUL(buf[i], factor);
     }
-    /* ga_finish_norm: block sums in block order from 0 */
-    double sum = 0.0;
-    for (size_t k = 0; k < blocks; k++)
-        sum = GA_DADD(sum, partials[k]);
+    /* ga_finish_norm: the block sums folded in the fixed shape */
+    double *lanes = xmalloc(GA_FOLD_LANES * sizeof *lanes);
+    double sum = ga_fold_block_sums(partials, blocks, lanes);
+    free(lanes);
     free(partials);
     b.grad_norm = sqrt(sum) / (double)b.divisor;
     if (max_norm != 0.0) {

@@ -463,6 +463,243 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     }
 }
 
+/// A capture may not wait on work recorded outside it: the driver refuses the wait
+/// (CUDA_ERROR_STREAM_CAPTURE_ISOLATION) and invalidates the capture, unless the wait is an
+/// external event node (CU_EVENT_WAIT_EXTERNAL). The software GPU does as the driver.
+#[test]
+fn a_capture_refuses_a_plain_wait_on_work_recorded_outside_it() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let ctx = Context::get(0).unwrap();
+    let (capturing, other) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let _current = ctx.enter().unwrap();
+    let mut event = std::ptr::null_mut();
+    // SAFETY: plain driver calls on live streams of the current context, with live out-pointers;
+    // every capture begun here is ended here, and the event and graph are destroyed at the end.
+    unsafe {
+        assert_eq!(cu::cuEventCreate(&mut event, 2), cu::CUresult::CUDA_SUCCESS);
+        assert_eq!(cu::cuEventRecord(event, other.stream), cu::CUresult::CUDA_SUCCESS);
+        for (flags, waited, ended) in [
+            (
+                0,
+                cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            ),
+            (1, cu::CUresult::CUDA_SUCCESS, cu::CUresult::CUDA_SUCCESS),
+        ] {
+            let mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            assert_eq!(
+                cu::cuStreamBeginCapture_v2(capturing.stream, mode),
+                cu::CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(cu::cuStreamWaitEvent(capturing.stream, event, flags), waited, "{flags}");
+            let mut graph = std::ptr::null_mut();
+            assert_eq!(cu::cuStreamEndCapture(capturing.stream, &mut graph), ended, "{flags}");
+            assert_eq!(graph.is_null(), ended != cu::CUresult::CUDA_SUCCESS);
+            if !graph.is_null() {
+                cu::cuGraphDestroy(graph);
+            }
+        }
+        // Outside a capture the external flag is invalid.
+        assert_eq!(
+            cu::cuStreamWaitEvent(capturing.stream, event, 1),
+            cu::CUresult::CUDA_ERROR_INVALID_VALUE
+        );
+        cu::cuEventDestroy_v2(event);
+    }
+}
+
+/// A training step captured on the accumulator's stream while the scaler lives on another
+/// stream, outside the graph: the add reads the scale the scaler's last update wrote, the
+/// scaler's gather reads the boundary the last replay wrote, and neither side overtakes the
+/// other. Every replay, and the scaler's updates between them (a poisoned replay backs off),
+/// equal the CPU backend's step.
+#[test]
+fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng =
+        Rng::fresh("a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream");
+    let ctx = Context::get(0).unwrap();
+    let (acc_stream, scaler_stream) =
+        (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
+    let config = AccumulatorConfig { max_grad_norm: 0.5, ..Default::default() };
+    let scaler_config =
+        ScalerConfig { init_scale: 1024.0, growth_interval: 2, ..Default::default() };
+    let sc = Scaler::new(scaler_config).unwrap();
+    let sg = Scaler::on(Device::Cuda { ordinal: 0, stream: scaler_stream.stream }, scaler_config)
+        .unwrap();
+    let cpu = Accumulator::new(config, &descs).unwrap();
+    let gpu =
+        Accumulator::on(Device::Cuda { ordinal: 0, stream: acc_stream.stream }, config, &descs)
+            .unwrap();
+    let first: Vec<HostGrad> =
+        descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1024.0, false)).collect();
+    let uploads: Vec<(DeviceBuffer, u64)> =
+        first.iter().map(|g| g.upload(&ctx, acc_stream.stream, 0)).collect();
+    let addresses: Vec<u64> = uploads.iter().map(|d| d.1).collect();
+    // One step outside the graph first: the capture then starts with reads and writes pending
+    // on both sides.
+    let views: Vec<Grad<'_>> = first.iter().map(HostGrad::view).collect();
+    cpu.add(&sc, &views, 3).unwrap();
+    gpu.add(&sg, &addresses, 3).unwrap();
+    let want = cpu.sync(None).unwrap();
+    gpu.sync_enqueue(None).unwrap();
+    sc.update(want.found_inf).unwrap();
+    sg.update_from(&[&gpu], false).unwrap();
+
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    {
+        let _current = ctx.enter().unwrap();
+        // SAFETY: a stream of this context; the capture ends below on every path that returns.
+        let begun = unsafe {
+            cu::cuStreamBeginCapture_v2(
+                acc_stream.stream,
+                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        };
+        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
+    }
+    let added = gpu.add(&sg, &addresses, 3);
+    let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
+    let _current = ctx.enter().unwrap();
+    // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
+    let ended = unsafe { cu::cuStreamEndCapture(acc_stream.stream, &mut graph) };
+    added.expect("add during a capture, the scaler on another stream");
+    synced.unwrap().expect("sync during a capture, the scaler on another stream");
+    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
+    // SAFETY: a graph from a completed capture.
+    assert_eq!(
+        unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        cu::CUresult::CUDA_SUCCESS
+    );
+
+    for replay in 0..5 {
+        let scale = sc.scale().unwrap();
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2))
+            .collect();
+        for (g, (buf, _)) in grads.iter().zip(&uploads) {
+            match g.dtype {
+                Dtype::F32 => buf.write(&g.f32s).unwrap(),
+                _ => buf.write(&g.u16s).unwrap(),
+            }
+        }
+        // SAFETY: an instantiated graph whose buffers are all alive.
+        assert_eq!(
+            unsafe { cu::cuGraphLaunch(exec, acc_stream.stream) },
+            cu::CUresult::CUDA_SUCCESS
+        );
+        sg.update_from(&[&gpu], false).unwrap();
+        let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
+        cpu.add(&sc, &views, 3).unwrap();
+        let want = cpu.sync(None).unwrap();
+        sc.update(want.found_inf).unwrap();
+        masters_equal(&cpu, &gpu, &format!("replay {replay}"));
+        assert_eq!(want.found_inf, replay == 2);
+        assert_eq!(sg.state().unwrap(), sc.state().unwrap(), "replay {replay}");
+    }
+    assert_ne!(sc.scale().unwrap(), 1024.0, "the trace never moved");
+    // SAFETY: created above, destroyed once.
+    unsafe {
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+}
+
+/// A host program that resets the device's primary context (`cudaDeviceReset`) destroys every
+/// object made in it, gradacc's kernels included. Objects made after the reset work (the kernels
+/// are loaded again), and a call of an object made before it fails with a status that says why.
+/// The reset ends every context user in the process, so the test runs in a child process.
+#[test]
+fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
+    const CHILD: &str = "GRADACC_TEST_RESET_CHILD";
+    if !gpu_or_skip() {
+        return;
+    }
+    let test = "a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects";
+    if std::env::var(CHILD).is_err() {
+        // On the software GPU also with a driver that refuses to push the reset context until
+        // it is retained again (the real driver's choice is not documented).
+        for refuses_push in ["0", "1"] {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", test, "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env("SIMGPU_RESET_REFUSES_PUSH", refuses_push)
+                .output()
+                .unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "the child (SIMGPU_RESET_REFUSES_PUSH={refuses_push}) failed:\n{text}"
+            );
+        }
+        return;
+    }
+    let descs = [
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 65537, dtype: Dtype::F32 },
+    ];
+    let config = AccumulatorConfig::default();
+    // One step on the device, the same gradients every time.
+    let step = |acc: &Accumulator, scaler: &Scaler, ctx: &Arc<Context>, stream| {
+        let grads: Vec<HostGrad> = descs
+            .iter()
+            .map(|d| HostGrad::random(&mut Rng::seeded(7), d.dtype, d.numel, 1024.0, false))
+            .collect();
+        let uploads: Vec<(DeviceBuffer, u64)> =
+            grads.iter().map(|g| g.upload(ctx, stream, 0)).collect();
+        acc.add(scaler, &uploads.iter().map(|d| d.1).collect::<Vec<_>>(), 1)?;
+        acc.sync(None)
+    };
+    let ctx = Context::get(0).unwrap();
+    let old_stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: old_stream.stream };
+    let old_scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+    let old_acc = Accumulator::on(device, config, &descs).unwrap();
+    let before = step(&old_acc, &old_scaler, &ctx, old_stream.stream).unwrap();
+
+    {
+        use cudarc::driver::sys as cu;
+        let mut dev = 0;
+        // SAFETY: plain driver calls with a live out-pointer; the reset is what the test is about.
+        unsafe {
+            assert_eq!(cu::cuDeviceGet(&mut dev, 0), cu::CUresult::CUDA_SUCCESS);
+            assert_eq!(cu::cuDevicePrimaryCtxReset_v2(dev), cu::CUresult::CUDA_SUCCESS);
+        }
+    }
+    assert!(ctx.was_reset());
+    // Addresses that were never memory: the call must fail before any kernel could touch them.
+    let e = old_acc.add(&old_scaler, &[0x1000, 0x2000], 1).unwrap_err();
+    assert_eq!(e.kind, gradacc::ErrorKind::DeviceFailure, "{e:?}");
+    assert!(e.message.contains("primary context was reset"), "{}", e.message);
+
+    let ctx = Context::get(0).unwrap();
+    assert!(!ctx.was_reset());
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
+    let acc = Accumulator::on(device, config, &descs).unwrap();
+    let after = step(&acc, &scaler, &ctx, stream.stream).unwrap();
+    assert_eq!(after.grad_norm.to_bits(), before.grad_norm.to_bits());
+    // The old objects' memory went with the reset: dropping them frees nothing and fails nothing.
+    drop((old_acc, old_scaler, old_stream));
+}
+
 /// The single-thread kernels (control words, scaler state) do their work once whatever the launch
 /// geometry: `ga_scaler_update` launched with two blocks of 256 threads is one optimizer step.
 #[test]
@@ -505,6 +742,73 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
     let mut out = [layout::GaScalerState::default()];
     state.read(&mut out).unwrap();
     assert_eq!((out[0].steps, out[0].growth_tracker), (1, 1), "one step, not one per thread");
+}
+
+/// `ga_finish_norm` folds the block sums in parallel with exactly the CPU backend's order
+/// (`cpu::fold_block_sums`): from one sum to several rows of `FOLD_LANES`, at every width where
+/// the halving moves from registers to shared memory, with sums of similar size so that any
+/// other order changes the bits.
+#[test]
+fn finish_norm_folds_block_sums_like_the_cpu_backend() {
+    use gradacc::backend::cpu::{self, math::FOLD_LANES};
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("finish_norm_folds_block_sums_like_the_cpu_backend");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let (major, minor) = ctx.capability;
+    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap())
+        .unwrap()
+        .image;
+    let module = driver::Module::load(&ctx, &image).unwrap();
+    let finish = {
+        let _current = ctx.enter().unwrap();
+        module.function(c"ga_finish_norm").unwrap()
+    };
+    let threads = driver::THREADS as usize;
+    let lengths = [
+        1,
+        2,
+        3,
+        threads - 1,
+        threads,
+        threads + 1,
+        2 * threads + 3,
+        FOLD_LANES / 2 + 1,
+        FOLD_LANES,
+        FOLD_LANES + 1,
+        3 * FOLD_LANES + 1234,
+    ];
+    let mut differs_from_block_order = false;
+    for n in lengths {
+        let sums: Vec<f64> = (0..n).map(|_| rng.uniform(1.0, 2.0)).collect();
+        let want = cpu::fold_block_sums(&sums);
+        differs_from_block_order |= want != sums.iter().fold(0.0, |t, &s| t + s);
+        let partials = DeviceBuffer::from_slice(&ctx, stream.stream, &sums).unwrap();
+        let start = layout::GaBoundary { divisor: 1, clip_coef: 1.0, ..Default::default() };
+        let boundary = DeviceBuffer::from_slice(&ctx, stream.stream, &[start]).unwrap();
+        let (b, p, blocks, max_norm) = (boundary.ptr(), partials.ptr(), n as u64, 0.0f64);
+        let mut args = [
+            &b as *const _ as *mut c_void,
+            &p as *const _ as *mut c_void,
+            &blocks as *const _ as *mut c_void,
+            &max_norm as *const _ as *mut c_void,
+        ];
+        // SAFETY: the arguments follow ga_finish_norm(ga_boundary *, const double *, ga_u64,
+        // double), over a boundary and `n` block sums allocated above.
+        unsafe { finish.launch(&ctx, 1, driver::THREADS, stream.stream, &mut args).unwrap() };
+        let mut out = [layout::GaBoundary::default()];
+        boundary.read(&mut out).unwrap();
+        assert_eq!(
+            out[0].grad_norm.to_bits(),
+            want.sqrt().to_bits(),
+            "{n} block sums: device {:e}, CPU {:e}",
+            out[0].grad_norm,
+            want.sqrt()
+        );
+    }
+    assert!(differs_from_block_order, "the sums do not tell the fold's order from block order");
 }
 
 /// A model of more tensors than one launch carries (`SOURCES_PER_LAUNCH`): `add` splits them over

@@ -597,11 +597,51 @@ fn scale_is_a_rounded_multiply_on_every_path() {
     }
 }
 
+/// The documented fold of the block sums, written out independently: sum `b` into lane
+/// `b % 8192`, each lane in block order from 0; then, over the smallest power of two of lanes
+/// that covers the used ones (the rest 0), lane `j += lane j + w` for `w` halving down to 1.
+fn fold_by_definition(sums: &[f64]) -> f64 {
+    let used = sums.len().min(8192);
+    let mut covering = 1;
+    while covering < used {
+        covering *= 2;
+    }
+    let mut lanes = vec![0.0f64; covering];
+    for (b, &sum) in sums.iter().enumerate() {
+        lanes[b % 8192] += sum;
+    }
+    let mut width = covering / 2;
+    while width > 0 {
+        for j in 0..width {
+            lanes[j] += lanes[j + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
+#[test]
+fn block_sums_fold_in_the_documented_shape() {
+    let mut rng = Rng::for_test("block_sums_fold_in_the_documented_shape");
+    assert_eq!(math::FOLD_LANES, 8192);
+    assert_eq!(cpu::fold_block_sums(&[]).to_bits(), 0.0f64.to_bits());
+    for n in [1, 2, 3, 5, 255, 256, 257, 4097, 8191, 8192, 8193, 3 * 8192 + 1234] {
+        // Sums of similar size: every change of order changes the bits.
+        let sums: Vec<f64> = (0..n).map(|_| 1.0 + rng.f32_in(1).abs() as f64).collect();
+        let (got, want) = (cpu::fold_block_sums(&sums), fold_by_definition(&sums));
+        assert_eq!(got.to_bits(), want.to_bits(), "{n} sums: {got:e} vs {want:e}");
+        // Trailing zero sums (a sharded layout's padding) change nothing.
+        let mut padded = sums.clone();
+        padded.resize(n + 5000, 0.0);
+        assert_eq!(cpu::fold_block_sums(&padded).to_bits(), want.to_bits(), "{n} padded");
+    }
+}
+
 /// The documented definition of the sum of squares, written out independently: per block, lane
 /// `j` sums the squares of elements `j, j + 16, …` in order; lanes combine by halving; block sums
-/// add in block order.
+/// fold as [`fold_by_definition`].
 fn sum_squares_by_definition(buf: &[f32]) -> f64 {
-    let mut total = 0.0;
+    let mut sums = Vec::new();
     for block in buf.chunks(math::NORM_BLOCK) {
         let mut lanes = [0.0f64; 16];
         for (i, &v) in block.iter().enumerate() {
@@ -612,9 +652,9 @@ fn sum_squares_by_definition(buf: &[f32]) -> f64 {
                 lanes[j] += lanes[j + width];
             }
         }
-        total += lanes[0];
+        sums.push(lanes[0]);
     }
-    total
+    fold_by_definition(&sums)
 }
 
 #[test]

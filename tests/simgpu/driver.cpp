@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <map>
+#include <set>
 
 #include "image.h"
 #include "kernels.h"
@@ -34,9 +36,12 @@ enum : CUresult {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
 };
 
 struct Event {
@@ -44,15 +49,18 @@ struct Event {
     sim::Stream *stream = nullptr; /* of the last record */
     uint64_t seq = 0;
     sim::Clock clock;
+    uint64_t capture = 0; /* the capture the last record was made in (a capture-internal record), or 0 */
 };
 
 struct Module {
     sim::Image image;
+    sim::Context *ctx = nullptr;
 };
 
 struct Function {
     const sim::KernelInfo *kernel;
     sim::ImageKernel image;
+    sim::Context *ctx;
 };
 
 namespace {
@@ -90,10 +98,33 @@ CUresult need_device(const void *out, int device) {
 
 int current_device() { return sim::current_context()->device->ordinal; }
 
-/* A device range the host names in a copy or fill: must be live now (a violation otherwise). */
-void check_device_range(const char *call, CUdeviceptr ptr, size_t bytes) {
+/* A device range the host names in a copy or fill: must be live now (a violation otherwise), but
+ * memory a primary context reset freed is an error the driver returns. */
+CUresult check_device_range(const char *call, CUdeviceptr ptr, size_t bytes) {
     std::string why;
-    if (bytes && !sim::find_live(ptr, bytes, -1, &why)) sim::violation("%s: %s", call, why.c_str());
+    if (!bytes || sim::find_live(ptr, bytes, -1, &why)) return CUDA_SUCCESS;
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
+    sim::violation("%s: %s", call, why.c_str());
+}
+
+/* Modules, functions and events alive now: a primary context reset destroys its context's, and
+ * their handles are then invalid (CUDA_ERROR_INVALID_HANDLE), not dangling. */
+std::mutex &handles_mutex = *new std::mutex;
+std::map<const void *, sim::Context *> &live_handles = *new std::map<const void *, sim::Context *>;
+
+void handle_created(const void *h, sim::Context *ctx) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    live_handles[h] = ctx;
+}
+
+bool handle_live(const void *h) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    return live_handles.count(h) != 0;
+}
+
+bool handle_destroyed(const void *h) {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    return live_handles.erase(h) != 0;
 }
 
 } // namespace
@@ -131,11 +162,14 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **text) {
     case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
     case CUDA_ERROR_NO_BINARY_FOR_GPU: *text = "no kernel image is available for execution on the device"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED: *text = "context is destroyed"; break;
     case CUDA_ERROR_NOT_FOUND: *text = "named symbol not found"; break;
     case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
     case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *text = "operation not permitted when stream is capturing"; break;
     case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: *text = "operation failed due to a previous error during capture"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_MERGE: *text = "operation would result in a merge of separate capture sequences"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_ISOLATION: *text = "dependency created on uncaptured work in another stream"; break;
     default: *text = nullptr; return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;
@@ -173,6 +207,7 @@ EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device)
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
     if (CUresult r = need_device(ctx, device)) return r;
     *ctx = sim::device(device).primary;
+    (*ctx)->reset = false;
     return CUDA_SUCCESS;
 }
 
@@ -180,9 +215,22 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     return need_device(&device, device);
 }
 
+/* cudaDeviceReset's driver call: the primary context stays (its handle and retains too), but
+ * everything made in it is destroyed: memory, streams, events, modules and their functions. */
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
+    if (CUresult r = need_device(&device, device)) return r;
+    sim::Context *ctx = sim::device(device).primary;
+    sim::reset_context(ctx);
+    ctx->reset = true;
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    for (auto it = live_handles.begin(); it != live_handles.end();) it = it->second == ctx ? live_handles.erase(it) : std::next(it);
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx->reset && sim::config().reset_refuses_push) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
     context_stack.push_back(ctx);
     return CUDA_SUCCESS;
 }
@@ -262,6 +310,7 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream handle) {
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (sim::capture_status(stream)) sim::violation("%s during a capture: graph memory nodes are not modelled", __func__);
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
     std::string why;
     uint64_t base = sim::find_live(ptr, 0, -1, &why);
     if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFreeAsync(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
@@ -284,6 +333,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
+    if (sim::freed_by_reset(ptr)) return CUDA_ERROR_INVALID_VALUE;
     std::string why;
     uint64_t base = sim::find_live(ptr, 0, -1, &why);
     if (base != ptr || !sim::mark_free_enqueued(ptr)) sim::violation("cuMemFree(%#llx): %s", ptr, base ? "not the start of an allocation" : why.c_str());
@@ -297,7 +347,7 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t cou
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    check_device_range("cuMemsetD8Async", ptr, count);
+    if (CUresult r = check_device_range("cuMemsetD8Async", ptr, count)) return r;
     sim::enqueue(stream, sim::Op{"cuMemsetD8Async", [=](sim::Footprint &f) { f.access(ptr, count, true); },
                                  [=] { memset((void *)(uintptr_t)ptr, value, count); }});
     return CUDA_SUCCESS;
@@ -308,7 +358,7 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t count, 
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (ptr % 4) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemsetD32Async", ptr, count * 4);
+    if (CUresult r = check_device_range("cuMemsetD32Async", ptr, count * 4)) return r;
     sim::enqueue(stream, sim::Op{"cuMemsetD32Async", [=](sim::Footprint &f) { f.access(ptr, count * 4, true); }, [=] {
                                      auto *p = (unsigned *)(uintptr_t)ptr;
                                      for (size_t i = 0; i < count; ++i) p[i] = value;
@@ -323,7 +373,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t by
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!src && bytes) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemcpyHtoDAsync", dst, bytes);
+    if (CUresult r = check_device_range("cuMemcpyHtoDAsync", dst, bytes)) return r;
     auto staged = std::make_shared<std::vector<uint8_t>>((const uint8_t *)src, (const uint8_t *)src + bytes);
     sim::enqueue(stream, sim::Op{"cuMemcpyHtoDAsync", [=](sim::Footprint &f) { f.access(dst, bytes, true); },
                                  [=] { memcpy((void *)(uintptr_t)dst, staged->data(), bytes); }});
@@ -337,7 +387,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, C
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (CUresult r = refuse_if_capturing(stream)) return r;
     if (!dst && bytes) return CUDA_ERROR_INVALID_VALUE;
-    check_device_range("cuMemcpyDtoHAsync", src, bytes);
+    if (CUresult r = check_device_range("cuMemcpyDtoHAsync", src, bytes)) return r;
     uint64_t seq = sim::enqueue(stream, sim::Op{"cuMemcpyDtoHAsync", [=](sim::Footprint &f) { f.access(src, bytes, false); },
                                                 [=] { memcpy(dst, (const void *)(uintptr_t)src, bytes); }});
     sim::host_wait(stream, seq);
@@ -348,14 +398,27 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t by
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    check_device_range("cuMemcpyDtoDAsync", src, bytes);
-    check_device_range("cuMemcpyDtoDAsync", dst, bytes);
+    if (CUresult r = check_device_range("cuMemcpyDtoDAsync", src, bytes)) return r;
+    if (CUresult r = check_device_range("cuMemcpyDtoDAsync", dst, bytes)) return r;
     sim::enqueue(stream, sim::Op{"cuMemcpyDtoDAsync",
                                  [=](sim::Footprint &f) {
                                      f.access(src, bytes, false);
                                      f.access(dst, bytes, true);
                                  },
                                  [=] { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes); }});
+    return CUDA_SUCCESS;
+}
+
+enum { POINTER_ATTRIBUTE_BUFFER_ID = 7 };
+
+/* Only CU_POINTER_ATTRIBUTE_BUFFER_ID: a process-unique id of the allocation holding `ptr`. */
+EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != POINTER_ATTRIBUTE_BUFFER_ID) sim::violation("cuPointerGetAttribute(%d): an attribute the software GPU does not model", attribute);
+    uint64_t id = sim::buffer_id(ptr);
+    if (!id) return CUDA_ERROR_INVALID_VALUE;
+    *(unsigned long long *)data = id;
     return CUDA_SUCCESS;
 }
 
@@ -401,43 +464,102 @@ EXPORT CUresult cuStreamQuery(CUstream handle) {
 }
 
 enum { EVENT_DISABLE_TIMING = 2 };
+/* CU_EVENT_RECORD_EXTERNAL and CU_EVENT_WAIT_EXTERNAL: during a capture, a graph node. */
+enum { EVENT_EXTERNAL = 1 };
+
+namespace {
+
+/* A graph node that names a destroyed event is a violation when it runs. */
+void check_live(Event *event, const char *node) {
+    if (!handle_live(event)) sim::violation("a graph's %s node names an event that was destroyed", node);
+}
+
+void record_now(Event *event, sim::Stream *stream) {
+    event->stream = stream;
+    event->seq = sim::last_enqueued(stream);
+    event->clock = sim::clock_of(stream);
+    event->capture = 0;
+}
+
+} // namespace
 
 EXPORT CUresult cuEventCreate(CUevent *event, unsigned flags) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
     if (!event || (flags & ~3u)) return CUDA_ERROR_INVALID_VALUE;
     *event = new Event{ctx};
+    handle_created(*event, ctx);
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (!event || !handle_destroyed(event)) return CUDA_ERROR_INVALID_HANDLE;
     delete event;
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuEventRecord(CUevent event, CUstream handle) {
+/* In a capture, a plain record marks the event as the capture's own (a wait on it in the same
+ * capture is ordered already); an external one becomes a node that records at every replay. */
+EXPORT CUresult cuEventRecordWithFlags(CUevent event, CUstream handle, unsigned flags) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
+    if (!event || !handle_live(event)) return CUDA_ERROR_INVALID_HANDLE;
     if (event->ctx != ctx) return CUDA_ERROR_INVALID_CONTEXT;
-    event->stream = stream;
-    event->seq = sim::last_enqueued(stream);
-    event->clock = sim::clock_of(stream);
+    if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
+    int capture = sim::capture_status(stream);
+    if (capture == 2) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    if (!capture) {
+        record_now(event, stream);
+    } else if (flags & EVENT_EXTERNAL) {
+        sim::Op node{"event record node", nullptr, nullptr, [event](sim::Stream *s) {
+                         check_live(event, "event record");
+                         record_now(event, s);
+                     }};
+        sim::enqueue(stream, std::move(node));
+    } else {
+        event->stream = stream;
+        event->capture = sim::capture_id(stream);
+    }
     return CUDA_SUCCESS;
 }
 
+EXPORT CUresult cuEventRecord(CUevent event, CUstream handle) { return cuEventRecordWithFlags(event, handle, 0); }
+
+/* A wait during a capture as the driver treats it: on the capture's own record, already in order;
+ * with CU_EVENT_WAIT_EXTERNAL, a node that waits at every replay for the event's last record
+ * before the launch; on work recorded outside the capture, refused with
+ * CUDA_ERROR_STREAM_CAPTURE_ISOLATION (another capture's: MERGE), invalidating the capture. */
 EXPORT CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags) {
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!event) return CUDA_ERROR_INVALID_HANDLE;
-    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (event->stream) sim::enqueue_wait(stream, event->stream, event->seq, event->clock);
-    return CUDA_SUCCESS;
+    if (!event || !handle_live(event)) return CUDA_ERROR_INVALID_HANDLE;
+    if (flags & ~(unsigned)EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
+    int capture = sim::capture_status(stream);
+    if (!capture) {
+        if (flags & EVENT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE; /* invalid outside a capture */
+        if (event->capture)
+            sim::violation("cuStreamWaitEvent outside a capture on an event last recorded inside one: joining a stream into a capture "
+                           "(or using such an event after it) is not modelled; record it with CU_EVENT_RECORD_EXTERNAL");
+        if (event->stream) sim::enqueue_wait(stream, event->stream, event->seq, event->clock);
+        return CUDA_SUCCESS;
+    }
+    if (capture == 2) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    if (flags & EVENT_EXTERNAL) {
+        sim::Op node{"event wait node", nullptr, nullptr, [event](sim::Stream *s) {
+                         check_live(event, "event wait");
+                         if (event->capture) sim::violation("a graph's event wait node names an event last recorded inside a capture");
+                         if (event->stream) sim::enqueue_wait(s, event->stream, event->seq, event->clock);
+                     }};
+        sim::enqueue(stream, std::move(node));
+        return CUDA_SUCCESS;
+    }
+    if (event->capture == sim::capture_id(stream) || (!event->capture && !event->stream)) return CUDA_SUCCESS;
+    sim::invalidate_capture(stream);
+    return event->capture ? CUDA_ERROR_STREAM_CAPTURE_MERGE : CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent event) {
@@ -462,12 +584,14 @@ EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *data) {
     int device = sim::config().cc_major * 10 + sim::config().cc_minor, arch = m->image.arch;
     bool runs = m->image.cubin ? arch / 10 == device / 10 && arch <= device : arch <= device;
     if (!runs) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    m->ctx = ctx;
     *module = m.release();
+    handle_created(*module, ctx);
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuModuleUnload(CUmodule module) {
-    if (!module) return CUDA_ERROR_INVALID_HANDLE;
+    if (!module || !handle_destroyed(module)) return CUDA_ERROR_INVALID_HANDLE;
     delete module;
     return CUDA_SUCCESS;
 }
@@ -476,6 +600,7 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const
     sim::Context *ctx;
     if (CUresult r = need_context(&ctx)) return r;
     if (!function || !module || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_live(module)) return CUDA_ERROR_INVALID_HANDLE;
     auto in_image = module->image.kernels.find(name);
     if (in_image == module->image.kernels.end()) return CUDA_ERROR_NOT_FOUND;
     const sim::KernelInfo *kernel = sim::find_kernel(name);
@@ -486,7 +611,8 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const
         for (size_t s : in_image->second.param_sizes) device += " " + std::to_string(s);
         sim::violation("%s: parameter sizes differ between the image (%s ) and the host build (%s )", name, device.c_str(), host.c_str());
     }
-    *function = new Function{kernel, in_image->second};
+    *function = new Function{kernel, in_image->second, module->ctx};
+    handle_created(*function, module->ctx);
     return CUDA_SUCCESS;
 }
 
@@ -495,7 +621,7 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned 
     sim::Context *ctx;
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
-    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (!f || !handle_live(f)) return CUDA_ERROR_INVALID_HANDLE;
     if (extra) sim::violation("cuLaunchKernel(%s): `extra` arguments are not modelled", f->kernel->name.c_str());
     if (!gx || !gy || !gz || !bx || !by || !bz || shared_bytes) return CUDA_ERROR_INVALID_VALUE;
     if ((uint64_t)bx * by * bz > f->image.max_threads) return CUDA_ERROR_INVALID_VALUE;
@@ -566,7 +692,12 @@ EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream handle) {
     sim::Stream *stream;
     if (CUresult r = need_stream(handle, &ctx, &stream)) return r;
     if (!exec) return CUDA_ERROR_INVALID_VALUE;
-    for (const sim::Op &op : exec->ops) sim::enqueue(stream, op);
+    for (const sim::Op &op : exec->ops) {
+        if (op.at_launch)
+            op.at_launch(stream);
+        else
+            sim::enqueue(stream, op);
+    }
     return CUDA_SUCCESS;
 }
 

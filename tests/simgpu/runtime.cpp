@@ -53,6 +53,7 @@ const Config &config() {
         c.delay_us = env_unsigned("SIMGPU_DELAY_US", 0);
         c.timeout_s = env_unsigned("SIMGPU_TIMEOUT_S", 60);
         c.driver_version = (int)env_unsigned("SIMGPU_DRIVER_VERSION", 12080);
+        c.reset_refuses_push = env_unsigned("SIMGPU_RESET_REFUSES_PUSH", 0) != 0;
         return c;
     }();
     return c;
@@ -83,6 +84,8 @@ struct Alloc {
     bool pool;
     bool free_enqueued = false;
     bool dead = false;
+    uint64_t id = 0;
+    bool reset = false; /* freed by a primary context reset */
     std::vector<Record> records;
 };
 
@@ -134,8 +137,23 @@ uint64_t allocate(int dev, uint64_t bytes, bool pool) {
     std::lock_guard<std::mutex> lock(memory_mutex);
     uint64_t base = (uint64_t)(uintptr_t)p;
     allocations.erase(base); /* a quarantined block the allocator handed out again */
-    allocations.emplace(base, Alloc{base, bytes, dev, pool});
+    static uint64_t ids = 0;
+    Alloc a{base, bytes, dev, pool};
+    a.id = ++ids;
+    allocations.emplace(base, std::move(a));
     return base;
+}
+
+uint64_t buffer_id(uint64_t ptr) {
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    Alloc *a = check_range(ptr, 0, -1, nullptr, false);
+    return a ? a->id : 0;
+}
+
+bool freed_by_reset(uint64_t ptr) {
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    Alloc *a = containing(ptr);
+    return a && a->reset;
 }
 
 uint64_t find_live(uint64_t ptr, uint64_t bytes, int dev, std::string *why) {
@@ -158,9 +176,22 @@ uint64_t allocation_bytes(uint64_t base) {
     return it == allocations.end() ? 0 : it->second.bytes;
 }
 
+namespace {
+
+/* Under memory_mutex: frees `a` as a free does when it executes. */
+void release_locked(Alloc &a);
+
+} // namespace
+
 void release(uint64_t base) {
     std::lock_guard<std::mutex> lock(memory_mutex);
-    Alloc &a = allocations.at(base);
+    release_locked(allocations.at(base));
+}
+
+namespace {
+
+void release_locked(Alloc &a) {
+    uint64_t base = a.base;
     memset((void *)(uintptr_t)a.base, 0xff, a.bytes);
     a.dead = true;
     a.records.clear();
@@ -175,6 +206,8 @@ void release(uint64_t base) {
         allocations.erase(it);
     }
 }
+
+} // namespace
 
 namespace {
 
@@ -248,6 +281,8 @@ struct Stream {
     std::thread worker;
     std::unique_ptr<Graph> capture; /* while capturing */
     bool capture_invalid = false;
+    uint64_t capture_id = 0;
+    bool gone = false; /* destroyed by a primary context reset: its handle is invalid */
 };
 
 namespace {
@@ -255,6 +290,7 @@ namespace {
 std::mutex &stream_mutex = *new std::mutex;
 std::condition_variable &progress = *new std::condition_variable;
 uint32_t next_stream_id = 1;
+std::vector<Stream *> &all_streams = *new std::vector<Stream *>; /* every created stream, for a context reset */
 Clock &host_clock = *new Clock; /* what any host thread has seen complete (cuStreamSynchronize and friends) */
 
 void run_worker(Stream *s) {
@@ -295,6 +331,7 @@ Stream *new_stream(Context *ctx, bool blocking, bool legacy) {
     s->legacy = legacy;
     s->worker = std::thread(run_worker, s);
     if (blocking && !legacy) ctx->streams.push_back(s);
+    if (!legacy) all_streams.push_back(s);
     return s;
 }
 
@@ -329,7 +366,7 @@ Stream *resolve_stream(void *handle, Context *ctx) {
     }
     std::lock_guard<std::mutex> lock(stream_mutex);
     auto *s = static_cast<Stream *>(handle);
-    return s->ctx == ctx ? s : nullptr;
+    return s->ctx == ctx && !s->gone ? s : nullptr;
 }
 
 namespace {
@@ -372,9 +409,8 @@ uint64_t enqueue(Stream *s, Op op) {
 void enqueue_wait(Stream *s, Stream *other, uint64_t seq, const Clock &clock) {
     std::lock_guard<std::mutex> lock(stream_mutex);
     if (s->capture) {
-        /* A wait on the capturing stream's own work is already in the graph's order; joining
-         * another stream into the capture is not modelled. */
-        if (other != s) s->capture_invalid = true;
+        /* cuStreamWaitEvent sorts out waits during a capture; any other wait cannot be captured. */
+        s->capture_invalid = true;
         return;
     }
     join(s->clock, clock);
@@ -399,9 +435,11 @@ void host_wait(Stream *s, uint64_t seq) {
 
 bool begin_capture(Stream *s) {
     std::lock_guard<std::mutex> lock(stream_mutex);
+    static uint64_t captures = 0;
     if (s->capture) return false;
     s->capture = std::make_unique<Graph>();
     s->capture_invalid = false;
+    s->capture_id = ++captures;
     return true;
 }
 
@@ -410,12 +448,18 @@ std::unique_ptr<Graph> end_capture(Stream *s) {
     std::unique_ptr<Graph> g = std::move(s->capture);
     if (s->capture_invalid) g.reset();
     s->capture_invalid = false;
+    s->capture_id = 0;
     return g;
 }
 
 int capture_status(Stream *s) {
     std::lock_guard<std::mutex> lock(stream_mutex);
     return s->capture ? (s->capture_invalid ? 2 : 1) : 0;
+}
+
+uint64_t capture_id(Stream *s) {
+    std::lock_guard<std::mutex> lock(stream_mutex);
+    return s->capture ? s->capture_id : 0;
 }
 
 void invalidate_capture(Stream *s) {
@@ -447,6 +491,37 @@ void device_synchronize(int dev) {
         streams.push_back(ctx->legacy);
     }
     for (Stream *s : streams) host_wait(s);
+}
+
+void reset_context(Context *ctx) {
+    int dev = ctx->device->ordinal;
+    /* Every stream of the context drained first, as the driver synchronises the device. */
+    std::vector<Stream *> streams;
+    {
+        std::lock_guard<std::mutex> lock(stream_mutex);
+        for (Stream *s : all_streams)
+            if (s->ctx == ctx && !s->gone) streams.push_back(s);
+        streams.push_back(ctx->legacy);
+    }
+    for (Stream *s : streams) host_wait(s);
+    {
+        std::lock_guard<std::mutex> lock(stream_mutex);
+        for (Stream *s : all_streams)
+            if (s->ctx == ctx) s->gone = true;
+        ctx->streams.clear();
+    }
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    /* Released by base: a release may drop the oldest quarantined allocations from the map. */
+    std::vector<uint64_t> live;
+    for (auto &[base, a] : allocations)
+        if (a.device == dev && !a.dead) live.push_back(base);
+    for (uint64_t base : live) {
+        Alloc &a = allocations.at(base);
+        a.reset = true;
+        release_locked(a);
+    }
+    auto &access = ctx->device->pool_access;
+    for (size_t d = 0; d < access.size(); ++d) access[d] = (int)d == dev;
 }
 
 /* ---- Devices and contexts ---- */

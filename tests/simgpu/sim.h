@@ -25,6 +25,7 @@ struct Config {
     unsigned delay_us = 0; /* max random delay before each stream operation */
     unsigned timeout_s = 60; /* a wait longer than this is reported as a hang */
     int driver_version = 12080; /* what cuDriverGetVersion reports: 13000 runs NVRTC 13's CUBINs */
+    bool reset_refuses_push = false; /* a reset primary context cannot be pushed until retained again */
 };
 const Config &config();
 
@@ -42,6 +43,7 @@ struct Context {
     Device *device;
     Stream *legacy; /* the NULL stream */
     std::vector<Stream *> streams; /* blocking streams created in it, for the legacy stream's rule */
+    bool reset = false; /* reset and not retained since */
 };
 
 Device &device(int ordinal);
@@ -78,6 +80,9 @@ struct Op {
     std::string what;
     std::function<void(Footprint &)> footprint; /* may be empty */
     std::function<void()> run;                  /* may be empty */
+    /* A graph node that acts when the graph is launched (an external event record or wait):
+     * called with the launch's stream instead of enqueuing this op. */
+    std::function<void(Stream *)> at_launch;
 };
 
 /* Stream handle resolution: NULL/0x1 = the context's legacy stream, 0x2 = this thread's
@@ -95,6 +100,7 @@ using Graph = std::vector<Op>;
 bool begin_capture(Stream *s);                  /* false when already capturing */
 std::unique_ptr<Graph> end_capture(Stream *s);  /* null when invalidated or not capturing */
 int capture_status(Stream *s);                  /* 0 none, 1 active, 2 invalidated */
+uint64_t capture_id(Stream *s);                 /* the active capture's number, unique; 0 none */
 void invalidate_capture(Stream *s);
 /* Host waits: for operation `seq` of `s` (0 = everything enqueued so far). */
 void host_wait(Stream *s, uint64_t seq = 0);
@@ -112,6 +118,15 @@ uint64_t allocate(int device, uint64_t bytes, bool pool);
  * with the reason in `why`. */
 uint64_t find_live(uint64_t ptr, uint64_t bytes, int device, std::string *why);
 bool mark_free_enqueued(uint64_t base);
+/* The process-unique id of the live allocation holding `ptr` (CU_POINTER_ATTRIBUTE_BUFFER_ID), 0
+ * when none. */
+uint64_t buffer_id(uint64_t ptr);
+/* Whether `ptr` is inside an allocation a primary context reset freed: using it is an error the
+ * driver returns, not a violation. */
+bool freed_by_reset(uint64_t ptr);
+/* cuDevicePrimaryCtxReset: every live allocation of `device` freed, every stream created in `ctx`
+ * gone (after draining it), and the device's pool grants withdrawn. */
+void reset_context(Context *ctx);
 uint64_t allocation_bytes(uint64_t base);
 void release(uint64_t base); /* the free, as it executes: poison and quarantine */
 

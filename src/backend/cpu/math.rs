@@ -9,6 +9,18 @@ pub const NORM_BLOCK: usize = 4096;
 /// them in registers.
 pub const NORM_LANES: usize = 16;
 
+/// Lanes of the fold of the block sums into the sum of squares ([`fold_first_width`] and
+/// `cpu::fold_block_sums`): block sum `b` goes to lane `b % FOLD_LANES`. A fixed shape, not a
+/// thread count, fixes the bits, and it is wide enough for a GPU to add the lanes in parallel.
+pub const FOLD_LANES: usize = 8192;
+
+/// The first width of the fold's halving over `used` lanes (the lanes that hold a block sum):
+/// half the smallest power of two that covers them, 0 for one lane or none. Lanes past `used`
+/// hold nothing, so the halving starts where the first of them would be added.
+pub fn fold_first_width(used: usize) -> usize {
+    used.next_power_of_two() / 2
+}
+
 /// `weight / scale`, rounded once to f32: the single multiplier applied to every element of a
 /// micro-batch (the unscale, times the item count when a mean-reduced loss is weighted).
 pub fn unscale_factor(weight: f64, scale: f32) -> f32 {

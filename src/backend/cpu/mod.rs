@@ -168,8 +168,8 @@ fn rounded_bf16(v: f32) -> u32 {
 }
 
 /// Sum of squares in f64. Each block of [`math::NORM_BLOCK`] elements is summed by
-/// [`math::block_sum_squares`] and the block sums are added in block order, starting from `0.0`,
-/// so the result does not depend on the thread count or the SIMD path.
+/// [`math::block_sum_squares`] and the block sums are folded by [`fold_block_sums`], so the result
+/// does not depend on the thread count or the SIMD path.
 pub fn sum_squares(buf: &[f32], threads: usize) -> f64 {
     let mut sums = vec![0.0; blocks(buf.len())];
     block_sum_squares(buf, &mut sums, threads);
@@ -191,9 +191,24 @@ pub fn blocks(len: usize) -> usize {
     len.div_ceil(math::NORM_BLOCK)
 }
 
-/// The sum of squares from its block sums: added in block order, starting from `0.0`.
+/// The sum of squares from its block sums, in a fixed shape that a GPU adds in parallel: sum `b`
+/// goes to lane `b % math::FOLD_LANES`, each lane adds its sums in block order starting from
+/// `0.0`, and the lanes combine by halving (lane `j += lane j + w` for `w` from
+/// [`math::fold_first_width`] of the lanes that hold a sum, down to 1; a lane without a sum is
+/// `0.0`). The CUDA backend's `ga_finish_norm` adds in exactly this order.
 pub fn fold_block_sums(sums: &[f64]) -> f64 {
-    sums.iter().fold(0.0, |total, &block| total + block)
+    let used = sums.len().min(math::FOLD_LANES);
+    let mut lanes = vec![0.0; used.next_power_of_two()];
+    for row in sums.chunks(math::FOLD_LANES) {
+        lanes.iter_mut().zip(row).for_each(|(lane, &sum)| *lane += sum);
+    }
+    let mut width = math::fold_first_width(used);
+    while width > 0 {
+        let (low, high) = lanes.split_at_mut(width);
+        low.iter_mut().zip(&high[..width]).for_each(|(lane, &other)| *lane += other);
+        width /= 2;
+    }
+    lanes[0]
 }
 
 /// `out[b]` = [`math::block_sum_squares`] of block `b` of `buf` (`out.len()` =

@@ -41,6 +41,29 @@ pub fn driver_available() -> bool {
     })
 }
 
+/// A 4-byte allocation in the primary context `context` and its process-unique id: the sentinel
+/// a reset of the context destroys ([`Context::was_reset`]). Never freed: it lives as long as the
+/// context's state.
+fn sentinel(api: &'static Api, context: sys::CUcontext) -> Result<(CUdeviceptr, u64)> {
+    // SAFETY: `context` was just retained by cuDevicePrimaryCtxRetain, so it can be pushed.
+    check(api, unsafe { (api.cuCtxPushCurrent_v2)(context) }, "cuCtxPushCurrent")?;
+    let _pop = ContextGuard { api };
+    let (mut ptr, mut id) = (0, 0u64);
+    // SAFETY: the context is current; `ptr` is a live out-pointer for the allocation's address.
+    check(api, unsafe { (api.cuMemAlloc_v2)(&mut ptr, 4) }, "cuMemAlloc")?;
+    // SAFETY: `ptr` is the live allocation just made; the attribute is a 64-bit id written to
+    // `id`, a live local.
+    let code = unsafe {
+        (api.cuPointerGetAttribute)(
+            &mut id as *mut u64 as *mut c_void,
+            driver_api::POINTER_ATTRIBUTE_BUFFER_ID,
+            ptr,
+        )
+    };
+    check(api, code, "cuPointerGetAttribute")?;
+    Ok((ptr, id))
+}
+
 /// Fails with BACKEND_UNAVAILABLE unless the driver is usable.
 pub fn require_driver() -> Result<()> {
     if driver_available() {
@@ -114,9 +137,19 @@ fn check(api: &Api, code: u32, what: &str) -> Result<()> {
 }
 
 /// One device's primary context, retained for as long as any gradacc object on the device lives.
+///
+/// A host program may reset the primary context (`cudaDeviceReset`, `cuDevicePrimaryCtxReset`):
+/// everything made in it is destroyed, gradacc's kernels included. A 4-byte allocation made with
+/// the `Context` (the sentinel) is destroyed too, which is how the reset is noticed: the next
+/// object on the device gets a new `Context` (and its kernels are loaded again), and a call of an
+/// object made before the reset that fails says why.
 pub struct Context {
     pub ordinal: i32,
+    /// Unique in the process: a reset's new `Context` for the same device has another.
+    pub id: u64,
     context: sys::CUcontext,
+    /// The sentinel's address and its allocation's process-unique id.
+    sentinel: (CUdeviceptr, u64),
     api: &'static Api,
     /// (major, minor) compute capability.
     pub capability: (i32, i32),
@@ -142,8 +175,12 @@ impl Context {
             driver_api::get().map_err(|why| Error::new(ErrorKind::BackendUnavailable, why))?;
         static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
         let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = contexts.iter().find(|c| c.ordinal == ordinal) {
-            return Ok(c.clone());
+        if let Some(i) = contexts.iter().position(|c| c.ordinal == ordinal) {
+            if !contexts[i].was_reset() {
+                return Ok(contexts[i].clone());
+            }
+            // Retained again below, which makes the primary context active again.
+            contexts.remove(i);
         }
         let mut count = 0;
         // SAFETY: `require_driver` saw cuInit succeed; the driver writes one `int` to `count`.
@@ -176,9 +213,12 @@ impl Context {
             .map(|_| v)
         };
         use sys::CUdevice_attribute::*;
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let c = Arc::new(Context {
             ordinal,
+            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             context,
+            sentinel: sentinel(api, context)?,
             api,
             capability: (
                 attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -229,6 +269,44 @@ impl Context {
         Ok(())
     }
 
+    /// Whether the device's primary context was reset since this `Context` was made: its
+    /// sentinel allocation is gone (or its address holds another allocation).
+    pub fn was_reset(&self) -> bool {
+        // SAFETY: as in `enter`; a push the driver refuses counts as a reset.
+        if unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) } != SUCCESS {
+            return true;
+        }
+        let _g = ContextGuard { api: self.api };
+        let mut id: u64 = 0;
+        // SAFETY: `_g` made the context current; the attribute is a 64-bit id, written to `id`,
+        // a live local; any address may be asked about (an unknown one is an error code).
+        let code = unsafe {
+            (self.api.cuPointerGetAttribute)(
+                &mut id as *mut u64 as *mut c_void,
+                driver_api::POINTER_ATTRIBUTE_BUFFER_ID,
+                self.sentinel.0,
+            )
+        };
+        code != SUCCESS || id != self.sentinel.1
+    }
+
+    /// [`check`] for a call in this context: a failure after a reset of the primary context is
+    /// reported as that, since the object's memory, streams and kernels are gone.
+    fn check(&self, code: u32, what: &str) -> Result<()> {
+        check(self.api, code, what).map_err(|e| {
+            if !self.was_reset() {
+                return e;
+            }
+            Error::new(
+                ErrorKind::DeviceFailure,
+                format!(
+                    "{what} failed: device {}'s primary context was reset (cudaDeviceReset or cuDevicePrimaryCtxReset) after this object was created, destroying its memory, streams and kernels; destroy the object and create it again",
+                    self.ordinal
+                ),
+            )
+        })
+    }
+
     /// Whether buffers are stream-ordered pool allocations (else `cuMemAlloc`).
     pub fn memory_pools(&self) -> bool {
         self.memory_pools
@@ -237,14 +315,11 @@ impl Context {
     /// Makes this context current on the calling thread until the guard drops, then restores the
     /// caller's context: gradacc never leaves a different context current behind.
     pub fn enter(&self) -> Result<ContextGuard> {
-        check(
-            self.api,
-            // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
-            // released (the process-wide cache keeps every Context), so it is a live context to
-            // push.
-            unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) },
-            "cuCtxPushCurrent",
-        )?;
+        // SAFETY: `self.context` was retained by cuDevicePrimaryCtxRetain in `get` and is never
+        // released, so it is a live context to push (after a reset of it the driver may refuse
+        // the push, and `check` says why).
+        let code = unsafe { (self.api.cuCtxPushCurrent_v2)(self.context) };
+        self.check(code, "cuCtxPushCurrent")?;
         Ok(ContextGuard { api: self.api })
     }
 
@@ -295,8 +370,7 @@ impl DeviceBuffer {
         let mut ptr = 0;
         let size = bytes.max(4);
         if ctx.memory_pools {
-            check(
-                api,
+            ctx.check(
                 // SAFETY: `_g` made `ctx` current and `stream` is a stream of it (the constructors'
                 // callers pass the stream their object was created with); `ptr` is a live
                 // out-pointer.
@@ -306,12 +380,12 @@ impl DeviceBuffer {
         } else {
             // SAFETY: `_g` made `ctx` current, so the memory belongs to it; `ptr` is a live
             // out-pointer.
-            check(api, unsafe { (api.cuMemAlloc_v2)(&mut ptr, size) }, "cuMemAlloc")?;
+            ctx.check(unsafe { (api.cuMemAlloc_v2)(&mut ptr, size) }, "cuMemAlloc")?;
         }
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, bytes, stream, owned: true };
         // SAFETY: the allocation above succeeded (`?`) with exactly `size` bytes at `ptr`, usable
         // on `stream`, and the fill covers those bytes only.
-        check(api, unsafe { (api.cuMemsetD8Async)(ptr, 0, size, stream) }, "cuMemsetD8Async")?;
+        ctx.check(unsafe { (api.cuMemsetD8Async)(ptr, 0, size, stream) }, "cuMemsetD8Async")?;
         Ok(buffer)
     }
 
@@ -355,8 +429,7 @@ impl DeviceBuffer {
         // SAFETY: offset + bytes <= self.bytes (asserted above), so the destination is inside the
         // buffer; the source is `values`, `bytes` readable bytes, which the driver stages from
         // pageable host memory before returning, so the slice need not outlive the call.
-        check(
-            api,
+        self.ctx.check(
             unsafe {
                 (api.cuMemcpyHtoDAsync_v2)(
                     dst,
@@ -381,8 +454,7 @@ impl DeviceBuffer {
         let api = self.ctx.api;
         let _g = self.ctx.enter()?;
         let src = self.ptr + offset as u64;
-        check(
-            api,
+        self.ctx.check(
             // SAFETY: offset + bytes <= self.bytes (asserted above), so the source is inside the
             // buffer; `out` is `bytes` writable bytes borrowed mutably until the synchronise below,
             // which completes the copy before `out` is released or read.
@@ -393,7 +465,7 @@ impl DeviceBuffer {
         )?;
         // SAFETY: `self.stream` is the stream the buffer was made on, in the context `_g` made
         // current.
-        check(api, unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
+        self.ctx.check(unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
     }
 
     /// Enqueues zeroing `count` f32 values from element `start`.
@@ -406,8 +478,7 @@ impl DeviceBuffer {
         let _g = self.ctx.enter()?;
         // SAFETY: (start + count) * 4 <= self.bytes (asserted above), so the `count` 32-bit words
         // from element `start` are inside the buffer; `_g` made its context current.
-        check(
-            api,
+        self.ctx.check(
             unsafe { (api.cuMemsetD32Async)(self.ptr + 4 * start as u64, 0, count, self.stream) },
             "cuMemsetD32Async",
         )
@@ -446,7 +517,7 @@ pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     let _g = ctx.enter()?;
     // SAFETY: `_g` made `ctx` current; `stream` is a stream of it, as every caller passes the
     // stream its object was created on in that context.
-    check(ctx.api, unsafe { (ctx.api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")
+    ctx.check(unsafe { (ctx.api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")
 }
 
 /// Waits on the host for everything enqueued on `stream` so far, like [`synchronize`], but fails
@@ -469,7 +540,7 @@ pub fn wait_until_done(
             unsafe { (ctx.api.cuStreamQuery)(stream) }
         };
         if code != NOT_READY {
-            return check(ctx.api, code, "cuStreamQuery");
+            return ctx.check(code, "cuStreamQuery");
         }
         healthy()?;
         if let Some(t) = timeout.filter(|&t| start.elapsed() >= t) {
@@ -496,11 +567,22 @@ pub fn copy(
     // SAFETY: `_g` made `ctx` current; `dst` and `src` are each `bytes` bytes of device memory of
     // this context: the one caller, the copy-bandwidth benchmark, passes two buffers it allocated
     // with at least that size.
-    check(
-        ctx.api,
+    ctx.check(
         unsafe { (ctx.api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, stream) },
         "cuMemcpyDtoDAsync",
     )
+}
+
+/// Whether `stream` is capturing a CUDA graph (an invalidated capture counts: its stream is still
+/// in capture mode until the capture ends).
+pub fn capturing(ctx: &Context, stream: CUstream) -> Result<bool> {
+    let _g = ctx.enter()?;
+    let mut status: c_int = 0;
+    // SAFETY: `_g` made `ctx` current; `stream` is a stream of it (callers pass their objects'
+    // streams); the driver writes one CUstreamCaptureStatus (an `int`) to `status`, a live local.
+    let code = unsafe { (ctx.api.cuStreamIsCapturing)(stream, &mut status) };
+    ctx.check(code, "cuStreamIsCapturing")?;
+    Ok(status != 0)
 }
 
 /// An event used only for ordering (no timing), created in `ctx`.
@@ -523,7 +605,7 @@ impl Event {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `_g` made `ctx` current; CU_EVENT_DISABLE_TIMING is a valid flag and `event` is a
         // live out-pointer.
-        check(ctx.api, unsafe { (ctx.api.cuEventCreate)(&mut event, flags) }, "cuEventCreate")?;
+        ctx.check(unsafe { (ctx.api.cuEventCreate)(&mut event, flags) }, "cuEventCreate")?;
         Ok(Event { ctx: ctx.clone(), event })
     }
 
@@ -533,11 +615,7 @@ impl Event {
         // SAFETY: `self.event` is live (created in `new`, destroyed only in `drop`) and belongs to
         // the context `_g` made current; `stream` is a stream of that context, as callers pass
         // their object's streams.
-        check(
-            self.ctx.api,
-            unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) },
-            "cuEventRecord",
-        )
+        self.ctx.check(unsafe { (self.ctx.api.cuEventRecord)(self.event, stream) }, "cuEventRecord")
     }
 
     /// Makes `stream` wait (on the device) for the work the last `record` captured.
@@ -545,9 +623,51 @@ impl Event {
         let _g = self.ctx.enter()?;
         // SAFETY: as in `record`: a live event of the current context and one of its streams;
         // flags 0 is the only value the driver defines.
-        check(
-            self.ctx.api,
+        self.ctx.check(
             unsafe { (self.ctx.api.cuStreamWaitEvent)(stream, self.event, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    /// As [`Event::record`] on a stream that is not capturing a graph. On one that is (`capturing`),
+    /// the record becomes a node of the graph (CU_EVENT_RECORD_EXTERNAL): every replay records the
+    /// event, so a stream outside the graph can wait for the replay's work.
+    pub fn record_across_capture(&self, stream: CUstream, capturing: bool) -> Result<()> {
+        if !capturing {
+            return self.record(stream);
+        }
+        let _g = self.ctx.enter()?;
+        // SAFETY: as in `record`; CU_EVENT_RECORD_EXTERNAL is the flag for a capturing stream.
+        self.ctx.check(
+            unsafe {
+                (self.ctx.api.cuEventRecordWithFlags)(
+                    self.event,
+                    stream,
+                    driver_api::EVENT_RECORD_EXTERNAL,
+                )
+            },
+            "cuEventRecordWithFlags",
+        )
+    }
+
+    /// As [`Event::wait`] on a stream that is not capturing a graph. On one that is (`capturing`),
+    /// the wait becomes a node of the graph (CU_EVENT_WAIT_EXTERNAL) that waits, at every replay,
+    /// for the event's last record before the replay: a capture may not otherwise wait for work
+    /// recorded outside it (CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+    pub fn wait_across_capture(&self, stream: CUstream, capturing: bool) -> Result<()> {
+        if !capturing {
+            return self.wait(stream);
+        }
+        let _g = self.ctx.enter()?;
+        // SAFETY: as in `wait`; CU_EVENT_WAIT_EXTERNAL is the flag for a capturing stream.
+        self.ctx.check(
+            unsafe {
+                (self.ctx.api.cuStreamWaitEvent)(
+                    stream,
+                    self.event,
+                    driver_api::EVENT_WAIT_EXTERNAL,
+                )
+            },
             "cuStreamWaitEvent",
         )
     }
@@ -577,6 +697,12 @@ impl Drop for Event {
 /// ways. A reader stream waits for the owner's writes before it reads (only when a write was
 /// enqueued since it last waited), and the owner waits for every read before it next writes or
 /// frees the buffer. One event per reader stream, reused; one record per read.
+///
+/// Either side may be captured into a CUDA graph while the other is not (the caller captures its
+/// step on one stream, and the other object's stream runs outside the graph): a capturing stream
+/// records and waits through graph nodes (`Event::record_across_capture`, `wait_across_capture`),
+/// and since replays then read or write behind the host's back, that side's events are waited for
+/// at every later write or read, not only when the host saw one enqueued.
 pub struct SharedReads {
     ctx: Arc<Context>,
     owner: CUstream,
@@ -584,6 +710,8 @@ pub struct SharedReads {
     written: Event,
     /// Writes enqueued so far (each followed by a record of `written`).
     writes: u64,
+    /// A write was captured into a graph: every read waits for `written`.
+    writes_replayed: bool,
     readers: Vec<Reader>,
 }
 
@@ -593,6 +721,8 @@ struct Reader {
     read: Event,
     /// A read was recorded that the owner has not waited for yet.
     pending: bool,
+    /// A read was captured into a graph: every write waits for `read`.
+    replayed: bool,
     /// The value of `writes` this stream last waited for.
     seen: u64,
 }
@@ -611,15 +741,18 @@ impl SharedReads {
             owner,
             written: Event::new(ctx)?,
             writes: 0,
+            writes_replayed: false,
             readers: Vec::new(),
         })
     }
 
-    /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen.
+    /// Before a read enqueued on `stream`: it waits for the owner's writes it has not seen. A
+    /// capturing stream always waits: the graph's replays must wait for the writes before each.
     pub fn before_read(&mut self, stream: CUstream) -> Result<()> {
         if stream == self.owner {
             return Ok(());
         }
+        let capturing = capturing(&self.ctx, stream)?;
         let writes = self.writes;
         let i = match self.readers.iter().position(|r| r.stream == stream) {
             Some(i) => i,
@@ -628,13 +761,14 @@ impl SharedReads {
                     stream,
                     read: Event::new(&self.ctx)?,
                     pending: false,
+                    replayed: false,
                     seen: 0,
                 });
                 self.readers.len() - 1
             }
         };
-        if self.readers[i].seen != writes {
-            self.written.wait(stream)?;
+        if self.readers[i].seen != writes || capturing || self.writes_replayed {
+            self.written.wait_across_capture(stream, capturing)?;
             self.readers[i].seen = writes;
         }
         Ok(())
@@ -642,17 +776,28 @@ impl SharedReads {
 
     /// After a read enqueued on `stream` (following `before_read`).
     pub fn after_read(&mut self, stream: CUstream) -> Result<()> {
+        if stream == self.owner {
+            return Ok(());
+        }
+        let capturing = capturing(&self.ctx, stream)?;
         if let Some(r) = self.readers.iter_mut().find(|r| r.stream == stream) {
-            r.read.record(stream)?;
+            r.read.record_across_capture(stream, capturing)?;
             r.pending = true;
+            r.replayed |= capturing;
         }
         Ok(())
     }
 
-    /// Before the owner's stream writes or frees the buffer: it waits for every read.
+    /// Before the owner's stream writes or frees the buffer: it waits for every read. A capturing
+    /// owner waits for every reader's last read: the graph's replays must wait for the reads
+    /// before each.
     pub fn before_write(&mut self) -> Result<()> {
-        for r in self.readers.iter_mut().filter(|r| r.pending) {
-            r.read.wait(self.owner)?;
+        if self.readers.is_empty() {
+            return Ok(());
+        }
+        let capturing = capturing(&self.ctx, self.owner)?;
+        for r in self.readers.iter_mut().filter(|r| r.pending || r.replayed || capturing) {
+            r.read.wait_across_capture(self.owner, capturing)?;
             r.pending = false;
         }
         Ok(())
@@ -660,8 +805,10 @@ impl SharedReads {
 
     /// After a write enqueued on the owner's stream.
     pub fn after_write(&mut self) -> Result<()> {
-        self.written.record(self.owner)?;
+        let capturing = capturing(&self.ctx, self.owner)?;
+        self.written.record_across_capture(self.owner, capturing)?;
         self.writes += 1;
+        self.writes_replayed |= capturing;
         Ok(())
     }
 }
@@ -686,7 +833,7 @@ impl OwnedStream {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: `_g` made `ctx` current; CU_STREAM_NON_BLOCKING is a valid flag and `stream` is
         // a live out-pointer.
-        check(ctx.api, unsafe { (ctx.api.cuStreamCreate)(&mut stream, flags) }, "cuStreamCreate")?;
+        ctx.check(unsafe { (ctx.api.cuStreamCreate)(&mut stream, flags) }, "cuStreamCreate")?;
         Ok(OwnedStream { ctx: ctx.clone(), stream })
     }
 }
@@ -719,8 +866,7 @@ impl Module {
     pub fn load(ctx: &Context, image: &[u8]) -> Result<Self> {
         let _g = ctx.enter()?;
         let mut module = std::ptr::null_mut();
-        check(
-            ctx.api,
+        ctx.check(
             // SAFETY: `_g` made `ctx` current; `image` is a whole CUBIN, or PTX with its NUL, from
             // NVRTC (every caller passes `Compiled::image`), so the driver reads only inside the
             // slice;
@@ -773,8 +919,7 @@ impl Function {
     ) -> Result<()> {
         let _g = ctx.enter()?;
         let api = ctx.api;
-        check(
-            api,
+        ctx.check(
             // SAFETY: `self.0` came from cuModuleGetFunction on a module never unloaded, and `_g`
             // made its context current; `args` holds one pointer per kernel parameter to a value
             // of its type, valid for the kernel's accesses (this function's `# Safety` contract);

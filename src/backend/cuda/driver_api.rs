@@ -67,6 +67,7 @@ driver_api! {
     cuMemFreeAsync(CUdeviceptr, CUstream);
     cuMemAlloc_v2(*mut CUdeviceptr, usize);
     cuMemFree_v2(CUdeviceptr);
+    cuPointerGetAttribute(*mut c_void, c_int, CUdeviceptr);
     cuMemsetD8Async(CUdeviceptr, u8, usize, CUstream);
     cuMemsetD32Async(CUdeviceptr, c_uint, usize, CUstream);
     cuMemcpyHtoDAsync_v2(CUdeviceptr, *const c_void, usize, CUstream);
@@ -77,8 +78,10 @@ driver_api! {
     cuStreamSynchronize(CUstream);
     cuStreamQuery(CUstream);
     cuStreamWaitEvent(CUstream, CUevent, c_uint);
+    cuStreamIsCapturing(CUstream, *mut c_int);
     cuEventCreate(*mut CUevent, c_uint);
     cuEventRecord(CUevent, CUstream);
+    cuEventRecordWithFlags(CUevent, CUstream, c_uint);
     cuEventDestroy_v2(CUevent);
     cuModuleLoadData(*mut CUmodule, *const c_void);
     cuModuleGetFunction(*mut CUfunction, CUmodule, *const c_char);
@@ -104,3 +107,9 @@ pub fn get() -> Result<&'static Api, &'static str> {
 pub const SUCCESS: u32 = 0;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const ERROR_OUT_OF_MEMORY: u32 = 2;
+/// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: an allocation's id, unique for the life of the process.
+pub const POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
+/// `CU_EVENT_RECORD_EXTERNAL`: a record during stream capture becomes an event record node.
+pub const EVENT_RECORD_EXTERNAL: c_uint = 1;
+/// `CU_EVENT_WAIT_EXTERNAL`: a wait during stream capture becomes an event wait node.
+pub const EVENT_WAIT_EXTERNAL: c_uint = 1;

@@ -1,5 +1,6 @@
-//! The compiled kernels of one device: compiled by NVRTC and loaded once per device per process,
-//! at the first object created on the device, and looked up once, so a launch is a field access.
+//! The compiled kernels of one device: compiled by NVRTC once per device per process, at the first
+//! object created on the device, loaded once per primary context (again after a reset of it, from
+//! the same image), and looked up once, so a launch is a field access.
 
 use std::ffi::CString;
 use std::sync::{Arc, Mutex};
@@ -11,6 +12,8 @@ use crate::error::Result;
 /// Every kernel of [`compile::KERNELS`], loaded in one device's primary context.
 pub struct Kernels {
     _module: Module,
+    /// The compiled image, kept to load again into a reset context.
+    image: Arc<[u8]>,
     pub add_multi: Function,
     pub add_one: Function,
     pub pack_control: Function,
@@ -28,16 +31,26 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The kernels of `ctx`'s device, compiling them on first use.
+    /// The kernels of `ctx`'s device, loaded in `ctx`, compiling them on first use.
     pub fn of(ctx: &Context) -> Result<Arc<Kernels>> {
-        static LOADED: Mutex<Vec<(i32, Arc<Kernels>)>> = Mutex::new(Vec::new());
+        // (device ordinal, context id, kernels): one entry per device, for its current context.
+        static LOADED: Mutex<Vec<(i32, u64, Arc<Kernels>)>> = Mutex::new(Vec::new());
         let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, k)) = loaded.iter().find(|(ordinal, _)| *ordinal == ctx.ordinal) {
-            return Ok(k.clone());
+        let entry = loaded.iter().position(|(ordinal, _, _)| *ordinal == ctx.ordinal);
+        if let Some((_, id, k)) = entry.map(|i| &loaded[i]) {
+            if *id == ctx.id {
+                return Ok(k.clone());
+            }
         }
-        let (major, minor) = ctx.capability;
-        let compiled = compile::compile(compile::Target::for_device(major, minor)?)?;
-        let module = Module::load(ctx, &compiled.image)?;
+        // A new context for the device (its primary context was reset): the same image again.
+        let image = match entry.map(|i| loaded.remove(i)) {
+            Some((_, _, k)) => k.image.clone(),
+            None => {
+                let (major, minor) = ctx.capability;
+                compile::compile(compile::Target::for_device(major, minor)?)?.image.into()
+            }
+        };
+        let module = Module::load(ctx, &image)?;
         // cuModuleGetFunction, like every driver call on a context's objects, needs it current.
         let _current = ctx.enter()?;
         let f =
@@ -58,8 +71,9 @@ impl Kernels {
             scale_loss: f("ga_scale_loss")?,
             layout_sizes: f("ga_layout_sizes")?,
             _module: module,
+            image,
         });
-        loaded.push((ctx.ordinal, k.clone()));
+        loaded.push((ctx.ordinal, ctx.id, k.clone()));
         Ok(k)
     }
 }

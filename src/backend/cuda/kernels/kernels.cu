@@ -249,29 +249,60 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
     }
 }
 
-/* The global norm from the block sums (added in block order, as the CPU backend), and the clip
- * coefficient. The order is what makes the result bitwise reproducible, so one thread adds; the
- * block stages the sums through shared memory in coalesced tiles, so that thread never waits on
- * global memory. Launched with GA_THREADS threads and one block. */
+/* The global norm from the block sums, folded as cpu::fold_block_sums (ga_fold_block_sums), and
+ * the clip coefficient. The fold's fixed shape makes the result bitwise reproducible and lets the
+ * block add in parallel: thread t owns lanes t + k * GA_THREADS, adds a row of GA_FOLD_LANES sums
+ * at a time (coalesced loads, GA_FOLD_PER_THREAD independent chains), and halves in registers
+ * while the partners are its own lanes, then through shared memory. Launched with one block of
+ * exactly GA_THREADS threads (the lane ownership depends on it). */
+#define GA_FOLD_PER_THREAD (GA_FOLD_LANES / GA_THREADS)
+#ifdef __CUDACC__
+#define GA_UNROLL _Pragma("unroll")
+#else
+#define GA_UNROLL
+#endif
+#if GA_FOLD_LANES % GA_THREADS != 0 || (GA_FOLD_PER_THREAD & (GA_FOLD_PER_THREAD - 1)) != 0
+#error "the fold's lanes must split into a power of two per thread"
+#endif
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_finish_norm(ga_boundary *b, const double *partials, ga_u64 num_blocks, double max_norm) {
-    __shared__ double tile[GA_THREADS];
+    __shared__ double lanes[GA_THREADS];
     if (b->empty || blockIdx.x != 0) {
         return;
     }
-    double sum = 0.0;
-    for (ga_u64 base = 0; base < num_blocks; base += GA_THREADS) {
-        ga_u64 n = num_blocks - base < GA_THREADS ? num_blocks - base : GA_THREADS;
-        if (threadIdx.x < n) {
-            tile[threadIdx.x] = partials[base + threadIdx.x];
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (ga_u64 k = 0; k < n; ++k) {
-                sum = GA_DADD(sum, tile[k]);
+    double acc[GA_FOLD_PER_THREAD];
+GA_UNROLL
+    for (int k = 0; k < GA_FOLD_PER_THREAD; ++k) {
+        acc[k] = 0.0;
+    }
+    for (ga_u64 row = 0; row < num_blocks; row += GA_FOLD_LANES) {
+GA_UNROLL
+        for (int k = 0; k < GA_FOLD_PER_THREAD; ++k) {
+            ga_u64 i = row + threadIdx.x + (ga_u64)k * GA_THREADS;
+            if (i < num_blocks) {
+                acc[k] = GA_DADD(acc[k], partials[i]);
             }
+        }
+    }
+    ga_u64 width = ga_fold_first_width(num_blocks < GA_FOLD_LANES ? num_blocks : GA_FOLD_LANES);
+    /* Lane t + k * GA_THREADS meets lane t + (k + width / GA_THREADS) * GA_THREADS: the same thread's. */
+GA_UNROLL
+    for (int w = GA_FOLD_PER_THREAD / 2; w > 0; w /= 2) {
+        if (width == (ga_u64)w * GA_THREADS) {
+            for (int k = 0; k < w; ++k) {
+                acc[k] = GA_DADD(acc[k], acc[k + w]);
+            }
+            width /= 2;
+        }
+    }
+    lanes[threadIdx.x] = acc[0];
+    __syncthreads();
+    for (; width > 0; width /= 2) {
+        if (threadIdx.x < width) {
+            lanes[threadIdx.x] = GA_DADD(lanes[threadIdx.x], lanes[threadIdx.x + width]);
         }
         __syncthreads();
     }
+    double sum = lanes[0];
     if (threadIdx.x != 0) {
         return;
     }

@@ -43,6 +43,10 @@ typedef unsigned long long ga_u64;
 #define GA_NORM_BLOCK 4096
 #define GA_NORM_LANES 16
 
+/* Lanes of the fold of the block sums (math::FOLD_LANES): block sum b goes to lane
+ * b % GA_FOLD_LANES. */
+#define GA_FOLD_LANES 8192
+
 /* Normalisation modes, as GRADACC_NORMALIZE_* in the C API. */
 #define GA_NORMALIZE_BY_COUNT 0
 #define GA_NORMALIZE_BY_MICROBATCHES 1
@@ -199,6 +203,35 @@ GA_HD double ga_block_sum_squares(const float *block, ga_u32 n) {
         lanes[i % GA_NORM_LANES] = GA_DADD(lanes[i % GA_NORM_LANES], ga_square(block[i]));
     }
     return ga_combine_lanes(lanes);
+}
+
+/* The first width of the fold's halving over `used` lanes: half the smallest power of two that
+ * covers them, 0 for one lane or none (math::fold_first_width). */
+GA_HD ga_u64 ga_fold_first_width(ga_u64 used) {
+    ga_u64 covering = 1;
+    while (covering < used) {
+        covering *= 2;
+    }
+    return covering / 2;
+}
+
+/* The sum of squares from `n` block sums (cpu::fold_block_sums): sum b into lane
+ * b % GA_FOLD_LANES, each lane in block order from 0, then the lanes halved from
+ * ga_fold_first_width. `lanes` is scratch of GA_FOLD_LANES values. ga_finish_norm adds in exactly
+ * this order, in parallel; this serial copy is the host tests' reference. */
+GA_HD double ga_fold_block_sums(const double *sums, ga_u64 n, double *lanes) {
+    for (ga_u64 j = 0; j < GA_FOLD_LANES; ++j) {
+        lanes[j] = 0.0;
+    }
+    for (ga_u64 b = 0; b < n; ++b) {
+        lanes[b % GA_FOLD_LANES] = GA_DADD(lanes[b % GA_FOLD_LANES], sums[b]);
+    }
+    for (ga_u64 width = ga_fold_first_width(n < GA_FOLD_LANES ? n : GA_FOLD_LANES); width > 0; width /= 2) {
+        for (ga_u64 j = 0; j < width; ++j) {
+            lanes[j] = GA_DADD(lanes[j], lanes[j + width]);
+        }
+    }
+    return lanes[0];
 }
 
 /* What the boundary divides the summed gradient by; 0 means an empty window. */
