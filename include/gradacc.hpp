@@ -367,8 +367,8 @@ public:
      * both groups calls it, each on its own thread. Counts, overflow and the norm are the whole
      * grid's, the same on every rank, and replicas hold the same bits. Replica groups pairing
      * different shards throw SIZE_MISMATCH, and an unsharded accumulator INVALID_ARGUMENT, on
-     * every rank with the window intact. Host communicators only (in-process, MPI); a CUDA
-     * accumulator throws BACKEND_UNAVAILABLE. */
+     * every rank with the window intact. Which communicators a device takes:
+     * gradacc_accumulator_sync_hybrid. */
     SyncInfo sync_hybrid(Communicator &shard, Communicator &replicas) {
         SyncInfo info{};
         info.struct_size = sizeof info;

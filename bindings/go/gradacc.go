@@ -663,10 +663,10 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 // the other shard groups. Every rank of both groups calls it, each from its own goroutine. Counts, overflow and
 // the norm are the whole grid's, the same on every rank, and replicas hold the same bits (Shard).
 // Replica groups pairing different shards fail with StatusSizeMismatch, and an unsharded
-// accumulator with StatusInvalidArgument, on every rank with the window intact. Host
-// communicators only (in-process, MPI). A nil or closed Accumulator or Comm still reaches the C
-// call, which fails this rank (StatusNullArgument) and takes part in the other group's exchange,
-// so its ranks fail too instead of waiting.
+// accumulator with StatusInvalidArgument, on every rank with the window intact; which
+// communicators a device takes: gradacc_accumulator_sync_hybrid. A nil or closed Accumulator or
+// Comm still reaches the C call, which fails this rank (StatusNullArgument) and takes part in the
+// other group's exchange, so its ranks fail too instead of waiting.
 func (a *Accumulator) SyncHybrid(shard, replicas *Comm) (SyncInfo, error) {
 	var p *C.gradacc_accumulator_t
 	if a != nil {

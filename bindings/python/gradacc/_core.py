@@ -523,8 +523,9 @@ class Accumulator(_Managed):
         rank of both groups calls it, each on its own thread. Counts, overflow and the norm are
         the whole grid's, the same on every rank, and replicas hold the same bits
         (:meth:`shard`). Replica groups pairing different shards raise SIZE_MISMATCH, and an
-        unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Host
-        communicators only (in-process, MPI)."""
+        unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Which
+        communicators a device takes: gradacc_accumulator_sync_hybrid and docs/sharding.md
+        ("Hybrid groups")."""
         info = _out_struct(ffi.gradacc_sync_info_t)
         objs = (shard_comm, replica_comm)
         if self._ptr is None or not all(isinstance(c, Communicator) and c._ptr is not None for c in objs):

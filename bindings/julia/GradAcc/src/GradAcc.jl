@@ -750,8 +750,9 @@ groups. Every
 rank of both groups calls it from its own task and thread. Counts, overflow and the norm are the
 whole grid's, the same on every rank, and replicas hold the same bits ([`GradAcc.shard`](@ref)).
 Replica groups pairing different shards throw `GRADACC_STATUS_SIZE_MISMATCH`, and an unsharded
-accumulator `GRADACC_STATUS_INVALID_ARGUMENT`, on every rank with the window intact. Host
-communicators only (local, MPI).
+accumulator `GRADACC_STATUS_INVALID_ARGUMENT`, on every rank with the window intact. Which
+communicators a device takes: `gradacc_accumulator_sync_hybrid` and docs/sharding.md ("Hybrid
+groups").
 """
 function sync_hybrid!(a::Accumulator, shard::Communicator, replicas::Communicator)
     info = out_struct(gradacc_sync_info_t)
