@@ -7,7 +7,7 @@
 //! (`layout`), how the ranks agree before a collective and what each verdict says (`protocol`),
 //! how sharding cuts a micro-batch into stripes and buckets (`sharding`), which checks run before
 //! anything changes, and the order of the boundary's steps. A boundary feature starts here.
-//! A device supplies the memory and the kernels through the [`Store`] trait: `backend::cpu` (a
+//! A device supplies the memory and the kernels through the `Store` trait: `backend::cpu` (a
 //! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
 //! caller's stream, NCCL). A trait object rather than a type parameter: the device is chosen at
 //! run time by every caller of the C ABI and of the bindings, so one concrete type keeps that
@@ -231,8 +231,8 @@ impl Plan {
 
     /// Every rank's shard under either sharded policy, in rank order; empty without sharding.
     /// Shards split the flat layout into equal parts rounded up to whole blocks of the norm
-    /// ([`cpu::math::NORM_BLOCK`] elements, so a shard's block sums are the all-reduce's); the
-    /// last ones may be shorter or empty.
+    /// ([`NORM_BLOCK`](crate::backend::cpu::math::NORM_BLOCK) elements, so a shard's block sums
+    /// are the all-reduce's); the last ones may be shorter or empty.
     pub(crate) fn shards(&self) -> Vec<Range<usize>> {
         let Some((shards, _)) = self.config.sharding.shard() else { return Vec::new() };
         crate::comm::shares::shard_ranges(self.layout.len(), shards)
