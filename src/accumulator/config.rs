@@ -103,8 +103,9 @@ pub enum Sharding {
     /// **An invalid call fails on every rank.** Each micro-batch opens with a control step in
     /// which the ranks compare their layouts and steps:
     /// - A rank whose call is invalid (a wrong tensor count, dtype, length or count, the wrong
-    ///   state, an argument the C layer or a binding refused) still takes part: it fails with its
-    ///   own error, the others with `PeerFailure`; nothing is added and every window is intact.
+    ///   state, an argument the C layer refused, or one a binding's `add` or `sync` refused)
+    ///   still takes part: it fails with its own error, the others with `PeerFailure`; nothing
+    ///   is added and every window is intact.
     /// - Ranks at different steps (the boundary on some, a micro-batch on others; `add` on some,
     ///   `begin_microbatch` on others) or with different accumulators all fail with
     ///   `SizeMismatch`, nothing reduced.
