@@ -285,7 +285,8 @@ private:
 
 /** FP32 master gradients of a list of tensors. Move-only; destroyed with
  * gradacc_accumulator_destroy. The scalers and communicators passed to its methods are borrowed
- * for the call only, except the communicator of Accumulator::sharded, which must outlive it. */
+ * for the call only; Accumulator::sharded's communicator may be destroyed before it (the library
+ * keeps the group). */
 class Accumulator {
 public:
     explicit Accumulator(span<const TensorDesc> tensors,
@@ -309,17 +310,14 @@ public:
         return Accumulator(p);
     }
 
-    /** Sharded accumulation (ZeRO-2): `config.sharding` is GRADACC_SHARDING_ACCUMULATE and `comm`
-     * a host communicator (in-process or MPI) of `config.shard_count` ranks on which this is rank
-     * `config.shard_rank`; anything else throws INVALID_ARGUMENT (a CUDA `device`,
-     * BACKEND_UNAVAILABLE). The accumulator holds only its shard (shard()) and one bucket of
-     * staging, and reduce-scatters every micro-batch over `comm`: every rank makes the same add,
-     * or begin_microbatch / add_tensor / end_microbatch, calls, each on its own thread, then
-     * sync() or sync(comm). An invalid call on one rank throws there and PEER_FAILURE on the
-     * others, with nothing added. With add_tensor each tensor takes one contribution per
-     * micro-batch. The result differs from an unsharded all-reduce only by the order of the FP32
-     * sums. `comm` must outlive the accumulator: destroying it first makes every later
-     * reduction fail. */
+    /** Sharded accumulation (ZeRO-2, gradacc_accumulator_create_sharded): `config.sharding` is
+     * GRADACC_SHARDING_ACCUMULATE and `comm` a communicator of `config.shard_count` ranks on
+     * which this is rank `config.shard_rank`. The accumulator holds only its shard (shard()), and
+     * every micro-batch and sync is a collective over `comm`, each rank calling on its own
+     * thread. docs/sharding.md ("Sharded accumulation (ZeRO-2)") states the contract: what each
+     * rank holds, the calls every rank makes, how a failure ends and what the result equals. In
+     * C++ a failure throws gradacc::Error with the page's status. The library keeps the group:
+     * destroying `comm` first releases only its handle, and sync() goes on without it. */
     static Accumulator sharded(span<const TensorDesc> tensors, Communicator &comm,
                                const AccumulatorConfig &config, const Device &device = Device()) {
         gradacc_accumulator_t *p = nullptr;
@@ -369,8 +367,8 @@ public:
      * both groups calls it, each on its own thread. Counts, overflow and the norm are the whole
      * grid's, the same on every rank, and replicas hold the same bits. Replica groups pairing
      * different shards throw SIZE_MISMATCH, and an unsharded accumulator INVALID_ARGUMENT, on
-     * every rank with the window intact. Host communicators only (in-process, MPI); a CUDA
-     * accumulator throws BACKEND_UNAVAILABLE. */
+     * every rank with the window intact. Which communicators a device takes:
+     * gradacc_accumulator_sync_hybrid. */
     SyncInfo sync_hybrid(Communicator &shard, Communicator &replicas) {
         SyncInfo info{};
         info.struct_size = sizeof info;

@@ -334,9 +334,8 @@ func (s *Scaler) Load(state []byte) error {
 type Accumulator struct {
 	ptr     *C.gradacc_accumulator_t
 	tensors []TensorDesc
-	// comm is a sharded accumulation's communicator, referenced so that its finalizer cannot
-	// destroy the handle before the accumulator (gradacc_accumulator_create_sharded asks for
-	// that order: every micro-batch reduces over it).
+	// comm is a sharded accumulation's communicator, referenced for as long as the accumulator
+	// (the C accumulator holds its own reference to the group, so closing comm is harmless).
 	comm *Comm
 }
 
@@ -369,17 +368,17 @@ func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Dev
 	return newAccumulator(p, tensors, nil), nil
 }
 
-// NewShardedAccumulator creates a sharded accumulation (ZeRO-2): config.Sharding is
-// ShardingAccumulate and comm a communicator of config.ShardCount ranks on which this is rank
-// config.ShardRank: a host communicator (in-process or MPI) for the CPU, an NCCL communicator on
-// the same device for CUDA; anything else fails with StatusInvalidArgument. On either device the
-// accumulator holds only its shard (Shard) and one bucket of staging, and reduce-scatters every
-// micro-batch over comm: every rank makes the same Add, or BeginMicrobatch / AddTensor /
-// EndMicrobatch, calls, each from its own goroutine, then Sync with comm or nil. An invalid call on
-// one rank fails there and with StatusPeerFailure on the others, with nothing added; with AddTensor
-// each tensor takes one contribution per micro-batch. The shard differs from an unsharded
-// all-reduce only by the order of the FP32 sums. The accumulator keeps comm referenced until Close;
-// closing comm first makes every later reduction fail.
+// NewShardedAccumulator creates a sharded accumulation (ZeRO-2,
+// gradacc_accumulator_create_sharded): config.Sharding is ShardingAccumulate and comm a
+// communicator of config.ShardCount ranks on which this is rank config.ShardRank. The accumulator
+// holds only its shard (Shard), and every micro-batch and Sync is a collective over comm, each
+// rank calling from its own goroutine. docs/sharding.md ("Sharded accumulation (ZeRO-2)") states
+// the contract: what each rank holds, the calls every rank makes, how a failure ends and what the
+// result equals. In Go a failure the library reports is an *Error whose Status is the page's
+// (StatusPeerFailure for GRADACC_STATUS_PEER_FAILURE); the binding's own checks in Add and Sync
+// (gradient count or length, a closed Scaler or Comm, foreign BoundGrads) fail here and still fail
+// the other ranks at once. The accumulator keeps comm referenced until Close, and the library
+// keeps the group: closing comm first releases only its handle, and Sync(nil) goes on without it.
 func NewShardedAccumulator(tensors []TensorDesc, config *AccumulatorConfig, comm *Comm, device *Device) (*Accumulator, error) {
 	cfg, descs, dev := creationArgs(tensors, config, device)
 	var cp *C.gradacc_comm_t // nil: the C call names the missing argument
@@ -664,10 +663,10 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 // the other shard groups. Every rank of both groups calls it, each from its own goroutine. Counts, overflow and
 // the norm are the whole grid's, the same on every rank, and replicas hold the same bits (Shard).
 // Replica groups pairing different shards fail with StatusSizeMismatch, and an unsharded
-// accumulator with StatusInvalidArgument, on every rank with the window intact. Host
-// communicators only (in-process, MPI). A nil or closed Accumulator or Comm still reaches the C
-// call, which fails this rank (StatusNullArgument) and takes part in the other group's exchange,
-// so its ranks fail too instead of waiting.
+// accumulator with StatusInvalidArgument, on every rank with the window intact; which
+// communicators a device takes: gradacc_accumulator_sync_hybrid. A nil or closed Accumulator or
+// Comm still reaches the C call, which fails this rank (StatusNullArgument) and takes part in the
+// other group's exchange, so its ranks fail too instead of waiting.
 func (a *Accumulator) SyncHybrid(shard, replicas *Comm) (SyncInfo, error) {
 	var p *C.gradacc_accumulator_t
 	if a != nil {

@@ -74,17 +74,86 @@ pub enum Sharding {
     /// rank, and the shard holds the bits an all-reduce would leave there. `sync` takes a
     /// communicator of `shards` ranks on which this is rank `rank`.
     ReduceScatter { shards: usize, rank: usize },
-    /// Sharded accumulation (ZeRO-2): rank `rank` of `shards` holds only its shard of the FP32
-    /// gradient, plus one bucket of FP32 staging. Every micro-batch is converted, unscaled,
-    /// checked and weighted bucket by bucket into the staging, reduce-scattered over the
-    /// accumulator's communicator (given at creation: [`Accumulator::sharded`]) and added into
-    /// the shard; the boundary agrees on counts and overflow, and normalises, measures and clips
-    /// the shard. Every rank must add the same micro-batches (the reductions pair up call by
-    /// call). CPU accumulators on host communicators; CUDA accumulators on NCCL. Either adds
-    /// whole micro-batches (`add`) or tensor by tensor (`begin_microbatch` / `add_tensor` /
-    /// `end_microbatch`).
+    /// Sharded accumulation (ZeRO-2, FSDP): rank `rank` of `shards` holds only its shard of the
+    /// FP32 gradient, and every micro-batch is reduce-scattered as it is added. This doc is the
+    /// contract; docs/sharding.md ("Sharded accumulation (ZeRO-2)") states it for every
+    /// language, with examples and measurements, and the C header and the bindings point there.
     ///
-    /// [`Accumulator::sharded`]: super::Accumulator::sharded
+    /// **Who holds what.** The shard is [`Accumulator::shard`]'s range, cut as under
+    /// [`Sharding::ReduceScatter`]; besides it, FP32 staging: one stripe for `add` (a bucket's
+    /// worth over all ranks), and for tensors added one by one each bucket from its first
+    /// tensor until its turn to be reduced (one bucket at a time when they arrive in the
+    /// backward's order; in the forward's, every bucket). Nothing else of the master exists:
+    /// `read_master`, `with_master` and `master_ptr` take only a tensor wholly inside the shard
+    /// (`InvalidArgument` otherwise), and no master buffer can be adopted.
+    ///
+    /// **The communicator** is given at creation ([`Accumulator::sharded_on`]), `shards` ranks of
+    /// which this is `rank`. The accumulator holds its own reference to it, so the group lives as
+    /// long as the accumulator, whatever becomes of the caller's reference (MPI must stay
+    /// initialised until then). `sync` and `sync_enqueue` take it or `None`; another communicator
+    /// fails on every rank, `InvalidArgument` on the rank that passed it. With one shard there is
+    /// no collective: [`Accumulator::new`] makes it, and it is the unsharded accumulation bit for
+    /// bit.
+    ///
+    /// **Every rank makes the same calls.** Each micro-batch (`add`, or `begin_microbatch`,
+    /// `add_tensor`s, `end_microbatch`) and each boundary is a collective over that communicator,
+    /// so every rank makes the same sequence of them, each micro-batch with the rank's own item
+    /// count; `reset` inside a micro-batch ends it as `end_microbatch` would, then discards.
+    ///
+    /// **An invalid call fails on every rank.** Each micro-batch opens with a control step in
+    /// which the ranks compare their layouts and steps:
+    /// - A rank whose call is invalid (a wrong tensor count, dtype, length or count, the wrong
+    ///   state, an argument the C layer refused, or one a binding's `add` or `sync` refused)
+    ///   still takes part: it fails with its own error, the others with `PeerFailure`; nothing
+    ///   is added and every window is intact.
+    /// - Ranks at different steps (the boundary on some, a micro-batch on others; `add` on some,
+    ///   `begin_microbatch` on others) or with different accumulators all fail with
+    ///   `SizeMismatch`, nothing reduced.
+    /// - An `add_tensor` cannot be checked before its bucket moves: one refused on any rank (a
+    ///   wrong length or dtype, a second contribution) fails the micro-batch on every rank at
+    ///   `end_microbatch` (`WrongState` where it was refused, `PeerFailure` elsewhere), and every
+    ///   window is discarded.
+    /// - A reduction that fails after the control step (an abort, a timeout, a lost peer,
+    ///   staging that cannot be allocated, which aborts the communicator) fails the call on every
+    ///   rank and discards the windows ("(the window was discarded)").
+    /// - On CUDA the ranks compare layouts once, at the first micro-batch (a host wait). After
+    ///   it, a call refused on one rank (other than `add_tensor`) waits for that rank's earlier
+    ///   collectives and aborts the communicator, its own window intact; the others fail with
+    ///   `CommFailure`, or `Timeout` at the latest, and their windows are discarded.
+    ///
+    /// A window lost with its communicator resumes from a saved window in a new accumulation.
+    ///
+    /// **Tensor by tensor.** Each tensor takes one contribution per micro-batch (a second is
+    /// `WrongState`), and the `add_tensor` calls run one at a time, from any threads (one may
+    /// reduce a bucket). Buckets are reduced in the backward's order, the last first, each once
+    /// all of its tensors have landed; `end_microbatch` reduces the rest, a tensor that received
+    /// nothing contributing zeros.
+    ///
+    /// **What it computes.** Each micro-batch is converted, unscaled, weighted and checked as
+    /// under every policy, summed over the ranks in rank order and added into the shard (the
+    /// window's first micro-batch assigns). `add` and `add_tensor` give the same bits. The other
+    /// policies sum each rank's micro-batches first and the ranks once, so the results differ by
+    /// the order of the FP32 sums (and, with a BF16 wire, which here rounds each rank's
+    /// contribution to every micro-batch once, by those roundings): the same values within
+    /// rounding, not the same bits. On NCCL, whose reduce-scatter may order its sums otherwise,
+    /// the ranks still agree.
+    ///
+    /// **The boundary** reduces no gradient. Counts, micro-batches and overflow are agreed once
+    /// (a non-finite value on any rank, or a sum that overflows as it is added into a shard,
+    /// skips the step on every rank); the norm is the whole gradient's, from every shard's block
+    /// sums, the same on every rank; clipping scales the own shard. [`Accumulator::sync_hybrid`]
+    /// with the creation communicator as the shard group first all-reduces the shard over the
+    /// replicas, in FP32.
+    ///
+    /// **Checkpoints.** [`Accumulator::save_window`] writes the shard and names it; the bytes
+    /// load and merge only into the same shard of an accumulation over as many ranks
+    /// (`CorruptState` otherwise).
+    ///
+    /// [`Accumulator::shard`]: super::Accumulator::shard
+    /// [`Accumulator::sharded_on`]: super::Accumulator::sharded_on
+    /// [`Accumulator::new`]: super::Accumulator::new
+    /// [`Accumulator::sync_hybrid`]: super::Accumulator::sync_hybrid
+    /// [`Accumulator::save_window`]: super::Accumulator::save_window
     Accumulate { shards: usize, rank: usize },
 }
 

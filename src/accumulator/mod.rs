@@ -7,7 +7,7 @@
 //! (`layout`), how the ranks agree before a collective and what each verdict says (`protocol`),
 //! how sharding cuts a micro-batch into stripes and buckets (`sharding`), which checks run before
 //! anything changes, and the order of the boundary's steps. A boundary feature starts here.
-//! A device supplies the memory and the kernels through the [`Store`] trait: `backend::cpu` (a
+//! A device supplies the memory and the kernels through the `Store` trait: `backend::cpu` (a
 //! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
 //! caller's stream, NCCL). A trait object rather than a type parameter: the device is chosen at
 //! run time by every caller of the C ABI and of the bindings, so one concrete type keeps that
@@ -231,8 +231,8 @@ impl Plan {
 
     /// Every rank's shard under either sharded policy, in rank order; empty without sharding.
     /// Shards split the flat layout into equal parts rounded up to whole blocks of the norm
-    /// ([`cpu::math::NORM_BLOCK`] elements, so a shard's block sums are the all-reduce's); the
-    /// last ones may be shorter or empty.
+    /// ([`NORM_BLOCK`](crate::backend::cpu::math::NORM_BLOCK) elements, so a shard's block sums
+    /// are the all-reduce's); the last ones may be shorter or empty.
     pub(crate) fn shards(&self) -> Vec<Range<usize>> {
         let Some((shards, _)) = self.config.sharding.shard() else { return Vec::new() };
         crate::comm::shares::shard_ranges(self.layout.len(), shards)
@@ -473,10 +473,7 @@ impl Accumulator {
         Self::build(device, config, tensors, Some((ptr, len)), None)
     }
 
-    /// A sharded accumulation (ZeRO-2, [`Sharding::Accumulate`] in `config`): a CPU accumulator
-    /// that holds only its shard of the FP32 master and one bucket of staging, and reduce-scatters
-    /// every micro-batch over `comm`, a host communicator of `shards` ranks on which it is rank
-    /// `rank`. Every rank adds the same micro-batches; `sync` takes `comm` again (or `None`).
+    /// [`Accumulator::sharded_on`] on the CPU: a sharded accumulation over a host communicator.
     pub fn sharded(
         config: AccumulatorConfig,
         tensors: &[TensorDesc],
@@ -485,14 +482,18 @@ impl Accumulator {
         Self::sharded_on(Device::Cpu, config, tensors, comm)
     }
 
-    /// [`Accumulator::sharded`] on `device`: on CUDA, `comm` is an NCCL communicator on the same
-    /// device, the shard and one stripe of staging are device memory, and every micro-batch is
-    /// reduce-scattered on the device's stream; hooks (`begin_microbatch`, `add_tensor`) reduce
-    /// each bucket on a communication stream as soon as its tensors have landed, and
-    /// `end_microbatch` waits for the closing control step. The ranks check their layouts once,
-    /// at the first micro-batch (a host wait); after that a rank whose call is invalid (other
-    /// than an `add_tensor`, which fails the micro-batch on every rank when it ends) aborts the
-    /// communicator, and the others' calls fail when it is aborted or times out.
+    /// A sharded accumulation on `device` over `comm` ([`Sharding::Accumulate`] in `config`,
+    /// whose doc is the contract: what each rank holds, the calls every rank makes, how a failure
+    /// ends). `comm` has `shards` ranks, of which this is `rank`: a host communicator (in-process
+    /// or MPI) on the CPU, an NCCL communicator on the same device on CUDA; the accumulator keeps
+    /// a reference to it. Fails, creating nothing, with `InvalidArgument` when `config.sharding`
+    /// is not `Accumulate` or `comm` has another size or rank, and `DeviceMismatch` for a
+    /// communicator of another kind or device.
+    ///
+    /// On CUDA the shard and the staging are device memory: `add` enqueues each stripe's
+    /// conversion, reduce-scatter and shard add on the device's stream without waiting; hooks
+    /// convert on that stream and reduce each bucket on a communication stream as soon as its
+    /// turn comes, and `end_microbatch` waits for the micro-batch's closing control step.
     pub fn sharded_on(
         device: Device,
         config: AccumulatorConfig,
@@ -584,8 +585,8 @@ impl Accumulator {
     /// [`Sharding::ReduceScatter`], after a `sync` the range holds this rank's part of the reduced,
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
     /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all
-    /// the accumulator holds: it accumulates the window's sum over the ranks, and after a `sync`
-    /// holds the reduced, normalised (and clipped) gradient.
+    /// the accumulator holds: the window's sum over the ranks while accumulating, the reduced
+    /// gradient after a `sync`.
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
         let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
@@ -602,11 +603,8 @@ impl Accumulator {
     /// 224 tensors) and the call returns without waiting; the buffers must stay valid until the
     /// stream has run it.
     ///
-    /// Under [`Sharding::Accumulate`] every rank must call it alike: the micro-batch is
-    /// reduce-scattered stripe by stripe. An invalid call on one rank fails on every rank with
-    /// nothing added (on CUDA at the first micro-batch, which checks the layouts; later a refused
-    /// call aborts the communicator, and the other ranks' calls fail); a reduction that fails
-    /// midway discards the window.
+    /// Under [`Sharding::Accumulate`] a collective: every rank calls it alike, and a failure
+    /// ends as that policy states.
     pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
         let grads = grads.into();
         let mut w = self.window.write();
@@ -742,9 +740,8 @@ impl Accumulator {
     /// Adds one contribution to tensor `index` in the open micro-batch. Callable from several
     /// threads at once; a tensor may receive several contributions (a chunked backward).
     ///
-    /// Under [`Sharding::Accumulate`] each tensor takes one contribution per micro-batch, and the
-    /// calls run one at a time (a call may reduce a bucket); a call that fails on any rank fails
-    /// the micro-batch on every rank when it ends, and the windows are discarded.
+    /// Under [`Sharding::Accumulate`] each tensor takes one contribution per micro-batch, and a
+    /// refusal fails the micro-batch on every rank when it ends: that policy states the rules.
     pub fn add_tensor<'a>(
         &self,
         scaler: &Scaler,
@@ -820,8 +817,8 @@ impl Accumulator {
 
     /// Closes the open micro-batch; its count and one micro-batch join the window.
     ///
-    /// Under [`Sharding::Accumulate`] the buckets still waiting are reduced here (a tensor that
-    /// received nothing contributes zeros), and a failed reduction discards the window.
+    /// Under [`Sharding::Accumulate`] a collective: the buckets still waiting are reduced here,
+    /// as that policy states.
     pub fn end_microbatch(&self) -> Result<()> {
         let mut w = self.window.write();
         let Phase::InMicrobatch { count } = w.phase else {
@@ -844,8 +841,9 @@ impl Accumulator {
     /// The boundary. With a communicator, every rank of its group must call it: the control
     /// values are agreed first (so ranks agree on counts and overflow, and fail together where
     /// the transport can tell them), then the master is summed bucket by bucket, normalised,
-    /// measured and clipped. `None` is the single-process boundary. On CUDA this waits for the
-    /// accumulator's stream to read the info; [`Accumulator::sync_enqueue`] does not.
+    /// measured and clipped. `None` is the single-process boundary, or a sharded accumulation's
+    /// own communicator ([`Sharding::Accumulate`]). On CUDA this waits for the accumulator's
+    /// stream to read the info; [`Accumulator::sync_enqueue`] does not.
     pub fn sync(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
         self.boundary(comm, None, true)?
             .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
@@ -1046,8 +1044,8 @@ impl Accumulator {
 
     /// Discards the window in progress (or the synced result): the next micro-batch starts afresh.
     ///
-    /// Under [`Sharding::Accumulate`], inside a micro-batch the buckets still waiting are reduced
-    /// first (the other ranks' reductions pair with them), and then discarded.
+    /// Under [`Sharding::Accumulate`], inside a micro-batch it ends the micro-batch as
+    /// `end_microbatch` does (the other ranks' reductions pair with it), then discards.
     pub fn reset(&self) -> Result<()> {
         let mut w = self.window.write();
         self.store.end_final()?;

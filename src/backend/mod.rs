@@ -1,4 +1,4 @@
-//! Devices: what differs between the CPU and CUDA, and nothing else. [`store_for`] is where a
+//! Devices: what differs between the CPU and CUDA, and nothing else. `store_for` is where a
 //! [`Device`] becomes its backend. Each backend supplies an accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
 //! `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's state on the device; the
 //! semantics (windows, counts, normalisation, the boundary's order, checks and errors) live once

@@ -60,14 +60,9 @@ pub const GRADACC_SHARDING_NONE: gradacc_sharding_t = 0;
 /// gradacc_accumulator_sync_hybrid over a shard group and a replica group (HSDP).
 pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
 /// Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the
-/// FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master). Every
-/// micro-batch is converted, unscaled, checked and weighted bucket by bucket into the staging,
-/// reduce-scattered over the accumulator's communicator, and added into the shard; the boundary
-/// agrees on counts and overflow once, then normalises, measures (the whole gradient's norm) and
-/// clips the shard. Create it with gradacc_accumulator_create_sharded; every rank adds the same
-/// micro-batches. CPU accumulators on host communicators (in-process, MPI); CUDA accumulators on
-/// NCCL communicators. Either adds whole micro-batches (add) or tensor by tensor
-/// (begin_microbatch / add_tensor / end_microbatch).
+/// FP32 gradient, and every micro-batch is reduce-scattered as it is added. Create it with
+/// gradacc_accumulator_create_sharded. What each rank holds, the calls every rank makes, how a
+/// failure ends and what the result equals: docs/sharding.md, "Sharded accumulation (ZeRO-2)".
 pub const GRADACC_SHARDING_ACCUMULATE: gradacc_sharding_t = 2;
 
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change
@@ -308,31 +303,20 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
     })
 }
 
-/// Creates a sharded accumulation (ZeRO-2): `config`->sharding must be
+/// Creates a sharded accumulation (GRADACC_SHARDING_ACCUMULATE, whose contract is in
+/// docs/sharding.md, "Sharded accumulation (ZeRO-2)"). `config`->sharding must be
 /// GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on
-/// which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU
-/// (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA. The accumulator
-/// owns only its shard (gradacc_accumulator_shard) and one bucket of staging, and reduce-scatters
-/// every micro-batch over `comm`, so every rank of `comm` must make the same calls: add, or
-/// begin_microbatch / add_tensor / end_microbatch, then sync with `comm` or NULL. On the CPU an
-/// invalid call on one rank fails on every rank with nothing added; a reduction that fails midway
-/// discards the window. With add_tensor, buckets are reduced in the backward's order (the last
-/// bucket first) as soon as their tensors have all landed (one contribution each per
-/// micro-batch); a bucket that fills before its turn keeps a staging buffer until then.
+/// which this is rank `config`->shard_rank: a host communicator (in-process or MPI) when `device`
+/// is NULL or the CPU, an NCCL communicator on the same device for CUDA. Fails, writing nothing,
+/// with GRADACC_STATUS_INVALID_ARGUMENT for another policy, or a shard count or rank that is not
+/// `comm`'s size and rank; GRADACC_STATUS_DEVICE_MISMATCH for a communicator of another kind or
+/// device; GRADACC_STATUS_NULL_ARGUMENT or GRADACC_STATUS_INVALID_HANDLE for a NULL or dead `comm`.
 ///
-/// On CUDA the shard and one stripe of staging (`shard_count` pieces of `bucket_numel /
-/// shard_count` elements, rounded up to 4096) are device memory, and add enqueues each stripe's
-/// conversion, ncclReduceScatter and shard add on the device's stream without waiting. The ranks
-/// check their layouts once, at the first micro-batch (it waits), and a rank whose call is
-/// invalid takes part with its error. After that a rank whose call is refused waits for its own
-/// earlier collectives, then aborts the communicator, so that it never pairs a later call with
-/// the peers' reductions: their calls fail with GRADACC_STATUS_COMM_FAILURE or, at the latest,
-/// GRADACC_STATUS_TIMEOUT; a host read (save_window, master) waits no longer than the timeout.
-/// With add_tensor each bucket is reduced on a communication stream as soon as its tensors have
-/// landed, without a host wait; end_microbatch waits for the micro-batch's closing control step,
-/// which fails the micro-batch on every rank when an add_tensor was refused on any (the windows
-/// are discarded, the communicator stays usable). A BF16 wire exchanges bf16 words with
-/// ncclSend / ncclRecv and sums them in FP32 in rank order, as on the CPU.
+/// From then on gradacc_accumulator_add, gradacc_accumulator_begin_microbatch /
+/// gradacc_accumulator_add_tensor / gradacc_accumulator_end_microbatch,
+/// gradacc_accumulator_reset inside a micro-batch, and gradacc_accumulator_sync (with `comm` or
+/// NULL) are collectives over `comm`. gradacc_accumulator_shard gives what the accumulator holds;
+/// gradacc_accumulator_master covers only tensors inside it.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. The accumulator
 /// holds its own reference to `comm`'s communicator: destroying the handle `comm` releases the
@@ -475,9 +459,8 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
 /// Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the
 /// tensor's declared dtype at `grad`. A tensor may receive several contributions (a chunked
 /// backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
-/// contribution per micro-batch, the calls run one at a time (one may reduce a bucket), and a
-/// call refused on any rank fails the micro-batch on every rank at
-/// gradacc_accumulator_end_microbatch (the windows are discarded).
+/// contribution per micro-batch, and a call refused on any rank fails the micro-batch on every
+/// rank at gradacc_accumulator_end_microbatch (docs/sharding.md).
 ///
 /// Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
 /// accumulator from other threads (distinct tensors in parallel; one tensor's contributions are

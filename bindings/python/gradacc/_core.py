@@ -379,15 +379,17 @@ class Accumulator(_Managed):
     ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the reductions send.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
-    (ZeRO-2): ``c`` is a communicator of ``n`` ranks on which this is rank ``r`` (in-process or
-    MPI for the CPU; for a CUDA ``device``, an NCCL communicator on that device), the accumulator
-    holds only its shard (:meth:`shard`, or :meth:`shard_ptr` on CUDA) and one bucket of staging,
-    and every micro-batch is reduce-scattered over ``c``. Every rank makes the same :meth:`add`, or
-    :meth:`begin_microbatch` / :meth:`add_tensor` / :meth:`end_microbatch`, calls, each on its own
-    thread, then :meth:`sync` (with ``c`` or None); an invalid call on one rank raises there and
-    PEER_FAILURE on the others, with nothing added. The shard differs from an unsharded
-    all-reduce only by the order of the FP32 sums. The accumulator keeps ``c`` referenced; do not
-    close ``c`` before it (its reductions would then fail). ``master=`` cannot be adopted."""
+    (ZeRO-2) over ``c``, a communicator of ``n`` ranks on which this is rank ``r``: the
+    accumulator holds only its shard (:meth:`shard`, or :meth:`shard_ptr` on CUDA), and every
+    micro-batch and :meth:`sync` is a collective over ``c``, each rank calling from its own
+    thread. docs/sharding.md ("Sharded accumulation (ZeRO-2)") states the contract: what each
+    rank holds, the calls every rank makes, how a failure ends and what the result equals. A
+    failure the library reports raises :class:`GradaccError` with the page's status
+    (``Status.PEER_FAILURE`` for GRADACC_STATUS_PEER_FAILURE); the checks of :meth:`add` and
+    :meth:`sync` themselves (gradient count or length, a closed scaler or communicator) raise
+    ``ValueError`` or ``TypeError`` here and still fail the other ranks at once. The accumulator
+    keeps ``c`` referenced, and the library keeps the group: ``c.close()`` releases only ``c``'s
+    handle, and :meth:`sync` then goes on without it. ``master=`` cannot be adopted."""
     _destroy = staticmethod(lambda p: ffi.gradacc_accumulator_destroy(p))
     _comm = None
 
@@ -405,7 +407,7 @@ class Accumulator(_Managed):
                 raise ValueError("a sharded accumulation (comm=) owns its shard: it cannot adopt master=")
             _check(ffi.gradacc_accumulator_create_sharded(ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
                                                           comm._handle(), ctypes.byref(out)))
-            self._comm = comm  # every micro-batch reduces over it: it must outlive the accumulator
+            self._comm = comm  # every micro-batch reduces over it (the library keeps the group too)
         elif master is None:
             _check(ffi.gradacc_accumulator_create(ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
                                                   ctypes.byref(out)))
@@ -521,8 +523,9 @@ class Accumulator(_Managed):
         rank of both groups calls it, each on its own thread. Counts, overflow and the norm are
         the whole grid's, the same on every rank, and replicas hold the same bits
         (:meth:`shard`). Replica groups pairing different shards raise SIZE_MISMATCH, and an
-        unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Host
-        communicators only (in-process, MPI)."""
+        unsharded accumulator INVALID_ARGUMENT, on every rank with the window intact. Which
+        communicators a device takes: gradacc_accumulator_sync_hybrid and docs/sharding.md
+        ("Hybrid groups")."""
         info = _out_struct(ffi.gradacc_sync_info_t)
         objs = (shard_comm, replica_comm)
         if self._ptr is None or not all(isinstance(c, Communicator) and c._ptr is not None for c in objs):

@@ -40,7 +40,7 @@ GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batches, m
 GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
-GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master).
+GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient, and every micro-batch is reduce-scattered as it is added.
 GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
@@ -184,7 +184,7 @@ gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
 gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, master, master_numel, out
 
-# Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA.
+# Creates a sharded accumulation (GRADACC_SHARDING_ACCUMULATE, whose contract is in docs/sharding.md, "Sharded accumulation (ZeRO-2)").
 gradacc_accumulator_create_sharded = dll.gradacc_accumulator_create_sharded
 gradacc_accumulator_create_sharded.restype = gradacc_status_t
 gradacc_accumulator_create_sharded.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]

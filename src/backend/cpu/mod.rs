@@ -1,5 +1,5 @@
 //! CPU kernels: the fused unscale-check-accumulate pass and the boundary passes over FP32 masters.
-//! Public entry points pick the widest SIMD path the CPU has at run time (see [`isa`]) and split
+//! Public entry points pick the widest SIMD path the CPU has at run time (see `isa`) and split
 //! large buffers over threads; every path computes the same per-element arithmetic, so results are
 //! bitwise identical for any ISA and any thread count.
 

@@ -1,14 +1,17 @@
-//! The store of a sharded accumulation (ZeRO-2): this rank's shard of the FP32 master and one
-//! bucket of FP32 staging, in host memory. A micro-batch goes through the staging a part at a
-//! time: its gradients are converted, unscaled, weighted and checked into the staging, the
-//! staging is reduce-scattered over the accumulator's communicator, and this rank's part is added
-//! into the shard (assigned in a window's first micro-batch) while it is in cache. The boundary
-//! only agrees, normalises, measures and clips.
+//! The store of a sharded accumulation on the CPU: this rank's shard of the FP32 master and its
+//! FP32 staging, in host memory. The contract (who holds what, which calls pair up, how a failure
+//! ends) is [`Sharding::Accumulate`]'s; this file only does the work. A micro-batch goes through
+//! the staging a part at a time: its gradients are converted, unscaled, weighted and checked into
+//! the staging, the staging is reduce-scattered over the accumulator's communicator, and this
+//! rank's part is added into the shard (assigned in a window's first micro-batch) while it is in
+//! cache. The boundary only agrees, normalises, measures and clips.
 //!
 //! The parts are the core's ([`crate::accumulator::sharding`]): stripes for a whole micro-batch,
 //! every rank receiving and summing its own slice; buckets for tensors arriving one by one, a
-//! bucket inside one shard then a reduce into its owner. Either way each element is the same sum
-//! in rank order, so the bits do not depend on the cut.
+//! bucket inside one shard then a reduce into its owner. Either way each element is summed in
+//! rank order, which is what makes `add` and `add_tensor` give the same bits.
+//!
+//! [`Sharding::Accumulate`]: crate::accumulator::Sharding::Accumulate
 
 use std::collections::VecDeque;
 use std::ops::Range;

@@ -84,7 +84,7 @@ pub struct Compiled {
     pub warnings: Vec<String>,
 }
 
-/// Whether NVRTC loads (never panics). Loaded once: see [`nvrtc`].
+/// Whether NVRTC loads (never panics). Loaded once: see `nvrtc()`.
 pub fn nvrtc_available() -> bool {
     nvrtc().is_ok()
 }

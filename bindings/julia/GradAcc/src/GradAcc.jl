@@ -523,25 +523,25 @@ accumulator keeps it referenced). Destroyed by `close` or the GC.
 gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group (HSDP).
 `wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the reductions send.
 
-`sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2):
-`c` is a communicator of `n` ranks on which this is rank `r` (local or MPI for the CPU; for a
-CUDA `device`, an NCCL communicator on that device), the accumulator holds only its shard
-([`GradAcc.shard`](@ref) on the CPU) and one bucket of staging, and every micro-batch is
-reduce-scattered over `c`. Every rank makes the same [`add!`](@ref), or
-[`begin_microbatch!`](@ref) / [`add_tensor!`](@ref) / [`end_microbatch!`](@ref), calls, each from
-its own task and thread, then [`sync!`](@ref) (with `c` or without a communicator); an invalid
-call on one rank throws there and `GRADACC_STATUS_PEER_FAILURE` on the others, with nothing
-added. With `add_tensor!` each tensor takes one contribution per micro-batch. The shard differs
-from an unsharded all-reduce only by the order of the FP32 sums. The accumulator keeps `c`
-referenced; close `c` only after it. It adopts no `buffer`.
+`sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2) over
+`c`, a communicator of `n` ranks on which this is rank `r`: the accumulator holds only its shard
+([`GradAcc.shard`](@ref) on the CPU), and every micro-batch ([`add!`](@ref), or
+[`begin_microbatch!`](@ref) / [`add_tensor!`](@ref) / [`end_microbatch!`](@ref)) and [`sync!`](@ref)
+is a collective over `c`, each rank calling from its own task and thread. docs/sharding.md ("Sharded
+accumulation (ZeRO-2)") states the contract: what each rank holds, the calls every rank makes, how a
+failure ends and what the result equals. In Julia a failure the library reports throws a
+[`GradAccError`](@ref) with the page's status; the binding's own checks in `add!` and `sync!` throw
+here and still fail the other ranks at once. The accumulator keeps `c` referenced, and the library
+keeps the group: `close(c)` releases only `c`'s handle, and `sync!` without a communicator goes on.
+It adopts no `buffer`.
 """
 mutable struct Accumulator
     @atomic ptr::Ptr{gradacc_accumulator_t}
     const tensors::Vector{gradacc_tensor_desc_t}
     const device::gradacc_device_t
     const buffer::Union{Nothing,Vector{Float32}}
-    # A sharded accumulation's communicator: every micro-batch reduces over it, so the GC must
-    # not destroy it first.
+    # A sharded accumulation's communicator, referenced for as long as the accumulator (the C
+    # accumulator holds its own reference to the group, so closing it is harmless).
     const comm::Union{Nothing,Communicator}
     function Accumulator(tensors::AbstractVector, buffer::Union{Nothing,Vector{Float32}}=nothing;
                          device=:cpu, comm::Union{Nothing,Communicator}=nothing, kw...)
@@ -750,8 +750,9 @@ groups. Every
 rank of both groups calls it from its own task and thread. Counts, overflow and the norm are the
 whole grid's, the same on every rank, and replicas hold the same bits ([`GradAcc.shard`](@ref)).
 Replica groups pairing different shards throw `GRADACC_STATUS_SIZE_MISMATCH`, and an unsharded
-accumulator `GRADACC_STATUS_INVALID_ARGUMENT`, on every rank with the window intact. Host
-communicators only (local, MPI).
+accumulator `GRADACC_STATUS_INVALID_ARGUMENT`, on every rank with the window intact. Which
+communicators a device takes: `gradacc_accumulator_sync_hybrid` and docs/sharding.md ("Hybrid
+groups").
 """
 function sync_hybrid!(a::Accumulator, shard::Communicator, replicas::Communicator)
     info = out_struct(gradacc_sync_info_t)

@@ -41,7 +41,7 @@ const GRADACC_NORMALIZE_BY_WORLD = 2  # The number of ranks: sum over micro-batc
 const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 const GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 const GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
-const GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient plus one bucket of FP32 staging (memory 1/shard_count of the master).
+const GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient, and every micro-batch is reduce-scattered as it is added.
 const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
@@ -169,7 +169,7 @@ function gradacc_accumulator_create_with_buffer(config, tensors, n, device, mast
     ccall((:gradacc_accumulator_create_with_buffer, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
 end
 
-"Creates a sharded accumulation (ZeRO-2): `config`->sharding must be GRADACC_SHARDING_ACCUMULATE, and `comm` a communicator of `config`->shard_count ranks on which this is rank `config`->shard_rank: a host communicator (in-process or MPI) for the CPU (`device` NULL or the CPU), an NCCL communicator on the same device for CUDA."
+"Creates a sharded accumulation (GRADACC_SHARDING_ACCUMULATE, whose contract is in docs/sharding.md, \"Sharded accumulation (ZeRO-2)\")."
 function gradacc_accumulator_create_sharded(config, tensors, n, device, comm, out)
     ccall((:gradacc_accumulator_create_sharded, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{gradacc_comm_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, comm, out)
 end
