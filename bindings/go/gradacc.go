@@ -601,14 +601,29 @@ func (a *Accumulator) AddTensor(s *Scaler, index int, g Grad) error {
 	}
 	sp, err := s.handle()
 	if err != nil {
-		return err
+		return a.refuseTensor(p, s, err)
 	}
 	if index >= 0 && index < len(a.tensors) && !g.raw && g.f32 != (a.tensors[index].DType == F32) {
-		return g.check("grad", a.tensors[index])
+		return a.refuseTensor(p, s, g.check("grad", a.tensors[index]))
 	}
 	err = call(func() C.enum_gradacc_status_t {
 		return C.gradacc_accumulator_add_tensor(p, sp, C.size_t(index), g.ptr, C.size_t(g.numel))
 	})
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(s)
+	return err
+}
+
+// refuseTensor returns err after AddTensor's own checks refused its arguments, making first a C
+// add_tensor that the library refuses (no gradient): a sharded accumulation's micro-batch then
+// fails on every rank when it ends, instead of summing this tensor as zeros on the others.
+// Elsewhere it only fails here (its status is dropped).
+func (a *Accumulator) refuseTensor(p *C.gradacc_accumulator_t, s *Scaler, err error) error {
+	var sp *C.gradacc_scaler_t // the scaler's handle if it is open, else nil
+	if s != nil {
+		sp = s.ptr
+	}
+	C.gradacc_accumulator_add_tensor(p, sp, 0, nil, 0)
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(s)
 	return err

@@ -1069,3 +1069,82 @@ func TestShardedBindingRefusalFailsThePeerAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// An AddTensor the binding refuses before the C call (16-bit words for an F32 tensor, a closed
+// Scaler) fails there, and the micro-batch then fails on every rank at EndMicrobatch (the windows
+// are discarded) instead of summing the refused tensor as zeros on the other rank.
+func TestShardedAddTensorRefusedByTheBindingFailsEveryRank(t *testing.T) {
+	comms := must(NewLocalGroup(2))
+	defer closeAll(comms)
+	setTimeouts(t, 30*time.Second, comms)
+	steps := []struct {
+		what string
+		bad  func(acc *Accumulator, s *Scaler) error
+	}{
+		{"16-bit words for an F32 tensor", func(acc *Accumulator, s *Scaler) error {
+			return acc.AddTensor(s, 1, Words16(make([]uint16, shardTensors[1].Numel)))
+		}},
+		{"a closed Scaler", func(acc *Accumulator, _ *Scaler) error {
+			closed := scalerWithScale(t, 1)
+			closed.Close()
+			return acc.AddTensor(closed, 1, Float32s(make([]float32, shardTensors[1].Numel)))
+		}},
+	}
+	refused, ended := make([][2]error, len(steps)), make([][2]error, len(steps))
+	final, failed := make([]SyncInfo, 2), make([]error, 2)
+	onRanks(t, 2, func(r int) {
+		failed[r] = func() error {
+			s := scalerWithScale(t, 1)
+			defer s.Close()
+			c := accumulateConfig(2, r, 0)
+			acc, err := NewShardedAccumulator(shardTensors, &c, comms[r], nil)
+			if err != nil {
+				return err
+			}
+			defer acc.Close()
+			g := randomGrads(rand.New(rand.NewSource(int64(70 + r))))
+			for i, step := range steps {
+				if err := acc.BeginMicrobatch(2); err != nil {
+					return err
+				}
+				for k := range shardTensors {
+					var err error
+					if r == 1 && k == 1 {
+						err = step.bad(acc, s)
+					} else {
+						err = acc.AddTensor(s, k, g[k])
+					}
+					if err != nil {
+						refused[i][r] = err
+					}
+				}
+				ended[i][r] = acc.EndMicrobatch()
+			}
+			if err := acc.Add(s, g, 2); err != nil {
+				return err
+			}
+			final[r], err = acc.Sync(nil)
+			return err
+		}()
+	})
+	for i, step := range steps {
+		if refused[i][0] != nil || refused[i][1] == nil {
+			t.Errorf("%s: add_tensor errors %v, %v; want only rank 1's", step.what, refused[i][0], refused[i][1])
+		}
+		if !errors.Is(ended[i][1], &Error{Status: StatusWrongState}) {
+			t.Errorf("%s: rank 1's EndMicrobatch got %v, want StatusWrongState", step.what, ended[i][1])
+		}
+		if !errors.Is(ended[i][0], &Error{Status: StatusPeerFailure}) {
+			t.Errorf("%s: rank 0's EndMicrobatch got %v, want StatusPeerFailure", step.what, ended[i][0])
+		}
+	}
+	for r := range failed {
+		if failed[r] != nil {
+			t.Fatalf("rank %d: %v", r, failed[r])
+		}
+		// Only the last micro-batch of each rank: the failed ones' windows were discarded.
+		if final[r].Microbatches != 2 || final[r].TotalCount != 4 {
+			t.Errorf("rank %d: %+v afterwards, want 2 micro-batches of 4 items", r, final[r])
+		}
+	}
+}

@@ -479,13 +479,27 @@ class Accumulator(_Managed):
 
     def add_tensor(self, scaler, index, grad, numel=None):
         """One contribution to tensor ``index`` of the open micro-batch (several may be summed)."""
-        dt = self._tensors[index][1] if 0 <= index < len(self._tensors) else None
-        ptr, n, keep = _buffer(grad, dt, "grad")
-        n = numel if numel is not None else n
-        if n is None:
-            raise TypeError("pass numel= with a raw address")
-        _check(ffi.gradacc_accumulator_add_tensor(self._handle(), scaler._handle(), index, ptr, n))
+        try:
+            dt = self._tensors[index][1] if 0 <= index < len(self._tensors) else None
+            ptr, n, keep = _buffer(grad, dt, "grad")
+            n = numel if numel is not None else n
+            if n is None:
+                raise TypeError("pass numel= with a raw address")
+            s = scaler._handle()
+        except Exception:
+            self._refuse_tensor(scaler)
+            raise
+        _check(ffi.gradacc_accumulator_add_tensor(self._handle(), s, index, ptr, n))
         del keep
+
+    def _refuse_tensor(self, scaler):
+        """After add_tensor's own checks refused its arguments: a C add_tensor that the library
+        refuses (no gradient), so that a sharded accumulation's micro-batch fails on every rank
+        when it ends instead of counting this tensor as zeros on the others. Elsewhere it only
+        fails here (its status is dropped: the caller raises its own error)."""
+        if self._ptr is not None:
+            s = scaler._ptr if isinstance(scaler, Scaler) else None  # None once closed
+            ffi.gradacc_accumulator_add_tensor(self._ptr, s, 0, None, 0)
 
     def end_microbatch(self):
         _check(ffi.gradacc_accumulator_end_microbatch(self._handle()))

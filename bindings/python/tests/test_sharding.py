@@ -558,3 +558,52 @@ def test_arguments_the_binding_refuses_fail_the_other_rank_at_once():
         assert took0 < 2, f"{what}: rank 0 failed after {took0:.2f} s"
     for r, after in enumerate((after0, after1)):
         assert (after.microbatches, after.total_count) == (4, 8), f"rank {r}: {after}"
+
+
+def test_an_add_tensor_the_binding_refuses_fails_the_micro_batch_on_every_rank():
+    """An add_tensor the binding refuses before the C call (a gradient of another dtype, a closed
+    scaler) raises there, and the micro-batch then fails on every rank at end_microbatch (the
+    windows are discarded) instead of summing the refused tensor as zeros on the other rank."""
+    group = gradacc.local_group(2)
+    closed_scaler = gradacc.Scaler()
+    closed_scaler.close()
+    steps = [  # (what, rank 1's call for tensor 1)
+        ("a float16 gradient for an f32 tensor", lambda acc, s, g: acc.add_tensor(s, 1, g[1].astype(np.float16))),
+        ("a closed scaler", lambda acc, s, g: acc.add_tensor(closed_scaler, 1, g[1])),
+    ]
+
+    def rank(r):
+        out = []
+        with gradacc.Scaler(init_scale=1.0) as scaler, accumulate(r, 2, group[r]) as acc:
+            grads = random_grads(np.random.default_rng(70 + r))
+            for _, bad in steps:
+                acc.begin_microbatch(2)
+                refused = None
+                for i in range(len(TENSORS)):
+                    try:
+                        if (r, i) == (1, 1):
+                            bad(acc, scaler, grads)
+                        else:
+                            acc.add_tensor(scaler, i, grads[i])
+                    except Exception as e:  # compared below
+                        refused = e
+                try:
+                    acc.end_microbatch()
+                    out.append((refused, None))
+                except gradacc.GradaccError as e:
+                    out.append((refused, e))
+            acc.add(scaler, grads, 2)
+            return out, acc.sync()
+
+    results = results_of(run_ranks(2, rank))
+    for c in group:
+        c.close()
+    (out0, after0), (out1, after1) = results
+    for (what, _), (refused0, ended0), (refused1, ended1) in zip(steps, out0, out1):
+        assert refused0 is None and refused1 is not None, f"{what}: {refused0!r} {refused1!r}"
+        assert not isinstance(refused1, gradacc.GradaccError), f"{what}: the binding's own error: {refused1!r}"
+        assert ended1 is not None and ended1.status == gradacc.Status.WRONG_STATE, f"{what}: rank 1 {ended1!r}"
+        assert ended0 is not None and ended0.status == gradacc.Status.PEER_FAILURE, f"{what}: rank 0 {ended0!r}"
+    for r, after in enumerate((after0, after1)):
+        # Only the last micro-batch of each rank: the failed ones' windows were discarded.
+        assert (after.microbatches, after.total_count) == (2, 4), f"rank {r}: {after}"

@@ -625,12 +625,6 @@ function grad_error(a::Accumulator, i::Integer, g::AbstractVector)
     return nothing
 end
 
-function check_grad(a::Accumulator, i::Integer, g::AbstractVector)
-    err = grad_error(a, i, g)
-    err === nothing || throw(err)
-    return nothing
-end
-
 # What add! refuses before the C call (the exception), or nothing.
 function add_error(a::Accumulator, s::Scaler, grads::AbstractVector)
     length(grads) == length(a.tensors) ||
@@ -698,9 +692,24 @@ end
 One contribution to tensor `i` (1-based) of the open micro-batch.
 """
 function add_tensor!(a::Accumulator, s::Scaler, i::Integer, g::AbstractVector)
-    check_grad(a, i, g)
+    err = grad_error(a, i, g)
+    # A closed accumulator is the C call's to report.
+    err === nothing && !isopen(s) && isopen(a) && (err = ArgumentError("the Scaler is closed"))
+    err === nothing || refuse_tensor(a, s, err)
     GC.@preserve g check(gradacc_accumulator_add_tensor(a, s, i - 1, pointer(g), length(g)))
     return a
+end
+
+# Throws add_tensor!'s own refusal `err` after a C add_tensor that the library refuses (no
+# gradient): a sharded accumulation's micro-batch then fails on every rank when it ends, instead
+# of summing this tensor as zeros on the others. Elsewhere that call only fails here.
+function refuse_tensor(a::Accumulator, s::Scaler, err::Exception)
+    p = @atomic a.ptr
+    if p != C_NULL
+        sp = @atomic s.ptr  # C_NULL once closed
+        GC.@preserve a s gradacc_accumulator_add_tensor(p, sp, 0, C_NULL, 0)
+    end
+    throw(err)
 end
 
 """
