@@ -288,7 +288,7 @@ typedef struct gradacc_accumulator_config_t {
     /**
      * Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
      * GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
-     * unless sharding is on).
+     * unless sharding is on; at most 65536).
      */
     uint32_t shard_count;
     /**

@@ -95,7 +95,7 @@ pub struct gradacc_accumulator_config_t {
     pub sharding: gradacc_sharding_t,
     /// Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
     /// GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
-    /// unless sharding is on).
+    /// unless sharding is on; at most 65536).
     pub shard_count: u32,
     /// This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
     pub shard_rank: u32,
@@ -128,6 +128,11 @@ pub struct gradacc_sync_info_t {
     pub clip_coef: f64,
 }
 
+/// The most shards a sharded accumulator may have: a communicator of more ranks could not sum
+/// the windows' item counts (up to 2^47 each) exactly, so a larger count is refused at creation
+/// rather than at the first boundary.
+const MAX_SHARD_COUNT: usize = 1 << 16;
+
 fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> {
     let loss_reduction = match c.loss_reduction {
         GRADACC_LOSS_REDUCTION_MEAN => LossReduction::Mean,
@@ -153,6 +158,12 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel))
     })?;
     let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
+    if c.sharding != GRADACC_SHARDING_NONE && shards > MAX_SHARD_COUNT {
+        return Err(Error::invalid(format!(
+            "`config`.shard_count = {shards} is above {MAX_SHARD_COUNT}, the most ranks a boundary's \
+             item counts sum exactly over"
+        )));
+    }
     let sharding = match c.sharding {
         GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
         GRADACC_SHARDING_NONE => {
@@ -229,14 +240,11 @@ fn creation_args(
         // contract).
         config_from_c(&unsafe { read_config(config, "config")? })?
     };
-    if tensors.is_null() {
-        return Err(null("tensors"));
-    }
-    if n == 0 {
+    if n == 0 && !tensors.is_null() {
         return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor").into());
     }
-    // SAFETY: non-null, and by the API contract `n` descriptors.
-    let raw = unsafe { std::slice::from_raw_parts(tensors, n) };
+    // SAFETY: by the API contract `n` descriptors; the length is checked before use.
+    let raw = unsafe { read_slice(tensors, n, "tensors", "n")? };
     let descs = raw
         .iter()
         .enumerate()
@@ -299,6 +307,7 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
         if master.is_null() {
             return Err(null("master"));
         }
+        check_len::<f32>(master_numel, "master_numel")?;
         // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
         // accumulator's lifetime (API contract).
         *out = ACCUMULATORS.insert(Arc::new(unsafe {
@@ -419,7 +428,7 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
                 .into());
             }
             // SAFETY: the caller passes `n` addresses at `grads` (API contract).
-            let grads = unsafe { std::slice::from_raw_parts(grads, n) };
+            let grads = unsafe { read_slice(grads, n, "grads", "n")? };
             if let Some(i) = grads.iter().position(|g| g.is_null()) {
                 return Err(null(&format!("grads[{i}]")));
             }
