@@ -640,7 +640,8 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
     w.count = count;
     w.microbatches = microbatches;
-    w.found_inf = found_inf;
+    // Loading re-derives the overflow from the masters: a non-finite value is one.
+    w.found_inf = found_inf || sim.iter().any(|v| !v.is_finite());
     for (t, &was) in written.iter().enumerate() {
         w.written[t] = was;
         if was {
