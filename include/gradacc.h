@@ -395,7 +395,7 @@ typedef struct gradacc_mpi_config_t {
     size_t struct_size;
     /**
      * 1: when every rank is on one host, move the boundary's data through memory the ranks
-     * share (POSIX shared memory, a few MB) instead of MPI messages; MPI still carries the
+     * share (a few MB, left nowhere after a crash) instead of MPI messages; MPI still carries the
      * control reduction and the block sums. Ranks on several hosts, or where the memory cannot
      * be shared, use MPI either way. 0: MPI only. Default 1.
      */

@@ -52,6 +52,9 @@ extern "C" {
     fn atexit(f: extern "C" fn()) -> c_int;
 }
 
+/// Bytes of the broadcast that tells the ranks how to reach the shared memory (`shm::posix`).
+const OFFER_BYTES: usize = 128;
+
 /// Elements `allreduce_sum` reduces per MPI call, through the communicator's piece buffer (4 MB).
 const SUM_PIECE: usize = 1 << 20;
 
@@ -391,37 +394,35 @@ impl MpiComm {
     }
 
     /// Maps shared memory for the group, when every rank can (collective, at creation): rank 0
-    /// creates the object and broadcasts its name, every rank maps it, and all agree whether all
-    /// could; then rank 0 removes the name. `None` where any rank could not (another host, no
-    /// /dev/shm, too little room there) or the group is too large or a single rank.
+    /// creates it and broadcasts how to reach it, every rank maps it, and all agree whether all
+    /// could; then rank 0 withdraws the offer (see `shm::posix`: on Linux nothing of it is ever
+    /// left in a file system, whenever a rank dies). `None` where any rank could not (another
+    /// host, no /dev/shm, too little room there) or the group is too large or a single rank.
     fn share_memory(&self) -> Result<Option<Shared>> {
         let Some(piece) = shm::piece_for(self.world) else { return Ok(None) };
         let size = Region::size(self.world, piece);
-        let mut name = [0u8; 64];
-        let fresh = posix::fresh_name();
-        let created = if self.rank == 0 { posix::Mapping::create(&fresh, size).ok() } else { None };
-        if created.is_some() {
-            name[..fresh.len()].copy_from_slice(fresh.as_bytes());
+        let mut name = [0u8; OFFER_BYTES];
+        let created = if self.rank == 0 { posix::Mapping::create(size).ok() } else { None };
+        if let Some((_, offer)) = &created {
+            let text = offer.name().as_bytes();
+            if text.len() < OFFER_BYTES {
+                name[..text.len()].copy_from_slice(text);
+            }
         }
-        // SAFETY: `name` is 64 writable bytes on every rank, the count given; rank 0 is the root
-        // of a blocking broadcast on the communicator's own duplicate, which every rank calls here.
-        let sent = check(
-            unsafe {
-                ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm)
-            },
-            "MPI_Bcast (shared memory)",
-        );
-        if sent.is_err() && created.is_some() {
-            posix::unlink(&fresh);
-        }
-        sent?;
-        let name =
-            String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)])
-                .into_owned();
-        let mapping = match created {
-            Some(m) => Some(m),
-            None if !name.is_empty() => posix::Mapping::open(&name, size).ok(),
-            None => None,
+        let (buf, len) = (name.as_mut_ptr().cast(), OFFER_BYTES as c_int);
+        // SAFETY: `name` is OFFER_BYTES writable bytes on every rank, the count given; rank 0 is
+        // the root of a blocking broadcast on the communicator's own duplicate, which every rank
+        // calls here.
+        let rc = unsafe { ffi::MPI_Bcast(buf, len, ffi::RSMPI_UINT8_T, 0, self.comm) };
+        check(rc, "MPI_Bcast (shared memory)")?;
+        let name = String::from_utf8_lossy(
+            &name[..name.iter().position(|&b| b == 0).unwrap_or(OFFER_BYTES)],
+        )
+        .into_owned();
+        let (mapping, offer) = match created {
+            Some((m, offer)) => (Some(m), Some(offer)),
+            None if !name.is_empty() => (posix::Mapping::open(&name, size).ok(), None),
+            None => (None, None),
         };
         let (mine, mut all): (c_int, c_int) = (c_int::from(mapping.is_some()), 0);
         // SAFETY: one int in, one int out, a blocking all-reduce every rank calls here.
@@ -438,9 +439,7 @@ impl MpiComm {
             },
             "MPI_Allreduce (shared memory)",
         );
-        if self.rank == 0 && !name.is_empty() {
-            posix::unlink(&name);
-        }
+        drop(offer);
         agreed?;
         Ok(match mapping {
             // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
