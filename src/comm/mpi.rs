@@ -15,7 +15,8 @@
 //! No rank waits forever: every collective is non-blocking and its requests are polled with
 //! MPI_Testall, sleeping between polls, until they complete, the communicator's timeout passes
 //! (TIMEOUT, naming the phase; the communicator is then aborted) or another thread aborts it
-//! (COMM_FAILURE). Requests abandoned that way stay pending inside MPI and may still complete
+//! (COMM_FAILURE); a peer on this host that died or stays stopped fails the wait within
+//! milliseconds (COMM_FAILURE naming the rank, see `liveness`). Requests abandoned that way stay pending inside MPI and may still complete
 //! later (a late peer arrives), so MPI is never handed the caller's memory: every buffer a request
 //! names (control words, counts and displacements, the staged chunk, scratch, the all-reduce's
 //! piece) belongs to the communicator, data is copied into it before a post and out of it only
@@ -38,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::liveness::{Peers, Process};
 use super::shares::{self, ShareTransport, Step, Workspace};
 use super::shm::{self, posix, Region, Shm};
 use super::{
@@ -143,6 +145,9 @@ pub struct MpiComm {
     /// Memory every rank of the group maps, when all are on one host: the boundary's data then
     /// moves through it instead of through MPI (see `shm`).
     shared: Option<Shared>,
+    /// The group's ranks on this host, which a wait looks at: one that died or stays stopped
+    /// fails the wait in milliseconds (see `liveness`).
+    peers: Peers,
 }
 
 /// The group's shared memory and the region over it (the region goes first, then the mapping).
@@ -372,6 +377,7 @@ impl MpiComm {
             reason: Mutex::new(None),
             mem: Mutex::new(Memory::default()),
             shared: None,
+            peers: Peers::none(),
         };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
@@ -387,6 +393,7 @@ impl MpiComm {
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
+        this.peers = this.same_host_peers()?;
         if options.shared_memory {
             this.shared = this.share_memory()?;
         }
@@ -453,6 +460,28 @@ impl MpiComm {
         })
     }
 
+    /// Every rank's process (collective, at creation), and of those the ones this rank watches.
+    fn same_host_peers(&self) -> Result<Peers> {
+        let mine = Process::mine().words();
+        let mut all = vec![0u64; 3 * self.world];
+        let (send, recv) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
+        // SAFETY: three u64 in, three per rank out into `all` (3 * world), a blocking all-gather
+        // on the communicator's own duplicate that every rank calls here; RSMPI_UINT64_T is
+        // rsmpi's constant, set at load and never written.
+        let rc = unsafe {
+            let words = ffi::RSMPI_UINT64_T;
+            ffi::MPI_Allgather(send, 3, words, recv, 3, words, self.comm)
+        };
+        check(rc, "MPI_Allgather (processes)")?;
+        let group: Vec<Process> = all.chunks_exact(3).map(Process::from_words).collect();
+        Ok(Peers::new(self.rank, &group))
+    }
+
+    /// How many of the group's other ranks run on this host and are watched while waiting.
+    pub fn watched_peers(&self) -> usize {
+        self.peers.len()
+    }
+
     /// Whether the boundary's data moves through shared memory.
     pub fn shares_memory(&self) -> bool {
         self.shared.is_some()
@@ -474,6 +503,7 @@ impl MpiComm {
                     &mut mem.passed,
                     self.timeout(),
                     &self.aborted,
+                    &self.peers,
                     "MPI",
                 );
                 run(&mut s)
@@ -577,6 +607,7 @@ impl MpiComm {
     ) -> Result<()> {
         let timeout = self.timeout();
         let mut backoff = Backoff::new();
+        let mut watch = self.peers.watch(backoff.start);
         loop {
             let mut done: c_int = 0;
             // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
@@ -617,6 +648,20 @@ impl MpiComm {
                         self.world
                     ),
                 ));
+            }
+            if let Err(why) = watch.check(Instant::now()) {
+                let e = Error::new(
+                    ErrorKind::CommFailure,
+                    format!(
+                        "MPI {} stopped after {:.3?} on rank {} of {}: {why}; the communicator was aborted",
+                        phase(),
+                        backoff.waited(),
+                        self.rank,
+                        self.world
+                    ),
+                );
+                self.abandon(requests, abandoned, &e.message);
+                return Err(e);
             }
             let waited = backoff.waited();
             if let Some(t) = timeout.filter(|&t| waited >= t) {

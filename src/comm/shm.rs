@@ -14,8 +14,8 @@
 //! from writing an outbox that a slower rank still reads.
 //!
 //! No rank waits forever: a barrier polls, spinning for a while, then yielding the core, then
-//! sleeping, until its peers arrive, the timeout passes (TIMEOUT), or the communicator or a peer
-//! aborted (COMM_FAILURE). A rank that fails raises the shared abort word, so its peers stop at
+//! sleeping, until its peers arrive, the timeout passes (TIMEOUT), the communicator or a peer
+//! aborted, or a peer died or stays stopped (`liveness`; COMM_FAILURE). A rank that fails raises the shared abort word, so its peers stop at
 //! once instead of waiting for their own timeouts. The memory stays mapped as long as any rank
 //! maps it, so a late rank never touches freed memory.
 
@@ -23,6 +23,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::liveness::Peers;
 use super::shares::{self, ShareTransport, Step, PAGE, SHARE_NUMEL, SKEW};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
@@ -156,6 +157,8 @@ pub(crate) struct Shm<'a, T: ShareTransport + ?Sized> {
     timeout: Option<Duration>,
     /// The communicator's own abort flag.
     stopped: &'a AtomicBool,
+    /// The group's ranks on this host: a wait fails as soon as one died or stays stopped.
+    peers: &'a Peers,
     /// Says which communicator waits, in error messages.
     label: &'a str,
     /// The step whose outboxes `incoming` and `finished` read, and its ranges.
@@ -171,6 +174,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         passed: &'a mut u64,
         timeout: Option<Duration>,
         stopped: &'a AtomicBool,
+        peers: &'a Peers,
         label: &'a str,
     ) -> Self {
         assert_eq!(region.world, inner.world(), "a region per group");
@@ -180,6 +184,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
             passed,
             timeout,
             stopped,
+            peers,
             label,
             parity: 0,
             on_wire: Vec::new(),
@@ -194,6 +199,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         let rank = self.inner.rank();
         region.counter(rank).store(target, Ordering::Release);
         let start = Instant::now();
+        let mut watch = self.peers.watch(start);
         let (mut polls, mut pause) = (0u32, FIRST_PAUSE);
         loop {
             if (0..region.world).all(|q| region.counter(q).load(Ordering::Acquire) >= target) {
@@ -225,6 +231,9 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
                     ErrorKind::CommFailure,
                     format!("the communicator was aborted (after {:.3?})", start.elapsed()),
                 );
+            }
+            if let Err(why) = watch.check(Instant::now()) {
+                return failed(ErrorKind::CommFailure, why);
             }
             let waited = start.elapsed();
             if let Some(t) = self.timeout.filter(|&t| waited >= t) {
