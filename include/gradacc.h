@@ -693,6 +693,9 @@ enum gradacc_status_t gradacc_accumulator_create_sharded(const struct gradacc_ac
  * handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
  * gradacc_accumulator_master become invalid.
  *
+ * Fails with GRADACC_STATUS_WRONG_STATE, leaving the accumulator usable, while a sync of it runs on
+ * another thread: abort or destroy the communicator it waits on first.
+ *
  * Thread safety: any thread, once no other call uses the accumulator.
  */
 GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
@@ -946,6 +949,9 @@ enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
 /**
  * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
  * one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ * A sync on another thread that uses the handle (gradacc_accumulator_sync, _sync_hybrid) is
+ * failed first, as gradacc_comm_abort fails it (GRADACC_STATUS_COMM_FAILURE; the communicator is
+ * aborted, and in-process its whole group), and the destroy returns once that sync returned.
  * An NCCL communicator gradacc created is finalised and destroyed when healthy (its pending
  * collectives complete first, for at most 10 minutes), and aborted when it failed (a peer's
  * error, a timeout), which never waits for the other ranks.

@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::comm::{gradacc_comm_t, COMMS};
+use super::comm::{check_no_sync_of, gradacc_comm_t, sync_in_flight, COMMS};
 use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
@@ -375,6 +375,9 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
 /// handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
 /// gradacc_accumulator_master become invalid.
 ///
+/// Fails with GRADACC_STATUS_WRONG_STATE, leaving the accumulator usable, while a sync of it runs on
+/// another thread: abort or destroy the communicator it waits on first.
+///
 /// Thread safety: any thread, once no other call uses the accumulator.
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_accumulator_destroy(
@@ -382,6 +385,7 @@ pub unsafe extern "C" fn gradacc_accumulator_destroy(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_destroy", || {
         if !acc.is_null() {
+            check_no_sync_of(acc as usize)?;
             ACCUMULATORS.remove(acc, "acc")?;
         }
         Ok(())
@@ -548,6 +552,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
+        let _flight = sync_in_flight(acc as usize, &[comm as usize]);
         let a = ACCUMULATORS.get(acc, "acc");
         let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose();
         // The other ranks are in the boundary: over `comm`, or the accumulator's own (a sharded
@@ -609,6 +614,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync_hybrid", || {
+        let _flight = sync_in_flight(acc as usize, &[shard_comm as usize, replica_comm as usize]);
         let a = ACCUMULATORS.get(acc, "acc");
         let shard = COMMS.get(shard_comm, "shard_comm");
         let replicas = COMMS.get(replica_comm, "replica_comm");
