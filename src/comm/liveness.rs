@@ -7,12 +7,22 @@
 //! (SIGSTOP, SIGTSTP) for [`STOPPED_FOR`]. A peer that is alive but stuck is left to the timeout.
 //! Linux only: elsewhere nothing is watched.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a peer may stay stopped by a signal before a waiting rank gives up on it: long
 /// enough for a job suspended and resumed as a whole, where ranks wake a few ms apart.
 pub(crate) const STOPPED_FOR: Duration = Duration::from_millis(200);
+
+/// A peer of some group of this process was seen ended.
+static ENDED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a wait of this process found a peer's process ended: the MPI job lost a process, and
+/// MPI_Finalize may wait for it (see `mpi::finalize_at_exit`).
+pub(crate) fn a_peer_ended() -> bool {
+    ENDED.load(Ordering::Relaxed)
+}
 
 /// How often a waiting rank looks at its peers, at least.
 const LOOK_EVERY: Duration = Duration::from_millis(5);
@@ -127,11 +137,14 @@ impl Peers {
         let mut since = self.stopped_since.lock().unwrap_or_else(|e| e.into_inner());
         for (i, &(q, p)) in self.watched.iter().enumerate() {
             let pid = p.pid as u32;
-            let stat = read_stat(pid);
-            match stat {
-                None => return Err(format!("rank {q} (process {pid}) ended")),
+            let ended = || {
+                ENDED.store(true, Ordering::Relaxed);
+                Err(format!("rank {q} (process {pid}) ended"))
+            };
+            match read_stat(pid) {
+                None => return ended(),
                 Some(s) if s.start != p.start || matches!(s.state, b'Z' | b'X' | b'x') => {
-                    return Err(format!("rank {q} (process {pid}) ended"));
+                    return ended();
                 }
                 Some(s) if s.state == b'T' => {
                     let first = *since[i].get_or_insert_with(Instant::now);
