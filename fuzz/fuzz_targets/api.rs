@@ -797,7 +797,8 @@ fn acc_create(world: &mut World, input: &mut Input) {
         c.loss_reduction = input.below(2) as i32;
         c.normalize = input.below(4) as i32;
         c.max_grad_norm = [0.0, 0.0, 1.0, 0.01, 100.0][input.below(5)];
-        c.bucket_numel = [4 << 20, 1, 7, 64][input.below(4)];
+        // Any bucket size is valid, up to one no buffer could hold: buckets hold whole tensors.
+        c.bucket_numel = [4 << 20, 1, 7, 64, u64::MAX][input.below(5)];
         c.threads = [1, 1, 2, 3][input.below(4)];
         match input.u8() % 16 {
             0 => c.struct_size = input.u8() as usize,
