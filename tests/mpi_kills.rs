@@ -136,6 +136,8 @@ fn rank() {
 fn boundary_rank(dir: &Path, options: MpiOptions) {
     let comm = MpiComm::world_with(options).unwrap();
     comm.set_timeout(Some(TIMEOUT)).unwrap();
+    // Every rank runs here: each watches the other.
+    assert_eq!(comm.watched_peers(), comm.world_size() - 1);
     let rank = comm.rank();
     let tensors = [TensorDesc { numel: NUMEL, dtype: Dtype::F32 }];
     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
