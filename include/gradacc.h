@@ -288,7 +288,7 @@ typedef struct gradacc_accumulator_config_t {
     /**
      * Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
      * GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
-     * unless sharding is on).
+     * unless sharding is on; at most 65536).
      */
     uint32_t shard_count;
     /**
@@ -395,7 +395,7 @@ typedef struct gradacc_mpi_config_t {
     size_t struct_size;
     /**
      * 1: when every rank is on one host, move the boundary's data through memory the ranks
-     * share (POSIX shared memory, a few MB) instead of MPI messages; MPI still carries the
+     * share (a few MB, left nowhere after a crash) instead of MPI messages; MPI still carries the
      * control reduction and the block sums. Ranks on several hosts, or where the memory cannot
      * be shared, use MPI either way. 0: MPI only. Default 1.
      */
@@ -677,6 +677,9 @@ enum gradacc_status_t gradacc_accumulator_create_sharded(const struct gradacc_ac
  * handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
  * gradacc_accumulator_master become invalid.
  *
+ * Fails with GRADACC_STATUS_WRONG_STATE, leaving the accumulator usable, while a sync of it runs on
+ * another thread: abort or destroy the communicator it waits on first.
+ *
  * Thread safety: any thread, once no other call uses the accumulator.
  */
 GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_accumulator_t *acc);
@@ -929,6 +932,9 @@ enum gradacc_status_t gradacc_comm_create_local(int32_t world_size,
 /**
  * Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
  * one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ * A sync on another thread that uses the handle (gradacc_accumulator_sync, _sync_hybrid) is
+ * failed first, as gradacc_comm_abort fails it (GRADACC_STATUS_COMM_FAILURE; the communicator is
+ * aborted, and in-process its whole group), and the destroy returns once that sync returned.
  * An NCCL communicator gradacc created is finalised and destroyed when healthy (its pending
  * collectives complete first, for at most 10 minutes), and aborted when it failed (a peer's
  * error, a timeout), which never waits for the other ranks.

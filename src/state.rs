@@ -155,6 +155,14 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Whether values read from saved bytes hold a NaN or an infinity. Loading re-derives what it can
+/// check from the values instead of trusting a saved flag beside them: the checksum catches
+/// damage, not a blob rewritten with a fresh checksum, so a NaN saved as "no overflow" must still
+/// count as an overflow.
+pub fn holds_non_finite(values: &[f32]) -> bool {
+    values.iter().any(|v| !v.is_finite())
+}
+
 fn corrupt(what: &str, detail: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::CorruptState, format!("{what}: {detail}"))
 }

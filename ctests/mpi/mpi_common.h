@@ -23,8 +23,8 @@ static inline gradacc_comm_t *comm_of(MPI_Comm comm)
     return c;
 }
 
-/* On Linux, checks that this process maps a gradacc shared-memory object (its name removed once
- * every rank mapped it) exactly when the test asked for shared memory: a group on one host that
+/* On Linux, checks that this process maps gradacc's shared memory (a memfd, which has no name in
+ * /dev/shm) exactly when the test asked for shared memory: a group on one host that
  * fell back to MPI messages would otherwise test the messages path twice. */
 static inline void check_transport(void)
 {
@@ -39,7 +39,7 @@ static inline void check_transport(void)
     char line[512];
     int mapped = 0;
     while (fgets(line, sizeof line, maps))
-        mapped |= strstr(line, "/dev/shm/gradacc-") != NULL;
+        mapped |= strstr(line, "/memfd:gradacc-") != NULL || strstr(line, "/dev/shm/gradacc-") != NULL;
     fclose(maps);
     CHECK(mapped == (atoi(want) != 0), "shared memory %s, but a gradacc object is %smapped", want,
           mapped ? "" : "not ");

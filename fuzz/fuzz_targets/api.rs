@@ -42,6 +42,12 @@ impl Input<'_> {
     }
 }
 
+/// A length of `size`-byte values whose byte size exceeds isize::MAX (what a negative or wrapped
+/// length gives): the library must refuse it before forming a slice.
+fn absurd_len(input: &mut Input, size: usize) -> usize {
+    [isize::MAX as usize / size + 1, usize::MAX / size, 1 << 63, usize::MAX][input.below(4)]
+}
+
 // ---- the model ---------------------------------------------------------------------------------
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -634,7 +640,8 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
     w.count = count;
     w.microbatches = microbatches;
-    w.found_inf = found_inf;
+    // Loading re-derives the overflow from the masters: a non-finite value is one.
+    w.found_inf = found_inf || sim.iter().any(|v| !v.is_finite());
     for (t, &was) in written.iter().enumerate() {
         w.written[t] = was;
         if was {
@@ -790,7 +797,8 @@ fn acc_create(world: &mut World, input: &mut Input) {
         c.loss_reduction = input.below(2) as i32;
         c.normalize = input.below(4) as i32;
         c.max_grad_norm = [0.0, 0.0, 1.0, 0.01, 100.0][input.below(5)];
-        c.bucket_numel = [4 << 20, 1, 7, 64][input.below(4)];
+        // Any bucket size is valid, up to one no buffer could hold: buckets hold whole tensors.
+        c.bucket_numel = [4 << 20, 1, 7, 64, u64::MAX][input.below(5)];
         c.threads = [1, 1, 2, 3][input.below(4)];
         match input.u8() % 16 {
             0 => c.struct_size = input.u8() as usize,
@@ -804,7 +812,10 @@ fn acc_create(world: &mut World, input: &mut Input) {
             // (GRADACC_SHARDING_ACCUMULATE) saves windows no other accumulator loads: the model
             // leaves it out.
             6 => c.sharding = [GRADACC_SHARDING_REDUCE_SCATTER, 3, -1][input.below(3)],
-            7 => (c.shard_count, c.shard_rank) = [(0, 0), (2, 2), (1, 1), (3, 0)][input.below(4)],
+            7 => {
+                (c.shard_count, c.shard_rank) =
+                    [(0, 0), (2, 2), (1, 1), (3, 0), (u32::MAX, 0), (65537, 1)][input.below(6)]
+            }
             8 => c.wire_dtype = [GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16, 7][input.below(3)],
             9 => c.reserved = input.u8() as u32,
             _ => {}
@@ -825,7 +836,9 @@ fn acc_create(world: &mut World, input: &mut Input) {
             && (1..=1024).contains(&c.threads)
             && match c.sharding {
                 GRADACC_SHARDING_NONE => (c.shard_count, c.shard_rank) == (1, 0),
-                GRADACC_SHARDING_REDUCE_SCATTER => c.shard_rank < c.shard_count,
+                GRADACC_SHARDING_REDUCE_SCATTER => {
+                    c.shard_rank < c.shard_count && c.shard_count <= 1 << 16
+                }
                 _ => false,
             }
             && [GRADACC_DTYPE_F32, GRADACC_DTYPE_BF16].contains(&c.wire_dtype);
@@ -856,6 +869,11 @@ fn acc_create(world: &mut World, input: &mut Input) {
         }
         3 => {
             descs[input.below(n)].dtype = [3, -1, i32::MAX][input.below(3)];
+            tensors_ok = false;
+        }
+        5 => {
+            // a count whose descriptors exceed the address space: refused before any is read
+            n_arg = absurd_len(input, size_of::<gradacc_tensor_desc_t>());
             tensors_ok = false;
         }
         4 if n >= 2 => {
@@ -1306,19 +1324,22 @@ fn update(world: &mut World, input: &mut Input) {
         }
     }
     let null_list = input.u8() % 16 == 0;
+    let absurd_n = input.u8() % 32 == 0;
+    let n_arg = if absurd_n { absurd_len(input, size_of::<*const c_void>()) } else { n };
     let mut skipped = false;
     let want_skipped = input.u8() % 8 != 0;
     let st = unsafe {
         gradacc_scaler_update(
             scaler,
             if null_list { null() } else { handles.as_ptr() },
-            n,
+            n_arg,
             if want_skipped { &mut skipped } else { null_mut() },
         )
     };
     let next = si.and_then(|i| world.scalers[i].1.update(found_inf));
-    let want = si.is_some() && !null_list && n > 0 && all_synced && next.is_some();
-    let at_minimum = si.is_some() && !null_list && n > 0 && all_synced && next.is_none();
+    let list_ok = !null_list && !absurd_n && n > 0;
+    let want = si.is_some() && list_ok && all_synced && next.is_some();
+    let at_minimum = si.is_some() && list_ok && all_synced && next.is_none();
     if world.check("gradacc_scaler_update", st, want) {
         world.scalers[si.unwrap()].1 = next.unwrap();
         if want_skipped {
@@ -1372,16 +1393,18 @@ fn load_window(world: &mut World, input: &mut Input) {
     let (acc, ai) = world.acc_arg(input);
     let (bytes, damage) = window_bytes(world, input);
     let null_bytes = input.u8() % 16 == 0;
+    let absurd = input.u8() % 32 == 0;
+    let len = if absurd { absurd_len(input, 1) } else { bytes.len() };
     let st = unsafe {
-        gradacc_accumulator_load_window(
-            acc,
-            if null_bytes { null() } else { bytes.as_ptr() },
-            bytes.len(),
-        )
+        gradacc_accumulator_load_window(acc, if null_bytes { null() } else { bytes.as_ptr() }, len)
     };
     let decoded = ai.and_then(|i| {
         let a = &world.accs[i];
-        if null_bytes || matches!(a.w.phase, Phase::InMicrobatch(_)) || damage == Some(usize::MAX) {
+        if null_bytes
+            || absurd
+            || matches!(a.w.phase, Phase::InMicrobatch(_))
+            || damage == Some(usize::MAX)
+        {
             return None;
         }
         // The saved layout field must equal this accumulator's layout fingerprint.
@@ -1579,9 +1602,13 @@ fn scaler_load(world: &mut World, input: &mut Input) {
     };
     mutate(input, &mut bytes);
     let decoded = decode_scaler(&bytes);
-    let st = unsafe { gradacc_scaler_load(s, bytes.as_ptr(), bytes.len()) };
-    if world.check("gradacc_scaler_load", st, si.is_some() && decoded.is_some()) {
+    let absurd = input.u8() % 32 == 0;
+    let len = if absurd { absurd_len(input, 1) } else { bytes.len() };
+    let st = unsafe { gradacc_scaler_load(s, bytes.as_ptr(), len) };
+    if world.check("gradacc_scaler_load", st, si.is_some() && decoded.is_some() && !absurd) {
         world.scalers[si.unwrap()].1 = decoded.unwrap();
+    } else if si.is_some() && absurd {
+        assert_eq!(st, GRADACC_STATUS_INVALID_ARGUMENT, "{}", last_error());
     } else if si.is_some() {
         assert_eq!(st, GRADACC_STATUS_CORRUPT_STATE, "{}", last_error());
     }

@@ -1250,6 +1250,7 @@ impl Accumulator {
         let mut masters = Vec::new();
         r.f32s_into(&mut masters, self.plan.held().len())?;
         r.finish()?;
+        let found_inf = found_inf || state::holds_non_finite(&masters);
         if count > config::MAX_WINDOW_COUNT
             || (microbatches == 0 && count != 0)
             || !(1..=MAX_WINDOW_RANKS).contains(&ranks)

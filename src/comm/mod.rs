@@ -14,6 +14,8 @@
 //! An accumulator asks its communicator for the kind its device needs ([`Collectives`]); a
 //! communicator of the other kind is a DEVICE_MISMATCH, found before anything is reduced.
 
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+mod liveness;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;

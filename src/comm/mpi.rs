@@ -15,7 +15,8 @@
 //! No rank waits forever: every collective is non-blocking and its requests are polled with
 //! MPI_Testall, sleeping between polls, until they complete, the communicator's timeout passes
 //! (TIMEOUT, naming the phase; the communicator is then aborted) or another thread aborts it
-//! (COMM_FAILURE). Requests abandoned that way stay pending inside MPI and may still complete
+//! (COMM_FAILURE); a peer on this host that died or stays stopped fails the wait within
+//! milliseconds (COMM_FAILURE naming the rank, see `liveness`). Requests abandoned that way stay pending inside MPI and may still complete
 //! later (a late peer arrives), so MPI is never handed the caller's memory: every buffer a request
 //! names (control words, counts and displacements, the staged chunk, scratch, the all-reduce's
 //! piece) belongs to the communicator, data is copied into it before a post and out of it only
@@ -38,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::liveness::{Peers, Process};
 use super::shares::{self, ShareTransport, Step, Workspace};
 use super::shm::{self, posix, Region, Shm};
 use super::{
@@ -51,6 +53,9 @@ extern "C" {
     fn gradacc_internal_mpi_in_place() -> *mut c_void;
     fn atexit(f: extern "C" fn()) -> c_int;
 }
+
+/// Bytes of the broadcast that tells the ranks how to reach the shared memory (`shm::posix`).
+const OFFER_BYTES: usize = 128;
 
 /// Elements `allreduce_sum` reduces per MPI call, through the communicator's piece buffer (4 MB).
 const SUM_PIECE: usize = 1 << 20;
@@ -140,6 +145,9 @@ pub struct MpiComm {
     /// Memory every rank of the group maps, when all are on one host: the boundary's data then
     /// moves through it instead of through MPI (see `shm`).
     shared: Option<Shared>,
+    /// The group's ranks on this host, which a wait looks at: one that died or stays stopped
+    /// fails the wait in milliseconds (see `liveness`).
+    peers: Peers,
 }
 
 /// The group's shared memory and the region over it (the region goes first, then the mapping).
@@ -245,7 +253,13 @@ fn flag(f: unsafe extern "C" fn(*mut c_int) -> c_int) -> bool {
     v != 0
 }
 
+/// Finalises the MPI gradacc initialised, unless a process of the job was seen dead: MPI_Finalize
+/// then waits for it (Open MPI 4.1.4 under `mpirun --enable-recovery`: in its fence, in 3 of 28
+/// runs, also with nothing of gradacc's pending), and exiting without it is the lesser harm.
 extern "C" fn finalize_at_exit() {
+    if super::liveness::a_peer_ended() {
+        return;
+    }
     if flag(ffi::MPI_Initialized) && !flag(ffi::MPI_Finalized) {
         // SAFETY: `ensure_initialized` registers this handler only after its own MPI_Init_thread
         // succeeded; MPI is initialised and not finalised (checked just above), and the process is
@@ -369,6 +383,7 @@ impl MpiComm {
             reason: Mutex::new(None),
             mem: Mutex::new(Memory::default()),
             shared: None,
+            peers: Peers::none(),
         };
         // From here on `this` frees the duplicate on every path.
         // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
@@ -384,6 +399,7 @@ impl MpiComm {
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
+        this.peers = this.same_host_peers()?;
         if options.shared_memory {
             this.shared = this.share_memory()?;
         }
@@ -391,37 +407,35 @@ impl MpiComm {
     }
 
     /// Maps shared memory for the group, when every rank can (collective, at creation): rank 0
-    /// creates the object and broadcasts its name, every rank maps it, and all agree whether all
-    /// could; then rank 0 removes the name. `None` where any rank could not (another host, no
-    /// /dev/shm, too little room there) or the group is too large or a single rank.
+    /// creates it and broadcasts how to reach it, every rank maps it, and all agree whether all
+    /// could; then rank 0 withdraws the offer (see `shm::posix`: on Linux nothing of it is ever
+    /// left in a file system, whenever a rank dies). `None` where any rank could not (another
+    /// host, no /dev/shm, too little room there) or the group is too large or a single rank.
     fn share_memory(&self) -> Result<Option<Shared>> {
         let Some(piece) = shm::piece_for(self.world) else { return Ok(None) };
         let size = Region::size(self.world, piece);
-        let mut name = [0u8; 64];
-        let fresh = posix::fresh_name();
-        let created = if self.rank == 0 { posix::Mapping::create(&fresh, size).ok() } else { None };
-        if created.is_some() {
-            name[..fresh.len()].copy_from_slice(fresh.as_bytes());
+        let mut name = [0u8; OFFER_BYTES];
+        let created = if self.rank == 0 { posix::Mapping::create(size).ok() } else { None };
+        if let Some((_, offer)) = &created {
+            let text = offer.name().as_bytes();
+            if text.len() < OFFER_BYTES {
+                name[..text.len()].copy_from_slice(text);
+            }
         }
-        // SAFETY: `name` is 64 writable bytes on every rank, the count given; rank 0 is the root
-        // of a blocking broadcast on the communicator's own duplicate, which every rank calls here.
-        let sent = check(
-            unsafe {
-                ffi::MPI_Bcast(name.as_mut_ptr().cast(), 64, ffi::RSMPI_UINT8_T, 0, self.comm)
-            },
-            "MPI_Bcast (shared memory)",
-        );
-        if sent.is_err() && created.is_some() {
-            posix::unlink(&fresh);
-        }
-        sent?;
-        let name =
-            String::from_utf8_lossy(&name[..name.iter().position(|&b| b == 0).unwrap_or(64)])
-                .into_owned();
-        let mapping = match created {
-            Some(m) => Some(m),
-            None if !name.is_empty() => posix::Mapping::open(&name, size).ok(),
-            None => None,
+        let (buf, len) = (name.as_mut_ptr().cast(), OFFER_BYTES as c_int);
+        // SAFETY: `name` is OFFER_BYTES writable bytes on every rank, the count given; rank 0 is
+        // the root of a blocking broadcast on the communicator's own duplicate, which every rank
+        // calls here.
+        let rc = unsafe { ffi::MPI_Bcast(buf, len, ffi::RSMPI_UINT8_T, 0, self.comm) };
+        check(rc, "MPI_Bcast (shared memory)")?;
+        let name = String::from_utf8_lossy(
+            &name[..name.iter().position(|&b| b == 0).unwrap_or(OFFER_BYTES)],
+        )
+        .into_owned();
+        let (mapping, offer) = match created {
+            Some((m, offer)) => (Some(m), Some(offer)),
+            None if !name.is_empty() => (posix::Mapping::open(&name, size).ok(), None),
+            None => (None, None),
         };
         let (mine, mut all): (c_int, c_int) = (c_int::from(mapping.is_some()), 0);
         // SAFETY: one int in, one int out, a blocking all-reduce every rank calls here.
@@ -438,9 +452,7 @@ impl MpiComm {
             },
             "MPI_Allreduce (shared memory)",
         );
-        if self.rank == 0 && !name.is_empty() {
-            posix::unlink(&name);
-        }
+        drop(offer);
         agreed?;
         Ok(match mapping {
             // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
@@ -452,6 +464,28 @@ impl MpiComm {
             }),
             _ => None,
         })
+    }
+
+    /// Every rank's process (collective, at creation), and of those the ones this rank watches.
+    fn same_host_peers(&self) -> Result<Peers> {
+        let mine = Process::mine().words();
+        let mut all = vec![0u64; 3 * self.world];
+        let (send, recv) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
+        // SAFETY: three u64 in, three per rank out into `all` (3 * world), a blocking all-gather
+        // on the communicator's own duplicate that every rank calls here; RSMPI_UINT64_T is
+        // rsmpi's constant, set at load and never written.
+        let rc = unsafe {
+            let words = ffi::RSMPI_UINT64_T;
+            ffi::MPI_Allgather(send, 3, words, recv, 3, words, self.comm)
+        };
+        check(rc, "MPI_Allgather (processes)")?;
+        let group: Vec<Process> = all.chunks_exact(3).map(Process::from_words).collect();
+        Ok(Peers::new(self.rank, &group))
+    }
+
+    /// How many of the group's other ranks run on this host and are watched while waiting.
+    pub fn watched_peers(&self) -> usize {
+        self.peers.len()
     }
 
     /// Whether the boundary's data moves through shared memory.
@@ -475,6 +509,7 @@ impl MpiComm {
                     &mut mem.passed,
                     self.timeout(),
                     &self.aborted,
+                    &self.peers,
                     "MPI",
                 );
                 run(&mut s)
@@ -578,6 +613,7 @@ impl MpiComm {
     ) -> Result<()> {
         let timeout = self.timeout();
         let mut backoff = Backoff::new();
+        let mut watch = self.peers.watch(backoff.start);
         loop {
             let mut done: c_int = 0;
             // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
@@ -618,6 +654,20 @@ impl MpiComm {
                         self.world
                     ),
                 ));
+            }
+            if let Err(why) = watch.check(Instant::now()) {
+                let e = Error::new(
+                    ErrorKind::CommFailure,
+                    format!(
+                        "MPI {} stopped after {:.3?} on rank {} of {}: {why}; the communicator was aborted",
+                        phase(),
+                        backoff.waited(),
+                        self.rank,
+                        self.world
+                    ),
+                );
+                self.abandon(requests, abandoned, &e.message);
+                return Err(e);
             }
             let waited = backoff.waited();
             if let Some(t) = timeout.filter(|&t| waited >= t) {

@@ -1082,6 +1082,7 @@ mod tests {
         wire: Dtype,
         clip: bool,
     ) -> Vec<(Vec<f32>, Vec<f64>)> {
+        use super::super::liveness::Peers;
         use super::super::shm::Shm;
         let shards = shard_ranges(len, world);
         let pass = Normalise { factor: 0.3, fused: true, clip, wire };
@@ -1093,13 +1094,14 @@ mod tests {
                 .map(|mut inner| {
                     let (pass, shards, region, stopped) = (&pass, &shards, &region, &stopped);
                     s.spawn(move || {
-                        let mut passed = 0;
+                        let (mut passed, nobody) = (0, Peers::none());
                         let mut t = Shm::new(
                             &mut inner,
                             region,
                             &mut passed,
                             Some(std::time::Duration::from_secs(60)),
                             stopped,
+                            &nobody,
                             "test",
                         );
                         let rank = t.rank();
@@ -1171,6 +1173,7 @@ mod tests {
     /// aborted stops with COMM_FAILURE and tells the others.
     #[test]
     fn shared_memory_barriers_time_out_and_pass_an_abort_on() {
+        use super::super::liveness::Peers;
         use super::super::shm::Shm;
         use crate::error::ErrorKind;
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -1192,13 +1195,14 @@ mod tests {
                                 return None;
                             }
                             let mut inner = Threads::group(world).swap_remove(rank);
-                            let mut passed = 0;
+                            let (mut passed, nobody) = (0, Peers::none());
                             let mut t = Shm::new(
                                 &mut inner,
                                 region,
                                 &mut passed,
                                 Some(timeouts[rank]),
                                 &flags[rank],
+                                &nobody,
                                 "test",
                             );
                             if abort && rank == 0 {

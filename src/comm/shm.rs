@@ -14,8 +14,8 @@
 //! from writing an outbox that a slower rank still reads.
 //!
 //! No rank waits forever: a barrier polls, spinning for a while, then yielding the core, then
-//! sleeping, until its peers arrive, the timeout passes (TIMEOUT), or the communicator or a peer
-//! aborted (COMM_FAILURE). A rank that fails raises the shared abort word, so its peers stop at
+//! sleeping, until its peers arrive, the timeout passes (TIMEOUT), the communicator or a peer
+//! aborted, or a peer died or stays stopped (`liveness`; COMM_FAILURE). A rank that fails raises the shared abort word, so its peers stop at
 //! once instead of waiting for their own timeouts. The memory stays mapped as long as any rank
 //! maps it, so a late rank never touches freed memory.
 
@@ -23,6 +23,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::liveness::Peers;
 use super::shares::{self, ShareTransport, Step, PAGE, SHARE_NUMEL, SKEW};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
@@ -156,6 +157,8 @@ pub(crate) struct Shm<'a, T: ShareTransport + ?Sized> {
     timeout: Option<Duration>,
     /// The communicator's own abort flag.
     stopped: &'a AtomicBool,
+    /// The group's ranks on this host: a wait fails as soon as one died or stays stopped.
+    peers: &'a Peers,
     /// Says which communicator waits, in error messages.
     label: &'a str,
     /// The step whose outboxes `incoming` and `finished` read, and its ranges.
@@ -171,6 +174,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         passed: &'a mut u64,
         timeout: Option<Duration>,
         stopped: &'a AtomicBool,
+        peers: &'a Peers,
         label: &'a str,
     ) -> Self {
         assert_eq!(region.world, inner.world(), "a region per group");
@@ -180,6 +184,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
             passed,
             timeout,
             stopped,
+            peers,
             label,
             parity: 0,
             on_wire: Vec::new(),
@@ -194,6 +199,7 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
         let rank = self.inner.rank();
         region.counter(rank).store(target, Ordering::Release);
         let start = Instant::now();
+        let mut watch = self.peers.watch(start);
         let (mut polls, mut pause) = (0u32, FIRST_PAUSE);
         loop {
             if (0..region.world).all(|q| region.counter(q).load(Ordering::Acquire) >= target) {
@@ -225,6 +231,9 @@ impl<'a, T: ShareTransport + ?Sized> Shm<'a, T> {
                     ErrorKind::CommFailure,
                     format!("the communicator was aborted (after {:.3?})", start.elapsed()),
                 );
+            }
+            if let Err(why) = watch.check(Instant::now()) {
+                return failed(ErrorKind::CommFailure, why);
             }
             let waited = start.elapsed();
             if let Some(t) = self.timeout.filter(|&t| waited >= t) {
@@ -312,15 +321,19 @@ impl<T: ShareTransport + ?Sized> ShareTransport for Shm<'_, T> {
     }
 }
 
-/// POSIX shared memory for a [`Region`]: one rank creates the object and names it to the others,
-/// every rank maps it, and the name is removed once all mapped it, so the memory goes when the
-/// last rank unmaps it, even after a crash.
+/// Shared memory for a [`Region`]: one rank creates it and names it to the others, every rank
+/// maps it, and then the name goes, so the memory goes when the last rank unmaps it.
+///
+/// On Linux the memory is a memfd: it never has a name in a file system, the others open it
+/// through the creator's `/proc/<pid>/fd/<fd>` while the creator holds it open, and a crash at
+/// any moment (during creation included) leaves nothing behind. Elsewhere it is a POSIX shared
+/// memory object whose name is removed once every rank mapped it; a crash in between leaves it.
 #[cfg(feature = "mpi")]
 pub(crate) mod posix {
     use std::ffi::CString;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// A mapping of a shared memory object, unmapped on drop.
+    /// A mapping of shared memory, unmapped on drop.
     pub(crate) struct Mapping {
         base: *mut u8,
         len: usize,
@@ -331,28 +344,92 @@ pub(crate) mod posix {
     // SAFETY: as for Send; `&Mapping` only hands out the base address.
     unsafe impl Sync for Mapping {}
 
-    /// A fresh name: the process, a counter and the time, so two groups never meet by chance.
-    pub(crate) fn fresh_name() -> String {
+    /// What the creator holds while the others open the memory: dropping it removes the way to
+    /// reach the memory (closes the memfd, or unlinks the name), never the memory.
+    pub(crate) struct Offer {
+        /// What the others pass to [`Mapping::open`].
+        name: String,
+        #[cfg(target_os = "linux")]
+        fd: libc::c_int,
+    }
+
+    impl Offer {
+        pub(crate) fn name(&self) -> &str {
+            &self.name
+        }
+    }
+
+    impl Drop for Offer {
+        fn drop(&mut self) {
+            #[cfg(target_os = "linux")]
+            {
+                // SAFETY: `fd` is the memfd `create` opened, closed only here, once; the mappings
+                // keep the memory alive without it.
+                unsafe { libc::close(self.fd) };
+            }
+            #[cfg(not(target_os = "linux"))]
+            unlink(&self.name);
+        }
+    }
+
+    /// A fresh tag: the process, a counter and the time, so two groups never meet by chance.
+    fn fresh_tag() -> String {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        format!(
-            "/gradacc-{}-{}-{nanos:x}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        )
+        format!("gradacc-{}-{}-{nanos:x}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
     }
 
     fn last_error(what: &str) -> String {
         format!("{what}: {}", std::io::Error::last_os_error())
     }
 
+    /// Gives `fd` `len` zero bytes with their pages reserved now (a full /dev/shm fails here, not
+    /// with SIGBUS on first touch), and maps it.
+    fn size_and_map(fd: libc::c_int, len: usize) -> Result<Mapping, String> {
+        // SAFETY: `fd` is a new, empty object; the sizes fit an off_t (a region is at most tens
+        // of MB).
+        let sized = unsafe {
+            libc::ftruncate(fd, len as libc::off_t) == 0
+                && libc::posix_fallocate(fd, 0, len as libc::off_t) == 0
+        };
+        if sized {
+            Mapping::map(fd, len)
+        } else {
+            Err(last_error("reserving shared memory"))
+        }
+    }
+
+    /// Whether `fd` is `len` bytes long.
+    fn has_len(fd: libc::c_int, len: usize) -> bool {
+        // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is open; fstat writes one `stat`.
+        let rc = unsafe { libc::fstat(fd, &mut st) };
+        rc == 0 && st.st_size as usize == len
+    }
+
     impl Mapping {
-        /// Creates the object `name` of `len` zero bytes, its pages reserved now (a full
-        /// /dev/shm fails here, not with SIGBUS on first touch), and maps it.
-        pub(crate) fn create(name: &str, len: usize) -> Result<Mapping, String> {
-            let c = CString::new(name).map_err(|e| e.to_string())?;
+        /// Creates `len` bytes of zeroed shared memory, maps it, and offers it to the others.
+        #[cfg(target_os = "linux")]
+        pub(crate) fn create(len: usize) -> Result<(Mapping, Offer), String> {
+            let tag = fresh_tag();
+            let c = CString::new(tag.as_str()).map_err(|e| e.to_string())?;
+            // SAFETY: `c` is a NUL-terminated name (a label only: memfds live in no file system).
+            let fd = unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(last_error("memfd_create"));
+            }
+            let offer = Offer { name: format!("/proc/{}/fd/{fd} {tag}", std::process::id()), fd };
+            Ok((size_and_map(fd, len)?, offer))
+        }
+
+        /// Creates `len` bytes of zeroed shared memory, maps it, and offers it to the others.
+        #[cfg(not(target_os = "linux"))]
+        pub(crate) fn create(len: usize) -> Result<(Mapping, Offer), String> {
+            let name = format!("/{}", fresh_tag());
+            let c = CString::new(name.as_str()).map_err(|e| e.to_string())?;
             // SAFETY: `c` is a NUL-terminated name; the flags make a new object or fail.
             let fd = unsafe {
                 libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600)
@@ -360,42 +437,56 @@ pub(crate) mod posix {
             if fd < 0 {
                 return Err(last_error("shm_open"));
             }
-            // SAFETY: `fd` is the object just created; the sizes fit an off_t (a region is at most
-            // tens of MB).
-            let sized = unsafe {
-                libc::ftruncate(fd, len as libc::off_t) == 0
-                    && libc::posix_fallocate(fd, 0, len as libc::off_t) == 0
-            };
-            let mapped =
-                if sized { Self::map(fd, len) } else { Err(last_error("reserving shared memory")) };
+            let offer = Offer { name };
+            let mapped = size_and_map(fd, len);
             // SAFETY: `fd` is ours; the mapping (if any) keeps the object alive without it.
             unsafe { libc::close(fd) };
-            if mapped.is_err() {
-                unlink(name);
-            }
+            Ok((mapped?, offer))
+        }
+
+        /// Maps the memory another rank offered under `name`, which must be `len` bytes long.
+        pub(crate) fn open(name: &str, len: usize) -> Result<Mapping, String> {
+            let fd = Self::open_offer(name)?;
+            let mapped = if has_len(fd, len) {
+                Self::map(fd, len)
+            } else {
+                Err(format!("shared memory {name} is not {len} bytes"))
+            };
+            // SAFETY: `fd` is ours; the mapping keeps the memory alive without it.
+            unsafe { libc::close(fd) };
             mapped
         }
 
-        /// Maps the object `name`, which must be `len` bytes long.
-        pub(crate) fn open(name: &str, len: usize) -> Result<Mapping, String> {
+        /// Opens the creator's memfd through its `/proc` entry, and checks it is the memfd of
+        /// that tag: on another host the same path may name something else, or nothing.
+        #[cfg(target_os = "linux")]
+        fn open_offer(name: &str) -> Result<libc::c_int, String> {
+            let (path, tag) = name.split_once(' ').ok_or_else(|| format!("bad offer {name}"))?;
+            let c = CString::new(path).map_err(|e| e.to_string())?;
+            // SAFETY: `c` is a NUL-terminated path; opening changes nothing.
+            let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+            if fd < 0 {
+                return Err(last_error("open"));
+            }
+            let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap_or_default();
+            if target.to_string_lossy().starts_with(&format!("/memfd:{tag} ")) {
+                Ok(fd)
+            } else {
+                // SAFETY: `fd` is ours, closed once.
+                unsafe { libc::close(fd) };
+                Err(format!("{path} is not the shared memory {tag}"))
+            }
+        }
+
+        #[cfg(not(target_os = "linux"))]
+        fn open_offer(name: &str) -> Result<libc::c_int, String> {
             let c = CString::new(name).map_err(|e| e.to_string())?;
             // SAFETY: `c` is a NUL-terminated name; opening an existing object changes nothing.
             let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR, 0) };
             if fd < 0 {
                 return Err(last_error("shm_open"));
             }
-            // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: `fd` is open; fstat writes one `stat`.
-            let sized = unsafe { libc::fstat(fd, &mut st) } == 0 && st.st_size as usize == len;
-            let mapped = if sized {
-                Self::map(fd, len)
-            } else {
-                Err(format!("shared memory object {name} is not {len} bytes"))
-            };
-            // SAFETY: `fd` is ours; the mapping keeps the object alive without it.
-            unsafe { libc::close(fd) };
-            mapped
+            Ok(fd)
         }
 
         fn map(fd: libc::c_int, len: usize) -> Result<Mapping, String> {
@@ -432,7 +523,8 @@ pub(crate) mod posix {
     }
 
     /// Removes the name `name`; the memory stays until the last mapping goes.
-    pub(crate) fn unlink(name: &str) {
+    #[cfg(not(target_os = "linux"))]
+    fn unlink(name: &str) {
         if let Ok(c) = CString::new(name) {
             // SAFETY: `c` is a NUL-terminated name; a name already gone is not an error here.
             unsafe { libc::shm_unlink(c.as_ptr()) };

@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::comm::{gradacc_comm_t, COMMS};
+use super::comm::{check_no_sync_of, gradacc_comm_t, sync_in_flight, COMMS};
 use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
@@ -90,7 +90,7 @@ pub struct gradacc_accumulator_config_t {
     pub sharding: gradacc_sharding_t,
     /// Ranks the gradient is sharded over: the size of the communicator given to sync (or, for
     /// GRADACC_SHARDING_ACCUMULATE, to gradacc_accumulator_create_sharded) (default 1; must be 1
-    /// unless sharding is on).
+    /// unless sharding is on; at most 65536).
     pub shard_count: u32,
     /// This rank's shard, in 0..shard_count: its rank on that communicator (default 0).
     pub shard_rank: u32,
@@ -123,6 +123,11 @@ pub struct gradacc_sync_info_t {
     pub clip_coef: f64,
 }
 
+/// The most shards a sharded accumulator may have: a communicator of more ranks could not sum
+/// the windows' item counts (up to 2^47 each) exactly, so a larger count is refused at creation
+/// rather than at the first boundary.
+const MAX_SHARD_COUNT: usize = 1 << 16;
+
 fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> {
     let loss_reduction = match c.loss_reduction {
         GRADACC_LOSS_REDUCTION_MEAN => LossReduction::Mean,
@@ -148,6 +153,12 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel))
     })?;
     let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
+    if c.sharding != GRADACC_SHARDING_NONE && shards > MAX_SHARD_COUNT {
+        return Err(Error::invalid(format!(
+            "`config`.shard_count = {shards} is above {MAX_SHARD_COUNT}, the most ranks a boundary's \
+             item counts sum exactly over"
+        )));
+    }
     let sharding = match c.sharding {
         GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
         GRADACC_SHARDING_NONE => {
@@ -224,14 +235,11 @@ fn creation_args(
         // contract).
         config_from_c(&unsafe { read_config(config, "config")? })?
     };
-    if tensors.is_null() {
-        return Err(null("tensors"));
-    }
-    if n == 0 {
+    if n == 0 && !tensors.is_null() {
         return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor").into());
     }
-    // SAFETY: non-null, and by the API contract `n` descriptors.
-    let raw = unsafe { std::slice::from_raw_parts(tensors, n) };
+    // SAFETY: by the API contract `n` descriptors; the length is checked before use.
+    let raw = unsafe { read_slice(tensors, n, "tensors", "n")? };
     let descs = raw
         .iter()
         .enumerate()
@@ -294,6 +302,7 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
         if master.is_null() {
             return Err(null("master"));
         }
+        check_len::<f32>(master_numel, "master_numel")?;
         // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
         // accumulator's lifetime (API contract).
         *out = ACCUMULATORS.insert(Arc::new(unsafe {
@@ -350,6 +359,9 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
 /// handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). Pointers from
 /// gradacc_accumulator_master become invalid.
 ///
+/// Fails with GRADACC_STATUS_WRONG_STATE, leaving the accumulator usable, while a sync of it runs on
+/// another thread: abort or destroy the communicator it waits on first.
+///
 /// Thread safety: any thread, once no other call uses the accumulator.
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_accumulator_destroy(
@@ -357,6 +369,7 @@ pub unsafe extern "C" fn gradacc_accumulator_destroy(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_destroy", || {
         if !acc.is_null() {
+            check_no_sync_of(acc as usize)?;
             ACCUMULATORS.remove(acc, "acc")?;
         }
         Ok(())
@@ -403,7 +416,7 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
                 .into());
             }
             // SAFETY: the caller passes `n` addresses at `grads` (API contract).
-            let grads = unsafe { std::slice::from_raw_parts(grads, n) };
+            let grads = unsafe { read_slice(grads, n, "grads", "n")? };
             if let Some(i) = grads.iter().position(|g| g.is_null()) {
                 return Err(null(&format!("grads[{i}]")));
             }
@@ -522,6 +535,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
+        let _flight = sync_in_flight(acc as usize, &[comm as usize]);
         let a = ACCUMULATORS.get(acc, "acc");
         let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose();
         // The other ranks are in the boundary: over `comm`, or the accumulator's own (a sharded
@@ -583,6 +597,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync_hybrid", || {
+        let _flight = sync_in_flight(acc as usize, &[shard_comm as usize, replica_comm as usize]);
         let a = ACCUMULATORS.get(acc, "acc");
         let shard = COMMS.get(shard_comm, "shard_comm");
         let replicas = COMMS.get(replica_comm, "replica_comm");

@@ -1,13 +1,14 @@
 //! C API of the communicators.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use super::handle::Registry;
 use super::status::{gradacc_status_t, guard, null};
 use super::types::{out_ptr, rank_to_c, read_config, ConfigDefaults};
 use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use crate::comm::{Communicator, LocalComm};
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 
 /// A backend gradacc may be built with: a communicator transport or a device kind.
 pub type gradacc_backend_t = i32;
@@ -34,7 +35,7 @@ pub struct gradacc_mpi_config_t {
     /// sizeof(gradacc_mpi_config_t); set by gradacc_mpi_config_default.
     pub struct_size: usize,
     /// 1: when every rank is on one host, move the boundary's data through memory the ranks
-    /// share (POSIX shared memory, a few MB) instead of MPI messages; MPI still carries the
+    /// share (a few MB, left nowhere after a crash) instead of MPI messages; MPI still carries the
     /// control reduction and the block sums. Ranks on several hosts, or where the memory cannot
     /// be shared, use MPI either way. 0: MPI only. Default 1.
     pub shared_memory: u32,
@@ -90,6 +91,9 @@ pub unsafe extern "C" fn gradacc_comm_create_local(
 
 /// Destroys a communicator handle. NULL is accepted and does nothing; must not be called twice on
 /// one handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+/// A sync on another thread that uses the handle (gradacc_accumulator_sync, _sync_hybrid) is
+/// failed first, as gradacc_comm_abort fails it (GRADACC_STATUS_COMM_FAILURE; the communicator is
+/// aborted, and in-process its whole group), and the destroy returns once that sync returned.
 /// An NCCL communicator gradacc created is finalised and destroyed when healthy (its pending
 /// collectives complete first, for at most 10 minutes), and aborted when it failed (a peer's
 /// error, a timeout), which never waits for the other ranks.
@@ -99,7 +103,8 @@ pub unsafe extern "C" fn gradacc_comm_create_local(
 pub unsafe extern "C" fn gradacc_comm_destroy(comm: *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_destroy", || {
         if !comm.is_null() {
-            COMMS.remove(comm, "comm")?;
+            let c = COMMS.remove(comm, "comm")?;
+            end_syncs_on(comm as usize, &*c);
         }
         Ok(())
     })
@@ -393,4 +398,74 @@ pub unsafe extern "C" fn gradacc_comm_timeout(
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_comm_abort(comm: *mut gradacc_comm_t) -> gradacc_status_t {
     guard("gradacc_comm_abort", || Ok(COMMS.get(comm, "comm")?.abort()?))
+}
+
+/// The syncs in flight through the C API: which accumulator handle waits on which communicator
+/// handles. A destroy of either must not return OK while such a sync keeps waiting on a handle
+/// nobody can reach any more.
+struct Flights {
+    live: Mutex<Vec<(u64, usize, Vec<usize>)>>,
+    /// Notified whenever a sync leaves.
+    left: Condvar,
+}
+
+static FLIGHTS: Flights = Flights { live: Mutex::new(Vec::new()), left: Condvar::new() };
+
+/// How long a destroy waits for the sync it failed to return: an aborted wait returns within
+/// milliseconds; the rest of a boundary (its own compute) is bounded by the buffer's size.
+const SYNC_LEAVES_WITHIN: Duration = Duration::from_secs(60);
+
+fn flights() -> MutexGuard<'static, Vec<(u64, usize, Vec<usize>)>> {
+    FLIGHTS.live.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A sync in flight, registered until it drops.
+pub(crate) struct Flight(u64);
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        flights().retain(|f| f.0 != self.0);
+        FLIGHTS.left.notify_all();
+    }
+}
+
+/// Registers a sync of accumulator handle `acc` over the communicator handles `comms`.
+pub(crate) fn sync_in_flight(acc: usize, comms: &[usize]) -> Flight {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    flights().push((id, acc, comms.to_vec()));
+    Flight(id)
+}
+
+/// Refuses to destroy accumulator handle `acc` while a sync of it is in flight on another thread:
+/// WRONG_STATE, the handle left as it was.
+pub(crate) fn check_no_sync_of(acc: usize) -> crate::error::Result<()> {
+    if flights().iter().any(|f| f.1 == acc) {
+        return Err(Error::new(
+            ErrorKind::WrongState,
+            format!(
+                "argument `acc` = {acc:#x} is in a sync on another thread: the accumulator was \
+                 not destroyed; abort the communicator that sync waits on (gradacc_comm_abort, \
+                 or destroy it) or let the sync return, then destroy the accumulator"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Fails the syncs in flight on communicator handle `handle` (now out of the registry) by
+/// aborting `comm`, and waits (bounded) until they returned.
+fn end_syncs_on(handle: usize, comm: &dyn Communicator) {
+    let uses = |f: &Vec<(u64, usize, Vec<usize>)>| f.iter().any(|f| f.2.contains(&handle));
+    if !uses(&flights()) {
+        return;
+    }
+    // An adopted NCCL communicator cannot be aborted by gradacc: its sync ends at its timeout.
+    let _ = comm.abort();
+    let mut live = flights();
+    let deadline = Instant::now() + SYNC_LEAVES_WITHIN;
+    while uses(&live) {
+        let Some(left) = deadline.checked_duration_since(Instant::now()) else { return };
+        live = FLIGHTS.left.wait_timeout(live, left).unwrap_or_else(|e| e.into_inner()).0;
+    }
 }

@@ -226,7 +226,7 @@ pub unsafe extern "C" fn gradacc_scaler_update(
             .into());
         }
         // SAFETY: the caller passes `n` handles at `accumulators` (API contract).
-        let handles = unsafe { std::slice::from_raw_parts(accumulators, n) };
+        let handles = unsafe { read_slice(accumulators, n, "accumulators", "n")? };
         let accs = handles
             .iter()
             .enumerate()

@@ -403,11 +403,52 @@ pub(crate) unsafe fn read_bytes<'a>(
     len: usize,
     argument: &str,
 ) -> CallResult<&'a [u8]> {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { read_slice(ptr, len, argument, "len") }
+}
+
+/// Borrows `len` values of `T` at `ptr` (a pointer-and-length pair of the C API). No object is
+/// larger than `isize::MAX` bytes, so a longer length is the caller's mistake (often a negative
+/// value or a wrapped multiplication) and is refused before a slice is formed: such a slice would
+/// be undefined behaviour even before it is read.
+///
+/// # Safety
+/// A non-null `ptr` must point to `len` readable values of `T` that stay alive and unchanged for
+/// `'a`.
+pub(crate) unsafe fn read_slice<'a, T>(
+    ptr: *const T,
+    len: usize,
+    argument: &str,
+    len_argument: &str,
+) -> CallResult<&'a [T]> {
     if ptr.is_null() {
         return Err(null(argument));
     }
-    // SAFETY: non-null, and `len` readable bytes by the caller's contract.
+    check_len::<T>(len, len_argument)?;
+    if !ptr.is_aligned() {
+        return Err(Error::invalid(format!(
+            "argument `{argument}` = {ptr:p} is not aligned to {} bytes",
+            std::mem::align_of::<T>()
+        ))
+        .into());
+    }
+    // SAFETY: non-null, aligned, at most isize::MAX bytes (checked), and readable for `len`
+    // values by the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// Refuses a length of `T` values whose size in bytes exceeds `isize::MAX`: no buffer can hold
+/// it.
+pub(crate) fn check_len<T>(len: usize, len_argument: &str) -> CallResult<()> {
+    let size = std::mem::size_of::<T>();
+    if len.checked_mul(size).is_none_or(|bytes| bytes > isize::MAX as usize) {
+        return Err(Error::invalid(format!(
+            "argument `{len_argument}` = {len} is impossible: {len} values of {size} bytes exceed \
+             the address space (isize::MAX bytes)"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
