@@ -190,13 +190,15 @@ fn one_fault_in(
     shm: bool,
 ) -> Result<(f64, bool, bool), String> {
     let mut child = launch(role, dir, shm);
-    let pids: Vec<i32> = (0..2)
+    let Some(started) = (0..2)
         .map(|q| wait_for(dir, &format!("pid.{q}"), Duration::from_secs(60)))
         .collect::<Option<Vec<_>>>()
-        .ok_or("the ranks did not start")?
-        .iter()
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
+    else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err("the ranks did not start".into());
+    };
+    let pids: Vec<i32> = started.iter().map(|s| s.trim().parse().unwrap()).collect();
     std::thread::sleep(delay);
     let sent = monotonic_ns();
     signal(pids[victim], sig);

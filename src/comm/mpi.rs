@@ -386,9 +386,9 @@ impl MpiComm {
             peers: Peers::none(),
         };
         // From here on `this` frees the duplicate on every path.
-        // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
-        // handler leaves the caller's communicator as it was; ERRORS_RETURN is rsmpi's constant.
         check(
+            // SAFETY: `this.comm` is the duplicate MPI_Comm_dup just made, ours alone, so changing its
+            // handler leaves the caller's communicator as it was; ERRORS_RETURN is rsmpi's constant.
             unsafe { ffi::MPI_Comm_set_errhandler(this.comm, ffi::RSMPI_ERRORS_RETURN) },
             "MPI_Comm_set_errhandler",
         )?;
@@ -455,10 +455,10 @@ impl MpiComm {
         drop(offer);
         agreed?;
         Ok(match mapping {
-            // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
-            // by every rank of the group (all agreed) and used only through this region, which
-            // lives beside it in `Shared` and goes first.
             Some(m) if all == 1 => Some(Shared {
+                // SAFETY: the mapping is `size` bytes, page-aligned, zero-filled at creation, mapped
+                // by every rank of the group (all agreed) and used only through this region, which
+                // lives beside it in `Shared` and goes first.
                 region: unsafe { Region::new(m.base(), self.world, piece) },
                 _mapping: m,
             }),
