@@ -168,6 +168,17 @@ impl ShardedStore {
         factor: f32,
     ) {
         let layout = &self.plan.layout;
+        // The padding between tensors is staged as zeros: the staging is reused, and the
+        // padding's reduced values land in the shard.
+        for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
+            for i in layout.tensor_at(flat.start)..layout.tensor_at(flat.end - 1) + 1 {
+                let p = layout.padding(i);
+                let (lo, hi) = (p.start.max(flat.start), p.end.min(flat.end));
+                if lo < hi {
+                    stage[position + lo - flat.start..position + hi - flat.start].fill(0.0);
+                }
+            }
+        }
         let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
         for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
@@ -175,6 +186,11 @@ impl ShardedStore {
             while i < self.plan.descs.len() && layout.range(i).start < flat.end {
                 let t = layout.range(i);
                 let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
+                if lo >= hi {
+                    // The range starts in this tensor's padding.
+                    i += 1;
+                    continue;
+                }
                 let (_, tail) =
                     std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
                 let (master, tail) = tail.split_at_mut(hi - lo);
@@ -267,8 +283,10 @@ impl ShardedStore {
                 None => self.spare_stage(&mut m.spare)?,
             };
             let base = stage_base(&self.plan.layout.buckets()[b]);
-            for i in self.tensors_of(b).filter(|&i| !m.landed[i]) {
-                let r = self.plan.layout.range(i);
+            // A tensor that received nothing contributes zeros, and so does every padding.
+            for i in self.tensors_of(b) {
+                let layout = &self.plan.layout;
+                let r = if m.landed[i] { layout.padding(i) } else { layout.slot(i) };
                 stage[r.start - base..r.end - base].fill(0.0);
             }
             let result = self.reduce_bucket(b, &mut stage, m.first);
