@@ -412,7 +412,10 @@ class Accumulator(_Managed):
         else:
             ptr, n, keep = _buffer(master, DType.F32, "master", writable=True)
             if n is None:
-                n = sum(numel for numel, _ in specs)
+                # The tensors with the padding that aligns each one (GRADACC_MASTER_ALIGN).
+                total = ctypes.c_size_t()
+                _check(ffi.gradacc_accumulator_master_numel(descs, len(specs), ctypes.byref(total)))
+                n = total.value
             _check(ffi.gradacc_accumulator_create_with_buffer(
                 ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
                 ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), n, ctypes.byref(out)))
