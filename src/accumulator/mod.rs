@@ -14,6 +14,7 @@
 
 mod config;
 mod layout;
+pub(crate) mod protocol;
 mod window;
 
 pub use config::{AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
@@ -24,7 +25,7 @@ use std::sync::Arc;
 
 use crate::backend::cuda::driver::CUdeviceptr;
 use crate::backend::{cpu, cuda};
-use crate::comm::{Collectives, Communicator, Control, ControlSum};
+use crate::comm::{Communicator, ControlSum};
 use crate::device::Device;
 use crate::dtype::{self, Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -270,18 +271,6 @@ impl Plan {
     }
 }
 
-/// The error when the ranks' fingerprints or element counts differ: the same words on every
-/// device.
-pub(crate) fn ranks_differ(min_numel: u64, max_numel: u64) -> Error {
-    Error::new(
-        ErrorKind::SizeMismatch,
-        format!(
-            "ranks' accumulators differ (element counts from {min_numel} to {max_numel}, or a different tensor layout, loss reduction, \
-             normalisation, max_grad_norm, shard count, wire dtype or replica groups); no rank reduced"
-        ),
-    )
-}
-
 /// What this rank brings to a boundary.
 pub(crate) struct Proposal<'a> {
     pub comm: Option<&'a dyn Communicator>,
@@ -345,7 +334,7 @@ pub(crate) trait Store: Send + Sync {
     /// bound to a communicator tells them (a host communicator's control step carries the error).
     fn refuse(&self) {
         if let Some(c) = self.bound() {
-            refuse_boundary(c);
+            protocol::refuse(c);
         }
     }
 
@@ -944,7 +933,7 @@ impl Accumulator {
         if let Err(e) = self.check_bound(comm) {
             // The shard group, then the replicas, as the boundary's control step would.
             self.refuse_collective();
-            replicas.into_iter().for_each(refuse_boundary);
+            replicas.into_iter().for_each(protocol::refuse);
             return Err(e);
         }
         let comm = comm.or(self.store.bound());
@@ -971,7 +960,7 @@ impl Accumulator {
             .try_for_each(|c| self.check_comm(c))
             .and_then(|()| self.check_replicas(replicas))
         {
-            groups().for_each(refuse_boundary);
+            groups().for_each(protocol::refuse);
             return Err(e);
         }
         let mut w = self.window.write();
@@ -1510,14 +1499,5 @@ impl Accumulator {
                 format!("{} is a device address, the accumulator is on the CPU", argument()),
             )),
         }
-    }
-}
-
-/// Takes part in a boundary this rank cannot run (its arguments are invalid), so the other ranks
-/// fail instead of waiting: a host communicator's control reduction carries the error. A device
-/// communicator cannot carry it; its peers wait until they are aborted or time out.
-pub(crate) fn refuse_boundary(comm: &dyn Communicator) {
-    if let Collectives::Host(c) = comm.collectives() {
-        let _ = c.reduce_control(&ControlSum::of(&Control { error: true, ..Default::default() }));
     }
 }

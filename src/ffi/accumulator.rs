@@ -9,9 +9,9 @@ use super::handle::Registry;
 use super::scaler::{gradacc_scaler_t, SCALERS};
 use super::status::{gradacc_status_t, guard, null, CallResult};
 use super::types::*;
+use crate::accumulator::protocol::Owed;
 use crate::accumulator::{
-    refuse_boundary, Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo,
-    TensorDesc,
+    Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc,
 };
 use crate::device::Device;
 use crate::dtype::Dtype;
@@ -415,6 +415,8 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_add", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
+        // Under sharded accumulation the other ranks are in the micro-batch's collective.
+        let owed = Owed::collective(&a);
         let args = || {
             let s = SCALERS.get(scaler, "scaler")?;
             if grads.is_null() {
@@ -434,8 +436,8 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
             }
             Ok((s, grads))
         };
-        // Under sharded accumulation the other ranks are in the micro-batch's collective.
-        let (s, grads) = args().inspect_err(|_| a.refuse_collective())?;
+        let (s, grads) = args()?;
+        owed.settle();
         // SAFETY: each address holds its tensor's gradient (API contract); `add_raw` checks its
         // alignment and size before use.
         Ok(unsafe { a.add_raw(&s, grads, count) }?)
@@ -474,7 +476,9 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
     guard("gradacc_accumulator_begin_final_microbatch", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         // Under sharded accumulation the other ranks are in the micro-batch's control step.
-        let comm = COMMS.get(comm, "comm").inspect_err(|_| a.refuse_collective())?;
+        let owed = Owed::collective(&a);
+        let comm = COMMS.get(comm, "comm")?;
+        owed.settle();
         Ok(a.begin_final_microbatch(count, comm)?)
     })
 }
@@ -502,11 +506,12 @@ pub unsafe extern "C" fn gradacc_accumulator_add_tensor(
     guard("gradacc_accumulator_add_tensor", || {
         let a = ACCUMULATORS.get(acc, "acc")?;
         // Under sharded accumulation a refused contribution fails the micro-batch everywhere.
-        let s = SCALERS.get(scaler, "scaler").inspect_err(|_| a.refuse_tensor())?;
+        let owed = Owed::tensor(&a);
+        let s = SCALERS.get(scaler, "scaler")?;
         if grad.is_null() {
-            a.refuse_tensor();
             return Err(null("grad"));
         }
+        owed.settle();
         // SAFETY: `grad` holds `numel` values of the tensor's dtype (API contract);
         // `add_tensor_raw` checks its alignment, size and count before use.
         Ok(unsafe { a.add_tensor_raw(&s, index, grad, numel) }?)
@@ -545,30 +550,15 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync", || {
-        let comm = match (comm.is_null(), ACCUMULATORS.get(acc, "acc")) {
-            (true, _) => None,
-            // A sharded accumulation's peers are in the boundary on its own communicator.
-            (false, a) => Some(
-                COMMS
-                    .get(comm, "comm")
-                    .inspect_err(|_| a.iter().for_each(|a| a.refuse_collective()))?,
-            ),
-        };
-        let a = match check_out_struct(out_info, "out_info")
-            .and_then(|()| ACCUMULATORS.get(acc, "acc"))
-        {
-            Ok(a) => a,
-            Err(e) => {
-                // Still take part in the boundary so the other ranks fail instead of waiting
-                // (a sharded accumulation's boundary is over its own communicator).
-                match (&comm, ACCUMULATORS.get(acc, "acc")) {
-                    (Some(c), _) => refuse_boundary(&**c),
-                    (None, Ok(a)) => a.refuse_collective(),
-                    (None, Err(_)) => {}
-                }
-                return Err(e);
-            }
-        };
+        let a = ACCUMULATORS.get(acc, "acc");
+        let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose();
+        // The other ranks are in the boundary: over `comm`, or the accumulator's own (a sharded
+        // accumulation's) when it is NULL or refused.
+        let owed = Owed::boundary(a.as_ref().ok(), comm.as_ref().ok().and_then(Option::as_ref));
+        let comm = comm?;
+        check_out_struct(out_info, "out_info")?;
+        let a = a?;
+        owed.settle();
         let comm = comm.as_deref();
         if out_info.is_null() {
             return Ok(a.sync_enqueue(comm)?);
@@ -621,24 +611,14 @@ pub unsafe extern "C" fn gradacc_accumulator_sync_hybrid(
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_sync_hybrid", || {
+        let a = ACCUMULATORS.get(acc, "acc");
         let shard = COMMS.get(shard_comm, "shard_comm");
         let replicas = COMMS.get(replica_comm, "replica_comm");
-        let checked =
-            check_out_struct(out_info, "out_info").and_then(|()| ACCUMULATORS.get(acc, "acc"));
-        let (a, shard, replicas) = match (checked, shard, replicas) {
-            (Ok(a), Ok(s), Ok(r)) => (a, s, r),
-            (a, s, r) => {
-                // Still take part in the boundary so the other ranks fail instead of waiting.
-                for c in [&s, &r].into_iter().flatten() {
-                    refuse_boundary(&**c);
-                }
-                return Err([a.err(), s.err(), r.err()]
-                    .into_iter()
-                    .flatten()
-                    .next()
-                    .expect("one argument failed"));
-            }
-        };
+        // The other ranks are in the boundary over both groups.
+        let owed = Owed::boundary(a.as_ref().ok(), [&shard, &replicas].into_iter().flatten());
+        check_out_struct(out_info, "out_info")?;
+        let (a, shard, replicas) = (a?, shard?, replicas?);
+        owed.settle();
         let info = a.sync_hybrid(&*shard, &*replicas)?;
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract);
         // a NULL one is skipped.

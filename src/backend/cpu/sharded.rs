@@ -20,19 +20,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::master::Master;
 use super::math::NORM_BLOCK;
 use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
+use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
-use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
+use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
-
-/// XORed into the fingerprint in a micro-batch's control step, so that a rank at a micro-batch
-/// and a rank at the boundary never agree, nor a rank cutting by stripes and one by buckets.
-const BY_STRIPES: u64 = 0x5851_f42d_4c95_7f2d;
-const BY_BUCKETS: u64 = 0x2545_f491_4f6c_dd1d;
-/// The same for the control step that closes a micro-batch added tensor by tensor.
-const CLOSING: u64 = 0x9fb2_1c65_1e98_df25;
 
 pub(crate) struct ShardedStore {
     plan: Arc<Plan>,
@@ -314,32 +308,17 @@ impl ShardedStore {
     /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
     /// is lost.
     fn close_together(&self, invalid: bool) -> Result<()> {
-        let total = self
-            .control_step(CLOSING, invalid)
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
-        if total.error || total.min_layout != total.max_layout {
-            self.lost.store(true, Ordering::Relaxed);
-            return Err(if invalid {
-                Error::wrong_state("an add_tensor call of this micro-batch was refused on this rank: the micro-batch fails on every rank")
-            } else {
-                Error::new(ErrorKind::PeerFailure, "an add_tensor call of this micro-batch was refused on another rank, so the sums lack its tensor")
-            });
-        }
-        Ok(())
+        let own = invalid.then(protocol::refused_here);
+        self.control_step(Step::Closing, own.as_ref())
+            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
-    /// One control reduction of a micro-batch: the layout with the step's tag, and the error flag.
-    fn control_step(&self, tag: u64, error: bool) -> Result<ControlSum> {
-        let mine = ControlSum::of(&Control {
-            numel: self.plan.layout.len() as u64,
-            layout: self.plan.fingerprint() ^ tag,
-            error,
-            ..Default::default()
-        });
-        match between_ranks(Some(&*self.comm))? {
-            Some(c) => c.reduce_control(&mine),
-            None => Ok(mine),
-        }
+    /// One control step of a micro-batch over the shard group (see [`protocol`]).
+    fn control_step(&self, step: Step, own: Option<&Error>) -> Result<()> {
+        let mine = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
+        let group = between_ranks(Some(&*self.comm))?.map(HostChannel);
+        protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)?;
+        Ok(())
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
@@ -418,24 +397,7 @@ impl Store for ShardedStore {
     /// same layout, or all fail with nothing reduced.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         let mut m = self.state();
-        let total =
-            self.control_step(if whole { BY_STRIPES } else { BY_BUCKETS }, error.is_some())?;
-        if let Some(e) = error {
-            return Err(e.clone());
-        }
-        if total.error {
-            return Err(Error::new(
-                ErrorKind::PeerFailure,
-                "another rank's micro-batch call was invalid; no rank reduced this micro-batch",
-            ));
-        }
-        if total.min_layout != total.max_layout || total.min_numel != total.max_numel {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                "the ranks are not at the same step (a micro-batch on some, the boundary on others; or add on some, \
-                 add_tensor on others) or their accumulators differ; no rank reduced this micro-batch",
-            ));
-        }
+        self.control_step(Step::Microbatch { whole }, error)?;
         m.open = true;
         m.first = first;
         m.invalid = false;
@@ -505,17 +467,7 @@ impl Store for ShardedStore {
         let factor = unscale_factor(scaler, weight)?;
         let mut m = self.state();
         let m = &mut *m;
-        if !m.open {
-            return Err(Error::wrong_state(
-                "the micro-batch's reductions failed; end_microbatch discards the window",
-            ));
-        }
-        if m.landed[index] {
-            return Err(Error::wrong_state(format!(
-                "tensor {index} already has its contribution to this micro-batch: under sharded accumulation a bucket is reduced \
-                 once all of its tensors have landed, so each tensor takes one contribution per micro-batch"
-            )));
-        }
+        protocol::check_contribution(m.open, m.landed[index], index)?;
         let b = self.plan.layout.bucket_of(index);
         let mut stage = match m.stages[b].take() {
             Some(stage) => stage,
@@ -648,10 +600,7 @@ fn over_replicas(
         group.reduce_control(&ControlSum { error: result.is_err(), ..Default::default() })?;
     match result {
         Err(e) => Err(e),
-        Ok(_) if told.error => Err(Error::new(
-            ErrorKind::PeerFailure,
-            "the replica reduction failed on another rank of the shard group",
-        )),
+        Ok(_) if told.error => Err(protocol::replica_failed()),
         ok => ok,
     }
 }

@@ -7,9 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
-use crate::accumulator::{
-    ranks_differ, refuse_boundary, Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo,
-};
+use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
 };
@@ -187,48 +186,26 @@ impl Store for HostStore {
     }
 }
 
-/// The boundary's control step over the shard group (or the whole group) and the replicas: one
-/// control reduction each, in which a rank whose call is invalid still takes part, with its error
-/// flag, so every rank fails together.
+/// The boundary's control step over the shard group (or the whole group) and the replicas (see
+/// [`protocol`]): the claims carry the window's counts, so the agreed totals are the world's.
 pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
-    let layout = &plan.layout;
-    // The ranks of a shard group must have replica groups of one size: it is in the world.
-    let replicas =
-        p.replicas.map_or(0, |r| (r.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f));
     let mine = Control {
-        numel: layout.len() as u64,
-        layout: plan.fingerprint() ^ replicas,
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
         found_inf: p.microbatches != 0 && found_inf,
-        error: p.error.is_some(),
+        ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
-    let mut total = ControlSum::of(&mine);
-    if let Some(c) = p.comm {
-        // A shard group that fails here still tells the replicas, which would wait otherwise.
-        total = host_collectives(c)?
-            .reduce_control(&total)
-            .inspect_err(|_| p.replicas.into_iter().for_each(refuse_boundary))?;
-    }
-    if let Some(r) = p.replicas {
-        // The replicas of a shard must hold the same shard: the fingerprint is tagged with
-        // the shard's rank, so ranks holding different shards differ in it. A shard group
-        // that already differs stays different whatever the tags (a tag could reorder a
-        // minimum and a maximum into agreement).
-        let shard = plan.config.sharding.shard().map_or(0, |(_, rank)| rank as u64);
-        let tag = (shard + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        (total.min_layout, total.max_layout) = if total.min_layout == total.max_layout {
-            (total.min_layout ^ tag, total.max_layout ^ tag)
-        } else {
-            (0, u64::MAX)
-        };
-        total = host_collectives(r)?.reduce_control(&total)?;
-    }
-    if let Some(e) = &p.error {
-        return Err(e.clone());
-    }
-    check_agreement(&total)?;
+    let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);
+    let replicas = p.replicas.map(host_collectives).transpose()?.map(HostChannel);
+    let shard = plan.config.sharding.shard().map_or(0, |(_, rank)| rank);
+    let total = protocol::agree(
+        Step::Boundary,
+        group.as_ref().map(|c| c as &dyn Channel),
+        replicas.as_ref().map(|c| (c as &dyn Channel, shard)),
+        &ControlSum::of(&mine),
+        p.error.as_ref(),
+    )?;
     Ok(Agreed { totals: Some(total) })
 }
 
@@ -335,10 +312,7 @@ fn hybrid(
         shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
     match failed {
         Some(e) => Err(e),
-        None if told.error => Err(Error::new(
-            ErrorKind::PeerFailure,
-            "the replica reduction failed on another rank of the shard group",
-        )),
+        None if told.error => Err(protocol::replica_failed()),
         None => Ok(values),
     }
 }
@@ -426,24 +400,4 @@ impl BlockPass for NormPass {
     fn wire(&self) -> Dtype {
         self.wire
     }
-}
-
-/// Fails on every rank alike when the ranks' control values are inconsistent.
-pub(super) fn check_agreement(total: &ControlSum) -> Result<()> {
-    if total.error {
-        return Err(Error::new(
-            ErrorKind::PeerFailure,
-            "another rank's sync call was invalid; no rank reduced",
-        ));
-    }
-    if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
-        return Err(ranks_differ(total.min_numel, total.max_numel));
-    }
-    if total.microbatches == 0 {
-        return Err(Error::new(
-            ErrorKind::EmptyWindow,
-            "sync on an empty window: no rank added a micro-batch",
-        ));
-    }
-    Ok(())
 }

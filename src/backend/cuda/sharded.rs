@@ -45,36 +45,22 @@ use super::layout::{
 };
 use super::scaler::CudaScaler;
 use super::store::{
-    alone, check_grid, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups,
-    GridCheck, NormSpan, CHUNK,
+    alone, nccl, norm_and_clip, read_info, wait_for_collectives, wait_for_groups, Claims, NormSpan,
+    CHUNK,
 };
 use super::wire::Wire;
-use crate::accumulator::{
-    ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo,
-};
+use crate::accumulator::protocol::{self, Step};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ControlSum};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 
-/// XORed into the fingerprint of the layout check, so that a rank checking at its first
-/// micro-batch and one checking at the boundary do not agree (their next collectives differ).
-const AT_MICROBATCH: u64 = 0x5851_f42d_4c95_7f2d;
-const AT_BOUNDARY: u64 = 0x1405_7b7e_f767_814f;
-/// XORed into the first micro-batch's check when it goes tensor by tensor: ranks cutting it by
-/// stripes and by buckets issue different collectives.
-const BY_BUCKETS: u64 = 0x2545_f491_4f6c_dd1d;
-/// The same for the control step that closes a micro-batch added tensor by tensor.
-const CLOSING: u64 = 0x9fb2_1c65_1e98_df25;
 /// Staging buffers kept between tensor-by-tensor micro-batches.
 const KEPT_STAGES: usize = 2;
-/// Words of the layout check: element count, fingerprint, their complements (one MAX gives both
-/// extremes), and whether a rank's call is invalid.
-const LAYOUT_WORDS: usize = 5;
-
 /// One `ga_add_multi` launch of a stripe: pieces `first..first + count` of the piece table and
 /// their chunks, consecutive in the chunk table.
 struct AddLaunch {
@@ -163,7 +149,7 @@ pub(crate) struct ShardedDeviceStore {
     found_inf: DeviceBuffer,
     boundary: DeviceBuffer,
     partials: DeviceBuffer,
-    layout_check: DeviceBuffer,
+    claims: Claims,
     /// The open micro-batch assigns the shard (the window's first).
     first: AtomicBool,
     /// A reduction failed after part of a micro-batch reached the shard.
@@ -276,7 +262,7 @@ impl ShardedDeviceStore {
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
             partials: DeviceBuffer::zeroed(&ctx, stream, world * (padded / NORM_BLOCK) * 8)?,
-            layout_check: DeviceBuffer::zeroed(&ctx, stream, LAYOUT_WORDS * 8)?,
+            claims: Claims::new(&ctx, stream)?,
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
             first: AtomicBool::new(true),
             lost: AtomicBool::new(false),
@@ -574,34 +560,18 @@ impl ShardedDeviceStore {
     /// micro-batch's reductions too): a refused `add_tensor` on any rank left its tensor out of
     /// every rank's sums, so every rank's window is lost.
     fn close_together(&self, invalid: bool) -> Result<()> {
-        let failed = match self.group()? {
+        let own = invalid.then(protocol::refused_here);
+        let total = match self.group()? {
             Some(c) => {
-                let max = self.closing_exchange(c, invalid).inspect_err(|_| self.stop())?;
-                max[4] != 0 || max[0] != !max[2] || max[1] != !max[3]
+                let total = self.claims.exchange(Step::Closing, &self.plan, Some(c), None, invalid);
+                Ok(total.inspect_err(|_| self.stop())?)
             }
-            None => invalid,
+            None => Ok(ControlSum::default()),
         };
-        if !failed {
-            return Ok(());
-        }
-        self.lost.store(true, Ordering::Relaxed);
-        Err(if invalid {
-            Error::wrong_state("an add_tensor call of this micro-batch was refused on this rank: the micro-batch fails on every rank")
-        } else {
-            Error::new(ErrorKind::PeerFailure, "an add_tensor call of this micro-batch was refused on another rank, so the sums lack its tensor")
-        })
-    }
-
-    /// The closing step's exchange (MAX of the layout words and the error flag).
-    fn closing_exchange(&self, c: &NcclComm, invalid: bool) -> Result<[u64; LAYOUT_WORDS]> {
-        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint() ^ CLOSING);
-        self.layout_check.write(&[numel, hash, !numel, !hash, invalid as u64])?;
-        c.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
-        wait_for_collectives(&self.ctx, self.stream, c)?;
-        let mut max = [0u64; LAYOUT_WORDS];
-        self.layout_check.read(&mut max)?;
-        c.health()?;
-        Ok(max)
+        Step::Closing
+            .judge(total, own.as_ref())
+            .map(drop)
+            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
     /// After the communication stream is joined: its overflow flag goes into the window's.
@@ -740,7 +710,7 @@ impl ShardedDeviceStore {
     /// and take the same step (`at`: the first micro-batch or the boundary), so that they never
     /// run collectives of different sizes. A rank with `error` takes part, and the others fail
     /// with PEER_FAILURE.
-    fn verify_layout(&self, comm: &NcclComm, at: u64, error: Option<&Error>) -> Result<()> {
+    fn verify_layout(&self, comm: &NcclComm, step: Step, error: Option<&Error>) -> Result<()> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         if verified.contains(&comm.id()) {
             return match error {
@@ -758,25 +728,7 @@ impl ShardedDeviceStore {
                 None => Ok(()),
             };
         }
-        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint() ^ at);
-        self.layout_check.write(&[numel, hash, !numel, !hash, error.is_some() as u64])?;
-        comm.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
-        wait_for_collectives(&self.ctx, self.stream, comm)?;
-        let mut max = [0u64; LAYOUT_WORDS];
-        self.layout_check.read(&mut max)?;
-        comm.health()?;
-        if let Some(e) = error {
-            return Err(e.clone());
-        }
-        if max[4] != 0 {
-            return Err(Error::new(
-                ErrorKind::PeerFailure,
-                "another rank's call was invalid; no rank reduced",
-            ));
-        }
-        if max[0] != !max[2] || max[1] != !max[3] {
-            return Err(ranks_differ(!max[2], max[0]));
-        }
+        self.claims.agree(step, &self.plan, Some(comm), None, error)?;
         verified.push(comm.id());
         Ok(())
     }
@@ -805,13 +757,7 @@ impl ShardedDeviceStore {
                 None => Ok(()),
             };
         }
-        let me = GridCheck {
-            numel: self.plan.layout.len() as u64,
-            fingerprint: self.plan.fingerprint() ^ AT_BOUNDARY,
-            shard: self.rank,
-            error,
-        };
-        check_grid(&self.ctx, self.stream, &self.layout_check, comm, replicas, me)?;
+        self.claims.agree(Step::Boundary, &self.plan, comm, Some((replicas, self.rank)), error)?;
         verified.push(pair);
         Ok(())
     }
@@ -888,9 +834,8 @@ impl Store for ShardedDeviceStore {
     /// whose call is invalid aborts the communicator, so that it never pairs a later collective
     /// with the peers' reductions; theirs fail when their communicator times out or is aborted.
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
-        let at = if whole { AT_MICROBATCH } else { AT_MICROBATCH ^ BY_BUCKETS };
         match self.group()? {
-            Some(c) => self.verify_layout(c, at, error)?,
+            Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
             None => error.map_or(Ok(()), |e| Err(e.clone()))?,
         }
         self.first.store(first, Ordering::Relaxed);
@@ -942,7 +887,7 @@ impl Store for ShardedDeviceStore {
         if let Ok(Some(c)) = self.group() {
             let _ = self.verify_layout(
                 c,
-                AT_MICROBATCH,
+                Step::Microbatch { whole: true },
                 Some(&Error::invalid("this rank's call was refused")),
             );
         }
@@ -998,17 +943,7 @@ impl Store for ShardedDeviceStore {
         let scaler = scaler.cuda()?;
         let mut h = self.hooks();
         let h = &mut *h;
-        if !h.open {
-            return Err(Error::wrong_state(
-                "the micro-batch's reductions failed; end_microbatch discards the window",
-            ));
-        }
-        if h.landed[index] {
-            return Err(Error::wrong_state(format!(
-                "tensor {index} already has its contribution to this micro-batch: under sharded accumulation a bucket is reduced \
-                 once all of its tensors have landed, so each tensor takes one contribution per micro-batch"
-            )));
-        }
+        protocol::check_contribution(h.open, h.landed[index], index)?;
         let b = self.plan.layout.bucket_of(index);
         let stage = match h.stages[b].take() {
             Some(stage) => stage,
@@ -1040,7 +975,7 @@ impl Store for ShardedDeviceStore {
         let (comm, replicas) = (p.comm.map(nccl).transpose()?, p.replicas.map(nccl).transpose()?);
         match (comm, replicas) {
             (c, Some(r)) => self.verify_grid(c, r, p.error.as_ref())?,
-            (Some(c), None) => self.verify_layout(c, AT_BOUNDARY, p.error.as_ref())?,
+            (Some(c), None) => self.verify_layout(c, Step::Boundary, p.error.as_ref())?,
             (None, None) => p.error.clone().map_or(Ok(()), Err)?,
         }
         Ok(Agreed { totals: alone(p, comm, replicas) })

@@ -27,9 +27,8 @@ use super::layout::{
 };
 use super::scaler::CudaScaler;
 use super::wire::Wire;
-use crate::accumulator::{
-    ranks_differ, Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo,
-};
+use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
@@ -43,9 +42,6 @@ use crate::scaler::Scaler;
 pub(crate) const CHUNK: usize = 8192;
 /// NORM_BLOCKs per thread block of the sum-of-squares kernel (a half-warp each).
 pub(super) const NORM_BLOCKS_PER_CTA: u64 = THREADS as u64 / 16;
-/// Words of the layout check: element count, fingerprint, their complements (so one MAX gives
-/// both extremes), and whether a rank's shard does not fit the communicator.
-const LAYOUT_WORDS: usize = 5;
 
 /// The final micro-batch's early bucket reductions.
 struct Overlap {
@@ -128,7 +124,7 @@ pub(crate) struct DeviceStore {
     found_inf: DeviceBuffer,
     boundary: DeviceBuffer,
     partials: DeviceBuffer,
-    layout_check: DeviceBuffer,
+    claims: Claims,
     sharded: Option<Sharded>,
     /// Communicators this accumulator's layout was verified against.
     verified: Mutex<Vec<u64>>,
@@ -240,70 +236,78 @@ pub(super) fn wait_for_groups(ctx: &Context, stream: CUstream, groups: &[&NcclCo
     result
 }
 
-/// Tags the layout check of a hybrid boundary: ranks checking a plain boundary never agree with it.
-const HYBRID: u64 = 0x2545_f491_4f6c_dd1d;
-
-/// What the grid check of a hybrid boundary compares: this rank's layout (element count and
-/// fingerprint), its shard and whether its call is invalid.
-pub(super) struct GridCheck<'a> {
-    pub numel: u64,
-    pub fingerprint: u64,
-    pub shard: usize,
-    pub error: Option<&'a Error>,
+/// A device's control channel (see [`protocol`]): the claim words all-reduced with MAX over an
+/// NCCL communicator on a stream, and read back on the host once the stream has run it (a
+/// blocking exchange: the stores run it once per communicator or pair of groups, and at the close
+/// of a hook micro-batch under sharded accumulation).
+pub(super) struct DeviceChannel<'a> {
+    pub ctx: &'a Context,
+    pub stream: CUstream,
+    /// [`CLAIM_WORDS`] u64 of the stream's context.
+    pub words: &'a DeviceBuffer,
+    pub comm: &'a NcclComm,
 }
 
-/// The layout check of a hybrid boundary, once per pair of groups (it waits), as the CPU's
-/// control step runs it: every rank of the shard group compares its layout, with the replica
-/// group's size mixed in (the grid is the same shape everywhere), then every replica compares
-/// the shard group's result tagged with the shard it holds (the replicas of a shard hold the same
-/// shard). A shard group that already differs stays different whatever the tags. Both exchanges
-/// run even when the first fails (with the error flag), so no replica waits for a rank that
-/// gave up; every rank of the grid fails alike. `words` holds LAYOUT_WORDS u64 of the stream's
-/// context.
-pub(super) fn check_grid(
-    ctx: &Context,
+impl Channel for DeviceChannel<'_> {
+    fn exchange(&self, mine: &ControlSum) -> Result<ControlSum> {
+        self.words.write(&protocol::claim_words(mine))?;
+        self.comm.allreduce_u64(self.words.ptr(), CLAIM_WORDS, true, self.stream)?;
+        wait_for_collectives(self.ctx, self.stream, self.comm)?;
+        let mut max = [0u64; CLAIM_WORDS];
+        self.words.read(&mut max)?;
+        self.comm.health()?;
+        Ok(protocol::from_claim_words(&max))
+    }
+}
+
+/// The claims a device store exchanges, through [`CLAIM_WORDS`] u64 of device memory on its
+/// stream.
+pub(super) struct Claims {
+    ctx: Arc<Context>,
     stream: CUstream,
-    words: &DeviceBuffer,
-    comm: Option<&NcclComm>,
-    replicas: &NcclComm,
-    me: GridCheck<'_>,
-) -> Result<()> {
-    let size = (replicas.world_size() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
-    let (numel, hash) = (me.numel, me.fingerprint ^ size ^ HYBRID);
-    let exchange = |c: &NcclComm, mine: [u64; LAYOUT_WORDS]| -> Result<[u64; LAYOUT_WORDS]> {
-        words.write(&mine)?;
-        c.allreduce_u64(words.ptr(), LAYOUT_WORDS, true, stream)?;
-        wait_for_collectives(ctx, stream, c)?;
-        let mut max = [0u64; LAYOUT_WORDS];
-        words.read(&mut max)?;
-        c.health()?;
-        Ok(max)
-    };
-    let mine = [numel, hash, !numel, !hash, me.error.is_some() as u64];
-    // A shard group of one (a sharded accumulation created without a communicator) has no
-    // exchange of its own.
-    let group = comm.map_or(Ok(mine), |c| exchange(c, mine));
-    let tag = (me.shard as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let tagged = match &group {
-        Ok(max) if max[1] == !max[3] => [max[0], max[1] ^ tag, max[2], !(max[1] ^ tag), max[4]],
-        Ok(max) => [max[0], u64::MAX, max[2], u64::MAX, max[4]],
-        Err(_) => [numel, hash, !numel, !hash, 1],
-    };
-    let grid = exchange(replicas, tagged);
-    if let Some(e) = me.error {
-        return Err(e.clone());
+    words: DeviceBuffer,
+}
+
+impl Claims {
+    pub(super) fn new(ctx: &Arc<Context>, stream: CUstream) -> Result<Self> {
+        let words = DeviceBuffer::zeroed(ctx, stream, CLAIM_WORDS * 8)?;
+        Ok(Claims { ctx: ctx.clone(), stream, words })
     }
-    let max = group.and(grid)?;
-    if max[4] != 0 {
-        return Err(Error::new(
-            ErrorKind::PeerFailure,
-            "another rank's call was invalid; no rank reduced",
-        ));
+
+    /// The reduced claims at `step` over `group` (none: this rank alone) and, at a hybrid
+    /// boundary, over the replicas of `shard` ([`protocol::exchange`]).
+    pub(super) fn exchange(
+        &self,
+        step: Step,
+        plan: &Plan,
+        group: Option<&NcclComm>,
+        replicas: Option<(&NcclComm, usize)>,
+        invalid: bool,
+    ) -> Result<ControlSum> {
+        let (ctx, stream, words) = (&*self.ctx, self.stream, &self.words);
+        let channel = |comm| DeviceChannel { ctx, stream, words, comm };
+        let mine = step.claim(plan, replicas.map(|(r, _)| r.world_size()), invalid);
+        let group = group.map(channel);
+        let replicas = replicas.map(|(r, shard)| (channel(r), shard));
+        protocol::exchange(
+            group.as_ref().map(|c| c as &dyn Channel),
+            replicas.as_ref().map(|(c, shard)| (c as &dyn Channel, *shard)),
+            &ControlSum::of(&mine),
+        )
     }
-    if max[0] != !max[2] || max[1] != !max[3] {
-        return Err(ranks_differ(!max[2], max[0]));
+
+    /// The control step at `step`: the exchange, then its verdict ([`protocol::agree`]).
+    pub(super) fn agree(
+        &self,
+        step: Step,
+        plan: &Plan,
+        group: Option<&NcclComm>,
+        replicas: Option<(&NcclComm, usize)>,
+        own: Option<&Error>,
+    ) -> Result<()> {
+        let total = self.exchange(step, plan, group, replicas, own.is_some());
+        step.judge(total, own).map(drop)
     }
-    Ok(())
 }
 
 /// What the boundary's norm pass runs over: `n` elements at `data`, starting at block
@@ -451,7 +455,7 @@ impl DeviceStore {
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
             partials: DeviceBuffer::zeroed(&ctx, stream, num_partials * 8)?,
-            layout_check: DeviceBuffer::zeroed(&ctx, stream, LAYOUT_WORDS * 8)?,
+            claims: Claims::new(&ctx, stream)?,
             sharded,
             event: Mutex::new(Event::new(&ctx)?),
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
@@ -660,12 +664,8 @@ impl DeviceStore {
         read_info(&self.boundary)
     }
 
-    fn wait_for_collectives(&self, comm: &NcclComm) -> Result<()> {
-        wait_for_collectives(&self.ctx, self.stream, comm)
-    }
-
     /// Once per pair of groups: the layout check of a hybrid boundary over the shard group and
-    /// the replicas ([`check_grid`]); a shard that does not fit the shard group fails it.
+    /// the replicas ([`protocol::agree`]); a shard that does not fit the shard group fails it.
     fn verify_grid(
         &self,
         comm: &NcclComm,
@@ -678,13 +678,14 @@ impl DeviceStore {
             return error.map_or(Ok(()), |e| Err(e.clone()));
         }
         let misfit = self.shard_misfit(comm);
-        let me = GridCheck {
-            numel: self.plan.layout.len() as u64,
-            fingerprint: self.plan.fingerprint(),
-            shard: self.sharded.as_ref().map_or(0, |s| s.rank),
-            error: error.or(misfit.as_ref()),
-        };
-        check_grid(&self.ctx, self.stream, &self.layout_check, Some(comm), replicas, me)?;
+        let shard = self.sharded.as_ref().map_or(0, |s| s.rank);
+        self.claims.agree(
+            Step::Boundary,
+            &self.plan,
+            Some(comm),
+            Some((replicas, shard)),
+            error.or(misfit.as_ref()),
+        )?;
         verified.push(pair);
         Ok(())
     }
@@ -713,27 +714,7 @@ impl DeviceStore {
             return Ok(());
         }
         let misfit = self.shard_misfit(comm);
-        let (numel, hash) = (self.plan.layout.len() as u64, self.plan.fingerprint());
-        let mine: [u64; LAYOUT_WORDS] = [numel, hash, !numel, !hash, misfit.is_some() as u64];
-        self.layout_check.write(&mine)?;
-        comm.allreduce_u64(self.layout_check.ptr(), LAYOUT_WORDS, true, self.stream)?;
-        self.wait_for_collectives(comm)?;
-        let mut max = [0u64; LAYOUT_WORDS];
-        self.layout_check.read(&mut max)?;
-        comm.health()?;
-        if let Some(e) = misfit {
-            return Err(e);
-        }
-        if max[4] != 0 {
-            return Err(Error::new(
-                ErrorKind::PeerFailure,
-                "another rank's sync call was invalid; no rank reduced",
-            ));
-        }
-        let (max_numel, max_hash, min_numel, min_hash) = (max[0], max[1], !max[2], !max[3]);
-        if max_numel != min_numel || max_hash != min_hash {
-            return Err(ranks_differ(min_numel, max_numel));
-        }
+        self.claims.agree(Step::Boundary, &self.plan, Some(comm), None, misfit.as_ref())?;
         verified.push(comm.id());
         Ok(())
     }
