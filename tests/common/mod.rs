@@ -359,6 +359,17 @@ pub fn as_saved_by_0_2(acc: &gradacc::Accumulator, bytes: &[u8]) -> Vec<u8> {
     )
 }
 
+/// Element offsets of `tensors` in the flat master, each at a multiple of `MASTER_ALIGN` bytes,
+/// plus the (aligned) total: written from the layout's definition, independently of the library.
+pub fn aligned_offsets(tensors: &[gradacc::TensorDesc]) -> Vec<usize> {
+    let align = gradacc::accumulator::MASTER_ALIGN / 4;
+    let mut offsets = vec![0];
+    for t in tensors {
+        offsets.push((offsets.last().unwrap() + t.numel).next_multiple_of(align));
+    }
+    offsets
+}
+
 /// The flat master of `acc` holding `masters` (one per tensor), zeros in the padding.
 pub fn flat_master(acc: &gradacc::Accumulator, masters: &[Vec<f32>]) -> Vec<f32> {
     let mut flat = vec![0.0; acc.len()];
