@@ -722,7 +722,7 @@ fn gradients_overlapping_the_master_are_refused() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&OVERLAP_TENSORS).unwrap();
     let values: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let backing = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
     let config = AccumulatorConfig {

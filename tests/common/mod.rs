@@ -169,8 +169,11 @@ pub fn check_overlapping_gradients(
 ) -> usize {
     use std::ffi::c_void;
     let scale = scaler.scale().unwrap();
-    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
-    let own = OVERLAP_TENSORS[0].numel;
+    // The whole master, padding included, is the caller's adopted buffer: no gradient may
+    // overlap any of it.
+    let len = acc.len();
+    assert_eq!(len, gradacc::Accumulator::master_len(&OVERLAP_TENSORS).unwrap());
+    let own = acc.offset(1).unwrap();
     let numel = OVERLAP_TENSORS[1].numel;
     let at = |shift: isize| (OVERLAP_MARGIN + own).checked_add_signed(shift).unwrap();
     let mut tried = 0;
