@@ -265,14 +265,7 @@ fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
 /// whose bucket also holds the tensor before it, still missing when the second contribution
 /// comes (a tensor alone in its bucket starts the bucket's all-reduce with its first).
 fn twice_added(buckets: &[std::ops::Range<usize>], descs: &[TensorDesc]) -> Option<usize> {
-    let starts: Vec<usize> = descs
-        .iter()
-        .scan(0, |at, d| {
-            let start = *at;
-            *at += d.numel;
-            Some(start)
-        })
-        .collect();
+    let starts = common::aligned_offsets(descs);
     let bucket = |i: usize| buckets.iter().position(|b| b.contains(&starts[i]));
     (1..descs.len()).rev().find(|&i| bucket(i) == bucket(i - 1))
 }
