@@ -281,7 +281,8 @@ static void test_arguments(void)
 static void test_wrong_groups(test_rng *rng)
 {
     enum { R = 3 };
-    layout l = {"misuse", 2, {{5001, GRADACC_DTYPE_F16}, {3999, GRADACC_DTYPE_BF16}}, 9000};
+    layout l = {"misuse", 2, {{5001, GRADACC_DTYPE_F16}, {3999, GRADACC_DTYPE_BF16}}, 0, {0}};
+    layout_place(&l);
     setup s = {GRADACC_NORMALIZE_BY_COUNT, GRADACC_LOSS_REDUCTION_MEAN, 0, GRADACC_DTYPE_F32};
     window w;
     memset(&w, 0, sizeof w);
