@@ -386,6 +386,14 @@ int main(int argc, char **argv)
         ranks[r].comm = comms[r];
         CHECK(gradacc_scaler_create(&sc, NULL, &ranks[r].scaler)); /* one scaler per rank */
         CHECK(gradacc_accumulator_create(&ac, tensors, 4, NULL, &ranks[r].acc));
+        for (size_t t = 0; t < 4; t++) { /* the shard copies below index the flat master */
+            size_t at;
+            CHECK(gradacc_accumulator_offset(ranks[r].acc, t, &at));
+            if (at != tensor_offset[t]) {
+                fprintf(stderr, "tensor %zu starts at %zu in the master, not %zu\n", t, at, tensor_offset[t]);
+                exit(2);
+            }
+        }
         memcpy(ranks[r].w, w0, sizeof w0);
         memcpy(naive_w[r], w0, sizeof w0);
     }
