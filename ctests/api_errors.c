@@ -9,6 +9,8 @@
 /* ---- a reference window --------------------------------------------------------------------- */
 
 enum { N0 = 5, N1 = 4, N2 = 3, NALL = N0 + N1 + N2 };
+/* The master: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes. */
+enum { NMASTER = 3 * (GRADACC_MASTER_ALIGN / 4) };
 static const gradacc_tensor_desc_t descs[3] = {{N0, GRADACC_DTYPE_F32}, {N1, GRADACC_DTYPE_F16}, {N2, GRADACC_DTYPE_BF16}};
 static const float SCALE = 1024.0f;
 
@@ -178,21 +180,21 @@ static void test_accumulator_create(void)
     CHECK(out == SENTINEL_PTR, "`out` was written by a failing create");
 
     /* create_with_buffer */
-    float master[NALL + 1];
-    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, NULL, NALL, (gradacc_accumulator_t **)&out),
+    float master[NMASTER + 1];
+    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, NULL, NMASTER, (gradacc_accumulator_t **)&out),
                  GRADACC_STATUS_NULL_ARGUMENT, "`master`");
-    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NALL, NULL),
+    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NMASTER, NULL),
                  GRADACC_STATUS_NULL_ARGUMENT, "`out`");
-    EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NALL - 1, (gradacc_accumulator_t **)&out),
+    EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NMASTER - 1, (gradacc_accumulator_t **)&out),
                   GRADACC_STATUS_SIZE_MISMATCH);
-    EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NALL + 1, (gradacc_accumulator_t **)&out),
+    EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, master, NMASTER + 1, (gradacc_accumulator_t **)&out),
                   GRADACC_STATUS_SIZE_MISMATCH);
-    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, NULL, NALL, NULL), GRADACC_STATUS_NULL_ARGUMENT,
+    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, NULL, NMASTER, NULL), GRADACC_STATUS_NULL_ARGUMENT,
                  "NULL");
     {
-        unsigned char raw[(NALL + 2) * 4];
+        unsigned char raw[(NMASTER + 2) * 4];
         float *misaligned = (float *)(void *)(raw + 1 + (4 - ((uintptr_t)raw % 4)) % 4);
-        EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, misaligned, NALL,
+        EXPECT_STATUS(gradacc_accumulator_create_with_buffer(&c, descs, 3, NULL, misaligned, NMASTER,
                                                              (gradacc_accumulator_t **)&out),
                       GRADACC_STATUS_INVALID_ARGUMENT);
     }

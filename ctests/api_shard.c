@@ -203,7 +203,8 @@ static void test_arguments(void)
         {GRADACC_SHARDING_REDUCE_SCATTER, 2, 1, GRADACC_DTYPE_F16, "`config`.wire_dtype = 1"},
         {GRADACC_SHARDING_NONE, 1, 0, 9, "`config`.wire_dtype = 9"},
     };
-    float buffer[9000];
+    /* 5001 f16 and 3999 f32 values, each padded to GRADACC_MASTER_ALIGN bytes. */
+    float buffer[5056 + 4032];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         gradacc_accumulator_config_t b = c;
         b.sharding = bad[i].sharding;
@@ -212,7 +213,7 @@ static void test_arguments(void)
         b.wire_dtype = bad[i].wire;
         gradacc_accumulator_t *out = SENTINEL_PTR;
         EXPECT_ERROR(gradacc_accumulator_create(&b, t, 2, NULL, &out), GRADACC_STATUS_INVALID_ARGUMENT, bad[i].text);
-        EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&b, t, 2, NULL, buffer, 9000, &out),
+        EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&b, t, 2, NULL, buffer, 5056 + 4032, &out),
                      GRADACC_STATUS_INVALID_ARGUMENT, bad[i].text);
         CHECK(out == SENTINEL_PTR, "case %zu: output written on failure", i);
     }
@@ -226,7 +227,7 @@ static void test_arguments(void)
     REQUIRE_OK(gradacc_accumulator_create(&s, t, 2, NULL, &one));
     s.shard_count = 3;
     s.shard_rank = 1;
-    REQUIRE_OK(gradacc_accumulator_create_with_buffer(&s, t, 2, NULL, buffer, 9000, &adopted));
+    REQUIRE_OK(gradacc_accumulator_create_with_buffer(&s, t, 2, NULL, buffer, 5056 + 4032, &adopted));
     gradacc_accumulator_t *accs[3] = {plain, one, adopted};
     for (int i = 0; i < 3; i++) {
         size_t off = 777, n = 777;
@@ -234,7 +235,7 @@ static void test_arguments(void)
         size_t base_n = 0;
         REQUIRE_OK(gradacc_accumulator_shard(accs[i], &off, &n, &data));
         REQUIRE_OK(gradacc_accumulator_master(accs[i], 0, &base, &base_n));
-        size_t want_off = i < 2 ? 0 : 4096, want_n = i < 2 ? 9000 : 4096;
+        size_t want_off = i < 2 ? 0 : 4096, want_n = i < 2 ? 5056 + 4032 : 4096;
         CHECK(off == want_off && n == want_n && data == base + off, "accumulator %d: shard [%zu, +%zu) at %p, master %p", i,
               off, n, (void *)data, (void *)base);
         if (i == 2)
@@ -280,7 +281,8 @@ static void test_arguments(void)
 static void test_wrong_groups(test_rng *rng)
 {
     enum { R = 3 };
-    layout l = {"misuse", 2, {{5001, GRADACC_DTYPE_F16}, {3999, GRADACC_DTYPE_BF16}}, 9000};
+    layout l = {"misuse", 2, {{5001, GRADACC_DTYPE_F16}, {3999, GRADACC_DTYPE_BF16}}, 0, {0}};
+    layout_place(&l);
     setup s = {GRADACC_NORMALIZE_BY_COUNT, GRADACC_LOSS_REDUCTION_MEAN, 0, GRADACC_DTYPE_F32};
     window w;
     memset(&w, 0, sizeof w);

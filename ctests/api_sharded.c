@@ -153,8 +153,8 @@ static void test_creation(void)
     /* The plain constructors cannot make a sharded accumulation over several ranks: it reduces
      * every micro-batch, so it needs its communicator from the start. */
     EXPECT_ERROR(gradacc_accumulator_create(&c, t, 2, NULL, &out), GRADACC_STATUS_INVALID_ARGUMENT, "over 2 ranks");
-    float buffer[9000];
-    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, t, 2, NULL, buffer, 9000, &out), GRADACC_STATUS_INVALID_ARGUMENT,
+    float buffer[5056 + 4032]; /* 5001 f16 and 3999 f32 values, each padded to the alignment */
+    EXPECT_ERROR(gradacc_accumulator_create_with_buffer(&c, t, 2, NULL, buffer, 5056 + 4032, &out), GRADACC_STATUS_INVALID_ARGUMENT,
                  "sharded accumulation");
     CHECK(out == SENTINEL_PTR, "output written on failure");
 
@@ -191,11 +191,13 @@ static void test_creation(void)
     float *d1 = NULL, *d2 = NULL;
     EXPECT_OK(gradacc_accumulator_shard(one, &off, &n, &d1));
     EXPECT_OK(gradacc_accumulator_shard(plain, &poff, &pn, &d2));
-    CHECK(off == 0 && n == 9000 && poff == 0 && pn == 9000 && memcmp(d1, d2, 9000 * sizeof(float)) == 0,
+    CHECK(off == 0 && n == 5056 + 4032 && poff == 0 && pn == n && memcmp(d1, d2, n * sizeof(float)) == 0,
           "one shard: [%zu, +%zu), not the unsharded master's bits", off, n);
-    /* (element 3998 of tensor 1: 3 items' mean of 3998 / 8 / 8 each micro-batch, weighted by 3) */
-    CHECK(d1[5001 + 3998] == 3998.0f / 64.0f, "one shard: the last element is %.9g, expected %.9g", (double)d1[5001 + 3998],
-          3998.0 / 64.0);
+    /* (element 3998 of tensor 1, at 5056: 3 items' mean of 3998 / 8 / 8 each micro-batch, weighted by 3) */
+    size_t o1 = 0;
+    EXPECT_OK(gradacc_accumulator_offset(one, 1, &o1));
+    CHECK(o1 == 5056 && d1[o1 + 3998] == 3998.0f / 64.0f, "one shard: tensor 1 at %zu ends with %.9g, expected %.9g", o1,
+          (double)d1[o1 + 3998], 3998.0 / 64.0);
     EXPECT_OK(gradacc_scaler_destroy(scaler));
     EXPECT_OK(gradacc_accumulator_destroy(one));
     EXPECT_OK(gradacc_accumulator_destroy(plain));
@@ -258,9 +260,8 @@ static void *train_rank(void *arg)
 static void check_master_access(const char *what, const layout *l, gradacc_accumulator_t *acc, int rank, size_t off, size_t n,
                                 const float *data)
 {
-    size_t at = 0;
     for (size_t t = 0; t < l->tensors; t++) {
-        size_t numel = l->desc[t].numel;
+        size_t numel = l->desc[t].numel, at = l->offset[t];
         float *p = SENTINEL_PTR;
         size_t got_n = 777;
         if (at >= off && at + numel <= off + n) {
@@ -271,7 +272,6 @@ static void check_master_access(const char *what, const layout *l, gradacc_accum
             EXPECT_ERROR(gradacc_accumulator_master(acc, t, &p, &got_n), GRADACC_STATUS_INVALID_ARGUMENT, "shard");
             CHECK(p == SENTINEL_PTR && got_n == 777, "%s rank %d: tensor %zu: outputs written on failure", what, rank, t);
         }
-        at += numel;
     }
     float *p = SENTINEL_PTR;
     size_t got_n = 777;
@@ -451,17 +451,30 @@ typedef struct {
 } seed_args;
 
 /* Every element of this rank's shard holds `want` for tensor elements [lo, hi) of the layout. */
-static void check_shard_value(gradacc_accumulator_t *acc, size_t lo, size_t hi, float want, const char *what, int rank)
+/* Every element of the shard of `acc` (over the `n` tensors `t`) inside tensor i holds want[i];
+ * every element of the padding between tensors (gradacc_accumulator_offset) holds +0. */
+static void check_shard_values(gradacc_accumulator_t *acc, const gradacc_tensor_desc_t *t, size_t n, const float *want,
+                               const char *what, int rank)
 {
-    size_t off = 0, n = 0;
+    size_t off = 0, len = 0, start[MAX_TENSORS];
     float *data = NULL;
-    REQUIRE_OK(gradacc_accumulator_shard(acc, &off, &n, &data));
+    REQUIRE_OK(gradacc_accumulator_shard(acc, &off, &len, &data));
+    for (size_t i = 0; i < n; i++)
+        REQUIRE_OK(gradacc_accumulator_offset(acc, i, &start[i]));
     size_t bad = 0, first = 0;
-    for (size_t k = 0; k < n; k++)
-        if (off + k >= lo && off + k < hi && data[k] != want && !bad++)
+    float expected = 0.0f;
+    for (size_t k = 0; k < len; k++) {
+        float w = 0.0f;
+        for (size_t i = 0; i < n; i++)
+            if (off + k >= start[i] && off + k < start[i] + t[i].numel)
+                w = want[i];
+        if (memcmp(&data[k], &w, sizeof w) != 0 && !bad++) {
             first = k;
-    CHECK(bad == 0, "%s rank %d: %zu elements of [%zu, %zu) differ from %.9g, first at %zu: %.9g", what, rank, bad, lo, hi,
-          (double)want, off + first, bad ? (double)data[first] : 0.0);
+            expected = w;
+        }
+    }
+    CHECK(bad == 0, "%s rank %d: %zu of the %zu shard elements differ, first at %zu: %.9g, expected %.9g", what, rank, bad, len,
+          off + first, bad ? (double)data[first] : 0.0, (double)expected);
 }
 
 /* Three ranks, fp16 + bf16; rank 1's first micro-batch holds an infinity. */
@@ -509,8 +522,7 @@ static void *overflow_rank(void *arg)
                   "after the overflow, rank %d: found_inf %d, skip %d, scale %g, count %llu, mb %llu; expected 0, 0, 512, 6, 3",
                   r, (int)info.found_inf, (int)skip, (double)after, (unsigned long long)info.total_count,
                   (unsigned long long)info.microbatches);
-            check_shard_value(acc, 0, 5000, 1.0f, "after the overflow", r);
-            check_shard_value(acc, 5000, 5300, 0.5f, "after the overflow", r);
+            check_shard_values(acc, t, 2, (const float[]){1.0f, 0.5f}, "after the overflow", r);
         }
     }
     free(halves);
@@ -563,8 +575,8 @@ static void *unequal_counts_rank(void *arg)
               "unequal counts, window %d, rank %d: count %llu, mb %llu; expected %llu, %llu", k, r,
               (unsigned long long)info.total_count, (unsigned long long)info.microbatches, (unsigned long long)items,
               (unsigned long long)mbs);
-        check_shard_value(acc, 0, 4099 + 4097, 3.0f, k ? "unequal counts, window 2 (add_tensor)" : "unequal counts, window 1",
-                          r);
+        check_shard_values(acc, t, 2, (const float[]){3.0f, 3.0f},
+                           k ? "unequal counts, window 2 (add_tensor)" : "unequal counts, window 1", r);
     }
     free(g);
     free(h);
@@ -606,7 +618,8 @@ static void *partial_window_rank(void *arg)
         CHECK(!info.found_inf && info.microbatches == (uint64_t)(3 * mbs[k]) && info.total_count == (uint64_t)(15 * mbs[k]),
               "window %d, rank %d: count %llu, mb %llu; expected %d, %d", k, r, (unsigned long long)info.total_count,
               (unsigned long long)info.microbatches, 15 * mbs[k], 3 * mbs[k]);
-        check_shard_value(acc, 0, N0 + N1, mbs[k] == 3 ? 1.0f : 0.5f, mbs[k] == 3 ? "full window" : "partial final window", r);
+        const float v = mbs[k] == 3 ? 1.0f : 0.5f;
+        check_shard_values(acc, t, 2, (const float[]){v, v}, mbs[k] == 3 ? "full window" : "partial final window", r);
     }
     free(h);
     EXPECT_OK(gradacc_accumulator_destroy(acc));
@@ -633,7 +646,8 @@ static void run_seed(int ranks, void *(*fn)(void *))
 
 /* Tensor 0 lies in shard 0, tensor 1 across shards 0 and 1, tensor 2 in shard 1; shard 2 is empty. */
 static const gradacc_tensor_desc_t misuse_tensors[3] = {{100, GRADACC_DTYPE_F32}, {5900, GRADACC_DTYPE_F16}, {10, GRADACC_DTYPE_F32}};
-enum { MISUSE_RANKS = 3, MISUSE_LEN = 6010 };
+/* Tensors at 0, 128 and 6080 (each at a multiple of GRADACC_MASTER_ALIGN bytes): 6144 elements. */
+enum { MISUSE_RANKS = 3, MISUSE_LEN = 6144 };
 
 typedef struct {
     float f0[100], f2[10];
@@ -754,13 +768,15 @@ static void *misuse_rank(void *arg)
     CHECK(!info.found_inf && info.total_count == 6 && info.microbatches == 6,
           "after the failures, rank %d: count %llu, mb %llu; expected 6, 6", r, (unsigned long long)info.total_count,
           (unsigned long long)info.microbatches);
-    check_shard_value(acc, 0, MISUSE_LEN, 2.0f, "after the failures", r);
+    check_shard_values(acc, misuse_tensors, 3, (const float[]){2.0f, 2.0f, 2.0f}, "after the failures", r);
     size_t off = 0, n = 0;
     float *data = NULL;
     EXPECT_OK(gradacc_accumulator_shard(acc, &off, &n, &data));
-    layout l = {"misuse", 3, {misuse_tensors[0], misuse_tensors[1], misuse_tensors[2]}, MISUSE_LEN};
+    layout l = {"misuse", 3, {misuse_tensors[0], misuse_tensors[1], misuse_tensors[2]}, 0, {0}};
+    layout_place(&l);
+    CHECK(l.len == MISUSE_LEN, "the misuse layout has %zu elements", l.len);
     check_master_access("misuse", &l, acc, r, off, n, data);
-    CHECK(off == (r == 0 ? 0u : r == 1 ? 4096u : 6010u) && n == (r == 0 ? 4096u : r == 1 ? 1914u : 0u),
+    CHECK(off == (r == 0 ? 0u : r == 1 ? 4096u : 6144u) && n == (r == 0 ? 4096u : r == 1 ? 2048u : 0u),
           "rank %d: shard [%zu, +%zu)", r, off, n);
 
     /* Training goes on: one micro-batch of 2 items of 3 (r + 1): 36 / 6 = 6. */
@@ -769,7 +785,7 @@ static void *misuse_rank(void *arg)
     EXPECT_OK(gradacc_accumulator_sync(acc, a->comm, &info));
     CHECK(info.total_count == 6 && info.microbatches == 3, "next window, rank %d: count %llu, mb %llu", r,
           (unsigned long long)info.total_count, (unsigned long long)info.microbatches);
-    check_shard_value(acc, 0, MISUSE_LEN, 6.0f, "the window after the failures", r);
+    check_shard_values(acc, misuse_tensors, 3, (const float[]){6.0f, 6.0f, 6.0f}, "the window after the failures", r);
 
     /* A second contribution to a tensor within one micro-batch, on rank 2, is refused (each
      * tensor takes one per micro-batch), and a NULL one on rank 1: the micro-batch fails on every
@@ -795,7 +811,7 @@ static void *misuse_rank(void *arg)
  * ------------------------------------------------------------------------------------------- */
 
 static const gradacc_tensor_desc_t ckpt_tensors[3] = {{5001, GRADACC_DTYPE_F16}, {3999, GRADACC_DTYPE_BF16}, {7, GRADACC_DTYPE_F32}};
-enum { CKPT_RANKS = 3, CKPT_LEN = 9007 };
+enum { CKPT_RANKS = 3 };
 
 typedef struct {
     int rank;

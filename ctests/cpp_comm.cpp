@@ -162,10 +162,24 @@ static void timeout_throws_timeout_error()
 
 // ---- reduce-scatter sharding ---------------------------------------------------------------
 
-// 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+// 18003 elements at 0, 7040, 12096 and 18112 (each at a multiple of GRADACC_MASTER_ALIGN bytes):
+// a flat master of 18176, 2 shards of 12288 and 5888, 3 of 8192, 8192 and 1792 (blocks of 4096).
 static const std::vector<gradacc::TensorDesc> kShardTensors = {
     {7000, GRADACC_DTYPE_F16}, {5000, GRADACC_DTYPE_F32}, {6000, GRADACC_DTYPE_BF16}, {3, GRADACC_DTYPE_F32}};
-static const std::size_t kShardTotal = 18003;
+static const std::size_t kShardOffsets[] = {0, 7040, 12096, 18112};
+static const std::size_t kShardTotal = 18176;
+
+// The flat master of `acc` over kShardTensors: each tensor's master at Accumulator::offset, zeros
+// in the padding.
+static std::vector<float> flat_master(const gradacc::Accumulator &acc)
+{
+    std::vector<float> flat(kShardTotal, 0.0f);
+    for (std::size_t i = 0; i < acc.num_tensors(); i++) {
+        const gradacc::span<float> m = acc.master(i);
+        std::copy(m.begin(), m.end(), flat.begin() + static_cast<std::ptrdiff_t>(acc.offset(i)));
+    }
+    return flat;
+}
 
 static bool same_bits(const float *a, const float *b, std::size_t n)
 {
@@ -261,8 +275,7 @@ static void sharded_sync_matches_unsharded(int world, float max_grad_norm)
                 out.numel = s.numel();
                 out.shard.assign(s.data.begin(), s.data.end());
                 out.address_is_flat_master_at_offset = s.data.data() == sharded.master(0).data() + s.offset;
-                for (std::size_t i = 0; i < plain.num_tensors(); i++)
-                    out.plain.insert(out.plain.end(), plain.master(i).begin(), plain.master(i).end());
+                out.plain = flat_master(plain);
             } catch (const std::exception &e) {
                 out.error = e.what();
             }
@@ -320,12 +333,17 @@ static void unsharded_shard_is_the_whole_master()
     const gradacc::Shard s = acc.shard();
     EXPECT(s.offset == 0 && s.numel() == kShardTotal, "offset %zu, %zu elements", s.offset, s.numel());
     EXPECT(s.data.data() == acc.master(0).data(), "not the master's address");
-    std::size_t at = 0;
+    EXPECT(gradacc::Accumulator::master_numel(kShardTensors) == kShardTotal, "master_numel %zu",
+           gradacc::Accumulator::master_numel(kShardTensors));
     for (std::size_t i = 0; i < acc.num_tensors(); i++) {
         const gradacc::span<float> m = acc.master(i);
+        const std::size_t at = acc.offset(i);
+        EXPECT(at == kShardOffsets[i], "tensor %zu at %zu", i, at);
         EXPECT(at + m.size() <= s.numel() && m.data() == s.data.data() + at, "tensor %zu is not in the shard", i);
-        at += m.size();
+        for (std::size_t k = at + m.size(); k < (i + 1 < acc.num_tensors() ? kShardOffsets[i + 1] : kShardTotal); k++)
+            EXPECT(s.data[k] == 0.0f && !std::signbit(s.data[k]), "padding element %zu is %g", k, s.data[k]);
     }
+    EXPECT(status_of([&] { acc.offset(acc.num_tensors()); }) == GRADACC_STATUS_INVALID_ARGUMENT, "offset past the end");
 }
 
 // The INVALID_ARGUMENT that creating an accumulator with `config` throws, or "" if it succeeds.
@@ -494,8 +512,7 @@ static void hybrid_matches_ddp(float max_grad_norm)
                 const gradacc::Shard s = hybrid.shard();
                 out.offset = s.offset;
                 out.shard.assign(s.data.begin(), s.data.end());
-                for (std::size_t i = 0; i < ddp.num_tensors(); i++)
-                    out.ddp.insert(out.ddp.end(), ddp.master(i).begin(), ddp.master(i).end());
+                out.ddp = flat_master(ddp);
             } catch (const std::exception &e) {
                 out.error = e.what();
             }
@@ -659,8 +676,8 @@ static void sharded_accumulation_matches_ddp(int world, float max_grad_norm)
                 out.offset = s.offset;
                 out.shard = copied(s);
                 out.tensor_shard = copied(by_tensor.shard());
+                out.ddp = flat_master(ddp);
                 for (std::size_t i = 0; i < ddp.num_tensors(); i++) {
-                    out.ddp.insert(out.ddp.end(), ddp.master(i).begin(), ddp.master(i).end());
                     const gradacc_status_t st = status_of([&] { by_add.master(i); });
                     EXPECT(st == GRADACC_STATUS_OK || st == GRADACC_STATUS_INVALID_ARGUMENT, "rank %d tensor %zu: %d", r, i, (int)st);
                     out.readable.push_back(st == GRADACC_STATUS_OK);
@@ -716,13 +733,11 @@ static void sharded_accumulation_matches_ddp(int world, float max_grad_norm)
         }
         EXPECT(bad == 0, "world %d rank %d: %zu of %zu shard elements differ from DDP's", world, r, bad, x.shard.size());
         // master(i) works exactly for the tensors wholly inside the shard.
-        std::size_t at = 0;
         for (std::size_t i = 0; i < kShardTensors.size(); i++) {
-            const std::size_t end = at + kShardTensors[i].numel;
+            const std::size_t at = kShardOffsets[i], end = at + kShardTensors[i].numel;
             const bool inside = x.offset <= at && end <= x.offset + x.shard.size();
             EXPECT(x.readable[i] == inside, "world %d rank %d: master(%zu) %s", world, r, i,
                    inside ? "refused inside the shard" : "given outside the shard");
-            at = end;
         }
     }
     EXPECT(next == kShardTotal, "world %d: the shards end at %zu of %zu", world, next, kShardTotal);

@@ -524,7 +524,10 @@ static void check_windows(test_rng *r, int trial, int *windows_synced, int *clip
     for (size_t t = 0; t < L.ntensors; t++) {
         L.desc[t].numel = random_numel(r);
         L.desc[t].dtype = (gradacc_dtype_t)rng_below(r, 3);
-        L.offset[t + 1] = L.offset[t] + L.desc[t].numel;
+        /* each tensor at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between: the norm sums
+         * the master in blocks of its flat positions, so the model pads as the library does */
+        const size_t align = GRADACC_MASTER_ALIGN / sizeof(float);
+        L.offset[t + 1] = (L.offset[t] + L.desc[t].numel + align - 1) / align * align;
     }
     size_t total = L.offset[L.ntensors];
     int nwindows = 1 + (int)rng_below(r, 2);
@@ -558,6 +561,11 @@ static void check_windows(test_rng *r, int trial, int *windows_synced, int *clip
         max_norm = (float)exp(rng_range(r, log(1e-30), log(1e30)));
     }
     gradacc_accumulator_t *acc = accumulator(L.reduction, L.normalize, max_norm, L.desc, L.ntensors);
+    for (size_t t = 0; t < L.ntensors; t++) {
+        size_t at = 777;
+        REQUIRE_OK(gradacc_accumulator_offset(acc, t, &at));
+        CHECK(at == L.offset[t], "trial %d: tensor %zu at %zu, the model's at %zu", trial, t, at, L.offset[t]);
+    }
 
     device_model d;
     d.master = xmalloc(total * sizeof(float));

@@ -21,11 +21,11 @@ static void cycle(unsigned i)
     REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &s));
 
     gradacc_accumulator_t *acc = NULL;
-    float adopted[8];
+    float adopted[2 * (GRADACC_MASTER_ALIGN / 4)]; /* each tensor padded to the alignment */
     if (i % 2)
         REQUIRE_OK(gradacc_accumulator_create(NULL, descs, 2, NULL, &acc));
     else
-        REQUIRE_OK(gradacc_accumulator_create_with_buffer(NULL, descs, 2, NULL, adopted, 8, &acc));
+        REQUIRE_OK(gradacc_accumulator_create_with_buffer(NULL, descs, 2, NULL, adopted, 2 * (GRADACC_MASTER_ALIGN / 4), &acc));
 
     size_t world = 1 + i % 3;
     gradacc_comm_t *comms[3] = {NULL, NULL, NULL};

@@ -132,12 +132,12 @@ static void test_untouched_tensor_is_zero(void)
 {
     gradacc_scaler_t *scaler = scaler_with_scale(256);
     gradacc_tensor_desc_t t[3] = {{4, GRADACC_DTYPE_F16}, {5, GRADACC_DTYPE_BF16}, {3, GRADACC_DTYPE_F32}};
-    float lent[12];
-    for (int i = 0; i < 12; i++)
+    float lent[3 * (GRADACC_MASTER_ALIGN / 4)]; /* each tensor padded to the alignment */
+    for (int i = 0; i < 3 * (GRADACC_MASTER_ALIGN / 4); i++)
         lent[i] = 123.0f + i;
     gradacc_accumulator_t *accs[2] = {NULL, NULL};
     REQUIRE_OK(gradacc_accumulator_create(NULL, t, 3, NULL, &accs[0]));
-    REQUIRE_OK(gradacc_accumulator_create_with_buffer(NULL, t, 3, NULL, lent, 12, &accs[1]));
+    REQUIRE_OK(gradacc_accumulator_create_with_buffer(NULL, t, 3, NULL, lent, 3 * (GRADACC_MASTER_ALIGN / 4), &accs[1]));
     const uint16_t g0[4] = {0x5c00, 0x5c00, 0x5c00, 0x5c00}; /* 256: unscaled 1 */
     const uint16_t g1[5] = {0x4400, 0x4400, 0x4400, 0x4400, 0x4400}; /* bf16 512: unscaled 2 */
     const float g2[3] = {768, 768, 768}; /* unscaled 3 */

@@ -13,8 +13,34 @@ typedef struct {
     const char *name;
     size_t tensors;
     gradacc_tensor_desc_t desc[MAX_TENSORS];
-    size_t len; /* elements of the flat master */
+    size_t len;                 /* elements of the flat master, the padding included */
+    size_t offset[MAX_TENSORS]; /* where each tensor starts in it (layout_place) */
 } layout;
+
+/* Places `l`'s tensors in the flat master as the header documents it: each at a multiple of
+ * GRADACC_MASTER_ALIGN bytes, zeros between (and after the last, up to an aligned end); and
+ * checks that gradacc_accumulator_master_numel and gradacc_accumulator_offset agree. */
+static inline void layout_place(layout *l)
+{
+    const size_t align = GRADACC_MASTER_ALIGN / sizeof(float);
+    size_t at = 0;
+    for (size_t t = 0; t < l->tensors; t++) {
+        l->offset[t] = at;
+        at = (at + l->desc[t].numel + align - 1) / align * align;
+    }
+    l->len = at;
+    size_t numel = 777;
+    REQUIRE_OK(gradacc_accumulator_master_numel(l->desc, l->tensors, &numel));
+    CHECK(numel == l->len, "%s: gradacc_accumulator_master_numel gives %zu, expected %zu", l->name, numel, l->len);
+    gradacc_accumulator_t *acc = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(NULL, l->desc, l->tensors, NULL, &acc));
+    for (size_t t = 0; t < l->tensors; t++) {
+        size_t off = 777;
+        REQUIRE_OK(gradacc_accumulator_offset(acc, t, &off));
+        CHECK(off == l->offset[t], "%s: tensor %zu at %zu, expected %zu", l->name, t, off, l->offset[t]);
+    }
+    gradacc_accumulator_destroy(acc);
+}
 
 typedef struct {
     gradacc_normalize_t normalize;
@@ -123,9 +149,8 @@ static inline void make_window_of(test_rng *rng, const layout *l, const setup *s
                                 : 1.0;
             w->items += rw->count[m];
             w->microbatches++;
-            size_t at = 0;
             for (size_t t = 0; t < l->tensors; t++) {
-                size_t n = l->desc[t].numel;
+                size_t n = l->desc[t].numel, at = l->offset[t];
                 rw->g[m][t] = grad_alloc(l->desc[t].dtype, n);
                 for (size_t i = 0; i < n; i++)
                     v[i] = ldexp(rng_range(rng, -1.0, 1.0), -(int)rng_below(rng, 9));
@@ -134,7 +159,6 @@ static inline void make_window_of(test_rng *rng, const layout *l, const setup *s
                     w->sum[at + i] += weight * exact[i];
                     w->magnitude[at + i] += fabs(weight * exact[i]);
                 }
-                at += n;
             }
         }
     }
@@ -201,8 +225,8 @@ static inline layout random_layout(test_rng *rng, int small)
         l.desc[t].numel = small ? 1 + rng_below(rng, 1300) : 1 + rng_below(rng, 12000);
         l.desc[t].numel |= 1; /* odd */
         l.desc[t].dtype = dtypes[rng_below(rng, 3)];
-        l.len += l.desc[t].numel;
     }
+    layout_place(&l);
     return l;
 }
 

@@ -230,8 +230,11 @@ typedef struct rank_state {
     gradacc_comm_t *comm;
     gradacc_scaler_t *scaler;
     gradacc_accumulator_t *acc;
-    float w[NPARAM];      /* this replica's weights */
-    float grad[NPARAM];   /* the boundary's gradient (under reduce-scatter: only the shard) */
+    /* Room for the master's length: each tensor's master starts at a multiple of
+     * GRADACC_MASTER_ALIGN bytes, which here are the packed offsets (every size but the last is a
+     * multiple of 64), and the last shard runs to the end of the last tensor's padding. */
+    float w[(NPARAM + 63) / 64 * 64];    /* this replica's weights */
+    float grad[(NPARAM + 63) / 64 * 64]; /* the boundary's gradient (under reduce-scatter: only the shard) */
     bool skipped;
     uint16_t g16[NPARAM]; /* one micro-batch's fp16 gradients */
     /* reduce-scatter only: every rank of the group, and a barrier between update and all-gather */
@@ -383,6 +386,14 @@ int main(int argc, char **argv)
         ranks[r].comm = comms[r];
         CHECK(gradacc_scaler_create(&sc, NULL, &ranks[r].scaler)); /* one scaler per rank */
         CHECK(gradacc_accumulator_create(&ac, tensors, 4, NULL, &ranks[r].acc));
+        for (size_t t = 0; t < 4; t++) { /* the shard copies below index the flat master */
+            size_t at;
+            CHECK(gradacc_accumulator_offset(ranks[r].acc, t, &at));
+            if (at != tensor_offset[t]) {
+                fprintf(stderr, "tensor %zu starts at %zu in the master, not %zu\n", t, at, tensor_offset[t]);
+                exit(2);
+            }
+        }
         memcpy(ranks[r].w, w0, sizeof w0);
         memcpy(naive_w[r], w0, sizeof w0);
     }

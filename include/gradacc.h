@@ -121,6 +121,13 @@
 
 
 /**
+ * Bytes to which every tensor's FP32 master is aligned in the flat master: tensor `i` starts at
+ * an element offset that is a multiple of GRADACC_MASTER_ALIGN / 4 (gradacc_accumulator_offset),
+ * with zeros between tensors. An owned master starts at such an address too.
+ */
+#define GRADACC_MASTER_ALIGN 256
+
+/**
  * The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
  */
 #define GRADACC_MPI_COMM_WORLD -1
@@ -608,8 +615,9 @@ GRADACC_API
 enum gradacc_status_t gradacc_accumulator_config_default(struct gradacc_accumulator_config_t *out);
 
 /**
- * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
- * tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
+ * Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer laid out
+ * tensor after tensor, each tensor starting at a multiple of GRADACC_MASTER_ALIGN bytes (the
+ * buffer's start included), with zeros between. `config` NULL means the defaults; `device`
  * NULL means the CPU. On a CUDA device the master is allocated in device memory on the device's
  * stream (stream-ordered), and every later call on the accumulator is ordered on that stream;
  * the first CUDA object on a device compiles the kernels with NVRTC (tens of milliseconds).
@@ -626,8 +634,12 @@ enum gradacc_status_t gradacc_accumulator_create(const struct gradacc_accumulato
 
 /**
  * Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
- * `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
- * contiguous gradient buffer. Its contents are ignored until written.
+ * `master_numel` elements as the master buffer, e.g. a framework's own contiguous gradient
+ * buffer: the tensors with the padding that starts each at a multiple of GRADACC_MASTER_ALIGN
+ * bytes (gradacc_accumulator_master_numel gives the count; tensor i starts at
+ * gradacc_accumulator_offset). Its contents are ignored until written; the padding is zeroed here
+ * (stream-ordered on CUDA) and must stay untouched. A `master` aligned to GRADACC_MASTER_ALIGN
+ * bytes makes every tensor's master as aligned.
  *
  * Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. `master` stays the
  * caller's and must outlive the accumulator; gradacc never frees it.
@@ -824,7 +836,7 @@ enum gradacc_status_t gradacc_accumulator_master(const struct gradacc_accumulato
 
 /**
  * This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the
- * flat layout (tensor after tensor), `*out_data` the address of its first element (a device
+ * flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device
  * address on CUDA). Without sharding the shard is the whole master. Under
  * GRADACC_SHARDING_REDUCE_SCATTER, after a successful sync the range holds this rank's part of
  * the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
@@ -843,6 +855,31 @@ enum gradacc_status_t gradacc_accumulator_shard(const struct gradacc_accumulator
                                                 size_t *out_offset,
                                                 size_t *out_numel,
                                                 float **out_data);
+
+/**
+ * Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over
+ * the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with
+ * zeros between and after the last. It is the `master_numel` gradacc_accumulator_create_with_buffer
+ * needs.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_master_numel(const struct gradacc_tensor_desc_t *tensors,
+                                                       size_t n,
+                                                       size_t *out_numel);
+
+/**
+ * Writes to `*out_offset` where tensor `index` starts in the flat master, in elements: a multiple
+ * of GRADACC_MASTER_ALIGN / 4. With gradacc_accumulator_shard's range it tells which tensors'
+ * elements a shard holds.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_offset(const struct gradacc_accumulator_t *acc,
+                                                 size_t index,
+                                                 size_t *out_offset);
 
 /**
  * Writes the number of tensors to `*out`.

@@ -132,7 +132,8 @@ struct AccumulatorConfig : gradacc_accumulator_config_t {
 };
 
 /** A rank's shard of an accumulator's flat FP32 master (Accumulator::shard()): elements `offset`
- * to `offset + data.size()` of the tensors laid out one after another, and a view of them (device
+ * to `offset + data.size()` of the tensors laid out one after another, each at a multiple of
+ * GRADACC_MASTER_ALIGN bytes (Accumulator::offset) with zeros between, and a view of them (device
  * memory on CUDA). */
 struct Shard {
     std::size_t offset = 0;
@@ -404,6 +405,22 @@ public:
         s.offset = offset;
         s.data = span<float>(p, n);
         return s;
+    }
+
+    /** Where tensor `index` starts in the flat master, in elements: a multiple of
+     * GRADACC_MASTER_ALIGN / 4. With shard()'s range it tells which tensors a shard holds. */
+    std::size_t offset(std::size_t index) const {
+        std::size_t at = 0;
+        check(gradacc_accumulator_offset(handle_.get(), index, &at));
+        return at;
+    }
+
+    /** The flat master's length, in f32 elements, of an accumulator over `tensors`: each tensor
+     * at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between and after the last. */
+    static std::size_t master_numel(span<const TensorDesc> tensors) {
+        std::size_t n = 0;
+        check(gradacc_accumulator_master_numel(tensors.data(), tensors.size(), &n));
+        return n;
     }
 
     std::size_t num_tensors() const {

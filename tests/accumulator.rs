@@ -197,7 +197,7 @@ fn run_case(rng: &mut Rng, case: usize) {
                         "case {case}: the sharded boundary reports differently"
                     );
                     let (range, ptr) = sharded.shard();
-                    let flat: Vec<f32> = masters.concat();
+                    let flat = flat_master(acc, &masters);
                     // SAFETY: the shard's address and length come from the live accumulator, which
                     // nothing writes until the next micro-batch.
                     let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
@@ -584,18 +584,6 @@ fn sync_group(accs: &[Accumulator]) -> Vec<(SyncInfo, Vec<u32>)> {
     })
 }
 
-/// The 0.2 format of a window saved now: version 2, without the rank-window count (the u64 after
-/// the micro-batch count), and the FNV-1a checksum of the rest.
-fn as_saved_by_0_2(bytes: &[u8]) -> Vec<u8> {
-    let mut old =
-        [&bytes[..4], &2u32.to_le_bytes(), &bytes[8..32], &bytes[40..bytes.len() - 8]].concat();
-    let sum = old
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
-    old.extend_from_slice(&sum.to_le_bytes());
-    old
-}
-
 /// Windows saved on 4 ranks and merged into 2 (or 1) normalise as the 4 ranks would have, under
 /// every normalisation: BY_WORLD divides by the 4 rank-windows, not the 2 ranks that sync. The
 /// gradient and the info are the 4-rank group's bit for bit, whether the survivors merge into
@@ -628,6 +616,9 @@ fn merged_windows_normalise_as_the_group_that_produced_them() {
             windows.iter().for_each(|b| a.merge_window(b).unwrap());
             a
         };
+        // The tensors have odd sizes: the 0.2 windows hold them packed, and load aligned.
+        let layout = fresh();
+        let old = |w: &[u8]| as_saved_by_0_2(&layout, w);
         let scenarios: Vec<(&str, Vec<Accumulator>)> = vec![
             (
                 "two fresh survivors merge two each",
@@ -645,8 +636,8 @@ fn merged_windows_normalise_as_the_group_that_produced_them() {
             (
                 "0.2 windows, one rank's each",
                 vec![
-                    merged(fresh(), &[&as_saved_by_0_2(&w[0]), &as_saved_by_0_2(&w[1])]),
-                    merged(loaded(2), &[&as_saved_by_0_2(&w[3])]),
+                    merged(fresh(), &[&old(&w[0]), &old(&w[1])]),
+                    merged(loaded(2), &[&old(&w[3])]),
                 ],
             ),
         ];
@@ -678,7 +669,7 @@ fn reduce_scatter_shards_hold_the_all_reduce_bits() {
                 dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][i],
             })
             .collect();
-        let total: usize = tensors.iter().map(|t| t.numel).sum();
+        let total = Accumulator::master_len(&tensors).unwrap();
         let clip = rng.range(0, 1) == 0;
         let config = AccumulatorConfig {
             max_grad_norm: if clip { 1e-3 } else { 0.0 },
@@ -724,9 +715,10 @@ fn reduce_scatter_shards_hold_the_all_reduce_bits() {
                         let info = plain.sync(Some(comm)).unwrap();
                         assert_eq!(sharded.sync(Some(comm)).unwrap(), info);
                         assert_eq!(info.clip_coef < 1.0, clip);
-                        let flat: Vec<f32> = (0..tensors.len())
-                            .flat_map(|t| plain.with_master(t, |m| m.to_vec()).unwrap())
+                        let masters: Vec<Vec<f32>> = (0..tensors.len())
+                            .map(|t| plain.with_master(t, |m| m.to_vec()).unwrap())
                             .collect();
+                        let flat = flat_master(&plain, &masters);
                         let (range, ptr) = sharded.shard();
                         // SAFETY: the live accumulator's shard, unwritten until its next
                         // micro-batch.
@@ -877,6 +869,7 @@ fn a_bf16_wire_rounds_each_contribution_once() {
                     let (range, ptr) = sharded.shard();
                     // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
                     let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
+                    let want = flat_master(&plain, std::slice::from_ref(want));
                     assert!(
                         shard
                             .iter()
@@ -1104,12 +1097,9 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
                 "{what}: rank {g} differs from its replica"
             );
         }
-        let flat: Vec<f32> = results[..shards].iter().flat_map(|r| r.2.clone()).collect();
-        assert_eq!(
-            flat.len(),
-            tensors.iter().map(|t| t.numel).sum::<usize>(),
-            "{what}: the shards tile the gradient"
-        );
+        let padded: Vec<f32> = results[..shards].iter().flat_map(|r| r.2.clone()).collect();
+        // The shards tile the master, and its padding stays zero.
+        let flat = packed_of(&Accumulator::new(config, &tensors).unwrap(), &padded);
 
         // The f64 reference over every rank.
         let weights_by_count = config.weights_by_count();

@@ -265,14 +265,7 @@ fn nccl_boundary_at_world_size_one_and_the_final_microbatch() {
 /// whose bucket also holds the tensor before it, still missing when the second contribution
 /// comes (a tensor alone in its bucket starts the bucket's all-reduce with its first).
 fn twice_added(buckets: &[std::ops::Range<usize>], descs: &[TensorDesc]) -> Option<usize> {
-    let starts: Vec<usize> = descs
-        .iter()
-        .scan(0, |at, d| {
-            let start = *at;
-            *at += d.numel;
-            Some(start)
-        })
-        .collect();
+    let starts = common::aligned_offsets(descs);
     let bucket = |i: usize| buckets.iter().position(|b| b.contains(&starts[i]));
     (1..descs.len()).rev().find(|&i| bucket(i) == bucket(i - 1))
 }
@@ -1026,7 +1019,7 @@ fn gradients_overlapping_the_master_are_refused() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&OVERLAP_TENSORS).unwrap();
     let values: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let backing = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();
     let config = AccumulatorConfig {

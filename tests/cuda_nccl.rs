@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::cuda::{ApexSeed, HostGrad};
-use common::{from_bf16, from_f16, Rng};
+use common::{aligned_offsets, from_bf16, from_f16, Rng};
 use cudarc::nccl::sys as nccl_sys;
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
@@ -618,8 +618,7 @@ fn twice_added(buckets: &[Range<usize>], descs: &[TensorDesc], style: Style) -> 
     if style != Style::Final {
         return Some(descs.len() - 1);
     }
-    let starts: Vec<usize> =
-        descs.iter().scan(0, |at, d| Some(std::mem::replace(at, *at + d.numel))).collect();
+    let starts = aligned_offsets(descs);
     let bucket = |i: usize| buckets.iter().position(|b| b.contains(&starts[i]));
     (1..descs.len()).rev().find(|&i| bucket(i) == bucket(i - 1))
 }
@@ -632,10 +631,10 @@ fn random_round(rng: &mut Rng, world: usize, round: usize) -> ShardRound {
     let modes =
         [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     let descs: Vec<TensorDesc> = if round == 0 {
-        // Exactly `world` full shards: a caller's master needs no padding for the in-place
-        // reduce-scatter.
+        // Exactly `world` full shards once each tensor is aligned (padded to world × 4096 - 128
+        // and 128): a caller's master needs no padding for the in-place reduce-scatter.
         vec![
-            TensorDesc { numel: world * 4096 - 100, dtype: Dtype::F16 },
+            TensorDesc { numel: world * 4096 - 150, dtype: Dtype::F16 },
             TensorDesc { numel: 100, dtype: Dtype::Bf16 },
         ]
     } else {
@@ -701,7 +700,9 @@ struct Reference {
 }
 
 fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) -> Reference {
-    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    // Each tensor at its aligned offset; the padding's sum and magnitude stay 0: exactly 0.
+    let offsets = aligned_offsets(&r.descs);
+    let len = *offsets.last().unwrap();
     let (mut values, mut magnitude) = (vec![0f64; len], vec![0f64; len]);
     let (mut items, mut micro) = (0u64, 0u64);
     for m in window.iter().flatten() {
@@ -709,8 +710,8 @@ fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) ->
         micro += 1;
         let weight = r.config.weight(m.count);
         let twice = twice_added(buckets, &r.descs, m.style);
-        let mut at = 0;
         for (i, (d, g)) in r.descs.iter().zip(&m.grads).enumerate() {
+            let at = offsets[i];
             let times = if m.style != Style::Add && Some(i) == twice { 2.0 } else { 1.0 };
             for k in 0..d.numel {
                 let v = match d.dtype {
@@ -722,7 +723,6 @@ fn reference(r: &ShardRound, window: &[Vec<Micro>], buckets: &[Range<usize>]) ->
                 values[at + k] += x;
                 magnitude[at + k] += x.abs();
             }
-            at += d.numel;
         }
     }
     let divisor = r.config.normalize.divisor(items, micro, window.len() as u64) as f64;
@@ -769,7 +769,7 @@ fn run_rank(
     Communicator::set_timeout(&*comm, Some(Duration::from_secs(30))).unwrap();
     let sharded_config =
         AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..r.config };
-    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&r.descs).unwrap();
     // Declared before the accumulator that adopts it, so it outlives it.
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
     let plain = Accumulator::on(device, r.config, &r.descs).unwrap();
@@ -840,11 +840,10 @@ fn run_rank(
             "{what}"
         );
         assert!(same_info(&got, &on_cpu) || !exact, "{what}: CUDA {got:?}, CPU {on_cpu:?}");
-        let mut flat = Vec::with_capacity(len);
-        for (i, d) in r.descs.iter().enumerate() {
-            let mut m = vec![0f32; d.numel];
-            plain.read_master(i, &mut m).unwrap();
-            flat.extend(m);
+        // The all-reduce's master in the flat layout, zeros in the padding.
+        let mut flat = vec![0f32; len];
+        for (i, (d, &at)) in r.descs.iter().zip(&aligned_offsets(&r.descs)).enumerate() {
+            plain.read_master(i, &mut flat[at..at + d.numel]).unwrap();
         }
         let mut shard = vec![0f32; range.len()];
         if !shard.is_empty() {
@@ -904,7 +903,7 @@ fn sharded_rounds(world: usize, test: &str) {
 
 /// The ranks' infos agree, their shards tile the layout, and each value is the f64 reference's.
 fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize, round: usize) {
-    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&r.descs).unwrap();
     let buckets = Accumulator::new(r.config, &r.descs).unwrap().buckets().to_vec();
     for (w, window) in r.windows.iter().enumerate() {
         let what = format!("round {round} window {w} {:?} {:?}", r.descs, r.config);
@@ -1276,10 +1275,10 @@ fn run_accumulate_rank(
             );
         }
         // A tensor inside the shard reads as its part of the shard; any other is refused.
-        let mut at = 0;
+        let offsets = aligned_offsets(&r.descs);
         for (i, d) in r.descs.iter().enumerate() {
-            let t = at..at + d.numel;
-            at = t.end;
+            let t = offsets[i]..offsets[i] + d.numel;
+            assert_eq!(acc.offset(i).unwrap(), t.start, "{what}: tensor {i}'s offset");
             let mut out = vec![0f32; d.numel];
             if t.start >= range.start && t.end <= range.end {
                 acc.read_master(i, &mut out).unwrap();
@@ -1422,7 +1421,8 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
                     let info = acc.sync(Some(&*comm)).unwrap();
                     assert!(!info.found_inf, "rank {rank}: {info:?}");
                     let (range, _) = acc.shard();
-                    assert_eq!(range, if rank == 0 { 0..8192 } else { 8192..10_000 });
+                    // The tensor padded to 10_048 elements (a multiple of 64).
+                    assert_eq!(range, if rank == 0 { 0..8192 } else { 8192..10_048 });
                     let mut shard = vec![0f32; range.len()];
                     let e = acc.read_master(0, &mut vec![0f32; 10_000]).unwrap_err();
                     assert_eq!(
@@ -1433,7 +1433,10 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
                     DeviceBuffer::adopt(&ctx, stream.stream, acc.shard().1 as u64, range.len() * 4)
                         .read(&mut shard)
                         .unwrap();
-                    assert!(shard.iter().all(|&v| v == 1.25), "rank {rank}: {:?}", &shard[..4]);
+                    for (at, &v) in range.clone().zip(&shard) {
+                        let want = if at < 10_000 { 1.25f32 } else { 0.0 };
+                        assert_eq!(v.to_bits(), want.to_bits(), "rank {rank}: element {at}");
+                    }
                 });
             }
         });
@@ -1713,7 +1716,7 @@ fn run_hybrid_rank(
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: g as i32, stream: stream.stream };
     let (comm, reps) = rank.nccl();
-    let len: usize = r.descs.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&r.descs).unwrap();
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
     let (gpu, cpu) = if accumulate {
         let config = AccumulatorConfig {
@@ -1899,11 +1902,12 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                         assert_eq!(e.kind, ErrorKind::SizeMismatch, "{what}: {e}");
                         let info = acc.sync(Some(&*comm)).unwrap();
                         assert_eq!((info.total_count, info.microbatches), (2, 2), "{what}");
-                        // (2 + 2) / 2 items everywhere.
-                        assert!(
-                            read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 2.0),
-                            "{what}"
-                        );
+                        // (2 + 2) / 2 items everywhere, zeros in the padding (to 10_048).
+                        let shard = read_shard(&acc, &ctx, stream.stream);
+                        for (at, &v) in acc.shard().0.zip(&shard) {
+                            let want = if at < 10_000 { 2.0f32 } else { 0.0 };
+                            assert_eq!(v.to_bits(), want.to_bits(), "{what}: element {at}");
+                        }
                     });
                 }
             });
@@ -2177,11 +2181,13 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
                         (false, 2, 2),
                         "rank {rank}"
                     );
-                    // (1 + 2) / 2 items.
-                    assert!(
-                        read_shard(&acc, &ctx, stream.stream).iter().all(|&v| v == 1.5),
-                        "rank {rank}"
-                    );
+                    // (1 + 2) / 2 items; each tensor padded to 3008 elements, zeros after it.
+                    assert_eq!(acc.offset(3).unwrap(), 3 * 3008);
+                    let shard = read_shard(&acc, &ctx, stream.stream);
+                    for (at, &v) in acc.shard().0.zip(&shard) {
+                        let want = if at % 3008 < 3000 { 1.5f32 } else { 0.0 };
+                        assert_eq!(v.to_bits(), want.to_bits(), "rank {rank}: element {at}");
+                    }
 
                     // Finite gradients whose sum overflows: caught where the owner adds it into
                     // its shard, on the communication stream.
@@ -2285,15 +2291,20 @@ fn bf16_wire_rounds(world: usize, test: &str) {
         TensorDesc { numel: 5003, dtype: Dtype::F32 },
         TensorDesc { numel: 8000, dtype: Dtype::F32 },
     ];
-    let len: usize = descs.iter().map(|d| d.numel).sum();
+    // Each rank's contributions in their places in the flat master, zeros in the padding (whose
+    // recipe is then exactly 0).
+    let offsets = aligned_offsets(&descs);
+    let len = *offsets.last().unwrap();
     let x: Vec<Vec<f32>> = (0..world)
         .map(|_| {
-            (0..len)
-                .map(|_| {
-                    (if rng.range(0, 1) == 0 { -1.0 } else { 1.0 })
-                        * 10f64.powf(rng.uniform(-3.0, 3.0)) as f32
-                })
-                .collect()
+            let mut v = vec![0f32; len];
+            for (d, &at) in descs.iter().zip(&offsets) {
+                for e in &mut v[at..at + d.numel] {
+                    *e = (if rng.range(0, 1) == 0 { -1.0 } else { 1.0 })
+                        * 10f64.powf(rng.uniform(-3.0, 3.0)) as f32;
+                }
+            }
+            v
         })
         .collect();
     let recipe: Vec<f32> = (0..len)
@@ -2310,7 +2321,7 @@ fn bf16_wire_rounds(world: usize, test: &str) {
     let ids: Vec<_> = (0..4).map(|_| nccl::unique_id().unwrap()).collect();
     let worst = std::sync::Mutex::new(0f64);
     within(Duration::from_secs(300), "the BF16 wire", move || {
-        let (x, recipe, ids, worst) = (&x, &recipe, &ids, &worst);
+        let (x, recipe, ids, worst, offsets) = (&x, &recipe, &ids, &worst, &offsets);
         std::thread::scope(|s| {
             for rank in 0..world {
                 s.spawn(move || {
@@ -2331,13 +2342,10 @@ fn bf16_wire_rounds(world: usize, test: &str) {
                     let by_add = Accumulator::sharded_on(device, accumulate, &descs, comms[2].clone()).unwrap();
                     let by_hooks = Accumulator::sharded_on(device, accumulate, &descs, comms[3].clone()).unwrap();
                     let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-                    let mut at = 0;
                     let grads: Vec<DeviceBuffer> = descs
                         .iter()
-                        .map(|d| {
-                            at += d.numel;
-                            DeviceBuffer::from_slice(&ctx, stream.stream, &x[rank][at - d.numel..at]).unwrap()
-                        })
+                        .zip(offsets)
+                        .map(|(d, &at)| DeviceBuffer::from_slice(&ctx, stream.stream, &x[rank][at..at + d.numel]).unwrap())
                         .collect();
                     let addresses: Vec<u64> = grads.iter().map(DeviceBuffer::ptr).collect();
                     for a in [&plain, &scatter, &by_add] {
@@ -2353,10 +2361,8 @@ fn bf16_wire_rounds(world: usize, test: &str) {
                     by_add.sync(None).unwrap();
                     by_hooks.sync(None).unwrap();
                     let mut whole = vec![0f32; len];
-                    let mut at = 0;
-                    for (i, d) in descs.iter().enumerate() {
+                    for (i, (d, &at)) in descs.iter().zip(offsets).enumerate() {
                         plain.read_master(i, &mut whole[at..at + d.numel]).unwrap();
-                        at += d.numel;
                     }
                     let results = [
                         ("all-reduce", 0..len, whole),
@@ -2369,6 +2375,9 @@ fn bf16_wire_rounds(world: usize, test: &str) {
                             assert_eq!(g.to_bits(), recipe[i].to_bits(), "rank {rank} {what}: element {i}: {g:e}, the recipe gives {:e}", recipe[i]);
                             let exact: f64 = x.iter().map(|v| v[i] as f64).sum();
                             let magnitude: f64 = x.iter().map(|v| (v[i] as f64).abs()).sum();
+                            if magnitude == 0.0 {
+                                continue; // the padding: its bits are the recipe's 0, checked above
+                            }
                             let error = (g as f64 - exact).abs() / magnitude;
                             assert!(error <= bound, "rank {rank} {what}: element {i}: error {error:e} of the magnitudes, bound {bound:e}");
                             let mut w = worst.lock().unwrap();

@@ -76,8 +76,8 @@ fn saved_items(a: *mut gradacc_accumulator_t) -> u64 {
     let mut bytes = vec![0u8; len];
     // SAFETY: `bytes` holds `len` writable bytes.
     ok(unsafe { gradacc_accumulator_save_window(a, bytes.as_mut_ptr(), len, &mut len) });
-    // The item count follows magic, version and layout.
-    u64::from_le_bytes(bytes[16..24].try_into().unwrap())
+    // The item count follows magic, version, layout and alignment.
+    u64::from_le_bytes(bytes[24..32].try_into().unwrap())
 }
 
 /// Runs `scenario` until its sync thread got into the sync before the destroy did (a loaded

@@ -151,12 +151,12 @@ fn boundary_rank(dir: &Path, options: MpiOptions) {
             let at = monotonic_ns();
             // The window is intact when the failure came before the reduction, and discarded
             // when it came in the middle of it; either way never half-reduced.
-            // The saved window's item count (after magic, version and layout): 1 when the
-            // micro-batch is still there, 0 when the window was discarded.
+            // The saved window's item count (after magic, version, layout and alignment): 1 when
+            // the micro-batch is still there, 0 when the window was discarded.
             let window = match (acc.synced_info(), acc.save_window()) {
                 (Some(_), _) => "synced".to_string(),
-                (None, Ok(b)) if b[16..24] == 1u64.to_le_bytes() => "intact".to_string(),
-                (None, Ok(b)) if b[16..24] == 0u64.to_le_bytes() => "discarded".to_string(),
+                (None, Ok(b)) if b[24..32] == 1u64.to_le_bytes() => "intact".to_string(),
+                (None, Ok(b)) if b[24..32] == 0u64.to_le_bytes() => "discarded".to_string(),
                 (None, r) => format!("unexpected({:?})", r.map(|b| b.len())),
             };
             let line = format!("{at} {:?} {window} {}\n", e.kind, e.message.replace('\n', " "));

@@ -10,7 +10,7 @@ use gradacc::*;
 
 #[test]
 fn gradients_overlapping_the_master_are_refused() {
-    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
+    let len = Accumulator::master_len(&OVERLAP_TENSORS).unwrap();
     let mut backing: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let base = backing.as_mut_ptr();
     let config = AccumulatorConfig {

@@ -242,18 +242,19 @@ impl Reference {
             Normalize::ByWorld => world as f64,
             Normalize::None => 1.0,
         };
-        let flat_len: usize = tensors.iter().map(|t| t.numel).sum();
+        // The flat master: each tensor at its aligned offset, zeros (sum and magnitude 0, so
+        // exactly 0 expected) in the padding between.
+        let offsets = aligned_offsets(tensors);
+        let flat_len = *offsets.last().unwrap();
         let (mut sum, mut magnitude) = (vec![0f64; flat_len], vec![0f64; flat_len]);
         for (m, vals) in windows.iter().flatten().zip(values.iter().flatten()) {
             let weight = if config.weights_by_count() { m.count as f64 } else { 1.0 };
-            let mut at = 0;
-            for (t, v) in tensors.iter().zip(vals) {
+            for ((t, v), &at) in tensors.iter().zip(vals).zip(&offsets) {
                 for i in 0..t.numel {
                     let x = v.as_ref().map_or(0.0, |v| decoded(t.dtype, v[i], m.scale)) * weight;
                     sum[at + i] += x;
                     magnitude[at + i] += x.abs();
                 }
-                at += t.numel;
             }
         }
         let norm = sum.iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
@@ -308,6 +309,7 @@ impl Reference {
                 );
             }
         }
+        assert_eq!(covered, self.sum.len(), "{what}: the shards tile the flat master");
     }
 }
 
@@ -422,19 +424,25 @@ fn token_weighted_unequal_counts_and_a_changing_micro_batch_count() {
             acc.sync(None).unwrap();
             let (range, ptr) = acc.shard();
             // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
-            out.push(unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec());
+            out.push((
+                range.clone(),
+                unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec(),
+            ));
         }
         out
     });
     // Per item, rank r's gradient is mean × (r + 1): sums over ranks weigh (1 + 2) per item.
     // Window 1: (3·1 + 1·5)·3 / (4·2) = 3; window 2: (2·2 + 2·4 + 4·1)·3 / (8·2) = 3.
-    for shards in &results {
-        for (w, shard) in shards.iter().enumerate() {
-            assert!(
-                shard.iter().all(|&v| v == 3.0),
-                "window {w}: {:?}",
-                &shard[..4.min(shard.len())]
-            );
+    // The master pads the tensor to 4160 elements: zeros after element 4099.
+    let len = Accumulator::master_len(&tensors).unwrap();
+    assert_eq!(len, 4160);
+    for (r, shards) in results.iter().enumerate() {
+        for (w, (range, shard)) in shards.iter().enumerate() {
+            assert_eq!(*range, [0..4096, 4096..len][r], "rank {r}: whole norm blocks");
+            for (at, &v) in range.clone().zip(shard) {
+                let want = if at < 4099 { 3.0 } else { 0.0 };
+                assert_eq!(v.to_bits(), f32::to_bits(want), "rank {r}, window {w}: element {at}");
+            }
         }
     }
 }
@@ -527,8 +535,9 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         let info = acc.sync(None).unwrap();
         assert_eq!((info.total_count, info.microbatches), (4, 4), "rank {r}");
         // Only a tensor inside the shard can be read: shard 0 is elements 0..4096, shard 1 the
-        // rest, which holds tensor 1.
-        assert_eq!(acc.shard().0, if r == 0 { 0..4096 } else { 4096..6010 });
+        // rest, which holds tensor 1 (at 6016, after the padding that aligns it; 64 with its own).
+        assert_eq!(acc.offset(1).unwrap(), 6016);
+        assert_eq!(acc.shard().0, if r == 0 { 0..4096 } else { 4096..6080 });
         assert_eq!(acc.read_master(1, &mut [0.0; 10]).is_ok(), r == 1, "rank {r}");
         assert_eq!(acc.master_ptr(0).unwrap_err().kind, ErrorKind::InvalidArgument, "rank {r}");
 
@@ -686,30 +695,38 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
 #[test]
 fn short_and_empty_shards_and_one_huge_bucket() {
     // Stripes past the end of a short (or empty) shard, and a bucket_numel that would overflow
-    // its rounding: shard 2 of 24577 elements over 3 ranks is 8193 - 2 x 8192 = 1 element... and
-    // with bucket_numel 1 every stripe is one block.
+    // its rounding: 24577 elements padded to 24640 over 3 ranks are shards of 12288 (whole norm
+    // blocks), the last 64 elements long; over 5 ranks, of 8192, the last is empty. With
+    // bucket_numel 1 every stripe is one block.
     let tensors = [TensorDesc { numel: 24577, dtype: Dtype::F32 }];
-    for bucket_numel in [1, 4096, usize::MAX] {
-        let config = AccumulatorConfig { bucket_numel, ..Default::default() };
-        let shards = on_ranks(3, |r, comm| {
-            let acc = sharded(config, &tensors, comm);
-            let g = vec![(r + 1) as f32; 24577];
-            acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
-            acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
-            acc.sync(None).unwrap();
-            (acc.shard().0, shard_bits(&acc))
-        });
-        // (1 + 2 + 3) x 2 items / 6 items = 2 everywhere.
-        assert_eq!(
-            shards.iter().map(|(r, _)| r.len()).sum::<usize>(),
-            24577,
-            "bucket_numel {bucket_numel}"
-        );
-        for (r, (_, bits)) in shards.iter().enumerate() {
-            assert!(
-                bits.iter().all(|&b| b == 2f32.to_bits()),
-                "bucket_numel {bucket_numel}: shard {r}"
-            );
+    let len = Accumulator::master_len(&tensors).unwrap();
+    assert_eq!(len, 24640);
+    for (world, last) in [(3, 24576..24640), (5, 24640..24640)] {
+        for bucket_numel in [1, 4096, usize::MAX] {
+            let config = AccumulatorConfig { bucket_numel, ..Default::default() };
+            let shards = on_ranks(world, |r, comm| {
+                let acc = sharded(config, &tensors, comm);
+                let g = vec![(r + 1) as f32; 24577];
+                acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
+                acc.add(&scaler(1.0), &[Grad::F32(&g)], 1).unwrap();
+                acc.sync(None).unwrap();
+                (acc.shard().0, shard_bits(&acc))
+            });
+            let what = format!("{world} ranks, bucket_numel {bucket_numel}");
+            assert_eq!(shards.last().unwrap().0, last, "{what}");
+            // (1 + ... + world) x 2 items / (2 x world) items = (world + 1) / 2 in the tensor,
+            // zeros in the padding after it.
+            let mean = (world + 1) as f32 / 2.0;
+            let mut covered = 0;
+            for (r, (range, bits)) in shards.iter().enumerate() {
+                assert_eq!(range.start, covered, "{what}: shard {r}");
+                covered = range.end;
+                for (at, &b) in range.clone().zip(bits) {
+                    let want = if at < 24577 { mean } else { 0.0 };
+                    assert_eq!(b, want.to_bits(), "{what}: shard {r}, element {at}");
+                }
+            }
+            assert_eq!(covered, len, "{what}: the shards tile the master");
         }
     }
     let one = Sharding::Accumulate { shards: 1, rank: 0 };

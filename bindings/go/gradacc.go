@@ -355,6 +355,25 @@ func creationArgs(tensors []TensorDesc, config *AccumulatorConfig, device *Devic
 	return cfg, descs, device.c()
 }
 
+// MasterAlign is the alignment, in bytes, of every tensor's FP32 master in the flat master
+// (GRADACC_MASTER_ALIGN): tensor i starts at Accumulator.Offset(i), a multiple of MasterAlign / 4
+// elements, with zeros between tensors.
+const MasterAlign = C.GRADACC_MASTER_ALIGN
+
+// MasterNumel returns the flat master's length, in float32 elements, of an accumulator over
+// tensors: each tensor at a multiple of MasterAlign bytes, zeros between and after the last.
+func MasterNumel(tensors []TensorDesc) (int, error) {
+	_, descs, _ := creationArgs(tensors, nil, nil)
+	var n C.size_t
+	err := call(func() C.enum_gradacc_status_t {
+		return C.gradacc_accumulator_master_numel(&descs[0], C.size_t(len(tensors)), &n)
+	})
+	if err != nil {
+		return 0, err
+	}
+	return int(n), nil
+}
+
 // NewAccumulator creates an accumulator; a nil config means the defaults, a nil device the CPU.
 func NewAccumulator(tensors []TensorDesc, config *AccumulatorConfig, device *Device) (*Accumulator, error) {
 	cfg, descs, dev := creationArgs(tensors, config, device)
@@ -733,8 +752,24 @@ func (a *Accumulator) CopyMaster(index int) ([]float32, error) {
 	return out, nil
 }
 
+// Offset returns where tensor index starts in the flat master, in elements (a multiple of
+// MasterAlign / 4): with Shard's range it tells which tensors a shard holds.
+func (a *Accumulator) Offset(index int) (int, error) {
+	p, err := a.handle()
+	if err != nil {
+		return 0, err
+	}
+	var at C.size_t
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_offset(p, C.size_t(index), &at) })
+	runtime.KeepAlive(a)
+	if err != nil {
+		return 0, err
+	}
+	return int(at), nil
+}
+
 // Shard returns this rank's shard of the FP32 master: its offset in the flat layout (the
-// tensors one after another) and a slice over its elements in gradacc's memory (no copy; host
+// tensors one after another, each at Offset, zeros between) and a slice over its elements in gradacc's memory (no copy; host
 // accumulators only), valid as Master's slices are. Without sharding it is the whole master.
 // With ShardingReduceScatter, after a Sync only the shard holds the reduced gradient (the bits
 // an unsharded Sync leaves there); the rest of the master is unspecified until the next window's

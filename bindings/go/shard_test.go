@@ -13,10 +13,50 @@ import (
 	"unsafe"
 )
 
-// 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+// 18003 elements at 0, 7040, 12096 and 18112 (each tensor at a multiple of MasterAlign bytes): a
+// flat master of 18176, 2 shards of 12288 and 5888, 3 of 8192, 8192 and 1792 (blocks of 4096).
 var shardTensors = []TensorDesc{{7000, F16}, {5000, F32}, {6000, BF16}, {3, F32}}
 
-const shardTotal = 18003
+var shardOffsets = []int{0, 7040, 12096, 18112}
+
+const shardTotal = 18176
+
+// flatMaster is a copy of acc's flat master over shardTensors: each tensor's master at its
+// Offset, zeros in the padding.
+func flatMaster(acc *Accumulator) ([]float32, error) {
+	flat := make([]float32, shardTotal)
+	for i := range shardTensors {
+		m, err := acc.CopyMaster(i)
+		if err != nil {
+			return nil, err
+		}
+		at, err := acc.Offset(i)
+		if err != nil {
+			return nil, err
+		}
+		copy(flat[at:], m)
+	}
+	return flat, nil
+}
+
+func TestEachTensorStartsAtAnAlignedOffset(t *testing.T) {
+	if MasterAlign != 256 {
+		t.Fatalf("MasterAlign %d", MasterAlign)
+	}
+	if n, err := MasterNumel(shardTensors); err != nil || n != shardTotal {
+		t.Fatalf("MasterNumel: %d, %v", n, err)
+	}
+	acc := must(NewAccumulator(shardTensors, nil, nil))
+	defer acc.Close()
+	for i, want := range shardOffsets {
+		if at, err := acc.Offset(i); err != nil || at != want {
+			t.Fatalf("Offset(%d): %d, %v; want %d", i, at, err, want)
+		}
+	}
+	if _, err := acc.Offset(len(shardTensors)); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
+		t.Fatalf("Offset past the end: %v", err)
+	}
+}
 
 // f16Trunc is x as fp16 bits by truncation; magnitudes below 2^-14 flush to zero, so every
 // word is finite for the |x| < 2^15 drawn here.
@@ -159,12 +199,8 @@ func checkShardedSync(t *testing.T, world int, maxNorm float32) {
 			res[r].offset, res[r].shard = offset, append([]float32(nil), view...)
 			res[r].addressIsFlatAtOffset = len(view) > 0 &&
 				unsafe.Pointer(&view[0]) == unsafe.Add(unsafe.Pointer(&m0[0]), 4*offset)
-			for i := range shardTensors {
-				m, err := plain.CopyMaster(i)
-				if err != nil {
-					return err
-				}
-				res[r].flat = append(res[r].flat, m...)
+			if res[r].flat, err = flatMaster(plain); err != nil {
+				return err
 			}
 			runtime.KeepAlive(sharded)
 			return nil
@@ -239,13 +275,20 @@ func TestUnshardedShardIsTheWholeMaster(t *testing.T) {
 	if offset != 0 || len(shard) != shardTotal {
 		t.Fatalf("shard %d..%d, want 0..%d", offset, offset+len(shard), shardTotal)
 	}
-	at := 0
-	for i := range shardTensors {
+	for i, at := range shardOffsets {
 		m := must(acc.Master(i))
 		if &m[0] != &shard[at] {
 			t.Fatalf("tensor %d is not at element %d of the shard", i, at)
 		}
-		at += len(m)
+		end := shardTotal
+		if i+1 < len(shardOffsets) {
+			end = shardOffsets[i+1]
+		}
+		for k := at + len(m); k < end; k++ {
+			if math.Float32bits(shard[k]) != 0 {
+				t.Fatalf("padding element %d is %v", k, shard[k])
+			}
+		}
 	}
 	if off, c, err := acc.CopyShard(); err != nil || off != 0 || len(c) != shardTotal || c[5] != shard[5] {
 		t.Fatalf("CopyShard: %d, %d elements, %v", off, len(c), err)
@@ -453,14 +496,8 @@ func TestSyncHybridOnA2x2GridMatchesDDP(t *testing.T) {
 					if res[r].offset, res[r].shard, err = hybrid.CopyShard(); err != nil {
 						return err
 					}
-					for i := range shardTensors {
-						m, err := ddp.CopyMaster(i)
-						if err != nil {
-							return err
-						}
-						res[r].ddpMasters = append(res[r].ddpMasters, m...)
-					}
-					return nil
+					res[r].ddpMasters, err = flatMaster(ddp)
+					return err
 				}()
 			})
 
@@ -705,13 +742,10 @@ func checkShardedAccumulation(t *testing.T, world int, maxNorm float32) {
 			if _, x.tensorShard, err = byTensor.CopyShard(); err != nil {
 				return err
 			}
-			at := 0
-			for i, d := range shardTensors {
-				m, err := ddp.CopyMaster(i)
-				if err != nil {
-					return err
-				}
-				x.ddpMasters = append(x.ddpMasters, m...)
+			if x.ddpMasters, err = flatMaster(ddp); err != nil {
+				return err
+			}
+			for i, at := range shardOffsets {
 				own, err := byAdd.Master(i)
 				var e *Error
 				if err != nil && (!errors.As(err, &e) || e.Status != StatusInvalidArgument) {
@@ -720,7 +754,6 @@ func checkShardedAccumulation(t *testing.T, world int, maxNorm float32) {
 				x.readable = append(x.readable, err == nil)
 				x.viewOfShard = append(x.viewOfShard, err == nil && len(own) > 0 &&
 					unsafe.Pointer(&own[0]) == unsafe.Pointer(&view[at-offset]))
-				at += int(d.Numel)
 			}
 			runtime.KeepAlive(byAdd)
 			return nil
@@ -777,13 +810,12 @@ func checkShardedAccumulation(t *testing.T, world int, maxNorm float32) {
 			}
 		}
 		// Master gives exactly the tensors wholly inside the shard, over the shard's memory.
-		at := 0
 		for i, d := range shardTensors {
+			at := shardOffsets[i]
 			inside := x.offset <= at && at+int(d.Numel) <= next
 			if x.readable[i] != inside || x.viewOfShard[i] != inside {
 				t.Errorf("rank %d: Master(%d) readable %v, over the shard %v; inside the shard %v", r, i, x.readable[i], x.viewOfShard[i], inside)
 			}
-			at += int(d.Numel)
 		}
 	}
 	if next != shardTotal {
@@ -896,9 +928,14 @@ func TestShardedAccumulatorKeepsItsCommAlive(t *testing.T) {
 			t.Errorf("rank %d: the closed accumulator still holds its Comm", r)
 		}
 	}
-	// The two elements lie in shard 0: (1 + 2) / 2 items.
-	if len(shards[0]) != 2 || shards[0][0] != 1.5 || shards[0][1] != 1.5 || len(shards[1]) != 0 {
+	// The two elements, padded to 64, lie in shard 0: (1 + 2) / 2 items, then zeros.
+	if len(shards[0]) != 64 || shards[0][0] != 1.5 || shards[0][1] != 1.5 || len(shards[1]) != 0 {
 		t.Fatalf("shards %v", shards)
+	}
+	for k, v := range shards[0][2:] {
+		if math.Float32bits(v) != 0 {
+			t.Fatalf("padding element %d is %v", 2+k, v)
+		}
 	}
 }
 

@@ -27,7 +27,9 @@
 enum { T = 4 };
 static const size_t numel[T] = {150001, 100003, 50001, 7};
 static const gradacc_dtype_t dtypes[T] = {GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32, GRADACC_DTYPE_F32};
-enum { LEN = 150001 + 100003 + 50001 + 7, BLOCK = 4096, MAX_MB = 3 };
+/* Each tensor at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between (checked in main). */
+static const size_t offset[T] = {0, 150016, 250048, 300096};
+enum { LEN = 300160, BLOCK = 4096, MAX_MB = 3 };
 
 typedef struct {
     const char *name;
@@ -95,16 +97,15 @@ static uint64_t count_of(int rank, int mb) { return 1 + (uint64_t)((5 * rank + 3
 static double scale_of(int rank) { return ldexp(1.0, 6 + rank); }
 
 /* One micro-batch of rank `rank` in each tensor's dtype, scaled by its loss scale; `exact`
- * (optional, LEN elements) receives the values it carries once unscaled. */
+ * (optional, LEN elements) receives the values it carries once unscaled, each tensor's at its
+ * offset in the master. */
 static void make_grads(int sc, const scenario *s, int rank, int mb, grad_buf *g, double *exact)
 {
     double *v = malloc(numel[0] * sizeof(double));
-    size_t at = 0;
     for (int t = 0; t < T; t++) {
         for (size_t i = 0; i < numel[t]; i++)
             v[i] = value(sc, rank, mb, t, i);
-        grad_encode(&g[t], v, scale_of(rank), exact ? exact + at : NULL);
-        at += numel[t];
+        grad_encode(&g[t], v, scale_of(rank), exact ? exact + offset[t] : NULL);
     }
     if (s->overflow && rank == world_size() - 1 && mb == 0)
         grad_poke(&g[0], 12345, 0x7c00, INFINITY);
@@ -361,6 +362,10 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 77;
     }
+    gradacc_tensor_desc_t layout[T];
+    for (int t = 0; t < T; t++)
+        layout[t] = (gradacc_tensor_desc_t){numel[t], dtypes[t]};
+    check_placement(layout, T, offset, LEN);
     for (int S = 1; S <= world; S++) {
         if (world % S != 0)
             continue;

@@ -5,7 +5,8 @@
  * the all-reduce's range, the infos must be the same bits on every rank, and the shards must tile
  * the layout in rank order (shard_common.h).
  *   apex O2:      Linear(1,1), input rank + 1, two micro-batches each; rank 0's shard holds the
- *                 whole 2-element model (the others' are empty) and the seed's right values.
+ *                 whole 2-element model, each element padded to 64 (the others' shards are empty), and
+ *                 the seed's right values with zeros between.
  *   overflow:     the last rank's fp16 gradient holds an infinity: every rank reports found_inf,
  *                 skips, and backs off to the same scale; the next step is clean.
  *   unequal work: rank r adds r micro-batches (rank 0 none) of r + m items, mean-reduced, BY_COUNT:
@@ -41,12 +42,15 @@ static void apex_o2(gradacc_comm_t *comm, gradacc_normalize_t normalize, gradacc
     size_t off = 9, n = 9;
     float *data = NULL;
     REQUIRE_OK(gradacc_accumulator_shard(sharded, &off, &n, &data));
-    if (rank == 0)
-        CHECK(off == 0 && n == 2 && data[0] == want_w && data[1] == want_b,
-              "%s: rank 0's shard [%zu, +%zu) holds %g %g, expected [0, +2) = %g %g", dtype_name(dtype), off, n,
-              n ? (double)data[0] : 0.0, n == 2 ? (double)data[1] : 0.0, want_w, want_b);
-    else
-        CHECK(off == 2 && n == 0, "rank %d: shard [%zu, +%zu), expected the empty [2, +0)", rank, off, n);
+    /* Each one-element tensor padded to 64 elements: the master is 128 long, all in shard 0. */
+    if (rank == 0) {
+        CHECK(off == 0 && n == 128 && data[0] == want_w && data[64] == want_b,
+              "%s: rank 0's shard [%zu, +%zu) holds %g %g, expected [0, +128) with %g %g at 0 and 64",
+              dtype_name(dtype), off, n, n ? (double)data[0] : 0.0, n > 64 ? (double)data[64] : 0.0, want_w, want_b);
+        check_shard_values(sharded, t, 2, (const float[]){(float)want_w, (float)want_b}, "apex O2");
+    } else {
+        CHECK(off == 128 && n == 0, "rank %d: shard [%zu, +%zu), expected the empty [128, +0)", rank, off, n);
+    }
     grad_free(&w);
     grad_free(&b);
     gradacc_accumulator_destroy(sharded);
@@ -158,7 +162,9 @@ static void partial_final_window(gradacc_comm_t *comm)
     const int rank = world_rank(), world = world_size();
     static const size_t numel[T] = {300001, 17, 200003};
     static const gradacc_dtype_t dtype[T] = {GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32};
-    const size_t len = numel[0] + numel[1] + numel[2];
+    /* Each tensor at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between. */
+    static const size_t offset[T] = {0, 300032, 300096};
+    const size_t len = 500160;
     gradacc_tensor_desc_t t[T];
     grad_buf g[T];
     for (int k = 0; k < T; k++) {
@@ -166,6 +172,7 @@ static void partial_final_window(gradacc_comm_t *comm)
         t[k].dtype = dtype[k];
         g[k] = grad_alloc(dtype[k], numel[k]);
     }
+    check_placement(t, T, offset, len);
     const float max_norm = 5.0f; /* the windows' norms are 40 and more: clipping applies */
     gradacc_scaler_t *scaler = scaler_with_scale(1024.0f);
     gradacc_accumulator_t *sharded = make_shard_acc(t, T, GRADACC_NORMALIZE_BY_MICROBATCHES, max_norm, world, rank);
@@ -181,8 +188,8 @@ static void partial_final_window(gradacc_comm_t *comm)
         for (int r = 0; r < world; r++) {
             int mbs = final ? (r < world / 2) : MB;
             for (int m = 0; m < mbs; m++, microbatches++) {
-                size_t at = 0;
                 for (int k = 0; k < T; k++) {
+                    const size_t at = offset[k];
                     for (size_t i = 0; i < numel[k]; i++)
                         v[i] = value(step, r, m, k, i);
                     grad_encode(&g[k], v, 1024.0, exact);
@@ -190,7 +197,6 @@ static void partial_final_window(gradacc_comm_t *comm)
                         ref[at + i] += exact[i];
                         mag[at + i] += fabs(exact[i]);
                     }
-                    at += numel[k];
                 }
                 if (r == rank) {
                     const void *p[T] = {g[0].data, g[1].data, g[2].data};

@@ -35,7 +35,7 @@ static inline reference reference_of(const window_of_ranks *w, size_t len, int w
     memset(&ref, 0, sizeof ref);
     ref.sum = calloc(len, sizeof(double));
     ref.magnitude = calloc(len, sizeof(double));
-    double *exact = malloc(len * sizeof(double));
+    double *exact = calloc(len, sizeof(double)); /* the padding between tensors stays 0 */
     for (int r = 0; r < world; r++)
         for (int m = 0; m < w->microbatches(w->ctx, r); m++) {
             w->exact(w->ctx, r, m, exact);
@@ -59,6 +59,55 @@ static inline reference reference_of(const window_of_ranks *w, size_t len, int w
     ref.spread = sqrt(ref.spread);
     free(exact);
     return ref;
+}
+
+/* Checks that the `n` tensors `t` lie in the flat master at `offset` (each at a multiple of
+ * GRADACC_MASTER_ALIGN bytes, as the header documents) and that it is `len` long: what the
+ * tests' references are laid out by. */
+static inline void check_placement(const gradacc_tensor_desc_t *t, size_t n, const size_t *offset, size_t len)
+{
+    const size_t align = GRADACC_MASTER_ALIGN / sizeof(float);
+    size_t at = 0, numel = 0;
+    for (size_t i = 0; i < n; i++) {
+        CHECK(offset[i] == at, "tensor %zu is placed at %zu, the layout puts it at %zu", i, offset[i], at);
+        at = (at + t[i].numel + align - 1) / align * align;
+    }
+    CHECK(len == at, "the master is taken as %zu elements, the layout has %zu", len, at);
+    REQUIRE_OK(gradacc_accumulator_master_numel(t, n, &numel));
+    CHECK(numel == len, "gradacc_accumulator_master_numel gives %zu, expected %zu", numel, len);
+    gradacc_accumulator_t *acc = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(NULL, t, n, NULL, &acc));
+    for (size_t i = 0; i < n; i++) {
+        size_t got = 0;
+        REQUIRE_OK(gradacc_accumulator_offset(acc, i, &got));
+        CHECK(got == offset[i], "gradacc_accumulator_offset gives tensor %zu at %zu, expected %zu", i, got, offset[i]);
+    }
+    REQUIRE_OK(gradacc_accumulator_destroy(acc));
+}
+
+/* Every element of this rank's shard of `acc` (over the `n` tensors `t`) inside tensor i holds
+ * want[i]; every element of the padding between tensors (gradacc_accumulator_offset) holds +0. */
+static inline void check_shard_values(gradacc_accumulator_t *acc, const gradacc_tensor_desc_t *t, size_t n,
+                                      const float *want, const char *what)
+{
+    size_t off = 0, len = 0, start[8];
+    float *data = NULL, expected = 0.0f;
+    REQUIRE_OK(gradacc_accumulator_shard(acc, &off, &len, &data));
+    for (size_t i = 0; i < n && i < 8; i++)
+        REQUIRE_OK(gradacc_accumulator_offset(acc, i, &start[i]));
+    size_t bad = 0, first = 0;
+    for (size_t k = 0; k < len; k++) {
+        float w = 0.0f;
+        for (size_t i = 0; i < n && i < 8; i++)
+            if (off + k >= start[i] && off + k < start[i] + t[i].numel)
+                w = want[i];
+        if (float_bits(data[k]) != float_bits(w) && !bad++) {
+            first = k;
+            expected = w;
+        }
+    }
+    CHECK(bad == 0, "%s rank %d: %zu of the %zu shard elements differ, first at %zu: %.9g, expected %.9g", what, world_rank(),
+          bad, len, off + first, bad ? (double)data[first] : 0.0, (double)expected);
 }
 
 static inline void free_reference(reference *ref)

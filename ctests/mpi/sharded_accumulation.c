@@ -30,7 +30,9 @@
 enum { T = 3, WINDOWS = 3 };
 static const size_t numel[T] = {150001, 17, 100003};
 static const gradacc_dtype_t dtypes[T] = {GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F32};
-enum { LEN = 150001 + 17 + 100003 };
+/* Each tensor at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between (checked in main). */
+static const size_t offset[T] = {0, 150016, 150080};
+enum { LEN = 250112 };
 static const int window_microbatches[WINDOWS] = {3, 2, 1};
 static const double COMM_TIMEOUT_S = 30.0; /* a failure that waited for a missing rank times out, not hangs */
 
@@ -87,16 +89,14 @@ static uint64_t count_of(int rank, int mb) { return 1 + (uint64_t)((5 * rank + 3
 static double scale_of(int rank) { return ldexp(1.0, 6 + rank); }
 
 /* One micro-batch of rank `rank`, scaled by its loss scale; `exact` (optional, LEN elements)
- * receives the values it carries once unscaled. */
+ * receives the values it carries once unscaled, each tensor's at its offset in the master. */
 static void make_grads(int sc, int step, int rank, int mb, grad_buf *g, double *exact)
 {
     double *v = malloc(numel[0] * sizeof(double));
-    size_t at = 0;
     for (int t = 0; t < T; t++) {
         for (size_t i = 0; i < numel[t]; i++)
             v[i] = value(sc, step, rank, mb, t, i);
-        grad_encode(&g[t], v, scale_of(rank), exact ? exact + at : NULL);
-        at += numel[t];
+        grad_encode(&g[t], v, scale_of(rank), exact ? exact + offset[t] : NULL);
     }
     free(v);
 }
@@ -301,20 +301,6 @@ static void training(int sc)
 
 /* ---- seeds, exact ---------------------------------------------------------------------------- */
 
-/* Every element of this rank's shard in [lo, hi) of the layout holds `want`. */
-static void check_shard_value(gradacc_accumulator_t *acc, size_t lo, size_t hi, float want, const char *what)
-{
-    size_t off = 0, n = 0;
-    float *data = NULL;
-    REQUIRE_OK(gradacc_accumulator_shard(acc, &off, &n, &data));
-    size_t bad = 0, first = 0;
-    for (size_t k = 0; k < n; k++)
-        if (off + k >= lo && off + k < hi && data[k] != want && !bad++)
-            first = k;
-    CHECK(bad == 0, "%s rank %d: %zu elements of [%zu, %zu) differ from %.9g, first at %zu: %.9g", what, world_rank(), bad,
-          lo, hi, (double)want, off + first, bad ? (double)data[first] : 0.0);
-}
-
 /* The last rank's first micro-batch holds an infinity. Rank r's gradients are 0.5 (r + 1) (fp16)
  * and 0.25 (r + 1) (bf16): a clean window of one micro-batch of 2 items per rank averages
  * (W + 1) / 4 and (W + 1) / 8. */
@@ -355,8 +341,8 @@ static void overflow_one_rank(void)
               (unsigned long long)info.microbatches);
         CHECK(same_on_all_ranks(float_bits(after), MPI_COMM_WORLD), "overflow, step %d: the scales differ", step);
         if (step == 1) {
-            check_shard_value(acc, 0, N0, (float)(world + 1) / 4.0f, "after the overflow (fp16)");
-            check_shard_value(acc, N0, N0 + N1, (float)(world + 1) / 8.0f, "after the overflow (bf16)");
+            check_shard_values(acc, t, 2, (const float[]){(float)(world + 1) / 4.0f, (float)(world + 1) / 8.0f},
+                               "after the overflow");
         }
     }
     free(h);
@@ -410,7 +396,8 @@ static void unequal_counts(void)
               "unequal counts, window %d, rank %d: count %llu, mb %llu; expected %llu, %llu", k, rank,
               (unsigned long long)info.total_count, (unsigned long long)info.microbatches, (unsigned long long)items,
               (unsigned long long)mbs);
-        check_shard_value(acc, 0, N0 + N1, (float)(world + 1), k ? "unequal counts, window 2" : "unequal counts, window 1");
+        check_shard_values(acc, t, 2, (const float[]){(float)(world + 1), (float)(world + 1)},
+                           k ? "unequal counts, window 2" : "unequal counts, window 1");
     }
     free(g);
     free(h);
@@ -453,8 +440,8 @@ static void partial_final_window(void)
                   info.total_count == (uint64_t)(5 * world * mbs[k]),
               "window %d, rank %d: count %llu, mb %llu; expected %d, %d", k, rank, (unsigned long long)info.total_count,
               (unsigned long long)info.microbatches, 5 * world * mbs[k], world * mbs[k]);
-        check_shard_value(acc, 0, N0 + N1, (float)(world + 1) / (mbs[k] == 3 ? 4.0f : 8.0f),
-                          mbs[k] == 3 ? "full window" : "partial final window");
+        const float v = (float)(world + 1) / (mbs[k] == 3 ? 4.0f : 8.0f);
+        check_shard_values(acc, t, 2, (const float[]){v, v}, mbs[k] == 3 ? "full window" : "partial final window");
     }
     free(h);
     EXPECT_OK(gradacc_accumulator_destroy(acc));
@@ -534,7 +521,8 @@ static void misuse(void)
     CHECK(!info.found_inf && info.total_count == (uint64_t)(2 * world) && info.microbatches == (uint64_t)(2 * world),
           "after the failures, rank %d: count %llu, mb %llu; expected %d, %d", rank, (unsigned long long)info.total_count,
           (unsigned long long)info.microbatches, 2 * world, 2 * world);
-    check_shard_value(acc, 0, N0 + N1, (float)(world + 1) / 2.0f, "after the failures");
+    const float half = (float)(world + 1) / 2.0f;
+    check_shard_values(acc, t, 2, (const float[]){half, half}, "after the failures");
 
     /* Training goes on: one micro-batch of 3 items, (W + 1) / 2 again. */
     EXPECT_OK(gradacc_accumulator_add(acc, scaler, p, 2, 3));
@@ -542,7 +530,7 @@ static void misuse(void)
     CHECK(info.total_count == (uint64_t)(3 * world) && info.microbatches == (uint64_t)world,
           "the next window, rank %d: count %llu, mb %llu", rank, (unsigned long long)info.total_count,
           (unsigned long long)info.microbatches);
-    check_shard_value(acc, 0, N0 + N1, (float)(world + 1) / 2.0f, "the window after the failures");
+    check_shard_values(acc, t, 2, (const float[]){half, half}, "the window after the failures");
 
     /* A second contribution to a tensor on the last rank is refused (each tensor takes one per
      * micro-batch): the micro-batch fails on every rank when it ends, the windows discarded. */
@@ -624,6 +612,10 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 77;
     }
+    gradacc_tensor_desc_t layout[T];
+    for (int t = 0; t < T; t++)
+        layout[t] = (gradacc_tensor_desc_t){numel[t], dtypes[t]};
+    check_placement(layout, T, offset, LEN);
     for (int sc = 0; sc < (int)(sizeof scenarios / sizeof scenarios[0]); sc++)
         training(sc);
     overflow_one_rank();

@@ -34,6 +34,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::Scaler;
 use crate::state;
 pub(crate) use layout::Layout;
+pub use layout::MASTER_ALIGN;
 use window::{Phase, State, Window};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
@@ -42,8 +43,15 @@ const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
 /// layout, and only the shard's masters).
 /// 4 and 5: versions 2 and 3 with the number of rank-windows the window sums (at least 1) after
 /// its micro-batch count. Windows of versions 2 and 3 are one rank's window each.
-const WINDOW_VERSION: u32 = 4;
-const SHARD_WINDOW_VERSION: u32 = 5;
+/// 6 and 7: versions 4 and 5 in the aligned layout (each tensor at a multiple of
+/// [`MASTER_ALIGN`] bytes, zeros between), the alignment in bytes after the layout's fingerprint.
+/// Versions 2 to 5 hold the tensors packed back to back, and are laid out anew when read.
+const WINDOW_VERSION: u32 = 6;
+const SHARD_WINDOW_VERSION: u32 = 7;
+/// The first version in the aligned layout.
+const ALIGNED_WINDOW_VERSION: u32 = 6;
+/// The first version with the rank-window count.
+const RANKS_WINDOW_VERSION: u32 = 4;
 const OLDEST_WINDOW_VERSION: u32 = 2;
 /// The most rank-windows a saved window may sum: far beyond any group, and a corrupt value is
 /// refused rather than normalised by.
@@ -251,10 +259,56 @@ impl Plan {
     /// The part of the flat master the store holds: the shard under sharded accumulation, the
     /// whole layout otherwise.
     pub(crate) fn held(&self) -> Range<usize> {
+        self.held_in(&self.layout)
+    }
+
+    /// What [`Plan::held`] would be in `layout` (the packed layout of a window saved by 0.2).
+    fn held_in(&self, layout: &Layout) -> Range<usize> {
         match self.config.sharding {
-            Sharding::Accumulate { .. } => self.shard(),
-            _ => 0..self.layout.len(),
+            Sharding::Accumulate { shards, rank } => {
+                crate::comm::shares::shard_range(layout.len(), shards, rank)
+            }
+            _ => 0..layout.len(),
         }
+    }
+
+    /// `masters`, the held elements of the same tensors in `packed` (a window saved by 0.2), in
+    /// this plan's layout, zeros in the padding. A shard whose tensors' elements are not the
+    /// ones this rank's shard holds in the aligned layout cannot be laid out anew.
+    fn lay_out_packed(&self, packed: &Layout, masters: &[f32]) -> Result<Vec<f32>> {
+        let (from, to) = (self.held_in(packed), self.held());
+        // The elements of tensor `i` that `held` holds, counted from the tensor's start.
+        let part = |layout: &Layout, held: &Range<usize>, i: usize| {
+            let t = layout.range(i);
+            let (lo, hi) = (t.start.clamp(held.start, held.end), t.end.clamp(held.start, held.end));
+            if lo < hi {
+                lo - t.start..hi - t.start
+            } else {
+                0..0
+            }
+        };
+        let mut out = vec![0.0; to.len()];
+        for i in 0..self.descs.len() {
+            let (p, a) = (part(packed, &from, i), part(&self.layout, &to, i));
+            if p != a {
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!(
+                        "accumulator window: saved by 0.2 with the tensors packed back to back, its shard holds elements {p:?} of \
+                         tensor {i}, but in the aligned layout (each tensor at a multiple of {MASTER_ALIGN} bytes) this rank's shard \
+                         holds {a:?}: finish that window with the version that saved it"
+                    ),
+                ));
+            }
+            if p.is_empty() {
+                continue;
+            }
+            let (src, dst) =
+                (packed.range(i).start + p.start, self.layout.range(i).start + a.start);
+            out[dst - to.start..dst - to.start + a.len()]
+                .copy_from_slice(&masters[src - from.start..src - from.start + p.len()]);
+        }
+        Ok(out)
     }
 }
 
@@ -436,8 +490,10 @@ impl Accumulator {
         Self::build(device, config, tensors, None, None)
     }
 
-    /// A CPU accumulator that adopts a caller's FP32 buffer of exactly the total element count as
-    /// its master buffer.
+    /// A CPU accumulator that adopts a caller's FP32 buffer of exactly
+    /// [`Accumulator::master_len`] elements (the tensors and the padding that aligns each one) as
+    /// its master buffer. The padding is zeroed here and must stay untouched; tensor `i` starts
+    /// at element [`Accumulator::offset`]`(i)`.
     ///
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` f32 values, and used by nothing else
@@ -453,7 +509,7 @@ impl Accumulator {
     }
 
     /// An accumulator on `device` that adopts the caller's FP32 buffer (host memory for the CPU,
-    /// a device address for CUDA) of exactly the total element count as its master.
+    /// a device address for CUDA) of exactly [`Accumulator::master_len`] elements as its master.
     ///
     /// # Safety
     /// As [`Accumulator::with_buffer`], in the device's memory.
@@ -529,7 +585,8 @@ impl Accumulator {
                 return Err(Error::new(
                     ErrorKind::SizeMismatch,
                     format!(
-                        "master buffer holds {len} elements, the tensors need {}",
+                        "master buffer holds {len} elements, the tensors need {} (each starts at a multiple of {MASTER_ALIGN} bytes: \
+                         gradacc_accumulator_master_numel; Accumulator::master_len in Rust)",
                         layout.len()
                     ),
                 ));
@@ -565,9 +622,25 @@ impl Accumulator {
         &self.plan.descs
     }
 
-    /// Total elements of the master buffer.
+    /// Total elements of the master buffer, the padding between tensors included: the length
+    /// an adopted master must have.
     pub fn len(&self) -> usize {
         self.plan.layout.len()
+    }
+
+    /// The master length, in f32 elements, of an accumulator over `tensors`: each tensor starts
+    /// at a multiple of [`MASTER_ALIGN`] bytes, with zeros between. What a buffer given to
+    /// [`Accumulator::with_buffer`] must hold.
+    pub fn master_len(tensors: &[TensorDesc]) -> Result<usize> {
+        Ok(Layout::new(tensors, usize::MAX)?.len())
+    }
+
+    /// Where tensor `index` starts in the flat master, in elements (a multiple of
+    /// [`MASTER_ALIGN`] / 4): with [`Accumulator::shard`]'s range it tells which tensors' elements
+    /// a shard holds.
+    pub fn offset(&self, index: usize) -> Result<usize> {
+        self.plan.layout.check_index(index)?;
+        Ok(self.range(index).start)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -1121,7 +1194,7 @@ impl Accumulator {
             WINDOW_MAGIC,
             if shard.is_some() { SHARD_WINDOW_VERSION } else { WINDOW_VERSION },
         );
-        out.u64(self.plan.layout.hash());
+        out.u64(self.plan.layout.hash()).u64(MASTER_ALIGN as u64);
         if let Some((shards, rank)) = shard {
             out.u64(shards as u64).u64(rank as u64);
         }
@@ -1213,7 +1286,8 @@ impl Accumulator {
         Ok(())
     }
 
-    /// Reads and checks saved window bytes against this accumulator's layout.
+    /// Reads and checks saved window bytes against this accumulator's layout; a window saved in
+    /// the packed layout (versions 2 to 5) comes back in the aligned one.
     fn parse_window(&self, bytes: &[u8]) -> Result<SavedWindow> {
         let what = "accumulator window";
         let (mut r, version) = state::Reader::open_versions(
@@ -1222,11 +1296,26 @@ impl Accumulator {
             WINDOW_MAGIC,
             OLDEST_WINDOW_VERSION..=SHARD_WINDOW_VERSION,
         )?;
-        if r.u64()? != self.plan.layout.hash() {
+        let packed = if version >= ALIGNED_WINDOW_VERSION {
+            None
+        } else {
+            Some(Layout::packed(&self.plan.descs, self.plan.config.bucket_numel)?)
+        };
+        let layout = packed.as_ref().unwrap_or(&self.plan.layout);
+        if r.u64()? != layout.hash() {
             return Err(Error::new(
                 ErrorKind::SizeMismatch,
                 "accumulator window: saved from an accumulator with another tensor layout",
             ));
+        }
+        if version >= ALIGNED_WINDOW_VERSION {
+            let align = r.u64()?;
+            if align != MASTER_ALIGN as u64 {
+                return Err(Error::new(
+                    ErrorKind::CorruptState,
+                    format!("{what}: its tensors are aligned to {align} bytes, this library's to {MASTER_ALIGN}"),
+                ));
+            }
         }
         let saved = if version % 2 == 1 { Some((r.u64()?, r.u64()?)) } else { None };
         let mine = self.sharded_accumulation().map(|(shards, rank)| (shards as u64, rank as u64));
@@ -1243,12 +1332,13 @@ impl Accumulator {
             ));
         }
         let (count, microbatches) = (r.u64()?, r.u64()?);
-        let ranks = if version >= WINDOW_VERSION { r.u64()? } else { 1 };
+        let ranks = if version >= RANKS_WINDOW_VERSION { r.u64()? } else { 1 };
         let found_inf = r.bool()?;
         let written: Vec<bool> =
             (0..self.tensors().len()).map(|_| r.bool()).collect::<Result<_>>()?;
+        let held = self.plan.held_in(layout);
         let mut masters = Vec::new();
-        r.f32s_into(&mut masters, self.plan.held().len())?;
+        r.f32s_into(&mut masters, held.len())?;
         r.finish()?;
         let found_inf = found_inf || state::holds_non_finite(&masters);
         if count > config::MAX_WINDOW_COUNT
@@ -1261,6 +1351,9 @@ impl Accumulator {
                     "accumulator window: {count} items in {microbatches} micro-batches over {ranks} rank-windows is not a window this library saves"
                 ),
             ));
+        }
+        if let Some(packed) = &packed {
+            masters = self.plan.lay_out_packed(packed, &masters)?;
         }
         Ok(SavedWindow { count, microbatches, ranks, found_inf, written, masters })
     }

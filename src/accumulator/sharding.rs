@@ -234,9 +234,14 @@ impl<S> Hooks<S> {
             Some(stage) => stage,
             None => device.take(self)?,
         };
-        let absent = self.schedule.tensors(b).filter(|&i| !self.schedule.landed(i));
-        let zeroed =
-            absent.map(|i| layout.range(i)).try_for_each(|r| device.zero(&mut stage, b, r));
+        // A tensor that received nothing contributes zeros, and so does every padding (the
+        // staging is reused).
+        let schedule = &self.schedule;
+        let zeroed = schedule
+            .tensors(b)
+            .map(|i| if schedule.landed(i) { layout.padding(i) } else { layout.slot(i) })
+            .filter(|r| !r.is_empty())
+            .try_for_each(|r| device.zero(&mut stage, b, r));
         let result = zeroed.and_then(|()| device.reduce(&mut stage, b));
         self.spare.push_back(stage);
         result
@@ -270,7 +275,8 @@ mod tests {
     #[test]
     fn the_schedule_reduces_complete_buckets_in_backward_order() {
         let descs = [4, 4, 4, 4, 4].map(|numel| TensorDesc { numel, dtype: Dtype::F32 });
-        let layout = Layout::new(&descs, 8).unwrap();
+        // Two aligned slots per bucket.
+        let layout = Layout::new(&descs, 2 * crate::accumulator::layout::ALIGN_ELEMS).unwrap();
         assert_eq!(layout.buckets().len(), 3, "{:?}", layout.buckets());
         let mut s = BucketSchedule::new(&layout, descs.len());
         assert_eq!((s.tensors(0), s.tensors(2)), (0..2, 4..5));

@@ -17,6 +17,12 @@ use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
+/// Bytes to which every tensor's FP32 master is aligned in the flat master: tensor `i` starts at
+/// an element offset that is a multiple of GRADACC_MASTER_ALIGN / 4 (gradacc_accumulator_offset),
+/// with zeros between tensors. An owned master starts at such an address too.
+pub const GRADACC_MASTER_ALIGN: usize = 256;
+const _: () = assert!(GRADACC_MASTER_ALIGN == crate::accumulator::MASTER_ALIGN);
+
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
 /// gradacc_accumulator_destroy.
 pub struct gradacc_accumulator_t {
@@ -253,8 +259,9 @@ fn creation_args(
     Ok((config, descs, parse_device(device)?))
 }
 
-/// Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the
-/// tensors' total size, laid out tensor after tensor. `config` NULL means the defaults; `device`
+/// Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer laid out
+/// tensor after tensor, each tensor starting at a multiple of GRADACC_MASTER_ALIGN bytes (the
+/// buffer's start included), with zeros between. `config` NULL means the defaults; `device`
 /// NULL means the CPU. On a CUDA device the master is allocated in device memory on the device's
 /// stream (stream-ordered), and every later call on the accumulator is ordered on that stream;
 /// the first CUDA object on a device compiles the kernels with NVRTC (tens of milliseconds).
@@ -279,8 +286,12 @@ pub unsafe extern "C" fn gradacc_accumulator_create(
 }
 
 /// Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly
-/// `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own
-/// contiguous gradient buffer. Its contents are ignored until written.
+/// `master_numel` elements as the master buffer, e.g. a framework's own contiguous gradient
+/// buffer: the tensors with the padding that starts each at a multiple of GRADACC_MASTER_ALIGN
+/// bytes (gradacc_accumulator_master_numel gives the count; tensor i starts at
+/// gradacc_accumulator_offset). Its contents are ignored until written; the padding is zeroed here
+/// (stream-ordered on CUDA) and must stay untouched. A `master` aligned to GRADACC_MASTER_ALIGN
+/// bytes makes every tensor's master as aligned.
 ///
 /// Ownership: `*out` is the caller's; free it with gradacc_accumulator_destroy. `master` stays the
 /// caller's and must outlive the accumulator; gradacc never frees it.
@@ -645,7 +656,7 @@ pub unsafe extern "C" fn gradacc_accumulator_master(
 }
 
 /// This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the
-/// flat layout (tensor after tensor), `*out_data` the address of its first element (a device
+/// flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device
 /// address on CUDA). Without sharding the shard is the whole master. Under
 /// GRADACC_SHARDING_REDUCE_SCATTER, after a successful sync the range holds this rank's part of
 /// the reduced, normalised (and clipped) gradient, for an optimizer that updates only its shard;
@@ -675,6 +686,49 @@ pub unsafe extern "C" fn gradacc_accumulator_shard(
         let data = unsafe { out_ptr(out_data, "out_data") }?;
         let (range, ptr) = a.shard();
         (*offset, *numel, *data) = (range.start, range.len(), ptr);
+        Ok(())
+    })
+}
+
+/// Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over
+/// the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with
+/// zeros between and after the last. It is the `master_numel` gradacc_accumulator_create_with_buffer
+/// needs.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_master_numel(
+    tensors: *const gradacc_tensor_desc_t,
+    n: usize,
+    out_numel: *mut usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_master_numel", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_numel, "out_numel") }?;
+        // The defaults for the config and the device: only the tensors decide the length.
+        let (_, descs, _) = creation_args(std::ptr::null(), tensors, n, std::ptr::null())?;
+        *out = Accumulator::master_len(&descs)?;
+        Ok(())
+    })
+}
+
+/// Writes to `*out_offset` where tensor `index` starts in the flat master, in elements: a multiple
+/// of GRADACC_MASTER_ALIGN / 4. With gradacc_accumulator_shard's range it tells which tensors'
+/// elements a shard holds.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_offset(
+    acc: *const gradacc_accumulator_t,
+    index: usize,
+    out_offset: *mut usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_offset", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_offset, "out_offset") }?;
+        *out =
+            a.offset(index).map_err(|e| Error::new(e.kind, format!("`index`: {}", e.message)))?;
         Ok(())
     })
 }

@@ -169,8 +169,11 @@ pub fn check_overlapping_gradients(
 ) -> usize {
     use std::ffi::c_void;
     let scale = scaler.scale().unwrap();
-    let len: usize = OVERLAP_TENSORS.iter().map(|d| d.numel).sum();
-    let own = OVERLAP_TENSORS[0].numel;
+    // The whole master, padding included, is the caller's adopted buffer: no gradient may
+    // overlap any of it.
+    let len = acc.len();
+    assert_eq!(len, gradacc::Accumulator::master_len(&OVERLAP_TENSORS).unwrap());
+    let own = acc.offset(1).unwrap();
     let numel = OVERLAP_TENSORS[1].numel;
     let at = |shift: isize| (OVERLAP_MARGIN + own).checked_add_signed(shift).unwrap();
     let mut tried = 0;
@@ -256,4 +259,142 @@ pub fn four_saved_windows(
             acc.save_window().unwrap()
         })
         .collect()
+}
+
+/// FNV-1a, the checksum of saved state and of the layout's fingerprint.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Element offsets of `tensors` packed back to back, as 0.2 laid them out, plus the total.
+pub fn packed_offsets(tensors: &[gradacc::TensorDesc]) -> Vec<usize> {
+    let mut offsets = vec![0];
+    for t in tensors {
+        offsets.push(offsets.last().unwrap() + t.numel);
+    }
+    offsets
+}
+
+/// The fingerprint 0.2 gave the packed layout of `tensors` cut in buckets of `bucket_numel`:
+/// written here from the format's definition, independently of the library.
+pub fn packed_layout_hash(tensors: &[gradacc::TensorDesc], bucket_numel: usize) -> u64 {
+    let offsets = packed_offsets(tensors);
+    let mut bytes = Vec::new();
+    for (t, &start) in tensors.iter().zip(&offsets) {
+        bytes.extend((start as u64).to_le_bytes());
+        bytes.extend((t.numel as u64).to_le_bytes());
+        bytes.push(t.dtype.code() as u8);
+    }
+    let (mut start, total) = (0, *offsets.last().unwrap());
+    for &end in &offsets[1..] {
+        if end - start >= bucket_numel {
+            bytes.extend((start as u64).to_le_bytes());
+            bytes.extend((end as u64).to_le_bytes());
+            start = end;
+        }
+    }
+    if start < total {
+        bytes.extend((start as u64).to_le_bytes());
+        bytes.extend((total as u64).to_le_bytes());
+    }
+    fnv1a(&bytes)
+}
+
+/// A window in the 0.2 format (version 2, or 3 for `shard` = (shards, rank) of a sharded
+/// accumulation): the packed layout's fingerprint, the counts, the written flags and `masters`,
+/// the held elements of the packed layout; then the checksum.
+pub fn window_saved_by_0_2(
+    tensors: &[gradacc::TensorDesc],
+    bucket_numel: usize,
+    shard: Option<(usize, usize)>,
+    (count, microbatches, found_inf): (u64, u64, bool),
+    written: &[bool],
+    masters: &[f32],
+) -> Vec<u8> {
+    let mut b = b"GAWN".to_vec();
+    b.extend(if shard.is_some() { 3u32 } else { 2u32 }.to_le_bytes());
+    b.extend(packed_layout_hash(tensors, bucket_numel).to_le_bytes());
+    if let Some((shards, rank)) = shard {
+        b.extend((shards as u64).to_le_bytes());
+        b.extend((rank as u64).to_le_bytes());
+    }
+    b.extend(count.to_le_bytes());
+    b.extend(microbatches.to_le_bytes());
+    b.push(found_inf as u8);
+    b.extend(written.iter().map(|&w| w as u8));
+    b.extend((masters.len() as u64).to_le_bytes());
+    masters.iter().for_each(|m| b.extend(m.to_bits().to_le_bytes()));
+    let sum = fnv1a(&b);
+    b.extend(sum.to_le_bytes());
+    b
+}
+
+/// A window saved now, of a whole (unsharded) accumulator, rewritten as 0.2 would have saved it:
+/// version 2, without the alignment and the rank-window count, the masters packed.
+pub fn as_saved_by_0_2(acc: &gradacc::Accumulator, bytes: &[u8]) -> Vec<u8> {
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    let n = acc.tensors().len();
+    // magic and version, fingerprint, alignment, count, micro-batches, rank-windows.
+    let (count, microbatches, found_inf) = (u64_at(24), u64_at(32), bytes[48] != 0);
+    let written: Vec<bool> = bytes[49..49 + n].iter().map(|&w| w != 0).collect();
+    let at = 49 + n + 8;
+    let aligned: Vec<f32> = bytes[at..bytes.len() - 8]
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(aligned.len(), acc.len());
+    let packed: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            let o = acc.offset(i).unwrap();
+            aligned[o..o + acc.tensors()[i].numel].to_vec()
+        })
+        .collect();
+    let bucket = acc.config().bucket_numel;
+    window_saved_by_0_2(
+        acc.tensors(),
+        bucket,
+        None,
+        (count, microbatches, found_inf),
+        &written,
+        &packed,
+    )
+}
+
+/// Element offsets of `tensors` in the flat master, each at a multiple of `MASTER_ALIGN` bytes,
+/// plus the (aligned) total: written from the layout's definition, independently of the library.
+pub fn aligned_offsets(tensors: &[gradacc::TensorDesc]) -> Vec<usize> {
+    let align = gradacc::accumulator::MASTER_ALIGN / 4;
+    let mut offsets = vec![0];
+    for t in tensors {
+        offsets.push((offsets.last().unwrap() + t.numel).next_multiple_of(align));
+    }
+    offsets
+}
+
+/// The flat master of `acc` holding `masters` (one per tensor), zeros in the padding.
+pub fn flat_master(acc: &gradacc::Accumulator, masters: &[Vec<f32>]) -> Vec<f32> {
+    let mut flat = vec![0.0; acc.len()];
+    for (i, m) in masters.iter().enumerate() {
+        let o = acc.offset(i).unwrap();
+        flat[o..o + m.len()].copy_from_slice(m);
+    }
+    flat
+}
+
+/// The tensors' elements of `flat`, a flat master of `acc`'s layout, packed back to back; every
+/// element of the padding must be zero.
+pub fn packed_of(acc: &gradacc::Accumulator, flat: &[f32]) -> Vec<f32> {
+    assert_eq!(flat.len(), acc.len(), "the flat master's length");
+    let mut packed = Vec::with_capacity(flat.len());
+    let mut end = 0;
+    for (i, t) in acc.tensors().iter().enumerate() {
+        let o = acc.offset(i).unwrap();
+        assert!(flat[end..o].iter().all(|v| v.to_bits() == 0), "padding before tensor {i}");
+        packed.extend_from_slice(&flat[o..o + t.numel]);
+        end = o + t.numel;
+    }
+    assert!(flat[end..].iter().all(|v| v.to_bits() == 0), "padding after the last tensor");
+    packed
 }

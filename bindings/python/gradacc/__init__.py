@@ -33,6 +33,7 @@ from ._core import (
     local_group,
     version,
 )
+from ._ffi import GRADACC_MASTER_ALIGN as MASTER_ALIGN
 from ._ffi import GRADACC_VERSION_STRING as HEADER_VERSION
 
 __version__ = HEADER_VERSION
@@ -44,6 +45,7 @@ __all__ = [
     "GradaccError",
     "GradaccTimeoutError",
     "LossReduction",
+    "MASTER_ALIGN",
     "Normalize",
     "Scaler",
     "ScalerStats",

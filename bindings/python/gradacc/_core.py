@@ -414,7 +414,7 @@ class Accumulator(_Managed):
         else:
             ptr, n, keep = _buffer(master, DType.F32, "master", writable=True)
             if n is None:
-                n = sum(numel for numel, _ in specs)
+                n = Accumulator.master_numel(specs)  # the tensors with the padding that aligns each
             _check(ffi.gradacc_accumulator_create_with_buffer(
                 ctypes.byref(cfg), descs, len(specs), ctypes.byref(dev),
                 ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), n, ctypes.byref(out)))
@@ -577,6 +577,25 @@ class Accumulator(_Managed):
         raw._owner = self  # the numpy view's base is `raw`, which keeps the accumulator alive
         return np.frombuffer(raw, dtype=np.float32)
 
+    @staticmethod
+    def master_numel(tensors):
+        """The flat master's length, in float32 elements, of an accumulator over ``tensors``
+        (``(numel, dtype)`` pairs): each tensor starts at a multiple of :data:`MASTER_ALIGN`
+        bytes, with zeros between and after the last. What an adopted ``master=`` must hold."""
+        specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
+        descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
+        total = ctypes.c_size_t()
+        _check(ffi.gradacc_accumulator_master_numel(descs, len(specs), ctypes.byref(total)))
+        return total.value
+
+    def offset(self, index):
+        """Where tensor ``index`` starts in the flat master, in elements (a multiple of
+        :data:`MASTER_ALIGN` / 4): with :meth:`shard`'s range it tells which tensors a shard
+        holds."""
+        out = ctypes.c_size_t()
+        _check(ffi.gradacc_accumulator_offset(self._handle(), index, ctypes.byref(out)))
+        return out.value
+
     def shard_ptr(self):
         """(offset, numel, address) of this rank's shard of the flat FP32 master (a device
         pointer on CUDA); see :meth:`shard`."""
@@ -587,7 +606,8 @@ class Accumulator(_Managed):
 
     def shard(self):
         """This rank's shard of the master as a :class:`Shard` ``(offset, numel, data)``: its
-        element range in the flat layout (the tensors one after another) and a writable float32
+        element range in the flat layout (the tensors one after another, each at :meth:`offset`,
+        zeros between) and a writable float32
         numpy view of it (no copy), valid as :meth:`master`'s views are. Without sharding it is
         the whole master. With ``sharding='reduce_scatter'``, after a sync only the shard holds
         the reduced gradient; the rest of the master is unspecified until the next window's

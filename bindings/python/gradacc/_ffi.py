@@ -13,6 +13,7 @@ GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml).
 GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
 GRADACC_VERSION_STRING = "0.2.0"  # Full version of this header, as a string (from Cargo.toml).
 GRADACC_VERSION_NUMBER = 200  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
+GRADACC_MASTER_ALIGN = 256  # Bytes to which every tensor's FP32 master is aligned in the flat master: tensor `i` starts at an element offset that is a multiple of GRADACC_MASTER_ALIGN / 4 (gradacc_accumulator_offset), with zeros between tensors.
 GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
 GRADACC_STATUS_OK = 0  # Success.
 GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
@@ -172,13 +173,13 @@ gradacc_accumulator_config_default.restype = gradacc_status_t
 gradacc_accumulator_config_default.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t)]
 # arguments: out
 
-# Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the tensors' total size, laid out tensor after tensor.
+# Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer laid out tensor after tensor, each tensor starting at a multiple of GRADACC_MASTER_ALIGN bytes (the buffer's start included), with zeros between.
 gradacc_accumulator_create = dll.gradacc_accumulator_create
 gradacc_accumulator_create.restype = gradacc_status_t
 gradacc_accumulator_create.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, out
 
-# Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own contiguous gradient buffer.
+# Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements as the master buffer, e.g. a framework's own contiguous gradient buffer: the tensors with the padding that starts each at a multiple of GRADACC_MASTER_ALIGN bytes (gradacc_accumulator_master_numel gives the count; tensor i starts at gradacc_accumulator_offset).
 gradacc_accumulator_create_with_buffer = dll.gradacc_accumulator_create_with_buffer
 gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
 gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
@@ -244,11 +245,23 @@ gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, index, out_data, out_numel
 
-# This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor), `*out_data` the address of its first element (a device address on CUDA).
+# This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device address on CUDA).
 gradacc_accumulator_shard = dll.gradacc_accumulator_shard
 gradacc_accumulator_shard.restype = gradacc_status_t
 gradacc_accumulator_shard.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.POINTER(ctypes.c_float))]
 # arguments: acc, out_offset, out_numel, out_data
+
+# Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with zeros between and after the last.
+gradacc_accumulator_master_numel = dll.gradacc_accumulator_master_numel
+gradacc_accumulator_master_numel.restype = gradacc_status_t
+gradacc_accumulator_master_numel.argtypes = [ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: tensors, n, out_numel
+
+# Writes to `*out_offset` where tensor `index` starts in the flat master, in elements: a multiple of GRADACC_MASTER_ALIGN / 4.
+gradacc_accumulator_offset = dll.gradacc_accumulator_offset
+gradacc_accumulator_offset.restype = gradacc_status_t
+gradacc_accumulator_offset.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: acc, index, out_offset
 
 # Writes the number of tensors to `*out`.
 gradacc_accumulator_num_tensors = dll.gradacc_accumulator_num_tensors

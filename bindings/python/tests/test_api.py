@@ -163,15 +163,17 @@ def test_bf16_words_and_scale_loss():
 
 
 def test_adopted_master_buffer_and_state_round_trip():
-    master = np.full(3, np.nan, np.float32)
+    # Each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes (64 f32 values).
+    master = np.full(128, np.nan, np.float32)
     with gradacc.Scaler(init_scale=1.0) as s, gradacc.Accumulator([(1, "f32"), (2, "f32")], master=master) as acc:
         acc.add(s, [np.array([1], np.float32), np.array([2, 3], np.float32)], 1)
         window = acc.save_window()
         acc.reset()
         acc.load_window(window)
         acc.sync()
-        assert master.tolist() == [1.0, 2.0, 3.0]
-        assert acc.master(1).ctypes.data == master.ctypes.data + 4
+        assert master[[0, 64, 65]].tolist() == [1.0, 2.0, 3.0]
+        assert not master[1:64].any() and not master[66:].any(), "the padding is zeroed"
+        assert acc.master(1).ctypes.data == master.ctypes.data + 256
         state = s.save()
         s.update(acc)
         s.load(state)

@@ -13,9 +13,29 @@ import pytest
 
 import gradacc
 
-# 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+# 18003 elements at 0, 7040, 12096 and 18112 (each tensor at a multiple of MASTER_ALIGN bytes): a
+# flat master of 18176, 2 shards of 12288 and 5888, 3 of 8192, 8192 and 1792 (blocks of 4096).
 TENSORS = [(7000, "f16"), (5000, "f32"), (6000, "bf16"), (3, "f32")]
-TOTAL = sum(n for n, _ in TENSORS)
+OFFSETS = [0, 7040, 12096, 18112]
+TOTAL = 18176
+
+
+def flat_master(acc):
+    """The flat master of ``acc``: each tensor's master at its offset, zeros in the padding."""
+    flat = np.zeros(TOTAL, np.float32)
+    for i, (n, _) in enumerate(TENSORS):
+        flat[acc.offset(i):acc.offset(i) + n] = acc.master(i)
+    return flat
+
+
+def test_each_tensor_starts_at_an_aligned_offset():
+    assert gradacc.MASTER_ALIGN == 256
+    assert gradacc.Accumulator.master_numel(TENSORS) == TOTAL
+    with gradacc.Accumulator(TENSORS) as acc:
+        assert [acc.offset(i) for i in range(len(TENSORS))] == OFFSETS
+        with pytest.raises(gradacc.GradaccError) as e:
+            acc.offset(len(TENSORS))
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "index" in str(e.value)
 
 
 def run_ranks(world, body):
@@ -71,7 +91,7 @@ def test_each_shard_is_the_unsharded_masters_range_bit_for_bit(world, max_grad_n
             info_plain = plain.sync(plain_group[r])
             offset, numel, data = sharded.shard()
             _, _, address = sharded.shard_ptr()
-            flat = np.concatenate([plain.master(i) for i in range(len(TENSORS))])
+            flat = flat_master(plain)
             return dict(info=(info_sharded, info_plain), offset=offset, numel=numel, shard=data.copy(),
                         plain=flat, address=(address, sharded.master_ptr(0)[0] + 4 * offset))
 
@@ -116,8 +136,8 @@ def test_an_unsharded_accumulators_shard_is_the_whole_master():
         offset, numel, data = acc.shard()
         assert (offset, numel) == (0, TOTAL)
         assert acc.shard_ptr() == (0, TOTAL, acc.master_ptr(0)[0])
-        flat = np.concatenate([acc.master(i) for i in range(len(TENSORS))])
-        assert np.array_equal(data.view(np.uint32), flat.view(np.uint32))
+        flat = flat_master(acc)
+        assert np.array_equal(data.view(np.uint32), flat.view(np.uint32))  # +0 in the padding
         assert np.shares_memory(data, acc.master(0))  # a view, not a copy
         data[0] = 123.0
         assert acc.master(0)[0] == 123.0
@@ -245,7 +265,7 @@ def test_a_hybrid_grid_matches_ddp_over_every_rank(max_grad_norm):
             info = hybrid.sync_hybrid(*grid[g])
             ddp_info = ddp.sync(ddp_group[g])
             offset, numel, data = hybrid.shard()
-            flat = np.concatenate([ddp.master(i) for i in range(len(TENSORS))])
+            flat = flat_master(ddp)
             return dict(info=info, ddp_info=ddp_info, offset=offset, shard=data.copy(), ddp=flat)
 
     results = run_ranks(S * R, rank)
@@ -339,8 +359,7 @@ def results_of(results):
 
 def inside(offset, numel):
     """Whether each tensor lies wholly in the flat range offset..offset+numel."""
-    ends = np.cumsum([n for n, _ in TENSORS])
-    return [offset <= end - n and end <= offset + numel for (n, _), end in zip(TENSORS, ends)]
+    return [offset <= at and at + n <= offset + numel for (n, _), at in zip(TENSORS, OFFSETS)]
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.25], ids=["unclipped", "clipped"])
@@ -367,7 +386,7 @@ def test_sharded_accumulation_matches_ddp(world, max_grad_norm):
             infos = (by_add.sync(), by_tensor.sync(tensor_group[r]), ddp.sync(ddp_group[r]))
             offset, numel, data = by_add.shard()
             readable = []
-            for i, start in enumerate(np.cumsum([0] + [n for n, _ in TENSORS[:-1]])):
+            for i, start in enumerate(OFFSETS):
                 try:
                     view = by_add.master(i)
                 except gradacc.GradaccError as e:
@@ -378,7 +397,7 @@ def test_sharded_accumulation_matches_ddp(world, max_grad_norm):
                 readable.append(np.shares_memory(view, data) and np.array_equal(view, data[at:at + view.size]))
             return dict(infos=infos, offset=offset, numel=numel, shard=data.copy(),
                         tensor_shard=by_tensor.shard().data.copy(), readable=readable,
-                        ddp=np.concatenate([ddp.master(i) for i in range(len(TENSORS))]))
+                        ddp=flat_master(ddp))
 
     ranks = results_of(run_ranks(world, rank))
     for c in add_group + tensor_group + ddp_group:
@@ -458,8 +477,9 @@ def test_the_accumulator_keeps_its_communicator_alive():
             return accs[r].sync(), accs[r].shard()
 
     (info, (offset, numel, data)), _ = results_of(run_ranks(2, rank))
-    assert (info.total_count, info.microbatches, offset, numel) == (2, 2, 0, 5)
-    assert data.tolist() == [1.5] * 5  # (1 + 2) / 2 items
+    # Rank 0's shard is the whole master: the tensor padded to 64 elements.
+    assert (info.total_count, info.microbatches, offset, numel) == (2, 2, 0, 64)
+    assert data.tolist() == [1.5] * 5 + [0.0] * 59  # (1 + 2) / 2 items, zeros in the padding
     for a in accs:
         a.close()
     gc.collect()

@@ -1,6 +1,7 @@
 //! The flat FP32 master buffer: owned, or adopted from the caller. Callers of the `unsafe`
 //! accessors guarantee exclusive access to the range they touch (the accumulator's locks do).
 
+use crate::accumulator::MASTER_ALIGN;
 use crate::error::{Error, ErrorKind, Result};
 use std::ops::Range;
 
@@ -8,9 +9,9 @@ use std::ops::Range;
 pub(super) struct Master {
     ptr: *mut f32,
     len: usize,
-    /// Whether `ptr` came from `Box::into_raw` here (freed on drop) or is the caller's buffer.
-    /// A raw pointer rather than a kept `Box`: moving a `Box` would assert unique access to the
-    /// memory and invalidate `ptr` under Rust's aliasing rules.
+    /// Whether `ptr` was allocated here (freed on drop) or is the caller's buffer. A raw pointer
+    /// rather than a kept `Box`: moving a `Box` would assert unique access to the memory and
+    /// invalidate `ptr` under Rust's aliasing rules.
     owned: bool,
 }
 
@@ -21,17 +22,27 @@ unsafe impl Send for Master {}
 unsafe impl Sync for Master {}
 
 impl Master {
+    /// A zeroed buffer starting at a multiple of [`MASTER_ALIGN`] bytes, so that the layout's
+    /// aligned offsets are aligned addresses.
     pub(super) fn owned(len: usize) -> Result<Self> {
-        let mut v: Vec<f32> = Vec::new();
-        v.try_reserve_exact(len).map_err(|_| {
-            Error::new(
+        let Some(layout) = Self::allocation(len) else {
+            return Ok(Master { ptr: std::ptr::NonNull::dangling().as_ptr(), len, owned: true });
+        };
+        // SAFETY: `layout` has a non-zero size (`allocation` gives none for an empty buffer).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+        if ptr.is_null() {
+            return Err(Error::new(
                 ErrorKind::OutOfMemory,
                 format!("cannot allocate a master buffer of {len} f32 elements"),
-            )
-        })?;
-        v.resize(len, 0.0);
-        let ptr = Box::into_raw(v.into_boxed_slice()) as *mut f32;
+            ));
+        }
         Ok(Master { ptr, len, owned: true })
+    }
+
+    /// How an owned buffer of `len` elements is allocated; none when it is empty.
+    fn allocation(len: usize) -> Option<std::alloc::Layout> {
+        let size = len.checked_mul(4).filter(|&s| s > 0)?;
+        std::alloc::Layout::from_size_align(size, MASTER_ALIGN).ok()
     }
 
     pub(super) fn borrowed(ptr: *mut f32, len: usize) -> Self {
@@ -57,9 +68,9 @@ impl Master {
 
 impl Drop for Master {
     fn drop(&mut self) {
-        if self.owned {
-            // SAFETY: `ptr` and `len` are exactly what `Box::into_raw` gave in `owned`, freed once.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+        if let Some(layout) = Self::allocation(self.len).filter(|_| self.owned) {
+            // SAFETY: `ptr` was allocated in `owned` with this layout, and is freed once.
+            unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) };
         }
     }
 }

@@ -113,6 +113,17 @@ impl ShardedStore {
         factor: f32,
     ) {
         let layout = &self.plan.layout;
+        // The padding between tensors is staged as zeros: the staging is reused, and the
+        // padding's reduced values land in the shard.
+        for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
+            for i in layout.tensor_at(flat.start)..layout.tensor_at(flat.end - 1) + 1 {
+                let p = layout.padding(i);
+                let (lo, hi) = (p.start.max(flat.start), p.end.min(flat.end));
+                if lo < hi {
+                    stage[position + lo - flat.start..position + hi - flat.start].fill(0.0);
+                }
+            }
+        }
         let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
         for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
@@ -120,6 +131,11 @@ impl ShardedStore {
             while i < self.plan.descs.len() && layout.range(i).start < flat.end {
                 let t = layout.range(i);
                 let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
+                if lo >= hi {
+                    // The range starts in this tensor's padding.
+                    i += 1;
+                    continue;
+                }
                 let (_, tail) =
                     std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
                 let (master, tail) = tail.split_at_mut(hi - lo);

@@ -26,13 +26,20 @@ pub(crate) struct HostStore {
 }
 
 impl HostStore {
-    /// Owns a zeroed master, or adopts the caller's buffer of the layout's length.
+    /// Owns a zeroed master, or adopts the caller's buffer of the layout's length (its padding
+    /// zeroed: no pass writes it, and every sum reads it).
     pub(crate) fn new(plan: Arc<Plan>, adopt: Option<*mut f32>) -> Result<Self> {
         let len = plan.layout.len();
         let master = match adopt {
             Some(ptr) => Master::borrowed(ptr, len),
             None => Master::owned(len)?,
         };
+        if adopt.is_some() {
+            for i in 0..plan.descs.len() {
+                // SAFETY: the accumulator is being built: nothing else uses the buffer yet.
+                unsafe { master.slice_mut(plan.layout.padding(i)) }.fill(0.0);
+            }
+        }
         Ok(HostStore { plan, master, found_inf: AtomicBool::new(false) })
     }
 

@@ -79,12 +79,17 @@ struct Stripe {
     launches: Vec<AddLaunch>,
 }
 
-/// Where a piece of the staging reads its gradient: tensor `tensor` from element `from`.
+/// Where a piece of the staging reads its gradient: tensor `tensor` from element `from`, or
+/// (`tensor` [`PADDING`]) the zeros of the padding after a tensor.
 #[derive(Clone, Copy)]
 struct Source {
     tensor: usize,
     from: usize,
 }
+
+/// The `Source::tensor` of a piece of padding: it reads f32 zeros, so the reused staging holds
+/// zeros there when it is reduced into the shard.
+const PADDING: usize = usize::MAX;
 
 /// One bucket's staging of a tensor-by-tensor micro-batch, in device memory on the accumulator's
 /// stream.
@@ -116,6 +121,8 @@ pub(crate) struct ShardedDeviceStore {
     chunks: DeviceBuffer,
     shard: DeviceBuffer,
     staging: DeviceBuffer,
+    /// f32 zeros, as many as the longest padding: the gradient of a piece of padding.
+    zeros: DeviceBuffer,
     /// A scaler state of scale 1: the shard add's factor is then exactly 1.
     unit: DeviceBuffer,
     /// The window's overflow flag: a non-finite value in this rank's gradients, or in what the
@@ -206,6 +213,8 @@ impl ShardedDeviceStore {
             shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
             // Zeroed once: past a short slice the staging is summed but never read back.
             staging: DeviceBuffer::zeroed(&ctx, stream, staging * 4)?,
+            // Bytes: a padding is shorter than one alignment.
+            zeros: DeviceBuffer::zeroed(&ctx, stream, crate::accumulator::MASTER_ALIGN)?,
             unit: DeviceBuffer::from_slice(&ctx, stream, &[unit])?,
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
@@ -266,6 +275,17 @@ impl ShardedDeviceStore {
                             pad: 0,
                         });
                         sources.push(Source { tensor: i, from: lo - t.start });
+                    }
+                    let p = layout.padding(i);
+                    let (lo, hi) = (p.start.max(flat.start), p.end.min(flat.end));
+                    if lo < hi {
+                        table.push(GaTensor {
+                            offset: (r * count + lo - flat.start) as u64,
+                            numel: (hi - lo) as u64,
+                            dtype: Dtype::F32.code(),
+                            pad: 0,
+                        });
+                        sources.push(Source { tensor: PADDING, from: 0 });
                     }
                     i += 1;
                 }
@@ -512,8 +532,13 @@ impl ShardedDeviceStore {
             };
             for (slot, p) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
                 let Source { tensor, from } = self.sources[p];
-                let bytes = if self.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
-                *slot = GaSource { grad: grads[tensor] + (from * bytes) as u64, assign: 1, pad: 0 };
+                let grad = if tensor == PADDING {
+                    self.zeros.ptr()
+                } else {
+                    let bytes = if self.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
+                    grads[tensor] + (from * bytes) as u64
+                };
+                *slot = GaSource { grad, assign: 1, pad: 0 };
             }
             let chunks =
                 self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
@@ -525,7 +550,8 @@ impl ShardedDeviceStore {
                 // SAFETY: argument types follow ga_add_multi (`sources` by value). The chunks are
                 // this launch's pieces', each inside the staging (`world * count` elements); a
                 // piece's gradient address is its tensor's from element `from`, and the piece
-                // ends inside the tensor, whose numel values the caller's address holds.
+                // ends inside the tensor, whose numel values the caller's address holds; a piece
+                // of padding (f32, shorter than MASTER_ALIGN bytes) reads `zeros`, that long.
                 unsafe {
                     self.kernels.add_multi.launch(
                         &self.ctx,

@@ -453,6 +453,14 @@ impl DeviceStore {
             Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, len * 4),
             None => DeviceBuffer::zeroed(&ctx, stream, padded_len * 4)?,
         };
+        if adopt.is_some() {
+            // The padding between tensors is summed and measured with them: zeros, which no
+            // kernel writes otherwise.
+            for i in 0..tensors.len() {
+                let p = layout.padding(i);
+                master.zero_f32(p.start, p.len())?;
+            }
+        }
         if let Some(s) = &mut sharded {
             s.padded = adopt.is_none() || len == padded_len;
         }

@@ -27,7 +27,8 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
     eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, stats, save, load!,
-        save_window, load_window!, merge_window!, num_tensors, tensor, shard, backend_available,
+        save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
+        backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
         set_timeout!, rank, world_size, version"""))
 end
@@ -797,9 +798,39 @@ function master(a::Accumulator, i::Integer)
 end
 
 """
+    GradAcc.offset(acc, i) -> Int
+
+How many elements of the flat FP32 master precede tensor `i`: a multiple of
+`GRADACC_MASTER_ALIGN ÷ 4`, as every tensor starts at a multiple of `GRADACC_MASTER_ALIGN` (256)
+bytes with zeros between. With [`GradAcc.shard`](@ref)'s `offset` it tells which tensors a shard
+holds.
+"""
+function offset(a::Accumulator, i::Integer)
+    out = Ref{Csize_t}(0)
+    check(gradacc_accumulator_offset(a, i - 1, out))
+    return Int(out[])
+end
+
+"""
+    GradAcc.master_numel(tensors) -> Int
+
+The flat FP32 master's length, in elements, of an accumulator over `tensors` (`(numel, type)`
+pairs, as [`Accumulator`](@ref) takes them): each tensor at a multiple of
+`GRADACC_MASTER_ALIGN` bytes, zeros between and after the last. What a caller's `buffer` must
+hold.
+"""
+function master_numel(tensors::AbstractVector)
+    descs = [gradacc_tensor_desc_t(n, dtype_code(d)) for (n, d) in tensors]
+    out = Ref{Csize_t}(0)
+    check(gradacc_accumulator_master_numel(descs, length(descs), out))
+    return Int(out[])
+end
+
+"""
     GradAcc.shard(acc) -> (; offset, numel, data)
 
-This rank's shard of the flat FP32 master (the tensors one after another): `offset` elements
+This rank's shard of the flat FP32 master (the tensors one after another, each at
+[`GradAcc.offset`](@ref), zeros between): `offset` elements
 precede it, it has `numel`, and `data` is a `Vector{Float32}` over them in gradacc's memory (no
 copy), valid as [`GradAcc.master`](@ref)'s arrays are. Without sharding it is the whole master.
 With `sharding=:reduce_scatter`, after a sync only the shard holds the reduced gradient; the

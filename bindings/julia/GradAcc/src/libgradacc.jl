@@ -14,6 +14,7 @@ const GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml
 const GRADACC_VERSION_PATCH = 0  # Patch version of this header (from Cargo.toml).
 const GRADACC_VERSION_STRING = "0.2.0"  # Full version of this header, as a string (from Cargo.toml).
 const GRADACC_VERSION_NUMBER = 200  # Version of this header as one number, MAJOR * 10000 + MINOR * 100 + PATCH (as NCCL_VERSION_CODE), for `#if GRADACC_VERSION_NUMBER >= GRADACC_VERSION(0, 2, 0)`; equal to gradacc_version_number() of the library it came with.
+const GRADACC_MASTER_ALIGN = 256  # Bytes to which every tensor's FP32 master is aligned in the flat master: tensor `i` starts at an element offset that is a multiple of GRADACC_MASTER_ALIGN / 4 (gradacc_accumulator_offset), with zeros between tensors.
 const GRADACC_MPI_COMM_WORLD = -1  # The `fortran_comm` value of gradacc_comm_create_mpi that means MPI_COMM_WORLD.
 const GRADACC_STATUS_OK = 0  # Success.
 const GRADACC_STATUS_NULL_ARGUMENT = 1  # A required pointer argument was NULL.
@@ -159,12 +160,12 @@ function gradacc_accumulator_config_default(out)
     ccall((:gradacc_accumulator_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t},), out)
 end
 
-"Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer of the tensors' total size, laid out tensor after tensor."
+"Creates an accumulator over `n` tensors, owning a zero-initialised FP32 master buffer laid out tensor after tensor, each tensor starting at a multiple of GRADACC_MASTER_ALIGN bytes (the buffer's start included), with zeros between."
 function gradacc_accumulator_create(config, tensors, n, device, out)
     ccall((:gradacc_accumulator_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, out)
 end
 
-"Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements (the tensors' total) as the master buffer, e.g. a framework's own contiguous gradient buffer."
+"Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements as the master buffer, e.g. a framework's own contiguous gradient buffer: the tensors with the padding that starts each at a multiple of GRADACC_MASTER_ALIGN bytes (gradacc_accumulator_master_numel gives the count; tensor i starts at gradacc_accumulator_offset)."
 function gradacc_accumulator_create_with_buffer(config, tensors, n, device, master, master_numel, out)
     ccall((:gradacc_accumulator_create_with_buffer, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_config_t}, Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{gradacc_device_t}, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_accumulator_t}}), config, tensors, n, device, master, master_numel, out)
 end
@@ -314,9 +315,19 @@ function gradacc_accumulator_master(acc, index, out_data, out_numel)
     ccall((:gradacc_accumulator_master, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Ptr{Cfloat}}, Ptr{Csize_t}), acc, index, out_data, out_numel)
 end
 
-"This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor), `*out_data` the address of its first element (a device address on CUDA)."
+"This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device address on CUDA)."
 function gradacc_accumulator_shard(acc, out_offset, out_numel, out_data)
     ccall((:gradacc_accumulator_shard, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Ptr{Cfloat}}), acc, out_offset, out_numel, out_data)
+end
+
+"Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with zeros between and after the last."
+function gradacc_accumulator_master_numel(tensors, n, out_numel)
+    ccall((:gradacc_accumulator_master_numel, libgradacc()), gradacc_status_t, (Ptr{gradacc_tensor_desc_t}, Csize_t, Ptr{Csize_t}), tensors, n, out_numel)
+end
+
+"Writes to `*out_offset` where tensor `index` starts in the flat master, in elements: a multiple of GRADACC_MASTER_ALIGN / 4."
+function gradacc_accumulator_offset(acc, index, out_offset)
+    ccall((:gradacc_accumulator_offset, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Csize_t, Ptr{Csize_t}), acc, index, out_offset)
 end
 
 "Writes the number of tensors to `*out`."

@@ -46,9 +46,23 @@ function one_microbatch!(acc)
     return acc
 end
 
-# 18003 elements: 2 shards of 12288 and 5715, 3 of 8192, 8192 and 1619 (cut in blocks of 4096).
+# 18003 elements at 0, 7040, 12096 and 18112 (each tensor at a multiple of GRADACC_MASTER_ALIGN
+# bytes): a flat master of 18176, 2 shards of 12288 and 5888, 3 of 8192, 8192 and 1792 (blocks of
+# 4096).
 const SHARD_TENSORS = [(7000, Float16), (5000, Float32), (6000, :bf16), (3, Float32)]
-const SHARD_TOTAL = 18003
+const SHARD_OFFSETS = [0, 7040, 12096, 18112]
+const SHARD_TOTAL = 18176
+
+# The flat master of `acc` over SHARD_TENSORS: each tensor's master at its offset, zeros in the
+# padding.
+function flat_master(acc)
+    flat = zeros(Float32, SHARD_TOTAL)
+    for (i, (n, _)) in enumerate(SHARD_TENSORS)
+        at = GradAcc.offset(acc, i)
+        flat[at+1:at+n] = master(acc, i)
+    end
+    return flat
+end
 
 # One micro-batch of loss-scaled random gradients in each tensor's dtype (bf16 as UInt16 words).
 function random_grads()
@@ -429,12 +443,13 @@ sharded_accumulation(world, r, comm; kw...) =
     end
 
     @testset "caller's buffer" begin
-        buf = fill(7f0, 3)
+        buf = fill(7f0, 128) # each tensor starts at a multiple of 256 bytes
         s = Scaler(init_scale=1.0)
         acc = Accumulator([(1, Float32), (2, Float32)], buf)
         add!(acc, s, [Float32[1], Float32[2, 3]], 1)
         sync!(acc)
-        @test buf == Float32[1, 2, 3]
+        @test buf[[1, 65, 66]] == Float32[1, 2, 3]
+        @test all(iszero, buf[2:64]) && all(iszero, buf[67:end])
         close(acc)
     end
 
@@ -552,7 +567,7 @@ sharded_accumulation(world, r, comm; kw...) =
         end
         close.(sharded_comms); close.(plain_comms)
         total = sum(microbatch_count(r, m) for r in 0:world-1, m in 0:2)
-        flat0 = reduce(vcat, [master(accs[1][2], i) for i in 1:length(SHARD_TENSORS)])
+        flat0 = flat_master(accs[1][2])
         @test length(flat0) == SHARD_TOTAL
         next = 0
         for ((sharded, plain), (info, plain_info)) in zip(accs, infos)
@@ -564,7 +579,7 @@ sharded_accumulation(world, r, comm; kw...) =
             @test info == plain_info == infos[1][1]
             @test info.total_count == total && info.microbatches == 3world && !info.found_inf
             @test (info.clip_coef < 1) == (max_grad_norm > 0)
-            flat = reduce(vcat, [master(plain, i) for i in 1:length(SHARD_TENSORS)])
+            flat = flat_master(plain)
             @test reinterpret(UInt32, data) == reinterpret(UInt32, flat[offset+1:offset+numel])
             @test any(!iszero, data)
             @test reinterpret(UInt32, flat) == reinterpret(UInt32, flat0)
@@ -583,7 +598,10 @@ sharded_accumulation(world, r, comm; kw...) =
         offset, numel, data = GradAcc.shard(acc)
         @test (offset, numel) == (0, SHARD_TOTAL)
         @test pointer(data) == pointer(master(acc, 1))
-        @test data == reduce(vcat, [master(acc, i) for i in 1:length(SHARD_TENSORS)])
+        @test reinterpret(UInt32, data) == reinterpret(UInt32, flat_master(acc))  # +0 in the padding
+        @test [GradAcc.offset(acc, i) for i in 1:length(SHARD_TENSORS)] == SHARD_OFFSETS
+        @test GradAcc.master_numel(SHARD_TENSORS) == SHARD_TOTAL
+        @test_throws GradAccError GradAcc.offset(acc, length(SHARD_TENSORS) + 1)
         close(acc); close(s)
         acc = Accumulator(SHARD_TENSORS; sharding=GRADACC_SHARDING_REDUCE_SCATTER, shard_count=3, shard_rank=2,
                           wire_dtype=Float32)
@@ -634,7 +652,7 @@ sharded_accumulation(world, r, comm; kw...) =
         end
         foreach(close, [shard; replicas; ddp_comms])
         total = sum(microbatch_count(g, m) for g in 0:3, m in 0:2)
-        ddp = reduce(vcat, [master(accs[1][2], i) for i in 1:length(SHARD_TENSORS)])
+        ddp = flat_master(accs[1][2])
         tol = 1f-5 * maximum(abs, ddp)
         next = 0
         for (g, ((hybrid, _), (info, ddp_info))) in enumerate(zip(accs, infos))
@@ -701,9 +719,9 @@ sharded_accumulation(world, r, comm; kw...) =
             return by_add, by_tensor, plain, infos
         end
         total = sum(microbatch_count(r, m) for r in 0:world-1, m in 0:2)
-        ddp = reduce(vcat, [master(results[1][3], i) for i in 1:length(SHARD_TENSORS)])
+        ddp = flat_master(results[1][3])
         largest = maximum(abs, ddp)
-        starts = cumsum([0; [n for (n, _) in SHARD_TENSORS]])
+        starts = SHARD_OFFSETS
         next = 0
         for (acc, tensor_acc, _, (info, tensor_info, ddp_info)) in results
             offset, numel, data = GradAcc.shard(acc)
@@ -782,7 +800,8 @@ sharded_accumulation(world, r, comm; kw...) =
             return sync!(accs[r + 1], accs[r + 1].comm)
         end
         @test all(info -> (info.total_count, info.microbatches) == (2, 2), infos)
-        @test GradAcc.shard(accs[1]).data == Float32[1, 1]  # both elements in shard 0: (1 + 1) / 2 items
+        # Both elements, padded to 64, in shard 0: (1 + 1) / 2 items, then zeros.
+        @test GradAcc.shard(accs[1]).data == [Float32[1, 1]; zeros(Float32, 62)]
         close.(accs)
     end
 
