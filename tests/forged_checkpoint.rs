@@ -13,13 +13,13 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// Offsets in a whole (not sharded) saved window of `tensors` tensors: magic and version (8),
-/// layout (8), count, micro-batches and rank-windows (24), then the overflow flag, one written
-/// flag per tensor, the master length (8) and the masters.
+/// layout and alignment (16), count, micro-batches and rank-windows (24), then the overflow flag,
+/// one written flag per tensor, the master length (8) and the masters (at their aligned places).
 fn found_inf_at() -> usize {
-    40
+    48
 }
 fn master_at(tensors: usize, element: usize) -> usize {
-    41 + tensors + 8 + 4 * element
+    49 + tensors + 8 + 4 * element
 }
 
 fn forge(bytes: &mut [u8], tensors: usize, element: usize, value: f32) {
@@ -46,7 +46,8 @@ fn window() -> (Accumulator, Vec<TensorDesc>) {
 #[test]
 fn a_forged_clean_flag_over_a_non_finite_master_still_reports_the_overflow() {
     for value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        for element in [0, 4, 7] {
+        let second = window().0.offset(1).unwrap();
+        for element in [0, 4, second + 2] {
             let (acc, tensors) = window();
             let mut bytes = acc.save_window().unwrap();
             forge(&mut bytes, tensors.len(), element, value);
