@@ -83,3 +83,24 @@ fn an_honest_window_round_trips_clean() {
     assert!(!info.found_inf, "{info:?}");
     assert!(info.grad_norm.is_finite(), "{info:?}");
 }
+
+/// The padding after each tensor is saved as +0: a window with anything else there (a value the
+/// norm and the reductions would read) is refused, and the accumulator keeps its window.
+#[test]
+fn a_value_forged_into_the_padding_is_refused() {
+    let (acc, tensors) = window();
+    let second = acc.offset(1).unwrap();
+    for (element, value) in [(5, 1.0f32), (second - 1, -0.0), (second + 3, 2.5)] {
+        let mut bytes = acc.save_window().unwrap();
+        forge(&mut bytes, tensors.len(), element, value);
+        let (target, _) = window();
+        let before = target.save_window().unwrap();
+        for merge in [false, true] {
+            let e = if merge { target.merge_window(&bytes) } else { target.load_window(&bytes) }
+                .expect_err("a window with a value in its padding was taken");
+            assert_eq!(e.kind, gradacc::ErrorKind::CorruptState, "{e:?}");
+            assert!(e.message.contains(&format!("master element {element}")), "{e:?}");
+            assert_eq!(target.save_window().unwrap(), before, "a refused window changed it");
+        }
+    }
+}

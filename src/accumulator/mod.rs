@@ -1352,10 +1352,32 @@ impl Accumulator {
                 ),
             ));
         }
-        if let Some(packed) = &packed {
-            masters = self.plan.lay_out_packed(packed, &masters)?;
+        match &packed {
+            Some(packed) => masters = self.plan.lay_out_packed(packed, &masters)?,
+            None => self.check_padding(&held, &masters)?,
         }
         Ok(SavedWindow { count, microbatches, ranks, found_inf, written, masters })
+    }
+
+    /// Saved masters of the `held` range keep +0 in every padding, as this library writes them: a
+    /// window with anything else there (which the norm and the reductions would read) is refused.
+    fn check_padding(&self, held: &Range<usize>, masters: &[f32]) -> Result<()> {
+        for i in 0..self.tensors().len() {
+            let padding = sharding::intersect(&self.plan.layout.padding(i), held);
+            let values = &masters[sharding::relative(&padding, held.start)];
+            if let Some(k) = values.iter().position(|v| v.to_bits() != 0) {
+                return Err(Error::new(
+                    ErrorKind::CorruptState,
+                    format!(
+                        "accumulator window: master element {} (padding after tensor {i}) holds \
+                         {}, not the zero this library saves",
+                        padding.start + k,
+                        values[k]
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The shard count and this rank's shard under [`Sharding::Accumulate`].
