@@ -372,7 +372,6 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
 /// forbids pageable host-to-device copies, so `add` may not stage a table per call.
 #[test]
 fn add_and_sync_can_be_captured_into_a_graph() {
-    use cudarc::driver::sys as cu;
     if !gpu_or_skip() {
         return;
     }
@@ -404,55 +403,88 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     let addresses: Vec<u64> = uploads.iter().map(|d| d.1).collect();
     driver::synchronize(&ctx, stream.stream).unwrap();
 
-    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-    {
-        let _current = ctx.enter().unwrap();
-        // SAFETY: a stream of this context; the capture ends below on every path that returns.
-        let begun = unsafe {
-            cu::cuStreamBeginCapture_v2(
-                stream.stream,
-                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        };
-        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
-    }
-    let added = gpu.add(&sg, &addresses, 3);
-    let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
+    let step = CapturedStep::new(&ctx, stream.stream, &gpu, &sg, &addresses);
     let _current = ctx.enter().unwrap();
-    // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
-    let ended = unsafe { cu::cuStreamEndCapture(stream.stream, &mut graph) };
-    added.expect("add during a capture");
-    synced.unwrap().expect("sync without a host read during a capture");
-    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
-    // SAFETY: a graph from a completed capture.
-    assert_eq!(
-        unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
-        cu::CUresult::CUDA_SUCCESS
-    );
 
     for replay in 0..3 {
         let grads: Vec<HostGrad> = descs
             .iter()
             .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2))
             .collect();
-        for (g, (buf, _)) in grads.iter().zip(&uploads) {
-            match g.dtype {
-                Dtype::F32 => buf.write(&g.f32s).unwrap(),
-                _ => buf.write(&g.u16s).unwrap(),
-            }
-        }
-        // SAFETY: an instantiated graph whose buffers are all alive.
-        assert_eq!(unsafe { cu::cuGraphLaunch(exec, stream.stream) }, cu::CUresult::CUDA_SUCCESS);
+        rewrite(&grads, &uploads);
+        step.launch(stream.stream);
         let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
         cpu.add(&sc, &views, 3).unwrap();
         let want = cpu.sync(None).unwrap();
         masters_equal(&cpu, &gpu, &format!("replay {replay}"));
         assert_eq!(want.found_inf, replay == 2);
     }
-    // SAFETY: created above, destroyed once.
-    unsafe {
-        cu::cuGraphExecDestroy(exec);
-        cu::cuGraphDestroy(graph);
+}
+
+/// A graph captured from an accumulator's `add` of 3 items and its boundary (no host read) on
+/// `stream`, instantiated; destroyed on drop.
+struct CapturedStep {
+    graph: cudarc::driver::sys::CUgraph,
+    exec: cudarc::driver::sys::CUgraphExec,
+}
+
+impl CapturedStep {
+    fn new(
+        ctx: &Context,
+        stream: driver::CUstream,
+        gpu: &Accumulator,
+        scaler: &Scaler,
+        addresses: &[u64],
+    ) -> Self {
+        use cudarc::driver::sys as cu;
+        let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let _current = ctx.enter().unwrap();
+        // SAFETY: a stream of this context; the capture ends below on every path that returns.
+        let begun = unsafe {
+            cu::cuStreamBeginCapture_v2(
+                stream,
+                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        };
+        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
+        let added = gpu.add(scaler, addresses, 3);
+        let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
+        // SAFETY: ends the capture begun above; the graph is destroyed on drop.
+        let ended = unsafe { cu::cuStreamEndCapture(stream, &mut graph) };
+        added.expect("add during a capture");
+        synced.unwrap().expect("sync without a host read during a capture");
+        assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
+        // SAFETY: a graph from a completed capture.
+        let instantiated = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        assert_eq!(instantiated, cu::CUresult::CUDA_SUCCESS);
+        CapturedStep { graph, exec }
+    }
+
+    /// One replay on `stream` (its context current).
+    fn launch(&self, stream: driver::CUstream) {
+        // SAFETY: an instantiated graph whose buffers the test keeps alive.
+        let launched = unsafe { cudarc::driver::sys::cuGraphLaunch(self.exec, stream) };
+        assert_eq!(launched, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    }
+}
+
+impl Drop for CapturedStep {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            cudarc::driver::sys::cuGraphExecDestroy(self.exec);
+            cudarc::driver::sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// New gradient values in the device buffers a captured step reads.
+fn rewrite(grads: &[HostGrad], uploads: &[(DeviceBuffer, u64)]) {
+    for (g, (buf, _)) in grads.iter().zip(uploads) {
+        match g.dtype {
+            Dtype::F32 => buf.write(&g.f32s).unwrap(),
+            _ => buf.write(&g.u16s).unwrap(),
+        }
     }
 }
 
@@ -511,7 +543,6 @@ fn a_capture_refuses_a_plain_wait_on_work_recorded_outside_it() {
 /// equal the CPU backend's step.
 #[test]
 fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
-    use cudarc::driver::sys as cu;
     if !gpu_or_skip() {
         return;
     }
@@ -550,31 +581,9 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
     sc.update(want.found_inf).unwrap();
     sg.update_from(&[&gpu], false).unwrap();
 
-    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-    {
-        let _current = ctx.enter().unwrap();
-        // SAFETY: a stream of this context; the capture ends below on every path that returns.
-        let begun = unsafe {
-            cu::cuStreamBeginCapture_v2(
-                acc_stream.stream,
-                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        };
-        assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
-    }
-    let added = gpu.add(&sg, &addresses, 3);
-    let synced = added.as_ref().ok().map(|_| gpu.sync_enqueue(None));
+    // The scaler on another stream.
+    let step = CapturedStep::new(&ctx, acc_stream.stream, &gpu, &sg, &addresses);
     let _current = ctx.enter().unwrap();
-    // SAFETY: ends the capture begun above; the graph handles are destroyed at the end.
-    let ended = unsafe { cu::cuStreamEndCapture(acc_stream.stream, &mut graph) };
-    added.expect("add during a capture, the scaler on another stream");
-    synced.unwrap().expect("sync during a capture, the scaler on another stream");
-    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
-    // SAFETY: a graph from a completed capture.
-    assert_eq!(
-        unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
-        cu::CUresult::CUDA_SUCCESS
-    );
 
     for replay in 0..5 {
         let scale = sc.scale().unwrap();
@@ -582,17 +591,8 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
             .iter()
             .map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, replay == 2))
             .collect();
-        for (g, (buf, _)) in grads.iter().zip(&uploads) {
-            match g.dtype {
-                Dtype::F32 => buf.write(&g.f32s).unwrap(),
-                _ => buf.write(&g.u16s).unwrap(),
-            }
-        }
-        // SAFETY: an instantiated graph whose buffers are all alive.
-        assert_eq!(
-            unsafe { cu::cuGraphLaunch(exec, acc_stream.stream) },
-            cu::CUresult::CUDA_SUCCESS
-        );
+        rewrite(&grads, &uploads);
+        step.launch(acc_stream.stream);
         sg.update_from(&[&gpu], false).unwrap();
         let views: Vec<Grad<'_>> = grads.iter().map(HostGrad::view).collect();
         cpu.add(&sc, &views, 3).unwrap();
@@ -603,11 +603,6 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
         assert_eq!(sg.state().unwrap(), sc.state().unwrap(), "replay {replay}");
     }
     assert_ne!(sc.scale().unwrap(), 1024.0, "the trace never moved");
-    // SAFETY: created above, destroyed once.
-    unsafe {
-        cu::cuGraphExecDestroy(exec);
-        cu::cuGraphDestroy(graph);
-    }
 }
 
 /// A host program that resets the device's primary context (`cudaDeviceReset`) destroys every
@@ -625,20 +620,10 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
         // On the software GPU also with a driver that refuses to push the reset context until
         // it is retained again (the real driver's choice is not documented).
         for refuses_push in ["0", "1"] {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", test, "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env("SIMGPU_RESET_REFUSES_PUSH", refuses_push)
-                .output()
-                .unwrap();
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                out.status.success() && text.contains("1 passed"),
-                "the child (SIMGPU_RESET_REFUSES_PUSH={refuses_push}) failed:\n{text}"
+            common::rerun(
+                test,
+                &[(CHILD, "1"), ("SIMGPU_RESET_REFUSES_PUSH", refuses_push)],
+                &format!("the child (SIMGPU_RESET_REFUSES_PUSH={refuses_push})"),
             );
         }
         return;

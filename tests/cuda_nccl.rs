@@ -11,7 +11,6 @@ mod common;
 
 use std::ffi::c_int;
 use std::ops::Range;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
@@ -1029,16 +1028,10 @@ fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
         eprintln!("not run: needs {devices} devices ({count} visible)");
         return;
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env("SIMGPU_DEVICES", devices.to_string())
-        .output()
-        .unwrap();
-    let text =
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "the {devices}-device run failed:\n{text}"
+    let text = common::rerun(
+        test,
+        &[("SIMGPU_DEVICES", &devices.to_string())],
+        &format!("the {devices}-device run"),
     );
     eprintln!(
         "{}",
@@ -2220,20 +2213,7 @@ fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
         .and_then(|v| v.parse::<u64>().ok())
         .is_some_and(|us| us >= 100_000);
     if std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1") && !slow {
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-            .env("SIMGPU_DELAY_US", "200000")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "the run with slow streams failed:\n{text}"
-        );
+        common::rerun(TEST, &[("SIMGPU_DELAY_US", "200000")], "the run with slow streams");
         return;
     }
     within(Duration::from_secs(300), "hooks on slow streams", || {

@@ -398,3 +398,18 @@ pub fn packed_of(acc: &gradacc::Accumulator, flat: &[f32]) -> Vec<f32> {
     assert!(flat[end..].iter().all(|v| v.to_bits() == 0), "padding after the last tensor");
     packed
 }
+
+/// Runs test `name` of this test binary again in a child process with `env` set, and returns its
+/// output (stdout, then stderr) once it passed alone; otherwise fails the calling test with that
+/// output, saying it was `what`.
+pub fn rerun(name: &str, env: &[(&str, &str)], what: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{what} failed:\n{text}");
+    text
+}
