@@ -500,6 +500,7 @@ static double window_norm(const layout *L, const window *w)
     size_t total = L->offset[L->ntensors];
     device_model d;
     d.master = xmalloc(total * sizeof(float));
+    memset(d.master, 0, total * sizeof(float)); /* the padding between tensors stays zero */
     model_start_window(&d);
     for (size_t m = 0; m < w->n; m++)
         run_microbatch(L, &w->mb[m], &d, NULL);
