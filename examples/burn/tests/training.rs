@@ -31,8 +31,18 @@ fn on_ranks<T: Send>(f: impl Fn(usize, &LocalComm) -> T + Sync) -> Vec<T> {
 
 /// FP32 initial masters, already representable in `dtype`: the half-precision model then holds
 /// the masters' exact values, and Burn's FP32 model of the same weights is the reference.
+///
+/// Burn's initialiser is seeded (under a lock: the seed is the backend's, shared by the tests'
+/// threads). With arbitrary weights no rounding bound holds: a hidden unit whose pre-activation
+/// rounds across zero in 16 bits flips its ReLU, and moves the gradient by O(1), not O(u).
 fn init(dtype: DType) -> Mlp {
-    adapter::cast(&adapter::cast(&Mlp::new(), dtype), DType::F32)
+    static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let mlp = {
+        let _one = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+        train::device().seed(0x5eed);
+        Mlp::new()
+    };
+    adapter::cast(&adapter::cast(&mlp, dtype), DType::F32)
 }
 
 fn f64s(t: Tensor<1>) -> Vec<f64> {
@@ -68,9 +78,9 @@ fn grads_of(model: &Mlp, loss: Tensor<1>) -> Vec<Vec<f64>> {
 ///    (as the candle example derives: 6 weighted terms, 3 additions per rank, the sum over 2
 ///    ranks and the normalisation).
 /// 2. Burn's own FP32 gradient of the mean loss over the 21 items with the same weights and
-///    inputs: within 37 roundings of the 16-bit unit u in relative L2 norm per tensor (the
-///    longest rounding path through this MLP's half-precision forward and backward, as derived
-///    for the candle example, whose model is the same).
+///    inputs: within 37 roundings of the 16-bit unit u per tensor, in L2 norm relative to the
+///    items' gradient magnitudes (the longest rounding path through this MLP's half-precision
+///    forward and backward, as derived for the candle example, whose model is the same).
 fn check_gradient(dtype: DType, unit: f64) {
     let init = init(dtype);
     let results = on_ranks(|rank, comm| {
@@ -129,9 +139,15 @@ fn check_gradient(dtype: DType, unit: f64) {
     let full = grads_of(&reference, reference.loss(&x, &y));
     for (i, (master, g)) in masters.iter().zip(&full).enumerate() {
         let diff = norm(master.iter().zip(g).map(|(&m, &r)| m as f64 - r));
-        let rel = diff / norm(g.iter().copied());
+        // Relative to the items' gradients before they cancel: each item's 16-bit gradient is
+        // within its rounding path of its FP32 one, so the sum's error scales with the sum of
+        // their magnitudes, not with the sum itself (with Burn's random initial weights the
+        // items can cancel to a small gradient).
+        let magnitude =
+            (0..g.len()).map(|e| all_terms.iter().map(|t| t[i][e].abs()).sum::<f64>() / total);
+        let rel = diff / norm(magnitude);
         eprintln!(
-            "{dtype:?} tensor {i}: relative L2 distance to the FP32 full-batch gradient {rel:.2e} = {:.2} u",
+            "{dtype:?} tensor {i}: L2 distance to the FP32 full-batch gradient {rel:.2e} = {:.2} u",
             rel / unit
         );
         assert!(rel <= 37.0 * unit, "{dtype:?} tensor {i}: relative distance {rel} exceeds 37 u");
