@@ -189,6 +189,10 @@ impl AccModel {
     fn total(&self) -> usize {
         *self.offsets.last().unwrap()
     }
+    /// Tensor `t`'s elements in the flat master (its padding follows).
+    fn tensor(&self, t: usize) -> std::ops::Range<usize> {
+        self.offsets[t]..self.offsets[t] + self.numels[t]
+    }
     fn fresh_window(&self) -> Window {
         let t = self.total();
         Window {
@@ -577,6 +581,12 @@ fn decode_scaler(bytes: &[u8]) -> Option<ScalerModel> {
     Some(ScalerModel { cfg, scale, growth_tracker, hysteresis_tracker, stats })
 }
 
+/// Where a tensor after `end` starts: GRADACC_MASTER_ALIGN bytes.
+const MASTER_ALIGN: usize = GRADACC_MASTER_ALIGN as usize;
+fn align(end: usize) -> usize {
+    end.div_ceil(MASTER_ALIGN / 4).saturating_mul(MASTER_ALIGN / 4)
+}
+
 /// The accumulator's layout fingerprint, as the saved window holds it: the state checksum (FNV-1a)
 /// of each tensor's offset and length (little-endian u64) and dtype byte, then its buckets' element
 /// ranges as little-endian u64 pairs.
@@ -606,9 +616,14 @@ fn layout_hash(a: &AccModel) -> u64 {
 /// The window the bytes hold for an accumulator of `a`'s shape; `layout_same` says whether the
 /// saved layout field matches this accumulator's.
 fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window> {
-    // Whole windows: format 2 (0.2, one rank's window) and 4 (with its rank-window count).
+    // Whole windows: format 2 (0.2, one rank's window), 4 (with its rank-window count), both
+    // packed, which load only into a layout without padding, and 6 (aligned tensors).
     let version = bytes.get(4..8).map(|v| u32::from_le_bytes(v.try_into().unwrap()));
-    if bytes.len() < 16 || &bytes[..4] != b"GAWN" || !matches!(version, Some(2 | 4)) {
+    let padded = (0..a.numels.len()).any(|t| a.tensor(t).end != a.offsets[t + 1]);
+    if bytes.len() < 16
+        || &bytes[..4] != b"GAWN"
+        || !matches!(version, Some(6)) && !(matches!(version, Some(2 | 4)) && !padded)
+    {
         return None;
     }
     let (body, tail) = bytes.split_at(bytes.len() - 8);
@@ -617,11 +632,14 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     }
     let mut r = Reader(body, 8);
     r.u64()?;
+    if version == Some(6) && r.u64()? != MASTER_ALIGN as u64 {
+        return None;
+    }
     if !layout_same {
         return None;
     }
     let (count, microbatches) = (r.u64()?, r.u64()?);
-    let ranks = if version == Some(4) { r.u64()? } else { 1 };
+    let ranks = if version != Some(2) { r.u64()? } else { 1 };
     let found_inf = r.bool()?;
     let written: Vec<bool> = (0..a.numels.len()).map(|_| r.bool()).collect::<Option<_>>()?;
     if r.u64()? != a.total() as u64 {
@@ -629,6 +647,11 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     }
     let sim: Vec<f32> = (0..a.total()).map(|_| r.f32()).collect::<Option<_>>()?;
     if r.1 != body.len() {
+        return None;
+    }
+    // The padding holds +0, as the library saves it: anything else is refused.
+    let padding = |t: usize| a.tensor(t).end..a.offsets[t + 1];
+    if (0..a.numels.len()).any(|t| sim[padding(t)].iter().any(|v| v.to_bits() != 0)) {
         return None;
     }
     // Counts no window can have: refused as corrupt.
@@ -645,7 +668,7 @@ fn decode_window(bytes: &[u8], a: &AccModel, layout_same: bool) -> Option<Window
     for (t, &was) in written.iter().enumerate() {
         w.written[t] = was;
         if was {
-            for i in a.offsets[t]..a.offsets[t + 1] {
+            for i in a.tensor(t) {
                 w.exact[i] = sim[i] as f64;
                 w.magnitude[i] = (sim[i] as f64).abs();
                 w.adds[i] = 1;
@@ -887,8 +910,8 @@ fn acc_create(world: &mut World, input: &mut Input) {
     let bad_device = gradacc_device_t { kind: GRADACC_DEVICE_CUDA, ordinal: 0, stream: null_mut() };
     let (device, device_ok): (*const gradacc_device_t, bool) =
         if input.u8() % 16 == 0 { (&bad_device, false) } else { (null(), true) };
-    let total: usize =
-        descs.iter().map(|d| d.numel as usize).fold(0usize, |a, b| a.saturating_add(b));
+    // Each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, zeros between.
+    let total: usize = descs.iter().fold(0usize, |a, d| align(a.saturating_add(d.numel as usize)));
     let with_buffer = input.u8() % 4 == 0;
     let mut buffer: Option<Vec<f32>> = None;
     let mut buffer_ok = true;
@@ -942,7 +965,7 @@ fn acc_create(world: &mut World, input: &mut Input) {
         let numels: Vec<usize> = descs.iter().map(|d| d.numel as usize).collect();
         let mut offsets = vec![0];
         for &k in &numels {
-            offsets.push(offsets.last().unwrap() + k);
+            offsets.push(align(offsets.last().unwrap() + k));
         }
         // With a NULL config, `c` is still gradacc_accumulator_config_default's output.
         let (mean, normalize, max_grad_norm, bucket_numel) = (
@@ -1239,7 +1262,7 @@ fn sync(world: &mut World, input: &mut Input) {
     // Unwritten tensors read as zero.
     for t in 0..a.numels.len() {
         if !a.w.written[t] {
-            for i in a.offsets[t]..a.offsets[t + 1] {
+            for i in a.tensor(t) {
                 a.w.sim[i] = 0.0;
                 a.w.exact[i] = 0.0;
                 a.w.magnitude[i] = 0.0;
@@ -1482,7 +1505,7 @@ fn merge_window(world: &mut World, input: &mut Input) {
     a.restart_if_synced(); // after a sync it starts a new window, as add does
     a.w.ranks = ranks;
     for t in 0..a.numels.len() {
-        let range = a.offsets[t]..a.offsets[t + 1];
+        let range = a.tensor(t);
         match (a.w.written[t], saved.written[t]) {
             (true, true) => {
                 for i in range {
