@@ -113,38 +113,29 @@ impl ShardedStore {
         factor: f32,
     ) {
         let layout = &self.plan.layout;
-        // The padding between tensors is staged as zeros: the staging is reused, and the
-        // padding's reduced values land in the shard.
-        for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
-            for i in layout.tensor_at(flat.start)..layout.tensor_at(flat.end - 1) + 1 {
-                let p = layout.padding(i);
-                let (lo, hi) = (p.start.max(flat.start), p.end.min(flat.end));
-                if lo < hi {
-                    stage[position + lo - flat.start..position + hi - flat.start].fill(0.0);
-                }
-            }
-        }
         let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
         for (flat, position) in parts.iter().filter(|(f, _)| !f.is_empty()) {
+            // Each tensor's slot in the part, in one walk: its values, converted, then its
+            // padding, staged as zeros (the staging is reused, and the padding's reduced values
+            // land in the shard).
             let mut i = layout.tensor_at(flat.start);
-            while i < self.plan.descs.len() && layout.range(i).start < flat.end {
-                let t = layout.range(i);
-                let (lo, hi) = (t.start.max(flat.start), t.end.min(flat.end));
-                if lo >= hi {
-                    // The range starts in this tensor's padding.
-                    i += 1;
-                    continue;
+            while i < self.plan.descs.len() && layout.slot(i).start < flat.end {
+                let r = layout.range(i);
+                let (values, padding) = (intersect(&r, flat), intersect(&layout.padding(i), flat));
+                let (_, tail) = std::mem::take(&mut rest)
+                    .split_at_mut(position + (values.start - flat.start) - at);
+                let (master, tail) = tail.split_at_mut(values.len());
+                let (zeros, tail) = tail.split_at_mut(padding.len());
+                zeros.fill(0.0);
+                if !values.is_empty() {
+                    passes.push(super::TensorPass {
+                        master,
+                        grad: grads(i).slice(values.start - r.start, values.end - r.start),
+                        assign: true,
+                    });
                 }
-                let (_, tail) =
-                    std::mem::take(&mut rest).split_at_mut(position + (lo - flat.start) - at);
-                let (master, tail) = tail.split_at_mut(hi - lo);
-                passes.push(super::TensorPass {
-                    master,
-                    grad: grads(i).slice(lo - t.start, hi - t.start),
-                    assign: true,
-                });
-                (rest, at) = (tail, position + (hi - flat.start));
+                (rest, at) = (tail, position + (padding.end.max(values.end) - flat.start));
                 i += 1;
             }
         }
