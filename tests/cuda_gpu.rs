@@ -678,6 +678,20 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
     drop((old_acc, old_scaler, old_stream));
 }
 
+/// The library's kernels compiled for `ctx`'s device and loaded apart from the library's own
+/// cache, so a test can launch one directly.
+fn kernels_of(ctx: &Context) -> driver::Module {
+    let (major, minor) = ctx.capability;
+    let target = cuda::compile::Target::for_device(major, minor).unwrap();
+    driver::Module::load(ctx, &cuda::compile::compile(target).unwrap().image).unwrap()
+}
+
+/// Kernel `name` of `module` (looked up with `ctx` current).
+fn kernel(ctx: &Context, module: &driver::Module, name: &std::ffi::CStr) -> driver::Function {
+    let _current = ctx.enter().unwrap();
+    module.function(name).unwrap()
+}
+
 /// The single-thread kernels (control words, scaler state) do their work once whatever the launch
 /// geometry: `ga_scaler_update` launched with two blocks of 256 threads is one optimizer step.
 #[test]
@@ -687,15 +701,8 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
     }
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let (major, minor) = ctx.capability;
-    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap())
-        .unwrap()
-        .image;
-    let module = driver::Module::load(&ctx, &image).unwrap();
-    let update = {
-        let _current = ctx.enter().unwrap();
-        module.function(c"ga_scaler_update").unwrap()
-    };
+    let module = kernels_of(&ctx);
+    let update = kernel(&ctx, &module, c"ga_scaler_update");
     let state = DeviceBuffer::from_slice(
         &ctx,
         stream.stream,
@@ -735,15 +742,8 @@ fn finish_norm_folds_block_sums_like_the_cpu_backend() {
     let mut rng = Rng::fresh("finish_norm_folds_block_sums_like_the_cpu_backend");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let (major, minor) = ctx.capability;
-    let image = cuda::compile::compile(cuda::compile::Target::for_device(major, minor).unwrap())
-        .unwrap()
-        .image;
-    let module = driver::Module::load(&ctx, &image).unwrap();
-    let finish = {
-        let _current = ctx.enter().unwrap();
-        module.function(c"ga_finish_norm").unwrap()
-    };
+    let module = kernels_of(&ctx);
+    let finish = kernel(&ctx, &module, c"ga_finish_norm");
     let threads = driver::THREADS as usize;
     let lengths = [
         1,
