@@ -24,11 +24,11 @@ use std::time::Instant;
 
 use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FACTOR};
 use gradacc::backend::cpu;
-use gradacc::ffi::*;
 use gradacc::{
     Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler,
     ScalerConfig, Sharding, TensorDesc,
 };
+use gradacc_capi::*;
 
 const MI: usize = 1 << 20;
 

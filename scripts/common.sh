@@ -10,7 +10,7 @@ CBINDGEN_VERSION=0.29.4
 section() { printf '\n==== %s ====\n' "$*"; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
-# The crate version from Cargo.toml ([package] comes first, so the first `version =` line is its).
+# The version from Cargo.toml: the first `version =` line is [workspace.package]'s, every crate's.
 cargo_version() {
     sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$GRADACC_ROOT/Cargo.toml" | head -n 1
 }

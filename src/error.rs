@@ -44,6 +44,32 @@ pub enum ErrorKind {
     Internal,
 }
 
+impl ErrorKind {
+    /// Every kind, in declaration order: what the C ABI maps to its statuses, checked there
+    /// to give each one its own.
+    #[cfg(feature = "internal")]
+    pub const ALL: [ErrorKind; 15] = {
+        use ErrorKind::*;
+        [
+            InvalidArgument,
+            DtypeMismatch,
+            SizeMismatch,
+            DeviceMismatch,
+            WrongState,
+            EmptyWindow,
+            ScaleAtMinimum,
+            BackendUnavailable,
+            CommFailure,
+            Timeout,
+            PeerFailure,
+            CorruptState,
+            OutOfMemory,
+            DeviceFailure,
+            Internal,
+        ]
+    };
+}
+
 /// An error with its category and a human-readable message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Error {
@@ -74,3 +100,34 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(all(test, feature = "internal"))]
+mod tests {
+    use super::ErrorKind;
+
+    /// `ALL` lists each kind once: the match fails to compile when a kind is added, and the
+    /// assertion when `ALL` misses it.
+    #[test]
+    fn all_lists_every_kind() {
+        let position = |k: ErrorKind| match k {
+            ErrorKind::InvalidArgument => 0,
+            ErrorKind::DtypeMismatch => 1,
+            ErrorKind::SizeMismatch => 2,
+            ErrorKind::DeviceMismatch => 3,
+            ErrorKind::WrongState => 4,
+            ErrorKind::EmptyWindow => 5,
+            ErrorKind::ScaleAtMinimum => 6,
+            ErrorKind::BackendUnavailable => 7,
+            ErrorKind::CommFailure => 8,
+            ErrorKind::Timeout => 9,
+            ErrorKind::PeerFailure => 10,
+            ErrorKind::CorruptState => 11,
+            ErrorKind::OutOfMemory => 12,
+            ErrorKind::DeviceFailure => 13,
+            ErrorKind::Internal => 14,
+        };
+        for (i, k) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(position(*k), i, "{k:?}");
+        }
+    }
+}

@@ -14,7 +14,6 @@ pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;
-pub mod ffi;
 pub mod scaler;
 mod state;
 

@@ -6,7 +6,7 @@
 use std::ffi::CStr;
 use std::ptr::{null, null_mut};
 
-use gradacc::ffi::*;
+use gradacc_capi::*;
 
 /// Lengths of `size`-byte values whose byte size exceeds isize::MAX: the smallest one, the ones
 /// a wrapped length gives, and the largest.

@@ -19,11 +19,11 @@ use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
-use gradacc::ffi;
 use gradacc::{
     Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Grad, Scaler, ScalerConfig,
     TensorDesc,
 };
+use gradacc_capi as ffi;
 
 /// Tensors of every dtype; 37 elements leave the next tensor's master unaligned.
 const TENSORS: [TensorDesc; 3] = [

@@ -9,7 +9,7 @@ use std::ptr::{null, null_mut};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradacc::ffi::*;
+use gradacc_capi::*;
 
 /// How long a failed sync may take to return; far more than it needs, far less than forever.
 const PROMPT: Duration = Duration::from_secs(2);

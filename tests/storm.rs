@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 
 use common::{to_f16, Rng};
-use gradacc::ffi::*;
+use gradacc_capi::*;
 
 fn ok(status: gradacc_status_t) {
     assert_eq!(

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Barrier;
 
 use common::{to_bf16, to_f16, Rng};
-use gradacc::ffi::*;
+use gradacc_capi::*;
 
 /// Handles cross threads as plain numbers (they are ids, never addresses).
 #[derive(Clone, Copy)]

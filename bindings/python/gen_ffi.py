@@ -207,7 +207,7 @@ def render(h):
         '"""ctypes declarations of the gradacc C API.',
         "",
         "Generated from include/gradacc.h by bindings/python/gen_ffi.py. Do not edit by hand:",
-        "change src/ffi/, run scripts/gen-header, then bindings/python/gen_ffi.py.",
+        "change capi/src/, run scripts/gen-header, then bindings/python/gen_ffi.py.",
         '"""',
         "# fmt: off",
         "import ctypes",

@@ -25,7 +25,7 @@ MANIFEST = os.path.join(CRATE, "Cargo.toml")
 
 
 def cargo_version():
-    """The crate's version: the first `version =` line of Cargo.toml ([package] comes first)."""
+    """The crate's version: the first `version =` line of Cargo.toml ([workspace.package] comes first)."""
     try:
         with open(MANIFEST, encoding="utf-8") as f:
             text = f.read()

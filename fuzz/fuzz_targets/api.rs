@@ -16,7 +16,7 @@
 use std::ffi::{c_void, CStr};
 use std::ptr::{null, null_mut};
 
-use gradacc::ffi::*;
+use gradacc_capi::*;
 use libfuzzer_sys::fuzz_target;
 
 /// Input bytes, read front to back; reads past the end give 0, and the run stops there.

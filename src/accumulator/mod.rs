@@ -17,6 +17,8 @@
 mod config;
 mod layout;
 pub(crate) mod protocol;
+#[cfg(feature = "internal")]
+pub use protocol::Owed;
 pub(crate) mod sharding;
 mod window;
 

@@ -239,7 +239,7 @@ pub(crate) fn refuse(comm: &dyn Communicator) {
 /// every rank when it closes). [`Owed::settle`] once the call reaches the accumulator, which
 /// tells the peers itself from there.
 #[must_use = "dropping it tells the peers that this rank's call failed"]
-pub(crate) struct Owed {
+pub struct Owed {
     accumulator: Option<(Arc<Accumulator>, bool)>,
     groups: Vec<Arc<dyn Communicator>>,
     settled: bool,
@@ -248,18 +248,18 @@ pub(crate) struct Owed {
 impl Owed {
     /// A call whose collective is the accumulator's own: a micro-batch (or, under sharded
     /// accumulation, a boundary) on its communicator.
-    pub(crate) fn collective(accumulator: &Arc<Accumulator>) -> Self {
+    pub fn collective(accumulator: &Arc<Accumulator>) -> Self {
         Owed { accumulator: Some((accumulator.clone(), false)), groups: Vec::new(), settled: false }
     }
 
     /// An `add_tensor`.
-    pub(crate) fn tensor(accumulator: &Arc<Accumulator>) -> Self {
+    pub fn tensor(accumulator: &Arc<Accumulator>) -> Self {
         Owed { accumulator: Some((accumulator.clone(), true)), groups: Vec::new(), settled: false }
     }
 
     /// A boundary over `groups`, those of its communicators that are valid: owed over them, or
     /// through the accumulator (when valid) if none is.
-    pub(crate) fn boundary<'a>(
+    pub fn boundary<'a>(
         accumulator: Option<&Arc<Accumulator>>,
         groups: impl IntoIterator<Item = &'a Arc<dyn Communicator>>,
     ) -> Self {
@@ -271,7 +271,7 @@ impl Owed {
     }
 
     /// The call reached the accumulator: nothing is owed from here.
-    pub(crate) fn settle(mut self) {
+    pub fn settle(mut self) {
         self.settled = true;
     }
 }

@@ -1,7 +1,7 @@
 # ccall declarations of the gradacc C API.
 #
 # Generated from include/gradacc.h by bindings/julia/gen_wrap.py. Do not edit by hand:
-# change src/ffi/, run scripts/gen-header, then bindings/julia/gen_wrap.py.
+# change capi/src/, run scripts/gen-header, then bindings/julia/gen_wrap.py.
 # `libgradacc()` (the library path) and `libgradacc_handle()` (its dlopen handle) are
 # defined by the including module and set when it loads. Functions marked "blocks" can
 # wait on other ranks: they convert their arguments first, then call with the thread in the

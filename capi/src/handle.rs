@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::status::{CallError, CallResult};
+use crate::status::{CallError, CallResult};
 
 /// Handle numbers are multiples of 16 from an arbitrary base, so they look like aligned pointers
 /// to C and are never 0.
@@ -34,7 +34,7 @@ impl<T: ?Sized> Registry<T> {
     /// The object behind `handle`, or an error naming the argument.
     pub(crate) fn get<H>(&self, handle: *const H, argument: &str) -> CallResult<Arc<T>> {
         if handle.is_null() {
-            return Err(super::status::null(argument));
+            return Err(crate::status::null(argument));
         }
         self.live
             .read()

@@ -4,11 +4,11 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::accumulator::ACCUMULATORS;
-use super::handle::Registry;
-use super::status::{gradacc_status_t, guard, null, CallResult};
-use super::types::*;
-use crate::scaler::{Scaler, ScalerConfig};
+use crate::accumulator::ACCUMULATORS;
+use crate::handle::Registry;
+use crate::status::{gradacc_status_t, guard, null, CallResult};
+use crate::types::*;
+use gradacc::scaler::{Scaler, ScalerConfig};
 
 /// A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with
 /// gradacc_scaler_destroy.
@@ -210,7 +210,7 @@ pub unsafe extern "C" fn gradacc_scaler_scale_loss(
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_scaler_update(
     scaler: *mut gradacc_scaler_t,
-    accumulators: *const *const super::accumulator::gradacc_accumulator_t,
+    accumulators: *const *const crate::accumulator::gradacc_accumulator_t,
     n: usize,
     out_skipped: *mut bool,
 ) -> gradacc_status_t {
@@ -220,7 +220,7 @@ pub unsafe extern "C" fn gradacc_scaler_update(
             return Err(null("accumulators"));
         }
         if n == 0 {
-            return Err(crate::error::Error::invalid(
+            return Err(gradacc::error::Error::invalid(
                 "`n` is 0: pass the accumulators whose step this update ends",
             )
             .into());
@@ -232,7 +232,7 @@ pub unsafe extern "C" fn gradacc_scaler_update(
             .enumerate()
             .map(|(i, &a)| ACCUMULATORS.get(a, &format!("accumulators[{i}]")))
             .collect::<CallResult<Vec<_>>>()?;
-        let refs: Vec<&crate::Accumulator> = accs.iter().map(|a| &**a).collect();
+        let refs: Vec<&gradacc::Accumulator> = accs.iter().map(|a| &**a).collect();
         let skipped = s.update_from(&refs, !out_skipped.is_null())?;
         // SAFETY: a non-null `out_skipped` points to a writable bool (API contract).
         if let (Some(o), Some(skipped)) = (unsafe { out_skipped.as_mut() }, skipped) {

@@ -4,24 +4,24 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::{Arc, LazyLock};
 
-use super::comm::{check_no_sync_of, gradacc_comm_t, sync_in_flight, COMMS};
-use super::handle::Registry;
-use super::scaler::{gradacc_scaler_t, SCALERS};
-use super::status::{gradacc_status_t, guard, null, CallResult};
-use super::types::*;
-use crate::accumulator::protocol::Owed;
-use crate::accumulator::{
+use crate::comm::{check_no_sync_of, gradacc_comm_t, sync_in_flight, COMMS};
+use crate::handle::Registry;
+use crate::scaler::{gradacc_scaler_t, SCALERS};
+use crate::status::{gradacc_status_t, guard, null, CallResult};
+use crate::types::*;
+use gradacc::accumulator::Owed;
+use gradacc::accumulator::{
     Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc,
 };
-use crate::device::Device;
-use crate::dtype::Dtype;
-use crate::error::{Error, ErrorKind, Result};
+use gradacc::device::Device;
+use gradacc::dtype::Dtype;
+use gradacc::error::{Error, ErrorKind, Result};
 
 /// Bytes to which every tensor's FP32 master is aligned in the flat master: tensor `i` starts at
 /// an element offset that is a multiple of GRADACC_MASTER_ALIGN / 4 (gradacc_accumulator_offset),
 /// with zeros between tensors. An owned master starts at such an address too.
 pub const GRADACC_MASTER_ALIGN: usize = 256;
-const _: () = assert!(GRADACC_MASTER_ALIGN == crate::accumulator::MASTER_ALIGN);
+const _: () = assert!(GRADACC_MASTER_ALIGN == gradacc::accumulator::MASTER_ALIGN);
 
 /// A gradient accumulator (opaque). Create with gradacc_accumulator_create, free with
 /// gradacc_accumulator_destroy.

@@ -3,12 +3,12 @@
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::handle::Registry;
-use super::status::{gradacc_status_t, guard, null};
-use super::types::{out_ptr, rank_to_c, read_config, ConfigDefaults};
-use crate::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
-use crate::comm::{Communicator, LocalComm};
-use crate::error::{Error, ErrorKind};
+use crate::handle::Registry;
+use crate::status::{gradacc_status_t, guard, null};
+use crate::types::{out_ptr, rank_to_c, read_config, ConfigDefaults};
+use gradacc::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
+use gradacc::comm::{Communicator, LocalComm};
+use gradacc::error::{Error, ErrorKind};
 
 /// A backend gradacc may be built with: a communicator transport or a device kind.
 pub type gradacc_backend_t = i32;
@@ -161,9 +161,9 @@ pub unsafe extern "C" fn gradacc_backend_available(
             GRADACC_BACKEND_LOCAL => true,
             GRADACC_BACKEND_MPI => cfg!(feature = "mpi"),
             GRADACC_BACKEND_NCCL => {
-                crate::backend::cuda::driver::driver_available() && nccl::nccl_available()
+                gradacc::backend::cuda::driver::driver_available() && nccl::nccl_available()
             }
-            GRADACC_BACKEND_CUDA => crate::backend::cuda::available(),
+            GRADACC_BACKEND_CUDA => gradacc::backend::cuda::available(),
             v => {
                 return Err(Error::invalid(format!(
                     "`backend` = {v} is not a GRADACC_BACKEND_* value"
@@ -238,7 +238,7 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
         }
         #[cfg(feature = "mpi")]
         {
-            use crate::comm::{MpiComm, MpiOptions};
+            use gradacc::comm::{MpiComm, MpiOptions};
             let options = MpiOptions { shared_memory: config.shared_memory == 1 };
             let comm = if fortran_comm == GRADACC_MPI_COMM_WORLD {
                 MpiComm::world_with(options)?
@@ -252,7 +252,7 @@ pub unsafe extern "C" fn gradacc_comm_create_mpi(
         {
             let _ = (out, config);
             Err(Error::new(
-                crate::error::ErrorKind::BackendUnavailable,
+                gradacc::error::ErrorKind::BackendUnavailable,
                 "this build of gradacc has no MPI backend (rebuild with cargo feature `mpi`, CMake option GRADACC_WITH_MPI=ON)",
             )
             .into())
@@ -439,7 +439,7 @@ pub(crate) fn sync_in_flight(acc: usize, comms: &[usize]) -> Flight {
 
 /// Refuses to destroy accumulator handle `acc` while a sync of it is in flight on another thread:
 /// WRONG_STATE, the handle left as it was.
-pub(crate) fn check_no_sync_of(acc: usize) -> crate::error::Result<()> {
+pub(crate) fn check_no_sync_of(acc: usize) -> gradacc::error::Result<()> {
     if flights().iter().any(|f| f.1 == acc) {
         return Err(Error::new(
             ErrorKind::WrongState,

@@ -5,10 +5,10 @@
 use std::ffi::c_void;
 use std::mem::size_of;
 
-use super::status::{null, CallResult};
-use crate::device::Device;
-use crate::dtype::Dtype;
-use crate::error::{Error, ErrorKind};
+use crate::status::{null, CallResult};
+use gradacc::device::Device;
+use gradacc::dtype::Dtype;
+use gradacc::error::{Error, ErrorKind};
 
 /// Element type of a model gradient buffer.
 pub type gradacc_dtype_t = i32;
@@ -94,7 +94,7 @@ pub(crate) fn parse_device(device: *const gradacc_device_t) -> CallResult<Device
                 ))
                 .into());
             }
-            crate::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
+            gradacc::backend::cuda::driver::check_stream(d.stream as _, "`device`.stream")?;
             Ok(Device::Cuda { ordinal: d.ordinal, stream: d.stream as _ }.check()?)
         }
         k => {
@@ -158,7 +158,7 @@ macro_rules! versioned {
                     let mut out = std::mem::MaybeUninit::<$t>::uninit();
                     // SAFETY: the pointer is to writable storage for one struct.
                     let status = unsafe { $default_fn(out.as_mut_ptr()) };
-                    assert!(status == super::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
+                    assert!(status == crate::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
                     // SAFETY: the default function fills every field on success.
                     unsafe { out.assume_init() }
                 }
@@ -167,11 +167,11 @@ macro_rules! versioned {
     };
 }
 
-use super::accumulator::{
+use crate::accumulator::{
     gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t,
 };
-use super::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
-use super::scaler::{
+use crate::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
+use crate::scaler::{
     gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t,
 };
 
@@ -273,7 +273,7 @@ fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> CallResul
             "`{argument}`.struct_size = {declared} is larger than this library's sizeof({}) = {current}: the caller was built \
              against a newer gradacc.h than the library loaded ({})",
             T::NAME,
-            crate::VERSION
+            gradacc::VERSION
         ))
         .into());
     }
