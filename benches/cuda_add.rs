@@ -113,7 +113,7 @@ fn main() {
                 numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
             // Clipping at a norm every window exceeds: the boundary's second pass always runs.
             let config = AccumulatorConfig { max_grad_norm: 1e-30, ..Default::default() };
-            let acc = Accumulator::on(device, config, &descs).unwrap();
+            let acc = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
             let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
             let grads: Vec<DeviceBuffer> = numels
                 .iter()

@@ -24,9 +24,10 @@ use std::time::Instant;
 
 use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FACTOR};
 use gradacc::backend::cpu;
+use gradacc::comm::HostCollectives;
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, HostCollectives, LocalComm, Scaler,
-    ScalerConfig, Sharding, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Scaler, ScalerConfig,
+    Sharding, TensorDesc,
 };
 use gradacc_capi::*;
 
@@ -231,7 +232,10 @@ fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], m
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
                 // SAFETY: `mp` holds at least `len` f32 for the accumulator's lifetime.
                 let acc = unsafe {
-                    Accumulator::with_buffer(config, &[TensorDesc { numel: len, dtype }], mp, len)
+                    Accumulator::builder(&[TensorDesc { numel: len, dtype }])
+                        .config(config)
+                        .master_buffer(mp, len)
+                        .build()
                 }
                 .expect("accumulator");
                 let t = interleaved(
@@ -365,8 +369,13 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
             for threads in [1, 2] {
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
                 // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
-                let acc = unsafe { Accumulator::with_buffer(config, &descs(dtype), mp, total) }
-                    .expect("accumulator");
+                let acc = unsafe {
+                    Accumulator::builder(&descs(dtype))
+                        .config(config)
+                        .master_buffer(mp, total)
+                        .build()
+                }
+                .expect("accumulator");
                 let t = interleaved(
                     rounds,
                     o.min_sample,
@@ -430,10 +439,8 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
             let descs: Vec<TensorDesc> =
                 layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
             // SAFETY: `mp` holds at least `total` f32; the two accumulators take turns.
-            let acc = unsafe {
-                Accumulator::with_buffer(AccumulatorConfig::default(), &descs, mp, total)
-            }
-            .expect("accumulator");
+            let acc = unsafe { Accumulator::builder(&descs).master_buffer(mp, total).build() }
+                .expect("accumulator");
             let c_descs: Vec<gradacc_tensor_desc_t> = layout
                 .iter()
                 .map(|&n| gradacc_tensor_desc_t {

@@ -3,31 +3,68 @@
 //! A [`Scaler`] keeps the dynamic loss scale. An [`Accumulator`] adds the scaled 16- or 32-bit
 //! gradients of each micro-batch, unscaled as they arrive, into one flat FP32 master buffer, and at
 //! the boundary ([`Accumulator::sync`]) all-reduces it once over a [`Communicator`], normalises it,
-//! measures its norm and clips it. The C ABI in `ffi` exposes the same objects.
+//! measures its norm and clips it.
+//!
+//! ```
+//! use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, Scaler, ScalerConfig, TensorDesc};
+//!
+//! let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+//! let scaler = Scaler::new(ScalerConfig::default())?;
+//! let acc = Accumulator::new(AccumulatorConfig::default(), &tensors)?;
+//! for micro_batch in [[1.0f32, 2.0, 3.0], [3.0, 2.0, 1.0]] {
+//!     // The gradient of the mean loss over the micro-batch's 8 items, times the loss scale.
+//!     let s = scaler.scale()?;
+//!     let scaled = micro_batch.map(|g| g * s);
+//!     acc.add(&scaler, &[Grad::F32(&scaled)][..], 8)?;
+//! }
+//! let info = acc.sync(None)?;
+//! scaler.update(info.found_inf)?;
+//! // The gradient of the mean loss over all 16 items.
+//! let mut mean = [0.0f32; 3];
+//! acc.read_master(0, &mut mean)?;
+//! assert_eq!(mean, [2.0, 2.0, 2.0]);
+//! # Ok::<(), gradacc::Error>(())
+//! ```
+//!
+//! Who owns what: `accumulator` is the core (the window's state machine, the boundary's
+//! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`),
+//! `scaler` the loss scale's semantics, `comm` the communicators, and `backend` what each device
+//! supplies (its store: master memory and kernels). A boundary feature is written once in the
+//! core; a device only adds kernels. The C ABI is the crate `gradacc-capi` (capi/).
 
 // Every unsafe operation sits in its own block with a `SAFETY:` comment saying why it is sound.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+// Without `internal` the modules are private and what only gradacc-capi uses is unreachable;
+// the builds with it (the workspace, its tests) still check for dead code and unused imports.
+#![cfg_attr(not(feature = "internal"), allow(dead_code, unused_imports))]
 
-pub mod accumulator;
-pub mod backend;
-pub mod comm;
-pub mod device;
-pub mod dtype;
-pub mod error;
-pub mod scaler;
+/// The crate's modules: public with feature `internal` (for gradacc-capi, the tests and the
+/// benches; no semver promise), private otherwise, so that the Rust API is the names exported
+/// below.
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internal")]
+        pub mod $name;
+        #[cfg(not(feature = "internal"))]
+        mod $name;
+    )*};
+}
+
+internal_modules!(accumulator, backend, comm, device, dtype, error, scaler);
 mod state;
 
 pub use accumulator::{
-    Accumulator, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize, Sharding, SyncInfo,
-    TensorDesc,
+    Accumulator, AccumulatorBuilder, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize,
+    Sharding, SyncInfo, TensorDesc, MASTER_ALIGN, MAX_WINDOW_COUNT,
 };
-pub use comm::{Communicator, HostCollectives, LocalComm};
+pub use comm::nccl::{unique_id as nccl_unique_id, NcclComm};
+pub use comm::{Communicator, LocalComm, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use comm::{MpiComm, MpiOptions};
-pub use device::Device;
+pub use device::{Device, DevicePtr};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
-pub use scaler::{Scaler, ScalerConfig, ScalerStats};
+pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 
 /// The crate version, the single source of every version number the project reports.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

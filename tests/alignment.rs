@@ -69,9 +69,11 @@ fn every_tensor_master_starts_aligned_and_the_padding_stays_zero() {
                         };
                         let comm = std::sync::Arc::new(comm);
                         let acc = match config.sharding {
-                            Sharding::Accumulate { .. } => {
-                                Accumulator::sharded(config, tensors, comm.clone()).unwrap()
-                            }
+                            Sharding::Accumulate { .. } => Accumulator::builder(tensors)
+                                .config(config)
+                                .communicator(comm.clone())
+                                .build()
+                                .unwrap(),
                             _ => Accumulator::new(config, tensors).unwrap(),
                         };
                         assert_eq!(acc.len(), Accumulator::master_len(tensors).unwrap());
@@ -215,7 +217,8 @@ fn a_shard_saved_by_0_2_loads_where_it_holds_the_same_elements() {
         &masters[shard..],
     );
     let comm = std::sync::Arc::new(comms.into_iter().nth(1).unwrap());
-    let acc = Accumulator::sharded(config(2, 1), &tensors, comm).unwrap();
+    let acc =
+        Accumulator::builder(&tensors).config(config(2, 1)).communicator(comm).build().unwrap();
     let before = acc.save_window().unwrap();
     let e = acc.load_window(&old).unwrap_err();
     assert_eq!(e.kind, ErrorKind::SizeMismatch, "{e}");

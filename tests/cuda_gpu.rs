@@ -58,7 +58,7 @@ fn random_windows_match_the_cpu_backend_bitwise() {
             ..AccumulatorConfig::default()
         };
         let cpu = Accumulator::new(config, &descs).unwrap();
-        let gpu = Accumulator::on(device, config, &descs).unwrap();
+        let gpu = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
         // Two windows on the same objects: the second starts by assigning, may leave a tensor
         // untouched (it must read zero), and follows a reset on even rounds.
         for window in 0..2 {
@@ -163,7 +163,7 @@ fn scaler_trace_matches_the_cpu_scaler() {
     for config in configs {
         let cpu = Scaler::new(config).unwrap();
         let gpu = Scaler::on(device, config).unwrap();
-        let acc = Accumulator::on(device, AccumulatorConfig::default(), &one).unwrap();
+        let acc = Accumulator::builder(&one).device(device).build().unwrap();
         for step in 0..300 {
             let overflow = rng.range(0, 9) < 3;
             let want = cpu.update(overflow);
@@ -307,7 +307,8 @@ fn nccl_boundary_across_gpus_matches_the_local_communicator() {
                     let device =
                         Device::Cuda { ordinal: rank as i32, stream: std::ptr::null_mut() };
                     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-                    let acc = Accumulator::on(device, config, descs).unwrap();
+                    let acc =
+                        Accumulator::builder(descs).device(device).config(config).build().unwrap();
                     let uploads: Vec<(DeviceBuffer, u64)> =
                         grads.iter().map(|g| g.upload(&ctx, std::ptr::null_mut(), 0)).collect();
                     let cpu = Accumulator::new(config, descs).unwrap();
@@ -394,7 +395,10 @@ fn add_and_sync_can_be_captured_into_a_graph() {
         .unwrap(),
     );
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let gpu = Accumulator::on(Device::Cuda { ordinal: 0, stream: stream.stream }, config, &descs)
+    let gpu = Accumulator::builder(&descs)
+        .device(Device::Cuda { ordinal: 0, stream: stream.stream })
+        .config(config)
+        .build()
         .unwrap();
     let first: Vec<HostGrad> =
         descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, scale, false)).collect();
@@ -563,9 +567,11 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
     let sg = Scaler::on(Device::Cuda { ordinal: 0, stream: scaler_stream.stream }, scaler_config)
         .unwrap();
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let gpu =
-        Accumulator::on(Device::Cuda { ordinal: 0, stream: acc_stream.stream }, config, &descs)
-            .unwrap();
+    let gpu = Accumulator::builder(&descs)
+        .device(Device::Cuda { ordinal: 0, stream: acc_stream.stream })
+        .config(config)
+        .build()
+        .unwrap();
     let first: Vec<HostGrad> =
         descs.iter().map(|d| HostGrad::random(&mut rng, d.dtype, d.numel, 1024.0, false)).collect();
     let uploads: Vec<(DeviceBuffer, u64)> =
@@ -648,7 +654,7 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
     let old_stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: old_stream.stream };
     let old_scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-    let old_acc = Accumulator::on(device, config, &descs).unwrap();
+    let old_acc = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let before = step(&old_acc, &old_scaler, &ctx, old_stream.stream).unwrap();
 
     {
@@ -671,7 +677,7 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-    let acc = Accumulator::on(device, config, &descs).unwrap();
+    let acc = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let after = step(&acc, &scaler, &ctx, stream.stream).unwrap();
     assert_eq!(after.grad_norm.to_bits(), before.grad_norm.to_bits());
     // The old objects' memory went with the reset: dropping them frees nothing and fails nothing.
@@ -809,7 +815,7 @@ fn many_tensors_span_several_add_launches() {
     let config = AccumulatorConfig::default();
     let cpu = Accumulator::new(config, &descs).unwrap();
     let device = Device::Cuda { ordinal: 0, stream: stream.stream };
-    let gpu = Accumulator::on(device, config, &descs).unwrap();
+    let gpu = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let (sc, sg) = (
         Scaler::new(ScalerConfig::default()).unwrap(),
         Scaler::on(device, ScalerConfig::default()).unwrap(),
@@ -853,9 +859,9 @@ fn window_checkpoints_move_between_devices() {
         let sg =
             Scaler::on(device, ScalerConfig { init_scale: scale, ..Default::default() }).unwrap();
         let reference = Accumulator::new(config, &descs).unwrap();
-        let gpu = Accumulator::on(device, config, &descs).unwrap();
+        let gpu = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
         let cpu = Accumulator::new(config, &descs).unwrap();
-        let gpu_again = Accumulator::on(device, config, &descs).unwrap();
+        let gpu_again = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
         // One tensor left out of the first micro-batch, when there are several.
         let untouched = (descs.len() > 1).then(|| rng.range(0, descs.len() as u64 - 1) as usize);
         let poison = round % 3 == 2;
@@ -889,7 +895,7 @@ fn window_checkpoints_move_between_devices() {
         let saved = gpu.save_window().unwrap();
         let (cpu_merged, gpu_merged) = (
             Accumulator::new(config, &descs).unwrap(),
-            Accumulator::on(device, config, &descs).unwrap(),
+            Accumulator::builder(&descs).device(device).config(config).build().unwrap(),
         );
         for a in [&cpu_merged, &gpu_merged] {
             a.merge_window(&saved).unwrap();
@@ -951,7 +957,7 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
         .iter()
         .map(|&dtype| TensorDesc { numel: 33, dtype })
         .collect();
-    let acc = Accumulator::on(device, AccumulatorConfig::default(), &descs).unwrap();
+    let acc = Accumulator::builder(&descs).device(device).build().unwrap();
     let scaler =
         Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
     // Thread k's contribution to every element: (k + 1) × 4 (the scale), exact in every dtype.
@@ -1015,7 +1021,11 @@ fn gradients_overlapping_the_master_are_refused() {
     let master = backing.ptr() + 4 * OVERLAP_MARGIN as u64;
     // SAFETY: the master lies inside `backing`, which outlives the accumulator.
     let acc = unsafe {
-        Accumulator::on_buffer(device, config, &OVERLAP_TENSORS, master as *mut f32, len)
+        Accumulator::builder(&OVERLAP_TENSORS)
+            .device(device)
+            .config(config)
+            .master_buffer(master as *mut f32, len)
+            .build()
     }
     .unwrap();
     let scaler =

@@ -493,12 +493,10 @@ fn rank_with_a_window(ordinal: i32) -> Rank {
     let stream = OwnedStream::new(&ctx).unwrap();
     let device = Device::Cuda { ordinal, stream: stream.stream };
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-    let acc = Accumulator::on(
-        device,
-        AccumulatorConfig::default(),
-        &[TensorDesc { numel: 1000, dtype: Dtype::F32 }],
-    )
-    .unwrap();
+    let acc = Accumulator::builder(&[TensorDesc { numel: 1000, dtype: Dtype::F32 }])
+        .device(device)
+        .build()
+        .unwrap();
     let grad = DeviceBuffer::from_slice(&ctx, stream.stream, &[0.5f32; 1000]).unwrap();
     acc.add(&scaler, &[grad.ptr()], 4).unwrap();
     Rank { acc, _scaler: scaler, grad, stream }
@@ -771,15 +769,19 @@ fn run_rank(
     let len = Accumulator::master_len(&r.descs).unwrap();
     // Declared before the accumulator that adopts it, so it outlives it.
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
-    let plain = Accumulator::on(device, r.config, &r.descs).unwrap();
+    let plain = Accumulator::builder(&r.descs).device(device).config(r.config).build().unwrap();
     let sharded = if r.adopt {
         // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
         unsafe {
-            Accumulator::on_buffer(device, sharded_config, &r.descs, adopted.ptr() as *mut f32, len)
+            Accumulator::builder(&r.descs)
+                .device(device)
+                .config(sharded_config)
+                .master_buffer(adopted.ptr() as *mut f32, len)
+                .build()
         }
         .unwrap()
     } else {
-        Accumulator::on(device, sharded_config, &r.descs).unwrap()
+        Accumulator::builder(&r.descs).device(device).config(sharded_config).build().unwrap()
     };
     let cpu = Accumulator::new(sharded_config, &r.descs).unwrap();
     let (range, ptr) = sharded.shard();
@@ -1075,12 +1077,11 @@ fn sharded_sync_on_a_mismatched_nccl_group_fails_on_every_rank() {
                         let comm = Arc::new(NcclComm::new(id, at, world, rank as i32).unwrap());
                         Communicator::set_timeout(&*comm, Some(Duration::from_secs(20))).unwrap();
                         let tensors = [TensorDesc { numel: 10_000, dtype: Dtype::F32 }];
-                        let acc = Accumulator::on(
-                            device,
-                            AccumulatorConfig { sharding, ..Default::default() },
-                            &tensors,
-                        )
-                        .unwrap();
+                        let acc = Accumulator::builder(&tensors)
+                            .device(device)
+                            .config(AccumulatorConfig { sharding, ..Default::default() })
+                            .build()
+                            .unwrap();
                         let one = Scaler::on(
                             device,
                             ScalerConfig { init_scale: 1.0, ..Default::default() },
@@ -1183,8 +1184,13 @@ fn run_accumulate_rank(
     comm.set_timeout(Some(Duration::from_secs(30))).unwrap();
     let config =
         AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
-    let acc = Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap();
-    let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
+    let acc = Accumulator::builder(&r.descs)
+        .device(device)
+        .config(config)
+        .communicator(comm.clone())
+        .build()
+        .unwrap();
+    let cpu = Accumulator::builder(&r.descs).config(config).communicator(lc).build().unwrap();
     let (range, ptr) = acc.shard();
     assert_eq!(range, cpu.shard().0, "rank {rank}: the shard is not the CPU accumulator's");
     let mut results = Vec::new();
@@ -1355,21 +1361,33 @@ fn sharded_accumulation_on_cuda_refuses_what_it_cannot_do() {
                         sharding: Sharding::Accumulate { shards: 2, rank },
                         ..Default::default()
                     };
-                    let e = Accumulator::sharded_on(device, config, &tensors, local.clone())
+                    let e = Accumulator::builder(&tensors)
+                        .device(device)
+                        .config(config)
+                        .communicator(local.clone())
+                        .build()
                         .unwrap_err();
                     assert_eq!(e.kind, ErrorKind::DeviceMismatch, "a host communicator: {e}");
                     let other =
                         Device::Cuda { ordinal: 1 - rank as i32, stream: std::ptr::null_mut() };
-                    let e =
-                        Accumulator::sharded_on(other, config, &tensors, comm.clone()).unwrap_err();
+                    let e = Accumulator::builder(&tensors)
+                        .device(other)
+                        .config(config)
+                        .communicator(comm.clone())
+                        .build()
+                        .unwrap_err();
                     assert_eq!(
                         e.kind,
                         ErrorKind::DeviceMismatch,
                         "a communicator on another device: {e}"
                     );
 
-                    let acc =
-                        Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    let acc = Accumulator::builder(&tensors)
+                        .device(device)
+                        .config(config)
+                        .communicator(comm.clone())
+                        .build()
+                        .unwrap();
                     let scaler =
                         Scaler::on(device, ScalerConfig { init_scale: 4.0, ..Default::default() })
                             .unwrap();
@@ -1473,13 +1491,12 @@ fn sharded_accumulation_on_cuda_checks_the_ranks_at_the_first_micro_batch() {
                             sharding: Sharding::Accumulate { shards: 2, rank },
                             ..Default::default()
                         };
-                        let acc = Accumulator::sharded_on(
-                            device,
-                            config,
-                            &[TensorDesc { numel, dtype: Dtype::F32 }],
-                            comm.clone(),
-                        )
-                        .unwrap();
+                        let acc = Accumulator::builder(&[TensorDesc { numel, dtype: Dtype::F32 }])
+                            .device(device)
+                            .config(config)
+                            .communicator(comm.clone())
+                            .build()
+                            .unwrap();
                         let scaler = Scaler::on(
                             device,
                             ScalerConfig { init_scale: 1.0, ..Default::default() },
@@ -1535,13 +1552,12 @@ fn sharded_accumulation_on_cuda_never_pairs_a_refused_call_with_the_peers() {
                         sharding: Sharding::Accumulate { shards: 2, rank },
                         ..Default::default()
                     };
-                    let acc = Accumulator::sharded_on(
-                        device,
-                        config,
-                        &[TensorDesc { numel, dtype: Dtype::F32 }],
-                        comm.clone(),
-                    )
-                    .unwrap();
+                    let acc = Accumulator::builder(&[TensorDesc { numel, dtype: Dtype::F32 }])
+                        .device(device)
+                        .config(config)
+                        .communicator(comm.clone())
+                        .build()
+                        .unwrap();
                     let scaler =
                         Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
                             .unwrap();
@@ -1717,8 +1733,17 @@ fn run_hybrid_rank(
             ..r.config
         };
         (
-            Accumulator::sharded_on(device, config, &r.descs, comm.clone()).unwrap(),
-            Accumulator::sharded(config, &r.descs, rank.shard_local.clone()).unwrap(),
+            Accumulator::builder(&r.descs)
+                .device(device)
+                .config(config)
+                .communicator(comm.clone())
+                .build()
+                .unwrap(),
+            Accumulator::builder(&r.descs)
+                .config(config)
+                .communicator(rank.shard_local.clone())
+                .build()
+                .unwrap(),
         )
     } else {
         let config = AccumulatorConfig {
@@ -1728,11 +1753,15 @@ fn run_hybrid_rank(
         let gpu = if r.adopt {
             // SAFETY: `adopted` holds `len` f32 and outlives the accumulator; nothing else uses it.
             unsafe {
-                Accumulator::on_buffer(device, config, &r.descs, adopted.ptr() as *mut f32, len)
+                Accumulator::builder(&r.descs)
+                    .device(device)
+                    .config(config)
+                    .master_buffer(adopted.ptr() as *mut f32, len)
+                    .build()
             }
             .unwrap()
         } else {
-            Accumulator::on(device, config, &r.descs).unwrap()
+            Accumulator::builder(&r.descs).device(device).config(config).build().unwrap()
         };
         (gpu, Accumulator::new(config, &r.descs).unwrap())
     };
@@ -1874,13 +1903,22 @@ fn a_hybrid_sync_over_ranks_of_different_shards_fails_on_every_rank() {
                                 sharding: Sharding::Accumulate { shards: 2, rank },
                                 ..Default::default()
                             };
-                            Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap()
+                            Accumulator::builder(&tensors)
+                                .device(device)
+                                .config(config)
+                                .communicator(comm.clone())
+                                .build()
+                                .unwrap()
                         } else {
                             let config = AccumulatorConfig {
                                 sharding: Sharding::ReduceScatter { shards: 2, rank },
                                 ..Default::default()
                             };
-                            Accumulator::on(device, config, &tensors).unwrap()
+                            Accumulator::builder(&tensors)
+                                .device(device)
+                                .config(config)
+                                .build()
+                                .unwrap()
                         };
                         let one = Scaler::on(
                             device,
@@ -1953,9 +1991,19 @@ fn run_hooks_rank(
         .collect();
     let config =
         AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..r.config };
-    let hooks = Accumulator::sharded_on(device, config, &r.descs, comms[0].clone()).unwrap();
-    let whole = Accumulator::sharded_on(device, config, &r.descs, comms[1].clone()).unwrap();
-    let cpu = Accumulator::sharded(config, &r.descs, lc).unwrap();
+    let hooks = Accumulator::builder(&r.descs)
+        .device(device)
+        .config(config)
+        .communicator(comms[0].clone())
+        .build()
+        .unwrap();
+    let whole = Accumulator::builder(&r.descs)
+        .device(device)
+        .config(config)
+        .communicator(comms[1].clone())
+        .build()
+        .unwrap();
+    let cpu = Accumulator::builder(&r.descs).config(config).communicator(lc).build().unwrap();
     for (w, window) in r.windows.iter().enumerate() {
         for (m, micro) in window[rank].iter().enumerate() {
             let order = &orders[w][m];
@@ -2098,8 +2146,12 @@ fn sharded_hooks_on_cuda_fail_every_rank_together() {
                         bucket_numel: 6000,
                         ..Default::default()
                     };
-                    let acc =
-                        Accumulator::sharded_on(device, config, &tensors, comm.clone()).unwrap();
+                    let acc = Accumulator::builder(&tensors)
+                        .device(device)
+                        .config(config)
+                        .communicator(comm.clone())
+                        .build()
+                        .unwrap();
                     assert_eq!(acc.buckets().len(), 2);
                     let scaler =
                         Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
@@ -2225,7 +2277,7 @@ fn sharded_hooks_on_cuda_never_wait_for_the_device_per_bucket() {
                     let (ctx, stream, device) = rank_device(rank);
                     let comm = pair_comm(&id, rank, Duration::from_secs(120));
                     let config = AccumulatorConfig { sharding: Sharding::Accumulate { shards: 2, rank }, bucket_numel: 1000, ..Default::default() };
-                    let acc = Accumulator::sharded_on(device, config, &tensors, comm).unwrap();
+                    let acc = Accumulator::builder(&tensors).device(device).config(config).communicator(comm).build().unwrap();
                     assert_eq!(acc.buckets().len(), 8);
                     let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                     // 1.0 in f16.
@@ -2314,13 +2366,13 @@ fn bf16_wire_rounds(world: usize, test: &str) {
                             c
                         })
                         .collect();
-                    let plain = Accumulator::on(device, config, &descs).unwrap();
+                    let plain = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
                     let scatter =
-                        Accumulator::on(device, AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..config }, &descs)
+                        Accumulator::builder(&descs).device(device).config(AccumulatorConfig { sharding: Sharding::ReduceScatter { shards: world, rank }, ..config }).build()
                             .unwrap();
                     let accumulate = AccumulatorConfig { sharding: Sharding::Accumulate { shards: world, rank }, ..config };
-                    let by_add = Accumulator::sharded_on(device, accumulate, &descs, comms[2].clone()).unwrap();
-                    let by_hooks = Accumulator::sharded_on(device, accumulate, &descs, comms[3].clone()).unwrap();
+                    let by_add = Accumulator::builder(&descs).device(device).config(accumulate).communicator(comms[2].clone()).build().unwrap();
+                    let by_hooks = Accumulator::builder(&descs).device(device).config(accumulate).communicator(comms[3].clone()).build().unwrap();
                     let scaler = Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
                     let grads: Vec<DeviceBuffer> = descs
                         .iter()
@@ -2429,27 +2481,27 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
                                 let (ctx, stream, device) = rank_device(g);
                                 let (comm, reps) = rank.nccl();
                                 let acc = match policy {
-                                    AllReduce | AllReduceEarly => {
-                                        Accumulator::on(device, config, descs).unwrap()
-                                    }
+                                    AllReduce | AllReduceEarly => Accumulator::builder(descs)
+                                        .device(device)
+                                        .config(config)
+                                        .build()
+                                        .unwrap(),
                                     HybridReduceScatter => {
                                         let sharding = Sharding::ReduceScatter { shards, rank: i };
-                                        Accumulator::on(
-                                            device,
-                                            AccumulatorConfig { sharding, ..config },
-                                            descs,
-                                        )
-                                        .unwrap()
+                                        Accumulator::builder(descs)
+                                            .device(device)
+                                            .config(AccumulatorConfig { sharding, ..config })
+                                            .build()
+                                            .unwrap()
                                     }
                                     HybridAccumulate | HybridAccumulateHooks => {
                                         let sharding = Sharding::Accumulate { shards, rank: i };
-                                        Accumulator::sharded_on(
-                                            device,
-                                            AccumulatorConfig { sharding, ..config },
-                                            descs,
-                                            comm.clone(),
-                                        )
-                                        .unwrap()
+                                        Accumulator::builder(descs)
+                                            .device(device)
+                                            .config(AccumulatorConfig { sharding, ..config })
+                                            .communicator(comm.clone())
+                                            .build()
+                                            .unwrap()
                                     }
                                 };
                                 let scaler_config = ScalerConfig {
@@ -2589,7 +2641,11 @@ fn merged_windows_normalise_as_the_group_that_produced_them_on_cuda() {
                             s.spawn(move || {
                                 let (_ctx, _stream, device) = rank_device(rank);
                                 let comm = pair_comm(&id, rank, Duration::from_secs(30));
-                                let acc = Accumulator::on(device, config, &descs).unwrap();
+                                let acc = Accumulator::builder(&descs)
+                                    .device(device)
+                                    .config(config)
+                                    .build()
+                                    .unwrap();
                                 acc.merge_window(&saved[2 * rank]).unwrap();
                                 acc.merge_window(&saved[2 * rank + 1]).unwrap();
                                 let info = acc.sync(Some(&*comm)).unwrap();

@@ -152,8 +152,8 @@ fn an_update_waits_for_adds_of_accumulators_not_passed_to_it() {
         (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
     let (ca, cb) =
         (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
-    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
-    let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
+    let ga = Accumulator::builder(&TENSORS).device(on(&sa)).config(config).build().unwrap();
+    let gb = Accumulator::builder(&TENSORS).device(on(&sb)).config(config).build().unwrap();
     let mut batches = Vec::new();
     for window in 0..6 {
         for m in 0..2 {
@@ -194,8 +194,8 @@ fn the_scaler_destroyed_right_after_adds_on_other_streams() {
     let config = AccumulatorConfig::default();
     let (ca, cb) =
         (Accumulator::new(config, &TENSORS).unwrap(), Accumulator::new(config, &TENSORS).unwrap());
-    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
-    let gb = Accumulator::on(on(&sb), config, &TENSORS).unwrap();
+    let ga = Accumulator::builder(&TENSORS).device(on(&sa)).config(config).build().unwrap();
+    let gb = Accumulator::builder(&TENSORS).device(on(&sb)).config(config).build().unwrap();
     for round in 0..3 {
         let (cs, gs) =
             (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
@@ -233,7 +233,7 @@ fn a_boundary_is_rewritten_only_after_the_scaler_stream_read_it() {
         Scaler::on(on(&streams[1]), scaler_config()).unwrap(),
     ];
     let ca = Accumulator::new(config, &TENSORS).unwrap();
-    let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
+    let ga = Accumulator::builder(&TENSORS).device(on(&sa)).config(config).build().unwrap();
     let mut batches = Vec::new();
     for window in 0..8 {
         let (cs, gs) = (&cpu[window % 2], &gpu[window % 2]);
@@ -270,7 +270,7 @@ fn an_accumulator_dropped_right_after_early_reductions() {
         (Scaler::new(scaler_config()).unwrap(), Scaler::on(on(&ss), scaler_config()).unwrap());
     for keep in [false, false, true] {
         let ca = Accumulator::new(config, &TENSORS).unwrap();
-        let ga = Accumulator::on(on(&sa), config, &TENSORS).unwrap();
+        let ga = Accumulator::builder(&TENSORS).device(on(&sa)).config(config).build().unwrap();
         let first = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
         first.add((&ca, &cs), (&ga, &gs), 2, false);
         let last = Batch::new(&mut rng, &ctx, sa.stream, cs.scale().unwrap(), false);
@@ -332,12 +332,11 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                 let mut batches = Vec::new();
                 for window in 0..4 {
                     let ca = Accumulator::new(config, &TENSORS).unwrap();
-                    let ga = Accumulator::on(
-                        Device::Cuda { ordinal, stream: sa.stream },
-                        config,
-                        &TENSORS,
-                    )
-                    .unwrap();
+                    let ga = Accumulator::builder(&TENSORS)
+                        .device(Device::Cuda { ordinal, stream: sa.stream })
+                        .config(config)
+                        .build()
+                        .unwrap();
                     let first = Batch::new(
                         &mut rng,
                         &ctx,
@@ -396,7 +395,9 @@ fn the_per_thread_default_stream_is_refused() {
         Scaler::on(device, ScalerConfig::default()).expect_err("a scaler on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
-    let err = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS)
+    let err = Accumulator::builder(&TENSORS)
+        .device(device)
+        .build()
         .expect_err("an accumulator on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     assert!(err.message.contains("`stream` = 0x2"), "{}", err.message);
@@ -436,7 +437,7 @@ fn the_per_thread_default_stream_is_refused() {
     for legacy in [std::ptr::null_mut(), 0x1 as driver::CUstream] {
         let device = Device::Cuda { ordinal: 0, stream: legacy };
         let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
-        let acc = Accumulator::on(device, AccumulatorConfig::default(), &TENSORS).unwrap();
+        let acc = Accumulator::builder(&TENSORS).device(device).build().unwrap();
         assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);
         drop((acc, scaler));
     }
@@ -463,12 +464,11 @@ fn calls_keep_the_context(what: &str, seed: u64) {
     let device = on(&stream);
     let scaler = Scaler::on(device, scaler_config()).unwrap();
     check("Scaler::on");
-    let acc = Accumulator::on(
-        device,
-        AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() },
-        &TENSORS,
-    )
-    .unwrap();
+    let acc = Accumulator::builder(&TENSORS)
+        .device(device)
+        .config(AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() })
+        .build()
+        .unwrap();
     check("Accumulator::on");
     let batch = Batch::new(&mut Rng::seeded(seed), &ctx, stream.stream, 1024.0, false);
     let ptrs = batch.ptrs();

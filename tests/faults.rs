@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use gradacc::comm::{BlockPass, Collectives};
+use gradacc::comm::{BlockPass, Collectives, HostCollectives};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, HostCollectives,
-    LocalComm, LossReduction, Normalize, Scaler, ScalerConfig, Sharding, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, LocalComm,
+    LossReduction, Normalize, Scaler, ScalerConfig, Sharding, TensorDesc,
 };
 
 /// How long a waiting rank may take to notice a failure that has happened.
@@ -374,7 +374,11 @@ fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
                         sharding: Sharding::Accumulate { shards: world, rank },
                         ..base
                     };
-                    let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
+                    let acc = Accumulator::builder(tensors)
+                        .config(config)
+                        .communicator(comm.clone())
+                        .build()
+                        .unwrap();
                     // 64 buckets a micro-batch: the first passes, the second fails at its 7th.
                     add_big(&acc, tensors, rank);
                     let e = try_add_big(&acc, tensors, rank).unwrap_err();
@@ -405,7 +409,11 @@ fn abort_in_the_middle_of_a_sharded_micro_batch_discards_every_window() {
                     sharding: Sharding::Accumulate { shards: world, rank: comm.rank() },
                     ..base
                 };
-                let acc = Accumulator::sharded(config, tensors, comm.clone()).unwrap();
+                let acc = Accumulator::builder(tensors)
+                    .config(config)
+                    .communicator(comm.clone())
+                    .build()
+                    .unwrap();
                 acc.load_window(saved).unwrap();
                 assert_eq!(acc.sync(None).unwrap_err().kind, ErrorKind::EmptyWindow);
             });

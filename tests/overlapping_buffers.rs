@@ -22,7 +22,10 @@ fn gradients_overlapping_the_master_are_refused() {
     // SAFETY: the master lies inside `backing`, which outlives the accumulator and is read below
     // only through raw pointers while no call runs.
     let acc = unsafe {
-        Accumulator::with_buffer(config, &OVERLAP_TENSORS, base.add(OVERLAP_MARGIN), len)
+        Accumulator::builder(&OVERLAP_TENSORS)
+            .config(config)
+            .master_buffer(base.add(OVERLAP_MARGIN), len)
+            .build()
     }
     .unwrap();
     let scaler = Scaler::new(ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();

@@ -78,12 +78,11 @@ fn boundary(
                         }
                         Policy::Accumulate | Policy::HybridAccumulate => {
                             let sharding = Sharding::Accumulate { shards, rank: i };
-                            Accumulator::sharded(
-                                AccumulatorConfig { sharding, ..config },
-                                tensors,
-                                shard_comm.clone(),
-                            )
-                            .unwrap()
+                            Accumulator::builder(tensors)
+                                .config(AccumulatorConfig { sharding, ..config })
+                                .communicator(shard_comm.clone())
+                                .build()
+                                .unwrap()
                         }
                     };
                     let scaler = Scaler::new(ScalerConfig {

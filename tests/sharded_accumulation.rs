@@ -39,7 +39,11 @@ fn sharded(
     comm: &Arc<dyn Communicator>,
 ) -> Accumulator {
     let sharding = Sharding::Accumulate { shards: comm.world_size(), rank: comm.rank() };
-    Accumulator::sharded(AccumulatorConfig { sharding, ..config }, tensors, comm.clone()).unwrap()
+    Accumulator::builder(tensors)
+        .config(AccumulatorConfig { sharding, ..config })
+        .communicator(comm.clone())
+        .build()
+        .unwrap()
 }
 
 fn scaler(scale: f32) -> Scaler {
@@ -457,23 +461,25 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
     let comms = group(2);
     // Created on a communicator of another size or rank, or without one.
     let wrong = Sharding::Accumulate { shards: 3, rank: 0 };
-    let e = Accumulator::sharded(
-        AccumulatorConfig { sharding: wrong, ..config },
-        &tensors,
-        comms[0].clone(),
-    )
-    .unwrap_err();
+    let e = Accumulator::builder(&tensors)
+        .config(AccumulatorConfig { sharding: wrong, ..config })
+        .communicator(comms[0].clone())
+        .build()
+        .unwrap_err();
     assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
     let swapped = Sharding::Accumulate { shards: 2, rank: 1 };
-    assert!(Accumulator::sharded(
-        AccumulatorConfig { sharding: swapped, ..config },
-        &tensors,
-        comms[0].clone()
-    )
-    .is_err());
+    assert!(Accumulator::builder(&tensors)
+        .config(AccumulatorConfig { sharding: swapped, ..config })
+        .communicator(comms[0].clone())
+        .build()
+        .is_err());
     assert!(Accumulator::new(AccumulatorConfig { sharding: swapped, ..config }, &tensors).is_err());
     assert!(
-        Accumulator::sharded(config, &tensors, comms[0].clone()).is_err(),
+        Accumulator::builder(&tensors)
+            .config(config)
+            .communicator(comms[0].clone())
+            .build()
+            .is_err(),
         "a communicator for an unsharded accumulator"
     );
 

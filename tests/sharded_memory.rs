@@ -101,12 +101,11 @@ fn a_sharded_window_holds_its_shard_and_one_bucket() {
                 s.spawn(move || {
                     let acc = if sharded {
                         let sharding = Sharding::Accumulate { shards: WORLD, rank: comm.rank() };
-                        Accumulator::sharded(
-                            AccumulatorConfig { sharding, ..config },
-                            tensors,
-                            comm.clone(),
-                        )
-                        .unwrap()
+                        Accumulator::builder(tensors)
+                            .config(AccumulatorConfig { sharding, ..config })
+                            .communicator(comm.clone())
+                            .build()
+                            .unwrap()
                     } else {
                         Accumulator::new(config, tensors).unwrap()
                     };

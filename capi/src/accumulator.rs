@@ -280,7 +280,8 @@ pub unsafe extern "C" fn gradacc_accumulator_create(
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
         let (config, descs, device) = creation_args(config, tensors, n, device)?;
-        *out = ACCUMULATORS.insert(Arc::new(Accumulator::on(device, config, &descs)?));
+        *out = ACCUMULATORS
+            .insert(Arc::new(Accumulator::builder(&descs).device(device).config(config).build()?));
         Ok(())
     })
 }
@@ -317,7 +318,11 @@ pub unsafe extern "C" fn gradacc_accumulator_create_with_buffer(
         // SAFETY: the caller lends `master_numel` f32 values in the device's memory for the
         // accumulator's lifetime (API contract).
         *out = ACCUMULATORS.insert(Arc::new(unsafe {
-            Accumulator::on_buffer(device, config, &descs, master, master_numel)?
+            Accumulator::builder(&descs)
+                .device(device)
+                .config(config)
+                .master_buffer(master, master_numel)
+                .build()?
         }));
         Ok(())
     })
@@ -360,8 +365,13 @@ pub unsafe extern "C" fn gradacc_accumulator_create_sharded(
         if !matches!(config.sharding, Sharding::Accumulate { .. }) {
             return Err(Error::invalid("`config`.sharding must be GRADACC_SHARDING_ACCUMULATE for gradacc_accumulator_create_sharded").into());
         }
-        *out =
-            ACCUMULATORS.insert(Arc::new(Accumulator::sharded_on(device, config, &descs, comm)?));
+        *out = ACCUMULATORS.insert(Arc::new(
+            Accumulator::builder(&descs)
+                .device(device)
+                .config(config)
+                .communicator(comm)
+                .build()?,
+        ));
         Ok(())
     })
 }

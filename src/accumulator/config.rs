@@ -87,7 +87,7 @@ pub enum Sharding {
     /// `read_master`, `with_master` and `master_ptr` take only a tensor wholly inside the shard
     /// (`InvalidArgument` otherwise), and no master buffer can be adopted.
     ///
-    /// **The communicator** is given at creation ([`Accumulator::sharded_on`]), `shards` ranks of
+    /// **The communicator** is given at creation ([`AccumulatorBuilder::communicator`]), `shards` ranks of
     /// which this is `rank`. The accumulator holds its own reference to it, so the group lives as
     /// long as the accumulator, whatever becomes of the caller's reference (MPI must stay
     /// initialised until then). `sync` and `sync_enqueue` take it or `None`; another communicator
@@ -150,7 +150,7 @@ pub enum Sharding {
     /// (`CorruptState` otherwise).
     ///
     /// [`Accumulator::shard`]: super::Accumulator::shard
-    /// [`Accumulator::sharded_on`]: super::Accumulator::sharded_on
+    /// [`AccumulatorBuilder::communicator`]: super::AccumulatorBuilder::communicator
     /// [`Accumulator::new`]: super::Accumulator::new
     /// [`Accumulator::sync_hybrid`]: super::Accumulator::sync_hybrid
     /// [`Accumulator::save_window`]: super::Accumulator::save_window

@@ -22,7 +22,9 @@ pub use protocol::Owed;
 pub(crate) mod sharding;
 mod window;
 
-pub use config::{AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc};
+pub use config::{
+    AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc, MAX_WINDOW_COUNT,
+};
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -471,6 +473,89 @@ pub struct Accumulator {
     store: Box<dyn Store>,
 }
 
+/// Builds an [`Accumulator`]: [`Accumulator::builder`].
+#[derive(Clone)]
+#[must_use = "an accumulator is made by `build`"]
+pub struct AccumulatorBuilder<'a> {
+    tensors: &'a [TensorDesc],
+    device: Device,
+    config: AccumulatorConfig,
+    master: Option<(*mut f32, usize)>,
+    comm: Option<Arc<dyn Communicator>>,
+}
+
+impl AccumulatorBuilder<'_> {
+    /// Where the master lives and the work runs: on CUDA the master is allocated on the
+    /// device's stream, and every later call's work is ordered on that stream.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    pub fn config(mut self, config: AccumulatorConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The communicator of a sharded accumulation ([`Sharding::Accumulate`] in the config, whose
+    /// doc is the contract: what each rank holds, the calls every rank makes, how a failure
+    /// ends). It has `shards` ranks, of which this is `rank`: a host communicator (in-process or
+    /// MPI) on the CPU, an NCCL communicator on the same device on CUDA; the accumulator keeps a
+    /// reference to it. `build` fails with `InvalidArgument` when the config does not shard or
+    /// the communicator has another size or rank, and `DeviceMismatch` for a communicator of
+    /// another kind or device.
+    ///
+    /// On CUDA the shard and the staging are device memory: `add` enqueues each stripe's
+    /// conversion, reduce-scatter and shard add on the device's stream without waiting; hooks
+    /// convert on that stream and reduce each bucket on a communication stream as soon as its
+    /// turn comes, and `end_microbatch` waits for the micro-batch's closing control step.
+    pub fn communicator(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.comm = Some(comm);
+        self
+    }
+
+    /// Adopts the caller's FP32 buffer (host memory for the CPU, a device address for CUDA) of
+    /// exactly [`Accumulator::master_len`] elements (the tensors and the padding that aligns
+    /// each one) as the master. The padding is zeroed by `build` and must stay untouched; tensor
+    /// `i` starts at element [`Accumulator::offset`]`(i)`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` f32 values in the device's memory, and
+    /// used by nothing else while the accumulator is alive except through the accumulator's own
+    /// accessors.
+    pub unsafe fn master_buffer(mut self, ptr: *mut f32, len: usize) -> Self {
+        self.master = Some((ptr, len));
+        self
+    }
+
+    /// Makes the accumulator, or fails creating nothing.
+    pub fn build(self) -> Result<Accumulator> {
+        if let Some((ptr, _)) = self.master {
+            if ptr.is_null() {
+                return Err(Error::invalid("master buffer is null"));
+            }
+            if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
+                return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));
+            }
+        }
+        if let Some(comm) = &self.comm {
+            let Sharding::Accumulate { shards, rank } = self.config.sharding else {
+                return Err(Error::invalid(
+                    "a communicator at creation is for sharded accumulation (Sharding::Accumulate); this config does not shard it",
+                ));
+            };
+            if (comm.world_size(), comm.rank()) != (shards, rank) {
+                return Err(Error::invalid(format!(
+                    "the accumulator holds shard {rank} of {shards}, but the communicator is rank {} of {}",
+                    comm.rank(),
+                    comm.world_size()
+                )));
+            }
+        }
+        Accumulator::build(self.device, self.config, self.tensors, self.master, self.comm)
+    }
+}
+
 impl std::fmt::Debug for Accumulator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Accumulator")
@@ -481,96 +566,37 @@ impl std::fmt::Debug for Accumulator {
 }
 
 impl Accumulator {
-    /// A CPU accumulator that owns its master buffer.
+    /// A CPU accumulator that owns its master buffer: the common case. Everything else (another
+    /// device, a caller's master buffer, sharded accumulation) is [`Accumulator::builder`]'s.
     pub fn new(config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
-        Self::on(Device::Cpu, config, tensors)
+        Self::builder(tensors).config(config).build()
     }
 
-    /// An accumulator on `device` that owns its master (zeroed; on CUDA allocated on the
-    /// device's stream, and every later call's work is ordered on that stream).
-    pub fn on(device: Device, config: AccumulatorConfig, tensors: &[TensorDesc]) -> Result<Self> {
-        Self::build(device, config, tensors, None, None)
-    }
-
-    /// A CPU accumulator that adopts a caller's FP32 buffer of exactly
-    /// [`Accumulator::master_len`] elements (the tensors and the padding that aligns each one) as
-    /// its master buffer. The padding is zeroed here and must stay untouched; tensor `i` starts
-    /// at element [`Accumulator::offset`]`(i)`.
+    /// An accumulator over `tensors`, configured step by step: on the CPU, with
+    /// `AccumulatorConfig::default()`, owning its master, unless told otherwise.
     ///
-    /// # Safety
-    /// `ptr` must be valid for reads and writes of `len` f32 values, and used by nothing else
-    /// while the accumulator is alive except through the accumulator's own accessors.
-    pub unsafe fn with_buffer(
-        config: AccumulatorConfig,
-        tensors: &[TensorDesc],
-        ptr: *mut f32,
-        len: usize,
-    ) -> Result<Self> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { Self::on_buffer(Device::Cpu, config, tensors, ptr, len) }
-    }
-
-    /// An accumulator on `device` that adopts the caller's FP32 buffer (host memory for the CPU,
-    /// a device address for CUDA) of exactly [`Accumulator::master_len`] elements as its master.
+    /// ```
+    /// use gradacc::{Accumulator, AccumulatorConfig, Device, Dtype, TensorDesc};
     ///
-    /// # Safety
-    /// As [`Accumulator::with_buffer`], in the device's memory.
-    pub unsafe fn on_buffer(
-        device: Device,
-        config: AccumulatorConfig,
-        tensors: &[TensorDesc],
-        ptr: *mut f32,
-        len: usize,
-    ) -> Result<Self> {
-        if ptr.is_null() {
-            return Err(Error::invalid("master buffer is null"));
+    /// let tensors = [
+    ///     TensorDesc { numel: 1000, dtype: Dtype::F16 },
+    ///     TensorDesc { numel: 10, dtype: Dtype::F32 },
+    /// ];
+    /// let acc = Accumulator::builder(&tensors)
+    ///     .device(Device::Cpu)
+    ///     .config(AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() })
+    ///     .build()?;
+    /// assert_eq!(acc.tensors().len(), 2);
+    /// # Ok::<(), gradacc::Error>(())
+    /// ```
+    pub fn builder(tensors: &[TensorDesc]) -> AccumulatorBuilder<'_> {
+        AccumulatorBuilder {
+            tensors,
+            device: Device::Cpu,
+            config: AccumulatorConfig::default(),
+            master: None,
+            comm: None,
         }
-        if ptr.align_offset(std::mem::align_of::<f32>()) != 0 {
-            return Err(Error::invalid(format!("master buffer {ptr:p} is not 4-byte aligned")));
-        }
-        Self::build(device, config, tensors, Some((ptr, len)), None)
-    }
-
-    /// [`Accumulator::sharded_on`] on the CPU: a sharded accumulation over a host communicator.
-    pub fn sharded(
-        config: AccumulatorConfig,
-        tensors: &[TensorDesc],
-        comm: Arc<dyn Communicator>,
-    ) -> Result<Self> {
-        Self::sharded_on(Device::Cpu, config, tensors, comm)
-    }
-
-    /// A sharded accumulation on `device` over `comm` ([`Sharding::Accumulate`] in `config`,
-    /// whose doc is the contract: what each rank holds, the calls every rank makes, how a failure
-    /// ends). `comm` has `shards` ranks, of which this is `rank`: a host communicator (in-process
-    /// or MPI) on the CPU, an NCCL communicator on the same device on CUDA; the accumulator keeps
-    /// a reference to it. Fails, creating nothing, with `InvalidArgument` when `config.sharding`
-    /// is not `Accumulate` or `comm` has another size or rank, and `DeviceMismatch` for a
-    /// communicator of another kind or device.
-    ///
-    /// On CUDA the shard and the staging are device memory: `add` enqueues each stripe's
-    /// conversion, reduce-scatter and shard add on the device's stream without waiting; hooks
-    /// convert on that stream and reduce each bucket on a communication stream as soon as its
-    /// turn comes, and `end_microbatch` waits for the micro-batch's closing control step.
-    pub fn sharded_on(
-        device: Device,
-        config: AccumulatorConfig,
-        tensors: &[TensorDesc],
-        comm: Arc<dyn Communicator>,
-    ) -> Result<Self> {
-        let Sharding::Accumulate { shards, rank } = config.sharding else {
-            return Err(Error::invalid(
-                "a communicator at creation is for sharded accumulation (Sharding::Accumulate); this config does not shard it",
-            ));
-        };
-        if (comm.world_size(), comm.rank()) != (shards, rank) {
-            return Err(Error::invalid(format!(
-                "the accumulator holds shard {rank} of {shards}, but the communicator is rank {} of {}",
-                comm.rank(),
-                comm.world_size()
-            )));
-        }
-        Self::build(device, config, tensors, None, Some(comm))
     }
 
     fn build(
@@ -603,7 +629,7 @@ impl Accumulator {
             if comm.is_none() && shards > 1 {
                 return Err(Error::invalid(format!(
                     "sharded accumulation over {shards} ranks reduces every micro-batch: create it with its communicator \
-                     (gradacc_accumulator_create_sharded; Accumulator::sharded in Rust)"
+                     (gradacc_accumulator_create_sharded; AccumulatorBuilder::communicator in Rust)"
                 )));
             }
         }
@@ -632,7 +658,7 @@ impl Accumulator {
 
     /// The master length, in f32 elements, of an accumulator over `tensors`: each tensor starts
     /// at a multiple of [`MASTER_ALIGN`] bytes, with zeros between. What a buffer given to
-    /// [`Accumulator::with_buffer`] must hold.
+    /// [`AccumulatorBuilder::master_buffer`] must hold.
     pub fn master_len(tensors: &[TensorDesc]) -> Result<usize> {
         Ok(Layout::new(tensors, usize::MAX)?.len())
     }
@@ -742,6 +768,7 @@ impl Accumulator {
     /// # Safety
     /// On the CPU, each non-null address must point to its tensor's declared numel readable
     /// values of its dtype for the duration of the call.
+    #[cfg(feature = "internal")]
     pub unsafe fn add_raw(
         &self,
         scaler: &Scaler,
@@ -850,6 +877,7 @@ impl Accumulator {
     /// # Safety
     /// On the CPU, a non-null `grad` must point to `numel` readable values of the tensor's dtype
     /// for the duration of the call.
+    #[cfg(feature = "internal")]
     pub unsafe fn add_tensor_raw(
         &self,
         scaler: &Scaler,

@@ -170,7 +170,7 @@ impl ApexSeed {
         ApexSeed {
             scaler: Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
                 .unwrap(),
-            acc: Accumulator::on(device, config, &descs).unwrap(),
+            acc: Accumulator::builder(&descs).device(device).config(config).build().unwrap(),
             first: [g(0.5), g(1.0)],
             second: [g(2.5), g(1.0)],
         }
