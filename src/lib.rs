@@ -8,21 +8,28 @@
 //! ```
 //! use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, Scaler, ScalerConfig, TensorDesc};
 //!
+//! // One tensor of 3 weights; its gradients come in f32 here, f16 and bf16 the same way.
 //! let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
 //! let scaler = Scaler::new(ScalerConfig::default())?;
-//! let acc = Accumulator::new(AccumulatorConfig::default(), &tensors)?;
-//! for micro_batch in [[1.0f32, 2.0, 3.0], [3.0, 2.0, 1.0]] {
-//!     // The gradient of the mean loss over the micro-batch's 8 items, times the loss scale.
-//!     let s = scaler.scale()?;
-//!     let scaled = micro_batch.map(|g| g * s);
-//!     acc.add(&scaler, &[Grad::F32(&scaled)][..], 8)?;
+//! let config = AccumulatorConfig { max_grad_norm: 10.0, ..Default::default() };
+//! let acc = Accumulator::new(config, &tensors)?;
+//! let mut weights = [0.5f32; 3];
+//! for _step in 0..2 {
+//!     for items in [8, 5] {
+//!         // The backward of the mean loss over the micro-batch's items, scaled by the scale:
+//!         // here the loss (w - 1)^2 / 2 of every item.
+//!         let scale = scaler.scale()?;
+//!         let grad = weights.map(|w| (w - 1.0) * scale);
+//!         acc.add(&scaler, &[Grad::F32(&grad)][..], items)?;
+//!     }
+//!     // With several ranks: acc.sync(Some(&*comm)), comm a LocalComm, MpiComm or NcclComm.
+//!     let info = acc.sync(None)?;
+//!     if !scaler.update(info.found_inf)?.skipped {
+//!         // The master holds the gradient of the mean loss over all 13 items, unscaled.
+//!         acc.with_master(0, |g| weights.iter_mut().zip(g).for_each(|(w, g)| *w -= 0.5 * g))?;
+//!     }
 //! }
-//! let info = acc.sync(None)?;
-//! scaler.update(info.found_inf)?;
-//! // The gradient of the mean loss over all 16 items.
-//! let mut mean = [0.0f32; 3];
-//! acc.read_master(0, &mut mean)?;
-//! assert_eq!(mean, [2.0, 2.0, 2.0]);
+//! assert_eq!(weights, [0.875; 3]);
 //! # Ok::<(), gradacc::Error>(())
 //! ```
 //!

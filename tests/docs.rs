@@ -1,6 +1,7 @@
 //! Statements of the docs that a test can hold to the code: the README's API table against the
-//! functions the generated header exports, and the header's promise that every function states
-//! its thread safety and every constructor the function that frees its result.
+//! functions the generated header exports, the header's promise that every function states
+//! its thread safety and every constructor the function that frees its result, and the README's
+//! Rust loop against the crate documentation's, which runs as a doctest.
 
 use std::collections::BTreeSet;
 
@@ -120,4 +121,29 @@ fn every_function_states_its_thread_safety_and_every_constructor_its_destroy() {
             );
         }
     }
+}
+
+/// The README's Rust example is the crate documentation's first example (whose doctest runs
+/// it), without its hidden lines.
+#[test]
+fn the_readme_rust_loop_is_the_tested_crate_example() {
+    let fence = |text: &str, open: &str| -> String {
+        let start = text.find(open).unwrap_or_else(|| panic!("no {open:?} block")) + open.len();
+        let end = start + text[start..].find("```").expect("an unclosed block");
+        text[start..end].to_string()
+    };
+    let crate_doc: String = read("src/lib.rs")
+        .lines()
+        .filter_map(|l| l.strip_prefix("//!"))
+        .map(|l| l.strip_prefix(' ').unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let tested: String = fence(&crate_doc, "```\n")
+        .lines()
+        .filter(|l| !l.starts_with("# "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let readme = read("README.md");
+    let rust = readme.split("### Rust (the crate `gradacc`)").nth(1).expect("a Rust section");
+    assert_eq!(fence(rust, "```rust\n"), tested);
 }
