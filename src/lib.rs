@@ -57,7 +57,7 @@ macro_rules! internal_modules {
     )*};
 }
 
-internal_modules!(accumulator, backend, comm, device, dtype, error, scaler);
+internal_modules!(accumulator, backend, comm, device, dtype, error, optimizer, scaler);
 mod state;
 
 pub use accumulator::{
@@ -71,6 +71,7 @@ pub use comm::{MpiComm, MpiOptions};
 pub use device::{Device, DevicePtr};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
+pub use optimizer::{Algorithm, Optimizer, OptimizerConfig, Rounding, Slot, TensorGroup};
 pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 
 /// The crate version, the single source of every version number the project reports.

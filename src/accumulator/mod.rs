@@ -1418,6 +1418,38 @@ impl Accumulator {
         }
     }
 
+    /// Runs `f` on the synced window's id, its info and this rank's part of the reduced gradient
+    /// ([`Accumulator::shard`]'s range, on the host), holding the window so that nothing changes
+    /// it meanwhile: what an optimizer steps from. `WrongState` naming `what` unless synced.
+    pub(crate) fn with_reduced<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(u64, SyncInfo, &[f32]) -> R,
+    ) -> Result<R> {
+        let w = self.window.write();
+        let Phase::Synced(info) = w.phase else {
+            return Err(Error::wrong_state(format!(
+                "{what} needs a synced window: call sync first (a window steps the optimizer once)"
+            )));
+        };
+        let info = info.ok_or_else(|| {
+            Error::wrong_state(format!("{what} needs the boundary's result on the host: sync, not sync_enqueue"))
+        })?;
+        self.store.check_open()?;
+        let (mut f, mut out) = (Some(f), None);
+        self.store.view(self.plan.shard(), &mut |g| out = f.take().map(|f| f(w.id, info, g)))?;
+        Ok(out.expect("a view runs once"))
+    }
+
+    pub(crate) fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+
+    /// The communicator a sharded accumulation is bound to.
+    pub(crate) fn bound(&self) -> Option<&dyn Communicator> {
+        self.store.bound()
+    }
+
     /// Checks that the window is synced (WRONG_STATE naming `what` otherwise) and returns its
     /// info when the host has it.
     pub(crate) fn check_synced(&self, what: &str) -> Result<Option<SyncInfo>> {

@@ -273,6 +273,33 @@ pub trait HostCollectives: Send + Sync {
     /// values, and every rank passes the same `counts`. A sharded accumulation's boundary
     /// gathers its shards' block values with it.
     fn allgather_values(&self, mine: &[f64], counts: &[usize]) -> Result<Vec<f64>>;
+
+    /// Every rank's `mine` bytes concatenated in rank order, on every rank, bit for bit: rank q
+    /// brings `counts[q]` bytes, and every rank passes the same `counts`. This default carries
+    /// them as the bit patterns of [`HostCollectives::allgather_values`]' values, 8 bytes each,
+    /// which every implementation copies and never computes with.
+    fn allgather_bytes(&self, mine: &[u8], counts: &[usize]) -> Result<Vec<u8>> {
+        let words = |bytes: usize| bytes.div_ceil(8);
+        let packed: Vec<f64> = mine
+            .chunks(8)
+            .map(|c| {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                f64::from_bits(u64::from_le_bytes(w))
+            })
+            .collect();
+        let word_counts: Vec<usize> = counts.iter().map(|&c| words(c)).collect();
+        let all = self.allgather_values(&packed, &word_counts)?;
+        let mut out = Vec::with_capacity(counts.iter().sum());
+        let mut at = 0;
+        for (&bytes, &n) in counts.iter().zip(&word_counts) {
+            let theirs: Vec<u8> =
+                all[at..at + n].iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+            out.extend_from_slice(&theirs[..bytes]);
+            at += n;
+        }
+        Ok(out)
+    }
 }
 
 /// `counts` has one entry per rank and this rank's is `mine`'s length.

@@ -1,0 +1,459 @@
+//! The FP32-master optimizer step, the third technique of mixed precision: FP32 master weights,
+//! AdamW or SGD stepped from the accumulator's reduced, normalised, clipped gradient, the new
+//! weights written into the model's 16- or 32-bit buffers in the same pass, and under a sharded
+//! boundary (ZeRO-1 and ZeRO-2) each rank stepping its shard only and all-gathering the weights.
+//!
+//! Who owns what: the per-element rule is `update.rs` (PyTorch's operation order), the rounding
+//! into the model's dtype `rounding.rs`, the saved format `saved.rs`; this file binds them to an
+//! accumulator's layout and shard and to its window (one step per synced window).
+
+mod config;
+mod rounding;
+mod saved;
+mod update;
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use config::{Algorithm, OptimizerConfig, TensorGroup};
+pub use rounding::Rounding;
+
+use crate::accumulator::sharding::intersect;
+use crate::accumulator::{Accumulator, Plan, Sharding};
+use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::comm::{Collectives, Communicator, HostCollectives};
+use crate::device::Device;
+use crate::dtype::{Dtype, Grad, GradMut};
+use crate::error::{Error, ErrorKind, Result};
+use update::Scalars;
+
+/// Which per-element value of the optimizer [`Optimizer::read`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// The FP32 master weights.
+    Weights,
+    /// AdamW's first moment (`exp_avg`), or SGD's momentum buffer.
+    FirstMoment,
+    /// AdamW's second moment (`exp_avg_sq`).
+    SecondMoment,
+}
+
+/// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
+/// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
+/// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
+/// AdamW (8 for SGD with momentum), and after each step the ranks all-gather the new model
+/// weights, so every rank's model is bitwise what one unsharded optimizer would write.
+///
+/// The optimizer runs on CPU accumulators, over in-process and MPI communicators.
+#[derive(Debug)]
+pub struct Optimizer {
+    algorithm: Algorithm,
+    rounding: Rounding,
+    groups: Vec<TensorGroup>,
+    plan: Arc<Plan>,
+    /// The model's weight dtype of each tensor.
+    dtypes: Vec<Dtype>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    lr: f32,
+    /// Steps taken; skipped ones do not count (bias correction counts the steps taken).
+    steps: u64,
+    /// The accumulator window last stepped from (or skipped): one step per synced window.
+    consumed: Option<u64>,
+    /// The flat layout's range held, and its values (zeros in the padding).
+    held: Range<usize>,
+    master: Vec<f32>,
+    first: Vec<f32>,
+    /// Empty for SGD.
+    second: Vec<f32>,
+}
+
+impl Optimizer {
+    /// An optimizer over `acc`'s tensors, device and sharding, its FP32 masters initialised from
+    /// the model's weights `weights` (one whole tensor per accumulator tensor, of any dtype: the
+    /// model's, which `step` writes), each tensor in `groups[i]` (empty: every tensor in the
+    /// default group). Fails, making nothing, on a config out of range, a weight of the wrong
+    /// length, or an accumulator on another device than the CPU (`BackendUnavailable`).
+    pub fn new(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[Grad<'_>],
+    ) -> Result<Self> {
+        config.validate()?;
+        if acc.device() != Device::Cpu {
+            return Err(Error::new(
+                ErrorKind::BackendUnavailable,
+                format!("the optimizer steps CPU accumulators; this one is on {:?}", acc.device()),
+            ));
+        }
+        let plan = acc.plan().clone();
+        let n = plan.descs.len();
+        let groups = match groups.len() {
+            0 => vec![TensorGroup::default(); n],
+            g if g == n => groups.to_vec(),
+            g => {
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!("`groups` has {g} entries for {n} tensors"),
+                ))
+            }
+        };
+        for (i, g) in groups.iter().enumerate() {
+            g.validate(i)?;
+        }
+        check_count(weights.len(), n)?;
+        for (i, w) in weights.iter().enumerate() {
+            check_len(i, w.len(), plan.descs[i].numel)?;
+        }
+        let held = plan.shard();
+        let mut master = vec![0.0f32; held.len()];
+        for (i, w) in weights.iter().enumerate() {
+            let p = piece(&plan, i, &held);
+            let out = &mut master[p.held];
+            let values = w.slice(p.tensor.start, p.tensor.end);
+            for (m, v) in out.iter_mut().zip(0..) {
+                *m = value_at(&values, v);
+            }
+        }
+        let second = if config.algorithm.second_moment() { vec![0.0; held.len()] } else { vec![] };
+        let state = State {
+            lr: config.lr,
+            steps: 0,
+            consumed: None,
+            first: vec![0.0; held.len()],
+            second,
+            master,
+            held,
+        };
+        Ok(Optimizer {
+            algorithm: config.algorithm,
+            rounding: config.rounding,
+            groups,
+            plan,
+            dtypes: weights.iter().map(Grad::dtype).collect(),
+            state: Mutex::new(state),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The learning rate of the next step.
+    pub fn lr(&self) -> f32 {
+        self.lock().lr
+    }
+
+    /// Sets the learning rate of the steps from the next one on (a schedule calls it each step).
+    pub fn set_lr(&self, lr: f32) -> Result<()> {
+        config::check_lr(lr)?;
+        self.lock().lr = lr;
+        Ok(())
+    }
+
+    /// Steps taken (a skipped step is not one).
+    pub fn steps(&self) -> u64 {
+        self.lock().steps
+    }
+
+    /// This rank's values of tensor `index` in `slot`: the range of the tensor's elements it
+    /// holds (all of them without sharding) and their values.
+    pub fn read(&self, index: usize, slot: Slot) -> Result<(Range<usize>, Vec<f32>)> {
+        self.plan.layout.check_index(index)?;
+        let s = self.lock();
+        let p = piece(&self.plan, index, &s.held);
+        let values = match slot {
+            Slot::Weights => &s.master,
+            Slot::FirstMoment => &s.first,
+            Slot::SecondMoment if self.algorithm.second_moment() => &s.second,
+            Slot::SecondMoment => {
+                return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()))
+            }
+        };
+        Ok((p.tensor, values[p.held].to_vec()))
+    }
+
+    /// The optimizer step after `acc`'s `sync`: from the reduced gradient, steps the FP32
+    /// masters and the state and writes the model's weights `weights` (the same dtypes and
+    /// lengths as at creation), or, when the boundary found a non-finite value, changes nothing
+    /// at all. Returns whether it stepped. Under a sharded boundary the ranks then all-gather
+    /// the new weights over `comm` (the communicator `sync` took; `None` for a sharded
+    /// accumulation's own): every rank calls `step` alike.
+    ///
+    /// Fails with `WrongState` before a sync or a second time after one, and on the wrong
+    /// accumulator, weights or communicator, changing nothing. A failed all-gather (the
+    /// communicator failed) leaves this rank's shard stepped and the other shards' weights as
+    /// they were: resume from saved state.
+    pub fn step(
+        &self,
+        acc: &Accumulator,
+        weights: &mut [GradMut<'_>],
+        comm: Option<&dyn Communicator>,
+    ) -> Result<bool> {
+        if !Arc::ptr_eq(acc.plan(), &self.plan) {
+            return Err(Error::invalid(
+                "`acc` is not the accumulator this optimizer was made over",
+            ));
+        }
+        check_count(weights.len(), self.dtypes.len())?;
+        for (i, w) in weights.iter().enumerate() {
+            let dtype = mut_dtype(w);
+            if dtype != self.dtypes[i] {
+                return Err(Error::new(
+                    ErrorKind::DtypeMismatch,
+                    format!("`weights[{i}]` is {dtype:?}, the model's weights were {:?}", self.dtypes[i]),
+                ));
+            }
+            check_len(i, mut_len(w), self.plan.descs[i].numel)?;
+        }
+        let group = self.gather_group(acc, comm)?;
+        let mut s = self.lock();
+        let stepped = acc.with_reduced("the optimizer step", |window, info, grad| {
+            if s.consumed == Some(window) {
+                return Err(Error::wrong_state(
+                    "the optimizer already stepped from this window: sync again first",
+                ));
+            }
+            s.consumed = Some(window);
+            if info.found_inf {
+                return Ok(false);
+            }
+            self.update(&mut s, grad, weights);
+            Ok(true)
+        })??;
+        drop(s);
+        if let (true, Some((h, shards, rank))) = (stepped, group) {
+            self.all_gather(h, &shards, rank, weights)?;
+        }
+        Ok(stepped)
+    }
+
+    /// The host collectives and shards over which a step all-gathers the weights, if any.
+    fn gather_group<'a>(
+        &self,
+        acc: &'a Accumulator,
+        comm: Option<&'a dyn Communicator>,
+    ) -> Result<Option<GatherGroup<'a>>> {
+        let sharding = self.plan.config.sharding;
+        let Some((shards, rank)) = sharding.shard() else { return Ok(None) };
+        if shards == 1 {
+            return Ok(None);
+        }
+        let comm = match (comm, sharding) {
+            (Some(c), _) => c,
+            (None, Sharding::Accumulate { .. }) => acc.bound().expect("bound to its group"),
+            (None, _) => {
+                return Err(Error::invalid(format!(
+                    "`comm`: a reduce-scatter boundary over {shards} ranks all-gathers the weights over the communicator `sync` took"
+                )))
+            }
+        };
+        if (comm.world_size(), comm.rank()) != (shards, rank) {
+            return Err(Error::invalid(format!(
+                "`comm` is rank {} of {}; the optimizer holds shard {rank} of {shards}",
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
+        match comm.collectives() {
+            Collectives::Host(h) => Ok(Some((h, self.plan.shards(), rank))),
+            _ => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "`comm`: the optimizer all-gathers over host communicators (in-process, MPI)",
+            )),
+        }
+    }
+
+    /// One step of every held element, its model weight written as it goes.
+    fn update(&self, s: &mut State, grad: &[f32], weights: &mut [GradMut<'_>]) {
+        let t = s.steps + 1;
+        let State { lr, held, master, first, second, .. } = s;
+        let mut unused = 0.0f32;
+        for (i, w) in weights.iter_mut().enumerate() {
+            let p = piece(&self.plan, i, held);
+            let group = self.groups[i];
+            let k = Scalars::new(
+                &self.algorithm,
+                *lr as f64 * group.lr_scale as f64,
+                group.weight_decay,
+                t,
+            );
+            for ((j, at), e) in p.flat.zip(p.held).zip(p.tensor) {
+                let s2 = second.get_mut(at).unwrap_or(&mut unused);
+                update::step(&k, grad[at], &mut master[at], &mut first[at], s2);
+                self.write(w, e, master[at], t, j);
+            }
+        }
+        s.steps = t;
+    }
+
+    /// Writes master weight `value` as element `at` of the model's weight; `index` is its place
+    /// in the flat layout, which keys stochastic rounding.
+    #[inline(always)]
+    fn write(&self, w: &mut GradMut<'_>, at: usize, value: f32, step: u64, index: usize) {
+        let round = |dtype: Dtype, nearest: fn(f32) -> u16| match self.rounding {
+            Rounding::NearestEven => nearest(value),
+            Rounding::Stochastic { seed } => {
+                rounding::stochastic(value, dtype, rounding::draw(seed, step, index as u64))
+            }
+        };
+        match w {
+            GradMut::F32(b) => b[at] = value,
+            GradMut::F16(b) => b[at] = round(Dtype::F16, f32_to_f16),
+            GradMut::Bf16(b) => b[at] = round(Dtype::Bf16, f32_to_bf16),
+        }
+    }
+
+    /// Every rank's part of the model weights to every rank, bit for bit.
+    fn all_gather(
+        &self,
+        h: &dyn HostCollectives,
+        shards: &[Range<usize>],
+        rank: usize,
+        weights: &mut [GradMut<'_>],
+    ) -> Result<()> {
+        let pieces = |q: usize| {
+            (0..self.dtypes.len()).filter_map(move |i| {
+                let p = piece(&self.plan, i, &shards[q]);
+                (!p.tensor.is_empty()).then_some((i, p.tensor))
+            })
+        };
+        let bytes = |q: usize| -> usize {
+            pieces(q).map(|(i, r)| r.len() * self.dtypes[i].size()).sum()
+        };
+        let counts: Vec<usize> = (0..shards.len()).map(bytes).collect();
+        let mut mine = Vec::with_capacity(counts[rank]);
+        for (i, r) in pieces(rank) {
+            append_bytes(&weights[i], r, &mut mine);
+        }
+        let all = h.allgather_bytes(&mine, &counts)?;
+        let mut at = 0;
+        for q in 0..shards.len() {
+            for (i, r) in pieces(q) {
+                let n = r.len() * self.dtypes[i].size();
+                if q != rank {
+                    set_bytes(&mut weights[i], r, &all[at..at + n]);
+                }
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer's state (this rank's part of it), versioned and checksummed.
+    pub fn save(&self) -> Result<Vec<u8>> {
+        let s = self.lock();
+        Ok(saved::encode(self, &s))
+    }
+
+    /// Restores the state from saved parts: the bytes [`Optimizer::save`] wrote on any number of
+    /// ranks (one part without sharding), together covering this rank's elements, from an
+    /// optimizer with the same tensors, model dtypes, algorithm and rounding. Corrupt, foreign
+    /// or insufficient parts are refused with `CorruptState`, and the optimizer is unchanged.
+    /// The next step may be from the current window (the window it last stepped is forgotten).
+    pub fn load(&self, parts: &[&[u8]]) -> Result<()> {
+        let mut s = self.lock();
+        let restored = saved::decode(self, &s.held, parts)?;
+        *s = restored;
+        Ok(())
+    }
+}
+
+/// Where a sharded step all-gathers: the host collectives, every rank's shard, this rank.
+type GatherGroup<'a> = (&'a dyn HostCollectives, Vec<Range<usize>>, usize);
+
+/// Where tensor `i`'s elements inside `held` (a range of the flat layout) are.
+#[derive(Clone, Debug)]
+struct Piece {
+    /// In the flat layout.
+    flat: Range<usize>,
+    /// Counted from the tensor's start.
+    tensor: Range<usize>,
+    /// Counted from `held`'s start.
+    held: Range<usize>,
+}
+
+/// Tensor `i`'s piece of `held`; empty (at the starts) when it has no element there.
+fn piece(plan: &Plan, i: usize, held: &Range<usize>) -> Piece {
+    let t = plan.layout.range(i);
+    let flat = intersect(&t, held);
+    if flat.is_empty() {
+        return Piece { flat: t.start..t.start, tensor: 0..0, held: 0..0 };
+    }
+    Piece {
+        tensor: flat.start - t.start..flat.end - t.start,
+        held: flat.start - held.start..flat.end - held.start,
+        flat,
+    }
+}
+
+fn check_count(got: usize, tensors: usize) -> Result<()> {
+    if got == tensors {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("`weights` has {got} tensors, the accumulator {tensors}"),
+        ))
+    }
+}
+
+fn check_len(i: usize, got: usize, numel: usize) -> Result<()> {
+    if got == numel {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("`weights[{i}]` holds {got} elements, tensor {i} has {numel}"),
+        ))
+    }
+}
+
+fn value_at(g: &Grad<'_>, at: usize) -> f32 {
+    match g {
+        Grad::F32(b) => b[at],
+        Grad::F16(b) => f16_to_f32(b[at]),
+        Grad::Bf16(b) => bf16_to_f32(b[at]),
+    }
+}
+
+fn mut_dtype(w: &GradMut<'_>) -> Dtype {
+    match w {
+        GradMut::F32(_) => Dtype::F32,
+        GradMut::F16(_) => Dtype::F16,
+        GradMut::Bf16(_) => Dtype::Bf16,
+    }
+}
+
+fn mut_len(w: &GradMut<'_>) -> usize {
+    match w {
+        GradMut::F32(b) => b.len(),
+        GradMut::F16(b) | GradMut::Bf16(b) => b.len(),
+    }
+}
+
+fn append_bytes(w: &GradMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
+    match w {
+        GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_bits().to_le_bytes())),
+        GradMut::F16(b) | GradMut::Bf16(b) => {
+            b[r].iter().for_each(|v| out.extend(v.to_le_bytes()))
+        }
+    }
+}
+
+fn set_bytes(w: &mut GradMut<'_>, r: Range<usize>, bytes: &[u8]) {
+    match w {
+        GradMut::F32(b) => b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
+            *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        }),
+        GradMut::F16(b) | GradMut::Bf16(b) => {
+            b[r].iter_mut().zip(bytes.chunks_exact(2)).for_each(|(v, c)| {
+                *v = u16::from_le_bytes(c.try_into().expect("2 bytes"))
+            })
+        }
+    }
+}

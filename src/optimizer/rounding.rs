@@ -1,0 +1,111 @@
+//! Writing an FP32 master weight into the model's weight: round to nearest even, or stochastic
+//! rounding driven by a counter-based generator, so that every rank, shard count and rerun draws
+//! the same number for the same element of the same step.
+
+use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::dtype::Dtype;
+
+/// How an FP32 master weight becomes the model's 16-bit weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Rounding {
+    /// Round to nearest, ties to even. The default.
+    #[default]
+    NearestEven,
+    /// Round up or down with probabilities that make the expected value the FP32 weight, so
+    /// that updates smaller than the 16-bit spacing still move the weight on average. The
+    /// random number of an element is a function of the seed, the step and the element's index
+    /// in the flat layout alone. Values beyond the largest finite 16-bit value, infinities, NaN
+    /// and values that are already representable round as with `NearestEven`. F32 weights are
+    /// written as they are either way.
+    Stochastic { seed: u64 },
+}
+
+impl Rounding {
+    /// The code stored in saved state.
+    pub(crate) fn code(self) -> (u64, u64) {
+        match self {
+            Rounding::NearestEven => (0, 0),
+            Rounding::Stochastic { seed } => (1, seed),
+        }
+    }
+}
+
+/// SplitMix64's finaliser: a bijection of u64 whose outputs pass statistical tests even for
+/// consecutive inputs.
+#[inline(always)]
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The random 32 bits of element `index` at step `step`.
+#[inline(always)]
+pub(crate) fn draw(seed: u64, step: u64, index: u64) -> u32 {
+    let key = mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)));
+    (mix(key.wrapping_add(index.wrapping_mul(0x9e37_79b9_7f4a_7c15))) >> 32) as u32
+}
+
+/// `x` in `dtype` (16-bit), rounded stochastically with the random bits `r`: up (away from
+/// zero) with probability (|x| - |lo|) / (|hi| - |lo|), `lo` and `hi` the neighbours of `x`.
+#[inline]
+pub(crate) fn stochastic(x: f32, dtype: Dtype, r: u32) -> u16 {
+    let f16 = dtype == Dtype::F16;
+    let nearest = if f16 { f32_to_f16 } else { f32_to_bf16 };
+    let to_f32 = if f16 { f16_to_f32 } else { bf16_to_f32 };
+    let n = nearest(x);
+    if !x.is_finite() || x == 0.0 || to_f32(n) == x {
+        return n;
+    }
+    // Sign and magnitude: a neighbour one magnitude step from another is its bits plus one.
+    let (down, up) = if to_f32(n).abs() > x.abs() { (n - 1, n) } else { (n, n + 1) };
+    let (lo, hi) = (to_f32(down).abs() as f64, to_f32(up).abs() as f64);
+    if !hi.is_finite() {
+        return n;
+    }
+    // Both differences are exact in f64; `hi - lo` is a power of two.
+    let p = (x.abs() as f64 - lo) / (hi - lo);
+    if (r as f64) < p * 4294967296.0 {
+        up
+    } else {
+        down
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stochastic_rounding_picks_a_neighbour_with_the_right_frequency() {
+        for dtype in [Dtype::F16, Dtype::Bf16] {
+            let to_f32 = if dtype == Dtype::F16 { f16_to_f32 } else { bf16_to_f32 };
+            for x in [1.0f32 + 0.3 * 2f32.powi(-7), -3.7e-3, 6.1e-5, -1.0e-7, 60000.5] {
+                let n = 100_000u64;
+                let mut sum = 0.0f64;
+                let mut seen = std::collections::BTreeSet::new();
+                for i in 0..n {
+                    let h = stochastic(x, dtype, draw(7, 3, i));
+                    seen.insert(h);
+                    sum += to_f32(h) as f64;
+                }
+                assert!(seen.len() <= 2, "{dtype:?} {x}: {seen:?}");
+                let (lo, hi) = (to_f32(*seen.first().unwrap()), to_f32(*seen.last().unwrap()));
+                let spacing = (hi as f64 - lo as f64).abs().max(f64::MIN_POSITIVE);
+                // The mean's standard error is at most spacing / (2 sqrt(n)); allow 5 of them.
+                let err = (sum / n as f64 - x as f64).abs();
+                assert!(err < 5.0 * spacing / (2.0 * (n as f64).sqrt()), "{dtype:?} {x}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn representable_and_special_values_round_as_nearest_even() {
+        for r in [0, u32::MAX] {
+            assert_eq!(stochastic(1.5, Dtype::Bf16, r), f32_to_bf16(1.5));
+            assert_eq!(stochastic(f32::INFINITY, Dtype::F16, r), f32_to_f16(f32::INFINITY));
+            assert_eq!(stochastic(65519.0, Dtype::F16, r), f32_to_f16(65519.0));
+            assert_eq!(stochastic(-0.0, Dtype::F16, r), 0x8000);
+        }
+    }
+}

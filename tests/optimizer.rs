@@ -1,0 +1,558 @@
+//! The optimizer step: AdamW and SGD against exact (f64) arithmetic one step at a time, skipped
+//! steps that change nothing, every sharding policy writing the unsharded run's weights bit for
+//! bit, saved state re-cut onto other shard counts, and bad input refused with nothing changed.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use gradacc::{
+    Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
+    LocalComm, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
+    TensorDesc, TensorGroup,
+};
+
+/// One unit of f32 rounding.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+fn fixed_scaler() -> Scaler {
+    Scaler::new(ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() }).unwrap()
+}
+
+/// A model's weights of each tensor, in its dtype.
+#[derive(Clone, Debug, PartialEq)]
+enum Weights {
+    F32(Vec<f32>),
+    Half(Dtype, Vec<u16>),
+}
+
+impl Weights {
+    fn random(rng: &mut Rng, d: &TensorDesc) -> Weights {
+        let v: Vec<f32> = (0..d.numel).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
+        match d.dtype {
+            Dtype::F32 => Weights::F32(v),
+            Dtype::F16 => Weights::Half(Dtype::F16, v.iter().map(|&x| to_f16(x)).collect()),
+            Dtype::Bf16 => Weights::Half(Dtype::Bf16, v.iter().map(|&x| to_bf16(x)).collect()),
+        }
+    }
+
+    fn grad(&self) -> Grad<'_> {
+        match self {
+            Weights::F32(v) => Grad::F32(v),
+            Weights::Half(Dtype::F16, v) => Grad::F16(v),
+            Weights::Half(_, v) => Grad::Bf16(v),
+        }
+    }
+
+    fn grad_mut(&mut self) -> GradMut<'_> {
+        match self {
+            Weights::F32(v) => GradMut::F32(v),
+            Weights::Half(Dtype::F16, v) => GradMut::F16(v),
+            Weights::Half(_, v) => GradMut::Bf16(v),
+        }
+    }
+
+    /// `master` written as the model's weight, rounded to nearest even by the `half` crate.
+    fn nearest(&self, master: f32) -> u32 {
+        match self {
+            Weights::F32(_) => master.to_bits(),
+            Weights::Half(Dtype::F16, _) => to_f16(master) as u32,
+            Weights::Half(_, _) => to_bf16(master) as u32,
+        }
+    }
+
+    fn bits(&self, at: usize) -> u32 {
+        match self {
+            Weights::F32(v) => v[at].to_bits(),
+            Weights::Half(_, v) => v[at] as u32,
+        }
+    }
+}
+
+fn model(rng: &mut Rng, tensors: &[TensorDesc]) -> Vec<Weights> {
+    tensors.iter().map(|d| Weights::random(rng, d)).collect()
+}
+
+fn grads_of(w: &[Weights]) -> Vec<Grad<'_>> {
+    w.iter().map(Weights::grad).collect()
+}
+
+fn muts_of(w: &mut [Weights]) -> Vec<GradMut<'_>> {
+    w.iter_mut().map(Weights::grad_mut).collect()
+}
+
+/// Odd sizes, every dtype, tensors that straddle shards.
+fn layout(rng: &mut Rng) -> Vec<TensorDesc> {
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    (0..5)
+        .map(|i| TensorDesc { numel: rng.range(1, 3000) as usize, dtype: dtypes[i % 3] })
+        .collect()
+}
+
+/// A gradient of magnitudes in [1e-4, 4), random signs, each value one its tensor's dtype holds;
+/// with `inf`, one element infinite.
+fn gradient(rng: &mut Rng, tensors: &[TensorDesc], inf: bool) -> Vec<Vec<f32>> {
+    let mut g: Vec<Vec<f32>> = tensors
+        .iter()
+        .map(|d| {
+            (0..d.numel)
+                .map(|_| {
+                    let m = 10f64.powf(rng.uniform(-4.0, 0.6));
+                    let v = (if rng.range(0, 1) == 1 { m } else { -m }) as f32;
+                    decoded(d.dtype, v, 1.0) as f32
+                })
+                .collect()
+        })
+        .collect();
+    if inf {
+        let t = rng.range(0, tensors.len() as u64 - 1) as usize;
+        let e = rng.range(0, tensors[t].numel as u64 - 1) as usize;
+        g[t][e] = f32::INFINITY;
+    }
+    g
+}
+
+/// Adds `g` (values in its tensors' dtypes) as one micro-batch of one item.
+fn add(acc: &Accumulator, scaler: &Scaler, tensors: &[TensorDesc], g: &[Vec<f32>]) {
+    let held: Vec<(Vec<f32>, Vec<u16>)> =
+        tensors.iter().zip(g).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
+    let grads: Vec<Grad<'_>> =
+        tensors.iter().zip(&held).map(|(d, (f, h))| grad_of(d.dtype, f, h)).collect();
+    acc.add(scaler, &grads[..], 1).unwrap();
+}
+
+/// One tensor's state before or after a step.
+#[derive(Clone, PartialEq)]
+struct TensorState {
+    w: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn state(opt: &Optimizer, i: usize, adam: bool) -> TensorState {
+    let read = |slot| opt.read(i, slot).unwrap().1;
+    TensorState {
+        w: read(Slot::Weights),
+        m: read(Slot::FirstMoment),
+        v: if adam { read(Slot::SecondMoment) } else { vec![] },
+    }
+}
+
+/// How far `got` is from `exact`, in units of f32 rounding of `magnitude`.
+fn ulps(got: f32, exact: f64, magnitude: f64) -> f64 {
+    if got as f64 == exact {
+        return 0.0;
+    }
+    (got as f64 - exact).abs() / (U * magnitude.max(f64::MIN_POSITIVE))
+}
+
+/// The bound each step meets, per element and quantity: within this many f32 roundings of the
+/// magnitudes of the quantity's terms, from the state the step started from.
+const BOUND: f64 = 8.0;
+
+/// Checks one step of one element against exact arithmetic; returns the worst distance seen.
+#[allow(clippy::too_many_arguments)]
+fn check_element(
+    algorithm: Algorithm,
+    lr: f64,
+    decays: bool,
+    t: i32,
+    g: f64,
+    before: (f64, f64, f64),
+    after: (f32, f32, f32),
+) -> f64 {
+    let (w, m, v) = before;
+    let (w1, m1, v1) = after;
+    match algorithm {
+        Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
+            let (b1, b2, eps) = (beta1 as f64, beta2 as f64, eps as f64);
+            let wd = if decays { weight_decay as f64 } else { 0.0 };
+            let m_exact = m + (1.0 - b1) * (g - m);
+            let v_exact = b2 * v + (1.0 - b2) * g * g;
+            // The weight from the step's own moments: each quantity's rounding on its own.
+            let denom = (v1 as f64).sqrt() / (1.0 - b2.powi(t)).sqrt() + eps;
+            let update = lr / (1.0 - b1.powi(t)) * m1 as f64 / denom;
+            let w_exact = w * (1.0 - lr * wd) - update;
+            ulps(m1, m_exact, m.abs() + g.abs())
+                .max(ulps(v1, v_exact, b2 * v + (1.0 - b2) * g * g))
+                .max(ulps(w1, w_exact, w.abs() + update.abs()))
+        }
+        Algorithm::Sgd { momentum, dampening, nesterov, weight_decay } => {
+            let wd = if decays { weight_decay as f64 } else { 0.0 };
+            let (mo, keep) = (momentum as f64, 1.0 - dampening as f64);
+            let d = g + wd * w;
+            let mut worst = 0.0f64;
+            let step = if momentum == 0.0 {
+                d
+            } else {
+                let m_exact = if t == 1 { d } else { m * mo + keep * d };
+                worst = ulps(m1, m_exact, (m * mo).abs() + keep * (g.abs() + (wd * w).abs()));
+                if nesterov {
+                    d + mo * m1 as f64
+                } else {
+                    m1 as f64
+                }
+            };
+            let w_exact = w - lr * step;
+            // The terms of the step: the gradient, the decay and (Nesterov) the momentum.
+            let terms =
+                g.abs() + (wd * w).abs() + if nesterov { mo * (m1 as f64).abs() } else { 0.0 };
+            let terms = if momentum == 0.0 || nesterov { terms } else { (m1 as f64).abs() };
+            worst.max(ulps(w1, w_exact, w.abs() + lr * terms))
+        }
+    }
+}
+
+fn algorithms() -> Vec<Algorithm> {
+    vec![
+        Algorithm::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        Algorithm::AdamW { beta1: 0.5, beta2: 0.9, eps: 1e-3, weight_decay: 0.3 },
+        Algorithm::sgd(),
+        Algorithm::Sgd { momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 1e-2 },
+        Algorithm::Sgd { momentum: 0.8, dampening: 0.3, nesterov: false, weight_decay: 0.0 },
+    ]
+}
+
+/// 100 steps of each algorithm with learning rates that change every step, groups, every weight
+/// dtype and skipped steps: every quantity of every element within BOUND roundings of the exact
+/// step, the model's weights the masters rounded to nearest even, and a skipped step changing
+/// nothing at all.
+#[test]
+fn each_step_is_the_exact_step_within_the_bound() {
+    let mut rng = Rng::fresh("each_step_is_the_exact_step_within_the_bound");
+    for algorithm in algorithms() {
+        let tensors = layout(&mut rng);
+        let adam = matches!(algorithm, Algorithm::AdamW { .. });
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        let scaler = fixed_scaler();
+        let mut weights = model(&mut rng, &tensors);
+        let groups: Vec<TensorGroup> = (0..tensors.len())
+            .map(|_| TensorGroup {
+                weight_decay: rng.range(0, 1) == 1,
+                lr_scale: rng.uniform(0.1, 2.0) as f32,
+            })
+            .collect();
+        let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
+        let opt = Optimizer::new(&acc, config, &groups, &grads_of(&weights)).unwrap();
+        let mut worst = 0.0f64;
+        for step in 0..100 {
+            let skip = step % 9 == 4;
+            let g = gradient(&mut rng, &tensors, skip);
+            add(&acc, &scaler, &tensors, &g);
+            let info = acc.sync(None).unwrap();
+            assert_eq!(info.found_inf, skip);
+            let lr = rng.uniform(1e-4, 0.05) as f32;
+            opt.set_lr(lr).unwrap();
+            let before: Vec<TensorState> =
+                (0..tensors.len()).map(|i| state(&opt, i, adam)).collect();
+            let (weights_before, steps_before) = (weights.clone(), opt.steps());
+            let stepped = opt.step(&acc, &mut muts_of(&mut weights), None).unwrap();
+            assert_eq!(stepped, !skip);
+            let after: Vec<TensorState> =
+                (0..tensors.len()).map(|i| state(&opt, i, adam)).collect();
+            if skip {
+                assert!(
+                    before == after && weights == weights_before,
+                    "a skipped step changed state"
+                );
+                assert_eq!(opt.steps(), steps_before);
+                continue;
+            }
+            let t = opt.steps() as i32;
+            for (i, gi) in g.iter().enumerate() {
+                let lr_i = lr as f64 * groups[i].lr_scale as f64;
+                for (e, &ge) in gi.iter().enumerate() {
+                    let b = &before[i];
+                    let a = &after[i];
+                    let v = |s: &[f32]| s.get(e).map_or(0.0, |&x| x as f64);
+                    let dist = check_element(
+                        algorithm,
+                        lr_i,
+                        groups[i].weight_decay,
+                        t,
+                        ge as f64,
+                        (b.w[e] as f64, v(&b.m), v(&b.v)),
+                        (a.w[e], a.m[e], a.v.get(e).copied().unwrap_or(0.0)),
+                    );
+                    assert!(
+                        dist <= BOUND,
+                        "{algorithm:?} step {t} tensor {i} element {e}: {dist} roundings from exact"
+                    );
+                    worst = worst.max(dist);
+                    assert_eq!(
+                        weights[i].bits(e),
+                        weights[i].nearest(a.w[e]),
+                        "tensor {i} element {e}"
+                    );
+                }
+            }
+        }
+        eprintln!("{algorithm:?}: worst {worst:.2} roundings (bound {BOUND})");
+    }
+}
+
+/// What every rank of a group brings to each window: per rank, per step, a gradient.
+fn group_data(
+    rng: &mut Rng,
+    tensors: &[TensorDesc],
+    ranks: usize,
+    steps: usize,
+) -> Vec<Vec<Vec<Vec<f32>>>> {
+    (0..ranks).map(|_| (0..steps).map(|s| gradient(rng, tensors, s == 2)).collect()).collect()
+}
+
+/// Runs `ranks` ranks under `sharding` (its rank filled in per rank) for the data's steps; each
+/// rank adds one micro-batch per window, syncs and steps. Returns every rank's model weights
+/// after every step, and each rank's saved optimizer state at the end.
+fn run_group(
+    tensors: &[TensorDesc],
+    sharding: fn(usize, usize) -> Sharding,
+    initial: &[Weights],
+    data: &[Vec<Vec<Vec<f32>>>],
+    config: OptimizerConfig,
+) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>) {
+    let ranks = data.len();
+    let comms = LocalComm::group(ranks).unwrap();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                scope.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let cfg =
+                        AccumulatorConfig { sharding: sharding(ranks, rank), ..Default::default() };
+                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
+                    let mut b = Accumulator::builder(tensors).config(cfg);
+                    if accumulate {
+                        b = b.communicator(comm.clone());
+                    }
+                    let acc = b.build().unwrap();
+                    let scaler = fixed_scaler();
+                    let mut weights = initial.to_vec();
+                    let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
+                    let mut seen = Vec::new();
+                    for g in &data[rank] {
+                        add(&acc, &scaler, tensors, g);
+                        let on = (!accumulate).then_some(&*comm);
+                        acc.sync(on).unwrap();
+                        opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
+                        seen.push(weights.clone());
+                    }
+                    (seen, opt.save().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    })
+}
+
+/// ZeRO-1 (reduce-scatter) and ZeRO-2 (sharded accumulation): after every step every rank's
+/// model weights are bitwise the unsharded group's, with both roundings.
+#[test]
+fn sharded_steps_write_the_unsharded_weights() {
+    let mut rng = Rng::fresh("sharded_steps_write_the_unsharded_weights");
+    for ranks in [2, 3] {
+        let tensors = layout(&mut rng);
+        let initial = model(&mut rng, &tensors);
+        let data = group_data(&mut rng, &tensors, ranks, 5);
+        for rounding in [Rounding::NearestEven, Rounding::Stochastic { seed: rng.next_u64() }] {
+            let config = OptimizerConfig { algorithm: Algorithm::adamw(), lr: 0.01, rounding };
+            let (unsharded, _) =
+                run_group(&tensors, |_, _| Sharding::None, &initial, &data, config);
+            for r in &unsharded {
+                assert!(r == &unsharded[0], "unsharded ranks differ");
+            }
+            let policies: [fn(usize, usize) -> Sharding; 2] = [
+                |shards, rank| Sharding::ReduceScatter { shards, rank },
+                |shards, rank| Sharding::Accumulate { shards, rank },
+            ];
+            for policy in policies {
+                let (sharded, _) = run_group(&tensors, policy, &initial, &data, config);
+                for (rank, r) in sharded.iter().enumerate() {
+                    for (step, w) in r.iter().enumerate() {
+                        assert!(
+                            w == &unsharded[0][step],
+                            "{:?}, {ranks} ranks, {rounding:?}: rank {rank} differs at step {step}",
+                            policy(ranks, rank)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stochastic rounding draws per element and step: the same weights from a rerun, other weights
+/// from another seed, and on average the master (the test of the rule itself is in the crate).
+#[test]
+fn stochastic_rounding_is_reproducible_and_keyed_by_the_seed() {
+    let mut rng = Rng::fresh("stochastic_rounding_is_reproducible_and_keyed_by_the_seed");
+    let tensors = [TensorDesc { numel: 4099, dtype: Dtype::Bf16 }];
+    let initial = model(&mut rng, &tensors);
+    let data = group_data(&mut rng, &tensors, 1, 3);
+    let run = |seed| {
+        let config = OptimizerConfig {
+            algorithm: Algorithm::sgd(),
+            lr: 1e-3,
+            rounding: Rounding::Stochastic { seed },
+        };
+        run_group(&tensors, |_, _| Sharding::None, &initial, &data, config).0
+    };
+    let seed = rng.next_u64();
+    assert!(run(seed) == run(seed));
+    assert!(run(seed) != run(seed ^ 1));
+}
+
+/// State saved by 2 shards loads onto 3 shards and onto one: every element's master and moments
+/// where the new cut puts them, bit for bit, with the step count and learning rate.
+#[test]
+fn saved_state_recuts_onto_other_shard_counts() {
+    let mut rng = Rng::fresh("saved_state_recuts_onto_other_shard_counts");
+    let tensors = layout(&mut rng);
+    let initial = model(&mut rng, &tensors);
+    let data = group_data(&mut rng, &tensors, 2, 4);
+    let config = OptimizerConfig::default();
+    let (_, saved) = run_group(
+        &tensors,
+        |shards, rank| Sharding::ReduceScatter { shards, rank },
+        &initial,
+        &data,
+        config,
+    );
+    let parts: Vec<&[u8]> = saved.iter().map(Vec::as_slice).collect();
+    let whole = {
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        let opt = Optimizer::new(&acc, config, &[], &grads_of(&initial)).unwrap();
+        opt.load(&parts).unwrap();
+        assert_eq!(opt.steps(), 3, "one of the 4 steps was skipped");
+        (0..tensors.len()).map(|i| state(&opt, i, true)).collect::<Vec<_>>()
+    };
+    for rank in 0..3 {
+        let cfg = AccumulatorConfig {
+            sharding: Sharding::ReduceScatter { shards: 3, rank },
+            ..Default::default()
+        };
+        let acc = Accumulator::new(cfg, &tensors).unwrap();
+        let opt = Optimizer::new(&acc, config, &[], &grads_of(&initial)).unwrap();
+        opt.load(&parts).unwrap();
+        assert_eq!(opt.steps(), 3);
+        for (i, w) in whole.iter().enumerate() {
+            let (r, master) = opt.read(i, Slot::Weights).unwrap();
+            let (_, m) = opt.read(i, Slot::FirstMoment).unwrap();
+            let (_, v) = opt.read(i, Slot::SecondMoment).unwrap();
+            let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&master), bits(&w.w[r.clone()]), "rank {rank} tensor {i}");
+            assert_eq!(bits(&m), bits(&w.m[r.clone()]));
+            assert_eq!(bits(&v), bits(&w.v[r.clone()]));
+        }
+        // Parts that leave this rank's elements uncovered are refused: rank 0's are all in the
+        // first of the two parts.
+        if rank == 0 {
+            let e = opt.load(&parts[1..]).unwrap_err();
+            assert!(
+                e.kind == ErrorKind::CorruptState && e.message.contains("no part holds"),
+                "{e:?}"
+            );
+        }
+    }
+}
+
+/// Bad input: each refused with the status and a message naming the argument, and the optimizer,
+/// accumulator and weights unchanged.
+#[test]
+fn bad_input_changes_nothing() {
+    let mut rng = Rng::fresh("bad_input_changes_nothing");
+    let tensors = layout(&mut rng);
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let other = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let scaler = fixed_scaler();
+    let mut weights = model(&mut rng, &tensors);
+    let config = OptimizerConfig::default();
+
+    let bad_configs = [
+        (Algorithm::AdamW { beta1: f32::NAN, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, "beta1"),
+        (Algorithm::AdamW { beta1: 0.9, beta2: 1.0, eps: 1e-8, weight_decay: 0.0 }, "beta2"),
+        (Algorithm::AdamW { beta1: 0.9, beta2: 0.999, eps: 0.0, weight_decay: 0.0 }, "eps"),
+        (
+            Algorithm::Sgd { momentum: -1.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 },
+            "momentum",
+        ),
+        (
+            Algorithm::Sgd { momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: -1.0 },
+            "weight_decay",
+        ),
+        (
+            Algorithm::Sgd { momentum: 0.0, dampening: 0.0, nesterov: true, weight_decay: 0.0 },
+            "Nesterov",
+        ),
+    ];
+    for (algorithm, name) in bad_configs {
+        let e =
+            Optimizer::new(&acc, OptimizerConfig { algorithm, ..config }, &[], &grads_of(&weights))
+                .unwrap_err();
+        assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains(name), "{e:?}");
+    }
+    let e = Optimizer::new(&acc, OptimizerConfig { lr: -1.0, ..config }, &[], &grads_of(&weights))
+        .unwrap_err();
+    assert!(e.message.contains("`lr`"), "{e:?}");
+    let short = Weights::F32(vec![0.0; tensors[0].numel + 1]);
+    let mut bad = grads_of(&weights);
+    bad[0] = short.grad();
+    let e = Optimizer::new(&acc, config, &[], &bad).unwrap_err();
+    assert!(e.kind == ErrorKind::SizeMismatch && e.message.contains("`weights[0]`"), "{e:?}");
+
+    let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
+    let unchanged = |opt: &Optimizer, weights: &[Weights], saved: &[u8], kept: &[Weights]| {
+        assert_eq!(opt.save().unwrap(), saved);
+        assert!(weights == kept);
+    };
+    let (saved, kept) = (opt.save().unwrap(), weights.clone());
+
+    let e = opt.step(&acc, &mut muts_of(&mut weights), None).unwrap_err();
+    assert!(e.kind == ErrorKind::WrongState && e.message.contains("sync"), "{e:?}");
+    unchanged(&opt, &weights, &saved, &kept);
+
+    add(&acc, &scaler, &tensors, &gradient(&mut rng, &tensors, false));
+    acc.sync(None).unwrap();
+    add(&other, &scaler, &tensors, &gradient(&mut rng, &tensors, false));
+    other.sync(None).unwrap();
+    let e = opt.step(&other, &mut muts_of(&mut weights), None).unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("`acc`"), "{e:?}");
+    let e = opt.step(&acc, &mut muts_of(&mut weights)[1..], None).unwrap_err();
+    assert!(e.kind == ErrorKind::SizeMismatch && e.message.contains("`weights`"), "{e:?}");
+    let mut wrong_dtype = weights.clone();
+    wrong_dtype[1] = Weights::F32(vec![0.0; tensors[1].numel]);
+    let e = opt.step(&acc, &mut muts_of(&mut wrong_dtype), None).unwrap_err();
+    assert!(e.kind == ErrorKind::DtypeMismatch && e.message.contains("`weights[1]`"), "{e:?}");
+    let e = opt.set_lr(f32::NAN).unwrap_err();
+    assert!(e.message.contains("`lr`"), "{e:?}");
+    unchanged(&opt, &weights, &saved, &kept);
+
+    assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());
+    let (saved, kept) = (opt.save().unwrap(), weights.clone());
+    let e = opt.step(&acc, &mut muts_of(&mut weights), None).unwrap_err();
+    assert!(e.kind == ErrorKind::WrongState && e.message.contains("already stepped"), "{e:?}");
+    unchanged(&opt, &weights, &saved, &kept);
+
+    // Saved state: every flipped byte, a truncation and an optimizer of another algorithm.
+    for at in (0..saved.len()).step_by(saved.len() / 40 + 1) {
+        let mut forged = saved.clone();
+        forged[at] ^= 0x10;
+        let e = opt.load(&[&forged]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::CorruptState, "byte {at}: {e:?}");
+    }
+    let e = opt.load(&[&saved[..saved.len() - 3]]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::CorruptState);
+    let sgd = Optimizer::new(
+        &acc,
+        OptimizerConfig { algorithm: Algorithm::sgd(), ..config },
+        &[],
+        &grads_of(&kept),
+    )
+    .unwrap();
+    let e = opt.load(&[&sgd.save().unwrap()]).unwrap_err();
+    assert!(e.kind == ErrorKind::CorruptState && e.message.contains("algorithm"), "{e:?}");
+    unchanged(&opt, &weights, &saved, &kept);
+}
