@@ -77,3 +77,73 @@ impl dyn DeviceScale + '_ {
         self.read_on(stream, &mut launch)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device state at a fixed address that records the stream of each read.
+    struct Recorder {
+        reads: std::sync::Mutex<Vec<usize>>,
+    }
+
+    const STATE: DevicePtr = 0x7f00_0000;
+
+    impl DeviceScale for Recorder {
+        fn stream(&self) -> Stream {
+            std::ptr::null_mut()
+        }
+
+        fn read_on(
+            &self,
+            stream: Stream,
+            launch: &mut dyn FnMut(DevicePtr) -> Result<()>,
+        ) -> Result<()> {
+            self.reads.lock().unwrap().push(stream as usize);
+            launch(STATE)
+        }
+
+        fn gather_ordered(&self, _boundary: DevicePtr) -> Result<()> {
+            Ok(())
+        }
+
+        fn clear_gathered(&self) -> Result<()> {
+            Ok(())
+        }
+
+        fn update(&self, _read: bool) -> Result<Option<bool>> {
+            Ok(None)
+        }
+    }
+
+    #[test]
+    fn a_store_gets_the_source_of_its_memory_or_a_device_mismatch() {
+        let device = Recorder { reads: Default::default() };
+        assert_eq!(ScaleSource::Host(1024.0).host().unwrap(), 1024.0);
+        assert!(ScaleSource::Device(&device).device().is_ok());
+        let e = ScaleSource::Device(&device).host().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::DeviceMismatch);
+        let e = ScaleSource::Host(1024.0).device().err().expect("a host scale has no device state");
+        assert_eq!(e.kind, ErrorKind::DeviceMismatch);
+    }
+
+    #[test]
+    fn a_launch_reads_the_state_on_the_readers_stream_and_its_error_returns() {
+        let device = Recorder { reads: Default::default() };
+        let state: &dyn DeviceScale = &device;
+        let reader = 0x40 as Stream;
+        let mut seen = None;
+        state
+            .launch_reading(reader, |address| {
+                seen = Some(address);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(seen, Some(STATE));
+        let e = state
+            .launch_reading(reader, |_| Err(Error::new(ErrorKind::DeviceFailure, "launch")))
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::DeviceFailure);
+        assert_eq!(*device.reads.lock().unwrap(), [0x40, 0x40]);
+    }
+}

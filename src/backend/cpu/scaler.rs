@@ -98,3 +98,37 @@ unsafe fn loss_view<'a>(loss: *mut c_void, numel: usize, dtype: Dtype) -> GradMu
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scaler(scale: f32) -> HostScaler {
+        let config = ScalerConfig { init_scale: scale, ..Default::default() };
+        let state = ScalerState {
+            scale,
+            growth_tracker: 0,
+            hysteresis_tracker: 1,
+            stats: Default::default(),
+        };
+        HostScaler::new(config, &state)
+    }
+
+    #[test]
+    fn the_source_is_the_current_scale() {
+        let s = scaler(8.0);
+        assert!(matches!(s.source(), ScaleSource::Host(x) if x == 8.0));
+        let halve = |_: &ScalerConfig, st: &ScalerState| Ok(ScalerState { scale: 4.0, ..*st });
+        assert_eq!(s.step(&halve).unwrap().unwrap().scale, 4.0);
+        assert!(matches!(s.source(), ScaleSource::Host(x) if x == 4.0));
+    }
+
+    #[test]
+    fn a_failed_step_keeps_the_state() {
+        let s = scaler(8.0);
+        let before = s.state().unwrap();
+        let fail = |_: &ScalerConfig, _: &ScalerState| Err(crate::Error::invalid("no"));
+        assert!(s.step(&fail).unwrap().is_err());
+        assert_eq!(s.state().unwrap(), before);
+    }
+}
