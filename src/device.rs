@@ -7,6 +7,9 @@ use crate::error::{Error, ErrorKind, Result};
 /// An address in a device's memory (CUDA's `CUdeviceptr`).
 pub type DevicePtr = u64;
 
+/// A device's stream (CUDA's `CUstream`), named so that the core orders work without the driver.
+pub(crate) type Stream = CUstream;
+
 /// The CPU, or one CUDA device with the caller's stream that orders every call's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {

@@ -5,16 +5,14 @@
 //! One [`Scaler`] serves every device. This module holds its semantics once: the configuration
 //! and its checks, the update rule (`next_state`; the device twin is `ga_scaler_next` in the
 //! CUDA kernels, tested against it), the saved bytes, and which accumulators an update may read.
-//! On the CPU the state sits behind a lock here, so one scaler can serve accumulators used from
-//! several threads; on CUDA it lives in device memory (`backend::cuda::scaler`), updated by a
-//! kernel with no host round trip.
+//! The device's backend keeps the state (`ScalerStore`, made by `backend::scaler_for`): on the
+//! CPU behind a lock, so one scaler can serve accumulators used from several threads; on CUDA in
+//! device memory, updated by a kernel with no host round trip. Accumulators read the scale
+//! through the `ScaleSource` the state hands out.
 
 use std::ffi::c_void;
-use std::sync::{Mutex, MutexGuard};
 
-use crate::accumulator::Accumulator;
-use crate::backend::cpu::math;
-use crate::backend::cuda::CudaScaler;
+use crate::accumulator::{Accumulator, ScaleSource};
 use crate::device::Device;
 use crate::dtype::{self, Dtype, GradMut};
 use crate::error::{Error, ErrorKind, Result};
@@ -123,25 +121,28 @@ pub struct ScalerStats {
     pub backoffs: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct State {
-    config: ScalerConfig,
-    scale: f32,
-    /// Consecutive finite steps since the last growth or overflow.
-    growth_tracker: u32,
-    /// Overflows still tolerated before the next backoff.
-    hysteresis_tracker: u32,
-    stats: ScalerStats,
-}
-
-/// The scaler's moving parts: what a backend that keeps the state elsewhere (the CUDA scaler, in
-/// device memory) exchanges with this type to save and load the same bytes.
+/// The scaler's moving parts: what its backend keeps, and what the update rule and the saved
+/// bytes are made of.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScalerState {
     pub scale: f32,
+    /// Consecutive finite steps since the last growth or overflow.
     pub growth_tracker: u32,
+    /// Overflows still tolerated before the next backoff.
     pub hysteresis_tracker: u32,
     pub stats: ScalerStats,
+}
+
+impl ScalerState {
+    /// The state of a new scaler.
+    fn initial(config: &ScalerConfig) -> Self {
+        ScalerState {
+            scale: config.init_scale,
+            growth_tracker: 0,
+            hysteresis_tracker: config.hysteresis,
+            stats: ScalerStats::default(),
+        }
+    }
 }
 
 /// What one call of [`Scaler::update`] decided.
@@ -153,14 +154,42 @@ pub struct StepOutcome {
     pub scale: f32,
 }
 
-/// A dynamic (or fixed) loss scaler, on one device.
-pub struct Scaler {
-    imp: Imp,
+/// A device's part of a scaler: where its state lives and the kernels over it. The scaler
+/// decides what runs, after its checks; a store only does it.
+pub(crate) trait ScalerStore: Send + Sync {
+    fn device(&self) -> Device;
+
+    fn config(&self) -> ScalerConfig;
+
+    /// The moving parts (a device's are read back: waits for the scaler's stream).
+    fn state(&self) -> Result<ScalerState>;
+
+    /// Replaces the configuration and the state (both checked by the caller).
+    fn load(&self, config: ScalerConfig, state: &ScalerState) -> Result<()>;
+
+    /// Where an accumulator's add finds the current scale.
+    fn source(&self) -> ScaleSource<'_>;
+
+    /// Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale (a host
+    /// pointer or a device address, as the store's memory).
+    ///
+    /// # Safety
+    /// `loss` passed `dtype::check_buffer`; a host pointer points to `numel` writable values,
+    /// used by nothing else during the call.
+    unsafe fn scale_loss(&self, loss: *mut c_void, numel: usize, dtype: Dtype) -> Result<()>;
+
+    /// Ends a step on the host: the state becomes `next` of it, under the state's lock, and is
+    /// returned. `None` for a state in device memory, which its kernels update from the flags
+    /// gathered into it (`DeviceScale`).
+    fn step(
+        &self,
+        next: &dyn Fn(&ScalerConfig, &ScalerState) -> Result<ScalerState>,
+    ) -> Option<Result<ScalerState>>;
 }
 
-enum Imp {
-    Host(Mutex<State>),
-    Cuda(CudaScaler),
+/// A dynamic (or fixed) loss scaler, on one device.
+pub struct Scaler {
+    store: Box<dyn ScalerStore>,
 }
 
 impl std::fmt::Debug for Scaler {
@@ -185,16 +214,8 @@ impl Scaler {
     /// stream).
     pub fn on(device: Device, config: ScalerConfig) -> Result<Self> {
         config.validate()?;
-        let imp = match device.check()? {
-            Device::Cpu => Imp::Host(Mutex::new(State::initial(config))),
-            Device::Cuda { ordinal, stream } => Imp::Cuda(CudaScaler::new(
-                config,
-                &State::initial(config).moving(),
-                ordinal,
-                stream,
-            )?),
-        };
-        Ok(Scaler { imp })
+        let initial = ScalerState::initial(&config);
+        Ok(Scaler { store: crate::backend::scaler_for(device.check()?, config, &initial)? })
     }
 
     /// A CPU scaler resumed from `state` under `config`, checked as [`Scaler::load`] checks bytes.
@@ -205,31 +226,16 @@ impl Scaler {
     }
 
     pub fn device(&self) -> Device {
-        match &self.imp {
-            Imp::Host(_) => Device::Cpu,
-            Imp::Cuda(c) => Device::Cuda { ordinal: c.ordinal(), stream: c.stream() },
-        }
-    }
-
-    fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-        // A panic cannot leave the state half-written (updates assign a finished copy), so a
-        // poisoned lock still guards consistent data.
-        m.lock().unwrap_or_else(|e| e.into_inner())
+        self.store.device()
     }
 
     pub fn config(&self) -> ScalerConfig {
-        match &self.imp {
-            Imp::Host(m) => Self::lock(m).config,
-            Imp::Cuda(c) => c.config(),
-        }
+        self.store.config()
     }
 
     /// The moving parts of the state (on CUDA a host read: waits for the scaler's stream).
     pub fn state(&self) -> Result<ScalerState> {
-        match &self.imp {
-            Imp::Host(m) => Ok(Self::lock(m).moving()),
-            Imp::Cuda(c) => c.state(),
-        }
+        self.store.state()
     }
 
     /// The current loss scale (on CUDA a host read: waits for the scaler's stream).
@@ -237,23 +243,9 @@ impl Scaler {
         Ok(self.state()?.scale)
     }
 
-    /// The scale the CPU's add passes unscale by.
-    pub(crate) fn host_scale(&self) -> Result<f32> {
-        match &self.imp {
-            Imp::Host(m) => Ok(Self::lock(m).scale),
-            Imp::Cuda(_) => Err(self.not_on_cpu()),
-        }
-    }
-
-    /// The device state, for the CUDA kernels.
-    pub(crate) fn cuda(&self) -> Result<&CudaScaler> {
-        match &self.imp {
-            Imp::Cuda(c) => Ok(c),
-            Imp::Host(_) => Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "the scaler is on the CPU, not on a CUDA device",
-            )),
-        }
+    /// Where an accumulator's add finds the current scale.
+    pub(crate) fn source(&self) -> ScaleSource<'_> {
+        self.store.source()
     }
 
     fn not_on_cpu(&self) -> Error {
@@ -271,17 +263,17 @@ impl Scaler {
     /// Multiplies a host loss buffer in place by the current scale (16-bit values round to
     /// nearest even). CPU scalers only; see [`Scaler::scale_loss_raw`] for any device.
     pub fn scale_loss(&self, loss: GradMut<'_>) -> Result<()> {
-        let s = self.host_scale()?;
-        match loss {
-            GradMut::F32(v) => v.iter_mut().for_each(|x| *x *= s),
-            GradMut::F16(v) => {
-                v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s))
-            }
-            GradMut::Bf16(v) => {
-                v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s))
-            }
+        if let ScaleSource::Device(_) = self.source() {
+            return Err(self.not_on_cpu());
         }
-        Ok(())
+        let (loss, numel, dtype) = match loss {
+            GradMut::F32(v) => (v.as_mut_ptr().cast::<c_void>(), v.len(), Dtype::F32),
+            GradMut::F16(v) => (v.as_mut_ptr().cast::<c_void>(), v.len(), Dtype::F16),
+            GradMut::Bf16(v) => (v.as_mut_ptr().cast::<c_void>(), v.len(), Dtype::Bf16),
+        };
+        // SAFETY: a host store, and the exclusive borrow of `numel` values of `dtype` (aligned
+        // and in bounds, as every slice) lasts the call.
+        unsafe { self.store.scale_loss(loss, numel, dtype) }
     }
 
     /// Multiplies `numel` loss values of `dtype` at `loss` in place by the current scale: a host
@@ -299,26 +291,8 @@ impl Scaler {
         argument: &str,
     ) -> Result<()> {
         dtype::check_buffer(loss, numel, dtype, argument)?;
-        match &self.imp {
-            Imp::Host(_) => {
-                // SAFETY: checked above; writable and unshared by the caller's contract.
-                let view = unsafe {
-                    match dtype {
-                        Dtype::F32 => {
-                            GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel))
-                        }
-                        Dtype::F16 => {
-                            GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
-                        }
-                        Dtype::Bf16 => {
-                            GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
-                        }
-                    }
-                };
-                self.scale_loss(view)
-            }
-            Imp::Cuda(c) => c.scale_loss(loss as u64, numel, dtype),
-        }
+        // SAFETY: checked above; writable and unshared by the caller's contract.
+        unsafe { self.store.scale_loss(loss, numel, dtype) }
     }
 
     /// Ends an optimizer step whose window overflowed (`found_inf`) or not, on a CPU scaler.
@@ -328,10 +302,8 @@ impl Scaler {
     /// Fails with [`ErrorKind::ScaleAtMinimum`], changing nothing, when an overflow needs a backoff
     /// while the scale already sits at `min_scale`.
     pub fn update(&self, found_inf: bool) -> Result<StepOutcome> {
-        let Imp::Host(m) = &self.imp else { return Err(self.not_on_cpu()) };
-        let mut guard = Self::lock(m);
-        let next = next_state(&guard, found_inf)?;
-        *guard = next;
+        let next = self.store.step(&|config, state| next_state(config, state, found_inf));
+        let next = next.ok_or_else(|| self.not_on_cpu())??;
         Ok(StepOutcome { skipped: found_inf, scale: next.scale })
     }
 
@@ -352,19 +324,17 @@ impl Scaler {
             Device::require_same((&what, a.device()), ("the scaler", self.device()))?;
             found_inf |= a.check_synced(&what)?.is_some_and(|info| info.found_inf);
         }
-        match &self.imp {
-            Imp::Host(_) => Ok(Some(self.update(found_inf)?.skipped)),
-            Imp::Cuda(c) => {
-                for (i, a) in accumulators.iter().enumerate() {
-                    if let Err(e) = a.gather_into(c, &format!("accumulators[{i}]")) {
-                        // The gathers so far would otherwise count in the next update.
-                        c.clear_gathered()?;
-                        return Err(e);
-                    }
-                }
-                c.update(wait)
+        let ScaleSource::Device(state) = self.source() else {
+            return Ok(Some(self.update(found_inf)?.skipped));
+        };
+        for (i, a) in accumulators.iter().enumerate() {
+            if let Err(e) = a.gather_into(state, &format!("accumulators[{i}]")) {
+                // The gathers so far would otherwise count in the next update.
+                state.clear_gathered()?;
+                return Err(e);
             }
         }
+        state.update(wait)
     }
 
     /// The complete state (config, scale, trackers, statistics) as versioned bytes, the same on
@@ -377,40 +347,7 @@ impl Scaler {
     /// inconsistent bytes without changing anything.
     pub fn load(&self, bytes: &[u8]) -> Result<()> {
         let (config, state) = decode(bytes)?;
-        match &self.imp {
-            Imp::Host(m) => {
-                *Self::lock(m) = State {
-                    config,
-                    scale: state.scale,
-                    growth_tracker: state.growth_tracker,
-                    hysteresis_tracker: state.hysteresis_tracker,
-                    stats: state.stats,
-                };
-                Ok(())
-            }
-            Imp::Cuda(c) => c.load(config, &state),
-        }
-    }
-}
-
-impl State {
-    fn initial(config: ScalerConfig) -> Self {
-        State {
-            config,
-            scale: config.init_scale,
-            growth_tracker: 0,
-            hysteresis_tracker: config.hysteresis,
-            stats: ScalerStats::default(),
-        }
-    }
-
-    fn moving(&self) -> ScalerState {
-        ScalerState {
-            scale: self.scale,
-            growth_tracker: self.growth_tracker,
-            hysteresis_tracker: self.hysteresis_tracker,
-            stats: self.stats,
-        }
+        self.store.load(config, &state)
     }
 }
 
@@ -480,9 +417,8 @@ fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
     Ok((config, ScalerState { scale, growth_tracker, hysteresis_tracker, stats }))
 }
 
-/// The update rule, as a pure function of the state.
-fn next_state(s: &State, found_inf: bool) -> Result<State> {
-    let c = &s.config;
+/// The update rule, as a pure function of the configuration and the state.
+fn next_state(c: &ScalerConfig, s: &ScalerState, found_inf: bool) -> Result<ScalerState> {
     let mut n = *s;
     n.stats.steps += 1;
     if !c.dynamic {

@@ -4,7 +4,7 @@
 mod common;
 
 use common::Rng;
-use gradacc::{ErrorKind, Scaler, ScalerConfig};
+use gradacc::{Dtype, ErrorKind, GradMut, Scaler, ScalerConfig};
 
 /// torch.amp.GradScaler.update (AmpKernels.cu `_amp_update_scale_`), in f32 as PyTorch keeps it.
 fn pytorch(flags: &[bool], init: f32, growth: f32, backoff: f32, interval: u32) -> Vec<f32> {
@@ -187,4 +187,31 @@ fn saved_state_resumes_identically_and_bad_bytes_change_nothing() {
     assert_eq!(b.stats().unwrap(), a.stats().unwrap());
     let rest = random_flags(&mut rng, 100, 0.1);
     assert_eq!(run(&a, &rest), run(&b, &rest));
+}
+
+/// A host loss is scaled in place, 16-bit values rounded to nearest even (each sample below is a
+/// tie, or an overflow to infinity), the same through the slice and the raw-address entry points.
+#[test]
+fn a_host_loss_scales_in_place_rounding_to_nearest_even() {
+    let s = Scaler::new(ScalerConfig { init_scale: 3.0, ..Default::default() }).unwrap();
+    // f16: 1 + 2^-10 times 3 lies halfway between 3 + 2^-9 and 3 + 2^-8; 65504 overflows.
+    let (f16_in, f16_out) = ([0x3c01u16, 0x7bff], [0x4202u16, 0x7c00]);
+    // bf16: 1 + 2^-7 times 3 lies halfway between 3 + 2^-6 and 3 + 2^-5.
+    let (bf16_in, bf16_out) = ([0x3f81u16, 0xbf80], [0x4042u16, 0xc040]);
+    let (f32_in, f32_out) = ([0.5f32, -2.0], [1.5f32, -6.0]);
+
+    let (mut a, mut b, mut c) = (f16_in, bf16_in, f32_in);
+    s.scale_loss(GradMut::F16(&mut a)).unwrap();
+    s.scale_loss(GradMut::Bf16(&mut b)).unwrap();
+    s.scale_loss(GradMut::F32(&mut c)).unwrap();
+    assert_eq!((a, b, c), (f16_out, bf16_out, f32_out));
+
+    let (mut a, mut b, mut c) = (f16_in, bf16_in, f32_in);
+    // SAFETY: each buffer holds two values of its dtype, used by nothing else during the call.
+    unsafe {
+        s.scale_loss_raw(a.as_mut_ptr().cast(), 2, Dtype::F16, "loss").unwrap();
+        s.scale_loss_raw(b.as_mut_ptr().cast(), 2, Dtype::Bf16, "loss").unwrap();
+        s.scale_loss_raw(c.as_mut_ptr().cast(), 2, Dtype::F32, "loss").unwrap();
+    }
+    assert_eq!((a, b, c), (f16_out, bf16_out, f32_out));
 }

@@ -9,7 +9,8 @@
 //! anything changes, and the order of the boundary's steps. A boundary feature starts here.
 //! A device supplies the memory and the kernels through the `Store` trait: `backend::cpu` (a
 //! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
-//! caller's stream, NCCL). A trait object rather than a type parameter: the device is chosen at
+//! caller's stream, NCCL). A store reads the loss scale from the `ScaleSource` each add hands it,
+//! never from the scaler. A trait object rather than a type parameter: the device is chosen at
 //! run time by every caller of the C ABI and of the bindings, so one concrete type keeps that
 //! choice out of their code, and the per-call cost of one indirect call is nothing beside a pass
 //! over a tensor.
@@ -19,6 +20,7 @@ mod layout;
 pub(crate) mod protocol;
 #[cfg(feature = "internal")]
 pub use protocol::Owed;
+mod scale_source;
 pub(crate) mod sharding;
 mod window;
 
@@ -30,7 +32,6 @@ use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::backend::cuda;
 use crate::comm::{Communicator, ControlSum};
 use crate::device::{Device, DevicePtr};
 use crate::dtype::{self, Dtype, Grad};
@@ -39,6 +40,7 @@ use crate::scaler::Scaler;
 use crate::state;
 pub(crate) use layout::Layout;
 pub use layout::MASTER_ALIGN;
+pub(crate) use scale_source::{DeviceScale, ScaleSource};
 use window::{Phase, State, Window};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
@@ -384,10 +386,10 @@ pub(crate) trait Store: Send + Sync {
     }
 
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
-    /// `scaler`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
+    /// `scale`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
     fn add(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
@@ -396,7 +398,7 @@ pub(crate) trait Store: Send + Sync {
     /// Adds one contribution to tensor `index` (the caller holds the tensor's lock).
     fn add_tensor(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         index: usize,
         grad: Gradient<'_>,
         weight: f64,
@@ -453,8 +455,8 @@ pub(crate) trait Store: Send + Sync {
         Ok(())
     }
 
-    /// Enqueues `scaler`'s read of the synced boundary's overflow flag (a device's scaler).
-    fn gather_into(&self, _scaler: &cuda::CudaScaler) -> Result<()> {
+    /// Enqueues the gather of the synced boundary's overflow flag into a scaler's device state.
+    fn gather_into(&self, _scaler: &dyn DeviceScale) -> Result<()> {
         Err(Error::new(
             ErrorKind::DeviceMismatch,
             "a CUDA scaler cannot gather a CPU accumulator's boundary",
@@ -713,7 +715,8 @@ impl Accumulator {
         self.store.open_microbatch(self.opens_window(&w), true, checked.as_ref().err())?;
         self.start_window_if_synced(&mut w)?;
         let weight = self.plan.config.weight(count);
-        let added = self.store.add(scaler, grads, weight, &|i| !self.window.written(&w, i));
+        let added =
+            self.store.add(scaler.source(), grads, weight, &|i| !self.window.written(&w, i));
         self.settle_lost(&mut w, added)?;
         for i in 0..self.plan.descs.len() {
             self.window.mark_written(&w, i);
@@ -862,7 +865,7 @@ impl Accumulator {
             .and_then(|()| {
                 let weight = self.plan.config.weight(count);
                 self.window.contribute(&w, index, |first| {
-                    self.store.add_tensor(scaler, index, grad, weight, first)
+                    self.store.add_tensor(scaler.source(), index, grad, weight, first)
                 })
             });
         if added.is_err() {
@@ -1461,8 +1464,8 @@ impl Accumulator {
         }
     }
 
-    /// Enqueues a CUDA scaler's read of the synced boundary's overflow flag.
-    pub(crate) fn gather_into(&self, scaler: &cuda::CudaScaler, what: &str) -> Result<()> {
+    /// Enqueues the gather of the synced boundary's overflow flag into a scaler's device state.
+    pub(crate) fn gather_into(&self, scaler: &dyn DeviceScale, what: &str) -> Result<()> {
         let w = self.window.read();
         if !w.synced() {
             return Err(Error::wrong_state(format!(

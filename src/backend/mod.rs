@@ -1,8 +1,10 @@
-//! Devices: what differs between the CPU and CUDA, and nothing else. `store_for` is where a
-//! [`Device`] becomes its backend. Each backend supplies an accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
-//! `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's state on the device; the
-//! semantics (windows, counts, normalisation, the boundary's order, checks and errors) live once
-//! in `accumulator` and `scaler`. Every backend implements the same per-element contract (see
+//! Devices: what differs between the CPU and CUDA, and nothing else. `store_for` and
+//! `scaler_for` are where a [`Device`] becomes its backend. Each backend supplies an
+//! accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
+//! `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's state (`cpu::HostScaler`,
+//! `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics (windows, counts,
+//! normalisation, the boundary's order, the update rule, checks and errors) live once in
+//! `accumulator` and `scaler`. Every backend implements the same per-element contract (see
 //! `cpu::math` and its CUDA twin `cuda/kernels/math.cuh`), so every device produces
 //! bitwise-identical master gradients.
 
@@ -15,6 +17,7 @@ use crate::accumulator::{Plan, Sharding, Store};
 use crate::comm::Communicator;
 use crate::device::Device;
 use crate::error::Result;
+use crate::scaler::{ScalerConfig, ScalerState, ScalerStore};
 
 /// The one place a [`Device`] becomes its backend: the store of an accumulator on `device` over
 /// `plan`, owning its master or adopting `adopt` (a host or device address of the layout's
@@ -44,5 +47,20 @@ pub(crate) fn store_for(
             stream,
             adopt.map(|p| p as u64),
         )?),
+    })
+}
+
+/// The state of a scaler on `device` under `config` (checked by the caller), starting from
+/// `initial`: in host memory behind a lock, or in device memory ordered on the device's stream.
+pub(crate) fn scaler_for(
+    device: Device,
+    config: ScalerConfig,
+    initial: &ScalerState,
+) -> Result<Box<dyn ScalerStore>> {
+    Ok(match device {
+        Device::Cpu => Box::new(cpu::HostScaler::new(config, initial)),
+        Device::Cuda { ordinal, stream } => {
+            Box::new(cuda::CudaScaler::new(config, initial, ordinal, stream)?)
+        }
     })
 }

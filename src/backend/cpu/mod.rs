@@ -13,10 +13,12 @@ mod isa;
 mod master;
 pub mod math;
 mod scalar;
+mod scaler;
 mod sharded;
 mod store;
 
 pub use isa::{active_isa, stream_to_peers, supported_isas, with_isa, Isa};
+pub(crate) use scaler::HostScaler;
 pub(crate) use sharded::ShardedStore;
 pub(crate) use store::HostStore;
 

@@ -23,12 +23,11 @@ use super::math::NORM_BLOCK;
 use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::Scaler;
 
 pub(crate) struct ShardedStore {
     plan: Arc<Plan>,
@@ -329,13 +328,13 @@ impl Store for ShardedStore {
 
     fn add(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         _first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let grads = grads.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+        let factor = unscale_factor(scale, weight)?;
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
@@ -365,14 +364,14 @@ impl Store for ShardedStore {
 
     fn add_tensor(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         index: usize,
         grad: Gradient<'_>,
         weight: f64,
         _first: bool,
     ) -> Result<()> {
         let grad = grad.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+        let factor = unscale_factor(scale, weight)?;
         let layout = &self.plan.layout;
         let r = layout.range(index);
         let base = stage_base(&layout.buckets()[layout.bucket_of(index)]);

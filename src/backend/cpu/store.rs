@@ -8,14 +8,13 @@ use std::sync::{Arc, Mutex};
 use super::master::Master;
 use super::math;
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Store, SyncInfo};
 use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
 };
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::Scaler;
 
 #[derive(Debug)]
 pub(crate) struct HostStore {
@@ -68,13 +67,13 @@ impl Store for HostStore {
 
     fn add(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let grads = grads.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+        let factor = unscale_factor(scale, weight)?;
         let passes = grads
             .iter()
             .enumerate()
@@ -92,14 +91,14 @@ impl Store for HostStore {
 
     fn add_tensor(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
     ) -> Result<()> {
         let grad = grad.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+        let factor = unscale_factor(scale, weight)?;
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.
         let master = unsafe { self.slice(self.plan.layout.range(index)) };
@@ -203,8 +202,8 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
 
 /// The factor that unscales and weights a micro-batch's gradients: `weight` over the scaler's
 /// host scale.
-pub(super) fn unscale_factor(scaler: &Scaler, weight: f64) -> Result<f32> {
-    Ok(math::unscale_factor(weight, scaler.host_scale()?))
+pub(super) fn unscale_factor(scale: ScaleSource<'_>, weight: f64) -> Result<f32> {
+    Ok(math::unscale_factor(weight, scale.host()?))
 }
 
 /// What a boundary computes from the agreed totals: the divisor and the pass over the sum.

@@ -2,6 +2,7 @@
 //! from the accumulators' agreed overflow flags, so an optimizer step needs no host round trip.
 //! The update rule is `ga_scaler_next` (kernels/math.cuh), the device twin of the CPU scaler's.
 
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::driver::{
@@ -9,9 +10,11 @@ use super::driver::{
 };
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
+use crate::accumulator::{DeviceScale, ScaleSource};
+use crate::device::{Device, DevicePtr};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::{ScalerConfig, ScalerState, ScalerStats};
+use crate::scaler::{ScalerConfig, ScalerState, ScalerStats, ScalerStore};
 
 /// A dynamic loss scaler whose state is in device memory, ordered on one stream.
 ///
@@ -83,29 +86,8 @@ impl CudaScaler {
         Ok(CudaScaler { ctx, kernels, stream, state, inner: Mutex::new(inner) })
     }
 
-    pub fn ordinal(&self) -> i32 {
-        self.ctx.ordinal
-    }
-
-    pub fn stream(&self) -> CUstream {
-        self.stream
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Enqueues `launch` (given the state's device address) on `stream`, a kernel that reads
-    /// the state: after the scaler's pending writes, and before its next write or free.
-    pub(crate) fn launch_reading(
-        &self,
-        stream: CUstream,
-        launch: impl FnOnce(CUdeviceptr) -> Result<()>,
-    ) -> Result<()> {
-        let mut inner = self.lock();
-        inner.reads.before_read(stream)?;
-        launch(self.state.ptr())?;
-        inner.reads.after_read(stream)
     }
 
     /// Enqueues `write` on the scaler's stream, ordered after every read of the state.
@@ -144,12 +126,28 @@ impl CudaScaler {
         Ok(s)
     }
 
-    pub fn config(&self) -> ScalerConfig {
+    fn launch_gather(&self, inner: &mut Inner, boundary: CUdeviceptr) -> Result<()> {
+        self.write_state(inner, |_| {
+            let f = self.kernels.scaler_gather;
+            let state = self.state.ptr();
+            let mut args = launch_args!(state, boundary);
+            // SAFETY: argument types follow ga_scaler_gather.
+            unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
+        })
+    }
+}
+
+impl ScalerStore for CudaScaler {
+    fn device(&self) -> Device {
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+    }
+
+    fn config(&self) -> ScalerConfig {
         self.lock().config
     }
 
-    /// The state (a host read: waits for the scaler's stream).
-    pub fn state(&self) -> Result<ScalerState> {
+    /// A host read: waits for the scaler's stream.
+    fn state(&self) -> Result<ScalerState> {
         let s = self.read_state()?;
         Ok(ScalerState {
             scale: s.scale,
@@ -164,12 +162,24 @@ impl CudaScaler {
         })
     }
 
-    /// Enqueues `loss *= scale` on `numel` values of `dtype` at device address `loss`, on the
-    /// scaler's stream.
-    pub fn scale_loss(&self, loss: CUdeviceptr, numel: usize, dtype: Dtype) -> Result<()> {
+    /// Ordered after every read of the state.
+    fn load(&self, config: ScalerConfig, state: &ScalerState) -> Result<()> {
+        let mut inner = self.lock();
+        self.write_state(&mut inner, |_| self.state.write(&[device_state(state)]))?;
+        inner.config = config;
+        Ok(())
+    }
+
+    fn source(&self) -> ScaleSource<'_> {
+        ScaleSource::Device(self)
+    }
+
+    /// Enqueues `loss *= scale` on the device address `loss`, on the scaler's stream.
+    unsafe fn scale_loss(&self, loss: *mut c_void, numel: usize, dtype: Dtype) -> Result<()> {
         let _inner = self.lock();
         let f = self.kernels.scale_loss;
-        let (n, dtype_code, state) = (numel as u64, dtype.code(), self.state.ptr());
+        let (loss, n, dtype_code, state) =
+            (loss as u64, numel as u64, dtype.code(), self.state.ptr());
         let mut args = launch_args!(loss, n, dtype_code, state);
         // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's
         // contract).
@@ -184,35 +194,45 @@ impl CudaScaler {
         }
     }
 
-    /// Enqueues the gather of a boundary the caller has ordered before the scaler's stream, and
-    /// returns with the lock released; the caller orders its next write of the boundary after it.
-    pub(crate) fn gather_ordered(&self, boundary: CUdeviceptr) -> Result<()> {
+    /// The state only kernels update, from the flags gathered into it.
+    fn step(
+        &self,
+        _next: &dyn Fn(&ScalerConfig, &ScalerState) -> Result<ScalerState>,
+    ) -> Option<Result<ScalerState>> {
+        None
+    }
+}
+
+impl DeviceScale for CudaScaler {
+    fn stream(&self) -> CUstream {
+        self.stream
+    }
+
+    fn read_on(
+        &self,
+        stream: CUstream,
+        launch: &mut dyn FnMut(DevicePtr) -> Result<()>,
+    ) -> Result<()> {
+        let mut inner = self.lock();
+        inner.reads.before_read(stream)?;
+        launch(self.state.ptr())?;
+        inner.reads.after_read(stream)
+    }
+
+    /// Returns with the lock released.
+    fn gather_ordered(&self, boundary: DevicePtr) -> Result<()> {
         self.launch_gather(&mut self.lock(), boundary)
     }
 
-    fn launch_gather(&self, inner: &mut Inner, boundary: CUdeviceptr) -> Result<()> {
-        self.write_state(inner, |_| {
-            let f = self.kernels.scaler_gather;
-            let state = self.state.ptr();
-            let mut args = launch_args!(state, boundary);
-            // SAFETY: argument types follow ga_scaler_gather.
-            unsafe { f.launch(&self.ctx, 1, 1, self.stream, &mut args) }
-        })
-    }
-
-    /// Forgets the flags gathered since the last update (a step that failed halfway through its
-    /// gathers must not leave some of them to the next update).
-    pub(crate) fn clear_gathered(&self) -> Result<()> {
+    fn clear_gathered(&self) -> Result<()> {
         let mut inner = self.lock();
         self.write_state(&mut inner, |_| {
             self.state.write_at(std::mem::offset_of!(GaScalerState, pending_found_inf), &[0u32])
         })
     }
 
-    /// Enqueues one optimizer step's update from the gathered flags. With `read`, waits for it and
-    /// returns whether the step was skipped (and SCALE_AT_MINIMUM if the update could not back
-    /// off).
-    pub fn update(&self, read: bool) -> Result<Option<bool>> {
+    /// Reading the answer also reports SCALE_AT_MINIMUM if the update could not back off.
+    fn update(&self, read: bool) -> Result<Option<bool>> {
         {
             let mut inner = self.lock();
             self.write_state(&mut inner, |inner| {
@@ -227,15 +247,6 @@ impl CudaScaler {
             return Ok(None);
         }
         Ok(Some(self.read_state()?.last_skipped != 0))
-    }
-
-    /// Replaces the configuration and the state (checked by the caller), ordered after every
-    /// read of the state.
-    pub(crate) fn load(&self, config: ScalerConfig, state: &ScalerState) -> Result<()> {
-        let mut inner = self.lock();
-        self.write_state(&mut inner, |_| self.state.write(&[device_state(state)]))?;
-        inner.config = config;
-        Ok(())
     }
 }
 

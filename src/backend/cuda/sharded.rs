@@ -42,7 +42,6 @@ use super::layout::{
     GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS,
     SOURCES_PER_LAUNCH,
 };
-use super::scaler::CudaScaler;
 use super::store::{
     alone, nccl, norm_and_clip, read_info, reduce_to_owners, wait_for_collectives, wait_for_groups,
     Claims, NormSpan, CHUNK,
@@ -50,14 +49,15 @@ use super::store::{
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::{
+    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
+};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::Scaler;
 
 /// Staging buffers kept between tensor-by-tensor micro-batches.
 const KEPT_STAGES: usize = 2;
@@ -365,7 +365,7 @@ impl ShardedDeviceStore {
     /// checked, as `add` converts it into a stripe), on the accumulator's stream.
     fn convert(
         &self,
-        scaler: &CudaScaler,
+        scaler: &dyn DeviceScale,
         index: usize,
         grad: CUdeviceptr,
         weight: f64,
@@ -515,7 +515,7 @@ impl ShardedDeviceStore {
     /// this rank's slice into the shard (assigns it with `assign`).
     fn add_stripe(
         &self,
-        scaler: &CudaScaler,
+        scaler: &dyn DeviceScale,
         grads: &[CUdeviceptr],
         weight: f64,
         k: usize,
@@ -818,13 +818,13 @@ impl Store for ShardedDeviceStore {
     /// the shard add, stripe after stripe; nothing waits.
     fn add(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         _first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let grads = grads.device()?;
-        let scaler = scaler.cuda()?;
+        let scaler = scale.device()?;
         let assign = self.first.load(Ordering::Relaxed);
         for k in 0..self.stripes.len() {
             // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
@@ -844,14 +844,14 @@ impl Store for ShardedDeviceStore {
     /// that is then complete, in the backward's order; nothing waits.
     fn add_tensor(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         index: usize,
         grad: Gradient<'_>,
         weight: f64,
         _first: bool,
     ) -> Result<()> {
         let grad = grad.device()?;
-        let scaler = scaler.cuda()?;
+        let scaler = scale.device()?;
         self.hooks().contribute(self, &self.plan.layout, index, |stage| {
             self.convert(scaler, index, grad, weight, stage)
         })
@@ -931,7 +931,7 @@ impl Store for ShardedDeviceStore {
     }
 
     /// On the scaler's stream: after the boundary is written, and before the next one.
-    fn gather_into(&self, scaler: &CudaScaler) -> Result<()> {
+    fn gather_into(&self, scaler: &dyn DeviceScale) -> Result<()> {
         let mut reads = self.boundary_reads();
         reads.before_read(scaler.stream())?;
         scaler.gather_ordered(self.boundary.ptr())?;

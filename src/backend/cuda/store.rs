@@ -25,18 +25,18 @@ use super::kernels::Kernels;
 use super::layout::{
     GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
 };
-use super::scaler::CudaScaler;
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::{
+    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
+};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::Scaler;
 
 /// Elements per thread block of an add launch (a piece of one tensor): small enough that a tensor
 /// of a million elements still spreads over every SM.
@@ -752,13 +752,13 @@ impl Store for DeviceStore {
     /// from host memory, so a step's adds can be captured into a CUDA graph.
     fn add(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let grads = grads.device()?;
-        let scaler = scaler.cuda()?;
+        let scaler = scale.device()?;
         let f = self.kernels.add_multi;
         let (tensors, master, found_inf) =
             (self.tensors.ptr(), self.master.ptr(), self.found_inf.ptr());
@@ -797,14 +797,14 @@ impl Store for DeviceStore {
 
     fn add_tensor(
         &self,
-        scaler: &Scaler,
+        scale: ScaleSource<'_>,
         index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
     ) -> Result<()> {
         let grad = grad.device()?;
-        let scaler = scaler.cuda()?;
+        let scaler = scale.device()?;
         let mut overlap = self.overlap();
         if let Some(o) = overlap.as_ref() {
             if self.plan.layout.bucket_of(index) >= o.schedule.waiting() {
@@ -950,7 +950,7 @@ impl Store for DeviceStore {
 
     /// On the scaler's stream: after the boundary is written, and before the next boundary or the
     /// free overwrites it.
-    fn gather_into(&self, scaler: &CudaScaler) -> Result<()> {
+    fn gather_into(&self, scaler: &dyn DeviceScale) -> Result<()> {
         let mut reads = self.boundary_reads();
         reads.before_read(scaler.stream())?;
         scaler.gather_ordered(self.boundary.ptr())?;

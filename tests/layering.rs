@@ -1,0 +1,69 @@
+//! The import direction between the core and the backends: the core's scaler and accumulator
+//! reach a backend only where a `Device` becomes one (`backend::store_for`, `backend::scaler_for`),
+//! and an accumulator's store reads the scale from what each add hands it, never naming the
+//! scaler.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The lines of `path` that are code: comments and doc comments dropped.
+fn code_lines(path: &Path) -> Vec<(usize, String)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.split("//").next().unwrap_or("").to_string()))
+        .filter(|(_, l)| !l.trim().is_empty())
+        .collect()
+}
+
+/// Whether `word` stands in `line` as a whole identifier.
+fn has_word(line: &str, word: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    line.match_indices(word)
+        .any(|(at, _)| !line[..at].ends_with(ident) && !line[at + word.len()..].starts_with(ident))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn the_core_scaler_and_accumulator_name_no_backend_module() {
+    for file in ["src/scaler.rs", "src/accumulator/mod.rs"] {
+        for (n, line) in code_lines(&root().join(file)) {
+            assert!(
+                !line.contains("backend::cpu") && !line.contains("backend::cuda"),
+                "{file}:{n} names a backend module: {line}"
+            );
+        }
+    }
+}
+
+#[test]
+fn no_store_names_the_scaler() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/backend"), &mut files);
+    // A backend's scaler state and the module that exports it are the scaler's own.
+    files.retain(|f| !f.ends_with("scaler.rs") && !f.ends_with("mod.rs"));
+    assert!(files.len() > 4, "the backends' files were not found: {files:?}");
+    for file in files {
+        for (n, line) in code_lines(&file) {
+            assert!(
+                !line.contains("crate::scaler")
+                    && !["Scaler", "CudaScaler", "HostScaler"].iter().any(|w| has_word(&line, w)),
+                "{}:{n} names the scaler: {line}",
+                file.display()
+            );
+        }
+    }
+}
