@@ -556,3 +556,43 @@ fn bad_input_changes_nothing() {
     assert!(e.kind == ErrorKind::CorruptState && e.message.contains("algorithm"), "{e:?}");
     unchanged(&opt, &weights, &saved, &kept);
 }
+
+/// Under a sharded boundary a step refused on one rank fails on every rank (no rank waits in the
+/// all-gather, none steps), and the next, valid, step succeeds on all.
+#[test]
+fn a_step_refused_on_one_rank_fails_on_every_rank() {
+    let mut rng = Rng::fresh("a_step_refused_on_one_rank_fails_on_every_rank");
+    let tensors = layout(&mut rng);
+    let initial = model(&mut rng, &tensors);
+    let data = group_data(&mut rng, &tensors, 2, 1);
+    let comms = LocalComm::group(2).unwrap();
+    std::thread::scope(|scope| {
+        for (rank, comm) in comms.into_iter().enumerate() {
+            let (tensors, initial, g) = (&tensors, &initial, &data[rank][0]);
+            scope.spawn(move || {
+                let sharding = Sharding::ReduceScatter { shards: 2, rank };
+                let acc =
+                    Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, tensors)
+                        .unwrap();
+                let mut weights = initial.clone();
+                let opt =
+                    Optimizer::new(&acc, OptimizerConfig::default(), &[], &grads_of(&weights))
+                        .unwrap();
+                add(&acc, &fixed_scaler(), tensors, g);
+                acc.sync(Some(&comm)).unwrap();
+                let saved = opt.save().unwrap();
+                let e = if rank == 1 {
+                    opt.step(&acc, &mut muts_of(&mut weights)[1..], Some(&comm)).unwrap_err()
+                } else {
+                    opt.step(&acc, &mut muts_of(&mut weights), Some(&comm)).unwrap_err()
+                };
+                let expected =
+                    if rank == 1 { ErrorKind::SizeMismatch } else { ErrorKind::PeerFailure };
+                assert_eq!(e.kind, expected, "rank {rank}: {e:?}");
+                assert!(opt.save().unwrap() == saved && weights == *initial, "rank {rank} changed");
+                assert!(opt.step(&acc, &mut muts_of(&mut weights), Some(&comm)).unwrap());
+                assert!(weights != *initial);
+            });
+        }
+    });
+}

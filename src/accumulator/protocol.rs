@@ -30,6 +30,8 @@ pub(crate) enum Step {
     Microbatch { whole: bool },
     /// A hook micro-batch of a sharded accumulation closes.
     Closing,
+    /// An optimizer steps its shard and all-gathers the weights.
+    Optimizer,
 }
 
 impl Step {
@@ -39,6 +41,7 @@ impl Step {
             Step::Microbatch { whole: true } => 0x5851_f42d_4c95_7f2d,
             Step::Microbatch { whole: false } => 0x2545_f491_4f6c_dd1d,
             Step::Closing => 0x9fb2_1c65_1e98_df25,
+            Step::Optimizer => 0x3c6e_f372_fe94_f82b,
         }
     }
 
@@ -98,6 +101,7 @@ impl Step {
                 "an add_tensor call of this micro-batch was refused on another rank, so the sums \
                  lack its tensor"
             }
+            Step::Optimizer => "another rank's optimizer step was invalid; no rank stepped",
         }
     }
 }

@@ -18,10 +18,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use rounding::Rounding;
 
+use crate::accumulator::protocol::{self, HostChannel, Step};
 use crate::accumulator::sharding::intersect;
 use crate::accumulator::{Accumulator, Plan, Sharding};
 use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use crate::comm::{Collectives, Communicator, HostCollectives};
+use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
@@ -194,6 +195,36 @@ impl Optimizer {
         weights: &mut [GradMut<'_>],
         comm: Option<&dyn Communicator>,
     ) -> Result<bool> {
+        let group = self.gather_group(acc, comm)?;
+        let mut s = self.lock();
+        let own = self.check_step(&s, acc, weights).err();
+        // Under a sharded boundary every rank steps and gathers, or none: the ranks agree first,
+        // so that a rank whose call is invalid never leaves the others waiting in the gather.
+        match (&group, own) {
+            (Some((h, ..)), own) => {
+                let claim = ControlSum::of(&Step::Optimizer.claim(&self.plan, None, own.is_some()));
+                protocol::agree(Step::Optimizer, Some(&HostChannel(*h)), None, &claim, own.as_ref())?;
+            }
+            (None, Some(e)) => return Err(e),
+            (None, None) => {}
+        }
+        let stepped = acc.with_reduced("the optimizer step", |window, info, grad| {
+            s.consumed = Some(window);
+            if !info.found_inf {
+                self.update(&mut s, grad, weights);
+            }
+            !info.found_inf
+        })?;
+        drop(s);
+        if let (true, Some((h, shards, rank))) = (stepped, group) {
+            self.all_gather(h, &shards, rank, weights)?;
+        }
+        Ok(stepped)
+    }
+
+    /// Fails unless `acc` is this optimizer's, synced in a window not stepped yet, and
+    /// `weights` are the model's (count, dtypes, lengths).
+    fn check_step(&self, s: &State, acc: &Accumulator, weights: &[GradMut<'_>]) -> Result<()> {
         if !Arc::ptr_eq(acc.plan(), &self.plan) {
             return Err(Error::invalid(
                 "`acc` is not the accumulator this optimizer was made over",
@@ -205,31 +236,21 @@ impl Optimizer {
             if dtype != self.dtypes[i] {
                 return Err(Error::new(
                     ErrorKind::DtypeMismatch,
-                    format!("`weights[{i}]` is {dtype:?}, the model's weights were {:?}", self.dtypes[i]),
+                    format!(
+                        "`weights[{i}]` is {dtype:?}, the model's weights were {:?}",
+                        self.dtypes[i]
+                    ),
                 ));
             }
             check_len(i, mut_len(w), self.plan.descs[i].numel)?;
         }
-        let group = self.gather_group(acc, comm)?;
-        let mut s = self.lock();
-        let stepped = acc.with_reduced("the optimizer step", |window, info, grad| {
-            if s.consumed == Some(window) {
-                return Err(Error::wrong_state(
-                    "the optimizer already stepped from this window: sync again first",
-                ));
-            }
-            s.consumed = Some(window);
-            if info.found_inf {
-                return Ok(false);
-            }
-            self.update(&mut s, grad, weights);
-            Ok(true)
-        })??;
-        drop(s);
-        if let (true, Some((h, shards, rank))) = (stepped, group) {
-            self.all_gather(h, &shards, rank, weights)?;
+        let window = acc.with_reduced("the optimizer step", |window, _, _| window)?;
+        if s.consumed == Some(window) {
+            return Err(Error::wrong_state(
+                "the optimizer already stepped from this window: sync again first",
+            ));
         }
-        Ok(stepped)
+        Ok(())
     }
 
     /// The host collectives and shards over which a step all-gathers the weights, if any.
