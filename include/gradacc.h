@@ -228,6 +228,12 @@ typedef struct gradacc_accumulator_t gradacc_accumulator_t;
 typedef struct gradacc_comm_t gradacc_comm_t;
 
 /**
+ * FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
+ * gradacc_optimizer_create, free with gradacc_optimizer_destroy.
+ */
+typedef struct gradacc_optimizer_t gradacc_optimizer_t;
+
+/**
  * A dynamic loss scaler (opaque). Create with gradacc_scaler_create, free with
  * gradacc_scaler_destroy.
  */
@@ -421,6 +427,72 @@ typedef struct gradacc_nccl_unique_id_t {
 } gradacc_nccl_unique_id_t;
 
 /**
+ * An optimizer's update rule.
+ */
+typedef int32_t gradacc_optimizer_algorithm_t;
+
+/**
+ * How the FP32 master weights become the model's 16-bit weights.
+ */
+typedef int32_t gradacc_rounding_t;
+
+/**
+ * Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
+ */
+typedef struct gradacc_optimizer_config_t {
+    /**
+     * sizeof(gradacc_optimizer_config_t); set by gradacc_optimizer_config_default.
+     */
+    size_t struct_size;
+    /**
+     * GRADACC_OPTIMIZER_* (default ADAMW).
+     */
+    gradacc_optimizer_algorithm_t algorithm;
+    /**
+     * Learning rate of the first step (default 1e-3); gradacc_optimizer_set_lr changes it.
+     */
+    float lr;
+    /**
+     * AdamW's betas (default 0.9 and 0.999) and eps (default 1e-8).
+     */
+    float beta1;
+    float beta2;
+    float eps;
+    /**
+     * Weight decay: decoupled for AdamW, L2 for SGD (default 0.01, AdamW's; set 0 for none).
+     */
+    float weight_decay;
+    /**
+     * SGD's momentum (default 0: none), dampening (default 0) and Nesterov (default false).
+     */
+    float momentum;
+    float dampening;
+    bool nesterov;
+    /**
+     * GRADACC_ROUNDING_* (default NEAREST_EVEN).
+     */
+    gradacc_rounding_t rounding;
+    /**
+     * The seed of stochastic rounding (default 0).
+     */
+    uint64_t seed;
+} gradacc_optimizer_config_t;
+
+/**
+ * One tensor's options (PyTorch's parameter groups, per tensor).
+ */
+typedef struct gradacc_tensor_group_t {
+    /**
+     * Whether weight decay applies to the tensor (biases and norms commonly take none).
+     */
+    bool weight_decay;
+    /**
+     * The tensor's learning rate is the optimizer's times this (finite, >= 0).
+     */
+    float lr_scale;
+} gradacc_tensor_group_t;
+
+/**
  * Scaler configuration. Initialise with gradacc_scaler_config_default, then change fields.
  */
 typedef struct gradacc_scaler_config_t {
@@ -576,6 +648,26 @@ typedef struct gradacc_scaler_stats_t {
  * device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
  */
 #define GRADACC_BACKEND_CUDA 3
+
+/**
+ * `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
+ */
+#define GRADACC_OPTIMIZER_ADAMW 0
+
+/**
+ * `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
+ */
+#define GRADACC_OPTIMIZER_SGD 1
+
+/**
+ * Round to nearest, ties to even.
+ */
+#define GRADACC_ROUNDING_NEAREST_EVEN 0
+
+/**
+ * Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
+ */
+#define GRADACC_ROUNDING_STOCHASTIC 1
 
 /**
  * IEEE 754 binary32.
@@ -1115,6 +1207,112 @@ enum gradacc_status_t gradacc_comm_timeout(const struct gradacc_comm_t *comm,
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
 GRADACC_API enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+
+/**
+ * Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr
+ * 1e-3) and its struct_size.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_config_default(struct gradacc_optimizer_config_t *out);
+
+/**
+ * Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for
+ * this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
+ * model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of
+ * the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
+ * weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
+ * Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
+ * skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
+ *
+ * Fails, creating nothing, on a configuration out of range (the message names the field), a
+ * wrong count, a NULL or misaligned weight, or a CUDA accumulator
+ * (GRADACC_STATUS_BACKEND_UNAVAILABLE: the optimizer steps CPU accumulators).
+ *
+ * Thread safety: any thread. Destroy with gradacc_optimizer_destroy.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_create(const struct gradacc_accumulator_t *acc,
+                                               const struct gradacc_optimizer_config_t *config,
+                                               const struct gradacc_tensor_group_t *groups,
+                                               const void *const *weights,
+                                               const gradacc_dtype_t *weight_dtypes,
+                                               size_t n,
+                                               struct gradacc_optimizer_t **out);
+
+/**
+ * Destroys an optimizer. NULL is accepted and does nothing; a second call on one handle is
+ * reported as GRADACC_STATUS_INVALID_HANDLE.
+ *
+ * Thread safety: any thread, once no other call uses the optimizer.
+ */
+GRADACC_API enum gradacc_status_t gradacc_optimizer_destroy(struct gradacc_optimizer_t *opt);
+
+/**
+ * Sets the learning rate of the steps from the next one on (finite, >= 0).
+ *
+ * Thread safety: any thread; serialised with the optimizer's other calls.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_set_lr(struct gradacc_optimizer_t *opt,
+                                               float lr);
+
+/**
+ * Writes the number of steps taken (a skipped step is not one) to `*out`.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *opt,
+                                              uint64_t *out);
+
+/**
+ * The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made
+ * over): steps the FP32 masters and the state from the reduced gradient and writes the model's
+ * weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or,
+ * when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
+ * which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
+ * on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
+ * all-gather the weights over `comm`: the communicator sync took (NULL for a sharded
+ * accumulation's own). WRONG_STATE before a sync or a second time after one.
+ *
+ * Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
+ * weights are read and written during the call only.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_step(struct gradacc_optimizer_t *opt,
+                                             struct gradacc_accumulator_t *acc,
+                                             void *const *weights,
+                                             size_t n,
+                                             struct gradacc_comm_t *comm,
+                                             bool *out_stepped);
+
+/**
+ * Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports
+ * the size) and its length to `*out_len`.
+ *
+ * Thread safety: any thread; serialised with the optimizer's other calls.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_save(const struct gradacc_optimizer_t *opt,
+                                             uint8_t *buf,
+                                             size_t capacity,
+                                             size_t *out_len);
+
+/**
+ * Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what
+ * gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements,
+ * so a state saved over one shard count loads over another. Corrupt, foreign or insufficient
+ * parts fail with GRADACC_STATUS_CORRUPT_STATE and leave the optimizer unchanged.
+ *
+ * Thread safety: any thread; serialised with the optimizer's other calls.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_load(struct gradacc_optimizer_t *opt,
+                                             const uint8_t *const *parts,
+                                             const size_t *lens,
+                                             size_t n);
 
 /**
  * Fills `*out` with the default scaler configuration (and its struct_size).

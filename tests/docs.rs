@@ -48,6 +48,7 @@ fn in_readme_table() -> BTreeSet<String> {
             "status" => "gradacc",
             "scaler" => "gradacc_scaler",
             "accumulator" => "gradacc_accumulator",
+            "optimizer" => "gradacc_optimizer",
             "communicator" => "gradacc_comm",
             other => panic!("an API table row for `{other}`"),
         };

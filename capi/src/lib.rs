@@ -18,6 +18,7 @@
 mod accumulator;
 mod comm;
 mod handle;
+mod optimizer;
 mod scaler;
 mod status;
 mod types;
@@ -25,6 +26,7 @@ mod version;
 
 pub use accumulator::*;
 pub use comm::*;
+pub use optimizer::*;
 pub use scaler::*;
 pub use status::*;
 pub use types::{

@@ -171,6 +171,7 @@ use crate::accumulator::{
     gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t,
 };
 use crate::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
+use crate::optimizer::{gradacc_optimizer_config_default, gradacc_optimizer_config_t};
 use crate::scaler::{
     gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t,
 };
@@ -207,6 +208,23 @@ versioned!(
     defaults: gradacc_scaler_config_default
 );
 versioned!(gradacc_mpi_config_t { struct_size, shared_memory }, defaults: gradacc_mpi_config_default);
+versioned!(
+    gradacc_optimizer_config_t {
+        struct_size,
+        algorithm,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        momentum,
+        dampening,
+        nesterov,
+        rounding,
+        seed,
+    },
+    defaults: gradacc_optimizer_config_default
+);
 versioned!(gradacc_sync_info_t {
     struct_size,
     found_inf,

@@ -156,6 +156,11 @@ impl Optimizer {
         Ok(())
     }
 
+    /// The dtype of each tensor's model weights (those given at creation).
+    pub fn weight_dtypes(&self) -> &[Dtype] {
+        &self.dtypes
+    }
+
     /// Steps taken (a skipped step is not one).
     pub fn steps(&self) -> u64 {
         self.lock().steps

@@ -46,6 +46,10 @@ GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_lo
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
 GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
+GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
+GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
+GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
+GRADACC_ROUNDING_STOCHASTIC = 1  # Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -62,6 +66,10 @@ class gradacc_accumulator_t(ctypes.Structure):
 
 # One rank's endpoint of a data-parallel group (opaque).
 class gradacc_comm_t(ctypes.Structure):
+    pass
+
+# FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque).
+class gradacc_optimizer_t(ctypes.Structure):
     pass
 
 # A dynamic loss scaler (opaque).
@@ -139,6 +147,36 @@ class gradacc_mpi_config_t(ctypes.Structure):
 class gradacc_nccl_unique_id_t(ctypes.Structure):
     _fields_ = [
         ("internal", (ctypes.c_uint8 * 128)),
+    ]
+
+# An optimizer's update rule.
+gradacc_optimizer_algorithm_t = ctypes.c_int32
+
+# How the FP32 master weights become the model's 16-bit weights.
+gradacc_rounding_t = ctypes.c_int32
+
+# Optimizer configuration.
+class gradacc_optimizer_config_t(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("algorithm", gradacc_optimizer_algorithm_t),
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("momentum", ctypes.c_float),
+        ("dampening", ctypes.c_float),
+        ("nesterov", ctypes.c_bool),
+        ("rounding", gradacc_rounding_t),
+        ("seed", ctypes.c_uint64),
+    ]
+
+# One tensor's options (PyTorch's parameter groups, per tensor).
+class gradacc_tensor_group_t(ctypes.Structure):
+    _fields_ = [
+        ("weight_decay", ctypes.c_bool),
+        ("lr_scale", ctypes.c_float),
     ]
 
 # Scaler configuration.
@@ -376,6 +414,54 @@ gradacc_comm_abort = dll.gradacc_comm_abort
 gradacc_comm_abort.restype = gradacc_status_t
 gradacc_comm_abort.argtypes = [ctypes.POINTER(gradacc_comm_t)]
 # arguments: comm
+
+# Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size.
+gradacc_optimizer_config_default = dll.gradacc_optimizer_config_default
+gradacc_optimizer_config_default.restype = gradacc_status_t
+gradacc_optimizer_config_default.argtypes = [ctypes.POINTER(gradacc_optimizer_config_t)]
+# arguments: out
+
+# Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1).
+gradacc_optimizer_create = dll.gradacc_optimizer_create
+gradacc_optimizer_create.restype = gradacc_status_t
+gradacc_optimizer_create.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
+# arguments: acc, config, groups, weights, weight_dtypes, n, out
+
+# Destroys an optimizer.
+gradacc_optimizer_destroy = dll.gradacc_optimizer_destroy
+gradacc_optimizer_destroy.restype = gradacc_status_t
+gradacc_optimizer_destroy.argtypes = [ctypes.POINTER(gradacc_optimizer_t)]
+# arguments: opt
+
+# Sets the learning rate of the steps from the next one on (finite, >= 0).
+gradacc_optimizer_set_lr = dll.gradacc_optimizer_set_lr
+gradacc_optimizer_set_lr.restype = gradacc_status_t
+gradacc_optimizer_set_lr.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.c_float]
+# arguments: opt, lr
+
+# Writes the number of steps taken (a skipped step is not one) to `*out`.
+gradacc_optimizer_steps = dll.gradacc_optimizer_steps
+gradacc_optimizer_steps.restype = gradacc_status_t
+gradacc_optimizer_steps.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.c_uint64)]
+# arguments: opt, out
+
+# The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which.
+gradacc_optimizer_step = dll.gradacc_optimizer_step
+gradacc_optimizer_step.restype = gradacc_status_t
+gradacc_optimizer_step.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_bool)]
+# arguments: opt, acc, weights, n, comm, out_stepped
+
+# Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports the size) and its length to `*out_len`.
+gradacc_optimizer_save = dll.gradacc_optimizer_save
+gradacc_optimizer_save.restype = gradacc_status_t
+gradacc_optimizer_save.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: opt, buf, capacity, out_len
+
+# Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements, so a state saved over one shard count loads over another.
+gradacc_optimizer_load = dll.gradacc_optimizer_load
+gradacc_optimizer_load.restype = gradacc_status_t
+gradacc_optimizer_load.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+# arguments: opt, parts, lens, n
 
 # Fills `*out` with the default scaler configuration (and its struct_size).
 gradacc_scaler_config_default = dll.gradacc_scaler_config_default

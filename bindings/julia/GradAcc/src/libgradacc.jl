@@ -47,6 +47,10 @@ const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_cre
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
 const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
+const GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
+const GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
+const GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
+const GRADACC_ROUNDING_STOCHASTIC = 1  # Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
 const GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 const GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 const GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -61,6 +65,9 @@ mutable struct gradacc_accumulator_t end
 
 "One rank's endpoint of a data-parallel group (opaque)."
 mutable struct gradacc_comm_t end
+
+"FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque)."
+mutable struct gradacc_optimizer_t end
 
 "A dynamic loss scaler (opaque)."
 mutable struct gradacc_scaler_t end
@@ -130,6 +137,34 @@ end
 "An NCCL unique id: rank 0 makes it with gradacc_nccl_unique_id and sends its bytes to every rank (MPI_Bcast, a file, a TCP store) before they call gradacc_comm_create_nccl."
 struct gradacc_nccl_unique_id_t
     internal::NTuple{128, UInt8}
+end
+
+"An optimizer's update rule."
+const gradacc_optimizer_algorithm_t = Int32
+
+"How the FP32 master weights become the model's 16-bit weights."
+const gradacc_rounding_t = Int32
+
+"Optimizer configuration."
+struct gradacc_optimizer_config_t
+    struct_size::Csize_t
+    algorithm::gradacc_optimizer_algorithm_t
+    lr::Cfloat
+    beta1::Cfloat
+    beta2::Cfloat
+    eps::Cfloat
+    weight_decay::Cfloat
+    momentum::Cfloat
+    dampening::Cfloat
+    nesterov::Bool
+    rounding::gradacc_rounding_t
+    seed::UInt64
+end
+
+"One tensor's options (PyTorch's parameter groups, per tensor)."
+struct gradacc_tensor_group_t
+    weight_decay::Bool
+    lr_scale::Cfloat
 end
 
 "Scaler configuration."
@@ -482,6 +517,46 @@ function gradacc_comm_abort(comm)
         ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
         ret
     end
+end
+
+"Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size."
+function gradacc_optimizer_config_default(out)
+    ccall((:gradacc_optimizer_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_config_t},), out)
+end
+
+"Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1)."
+function gradacc_optimizer_create(acc, config, groups, weights, weight_dtypes, n, out)
+    ccall((:gradacc_optimizer_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_optimizer_config_t}, Ptr{gradacc_tensor_group_t}, Ptr{Ptr{Cvoid}}, Ptr{gradacc_dtype_t}, Csize_t, Ptr{Ptr{gradacc_optimizer_t}}), acc, config, groups, weights, weight_dtypes, n, out)
+end
+
+"Destroys an optimizer."
+function gradacc_optimizer_destroy(opt)
+    ccall((:gradacc_optimizer_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t},), opt)
+end
+
+"Sets the learning rate of the steps from the next one on (finite, >= 0)."
+function gradacc_optimizer_set_lr(opt, lr)
+    ccall((:gradacc_optimizer_set_lr, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Cfloat), opt, lr)
+end
+
+"Writes the number of steps taken (a skipped step is not one) to `*out`."
+function gradacc_optimizer_steps(opt, out)
+    ccall((:gradacc_optimizer_steps, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{UInt64}), opt, out)
+end
+
+"The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which."
+function gradacc_optimizer_step(opt, acc, weights, n, comm, out_stepped)
+    ccall((:gradacc_optimizer_step, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{gradacc_accumulator_t}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{gradacc_comm_t}, Ptr{Bool}), opt, acc, weights, n, comm, out_stepped)
+end
+
+"Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports the size) and its length to `*out_len`."
+function gradacc_optimizer_save(opt, buf, capacity, out_len)
+    ccall((:gradacc_optimizer_save, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{UInt8}, Csize_t, Ptr{Csize_t}), opt, buf, capacity, out_len)
+end
+
+"Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements, so a state saved over one shard count loads over another."
+function gradacc_optimizer_load(opt, parts, lens, n)
+    ccall((:gradacc_optimizer_load, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{Ptr{UInt8}}, Ptr{Csize_t}, Csize_t), opt, parts, lens, n)
 end
 
 "Fills `*out` with the default scaler configuration (and its struct_size)."

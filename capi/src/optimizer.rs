@@ -1,0 +1,406 @@
+//! C API of the FP32-master optimizer.
+
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::{Arc, LazyLock};
+
+use crate::accumulator::{gradacc_accumulator_t, ACCUMULATORS};
+use crate::comm::{gradacc_comm_t, COMMS};
+use crate::handle::Registry;
+use crate::status::{gradacc_status_t, guard, CallResult};
+use crate::types::*;
+use gradacc::dtype::{Dtype, Grad, GradMut};
+use gradacc::error::{Error, ErrorKind};
+use gradacc::{Algorithm, Optimizer, OptimizerConfig, Rounding, TensorGroup};
+
+/// FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
+/// gradacc_optimizer_create, free with gradacc_optimizer_destroy.
+pub struct gradacc_optimizer_t {
+    _private: [u8; 0],
+}
+
+pub(crate) static OPTIMIZERS: LazyLock<Registry<Optimizer>> =
+    LazyLock::new(|| Registry::new("optimizer"));
+
+/// An optimizer's update rule.
+pub type gradacc_optimizer_algorithm_t = i32;
+/// `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
+pub const GRADACC_OPTIMIZER_ADAMW: gradacc_optimizer_algorithm_t = 0;
+/// `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
+pub const GRADACC_OPTIMIZER_SGD: gradacc_optimizer_algorithm_t = 1;
+
+/// How the FP32 master weights become the model's 16-bit weights.
+pub type gradacc_rounding_t = i32;
+/// Round to nearest, ties to even.
+pub const GRADACC_ROUNDING_NEAREST_EVEN: gradacc_rounding_t = 0;
+/// Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
+pub const GRADACC_ROUNDING_STOCHASTIC: gradacc_rounding_t = 1;
+
+/// Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_optimizer_config_t {
+    /// sizeof(gradacc_optimizer_config_t); set by gradacc_optimizer_config_default.
+    pub struct_size: usize,
+    /// GRADACC_OPTIMIZER_* (default ADAMW).
+    pub algorithm: gradacc_optimizer_algorithm_t,
+    /// Learning rate of the first step (default 1e-3); gradacc_optimizer_set_lr changes it.
+    pub lr: f32,
+    /// AdamW's betas (default 0.9 and 0.999) and eps (default 1e-8).
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Weight decay: decoupled for AdamW, L2 for SGD (default 0.01, AdamW's; set 0 for none).
+    pub weight_decay: f32,
+    /// SGD's momentum (default 0: none), dampening (default 0) and Nesterov (default false).
+    pub momentum: f32,
+    pub dampening: f32,
+    pub nesterov: bool,
+    /// GRADACC_ROUNDING_* (default NEAREST_EVEN).
+    pub rounding: gradacc_rounding_t,
+    /// The seed of stochastic rounding (default 0).
+    pub seed: u64,
+}
+
+/// One tensor's options (PyTorch's parameter groups, per tensor).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_tensor_group_t {
+    /// Whether weight decay applies to the tensor (biases and norms commonly take none).
+    pub weight_decay: bool,
+    /// The tensor's learning rate is the optimizer's times this (finite, >= 0).
+    pub lr_scale: f32,
+}
+
+/// Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr
+/// 1e-3) and its struct_size.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_config_default(
+    out: *mut gradacc_optimizer_config_t,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_config_default", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        let d = OptimizerConfig::default();
+        let Algorithm::AdamW { beta1, beta2, eps, weight_decay } = d.algorithm else {
+            unreachable!("the default is AdamW")
+        };
+        *out = gradacc_optimizer_config_t {
+            struct_size: size_of::<gradacc_optimizer_config_t>(),
+            algorithm: GRADACC_OPTIMIZER_ADAMW,
+            lr: d.lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            rounding: GRADACC_ROUNDING_NEAREST_EVEN,
+            seed: 0,
+        };
+        Ok(())
+    })
+}
+
+fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<OptimizerConfig> {
+    let algorithm = match c.algorithm {
+        GRADACC_OPTIMIZER_ADAMW => Algorithm::AdamW {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+        },
+        GRADACC_OPTIMIZER_SGD => Algorithm::Sgd {
+            momentum: c.momentum,
+            dampening: c.dampening,
+            nesterov: c.nesterov,
+            weight_decay: c.weight_decay,
+        },
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.algorithm = {v} is not a GRADACC_OPTIMIZER_* value"
+            ))
+            .into())
+        }
+    };
+    let rounding = match c.rounding {
+        GRADACC_ROUNDING_NEAREST_EVEN => Rounding::NearestEven,
+        GRADACC_ROUNDING_STOCHASTIC => Rounding::Stochastic { seed: c.seed },
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.rounding = {v} is not a GRADACC_ROUNDING_* value"
+            ))
+            .into())
+        }
+    };
+    Ok(OptimizerConfig { algorithm, lr: c.lr, rounding })
+}
+
+/// Borrows the tensors' buffers at `ptrs` as the model's weights of `dtypes` and the tensors'
+/// lengths `numel`, each checked for null, alignment and length.
+///
+/// # Safety
+/// Each non-null `ptrs[i]` points to `numel[i]` values of `dtypes[i]`, readable and writable and
+/// used by nothing else during `'a`.
+unsafe fn weight_buffers<'a>(
+    ptrs: &[*const c_void],
+    dtypes: &[Dtype],
+    numel: &[usize],
+) -> CallResult<Vec<GradMut<'a>>> {
+    let mut out = Vec::with_capacity(ptrs.len());
+    for (i, ((&p, &dtype), &n)) in ptrs.iter().zip(dtypes).zip(numel).enumerate() {
+        let what = format!("weights[{i}]");
+        // SAFETY: read_slice checks null, alignment and length; the values are the caller's to
+        // lend mutably for the call (API contract).
+        out.push(unsafe {
+            match dtype {
+                Dtype::F32 => {
+                    let s = read_slice(p as *const f32, n, &what, "numel")?;
+                    GradMut::F32(std::slice::from_raw_parts_mut(s.as_ptr() as *mut f32, n))
+                }
+                _ => {
+                    let s = read_slice(p as *const u16, n, &what, "numel")?;
+                    let s = std::slice::from_raw_parts_mut(s.as_ptr() as *mut u16, n);
+                    if dtype == Dtype::F16 {
+                        GradMut::F16(s)
+                    } else {
+                        GradMut::Bf16(s)
+                    }
+                }
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for
+/// this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
+/// model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of
+/// the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
+/// weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
+/// Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
+/// skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
+///
+/// Fails, creating nothing, on a configuration out of range (the message names the field), a
+/// wrong count, a NULL or misaligned weight, or a CUDA accumulator
+/// (GRADACC_STATUS_BACKEND_UNAVAILABLE: the optimizer steps CPU accumulators).
+///
+/// Thread safety: any thread. Destroy with gradacc_optimizer_destroy.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_create(
+    acc: *const gradacc_accumulator_t,
+    config: *const gradacc_optimizer_config_t,
+    groups: *const gradacc_tensor_group_t,
+    weights: *const *const c_void,
+    weight_dtypes: *const gradacc_dtype_t,
+    n: usize,
+    out: *mut *mut gradacc_optimizer_t,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_create", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
+        let config = config_from_c(&unsafe { read_config(config, "config") }?)?;
+        let tensors = a.tensors();
+        if n != tensors.len() {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
+            )
+            .into());
+        }
+        let groups: Vec<TensorGroup> = if groups.is_null() {
+            vec![]
+        } else {
+            // SAFETY: a non-null `groups` holds `n` entries (API contract).
+            unsafe { read_slice(groups, n, "groups", "n")? }
+                .iter()
+                .map(|g| TensorGroup { weight_decay: g.weight_decay, lr_scale: g.lr_scale })
+                .collect()
+        };
+        let dtypes: Vec<Dtype> = if weight_dtypes.is_null() {
+            tensors.iter().map(|t| t.dtype).collect()
+        } else {
+            // SAFETY: a non-null `weight_dtypes` holds `n` entries (API contract).
+            let codes = unsafe { read_slice(weight_dtypes, n, "weight_dtypes", "n")? };
+            codes
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| dtype_from_c(c, &format!("weight_dtypes[{i}]")))
+                .collect::<CallResult<_>>()?
+        };
+        // SAFETY: the caller passes `n` addresses at `weights` (API contract).
+        let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
+        let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
+        // SAFETY: each weight holds its tensor's numel values of its dtype (API contract); they
+        // are only read here.
+        let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
+        let grads: Vec<Grad<'_>> = buffers
+            .iter()
+            .map(|b| match b {
+                GradMut::F32(s) => Grad::F32(s),
+                GradMut::F16(s) => Grad::F16(s),
+                GradMut::Bf16(s) => Grad::Bf16(s),
+            })
+            .collect();
+        let opt = Optimizer::new(&a, config, &groups, &grads)?;
+        *out = OPTIMIZERS.insert(Arc::new(opt));
+        Ok(())
+    })
+}
+
+/// Destroys an optimizer. NULL is accepted and does nothing; a second call on one handle is
+/// reported as GRADACC_STATUS_INVALID_HANDLE.
+///
+/// Thread safety: any thread, once no other call uses the optimizer.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_destroy(
+    opt: *mut gradacc_optimizer_t,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_destroy", || {
+        if !opt.is_null() {
+            OPTIMIZERS.remove(opt, "opt")?;
+        }
+        Ok(())
+    })
+}
+
+/// Sets the learning rate of the steps from the next one on (finite, >= 0).
+///
+/// Thread safety: any thread; serialised with the optimizer's other calls.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_set_lr(
+    opt: *mut gradacc_optimizer_t,
+    lr: f32,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_set_lr", || Ok(OPTIMIZERS.get(opt, "opt")?.set_lr(lr)?))
+}
+
+/// Writes the number of steps taken (a skipped step is not one) to `*out`.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_steps(
+    opt: *const gradacc_optimizer_t,
+    out: *mut u64,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_steps", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        *out = OPTIMIZERS.get(opt, "opt")?.steps();
+        Ok(())
+    })
+}
+
+/// The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made
+/// over): steps the FP32 masters and the state from the reduced gradient and writes the model's
+/// weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or,
+/// when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
+/// which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
+/// on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
+/// all-gather the weights over `comm`: the communicator sync took (NULL for a sharded
+/// accumulation's own). WRONG_STATE before a sync or a second time after one.
+///
+/// Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
+/// weights are read and written during the call only.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_step(
+    opt: *mut gradacc_optimizer_t,
+    acc: *mut gradacc_accumulator_t,
+    weights: *const *mut c_void,
+    n: usize,
+    comm: *mut gradacc_comm_t,
+    out_stepped: *mut bool,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_step", || {
+        let o = OPTIMIZERS.get(opt, "opt")?;
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose()?;
+        let dtypes = o.weight_dtypes();
+        if n != dtypes.len() {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the optimizer has {} tensors", dtypes.len()),
+            )
+            .into());
+        }
+        // SAFETY: the caller passes `n` addresses at `weights` (API contract).
+        let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
+        let numel: Vec<usize> = a.tensors().iter().map(|t| t.numel).collect();
+        // SAFETY: each weight holds its tensor's numel values of its dtype, writable and used by
+        // nothing else during the call (API contract).
+        let mut muts = unsafe { weight_buffers(ptrs, dtypes, &numel)? };
+        let stepped = o.step(&a, &mut muts, comm.as_deref())?;
+        if !out_stepped.is_null() {
+            // SAFETY: a non-null output pointer points to writable storage of its type.
+            unsafe { *out_stepped = stepped };
+        }
+        Ok(())
+    })
+}
+
+/// Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports
+/// the size) and its length to `*out_len`.
+///
+/// Thread safety: any thread; serialised with the optimizer's other calls.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_save(
+    opt: *const gradacc_optimizer_t,
+    buf: *mut u8,
+    capacity: usize,
+    out_len: *mut usize,
+) -> gradacc_status_t {
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    guard("gradacc_optimizer_save", || unsafe {
+        write_bytes(&OPTIMIZERS.get(opt, "opt")?.save()?, buf, capacity, out_len)
+    })
+}
+
+/// Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what
+/// gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements,
+/// so a state saved over one shard count loads over another. Corrupt, foreign or insufficient
+/// parts fail with GRADACC_STATUS_CORRUPT_STATE and leave the optimizer unchanged.
+///
+/// Thread safety: any thread; serialised with the optimizer's other calls.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_load(
+    opt: *mut gradacc_optimizer_t,
+    parts: *const *const u8,
+    lens: *const usize,
+    n: usize,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_load", || {
+        let o = OPTIMIZERS.get(opt, "opt")?;
+        // SAFETY: the caller passes `n` pointers at `parts` and `n` lengths at `lens`.
+        let (ptrs, lens) =
+            unsafe { (read_slice(parts, n, "parts", "n")?, read_slice(lens, n, "lens", "n")?) };
+        let parts = ptrs
+            .iter()
+            .zip(lens)
+            .enumerate()
+            // SAFETY: each non-null part points to its length's readable bytes (API contract).
+            .map(|(k, (&p, &len))| unsafe { read_bytes(p, len, &format!("parts[{k}]")) })
+            .collect::<CallResult<Vec<&[u8]>>>()?;
+        Ok(o.load(&parts)?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_config_is_the_rust_default() {
+        let mut c = std::mem::MaybeUninit::uninit();
+        // SAFETY: a writable config.
+        let status = unsafe { gradacc_optimizer_config_default(c.as_mut_ptr()) };
+        assert_eq!(status, crate::status::GRADACC_STATUS_OK);
+        // SAFETY: filled on success.
+        let c = unsafe { c.assume_init() };
+        assert_eq!(config_from_c(&c).ok(), Some(OptimizerConfig::default()));
+    }
+}
