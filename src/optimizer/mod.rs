@@ -8,6 +8,7 @@
 //! accumulator's layout and shard and to its window (one step per synced window).
 
 mod config;
+mod pass;
 mod rounding;
 mod saved;
 mod update;
@@ -21,7 +22,7 @@ pub use rounding::Rounding;
 use crate::accumulator::protocol::{self, HostChannel, Step};
 use crate::accumulator::sharding::intersect;
 use crate::accumulator::{Accumulator, Plan, Sharding};
-use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32};
 use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad, GradMut};
@@ -298,40 +299,20 @@ impl Optimizer {
     fn update(&self, s: &mut State, grad: &[f32], weights: &mut [GradMut<'_>]) {
         let t = s.steps + 1;
         let State { lr, held, master, first, second, .. } = s;
-        let mut unused = 0.0f32;
         for (i, w) in weights.iter_mut().enumerate() {
             let p = piece(&self.plan, i, held);
             let group = self.groups[i];
-            let k = Scalars::new(
-                &self.algorithm,
-                *lr as f64 * group.lr_scale as f64,
-                group.weight_decay,
-                t,
-            );
-            for ((j, at), e) in p.flat.zip(p.held).zip(p.tensor) {
-                let s2 = second.get_mut(at).unwrap_or(&mut unused);
-                update::step(&k, grad[at], &mut master[at], &mut first[at], s2);
-                self.write(w, e, master[at], t, j);
-            }
+            let lr = *lr as f64 * group.lr_scale as f64;
+            let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t);
+            let state = pass::Piece {
+                grad: &grad[p.held.clone()],
+                master: &mut master[p.held.clone()],
+                first: &mut first[p.held.clone()],
+                second: if second.is_empty() { &mut [] } else { &mut second[p.held.clone()] },
+            };
+            pass::step(&k, state, sub_mut(w, p.tensor), self.rounding, t, p.flat.start);
         }
         s.steps = t;
-    }
-
-    /// Writes master weight `value` as element `at` of the model's weight; `index` is its place
-    /// in the flat layout, which keys stochastic rounding.
-    #[inline(always)]
-    fn write(&self, w: &mut GradMut<'_>, at: usize, value: f32, step: u64, index: usize) {
-        let round = |dtype: Dtype, nearest: fn(f32) -> u16| match self.rounding {
-            Rounding::NearestEven => nearest(value),
-            Rounding::Stochastic { seed } => {
-                rounding::stochastic(value, dtype, rounding::draw(seed, step, index as u64))
-            }
-        };
-        match w {
-            GradMut::F32(b) => b[at] = value,
-            GradMut::F16(b) => b[at] = round(Dtype::F16, f32_to_f16),
-            GradMut::Bf16(b) => b[at] = round(Dtype::Bf16, f32_to_bf16),
-        }
     }
 
     /// Every rank's part of the model weights to every rank, bit for bit.
@@ -436,6 +417,15 @@ fn check_len(i: usize, got: usize, numel: usize) -> Result<()> {
             ErrorKind::SizeMismatch,
             format!("`weights[{i}]` holds {got} elements, tensor {i} has {numel}"),
         ))
+    }
+}
+
+/// The elements `r` of a model weight.
+fn sub_mut<'a>(w: &'a mut GradMut<'_>, r: Range<usize>) -> GradMut<'a> {
+    match w {
+        GradMut::F32(b) => GradMut::F32(&mut b[r]),
+        GradMut::F16(b) => GradMut::F16(&mut b[r]),
+        GradMut::Bf16(b) => GradMut::Bf16(&mut b[r]),
     }
 }
 

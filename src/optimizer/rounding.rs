@@ -39,17 +39,25 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The random 32 bits of element `index` at step `step`.
+/// The key of one step's draws.
+#[inline]
+pub(crate) fn key(seed: u64, step: u64) -> u64 {
+    mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+}
+
+/// The random 32 bits of element `index` in the step of `key`.
 #[inline(always)]
-pub(crate) fn draw(seed: u64, step: u64, index: u64) -> u32 {
-    let key = mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)));
+pub(crate) fn draw(key: u64, index: u64) -> u32 {
     (mix(key.wrapping_add(index.wrapping_mul(0x9e37_79b9_7f4a_7c15))) >> 32) as u32
 }
 
 /// `x` in `dtype` (16-bit), rounded stochastically with the random bits `r`: up (away from
 /// zero) with probability (|x| - |lo|) / (|hi| - |lo|), `lo` and `hi` the neighbours of `x`.
-#[inline]
+#[inline(always)]
 pub(crate) fn stochastic(x: f32, dtype: Dtype, r: u32) -> u16 {
+    if dtype == Dtype::Bf16 {
+        return stochastic_bf16(x, r);
+    }
     let f16 = dtype == Dtype::F16;
     let nearest = if f16 { f32_to_f16 } else { f32_to_bf16 };
     let to_f32 = if f16 { f16_to_f32 } else { bf16_to_f32 };
@@ -72,6 +80,19 @@ pub(crate) fn stochastic(x: f32, dtype: Dtype, r: u32) -> u16 {
     }
 }
 
+/// [`stochastic`] for bf16, in integers: the neighbours are the upper half of `x`'s bits and the
+/// next, and p · 2^32 is the lower half shifted up (both in units of `x`'s f32 spacing).
+#[inline(always)]
+fn stochastic_bf16(x: f32, r: u32) -> u16 {
+    let bits = x.to_bits();
+    let down = (bits >> 16) as u16;
+    // Infinities and NaN, and the largest finite magnitude, whose upper neighbour is infinite.
+    if down & 0x7f80 == 0x7f80 || down & 0x7fff == 0x7f7f {
+        return f32_to_bf16(x);
+    }
+    down + (r < (bits & 0xffff) << 16) as u16
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,7 +106,7 @@ mod tests {
                 let mut sum = 0.0f64;
                 let mut seen = std::collections::BTreeSet::new();
                 for i in 0..n {
-                    let h = stochastic(x, dtype, draw(7, 3, i));
+                    let h = stochastic(x, dtype, draw(key(7, 3), i));
                     seen.insert(h);
                     sum += to_f32(h) as f64;
                 }
@@ -95,6 +116,40 @@ mod tests {
                 // The mean's standard error is at most spacing / (2 sqrt(n)); allow 5 of them.
                 let err = (sum / n as f64 - x as f64).abs();
                 assert!(err < 5.0 * spacing / (2.0 * (n as f64).sqrt()), "{dtype:?} {x}: {err}");
+            }
+        }
+    }
+
+    /// The integer path for bf16 is the general rule's.
+    #[test]
+    fn bf16_in_integers_is_the_general_rule() {
+        let general = |x: f32, r: u32| {
+            let n = f32_to_bf16(x);
+            if !x.is_finite() || x == 0.0 || bf16_to_f32(n) == x {
+                return n;
+            }
+            let (down, up) = if bf16_to_f32(n).abs() > x.abs() { (n - 1, n) } else { (n, n + 1) };
+            let (lo, hi) = (bf16_to_f32(down).abs() as f64, bf16_to_f32(up).abs() as f64);
+            if !hi.is_finite() {
+                return n;
+            }
+            let p = (x.abs() as f64 - lo) / (hi - lo);
+            if (r as f64) < p * 4294967296.0 {
+                up
+            } else {
+                down
+            }
+        };
+        let mut z = 1u64;
+        for _ in 0..200_000 {
+            z = mix(z);
+            let x = f32::from_bits(z as u32);
+            let r = (z >> 32) as u32;
+            assert_eq!(stochastic_bf16(x, r), general(x, r), "{x:e} ({:#x}), r {r:#x}", x.to_bits());
+        }
+        for x in [f32::MAX, -f32::MAX, 3.3895e38, f32::MIN_POSITIVE, 1e-45, -0.0] {
+            for r in [0, 1, u32::MAX / 2, u32::MAX] {
+                assert_eq!(stochastic_bf16(x, r), general(x, r), "{x:e}, r {r:#x}");
             }
         }
     }
