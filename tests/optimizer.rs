@@ -596,3 +596,36 @@ fn a_step_refused_on_one_rank_fails_on_every_rank() {
         }
     });
 }
+
+/// The step over several threads gives the one-thread bits (each element's arithmetic and
+/// random draw are its own).
+#[test]
+fn threads_do_not_change_the_bits() {
+    let mut rng = Rng::fresh("threads_do_not_change_the_bits");
+    let tensors = [
+        TensorDesc { numel: 1_300_001, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 700_003, dtype: Dtype::F16 },
+    ];
+    let initial = model(&mut rng, &tensors);
+    let g = gradient(&mut rng, &tensors, false);
+    let run = |threads, algorithm| {
+        let acc = Accumulator::new(AccumulatorConfig { threads, ..Default::default() }, &tensors)
+            .unwrap();
+        let rounding = Rounding::Stochastic { seed: 99 };
+        let config = OptimizerConfig { algorithm, lr: 1e-3, rounding };
+        let mut weights = initial.clone();
+        let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
+        for _ in 0..2 {
+            add(&acc, &fixed_scaler(), &tensors, &g);
+            acc.sync(None).unwrap();
+            assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());
+        }
+        (weights, opt.save().unwrap())
+    };
+    for algorithm in [Algorithm::adamw(), algorithms()[3]] {
+        let one = run(1, algorithm);
+        for threads in [2, 3] {
+            assert!(run(threads, algorithm) == one, "{threads} threads, {algorithm:?}");
+        }
+    }
+}

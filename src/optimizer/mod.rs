@@ -310,7 +310,9 @@ impl Optimizer {
                 first: &mut first[p.held.clone()],
                 second: if second.is_empty() { &mut [] } else { &mut second[p.held.clone()] },
             };
-            pass::step(&k, state, sub_mut(w, p.tensor), self.rounding, t, p.flat.start);
+            let threads = self.plan.config.threads;
+            let out = sub_mut(w, p.tensor);
+            pass::step_threads(&k, state, out, self.rounding, t, p.flat.start, threads);
         }
         s.steps = t;
     }

@@ -4,6 +4,7 @@
 //! it holds no branch the compiler cannot lift out of it.
 
 use super::rounding::{self, Rounding};
+use crate::backend::cpu::MIN_ELEMENTS_PER_THREAD;
 use super::update::Scalars;
 use crate::backend::cpu::math::{f32_to_bf16, f32_to_f16};
 use crate::dtype::{Dtype, GradMut};
@@ -62,6 +63,62 @@ pub(crate) struct Piece<'a> {
     pub first: &'a mut [f32],
     /// Empty for SGD.
     pub second: &'a mut [f32],
+}
+
+impl<'a> Piece<'a> {
+    fn split_at(self, mid: usize) -> (Piece<'a>, Piece<'a>) {
+        let (g0, g1) = self.grad.split_at(mid);
+        let (x0, x1) = self.master.split_at_mut(mid);
+        let (f0, f1) = self.first.split_at_mut(mid);
+        let (s0, s1) = if self.second.is_empty() {
+            (&mut [][..], &mut [][..])
+        } else {
+            self.second.split_at_mut(mid)
+        };
+        let piece = |grad, master, first, second| Piece { grad, master, first, second };
+        (piece(g0, x0, f0, s0), piece(g1, x1, f1, s1))
+    }
+}
+
+fn split_out(out: GradMut<'_>, mid: usize) -> (GradMut<'_>, GradMut<'_>) {
+    match out {
+        GradMut::F32(o) => {
+            let (a, b) = o.split_at_mut(mid);
+            (GradMut::F32(a), GradMut::F32(b))
+        }
+        GradMut::F16(o) => {
+            let (a, b) = o.split_at_mut(mid);
+            (GradMut::F16(a), GradMut::F16(b))
+        }
+        GradMut::Bf16(o) => {
+            let (a, b) = o.split_at_mut(mid);
+            (GradMut::Bf16(a), GradMut::Bf16(b))
+        }
+    }
+}
+
+/// [`step`] on up to `threads` threads, each taking a contiguous part: every element's
+/// arithmetic and random draw are its own, so the bits do not depend on the thread count.
+pub(crate) fn step_threads(
+    k: &Scalars,
+    piece: Piece<'_>,
+    out: GradMut<'_>,
+    rounding: Rounding,
+    step_count: u64,
+    base: usize,
+    threads: usize,
+) {
+    let n = piece.grad.len();
+    if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
+        return step(k, piece, out, rounding, step_count, base);
+    }
+    let left = threads / 2;
+    let mid = n * left / threads;
+    let ((p0, p1), (o0, o1)) = (piece.split_at(mid), split_out(out, mid));
+    std::thread::scope(|s| {
+        s.spawn(move || step_threads(k, p0, o0, rounding, step_count, base, left));
+        step_threads(k, p1, o1, rounding, step_count, base + mid, threads - left);
+    });
 }
 
 /// Steps `piece` by `k` and writes its model weights `out` (the piece's part of the tensor),
