@@ -35,9 +35,10 @@
 //!
 //! Who owns what: `accumulator` is the core (the window's state machine, the boundary's
 //! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`),
-//! `scaler` the loss scale's semantics, `comm` the communicators, and `backend` what each device
-//! supplies (its store: master memory and kernels; its scaler state). A boundary feature is written once in the
-//! core; a device only adds kernels. The C ABI is the crate `gradacc-capi` (capi/).
+//! `scaler` the loss scale's semantics, `optimizer` the FP32-master step, `comm` the
+//! communicators, and `backend` what each device supplies (its store: master memory and kernels;
+//! its scaler state). A boundary feature is written once in the core; a device only adds
+//! kernels. The C ABI is the crate `gradacc-capi` (capi/).
 
 // Every unsafe operation sits in its own block with a `SAFETY:` comment saying why it is sound.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
