@@ -87,10 +87,10 @@ pub enum Sharding {
     /// `read_master`, `with_master` and `master_ptr` take only a tensor wholly inside the shard
     /// (`InvalidArgument` otherwise), and no master buffer can be adopted.
     ///
-    /// **The communicator** is given at creation ([`AccumulatorBuilder::communicator`]), `shards` ranks of
-    /// which this is `rank`. The accumulator holds its own reference to it, so the group lives as
-    /// long as the accumulator, whatever becomes of the caller's reference (MPI must stay
-    /// initialised until then). `sync` and `sync_enqueue` take it or `None`; another communicator
+    /// **The communicator** is given at creation ([`AccumulatorBuilder::communicator`]),
+    /// `shards` ranks of which this is `rank`. The accumulator holds its own reference to it, so
+    /// the group lives as long as the accumulator, whatever becomes of the caller's reference (MPI
+    /// must stay initialised until then). `sync` and `sync_enqueue` take it or `None`; another communicator
     /// fails on every rank, `InvalidArgument` on the rank that passed it. With one shard there is
     /// no collective: [`Accumulator::new`] makes it, and it is the unsharded accumulation bit for
     /// bit.
