@@ -56,8 +56,15 @@ pub(crate) fn draw(key: u64, index: u64) -> u32 {
 #[inline(always)]
 pub(crate) fn stochastic(x: f32, dtype: Dtype, r: u32) -> u16 {
     if dtype == Dtype::Bf16 {
-        return stochastic_bf16(x, r);
+        stochastic_bf16(x, r)
+    } else {
+        by_neighbours(x, dtype, r)
     }
+}
+
+/// [`stochastic`] from the neighbours' values, for any 16-bit `dtype`.
+#[inline]
+fn by_neighbours(x: f32, dtype: Dtype, r: u32) -> u16 {
     let f16 = dtype == Dtype::F16;
     let nearest = if f16 { f32_to_f16 } else { f32_to_bf16 };
     let to_f32 = if f16 { f16_to_f32 } else { bf16_to_f32 };
@@ -80,7 +87,7 @@ pub(crate) fn stochastic(x: f32, dtype: Dtype, r: u32) -> u16 {
     }
 }
 
-/// [`stochastic`] for bf16, in integers: the neighbours are the upper half of `x`'s bits and the
+/// [`stochastic`] for bf16 in integers (a test holds it to [`by_neighbours`]): the neighbours are the upper half of `x`'s bits and the
 /// next, and p · 2^32 is the lower half shifted up (both in units of `x`'s f32 spacing).
 #[inline(always)]
 fn stochastic_bf16(x: f32, r: u32) -> u16 {
@@ -123,23 +130,7 @@ mod tests {
     /// The integer path for bf16 is the general rule's.
     #[test]
     fn bf16_in_integers_is_the_general_rule() {
-        let general = |x: f32, r: u32| {
-            let n = f32_to_bf16(x);
-            if !x.is_finite() || x == 0.0 || bf16_to_f32(n) == x {
-                return n;
-            }
-            let (down, up) = if bf16_to_f32(n).abs() > x.abs() { (n - 1, n) } else { (n, n + 1) };
-            let (lo, hi) = (bf16_to_f32(down).abs() as f64, bf16_to_f32(up).abs() as f64);
-            if !hi.is_finite() {
-                return n;
-            }
-            let p = (x.abs() as f64 - lo) / (hi - lo);
-            if (r as f64) < p * 4294967296.0 {
-                up
-            } else {
-                down
-            }
-        };
+        let general = |x: f32, r: u32| by_neighbours(x, Dtype::Bf16, r);
         let mut z = 1u64;
         for _ in 0..200_000 {
             z = mix(z);
