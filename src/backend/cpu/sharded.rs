@@ -22,7 +22,7 @@ use super::master::Master;
 use super::math::NORM_BLOCK;
 use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
-use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
 use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
@@ -32,27 +32,16 @@ use crate::scaler::Scaler;
 
 pub(crate) struct ShardedStore {
     plan: Arc<Plan>,
-    comm: Arc<dyn Communicator>,
-    /// Every rank's range of the flat layout, and this rank's.
-    shards: Vec<Range<usize>>,
-    own: Range<usize>,
-    stripes: Stripes,
+    sharding: Shard,
     shard: Master,
     /// The window's sticky non-finite flag (this rank's gradients only).
     found_inf: AtomicBool,
-    /// A reduction failed after the micro-batch's control step: the shard holds part of it.
-    lost: AtomicBool,
-    /// The micro-batch assigns the shard (the window's first).
-    first: AtomicBool,
     hooks: Mutex<Hooks<Vec<f32>>>,
 }
 
 impl std::fmt::Debug for ShardedStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardedStore")
-            .field("own", &self.own)
-            .field("shards", &self.shards)
-            .finish()
+        f.debug_struct("ShardedStore").field("sharding", &self.sharding).finish()
     }
 }
 
@@ -61,22 +50,15 @@ impl ShardedStore {
     /// (checked by the accumulator).
     pub(crate) fn new(plan: Arc<Plan>, comm: Arc<dyn Communicator>) -> Result<Self> {
         host_collectives(&*comm)?;
-        let shards = plan.shards();
-        let own = shards[comm.rank()].clone();
-        let shard = Master::owned(own.len())?;
-        let stripes = Stripes::new(&plan, &shards);
+        let sharding = Shard::new(&plan, Some(comm))?;
+        let shard = Master::owned(sharding.own.len())?;
         let mut hooks = Hooks::new(&plan);
-        hooks.spare.push_back(Self::allocate_stage(&plan, &shards, stripes.len)?);
+        hooks.spare.push_back(Self::allocate_stage(&plan, &sharding)?);
         Ok(ShardedStore {
             plan,
-            comm,
-            shards,
-            own,
-            stripes,
+            sharding,
             shard,
             found_inf: AtomicBool::new(false),
-            lost: AtomicBool::new(false),
-            first: AtomicBool::new(true),
             hooks: Mutex::new(hooks),
         })
     }
@@ -84,10 +66,11 @@ impl ShardedStore {
     /// One part's staging: room for the largest bucket, from the norm block it starts in (so
     /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
     /// needs), and for a stripe.
-    fn allocate_stage(plan: &Plan, shards: &[Range<usize>], stripe: usize) -> Result<Vec<f32>> {
+    fn allocate_stage(plan: &Plan, sharding: &Shard) -> Result<Vec<f32>> {
         let buckets =
             plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
-        let len = buckets.max(shards.iter().map(|s| s.len().min(stripe)).sum());
+        let stripe = sharding.stripes.len;
+        let len = buckets.max(sharding.shards.iter().map(|s| s.len().min(stripe)).sum());
         let mut v = Vec::new();
         v.try_reserve_exact(len).map_err(|_| {
             Error::new(
@@ -147,8 +130,8 @@ impl ShardedStore {
     /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
     /// packed in rank order.
     fn stripe(&self, k: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
-        let flat: Vec<Range<usize>> =
-            self.shards.iter().map(|s| self.stripes.slice(s, k)).collect();
+        let s = &self.sharding;
+        let flat: Vec<Range<usize>> = s.shards.iter().map(|r| s.stripes.slice(r, k)).collect();
         let mut at = 0;
         let pieces = flat.iter().map(|f| (at..at + f.len(), at += f.len()).0).collect();
         (flat, pieces)
@@ -160,11 +143,11 @@ impl ShardedStore {
         let bucket = self.plan.layout.buckets()[b].clone();
         let base = stage_base(&bucket);
         let clamp = |s: &Range<usize>| relative(&intersect(s, &(base..bucket.end)), base);
-        let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
+        let pieces: Vec<Range<usize>> = self.sharding.shards.iter().map(clamp).collect();
         // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
-        let own = clamp(&self.own);
+        let own = clamp(&self.sharding.own);
         let own = own.start.max(bucket.start - base)..own.end.max(bucket.start - base);
-        let shard_at = (own.start + base).saturating_sub(self.own.start).min(self.own.len());
+        let shard_at = self.sharding.offset(own.start + base);
         self.reduce_part(&mut stage[..bucket.end - base], &pieces, own, shard_at, first)
     }
 
@@ -183,19 +166,19 @@ impl ShardedStore {
             stage: stage.as_ptr() as usize..stage.as_ptr_range().end as usize,
             own,
             // An empty part may start past a short shard's end: the address is never written.
-            dst: self.shard.ptr_at(shard_at.min(self.own.len())) as usize,
+            dst: self.shard.ptr_at(shard_at.min(self.sharding.own.len())) as usize,
             assign: first,
             wire: self.plan.config.wire,
             found_inf: &self.found_inf,
         };
-        let result = match between_ranks(Some(&*self.comm))? {
+        let result = match between_ranks(self.sharding.comm())? {
             Some(c) => c.reduce_scatter_with_pass(stage, pieces, &into).map(drop),
             None => {
                 into.run(stage, &mut []);
                 Ok(())
             }
         };
-        result.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        result.inspect_err(|_| self.sharding.lose())
     }
 
     /// A staging buffer for the next part, after the micro-batch's control step: the peers are
@@ -204,36 +187,26 @@ impl ShardedStore {
     fn spare_stage(&self, spare: &mut VecDeque<Vec<f32>>) -> Result<Vec<f32>> {
         match spare.pop_front() {
             Some(stage) => Ok(stage),
-            None => {
-                Self::allocate_stage(&self.plan, &self.shards, self.stripes.len).inspect_err(|_| {
-                    self.lost.store(true, Ordering::Relaxed);
-                    let _ = self.comm.abort();
-                })
-            }
+            None => Self::allocate_stage(&self.plan, &self.sharding).inspect_err(|_| {
+                self.sharding.lose();
+                if let Some(c) = self.sharding.comm() {
+                    let _ = c.abort();
+                }
+            }),
         }
-    }
-
-    /// The control step that closes a micro-batch added tensor by tensor: an invalid
-    /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
-    /// is lost.
-    fn close_together(&self, invalid: bool) -> Result<()> {
-        let own = invalid.then(protocol::refused_here);
-        self.control_step(Step::Closing, own.as_ref())
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
     /// One control step of a micro-batch over the shard group (see [`protocol`]).
     fn control_step(&self, step: Step, own: Option<&Error>) -> Result<()> {
         let mine = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
-        let group = between_ranks(Some(&*self.comm))?.map(HostChannel);
+        let group = between_ranks(self.sharding.comm())?.map(HostChannel);
         protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)?;
         Ok(())
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
     fn finish(&self, h: &mut Hooks<Vec<f32>>) {
-        h.finish();
-        h.spare.truncate(1);
+        h.finish(1);
     }
 }
 
@@ -252,7 +225,7 @@ impl Stages for ShardedStore {
     }
 
     fn reduce(&self, stage: &mut Vec<f32>, b: usize) -> Result<()> {
-        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
+        self.reduce_bucket(b, stage, self.sharding.first())
     }
 }
 
@@ -322,7 +295,7 @@ impl Store for ShardedStore {
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         let mut h = self.hooks();
         self.control_step(Step::Microbatch { whole }, error)?;
-        self.first.store(first, Ordering::Relaxed);
+        self.sharding.open(first);
         h.open();
         Ok(())
     }
@@ -339,9 +312,9 @@ impl Store for ShardedStore {
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
-        let rank = self.comm.rank();
+        let (rank, stripes) = (self.sharding.rank, self.sharding.stripes);
         // The first shard is the largest.
-        for k in 0..self.stripes.count {
+        for k in 0..stripes.count {
             let (flat, pieces) = self.stripe(k);
             let parts: Vec<(Range<usize>, usize)> =
                 flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
@@ -351,8 +324,8 @@ impl Store for ShardedStore {
                 &mut stage[..end],
                 &pieces,
                 pieces[rank].clone(),
-                k * self.stripes.len,
-                self.first.load(Ordering::Relaxed),
+                k * stripes.len,
+                self.sharding.first(),
             );
             if result.is_err() {
                 break;
@@ -386,7 +359,8 @@ impl Store for ShardedStore {
         let mut h = self.hooks();
         let result = if h.open {
             let reduced = h.reduce_ready(self, &self.plan.layout, true);
-            reduced.and_then(|()| self.close_together(h.invalid))
+            let close = |own: Option<&Error>| self.control_step(Step::Closing, own);
+            reduced.and_then(|()| self.sharding.close(close))
         } else {
             Ok(())
         };
@@ -394,22 +368,14 @@ impl Store for ShardedStore {
         result
     }
 
-    fn note_invalid(&self) {
-        self.hooks().invalid = true;
-    }
-
-    fn take_lost(&self) -> bool {
-        self.lost.swap(false, Ordering::Relaxed)
-    }
-
-    fn bound(&self) -> Option<&dyn Communicator> {
-        Some(&*self.comm)
+    fn shard(&self) -> Option<&Shard> {
+        Some(&self.sharding)
     }
 
     fn zero(&self, index: usize) -> Result<()> {
-        let part = intersect(&self.plan.layout.range(index), &self.own);
+        let part = self.sharding.held(&self.plan.layout.range(index));
         // SAFETY: the window's write lock is held (the boundary).
-        unsafe { self.shard.slice_mut(relative(&part, self.own.start)) }.fill(0.0);
+        unsafe { self.shard.slice_mut(part) }.fill(0.0);
         Ok(())
     }
 
@@ -430,7 +396,7 @@ impl Store for ShardedStore {
         let boundary = Boundary::new(&self.plan, agreed, Dtype::F32);
         let pass = boundary.pass;
         // SAFETY: the window's write lock is held for the whole boundary.
-        let shard = unsafe { self.shard.slice_mut(0..self.own.len()) };
+        let shard = unsafe { self.shard.slice_mut(0..self.sharding.own.len()) };
         let mine = match between_ranks(p.replicas)? {
             Some(r) => {
                 over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?
@@ -444,7 +410,7 @@ impl Store for ShardedStore {
         let values = match between_ranks(p.comm)? {
             Some(c) => {
                 let counts: Vec<usize> =
-                    self.shards.iter().map(|s| super::blocks(s.len())).collect();
+                    self.sharding.shards.iter().map(|s| super::blocks(s.len())).collect();
                 c.allgather_values(&mine, &counts)?
             }
             None => mine,
@@ -456,13 +422,13 @@ impl Store for ShardedStore {
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
-        self.shard.ptr_at(offset.saturating_sub(self.own.start).min(self.own.len()))
+        self.shard.ptr_at(self.sharding.offset(offset))
     }
 
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
         // SAFETY: the accumulator's window lock is held for reading; it reads only held ranges.
         out.copy_from_slice(unsafe {
-            self.shard.slice_mut(range.start - self.own.start..range.end - self.own.start)
+            self.shard.slice_mut(relative(&range, self.sharding.own.start))
         });
         Ok(())
     }

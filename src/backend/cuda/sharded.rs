@@ -30,7 +30,6 @@
 //! bits.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::driver::{
@@ -48,9 +47,9 @@ use super::store::{
     Claims, NormSpan, CHUNK,
 };
 use super::wire::Wire;
-use crate::accumulator::protocol::{self, Step};
-use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Sharding, Store, SyncInfo};
+use crate::accumulator::protocol::Step;
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
+use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
@@ -104,15 +103,9 @@ pub(crate) struct ShardedDeviceStore {
     kernels: Arc<Kernels>,
     stream: CUstream,
     plan: Arc<Plan>,
-    /// The shard group; None only for one shard created without one.
-    comm: Option<Arc<dyn Communicator>>,
-    rank: usize,
-    /// Every rank's range of the flat layout, and this rank's.
-    shards: Vec<Range<usize>>,
-    own: Range<usize>,
+    sharding: Shard,
     /// Every shard's length rounded up to whole norm blocks: the block sums' all-gather piece.
     padded: usize,
-    striping: Stripes,
     stripes: Vec<Stripe>,
     /// Each piece's gradient, by the piece table's index.
     sources: Vec<Source>,
@@ -131,10 +124,6 @@ pub(crate) struct ShardedDeviceStore {
     boundary: DeviceBuffer,
     partials: DeviceBuffer,
     claims: Claims,
-    /// The open micro-batch assigns the shard (the window's first).
-    first: AtomicBool,
-    /// A reduction failed after part of a micro-batch reached the shard.
-    lost: AtomicBool,
     /// Communicators the layout was checked on.
     verified: Mutex<Vec<u64>>,
     /// Shard and replica groups (0: none) a hybrid boundary's layout was checked on.
@@ -173,12 +162,6 @@ impl ShardedDeviceStore {
         comm: Option<Arc<dyn Communicator>>,
     ) -> Result<Self> {
         check_stream(stream, "`stream`")?;
-        let Sharding::Accumulate { shards: world, rank } = plan.config.sharding else {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "a sharded store for an accumulator that does not shard",
-            ));
-        };
         if let Some(c) = &comm {
             let c = nccl(&**c)?;
             if c.ordinal() != ordinal {
@@ -188,12 +171,11 @@ impl ShardedDeviceStore {
                 ));
             }
         }
-        let shards = plan.shards();
-        let own = shards[rank].clone();
+        let sharding = Shard::new(&plan, comm)?;
+        let (world, own) = (sharding.shards.len(), sharding.own.clone());
         // The first shard is the longest; whole blocks, so the block sums tile the layout's.
-        let padded = shards[0].len().next_multiple_of(NORM_BLOCK);
-        let striping = Stripes::new(&plan, &shards);
-        let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, striping);
+        let padded = sharding.shards[0].len().next_multiple_of(NORM_BLOCK);
+        let (stripes, sources, table, chunks) = Self::cut(&plan, &sharding);
         let staging = stripes.first().map_or(0, |s| s.count) * world;
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
@@ -221,19 +203,13 @@ impl ShardedDeviceStore {
             partials: DeviceBuffer::zeroed(&ctx, stream, world * (padded / NORM_BLOCK) * 8)?,
             claims: Claims::new(&ctx, stream)?,
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
-            first: AtomicBool::new(true),
-            lost: AtomicBool::new(false),
             verified: Mutex::new(Vec::new()),
             verified_grids: Mutex::new(Vec::new()),
             ctx,
             kernels,
             stream,
-            comm,
-            rank,
-            shards,
-            own,
+            sharding,
             padded,
-            striping,
             stripes,
             sources,
             plan,
@@ -246,11 +222,10 @@ impl ShardedDeviceStore {
     #[allow(clippy::type_complexity)]
     fn cut(
         plan: &Plan,
-        shards: &[Range<usize>],
-        rank: usize,
-        striping: Stripes,
+        sharding: &Shard,
     ) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
         let (layout, descs) = (&plan.layout, &plan.descs);
+        let (shards, rank, striping) = (&sharding.shards, sharding.rank, sharding.stripes);
         let (mut stripes, mut sources, mut table, mut chunks) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let slice = |s: &Range<usize>, k: usize| striping.slice(s, k);
@@ -405,11 +380,12 @@ impl ShardedDeviceStore {
         let reduced = match self.group()? {
             Some(c) if self.bf16(c).is_some() => {
                 let pieces: Vec<Range<usize>> = self
+                    .sharding
                     .shards
                     .iter()
                     .map(|s| relative(&intersect(s, &bucket), bucket.start))
                     .collect();
-                let out = at(bucket.start + pieces[self.rank].start);
+                let out = at(bucket.start + pieces[self.sharding.rank].start);
                 self.bf16(c).expect("matched above").reduce_to_owners(
                     c,
                     at(bucket.start),
@@ -418,15 +394,15 @@ impl ShardedDeviceStore {
                     stream,
                 )
             }
-            Some(c) => reduce_to_owners(c, &bucket, &self.shards, at, stream),
+            Some(c) => reduce_to_owners(c, &bucket, &self.sharding.shards, at, stream),
             None => Ok(()),
         };
-        let own = intersect(&bucket, &self.own);
+        let own = intersect(&bucket, &self.sharding.own);
         let added = reduced.and_then(|()| {
             if own.is_empty() {
                 return Ok(());
             }
-            let (dst, src) = (self.shard_at(own.start - self.own.start), at(own.start));
+            let (dst, src) = (self.shard_at(self.sharding.offset(own.start)), at(own.start));
             let (numel, dtype, unit, weight, assign, flag) = (
                 own.len() as u64,
                 Dtype::F32.code(),
@@ -456,28 +432,24 @@ impl ShardedDeviceStore {
 
     /// This rank's window is lost and it never pairs another collective with its peers'.
     fn stop(&self) {
-        self.lost.store(true, Ordering::Relaxed);
+        self.sharding.lose();
         if let Ok(Some(c)) = self.group() {
             stop_pairing(c);
         }
     }
 
-    /// The control step that closes a micro-batch added tensor by tensor (it waits, for the
-    /// micro-batch's reductions too): a refused `add_tensor` on any rank left its tensor out of
-    /// every rank's sums, so every rank's window is lost.
-    fn close_together(&self, invalid: bool) -> Result<()> {
-        let own = invalid.then(protocol::refused_here);
+    /// The control step that closes a micro-batch added tensor by tensor, with this rank's
+    /// error `own` (it waits, for the micro-batch's reductions too).
+    fn close_together(&self, own: Option<&Error>) -> Result<()> {
         let total = match self.group()? {
             Some(c) => {
-                let total = self.claims.exchange(Step::Closing, &self.plan, Some(c), None, invalid);
+                let total =
+                    self.claims.exchange(Step::Closing, &self.plan, Some(c), None, own.is_some());
                 Ok(total.inspect_err(|_| self.stop())?)
             }
             None => Ok(ControlSum::default()),
         };
-        Step::Closing
-            .judge(total, own.as_ref())
-            .map(drop)
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        Step::Closing.judge(total, own).map(drop)
     }
 
     /// After the communication stream is joined: its overflow flag goes into the window's.
@@ -493,8 +465,7 @@ impl ShardedDeviceStore {
     /// pool, of which KEPT_STAGES buffers stay (the others are freed on the accumulator's stream,
     /// after the reductions that read them).
     fn finish(&self, h: &mut Hooks<Stage>) {
-        h.finish();
-        h.spare.truncate(KEPT_STAGES);
+        h.finish(KEPT_STAGES);
     }
 
     fn shard_at(&self, offset: usize) -> CUdeviceptr {
@@ -508,7 +479,7 @@ impl ShardedDeviceStore {
 
     /// The NCCL communicator of the shard group, when there is one.
     fn group(&self) -> Result<Option<&NcclComm>> {
-        self.comm.as_deref().map(nccl).transpose()
+        self.sharding.comm().map(nccl).transpose()
     }
 
     /// Stripe `k`: converts this rank's gradients into the staging, reduce-scatters it, and adds
@@ -573,19 +544,19 @@ impl ShardedDeviceStore {
                         c,
                         staging,
                         &pieces,
-                        staging + (4 * self.rank * s.count) as u64,
+                        staging + (4 * self.sharding.rank * s.count) as u64,
                         self.stream,
                     )
                 }
                 None => c.reduce_scatter_sum_f32(staging, s.count, self.stream),
             };
-            reduced.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+            reduced.inspect_err(|_| self.sharding.lose())?;
         }
         if s.own == 0 {
             return Ok(());
         }
-        let (dst, src) =
-            (self.shard_at(k * self.striping.len), staging + (4 * self.rank * s.count) as u64);
+        let (stripe, rank) = (self.sharding.stripes.len, self.sharding.rank);
+        let (dst, src) = (self.shard_at(k * stripe), staging + (4 * rank * s.count) as u64);
         let (numel, dtype, unit, weight, assign, flag) = (
             s.own as u64,
             Dtype::F32.code(),
@@ -607,7 +578,7 @@ impl ShardedDeviceStore {
                 &mut args,
             )
         }
-        .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        .inspect_err(|_| self.sharding.lose())
     }
 
     /// Once per communicator (it waits): every rank checks that all ranks hold the same layout
@@ -624,7 +595,7 @@ impl ShardedDeviceStore {
                     // stays whole; one that cannot complete loses it.
                     drop(verified);
                     if self.drain().is_err() {
-                        self.lost.store(true, Ordering::Relaxed);
+                        self.sharding.lose();
                     }
                     stop_pairing(comm);
                     Err(e.clone())
@@ -653,7 +624,7 @@ impl ShardedDeviceStore {
                 Some(e) => {
                     drop(verified);
                     if self.drain().is_err() {
-                        self.lost.store(true, Ordering::Relaxed);
+                        self.sharding.lose();
                     }
                     comm.into_iter().chain([replicas]).for_each(stop_pairing);
                     Err(e.clone())
@@ -661,7 +632,13 @@ impl ShardedDeviceStore {
                 None => Ok(()),
             };
         }
-        self.claims.agree(Step::Boundary, &self.plan, comm, Some((replicas, self.rank)), error)?;
+        self.claims.agree(
+            Step::Boundary,
+            &self.plan,
+            comm,
+            Some((replicas, self.sharding.rank)),
+            error,
+        )?;
         verified.push(pair);
         Ok(())
     }
@@ -696,10 +673,10 @@ impl ShardedDeviceStore {
             // Every replica holds the same shard: an empty one is skipped by all of them.
             r.group(|| {
                 r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
-                if self.own.is_empty() {
+                if self.sharding.own.is_empty() {
                     return Ok(());
                 }
-                r.allreduce_sum_f32(self.shard.ptr(), self.own.len(), self.stream)
+                r.allreduce_sum_f32(self.shard.ptr(), self.sharding.own.len(), self.stream)
             })?;
         }
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
@@ -707,8 +684,8 @@ impl ShardedDeviceStore {
         let gather = comm.map(|c| (c, self.padded / NORM_BLOCK));
         let span = NormSpan {
             data: self.shard.ptr(),
-            n: self.own.len() as u64,
-            first_block: self.rank * self.padded / NORM_BLOCK,
+            n: self.sharding.own.len() as u64,
+            first_block: self.sharding.rank * self.padded / NORM_BLOCK,
             gather,
         };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
@@ -741,7 +718,7 @@ impl Stages for ShardedDeviceStore {
     }
 
     fn reduce(&self, stage: &mut Stage, b: usize) -> Result<()> {
-        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
+        self.reduce_bucket(b, stage, self.sharding.first())
     }
 
     /// The peers wait for each bucket's reduction: this rank stops pairing.
@@ -765,7 +742,7 @@ impl Store for ShardedDeviceStore {
             Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
             None => error.map_or(Ok(()), |e| Err(e.clone()))?,
         }
-        self.first.store(first, Ordering::Relaxed);
+        self.sharding.open(first);
         if !whole {
             self.hooks().open();
         }
@@ -785,22 +762,14 @@ impl Store for ShardedDeviceStore {
             }
             // A rank that cannot join never reaches the closing exchange its peers wait in.
             joined.inspect_err(|_| self.stop())?;
-            self.close_together(h.invalid)
+            self.sharding.close(|own| self.close_together(own))
         });
         self.finish(&mut h);
         result
     }
 
-    fn note_invalid(&self) {
-        self.hooks().invalid = true;
-    }
-
-    fn take_lost(&self) -> bool {
-        self.lost.swap(false, Ordering::Relaxed)
-    }
-
-    fn bound(&self) -> Option<&dyn Communicator> {
-        self.comm.as_deref()
+    fn shard(&self) -> Option<&Shard> {
+        Some(&self.sharding)
     }
 
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
@@ -825,13 +794,13 @@ impl Store for ShardedDeviceStore {
     ) -> Result<()> {
         let grads = grads.device()?;
         let scaler = scaler.cuda()?;
-        let assign = self.first.load(Ordering::Relaxed);
+        let assign = self.sharding.first();
         for k in 0..self.stripes.len() {
             // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
             // reduce-scatter or the next: the window is lost, and the communicator aborted so
             // that this rank never pairs another collective with theirs.
             self.add_stripe(scaler, grads, weight, k, assign).inspect_err(|_| {
-                self.lost.store(true, Ordering::Relaxed);
+                self.sharding.lose();
                 if let Ok(Some(c)) = self.group() {
                     stop_pairing(c);
                 }
@@ -858,11 +827,11 @@ impl Store for ShardedDeviceStore {
     }
 
     fn zero(&self, index: usize) -> Result<()> {
-        let part = intersect(&self.plan.layout.range(index), &self.own);
+        let part = self.sharding.held(&self.plan.layout.range(index));
         if part.is_empty() {
             return Ok(());
         }
-        self.shard.zero_f32(part.start - self.own.start, part.len())
+        self.shard.zero_f32(part.start, part.len())
     }
 
     fn clear_found_inf(&self) -> Result<()> {
@@ -904,13 +873,13 @@ impl Store for ShardedDeviceStore {
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
-        self.shard_at(offset.saturating_sub(self.own.start).min(self.own.len())) as *mut f32
+        self.shard_at(self.sharding.offset(offset)) as *mut f32
     }
 
     /// `range` lies inside the shard (the accumulator reads only held ranges).
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
         self.drain()?;
-        self.shard.read_at(4 * (range.start - self.own.start), &mut out[..range.len()])
+        self.shard.read_at(4 * (range.start - self.sharding.own.start), &mut out[..range.len()])
     }
 
     fn write(&self, values: &[f32]) -> Result<()> {
