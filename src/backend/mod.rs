@@ -27,14 +27,7 @@ pub(crate) fn store_for(
 ) -> Result<Box<dyn Store>> {
     let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
     Ok(match device {
-        Device::Cpu if sharded => {
-            let comm = match comm {
-                Some(c) => c,
-                None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
-            };
-            Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
-        }
-        Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt)?),
+        Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt, comm)?),
         Device::Cuda { ordinal, stream } if sharded => {
             Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
         }

@@ -17,7 +17,6 @@ mod sharded;
 mod store;
 
 pub use isa::{active_isa, stream_to_peers, supported_isas, with_isa, Isa};
-pub(crate) use sharded::ShardedStore;
 pub(crate) use store::HostStore;
 
 use crate::dtype::Grad;

@@ -1,5 +1,5 @@
-//! The store of a sharded accumulation on the CPU: this rank's shard of the FP32 master and its
-//! FP32 staging, in host memory. The contract (who holds what, which calls pair up, how a failure
+//! Sharded accumulation in a host store: this rank's shard of the FP32 master and its FP32
+//! staging, in host memory ([`ShardMemory`], one of [`HostStore`]'s memories). The contract (who holds what, which calls pair up, how a failure
 //! ends) is [`Sharding::Accumulate`]'s; this file only does the work. A micro-batch goes through
 //! the staging a part at a time: its gradients are converted, unscaled, weighted and checked into
 //! the staging, the staging is reduce-scattered over the accumulator's communicator, and this
@@ -12,6 +12,7 @@
 //! rank order, which is what makes `add` and `add_tensor` give the same bits.
 //!
 //! [`Sharding::Accumulate`]: crate::accumulator::Sharding::Accumulate
+//! [`HostStore`]: super::HostStore
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -20,49 +21,63 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::master::Master;
 use super::math::NORM_BLOCK;
-use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
+use super::store::{between_ranks, host_collectives, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, Store, SyncInfo};
+use crate::accumulator::{Agreed, Plan, Proposal, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
-use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
-use crate::scaler::Scaler;
 
-pub(crate) struct ShardedStore {
-    plan: Arc<Plan>,
-    sharding: Shard,
-    shard: Master,
-    /// The window's sticky non-finite flag (this rank's gradients only).
-    found_inf: AtomicBool,
+/// A host store's memory under sharded accumulation: this rank's shard of the master, and the
+/// staging a micro-batch goes through.
+pub(super) struct ShardMemory {
+    pub sharding: Shard,
+    pub shard: Master,
     hooks: Mutex<Hooks<Vec<f32>>>,
 }
 
-impl std::fmt::Debug for ShardedStore {
+impl std::fmt::Debug for ShardMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardedStore").field("sharding", &self.sharding).finish()
+        f.debug_struct("ShardMemory").field("sharding", &self.sharding).finish()
     }
 }
 
-impl ShardedStore {
+impl ShardMemory {
     /// Allocates the shard and one bucket of staging; `comm` must be the group of the shards
     /// (checked by the accumulator).
-    pub(crate) fn new(plan: Arc<Plan>, comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub(super) fn new(plan: &Plan, comm: Arc<dyn Communicator>) -> Result<Self> {
         host_collectives(&*comm)?;
-        let sharding = Shard::new(&plan, Some(comm))?;
+        let sharding = Shard::new(plan, Some(comm))?;
         let shard = Master::owned(sharding.own.len())?;
-        let mut hooks = Hooks::new(&plan);
-        hooks.spare.push_back(Self::allocate_stage(&plan, &sharding)?);
-        Ok(ShardedStore {
-            plan,
-            sharding,
-            shard,
-            found_inf: AtomicBool::new(false),
-            hooks: Mutex::new(hooks),
-        })
+        let mut hooks = Hooks::new(plan);
+        hooks.spare.push_back(Sharded::allocate_stage(plan, &sharding)?);
+        Ok(ShardMemory { sharding, shard, hooks: Mutex::new(hooks) })
     }
 
+    /// The memory with its store's plan and overflow flag: what the sharded passes run on.
+    pub(super) fn with<'a>(&'a self, plan: &'a Plan, found_inf: &'a AtomicBool) -> Sharded<'a> {
+        Sharded {
+            plan,
+            found_inf,
+            sharding: &self.sharding,
+            shard: &self.shard,
+            hooks: &self.hooks,
+        }
+    }
+}
+
+/// A host store's sharded accumulation at work: its shard memory, with the store's plan and
+/// the window's overflow flag (this rank's gradients, and what the shard adds write).
+pub(super) struct Sharded<'a> {
+    plan: &'a Plan,
+    found_inf: &'a AtomicBool,
+    sharding: &'a Shard,
+    shard: &'a Master,
+    hooks: &'a Mutex<Hooks<Vec<f32>>>,
+}
+
+impl Sharded<'_> {
     /// One part's staging: room for the largest bucket, from the norm block it starts in (so
     /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
     /// needs), and for a stripe.
@@ -169,7 +184,7 @@ impl ShardedStore {
             dst: self.shard.ptr_at(shard_at.min(self.sharding.own.len())) as usize,
             assign: first,
             wire: self.plan.config.wire,
-            found_inf: &self.found_inf,
+            found_inf: self.found_inf,
         };
         let result = match between_ranks(self.sharding.comm())? {
             Some(c) => c.reduce_scatter_with_pass(stage, pieces, &into).map(drop),
@@ -187,7 +202,7 @@ impl ShardedStore {
     fn spare_stage(&self, spare: &mut VecDeque<Vec<f32>>) -> Result<Vec<f32>> {
         match spare.pop_front() {
             Some(stage) => Ok(stage),
-            None => Self::allocate_stage(&self.plan, &self.sharding).inspect_err(|_| {
+            None => Self::allocate_stage(self.plan, self.sharding).inspect_err(|_| {
                 self.sharding.lose();
                 if let Some(c) = self.sharding.comm() {
                     let _ = c.abort();
@@ -198,7 +213,7 @@ impl ShardedStore {
 
     /// One control step of a micro-batch over the shard group (see [`protocol`]).
     fn control_step(&self, step: Step, own: Option<&Error>) -> Result<()> {
-        let mine = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
+        let mine = ControlSum::of(&step.claim(self.plan, None, own.is_some()));
         let group = between_ranks(self.sharding.comm())?.map(HostChannel);
         protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)?;
         Ok(())
@@ -211,7 +226,7 @@ impl ShardedStore {
 }
 
 /// Bucket by bucket, a staging buffer of host memory.
-impl Stages for ShardedStore {
+impl Stages for Sharded<'_> {
     type Stage = Vec<f32>;
 
     fn take(&self, hooks: &mut Hooks<Vec<f32>>) -> Result<Vec<f32>> {
@@ -285,14 +300,15 @@ impl BlockPass for AddInto<'_> {
     }
 }
 
-impl Store for ShardedStore {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-
+impl Sharded<'_> {
     /// The micro-batch's control step: the ranks agree that they all add a micro-batch to the
     /// same layout, or all fail with nothing reduced.
-    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+    pub(super) fn open_microbatch(
+        &self,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         let mut h = self.hooks();
         self.control_step(Step::Microbatch { whole }, error)?;
         self.sharding.open(first);
@@ -300,15 +316,8 @@ impl Store for ShardedStore {
         Ok(())
     }
 
-    fn add(
-        &self,
-        scaler: &Scaler,
-        grads: Grads<'_>,
-        weight: f64,
-        _first: &dyn Fn(usize) -> bool,
-    ) -> Result<()> {
-        let grads = grads.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+    /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard.
+    pub(super) fn add(&self, grads: &[Grad<'_>], factor: f32) -> Result<()> {
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
@@ -336,16 +345,8 @@ impl Store for ShardedStore {
         result
     }
 
-    fn add_tensor(
-        &self,
-        scaler: &Scaler,
-        index: usize,
-        grad: Gradient<'_>,
-        weight: f64,
-        _first: bool,
-    ) -> Result<()> {
-        let grad = grad.host()?;
-        let factor = unscale_factor(scaler, weight)?;
+    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced.
+    pub(super) fn add_tensor(&self, index: usize, grad: Grad<'_>, factor: f32) -> Result<()> {
         let layout = &self.plan.layout;
         let r = layout.range(index);
         let base = stage_base(&layout.buckets()[layout.bucket_of(index)]);
@@ -355,7 +356,8 @@ impl Store for ShardedStore {
         })
     }
 
-    fn close_microbatch(&self) -> Result<()> {
+    /// The buckets still waiting are reduced, then the closing control step.
+    pub(super) fn close_microbatch(&self) -> Result<()> {
         let mut h = self.hooks();
         let result = if h.open {
             let reduced = h.reduce_ready(self, &self.plan.layout, true);
@@ -368,32 +370,12 @@ impl Store for ShardedStore {
         result
     }
 
-    fn shard(&self) -> Option<&Shard> {
-        Some(&self.sharding)
-    }
-
-    fn zero(&self, index: usize) -> Result<()> {
-        let part = self.sharding.held(&self.plan.layout.range(index));
-        // SAFETY: the window's write lock is held (the boundary).
-        unsafe { self.shard.slice_mut(part) }.fill(0.0);
-        Ok(())
-    }
-
-    fn clear_found_inf(&self) -> Result<()> {
-        self.found_inf.store(false, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
-        agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
-    }
-
     /// The shard holds the window's sum over the ranks: it is normalised and measured here, its
     /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
     /// the shard is first all-reduced over the replicas.
-    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+    pub(super) fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed) -> Result<Option<SyncInfo>> {
         // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
-        let boundary = Boundary::new(&self.plan, agreed, Dtype::F32);
+        let boundary = Boundary::new(self.plan, agreed, Dtype::F32);
         let pass = boundary.pass;
         // SAFETY: the window's write lock is held for the whole boundary.
         let shard = unsafe { self.shard.slice_mut(0..self.sharding.own.len()) };
@@ -419,33 +401,6 @@ impl Store for ShardedStore {
             super::scale(shard, factor, pass.threads);
         }
         Ok(Some(boundary.info(&values)))
-    }
-
-    fn master_address(&self, offset: usize) -> *mut f32 {
-        self.shard.ptr_at(self.sharding.offset(offset))
-    }
-
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        // SAFETY: the accumulator's window lock is held for reading; it reads only held ranges.
-        out.copy_from_slice(unsafe {
-            self.shard.slice_mut(relative(&range, self.sharding.own.start))
-        });
-        Ok(())
-    }
-
-    fn write(&self, values: &[f32]) -> Result<()> {
-        // SAFETY: the window's write lock is held.
-        unsafe { self.shard.slice_mut(0..values.len()) }.copy_from_slice(values);
-        Ok(())
-    }
-
-    fn found_inf(&self) -> Result<bool> {
-        Ok(self.found_inf.load(Ordering::Relaxed))
-    }
-
-    fn set_found_inf(&self, value: bool) -> Result<()> {
-        self.found_inf.store(value, Ordering::Relaxed);
-        Ok(())
     }
 }
 
