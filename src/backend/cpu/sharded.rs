@@ -1,10 +1,11 @@
-//! Sharded accumulation in a host store: this rank's shard of the FP32 master and its FP32
-//! staging, in host memory ([`ShardMemory`], one of [`HostStore`]'s memories). The contract (who holds what, which calls pair up, how a failure
-//! ends) is [`Sharding::Accumulate`]'s; this file only does the work. A micro-batch goes through
-//! the staging a part at a time: its gradients are converted, unscaled, weighted and checked into
-//! the staging, the staging is reduce-scattered over the accumulator's communicator, and this
-//! rank's part is added into the shard (assigned in a window's first micro-batch) while it is in
-//! cache. The boundary only agrees, normalises, measures and clips.
+//! Sharded accumulation in a host store: this rank's shard of the FP32 master and its FP32 staging,
+//! in host memory ([`ShardMemory`], one of [`HostStore`]'s memories). The contract (who holds what,
+//! which calls pair up, how a failure ends) is [`Sharding::Accumulate`]'s, and the window's flags
+//! are the core's [`Shard`]; this file only does the work. A micro-batch goes through the staging a
+//! part at a time: its gradients are converted, unscaled, weighted and checked into the staging,
+//! the staging is reduce-scattered over the accumulator's communicator, and this rank's part is
+//! added into the shard (assigned in a window's first micro-batch) while it is in cache. The
+//! boundary only agrees, normalises, measures and clips.
 //!
 //! The parts are the core's ([`crate::accumulator::sharding`]): stripes for a whole micro-batch,
 //! every rank receiving and summing its own slice; buckets for tensors arriving one by one, a
