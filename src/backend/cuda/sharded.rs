@@ -79,6 +79,16 @@ struct Source {
     from: usize,
 }
 
+/// One add of a reduced piece into the shard: `numel` f32 values at `src` added into the shard at
+/// `dst` (assigned with `assign`), a non-finite sum flagged in `flag`.
+struct ShardAdd {
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    numel: usize,
+    assign: bool,
+    flag: CUdeviceptr,
+}
+
 /// The `Source::tensor` of a piece of padding: it reads f32 zeros, so the reused staging holds
 /// zeros there when it is reduced into the shard.
 const PADDING: usize = usize::MAX;
@@ -350,27 +360,12 @@ impl Sharded<'_> {
                 return Ok(());
             }
             let (dst, src) = (self.shard_at(self.mem.sharding.offset(own.start)), at(own.start));
-            let (numel, dtype, unit, weight, assign, flag) = (
-                own.len() as u64,
-                Dtype::F32.code(),
-                self.mem.unit.ptr(),
-                1.0f64,
-                assign as u32,
-                self.mem.sum_inf.ptr(),
-            );
-            let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
-            // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece
-            // of the bucket in the staging, the destination the shard's elements of that piece;
-            // `sum_inf` is written on this stream only.
-            unsafe {
-                self.store.kernels.add_one.launch(
-                    &self.store.ctx,
-                    self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
-                    THREADS,
-                    stream,
-                    &mut args,
-                )
-            }
+            let into =
+                ShardAdd { dst, src, numel: own.len(), assign, flag: self.mem.sum_inf.ptr() };
+            // SAFETY: the source is this rank's reduced piece of the bucket in the staging, the
+            // destination the shard's elements of that piece; `sum_inf` is written on this
+            // stream only.
+            unsafe { self.add_to_shard(into, stream) }
         });
         // Recorded even after a failure: part of the reduction may be enqueued.
         let recorded = stage.free.record(stream);
@@ -513,28 +508,35 @@ impl Sharded<'_> {
         }
         let (stripe, rank) = (self.mem.sharding.stripes.len, self.mem.sharding.rank);
         let (dst, src) = (self.shard_at(k * stripe), staging + (4 * rank * s.count) as u64);
-        let (numel, dtype, unit, weight, assign, flag) = (
-            s.own as u64,
-            Dtype::F32.code(),
-            self.mem.unit.ptr(),
-            1.0f64,
-            assign as u32,
-            self.store.found_inf.ptr(),
-        );
+        let into = ShardAdd { dst, src, numel: s.own, assign, flag: self.store.found_inf.ptr() };
+        // SAFETY: the source is this rank's reduced piece, `own` of its `count` elements at
+        // `rank * count` in the staging; the destination the shard from `k * stripe`, which holds
+        // this stripe's slice of `own` elements.
+        unsafe { self.add_to_shard(into, self.store.stream) }
+            .inspect_err(|_| self.mem.sharding.lose())
+    }
+
+    /// Enqueues `into` on `stream`: the add kernel with a factor of exactly 1 (a scaler state of
+    /// scale 1), so `dst = src` or `dst += src` bit for bit, and a non-finite sum flagged.
+    ///
+    /// # Safety
+    /// `src` holds `numel` f32 values, the shard holds `numel` elements from `dst`, and `flag`
+    /// is a u32 of this context that no other stream writes meanwhile.
+    unsafe fn add_to_shard(&self, into: ShardAdd, stream: CUstream) -> Result<()> {
+        let ShardAdd { dst, src, numel, assign, flag } = into;
+        let (numel, dtype, unit, weight, assign) =
+            (numel as u64, Dtype::F32.code(), self.mem.unit.ptr(), 1.0f64, assign as u32);
         let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
-        // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece, `own`
-        // of its `count` elements at `rank * count` in the staging; the destination the shard
-        // from `k * stripe`, which holds this stripe's slice of `own` elements.
+        // SAFETY: argument types follow ga_add_one; the addresses are the caller's contract.
         unsafe {
             self.store.kernels.add_one.launch(
                 &self.store.ctx,
                 self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
                 THREADS,
-                self.store.stream,
+                stream,
                 &mut args,
             )
         }
-        .inspect_err(|_| self.mem.sharding.lose())
     }
 
     /// Once per communicator (it waits): every rank checks that all ranks hold the same layout
