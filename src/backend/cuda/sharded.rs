@@ -544,26 +544,11 @@ impl Sharded<'_> {
     /// run collectives of different sizes. A rank with `error` takes part, and the others fail
     /// with PEER_FAILURE.
     fn verify_layout(&self, comm: &NcclComm, step: Step, error: Option<&Error>) -> Result<()> {
-        let mut verified = self.store.verified.lock().unwrap_or_else(|e| e.into_inner());
-        if verified.contains(&comm.id()) {
-            return match error {
-                Some(e) => {
-                    // The peers are in the call's collectives, which this rank never makes. Its
-                    // own earlier ones complete first (the peers made them too), so its window
-                    // stays whole; one that cannot complete loses it.
-                    drop(verified);
-                    if self.drain().is_err() {
-                        self.mem.sharding.lose();
-                    }
-                    stop_pairing(comm);
-                    Err(e.clone())
-                }
-                None => Ok(()),
-            };
+        let checked = self.store.check_layout_once(comm, step, error)?;
+        match error {
+            Some(e) if !checked => self.refuse_checked([comm], e),
+            _ => Ok(()),
         }
-        self.store.claims.agree(step, &self.store.plan, Some(comm), None, error)?;
-        verified.push(comm.id());
-        Ok(())
     }
 
     /// [`verify_layout`](Self::verify_layout) of a hybrid boundary, once per pair of groups:
@@ -575,30 +560,28 @@ impl Sharded<'_> {
         replicas: &NcclComm,
         error: Option<&Error>,
     ) -> Result<()> {
-        let mut verified = self.store.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
-        let pair = (comm.map_or(0, NcclComm::id), replicas.id());
-        if verified.contains(&pair) {
-            return match error {
-                Some(e) => {
-                    drop(verified);
-                    if self.drain().is_err() {
-                        self.mem.sharding.lose();
-                    }
-                    comm.into_iter().chain([replicas]).for_each(stop_pairing);
-                    Err(e.clone())
-                }
-                None => Ok(()),
-            };
+        let shard = self.mem.sharding.rank;
+        let checked = self.store.check_grid_once(comm, replicas, shard, error)?;
+        match error {
+            Some(e) if !checked => self.refuse_checked(comm.into_iter().chain([replicas]), e),
+            _ => Ok(()),
         }
-        self.store.claims.agree(
-            Step::Boundary,
-            &self.store.plan,
-            comm,
-            Some((replicas, self.mem.sharding.rank)),
-            error,
-        )?;
-        verified.push(pair);
-        Ok(())
+    }
+
+    /// This rank's call is refused after the layouts were checked: the peers are in the call's
+    /// collectives, which this rank never makes. Its own earlier ones complete first (the peers
+    /// made them too), so its window stays whole; one that cannot complete loses it. Then it
+    /// stops pairing on `groups`.
+    fn refuse_checked<'c>(
+        &self,
+        groups: impl IntoIterator<Item = &'c NcclComm>,
+        error: &Error,
+    ) -> Result<()> {
+        if self.drain().is_err() {
+            self.mem.sharding.lose();
+        }
+        groups.into_iter().for_each(stop_pairing);
+        Err(error.clone())
     }
 
     /// Host reads wait for the stream, which a reduce-scatter that a peer never joined would hold

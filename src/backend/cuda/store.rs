@@ -746,22 +746,14 @@ impl DeviceStore {
         replicas: &NcclComm,
         error: Option<&Error>,
     ) -> Result<()> {
-        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
-        let pair = (comm.id(), replicas.id());
-        if verified.contains(&pair) {
-            return error.map_or(Ok(()), |e| Err(e.clone()));
-        }
         let misfit = self.shard_misfit(comm);
         let shard = w.split.as_ref().map_or(0, |s| s.rank);
-        self.claims.agree(
-            Step::Boundary,
-            &self.plan,
-            Some(comm),
-            Some((replicas, shard)),
-            error.or(misfit.as_ref()),
-        )?;
-        verified.push(pair);
-        Ok(())
+        let checked =
+            self.check_grid_once(Some(comm), replicas, shard, error.or(misfit.as_ref()))?;
+        match error {
+            Some(e) if !checked => Err(e.clone()),
+            _ => Ok(()),
+        }
     }
 
     /// Once per communicator: every rank checks that all ranks have the same layout (a blocking
@@ -769,14 +761,46 @@ impl DeviceStore {
     /// mismatch fails on every rank instead of corrupting memory inside NCCL. A sharded rank
     /// whose shard is not its rank's on `comm` fails it too, and the others with it.
     fn verify_layout(&self, comm: &NcclComm) -> Result<()> {
+        let misfit = self.shard_misfit(comm);
+        self.check_layout_once(comm, Step::Boundary, misfit.as_ref()).map(drop)
+    }
+
+    /// The layout check at `step` over `comm` (a blocking exchange, [`Claims::agree`]), this
+    /// rank's claim flagged with `own`, once per communicator; `Ok(false)` when `comm` was
+    /// checked before, and nothing ran.
+    pub(super) fn check_layout_once(
+        &self,
+        comm: &NcclComm,
+        step: Step,
+        own: Option<&Error>,
+    ) -> Result<bool> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         if verified.contains(&comm.id()) {
-            return Ok(());
+            return Ok(false);
         }
-        let misfit = self.shard_misfit(comm);
-        self.claims.agree(Step::Boundary, &self.plan, Some(comm), None, misfit.as_ref())?;
+        self.claims.agree(step, &self.plan, Some(comm), None, own)?;
         verified.push(comm.id());
-        Ok(())
+        Ok(true)
+    }
+
+    /// [`check_layout_once`](Self::check_layout_once) of a hybrid boundary, once per pair of
+    /// shard group (none: a group of one) and replicas, the claim tagged with the `shard` this
+    /// rank holds.
+    pub(super) fn check_grid_once(
+        &self,
+        comm: Option<&NcclComm>,
+        replicas: &NcclComm,
+        shard: usize,
+        own: Option<&Error>,
+    ) -> Result<bool> {
+        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
+        let pair = (comm.map_or(0, NcclComm::id), replicas.id());
+        if verified.contains(&pair) {
+            return Ok(false);
+        }
+        self.claims.agree(Step::Boundary, &self.plan, comm, Some((replicas, shard)), own)?;
+        verified.push(pair);
+        Ok(true)
     }
 
     /// Why this rank's shard cannot be reduced over `comm` (another size, or another rank), if so.
