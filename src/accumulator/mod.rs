@@ -363,18 +363,27 @@ pub(crate) trait Store: Send + Sync {
         Ok(())
     }
 
+    /// This rank's part of a sharded accumulation, whose store reduces every micro-batch.
+    fn shard(&self) -> Option<&sharding::Shard> {
+        None
+    }
+
     /// Whether a reduction failed since the last call, leaving the window's sums incomplete.
     fn take_lost(&self) -> bool {
-        false
+        self.shard().is_some_and(sharding::Shard::take_lost)
     }
 
     /// An `add_tensor` of the open micro-batch failed on this rank: a store that reduces every
     /// micro-batch fails it on every rank when it closes.
-    fn note_invalid(&self) {}
+    fn note_invalid(&self) {
+        if let Some(s) = self.shard() {
+            s.note_invalid();
+        }
+    }
 
     /// The communicator a store reduces every micro-batch over (sharded accumulation).
     fn bound(&self) -> Option<&dyn Communicator> {
-        None
+        self.shard().and_then(sharding::Shard::comm)
     }
 
     /// This rank's call was refused before it reached the collective its peers are in: a store

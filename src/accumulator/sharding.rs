@@ -7,15 +7,20 @@
 //! buckets in the backward's order, the last bucket first, each reduced as soon as its tensors
 //! have landed ([`BucketSchedule`]); under sharded accumulation each bucket fills a staging
 //! buffer first ([`Hooks`]). A device supplies only what it does to a staging buffer
-//! ([`Stages`]): take one, zero part of it, reduce it.
+//! ([`Stages`]): take one, zero part of it, reduce it. What a sharded accumulation's window
+//! knows beyond its memory (its group, the shards, and its flags) is a [`Shard`], the same on
+//! every device.
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use super::layout::Layout;
-use super::{protocol, Plan};
+use super::{protocol, Plan, Sharding};
 use crate::backend::cpu::math::NORM_BLOCK;
-use crate::error::Result;
+use crate::comm::Communicator;
+use crate::error::{Error, ErrorKind, Result};
 
 /// The part of `a` inside `b`; when they do not meet, an empty range at the end of `b` nearest
 /// to `a`.
@@ -129,6 +134,107 @@ impl BucketSchedule {
     }
 }
 
+/// This rank's part of a sharded accumulation: the group it reduces every micro-batch over,
+/// every rank's shard, and the window's flags that the accumulator reads back through the store
+/// (whether the micro-batch assigns, was refused on this rank, or lost a reduction).
+pub(crate) struct Shard {
+    /// The shard group; none only for one shard created without one.
+    comm: Option<Arc<dyn Communicator>>,
+    pub rank: usize,
+    /// Every rank's range of the flat layout, and this rank's.
+    pub shards: Vec<Range<usize>>,
+    pub own: Range<usize>,
+    pub stripes: Stripes,
+    /// The open micro-batch assigns the shard (the window's first).
+    first: AtomicBool,
+    /// An `add_tensor` of the open micro-batch was refused on this rank: closing it fails every
+    /// rank.
+    invalid: AtomicBool,
+    /// A reduction failed after the micro-batch's control step: the shard holds part of it.
+    lost: AtomicBool,
+}
+
+impl std::fmt::Debug for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shard").field("own", &self.own).field("shards", &self.shards).finish()
+    }
+}
+
+impl Shard {
+    /// The shard `plan` assigns this rank, reduced over `comm` (whose size and rank the
+    /// accumulator checked).
+    pub(crate) fn new(plan: &Plan, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
+        let Sharding::Accumulate { rank, .. } = plan.config.sharding else {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "a sharded store for an accumulator that does not shard",
+            ));
+        };
+        let shards = plan.shards();
+        let own = shards[rank].clone();
+        let stripes = Stripes::new(plan, &shards);
+        Ok(Shard {
+            comm,
+            rank,
+            shards,
+            own,
+            stripes,
+            first: AtomicBool::new(true),
+            invalid: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
+        })
+    }
+
+    /// The communicator every micro-batch is reduced over.
+    pub(crate) fn comm(&self) -> Option<&dyn Communicator> {
+        self.comm.as_deref()
+    }
+
+    /// A micro-batch opens, the window's first with `first`: nothing of it is refused yet.
+    pub(crate) fn open(&self, first: bool) {
+        self.first.store(first, Ordering::Relaxed);
+        self.invalid.store(false, Ordering::Relaxed);
+    }
+
+    /// The open micro-batch assigns the shard.
+    pub(crate) fn first(&self) -> bool {
+        self.first.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn note_invalid(&self) {
+        self.invalid.store(true, Ordering::Relaxed);
+    }
+
+    /// A reduction failed after part of a micro-batch reached the shard.
+    pub(crate) fn lose(&self) {
+        self.lost.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the window was lost since the last call.
+    pub(crate) fn take_lost(&self) -> bool {
+        self.lost.swap(false, Ordering::Relaxed)
+    }
+
+    /// The control step that closes a micro-batch added tensor by tensor: `exchange` runs it with
+    /// this rank's error when one of its `add_tensor` calls was refused (which left its tensor
+    /// out of every rank's sums). A failure loses the window.
+    pub(crate) fn close(&self, exchange: impl FnOnce(Option<&Error>) -> Result<()>) -> Result<()> {
+        let own = self.invalid.load(Ordering::Relaxed).then(protocol::refused_here);
+        exchange(own.as_ref()).inspect_err(|_| self.lose())
+    }
+
+    /// The part of flat `range` this rank holds, counted from the shard's start.
+    pub(crate) fn held(&self, range: &Range<usize>) -> Range<usize> {
+        relative(&intersect(range, &self.own), self.own.start)
+    }
+
+    /// The shard element of flat element `offset`, clamped into the shard (an address for a
+    /// tensor outside it is never used).
+    pub(crate) fn offset(&self, offset: usize) -> usize {
+        offset.saturating_sub(self.own.start).min(self.own.len())
+    }
+}
+
 /// What a device does with a bucket's staging under sharded accumulation.
 pub(crate) trait Stages {
     type Stage;
@@ -153,8 +259,6 @@ pub(crate) trait Stages {
 pub(crate) struct Hooks<S> {
     /// A micro-batch is open (and its reductions have not failed).
     pub open: bool,
-    /// An `add_tensor` of this micro-batch was refused on this rank: closing it fails every rank.
-    pub invalid: bool,
     schedule: BucketSchedule,
     /// Each bucket's staging while it fills.
     stages: Vec<Option<S>>,
@@ -167,7 +271,6 @@ impl<S> Hooks<S> {
         let schedule = BucketSchedule::new(&plan.layout, plan.descs.len());
         Hooks {
             open: false,
-            invalid: false,
             stages: (0..plan.layout.buckets().len()).map(|_| None).collect(),
             schedule,
             spare: VecDeque::new(),
@@ -181,7 +284,7 @@ impl<S> Hooks<S> {
 
     /// A micro-batch opens.
     pub(crate) fn open(&mut self) {
-        (self.open, self.invalid) = (true, false);
+        self.open = true;
         self.schedule.restart();
     }
 
@@ -247,11 +350,13 @@ impl<S> Hooks<S> {
         result
     }
 
-    /// The micro-batch ends (reduced, or failed): every bucket's staging goes back to the spares.
-    pub(crate) fn finish(&mut self) {
+    /// The micro-batch ends (reduced, or failed): every bucket's staging goes back to the spares,
+    /// of which `keep` stay for the next.
+    pub(crate) fn finish(&mut self, keep: usize) {
         self.open = false;
         let held: Vec<S> = self.stages.iter_mut().filter_map(Option::take).collect();
         self.spare.extend(held);
+        self.spare.truncate(keep);
     }
 }
 
@@ -269,6 +374,38 @@ mod tests {
         assert_eq!(intersect(&(0..5), &b), 10..10);
         assert_eq!(intersect(&(25..30), &b), 20..20);
         assert_eq!(relative(&(12..15), 10), 2..5);
+    }
+
+    /// A rank's shard tells the part of a range it holds, and the window's flags behave as the
+    /// stores rely on: a refused `add_tensor` fails the close and loses the window, once.
+    #[test]
+    fn a_shard_holds_its_range_and_keeps_the_window_flags() {
+        let descs = [TensorDesc { numel: 1 << 16, dtype: Dtype::F32 }];
+        let config = crate::AccumulatorConfig {
+            sharding: Sharding::Accumulate { shards: 2, rank: 1 },
+            ..Default::default()
+        };
+        let layout = Layout::new(&descs, config.bucket_numel).unwrap();
+        let plan = Plan { config, descs: descs.to_vec(), layout };
+        let s = Shard::new(&plan, None).unwrap();
+        assert_eq!((s.rank, s.own.clone()), (1, plan.shards()[1].clone()));
+        let own = s.own.clone();
+        assert!(own.start > 0 && own.len() > 5, "{own:?}");
+        assert_eq!(s.held(&(0..own.start + 3)), 0..3);
+        assert_eq!(s.held(&(0..own.start)), 0..0, "a range before the shard");
+        assert_eq!(s.offset(own.start + 5), 5);
+        assert_eq!((s.offset(0), s.offset(usize::MAX)), (0, own.len()));
+
+        s.open(false);
+        assert!(!s.first());
+        assert!(s.close(|own| own.map_or(Ok(()), |e| Err(e.clone()))).is_ok());
+        assert!(!s.take_lost());
+        s.note_invalid();
+        let refused = s.close(|own| own.map_or(Ok(()), |e| Err(e.clone())));
+        assert_eq!(refused.unwrap_err().kind, ErrorKind::WrongState);
+        assert!(s.take_lost() && !s.take_lost(), "lost once, then taken");
+        s.open(true);
+        assert!(s.first() && s.close(|own| own.map_or(Ok(()), |e| Err(e.clone()))).is_ok());
     }
 
     /// Buckets go last first, each only once complete and never before a later one.

@@ -1,19 +1,19 @@
 //! Devices: what differs between the CPU and CUDA, and nothing else. `store_for` and
-//! `scaler_for` are where a [`Device`] becomes its backend. Each backend supplies an
-//! accumulator's store (its master memory and the kernels over it: `cpu::HostStore`,
-//! `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's state (`cpu::HostScaler`,
-//! `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics (windows, counts,
-//! normalisation, the boundary's order, the update rule, checks and errors) live once in
-//! `accumulator` and `scaler`. Every backend implements the same per-element contract (see
-//! `cpu::math` and its CUDA twin `cuda/kernels/math.cuh`), so every device produces
-//! bitwise-identical master gradients.
+//! `scaler_for` are where a [`Device`] becomes its backend. Each backend supplies one accumulator
+//! store for every sharding policy (its master memory, whole or this rank's shard, and the kernels
+//! over it: `cpu::HostStore`, `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's
+//! state (`cpu::HostScaler`, `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics
+//! (windows, counts, normalisation, the boundary's order, the update rule, checks and errors, the
+//! shards and the window's flags) live once in `accumulator` and `scaler`. Every backend
+//! implements the same per-element contract (see `cpu::math` and its CUDA twin
+//! `cuda/kernels/math.cuh`), so every device produces bitwise-identical master gradients.
 
 pub mod cpu;
 pub mod cuda;
 
 use std::sync::Arc;
 
-use crate::accumulator::{Plan, Sharding, Store};
+use crate::accumulator::{Plan, Store};
 use crate::comm::Communicator;
 use crate::device::Device;
 use crate::error::Result;
@@ -28,24 +28,14 @@ pub(crate) fn store_for(
     adopt: Option<*mut f32>,
     comm: Option<Arc<dyn Communicator>>,
 ) -> Result<Box<dyn Store>> {
-    let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
     Ok(match device {
-        Device::Cpu if sharded => {
-            let comm = match comm {
-                Some(c) => c,
-                None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
-            };
-            Box::new(cpu::ShardedStore::new(plan.clone(), comm)?)
-        }
-        Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt)?),
-        Device::Cuda { ordinal, stream } if sharded => {
-            Box::new(cuda::ShardedDeviceStore::new(plan.clone(), ordinal, stream, comm)?)
-        }
+        Device::Cpu => Box::new(cpu::HostStore::new(plan.clone(), adopt, comm)?),
         Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(
             plan.clone(),
             ordinal,
             stream,
             adopt.map(|p| p as u64),
+            comm,
         )?),
     })
 }

@@ -19,7 +19,6 @@ mod store;
 
 pub use isa::{active_isa, stream_to_peers, supported_isas, with_isa, Isa};
 pub(crate) use scaler::HostScaler;
-pub(crate) use sharded::ShardedStore;
 pub(crate) use store::HostStore;
 
 use crate::dtype::Grad;

@@ -1,10 +1,11 @@
-//! The store of a sharded accumulation on the CPU: this rank's shard of the FP32 master and its
-//! FP32 staging, in host memory. The contract (who holds what, which calls pair up, how a failure
-//! ends) is [`Sharding::Accumulate`]'s; this file only does the work. A micro-batch goes through
-//! the staging a part at a time: its gradients are converted, unscaled, weighted and checked into
-//! the staging, the staging is reduce-scattered over the accumulator's communicator, and this
-//! rank's part is added into the shard (assigned in a window's first micro-batch) while it is in
-//! cache. The boundary only agrees, normalises, measures and clips.
+//! Sharded accumulation in a host store: this rank's shard of the FP32 master and its FP32 staging,
+//! in host memory ([`ShardMemory`], one of [`HostStore`]'s memories). The contract (who holds what,
+//! which calls pair up, how a failure ends) is [`Sharding::Accumulate`]'s, and the window's flags
+//! are the core's [`Shard`]; this file only does the work. A micro-batch goes through the staging a
+//! part at a time: its gradients are converted, unscaled, weighted and checked into the staging,
+//! the staging is reduce-scattered over the accumulator's communicator, and this rank's part is
+//! added into the shard (assigned in a window's first micro-batch) while it is in cache. The
+//! boundary only agrees, normalises, measures and clips.
 //!
 //! The parts are the core's ([`crate::accumulator::sharding`]): stripes for a whole micro-batch,
 //! every rank receiving and summing its own slice; buckets for tensors arriving one by one, a
@@ -12,6 +13,7 @@
 //! rank order, which is what makes `add` and `add_tensor` give the same bits.
 //!
 //! [`Sharding::Accumulate`]: crate::accumulator::Sharding::Accumulate
+//! [`HostStore`]: super::HostStore
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -20,73 +22,71 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::master::Master;
 use super::math::NORM_BLOCK;
-use super::store::{agree, between_ranks, host_collectives, unscale_factor, Boundary, NormPass};
+use super::store::{between_ranks, host_collectives, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
-use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Store, SyncInfo};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
+use crate::accumulator::{Agreed, Plan, Proposal, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
-use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 
-pub(crate) struct ShardedStore {
-    plan: Arc<Plan>,
-    comm: Arc<dyn Communicator>,
-    /// Every rank's range of the flat layout, and this rank's.
-    shards: Vec<Range<usize>>,
-    own: Range<usize>,
-    stripes: Stripes,
-    shard: Master,
-    /// The window's sticky non-finite flag (this rank's gradients only).
-    found_inf: AtomicBool,
-    /// A reduction failed after the micro-batch's control step: the shard holds part of it.
-    lost: AtomicBool,
-    /// The micro-batch assigns the shard (the window's first).
-    first: AtomicBool,
+/// A host store's memory under sharded accumulation: this rank's shard of the master, and the
+/// staging a micro-batch goes through.
+pub(super) struct ShardMemory {
+    pub sharding: Shard,
+    pub shard: Master,
     hooks: Mutex<Hooks<Vec<f32>>>,
 }
 
-impl std::fmt::Debug for ShardedStore {
+impl std::fmt::Debug for ShardMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardedStore")
-            .field("own", &self.own)
-            .field("shards", &self.shards)
-            .finish()
+        f.debug_struct("ShardMemory").field("sharding", &self.sharding).finish()
     }
 }
 
-impl ShardedStore {
+impl ShardMemory {
     /// Allocates the shard and one bucket of staging; `comm` must be the group of the shards
     /// (checked by the accumulator).
-    pub(crate) fn new(plan: Arc<Plan>, comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub(super) fn new(plan: &Plan, comm: Arc<dyn Communicator>) -> Result<Self> {
         host_collectives(&*comm)?;
-        let shards = plan.shards();
-        let own = shards[comm.rank()].clone();
-        let shard = Master::owned(own.len())?;
-        let stripes = Stripes::new(&plan, &shards);
-        let mut hooks = Hooks::new(&plan);
-        hooks.spare.push_back(Self::allocate_stage(&plan, &shards, stripes.len)?);
-        Ok(ShardedStore {
-            plan,
-            comm,
-            shards,
-            own,
-            stripes,
-            shard,
-            found_inf: AtomicBool::new(false),
-            lost: AtomicBool::new(false),
-            first: AtomicBool::new(true),
-            hooks: Mutex::new(hooks),
-        })
+        let sharding = Shard::new(plan, Some(comm))?;
+        let shard = Master::owned(sharding.own.len())?;
+        let mut hooks = Hooks::new(plan);
+        hooks.spare.push_back(Sharded::allocate_stage(plan, &sharding)?);
+        Ok(ShardMemory { sharding, shard, hooks: Mutex::new(hooks) })
     }
 
+    /// The memory with its store's plan and overflow flag: what the sharded passes run on.
+    pub(super) fn with<'a>(&'a self, plan: &'a Plan, found_inf: &'a AtomicBool) -> Sharded<'a> {
+        Sharded {
+            plan,
+            found_inf,
+            sharding: &self.sharding,
+            shard: &self.shard,
+            hooks: &self.hooks,
+        }
+    }
+}
+
+/// A host store's sharded accumulation at work: its shard memory, with the store's plan and
+/// the window's overflow flag (this rank's gradients, and what the shard adds write).
+pub(super) struct Sharded<'a> {
+    plan: &'a Plan,
+    found_inf: &'a AtomicBool,
+    sharding: &'a Shard,
+    shard: &'a Master,
+    hooks: &'a Mutex<Hooks<Vec<f32>>>,
+}
+
+impl Sharded<'_> {
     /// One part's staging: room for the largest bucket, from the norm block it starts in (so
     /// that the shards' boundaries inside it fall on block boundaries, as the reduce-scatter
     /// needs), and for a stripe.
-    fn allocate_stage(plan: &Plan, shards: &[Range<usize>], stripe: usize) -> Result<Vec<f32>> {
+    fn allocate_stage(plan: &Plan, sharding: &Shard) -> Result<Vec<f32>> {
         let buckets =
             plan.layout.buckets().iter().map(|b| b.end - stage_base(b)).max().unwrap_or(0);
-        let len = buckets.max(shards.iter().map(|s| s.len().min(stripe)).sum());
+        let stripe = sharding.stripes.len;
+        let len = buckets.max(sharding.shards.iter().map(|s| s.len().min(stripe)).sum());
         let mut v = Vec::new();
         v.try_reserve_exact(len).map_err(|_| {
             Error::new(
@@ -146,8 +146,8 @@ impl ShardedStore {
     /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
     /// packed in rank order.
     fn stripe(&self, k: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
-        let flat: Vec<Range<usize>> =
-            self.shards.iter().map(|s| self.stripes.slice(s, k)).collect();
+        let s = &self.sharding;
+        let flat: Vec<Range<usize>> = s.shards.iter().map(|r| s.stripes.slice(r, k)).collect();
         let mut at = 0;
         let pieces = flat.iter().map(|f| (at..at + f.len(), at += f.len()).0).collect();
         (flat, pieces)
@@ -159,11 +159,11 @@ impl ShardedStore {
         let bucket = self.plan.layout.buckets()[b].clone();
         let base = stage_base(&bucket);
         let clamp = |s: &Range<usize>| relative(&intersect(s, &(base..bucket.end)), base);
-        let pieces: Vec<Range<usize>> = self.shards.iter().map(clamp).collect();
+        let pieces: Vec<Range<usize>> = self.sharding.shards.iter().map(clamp).collect();
         // This rank's part of the bucket proper (the staging's head belongs to the bucket before).
-        let own = clamp(&self.own);
+        let own = clamp(&self.sharding.own);
         let own = own.start.max(bucket.start - base)..own.end.max(bucket.start - base);
-        let shard_at = (own.start + base).saturating_sub(self.own.start).min(self.own.len());
+        let shard_at = self.sharding.offset(own.start + base);
         self.reduce_part(&mut stage[..bucket.end - base], &pieces, own, shard_at, first)
     }
 
@@ -182,19 +182,19 @@ impl ShardedStore {
             stage: stage.as_ptr() as usize..stage.as_ptr_range().end as usize,
             own,
             // An empty part may start past a short shard's end: the address is never written.
-            dst: self.shard.ptr_at(shard_at.min(self.own.len())) as usize,
+            dst: self.shard.ptr_at(shard_at.min(self.sharding.own.len())) as usize,
             assign: first,
             wire: self.plan.config.wire,
-            found_inf: &self.found_inf,
+            found_inf: self.found_inf,
         };
-        let result = match between_ranks(Some(&*self.comm))? {
+        let result = match between_ranks(self.sharding.comm())? {
             Some(c) => c.reduce_scatter_with_pass(stage, pieces, &into).map(drop),
             None => {
                 into.run(stage, &mut []);
                 Ok(())
             }
         };
-        result.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        result.inspect_err(|_| self.sharding.lose())
     }
 
     /// A staging buffer for the next part, after the micro-batch's control step: the peers are
@@ -203,41 +203,31 @@ impl ShardedStore {
     fn spare_stage(&self, spare: &mut VecDeque<Vec<f32>>) -> Result<Vec<f32>> {
         match spare.pop_front() {
             Some(stage) => Ok(stage),
-            None => {
-                Self::allocate_stage(&self.plan, &self.shards, self.stripes.len).inspect_err(|_| {
-                    self.lost.store(true, Ordering::Relaxed);
-                    let _ = self.comm.abort();
-                })
-            }
+            None => Self::allocate_stage(self.plan, self.sharding).inspect_err(|_| {
+                self.sharding.lose();
+                if let Some(c) = self.sharding.comm() {
+                    let _ = c.abort();
+                }
+            }),
         }
-    }
-
-    /// The control step that closes a micro-batch added tensor by tensor: an invalid
-    /// `add_tensor` on any rank left its tensor out of every rank's sums, so every rank's window
-    /// is lost.
-    fn close_together(&self, invalid: bool) -> Result<()> {
-        let own = invalid.then(protocol::refused_here);
-        self.control_step(Step::Closing, own.as_ref())
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
     /// One control step of a micro-batch over the shard group (see [`protocol`]).
     fn control_step(&self, step: Step, own: Option<&Error>) -> Result<()> {
-        let mine = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
-        let group = between_ranks(Some(&*self.comm))?.map(HostChannel);
+        let mine = ControlSum::of(&step.claim(self.plan, None, own.is_some()));
+        let group = between_ranks(self.sharding.comm())?.map(HostChannel);
         protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)?;
         Ok(())
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
     fn finish(&self, h: &mut Hooks<Vec<f32>>) {
-        h.finish();
-        h.spare.truncate(1);
+        h.finish(1);
     }
 }
 
 /// Bucket by bucket, a staging buffer of host memory.
-impl Stages for ShardedStore {
+impl Stages for Sharded<'_> {
     type Stage = Vec<f32>;
 
     fn take(&self, hooks: &mut Hooks<Vec<f32>>) -> Result<Vec<f32>> {
@@ -251,7 +241,7 @@ impl Stages for ShardedStore {
     }
 
     fn reduce(&self, stage: &mut Vec<f32>, b: usize) -> Result<()> {
-        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
+        self.reduce_bucket(b, stage, self.sharding.first())
     }
 }
 
@@ -311,36 +301,30 @@ impl BlockPass for AddInto<'_> {
     }
 }
 
-impl Store for ShardedStore {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-
+impl Sharded<'_> {
     /// The micro-batch's control step: the ranks agree that they all add a micro-batch to the
     /// same layout, or all fail with nothing reduced.
-    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+    pub(super) fn open_microbatch(
+        &self,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         let mut h = self.hooks();
         self.control_step(Step::Microbatch { whole }, error)?;
-        self.first.store(first, Ordering::Relaxed);
+        self.sharding.open(first);
         h.open();
         Ok(())
     }
 
-    fn add(
-        &self,
-        scale: ScaleSource<'_>,
-        grads: Grads<'_>,
-        weight: f64,
-        _first: &dyn Fn(usize) -> bool,
-    ) -> Result<()> {
-        let grads = grads.host()?;
-        let factor = unscale_factor(scale, weight)?;
+    /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard.
+    pub(super) fn add(&self, grads: &[Grad<'_>], factor: f32) -> Result<()> {
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
-        let rank = self.comm.rank();
+        let (rank, stripes) = (self.sharding.rank, self.sharding.stripes);
         // The first shard is the largest.
-        for k in 0..self.stripes.count {
+        for k in 0..stripes.count {
             let (flat, pieces) = self.stripe(k);
             let parts: Vec<(Range<usize>, usize)> =
                 flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
@@ -350,8 +334,8 @@ impl Store for ShardedStore {
                 &mut stage[..end],
                 &pieces,
                 pieces[rank].clone(),
-                k * self.stripes.len,
-                self.first.load(Ordering::Relaxed),
+                k * stripes.len,
+                self.sharding.first(),
             );
             if result.is_err() {
                 break;
@@ -362,16 +346,8 @@ impl Store for ShardedStore {
         result
     }
 
-    fn add_tensor(
-        &self,
-        scale: ScaleSource<'_>,
-        index: usize,
-        grad: Gradient<'_>,
-        weight: f64,
-        _first: bool,
-    ) -> Result<()> {
-        let grad = grad.host()?;
-        let factor = unscale_factor(scale, weight)?;
+    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced.
+    pub(super) fn add_tensor(&self, index: usize, grad: Grad<'_>, factor: f32) -> Result<()> {
         let layout = &self.plan.layout;
         let r = layout.range(index);
         let base = stage_base(&layout.buckets()[layout.bucket_of(index)]);
@@ -381,11 +357,13 @@ impl Store for ShardedStore {
         })
     }
 
-    fn close_microbatch(&self) -> Result<()> {
+    /// The buckets still waiting are reduced, then the closing control step.
+    pub(super) fn close_microbatch(&self) -> Result<()> {
         let mut h = self.hooks();
         let result = if h.open {
             let reduced = h.reduce_ready(self, &self.plan.layout, true);
-            reduced.and_then(|()| self.close_together(h.invalid))
+            let close = |own: Option<&Error>| self.control_step(Step::Closing, own);
+            reduced.and_then(|()| self.sharding.close(close))
         } else {
             Ok(())
         };
@@ -393,43 +371,15 @@ impl Store for ShardedStore {
         result
     }
 
-    fn note_invalid(&self) {
-        self.hooks().invalid = true;
-    }
-
-    fn take_lost(&self) -> bool {
-        self.lost.swap(false, Ordering::Relaxed)
-    }
-
-    fn bound(&self) -> Option<&dyn Communicator> {
-        Some(&*self.comm)
-    }
-
-    fn zero(&self, index: usize) -> Result<()> {
-        let part = intersect(&self.plan.layout.range(index), &self.own);
-        // SAFETY: the window's write lock is held (the boundary).
-        unsafe { self.shard.slice_mut(relative(&part, self.own.start)) }.fill(0.0);
-        Ok(())
-    }
-
-    fn clear_found_inf(&self) -> Result<()> {
-        self.found_inf.store(false, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
-        agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
-    }
-
     /// The shard holds the window's sum over the ranks: it is normalised and measured here, its
     /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
     /// the shard is first all-reduced over the replicas.
-    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+    pub(super) fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed) -> Result<Option<SyncInfo>> {
         // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
-        let boundary = Boundary::new(&self.plan, agreed, Dtype::F32);
+        let boundary = Boundary::new(self.plan, agreed, Dtype::F32);
         let pass = boundary.pass;
         // SAFETY: the window's write lock is held for the whole boundary.
-        let shard = unsafe { self.shard.slice_mut(0..self.own.len()) };
+        let shard = unsafe { self.shard.slice_mut(0..self.sharding.own.len()) };
         let mine = match between_ranks(p.replicas)? {
             Some(r) => {
                 over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?
@@ -443,7 +393,7 @@ impl Store for ShardedStore {
         let values = match between_ranks(p.comm)? {
             Some(c) => {
                 let counts: Vec<usize> =
-                    self.shards.iter().map(|s| super::blocks(s.len())).collect();
+                    self.sharding.shards.iter().map(|s| super::blocks(s.len())).collect();
                 c.allgather_values(&mine, &counts)?
             }
             None => mine,
@@ -452,33 +402,6 @@ impl Store for ShardedStore {
             super::scale(shard, factor, pass.threads);
         }
         Ok(Some(boundary.info(&values)))
-    }
-
-    fn master_address(&self, offset: usize) -> *mut f32 {
-        self.shard.ptr_at(offset.saturating_sub(self.own.start).min(self.own.len()))
-    }
-
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        // SAFETY: the accumulator's window lock is held for reading; it reads only held ranges.
-        out.copy_from_slice(unsafe {
-            self.shard.slice_mut(range.start - self.own.start..range.end - self.own.start)
-        });
-        Ok(())
-    }
-
-    fn write(&self, values: &[f32]) -> Result<()> {
-        // SAFETY: the window's write lock is held.
-        unsafe { self.shard.slice_mut(0..values.len()) }.copy_from_slice(values);
-        Ok(())
-    }
-
-    fn found_inf(&self) -> Result<bool> {
-        Ok(self.found_inf.load(Ordering::Relaxed))
-    }
-
-    fn set_found_inf(&self, value: bool) -> Result<()> {
-        self.found_inf.store(value, Ordering::Relaxed);
-        Ok(())
     }
 }
 

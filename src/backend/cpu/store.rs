@@ -1,5 +1,6 @@
-//! The accumulator's store in host memory: the FP32 master buffer, the window's overflow flag,
-//! the SIMD passes over them, and the boundary over a host communicator.
+//! The accumulator's store in host memory: the FP32 master buffer (the whole of it, or under
+//! sharded accumulation this rank's shard, see `sharded.rs`), the window's overflow flag, the
+//! SIMD passes over them, and the boundary over a host communicator.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,8 +8,12 @@ use std::sync::{Arc, Mutex};
 
 use super::master::Master;
 use super::math;
+use super::sharded::ShardMemory;
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
-use crate::accumulator::{Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Store, SyncInfo};
+use crate::accumulator::sharding::Shard;
+use crate::accumulator::{
+    Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
+};
 use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
 };
@@ -19,15 +24,42 @@ use crate::error::{Error, ErrorKind, Result};
 #[derive(Debug)]
 pub(crate) struct HostStore {
     plan: Arc<Plan>,
-    master: Master,
+    memory: Memory,
     /// The window's sticky non-finite flag (set by concurrent `add_tensor` callers).
     found_inf: AtomicBool,
 }
 
+/// What a host store holds of the master.
+#[derive(Debug)]
+enum Memory {
+    /// All of it: every policy but sharded accumulation.
+    Whole(Master),
+    /// This rank's shard, and the staging every micro-batch is reduced through.
+    Shard(Box<ShardMemory>),
+}
+
 impl HostStore {
-    /// Owns a zeroed master, or adopts the caller's buffer of the layout's length (its padding
+    /// Under sharded accumulation, this rank's shard reduced over `comm` (none: a group of one);
+    /// else a zeroed master, or the caller's buffer of the layout's length adopted (its padding
     /// zeroed: no pass writes it, and every sum reads it).
-    pub(crate) fn new(plan: Arc<Plan>, adopt: Option<*mut f32>) -> Result<Self> {
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        adopt: Option<*mut f32>,
+        comm: Option<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
+        let memory = if let Sharding::Accumulate { .. } = plan.config.sharding {
+            let comm = match comm {
+                Some(c) => c,
+                None => Arc::new(crate::comm::LocalComm::group(1)?.remove(0)),
+            };
+            Memory::Shard(Box::new(ShardMemory::new(&plan, comm)?))
+        } else {
+            Memory::Whole(Self::whole(&plan, adopt)?)
+        };
+        Ok(HostStore { plan, memory, found_inf: AtomicBool::new(false) })
+    }
+
+    fn whole(plan: &Plan, adopt: Option<*mut f32>) -> Result<Master> {
         let len = plan.layout.len();
         let master = match adopt {
             Some(ptr) => Master::borrowed(ptr, len),
@@ -39,18 +71,23 @@ impl HostStore {
                 unsafe { master.slice_mut(plan.layout.padding(i)) }.fill(0.0);
             }
         }
-        Ok(HostStore { plan, master, found_inf: AtomicBool::new(false) })
+        Ok(master)
     }
 
-    /// The master elements `range`.
+    /// The held master elements of flat `range` (under sharded accumulation, those inside the
+    /// shard).
     ///
     /// # Safety
     /// The caller holds exclusive access to `range` for the slice's lifetime (the accumulator's
     /// window lock, or the read lock and the tensor's lock).
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn slice(&self, range: Range<usize>) -> &mut [f32] {
-        // SAFETY: the caller's contract.
-        unsafe { self.master.slice_mut(range) }
+        match &self.memory {
+            // SAFETY: the caller's contract.
+            Memory::Whole(master) => unsafe { master.slice_mut(range) },
+            // SAFETY: the caller's contract, over the shard's part of `range`.
+            Memory::Shard(s) => unsafe { s.shard.slice_mut(s.sharding.held(&range)) },
+        }
     }
 
     fn flag(&self, bad: bool) {
@@ -58,11 +95,38 @@ impl HostStore {
             self.found_inf.store(true, Ordering::Relaxed);
         }
     }
+
+    /// The shard memory `s` at work with this store's plan and overflow flag.
+    fn sharded<'a>(&'a self, s: &'a ShardMemory) -> super::sharded::Sharded<'a> {
+        s.with(&self.plan, &self.found_inf)
+    }
 }
 
 impl Store for HostStore {
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn shard(&self) -> Option<&Shard> {
+        match &self.memory {
+            Memory::Whole(_) => None,
+            Memory::Shard(s) => Some(&s.sharding),
+        }
+    }
+
+    /// Under sharded accumulation, the micro-batch's control step (see `sharded.rs`).
+    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
+            Memory::Shard(s) => self.sharded(s).open_microbatch(first, whole, error),
+        }
+    }
+
+    fn close_microbatch(&self) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(()),
+            Memory::Shard(s) => self.sharded(s).close_microbatch(),
+        }
     }
 
     fn add(
@@ -74,6 +138,9 @@ impl Store for HostStore {
     ) -> Result<()> {
         let grads = grads.host()?;
         let factor = unscale_factor(scale, weight)?;
+        if let Memory::Shard(s) = &self.memory {
+            return self.sharded(s).add(grads, factor);
+        }
         let passes = grads
             .iter()
             .enumerate()
@@ -99,6 +166,9 @@ impl Store for HostStore {
     ) -> Result<()> {
         let grad = grad.host()?;
         let factor = unscale_factor(scale, weight)?;
+        if let Memory::Shard(s) = &self.memory {
+            return self.sharded(s).add_tensor(index, grad, factor);
+        }
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.
         let master = unsafe { self.slice(self.plan.layout.range(index)) };
@@ -107,7 +177,8 @@ impl Store for HostStore {
     }
 
     fn zero(&self, index: usize) -> Result<()> {
-        // SAFETY: the window's write lock is held (the boundary).
+        // SAFETY: the window's write lock is held (the boundary); under sharded accumulation
+        // only the shard's part is zeroed.
         unsafe { self.slice(self.plan.layout.range(index)) }.fill(0.0);
         Ok(())
     }
@@ -122,6 +193,9 @@ impl Store for HostStore {
     }
 
     fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+        if let Memory::Shard(s) = &self.memory {
+            return self.sharded(s).reduce(p, agreed);
+        }
         // SAFETY: the window's write lock is held for the whole boundary.
         let all = unsafe { self.slice(0..self.plan.layout.len()) };
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
@@ -146,7 +220,10 @@ impl Store for HostStore {
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
-        self.master.ptr_at(offset)
+        match &self.memory {
+            Memory::Whole(master) => master.ptr_at(offset),
+            Memory::Shard(s) => s.shard.ptr_at(s.sharding.offset(offset)),
+        }
     }
 
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
@@ -156,8 +233,9 @@ impl Store for HostStore {
     }
 
     fn write(&self, values: &[f32]) -> Result<()> {
+        let from = self.plan.held().start;
         // SAFETY: the window's write lock is held.
-        unsafe { self.slice(0..values.len()) }.copy_from_slice(values);
+        unsafe { self.slice(from..from + values.len()) }.copy_from_slice(values);
         Ok(())
     }
 

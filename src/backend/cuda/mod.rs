@@ -16,7 +16,6 @@ mod store;
 mod wire;
 
 pub(crate) use scaler::CudaScaler;
-pub(crate) use sharded::ShardedDeviceStore;
 pub(crate) use store::DeviceStore;
 
 /// Whether CUDA objects can be created here: a driver with a device, and NVRTC to compile the

@@ -1,6 +1,7 @@
-//! The store of a sharded accumulation (ZeRO-2) on a CUDA device: this rank's shard of the FP32
-//! master and one stripe of FP32 staging in device memory, and every micro-batch reduce-scattered
-//! with NCCL on the accumulator's stream. Nothing waits on the host but a first exchange per
+//! Sharded accumulation (ZeRO-2) in a CUDA device store: this rank's shard of the FP32 master
+//! and one stripe of FP32 staging in device memory ([`ShardMemory`], one of `DeviceStore`'s
+//! memories), and the kernels and NCCL calls that reduce-scatter every micro-batch on the
+//! accumulator's stream. The window's flags are the core's [`Shard`]. Nothing waits on the host but a first exchange per
 //! communicator, which checks that every rank holds the same layout.
 //!
 //! The parts of a micro-batch are the core's ([`crate::accumulator::sharding`]): this file holds
@@ -30,32 +31,22 @@
 //! bits.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{
-    check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, OwnedStream,
-    SharedReads, THREADS,
-};
-use super::kernels::Kernels;
+use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS};
 use super::layout::{
-    GaBoundary, GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS,
-    SOURCES_PER_LAUNCH,
+    GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
 };
 use super::store::{
-    alone, nccl, norm_and_clip, read_info, reduce_to_owners, wait_for_collectives, wait_for_groups,
-    Claims, NormSpan, CHUNK,
+    alone, nccl, norm_and_clip, reduce_to_owners, wait_for_collectives, DeviceStore, NormSpan,
+    CHUNK,
 };
-use super::wire::Wire;
-use crate::accumulator::protocol::{self, Step};
-use crate::accumulator::sharding::{intersect, relative, Hooks, Stages, Stripes};
-use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
-};
+use crate::accumulator::protocol::Step;
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
+use crate::accumulator::{Agreed, DeviceScale, Plan, Proposal};
 use crate::backend::cpu::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
-use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -87,6 +78,16 @@ struct Source {
     from: usize,
 }
 
+/// One add of a reduced piece into the shard: `numel` f32 values at `src` added into the shard at
+/// `dst` (assigned with `assign`), a non-finite sum flagged in `flag`.
+struct ShardAdd {
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    numel: usize,
+    assign: bool,
+    flag: CUdeviceptr,
+}
+
 /// The `Source::tensor` of a piece of padding: it reads f32 zeros, so the reused staging holds
 /// zeros there when it is reduced into the shard.
 const PADDING: usize = usize::MAX;
@@ -99,20 +100,12 @@ pub(crate) struct Stage {
     free: Event,
 }
 
-pub(crate) struct ShardedDeviceStore {
-    ctx: Arc<Context>,
-    kernels: Arc<Kernels>,
-    stream: CUstream,
-    plan: Arc<Plan>,
-    /// The shard group; None only for one shard created without one.
-    comm: Option<Arc<dyn Communicator>>,
-    rank: usize,
-    /// Every rank's range of the flat layout, and this rank's.
-    shards: Vec<Range<usize>>,
-    own: Range<usize>,
+/// A device store's memory under sharded accumulation: this rank's shard of the master, the
+/// staging every micro-batch is reduced through, and the tables of its conversions.
+pub(super) struct ShardMemory {
+    pub sharding: Shard,
     /// Every shard's length rounded up to whole norm blocks: the block sums' all-gather piece.
     padded: usize,
-    striping: Stripes,
     stripes: Vec<Stripe>,
     /// Each piece's gradient, by the piece table's index.
     sources: Vec<Source>,
@@ -125,119 +118,73 @@ pub(crate) struct ShardedDeviceStore {
     zeros: DeviceBuffer,
     /// A scaler state of scale 1: the shard add's factor is then exactly 1.
     unit: DeviceBuffer,
-    /// The window's overflow flag: a non-finite value in this rank's gradients, or in what the
-    /// shard add writes (a sum that overflows), as on the CPU.
-    found_inf: DeviceBuffer,
-    boundary: DeviceBuffer,
-    partials: DeviceBuffer,
-    claims: Claims,
-    /// The open micro-batch assigns the shard (the window's first).
-    first: AtomicBool,
-    /// A reduction failed after part of a micro-batch reached the shard.
-    lost: AtomicBool,
-    /// Communicators the layout was checked on.
-    verified: Mutex<Vec<u64>>,
-    /// Shard and replica groups (0: none) a hybrid boundary's layout was checked on.
-    verified_grids: Mutex<Vec<(u64, u64)>>,
     /// Elements of the longest bucket: one staging buffer of a tensor-by-tensor micro-batch.
     bucket_len: usize,
     hooks: Mutex<Hooks<Stage>>,
-    /// Where a tensor-by-tensor micro-batch's buckets are reduced, and the event that orders it
-    /// after the conversions (and the accumulator's stream after it when the micro-batch ends).
-    comm_stream: OnceLock<OwnedStream>,
-    event: Mutex<Event>,
     /// The overflow flag of the bucket adds on the communication stream (a separate word: two
-    /// streams never write one), merged into `found_inf` when the micro-batch ends.
+    /// streams never write one), merged into the window's when the micro-batch ends.
     sum_inf: DeviceBuffer,
-    /// The BF16 wire's staging, with `wire_dtype` BF16: every micro-batch's reductions have it.
-    wire: Option<Wire>,
-    /// Scalers' gathers read the boundary on their streams: the next boundary (and the free)
-    /// waits for them.
-    boundary_reads: Mutex<SharedReads>,
 }
 
-// SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
-// host state is behind locks or atomics.
-unsafe impl Send for ShardedDeviceStore {}
-// SAFETY: as Send.
-unsafe impl Sync for ShardedDeviceStore {}
+/// The shard group must be an NCCL communicator on the accumulator's device (the accumulator
+/// checked its size and rank); none only for one shard.
+pub(super) fn check_comm(comm: Option<&dyn Communicator>, ordinal: i32) -> Result<()> {
+    if let Some(c) = comm {
+        let c = nccl(c)?;
+        if c.ordinal() != ordinal {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                format!("the communicator is on CUDA device {}, the accumulator on CUDA device {ordinal}", c.ordinal()),
+            ));
+        }
+    }
+    Ok(())
+}
 
-impl ShardedDeviceStore {
-    /// Allocates the shard and the staging (zeroed) on `stream` and uploads the stripes' tables.
-    /// `comm` must be an NCCL communicator on the same device (the accumulator checked its size
-    /// and rank); None only for one shard.
-    pub(crate) fn new(
-        plan: Arc<Plan>,
-        ordinal: i32,
+impl ShardMemory {
+    /// Allocates the shard and the staging (zeroed) on `stream` and uploads the stripes' tables;
+    /// `comm` passed [`check_comm`].
+    pub(super) fn new(
+        plan: &Plan,
+        ctx: &Arc<Context>,
         stream: CUstream,
         comm: Option<Arc<dyn Communicator>>,
     ) -> Result<Self> {
-        check_stream(stream, "`stream`")?;
-        let Sharding::Accumulate { shards: world, rank } = plan.config.sharding else {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "a sharded store for an accumulator that does not shard",
-            ));
-        };
-        if let Some(c) = &comm {
-            let c = nccl(&**c)?;
-            if c.ordinal() != ordinal {
-                return Err(Error::new(
-                    ErrorKind::DeviceMismatch,
-                    format!("the communicator is on CUDA device {}, the accumulator on CUDA device {ordinal}", c.ordinal()),
-                ));
-            }
-        }
-        let shards = plan.shards();
-        let own = shards[rank].clone();
+        let sharding = Shard::new(plan, comm)?;
+        let (world, own) = (sharding.shards.len(), sharding.own.clone());
         // The first shard is the longest; whole blocks, so the block sums tile the layout's.
-        let padded = shards[0].len().next_multiple_of(NORM_BLOCK);
-        let striping = Stripes::new(&plan, &shards);
-        let (stripes, sources, table, chunks) = Self::cut(&plan, &shards, rank, striping);
+        let padded = sharding.shards[0].len().next_multiple_of(NORM_BLOCK);
+        let (stripes, sources, table, chunks) = Self::cut(plan, &sharding);
         let staging = stripes.first().map_or(0, |s| s.count) * world;
-        let ctx = Context::get(ordinal)?;
-        let kernels = Kernels::of(&ctx)?;
         let unit = GaScalerState { scale: 1.0, ..Default::default() };
         let buckets = plan.layout.buckets();
-        Ok(ShardedDeviceStore {
+        Ok(ShardMemory {
             bucket_len: buckets.iter().map(|b| b.len()).max().unwrap_or(0),
-            hooks: Mutex::new(Hooks::new(&plan)),
-            comm_stream: OnceLock::new(),
-            event: Mutex::new(Event::new(&ctx)?),
-            sum_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
-            wire: (plan.config.wire == Dtype::Bf16)
-                .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
-                .transpose()?,
-            pieces: DeviceBuffer::from_slice(&ctx, stream, &table)?,
-            chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
-            shard: DeviceBuffer::zeroed(&ctx, stream, own.len() * 4)?,
+            hooks: Mutex::new(Hooks::new(plan)),
+            sum_inf: DeviceBuffer::zeroed(ctx, stream, 4)?,
+            pieces: DeviceBuffer::from_slice(ctx, stream, &table)?,
+            chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
+            shard: DeviceBuffer::zeroed(ctx, stream, own.len() * 4)?,
             // Zeroed once: past a short slice the staging is summed but never read back.
-            staging: DeviceBuffer::zeroed(&ctx, stream, staging * 4)?,
+            staging: DeviceBuffer::zeroed(ctx, stream, staging * 4)?,
             // Bytes: a padding is shorter than one alignment.
-            zeros: DeviceBuffer::zeroed(&ctx, stream, crate::accumulator::MASTER_ALIGN)?,
-            unit: DeviceBuffer::from_slice(&ctx, stream, &[unit])?,
-            found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
-            boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
-            partials: DeviceBuffer::zeroed(&ctx, stream, world * (padded / NORM_BLOCK) * 8)?,
-            claims: Claims::new(&ctx, stream)?,
-            boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
-            first: AtomicBool::new(true),
-            lost: AtomicBool::new(false),
-            verified: Mutex::new(Vec::new()),
-            verified_grids: Mutex::new(Vec::new()),
-            ctx,
-            kernels,
-            stream,
-            comm,
-            rank,
-            shards,
-            own,
+            zeros: DeviceBuffer::zeroed(ctx, stream, crate::accumulator::MASTER_ALIGN)?,
+            unit: DeviceBuffer::from_slice(ctx, stream, &[unit])?,
+            sharding,
             padded,
-            striping,
             stripes,
             sources,
-            plan,
         })
+    }
+
+    /// Elements of the boundary's block sums: every rank's shard in whole blocks.
+    pub(super) fn partials_len(&self) -> usize {
+        self.sharding.shards.len() * (self.padded / NORM_BLOCK)
+    }
+
+    /// The memory with its store: what the sharded passes run on.
+    pub(super) fn with<'a>(&'a self, store: &'a DeviceStore) -> Sharded<'a> {
+        Sharded { store, mem: self }
     }
 
     /// Cuts the layout into stripes: per stripe, every rank's slice split at tensor boundaries
@@ -246,11 +193,10 @@ impl ShardedDeviceStore {
     #[allow(clippy::type_complexity)]
     fn cut(
         plan: &Plan,
-        shards: &[Range<usize>],
-        rank: usize,
-        striping: Stripes,
+        sharding: &Shard,
     ) -> (Vec<Stripe>, Vec<Source>, Vec<GaTensor>, Vec<GaChunk>) {
         let (layout, descs) = (&plan.layout, &plan.descs);
+        let (shards, rank, striping) = (&sharding.shards, sharding.rank, sharding.stripes);
         let (mut stripes, mut sources, mut table, mut chunks) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let slice = |s: &Range<usize>, k: usize| striping.slice(s, k);
@@ -316,48 +262,32 @@ impl ShardedDeviceStore {
         (stripes, sources, table, chunks)
     }
 
-    fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
-        self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn hooks(&self) -> MutexGuard<'_, Hooks<Stage>> {
         self.hooks.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
 
-    fn event(&self) -> MutexGuard<'_, Event> {
-        self.event.lock().unwrap_or_else(|e| e.into_inner())
-    }
+/// A device store's sharded accumulation at work: its shard memory, with the store's device,
+/// stream, tables and flags.
+pub(super) struct Sharded<'a> {
+    store: &'a DeviceStore,
+    mem: &'a ShardMemory,
+}
 
-    fn comm_stream(&self) -> Result<CUstream> {
-        if let Some(s) = self.comm_stream.get() {
-            return Ok(s.stream);
-        }
-        let created = OwnedStream::new(&self.ctx)?;
-        Ok(self.comm_stream.get_or_init(|| created).stream)
-    }
-
-    /// Orders the accumulator's stream after the communication stream's bucket reductions: the
-    /// shard and the staging are the accumulator's stream's again.
-    fn join_comm_stream(&self) -> Result<()> {
-        match self.comm_stream.get() {
-            Some(s) => self.event().order(s.stream, self.stream),
-            None => Ok(()),
-        }
-    }
-
+impl Sharded<'_> {
     /// A staging buffer for a bucket: a new one while fewer than KEPT_STAGES exist (so a
     /// bucket's conversions need not wait for the reduction before it) or none is spare; else
     /// the longest unused, once its last reduction is done (a wait on the device).
     fn take_stage(&self, h: &mut Hooks<Stage>) -> Result<Stage> {
         if h.staged() >= KEPT_STAGES {
             if let Some(stage) = h.spare.pop_front() {
-                stage.free.wait(self.stream)?;
+                stage.free.wait(self.store.stream)?;
                 return Ok(stage);
             }
         }
         Ok(Stage {
-            buf: DeviceBuffer::zeroed(&self.ctx, self.stream, self.bucket_len * 4)?,
-            free: Event::new(&self.ctx)?,
+            buf: DeviceBuffer::zeroed(&self.store.ctx, self.store.stream, self.mem.bucket_len * 4)?,
+            free: Event::new(&self.store.ctx)?,
         })
     }
 
@@ -371,23 +301,23 @@ impl ShardedDeviceStore {
         weight: f64,
         stage: &Stage,
     ) -> Result<()> {
-        let (desc, r) = (self.plan.descs[index], self.plan.layout.range(index));
-        let bucket = &self.plan.layout.buckets()[self.plan.layout.bucket_of(index)];
+        let (desc, r) = (self.store.plan.descs[index], self.store.plan.layout.range(index));
+        let bucket = &self.store.plan.layout.buckets()[self.store.plan.layout.bucket_of(index)];
         let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
         let (numel, dtype, assign, found_inf) =
-            (desc.numel as u64, desc.dtype.code(), 1u32, self.found_inf.ptr());
-        scaler.launch_reading(self.stream, |state| {
+            (desc.numel as u64, desc.dtype.code(), 1u32, self.store.found_inf.ptr());
+        scaler.launch_reading(self.store.stream, |state| {
             let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, found_inf);
             // SAFETY: argument types follow ga_add_one. The destination is the tensor's place in
             // its bucket's staging (`bucket_len` elements from the bucket's start, and the bucket
             // holds the tensor); the gradient holds the tensor's numel values (the caller's
             // contract, checked for size by the accumulator).
             unsafe {
-                self.kernels.add_one.launch(
-                    &self.ctx,
-                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                self.store.kernels.add_one.launch(
+                    &self.store.ctx,
+                    self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
                     THREADS,
-                    self.stream,
+                    self.store.stream,
                     &mut args,
                 )
             }
@@ -398,19 +328,21 @@ impl ShardedDeviceStore {
     /// piece inside a shard summed into its owner, and this rank's piece added into the shard
     /// (assigned with `assign`). The staging's `free` event marks the end of its use.
     fn reduce_bucket(&self, b: usize, stage: &Stage, assign: bool) -> Result<()> {
-        let bucket = self.plan.layout.buckets()[b].clone();
-        let stream = self.comm_stream()?;
-        self.event().order(self.stream, stream)?;
+        let bucket = self.store.plan.layout.buckets()[b].clone();
+        let stream = self.store.comm_stream()?.stream;
+        self.store.event().order(self.store.stream, stream)?;
         let at = |flat: usize| stage.buf.ptr() + 4 * (flat - bucket.start) as u64;
         let reduced = match self.group()? {
-            Some(c) if self.bf16(c).is_some() => {
+            Some(c) if self.store.bf16(c).is_some() => {
                 let pieces: Vec<Range<usize>> = self
+                    .mem
+                    .sharding
                     .shards
                     .iter()
                     .map(|s| relative(&intersect(s, &bucket), bucket.start))
                     .collect();
-                let out = at(bucket.start + pieces[self.rank].start);
-                self.bf16(c).expect("matched above").reduce_to_owners(
+                let out = at(bucket.start + pieces[self.mem.sharding.rank].start);
+                self.store.bf16(c).expect("matched above").reduce_to_owners(
                     c,
                     at(bucket.start),
                     &pieces,
@@ -418,36 +350,21 @@ impl ShardedDeviceStore {
                     stream,
                 )
             }
-            Some(c) => reduce_to_owners(c, &bucket, &self.shards, at, stream),
+            Some(c) => reduce_to_owners(c, &bucket, &self.mem.sharding.shards, at, stream),
             None => Ok(()),
         };
-        let own = intersect(&bucket, &self.own);
+        let own = intersect(&bucket, &self.mem.sharding.own);
         let added = reduced.and_then(|()| {
             if own.is_empty() {
                 return Ok(());
             }
-            let (dst, src) = (self.shard_at(own.start - self.own.start), at(own.start));
-            let (numel, dtype, unit, weight, assign, flag) = (
-                own.len() as u64,
-                Dtype::F32.code(),
-                self.unit.ptr(),
-                1.0f64,
-                assign as u32,
-                self.sum_inf.ptr(),
-            );
-            let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
-            // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece
-            // of the bucket in the staging, the destination the shard's elements of that piece;
-            // `sum_inf` is written on this stream only.
-            unsafe {
-                self.kernels.add_one.launch(
-                    &self.ctx,
-                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
-                    THREADS,
-                    stream,
-                    &mut args,
-                )
-            }
+            let (dst, src) = (self.shard_at(self.mem.sharding.offset(own.start)), at(own.start));
+            let into =
+                ShardAdd { dst, src, numel: own.len(), assign, flag: self.mem.sum_inf.ptr() };
+            // SAFETY: the source is this rank's reduced piece of the bucket in the staging, the
+            // destination the shard's elements of that piece; `sum_inf` is written on this
+            // stream only.
+            unsafe { self.add_to_shard(into, stream) }
         });
         // Recorded even after a failure: part of the reduction may be enqueued.
         let recorded = stage.free.record(stream);
@@ -456,59 +373,62 @@ impl ShardedDeviceStore {
 
     /// This rank's window is lost and it never pairs another collective with its peers'.
     fn stop(&self) {
-        self.lost.store(true, Ordering::Relaxed);
+        self.mem.sharding.lose();
         if let Ok(Some(c)) = self.group() {
             stop_pairing(c);
         }
     }
 
-    /// The control step that closes a micro-batch added tensor by tensor (it waits, for the
-    /// micro-batch's reductions too): a refused `add_tensor` on any rank left its tensor out of
-    /// every rank's sums, so every rank's window is lost.
-    fn close_together(&self, invalid: bool) -> Result<()> {
-        let own = invalid.then(protocol::refused_here);
+    /// The control step that closes a micro-batch added tensor by tensor, with this rank's
+    /// error `own` (it waits, for the micro-batch's reductions too).
+    fn close_together(&self, own: Option<&Error>) -> Result<()> {
         let total = match self.group()? {
             Some(c) => {
-                let total = self.claims.exchange(Step::Closing, &self.plan, Some(c), None, invalid);
+                let total = self.store.claims.exchange(
+                    Step::Closing,
+                    &self.store.plan,
+                    Some(c),
+                    None,
+                    own.is_some(),
+                );
                 Ok(total.inspect_err(|_| self.stop())?)
             }
             None => Ok(ControlSum::default()),
         };
-        Step::Closing
-            .judge(total, own.as_ref())
-            .map(drop)
-            .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
+        Step::Closing.judge(total, own).map(drop)
     }
 
     /// After the communication stream is joined: its overflow flag goes into the window's.
     fn merge_sum_inf(&self) -> Result<()> {
-        let (into, from) = (self.found_inf.ptr(), self.sum_inf.ptr());
+        let (into, from) = (self.store.found_inf.ptr(), self.mem.sum_inf.ptr());
         let mut args = launch_args!(into, from);
         // SAFETY: argument types follow ga_or_flag; both are u32 flags of this store.
-        unsafe { self.kernels.or_flag.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
-        self.sum_inf.zero_f32(0, 1)
+        unsafe {
+            self.store.kernels.or_flag.launch(
+                &self.store.ctx,
+                1,
+                1,
+                self.store.stream,
+                &mut args,
+            )?
+        };
+        self.mem.sum_inf.zero_f32(0, 1)
     }
 
     /// Ends the tensor-by-tensor micro-batch (reduced, or failed): its staging goes back to the
     /// pool, of which KEPT_STAGES buffers stay (the others are freed on the accumulator's stream,
     /// after the reductions that read them).
     fn finish(&self, h: &mut Hooks<Stage>) {
-        h.finish();
-        h.spare.truncate(KEPT_STAGES);
+        h.finish(KEPT_STAGES);
     }
 
     fn shard_at(&self, offset: usize) -> CUdeviceptr {
-        self.shard.ptr() + 4 * offset as u64
-    }
-
-    /// The BF16 wire's staging for a reduction over `c`: only between ranks.
-    fn bf16(&self, c: &NcclComm) -> Option<&Wire> {
-        self.wire.as_ref().filter(|_| c.world_size() > 1)
+        self.mem.shard.ptr() + 4 * offset as u64
     }
 
     /// The NCCL communicator of the shard group, when there is one.
     fn group(&self) -> Result<Option<&NcclComm>> {
-        self.comm.as_deref().map(nccl).transpose()
+        self.mem.sharding.comm().map(nccl).transpose()
     }
 
     /// Stripe `k`: converts this rank's gradients into the staging, reduce-scatters it, and adds
@@ -521,9 +441,9 @@ impl ShardedDeviceStore {
         k: usize,
         assign: bool,
     ) -> Result<()> {
-        let s = &self.stripes[k];
+        let s = &self.mem.stripes[k];
         let (pieces, staging, found_inf) =
-            (self.pieces.ptr(), self.staging.ptr(), self.found_inf.ptr());
+            (self.mem.pieces.ptr(), self.mem.staging.ptr(), self.store.found_inf.ptr());
         for launch in &s.launches {
             let mut sources = GaSources {
                 first_tensor: launch.first as u64,
@@ -531,19 +451,20 @@ impl ShardedDeviceStore {
                 s: [GaSource::default(); SOURCES_PER_LAUNCH],
             };
             for (slot, p) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
-                let Source { tensor, from } = self.sources[p];
+                let Source { tensor, from } = self.mem.sources[p];
                 let grad = if tensor == PADDING {
-                    self.zeros.ptr()
+                    self.mem.zeros.ptr()
                 } else {
-                    let bytes = if self.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
+                    let bytes =
+                        if self.store.plan.descs[tensor].dtype == Dtype::F32 { 4 } else { 2 };
                     grads[tensor] + (from * bytes) as u64
                 };
                 *slot = GaSource { grad, assign: 1, pad: 0 };
             }
-            let chunks =
-                self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+            let chunks = self.mem.chunks.ptr()
+                + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
-            scaler.launch_reading(self.stream, |state| {
+            scaler.launch_reading(self.store.stream, |state| {
                 let mut args = launch_args!(
                     pieces, chunks, num_chunks, sources, staging, state, weight, found_inf
                 );
@@ -553,18 +474,18 @@ impl ShardedDeviceStore {
                 // ends inside the tensor, whose numel values the caller's address holds; a piece
                 // of padding (f32, shorter than MASTER_ALIGN bytes) reads `zeros`, that long.
                 unsafe {
-                    self.kernels.add_multi.launch(
-                        &self.ctx,
-                        self.ctx.grid_for(num_chunks),
+                    self.store.kernels.add_multi.launch(
+                        &self.store.ctx,
+                        self.store.ctx.grid_for(num_chunks),
                         THREADS,
-                        self.stream,
+                        self.store.stream,
                         &mut args,
                     )
                 }
             })?;
         }
         if let Some(c) = self.group()? {
-            let reduced = match self.bf16(c) {
+            let reduced = match self.store.bf16(c) {
                 // The staging in NCCL's in-place layout: rank q's piece at `q * count`.
                 Some(wire) => {
                     let pieces: Vec<Range<usize>> =
@@ -573,41 +494,48 @@ impl ShardedDeviceStore {
                         c,
                         staging,
                         &pieces,
-                        staging + (4 * self.rank * s.count) as u64,
-                        self.stream,
+                        staging + (4 * self.mem.sharding.rank * s.count) as u64,
+                        self.store.stream,
                     )
                 }
-                None => c.reduce_scatter_sum_f32(staging, s.count, self.stream),
+                None => c.reduce_scatter_sum_f32(staging, s.count, self.store.stream),
             };
-            reduced.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+            reduced.inspect_err(|_| self.mem.sharding.lose())?;
         }
         if s.own == 0 {
             return Ok(());
         }
-        let (dst, src) =
-            (self.shard_at(k * self.striping.len), staging + (4 * self.rank * s.count) as u64);
-        let (numel, dtype, unit, weight, assign, flag) = (
-            s.own as u64,
-            Dtype::F32.code(),
-            self.unit.ptr(),
-            1.0f64,
-            assign as u32,
-            self.found_inf.ptr(),
-        );
+        let (stripe, rank) = (self.mem.sharding.stripes.len, self.mem.sharding.rank);
+        let (dst, src) = (self.shard_at(k * stripe), staging + (4 * rank * s.count) as u64);
+        let into = ShardAdd { dst, src, numel: s.own, assign, flag: self.store.found_inf.ptr() };
+        // SAFETY: the source is this rank's reduced piece, `own` of its `count` elements at
+        // `rank * count` in the staging; the destination the shard from `k * stripe`, which holds
+        // this stripe's slice of `own` elements.
+        unsafe { self.add_to_shard(into, self.store.stream) }
+            .inspect_err(|_| self.mem.sharding.lose())
+    }
+
+    /// Enqueues `into` on `stream`: the add kernel with a factor of exactly 1 (a scaler state of
+    /// scale 1), so `dst = src` or `dst += src` bit for bit, and a non-finite sum flagged.
+    ///
+    /// # Safety
+    /// `src` holds `numel` f32 values, the shard holds `numel` elements from `dst`, and `flag`
+    /// is a u32 of this context that no other stream writes meanwhile.
+    unsafe fn add_to_shard(&self, into: ShardAdd, stream: CUstream) -> Result<()> {
+        let ShardAdd { dst, src, numel, assign, flag } = into;
+        let (numel, dtype, unit, weight, assign) =
+            (numel as u64, Dtype::F32.code(), self.mem.unit.ptr(), 1.0f64, assign as u32);
         let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
-        // SAFETY: argument types follow ga_add_one. The source is this rank's reduced piece, `own`
-        // of its `count` elements at `rank * count` in the staging; the destination the shard
-        // from `k * stripe`, which holds this stripe's slice of `own` elements.
+        // SAFETY: argument types follow ga_add_one; the addresses are the caller's contract.
         unsafe {
-            self.kernels.add_one.launch(
-                &self.ctx,
-                self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+            self.store.kernels.add_one.launch(
+                &self.store.ctx,
+                self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
                 THREADS,
-                self.stream,
+                stream,
                 &mut args,
             )
         }
-        .inspect_err(|_| self.lost.store(true, Ordering::Relaxed))
     }
 
     /// Once per communicator (it waits): every rank checks that all ranks hold the same layout
@@ -615,30 +543,15 @@ impl ShardedDeviceStore {
     /// run collectives of different sizes. A rank with `error` takes part, and the others fail
     /// with PEER_FAILURE.
     fn verify_layout(&self, comm: &NcclComm, step: Step, error: Option<&Error>) -> Result<()> {
-        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
-        if verified.contains(&comm.id()) {
-            return match error {
-                Some(e) => {
-                    // The peers are in the call's collectives, which this rank never makes. Its
-                    // own earlier ones complete first (the peers made them too), so its window
-                    // stays whole; one that cannot complete loses it.
-                    drop(verified);
-                    if self.drain().is_err() {
-                        self.lost.store(true, Ordering::Relaxed);
-                    }
-                    stop_pairing(comm);
-                    Err(e.clone())
-                }
-                None => Ok(()),
-            };
+        let checked = self.store.check_layout_once(comm, step, error)?;
+        match error {
+            Some(e) if !checked => self.refuse_checked([comm], e),
+            _ => Ok(()),
         }
-        self.claims.agree(step, &self.plan, Some(comm), None, error)?;
-        verified.push(comm.id());
-        Ok(())
     }
 
     /// [`verify_layout`](Self::verify_layout) of a hybrid boundary, once per pair of groups:
-    /// the grid check ([`check_grid`]). After it, a rank whose call is invalid stops pairing on
+    /// the grid check over both groups. After it, a rank whose call is invalid stops pairing on
     /// both groups, whose peers wait in the boundary's collectives.
     fn verify_grid(
         &self,
@@ -646,79 +559,97 @@ impl ShardedDeviceStore {
         replicas: &NcclComm,
         error: Option<&Error>,
     ) -> Result<()> {
-        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
-        let pair = (comm.map_or(0, NcclComm::id), replicas.id());
-        if verified.contains(&pair) {
-            return match error {
-                Some(e) => {
-                    drop(verified);
-                    if self.drain().is_err() {
-                        self.lost.store(true, Ordering::Relaxed);
-                    }
-                    comm.into_iter().chain([replicas]).for_each(stop_pairing);
-                    Err(e.clone())
-                }
-                None => Ok(()),
-            };
+        let shard = self.mem.sharding.rank;
+        let checked = self.store.check_grid_once(comm, replicas, shard, error)?;
+        match error {
+            Some(e) if !checked => self.refuse_checked(comm.into_iter().chain([replicas]), e),
+            _ => Ok(()),
         }
-        self.claims.agree(Step::Boundary, &self.plan, comm, Some((replicas, self.rank)), error)?;
-        verified.push(pair);
-        Ok(())
+    }
+
+    /// This rank's call is refused after the layouts were checked: the peers are in the call's
+    /// collectives, which this rank never makes. Its own earlier ones complete first (the peers
+    /// made them too), so its window stays whole; one that cannot complete loses it. Then it
+    /// stops pairing on `groups`.
+    fn refuse_checked<'c>(
+        &self,
+        groups: impl IntoIterator<Item = &'c NcclComm>,
+        error: &Error,
+    ) -> Result<()> {
+        if self.drain().is_err() {
+            self.mem.sharding.lose();
+        }
+        groups.into_iter().for_each(stop_pairing);
+        Err(error.clone())
     }
 
     /// Host reads wait for the stream, which a reduce-scatter that a peer never joined would hold
     /// forever: the wait is the communicator's (its timeout aborts it, and the stream drains).
     /// After an abort the stream drains by itself.
-    fn drain(&self) -> Result<()> {
-        self.join_comm_stream()?;
+    pub(super) fn drain(&self) -> Result<()> {
+        self.store.join_comm_stream()?;
         match self.group()? {
-            Some(c) if c.health().is_ok() => wait_for_collectives(&self.ctx, self.stream, c),
+            Some(c) if c.health().is_ok() => {
+                wait_for_collectives(&self.store.ctx, self.store.stream, c)
+            }
             _ => Ok(()),
         }
     }
 
     /// The boundary's device work: the control words summed over the group, then normalise and
     /// measure the shard, gather every shard's block sums, and clip the shard.
-    fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
-        let (boundary, partials) = (self.boundary.ptr(), self.partials.ptr());
+    pub(super) fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
+        let (boundary, partials) = (self.store.boundary.ptr(), self.store.partials.ptr());
         let (count, microbatches, found_inf, ranks) =
-            (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
+            (p.count, p.microbatches, self.store.found_inf.ptr(), p.ranks);
         let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
         // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
-        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        unsafe {
+            self.store.kernels.pack_control.launch(
+                &self.store.ctx,
+                1,
+                1,
+                self.store.stream,
+                &mut args,
+            )?
+        };
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm {
-            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.store.stream)?;
         }
         // A hybrid boundary: the counts and the shard (the shard group's sum) are summed over the
         // replicas (FP32 sums, as on the CPU) before the norm.
         if let Some(r) = p.replicas.map(nccl).transpose()? {
             // Every replica holds the same shard: an empty one is skipped by all of them.
             r.group(|| {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
-                if self.own.is_empty() {
+                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.store.stream)?;
+                if self.mem.sharding.own.is_empty() {
                     return Ok(());
                 }
-                r.allreduce_sum_f32(self.shard.ptr(), self.own.len(), self.stream)
+                r.allreduce_sum_f32(
+                    self.mem.shard.ptr(),
+                    self.mem.sharding.own.len(),
+                    self.store.stream,
+                )
             })?;
         }
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
         // only the trailing shards are short): every rank folds the same sums in the same order.
-        let gather = comm.map(|c| (c, self.padded / NORM_BLOCK));
+        let gather = comm.map(|c| (c, self.mem.padded / NORM_BLOCK));
         let span = NormSpan {
-            data: self.shard.ptr(),
-            n: self.own.len() as u64,
-            first_block: self.rank * self.padded / NORM_BLOCK,
+            data: self.mem.shard.ptr(),
+            n: self.mem.sharding.own.len() as u64,
+            first_block: self.mem.sharding.rank * self.mem.padded / NORM_BLOCK,
             gather,
         };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
         unsafe {
             norm_and_clip(
-                &self.ctx,
-                &self.kernels,
-                self.stream,
-                &self.plan,
+                &self.store.ctx,
+                &self.store.kernels,
+                self.store.stream,
+                &self.store.plan,
                 boundary,
                 partials,
                 span,
@@ -728,7 +659,7 @@ impl ShardedDeviceStore {
 }
 
 /// Bucket by bucket, a staging buffer of device memory, reduced on the communication stream.
-impl Stages for ShardedDeviceStore {
+impl Stages for Sharded<'_> {
     type Stage = Stage;
 
     fn take(&self, hooks: &mut Hooks<Stage>) -> Result<Stage> {
@@ -736,12 +667,12 @@ impl Stages for ShardedDeviceStore {
     }
 
     fn zero(&self, stage: &mut Stage, b: usize, range: Range<usize>) -> Result<()> {
-        let bucket = &self.plan.layout.buckets()[b];
+        let bucket = &self.store.plan.layout.buckets()[b];
         stage.buf.zero_f32(range.start - bucket.start, range.len())
     }
 
     fn reduce(&self, stage: &mut Stage, b: usize) -> Result<()> {
-        self.reduce_bucket(b, stage, self.first.load(Ordering::Relaxed))
+        self.reduce_bucket(b, stage, self.mem.sharding.first())
     }
 
     /// The peers wait for each bucket's reduction: this rank stops pairing.
@@ -750,61 +681,51 @@ impl Stages for ShardedDeviceStore {
     }
 }
 
-impl Store for ShardedDeviceStore {
-    fn device(&self) -> Device {
-        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
-    }
-
+impl Sharded<'_> {
     /// No control step when a micro-batch opens (it would wait for the stream): the ranks check
     /// their layouts once, at the first micro-batch (whose cut, by stripes or by buckets, they
     /// must share), and a rank whose call is invalid takes part with its error. After that a rank
     /// whose call is invalid aborts the communicator, so that it never pairs a later collective
     /// with the peers' reductions; theirs fail when their communicator times out or is aborted.
-    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+    pub(super) fn open_microbatch(
+        &self,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         match self.group()? {
             Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
             None => error.map_or(Ok(()), |e| Err(e.clone()))?,
         }
-        self.first.store(first, Ordering::Relaxed);
+        self.mem.sharding.open(first);
         if !whole {
-            self.hooks().open();
+            self.mem.hooks().open();
         }
         Ok(())
     }
 
     /// Reduces the buckets still waiting, joins the communication stream, and runs the closing
     /// control step (a host wait).
-    fn close_microbatch(&self) -> Result<()> {
-        let mut h = self.hooks();
+    pub(super) fn close_microbatch(&self) -> Result<()> {
+        let mut h = self.mem.hooks();
         let open = h.open;
-        let reduced = if open { h.reduce_ready(self, &self.plan.layout, true) } else { Ok(()) };
-        let joined = self.join_comm_stream().and_then(|()| self.merge_sum_inf());
+        let reduced =
+            if open { h.reduce_ready(self, &self.store.plan.layout, true) } else { Ok(()) };
+        let joined = self.store.join_comm_stream().and_then(|()| self.merge_sum_inf());
         let result = reduced.and_then(|()| {
             if !open {
                 return Ok(());
             }
             // A rank that cannot join never reaches the closing exchange its peers wait in.
             joined.inspect_err(|_| self.stop())?;
-            self.close_together(h.invalid)
+            self.mem.sharding.close(|own| self.close_together(own))
         });
         self.finish(&mut h);
         result
     }
 
-    fn note_invalid(&self) {
-        self.hooks().invalid = true;
-    }
-
-    fn take_lost(&self) -> bool {
-        self.lost.swap(false, Ordering::Relaxed)
-    }
-
-    fn bound(&self) -> Option<&dyn Communicator> {
-        self.comm.as_deref()
-    }
-
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
-    fn refuse(&self) {
+    pub(super) fn refuse(&self) {
         if let Ok(Some(c)) = self.group() {
             let _ = self.verify_layout(
                 c,
@@ -816,22 +737,19 @@ impl Store for ShardedDeviceStore {
 
     /// One conversion launch per SOURCES_PER_LAUNCH pieces of a stripe, its reduce-scatter and
     /// the shard add, stripe after stripe; nothing waits.
-    fn add(
+    pub(super) fn add(
         &self,
-        scale: ScaleSource<'_>,
-        grads: Grads<'_>,
+        scaler: &dyn DeviceScale,
+        grads: &[CUdeviceptr],
         weight: f64,
-        _first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let grads = grads.device()?;
-        let scaler = scale.device()?;
-        let assign = self.first.load(Ordering::Relaxed);
-        for k in 0..self.stripes.len() {
+        let assign = self.mem.sharding.first();
+        for k in 0..self.mem.stripes.len() {
             // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
             // reduce-scatter or the next: the window is lost, and the communicator aborted so
             // that this rank never pairs another collective with theirs.
             self.add_stripe(scaler, grads, weight, k, assign).inspect_err(|_| {
-                self.lost.store(true, Ordering::Relaxed);
+                self.mem.sharding.lose();
                 if let Ok(Some(c)) = self.group() {
                     stop_pairing(c);
                 }
@@ -842,35 +760,28 @@ impl Store for ShardedDeviceStore {
 
     /// Converts the tensor into its bucket's staging and enqueues the reduction of every bucket
     /// that is then complete, in the backward's order; nothing waits.
-    fn add_tensor(
+    pub(super) fn add_tensor(
         &self,
-        scale: ScaleSource<'_>,
+        scaler: &dyn DeviceScale,
         index: usize,
-        grad: Gradient<'_>,
+        grad: CUdeviceptr,
         weight: f64,
-        _first: bool,
     ) -> Result<()> {
-        let grad = grad.device()?;
-        let scaler = scale.device()?;
-        self.hooks().contribute(self, &self.plan.layout, index, |stage| {
+        self.mem.hooks().contribute(self, &self.store.plan.layout, index, |stage| {
             self.convert(scaler, index, grad, weight, stage)
         })
     }
 
-    fn zero(&self, index: usize) -> Result<()> {
-        let part = intersect(&self.plan.layout.range(index), &self.own);
+    pub(super) fn zero(&self, index: usize) -> Result<()> {
+        let part = self.mem.sharding.held(&self.store.plan.layout.range(index));
         if part.is_empty() {
             return Ok(());
         }
-        self.shard.zero_f32(part.start - self.own.start, part.len())
-    }
-
-    fn clear_found_inf(&self) -> Result<()> {
-        self.found_inf.zero_f32(0, 1)
+        self.mem.shard.zero_f32(part.start, part.len())
     }
 
     /// The counts stay on the device, where the boundary sums them; alone, the host knows them.
-    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+    pub(super) fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         let (comm, replicas) = (p.comm.map(nccl).transpose()?, p.replicas.map(nccl).transpose()?);
         match (comm, replicas) {
             (c, Some(r)) => self.verify_grid(c, r, p.error.as_ref())?,
@@ -880,62 +791,19 @@ impl Store for ShardedDeviceStore {
         Ok(Agreed { totals: alone(p, comm, replicas) })
     }
 
-    fn reduce(&self, p: &Proposal<'_>, _agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
-        {
-            // The boundary is rewritten: after the scalers' gathers of the last one.
-            let mut reads = self.boundary_reads();
-            reads.before_write()?;
-            let result = self.enqueue_boundary(p);
-            // Recorded even after a failure: part of the boundary may be enqueued.
-            reads.after_write()?;
-            result?;
-        }
-        if !read {
-            return Ok(None);
-        }
-        let groups: Vec<&NcclComm> =
-            p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
-        wait_for_groups(&self.ctx, self.stream, &groups)?;
-        let info = read_info(&self.boundary)?;
-        // An abort (or a peer's failure) ends the collectives without reducing.
-        groups.iter().try_for_each(|c| c.health())?;
-        info.map(Some)
-            .ok_or_else(|| Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0"))
-    }
-
-    fn master_address(&self, offset: usize) -> *mut f32 {
-        self.shard_at(offset.saturating_sub(self.own.start).min(self.own.len())) as *mut f32
+    pub(super) fn master_address(&self, offset: usize) -> *mut f32 {
+        self.shard_at(self.mem.sharding.offset(offset)) as *mut f32
     }
 
     /// `range` lies inside the shard (the accumulator reads only held ranges).
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        self.drain()?;
-        self.shard.read_at(4 * (range.start - self.own.start), &mut out[..range.len()])
+    pub(super) fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        self.mem
+            .shard
+            .read_at(4 * (range.start - self.mem.sharding.own.start), &mut out[..range.len()])
     }
 
-    fn write(&self, values: &[f32]) -> Result<()> {
-        self.drain()?;
-        self.shard.write(values)
-    }
-
-    fn found_inf(&self) -> Result<bool> {
-        self.drain()?;
-        let mut flag = [0u32];
-        self.found_inf.read(&mut flag)?;
-        Ok(flag[0] != 0)
-    }
-
-    fn set_found_inf(&self, value: bool) -> Result<()> {
-        self.drain()?;
-        self.found_inf.write(&[value as u32])
-    }
-
-    /// On the scaler's stream: after the boundary is written, and before the next one.
-    fn gather_into(&self, scaler: &dyn DeviceScale) -> Result<()> {
-        let mut reads = self.boundary_reads();
-        reads.before_read(scaler.stream())?;
-        scaler.gather_ordered(self.boundary.ptr())?;
-        reads.after_read(scaler.stream())
+    pub(super) fn write(&self, values: &[f32]) -> Result<()> {
+        self.mem.shard.write(values)
     }
 }
 
@@ -945,14 +813,5 @@ impl Store for ShardedDeviceStore {
 fn stop_pairing(comm: &NcclComm) {
     if comm.abort().is_err() {
         comm.mark_failed();
-    }
-}
-
-impl Drop for ShardedDeviceStore {
-    fn drop(&mut self) {
-        // Scalers' gathers read the boundary, and bucket reductions the shard and the staging:
-        // the stream orders the frees after them.
-        let _ = self.join_comm_stream();
-        let _ = self.boundary_reads().before_write();
     }
 }

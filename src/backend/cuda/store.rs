@@ -25,9 +25,10 @@ use super::kernels::Kernels;
 use super::layout::{
     GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
 };
+use super::sharded::{self, ShardMemory};
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
-use crate::accumulator::sharding::{intersect, relative, BucketSchedule};
+use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
     Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
 };
@@ -53,7 +54,7 @@ struct Overlap {
 }
 
 /// Reduce-scatter at the boundary: every rank's shard and how this rank's master is reduced.
-struct Sharded {
+struct Split {
     rank: usize,
     /// Every rank's shard in rank order ([`Plan::shards`]): shard q starts at `q * size`.
     shards: Vec<Range<usize>>,
@@ -65,10 +66,10 @@ struct Sharded {
     padded: bool,
 }
 
-impl Sharded {
+impl Split {
     /// The split of `plan`'s sharding, None without it. The in-place collectives (reduce-scatter
     /// of the master, all-gather of the block sums) need shards of equal size on whole blocks.
-    fn of(plan: &Plan) -> Result<Option<Sharded>> {
+    fn of(plan: &Plan) -> Result<Option<Split>> {
         let Sharding::ReduceScatter { rank, .. } = plan.config.sharding else { return Ok(None) };
         let (shards, len) = (plan.shards(), plan.layout.len());
         let size = shards[0].len().next_multiple_of(NORM_BLOCK);
@@ -82,7 +83,7 @@ impl Sharded {
                 format!("the shards {shards:?} are not an equal split in whole blocks"),
             ));
         }
-        Ok(Some(Sharded { rank, shards, size, padded: false }))
+        Ok(Some(Split { rank, shards, size, padded: false }))
     }
 
     fn own(&self) -> Range<usize> {
@@ -104,30 +105,27 @@ struct AddLaunch {
     num_chunks: u64,
 }
 
-/// The accumulator's store in CUDA device memory: the FP32 master and the kernels' tables, with
-/// every step enqueued on the accumulator's stream.
+/// The accumulator's store in CUDA device memory: the FP32 master (the whole of it, or under
+/// sharded accumulation this rank's shard, see `sharded.rs`) and the kernels' tables, with every
+/// step enqueued on the accumulator's stream.
 pub(crate) struct DeviceStore {
-    ctx: Arc<Context>,
-    kernels: Arc<Kernels>,
-    stream: CUstream,
-    plan: Arc<Plan>,
-    master: DeviceBuffer,
-    tensors: DeviceBuffer,
-    chunks: DeviceBuffer,
-    /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
-    launches: Vec<AddLaunch>,
-    /// The window's overflow flag (a u32 written by the add kernels).
-    found_inf: DeviceBuffer,
-    boundary: DeviceBuffer,
-    partials: DeviceBuffer,
-    claims: Claims,
-    sharded: Option<Sharded>,
+    pub(super) ctx: Arc<Context>,
+    pub(super) kernels: Arc<Kernels>,
+    pub(super) stream: CUstream,
+    pub(super) plan: Arc<Plan>,
+    memory: Memory,
+    /// The window's overflow flag (a u32 written by the add kernels; under sharded accumulation
+    /// also by the shard adds, for a sum that overflows).
+    pub(super) found_inf: DeviceBuffer,
+    pub(super) boundary: DeviceBuffer,
+    pub(super) partials: DeviceBuffer,
+    pub(super) claims: Claims,
     /// Communicators this accumulator's layout was verified against.
-    verified: Mutex<Vec<u64>>,
+    pub(super) verified: Mutex<Vec<u64>>,
     /// Pairs of shard and replica groups a hybrid boundary's layout was verified against.
-    verified_grids: Mutex<Vec<(u64, u64)>>,
-    /// The final micro-batch's early reductions, from `begin_final` to the boundary.
-    overlap: Mutex<Option<Overlap>>,
+    pub(super) verified_grids: Mutex<Vec<(u64, u64)>>,
+    /// Where buckets are reduced while the accumulator's stream goes on (a final micro-batch's,
+    /// or a sharded accumulation's hook micro-batch), and the event that orders the two.
     comm_stream: OnceLock<OwnedStream>,
     event: Mutex<Event>,
     /// The boundary is read by scalers' gathers on their streams: the next boundary (and the
@@ -135,6 +133,36 @@ pub(crate) struct DeviceStore {
     boundary_reads: Mutex<SharedReads>,
     /// The BF16 wire's staging, with `wire_dtype` BF16.
     wire: Option<Wire>,
+}
+
+/// What a device store holds of the master.
+enum Memory {
+    /// All of it: every policy but sharded accumulation.
+    Whole(Box<Whole>),
+    /// This rank's shard, and the staging every micro-batch is reduced through.
+    Shard(Box<ShardMemory>),
+}
+
+/// The whole master, the tables of its add launches, and how the boundary reduces it.
+struct Whole {
+    master: DeviceBuffer,
+    tensors: DeviceBuffer,
+    chunks: DeviceBuffer,
+    /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
+    launches: Vec<AddLaunch>,
+    split: Option<Split>,
+    /// The final micro-batch's early reductions, from `begin_final` to the boundary.
+    overlap: Mutex<Option<Overlap>>,
+}
+
+impl Whole {
+    fn overlap(&self) -> MutexGuard<'_, Option<Overlap>> {
+        self.overlap.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn at(&self, offset: usize) -> CUdeviceptr {
+        self.master.ptr() + 4 * offset as u64
+    }
 }
 
 // SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
@@ -396,20 +424,18 @@ pub(super) unsafe fn norm_and_clip(
     Ok(())
 }
 
-impl DeviceStore {
+impl Whole {
     /// Allocates the master (zeroed) on `stream`, or adopts the caller's device buffer of the
-    /// layout's length, and uploads the kernels' tables.
-    pub(crate) fn new(
-        plan: Arc<Plan>,
-        ordinal: i32,
+    /// layout's length, and uploads the kernels' tables. Returns the boundary's block sums'
+    /// length with it.
+    fn new(
+        plan: &Plan,
+        ctx: &Arc<Context>,
         stream: CUstream,
         adopt: Option<CUdeviceptr>,
-    ) -> Result<Self> {
-        check_stream(stream, "`stream`")?;
+    ) -> Result<(Self, usize)> {
         let (layout, tensors) = (&plan.layout, &plan.descs);
         let len = layout.len();
-        let ctx = Context::get(ordinal)?;
-        let kernels = Kernels::of(&ctx)?;
         let table: Vec<GaTensor> = tensors
             .iter()
             .enumerate()
@@ -442,16 +468,16 @@ impl DeviceStore {
                 AddLaunch { first, count, first_chunk, num_chunks }
             })
             .collect();
-        let mut sharded = Sharded::of(&plan)?;
+        let mut split = Split::of(plan)?;
         // Sharded, the master's padding (zero, never added to) makes the reduce-scatter in place;
         // the block sums are all-gathered in place, every shard's at its full size.
-        let (padded_len, num_partials) = match &sharded {
+        let (padded_len, num_partials) = match &split {
             Some(s) => (s.padded_len(), s.padded_len() / NORM_BLOCK),
             None => (len, len.div_ceil(NORM_BLOCK)),
         };
         let master = match adopt {
-            Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, len * 4),
-            None => DeviceBuffer::zeroed(&ctx, stream, padded_len * 4)?,
+            Some(ptr) => DeviceBuffer::adopt(ctx, stream, ptr, len * 4),
+            None => DeviceBuffer::zeroed(ctx, stream, padded_len * 4)?,
         };
         if adopt.is_some() {
             // The padding between tensors is summed and measured with them: zeros, which no
@@ -461,24 +487,57 @@ impl DeviceStore {
                 master.zero_f32(p.start, p.len())?;
             }
         }
-        if let Some(s) = &mut sharded {
+        if let Some(s) = &mut split {
             s.padded = adopt.is_none() || len == padded_len;
         }
-        Ok(DeviceStore {
-            tensors: DeviceBuffer::from_slice(&ctx, stream, &table)?,
-            chunks: DeviceBuffer::from_slice(&ctx, stream, &chunks)?,
+        let whole = Whole {
+            tensors: DeviceBuffer::from_slice(ctx, stream, &table)?,
+            chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
             launches,
+            split,
+            master,
+            overlap: Mutex::new(None),
+        };
+        Ok((whole, num_partials))
+    }
+}
+
+impl DeviceStore {
+    /// The store of an accumulator over `plan` on device `ordinal`, every step on `stream`:
+    /// under sharded accumulation this rank's shard reduced over `comm` (an NCCL communicator on
+    /// the device; none only for one shard), else the whole master, owned or adopted.
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        ordinal: i32,
+        stream: CUstream,
+        adopt: Option<CUdeviceptr>,
+        comm: Option<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
+        check_stream(stream, "`stream`")?;
+        let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
+        if sharded {
+            sharded::check_comm(comm.as_deref(), ordinal)?;
+        }
+        let ctx = Context::get(ordinal)?;
+        let kernels = Kernels::of(&ctx)?;
+        let (memory, num_partials) = if sharded {
+            let shard = ShardMemory::new(&plan, &ctx, stream, comm)?;
+            let num_partials = shard.partials_len();
+            (Memory::Shard(Box::new(shard)), num_partials)
+        } else {
+            let (whole, num_partials) = Whole::new(&plan, &ctx, stream, adopt)?;
+            (Memory::Whole(Box::new(whole)), num_partials)
+        };
+        Ok(DeviceStore {
+            memory,
             found_inf: DeviceBuffer::zeroed(&ctx, stream, 4)?,
             boundary: DeviceBuffer::zeroed(&ctx, stream, std::mem::size_of::<GaBoundary>())?,
             partials: DeviceBuffer::zeroed(&ctx, stream, num_partials * 8)?,
             claims: Claims::new(&ctx, stream)?,
-            sharded,
             event: Mutex::new(Event::new(&ctx)?),
             boundary_reads: Mutex::new(SharedReads::new(&ctx, stream)?),
-            master,
             verified: Mutex::new(Vec::new()),
             verified_grids: Mutex::new(Vec::new()),
-            overlap: Mutex::new(None),
             comm_stream: OnceLock::new(),
             wire: (plan.config.wire == Dtype::Bf16)
                 .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
@@ -490,20 +549,46 @@ impl DeviceStore {
         })
     }
 
-    fn overlap(&self) -> MutexGuard<'_, Option<Overlap>> {
-        self.overlap.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
+    pub(super) fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
         self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn master_at(&self, offset: usize) -> CUdeviceptr {
-        self.master.ptr() + 4 * offset as u64
+    pub(super) fn event(&self) -> MutexGuard<'_, Event> {
+        self.event.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn comm_stream(&self) -> Result<&OwnedStream> {
+        if let Some(s) = self.comm_stream.get() {
+            return Ok(s);
+        }
+        let created = OwnedStream::new(&self.ctx)?;
+        Ok(self.comm_stream.get_or_init(|| created))
+    }
+
+    /// Orders the accumulator's stream after the communication stream's bucket reductions: the
+    /// memory they read and write is the accumulator's stream's again.
+    pub(super) fn join_comm_stream(&self) -> Result<()> {
+        match self.comm_stream.get() {
+            Some(s) => self.event().order(s.stream, self.stream),
+            None => Ok(()),
+        }
+    }
+
+    /// The BF16 wire's staging for a reduction over `c`: only between ranks.
+    pub(super) fn bf16(&self, c: &NcclComm) -> Option<&Wire> {
+        self.wire.as_ref().filter(|_| c.world_size() > 1)
+    }
+
+    /// Host reads of a sharded accumulation's memory wait for its reductions (see `sharded.rs`).
+    fn drain(&self) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(()),
+            Memory::Shard(s) => s.with(self).drain(),
+        }
     }
 
     /// Counts a final-micro-batch tensor in and launches every bucket that is ready, in order.
-    fn tensor_arrived(&self, o: &mut Overlap, index: usize) -> Result<()> {
+    fn tensor_arrived(&self, w: &Whole, o: &mut Overlap, index: usize) -> Result<()> {
         let layout = &self.plan.layout;
         if !o.schedule.land(index, layout.bucket_of(index)) {
             return Ok(());
@@ -511,8 +596,8 @@ impl DeviceStore {
         let comm_stream = self.comm_stream()?.stream;
         while let Some(b) = o.schedule.next(false) {
             let bucket = &layout.buckets()[b];
-            self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, comm_stream)?;
-            self.reduce_bucket(nccl(&*o.comm)?, bucket, comm_stream)?;
+            self.event().order(self.stream, comm_stream)?;
+            self.reduce_bucket(w, nccl(&*o.comm)?, bucket, comm_stream)?;
             // Counted as reduced early only once issued: the boundary reduces every other bucket.
             o.schedule.advance();
         }
@@ -521,20 +606,10 @@ impl DeviceStore {
 
     /// The boundary's device work: the control words and the buckets not reduced early, then
     /// normalise, norm and clip.
-    fn run_boundary(&self, p: &Proposal<'_>) -> Result<()> {
-        // The boundary is rewritten: after the scalers' gathers of the last one.
-        let mut reads = self.boundary_reads();
-        reads.before_write()?;
-        let result = self.enqueue_boundary(p);
-        // Recorded even after a failure: part of the boundary may be enqueued.
-        reads.after_write()?;
-        result
-    }
-
-    fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
-        let overlap = self.overlap().take();
-        if let Some(o) = &overlap {
-            self.finish_overlap(o)?;
+    fn enqueue_boundary(&self, w: &Whole, p: &Proposal<'_>) -> Result<()> {
+        let overlap = w.overlap().take();
+        if overlap.is_some() {
+            self.join_comm_stream()?;
         }
         let boundary = self.boundary.ptr();
         let (count, microbatches, found_inf, ranks) =
@@ -551,24 +626,24 @@ impl DeviceStore {
             c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
             let buckets = self.plan.layout.buckets();
             let left = overlap.as_ref().map_or(buckets.len(), |o| o.schedule.waiting());
-            buckets[..left].iter().try_for_each(|b| self.reduce_bucket(c, b, self.stream))?;
+            buckets[..left].iter().try_for_each(|b| self.reduce_bucket(w, c, b, self.stream))?;
         } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
             c.group(|| {
                 c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
-                match (&self.sharded, &overlap) {
-                    (Some(s), None) => self.reduce_shards(c, s),
+                match (&w.split, &overlap) {
+                    (Some(s), None) => self.reduce_shards(w, c, s),
                     // The buckets the final micro-batch did not reduce early.
                     (_, o) => buckets[..o.as_ref().map_or(buckets.len(), |o| o.schedule.waiting())]
                         .iter()
-                        .try_for_each(|b| self.reduce_bucket(c, b, self.stream)),
+                        .try_for_each(|b| self.reduce_bucket(w, c, b, self.stream)),
                 }
             })?;
         }
         // A hybrid boundary: the counts, and the shard the shard group just reduced, are summed
         // over the replicas (FP32 sums, as on the CPU) before the norm.
         if let Some(r) = p.replicas.map(nccl).transpose()? {
-            let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
+            let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
             // The wire is the first reduction's between ranks: the replicas', after a shard group
             // of one (whose shard is the whole master, bucket by bucket).
             if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
@@ -576,10 +651,10 @@ impl DeviceStore {
                 for b in self.plan.layout.buckets() {
                     let piece = intersect(b, &own);
                     if !piece.is_empty() {
-                        wire.allreduce(r, self.master_at(piece.start), piece.len(), self.stream)?;
+                        wire.allreduce(r, w.at(piece.start), piece.len(), self.stream)?;
                     }
                 }
-                return self.finish_boundary(comm);
+                return self.finish_boundary(w, comm);
             }
             // Every replica holds the same shard: an empty one is skipped by all of them (its
             // address may be one past a caller's master).
@@ -588,24 +663,25 @@ impl DeviceStore {
                 if own.is_empty() {
                     return Ok(());
                 }
-                r.allreduce_sum_f32(self.master_at(own.start), own.len(), self.stream)
+                r.allreduce_sum_f32(w.at(own.start), own.len(), self.stream)
             })?;
         }
-        self.finish_boundary(comm)
-    }
-
-    /// The BF16 wire's staging for a reduction over `c`: only between ranks.
-    fn bf16(&self, c: &NcclComm) -> Option<&Wire> {
-        self.wire.as_ref().filter(|_| c.world_size() > 1)
+        self.finish_boundary(w, comm)
     }
 
     /// Enqueues bucket `b`'s reduction on `stream`: an in-place all-reduce; sharded, each of its
     /// pieces (a bucket may span shards) summed into the rank whose shard holds it. On the BF16
     /// wire the same, through [`Wire`] (never inside an NCCL group: its kernels run between).
-    fn reduce_bucket(&self, c: &NcclComm, b: &Range<usize>, stream: CUstream) -> Result<()> {
+    fn reduce_bucket(
+        &self,
+        w: &Whole,
+        c: &NcclComm,
+        b: &Range<usize>,
+        stream: CUstream,
+    ) -> Result<()> {
         if let Some(wire) = self.bf16(c) {
-            let data = self.master_at(b.start);
-            let Some(s) = &self.sharded else { return wire.allreduce(c, data, b.len(), stream) };
+            let data = w.at(b.start);
+            let Some(s) = &w.split else { return wire.allreduce(c, data, b.len(), stream) };
             let pieces: Vec<Range<usize>> =
                 s.shards.iter().map(|r| relative(&intersect(r, b), b.start)).collect();
             return wire.reduce_to_owners(
@@ -616,20 +692,20 @@ impl DeviceStore {
                 stream,
             );
         }
-        let Some(s) = &self.sharded else {
-            return c.allreduce_sum_f32(self.master_at(b.start), b.len(), stream);
+        let Some(s) = &w.split else {
+            return c.allreduce_sum_f32(w.at(b.start), b.len(), stream);
         };
-        reduce_to_owners(c, b, &s.shards, |at| self.master_at(at), stream)
+        reduce_to_owners(c, b, &s.shards, |at| w.at(at), stream)
     }
 
     /// Enqueues the reduce-scatter of the whole master on the accumulator's stream: in place over
     /// the padded master, or shard by shard into each owner.
-    fn reduce_shards(&self, c: &NcclComm, s: &Sharded) -> Result<()> {
+    fn reduce_shards(&self, w: &Whole, c: &NcclComm, s: &Split) -> Result<()> {
         if s.padded {
-            return c.reduce_scatter_sum_f32(self.master.ptr(), s.size, self.stream);
+            return c.reduce_scatter_sum_f32(w.master.ptr(), s.size, self.stream);
         }
         for (owner, shard) in s.shards.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            c.reduce_sum_f32(self.master_at(shard.start), shard.len(), owner, self.stream)?;
+            c.reduce_sum_f32(w.at(shard.start), shard.len(), owner, self.stream)?;
         }
         Ok(())
     }
@@ -637,11 +713,11 @@ impl DeviceStore {
     /// Normalise, norm and clip, on the device, from the reduced control words: over the whole
     /// master, or sharded over this rank's shard, with the block sums of every shard gathered
     /// from the ranks before the norm.
-    fn finish_boundary(&self, comm: Option<&NcclComm>) -> Result<()> {
-        let own = self.sharded.as_ref().map_or(0..self.plan.layout.len(), Sharded::own);
-        let gather = self.sharded.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
+    fn finish_boundary(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
+        let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
+        let gather = w.split.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
         let span = NormSpan {
-            data: self.master_at(own.start),
+            data: w.at(own.start),
             n: own.len() as u64,
             first_block: own.start / NORM_BLOCK,
             gather,
@@ -661,49 +737,23 @@ impl DeviceStore {
         }
     }
 
-    /// Reads the boundary's result (waits for the stream); None for an empty window.
-    fn read_info(&self) -> Result<Option<SyncInfo>> {
-        read_info(&self.boundary)
-    }
-
     /// Once per pair of groups: the layout check of a hybrid boundary over the shard group and
     /// the replicas ([`protocol::agree`]); a shard that does not fit the shard group fails it.
     fn verify_grid(
         &self,
+        w: &Whole,
         comm: &NcclComm,
         replicas: &NcclComm,
         error: Option<&Error>,
     ) -> Result<()> {
-        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
-        let pair = (comm.id(), replicas.id());
-        if verified.contains(&pair) {
-            return error.map_or(Ok(()), |e| Err(e.clone()));
-        }
         let misfit = self.shard_misfit(comm);
-        let shard = self.sharded.as_ref().map_or(0, |s| s.rank);
-        self.claims.agree(
-            Step::Boundary,
-            &self.plan,
-            Some(comm),
-            Some((replicas, shard)),
-            error.or(misfit.as_ref()),
-        )?;
-        verified.push(pair);
-        Ok(())
-    }
-
-    fn comm_stream(&self) -> Result<&OwnedStream> {
-        if let Some(s) = self.comm_stream.get() {
-            return Ok(s);
+        let shard = w.split.as_ref().map_or(0, |s| s.rank);
+        let checked =
+            self.check_grid_once(Some(comm), replicas, shard, error.or(misfit.as_ref()))?;
+        match error {
+            Some(e) if !checked => Err(e.clone()),
+            _ => Ok(()),
         }
-        let created = OwnedStream::new(&self.ctx)?;
-        Ok(self.comm_stream.get_or_init(|| created))
-    }
-
-    /// Makes the accumulator's stream wait for the early reductions on the communication stream.
-    fn finish_overlap(&self, _: &Overlap) -> Result<()> {
-        let comm_stream = self.comm_stream()?.stream;
-        self.event.lock().unwrap_or_else(|e| e.into_inner()).order(comm_stream, self.stream)
     }
 
     /// Once per communicator: every rank checks that all ranks have the same layout (a blocking
@@ -711,14 +761,46 @@ impl DeviceStore {
     /// mismatch fails on every rank instead of corrupting memory inside NCCL. A sharded rank
     /// whose shard is not its rank's on `comm` fails it too, and the others with it.
     fn verify_layout(&self, comm: &NcclComm) -> Result<()> {
+        let misfit = self.shard_misfit(comm);
+        self.check_layout_once(comm, Step::Boundary, misfit.as_ref()).map(drop)
+    }
+
+    /// The layout check at `step` over `comm` (a blocking exchange, [`Claims::agree`]), this
+    /// rank's claim flagged with `own`, once per communicator; `Ok(false)` when `comm` was
+    /// checked before, and nothing ran.
+    pub(super) fn check_layout_once(
+        &self,
+        comm: &NcclComm,
+        step: Step,
+        own: Option<&Error>,
+    ) -> Result<bool> {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         if verified.contains(&comm.id()) {
-            return Ok(());
+            return Ok(false);
         }
-        let misfit = self.shard_misfit(comm);
-        self.claims.agree(Step::Boundary, &self.plan, Some(comm), None, misfit.as_ref())?;
+        self.claims.agree(step, &self.plan, Some(comm), None, own)?;
         verified.push(comm.id());
-        Ok(())
+        Ok(true)
+    }
+
+    /// [`check_layout_once`](Self::check_layout_once) of a hybrid boundary, once per pair of
+    /// shard group (none: a group of one) and replicas, the claim tagged with the `shard` this
+    /// rank holds.
+    pub(super) fn check_grid_once(
+        &self,
+        comm: Option<&NcclComm>,
+        replicas: &NcclComm,
+        shard: usize,
+        own: Option<&Error>,
+    ) -> Result<bool> {
+        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
+        let pair = (comm.map_or(0, NcclComm::id), replicas.id());
+        if verified.contains(&pair) {
+            return Ok(false);
+        }
+        self.claims.agree(Step::Boundary, &self.plan, comm, Some((replicas, shard)), own)?;
+        verified.push(pair);
+        Ok(true)
     }
 
     /// Why this rank's shard cannot be reduced over `comm` (another size, or another rank), if so.
@@ -732,37 +814,22 @@ impl DeviceStore {
     }
 }
 
-impl Store for DeviceStore {
-    fn device(&self) -> Device {
-        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
-    }
-
-    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
-    fn check_open(&self) -> Result<()> {
-        if self.overlap().is_some() {
-            return Err(Error::wrong_state(
-                "the window's final micro-batch has ended: call sync (or reset) before adding more",
-            ));
-        }
-        Ok(())
-    }
-
+/// The whole master's passes (under sharded accumulation the shard's are `sharded.rs`'s).
+impl DeviceStore {
     /// One `ga_add_multi` launch per SOURCES_PER_LAUNCH tensors (one for most models). The
     /// gradient addresses travel as a kernel parameter, copied by the launch: no per-call copy
     /// from host memory, so a step's adds can be captured into a CUDA graph.
-    fn add(
+    fn add_whole(
         &self,
-        scale: ScaleSource<'_>,
-        grads: Grads<'_>,
+        w: &Whole,
+        scaler: &dyn DeviceScale,
+        grads: &[CUdeviceptr],
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let grads = grads.device()?;
-        let scaler = scale.device()?;
         let f = self.kernels.add_multi;
-        let (tensors, master, found_inf) =
-            (self.tensors.ptr(), self.master.ptr(), self.found_inf.ptr());
-        for launch in &self.launches {
+        let (tensors, master, found_inf) = (w.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
+        for launch in &w.launches {
             let mut sources = GaSources {
                 first_tensor: launch.first as u64,
                 count: launch.count as u64,
@@ -772,7 +839,7 @@ impl Store for DeviceStore {
                 *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
             }
             let chunks =
-                self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+                w.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
             scaler.launch_reading(self.stream, |state| {
                 let mut args = launch_args!(
@@ -795,17 +862,16 @@ impl Store for DeviceStore {
         Ok(())
     }
 
-    fn add_tensor(
+    fn add_tensor_whole(
         &self,
-        scale: ScaleSource<'_>,
+        w: &Whole,
+        scaler: &dyn DeviceScale,
         index: usize,
-        grad: Gradient<'_>,
+        grad: CUdeviceptr,
         weight: f64,
         first: bool,
     ) -> Result<()> {
-        let grad = grad.device()?;
-        let scaler = scale.device()?;
-        let mut overlap = self.overlap();
+        let mut overlap = w.overlap();
         if let Some(o) = overlap.as_ref() {
             if self.plan.layout.bucket_of(index) >= o.schedule.waiting() {
                 return Err(Error::wrong_state(format!(
@@ -815,7 +881,7 @@ impl Store for DeviceStore {
         }
         let desc = self.plan.descs[index];
         let f = self.kernels.add_one;
-        let master = self.master_at(self.plan.layout.range(index).start);
+        let master = w.at(self.plan.layout.range(index).start);
         let (numel, dtype, assign, found_inf) =
             (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
         scaler.launch_reading(self.stream, |state| {
@@ -833,41 +899,15 @@ impl Store for DeviceStore {
             }
         })?;
         if let Some(o) = overlap.as_mut() {
-            self.tensor_arrived(o, index)?;
+            self.tensor_arrived(w, o, index)?;
         }
         Ok(())
-    }
-
-    /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
-    fn begin_final(&self, comm: &Arc<dyn Communicator>) -> Result<()> {
-        self.verify_layout(nccl(&**comm)?)?;
-        self.comm_stream()?;
-        // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
-        // no tensor of it can be stale: nothing needs zeroing first.
-        let schedule = BucketSchedule::new(&self.plan.layout, self.plan.descs.len());
-        *self.overlap() = Some(Overlap { comm: comm.clone(), schedule });
-        Ok(())
-    }
-
-    fn end_final(&self) -> Result<()> {
-        match self.overlap().take() {
-            Some(o) => self.finish_overlap(&o),
-            None => Ok(()),
-        }
-    }
-
-    fn zero(&self, index: usize) -> Result<()> {
-        self.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
-    }
-
-    fn clear_found_inf(&self) -> Result<()> {
-        self.found_inf.zero_f32(0, 1)
     }
 
     /// A call that fails here does not enter NCCL, so the other ranks wait, as in any NCCL
     /// program, until the communicator is aborted. The counts stay on the device, where the
     /// boundary reduces them with the buckets; alone, the host knows them already.
-    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+    fn agree_whole(&self, w: &Whole, p: &Proposal<'_>) -> Result<Agreed> {
         let replicas = p.replicas.map(nccl).transpose()?;
         if let Some(e) = &p.error {
             // A shard that does not fit the communicator fails the layout check, the one exchange
@@ -877,7 +917,7 @@ impl Store for DeviceStore {
                 p.comm.and_then(|c| nccl(c).ok()).filter(|c| self.shard_misfit(c).is_some())
             {
                 let _ = match replicas {
-                    Some(r) => self.verify_grid(c, r, Some(e)),
+                    Some(r) => self.verify_grid(w, c, r, Some(e)),
                     None => self.verify_layout(c),
                 };
             }
@@ -885,7 +925,7 @@ impl Store for DeviceStore {
         }
         let comm = p.comm.map(nccl).transpose()?;
         {
-            let overlap = self.overlap();
+            let overlap = w.overlap();
             match (comm, overlap.as_ref()) {
                 (Some(c), Some(o)) if c.id() != nccl(&*o.comm)?.id() => {
                     return Err(Error::invalid(
@@ -901,22 +941,150 @@ impl Store for DeviceStore {
             }
         }
         match (comm, replicas) {
-            (Some(c), Some(r)) => self.verify_grid(c, r, None)?,
+            (Some(c), Some(r)) => self.verify_grid(w, c, r, None)?,
             (Some(c), None) => self.verify_layout(c)?,
             _ => {}
         }
         Ok(Agreed { totals: alone(p, comm, replicas) })
     }
+}
+
+impl Store for DeviceStore {
+    fn device(&self) -> Device {
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+    }
+
+    fn shard(&self) -> Option<&Shard> {
+        match &self.memory {
+            Memory::Whole(_) => None,
+            Memory::Shard(s) => Some(&s.sharding),
+        }
+    }
+
+    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
+    fn check_open(&self) -> Result<()> {
+        if let Memory::Whole(w) = &self.memory {
+            if w.overlap().is_some() {
+                return Err(Error::wrong_state(
+                    "the window's final micro-batch has ended: call sync (or reset) before adding more",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
+            Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error),
+        }
+    }
+
+    fn close_microbatch(&self) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(()),
+            Memory::Shard(s) => s.with(self).close_microbatch(),
+        }
+    }
+
+    fn refuse(&self) {
+        if let Memory::Shard(s) = &self.memory {
+            s.with(self).refuse();
+        }
+    }
+
+    fn add(
+        &self,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let grads = grads.device()?;
+        let scaler = scale.device()?;
+        match &self.memory {
+            Memory::Whole(w) => self.add_whole(w, scaler, grads, weight, first),
+            Memory::Shard(s) => s.with(self).add(scaler, grads, weight),
+        }
+    }
+
+    fn add_tensor(
+        &self,
+        scale: ScaleSource<'_>,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<()> {
+        let grad = grad.device()?;
+        let scaler = scale.device()?;
+        match &self.memory {
+            Memory::Whole(w) => self.add_tensor_whole(w, scaler, index, grad, weight, first),
+            Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight),
+        }
+    }
+
+    /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+    fn begin_final(&self, comm: &Arc<dyn Communicator>) -> Result<()> {
+        let Memory::Whole(w) = &self.memory else { return Ok(()) };
+        self.verify_layout(nccl(&**comm)?)?;
+        self.comm_stream()?;
+        // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
+        // no tensor of it can be stale: nothing needs zeroing first.
+        let schedule = BucketSchedule::new(&self.plan.layout, self.plan.descs.len());
+        *w.overlap() = Some(Overlap { comm: comm.clone(), schedule });
+        Ok(())
+    }
+
+    fn end_final(&self) -> Result<()> {
+        let Memory::Whole(w) = &self.memory else { return Ok(()) };
+        let overlap = w.overlap().take();
+        match overlap {
+            Some(_) => self.join_comm_stream(),
+            None => Ok(()),
+        }
+    }
+
+    fn zero(&self, index: usize) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(w) => {
+                w.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
+            }
+            Memory::Shard(s) => s.with(self).zero(index),
+        }
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.zero_f32(0, 1)
+    }
+
+    fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
+        match &self.memory {
+            Memory::Whole(w) => self.agree_whole(w, p),
+            Memory::Shard(s) => s.with(self).agree(p),
+        }
+    }
 
     fn reduce(&self, p: &Proposal<'_>, _agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
-        self.run_boundary(p)?;
+        {
+            // The boundary is rewritten: after the scalers' gathers of the last one.
+            let mut reads = self.boundary_reads();
+            reads.before_write()?;
+            let result = match &self.memory {
+                Memory::Whole(w) => self.enqueue_boundary(w, p),
+                Memory::Shard(s) => s.with(self).enqueue_boundary(p),
+            };
+            // Recorded even after a failure: part of the boundary may be enqueued.
+            reads.after_write()?;
+            result?;
+        }
         if !read {
             return Ok(None);
         }
         let groups: Vec<&NcclComm> =
             p.comm.iter().chain(&p.replicas).map(|c| nccl(*c)).collect::<Result<_>>()?;
         wait_for_groups(&self.ctx, self.stream, &groups)?;
-        let info = self.read_info()?;
+        let info = read_info(&self.boundary)?;
         // An abort (or a peer's failure) ends the collectives the read waited for without
         // reducing: the values read are not the boundary's.
         groups.iter().try_for_each(|c| c.health())?;
@@ -927,24 +1095,37 @@ impl Store for DeviceStore {
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
-        self.master_at(offset) as *mut f32
+        match &self.memory {
+            Memory::Whole(w) => w.at(offset) as *mut f32,
+            Memory::Shard(s) => s.with(self).master_address(offset),
+        }
     }
 
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        self.master.read_at(4 * range.start, &mut out[..range.len()])
+        self.drain()?;
+        match &self.memory {
+            Memory::Whole(w) => w.master.read_at(4 * range.start, &mut out[..range.len()]),
+            Memory::Shard(s) => s.with(self).read(range, out),
+        }
     }
 
     fn write(&self, values: &[f32]) -> Result<()> {
-        self.master.write(values)
+        self.drain()?;
+        match &self.memory {
+            Memory::Whole(w) => w.master.write(values),
+            Memory::Shard(s) => s.with(self).write(values),
+        }
     }
 
     fn found_inf(&self) -> Result<bool> {
+        self.drain()?;
         let mut flag = [0u32];
         self.found_inf.read(&mut flag)?;
         Ok(flag[0] != 0)
     }
 
     fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.drain()?;
         self.found_inf.write(&[value as u32])
     }
 
@@ -960,9 +1141,13 @@ impl Store for DeviceStore {
 
 impl Drop for DeviceStore {
     fn drop(&mut self) {
-        // Pending early reductions read the master, and scalers' gathers the boundary: let the
-        // stream order the frees after them.
-        let _ = self.end_final();
+        // Pending reductions on the communication stream read the memory (a final micro-batch's
+        // early ones, or a sharded accumulation's buckets), and scalers' gathers the boundary:
+        // let the stream order the frees after them.
+        let _ = match &self.memory {
+            Memory::Whole(_) => self.end_final(),
+            Memory::Shard(_) => self.join_comm_stream(),
+        };
         let _ = self.boundary_reads().before_write();
     }
 }
