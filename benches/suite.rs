@@ -358,21 +358,23 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
         println!("{} d = {}: {} tensors, {} elements", model.name, model.d, numels.len(), total);
         let mut own: Vec<AlignedF32> = numels.iter().map(|&n| AlignedF32::new(n)).collect();
         let mut masters: Vec<&mut [f32]> = own.iter_mut().map(AlignedF32::slice).collect();
-        let mut master = AlignedF32::new(total);
-        let mp = master.slice().as_mut_ptr();
         let descs =
             |dtype| numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect::<Vec<_>>();
+        // Each tensor starts at a multiple of MASTER_ALIGN bytes: the master is a little longer.
+        let master_len = Accumulator::master_len(&descs(Dtype::F32)).expect("a layout");
+        let mut master = AlignedF32::new(master_len);
+        let mp = master.slice().as_mut_ptr();
         for &(dtype, grad) in flat {
             let owned = owned_grads(numels, dtype, grad);
             let grads = views(&owned, dtype);
             let g = grad.slice(0, total);
             for threads in [1, 2] {
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
-                // SAFETY: `mp` holds at least `total` f32 for the accumulator's lifetime.
+                // SAFETY: `mp` holds `master_len` f32 for the accumulator's lifetime.
                 let acc = unsafe {
                     Accumulator::builder(&descs(dtype))
                         .config(config)
-                        .master_buffer(mp, total)
+                        .master_buffer(mp, master_len)
                         .build()
                 }
                 .expect("accumulator");
@@ -417,6 +419,7 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
 fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]) {
     println!("\n## per-call overhead, 1 thread: us per call (Rust API | C ABI | triad floor, flat | overhead over the floor)");
     let isa = cpu::active_isa();
+    let capacity = master.slice().len();
     let mp = master.slice().as_mut_ptr();
     let scaler = scaler();
     let mut c_scaler: *mut gradacc_scaler_t = std::ptr::null_mut();
@@ -438,8 +441,10 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
             let g = grad.slice(0, total);
             let descs: Vec<TensorDesc> =
                 layout.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
-            // SAFETY: `mp` holds at least `total` f32; the two accumulators take turns.
-            let acc = unsafe { Accumulator::builder(&descs).master_buffer(mp, total).build() }
+            let master_len = Accumulator::master_len(&descs).expect("a layout");
+            assert!(master_len <= capacity, "the suite's master is too short");
+            // SAFETY: `mp` holds at least `master_len` f32; the two accumulators take turns.
+            let acc = unsafe { Accumulator::builder(&descs).master_buffer(mp, master_len).build() }
                 .expect("accumulator");
             let c_descs: Vec<gradacc_tensor_desc_t> = layout
                 .iter()
@@ -460,7 +465,7 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
                     tensors,
                     std::ptr::null(),
                     mp,
-                    total,
+                    master_len,
                     &mut c_acc,
                 )
             };
