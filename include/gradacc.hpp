@@ -141,7 +141,16 @@ struct Shard {
     std::size_t numel() const noexcept { return data.size(); }
 };
 
+/** gradacc_optimizer_config_t initialised by gradacc_optimizer_config_default() (AdamW with
+ * PyTorch's defaults, lr 1e-3); set `algorithm = GRADACC_OPTIMIZER_SGD` and the other fields
+ * after. */
+struct OptimizerConfig : gradacc_optimizer_config_t {
+    OptimizerConfig() : gradacc_optimizer_config_t() { check(gradacc_optimizer_config_default(this)); }
+};
+
 using TensorDesc = gradacc_tensor_desc_t;
+/** One tensor's optimizer options: weight decay on or off, and a learning-rate factor. */
+using TensorGroup = gradacc_tensor_group_t;
 using SyncInfo = gradacc_sync_info_t;
 using ScalerStats = gradacc_scaler_stats_t;
 
@@ -156,6 +165,9 @@ struct AccumulatorDelete {
 };
 struct CommDelete {
     void operator()(gradacc_comm_t *p) const noexcept { (void)gradacc_comm_destroy(p); }
+};
+struct OptimizerDelete {
+    void operator()(gradacc_optimizer_t *p) const noexcept { (void)gradacc_optimizer_destroy(p); }
 };
 } // namespace detail
 
@@ -480,6 +492,88 @@ inline bool Scaler::update(std::initializer_list<const Accumulator *> accumulato
 }
 
 inline bool Scaler::update(const Accumulator &accumulator) { return update({&accumulator}); }
+
+/** FP32 master weights and AdamW or SGD state for an accumulator's tensors, stepped after each
+ * sync. Move-only; destroyed with gradacc_optimizer_destroy. The accumulators and communicators
+ * passed to its methods are borrowed for the call only. The contract (one step per synced
+ * window, a skipped window changes nothing, the all-gather under sharding) is
+ * gradacc_optimizer_create's and gradacc_optimizer_step's; docs/optimizer.md. */
+class Optimizer {
+public:
+    /** Masters initialised from the model's weights: `weights[i]` points at tensor i's whole
+     * weight (host memory) of `dtypes[i]`; empty `dtypes` means the tensors' gradient dtypes, and
+     * empty `groups` weight decay on and lr_scale 1 for every tensor. */
+    Optimizer(const Accumulator &acc, span<const void *const> weights, span<const gradacc_dtype_t> dtypes = {},
+              const OptimizerConfig &config = OptimizerConfig(), span<const TensorGroup> groups = {}) {
+        gradacc_optimizer_t *p = nullptr;
+        check(gradacc_optimizer_create(acc.get(), &config, groups.empty() ? nullptr : groups.data(), weights.data(),
+                                       dtypes.empty() ? nullptr : dtypes.data(), weights.size(), &p));
+        handle_.reset(p);
+    }
+    Optimizer(const Accumulator &acc, std::initializer_list<const void *> weights,
+              std::initializer_list<gradacc_dtype_t> dtypes = {}, const OptimizerConfig &config = OptimizerConfig(),
+              std::initializer_list<TensorGroup> groups = {})
+        : Optimizer(acc, span<const void *const>(weights.begin(), weights.size()),
+                    span<const gradacc_dtype_t>(dtypes.begin(), dtypes.size()), config,
+                    span<const TensorGroup>(groups.begin(), groups.size())) {}
+
+    /** The step after acc.sync(): writes the model's weights (the pointers, in the dtypes given at
+     * creation) and returns true, or returns false and changes nothing when the window held a
+     * non-finite value. Under a sharded boundary every rank calls it with the communicator its
+     * sync took (nullptr: a sharded accumulation's own). */
+    bool step(Accumulator &acc, span<void *const> weights, Communicator *comm = nullptr) {
+        bool stepped = false;
+        check(gradacc_optimizer_step(handle_.get(), acc.get(), weights.data(), weights.size(),
+                                     comm ? comm->get() : nullptr, &stepped));
+        return stepped;
+    }
+    bool step(Accumulator &acc, std::initializer_list<void *> weights, Communicator *comm = nullptr) {
+        return step(acc, span<void *const>(weights.begin(), weights.size()), comm);
+    }
+
+    /** The learning rate of the steps from the next one on. */
+    void set_lr(float lr) { check(gradacc_optimizer_set_lr(handle_.get(), lr)); }
+
+    /** The number of steps taken (a skipped step is not one). */
+    uint64_t steps() const {
+        uint64_t n = 0;
+        check(gradacc_optimizer_steps(handle_.get(), &n));
+        return n;
+    }
+
+    /** This rank's state as versioned bytes (for a checkpoint). */
+    std::vector<uint8_t> save() const {
+        std::size_t n = 0;
+        check(gradacc_optimizer_save(handle_.get(), nullptr, 0, &n));
+        std::vector<uint8_t> bytes(n);
+        check(gradacc_optimizer_save(handle_.get(), bytes.data(), bytes.size(), &n));
+        bytes.resize(n);
+        return bytes;
+    }
+    /** Restores the state from the parts save() wrote on any number of ranks (together covering
+     * this rank's elements). Bad parts throw CORRUPT_STATE and change nothing. */
+    void load(span<const span<const uint8_t>> parts) {
+        std::vector<const uint8_t *> ptrs;
+        std::vector<std::size_t> lens;
+        ptrs.reserve(parts.size());
+        lens.reserve(parts.size());
+        for (const span<const uint8_t> &part : parts) {
+            ptrs.push_back(part.data());
+            lens.push_back(part.size());
+        }
+        check(gradacc_optimizer_load(handle_.get(), ptrs.data(), lens.data(), parts.size()));
+    }
+    void load(std::initializer_list<span<const uint8_t>> parts) {
+        load(span<const span<const uint8_t>>(parts.begin(), parts.size()));
+    }
+
+    gradacc_optimizer_t *get() const noexcept { return handle_.get(); }
+    /** Gives the handle up: the caller must now free it with gradacc_optimizer_destroy. */
+    gradacc_optimizer_t *release() noexcept { return handle_.release(); }
+
+private:
+    std::unique_ptr<gradacc_optimizer_t, detail::OptimizerDelete> handle_;
+};
 
 } // namespace gradacc
 

@@ -17,6 +17,7 @@ rules; this layer adds none of its own.
 """
 from ._core import (
     Accumulator,
+    Algorithm,
     BoundGrads,
     Communicator,
     DType,
@@ -24,6 +25,8 @@ from ._core import (
     GradaccTimeoutError,
     LossReduction,
     Normalize,
+    Optimizer,
+    Rounding,
     Scaler,
     ScalerStats,
     Shard,
@@ -39,6 +42,7 @@ from ._ffi import GRADACC_VERSION_STRING as HEADER_VERSION
 __version__ = HEADER_VERSION
 __all__ = [
     "Accumulator",
+    "Algorithm",
     "BoundGrads",
     "Communicator",
     "DType",
@@ -47,6 +51,8 @@ __all__ = [
     "LossReduction",
     "MASTER_ALIGN",
     "Normalize",
+    "Optimizer",
+    "Rounding",
     "Scaler",
     "ScalerStats",
     "Shard",

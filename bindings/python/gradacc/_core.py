@@ -21,6 +21,8 @@ DType = enum.IntEnum("DType", _constants("GRADACC_DTYPE_"), module=__name__)
 Normalize = enum.IntEnum("Normalize", _constants("GRADACC_NORMALIZE_"), module=__name__)
 LossReduction = enum.IntEnum("LossReduction", _constants("GRADACC_LOSS_REDUCTION_"), module=__name__)
 Sharding = enum.IntEnum("Sharding", _constants("GRADACC_SHARDING_"), module=__name__)
+Algorithm = enum.IntEnum("Algorithm", _constants("GRADACC_OPTIMIZER_"), module=__name__)
+Rounding = enum.IntEnum("Rounding", _constants("GRADACC_ROUNDING_"), module=__name__)
 
 
 class GradaccError(Exception):
@@ -650,3 +652,140 @@ class Accumulator(_Managed):
         data = bytes(state)
         _check(ffi.gradacc_accumulator_merge_window(
             self._handle(), (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data)))
+
+
+# ---- the optimizer --------------------------------------------------------------------------
+
+_ALGORITHM_NAMES = {"adamw": Algorithm.ADAMW, "sgd": Algorithm.SGD}
+_ROUNDING_NAMES = {"nearest": Rounding.NEAREST_EVEN, "nearest_even": Rounding.NEAREST_EVEN,
+                   "stochastic": Rounding.STOCHASTIC}
+
+
+def _choice(names, what, value):
+    """An enum value from a name (case-insensitive) or an int (the C API validates ints)."""
+    if isinstance(value, str):
+        key = value.lower()
+        if key not in names:
+            raise ValueError(f"{what}={value!r}: use {' or '.join(repr(n) for n in names)}")
+        return int(names[key])
+    return int(value)
+
+
+def _weight_dtype(w, declared, i):
+    """The dtype of model weight ``i``: float32 / float16 / bfloat16 from the array, and 16-bit
+    words (uint16, or a raw address) as the tensor's gradient dtype when that is 16-bit."""
+    name = str(getattr(w, "dtype", "")).rsplit(".", 1)[-1]
+    if name in _DTYPE_NAMES:
+        return _DTYPE_NAMES[name]
+    if name in ("uint16", "") and declared != DType.F32:
+        return declared
+    raise TypeError(f"weights[{i}]: cannot tell its dtype from {name or type(w).__name__!r}; "
+                    f"pass dtypes= (uint16 words are f16 or bf16)")
+
+
+def _group(g, i):
+    if isinstance(g, dict):
+        unknown = set(g) - {"weight_decay", "lr_scale"}
+        if unknown:
+            raise TypeError(f"groups[{i}]: unknown key(s) {', '.join(sorted(unknown))} "
+                            "(keys: weight_decay, lr_scale)")
+        return bool(g.get("weight_decay", True)), float(g.get("lr_scale", 1.0))
+    weight_decay, lr_scale = g
+    return bool(weight_decay), float(lr_scale)
+
+
+class Optimizer(_Managed):
+    """FP32 master weights and AdamW or SGD state for the tensors of ``acc``, stepped after each
+    sync; it writes the model's ``weights`` (one writable, C-contiguous array per tensor: float32,
+    float16, or bfloat16 / uint16 words) in place.
+
+    ``Optimizer(acc, weights, algorithm="adamw", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+    weight_decay=0.01)`` or ``algorithm="sgd"`` with ``momentum``, ``dampening``, ``nesterov`` and
+    ``weight_decay`` (0 unless given, as in ``torch.optim.SGD``); ``rounding="nearest"`` or
+    ``"stochastic"`` with ``seed``. ``config=`` takes a whole ``gradacc_optimizer_config_t``.
+    ``groups`` gives each tensor ``(weight_decay, lr_scale)`` (or a dict of those keys);
+    ``dtypes`` the weights' dtypes where the arrays do not say. The masters start as the weights'
+    values (for this rank's shard under a sharded boundary).
+
+    The contract is gradacc_optimizer_create's and gradacc_optimizer_step's (include/gradacc.h)
+    and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under
+    sharding every rank steps and all-gathers the weights. The weights are referenced, not
+    copied: they must stay the model's buffers for the optimizer's life."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_optimizer_destroy(p))
+
+    def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, **fields):
+        n = len(acc)
+        if len(weights) != n:
+            raise ValueError(f"weights: {len(weights)} arrays for {n} tensors")
+        for what, seq in (("groups", groups), ("dtypes", dtypes)):
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"{what}: {len(seq)} entries for {n} tensors")
+        algorithm = fields.get("algorithm")
+        if config is None and "weight_decay" not in fields and algorithm is not None \
+                and _choice(_ALGORITHM_NAMES, "algorithm", algorithm) == Algorithm.SGD:
+            fields["weight_decay"] = 0.0  # torch.optim.SGD's default, not AdamW's 0.01
+        cfg = _config(ffi.gradacc_optimizer_config_t, ffi.gradacc_optimizer_config_default, config, fields,
+                      {"algorithm": lambda v: _choice(_ALGORITHM_NAMES, "algorithm", v),
+                       "rounding": lambda v: _choice(_ROUNDING_NAMES, "rounding", v)})
+        ptrs, keep, codes = [], [], []
+        for i, (w, (numel, declared)) in enumerate(zip(weights, acc.tensors)):
+            dt = _dtype(dtypes[i]) if dtypes is not None else _weight_dtype(w, declared, i)
+            ptr, size, k = _buffer(w, dt, f"weights[{i}]", writable=True)
+            # The C API takes no lengths, so a short buffer would be read past its end.
+            if size is not None and size != numel:
+                raise ValueError(f"weights[{i}] has {size} elements, but tensor {i} has {numel}")
+            ptrs.append(ptr)
+            keep.append(k)
+            codes.append(int(dt))
+        grp = None
+        if groups is not None:
+            grp = (ffi.gradacc_tensor_group_t * n)(*(_group(g, i) for i, g in enumerate(groups)))
+        self._weights = (ctypes.c_void_p * n)(*ptrs)
+        self._keep = keep  # the weights must outlive the optimizer: step writes them
+        out = ctypes.POINTER(ffi.gradacc_optimizer_t)()
+        _check(ffi.gradacc_optimizer_create(acc._handle(), ctypes.byref(cfg), grp, self._weights,
+                                            (ffi.gradacc_dtype_t * n)(*codes), n, ctypes.byref(out)))
+        self._ptr = out
+        self._acc = acc
+
+    def step(self, comm=None):
+        """The step after ``acc.sync()``: writes the weights in place and returns True, or returns
+        False and changes nothing when the window held a non-finite value. Under a sharded
+        boundary every rank calls it with the communicator its sync took (None: a sharded
+        accumulation's own)."""
+        stepped = ctypes.c_bool()
+        c = comm._handle() if comm is not None else None
+        _check(ffi.gradacc_optimizer_step(self._handle(), self._acc._handle(), self._weights, len(self._weights),
+                                          c, ctypes.byref(stepped)))
+        return stepped.value
+
+    def set_lr(self, lr):
+        """The learning rate of the steps from the next one on."""
+        _check(ffi.gradacc_optimizer_set_lr(self._handle(), lr))
+
+    @property
+    def steps(self):
+        """The number of steps taken (a skipped step is not one)."""
+        out = ctypes.c_uint64()
+        _check(ffi.gradacc_optimizer_steps(self._handle(), ctypes.byref(out)))
+        return out.value
+
+    def save(self):
+        """This rank's state as versioned bytes."""
+        n = ctypes.c_size_t()
+        _check(ffi.gradacc_optimizer_save(self._handle(), None, 0, ctypes.byref(n)))
+        buf = (ctypes.c_uint8 * n.value)()
+        _check(ffi.gradacc_optimizer_save(self._handle(), buf, n.value, ctypes.byref(n)))
+        return bytes(buf)[: n.value]
+
+    def load(self, parts):
+        """Restores the state from what :meth:`save` returned: one part, or a list of the parts
+        saved on any number of ranks (together covering this rank's elements). Bad parts raise
+        (CORRUPT_STATE) and change nothing."""
+        if isinstance(parts, (bytes, bytearray, memoryview)):
+            parts = [parts]
+        bufs = [(ctypes.c_uint8 * len(d)).from_buffer_copy(d) for d in map(bytes, parts)]
+        ptrs = (ctypes.POINTER(ctypes.c_uint8) * len(bufs))(*(ctypes.cast(b, ctypes.POINTER(ctypes.c_uint8))
+                                                              for b in bufs))
+        lens = (ctypes.c_size_t * len(bufs))(*(len(b) for b in bufs))
+        _check(ffi.gradacc_optimizer_load(self._handle(), ptrs, lens, len(bufs)))

@@ -14,14 +14,14 @@ generated from.
 
 Exported: the types, [`local_group`](@ref), [`add!`](@ref), [`add_tensor!`](@ref),
 [`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref), [`sync_hybrid!`](@ref). Names that other
-packages also use (`update!`, `reset!`, `scale`, `master`, `save`, `load!`, ...) are public but
+packages also use (`update!`, `reset!`, `step!`, `scale`, `master`, `save`, `load!`, ...) are public but
 not exported: call them qualified, `GradAcc.update!(scaler, acc)`.
 """
 module GradAcc
 
 using Libdl
 
-export Scaler, Accumulator, Communicator, GradAccError, local_group
+export Scaler, Accumulator, Optimizer, Communicator, GradAccError, local_group
 export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid!
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
@@ -30,7 +30,7 @@ if VERSION >= v"1.11.0-DEV.469"
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
         backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
-        set_timeout!, rank, world_size, version"""))
+        set_timeout!, rank, world_size, version, step!, set_lr!, steps"""))
 end
 
 # Set by __init__ when the package loads, so GRADACC_LIBRARY is read then, not frozen into the
@@ -909,6 +909,161 @@ function merge_window!(a::Accumulator, bytes::AbstractVector{UInt8})
     b = Vector{UInt8}(bytes)
     check(gradacc_accumulator_merge_window(a, b, length(b)))
     return a
+end
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+const ALGORITHM = Dict(:adamw => GRADACC_OPTIMIZER_ADAMW, :sgd => GRADACC_OPTIMIZER_SGD)
+const ROUNDING = Dict(:nearest => GRADACC_ROUNDING_NEAREST_EVEN, :nearest_even => GRADACC_ROUNDING_NEAREST_EVEN,
+                      :stochastic => GRADACC_ROUNDING_STOCHASTIC)
+
+# The dtype code of model weight `i` of tensor dtype `declared`: from its element type, and
+# `UInt16` words as the tensor's gradient dtype when that is 16-bit.
+function weight_dtype(w::AbstractVector, declared, i::Integer)
+    T = eltype(w)
+    T === UInt16 && declared != GRADACC_DTYPE_F32 && return declared
+    T === Float32 && return GRADACC_DTYPE_F32
+    T === Float16 && return GRADACC_DTYPE_F16
+    isbf16(T) && T !== UInt16 && return GRADACC_DTYPE_BF16
+    throw(ArgumentError("weight $i has element type $T; use Float32, Float16, a BFloat16 type or UInt16 words"))
+end
+
+tensor_group(g::gradacc_tensor_group_t) = g
+tensor_group(g::Tuple) = gradacc_tensor_group_t(g[1], g[2])
+tensor_group(g::NamedTuple) = gradacc_tensor_group_t(get(g, :weight_decay, true), get(g, :lr_scale, 1.0f0))
+
+"""
+    Optimizer(acc, weights; algorithm=:adamw, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, rounding=:nearest, seed=0, groups=nothing)
+    Optimizer(acc, weights; algorithm=:sgd, lr, momentum=0, dampening=0, nesterov=false, weight_decay=0, ...)
+
+FP32 master weights and AdamW or SGD state for the tensors of `acc`, stepped by
+[`GradAcc.step!`](@ref) after each [`sync!`](@ref), which writes the model's `weights` (one
+contiguous vector per tensor: `Float32`, `Float16`, a BFloat16 type or `UInt16` words) in place.
+Keywords replace fields of `gradacc_optimizer_config_default`; SGD's `weight_decay` is 0 unless
+given, as in `torch.optim.SGD`. `rounding` is `:nearest` or `:stochastic` (keyed by `seed`).
+`groups` gives each tensor `(weight_decay, lr_scale)` (or a named tuple of those). The masters
+start as the weights' values (this rank's shard under a sharded boundary). The optimizer keeps
+`acc` and the weights referenced. Destroyed by `close` or the GC.
+
+The contract is `gradacc_optimizer_create`'s and `gradacc_optimizer_step`'s (include/gradacc.h)
+and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under
+sharding every rank steps and all-gathers the weights.
+"""
+mutable struct Optimizer
+    @atomic ptr::Ptr{gradacc_optimizer_t}
+    const acc::Accumulator
+    const weights::Vector{Any}
+    function Optimizer(acc::Accumulator, weights::AbstractVector; groups=nothing, kw...)
+        n = length(acc.tensors)
+        length(weights) == n || throw(ArgumentError("$(length(weights)) weights for $n tensors"))
+        groups === nothing || length(groups) == n ||
+            throw(ArgumentError("$(length(groups)) groups for $n tensors"))
+        kw = Dict{Symbol,Any}(kw)
+        haskey(kw, :algorithm) && (kw[:algorithm] = enum_value(ALGORITHM, :algorithm, kw[:algorithm]))
+        haskey(kw, :rounding) && (kw[:rounding] = enum_value(ROUNDING, :rounding, kw[:rounding]))
+        if get(kw, :algorithm, GRADACC_OPTIMIZER_ADAMW) == GRADACC_OPTIMIZER_SGD && !haskey(kw, :weight_decay)
+            kw[:weight_decay] = 0.0f0  # torch.optim.SGD's default, not AdamW's 0.01
+        end
+        cfg = Ref(config(gradacc_optimizer_config_t, gradacc_optimizer_config_default; kw...))
+        codes = Vector{gradacc_dtype_t}(undef, n)
+        for (i, w) in enumerate(weights)
+            contiguous(w) || throw(ArgumentError("weight $i must be a contiguous vector"))
+            length(w) == acc.tensors[i].numel ||  # the C API takes no lengths
+                throw(DimensionMismatch("weight $i has $(length(w)) elements, tensor $i has $(acc.tensors[i].numel)"))
+            codes[i] = weight_dtype(w, acc.tensors[i].dtype, i)
+        end
+        grp = groups === nothing ? Ptr{gradacc_tensor_group_t}(C_NULL) : [tensor_group(g) for g in groups]
+        ws = Vector{Any}(weights)
+        ptrs = [Ptr{Cvoid}(pointer(w)) for w in ws]
+        out = Ref{Ptr{gradacc_optimizer_t}}(C_NULL)
+        GC.@preserve ws check(gradacc_optimizer_create(acc, cfg, grp, ptrs, codes, n, out))
+        return finalizer(o -> destroy_quietly(o, gradacc_optimizer_destroy), new(out[], acc, ws))
+    end
+end
+
+Base.isopen(x::Optimizer) = (@atomic x.ptr) != C_NULL
+function handle(x::Optimizer)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the Optimizer is closed"))
+    return p
+end
+# ccall keeps the object alive through the call and passes its C handle.
+Base.cconvert(::Type{Ptr{gradacc_optimizer_t}}, x::Optimizer) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_optimizer_t}}, x::Optimizer) = handle(x)
+
+"""
+    close(opt::Optimizer)
+
+Destroys the optimizer; calling it again, from any task, does nothing.
+"""
+function Base.close(o::Optimizer)
+    p = @atomicswap o.ptr = C_NULL
+    p == C_NULL || check(gradacc_optimizer_destroy(p))
+    return nothing
+end
+
+Base.show(io::IO, o::Optimizer) =
+    print(io, "GradAcc.Optimizer(", length(o.weights), " tensors", isopen(o) ? "" : ", closed", ")")
+
+"""
+    GradAcc.step!(opt[, comm]) -> Bool
+
+The step after [`sync!`](@ref) of the optimizer's accumulator: writes the weights in place and
+returns `true`, or returns `false` and changes nothing when the window held a non-finite value.
+Under a sharded boundary every rank calls it with the communicator its sync took (omitted: a
+sharded accumulation's own).
+"""
+function step!(o::Optimizer, comm::Union{Nothing,Communicator}=nothing)
+    ws = o.weights
+    ptrs = [Ptr{Cvoid}(pointer(w)) for w in ws]
+    stepped = Ref{Bool}(false)
+    GC.@preserve ws check(gradacc_optimizer_step(o, o.acc, ptrs, length(ptrs),
+                                                 something(comm, Ptr{gradacc_comm_t}(C_NULL)), stepped))
+    return stepped[]
+end
+
+"""
+    GradAcc.set_lr!(opt, lr) -> opt
+
+Sets the learning rate of the steps from the next one on.
+"""
+function set_lr!(o::Optimizer, lr::Real)
+    check(gradacc_optimizer_set_lr(o, lr))
+    return o
+end
+
+"""
+    GradAcc.steps(opt) -> Int
+
+The number of steps taken (a skipped step is not one).
+"""
+function steps(o::Optimizer)
+    out = Ref{UInt64}(0)
+    check(gradacc_optimizer_steps(o, out))
+    return Int(out[])
+end
+
+"""
+    GradAcc.save(opt::Optimizer) -> Vector{UInt8}
+
+This rank's optimizer state as versioned bytes, for a checkpoint.
+"""
+save(o::Optimizer) = saved_bytes(gradacc_optimizer_save, o)
+
+"""
+    GradAcc.load!(opt::Optimizer, parts) -> opt
+
+Restores the state from what [`GradAcc.save`](@ref) returned: one byte vector, or a vector of
+the parts saved on any number of ranks (together covering this rank's elements). Corrupt,
+foreign or insufficient parts throw `GRADACC_STATUS_CORRUPT_STATE` and change nothing.
+"""
+load!(o::Optimizer, bytes::AbstractVector{UInt8}) = load!(o, [bytes])
+function load!(o::Optimizer, parts::AbstractVector{<:AbstractVector{UInt8}})
+    bufs = [Vector{UInt8}(p) for p in parts]
+    ptrs = [pointer(b) for b in bufs]
+    lens = Csize_t[length(b) for b in bufs]
+    GC.@preserve bufs check(gradacc_optimizer_load(o, ptrs, lens, length(bufs)))
+    return o
 end
 
 end # module

@@ -1,0 +1,323 @@
+package gradacc
+
+// #include <stdlib.h>
+// #include <gradacc.h>
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+)
+
+// Algorithm is an optimizer's update rule.
+type Algorithm int32
+
+const (
+	// AdamW is torch.optim.AdamW (amsgrad off): Beta1, Beta2, Eps, WeightDecay.
+	AdamW Algorithm = C.GRADACC_OPTIMIZER_ADAMW
+	// SGD is torch.optim.SGD: Momentum, Dampening, Nesterov, WeightDecay.
+	SGD Algorithm = C.GRADACC_OPTIMIZER_SGD
+)
+
+// Rounding is how the FP32 master weights become the model's 16-bit weights.
+type Rounding int32
+
+const (
+	RoundNearestEven Rounding = C.GRADACC_ROUNDING_NEAREST_EVEN
+	// RoundStochastic is keyed by the config's Seed, the step and the element.
+	RoundStochastic Rounding = C.GRADACC_ROUNDING_STOCHASTIC
+)
+
+// OptimizerConfig is gradacc_optimizer_config_t; start from DefaultOptimizerConfig (AdamW with
+// PyTorch's defaults, LR 1e-3, WeightDecay 0.01: set it to 0 for SGD without decay).
+type OptimizerConfig struct {
+	Algorithm   Algorithm
+	LR          float32
+	Beta1       float32
+	Beta2       float32
+	Eps         float32
+	WeightDecay float32
+	Momentum    float32
+	Dampening   float32
+	Nesterov    bool
+	Rounding    Rounding
+	Seed        uint64
+}
+
+// DefaultOptimizerConfig is gradacc_optimizer_config_default.
+func DefaultOptimizerConfig() OptimizerConfig {
+	var c C.gradacc_optimizer_config_t
+	if err := call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_config_default(&c) }); err != nil {
+		panic(err) // cannot fail: a non-NULL output is its only requirement
+	}
+	return OptimizerConfig{
+		Algorithm: Algorithm(c.algorithm), LR: float32(c.lr), Beta1: float32(c.beta1),
+		Beta2: float32(c.beta2), Eps: float32(c.eps), WeightDecay: float32(c.weight_decay),
+		Momentum: float32(c.momentum), Dampening: float32(c.dampening), Nesterov: bool(c.nesterov),
+		Rounding: Rounding(c.rounding), Seed: uint64(c.seed),
+	}
+}
+
+func (o *OptimizerConfig) c() C.gradacc_optimizer_config_t {
+	var c C.gradacc_optimizer_config_t
+	C.gradacc_optimizer_config_default(&c) // struct_size, and any field this binding does not know yet
+	c.algorithm = C.gradacc_optimizer_algorithm_t(o.Algorithm)
+	c.lr = C.float(o.LR)
+	c.beta1 = C.float(o.Beta1)
+	c.beta2 = C.float(o.Beta2)
+	c.eps = C.float(o.Eps)
+	c.weight_decay = C.float(o.WeightDecay)
+	c.momentum = C.float(o.Momentum)
+	c.dampening = C.float(o.Dampening)
+	c.nesterov = cBool(o.Nesterov)
+	c.rounding = C.gradacc_rounding_t(o.Rounding)
+	c.seed = C.uint64_t(o.Seed)
+	return c
+}
+
+// TensorGroup is one tensor's options: weight decay on or off, and a learning-rate factor.
+type TensorGroup struct {
+	WeightDecay bool
+	LRScale     float32
+}
+
+// Weight is one model weight handed to NewOptimizer and Optimizer.Step: build it with
+// WeightF32, WeightF16, WeightBF16 or WeightPointer. It borrows the memory for the call only.
+type Weight struct {
+	ptr   unsafe.Pointer
+	numel int
+	dtype DType
+	raw   bool
+}
+
+func words(w []uint16) unsafe.Pointer {
+	if len(w) == 0 {
+		return nil
+	}
+	return unsafe.Pointer(&w[0])
+}
+
+// WeightF32 is an f32 weight.
+func WeightF32(w []float32) Weight {
+	var p unsafe.Pointer
+	if len(w) > 0 {
+		p = unsafe.Pointer(&w[0])
+	}
+	return Weight{ptr: p, numel: len(w), dtype: F32}
+}
+
+// WeightF16 is an fp16 weight as raw 16-bit words.
+func WeightF16(w []uint16) Weight { return Weight{ptr: words(w), numel: len(w), dtype: F16} }
+
+// WeightBF16 is a bf16 weight as raw 16-bit words.
+func WeightBF16(w []uint16) Weight { return Weight{ptr: words(w), numel: len(w), dtype: BF16} }
+
+// WeightPointer is numel host values of dtype at p (C memory); gradacc cannot check what lies
+// there.
+func WeightPointer(p unsafe.Pointer, numel int, dtype DType) Weight {
+	return Weight{ptr: p, numel: numel, dtype: dtype, raw: true}
+}
+
+// Optimizer keeps FP32 master weights and AdamW or SGD state for an accumulator's tensors and
+// steps them after each Sync. The contract (one step per synced window, a skipped window changes
+// nothing, the all-gather under sharding) is gradacc_optimizer_create's and
+// gradacc_optimizer_step's, and docs/optimizer.md. Calls on one optimizer must not overlap.
+type Optimizer struct {
+	ptr    *C.gradacc_optimizer_t
+	dtypes []DType
+}
+
+// pinWeights checks one weight per tensor of tensors (of dtypes, when given), pins their Go
+// memory into pin and returns their addresses, a Go slice C may read while they stay pinned.
+func pinWeights(weights []Weight, tensors []TensorDesc, dtypes []DType, pin *runtime.Pinner) ([]unsafe.Pointer, error) {
+	if len(weights) != len(tensors) {
+		return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("argument `weights`: %d weights for %d tensors", len(weights), len(tensors))}
+	}
+	ptrs := make([]unsafe.Pointer, len(weights)+1)
+	for i, w := range weights {
+		if uint64(w.numel) != tensors[i].Numel {
+			return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("weights[%d] has %d elements, but the tensor has %d", i, w.numel, tensors[i].Numel)}
+		}
+		if dtypes != nil && w.dtype != dtypes[i] {
+			return nil, &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("weights[%d] has dtype %d, but the optimizer was created with %d", i, w.dtype, dtypes[i])}
+		}
+		if w.ptr != nil && !w.raw {
+			pin.Pin(w.ptr)
+		}
+		ptrs[i] = w.ptr
+	}
+	return ptrs, nil
+}
+
+// NewOptimizer creates an optimizer over acc's tensors whose FP32 masters start as the model's
+// weights (one per tensor, whole); a nil config means the defaults, nil groups weight decay on
+// and LRScale 1 for every tensor.
+func NewOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, groups []TensorGroup) (*Optimizer, error) {
+	ap, err := acc.handle()
+	if err != nil {
+		return nil, err
+	}
+	if config == nil {
+		d := DefaultOptimizerConfig()
+		config = &d
+	}
+	cfg := config.c()
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	ptrs, err := pinWeights(weights, acc.tensors, nil, &pin)
+	if err != nil {
+		return nil, err
+	}
+	dtypes := make([]DType, len(weights))
+	codes := make([]C.gradacc_dtype_t, len(weights)+1)
+	for i, w := range weights {
+		dtypes[i] = w.dtype
+		codes[i] = C.gradacc_dtype_t(w.dtype)
+	}
+	var grp *C.gradacc_tensor_group_t
+	if groups != nil {
+		if len(groups) != len(weights) {
+			return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("argument `groups`: %d groups for %d tensors", len(groups), len(weights))}
+		}
+		cg := make([]C.gradacc_tensor_group_t, len(groups)+1)
+		for i, g := range groups {
+			cg[i].weight_decay = cBool(g.WeightDecay)
+			cg[i].lr_scale = C.float(g.LRScale)
+		}
+		grp = &cg[0]
+	}
+	var p *C.gradacc_optimizer_t
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_optimizer_create(ap, &cfg, grp, &ptrs[0], &codes[0], C.size_t(len(weights)), &p)
+	})
+	runtime.KeepAlive(acc)
+	runtime.KeepAlive(weights)
+	if err != nil {
+		return nil, err
+	}
+	o := &Optimizer{ptr: p, dtypes: dtypes}
+	runtime.SetFinalizer(o, (*Optimizer).Close)
+	return o, nil
+}
+
+// Close destroys the optimizer. Calling it again does nothing.
+func (o *Optimizer) Close() error {
+	if o.ptr == nil {
+		return nil
+	}
+	runtime.SetFinalizer(o, nil)
+	p := o.ptr
+	o.ptr = nil
+	return call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_destroy(p) })
+}
+
+func (o *Optimizer) handle() (*C.gradacc_optimizer_t, error) {
+	if o == nil || o.ptr == nil {
+		return nil, &Error{Status: StatusInvalidHandle, Message: "the Optimizer is closed"}
+	}
+	return o.ptr, nil
+}
+
+// Step is the step after acc.Sync: it writes the model's weights (the dtypes given to
+// NewOptimizer) and reports stepped, or changes nothing when the window held a non-finite value.
+// Under a sharded boundary every rank calls it with the communicator its Sync took (nil: a
+// sharded accumulation's own).
+func (o *Optimizer) Step(acc *Accumulator, weights []Weight, comm *Comm) (stepped bool, err error) {
+	p, err := o.handle()
+	if err != nil {
+		return false, err
+	}
+	ap, err := acc.handle()
+	if err != nil {
+		return false, err
+	}
+	var cp *C.gradacc_comm_t
+	if comm != nil {
+		if cp, err = comm.handle(); err != nil {
+			return false, err
+		}
+	}
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	ptrs, err := pinWeights(weights, acc.tensors, o.dtypes, &pin)
+	if err != nil {
+		return false, err
+	}
+	var out C.bool
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_optimizer_step(p, ap, &ptrs[0], C.size_t(len(weights)), cp, &out)
+	})
+	runtime.KeepAlive(o)
+	runtime.KeepAlive(acc)
+	runtime.KeepAlive(comm)
+	runtime.KeepAlive(weights)
+	return bool(out), err
+}
+
+// SetLR sets the learning rate of the steps from the next one on.
+func (o *Optimizer) SetLR(lr float32) error {
+	p, err := o.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_set_lr(p, C.float(lr)) })
+	runtime.KeepAlive(o)
+	return err
+}
+
+// Steps is the number of steps taken (a skipped step is not one).
+func (o *Optimizer) Steps() (uint64, error) {
+	p, err := o.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out C.uint64_t
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_steps(p, &out) })
+	runtime.KeepAlive(o)
+	return uint64(out), err
+}
+
+// Save returns this rank's optimizer state as versioned bytes.
+func (o *Optimizer) Save() ([]byte, error) {
+	p, err := o.handle()
+	if err != nil {
+		return nil, err
+	}
+	var n C.size_t
+	if err = call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_save(p, nil, 0, &n) }); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, int(n)+1) // +1: never a zero-length slice to index
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_optimizer_save(p, (*C.uint8_t)(unsafe.Pointer(&buf[0])), n, &n)
+	})
+	runtime.KeepAlive(o)
+	return buf[:n], err
+}
+
+// Load restores the state from the parts Save wrote on any number of ranks (together covering
+// this rank's elements). Bad parts fail with StatusCorruptState and change nothing.
+func (o *Optimizer) Load(parts ...[]byte) error {
+	p, err := o.handle()
+	if err != nil {
+		return err
+	}
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	ptrs := make([]*C.uint8_t, len(parts)+1)
+	lens := make([]C.size_t, len(parts)+1)
+	for k, part := range parts {
+		ptrs[k] = bytesArg(part)
+		if ptrs[k] != nil {
+			pin.Pin(ptrs[k])
+		}
+		lens[k] = C.size_t(len(part))
+	}
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_optimizer_load(p, &ptrs[0], &lens[0], C.size_t(len(parts)))
+	})
+	runtime.KeepAlive(o)
+	runtime.KeepAlive(parts)
+	return err
+}

@@ -1,0 +1,163 @@
+package gradacc
+
+import (
+	"bytes"
+	"errors"
+	"math"
+	"strings"
+	"testing"
+)
+
+// f16Bits is the fp16 word of a finite float32, rounded to nearest even (the values here stay
+// below 65504).
+func f16Bits(x float32) uint16 {
+	sign := uint16(0)
+	if math.Signbit(float64(x)) {
+		sign = 0x8000
+	}
+	a := math.Abs(float64(x))
+	if a < 0x1p-14 { // subnormal: a multiple of 2^-24
+		return sign | uint16(math.RoundToEven(a*0x1p24))
+	}
+	_, e := math.Frexp(a) // a in [2^(e-1), 2^e)
+	q := uint16(math.RoundToEven(math.Ldexp(a, 11-e)))
+	return sign | (uint16(e+14)<<10 + q - 1024)
+}
+
+const optN0, optN1 = 300, 7
+
+func optGrad0(i int) float32 { return float32(float64(i%7)*0.25 - 0.5) }
+
+// One micro-batch of the gradients times scale (+inf in g0[3] when poison), then the sync.
+func addAndSync(t *testing.T, acc *Accumulator, s *Scaler, poison bool) SyncInfo {
+	scale := must(s.Scale())
+	g0, g1 := make([]uint16, optN0), make([]float32, optN1)
+	for i := range g0 {
+		g0[i] = f16Bits(optGrad0(i) * scale)
+	}
+	for i := range g1 {
+		g1[i] = 0.75 * scale
+	}
+	if poison {
+		g0[3] = 0x7c00
+	}
+	if err := acc.Add(s, []Grad{Words16(g0), Float32s(g1)}, 1); err != nil {
+		t.Fatal(err)
+	}
+	return must(acc.Sync(nil))
+}
+
+// SGD steps write w + (-lr)*g in f32, rounded once to fp16, bit for bit; a step whose window
+// held an inf changes nothing; save and load restore the state.
+func TestOptimizerSGDBitForBit(t *testing.T) {
+	scaler := scalerWithScale(t, 1024)
+	defer scaler.Close()
+	acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, nil, nil))
+	defer acc.Close()
+	w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+	for i := range w0 {
+		w0[i] = f16Bits(float32(0.01*float64(i) - 1))
+	}
+	for i := range w1 {
+		w1[i] = float32(i) * 0.5
+	}
+	weights := []Weight{WeightF16(w0), WeightF32(w1)}
+	cfg := DefaultOptimizerConfig()
+	cfg.Algorithm, cfg.LR, cfg.WeightDecay = SGD, 0.125, 0
+	opt := must(NewOptimizer(acc, weights, &cfg, nil))
+	defer opt.Close()
+	m0, m1 := make([]float32, optN0), append([]float32(nil), w1...)
+	for i := range m0 {
+		m0[i] = float32(f16Value(w0[i])) // exact
+	}
+	const lr = float32(0.125)
+	for step := 0; step < 4; step++ {
+		poison := step == 2
+		before0, before1 := append([]uint16(nil), w0...), append([]float32(nil), w1...)
+		info := addAndSync(t, acc, scaler, poison)
+		if skipped := must(scaler.Update(acc)); skipped != poison || info.FoundInf != poison {
+			t.Fatalf("step %d: skipped %v, found_inf %v", step, skipped, info.FoundInf)
+		}
+		if stepped := must(opt.Step(acc, weights, nil)); stepped == poison {
+			t.Fatalf("step %d: stepped %v", step, stepped)
+		}
+		if poison {
+			for i := range w0 {
+				if w0[i] != before0[i] {
+					t.Fatalf("a skipped step changed w0[%d]", i)
+				}
+			}
+			for i := range w1 {
+				if w1[i] != before1[i] {
+					t.Fatalf("a skipped step changed w1[%d]", i)
+				}
+			}
+			continue
+		}
+		for i := range m0 {
+			m0[i] = m0[i] + float32(-lr*optGrad0(i)) // the conversion rounds: no fused multiply-add
+			if w0[i] != f16Bits(m0[i]) {
+				t.Fatalf("step %d: w0[%d] = %#x, expected %#x", step, i, w0[i], f16Bits(m0[i]))
+			}
+		}
+		for i := range m1 {
+			m1[i] = m1[i] + float32(-lr*0.75)
+			if w1[i] != m1[i] {
+				t.Fatalf("step %d: w1[%d] = %g, expected %g", step, i, w1[i], m1[i])
+			}
+		}
+	}
+	if n := must(opt.Steps()); n != 3 {
+		t.Fatalf("steps = %d", n)
+	}
+
+	saved := must(opt.Save())
+	corrupt := append([]byte(nil), saved...)
+	corrupt[len(corrupt)/2] ^= 1
+	if err := opt.Load(corrupt); !errors.Is(err, &Error{Status: StatusCorruptState}) {
+		t.Fatalf("corrupt state: %v", err)
+	}
+	if err := opt.Load(saved); err != nil {
+		t.Fatal(err)
+	}
+	if again := must(opt.Save()); !bytes.Equal(again, saved) {
+		t.Fatal("the loaded state differs from the saved one")
+	}
+}
+
+func TestOptimizerErrors(t *testing.T) {
+	acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, nil, nil))
+	defer acc.Close()
+	w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+	weights := []Weight{WeightF16(w0), WeightF32(w1)}
+	cfg := DefaultOptimizerConfig()
+	cfg.Beta1 = 1.5
+	_, err := NewOptimizer(acc, weights, &cfg, nil)
+	var e *Error
+	if !errors.As(err, &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, "beta1") {
+		t.Fatalf("beta1 = 1.5: %v", err)
+	}
+	if _, err := NewOptimizer(acc, weights[:1], nil, nil); !errors.As(err, &e) || e.Status != StatusSizeMismatch || !strings.Contains(e.Message, "weights") {
+		t.Fatalf("one weight: %v", err)
+	}
+	if _, err := NewOptimizer(acc, []Weight{WeightF16(w0[:10]), WeightF32(w1)}, nil, nil); !errors.As(err, &e) || !strings.Contains(e.Message, "weights[0]") {
+		t.Fatalf("short weight: %v", err)
+	}
+	opt := must(NewOptimizer(acc, weights, nil, []TensorGroup{{true, 1}, {false, 0.5}}))
+	if err := opt.SetLR(-1); !errors.As(err, &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, "`lr`") {
+		t.Fatalf("lr = -1: %v", err)
+	}
+	if _, err := opt.Step(acc, []Weight{WeightBF16(w0), WeightF32(w1)}, nil); !errors.As(err, &e) || e.Status != StatusDTypeMismatch || !strings.Contains(e.Message, "weights[0]") {
+		t.Fatalf("another dtype: %v", err)
+	}
+	if _, err := opt.Step(acc, weights, nil); !errors.Is(err, &Error{Status: StatusWrongState}) {
+		t.Fatalf("a step before any sync: %v", err)
+	}
+	opt.Close()
+	if err := opt.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := opt.Steps(); !errors.Is(err, &Error{Status: StatusInvalidHandle}) {
+		t.Fatalf("closed: %v", err)
+	}
+}

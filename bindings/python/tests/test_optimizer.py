@@ -1,0 +1,269 @@
+"""The optimizer (gradacc.Optimizer): SGD with momentum bit for bit against numpy in float32 for
+f16, bf16 and f32 weights; AdamW against a float64 reference within a stated bound; a skipped
+step that changes nothing; save and load; a two-rank reduce-scatter group whose weights are the
+one-rank run's bit for bit; and bad arguments raising with the argument named."""
+import numpy as np
+import pytest
+
+import gradacc
+from ranks import run_ranks
+
+U = 2.0**-24  # the unit roundoff of float32
+
+
+def bf16_bits(x):
+    """bfloat16 words of finite float32 values, rounded to nearest even."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits):
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def unit_scaler():
+    return gradacc.Scaler(dynamic=False, init_scale=1.0)
+
+
+def add_and_sync(acc, scaler, grads, comm=None):
+    acc.add(scaler, grads, count=1)
+    return acc.sync(comm)
+
+
+# ---- SGD, exact ------------------------------------------------------------------------------
+
+MIXED = [(300, "f16"), (200, "bf16"), (7, "f32")]
+
+
+def mixed_weights():
+    w0 = (np.arange(300) * 0.01 - 1.0).astype(np.float16)
+    w1 = bf16_bits(np.linspace(-2.0, 2.0, 200, dtype=np.float32))
+    w2 = np.arange(7, dtype=np.float32) * 0.5
+    return [w0, w1, w2]
+
+
+def mixed_grads(step):
+    """Gradients exact in their dtypes: fp16, bf16 words, f32."""
+    g0 = ((np.arange(300) % 7) * 0.25 - 0.5 + 0.125 * step).astype(np.float16)
+    g1 = bf16_bits(np.cos(np.arange(200, dtype=np.float32) + step))
+    g2 = np.random.default_rng(step).uniform(-1, 1, 7).astype(np.float32)
+    return [g0, g1, g2]
+
+
+def test_sgd_with_momentum_is_numpy_float32_bit_for_bit():
+    weights = mixed_weights()
+    masters = [weights[0].astype(np.float32), bf16_value(weights[1]), weights[2].copy()]
+    momentum = [None] * 3
+    mu = np.float32(0.9)
+    with unit_scaler() as scaler, gradacc.Accumulator(MIXED) as acc, \
+            gradacc.Optimizer(acc, weights, algorithm="sgd", lr=0.125, momentum=0.9) as opt:
+        for step, lr in enumerate([0.125, 0.0625, 0.25]):
+            opt.set_lr(lr)
+            grads = mixed_grads(step)
+            add_and_sync(acc, scaler, grads)
+            assert opt.step() is True
+            for i, g in enumerate([grads[0].astype(np.float32), bf16_value(grads[1]), grads[2]]):
+                momentum[i] = g.copy() if momentum[i] is None else momentum[i] * mu + np.float32(1.0) * g
+                masters[i] = masters[i] + np.float32(-lr) * momentum[i]
+            assert np.array_equal(weights[0].view(np.uint16), masters[0].astype(np.float16).view(np.uint16))
+            assert np.array_equal(weights[1], bf16_bits(masters[1]))
+            assert np.array_equal(weights[2].view(np.uint32), masters[2].view(np.uint32))
+        assert opt.steps == 3
+
+
+def test_sgd_defaults_to_no_weight_decay_and_groups_apply():
+    weights = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    with unit_scaler() as scaler, gradacc.Accumulator([(4, "f32"), (4, "f32")]) as acc, \
+            gradacc.Optimizer(acc, weights, algorithm="sgd", lr=0.5,
+                              groups=[(True, 1.0), {"lr_scale": 0.25}]) as opt:
+        add_and_sync(acc, scaler, [np.full(4, 0.5, np.float32)] * 2)
+        opt.step()
+    assert np.all(weights[0] == np.float32(1.0 - 0.5 * 0.5))
+    assert np.all(weights[1] == np.float32(1.0 - 0.125 * 0.5))
+    weights = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    with unit_scaler() as scaler, gradacc.Accumulator([(4, "f32"), (4, "f32")]) as acc, \
+            gradacc.Optimizer(acc, weights, algorithm="sgd", lr=0.5, weight_decay=0.5,
+                              groups=[(True, 1.0), (False, 1.0)]) as opt:
+        add_and_sync(acc, scaler, [np.full(4, 0.5, np.float32)] * 2)
+        opt.step()
+    assert np.all(weights[0] == np.float32(1.0 - 0.5 * (0.5 + 0.5)))  # L2: g + wd * w
+    assert np.all(weights[1] == np.float32(1.0 - 0.5 * 0.5))
+
+
+# ---- AdamW, bounded --------------------------------------------------------------------------
+
+def test_adamw_within_the_bound_of_a_float64_reference():
+    """Every weight within 8 float32 roundings per step of the magnitudes of that step's terms:
+    |w - w64| <= 8 u sum_t (|w_t| + lr_t |m_hat_t / (sqrt(v_hat_t) + eps)|), w64 and its terms
+    from exact (float64) arithmetic on the same gradients and float32 hyperparameters. The worst
+    seen is about a quarter of the bound."""
+    rng = np.random.default_rng(7)
+    sizes = [1000, 33]
+    lr_scale = [1.0, 0.5]
+    decays = [True, False]
+    weights = [rng.uniform(-2, 2, n).astype(np.float32) for n in sizes]
+    w64 = [w.astype(np.float64) for w in weights]
+    m64 = [np.zeros(n) for n in sizes]
+    v64 = [np.zeros(n) for n in sizes]
+    bound = [np.zeros(n) for n in sizes]
+    b1, b2, eps, wd = (float(np.float32(x)) for x in (0.9, 0.999, 1e-8, 0.01))
+    with unit_scaler() as scaler, gradacc.Accumulator([(n, "f32") for n in sizes]) as acc, \
+            gradacc.Optimizer(acc, weights, algorithm="adamw", groups=list(zip(decays, lr_scale))) as opt:
+        for t, lr in enumerate([1e-2, 3e-3, 2e-2, 1e-3, 5e-3], start=1):
+            opt.set_lr(lr)
+            grads = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1, n)).astype(np.float32) for n in sizes]
+            add_and_sync(acc, scaler, grads)
+            assert opt.step()
+            for i, g in enumerate(grads):
+                g = g.astype(np.float64)
+                tlr = float(np.float32(lr)) * lr_scale[i]
+                w64[i] *= 1.0 - tlr * (wd if decays[i] else 0.0)
+                m64[i] = b1 * m64[i] + (1 - b1) * g
+                v64[i] = b2 * v64[i] + (1 - b2) * g * g
+                r = (m64[i] / (1 - b1**t)) / (np.sqrt(v64[i] / (1 - b2**t)) + eps)
+                w64[i] -= tlr * r
+                bound[i] += 8 * U * (np.abs(w64[i]) + tlr * np.abs(r))
+                err = np.abs(weights[i].astype(np.float64) - w64[i])
+                worst = np.max(err / bound[i])
+                assert worst <= 1.0, f"step {t} tensor {i}: {worst:.2f} of the bound"
+        assert opt.steps == 5
+
+
+# ---- skipped steps, saved state ----------------------------------------------------------------
+
+def test_a_step_with_an_inf_gradient_changes_nothing():
+    weights = mixed_weights()
+    with gradacc.Scaler(init_scale=1024.0) as scaler, gradacc.Accumulator(MIXED) as acc, \
+            gradacc.Optimizer(acc, weights, lr=0.01) as opt:
+        scale = np.float32(scaler.scale)
+        grads = mixed_grads(0)
+        add_and_sync(acc, scaler, [grads[0] * np.float16(4), grads[1], grads[2] * scale])
+        assert not scaler.update(acc) and opt.step()
+        before = [w.copy() for w in weights]
+        state = opt.save()
+        poisoned = mixed_grads(1)
+        poisoned[0][5] = np.float16(np.inf)
+        info = add_and_sync(acc, scaler, poisoned)
+        assert info.found_inf and scaler.update(acc)
+        assert opt.step() is False
+        for w, b in zip(weights, before):
+            assert w.tobytes() == b.tobytes()
+        assert opt.steps == 1 and opt.save() == state
+
+
+def test_save_load_round_trip():
+    weights = mixed_weights()
+    with unit_scaler() as scaler, gradacc.Accumulator(MIXED) as acc, \
+            gradacc.Optimizer(acc, weights, rounding="stochastic", seed=3, weight_decay=0.1) as opt:
+        for step in range(2):
+            add_and_sync(acc, scaler, mixed_grads(step))
+            opt.step()
+        state, at_save = opt.save(), [w.copy() for w in weights]
+        add_and_sync(acc, scaler, mixed_grads(2))
+        opt.step()
+        after = [w.copy() for w in weights]
+        corrupt = bytearray(state)
+        corrupt[len(corrupt) // 2] ^= 1
+        with pytest.raises(gradacc.GradaccError) as e:
+            opt.load(bytes(corrupt))
+        assert e.value.status == gradacc.Status.CORRUPT_STATE
+        assert opt.steps == 3
+        opt.load([state])  # a list of parts; one part alone also works
+        assert opt.steps == 2
+        for w, a in zip(weights, at_save):
+            w[...] = a
+        add_and_sync(acc, scaler, mixed_grads(2))
+        opt.step()
+        for w, a in zip(weights, after):
+            assert w.tobytes() == a.tobytes()
+    # Loaded into a fresh optimizer over other weights, the state is the saved one.
+    fresh = [np.zeros_like(w) for w in weights]
+    with gradacc.Accumulator(MIXED) as acc, \
+            gradacc.Optimizer(acc, fresh, rounding="stochastic", seed=3, weight_decay=0.1) as opt:
+        opt.load(state)
+        assert opt.steps == 2 and opt.save() == state
+
+
+# ---- sharding ------------------------------------------------------------------------------------
+
+# 8005 elements over a flat master of 8128: 2 shards of 4096 and 4032.
+SHARDED = [(5000, "f16"), (3000, "bf16"), (5, "f32")]
+
+
+def sharded_weights():
+    return [np.linspace(-1, 1, 5000).astype(np.float16), bf16_bits(np.linspace(3, -3, 3000, dtype=np.float32)),
+            np.arange(5, dtype=np.float32)]
+
+
+def sharded_grads(step):
+    rng = np.random.default_rng(100 + step)
+    return [rng.standard_normal(5000).astype(np.float16), bf16_bits(rng.standard_normal(3000).astype(np.float32)),
+            rng.standard_normal(5).astype(np.float32)]
+
+
+OPTIONS = dict(algorithm="adamw", lr=0.01, rounding="stochastic", seed=11,
+               groups=[(True, 1.0), (False, 2.0), (False, 1.0)])
+
+
+def test_reduce_scatter_group_matches_one_rank():
+    single = sharded_weights()
+    with unit_scaler() as scaler, gradacc.Accumulator(SHARDED) as acc, \
+            gradacc.Optimizer(acc, single, **OPTIONS) as opt:
+        for step in range(3):
+            add_and_sync(acc, scaler, sharded_grads(step))
+            assert opt.step()
+
+    def rank(comm, r):
+        weights = sharded_weights()
+        with unit_scaler() as scaler, \
+                gradacc.Accumulator(SHARDED, sharding="reduce_scatter", shard_count=2, shard_rank=r) as acc, \
+                gradacc.Optimizer(acc, weights, **OPTIONS) as opt:
+            assert acc.shard().numel > 0
+            for step in range(3):
+                add_and_sync(acc, scaler, sharded_grads(step), comm)  # the same gradient on both ranks
+                assert opt.step(comm)
+        return weights
+
+    for weights in run_ranks(2, rank):
+        for w, s in zip(weights, single):
+            assert w.tobytes() == s.tobytes()
+
+
+# ---- bad arguments -------------------------------------------------------------------------------
+
+def test_bad_arguments_are_named():
+    weights = mixed_weights()
+    with gradacc.Accumulator(MIXED) as acc:
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, weights, beta1=1.5)
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "beta1" in e.value.message
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, weights, groups=[(True, 1.0), (True, -1.0), (True, 1.0)])
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "lr_scale" in e.value.message
+        with pytest.raises(ValueError, match="algorithm"):
+            gradacc.Optimizer(acc, weights, algorithm="adam")
+        with pytest.raises(ValueError, match="rounding"):
+            gradacc.Optimizer(acc, weights, rounding="up")
+        with pytest.raises(TypeError, match="betas"):
+            gradacc.Optimizer(acc, weights, betas=(0.9, 0.99))
+        with pytest.raises(ValueError, match="weights"):
+            gradacc.Optimizer(acc, weights[:2])
+        with pytest.raises(ValueError, match="groups"):
+            gradacc.Optimizer(acc, weights, groups=[(True, 1.0)])
+        with pytest.raises(TypeError, match=r"weights\[2\]"):
+            gradacc.Optimizer(acc, weights[:2] + [np.zeros(7, np.float64)])
+        with pytest.raises(ValueError, match=r"weights\[0\]"):
+            gradacc.Optimizer(acc, [np.zeros(299, np.float16)] + weights[1:])
+        read_only = weights[2].copy()
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match=r"weights\[2\]"):
+            gradacc.Optimizer(acc, weights[:2] + [read_only])
+        with gradacc.Optimizer(acc, weights) as opt:
+            with pytest.raises(gradacc.GradaccError) as e:
+                opt.set_lr(-1.0)
+            assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "`lr`" in e.value.message
+            with pytest.raises(gradacc.GradaccError) as e:
+                opt.step()
+            assert e.value.status == gradacc.Status.WRONG_STATE
+        with pytest.raises(ValueError, match="closed"):
+            opt.step()

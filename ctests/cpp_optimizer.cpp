@@ -1,0 +1,289 @@
+// The optimizer through the C++ wrapper (gradacc.hpp): SGD steps on fp16 and f32 weights checked
+// bit for bit against w + (-lr) * g in f32 rounded once to fp16, a step skipped for an inf
+// gradient that changes nothing, the learning rate and groups taking effect, save and load, a
+// two-rank reduce-scatter group whose weights are the one-rank run's, and errors as
+// gradacc::Error with the argument named.
+#include <gradacc.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "cpp_expect.hpp"
+
+static_assert(!std::is_copy_constructible_v<gradacc::Optimizer> &&
+                  std::is_move_constructible_v<gradacc::Optimizer>,
+              "Optimizer is move-only");
+
+constexpr std::size_t N0 = 300; // fp16 weights
+constexpr std::size_t N1 = 7;   // f32 bias
+constexpr float LR = 0.125f;
+
+// fp16 bits of a finite float, rounded to nearest even (the tests' values stay below 65504).
+static uint16_t f16_bits(float x)
+{
+    const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+    const float a = std::fabs(x);
+    if (a < 6.103515625e-05f) // subnormal: a multiple of 2^-24
+        return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f)));
+    int e = 0;
+    std::frexp(a, &e); // a in [2^(e-1), 2^e)
+    const auto q = static_cast<unsigned>(std::nearbyint(std::ldexp(a, 11 - e))); // 1024..2048
+    return static_cast<uint16_t>(sign | (((e + 14) << 10) + q - 1024));
+}
+
+static float f16_value(uint16_t h)
+{
+    const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    const float m = exp == 0 ? std::ldexp(static_cast<float>(mant), -24)
+                             : std::ldexp(static_cast<float>(1024 + mant), exp - 25);
+    return (h & 0x8000) ? -m : m;
+}
+
+// The unscaled gradient of element i of tensor 0 (tensor 1's is 0.75 everywhere).
+static float grad0(std::size_t i)
+{
+    return static_cast<float>(static_cast<double>(i % 7) * 0.25 - 0.5);
+}
+
+struct Model {
+    std::vector<uint16_t> w0 = std::vector<uint16_t>(N0);
+    std::vector<float> w1 = std::vector<float>(N1);
+    Model()
+    {
+        for (std::size_t i = 0; i < N0; i++)
+            w0[i] = f16_bits(static_cast<float>(0.01 * static_cast<double>(i) - 1.0));
+        for (std::size_t i = 0; i < N1; i++)
+            w1[i] = static_cast<float>(i) * 0.5f;
+    }
+};
+
+static gradacc::OptimizerConfig sgd_config()
+{
+    gradacc::OptimizerConfig c;
+    c.algorithm = GRADACC_OPTIMIZER_SGD;
+    c.lr = LR;
+    c.weight_decay = 0.0f;
+    return c;
+}
+
+// One micro-batch of the gradients times `scale` (+inf in w0[3] when `poison`), then the sync.
+static gradacc::SyncInfo add_and_sync(gradacc::Accumulator &acc, const gradacc::Scaler &scaler,
+                                      gradacc::Communicator *comm, bool poison)
+{
+    const float scale = scaler.scale();
+    std::vector<uint16_t> g0(N0);
+    std::vector<float> g1(N1, 0.75f * scale);
+    for (std::size_t i = 0; i < N0; i++)
+        g0[i] = f16_bits(grad0(i) * scale);
+    if (poison)
+        g0[3] = 0x7c00;
+    acc.add(scaler, {g0.data(), g1.data()}, 1);
+    return comm ? acc.sync(*comm) : acc.sync();
+}
+
+static void sgd_steps_bit_for_bit()
+{
+    gradacc::ScalerConfig sc;
+    sc.init_scale = 1024.0f;
+    gradacc::Scaler scaler(sc);
+    gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
+    Model m;
+    gradacc::Optimizer opt(acc, {m.w0.data(), m.w1.data()}, {}, sgd_config());
+    std::vector<float> m0(N0), m1(m.w1);
+    for (std::size_t i = 0; i < N0; i++)
+        m0[i] = f16_value(m.w0[i]);
+    for (int step = 0; step < 4; step++) {
+        const bool poison = step == 2;
+        const Model before = m;
+        const gradacc::SyncInfo info = add_and_sync(acc, scaler, nullptr, poison);
+        EXPECT(scaler.update(acc) == poison && info.found_inf == poison, "step %d: overflow not agreed", step);
+        const bool stepped = opt.step(acc, {m.w0.data(), m.w1.data()});
+        EXPECT(stepped == !poison, "step %d stepped %d", step, static_cast<int>(stepped));
+        if (poison) {
+            EXPECT(m.w0 == before.w0 && m.w1 == before.w1, "a skipped step changed the weights");
+            continue;
+        }
+        for (std::size_t i = 0; i < N0; i++) {
+            m0[i] = m0[i] + (-LR) * grad0(i);
+            EXPECT(m.w0[i] == f16_bits(m0[i]), "step %d w0[%zu] = %#x, expected %#x", step, i, m.w0[i],
+                   f16_bits(m0[i]));
+        }
+        for (std::size_t i = 0; i < N1; i++) {
+            m1[i] = m1[i] + (-LR) * 0.75f;
+            EXPECT(m.w1[i] == m1[i], "step %d w1[%zu] = %g, expected %g", step, i, m.w1[i], m1[i]);
+        }
+    }
+    EXPECT(opt.steps() == 3, "steps = %llu", static_cast<unsigned long long>(opt.steps()));
+
+    // A second step from one window is refused and changes nothing.
+    try {
+        opt.step(acc, {m.w0.data(), m.w1.data()});
+        EXPECT(false, "a second step from one window was taken");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_WRONG_STATE, "%s", e.what());
+    }
+
+    // Save, step on, load: the next step from the loaded state repeats the same bits.
+    const std::vector<uint8_t> saved = opt.save();
+    add_and_sync(acc, scaler, nullptr, false);
+    const Model at_save = m;
+    opt.step(acc, {m.w0.data(), m.w1.data()});
+    const Model after = m;
+    std::vector<uint8_t> corrupt = saved;
+    corrupt[corrupt.size() / 2] ^= 1;
+    try {
+        opt.load({corrupt});
+        EXPECT(false, "corrupt state loaded");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_CORRUPT_STATE, "%s", e.what());
+    }
+    EXPECT(opt.steps() == 4, "a refused load changed the steps: %llu", static_cast<unsigned long long>(opt.steps()));
+    opt.load({saved});
+    EXPECT(opt.steps() == 3, "steps after load = %llu", static_cast<unsigned long long>(opt.steps()));
+    m = at_save;
+    add_and_sync(acc, scaler, nullptr, false);
+    opt.step(acc, {m.w0.data(), m.w1.data()});
+    EXPECT(m.w0 == after.w0 && m.w1 == after.w1, "the step after load differs");
+
+    // Moving keeps the one handle.
+    gradacc_optimizer_t *handle = opt.get();
+    gradacc::Optimizer moved = std::move(opt);
+    EXPECT(moved.get() == handle && moved.steps() == 4, "the move lost the optimizer");
+}
+
+// A learning rate set before a step, and a group with half the rate and no weight decay.
+static void lr_and_groups()
+{
+    gradacc::ScalerConfig sc;
+    sc.dynamic = false;
+    sc.init_scale = 1.0f;
+    gradacc::Scaler scaler(sc);
+    gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
+    Model m;
+    gradacc::OptimizerConfig c = sgd_config();
+    c.weight_decay = 0.5f;
+    const std::vector<uint16_t> bits0 = m.w0;
+    gradacc::Optimizer opt(acc, {m.w0.data(), m.w1.data()}, {GRADACC_DTYPE_F16, GRADACC_DTYPE_F32}, c,
+                           {{true, 1.0f}, {false, 0.5f}});
+    opt.set_lr(0.25f);
+    add_and_sync(acc, scaler, nullptr, false);
+    EXPECT(opt.step(acc, {m.w0.data(), m.w1.data()}), "no step");
+    for (std::size_t i = 0; i < N0; i++) {
+        const float w = f16_value(bits0[i]);
+        const float d = grad0(i) + 0.5f * w; // L2 decay: g + wd * w
+        EXPECT(m.w0[i] == f16_bits(w + (-0.25f) * d), "w0[%zu] = %#x", i, m.w0[i]);
+    }
+    for (std::size_t i = 0; i < N1; i++) {
+        const float want = static_cast<float>(i) * 0.5f + (-0.125f) * 0.75f;
+        EXPECT(m.w1[i] == want, "w1[%zu] = %g, expected %g", i, m.w1[i], want);
+    }
+}
+
+// Two ranks under a reduce-scatter boundary end with the one-rank run's weights.
+static void reduce_scatter_group()
+{
+    Model single;
+    {
+        gradacc::ScalerConfig sc;
+        sc.dynamic = false;
+        sc.init_scale = 1.0f;
+        gradacc::Scaler scaler(sc);
+        gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
+        gradacc::Optimizer opt(acc, {single.w0.data(), single.w1.data()}, {}, sgd_config());
+        add_and_sync(acc, scaler, nullptr, false);
+        opt.step(acc, {single.w0.data(), single.w1.data()});
+    }
+    gradacc::LocalGroup group(2);
+    Model ranks[2];
+    std::string errors[2];
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; r++) {
+        threads.emplace_back([&, r] {
+            try {
+                gradacc::ScalerConfig sc;
+                sc.dynamic = false;
+                sc.init_scale = 1.0f;
+                gradacc::Scaler scaler(sc);
+                gradacc::AccumulatorConfig ac;
+                ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+                ac.shard_count = 2;
+                ac.shard_rank = static_cast<uint32_t>(r);
+                gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}}, ac);
+                Model &m = ranks[r];
+                gradacc::Optimizer opt(acc, {m.w0.data(), m.w1.data()}, {}, sgd_config());
+                add_and_sync(acc, scaler, &group[static_cast<std::size_t>(r)], false);
+                if (!opt.step(acc, {m.w0.data(), m.w1.data()}, &group[static_cast<std::size_t>(r)]))
+                    errors[r] = "did not step";
+            } catch (const gradacc::Error &e) {
+                errors[r] = e.what();
+            }
+        });
+    }
+    for (std::thread &t : threads)
+        t.join();
+    for (int r = 0; r < 2; r++) {
+        EXPECT(errors[r].empty(), "rank %d: %s", r, errors[r].c_str());
+        EXPECT(ranks[r].w0 == single.w0 && ranks[r].w1 == single.w1, "rank %d differs from one rank", r);
+    }
+}
+
+static void errors_name_the_argument()
+{
+    gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
+    Model m;
+    gradacc::OptimizerConfig bad;
+    bad.beta1 = 1.5f;
+    try {
+        gradacc::Optimizer opt(acc, {m.w0.data(), m.w1.data()}, {}, bad);
+        EXPECT(false, "beta1 = 1.5 accepted");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_INVALID_ARGUMENT && e.message().find("beta1") != std::string::npos,
+               "%s", e.what());
+    }
+    try {
+        gradacc::Optimizer opt(acc, {m.w0.data()});
+        EXPECT(false, "one weight for two tensors accepted");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_SIZE_MISMATCH && e.message().find("`n`") != std::string::npos, "%s",
+               e.what());
+    }
+    gradacc::Optimizer opt(acc, {m.w0.data(), m.w1.data()});
+    try {
+        opt.set_lr(-1.0f);
+        EXPECT(false, "lr = -1 accepted");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_INVALID_ARGUMENT && e.message().find("lr") != std::string::npos, "%s",
+               e.what());
+    }
+    try {
+        opt.step(acc, {m.w0.data(), m.w1.data()});
+        EXPECT(false, "a step before any sync was taken");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_WRONG_STATE, "%s", e.what());
+    }
+}
+
+int main()
+{
+    try {
+        sgd_steps_bit_for_bit();
+        lr_and_groups();
+        reduce_scatter_group();
+        errors_name_the_argument();
+    } catch (const gradacc::Error &e) {
+        std::fprintf(stderr, "unexpected: %s\n", e.what());
+        return 1;
+    }
+    if (failures) {
+        std::fprintf(stderr, "%d failure(s)\n", failures);
+        return 1;
+    }
+    std::printf("ok\n");
+    return 0;
+}
