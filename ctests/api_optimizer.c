@@ -161,6 +161,7 @@ static void test_whole_step(void)
 typedef struct {
     gradacc_comm_t *comm;
     int rank;
+    int refused; /* the rank whose first step passes no weights, or -1 */
     uint16_t w0[N0];
     float w1[N1];
 } rank_args;
@@ -196,6 +197,16 @@ static void *sharded_rank(void *p)
     REQUIRE_OK(gradacc_accumulator_sync(acc, a->comm, &info));
     void *weights[2] = {a->w0, a->w1};
     bool stepped = false;
+    if (a->refused >= 0) {
+        /* Refused on one rank: that rank's error there, PEER_FAILURE at once on the other. */
+        if (a->rank == a->refused)
+            EXPECT_ERROR(gradacc_optimizer_step(opt, acc, NULL, 2, a->comm, &stepped),
+                         GRADACC_STATUS_NULL_ARGUMENT, "weights");
+        else
+            EXPECT_ERROR(gradacc_optimizer_step(opt, acc, weights, 2, a->comm, &stepped),
+                         GRADACC_STATUS_PEER_FAILURE, "another rank");
+        CHECK(!stepped, "rank %d stepped", a->rank);
+    }
     REQUIRE_OK(gradacc_optimizer_step(opt, acc, weights, 2, a->comm, &stepped));
     CHECK(stepped, "rank %d did not step", a->rank);
     EXPECT_OK(gradacc_optimizer_destroy(opt));
@@ -204,7 +215,7 @@ static void *sharded_rank(void *p)
     return NULL;
 }
 
-static void test_reduce_scatter_group(void)
+static void test_reduce_scatter_group(int refused)
 {
     gradacc_comm_t *comms[2];
     REQUIRE_OK(gradacc_comm_create_local(2, comms));
@@ -213,6 +224,7 @@ static void test_reduce_scatter_group(void)
     for (int r = 0; r < 2; r++) {
         args[r].comm = comms[r];
         args[r].rank = r;
+        args[r].refused = refused;
     }
     run_ranks(2, sharded_rank, args, sizeof args[0]);
     /* Both ranks' gradients are the same micro-batch, summed and averaged over 2 items: the mean
@@ -237,6 +249,7 @@ static void test_reduce_scatter_group(void)
 int main(void)
 {
     test_whole_step();
-    test_reduce_scatter_group();
+    test_reduce_scatter_group(-1);
+    test_reduce_scatter_group(1);
     return test_finish();
 }

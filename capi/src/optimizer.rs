@@ -303,7 +303,8 @@ pub unsafe extern "C" fn gradacc_optimizer_steps(
 /// which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
 /// on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
 /// all-gather the weights over `comm`: the communicator sync took (NULL for a sharded
-/// accumulation's own). WRONG_STATE before a sync or a second time after one.
+/// accumulation's own). WRONG_STATE before a sync or a second time after one. A call whose
+/// `weights` are refused here still takes part in the agreement, so the other ranks fail at once.
 ///
 /// Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
 /// weights are read and written during the call only.
@@ -320,20 +321,30 @@ pub unsafe extern "C" fn gradacc_optimizer_step(
         let o = OPTIMIZERS.get(opt, "opt")?;
         let a = ACCUMULATORS.get(acc, "acc")?;
         let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose()?;
-        let dtypes = o.weight_dtypes();
-        if n != dtypes.len() {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("`n` = {n}, but the optimizer has {} tensors", dtypes.len()),
-            )
-            .into());
-        }
-        // SAFETY: the caller passes `n` addresses at `weights` (API contract).
-        let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
-        let numel: Vec<usize> = a.tensors().iter().map(|t| t.numel).collect();
-        // SAFETY: each weight holds its tensor's numel values of its dtype, writable and used by
-        // nothing else during the call (API contract).
-        let mut muts = unsafe { weight_buffers(ptrs, dtypes, &numel)? };
+        let args = || {
+            let dtypes = o.weight_dtypes();
+            if n != dtypes.len() {
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!("`n` = {n}, but the optimizer has {} tensors", dtypes.len()),
+                )
+                .into());
+            }
+            // SAFETY: the caller passes `n` addresses at `weights` (API contract).
+            let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
+            let numel: Vec<usize> = a.tensors().iter().map(|t| t.numel).collect();
+            // SAFETY: each weight holds its tensor's numel values of its dtype, writable and
+            // used by nothing else during the call (API contract).
+            unsafe { weight_buffers(ptrs, dtypes, &numel) }
+        };
+        let mut muts = match args() {
+            Ok(m) => m,
+            Err(e) => {
+                // The other ranks of a sharded boundary are in the step's agreement.
+                o.refuse_step(&a, comm.as_deref());
+                return Err(e);
+            }
+        };
         let stepped = o.step(&a, &mut muts, comm.as_deref())?;
         if !out_stepped.is_null() {
             // SAFETY: a non-null output pointer points to writable storage of its type.

@@ -228,6 +228,16 @@ impl Optimizer {
         Ok(stepped)
     }
 
+    /// Takes part in a step this rank cannot make (the C ABI refused its arguments before
+    /// `step`): under a sharded boundary the agreement, flagged invalid, so that the other ranks
+    /// fail at once with PEER_FAILURE instead of waiting in the all-gather. Changes nothing.
+    #[cfg(feature = "internal")]
+    pub fn refuse_step(&self, acc: &Accumulator, comm: Option<&dyn Communicator>) {
+        if let Ok(Some((h, ..))) = self.gather_group(acc, comm) {
+            let _ = h.reduce_control(&ControlSum::of(&Step::Optimizer.claim(&self.plan, None, true)));
+        }
+    }
+
     /// Fails unless `acc` is this optimizer's, synced in a window not stepped yet, and
     /// `weights` are the model's (count, dtypes, lengths).
     fn check_step(&self, s: &State, acc: &Accumulator, weights: &[GradMut<'_>]) -> Result<()> {
