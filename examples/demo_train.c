@@ -21,8 +21,8 @@
  * reduce-scatter (GRADACC_SHARDING_REDUCE_SCATTER), as a distributed optimizer (ZeRO-1) runs it.
  * Each rank's accumulator keeps only its shard of the reduced gradient (gradacc_accumulator_shard:
  * rank 0 the first 4096 elements of the flat layout, rank 1 the other 3969; the model is as wide
- * as it is so that both shards hold part of it), the rank updates only that range of its weights,
- * and the ranks then share their updated ranges (an all-gather, written here over the threads).
+ * as it is so that both shards hold part of it), and gradacc's optimizer (gradacc_optimizer_t, SGD)
+ * steps only that range of the weights' FP32 masters and all-gathers the updated weights.
  * With an FP32 wire the shard holds the all-reduce's bits, so these weights must stay bitwise
  * equal to the all-reduce's. `demo_train --wire bf16` sends bf16 in that run instead and reports
  * how far its weights move from the all-reduce's.
@@ -30,7 +30,7 @@
  * And on a third pair of ranks, sharded accumulation (GRADACC_SHARDING_ACCUMULATE, ZeRO-2, made
  * with gradacc_accumulator_create_sharded): each rank holds only its shard of the gradient (the
  * same ranges) and one bucket of staging, and every micro-batch is reduce-scattered as it is
- * added; the ranks step and all-gather their ranges as above. Its sums run in another order than
+ * added; the optimizer steps and all-gathers the ranges as above. Its sums run in another order than
  * the all-reduce's, so its weights are not bitwise equal to the all-reduce's: the demo prints how
  * far they move and fails beyond 1e-5 over the 30 steps (1e-3 with `--wire bf16`, which applies
  * to this run too).
@@ -237,10 +237,29 @@ typedef struct rank_state {
     float grad[(NPARAM + 63) / 64 * 64]; /* the boundary's gradient (under reduce-scatter: only the shard) */
     bool skipped;
     uint16_t g16[NPARAM]; /* one micro-batch's fp16 gradients */
-    /* reduce-scatter only: every rank of the group, and a barrier between update and all-gather */
-    struct rank_state *group;
-    pthread_barrier_t *updated;
+    /* the sharded runs only: gradacc's optimizer, which steps the shard and all-gathers over
+     * `gather` (the communicator sync took; NULL: the sharded accumulation's own) */
+    gradacc_optimizer_t *opt;
+    gradacc_comm_t *gather;
 } rank_state;
+
+/* Plain SGD at LR over `acc`'s four tensors, whose f32 weights sit in `w` (the masters start as
+ * them, and each step writes them back). */
+static gradacc_optimizer_t *sgd_over(gradacc_accumulator_t *acc, float *w)
+{
+    gradacc_optimizer_config_t oc;
+    CHECK(gradacc_optimizer_config_default(&oc));
+    oc.algorithm = GRADACC_OPTIMIZER_SGD;
+    oc.lr = LR;
+    oc.weight_decay = 0.0f;
+    const void *weights[4];
+    const gradacc_dtype_t f32[4] = {GRADACC_DTYPE_F32, GRADACC_DTYPE_F32, GRADACC_DTYPE_F32, GRADACC_DTYPE_F32};
+    for (int t = 0; t < 4; t++)
+        weights[t] = &w[tensor_offset[t]];
+    gradacc_optimizer_t *opt = NULL;
+    CHECK(gradacc_optimizer_create(acc, &oc, NULL, weights, f32, 4, &opt));
+    return opt;
+}
 
 static void *rank_step(void *arg)
 {
@@ -263,25 +282,24 @@ static void *rank_step(void *arg)
     CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce (or reduce-scatter) */
     const gradacc_accumulator_t *accs[1] = {rs->acc};
     CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
-    if (rs->group) {
-        /* Reduce-scatter: this rank holds only its shard of the gradient and steps only those
-         * weights (the optimizer state, were there any, would be sharded the same way). */
+    if (rs->opt) {
+        /* A sharded boundary: this rank holds only its shard of the gradient, and the optimizer
+         * steps only those weights' FP32 masters (its state is sharded the same way), then
+         * all-gathers the weights: over the communicator sync took, or the sharded
+         * accumulation's own. */
         size_t off, n;
         float *shard;
         CHECK(gradacc_accumulator_shard(rs->acc, &off, &n, &shard));
         memcpy(&rs->grad[off], shard, n * sizeof(float));
-        if (!rs->skipped)
-            for (size_t k = off; k < off + n; k++)
-                rs->w[k] -= LR * rs->grad[k];
-        /* All-gather of the weights: once every rank has stepped its shard, copy the others'. */
-        pthread_barrier_wait(rs->updated);
-        for (int q = 0; q < RANKS; q++) {
-            if (q == rs->rank)
-                continue;
-            CHECK(gradacc_accumulator_shard(rs->group[q].acc, &off, &n, &shard));
-            memcpy(&rs->w[off], &rs->group[q].w[off], n * sizeof(float));
+        void *weights[4];
+        for (int t = 0; t < 4; t++)
+            weights[t] = &rs->w[tensor_offset[t]];
+        bool stepped = false;
+        CHECK(gradacc_optimizer_step(rs->opt, rs->acc, weights, 4, rs->gather, &stepped));
+        if (stepped == rs->skipped) {
+            fprintf(stderr, "rank %d: the optimizer and the scaler disagree on the skip\n", rs->rank);
+            exit(2);
         }
-        /* No rank writes its weights again before the next boundary, which waits for all. */
         return NULL;
     }
     for (int t = 0; t < 4; t++) {
@@ -367,9 +385,6 @@ int main(int argc, char **argv)
     CHECK(gradacc_comm_create_local(RANKS, comms));
     CHECK(gradacc_comm_create_local(RANKS, shard_comms));
     CHECK(gradacc_comm_create_local(RANKS, accum_comms));
-    pthread_barrier_t updated, accum_updated;
-    pthread_barrier_init(&updated, NULL, RANKS);
-    pthread_barrier_init(&accum_updated, NULL, RANKS);
     gradacc_scaler_config_t sc;
     CHECK(gradacc_scaler_config_default(&sc));
     sc.init_scale = INIT_SCALE;
@@ -406,14 +421,14 @@ int main(int argc, char **argv)
     for (int r = 0; r < RANKS; r++) {
         sharded[r].rank = r;
         sharded[r].comm = shard_comms[r];
-        sharded[r].group = sharded;
-        sharded[r].updated = &updated;
+        sharded[r].gather = shard_comms[r];
         sharded_ac.shard_rank = (uint32_t)r;
         CHECK(gradacc_scaler_create(&sc, NULL, &sharded[r].scaler));
         CHECK(gradacc_accumulator_create(&sharded_ac, tensors, 4, NULL, &sharded[r].acc));
         float *unused;
         CHECK(gradacc_accumulator_shard(sharded[r].acc, &shard_off[r], &shard_n[r], &unused));
         memcpy(sharded[r].w, w0, sizeof w0);
+        sharded[r].opt = sgd_over(sharded[r].acc, sharded[r].w);
     }
     /* The sharded accumulation run: each rank holds only its shard of the gradient (the same
      * ranges), reduce-scattered over its communicator at every micro-batch. */
@@ -424,14 +439,13 @@ int main(int argc, char **argv)
     for (int r = 0; r < RANKS; r++) {
         accum[r].rank = r;
         accum[r].comm = accum_comms[r];
-        accum[r].group = accum;
-        accum[r].updated = &accum_updated;
         accum_ac.shard_rank = (uint32_t)r;
         CHECK(gradacc_scaler_create(&sc, NULL, &accum[r].scaler));
         CHECK(gradacc_accumulator_create_sharded(&accum_ac, tensors, 4, NULL, accum_comms[r], &accum[r].acc));
         float *unused;
         CHECK(gradacc_accumulator_shard(accum[r].acc, &acc_off[r], &acc_n[r], &unused));
         memcpy(accum[r].w, w0, sizeof w0);
+        accum[r].opt = sgd_over(accum[r].acc, accum[r].w);
     }
 
     printf("gradacc %s demo: MLP %d-%d-1 (%d parameters), 2 ranks on threads, fp16 gradients\n",
@@ -587,14 +601,14 @@ int main(int argc, char **argv)
         CHECK(gradacc_accumulator_destroy(ranks[r].acc));
         CHECK(gradacc_scaler_destroy(ranks[r].scaler));
         CHECK(gradacc_comm_destroy(comms[r]));
+        CHECK(gradacc_optimizer_destroy(sharded[r].opt));
         CHECK(gradacc_accumulator_destroy(sharded[r].acc));
         CHECK(gradacc_scaler_destroy(sharded[r].scaler));
         CHECK(gradacc_comm_destroy(shard_comms[r]));
+        CHECK(gradacc_optimizer_destroy(accum[r].opt));
         CHECK(gradacc_accumulator_destroy(accum[r].acc));
         CHECK(gradacc_scaler_destroy(accum[r].scaler));
         CHECK(gradacc_comm_destroy(accum_comms[r]));
     }
-    pthread_barrier_destroy(&updated);
-    pthread_barrier_destroy(&accum_updated);
     return failures ? 1 : 0;
 }
