@@ -30,8 +30,8 @@ fn main() {
     for &len in &SIZES {
         let mut master = AlignedF32::new(len);
         let f32_grad: Vec<f32> = (0..len).map(|i| pattern(i) as f32 / 8192.0 - 0.5).collect();
-        let f16_grad: Vec<u16> = f32_grad.iter().map(|&v| cpu::math::f32_to_f16(v)).collect();
-        let bf16_grad: Vec<u16> = f32_grad.iter().map(|&v| cpu::math::f32_to_bf16(v)).collect();
+        let f16_grad: Vec<u16> = f32_grad.iter().map(|&v| gradacc::math::f32_to_f16(v)).collect();
+        let bf16_grad: Vec<u16> = f32_grad.iter().map(|&v| gradacc::math::f32_to_bf16(v)).collect();
         let grads = [
             ("f16", Grad::F16(&f16_grad)),
             ("bf16", Grad::Bf16(&bf16_grad)),
@@ -81,8 +81,8 @@ fn main() {
                 |m| {
                     in_pieces(m, &addend, |m, a, sums| {
                         for ((m, a), sum) in m
-                            .chunks_mut(cpu::math::NORM_BLOCK)
-                            .zip(a.chunks(cpu::math::NORM_BLOCK))
+                            .chunks_mut(gradacc::math::NORM_BLOCK)
+                            .zip(a.chunks(gradacc::math::NORM_BLOCK))
                             .zip(sums)
                         {
                             cpu::add_assign(m, a);
@@ -127,7 +127,7 @@ fn placement(isa: cpu::Isa) {
             let (mut f16_grad, g16) = placed(0u16, (64 + 4096 - distance) % 4096, len);
             for i in 0..len {
                 f32_grad[g32 + i] = pattern(i) as f32 / 8192.0 - 0.5;
-                f16_grad[g16 + i] = cpu::math::f32_to_f16(f32_grad[g32 + i]);
+                f16_grad[g16 + i] = gradacc::math::f32_to_f16(f32_grad[g32 + i]);
             }
             for (name, grad) in [
                 ("f32", Grad::F32(&f32_grad[g32..g32 + len])),

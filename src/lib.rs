@@ -58,7 +58,7 @@ macro_rules! internal_modules {
     )*};
 }
 
-internal_modules!(accumulator, backend, comm, device, dtype, error, optimizer, scaler);
+internal_modules!(accumulator, backend, comm, device, dtype, error, math, optimizer, scaler);
 mod state;
 
 pub use accumulator::{

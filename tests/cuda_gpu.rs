@@ -741,7 +741,8 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
 /// other order changes the bits.
 #[test]
 fn finish_norm_folds_block_sums_like_the_cpu_backend() {
-    use gradacc::backend::cpu::{self, math::FOLD_LANES};
+    use gradacc::backend::cpu;
+    use gradacc::math::FOLD_LANES;
     if !gpu_or_skip() {
         return;
     }

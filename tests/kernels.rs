@@ -3,7 +3,8 @@
 //! and several thread counts must give the same bits. Data is random with a fresh seed each run; a
 //! failing run prints its seed, and `GRADACC_TEST_SEED=<seed>` replays it.
 
-use gradacc::backend::cpu::{self, math, Isa};
+use gradacc::backend::cpu::{self, Isa};
+use gradacc::math;
 use gradacc::Grad;
 use half::{bf16, f16};
 

@@ -245,7 +245,7 @@ impl Plan {
 
     /// Every rank's shard under either sharded policy, in rank order; empty without sharding.
     /// Shards split the flat layout into equal parts rounded up to whole blocks of the norm
-    /// ([`NORM_BLOCK`](crate::backend::cpu::math::NORM_BLOCK) elements, so a shard's block sums
+    /// ([`NORM_BLOCK`](crate::math::NORM_BLOCK) elements, so a shard's block sums
     /// are the all-reduce's); the last ones may be shorter or empty.
     pub(crate) fn shards(&self) -> Vec<Range<usize>> {
         let Some((shards, _)) = self.config.sharding.shard() else { return Vec::new() };

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::layout::Layout;
 use super::{protocol, Plan, Sharding};
-use crate::backend::cpu::math::NORM_BLOCK;
+use crate::math::NORM_BLOCK;
 use crate::comm::Communicator;
 use crate::error::{Error, ErrorKind, Result};
 

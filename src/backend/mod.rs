@@ -5,7 +5,7 @@
 //! state (`cpu::HostScaler`, `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics
 //! (windows, counts, normalisation, the boundary's order, the update rule, checks and errors, the
 //! shards and the window's flags) live once in `accumulator` and `scaler`. Every backend
-//! implements the same per-element contract (see `cpu::math` and its CUDA twin
+//! implements the same per-element contract (see `crate::math` and its CUDA twin
 //! `cuda/kernels/math.cuh`), so every device produces bitwise-identical master gradients.
 
 pub mod cpu;

@@ -22,7 +22,7 @@ use super::{
     Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::backend::cpu;
-use crate::backend::cpu::math::NORM_BLOCK;
+use crate::math::NORM_BLOCK;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 

@@ -44,7 +44,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 /// The boundary's work on the summed buffer, handed to [`HostCollectives::allreduce_with_pass`].
-/// It runs on runs of the sum that start at a multiple of [`cpu::math::NORM_BLOCK`] elements of
+/// It runs on runs of the sum that start at a multiple of [`crate::math::NORM_BLOCK`] elements of
 /// the whole buffer and hold whole blocks (only the buffer's last block may be short); it may
 /// change the run in place and writes one value per block of the run. What it does to a block,
 /// and the value it writes, must depend on that block's elements alone: then any cut of the
@@ -359,9 +359,9 @@ pub(crate) fn check_shards(len: usize, shards: &[Range<usize>], world: usize) ->
     for (q, s) in shards.iter().enumerate() {
         if s.start != end
             || s.start > s.end
-            || !(s.start.is_multiple_of(cpu::math::NORM_BLOCK) || s.is_empty())
+            || !(s.start.is_multiple_of(crate::math::NORM_BLOCK) || s.is_empty())
         {
-            let block = cpu::math::NORM_BLOCK;
+            let block = crate::math::NORM_BLOCK;
             return Err(Error::invalid(format!(
                 "shard {q} ({s:?}) must start at {end}, a multiple of {block} elements"
             )));

@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use super::BlockPass;
-use crate::backend::cpu::{self, math::NORM_BLOCK};
+use crate::backend::cpu; use crate::math::NORM_BLOCK;
 use crate::dtype::Dtype;
 use crate::error::Result;
 

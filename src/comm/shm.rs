@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::liveness::Peers;
 use super::shares::{self, ShareTransport, Step, PAGE, SHARE_NUMEL, SKEW};
-use crate::backend::cpu::math::NORM_BLOCK;
+use crate::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
 
 /// One cache line and its neighbour (the adjacent-line prefetcher pairs them): the abort word and

@@ -22,7 +22,7 @@ pub use rounding::Rounding;
 use crate::accumulator::protocol::{self, HostChannel, Step};
 use crate::accumulator::sharding::intersect;
 use crate::accumulator::{Accumulator, Plan, Sharding};
-use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32};
+use crate::math::{bf16_to_f32, f16_to_f32};
 use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad, GradMut};

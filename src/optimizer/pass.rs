@@ -6,7 +6,7 @@
 use super::rounding::{self, Rounding};
 use crate::backend::cpu::MIN_ELEMENTS_PER_THREAD;
 use super::update::Scalars;
-use crate::backend::cpu::math::{f32_to_bf16, f32_to_f16};
+use crate::math::{f32_to_bf16, f32_to_f16};
 use crate::dtype::{Dtype, GradMut};
 
 /// How a master weight becomes the model's weight; `i` is its place in the piece.

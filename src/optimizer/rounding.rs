@@ -2,7 +2,7 @@
 //! rounding driven by a counter-based generator, so that every rank, shard count and rerun draws
 //! the same number for the same element of the same step.
 
-use crate::backend::cpu::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::dtype::Dtype;
 
 /// How an FP32 master weight becomes the model's 16-bit weight.

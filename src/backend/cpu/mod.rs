@@ -11,7 +11,7 @@ mod avx2;
 mod avx512;
 mod isa;
 mod master;
-pub mod math;
+use crate::math;
 mod scalar;
 mod scaler;
 mod sharded;

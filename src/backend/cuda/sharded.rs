@@ -44,7 +44,7 @@ use super::store::{
 use crate::accumulator::protocol::Step;
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
 use crate::accumulator::{Agreed, DeviceScale, Plan, Proposal};
-use crate::backend::cpu::math::NORM_BLOCK;
+use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
 use crate::dtype::Dtype;

@@ -32,7 +32,7 @@ use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
     Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
 };
-use crate::backend::cpu::math::NORM_BLOCK;
+use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum};
 use crate::device::Device;

@@ -1,6 +1,6 @@
 /* The per-element arithmetic of the CUDA kernels, as plain C that compiles for the device (NVRTC)
  * and for the host (any C99 compiler). CI compiles this file on the host and checks it against
- * the CPU backend (src/backend/cpu/math.rs), so the device math is tested without a GPU.
+ * the contract every backend shares (src/math.rs), so the device math is tested without a GPU.
  *
  * Every function rounds exactly like its CPU twin: a rounded multiply then a rounded add (never a
  * fused multiply-add), f64 sums of squares, f32 factors rounded once from f64. On the device the

@@ -1,5 +1,7 @@
-//! The per-element arithmetic every backend shares. The CUDA kernels call device twins of these
-//! functions; this host copy is what CI tests, so the device math is tested without a GPU.
+//! The per-element arithmetic every backend shares: the contract of the accumulation, the norm
+//! and the 16-bit conversions. The CUDA kernels call device twins of these functions
+//! (`backend/cuda/kernels/math.cuh`); this host copy is what CI tests, so the device math is
+//! tested without a GPU.
 
 /// Elements per block of the deterministic sum of squares.
 pub const NORM_BLOCK: usize = 4096;
