@@ -1,11 +1,15 @@
 //! A 2-layer MLP trained data-parallel: each rank (a thread) runs candle's forward and backward
 //! in half precision on micro-batches of different sizes, gradacc accumulates the 16-bit
 //! gradients into FP32 masters and all-reduces them once per step, and AdamW steps FP32 master
-//! Vars, from which the half-precision weights are refreshed.
+//! Vars, from which the half-precision weights are refreshed: candle's AdamW over master Vars, or
+//! gradacc's, which keeps the masters itself and writes the half-precision weights in its pass.
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use gradacc::{Accumulator, AccumulatorConfig, Communicator, Scaler, ScalerConfig, SyncInfo};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Algorithm, Communicator, Grad, GradMut, OptimizerConfig,
+    Scaler, ScalerConfig, Slot, SyncInfo,
+};
 
 use crate::adapter::{self, err};
 
@@ -77,28 +81,76 @@ pub fn batches(step: usize, rank: usize, dtype: DType) -> Result<Vec<Batch>> {
     seeds.map(|(k, n)| batch((step * 1000 + rank * 100 + k) as u64, n, dtype)).collect()
 }
 
+/// Which optimizer steps the FP32 masters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stepper {
+    /// candle_nn's AdamW over FP32 master Vars; the half-precision weights copied from them.
+    Candle,
+    /// gradacc's AdamW: the masters inside gradacc, the half-precision weights written by its pass.
+    Gradacc,
+}
+
+/// The AdamW both steppers use: candle_nn's defaults at learning rate 1e-2.
+fn adamw() -> ParamsAdamW {
+    ParamsAdamW { lr: 1e-2, ..Default::default() }
+}
+
+enum Masters {
+    Candle { vars: Vec<Var>, opt: AdamW },
+    Gradacc(gradacc::Optimizer),
+}
+
 /// One data-parallel replica: the half-precision model, its FP32 masters and their optimizer,
 /// and gradacc's accumulator and scaler.
 pub struct Replica {
     pub model: Mlp,
     pub weights: Vec<Var>,
-    pub masters: Vec<Var>,
     pub acc: Accumulator,
     pub scaler: Scaler,
-    opt: AdamW,
+    masters: Masters,
 }
 
 impl Replica {
-    /// A replica whose masters are copied from `init` (the same start on every rank).
+    /// A replica whose masters are copied from `init` (the same start on every rank), stepped by
+    /// candle's AdamW.
     pub fn new(dtype: DType, init: &[Var], scaler: ScalerConfig) -> Result<Self> {
-        let (_, masters) = build(DType::F32)?;
-        adapter::copy_weights(init, &masters)?;
+        Self::with_stepper(dtype, init, scaler, Stepper::Candle)
+    }
+
+    /// As [`Replica::new`], stepped by `stepper`. gradacc's masters start as the half-precision
+    /// weights, so `init` should be representable in `dtype` for the two to start alike.
+    pub fn with_stepper(
+        dtype: DType,
+        init: &[Var],
+        scaler: ScalerConfig,
+        stepper: Stepper,
+    ) -> Result<Self> {
+        let (_, vars) = build(DType::F32)?;
+        adapter::copy_weights(init, &vars)?;
         let (model, weights) = build(dtype)?;
-        adapter::copy_weights(&masters, &weights)?;
+        adapter::copy_weights(&vars, &weights)?;
         let acc = Accumulator::new(AccumulatorConfig::default(), &adapter::descs(&weights)?)
             .map_err(err)?;
-        let opt = AdamW::new(masters.clone(), ParamsAdamW { lr: 1e-2, ..Default::default() })?;
-        Ok(Replica { model, weights, masters, acc, scaler: Scaler::new(scaler).map_err(err)?, opt })
+        let masters = match stepper {
+            Stepper::Candle => Masters::Candle { opt: AdamW::new(vars.clone(), adamw())?, vars },
+            Stepper::Gradacc => {
+                let p = adamw();
+                let config = OptimizerConfig {
+                    algorithm: Algorithm::AdamW {
+                        beta1: p.beta1 as f32,
+                        beta2: p.beta2 as f32,
+                        eps: p.eps as f32,
+                        weight_decay: p.weight_decay as f32,
+                    },
+                    lr: p.lr as f32,
+                    ..Default::default()
+                };
+                let current = half_weights(&weights)?;
+                let grads: Vec<Grad<'_>> = current.iter().map(|w| half_grad(dtype, w)).collect();
+                Masters::Gradacc(gradacc::Optimizer::new(&acc, config, &[], &grads).map_err(err)?)
+            }
+        };
+        Ok(Replica { model, weights, acc, scaler: Scaler::new(scaler).map_err(err)?, masters })
     }
 
     /// Adds one micro-batch: backward of the loss scaled by the current scale.
@@ -115,15 +167,85 @@ impl Replica {
     pub fn step(&mut self, comm: &dyn Communicator) -> Result<SyncInfo> {
         let info = self.acc.sync(Some(comm)).map_err(err)?;
         let skip = self.scaler.update_from(&[&self.acc], true).map_err(err)?.unwrap_or(true);
-        if !skip {
-            self.opt.step(&adapter::master_grads(&self.acc, &self.masters)?)?;
-            adapter::copy_weights(&self.masters, &self.weights)?;
+        match &mut self.masters {
+            Masters::Candle { vars, opt } => {
+                if !skip {
+                    opt.step(&adapter::master_grads(&self.acc, vars)?)?;
+                    adapter::copy_weights(vars, &self.weights)?;
+                }
+            }
+            Masters::Gradacc(opt) => {
+                // gradacc decides the skip itself, from the same agreed overflow flag.
+                let dtype = self.weights[0].dtype();
+                let mut current = half_weights(&self.weights)?;
+                let mut out: Vec<GradMut<'_>> =
+                    current.iter_mut().map(|w| half_grad_mut(dtype, w)).collect();
+                let stepped = opt.step(&self.acc, &mut out, None).map_err(err)?;
+                assert_eq!(stepped, !skip, "the optimizer and the scaler agree on the skip");
+                for (var, bits) in self.weights.iter().zip(current) {
+                    var.set(&from_bits(dtype, bits, var)?)?;
+                }
+            }
         }
         Ok(info)
     }
 
     /// The masters' values, flattened in order.
     pub fn master_values(&self) -> Result<Vec<Vec<f32>>> {
-        self.masters.iter().map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect()
+        match &self.masters {
+            Masters::Candle { vars, .. } => {
+                vars.iter().map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect()
+            }
+            Masters::Gradacc(opt) => (0..self.weights.len())
+                .map(|i| Ok(opt.read(i, Slot::Weights).map_err(err)?.1))
+                .collect(),
+        }
+    }
+}
+
+/// Each half-precision Var's values as 16-bit words.
+fn half_weights(vars: &[Var]) -> Result<Vec<Vec<u16>>> {
+    vars.iter()
+        .map(|v| {
+            let t = v.as_tensor().flatten_all()?;
+            Ok(match v.dtype() {
+                DType::F16 => t.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits()).collect(),
+                DType::BF16 => t.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits()).collect(),
+                d => candle_core::bail!("gradacc's stepper writes f16 or bf16 weights, not {d:?}"),
+            })
+        })
+        .collect()
+}
+
+fn half_grad(dtype: DType, w: &[u16]) -> Grad<'_> {
+    if dtype == DType::F16 {
+        Grad::F16(w)
+    } else {
+        Grad::Bf16(w)
+    }
+}
+
+fn half_grad_mut(dtype: DType, w: &mut [u16]) -> GradMut<'_> {
+    if dtype == DType::F16 {
+        GradMut::F16(w)
+    } else {
+        GradMut::Bf16(w)
+    }
+}
+
+/// A tensor of `var`'s shape and dtype from 16-bit words.
+fn from_bits(dtype: DType, bits: Vec<u16>, var: &Var) -> Result<Tensor> {
+    let (shape, device) = (var.shape(), var.device());
+    match dtype {
+        DType::F16 => Tensor::from_vec(
+            bits.into_iter().map(half::f16::from_bits).collect::<Vec<_>>(),
+            shape,
+            device,
+        ),
+        _ => Tensor::from_vec(
+            bits.into_iter().map(half::bf16::from_bits).collect::<Vec<_>>(),
+            shape,
+            device,
+        ),
     }
 }
