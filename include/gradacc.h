@@ -1275,7 +1275,8 @@ enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *
  * which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
  * on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
  * all-gather the weights over `comm`: the communicator sync took (NULL for a sharded
- * accumulation's own). WRONG_STATE before a sync or a second time after one.
+ * accumulation's own). WRONG_STATE before a sync or a second time after one. A call whose
+ * `weights` are refused here still takes part in the agreement, so the other ranks fail at once.
  *
  * Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
  * weights are read and written during the call only.
