@@ -242,6 +242,14 @@ func (o *Optimizer) Step(acc *Accumulator, weights []Weight, comm *Comm) (steppe
 	defer pin.Unpin()
 	ptrs, err := pinWeights(weights, acc.tensors, o.dtypes, &pin)
 	if err != nil {
+		// The library refuses a call without weights, and under a sharded boundary tells the
+		// other ranks, which fail at once instead of waiting in the step's agreement.
+		_ = call(func() C.enum_gradacc_status_t {
+			return C.gradacc_optimizer_step(p, ap, nil, C.size_t(len(weights)), cp, nil)
+		})
+		runtime.KeepAlive(o)
+		runtime.KeepAlive(acc)
+		runtime.KeepAlive(comm)
 		return false, err
 	}
 	var out C.bool

@@ -6,6 +6,7 @@ import (
 	"math"
 	"strings"
 	"testing"
+	"time"
 )
 
 // f16Bits is the fp16 word of a finite float32, rounded to nearest even (the values here stay
@@ -159,5 +160,57 @@ func TestOptimizerErrors(t *testing.T) {
 	}
 	if _, err := opt.Steps(); !errors.Is(err, &Error{Status: StatusInvalidHandle}) {
 		t.Fatalf("closed: %v", err)
+	}
+}
+
+// Under a reduce-scatter boundary a step the binding refuses on one rank (one weight too few)
+// fails on every rank at once: that rank with its own error, the other with PEER_FAILURE; then
+// both step.
+func TestOptimizerStepRefusedOnOneRankFailsEveryRank(t *testing.T) {
+	comms := must(NewLocalGroup(2))
+	defer closeAll(comms)
+	for _, c := range comms {
+		if err := c.SetTimeout(30 * time.Second); err != nil { // a rank left waiting fails, not hangs
+			t.Fatal(err)
+		}
+	}
+	errs := make([]error, 2)
+	onRanks(t, 2, func(r int) {
+		scaler := scalerWithScale(t, 1)
+		defer scaler.Close()
+		c := DefaultAccumulatorConfig()
+		c.Sharding, c.ShardCount, c.ShardRank = ShardingReduceScatter, 2, uint32(r)
+		acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &c, nil))
+		defer acc.Close()
+		w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+		weights := []Weight{WeightF16(w0), WeightF32(w1)}
+		opt := must(NewOptimizer(acc, weights, nil, nil))
+		defer opt.Close()
+		g0, g1 := make([]uint16, optN0), make([]float32, optN1)
+		for i := range g0 {
+			g0[i] = f16Bits(optGrad0(i))
+		}
+		if err := acc.Add(scaler, []Grad{Words16(g0), Float32s(g1)}, 1); err != nil {
+			t.Error(err)
+			return
+		}
+		if _, err := acc.Sync(comms[r]); err != nil {
+			t.Error(err)
+			return
+		}
+		given := weights
+		if r == 1 {
+			given = weights[:1]
+		}
+		_, errs[r] = opt.Step(acc, given, comms[r])
+		if stepped, err := opt.Step(acc, weights, comms[r]); err != nil || !stepped {
+			t.Errorf("rank %d: the valid step after the refused one: %v, %v", r, stepped, err)
+		}
+	})
+	for r, want := range []Status{StatusPeerFailure, StatusSizeMismatch} {
+		var e *Error
+		if !errors.As(errs[r], &e) || e.Status != want {
+			t.Errorf("rank %d: got %v, want status %v", r, errs[r], want)
+		}
 	}
 }
