@@ -89,6 +89,59 @@ pub enum GradMut<'a> {
     Bf16(&'a mut [u16]),
 }
 
+impl<'a> GradMut<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            GradMut::F32(s) => s.len(),
+            GradMut::F16(s) | GradMut::Bf16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.as_grad().dtype()
+    }
+
+    /// The same buffer, read-only.
+    pub fn as_grad(&self) -> Grad<'_> {
+        match self {
+            GradMut::F32(s) => Grad::F32(s),
+            GradMut::F16(s) => Grad::F16(s),
+            GradMut::Bf16(s) => Grad::Bf16(s),
+        }
+    }
+
+    /// The elements `r` of this buffer.
+    pub fn slice_mut(&mut self, r: std::ops::Range<usize>) -> GradMut<'_> {
+        match self {
+            GradMut::F32(s) => GradMut::F32(&mut s[r]),
+            GradMut::F16(s) => GradMut::F16(&mut s[r]),
+            GradMut::Bf16(s) => GradMut::Bf16(&mut s[r]),
+        }
+    }
+
+    /// The buffer cut in two at element `mid`.
+    pub fn split_at_mut(self, mid: usize) -> (GradMut<'a>, GradMut<'a>) {
+        match self {
+            GradMut::F32(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (GradMut::F32(a), GradMut::F32(b))
+            }
+            GradMut::F16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (GradMut::F16(a), GradMut::F16(b))
+            }
+            GradMut::Bf16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (GradMut::Bf16(a), GradMut::Bf16(b))
+            }
+        }
+    }
+}
+
 /// Whether a buffer address (host or device) passes the checks: non-null, aligned for `dtype`,
 /// and a length that fits the address space. Element sizes are powers of two: a mask and a
 /// multiplication instead of divisions.

@@ -239,14 +239,7 @@ pub unsafe extern "C" fn gradacc_optimizer_create(
         // SAFETY: each weight holds its tensor's numel values of its dtype (API contract); they
         // are only read here.
         let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
-        let grads: Vec<Grad<'_>> = buffers
-            .iter()
-            .map(|b| match b {
-                GradMut::F32(s) => Grad::F32(s),
-                GradMut::F16(s) => Grad::F16(s),
-                GradMut::Bf16(s) => Grad::Bf16(s),
-            })
-            .collect();
+        let grads: Vec<Grad<'_>> = buffers.iter().map(GradMut::as_grad).collect();
         let opt = Optimizer::new(&a, config, &groups, &grads)?;
         *out = OPTIMIZERS.insert(Arc::new(opt));
         Ok(())

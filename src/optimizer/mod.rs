@@ -248,7 +248,7 @@ impl Optimizer {
         }
         check_count(weights.len(), self.dtypes.len())?;
         for (i, w) in weights.iter().enumerate() {
-            let dtype = mut_dtype(w);
+            let dtype = w.dtype();
             if dtype != self.dtypes[i] {
                 return Err(Error::new(
                     ErrorKind::DtypeMismatch,
@@ -258,7 +258,7 @@ impl Optimizer {
                     ),
                 ));
             }
-            check_len(i, mut_len(w), self.plan.descs[i].numel)?;
+            check_len(i, w.len(), self.plan.descs[i].numel)?;
         }
         let window = acc.with_reduced("the optimizer step", |window, _, _| window)?;
         if s.consumed == Some(window) {
@@ -321,7 +321,7 @@ impl Optimizer {
                 second: if second.is_empty() { &mut [] } else { &mut second[p.held.clone()] },
             };
             let threads = self.plan.config.threads;
-            let out = sub_mut(w, p.tensor);
+            let out = w.slice_mut(p.tensor);
             pass::step_threads(&k, state, out, self.rounding, t, p.flat.start, threads);
         }
         s.steps = t;
@@ -432,35 +432,11 @@ fn check_len(i: usize, got: usize, numel: usize) -> Result<()> {
     }
 }
 
-/// The elements `r` of a model weight.
-fn sub_mut<'a>(w: &'a mut GradMut<'_>, r: Range<usize>) -> GradMut<'a> {
-    match w {
-        GradMut::F32(b) => GradMut::F32(&mut b[r]),
-        GradMut::F16(b) => GradMut::F16(&mut b[r]),
-        GradMut::Bf16(b) => GradMut::Bf16(&mut b[r]),
-    }
-}
-
 fn value_at(g: &Grad<'_>, at: usize) -> f32 {
     match g {
         Grad::F32(b) => b[at],
         Grad::F16(b) => f16_to_f32(b[at]),
         Grad::Bf16(b) => bf16_to_f32(b[at]),
-    }
-}
-
-fn mut_dtype(w: &GradMut<'_>) -> Dtype {
-    match w {
-        GradMut::F32(_) => Dtype::F32,
-        GradMut::F16(_) => Dtype::F16,
-        GradMut::Bf16(_) => Dtype::Bf16,
-    }
-}
-
-fn mut_len(w: &GradMut<'_>) -> usize {
-    match w {
-        GradMut::F32(b) => b.len(),
-        GradMut::F16(b) | GradMut::Bf16(b) => b.len(),
     }
 }
 

@@ -80,23 +80,6 @@ impl<'a> Piece<'a> {
     }
 }
 
-fn split_out(out: GradMut<'_>, mid: usize) -> (GradMut<'_>, GradMut<'_>) {
-    match out {
-        GradMut::F32(o) => {
-            let (a, b) = o.split_at_mut(mid);
-            (GradMut::F32(a), GradMut::F32(b))
-        }
-        GradMut::F16(o) => {
-            let (a, b) = o.split_at_mut(mid);
-            (GradMut::F16(a), GradMut::F16(b))
-        }
-        GradMut::Bf16(o) => {
-            let (a, b) = o.split_at_mut(mid);
-            (GradMut::Bf16(a), GradMut::Bf16(b))
-        }
-    }
-}
-
 /// [`step`] on up to `threads` threads, each taking a contiguous part: every element's
 /// arithmetic and random draw are its own, so the bits do not depend on the thread count.
 pub(crate) fn step_threads(
@@ -114,7 +97,7 @@ pub(crate) fn step_threads(
     }
     let left = threads / 2;
     let mid = n * left / threads;
-    let ((p0, p1), (o0, o1)) = (piece.split_at(mid), split_out(out, mid));
+    let ((p0, p1), (o0, o1)) = (piece.split_at(mid), out.split_at_mut(mid));
     std::thread::scope(|s| {
         s.spawn(move || step_threads(k, p0, o0, rounding, step_count, base, left));
         step_threads(k, p1, o1, rounding, step_count, base + mid, threads - left);
