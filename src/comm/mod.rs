@@ -293,9 +293,7 @@ pub trait HostCollectives: Send + Sync {
         let mut out = Vec::with_capacity(counts.iter().sum());
         let mut at = 0;
         for (&bytes, &n) in counts.iter().zip(&word_counts) {
-            let theirs: Vec<u8> =
-                all[at..at + n].iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
-            out.extend_from_slice(&theirs[..bytes]);
+            out.extend(all[at..at + n].iter().flat_map(|v| v.to_bits().to_le_bytes()).take(bytes));
             at += n;
         }
         Ok(out)
