@@ -1439,18 +1439,16 @@ impl Accumulator {
         f: impl FnOnce(u64, SyncInfo, &[f32]) -> R,
     ) -> Result<R> {
         let w = self.window.write();
-        let Phase::Synced(info) = w.phase else {
-            return Err(Error::wrong_state(format!(
-                "{what} needs a synced window: call sync first (a window steps the optimizer once)"
-            )));
-        };
-        let info = info.ok_or_else(|| {
-            Error::wrong_state(format!("{what} needs the boundary's result on the host: sync, not sync_enqueue"))
-        })?;
+        let (window, info) = synced_window(&w, what)?;
         self.store.check_open()?;
         let (mut f, mut out) = (Some(f), None);
-        self.store.view(self.plan.shard(), &mut |g| out = f.take().map(|f| f(w.id, info, g)))?;
+        self.store.view(self.plan.shard(), &mut |g| out = f.take().map(|f| f(window, info, g)))?;
         Ok(out.expect("a view runs once"))
+    }
+
+    /// The synced window's id, checked as [`Accumulator::with_reduced`] checks it.
+    pub(crate) fn synced_window(&self, what: &str) -> Result<u64> {
+        synced_window(&self.window.read(), what).map(|(window, _)| window)
     }
 
     pub(crate) fn plan(&self) -> &Arc<Plan> {
@@ -1613,4 +1611,20 @@ impl Accumulator {
             )),
         }
     }
+}
+
+/// The id and info of a synced window whose boundary's result is on the host; `WrongState`
+/// naming `what` otherwise.
+fn synced_window(w: &State, what: &str) -> Result<(u64, SyncInfo)> {
+    let Phase::Synced(info) = w.phase else {
+        return Err(Error::wrong_state(format!(
+            "{what} needs a synced window: call sync first (a window steps the optimizer once)"
+        )));
+    };
+    let info = info.ok_or_else(|| {
+        Error::wrong_state(format!(
+            "{what} needs the boundary's result on the host: sync, not sync_enqueue"
+        ))
+    })?;
+    Ok((w.id, info))
 }

@@ -261,7 +261,7 @@ impl Optimizer {
             }
             check_len(i, w.len(), self.plan.descs[i].numel)?;
         }
-        let window = acc.with_reduced("the optimizer step", |window, _, _| window)?;
+        let window = acc.synced_window("the optimizer step")?;
         if s.consumed == Some(window) {
             return Err(Error::wrong_state(
                 "the optimizer already stepped from this window: sync again first",
