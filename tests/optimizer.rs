@@ -566,6 +566,10 @@ fn a_step_refused_on_one_rank_fails_on_every_rank() {
     let initial = model(&mut rng, &tensors);
     let data = group_data(&mut rng, &tensors, 2, 1);
     let comms = LocalComm::group(2).unwrap();
+    for c in &comms {
+        // Without the agreement a rank would wait in the all-gather: fail, not hang.
+        c.set_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    }
     std::thread::scope(|scope| {
         for (rank, comm) in comms.into_iter().enumerate() {
             let (tensors, initial, g) = (&tensors, &initial, &data[rank][0]);
