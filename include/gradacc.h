@@ -260,6 +260,12 @@ typedef int32_t gradacc_sharding_t;
 typedef int32_t gradacc_dtype_t;
 
 /**
+ * What a non-finite gradient value costs the window (the Rust API's `Overflow`, whose doc is the
+ * contract; docs/overflow.md states it for every language).
+ */
+typedef int32_t gradacc_overflow_t;
+
+/**
  * Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change
  * fields.
  */
@@ -316,6 +322,10 @@ typedef struct gradacc_accumulator_config_t {
      * not grow with the number of ranks (docs/sharding.md).
      */
     gradacc_dtype_t wire_dtype;
+    /**
+     * GRADACC_OVERFLOW_* (default SKIP_STEP).
+     */
+    gradacc_overflow_t overflow;
 } gradacc_accumulator_config_t;
 
 /**
@@ -360,6 +370,11 @@ typedef struct gradacc_device_t {
 } gradacc_device_t;
 
 /**
+ * Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
+ */
+typedef int32_t gradacc_overflow_at_t;
+
+/**
  * What the boundary reports; identical on every rank. Set struct_size before the call
  * (`gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;` in C).
  */
@@ -390,6 +405,24 @@ typedef struct gradacc_sync_info_t {
      * Factor clipping applied (1 when clipping is off or not needed).
      */
     double clip_coef;
+    /**
+     * Micro-batches dropped over all ranks (GRADACC_OVERFLOW_DROP_MICROBATCH); their items and
+     * micro-batches are not in total_count and microbatches.
+     */
+    uint64_t dropped_microbatches;
+    /**
+     * GRADACC_OVERFLOW_AT_*: where the window first went non-finite, in the order micro-batch,
+     * then tensor, then rank; the same on every rank.
+     */
+    gradacc_overflow_at_t overflow_at;
+    /**
+     * With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
+     * shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones
+     * included) and the tensor index; 0 otherwise.
+     */
+    uint64_t overflow_rank;
+    uint64_t overflow_microbatch;
+    uint64_t overflow_tensor;
 } gradacc_sync_info_t;
 
 /**
@@ -625,6 +658,35 @@ typedef struct gradacc_scaler_stats_t {
  * failure ends and what the result equals: docs/sharding.md, "Sharded accumulation (ZeRO-2)".
  */
 #define GRADACC_SHARDING_ACCUMULATE 2
+
+/**
+ * The window's step is skipped on every rank, as PyTorch's GradScaler does (default).
+ */
+#define GRADACC_OVERFLOW_SKIP_STEP 0
+
+/**
+ * Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
+ * by what every rank kept, and the step is skipped only when nothing was kept or the sum
+ * overflows. CPU accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails with
+ * GRADACC_ERROR_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update_from: a drop
+ * backs the scale off.
+ */
+#define GRADACC_OVERFLOW_DROP_MICROBATCH 1
+
+/**
+ * Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+ */
+#define GRADACC_OVERFLOW_AT_NONE 0
+
+/**
+ * A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
+ */
+#define GRADACC_OVERFLOW_AT_GRADIENT 1
+
+/**
+ * Every rank's window was finite; their sum overflowed.
+ */
+#define GRADACC_OVERFLOW_AT_REDUCTION 2
 
 /**
  * The in-process communicator (gradacc_comm_create_local); in every build.

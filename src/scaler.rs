@@ -302,7 +302,14 @@ impl Scaler {
     /// Fails with [`ErrorKind::ScaleAtMinimum`], changing nothing, when an overflow needs a backoff
     /// while the scale already sits at `min_scale`.
     pub fn update(&self, found_inf: bool) -> Result<StepOutcome> {
-        let next = self.store.step(&|config, state| next_state(config, state, found_inf));
+        self.update_after(found_inf, false)
+    }
+
+    /// [`Scaler::update`] after a window that dropped micro-batches (`dropped`) or not: a drop
+    /// backs the scale off as an overflow does (else every later micro-batch would be dropped
+    /// too), though the step is taken; the scale grows only after clean steps.
+    fn update_after(&self, found_inf: bool, dropped: bool) -> Result<StepOutcome> {
+        let next = self.store.step(&|config, state| next_state(config, state, found_inf, dropped));
         let next = next.ok_or_else(|| self.not_on_cpu())??;
         Ok(StepOutcome { skipped: found_inf, scale: next.scale })
     }
@@ -318,14 +325,16 @@ impl Scaler {
                 "no accumulators: pass the accumulators whose step this update ends",
             ));
         }
-        let mut found_inf = false;
+        let (mut found_inf, mut dropped) = (false, false);
         for (i, a) in accumulators.iter().enumerate() {
             let what = format!("accumulators[{i}]");
             Device::require_same((&what, a.device()), ("the scaler", self.device()))?;
-            found_inf |= a.check_synced(&what)?.is_some_and(|info| info.found_inf);
+            let info = a.check_synced(&what)?;
+            found_inf |= info.is_some_and(|info| info.found_inf);
+            dropped |= info.is_some_and(|info| info.dropped_microbatches != 0);
         }
         let ScaleSource::Device(state) = self.source() else {
-            return Ok(Some(self.update(found_inf)?.skipped));
+            return Ok(Some(self.update_after(found_inf, dropped)?.skipped));
         };
         for (i, a) in accumulators.iter().enumerate() {
             if let Err(e) = a.gather_into(state, &format!("accumulators[{i}]")) {
@@ -417,19 +426,25 @@ fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
     Ok((config, ScalerState { scale, growth_tracker, hysteresis_tracker, stats }))
 }
 
-/// The update rule, as a pure function of the configuration and the state.
-fn next_state(c: &ScalerConfig, s: &ScalerState, found_inf: bool) -> Result<ScalerState> {
+/// The update rule, as a pure function of the configuration and the state: PyTorch's, where a
+/// window that dropped micro-batches backs off as an overflow does but is not a skipped step.
+fn next_state(
+    c: &ScalerConfig,
+    s: &ScalerState,
+    found_inf: bool,
+    dropped: bool,
+) -> Result<ScalerState> {
     let mut n = *s;
     n.stats.steps += 1;
+    n.stats.skipped_steps += found_inf as u64;
     if !c.dynamic {
-        n.stats.skipped_steps += found_inf as u64;
         return Ok(n);
     }
-    if found_inf {
-        n.stats.skipped_steps += 1;
+    if found_inf || dropped {
         n.growth_tracker = 0;
         n.hysteresis_tracker = s.hysteresis_tracker.saturating_sub(1);
-        if n.hysteresis_tracker == 0 {
+        // A drop at the minimum scale keeps it: the dropped micro-batch already spared the step.
+        if n.hysteresis_tracker == 0 && (found_inf || s.scale > c.min_scale) {
             if s.scale <= c.min_scale {
                 return Err(Error::new(
                     ErrorKind::ScaleAtMinimum,

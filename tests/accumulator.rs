@@ -39,6 +39,7 @@ fn run_case(rng: &mut Rng, case: usize) {
         threads: rng.range(1, 3) as usize,
         sharding: Sharding::None,
         wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
+        overflow: Overflow::SkipStep,
     };
     let weights_by_count = config.weights_by_count();
 

@@ -135,6 +135,7 @@ fn random_config(rng: &mut Rng) -> AccumulatorConfig {
         threads: rng.range(1, 2) as usize,
         sharding: Sharding::None,
         wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
+        overflow: Overflow::SkipStep,
     }
 }
 

@@ -11,7 +11,8 @@ use crate::status::{gradacc_status_t, guard, null, CallResult};
 use crate::types::*;
 use gradacc::accumulator::Owed;
 use gradacc::accumulator::{
-    Accumulator, AccumulatorConfig, LossReduction, Normalize, Sharding, SyncInfo, TensorDesc,
+    Accumulator, AccumulatorConfig, LossReduction, Normalize, Overflow, OverflowAt, Sharding,
+    SyncInfo, TensorDesc,
 };
 use gradacc::device::Device;
 use gradacc::dtype::Dtype;
@@ -71,6 +72,27 @@ pub const GRADACC_SHARDING_REDUCE_SCATTER: gradacc_sharding_t = 1;
 /// failure ends and what the result equals: docs/sharding.md, "Sharded accumulation (ZeRO-2)".
 pub const GRADACC_SHARDING_ACCUMULATE: gradacc_sharding_t = 2;
 
+/// What a non-finite gradient value costs the window (the Rust API's `Overflow`, whose doc is the
+/// contract; docs/overflow.md states it for every language).
+pub type gradacc_overflow_t = i32;
+/// The window's step is skipped on every rank, as PyTorch's GradScaler does (default).
+pub const GRADACC_OVERFLOW_SKIP_STEP: gradacc_overflow_t = 0;
+/// Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
+/// by what every rank kept, and the step is skipped only when nothing was kept or the sum
+/// overflows. CPU accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails with
+/// GRADACC_STATUS_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update_from: a drop
+/// backs the scale off.
+pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
+
+/// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
+pub type gradacc_overflow_at_t = i32;
+/// Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+pub const GRADACC_OVERFLOW_AT_NONE: gradacc_overflow_at_t = 0;
+/// A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
+pub const GRADACC_OVERFLOW_AT_GRADIENT: gradacc_overflow_at_t = 1;
+/// Every rank's window was finite; their sum overflowed.
+pub const GRADACC_OVERFLOW_AT_REDUCTION: gradacc_overflow_at_t = 2;
+
 /// Accumulator configuration. Initialise with gradacc_accumulator_config_default, then change
 /// fields.
 #[repr(C)]
@@ -106,6 +128,8 @@ pub struct gradacc_accumulator_config_t {
     /// magnitude (the sum of the contributions' absolute values): the bf16 rounding's share does
     /// not grow with the number of ranks (docs/sharding.md).
     pub wire_dtype: gradacc_dtype_t,
+    /// GRADACC_OVERFLOW_* (default SKIP_STEP).
+    pub overflow: gradacc_overflow_t,
 }
 
 /// What the boundary reports; identical on every rank. Set struct_size before the call
@@ -127,6 +151,18 @@ pub struct gradacc_sync_info_t {
     pub grad_norm: f64,
     /// Factor clipping applied (1 when clipping is off or not needed).
     pub clip_coef: f64,
+    /// Micro-batches dropped over all ranks (GRADACC_OVERFLOW_DROP_MICROBATCH); their items and
+    /// micro-batches are not in total_count and microbatches.
+    pub dropped_microbatches: u64,
+    /// GRADACC_OVERFLOW_AT_*: where the window first went non-finite, in the order micro-batch,
+    /// then tensor, then rank; the same on every rank.
+    pub overflow_at: gradacc_overflow_at_t,
+    /// With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
+    /// shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones
+    /// included) and the tensor index; 0 otherwise.
+    pub overflow_rank: u64,
+    pub overflow_microbatch: u64,
+    pub overflow_tensor: u64,
 }
 
 /// The most shards a sharded accumulator may have: a communicator of more ranks could not sum
@@ -188,6 +224,15 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
             )))
         }
     };
+    let overflow = match c.overflow {
+        GRADACC_OVERFLOW_SKIP_STEP => Overflow::SkipStep,
+        GRADACC_OVERFLOW_DROP_MICROBATCH => Overflow::DropMicrobatch,
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.overflow = {v} is not a GRADACC_OVERFLOW_* value"
+            )))
+        }
+    };
     Ok(AccumulatorConfig {
         loss_reduction,
         normalize,
@@ -196,6 +241,7 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         threads: c.threads as usize,
         sharding,
         wire,
+        overflow,
     })
 }
 
@@ -222,6 +268,7 @@ pub unsafe extern "C" fn gradacc_accumulator_config_default(
             shard_count: 1,
             shard_rank: 0,
             wire_dtype: d.wire.code(),
+            overflow: d.overflow.code(),
         };
         Ok(())
     })
@@ -589,6 +636,24 @@ unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
         microbatches: info.microbatches,
         grad_norm: info.grad_norm,
         clip_coef: info.clip_coef,
+        dropped_microbatches: info.dropped_microbatches,
+        overflow_at: match info.overflow {
+            None => GRADACC_OVERFLOW_AT_NONE,
+            Some(OverflowAt::Gradient { .. }) => GRADACC_OVERFLOW_AT_GRADIENT,
+            Some(OverflowAt::Reduction) => GRADACC_OVERFLOW_AT_REDUCTION,
+        },
+        overflow_rank: 0,
+        overflow_microbatch: 0,
+        overflow_tensor: 0,
+    };
+    let c = match info.overflow {
+        Some(OverflowAt::Gradient { rank, microbatch, tensor }) => gradacc_sync_info_t {
+            overflow_rank: rank as u64,
+            overflow_microbatch: microbatch,
+            overflow_tensor: tensor as u64,
+            ..c
+        },
+        _ => c,
     };
     // SAFETY: by the caller's contract.
     unsafe { write_out_struct(out, c) }

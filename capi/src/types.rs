@@ -189,6 +189,7 @@ versioned!(
         shard_count,
         shard_rank,
         wire_dtype,
+        overflow,
     },
     defaults: gradacc_accumulator_config_default
 );
@@ -231,7 +232,12 @@ versioned!(gradacc_sync_info_t {
     total_count,
     microbatches,
     grad_norm,
-    clip_coef
+    clip_coef,
+    dropped_microbatches,
+    overflow_at,
+    overflow_rank,
+    overflow_microbatch,
+    overflow_tensor
 });
 versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
 
@@ -245,6 +251,11 @@ impl Default for gradacc_sync_info_t {
             microbatches: 0,
             grad_norm: 0.0,
             clip_coef: 0.0,
+            dropped_microbatches: 0,
+            overflow_at: 0,
+            overflow_rank: 0,
+            overflow_microbatch: 0,
+            overflow_tensor: 0,
         }
     }
 }
@@ -498,10 +509,10 @@ mod tests {
         check::<gradacc_scaler_stats_t>();
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8
         // bucket_numel, 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4
-        // shard_count, 4 shard_rank, 4 wire_dtype.
+        // shard_count, 4 shard_rank, 4 wire_dtype (0.2 ended here), 4 overflow (+4 padding).
         assert_eq!(
             accepted_sizes::<gradacc_accumulator_config_t>(),
-            [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56]
+            [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64]
         );
         let e = check_struct_size::<gradacc_accumulator_config_t>(22, "config").unwrap_err();
         assert!(e.message().contains("`config`.struct_size = 22"), "{}", e.message());

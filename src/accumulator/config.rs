@@ -157,6 +157,37 @@ pub enum Sharding {
     Accumulate { shards: usize, rank: usize },
 }
 
+/// What a non-finite gradient value costs the window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overflow {
+    /// The window's step is skipped on every rank, as PyTorch's `GradScaler` does. The default.
+    #[default]
+    SkipStep,
+    /// Only the micro-batch that held it is dropped, on the rank that fed it: the master is
+    /// exactly as before that micro-batch, whose items and micro-batch do not count, and the
+    /// window goes on. The boundary normalises by what was kept on every rank, and the step is
+    /// skipped only when nothing was kept anywhere or the sum of the kept micro-batches
+    /// overflows. docs/overflow.md states the policy for every language, with its costs.
+    ///
+    /// A micro-batch fed by [`Accumulator::add`](super::Accumulator::add) is checked before it
+    /// is added (a read of its gradients). One fed tensor by tensor goes through an FP32 staging
+    /// buffer the size of the master (allocated at its first use), added into the master when
+    /// the micro-batch ends clean. A dropped micro-batch backs the scale off at the next update
+    /// ([`Scaler::update_from`](crate::Scaler::update_from)). CPU accumulators without sharded
+    /// accumulation; elsewhere `build` fails with `BackendUnavailable`.
+    DropMicrobatch,
+}
+
+impl Overflow {
+    /// The stable code of the policy: GRADACC_OVERFLOW_* in the C API.
+    pub fn code(self) -> i32 {
+        match self {
+            Overflow::SkipStep => 0,
+            Overflow::DropMicrobatch => 1,
+        }
+    }
+}
+
 impl Sharding {
     /// The shard count and this rank's shard, under either sharded policy.
     pub fn shard(self) -> Option<(usize, usize)> {
@@ -191,6 +222,8 @@ pub struct AccumulatorConfig {
     /// magnitude (the sum of the contributions' absolute values): the bf16 rounding's share does
     /// not grow with the number of ranks.
     pub wire: Dtype,
+    /// What a non-finite gradient value costs (default [`Overflow::SkipStep`]).
+    pub overflow: Overflow,
 }
 
 impl Default for AccumulatorConfig {
@@ -203,6 +236,7 @@ impl Default for AccumulatorConfig {
             threads: 1,
             sharding: Sharding::None,
             wire: Dtype::F32,
+            overflow: Overflow::SkipStep,
         }
     }
 }

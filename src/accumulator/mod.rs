@@ -25,14 +25,15 @@ pub(crate) mod sharding;
 mod window;
 
 pub use config::{
-    AccumulatorConfig, LossReduction, Normalize, Sharding, TensorDesc, MAX_WINDOW_COUNT,
+    AccumulatorConfig, LossReduction, Normalize, Overflow, Sharding, TensorDesc,
+    MAX_WINDOW_COUNT,
 };
 
 use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::comm::{Communicator, ControlSum};
+use crate::comm::{Communicator, ControlSum, OverflowKey};
 use crate::device::{Device, DevicePtr};
 use crate::dtype::{self, Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -77,6 +78,24 @@ pub struct SyncInfo {
     pub grad_norm: f64,
     /// Factor applied by clipping (1 when clipping is off or not needed).
     pub clip_coef: f64,
+    /// Micro-batches dropped over all ranks ([`Overflow::DropMicrobatch`]); their items and
+    /// micro-batches are not in the totals above.
+    pub dropped_microbatches: u64,
+    /// Where the window first went non-finite, the same on every rank; `None` when it stayed
+    /// finite (on CUDA, where the place is not located, `None` with `found_inf`).
+    pub overflow: Option<OverflowAt>,
+}
+
+/// Where a window first went non-finite: the first place in the order micro-batch, then
+/// tensor, then rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverflowAt {
+    /// A non-finite value in rank `rank`'s micro-batch `microbatch` (its window's micro-batches
+    /// counted from 0, dropped ones included) in tensor `tensor`: a gradient value after
+    /// unscaling, or the master where adding it overflowed.
+    Gradient { rank: usize, microbatch: u64, tensor: usize },
+    /// Every rank's window was finite; their sum overflowed.
+    Reduction,
 }
 
 /// One micro-batch's gradients, tensor by tensor, in the accumulator's memory: host slices for
@@ -183,6 +202,17 @@ impl<'a> Gradient<'a> {
 }
 
 /// Gradients in memory the store cannot read.
+/// [`Overflow::DropMicrobatch`] where no store drops a micro-batch (`where_`).
+fn no_drop(where_: &str) -> Error {
+    Error::new(
+        ErrorKind::BackendUnavailable,
+        format!(
+            "overflow = DropMicrobatch runs on CPU accumulators without sharded accumulation, not \
+             {where_}"
+        ),
+    )
+}
+
 fn wrong_memory(what: &str, store: &str) -> Error {
     Error::new(ErrorKind::DeviceMismatch, format!("{what} for an accumulator on {store}"))
 }
@@ -239,6 +269,10 @@ impl Plan {
         }
         if c.wire != Dtype::F32 {
             bytes.extend(c.wire.code().to_le_bytes());
+        }
+        // The policy decides what the ranks count.
+        if c.overflow != Overflow::SkipStep {
+            bytes.extend([0x0f, c.overflow.code() as u8]);
         }
         state::checksum(&bytes)
     }
@@ -327,8 +361,58 @@ pub(crate) struct Proposal<'a> {
     pub microbatches: u64,
     /// The rank-windows this rank's window sums (at least 1).
     pub ranks: u64,
+    /// Micro-batches this rank dropped, and where its window first went non-finite.
+    pub dropped: u64,
+    pub first_bad: Option<(u64, usize)>,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
     pub error: Option<Error>,
+}
+
+impl Proposal<'_> {
+    /// This rank's place in the world of the boundary's groups: at a hybrid boundary, replica
+    /// group rank times the shard group's size plus the shard group rank.
+    fn world_rank(&self) -> usize {
+        let rank = self.comm.map_or(0, |c| c.rank());
+        match self.replicas {
+            Some(r) => r.rank() * self.comm.map_or(1, |c| c.world_size()) + rank,
+            None => rank,
+        }
+    }
+
+    /// The [`OverflowKey`] of this rank's first non-finite place; with only the window's flag
+    /// `found_inf` set (a saved window, or a store that cannot locate), [`OverflowKey::UNLOCATED`].
+    pub(crate) fn first_bad(&self, found_inf: bool) -> u64 {
+        match self.first_bad {
+            Some((microbatch, tensor)) => OverflowKey::of(microbatch, tensor, self.world_rank()),
+            None if found_inf => OverflowKey::UNLOCATED,
+            None => OverflowKey::NONE,
+        }
+    }
+}
+
+impl SyncInfo {
+    /// The report from the agreed totals and the reduced gradient's norm: an overflow where a
+    /// rank's window went non-finite, or the norm is not (every rank added finite values, but
+    /// their sum overflowed, or a BF16 wire rounded a value to infinity).
+    pub(crate) fn of(total: &ControlSum, grad_norm: f64, clip_coef: f64) -> Self {
+        let found_inf = total.found_inf || !grad_norm.is_finite();
+        let overflow = match OverflowKey::parts(total.first_bad) {
+            Some((microbatch, tensor, rank)) => {
+                Some(OverflowAt::Gradient { rank, microbatch, tensor })
+            }
+            None if total.first_bad == OverflowKey::NONE && found_inf => Some(OverflowAt::Reduction),
+            None => None,
+        };
+        SyncInfo {
+            found_inf,
+            total_count: total.count,
+            microbatches: total.microbatches,
+            grad_norm,
+            clip_coef,
+            dropped_microbatches: total.dropped,
+            overflow,
+        }
+    }
 }
 
 /// What the ranks agreed on, as far as the host knows before the reduction.
@@ -396,15 +480,18 @@ pub(crate) trait Store: Send + Sync {
 
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
     /// `scale`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
+    /// Returns whether a value it wrote into the master is not finite, where the store knows it
+    /// on the host and the core can locate it ([`Store::first_bad_master`]); `false` elsewhere.
     fn add(
         &self,
         scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
-    ) -> Result<()>;
+    ) -> Result<bool>;
 
-    /// Adds one contribution to tensor `index` (the caller holds the tensor's lock).
+    /// Adds one contribution to tensor `index` (the caller holds the tensor's lock). Returns
+    /// whether a value it wrote is not finite, as `add` does.
     fn add_tensor(
         &self,
         scale: ScaleSource<'_>,
@@ -412,7 +499,44 @@ pub(crate) trait Store: Send + Sync {
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
-    ) -> Result<()>;
+    ) -> Result<bool>;
+
+    /// The first tensor whose gradient is not finite once unscaled and weighted: the check of a
+    /// whole micro-batch before it is added ([`Overflow::DropMicrobatch`]).
+    fn first_bad_gradient(
+        &self,
+        _scale: ScaleSource<'_>,
+        _grads: Grads<'_>,
+        _weight: f64,
+    ) -> Result<Option<usize>> {
+        Err(no_drop(&format!("on {}", self.device().name())))
+    }
+
+    /// The first tensor whose master holds a non-finite value (where an add went bad).
+    fn first_bad_master(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
+    /// Adds one contribution to tensor `index` into the staging instead of the master (assigned
+    /// with `first`, the tensor's first in the micro-batch; the caller holds the tensor's lock):
+    /// [`Overflow::DropMicrobatch`]'s micro-batch fed tensor by tensor. Returns whether a value
+    /// it wrote is not finite; the window's flag is left alone.
+    fn stage_tensor(
+        &self,
+        _scale: ScaleSource<'_>,
+        _index: usize,
+        _grad: Gradient<'_>,
+        _weight: f64,
+        _first: bool,
+    ) -> Result<bool> {
+        Err(no_drop(&format!("on {}", self.device().name())))
+    }
+
+    /// Adds tensor `index`'s staging into its master (assigns it with `first`), flagging the
+    /// window as `add_tensor` does. Returns whether a value it wrote is not finite.
+    fn merge_staged(&self, _index: usize, _first: bool) -> Result<bool> {
+        Err(no_drop(&format!("on {}", self.device().name())))
+    }
 
     /// The window's last micro-batch opens, with the communicator of its boundary.
     fn begin_final(&self, _comm: &Arc<dyn Communicator>) -> Result<()> {
@@ -644,6 +768,14 @@ impl Accumulator {
                 )));
             }
         }
+        if config.overflow == Overflow::DropMicrobatch {
+            if let Sharding::Accumulate { .. } = config.sharding {
+                return Err(no_drop("under sharded accumulation"));
+            }
+            if device != Device::Cpu {
+                return Err(no_drop(&format!("on {}", device.name())));
+            }
+        }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store = crate::backend::store_for(device.check()?, &plan, adopt.map(|(p, _)| p), comm)?;
         Ok(Accumulator { window: Window::new(tensors.len()), plan, store })
@@ -721,14 +853,28 @@ impl Accumulator {
         let grads = grads.into();
         let mut w = self.window.write();
         let checked = self.check_add(&w, scaler, grads, count);
+        let weight = self.plan.config.weight(count);
+        // Under DropMicrobatch the micro-batch is checked before anything is added.
+        let bad = match (&checked, self.plan.config.overflow) {
+            (Ok(()), Overflow::DropMicrobatch) => {
+                self.store.first_bad_gradient(scaler.source(), grads, weight)?
+            }
+            _ => None,
+        };
         self.store.open_microbatch(self.opens_window(&w), true, checked.as_ref().err())?;
         self.start_window_if_synced(&mut w)?;
-        let weight = self.plan.config.weight(count);
+        if let Some(tensor) = bad {
+            w.drop_microbatch(tensor);
+            return Ok(());
+        }
         let added =
             self.store.add(scaler.source(), grads, weight, &|i| !self.window.written(&w, i));
-        self.settle_lost(&mut w, added)?;
+        let went_bad = self.settle_lost(&mut w, added)?;
         for i in 0..self.plan.descs.len() {
             self.window.mark_written(&w, i);
+        }
+        if went_bad && w.first_bad.is_none() {
+            w.went_bad(self.store.first_bad_master()?.unwrap_or(0));
         }
         w.add_microbatch(count);
         Ok(())
@@ -759,14 +905,14 @@ impl Accumulator {
 
     /// After a failed reduction of a sharded accumulation the window holds part of a
     /// micro-batch: it is discarded, and the call's error says so.
-    fn settle_lost(&self, w: &mut State, result: Result<()>) -> Result<()> {
+    fn settle_lost<T>(&self, w: &mut State, result: Result<T>) -> Result<T> {
         if !self.store.take_lost() {
             return result;
         }
         self.discard(w)?;
         Err(match result {
             Err(e) => Error::new(e.kind, format!("{} (the window was discarded)", e.message)),
-            Ok(()) => Error::new(
+            Ok(_) => Error::new(
                 ErrorKind::CommFailure,
                 "a reduction of this micro-batch failed in add_tensor; the window was discarded",
             ),
@@ -847,6 +993,7 @@ impl Accumulator {
             self.store.begin_final(c)?;
         }
         self.start_window_if_synced(&mut w)?;
+        self.window.open_microbatch(&mut w);
         w.phase = Phase::InMicrobatch { count };
         Ok(())
     }
@@ -872,15 +1019,28 @@ impl Accumulator {
             .and_then(|()| self.check_grad(index, grad, || "grad".into()))
             .and_then(|()| self.check_scaler(scaler))
             .and_then(|()| {
-                let weight = self.plan.config.weight(count);
-                self.window.contribute(&w, index, |first| {
-                    self.store.add_tensor(scaler.source(), index, grad, weight, first)
-                })
+                let (weight, source) = (self.plan.config.weight(count), scaler.source());
+                match self.plan.config.overflow {
+                    Overflow::SkipStep => self.window.contribute(&w, index, |first| {
+                        self.store.add_tensor(source, index, grad, weight, first)
+                    }),
+                    Overflow::DropMicrobatch => self.window.stage(&w, index, |first| {
+                        self.store.stage_tensor(source, index, grad, weight, first)
+                    }),
+                }
             });
-        if added.is_err() {
-            self.refuse_tensor();
+        match added {
+            Ok(went_bad) => {
+                if went_bad {
+                    self.window.note_bad(index);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.refuse_tensor();
+                Err(e)
+            }
         }
-        added
     }
 
     /// Like [`Accumulator::add_tensor`], with the gradient as a raw address of `numel` elements in
@@ -943,6 +1103,22 @@ impl Accumulator {
         };
         let closed = self.store.close_microbatch();
         self.settle_lost(&mut w, closed)?;
+        if self.plan.config.overflow == Overflow::DropMicrobatch {
+            if let Some(tensor) = self.window.bad_tensor() {
+                w.drop_microbatch(tensor);
+                return Ok(());
+            }
+            let staged: Vec<usize> = self.window.staged(&w).collect();
+            for i in staged {
+                if self.store.merge_staged(i, !self.window.written(&w, i))? {
+                    self.window.note_bad(i);
+                }
+                self.window.mark_written(&w, i);
+            }
+        }
+        if let Some(tensor) = self.window.bad_tensor() {
+            w.went_bad(tensor);
+        }
         if self.store.bound().is_some() {
             // Every bucket was reduced: the whole shard is written.
             for i in 0..self.plan.descs.len() {
@@ -1038,9 +1214,12 @@ impl Accumulator {
         let empty_again = w.synced();
         let (count, microbatches, ranks) =
             if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
+        let (dropped, first_bad) = if empty_again { (0, None) } else { (w.dropped, w.first_bad) };
+        let proposal =
+            Proposal { comm, replicas, count, microbatches, ranks, dropped, first_bad, error };
         let agreed = self
             .store
-            .agree(&Proposal { comm, replicas, count, microbatches, ranks, error })
+            .agree(&proposal)
             .map_err(|e| match e.kind {
                 // Nothing was reduced: the caller may save the window or sync again on a new group.
                 ErrorKind::CommFailure | ErrorKind::Timeout => {
@@ -1061,6 +1240,18 @@ impl Accumulator {
                 _ => e,
             })?;
         if let Some(t) = &agreed.totals {
+            if t.microbatches == 0 && t.dropped != 0 {
+                // Every micro-batch of every rank was dropped: nothing to reduce, the step is
+                // skipped, and the master reads as zeros.
+                if empty_again {
+                    self.discard(&mut w)?;
+                }
+                self.zero_untouched(&w)?;
+                self.store.set_found_inf(true)?;
+                let info = SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) };
+                w.phase = Phase::Synced(Some(info));
+                return Ok(Some(info));
+            }
             if t.microbatches == 0 {
                 return Err(Error::new(
                     ErrorKind::EmptyWindow,
@@ -1077,7 +1268,7 @@ impl Accumulator {
 
         // From here on the window is consumed: every rank passed the same checks, and a failure
         // discards the window (a retry must not reduce a bucket twice).
-        let proposal = Proposal { comm, replicas, count, microbatches, ranks, error: None };
+        let proposal = Proposal { error: None, ..proposal };
         let result = self.consume(&mut w, empty_again, &proposal, &agreed, read);
         match result {
             Ok(info) => {
@@ -1141,12 +1332,18 @@ impl Accumulator {
         if empty_again {
             self.discard(w)?;
         }
+        self.zero_untouched(w)?;
+        self.store.reduce(proposal, agreed, read)
+    }
+
+    /// Zeroes the tensors not written in window `w`: they read as zero at the boundary.
+    fn zero_untouched(&self, w: &State) -> Result<()> {
         let untouched: Vec<usize> = self.window.untouched(w).collect();
         for i in untouched {
             self.store.zero(i)?;
             self.window.mark_written(w, i);
         }
-        self.store.reduce(proposal, agreed, read)
+        Ok(())
     }
 
     /// The last boundary's result, while the window is still synced and its info was read.

@@ -3,7 +3,7 @@
 //! were written in it (a tensor not written in the current window reads as zero at the
 //! boundary, and its first contribution overwrites instead of adding).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::SyncInfo;
@@ -35,6 +35,12 @@ pub(crate) struct State {
     /// How many ranks' windows this one sums, once a load or merge set it; 0 for this rank's own
     /// window alone (it counts 1, and a merge into it while it is empty replaces it).
     pub ranks: u64,
+    /// Micro-batches dropped in this window on this rank (`Overflow::DropMicrobatch`).
+    pub dropped: u64,
+    /// Where this rank's window first went non-finite: (micro-batch, tensor).
+    pub first_bad: Option<(u64, usize)>,
+    /// Counts the micro-batches opened over the accumulator's life: it names the open one.
+    pub serial: u64,
 }
 
 impl State {
@@ -99,9 +105,41 @@ impl State {
         self.phase = Phase::Open;
     }
 
+    /// The index in this window of the micro-batch being fed: every one fed so far counts.
+    pub fn microbatch_index(&self) -> u64 {
+        self.microbatches + self.dropped
+    }
+
+    /// The micro-batch being fed went non-finite in `tensor`: the window's first place, unless
+    /// it has one.
+    pub fn went_bad(&mut self, tensor: usize) {
+        let index = self.microbatch_index();
+        self.first_bad.get_or_insert((index, tensor));
+    }
+
+    /// The micro-batch being fed is dropped: non-finite in `tensor`, it counts for nothing.
+    pub fn drop_microbatch(&mut self, tensor: usize) {
+        self.went_bad(tensor);
+        self.dropped += 1;
+        self.phase = Phase::Open;
+    }
+
     /// Starts a new, empty window; everything written before reads as zero.
     pub fn next(&mut self) {
-        *self = State { id: self.id + 1, phase: Phase::Empty, count: 0, microbatches: 0, ranks: 0 };
+        *self = State { id: self.id + 1, serial: self.serial, ..State::new() };
+    }
+
+    fn new() -> Self {
+        State {
+            id: 1,
+            phase: Phase::Empty,
+            count: 0,
+            microbatches: 0,
+            ranks: 0,
+            dropped: 0,
+            first_bad: None,
+            serial: 0,
+        }
     }
 }
 
@@ -116,20 +154,21 @@ pub(crate) struct Window {
     written_in: Vec<AtomicU64>,
     /// Serialises contributions to one tensor from `add_tensor` callers on different threads.
     tensor_locks: Vec<Mutex<()>>,
+    /// The serial of the micro-batch in which each tensor was last staged
+    /// (`Overflow::DropMicrobatch`).
+    staged_in: Vec<AtomicU64>,
+    /// The smallest tensor of the open micro-batch that went non-finite; `usize::MAX` for none.
+    bad_tensor: AtomicUsize,
 }
 
 impl Window {
     pub fn new(tensors: usize) -> Self {
         Window {
-            state: RwLock::new(State {
-                id: 1,
-                phase: Phase::Empty,
-                count: 0,
-                microbatches: 0,
-                ranks: 0,
-            }),
+            state: RwLock::new(State::new()),
             written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
+            staged_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
+            bad_tensor: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -157,6 +196,44 @@ impl Window {
         let added = add(!self.written(w, index))?;
         self.mark_written(w, index);
         Ok(added)
+    }
+
+    /// Runs one contribution to tensor `index` of the open micro-batch `w` into the staging (the
+    /// read lock held), told whether it is the tensor's first in the micro-batch (it then
+    /// assigns), and marks the tensor staged if it succeeds; as [`Window::contribute`] does for
+    /// the master.
+    pub fn stage<R>(
+        &self,
+        w: &State,
+        index: usize,
+        add: impl FnOnce(bool) -> Result<R>,
+    ) -> Result<R> {
+        let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
+        let added = add(self.staged_in[index].load(Ordering::Relaxed) != w.serial)?;
+        self.staged_in[index].store(w.serial, Ordering::Relaxed);
+        Ok(added)
+    }
+
+    /// Tensors staged in the open micro-batch `w`, in order.
+    pub fn staged<'a>(&'a self, w: &'a State) -> impl Iterator<Item = usize> + 'a {
+        (0..self.staged_in.len())
+            .filter(move |&i| self.staged_in[i].load(Ordering::Relaxed) == w.serial)
+    }
+
+    /// A micro-batch opens: it names a new serial, and nothing in it went non-finite yet.
+    pub fn open_microbatch(&self, w: &mut State) {
+        w.serial += 1;
+        self.bad_tensor.store(usize::MAX, Ordering::Relaxed);
+    }
+
+    /// Tensor `index` of the open micro-batch went non-finite.
+    pub fn note_bad(&self, index: usize) {
+        self.bad_tensor.fetch_min(index, Ordering::Relaxed);
+    }
+
+    /// The smallest tensor of the open micro-batch that went non-finite.
+    pub fn bad_tensor(&self) -> Option<usize> {
+        Some(self.bad_tensor.load(Ordering::Relaxed)).filter(|&i| i != usize::MAX)
     }
 
     /// Whether tensor `index` was written in window `w`. Relaxed: the window's lock orders

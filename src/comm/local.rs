@@ -680,6 +680,8 @@ mod tests {
                             microbatches: 1,
                             ranks: r + 1,
                             found_inf: r == 2,
+                            dropped: r,
+                            first_bad: if r == 0 { u64::MAX } else { 100 - r },
                             error: false,
                         }))
                         .unwrap();
@@ -694,6 +696,8 @@ mod tests {
                             microbatches: 3,
                             ranks: 6,
                             found_inf: true,
+                            dropped: 3,
+                            first_bad: 98,
                             error: false
                         }
                     );

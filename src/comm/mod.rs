@@ -95,7 +95,7 @@ pub trait BlockPass: Sync {
 }
 
 /// What one rank brings to the boundary's control reduction.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Control {
     /// Elements this rank will reduce: ranks that disagree fail together instead of corrupting
     /// memory.
@@ -111,12 +111,17 @@ pub struct Control {
     pub ranks: u64,
     /// This rank saw a non-finite value.
     pub found_inf: bool,
+    /// Micro-batches this rank dropped (`Overflow::DropMicrobatch`).
+    pub dropped: u64,
+    /// Where this rank's window first went non-finite, as an [`OverflowKey`]; `u64::MAX` when
+    /// it stayed finite.
+    pub first_bad: u64,
     /// This rank cannot complete the boundary (its call was invalid); all ranks then stop.
     pub error: bool,
 }
 
 /// The reduction of every rank's [`Control`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ControlSum {
     pub min_numel: u64,
     pub max_numel: u64,
@@ -126,7 +131,71 @@ pub struct ControlSum {
     pub microbatches: u64,
     pub ranks: u64,
     pub found_inf: bool,
+    pub dropped: u64,
+    /// The smallest of the ranks' keys.
+    pub first_bad: u64,
     pub error: bool,
+}
+
+impl Default for Control {
+    fn default() -> Self {
+        Control {
+            numel: 0,
+            layout: 0,
+            count: 0,
+            microbatches: 0,
+            ranks: 0,
+            found_inf: false,
+            dropped: 0,
+            first_bad: OverflowKey::NONE,
+            error: false,
+        }
+    }
+}
+
+impl Default for ControlSum {
+    fn default() -> Self {
+        ControlSum::of(&Control::default())
+    }
+}
+
+/// A place where a window went non-finite (micro-batch, tensor, rank) as one word whose order is
+/// the places' order, so the ranks agree on the first by a minimum. Fields past their width
+/// saturate (a window of more than 2^20 micro-batches, a model of more than 2^24 tensors, more
+/// than 2^20 ranks then report the largest index).
+pub struct OverflowKey;
+
+impl OverflowKey {
+    /// No place: the window stayed finite.
+    pub const NONE: u64 = u64::MAX;
+    /// A window that went non-finite where no place was recorded (restored from a saved window,
+    /// or on a store that cannot locate): after every located place, before [`Self::NONE`].
+    pub const UNLOCATED: u64 = u64::MAX - 1;
+    const RANK_BITS: u32 = 20;
+    const TENSOR_BITS: u32 = 24;
+
+    pub fn of(microbatch: u64, tensor: usize, rank: usize) -> u64 {
+        let field = |v: u64, bits: u32| v.min((1 << bits) - 1);
+        let mb_bits = 64 - Self::TENSOR_BITS - Self::RANK_BITS;
+        // The all-ones word is NONE: the largest micro-batch index stops one short of it.
+        let mb = field(microbatch, mb_bits).min((1 << mb_bits) - 2);
+        mb << (Self::TENSOR_BITS + Self::RANK_BITS)
+            | field(tensor as u64, Self::TENSOR_BITS) << Self::RANK_BITS
+            | field(rank as u64, Self::RANK_BITS)
+    }
+
+    /// The key's (micro-batch, tensor, rank); `None` for [`Self::NONE`] and
+    /// [`Self::UNLOCATED`].
+    pub fn parts(key: u64) -> Option<(u64, usize, usize)> {
+        (key < Self::UNLOCATED).then(|| {
+            let mask = |bits: u32| (1u64 << bits) - 1;
+            (
+                key >> (Self::TENSOR_BITS + Self::RANK_BITS),
+                (key >> Self::RANK_BITS & mask(Self::TENSOR_BITS)) as usize,
+                (key & mask(Self::RANK_BITS)) as usize,
+            )
+        })
+    }
 }
 
 impl ControlSum {
@@ -141,6 +210,8 @@ impl ControlSum {
             microbatches: c.microbatches,
             ranks: c.ranks,
             found_inf: c.found_inf,
+            dropped: c.dropped,
+            first_bad: c.first_bad,
             error: c.error,
         }
     }
@@ -157,6 +228,8 @@ impl ControlSum {
             microbatches: self.microbatches.saturating_add(o.microbatches),
             ranks: self.ranks.saturating_add(o.ranks),
             found_inf: self.found_inf | o.found_inf,
+            dropped: self.dropped.saturating_add(o.dropped),
+            first_bad: self.first_bad.min(o.first_bad),
             error: self.error | o.error,
         }
     }

@@ -4,16 +4,27 @@
 
 use super::ControlSum;
 
-/// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1), ranks.
-pub const SUM_WORDS: usize = 5;
-/// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches, ranks.
-pub const MAX_WORDS: usize = 7;
+/// Words reduced with SUM: count, micro-batches, found_inf (0/1), error (0/1), ranks, dropped.
+pub const SUM_WORDS: usize = 6;
+/// Words reduced with MAX: numel, !numel, layout, !layout, count, micro-batches, ranks, dropped,
+/// !first_bad.
+pub const MAX_WORDS: usize = 9;
 
 /// One rank's control values (or a group's reduction) as the SUM words and the MAX words.
 pub fn pack(c: &ControlSum) -> ([u64; SUM_WORDS], [u64; MAX_WORDS]) {
     (
-        [c.count, c.microbatches, c.found_inf as u64, c.error as u64, c.ranks],
-        [c.max_numel, !c.min_numel, c.max_layout, !c.min_layout, c.count, c.microbatches, c.ranks],
+        [c.count, c.microbatches, c.found_inf as u64, c.error as u64, c.ranks, c.dropped],
+        [
+            c.max_numel,
+            !c.min_numel,
+            c.max_layout,
+            !c.min_layout,
+            c.count,
+            c.microbatches,
+            c.ranks,
+            c.dropped,
+            !c.first_bad,
+        ],
     )
 }
 
@@ -31,6 +42,8 @@ pub fn unpack(sum: &[u64; SUM_WORDS], max: &[u64; MAX_WORDS]) -> ControlSum {
         found_inf: sum[2] != 0,
         error: sum[3] != 0,
         ranks: saturate(sum[4], max[6]),
+        dropped: saturate(sum[5], max[7]),
+        first_bad: !max[8],
     }
 }
 
@@ -73,6 +86,8 @@ mod tests {
             microbatches,
             ranks: 1 + microbatches,
             found_inf,
+            dropped: count % 3,
+            first_bad: if found_inf { count ^ layout } else { u64::MAX },
             error,
         };
         let cases: Vec<Vec<Control>> = vec![
@@ -115,6 +130,8 @@ mod tests {
                     microbatches: next() % 5,
                     ranks: 1 + next() % 4,
                     found_inf: next() % 5 == 0,
+                    dropped: next() % 3,
+                    first_bad: if next() % 2 == 0 { next() } else { u64::MAX },
                     error: next() % 7 == 0,
                 })
                 .collect();
@@ -124,5 +141,33 @@ mod tests {
                 ranks.chunks(1 + (next() % 3) as usize).map(reduce).collect();
             assert_eq!(reduce_sums(&groups), fold(&ranks), "{ranks:?} in groups");
         }
+    }
+
+    #[test]
+    fn overflow_keys_order_as_their_places() {
+        use crate::comm::OverflowKey;
+        let mut state = 0x9e37_79b9u64;
+        let mut next = |n: u64| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 20) % n
+        };
+        for _ in 0..10_000 {
+            let a = (next(1 << 20), next(1 << 24) as usize, next(1 << 20) as usize);
+            let b = (next(3), next(3) as usize, next(3) as usize);
+            for (x, y) in [(a, b), (b, a), (a, a)] {
+                let (kx, ky) = (OverflowKey::of(x.0, x.1, x.2), OverflowKey::of(y.0, y.1, y.2));
+                if x.0 < (1 << 20) - 1 {
+                    assert_eq!(OverflowKey::parts(kx), Some(x));
+                    assert_eq!(kx.cmp(&ky), x.cmp(&y), "{x:?} {y:?}");
+                }
+                assert!(kx < OverflowKey::UNLOCATED, "a place sorts before the unlocated");
+            }
+        }
+        // Past their widths the fields saturate, and never reach the two reserved words.
+        let huge = OverflowKey::of(u64::MAX, usize::MAX, usize::MAX);
+        assert!(huge < OverflowKey::UNLOCATED);
+        assert_eq!(OverflowKey::parts(huge), Some(((1 << 20) - 2, (1 << 24) - 1, (1 << 20) - 1)));
+        assert_eq!(OverflowKey::parts(OverflowKey::NONE), None);
+        assert_eq!(OverflowKey::parts(OverflowKey::UNLOCATED), None);
     }
 }

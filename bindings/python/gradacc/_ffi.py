@@ -42,6 +42,11 @@ GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
 GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient, and every micro-batch is reduce-scattered as it is added.
+GRADACC_OVERFLOW_SKIP_STEP = 0  # The window's step is skipped on every rank, as PyTorch's GradScaler does (default).
+GRADACC_OVERFLOW_DROP_MICROBATCH = 1  # Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises by what every rank kept, and the step is skipped only when nothing was kept or the sum overflows.
+GRADACC_OVERFLOW_AT_NONE = 0  # Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+GRADACC_OVERFLOW_AT_GRADIENT = 1  # A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
+GRADACC_OVERFLOW_AT_REDUCTION = 2  # Every rank's window was finite; their sum overflowed.
 GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
@@ -88,6 +93,9 @@ gradacc_sharding_t = ctypes.c_int32
 # Element type of a model gradient buffer.
 gradacc_dtype_t = ctypes.c_int32
 
+# What a non-finite gradient value costs the window (the Rust API's `Overflow`, whose doc is the contract; docs/overflow.md states it for every language).
+gradacc_overflow_t = ctypes.c_int32
+
 # Accumulator configuration.
 class gradacc_accumulator_config_t(ctypes.Structure):
     _fields_ = [
@@ -102,6 +110,7 @@ class gradacc_accumulator_config_t(ctypes.Structure):
         ("shard_count", ctypes.c_uint32),
         ("shard_rank", ctypes.c_uint32),
         ("wire_dtype", gradacc_dtype_t),
+        ("overflow", gradacc_overflow_t),
     ]
 
 # One tensor of an accumulator: element count and the dtype its gradients arrive in.
@@ -122,6 +131,9 @@ class gradacc_device_t(ctypes.Structure):
         ("stream", ctypes.c_void_p),
     ]
 
+# Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
+gradacc_overflow_at_t = ctypes.c_int32
+
 # What the boundary reports; identical on every rank.
 class gradacc_sync_info_t(ctypes.Structure):
     _fields_ = [
@@ -131,6 +143,11 @@ class gradacc_sync_info_t(ctypes.Structure):
         ("microbatches", ctypes.c_uint64),
         ("grad_norm", ctypes.c_double),
         ("clip_coef", ctypes.c_double),
+        ("dropped_microbatches", ctypes.c_uint64),
+        ("overflow_at", gradacc_overflow_at_t),
+        ("overflow_rank", ctypes.c_uint64),
+        ("overflow_microbatch", ctypes.c_uint64),
+        ("overflow_tensor", ctypes.c_uint64),
     ]
 
 # A backend gradacc may be built with: a communicator transport or a device kind.

@@ -9,6 +9,7 @@ mod alias;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod check;
 mod isa;
 mod master;
 use crate::math;

@@ -4,10 +4,10 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::master::Master;
-use super::math;
+use super::{check, math};
 use super::sharded::ShardMemory;
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
@@ -18,7 +18,7 @@ use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
 };
 use crate::device::Device;
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 
 #[derive(Debug)]
@@ -27,6 +27,9 @@ pub(crate) struct HostStore {
     memory: Memory,
     /// The window's sticky non-finite flag (set by concurrent `add_tensor` callers).
     found_inf: AtomicBool,
+    /// The FP32 staging of a micro-batch fed tensor by tensor under `Overflow::DropMicrobatch`,
+    /// laid out as the master; allocated at its first use.
+    stage: OnceLock<Master>,
 }
 
 /// What a host store holds of the master.
@@ -54,12 +57,12 @@ impl HostStore {
             };
             Memory::Shard(Box::new(ShardMemory::new(&plan, comm)?))
         } else {
-            Memory::Whole(Self::whole(&plan, adopt)?)
+            Memory::Whole(Self::allocate(&plan, adopt)?)
         };
-        Ok(HostStore { plan, memory, found_inf: AtomicBool::new(false) })
+        Ok(HostStore { plan, memory, found_inf: AtomicBool::new(false), stage: OnceLock::new() })
     }
 
-    fn whole(plan: &Plan, adopt: Option<*mut f32>) -> Result<Master> {
+    fn allocate(plan: &Plan, adopt: Option<*mut f32>) -> Result<Master> {
         let len = plan.layout.len();
         let master = match adopt {
             Some(ptr) => Master::borrowed(ptr, len),
@@ -90,10 +93,32 @@ impl HostStore {
         }
     }
 
-    fn flag(&self, bad: bool) {
+    /// Sets the window's flag when `bad`; returns `bad`.
+    fn flag(&self, bad: bool) -> bool {
         if bad {
             self.found_inf.store(true, Ordering::Relaxed);
         }
+        bad
+    }
+
+    /// The whole master, or the error of a store that holds a shard.
+    fn whole(&self) -> Result<&Master> {
+        match &self.memory {
+            Memory::Whole(master) => Ok(master),
+            Memory::Shard(_) => Err(Error::new(
+                ErrorKind::BackendUnavailable,
+                "overflow = DropMicrobatch does not run under sharded accumulation",
+            )),
+        }
+    }
+
+    /// The staging, allocated at its first use.
+    fn stage(&self) -> Result<&Master> {
+        if let Some(stage) = self.stage.get() {
+            return Ok(stage);
+        }
+        let _ = self.stage.set(Master::owned(self.plan.layout.len())?);
+        Ok(self.stage.get().expect("set above"))
     }
 
     /// The shard memory `s` at work with this store's plan and overflow flag.
@@ -135,11 +160,12 @@ impl Store for HostStore {
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let grads = grads.host()?;
         let factor = unscale_factor(scale, weight)?;
         if let Memory::Shard(s) = &self.memory {
-            return self.sharded(s).add(grads, factor);
+            // The shard's flag also takes the other ranks' values: this rank cannot locate them.
+            return self.sharded(s).add(grads, factor).map(|()| false);
         }
         let passes = grads
             .iter()
@@ -152,8 +178,7 @@ impl Store for HostStore {
             })
             .collect();
         // One pass over all tensors: the threads share the micro-batch, not each large tensor.
-        self.flag(super::accumulate_many(passes, factor, self.plan.config.threads));
-        Ok(())
+        Ok(self.flag(super::accumulate_many(passes, factor, self.plan.config.threads)))
     }
 
     fn add_tensor(
@@ -163,17 +188,62 @@ impl Store for HostStore {
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let grad = grad.host()?;
         let factor = unscale_factor(scale, weight)?;
         if let Memory::Shard(s) = &self.memory {
-            return self.sharded(s).add_tensor(index, grad, factor);
+            return self.sharded(s).add_tensor(index, grad, factor).map(|()| false);
         }
         // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
         // excludes other `add_tensor` callers on this tensor; tensors never overlap.
         let master = unsafe { self.slice(self.plan.layout.range(index)) };
-        self.flag(super::accumulate(master, grad, factor, first, self.plan.config.threads));
-        Ok(())
+        let threads = self.plan.config.threads;
+        Ok(self.flag(super::accumulate(master, grad, factor, first, threads)))
+    }
+
+    fn first_bad_gradient(
+        &self,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+    ) -> Result<Option<usize>> {
+        let factor = unscale_factor(scale, weight)?;
+        Ok(check::first_nonfinite(grads.host()?, factor, self.plan.config.threads))
+    }
+
+    fn first_bad_master(&self) -> Result<Option<usize>> {
+        let master = self.whole()?;
+        Ok((0..self.plan.descs.len()).find(|&i| {
+            // SAFETY: the window's write lock is held (an add that went bad).
+            let values = unsafe { master.slice_mut(self.plan.layout.range(i)) };
+            !check::finite_after_unscale(Grad::F32(values), 1.0)
+        }))
+    }
+
+    fn stage_tensor(
+        &self,
+        scale: ScaleSource<'_>,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<bool> {
+        self.whole()?;
+        let (grad, factor) = (grad.host()?, unscale_factor(scale, weight)?);
+        // SAFETY: as for `add_tensor`'s master: the window's read lock and the tensor's lock.
+        let staged = unsafe { self.stage()?.slice_mut(self.plan.layout.range(index)) };
+        Ok(super::accumulate(staged, grad, factor, first, self.plan.config.threads))
+    }
+
+    fn merge_staged(&self, index: usize, first: bool) -> Result<bool> {
+        let range = self.plan.layout.range(index);
+        // SAFETY: the window's write lock is held (the micro-batch ends); the staging and the
+        // master are distinct buffers.
+        let (master, staged) =
+            unsafe { (self.whole()?.slice_mut(range.clone()), self.stage()?.slice_mut(range)) };
+        // The accumulation kernel with a factor of 1 (exact): the staging's values as they are.
+        let threads = self.plan.config.threads;
+        Ok(self.flag(super::accumulate(master, Grad::F32(staged), 1.0, first, threads)))
     }
 
     fn zero(&self, index: usize) -> Result<()> {
@@ -263,6 +333,8 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
         microbatches: p.microbatches,
         ranks: p.ranks,
         found_inf: p.microbatches != 0 && found_inf,
+        dropped: p.dropped,
+        first_bad: p.first_bad(found_inf),
         ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
     let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);
@@ -321,14 +393,7 @@ impl Boundary {
         let max_norm = self.pass.clip.map_or(0.0, |c| c.max_norm);
         let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
         let t = &self.total;
-        let found_inf = t.found_inf || !grad_norm.is_finite();
-        SyncInfo {
-            found_inf,
-            total_count: t.count,
-            microbatches: t.microbatches,
-            grad_norm,
-            clip_coef,
-        }
+        SyncInfo::of(t, grad_norm, clip_coef)
     }
 }
 

@@ -213,6 +213,9 @@ pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
         microbatches: b.microbatches,
         grad_norm: b.grad_norm,
         clip_coef: b.clip_coef,
+        // Micro-batches are not dropped on a device, and the place is not located.
+        dropped_microbatches: 0,
+        overflow: None,
     }))
 }
 
@@ -999,13 +1002,15 @@ impl Store for DeviceStore {
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let grads = grads.device()?;
         let scaler = scale.device()?;
+        // The overflow flag stays on the device: nothing to locate on the host.
         match &self.memory {
             Memory::Whole(w) => self.add_whole(w, scaler, grads, weight, first),
             Memory::Shard(s) => s.with(self).add(scaler, grads, weight),
         }
+        .map(|()| false)
     }
 
     fn add_tensor(
@@ -1015,13 +1020,14 @@ impl Store for DeviceStore {
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let grad = grad.device()?;
         let scaler = scale.device()?;
         match &self.memory {
             Memory::Whole(w) => self.add_tensor_whole(w, scaler, index, grad, weight, first),
             Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight),
         }
+        .map(|()| false)
     }
 
     /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).

@@ -43,6 +43,11 @@ const GRADACC_NORMALIZE_NONE = 3  # No division: the plain sum.
 const GRADACC_SHARDING_NONE = 0  # Every rank holds the whole reduced gradient: an all-reduce, as DDP (default).
 const GRADACC_SHARDING_REDUCE_SCATTER = 1  # Rank `shard_rank` of `shard_count` holds only its shard of the reduced gradient, a contiguous range of the flat layout (gradacc_accumulator_shard): a reduce-scatter, half an all-reduce's traffic, as a distributed optimizer (ZeRO-1) needs.
 const GRADACC_SHARDING_ACCUMULATE = 2  # Sharded accumulation (ZeRO-2): rank `shard_rank` of `shard_count` holds only its shard of the FP32 gradient, and every micro-batch is reduce-scattered as it is added.
+const GRADACC_OVERFLOW_SKIP_STEP = 0  # The window's step is skipped on every rank, as PyTorch's GradScaler does (default).
+const GRADACC_OVERFLOW_DROP_MICROBATCH = 1  # Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises by what every rank kept, and the step is skipped only when nothing was kept or the sum overflows.
+const GRADACC_OVERFLOW_AT_NONE = 0  # Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+const GRADACC_OVERFLOW_AT_GRADIENT = 1  # A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
+const GRADACC_OVERFLOW_AT_REDUCTION = 2  # Every rank's window was finite; their sum overflowed.
 const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_local); in every build.
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
@@ -84,6 +89,9 @@ const gradacc_sharding_t = Int32
 "Element type of a model gradient buffer."
 const gradacc_dtype_t = Int32
 
+"What a non-finite gradient value costs the window (the Rust API's `Overflow`, whose doc is the contract; docs/overflow.md states it for every language)."
+const gradacc_overflow_t = Int32
+
 "Accumulator configuration."
 struct gradacc_accumulator_config_t
     struct_size::Csize_t
@@ -97,6 +105,7 @@ struct gradacc_accumulator_config_t
     shard_count::UInt32
     shard_rank::UInt32
     wire_dtype::gradacc_dtype_t
+    overflow::gradacc_overflow_t
 end
 
 "One tensor of an accumulator: element count and the dtype its gradients arrive in."
@@ -115,6 +124,9 @@ struct gradacc_device_t
     stream::Ptr{Cvoid}
 end
 
+"Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`)."
+const gradacc_overflow_at_t = Int32
+
 "What the boundary reports; identical on every rank."
 struct gradacc_sync_info_t
     struct_size::Csize_t
@@ -123,6 +135,11 @@ struct gradacc_sync_info_t
     microbatches::UInt64
     grad_norm::Cdouble
     clip_coef::Cdouble
+    dropped_microbatches::UInt64
+    overflow_at::gradacc_overflow_at_t
+    overflow_rank::UInt64
+    overflow_microbatch::UInt64
+    overflow_tensor::UInt64
 end
 
 "A backend gradacc may be built with: a communicator transport or a device kind."

@@ -1,0 +1,493 @@
+//! The overflow policies against an independent f64 reference: random windows on 1 to 4 ranks,
+//! every dtype, normalisation and loss reduction, all-reduce and reduce-scatter boundaries, whole
+//! and tensor-by-tensor (chunked) micro-batches, with non-finite values placed at random
+//! (micro-batch, tensor, contribution, element, rank). Under `DropMicrobatch` the gradient is the
+//! f64 gradient of exactly the kept micro-batches; under either policy the report names exactly
+//! the first non-finite place, and the ranks agree bitwise (fresh seed each run).
+
+mod common;
+
+use common::*;
+use gradacc::*;
+
+/// One micro-batch on one rank: per tensor, its contributions (true, unscaled gradients), and
+/// which (tensor, contribution, element) hold a non-finite value instead.
+struct Micro {
+    count: u64,
+    scale: f32,
+    hook: bool,
+    contributions: Vec<Vec<Vec<f32>>>,
+    poison: Vec<(usize, usize, usize, f32)>,
+}
+
+impl Micro {
+    /// The smallest tensor holding a non-finite value: where the micro-batch goes bad.
+    fn bad_tensor(&self) -> Option<usize> {
+        self.poison.iter().map(|p| p.0).min()
+    }
+}
+
+fn random_window(rng: &mut Rng, tensors: &[TensorDesc], poison: bool) -> Vec<Micro> {
+    (0..rng.range(0, 4))
+        .map(|_| {
+            let hook = rng.range(0, 1) == 0;
+            let contributions: Vec<Vec<Vec<f32>>> = tensors
+                .iter()
+                .map(|t| {
+                    let k = if hook { rng.range(0, 3) } else { 1 };
+                    (0..k)
+                        .map(|_| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
+                        .collect()
+                })
+                .collect();
+            let mut m = Micro {
+                count: rng.range(1, 9),
+                scale: (2f32).powi(rng.range(0, 15) as i32),
+                hook,
+                contributions,
+                poison: Vec::new(),
+            };
+            if poison && rng.range(0, 2) == 0 {
+                for _ in 0..rng.range(1, 2) {
+                    let fed: Vec<usize> =
+                        (0..tensors.len()).filter(|&t| !m.contributions[t].is_empty()).collect();
+                    if fed.is_empty() {
+                        break;
+                    }
+                    let t = fed[rng.range(0, fed.len() as u64 - 1) as usize];
+                    let c = rng.range(0, m.contributions[t].len() as u64 - 1) as usize;
+                    let e = rng.range(0, tensors[t].numel as u64 - 1) as usize;
+                    let v = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][rng.range(0, 2) as usize];
+                    m.poison.push((t, c, e, v));
+                }
+            }
+            m
+        })
+        .collect()
+}
+
+/// The buffers one contribution is fed from: the scaled values in the tensor's dtype, with the
+/// micro-batch's poison in place.
+fn encoded(m: &Micro, tensors: &[TensorDesc], t: usize, c: usize) -> (Vec<f32>, Vec<u16>) {
+    let mut values: Vec<f32> = m.contributions[t][c].iter().map(|v| v * m.scale).collect();
+    for &(pt, pc, e, v) in &m.poison {
+        if (pt, pc) == (t, c) {
+            values[e] = v;
+        }
+    }
+    encode(tensors[t].dtype, &values, 1.0)
+}
+
+/// Feeds `window` into `acc`, every micro-batch at its own scale.
+fn feed(acc: &Accumulator, window: &[Micro], tensors: &[TensorDesc]) {
+    for m in window {
+        let scaler =
+            Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() })
+                .unwrap();
+        let buffers: Vec<Vec<(Vec<f32>, Vec<u16>)>> = (0..tensors.len())
+            .map(|t| (0..m.contributions[t].len()).map(|c| encoded(m, tensors, t, c)).collect())
+            .collect();
+        let view =
+            |t: usize, c: usize| grad_of(tensors[t].dtype, &buffers[t][c].0, &buffers[t][c].1);
+        if m.hook {
+            acc.begin_microbatch(m.count).unwrap();
+            for (t, cs) in buffers.iter().enumerate() {
+                for c in 0..cs.len() {
+                    acc.add_tensor(&scaler, t, view(t, c)).unwrap();
+                }
+            }
+            acc.end_microbatch().unwrap();
+        } else {
+            let grads: Vec<Grad> = (0..tensors.len()).map(|t| view(t, 0)).collect();
+            acc.add(&scaler, &grads, m.count).unwrap();
+        }
+    }
+}
+
+/// Every rank's (info, masters) after its window and the boundary, each rank on its own thread,
+/// after a first window of garbage that must not leak.
+fn run_group(
+    config: AccumulatorConfig,
+    tensors: &[TensorDesc],
+    windows: &[Vec<Micro>],
+) -> Vec<(SyncInfo, Vec<Vec<f32>>)> {
+    let comms = LocalComm::group(windows.len()).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(windows)
+            .map(|(comm, window)| {
+                s.spawn(move || {
+                    let sharding = match config.sharding {
+                        Sharding::None => Sharding::None,
+                        _ => {
+                            Sharding::ReduceScatter { shards: comm.world_size(), rank: comm.rank() }
+                        }
+                    };
+                    let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
+                        .unwrap();
+                    let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
+                    let junk16: Vec<Vec<u16>> =
+                        tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
+                    let views: Vec<Grad> = tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| grad_of(t.dtype, &junk[i], &junk16[i]))
+                        .collect();
+                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                        .unwrap();
+                    acc.add(&one, &views, 1).unwrap();
+                    acc.sync(Some(comm)).unwrap();
+                    feed(&acc, window, tensors);
+                    let info = acc.sync(Some(comm)).unwrap();
+                    let (range, ptr) = acc.shard();
+                    // SAFETY: the shard's address and length come from the live accumulator, which
+                    // nothing writes until the next micro-batch.
+                    let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec();
+                    (info, vec![shard])
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The first non-finite place of the group: in the order micro-batch, then tensor, then rank.
+fn first_place(windows: &[Vec<Micro>]) -> Option<OverflowAt> {
+    windows
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, w)| {
+            w.iter().enumerate().find_map(|(i, m)| m.bad_tensor().map(|t| (i as u64, t, rank)))
+        })
+        .min()
+        .map(|(microbatch, tensor, rank)| OverflowAt::Gradient { rank, microbatch, tensor })
+}
+
+fn run_case(rng: &mut Rng, case: usize) {
+    let world = rng.range(1, 4) as usize;
+    let sizes = [1usize, 2, 7, 33, 1000, 4097];
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let tensors: Vec<TensorDesc> = (0..rng.range(1, 6))
+        .map(|_| TensorDesc {
+            numel: sizes[rng.range(0, 5) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect();
+    let normalize =
+        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None]
+            [rng.range(0, 3) as usize];
+    let loss_reduction =
+        if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
+    let config = AccumulatorConfig {
+        loss_reduction,
+        normalize,
+        max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
+        bucket_numel: rng.range(1, 6000) as usize,
+        threads: rng.range(1, 3) as usize,
+        // Stands for "reduce-scatter" in `run_group`, which gives each rank its shard.
+        sharding: if rng.range(0, 1) == 0 {
+            Sharding::None
+        } else {
+            Sharding::ReduceScatter { shards: 1, rank: 0 }
+        },
+        overflow: Overflow::DropMicrobatch,
+        ..Default::default()
+    };
+    let mut windows: Vec<Vec<Micro>> =
+        (0..world).map(|_| random_window(rng, &tensors, true)).collect();
+    // Something to drop, or at least a micro-batch.
+    while windows.iter().flatten().all(|m| m.poison.is_empty()) && windows[0].len() < 2 {
+        windows[0].extend(random_window(rng, &tensors, true));
+    }
+    let kept = || windows.iter().flatten().filter(|m| m.poison.is_empty());
+    let dropped = windows.iter().flatten().count() - kept().count();
+    let place = first_place(&windows);
+    let what = format!(
+        "case {case}: world {world}, {normalize:?}, {loss_reduction:?}, {:?}, dropped {dropped}",
+        config.sharding
+    );
+
+    // Skipping the step: the same place, every micro-batch counted, the step skipped.
+    if dropped > 0 {
+        let skip = run_group(
+            AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
+            &tensors,
+            &windows,
+        );
+        for (rank, (info, _)) in skip.iter().enumerate() {
+            assert!(info.found_inf, "{what}: SkipStep on rank {rank}");
+            assert_eq!(info.overflow, place, "{what}: SkipStep's place on rank {rank}");
+            assert_eq!(info.dropped_microbatches, 0, "{what}");
+            assert_eq!(info.microbatches, windows.iter().flatten().count() as u64, "{what}");
+        }
+    }
+
+    let results = run_group(config, &tensors, &windows);
+    let (info, _) = &results[0];
+    for (rank, (other, _)) in results.iter().enumerate() {
+        assert_eq!(other, info, "{what}: rank {rank} reports differently");
+    }
+    assert_eq!(info.dropped_microbatches, dropped as u64, "{what}");
+    assert_eq!(info.overflow, place, "{what}");
+    assert_eq!(info.microbatches, kept().count() as u64, "{what}");
+    assert_eq!(info.total_count, kept().map(|m| m.count).sum::<u64>(), "{what}");
+    if kept().count() == 0 {
+        assert!(info.found_inf, "{what}: nothing kept, the step is skipped");
+        return;
+    }
+    assert!(!info.found_inf, "{what}");
+
+    // The f64 reference over exactly the kept micro-batches.
+    let weights_by_count = config.weights_by_count();
+    let divisor = match normalize {
+        Normalize::ByCount => info.total_count as f64,
+        Normalize::ByMicrobatches => info.microbatches as f64,
+        Normalize::ByWorld => world as f64,
+        Normalize::None => 1.0,
+    };
+    let mut reference: Vec<Vec<f64>> = tensors.iter().map(|t| vec![0.0; t.numel]).collect();
+    let mut magnitude = reference.clone();
+    for m in kept() {
+        let w = if weights_by_count { m.count as f64 } else { 1.0 };
+        for (t, contribs) in m.contributions.iter().enumerate() {
+            for c in contribs {
+                for (i, &v) in c.iter().enumerate() {
+                    let x = decoded(tensors[t].dtype, v, m.scale) * w;
+                    reference[t][i] += x;
+                    magnitude[t][i] += x.abs();
+                }
+            }
+        }
+    }
+    let norm: f64 = reference.iter().flatten().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
+    let max = config.max_grad_norm as f64;
+    let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
+    assert!(
+        (info.grad_norm - norm).abs() <= 1e-5 * norm + 1e-12,
+        "{what}: norm {} vs {norm}",
+        info.grad_norm
+    );
+
+    // Every rank's shard (the whole master without sharding) against the reference.
+    let flat: Vec<(f64, f64)> = {
+        let acc =
+            Accumulator::new(AccumulatorConfig { sharding: Sharding::None, ..config }, &tensors)
+                .unwrap();
+        let mut flat = vec![(0.0, 0.0); acc.shard().0.len()];
+        for t in 0..tensors.len() {
+            let at = acc.offset(t).unwrap();
+            for i in 0..tensors[t].numel {
+                flat[at + i] = (reference[t][i], magnitude[t][i]);
+            }
+        }
+        flat
+    };
+    for (rank, (other, shards)) in results.iter().enumerate() {
+        let range = if world > 1 && config.sharding != Sharding::None {
+            let acc = Accumulator::new(
+                AccumulatorConfig {
+                    sharding: Sharding::ReduceScatter { shards: world, rank },
+                    ..config
+                },
+                &tensors,
+            )
+            .unwrap();
+            acc.shard().0
+        } else {
+            0..flat.len()
+        };
+        for (k, &got) in shards[0].iter().enumerate() {
+            let (sum, mag) = flat[range.start + k];
+            let want = sum / divisor * coef;
+            let tol = 2e-6 * mag / divisor * coef
+                + (sum / divisor).abs() * (other.clip_coef - coef).abs()
+                + 1e-5 * (sum / divisor).abs() * coef
+                + 1e-30;
+            assert!(
+                (got as f64 - want).abs() <= tol,
+                "{what}: rank {rank} element {}: {got} vs {want} (tol {tol})",
+                range.start + k
+            );
+        }
+    }
+    for (rank, (_, shards)) in results.iter().enumerate().skip(1) {
+        if config.sharding == Sharding::None {
+            assert!(
+                shards[0].iter().zip(&results[0].1[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: rank {rank}'s gradient differs from rank 0's"
+            );
+        }
+    }
+}
+
+#[test]
+fn dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones() {
+    let mut rng = Rng::fresh("dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones");
+    for case in 0..60 {
+        run_case(&mut rng, case);
+    }
+}
+
+/// Without a non-finite value, dropping is skipping bit for bit: `add` checks and then adds as
+/// before, and a tensor's one contribution per micro-batch goes through the staging exactly.
+#[test]
+fn a_clean_window_is_the_same_under_both_policies() {
+    let mut rng = Rng::fresh("a_clean_window_is_the_same_under_both_policies");
+    for case in 0..20 {
+        let tensors: Vec<TensorDesc> = (0..rng.range(1, 5))
+            .map(|_| TensorDesc {
+                numel: rng.range(1, 3000) as usize,
+                dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][rng.range(0, 2) as usize],
+            })
+            .collect();
+        let world = rng.range(1, 3) as usize;
+        let mut windows: Vec<Vec<Micro>> =
+            (0..world).map(|_| random_window(&mut rng, &tensors, false)).collect();
+        windows[0].extend(random_window(&mut rng, &tensors, false));
+        windows[0].push(random_window(&mut rng, &tensors, false).pop().unwrap_or(Micro {
+            count: 2,
+            scale: 4.0,
+            hook: false,
+            contributions: tensors.iter().map(|t| vec![vec![0.25; t.numel]]).collect(),
+            poison: Vec::new(),
+        }));
+        for m in windows.iter_mut().flatten() {
+            for c in &mut m.contributions {
+                c.truncate(1);
+            }
+        }
+        let config = AccumulatorConfig {
+            max_grad_norm: if case % 2 == 0 { 0.5 } else { 0.0 },
+            threads: rng.range(1, 2) as usize,
+            ..Default::default()
+        };
+        let skip = run_group(config, &tensors, &windows);
+        let drop = run_group(
+            AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..config },
+            &tensors,
+            &windows,
+        );
+        for (rank, ((a, ma), (b, mb))) in skip.iter().zip(&drop).enumerate() {
+            assert_eq!(a, b, "case {case}: rank {rank}'s report");
+            assert_eq!(a.overflow, None);
+            assert!(
+                ma[0].iter().zip(&mb[0]).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "case {case}: rank {rank}'s gradient differs between the policies"
+            );
+        }
+    }
+}
+
+/// The scaler after a window that dropped micro-batches: it backs off though the step is taken,
+/// grows only after clean steps, keeps the minimum scale rather than failing, and every rank's
+/// scaler moves alike (each rank dropped something different).
+#[test]
+fn a_drop_backs_the_scale_off_on_every_rank() {
+    let tensors = [TensorDesc { numel: 5, dtype: Dtype::F16 }];
+    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let comms = LocalComm::group(2).unwrap();
+    let scalers: Vec<Vec<(f32, bool)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let acc = Accumulator::new(config, &tensors).unwrap();
+                    let scaler = Scaler::new(ScalerConfig {
+                        init_scale: 4.0,
+                        min_scale: 1.0,
+                        growth_interval: 2,
+                        ..Default::default()
+                    })
+                    .unwrap();
+                    let good = vec![to_f16(1.0); 5];
+                    let mut bad = good.clone();
+                    bad[3] = to_f16(f32::INFINITY);
+                    let mut seen = Vec::new();
+                    // Step k: rank r drops a micro-batch when `drops[k]` says so for it.
+                    let drops = [[true, false], [false, false], [false, false], [false, true]];
+                    let drops = drops.iter().chain(&[[true, true], [true, false]]);
+                    for (k, step) in drops.enumerate() {
+                        let mine = step[comm.rank()];
+                        acc.add(&scaler, &[Grad::F16(&good)], 1).unwrap();
+                        acc.add(&scaler, &[Grad::F16(if mine { &bad } else { &good })], 1).unwrap();
+                        let info = acc.sync(Some(comm)).unwrap();
+                        let drops = step.iter().filter(|&&d| d).count() as u64;
+                        assert_eq!(info.dropped_microbatches, drops, "step {k}");
+                        assert!(!info.found_inf, "step {k}: something was kept");
+                        let skipped = scaler.update_from(&[&acc], true).unwrap();
+                        seen.push((scaler.scale().unwrap(), skipped.unwrap()));
+                    }
+                    seen
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(scalers[0], scalers[1], "the ranks' scalers differ");
+    let scales: Vec<f32> = scalers[0].iter().map(|s| s.0).collect();
+    // Back off, clean, clean (grown), back off, back off to the minimum, stay at the minimum.
+    assert_eq!(scales, [2.0, 2.0, 4.0, 2.0, 1.0, 1.0]);
+    assert!(scalers[0].iter().all(|s| !s.1), "a window that kept something is not skipped");
+}
+
+/// Every micro-batch of every rank dropped: the step is skipped, nothing is normalised by zero,
+/// and the master reads as zeros; the next window starts clean.
+#[test]
+fn nothing_kept_anywhere_skips_the_step() {
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 2, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let acc = Accumulator::new(config, &tensors).unwrap();
+    let scaler = Scaler::new(ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
+    let a = [to_bf16(1.0); 3];
+    let b = [1.0f32, f32::NAN];
+    acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&b)], 4).unwrap();
+    acc.begin_microbatch(2).unwrap();
+    acc.add_tensor(&scaler, 1, Grad::F32(&[f32::INFINITY, 0.0])).unwrap();
+    acc.add_tensor(&scaler, 0, Grad::Bf16(&a)).unwrap();
+    acc.end_microbatch().unwrap();
+    let info = acc.sync(None).unwrap();
+    assert!(info.found_inf);
+    assert_eq!((info.total_count, info.microbatches, info.dropped_microbatches), (0, 0, 2));
+    assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 0, microbatch: 0, tensor: 1 }));
+    assert_eq!(acc.with_master(0, |m| m.to_vec()).unwrap(), [0.0; 3]);
+    assert!(scaler.update_from(&[&acc], true).unwrap().unwrap(), "the step is skipped");
+    // The next window: clean, normalised by its own count.
+    acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
+    let info = acc.sync(None).unwrap();
+    assert!(!info.found_inf);
+    assert_eq!((info.total_count, info.dropped_microbatches, info.overflow), (4, 0, None));
+    assert_eq!(acc.with_master(1, |m| m.to_vec()).unwrap(), [1.0, 1.0]);
+}
+
+/// A finite gradient that overflows once unscaled and weighted is non-finite too: the check uses
+/// the add's own multiply.
+#[test]
+fn a_value_that_overflows_when_weighted_is_dropped() {
+    let tensors = [TensorDesc { numel: 2, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let acc = Accumulator::new(config, &tensors).unwrap();
+    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    acc.add(&scaler, &[Grad::F32(&[1.0, 3.0e38])], 1).unwrap();
+    // Weighted by its count of 8 (a mean-reduced loss normalised by the count), 3e38 overflows.
+    acc.add(&scaler, &[Grad::F32(&[1.0, 3.0e38])], 8).unwrap();
+    let info = acc.sync(None).unwrap();
+    assert_eq!((info.microbatches, info.dropped_microbatches, info.found_inf), (1, 1, false));
+    assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 0, microbatch: 1, tensor: 0 }));
+    assert_eq!(acc.with_master(0, |m| m.to_vec()).unwrap(), [1.0, 3.0e38]);
+}
+
+/// Where no store drops a micro-batch, creation fails and says so.
+#[test]
+fn dropping_is_refused_under_sharded_accumulation() {
+    let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        sharding: Sharding::Accumulate { shards: 1, rank: 0 },
+        ..Default::default()
+    };
+    let e = Accumulator::new(config, &tensors).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+    assert!(e.message.contains("sharded accumulation"), "{}", e.message);
+}
