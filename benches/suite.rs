@@ -1,7 +1,7 @@
 //! The Rust half of `scripts/bench`: gradacc's `add` and `sync` next to the memory-bandwidth floor
 //! measured in the same process, written as JSON lines for `benches/python/report.py`.
 //!
-//! `cargo bench --bench suite -- --out FILE [--quick] [--only sweep,layout,overhead,boundary]`
+//! `cargo bench --bench suite -- --out FILE [--quick] [--only sweep,layout,overhead,overflow,boundary]`
 //!
 //! - sweep: one flat tensor, 4K to 256M elements, f16/bf16/f32, 1 and 2 threads; gradacc's `add`
 //!   and three floors with the same byte traffic, taking turns.
@@ -10,6 +10,9 @@
 //!   per-tensor masters and the triad over one flat buffer of the same bytes, taking turns.
 //! - overhead: 1000 tensors of 1000 elements and of 1 element, through the Rust API and the C ABI;
 //!   overhead = the call's time minus the floor's time for the same bytes.
+//! - overflow: a model layout's micro-batch under `Overflow::DropMicrobatch` against the default
+//!   `SkipStep`, through `add` (checked before it is added) and tensor by tensor (through the
+//!   staging), taking turns.
 //! - boundary: `sync` of 100M parameters over the in-process communicator with 2 ranks, deferred
 //!   (one sync per K micro-batches), with and without clipping, against an all-reduce after every
 //!   micro-batch and one bare all-reduce of the same bytes.
@@ -26,8 +29,8 @@ use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FA
 use gradacc::backend::cpu;
 use gradacc::comm::HostCollectives;
 use gradacc::{
-    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Scaler, ScalerConfig,
-    Sharding, TensorDesc,
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Overflow, Scaler,
+    ScalerConfig, Sharding, TensorDesc,
 };
 use gradacc_capi::*;
 
@@ -121,7 +124,7 @@ fn main() {
     let models = models(o.quick);
     let largest = models.iter().map(|m| m.numels.iter().sum::<usize>()).max().unwrap_or(0);
     let needed = if o.wants("sweep") { max.max(largest) } else { largest.max(MI) };
-    if o.wants("sweep") || o.wants("layout") || o.wants("overhead") {
+    if o.wants("sweep") || o.wants("layout") || o.wants("overhead") || o.wants("overflow") {
         let t = Instant::now();
         let mut master = AlignedF32::new(needed);
         let (g32, g16, gb16) = common::gradients(needed);
@@ -143,6 +146,9 @@ fn main() {
         }
         if o.wants("overhead") {
             overhead(&mut o, &mut master, &flat);
+        }
+        if o.wants("overflow") {
+            overflow(&mut o, &flat, &models);
         }
     }
     if o.wants("boundary") {
@@ -410,6 +416,70 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
                     &[("gradacc/fused", t.ratio(0, 1))],
                 );
             }
+        }
+    }
+}
+
+/// What dropping a poisoned micro-batch costs a clean one: `add` and a hook micro-batch (begin,
+/// one `add_tensor` per tensor in the backward's order, end) under `DropMicrobatch` against the
+/// same under `SkipStep`, on each model layout's largest width, 1 thread.
+fn overflow(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
+    println!("\n## DropMicrobatch on a clean micro-batch, 1 thread: ms (SkipStep | DropMicrobatch | ratio), add then hooks");
+    let scaler = scaler();
+    for model in models.iter().filter(|m| models.iter().all(|n| n.name != m.name || n.d <= m.d)) {
+        let numels = &model.numels;
+        let total: usize = numels.iter().sum();
+        println!("{} d = {}: {} tensors, {} elements", model.name, model.d, numels.len(), total);
+        for &(dtype, grad) in flat.iter().filter(|(d, _)| *d != Dtype::F32) {
+            let owned = owned_grads(numels, dtype, grad);
+            let grads = views(&owned, dtype);
+            let descs: Vec<TensorDesc> =
+                numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
+            let make = |overflow| {
+                let config = AccumulatorConfig { overflow, ..AccumulatorConfig::default() };
+                Accumulator::new(config, &descs).expect("accumulator")
+            };
+            let (skip, drop) = (make(Overflow::SkipStep), make(Overflow::DropMicrobatch));
+            let hooks = |acc: &Accumulator| {
+                acc.begin_microbatch(1).expect("begin");
+                for (i, &g) in grads.iter().enumerate().rev() {
+                    acc.add_tensor(&scaler, i, g).expect("add_tensor");
+                }
+                acc.end_microbatch().expect("end");
+            };
+            let t = interleaved(
+                o.rounds.min(9),
+                o.min_sample,
+                &mut [
+                    &mut || skip.add(&scaler, &grads, 1).expect("add"),
+                    &mut || drop.add(&scaler, &grads, 1).expect("add"),
+                    &mut || hooks(&skip),
+                    &mut || hooks(&drop),
+                ],
+            );
+            let ms = |i: usize| t[i].median * 1e3;
+            println!(
+                "{:>4} add {:.2} | {:.2} | {:.2}   hooks {:.2} | {:.2} | {:.2}",
+                dtype_name(dtype),
+                ms(0),
+                ms(1),
+                t.ratio(1, 0).median,
+                ms(2),
+                ms(3),
+                t.ratio(3, 2).median
+            );
+            o.record(
+                "overflow",
+                &format!(
+                    "\"layout\":\"{}\",\"d\":{},\"tensors\":{},\"numel\":{total},\"dtype\":\"{}\",\"threads\":1",
+                    model.name,
+                    model.d,
+                    numels.len(),
+                    dtype_name(dtype)
+                ),
+                &[("add", t[0]), ("add_drop", t[1]), ("hooks", t[2]), ("hooks_drop", t[3])],
+                &[("add_drop/add", t.ratio(1, 0)), ("hooks_drop/hooks", t.ratio(3, 2))],
+            );
         }
     }
 }
