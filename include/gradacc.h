@@ -668,7 +668,7 @@ typedef struct gradacc_scaler_stats_t {
  * Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
  * by what every rank kept, and the step is skipped only when nothing was kept or the sum
  * overflows. CPU accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails with
- * GRADACC_ERROR_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update_from: a drop
+ * GRADACC_STATUS_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update: a drop
  * backs the scale off.
  */
 #define GRADACC_OVERFLOW_DROP_MICROBATCH 1
