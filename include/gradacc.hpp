@@ -124,7 +124,11 @@ struct ScalerConfig : gradacc_scaler_config_t {
  * communicator's size, or the shard group's for Accumulator::sync_hybrid) and `shard_rank` (this
  * rank on it); for sharded accumulation (ZeRO-2) `sharding = GRADACC_SHARDING_ACCUMULATE` with
  * the same two fields, and create it with Accumulator::sharded. `wire_dtype` is what the
- * reductions send (GRADACC_DTYPE_F32 by default, or GRADACC_DTYPE_BF16). */
+ * reductions send (GRADACC_DTYPE_F32 by default, or GRADACC_DTYPE_BF16). `overflow` is what a
+ * non-finite gradient costs: GRADACC_OVERFLOW_SKIP_STEP (default) skips the window's step,
+ * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (CPU, not with
+ * Accumulator::sharded: the constructor throws BACKEND_UNAVAILABLE); another value throws
+ * INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));
@@ -151,6 +155,10 @@ struct OptimizerConfig : gradacc_optimizer_config_t {
 using TensorDesc = gradacc_tensor_desc_t;
 /** One tensor's optimizer options: weight decay on or off, and a learning-rate factor. */
 using TensorGroup = gradacc_tensor_group_t;
+/** gradacc_sync_info_t as the sync calls return it, struct_size set by the wrapper. Besides the
+ * counts, `dropped_microbatches` (GRADACC_OVERFLOW_DROP_MICROBATCH) and where the window first
+ * went non-finite: `overflow_at` (GRADACC_OVERFLOW_AT_NONE, _GRADIENT or _REDUCTION) and, with
+ * _GRADIENT, `overflow_rank`, `overflow_microbatch` and `overflow_tensor`, 0-based as in C. */
 using SyncInfo = gradacc_sync_info_t;
 using ScalerStats = gradacc_scaler_stats_t;
 

@@ -103,6 +103,33 @@ const (
 	ShardingAccumulate Sharding = C.GRADACC_SHARDING_ACCUMULATE
 )
 
+// Overflow is what a non-finite gradient value costs the window (AccumulatorConfig.Overflow);
+// docs/overflow.md states the contract.
+type Overflow int32
+
+const (
+	// OverflowSkipStep: the window's step is skipped on every rank, as PyTorch's GradScaler does.
+	OverflowSkipStep Overflow = C.GRADACC_OVERFLOW_SKIP_STEP
+	// OverflowDropMicrobatch: only the micro-batch that held it is dropped, on the rank that fed
+	// it; the boundary normalises by what every rank kept, and skips the step only when nothing
+	// was kept or the sum overflows. CPU accumulators, not with ShardingAccumulate (creation
+	// fails with StatusBackendUnavailable). A drop backs the scale off at the next Scaler.Update.
+	OverflowDropMicrobatch Overflow = C.GRADACC_OVERFLOW_DROP_MICROBATCH
+)
+
+// OverflowAt says where a window first went non-finite (SyncInfo.OverflowAt).
+type OverflowAt int32
+
+const (
+	// OverflowAtNone: the window stayed finite (or, on CUDA, the place is not located).
+	OverflowAtNone OverflowAt = C.GRADACC_OVERFLOW_AT_NONE
+	// OverflowAtGradient: a gradient value, at SyncInfo's OverflowRank, OverflowMicrobatch and
+	// OverflowTensor.
+	OverflowAtGradient OverflowAt = C.GRADACC_OVERFLOW_AT_GRADIENT
+	// OverflowAtReduction: every rank's window was finite; their sum overflowed.
+	OverflowAtReduction OverflowAt = C.GRADACC_OVERFLOW_AT_REDUCTION
+)
+
 // HeaderVersion is the version of the header this package was compiled against.
 const HeaderVersion = C.GRADACC_VERSION_STRING
 

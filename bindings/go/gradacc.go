@@ -70,6 +70,9 @@ type AccumulatorConfig struct {
 	ShardRank  uint32 // default 0; below ShardCount
 	// WireDType is what the reductions send (default F32, or BF16).
 	WireDType DType
+	// Overflow is what a non-finite gradient value costs (default OverflowSkipStep); a value
+	// that is neither constant fails creation with StatusInvalidArgument.
+	Overflow Overflow
 }
 
 // DefaultAccumulatorConfig is gradacc_accumulator_config_default.
@@ -82,7 +85,7 @@ func DefaultAccumulatorConfig() AccumulatorConfig {
 		LossReduction: LossReduction(c.loss_reduction), Normalize: Normalize(c.normalize),
 		MaxGradNorm: float32(c.max_grad_norm), BucketNumel: uint64(c.bucket_numel), Threads: uint32(c.threads),
 		Sharding: Sharding(c.sharding), ShardCount: uint32(c.shard_count), ShardRank: uint32(c.shard_rank),
-		WireDType: DType(c.wire_dtype),
+		WireDType: DType(c.wire_dtype), Overflow: Overflow(c.overflow),
 	}
 }
 
@@ -98,6 +101,7 @@ func (a *AccumulatorConfig) c() C.gradacc_accumulator_config_t {
 	c.shard_count = C.uint32_t(a.ShardCount)
 	c.shard_rank = C.uint32_t(a.ShardRank)
 	c.wire_dtype = C.gradacc_dtype_t(a.WireDType)
+	c.overflow = C.gradacc_overflow_t(a.Overflow)
 	return c
 }
 
@@ -114,6 +118,27 @@ type SyncInfo struct {
 	Microbatches uint64
 	GradNorm     float64
 	ClipCoef     float64
+	// DroppedMicrobatches counts the micro-batches dropped over all ranks under
+	// OverflowDropMicrobatch; TotalCount and Microbatches leave them out.
+	DroppedMicrobatches uint64
+	// OverflowAt says where the window first went non-finite, first in the order micro-batch,
+	// then tensor, then rank. With OverflowAtGradient, OverflowRank, OverflowMicrobatch (of
+	// that rank's window, dropped ones included) and OverflowTensor say where, counted from 0;
+	// they are 0 otherwise. docs/overflow.md states the contract.
+	OverflowAt         OverflowAt
+	OverflowRank       int
+	OverflowMicrobatch uint64
+	OverflowTensor     int
+}
+
+func syncInfo(c *C.gradacc_sync_info_t) SyncInfo {
+	return SyncInfo{
+		FoundInf: bool(c.found_inf), TotalCount: uint64(c.total_count), Microbatches: uint64(c.microbatches),
+		GradNorm: float64(c.grad_norm), ClipCoef: float64(c.clip_coef),
+		DroppedMicrobatches: uint64(c.dropped_microbatches), OverflowAt: OverflowAt(c.overflow_at),
+		OverflowRank: int(c.overflow_rank), OverflowMicrobatch: uint64(c.overflow_microbatch),
+		OverflowTensor: int(c.overflow_tensor),
+	}
 }
 
 // ScalerStats counts a scaler's steps.
@@ -687,7 +712,7 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	if err != nil {
 		return SyncInfo{}, err
 	}
-	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
+	return syncInfo(&c), nil
 }
 
 // SyncHybrid is the hybrid boundary (HSDP) of an accumulator with ShardingReduceScatter or
@@ -716,7 +741,7 @@ func (a *Accumulator) SyncHybrid(shard, replicas *Comm) (SyncInfo, error) {
 	if err != nil {
 		return SyncInfo{}, err
 	}
-	return SyncInfo{bool(c.found_inf), uint64(c.total_count), uint64(c.microbatches), float64(c.grad_norm), float64(c.clip_coef)}, nil
+	return syncInfo(&c), nil
 }
 
 // Master returns tensor index's FP32 master gradient as a slice over gradacc's memory (no copy;

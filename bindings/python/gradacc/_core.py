@@ -21,6 +21,9 @@ DType = enum.IntEnum("DType", _constants("GRADACC_DTYPE_"), module=__name__)
 Normalize = enum.IntEnum("Normalize", _constants("GRADACC_NORMALIZE_"), module=__name__)
 LossReduction = enum.IntEnum("LossReduction", _constants("GRADACC_LOSS_REDUCTION_"), module=__name__)
 Sharding = enum.IntEnum("Sharding", _constants("GRADACC_SHARDING_"), module=__name__)
+# GRADACC_OVERFLOW_AT_* share the prefix: they are the report's, read into SyncInfo.overflow.
+Overflow = enum.IntEnum("Overflow", {k: v for k, v in _constants("GRADACC_OVERFLOW_").items()
+                                     if not k.startswith("AT_")}, module=__name__)
 Algorithm = enum.IntEnum("Algorithm", _constants("GRADACC_OPTIMIZER_"), module=__name__)
 Rounding = enum.IntEnum("Rounding", _constants("GRADACC_ROUNDING_"), module=__name__)
 
@@ -71,14 +74,31 @@ def _check_version():
 _check_version()
 
 
+class OverflowAt(typing.NamedTuple):
+    """Where a window first went non-finite (:attr:`SyncInfo.overflow`): the rank, its window's
+    micro-batch and the tensor index, each counted from 0 (dropped micro-batches included)."""
+    rank: int
+    microbatch: int
+    tensor: int
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncInfo:
-    """What the boundary reports; identical on every rank."""
+    """What the boundary reports; identical on every rank.
+
+    ``dropped_microbatches``: micro-batches dropped over all ranks under
+    ``overflow='drop_microbatch'`` (not counted in ``total_count`` and ``microbatches``).
+    ``overflow``: where the window first went non-finite, first in the order micro-batch, then
+    tensor, then rank: ``None`` (it stayed finite), an :class:`OverflowAt` (a gradient value),
+    or ``"reduction"`` (every rank was finite, their sum was not). docs/overflow.md states the
+    contract."""
     found_inf: bool
     total_count: int
     microbatches: int
     grad_norm: float
     clip_coef: float
+    dropped_microbatches: int = 0
+    overflow: typing.Union[None, OverflowAt, str] = None
 
 
 class Shard(typing.NamedTuple):
@@ -100,6 +120,17 @@ class ScalerStats:
 
 def _from_struct(cls, s):
     return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
+
+
+def _sync_info(s):
+    if s.overflow_at == ffi.GRADACC_OVERFLOW_AT_GRADIENT:
+        overflow = OverflowAt(s.overflow_rank, s.overflow_microbatch, s.overflow_tensor)
+    elif s.overflow_at == ffi.GRADACC_OVERFLOW_AT_REDUCTION:
+        overflow = "reduction"
+    else:
+        overflow = None
+    return SyncInfo(s.found_inf, s.total_count, s.microbatches, s.grad_norm, s.clip_coef,
+                    s.dropped_microbatches, overflow)
 
 
 def _out_struct(struct_type):
@@ -139,8 +170,14 @@ def _dtype(value):
     return DType(value)
 
 
-def _enum(cls, value):
-    return cls[value.upper()] if isinstance(value, str) else int(value)  # the C API validates ints
+def _enum(cls, value, field):
+    if not isinstance(value, str):
+        return int(value)  # the C API validates ints
+    try:
+        return cls[value.upper()]
+    except KeyError:
+        names = ", ".join(repr(m.name.lower()) for m in cls)
+        raise ValueError(f"unknown {field} {value!r}: use one of {names}") from None
 
 
 def _wire_dtype(value):
@@ -200,7 +237,7 @@ def _config(struct, default_fn, config, fields, enums):
             raise TypeError(f"unknown {struct.__name__} field {key!r} (fields: {', '.join(sorted(names))})")
         conv = enums.get(key)
         if isinstance(conv, type) and issubclass(conv, enum.Enum):
-            value = _enum(conv, value)
+            value = _enum(conv, value, key)
         elif conv is not None:
             value = conv(value)
         setattr(config, key, value)
@@ -379,6 +416,11 @@ class Accumulator(_Managed):
     sync leaves in that range); the norm and clipping are still the whole gradient's.
     :meth:`sync_hybrid` takes such a shard group and a replica group (HSDP).
     ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the reductions send.
+    ``overflow`` is what a non-finite gradient costs: 'skip_step' (the default) skips the
+    window's step; 'drop_microbatch' drops only the micro-batch that held it, on the rank that
+    fed it (CPU, not with ``sharding='accumulate'``: creation raises BACKEND_UNAVAILABLE), and
+    :meth:`sync`'s :class:`SyncInfo` says how many were dropped and where. docs/overflow.md
+    states the contract.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
     (ZeRO-2) over ``c``, a communicator of ``n`` ranks on which this is rank ``r``: the
@@ -399,7 +441,7 @@ class Accumulator(_Managed):
         specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
         cfg = _config(ffi.gradacc_accumulator_config_t, ffi.gradacc_accumulator_config_default, config, fields,
                       {"normalize": Normalize, "loss_reduction": LossReduction, "sharding": Sharding,
-                       "wire_dtype": _wire_dtype})
+                       "wire_dtype": _wire_dtype, "overflow": Overflow})
         descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
         dev = _device(device)
         out = ctypes.POINTER(ffi.gradacc_accumulator_t)()
@@ -528,7 +570,7 @@ class Accumulator(_Managed):
                 ffi.gradacc_accumulator_sync(self._ptr, None, ctypes.byref(ffi.gradacc_sync_info_t()))
             raise
         _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
-        return _from_struct(SyncInfo, info)
+        return _sync_info(info)
 
     def sync_hybrid(self, shard_comm, replica_comm):
         """The hybrid boundary (HSDP) of an accumulator with ``sharding='reduce_scatter'`` or
@@ -552,7 +594,7 @@ class Accumulator(_Managed):
                 x._handle()  # raises the binding's error for the closed one
         _check(ffi.gradacc_accumulator_sync_hybrid(self._handle(), shard_comm._handle(), replica_comm._handle(),
                                                    ctypes.byref(info)))
-        return _from_struct(SyncInfo, info)
+        return _sync_info(info)
 
     def master_ptr(self, index):
         """(address, numel) of tensor ``index``'s FP32 master (a device pointer on CUDA)."""

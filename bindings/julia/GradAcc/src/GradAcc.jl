@@ -26,7 +26,7 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
-    eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, stats, save, load!,
+    eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, overflow, stats, save, load!,
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
         backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
@@ -152,6 +152,7 @@ const NORMALIZE = Dict(:by_count => GRADACC_NORMALIZE_BY_COUNT, :by_microbatches
 const REDUCTION = Dict(:mean => GRADACC_LOSS_REDUCTION_MEAN, :sum => GRADACC_LOSS_REDUCTION_SUM)
 const SHARDING = Dict(:none => GRADACC_SHARDING_NONE, :reduce_scatter => GRADACC_SHARDING_REDUCE_SCATTER,
                       :accumulate => GRADACC_SHARDING_ACCUMULATE)
+const OVERFLOW = Dict(:skip_step => GRADACC_OVERFLOW_SKIP_STEP, :drop_microbatch => GRADACC_OVERFLOW_DROP_MICROBATCH)
 
 function enum_value(table, field, v)
     v isa Symbol || return v
@@ -172,6 +173,7 @@ function config(::Type{T}, default_fn; kw...) where {T}
         v = f === :normalize ? enum_value(NORMALIZE, f, v) : v
         v = f === :loss_reduction ? enum_value(REDUCTION, f, v) : v
         v = f === :sharding ? enum_value(SHARDING, f, v) : v
+        v = f === :overflow ? enum_value(OVERFLOW, f, v) : v
         v = f === :wire_dtype && !(v isa Integer) ? dtype_code(v) : v  # the C API validates codes
         convert(fieldtype(T, f), v)
     end
@@ -466,6 +468,8 @@ end
 
 # An output struct with its struct_size set: the library writes only the fields that size covers.
 out_struct(::Type{T}) where {T} = Ref(T(sizeof(T), (zero(fieldtype(T, i)) for i in 2:fieldcount(T))...))
+# The same with struct_size 0, which every call that takes it refuses.
+refused_struct(::Type{T}) where {T} = Ref(T((zero(fieldtype(T, i)) for i in 1:fieldcount(T))...))
 
 """
     GradAcc.stats(scaler) -> gradacc_scaler_stats_t
@@ -523,6 +527,12 @@ accumulator keeps it referenced). Destroyed by `close` or the GC.
 (the bits an unsharded sync leaves in that range); the norm and clipping are still the whole
 gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group (HSDP).
 `wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the reductions send.
+`overflow` is what a non-finite gradient costs: `:skip_step` (the default) skips the window's
+step; `:drop_microbatch` drops only the micro-batch that held it, on the rank that fed it (CPU,
+not with `sharding=:accumulate`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`), and
+[`GradAcc.overflow`](@ref) reads where from the report. An unknown symbol throws an
+`ArgumentError`, an unknown code `GRADACC_STATUS_INVALID_ARGUMENT`. docs/overflow.md states the
+contract.
 
 `sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2) over
 `c`, a communicator of `n` ranks on which this is rank `r`: the accumulator holds only its shard
@@ -727,7 +737,9 @@ end
     sync!(acc[, comm]) -> gradacc_sync_info_t
 
 The boundary: with `comm`, every rank of its group calls it from its own task and thread.
-The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`.
+The result has fields `found_inf`, `total_count`, `microbatches`, `grad_norm`, `clip_coef`,
+`dropped_microbatches` and the C place fields (`overflow_at`, ...), which
+[`GradAcc.overflow`](@ref) reads.
 A sharded accumulator needs the group of its `shard_count` ranks, on which it is `shard_rank`;
 otherwise every rank throws. A sharded accumulation (`comm=` at creation) syncs over its own
 communicator: `comm` is that one or omitted (another throws `GRADACC_STATUS_INVALID_ARGUMENT`
@@ -740,7 +752,7 @@ function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
         if p != C_NULL
             # A sharded accumulation's other ranks are already in the boundary: a C sync with
             # struct_size 0 is refused on every rank, so they fail at once.
-            refused = Ref(gradacc_sync_info_t(0, false, 0, 0, 0, 0))
+            refused = refused_struct(gradacc_sync_info_t)
             GC.@preserve a gradacc_accumulator_sync(p, Ptr{gradacc_comm_t}(C_NULL), refused)
         end
         handle(comm)  # throws the binding's error
@@ -774,6 +786,24 @@ function sync_hybrid!(a::Accumulator, shard::Communicator, replicas::Communicato
     end
     check(gradacc_accumulator_sync_hybrid(a, shard, replicas, info))
     return info[]
+end
+
+"""
+    GradAcc.overflow(info) -> Union{Nothing, Symbol, NamedTuple}
+
+Where the window of `info` (from [`sync!`](@ref) or [`sync_hybrid!`](@ref)) first went
+non-finite, first in the order micro-batch, then tensor, then rank: `nothing` (it stayed finite),
+`:reduction` (every rank's window was finite, their sum was not), or
+`(rank=r, microbatch=m, tensor=t)` for a gradient value. As elsewhere in this package, `rank` is
+0-based ([`GradAcc.rank`](@ref)) and `tensor` 1-based ([`GradAcc.master`](@ref)); `microbatch`
+is 1-based too, counting the rank's window's micro-batches, dropped ones included. The struct's
+own `overflow_*` fields are the C API's, all 0-based. docs/overflow.md states the contract.
+"""
+function overflow(info::gradacc_sync_info_t)
+    info.overflow_at == GRADACC_OVERFLOW_AT_REDUCTION && return :reduction
+    info.overflow_at == GRADACC_OVERFLOW_AT_GRADIENT || return nothing
+    return (rank=Int(info.overflow_rank), microbatch=Int(info.overflow_microbatch) + 1,
+            tensor=Int(info.overflow_tensor) + 1)
 end
 
 """

@@ -12,7 +12,7 @@ using GradAcc
 using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
                GRADACC_STATUS_INVALID_ARGUMENT, GRADACC_STATUS_COMM_FAILURE, GRADACC_STATUS_TIMEOUT,
                GRADACC_STATUS_PEER_FAILURE, GRADACC_SHARDING_REDUCE_SCATTER, GRADACC_DTYPE_F16,
-               GRADACC_SHARDING_ACCUMULATE,
+               GRADACC_SHARDING_ACCUMULATE, GRADACC_STATUS_BACKEND_UNAVAILABLE,
                rank, world_size, update!, scale, master, reset!
 using BFloat16s: BFloat16s
 
@@ -301,6 +301,79 @@ sharded_accumulation(world, r, comm; kw...) =
         want = [sum(2 * r * 0.001 * i * m for r in 1:2, m in 1:3) / 12 for i in 1:6]
         @test isapprox(results[1][4], want; rtol=T === Float16 ? 1e-3 : 1e-6)
         close.(comms)
+    end
+
+    # The overflow policies on docs/overflow.md's worked example (ctests/api_overflow.c): 4 ranks,
+    # 20 Float16 tensors of 3, 4 micro-batches per rank of 3 + m items, and one inf in tensor 18
+    # of rank 2's third micro-batch (the C API's tensor 17 and micro-batch 2). :skip_step skips;
+    # :drop_microbatch drops that micro-batch only and leaves the mean over the other 82 items.
+    # Both name the place on every rank and back the scale off.
+    @testset "overflow policy $policy" for policy in (:skip_step, :drop_microbatch)
+        ranks, ntensors, n, nmb = 4, 20, 3, 4
+        bad = (rank=2, microbatch=3, tensor=18)
+        items(m) = 3 + m
+        # The true gradient of rank r (0-based), micro-batch m, tensor t, element i (1-based).
+        gv(r, m, t, i) = ((r + 1) * 0.25 + m * 0.125 + (t - 1) * 0.0625) * (iseven(i) ? -1 : 1) / 8
+        comms = local_group(ranks)
+        results = fetch.([Threads.@spawn begin
+            s = Scaler(init_scale=1024.0)
+            acc = Accumulator(fill((n, Float16), ntensors); overflow=policy)
+            for m in 1:nmb
+                grads = [Float16[gv(r, m, t, i) * 1024 for i in 1:n] for t in 1:ntensors]
+                (r, m) == (bad.rank, bad.microbatch) && (grads[bad.tensor][2] = Inf16)
+                add!(acc, s, grads, items(m))
+            end
+            info = sync!(acc, comms[r+1])
+            flat = reduce(vcat, [copy(master(acc, t)) for t in 1:ntensors])
+            out = (info, flat, update!(s, acc), scale(s))
+            close(acc); close(s)
+            out
+        end for r in 0:ranks-1])
+        drop = policy === :drop_microbatch
+        for (info, flat, skipped, sc) in results
+            @test GradAcc.overflow(info) == bad
+            @test (info.overflow_rank, info.overflow_microbatch, info.overflow_tensor) == (2, 2, 17)
+            @test info.found_inf == !drop && skipped == !drop
+            @test info.dropped_microbatches == (drop ? 1 : 0)
+            @test (info.microbatches, info.total_count) == (drop ? (15, 82) : (16, 88))
+            @test sc == 512
+            @test flat == results[1][2]
+        end
+        if drop
+            want = [sum(Float64(Float16(gv(r, m, t, i) * 1024)) / 1024 * items(m)
+                        for r in 0:ranks-1, m in 1:nmb if (r, m) != (bad.rank, bad.microbatch)) / 82
+                    for t in 1:ntensors for i in 1:n]
+            @test isapprox(results[1][2], want; rtol=1e-6)
+        end
+        close.(comms)
+    end
+
+    @testset "overflow: clean window, overflowing sum, refused policies" begin
+        s = Scaler(init_scale=1.0)
+        acc = Accumulator([(2, Float32)]; overflow=:drop_microbatch)
+        add!(acc, s, [Float32[1, 2]], 1)
+        info = sync!(acc)
+        @test GradAcc.overflow(info) === nothing && info.dropped_microbatches == 0 && !info.found_inf
+        close(acc); close(s)
+        comms = local_group(2)
+        infos = fetch.([Threads.@spawn begin  # each rank finite, their sum not
+            s = Scaler(init_scale=1.0)
+            a = Accumulator([(2, Float32)]; normalize=:none, loss_reduction=:sum, overflow=:drop_microbatch)
+            add!(a, s, [Float32[3f38, 1]], 1)
+            info = sync!(a, comms[r])
+            close(a); close(s)
+            info
+        end for r in 1:2])
+        @test all(i -> GradAcc.overflow(i) === :reduction && i.found_inf && i.dropped_microbatches == 0, infos)
+        close.(comms)
+        err = thrown(() -> Accumulator([(4, Float32)]; overflow=7))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT &&
+              occursin("`config`.overflow = 7", err.message)
+        @test_throws ArgumentError Accumulator([(4, Float32)]; overflow=:drop_everything)
+        comm = only(local_group(1))
+        err = thrown(() -> Accumulator([(4, Float32)]; sharding=:accumulate, overflow=:drop_microbatch, comm))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_BACKEND_UNAVAILABLE
+        close(comm)
     end
 
     # Seed partial window: after a full window, the last window of an epoch has 3 of 4 planned
