@@ -92,7 +92,7 @@ fn main() {
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
     let s = stream.stream;
-    let device = Device::Cuda { ordinal: 0, stream: s };
+    let device = Device::Cuda { ordinal: 0, stream: s.cast() };
     let layouts: Vec<(String, Vec<usize>)> = sizes()
         .into_iter()
         .map(|n| (format!("{n} flat"), vec![n]))

@@ -1,14 +1,14 @@
 //! Where an object's memory lives and its work runs. Accumulators, scalers and communicators that
 //! work together must be on the same device; the rules that check it live with the objects.
 
-use crate::backend::cuda::driver::{self, CUstream};
 use crate::error::{Error, ErrorKind, Result};
 
 /// An address in a device's memory (CUDA's `CUdeviceptr`).
 pub type DevicePtr = u64;
 
-/// A device's stream (CUDA's `CUstream`), named so that the core orders work without the driver.
-pub(crate) type Stream = CUstream;
+/// A CUDA stream handle (`CUstream`), opaque here: the core orders work by it without the driver,
+/// and only the CUDA backend reads it as its driver's type.
+pub type Stream = *mut std::ffi::c_void;
 
 /// The CPU, or one CUDA device with the caller's stream that orders every call's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub enum Device {
     /// legacy default stream; the per-thread default stream is refused (it differs per thread).
     Cuda {
         ordinal: i32,
-        stream: CUstream,
+        stream: Stream,
     },
 }
 
@@ -26,22 +26,12 @@ impl Device {
     /// Checks that objects can be created on this device here: a CUDA device needs a driver, a
     /// valid stream and NVRTC to compile the kernels (else BACKEND_UNAVAILABLE).
     pub fn check(self) -> Result<Self> {
-        if let Device::Cuda { ordinal, stream } = self {
+        if let Device::Cuda { ordinal, .. } = self {
             if ordinal < 0 {
                 return Err(Error::invalid(format!("CUDA device ordinal {ordinal} is negative")));
             }
-            driver::check_stream(stream, "`stream`")?;
-            driver::require_driver()?;
-            crate::backend::cuda::compile::require_nvrtc().map_err(|e| {
-                Error::new(
-                    ErrorKind::BackendUnavailable,
-                    format!(
-                        "a CUDA device was asked for, but the kernels cannot be compiled: {}",
-                        e.message
-                    ),
-                )
-            })?;
         }
+        crate::backend::check(self)?;
         Ok(self)
     }
 

@@ -69,7 +69,7 @@ pub use comm::nccl::{unique_id as nccl_unique_id, NcclComm};
 pub use comm::{Communicator, LocalComm, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use comm::{MpiComm, MpiOptions};
-pub use device::{Device, DevicePtr};
+pub use device::{Device, DevicePtr, Stream};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
 pub use optimizer::{Algorithm, Optimizer, OptimizerConfig, Rounding, Slot, TensorGroup};

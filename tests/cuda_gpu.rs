@@ -41,7 +41,7 @@ fn random_windows_match_the_cpu_backend_bitwise() {
     let mut rng = Rng::fresh("random_windows_match_the_cpu_backend_bitwise");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     let modes =
         [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None];
     for round in 0..24 {
@@ -152,7 +152,7 @@ fn scaler_trace_matches_the_cpu_scaler() {
         ScalerConfig { dynamic: false, ..Default::default() },
         ScalerConfig { init_scale: 4.0, min_scale: 1.0, growth_interval: 50, ..Default::default() },
     ];
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     // The overflow flag reaches the device scaler through an accumulator's boundary: a window of
     // one element, infinite on an overflow step.
     let one = [TensorDesc { numel: 1, dtype: Dtype::F32 }];
@@ -389,14 +389,14 @@ fn add_and_sync_can_be_captured_into_a_graph() {
     let (sc, sg) = (
         Scaler::new(ScalerConfig { init_scale: scale, ..Default::default() }).unwrap(),
         Scaler::on(
-            Device::Cuda { ordinal: 0, stream: stream.stream },
+            Device::Cuda { ordinal: 0, stream: stream.stream.cast() },
             ScalerConfig { init_scale: scale, ..Default::default() },
         )
         .unwrap(),
     );
     let cpu = Accumulator::new(config, &descs).unwrap();
     let gpu = Accumulator::builder(&descs)
-        .device(Device::Cuda { ordinal: 0, stream: stream.stream })
+        .device(Device::Cuda { ordinal: 0, stream: stream.stream.cast() })
         .config(config)
         .build()
         .unwrap();
@@ -564,11 +564,12 @@ fn a_step_captured_on_the_accumulators_stream_orders_with_the_scalers_stream() {
     let scaler_config =
         ScalerConfig { init_scale: 1024.0, growth_interval: 2, ..Default::default() };
     let sc = Scaler::new(scaler_config).unwrap();
-    let sg = Scaler::on(Device::Cuda { ordinal: 0, stream: scaler_stream.stream }, scaler_config)
-        .unwrap();
+    let sg =
+        Scaler::on(Device::Cuda { ordinal: 0, stream: scaler_stream.stream.cast() }, scaler_config)
+            .unwrap();
     let cpu = Accumulator::new(config, &descs).unwrap();
     let gpu = Accumulator::builder(&descs)
-        .device(Device::Cuda { ordinal: 0, stream: acc_stream.stream })
+        .device(Device::Cuda { ordinal: 0, stream: acc_stream.stream.cast() })
         .config(config)
         .build()
         .unwrap();
@@ -652,7 +653,7 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
     };
     let ctx = Context::get(0).unwrap();
     let old_stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: old_stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: old_stream.stream.cast() };
     let old_scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
     let old_acc = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let before = step(&old_acc, &old_scaler, &ctx, old_stream.stream).unwrap();
@@ -675,7 +676,7 @@ fn a_primary_context_reset_reloads_the_kernels_and_refuses_old_objects() {
     let ctx = Context::get(0).unwrap();
     assert!(!ctx.was_reset());
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
     let acc = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let after = step(&acc, &scaler, &ctx, stream.stream).unwrap();
@@ -815,7 +816,7 @@ fn many_tensors_span_several_add_launches() {
         .collect();
     let config = AccumulatorConfig::default();
     let cpu = Accumulator::new(config, &descs).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     let gpu = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
     let (sc, sg) = (
         Scaler::new(ScalerConfig::default()).unwrap(),
@@ -848,7 +849,7 @@ fn window_checkpoints_move_between_devices() {
     let mut rng = Rng::fresh("window_checkpoints_move_between_devices");
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     for round in 0..6 {
         let descs = random_layout(&mut rng);
         let config = AccumulatorConfig {
@@ -953,7 +954,7 @@ fn racing_contributions_to_one_tensor_are_all_counted() {
     const THREADS: usize = 8;
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     let descs: Vec<TensorDesc> = [Dtype::F32, Dtype::F16, Dtype::Bf16]
         .iter()
         .map(|&dtype| TensorDesc { numel: 33, dtype })
@@ -1010,7 +1011,7 @@ fn gradients_overlapping_the_master_are_refused() {
     use common::{check_overlapping_gradients, OVERLAP_MARGIN, OVERLAP_TENSORS};
     let ctx = Context::get(0).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
     let len = Accumulator::master_len(&OVERLAP_TENSORS).unwrap();
     let values: Vec<f32> = (0..2 * OVERLAP_MARGIN + len).map(|i| i as f32).collect();
     let backing = DeviceBuffer::from_slice(&ctx, stream.stream, &values).unwrap();

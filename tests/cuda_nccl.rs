@@ -62,7 +62,7 @@ fn within<T: Send + 'static>(
 fn rank_device(rank: usize) -> (Arc<Context>, OwnedStream, Device) {
     let ctx = Context::get(rank as i32).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream.cast() };
     (ctx, stream, device)
 }
 
@@ -491,7 +491,7 @@ struct Rank {
 fn rank_with_a_window(ordinal: i32) -> Rank {
     let ctx = Context::get(ordinal).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal, stream: stream.stream };
+    let device = Device::Cuda { ordinal, stream: stream.stream.cast() };
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
     let acc = Accumulator::builder(&[TensorDesc { numel: 1000, dtype: Dtype::F32 }])
         .device(device)
@@ -1723,7 +1723,7 @@ fn run_hybrid_rank(
     let (g, shards) = (rank.g, rank.shards);
     let ctx = Context::get(g as i32).unwrap();
     let stream = OwnedStream::new(&ctx).unwrap();
-    let device = Device::Cuda { ordinal: g as i32, stream: stream.stream };
+    let device = Device::Cuda { ordinal: g as i32, stream: stream.stream.cast() };
     let (comm, reps) = rank.nccl();
     let len = Accumulator::master_len(&r.descs).unwrap();
     let adopted = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();

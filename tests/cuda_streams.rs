@@ -39,7 +39,7 @@ fn scaler_config() -> ScalerConfig {
 
 /// Device 0 with `stream` ordering its objects' work.
 fn on(stream: &OwnedStream) -> Device {
-    Device::Cuda { ordinal: 0, stream: stream.stream }
+    Device::Cuda { ordinal: 0, stream: stream.stream.cast() }
 }
 
 /// One micro-batch's gradients: host values for the CPU backend, device copies for the CUDA one.
@@ -326,14 +326,14 @@ fn two_ranks_in_one_process_with_stream_ordered_masters() {
                 let (ss, sa) = (OwnedStream::new(&ctx).unwrap(), OwnedStream::new(&ctx).unwrap());
                 let (cs, gs) = (
                     Scaler::new(scaler_config()).unwrap(),
-                    Scaler::on(Device::Cuda { ordinal, stream: ss.stream }, scaler_config())
+                    Scaler::on(Device::Cuda { ordinal, stream: ss.stream.cast() }, scaler_config())
                         .unwrap(),
                 );
                 let mut batches = Vec::new();
                 for window in 0..4 {
                     let ca = Accumulator::new(config, &TENSORS).unwrap();
                     let ga = Accumulator::builder(&TENSORS)
-                        .device(Device::Cuda { ordinal, stream: sa.stream })
+                        .device(Device::Cuda { ordinal, stream: sa.stream.cast() })
                         .config(config)
                         .build()
                         .unwrap();
@@ -390,7 +390,7 @@ fn the_per_thread_default_stream_is_refused() {
         return;
     }
     let per_thread = 0x2 as driver::CUstream;
-    let device = Device::Cuda { ordinal: 0, stream: per_thread };
+    let device = Device::Cuda { ordinal: 0, stream: per_thread.cast() };
     let err =
         Scaler::on(device, ScalerConfig::default()).expect_err("a scaler on the per-thread stream");
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
@@ -435,7 +435,7 @@ fn the_per_thread_default_stream_is_refused() {
     assert!(acc.is_null() && last_error().contains("`device`.stream = 0x2"), "{}", last_error());
 
     for legacy in [std::ptr::null_mut(), 0x1 as driver::CUstream] {
-        let device = Device::Cuda { ordinal: 0, stream: legacy };
+        let device = Device::Cuda { ordinal: 0, stream: legacy.cast() };
         let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
         let acc = Accumulator::builder(&TENSORS).device(device).build().unwrap();
         assert_eq!(scaler.scale().unwrap(), ScalerConfig::default().init_scale);

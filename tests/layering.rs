@@ -1,5 +1,6 @@
-//! The import direction between the core and the backends: the core's scaler and accumulator
-//! reach a backend only where a `Device` becomes one (`backend::store_for`, `backend::scaler_for`),
+//! The import direction between the core and the backends: the core's scaler, accumulator and
+//! device reach a backend only where a `Device` becomes one (`backend::check`,
+//! `backend::store_for`, `backend::scaler_for`),
 //! and an accumulator's store reads the scale from what each add hands it, never naming the
 //! scaler.
 
@@ -38,8 +39,8 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn the_core_scaler_and_accumulator_name_no_backend_module() {
-    let mut files = vec![root().join("src/scaler.rs")];
+fn the_core_scaler_accumulator_and_device_name_no_backend_module() {
+    let mut files = vec![root().join("src/scaler.rs"), root().join("src/device.rs")];
     rust_files(&root().join("src/accumulator"), &mut files);
     for path in files {
         let file = path.strip_prefix(root()).unwrap().display().to_string();

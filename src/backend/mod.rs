@@ -16,8 +16,25 @@ use std::sync::Arc;
 use crate::accumulator::{Plan, Store};
 use crate::comm::Communicator;
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::{ScalerConfig, ScalerState, ScalerStore};
+
+/// Whether objects can be created on `device` here: a CUDA device needs a driver, a valid stream
+/// and NVRTC to compile the kernels (else BACKEND_UNAVAILABLE).
+pub(crate) fn check(device: Device) -> Result<()> {
+    let Device::Cuda { stream, .. } = device else { return Ok(()) };
+    cuda::driver::check_stream(stream.cast(), "`stream`")?;
+    cuda::driver::require_driver()?;
+    cuda::compile::require_nvrtc().map_err(|e| {
+        Error::new(
+            ErrorKind::BackendUnavailable,
+            format!(
+                "a CUDA device was asked for, but the kernels cannot be compiled: {}",
+                e.message
+            ),
+        )
+    })
+}
 
 /// The one place a [`Device`] becomes its backend: the store of an accumulator on `device` over
 /// `plan`, owning its master or adopting `adopt` (a host or device address of the layout's
@@ -33,7 +50,7 @@ pub(crate) fn store_for(
         Device::Cuda { ordinal, stream } => Box::new(cuda::DeviceStore::new(
             plan.clone(),
             ordinal,
-            stream,
+            stream.cast(),
             adopt.map(|p| p as u64),
             comm,
         )?),
@@ -50,7 +67,7 @@ pub(crate) fn scaler_for(
     Ok(match device {
         Device::Cpu => Box::new(cpu::HostScaler::new(config, initial)),
         Device::Cuda { ordinal, stream } => {
-            Box::new(cuda::CudaScaler::new(config, initial, ordinal, stream)?)
+            Box::new(cuda::CudaScaler::new(config, initial, ordinal, stream.cast())?)
         }
     })
 }

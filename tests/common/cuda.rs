@@ -166,7 +166,7 @@ impl ApexSeed {
             ..Default::default()
         };
         let g = |v: f32| DeviceBuffer::from_slice(ctx, stream, &[v]).unwrap();
-        let device = Device::Cuda { ordinal: 0, stream };
+        let device = Device::Cuda { ordinal: 0, stream: stream.cast() };
         ApexSeed {
             scaler: Scaler::on(device, ScalerConfig { init_scale: 1.0, ..Default::default() })
                 .unwrap(),

@@ -11,7 +11,7 @@ use super::driver::{
 use super::kernels::Kernels;
 use super::layout::{GaScalerRule, GaScalerState};
 use crate::accumulator::{DeviceScale, ScaleSource};
-use crate::device::{Device, DevicePtr};
+use crate::device::{Device, DevicePtr, Stream};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::{ScalerConfig, ScalerState, ScalerStats, ScalerStore};
@@ -139,7 +139,7 @@ impl CudaScaler {
 
 impl ScalerStore for CudaScaler {
     fn device(&self) -> Device {
-        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream.cast() }
     }
 
     fn config(&self) -> ScalerConfig {
@@ -204,15 +204,16 @@ impl ScalerStore for CudaScaler {
 }
 
 impl DeviceScale for CudaScaler {
-    fn stream(&self) -> CUstream {
-        self.stream
+    fn stream(&self) -> Stream {
+        self.stream.cast()
     }
 
     fn read_on(
         &self,
-        stream: CUstream,
+        stream: Stream,
         launch: &mut dyn FnMut(DevicePtr) -> Result<()>,
     ) -> Result<()> {
+        let stream: CUstream = stream.cast();
         let mut inner = self.lock();
         inner.reads.before_read(stream)?;
         launch(self.state.ptr())?;

@@ -306,7 +306,7 @@ impl Sharded<'_> {
         let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
         let (numel, dtype, assign, found_inf) =
             (desc.numel as u64, desc.dtype.code(), 1u32, self.store.found_inf.ptr());
-        scaler.launch_reading(self.store.stream, |state| {
+        scaler.launch_reading(self.store.stream.cast(), |state| {
             let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, found_inf);
             // SAFETY: argument types follow ga_add_one. The destination is the tensor's place in
             // its bucket's staging (`bucket_len` elements from the bucket's start, and the bucket
@@ -464,7 +464,7 @@ impl Sharded<'_> {
             let chunks = self.mem.chunks.ptr()
                 + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
-            scaler.launch_reading(self.store.stream, |state| {
+            scaler.launch_reading(self.store.stream.cast(), |state| {
                 let mut args = launch_args!(
                     pieces, chunks, num_chunks, sources, staging, state, weight, found_inf
                 );

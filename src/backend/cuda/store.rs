@@ -844,7 +844,7 @@ impl DeviceStore {
             let chunks =
                 w.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
             let num_chunks = launch.num_chunks;
-            scaler.launch_reading(self.stream, |state| {
+            scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args = launch_args!(
                     tensors, chunks, num_chunks, sources, master, state, weight, found_inf
                 );
@@ -887,7 +887,7 @@ impl DeviceStore {
         let master = w.at(self.plan.layout.range(index).start);
         let (numel, dtype, assign, found_inf) =
             (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
-        scaler.launch_reading(self.stream, |state| {
+        scaler.launch_reading(self.stream.cast(), |state| {
             let mut args =
                 launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
             // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
@@ -954,7 +954,7 @@ impl DeviceStore {
 
 impl Store for DeviceStore {
     fn device(&self) -> Device {
-        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream }
+        Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream.cast() }
     }
 
     fn shard(&self) -> Option<&Shard> {
@@ -1139,9 +1139,9 @@ impl Store for DeviceStore {
     /// free overwrites it.
     fn gather_into(&self, scaler: &dyn DeviceScale) -> Result<()> {
         let mut reads = self.boundary_reads();
-        reads.before_read(scaler.stream())?;
+        reads.before_read(scaler.stream().cast())?;
         scaler.gather_ordered(self.boundary.ptr())?;
-        reads.after_read(scaler.stream())
+        reads.after_read(scaler.stream().cast())
     }
 }
 
