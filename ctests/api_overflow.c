@@ -17,6 +17,8 @@ typedef struct {
     bool skipped;
     float scale;
     double master[TENSORS][N];
+    double norms[TENSORS];
+    uint64_t nonfinite[TENSORS];
 } rank_args;
 
 /* The true gradient of rank r's micro-batch m, tensor t, element i: a mean over its items. */
@@ -37,6 +39,7 @@ static void *rank_main(void *arg)
     gradacc_accumulator_config_t config;
     REQUIRE_OK(gradacc_accumulator_config_default(&config));
     config.overflow = a->policy;
+    config.tensor_stats = 1;
     gradacc_tensor_desc_t t[TENSORS];
     for (int i = 0; i < TENSORS; i++)
         t[i] = (gradacc_tensor_desc_t){N, GRADACC_DTYPE_F16};
@@ -58,6 +61,7 @@ static void *rank_main(void *arg)
     REQUIRE_OK(gradacc_accumulator_sync(acc, a->comm, &a->info));
     for (int k = 0; k < TENSORS; k++)
         read_master(acc, (size_t)k, a->master[k], N);
+    REQUIRE_OK(gradacc_accumulator_tensor_stats(acc, a->norms, a->nonfinite, TENSORS));
     const gradacc_accumulator_t *accs[1] = {acc};
     REQUIRE_OK(gradacc_scaler_update(scaler, accs, 1, &a->skipped));
     REQUIRE_OK(gradacc_scaler_scale(scaler, &a->scale));
@@ -93,6 +97,18 @@ static void run(gradacc_overflow_t policy, const char *name, bool verbose)
         CHECK(args[r].scale == 512.0f, "%s, rank %d: scale %g after the update, expected 512", name, r, args[r].scale);
         CHECK(memcmp(args[r].master, args[0].master, sizeof args[0].master) == 0, "%s: rank %d's gradient differs",
               name, r);
+        CHECK(memcmp(args[r].norms, args[0].norms, sizeof args[0].norms) == 0, "%s: rank %d's norms differ", name,
+              r);
+        for (int k = 0; k < TENSORS; k++)
+            CHECK(args[r].nonfinite[k] == (k == BAD_TENSOR), "%s, rank %d: tensor %d non-finite in %llu micro-batches",
+                  name, r, k, (unsigned long long)args[r].nonfinite[k]);
+    }
+    /* Each tensor's norm is its gradient's (no clipping here): the master's, under DROP_MICROBATCH. */
+    for (int k = 0; k < TENSORS && drop; k++) {
+        double sq = 0.0;
+        for (int i = 0; i < N; i++)
+            sq += args[0].master[k][i] * args[0].master[k][i];
+        CHECK_CLOSE(args[0].norms[k], sqrt(sq), 1e-12 * sqrt(sq), "tensor %d's norm", k);
     }
     if (drop) {
         /* The mean over the 82 kept items: each micro-batch's mean weighted by its items. */
@@ -111,12 +127,14 @@ static void run(gradacc_overflow_t policy, const char *name, bool verbose)
     if (verbose) {
         const gradacc_sync_info_t *info = &args[0].info;
         printf("%-16s found_inf %d  skipped %d  micro-batches %2llu  items %2llu  dropped %llu  "
-               "overflow at rank %llu micro-batch %llu tensor %llu  scale -> %g  tensor 17 = [%.6f %.6f %.6f]\n",
+               "overflow at rank %llu micro-batch %llu tensor %llu  scale -> %g  tensor 17 = [%.6f %.6f %.6f] "
+               "norm %.6f, non-finite in %llu\n",
                name, info->found_inf, args[0].skipped, (unsigned long long)info->microbatches,
                (unsigned long long)info->total_count, (unsigned long long)info->dropped_microbatches,
                (unsigned long long)info->overflow_rank, (unsigned long long)info->overflow_microbatch,
                (unsigned long long)info->overflow_tensor, args[0].scale, args[0].master[17][0],
-               args[0].master[17][1], args[0].master[17][2]);
+               args[0].master[17][1], args[0].master[17][2], args[0].norms[17],
+               (unsigned long long)args[0].nonfinite[17]);
     }
     for (int r = 0; r < RANKS; r++)
         gradacc_comm_destroy(comms[r]);
@@ -127,12 +145,18 @@ static void bad_arguments(void)
     gradacc_tensor_desc_t t = {4, GRADACC_DTYPE_F32};
     gradacc_accumulator_config_t config;
     REQUIRE_OK(gradacc_accumulator_config_default(&config));
-    CHECK(config.overflow == GRADACC_OVERFLOW_SKIP_STEP, "the default policy is %d", config.overflow);
+    CHECK(config.overflow == GRADACC_OVERFLOW_SKIP_STEP && config.tensor_stats == 0, "the defaults: %d, %u",
+          config.overflow, config.tensor_stats);
     gradacc_accumulator_t *acc = NULL;
     config.overflow = 7;
     EXPECT_ERROR(gradacc_accumulator_create(&config, &t, 1, NULL, &acc), GRADACC_STATUS_INVALID_ARGUMENT,
                  "`config`.overflow = 7");
     CHECK(acc == NULL, "a refused creation leaves *out alone");
+    config.overflow = GRADACC_OVERFLOW_SKIP_STEP;
+    config.tensor_stats = 2;
+    EXPECT_ERROR(gradacc_accumulator_create(&config, &t, 1, NULL, &acc), GRADACC_STATUS_INVALID_ARGUMENT,
+                 "`config`.tensor_stats = 2");
+    config.tensor_stats = 0;
     /* Under sharded accumulation no store drops a micro-batch: refused at creation. */
     gradacc_comm_t *one = NULL;
     REQUIRE_OK(gradacc_comm_create_local(1, &one));
@@ -156,6 +180,15 @@ static void bad_arguments(void)
     CHECK(info.total_count == 1 && !info.found_inf, "the 0.2 fields are written");
     CHECK(info.dropped_microbatches == 0xababababababababull && info.overflow_at == (int32_t)0xabababab,
           "the fields past an older struct_size stay untouched");
+    /* Without tensor_stats nothing was measured; a wrong count or a misaligned array is refused,
+     * and nothing is written. */
+    double norm = -1.0;
+    EXPECT_ERROR(gradacc_accumulator_tensor_stats(acc, &norm, NULL, 1), GRADACC_STATUS_WRONG_STATE, "tensor_stats");
+    EXPECT_ERROR(gradacc_accumulator_tensor_stats(acc, &norm, NULL, 2), GRADACC_STATUS_SIZE_MISMATCH, "`n` = 2");
+    uint64_t counts[2] = {7, 7};
+    EXPECT_ERROR(gradacc_accumulator_tensor_stats(acc, NULL, (uint64_t *)((char *)counts + 1), 1),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "nonfinite_microbatches");
+    CHECK(norm == -1.0 && counts[0] == 7, "nothing written on failure");
     gradacc_scaler_destroy(scaler);
     gradacc_accumulator_destroy(acc);
 }

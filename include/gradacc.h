@@ -326,6 +326,11 @@ typedef struct gradacc_accumulator_config_t {
      * GRADACC_OVERFLOW_* (default SKIP_STEP).
      */
     gradacc_overflow_t overflow;
+    /**
+     * 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
+     * (default). CPU accumulators without GRADACC_SHARDING_ACCUMULATE.
+     */
+    uint32_t tensor_stats;
 } gradacc_accumulator_config_t;
 
 /**
@@ -1009,6 +1014,22 @@ enum gradacc_status_t gradacc_accumulator_shard(const struct gradacc_accumulator
                                                 size_t *out_offset,
                                                 size_t *out_numel,
                                                 float **out_data);
+
+/**
+ * Each tensor's telemetry of the last boundary, the same on every rank (`config`.tensor_stats =
+ * 1): into `grad_norms[i]` the L2 norm of tensor i's reduced, normalised gradient before
+ * clipping, into `nonfinite_microbatches[i]` the micro-batches over every rank in which it held a
+ * non-finite value (docs/overflow.md). Either array may be NULL; `n` is the accumulator's tensor
+ * count. GRADACC_STATUS_WRONG_STATE without tensor_stats, or before a sync that read its info;
+ * nothing is written on failure.
+ *
+ * Thread safety: any thread; not concurrently with the next window's first micro-batch.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_tensor_stats(const struct gradacc_accumulator_t *acc,
+                                                       double *grad_norms,
+                                                       uint64_t *nonfinite_microbatches,
+                                                       size_t n);
 
 /**
  * Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over

@@ -63,7 +63,8 @@ mod state;
 
 pub use accumulator::{
     Accumulator, AccumulatorBuilder, AccumulatorConfig, Gradient, Grads, LossReduction, Normalize,
-    Overflow, OverflowAt, Sharding, SyncInfo, TensorDesc, MASTER_ALIGN, MAX_WINDOW_COUNT,
+    Overflow, OverflowAt, Sharding, SyncInfo, TensorDesc, TensorStats, MASTER_ALIGN,
+    MAX_WINDOW_COUNT,
 };
 pub use comm::nccl::{unique_id as nccl_unique_id, NcclComm};
 pub use comm::{Communicator, LocalComm, DEFAULT_TIMEOUT};

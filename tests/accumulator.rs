@@ -40,6 +40,7 @@ fn run_case(rng: &mut Rng, case: usize) {
         sharding: Sharding::None,
         wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
         overflow: Overflow::SkipStep,
+        tensor_stats: false,
     };
     let weights_by_count = config.weights_by_count();
 

@@ -104,13 +104,17 @@ fn feed(acc: &Accumulator, window: &[Micro], tensors: &[TensorDesc]) {
     }
 }
 
+/// One rank's boundary: its report, its shard of the gradient (the whole master without sharding)
+/// and, with `tensor_stats`, the per-tensor stats.
+type RankResult = (SyncInfo, Vec<Vec<f32>>, Option<Vec<TensorStats>>);
+
 /// Every rank's (info, masters) after its window and the boundary, each rank on its own thread,
 /// after a first window of garbage that must not leak.
 fn run_group(
     config: AccumulatorConfig,
     tensors: &[TensorDesc],
     windows: &[Vec<Micro>],
-) -> Vec<(SyncInfo, Vec<Vec<f32>>)> {
+) -> Vec<RankResult> {
     let comms = LocalComm::group(windows.len()).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -144,7 +148,8 @@ fn run_group(
                     // SAFETY: the shard's address and length come from the live accumulator, which
                     // nothing writes until the next micro-batch.
                     let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec();
-                    (info, vec![shard])
+                    let stats = config.tensor_stats.then(|| acc.tensor_stats().unwrap());
+                    (info, vec![shard], stats)
                 })
             })
             .collect();
@@ -192,6 +197,7 @@ fn run_case(rng: &mut Rng, case: usize) {
             Sharding::ReduceScatter { shards: 1, rank: 0 }
         },
         overflow: Overflow::DropMicrobatch,
+        tensor_stats: rng.range(0, 3) != 0,
         ..Default::default()
     };
     let mut windows: Vec<Vec<Micro>> =
@@ -208,25 +214,46 @@ fn run_case(rng: &mut Rng, case: usize) {
         config.sharding
     );
 
-    // Skipping the step: the same place, every micro-batch counted, the step skipped.
+    // Per tensor, the micro-batches (over every rank) in which it held a non-finite value.
+    let nonfinite: Vec<u64> = (0..tensors.len())
+        .map(|t| windows.iter().flatten().filter(|m| m.poison.iter().any(|p| p.0 == t)).count())
+        .map(|c| c as u64)
+        .collect();
+    let counts = |stats: &Option<Vec<TensorStats>>| {
+        stats.as_ref().map(|s| s.iter().map(|s| s.nonfinite_microbatches).collect::<Vec<_>>())
+    };
+
+    // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
     if dropped > 0 {
         let skip = run_group(
             AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
             &tensors,
             &windows,
         );
-        for (rank, (info, _)) in skip.iter().enumerate() {
+        for (rank, (info, _, stats)) in skip.iter().enumerate() {
             assert!(info.found_inf, "{what}: SkipStep on rank {rank}");
             assert_eq!(info.overflow, place, "{what}: SkipStep's place on rank {rank}");
             assert_eq!(info.dropped_microbatches, 0, "{what}");
             assert_eq!(info.microbatches, windows.iter().flatten().count() as u64, "{what}");
+            if config.tensor_stats {
+                assert_eq!(counts(stats), Some(nonfinite.clone()), "{what}: SkipStep's counts");
+            }
         }
     }
 
     let results = run_group(config, &tensors, &windows);
-    let (info, _) = &results[0];
-    for (rank, (other, _)) in results.iter().enumerate() {
+    let (info, _, stats) = &results[0];
+    let bits = |s: &Option<Vec<TensorStats>>| {
+        s.as_ref().map(|s| {
+            s.iter().map(|s| (s.grad_norm.to_bits(), s.nonfinite_microbatches)).collect::<Vec<_>>()
+        })
+    };
+    for (rank, (other, _, other_stats)) in results.iter().enumerate() {
         assert_eq!(other, info, "{what}: rank {rank} reports differently");
+        assert_eq!(bits(other_stats), bits(stats), "{what}: rank {rank}'s tensor stats differ");
+    }
+    if config.tensor_stats {
+        assert_eq!(counts(stats), Some(nonfinite.clone()), "{what}: the counts");
     }
     assert_eq!(info.dropped_microbatches, dropped as u64, "{what}");
     assert_eq!(info.overflow, place, "{what}");
@@ -268,6 +295,14 @@ fn run_case(rng: &mut Rng, case: usize) {
         "{what}: norm {} vs {norm}",
         info.grad_norm
     );
+    for (t, s) in stats.iter().flatten().enumerate() {
+        let want = reference[t].iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
+        assert!(
+            (s.grad_norm - want).abs() <= 1e-5 * want + 1e-12,
+            "{what}: tensor {t}'s norm {} vs {want}",
+            s.grad_norm
+        );
+    }
 
     // Every rank's shard (the whole master without sharding) against the reference.
     let flat: Vec<(f64, f64)> = {
@@ -283,7 +318,7 @@ fn run_case(rng: &mut Rng, case: usize) {
         }
         flat
     };
-    for (rank, (other, shards)) in results.iter().enumerate() {
+    for (rank, (other, shards, _)) in results.iter().enumerate() {
         let range = if world > 1 && config.sharding != Sharding::None {
             let acc = Accumulator::new(
                 AccumulatorConfig {
@@ -311,7 +346,7 @@ fn run_case(rng: &mut Rng, case: usize) {
             );
         }
     }
-    for (rank, (_, shards)) in results.iter().enumerate().skip(1) {
+    for (rank, (_, shards, _)) in results.iter().enumerate().skip(1) {
         if config.sharding == Sharding::None {
             assert!(
                 shards[0].iter().zip(&results[0].1[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -368,7 +403,7 @@ fn a_clean_window_is_the_same_under_both_policies() {
             &tensors,
             &windows,
         );
-        for (rank, ((a, ma), (b, mb))) in skip.iter().zip(&drop).enumerate() {
+        for (rank, ((a, ma, _), (b, mb, _))) in skip.iter().zip(&drop).enumerate() {
             assert_eq!(a, b, "case {case}: rank {rank}'s report");
             assert_eq!(a.overflow, None);
             assert!(
@@ -437,9 +472,15 @@ fn a_drop_backs_the_scale_off_on_every_rank() {
 fn nothing_kept_anywhere_skips_the_step() {
     let tensors =
         [TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 2, dtype: Dtype::F32 }];
-    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        tensor_stats: true,
+        ..Default::default()
+    };
     let acc = Accumulator::new(config, &tensors).unwrap();
     let scaler = Scaler::new(ScalerConfig { init_scale: 2.0, ..Default::default() }).unwrap();
+    let e = acc.tensor_stats().unwrap_err();
+    assert_eq!(e.kind, ErrorKind::WrongState, "before any sync: {e:?}");
     let a = [to_bf16(1.0); 3];
     let b = [1.0f32, f32::NAN];
     acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&b)], 4).unwrap();
@@ -452,6 +493,11 @@ fn nothing_kept_anywhere_skips_the_step() {
     assert_eq!((info.total_count, info.microbatches, info.dropped_microbatches), (0, 0, 2));
     assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 0, microbatch: 0, tensor: 1 }));
     assert_eq!(acc.with_master(0, |m| m.to_vec()).unwrap(), [0.0; 3]);
+    let stats = acc.tensor_stats().unwrap();
+    assert_eq!(
+        stats.iter().map(|s| (s.grad_norm, s.nonfinite_microbatches)).collect::<Vec<_>>(),
+        [(0.0, 0), (0.0, 2)]
+    );
     assert!(scaler.update_from(&[&acc], true).unwrap().unwrap(), "the step is skipped");
     // The next window: clean, normalised by its own count.
     acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
@@ -459,6 +505,13 @@ fn nothing_kept_anywhere_skips_the_step() {
     assert!(!info.found_inf);
     assert_eq!((info.total_count, info.dropped_microbatches, info.overflow), (4, 0, None));
     assert_eq!(acc.with_master(1, |m| m.to_vec()).unwrap(), [1.0, 1.0]);
+    let stats = acc.tensor_stats().unwrap();
+    assert_eq!(stats[1], TensorStats { grad_norm: 2f64.sqrt(), nonfinite_microbatches: 0 });
+    // Off in the config: nothing was measured.
+    let off = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    off.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
+    off.sync(None).unwrap();
+    assert_eq!(off.tensor_stats().unwrap_err().kind, ErrorKind::WrongState);
 }
 
 /// A finite gradient that overflows once unscaled and weighted is non-finite too: the check uses
@@ -478,16 +531,120 @@ fn a_value_that_overflows_when_weighted_is_dropped() {
     assert_eq!(acc.with_master(0, |m| m.to_vec()).unwrap(), [1.0, 3.0e38]);
 }
 
-/// Where no store drops a micro-batch, creation fails and says so.
+/// Where no store drops a micro-batch or measures tensors, creation fails and says so.
 #[test]
-fn dropping_is_refused_under_sharded_accumulation() {
+fn dropping_and_measuring_are_refused_under_sharded_accumulation() {
     let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }];
+    let sharding = Sharding::Accumulate { shards: 1, rank: 0 };
+    for (config, what) in [
+        (
+            AccumulatorConfig {
+                overflow: Overflow::DropMicrobatch,
+                sharding,
+                ..Default::default()
+            },
+            "overflow",
+        ),
+        (AccumulatorConfig { tensor_stats: true, sharding, ..Default::default() }, "tensor_stats"),
+    ] {
+        let e = Accumulator::new(config, &tensors).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+        assert!(
+            e.message.contains("sharded accumulation") && e.message.contains(what),
+            "{}",
+            e.message
+        );
+    }
+}
+
+/// A hybrid boundary (2 shard groups of 2 ranks) drops, reports and measures as one group of the
+/// four ranks does: the place's rank is replica rank times 2 plus shard rank.
+#[test]
+fn a_hybrid_boundary_reports_and_measures_as_the_whole_group() {
+    let tensors = [
+        TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 3, dtype: Dtype::F32 },
+        TensorDesc { numel: 9000, dtype: Dtype::F16 },
+    ];
+    let feed_rank = |g: usize, acc: &Accumulator| {
+        let scaler = Scaler::new(ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
+        for m in 0..2 {
+            let value = |i: usize| ((g * 7 + m * 3 + i) % 11) as f32 - 5.0;
+            let a: Vec<u16> = (0..5000).map(|i| to_bf16(value(i))).collect();
+            let mut b: Vec<f32> = (0..3).map(value).collect();
+            let c: Vec<u16> = (0..9000).map(|i| to_f16(value(i) * 0.5)).collect();
+            if (g, m) == (3, 1) {
+                b[2] = f32::NAN;
+            }
+            acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&b), Grad::F16(&c)], 1 + m as u64)
+                .unwrap();
+        }
+    };
     let config = AccumulatorConfig {
         overflow: Overflow::DropMicrobatch,
-        sharding: Sharding::Accumulate { shards: 1, rank: 0 },
+        tensor_stats: true,
+        max_grad_norm: 1.0,
         ..Default::default()
     };
-    let e = Accumulator::new(config, &tensors).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
-    assert!(e.message.contains("sharded accumulation"), "{}", e.message);
+    let hybrid = hybrid_grid(2, 2, |g, shard, replicas| {
+        let sharding = Sharding::ReduceScatter { shards: 2, rank: shard.rank() };
+        let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, &tensors).unwrap();
+        feed_rank(g, &acc);
+        (acc.sync_hybrid(shard, replicas).unwrap(), acc.tensor_stats().unwrap())
+    });
+    let comms = LocalComm::group(4).unwrap();
+    let whole: Vec<(SyncInfo, Vec<TensorStats>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(g, comm)| {
+                s.spawn(move || {
+                    let acc = Accumulator::new(config, &tensors).unwrap();
+                    feed_rank(g, &acc);
+                    (acc.sync(Some(comm)).unwrap(), acc.tensor_stats().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (info, stats) = &whole[0];
+    assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 3, microbatch: 1, tensor: 1 }));
+    assert_eq!((info.dropped_microbatches, info.microbatches, info.found_inf), (1, 7, false));
+    for (g, (h, hs)) in hybrid.iter().enumerate() {
+        assert_eq!((h.overflow, h.dropped_microbatches), (info.overflow, 1), "rank {g}");
+        assert_eq!((h.total_count, h.microbatches), (info.total_count, info.microbatches));
+        assert_eq!(hs, &hybrid[0].1, "rank {g}'s stats differ from rank 0's");
+        for (t, (a, b)) in hs.iter().zip(stats).enumerate() {
+            assert_eq!(a.nonfinite_microbatches, b.nonfinite_microbatches, "tensor {t}");
+            assert_eq!(a.nonfinite_microbatches, (t == 1) as u64, "tensor {t}");
+            assert!(
+                (a.grad_norm - b.grad_norm).abs() <= 1e-6 * b.grad_norm,
+                "tensor {t}: hybrid {} vs the whole group {}",
+                a.grad_norm,
+                b.grad_norm
+            );
+        }
+    }
+}
+
+fn hybrid_grid<T: Send>(
+    shards: usize,
+    replicas: usize,
+    f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync,
+) -> Vec<T> {
+    let shard_groups: Vec<Vec<LocalComm>> =
+        (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
+    let replica_groups: Vec<Vec<LocalComm>> =
+        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..shards * replicas)
+            .map(|g| {
+                let (a, i) = (g / shards, g % shards);
+                let (sc, rc) = (&shard_groups[a][i], &replica_groups[i][a]);
+                s.spawn(move || f(g, sc, rc))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

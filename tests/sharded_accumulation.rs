@@ -136,6 +136,7 @@ fn random_config(rng: &mut Rng) -> AccumulatorConfig {
         sharding: Sharding::None,
         wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
         overflow: Overflow::SkipStep,
+        tensor_stats: false,
     }
 }
 

@@ -130,6 +130,9 @@ pub struct gradacc_accumulator_config_t {
     pub wire_dtype: gradacc_dtype_t,
     /// GRADACC_OVERFLOW_* (default SKIP_STEP).
     pub overflow: gradacc_overflow_t,
+    /// 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
+    /// (default). CPU accumulators without GRADACC_SHARDING_ACCUMULATE.
+    pub tensor_stats: u32,
 }
 
 /// What the boundary reports; identical on every rank. Set struct_size before the call
@@ -233,6 +236,10 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
             )))
         }
     };
+    let tensor_stats = match c.tensor_stats {
+        0 | 1 => c.tensor_stats == 1,
+        v => return Err(Error::invalid(format!("`config`.tensor_stats = {v} is neither 0 nor 1"))),
+    };
     Ok(AccumulatorConfig {
         loss_reduction,
         normalize,
@@ -242,6 +249,7 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
         sharding,
         wire,
         overflow,
+        tensor_stats,
     })
 }
 
@@ -269,6 +277,7 @@ pub unsafe extern "C" fn gradacc_accumulator_config_default(
             shard_rank: 0,
             wire_dtype: d.wire.code(),
             overflow: d.overflow.code(),
+            tensor_stats: d.tensor_stats as u32,
         };
         Ok(())
     })
@@ -761,6 +770,48 @@ pub unsafe extern "C" fn gradacc_accumulator_shard(
         let data = unsafe { out_ptr(out_data, "out_data") }?;
         let (range, ptr) = a.shard();
         (*offset, *numel, *data) = (range.start, range.len(), ptr);
+        Ok(())
+    })
+}
+
+/// Each tensor's telemetry of the last boundary, the same on every rank (`config`.tensor_stats =
+/// 1): into `grad_norms[i]` the L2 norm of tensor i's reduced, normalised gradient before
+/// clipping, into `nonfinite_microbatches[i]` the micro-batches over every rank in which it held a
+/// non-finite value (docs/overflow.md). Either array may be NULL; `n` is the accumulator's tensor
+/// count. GRADACC_STATUS_WRONG_STATE without tensor_stats, or before a sync that read its info;
+/// nothing is written on failure.
+///
+/// Thread safety: any thread; not concurrently with the next window's first micro-batch.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_tensor_stats(
+    acc: *const gradacc_accumulator_t,
+    grad_norms: *mut f64,
+    nonfinite_microbatches: *mut u64,
+    n: usize,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_tensor_stats", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        let tensors = a.tensors().len();
+        if n != tensors {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the accumulator has {tensors} tensors"),
+            )
+            .into());
+        }
+        // SAFETY: a non-null array holds `n` writable values (API contract).
+        let mut norms = unsafe { out_array(grad_norms, n, "grad_norms") }?;
+        // SAFETY: as above.
+        let mut counts = unsafe { out_array(nonfinite_microbatches, n, "nonfinite_microbatches") }?;
+        let stats = a.tensor_stats()?;
+        for (i, s) in stats.iter().enumerate() {
+            if let Some(norms) = norms.as_deref_mut() {
+                norms[i] = s.grad_norm;
+            }
+            if let Some(counts) = counts.as_deref_mut() {
+                counts[i] = s.nonfinite_microbatches;
+            }
+        }
         Ok(())
     })
 }

@@ -190,6 +190,7 @@ versioned!(
         shard_rank,
         wire_dtype,
         overflow,
+        tensor_stats,
     },
     defaults: gradacc_accumulator_config_default
 );
@@ -466,6 +467,26 @@ pub(crate) unsafe fn read_slice<'a, T>(
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
+/// An optional output array of `len` values of `T`: `None` for NULL, else checked for alignment
+/// and size.
+///
+/// # Safety
+/// A non-null `ptr` must point to `len` writable values of `T`, unaliased for `'a`.
+pub(crate) unsafe fn out_array<'a, T>(
+    ptr: *mut T,
+    len: usize,
+    argument: &str,
+) -> CallResult<Option<&'a mut [T]>> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, and readable as the caller's writable array (read_slice only checks).
+    unsafe { read_slice(ptr.cast_const(), len, argument, "n") }?;
+    // SAFETY: checked above (non-null, aligned, at most isize::MAX bytes); writable for `len`
+    // values and unaliased by the caller's contract.
+    Ok(Some(unsafe { std::slice::from_raw_parts_mut(ptr, len) }))
+}
+
 /// Refuses a length of `T` values whose size in bytes exceeds `isize::MAX`: no buffer can hold
 /// it.
 pub(crate) fn check_len<T>(len: usize, len_argument: &str) -> CallResult<()> {
@@ -509,7 +530,7 @@ mod tests {
         check::<gradacc_scaler_stats_t>();
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8
         // bucket_numel, 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4
-        // shard_count, 4 shard_rank, 4 wire_dtype (0.2 ended here), 4 overflow (+4 padding).
+        // shard_count, 4 shard_rank, 4 wire_dtype (0.2 ended here), 4 overflow, 4 tensor_stats.
         assert_eq!(
             accepted_sizes::<gradacc_accumulator_config_t>(),
             [8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64]

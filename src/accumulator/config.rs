@@ -224,6 +224,11 @@ pub struct AccumulatorConfig {
     pub wire: Dtype,
     /// What a non-finite gradient value costs (default [`Overflow::SkipStep`]).
     pub overflow: Overflow,
+    /// Each boundary also measures every tensor: its norm and in how many micro-batches it went
+    /// non-finite ([`Accumulator::tensor_stats`](super::Accumulator::tensor_stats)), at the
+    /// cost of summing each tensor's squares in the boundary's pass and one small gather
+    /// (default off; CPU accumulators).
+    pub tensor_stats: bool,
 }
 
 impl Default for AccumulatorConfig {
@@ -237,6 +242,7 @@ impl Default for AccumulatorConfig {
             sharding: Sharding::None,
             wire: Dtype::F32,
             overflow: Overflow::SkipStep,
+            tensor_stats: false,
         }
     }
 }

@@ -22,6 +22,7 @@ pub(crate) mod protocol;
 pub use protocol::Owed;
 mod scale_source;
 pub(crate) mod sharding;
+pub(crate) mod tensor_stats;
 mod window;
 
 pub use config::{
@@ -42,6 +43,8 @@ use crate::state;
 pub(crate) use layout::Layout;
 pub use layout::MASTER_ALIGN;
 pub(crate) use scale_source::{DeviceScale, ScaleSource};
+pub(crate) use tensor_stats::Segments;
+pub use tensor_stats::TensorStats;
 use window::{Phase, State, Window};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
@@ -202,14 +205,11 @@ impl<'a> Gradient<'a> {
 }
 
 /// Gradients in memory the store cannot read.
-/// [`Overflow::DropMicrobatch`] where no store drops a micro-batch (`where_`).
-fn no_drop(where_: &str) -> Error {
+/// `what` (a setting) where no store runs it (`where_`).
+fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
         ErrorKind::BackendUnavailable,
-        format!(
-            "overflow = DropMicrobatch runs on CPU accumulators without sharded accumulation, not \
-             {where_}"
-        ),
+        format!("{what} runs on CPU accumulators without sharded accumulation, not {where_}"),
     )
 }
 
@@ -270,9 +270,12 @@ impl Plan {
         if c.wire != Dtype::F32 {
             bytes.extend(c.wire.code().to_le_bytes());
         }
-        // The policy decides what the ranks count.
+        // The policy decides what the ranks count; telemetry adds a gather to the boundary.
         if c.overflow != Overflow::SkipStep {
             bytes.extend([0x0f, c.overflow.code() as u8]);
+        }
+        if c.tensor_stats {
+            bytes.extend([0x75, 1]);
         }
         state::checksum(&bytes)
     }
@@ -364,6 +367,8 @@ pub(crate) struct Proposal<'a> {
     /// Micro-batches this rank dropped, and where its window first went non-finite.
     pub dropped: u64,
     pub first_bad: Option<(u64, usize)>,
+    /// With `tensor_stats`: in how many micro-batches each tensor went non-finite on this rank.
+    pub nonfinite: Vec<u64>,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
     pub error: Option<Error>,
 }
@@ -501,15 +506,27 @@ pub(crate) trait Store: Send + Sync {
         first: bool,
     ) -> Result<bool>;
 
-    /// The first tensor whose gradient is not finite once unscaled and weighted: the check of a
-    /// whole micro-batch before it is added ([`Overflow::DropMicrobatch`]).
-    fn first_bad_gradient(
+    /// The tensors whose gradients are not finite once unscaled and weighted, in order: the check
+    /// of a whole micro-batch before it is added ([`Overflow::DropMicrobatch`]), and what
+    /// `tensor_stats` counts.
+    fn bad_gradients(
         &self,
         _scale: ScaleSource<'_>,
         _grads: Grads<'_>,
         _weight: f64,
-    ) -> Result<Option<usize>> {
-        Err(no_drop(&format!("on {}", self.device().name())))
+    ) -> Result<Vec<usize>> {
+        Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
+    }
+
+    /// Whether one gradient stays finite once unscaled and weighted (an `add_tensor` that wrote a
+    /// non-finite value: its own, or the master's sum overflowing).
+    fn finite_gradient(
+        &self,
+        _scale: ScaleSource<'_>,
+        _grad: Gradient<'_>,
+        _weight: f64,
+    ) -> Result<bool> {
+        Ok(false)
     }
 
     /// The first tensor whose master holds a non-finite value (where an add went bad).
@@ -529,13 +546,13 @@ pub(crate) trait Store: Send + Sync {
         _weight: f64,
         _first: bool,
     ) -> Result<bool> {
-        Err(no_drop(&format!("on {}", self.device().name())))
+        Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
 
     /// Adds tensor `index`'s staging into its master (assigns it with `first`), flagging the
     /// window as `add_tensor` does. Returns whether a value it wrote is not finite.
     fn merge_staged(&self, _index: usize, _first: bool) -> Result<bool> {
-        Err(no_drop(&format!("on {}", self.device().name())))
+        Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
 
     /// The window's last micro-batch opens, with the communicator of its boundary.
@@ -585,6 +602,17 @@ pub(crate) trait Store: Send + Sync {
         let mut copy = vec![0.0; range.len()];
         self.read(range, &mut copy)?;
         f(&copy);
+        Ok(())
+    }
+
+    /// The last boundary's per-tensor stats, when the store measured them.
+    fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
+        None
+    }
+
+    /// A boundary with nothing to reduce (every micro-batch dropped): the per-tensor stats are
+    /// the counts alone, still summed over the ranks.
+    fn count_only(&self, _proposal: &Proposal<'_>) -> Result<()> {
         Ok(())
     }
 
@@ -768,12 +796,18 @@ impl Accumulator {
                 )));
             }
         }
-        if config.overflow == Overflow::DropMicrobatch {
+        for (on, what) in [
+            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch"),
+            (config.tensor_stats, "tensor_stats"),
+        ] {
+            if !on {
+                continue;
+            }
             if let Sharding::Accumulate { .. } = config.sharding {
-                return Err(no_drop("under sharded accumulation"));
+                return Err(not_here(what, "under sharded accumulation"));
             }
             if device != Device::Cpu {
-                return Err(no_drop(&format!("on {}", device.name())));
+                return Err(not_here(what, &format!("on {}", device.name())));
             }
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
@@ -857,24 +891,33 @@ impl Accumulator {
         // Under DropMicrobatch the micro-batch is checked before anything is added.
         let bad = match (&checked, self.plan.config.overflow) {
             (Ok(()), Overflow::DropMicrobatch) => {
-                self.store.first_bad_gradient(scaler.source(), grads, weight)?
+                self.store.bad_gradients(scaler.source(), grads, weight)?
             }
-            _ => None,
+            _ => Vec::new(),
         };
         self.store.open_microbatch(self.opens_window(&w), true, checked.as_ref().err())?;
         self.start_window_if_synced(&mut w)?;
-        if let Some(tensor) = bad {
+        let n = self.plan.descs.len();
+        if let Some(&tensor) = bad.first() {
+            if self.plan.config.tensor_stats {
+                w.count_bad(n, bad);
+            }
             w.drop_microbatch(tensor);
             return Ok(());
         }
         let added =
             self.store.add(scaler.source(), grads, weight, &|i| !self.window.written(&w, i));
         let went_bad = self.settle_lost(&mut w, added)?;
-        for i in 0..self.plan.descs.len() {
+        for i in 0..n {
             self.window.mark_written(&w, i);
         }
-        if went_bad && w.first_bad.is_none() {
-            w.went_bad(self.store.first_bad_master()?.unwrap_or(0));
+        if went_bad {
+            if w.first_bad.is_none() {
+                w.went_bad(self.store.first_bad_master()?.unwrap_or(0));
+            }
+            if self.plan.config.tensor_stats {
+                w.count_bad(n, self.store.bad_gradients(scaler.source(), grads, weight)?);
+            }
         }
         w.add_microbatch(count);
         Ok(())
@@ -1021,18 +1064,23 @@ impl Accumulator {
             .and_then(|()| {
                 let (weight, source) = (self.plan.config.weight(count), scaler.source());
                 match self.plan.config.overflow {
+                    // A non-finite sum of a finite gradient is the master's, not the gradient's.
                     Overflow::SkipStep => self.window.contribute(&w, index, |first| {
-                        self.store.add_tensor(source, index, grad, weight, first)
+                        let went_bad = self.store.add_tensor(source, index, grad, weight, first)?;
+                        Ok(went_bad.then(|| self.store.finite_gradient(source, grad, weight)))
                     }),
                     Overflow::DropMicrobatch => self.window.stage(&w, index, |first| {
-                        self.store.stage_tensor(source, index, grad, weight, first)
+                        let went_bad = self.store.stage_tensor(source, index, grad, weight, first)?;
+                        Ok(went_bad.then_some(Ok(false)))
                     }),
                 }
             });
         match added {
             Ok(went_bad) => {
-                if went_bad {
-                    self.window.note_bad(index);
+                match went_bad.transpose()? {
+                    Some(false) => self.window.note_bad(index),
+                    Some(true) => self.window.note_overflow(index),
+                    None => {}
                 }
                 Ok(())
             }
@@ -1103,21 +1151,29 @@ impl Accumulator {
         };
         let closed = self.store.close_microbatch();
         self.settle_lost(&mut w, closed)?;
-        if self.plan.config.overflow == Overflow::DropMicrobatch {
-            if let Some(tensor) = self.window.bad_tensor() {
+        let drop = self.plan.config.overflow == Overflow::DropMicrobatch;
+        let bad: Vec<usize> = self.window.bad_tensors().collect();
+        if self.plan.config.tensor_stats {
+            w.count_bad(self.plan.descs.len(), bad.iter().copied());
+        }
+        if let Some(&tensor) = bad.first() {
+            if drop {
                 w.drop_microbatch(tensor);
                 return Ok(());
             }
+        }
+        if let Some(tensor) = bad.first().copied().into_iter().chain(self.window.overflowed()).min() {
+            w.went_bad(tensor);
+        }
+        if drop {
             let staged: Vec<usize> = self.window.staged(&w).collect();
             for i in staged {
+                // The kept micro-batch's sum overflowed the master: a place, not a bad gradient.
                 if self.store.merge_staged(i, !self.window.written(&w, i))? {
-                    self.window.note_bad(i);
+                    w.went_bad(i);
                 }
                 self.window.mark_written(&w, i);
             }
-        }
-        if let Some(tensor) = self.window.bad_tensor() {
-            w.went_bad(tensor);
         }
         if self.store.bound().is_some() {
             // Every bucket was reduced: the whole shard is written.
@@ -1215,8 +1271,22 @@ impl Accumulator {
         let (count, microbatches, ranks) =
             if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
         let (dropped, first_bad) = if empty_again { (0, None) } else { (w.dropped, w.first_bad) };
-        let proposal =
-            Proposal { comm, replicas, count, microbatches, ranks, dropped, first_bad, error };
+        let nonfinite = match (self.plan.config.tensor_stats, empty_again) {
+            (false, _) => Vec::new(),
+            (true, true) => vec![0; self.plan.descs.len()],
+            (true, false) => w.nonfinite(self.plan.descs.len()),
+        };
+        let proposal = Proposal {
+            comm,
+            replicas,
+            count,
+            microbatches,
+            ranks,
+            dropped,
+            first_bad,
+            nonfinite,
+            error,
+        };
         let agreed = self
             .store
             .agree(&proposal)
@@ -1248,6 +1318,13 @@ impl Accumulator {
                 }
                 self.zero_untouched(&w)?;
                 self.store.set_found_inf(true)?;
+                if let Err(e) = self.store.count_only(&proposal) {
+                    let _ = self.discard(&mut w);
+                    return Err(Error::new(
+                        e.kind,
+                        format!("{} (the window was discarded)", e.message),
+                    ));
+                }
                 let info = SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) };
                 w.phase = Phase::Synced(Some(info));
                 return Ok(Some(info));
@@ -1344,6 +1421,26 @@ impl Accumulator {
             self.window.mark_written(w, i);
         }
         Ok(())
+    }
+
+    /// Each tensor's telemetry of the last boundary, the same on every rank: the norm of its
+    /// reduced, normalised gradient and in how many micro-batches it went non-finite. Needs
+    /// [`AccumulatorConfig::tensor_stats`] and a window synced with its info read (else
+    /// `WrongState`).
+    pub fn tensor_stats(&self) -> Result<Vec<TensorStats>> {
+        if !self.plan.config.tensor_stats {
+            return Err(Error::wrong_state(
+                "tensor_stats is off in this accumulator's config: nothing was measured",
+            ));
+        }
+        match self.window.read().phase {
+            Phase::Synced(Some(_)) => self.store.tensor_stats().ok_or_else(|| {
+                Error::new(ErrorKind::Internal, "a synced boundary left no tensor stats")
+            }),
+            _ => Err(Error::wrong_state(
+                "tensor_stats needs a window synced with its info read: call sync first",
+            )),
+        }
     }
 
     /// The last boundary's result, while the window is still synced and its info was read.

@@ -3,7 +3,7 @@
 //! were written in it (a tensor not written in the current window reads as zero at the
 //! boundary, and its first contribution overwrites instead of adding).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::SyncInfo;
@@ -41,6 +41,8 @@ pub(crate) struct State {
     pub first_bad: Option<(u64, usize)>,
     /// Counts the micro-batches opened over the accumulator's life: it names the open one.
     pub serial: u64,
+    /// Per tensor, the micro-batches in which it went non-finite (empty until one did).
+    nonfinite: Vec<u64>,
 }
 
 impl State {
@@ -117,6 +119,22 @@ impl State {
         self.first_bad.get_or_insert((index, tensor));
     }
 
+    /// Tensors `bad` of the micro-batch being fed went non-finite: each counts one more
+    /// micro-batch.
+    pub fn count_bad(&mut self, tensors: usize, bad: impl IntoIterator<Item = usize>) {
+        self.nonfinite.resize(tensors, 0);
+        for t in bad {
+            self.nonfinite[t] += 1;
+        }
+    }
+
+    /// Per tensor, the micro-batches of this window in which it went non-finite.
+    pub fn nonfinite(&self, tensors: usize) -> Vec<u64> {
+        let mut counts = self.nonfinite.clone();
+        counts.resize(tensors, 0);
+        counts
+    }
+
     /// The micro-batch being fed is dropped: non-finite in `tensor`, it counts for nothing.
     pub fn drop_microbatch(&mut self, tensor: usize) {
         self.went_bad(tensor);
@@ -139,6 +157,7 @@ impl State {
             dropped: 0,
             first_bad: None,
             serial: 0,
+            nonfinite: Vec::new(),
         }
     }
 }
@@ -157,8 +176,11 @@ pub(crate) struct Window {
     /// The serial of the micro-batch in which each tensor was last staged
     /// (`Overflow::DropMicrobatch`).
     staged_in: Vec<AtomicU64>,
-    /// The smallest tensor of the open micro-batch that went non-finite; `usize::MAX` for none.
-    bad_tensor: AtomicUsize,
+    /// Each tensor's gradient went non-finite in the open micro-batch.
+    bad_in_microbatch: Vec<AtomicBool>,
+    /// The smallest tensor of the open micro-batch whose master sum overflowed from finite
+    /// gradients; `usize::MAX` for none.
+    overflowed: AtomicUsize,
 }
 
 impl Window {
@@ -168,7 +190,8 @@ impl Window {
             written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
             tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
             staged_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
-            bad_tensor: AtomicUsize::new(usize::MAX),
+            bad_in_microbatch: (0..tensors).map(|_| AtomicBool::new(false)).collect(),
+            overflowed: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -223,17 +246,29 @@ impl Window {
     /// A micro-batch opens: it names a new serial, and nothing in it went non-finite yet.
     pub fn open_microbatch(&self, w: &mut State) {
         w.serial += 1;
-        self.bad_tensor.store(usize::MAX, Ordering::Relaxed);
+        self.bad_in_microbatch.iter().for_each(|b| b.store(false, Ordering::Relaxed));
+        self.overflowed.store(usize::MAX, Ordering::Relaxed);
     }
 
-    /// Tensor `index` of the open micro-batch went non-finite.
+    /// Tensor `index`'s master sum overflowed in the open micro-batch, its gradient finite.
+    pub fn note_overflow(&self, index: usize) {
+        self.overflowed.fetch_min(index, Ordering::Relaxed);
+    }
+
+    /// The smallest tensor of the open micro-batch whose master sum overflowed.
+    pub fn overflowed(&self) -> Option<usize> {
+        Some(self.overflowed.load(Ordering::Relaxed)).filter(|&i| i != usize::MAX)
+    }
+
+    /// Tensor `index`'s gradient (its contribution) in the open micro-batch is not finite.
     pub fn note_bad(&self, index: usize) {
-        self.bad_tensor.fetch_min(index, Ordering::Relaxed);
+        self.bad_in_microbatch[index].store(true, Ordering::Relaxed);
     }
 
-    /// The smallest tensor of the open micro-batch that went non-finite.
-    pub fn bad_tensor(&self) -> Option<usize> {
-        Some(self.bad_tensor.load(Ordering::Relaxed)).filter(|&i| i != usize::MAX)
+    /// The tensors of the open micro-batch that went non-finite, in order.
+    pub fn bad_tensors(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.bad_in_microbatch.len())
+            .filter(|&i| self.bad_in_microbatch[i].load(Ordering::Relaxed))
     }
 
     /// Whether tensor `index` was written in window `w`. Relaxed: the window's lock orders

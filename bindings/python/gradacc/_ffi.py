@@ -111,6 +111,7 @@ class gradacc_accumulator_config_t(ctypes.Structure):
         ("shard_rank", ctypes.c_uint32),
         ("wire_dtype", gradacc_dtype_t),
         ("overflow", gradacc_overflow_t),
+        ("tensor_stats", ctypes.c_uint32),
     ]
 
 # One tensor of an accumulator: element count and the dtype its gradients arrive in.
@@ -305,6 +306,12 @@ gradacc_accumulator_shard = dll.gradacc_accumulator_shard
 gradacc_accumulator_shard.restype = gradacc_status_t
 gradacc_accumulator_shard.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.POINTER(ctypes.c_float))]
 # arguments: acc, out_offset, out_numel, out_data
+
+# Each tensor's telemetry of the last boundary, the same on every rank (`config`.tensor_stats = 1): into `grad_norms[i]` the L2 norm of tensor i's reduced, normalised gradient before clipping, into `nonfinite_microbatches[i]` the micro-batches over every rank in which it held a non-finite value (docs/overflow.md).
+gradacc_accumulator_tensor_stats = dll.gradacc_accumulator_tensor_stats
+gradacc_accumulator_tensor_stats.restype = gradacc_status_t
+gradacc_accumulator_tensor_stats.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+# arguments: acc, grad_norms, nonfinite_microbatches, n
 
 # Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with zeros between and after the last.
 gradacc_accumulator_master_numel = dll.gradacc_accumulator_master_numel

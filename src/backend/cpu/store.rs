@@ -11,8 +11,10 @@ use super::{check, math};
 use super::sharded::ShardMemory;
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
+use crate::accumulator::tensor_stats::{self, Squares};
 use crate::accumulator::{
-    Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
+    Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Segments, Sharding, Store, SyncInfo,
+    TensorStats,
 };
 use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
@@ -30,6 +32,9 @@ pub(crate) struct HostStore {
     /// The FP32 staging of a micro-batch fed tensor by tensor under `Overflow::DropMicrobatch`,
     /// laid out as the master; allocated at its first use.
     stage: OnceLock<Master>,
+    /// With `tensor_stats`: the layout's segments, and the last boundary's stats.
+    segments: Option<Segments>,
+    stats: Mutex<Option<Vec<TensorStats>>>,
 }
 
 /// What a host store holds of the master.
@@ -59,7 +64,16 @@ impl HostStore {
         } else {
             Memory::Whole(Self::allocate(&plan, adopt)?)
         };
-        Ok(HostStore { plan, memory, found_inf: AtomicBool::new(false), stage: OnceLock::new() })
+        let segments =
+            plan.config.tensor_stats.then(|| Segments::new(&plan.layout, plan.descs.len()));
+        Ok(HostStore {
+            plan,
+            memory,
+            found_inf: AtomicBool::new(false),
+            stage: OnceLock::new(),
+            segments,
+            stats: Mutex::new(None),
+        })
     }
 
     fn allocate(plan: &Plan, adopt: Option<*mut f32>) -> Result<Master> {
@@ -110,6 +124,23 @@ impl HostStore {
                 "overflow = DropMicrobatch does not run under sharded accumulation",
             )),
         }
+    }
+
+    /// Every tensor's stats from this rank's segment `sums` (times `scale`) and the proposal's
+    /// counts, shared over the boundary's groups, kept for `tensor_stats`.
+    fn share_stats(
+        &self,
+        segments: &Segments,
+        p: &Proposal<'_>,
+        sums: Vec<f64>,
+        scale: f64,
+    ) -> Result<()> {
+        let (group, replicas) = (sized(p.comm)?, sized(p.replicas)?);
+        // A shard group of one: the replicas hold the pieces.
+        let (group, replicas) = if group.is_none() { (replicas, None) } else { (group, replicas) };
+        let stats = tensor_stats::share(segments, group, replicas, sums, &p.nonfinite, scale)?;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
+        Ok(())
     }
 
     /// The staging, allocated at its first use.
@@ -201,14 +232,23 @@ impl Store for HostStore {
         Ok(self.flag(super::accumulate(master, grad, factor, first, threads)))
     }
 
-    fn first_bad_gradient(
+    fn bad_gradients(
         &self,
         scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
-    ) -> Result<Option<usize>> {
+    ) -> Result<Vec<usize>> {
         let factor = unscale_factor(scale, weight)?;
-        Ok(check::first_nonfinite(grads.host()?, factor, self.plan.config.threads))
+        Ok(check::nonfinite_tensors(grads.host()?, factor, self.plan.config.threads))
+    }
+
+    fn finite_gradient(
+        &self,
+        scale: ScaleSource<'_>,
+        grad: Gradient<'_>,
+        weight: f64,
+    ) -> Result<bool> {
+        Ok(check::finite_after_unscale(grad.host()?, unscale_factor(scale, weight)?))
     }
 
     fn first_bad_master(&self) -> Result<Option<usize>> {
@@ -275,18 +315,34 @@ impl Store for HostStore {
         let boundary = Boundary::new(&self.plan, agreed, wire);
         let pass = boundary.pass;
         let shards = self.plan.shards();
+        let squares = self.segments.as_ref().map(Segments::squares);
+        let measured = Measured::new(&pass, squares.as_ref(), all, 0);
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
             (Some(c), None) if shards.is_empty() => {
-                c.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?
+                c.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
             }
-            (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &pass)?,
-            (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass)?,
+            (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &measured)?,
+            (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass, squares.as_ref())?,
             // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
-            (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &pass)?,
-            (None, None) => pass_whole(all, &pass, pass.threads),
+            (None, Some(r)) => {
+                r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
+            }
+            (None, None) => pass_whole(all, &measured, pass.threads),
         };
+        if let (Some(segments), Some(squares)) = (&self.segments, squares) {
+            self.share_stats(segments, p, squares.into_sums(), boundary.stats_scale())?;
+        }
         Ok(Some(boundary.info(&block_sums)))
+    }
+
+    fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn count_only(&self, p: &Proposal<'_>) -> Result<()> {
+        let Some(segments) = &self.segments else { return Ok(()) };
+        self.share_stats(segments, p, segments.squares().into_sums(), 1.0)
     }
 
     fn master_address(&self, offset: usize) -> *mut f32 {
@@ -389,6 +445,15 @@ impl Boundary {
     /// gradient cannot overflow and NaN propagates, so the norm is finite exactly when every
     /// element of the reduced gradient is, and every rank has its bits: the ranks agree without
     /// another collective.
+    /// What turns a sum of squares of the values the pass leaves into the normalised gradient's:
+    /// without clipping the pass normalises first; with it, the pass only measures.
+    pub(super) fn stats_scale(&self) -> f64 {
+        match self.pass.factor {
+            Some(_) => 1.0,
+            None => 1.0 / (self.divisor as f64 * self.divisor as f64),
+        }
+    }
+
     pub(super) fn info(&self, block_sums: &[f64]) -> SyncInfo {
         let max_norm = self.pass.clip.map_or(0.0, |c| c.max_norm);
         let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
@@ -418,6 +483,11 @@ pub(super) fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollecti
     }
 }
 
+/// [`between_ranks`] with the group's size.
+fn sized(c: Option<&dyn Communicator>) -> Result<Option<tensor_stats::Group<'_>>> {
+    Ok(between_ranks(c)?.zip(c.map(|c| c.world_size())))
+}
+
 /// The host collectives of a group of more than one rank; `None` for no group or a group of one.
 pub(super) fn between_ranks(c: Option<&dyn Communicator>) -> Result<Option<&dyn HostCollectives>> {
     c.filter(|c| c.world_size() > 1).map(host_collectives).transpose()
@@ -433,6 +503,7 @@ fn hybrid(
     buf: &mut [f32],
     shards: &[Range<usize>],
     pass: NormPass,
+    squares: Option<&Squares<'_>>,
 ) -> Result<Vec<f64>> {
     let over = OverReplicas {
         replicas,
@@ -440,7 +511,8 @@ fn hybrid(
         outer: pass,
         failed: Mutex::new(None),
     };
-    let values = shard.reduce_scatter_with_pass(buf, shards, &over)?;
+    let measured = Measured::new(&over, squares, buf, 0);
+    let values = shard.reduce_scatter_with_pass(buf, shards, &measured)?;
     let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
     let told =
         shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
@@ -484,6 +556,67 @@ impl BlockPass for OverReplicas<'_> {
 
     fn wire(&self) -> Dtype {
         self.outer.wire
+    }
+}
+
+/// A boundary pass that also sums each tensor's squares of every run it passes, while the run is
+/// in cache (`tensor_stats`); without squares to fill, the pass alone.
+pub(super) struct Measured<'a> {
+    inner: &'a dyn BlockPass,
+    squares: Option<&'a Squares<'a>>,
+    /// The buffer's addresses, and the flat layout's element at its start.
+    buf: Range<usize>,
+    at: usize,
+}
+
+impl<'a> Measured<'a> {
+    pub(super) fn new(
+        inner: &'a dyn BlockPass,
+        squares: Option<&'a Squares<'a>>,
+        buf: &[f32],
+        at: usize,
+    ) -> Self {
+        let buf = buf.as_ptr() as usize..buf.as_ptr_range().end as usize;
+        Measured { inner, squares, buf, at }
+    }
+
+    fn record(&self, run: &[f32]) {
+        let Some(squares) = self.squares else { return };
+        // Every communicator passes over runs of the buffer it reduces (as `AddInto` relies on).
+        let start = run.as_ptr() as usize;
+        assert!(
+            self.buf.start <= start && start + size_of_val(run) <= self.buf.end,
+            "a boundary pass over a run outside the master"
+        );
+        squares.record(self.at + (start - self.buf.start) / size_of::<f32>(), run);
+    }
+}
+
+impl BlockPass for Measured<'_> {
+    fn run(&self, run: &mut [f32], values: &mut [f64]) {
+        self.inner.run(run, values);
+        self.record(run);
+    }
+
+    fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
+        self.inner.add_and_run(run, addend, values);
+        self.record(run);
+    }
+
+    fn rescales(&self) -> bool {
+        self.inner.rescales()
+    }
+
+    fn rescale(&self, values: &[f64]) -> Option<f32> {
+        self.inner.rescale(values)
+    }
+
+    fn writes_values(&self) -> bool {
+        self.inner.writes_values()
+    }
+
+    fn wire(&self) -> Dtype {
+        self.inner.wire()
     }
 }
 

@@ -106,6 +106,7 @@ struct gradacc_accumulator_config_t
     shard_rank::UInt32
     wire_dtype::gradacc_dtype_t
     overflow::gradacc_overflow_t
+    tensor_stats::UInt32
 end
 
 "One tensor of an accumulator: element count and the dtype its gradients arrive in."
@@ -370,6 +371,11 @@ end
 "This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device address on CUDA)."
 function gradacc_accumulator_shard(acc, out_offset, out_numel, out_data)
     ccall((:gradacc_accumulator_shard, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Csize_t}, Ptr{Csize_t}, Ptr{Ptr{Cfloat}}), acc, out_offset, out_numel, out_data)
+end
+
+"Each tensor's telemetry of the last boundary, the same on every rank (`config`.tensor_stats = 1): into `grad_norms[i]` the L2 norm of tensor i's reduced, normalised gradient before clipping, into `nonfinite_microbatches[i]` the micro-batches over every rank in which it held a non-finite value (docs/overflow.md)."
+function gradacc_accumulator_tensor_stats(acc, grad_norms, nonfinite_microbatches, n)
+    ccall((:gradacc_accumulator_tensor_stats, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{Cdouble}, Ptr{UInt64}, Csize_t), acc, grad_norms, nonfinite_microbatches, n)
 end
 
 "Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with zeros between and after the last."
