@@ -1,7 +1,7 @@
 //! The Rust half of `scripts/bench`: gradacc's `add` and `sync` next to the memory-bandwidth floor
 //! measured in the same process, written as JSON lines for `benches/python/report.py`.
 //!
-//! `cargo bench --bench suite -- --out FILE [--quick] [--only sweep,layout,overhead,overflow,boundary]`
+//! `cargo bench --bench suite -- --out FILE [--quick] [--only sweep,layout,overhead,overflow,telemetry,boundary]`
 //!
 //! - sweep: one flat tensor, 4K to 256M elements, f16/bf16/f32, 1 and 2 threads; gradacc's `add`
 //!   and three floors with the same byte traffic, taking turns.
@@ -13,6 +13,8 @@
 //! - overflow: a model layout's micro-batch under `Overflow::DropMicrobatch` against the default
 //!   `SkipStep`, through `add` (checked before it is added) and tensor by tensor (through the
 //!   staging), taking turns.
+//! - telemetry: `sync` of the GPT-style layout with `tensor_stats` against without, alone and over
+//!   the in-process communicator with 2 ranks, taking turns.
 //! - boundary: `sync` of 100M parameters over the in-process communicator with 2 ranks, deferred
 //!   (one sync per K micro-batches), with and without clipping, against an all-reduce after every
 //!   micro-batch and one bare all-reduce of the same bytes.
@@ -150,6 +152,9 @@ fn main() {
         if o.wants("overflow") {
             overflow(&mut o, &flat, &models);
         }
+    }
+    if o.wants("telemetry") {
+        telemetry(&mut o, &models);
     }
     if o.wants("boundary") {
         let n = if o.quick { 16 * MI } else { 100_000_000 };
@@ -592,6 +597,92 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
 ///   naive:    an all-reduce of an FP32 gradient of the same size after every micro-batch;
 ///   bare:     one all-reduce of the same bytes, nothing else.
 /// The adds are the same in both patterns and not timed; each time is the slowest rank's.
+/// What `tensor_stats` costs a boundary: the largest GPT-style layout, one micro-batch per window,
+/// synced without and with it in turns, by one process and by 2 in-process ranks (each round's
+/// time is its slower rank's), clipping on (the norm's second step).
+fn telemetry(o: &mut Options, models: &[Model]) {
+    let Some(model) = models.iter().filter(|m| m.name == "transformer").max_by_key(|m| m.d) else {
+        return;
+    };
+    let numels = &model.numels;
+    let total: usize = numels.iter().sum();
+    println!(
+        "\n## tensor_stats at the boundary, {} d = {} ({} tensors, {total} fp16 elements): ms (off | on | on / off)",
+        model.name,
+        model.d,
+        numels.len()
+    );
+    let descs: Vec<TensorDesc> =
+        numels.iter().map(|&numel| TensorDesc { numel, dtype: Dtype::F16 }).collect();
+    let rounds = o.rounds.min(9);
+    for ranks in [1usize, 2] {
+        let comms = LocalComm::group(ranks).expect("group");
+        let barrier = Barrier::new(ranks);
+        let per_rank: Vec<Vec<[f64; 2]>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    let (barrier, descs) = (&barrier, &descs);
+                    s.spawn(move || {
+                        let (_, g16, _) = common::gradients(total);
+                        let owned = owned_grads(numels, Dtype::F16, Grad::F16(&g16));
+                        let grads = views(&owned, Dtype::F16);
+                        let make = |tensor_stats| {
+                            let config = AccumulatorConfig {
+                                max_grad_norm: 1e-3,
+                                tensor_stats,
+                                ..AccumulatorConfig::default()
+                            };
+                            Accumulator::new(config, descs).expect("accumulator")
+                        };
+                        let (off, on) = (make(false), make(true));
+                        let scaler = scaler();
+                        let comm = (ranks > 1).then_some(comm as &dyn Communicator);
+                        let mut times = Vec::new();
+                        for round in 0..=rounds {
+                            let mut t = [0.0; 2];
+                            for (i, acc) in [&off, &on].into_iter().enumerate() {
+                                acc.add(&scaler, &grads, 1).expect("add");
+                                barrier.wait();
+                                let start = Instant::now();
+                                acc.sync(comm).expect("sync");
+                                t[i] = start.elapsed().as_secs_f64();
+                            }
+                            if round > 0 {
+                                times.push(t);
+                            }
+                        }
+                        times
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        let rows: Vec<[f64; 2]> = (0..rounds)
+            .map(|r| std::array::from_fn(|i| per_rank.iter().map(|t| t[r][i]).fold(0.0, f64::max)))
+            .collect();
+        let t = Turns::new((0..2).map(|i| rows.iter().map(|r| r[i]).collect()).collect());
+        println!(
+            "{ranks} rank{}: {:.1} | {:.1} | {:.3}",
+            if ranks > 1 { "s" } else { "" },
+            t[0].median * 1e3,
+            t[1].median * 1e3,
+            t.ratio(1, 0).median
+        );
+        o.record(
+            "telemetry",
+            &format!(
+                "\"layout\":\"{}\",\"d\":{},\"tensors\":{},\"numel\":{total},\"ranks\":{ranks}",
+                model.name,
+                model.d,
+                numels.len()
+            ),
+            &[("off", t[0]), ("on", t[1])],
+            &[("on/off", t.ratio(1, 0))],
+        );
+    }
+}
+
 fn boundary(o: &mut Options, n: usize) {
     println!(
         "\n## boundary, in-process communicator, 2 ranks, {} fp16 parameters: ms (deferred sync | clipped sync | reduce-scatter sync | naive K all-reduces | bare all-reduce)",

@@ -132,8 +132,9 @@ pub(crate) struct Squares<'a> {
 
 impl Squares<'_> {
     /// The values of the flat master from element `at` have passed: every segment inside them
-    /// is summed (a pass runs over whole blocks, so a segment is never cut).
-    pub(crate) fn record(&self, at: usize, values: &[f32]) {
+    /// is summed by `sum` (a block's sum of squares, `math::block_sum_squares`'s bits on any
+    /// device; a pass runs over whole blocks, so a segment is never cut).
+    pub(crate) fn record(&self, at: usize, values: &[f32], sum: &dyn Fn(&[f32]) -> f64) {
         let spans = &self.segments.spans;
         let end = at + values.len();
         let first = spans.partition_point(|(r, _)| r.start < at);
@@ -142,10 +143,7 @@ impl Squares<'_> {
             if r.start >= end {
                 break;
             }
-            let sum = values[r.start - at..r.end.min(end) - at]
-                .iter()
-                .fold(0.0f64, |acc, &v| acc + (v as f64) * (v as f64));
-            found.push((s, sum));
+            found.push((s, sum(&values[r.start - at..r.end.min(end) - at])));
         }
         let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
         for (s, sum) in found {
@@ -164,6 +162,7 @@ mod tests {
     use super::*;
     use crate::accumulator::TensorDesc;
     use crate::dtype::Dtype;
+    use crate::math::block_sum_squares;
 
     #[test]
     fn segments_cut_tensors_at_blocks_and_any_rank_may_sum_them() {
@@ -184,7 +183,7 @@ mod tests {
                 let squares = segments.squares();
                 for (b, r) in blocks.iter().enumerate() {
                     if rank == 2 || b % 2 == rank {
-                        squares.record(r.start, &master[r.clone()]);
+                        squares.record(r.start, &master[r.clone()], &block_sum_squares);
                     }
                 }
                 squares.into_sums()

@@ -316,7 +316,7 @@ impl Store for HostStore {
         let pass = boundary.pass;
         let shards = self.plan.shards();
         let squares = self.segments.as_ref().map(Segments::squares);
-        let measured = Measured::new(&pass, squares.as_ref(), all, 0);
+        let measured = Measured::new(&pass, squares.as_ref(), all, 0, pass.threads);
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
             (Some(c), None) if shards.is_empty() => {
@@ -511,7 +511,7 @@ fn hybrid(
         outer: pass,
         failed: Mutex::new(None),
     };
-    let measured = Measured::new(&over, squares, buf, 0);
+    let measured = Measured::new(&over, squares, buf, 0, pass.threads);
     let values = shard.reduce_scatter_with_pass(buf, shards, &measured)?;
     let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
     let told =
@@ -567,6 +567,8 @@ pub(super) struct Measured<'a> {
     /// The buffer's addresses, and the flat layout's element at its start.
     buf: Range<usize>,
     at: usize,
+    /// The threads the pass runs on.
+    threads: usize,
 }
 
 impl<'a> Measured<'a> {
@@ -575,9 +577,10 @@ impl<'a> Measured<'a> {
         squares: Option<&'a Squares<'a>>,
         buf: &[f32],
         at: usize,
+        threads: usize,
     ) -> Self {
         let buf = buf.as_ptr() as usize..buf.as_ptr_range().end as usize;
-        Measured { inner, squares, buf, at }
+        Measured { inner, squares, buf, at, threads: threads.max(1) }
     }
 
     fn record(&self, run: &[f32]) {
@@ -588,14 +591,30 @@ impl<'a> Measured<'a> {
             self.buf.start <= start && start + size_of_val(run) <= self.buf.end,
             "a boundary pass over a run outside the master"
         );
-        squares.record(self.at + (start - self.buf.start) / size_of::<f32>(), run);
+        // Each segment lies in one block: the block kernel on the widest vectors sums it.
+        let sum = |segment: &[f32]| {
+            let mut one = [0.0];
+            super::block_sum_squares(segment, &mut one, 1);
+            one[0]
+        };
+        squares.record(self.at + (start - self.buf.start) / size_of::<f32>(), run, &sum);
     }
 }
 
 impl BlockPass for Measured<'_> {
+    /// With squares to sum, a long run goes through the pass a piece at a time, each summed
+    /// while in cache: a piece a thread's worth ([`super::MIN_ELEMENTS_PER_THREAD`]) per thread.
     fn run(&self, run: &mut [f32], values: &mut [f64]) {
-        self.inner.run(run, values);
-        self.record(run);
+        if self.squares.is_none() {
+            return self.inner.run(run, values);
+        }
+        let piece = self.threads * super::MIN_ELEMENTS_PER_THREAD;
+        for (part, part_values) in
+            run.chunks_mut(piece).zip(values.chunks_mut(piece / math::NORM_BLOCK))
+        {
+            self.inner.run(part, part_values);
+            self.record(part);
+        }
     }
 
     fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
