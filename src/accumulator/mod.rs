@@ -976,32 +976,12 @@ impl Accumulator {
         grads: &[*const c_void],
         count: u64,
     ) -> Result<()> {
-        match self.device() {
-            Device::Cpu => {
-                let mut views = Vec::with_capacity(grads.len());
-                for (i, (&p, d)) in grads.iter().zip(self.tensors()).enumerate() {
-                    // The checks without a message first: over a thousand small tensors, building
-                    // the argument's name (or returning a Result through memory) cost as much as
-                    // the adds.
-                    // SAFETY: the caller's contract.
-                    match unsafe { dtype::grad_view(p, d.numel, d.dtype) } {
-                        Some(g) => views.push(g),
-                        None => {
-                            self.refuse_collective();
-                            return Err(dtype::buffer_error(
-                                p,
-                                d.numel,
-                                d.dtype,
-                                &format!("grads[{i}]"),
-                            ));
-                        }
-                    }
-                }
-                self.add(scaler, Grads::Host(&views), count)
-            }
-            Device::Cuda { .. } => {
-                let addresses: Vec<DevicePtr> = grads.iter().map(|&p| p as DevicePtr).collect();
-                self.add(scaler, Grads::Device(&addresses), count)
+        // SAFETY: the caller's contract.
+        match unsafe { crate::backend::raw_gradients(self.device(), grads, self.tensors()) } {
+            Ok(g) => self.add(scaler, g.as_grads(), count),
+            Err(e) => {
+                self.refuse_collective();
+                Err(e)
             }
         }
     }
@@ -1127,15 +1107,9 @@ impl Accumulator {
                 dtype::check_buffer(grad, numel, desc.dtype, "grad").map(|()| desc)
             });
         let desc = checked.inspect_err(|_| self.refuse_tensor())?;
-        match self.device() {
-            // SAFETY: checked above; readable by the caller's contract.
-            Device::Cpu => self.add_tensor(
-                scaler,
-                index,
-                unsafe { dtype::grad_view(grad, numel, desc.dtype) }.expect("checked above"),
-            ),
-            Device::Cuda { .. } => self.add_tensor(scaler, index, grad as DevicePtr),
-        }
+        // SAFETY: checked above; readable by the caller's contract.
+        let grad = unsafe { crate::backend::raw_gradient(self.device(), grad, desc) };
+        self.add_tensor(scaler, index, grad.inspect_err(|_| self.refuse_tensor())?)
     }
 
     /// Closes the open micro-batch; its count and one micro-batch join the window.

@@ -11,11 +11,13 @@
 pub mod cpu;
 pub mod cuda;
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
-use crate::accumulator::{Plan, Store};
+use crate::accumulator::{Gradient, Grads, Plan, Store, TensorDesc};
 use crate::comm::Communicator;
-use crate::device::Device;
+use crate::device::{Device, DevicePtr};
+use crate::dtype::{self, Grad};
 use crate::error::{Error, ErrorKind, Result};
 use crate::scaler::{ScalerConfig, ScalerState, ScalerStore};
 
@@ -55,6 +57,76 @@ pub(crate) fn store_for(
             comm,
         )?),
     })
+}
+
+/// Gradients given as raw addresses, one per tensor of `descs` (the C ABI's form): host views on
+/// the CPU, device addresses on CUDA. A host address is checked for null, alignment and size
+/// first (the error names `grads[i]`); a device address is the CUDA store's to check.
+///
+/// # Safety
+/// On the CPU, each non-null address points to its tensor's numel readable values of its dtype
+/// for `'a`.
+pub(crate) unsafe fn raw_gradients<'a>(
+    device: Device,
+    grads: &[*const c_void],
+    descs: &[TensorDesc],
+) -> Result<RawGradients<'a>> {
+    if grads.len() != descs.len() {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("add got {} gradients, the accumulator has {} tensors", grads.len(), descs.len()),
+        ));
+    }
+    if let Device::Cuda { .. } = device {
+        return Ok(RawGradients::Device(grads.iter().map(|&p| p as DevicePtr).collect()));
+    }
+    let mut views = Vec::with_capacity(grads.len());
+    for (i, (&p, d)) in grads.iter().zip(descs).enumerate() {
+        // The checks without a message first: over a thousand small tensors, building the
+        // argument's name (or returning a Result through memory) cost as much as the adds.
+        // SAFETY: the caller's contract.
+        match unsafe { dtype::grad_view(p, d.numel, d.dtype) } {
+            Some(g) => views.push(g),
+            None => return Err(dtype::buffer_error(p, d.numel, d.dtype, &format!("grads[{i}]"))),
+        }
+    }
+    Ok(RawGradients::Host(views))
+}
+
+/// One raw gradient of `desc` (checked by the caller for null, alignment and size): a host view
+/// on the CPU, a device address on CUDA.
+///
+/// # Safety
+/// As [`raw_gradients`], for the one address.
+pub(crate) unsafe fn raw_gradient<'a>(
+    device: Device,
+    grad: *const c_void,
+    desc: TensorDesc,
+) -> Result<Gradient<'a>> {
+    Ok(match device {
+        Device::Cuda { .. } => Gradient::Device(grad as DevicePtr),
+        // SAFETY: the caller's contract.
+        Device::Cpu => Gradient::Host(
+            unsafe { dtype::grad_view(grad, desc.numel, desc.dtype) }.ok_or_else(|| {
+                dtype::buffer_error(grad, desc.numel, desc.dtype, "grad")
+            })?,
+        ),
+    })
+}
+
+/// What [`raw_gradients`] makes of the addresses.
+pub(crate) enum RawGradients<'a> {
+    Host(Vec<Grad<'a>>),
+    Device(Vec<DevicePtr>),
+}
+
+impl RawGradients<'_> {
+    pub(crate) fn as_grads(&self) -> Grads<'_> {
+        match self {
+            RawGradients::Host(g) => Grads::Host(g),
+            RawGradients::Device(d) => Grads::Device(d),
+        }
+    }
 }
 
 /// The state of a scaler on `device` under `config` (checked by the caller), starting from
