@@ -841,10 +841,13 @@ fn acc_create(world: &mut World, input: &mut Input) {
             }
             8 => c.wire_dtype = [GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16, 7][input.below(3)],
             9 => c.reserved = input.u8() as u32,
+            // The model is SKIP_STEP without telemetry: only refused values of the two.
+            10 => c.overflow = [2, -1, i32::MAX][input.below(3)],
+            11 => c.tensor_stats = [2, u32::MAX][input.below(2)],
             _ => {}
         }
         let ends = field_ends!(gradacc_accumulator_config_t: struct_size, loss_reduction, normalize, max_grad_norm, bucket_numel, threads,
-            reserved, sharding, shard_count, shard_rank, wire_dtype);
+            reserved, sharding, shard_count, shard_rank, wire_dtype, overflow, tensor_stats);
         let read = config_as_read(&c, &defaults, &ends);
         cfg_ok = read.is_some();
         // The model works on what the library read: an older size leaves the later fields at their
@@ -864,7 +867,9 @@ fn acc_create(world: &mut World, input: &mut Input) {
                 }
                 _ => false,
             }
-            && [GRADACC_DTYPE_F32, GRADACC_DTYPE_BF16].contains(&c.wire_dtype);
+            && [GRADACC_DTYPE_F32, GRADACC_DTYPE_BF16].contains(&c.wire_dtype)
+            && c.overflow == GRADACC_OVERFLOW_SKIP_STEP
+            && c.tensor_stats == 0;
     }
     let n = 1 + input.below(4);
     let mut descs: Vec<gradacc_tensor_desc_t> = (0..n)
@@ -1218,6 +1223,11 @@ fn sync(world: &mut World, input: &mut Input) {
         microbatches: 7,
         grad_norm: -1.0,
         clip_coef: -1.0,
+        dropped_microbatches: 7,
+        overflow_at: 7,
+        overflow_rank: 7,
+        overflow_microbatch: 7,
+        overflow_tensor: 7,
     };
     let st = unsafe {
         gradacc_accumulator_sync(acc, comm, if want_info { &mut info } else { null_mut() })
@@ -1279,6 +1289,14 @@ fn sync(world: &mut World, input: &mut Input) {
         assert_eq!(info.found_inf, a.w.found_inf, "found_inf");
         assert_eq!(info.total_count, a.w.count, "total_count");
         assert_eq!(info.microbatches, a.w.microbatches, "microbatches");
+        // SKIP_STEP drops nothing; a finite window has no place (a window restored with a
+        // non-finite value has one it cannot locate: none either).
+        assert_eq!(info.dropped_microbatches, 0, "dropped_microbatches");
+        assert!(
+            info.found_inf || info.overflow_at == GRADACC_OVERFLOW_AT_NONE,
+            "a finite window reports an overflow at {}",
+            info.overflow_at
+        );
         let same = (info.grad_norm - norm).abs() <= 1e-12 * norm.abs() + 1e-300
             || (!norm.is_finite() && !info.grad_norm.is_finite())
             || info.grad_norm == norm;
