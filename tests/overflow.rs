@@ -171,25 +171,8 @@ fn first_place(windows: &[Vec<Micro>]) -> Option<OverflowAt> {
 
 fn run_case(rng: &mut Rng, case: usize) {
     let world = rng.range(1, 4) as usize;
-    let sizes = [1usize, 2, 7, 33, 1000, 4097];
-    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
-    let tensors: Vec<TensorDesc> = (0..rng.range(1, 6))
-        .map(|_| TensorDesc {
-            numel: sizes[rng.range(0, 5) as usize],
-            dtype: dtypes[rng.range(0, 2) as usize],
-        })
-        .collect();
-    let normalize =
-        [Normalize::ByCount, Normalize::ByMicrobatches, Normalize::ByWorld, Normalize::None]
-            [rng.range(0, 3) as usize];
-    let loss_reduction =
-        if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum };
+    let tensors = random_tensors(rng);
     let config = AccumulatorConfig {
-        loss_reduction,
-        normalize,
-        max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
-        bucket_numel: rng.range(1, 6000) as usize,
-        threads: rng.range(1, 3) as usize,
         // Stands for "reduce-scatter" in `run_group`, which gives each rank its shard.
         sharding: if rng.range(0, 1) == 0 {
             Sharding::None
@@ -198,8 +181,9 @@ fn run_case(rng: &mut Rng, case: usize) {
         },
         overflow: Overflow::DropMicrobatch,
         tensor_stats: rng.range(0, 3) != 0,
-        ..Default::default()
+        ..random_config(rng)
     };
+    let (normalize, loss_reduction) = (config.normalize, config.loss_reduction);
     let mut windows: Vec<Vec<Micro>> =
         (0..world).map(|_| random_window(rng, &tensors, true)).collect();
     // Something to drop, or at least a micro-batch.

@@ -215,25 +215,32 @@ impl Window {
         index: usize,
         add: impl FnOnce(bool) -> Result<R>,
     ) -> Result<R> {
-        let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
-        let added = add(!self.written(w, index))?;
-        self.mark_written(w, index);
-        Ok(added)
+        self.marked(&self.written_in[index], w.id, index, add)
     }
 
-    /// Runs one contribution to tensor `index` of the open micro-batch `w` into the staging (the
-    /// read lock held), told whether it is the tensor's first in the micro-batch (it then
-    /// assigns), and marks the tensor staged if it succeeds; as [`Window::contribute`] does for
-    /// the master.
+    /// [`Window::contribute`] into the staging of the open micro-batch `w`: first, and marked,
+    /// per micro-batch.
     pub fn stage<R>(
         &self,
         w: &State,
         index: usize,
         add: impl FnOnce(bool) -> Result<R>,
     ) -> Result<R> {
+        self.marked(&self.staged_in[index], w.serial, index, add)
+    }
+
+    /// Runs `add` under tensor `index`'s lock, told whether `mark` is not yet `current`, and sets
+    /// it if `add` succeeds.
+    fn marked<R>(
+        &self,
+        mark: &AtomicU64,
+        current: u64,
+        index: usize,
+        add: impl FnOnce(bool) -> Result<R>,
+    ) -> Result<R> {
         let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
-        let added = add(self.staged_in[index].load(Ordering::Relaxed) != w.serial)?;
-        self.staged_in[index].store(w.serial, Ordering::Relaxed);
+        let added = add(mark.load(Ordering::Relaxed) != current)?;
+        mark.store(current, Ordering::Relaxed);
         Ok(added)
     }
 

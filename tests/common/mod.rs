@@ -48,6 +48,37 @@ impl Rng {
     }
 }
 
+/// One to six tensors of odd and even sizes and every dtype.
+pub fn random_tensors(rng: &mut Rng) -> Vec<gradacc::TensorDesc> {
+    let sizes = [1usize, 2, 7, 33, 1000, 4097];
+    let dtypes = [gradacc::Dtype::F32, gradacc::Dtype::F16, gradacc::Dtype::Bf16];
+    (0..rng.range(1, 6))
+        .map(|_| gradacc::TensorDesc {
+            numel: sizes[rng.range(0, 5) as usize],
+            dtype: dtypes[rng.range(0, 2) as usize],
+        })
+        .collect()
+}
+
+/// A boundary of random settings: loss reduction, normalisation, clipping (a third of the time
+/// off), bucket size and threads; the rest default.
+pub fn random_config(rng: &mut Rng) -> gradacc::AccumulatorConfig {
+    use gradacc::{LossReduction, Normalize};
+    gradacc::AccumulatorConfig {
+        loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
+        normalize: [
+            Normalize::ByCount,
+            Normalize::ByMicrobatches,
+            Normalize::ByWorld,
+            Normalize::None,
+        ][rng.range(0, 3) as usize],
+        max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
+        bucket_numel: rng.range(1, 6000) as usize,
+        threads: rng.range(1, 3) as usize,
+        ..Default::default()
+    }
+}
+
 /// A gradient of `dtype` over the buffer that holds it: `f32s` for F32, the 16-bit bits otherwise.
 pub fn grad_of<'a>(dtype: gradacc::Dtype, f32s: &'a [f32], halves: &'a [u16]) -> gradacc::Grad<'a> {
     match dtype {
