@@ -2,10 +2,13 @@
 // 3 micro-batches per rank of 4 + m items (a mean-reduced loss, BY_COUNT), and one inf in tensor 4
 // of rank 2's micro-batch 1. SKIP_STEP skips the step; DROP_MICROBATCH drops that micro-batch and
 // leaves the mean over the 55 items of the other 11. Both name the place in SyncInfo on every rank
-// and back the scale off. Then the config values the constructor refuses.
+// and back the scale off. With tensor_stats on, every rank reports tensor 4 non-finite in one
+// micro-batch and the others in none, and under DROP_MICROBATCH each tensor's norm is its
+// master's. Then the config values the constructor refuses, and tensor_stats() where it throws.
 #include <gradacc.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -33,7 +36,24 @@ struct RankResult {
     bool skipped = false;
     float scale = 0.0f;
     std::vector<float> master;
+    std::vector<gradacc::TensorStats> stats;
 };
+
+// One rank's tensor stats: one per tensor, tensor BAD_TENSOR non-finite in one micro-batch (over
+// every rank) and the others in none, and the same bits as rank 0's.
+void check_stats(const std::vector<gradacc::TensorStats> &stats, const std::vector<gradacc::TensorStats> &first,
+                 const char *name, int rank)
+{
+    EXPECT(stats.size() == TENSORS, "%s, rank %d: %zu tensor stats", name, rank, stats.size());
+    for (std::size_t t = 0; t < stats.size() && t < first.size(); t++) {
+        const uint64_t want = t == BAD_TENSOR ? 1 : 0;
+        EXPECT(stats[t].nonfinite_microbatches == want, "%s, rank %d: tensor %zu non-finite in %llu micro-batches",
+               name, rank, t, (unsigned long long)stats[t].nonfinite_microbatches);
+        EXPECT(std::memcmp(&stats[t].grad_norm, &first[t].grad_norm, sizeof(double)) == 0 &&
+                   stats[t].nonfinite_microbatches == first[t].nonfinite_microbatches,
+               "%s, rank %d: tensor %zu's stats differ from rank 0's", name, rank, t);
+    }
+}
 
 RankResult run_rank(gradacc::Communicator &comm, int rank, gradacc_overflow_t policy)
 {
@@ -42,6 +62,7 @@ RankResult run_rank(gradacc::Communicator &comm, int rank, gradacc_overflow_t po
     gradacc::Scaler scaler(sc);
     gradacc::AccumulatorConfig config;
     config.overflow = policy;
+    config.tensor_stats = 1;
     std::vector<gradacc::TensorDesc> tensors(TENSORS, gradacc::TensorDesc{N, GRADACC_DTYPE_F32});
     gradacc::Accumulator acc(tensors, config);
     std::vector<std::vector<float>> g(TENSORS, std::vector<float>(N));
@@ -61,6 +82,7 @@ RankResult run_rank(gradacc::Communicator &comm, int rank, gradacc_overflow_t po
     for (int t = 0; t < TENSORS; t++)
         for (float v : acc.master(static_cast<std::size_t>(t)))
             out.master.push_back(v);
+    out.stats = acc.tensor_stats();
     out.skipped = scaler.update(acc);
     out.scale = scaler.scale();
     return out;
@@ -92,9 +114,24 @@ void run(gradacc_overflow_t policy, const char *name)
                (unsigned long long)info.total_count);
         EXPECT(results[r].scale == SCALE / 2, "%s, rank %d: scale %g after the update", name, r, results[r].scale);
         EXPECT(results[r].master == results[0].master, "%s: rank %d's gradient differs", name, r);
+        check_stats(results[r].stats, results[0].stats, name, r);
     }
+    // A skipped step's norm holds the inf; a dropped micro-batch leaves each tensor's norm its
+    // master's (no clipping here).
+    const double bad_norm = results[0].stats.at(BAD_TENSOR).grad_norm;
+    EXPECT(drop == std::isfinite(bad_norm), "%s: tensor %d's norm %g", name, BAD_TENSOR, bad_norm);
     if (!drop)
         return;
+    for (int t = 0; t < TENSORS; t++) {
+        double sq = 0.0;
+        for (int i = 0; i < N; i++) {
+            const double v = results[0].master[static_cast<std::size_t>(t * N + i)];
+            sq += v * v;
+        }
+        const double got = results[0].stats.at(static_cast<std::size_t>(t)).grad_norm;
+        EXPECT(std::fabs(got - std::sqrt(sq)) <= 1e-12 * std::sqrt(sq), "tensor %d's norm %.17g, want %.17g", t,
+               got, std::sqrt(sq));
+    }
     // The mean over the 55 kept items: each micro-batch's mean weighted by its items.
     for (int t = 0; t < TENSORS; t++) {
         for (int i = 0; i < N; i++) {
@@ -140,6 +177,59 @@ void refused_configs()
     e = refusal(config, &one[0]);
     EXPECT(e.status() == GRADACC_STATUS_BACKEND_UNAVAILABLE, "DROP_MICROBATCH with sharded accumulation: %s",
            e.what());
+    config.overflow = GRADACC_OVERFLOW_SKIP_STEP;
+    config.tensor_stats = 1;
+    e = refusal(config, &one[0]);
+    EXPECT(e.status() == GRADACC_STATUS_BACKEND_UNAVAILABLE, "tensor_stats with sharded accumulation: %s",
+           e.what());
+    config = gradacc::AccumulatorConfig();
+    EXPECT(config.tensor_stats == 0, "tensor_stats is on by default: %u", config.tensor_stats);
+    config.tensor_stats = 2;
+    e = refusal(config);
+    EXPECT(e.status() == GRADACC_STATUS_INVALID_ARGUMENT &&
+               e.message().find("`config`.tensor_stats = 2") != std::string::npos,
+           "tensor_stats 2: %s", e.what());
+}
+
+// The status and message acc.tensor_stats() throws.
+gradacc::Error stats_refusal(const gradacc::Accumulator &acc)
+{
+    try {
+        acc.tensor_stats();
+    } catch (const gradacc::Error &e) {
+        return e;
+    }
+    return gradacc::Error(GRADACC_STATUS_OK, "returned");
+}
+
+// tensor_stats() throws WRONG_STATE when the config left it off, and before the first sync.
+void stats_refusals()
+{
+    gradacc::ScalerConfig sc;
+    sc.init_scale = 1.0f;
+    gradacc::Scaler scaler(sc);
+    gradacc::AccumulatorConfig config;
+    for (uint32_t on : {0u, 1u}) {
+        config.tensor_stats = on;
+        gradacc::Accumulator acc({{2, GRADACC_DTYPE_F32}}, config);
+        gradacc::Error e = stats_refusal(acc);
+        EXPECT(e.status() == GRADACC_STATUS_WRONG_STATE, "tensor_stats %u, before the sync: %s", on, e.what());
+        const float g[2] = {3.0f, 4.0f};
+        acc.add(scaler, {g}, 1);
+        acc.sync();
+        e = stats_refusal(acc);
+        if (on) {
+            EXPECT(e.status() == GRADACC_STATUS_OK, "tensor_stats 1, after the sync: %s", e.what());
+            const std::vector<gradacc::TensorStats> stats = acc.tensor_stats();
+            EXPECT(stats.size() == 1, "one process: %zu tensor stats", stats.size());
+            EXPECT(!stats.empty() && stats[0].grad_norm == 5.0 && stats[0].nonfinite_microbatches == 0,
+                   "one process: the norm of [3, 4] is not 5, or it counted non-finite values");
+        } else {
+            EXPECT(e.status() == GRADACC_STATUS_WRONG_STATE &&
+                       e.message().find("tensor_stats") != std::string::npos,
+                   "tensor_stats 0, after the sync: %s", e.what());
+        }
+    }
 }
 
 } // namespace
@@ -149,6 +239,7 @@ int main()
     run(GRADACC_OVERFLOW_SKIP_STEP, "SKIP_STEP");
     run(GRADACC_OVERFLOW_DROP_MICROBATCH, "DROP_MICROBATCH");
     refused_configs();
+    stats_refusals();
     if (failures) {
         std::fprintf(stderr, "%d failure(s)\n", failures);
         return 1;

@@ -128,7 +128,9 @@ struct ScalerConfig : gradacc_scaler_config_t {
  * non-finite gradient costs: GRADACC_OVERFLOW_SKIP_STEP (default) skips the window's step,
  * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (CPU, not with
  * Accumulator::sharded: the constructor throws BACKEND_UNAVAILABLE); another value throws
- * INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
+ * INVALID_ARGUMENT. `tensor_stats = 1` has every boundary also measure each tensor
+ * (Accumulator::tensor_stats; CPU, not with Accumulator::sharded: BACKEND_UNAVAILABLE); a value
+ * other than 0 or 1 throws INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));
@@ -143,6 +145,14 @@ struct Shard {
     std::size_t offset = 0;
     span<float> data;
     std::size_t numel() const noexcept { return data.size(); }
+};
+
+/** One tensor's telemetry of the last boundary (Accumulator::tensor_stats), the same on every
+ * rank: the L2 norm of its reduced, normalised gradient before clipping, and the micro-batches
+ * over every rank in which it held a non-finite value (dropped ones included). */
+struct TensorStats {
+    double grad_norm = 0.0;
+    uint64_t nonfinite_microbatches = 0;
 };
 
 /** gradacc_optimizer_config_t initialised by gradacc_optimizer_config_default() (AdamW with
@@ -447,6 +457,20 @@ public:
         std::size_t n = 0;
         check(gradacc_accumulator_num_tensors(handle_.get(), &n));
         return n;
+    }
+
+    /** Each tensor's stats of the last boundary, in tensor order (gradacc_accumulator_tensor_stats);
+     * they last until the next window's first micro-batch. Throws WRONG_STATE when the config
+     * left `tensor_stats` at 0, and before a sync. */
+    std::vector<TensorStats> tensor_stats() const {
+        const std::size_t n = num_tensors();
+        std::vector<double> norms(n);
+        std::vector<uint64_t> counts(n);
+        check(gradacc_accumulator_tensor_stats(handle_.get(), norms.data(), counts.data(), n));
+        std::vector<TensorStats> stats(n);
+        for (std::size_t i = 0; i < n; i++)
+            stats[i] = TensorStats{norms[i], counts[i]};
+        return stats;
     }
 
     void reset() { check(gradacc_accumulator_reset(handle_.get())); }

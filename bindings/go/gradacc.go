@@ -73,6 +73,10 @@ type AccumulatorConfig struct {
 	// Overflow is what a non-finite gradient value costs (default OverflowSkipStep); a value
 	// that is neither constant fails creation with StatusInvalidArgument.
 	Overflow Overflow
+	// TensorStats has every boundary also measure each tensor, read with
+	// Accumulator.TensorStats (default false). CPU accumulators, not with ShardingAccumulate
+	// (creation fails with StatusBackendUnavailable). docs/overflow.md states the contract.
+	TensorStats bool
 }
 
 // DefaultAccumulatorConfig is gradacc_accumulator_config_default.
@@ -85,7 +89,7 @@ func DefaultAccumulatorConfig() AccumulatorConfig {
 		LossReduction: LossReduction(c.loss_reduction), Normalize: Normalize(c.normalize),
 		MaxGradNorm: float32(c.max_grad_norm), BucketNumel: uint64(c.bucket_numel), Threads: uint32(c.threads),
 		Sharding: Sharding(c.sharding), ShardCount: uint32(c.shard_count), ShardRank: uint32(c.shard_rank),
-		WireDType: DType(c.wire_dtype), Overflow: Overflow(c.overflow),
+		WireDType: DType(c.wire_dtype), Overflow: Overflow(c.overflow), TensorStats: c.tensor_stats != 0,
 	}
 }
 
@@ -102,6 +106,10 @@ func (a *AccumulatorConfig) c() C.gradacc_accumulator_config_t {
 	c.shard_rank = C.uint32_t(a.ShardRank)
 	c.wire_dtype = C.gradacc_dtype_t(a.WireDType)
 	c.overflow = C.gradacc_overflow_t(a.Overflow)
+	c.tensor_stats = 0
+	if a.TensorStats {
+		c.tensor_stats = 1
+	}
 	return c
 }
 
@@ -139,6 +147,16 @@ func syncInfo(c *C.gradacc_sync_info_t) SyncInfo {
 		OverflowRank: int(c.overflow_rank), OverflowMicrobatch: uint64(c.overflow_microbatch),
 		OverflowTensor: int(c.overflow_tensor),
 	}
+}
+
+// TensorStats is one tensor's telemetry of the last boundary (Accumulator.TensorStats), the same
+// on every rank.
+type TensorStats struct {
+	// GradNorm is the L2 norm of the tensor's reduced, normalised gradient, before clipping.
+	GradNorm float64
+	// NonfiniteMicrobatches counts the micro-batches, over every rank, in which the tensor held
+	// a non-finite value (dropped ones included).
+	NonfiniteMicrobatches uint64
 }
 
 // ScalerStats counts a scaler's steps.
@@ -837,6 +855,31 @@ func (a *Accumulator) Reset() error {
 	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_reset(p) })
 	runtime.KeepAlive(a)
 	return err
+}
+
+// TensorStats returns each tensor's stats of the last boundary, in tensor order
+// (gradacc_accumulator_tensor_stats); they last until the next window's first micro-batch. It
+// fails with StatusWrongState when the config left TensorStats off, and before a Sync.
+func (a *Accumulator) TensorStats() ([]TensorStats, error) {
+	p, err := a.handle()
+	if err != nil {
+		return nil, err
+	}
+	n := len(a.tensors)
+	norms, counts := make([]float64, max(n, 1)), make([]uint64, max(n, 1))
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_accumulator_tensor_stats(p, (*C.double)(unsafe.Pointer(&norms[0])),
+			(*C.uint64_t)(unsafe.Pointer(&counts[0])), C.size_t(n))
+	})
+	runtime.KeepAlive(a)
+	if err != nil {
+		return nil, err
+	}
+	stats := make([]TensorStats, n)
+	for i := range stats {
+		stats[i] = TensorStats{GradNorm: norms[i], NonfiniteMicrobatches: counts[i]}
+	}
+	return stats, nil
 }
 
 // SaveWindow returns the window in progress as versioned bytes. A sharded accumulation saves its

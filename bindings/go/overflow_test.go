@@ -2,6 +2,7 @@ package gradacc
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"runtime"
 	"strings"
@@ -11,7 +12,8 @@ import (
 
 // The overflow policies on 2 ranks (goroutines on a local group): 4 bf16 tensors of 3, 3
 // micro-batches per rank of 2 + m items (a mean-reduced loss), and one inf in rank 1's
-// micro-batch 1, tensor 2. docs/overflow.md states the contract.
+// micro-batch 1, tensor 2; with TensorStats, each tensor's norm and non-finite micro-batches.
+// docs/overflow.md states the contract.
 const (
 	ovRanks, ovTensors, ovN, ovMicrobatches = 2, 4, 3, 3
 	ovBadRank, ovBadMicrobatch, ovBadTensor = 1, 1, 2
@@ -35,10 +37,12 @@ type overflowResult struct {
 	skipped bool
 	scale   float32
 	master  []float32
+	stats   []TensorStats
 	err     error
 }
 
-func runOverflow(t *testing.T, policy Overflow) [ovRanks]overflowResult {
+// runOverflow runs the 2 ranks under policy; with tensorStats, each also reads its TensorStats.
+func runOverflow(t *testing.T, policy Overflow, tensorStats bool) [ovRanks]overflowResult {
 	comms := must(NewLocalGroup(ovRanks))
 	defer func() {
 		for _, c := range comms {
@@ -58,6 +62,7 @@ func runOverflow(t *testing.T, policy Overflow) [ovRanks]overflowResult {
 				defer scaler.Close()
 				ac := DefaultAccumulatorConfig()
 				ac.Overflow = policy
+				ac.TensorStats = tensorStats
 				tensors := make([]TensorDesc, ovTensors)
 				for k := range tensors {
 					tensors[k] = TensorDesc{ovN, BF16}
@@ -92,6 +97,11 @@ func runOverflow(t *testing.T, policy Overflow) [ovRanks]overflowResult {
 						return err
 					}
 					res[r].master = append(res[r].master, g...)
+				}
+				if tensorStats {
+					if res[r].stats, err = acc.TensorStats(); err != nil {
+						return err
+					}
 				}
 				if res[r].skipped, err = scaler.Update(acc); err != nil {
 					return err
@@ -138,7 +148,7 @@ func checkOverflowReport(t *testing.T, policy Overflow, res [ovRanks]overflowRes
 }
 
 func TestDropMicrobatchKeepsTheRestAndNamesThePlace(t *testing.T) {
-	res := runOverflow(t, OverflowDropMicrobatch)
+	res := runOverflow(t, OverflowDropMicrobatch, false)
 	checkOverflowReport(t, OverflowDropMicrobatch, res)
 	for k := 0; k < ovTensors; k++ {
 		for i := 0; i < ovN; i++ {
@@ -164,7 +174,7 @@ func TestSkipStepNamesTheSamePlace(t *testing.T) {
 	if DefaultAccumulatorConfig().Overflow != OverflowSkipStep {
 		t.Errorf("the default policy is %d", DefaultAccumulatorConfig().Overflow)
 	}
-	checkOverflowReport(t, OverflowSkipStep, runOverflow(t, OverflowSkipStep))
+	checkOverflowReport(t, OverflowSkipStep, runOverflow(t, OverflowSkipStep, false))
 }
 
 func TestCleanWindowReportsNoPlace(t *testing.T) {
@@ -201,4 +211,102 @@ func TestBadOverflowPoliciesAreRefused(t *testing.T) {
 	if acc != nil || !errors.As(err, &e) || e.Status != StatusBackendUnavailable {
 		t.Errorf("DropMicrobatch with sharded accumulation: %v", err)
 	}
+}
+
+func TestTensorStatsCountThePoisonedTensorOnEveryRank(t *testing.T) {
+	for _, policy := range []Overflow{OverflowDropMicrobatch, OverflowSkipStep} {
+		res := runOverflow(t, policy, true)
+		checkOverflowReport(t, policy, res)
+		for r, got := range res {
+			if len(got.stats) != ovTensors {
+				t.Fatalf("policy %d, rank %d: %d tensor stats", policy, r, len(got.stats))
+			}
+			for k, s := range got.stats {
+				want := uint64(0)
+				if k == ovBadTensor {
+					want = 1
+				}
+				if s.NonfiniteMicrobatches != want {
+					t.Errorf("policy %d, rank %d: tensor %d non-finite in %d micro-batches", policy, r, k,
+						s.NonfiniteMicrobatches)
+				}
+				// The same bits on every rank (an infinite norm included).
+				first := res[0].stats[k]
+				if math.Float64bits(s.GradNorm) != math.Float64bits(first.GradNorm) ||
+					s.NonfiniteMicrobatches != first.NonfiniteMicrobatches {
+					t.Errorf("policy %d, rank %d: tensor %d's stats %+v, rank 0's %+v", policy, r, k, s, first)
+				}
+			}
+		}
+		stats := res[0].stats
+		if policy == OverflowSkipStep { // the skipped window's sum holds the inf
+			if !math.IsInf(stats[ovBadTensor].GradNorm, 1) {
+				t.Errorf("skip step: tensor %d's norm %g", ovBadTensor, stats[ovBadTensor].GradNorm)
+			}
+			continue
+		}
+		for k, s := range stats { // no clipping: each norm is its master's
+			sq := 0.0
+			for _, v := range res[0].master[k*ovN : (k+1)*ovN] {
+				sq += float64(v) * float64(v)
+			}
+			if want := math.Sqrt(sq); math.Abs(s.GradNorm-want) > 1e-12*want {
+				t.Errorf("tensor %d's norm %.17g, want %.17g", k, s.GradNorm, want)
+			}
+		}
+	}
+}
+
+func TestTensorStatsRefusals(t *testing.T) {
+	wantStatus := func(what string, err error, status Status) {
+		t.Helper()
+		var e *Error
+		if !errors.As(err, &e) || e.Status != status {
+			t.Errorf("%s: %v, want status %d", what, err, status)
+		}
+	}
+	if DefaultAccumulatorConfig().TensorStats {
+		t.Errorf("tensor stats are on by default")
+	}
+	scaler := scalerWithScale(t, 1)
+	defer scaler.Close()
+	for _, on := range []bool{false, true} {
+		ac := DefaultAccumulatorConfig()
+		ac.TensorStats = on
+		acc := must(NewAccumulator([]TensorDesc{{2, F32}}, &ac, nil))
+		stats, err := acc.TensorStats()
+		wantStatus("before the sync", err, StatusWrongState)
+		if stats != nil {
+			t.Errorf("a refused call returned %v", stats)
+		}
+		add := func() {
+			if err := acc.Add(scaler, []Grad{Float32s([]float32{3, 4})}, 1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		add()
+		must(acc.Sync(nil))
+		if on {
+			stats = must(acc.TensorStats())
+			if len(stats) != 1 || stats[0] != (TensorStats{GradNorm: 5, NonfiniteMicrobatches: 0}) {
+				t.Errorf("one process, [3 4]: %+v", stats)
+			}
+			add() // the next window began
+		}
+		_, err = acc.TensorStats()
+		wantStatus(fmt.Sprintf("tensor stats %v, after the sync", on), err, StatusWrongState)
+		acc.Close()
+		_, err = acc.TensorStats()
+		wantStatus("closed", err, StatusInvalidHandle)
+	}
+	comms := must(NewLocalGroup(1))
+	defer comms[0].Close()
+	ac := DefaultAccumulatorConfig()
+	ac.TensorStats = true
+	ac.Sharding = ShardingAccumulate
+	acc, err := NewShardedAccumulator([]TensorDesc{{4, F32}}, &ac, comms[0], nil)
+	if acc != nil {
+		t.Errorf("tensor stats with sharded accumulation: created")
+	}
+	wantStatus("tensor stats with sharded accumulation", err, StatusBackendUnavailable)
 }

@@ -35,6 +35,7 @@ from ._core import (
     Sharding,
     Status,
     SyncInfo,
+    TensorStats,
     local_group,
     version,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "Sharding",
     "Status",
     "SyncInfo",
+    "TensorStats",
     "local_group",
     "version",
 ]

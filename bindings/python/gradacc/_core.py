@@ -101,6 +101,14 @@ class SyncInfo:
     overflow: typing.Union[None, OverflowAt, str] = None
 
 
+class TensorStats(typing.NamedTuple):
+    """One tensor's telemetry of the last boundary (:meth:`Accumulator.tensor_stats`), the same
+    on every rank: the L2 norm of its reduced, normalised gradient before clipping, and in how
+    many micro-batches, over every rank, it held a non-finite value (dropped ones included)."""
+    grad_norm: float
+    nonfinite_microbatches: int
+
+
 class Shard(typing.NamedTuple):
     """This rank's shard of the flat FP32 master (:meth:`Accumulator.shard`): elements
     ``offset`` to ``offset + numel`` of the tensors laid out one after another, and ``data``, a
@@ -419,7 +427,10 @@ class Accumulator(_Managed):
     ``overflow`` is what a non-finite gradient costs: 'skip_step' (the default) skips the
     window's step; 'drop_microbatch' drops only the micro-batch that held it, on the rank that
     fed it (CPU, not with ``sharding='accumulate'``: creation raises BACKEND_UNAVAILABLE), and
-    :meth:`sync`'s :class:`SyncInfo` says how many were dropped and where. docs/overflow.md
+    :meth:`sync`'s :class:`SyncInfo` says how many were dropped and where.
+    ``tensor_stats=True`` has every boundary also measure each tensor, read with
+    :meth:`tensor_stats` (CPU, not with ``sharding='accumulate'``: creation raises
+    BACKEND_UNAVAILABLE; a value other than 0 or 1 raises INVALID_ARGUMENT). docs/overflow.md
     states the contract.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
@@ -441,7 +452,7 @@ class Accumulator(_Managed):
         specs = [(int(numel), _dtype(dtype)) for numel, dtype in tensors]
         cfg = _config(ffi.gradacc_accumulator_config_t, ffi.gradacc_accumulator_config_default, config, fields,
                       {"normalize": Normalize, "loss_reduction": LossReduction, "sharding": Sharding,
-                       "wire_dtype": _wire_dtype, "overflow": Overflow})
+                       "wire_dtype": _wire_dtype, "overflow": Overflow, "tensor_stats": int})
         descs = (ffi.gradacc_tensor_desc_t * len(specs))(*specs)
         dev = _device(device)
         out = ctypes.POINTER(ffi.gradacc_accumulator_t)()
@@ -595,6 +606,16 @@ class Accumulator(_Managed):
         _check(ffi.gradacc_accumulator_sync_hybrid(self._handle(), shard_comm._handle(), replica_comm._handle(),
                                                    ctypes.byref(info)))
         return _sync_info(info)
+
+    def tensor_stats(self):
+        """Each tensor's :class:`TensorStats` ``(grad_norm, nonfinite_microbatches)`` of the last
+        boundary, a list in tensor order; they last until the next window's first micro-batch.
+        Raises :class:`GradaccError` with WRONG_STATE when the accumulator was created without
+        ``tensor_stats=True``, and before a sync."""
+        n = len(self._tensors)
+        norms, counts = (ctypes.c_double * n)(), (ctypes.c_uint64 * n)()
+        _check(ffi.gradacc_accumulator_tensor_stats(self._handle(), norms, counts, n))
+        return [TensorStats(norms[i], counts[i]) for i in range(n)]
 
     def master_ptr(self, index):
         """(address, numel) of tensor ``index``'s FP32 master (a device pointer on CUDA)."""

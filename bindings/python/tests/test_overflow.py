@@ -1,6 +1,7 @@
 """The overflow policy (``overflow=``) and the place SyncInfo reports: 4 ranks on threads, 5 fp16
 tensors, 3 micro-batches per rank of 4 + m items (a mean-reduced loss), one inf in rank 3's
-micro-batch 1, tensor 2. docs/overflow.md states the contract."""
+micro-batch 1, tensor 2; with ``tensor_stats=True``, each tensor's norm and non-finite micro-batches.
+docs/overflow.md states the contract."""
 import math
 
 import numpy as np
@@ -27,6 +28,16 @@ def scaled_f16(r, m, t):
     return (grad(r, m, t) * SCALE).astype(np.float16)
 
 
+def feed(acc, scaler, r, poison):
+    """Rank r's window, with inf at each (rank, micro-batch, tensor) of `poison`."""
+    for m in range(MICROBATCHES):
+        grads = [scaled_f16(r, m, t) for t in range(TENSORS)]
+        for (pr, pm, pt) in poison:
+            if (pr, pm) == (r, m):
+                grads[pt][1] = np.inf
+        acc.add(scaler, grads, items(m))
+
+
 def run(overflow, poison):
     """Each rank's (SyncInfo, skipped, scale after the update, master) with inf at `poison`;
     `overflow` None leaves the default."""
@@ -35,12 +46,7 @@ def run(overflow, poison):
     def rank(comm, r):
         with gradacc.Scaler(init_scale=SCALE) as scaler, \
                 gradacc.Accumulator([(N, "f16")] * TENSORS, normalize="by_count", **fields) as acc:
-            for m in range(MICROBATCHES):
-                grads = [scaled_f16(r, m, t) for t in range(TENSORS)]
-                for (pr, pm, pt) in poison:
-                    if (pr, pm) == (r, m):
-                        grads[pt][1] = np.inf
-                acc.add(scaler, grads, items(m))
+            feed(acc, scaler, r, poison)
             info = acc.sync(comm)
             master = np.concatenate([acc.master(t).copy() for t in range(TENSORS)])
             return info, scaler.update(acc), scaler.scale, master
@@ -130,4 +136,62 @@ def test_default_and_invalid_policies():
     c0, = gradacc.local_group(1)
     with c0, pytest.raises(gradacc.GradaccError) as e:
         gradacc.Accumulator([(4, "f32")], sharding="accumulate", overflow="drop_microbatch", comm=c0)
+    assert e.value.status == gradacc.Status.BACKEND_UNAVAILABLE
+
+
+def run_stats(overflow):
+    """Each rank's (masters, tensor stats) with tensor_stats on and inf at BAD."""
+    def rank(comm, r):
+        with gradacc.Scaler(init_scale=SCALE) as scaler, \
+                gradacc.Accumulator([(N, "f16")] * TENSORS, normalize="by_count", overflow=overflow,
+                                    tensor_stats=True) as acc:
+            feed(acc, scaler, r, [BAD])
+            acc.sync(comm)
+            return [acc.master(t).astype(np.float64) for t in range(TENSORS)], acc.tensor_stats()
+
+    return run_ranks(RANKS, rank)
+
+
+@pytest.mark.parametrize("overflow", ["drop_microbatch", "skip_step"])
+def test_tensor_stats_count_the_poisoned_tensor_on_every_rank(overflow):
+    results = run_stats(overflow)
+    first = results[0][1]
+    for masters, stats in results:
+        assert len(stats) == TENSORS and all(isinstance(s, gradacc.TensorStats) for s in stats)
+        assert [s.nonfinite_microbatches for s in stats] == [int(t == BAD.tensor) for t in range(TENSORS)]
+        # The same bits on every rank (an infinite norm included).
+        assert np.array([s.grad_norm for s in stats]).tobytes() == np.array([s.grad_norm for s in first]).tobytes()
+        assert [s.nonfinite_microbatches for s in stats] == [s.nonfinite_microbatches for s in first]
+    masters = results[0][0]
+    if overflow == "skip_step":  # the skipped window's sum holds the inf
+        assert math.isinf(first[BAD.tensor].grad_norm)
+        return
+    for t, s in enumerate(first):  # no clipping: each norm is its master's
+        want = math.sqrt(float(np.sum(masters[t] ** 2)))
+        assert abs(s.grad_norm - want) <= 1e-12 * want, (t, s.grad_norm, want)
+
+
+def test_tensor_stats_refusals():
+    with gradacc.Scaler(init_scale=1.0) as scaler:
+        for on in (False, True):
+            with gradacc.Accumulator([(2, "f32")], tensor_stats=on) as acc:
+                with pytest.raises(gradacc.GradaccError) as e:
+                    acc.tensor_stats()  # before the sync
+                assert e.value.status == gradacc.Status.WRONG_STATE
+                acc.add(scaler, [np.array([3, 4], np.float32)], 1)
+                acc.sync()
+                if on:
+                    assert acc.tensor_stats() == [gradacc.TensorStats(5.0, 0)]
+                    acc.add(scaler, [np.array([3, 4], np.float32)], 1)  # the next window began
+                with pytest.raises(gradacc.GradaccError) as e:
+                    acc.tensor_stats()
+                assert e.value.status == gradacc.Status.WRONG_STATE
+                assert "tensor_stats" in e.value.message
+    with pytest.raises(gradacc.GradaccError) as e:
+        gradacc.Accumulator([(1, "f32")], tensor_stats=2)
+    assert e.value.status == gradacc.Status.INVALID_ARGUMENT
+    assert "`config`.tensor_stats = 2" in e.value.message
+    c0, = gradacc.local_group(1)
+    with c0, pytest.raises(gradacc.GradaccError) as e:
+        gradacc.Accumulator([(4, "f32")], sharding="accumulate", tensor_stats=True, comm=c0)
     assert e.value.status == gradacc.Status.BACKEND_UNAVAILABLE

@@ -26,7 +26,7 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
-    eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, overflow, stats, save, load!,
+    eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, overflow, tensor_stats, stats, save, load!,
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
         backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
@@ -531,8 +531,10 @@ gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group 
 step; `:drop_microbatch` drops only the micro-batch that held it, on the rank that fed it (CPU,
 not with `sharding=:accumulate`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`), and
 [`GradAcc.overflow`](@ref) reads where from the report. An unknown symbol throws an
-`ArgumentError`, an unknown code `GRADACC_STATUS_INVALID_ARGUMENT`. docs/overflow.md states the
-contract.
+`ArgumentError`, an unknown code `GRADACC_STATUS_INVALID_ARGUMENT`. `tensor_stats=true` has every
+boundary also measure each tensor, read with [`GradAcc.tensor_stats`](@ref) (CPU, not with
+`sharding=:accumulate`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`; a value other than
+0 or 1 throws `GRADACC_STATUS_INVALID_ARGUMENT`). docs/overflow.md states the contract.
 
 `sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2) over
 `c`, a communicator of `n` ranks on which this is rank `r`: the accumulator holds only its shard
@@ -804,6 +806,25 @@ function overflow(info::gradacc_sync_info_t)
     info.overflow_at == GRADACC_OVERFLOW_AT_GRADIENT || return nothing
     return (rank=Int(info.overflow_rank), microbatch=Int(info.overflow_microbatch) + 1,
             tensor=Int(info.overflow_tensor) + 1)
+end
+
+"""
+    GradAcc.tensor_stats(acc) -> Vector{@NamedTuple{grad_norm::Float64, nonfinite_microbatches::Int}}
+
+Each tensor's telemetry of the last boundary, the same on every rank, indexed by tensor as
+[`GradAcc.master`](@ref) (1-based): `grad_norm`, the L2 norm of its reduced, normalised gradient
+before clipping, and `nonfinite_microbatches`, the micro-batches over every rank in which it held
+a non-finite value (dropped ones included). Needs `tensor_stats=true` at creation
+([`Accumulator`](@ref)); the stats last until the next window's first micro-batch. Throws
+`GRADACC_STATUS_WRONG_STATE` when the accumulator was created without it, and before a sync.
+docs/overflow.md states the contract.
+"""
+function tensor_stats(a::Accumulator)
+    n = length(a.tensors)
+    norms = Vector{Cdouble}(undef, n)
+    counts = Vector{UInt64}(undef, n)
+    check(gradacc_accumulator_tensor_stats(a, norms, counts, n))
+    return [(grad_norm=norms[i], nonfinite_microbatches=Int(counts[i])) for i in 1:n]
 end
 
 """

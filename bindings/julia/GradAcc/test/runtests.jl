@@ -12,7 +12,7 @@ using GradAcc
 using GradAcc: GRADACC_STATUS_SIZE_MISMATCH, GRADACC_STATUS_CORRUPT_STATE, GRADACC_DTYPE_BF16,
                GRADACC_STATUS_INVALID_ARGUMENT, GRADACC_STATUS_COMM_FAILURE, GRADACC_STATUS_TIMEOUT,
                GRADACC_STATUS_PEER_FAILURE, GRADACC_SHARDING_REDUCE_SCATTER, GRADACC_DTYPE_F16,
-               GRADACC_SHARDING_ACCUMULATE, GRADACC_STATUS_BACKEND_UNAVAILABLE,
+               GRADACC_SHARDING_ACCUMULATE, GRADACC_STATUS_BACKEND_UNAVAILABLE, GRADACC_STATUS_WRONG_STATE,
                rank, world_size, update!, scale, master, reset!
 using BFloat16s: BFloat16s
 
@@ -307,8 +307,10 @@ sharded_accumulation(world, r, comm; kw...) =
     # 20 Float16 tensors of 3, 4 micro-batches per rank of 3 + m items, and one inf in tensor 18
     # of rank 2's third micro-batch (the C API's tensor 17 and micro-batch 2). :skip_step skips;
     # :drop_microbatch drops that micro-batch only and leaves the mean over the other 82 items.
-    # Both name the place on every rank and back the scale off.
-    @testset "overflow policy $policy" for policy in (:skip_step, :drop_microbatch)
+    # Both name the place on every rank and back the scale off. With tensor_stats, every rank
+    # reports tensor 18 non-finite in one micro-batch and the others in none, the same bits; under
+    # :drop_microbatch each tensor's norm is its master's, under :skip_step tensor 18's is infinite.
+    @testset "overflow policy $policy, tensor_stats=$ts" for policy in (:skip_step, :drop_microbatch), ts in (false, true)
         ranks, ntensors, n, nmb = 4, 20, 3, 4
         bad = (rank=2, microbatch=3, tensor=18)
         items(m) = 3 + m
@@ -317,7 +319,7 @@ sharded_accumulation(world, r, comm; kw...) =
         comms = local_group(ranks)
         results = fetch.([Threads.@spawn begin
             s = Scaler(init_scale=1024.0)
-            acc = Accumulator(fill((n, Float16), ntensors); overflow=policy)
+            acc = Accumulator(fill((n, Float16), ntensors); overflow=policy, tensor_stats=ts)
             for m in 1:nmb
                 grads = [Float16[gv(r, m, t, i) * 1024 for i in 1:n] for t in 1:ntensors]
                 (r, m) == (bad.rank, bad.microbatch) && (grads[bad.tensor][2] = Inf16)
@@ -325,12 +327,13 @@ sharded_accumulation(world, r, comm; kw...) =
             end
             info = sync!(acc, comms[r+1])
             flat = reduce(vcat, [copy(master(acc, t)) for t in 1:ntensors])
-            out = (info, flat, update!(s, acc), scale(s))
+            stats = ts ? GradAcc.tensor_stats(acc) : nothing
+            out = (info, flat, update!(s, acc), scale(s), stats)
             close(acc); close(s)
             out
         end for r in 0:ranks-1])
         drop = policy === :drop_microbatch
-        for (info, flat, skipped, sc) in results
+        for (info, flat, skipped, sc, stats) in results
             @test GradAcc.overflow(info) == bad
             @test (info.overflow_rank, info.overflow_microbatch, info.overflow_tensor) == (2, 2, 17)
             @test info.found_inf == !drop && skipped == !drop
@@ -338,6 +341,21 @@ sharded_accumulation(world, r, comm; kw...) =
             @test (info.microbatches, info.total_count) == (drop ? (15, 82) : (16, 88))
             @test sc == 512
             @test flat == results[1][2]
+            ts || continue
+            @test length(stats) == ntensors
+            @test [st.nonfinite_microbatches for st in stats] == [Int(t == bad.tensor) for t in 1:ntensors]
+            @test all(map(===, stats, results[1][5]))  # the same bits on every rank, an inf included
+        end
+        # Names assigned at this level would be shared by the tasks above that assign them too.
+        if ts
+            first_stats = results[1][5]
+            @test isinf(first_stats[bad.tensor].grad_norm) == !drop
+            if drop  # no clipping: each norm is its master's
+                for t in 1:ntensors
+                    norm_want = sqrt(sum(Float64(x)^2 for x in results[1][2][(t-1)*n+1:t*n]))
+                    @test isapprox(first_stats[t].grad_norm, norm_want; rtol=1e-12)
+                end
+            end
         end
         if drop
             want = [sum(Float64(Float16(gv(r, m, t, i) * 1024)) / 1024 * items(m)
@@ -356,11 +374,12 @@ sharded_accumulation(world, r, comm; kw...) =
         @test GradAcc.overflow(info) === nothing && info.dropped_microbatches == 0 && !info.found_inf
         close(acc); close(s)
         comms = local_group(2)
+        # `local`: `s` and `info` are this testset's too, which the tasks would otherwise share.
         infos = fetch.([Threads.@spawn begin  # each rank finite, their sum not
-            s = Scaler(init_scale=1.0)
+            local s = Scaler(init_scale=1.0)
             a = Accumulator([(2, Float32)]; normalize=:none, loss_reduction=:sum, overflow=:drop_microbatch)
             add!(a, s, [Float32[3f38, 1]], 1)
-            info = sync!(a, comms[r])
+            local info = sync!(a, comms[r])
             close(a); close(s)
             info
         end for r in 1:2])
@@ -372,6 +391,33 @@ sharded_accumulation(world, r, comm; kw...) =
         @test_throws ArgumentError Accumulator([(4, Float32)]; overflow=:drop_everything)
         comm = only(local_group(1))
         err = thrown(() -> Accumulator([(4, Float32)]; sharding=:accumulate, overflow=:drop_microbatch, comm))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_BACKEND_UNAVAILABLE
+        close(comm)
+    end
+
+    @testset "tensor_stats: off, outside a synced window, refused values" begin
+        s = Scaler(init_scale=1.0)
+        for on in (false, true)
+            acc = Accumulator([(2, Float32)]; tensor_stats=on)
+            err = thrown(() -> GradAcc.tensor_stats(acc))  # before the sync
+            @test err isa GradAccError && err.status == GRADACC_STATUS_WRONG_STATE
+            add!(acc, s, [Float32[3, 4]], 1)
+            sync!(acc)
+            if on
+                @test GradAcc.tensor_stats(acc) == [(grad_norm=5.0, nonfinite_microbatches=0)]
+                add!(acc, s, [Float32[3, 4]], 1)  # the next window began
+            end
+            err = thrown(() -> GradAcc.tensor_stats(acc))
+            @test err isa GradAccError && err.status == GRADACC_STATUS_WRONG_STATE &&
+                  occursin("tensor_stats", err.message)
+            close(acc)
+        end
+        close(s)
+        err = thrown(() -> Accumulator([(4, Float32)]; tensor_stats=2))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT &&
+              occursin("`config`.tensor_stats = 2", err.message)
+        comm = only(local_group(1))
+        err = thrown(() -> Accumulator([(4, Float32)]; sharding=:accumulate, tensor_stats=true, comm))
         @test err isa GradAccError && err.status == GRADACC_STATUS_BACKEND_UNAVAILABLE
         close(comm)
     end
