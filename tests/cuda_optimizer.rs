@@ -1,0 +1,602 @@
+//! The optimizer step on CUDA accumulators: AdamW and SGD, every weight dtype, both roundings,
+//! groups and learning-rate changes bitwise equal to the CPU optimizer step after step; a skipped
+//! step (decided on the device, also after `sync_enqueue`) changing nothing; saved state moving
+//! between the devices; sharded steps on 2 and 3 ranks writing the unsharded run's weights bit
+//! for bit; and bad input refused with nothing changed.
+//!
+//! Skips without a GPU; the software GPU (scripts/sim-gpu-check) and `scripts/gpu-check` run it.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::cuda::{enough_devices, gpu_or_skip, nccl_or_skip};
+use common::{to_bf16, to_f16, Rng};
+use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
+use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, ErrorKind, Grad,
+    GradMut, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
+    TensorDesc, TensorGroup,
+};
+
+/// A model's weights of one tensor on the host, as bits of its dtype.
+#[derive(Clone, Debug, PartialEq)]
+struct HostWeights {
+    dtype: Dtype,
+    f32s: Vec<f32>,
+    u16s: Vec<u16>,
+}
+
+impl HostWeights {
+    fn random(rng: &mut Rng, dtype: Dtype, n: usize) -> HostWeights {
+        let v: Vec<f32> = (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
+        match dtype {
+            Dtype::F32 => HostWeights { dtype, f32s: v, u16s: vec![] },
+            Dtype::F16 => {
+                HostWeights { dtype, f32s: vec![], u16s: v.iter().map(|&x| to_f16(x)).collect() }
+            }
+            Dtype::Bf16 => {
+                HostWeights { dtype, f32s: vec![], u16s: v.iter().map(|&x| to_bf16(x)).collect() }
+            }
+        }
+    }
+
+    fn grad(&self) -> Grad<'_> {
+        match self.dtype {
+            Dtype::F32 => Grad::F32(&self.f32s),
+            Dtype::F16 => Grad::F16(&self.u16s),
+            Dtype::Bf16 => Grad::Bf16(&self.u16s),
+        }
+    }
+
+    fn grad_mut(&mut self) -> GradMut<'_> {
+        match self.dtype {
+            Dtype::F32 => GradMut::F32(&mut self.f32s),
+            Dtype::F16 => GradMut::F16(&mut self.u16s),
+            Dtype::Bf16 => GradMut::Bf16(&mut self.u16s),
+        }
+    }
+
+    fn bits(&self) -> Vec<u32> {
+        match self.dtype {
+            Dtype::F32 => self.f32s.iter().map(|v| v.to_bits()).collect(),
+            _ => self.u16s.iter().map(|&v| v as u32).collect(),
+        }
+    }
+}
+
+/// The model's weights in device memory.
+struct DeviceWeights {
+    bufs: Vec<DeviceBuffer>,
+    ptrs: Vec<u64>,
+}
+
+impl DeviceWeights {
+    fn upload(ctx: &Arc<Context>, stream: driver::CUstream, w: &[HostWeights]) -> DeviceWeights {
+        let bufs: Vec<DeviceBuffer> = w
+            .iter()
+            .map(|w| match w.dtype {
+                Dtype::F32 => DeviceBuffer::from_slice(ctx, stream, &w.f32s).unwrap(),
+                _ => DeviceBuffer::from_slice(ctx, stream, &w.u16s).unwrap(),
+            })
+            .collect();
+        let ptrs = bufs.iter().map(DeviceBuffer::ptr).collect();
+        DeviceWeights { bufs, ptrs }
+    }
+
+    /// Every tensor's weights as bits (waits for the stream).
+    fn bits(&self, dtypes: &[Dtype], numel: &[usize]) -> Vec<Vec<u32>> {
+        self.bufs
+            .iter()
+            .zip(dtypes.iter().zip(numel))
+            .map(|(b, (&d, &n))| match d {
+                Dtype::F32 => {
+                    let mut v = vec![0f32; n];
+                    b.read(&mut v).unwrap();
+                    v.iter().map(|x| x.to_bits()).collect()
+                }
+                _ => {
+                    let mut v = vec![0u16; n];
+                    b.read(&mut v).unwrap();
+                    v.iter().map(|&x| x as u32).collect()
+                }
+            })
+            .collect()
+    }
+}
+
+fn fixed_scaler(device: Device) -> Scaler {
+    let config = ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() };
+    Scaler::on(device, config).unwrap()
+}
+
+/// One micro-batch's gradient of every tensor, in the tensor's dtype; `inf` poisons one value.
+struct Gradient {
+    f32s: Vec<Vec<f32>>,
+    u16s: Vec<Vec<u16>>,
+}
+
+impl Gradient {
+    fn random(rng: &mut Rng, descs: &[TensorDesc], inf: bool) -> Gradient {
+        let scale = 10f64.powi(rng.range(0, 4) as i32 - 2);
+        let mut f32s: Vec<Vec<f32>> = descs
+            .iter()
+            .map(|d| (0..d.numel).map(|_| (rng.uniform(-1.0, 1.0) * scale) as f32).collect())
+            .collect();
+        if inf {
+            let t = rng.range(0, descs.len() as u64 - 1) as usize;
+            let at = rng.range(0, descs[t].numel as u64 - 1) as usize;
+            f32s[t][at] = f32::INFINITY;
+        }
+        let u16s = descs
+            .iter()
+            .zip(&f32s)
+            .map(|(d, v)| match d.dtype {
+                Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
+                Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
+                Dtype::F32 => vec![],
+            })
+            .collect();
+        Gradient { f32s, u16s }
+    }
+
+    fn views<'a>(&'a self, descs: &[TensorDesc]) -> Vec<Grad<'a>> {
+        descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match d.dtype {
+                Dtype::F32 => Grad::F32(&self.f32s[i]),
+                Dtype::F16 => Grad::F16(&self.u16s[i]),
+                Dtype::Bf16 => Grad::Bf16(&self.u16s[i]),
+            })
+            .collect()
+    }
+
+    fn upload(
+        &self,
+        ctx: &Arc<Context>,
+        stream: driver::CUstream,
+        descs: &[TensorDesc],
+    ) -> Vec<DeviceBuffer> {
+        descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match d.dtype {
+                Dtype::F32 => DeviceBuffer::from_slice(ctx, stream, &self.f32s[i]).unwrap(),
+                _ => DeviceBuffer::from_slice(ctx, stream, &self.u16s[i]).unwrap(),
+            })
+            .collect()
+    }
+}
+
+fn algorithms() -> Vec<Algorithm> {
+    vec![
+        Algorithm::adamw(),
+        Algorithm::AdamW { beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.0 },
+        Algorithm::sgd(),
+        Algorithm::Sgd { momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 1e-2 },
+        Algorithm::Sgd { momentum: 0.5, dampening: 0.25, nesterov: false, weight_decay: 0.0 },
+    ]
+}
+
+/// Tensors of every gradient dtype, one longer than a launch's chunk.
+fn layout() -> Vec<TensorDesc> {
+    vec![
+        TensorDesc { numel: 1, dtype: Dtype::F32 },
+        TensorDesc { numel: 4097, dtype: Dtype::F16 },
+        TensorDesc { numel: 9001, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 3, dtype: Dtype::F16 },
+    ]
+}
+
+/// Every state value of every tensor of both optimizers, bit for bit.
+fn states_equal(cpu: &Optimizer, gpu: &Optimizer, n: usize, adam: bool, what: &str) {
+    let slots: &[Slot] = if adam {
+        &[Slot::Weights, Slot::FirstMoment, Slot::SecondMoment]
+    } else {
+        &[Slot::Weights, Slot::FirstMoment]
+    };
+    for i in 0..n {
+        for &slot in slots {
+            let (r0, want) = cpu.read(i, slot).unwrap();
+            let (r1, got) = gpu.read(i, slot).unwrap();
+            assert_eq!(r0, r1, "{what}");
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{what}: tensor {i} {slot:?} element {k}: cpu {a:e} gpu {b:e}"
+                );
+            }
+        }
+    }
+}
+
+/// The model's weights on both devices, bit for bit.
+fn weights_equal(host: &[HostWeights], device: &[Vec<u32>], what: &str) {
+    for (i, (w, g)) in host.iter().map(HostWeights::bits).zip(device).enumerate() {
+        if let Some(k) = (0..w.len()).find(|&k| w[k] != g[k]) {
+            panic!(
+                "{what}: tensor {i} ({:?}) weight {k}: cpu {:#x} gpu {:#x}",
+                host[i].dtype, w[k], g[k]
+            );
+        }
+    }
+}
+
+/// Every algorithm with both roundings: six steps with a learning rate that changes each time,
+/// random groups, every weight dtype, a skipped step (after `sync`, and after `sync_enqueue`),
+/// compared with the CPU optimizer bit for bit after each step.
+#[test]
+fn cuda_steps_match_the_cpu_optimizer_bitwise() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("cuda_steps_match_the_cpu_optimizer_bitwise");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    for (a, algorithm) in algorithms().into_iter().enumerate() {
+        for rounding in
+            [Rounding::NearestEven, Rounding::Stochastic { seed: rng.range(0, 1 << 40) }]
+        {
+            let what = format!("{algorithm:?} {rounding:?}");
+            let config = AccumulatorConfig {
+                max_grad_norm: if a % 2 == 0 { 0.5 } else { 0.0 },
+                ..Default::default()
+            };
+            let cpu_acc = Accumulator::new(config, &descs).unwrap();
+            let gpu_acc =
+                Accumulator::builder(&descs).device(device).config(config).build().unwrap();
+            let (sc, sg) = (fixed_scaler(Device::Cpu), fixed_scaler(device));
+            let weight_dtypes: Vec<Dtype> = (0..descs.len()).map(|i| dtypes[(i + a) % 3]).collect();
+            let groups: Vec<TensorGroup> = (0..descs.len())
+                .map(|_| TensorGroup {
+                    weight_decay: rng.range(0, 1) == 0,
+                    lr_scale: rng.uniform(0.25, 2.0) as f32,
+                })
+                .collect();
+            let mut host: Vec<HostWeights> = weight_dtypes
+                .iter()
+                .zip(&numel)
+                .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
+                .collect();
+            let dev = DeviceWeights::upload(&ctx, stream.stream, &host);
+            let oc = OptimizerConfig { algorithm, lr: 1e-2, rounding };
+            let views: Vec<Grad<'_>> = host.iter().map(HostWeights::grad).collect();
+            let cpu = Optimizer::new(&cpu_acc, oc, &groups, &views).unwrap();
+            let gpu =
+                Optimizer::new_device(&gpu_acc, oc, &groups, &dev.ptrs, &weight_dtypes).unwrap();
+            let adam = matches!(algorithm, Algorithm::AdamW { .. });
+            states_equal(&cpu, &gpu, descs.len(), adam, &format!("{what}: created"));
+            for step in 0..6 {
+                let what = format!("{what} step {step}");
+                let lr = rng.uniform(1e-4, 5e-2) as f32;
+                cpu.set_lr(lr).unwrap();
+                gpu.set_lr(lr).unwrap();
+                let skipped = step == 2 || step == 4;
+                let enqueue = step >= 4;
+                for m in 0..2 {
+                    let g = Gradient::random(&mut rng, &descs, skipped && m == 1);
+                    let up = g.upload(&ctx, stream.stream, &descs);
+                    let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+                    cpu_acc.add(&sc, &g.views(&descs), 3).unwrap();
+                    gpu_acc.add(&sg, &ptrs, 3).unwrap();
+                }
+                cpu_acc.sync(None).unwrap();
+                let before = (gpu.save().unwrap(), dev.bits(&weight_dtypes, &numel));
+                let stepped = if enqueue {
+                    gpu_acc.sync_enqueue(None).unwrap();
+                    gpu.step_device(&gpu_acc, &dev.ptrs, None).unwrap()
+                } else {
+                    gpu_acc.sync(None).unwrap();
+                    gpu.step_device(&gpu_acc, &dev.ptrs, None).unwrap()
+                };
+                let mut muts: Vec<GradMut<'_>> =
+                    host.iter_mut().map(HostWeights::grad_mut).collect();
+                let cpu_stepped = cpu.step(&cpu_acc, &mut muts, None).unwrap();
+                assert_eq!(cpu_stepped, !skipped, "{what}");
+                assert_eq!(stepped, if enqueue { None } else { Some(!skipped) }, "{what}");
+                let got = dev.bits(&weight_dtypes, &numel);
+                weights_equal(&host, &got, &what);
+                states_equal(&cpu, &gpu, descs.len(), adam, &what);
+                assert_eq!(cpu.steps(), gpu.steps(), "{what}");
+                if skipped {
+                    assert_eq!(
+                        (gpu.save().unwrap(), got),
+                        before,
+                        "{what}: a skipped step changed something"
+                    );
+                }
+            }
+            // The saved state is the same bytes on both devices, and loads across them.
+            assert_eq!(cpu.save().unwrap(), gpu.save().unwrap(), "{what}: saved state");
+            let fresh =
+                Optimizer::new_device(&gpu_acc, oc, &groups, &dev.ptrs, &weight_dtypes).unwrap();
+            fresh.load(&[&cpu.save().unwrap()]).unwrap();
+            assert_eq!(fresh.save().unwrap(), cpu.save().unwrap(), "{what}: loaded state");
+            assert_eq!(fresh.steps(), 4, "{what}: loaded step count");
+        }
+    }
+}
+
+/// A CPU and a CUDA optimizer over one accumulator of each kind, and a synced window.
+struct Fixture {
+    _stream: OwnedStream,
+    acc: Accumulator,
+    opt: Optimizer,
+    dev: DeviceWeights,
+    dtypes: Vec<Dtype>,
+    numel: Vec<usize>,
+}
+
+fn fixture(ctx: &Arc<Context>, rng: &mut Rng) -> Fixture {
+    let stream = OwnedStream::new(ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes: Vec<Dtype> = descs.iter().map(|d| d.dtype).collect();
+    let acc = Accumulator::builder(&descs).device(device).build().unwrap();
+    let host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(rng, d, n)).collect();
+    let dev = DeviceWeights::upload(ctx, stream.stream, &host);
+    let opt =
+        Optimizer::new_device(&acc, OptimizerConfig::default(), &[], &dev.ptrs, &dtypes).unwrap();
+    let g = Gradient::random(rng, &descs, false);
+    let up = g.upload(ctx, stream.stream, &descs);
+    acc.add(&fixed_scaler(device), &up.iter().map(DeviceBuffer::ptr).collect::<Vec<_>>(), 1)
+        .unwrap();
+    Fixture { _stream: stream, acc, opt, dev, dtypes, numel }
+}
+
+/// Wrong counts, host memory, short buffers, the wrong calls: each refused with a clear error,
+/// and the masters, moments, step count and model weights keep their bits.
+#[test]
+fn bad_input_changes_nothing() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("cuda_optimizer_bad_input_changes_nothing");
+    let ctx = Context::get(0).unwrap();
+    let f = fixture(&ctx, &mut rng);
+    let unchanged =
+        |what: &str| (f.opt.save().unwrap(), f.dev.bits(&f.dtypes, &f.numel), what.to_string());
+    // Before any sync.
+    let start = unchanged("");
+    let e = f.opt.step_device(&f.acc, &f.dev.ptrs, None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::WrongState, "{}", e.message);
+    f.acc.sync(None).unwrap();
+    let host: Vec<f32> = vec![0.0; 9001];
+    let short = DeviceBuffer::zeroed(&ctx, std::ptr::null_mut(), 8).unwrap();
+    let cases: Vec<(Vec<u64>, ErrorKind, &str)> = vec![
+        (f.dev.ptrs[..3].to_vec(), ErrorKind::SizeMismatch, "weights"),
+        (
+            {
+                let mut p = f.dev.ptrs.clone();
+                p[2] = host.as_ptr() as u64;
+                p
+            },
+            ErrorKind::DeviceMismatch,
+            "weights[2]",
+        ),
+        (
+            {
+                let mut p = f.dev.ptrs.clone();
+                p[1] = short.ptr();
+                p
+            },
+            ErrorKind::DeviceMismatch,
+            "weights[1]",
+        ),
+        (
+            {
+                let mut p = f.dev.ptrs.clone();
+                p[0] = 0;
+                p
+            },
+            ErrorKind::InvalidArgument,
+            "weights[0]",
+        ),
+    ];
+    for (ptrs, kind, names) in &cases {
+        let e = f.opt.step_device(&f.acc, ptrs, None).unwrap_err();
+        assert_eq!(e.kind, *kind, "{}", e.message);
+        assert!(e.message.contains(names), "{}", e.message);
+        let now = unchanged("");
+        assert!(
+            now.0 == start.0 && now.1 == start.1,
+            "a refused step ({}) changed something",
+            e.message
+        );
+    }
+    // Host weights for a CUDA accumulator, at creation and at a step.
+    let mut values = vec![0.5f32; 1];
+    let e =
+        Optimizer::new(&f.acc, OptimizerConfig::default(), &[], &[Grad::F32(&values)]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "{}", e.message);
+    let e = f.opt.step(&f.acc, &mut [GradMut::F32(&mut values)], None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "{}", e.message);
+    let e = Optimizer::new_device(
+        &f.acc,
+        OptimizerConfig::default(),
+        &[],
+        &[host.as_ptr() as u64; 4],
+        &f.dtypes,
+    )
+    .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "{}", e.message);
+    // Another accumulator.
+    let other = fixture(&ctx, &mut rng);
+    other.acc.sync(None).unwrap();
+    let e = f.opt.step_device(&other.acc, &f.dev.ptrs, None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.message);
+    let now = unchanged("");
+    assert!(now.0 == start.0 && now.1 == start.1, "refused steps changed something");
+    // Then a step works, once per window.
+    assert_eq!(f.opt.step_device(&f.acc, &f.dev.ptrs, None).unwrap(), Some(true));
+    assert_eq!(f.opt.steps(), 1);
+    let e = f.opt.step_device(&f.acc, &f.dev.ptrs, None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::WrongState, "{}", e.message);
+    assert_ne!(unchanged("").1, start.1, "the step wrote the weights");
+}
+
+/// One rank's plain (all-reduce) and sharded optimizers over the same windows: after each step
+/// the sharded one's all-gathered weights are the plain one's bit for bit.
+fn sharded_rank(
+    id: [u8; nccl::UNIQUE_ID_BYTES],
+    ids: [u8; nccl::UNIQUE_ID_BYTES],
+    world: usize,
+    rank: usize,
+    accumulate: bool,
+    seed: u64,
+) {
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream };
+    let plain_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&id, rank, world, rank as i32).unwrap());
+    let shard_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&ids, rank, world, rank as i32).unwrap());
+    let mut rng = Rng::seeded(seed);
+    let descs = vec![
+        TensorDesc { numel: 5000, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::F32 },
+        TensorDesc { numel: 12289, dtype: Dtype::Bf16 },
+        TensorDesc { numel: 700, dtype: Dtype::F16 },
+    ];
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let weight_dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let sharding = if accumulate {
+        Sharding::Accumulate { shards: world, rank }
+    } else {
+        Sharding::ReduceScatter { shards: world, rank }
+    };
+    let config = AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() };
+    let plain = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
+    let mut builder = Accumulator::builder(&descs)
+        .device(device)
+        .config(AccumulatorConfig { sharding, ..config });
+    if accumulate {
+        builder = builder.communicator(shard_comm.clone());
+    }
+    let sharded = builder.build().unwrap();
+    let host: Vec<HostWeights> = weight_dtypes
+        .iter()
+        .zip(&numel)
+        .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
+        .collect();
+    let (wp, ws) = (
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+    );
+    let seed = rng.range(0, 1 << 30);
+    for (k, algorithm) in [
+        Algorithm::adamw(),
+        Algorithm::Sgd { momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 1e-3 },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let rounding = if k == 0 { Rounding::Stochastic { seed } } else { Rounding::NearestEven };
+        let oc = OptimizerConfig { algorithm, lr: 1e-2, rounding };
+        let op = Optimizer::new_device(&plain, oc, &[], &wp.ptrs, &weight_dtypes).unwrap();
+        let os = Optimizer::new_device(&sharded, oc, &[], &ws.ptrs, &weight_dtypes).unwrap();
+        let scaler = fixed_scaler(device);
+        for step in 0..4 {
+            let what = format!("world {world} rank {rank} {sharding:?} {algorithm:?} step {step}");
+            op.set_lr(1e-2 / (step + 1) as f32).unwrap();
+            os.set_lr(1e-2 / (step + 1) as f32).unwrap();
+            for m in 0..2 {
+                // Every rank draws every rank's gradients, and adds its own.
+                let mut own = None;
+                for q in 0..world {
+                    let g =
+                        Gradient::random(&mut rng, &descs, step == 2 && m == 1 && q == world - 1);
+                    if q == rank {
+                        own = Some(g);
+                    }
+                }
+                let up = own.unwrap().upload(&ctx, stream.stream, &descs);
+                let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+                plain.add(&scaler, &ptrs, 2).unwrap();
+                sharded.add(&scaler, &ptrs, 2).unwrap();
+            }
+            let ip = plain.sync(Some(&*plain_comm)).unwrap();
+            let sharded_comm = if accumulate { None } else { Some(&*shard_comm) };
+            let is = sharded.sync(sharded_comm).unwrap();
+            assert_eq!(ip.found_inf, step == 2, "{what}");
+            assert_eq!(is.found_inf, ip.found_inf, "{what}");
+            assert_eq!(op.step_device(&plain, &wp.ptrs, None).unwrap(), Some(step != 2), "{what}");
+            assert_eq!(
+                os.step_device(&sharded, &ws.ptrs, sharded_comm).unwrap(),
+                Some(step != 2),
+                "{what}"
+            );
+            assert_eq!(
+                wp.bits(&weight_dtypes, &numel),
+                ws.bits(&weight_dtypes, &numel),
+                "{what}: weights"
+            );
+            assert_eq!(os.steps(), op.steps(), "{what}");
+        }
+    }
+}
+
+fn sharded_runs(world: usize, test: &str) {
+    let mut rng = Rng::fresh(test);
+    for accumulate in [false, true] {
+        let (id, ids) = (nccl::unique_id().unwrap(), nccl::unique_id().unwrap());
+        let seed = rng.range(0, u64::MAX >> 1);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| s.spawn(move || sharded_rank(id, ids, world, rank, accumulate, seed)))
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        });
+    }
+}
+
+fn devices() -> i32 {
+    if !gpu_or_skip() || !nccl_or_skip() {
+        return 0;
+    }
+    let mut count = 0;
+    // SAFETY: the driver loads (gpu_or_skip); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    count
+}
+
+#[test]
+fn sharded_steps_write_the_unsharded_weights_at_two_ranks() {
+    let count = devices();
+    if count == 0 || !enough_devices(2, count) {
+        return;
+    }
+    sharded_runs(2, "sharded_steps_write_the_unsharded_weights_at_two_ranks");
+}
+
+/// Three ranks: on the software GPU in a child process with three devices.
+#[test]
+fn sharded_steps_write_the_unsharded_weights_at_three_ranks() {
+    let test = "sharded_steps_write_the_unsharded_weights_at_three_ranks";
+    let count = devices();
+    if count == 0 {
+        return;
+    }
+    if count >= 3 {
+        return sharded_runs(3, test);
+    }
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1")
+        || std::env::var("SIMGPU_DEVICES").is_ok()
+    {
+        eprintln!("not run: needs 3 devices ({count} visible)");
+        return;
+    }
+    common::rerun(test, &[("SIMGPU_DEVICES", "3")], "the 3-device run");
+}
