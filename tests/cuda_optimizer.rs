@@ -600,3 +600,156 @@ fn sharded_steps_write_the_unsharded_weights_at_three_ranks() {
     }
     common::rerun(test, &[("SIMGPU_DEVICES", "3")], "the 3-device run");
 }
+
+/// The C ABI on a CUDA accumulator: created and stepped with device addresses, the same bits as
+/// the Rust API; `out_stepped` after a sync that did not wait is refused before anything runs.
+#[test]
+fn the_c_abi_steps_cuda_accumulators() {
+    use gradacc_capi as ffi;
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("the_c_abi_steps_cuda_accumulators");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let c_device = ffi::gradacc_device_t {
+        kind: ffi::GRADACC_DEVICE_CUDA,
+        ordinal: 0,
+        stream: stream.stream as *mut std::ffi::c_void,
+    };
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes: Vec<Dtype> = vec![Dtype::Bf16, Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
+    let (rust_w, c_w) = (
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+    );
+    let ok = ffi::gradacc_status_t::GRADACC_STATUS_OK;
+    let c_descs: Vec<ffi::gradacc_tensor_desc_t> = descs
+        .iter()
+        .map(|t| ffi::gradacc_tensor_desc_t { numel: t.numel as u64, dtype: t.dtype.code() })
+        .collect();
+    let (mut scaler, mut acc, mut opt) =
+        (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    let config = ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() };
+    let mut sc = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer below is live for its call and of the type the function takes.
+    unsafe {
+        assert_eq!(ffi::gradacc_scaler_config_default(sc.as_mut_ptr()), ok);
+        let mut sc = sc.assume_init();
+        sc.init_scale = config.init_scale;
+        sc.dynamic = false;
+        assert_eq!(ffi::gradacc_scaler_create(&sc, &c_device, &mut scaler), ok);
+        assert_eq!(
+            ffi::gradacc_accumulator_create(
+                std::ptr::null(),
+                c_descs.as_ptr(),
+                c_descs.len(),
+                &c_device,
+                &mut acc
+            ),
+            ok
+        );
+    }
+    let codes: Vec<i32> = dtypes.iter().map(|d| d.code()).collect();
+    let mut oc = std::mem::MaybeUninit::uninit();
+    let scratch = vec![0f32; 10_000];
+    let host_ptrs = [scratch.as_ptr() as *const std::ffi::c_void; 4];
+    // SAFETY: as above; `host_ptrs` are host addresses, which the call must refuse untouched.
+    let oc = unsafe {
+        assert_eq!(ffi::gradacc_optimizer_config_default(oc.as_mut_ptr()), ok);
+        let oc = oc.assume_init();
+        let status = ffi::gradacc_optimizer_create(
+            acc,
+            &oc,
+            std::ptr::null(),
+            host_ptrs.as_ptr(),
+            codes.as_ptr(),
+            4,
+            &mut opt,
+        );
+        assert_eq!(status, ffi::gradacc_status_t::GRADACC_STATUS_DEVICE_MISMATCH);
+        assert!(opt.is_null());
+        let ptrs: Vec<*const std::ffi::c_void> =
+            c_w.ptrs.iter().map(|&p| p as *const std::ffi::c_void).collect();
+        let status = ffi::gradacc_optimizer_create(
+            acc,
+            &oc,
+            std::ptr::null(),
+            ptrs.as_ptr(),
+            codes.as_ptr(),
+            4,
+            &mut opt,
+        );
+        assert_eq!(status, ok);
+        oc
+    };
+    let rust_acc = Accumulator::builder(&descs).device(device).build().unwrap();
+    let config = OptimizerConfig { lr: oc.lr, ..OptimizerConfig::default() };
+    let rust = Optimizer::new_device(&rust_acc, config, &[], &rust_w.ptrs, &dtypes).unwrap();
+    let rust_scaler = fixed_scaler(device);
+    let mut_ptrs: Vec<*mut std::ffi::c_void> =
+        c_w.ptrs.iter().map(|&p| p as *mut std::ffi::c_void).collect();
+    for step in 0..2 {
+        let g = Gradient::random(&mut rng, &descs, false);
+        let up = g.upload(&ctx, stream.stream, &descs);
+        let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+        let c_grads: Vec<*const std::ffi::c_void> =
+            ptrs.iter().map(|&p| p as *const std::ffi::c_void).collect();
+        rust_acc.add(&rust_scaler, &ptrs, 2).unwrap();
+        let waits = step == 0;
+        let mut stepped = false;
+        // SAFETY: as above; the gradients and weights are device buffers of their tensors.
+        unsafe {
+            assert_eq!(ffi::gradacc_accumulator_add(acc, scaler, c_grads.as_ptr(), 4, 2), ok);
+            if waits {
+                let mut info = ffi::gradacc_sync_info_t {
+                    struct_size: std::mem::size_of::<ffi::gradacc_sync_info_t>(),
+                    ..std::mem::zeroed()
+                };
+                assert_eq!(ffi::gradacc_accumulator_sync(acc, std::ptr::null_mut(), &mut info), ok);
+                rust_acc.sync(None).unwrap();
+            } else {
+                assert_eq!(
+                    ffi::gradacc_accumulator_sync(acc, std::ptr::null_mut(), std::ptr::null_mut()),
+                    ok
+                );
+                rust_acc.sync_enqueue(None).unwrap();
+                let status = ffi::gradacc_optimizer_step(
+                    opt,
+                    acc,
+                    mut_ptrs.as_ptr(),
+                    4,
+                    std::ptr::null_mut(),
+                    &mut stepped,
+                );
+                assert_eq!(status, ffi::gradacc_status_t::GRADACC_STATUS_WRONG_STATE);
+            }
+            let out = if waits { &mut stepped as *mut bool } else { std::ptr::null_mut() };
+            let status = ffi::gradacc_optimizer_step(
+                opt,
+                acc,
+                mut_ptrs.as_ptr(),
+                4,
+                std::ptr::null_mut(),
+                out,
+            );
+            assert_eq!(status, ok);
+        }
+        assert_eq!(stepped, waits, "step {step}");
+        rust.step_device(&rust_acc, &rust_w.ptrs, None).unwrap();
+        assert_eq!(rust_w.bits(&dtypes, &numel), c_w.bits(&dtypes, &numel), "step {step}");
+    }
+    let mut steps = 0;
+    // SAFETY: as above; each handle is destroyed once.
+    unsafe {
+        assert_eq!(ffi::gradacc_optimizer_steps(opt, &mut steps), ok);
+        assert_eq!(ffi::gradacc_optimizer_destroy(opt), ok);
+        assert_eq!(ffi::gradacc_accumulator_destroy(acc), ok);
+        assert_eq!(ffi::gradacc_scaler_destroy(scaler), ok);
+    }
+    assert_eq!(steps, 2);
+}
