@@ -1,8 +1,8 @@
 //! The optimizer step on CUDA accumulators: AdamW and SGD, every weight dtype, both roundings,
 //! groups and learning-rate changes bitwise equal to the CPU optimizer step after step; a skipped
-//! step (decided on the device, also after `sync_enqueue`) changing nothing; saved state moving
-//! between the devices; sharded steps on 2 and 3 ranks writing the unsharded run's weights bit
-//! for bit; and bad input refused with nothing changed.
+//! step (decided on the device, also after `sync_enqueue` and in a replayed CUDA graph) changing
+//! nothing; saved state moving between the devices; sharded steps on 2 and 3 ranks writing the
+//! unsharded run's weights bit for bit; the C ABI; and bad input refused with nothing changed.
 //!
 //! Skips without a GPU; the software GPU (scripts/sim-gpu-check) and `scripts/gpu-check` run it.
 
@@ -752,4 +752,96 @@ fn the_c_abi_steps_cuda_accumulators() {
         assert_eq!(ffi::gradacc_scaler_destroy(scaler), ok);
     }
     assert_eq!(steps, 2);
+}
+
+/// Add, boundary and step captured into one CUDA graph and replayed: each replay steps from the
+/// step count in device memory and skips the replay whose gradient overflowed, with no host
+/// read, bitwise as the CPU optimizer steps the same windows.
+#[test]
+fn a_captured_step_replays_with_the_skip_decided_on_the_device() {
+    use cudarc::driver::sys as cu;
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("a_captured_step_replays_with_the_skip_decided_on_the_device");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream };
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes = vec![Dtype::F16, Dtype::Bf16, Dtype::F32, Dtype::Bf16];
+    let (cpu_acc, gpu_acc) = (
+        Accumulator::new(AccumulatorConfig::default(), &descs).unwrap(),
+        Accumulator::builder(&descs).device(device).build().unwrap(),
+    );
+    let (sc, sg) = (fixed_scaler(Device::Cpu), fixed_scaler(device));
+    let mut host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
+    let dev = DeviceWeights::upload(&ctx, stream.stream, &host);
+    let oc = OptimizerConfig {
+        algorithm: Algorithm::adamw(),
+        lr: 1e-2,
+        rounding: Rounding::Stochastic { seed: 7 },
+    };
+    let views: Vec<Grad<'_>> = host.iter().map(HostWeights::grad).collect();
+    let cpu = Optimizer::new(&cpu_acc, oc, &[], &views).unwrap();
+    let gpu = Optimizer::new_device(&gpu_acc, oc, &[], &dev.ptrs, &dtypes).unwrap();
+    let first = Gradient::random(&mut rng, &descs, false);
+    let grads = first.upload(&ctx, stream.stream, &descs);
+    let addresses: Vec<u64> = grads.iter().map(DeviceBuffer::ptr).collect();
+    // One step outside the graph: the captured one then opens a new window, whose clearing of
+    // the overflow flag is part of the graph (the steady state of a training loop).
+    gpu_acc.add(&sg, &addresses, 3).unwrap();
+    gpu_acc.sync(None).unwrap();
+    assert_eq!(gpu.step_device(&gpu_acc, &dev.ptrs, None).unwrap(), Some(true));
+    cpu_acc.add(&sc, &first.views(&descs), 3).unwrap();
+    cpu_acc.sync(None).unwrap();
+    let mut muts: Vec<GradMut<'_>> = host.iter_mut().map(HostWeights::grad_mut).collect();
+    assert!(cpu.step(&cpu_acc, &mut muts, None).unwrap());
+    driver::synchronize(&ctx, stream.stream).unwrap();
+    let _current = ctx.enter().unwrap();
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a stream of the current context; the capture ends right after the calls.
+    assert_eq!(
+        unsafe { cu::cuStreamBeginCapture_v2(stream.stream, mode) },
+        cu::CUresult::CUDA_SUCCESS
+    );
+    let captured = gpu_acc
+        .add(&sg, &addresses, 3)
+        .and_then(|_| gpu_acc.sync_enqueue(None))
+        .and_then(|_| gpu.step_device(&gpu_acc, &dev.ptrs, None));
+    // SAFETY: ends the capture begun above; the graph is destroyed at the end.
+    let ended = unsafe { cu::cuStreamEndCapture(stream.stream, &mut graph) };
+    assert_eq!(captured.unwrap(), None, "no host read during the capture");
+    assert_eq!(ended, cu::CUresult::CUDA_SUCCESS);
+    // SAFETY: a graph from a completed capture.
+    let instantiated = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+    assert_eq!(instantiated, cu::CUresult::CUDA_SUCCESS);
+    for replay in 0..4 {
+        let what = format!("replay {replay}");
+        let g = Gradient::random(&mut rng, &descs, replay == 2);
+        for (i, buf) in grads.iter().enumerate() {
+            match descs[i].dtype {
+                Dtype::F32 => buf.write(&g.f32s[i]).unwrap(),
+                _ => buf.write(&g.u16s[i]).unwrap(),
+            }
+        }
+        // SAFETY: an instantiated graph whose buffers live until the end of the test.
+        let launched = unsafe { cu::cuGraphLaunch(exec, stream.stream) };
+        assert_eq!(launched, cu::CUresult::CUDA_SUCCESS);
+        cpu_acc.add(&sc, &g.views(&descs), 3).unwrap();
+        cpu_acc.sync(None).unwrap();
+        let mut muts: Vec<GradMut<'_>> = host.iter_mut().map(HostWeights::grad_mut).collect();
+        assert_eq!(cpu.step(&cpu_acc, &mut muts, None).unwrap(), replay != 2, "{what}");
+        weights_equal(&host, &dev.bits(&dtypes, &numel), &what);
+        states_equal(&cpu, &gpu, descs.len(), true, &what);
+    }
+    assert_eq!((cpu.steps(), gpu.steps()), (4, 4));
+    // SAFETY: created above, destroyed once, after the stream ran every replay.
+    unsafe {
+        driver::synchronize(&ctx, stream.stream).unwrap();
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
 }
