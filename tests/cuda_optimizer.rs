@@ -1,8 +1,9 @@
 //! The optimizer step on CUDA accumulators: AdamW and SGD, every weight dtype, both roundings,
 //! groups and learning-rate changes bitwise equal to the CPU optimizer step after step; a skipped
 //! step (decided on the device, also after `sync_enqueue` and in a replayed CUDA graph) changing
-//! nothing; saved state moving between the devices; sharded steps on 2 and 3 ranks writing the
-//! unsharded run's weights bit for bit; the C ABI; and bad input refused with nothing changed.
+//! nothing; saved state moving between the devices; sharded steps on 2 and 3 ranks and on a
+//! 2 x 2 hybrid grid writing the unsharded run's weights bit for bit; the C ABI; and bad input
+//! refused with nothing changed.
 //!
 //! Skips without a GPU; the software GPU (scripts/sim-gpu-check) and `scripts/gpu-check` run it.
 
@@ -444,8 +445,8 @@ fn bad_input_changes_nothing() {
     assert_ne!(unchanged("").1, start.1, "the step wrote the weights");
 }
 
-/// One rank's plain (all-reduce) and sharded optimizers over the same windows: after each step
-/// the sharded one's all-gathered weights are the plain one's bit for bit.
+/// One rank's plain (all-reduce) and sharded optimizers over the same windows of exact sums:
+/// after each step the sharded one's all-gathered weights are the plain one's bit for bit.
 fn sharded_rank(
     id: [u8; nccl::UNIQUE_ID_BYTES],
     ids: [u8; nccl::UNIQUE_ID_BYTES],
@@ -511,11 +512,15 @@ fn sharded_rank(
             op.set_lr(1e-2 / (step + 1) as f32).unwrap();
             os.set_lr(1e-2 / (step + 1) as f32).unwrap();
             for m in 0..2 {
-                // Every rank draws every rank's gradients, and adds its own.
+                // Every rank draws every rank's gradients, and adds its own. Their sums are
+                // exact: sharded accumulation sums rank by rank each micro-batch, the all-reduce
+                // micro-batch by micro-batch each rank, and NCCL in an order of its own.
                 let mut own = None;
                 for q in 0..world {
-                    let g =
-                        Gradient::random(&mut rng, &descs, step == 2 && m == 1 && q == world - 1);
+                    let mut g = exact_gradient(&mut rng, &descs);
+                    if step == 2 && m == 1 && q == world - 1 {
+                        g.f32s[1][0] = f32::INFINITY;
+                    }
                     if q == rank {
                         own = Some(g);
                     }
@@ -844,4 +849,137 @@ fn a_captured_step_replays_with_the_skip_decided_on_the_device() {
         cu::cuGraphExecDestroy(exec);
         cu::cuGraphDestroy(graph);
     }
+}
+
+/// Gradients whose every sum is exact (small multiples of 2^-10, added with count 2 and divided
+/// by a power of two), so that any reduction order gives the same reduced gradient.
+fn exact_gradient(rng: &mut Rng, descs: &[TensorDesc]) -> Gradient {
+    let f32s: Vec<Vec<f32>> = descs
+        .iter()
+        .map(|d| (0..d.numel).map(|_| (rng.range(0, 128) as f32 - 64.0) / 1024.0).collect())
+        .collect();
+    let u16s = descs
+        .iter()
+        .zip(&f32s)
+        .map(|(d, v)| match d.dtype {
+            Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
+            Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
+            Dtype::F32 => vec![],
+        })
+        .collect();
+    Gradient { f32s, u16s }
+}
+
+/// Rank `g` of a 2 x 2 grid (shard `g % 2` in shard group `g / 2`, replica group `g % 2`): a
+/// hybrid boundary's optimizer, all-gathering over the shard group, against the all-reduce over
+/// all four ranks, after each of three steps (the second overflowing).
+fn hybrid_rank(ids: &[[u8; nccl::UNIQUE_ID_BYTES]; 5], g: usize, accumulate: bool, seed: u64) {
+    let ctx = Context::get(g as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: g as i32, stream: stream.stream };
+    let (shard, group) = (g % 2, g / 2);
+    let new = |id: &[u8; nccl::UNIQUE_ID_BYTES], rank, world| -> Arc<dyn Communicator> {
+        Arc::new(NcclComm::new(id, rank, world, g as i32).unwrap())
+    };
+    let all = new(&ids[0], g, 4);
+    let shard_comm = new(&ids[1 + group], shard, 2);
+    let replicas = new(&ids[3 + shard], group, 2);
+    let mut rng = Rng::seeded(seed);
+    let descs = vec![
+        TensorDesc { numel: 5000, dtype: Dtype::F16 },
+        TensorDesc { numel: 3, dtype: Dtype::F32 },
+        TensorDesc { numel: 9001, dtype: Dtype::Bf16 },
+    ];
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16];
+    let sharding = if accumulate {
+        Sharding::Accumulate { shards: 2, rank: shard }
+    } else {
+        Sharding::ReduceScatter { shards: 2, rank: shard }
+    };
+    let plain = Accumulator::builder(&descs).device(device).build().unwrap();
+    let mut builder = Accumulator::builder(&descs)
+        .device(device)
+        .config(AccumulatorConfig { sharding, ..Default::default() });
+    if accumulate {
+        builder = builder.communicator(shard_comm.clone());
+    }
+    let hybrid = builder.build().unwrap();
+    let host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
+    let (wp, wh) = (
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+    );
+    let oc = OptimizerConfig {
+        algorithm: Algorithm::adamw(),
+        lr: 1e-2,
+        rounding: Rounding::Stochastic { seed: 11 },
+    };
+    let op = Optimizer::new_device(&plain, oc, &[], &wp.ptrs, &dtypes).unwrap();
+    let oh = Optimizer::new_device(&hybrid, oc, &[], &wh.ptrs, &dtypes).unwrap();
+    let scaler = fixed_scaler(device);
+    for step in 0..3 {
+        let what = format!("grid rank {g} {sharding:?} step {step}");
+        for m in 0..2 {
+            let mut own = None;
+            for q in 0..4 {
+                let mut grad = exact_gradient(&mut rng, &descs);
+                if step == 1 && m == 1 && q == 3 {
+                    grad.f32s[1][0] = f32::INFINITY;
+                }
+                if q == g {
+                    own = Some(grad);
+                }
+            }
+            let up = own.unwrap().upload(&ctx, stream.stream, &descs);
+            let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+            plain.add(&scaler, &ptrs, 2).unwrap();
+            hybrid.add(&scaler, &ptrs, 2).unwrap();
+        }
+        let ip = plain.sync(Some(&*all)).unwrap();
+        let ih = hybrid.sync_hybrid(&*shard_comm, &*replicas).unwrap();
+        assert_eq!((ip.found_inf, ih.found_inf), (step == 1, step == 1), "{what}");
+        assert_eq!(op.step_device(&plain, &wp.ptrs, None).unwrap(), Some(step != 1), "{what}");
+        let comm = if accumulate { None } else { Some(&*shard_comm) };
+        assert_eq!(oh.step_device(&hybrid, &wh.ptrs, comm).unwrap(), Some(step != 1), "{what}");
+        assert_eq!(wp.bits(&dtypes, &numel), wh.bits(&dtypes, &numel), "{what}: weights");
+    }
+}
+
+fn hybrid_runs(test: &str) {
+    let mut rng = Rng::fresh(test);
+    for accumulate in [false, true] {
+        let ids: [[u8; nccl::UNIQUE_ID_BYTES]; 5] =
+            std::array::from_fn(|_| nccl::unique_id().unwrap());
+        let seed = rng.range(0, u64::MAX >> 1);
+        std::thread::scope(|s| {
+            let ids = &ids;
+            let handles: Vec<_> =
+                (0..4).map(|g| s.spawn(move || hybrid_rank(ids, g, accumulate, seed))).collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        });
+    }
+}
+
+/// A 2 x 2 grid: on the software GPU in a child process with four devices.
+#[test]
+fn hybrid_steps_write_the_unsharded_weights() {
+    let test = "hybrid_steps_write_the_unsharded_weights";
+    let count = devices();
+    if count == 0 {
+        return;
+    }
+    if count >= 4 {
+        return hybrid_runs(test);
+    }
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1")
+        || std::env::var("SIMGPU_DEVICES").is_ok()
+    {
+        eprintln!("not run: needs 4 devices ({count} visible)");
+        return;
+    }
+    common::rerun(test, &[("SIMGPU_DEVICES", "4")], "the 4-device run");
 }
