@@ -453,6 +453,7 @@ fn sharded_rank(
     world: usize,
     rank: usize,
     accumulate: bool,
+    tiny: bool,
     seed: u64,
 ) {
     let ctx = Context::get(rank as i32).unwrap();
@@ -463,12 +464,13 @@ fn sharded_rank(
     let shard_comm: Arc<dyn Communicator> =
         Arc::new(NcclComm::new(&ids, rank, world, rank as i32).unwrap());
     let mut rng = Rng::seeded(seed);
-    let descs = vec![
-        TensorDesc { numel: 5000, dtype: Dtype::F16 },
-        TensorDesc { numel: 3, dtype: Dtype::F32 },
-        TensorDesc { numel: 12289, dtype: Dtype::Bf16 },
-        TensorDesc { numel: 700, dtype: Dtype::F16 },
-    ];
+    // Tiny: under one norm block, so rank 0's shard holds every element and the others none.
+    let lengths = if tiny { [20, 3, 30, 5] } else { [5000, 3, 12289, 700] };
+    let descs: Vec<TensorDesc> = [Dtype::F16, Dtype::F32, Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .zip(lengths)
+        .map(|(dtype, numel)| TensorDesc { numel, dtype })
+        .collect();
     let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
     let weight_dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16, Dtype::Bf16];
     let sharding = if accumulate {
@@ -485,6 +487,7 @@ fn sharded_rank(
         builder = builder.communicator(shard_comm.clone());
     }
     let sharded = builder.build().unwrap();
+    assert_eq!(sharded.shard().0.is_empty(), tiny && rank > 0, "rank {rank}'s shard");
     let host: Vec<HostWeights> = weight_dtypes
         .iter()
         .zip(&numel)
@@ -553,12 +556,14 @@ fn sharded_rank(
 
 fn sharded_runs(world: usize, test: &str) {
     let mut rng = Rng::fresh(test);
-    for accumulate in [false, true] {
+    for (accumulate, tiny) in [(false, false), (true, false), (false, true), (true, true)] {
         let (id, ids) = (nccl::unique_id().unwrap(), nccl::unique_id().unwrap());
         let seed = rng.range(0, u64::MAX >> 1);
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
-                .map(|rank| s.spawn(move || sharded_rank(id, ids, world, rank, accumulate, seed)))
+                .map(|rank| {
+                    s.spawn(move || sharded_rank(id, ids, world, rank, accumulate, tiny, seed))
+                })
                 .collect();
             for h in handles {
                 h.join().unwrap();
