@@ -1303,15 +1303,19 @@ enum gradacc_status_t gradacc_optimizer_config_default(struct gradacc_optimizer_
 /**
  * Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for
  * this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
- * model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of
+ * model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of
  * the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
  * weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
  * Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
  * skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
  *
+ * On a CPU accumulator the weights are host pointers. On a CUDA accumulator they are device
+ * addresses on its device, and the masters, the state and the step count are allocated in
+ * device memory on its stream; creation reads the weights (it waits for the stream).
+ *
  * Fails, creating nothing, on a configuration out of range (the message names the field), a
- * wrong count, a NULL or misaligned weight, or a CUDA accumulator
- * (GRADACC_STATUS_BACKEND_UNAVAILABLE: the optimizer steps CPU accumulators).
+ * wrong count, a NULL or misaligned weight, or, on a CUDA accumulator, a weight that is not one
+ * device allocation of its tensor's length (GRADACC_STATUS_DEVICE_MISMATCH).
  *
  * Thread safety: any thread. Destroy with gradacc_optimizer_destroy.
  */
@@ -1342,7 +1346,9 @@ enum gradacc_status_t gradacc_optimizer_set_lr(struct gradacc_optimizer_t *opt,
                                                float lr);
 
 /**
- * Writes the number of steps taken (a skipped step is not one) to `*out`.
+ * Writes the number of steps taken (a skipped step is not one) to `*out`. On a CUDA accumulator
+ * the count is in device memory: this waits for the stream when a step since the last call
+ * followed a gradacc_accumulator_sync whose `out_info` was NULL.
  *
  * Thread safety: any thread.
  */
@@ -1353,7 +1359,7 @@ enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *
 /**
  * The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made
  * over): steps the FP32 masters and the state from the reduced gradient and writes the model's
- * weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or,
+ * weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or,
  * when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
  * which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
  * on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
@@ -1361,8 +1367,16 @@ enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *
  * accumulation's own). WRONG_STATE before a sync or a second time after one. A call whose
  * `weights` are refused here still takes part in the agreement, so the other ranks fail at once.
  *
+ * On a CUDA accumulator the weights are device addresses, and the step is enqueued on the
+ * accumulator's stream and returns without waiting (a sharded step's agreement waits for the
+ * stream). Whether the boundary overflowed is read by the kernels on the device, so the step
+ * may also follow a gradacc_accumulator_sync whose `out_info` was NULL (a sync that does not
+ * wait); `out_stepped` must then be NULL (the host does not know; WRONG_STATE otherwise, before
+ * anything runs). A weight that is not one device
+ * allocation of its tensor's length fails with GRADACC_STATUS_DEVICE_MISMATCH.
+ *
  * Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
- * weights are read and written during the call only.
+ * weights are read and written during the call only (on CUDA: by the work it enqueues).
  */
 GRADACC_API
 enum gradacc_status_t gradacc_optimizer_step(struct gradacc_optimizer_t *opt,
@@ -1374,7 +1388,8 @@ enum gradacc_status_t gradacc_optimizer_step(struct gradacc_optimizer_t *opt,
 
 /**
  * Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports
- * the size) and its length to `*out_len`.
+ * the size) and its length to `*out_len`. The format is the same on every device: on a CUDA
+ * accumulator the state is copied to the host (this waits for the stream).
  *
  * Thread safety: any thread; serialised with the optimizer's other calls.
  */

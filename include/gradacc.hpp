@@ -533,7 +533,8 @@ inline bool Scaler::update(const Accumulator &accumulator) { return update({&acc
 class Optimizer {
 public:
     /** Masters initialised from the model's weights: `weights[i]` points at tensor i's whole
-     * weight (host memory) of `dtypes[i]`; empty `dtypes` means the tensors' gradient dtypes, and
+     * weight of `dtypes[i]` (host memory; on a CUDA accumulator, a device address, and the masters
+     * and state live in device memory); empty `dtypes` means the tensors' gradient dtypes, and
      * empty `groups` weight decay on and lr_scale 1 for every tensor. */
     Optimizer(const Accumulator &acc, span<const void *const> weights, span<const gradacc_dtype_t> dtypes = {},
               const OptimizerConfig &config = OptimizerConfig(), span<const TensorGroup> groups = {}) {
@@ -552,7 +553,8 @@ public:
     /** The step after acc.sync(): writes the model's weights (the pointers, in the dtypes given at
      * creation) and returns true, or returns false and changes nothing when the window held a
      * non-finite value. Under a sharded boundary every rank calls it with the communicator its
-     * sync took (nullptr: a sharded accumulation's own). */
+     * sync took (nullptr: a sharded accumulation's own). On a CUDA accumulator it is enqueued on
+     * the accumulator's stream (the skip is decided on the device) and returns without waiting. */
     bool step(Accumulator &acc, span<void *const> weights, Communicator *comm = nullptr) {
         bool stepped = false;
         check(gradacc_optimizer_step(handle_.get(), acc.get(), weights.data(), weights.size(),

@@ -64,6 +64,17 @@ fn every_kernel_compiles_for_every_target_without_warnings() {
                 // Explicitly rounded arithmetic only: a fused multiply-add in the accumulation
                 // would change bits against the CPU backend.
                 assert!(!ptx.contains("fma.rn.f32"), "the PTX contains an f32 fused multiply-add");
+                // Division and square root correctly rounded, as the CPU's (the optimizer's
+                // AdamW step divides and takes square roots in f32): never an approximation.
+                for op in ["div.approx", "div.full", "sqrt.approx", "rsqrt.approx", "rcp.approx"] {
+                    assert!(!ptx.contains(op), "the PTX contains {op}");
+                }
+                for op in ["div.rn.f32", "sqrt.rn.f32"] {
+                    assert!(
+                        ptx.contains(op),
+                        "the PTX lacks {op}, which the optimizer's step needs"
+                    );
+                }
             }
         }
     }

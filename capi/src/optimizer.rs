@@ -11,7 +11,7 @@ use crate::status::{gradacc_status_t, guard, CallResult};
 use crate::types::*;
 use gradacc::dtype::{Dtype, Grad, GradMut};
 use gradacc::error::{Error, ErrorKind};
-use gradacc::{Algorithm, Optimizer, OptimizerConfig, Rounding, TensorGroup};
+use gradacc::{Algorithm, Device, Optimizer, OptimizerConfig, Rounding, TensorGroup};
 
 /// FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
 /// gradacc_optimizer_create, free with gradacc_optimizer_destroy.
@@ -178,15 +178,19 @@ unsafe fn weight_buffers<'a>(
 
 /// Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for
 /// this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
-/// model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of
+/// model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of
 /// the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
 /// weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
 /// Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
 /// skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
 ///
+/// On a CPU accumulator the weights are host pointers. On a CUDA accumulator they are device
+/// addresses on its device, and the masters, the state and the step count are allocated in
+/// device memory on its stream; creation reads the weights (it waits for the stream).
+///
 /// Fails, creating nothing, on a configuration out of range (the message names the field), a
-/// wrong count, a NULL or misaligned weight, or a CUDA accumulator
-/// (GRADACC_STATUS_BACKEND_UNAVAILABLE: the optimizer steps CPU accumulators).
+/// wrong count, a NULL or misaligned weight, or, on a CUDA accumulator, a weight that is not one
+/// device allocation of its tensor's length (GRADACC_STATUS_DEVICE_MISMATCH).
 ///
 /// Thread safety: any thread. Destroy with gradacc_optimizer_destroy.
 #[no_mangle]
@@ -235,12 +239,18 @@ pub unsafe extern "C" fn gradacc_optimizer_create(
         };
         // SAFETY: the caller passes `n` addresses at `weights` (API contract).
         let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
-        let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
-        // SAFETY: each weight holds its tensor's numel values of its dtype (API contract); they
-        // are only read here.
-        let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
-        let grads: Vec<Grad<'_>> = buffers.iter().map(GradMut::as_grad).collect();
-        let opt = Optimizer::new(&a, config, &groups, &grads)?;
+        let opt = if matches!(a.device(), Device::Cuda { .. }) {
+            // Device addresses: checked by the driver, never dereferenced on the host.
+            let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
+            Optimizer::new_device(&a, config, &groups, &addresses, &dtypes)?
+        } else {
+            let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
+            // SAFETY: each weight holds its tensor's numel values of its dtype (API contract);
+            // they are only read here.
+            let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
+            let grads: Vec<Grad<'_>> = buffers.iter().map(GradMut::as_grad).collect();
+            Optimizer::new(&a, config, &groups, &grads)?
+        };
         *out = OPTIMIZERS.insert(Arc::new(opt));
         Ok(())
     })
@@ -273,7 +283,9 @@ pub unsafe extern "C" fn gradacc_optimizer_set_lr(
     guard("gradacc_optimizer_set_lr", || Ok(OPTIMIZERS.get(opt, "opt")?.set_lr(lr)?))
 }
 
-/// Writes the number of steps taken (a skipped step is not one) to `*out`.
+/// Writes the number of steps taken (a skipped step is not one) to `*out`. On a CUDA accumulator
+/// the count is in device memory: this waits for the stream when a step since the last call
+/// followed a gradacc_accumulator_sync whose `out_info` was NULL.
 ///
 /// Thread safety: any thread.
 #[no_mangle]
@@ -291,7 +303,7 @@ pub unsafe extern "C" fn gradacc_optimizer_steps(
 
 /// The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made
 /// over): steps the FP32 masters and the state from the reduced gradient and writes the model's
-/// weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or,
+/// weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or,
 /// when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
 /// which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
 /// on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
@@ -299,8 +311,16 @@ pub unsafe extern "C" fn gradacc_optimizer_steps(
 /// accumulation's own). WRONG_STATE before a sync or a second time after one. A call whose
 /// `weights` are refused here still takes part in the agreement, so the other ranks fail at once.
 ///
+/// On a CUDA accumulator the weights are device addresses, and the step is enqueued on the
+/// accumulator's stream and returns without waiting (a sharded step's agreement waits for the
+/// stream). Whether the boundary overflowed is read by the kernels on the device, so the step
+/// may also follow a gradacc_accumulator_sync whose `out_info` was NULL (a sync that does not
+/// wait); `out_stepped` must then be NULL (the host does not know; WRONG_STATE otherwise, before
+/// anything runs). A weight that is not one device
+/// allocation of its tensor's length fails with GRADACC_STATUS_DEVICE_MISMATCH.
+///
 /// Thread safety: serialised with the optimizer's other calls and with every call on `acc`; the
-/// weights are read and written during the call only.
+/// weights are read and written during the call only (on CUDA: by the work it enqueues).
 #[no_mangle]
 pub unsafe extern "C" fn gradacc_optimizer_step(
     opt: *mut gradacc_optimizer_t,
@@ -314,6 +334,17 @@ pub unsafe extern "C" fn gradacc_optimizer_step(
         let o = OPTIMIZERS.get(opt, "opt")?;
         let a = ACCUMULATORS.get(acc, "acc")?;
         let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose()?;
+        if matches!(a.device(), Device::Cuda { .. }) {
+            // SAFETY: the caller passes `n` device addresses at `weights` (API contract).
+            let stepped =
+                unsafe { step_on_device(&o, &a, weights, n, comm.as_deref(), out_stepped) }?;
+            if let Some(stepped) = stepped {
+                // SAFETY: `step_on_device` returns a value only for a non-null `out_stepped`,
+                // which points to writable storage of its type (API contract).
+                unsafe { *out_stepped = stepped };
+            }
+            return Ok(());
+        }
         let args = || {
             let dtypes = o.weight_dtypes();
             if n != dtypes.len() {
@@ -347,8 +378,52 @@ pub unsafe extern "C" fn gradacc_optimizer_step(
     })
 }
 
+/// The step of a CUDA accumulator's optimizer: the device addresses at `weights`, checked by the
+/// Rust API; what to write to a non-null `out_stepped`, which needs the boundary's result on the
+/// host (a refusal here still takes part in a sharded step's agreement).
+///
+/// # Safety
+/// A non-null `weights` points to `n` addresses.
+unsafe fn step_on_device(
+    o: &Optimizer,
+    a: &gradacc::Accumulator,
+    weights: *const *mut c_void,
+    n: usize,
+    comm: Option<&dyn gradacc::Communicator>,
+    out_stepped: *mut bool,
+) -> CallResult<Option<bool>> {
+    let args = || -> CallResult<Vec<u64>> {
+        if n != o.weight_dtypes().len() {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the optimizer has {} tensors", o.weight_dtypes().len()),
+            )
+            .into());
+        }
+        if !out_stepped.is_null() && a.synced_info().is_none() {
+            return Err(Error::wrong_state(
+                "`out_stepped` is not NULL, but the boundary's result is not on the host: after gradacc_accumulator_sync with a NULL `out_info` (or before any sync) the step is decided on the device; pass NULL",
+            )
+            .into());
+        }
+        // SAFETY: the caller passes `n` addresses at `weights` (this function's contract).
+        let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
+        Ok(ptrs.iter().map(|&p| p as u64).collect())
+    };
+    let addresses = match args() {
+        Ok(a) => a,
+        Err(e) => {
+            o.refuse_step(a, comm);
+            return Err(e);
+        }
+    };
+    let stepped = o.step_device(a, &addresses, comm)?;
+    Ok(if out_stepped.is_null() { None } else { stepped })
+}
+
 /// Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports
-/// the size) and its length to `*out_len`.
+/// the size) and its length to `*out_len`. The format is the same on every device: on a CUDA
+/// accumulator the state is copied to the host (this waits for the stream).
 ///
 /// Thread safety: any thread; serialised with the optimizer's other calls.
 #[no_mangle]

@@ -427,6 +427,15 @@ pub(crate) struct Agreed {
     pub totals: Option<ControlSum>,
 }
 
+/// A synced window's result in device memory: what a device optimizer steps from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reduced {
+    /// The reduced gradient of [`Plan::shard`]'s range, from its first element (f32).
+    pub grad: DevicePtr,
+    /// The boundary's `ga_boundary` (its overflow flag and emptiness decide a skip).
+    pub boundary: DevicePtr,
+}
+
 /// A device's part of an accumulator: the master's memory and the kernels over it. The
 /// accumulator decides what runs and when, after its checks; a store only does it.
 pub(crate) trait Store: Send + Sync {
@@ -614,6 +623,12 @@ pub(crate) trait Store: Send + Sync {
     /// the counts alone, still summed over the ranks.
     fn count_only(&self, _proposal: &Proposal<'_>) -> Result<()> {
         Ok(())
+    }
+
+    /// Where a device store's reduced gradient (this rank's shard, from its first element) and
+    /// the boundary's result are; none on the CPU.
+    fn reduced(&self) -> Option<Reduced> {
+        None
     }
 
     /// Enqueues the gather of the synced boundary's overflow flag into a scaler's device state.
@@ -1719,6 +1734,29 @@ impl Accumulator {
         synced_window(&self.window.read(), what).map(|(window, _)| window)
     }
 
+    /// [`Accumulator::with_reduced`] on a device: `f` gets the synced window's id, its info when
+    /// the host has it (after `sync`; none after `sync_enqueue`) and where the reduced gradient
+    /// and the boundary's result are in device memory, holding the window meanwhile. Nothing
+    /// waits for the device. `WrongState` naming `what` unless synced.
+    pub(crate) fn with_reduced_on_device<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(u64, Option<SyncInfo>, Reduced) -> Result<R>,
+    ) -> Result<R> {
+        let w = self.window.write();
+        let (window, info) = synced_on_device(&w, what)?;
+        self.store.check_open()?;
+        let reduced = self.store.reduced().ok_or_else(|| {
+            Error::new(ErrorKind::DeviceMismatch, format!("{what}: the accumulator is on the CPU"))
+        })?;
+        f(window, info, reduced)
+    }
+
+    /// The synced window's id, checked as [`Accumulator::with_reduced_on_device`] checks it.
+    pub(crate) fn synced_window_on_device(&self, what: &str) -> Result<u64> {
+        synced_on_device(&self.window.read(), what).map(|(window, _)| window)
+    }
+
     pub(crate) fn plan(&self) -> &Arc<Plan> {
         &self.plan
     }
@@ -1878,6 +1916,17 @@ impl Accumulator {
                 format!("{} is a device address, the accumulator is on the CPU", argument()),
             )),
         }
+    }
+}
+
+/// The id of a synced window and its info if the host has it; `WrongState` naming `what`
+/// otherwise.
+fn synced_on_device(w: &State, what: &str) -> Result<(u64, Option<SyncInfo>)> {
+    match w.phase {
+        Phase::Synced(info) => Ok((w.id, info)),
+        _ => Err(Error::wrong_state(format!(
+            "{what} needs a synced window: call sync first (a window steps the optimizer once)"
+        ))),
     }
 }
 

@@ -22,9 +22,11 @@ pub use rounding::Rounding;
 use crate::accumulator::protocol::{self, HostChannel, Step};
 use crate::accumulator::sharding::intersect;
 use crate::accumulator::{Accumulator, Plan, Sharding};
-use crate::math::{bf16_to_f32, f16_to_f32};
+use crate::backend::cuda::optimizer::{self as cuda, DeviceOptimizer, Setup};
+use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
-use crate::device::Device;
+use crate::device::{Device, DevicePtr};
+use crate::math::{bf16_to_f32, f16_to_f32};
 use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
 use update::Scalars;
@@ -47,7 +49,12 @@ pub enum Slot {
 /// ranks all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
 ///
-/// The optimizer runs on CPU accumulators, over in-process and MPI communicators.
+/// On a CPU accumulator ([`Optimizer::new`], [`Optimizer::step`]) the state is in host memory and
+/// the sharded all-gather runs over in-process and MPI communicators. On a CUDA accumulator
+/// ([`Optimizer::new_device`], [`Optimizer::step_device`]) the masters, the state and the step
+/// count are in device memory, each step is enqueued on the accumulator's stream (the skip is
+/// decided there, from the boundary's overflow flag), and the all-gather runs over NCCL. Both
+/// write the same bits.
 #[derive(Debug)]
 pub struct Optimizer {
     algorithm: Algorithm,
@@ -72,6 +79,12 @@ struct State {
     first: Vec<f32>,
     /// Empty for SGD.
     second: Vec<f32>,
+    /// On a CUDA accumulator: the masters, state and step count, in device memory (the host
+    /// vectors above are then empty).
+    device: Option<DeviceOptimizer>,
+    /// On a CUDA accumulator: whether `steps` is the device's count (every step since it was
+    /// last read was stepped after a `sync`, whose result the host has).
+    steps_known: bool,
 }
 
 impl Optimizer {
@@ -79,7 +92,7 @@ impl Optimizer {
     /// the model's weights `weights` (one whole tensor per accumulator tensor, of any dtype: the
     /// model's, which `step` writes), each tensor in `groups[i]` (empty: every tensor in the
     /// default group). Fails, making nothing, on a config out of range, a weight of the wrong
-    /// length, or an accumulator on another device than the CPU (`BackendUnavailable`).
+    /// length, or a CUDA accumulator (`DeviceMismatch`: see [`Optimizer::new_device`]).
     pub fn new(
         acc: &Accumulator,
         config: OptimizerConfig,
@@ -89,25 +102,16 @@ impl Optimizer {
         config.validate()?;
         if acc.device() != Device::Cpu {
             return Err(Error::new(
-                ErrorKind::BackendUnavailable,
-                format!("the optimizer steps CPU accumulators; this one is on {:?}", acc.device()),
+                ErrorKind::DeviceMismatch,
+                format!(
+                    "the accumulator is on {}: its optimizer takes the weights' device addresses (Optimizer::new_device)",
+                    acc.device().name()
+                ),
             ));
         }
         let plan = acc.plan().clone();
         let n = plan.descs.len();
-        let groups = match groups.len() {
-            0 => vec![TensorGroup::default(); n],
-            g if g == n => groups.to_vec(),
-            g => {
-                return Err(Error::new(
-                    ErrorKind::SizeMismatch,
-                    format!("`groups` has {g} entries for {n} tensors"),
-                ))
-            }
-        };
-        for (i, g) in groups.iter().enumerate() {
-            g.validate(i)?;
-        }
+        let groups = groups_for(groups, n)?;
         check_count(weights.len(), n)?;
         for (i, w) in weights.iter().enumerate() {
             check_len(i, w.len(), plan.descs[i].numel)?;
@@ -131,6 +135,8 @@ impl Optimizer {
             second,
             master,
             held,
+            device: None,
+            steps_known: true,
         };
         Ok(Optimizer {
             algorithm: config.algorithm,
@@ -138,6 +144,90 @@ impl Optimizer {
             groups,
             plan,
             dtypes: weights.iter().map(Grad::dtype).collect(),
+            state: Mutex::new(state),
+        })
+    }
+
+    /// [`Optimizer::new`] for a CUDA accumulator: the model's weights are device addresses
+    /// (`weights[i]` holds tensor i's numel values of `dtypes[i]`, on the accumulator's device),
+    /// and the masters, the state and the step count are allocated in device memory on the
+    /// accumulator's stream. Reads the weights (waits for the stream). Fails, making nothing, on
+    /// a config out of range, a wrong count, a weight that is not one device allocation of its
+    /// tensor's length (`DeviceMismatch`, host memory included), or a CPU accumulator
+    /// (`DeviceMismatch`).
+    pub fn new_device(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+    ) -> Result<Self> {
+        config.validate()?;
+        let Device::Cuda { ordinal, stream } = acc.device() else {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "the accumulator is on the CPU: its optimizer takes host weights (Optimizer::new)",
+            ));
+        };
+        let plan = acc.plan().clone();
+        let n = plan.descs.len();
+        let groups = groups_for(groups, n)?;
+        check_count(weights.len(), n)?;
+        if dtypes.len() != n {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`dtypes` has {} entries for {n} tensors", dtypes.len()),
+            ));
+        }
+        let numel: Vec<usize> = plan.descs.iter().map(|d| d.numel).collect();
+        cuda::check_weights_on(ordinal, weights, dtypes, &numel)?;
+        let held = plan.shard();
+        let pieces_of = |held: &Range<usize>, bytes: bool| {
+            let mut at = 0;
+            (0..n)
+                .filter_map(|i| {
+                    let p = piece(&plan, i, held);
+                    let start = if bytes { at } else { p.held.start };
+                    at += p.tensor.len() * dtypes[i].size();
+                    (!p.tensor.is_empty()).then_some(cuda::Piece {
+                        tensor: i,
+                        elements: p.tensor,
+                        at: start,
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let shards = plan.config.sharding.shard().map(|(_, rank)| {
+            (plan.shards().iter().map(|r| pieces_of(r, true)).collect::<Vec<_>>(), rank)
+        });
+        let device = DeviceOptimizer::new(Setup {
+            ordinal,
+            stream: stream.cast(),
+            dtypes,
+            groups: &groups,
+            pieces: pieces_of(&held, false),
+            held: held.clone(),
+            second_moment: config.algorithm.second_moment(),
+            shards,
+            weights,
+        })?;
+        let state = State {
+            lr: config.lr,
+            steps: 0,
+            consumed: None,
+            held,
+            master: vec![],
+            first: vec![],
+            second: vec![],
+            device: Some(device),
+            steps_known: true,
+        };
+        Ok(Optimizer {
+            algorithm: config.algorithm,
+            rounding: config.rounding,
+            groups,
+            plan,
+            dtypes: dtypes.to_vec(),
             state: Mutex::new(state),
         })
     }
@@ -163,21 +253,36 @@ impl Optimizer {
         &self.dtypes
     }
 
-    /// Steps taken (a skipped step is not one).
+    /// Steps taken (a skipped step is not one). On a CUDA accumulator the count lives in device
+    /// memory: this waits for the stream when a step since the last read was enqueued after
+    /// `sync_enqueue` (the host did not see its boundary's result), and otherwise returns the
+    /// count the host kept; if the device cannot be read, the last count the host knew.
     pub fn steps(&self) -> u64 {
-        self.lock().steps
+        let mut s = self.lock();
+        if !s.steps_known {
+            if let Some(Ok(steps)) = s.device.as_ref().map(DeviceOptimizer::steps) {
+                (s.steps, s.steps_known) = (steps, true);
+            }
+        }
+        s.steps
     }
 
     /// This rank's values of tensor `index` in `slot`: the range of the tensor's elements it
-    /// holds (all of them without sharding) and their values.
+    /// holds (all of them without sharding) and their values. On a CUDA accumulator this reads
+    /// the device (it waits for the stream).
     pub fn read(&self, index: usize, slot: Slot) -> Result<(Range<usize>, Vec<f32>)> {
         self.plan.layout.check_index(index)?;
         let s = self.lock();
         let p = piece(&self.plan, index, &s.held);
+        let copy = s.device.as_ref().map(DeviceOptimizer::read).transpose()?;
+        let (master, first, second) = match &copy {
+            Some((_, [m, f, v])) => (m, f, v),
+            None => (&s.master, &s.first, &s.second),
+        };
         let values = match slot {
-            Slot::Weights => &s.master,
-            Slot::FirstMoment => &s.first,
-            Slot::SecondMoment if self.algorithm.second_moment() => &s.second,
+            Slot::Weights => master,
+            Slot::FirstMoment => first,
+            Slot::SecondMoment if self.algorithm.second_moment() => second,
             Slot::SecondMoment => {
                 return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()))
             }
@@ -202,7 +307,13 @@ impl Optimizer {
         weights: &mut [GradMut<'_>],
         comm: Option<&dyn Communicator>,
     ) -> Result<bool> {
-        let group = self.gather_group(acc, comm)?;
+        if acc.device() != Device::Cpu {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "the accumulator is on CUDA: step it with the weights' device addresses (Optimizer::step_device)",
+            ));
+        }
+        let group = self.host_group(self.gather_group(acc, comm)?)?;
         let mut s = self.lock();
         let own = self.check_step(&s, acc, weights).err();
         // Under a sharded boundary every rank steps and gathers, or none: the ranks agree first,
@@ -234,9 +345,98 @@ impl Optimizer {
     /// fail at once with PEER_FAILURE instead of waiting in the all-gather. Changes nothing.
     #[cfg(feature = "internal")]
     pub fn refuse_step(&self, acc: &Accumulator, comm: Option<&dyn Communicator>) {
-        if let Ok(Some((h, ..))) = self.gather_group(acc, comm) {
-            let _ = h.reduce_control(&ControlSum::of(&Step::Optimizer.claim(&self.plan, None, true)));
+        let Ok(Some((comm, ..))) = self.gather_group(acc, comm) else { return };
+        match comm.collectives() {
+            Collectives::Host(h) => {
+                let claim = Step::Optimizer.claim(&self.plan, None, true);
+                let _ = h.reduce_control(&ControlSum::of(&claim));
+            }
+            Collectives::Nccl(c) => {
+                let s = self.lock();
+                if let Some(d) = &s.device {
+                    let refused = Error::invalid("this rank's step was refused");
+                    let _ = d.agree(&self.plan, c, Some(&refused));
+                }
+            }
         }
+    }
+
+    /// The optimizer step on a CUDA accumulator ([`Optimizer::step`]'s semantics), enqueued on
+    /// the accumulator's stream without waiting for it: `weights` are the model weights' device
+    /// addresses (the dtypes given at creation). One fused launch steps the held range and
+    /// writes the weights; whether the boundary overflowed (then nothing changes, the step count
+    /// included) is read by the kernels from the boundary's result in device memory, so the step
+    /// also follows `sync_enqueue`. Returns whether it stepped when the host has the boundary's
+    /// result (after `sync`), and None after `sync_enqueue` (the device decided).
+    ///
+    /// Under a sharded boundary the ranks first agree as [`Optimizer::step`]'s do, through a
+    /// blocking exchange over the NCCL communicator (this waits for the stream), then
+    /// all-gather the new weights over it, stream-ordered. Fails, changing nothing, as `step`
+    /// does, and with `DeviceMismatch` on a weight that is not one device allocation of its
+    /// tensor's length.
+    pub fn step_device(
+        &self,
+        acc: &Accumulator,
+        weights: &[DevicePtr],
+        comm: Option<&dyn Communicator>,
+    ) -> Result<Option<bool>> {
+        if self.lock().device.is_none() {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "the optimizer steps a CPU accumulator: use Optimizer::step with host weights",
+            ));
+        }
+        let group = match self.gather_group(acc, comm)? {
+            Some((c, ..)) => Some(nccl_of(c)?),
+            None => None,
+        };
+        let mut s = self.lock();
+        let device = s.device.as_ref().expect("checked above; never removed");
+        let own = self.check_step_device(&s, device, acc, weights).err();
+        match (group, own) {
+            (Some(c), own) => device.agree(&self.plan, c, own.as_ref())?,
+            (None, Some(e)) => return Err(e),
+            (None, None) => {}
+        }
+        let rule = cuda::rule(&self.algorithm, self.rounding, s.lr);
+        let stepped = acc.with_reduced_on_device("the optimizer step", |window, info, reduced| {
+            s.consumed = Some(window);
+            let device = s.device.as_ref().expect("checked above");
+            device.step(reduced, weights, rule, group)?;
+            match info {
+                Some(info) if !info.found_inf => s.steps += 1,
+                Some(_) => {}
+                None => s.steps_known = false,
+            }
+            Ok(info.map(|i| !i.found_inf))
+        })?;
+        Ok(stepped)
+    }
+
+    /// [`Optimizer::check_step`] on a device: the accumulator, the window, the weights' count
+    /// and memory.
+    fn check_step_device(
+        &self,
+        s: &State,
+        device: &DeviceOptimizer,
+        acc: &Accumulator,
+        weights: &[DevicePtr],
+    ) -> Result<()> {
+        if !Arc::ptr_eq(acc.plan(), &self.plan) {
+            return Err(Error::invalid(
+                "`acc` is not the accumulator this optimizer was made over",
+            ));
+        }
+        check_count(weights.len(), self.dtypes.len())?;
+        let numel: Vec<usize> = self.plan.descs.iter().map(|d| d.numel).collect();
+        device.check_weights(weights, &self.dtypes, &numel)?;
+        let window = acc.synced_window_on_device("the optimizer step")?;
+        if s.consumed == Some(window) {
+            return Err(Error::wrong_state(
+                "the optimizer already stepped from this window: sync again first",
+            ));
+        }
+        Ok(())
     }
 
     /// Fails unless `acc` is this optimizer's, synced in a window not stepped yet, and
@@ -270,12 +470,27 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The host collectives and shards over which a step all-gathers the weights, if any.
+    /// The host collectives of a CPU step's all-gather, and the shards.
+    fn host_group<'a>(
+        &self,
+        group: Option<ShardGroup<'a>>,
+    ) -> Result<Option<GatherGroup<'a>>> {
+        let Some((comm, shards, rank)) = group else { return Ok(None) };
+        match comm.collectives() {
+            Collectives::Host(h) => Ok(Some((h, shards, rank))),
+            _ => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "`comm`: a CPU accumulator's optimizer all-gathers over host communicators (in-process, MPI)",
+            )),
+        }
+    }
+
+    /// The communicator and shards over which a step all-gathers the weights, if any.
     fn gather_group<'a>(
         &self,
         acc: &'a Accumulator,
         comm: Option<&'a dyn Communicator>,
-    ) -> Result<Option<GatherGroup<'a>>> {
+    ) -> Result<Option<ShardGroup<'a>>> {
         let sharding = self.plan.config.sharding;
         let Some((shards, rank)) = sharding.shard() else { return Ok(None) };
         if shards == 1 {
@@ -297,13 +512,7 @@ impl Optimizer {
                 comm.world_size()
             )));
         }
-        match comm.collectives() {
-            Collectives::Host(h) => Ok(Some((h, self.plan.shards(), rank))),
-            _ => Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                "`comm`: the optimizer all-gathers over host communicators (in-process, MPI)",
-            )),
-        }
+        Ok(Some((comm, self.plan.shards(), rank)))
     }
 
     /// One step of every held element, its model weight written as it goes.
@@ -364,10 +573,25 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The optimizer's state (this rank's part of it), versioned and checksummed.
+    /// The optimizer's state (this rank's part of it), versioned and checksummed. The format is
+    /// the same on every device: on a CUDA accumulator the state is copied to the host (this
+    /// waits for the stream).
     pub fn save(&self) -> Result<Vec<u8>> {
         let s = self.lock();
-        Ok(saved::encode(self, &s))
+        let Some(device) = &s.device else { return Ok(saved::encode(self, &s)) };
+        let (steps, [master, first, second]) = device.read()?;
+        let copy = State {
+            lr: s.lr,
+            steps,
+            consumed: None,
+            held: s.held.clone(),
+            master,
+            first,
+            second,
+            device: None,
+            steps_known: true,
+        };
+        Ok(saved::encode(self, &copy))
     }
 
     /// Restores the state from saved parts: the bytes [`Optimizer::save`] wrote on any number of
@@ -378,10 +602,54 @@ impl Optimizer {
     pub fn load(&self, parts: &[&[u8]]) -> Result<()> {
         let mut s = self.lock();
         let restored = saved::decode(self, &s.held, parts)?;
-        *s = restored;
-        Ok(())
+        match s.device.take() {
+            // Copied to the device (stream-ordered); a failed copy leaves the device's state
+            // unknown, and is reported.
+            Some(device) => {
+                let r = &restored;
+                let written = device.write(r.steps, &r.master, &r.first, &r.second);
+                *s = State { device: Some(device), master: vec![], first: vec![], second: vec![], ..restored };
+                written
+            }
+            None => {
+                *s = restored;
+                Ok(())
+            }
+        }
     }
 }
+
+/// Each tensor in `groups[i]`; every tensor in the default group when `groups` is empty.
+fn groups_for(groups: &[TensorGroup], n: usize) -> Result<Vec<TensorGroup>> {
+    let groups = match groups.len() {
+        0 => vec![TensorGroup::default(); n],
+        g if g == n => groups.to_vec(),
+        g => {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`groups` has {g} entries for {n} tensors"),
+            ))
+        }
+    };
+    for (i, g) in groups.iter().enumerate() {
+        g.validate(i)?;
+    }
+    Ok(groups)
+}
+
+/// The NCCL communicator of a CUDA step's all-gather.
+fn nccl_of(comm: &dyn Communicator) -> Result<&NcclComm> {
+    match comm.collectives() {
+        Collectives::Nccl(c) => Ok(c),
+        Collectives::Host(_) => Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            "`comm`: a CUDA accumulator's optimizer all-gathers over an NCCL communicator",
+        )),
+    }
+}
+
+/// The group a sharded step all-gathers over: its communicator, every rank's shard, this rank.
+type ShardGroup<'a> = (&'a dyn Communicator, Vec<Range<usize>>, usize);
 
 /// Where a sharded step all-gathers: the host collectives, every rank's shard, this rank.
 type GatherGroup<'a> = (&'a dyn HostCollectives, Vec<Range<usize>>, usize);

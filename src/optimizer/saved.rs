@@ -130,5 +130,6 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
         }
     }
     let [master, first, second] = values;
-    Ok(State { lr, steps, consumed: None, held: held.clone(), master, first, second })
+    let held = held.clone();
+    Ok(State { lr, steps, consumed: None, held, master, first, second, device: None, steps_known: true })
 }

@@ -50,15 +50,15 @@ impl Scalars {
             Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
                 let (beta1, beta2) = (beta1 as f64, beta2 as f64);
                 let wd = if decays { weight_decay as f64 } else { 0.0 };
-                let t = t.min(i32::MAX as u64) as i32;
+                let t = t.min(i32::MAX as u64) as u32;
                 Scalars::AdamW(AdamW {
                     decay: (1.0 - lr * wd) as f32,
                     lerp: (1.0 - beta1) as f32,
                     beta2: beta2 as f32,
                     one_minus_beta2: (1.0 - beta2) as f32,
-                    correction2_sqrt: (1.0 - beta2.powi(t)).sqrt() as f32,
+                    correction2_sqrt: (1.0 - powi_steps(beta2, t)).sqrt() as f32,
                     eps,
-                    neg_step: (-lr / (1.0 - beta1.powi(t))) as f32,
+                    neg_step: (-lr / (1.0 - powi_steps(beta1, t))) as f32,
                 })
             }
             Algorithm::Sgd { momentum, dampening, nesterov, weight_decay } => Scalars::Sgd(Sgd {
@@ -70,6 +70,24 @@ impl Scalars {
                 neg_lr: (-lr) as f32,
             }),
         }
+    }
+}
+
+/// `a^t` by binary powering, each multiply rounded: the arithmetic of compiler-rt's `__powidf2`,
+/// which `f64::powi` calls, written out so that the CUDA kernels' `ga_powi` (kernels/math.cuh)
+/// repeats it bit for bit.
+#[inline]
+pub(crate) fn powi_steps(mut a: f64, mut t: u32) -> f64 {
+    let mut r = 1.0;
+    loop {
+        if t & 1 != 0 {
+            r *= a;
+        }
+        t >>= 1;
+        if t == 0 {
+            return r;
+        }
+        a *= a;
     }
 }
 
@@ -129,6 +147,20 @@ mod tests {
         let (mut w, mut m, mut v) = (1.0f32, 0.0, 0.0);
         k.step(0.5, &mut w, &mut m, &mut v);
         assert!((w - 0.99).abs() < 1e-7, "{w}");
+    }
+
+    /// The written-out powering is `powi`'s, bit for bit.
+    #[test]
+    fn powi_steps_is_powi() {
+        for base in [0.9f64, 0.999, 0.95, 0.5, 0.123_456_789] {
+            for t in (0..200).chain([1000, 4095, 65_537, 1 << 20, i32::MAX as u32]) {
+                assert_eq!(
+                    powi_steps(base, t).to_bits(),
+                    std::hint::black_box(base).powi(std::hint::black_box(t as i32)).to_bits(),
+                    "{base}^{t}"
+                );
+            }
+        }
     }
 
     #[test]

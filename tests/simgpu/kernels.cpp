@@ -100,7 +100,66 @@ void fp_scale_loss(Footprint &f, void *loss, ga_u64 n, int dtype, const ga_scale
     f.read(s, sizeof *s);
 }
 
-void fp_layout_sizes(Footprint &f, ga_u64 *out) { f.write(out, 7 * sizeof(ga_u64)); }
+/* The tensors a launch's chunks name (the table is read up to the largest), each chunk checked
+ * against its tensor's launch slot. */
+void fp_opt_chunks(Footprint &f, const char *kernel, const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks,
+                   const ga_weights &weights) {
+    if (weights.count > GA_SOURCES_PER_LAUNCH) violation("%s: %llu weights in one launch", kernel, (unsigned long long)weights.count);
+    f.read(chunks, num_chunks * sizeof(ga_opt_chunk));
+    ga_u64 num_tensors = 0;
+    for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
+    f.read(tensors, num_tensors * sizeof(ga_opt_tensor));
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_opt_chunk &k = chunks[c];
+        if (k.tensor < weights.first_tensor || k.tensor >= weights.first_tensor + weights.count)
+            violation("%s: chunk %llu is of tensor %llu, the launch has the weights of tensors %llu..%llu", kernel, (unsigned long long)c,
+                      (unsigned long long)k.tensor, (unsigned long long)weights.first_tensor,
+                      (unsigned long long)(weights.first_tensor + weights.count));
+    }
+}
+
+const void *weight_at(const ga_weights &weights, const ga_opt_tensor *tensors, const ga_opt_chunk &k) {
+    return (const char *)(uintptr_t)weights.w[k.tensor - weights.first_tensor] + k.start * dtype_bytes(tensors[k.tensor].dtype);
+}
+
+void fp_opt_step(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights, const float *grad,
+                 float *master, float *first, float *second, ga_u64, const ga_boundary *b, const ga_u64 *steps, ga_opt_rule rule) {
+    fp_opt_chunks(f, "ga_opt_step", tensors, chunks, num_chunks, weights);
+    if (rule.algorithm == GA_OPT_ADAMW && !second) violation("ga_opt_step: AdamW without second moments");
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_opt_chunk &k = chunks[c];
+        f.write(weight_at(weights, tensors, k), k.len * dtype_bytes(tensors[k.tensor].dtype));
+        f.read(grad + k.at, k.len * 4);
+        f.write(master + k.at, k.len * 4);
+        f.write(first + k.at, k.len * 4);
+        if (second) f.write(second + k.at, k.len * 4);
+    }
+    f.read(b, sizeof *b);
+    f.read(steps, sizeof *steps);
+}
+
+void fp_opt_advance(Footprint &f, const ga_boundary *b, ga_u64 *steps) {
+    f.read(b, sizeof *b);
+    f.write(steps, sizeof *steps);
+}
+
+void fp_opt_copy(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights,
+                 unsigned short *staging, ga_u32 to_staging) {
+    fp_opt_chunks(f, "ga_opt_copy", tensors, chunks, num_chunks, weights);
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_opt_chunk &k = chunks[c];
+        uint64_t bytes = k.len * dtype_bytes(tensors[k.tensor].dtype);
+        if (to_staging) {
+            f.read(weight_at(weights, tensors, k), bytes);
+            f.write((char *)staging + k.at, bytes);
+        } else {
+            f.write(weight_at(weights, tensors, k), bytes);
+            f.read((char *)staging + k.at, bytes);
+        }
+    }
+}
+
+void fp_layout_sizes(Footprint &f, ga_u64 *out) { f.write(out, 11 * sizeof(ga_u64)); }
 
 /* Checks a pointer argument (null is allowed: a kernel may test it) against the live
  * allocations of the launching device. */
@@ -148,6 +207,9 @@ const std::vector<KernelInfo> &registry() {
         make("ga_scaler_gather", ga_scaler_gather, fp_scaler_gather),
         make("ga_scaler_update", ga_scaler_update, fp_scaler_update),
         make("ga_scale_loss", ga_scale_loss, fp_scale_loss),
+        make("ga_opt_step", ga_opt_step, fp_opt_step),
+        make("ga_opt_advance", ga_opt_advance, fp_opt_advance),
+        make("ga_opt_copy", ga_opt_copy, fp_opt_copy),
         make("ga_layout_sizes", ga_layout_sizes, fp_layout_sizes),
     };
     return kernels;

@@ -768,7 +768,10 @@ class Optimizer(_Managed):
     ``"stochastic"`` with ``seed``. ``config=`` takes a whole ``gradacc_optimizer_config_t``.
     ``groups`` gives each tensor ``(weight_decay, lr_scale)`` (or a dict of those keys);
     ``dtypes`` the weights' dtypes where the arrays do not say. The masters start as the weights'
-    values (for this rank's shard under a sharded boundary).
+    values (for this rank's shard under a sharded boundary). On a CUDA accumulator the weights are
+    device memory: addresses (ints, with ``dtypes``) or objects with ``data_ptr()`` such as torch
+    CUDA tensors; the masters and state then live in device memory and ``step`` is enqueued on the
+    accumulator's stream.
 
     The contract is gradacc_optimizer_create's and gradacc_optimizer_step's (include/gradacc.h)
     and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under

@@ -445,7 +445,7 @@ gradacc_optimizer_config_default.restype = gradacc_status_t
 gradacc_optimizer_config_default.argtypes = [ctypes.POINTER(gradacc_optimizer_config_t)]
 # arguments: out
 
-# Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1).
+# Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1).
 gradacc_optimizer_create = dll.gradacc_optimizer_create
 gradacc_optimizer_create.restype = gradacc_status_t
 gradacc_optimizer_create.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
@@ -469,7 +469,7 @@ gradacc_optimizer_steps.restype = gradacc_status_t
 gradacc_optimizer_steps.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.c_uint64)]
 # arguments: opt, out
 
-# The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which.
+# The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which.
 gradacc_optimizer_step = dll.gradacc_optimizer_step
 gradacc_optimizer_step.restype = gradacc_status_t
 gradacc_optimizer_step.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_bool)]

@@ -1,7 +1,8 @@
 """The Python binding's CUDA path: scaler and accumulator on a CUDA device (gradients and masters
 in device memory, moved with the driver API through ctypes), against the CPU backend bit for bit
-on random windows (every dtype, odd sizes, unaligned addresses, both adding styles), and the Apex
-O2 seed through NCCL at world size 2 (one rank per device).
+on random windows (every dtype, odd sizes, unaligned addresses, both adding styles), the
+optimizer stepping device weights as the CPU optimizer steps numpy ones, and the Apex O2 seed
+through NCCL at world size 2 (one rank per device).
 
 Needs a GPU with NCCL, or the software GPU (scripts/sim-gpu-check); skipped without one, failed
 instead when GRADACC_REQUIRE_GPU=1."""
@@ -70,6 +71,14 @@ class Device:
         ok(CU.cuStreamSynchronize(self.stream))
         return out
 
+    def download_like(self, address, like):
+        """The device bytes at `address` as an array of `like`'s dtype and length."""
+        out = np.empty_like(like)
+        ok(CU.cuMemcpyDtoHAsync_v2(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(address), ctypes.c_size_t(out.nbytes),
+                                   self.stream))
+        ok(CU.cuStreamSynchronize(self.stream))
+        return out
+
     def close(self):
         ok(CU.cuStreamSynchronize(self.stream))
         for p in self.buffers:
@@ -129,6 +138,44 @@ def test_random_windows_match_the_cpu_backend_bitwise(dtype):
                 assert cpu.master(i).tobytes() == dev.download(address, n).tobytes(), f"{normalize} tensor {i}"
     finally:
         for o in on_device:
+            o.close()
+        dev.close()
+
+
+def test_optimizer_steps_device_weights_as_the_cpu_steps_numpy_ones():
+    """AdamW with stochastic rounding on weights of each dtype (device addresses on CUDA, numpy
+    arrays on the CPU): three steps, the second overflowing, bit for bit; the same saved state."""
+    rng = np.random.default_rng()
+    dev = Device(0)
+    on_device = []  # closed, last made first, before the stream they use is destroyed
+    try:
+        sizes, dtypes = [5, 4097, 9001], ["f32", "f16", "bf16"]
+        tensors = [(n, "f16") for n in sizes]
+        cpu, gpu = gradacc.Accumulator(tensors), gradacc.Accumulator(tensors, device=dev.device)
+        sc = gradacc.Scaler(init_scale=1.0, dynamic=False)
+        sg = gradacc.Scaler(init_scale=1.0, dynamic=False, device=dev.device)
+        on_device += [gpu, sg]
+        host = [encode(rng.uniform(-2, 2, n).astype(np.float32), d) for n, d in zip(sizes, dtypes)]
+        addresses = [dev.upload(w) for w in host]
+        fields = dict(algorithm="adamw", lr=1e-2, rounding="stochastic", seed=5)
+        oc = gradacc.Optimizer(cpu, host, dtypes=dtypes, **fields)
+        og = gradacc.Optimizer(gpu, addresses, dtypes=dtypes, **fields)
+        on_device.append(og)
+        for step in range(3):
+            grads = [encode(rng.uniform(-1, 1, n).astype(np.float32) * 0.01, "f16") for n in sizes]
+            if step == 1:
+                grads[1][7] = 0x7C00  # +inf
+            cpu.add(sc, grads, 2)
+            gpu.add(sg, [dev.upload(g) for g in grads], 2)
+            cpu.sync()
+            gpu.sync()
+            assert oc.step() == og.step() == (step != 1)
+            for i, w in enumerate(host):
+                assert dev.download_like(addresses[i], w).tobytes() == w.tobytes(), f"step {step} tensor {i}"
+        assert oc.steps == og.steps == 2
+        assert oc.save() == og.save()
+    finally:
+        for o in reversed(on_device):
             o.close()
         dev.close()
 

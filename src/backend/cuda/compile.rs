@@ -16,7 +16,7 @@ pub const SOURCE: &str =
     concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 14] = [
+pub const KERNELS: [&str; 17] = [
     "ga_add_multi",
     "ga_add_one",
     "ga_pack_control",
@@ -30,6 +30,9 @@ pub const KERNELS: [&str; 14] = [
     "ga_scaler_gather",
     "ga_scaler_update",
     "ga_scale_loss",
+    "ga_opt_step",
+    "ga_opt_advance",
+    "ga_opt_copy",
     "ga_layout_sizes",
 ];
 

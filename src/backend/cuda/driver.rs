@@ -512,6 +512,24 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// The id of the device allocation holding `ptr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), or None
+/// when `ptr` is not device memory the driver knows (host memory, a freed buffer). Never touches
+/// the memory and does not wait.
+pub fn buffer_id(ctx: &Context, ptr: CUdeviceptr) -> Result<Option<u64>> {
+    let _g = ctx.enter()?;
+    let mut id: u64 = 0;
+    // SAFETY: `_g` made `ctx` current; the attribute is a 64-bit id written to `id`, a live
+    // local; any address may be asked about (an unknown one is an error code, not a fault).
+    let code = unsafe {
+        (ctx.api.cuPointerGetAttribute)(
+            &mut id as *mut u64 as *mut c_void,
+            driver_api::POINTER_ATTRIBUTE_BUFFER_ID,
+            ptr,
+        )
+    };
+    Ok((code == SUCCESS && id != 0).then_some(id))
+}
+
 /// Waits on the host for everything enqueued on `stream` so far.
 pub fn synchronize(ctx: &Context, stream: CUstream) -> Result<()> {
     let _g = ctx.enter()?;

@@ -27,6 +27,9 @@ pub struct Kernels {
     pub scaler_gather: Function,
     pub scaler_update: Function,
     pub scale_loss: Function,
+    pub opt_step: Function,
+    pub opt_advance: Function,
+    pub opt_copy: Function,
     pub layout_sizes: Function,
 }
 
@@ -69,6 +72,9 @@ impl Kernels {
             scaler_gather: f("ga_scaler_gather")?,
             scaler_update: f("ga_scaler_update")?,
             scale_loss: f("ga_scale_loss")?,
+            opt_step: f("ga_opt_step")?,
+            opt_advance: f("ga_opt_advance")?,
+            opt_copy: f("ga_opt_copy")?,
             layout_sizes: f("ga_layout_sizes")?,
             _module: module,
             image,

@@ -97,8 +97,63 @@ pub struct GaScalerRule {
     pub dynamic: u32,
 }
 
+/// `ga_opt_rule`: an optimizer's hyperparameters, learning rate and rounding, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaOptRule {
+    /// `GA_OPT_ADAMW` (1) or `GA_OPT_SGD` (2).
+    pub algorithm: u32,
+    pub nesterov: u32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+    pub dampening: f32,
+    pub lr: f32,
+    /// `GA_ROUND_NEAREST` (0) or `GA_ROUND_STOCHASTIC` (1).
+    pub rounding: u32,
+    pub seed: u64,
+}
+
+/// `ga_opt_tensor`: one tensor's options in the optimizer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaOptTensor {
+    pub lr_scale: f32,
+    pub decays: u32,
+    pub dtype: i32,
+    pub pad: u32,
+}
+
+/// `ga_opt_chunk`: a piece of one tensor; `at` is its held index (the step) or its byte offset
+/// in the all-gather's staging (the copies).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GaOptChunk {
+    pub tensor: u64,
+    pub start: u64,
+    pub len: u64,
+    pub at: u64,
+}
+
+/// `ga_weights`: the model weights' addresses of consecutive tensors, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GaWeights {
+    pub first_tensor: u64,
+    pub count: u64,
+    pub w: [u64; SOURCES_PER_LAUNCH],
+}
+
+/// `ga_opt_step`'s parameters: eleven 8-byte ones beside the weights and the rule.
+const OPT_STEP_PARAMS: usize =
+    11 * 8 + std::mem::size_of::<GaWeights>() + std::mem::size_of::<GaOptRule>();
+const _: () =
+    assert!(OPT_STEP_PARAMS <= 4096 - 256, "ga_opt_step's parameters must stay well inside 4 KB");
+
 /// The sizes `ga_layout_sizes` writes, in its order.
-pub const SIZES: [usize; 7] = [
+pub const SIZES: [usize; 11] = [
     std::mem::size_of::<GaTensor>(),
     std::mem::size_of::<GaChunk>(),
     std::mem::size_of::<GaSource>(),
@@ -106,4 +161,8 @@ pub const SIZES: [usize; 7] = [
     std::mem::size_of::<GaScalerState>(),
     std::mem::size_of::<GaScalerRule>(),
     std::mem::size_of::<GaSources>(),
+    std::mem::size_of::<GaOptRule>(),
+    std::mem::size_of::<GaOptTensor>(),
+    std::mem::size_of::<GaOptChunk>(),
+    std::mem::size_of::<GaWeights>(),
 ];

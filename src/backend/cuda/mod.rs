@@ -9,6 +9,7 @@ pub mod driver;
 mod driver_api;
 mod kernels;
 pub mod layout;
+pub(crate) mod optimizer;
 pub(crate) mod library;
 mod scaler;
 mod sharded;
@@ -26,17 +27,18 @@ pub fn available() -> bool {
 
 /// The sizes of the structs shared with the kernels as the device compiler lays them out (the
 /// `ga_layout_sizes` kernel), to compare with [`layout::SIZES`]. Waits for the device.
-pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; 7]> {
+pub fn device_layout_sizes(ordinal: i32) -> crate::Result<[u64; layout::SIZES.len()]> {
     let ctx = driver::Context::get(ordinal)?;
     let k = kernels::Kernels::of(&ctx)?;
     let stream = std::ptr::null_mut();
-    let out = driver::DeviceBuffer::zeroed(&ctx, stream, 7 * 8)?;
+    let out = driver::DeviceBuffer::zeroed(&ctx, stream, layout::SIZES.len() * 8)?;
     let ptr = out.ptr();
     let mut args = driver::launch_args!(ptr);
-    // SAFETY: ga_layout_sizes takes one `ga_u64 *` and writes seven u64s through it; `ptr` is a
-    // CUdeviceptr (a u64 address) of `out`, 7 * 8 bytes in this context, which lives past the read.
+    // SAFETY: ga_layout_sizes takes one `ga_u64 *` and writes one u64 per entry of
+    // layout::SIZES through it; `ptr` is a CUdeviceptr (a u64 address) of `out`, that many u64s
+    // in this context, which lives past the read.
     unsafe { k.layout_sizes.launch(&ctx, 1, 1, stream, &mut args)? };
-    let mut sizes = [0u64; 7];
+    let mut sizes = [0u64; layout::SIZES.len()];
     out.read(&mut sizes)?;
     Ok(sizes)
 }

@@ -30,7 +30,8 @@ use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, ScaleSource, Sharding, Store, SyncInfo,
+    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, Reduced, ScaleSource, Sharding, Store,
+    SyncInfo,
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -1133,6 +1134,12 @@ impl Store for DeviceStore {
     fn set_found_inf(&self, value: bool) -> Result<()> {
         self.drain()?;
         self.found_inf.write(&[value as u32])
+    }
+
+    fn reduced(&self) -> Option<Reduced> {
+        let own = self.plan.shard();
+        let grad = if own.is_empty() { 0 } else { self.master_address(own.start) as u64 };
+        Some(Reduced { grad, boundary: self.boundary.ptr() })
     }
 
     /// On the scaler's stream: after the boundary is written, and before the next boundary or the

@@ -547,7 +547,7 @@ function gradacc_optimizer_config_default(out)
     ccall((:gradacc_optimizer_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_config_t},), out)
 end
 
-"Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (host pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1)."
+"Creates an optimizer over `acc`'s tensors, device and sharding: its FP32 master weights (for this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL: weight decay on, lr_scale 1)."
 function gradacc_optimizer_create(acc, config, groups, weights, weight_dtypes, n, out)
     ccall((:gradacc_optimizer_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_optimizer_config_t}, Ptr{gradacc_tensor_group_t}, Ptr{Ptr{Cvoid}}, Ptr{gradacc_dtype_t}, Csize_t, Ptr{Ptr{gradacc_optimizer_t}}), acc, config, groups, weights, weight_dtypes, n, out)
 end
@@ -567,7 +567,7 @@ function gradacc_optimizer_steps(opt, out)
     ccall((:gradacc_optimizer_steps, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{UInt64}), opt, out)
 end
 
-"The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (host pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which."
+"The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which."
 function gradacc_optimizer_step(opt, acc, weights, n, comm, out_stepped)
     ccall((:gradacc_optimizer_step, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{gradacc_accumulator_t}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{gradacc_comm_t}, Ptr{Bool}), opt, acc, weights, n, comm, out_stepped)
 end

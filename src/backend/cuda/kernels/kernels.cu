@@ -369,6 +369,99 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_loss(void *los
     }
 }
 
+/* ---- The optimizer step (src/backend/cuda/optimizer.rs) ---- */
+
+/* One tensor's options in the optimizer: its learning-rate factor, weight decay on or off, and
+ * the dtype of its model weights. */
+typedef struct {
+    float lr_scale;
+    ga_u32 decays;
+    int dtype;
+    ga_u32 pad;
+} ga_opt_tensor;
+
+/* A piece of at most GA_CHUNK elements of one tensor, from element `start` of the tensor: `at`
+ * is the index of its first element in the optimizer's held range (the step), or its byte offset
+ * in the all-gather's staging (the copies). A launch's chunks list tensor after tensor. */
+typedef struct {
+    ga_u64 tensor;
+    ga_u64 start;
+    ga_u64 len;
+    ga_u64 at;
+} ga_opt_chunk;
+
+/* The model weights' device addresses of up to GA_SOURCES_PER_LAUNCH consecutive tensors, passed
+ * by value (as ga_sources), so that a step needs no host-to-device copy. */
+typedef struct {
+    ga_u64 first_tensor;
+    ga_u64 count;
+    ga_u64 w[GA_SOURCES_PER_LAUNCH];
+} ga_weights;
+
+/* The skip rule of the step, from the synced boundary: an empty window or one that overflowed
+ * changes nothing (the CPU path refuses the one and skips the other). */
+__device__ static int ga_opt_skips(const ga_boundary *b) { return b->empty != 0 || b->found_inf != 0; }
+
+/* One optimizer step over the held range, fused: the reduced gradient `grad`, the masters and
+ * state (`second` NULL for SGD) indexed by the held index, each new master written into its model
+ * weight. The step count lives in `*steps` (advanced by ga_opt_advance after this launch), so
+ * the skip and the bias correction are decided here, without the host. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
+    const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights, const float *grad,
+    float *master, float *first, float *second, ga_u64 held_start, const ga_boundary *b, const ga_u64 *steps, ga_opt_rule rule) {
+    if (ga_opt_skips(b)) {
+        return;
+    }
+    ga_u64 t = *steps + 1;
+    int stochastic = rule.rounding == GA_ROUND_STOCHASTIC;
+    ga_u64 key = ga_round_key(rule.seed, t);
+    for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+        ga_opt_chunk chunk = chunks[c];
+        ga_opt_tensor tensor = tensors[chunk.tensor];
+        ga_opt_scalars k = ga_opt_scalars_for(&rule, tensor.lr_scale, (int)tensor.decays, t);
+        void *out = (void *)(size_t)weights.w[chunk.tensor - weights.first_tensor];
+        for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
+            ga_u64 h = chunk.at + i;
+            float w = master[h];
+            if (rule.algorithm == GA_OPT_ADAMW) {
+                ga_adamw_one(&k, grad[h], &w, &first[h], &second[h]);
+            } else {
+                ga_sgd_one(&k, grad[h], &w, &first[h]);
+            }
+            master[h] = w;
+            ga_write_weight(out, chunk.start + i, tensor.dtype, w, stochastic, key, held_start + h);
+        }
+    }
+}
+
+/* After ga_opt_step: the step count advances unless the step was skipped. */
+extern "C" __global__ void ga_opt_advance(const ga_boundary *b, ga_u64 *steps) {
+    GA_ONE_THREAD();
+    if (!ga_opt_skips(b)) {
+        *steps += 1;
+    }
+}
+
+/* Copies pieces of the model weights into the all-gather's staging (`to_staging`) or out of it,
+ * in 16-bit words (every dtype is a whole number of them). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_copy(
+    const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights, unsigned short *staging,
+    ga_u32 to_staging) {
+    for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+        ga_opt_chunk chunk = chunks[c];
+        ga_u64 words = tensors[chunk.tensor].dtype == GA_DTYPE_F32 ? 2 : 1;
+        unsigned short *w = (unsigned short *)(size_t)weights.w[chunk.tensor - weights.first_tensor] + chunk.start * words;
+        unsigned short *s = staging + chunk.at / 2;
+        for (ga_u64 i = threadIdx.x; i < chunk.len * words; i += blockDim.x) {
+            if (to_staging) {
+                s[i] = w[i];
+            } else {
+                w[i] = s[i];
+            }
+        }
+    }
+}
+
 /* The sizes of the structs shared with Rust, for the GPU suite to compare with the Rust layouts. */
 extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
     GA_ONE_THREAD();
@@ -379,4 +472,8 @@ extern "C" __global__ void ga_layout_sizes(ga_u64 *out) {
     out[4] = sizeof(ga_scaler_state);
     out[5] = sizeof(ga_scaler_rule);
     out[6] = sizeof(ga_sources);
+    out[7] = sizeof(ga_opt_rule);
+    out[8] = sizeof(ga_opt_tensor);
+    out[9] = sizeof(ga_opt_chunk);
+    out[10] = sizeof(ga_weights);
 }

@@ -344,4 +344,163 @@ GA_HD void ga_scale_loss_one(void *loss, ga_u64 i, int dtype, float scale) {
     }
 }
 
+/* ---- The optimizer step (src/optimizer/update.rs and rounding.rs) ---- */
+
+/* Algorithm and rounding codes of ga_opt_rule. */
+#define GA_OPT_ADAMW 1
+#define GA_OPT_SGD 2
+#define GA_ROUND_NEAREST 0
+#define GA_ROUND_STOCHASTIC 1
+
+/* An optimizer's hyperparameters, learning rate and rounding; the layout is shared with Rust. */
+typedef struct {
+    ga_u32 algorithm; /* GA_OPT_* */
+    ga_u32 nesterov;
+    float beta1, beta2, eps, weight_decay;
+    float momentum, dampening;
+    float lr;
+    ga_u32 rounding; /* GA_ROUND_* */
+    ga_u64 seed;
+} ga_opt_rule;
+
+/* One tensor's scalars for one step (update::Scalars): AdamW's or SGD's fields. */
+typedef struct {
+    float decay, lerp, beta2, one_minus_beta2, correction2_sqrt, eps, neg_step; /* AdamW */
+    float weight_decay, momentum, keep, neg_lr;                                 /* SGD */
+    int nesterov, first;
+} ga_opt_scalars;
+
+/* a^t by binary powering, each multiply rounded (update::powi_steps, compiler-rt's __powidf2). */
+GA_HD double ga_powi(double a, ga_u32 t) {
+    double r = 1.0;
+    for (;;) {
+        if (t & 1u) {
+            r = GA_DMUL(r, a);
+        }
+        t >>= 1;
+        if (t == 0) {
+            break;
+        }
+        a = GA_DMUL(a, a);
+    }
+    return r;
+}
+
+/* The scalars of step `t` (1 for the first step taken) for a tensor of learning-rate factor
+ * `lr_scale`, with weight decay or not: in f64, each rounded to f32 once (Scalars::new). */
+GA_HD ga_opt_scalars ga_opt_scalars_for(const ga_opt_rule *r, float lr_scale, int decays, ga_u64 t) {
+    ga_opt_scalars k = {0};
+    double lr = GA_DMUL((double)r->lr, (double)lr_scale);
+    if (r->algorithm == GA_OPT_ADAMW) {
+        double beta1 = (double)r->beta1, beta2 = (double)r->beta2;
+        double wd = decays ? (double)r->weight_decay : 0.0;
+        ga_u32 steps = t > 0x7fffffffull ? 0x7fffffffu : (ga_u32)t;
+        k.decay = (float)(1.0 - GA_DMUL(lr, wd));
+        k.lerp = (float)(1.0 - beta1);
+        k.beta2 = r->beta2;
+        k.one_minus_beta2 = (float)(1.0 - beta2);
+        k.correction2_sqrt = (float)sqrt(1.0 - ga_powi(beta2, steps));
+        k.eps = r->eps;
+        k.neg_step = (float)(-lr / (1.0 - ga_powi(beta1, steps)));
+    } else {
+        k.weight_decay = decays ? r->weight_decay : 0.0f;
+        k.momentum = r->momentum;
+        k.keep = (float)(1.0 - (double)r->dampening);
+        k.nesterov = r->nesterov != 0;
+        k.first = t == 1;
+        k.neg_lr = (float)(-lr);
+    }
+    return k;
+}
+
+/* torch.lerp on the CPU: from the nearer end, so that weight 1 gives `end` (update::lerp). */
+GA_HD float ga_lerp(float start, float end, float weight) {
+    if (weight < 0.5f && weight > -0.5f) {
+        return GA_ADD(start, GA_MUL(weight, end - start));
+    }
+    return end - GA_MUL(end - start, 1.0f - weight);
+}
+
+/* One element of AdamW: master `w`, moments `m` and `v`, gradient `g` (AdamW::step). */
+GA_HD void ga_adamw_one(const ga_opt_scalars *k, float g, float *w, float *m, float *v) {
+    if (k->decay != 1.0f) {
+        *w = GA_MUL(*w, k->decay);
+    }
+    *m = ga_lerp(*m, g, k->lerp);
+    *v = GA_ADD(GA_MUL(*v, k->beta2), GA_MUL(GA_MUL(k->one_minus_beta2, g), g));
+    float denom = GA_ADD(sqrtf(*v) / k->correction2_sqrt, k->eps);
+    *w = GA_ADD(*w, GA_MUL(k->neg_step, *m) / denom);
+}
+
+/* One element of SGD: master `w`, momentum buffer `b`, gradient `g` (Sgd::step). */
+GA_HD void ga_sgd_one(const ga_opt_scalars *k, float g, float *w, float *b) {
+    float d = k->weight_decay != 0.0f ? GA_ADD(g, GA_MUL(k->weight_decay, *w)) : g;
+    float moved = k->first ? d : GA_ADD(GA_MUL(*b, k->momentum), GA_MUL(k->keep, d));
+    int with_momentum = k->momentum != 0.0f;
+    if (with_momentum) {
+        *b = moved;
+        d = k->nesterov ? GA_ADD(d, GA_MUL(k->momentum, *b)) : *b;
+    }
+    *w = GA_ADD(*w, GA_MUL(k->neg_lr, d));
+}
+
+/* SplitMix64's finaliser (rounding::mix). */
+GA_HD ga_u64 ga_mix(ga_u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* The key of one step's draws (rounding::key). */
+GA_HD ga_u64 ga_round_key(ga_u64 seed, ga_u64 step) { return ga_mix(seed ^ ga_mix(step + 0x9e3779b97f4a7c15ull)); }
+
+/* The random 32 bits of element `index` in the step of `key` (rounding::draw). */
+GA_HD ga_u32 ga_round_draw(ga_u64 key, ga_u64 index) { return (ga_u32)(ga_mix(key + index * 0x9e3779b97f4a7c15ull) >> 32); }
+
+/* Stochastic rounding to f16 from the neighbours' values (rounding::by_neighbours). */
+GA_HD unsigned short ga_stochastic_f16(float x, ga_u32 r) {
+    unsigned short n = ga_f32_to_f16(x);
+    float nv = ga_f16_to_f32(n);
+    if (!ga_is_finite(x) || x == 0.0f || nv == x) {
+        return n;
+    }
+    float ax = x < 0.0f ? -x : x, an = nv < 0.0f ? -nv : nv;
+    unsigned short down = an > ax ? (unsigned short)(n - 1) : n;
+    unsigned short up = an > ax ? n : (unsigned short)(n + 1);
+    float lo32 = ga_f16_to_f32(down), hi32 = ga_f16_to_f32(up);
+    double lo = (double)(lo32 < 0.0f ? -lo32 : lo32), hi = (double)(hi32 < 0.0f ? -hi32 : hi32);
+    if (!(hi - hi == 0.0)) {
+        return n;
+    }
+    double p = ((double)ax - lo) / (hi - lo);
+    return (double)r < GA_DMUL(p, 4294967296.0) ? up : down;
+}
+
+/* Stochastic rounding to bf16 in integers (rounding::stochastic_bf16). */
+GA_HD unsigned short ga_stochastic_bf16(float x, ga_u32 r) {
+    ga_u32 bits = ga_f32_to_bits(x);
+    unsigned short down = (unsigned short)(bits >> 16);
+    if ((down & 0x7f80u) == 0x7f80u || (down & 0x7fffu) == 0x7f7fu) {
+        return ga_f32_to_bf16(x);
+    }
+    return (unsigned short)(down + (r < ((bits & 0xffffu) << 16) ? 1 : 0));
+}
+
+/* A master weight written into a model weight of `dtype` at `out[i]`: as it is (f32), rounded to
+ * nearest even, or stochastically with the draw of flat element `flat` under `key`. */
+GA_HD void ga_write_weight(void *out, ga_u64 i, int dtype, float w, int stochastic, ga_u64 key, ga_u64 flat) {
+    if (dtype == GA_DTYPE_F32) {
+        ((float *)out)[i] = w;
+        return;
+    }
+    unsigned short h;
+    if (stochastic) {
+        ga_u32 r = ga_round_draw(key, flat);
+        h = dtype == GA_DTYPE_F16 ? ga_stochastic_f16(w, r) : ga_stochastic_bf16(w, r);
+    } else {
+        h = dtype == GA_DTYPE_F16 ? ga_f32_to_f16(w) : ga_f32_to_bf16(w);
+    }
+    ((unsigned short *)out)[i] = h;
+}
+
 #endif

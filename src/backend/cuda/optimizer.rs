@@ -1,0 +1,418 @@
+//! The optimizer step on a CUDA device: FP32 masters and state in device memory, stepped by one
+//! fused launch (per SOURCES_PER_LAUNCH tensors) from the accumulator's reduced gradient, the
+//! model's weights written in the same pass, then a one-thread launch that advances the step
+//! count, which lives in device memory. Both read the boundary's overflow flag, so a skip is
+//! decided on the device, with no host round trip. Under sharding the ranks then all-gather the
+//! new weights over NCCL through a staging buffer. The per-element math is kernels/math.cuh's,
+//! the CPU's `update.rs` and `rounding.rs` bit for bit.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::driver::{self, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS};
+use super::kernels::Kernels;
+use super::layout::{GaOptChunk, GaOptRule, GaOptTensor, GaWeights, SOURCES_PER_LAUNCH};
+use super::store::{Claims, CHUNK};
+use crate::accumulator::protocol::Step;
+use crate::accumulator::{Plan, Reduced};
+use crate::comm::nccl::NcclComm;
+use crate::device::DevicePtr;
+use crate::dtype::{self, Dtype};
+use crate::error::{Error, ErrorKind, Result};
+use crate::optimizer::{Algorithm, Rounding, TensorGroup};
+
+/// One tensor's elements in a table: tensor `tensor`, its elements `elements` (counted from the
+/// tensor's start), and where the first one goes (`at`: a held index, or a staging byte offset).
+pub(crate) struct Piece {
+    pub tensor: usize,
+    pub elements: Range<usize>,
+    pub at: usize,
+}
+
+/// One launch over a table: tensors `first..first + count`, whose chunks are consecutive.
+struct Launch {
+    first: usize,
+    count: usize,
+    first_chunk: usize,
+    num_chunks: u64,
+}
+
+/// A chunk table in device memory, tensor after tensor, and its launches.
+struct Table {
+    chunks: DeviceBuffer,
+    launches: Vec<Launch>,
+}
+
+impl Table {
+    /// The chunks of `pieces` (at most CHUNK elements each; `unit` is the size in `at`'s units of
+    /// one element of tensor i), in tensor order.
+    fn new(
+        ctx: &Arc<Context>,
+        stream: CUstream,
+        pieces: &[Piece],
+        tensors: usize,
+        unit: impl Fn(usize) -> usize,
+    ) -> Result<Table> {
+        let mut chunks: Vec<GaOptChunk> = Vec::new();
+        for p in pieces {
+            for start in p.elements.clone().step_by(CHUNK) {
+                let len = (p.elements.end - start).min(CHUNK);
+                let at = p.at + (start - p.elements.start) * unit(p.tensor);
+                chunks.push(GaOptChunk {
+                    tensor: p.tensor as u64,
+                    start: start as u64,
+                    len: len as u64,
+                    at: at as u64,
+                });
+            }
+        }
+        chunks.sort_by_key(|c| c.tensor);
+        let launches = (0..tensors)
+            .step_by(SOURCES_PER_LAUNCH)
+            .filter_map(|first| {
+                let count = SOURCES_PER_LAUNCH.min(tensors - first);
+                let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
+                let num_chunks = chunks[first_chunk..]
+                    .partition_point(|c| (c.tensor as usize) < first + count)
+                    as u64;
+                (num_chunks > 0).then_some(Launch { first, count, first_chunk, num_chunks })
+            })
+            .collect();
+        Ok(Table { chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?, launches })
+    }
+
+    /// Runs `f` once per launch with its chunks' address, their count and its weights.
+    fn each(
+        &self,
+        weights: &[DevicePtr],
+        mut f: impl FnMut(CUdeviceptr, u64, GaWeights) -> Result<()>,
+    ) -> Result<()> {
+        for l in &self.launches {
+            let mut w = GaWeights {
+                first_tensor: l.first as u64,
+                count: l.count as u64,
+                w: [0; SOURCES_PER_LAUNCH],
+            };
+            w.w[..l.count].copy_from_slice(&weights[l.first..l.first + l.count]);
+            let chunks =
+                self.chunks.ptr() + (l.first_chunk * std::mem::size_of::<GaOptChunk>()) as u64;
+            f(chunks, l.num_chunks, w)?;
+        }
+        Ok(())
+    }
+}
+
+/// The all-gather of a sharded step: every rank's weights of its shard in a slot of the
+/// staging, this rank's packed in, the others' unpacked after the gather.
+struct Gather {
+    staging: DeviceBuffer,
+    /// f32 words per rank's slot (NCCL gathers equal counts).
+    slot_words: usize,
+    pack: Table,
+    unpack: Table,
+}
+
+/// An optimizer's masters, state, step count and tables on one device, every launch on the
+/// accumulator's stream.
+pub(crate) struct DeviceOptimizer {
+    ctx: Arc<Context>,
+    kernels: Arc<Kernels>,
+    stream: CUstream,
+    tensors: DeviceBuffer,
+    step_table: Table,
+    /// The held range of the flat layout: index 0 of the buffers below is its first element.
+    held: Range<usize>,
+    master: DeviceBuffer,
+    first: DeviceBuffer,
+    /// AdamW's second moments; none for SGD.
+    second: Option<DeviceBuffer>,
+    /// One u64: the steps taken.
+    steps: DeviceBuffer,
+    gather: Option<Gather>,
+    claims: Claims,
+}
+
+impl fmt::Debug for DeviceOptimizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceOptimizer")
+            .field("ordinal", &self.ctx.ordinal)
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: as DeviceStore: device addresses and the stream handle are used only through driver
+// calls that take them from any thread once the context is current, which each call makes it.
+unsafe impl Send for DeviceOptimizer {}
+// SAFETY: as Send; the optimizer's calls are serialised by its lock.
+unsafe impl Sync for DeviceOptimizer {}
+
+/// What a device optimizer is made of, worked out by the optimizer from its plan.
+pub(crate) struct Setup<'a> {
+    pub ordinal: i32,
+    pub stream: CUstream,
+    /// Per tensor: the model weights' dtype, and its group.
+    pub dtypes: &'a [Dtype],
+    pub groups: &'a [TensorGroup],
+    pub held: Range<usize>,
+    /// The held pieces of each tensor (`at`: the held index of the first element).
+    pub pieces: Vec<Piece>,
+    pub second_moment: bool,
+    /// Under sharding: every rank's pieces (`at` counted from its slot's start, in bytes) and
+    /// this rank.
+    pub shards: Option<(Vec<Vec<Piece>>, usize)>,
+    /// The model weights whose held elements become the masters.
+    pub weights: &'a [DevicePtr],
+}
+
+impl DeviceOptimizer {
+    /// Uploads the tables and the masters, read from the model's weights (this waits for the
+    /// stream: creation is once per run).
+    pub(crate) fn new(setup: Setup<'_>) -> Result<Self> {
+        let Setup { ordinal, stream, dtypes, groups, held, pieces, second_moment, shards, weights } =
+            setup;
+        let ctx = Context::get(ordinal)?;
+        let kernels = Kernels::of(&ctx)?;
+        let n = dtypes.len();
+        let tensors: Vec<GaOptTensor> = dtypes
+            .iter()
+            .zip(groups)
+            .map(|(d, g)| GaOptTensor {
+                lr_scale: g.lr_scale,
+                decays: g.weight_decay as u32,
+                dtype: d.code(),
+                pad: 0,
+            })
+            .collect();
+        let dtype_of = |i: usize| dtypes[i];
+        let mut master = vec![0.0f32; held.len()];
+        for p in &pieces {
+            let dtype = dtype_of(p.tensor);
+            let weight = DeviceBuffer::adopt(
+                &ctx,
+                stream,
+                weights[p.tensor],
+                p.elements.end * dtype.size(),
+            );
+            let out = &mut master[p.at..p.at + p.elements.len()];
+            let offset = p.elements.start * dtype.size();
+            match dtype {
+                Dtype::F32 => weight.read_at(offset, out)?,
+                _ => {
+                    let mut bits = vec![0u16; out.len()];
+                    weight.read_at(offset, &mut bits)?;
+                    let widen =
+                        if dtype == Dtype::F16 { crate::math::f16_to_f32 } else { crate::math::bf16_to_f32 };
+                    out.iter_mut().zip(bits).for_each(|(m, b)| *m = widen(b));
+                }
+            }
+        }
+        let step_table = Table::new(&ctx, stream, &pieces, n, |_| 1)?;
+        let gather = match shards {
+            Some((all, rank)) if all.len() > 1 => {
+                let bytes = |q: &[Piece]| -> usize {
+                    q.iter().map(|p| p.elements.len() * dtype_of(p.tensor).size()).sum()
+                };
+                let slot_words = all.iter().map(|q| bytes(q)).max().unwrap_or(0).div_ceil(4);
+                let slot = |q: usize, p: &Piece| Piece {
+                    tensor: p.tensor,
+                    elements: p.elements.clone(),
+                    at: q * slot_words * 4 + p.at,
+                };
+                let own: Vec<Piece> = all[rank].iter().map(|p| slot(rank, p)).collect();
+                let others: Vec<Piece> = (0..all.len())
+                    .filter(|&q| q != rank)
+                    .flat_map(|q| all[q].iter().map(move |p| (q, p)))
+                    .map(|(q, p)| slot(q, p))
+                    .collect();
+                let unit = |i: usize| dtype_of(i).size();
+                Some(Gather {
+                    staging: DeviceBuffer::zeroed(&ctx, stream, all.len() * slot_words * 4)?,
+                    slot_words,
+                    pack: Table::new(&ctx, stream, &own, n, unit)?,
+                    unpack: Table::new(&ctx, stream, &others, n, unit)?,
+                })
+            }
+            _ => None,
+        };
+        let len = held.len();
+        Ok(DeviceOptimizer {
+            tensors: DeviceBuffer::from_slice(&ctx, stream, &tensors)?,
+            step_table,
+            master: DeviceBuffer::from_slice(&ctx, stream, &master)?,
+            first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
+            second: second_moment.then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4)).transpose()?,
+            steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
+            claims: Claims::new(&ctx, stream)?,
+            held,
+            gather,
+            ctx,
+            kernels,
+            stream,
+        })
+    }
+
+    /// Checks that each model weight is one device allocation of its tensor's length: a host
+    /// address, or a buffer too short, is refused (`DeviceMismatch`), the kernels never see it.
+    pub(crate) fn check_weights(&self, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
+        check_weights(&self.ctx, weights, dtypes, numel)
+    }
+
+    /// The step's agreement under sharding over `comm`: every rank's claim, this one's flagged
+    /// invalid with `own` (a blocking exchange: it waits for the stream).
+    pub(crate) fn agree(&self, plan: &Plan, comm: &NcclComm, own: Option<&Error>) -> Result<()> {
+        self.claims.agree(Step::Optimizer, plan, Some(comm), None, own)
+    }
+
+    /// Enqueues one step from `reduced` on the stream: the fused pass, the step count's advance
+    /// and, with `gather`, the all-gather of the model weights. Nothing waits.
+    pub(crate) fn step(
+        &self,
+        reduced: Reduced,
+        weights: &[DevicePtr],
+        rule: GaOptRule,
+        gather: Option<&NcclComm>,
+    ) -> Result<()> {
+        let (ctx, stream) = (&*self.ctx, self.stream);
+        let tensors = self.tensors.ptr();
+        let (grad, boundary) = (reduced.grad, reduced.boundary);
+        let (master, first) = (self.master.ptr(), self.first.ptr());
+        let second: CUdeviceptr = self.second.as_ref().map_or(0, DeviceBuffer::ptr);
+        let (held_start, steps) = (self.held.start as u64, self.steps.ptr());
+        self.step_table.each(weights, |chunks, num_chunks, w| {
+            let mut args = launch_args!(
+                tensors, chunks, num_chunks, w, grad, master, first, second, held_start, boundary,
+                steps, rule
+            );
+            // SAFETY: the arguments follow ga_opt_step's signature (`w` and `rule` by value); the
+            // chunks lie inside the held range, which the masters, moments and the reduced
+            // gradient hold, and inside their tensors, whose weights hold numel values of their
+            // dtypes (checked by `check_weights`); the boundary and the step count are live
+            // buffers of this context.
+            unsafe {
+                self.kernels.opt_step.launch(
+                    ctx,
+                    ctx.grid_for(num_chunks),
+                    THREADS,
+                    stream,
+                    &mut args,
+                )
+            }
+        })?;
+        let mut args = launch_args!(boundary, steps);
+        // SAFETY: ga_opt_advance takes the boundary and the u64 step count, both live buffers.
+        unsafe { self.kernels.opt_advance.launch(ctx, 1, 1, stream, &mut args)? };
+        if let (Some(g), Some(c)) = (&self.gather, gather) {
+            self.copy(&g.pack, weights, g.staging.ptr(), true)?;
+            c.allgather_f32(g.staging.ptr(), g.slot_words, stream)?;
+            self.copy(&g.unpack, weights, g.staging.ptr(), false)?;
+        }
+        Ok(())
+    }
+
+    fn copy(&self, table: &Table, weights: &[DevicePtr], staging: CUdeviceptr, to: bool) -> Result<()> {
+        let (ctx, stream, tensors) = (&*self.ctx, self.stream, self.tensors.ptr());
+        let to_staging = to as u32;
+        table.each(weights, |chunks, num_chunks, w| {
+            let mut args = launch_args!(tensors, chunks, num_chunks, w, staging, to_staging);
+            // SAFETY: the arguments follow ga_opt_copy's signature; every chunk lies inside its
+            // tensor's weights and inside its rank's slot of the staging, sized for the largest
+            // slot.
+            unsafe {
+                self.kernels.opt_copy.launch(
+                    ctx,
+                    ctx.grid_for(num_chunks),
+                    THREADS,
+                    stream,
+                    &mut args,
+                )
+            }
+        })
+    }
+
+    /// The steps taken (waits for the stream).
+    pub(crate) fn steps(&self) -> Result<u64> {
+        let mut steps = [0u64];
+        self.steps.read(&mut steps)?;
+        Ok(steps[0])
+    }
+
+    /// The step count, the masters and the moments (waits for the stream).
+    pub(crate) fn read(&self) -> Result<(u64, [Vec<f32>; 3])> {
+        let len = self.held.len();
+        let mut values: [Vec<f32>; 3] = [vec![0.0; len], vec![0.0; len], vec![]];
+        self.master.read(&mut values[0])?;
+        self.first.read(&mut values[1])?;
+        if let Some(second) = &self.second {
+            values[2] = vec![0.0; len];
+            second.read(&mut values[2])?;
+        }
+        Ok((self.steps()?, values))
+    }
+
+    /// Enqueues overwriting the step count, masters and moments (`second` ignored for SGD).
+    pub(crate) fn write(&self, steps: u64, master: &[f32], first: &[f32], second: &[f32]) -> Result<()> {
+        self.steps.write(&[steps])?;
+        self.master.write(master)?;
+        self.first.write(first)?;
+        if let Some(s) = &self.second {
+            s.write(second)?;
+        }
+        Ok(())
+    }
+}
+
+/// [`DeviceOptimizer::check_weights`] before there is one.
+pub(crate) fn check_weights_on(
+    ordinal: i32,
+    weights: &[DevicePtr],
+    dtypes: &[Dtype],
+    numel: &[usize],
+) -> Result<()> {
+    check_weights(&*Context::get(ordinal)?, weights, dtypes, numel)
+}
+
+fn check_weights(ctx: &Context, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
+    for (i, ((&w, &dtype), &n)) in weights.iter().zip(dtypes).zip(numel).enumerate() {
+        let what = format!("`weights[{i}]`");
+        dtype::check_buffer(w as *const std::ffi::c_void, n, dtype, &what)?;
+        if n == 0 {
+            continue;
+        }
+        let last = w + (n * dtype.size() - 1) as u64;
+        let (start, end) = (driver::buffer_id(ctx, w)?, driver::buffer_id(ctx, last)?);
+        if start.is_none() || start != end {
+            return Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                format!(
+                    "{what} = {w:#x} is not one device allocation of {n} {} values (bytes {w:#x}..={last:#x}): the optimizer of a CUDA accumulator takes device addresses",
+                    dtype.name()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The kernels' rule for `algorithm` at learning rate `lr`, rounding with `rounding`.
+pub(crate) fn rule(algorithm: &Algorithm, rounding: Rounding, lr: f32) -> GaOptRule {
+    let (rounding, seed) = match rounding {
+        Rounding::NearestEven => (0, 0),
+        Rounding::Stochastic { seed } => (1, seed),
+    };
+    let base = GaOptRule { lr, rounding, seed, ..Default::default() };
+    match *algorithm {
+        Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
+            GaOptRule { algorithm: 1, beta1, beta2, eps, weight_decay, ..base }
+        }
+        Algorithm::Sgd { momentum, dampening, nesterov, weight_decay } => GaOptRule {
+            algorithm: 2,
+            nesterov: nesterov as u32,
+            momentum,
+            dampening,
+            weight_decay,
+            ..base
+        },
+    }
+}
