@@ -632,3 +632,87 @@ fn hybrid_grid<T: Send>(
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A loaded window replaces the drops, places and counts of the one it replaces; a window saved
+/// with a non-finite value comes back with its place unknown, not blamed on a later clean
+/// micro-batch.
+#[test]
+fn a_loaded_window_carries_its_own_overflow_state_only() {
+    let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    let (clean, bad) = ([1.0f32, 2.0, 3.0], [1.0f32, f32::NAN, 3.0]);
+    for overflow in [Overflow::SkipStep, Overflow::DropMicrobatch] {
+        let config = AccumulatorConfig { overflow, tensor_stats: true, ..Default::default() };
+        let saver = Accumulator::new(config, &tensors).unwrap();
+        saver.add(&scaler, &[Grad::F32(&clean)], 1).unwrap();
+        let clean_window = saver.save_window().unwrap();
+        let acc = Accumulator::new(config, &tensors).unwrap();
+        acc.add(&scaler, &[Grad::F32(&bad)], 1).unwrap();
+        acc.load_window(&clean_window).unwrap();
+        let info = acc.sync(None).unwrap();
+        assert_eq!((info.found_inf, info.dropped_microbatches, info.overflow), (false, 0, None));
+        assert_eq!(acc.tensor_stats().unwrap()[0].nonfinite_microbatches, 0, "{overflow:?}");
+        // The same after a synced window that dropped or skipped.
+        acc.add(&scaler, &[Grad::F32(&bad)], 1).unwrap();
+        acc.add(&scaler, &[Grad::F32(&clean)], 1).unwrap();
+        assert!(acc.sync(None).unwrap().overflow.is_some());
+        acc.load_window(&clean_window).unwrap();
+        let info = acc.sync(None).unwrap();
+        assert_eq!((info.dropped_microbatches, info.overflow), (0, None), "{overflow:?}");
+    }
+    // Saved non-finite (the default policy keeps the NaN in the master): unlocated after a load
+    // and after a merge, whatever clean micro-batch follows.
+    let saver = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    saver.add(&scaler, &[Grad::F32(&bad)], 1).unwrap();
+    let poisoned = saver.save_window().unwrap();
+    for merge in [false, true] {
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        if merge {
+            acc.merge_window(&poisoned).unwrap();
+        } else {
+            acc.load_window(&poisoned).unwrap();
+        }
+        acc.add(&scaler, &[Grad::F32(&clean)], 1).unwrap();
+        let info = acc.sync(None).unwrap();
+        assert_eq!((info.found_inf, info.overflow), (true, None), "merge {merge}");
+    }
+}
+
+/// A rank that syncs twice in a row takes part with an empty window: its last window's overflow
+/// is not this one's, so a sum that overflows from finite windows is the reduction's.
+#[test]
+fn an_idle_rank_does_not_bring_its_last_overflow() {
+    let tensors = [TensorDesc { numel: 2, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig {
+        loss_reduction: LossReduction::Sum,
+        normalize: Normalize::None,
+        ..Default::default()
+    };
+    let comms = LocalComm::group(3).unwrap();
+    let infos: Vec<(SyncInfo, SyncInfo)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let acc = Accumulator::new(config, &tensors).unwrap();
+                    let scaler =
+                        Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                            .unwrap();
+                    let first = if comm.rank() == 0 { f32::INFINITY } else { 1.0 };
+                    acc.add(&scaler, &[Grad::F32(&[first, 1.0])], 1).unwrap();
+                    let a = acc.sync(Some(comm)).unwrap();
+                    if comm.rank() > 0 {
+                        acc.add(&scaler, &[Grad::F32(&[3.0e38, 1.0])], 1).unwrap();
+                    }
+                    (a, acc.sync(Some(comm)).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (a, b)) in infos.iter().enumerate() {
+        let place = Some(OverflowAt::Gradient { rank: 0, microbatch: 0, tensor: 0 });
+        assert_eq!((a.found_inf, a.overflow), (true, place), "rank {rank}'s first window");
+        assert_eq!((b.found_inf, b.overflow), (true, Some(OverflowAt::Reduction)), "rank {rank}");
+    }
+}

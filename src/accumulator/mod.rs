@@ -1544,6 +1544,7 @@ impl Accumulator {
         self.store.write(&saved.masters)?;
         self.store.set_found_inf(saved.found_inf)?;
         self.window.restore(&mut w, &saved.written);
+        w.restored(saved.found_inf);
         w.phase = if saved.microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = saved.count;
         w.microbatches = saved.microbatches;
@@ -1605,6 +1606,9 @@ impl Accumulator {
         let (count, microbatches) = (w.count + saved.count, w.microbatches + saved.microbatches);
         w.ranks = ranks;
         self.window.restore(&mut w, &written);
+        if saved.found_inf {
+            w.merged_nonfinite();
+        }
         w.phase = if microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = count;
         w.microbatches = microbatches;

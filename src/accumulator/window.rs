@@ -43,6 +43,9 @@ pub(crate) struct State {
     pub serial: u64,
     /// Per tensor, the micro-batches in which it went non-finite (empty until one did).
     nonfinite: Vec<u64>,
+    /// The window was restored holding a non-finite value whose place was not saved: it went
+    /// non-finite before any place this rank can name.
+    unlocated: bool,
 }
 
 impl State {
@@ -115,8 +118,25 @@ impl State {
     /// The micro-batch being fed went non-finite in `tensor`: the window's first place, unless
     /// it has one.
     pub fn went_bad(&mut self, tensor: usize) {
-        let index = self.microbatch_index();
-        self.first_bad.get_or_insert((index, tensor));
+        if !self.unlocated {
+            let index = self.microbatch_index();
+            self.first_bad.get_or_insert((index, tensor));
+        }
+    }
+
+    /// A saved window replaces this one (`found_inf`: it holds a non-finite value): the drops,
+    /// places and counts of the replaced one go with it.
+    pub fn restored(&mut self, found_inf: bool) {
+        self.dropped = 0;
+        self.first_bad = None;
+        self.nonfinite.clear();
+        self.unlocated = found_inf;
+    }
+
+    /// A saved window holding a non-finite value merges into this one: its place is unknown, and
+    /// this window's own place stands only if it has one already.
+    pub fn merged_nonfinite(&mut self) {
+        self.unlocated |= self.first_bad.is_none();
     }
 
     /// Tensors `bad` of the micro-batch being fed went non-finite: each counts one more
@@ -158,6 +178,7 @@ impl State {
             first_bad: None,
             serial: 0,
             nonfinite: Vec::new(),
+            unlocated: false,
         }
     }
 }

@@ -390,7 +390,7 @@ pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Ag
         ranks: p.ranks,
         found_inf: p.microbatches != 0 && found_inf,
         dropped: p.dropped,
-        first_bad: p.first_bad(found_inf),
+        first_bad: p.first_bad(p.microbatches != 0 && found_inf),
         ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
     let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);
