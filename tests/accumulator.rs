@@ -964,30 +964,6 @@ fn a_bf16_wire_reaches_its_error_bound() {
     }
 }
 
-/// `shards` × `replicas` ranks on threads: rank `a * shards + i` holds shard `i` in shard group
-/// `a` and is replica `a` in replica group `i`. Each runs `f(rank, shard group, replica group)`.
-fn hybrid_grid<T: Send>(
-    shards: usize,
-    replicas: usize,
-    f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync,
-) -> Vec<T> {
-    let shard_groups: Vec<Vec<LocalComm>> =
-        (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
-    let replica_groups: Vec<Vec<LocalComm>> =
-        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..shards * replicas)
-            .map(|g| {
-                let (a, i) = (g / shards, g % shards);
-                let (sc, rc) = (&shard_groups[a][i], &replica_groups[i][a]);
-                s.spawn(move || f(g, sc, rc))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 /// The hybrid boundary (HSDP) against the f64 reference over every rank of both groups, with
 /// random settings: replicas hold the same bits, the shards tile the gradient, every rank reports
 /// the same info; with one replica it is the plain reduce-scatter, with one shard DDP over the

@@ -274,16 +274,21 @@ fn run_case(rng: &mut Rng, case: usize) {
     let norm: f64 = reference.iter().flatten().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
     let max = config.max_grad_norm as f64;
     let coef = if max > 0.0 { (max / (norm + 1e-6)).min(1.0) } else { 1.0 };
-    assert!(
-        (info.grad_norm - norm).abs() <= 1e-5 * norm + 1e-12,
-        "{what}: norm {} vs {norm}",
-        info.grad_norm
-    );
+    // A norm moves by at most the norm of the elements' errors, each within the accumulation's
+    // bound of its magnitude (a sum that cancels is far smaller than its error bound's scale).
+    let norm_tol = |t: std::ops::Range<usize>| {
+        let errors: f64 =
+            t.flat_map(|t| magnitude[t].iter()).map(|m| (2e-6 * m / divisor).powi(2)).sum();
+        errors.sqrt() + 1e-12
+    };
+    let tol = 1e-5 * norm + norm_tol(0..tensors.len());
+    assert!((info.grad_norm - norm).abs() <= tol, "{what}: norm {} vs {norm}", info.grad_norm);
     for (t, s) in stats.iter().flatten().enumerate() {
         let want = reference[t].iter().map(|v| (v / divisor).powi(2)).sum::<f64>().sqrt();
+        let tol = 1e-5 * want + norm_tol(t..t + 1);
         assert!(
-            (s.grad_norm - want).abs() <= 1e-5 * want + 1e-12,
-            "{what}: tensor {t}'s norm {} vs {want}",
+            (s.grad_norm - want).abs() <= tol,
+            "{what}: tensor {t}'s norm {} vs {want} (tol {tol})",
             s.grad_norm
         );
     }
@@ -609,28 +614,6 @@ fn a_hybrid_boundary_reports_and_measures_as_the_whole_group() {
             );
         }
     }
-}
-
-fn hybrid_grid<T: Send>(
-    shards: usize,
-    replicas: usize,
-    f: impl Fn(usize, &LocalComm, &LocalComm) -> T + Sync,
-) -> Vec<T> {
-    let shard_groups: Vec<Vec<LocalComm>> =
-        (0..replicas).map(|_| LocalComm::group(shards).unwrap()).collect();
-    let replica_groups: Vec<Vec<LocalComm>> =
-        (0..shards).map(|_| LocalComm::group(replicas).unwrap()).collect();
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..shards * replicas)
-            .map(|g| {
-                let (a, i) = (g / shards, g % shards);
-                let (sc, rc) = (&shard_groups[a][i], &replica_groups[i][a]);
-                s.spawn(move || f(g, sc, rc))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// A loaded window replaces the drops, places and counts of the one it replaces; a window saved

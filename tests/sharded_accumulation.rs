@@ -121,22 +121,12 @@ fn random_layout(rng: &mut Rng) -> Vec<TensorDesc> {
         .collect()
 }
 
-fn random_config(rng: &mut Rng) -> AccumulatorConfig {
+fn sharded_config(rng: &mut Rng) -> AccumulatorConfig {
     AccumulatorConfig {
-        loss_reduction: if rng.range(0, 1) == 0 { LossReduction::Mean } else { LossReduction::Sum },
-        normalize: [
-            Normalize::ByCount,
-            Normalize::ByMicrobatches,
-            Normalize::ByWorld,
-            Normalize::None,
-        ][rng.range(0, 3) as usize],
-        max_grad_norm: if rng.range(0, 2) == 0 { rng.uniform(0.01, 2.0) as f32 } else { 0.0 },
         bucket_numel: rng.range(1, 12000) as usize,
         threads: rng.range(1, 2) as usize,
-        sharding: Sharding::None,
         wire: if rng.range(0, 2) == 0 { Dtype::Bf16 } else { Dtype::F32 },
-        overflow: Overflow::SkipStep,
-        tensor_stats: false,
+        ..random_config(rng)
     }
 }
 
@@ -168,7 +158,7 @@ fn random_windows_match_the_f64_reference_on_every_rank() {
     for case in 0..30 {
         let world = rng.range(1, 5) as usize;
         let tensors = random_layout(&mut rng);
-        let config = random_config(&mut rng);
+        let config = sharded_config(&mut rng);
         // Every rank adds the same micro-batches: whole, or tensor by tensor in its own order.
         let hooks: Vec<bool> = (0..rng.range(1, 4)).map(|_| rng.range(0, 1) == 0).collect();
         let mut windows = Vec::new();
@@ -326,7 +316,7 @@ fn every_way_of_adding_gives_the_same_bits() {
     let mut rng = Rng::fresh("sharded_accumulation::every_way_of_adding_gives_the_same_bits");
     let world = 3;
     let tensors = random_layout(&mut rng);
-    let config = AccumulatorConfig { bucket_numel: 5000, ..random_config(&mut rng) };
+    let config = AccumulatorConfig { bucket_numel: 5000, ..sharded_config(&mut rng) };
     let micros: Vec<Vec<Micro>> = (0..world)
         .map(|_| (0..3).map(|_| random_micro(&mut rng, &tensors, false).0).collect())
         .collect();
@@ -365,7 +355,7 @@ fn every_way_of_adding_gives_the_same_bits() {
 fn a_single_shard_is_the_unsharded_boundary() {
     let mut rng = Rng::fresh("sharded_accumulation::a_single_shard_is_the_unsharded_boundary");
     let tensors = random_layout(&mut rng);
-    let config = random_config(&mut rng);
+    let config = sharded_config(&mut rng);
     let plain = Accumulator::new(config, &tensors).unwrap();
     let one = Accumulator::new(
         AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..config },
@@ -573,7 +563,7 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
 fn a_window_saved_on_n_ranks_resumes_on_n_ranks() {
     let mut rng = Rng::fresh("sharded_accumulation::a_window_saved_on_n_ranks_resumes_on_n_ranks");
     let tensors = random_layout(&mut rng);
-    let config = AccumulatorConfig { max_grad_norm: 0.5, ..random_config(&mut rng) };
+    let config = AccumulatorConfig { max_grad_norm: 0.5, ..sharded_config(&mut rng) };
     let micros: Vec<Vec<Micro>> = (0..3)
         .map(|_| (0..2).map(|_| random_micro(&mut rng, &tensors, false).0).collect())
         .collect();
@@ -646,7 +636,7 @@ fn hybrid_boundaries_match_the_reference_on_every_rank() {
         Rng::fresh("sharded_accumulation::hybrid_boundaries_match_the_reference_on_every_rank");
     for (shards, replicas) in [(2, 2), (3, 2), (1, 3)] {
         let tensors = random_layout(&mut rng);
-        let config = random_config(&mut rng);
+        let config = sharded_config(&mut rng);
         let world = shards * replicas;
         let (mut windows, mut values) = (Vec::new(), Vec::new());
         for _ in 0..world {

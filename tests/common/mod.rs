@@ -79,6 +79,31 @@ pub fn random_config(rng: &mut Rng) -> gradacc::AccumulatorConfig {
     }
 }
 
+/// Runs `f(g, shard group, replica group)` on every rank `g` of a grid of `replicas` groups of
+/// `shards` ranks (in-process), each on its own thread: rank g is replica `g / shards` of shard
+/// `g % shards`.
+pub fn hybrid_grid<T: Send>(
+    shards: usize,
+    replicas: usize,
+    f: impl Fn(usize, &gradacc::LocalComm, &gradacc::LocalComm) -> T + Sync,
+) -> Vec<T> {
+    let shard_groups: Vec<Vec<gradacc::LocalComm>> =
+        (0..replicas).map(|_| gradacc::LocalComm::group(shards).unwrap()).collect();
+    let replica_groups: Vec<Vec<gradacc::LocalComm>> =
+        (0..shards).map(|_| gradacc::LocalComm::group(replicas).unwrap()).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..shards * replicas)
+            .map(|g| {
+                let (a, i) = (g / shards, g % shards);
+                let (sc, rc) = (&shard_groups[a][i], &replica_groups[i][a]);
+                s.spawn(move || f(g, sc, rc))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A gradient of `dtype` over the buffer that holds it: `f32s` for F32, the 16-bit bits otherwise.
 pub fn grad_of<'a>(dtype: gradacc::Dtype, f32s: &'a [f32], halves: &'a [u16]) -> gradacc::Grad<'a> {
     match dtype {
