@@ -96,8 +96,12 @@ fn adamw() -> ParamsAdamW {
 }
 
 enum Masters {
-    Candle { vars: Vec<Var>, opt: AdamW },
-    Gradacc(gradacc::Optimizer),
+    Candle {
+        vars: Vec<Var>,
+        opt: AdamW,
+    },
+    /// Boxed: the optimizer holds its device state too, far larger than the other variant.
+    Gradacc(Box<gradacc::Optimizer>),
 }
 
 /// One data-parallel replica: the half-precision model, its FP32 masters and their optimizer,
@@ -147,7 +151,9 @@ impl Replica {
                 };
                 let current = half_weights(&weights)?;
                 let grads: Vec<Grad<'_>> = current.iter().map(|w| half_grad(dtype, w)).collect();
-                Masters::Gradacc(gradacc::Optimizer::new(&acc, config, &[], &grads).map_err(err)?)
+                Masters::Gradacc(Box::new(
+                    gradacc::Optimizer::new(&acc, config, &[], &grads).map_err(err)?,
+                ))
             }
         };
         Ok(Replica { model, weights, acc, scaler: Scaler::new(scaler).map_err(err)?, masters })
