@@ -12,13 +12,36 @@ use crate::dtype::Grad;
 /// encoding (a vectorised max) and one comparison against the largest encoding whose product
 /// stays finite decides.
 pub fn finite_after_unscale(grad: Grad<'_>, factor: f32) -> bool {
-    let largest = match grad {
-        Grad::F32(_) => largest_finite(0x7f80_0000, factor, f32::from_bits),
-        Grad::F16(_) => largest_finite(0x7c00, factor, |m| f16_to_f32(m as u16)),
-        Grad::Bf16(_) => largest_finite(0x7f80, factor, |m| bf16_to_f32(m as u16)),
-    };
-    let Some(largest) = largest else { return grad.is_empty() };
-    largest_encoding(grad) <= largest
+    Limits::of(factor).admit(grad)
+}
+
+/// Per dtype, the largest magnitude encoding whose product by one factor stays finite: found once
+/// per micro-batch, not once per tensor.
+struct Limits {
+    f32: Option<u32>,
+    f16: Option<u32>,
+    bf16: Option<u32>,
+}
+
+impl Limits {
+    fn of(factor: f32) -> Self {
+        Limits {
+            f32: largest_finite(0x7f80_0000, factor, f32::from_bits),
+            f16: largest_finite(0x7c00, factor, |m| f16_to_f32(m as u16)),
+            bf16: largest_finite(0x7f80, factor, |m| bf16_to_f32(m as u16)),
+        }
+    }
+
+    /// Whether every value of `grad` stays finite.
+    fn admit(&self, grad: Grad<'_>) -> bool {
+        let largest = match grad {
+            Grad::F32(_) => self.f32,
+            Grad::F16(_) => self.f16,
+            Grad::Bf16(_) => self.bf16,
+        };
+        let Some(largest) = largest else { return grad.is_empty() };
+        largest_encoding(grad) <= largest
+    }
 }
 
 /// The largest magnitude encoding (sign cleared) in `grad`, on the widest vectors the CPU has.
@@ -117,8 +140,9 @@ fn largest_finite(inf: u32, factor: f32, value: impl Fn(u32) -> f32) -> Option<u
 /// order. With `threads > 1` the tensors are cut into runs of about equal elements, one per
 /// thread.
 pub fn nonfinite_tensors(grads: &[Grad<'_>], factor: f32, threads: usize) -> Vec<usize> {
+    let limits = Limits::of(factor);
     let scan = |from: usize, run: &[Grad<'_>]| -> Vec<usize> {
-        (0..run.len()).filter(|&i| !finite_after_unscale(run[i], factor)).map(|i| from + i).collect()
+        (0..run.len()).filter(|&i| !limits.admit(run[i])).map(|i| from + i).collect()
     };
     let total: usize = grads.iter().map(|g| g.len()).sum();
     let parts = threads.min(total / MIN_ELEMENTS_PER_THREAD).max(1);
