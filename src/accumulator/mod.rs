@@ -204,7 +204,6 @@ impl<'a> Gradient<'a> {
     }
 }
 
-/// Gradients in memory the store cannot read.
 /// `what` (a setting) where no store runs it (`where_`).
 fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
@@ -213,6 +212,7 @@ fn not_here(what: &str, where_: &str) -> Error {
     )
 }
 
+/// Gradients in memory the store cannot read.
 fn wrong_memory(what: &str, store: &str) -> Error {
     Error::new(ErrorKind::DeviceMismatch, format!("{what} for an accumulator on {store}"))
 }
@@ -1060,9 +1060,12 @@ impl Accumulator {
                 let (weight, source) = (self.plan.config.weight(count), scaler.source());
                 match self.plan.config.overflow {
                     // A non-finite sum of a finite gradient is the master's, not the gradient's.
+                    // Once the window has its place, only `tensor_stats` needs to know which.
                     Overflow::SkipStep => self.window.contribute(&w, index, |first| {
                         let went_bad = self.store.add_tensor(source, index, grad, weight, first)?;
-                        Ok(went_bad.then(|| self.store.finite_gradient(source, grad, weight)))
+                        let wanted = self.plan.config.tensor_stats || w.first_bad.is_none();
+                        Ok((went_bad && wanted)
+                            .then(|| self.store.finite_gradient(source, grad, weight)))
                     }),
                     Overflow::DropMicrobatch => self.window.stage(&w, index, |first| {
                         let went_bad = self.store.stage_tensor(source, index, grad, weight, first)?;
@@ -1937,15 +1940,11 @@ fn synced_on_device(w: &State, what: &str) -> Result<(u64, Option<SyncInfo>)> {
 /// The id and info of a synced window whose boundary's result is on the host; `WrongState`
 /// naming `what` otherwise.
 fn synced_window(w: &State, what: &str) -> Result<(u64, SyncInfo)> {
-    let Phase::Synced(info) = w.phase else {
-        return Err(Error::wrong_state(format!(
-            "{what} needs a synced window: call sync first (a window steps the optimizer once)"
-        )));
-    };
+    let (id, info) = synced_on_device(w, what)?;
     let info = info.ok_or_else(|| {
         Error::wrong_state(format!(
             "{what} needs the boundary's result on the host: sync, not sync_enqueue"
         ))
     })?;
-    Ok((w.id, info))
+    Ok((id, info))
 }

@@ -161,8 +161,7 @@ impl Default for ControlSum {
 
 /// A place where a window went non-finite (micro-batch, tensor, rank) as one word whose order is
 /// the places' order, so the ranks agree on the first by a minimum. Fields past their width
-/// saturate (a window of more than 2^20 micro-batches, a model of more than 2^24 tensors, more
-/// than 2^20 ranks then report the largest index).
+/// saturate: micro-batch indices at 2^20 - 2, tensors at 2^24 - 1, ranks at 2^20 - 1.
 pub struct OverflowKey;
 
 impl OverflowKey {

@@ -255,8 +255,7 @@ impl Store for HostStore {
         let master = self.whole()?;
         Ok((0..self.plan.descs.len()).find(|&i| {
             // SAFETY: the window's write lock is held (an add that went bad).
-            let values = unsafe { master.slice_mut(self.plan.layout.range(i)) };
-            !check::finite_after_unscale(Grad::F32(values), 1.0)
+            crate::state::holds_non_finite(unsafe { master.slice_mut(self.plan.layout.range(i)) })
         }))
     }
 
@@ -316,7 +315,10 @@ impl Store for HostStore {
         let pass = boundary.pass;
         let shards = self.plan.shards();
         let squares = self.segments.as_ref().map(Segments::squares);
-        let measured = Measured::new(&pass, squares.as_ref(), all, 0, pass.threads);
+        // One process passes the whole master as one run: a thread's worth per thread at a time.
+        let piece = (host.is_none() && replicas.is_none())
+            .then_some(pass.threads.max(1) * super::MIN_ELEMENTS_PER_THREAD);
+        let measured = Measured::new(&pass, squares.as_ref(), all, piece);
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
             (Some(c), None) if shards.is_empty() => {
@@ -439,12 +441,6 @@ impl Boundary {
         Boundary { total, divisor, pass }
     }
 
-    /// The boundary's report, from the values of every block of the sum. A non-finite norm is
-    /// an overflow too: every rank added finite values, but their sum overflowed (or a BF16 wire
-    /// rounded a value to infinity). The norm sums squares of f32 values in f64, where a finite
-    /// gradient cannot overflow and NaN propagates, so the norm is finite exactly when every
-    /// element of the reduced gradient is, and every rank has its bits: the ranks agree without
-    /// another collective.
     /// What turns a sum of squares of the values the pass leaves into the normalised gradient's:
     /// without clipping the pass normalises first; with it, the pass only measures.
     pub(super) fn stats_scale(&self) -> f64 {
@@ -454,6 +450,12 @@ impl Boundary {
         }
     }
 
+    /// The boundary's report, from the values of every block of the sum. A non-finite norm is
+    /// an overflow too: every rank added finite values, but their sum overflowed (or a BF16 wire
+    /// rounded a value to infinity). The norm sums squares of f32 values in f64, where a finite
+    /// gradient cannot overflow and NaN propagates, so the norm is finite exactly when every
+    /// element of the reduced gradient is, and every rank has its bits: the ranks agree without
+    /// another collective.
     pub(super) fn info(&self, block_sums: &[f64]) -> SyncInfo {
         let max_norm = self.pass.clip.map_or(0.0, |c| c.max_norm);
         let (grad_norm, clip_coef) = norm_and_clip(block_sums, self.divisor, max_norm);
@@ -511,7 +513,7 @@ fn hybrid(
         outer: pass,
         failed: Mutex::new(None),
     };
-    let measured = Measured::new(&over, squares, buf, 0, pass.threads);
+    let measured = Measured::new(&over, squares, buf, None);
     let values = shard.reduce_scatter_with_pass(buf, shards, &measured)?;
     let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
     let told =
@@ -564,11 +566,12 @@ impl BlockPass for OverReplicas<'_> {
 pub(super) struct Measured<'a> {
     inner: &'a dyn BlockPass,
     squares: Option<&'a Squares<'a>>,
-    /// The buffer's addresses, and the flat layout's element at its start.
+    /// The master's addresses (a run's place in the layout is its offset from the start).
     buf: Range<usize>,
-    at: usize,
-    /// The threads the pass runs on.
-    threads: usize,
+    /// Elements a run is passed in, so each piece is summed while in cache; none to take runs as
+    /// they come (a communicator's shares are already that small, and a hybrid boundary's runs
+    /// are collectives, whose number must not depend on this rank's threads).
+    piece: Option<usize>,
 }
 
 impl<'a> Measured<'a> {
@@ -576,11 +579,10 @@ impl<'a> Measured<'a> {
         inner: &'a dyn BlockPass,
         squares: Option<&'a Squares<'a>>,
         buf: &[f32],
-        at: usize,
-        threads: usize,
+        piece: Option<usize>,
     ) -> Self {
         let buf = buf.as_ptr() as usize..buf.as_ptr_range().end as usize;
-        Measured { inner, squares, buf, at, threads: threads.max(1) }
+        Measured { inner, squares, buf, piece }
     }
 
     fn record(&self, run: &[f32]) {
@@ -597,18 +599,16 @@ impl<'a> Measured<'a> {
             super::block_sum_squares(segment, &mut one, 1);
             one[0]
         };
-        squares.record(self.at + (start - self.buf.start) / size_of::<f32>(), run, &sum);
+        squares.record((start - self.buf.start) / size_of::<f32>(), run, &sum);
     }
 }
 
 impl BlockPass for Measured<'_> {
-    /// With squares to sum, a long run goes through the pass a piece at a time, each summed
-    /// while in cache: a piece a thread's worth ([`super::MIN_ELEMENTS_PER_THREAD`]) per thread.
     fn run(&self, run: &mut [f32], values: &mut [f64]) {
-        if self.squares.is_none() {
-            return self.inner.run(run, values);
-        }
-        let piece = self.threads * super::MIN_ELEMENTS_PER_THREAD;
+        let (Some(piece), Some(_)) = (self.piece, self.squares) else {
+            self.inner.run(run, values);
+            return self.record(run);
+        };
         for (part, part_values) in
             run.chunks_mut(piece).zip(values.chunks_mut(piece / math::NORM_BLOCK))
         {
