@@ -45,7 +45,8 @@ pub use layout::MASTER_ALIGN;
 pub(crate) use scale_source::{DeviceScale, ScaleSource};
 pub(crate) use tensor_stats::Segments;
 pub use tensor_stats::TensorStats;
-use window::{Phase, State, Window};
+pub(crate) use window::{MasterWrite, TensorWrite};
+use window::{Phase, State, Window, WindowWrite};
 
 const WINDOW_MAGIC: [u8; 4] = *b"GAWN";
 /// 2 (0.2): the layout fingerprint covers tensor offsets, lengths and dtypes as well as buckets.
@@ -498,18 +499,19 @@ pub(crate) trait Store: Send + Sync {
     /// on the host and the core can locate it ([`Store::first_bad_master`]); `false` elsewhere.
     fn add(
         &self,
+        master: &mut MasterWrite,
         scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
         first: &dyn Fn(usize) -> bool,
     ) -> Result<bool>;
 
-    /// Adds one contribution to tensor `index` (the caller holds the tensor's lock). Returns
-    /// whether a value it wrote is not finite, as `add` does.
+    /// Adds one contribution to `tensor`. Returns whether a value it wrote is not finite, as
+    /// `add` does.
     fn add_tensor(
         &self,
+        tensor: &mut TensorWrite,
         scale: ScaleSource<'_>,
-        index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
@@ -539,18 +541,18 @@ pub(crate) trait Store: Send + Sync {
     }
 
     /// The first tensor whose master holds a non-finite value (where an add went bad).
-    fn first_bad_master(&self) -> Result<Option<usize>> {
+    fn first_bad_master(&self, _master: &MasterWrite) -> Result<Option<usize>> {
         Ok(None)
     }
 
-    /// Adds one contribution to tensor `index` into the staging instead of the master (assigned
-    /// with `first`, the tensor's first in the micro-batch; the caller holds the tensor's lock):
-    /// [`Overflow::DropMicrobatch`]'s micro-batch fed tensor by tensor. Returns whether a value
-    /// it wrote is not finite; the window's flag is left alone.
+    /// Adds one contribution to `tensor` into the staging instead of the master (assigned with
+    /// `first`, the tensor's first in the micro-batch): [`Overflow::DropMicrobatch`]'s
+    /// micro-batch fed tensor by tensor. Returns whether a value it wrote is not finite; the
+    /// window's flag is left alone.
     fn stage_tensor(
         &self,
+        _tensor: &mut TensorWrite,
         _scale: ScaleSource<'_>,
-        _index: usize,
         _grad: Gradient<'_>,
         _weight: f64,
         _first: bool,
@@ -560,7 +562,7 @@ pub(crate) trait Store: Send + Sync {
 
     /// Adds tensor `index`'s staging into its master (assigns it with `first`), flagging the
     /// window as `add_tensor` does. Returns whether a value it wrote is not finite.
-    fn merge_staged(&self, _index: usize, _first: bool) -> Result<bool> {
+    fn merge_staged(&self, _master: &mut MasterWrite, _index: usize, _first: bool) -> Result<bool> {
         Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
 
@@ -575,7 +577,7 @@ pub(crate) trait Store: Send + Sync {
     }
 
     /// Zeroes tensor `index`'s master.
-    fn zero(&self, index: usize) -> Result<()>;
+    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()>;
 
     /// The window's overflow flag starts clear.
     fn clear_found_inf(&self) -> Result<()>;
@@ -586,6 +588,7 @@ pub(crate) trait Store: Send + Sync {
     /// The reduction step: sum over the ranks, normalise, measure, clip. With `read`, the info.
     fn reduce(
         &self,
+        master: &mut MasterWrite,
         proposal: &Proposal<'_>,
         agreed: &Agreed,
         read: bool,
@@ -595,21 +598,26 @@ pub(crate) trait Store: Send + Sync {
     fn master_address(&self, offset: usize) -> *mut f32;
 
     /// Copies master elements `range` (held ones) to `out` (waits for the device).
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()>;
+    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()>;
 
     /// Overwrites the held master elements (see `Plan::held`) with `values`.
-    fn write(&self, values: &[f32]) -> Result<()>;
+    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()>;
 
     /// The window's overflow flag (waits for the device).
     fn found_inf(&self) -> Result<bool>;
 
     fn set_found_inf(&self, value: bool) -> Result<()>;
 
-    /// Runs `f` on master elements `range` (held ones, the window locked against writers): in
-    /// place in host memory, else on a host copy.
-    fn view(&self, range: Range<usize>, f: &mut dyn FnMut(&[f32])) -> Result<()> {
+    /// Runs `f` on master elements `range` (held ones): in place in host memory, else on a host
+    /// copy.
+    fn view(
+        &self,
+        master: &MasterWrite,
+        range: Range<usize>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
         let mut copy = vec![0.0; range.len()];
-        self.read(range, &mut copy)?;
+        self.read(master, range, &mut copy)?;
         f(&copy);
         Ok(())
     }
@@ -827,7 +835,8 @@ impl Accumulator {
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store = crate::backend::store_for(device.check()?, &plan, adopt.map(|(p, _)| p), comm)?;
-        Ok(Accumulator { window: Window::new(tensors.len()), plan, store })
+        let window = Window::new((0..tensors.len()).map(|i| plan.layout.range(i)));
+        Ok(Accumulator { window, plan, store })
     }
 
     pub fn device(&self) -> Device {
@@ -920,15 +929,17 @@ impl Accumulator {
             w.drop_microbatch(tensor);
             return Ok(());
         }
-        let added =
-            self.store.add(scaler.source(), grads, weight, &|i| !self.window.written(&w, i));
+        let (state, master) = w.parts();
+        let first = |i| !self.window.written(state, i);
+        let added = self.store.add(master, scaler.source(), grads, weight, &first);
         let went_bad = self.settle_lost(&mut w, added)?;
         for i in 0..n {
             self.window.mark_written(&w, i);
         }
         if went_bad {
             if w.first_bad.is_none() {
-                w.went_bad(self.store.first_bad_master()?.unwrap_or(0));
+                let tensor = self.store.first_bad_master(w.master())?;
+                w.went_bad(tensor.unwrap_or(0));
             }
             if self.plan.config.tensor_stats {
                 w.count_bad(n, self.store.bad_gradients(scaler.source(), grads, weight)?);
@@ -1061,14 +1072,15 @@ impl Accumulator {
                 match self.plan.config.overflow {
                     // A non-finite sum of a finite gradient is the master's, not the gradient's.
                     // Once the window has its place, only `tensor_stats` needs to know which.
-                    Overflow::SkipStep => self.window.contribute(&w, index, |first| {
-                        let went_bad = self.store.add_tensor(source, index, grad, weight, first)?;
+                    Overflow::SkipStep => self.window.contribute(&w, index, |tensor, first| {
+                        let went_bad = self.store.add_tensor(tensor, source, grad, weight, first)?;
                         let wanted = self.plan.config.tensor_stats || w.first_bad.is_none();
                         Ok((went_bad && wanted)
                             .then(|| self.store.finite_gradient(source, grad, weight)))
                     }),
-                    Overflow::DropMicrobatch => self.window.stage(&w, index, |first| {
-                        let went_bad = self.store.stage_tensor(source, index, grad, weight, first)?;
+                    Overflow::DropMicrobatch => self.window.stage(&w, index, |tensor, first| {
+                        let went_bad =
+                            self.store.stage_tensor(tensor, source, grad, weight, first)?;
                         Ok(went_bad.then_some(Ok(false)))
                     }),
                 }
@@ -1161,7 +1173,8 @@ impl Accumulator {
             let staged: Vec<usize> = self.window.staged(&w).collect();
             for i in staged {
                 // The kept micro-batch's sum overflowed the master: a place, not a bad gradient.
-                if self.store.merge_staged(i, !self.window.written(&w, i))? {
+                let first = !self.window.written(&w, i);
+                if self.store.merge_staged(w.master_mut(), i, first)? {
                     w.went_bad(i);
                 }
                 self.window.mark_written(&w, i);
@@ -1308,7 +1321,7 @@ impl Accumulator {
                 if empty_again {
                     self.discard(&mut w)?;
                 }
-                self.zero_untouched(&w)?;
+                self.zero_untouched(&mut w)?;
                 self.store.set_found_inf(true)?;
                 if let Err(e) = self.store.count_only(&proposal) {
                     let _ = self.discard(&mut w);
@@ -1392,7 +1405,7 @@ impl Accumulator {
 
     fn consume(
         &self,
-        w: &mut State,
+        w: &mut WindowWrite<'_>,
         empty_again: bool,
         proposal: &Proposal<'_>,
         agreed: &Agreed,
@@ -1402,14 +1415,14 @@ impl Accumulator {
             self.discard(w)?;
         }
         self.zero_untouched(w)?;
-        self.store.reduce(proposal, agreed, read)
+        self.store.reduce(w.master_mut(), proposal, agreed, read)
     }
 
     /// Zeroes the tensors not written in window `w`: they read as zero at the boundary.
-    fn zero_untouched(&self, w: &State) -> Result<()> {
+    fn zero_untouched(&self, w: &mut WindowWrite<'_>) -> Result<()> {
         let untouched: Vec<usize> = self.window.untouched(w).collect();
         for i in untouched {
-            self.store.zero(i)?;
+            self.store.zero(w.master_mut(), i)?;
             self.window.mark_written(w, i);
         }
         Ok(())
@@ -1469,8 +1482,8 @@ impl Accumulator {
                 format!("output holds {} values, tensor {index} has {}", out.len(), r.len()),
             ));
         }
-        let _w = self.window.write();
-        self.store.read(r, out)
+        let w = self.window.write();
+        self.store.read(w.master(), r, out)
     }
 
     /// Runs `f` on tensor `index`'s FP32 master gradient: in place on the CPU, on a host copy on
@@ -1478,9 +1491,10 @@ impl Accumulator {
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.held_tensor(index)?;
         self.store.check_open()?;
-        let _w = self.window.write();
+        let w = self.window.write();
         let (mut f, mut out) = (Some(f), None);
-        self.store.view(self.range(index), &mut |master| out = f.take().map(|f| f(master)))?;
+        let run = &mut |master: &[f32]| out = f.take().map(|f| f(master));
+        self.store.view(w.master(), self.range(index), run)?;
         Ok(out.expect("a view runs once"))
     }
 
@@ -1516,7 +1530,7 @@ impl Accumulator {
         self.store.check_open()?;
         let held = self.plan.held();
         let mut masters = vec![0.0; held.len()];
-        self.store.read(held, &mut masters)?;
+        self.store.read(w.master(), held, &mut masters)?;
         let shard = self.sharded_accumulation();
         let mut out = state::Writer::new(
             WINDOW_MAGIC,
@@ -1544,7 +1558,7 @@ impl Accumulator {
         )?;
         self.store.check_open()?;
         let saved = self.parse_window(bytes)?;
-        self.store.write(&saved.masters)?;
+        self.store.write(w.master_mut(), &saved.masters)?;
         self.store.set_found_inf(saved.found_inf)?;
         self.window.restore(&mut w, &saved.written);
         w.restored(saved.found_inf);
@@ -1587,7 +1601,7 @@ impl Accumulator {
         self.start_window_if_synced(&mut w)?;
         let held = self.plan.held();
         let mut masters = vec![0.0; held.len()];
-        self.store.read(held.clone(), &mut masters)?;
+        self.store.read(w.master(), held.clone(), &mut masters)?;
         let mut written = saved.written.clone();
         for (i, theirs) in saved.written.iter().enumerate() {
             let mine = self.window.written(&w, i);
@@ -1604,7 +1618,7 @@ impl Accumulator {
             written[i] |= mine;
         }
         let found_inf = self.store.found_inf()? || saved.found_inf;
-        self.store.write(&masters)?;
+        self.store.write(w.master_mut(), &masters)?;
         self.store.set_found_inf(found_inf)?;
         let (count, microbatches) = (w.count + saved.count, w.microbatches + saved.microbatches);
         w.ranks = ranks;
@@ -1732,7 +1746,8 @@ impl Accumulator {
         let (window, info) = synced_window(&w, what)?;
         self.store.check_open()?;
         let (mut f, mut out) = (Some(f), None);
-        self.store.view(self.plan.shard(), &mut |g| out = f.take().map(|f| f(window, info, g)))?;
+        let run = &mut |g: &[f32]| out = f.take().map(|f| f(window, info, g));
+        self.store.view(w.master(), self.plan.shard(), run)?;
         Ok(out.expect("a view runs once"))
     }
 

@@ -3,6 +3,7 @@
 //! were written in it (a tensor not written in the current window reads as zero at the
 //! boundary, and its first contribution overwrites instead of adding).
 
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -183,6 +184,67 @@ impl State {
     }
 }
 
+/// The right to write the whole master (and its staging): one per window, reached only through
+/// [`WindowWrite`], so only the holder of the window's write lock writes with it.
+#[derive(Debug)]
+pub(crate) struct MasterWrite(());
+
+/// The right to write one tensor's part of the master (and of its staging): one per tensor,
+/// inside the tensor's lock, handed out only to a holder of the window's read lock, so never
+/// while a [`MasterWrite`] is in use.
+#[derive(Debug)]
+pub(crate) struct TensorWrite {
+    index: usize,
+    range: Range<usize>,
+}
+
+impl TensorWrite {
+    /// The tensor.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The tensor's flat range in the master's layout.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+}
+
+/// The window's state under its write lock, with the right to write the master.
+pub(crate) struct WindowWrite<'a> {
+    state: RwLockWriteGuard<'a, State>,
+    master: MasterWrite,
+}
+
+impl WindowWrite<'_> {
+    /// The state and the master's write right, borrowed apart.
+    pub fn parts(&mut self) -> (&mut State, &mut MasterWrite) {
+        (&mut self.state, &mut self.master)
+    }
+
+    /// The master's write right, to read with.
+    pub fn master(&self) -> &MasterWrite {
+        &self.master
+    }
+
+    pub fn master_mut(&mut self) -> &mut MasterWrite {
+        &mut self.master
+    }
+}
+
+impl Deref for WindowWrite<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl DerefMut for WindowWrite<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
 /// The window and the per-tensor marks, behind their locks.
 ///
 /// Calls that change the window take the write lock. `add_tensor` callers share the read lock
@@ -193,7 +255,7 @@ pub(crate) struct Window {
     /// The id of the window in which each tensor was last written.
     written_in: Vec<AtomicU64>,
     /// Serialises contributions to one tensor from `add_tensor` callers on different threads.
-    tensor_locks: Vec<Mutex<()>>,
+    tensor_locks: Vec<Mutex<TensorWrite>>,
     /// The serial of the micro-batch in which each tensor was last staged
     /// (`Overflow::DropMicrobatch`).
     staged_in: Vec<AtomicU64>,
@@ -205,11 +267,16 @@ pub(crate) struct Window {
 }
 
 impl Window {
-    pub fn new(tensors: usize) -> Self {
+    /// The window of the tensors at flat `ranges` of the master.
+    pub fn new(ranges: impl ExactSizeIterator<Item = Range<usize>>) -> Self {
+        let tensors = ranges.len();
         Window {
             state: RwLock::new(State::new()),
             written_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
-            tensor_locks: (0..tensors).map(|_| Mutex::new(())).collect(),
+            tensor_locks: ranges
+                .enumerate()
+                .map(|(index, range)| Mutex::new(TensorWrite { index, range }))
+                .collect(),
             staged_in: (0..tensors).map(|_| AtomicU64::new(0)).collect(),
             bad_in_microbatch: (0..tensors).map(|_| AtomicBool::new(false)).collect(),
             overflowed: AtomicUsize::new(usize::MAX),
@@ -222,19 +289,21 @@ impl Window {
         self.state.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn write(&self) -> RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|e| e.into_inner())
+    pub fn write(&self) -> WindowWrite<'_> {
+        let state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        WindowWrite { state, master: MasterWrite(()) }
     }
 
-    /// Runs one contribution to tensor `index` in window `w` (the read lock held), told whether
-    /// it is the tensor's first in the window (it then assigns), and marks the tensor written if
-    /// it succeeds. The tensor's lock covers the read of the mark, the contribution and the new
-    /// mark, so of two racing first contributions exactly one assigns.
+    /// Runs one contribution to tensor `index` in window `w` (the read lock held) with the
+    /// tensor's write right, told whether it is the tensor's first in the window (it then
+    /// assigns), and marks the tensor written if it succeeds. The tensor's lock covers the read
+    /// of the mark, the contribution and the new mark, so of two racing first contributions
+    /// exactly one assigns.
     pub fn contribute<R>(
         &self,
-        w: &State,
+        w: &RwLockReadGuard<'_, State>,
         index: usize,
-        add: impl FnOnce(bool) -> Result<R>,
+        add: impl FnOnce(&mut TensorWrite, bool) -> Result<R>,
     ) -> Result<R> {
         self.marked(&self.written_in[index], w.id, index, add)
     }
@@ -243,9 +312,9 @@ impl Window {
     /// per micro-batch.
     pub fn stage<R>(
         &self,
-        w: &State,
+        w: &RwLockReadGuard<'_, State>,
         index: usize,
-        add: impl FnOnce(bool) -> Result<R>,
+        add: impl FnOnce(&mut TensorWrite, bool) -> Result<R>,
     ) -> Result<R> {
         self.marked(&self.staged_in[index], w.serial, index, add)
     }
@@ -257,10 +326,10 @@ impl Window {
         mark: &AtomicU64,
         current: u64,
         index: usize,
-        add: impl FnOnce(bool) -> Result<R>,
+        add: impl FnOnce(&mut TensorWrite, bool) -> Result<R>,
     ) -> Result<R> {
-        let _tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
-        let added = add(mark.load(Ordering::Relaxed) != current)?;
+        let mut tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
+        let added = add(&mut tensor, mark.load(Ordering::Relaxed) != current)?;
         mark.store(current, Ordering::Relaxed);
         Ok(added)
     }

@@ -1,7 +1,9 @@
-//! The flat FP32 master buffer: owned, or adopted from the caller. Callers of the `unsafe`
-//! accessors guarantee exclusive access to the range they touch (the accumulator's locks do).
+//! The flat FP32 master buffer: owned, or adopted from the caller. It is shared by reference, so
+//! its elements are reached through the window's rights: [`MasterWrite`] (the window's write lock)
+//! for any range, [`TensorWrite`] (the window's read lock and the tensor's lock) for one tensor's.
+//! Each right names one buffer's use at a time: the master, its staging or the shard.
 
-use crate::accumulator::MASTER_ALIGN;
+use crate::accumulator::{MasterWrite, TensorWrite, MASTER_ALIGN};
 use crate::error::{Error, ErrorKind, Result};
 use std::ops::Range;
 
@@ -17,8 +19,8 @@ pub(super) struct Master {
 
 // SAFETY: the buffer is plain f32 memory; the accumulator serialises every access to a range.
 unsafe impl Send for Master {}
-// SAFETY: shared references only hand out ranges through `slice_mut`, whose callers hold the
-// accumulator's locks for those ranges.
+// SAFETY: shared references only reach elements through the window's rights, which the window's
+// locks hand out to one thread at a time for a given range.
 unsafe impl Sync for Master {}
 
 impl Master {
@@ -55,14 +57,67 @@ impl Master {
         unsafe { self.ptr.add(offset) }
     }
 
-    /// # Safety
-    /// The caller must hold exclusive access to `range` for the lifetime of the returned slice.
-    #[allow(clippy::mut_from_ref)]
-    pub(super) unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [f32] {
-        assert!(range.start <= range.end && range.end <= self.len);
-        // SAFETY: the range lies inside the allocation (asserted), and the caller holds exclusive
-        // access to it.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    /// Elements `range`, read while the window's write right is held (no writer runs).
+    pub(super) fn slice<'a>(&'a self, _read: &'a MasterWrite, range: Range<usize>) -> &'a [f32] {
+        let start = self.start_of(&range);
+        // SAFETY: the range lies inside the allocation (`start_of`), and the window's write right,
+        // borrowed for as long as the slice, excludes every writer.
+        unsafe { std::slice::from_raw_parts(start, range.len()) }
+    }
+
+    /// Elements `range`, written under the window's write right.
+    pub(super) fn slice_mut<'a>(
+        &'a self,
+        _write: &'a mut MasterWrite,
+        range: Range<usize>,
+    ) -> &'a mut [f32] {
+        let start = self.start_of(&range);
+        // SAFETY: the range lies inside the allocation (`start_of`), and the window's write right,
+        // borrowed mutably for as long as the slice, excludes every other access.
+        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+
+    /// Tensor `tensor`'s elements, written under its right.
+    pub(super) fn tensor_mut<'a>(&'a self, tensor: &'a mut TensorWrite) -> &'a mut [f32] {
+        let range = tensor.range();
+        let start = self.start_of(&range);
+        // SAFETY: the range lies inside the allocation (`start_of`); the tensor's right,
+        // borrowed mutably for as long as the slice, excludes every other access to its range
+        // (other tensors' rights cover disjoint ranges, and no window write right is in use).
+        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+
+    /// Elements `range` of this buffer to write and of `other` to read, under the window's write
+    /// right (this buffer and `other` are distinct allocations).
+    pub(super) fn pair_mut<'a>(
+        &'a self,
+        other: &'a Master,
+        _write: &'a mut MasterWrite,
+        range: Range<usize>,
+    ) -> (&'a mut [f32], &'a [f32]) {
+        assert!(!std::ptr::eq(self, other), "a pair of one buffer");
+        let (mine, theirs) = (self.start_of(&range), other.start_of(&range));
+        // SAFETY: both ranges lie inside their allocations (`start_of`), which are distinct
+        // buffers (each `Master` owns or adopts its own); the window's write right, borrowed
+        // mutably for as long as the slices, excludes every other access.
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(mine, range.len()),
+                std::slice::from_raw_parts(theirs, range.len()),
+            )
+        }
+    }
+
+    /// The whole buffer, while nothing else can reach it (it is being built).
+    pub(super) fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: the buffer holds `len` elements, and `&mut self` excludes every other access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The address of `range`'s first element, the range checked to lie inside the buffer.
+    fn start_of(&self, range: &Range<usize>) -> *mut f32 {
+        assert!(range.start <= range.end && range.end <= self.len, "{range:?} past {}", self.len);
+        self.ptr_at(range.start)
     }
 }
 

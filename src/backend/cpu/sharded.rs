@@ -25,7 +25,7 @@ use super::math::NORM_BLOCK;
 use super::store::{between_ranks, host_collectives, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
-use crate::accumulator::{Agreed, Plan, Proposal, SyncInfo};
+use crate::accumulator::{Agreed, MasterWrite, Plan, Proposal, SyncInfo};
 use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -374,12 +374,16 @@ impl Sharded<'_> {
     /// The shard holds the window's sum over the ranks: it is normalised and measured here, its
     /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
     /// the shard is first all-reduced over the replicas.
-    pub(super) fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed) -> Result<Option<SyncInfo>> {
+    pub(super) fn reduce(
+        &self,
+        master: &mut MasterWrite,
+        p: &Proposal<'_>,
+        agreed: &Agreed,
+    ) -> Result<Option<SyncInfo>> {
         // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
         let boundary = Boundary::new(self.plan, agreed, Dtype::F32);
         let pass = boundary.pass;
-        // SAFETY: the window's write lock is held for the whole boundary.
-        let shard = unsafe { self.shard.slice_mut(0..self.sharding.own.len()) };
+        let shard = self.shard.slice_mut(master, 0..self.sharding.own.len());
         let mine = match between_ranks(p.replicas)? {
             Some(r) => {
                 over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?

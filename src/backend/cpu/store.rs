@@ -13,8 +13,8 @@ use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
 use crate::accumulator::{
-    Agreed, Gradient, Grads, Plan, Proposal, ScaleSource, Segments, Sharding, Store, SyncInfo,
-    TensorStats,
+    Agreed, Gradient, Grads, MasterWrite, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
+    SyncInfo, TensorStats, TensorWrite,
 };
 use crate::comm::{
     pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
@@ -78,32 +78,31 @@ impl HostStore {
 
     fn allocate(plan: &Plan, adopt: Option<*mut f32>) -> Result<Master> {
         let len = plan.layout.len();
-        let master = match adopt {
+        let mut master = match adopt {
             Some(ptr) => Master::borrowed(ptr, len),
             None => Master::owned(len)?,
         };
         if adopt.is_some() {
-            for i in 0..plan.descs.len() {
-                // SAFETY: the accumulator is being built: nothing else uses the buffer yet.
-                unsafe { master.slice_mut(plan.layout.padding(i)) }.fill(0.0);
-            }
+            let all = master.as_mut_slice();
+            (0..plan.descs.len()).for_each(|i| all[plan.layout.padding(i)].fill(0.0));
         }
         Ok(master)
     }
 
     /// The held master elements of flat `range` (under sharded accumulation, those inside the
-    /// shard).
-    ///
-    /// # Safety
-    /// The caller holds exclusive access to `range` for the slice's lifetime (the accumulator's
-    /// window lock, or the read lock and the tensor's lock).
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice(&self, range: Range<usize>) -> &mut [f32] {
+    /// shard), to read.
+    fn held<'a>(&'a self, master: &'a MasterWrite, range: Range<usize>) -> &'a [f32] {
         match &self.memory {
-            // SAFETY: the caller's contract.
-            Memory::Whole(master) => unsafe { master.slice_mut(range) },
-            // SAFETY: the caller's contract, over the shard's part of `range`.
-            Memory::Shard(s) => unsafe { s.shard.slice_mut(s.sharding.held(&range)) },
+            Memory::Whole(whole) => whole.slice(master, range),
+            Memory::Shard(s) => s.shard.slice(master, s.sharding.held(&range)),
+        }
+    }
+
+    /// [`HostStore::held`], to write.
+    fn held_mut<'a>(&'a self, master: &'a mut MasterWrite, range: Range<usize>) -> &'a mut [f32] {
+        match &self.memory {
+            Memory::Whole(whole) => whole.slice_mut(master, range),
+            Memory::Shard(s) => s.shard.slice_mut(master, s.sharding.held(&range)),
         }
     }
 
@@ -187,6 +186,7 @@ impl Store for HostStore {
 
     fn add(
         &self,
+        master: &mut MasterWrite,
         scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
@@ -198,15 +198,14 @@ impl Store for HostStore {
             // The shard's flag also takes the other ranks' values: this rank cannot locate them.
             return self.sharded(s).add(grads, factor).map(|()| false);
         }
-        let passes = grads
-            .iter()
+        let layout = &self.plan.layout;
+        let all = self.held_mut(master, 0..layout.len());
+        let ranges = (0..grads.len()).map(|i| layout.range(i));
+        let passes = split_ranges(all, ranges)
+            .into_iter()
+            .zip(grads)
             .enumerate()
-            .map(|(i, &grad)| {
-                // SAFETY: the window's write lock excludes every other writer of the master
-                // buffer, and the tensors' ranges do not overlap.
-                let master = unsafe { self.slice(self.plan.layout.range(i)) };
-                super::TensorPass { master, grad, assign: first(i) }
-            })
+            .map(|(i, (master, &grad))| super::TensorPass { master, grad, assign: first(i) })
             .collect();
         // One pass over all tensors: the threads share the micro-batch, not each large tensor.
         Ok(self.flag(super::accumulate_many(passes, factor, self.plan.config.threads)))
@@ -214,20 +213,21 @@ impl Store for HostStore {
 
     fn add_tensor(
         &self,
+        tensor: &mut TensorWrite,
         scale: ScaleSource<'_>,
-        index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
     ) -> Result<bool> {
         let grad = grad.host()?;
         let factor = unscale_factor(scale, weight)?;
-        if let Memory::Shard(s) = &self.memory {
-            return self.sharded(s).add_tensor(index, grad, factor).map(|()| false);
-        }
-        // SAFETY: the window's read lock excludes `add`/`sync`/`reset`, and the tensor lock
-        // excludes other `add_tensor` callers on this tensor; tensors never overlap.
-        let master = unsafe { self.slice(self.plan.layout.range(index)) };
+        let master = match &self.memory {
+            Memory::Whole(master) => master.tensor_mut(tensor),
+            Memory::Shard(s) => {
+                let index = tensor.index();
+                return self.sharded(s).add_tensor(index, grad, factor).map(|()| false);
+            }
+        };
         let threads = self.plan.config.threads;
         Ok(self.flag(super::accumulate(master, grad, factor, first, threads)))
     }
@@ -251,44 +251,38 @@ impl Store for HostStore {
         Ok(check::finite_after_unscale(grad.host()?, unscale_factor(scale, weight)?))
     }
 
-    fn first_bad_master(&self) -> Result<Option<usize>> {
-        let master = self.whole()?;
+    fn first_bad_master(&self, master: &MasterWrite) -> Result<Option<usize>> {
+        let whole = self.whole()?;
         Ok((0..self.plan.descs.len()).find(|&i| {
-            // SAFETY: the window's write lock is held (an add that went bad).
-            crate::state::holds_non_finite(unsafe { master.slice_mut(self.plan.layout.range(i)) })
+            crate::state::holds_non_finite(whole.slice(master, self.plan.layout.range(i)))
         }))
     }
 
     fn stage_tensor(
         &self,
+        tensor: &mut TensorWrite,
         scale: ScaleSource<'_>,
-        index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
     ) -> Result<bool> {
         self.whole()?;
         let (grad, factor) = (grad.host()?, unscale_factor(scale, weight)?);
-        // SAFETY: as for `add_tensor`'s master: the window's read lock and the tensor's lock.
-        let staged = unsafe { self.stage()?.slice_mut(self.plan.layout.range(index)) };
+        let staged = self.stage()?.tensor_mut(tensor);
         Ok(super::accumulate(staged, grad, factor, first, self.plan.config.threads))
     }
 
-    fn merge_staged(&self, index: usize, first: bool) -> Result<bool> {
+    fn merge_staged(&self, master: &mut MasterWrite, index: usize, first: bool) -> Result<bool> {
         let range = self.plan.layout.range(index);
-        // SAFETY: the window's write lock is held (the micro-batch ends); the staging and the
-        // master are distinct buffers.
-        let (master, staged) =
-            unsafe { (self.whole()?.slice_mut(range.clone()), self.stage()?.slice_mut(range)) };
+        let (master, staged) = self.whole()?.pair_mut(self.stage()?, master, range);
         // The accumulation kernel with a factor of 1 (exact): the staging's values as they are.
         let threads = self.plan.config.threads;
         Ok(self.flag(super::accumulate(master, Grad::F32(staged), 1.0, first, threads)))
     }
 
-    fn zero(&self, index: usize) -> Result<()> {
-        // SAFETY: the window's write lock is held (the boundary); under sharded accumulation
-        // only the shard's part is zeroed.
-        unsafe { self.slice(self.plan.layout.range(index)) }.fill(0.0);
+    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()> {
+        // Under sharded accumulation only the shard's part is zeroed.
+        self.held_mut(master, self.plan.layout.range(index)).fill(0.0);
         Ok(())
     }
 
@@ -301,12 +295,17 @@ impl Store for HostStore {
         agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
     }
 
-    fn reduce(&self, p: &Proposal<'_>, agreed: &Agreed, _read: bool) -> Result<Option<SyncInfo>> {
+    fn reduce(
+        &self,
+        master: &mut MasterWrite,
+        p: &Proposal<'_>,
+        agreed: &Agreed,
+        _read: bool,
+    ) -> Result<Option<SyncInfo>> {
         if let Memory::Shard(s) = &self.memory {
-            return self.sharded(s).reduce(p, agreed);
+            return self.sharded(s).reduce(master, p, agreed);
         }
-        // SAFETY: the window's write lock is held for the whole boundary.
-        let all = unsafe { self.slice(0..self.plan.layout.len()) };
+        let all = self.held_mut(master, 0..self.plan.layout.len());
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
         // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
         // replicas then sum FP32 sums); the communicator rounds the contributions.
@@ -354,16 +353,14 @@ impl Store for HostStore {
         }
     }
 
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        // SAFETY: the accumulator's window lock is held for reading the master.
-        out.copy_from_slice(unsafe { self.slice(range) });
+    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(self.held(master, range));
         Ok(())
     }
 
-    fn write(&self, values: &[f32]) -> Result<()> {
+    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()> {
         let from = self.plan.held().start;
-        // SAFETY: the window's write lock is held.
-        unsafe { self.slice(from..from + values.len()) }.copy_from_slice(values);
+        self.held_mut(master, from..from + values.len()).copy_from_slice(values);
         Ok(())
     }
 
@@ -376,11 +373,31 @@ impl Store for HostStore {
         Ok(())
     }
 
-    fn view(&self, range: Range<usize>, f: &mut dyn FnMut(&[f32])) -> Result<()> {
-        // SAFETY: the accumulator's window lock excludes every writer.
-        f(unsafe { self.slice(range) });
+    fn view(
+        &self,
+        master: &MasterWrite,
+        range: Range<usize>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        f(self.held(master, range));
         Ok(())
     }
+}
+
+/// The parts of `all` at `ranges` (increasing, disjoint), borrowed apart.
+fn split_ranges(
+    mut all: &mut [f32],
+    ranges: impl Iterator<Item = Range<usize>>,
+) -> Vec<&mut [f32]> {
+    let mut at = 0;
+    ranges
+        .map(|r| {
+            let (_, rest) = std::mem::take(&mut all).split_at_mut(r.start - at);
+            let (part, rest) = rest.split_at_mut(r.len());
+            (all, at) = (rest, r.end);
+            part
+        })
+        .collect()
 }
 
 /// The boundary's control step over the shard group (or the whole group) and the replicas (see

@@ -30,8 +30,8 @@ use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, Reduced, ScaleSource, Sharding, Store,
-    SyncInfo,
+    Agreed, DeviceScale, Gradient, Grads, MasterWrite, Plan, Proposal, Reduced, ScaleSource,
+    Sharding, Store, SyncInfo, TensorWrite,
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -999,6 +999,7 @@ impl Store for DeviceStore {
 
     fn add(
         &self,
+        _master: &mut MasterWrite,
         scale: ScaleSource<'_>,
         grads: Grads<'_>,
         weight: f64,
@@ -1016,12 +1017,13 @@ impl Store for DeviceStore {
 
     fn add_tensor(
         &self,
+        tensor: &mut TensorWrite,
         scale: ScaleSource<'_>,
-        index: usize,
         grad: Gradient<'_>,
         weight: f64,
         first: bool,
     ) -> Result<bool> {
+        let index = tensor.index();
         let grad = grad.device()?;
         let scaler = scale.device()?;
         match &self.memory {
@@ -1052,7 +1054,7 @@ impl Store for DeviceStore {
         }
     }
 
-    fn zero(&self, index: usize) -> Result<()> {
+    fn zero(&self, _master: &mut MasterWrite, index: usize) -> Result<()> {
         match &self.memory {
             Memory::Whole(w) => {
                 w.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
@@ -1072,7 +1074,13 @@ impl Store for DeviceStore {
         }
     }
 
-    fn reduce(&self, p: &Proposal<'_>, _agreed: &Agreed, read: bool) -> Result<Option<SyncInfo>> {
+    fn reduce(
+        &self,
+        _master: &mut MasterWrite,
+        p: &Proposal<'_>,
+        _agreed: &Agreed,
+        read: bool,
+    ) -> Result<Option<SyncInfo>> {
         {
             // The boundary is rewritten: after the scalers' gathers of the last one.
             let mut reads = self.boundary_reads();
@@ -1108,7 +1116,7 @@ impl Store for DeviceStore {
         }
     }
 
-    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+    fn read(&self, _master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
         self.drain()?;
         match &self.memory {
             Memory::Whole(w) => w.master.read_at(4 * range.start, &mut out[..range.len()]),
@@ -1116,7 +1124,7 @@ impl Store for DeviceStore {
         }
     }
 
-    fn write(&self, values: &[f32]) -> Result<()> {
+    fn write(&self, _master: &mut MasterWrite, values: &[f32]) -> Result<()> {
         self.drain()?;
         match &self.memory {
             Memory::Whole(w) => w.master.write(values),
