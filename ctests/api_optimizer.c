@@ -147,6 +147,10 @@ static void test_whole_step(void)
                  GRADACC_STATUS_NULL_ARGUMENT, "weights[1]");
     CHECK(bad == NULL, "a failed create wrote a handle");
     EXPECT_ERROR(gradacc_optimizer_set_lr(opt, -1.0f), GRADACC_STATUS_INVALID_ARGUMENT, "`lr`");
+    void *lr_at = (void *)&lr_at;
+    EXPECT_ERROR(gradacc_optimizer_lr_device_ptr(opt, &lr_at), GRADACC_STATUS_DEVICE_MISMATCH, "set_lr");
+    CHECK(lr_at == (void *)&lr_at, "a refused call wrote its output");
+    EXPECT_ERROR(gradacc_optimizer_lr_device_ptr(opt, NULL), GRADACC_STATUS_NULL_ARGUMENT, "out");
     EXPECT_ERROR(gradacc_optimizer_step(NULL, acc, weights, 2, NULL, NULL), GRADACC_STATUS_NULL_ARGUMENT,
                  "opt");
 

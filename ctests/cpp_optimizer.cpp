@@ -262,6 +262,12 @@ static void errors_name_the_argument()
                e.what());
     }
     try {
+        opt.lr_device_ptr();
+        EXPECT(false, "a CPU optimizer gave a device learning rate");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_DEVICE_MISMATCH, "%s", e.what());
+    }
+    try {
         opt.step(acc, {m.w0.data(), m.w1.data()});
         EXPECT(false, "a step before any sync was taken");
     } catch (const gradacc::Error &e) {

@@ -1337,13 +1337,28 @@ enum gradacc_status_t gradacc_optimizer_create(const struct gradacc_accumulator_
 GRADACC_API enum gradacc_status_t gradacc_optimizer_destroy(struct gradacc_optimizer_t *opt);
 
 /**
- * Sets the learning rate of the steps from the next one on (finite, >= 0).
+ * Sets the learning rate of the steps from the next one on (finite, >= 0). On a CUDA
+ * accumulator the value is copied to the device on the accumulator's stream: steps enqueued
+ * before this call keep theirs.
  *
  * Thread safety: any thread; serialised with the optimizer's other calls.
  */
 GRADACC_API
 enum gradacc_status_t gradacc_optimizer_set_lr(struct gradacc_optimizer_t *opt,
                                                float lr);
+
+/**
+ * On a CUDA accumulator, writes to `*out` the device address of the learning rate (one
+ * `float`) that every step reads when it runs on the stream. A schedule on the device (a
+ * kernel, or a memcpy node of a captured CUDA graph) writes it there, so a captured step replays
+ * with the schedule and without the host. The value is used as written, unchecked.
+ * GRADACC_STATUS_DEVICE_MISMATCH on a CPU accumulator (use gradacc_optimizer_set_lr).
+ *
+ * Thread safety: any thread. The address stays valid until the optimizer is destroyed.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_lr_device_ptr(const struct gradacc_optimizer_t *opt,
+                                                      void **out);
 
 /**
  * Writes the number of steps taken (a skipped step is not one) to `*out`. On a CUDA accumulator

@@ -568,6 +568,14 @@ public:
     /** The learning rate of the steps from the next one on. */
     void set_lr(float lr) { check(gradacc_optimizer_set_lr(handle_.get(), lr)); }
 
+    /** On a CUDA accumulator, the device address of the learning rate every step reads (see
+     * gradacc_optimizer_lr_device_ptr); throws DEVICE_MISMATCH on a CPU accumulator. */
+    void *lr_device_ptr() const {
+        void *p = nullptr;
+        check(gradacc_optimizer_lr_device_ptr(handle_.get(), &p));
+        return p;
+    }
+
     /** The number of steps taken (a skipped step is not one). */
     uint64_t steps() const {
         uint64_t n = 0;

@@ -828,8 +828,17 @@ fn a_captured_step_replays_with_the_skip_decided_on_the_device() {
     // SAFETY: a graph from a completed capture.
     let instantiated = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
     assert_eq!(instantiated, cu::CUresult::CUDA_SUCCESS);
+    let lr_at = gpu.lr_device_ptr().unwrap();
     for replay in 0..4 {
         let what = format!("replay {replay}");
+        // A schedule on the device: the replay reads the learning rate where it lies.
+        let lr = rng.uniform(1e-4, 5e-2) as f32;
+        let src = (&lr as *const f32).cast();
+        // SAFETY: `lr_at` holds one f32 of the optimizer's context; the driver stages the
+        // pageable source before returning.
+        let copied = unsafe { cu::cuMemcpyHtoDAsync_v2(lr_at, src, 4, stream.stream) };
+        assert_eq!(copied, cu::CUresult::CUDA_SUCCESS);
+        cpu.set_lr(lr).unwrap();
         let g = Gradient::random(&mut rng, &descs, replay == 2);
         for (i, buf) in grads.iter().enumerate() {
             match descs[i].dtype {
@@ -848,6 +857,8 @@ fn a_captured_step_replays_with_the_skip_decided_on_the_device() {
         states_equal(&cpu, &gpu, descs.len(), true, &what);
     }
     assert_eq!((cpu.steps(), gpu.steps()), (4, 4));
+    assert_eq!(gpu.lr(), cpu.lr(), "the learning rate read back from the device");
+    assert_eq!(gpu.save().unwrap(), cpu.save().unwrap(), "the saved state, its learning rate too");
     // SAFETY: created above, destroyed once, after the stream ran every replay.
     unsafe {
         driver::synchronize(&ctx, stream.stream).unwrap();

@@ -528,6 +528,8 @@ fn bad_input_changes_nothing() {
     assert!(e.kind == ErrorKind::DtypeMismatch && e.message.contains("`weights[1]`"), "{e:?}");
     let e = opt.set_lr(f32::NAN).unwrap_err();
     assert!(e.message.contains("`lr`"), "{e:?}");
+    let e = opt.lr_device_ptr().unwrap_err();
+    assert!(e.kind == ErrorKind::DeviceMismatch && e.message.contains("set_lr"), "{e:?}");
     unchanged(&opt, &weights, &saved, &kept);
 
     assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());

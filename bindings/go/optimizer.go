@@ -274,6 +274,20 @@ func (o *Optimizer) SetLR(lr float32) error {
 	return err
 }
 
+// LRDevicePtr is, on a CUDA accumulator, the device address of the learning rate every step
+// reads when it runs, for a schedule on the device (see gradacc_optimizer_lr_device_ptr); a
+// DEVICE_MISMATCH error on a CPU accumulator.
+func (o *Optimizer) LRDevicePtr() (uintptr, error) {
+	p, err := o.handle()
+	if err != nil {
+		return 0, err
+	}
+	var out unsafe.Pointer
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_lr_device_ptr(p, &out) })
+	runtime.KeepAlive(o)
+	return uintptr(out), err
+}
+
 // Steps is the number of steps taken (a skipped step is not one).
 func (o *Optimizer) Steps() (uint64, error) {
 	p, err := o.handle()

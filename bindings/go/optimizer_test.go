@@ -148,6 +148,9 @@ func TestOptimizerErrors(t *testing.T) {
 	if err := opt.SetLR(-1); !errors.As(err, &e) || e.Status != StatusInvalidArgument || !strings.Contains(e.Message, "`lr`") {
 		t.Fatalf("lr = -1: %v", err)
 	}
+	if _, err := opt.LRDevicePtr(); !errors.As(err, &e) || e.Status != StatusDeviceMismatch || !strings.Contains(e.Message, "set_lr") {
+		t.Fatalf("a device learning rate on the CPU: %v", err)
+	}
 	if _, err := opt.Step(acc, []Weight{WeightBF16(w0), WeightF32(w1)}, nil); !errors.As(err, &e) || e.Status != StatusDTypeMismatch || !strings.Contains(e.Message, "weights[0]") {
 		t.Fatalf("another dtype: %v", err)
 	}

@@ -272,7 +272,9 @@ pub unsafe extern "C" fn gradacc_optimizer_destroy(
     })
 }
 
-/// Sets the learning rate of the steps from the next one on (finite, >= 0).
+/// Sets the learning rate of the steps from the next one on (finite, >= 0). On a CUDA
+/// accumulator the value is copied to the device on the accumulator's stream: steps enqueued
+/// before this call keep theirs.
 ///
 /// Thread safety: any thread; serialised with the optimizer's other calls.
 #[no_mangle]
@@ -281,6 +283,26 @@ pub unsafe extern "C" fn gradacc_optimizer_set_lr(
     lr: f32,
 ) -> gradacc_status_t {
     guard("gradacc_optimizer_set_lr", || Ok(OPTIMIZERS.get(opt, "opt")?.set_lr(lr)?))
+}
+
+/// On a CUDA accumulator, writes to `*out` the device address of the learning rate (one
+/// `float`) that every step reads when it runs on the stream. A schedule on the device (a
+/// kernel, or a memcpy node of a captured CUDA graph) writes it there, so a captured step replays
+/// with the schedule and without the host. The value is used as written, unchecked.
+/// GRADACC_STATUS_DEVICE_MISMATCH on a CPU accumulator (use gradacc_optimizer_set_lr).
+///
+/// Thread safety: any thread. The address stays valid until the optimizer is destroyed.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_lr_device_ptr(
+    opt: *const gradacc_optimizer_t,
+    out: *mut *mut c_void,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_lr_device_ptr", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out, "out") }?;
+        *out = OPTIMIZERS.get(opt, "opt")?.lr_device_ptr()? as usize as *mut c_void;
+        Ok(())
+    })
 }
 
 /// Writes the number of steps taken (a skipped step is not one) to `*out`. On a CUDA accumulator

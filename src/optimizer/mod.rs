@@ -203,6 +203,7 @@ impl Optimizer {
         let device = DeviceOptimizer::new(Setup {
             ordinal,
             stream: stream.cast(),
+            lr: config.lr,
             dtypes,
             groups: &groups,
             pieces: pieces_of(&held, false),
@@ -236,16 +237,43 @@ impl Optimizer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The learning rate of the next step.
+    /// The learning rate of the next step. On a CUDA accumulator it lives in device memory
+    /// ([`Optimizer::lr_device_ptr`]): this waits for the stream and reads it; if the device
+    /// cannot be read, the last value the host set.
     pub fn lr(&self) -> f32 {
-        self.lock().lr
+        let s = self.lock();
+        match s.device.as_ref().map(DeviceOptimizer::lr) {
+            Some(Ok(lr)) => lr,
+            _ => s.lr,
+        }
     }
 
     /// Sets the learning rate of the steps from the next one on (a schedule calls it each step).
+    /// On a CUDA accumulator the value is copied to the device on the accumulator's stream,
+    /// so the steps enqueued before this call keep theirs.
     pub fn set_lr(&self, lr: f32) -> Result<()> {
         config::check_lr(lr)?;
-        self.lock().lr = lr;
+        let mut s = self.lock();
+        if let Some(device) = &s.device {
+            device.set_lr(lr)?;
+        }
+        s.lr = lr;
         Ok(())
+    }
+
+    /// On a CUDA accumulator, the device address of the learning rate (one `float`) that every
+    /// step reads when it runs on the stream. A schedule that runs on the device (a kernel, or
+    /// a copy node in a captured graph) writes it there, so a captured step replays with the
+    /// schedule and without the host. The value is used as written: it is not checked, as
+    /// [`Optimizer::set_lr`] checks its own. `DeviceMismatch` on a CPU accumulator.
+    pub fn lr_device_ptr(&self) -> Result<DevicePtr> {
+        match &self.lock().device {
+            Some(device) => Ok(device.lr_address()),
+            None => Err(Error::new(
+                ErrorKind::DeviceMismatch,
+                "the optimizer steps a CPU accumulator: its learning rate is a host value (set_lr)",
+            )),
+        }
     }
 
     /// The dtype of each tensor's model weights (those given at creation).
@@ -398,7 +426,7 @@ impl Optimizer {
             (None, Some(e)) => return Err(e),
             (None, None) => {}
         }
-        let rule = cuda::rule(&self.algorithm, self.rounding, s.lr);
+        let rule = cuda::rule(&self.algorithm, self.rounding);
         let stepped = acc.with_reduced_on_device("the optimizer step", |window, info, reduced| {
             s.consumed = Some(window);
             let device = s.device.as_ref().expect("checked above");
@@ -580,8 +608,12 @@ impl Optimizer {
         let s = self.lock();
         let Some(device) = &s.device else { return Ok(saved::encode(self, &s)) };
         let (steps, [master, first, second]) = device.read()?;
+        let lr = device.lr()?;
+        config::check_lr(lr).map_err(|e| {
+            Error::invalid(format!("the learning rate in device memory: {}", e.message))
+        })?;
         let copy = State {
-            lr: s.lr,
+            lr,
             steps,
             consumed: None,
             held: s.held.clone(),
@@ -607,7 +639,7 @@ impl Optimizer {
             // unknown, and is reported.
             Some(device) => {
                 let r = &restored;
-                let written = device.write(r.steps, &r.master, &r.first, &r.second);
+                let written = device.write(r.steps, r.lr, &r.master, &r.first, &r.second);
                 *s = State { device: Some(device), master: vec![], first: vec![], second: vec![], ..restored };
                 written
             }

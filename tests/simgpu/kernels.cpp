@@ -123,7 +123,7 @@ const void *weight_at(const ga_weights &weights, const ga_opt_tensor *tensors, c
 }
 
 void fp_opt_step(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights, const float *grad,
-                 float *master, float *first, float *second, ga_u64, const ga_boundary *b, const ga_u64 *steps, ga_opt_rule rule) {
+                 float *master, float *first, float *second, ga_u64, const ga_boundary *b, const ga_u64 *steps, const float *lr, ga_opt_rule rule) {
     fp_opt_chunks(f, "ga_opt_step", tensors, chunks, num_chunks, weights);
     if (rule.algorithm == GA_OPT_ADAMW && !second) violation("ga_opt_step: AdamW without second moments");
     for (ga_u64 c = 0; c < num_chunks; ++c) {
@@ -136,6 +136,7 @@ void fp_opt_step(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk 
     }
     f.read(b, sizeof *b);
     f.read(steps, sizeof *steps);
+    f.read(lr, sizeof *lr);
 }
 
 void fp_opt_advance(Footprint &f, const ga_boundary *b, ga_u64 *steps) {

@@ -830,6 +830,15 @@ class Optimizer(_Managed):
         _check(ffi.gradacc_optimizer_set_lr(self._handle(), lr))
 
     @property
+    def lr_device_ptr(self):
+        """On a CUDA accumulator, the device address (an int) of the learning rate every step
+        reads when it runs, for a schedule on the device (see gradacc_optimizer_lr_device_ptr);
+        raises DEVICE_MISMATCH on a CPU accumulator."""
+        out = ctypes.c_void_p()
+        _check(ffi.gradacc_optimizer_lr_device_ptr(self._handle(), ctypes.byref(out)))
+        return out.value or 0
+
+    @property
     def steps(self):
         """The number of steps taken (a skipped step is not one)."""
         out = ctypes.c_uint64()

@@ -463,6 +463,12 @@ gradacc_optimizer_set_lr.restype = gradacc_status_t
 gradacc_optimizer_set_lr.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.c_float]
 # arguments: opt, lr
 
+# On a CUDA accumulator, writes to `*out` the device address of the learning rate (one `float`) that every step reads when it runs on the stream.
+gradacc_optimizer_lr_device_ptr = dll.gradacc_optimizer_lr_device_ptr
+gradacc_optimizer_lr_device_ptr.restype = gradacc_status_t
+gradacc_optimizer_lr_device_ptr.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.c_void_p)]
+# arguments: opt, out
+
 # Writes the number of steps taken (a skipped step is not one) to `*out`.
 gradacc_optimizer_steps = dll.gradacc_optimizer_steps
 gradacc_optimizer_steps.restype = gradacc_status_t

@@ -240,6 +240,9 @@ def test_bad_arguments_are_named():
         with pytest.raises(gradacc.GradaccError) as e:
             gradacc.Optimizer(acc, weights, groups=[(True, 1.0), (True, -1.0), (True, 1.0)])
         assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "lr_scale" in e.value.message
+        with gradacc.Optimizer(acc, weights) as opt, pytest.raises(gradacc.GradaccError) as e:
+            opt.lr_device_ptr
+        assert e.value.status == gradacc.Status.DEVICE_MISMATCH and "set_lr" in e.value.message
         with pytest.raises(ValueError, match="algorithm"):
             gradacc.Optimizer(acc, weights, algorithm="adam")
         with pytest.raises(ValueError, match="rounding"):

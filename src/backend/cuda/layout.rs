@@ -97,7 +97,8 @@ pub struct GaScalerRule {
     pub dynamic: u32,
 }
 
-/// `ga_opt_rule`: an optimizer's hyperparameters, learning rate and rounding, passed by value.
+/// `ga_opt_rule`: an optimizer's hyperparameters and rounding, passed by value (the learning rate
+/// is a device value of its own).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GaOptRule {
@@ -110,7 +111,6 @@ pub struct GaOptRule {
     pub weight_decay: f32,
     pub momentum: f32,
     pub dampening: f32,
-    pub lr: f32,
     /// `GA_ROUND_NEAREST` (0) or `GA_ROUND_STOCHASTIC` (1).
     pub rounding: u32,
     pub seed: u64,

@@ -129,6 +129,8 @@ pub(crate) struct DeviceOptimizer {
     second: Option<DeviceBuffer>,
     /// One u64: the steps taken.
     steps: DeviceBuffer,
+    /// One f32: the learning rate every step reads when it runs.
+    lr: DeviceBuffer,
     gather: Option<Gather>,
     claims: Claims,
 }
@@ -152,6 +154,8 @@ unsafe impl Sync for DeviceOptimizer {}
 pub(crate) struct Setup<'a> {
     pub ordinal: i32,
     pub stream: CUstream,
+    /// The learning rate of the first step.
+    pub lr: f32,
     /// Per tensor: the model weights' dtype, and its group.
     pub dtypes: &'a [Dtype],
     pub groups: &'a [TensorGroup],
@@ -170,8 +174,18 @@ impl DeviceOptimizer {
     /// Uploads the tables and the masters, read from the model's weights (this waits for the
     /// stream: creation is once per run).
     pub(crate) fn new(setup: Setup<'_>) -> Result<Self> {
-        let Setup { ordinal, stream, dtypes, groups, held, pieces, second_moment, shards, weights } =
-            setup;
+        let Setup {
+            ordinal,
+            stream,
+            lr,
+            dtypes,
+            groups,
+            held,
+            pieces,
+            second_moment,
+            shards,
+            weights,
+        } = setup;
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
         let n = dtypes.len();
@@ -244,6 +258,7 @@ impl DeviceOptimizer {
             first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
             second: second_moment.then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4)).transpose()?,
             steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
+            lr: DeviceBuffer::from_slice(&ctx, stream, &[lr])?,
             claims: Claims::new(&ctx, stream)?,
             held,
             gather,
@@ -279,17 +294,17 @@ impl DeviceOptimizer {
         let (grad, boundary) = (reduced.grad, reduced.boundary);
         let (master, first) = (self.master.ptr(), self.first.ptr());
         let second: CUdeviceptr = self.second.as_ref().map_or(0, DeviceBuffer::ptr);
-        let (held_start, steps) = (self.held.start as u64, self.steps.ptr());
+        let (held_start, steps, lr) = (self.held.start as u64, self.steps.ptr(), self.lr.ptr());
         self.step_table.each(weights, |chunks, num_chunks, w| {
             let mut args = launch_args!(
                 tensors, chunks, num_chunks, w, grad, master, first, second, held_start, boundary,
-                steps, rule
+                steps, lr, rule
             );
             // SAFETY: the arguments follow ga_opt_step's signature (`w` and `rule` by value); the
             // chunks lie inside the held range, which the masters, moments and the reduced
             // gradient hold, and inside their tensors, whose weights hold numel values of their
-            // dtypes (checked by `check_weights`); the boundary and the step count are live
-            // buffers of this context.
+            // dtypes (checked by `check_weights`); the boundary, the step count and the learning
+            // rate are live buffers of this context.
             unsafe {
                 self.kernels.opt_step.launch(
                     ctx,
@@ -331,6 +346,23 @@ impl DeviceOptimizer {
         })
     }
 
+    /// Enqueues setting the learning rate of the steps enqueued after this.
+    pub(crate) fn set_lr(&self, lr: f32) -> Result<()> {
+        self.lr.write(&[lr])
+    }
+
+    /// The learning rate in device memory (waits for the stream).
+    pub(crate) fn lr(&self) -> Result<f32> {
+        let mut lr = [0f32];
+        self.lr.read(&mut lr)?;
+        Ok(lr[0])
+    }
+
+    /// The device address of the learning rate.
+    pub(crate) fn lr_address(&self) -> CUdeviceptr {
+        self.lr.ptr()
+    }
+
     /// The steps taken (waits for the stream).
     pub(crate) fn steps(&self) -> Result<u64> {
         let mut steps = [0u64];
@@ -351,9 +383,18 @@ impl DeviceOptimizer {
         Ok((self.steps()?, values))
     }
 
-    /// Enqueues overwriting the step count, masters and moments (`second` ignored for SGD).
-    pub(crate) fn write(&self, steps: u64, master: &[f32], first: &[f32], second: &[f32]) -> Result<()> {
+    /// Enqueues overwriting the step count, learning rate, masters and moments (`second` ignored
+    /// for SGD).
+    pub(crate) fn write(
+        &self,
+        steps: u64,
+        lr: f32,
+        master: &[f32],
+        first: &[f32],
+        second: &[f32],
+    ) -> Result<()> {
         self.steps.write(&[steps])?;
+        self.lr.write(&[lr])?;
         self.master.write(master)?;
         self.first.write(first)?;
         if let Some(s) = &self.second {
@@ -395,13 +436,13 @@ fn check_weights(ctx: &Context, weights: &[DevicePtr], dtypes: &[Dtype], numel: 
     Ok(())
 }
 
-/// The kernels' rule for `algorithm` at learning rate `lr`, rounding with `rounding`.
-pub(crate) fn rule(algorithm: &Algorithm, rounding: Rounding, lr: f32) -> GaOptRule {
+/// The kernels' rule for `algorithm`, rounding with `rounding`.
+pub(crate) fn rule(algorithm: &Algorithm, rounding: Rounding) -> GaOptRule {
     let (rounding, seed) = match rounding {
         Rounding::NearestEven => (0, 0),
         Rounding::Stochastic { seed } => (1, seed),
     };
-    let base = GaOptRule { lr, rounding, seed, ..Default::default() };
+    let base = GaOptRule { rounding, seed, ..Default::default() };
     match *algorithm {
         Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
             GaOptRule { algorithm: 1, beta1, beta2, eps, weight_decay, ..base }

@@ -30,7 +30,7 @@ if VERSION >= v"1.11.0-DEV.469"
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
         backend_available,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
-        set_timeout!, rank, world_size, version, step!, set_lr!, steps"""))
+        set_timeout!, rank, world_size, version, step!, set_lr!, lr_device_ptr, steps"""))
 end
 
 # Set by __init__ when the package loads, so GRADACC_LIBRARY is read then, not frozen into the
@@ -1081,6 +1081,19 @@ Sets the learning rate of the steps from the next one on.
 function set_lr!(o::Optimizer, lr::Real)
     check(gradacc_optimizer_set_lr(o, lr))
     return o
+end
+
+"""
+    GradAcc.lr_device_ptr(opt) -> Ptr{Cvoid}
+
+On a CUDA accumulator, the device address of the learning rate every step reads when it runs, for
+a schedule on the device (see `gradacc_optimizer_lr_device_ptr`); throws DEVICE_MISMATCH on a CPU
+accumulator.
+"""
+function lr_device_ptr(o::Optimizer)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    check(gradacc_optimizer_lr_device_ptr(o, out))
+    return out[]
 end
 
 """

@@ -562,6 +562,11 @@ function gradacc_optimizer_set_lr(opt, lr)
     ccall((:gradacc_optimizer_set_lr, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Cfloat), opt, lr)
 end
 
+"On a CUDA accumulator, writes to `*out` the device address of the learning rate (one `float`) that every step reads when it runs on the stream."
+function gradacc_optimizer_lr_device_ptr(opt, out)
+    ccall((:gradacc_optimizer_lr_device_ptr, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{Ptr{Cvoid}}), opt, out)
+end
+
 "Writes the number of steps taken (a skipped step is not one) to `*out`."
 function gradacc_optimizer_steps(opt, out)
     ccall((:gradacc_optimizer_steps, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{UInt64}), opt, out)

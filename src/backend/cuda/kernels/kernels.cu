@@ -404,21 +404,23 @@ __device__ static int ga_opt_skips(const ga_boundary *b) { return b->empty != 0 
 
 /* One optimizer step over the held range, fused: the reduced gradient `grad`, the masters and
  * state (`second` NULL for SGD) indexed by the held index, each new master written into its model
- * weight. The step count lives in `*steps` (advanced by ga_opt_advance after this launch), so
- * the skip and the bias correction are decided here, without the host. */
+ * weight. The step count lives in `*steps` (advanced by ga_opt_advance after this launch) and the
+ * learning rate in `*lr`, so the skip, the bias correction and the schedule are decided here,
+ * without the host. */
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
     const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights, const float *grad,
-    float *master, float *first, float *second, ga_u64 held_start, const ga_boundary *b, const ga_u64 *steps, ga_opt_rule rule) {
+    float *master, float *first, float *second, ga_u64 held_start, const ga_boundary *b, const ga_u64 *steps, const float *lr, ga_opt_rule rule) {
     if (ga_opt_skips(b)) {
         return;
     }
     ga_u64 t = *steps + 1;
+    float base_lr = *lr;
     int stochastic = rule.rounding == GA_ROUND_STOCHASTIC;
     ga_u64 key = ga_round_key(rule.seed, t);
     for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
         ga_opt_chunk chunk = chunks[c];
         ga_opt_tensor tensor = tensors[chunk.tensor];
-        ga_opt_scalars k = ga_opt_scalars_for(&rule, tensor.lr_scale, (int)tensor.decays, t);
+        ga_opt_scalars k = ga_opt_scalars_for(&rule, base_lr, tensor.lr_scale, (int)tensor.decays, t);
         void *out = (void *)(size_t)weights.w[chunk.tensor - weights.first_tensor];
         for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
             ga_u64 h = chunk.at + i;

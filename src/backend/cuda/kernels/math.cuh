@@ -352,13 +352,13 @@ GA_HD void ga_scale_loss_one(void *loss, ga_u64 i, int dtype, float scale) {
 #define GA_ROUND_NEAREST 0
 #define GA_ROUND_STOCHASTIC 1
 
-/* An optimizer's hyperparameters, learning rate and rounding; the layout is shared with Rust. */
+/* An optimizer's hyperparameters and rounding (the learning rate lives in device memory, so a
+ * captured step replays with a schedule); the layout is shared with Rust. */
 typedef struct {
     ga_u32 algorithm; /* GA_OPT_* */
     ga_u32 nesterov;
     float beta1, beta2, eps, weight_decay;
     float momentum, dampening;
-    float lr;
     ga_u32 rounding; /* GA_ROUND_* */
     ga_u64 seed;
 } ga_opt_rule;
@@ -386,11 +386,12 @@ GA_HD double ga_powi(double a, ga_u32 t) {
     return r;
 }
 
-/* The scalars of step `t` (1 for the first step taken) for a tensor of learning-rate factor
- * `lr_scale`, with weight decay or not: in f64, each rounded to f32 once (Scalars::new). */
-GA_HD ga_opt_scalars ga_opt_scalars_for(const ga_opt_rule *r, float lr_scale, int decays, ga_u64 t) {
+/* The scalars of step `t` (1 for the first step taken) at learning rate `base_lr` for a tensor of
+ * learning-rate factor `lr_scale`, with weight decay or not: in f64, each rounded to f32 once
+ * (Scalars::new). */
+GA_HD ga_opt_scalars ga_opt_scalars_for(const ga_opt_rule *r, float base_lr, float lr_scale, int decays, ga_u64 t) {
     ga_opt_scalars k = {0};
-    double lr = GA_DMUL((double)r->lr, (double)lr_scale);
+    double lr = GA_DMUL((double)base_lr, (double)lr_scale);
     if (r->algorithm == GA_OPT_ADAMW) {
         double beta1 = (double)r->beta1, beta2 = (double)r->beta2;
         double wd = decays ? (double)r->weight_decay : 0.0;
