@@ -157,14 +157,42 @@ static void bad_arguments(void)
     EXPECT_ERROR(gradacc_accumulator_create(&config, &t, 1, NULL, &acc), GRADACC_STATUS_INVALID_ARGUMENT,
                  "`config`.tensor_stats = 2");
     config.tensor_stats = 0;
-    /* Under sharded accumulation no store drops a micro-batch: refused at creation. */
+    /* Under sharded accumulation a micro-batch is dropped, but tensors are not measured. */
     gradacc_comm_t *one = NULL;
     REQUIRE_OK(gradacc_comm_create_local(1, &one));
-    config.overflow = GRADACC_OVERFLOW_DROP_MICROBATCH;
     config.sharding = GRADACC_SHARDING_ACCUMULATE;
+    config.tensor_stats = 1;
     EXPECT_ERROR(gradacc_accumulator_create_sharded(&config, &t, 1, NULL, one, &acc),
                  GRADACC_STATUS_BACKEND_UNAVAILABLE, "sharded accumulation");
     CHECK(acc == NULL, "a refused creation leaves *out alone");
+    config.tensor_stats = 0;
+    config.overflow = GRADACC_OVERFLOW_DROP_MICROBATCH;
+    REQUIRE_OK(gradacc_accumulator_create_sharded(&config, &t, 1, NULL, one, &acc));
+    {
+        gradacc_scaler_t *unit = scaler_with_scale(1.0f);
+        float bad[4] = {1, INFINITY, 3, 4}, good[4] = {2, 4, 6, 8};
+        const void *poisoned[1] = {bad}, *clean[1] = {good};
+        REQUIRE_OK(gradacc_accumulator_add(acc, unit, poisoned, 1, 1));
+        REQUIRE_OK(gradacc_accumulator_add(acc, unit, clean, 1, 2));
+        gradacc_sync_info_t info = {.struct_size = sizeof info};
+        REQUIRE_OK(gradacc_accumulator_sync(acc, NULL, &info));
+        CHECK(!info.found_inf && info.dropped_microbatches == 1 && info.microbatches == 1 &&
+                  info.total_count == 2 && info.overflow_at == GRADACC_OVERFLOW_AT_GRADIENT &&
+                  info.overflow_microbatch == 0 && info.overflow_tensor == 0,
+              "sharded drop: found_inf %d, dropped %llu, micro-batches %llu, count %llu", (int)info.found_inf,
+              (unsigned long long)info.dropped_microbatches, (unsigned long long)info.microbatches,
+              (unsigned long long)info.total_count);
+        float *master = NULL;
+        size_t numel = 0;
+        REQUIRE_OK(gradacc_accumulator_master(acc, 0, &master, &numel));
+        CHECK(numel == 4, "sharded drop: %zu elements", numel);
+        for (size_t i = 0; i < numel; i++)
+            CHECK(master[i] == good[i], "sharded drop: master[%zu] = %g, want %g", i, master[i], good[i]);
+        gradacc_scaler_destroy(unit);
+    }
+    EXPECT_OK(gradacc_accumulator_destroy(acc));
+    acc = NULL;
+    config.overflow = GRADACC_OVERFLOW_SKIP_STEP;
     gradacc_comm_destroy(one);
     /* A clean window reports no place, under the report's struct_size of 0.2 too. */
     config.sharding = GRADACC_SHARDING_NONE;

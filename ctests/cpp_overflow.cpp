@@ -175,8 +175,7 @@ void refused_configs()
     config.overflow = GRADACC_OVERFLOW_DROP_MICROBATCH;
     config.sharding = GRADACC_SHARDING_ACCUMULATE;
     e = refusal(config, &one[0]);
-    EXPECT(e.status() == GRADACC_STATUS_BACKEND_UNAVAILABLE, "DROP_MICROBATCH with sharded accumulation: %s",
-           e.what());
+    EXPECT(e.status() == GRADACC_STATUS_OK, "DROP_MICROBATCH with sharded accumulation: %s", e.what());
     config.overflow = GRADACC_OVERFLOW_SKIP_STEP;
     config.tensor_stats = 1;
     e = refusal(config, &one[0]);

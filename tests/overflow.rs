@@ -1,11 +1,14 @@
 //! The overflow policies against an independent f64 reference: random windows on 1 to 4 ranks,
-//! every dtype, normalisation and loss reduction, all-reduce and reduce-scatter boundaries, whole
-//! and tensor-by-tensor (chunked) micro-batches, with non-finite values placed at random
-//! (micro-batch, tensor, contribution, element, rank). Under `DropMicrobatch` the gradient is the
-//! f64 gradient of exactly the kept micro-batches; under either policy the report names exactly
-//! the first non-finite place, and the ranks agree bitwise (fresh seed each run).
+//! every dtype, normalisation and loss reduction, all-reduce and reduce-scatter boundaries and
+//! sharded accumulation, whole and tensor-by-tensor (chunked) micro-batches, with non-finite
+//! values placed at random (micro-batch, tensor, contribution, element, rank). Under
+//! `DropMicrobatch` the gradient is the f64 gradient of exactly the kept micro-batches; under
+//! either policy the report names exactly the first non-finite place, and the ranks agree bitwise
+//! (fresh seed each run).
 
 mod common;
+
+use std::sync::Arc;
 
 use common::*;
 use gradacc::*;
@@ -31,37 +34,61 @@ fn random_window(rng: &mut Rng, tensors: &[TensorDesc], poison: bool) -> Vec<Mic
     (0..rng.range(0, 4))
         .map(|_| {
             let hook = rng.range(0, 1) == 0;
-            let contributions: Vec<Vec<Vec<f32>>> = tensors
-                .iter()
-                .map(|t| {
-                    let k = if hook { rng.range(0, 3) } else { 1 };
-                    (0..k)
-                        .map(|_| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect())
-                        .collect()
-                })
-                .collect();
-            let mut m = Micro {
-                count: rng.range(1, 9),
-                scale: (2f32).powi(rng.range(0, 15) as i32),
-                hook,
-                contributions,
-                poison: Vec::new(),
-            };
-            if poison && rng.range(0, 2) == 0 {
-                for _ in 0..rng.range(1, 2) {
-                    let fed: Vec<usize> =
-                        (0..tensors.len()).filter(|&t| !m.contributions[t].is_empty()).collect();
-                    if fed.is_empty() {
-                        break;
-                    }
-                    let t = fed[rng.range(0, fed.len() as u64 - 1) as usize];
-                    let c = rng.range(0, m.contributions[t].len() as u64 - 1) as usize;
-                    let e = rng.range(0, tensors[t].numel as u64 - 1) as usize;
-                    let v = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][rng.range(0, 2) as usize];
-                    m.poison.push((t, c, e, v));
-                }
+            random_micro(rng, tensors, poison, hook, &|rng| rng.range(0, 3) as usize)
+        })
+        .collect()
+}
+
+/// One micro-batch, fed by hooks or whole; a hook feeds tensor t `contributions(rng)` times.
+fn random_micro(
+    rng: &mut Rng,
+    tensors: &[TensorDesc],
+    poison: bool,
+    hook: bool,
+    contributions: &dyn Fn(&mut Rng) -> usize,
+) -> Micro {
+    let contributions: Vec<Vec<Vec<f32>>> = tensors
+        .iter()
+        .map(|t| {
+            let k = if hook { contributions(rng) } else { 1 };
+            (0..k).map(|_| (0..t.numel).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect()
+        })
+        .collect();
+    let mut m = Micro {
+        count: rng.range(1, 9),
+        scale: (2f32).powi(rng.range(0, 15) as i32),
+        hook,
+        contributions,
+        poison: Vec::new(),
+    };
+    if poison && rng.range(0, 2) == 0 {
+        for _ in 0..rng.range(1, 2) {
+            let fed: Vec<usize> =
+                (0..tensors.len()).filter(|&t| !m.contributions[t].is_empty()).collect();
+            if fed.is_empty() {
+                break;
             }
-            m
+            let t = fed[rng.range(0, fed.len() as u64 - 1) as usize];
+            let c = rng.range(0, m.contributions[t].len() as u64 - 1) as usize;
+            let e = rng.range(0, tensors[t].numel as u64 - 1) as usize;
+            let v = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][rng.range(0, 2) as usize];
+            m.poison.push((t, c, e, v));
+        }
+    }
+    m
+}
+
+/// Every rank's window of one shape (its micro-batches, whole or fed by hooks, a hook feeding each
+/// tensor at most once), as sharded accumulation's collectives need; the values, counts, scales
+/// and poison are each rank's own.
+fn aligned_windows(rng: &mut Rng, tensors: &[TensorDesc], world: usize) -> Vec<Vec<Micro>> {
+    let hooks: Vec<bool> = (0..rng.range(1, 4)).map(|_| rng.range(0, 1) == 0).collect();
+    (0..world)
+        .map(|_| {
+            let window = hooks.iter().map(|&hook| {
+                random_micro(rng, tensors, true, hook, &|rng| rng.range(0, 4).min(1) as usize)
+            });
+            window.collect()
         })
         .collect()
 }
@@ -115,21 +142,30 @@ fn run_group(
     tensors: &[TensorDesc],
     windows: &[Vec<Micro>],
 ) -> Vec<RankResult> {
-    let comms = LocalComm::group(windows.len()).unwrap();
+    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(windows.len())
+        .unwrap()
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .zip(windows)
             .map(|(comm, window)| {
                 s.spawn(move || {
+                    let (shards, rank) = (comm.world_size(), comm.rank());
                     let sharding = match config.sharding {
                         Sharding::None => Sharding::None,
-                        _ => {
-                            Sharding::ReduceScatter { shards: comm.world_size(), rank: comm.rank() }
-                        }
+                        Sharding::Accumulate { .. } => Sharding::Accumulate { shards, rank },
+                        _ => Sharding::ReduceScatter { shards, rank },
                     };
-                    let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, tensors)
-                        .unwrap();
+                    let builder = Accumulator::builder(tensors)
+                        .config(AccumulatorConfig { sharding, ..config });
+                    let acc = match sharding {
+                        Sharding::Accumulate { .. } => builder.communicator(comm.clone()).build(),
+                        _ => builder.build(),
+                    }
+                    .unwrap();
                     let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
                     let junk16: Vec<Vec<u16>> =
                         tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
@@ -141,9 +177,9 @@ fn run_group(
                     let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
                         .unwrap();
                     acc.add(&one, &views, 1).unwrap();
-                    acc.sync(Some(comm)).unwrap();
+                    acc.sync(Some(&**comm)).unwrap();
                     feed(&acc, window, tensors);
-                    let info = acc.sync(Some(comm)).unwrap();
+                    let info = acc.sync(Some(&**comm)).unwrap();
                     let (range, ptr) = acc.shard();
                     // SAFETY: the shard's address and length come from the live accumulator, which
                     // nothing writes until the next micro-batch.
@@ -172,25 +208,53 @@ fn first_place(windows: &[Vec<Micro>]) -> Option<OverflowAt> {
 fn run_case(rng: &mut Rng, case: usize) {
     let world = rng.range(1, 4) as usize;
     let tensors = random_tensors(rng);
+    // `run_group` gives each rank its shard of "reduce-scatter" or "accumulate".
+    let sharding = [
+        Sharding::None,
+        Sharding::ReduceScatter { shards: 1, rank: 0 },
+        Sharding::Accumulate { shards: 1, rank: 0 },
+    ][rng.range(0, 2) as usize];
+    let accumulate = matches!(sharding, Sharding::Accumulate { .. });
     let config = AccumulatorConfig {
-        // Stands for "reduce-scatter" in `run_group`, which gives each rank its shard.
-        sharding: if rng.range(0, 1) == 0 {
-            Sharding::None
-        } else {
-            Sharding::ReduceScatter { shards: 1, rank: 0 }
-        },
+        sharding,
         overflow: Overflow::DropMicrobatch,
-        tensor_stats: rng.range(0, 3) != 0,
+        tensor_stats: !accumulate && rng.range(0, 3) != 0,
         ..random_config(rng)
     };
     let (normalize, loss_reduction) = (config.normalize, config.loss_reduction);
-    let mut windows: Vec<Vec<Micro>> =
-        (0..world).map(|_| random_window(rng, &tensors, true)).collect();
+    let mut windows: Vec<Vec<Micro>> = if accumulate {
+        aligned_windows(rng, &tensors, world)
+    } else {
+        (0..world).map(|_| random_window(rng, &tensors, true)).collect()
+    };
     // Something to drop, or at least a micro-batch.
-    while windows.iter().flatten().all(|m| m.poison.is_empty()) && windows[0].len() < 2 {
+    while !accumulate
+        && windows.iter().flatten().all(|m| m.poison.is_empty())
+        && windows[0].len() < 2
+    {
         windows[0].extend(random_window(rng, &tensors, true));
     }
-    let kept = || windows.iter().flatten().filter(|m| m.poison.is_empty());
+    // Which micro-batches are kept: a poisoned one is dropped on its rank; under sharded
+    // accumulation one fed by hooks is dropped on every rank (its buckets were reduced as they
+    // filled).
+    let keeps: Vec<Vec<bool>> = windows
+        .iter()
+        .map(|w| {
+            w.iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    if accumulate && m.hook {
+                        windows.iter().all(|w| w[i].poison.is_empty())
+                    } else {
+                        m.poison.is_empty()
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let kept = || {
+        windows.iter().zip(&keeps).flat_map(|(w, k)| w.iter().zip(k)).filter(|p| *p.1).map(|p| p.0)
+    };
     let dropped = windows.iter().flatten().count() - kept().count();
     let place = first_place(&windows);
     let what = format!(
@@ -207,8 +271,9 @@ fn run_case(rng: &mut Rng, case: usize) {
         stats.as_ref().map(|s| s.iter().map(|s| s.nonfinite_microbatches).collect::<Vec<_>>())
     };
 
-    // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
-    if dropped > 0 {
+    // Skipping the step: the same place and counts, every micro-batch counted, the step skipped
+    // (a sharded accumulation's flag takes the other ranks' values: it names no place).
+    if dropped > 0 && !accumulate {
         let skip = run_group(
             AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
             &tensors,
@@ -522,28 +587,17 @@ fn a_value_that_overflows_when_weighted_is_dropped() {
 
 /// Where no store drops a micro-batch or measures tensors, creation fails and says so.
 #[test]
-fn dropping_and_measuring_are_refused_under_sharded_accumulation() {
+fn measuring_is_refused_under_sharded_accumulation() {
     let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }];
     let sharding = Sharding::Accumulate { shards: 1, rank: 0 };
-    for (config, what) in [
-        (
-            AccumulatorConfig {
-                overflow: Overflow::DropMicrobatch,
-                sharding,
-                ..Default::default()
-            },
-            "overflow",
-        ),
-        (AccumulatorConfig { tensor_stats: true, sharding, ..Default::default() }, "tensor_stats"),
-    ] {
-        let e = Accumulator::new(config, &tensors).unwrap_err();
-        assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
-        assert!(
-            e.message.contains("sharded accumulation") && e.message.contains(what),
-            "{}",
-            e.message
-        );
-    }
+    let config = AccumulatorConfig { tensor_stats: true, sharding, ..Default::default() };
+    let e = Accumulator::new(config, &tensors).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+    assert!(
+        e.message.contains("sharded accumulation") && e.message.contains("tensor_stats"),
+        "{}",
+        e.message
+    );
 }
 
 /// A hybrid boundary (2 shard groups of 2 ranks) drops, reports and measures as one group of the

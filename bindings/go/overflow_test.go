@@ -208,9 +208,10 @@ func TestBadOverflowPoliciesAreRefused(t *testing.T) {
 	ac.Overflow = OverflowDropMicrobatch
 	ac.Sharding = ShardingAccumulate
 	acc, err = NewShardedAccumulator([]TensorDesc{{4, F32}}, &ac, comms[0], nil)
-	if acc != nil || !errors.As(err, &e) || e.Status != StatusBackendUnavailable {
-		t.Errorf("DropMicrobatch with sharded accumulation: %v", err)
+	if err != nil {
+		t.Fatalf("DropMicrobatch with sharded accumulation: %v", err)
 	}
+	acc.Close()
 }
 
 func TestTensorStatsCountThePoisonedTensorOnEveryRank(t *testing.T) {

@@ -173,8 +173,16 @@ pub enum Overflow {
     /// is added (a read of its gradients). One fed tensor by tensor goes through an FP32 staging
     /// buffer the size of the master (allocated at its first use), added into the master when
     /// the micro-batch ends clean. A dropped micro-batch backs the scale off at the next update
-    /// ([`Scaler::update_from`](crate::Scaler::update_from)). CPU accumulators without sharded
-    /// accumulation; elsewhere `build` fails with `BackendUnavailable`.
+    /// ([`Scaler::update_from`](crate::Scaler::update_from)).
+    ///
+    /// Under [`Sharding::Accumulate`], whose micro-batches are reduced over the ranks as they
+    /// are fed: a dropping rank's `add` still takes part, with zeros, so the shards hold the
+    /// other ranks' sums. A micro-batch fed tensor by tensor has its buckets reduced before its
+    /// last tensor is seen, so a rank's poisoned gradient (staged as zeros) drops it on every
+    /// rank: `end_microbatch` restores the shard from a copy made when it began (the shard's
+    /// size, allocated at its first use), and each rank counts it dropped.
+    ///
+    /// CPU accumulators; elsewhere `build` fails with `BackendUnavailable`.
     DropMicrobatch,
 }
 

@@ -452,14 +452,29 @@ pub(crate) trait Store: Send + Sync {
     /// `error` this rank's call is invalid: a store that reduces every micro-batch still takes
     /// part in the micro-batch's control step, so that every rank fails together; the error is
     /// returned.
-    fn open_microbatch(&self, _first: bool, _whole: bool, error: Option<&Error>) -> Result<()> {
+    fn open_microbatch(
+        &self,
+        _master: &MasterWrite,
+        _first: bool,
+        _whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         error.map_or(Ok(()), |e| Err(e.clone()))
     }
 
     /// The micro-batch `begin_microbatch` opened ends (or is reset): a store that reduces every
-    /// micro-batch reduces the buckets still waiting.
-    fn close_microbatch(&self) -> Result<()> {
-        Ok(())
+    /// micro-batch reduces the buckets still waiting. Returns whether the micro-batch was
+    /// dropped on every rank (such a store under [`Overflow::DropMicrobatch`], when a rank's
+    /// gradient was not finite: the master is as before the micro-batch).
+    fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// This rank dropped the micro-batch `add` brought ([`Overflow::DropMicrobatch`]): a store
+    /// that reduces every micro-batch still takes part in its reductions, with zeros. Returns
+    /// whether the master was written (with the other ranks' sums).
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+        Ok(false)
     }
 
     /// This rank's part of a sharded accumulation, whose store reduces every micro-batch.
@@ -826,8 +841,8 @@ impl Accumulator {
             if !on {
                 continue;
             }
-            if let Sharding::Accumulate { .. } = config.sharding {
-                return Err(not_here(what, "under sharded accumulation"));
+            if let (Sharding::Accumulate { .. }, true) = (config.sharding, config.tensor_stats) {
+                return Err(not_here("tensor_stats", "under sharded accumulation"));
             }
             if device != Device::Cpu {
                 return Err(not_here(what, &format!("on {}", device.name())));
@@ -919,12 +934,17 @@ impl Accumulator {
             }
             _ => Vec::new(),
         };
-        self.store.open_microbatch(self.opens_window(&w), true, checked.as_ref().err())?;
+        let error = checked.as_ref().err();
+        self.store.open_microbatch(w.master(), self.opens_window(&w), true, error)?;
         self.start_window_if_synced(&mut w)?;
         let n = self.plan.descs.len();
         if let Some(&tensor) = bad.first() {
             if self.plan.config.tensor_stats {
                 w.count_bad(n, bad);
+            }
+            let added = self.store.add_nothing(w.master_mut());
+            if self.settle_lost(&mut w, added)? {
+                (0..n).for_each(|i| self.window.mark_written(&w, i));
             }
             w.drop_microbatch(tensor);
             return Ok(());
@@ -1037,7 +1057,8 @@ impl Accumulator {
             .and_then(|()| self.plan.config.check_count(w.open_count(), count))
             .and_then(|()| comm.as_ref().map_or(Ok(()), |c| self.check_comm(&**c)))
             .and_then(|()| self.check_bound(comm.as_deref()));
-        self.store.open_microbatch(self.opens_window(&w), false, checked.as_ref().err())?;
+        let error = checked.as_ref().err();
+        self.store.open_microbatch(w.master(), self.opens_window(&w), false, error)?;
         if let Some(c) = &comm {
             self.store.begin_final(c)?;
         }
@@ -1069,20 +1090,25 @@ impl Accumulator {
             .and_then(|()| self.check_scaler(scaler))
             .and_then(|()| {
                 let (weight, source) = (self.plan.config.weight(count), scaler.source());
-                match self.plan.config.overflow {
+                let drop = self.plan.config.overflow == Overflow::DropMicrobatch;
+                // A sharded accumulation reduces a micro-batch as its tensors arrive: a poisoned
+                // gradient contributes zeros, and closing the micro-batch drops it on every rank.
+                if !drop || self.store.shard().is_some() {
                     // A non-finite sum of a finite gradient is the master's, not the gradient's.
-                    // Once the window has its place, only `tensor_stats` needs to know which.
-                    Overflow::SkipStep => self.window.contribute(&w, index, |tensor, first| {
+                    // Once the window has its place, only a drop or `tensor_stats` needs to know
+                    // which.
+                    self.window.contribute(&w, index, |tensor, first| {
                         let went_bad = self.store.add_tensor(tensor, source, grad, weight, first)?;
-                        let wanted = self.plan.config.tensor_stats || w.first_bad.is_none();
+                        let wanted = drop || self.plan.config.tensor_stats || w.first_bad.is_none();
                         Ok((went_bad && wanted)
                             .then(|| self.store.finite_gradient(source, grad, weight)))
-                    }),
-                    Overflow::DropMicrobatch => self.window.stage(&w, index, |tensor, first| {
+                    })
+                } else {
+                    self.window.stage(&w, index, |tensor, first| {
                         let went_bad =
                             self.store.stage_tensor(tensor, source, grad, weight, first)?;
                         Ok(went_bad.then_some(Ok(false)))
-                    }),
+                    })
                 }
             });
         match added {
@@ -1153,18 +1179,25 @@ impl Accumulator {
             self.refuse_collective();
             return Err(Error::wrong_state("end_microbatch without begin_microbatch"));
         };
-        let closed = self.store.close_microbatch();
-        self.settle_lost(&mut w, closed)?;
+        let closed = self.store.close_microbatch(w.master_mut());
+        let dropped_everywhere = self.settle_lost(&mut w, closed)?;
         let drop = self.plan.config.overflow == Overflow::DropMicrobatch;
         let bad: Vec<usize> = self.window.bad_tensors().collect();
         if self.plan.config.tensor_stats {
             w.count_bad(self.plan.descs.len(), bad.iter().copied());
         }
-        if let Some(&tensor) = bad.first() {
-            if drop {
-                w.drop_microbatch(tensor);
-                return Ok(());
+        if drop && (dropped_everywhere || !bad.is_empty()) {
+            // A sharded accumulation's shard is as before the micro-batch: what its hooks
+            // marked written is not, when the micro-batch opened the window.
+            if self.store.shard().is_some_and(sharding::Shard::first) {
+                self.window.forget_written();
             }
+            match bad.first() {
+                Some(&tensor) => w.drop_microbatch(tensor),
+                // Another rank's gradient was poisoned.
+                None => w.drop_microbatch_unlocated(),
+            }
+            return Ok(());
         }
         if let Some(tensor) = bad.first().copied().into_iter().chain(self.window.overflowed()).min() {
             w.went_bad(tensor);
@@ -1463,7 +1496,11 @@ impl Accumulator {
     pub fn reset(&self) -> Result<()> {
         let mut w = self.window.write();
         self.store.end_final()?;
-        let closed = if w.in_microbatch() { self.store.close_microbatch() } else { Ok(()) };
+        let closed = if w.in_microbatch() {
+            self.store.close_microbatch(w.master_mut()).map(drop)
+        } else {
+            Ok(())
+        };
         self.store.take_lost();
         self.discard(&mut w)?;
         closed

@@ -150,6 +150,9 @@ pub(crate) struct Shard {
     /// An `add_tensor` of the open micro-batch was refused on this rank: closing it fails every
     /// rank.
     invalid: AtomicBool,
+    /// A gradient of the open micro-batch was not finite on this rank (`Overflow::DropMicrobatch`):
+    /// closing it drops it on every rank.
+    poisoned: AtomicBool,
     /// A reduction failed after the micro-batch's control step: the shard holds part of it.
     lost: AtomicBool,
 }
@@ -181,6 +184,7 @@ impl Shard {
             stripes,
             first: AtomicBool::new(true),
             invalid: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             lost: AtomicBool::new(false),
         })
     }
@@ -190,10 +194,12 @@ impl Shard {
         self.comm.as_deref()
     }
 
-    /// A micro-batch opens, the window's first with `first`: nothing of it is refused yet.
+    /// A micro-batch opens, the window's first with `first`: nothing of it is refused or
+    /// poisoned yet.
     pub(crate) fn open(&self, first: bool) {
         self.first.store(first, Ordering::Relaxed);
         self.invalid.store(false, Ordering::Relaxed);
+        self.poisoned.store(false, Ordering::Relaxed);
     }
 
     /// The open micro-batch assigns the shard.
@@ -203,6 +209,11 @@ impl Shard {
 
     pub(crate) fn note_invalid(&self) {
         self.invalid.store(true, Ordering::Relaxed);
+    }
+
+    /// A gradient of the open micro-batch was not finite on this rank; it contributed zeros.
+    pub(crate) fn note_poisoned(&self) {
+        self.poisoned.store(true, Ordering::Relaxed);
     }
 
     /// A reduction failed after part of a micro-batch reached the shard.
@@ -217,10 +228,16 @@ impl Shard {
 
     /// The control step that closes a micro-batch added tensor by tensor: `exchange` runs it with
     /// this rank's error when one of its `add_tensor` calls was refused (which left its tensor
-    /// out of every rank's sums). A failure loses the window.
-    pub(crate) fn close(&self, exchange: impl FnOnce(Option<&Error>) -> Result<()>) -> Result<()> {
+    /// out of every rank's sums), and whether a gradient of it was poisoned here; it returns
+    /// whether one was on any rank (every rank then drops the micro-batch). A failure loses the
+    /// window.
+    pub(crate) fn close(
+        &self,
+        exchange: impl FnOnce(Option<&Error>, bool) -> Result<bool>,
+    ) -> Result<bool> {
         let own = self.invalid.load(Ordering::Relaxed).then(protocol::refused_here);
-        exchange(own.as_ref()).inspect_err(|_| self.lose())
+        let poisoned = self.poisoned.load(Ordering::Relaxed);
+        exchange(own.as_ref(), poisoned).inspect_err(|_| self.lose())
     }
 
     /// The part of flat `range` this rank holds, counted from the shard's start.
@@ -396,16 +413,19 @@ mod tests {
         assert_eq!(s.offset(own.start + 5), 5);
         assert_eq!((s.offset(0), s.offset(usize::MAX)), (0, own.len()));
 
+        let alone = |own: Option<&Error>, poisoned| own.map_or(Ok(poisoned), |e| Err(e.clone()));
         s.open(false);
         assert!(!s.first());
-        assert!(s.close(|own| own.map_or(Ok(()), |e| Err(e.clone()))).is_ok());
+        assert!(!s.close(alone).unwrap());
         assert!(!s.take_lost());
+        s.note_poisoned();
+        assert!(s.close(alone).unwrap(), "a poisoned micro-batch is dropped");
         s.note_invalid();
-        let refused = s.close(|own| own.map_or(Ok(()), |e| Err(e.clone())));
+        let refused = s.close(alone);
         assert_eq!(refused.unwrap_err().kind, ErrorKind::WrongState);
         assert!(s.take_lost() && !s.take_lost(), "lost once, then taken");
         s.open(true);
-        assert!(s.first() && s.close(|own| own.map_or(Ok(()), |e| Err(e.clone()))).is_ok());
+        assert!(s.first() && s.close(alone) == Ok(false), "opening clears both flags");
     }
 
     /// Buckets go last first, each only once complete and never before a later one.

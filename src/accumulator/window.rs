@@ -159,6 +159,13 @@ impl State {
     /// The micro-batch being fed is dropped: non-finite in `tensor`, it counts for nothing.
     pub fn drop_microbatch(&mut self, tensor: usize) {
         self.went_bad(tensor);
+        self.drop_microbatch_unlocated();
+    }
+
+    /// The micro-batch being fed is dropped for another rank's non-finite gradient (a sharded
+    /// accumulation's micro-batch fed tensor by tensor): it counts for nothing, and this rank
+    /// names no place.
+    pub fn drop_microbatch_unlocated(&mut self) {
         self.dropped += 1;
         self.phase = Phase::Open;
     }
@@ -376,6 +383,11 @@ impl Window {
 
     pub fn mark_written(&self, w: &State, index: usize) {
         self.written_in[index].store(w.id, Ordering::Relaxed);
+    }
+
+    /// No tensor counts as written in any window.
+    pub fn forget_written(&self) {
+        self.written_in.iter().for_each(|t| t.store(0, Ordering::Relaxed));
     }
 
     /// Tensors not written in window `w`.

@@ -20,13 +20,14 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::check;
 use super::master::Master;
 use super::math::NORM_BLOCK;
 use super::store::{between_ranks, host_collectives, Boundary, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
-use crate::accumulator::{Agreed, MasterWrite, Plan, Proposal, SyncInfo};
-use crate::comm::{BlockPass, Communicator, ControlSum, HostCollectives};
+use crate::accumulator::{Agreed, MasterWrite, Overflow, Plan, Proposal, SyncInfo};
+use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -36,6 +37,17 @@ pub(super) struct ShardMemory {
     pub sharding: Shard,
     pub shard: Master,
     hooks: Mutex<Hooks<Vec<f32>>>,
+    /// Under `Overflow::DropMicrobatch`: the shard and the window's flag as a micro-batch fed
+    /// tensor by tensor found them, restored when a rank's gradient of it was poisoned (its
+    /// buckets are reduced as they fill, before the micro-batch's last tensor is seen).
+    before: Mutex<Before>,
+}
+
+/// The shard as it stood when the open micro-batch began (allocated at its first use).
+#[derive(Default)]
+struct Before {
+    shard: Vec<f32>,
+    found_inf: bool,
 }
 
 impl std::fmt::Debug for ShardMemory {
@@ -53,7 +65,7 @@ impl ShardMemory {
         let shard = Master::owned(sharding.own.len())?;
         let mut hooks = Hooks::new(plan);
         hooks.spare.push_back(Sharded::allocate_stage(plan, &sharding)?);
-        Ok(ShardMemory { sharding, shard, hooks: Mutex::new(hooks) })
+        Ok(ShardMemory { sharding, shard, hooks: Mutex::new(hooks), before: Mutex::default() })
     }
 
     /// The memory with its store's plan and overflow flag: what the sharded passes run on.
@@ -64,6 +76,7 @@ impl ShardMemory {
             sharding: &self.sharding,
             shard: &self.shard,
             hooks: &self.hooks,
+            before: &self.before,
         }
     }
 }
@@ -76,6 +89,7 @@ pub(super) struct Sharded<'a> {
     sharding: &'a Shard,
     shard: &'a Master,
     hooks: &'a Mutex<Hooks<Vec<f32>>>,
+    before: &'a Mutex<Before>,
 }
 
 impl Sharded<'_> {
@@ -212,12 +226,44 @@ impl Sharded<'_> {
         }
     }
 
-    /// One control step of a micro-batch over the shard group (see [`protocol`]).
-    fn control_step(&self, step: Step, own: Option<&Error>) -> Result<()> {
-        let mine = ControlSum::of(&step.claim(self.plan, None, own.is_some()));
+    /// One control step of a micro-batch over the shard group (see [`protocol`]), this rank's
+    /// micro-batch claimed `dropped` or not; the agreed sum.
+    fn control_step(&self, step: Step, own: Option<&Error>, dropped: bool) -> Result<ControlSum> {
+        let claim = Control { dropped: dropped as u64, ..step.claim(self.plan, None, own.is_some()) };
         let group = between_ranks(self.sharding.comm())?.map(HostChannel);
-        protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)?;
+        let mine = ControlSum::of(&claim);
+        protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)
+    }
+
+    /// Whether a poisoned gradient is dropped (`Overflow::DropMicrobatch`).
+    fn drops(&self) -> bool {
+        self.plan.config.overflow == Overflow::DropMicrobatch
+    }
+
+    /// Keeps the shard and the window's flag as they are, for [`Sharded::restore`].
+    fn keep_before(&self, master: &MasterWrite) -> Result<()> {
+        let mut before = self.before.lock().unwrap_or_else(|e| e.into_inner());
+        let shard = self.shard.slice(master, 0..self.sharding.own.len());
+        if before.shard.len() != shard.len() {
+            before.shard = Vec::new();
+            before.shard.try_reserve_exact(shard.len()).map_err(|_| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!("cannot allocate a copy of the shard ({} f32 elements)", shard.len()),
+                )
+            })?;
+        }
+        before.shard.clear();
+        before.shard.extend_from_slice(shard);
+        before.found_inf = self.found_inf.load(Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Puts back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
+    fn restore(&self, master: &mut MasterWrite) {
+        let before = self.before.lock().unwrap_or_else(|e| e.into_inner());
+        self.shard.slice_mut(master, 0..self.sharding.own.len()).copy_from_slice(&before.shard);
+        self.found_inf.store(before.found_inf, Ordering::Relaxed);
     }
 
     /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
@@ -306,19 +352,24 @@ impl Sharded<'_> {
     /// same layout, or all fail with nothing reduced.
     pub(super) fn open_microbatch(
         &self,
+        master: &MasterWrite,
         first: bool,
         whole: bool,
         error: Option<&Error>,
     ) -> Result<()> {
         let mut h = self.hooks();
-        self.control_step(Step::Microbatch { whole }, error)?;
+        // Kept before the control step, so that a rank that cannot keep it fails every rank.
+        let keeps = !whole && self.drops() && error.is_none();
+        let kept = if keeps { self.keep_before(master).err() } else { None };
+        self.control_step(Step::Microbatch { whole }, error.or(kept.as_ref()), false)?;
         self.sharding.open(first);
         h.open();
         Ok(())
     }
 
-    /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard.
-    pub(super) fn add(&self, grads: &[Grad<'_>], factor: f32) -> Result<()> {
+    /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard;
+    /// with no `grads`, zeros (this rank dropped it, the others' sums still reach the shards).
+    pub(super) fn add(&self, grads: Option<&[Grad<'_>]>, factor: f32) -> Result<()> {
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
         let mut result = Ok(());
@@ -326,10 +377,15 @@ impl Sharded<'_> {
         // The first shard is the largest.
         for k in 0..stripes.count {
             let (flat, pieces) = self.stripe(k);
-            let parts: Vec<(Range<usize>, usize)> =
-                flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
-            self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
             let end = pieces.last().map_or(0, |p| p.end);
+            match grads {
+                Some(grads) => {
+                    let parts: Vec<(Range<usize>, usize)> =
+                        flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
+                    self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
+                }
+                None => stage[..end].fill(0.0),
+            }
             result = self.reduce_part(
                 &mut stage[..end],
                 &pieces,
@@ -346,28 +402,44 @@ impl Sharded<'_> {
         result
     }
 
-    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced.
-    pub(super) fn add_tensor(&self, index: usize, grad: Grad<'_>, factor: f32) -> Result<()> {
+    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced. Under
+    /// `Overflow::DropMicrobatch` a gradient not finite once unscaled is poisoned: it is staged as
+    /// zeros, and closing the micro-batch drops it on every rank. Returns whether it was.
+    pub(super) fn add_tensor(&self, index: usize, grad: Grad<'_>, factor: f32) -> Result<bool> {
         let layout = &self.plan.layout;
-        let r = layout.range(index);
-        let base = stage_base(&layout.buckets()[layout.bucket_of(index)]);
+        let (r, b) = (layout.range(index), layout.bucket_of(index));
+        let base = stage_base(&layout.buckets()[b]);
+        let poisoned = self.drops() && !check::finite_after_unscale(grad, factor);
         self.hooks().contribute(self, layout, index, |stage| {
+            if poisoned {
+                return Stages::zero(self, stage, b, layout.slot(index));
+            }
             self.stage_ranges(stage, &[(r.clone(), r.start - base)], &|_| grad, factor);
             Ok(())
-        })
+        })?;
+        if poisoned {
+            self.sharding.note_poisoned();
+        }
+        Ok(poisoned)
     }
 
-    /// The buckets still waiting are reduced, then the closing control step.
-    pub(super) fn close_microbatch(&self) -> Result<()> {
+    /// The buckets still waiting are reduced, then the closing control step. Returns whether a
+    /// rank's gradient was poisoned: the shard is then as before the micro-batch, on every rank.
+    pub(super) fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
         let mut h = self.hooks();
         let result = if h.open {
             let reduced = h.reduce_ready(self, &self.plan.layout, true);
-            let close = |own: Option<&Error>| self.control_step(Step::Closing, own);
+            let close = |own: Option<&Error>, poisoned| {
+                Ok(self.control_step(Step::Closing, own, poisoned)?.dropped != 0)
+            };
             reduced.and_then(|()| self.sharding.close(close))
         } else {
-            Ok(())
+            Ok(false)
         };
         self.finish(&mut h);
+        if result == Ok(true) {
+            self.restore(master);
+        }
         result
     }
 

@@ -13,7 +13,7 @@ use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
 use crate::accumulator::{
-    Agreed, Gradient, Grads, MasterWrite, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
+    Agreed, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
     SyncInfo, TensorStats, TensorWrite,
 };
 use crate::comm::{
@@ -170,17 +170,30 @@ impl Store for HostStore {
     }
 
     /// Under sharded accumulation, the micro-batch's control step (see `sharded.rs`).
-    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+    fn open_microbatch(
+        &self,
+        master: &MasterWrite,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         match &self.memory {
             Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
-            Memory::Shard(s) => self.sharded(s).open_microbatch(first, whole, error),
+            Memory::Shard(s) => self.sharded(s).open_microbatch(master, first, whole, error),
         }
     }
 
-    fn close_microbatch(&self) -> Result<()> {
+    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
         match &self.memory {
-            Memory::Whole(_) => Ok(()),
-            Memory::Shard(s) => self.sharded(s).close_microbatch(),
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => self.sharded(s).close_microbatch(master),
+        }
+    }
+
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => self.sharded(s).add(None, 0.0).map(|()| true),
         }
     }
 
@@ -196,7 +209,7 @@ impl Store for HostStore {
         let factor = unscale_factor(scale, weight)?;
         if let Memory::Shard(s) = &self.memory {
             // The shard's flag also takes the other ranks' values: this rank cannot locate them.
-            return self.sharded(s).add(grads, factor).map(|()| false);
+            return self.sharded(s).add(Some(grads), factor).map(|()| false);
         }
         let layout = &self.plan.layout;
         let all = self.held_mut(master, 0..layout.len());
@@ -223,10 +236,8 @@ impl Store for HostStore {
         let factor = unscale_factor(scale, weight)?;
         let master = match &self.memory {
             Memory::Whole(master) => master.tensor_mut(tensor),
-            Memory::Shard(s) => {
-                let index = tensor.index();
-                return self.sharded(s).add_tensor(index, grad, factor).map(|()| false);
-            }
+            // Under DropMicrobatch, whether the gradient was poisoned (staged as zeros).
+            Memory::Shard(s) => return self.sharded(s).add_tensor(tensor.index(), grad, factor),
         };
         let threads = self.plan.config.threads;
         Ok(self.flag(super::accumulate(master, grad, factor, first, threads)))
@@ -403,13 +414,18 @@ fn split_ranges(
 /// The boundary's control step over the shard group (or the whole group) and the replicas (see
 /// [`protocol`]): the claims carry the window's counts, so the agreed totals are the world's.
 pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
+    let found_inf = p.microbatches != 0 && found_inf;
+    // A sharded accumulation that drops poisoned gradients adds only finite ones: its flag can
+    // come only from a sum (the reduction), which no rank's place names.
+    let sums_only = plan.config.overflow == Overflow::DropMicrobatch
+        && plan.config.sharding.shard().is_some();
     let mine = Control {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
-        found_inf: p.microbatches != 0 && found_inf,
+        found_inf,
         dropped: p.dropped,
-        first_bad: p.first_bad(p.microbatches != 0 && found_inf),
+        first_bad: p.first_bad(found_inf && !sums_only),
         ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
     let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);

@@ -718,7 +718,8 @@ impl Sharded<'_> {
             }
             // A rank that cannot join never reaches the closing exchange its peers wait in.
             joined.inspect_err(|_| self.stop())?;
-            self.mem.sharding.close(|own| self.close_together(own))
+            // No gradient is ever poisoned here: DropMicrobatch does not run on CUDA.
+            self.mem.sharding.close(|own, _| self.close_together(own).map(|()| false)).map(drop)
         });
         self.finish(&mut h);
         result

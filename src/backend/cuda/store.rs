@@ -977,17 +977,23 @@ impl Store for DeviceStore {
         Ok(())
     }
 
-    fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
+    fn open_microbatch(
+        &self,
+        _master: &MasterWrite,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
         match &self.memory {
             Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
             Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error),
         }
     }
 
-    fn close_microbatch(&self) -> Result<()> {
+    fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
         match &self.memory {
-            Memory::Whole(_) => Ok(()),
-            Memory::Shard(s) => s.with(self).close_microbatch(),
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => s.with(self).close_microbatch().map(|()| false),
         }
     }
 

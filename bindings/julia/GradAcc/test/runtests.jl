@@ -390,8 +390,9 @@ sharded_accumulation(world, r, comm; kw...) =
               occursin("`config`.overflow = 7", err.message)
         @test_throws ArgumentError Accumulator([(4, Float32)]; overflow=:drop_everything)
         comm = only(local_group(1))
-        err = thrown(() -> Accumulator([(4, Float32)]; sharding=:accumulate, overflow=:drop_microbatch, comm))
-        @test err isa GradAccError && err.status == GRADACC_STATUS_BACKEND_UNAVAILABLE
+        acc = Accumulator([(4, Float32)]; sharding=:accumulate, overflow=:drop_microbatch, comm)
+        @test acc isa Accumulator
+        close(acc)
         close(comm)
     end
 
