@@ -218,7 +218,7 @@ fn run_case(rng: &mut Rng, case: usize) {
     let config = AccumulatorConfig {
         sharding,
         overflow: Overflow::DropMicrobatch,
-        tensor_stats: !accumulate && rng.range(0, 3) != 0,
+        tensor_stats: rng.range(0, 3) != 0,
         ..random_config(rng)
     };
     let (normalize, loss_reduction) = (config.normalize, config.loss_reduction);
@@ -271,9 +271,8 @@ fn run_case(rng: &mut Rng, case: usize) {
         stats.as_ref().map(|s| s.iter().map(|s| s.nonfinite_microbatches).collect::<Vec<_>>())
     };
 
-    // Skipping the step: the same place and counts, every micro-batch counted, the step skipped
-    // (a sharded accumulation's flag takes the other ranks' values: it names no place).
-    if dropped > 0 && !accumulate {
+    // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
+    if dropped > 0 {
         let skip = run_group(
             AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
             &tensors,
@@ -583,21 +582,6 @@ fn a_value_that_overflows_when_weighted_is_dropped() {
     assert_eq!((info.microbatches, info.dropped_microbatches, info.found_inf), (1, 1, false));
     assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 0, microbatch: 1, tensor: 0 }));
     assert_eq!(acc.with_master(0, |m| m.to_vec()).unwrap(), [1.0, 3.0e38]);
-}
-
-/// Where no store drops a micro-batch or measures tensors, creation fails and says so.
-#[test]
-fn measuring_is_refused_under_sharded_accumulation() {
-    let tensors = [TensorDesc { numel: 4, dtype: Dtype::F32 }];
-    let sharding = Sharding::Accumulate { shards: 1, rank: 0 };
-    let config = AccumulatorConfig { tensor_stats: true, sharding, ..Default::default() };
-    let e = Accumulator::new(config, &tensors).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
-    assert!(
-        e.message.contains("sharded accumulation") && e.message.contains("tensor_stats"),
-        "{}",
-        e.message
-    );
 }
 
 /// A hybrid boundary (2 shard groups of 2 ranks) drops, reports and measures as one group of the

@@ -368,6 +368,8 @@ pub(crate) struct Proposal<'a> {
     /// Micro-batches this rank dropped, and where its window first went non-finite.
     pub dropped: u64,
     pub first_bad: Option<(u64, usize)>,
+    /// The window was restored holding a non-finite value whose place was not saved.
+    pub unlocated: bool,
     /// With `tensor_stats`: in how many micro-batches each tensor went non-finite on this rank.
     pub nonfinite: Vec<u64>,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
@@ -841,9 +843,6 @@ impl Accumulator {
             if !on {
                 continue;
             }
-            if let (Sharding::Accumulate { .. }, true) = (config.sharding, config.tensor_stats) {
-                return Err(not_here("tensor_stats", "under sharded accumulation"));
-            }
             if device != Device::Cpu {
                 return Err(not_here(what, &format!("on {}", device.name())));
             }
@@ -957,12 +956,20 @@ impl Accumulator {
             self.window.mark_written(&w, i);
         }
         if went_bad {
+            let stats = self.plan.config.tensor_stats;
+            let bad = if w.first_bad.is_none() || stats {
+                self.store.bad_gradients(scaler.source(), grads, weight)?
+            } else {
+                Vec::new()
+            };
             if w.first_bad.is_none() {
-                let tensor = self.store.first_bad_master(w.master())?;
+                // The first tensor whose gradient, or whose master's sum, went non-finite.
+                let summed = self.store.first_bad_master(w.master())?;
+                let tensor = bad.first().copied().into_iter().chain(summed).min();
                 w.went_bad(tensor.unwrap_or(0));
             }
-            if self.plan.config.tensor_stats {
-                w.count_bad(n, self.store.bad_gradients(scaler.source(), grads, weight)?);
+            if stats {
+                w.count_bad(n, bad);
             }
         }
         w.add_microbatch(count);
@@ -1322,6 +1329,7 @@ impl Accumulator {
             ranks,
             dropped,
             first_bad,
+            unlocated: !empty_again && w.unlocated(),
             nonfinite,
             error,
         };

@@ -307,13 +307,13 @@ impl<S> Hooks<S> {
 
     /// Tensor `index`'s one contribution: `convert` writes it into its bucket's staging, then
     /// every bucket now complete is reduced in order. A failed reduction fails the micro-batch.
-    pub(crate) fn contribute<D: Stages<Stage = S>>(
+    pub(crate) fn contribute<D: Stages<Stage = S>, R>(
         &mut self,
         device: &D,
         layout: &Layout,
         index: usize,
-        convert: impl FnOnce(&mut S) -> Result<()>,
-    ) -> Result<()> {
+        convert: impl FnOnce(&mut S) -> Result<R>,
+    ) -> Result<R> {
         protocol::check_contribution(self.open, self.schedule.landed(index), index)?;
         let b = layout.bucket_of(index);
         let mut stage = match self.stages[b].take() {
@@ -322,9 +322,10 @@ impl<S> Hooks<S> {
         };
         let converted = convert(&mut stage);
         self.stages[b] = Some(stage);
-        converted?;
+        let converted = converted?;
         self.schedule.land(index, b);
-        self.reduce_ready(device, layout, false).inspect_err(|_| self.open = false)
+        self.reduce_ready(device, layout, false).inspect_err(|_| self.open = false)?;
+        Ok(converted)
     }
 
     /// Reduces, in the schedule's order, every bucket from the next one on that is complete

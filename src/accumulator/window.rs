@@ -50,6 +50,11 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// The window was restored holding a non-finite value whose place was not saved.
+    pub fn unlocated(&self) -> bool {
+        self.unlocated
+    }
+
     pub fn in_microbatch(&self) -> bool {
         matches!(self.phase, Phase::InMicrobatch { .. })
     }

@@ -23,9 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::check;
 use super::master::Master;
 use super::math::NORM_BLOCK;
-use super::store::{between_ranks, host_collectives, Boundary, NormPass};
+use super::store::{between_ranks, host_collectives, Boundary, Measured, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
+use crate::accumulator::tensor_stats::Squares;
 use crate::accumulator::{Agreed, MasterWrite, Overflow, Plan, Proposal, SyncInfo};
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::dtype::{Dtype, Grad};
@@ -117,14 +118,15 @@ impl Sharded<'_> {
     }
 
     /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
-    /// range at its staging position; flags overflow. `flat` ascends, and so do the positions.
+    /// range at its staging position; flags overflow, and returns whether a value it wrote is not
+    /// finite (this rank's gradient). `flat` ascends, and so do the positions.
     fn stage_ranges<'g>(
         &self,
         stage: &mut [f32],
         parts: &[(Range<usize>, usize)],
         grads: &dyn Fn(usize) -> Grad<'g>,
         factor: f32,
-    ) {
+    ) -> bool {
         let layout = &self.plan.layout;
         let (mut rest, mut at) = (stage, 0);
         let mut passes = Vec::new();
@@ -152,9 +154,11 @@ impl Sharded<'_> {
                 i += 1;
             }
         }
-        if super::accumulate_many(passes, factor, self.plan.config.threads) {
+        let bad = super::accumulate_many(passes, factor, self.plan.config.threads);
+        if bad {
             self.found_inf.store(true, Ordering::Relaxed);
         }
+        bad
     }
 
     /// Stripe `k`: each rank's slice of the master (ascending) and its piece of the staging,
@@ -369,10 +373,11 @@ impl Sharded<'_> {
 
     /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard;
     /// with no `grads`, zeros (this rank dropped it, the others' sums still reach the shards).
-    pub(super) fn add(&self, grads: Option<&[Grad<'_>]>, factor: f32) -> Result<()> {
+    /// Returns whether this rank's gradients held a non-finite value once unscaled.
+    pub(super) fn add(&self, grads: Option<&[Grad<'_>]>, factor: f32) -> Result<bool> {
         let mut h = self.hooks();
         let mut stage = self.spare_stage(&mut h.spare)?;
-        let mut result = Ok(());
+        let (mut result, mut bad) = (Ok(()), false);
         let (rank, stripes) = (self.sharding.rank, self.sharding.stripes);
         // The first shard is the largest.
         for k in 0..stripes.count {
@@ -382,7 +387,7 @@ impl Sharded<'_> {
                 Some(grads) => {
                     let parts: Vec<(Range<usize>, usize)> =
                         flat.iter().cloned().zip(pieces.iter().map(|p| p.start)).collect();
-                    self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
+                    bad |= self.stage_ranges(&mut stage, &parts, &|i| grads[i], factor);
                 }
                 None => stage[..end].fill(0.0),
             }
@@ -399,28 +404,28 @@ impl Sharded<'_> {
         }
         h.spare.push_back(stage);
         self.finish(&mut h);
-        result
+        result.map(|()| bad)
     }
 
-    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced. Under
-    /// `Overflow::DropMicrobatch` a gradient not finite once unscaled is poisoned: it is staged as
-    /// zeros, and closing the micro-batch drops it on every rank. Returns whether it was.
+    /// Tensor `index` into its bucket's staging; every bucket then complete is reduced. Returns
+    /// whether the gradient held a non-finite value once unscaled. Under
+    /// `Overflow::DropMicrobatch` such a gradient is poisoned: it is staged as zeros, and closing
+    /// the micro-batch drops it on every rank.
     pub(super) fn add_tensor(&self, index: usize, grad: Grad<'_>, factor: f32) -> Result<bool> {
         let layout = &self.plan.layout;
         let (r, b) = (layout.range(index), layout.bucket_of(index));
         let base = stage_base(&layout.buckets()[b]);
         let poisoned = self.drops() && !check::finite_after_unscale(grad, factor);
-        self.hooks().contribute(self, layout, index, |stage| {
+        let bad = self.hooks().contribute(self, layout, index, |stage| {
             if poisoned {
-                return Stages::zero(self, stage, b, layout.slot(index));
+                return Stages::zero(self, stage, b, layout.slot(index)).map(|()| true);
             }
-            self.stage_ranges(stage, &[(r.clone(), r.start - base)], &|_| grad, factor);
-            Ok(())
+            Ok(self.stage_ranges(stage, &[(r.clone(), r.start - base)], &|_| grad, factor))
         })?;
         if poisoned {
             self.sharding.note_poisoned();
         }
-        Ok(poisoned)
+        Ok(bad)
     }
 
     /// The buckets still waiting are reduced, then the closing control step. Returns whether a
@@ -446,23 +451,32 @@ impl Sharded<'_> {
     /// The shard holds the window's sum over the ranks: it is normalised and measured here, its
     /// block values gathered from every shard for the norm, and clipped. In a hybrid boundary
     /// the shard is first all-reduced over the replicas.
+    ///
+    /// With `squares` (`tensor_stats`), the pass sums each segment of the shard too. Returns the
+    /// report and the scale of those sums ([`Boundary::stats_scale`]).
     pub(super) fn reduce(
         &self,
         master: &mut MasterWrite,
         p: &Proposal<'_>,
         agreed: &Agreed,
-    ) -> Result<Option<SyncInfo>> {
+        squares: Option<&Squares<'_>>,
+    ) -> Result<(SyncInfo, f64)> {
         // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
         let boundary = Boundary::new(self.plan, agreed, Dtype::F32);
         let pass = boundary.pass;
         let shard = self.shard.slice_mut(master, 0..self.sharding.own.len());
+        let first = self.sharding.own.start;
         let mine = match between_ranks(p.replicas)? {
             Some(r) => {
-                over_replicas(r, between_ranks(p.comm)?, shard, &NormPass { clip: None, ..pass })?
+                let inner = NormPass { clip: None, ..pass };
+                // Runs the replicas pass are collectives: taken as they come.
+                let measured = Measured::new(&inner, squares, shard, first, None);
+                over_replicas(r, between_ranks(p.comm)?, shard, &measured)?
             }
             None => {
                 let mut values = vec![0.0; super::blocks(shard.len())];
-                pass.run(shard, &mut values);
+                let measured = Measured::new(&pass, squares, shard, first, Some(pass.piece()));
+                measured.run(shard, &mut values);
                 values
             }
         };
@@ -477,7 +491,7 @@ impl Sharded<'_> {
         if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
             super::scale(shard, factor, pass.threads);
         }
-        Ok(Some(boundary.info(&values)))
+        Ok((boundary.info(&values), boundary.stats_scale()))
     }
 }
 
@@ -488,7 +502,7 @@ fn over_replicas(
     replicas: &dyn HostCollectives,
     group: Option<&dyn HostCollectives>,
     shard: &mut [f32],
-    pass: &NormPass,
+    pass: &dyn BlockPass,
 ) -> Result<Vec<f64>> {
     let result = replicas.allreduce_with_pass(shard, std::slice::from_ref(&(0..shard.len())), pass);
     let Some(group) = group else { return result };

@@ -13,7 +13,7 @@ use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
 use crate::accumulator::{
-    Agreed, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
+    Agreed, Gradient, Grads, MasterWrite, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
     SyncInfo, TensorStats, TensorWrite,
 };
 use crate::comm::{
@@ -142,6 +142,42 @@ impl HostStore {
         Ok(())
     }
 
+    /// The boundary of a store holding the whole master: its report, and the scale of its
+    /// segments' sums (see [`Boundary::stats_scale`]).
+    fn reduce_whole(
+        &self,
+        master: &mut MasterWrite,
+        p: &Proposal<'_>,
+        agreed: &Agreed,
+        squares: Option<&Squares<'_>>,
+    ) -> Result<(SyncInfo, f64)> {
+        let all = self.held_mut(master, 0..self.plan.layout.len());
+        let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
+        // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
+        // replicas then sum FP32 sums); the communicator rounds the contributions.
+        let wire = if host.or(replicas).is_some() { self.plan.config.wire } else { Dtype::F32 };
+        let boundary = Boundary::new(&self.plan, agreed, wire);
+        let pass = boundary.pass;
+        let shards = self.plan.shards();
+        // One process passes the whole master as one run: a thread's worth per thread at a time.
+        let piece = (host.is_none() && replicas.is_none()).then_some(pass.piece());
+        let measured = Measured::new(&pass, squares, all, 0, piece);
+        let block_sums = match (host, replicas) {
+            // The communicator runs the pass on the sum, possibly share by share as it completes.
+            (Some(c), None) if shards.is_empty() => {
+                c.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
+            }
+            (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &measured)?,
+            (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass, squares)?,
+            // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
+            (None, Some(r)) => {
+                r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
+            }
+            (None, None) => pass_whole(all, &measured, pass.threads),
+        };
+        Ok((boundary.info(&block_sums), boundary.stats_scale()))
+    }
+
     /// The staging, allocated at its first use.
     fn stage(&self) -> Result<&Master> {
         if let Some(stage) = self.stage.get() {
@@ -193,7 +229,7 @@ impl Store for HostStore {
     fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
         match &self.memory {
             Memory::Whole(_) => Ok(false),
-            Memory::Shard(s) => self.sharded(s).add(None, 0.0).map(|()| true),
+            Memory::Shard(s) => self.sharded(s).add(None, 0.0).map(|_| true),
         }
     }
 
@@ -208,8 +244,9 @@ impl Store for HostStore {
         let grads = grads.host()?;
         let factor = unscale_factor(scale, weight)?;
         if let Memory::Shard(s) = &self.memory {
-            // The shard's flag also takes the other ranks' values: this rank cannot locate them.
-            return self.sharded(s).add(Some(grads), factor).map(|()| false);
+            // Whether this rank's gradients were non-finite: the shard's flag also takes the
+            // other ranks' values.
+            return self.sharded(s).add(Some(grads), factor);
         }
         let layout = &self.plan.layout;
         let all = self.held_mut(master, 0..layout.len());
@@ -262,8 +299,9 @@ impl Store for HostStore {
         Ok(check::finite_after_unscale(grad.host()?, unscale_factor(scale, weight)?))
     }
 
+    /// None under sharded accumulation: its shard also holds the other ranks' values.
     fn first_bad_master(&self, master: &MasterWrite) -> Result<Option<usize>> {
-        let whole = self.whole()?;
+        let Memory::Whole(whole) = &self.memory else { return Ok(None) };
         Ok((0..self.plan.descs.len()).find(|&i| {
             crate::state::holds_non_finite(whole.slice(master, self.plan.layout.range(i)))
         }))
@@ -313,39 +351,15 @@ impl Store for HostStore {
         agreed: &Agreed,
         _read: bool,
     ) -> Result<Option<SyncInfo>> {
-        if let Memory::Shard(s) = &self.memory {
-            return self.sharded(s).reduce(master, p, agreed);
-        }
-        let all = self.held_mut(master, 0..self.plan.layout.len());
-        let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
-        // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
-        // replicas then sum FP32 sums); the communicator rounds the contributions.
-        let wire = if host.or(replicas).is_some() { self.plan.config.wire } else { Dtype::F32 };
-        let boundary = Boundary::new(&self.plan, agreed, wire);
-        let pass = boundary.pass;
-        let shards = self.plan.shards();
         let squares = self.segments.as_ref().map(Segments::squares);
-        // One process passes the whole master as one run: a thread's worth per thread at a time.
-        let piece = (host.is_none() && replicas.is_none())
-            .then_some(pass.threads.max(1) * super::MIN_ELEMENTS_PER_THREAD);
-        let measured = Measured::new(&pass, squares.as_ref(), all, piece);
-        let block_sums = match (host, replicas) {
-            // The communicator runs the pass on the sum, possibly share by share as it completes.
-            (Some(c), None) if shards.is_empty() => {
-                c.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
-            }
-            (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &measured)?,
-            (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass, squares.as_ref())?,
-            // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
-            (None, Some(r)) => {
-                r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
-            }
-            (None, None) => pass_whole(all, &measured, pass.threads),
+        let (info, stats_scale) = match &self.memory {
+            Memory::Whole(_) => self.reduce_whole(master, p, agreed, squares.as_ref())?,
+            Memory::Shard(s) => self.sharded(s).reduce(master, p, agreed, squares.as_ref())?,
         };
         if let (Some(segments), Some(squares)) = (&self.segments, squares) {
-            self.share_stats(segments, p, squares.into_sums(), boundary.stats_scale())?;
+            self.share_stats(segments, p, squares.into_sums(), stats_scale)?;
         }
-        Ok(Some(boundary.info(&block_sums)))
+        Ok(Some(info))
     }
 
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
@@ -415,17 +429,17 @@ fn split_ranges(
 /// [`protocol`]): the claims carry the window's counts, so the agreed totals are the world's.
 pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
     let found_inf = p.microbatches != 0 && found_inf;
-    // A sharded accumulation that drops poisoned gradients adds only finite ones: its flag can
-    // come only from a sum (the reduction), which no rank's place names.
-    let sums_only = plan.config.overflow == Overflow::DropMicrobatch
-        && plan.config.sharding.shard().is_some();
+    // A sharded accumulation's flag also takes the other ranks' values and their sums. Each rank
+    // names the places of its own gradients, so a flag without one (and without a restored
+    // window's unknown place) is another rank's, which names it, or a sum's: the reduction.
+    let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
     let mine = Control {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
         found_inf,
         dropped: p.dropped,
-        first_bad: p.first_bad(found_inf && !sums_only),
+        first_bad: p.first_bad(found_inf && (!sharded || p.unlocated)),
         ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
     let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);
@@ -508,6 +522,14 @@ pub(super) struct NormPass {
     pub wire: Dtype,
 }
 
+impl NormPass {
+    /// Elements one process passes at a time over a buffer it holds whole: a thread's worth per
+    /// thread, so that the per-tensor sums read each piece while it is in cache.
+    pub(super) fn piece(&self) -> usize {
+        self.threads.max(1) * super::MIN_ELEMENTS_PER_THREAD
+    }
+}
+
 /// The host collectives of a communicator: a CPU accumulator reduces on no other.
 pub(super) fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
     match c.collectives() {
@@ -546,7 +568,7 @@ fn hybrid(
         outer: pass,
         failed: Mutex::new(None),
     };
-    let measured = Measured::new(&over, squares, buf, None);
+    let measured = Measured::new(&over, squares, buf, 0, None);
     let values = shard.reduce_scatter_with_pass(buf, shards, &measured)?;
     let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
     let told =
@@ -599,8 +621,10 @@ impl BlockPass for OverReplicas<'_> {
 pub(super) struct Measured<'a> {
     inner: &'a dyn BlockPass,
     squares: Option<&'a Squares<'a>>,
-    /// The master's addresses (a run's place in the layout is its offset from the start).
+    /// The addresses of the master (or shard) passed over, and the flat position of its first
+    /// element: a run's place in the layout is its offset from there.
     buf: Range<usize>,
+    first: usize,
     /// Elements a run is passed in, so each piece is summed while in cache; none to take runs as
     /// they come (a communicator's shares are already that small, and a hybrid boundary's runs
     /// are collectives, whose number must not depend on this rank's threads).
@@ -608,14 +632,16 @@ pub(super) struct Measured<'a> {
 }
 
 impl<'a> Measured<'a> {
+    /// `inner` over `buf`, which holds the layout's elements from flat position `first` on.
     pub(super) fn new(
         inner: &'a dyn BlockPass,
         squares: Option<&'a Squares<'a>>,
         buf: &[f32],
+        first: usize,
         piece: Option<usize>,
     ) -> Self {
         let buf = buf.as_ptr() as usize..buf.as_ptr_range().end as usize;
-        Measured { inner, squares, buf, piece }
+        Measured { inner, squares, buf, first, piece }
     }
 
     fn record(&self, run: &[f32]) {
@@ -632,7 +658,7 @@ impl<'a> Measured<'a> {
             super::block_sum_squares(segment, &mut one, 1);
             one[0]
         };
-        squares.record((start - self.buf.start) / size_of::<f32>(), run, &sum);
+        squares.record(self.first + (start - self.buf.start) / size_of::<f32>(), run, &sum);
     }
 }
 

@@ -418,8 +418,9 @@ sharded_accumulation(world, r, comm; kw...) =
         @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT &&
               occursin("`config`.tensor_stats = 2", err.message)
         comm = only(local_group(1))
-        err = thrown(() -> Accumulator([(4, Float32)]; sharding=:accumulate, tensor_stats=true, comm))
-        @test err isa GradAccError && err.status == GRADACC_STATUS_BACKEND_UNAVAILABLE
+        acc = Accumulator([(4, Float32)]; sharding=:accumulate, tensor_stats=true, comm)
+        @test acc isa Accumulator
+        close(acc)
         close(comm)
     end
 
