@@ -10,10 +10,10 @@ use crate::backend::cpu::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 use crate::dtype::{Dtype, GradMut};
 use crate::math::{f32_to_bf16, f32_to_f16};
 
-/// How a master weight becomes the model's weight; `i` is its place in the piece.
+/// How a master weight becomes the model's weight, element after element of a piece.
 trait Write {
     type Out;
-    fn write(&self, master: f32, i: usize) -> Self::Out;
+    fn write(&mut self, master: f32) -> Self::Out;
 }
 
 struct Exact;
@@ -21,7 +21,7 @@ struct Exact;
 impl Write for Exact {
     type Out = f32;
     #[inline(always)]
-    fn write(&self, master: f32, _: usize) -> f32 {
+    fn write(&mut self, master: f32) -> f32 {
         master
     }
 }
@@ -31,7 +31,7 @@ struct Nearest<const BF16: bool>;
 impl<const BF16: bool> Write for Nearest<BF16> {
     type Out = u16;
     #[inline(always)]
-    fn write(&self, master: f32, _: usize) -> u16 {
+    fn write(&mut self, master: f32) -> u16 {
         if BF16 {
             f32_to_bf16(master)
         } else {
@@ -43,17 +43,16 @@ impl<const BF16: bool> Write for Nearest<BF16> {
 /// Stochastic rounding to bf16 (`BF16`) or f16: the dtype is part of the type, so that the bf16
 /// loop holds only integer arithmetic and vectorizes.
 struct Stochastic<const BF16: bool> {
-    /// The step's key.
-    key: u64,
-    /// The flat index of the piece's first element.
-    base: u64,
+    /// The random counter of the next element (`rounding::counter`).
+    counter: u64,
 }
 
 impl<const BF16: bool> Write for Stochastic<BF16> {
     type Out = u16;
     #[inline(always)]
-    fn write(&self, master: f32, i: usize) -> u16 {
-        let r = rounding::draw(self.key, self.base + i as u64);
+    fn write(&mut self, master: f32) -> u16 {
+        let r = rounding::draw_at(self.counter);
+        self.counter = rounding::next(self.counter);
         rounding::stochastic(master, if BF16 { Dtype::Bf16 } else { Dtype::F16 }, r)
     }
 }
@@ -125,17 +124,16 @@ fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads:
 /// [`step_threads`] on the calling thread.
 fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
     let (k, isa) = (job.k, job.isa);
-    let key = |seed| rounding::key(seed, job.step);
-    let base = base as u64;
+    let counter = |seed| rounding::counter(rounding::key(seed, job.step), base as u64);
     match (out, job.rounding) {
-        (GradMut::F32(o), _) => run(isa, k, piece, o, &Exact),
-        (GradMut::F16(o), Rounding::NearestEven) => run(isa, k, piece, o, &Nearest::<false>),
-        (GradMut::Bf16(o), Rounding::NearestEven) => run(isa, k, piece, o, &Nearest::<true>),
+        (GradMut::F32(o), _) => run(isa, k, piece, o, Exact),
+        (GradMut::F16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<false>),
+        (GradMut::Bf16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<true>),
         (GradMut::F16(o), Rounding::Stochastic { seed }) => {
-            run(isa, k, piece, o, &Stochastic::<false> { key: key(seed), base })
+            run(isa, k, piece, o, Stochastic::<false> { counter: counter(seed) })
         }
         (GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
-            run(isa, k, piece, o, &Stochastic::<true> { key: key(seed), base })
+            run(isa, k, piece, o, Stochastic::<true> { counter: counter(seed) })
         }
     }
 }
@@ -143,7 +141,7 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
 /// [`rows`] compiled for `isa`. The AVX-512 build also takes AVX-512DQ, whose 64-bit multiply
 /// the stochastic rounding's hash needs (every AVX-512 CPU has it but the Xeon Phi, which runs
 /// the AVX2 build).
-fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W) {
+fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
     match isa {
         // SAFETY: `active_isa` reports Avx512 only after detecting AVX-512F, AVX2 and F16C, and
         // `with_isa` only narrows it; AVX-512DQ is detected here.
@@ -164,7 +162,7 @@ fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W)
 /// The CPU must have AVX-512F, AVX-512DQ, AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,f16c")]
-unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W) {
+unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
     rows(k, p, out, w)
 }
 
@@ -174,28 +172,28 @@ unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn rows_avx2<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W) {
+unsafe fn rows_avx2<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
     rows(k, p, out, w)
 }
 
 /// The loop itself, inlined into each path so that it is compiled for the path's instructions.
 #[inline(always)]
-fn rows<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W) {
+fn rows<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], mut w: W) {
     let n = p.grad.len();
     assert!(p.master.len() == n && p.first.len() == n && out.len() == n, "a piece's slices");
     let rows = p.grad.iter().zip(p.master.iter_mut()).zip(p.first.iter_mut()).zip(out.iter_mut());
     match k {
         Scalars::AdamW(a) => {
             assert_eq!(p.second.len(), n, "AdamW's second moments");
-            for (i, ((((g, x), m), o), v)) in rows.zip(p.second.iter_mut()).enumerate() {
+            for ((((g, x), m), o), v) in rows.zip(p.second.iter_mut()) {
                 a.step(*g, x, m, v);
-                *o = w.write(*x, i);
+                *o = w.write(*x);
             }
         }
         Scalars::Sgd(s) => {
-            for (i, (((g, x), b), o)) in rows.enumerate() {
+            for (((g, x), b), o) in rows {
                 s.step(*g, x, b);
-                *o = w.write(*x, i);
+                *o = w.write(*x);
             }
         }
     }
