@@ -107,6 +107,7 @@ pub(crate) fn step_threads(
     split(Job { k, rounding, step, isa: active_isa() }, piece, out, base, threads);
 }
 
+/// [`step_threads`] with the job fixed: halves of the threads on halves of the piece.
 fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads: usize) {
     let n = piece.grad.len();
     if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
