@@ -1,12 +1,14 @@
 //! The optimizer step: AdamW and SGD against exact (f64) arithmetic one step at a time, skipped
 //! steps that change nothing, every sharding policy writing the unsharded run's weights bit for
-//! bit, saved state re-cut onto other shard counts, and bad input refused with nothing changed.
+//! bit, every instruction-set path and thread count writing the same bits, saved state re-cut
+//! onto other shard counts, and bad input refused with nothing changed.
 
 mod common;
 
 use std::sync::Arc;
 
 use common::*;
+use gradacc::backend::cpu::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
     LocalComm, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
@@ -303,44 +305,52 @@ fn group_data(
 }
 
 /// Runs `ranks` ranks under `sharding` (its rank filled in per rank) for the data's steps; each
-/// rank adds one micro-batch per window, syncs and steps. Returns every rank's model weights
-/// after every step, and each rank's saved optimizer state at the end.
+/// rank adds one micro-batch per window, syncs and steps, on the calling thread's instruction
+/// set, with `groups` (none: the defaults). Returns every rank's model weights after every step, and each rank's saved optimizer
+/// state at the end.
 fn run_group(
     tensors: &[TensorDesc],
     sharding: fn(usize, usize) -> Sharding,
     initial: &[Weights],
     data: &[Vec<Vec<Vec<f32>>>],
     config: OptimizerConfig,
+    groups: &[TensorGroup],
 ) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>) {
     let ranks = data.len();
     let comms = LocalComm::group(ranks).unwrap();
+    let isa = cpu::active_isa();
     std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
-                    let comm: Arc<dyn Communicator> = Arc::new(comm);
-                    let cfg =
-                        AccumulatorConfig { sharding: sharding(ranks, rank), ..Default::default() };
-                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
-                    let mut b = Accumulator::builder(tensors).config(cfg);
-                    if accumulate {
-                        b = b.communicator(comm.clone());
-                    }
-                    let acc = b.build().unwrap();
-                    let scaler = fixed_scaler();
-                    let mut weights = initial.to_vec();
-                    let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
-                    let mut seen = Vec::new();
-                    for g in &data[rank] {
-                        add(&acc, &scaler, tensors, g);
-                        let on = (!accumulate).then_some(&*comm);
-                        acc.sync(on).unwrap();
-                        opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
-                        seen.push(weights.clone());
-                    }
-                    (seen, opt.save().unwrap())
+                    cpu::with_isa(isa, || {
+                        let comm: Arc<dyn Communicator> = Arc::new(comm);
+                        let cfg = AccumulatorConfig {
+                            sharding: sharding(ranks, rank),
+                            ..Default::default()
+                        };
+                        let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
+                        let mut b = Accumulator::builder(tensors).config(cfg);
+                        if accumulate {
+                            b = b.communicator(comm.clone());
+                        }
+                        let acc = b.build().unwrap();
+                        let scaler = fixed_scaler();
+                        let mut weights = initial.to_vec();
+                        let opt =
+                            Optimizer::new(&acc, config, groups, &grads_of(&weights)).unwrap();
+                        let mut seen = Vec::new();
+                        for g in &data[rank] {
+                            add(&acc, &scaler, tensors, g);
+                            let on = (!accumulate).then_some(&*comm);
+                            acc.sync(on).unwrap();
+                            opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
+                            seen.push(weights.clone());
+                        }
+                        (seen, opt.save().unwrap())
+                    })
                 })
             })
             .collect();
@@ -360,7 +370,7 @@ fn sharded_steps_write_the_unsharded_weights() {
         for rounding in [Rounding::NearestEven, Rounding::Stochastic { seed: rng.next_u64() }] {
             let config = OptimizerConfig { algorithm: Algorithm::adamw(), lr: 0.01, rounding };
             let (unsharded, _) =
-                run_group(&tensors, |_, _| Sharding::None, &initial, &data, config);
+                run_group(&tensors, |_, _| Sharding::None, &initial, &data, config, &[]);
             for r in &unsharded {
                 assert!(r == &unsharded[0], "unsharded ranks differ");
             }
@@ -369,7 +379,7 @@ fn sharded_steps_write_the_unsharded_weights() {
                 |shards, rank| Sharding::Accumulate { shards, rank },
             ];
             for policy in policies {
-                let (sharded, _) = run_group(&tensors, policy, &initial, &data, config);
+                let (sharded, _) = run_group(&tensors, policy, &initial, &data, config, &[]);
                 for (rank, r) in sharded.iter().enumerate() {
                     for (step, w) in r.iter().enumerate() {
                         assert!(
@@ -378,6 +388,71 @@ fn sharded_steps_write_the_unsharded_weights() {
                             policy(ranks, rank)
                         );
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The model weights' bits: f32 compared by their bits, not as numbers.
+fn bits_of(w: &[Weights]) -> Vec<Vec<u32>> {
+    w.iter()
+        .map(|t| match t {
+            Weights::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+            Weights::Half(_, v) => v.iter().map(|&x| x as u32).collect(),
+        })
+        .collect()
+}
+
+/// Every instruction-set path steps the same state to the same bits: both algorithms (with and
+/// without decay, each branch of the lerp), every weight dtype, both roundings, odd lengths up to
+/// thousands, every remainder modulo 32 in every dtype, and, under three shards, pieces that start
+/// inside a tensor, so that the weights written and the random draws start at odd offsets.
+#[test]
+fn every_isa_steps_the_same_bits() {
+    let mut rng = Rng::fresh("every_isa_steps_the_same_bits");
+    let dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    let odd = 2 * rng.range(1000, 3000) as usize + 1;
+    let long = [1, 17, 63, 131, 1027, 4099, 5003, 2049, odd].into_iter().enumerate();
+    let tensors: Vec<TensorDesc> = long
+        .map(|(i, numel)| TensorDesc { numel, dtype: dtypes[i % 3] })
+        .chain((33..=64).flat_map(|numel| dtypes.map(|dtype| TensorDesc { numel, dtype })))
+        .collect();
+    let isas = cpu::supported_isas();
+    eprintln!("paths: {isas:?}");
+    for algorithm in algorithms() {
+        let initial = model(&mut rng, &tensors);
+        let groups: Vec<TensorGroup> = (0..tensors.len())
+            .map(|i| TensorGroup {
+                weight_decay: i % 2 == 0,
+                lr_scale: rng.uniform(0.5, 2.0) as f32,
+            })
+            .collect();
+        for ranks in [1, 3] {
+            let data = group_data(&mut rng, &tensors, ranks, 4);
+            for rounding in [Rounding::NearestEven, Rounding::Stochastic { seed: rng.next_u64() }] {
+                let config = OptimizerConfig { algorithm, lr: 0.01, rounding };
+                let run = |isa| {
+                    let sharding = |shards, rank| match shards {
+                        1 => Sharding::None,
+                        _ => Sharding::ReduceScatter { shards, rank },
+                    };
+                    let (weights, saved) = cpu::with_isa(isa, || {
+                        run_group(&tensors, sharding, &initial, &data, config, &groups)
+                    });
+                    let weights: Vec<Vec<Vec<Vec<u32>>>> = weights
+                        .iter()
+                        .map(|rank| rank.iter().map(|step| bits_of(step)).collect())
+                        .collect();
+                    (weights, saved)
+                };
+                let scalar = run(Isa::Scalar);
+                for &isa in &isas[1..] {
+                    assert!(
+                        run(isa) == scalar,
+                        "{} against scalar: {algorithm:?}, {ranks} ranks, {rounding:?}",
+                        isa.name()
+                    );
                 }
             }
         }
@@ -398,7 +473,7 @@ fn stochastic_rounding_is_reproducible_and_keyed_by_the_seed() {
             lr: 1e-3,
             rounding: Rounding::Stochastic { seed },
         };
-        run_group(&tensors, |_, _| Sharding::None, &initial, &data, config).0
+        run_group(&tensors, |_, _| Sharding::None, &initial, &data, config, &[]).0
     };
     let seed = rng.next_u64();
     assert!(run(seed) == run(seed));
@@ -420,6 +495,7 @@ fn saved_state_recuts_onto_other_shard_counts() {
         &initial,
         &data,
         config,
+        &[],
     );
     let parts: Vec<&[u8]> = saved.iter().map(Vec::as_slice).collect();
     let whole = {
@@ -603,35 +679,44 @@ fn a_step_refused_on_one_rank_fails_on_every_rank() {
     });
 }
 
-/// The step over several threads gives the one-thread bits (each element's arithmetic and
-/// random draw are its own).
+/// The step over several threads, on every instruction-set path, gives the scalar one-thread
+/// bits (each element's arithmetic and random draw are its own); the threads' parts start at odd
+/// elements of the state.
 #[test]
-fn threads_do_not_change_the_bits() {
-    let mut rng = Rng::fresh("threads_do_not_change_the_bits");
+fn threads_and_paths_do_not_change_the_bits() {
+    let mut rng = Rng::fresh("threads_and_paths_do_not_change_the_bits");
     let tensors = [
         TensorDesc { numel: 1_300_001, dtype: Dtype::Bf16 },
         TensorDesc { numel: 700_003, dtype: Dtype::F16 },
     ];
     let initial = model(&mut rng, &tensors);
     let g = gradient(&mut rng, &tensors, false);
-    let run = |threads, algorithm| {
+    let run = |isa, threads, algorithm| {
         let acc = Accumulator::new(AccumulatorConfig { threads, ..Default::default() }, &tensors)
             .unwrap();
         let rounding = Rounding::Stochastic { seed: 99 };
         let config = OptimizerConfig { algorithm, lr: 1e-3, rounding };
         let mut weights = initial.clone();
         let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
-        for _ in 0..2 {
-            add(&acc, &fixed_scaler(), &tensors, &g);
-            acc.sync(None).unwrap();
-            assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());
-        }
+        cpu::with_isa(isa, || {
+            for _ in 0..2 {
+                add(&acc, &fixed_scaler(), &tensors, &g);
+                acc.sync(None).unwrap();
+                assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());
+            }
+        });
         (weights, opt.save().unwrap())
     };
     for algorithm in [Algorithm::adamw(), algorithms()[3]] {
-        let one = run(1, algorithm);
-        for threads in [2, 3] {
-            assert!(run(threads, algorithm) == one, "{threads} threads, {algorithm:?}");
+        let one = run(Isa::Scalar, 1, algorithm);
+        for isa in cpu::supported_isas() {
+            for threads in [1, 2, 3] {
+                assert!(
+                    run(isa, threads, algorithm) == one,
+                    "{}, {threads} threads, {algorithm:?}",
+                    isa.name()
+                );
+            }
         }
     }
 }

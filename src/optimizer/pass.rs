@@ -1,18 +1,19 @@
 //! One tensor's piece stepped in one pass: the update rule of `update.rs` over the FP32 gradient,
 //! masters and state, each new master written into the model's weight as it is made. The loop is
 //! instantiated per rule and per way of writing (f32, nearest even to f16 or bf16, stochastic), so
-//! it holds no branch the compiler cannot lift out of it.
+//! it holds no branch the compiler cannot lift out of it, and compiled once per instruction set
+//! (`backend::cpu::isa`): the same scalar code, vectorized by the compiler at that width.
 
 use super::rounding::{self, Rounding};
-use crate::backend::cpu::MIN_ELEMENTS_PER_THREAD;
 use super::update::Scalars;
-use crate::math::{f32_to_bf16, f32_to_f16};
+use crate::backend::cpu::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 use crate::dtype::{Dtype, GradMut};
+use crate::math::{f32_to_bf16, f32_to_f16};
 
-/// How a master weight becomes the model's weight; `i` is its place in the piece.
+/// How a master weight becomes the model's weight, element after element of a piece.
 trait Write {
     type Out;
-    fn write(&self, master: f32, i: usize) -> Self::Out;
+    fn write(&mut self, master: f32) -> Self::Out;
 }
 
 struct Exact;
@@ -20,7 +21,7 @@ struct Exact;
 impl Write for Exact {
     type Out = f32;
     #[inline(always)]
-    fn write(&self, master: f32, _: usize) -> f32 {
+    fn write(&mut self, master: f32) -> f32 {
         master
     }
 }
@@ -30,7 +31,7 @@ struct Nearest<const BF16: bool>;
 impl<const BF16: bool> Write for Nearest<BF16> {
     type Out = u16;
     #[inline(always)]
-    fn write(&self, master: f32, _: usize) -> u16 {
+    fn write(&mut self, master: f32) -> u16 {
         if BF16 {
             f32_to_bf16(master)
         } else {
@@ -39,20 +40,20 @@ impl<const BF16: bool> Write for Nearest<BF16> {
     }
 }
 
-struct Stochastic {
-    dtype: Dtype,
-    /// The step's key.
-    key: u64,
-    /// The flat index of the piece's first element.
-    base: u64,
+/// Stochastic rounding to bf16 (`BF16`) or f16: the dtype is part of the type, so that the bf16
+/// loop holds only integer arithmetic and vectorizes.
+struct Stochastic<const BF16: bool> {
+    /// The random counter of the next element (`rounding::counter`).
+    counter: u64,
 }
 
-impl Write for Stochastic {
+impl<const BF16: bool> Write for Stochastic<BF16> {
     type Out = u16;
     #[inline(always)]
-    fn write(&self, master: f32, i: usize) -> u16 {
-        let r = rounding::draw(self.key, self.base + i as u64);
-        rounding::stochastic(master, self.dtype, r)
+    fn write(&mut self, master: f32) -> u16 {
+        let r = rounding::draw_at(self.counter);
+        self.counter = rounding::next(self.counter);
+        rounding::stochastic(master, if BF16 { Dtype::Bf16 } else { Dtype::F16 }, r)
     }
 }
 
@@ -80,71 +81,120 @@ impl<'a> Piece<'a> {
     }
 }
 
-/// [`step`] on up to `threads` threads, each taking a contiguous part: every element's
-/// arithmetic and random draw are its own, so the bits do not depend on the thread count.
-pub(crate) fn step_threads(
-    k: &Scalars,
-    piece: Piece<'_>,
-    out: GradMut<'_>,
+/// What a step does to every piece: the scalars, the rounding with its step, and the path.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    k: &'a Scalars,
     rounding: Rounding,
-    step_count: u64,
-    base: usize,
-    threads: usize,
-) {
-    let n = piece.grad.len();
-    if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
-        return step(k, piece, out, rounding, step_count, base);
-    }
-    let left = threads / 2;
-    let mid = n * left / threads;
-    let ((p0, p1), (o0, o1)) = (piece.split_at(mid), out.split_at_mut(mid));
-    std::thread::scope(|s| {
-        s.spawn(move || step_threads(k, p0, o0, rounding, step_count, base, left));
-        step_threads(k, p1, o1, rounding, step_count, base + mid, threads - left);
-    });
+    step: u64,
+    /// Read once on the calling thread: [`crate::backend::cpu::with_isa`] is per thread.
+    isa: Isa,
 }
 
 /// Steps `piece` by `k` and writes its model weights `out` (the piece's part of the tensor),
-/// `rounding` keyed by `step` and the flat index `base` of the piece's first element.
-pub(crate) fn step(
+/// `rounding` keyed by `step` and the flat index `base` of the piece's first element, on up to
+/// `threads` threads, each taking a contiguous part: every element's arithmetic and random draw
+/// are its own, so the bits depend neither on the thread count nor on the instruction set.
+pub(crate) fn step_threads(
     k: &Scalars,
     piece: Piece<'_>,
     out: GradMut<'_>,
     rounding: Rounding,
     step: u64,
     base: usize,
+    threads: usize,
 ) {
-    let stochastic =
-        |dtype, seed| Stochastic { dtype, key: rounding::key(seed, step), base: base as u64 };
-    match (out, rounding) {
-        (GradMut::F32(o), _) => run(k, piece, o, &Exact),
-        (GradMut::F16(o), Rounding::NearestEven) => run(k, piece, o, &Nearest::<false>),
-        (GradMut::Bf16(o), Rounding::NearestEven) => run(k, piece, o, &Nearest::<true>),
+    split(Job { k, rounding, step, isa: active_isa() }, piece, out, base, threads);
+}
+
+/// [`step_threads`] with the job fixed: halves of the threads on halves of the piece.
+fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads: usize) {
+    let n = piece.grad.len();
+    if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
+        return one(job, piece, out, base);
+    }
+    let left = threads / 2;
+    let mid = n * left / threads;
+    let ((p0, p1), (o0, o1)) = (piece.split_at(mid), out.split_at_mut(mid));
+    std::thread::scope(|s| {
+        s.spawn(move || split(job, p0, o0, base, left));
+        split(job, p1, o1, base + mid, threads - left);
+    });
+}
+
+/// [`step_threads`] on the calling thread.
+fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
+    let (k, isa) = (job.k, job.isa);
+    let counter = |seed| rounding::counter(rounding::key(seed, job.step), base as u64);
+    match (out, job.rounding) {
+        (GradMut::F32(o), _) => run(isa, k, piece, o, Exact),
+        (GradMut::F16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<false>),
+        (GradMut::Bf16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<true>),
         (GradMut::F16(o), Rounding::Stochastic { seed }) => {
-            run(k, piece, o, &stochastic(Dtype::F16, seed))
+            run(isa, k, piece, o, Stochastic::<false> { counter: counter(seed) })
         }
         (GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
-            run(k, piece, o, &stochastic(Dtype::Bf16, seed))
+            run(isa, k, piece, o, Stochastic::<true> { counter: counter(seed) })
         }
     }
 }
 
-fn run<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: &W) {
+/// [`rows`] compiled for `isa`. The AVX-512 build also takes AVX-512DQ, whose 64-bit multiply
+/// the stochastic rounding's hash needs (every AVX-512 CPU has it but the Xeon Phi, which runs
+/// the AVX2 build).
+fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+    match isa {
+        // SAFETY: `active_isa` reports Avx512 only after detecting AVX-512F, AVX2 and F16C, and
+        // `with_isa` only narrows it; AVX-512DQ is detected here.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512dq") => unsafe {
+            rows_avx512(k, p, out, w)
+        },
+        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { rows_avx2(k, p, out, w) },
+        _ => rows(k, p, out, w),
+    }
+}
+
+/// [`rows`] at AVX-512's width.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512DQ, AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,f16c")]
+unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+    rows(k, p, out, w)
+}
+
+/// [`rows`] at AVX2's width.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn rows_avx2<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+    rows(k, p, out, w)
+}
+
+/// The loop itself, inlined into each path so that it is compiled for the path's instructions.
+#[inline(always)]
+fn rows<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], mut w: W) {
     let n = p.grad.len();
     assert!(p.master.len() == n && p.first.len() == n && out.len() == n, "a piece's slices");
     let rows = p.grad.iter().zip(p.master.iter_mut()).zip(p.first.iter_mut()).zip(out.iter_mut());
     match k {
         Scalars::AdamW(a) => {
             assert_eq!(p.second.len(), n, "AdamW's second moments");
-            for (i, ((((g, x), m), o), v)) in rows.zip(p.second.iter_mut()).enumerate() {
+            for ((((g, x), m), o), v) in rows.zip(p.second.iter_mut()) {
                 a.step(*g, x, m, v);
-                *o = w.write(*x, i);
+                *o = w.write(*x);
             }
         }
         Scalars::Sgd(s) => {
-            for (i, (((g, x), b), o)) in rows.enumerate() {
+            for (((g, x), b), o) in rows {
                 s.step(*g, x, b);
-                *o = w.write(*x, i);
+                *o = w.write(*x);
             }
         }
     }

@@ -45,10 +45,33 @@ pub(crate) fn key(seed: u64, step: u64) -> u64 {
     mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)))
 }
 
-/// The random 32 bits of element `index` in the step of `key`.
+/// How far apart consecutive elements' counters are.
+const STRIDE: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The counter of element `index` in the step of `key`; the next element's is [`next`] of it,
+/// so a loop steps it with an add (which vectorizes) instead of a 64-bit multiply per element.
 #[inline(always)]
-pub(crate) fn draw(key: u64, index: u64) -> u32 {
-    (mix(key.wrapping_add(index.wrapping_mul(0x9e37_79b9_7f4a_7c15))) >> 32) as u32
+pub(crate) fn counter(key: u64, index: u64) -> u64 {
+    key.wrapping_add(index.wrapping_mul(STRIDE))
+}
+
+/// The counter of the element after the one of `counter`.
+#[inline(always)]
+pub(crate) fn next(counter: u64) -> u64 {
+    counter.wrapping_add(STRIDE)
+}
+
+/// The random 32 bits of the element with counter `counter`.
+#[inline(always)]
+pub(crate) fn draw_at(counter: u64) -> u32 {
+    (mix(counter) >> 32) as u32
+}
+
+/// The random 32 bits of element `index` in the step of `key`: the definition the pass steps
+/// through with [`counter`] and [`next`], and the CUDA kernels' `ga_round_draw`.
+#[cfg(test)]
+fn draw(key: u64, index: u64) -> u32 {
+    draw_at(counter(key, index))
 }
 
 /// `x` in `dtype` (16-bit), rounded stochastically with the random bits `r`: up (away from
@@ -123,6 +146,20 @@ mod tests {
                 // The mean's standard error is at most spacing / (2 sqrt(n)); allow 5 of them.
                 let err = (sum / n as f64 - x as f64).abs();
                 assert!(err < 5.0 * spacing / (2.0 * (n as f64).sqrt()), "{dtype:?} {x}: {err}");
+            }
+        }
+    }
+
+    /// Stepping the counter draws each element's number, across the wrap of the index too.
+    #[test]
+    fn stepping_the_counter_is_drawing_by_index() {
+        let mut z = 3u64;
+        for base in [0, 1, 12_345, u64::MAX - 500] {
+            z = mix(z);
+            let mut c = counter(z, base);
+            for i in 0..1000u64 {
+                assert_eq!(draw_at(c), draw(z, base.wrapping_add(i)), "key {z:#x} index {base}+{i}");
+                c = next(c);
             }
         }
     }
