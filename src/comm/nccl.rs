@@ -245,7 +245,8 @@ pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
     let mut id = ncclUniqueId { internal: [0; UNIQUE_ID_BYTES] };
     // SAFETY: writes NCCL_UNIQUE_ID_BYTES bytes to a struct of that size.
     check(api, unsafe { (api.get_unique_id)(&mut id) }, "ncclGetUniqueId", std::ptr::null_mut())?;
-    Ok(id.internal.map(|b| b as u8))
+    // c_char is i8 on x86-64 and u8 on aarch64: its byte either way.
+    Ok(id.internal.map(|b| b.to_ne_bytes()[0]))
 }
 
 /// NCCL_CONFIG_INITIALIZER of the nccl.h cudarc's bindings come from (2.30), with `blocking` 0.
