@@ -113,8 +113,9 @@ func WeightF16(w []uint16) Weight { return Weight{ptr: words(w), numel: len(w), 
 // WeightBF16 is a bf16 weight as raw 16-bit words.
 func WeightBF16(w []uint16) Weight { return Weight{ptr: words(w), numel: len(w), dtype: BF16} }
 
-// WeightPointer is numel host values of dtype at p (C memory); gradacc cannot check what lies
-// there.
+// WeightPointer is numel values of dtype at p: C memory, or for an optimizer over a CUDA
+// accumulator the weight's device address (unsafe.Pointer(uintptr(addr))); gradacc cannot check
+// what lies in host memory, and checks a device address with the driver.
 func WeightPointer(p unsafe.Pointer, numel int, dtype DType) Weight {
 	return Weight{ptr: p, numel: numel, dtype: dtype, raw: true}
 }
