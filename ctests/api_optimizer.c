@@ -146,6 +146,9 @@ static void test_whole_step(void)
     EXPECT_ERROR(gradacc_optimizer_create(acc, &oc, NULL, holes, NULL, 2, &bad),
                  GRADACC_STATUS_NULL_ARGUMENT, "weights[1]");
     CHECK(bad == NULL, "a failed create wrote a handle");
+    gradacc_optimizer_t *defaults = NULL;
+    REQUIRE_OK(gradacc_optimizer_create(acc, NULL, NULL, initial, NULL, 2, &defaults));
+    EXPECT_OK(gradacc_optimizer_destroy(defaults));
     EXPECT_ERROR(gradacc_optimizer_set_lr(opt, -1.0f), GRADACC_STATUS_INVALID_ARGUMENT, "`lr`");
     void *lr_at = (void *)&lr_at;
     EXPECT_ERROR(gradacc_optimizer_lr_device_ptr(opt, &lr_at), GRADACC_STATUS_DEVICE_MISMATCH, "set_lr");

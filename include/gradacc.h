@@ -1305,7 +1305,8 @@ enum gradacc_status_t gradacc_optimizer_config_default(struct gradacc_optimizer_
  * this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
  * model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of
  * the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
- * weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
+ * weight decay on, lr_scale 1). `config` NULL means the defaults
+ * (gradacc_optimizer_config_default). `n` is the accumulator's tensor count. The semantics are the
  * Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
  * skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
  *

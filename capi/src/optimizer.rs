@@ -180,7 +180,8 @@ unsafe fn weight_buffers<'a>(
 /// this rank's shard under GRADACC_SHARDING_REDUCE_SCATTER or _ACCUMULATE) initialised from the
 /// model's weights `weights[i]` (pointers to each whole tensor, of `weight_dtypes[i]`, or of
 /// the tensors' gradient dtypes when `weight_dtypes` is NULL), each tensor in `groups[i]` (NULL:
-/// weight decay on, lr_scale 1). `n` is the accumulator's tensor count. The semantics are the
+/// weight decay on, lr_scale 1). `config` NULL means the defaults
+/// (gradacc_optimizer_config_default). `n` is the accumulator's tensor count. The semantics are the
 /// Rust API's `Optimizer` (its documentation is the contract: one step per synced window, a
 /// skipped window changes nothing, the all-gather under sharding); docs/optimizer.md.
 ///
@@ -207,8 +208,12 @@ pub unsafe extern "C" fn gradacc_optimizer_create(
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out, "out") }?;
         let a = ACCUMULATORS.get(acc, "acc")?;
-        // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
-        let config = config_from_c(&unsafe { read_config(config, "config") }?)?;
+        let config = if config.is_null() {
+            OptimizerConfig::default()
+        } else {
+            // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
+            config_from_c(&unsafe { read_config(config, "config") }?)?
+        };
         let tensors = a.tensors();
         if n != tensors.len() {
             return Err(Error::new(
