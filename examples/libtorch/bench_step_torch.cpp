@@ -13,11 +13,11 @@
 // bf16 weights must agree within the optimizer's documented bound (Agreement), or the program
 // fails. A floor runs beside them: a plain loop moving the bytes gradacc's step must move.
 //
-//   bench_step_torch [--quick] [--repeats N] [--threads 1,2]
+//   bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--json FILE]
 // Prints a markdown table: median ms over N timed steps (default 5) after one warm-up step, and
 // the median of the step-by-step ratios, at 1 thread and at the machine's thread count
 // (at::set_num_threads and the accumulator's `threads` alike). --quick: the layout at d = 128
-// (6.7M parameters).
+// (6.7M parameters). --json appends one line per thread count to FILE (scripts/bench reads it).
 #include <gradacc.hpp>
 #include <torch/torch.h>
 
@@ -313,6 +313,7 @@ struct Options {
     bool quick = false;
     int repeats = 5;
     std::vector<unsigned> threads;
+    std::string json;
 };
 
 Options parse(int argc, char **argv) {
@@ -323,6 +324,8 @@ Options parse(int argc, char **argv) {
             o.quick = true;
         } else if (a == "--repeats" && i + 1 < argc) {
             o.repeats = std::max(1, std::atoi(argv[++i]));
+        } else if (a == "--json" && i + 1 < argc) {
+            o.json = argv[++i];
         } else if (a == "--threads" && i + 1 < argc) {
             for (const char *p = argv[++i]; *p;) {
                 char *end = nullptr;
@@ -333,7 +336,7 @@ Options parse(int argc, char **argv) {
                 p = *end == ',' ? end + 1 : end;
             }
         } else {
-            std::fprintf(stderr, "usage: bench_step_torch [--quick] [--repeats N] [--threads 1,2]\n");
+            std::fprintf(stderr, "usage: bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--json FILE]\n");
             std::exit(2);
         }
     }
@@ -421,6 +424,23 @@ Row measure(const Inputs &in, std::size_t total, unsigned threads, int repeats) 
     return row;
 }
 
+// One JSON line per row, appended to `path`: times in seconds, as benches/python/report.py reads them.
+void write_json(const std::string &path, const std::vector<Row> &rows, std::size_t tensors, int64_t total) {
+    std::FILE *f = std::fopen(path.c_str(), "a");
+    if (!f) {
+        std::fprintf(stderr, "cannot open %s\n", path.c_str());
+        std::exit(1);
+    }
+    for (const Row &r : rows)
+        std::fprintf(f,
+                     "{\"group\":\"torch_step\",\"tensors\":%zu,\"numel\":%lld,\"threads\":%u,\"torch\":%.6g,"
+                     "\"gradacc\":%.6g,\"floor\":%.6g,\"speedup\":%.4f,\"over_floor\":%.4f,\"ulps\":%d,"
+                     "\"of_bound\":%.4f}\n",
+                     tensors, static_cast<long long>(total), r.threads, r.torch_ms * 1e-3, r.gradacc_ms * 1e-3,
+                     r.floor_ms * 1e-3, r.speedup, r.over_floor, r.agreement.ulps, r.agreement.of_bound);
+    std::fclose(f);
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -435,6 +455,9 @@ int main(int argc, char **argv) {
     std::vector<Row> rows;
     for (unsigned t : o.threads)
         rows.push_back(measure(in, static_cast<std::size_t>(total), t, o.repeats));
+
+    if (!o.json.empty())
+        write_json(o.json, rows, sizes.size(), total);
 
     std::printf("Boundary + AdamW step, %zu tensors, %lld parameters, bf16 weights and gradients, clipped "
                 "to %g; median of %d steps after a warm-up, ms; libtorch %d.%d.%d\n\n",
