@@ -123,7 +123,7 @@ std::vector<torch::Tensor> clones(const std::vector<torch::Tensor> &ts, torch::S
 // PyTorch's step, the operators its Python sequence dispatches to, in its order.
 struct TorchStep {
     std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps, model;
-    torch::Tensor scale, growth_tracker, total_norm;
+    torch::Tensor scale, growth_tracker, total_norm, found;
     gradacc::OptimizerConfig opt;
     std::vector<double> phase; // unscale, clip, AdamW, copy, update: seconds of the last step
 
@@ -152,8 +152,8 @@ struct TorchStep {
         t = Clock::now();
         // clip_grad_norm_(foreach=True): torch/nn/utils/clip_grad.py, _get_total_norm and
         // _clip_grads_with_norm_.
-        const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2);
-        total_norm = at::linalg_vector_norm(at::stack(norms), 2);
+        const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2.0);
+        total_norm = at::linalg_vector_norm(at::stack(norms), 2.0);
         const torch::Tensor coef = (total_norm + 1e-6).reciprocal() * kMaxGradNorm;
         at::_foreach_mul_(grads, at::clamp(coef, std::nullopt, 1.0));
         phase[1] = seconds_since(t);
@@ -161,7 +161,7 @@ struct TorchStep {
         t = Clock::now();
         // GradScaler.step with a fused optimizer after unscale_: found_inf summed over devices
         // (sum() adds it to 0), then torch/optim/adam.py's _fused_adam.
-        const torch::Tensor found = found_inf + 0;
+        found = found_inf + 0;
         at::_foreach_add_(steps, 1);
         at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, opt.lr, opt.beta1, opt.beta2,
                           opt.weight_decay, opt.eps, false, false, std::nullopt, found);
@@ -176,7 +176,15 @@ struct TorchStep {
         at::_amp_update_scale_(scale, growth_tracker, found, 2.0, 0.5, 2000);
         phase[4] = seconds_since(t);
     }
-    double norm() const { return total_norm.item<double>(); }
+    // The norm clip_grad_norm_ measured; exits if the step was skipped or not clipped.
+    double norm() const {
+        const double n = total_norm.item<double>();
+        if (found.item<float>() != 0.0f || n <= kMaxGradNorm) {
+            std::fprintf(stderr, "PyTorch skipped the step or did not clip (norm %g)\n", n);
+            std::exit(1);
+        }
+        return n;
+    }
 };
 
 // gradacc's step: an accumulator over the same layout with bf16 gradients, its optimizer
