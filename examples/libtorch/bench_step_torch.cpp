@@ -13,11 +13,12 @@
 // bf16 weights must agree within the optimizer's documented bound (Agreement), or the program
 // fails. A floor runs beside them: a plain loop moving the bytes gradacc's step must move.
 //
-//   bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--json FILE]
+//   bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--seed N] [--json FILE]
 // Prints a markdown table: median ms over N timed steps (default 5) after one warm-up step, and
 // the median of the step-by-step ratios, at 1 thread and at the machine's thread count
 // (at::set_num_threads and the accumulator's `threads` alike). --quick: the layout at d = 128
-// (6.7M parameters). --json appends one line per thread count to FILE (scripts/bench reads it).
+// (6.7M parameters). The inputs are fresh each run; --seed N repeats those of the run whose header
+// printed N. --json appends one line per thread count to FILE (scripts/bench reads it).
 #include <gradacc.hpp>
 #include <torch/torch.h>
 
@@ -101,8 +102,8 @@ double reference_norm(const std::vector<torch::Tensor> &grads) {
     return std::sqrt(sum);
 }
 
-Inputs make_inputs(const std::vector<int64_t> &sizes) {
-    torch::manual_seed(20261128);
+Inputs make_inputs(const std::vector<int64_t> &sizes, uint64_t seed) {
+    torch::manual_seed(seed);
     Inputs in;
     for (int64_t n : sizes) {
         in.weights.push_back((torch::randn({n}) * 0.02).to(torch::kBFloat16));
@@ -320,6 +321,8 @@ struct Floor {
 struct Options {
     bool quick = false;
     int repeats = 5;
+    // Fresh inputs every run unless --seed repeats a run's (the header prints the seed).
+    uint64_t seed = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
     std::vector<unsigned> threads;
     std::string json;
 };
@@ -332,6 +335,8 @@ Options parse(int argc, char **argv) {
             o.quick = true;
         } else if (a == "--repeats" && i + 1 < argc) {
             o.repeats = std::max(1, std::atoi(argv[++i]));
+        } else if (a == "--seed" && i + 1 < argc) {
+            o.seed = std::strtoull(argv[++i], nullptr, 10);
         } else if (a == "--json" && i + 1 < argc) {
             o.json = argv[++i];
         } else if (a == "--threads" && i + 1 < argc) {
@@ -344,7 +349,8 @@ Options parse(int argc, char **argv) {
                 p = *end == ',' ? end + 1 : end;
             }
         } else {
-            std::fprintf(stderr, "usage: bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--json FILE]\n");
+            std::fprintf(stderr, "usage: bench_step_torch [--quick] [--repeats N] [--threads 1,2] [--seed N] "
+                                 "[--json FILE]\n");
             std::exit(2);
         }
     }
@@ -458,7 +464,7 @@ int main(int argc, char **argv) {
     int64_t total = 0;
     for (int64_t n : sizes)
         total += n;
-    const Inputs in = make_inputs(sizes);
+    const Inputs in = make_inputs(sizes, o.seed);
 
     std::vector<Row> rows;
     for (unsigned t : o.threads)
@@ -468,9 +474,9 @@ int main(int argc, char **argv) {
         write_json(o.json, rows, sizes.size(), total);
 
     std::printf("Boundary + AdamW step, %zu tensors, %lld parameters, bf16 weights and gradients, clipped "
-                "to %g; median of %d steps after a warm-up, ms; libtorch %d.%d.%d\n\n",
+                "to %g; median of %d steps after a warm-up, ms; libtorch %d.%d.%d; seed %llu\n\n",
                 sizes.size(), static_cast<long long>(total), kMaxGradNorm, o.repeats, TORCH_VERSION_MAJOR,
-                TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+                TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, static_cast<unsigned long long>(o.seed));
     std::printf("| threads | PyTorch | unscale_ | clip | AdamW | copy | gradacc | sync | step | floor | "
                 "PyTorch / gradacc | gradacc / floor | bf16 ulps, max (unequal) | > 1 ulp (of bound) | norm error, "
                 "PyTorch / gradacc |\n");
