@@ -60,3 +60,37 @@ wheel_tools() {
     [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
     "$py" -m pip install --quiet "${WHEEL_TOOLS[@]}" >&2
 }
+
+# examples/libtorch, built against libtorch from PyPI and an installed gradacc, in folder $1:
+#   1. torch (the CPU libraries of the PyPI wheel, no CUDA dependency set) into the project's .venv;
+#   2. gradacc built (in $CARGO_TARGET_DIR, default cargo's target/) and installed into $1/prefix,
+#      as a user's project finds it: find_package(gradacc);
+#   3. examples/libtorch configured against both and built in $1/example.
+# The version TOOLCHAIN measured. --no-deps: libtorch_cpu.so needs only libcudart and libcupti from
+# the CUDA wheels (loaded through its own rpath), not the ~3 GB of the full dependency set.
+TORCH_VERSION=2.15.0
+libtorch_example() {
+    local work=$1 jobs py site
+    jobs=$(nproc 2>/dev/null || echo 2)
+    py="$GRADACC_ROOT/.venv/bin/python"
+    [ -x "$py" ] || python3 -m venv "$GRADACC_ROOT/.venv"
+    site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    if ! grep -q "^__version__ = '$TORCH_VERSION" "$site/torch/version.py" 2>/dev/null ||
+        [ ! -f "$site/torch/lib/libtorch_cpu.so" ]; then
+        echo "-- pip install torch==$TORCH_VERSION (CPU libraries only)"
+        "$py" -m pip install --quiet --no-deps "torch==$TORCH_VERSION" nvidia-cuda-runtime nvidia-cuda-cupti
+    fi
+
+    echo "-- gradacc: build and install into $work/prefix"
+    cmake -S "$GRADACC_ROOT" -B "$work/gradacc" -DCMAKE_BUILD_TYPE=Release \
+        -DGRADACC_CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$GRADACC_ROOT/target}" \
+        -DGRADACC_BUILD_TESTS=OFF -DGRADACC_BUILD_EXAMPLES=OFF >/dev/null
+    cmake --build "$work/gradacc" --parallel "$jobs"
+    rm -rf "$work/prefix"
+    cmake --install "$work/gradacc" --prefix "$work/prefix" >/dev/null
+
+    echo "-- examples/libtorch: configure and build"
+    cmake -S "$GRADACC_ROOT/examples/libtorch" -B "$work/example" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_PREFIX_PATH="$work/prefix" -DTorchCPU_ROOT="$site/torch"
+    cmake --build "$work/example" --parallel "$jobs"
+}

@@ -33,6 +33,8 @@ FLOOR_TARGET = 1.05
 BOUNDARY_TARGET = 1.10
 # The bindings' prepared call over 1,000 tensors, in seconds.
 BINDING_TARGET = 100e-6
+# The boundary plus optimizer step against PyTorch's CPU sequence (scripts/bench-torch).
+STEP_TARGET = 2.0
 LAYOUT_NAMES = {"gpt2": "GPT-2-like", "transformer": "GPT-style"}
 
 
@@ -191,6 +193,7 @@ class Run:
         self.count = [r for r in peer if r["group"] == "count"]
         self.mpi = parse_mpi(os.path.join(d, "mpi.txt"))
         self.bindings = parse_bindings(d)
+        self.torch_step = load(os.path.join(d, "torch_step.jsonl"))
 
     def floor_for(self, numel, dtype, threads):
         """The same-run floor of `numel` elements, from the sweep (one flat tensor of that size) or
@@ -420,6 +423,19 @@ class Report:
                       "bytes (one call or pieces; with clipping, and with the data as MPI messages instead of shared memory, "
                       "shown beside it)", "worst over K = 1, 4, 8: " + "; ".join(parts),
                       self.verdict([all(ok) for ok in zip(*oks)])])
+        # 7. the boundary plus optimizer step against PyTorch's CPU sequence, per thread count.
+        if all(run.torch_step for run in runs):
+            threads = sorted({r["threads"] for r in runs[0].torch_step})
+            parts, oks = [], []
+            for n in threads:
+                x = [next((r["speedup"] for r in run.torch_step if r["threads"] == n), 0.0) for run in runs]
+                parts.append(f"{n} thread{'s' if n > 1 else ''}: {self.per_run(x, x2)}×")
+                oks.append([v >= STEP_TARGET for v in x])
+            numel = runs[0].torch_step[0]["numel"]
+            t.append([f"≥ {STEP_TARGET:g}× faster than PyTorch's CPU sequence for the boundary plus optimizer step "
+                      "(`GradScaler.unscale_`, `clip_grad_norm_`, `AdamW(fused=True)`, the copy into the bf16 parameters; "
+                      f"{numel:,} parameters, `scripts/bench-torch`; docs/optimizer.md, \"Against PyTorch's step\")",
+                      "; ".join(parts), self.verdict([all(ok) for ok in zip(*oks)])])
         self.targets = t
         lead = ""
         if len(runs) > 1:
@@ -921,8 +937,8 @@ rank's, median over repeats."""
 
 METHOD = """\
 - `scripts/bench` builds in release mode, runs `benches/suite.rs` (`cargo bench --bench suite`),
-  `benches/python/peer.py` in `.venv-bench` (PyTorch, numpy and matplotlib from PyPI), and
-  `scripts/bench-mpi`, then this report; `scripts/bench --quick` is a smoke run of the same code on
+  `benches/python/peer.py` in `.venv-bench` (PyTorch, numpy and matplotlib from PyPI),
+  `scripts/bench-mpi` and `scripts/bench-torch` (libtorch from PyPI in `.venv`), then this report; `scripts/bench --quick` is a smoke run of the same code on
   smaller sizes that writes under `target/bench/quick/` and leaves `docs/` alone.
 - `scripts/bench --runs N` (2 by default, 1 with `--quick`) repeats the measurements N times, a
   pause apart, into `target/bench/full/run1`, `run2`, …, and this page is made from all of them:
