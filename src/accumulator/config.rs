@@ -173,8 +173,11 @@ pub enum Overflow {
     /// is added (a read of its gradients). One fed tensor by tensor goes through an FP32 staging
     /// buffer the size of the master (allocated at its first use), added into the master when
     /// the micro-batch ends clean. A dropped micro-batch backs the scale off at the next update
-    /// ([`Scaler::update_from`](crate::Scaler::update_from)). CPU accumulators without sharded
-    /// accumulation; elsewhere `build` fails with `BackendUnavailable`.
+    /// ([`Scaler::update_from`](crate::Scaler::update_from)). CPU and CUDA accumulators without
+    /// sharded accumulation (there `build` fails with `BackendUnavailable`). On CUDA the check
+    /// of an `add`, and the close of a micro-batch fed tensor by tensor, read per-tensor flags
+    /// back to the host: each waits for the accumulator's stream, so such calls cannot be
+    /// captured in a CUDA graph.
     DropMicrobatch,
 }
 

@@ -558,6 +558,13 @@ pub(crate) trait Store: Send + Sync {
         Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
 
+    /// The tensors whose staging went non-finite in the open micro-batch where `stage_tensor`
+    /// could not tell at once (a device keeps the flags: reading them waits for it); the
+    /// window's marks hold the others.
+    fn staged_bad(&self) -> Result<Vec<usize>> {
+        Ok(Vec::new())
+    }
+
     /// Adds tensor `index`'s staging into its master (assigns it with `first`), flagging the
     /// window as `add_tensor` does. Returns whether a value it wrote is not finite.
     fn merge_staged(&self, _index: usize, _first: bool) -> Result<bool> {
@@ -811,9 +818,9 @@ impl Accumulator {
                 )));
             }
         }
-        for (on, what) in [
-            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch"),
-            (config.tensor_stats, "tensor_stats"),
+        for (on, what, cuda) in [
+            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch", true),
+            (config.tensor_stats, "tensor_stats", false),
         ] {
             if !on {
                 continue;
@@ -821,7 +828,7 @@ impl Accumulator {
             if let Sharding::Accumulate { .. } = config.sharding {
                 return Err(not_here(what, "under sharded accumulation"));
             }
-            if device != Device::Cpu {
+            if device != Device::Cpu && !cuda {
                 return Err(not_here(what, &format!("on {}", device.name())));
             }
         }
@@ -1011,7 +1018,8 @@ impl Accumulator {
     /// [`Sharding::ReduceScatter`]: each of its pieces reduced into the piece's shard owner) as
     /// soon as all of its tensors arrived (one contribution each), overlapping the rest of the
     /// backward pass; `sync` over the same communicator completes the boundary. Every rank must
-    /// do the same. On the CPU it is `begin_microbatch`.
+    /// do the same. On the CPU, and under [`Overflow::DropMicrobatch`] (whose micro-batch reaches
+    /// the master only when it ends clean), it is `begin_microbatch`.
     pub fn begin_final_microbatch(&self, count: u64, comm: Arc<dyn Communicator>) -> Result<()> {
         self.begin(count, Some(comm))
     }
@@ -1144,7 +1152,12 @@ impl Accumulator {
         let closed = self.store.close_microbatch();
         self.settle_lost(&mut w, closed)?;
         let drop = self.plan.config.overflow == Overflow::DropMicrobatch;
-        let bad: Vec<usize> = self.window.bad_tensors().collect();
+        let mut bad: Vec<usize> = self.window.bad_tensors().collect();
+        if drop {
+            bad.extend(self.store.staged_bad()?);
+            bad.sort_unstable();
+            bad.dedup();
+        }
         if self.plan.config.tensor_stats {
             w.count_bad(self.plan.descs.len(), bad.iter().copied());
         }

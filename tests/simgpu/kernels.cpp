@@ -50,8 +50,35 @@ void fp_add_one(Footprint &f, float *master, const void *grad, ga_u64 numel, int
     f.write(found_inf, 4);
 }
 
-void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64) {
-    f.write(b, 4 * sizeof(ga_u64));
+void fp_check_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources,
+                    const ga_scaler_state *scaler, double, ga_u32 *flags) {
+    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("ga_check_multi: %llu sources in one launch", (unsigned long long)sources.count);
+    f.read(chunks, num_chunks * sizeof(ga_chunk));
+    ga_u64 num_tensors = 0;
+    for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
+    f.read(tensors, num_tensors * sizeof(ga_tensor));
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_chunk &k = chunks[c];
+        if (k.tensor < sources.first_tensor || k.tensor >= sources.first_tensor + sources.count)
+            violation("ga_check_multi: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", (unsigned long long)c,
+                      (unsigned long long)k.tensor, (unsigned long long)sources.first_tensor, (unsigned long long)(sources.first_tensor + sources.count));
+        const ga_tensor &t = tensors[k.tensor];
+        if (k.start + k.len > t.numel) violation("ga_check_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
+        const ga_source &s = sources.s[k.tensor - sources.first_tensor];
+        f.read((const char *)(uintptr_t)s.grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
+    }
+    f.read(scaler, sizeof *scaler);
+    if (sources.count > 0) f.write(flags + sources.first_tensor, sources.count * 4);
+}
+
+void fp_merge(Footprint &f, float *master, const float *staged, ga_u64 numel, ga_u32, ga_u32 *found_inf) {
+    f.write(master, numel * 4);
+    f.read(staged, numel * 4);
+    f.write(found_inf, 4);
+}
+
+void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64, ga_u64, ga_u64) {
+    f.write(b, 6 * sizeof(ga_u64));
     if (found_inf) f.read(found_inf, 4);
 }
 
@@ -196,6 +223,8 @@ const std::vector<KernelInfo> &registry() {
     static const std::vector<KernelInfo> kernels = {
         make("ga_add_multi", ga_add_multi, fp_add_multi),
         make("ga_add_one", ga_add_one, fp_add_one),
+        make("ga_check_multi", ga_check_multi, fp_check_multi),
+        make("ga_merge", ga_merge, fp_merge),
         make("ga_pack_control", ga_pack_control, fp_pack_control),
         make("ga_or_flag", ga_or_flag, fp_or_flag),
         make("ga_to_bf16", ga_to_bf16, fp_to_bf16),

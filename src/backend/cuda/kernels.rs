@@ -16,6 +16,8 @@ pub struct Kernels {
     image: Arc<[u8]>,
     pub add_multi: Function,
     pub add_one: Function,
+    pub check_multi: Function,
+    pub merge: Function,
     pub pack_control: Function,
     pub or_flag: Function,
     pub to_bf16: Function,
@@ -61,6 +63,8 @@ impl Kernels {
         let k = Arc::new(Kernels {
             add_multi: f("ga_add_multi")?,
             add_one: f("ga_add_one")?,
+            check_multi: f("ga_check_multi")?,
+            merge: f("ga_merge")?,
             pack_control: f("ga_pack_control")?,
             or_flag: f("ga_or_flag")?,
             to_bf16: f("ga_to_bf16")?,

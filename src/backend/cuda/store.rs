@@ -8,6 +8,12 @@
 //! bucket whose tensors have all arrived is all-reduced at once on a communication stream, so
 //! the reduction overlaps the rest of the backward pass.
 //!
+//! Under `Overflow::DropMicrobatch` the host decides each drop, as on the CPU: a check kernel
+//! flags each tensor of a micro-batch that would go non-finite, and the flags are read back (a
+//! wait per micro-batch); a hook micro-batch is staged on the device and merged when it ends
+//! clean. The boundary sums the dropped count with the other control words and agrees on the
+//! first place with a MAX of its complement.
+//!
 //! Under reduce-scatter sharding the boundary leaves each rank only its shard reduced: one
 //! in-place ncclReduceScatter over the master, padded to the shards' equal split (a caller's
 //! master of the layout's length is summed shard by shard into each owner with ncclReduce, and a
@@ -23,19 +29,20 @@ use super::driver::{
 };
 use super::kernels::Kernels;
 use super::layout::{
-    GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
+    GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, FIRST_BAD_WORD,
+    SOURCES_PER_LAUNCH,
 };
 use super::sharded::{self, ShardMemory};
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, Plan, Proposal, Reduced, ScaleSource, Sharding, Store,
-    SyncInfo,
+    Agreed, DeviceScale, Gradient, Grads, Overflow, Plan, Proposal, Reduced, ScaleSource,
+    Sharding, Store, SyncInfo,
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
-use crate::comm::{Collectives, Communicator, ControlSum};
+use crate::comm::{Collectives, Communicator, ControlSum, OverflowKey};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -134,6 +141,11 @@ pub(crate) struct DeviceStore {
     boundary_reads: Mutex<SharedReads>,
     /// The BF16 wire's staging, with `wire_dtype` BF16.
     wire: Option<Wire>,
+    /// Under `Overflow::DropMicrobatch`: one u32 per tensor, raised where a micro-batch's
+    /// gradient (or a hook micro-batch's staging) went non-finite, and the FP32 staging of a
+    /// micro-batch fed tensor by tensor, laid out as the master; allocated at first use.
+    flags: OnceLock<DeviceBuffer>,
+    stage: OnceLock<DeviceBuffer>,
 }
 
 /// What a device store holds of the master.
@@ -164,6 +176,26 @@ impl Whole {
     fn at(&self, offset: usize) -> CUdeviceptr {
         self.master.ptr() + 4 * offset as u64
     }
+
+    /// What a multi-tensor launch over `launch`'s tensors takes: their sources, and the address
+    /// and number of their chunks.
+    fn tables(
+        &self,
+        launch: &AddLaunch,
+        grads: &[CUdeviceptr],
+        first: &dyn Fn(usize) -> bool,
+    ) -> (GaSources, CUdeviceptr, u64) {
+        let mut sources = GaSources {
+            first_tensor: launch.first as u64,
+            count: launch.count as u64,
+            s: [GaSource::default(); SOURCES_PER_LAUNCH],
+        };
+        for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
+            *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
+        }
+        let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+        (sources, chunks, launch.num_chunks)
+    }
 }
 
 // SAFETY: device addresses and the stream handle are used only through thread-safe driver calls;
@@ -192,7 +224,10 @@ pub(super) fn alone(
     replicas: Option<&NcclComm>,
 ) -> Option<ControlSum> {
     let world = comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size());
-    (world == 1).then(|| ControlSum {
+    // A window whose every micro-batch was dropped is not empty: the device's boundary reports it
+    // (and the scaler gathers it from there).
+    let all_dropped = p.microbatches == 0 && p.dropped != 0;
+    (world == 1 && !all_dropped).then(|| ControlSum {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
@@ -208,16 +243,43 @@ pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
     if b.empty != 0 {
         return Ok(None);
     }
-    Ok(Some(SyncInfo {
-        found_inf: b.found_inf != 0,
-        total_count: b.count,
+    let total = ControlSum {
+        count: b.count,
         microbatches: b.microbatches,
-        grad_norm: b.grad_norm,
-        clip_coef: b.clip_coef,
-        // Micro-batches are not dropped on a device, and the place is not located.
-        dropped_microbatches: 0,
-        overflow: None,
-    }))
+        found_inf: b.found_inf != 0,
+        dropped: b.dropped,
+        first_bad: !b.first_bad,
+        ..Default::default()
+    };
+    Ok(Some(SyncInfo::of(&total, b.grad_norm, b.clip_coef)))
+}
+
+/// Enqueues this rank's control words into `store`'s boundary. The place is the host's under
+/// DROP_MICROBATCH; under SKIP_STEP the flag stays on the device, and a window that went
+/// non-finite is reported unlocated.
+pub(super) fn pack_control(store: &DeviceStore, p: &Proposal<'_>) -> Result<()> {
+    let boundary = store.boundary.ptr();
+    let (count, microbatches, found_inf, ranks, dropped) =
+        (p.count, p.microbatches, store.found_inf.ptr(), p.ranks, p.dropped);
+    let first_bad = match store.plan.config.overflow {
+        Overflow::DropMicrobatch => p.first_bad(false),
+        Overflow::SkipStep => OverflowKey::UNLOCATED,
+    };
+    let mut args =
+        launch_args!(boundary, count, microbatches, found_inf, ranks, dropped, first_bad);
+    // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
+    unsafe { store.kernels.pack_control.launch(&store.ctx, 1, 1, store.stream, &mut args) }
+}
+
+/// Enqueues the control words' reduction over `c` on `stream` (inside the caller's NCCL group,
+/// if any): the sums, and under DROP_MICROBATCH the first place (a MAX of complements).
+pub(super) fn reduce_control(store: &DeviceStore, c: &NcclComm, stream: CUstream) -> Result<()> {
+    let boundary = store.boundary.ptr();
+    c.allreduce_u64(boundary, CONTROL_WORDS, false, stream)?;
+    if store.plan.config.overflow == Overflow::DropMicrobatch {
+        c.allreduce_u64(boundary + 8 * FIRST_BAD_WORD as u64, 1, true, stream)?;
+    }
+    Ok(())
 }
 
 /// Waits for the stream's collectives on `comm` up to its timeout, failing early when NCCL
@@ -543,6 +605,8 @@ impl DeviceStore {
             verified: Mutex::new(Vec::new()),
             verified_grids: Mutex::new(Vec::new()),
             comm_stream: OnceLock::new(),
+            flags: OnceLock::new(),
+            stage: OnceLock::new(),
             wire: (plan.config.wire == Dtype::Bf16)
                 .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
                 .transpose()?,
@@ -615,26 +679,21 @@ impl DeviceStore {
         if overlap.is_some() {
             self.join_comm_stream()?;
         }
-        let boundary = self.boundary.ptr();
-        let (count, microbatches, found_inf, ranks) =
-            (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
-        let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
-        // SAFETY: argument types follow ga_pack_control.
-        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        pack_control(self, p)?;
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank
         // takes.
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm.filter(|c| self.bf16(c).is_some()) {
             // The wire's kernels run between its collectives: no NCCL group around them. Bucket
             // by bucket (sharded, each bucket's pieces to their owners), which bounds its staging.
-            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+            reduce_control(self, c, self.stream)?;
             let buckets = self.plan.layout.buckets();
             let left = overlap.as_ref().map_or(buckets.len(), |o| o.schedule.waiting());
             buckets[..left].iter().try_for_each(|b| self.reduce_bucket(w, c, b, self.stream))?;
         } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
             c.group(|| {
-                c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, c, self.stream)?;
                 match (&w.split, &overlap) {
                     (Some(s), None) => self.reduce_shards(w, c, s),
                     // The buckets the final micro-batch did not reduce early.
@@ -651,7 +710,7 @@ impl DeviceStore {
             // The wire is the first reduction's between ranks: the replicas', after a shard group
             // of one (whose shard is the whole master, bucket by bucket).
             if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, r, self.stream)?;
                 for b in self.plan.layout.buckets() {
                     let piece = intersect(b, &own);
                     if !piece.is_empty() {
@@ -663,7 +722,7 @@ impl DeviceStore {
             // Every replica holds the same shard: an empty one is skipped by all of them (its
             // address may be one past a caller's master).
             r.group(|| {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, r, self.stream)?;
                 if own.is_empty() {
                     return Ok(());
                 }
@@ -834,17 +893,7 @@ impl DeviceStore {
         let f = self.kernels.add_multi;
         let (tensors, master, found_inf) = (w.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
         for launch in &w.launches {
-            let mut sources = GaSources {
-                first_tensor: launch.first as u64,
-                count: launch.count as u64,
-                s: [GaSource::default(); SOURCES_PER_LAUNCH],
-            };
-            for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
-                *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
-            }
-            let chunks =
-                w.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
-            let num_chunks = launch.num_chunks;
+            let (sources, chunks, num_chunks) = w.tables(launch, grads, first);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args = launch_args!(
                     tensors, chunks, num_chunks, sources, master, state, weight, found_inf
@@ -883,15 +932,34 @@ impl DeviceStore {
                 )));
             }
         }
+        let into = w.at(self.plan.layout.range(index).start);
+        self.add_one(scaler, into, index, grad, weight, first, self.found_inf.ptr())?;
+        if let Some(o) = overlap.as_mut() {
+            self.tensor_arrived(w, o, index)?;
+        }
+        Ok(())
+    }
+
+    /// `ga_add_one` of tensor `index`'s contribution `grad` into `into` (its place in the master,
+    /// or in the staging), raising the u32 flag at `flag` for a non-finite value written.
+    #[allow(clippy::too_many_arguments)]
+    fn add_one(
+        &self,
+        scaler: &dyn DeviceScale,
+        into: CUdeviceptr,
+        index: usize,
+        grad: CUdeviceptr,
+        weight: f64,
+        first: bool,
+        flag: CUdeviceptr,
+    ) -> Result<()> {
         let desc = self.plan.descs[index];
         let f = self.kernels.add_one;
-        let master = w.at(self.plan.layout.range(index).start);
-        let (numel, dtype, assign, found_inf) =
-            (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
+        let (numel, dtype, assign) = (desc.numel as u64, desc.dtype.code(), first as u32);
         scaler.launch_reading(self.stream.cast(), |state| {
-            let mut args =
-                launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
-            // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
+            let mut args = launch_args!(into, grad, numel, dtype, state, weight, assign, flag);
+            // SAFETY: argument types follow ga_add_one; `into` is tensor `index`'s place in a
+            // buffer laid out as the master, `flag` a u32 of device memory.
             unsafe {
                 f.launch(
                     &self.ctx,
@@ -901,11 +969,90 @@ impl DeviceStore {
                     &mut args,
                 )
             }
-        })?;
-        if let Some(o) = overlap.as_mut() {
-            self.tensor_arrived(w, o, index)?;
+        })
+    }
+
+    /// The whole master, or the error of a store that holds a shard.
+    fn whole(&self) -> Result<&Whole> {
+        match &self.memory {
+            Memory::Whole(w) => Ok(w),
+            Memory::Shard(_) => Err(Error::new(
+                ErrorKind::BackendUnavailable,
+                "overflow = DropMicrobatch does not run under sharded accumulation",
+            )),
         }
-        Ok(())
+    }
+
+    /// The per-tensor flags of `Overflow::DropMicrobatch`, allocated (zeroed) at first use.
+    fn flags(&self) -> Result<&DeviceBuffer> {
+        once(&self.flags, || DeviceBuffer::zeroed(&self.ctx, self.stream, 4 * self.plan.descs.len()))
+    }
+
+    /// The hook micro-batch's staging, allocated at first use.
+    fn stage(&self) -> Result<&DeviceBuffer> {
+        once(&self.stage, || DeviceBuffer::zeroed(&self.ctx, self.stream, 4 * self.plan.layout.len()))
+    }
+
+    /// The tensors whose flag is raised, in order (waits for the stream).
+    fn flagged(&self) -> Result<Vec<usize>> {
+        let mut flags = vec![0u32; self.plan.descs.len()];
+        self.flags()?.read(&mut flags)?;
+        Ok(flags.iter().enumerate().filter(|(_, &f)| f != 0).map(|(i, _)| i).collect())
+    }
+
+    /// `ga_check_multi` over the micro-batch `grads`, launched as `add_whole` launches its adds;
+    /// then the flags are read back (a host wait).
+    fn check_whole(
+        &self,
+        w: &Whole,
+        scaler: &dyn DeviceScale,
+        grads: &[CUdeviceptr],
+        weight: f64,
+    ) -> Result<Vec<usize>> {
+        let (f, tensors, flags) = (self.kernels.check_multi, w.tensors.ptr(), self.flags()?);
+        flags.zero_f32(0, self.plan.descs.len())?;
+        let flags = flags.ptr();
+        for launch in &w.launches {
+            let (sources, chunks, num_chunks) = w.tables(launch, grads, &|_| false);
+            scaler.launch_reading(self.stream.cast(), |state| {
+                let mut args =
+                    launch_args!(tensors, chunks, num_chunks, sources, state, weight, flags);
+                // SAFETY: argument types follow ga_check_multi (`sources` by value); the chunk
+                // range is this launch's tensors', the flags hold one u32 per tensor, and the
+                // gradient addresses hold their tensors' numel values (the caller's contract).
+                unsafe {
+                    f.launch(
+                        &self.ctx,
+                        self.ctx.grid_for(num_chunks),
+                        THREADS,
+                        self.stream,
+                        &mut args,
+                    )
+                }
+            })?;
+        }
+        self.flagged()
+    }
+
+    /// Adds the staging of tensor `index` into its master (assigns with `first`), with the
+    /// add's flag on the window.
+    fn merge_whole(&self, w: &Whole, index: usize, first: bool) -> Result<()> {
+        let start = self.plan.layout.range(index).start;
+        let (master, staged) = (w.at(start), self.stage()?.ptr() + 4 * start as u64);
+        let (numel, assign, found_inf) =
+            (self.plan.descs[index].numel as u64, first as u32, self.found_inf.ptr());
+        let mut args = launch_args!(master, staged, numel, assign, found_inf);
+        // SAFETY: argument types follow ga_merge; both ranges are the tensor's, in buffers of the
+        // layout's length.
+        unsafe {
+            self.kernels.merge.launch(
+                &self.ctx,
+                self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
+                THREADS,
+                self.stream,
+                &mut args,
+            )
+        }
     }
 
     /// A call that fails here does not enter NCCL, so the other ranks wait, as in any NCCL
@@ -979,7 +1126,14 @@ impl Store for DeviceStore {
 
     fn open_microbatch(&self, first: bool, whole: bool, error: Option<&Error>) -> Result<()> {
         match &self.memory {
-            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
+            Memory::Whole(_) => {
+                error.map_or(Ok(()), |e| Err(e.clone()))?;
+                // A hook micro-batch starts with no staged tensor flagged.
+                match self.flags.get().filter(|_| !whole) {
+                    Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
+                    None => Ok(()),
+                }
+            }
             Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error),
         }
     }
@@ -1031,9 +1185,51 @@ impl Store for DeviceStore {
         .map(|()| false)
     }
 
+    fn bad_gradients(
+        &self,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+    ) -> Result<Vec<usize>> {
+        let (grads, scaler) = (grads.device()?, scale.device()?);
+        self.check_whole(self.whole()?, scaler, grads, weight)
+    }
+
+    /// The flag of the tensor's staging stays on the device until `staged_bad`.
+    fn stage_tensor(
+        &self,
+        scale: ScaleSource<'_>,
+        index: usize,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<bool> {
+        self.whole()?;
+        let (grad, scaler) = (grad.device()?, scale.device()?);
+        let into = self.stage()?.ptr() + 4 * self.plan.layout.range(index).start as u64;
+        let flag = self.flags()?.ptr() + 4 * index as u64;
+        self.add_one(scaler, into, index, grad, weight, first, flag).map(|()| false)
+    }
+
+    fn staged_bad(&self) -> Result<Vec<usize>> {
+        match self.flags.get() {
+            Some(_) => self.flagged(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The window's flag stays on the device: a sum that overflows is not located.
+    fn merge_staged(&self, index: usize, first: bool) -> Result<bool> {
+        self.merge_whole(self.whole()?, index, first).map(|()| false)
+    }
+
     /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+    /// Under DROP_MICROBATCH the micro-batch is staged, so nothing is reduced early.
     fn begin_final(&self, comm: &Arc<dyn Communicator>) -> Result<()> {
         let Memory::Whole(w) = &self.memory else { return Ok(()) };
+        if self.plan.config.overflow == Overflow::DropMicrobatch {
+            return Ok(());
+        }
         self.verify_layout(nccl(&**comm)?)?;
         self.comm_stream()?;
         // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
@@ -1150,6 +1346,15 @@ impl Store for DeviceStore {
         scaler.gather_ordered(self.boundary.ptr())?;
         reads.after_read(scaler.stream().cast())
     }
+}
+
+/// The buffer in `cell`, made by `make` at first use.
+fn once(cell: &OnceLock<DeviceBuffer>, make: impl FnOnce() -> Result<DeviceBuffer>) -> Result<&DeviceBuffer> {
+    if let Some(b) = cell.get() {
+        return Ok(b);
+    }
+    let made = make()?;
+    Ok(cell.get_or_init(|| made))
 }
 
 impl Drop for DeviceStore {
