@@ -126,7 +126,7 @@ struct ScalerConfig : gradacc_scaler_config_t {
  * the same two fields, and create it with Accumulator::sharded. `wire_dtype` is what the
  * reductions send (GRADACC_DTYPE_F32 by default, or GRADACC_DTYPE_BF16). `overflow` is what a
  * non-finite gradient costs: GRADACC_OVERFLOW_SKIP_STEP (default) skips the window's step,
- * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (CPU, not with
+ * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (not with
  * Accumulator::sharded: the constructor throws BACKEND_UNAVAILABLE); another value throws
  * INVALID_ARGUMENT. `tensor_stats = 1` has every boundary also measure each tensor
  * (Accumulator::tensor_stats; CPU, not with Accumulator::sharded: BACKEND_UNAVAILABLE); a value
