@@ -341,8 +341,7 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
             Sharding::ReduceScatter { shards: 1, rank: 0 }
         },
         overflow: Overflow::DropMicrobatch,
-        // Not measured on CUDA yet (creation refuses it).
-        tensor_stats: rng.range(0, 3) != 0 && on == On::Cpu,
+        tensor_stats: rng.range(0, 3) != 0,
         ..random_config(rng)
     };
     let (normalize, loss_reduction) = (config.normalize, config.loss_reduction);
@@ -371,9 +370,11 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
 
     // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
     if dropped > 0 {
+        // On CUDA tensor_stats needs DropMicrobatch (creation refuses it otherwise).
+        let measured = config.tensor_stats && on == On::Cpu;
         let skip = run_group(
             on,
-            AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
+            AccumulatorConfig { overflow: Overflow::SkipStep, tensor_stats: measured, ..config },
             &tensors,
             &windows,
         );
@@ -384,7 +385,7 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
             assert_eq!(info.overflow, skip_place, "{what}: SkipStep's place on rank {rank}");
             assert_eq!(info.dropped_microbatches, 0, "{what}");
             assert_eq!(info.microbatches, windows.iter().flatten().count() as u64, "{what}");
-            if config.tensor_stats {
+            if measured {
                 assert_eq!(counts(stats), Some(nonfinite.clone()), "{what}: SkipStep's counts");
             }
         }
@@ -393,8 +394,18 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
     let results = run_group(on, config, &tensors, &windows);
     if on == On::Cuda && std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1") {
         let cpu = run_group(On::Cpu, config, &tensors, &windows);
-        for (rank, ((a, ma, _), (b, mb, _))) in results.iter().zip(&cpu).enumerate() {
+        for (rank, ((a, ma, sa), (b, mb, sb))) in results.iter().zip(&cpu).enumerate() {
             let same = |x: f64, y: f64| x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan();
+            let stats = |s: &Option<Vec<TensorStats>>| {
+                s.as_ref().map(|s| {
+                    s.iter().map(|s| (s.grad_norm.to_bits(), s.nonfinite_microbatches)).collect()
+                })
+            };
+            let (ca, cb): (Option<Vec<_>>, Option<Vec<_>>) = (stats(sa), stats(sb));
+            assert_eq!(
+                ca, cb,
+                "{what}: rank {rank}'s tensor stats differ between CUDA and the CPU"
+            );
             assert!(
                 same(a.grad_norm, b.grad_norm) && same(a.clip_coef, b.clip_coef),
                 "{what}: rank {rank}: CUDA {a:?}, CPU {b:?}"
@@ -721,7 +732,18 @@ fn nothing_kept_anywhere_skips_the_step_on_cuda() {
     let tensors =
         [TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 2, dtype: Dtype::F32 }];
     let dtypes = [Dtype::Bf16, Dtype::F32];
-    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        tensor_stats: true,
+        ..Default::default()
+    };
+    // On CUDA the counts are the drop decisions: tensor_stats needs DropMicrobatch.
+    let skip = AccumulatorConfig { overflow: Overflow::SkipStep, ..config };
+    let e =
+        Accumulator::builder(&tensors).device(Dev::of(On::Cuda, 0).device()).config(skip).build();
+    let e = e.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+    assert!(e.message.contains("tensor_stats") && e.message.contains("SkipStep"), "{}", e.message);
     for world in (1..=2).filter(|&w| w <= devices) {
         let results = in_group(On::Cuda, world, |rank, dev, comm| {
             let acc = dev.accumulator(config, &tensors);
@@ -734,6 +756,13 @@ fn nothing_kept_anywhere_skips_the_step_on_cuda() {
             dev.add_tensor(&acc, &scaler, 0, Dtype::Bf16, &a);
             acc.end_microbatch().unwrap();
             let info = acc.sync(Some(comm)).unwrap();
+            let stats: Vec<(f64, u64)> = acc
+                .tensor_stats()
+                .unwrap()
+                .iter()
+                .map(|s| (s.grad_norm, s.nonfinite_microbatches))
+                .collect();
+            assert_eq!(stats, [(0.0, 0), (0.0, 2 * world as u64)], "world {world}, rank {rank}");
             let mut master = [1.0f32; 3];
             acc.read_master(0, &mut master).unwrap();
             let skipped = scaler.update_from(&[&acc], true).unwrap().unwrap();
@@ -834,8 +863,8 @@ fn hybrid_feed(g: usize, dev: &Dev, acc: &Accumulator) {
     }
 }
 
-/// A hybrid boundary on CUDA (NCCL shard and replica groups, 2 x 2) drops and reports as the CPU's
-/// does: the same place, counts and, on the software GPU, the same bits.
+/// A hybrid boundary on CUDA (NCCL shard and replica groups, 2 x 2) drops, reports and measures
+/// as the CPU's does: the same place, counts and, on the software GPU, the same bits.
 #[test]
 fn a_hybrid_boundary_drops_on_cuda_as_on_the_cpu() {
     let Some(devices) = cuda_ranks() else { return };
@@ -847,6 +876,7 @@ fn hybrid_on_cuda() {
     let tensors = HYBRID_TENSORS;
     let config = AccumulatorConfig {
         overflow: Overflow::DropMicrobatch,
+        tensor_stats: true,
         max_grad_norm: 1.0,
         ..Default::default()
     };
@@ -857,11 +887,12 @@ fn hybrid_on_cuda() {
     let cpu = hybrid_grid(2, 2, |g, shard, replicas| {
         let acc = Accumulator::new(sharded(shard.rank()), &tensors).unwrap();
         hybrid_feed(g, &Dev::Cpu, &acc);
-        (acc.sync_hybrid(shard, replicas).unwrap(), Dev::Cpu.shard(&acc))
+        let info = acc.sync_hybrid(shard, replicas).unwrap();
+        (info, Dev::Cpu.shard(&acc), acc.tensor_stats().unwrap())
     });
     let shard_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
     let replica_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
-    let cuda: Vec<(SyncInfo, Vec<f32>)> = std::thread::scope(|s| {
+    let cuda: Vec<(SyncInfo, Vec<f32>, Vec<TensorStats>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
             .map(|g| {
                 let (a, i) = (g / 2, g % 2);
@@ -875,14 +906,17 @@ fn hybrid_on_cuda() {
                     }
                     let acc = dev.accumulator(sharded(i), &tensors);
                     hybrid_feed(g, &dev, &acc);
-                    (acc.sync_hybrid(&shard, &replicas).unwrap(), dev.shard(&acc))
+                    let info = acc.sync_hybrid(&shard, &replicas).unwrap();
+                    (info, dev.shard(&acc), acc.tensor_stats().unwrap())
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
-    for (g, ((got, got_shard), (want, want_shard))) in cuda.iter().zip(&cpu).enumerate() {
+    for (g, ((got, got_shard, got_stats), (want, want_shard, want_stats))) in
+        cuda.iter().zip(&cpu).enumerate()
+    {
         assert_eq!(got.overflow, Some(OverflowAt::Gradient { rank: 3, microbatch: 1, tensor: 1 }));
         assert_eq!(
             (got.dropped_microbatches, got.microbatches, got.total_count, got.found_inf),
@@ -894,6 +928,11 @@ fn hybrid_on_cuda() {
         assert!(close(got.grad_norm, want.grad_norm), "rank {g}: {got:?} vs {want:?}");
         assert!(close(got.clip_coef, want.clip_coef), "rank {g}: {got:?} vs {want:?}");
         assert_eq!(got_shard.len(), want_shard.len(), "rank {g}");
+        for (t, (a, b)) in got_stats.iter().zip(want_stats).enumerate() {
+            assert_eq!(a.nonfinite_microbatches, b.nonfinite_microbatches, "rank {g} tensor {t}");
+            assert_eq!(a.nonfinite_microbatches, (t == 1) as u64, "rank {g} tensor {t}");
+            assert!(close(a.grad_norm, b.grad_norm), "rank {g} tensor {t}: {a:?} vs {b:?}");
+        }
         for (k, (a, b)) in got_shard.iter().zip(want_shard).enumerate() {
             assert!(
                 close(*a as f64, *b as f64),

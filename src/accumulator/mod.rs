@@ -208,7 +208,10 @@ impl<'a> Gradient<'a> {
 fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
         ErrorKind::BackendUnavailable,
-        format!("{what} runs on CPU accumulators without sharded accumulation, not {where_}"),
+        format!(
+            "{what} runs on CPU and CUDA accumulators without sharded accumulation (on CUDA, \
+             tensor_stats with overflow = DropMicrobatch), not {where_}"
+        ),
     )
 }
 
@@ -818,9 +821,11 @@ impl Accumulator {
                 )));
             }
         }
+        // On CUDA the non-finite counts are the host's drop decisions: DropMicrobatch's.
+        let drop = config.overflow == Overflow::DropMicrobatch;
         for (on, what, cuda) in [
-            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch", true),
-            (config.tensor_stats, "tensor_stats", false),
+            (drop, "overflow = DropMicrobatch", true),
+            (config.tensor_stats, "tensor_stats", drop),
         ] {
             if !on {
                 continue;
@@ -829,7 +834,7 @@ impl Accumulator {
                 return Err(not_here(what, "under sharded accumulation"));
             }
             if device != Device::Cpu && !cuda {
-                return Err(not_here(what, &format!("on {}", device.name())));
+                return Err(not_here(what, &format!("on {} with {:?}", device.name(), config.overflow)));
             }
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });

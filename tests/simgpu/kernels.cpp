@@ -105,6 +105,14 @@ void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary 
     f.write(partials, (n + GA_NORM_BLOCK - 1) / GA_NORM_BLOCK * 8);
 }
 
+void fp_segment_squares(Footprint &f, const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
+    f.read(spans, num_spans * 16);
+    for (ga_u64 s = 0; s < num_spans; ++s) {
+        if (spans[2 * s] >= lo && spans[2 * s + 1] <= hi) f.read(master + spans[2 * s], (spans[2 * s + 1] - spans[2 * s]) * 4);
+    }
+    f.write(out, num_spans * 8);
+}
+
 void fp_finish_norm(Footprint &f, ga_boundary *b, const double *partials, ga_u64 num_blocks, double) {
     f.write(b, sizeof *b);
     f.read(partials, num_blocks * 8);
@@ -231,6 +239,7 @@ const std::vector<KernelInfo> &registry() {
         make("ga_sum_bf16", ga_sum_bf16, fp_sum_bf16),
         make("ga_begin_boundary", ga_begin_boundary, fp_begin_boundary),
         make("ga_scale_sum_squares", ga_scale_sum_squares, fp_scale_sum_squares),
+        make("ga_segment_squares", ga_segment_squares, fp_segment_squares),
         make("ga_finish_norm", ga_finish_norm, fp_finish_norm),
         make("ga_scale_by", ga_scale_by, fp_scale_by),
         make("ga_scaler_gather", ga_scaler_gather, fp_scaler_gather),

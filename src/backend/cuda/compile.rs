@@ -16,7 +16,7 @@ pub const SOURCE: &str =
     concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 19] = [
+pub const KERNELS: [&str; 20] = [
     "ga_add_multi",
     "ga_add_one",
     "ga_check_multi",
@@ -27,6 +27,7 @@ pub const KERNELS: [&str; 19] = [
     "ga_sum_bf16",
     "ga_begin_boundary",
     "ga_scale_sum_squares",
+    "ga_segment_squares",
     "ga_finish_norm",
     "ga_scale_by",
     "ga_scaler_gather",

@@ -629,6 +629,7 @@ impl Sharded<'_> {
             n: self.mem.sharding.own.len() as u64,
             first_block: self.mem.sharding.rank * self.mem.padded / NORM_BLOCK,
             gather,
+            measure: None,
         };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.

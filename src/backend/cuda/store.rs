@@ -38,7 +38,7 @@ use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
     Agreed, DeviceScale, Gradient, Grads, Overflow, Plan, Proposal, Reduced, ScaleSource,
-    Sharding, Store, SyncInfo,
+    Segments, Sharding, Store, SyncInfo, TensorStats,
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
@@ -146,6 +146,33 @@ pub(crate) struct DeviceStore {
     /// micro-batch fed tensor by tensor, laid out as the master; allocated at first use.
     flags: OnceLock<DeviceBuffer>,
     stage: OnceLock<DeviceBuffer>,
+    /// With `tensor_stats`.
+    stats: Option<Stats>,
+}
+
+/// `tensor_stats` on the device: the layout's segments and their table, the segment sums (this
+/// rank's; under reduce-scatter every shard's, gathered in rank order), the non-finite counts
+/// summed over the ranks, and the last boundary's stats once read.
+struct Stats {
+    segments: Segments,
+    bounds: DeviceBuffer,
+    sums: DeviceBuffer,
+    counts: DeviceBuffer,
+    last: Mutex<Option<Vec<TensorStats>>>,
+}
+
+impl Stats {
+    fn new(plan: &Plan, ctx: &Arc<Context>, stream: CUstream) -> Result<Self> {
+        let segments = Segments::new(&plan.layout, plan.descs.len());
+        let shards = plan.shards().len().max(1);
+        Ok(Stats {
+            bounds: DeviceBuffer::from_slice(ctx, stream, &segments.bounds())?,
+            sums: DeviceBuffer::zeroed(ctx, stream, 8 * shards * segments.len())?,
+            counts: DeviceBuffer::zeroed(ctx, stream, 8 * plan.descs.len())?,
+            segments,
+            last: Mutex::new(None),
+        })
+    }
 }
 
 /// What a device store holds of the master.
@@ -428,6 +455,9 @@ pub(super) struct NormSpan<'a> {
     pub n: u64,
     pub first_block: usize,
     pub gather: Option<(&'a NcclComm, usize)>,
+    /// Enqueued once the span is normalised (without clipping) and before it is clipped: what
+    /// measures the values the norm's pass leaves (`tensor_stats`).
+    pub measure: Option<&'a dyn Fn() -> Result<()>>,
 }
 
 /// Normalise, norm and clip on the device, from the reduced control words in `boundary`: the
@@ -448,7 +478,7 @@ pub(super) unsafe fn norm_and_clip(
     partials: CUdeviceptr,
     span: NormSpan<'_>,
 ) -> Result<()> {
-    let NormSpan { data, n, first_block, gather } = span;
+    let NormSpan { data, n, first_block, gather, measure } = span;
     let num_blocks = plan.layout.len().div_ceil(NORM_BLOCK) as u64;
     // The span starts on a block boundary, so its blocks (and their sums) are the layout's, in
     // the same places.
@@ -469,6 +499,7 @@ pub(super) unsafe fn norm_and_clip(
             kernels.scale_sum_squares.launch(ctx, grid, THREADS, stream, &mut args)?;
         }
     }
+    measure.map_or(Ok(()), |m| m())?;
     if let Some((c, blocks)) = gather {
         c.allgather_f64(partials, blocks, stream)?;
     }
@@ -607,6 +638,9 @@ impl DeviceStore {
             comm_stream: OnceLock::new(),
             flags: OnceLock::new(),
             stage: OnceLock::new(),
+            stats: (plan.config.tensor_stats && !sharded)
+                .then(|| Stats::new(&plan, &ctx, stream))
+                .transpose()?,
             wire: (plan.config.wire == Dtype::Bf16)
                 .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
                 .transpose()?,
@@ -779,11 +813,13 @@ impl DeviceStore {
     fn finish_boundary(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
         let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
         let gather = w.split.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
+        let measure = || self.measure_segments(w, comm);
         let span = NormSpan {
             data: w.at(own.start),
             n: own.len() as u64,
             first_block: own.start / NORM_BLOCK,
             gather,
+            measure: self.stats.as_ref().map(|_| &measure as &dyn Fn() -> Result<()>),
         };
         // SAFETY: the master holds the range `own`, and `boundary` and `partials` were sized for
         // this layout (and its shards, padded) at creation.
@@ -970,6 +1006,55 @@ impl DeviceStore {
                 )
             }
         })
+    }
+
+    /// Enqueues the segment sums of this rank's range of the normalised master (`tensor_stats`)
+    /// into its slot and, under reduce-scatter, gathers every shard's over `comm`.
+    fn measure_segments(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
+        let Some(stats) = &self.stats else { return Ok(()) };
+        let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
+        let slot = w.split.as_ref().map_or(0, |s| s.rank);
+        let num = stats.segments.len() as u64;
+        let (master, bounds) = (w.master.ptr(), stats.bounds.ptr());
+        let (lo, hi, out) = (own.start as u64, own.end as u64, stats.sums.ptr() + 8 * slot as u64 * num);
+        let mut args = launch_args!(master, bounds, num, lo, hi, out);
+        let grid = self.ctx.grid_for(num.div_ceil(NORM_BLOCKS_PER_CTA));
+        // SAFETY: argument types follow ga_segment_squares; the table holds `num` segments of the
+        // master, and the sums one slot of `num` f64 per shard.
+        unsafe { self.kernels.segment_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)? };
+        match (w.split.as_ref(), comm) {
+            (Some(_), Some(c)) if c.world_size() > 1 => {
+                c.allgather_f64(stats.sums.ptr(), num as usize, self.stream)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Enqueues the sum of the window's non-finite counts over the boundary's groups.
+    fn share_counts(&self, p: &Proposal<'_>) -> Result<()> {
+        let Some(stats) = &self.stats else { return Ok(()) };
+        stats.counts.write(&p.nonfinite)?;
+        for c in p.comm.iter().chain(&p.replicas) {
+            nccl(*c)?.allreduce_u64(stats.counts.ptr(), p.nonfinite.len(), false, self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the boundary's stats back (waits for the stream) and keeps them.
+    fn read_stats(&self) -> Result<()> {
+        let Some(stats) = &self.stats else { return Ok(()) };
+        let mut sums = vec![0f64; stats.sums.bytes() / 8];
+        let mut counts = vec![0u64; self.plan.descs.len()];
+        let mut b = [GaBoundary::default()];
+        stats.sums.read(&mut sums)?;
+        stats.counts.read(&mut counts)?;
+        self.boundary.read(&mut b)?;
+        // With clipping the pass measures the sum before normalising it.
+        let d = b[0].divisor as f64;
+        let scale = if self.plan.config.max_grad_norm != 0.0 { 1.0 / (d * d) } else { 1.0 };
+        let measured = stats.segments.stats(&sums, &counts, scale);
+        *stats.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(measured);
+        Ok(())
     }
 
     /// The whole master, or the error of a store that holds a shard.
@@ -1274,7 +1359,7 @@ impl Store for DeviceStore {
             let mut reads = self.boundary_reads();
             reads.before_write()?;
             let result = match &self.memory {
-                Memory::Whole(w) => self.enqueue_boundary(w, p),
+                Memory::Whole(w) => self.enqueue_boundary(w, p).and_then(|()| self.share_counts(p)),
                 Memory::Shard(s) => s.with(self).enqueue_boundary(p),
             };
             // Recorded even after a failure: part of the boundary may be enqueued.
@@ -1292,7 +1377,10 @@ impl Store for DeviceStore {
         // reducing: the values read are not the boundary's.
         groups.iter().try_for_each(|c| c.health())?;
         match info {
-            Some(info) => Ok(Some(info)),
+            Some(info) => {
+                self.read_stats()?;
+                Ok(Some(info))
+            }
             None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
         }
     }
@@ -1330,6 +1418,10 @@ impl Store for DeviceStore {
     fn set_found_inf(&self, value: bool) -> Result<()> {
         self.drain()?;
         self.found_inf.write(&[value as u32])
+    }
+
+    fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
+        self.stats.as_ref()?.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn reduced(&self) -> Option<Reduced> {

@@ -303,6 +303,38 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
     }
 }
 
+/* tensor_stats: each segment's sum of squares (a segment is one tensor's values inside one norm
+ * block; `spans` lists [start, end) pairs of master elements), summed as ga_scale_sum_squares
+ * sums a block, from the segment's first element, so the bits are the CPU's
+ * math::block_sum_squares of the segment. A segment outside [lo, hi) (another rank's shard) is
+ * not here: -1 (tensor_stats::NOT_HERE). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_segment_squares(
+    const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
+    const ga_u64 per_cta = GA_THREADS / GA_NORM_LANES;
+    ga_u32 lane = threadIdx.x % GA_NORM_LANES;
+    for (ga_u64 base = (ga_u64)blockIdx.x * per_cta; base < num_spans; base += (ga_u64)gridDim.x * per_cta) {
+        ga_u64 s = base + threadIdx.x / GA_NORM_LANES;
+        int here = 0;
+        double acc = 0.0;
+        if (s < num_spans) {
+            ga_u64 start = spans[2 * s], end = spans[2 * s + 1];
+            here = start >= lo && end <= hi;
+            for (ga_u64 i = start + lane; here && i < end; i += GA_NORM_LANES) {
+                acc = GA_DADD(acc, ga_square(master[i]));
+            }
+        }
+        for (int width = GA_NORM_LANES / 2; width > 0; width /= 2) {
+            double other = __shfl_down_sync(0xffffffffu, acc, width, GA_NORM_LANES);
+            if (lane < (ga_u32)width) {
+                acc = GA_DADD(acc, other);
+            }
+        }
+        if (s < num_spans && lane == 0) {
+            out[s] = here ? acc : -1.0;
+        }
+    }
+}
+
 /* The global norm from the block sums, folded as cpu::fold_block_sums (ga_fold_block_sums), and
  * the clip coefficient. The fold's fixed shape makes the result bitwise reproducible and lets the
  * block add in parallel: thread t owns lanes t + k * GA_THREADS, adds a row of GA_FOLD_LANES sums
