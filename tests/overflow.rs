@@ -638,6 +638,56 @@ fn a_drop_backs_the_scale_off_on_every_rank_on_cuda() {
     }
 }
 
+/// The scaler's rule after windows that kept everything, dropped some or dropped everything, on
+/// CUDA (the update kernel, from the boundary's drops) against the CPU's, over random hysteresis
+/// and growth settings down to the minimum scale: the same scales, skips and errors.
+#[test]
+fn the_scale_after_drops_follows_the_cpu_on_cuda() {
+    if cuda_ranks().is_none() {
+        return;
+    }
+    let mut rng = Rng::fresh("the_scale_after_drops_follows_the_cpu_on_cuda");
+    let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let (good, bad) = ((vec![1.0f32; 3], Vec::new()), (vec![1.0, f32::NAN, 1.0], Vec::new()));
+    for case in 0..8 {
+        let scaler_config = ScalerConfig {
+            init_scale: (2f32).powi(rng.range(0, 5) as i32),
+            min_scale: 1.0,
+            growth_interval: rng.range(1, 3) as u32,
+            hysteresis: rng.range(1, 3) as u32,
+            consecutive_hysteresis: rng.range(0, 1) == 1,
+            ..Default::default()
+        };
+        // Per window: 0 keeps both micro-batches, 1 drops one, 2 drops both.
+        let windows: Vec<u64> = (0..30).map(|_| rng.range(0, 2)).collect();
+        let [cpu, cuda] = [On::Cpu, On::Cuda].map(|on| {
+            let dev = Dev::of(on, 0);
+            let acc = dev.accumulator(config, &tensors);
+            let scaler = dev.scaler(scaler_config);
+            let mut seen = Vec::new();
+            for &kind in &windows {
+                for m in 0..2 {
+                    let poisoned = kind == 2 || kind == 1 && m == 1;
+                    dev.add(
+                        &acc,
+                        &scaler,
+                        &[Dtype::F32],
+                        &[if poisoned { &bad } else { &good }],
+                        1,
+                    );
+                }
+                acc.sync(None).unwrap();
+                let skipped = scaler.update_from(&[&acc], true).map_err(|e| e.kind);
+                let stats = scaler.stats().unwrap();
+                seen.push((scaler.scale().unwrap(), skipped, stats.backoffs, stats.skipped_steps));
+            }
+            seen
+        });
+        assert_eq!(cuda, cpu, "case {case}: {scaler_config:?}, windows {windows:?}");
+    }
+}
+
 fn drops_back_off(on: On) {
     let tensors = [TensorDesc { numel: 5, dtype: Dtype::F16 }];
     let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
