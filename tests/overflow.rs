@@ -370,11 +370,9 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
 
     // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
     if dropped > 0 {
-        // On CUDA tensor_stats needs DropMicrobatch (creation refuses it otherwise).
-        let measured = config.tensor_stats && on == On::Cpu;
         let skip = run_group(
             on,
-            AccumulatorConfig { overflow: Overflow::SkipStep, tensor_stats: measured, ..config },
+            AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
             &tensors,
             &windows,
         );
@@ -385,7 +383,7 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
             assert_eq!(info.overflow, skip_place, "{what}: SkipStep's place on rank {rank}");
             assert_eq!(info.dropped_microbatches, 0, "{what}");
             assert_eq!(info.microbatches, windows.iter().flatten().count() as u64, "{what}");
-            if measured {
+            if config.tensor_stats {
                 assert_eq!(counts(stats), Some(nonfinite.clone()), "{what}: SkipStep's counts");
             }
         }
@@ -787,13 +785,6 @@ fn nothing_kept_anywhere_skips_the_step_on_cuda() {
         tensor_stats: true,
         ..Default::default()
     };
-    // On CUDA the counts are the drop decisions: tensor_stats needs DropMicrobatch.
-    let skip = AccumulatorConfig { overflow: Overflow::SkipStep, ..config };
-    let e =
-        Accumulator::builder(&tensors).device(Dev::of(On::Cuda, 0).device()).config(skip).build();
-    let e = e.unwrap_err();
-    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
-    assert!(e.message.contains("tensor_stats") && e.message.contains("SkipStep"), "{}", e.message);
     for world in (1..=2).filter(|&w| w <= devices) {
         let results = in_group(On::Cuda, world, |rank, dev, comm| {
             let acc = dev.accumulator(config, &tensors);
@@ -1086,6 +1077,52 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
         let info = acc.sync(None).unwrap();
         assert_eq!((info.found_inf, info.overflow), (true, None), "merge {merge}");
     }
+}
+
+/// Under SKIP_STEP on CUDA the per-tensor counts stay on the device: each micro-batch counts once
+/// per tensor however many chunks went bad, and a reset or loaded window starts from none.
+#[test]
+fn skip_step_counts_on_cuda_follow_the_window() {
+    if cuda_ranks().is_none() {
+        return;
+    }
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::F32 }, TensorDesc { numel: 2, dtype: Dtype::F16 }];
+    let config = AccumulatorConfig { tensor_stats: true, ..Default::default() };
+    let dev = Dev::of(On::Cuda, 0);
+    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+    let acc = dev.accumulator(config, &tensors);
+    let clean = [(vec![1.0f32, 2.0, 3.0], Vec::new()), (Vec::new(), vec![to_f16(1.0); 2])];
+    let bad = (vec![1.0f32, f32::NAN, 3.0], Vec::new());
+    let counts = |acc: &Accumulator| -> Vec<u64> {
+        acc.sync(None).unwrap();
+        acc.tensor_stats().unwrap().iter().map(|s| s.nonfinite_microbatches).collect()
+    };
+    let saver = dev.accumulator(config, &tensors);
+    dev.add(&saver, &scaler, &[Dtype::F32, Dtype::F16], &[&clean[0], &clean[1]], 1);
+    let clean_window = saver.save_window().unwrap();
+    // Two chunks of tensor 0 go bad in one hook micro-batch: one count.
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    dev.add_tensor(&acc, &scaler, 1, Dtype::F16, &clean[1]);
+    acc.end_microbatch().unwrap();
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    // A reset inside a micro-batch discards the window and its counts.
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    acc.reset().unwrap();
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    acc.end_microbatch().unwrap();
+    assert_eq!(counts(&acc), [2, 0]);
+    // A loaded window brings no counts; the next window starts from none.
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    acc.load_window(&clean_window).unwrap();
+    assert_eq!(counts(&acc), [0, 0]);
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&clean[0], &clean[1]], 1);
+    assert_eq!(counts(&acc), [0, 0]);
 }
 
 /// A rank that syncs twice in a row takes part with an empty window: its last window's overflow

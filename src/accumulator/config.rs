@@ -230,9 +230,7 @@ pub struct AccumulatorConfig {
     /// Each boundary also measures every tensor: its norm and in how many micro-batches it went
     /// non-finite ([`Accumulator::tensor_stats`](super::Accumulator::tensor_stats)), at the
     /// cost of summing each tensor's squares in the boundary's pass and one small gather
-    /// (default off). Not under sharded accumulation; on CUDA only with
-    /// [`Overflow::DropMicrobatch`], whose host decisions give the counts (elsewhere `build`
-    /// fails with `BackendUnavailable`).
+    /// (default off). Not under sharded accumulation (`build` fails with `BackendUnavailable`).
     pub tensor_stats: bool,
 }
 

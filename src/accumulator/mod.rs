@@ -208,10 +208,7 @@ impl<'a> Gradient<'a> {
 fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
         ErrorKind::BackendUnavailable,
-        format!(
-            "{what} runs on CPU and CUDA accumulators without sharded accumulation (on CUDA, \
-             tensor_stats with overflow = DropMicrobatch), not {where_}"
-        ),
+        format!("{what} runs on accumulators without sharded accumulation, not {where_}"),
     )
 }
 
@@ -590,6 +587,11 @@ pub(crate) trait Store: Send + Sync {
     /// The window's overflow flag starts clear.
     fn clear_found_inf(&self) -> Result<()>;
 
+    /// A restored window's per-tensor counts start at zero, where the store keeps them.
+    fn restart_counts(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The control step: the ranks agree on counts, layouts and errors before any bucket moves.
     fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed>;
 
@@ -821,20 +823,15 @@ impl Accumulator {
                 )));
             }
         }
-        // On CUDA the non-finite counts are the host's drop decisions: DropMicrobatch's.
-        let drop = config.overflow == Overflow::DropMicrobatch;
-        for (on, what, cuda) in [
-            (drop, "overflow = DropMicrobatch", true),
-            (config.tensor_stats, "tensor_stats", drop),
+        for (on, what) in [
+            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch"),
+            (config.tensor_stats, "tensor_stats"),
         ] {
             if !on {
                 continue;
             }
             if let Sharding::Accumulate { .. } = config.sharding {
                 return Err(not_here(what, "under sharded accumulation"));
-            }
-            if device != Device::Cpu && !cuda {
-                return Err(not_here(what, &format!("on {} with {:?}", device.name(), config.overflow)));
             }
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
@@ -1566,6 +1563,7 @@ impl Accumulator {
         self.store.set_found_inf(saved.found_inf)?;
         self.window.restore(&mut w, &saved.written);
         w.restored(saved.found_inf);
+        self.store.restart_counts()?;
         w.phase = if saved.microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = saved.count;
         w.microbatches = saved.microbatches;

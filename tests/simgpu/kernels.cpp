@@ -71,6 +71,11 @@ void fp_check_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chun
     if (sources.count > 0) f.write(flags + sources.first_tensor, sources.count * 4);
 }
 
+void fp_count_flags(Footprint &f, ga_u64 *counts, ga_u32 *flags, ga_u64 n) {
+    f.write(counts, n * 8);
+    f.write(flags, n * 4);
+}
+
 void fp_merge(Footprint &f, float *master, const float *staged, ga_u64 numel, ga_u32, ga_u32 *found_inf) {
     f.write(master, numel * 4);
     f.read(staged, numel * 4);
@@ -233,6 +238,7 @@ const std::vector<KernelInfo> &registry() {
         make("ga_add_one", ga_add_one, fp_add_one),
         make("ga_check_multi", ga_check_multi, fp_check_multi),
         make("ga_merge", ga_merge, fp_merge),
+        make("ga_count_flags", ga_count_flags, fp_count_flags),
         make("ga_pack_control", ga_pack_control, fp_pack_control),
         make("ga_or_flag", ga_or_flag, fp_or_flag),
         make("ga_to_bf16", ga_to_bf16, fp_to_bf16),

@@ -16,11 +16,12 @@ pub const SOURCE: &str =
     concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 20] = [
+pub const KERNELS: [&str; 21] = [
     "ga_add_multi",
     "ga_add_one",
     "ga_check_multi",
     "ga_merge",
+    "ga_count_flags",
     "ga_pack_control",
     "ga_or_flag",
     "ga_to_bf16",

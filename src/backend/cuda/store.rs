@@ -190,6 +190,8 @@ struct Whole {
     chunks: DeviceBuffer,
     /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
     launches: Vec<AddLaunch>,
+    /// Each tensor's first chunk in the table (and the table's length, last).
+    chunk_starts: Vec<usize>,
     split: Option<Split>,
     /// The final micro-batch's early reductions, from `begin_final` to the boundary.
     overlap: Mutex<Option<Overlap>>,
@@ -204,12 +206,18 @@ impl Whole {
         self.master.ptr() + 4 * offset as u64
     }
 
+    /// A multi-tensor launch over tensor `index` alone.
+    fn one(&self, index: usize) -> AddLaunch {
+        let (start, end) = (self.chunk_starts[index], self.chunk_starts[index + 1]);
+        AddLaunch { first: index, count: 1, first_chunk: start, num_chunks: (end - start) as u64 }
+    }
+
     /// What a multi-tensor launch over `launch`'s tensors takes: their sources, and the address
     /// and number of their chunks.
     fn tables(
         &self,
         launch: &AddLaunch,
-        grads: &[CUdeviceptr],
+        grad: &dyn Fn(usize) -> CUdeviceptr,
         first: &dyn Fn(usize) -> bool,
     ) -> (GaSources, CUdeviceptr, u64) {
         let mut sources = GaSources {
@@ -218,9 +226,10 @@ impl Whole {
             s: [GaSource::default(); SOURCES_PER_LAUNCH],
         };
         for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
-            *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
+            *slot = GaSource { grad: grad(i), assign: first(i) as u32, pad: 0 };
         }
-        let chunks = self.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
+        let chunk_bytes = launch.first_chunk * std::mem::size_of::<GaChunk>();
+        let chunks = self.chunks.ptr() + chunk_bytes as u64;
         (sources, chunks, launch.num_chunks)
     }
 }
@@ -554,6 +563,9 @@ impl Whole {
                 })
             })
             .collect();
+        let chunk_starts = (0..=tensors.len())
+            .map(|i| chunks.partition_point(|c| (c.tensor as usize) < i))
+            .collect();
         let launches = (0..tensors.len())
             .step_by(SOURCES_PER_LAUNCH)
             .map(|first| {
@@ -591,6 +603,7 @@ impl Whole {
             tensors: DeviceBuffer::from_slice(ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
             launches,
+            chunk_starts,
             split,
             master,
             overlap: Mutex::new(None),
@@ -929,7 +942,7 @@ impl DeviceStore {
         let f = self.kernels.add_multi;
         let (tensors, master, found_inf) = (w.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
         for launch in &w.launches {
-            let (sources, chunks, num_chunks) = w.tables(launch, grads, first);
+            let (sources, chunks, num_chunks) = w.tables(launch, &|i| grads[i], first);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args = launch_args!(
                     tensors, chunks, num_chunks, sources, master, state, weight, found_inf
@@ -1016,12 +1029,15 @@ impl DeviceStore {
         let slot = w.split.as_ref().map_or(0, |s| s.rank);
         let num = stats.segments.len() as u64;
         let (master, bounds) = (w.master.ptr(), stats.bounds.ptr());
-        let (lo, hi, out) = (own.start as u64, own.end as u64, stats.sums.ptr() + 8 * slot as u64 * num);
+        let out = stats.sums.ptr() + 8 * slot as u64 * num;
+        let (lo, hi) = (own.start as u64, own.end as u64);
         let mut args = launch_args!(master, bounds, num, lo, hi, out);
         let grid = self.ctx.grid_for(num.div_ceil(NORM_BLOCKS_PER_CTA));
         // SAFETY: argument types follow ga_segment_squares; the table holds `num` segments of the
         // master, and the sums one slot of `num` f64 per shard.
-        unsafe { self.kernels.segment_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)? };
+        unsafe {
+            self.kernels.segment_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?
+        };
         match (w.split.as_ref(), comm) {
             (Some(_), Some(c)) if c.world_size() > 1 => {
                 c.allgather_f64(stats.sums.ptr(), num as usize, self.stream)
@@ -1030,10 +1046,13 @@ impl DeviceStore {
         }
     }
 
-    /// Enqueues the sum of the window's non-finite counts over the boundary's groups.
+    /// Enqueues the sum of the window's non-finite counts (the host's, or under SKIP_STEP the
+    /// device's) over the boundary's groups.
     fn share_counts(&self, p: &Proposal<'_>) -> Result<()> {
         let Some(stats) = &self.stats else { return Ok(()) };
-        stats.counts.write(&p.nonfinite)?;
+        if !self.counts_on_device() {
+            stats.counts.write(&p.nonfinite)?;
+        }
         for c in p.comm.iter().chain(&p.replicas) {
             nccl(*c)?.allreduce_u64(stats.counts.ptr(), p.nonfinite.len(), false, self.stream)?;
         }
@@ -1070,12 +1089,14 @@ impl DeviceStore {
 
     /// The per-tensor flags of `Overflow::DropMicrobatch`, allocated (zeroed) at first use.
     fn flags(&self) -> Result<&DeviceBuffer> {
-        once(&self.flags, || DeviceBuffer::zeroed(&self.ctx, self.stream, 4 * self.plan.descs.len()))
+        let bytes = 4 * self.plan.descs.len();
+        once(&self.flags, || DeviceBuffer::zeroed(&self.ctx, self.stream, bytes))
     }
 
     /// The hook micro-batch's staging, allocated at first use.
     fn stage(&self) -> Result<&DeviceBuffer> {
-        once(&self.stage, || DeviceBuffer::zeroed(&self.ctx, self.stream, 4 * self.plan.layout.len()))
+        let bytes = 4 * self.plan.layout.len();
+        once(&self.stage, || DeviceBuffer::zeroed(&self.ctx, self.stream, bytes))
     }
 
     /// The tensors whose flag is raised, in order (waits for the stream).
@@ -1094,11 +1115,24 @@ impl DeviceStore {
         grads: &[CUdeviceptr],
         weight: f64,
     ) -> Result<Vec<usize>> {
-        let (f, tensors, flags) = (self.kernels.check_multi, w.tensors.ptr(), self.flags()?);
-        flags.zero_f32(0, self.plan.descs.len())?;
-        let flags = flags.ptr();
-        for launch in &w.launches {
-            let (sources, chunks, num_chunks) = w.tables(launch, grads, &|_| false);
+        self.flags()?.zero_f32(0, self.plan.descs.len())?;
+        self.launch_checks(w, &w.launches, scaler, &|i| grads[i], weight)?;
+        self.flagged()
+    }
+
+    /// Enqueues `ga_check_multi` over `launches`, raising the flags of the tensors whose
+    /// gradient (`grad(i)`) goes non-finite once unscaled and weighted.
+    fn launch_checks(
+        &self,
+        w: &Whole,
+        launches: &[AddLaunch],
+        scaler: &dyn DeviceScale,
+        grad: &dyn Fn(usize) -> CUdeviceptr,
+        weight: f64,
+    ) -> Result<()> {
+        let (f, tensors, flags) = (self.kernels.check_multi, w.tensors.ptr(), self.flags()?.ptr());
+        for launch in launches {
+            let (sources, chunks, num_chunks) = w.tables(launch, grad, &|_| false);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args =
                     launch_args!(tensors, chunks, num_chunks, sources, state, weight, flags);
@@ -1116,7 +1150,30 @@ impl DeviceStore {
                 }
             })?;
         }
-        self.flagged()
+        Ok(())
+    }
+
+    /// Whether the non-finite counts of `tensor_stats` are kept on the device: under SKIP_STEP,
+    /// where the host decides nothing (under DROP_MICROBATCH its decisions are the counts).
+    fn counts_on_device(&self) -> bool {
+        self.stats.is_some() && self.plan.config.overflow == Overflow::SkipStep
+    }
+
+    /// Enqueues the count of the flagged tensors into the window's counts (clearing the flags).
+    fn count_flags(&self) -> Result<()> {
+        let (Some(stats), Some(flags)) = (&self.stats, self.flags.get()) else { return Ok(()) };
+        let (counts, flags, n) = (stats.counts.ptr(), flags.ptr(), self.plan.descs.len() as u64);
+        let mut args = launch_args!(counts, flags, n);
+        // SAFETY: argument types follow ga_count_flags; both buffers hold one value per tensor.
+        unsafe {
+            self.kernels.count_flags.launch(
+                &self.ctx,
+                self.ctx.grid_for(n.div_ceil(THREADS as u64)),
+                THREADS,
+                self.stream,
+                &mut args,
+            )
+        }
     }
 
     /// Adds the staging of tensor `index` into its master (assigns with `first`), with the
@@ -1225,6 +1282,7 @@ impl Store for DeviceStore {
 
     fn close_microbatch(&self) -> Result<()> {
         match &self.memory {
+            Memory::Whole(_) if self.counts_on_device() => self.count_flags(),
             Memory::Whole(_) => Ok(()),
             Memory::Shard(s) => s.with(self).close_microbatch(),
         }
@@ -1247,7 +1305,15 @@ impl Store for DeviceStore {
         let scaler = scale.device()?;
         // The overflow flag stays on the device: nothing to locate on the host.
         match &self.memory {
-            Memory::Whole(w) => self.add_whole(w, scaler, grads, weight, first),
+            Memory::Whole(w) => {
+                self.add_whole(w, scaler, grads, weight, first)?;
+                if self.counts_on_device() {
+                    self.flags()?.zero_f32(0, self.plan.descs.len())?;
+                    self.launch_checks(w, &w.launches, scaler, &|i| grads[i], weight)?;
+                    self.count_flags()?;
+                }
+                Ok(())
+            }
             Memory::Shard(s) => s.with(self).add(scaler, grads, weight),
         }
         .map(|()| false)
@@ -1264,7 +1330,14 @@ impl Store for DeviceStore {
         let grad = grad.device()?;
         let scaler = scale.device()?;
         match &self.memory {
-            Memory::Whole(w) => self.add_tensor_whole(w, scaler, index, grad, weight, first),
+            Memory::Whole(w) => {
+                self.add_tensor_whole(w, scaler, index, grad, weight, first)?;
+                // Counted once per micro-batch, when it closes.
+                if self.counts_on_device() {
+                    self.launch_checks(w, &[w.one(index)], scaler, &|_| grad, weight)?;
+                }
+                Ok(())
+            }
             Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight),
         }
         .map(|()| false)
@@ -1342,8 +1415,17 @@ impl Store for DeviceStore {
         }
     }
 
+    /// A new window: under SKIP_STEP with `tensor_stats`, its counts start at zero too.
     fn clear_found_inf(&self) -> Result<()> {
+        self.restart_counts()?;
         self.found_inf.zero_f32(0, 1)
+    }
+
+    fn restart_counts(&self) -> Result<()> {
+        match &self.stats {
+            Some(s) if self.counts_on_device() => s.counts.zero_f32(0, 2 * self.plan.descs.len()),
+            _ => Ok(()),
+        }
     }
 
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
@@ -1441,7 +1523,10 @@ impl Store for DeviceStore {
 }
 
 /// The buffer in `cell`, made by `make` at first use.
-fn once(cell: &OnceLock<DeviceBuffer>, make: impl FnOnce() -> Result<DeviceBuffer>) -> Result<&DeviceBuffer> {
+fn once(
+    cell: &OnceLock<DeviceBuffer>,
+    make: impl FnOnce() -> Result<DeviceBuffer>,
+) -> Result<&DeviceBuffer> {
     if let Some(b) = cell.get() {
         return Ok(b);
     }

@@ -184,6 +184,17 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_check_multi(
     }
 }
 
+/* tensor_stats under SKIP_STEP: each tensor flagged in the micro-batch counts one more
+ * non-finite micro-batch, and its flag is cleared for the next. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_count_flags(ga_u64 *counts, ga_u32 *flags, ga_u64 n) {
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        if (flags[i] != 0) {
+            counts[i] += 1;
+            flags[i] = 0;
+        }
+    }
+}
+
 /* A hook micro-batch's staging merged into the master (DROP_MICROBATCH): the add with a factor of
  * 1, exact, so one contribution lands with the bits ga_add_one gives. */
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_merge(
