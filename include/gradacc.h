@@ -328,8 +328,7 @@ typedef struct gradacc_accumulator_config_t {
     gradacc_overflow_t overflow;
     /**
      * 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-     * (default). Not with GRADACC_SHARDING_ACCUMULATE; on CUDA only with
-     * GRADACC_OVERFLOW_DROP_MICROBATCH (else creation fails with
+     * (default). Not with GRADACC_SHARDING_ACCUMULATE (creation fails with
      * GRADACC_STATUS_BACKEND_UNAVAILABLE).
      */
     uint32_t tensor_stats;

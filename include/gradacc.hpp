@@ -129,8 +129,8 @@ struct ScalerConfig : gradacc_scaler_config_t {
  * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (not with
  * Accumulator::sharded: the constructor throws BACKEND_UNAVAILABLE); another value throws
  * INVALID_ARGUMENT. `tensor_stats = 1` has every boundary also measure each tensor
- * (Accumulator::tensor_stats; not with Accumulator::sharded, on CUDA only with DROP_MICROBATCH:
- * BACKEND_UNAVAILABLE); a value other than 0 or 1 throws INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
+ * (Accumulator::tensor_stats; not with Accumulator::sharded: BACKEND_UNAVAILABLE); a value
+ * other than 0 or 1 throws INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));

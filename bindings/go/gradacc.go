@@ -74,9 +74,8 @@ type AccumulatorConfig struct {
 	// that is neither constant fails creation with StatusInvalidArgument.
 	Overflow Overflow
 	// TensorStats has every boundary also measure each tensor, read with
-	// Accumulator.TensorStats (default false). Not with ShardingAccumulate, and on CUDA only with
-	// OverflowDropMicrobatch (creation fails with StatusBackendUnavailable). docs/overflow.md
-	// states the contract.
+	// Accumulator.TensorStats (default false). Not with ShardingAccumulate (creation fails with
+	// StatusBackendUnavailable). docs/overflow.md states the contract.
 	TensorStats bool
 }
 

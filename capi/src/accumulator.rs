@@ -134,8 +134,7 @@ pub struct gradacc_accumulator_config_t {
     /// GRADACC_OVERFLOW_* (default SKIP_STEP).
     pub overflow: gradacc_overflow_t,
     /// 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-    /// (default). Not with GRADACC_SHARDING_ACCUMULATE; on CUDA only with
-    /// GRADACC_OVERFLOW_DROP_MICROBATCH (else creation fails with
+    /// (default). Not with GRADACC_SHARDING_ACCUMULATE (creation fails with
     /// GRADACC_STATUS_BACKEND_UNAVAILABLE).
     pub tensor_stats: u32,
 }

@@ -429,9 +429,9 @@ class Accumulator(_Managed):
     fed it (not with ``sharding='accumulate'``: creation raises BACKEND_UNAVAILABLE), and
     :meth:`sync`'s :class:`SyncInfo` says how many were dropped and where.
     ``tensor_stats=True`` has every boundary also measure each tensor, read with
-    :meth:`tensor_stats` (not with ``sharding='accumulate'``, on CUDA only with
-    ``overflow='drop_microbatch'``: creation raises BACKEND_UNAVAILABLE; a value other than 0 or
-    1 raises INVALID_ARGUMENT). docs/overflow.md states the contract.
+    :meth:`tensor_stats` (not with ``sharding='accumulate'``: creation raises
+    BACKEND_UNAVAILABLE; a value other than 0 or 1 raises INVALID_ARGUMENT). docs/overflow.md
+    states the contract.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
     (ZeRO-2) over ``c``, a communicator of ``n`` ranks on which this is rank ``r``: the

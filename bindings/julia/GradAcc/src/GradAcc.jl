@@ -533,7 +533,7 @@ with `sharding=:accumulate`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE
 [`GradAcc.overflow`](@ref) reads where from the report. An unknown symbol throws an
 `ArgumentError`, an unknown code `GRADACC_STATUS_INVALID_ARGUMENT`. `tensor_stats=true` has every
 boundary also measure each tensor, read with [`GradAcc.tensor_stats`](@ref) (not with
-`sharding=:accumulate`, on CUDA only with `:drop_microbatch`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`; a value other than
+`sharding=:accumulate`: creation throws `GRADACC_STATUS_BACKEND_UNAVAILABLE`; a value other than
 0 or 1 throws `GRADACC_STATUS_INVALID_ARGUMENT`). docs/overflow.md states the contract.
 
 `sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2) over
