@@ -1083,6 +1083,65 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
     }
 }
 
+/// Under DROP_MICROBATCH on CUDA the final micro-batch is staged like any other (its buckets are
+/// not reduced early): a poisoned one is dropped on its rank, a clean one lands whole, and
+/// `sync` over the same communicator completes the boundary.
+#[test]
+fn a_final_microbatch_is_staged_on_cuda() {
+    if !cuda_ranks().is_some_and(|d| common::cuda::enough_devices(2, d as i32)) {
+        return;
+    }
+    let tensors =
+        [TensorDesc { numel: 5, dtype: Dtype::F32 }, TensorDesc { numel: 3, dtype: Dtype::Bf16 }];
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        loss_reduction: LossReduction::Sum,
+        normalize: Normalize::None,
+        bucket_numel: 4,
+        ..Default::default()
+    };
+    let id = nccl_unique_id().unwrap();
+    let results: Vec<(SyncInfo, Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let dev = Dev::of(On::Cuda, rank);
+                    let comm: Arc<dyn Communicator> =
+                        Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(120))).unwrap();
+                    let acc = dev.accumulator(config, &tensors);
+                    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+                    let a = (vec![1.0f32; 5], Vec::new());
+                    let b = (Vec::new(), vec![to_bf16(2.0); 3]);
+                    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::Bf16], &[&a, &b], 1);
+                    // Rank 1's final micro-batch holds an inf in tensor 1's second chunk.
+                    let last =
+                        (Vec::new(), vec![to_bf16(if rank == 1 { f32::INFINITY } else { 4.0 }); 3]);
+                    acc.begin_final_microbatch(1, comm.clone()).unwrap();
+                    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &a);
+                    dev.add_tensor(&acc, &scaler, 1, Dtype::Bf16, &b);
+                    dev.add_tensor(&acc, &scaler, 1, Dtype::Bf16, &last);
+                    acc.end_microbatch().unwrap();
+                    let info = acc.sync(Some(&*comm)).unwrap();
+                    let (mut m0, mut m1) = (vec![0f32; 5], vec![0f32; 3]);
+                    acc.read_master(0, &mut m0).unwrap();
+                    acc.read_master(1, &mut m1).unwrap();
+                    (info, m0, m1)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (info, m0, m1)) in results.iter().enumerate() {
+        assert_eq!((info.microbatches, info.dropped_microbatches, info.found_inf), (3, 1, false));
+        let place = OverflowAt::Gradient { rank: 1, microbatch: 1, tensor: 1 };
+        assert_eq!(info.overflow, Some(place), "rank {rank}");
+        // Both first micro-batches and rank 0's final one: a + a + a, and b + b + (b + 4).
+        assert_eq!(m0, &[3.0; 5], "rank {rank}");
+        assert_eq!(m1, &[10.0; 3], "rank {rank}");
+    }
+}
+
 /// Under SKIP_STEP on CUDA the per-tensor counts stay on the device: each micro-batch counts once
 /// per tensor however many chunks went bad, and a reset or loaded window starts from none.
 #[test]
