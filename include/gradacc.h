@@ -328,7 +328,8 @@ typedef struct gradacc_accumulator_config_t {
     gradacc_overflow_t overflow;
     /**
      * 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-     * (default). CPU accumulators without GRADACC_SHARDING_ACCUMULATE.
+     * (default). With GRADACC_SHARDING_ACCUMULATE on the CPU only (on CUDA creation fails with
+     * GRADACC_STATUS_BACKEND_UNAVAILABLE).
      */
     uint32_t tensor_stats;
 } gradacc_accumulator_config_t;
@@ -672,14 +673,17 @@ typedef struct gradacc_scaler_stats_t {
 /**
  * Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
  * by what every rank kept, and the step is skipped only when nothing was kept or the sum
- * overflows. CPU accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails with
- * GRADACC_STATUS_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update: a drop
- * backs the scale off.
+ * overflows. CPU and CUDA accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails
+ * with GRADACC_STATUS_BACKEND_UNAVAILABLE); on CUDA each gradacc_accumulator_add and
+ * gradacc_accumulator_end_microbatch waits for the stream (docs/overflow.md). Update the scaler
+ * with gradacc_scaler_update: a drop backs the scale off.
  */
 #define GRADACC_OVERFLOW_DROP_MICROBATCH 1
 
 /**
- * Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+ * Nowhere: the window stayed finite (or found_inf is set but the place is not located: on CUDA
+ * under GRADACC_OVERFLOW_SKIP_STEP, or a sum that overflowed the master under
+ * GRADACC_OVERFLOW_DROP_MICROBATCH).
  */
 #define GRADACC_OVERFLOW_AT_NONE 0
 
@@ -895,7 +899,8 @@ enum gradacc_status_t gradacc_accumulator_begin_microbatch(struct gradacc_accumu
  * communication stream as soon as every tensor of the bucket has arrived (one contribution
  * each; buckets start in reverse tensor order, as backward produces them), overlapping the rest
  * of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
- * Every rank must do the same. On the CPU it is gradacc_accumulator_begin_microbatch.
+ * Every rank must do the same. On the CPU, and under GRADACC_OVERFLOW_DROP_MICROBATCH, it is
+ * gradacc_accumulator_begin_microbatch.
  * The first call per communicator checks on the host that all ranks' layouts agree (it waits).
  *
  * Thread safety: serialised with every other call on `acc`.

@@ -1014,36 +1014,9 @@ fn at_three_ranks(test: &str, rounds: fn(usize, &str)) {
     at_devices(3, test, |test| rounds(3, test));
 }
 
-/// Runs `f(test)` where there are `devices` devices: on real GPUs only where there are; on the
-/// software GPU, whose device count is fixed when it loads, in a child process with that many.
+/// [`common::cuda::at_devices`] with this machine's device count.
 fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
-    let count = device_count();
-    if count >= devices {
-        return f(test);
-    }
-    if count == 0 {
-        return;
-    }
-    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1")
-        || std::env::var("SIMGPU_DEVICES").is_ok()
-    {
-        eprintln!("not run: needs {devices} devices ({count} visible)");
-        return;
-    }
-    let text = common::rerun(
-        test,
-        &[("SIMGPU_DEVICES", &devices.to_string())],
-        &format!("the {devices}-device run"),
-    );
-    eprintln!(
-        "{}",
-        text.lines()
-            .filter(
-                |l| l.contains("SEED") || l.starts_with("test ") && !l.starts_with("test result")
-            )
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    common::cuda::at_devices(devices, device_count(), test, f);
 }
 
 /// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another

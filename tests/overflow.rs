@@ -5,13 +5,214 @@
 //! `DropMicrobatch` the gradient is the f64 gradient of exactly the kept micro-batches; under
 //! either policy the report names exactly the first non-finite place, and the ranks agree bitwise
 //! (fresh seed each run).
+//!
+//! The random windows and the scaler's rule run on CUDA devices too, one per rank over NCCL (the
+//! software GPU in CI), where they also equal the CPU's results bit for bit; they skip without a
+//! GPU and NCCL, unless GRADACC_REQUIRE_GPU=1.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
+use gradacc::backend::cuda::driver::{Context, DeviceBuffer, OwnedStream};
 use gradacc::*;
+
+/// Where a group runs: the CPU over the in-process communicator, or a CUDA device per rank over
+/// NCCL.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum On {
+    Cpu,
+    Cuda,
+}
+
+/// One rank's device: the CPU, or its CUDA device (rank r on device r) with a stream of its own.
+enum Dev {
+    Cpu,
+    Cuda(Arc<Context>, OwnedStream),
+}
+
+impl Dev {
+    fn of(on: On, rank: usize) -> Dev {
+        match on {
+            On::Cpu => Dev::Cpu,
+            On::Cuda => {
+                let ctx = Context::get(rank as i32).unwrap();
+                let stream = OwnedStream::new(&ctx).unwrap();
+                Dev::Cuda(ctx, stream)
+            }
+        }
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            Dev::Cpu => Device::Cpu,
+            Dev::Cuda(ctx, s) => Device::Cuda { ordinal: ctx.ordinal, stream: s.stream.cast() },
+        }
+    }
+
+    fn accumulator(&self, config: AccumulatorConfig, tensors: &[TensorDesc]) -> Accumulator {
+        Accumulator::builder(tensors).device(self.device()).config(config).build().unwrap()
+    }
+
+    /// [`Dev::accumulator`], over `comm` under sharded accumulation.
+    fn accumulator_over(
+        &self,
+        config: AccumulatorConfig,
+        tensors: &[TensorDesc],
+        comm: &Arc<dyn Communicator>,
+    ) -> Accumulator {
+        let builder = Accumulator::builder(tensors).device(self.device()).config(config);
+        match config.sharding {
+            Sharding::Accumulate { .. } => builder.communicator(comm.clone()),
+            _ => builder,
+        }
+        .build()
+        .unwrap()
+    }
+
+    fn scaler(&self, config: ScalerConfig) -> Scaler {
+        Scaler::on(self.device(), config).unwrap()
+    }
+
+    /// Runs `f` on the gradients in `buffers` (the f32 values, or the 16-bit bits, of each
+    /// tensor's dtype) as this device takes them: host slices, or device copies.
+    fn with_grads<R>(
+        &self,
+        dtypes: &[Dtype],
+        buffers: &[&(Vec<f32>, Vec<u16>)],
+        f: impl FnOnce(Grads<'_>) -> R,
+    ) -> R {
+        match self {
+            Dev::Cpu => {
+                let views: Vec<Grad> =
+                    dtypes.iter().zip(buffers).map(|(&d, b)| grad_of(d, &b.0, &b.1)).collect();
+                f((&views).into())
+            }
+            Dev::Cuda(..) => {
+                // Freed on the stream after the work that reads them.
+                let copies: Vec<DeviceBuffer> =
+                    dtypes.iter().zip(buffers).map(|(&d, b)| self.upload(d, b)).collect();
+                let addresses: Vec<DevicePtr> = copies.iter().map(DeviceBuffer::ptr).collect();
+                f((&addresses).into())
+            }
+        }
+    }
+
+    /// A device copy of a gradient of `dtype` (a CUDA device's).
+    fn upload(&self, dtype: Dtype, buffer: &(Vec<f32>, Vec<u16>)) -> DeviceBuffer {
+        let Dev::Cuda(ctx, s) = self else { unreachable!("only a device uploads") };
+        match dtype {
+            Dtype::F32 => DeviceBuffer::from_slice(ctx, s.stream, &buffer.0),
+            _ => DeviceBuffer::from_slice(ctx, s.stream, &buffer.1),
+        }
+        .unwrap()
+    }
+
+    /// `add` of one micro-batch.
+    fn add(
+        &self,
+        acc: &Accumulator,
+        scaler: &Scaler,
+        dtypes: &[Dtype],
+        buffers: &[&(Vec<f32>, Vec<u16>)],
+        count: u64,
+    ) {
+        self.with_grads(dtypes, buffers, |g| acc.add(scaler, g, count)).unwrap();
+    }
+
+    /// `add_tensor` of one contribution.
+    fn add_tensor(
+        &self,
+        acc: &Accumulator,
+        scaler: &Scaler,
+        index: usize,
+        dtype: Dtype,
+        buffer: &(Vec<f32>, Vec<u16>),
+    ) {
+        match self {
+            Dev::Cpu => acc.add_tensor(scaler, index, grad_of(dtype, &buffer.0, &buffer.1)),
+            Dev::Cuda(..) => acc.add_tensor(scaler, index, self.upload(dtype, buffer).ptr()),
+        }
+        .unwrap();
+    }
+
+    /// This rank's shard of the synced gradient.
+    fn shard(&self, acc: &Accumulator) -> Vec<f32> {
+        let (range, ptr) = acc.shard();
+        match self {
+            // SAFETY: the shard's address and length come from the live accumulator, which
+            // nothing writes until the next micro-batch.
+            Dev::Cpu => unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec(),
+            Dev::Cuda(ctx, s) => {
+                let mut shard = vec![0f32; range.len()];
+                if !shard.is_empty() {
+                    DeviceBuffer::adopt(ctx, s.stream, ptr as u64, range.len() * 4)
+                        .read(&mut shard)
+                        .unwrap();
+                }
+                shard
+            }
+        }
+    }
+}
+
+/// Runs `f(rank, device, communicator)` on every rank of a group of `world`, each on its own
+/// thread: the in-process communicator on the CPU, NCCL on CUDA.
+fn in_group<T: Send>(
+    on: On,
+    world: usize,
+    f: impl Fn(usize, &Dev, &Arc<dyn Communicator>) -> T + Sync,
+) -> Vec<T> {
+    let f = &f;
+    match on {
+        On::Cpu => {
+            let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(world)
+                .unwrap()
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+                .collect();
+            std::thread::scope(|s| {
+                let handles: Vec<_> = comms
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, comm)| s.spawn(move || f(rank, &Dev::Cpu, comm)))
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        }
+        On::Cuda => {
+            let id = nccl_unique_id().unwrap();
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (0..world)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let dev = Dev::of(On::Cuda, rank);
+                            let comm = NcclComm::new(&id, rank, world, rank as i32).unwrap();
+                            Communicator::set_timeout(&comm, Some(Duration::from_secs(120)))
+                                .unwrap();
+                            f(rank, &dev, &(Arc::new(comm) as Arc<dyn Communicator>))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        }
+    }
+}
+
+/// How many ranks a CUDA test may run here (a device each), or `None` to skip it: no GPU or NCCL
+/// (a failure with GRADACC_REQUIRE_GPU=1).
+fn cuda_ranks() -> Option<usize> {
+    if !common::cuda::gpu_or_skip() || !common::cuda::nccl_or_skip() {
+        return None;
+    }
+    let mut count = 0;
+    // SAFETY: the driver loads (gpu_or_skip); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    Some(count.max(0) as usize)
+}
 
 /// One micro-batch on one rank: per tensor, its contributions (true, unscaled gradients), and
 /// which (tensor, contribution, element) hold a non-finite value instead.
@@ -105,28 +306,26 @@ fn encoded(m: &Micro, tensors: &[TensorDesc], t: usize, c: usize) -> (Vec<f32>, 
     encode(tensors[t].dtype, &values, 1.0)
 }
 
-/// Feeds `window` into `acc`, every micro-batch at its own scale.
-fn feed(acc: &Accumulator, window: &[Micro], tensors: &[TensorDesc]) {
+/// Feeds `window` into `acc` on `dev`, every micro-batch at its own scale.
+fn feed(dev: &Dev, acc: &Accumulator, window: &[Micro], tensors: &[TensorDesc]) {
+    let dtypes: Vec<Dtype> = tensors.iter().map(|t| t.dtype).collect();
     for m in window {
         let scaler =
-            Scaler::new(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() })
-                .unwrap();
+            dev.scaler(ScalerConfig { init_scale: m.scale, min_scale: 1.0, ..Default::default() });
         let buffers: Vec<Vec<(Vec<f32>, Vec<u16>)>> = (0..tensors.len())
             .map(|t| (0..m.contributions[t].len()).map(|c| encoded(m, tensors, t, c)).collect())
             .collect();
-        let view =
-            |t: usize, c: usize| grad_of(tensors[t].dtype, &buffers[t][c].0, &buffers[t][c].1);
         if m.hook {
             acc.begin_microbatch(m.count).unwrap();
             for (t, cs) in buffers.iter().enumerate() {
-                for c in 0..cs.len() {
-                    acc.add_tensor(&scaler, t, view(t, c)).unwrap();
+                for c in cs {
+                    dev.add_tensor(acc, &scaler, t, dtypes[t], c);
                 }
             }
             acc.end_microbatch().unwrap();
         } else {
-            let grads: Vec<Grad> = (0..tensors.len()).map(|t| view(t, 0)).collect();
-            acc.add(&scaler, &grads, m.count).unwrap();
+            let firsts: Vec<&(Vec<f32>, Vec<u16>)> = buffers.iter().map(|b| &b[0]).collect();
+            dev.add(acc, &scaler, &dtypes, &firsts, m.count);
         }
     }
 }
@@ -138,58 +337,29 @@ type RankResult = (SyncInfo, Vec<Vec<f32>>, Option<Vec<TensorStats>>);
 /// Every rank's (info, masters) after its window and the boundary, each rank on its own thread,
 /// after a first window of garbage that must not leak.
 fn run_group(
+    on: On,
     config: AccumulatorConfig,
     tensors: &[TensorDesc],
     windows: &[Vec<Micro>],
 ) -> Vec<RankResult> {
-    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(windows.len())
-        .unwrap()
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .zip(windows)
-            .map(|(comm, window)| {
-                s.spawn(move || {
-                    let (shards, rank) = (comm.world_size(), comm.rank());
-                    let sharding = match config.sharding {
-                        Sharding::None => Sharding::None,
-                        Sharding::Accumulate { .. } => Sharding::Accumulate { shards, rank },
-                        _ => Sharding::ReduceScatter { shards, rank },
-                    };
-                    let builder = Accumulator::builder(tensors)
-                        .config(AccumulatorConfig { sharding, ..config });
-                    let acc = match sharding {
-                        Sharding::Accumulate { .. } => builder.communicator(comm.clone()).build(),
-                        _ => builder.build(),
-                    }
-                    .unwrap();
-                    let junk: Vec<Vec<f32>> = tensors.iter().map(|t| vec![1e3; t.numel]).collect();
-                    let junk16: Vec<Vec<u16>> =
-                        tensors.iter().map(|t| vec![to_bf16(7.0); t.numel]).collect();
-                    let views: Vec<Grad> = tensors
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| grad_of(t.dtype, &junk[i], &junk16[i]))
-                        .collect();
-                    let one = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
-                        .unwrap();
-                    acc.add(&one, &views, 1).unwrap();
-                    acc.sync(Some(&**comm)).unwrap();
-                    feed(&acc, window, tensors);
-                    let info = acc.sync(Some(&**comm)).unwrap();
-                    let (range, ptr) = acc.shard();
-                    // SAFETY: the shard's address and length come from the live accumulator, which
-                    // nothing writes until the next micro-batch.
-                    let shard = unsafe { std::slice::from_raw_parts(ptr, range.len()) }.to_vec();
-                    let stats = config.tensor_stats.then(|| acc.tensor_stats().unwrap());
-                    (info, vec![shard], stats)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    in_group(on, windows.len(), |rank, dev, comm| {
+        let shards = comm.world_size();
+        let sharding = match config.sharding {
+            Sharding::None => Sharding::None,
+            Sharding::Accumulate { .. } => Sharding::Accumulate { shards, rank },
+            _ => Sharding::ReduceScatter { shards, rank },
+        };
+        let acc = dev.accumulator_over(AccumulatorConfig { sharding, ..config }, tensors, comm);
+        let junk: Vec<(Vec<f32>, Vec<u16>)> =
+            tensors.iter().map(|t| (vec![1e3; t.numel], vec![to_bf16(7.0); t.numel])).collect();
+        let dtypes: Vec<Dtype> = tensors.iter().map(|t| t.dtype).collect();
+        let one = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+        dev.add(&acc, &one, &dtypes, &junk.iter().collect::<Vec<_>>(), 1);
+        acc.sync(Some(&**comm)).unwrap();
+        feed(dev, &acc, &windows[rank], tensors);
+        let info = acc.sync(Some(&**comm)).unwrap();
+        let stats = config.tensor_stats.then(|| acc.tensor_stats().unwrap());
+        (info, vec![dev.shard(&acc)], stats)
     })
 }
 
@@ -205,15 +375,19 @@ fn first_place(windows: &[Vec<Micro>]) -> Option<OverflowAt> {
         .map(|(microbatch, tensor, rank)| OverflowAt::Gradient { rank, microbatch, tensor })
 }
 
-fn run_case(rng: &mut Rng, case: usize) {
-    let world = rng.range(1, 4) as usize;
+/// One random case on `on`, with up to `max_world` ranks; on CUDA the CPU's results too, which
+/// the software GPU (whose NCCL sums in rank order) must equal bit for bit.
+fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
+    let world = (rng.range(1, 4) as usize).min(max_world);
     let tensors = random_tensors(rng);
     // `run_group` gives each rank its shard of "reduce-scatter" or "accumulate".
+    // Sharded accumulation drops and measures on the CPU only.
+    let policies = if on == On::Cpu { 2 } else { 1 };
     let sharding = [
         Sharding::None,
         Sharding::ReduceScatter { shards: 1, rank: 0 },
         Sharding::Accumulate { shards: 1, rank: 0 },
-    ][rng.range(0, 2) as usize];
+    ][rng.range(0, policies) as usize];
     let accumulate = matches!(sharding, Sharding::Accumulate { .. });
     let config = AccumulatorConfig {
         sharding,
@@ -258,7 +432,7 @@ fn run_case(rng: &mut Rng, case: usize) {
     let dropped = windows.iter().flatten().count() - kept().count();
     let place = first_place(&windows);
     let what = format!(
-        "case {case}: world {world}, {normalize:?}, {loss_reduction:?}, {:?}, dropped {dropped}",
+        "case {case} on {on:?}: world {world}, {normalize:?}, {loss_reduction:?}, {:?}, dropped {dropped}",
         config.sharding
     );
 
@@ -274,13 +448,16 @@ fn run_case(rng: &mut Rng, case: usize) {
     // Skipping the step: the same place and counts, every micro-batch counted, the step skipped.
     if dropped > 0 {
         let skip = run_group(
+            on,
             AccumulatorConfig { overflow: Overflow::SkipStep, ..config },
             &tensors,
             &windows,
         );
+        // On CUDA the flag stays on the device under SkipStep: the place is not located.
+        let skip_place = if on == On::Cpu { place } else { None };
         for (rank, (info, _, stats)) in skip.iter().enumerate() {
             assert!(info.found_inf, "{what}: SkipStep on rank {rank}");
-            assert_eq!(info.overflow, place, "{what}: SkipStep's place on rank {rank}");
+            assert_eq!(info.overflow, skip_place, "{what}: SkipStep's place on rank {rank}");
             assert_eq!(info.dropped_microbatches, 0, "{what}");
             assert_eq!(info.microbatches, windows.iter().flatten().count() as u64, "{what}");
             if config.tensor_stats {
@@ -289,7 +466,36 @@ fn run_case(rng: &mut Rng, case: usize) {
         }
     }
 
-    let results = run_group(config, &tensors, &windows);
+    let results = run_group(on, config, &tensors, &windows);
+    if on == On::Cuda && std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1") {
+        let cpu = run_group(On::Cpu, config, &tensors, &windows);
+        for (rank, ((a, ma, sa), (b, mb, sb))) in results.iter().zip(&cpu).enumerate() {
+            let same = |x: f64, y: f64| x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan();
+            let stats = |s: &Option<Vec<TensorStats>>| {
+                s.as_ref().map(|s| {
+                    s.iter().map(|s| (s.grad_norm.to_bits(), s.nonfinite_microbatches)).collect()
+                })
+            };
+            let (ca, cb): (Option<Vec<_>>, Option<Vec<_>>) = (stats(sa), stats(sb));
+            assert_eq!(
+                ca, cb,
+                "{what}: rank {rank}'s tensor stats differ between CUDA and the CPU"
+            );
+            assert!(
+                same(a.grad_norm, b.grad_norm) && same(a.clip_coef, b.clip_coef),
+                "{what}: rank {rank}: CUDA {a:?}, CPU {b:?}"
+            );
+            assert_eq!(
+                (a.found_inf, a.total_count, a.microbatches, a.dropped_microbatches, a.overflow),
+                (b.found_inf, b.total_count, b.microbatches, b.dropped_microbatches, b.overflow),
+                "{what}: rank {rank}"
+            );
+            assert!(
+                ma[0].iter().zip(&mb[0]).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: rank {rank}'s gradient differs between CUDA and the CPU"
+            );
+        }
+    }
     let (info, _, stats) = &results[0];
     let bits = |s: &Option<Vec<TensorStats>>| {
         s.as_ref().map(|s| {
@@ -413,7 +619,24 @@ fn run_case(rng: &mut Rng, case: usize) {
 fn dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones() {
     let mut rng = Rng::fresh("dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones");
     for case in 0..60 {
-        run_case(&mut rng, case);
+        run_case(&mut rng, case, On::Cpu, 4);
+    }
+}
+
+#[test]
+fn dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones_on_cuda() {
+    let Some(devices) = cuda_ranks() else { return };
+    let name = "dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones_on_cuda";
+    let cases = |name: &str| {
+        let mut rng = Rng::fresh(name);
+        for case in 0..24 {
+            run_case(&mut rng, case, On::Cuda, devices);
+        }
+    };
+    // Up to 3 ranks, as many as there are devices; the software GPU runs 3 in a child process.
+    match std::env::var("GRADACC_SIMGPU").as_deref() {
+        Ok("1") => common::cuda::at_devices(3, devices as i32, name, cases),
+        _ => cases(name),
     }
 }
 
@@ -421,7 +644,17 @@ fn dropped_microbatches_leave_the_f64_gradient_of_the_kept_ones() {
 /// before, and a tensor's one contribution per micro-batch goes through the staging exactly.
 #[test]
 fn a_clean_window_is_the_same_under_both_policies() {
-    let mut rng = Rng::fresh("a_clean_window_is_the_same_under_both_policies");
+    clean_windows(On::Cpu, 3, "a_clean_window_is_the_same_under_both_policies");
+}
+
+#[test]
+fn a_clean_window_is_the_same_under_both_policies_on_cuda() {
+    let Some(devices) = cuda_ranks() else { return };
+    clean_windows(On::Cuda, devices, "a_clean_window_is_the_same_under_both_policies_on_cuda");
+}
+
+fn clean_windows(on: On, max_world: usize, name: &str) {
+    let mut rng = Rng::fresh(name);
     for case in 0..20 {
         let tensors: Vec<TensorDesc> = (0..rng.range(1, 5))
             .map(|_| TensorDesc {
@@ -429,7 +662,7 @@ fn a_clean_window_is_the_same_under_both_policies() {
                 dtype: [Dtype::F32, Dtype::F16, Dtype::Bf16][rng.range(0, 2) as usize],
             })
             .collect();
-        let world = rng.range(1, 3) as usize;
+        let world = (rng.range(1, 3) as usize).min(max_world);
         let mut windows: Vec<Vec<Micro>> =
             (0..world).map(|_| random_window(&mut rng, &tensors, false)).collect();
         windows[0].extend(random_window(&mut rng, &tensors, false));
@@ -450,8 +683,9 @@ fn a_clean_window_is_the_same_under_both_policies() {
             threads: rng.range(1, 2) as usize,
             ..Default::default()
         };
-        let skip = run_group(config, &tensors, &windows);
+        let skip = run_group(on, config, &tensors, &windows);
         let drop = run_group(
+            on,
             AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..config },
             &tensors,
             &windows,
@@ -472,45 +706,97 @@ fn a_clean_window_is_the_same_under_both_policies() {
 /// scaler moves alike (each rank dropped something different).
 #[test]
 fn a_drop_backs_the_scale_off_on_every_rank() {
+    drops_back_off(On::Cpu);
+}
+
+/// The same rule on CUDA, where the scaler's kernel reads the drops from the boundary.
+#[test]
+fn a_drop_backs_the_scale_off_on_every_rank_on_cuda() {
+    if cuda_ranks().is_some_and(|d| common::cuda::enough_devices(2, d as i32)) {
+        drops_back_off(On::Cuda);
+    }
+}
+
+/// The scaler's rule after windows that kept everything, dropped some or dropped everything, on
+/// CUDA (the update kernel, from the boundary's drops) against the CPU's, over random hysteresis
+/// and growth settings down to the minimum scale: the same scales, skips and errors.
+#[test]
+fn the_scale_after_drops_follows_the_cpu_on_cuda() {
+    if cuda_ranks().is_none() {
+        return;
+    }
+    let mut rng = Rng::fresh("the_scale_after_drops_follows_the_cpu_on_cuda");
+    let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+    let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
+    let (good, bad) = ((vec![1.0f32; 3], Vec::new()), (vec![1.0, f32::NAN, 1.0], Vec::new()));
+    for case in 0..8 {
+        let scaler_config = ScalerConfig {
+            init_scale: (2f32).powi(rng.range(0, 5) as i32),
+            min_scale: 1.0,
+            growth_interval: rng.range(1, 3) as u32,
+            hysteresis: rng.range(1, 3) as u32,
+            consecutive_hysteresis: rng.range(0, 1) == 1,
+            ..Default::default()
+        };
+        // Per window: 0 keeps both micro-batches, 1 drops one, 2 drops both.
+        let windows: Vec<u64> = (0..30).map(|_| rng.range(0, 2)).collect();
+        let [cpu, cuda] = [On::Cpu, On::Cuda].map(|on| {
+            let dev = Dev::of(on, 0);
+            let acc = dev.accumulator(config, &tensors);
+            let scaler = dev.scaler(scaler_config);
+            let mut seen = Vec::new();
+            for &kind in &windows {
+                for m in 0..2 {
+                    let poisoned = kind == 2 || kind == 1 && m == 1;
+                    dev.add(
+                        &acc,
+                        &scaler,
+                        &[Dtype::F32],
+                        &[if poisoned { &bad } else { &good }],
+                        1,
+                    );
+                }
+                acc.sync(None).unwrap();
+                let skipped = scaler.update_from(&[&acc], true).map_err(|e| e.kind);
+                let stats = scaler.stats().unwrap();
+                seen.push((scaler.scale().unwrap(), skipped, stats.backoffs, stats.skipped_steps));
+            }
+            seen
+        });
+        assert_eq!(cuda, cpu, "case {case}: {scaler_config:?}, windows {windows:?}");
+    }
+}
+
+fn drops_back_off(on: On) {
     let tensors = [TensorDesc { numel: 5, dtype: Dtype::F16 }];
     let config = AccumulatorConfig { overflow: Overflow::DropMicrobatch, ..Default::default() };
-    let comms = LocalComm::group(2).unwrap();
-    let scalers: Vec<Vec<(f32, bool)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let acc = Accumulator::new(config, &tensors).unwrap();
-                    let scaler = Scaler::new(ScalerConfig {
-                        init_scale: 4.0,
-                        min_scale: 1.0,
-                        growth_interval: 2,
-                        ..Default::default()
-                    })
-                    .unwrap();
-                    let good = vec![to_f16(1.0); 5];
-                    let mut bad = good.clone();
-                    bad[3] = to_f16(f32::INFINITY);
-                    let mut seen = Vec::new();
-                    // Step k: rank r drops a micro-batch when `drops[k]` says so for it.
-                    let drops = [[true, false], [false, false], [false, false], [false, true]];
-                    let drops = drops.iter().chain(&[[true, true], [true, false]]);
-                    for (k, step) in drops.enumerate() {
-                        let mine = step[comm.rank()];
-                        acc.add(&scaler, &[Grad::F16(&good)], 1).unwrap();
-                        acc.add(&scaler, &[Grad::F16(if mine { &bad } else { &good })], 1).unwrap();
-                        let info = acc.sync(Some(comm)).unwrap();
-                        let drops = step.iter().filter(|&&d| d).count() as u64;
-                        assert_eq!(info.dropped_microbatches, drops, "step {k}");
-                        assert!(!info.found_inf, "step {k}: something was kept");
-                        let skipped = scaler.update_from(&[&acc], true).unwrap();
-                        seen.push((scaler.scale().unwrap(), skipped.unwrap()));
-                    }
-                    seen
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let scalers: Vec<Vec<(f32, bool)>> = in_group(on, 2, |rank, dev, comm| {
+        let acc = dev.accumulator(config, &tensors);
+        let scaler = dev.scaler(ScalerConfig {
+            init_scale: 4.0,
+            min_scale: 1.0,
+            growth_interval: 2,
+            ..Default::default()
+        });
+        let good = (Vec::new(), vec![to_f16(1.0); 5]);
+        let mut bad = good.clone();
+        bad.1[3] = to_f16(f32::INFINITY);
+        let mut seen = Vec::new();
+        // Step k: rank r drops a micro-batch when `drops[k]` says so for it.
+        let drops = [[true, false], [false, false], [false, false], [false, true]];
+        let drops = drops.iter().chain(&[[true, true], [true, false]]);
+        for (k, step) in drops.enumerate() {
+            let mine = step[rank];
+            dev.add(&acc, &scaler, &[Dtype::F16], &[&good], 1);
+            dev.add(&acc, &scaler, &[Dtype::F16], &[if mine { &bad } else { &good }], 1);
+            let info = acc.sync(Some(&**comm)).unwrap();
+            let drops = step.iter().filter(|&&d| d).count() as u64;
+            assert_eq!(info.dropped_microbatches, drops, "step {k}");
+            assert!(!info.found_inf, "step {k}: something was kept");
+            let skipped = scaler.update_from(&[&acc], true).unwrap();
+            seen.push((scaler.scale().unwrap(), skipped.unwrap()));
+        }
+        seen
     });
     assert_eq!(scalers[0], scalers[1], "the ranks' scalers differ");
     let scales: Vec<f32> = scalers[0].iter().map(|s| s.0).collect();
@@ -567,6 +853,71 @@ fn nothing_kept_anywhere_skips_the_step() {
     assert_eq!(off.tensor_stats().unwrap_err().kind, ErrorKind::WrongState);
 }
 
+/// The same on CUDA, alone (the host knows the totals) and in a group of two (the device sums
+/// them): the boundary that kept nothing is finished on the device, where the scaler reads it.
+#[test]
+fn nothing_kept_anywhere_skips_the_step_on_cuda() {
+    let Some(devices) = cuda_ranks() else { return };
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::Bf16 }, TensorDesc { numel: 2, dtype: Dtype::F32 }];
+    let dtypes = [Dtype::Bf16, Dtype::F32];
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        tensor_stats: true,
+        ..Default::default()
+    };
+    for world in (1..=2).filter(|&w| w <= devices) {
+        let results = in_group(On::Cuda, world, |rank, dev, comm| {
+            let acc = dev.accumulator(config, &tensors);
+            let scaler = dev.scaler(ScalerConfig { init_scale: 2.0, ..Default::default() });
+            let a = (Vec::new(), vec![to_bf16(1.0); 3]);
+            let b = (vec![1.0f32, f32::NAN], Vec::new());
+            dev.add(&acc, &scaler, &dtypes, &[&a, &b], 4);
+            acc.begin_microbatch(2).unwrap();
+            dev.add_tensor(&acc, &scaler, 1, Dtype::F32, &(vec![f32::INFINITY, 0.0], Vec::new()));
+            dev.add_tensor(&acc, &scaler, 0, Dtype::Bf16, &a);
+            acc.end_microbatch().unwrap();
+            let info = acc.sync(Some(&**comm)).unwrap();
+            let stats: Vec<(f64, u64)> = acc
+                .tensor_stats()
+                .unwrap()
+                .iter()
+                .map(|s| (s.grad_norm, s.nonfinite_microbatches))
+                .collect();
+            assert_eq!(stats, [(0.0, 0), (0.0, 2 * world as u64)], "world {world}, rank {rank}");
+            let mut master = [1.0f32; 3];
+            acc.read_master(0, &mut master).unwrap();
+            let skipped = scaler.update_from(&[&acc], true).unwrap().unwrap();
+            let scale = scaler.scale().unwrap();
+            // The next window: clean, normalised by its own count.
+            let ones = (vec![1.0f32, 1.0], Vec::new());
+            dev.add(&acc, &scaler, &dtypes, &[&a, &ones], 4);
+            let next = acc.sync(Some(&**comm)).unwrap();
+            let mut second = [0.0f32; 2];
+            acc.read_master(1, &mut second).unwrap();
+            (rank, info, master, skipped, scale, next, second)
+        });
+        for (rank, info, master, skipped, scale, next, second) in results {
+            let what = format!("world {world}, rank {rank}");
+            assert!(info.found_inf, "{what}");
+            assert_eq!(
+                (info.total_count, info.microbatches, info.dropped_microbatches),
+                (0, 0, 2 * world as u64),
+                "{what}"
+            );
+            let place = OverflowAt::Gradient { rank: 0, microbatch: 0, tensor: 1 };
+            assert_eq!(info.overflow, Some(place), "{what}");
+            assert_eq!((info.grad_norm, info.clip_coef), (0.0, 1.0), "{what}");
+            assert_eq!(master, [0.0; 3], "{what}");
+            assert!(skipped, "{what}: the step is skipped");
+            assert_eq!(scale, 1.0, "{what}: the scale backs off once");
+            assert!(!next.found_inf, "{what}");
+            assert_eq!((next.total_count, next.dropped_microbatches), (4 * world as u64, 0));
+            assert_eq!((next.overflow, second), (None, [1.0, 1.0]), "{what}");
+        }
+    }
+}
+
 /// A finite gradient that overflows once unscaled and weighted is non-finite too: the check uses
 /// the add's own multiply.
 #[test]
@@ -586,27 +937,111 @@ fn a_value_that_overflows_when_weighted_is_dropped() {
 
 /// A hybrid boundary (2 shard groups of 2 ranks) drops, reports and measures as one group of the
 /// four ranks does: the place's rank is replica rank times 2 plus shard rank.
+const HYBRID_TENSORS: [TensorDesc; 3] = [
+    TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
+    TensorDesc { numel: 3, dtype: Dtype::F32 },
+    TensorDesc { numel: 9000, dtype: Dtype::F16 },
+];
+
+/// Rank `g`'s two micro-batches of the hybrid tests: rank 3's second holds a NaN in tensor 1.
+fn hybrid_feed(g: usize, dev: &Dev, acc: &Accumulator) {
+    let scaler = dev.scaler(ScalerConfig { init_scale: 4.0, ..Default::default() });
+    let dtypes: Vec<Dtype> = HYBRID_TENSORS.iter().map(|t| t.dtype).collect();
+    for m in 0..2 {
+        let value = |i: usize| ((g * 7 + m * 3 + i) % 11) as f32 - 5.0;
+        let a = (Vec::new(), (0..5000).map(|i| to_bf16(value(i))).collect());
+        let mut b: (Vec<f32>, Vec<u16>) = ((0..3).map(value).collect(), Vec::new());
+        let c = (Vec::new(), (0..9000).map(|i| to_f16(value(i) * 0.5)).collect());
+        if (g, m) == (3, 1) {
+            b.0[2] = f32::NAN;
+        }
+        dev.add(acc, &scaler, &dtypes, &[&a, &b, &c], 1 + m as u64);
+    }
+}
+
+/// A hybrid boundary on CUDA (NCCL shard and replica groups, 2 x 2) drops, reports and measures
+/// as the CPU's does: the same place, counts and, on the software GPU, the same bits.
+#[test]
+fn a_hybrid_boundary_drops_on_cuda_as_on_the_cpu() {
+    let Some(devices) = cuda_ranks() else { return };
+    let name = "a_hybrid_boundary_drops_on_cuda_as_on_the_cpu";
+    common::cuda::at_devices(4, devices as i32, name, |_| hybrid_on_cuda());
+}
+
+fn hybrid_on_cuda() {
+    let tensors = HYBRID_TENSORS;
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        tensor_stats: true,
+        max_grad_norm: 1.0,
+        ..Default::default()
+    };
+    let sharded = |shard: usize| AccumulatorConfig {
+        sharding: Sharding::ReduceScatter { shards: 2, rank: shard },
+        ..config
+    };
+    let cpu = hybrid_grid(2, 2, |g, shard, replicas| {
+        let acc = Accumulator::new(sharded(shard.rank()), &tensors).unwrap();
+        hybrid_feed(g, &Dev::Cpu, &acc);
+        let info = acc.sync_hybrid(shard, replicas).unwrap();
+        (info, Dev::Cpu.shard(&acc), acc.tensor_stats().unwrap())
+    });
+    let shard_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
+    let replica_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
+    let cuda: Vec<(SyncInfo, Vec<f32>, Vec<TensorStats>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                let (a, i) = (g / 2, g % 2);
+                let (shard_id, replica_id) = (shard_ids[a], replica_ids[i]);
+                s.spawn(move || {
+                    let dev = Dev::of(On::Cuda, g);
+                    let shard = NcclComm::new(&shard_id, i, 2, g as i32).unwrap();
+                    let replicas = NcclComm::new(&replica_id, a, 2, g as i32).unwrap();
+                    for c in [&shard, &replicas] {
+                        Communicator::set_timeout(c, Some(Duration::from_secs(120))).unwrap();
+                    }
+                    let acc = dev.accumulator(sharded(i), &tensors);
+                    hybrid_feed(g, &dev, &acc);
+                    let info = acc.sync_hybrid(&shard, &replicas).unwrap();
+                    (info, dev.shard(&acc), acc.tensor_stats().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
+    for (g, ((got, got_shard, got_stats), (want, want_shard, want_stats))) in
+        cuda.iter().zip(&cpu).enumerate()
+    {
+        assert_eq!(got.overflow, Some(OverflowAt::Gradient { rank: 3, microbatch: 1, tensor: 1 }));
+        assert_eq!(
+            (got.dropped_microbatches, got.microbatches, got.total_count, got.found_inf),
+            (want.dropped_microbatches, want.microbatches, want.total_count, want.found_inf),
+            "rank {g}"
+        );
+        assert_eq!((got.dropped_microbatches, got.found_inf), (1, false), "rank {g}");
+        let close = |a: f64, b: f64| a == b || !exact && (a - b).abs() <= 1e-6 * b.abs();
+        assert!(close(got.grad_norm, want.grad_norm), "rank {g}: {got:?} vs {want:?}");
+        assert!(close(got.clip_coef, want.clip_coef), "rank {g}: {got:?} vs {want:?}");
+        assert_eq!(got_shard.len(), want_shard.len(), "rank {g}");
+        for (t, (a, b)) in got_stats.iter().zip(want_stats).enumerate() {
+            assert_eq!(a.nonfinite_microbatches, b.nonfinite_microbatches, "rank {g} tensor {t}");
+            assert_eq!(a.nonfinite_microbatches, (t == 1) as u64, "rank {g} tensor {t}");
+            assert!(close(a.grad_norm, b.grad_norm), "rank {g} tensor {t}: {a:?} vs {b:?}");
+        }
+        for (k, (a, b)) in got_shard.iter().zip(want_shard).enumerate() {
+            assert!(
+                close(*a as f64, *b as f64),
+                "rank {g} shard element {k}: CUDA {a:e}, CPU {b:e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_hybrid_boundary_reports_and_measures_as_the_whole_group() {
-    let tensors = [
-        TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
-        TensorDesc { numel: 3, dtype: Dtype::F32 },
-        TensorDesc { numel: 9000, dtype: Dtype::F16 },
-    ];
-    let feed_rank = |g: usize, acc: &Accumulator| {
-        let scaler = Scaler::new(ScalerConfig { init_scale: 4.0, ..Default::default() }).unwrap();
-        for m in 0..2 {
-            let value = |i: usize| ((g * 7 + m * 3 + i) % 11) as f32 - 5.0;
-            let a: Vec<u16> = (0..5000).map(|i| to_bf16(value(i))).collect();
-            let mut b: Vec<f32> = (0..3).map(value).collect();
-            let c: Vec<u16> = (0..9000).map(|i| to_f16(value(i) * 0.5)).collect();
-            if (g, m) == (3, 1) {
-                b[2] = f32::NAN;
-            }
-            acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&b), Grad::F16(&c)], 1 + m as u64)
-                .unwrap();
-        }
-    };
+    let tensors = HYBRID_TENSORS;
+    let feed_rank = |g: usize, acc: &Accumulator| hybrid_feed(g, &Dev::Cpu, acc);
     let config = AccumulatorConfig {
         overflow: Overflow::DropMicrobatch,
         tensor_stats: true,
@@ -697,6 +1132,111 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
         let info = acc.sync(None).unwrap();
         assert_eq!((info.found_inf, info.overflow), (true, None), "merge {merge}");
     }
+}
+
+/// Under DROP_MICROBATCH on CUDA the final micro-batch is staged like any other (its buckets are
+/// not reduced early): a poisoned one is dropped on its rank, a clean one lands whole, and
+/// `sync` over the same communicator completes the boundary.
+#[test]
+fn a_final_microbatch_is_staged_on_cuda() {
+    if !cuda_ranks().is_some_and(|d| common::cuda::enough_devices(2, d as i32)) {
+        return;
+    }
+    let tensors =
+        [TensorDesc { numel: 5, dtype: Dtype::F32 }, TensorDesc { numel: 3, dtype: Dtype::Bf16 }];
+    let config = AccumulatorConfig {
+        overflow: Overflow::DropMicrobatch,
+        loss_reduction: LossReduction::Sum,
+        normalize: Normalize::None,
+        bucket_numel: 4,
+        ..Default::default()
+    };
+    let id = nccl_unique_id().unwrap();
+    let results: Vec<(SyncInfo, Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let dev = Dev::of(On::Cuda, rank);
+                    let comm: Arc<dyn Communicator> =
+                        Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+                    comm.set_timeout(Some(Duration::from_secs(120))).unwrap();
+                    let acc = dev.accumulator(config, &tensors);
+                    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+                    let a = (vec![1.0f32; 5], Vec::new());
+                    let b = (Vec::new(), vec![to_bf16(2.0); 3]);
+                    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::Bf16], &[&a, &b], 1);
+                    // Rank 1's final micro-batch holds an inf in tensor 1's second chunk.
+                    let last =
+                        (Vec::new(), vec![to_bf16(if rank == 1 { f32::INFINITY } else { 4.0 }); 3]);
+                    acc.begin_final_microbatch(1, comm.clone()).unwrap();
+                    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &a);
+                    dev.add_tensor(&acc, &scaler, 1, Dtype::Bf16, &b);
+                    dev.add_tensor(&acc, &scaler, 1, Dtype::Bf16, &last);
+                    acc.end_microbatch().unwrap();
+                    let info = acc.sync(Some(&*comm)).unwrap();
+                    let (mut m0, mut m1) = (vec![0f32; 5], vec![0f32; 3]);
+                    acc.read_master(0, &mut m0).unwrap();
+                    acc.read_master(1, &mut m1).unwrap();
+                    (info, m0, m1)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (info, m0, m1)) in results.iter().enumerate() {
+        assert_eq!((info.microbatches, info.dropped_microbatches, info.found_inf), (3, 1, false));
+        let place = OverflowAt::Gradient { rank: 1, microbatch: 1, tensor: 1 };
+        assert_eq!(info.overflow, Some(place), "rank {rank}");
+        // Both first micro-batches and rank 0's final one: a + a + a, and b + b + (b + 4).
+        assert_eq!(m0, &[3.0; 5], "rank {rank}");
+        assert_eq!(m1, &[10.0; 3], "rank {rank}");
+    }
+}
+
+/// Under SKIP_STEP on CUDA the per-tensor counts stay on the device: each micro-batch counts once
+/// per tensor however many chunks went bad, and a reset or loaded window starts from none.
+#[test]
+fn skip_step_counts_on_cuda_follow_the_window() {
+    if cuda_ranks().is_none() {
+        return;
+    }
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::F32 }, TensorDesc { numel: 2, dtype: Dtype::F16 }];
+    let config = AccumulatorConfig { tensor_stats: true, ..Default::default() };
+    let dev = Dev::of(On::Cuda, 0);
+    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+    let acc = dev.accumulator(config, &tensors);
+    let clean = [(vec![1.0f32, 2.0, 3.0], Vec::new()), (Vec::new(), vec![to_f16(1.0); 2])];
+    let bad = (vec![1.0f32, f32::NAN, 3.0], Vec::new());
+    let counts = |acc: &Accumulator| -> Vec<u64> {
+        acc.sync(None).unwrap();
+        acc.tensor_stats().unwrap().iter().map(|s| s.nonfinite_microbatches).collect()
+    };
+    let saver = dev.accumulator(config, &tensors);
+    dev.add(&saver, &scaler, &[Dtype::F32, Dtype::F16], &[&clean[0], &clean[1]], 1);
+    let clean_window = saver.save_window().unwrap();
+    // Two chunks of tensor 0 go bad in one hook micro-batch: one count.
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    dev.add_tensor(&acc, &scaler, 1, Dtype::F16, &clean[1]);
+    acc.end_microbatch().unwrap();
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    // A reset inside a micro-batch discards the window and its counts.
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    acc.reset().unwrap();
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    acc.begin_microbatch(1).unwrap();
+    dev.add_tensor(&acc, &scaler, 0, Dtype::F32, &bad);
+    acc.end_microbatch().unwrap();
+    assert_eq!(counts(&acc), [2, 0]);
+    // A loaded window brings no counts; the next window starts from none.
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&bad, &clean[1]], 1);
+    acc.load_window(&clean_window).unwrap();
+    assert_eq!(counts(&acc), [0, 0]);
+    dev.add(&acc, &scaler, &[Dtype::F32, Dtype::F16], &[&clean[0], &clean[1]], 1);
+    assert_eq!(counts(&acc), [0, 0]);
 }
 
 /// A rank that syncs twice in a row takes part with an empty window: its last window's overflow

@@ -79,14 +79,17 @@ pub type gradacc_overflow_t = i32;
 pub const GRADACC_OVERFLOW_SKIP_STEP: gradacc_overflow_t = 0;
 /// Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
 /// by what every rank kept, and the step is skipped only when nothing was kept or the sum
-/// overflows. CPU accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails with
-/// GRADACC_STATUS_BACKEND_UNAVAILABLE). Update the scaler with gradacc_scaler_update: a drop
-/// backs the scale off.
+/// overflows. CPU and CUDA accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails
+/// with GRADACC_STATUS_BACKEND_UNAVAILABLE); on CUDA each gradacc_accumulator_add and
+/// gradacc_accumulator_end_microbatch waits for the stream (docs/overflow.md). Update the scaler
+/// with gradacc_scaler_update: a drop backs the scale off.
 pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
 
 /// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
 pub type gradacc_overflow_at_t = i32;
-/// Nowhere: the window stayed finite (or, on CUDA, found_inf is set but the place is not located).
+/// Nowhere: the window stayed finite (or found_inf is set but the place is not located: on CUDA
+/// under GRADACC_OVERFLOW_SKIP_STEP, or a sum that overflowed the master under
+/// GRADACC_OVERFLOW_DROP_MICROBATCH).
 pub const GRADACC_OVERFLOW_AT_NONE: gradacc_overflow_at_t = 0;
 /// A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
 pub const GRADACC_OVERFLOW_AT_GRADIENT: gradacc_overflow_at_t = 1;
@@ -131,7 +134,8 @@ pub struct gradacc_accumulator_config_t {
     /// GRADACC_OVERFLOW_* (default SKIP_STEP).
     pub overflow: gradacc_overflow_t,
     /// 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-    /// (default). CPU accumulators without GRADACC_SHARDING_ACCUMULATE.
+    /// (default). With GRADACC_SHARDING_ACCUMULATE on the CPU only (on CUDA creation fails with
+    /// GRADACC_STATUS_BACKEND_UNAVAILABLE).
     pub tensor_stats: u32,
 }
 
@@ -526,7 +530,8 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_microbatch(
 /// communication stream as soon as every tensor of the bucket has arrived (one contribution
 /// each; buckets start in reverse tensor order, as backward produces them), overlapping the rest
 /// of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
-/// Every rank must do the same. On the CPU it is gradacc_accumulator_begin_microbatch.
+/// Every rank must do the same. On the CPU, and under GRADACC_OVERFLOW_DROP_MICROBATCH, it is
+/// gradacc_accumulator_begin_microbatch.
 /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
 ///
 /// Thread safety: serialised with every other call on `acc`.

@@ -209,7 +209,7 @@ impl<'a> Gradient<'a> {
 fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
         ErrorKind::BackendUnavailable,
-        format!("{what} runs on CPU accumulators without sharded accumulation, not {where_}"),
+        format!("{what} runs on accumulators without sharded accumulation, not {where_}"),
     )
 }
 
@@ -577,6 +577,13 @@ pub(crate) trait Store: Send + Sync {
         Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
 
+    /// The tensors whose staging went non-finite in the open micro-batch where `stage_tensor`
+    /// could not tell at once (a device keeps the flags: reading them waits for it); the
+    /// window's marks hold the others.
+    fn staged_bad(&self) -> Result<Vec<usize>> {
+        Ok(Vec::new())
+    }
+
     /// Adds tensor `index`'s staging into its master (assigns it with `first`), flagging the
     /// window as `add_tensor` does. Returns whether a value it wrote is not finite.
     fn merge_staged(&self, _master: &mut MasterWrite, _index: usize, _first: bool) -> Result<bool> {
@@ -598,6 +605,11 @@ pub(crate) trait Store: Send + Sync {
 
     /// The window's overflow flag starts clear.
     fn clear_found_inf(&self) -> Result<()>;
+
+    /// A restored window's per-tensor counts start at zero, where the store keeps them.
+    fn restart_counts(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The control step: the ranks agree on counts, layouts and errors before any bucket moves.
     fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed>;
@@ -843,8 +855,8 @@ impl Accumulator {
             if !on {
                 continue;
             }
-            if device != Device::Cpu {
-                return Err(not_here(what, &format!("on {}", device.name())));
+            if let (Sharding::Accumulate { .. }, false) = (config.sharding, device == Device::Cpu) {
+                return Err(not_here(what, &format!("under sharded accumulation on {}", device.name())));
             }
         }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
@@ -1049,7 +1061,8 @@ impl Accumulator {
     /// [`Sharding::ReduceScatter`]: each of its pieces reduced into the piece's shard owner) as
     /// soon as all of its tensors arrived (one contribution each), overlapping the rest of the
     /// backward pass; `sync` over the same communicator completes the boundary. Every rank must
-    /// do the same. On the CPU it is `begin_microbatch`.
+    /// do the same. On the CPU, and under [`Overflow::DropMicrobatch`] (whose micro-batch reaches
+    /// the master only when it ends clean), it is `begin_microbatch`.
     pub fn begin_final_microbatch(&self, count: u64, comm: Arc<dyn Communicator>) -> Result<()> {
         self.begin(count, Some(comm))
     }
@@ -1189,7 +1202,12 @@ impl Accumulator {
         let closed = self.store.close_microbatch(w.master_mut());
         let dropped_everywhere = self.settle_lost(&mut w, closed)?;
         let drop = self.plan.config.overflow == Overflow::DropMicrobatch;
-        let bad: Vec<usize> = self.window.bad_tensors().collect();
+        let mut bad: Vec<usize> = self.window.bad_tensors().collect();
+        if drop {
+            bad.extend(self.store.staged_bad()?);
+            bad.sort_unstable();
+            bad.dedup();
+        }
         if self.plan.config.tensor_stats {
             w.count_bad(self.plan.descs.len(), bad.iter().copied());
         }
@@ -1607,6 +1625,7 @@ impl Accumulator {
         self.store.set_found_inf(saved.found_inf)?;
         self.window.restore(&mut w, &saved.written);
         w.restored(saved.found_inf);
+        self.store.restart_counts()?;
         w.phase = if saved.microbatches == 0 { Phase::Empty } else { Phase::Open };
         w.count = saved.count;
         w.microbatches = saved.microbatches;

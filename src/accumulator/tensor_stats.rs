@@ -55,6 +55,11 @@ impl Segments {
         self.spans.len()
     }
 
+    /// Each segment's [start, end) in master elements, in order: a device's table of them.
+    pub(crate) fn bounds(&self) -> Vec<[u64; 2]> {
+        self.spans.iter().map(|(r, _)| [r.start as u64, r.end as u64]).collect()
+    }
+
     /// The sums of this rank's passes, to be filled by [`Squares::record`].
     pub(crate) fn squares(&self) -> Squares<'_> {
         Squares { segments: self, sums: Mutex::new(vec![NOT_HERE; self.spans.len()]) }

@@ -47,6 +47,38 @@ pub fn enough_devices(devices: i32, count: i32) -> bool {
     false
 }
 
+/// Runs `f(test)` where there are `devices` devices (`count` are visible): on real GPUs only
+/// where there are; on the software GPU, whose device count is fixed when it loads, in a child
+/// process with that many.
+pub fn at_devices(devices: i32, count: i32, test: &str, f: impl FnOnce(&str)) {
+    if count >= devices {
+        return f(test);
+    }
+    if count == 0 {
+        return;
+    }
+    if std::env::var("GRADACC_SIMGPU").as_deref() != Ok("1")
+        || std::env::var("SIMGPU_DEVICES").is_ok()
+    {
+        eprintln!("not run: needs {devices} devices ({count} visible)");
+        return;
+    }
+    let text = super::rerun(
+        test,
+        &[("SIMGPU_DEVICES", &devices.to_string())],
+        &format!("the {devices}-device run"),
+    );
+    eprintln!(
+        "{}",
+        text.lines()
+            .filter(
+                |l| l.contains("SEED") || l.starts_with("test ") && !l.starts_with("test result")
+            )
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// Whether NCCL loads; with GRADACC_REQUIRE_GPU=1 a missing NCCL fails.
 pub fn nccl_or_skip() -> bool {
     if nccl::nccl_available() {

@@ -50,8 +50,40 @@ void fp_add_one(Footprint &f, float *master, const void *grad, ga_u64 numel, int
     f.write(found_inf, 4);
 }
 
-void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64) {
-    f.write(b, 4 * sizeof(ga_u64));
+void fp_check_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources,
+                    const ga_scaler_state *scaler, double, ga_u32 *flags) {
+    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("ga_check_multi: %llu sources in one launch", (unsigned long long)sources.count);
+    f.read(chunks, num_chunks * sizeof(ga_chunk));
+    ga_u64 num_tensors = 0;
+    for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
+    f.read(tensors, num_tensors * sizeof(ga_tensor));
+    for (ga_u64 c = 0; c < num_chunks; ++c) {
+        const ga_chunk &k = chunks[c];
+        if (k.tensor < sources.first_tensor || k.tensor >= sources.first_tensor + sources.count)
+            violation("ga_check_multi: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", (unsigned long long)c,
+                      (unsigned long long)k.tensor, (unsigned long long)sources.first_tensor, (unsigned long long)(sources.first_tensor + sources.count));
+        const ga_tensor &t = tensors[k.tensor];
+        if (k.start + k.len > t.numel) violation("ga_check_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
+        const ga_source &s = sources.s[k.tensor - sources.first_tensor];
+        f.read((const char *)(uintptr_t)s.grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
+    }
+    f.read(scaler, sizeof *scaler);
+    if (sources.count > 0) f.write(flags + sources.first_tensor, sources.count * 4);
+}
+
+void fp_count_flags(Footprint &f, ga_u64 *counts, ga_u32 *flags, ga_u64 n) {
+    f.write(counts, n * 8);
+    f.write(flags, n * 4);
+}
+
+void fp_merge(Footprint &f, float *master, const float *staged, ga_u64 numel, ga_u32, ga_u32 *found_inf) {
+    f.write(master, numel * 4);
+    f.read(staged, numel * 4);
+    f.write(found_inf, 4);
+}
+
+void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64, ga_u64, ga_u64) {
+    f.write(b, 6 * sizeof(ga_u64));
     if (found_inf) f.read(found_inf, 4);
 }
 
@@ -76,6 +108,14 @@ void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary 
     f.read(b, sizeof *b);
     f.write(buf, n * 4);
     f.write(partials, (n + GA_NORM_BLOCK - 1) / GA_NORM_BLOCK * 8);
+}
+
+void fp_segment_squares(Footprint &f, const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
+    f.read(spans, num_spans * 16);
+    for (ga_u64 s = 0; s < num_spans; ++s) {
+        if (spans[2 * s] >= lo && spans[2 * s + 1] <= hi) f.read(master + spans[2 * s], (spans[2 * s + 1] - spans[2 * s]) * 4);
+    }
+    f.write(out, num_spans * 8);
 }
 
 void fp_finish_norm(Footprint &f, ga_boundary *b, const double *partials, ga_u64 num_blocks, double) {
@@ -197,12 +237,16 @@ const std::vector<KernelInfo> &registry() {
     static const std::vector<KernelInfo> kernels = {
         make("ga_add_multi", ga_add_multi, fp_add_multi),
         make("ga_add_one", ga_add_one, fp_add_one),
+        make("ga_check_multi", ga_check_multi, fp_check_multi),
+        make("ga_merge", ga_merge, fp_merge),
+        make("ga_count_flags", ga_count_flags, fp_count_flags),
         make("ga_pack_control", ga_pack_control, fp_pack_control),
         make("ga_or_flag", ga_or_flag, fp_or_flag),
         make("ga_to_bf16", ga_to_bf16, fp_to_bf16),
         make("ga_sum_bf16", ga_sum_bf16, fp_sum_bf16),
         make("ga_begin_boundary", ga_begin_boundary, fp_begin_boundary),
         make("ga_scale_sum_squares", ga_scale_sum_squares, fp_scale_sum_squares),
+        make("ga_segment_squares", ga_segment_squares, fp_segment_squares),
         make("ga_finish_norm", ga_finish_norm, fp_finish_norm),
         make("ga_scale_by", ga_scale_by, fp_scale_by),
         make("ga_scaler_gather", ga_scaler_gather, fp_scaler_gather),

@@ -1,8 +1,8 @@
 """The Python binding's CUDA path: scaler and accumulator on a CUDA device (gradients and masters
 in device memory, moved with the driver API through ctypes), against the CPU backend bit for bit
-on random windows (every dtype, odd sizes, unaligned addresses, both adding styles), the
-optimizer stepping device weights as the CPU optimizer steps numpy ones, and the Apex O2 seed
-through NCCL at world size 2 (one rank per device).
+on random windows (every dtype, odd sizes, unaligned addresses, both adding styles, both overflow
+policies with per-tensor stats), the optimizer stepping device weights as the CPU optimizer
+steps numpy ones, and the Apex O2 seed through NCCL at world size 2 (one rank per device).
 
 Needs a GPU with NCCL, or the software GPU (scripts/sim-gpu-check); skipped without one, failed
 instead when GRADACC_REQUIRE_GPU=1."""
@@ -101,8 +101,15 @@ def encode(values, dtype):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def same_bits(a, b):
+    """Two float64 values bit for bit, any NaN matching any NaN."""
+    return np.float64(a).tobytes() == np.float64(b).tobytes() or (np.isnan(a) and np.isnan(b))
+
+
+@pytest.mark.parametrize("overflow", ["skip_step", "drop_microbatch"])
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_random_windows_match_the_cpu_backend_bitwise(dtype):
+def test_random_windows_match_the_cpu_backend_bitwise(dtype, overflow):
+    """Both overflow policies with tensor_stats, a third of the micro-batches holding an inf."""
     rng = np.random.default_rng()
     dev = Device(0)
     on_device = []  # closed before the stream they use is destroyed
@@ -110,16 +117,21 @@ def test_random_windows_match_the_cpu_backend_bitwise(dtype):
         for normalize in ["by_count", "by_microbatches", "by_world", "none"]:
             sizes = [int(n) for n in rng.choice([1, 3, 7, 64, 4097, 65537], size=int(rng.integers(1, 5)))]
             tensors = [(n, dtype) for n in sizes]
-            fields = dict(normalize=normalize, max_grad_norm=float(rng.choice([0.0, 1e-3])), bucket_numel=int(rng.integers(1, 70000)))
+            fields = dict(normalize=normalize, max_grad_norm=float(rng.choice([0.0, 1e-3])), bucket_numel=int(rng.integers(1, 70000)),
+                          overflow=overflow, tensor_stats=True)
             cpu = gradacc.Accumulator(tensors, **fields)
             gpu = gradacc.Accumulator(tensors, device=dev.device, **fields)
             on_device.append(gpu)
-            for m in range(int(rng.integers(1, 4))):
+            for m in range(int(rng.integers(1, 5))):
                 scale = float(2 ** int(rng.integers(0, 12)))
                 sc, sg = gradacc.Scaler(init_scale=scale), gradacc.Scaler(init_scale=scale, device=dev.device)
                 on_device.append(sg)
                 count = int(rng.integers(1, 9))
-                grads = [encode(rng.uniform(-1, 1, n).astype(np.float32) * scale * 0.01, dtype) for n in sizes]
+                values = [rng.uniform(-1, 1, n).astype(np.float32) * scale * 0.01 for n in sizes]
+                if rng.integers(0, 3) == 0:
+                    t = int(rng.integers(0, len(sizes)))
+                    values[t][int(rng.integers(0, sizes[t]))] = np.inf
+                grads = [encode(v, dtype) for v in values]
                 addresses = [dev.upload(g, shift=int(rng.integers(0, 3))) for g in grads]
                 if m % 2 == 0:
                     cpu.add(sc, grads, count)
@@ -130,8 +142,17 @@ def test_random_windows_match_the_cpu_backend_bitwise(dtype):
                             cpu.add_tensor(sc, i, grads[i])
                             gpu.add_tensor(sg, i, addresses[i], numel=sizes[i])
             want, got = cpu.sync(), gpu.sync()
-            assert (want.found_inf, want.total_count, want.microbatches) == (got.found_inf, got.total_count, got.microbatches)
-            assert np.float64(want.grad_norm).tobytes() == np.float64(got.grad_norm).tobytes()
+            what = f"{overflow} {normalize}: CPU {want}, CUDA {got}"
+            assert (want.found_inf, want.total_count, want.microbatches, want.dropped_microbatches) == \
+                (got.found_inf, got.total_count, got.microbatches, got.dropped_microbatches), what
+            # Under skip_step CUDA does not locate the place (the flag stays on the device).
+            assert got.overflow == (want.overflow if overflow == "drop_microbatch" else None), what
+            assert same_bits(want.grad_norm, got.grad_norm), what
+            for i, (a, b) in enumerate(zip(cpu.tensor_stats(), gpu.tensor_stats())):
+                assert a.nonfinite_microbatches == b.nonfinite_microbatches, f"{what}: tensor {i}"
+                assert same_bits(a.grad_norm, b.grad_norm), f"{what}: tensor {i}: {a} vs {b}"
+            if want.found_inf:
+                continue  # the step is skipped: the masters hold non-finite values
             for i, n in enumerate(sizes):
                 address, numel = gpu.master_ptr(i)
                 assert numel == n

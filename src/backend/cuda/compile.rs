@@ -16,15 +16,19 @@ pub const SOURCE: &str =
     concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 17] = [
+pub const KERNELS: [&str; 21] = [
     "ga_add_multi",
     "ga_add_one",
+    "ga_check_multi",
+    "ga_merge",
+    "ga_count_flags",
     "ga_pack_control",
     "ga_or_flag",
     "ga_to_bf16",
     "ga_sum_bf16",
     "ga_begin_boundary",
     "ga_scale_sum_squares",
+    "ga_segment_squares",
     "ga_finish_norm",
     "ga_scale_by",
     "ga_scaler_gather",

@@ -49,8 +49,12 @@ pub struct GaSources {
 }
 
 /// The leading u64 words of a `ga_boundary` that the ranks sum: count, micro-batches, found_inf,
-/// ranks.
-pub const CONTROL_WORDS: usize = 4;
+/// ranks, dropped.
+pub const CONTROL_WORDS: usize = 5;
+
+/// The word after them, `first_bad`: the complement of the first non-finite place's key, which
+/// the ranks reduce with MAX (under DROP_MICROBATCH) to agree on the smallest key.
+pub const FIRST_BAD_WORD: usize = CONTROL_WORDS;
 
 /// `ga_boundary`: control values (reduced across ranks) and the boundary's results.
 #[repr(C)]
@@ -60,11 +64,14 @@ pub struct GaBoundary {
     pub microbatches: u64,
     pub found_inf: u64,
     pub ranks: u64,
+    pub dropped: u64,
+    pub first_bad: u64,
     pub divisor: u64,
     pub grad_norm: f64,
     pub clip_coef: f64,
     pub second_factor: f32,
     pub empty: u32,
+    pub pad: u32,
 }
 
 /// `ga_scaler_state`: the scaler's state in device memory.

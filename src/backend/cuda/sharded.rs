@@ -35,11 +35,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS};
 use super::layout::{
-    GaChunk, GaScalerState, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
+    GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH,
 };
 use super::store::{
-    alone, nccl, norm_and_clip, reduce_to_owners, wait_for_collectives, DeviceStore, NormSpan,
-    CHUNK,
+    alone, nccl, norm_and_clip, pack_control, reduce_control, reduce_to_owners,
+    wait_for_collectives, DeviceStore, NormSpan, CHUNK,
 };
 use crate::accumulator::protocol::Step;
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
@@ -599,30 +599,18 @@ impl Sharded<'_> {
     /// The boundary's device work: the control words summed over the group, then normalise and
     /// measure the shard, gather every shard's block sums, and clip the shard.
     pub(super) fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
-        let (boundary, partials) = (self.store.boundary.ptr(), self.store.partials.ptr());
-        let (count, microbatches, found_inf, ranks) =
-            (p.count, p.microbatches, self.store.found_inf.ptr(), p.ranks);
-        let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
-        // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
-        unsafe {
-            self.store.kernels.pack_control.launch(
-                &self.store.ctx,
-                1,
-                1,
-                self.store.stream,
-                &mut args,
-            )?
-        };
+        let partials = self.store.partials.ptr();
+        pack_control(self.store, p)?;
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm {
-            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.store.stream)?;
+            reduce_control(self.store, c, self.store.stream)?;
         }
         // A hybrid boundary: the counts and the shard (the shard group's sum) are summed over the
         // replicas (FP32 sums, as on the CPU) before the norm.
         if let Some(r) = p.replicas.map(nccl).transpose()? {
             // Every replica holds the same shard: an empty one is skipped by all of them.
             r.group(|| {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.store.stream)?;
+                reduce_control(self.store, r, self.store.stream)?;
                 if self.mem.sharding.own.is_empty() {
                     return Ok(());
                 }
@@ -641,6 +629,7 @@ impl Sharded<'_> {
             n: self.mem.sharding.own.len() as u64,
             first_block: self.mem.sharding.rank * self.mem.padded / NORM_BLOCK,
             gather,
+            measure: None,
         };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
@@ -650,7 +639,7 @@ impl Sharded<'_> {
                 &self.store.kernels,
                 self.store.stream,
                 &self.store.plan,
-                boundary,
+                self.store.boundary.ptr(),
                 partials,
                 span,
             )

@@ -8,6 +8,12 @@
 //! bucket whose tensors have all arrived is all-reduced at once on a communication stream, so
 //! the reduction overlaps the rest of the backward pass.
 //!
+//! Under `Overflow::DropMicrobatch` the host decides each drop, as on the CPU: a check kernel
+//! flags each tensor of a micro-batch that would go non-finite, and the flags are read back (a
+//! wait per micro-batch); a hook micro-batch is staged on the device and merged when it ends
+//! clean. The boundary sums the dropped count with the other control words and agrees on the
+//! first place with a MAX of its complement.
+//!
 //! Under reduce-scatter sharding the boundary leaves each rank only its shard reduced: one
 //! in-place ncclReduceScatter over the master, padded to the shards' equal split (a caller's
 //! master of the layout's length is summed shard by shard into each owner with ncclReduce, and a
@@ -23,22 +29,27 @@ use super::driver::{
 };
 use super::kernels::Kernels;
 use super::layout::{
-    GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, SOURCES_PER_LAUNCH,
+    GaBoundary, GaChunk, GaSource, GaSources, GaTensor, CONTROL_WORDS, FIRST_BAD_WORD,
+    SOURCES_PER_LAUNCH,
 };
 use super::sharded::{self, ShardMemory};
 use super::wire::Wire;
 use crate::accumulator::protocol::{self, Channel, Step, CLAIM_WORDS};
 use crate::accumulator::sharding::{intersect, relative, BucketSchedule, Shard};
 use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, MasterWrite, Plan, Proposal, Reduced, ScaleSource,
-    Sharding, Store, SyncInfo, TensorWrite,
+    Agreed, DeviceScale, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, Reduced,
+    ScaleSource, Sharding, Store, SyncInfo, TensorStats, TensorWrite,
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
-use crate::comm::{Collectives, Communicator, ControlSum};
+use crate::comm::{Collectives, Communicator, ControlSum, OverflowKey};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+
+mod overflow;
+
+use overflow::Stats;
 
 /// Elements per thread block of an add launch (a piece of one tensor): small enough that a tensor
 /// of a million elements still spreads over every SM.
@@ -134,6 +145,13 @@ pub(crate) struct DeviceStore {
     boundary_reads: Mutex<SharedReads>,
     /// The BF16 wire's staging, with `wire_dtype` BF16.
     wire: Option<Wire>,
+    /// Under `Overflow::DropMicrobatch`: one u32 per tensor, raised where a micro-batch's
+    /// gradient (or a hook micro-batch's staging) went non-finite, and the FP32 staging of a
+    /// micro-batch fed tensor by tensor, laid out as the master; allocated at first use.
+    flags: OnceLock<DeviceBuffer>,
+    stage: OnceLock<DeviceBuffer>,
+    /// With `tensor_stats`.
+    stats: Option<Stats>,
 }
 
 /// What a device store holds of the master.
@@ -151,6 +169,8 @@ struct Whole {
     chunks: DeviceBuffer,
     /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
     launches: Vec<AddLaunch>,
+    /// Each tensor's first chunk in the table (and the table's length, last).
+    chunk_starts: Vec<usize>,
     split: Option<Split>,
     /// The final micro-batch's early reductions, from `begin_final` to the boundary.
     overlap: Mutex<Option<Overlap>>,
@@ -163,6 +183,33 @@ impl Whole {
 
     fn at(&self, offset: usize) -> CUdeviceptr {
         self.master.ptr() + 4 * offset as u64
+    }
+
+    /// A multi-tensor launch over tensor `index` alone.
+    fn one(&self, index: usize) -> AddLaunch {
+        let (start, end) = (self.chunk_starts[index], self.chunk_starts[index + 1]);
+        AddLaunch { first: index, count: 1, first_chunk: start, num_chunks: (end - start) as u64 }
+    }
+
+    /// What a multi-tensor launch over `launch`'s tensors takes: their sources, and the address
+    /// and number of their chunks.
+    fn tables(
+        &self,
+        launch: &AddLaunch,
+        grad: &dyn Fn(usize) -> CUdeviceptr,
+        first: &dyn Fn(usize) -> bool,
+    ) -> (GaSources, CUdeviceptr, u64) {
+        let mut sources = GaSources {
+            first_tensor: launch.first as u64,
+            count: launch.count as u64,
+            s: [GaSource::default(); SOURCES_PER_LAUNCH],
+        };
+        for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
+            *slot = GaSource { grad: grad(i), assign: first(i) as u32, pad: 0 };
+        }
+        let chunk_bytes = launch.first_chunk * std::mem::size_of::<GaChunk>();
+        let chunks = self.chunks.ptr() + chunk_bytes as u64;
+        (sources, chunks, launch.num_chunks)
     }
 }
 
@@ -192,7 +239,10 @@ pub(super) fn alone(
     replicas: Option<&NcclComm>,
 ) -> Option<ControlSum> {
     let world = comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size());
-    (world == 1).then(|| ControlSum {
+    // A window whose every micro-batch was dropped is not empty: the device's boundary reports it
+    // (and the scaler gathers it from there).
+    let all_dropped = p.microbatches == 0 && p.dropped != 0;
+    (world == 1 && !all_dropped).then(|| ControlSum {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
@@ -208,16 +258,43 @@ pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
     if b.empty != 0 {
         return Ok(None);
     }
-    Ok(Some(SyncInfo {
-        found_inf: b.found_inf != 0,
-        total_count: b.count,
+    let total = ControlSum {
+        count: b.count,
         microbatches: b.microbatches,
-        grad_norm: b.grad_norm,
-        clip_coef: b.clip_coef,
-        // Micro-batches are not dropped on a device, and the place is not located.
-        dropped_microbatches: 0,
-        overflow: None,
-    }))
+        found_inf: b.found_inf != 0,
+        dropped: b.dropped,
+        first_bad: !b.first_bad,
+        ..Default::default()
+    };
+    Ok(Some(SyncInfo::of(&total, b.grad_norm, b.clip_coef)))
+}
+
+/// Enqueues this rank's control words into `store`'s boundary. The place is the host's under
+/// DROP_MICROBATCH; under SKIP_STEP the flag stays on the device, and a window that went
+/// non-finite is reported unlocated.
+pub(super) fn pack_control(store: &DeviceStore, p: &Proposal<'_>) -> Result<()> {
+    let boundary = store.boundary.ptr();
+    let (count, microbatches, found_inf, ranks, dropped) =
+        (p.count, p.microbatches, store.found_inf.ptr(), p.ranks, p.dropped);
+    let first_bad = match store.plan.config.overflow {
+        Overflow::DropMicrobatch => p.first_bad(false),
+        Overflow::SkipStep => OverflowKey::UNLOCATED,
+    };
+    let mut args =
+        launch_args!(boundary, count, microbatches, found_inf, ranks, dropped, first_bad);
+    // SAFETY: argument types follow ga_pack_control; `boundary` holds a ga_boundary.
+    unsafe { store.kernels.pack_control.launch(&store.ctx, 1, 1, store.stream, &mut args) }
+}
+
+/// Enqueues the control words' reduction over `c` on `stream` (inside the caller's NCCL group,
+/// if any): the sums, and under DROP_MICROBATCH the first place (a MAX of complements).
+pub(super) fn reduce_control(store: &DeviceStore, c: &NcclComm, stream: CUstream) -> Result<()> {
+    let boundary = store.boundary.ptr();
+    c.allreduce_u64(boundary, CONTROL_WORDS, false, stream)?;
+    if store.plan.config.overflow == Overflow::DropMicrobatch {
+        c.allreduce_u64(boundary + 8 * FIRST_BAD_WORD as u64, 1, true, stream)?;
+    }
+    Ok(())
 }
 
 /// Waits for the stream's collectives on `comm` up to its timeout, failing early when NCCL
@@ -366,6 +443,9 @@ pub(super) struct NormSpan<'a> {
     pub n: u64,
     pub first_block: usize,
     pub gather: Option<(&'a NcclComm, usize)>,
+    /// Enqueued once the span is normalised (without clipping) and before it is clipped: what
+    /// measures the values the norm's pass leaves (`tensor_stats`).
+    pub measure: Option<&'a dyn Fn() -> Result<()>>,
 }
 
 /// Normalise, norm and clip on the device, from the reduced control words in `boundary`: the
@@ -386,7 +466,7 @@ pub(super) unsafe fn norm_and_clip(
     partials: CUdeviceptr,
     span: NormSpan<'_>,
 ) -> Result<()> {
-    let NormSpan { data, n, first_block, gather } = span;
+    let NormSpan { data, n, first_block, gather, measure } = span;
     let num_blocks = plan.layout.len().div_ceil(NORM_BLOCK) as u64;
     // The span starts on a block boundary, so its blocks (and their sums) are the layout's, in
     // the same places.
@@ -407,6 +487,7 @@ pub(super) unsafe fn norm_and_clip(
             kernels.scale_sum_squares.launch(ctx, grid, THREADS, stream, &mut args)?;
         }
     }
+    measure.map_or(Ok(()), |m| m())?;
     if let Some((c, blocks)) = gather {
         c.allgather_f64(partials, blocks, stream)?;
     }
@@ -461,6 +542,9 @@ impl Whole {
                 })
             })
             .collect();
+        let chunk_starts = (0..=tensors.len())
+            .map(|i| chunks.partition_point(|c| (c.tensor as usize) < i))
+            .collect();
         let launches = (0..tensors.len())
             .step_by(SOURCES_PER_LAUNCH)
             .map(|first| {
@@ -498,6 +582,7 @@ impl Whole {
             tensors: DeviceBuffer::from_slice(ctx, stream, &table)?,
             chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
             launches,
+            chunk_starts,
             split,
             master,
             overlap: Mutex::new(None),
@@ -543,6 +628,11 @@ impl DeviceStore {
             verified: Mutex::new(Vec::new()),
             verified_grids: Mutex::new(Vec::new()),
             comm_stream: OnceLock::new(),
+            flags: OnceLock::new(),
+            stage: OnceLock::new(),
+            stats: (plan.config.tensor_stats && !sharded)
+                .then(|| Stats::new(&plan, &ctx, stream))
+                .transpose()?,
             wire: (plan.config.wire == Dtype::Bf16)
                 .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
                 .transpose()?,
@@ -615,26 +705,21 @@ impl DeviceStore {
         if overlap.is_some() {
             self.join_comm_stream()?;
         }
-        let boundary = self.boundary.ptr();
-        let (count, microbatches, found_inf, ranks) =
-            (p.count, p.microbatches, self.found_inf.ptr(), p.ranks);
-        let mut args = launch_args!(boundary, count, microbatches, found_inf, ranks);
-        // SAFETY: argument types follow ga_pack_control.
-        unsafe { self.kernels.pack_control.launch(&self.ctx, 1, 1, self.stream, &mut args)? };
+        pack_control(self, p)?;
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank
         // takes.
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm.filter(|c| self.bf16(c).is_some()) {
             // The wire's kernels run between its collectives: no NCCL group around them. Bucket
             // by bucket (sharded, each bucket's pieces to their owners), which bounds its staging.
-            c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+            reduce_control(self, c, self.stream)?;
             let buckets = self.plan.layout.buckets();
             let left = overlap.as_ref().map_or(buckets.len(), |o| o.schedule.waiting());
             buckets[..left].iter().try_for_each(|b| self.reduce_bucket(w, c, b, self.stream))?;
         } else if let Some(c) = comm {
             let buckets = self.plan.layout.buckets();
             c.group(|| {
-                c.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, c, self.stream)?;
                 match (&w.split, &overlap) {
                     (Some(s), None) => self.reduce_shards(w, c, s),
                     // The buckets the final micro-batch did not reduce early.
@@ -651,7 +736,7 @@ impl DeviceStore {
             // The wire is the first reduction's between ranks: the replicas', after a shard group
             // of one (whose shard is the whole master, bucket by bucket).
             if let Some(wire) = self.bf16(r).filter(|_| comm.is_none_or(|c| c.world_size() == 1)) {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, r, self.stream)?;
                 for b in self.plan.layout.buckets() {
                     let piece = intersect(b, &own);
                     if !piece.is_empty() {
@@ -663,7 +748,7 @@ impl DeviceStore {
             // Every replica holds the same shard: an empty one is skipped by all of them (its
             // address may be one past a caller's master).
             r.group(|| {
-                r.allreduce_u64(boundary, CONTROL_WORDS, false, self.stream)?;
+                reduce_control(self, r, self.stream)?;
                 if own.is_empty() {
                     return Ok(());
                 }
@@ -720,11 +805,13 @@ impl DeviceStore {
     fn finish_boundary(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
         let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
         let gather = w.split.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
+        let measure = || self.measure_segments(w, comm);
         let span = NormSpan {
             data: w.at(own.start),
             n: own.len() as u64,
             first_block: own.start / NORM_BLOCK,
             gather,
+            measure: self.stats.as_ref().map(|_| &measure as &dyn Fn() -> Result<()>),
         };
         // SAFETY: the master holds the range `own`, and `boundary` and `partials` were sized for
         // this layout (and its shards, padded) at creation.
@@ -834,17 +921,7 @@ impl DeviceStore {
         let f = self.kernels.add_multi;
         let (tensors, master, found_inf) = (w.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
         for launch in &w.launches {
-            let mut sources = GaSources {
-                first_tensor: launch.first as u64,
-                count: launch.count as u64,
-                s: [GaSource::default(); SOURCES_PER_LAUNCH],
-            };
-            for (slot, i) in sources.s.iter_mut().zip(launch.first..launch.first + launch.count) {
-                *slot = GaSource { grad: grads[i], assign: first(i) as u32, pad: 0 };
-            }
-            let chunks =
-                w.chunks.ptr() + (launch.first_chunk * std::mem::size_of::<GaChunk>()) as u64;
-            let num_chunks = launch.num_chunks;
+            let (sources, chunks, num_chunks) = w.tables(launch, &|i| grads[i], first);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args = launch_args!(
                     tensors, chunks, num_chunks, sources, master, state, weight, found_inf
@@ -883,15 +960,34 @@ impl DeviceStore {
                 )));
             }
         }
+        let into = w.at(self.plan.layout.range(index).start);
+        self.add_one(scaler, into, index, grad, weight, first, self.found_inf.ptr())?;
+        if let Some(o) = overlap.as_mut() {
+            self.tensor_arrived(w, o, index)?;
+        }
+        Ok(())
+    }
+
+    /// `ga_add_one` of tensor `index`'s contribution `grad` into `into` (its place in the master,
+    /// or in the staging), raising the u32 flag at `flag` for a non-finite value written.
+    #[allow(clippy::too_many_arguments)]
+    fn add_one(
+        &self,
+        scaler: &dyn DeviceScale,
+        into: CUdeviceptr,
+        index: usize,
+        grad: CUdeviceptr,
+        weight: f64,
+        first: bool,
+        flag: CUdeviceptr,
+    ) -> Result<()> {
         let desc = self.plan.descs[index];
         let f = self.kernels.add_one;
-        let master = w.at(self.plan.layout.range(index).start);
-        let (numel, dtype, assign, found_inf) =
-            (desc.numel as u64, desc.dtype.code(), first as u32, self.found_inf.ptr());
+        let (numel, dtype, assign) = (desc.numel as u64, desc.dtype.code(), first as u32);
         scaler.launch_reading(self.stream.cast(), |state| {
-            let mut args =
-                launch_args!(master, grad, numel, dtype, state, weight, assign, found_inf);
-            // SAFETY: argument types follow ga_add_one; the master range is the tensor's.
+            let mut args = launch_args!(into, grad, numel, dtype, state, weight, assign, flag);
+            // SAFETY: argument types follow ga_add_one; `into` is tensor `index`'s place in a
+            // buffer laid out as the master, `flag` a u32 of device memory.
             unsafe {
                 f.launch(
                     &self.ctx,
@@ -901,11 +997,7 @@ impl DeviceStore {
                     &mut args,
                 )
             }
-        })?;
-        if let Some(o) = overlap.as_mut() {
-            self.tensor_arrived(w, o, index)?;
-        }
-        Ok(())
+        })
     }
 
     /// A call that fails here does not enter NCCL, so the other ranks wait, as in any NCCL
@@ -985,13 +1077,21 @@ impl Store for DeviceStore {
         error: Option<&Error>,
     ) -> Result<()> {
         match &self.memory {
-            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
+            Memory::Whole(_) => {
+                error.map_or(Ok(()), |e| Err(e.clone()))?;
+                // A hook micro-batch starts with no staged tensor flagged.
+                match self.flags.get().filter(|_| !whole) {
+                    Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
+                    None => Ok(()),
+                }
+            }
             Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error),
         }
     }
 
     fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
         match &self.memory {
+            Memory::Whole(_) if self.counts_on_device() => self.count_flags().map(|()| false),
             Memory::Whole(_) => Ok(false),
             Memory::Shard(s) => s.with(self).close_microbatch().map(|()| false),
         }
@@ -1015,7 +1115,15 @@ impl Store for DeviceStore {
         let scaler = scale.device()?;
         // The overflow flag stays on the device: nothing to locate on the host.
         match &self.memory {
-            Memory::Whole(w) => self.add_whole(w, scaler, grads, weight, first),
+            Memory::Whole(w) => {
+                self.add_whole(w, scaler, grads, weight, first)?;
+                if self.counts_on_device() {
+                    self.flags()?.zero_f32(0, self.plan.descs.len())?;
+                    self.launch_checks(w, &w.launches, scaler, &|i| grads[i], weight)?;
+                    self.count_flags()?;
+                }
+                Ok(())
+            }
             Memory::Shard(s) => s.with(self).add(scaler, grads, weight),
         }
         .map(|()| false)
@@ -1033,15 +1141,65 @@ impl Store for DeviceStore {
         let grad = grad.device()?;
         let scaler = scale.device()?;
         match &self.memory {
-            Memory::Whole(w) => self.add_tensor_whole(w, scaler, index, grad, weight, first),
+            Memory::Whole(w) => {
+                self.add_tensor_whole(w, scaler, index, grad, weight, first)?;
+                // Counted once per micro-batch, when it closes.
+                if self.counts_on_device() {
+                    self.launch_checks(w, &[w.one(index)], scaler, &|_| grad, weight)?;
+                }
+                Ok(())
+            }
             Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight),
         }
         .map(|()| false)
     }
 
+    fn bad_gradients(
+        &self,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+    ) -> Result<Vec<usize>> {
+        let (grads, scaler) = (grads.device()?, scale.device()?);
+        self.check_whole(self.whole()?, scaler, grads, weight)
+    }
+
+    /// The flag of the tensor's staging stays on the device until `staged_bad`.
+    fn stage_tensor(
+        &self,
+        tensor: &mut TensorWrite,
+        scale: ScaleSource<'_>,
+        grad: Gradient<'_>,
+        weight: f64,
+        first: bool,
+    ) -> Result<bool> {
+        let index = tensor.index();
+        self.whole()?;
+        let (grad, scaler) = (grad.device()?, scale.device()?);
+        let into = self.stage()?.ptr() + 4 * self.plan.layout.range(index).start as u64;
+        let flag = self.flags()?.ptr() + 4 * index as u64;
+        self.add_one(scaler, into, index, grad, weight, first, flag).map(|()| false)
+    }
+
+    fn staged_bad(&self) -> Result<Vec<usize>> {
+        match self.flags.get() {
+            Some(_) => self.flagged(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The window's flag stays on the device: a sum that overflows is not located.
+    fn merge_staged(&self, _master: &mut MasterWrite, index: usize, first: bool) -> Result<bool> {
+        self.merge_whole(self.whole()?, index, first).map(|()| false)
+    }
+
     /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
+    /// Under DROP_MICROBATCH the micro-batch is staged, so nothing is reduced early.
     fn begin_final(&self, comm: &Arc<dyn Communicator>) -> Result<()> {
         let Memory::Whole(w) = &self.memory else { return Ok(()) };
+        if self.plan.config.overflow == Overflow::DropMicrobatch {
+            return Ok(());
+        }
         self.verify_layout(nccl(&**comm)?)?;
         self.comm_stream()?;
         // A bucket is reduced early only once each of its tensors arrived in this micro-batch, so
@@ -1069,8 +1227,14 @@ impl Store for DeviceStore {
         }
     }
 
+    /// A new window: under SKIP_STEP with `tensor_stats`, its counts start at zero too.
     fn clear_found_inf(&self) -> Result<()> {
+        self.restart_counts()?;
         self.found_inf.zero_f32(0, 1)
+    }
+
+    fn restart_counts(&self) -> Result<()> {
+        self.zero_counts()
     }
 
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
@@ -1092,7 +1256,7 @@ impl Store for DeviceStore {
             let mut reads = self.boundary_reads();
             reads.before_write()?;
             let result = match &self.memory {
-                Memory::Whole(w) => self.enqueue_boundary(w, p),
+                Memory::Whole(w) => self.enqueue_boundary(w, p).and_then(|()| self.share_counts(p)),
                 Memory::Shard(s) => s.with(self).enqueue_boundary(p),
             };
             // Recorded even after a failure: part of the boundary may be enqueued.
@@ -1110,7 +1274,10 @@ impl Store for DeviceStore {
         // reducing: the values read are not the boundary's.
         groups.iter().try_for_each(|c| c.health())?;
         match info {
-            Some(info) => Ok(Some(info)),
+            Some(info) => {
+                self.read_stats()?;
+                Ok(Some(info))
+            }
             None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
         }
     }
@@ -1148,6 +1315,10 @@ impl Store for DeviceStore {
     fn set_found_inf(&self, value: bool) -> Result<()> {
         self.drain()?;
         self.found_inf.write(&[value as u32])
+    }
+
+    fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
+        self.last_stats()
     }
 
     fn reduced(&self) -> Option<Reduced> {

@@ -45,12 +45,20 @@ typedef struct {
     ga_u64 microbatches; /* reduced micro-batch count */
     ga_u64 found_inf;    /* reduced: ranks that saw a non-finite value */
     ga_u64 ranks;        /* reduced: rank-windows summed (BY_WORLD's divisor) */
+    ga_u64 dropped;      /* reduced: micro-batches dropped (DROP_MICROBATCH) */
+    ga_u64 first_bad;    /* complement of the first non-finite place's key, MAX-reduced under
+                          * DROP_MICROBATCH (so the ranks agree on the smallest key) */
     ga_u64 divisor;      /* what the sum is divided by; 0 = empty window */
     double grad_norm;
     double clip_coef;
     float second_factor; /* clip / divisor for the clipping pass; 1 = no second pass */
     ga_u32 empty;        /* no micro-batch, or nothing to divide by */
+    ga_u32 pad;
 } ga_boundary;
+
+/* OverflowKey's words (src/comm/mod.rs): no place, and a place the host does not know. */
+#define GA_KEY_NONE 0xffffffffffffffffull
+#define GA_KEY_UNLOCATED 0xfffffffffffffffeull
 
 /* Threads per block and elements per block-chunk: the Rust side passes its own values as -D
  * options (src/backend/cuda/compile.rs), so the two cannot drift apart. */
@@ -156,6 +164,49 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_one(
     ga_flag_block(bad, found_inf);
 }
 
+/* Which tensors of a micro-batch go non-finite once unscaled and weighted, before anything is
+ * added (DROP_MICROBATCH): each value times the add's own factor, the add's own multiply, so a
+ * tensor is flagged exactly when ga_add_multi would write a non-finite value of it. Raises
+ * flags[tensor]; launched over ga_add_multi's chunks and sources. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_check_multi(
+    const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources,
+    const ga_scaler_state *scaler, double weight, ga_u32 *flags) {
+    float factor = ga_unscale_factor(weight, scaler->scale);
+    for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+        ga_chunk chunk = chunks[c];
+        ga_tensor t = tensors[chunk.tensor];
+        const void *grad = (const void *)(size_t)sources.s[chunk.tensor - sources.first_tensor].grad;
+        int bad = 0;
+        for (ga_u64 i = chunk.start + threadIdx.x; i < chunk.start + chunk.len; i += blockDim.x) {
+            bad |= !ga_is_finite(GA_MUL(ga_load_grad(grad, i, t.dtype), factor));
+        }
+        ga_flag_block(bad, flags + chunk.tensor);
+    }
+}
+
+/* tensor_stats under SKIP_STEP: each tensor flagged in the micro-batch counts one more
+ * non-finite micro-batch, and its flag is cleared for the next. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_count_flags(ga_u64 *counts, ga_u32 *flags, ga_u64 n) {
+    for (ga_u64 i = (ga_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ga_u64)gridDim.x * blockDim.x) {
+        if (flags[i] != 0) {
+            counts[i] += 1;
+            flags[i] = 0;
+        }
+    }
+}
+
+/* A hook micro-batch's staging merged into the master (DROP_MICROBATCH): the add with a factor of
+ * 1, exact, so one contribution lands with the bits ga_add_one gives. */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_merge(
+    float *master, const float *staged, ga_u64 numel, ga_u32 assign, ga_u32 *found_inf) {
+    int bad = 0;
+    for (ga_u64 start = (ga_u64)blockIdx.x * GA_CHUNK; start < numel; start += (ga_u64)gridDim.x * GA_CHUNK) {
+        ga_u64 len = numel - start < GA_CHUNK ? numel - start : GA_CHUNK;
+        bad |= ga_add_range(master + start, staged + start, len, GA_DTYPE_F32, 1.0f, (int)assign);
+    }
+    ga_flag_block(bad, found_inf);
+}
+
 /* This rank's control words before the cross-rank sum. */
 /* The single-thread kernels below do their work in thread 0 of block 0 only, whatever the launch
  * geometry: a wider launch must not write the same words from several threads. */
@@ -166,12 +217,21 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_add_one(
         }                                              \
     } while (0)
 
-extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf, ga_u64 ranks) {
+extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf, ga_u64 ranks,
+                                           ga_u64 dropped, ga_u64 first_bad) {
     GA_ONE_THREAD();
+    int flagged = found_inf != 0 && *found_inf != 0;
     b->count = count;
     b->microbatches = microbatches;
-    b->found_inf = found_inf != 0 && *found_inf != 0 ? 1 : 0;
+    b->found_inf = flagged ? 1 : 0;
     b->ranks = ranks;
+    b->dropped = dropped;
+    /* A window flagged where the host knows no place (a sum that overflowed the master) went
+     * non-finite after every located place (OverflowKey::UNLOCATED). */
+    if (first_bad == GA_KEY_NONE && flagged && microbatches != 0) {
+        first_bad = GA_KEY_UNLOCATED;
+    }
+    b->first_bad = ~first_bad;
 }
 
 /* A bf16 wire's outgoing words: each FP32 value rounded to bfloat16 once (to nearest even). */
@@ -202,8 +262,13 @@ extern "C" __global__ void ga_or_flag(ga_u32 *into, const ga_u32 *from) {
 extern "C" __global__ void ga_begin_boundary(ga_boundary *b, int normalize) {
     GA_ONE_THREAD();
     ga_u64 divisor = ga_divisor(normalize, b->count, b->microbatches, b->ranks);
+    if (b->microbatches == 0 && b->dropped != 0) {
+        /* Every micro-batch of every rank was dropped: the master is zeros, the step is skipped. */
+        divisor = 1;
+        b->found_inf = 1;
+    }
     b->divisor = divisor;
-    b->empty = (b->microbatches == 0 || divisor == 0) ? 1u : 0u;
+    b->empty = (b->microbatches == 0 && b->dropped == 0) || divisor == 0 ? 1u : 0u;
     b->grad_norm = 0.0;
     b->clip_coef = 1.0;
     b->second_factor = 1.0f;
@@ -245,6 +310,38 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
         }
         if (block < num_blocks && lane == 0) {
             partials[block] = acc;
+        }
+    }
+}
+
+/* tensor_stats: each segment's sum of squares (a segment is one tensor's values inside one norm
+ * block; `spans` lists [start, end) pairs of master elements), summed as ga_scale_sum_squares
+ * sums a block, from the segment's first element, so the bits are the CPU's
+ * math::block_sum_squares of the segment. A segment outside [lo, hi) (another rank's shard) is
+ * not here: -1 (tensor_stats::NOT_HERE). */
+extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_segment_squares(
+    const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
+    const ga_u64 per_cta = GA_THREADS / GA_NORM_LANES;
+    ga_u32 lane = threadIdx.x % GA_NORM_LANES;
+    for (ga_u64 base = (ga_u64)blockIdx.x * per_cta; base < num_spans; base += (ga_u64)gridDim.x * per_cta) {
+        ga_u64 s = base + threadIdx.x / GA_NORM_LANES;
+        int here = 0;
+        double acc = 0.0;
+        if (s < num_spans) {
+            ga_u64 start = spans[2 * s], end = spans[2 * s + 1];
+            here = start >= lo && end <= hi;
+            for (ga_u64 i = start + lane; here && i < end; i += GA_NORM_LANES) {
+                acc = GA_DADD(acc, ga_square(master[i]));
+            }
+        }
+        for (int width = GA_NORM_LANES / 2; width > 0; width /= 2) {
+            double other = __shfl_down_sync(0xffffffffu, acc, width, GA_NORM_LANES);
+            if (lane < (ga_u32)width) {
+                acc = GA_DADD(acc, other);
+            }
+        }
+        if (s < num_spans && lane == 0) {
+            out[s] = here ? acc : -1.0;
         }
     }
 }
@@ -337,14 +434,20 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_by(float *buf,
 /* Bits of ga_scaler_state.pending_found_inf: a gathered boundary overflowed / was empty. */
 #define GA_PENDING_FOUND_INF 1u
 #define GA_PENDING_EMPTY 2u
+#define GA_PENDING_DROPPED 4u
 
 /* Gathers one synced accumulator's agreed overflow flag for the scaler's next update. */
 extern "C" __global__ void ga_scaler_gather(ga_scaler_state *s, const ga_boundary *b) {
     GA_ONE_THREAD();
     if (b->empty) {
         s->pending_found_inf |= GA_PENDING_EMPTY;
-    } else if (b->found_inf != 0) {
+        return;
+    }
+    if (b->found_inf != 0) {
         s->pending_found_inf |= GA_PENDING_FOUND_INF;
+    }
+    if (b->dropped != 0) {
+        s->pending_found_inf |= GA_PENDING_DROPPED;
     }
 }
 
@@ -358,7 +461,7 @@ extern "C" __global__ void ga_scaler_update(ga_scaler_state *s, ga_scaler_rule r
     if (pending & GA_PENDING_EMPTY) {
         return;
     }
-    ga_scaler_next(s, &rule, (pending & GA_PENDING_FOUND_INF) != 0);
+    ga_scaler_next(s, &rule, (pending & GA_PENDING_FOUND_INF) != 0, (pending & GA_PENDING_DROPPED) != 0);
 }
 
 /* loss *= scale in place, each element rounded back to its dtype. */

@@ -285,22 +285,23 @@ typedef struct {
     ga_u32 dynamic;
 } ga_scaler_rule;
 
-/* One optimizer step's update of the scaler (scaler::next_state). Returns 0, or 1 when an
- * overflow needs a backoff at min_scale: then only `at_minimum` is raised. */
-GA_HD int ga_scaler_next(ga_scaler_state *s, const ga_scaler_rule *c, int found_inf) {
+/* One optimizer step's update of the scaler (scaler::next_state): a window that dropped
+ * micro-batches (`dropped`) backs off as an overflow does, but its step is taken and a drop at
+ * min_scale keeps the scale. Returns 0, or 1 when an overflow needs a backoff at min_scale: then
+ * only `at_minimum` is raised. */
+GA_HD int ga_scaler_next(ga_scaler_state *s, const ga_scaler_rule *c, int found_inf, int dropped) {
     ga_scaler_state n = *s;
     n.steps += 1;
     n.last_skipped = found_inf ? 1u : 0u;
+    n.skipped_steps += found_inf ? 1u : 0u;
     if (!c->dynamic) {
-        n.skipped_steps += found_inf ? 1u : 0u;
         *s = n;
         return 0;
     }
-    if (found_inf) {
-        n.skipped_steps += 1;
+    if (found_inf || dropped) {
         n.growth_tracker = 0;
         n.hysteresis_tracker = s->hysteresis_tracker > 0 ? s->hysteresis_tracker - 1 : 0;
-        if (n.hysteresis_tracker == 0) {
+        if (n.hysteresis_tracker == 0 && (found_inf || s->scale > c->min_scale)) {
             if (s->scale <= c->min_scale) {
                 s->at_minimum = 1;
                 return 1;
