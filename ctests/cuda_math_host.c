@@ -720,7 +720,7 @@ static trace_counts check_trace(test_rng *r, const char *name, const gradacc_sca
                 s.pending_found_inf = 1;
         int found_inf = s.pending_found_inf != 0; /* ga_scaler_update */
         s.pending_found_inf = 0;
-        int at_min = ga_scaler_next(&s, &rule, found_inf);
+        int at_min = ga_scaler_next(&s, &rule, found_inf, 0); /* SKIP_STEP accumulators: no drops */
 
         float scale = 0.0f;
         gradacc_scaler_stats_t stats = GRADACC_SCALER_STATS_INIT;
