@@ -921,6 +921,22 @@ unsafe impl Sync for Function {}
 pub const THREADS: u32 = 256;
 
 impl Function {
+    /// [`Function::launch`] with THREADS per block and the grid [`Context::grid_for`] gives
+    /// `work_items` (a grid-stride kernel's chunks or elements).
+    ///
+    /// # Safety
+    /// As for [`Function::launch`].
+    pub unsafe fn launch_over(
+        &self,
+        ctx: &Context,
+        stream: CUstream,
+        work_items: u64,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, which is `launch`'s.
+        unsafe { self.launch(ctx, ctx.grid_for(work_items), THREADS, stream, args) }
+    }
+
     /// Enqueues the kernel on `stream`. `args` holds one pointer per kernel parameter, each to a
     /// value of exactly the parameter's type (the caller's `launch_args!` makes them).
     ///

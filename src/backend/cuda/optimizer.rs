@@ -10,7 +10,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::driver::{self, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS};
+use super::driver::{self, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
 use super::kernels::Kernels;
 use super::layout::{GaOptChunk, GaOptRule, GaOptTensor, GaWeights, SOURCES_PER_LAUNCH};
 use super::store::{Claims, CHUNK};
@@ -306,13 +306,7 @@ impl DeviceOptimizer {
             // dtypes (checked by `check_weights`); the boundary, the step count and the learning
             // rate are live buffers of this context.
             unsafe {
-                self.kernels.opt_step.launch(
-                    ctx,
-                    ctx.grid_for(num_chunks),
-                    THREADS,
-                    stream,
-                    &mut args,
-                )
+                self.kernels.opt_step.launch_over(ctx, stream, num_chunks, &mut args)
             }
         })?;
         let mut args = launch_args!(boundary, steps);
@@ -335,13 +329,7 @@ impl DeviceOptimizer {
             // tensor's weights and inside its rank's slot of the staging, sized for the largest
             // slot.
             unsafe {
-                self.kernels.opt_copy.launch(
-                    ctx,
-                    ctx.grid_for(num_chunks),
-                    THREADS,
-                    stream,
-                    &mut args,
-                )
+                self.kernels.opt_copy.launch_over(ctx, stream, num_chunks, &mut args)
             }
         })
     }

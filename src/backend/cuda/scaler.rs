@@ -184,13 +184,7 @@ impl ScalerStore for CudaScaler {
         // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's
         // contract).
         unsafe {
-            f.launch(
-                &self.ctx,
-                self.ctx.grid_for(n.div_ceil(THREADS as u64)),
-                THREADS,
-                self.stream,
-                &mut args,
-            )
+            f.launch_over(&self.ctx, self.stream, n.div_ceil(THREADS as u64), &mut args)
         }
     }
 

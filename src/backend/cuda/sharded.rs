@@ -33,7 +33,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS};
+use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event};
 use super::layout::{
     GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH,
 };
@@ -313,13 +313,7 @@ impl Sharded<'_> {
             // holds the tensor); the gradient holds the tensor's numel values (the caller's
             // contract, checked for size by the accumulator).
             unsafe {
-                self.store.kernels.add_one.launch(
-                    &self.store.ctx,
-                    self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
-                    THREADS,
-                    self.store.stream,
-                    &mut args,
-                )
+                self.store.kernels.add_one.launch_over(&self.store.ctx, self.store.stream, numel.div_ceil(CHUNK as u64), &mut args)
             }
         })
     }
@@ -474,13 +468,7 @@ impl Sharded<'_> {
                 // ends inside the tensor, whose numel values the caller's address holds; a piece
                 // of padding (f32, shorter than MASTER_ALIGN bytes) reads `zeros`, that long.
                 unsafe {
-                    self.store.kernels.add_multi.launch(
-                        &self.store.ctx,
-                        self.store.ctx.grid_for(num_chunks),
-                        THREADS,
-                        self.store.stream,
-                        &mut args,
-                    )
+                    self.store.kernels.add_multi.launch_over(&self.store.ctx, self.store.stream, num_chunks, &mut args)
                 }
             })?;
         }
@@ -528,13 +516,7 @@ impl Sharded<'_> {
         let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
         // SAFETY: argument types follow ga_add_one; the addresses are the caller's contract.
         unsafe {
-            self.store.kernels.add_one.launch(
-                &self.store.ctx,
-                self.store.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
-                THREADS,
-                stream,
-                &mut args,
-            )
+            self.store.kernels.add_one.launch_over(&self.store.ctx, stream, numel.div_ceil(CHUNK as u64), &mut args)
         }
     }
 

@@ -497,13 +497,7 @@ pub(super) unsafe fn norm_and_clip(
         kernels.finish_norm.launch(ctx, 1, THREADS, stream, &mut args)?;
         if max_norm != 0.0 && n > 0 {
             let mut args = launch_args!(data, n, boundary);
-            kernels.scale_by.launch(
-                ctx,
-                ctx.grid_for(n.div_ceil(THREADS as u64)),
-                THREADS,
-                stream,
-                &mut args,
-            )?;
+            kernels.scale_by.launch_over(ctx, stream, n.div_ceil(THREADS as u64), &mut args)?;
         }
     }
     Ok(())
@@ -930,13 +924,7 @@ impl DeviceStore {
                 // is this launch's tensors', tables and master were sized at creation, and the
                 // gradient addresses hold their tensors' numel values (the caller's contract).
                 unsafe {
-                    f.launch(
-                        &self.ctx,
-                        self.ctx.grid_for(num_chunks),
-                        THREADS,
-                        self.stream,
-                        &mut args,
-                    )
+                    f.launch_over(&self.ctx, self.stream, num_chunks, &mut args)
                 }
             })?;
         }
@@ -989,13 +977,7 @@ impl DeviceStore {
             // SAFETY: argument types follow ga_add_one; `into` is tensor `index`'s place in a
             // buffer laid out as the master, `flag` a u32 of device memory.
             unsafe {
-                f.launch(
-                    &self.ctx,
-                    self.ctx.grid_for(numel.div_ceil(CHUNK as u64)),
-                    THREADS,
-                    self.stream,
-                    &mut args,
-                )
+                f.launch_over(&self.ctx, self.stream, numel.div_ceil(CHUNK as u64), &mut args)
             }
         })
     }
