@@ -20,9 +20,12 @@ uint64_t dtype_bytes(int dtype) { return dtype == GA_DTYPE_F32 ? 4 : 2; }
 
 /* Footprints: one per kernel, with the kernel's exact parameter types. */
 
-void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources, float *master,
-                  const ga_scaler_state *scaler, double, ga_u32 *found_inf) {
-    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("ga_add_multi: %llu sources in one launch", (unsigned long long)sources.count);
+/* The chunks of a multi-tensor launch (`name`'s): the tables read, each chunk inside its tensor and
+ * among the launch's sources, each source's gradient read; `each(chunk, tensor)` adds the rest. */
+template <class Each>
+void fp_multi_chunks(Footprint &f, const char *name, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks,
+                     const ga_sources &sources, Each each) {
+    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("%s: %llu sources in one launch", name, (unsigned long long)sources.count);
     f.read(chunks, num_chunks * sizeof(ga_chunk));
     ga_u64 num_tensors = 0;
     for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
@@ -30,14 +33,20 @@ void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks
     for (ga_u64 c = 0; c < num_chunks; ++c) {
         const ga_chunk &k = chunks[c];
         if (k.tensor < sources.first_tensor || k.tensor >= sources.first_tensor + sources.count)
-            violation("ga_add_multi: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", (unsigned long long)c,
+            violation("%s: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", name, (unsigned long long)c,
                       (unsigned long long)k.tensor, (unsigned long long)sources.first_tensor, (unsigned long long)(sources.first_tensor + sources.count));
         const ga_tensor &t = tensors[k.tensor];
-        if (k.start + k.len > t.numel) violation("ga_add_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
-        f.write(master + t.offset + k.start, k.len * 4);
+        if (k.start + k.len > t.numel) violation("%s: chunk %llu runs past tensor %llu", name, (unsigned long long)c, (unsigned long long)k.tensor);
         const ga_source &s = sources.s[k.tensor - sources.first_tensor];
         f.read((const char *)(uintptr_t)s.grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
+        each(k, t);
     }
+}
+
+void fp_add_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources, float *master,
+                  const ga_scaler_state *scaler, double, ga_u32 *found_inf) {
+    fp_multi_chunks(f, "ga_add_multi", tensors, chunks, num_chunks, sources,
+                    [&](const ga_chunk &k, const ga_tensor &t) { f.write(master + t.offset + k.start, k.len * 4); });
     f.read(scaler, sizeof *scaler);
     f.write(found_inf, 4);
 }
@@ -52,21 +61,7 @@ void fp_add_one(Footprint &f, float *master, const void *grad, ga_u64 numel, int
 
 void fp_check_multi(Footprint &f, const ga_tensor *tensors, const ga_chunk *chunks, ga_u64 num_chunks, ga_sources sources,
                     const ga_scaler_state *scaler, double, ga_u32 *flags) {
-    if (sources.count > GA_SOURCES_PER_LAUNCH) violation("ga_check_multi: %llu sources in one launch", (unsigned long long)sources.count);
-    f.read(chunks, num_chunks * sizeof(ga_chunk));
-    ga_u64 num_tensors = 0;
-    for (ga_u64 c = 0; c < num_chunks; ++c) num_tensors = std::max(num_tensors, chunks[c].tensor + 1);
-    f.read(tensors, num_tensors * sizeof(ga_tensor));
-    for (ga_u64 c = 0; c < num_chunks; ++c) {
-        const ga_chunk &k = chunks[c];
-        if (k.tensor < sources.first_tensor || k.tensor >= sources.first_tensor + sources.count)
-            violation("ga_check_multi: chunk %llu is of tensor %llu, the launch has the sources of tensors %llu..%llu", (unsigned long long)c,
-                      (unsigned long long)k.tensor, (unsigned long long)sources.first_tensor, (unsigned long long)(sources.first_tensor + sources.count));
-        const ga_tensor &t = tensors[k.tensor];
-        if (k.start + k.len > t.numel) violation("ga_check_multi: chunk %llu runs past tensor %llu", (unsigned long long)c, (unsigned long long)k.tensor);
-        const ga_source &s = sources.s[k.tensor - sources.first_tensor];
-        f.read((const char *)(uintptr_t)s.grad + k.start * dtype_bytes(t.dtype), k.len * dtype_bytes(t.dtype));
-    }
+    fp_multi_chunks(f, "ga_check_multi", tensors, chunks, num_chunks, sources, [](const ga_chunk &, const ga_tensor &) {});
     f.read(scaler, sizeof *scaler);
     if (sources.count > 0) f.write(flags + sources.first_tensor, sources.count * 4);
 }
