@@ -181,6 +181,8 @@ struct AccModel {
     max_grad_norm: f32,
     bucket_numel: u64,
     w: Window,
+    /// Successful syncs: the synced window's identity, for the optimizer's one step per window.
+    syncs: u64,
     /// The caller's master buffer, for accumulators created with one.
     _buffer: Option<Vec<f32>>,
 }
@@ -272,14 +274,18 @@ struct World {
     scalers: Vec<(*mut gradacc_scaler_t, ScalerModel)>,
     accs: Vec<AccModel>,
     comms: Vec<CommModel>,
+    opts: Vec<optimizer::OptModel>,
     /// Whether each group ever created was aborted.
     aborted: Vec<bool>,
     /// Handles that were destroyed: never valid again.
     dead: Vec<usize>,
     windows: Vec<Vec<u8>>,
     scaler_states: Vec<Vec<u8>>,
+    opt_states: Vec<Vec<u8>>,
     calls: u64,
     syncs_checked: u64,
+    /// Optimizer steps taken (not skipped) and checked against the model.
+    opt_steps: u64,
 }
 
 const MAX_OBJECTS: usize = 4;
@@ -341,6 +347,7 @@ impl World {
         let mut all: Vec<usize> = self.scalers.iter().map(|s| s.0 as usize).collect();
         all.extend(self.accs.iter().map(|a| a.handle as usize));
         all.extend(self.comms.iter().map(|c| c.handle as usize));
+        all.extend(self.opts.iter().map(|o| o.handle as usize));
         if all.is_empty() {
             0x6ac0_0000 + 16 * k
         } else {
@@ -1002,6 +1009,7 @@ fn acc_create(world: &mut World, input: &mut Input) {
                 raw: vec![],
             },
             _buffer: buffer,
+            syncs: 0,
         };
         a.w = a.fresh_window();
         world.accs.push(a);
@@ -1030,6 +1038,10 @@ fn destroy(world: &mut World, input: &mut Input) {
             {
                 world.accs.remove(live.unwrap());
                 world.dead.push(h as usize);
+                // Its optimizers live on, over an accumulator no handle names any more.
+                for o in world.opts.iter_mut().filter(|o| o.acc == h) {
+                    o.acc = null_mut();
+                }
             }
         }
         _ => {
@@ -1347,6 +1359,7 @@ fn sync(world: &mut World, input: &mut Input) {
         }
     }
     a.w.phase = Phase::Synced(a.w.found_inf);
+    a.syncs += 1;
     world.syncs_checked += 1;
 }
 
@@ -1812,15 +1825,23 @@ fuzz_target!(|data: &[u8]| {
         scalers: vec![],
         accs: vec![],
         comms: vec![],
+        opts: vec![],
         aborted: vec![],
         dead: vec![],
         windows: vec![],
         scaler_states: vec![],
+        opt_states: vec![],
         calls: 0,
         syncs_checked: 0,
+        opt_steps: 0,
     };
     while !input.done() && world.calls < 400 {
-        match input.u8() % 23 {
+        let call = input.u8();
+        if call >= 230 {
+            optimizer::optimizer_call(&mut world, &mut input);
+            continue;
+        }
+        match call % 23 {
             0 | 1 => scaler_create(&mut world, &mut input),
             2 | 3 => acc_create(&mut world, &mut input),
             4 => destroy(&mut world, &mut input),
@@ -1854,7 +1875,10 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     if std::env::var_os("GRADACC_FUZZ_STATS").is_some() {
-        eprintln!("gradacc-fuzz-stats calls={} syncs_checked={}", world.calls, world.syncs_checked);
+        eprintln!(
+            "gradacc-fuzz-stats calls={} syncs_checked={} optimizer_steps={}",
+            world.calls, world.syncs_checked, world.opt_steps
+        );
     }
     // Every object goes, so runs do not pile objects up; each destroy must succeed once and only
     // once.
@@ -1869,4 +1893,11 @@ fuzz_target!(|data: &[u8]| {
     for c in world.comms.drain(..) {
         assert_eq!(unsafe { gradacc_comm_destroy(c.handle) }, GRADACC_STATUS_OK);
     }
+    // After their accumulators: an optimizer outlives the accumulator it was made over.
+    for o in world.opts.drain(..) {
+        assert_eq!(unsafe { gradacc_optimizer_destroy(o.handle) }, GRADACC_STATUS_OK);
+        assert_eq!(unsafe { gradacc_optimizer_destroy(o.handle) }, GRADACC_STATUS_INVALID_HANDLE);
+    }
 });
+
+mod optimizer;
