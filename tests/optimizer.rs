@@ -720,3 +720,44 @@ fn threads_and_paths_do_not_change_the_bits() {
         }
     }
 }
+
+/// A saved state rewritten with a fresh checksum (the checksum catches damage, not a forger):
+/// a step count that cannot advance, and an array whose length disagrees with its range, are
+/// refused as corrupt, and the optimizer is unchanged.
+#[test]
+fn a_forged_state_is_refused_as_corrupt() {
+    let mut rng = Rng::fresh("a_forged_state_is_refused_as_corrupt");
+    let tensors = layout(&mut rng);
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let scaler = fixed_scaler();
+    let mut weights = model(&mut rng, &tensors);
+    let opt = Optimizer::new(&acc, OptimizerConfig::default(), &[], &grads_of(&weights)).unwrap();
+    for _ in 0..3 {
+        add(&acc, &scaler, &tensors, &gradient(&mut rng, &tensors, false));
+        acc.sync(None).unwrap();
+        assert!(opt.step(&acc, &mut muts_of(&mut weights), None).unwrap());
+    }
+    let saved = opt.save().unwrap();
+    // The learning rate and the step count, then tensor 0's range and its masters' length.
+    let mut pattern = opt.lr().to_le_bytes().to_vec();
+    pattern.extend(3u64.to_le_bytes());
+    let at = saved.windows(pattern.len()).position(|w| w == pattern).expect("lr and steps") + 4;
+    let reseal = |mut bytes: Vec<u8>| {
+        let body = bytes.len() - 8;
+        let sum = fnv1a(&bytes[..body]);
+        bytes[body..].copy_from_slice(&sum.to_le_bytes());
+        bytes
+    };
+    let mut at_max = saved.clone();
+    at_max[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+    let mut longer = saved.clone();
+    let len_at = at + 8 + 16;
+    let n = u64::from_le_bytes(longer[len_at..len_at + 8].try_into().unwrap());
+    longer[len_at..len_at + 8].copy_from_slice(&(n + 1).to_le_bytes());
+    for (forged, what) in [(at_max, "step count"), (longer, "holds")] {
+        let e = opt.load(&[&reseal(forged)]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::CorruptState, "{what}: {e:?}");
+        assert!(e.message.contains(what), "{e:?}");
+        assert_eq!(opt.save().unwrap(), saved, "{what}: a refused load changed the state");
+    }
+}

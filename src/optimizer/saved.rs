@@ -79,7 +79,8 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
         let mut values: [Vec<f32>; 3] = Default::default();
         let slots = if o.algorithm.second_moment() { 3 } else { 2 };
         for v in &mut values[..slots] {
-            r.f32s_into(v, n)?;
+            // A length that disagrees with the part's own range is damage, not another object.
+            r.f32s_into(v, n).map_err(|e| corrupt(format!("part {index}: {}", e.message)))?;
         }
         tensors.push((start as usize..end as usize, values));
     }
@@ -103,6 +104,9 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
     }
     if super::config::check_lr(lr).is_err() {
         return Err(corrupt(format!("the saved learning rate {lr} is not finite and non-negative")));
+    }
+    if steps == u64::MAX {
+        return Err(corrupt(format!("the saved step count {steps} leaves no step to take")));
     }
     let mut values = [vec![0.0f32; held.len()], vec![0.0; held.len()], vec![]];
     if o.algorithm.second_moment() {
