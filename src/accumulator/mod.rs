@@ -969,14 +969,17 @@ impl Accumulator {
         }
         if went_bad {
             let stats = self.plan.config.tensor_stats;
-            let bad = if w.first_bad.is_none() || stats {
+            let locate = w.first_bad.is_none();
+            // A master the store can scan holds every bad gradient's tensor too, and its first is
+            // the place; only a store that cannot (a shard, which also takes other ranks'
+            // values) needs this rank's gradients read again.
+            let summed = if locate { self.store.first_bad_master(w.master())? } else { None };
+            let bad = if stats || (locate && summed.is_none()) {
                 self.store.bad_gradients(scaler.source(), grads, weight)?
             } else {
                 Vec::new()
             };
-            if w.first_bad.is_none() {
-                // The first tensor whose gradient, or whose master's sum, went non-finite.
-                let summed = self.store.first_bad_master(w.master())?;
+            if locate {
                 let tensor = bad.first().copied().into_iter().chain(summed).min();
                 w.went_bad(tensor.unwrap_or(0));
             }
