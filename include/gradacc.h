@@ -328,8 +328,7 @@ typedef struct gradacc_accumulator_config_t {
     gradacc_overflow_t overflow;
     /**
      * 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-     * (default). With GRADACC_SHARDING_ACCUMULATE on the CPU only (on CUDA creation fails with
-     * GRADACC_STATUS_BACKEND_UNAVAILABLE).
+     * (default). Every device and sharding policy.
      */
     uint32_t tensor_stats;
 } gradacc_accumulator_config_t;
@@ -673,10 +672,9 @@ typedef struct gradacc_scaler_stats_t {
 /**
  * Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
  * by what every rank kept, and the step is skipped only when nothing was kept or the sum
- * overflows. CPU and CUDA accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails
- * with GRADACC_STATUS_BACKEND_UNAVAILABLE); on CUDA each gradacc_accumulator_add and
- * gradacc_accumulator_end_microbatch waits for the stream (docs/overflow.md). Update the scaler
- * with gradacc_scaler_update: a drop backs the scale off.
+ * overflows. CPU and CUDA accumulators, every sharding policy; on CUDA each
+ * gradacc_accumulator_add and gradacc_accumulator_end_microbatch waits for the stream
+ * (docs/overflow.md). Update the scaler with gradacc_scaler_update: a drop backs the scale off.
  */
 #define GRADACC_OVERFLOW_DROP_MICROBATCH 1
 

@@ -126,11 +126,10 @@ struct ScalerConfig : gradacc_scaler_config_t {
  * the same two fields, and create it with Accumulator::sharded. `wire_dtype` is what the
  * reductions send (GRADACC_DTYPE_F32 by default, or GRADACC_DTYPE_BF16). `overflow` is what a
  * non-finite gradient costs: GRADACC_OVERFLOW_SKIP_STEP (default) skips the window's step,
- * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it (with
- * Accumulator::sharded on the CPU only: on CUDA the constructor throws BACKEND_UNAVAILABLE);
- * another value throws INVALID_ARGUMENT. `tensor_stats = 1` has every boundary also measure each
- * tensor (Accumulator::tensor_stats; with Accumulator::sharded on the CPU only); a value
- * other than 0 or 1 throws INVALID_ARGUMENT. The contract, in every language: docs/overflow.md. */
+ * GRADACC_OVERFLOW_DROP_MICROBATCH drops only the micro-batch that held it; another value throws
+ * INVALID_ARGUMENT. `tensor_stats = 1` has every boundary also measure each tensor
+ * (Accumulator::tensor_stats); a value other than 0 or 1 throws INVALID_ARGUMENT. Both run on
+ * every device and sharding policy. The contract, in every language: docs/overflow.md. */
 struct AccumulatorConfig : gradacc_accumulator_config_t {
     AccumulatorConfig() : gradacc_accumulator_config_t() {
         check(gradacc_accumulator_config_default(this));

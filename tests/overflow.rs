@@ -381,13 +381,11 @@ fn run_case(rng: &mut Rng, case: usize, on: On, max_world: usize) {
     let world = (rng.range(1, 4) as usize).min(max_world);
     let tensors = random_tensors(rng);
     // `run_group` gives each rank its shard of "reduce-scatter" or "accumulate".
-    // Sharded accumulation drops and measures on the CPU only.
-    let policies = if on == On::Cpu { 2 } else { 1 };
     let sharding = [
         Sharding::None,
         Sharding::ReduceScatter { shards: 1, rank: 0 },
         Sharding::Accumulate { shards: 1, rank: 0 },
-    ][rng.range(0, policies) as usize];
+    ][rng.range(0, 2) as usize];
     let accumulate = matches!(sharding, Sharding::Accumulate { .. });
     let config = AccumulatorConfig {
         sharding,

@@ -112,8 +112,8 @@ const (
 	OverflowSkipStep Overflow = C.GRADACC_OVERFLOW_SKIP_STEP
 	// OverflowDropMicrobatch: only the micro-batch that held it is dropped, on the rank that fed
 	// it; the boundary normalises by what every rank kept, and skips the step only when nothing
-	// was kept or the sum overflows. With ShardingAccumulate on the CPU only (on CUDA creation
-	// fails with StatusBackendUnavailable). A drop backs the scale off at the next Scaler.Update.
+	// was kept or the sum overflows. Every device and sharding policy. A drop backs the scale off
+	// at the next Scaler.Update.
 	OverflowDropMicrobatch Overflow = C.GRADACC_OVERFLOW_DROP_MICROBATCH
 )
 

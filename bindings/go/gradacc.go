@@ -74,8 +74,8 @@ type AccumulatorConfig struct {
 	// that is neither constant fails creation with StatusInvalidArgument.
 	Overflow Overflow
 	// TensorStats has every boundary also measure each tensor, read with
-	// Accumulator.TensorStats (default false). With ShardingAccumulate on the CPU only (on CUDA
-	// creation fails with StatusBackendUnavailable). docs/overflow.md states the contract.
+	// Accumulator.TensorStats (default false), on every device and sharding policy.
+	// docs/overflow.md states the contract.
 	TensorStats bool
 }
 

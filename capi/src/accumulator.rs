@@ -79,10 +79,9 @@ pub type gradacc_overflow_t = i32;
 pub const GRADACC_OVERFLOW_SKIP_STEP: gradacc_overflow_t = 0;
 /// Only the micro-batch that held it is dropped, on the rank that fed it; the boundary normalises
 /// by what every rank kept, and the step is skipped only when nothing was kept or the sum
-/// overflows. CPU and CUDA accumulators without GRADACC_SHARDING_ACCUMULATE (else creation fails
-/// with GRADACC_STATUS_BACKEND_UNAVAILABLE); on CUDA each gradacc_accumulator_add and
-/// gradacc_accumulator_end_microbatch waits for the stream (docs/overflow.md). Update the scaler
-/// with gradacc_scaler_update: a drop backs the scale off.
+/// overflows. CPU and CUDA accumulators, every sharding policy; on CUDA each
+/// gradacc_accumulator_add and gradacc_accumulator_end_microbatch waits for the stream
+/// (docs/overflow.md). Update the scaler with gradacc_scaler_update: a drop backs the scale off.
 pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
 
 /// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
@@ -134,8 +133,7 @@ pub struct gradacc_accumulator_config_t {
     /// GRADACC_OVERFLOW_* (default SKIP_STEP).
     pub overflow: gradacc_overflow_t,
     /// 1: every boundary also measures each tensor (gradacc_accumulator_tensor_stats); 0: off
-    /// (default). With GRADACC_SHARDING_ACCUMULATE on the CPU only (on CUDA creation fails with
-    /// GRADACC_STATUS_BACKEND_UNAVAILABLE).
+    /// (default). Every device and sharding policy.
     pub tensor_stats: u32,
 }
 

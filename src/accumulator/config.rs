@@ -182,8 +182,8 @@ pub enum Overflow {
     /// rank: `end_microbatch` restores the shard from a copy made when it began (the shard's
     /// size, allocated at its first use), and each rank counts it dropped.
     ///
-    /// CPU and CUDA accumulators; sharded accumulation on the CPU only (on CUDA `build` fails
-    /// with `BackendUnavailable`). On CUDA the check of an `add`, and the close of a micro-batch
+    /// CPU and CUDA accumulators, every sharding policy. On CUDA the check of an `add`, and the
+    /// close of a micro-batch
     /// fed tensor by tensor, read per-tensor flags back to the host: each waits for the
     /// accumulator's stream, so such calls cannot be captured in a CUDA graph.
     DropMicrobatch,
@@ -238,8 +238,7 @@ pub struct AccumulatorConfig {
     /// Each boundary also measures every tensor: its norm and in how many micro-batches it went
     /// non-finite ([`Accumulator::tensor_stats`](super::Accumulator::tensor_stats)), at the
     /// cost of summing each tensor's squares in the boundary's pass and one small gather
-    /// (default off; every sharding policy, but sharded accumulation on the CPU only: on CUDA
-    /// `build` fails with `BackendUnavailable`).
+    /// (default off; every device and sharding policy).
     pub tensor_stats: bool,
 }
 

@@ -848,17 +848,6 @@ impl Accumulator {
                 )));
             }
         }
-        for (on, what) in [
-            (config.overflow == Overflow::DropMicrobatch, "overflow = DropMicrobatch"),
-            (config.tensor_stats, "tensor_stats"),
-        ] {
-            if !on {
-                continue;
-            }
-            if let (Sharding::Accumulate { .. }, false) = (config.sharding, device == Device::Cpu) {
-                return Err(not_here(what, &format!("under sharded accumulation on {}", device.name())));
-            }
-        }
         let plan = Arc::new(Plan { config, descs: tensors.to_vec(), layout });
         let store = crate::backend::store_for(device.check()?, &plan, adopt.map(|(p, _)| p), comm)?;
         let window = Window::new((0..tensors.len()).map(|i| plan.layout.range(i)));

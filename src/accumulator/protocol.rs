@@ -171,11 +171,13 @@ impl Channel for HostChannel<'_> {
 }
 
 /// The claim as the words a device all-reduces with MAX (a minimum is the complement of the
-/// maximum of complements): element count, layout, their complements, the error flag.
-pub(crate) const CLAIM_WORDS: usize = 5;
+/// maximum of complements): element count, layout, their complements, the error flag, and the
+/// dropped count (whose MAX says only whether a rank dropped: a device's counts are summed by its
+/// boundary).
+pub(crate) const CLAIM_WORDS: usize = 6;
 
 pub(crate) fn claim_words(c: &ControlSum) -> [u64; CLAIM_WORDS] {
-    [c.max_numel, c.max_layout, !c.min_numel, !c.min_layout, c.error as u64]
+    [c.max_numel, c.max_layout, !c.min_numel, !c.min_layout, c.error as u64, c.dropped]
 }
 
 /// The reduced claim from the MAX of every rank's [`claim_words`].
@@ -186,6 +188,7 @@ pub(crate) fn from_claim_words(max: &[u64; CLAIM_WORDS]) -> ControlSum {
         min_numel: !max[2],
         min_layout: !max[3],
         error: max[4] != 0,
+        dropped: max[5],
         ..Default::default()
     }
 }

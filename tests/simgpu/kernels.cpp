@@ -108,7 +108,7 @@ void fp_scale_sum_squares(Footprint &f, float *buf, ga_u64 n, const ga_boundary 
 void fp_segment_squares(Footprint &f, const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
     f.read(spans, num_spans * 16);
     for (ga_u64 s = 0; s < num_spans; ++s) {
-        if (spans[2 * s] >= lo && spans[2 * s + 1] <= hi) f.read(master + spans[2 * s], (spans[2 * s + 1] - spans[2 * s]) * 4);
+        if (spans[2 * s] >= lo && spans[2 * s + 1] <= hi) f.read(master + (spans[2 * s] - lo), (spans[2 * s + 1] - spans[2 * s]) * 4);
     }
     f.write(out, num_spans * 8);
 }

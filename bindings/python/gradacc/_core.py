@@ -426,12 +426,11 @@ class Accumulator(_Managed):
     ``wire_dtype`` ('f32', the default, or 'bf16') is the dtype the reductions send.
     ``overflow`` is what a non-finite gradient costs: 'skip_step' (the default) skips the
     window's step; 'drop_microbatch' drops only the micro-batch that held it, on the rank that
-    fed it (with ``sharding='accumulate'`` on the CPU only: on CUDA creation raises
-    BACKEND_UNAVAILABLE), and
+    fed it, and
     :meth:`sync`'s :class:`SyncInfo` says how many were dropped and where.
     ``tensor_stats=True`` has every boundary also measure each tensor, read with
-    :meth:`tensor_stats` (with ``sharding='accumulate'`` on the CPU only; a value other than 0
-    or 1 raises INVALID_ARGUMENT). docs/overflow.md states the contract.
+    :meth:`tensor_stats` (a value other than 0 or 1 raises INVALID_ARGUMENT). Both run on
+    every device and sharding policy. docs/overflow.md states the contract.
 
     ``sharding='accumulate', shard_count=n, shard_rank=r, comm=c`` is sharded accumulation
     (ZeRO-2) over ``c``, a communicator of ``n`` ranks on which this is rank ``r``: the

@@ -468,6 +468,25 @@ impl DeviceBuffer {
         self.ctx.check(unsafe { (api.cuStreamSynchronize)(self.stream) }, "cuStreamSynchronize")
     }
 
+    /// Enqueues a copy of `bytes` bytes from byte `from_at` of `from` (a buffer of the same
+    /// context) to byte `at` of this buffer, on this buffer's stream.
+    pub fn copy_from(&self, at: usize, from: &DeviceBuffer, from_at: usize, bytes: usize) -> Result<()> {
+        assert!(at + bytes <= self.bytes && from_at + bytes <= from.bytes, "device copy out of bounds");
+        assert!(Arc::ptr_eq(&self.ctx, &from.ctx), "a device copy across contexts");
+        if bytes == 0 {
+            return Ok(());
+        }
+        let api = self.ctx.api;
+        let _g = self.ctx.enter()?;
+        let (dst, src) = (self.ptr + at as u64, from.ptr + from_at as u64);
+        // SAFETY: both ranges lie inside their buffers (asserted above), device memory of the
+        // context `_g` made current; the stream orders the copy after this buffer's earlier work.
+        self.ctx.check(
+            unsafe { (api.cuMemcpyDtoDAsync_v2)(dst, src, bytes, self.stream) },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
     /// Enqueues zeroing `count` f32 values from element `start`.
     pub fn zero_f32(&self, start: usize, count: usize) -> Result<()> {
         assert!((start + count) * 4 <= self.bytes, "device fill out of bounds");

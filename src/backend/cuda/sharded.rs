@@ -31,19 +31,20 @@
 //! bits.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event};
 use super::layout::{
     GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH,
 };
+use super::store::overflow::once;
 use super::store::{
     alone, nccl, norm_and_clip, pack_control, reduce_control, reduce_to_owners,
-    wait_for_collectives, DeviceStore, NormSpan, CHUNK,
+    wait_for_collectives, DeviceStore, NormSpan, Tables, CHUNK,
 };
 use crate::accumulator::protocol::Step;
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
-use crate::accumulator::{Agreed, DeviceScale, Plan, Proposal};
+use crate::accumulator::{Agreed, DeviceScale, Overflow, Plan, Proposal};
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
@@ -124,6 +125,20 @@ pub(super) struct ShardMemory {
     /// The overflow flag of the bucket adds on the communication stream (a separate word: two
     /// streams never write one), merged into the window's when the micro-batch ends.
     sum_inf: DeviceBuffer,
+    /// The checks' tables over the whole layout: with `Overflow::DropMicrobatch` or
+    /// `tensor_stats`, which check this rank's gradients before they are reduced.
+    checks: Option<Tables>,
+    /// Under `Overflow::DropMicrobatch`: the shard and the window's flag (after it) as a
+    /// micro-batch fed tensor by tensor found them, restored when a rank's gradient of it was
+    /// poisoned (its buckets are reduced as they fill); allocated at the first such micro-batch.
+    before: OnceLock<DeviceBuffer>,
+}
+
+/// A whole micro-batch's gradients as `add` converts them: unscaled by `scaler`, weighted.
+pub(super) struct Gradients<'a> {
+    pub scaler: &'a dyn DeviceScale,
+    pub grads: &'a [CUdeviceptr],
+    pub weight: f64,
 }
 
 /// The shard group must be an NCCL communicator on the accumulator's device (the accumulator
@@ -158,7 +173,10 @@ impl ShardMemory {
         let staging = stripes.first().map_or(0, |s| s.count) * world;
         let unit = GaScalerState { scale: 1.0, ..Default::default() };
         let buckets = plan.layout.buckets();
+        let checks = plan.config.overflow == Overflow::DropMicrobatch || plan.config.tensor_stats;
         Ok(ShardMemory {
+            checks: checks.then(|| Tables::new(plan, ctx, stream)).transpose()?,
+            before: OnceLock::new(),
             bucket_len: buckets.iter().map(|b| b.len()).max().unwrap_or(0),
             hooks: Mutex::new(Hooks::new(plan)),
             sum_inf: DeviceBuffer::zeroed(ctx, stream, 4)?,
@@ -265,6 +283,13 @@ impl ShardMemory {
     fn hooks(&self) -> MutexGuard<'_, Hooks<Stage>> {
         self.hooks.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// The checks' tables (made with the memory where its policies check).
+    pub(super) fn checks(&self) -> Result<&Tables> {
+        self.checks.as_ref().ok_or_else(|| {
+            Error::new(ErrorKind::Internal, "a check of a shard made without its tables")
+        })
+    }
 }
 
 /// A device store's sharded accumulation at work: its shard memory, with the store's device,
@@ -304,14 +329,18 @@ impl Sharded<'_> {
         let (desc, r) = (self.store.plan.descs[index], self.store.plan.layout.range(index));
         let bucket = &self.store.plan.layout.buckets()[self.store.plan.layout.bucket_of(index)];
         let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
-        let (numel, dtype, assign, found_inf) =
-            (desc.numel as u64, desc.dtype.code(), 1u32, self.store.found_inf.ptr());
+        // A poisoned gradient raises its tensor's flag: closing the micro-batch drops it.
+        let flag = match self.drops() {
+            true => self.store.flags()?.ptr() + 4 * index as u64,
+            false => self.store.found_inf.ptr(),
+        };
+        let (numel, dtype, assign) = (desc.numel as u64, desc.dtype.code(), 1u32);
         scaler.launch_reading(self.store.stream.cast(), |state| {
-            let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, found_inf);
+            let mut args = launch_args!(dst, grad, numel, dtype, state, weight, assign, flag);
             // SAFETY: argument types follow ga_add_one. The destination is the tensor's place in
             // its bucket's staging (`bucket_len` elements from the bucket's start, and the bucket
             // holds the tensor); the gradient holds the tensor's numel values (the caller's
-            // contract, checked for size by the accumulator).
+            // contract, checked for size by the accumulator); the flag is a u32 of this store.
             unsafe {
                 self.store.kernels.add_one.launch_over(&self.store.ctx, self.store.stream, numel.div_ceil(CHUNK as u64), &mut args)
             }
@@ -374,8 +403,9 @@ impl Sharded<'_> {
     }
 
     /// The control step that closes a micro-batch added tensor by tensor, with this rank's
-    /// error `own` (it waits, for the micro-batch's reductions too).
-    fn close_together(&self, own: Option<&Error>) -> Result<()> {
+    /// error `own` and whether a gradient of it was `poisoned` here (it waits, for the
+    /// micro-batch's reductions too). Returns whether one was on any rank.
+    fn close_together(&self, own: Option<&Error>, poisoned: bool) -> Result<bool> {
         let total = match self.group()? {
             Some(c) => {
                 let total = self.store.claims.exchange(
@@ -384,12 +414,39 @@ impl Sharded<'_> {
                     Some(c),
                     None,
                     own.is_some(),
+                    poisoned,
                 );
                 Ok(total.inspect_err(|_| self.stop())?)
             }
-            None => Ok(ControlSum::default()),
+            None => Ok(ControlSum { dropped: poisoned as u64, ..Default::default() }),
         };
-        Step::Closing.judge(total, own).map(drop)
+        Ok(Step::Closing.judge(total, own)?.dropped != 0)
+    }
+
+    /// Whether a poisoned gradient is dropped (`Overflow::DropMicrobatch`).
+    fn drops(&self) -> bool {
+        self.store.plan.config.overflow == Overflow::DropMicrobatch
+    }
+
+    /// Enqueues a copy of the shard and the window's flag as they are, for
+    /// [`Sharded::restore`].
+    fn keep_before(&self) -> Result<()> {
+        let bytes = 4 * self.mem.sharding.own.len();
+        let before = once(&self.mem.before, || {
+            DeviceBuffer::zeroed(&self.store.ctx, self.store.stream, bytes + 4)
+        })?;
+        before.copy_from(0, &self.mem.shard, 0, bytes)?;
+        before.copy_from(bytes, &self.store.found_inf, 0, 4)
+    }
+
+    /// Enqueues putting back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
+    fn restore(&self) -> Result<()> {
+        let bytes = 4 * self.mem.sharding.own.len();
+        let before = self.mem.before.get().ok_or_else(|| {
+            Error::new(ErrorKind::Internal, "a dropped micro-batch with no copy of the shard")
+        })?;
+        self.mem.shard.copy_from(0, before, 0, bytes)?;
+        self.store.found_inf.copy_from(0, before, bytes, 4)
     }
 
     /// After the communication stream is joined: its overflow flag goes into the window's.
@@ -425,19 +482,53 @@ impl Sharded<'_> {
         self.mem.sharding.comm().map(nccl).transpose()
     }
 
-    /// Stripe `k`: converts this rank's gradients into the staging, reduce-scatters it, and adds
-    /// this rank's slice into the shard (assigns it with `assign`).
-    fn add_stripe(
-        &self,
-        scaler: &dyn DeviceScale,
-        grads: &[CUdeviceptr],
-        weight: f64,
-        k: usize,
-        assign: bool,
-    ) -> Result<()> {
+    /// Stripe `k`: converts this rank's gradients into the staging (with none, zeros: this rank
+    /// dropped the micro-batch, and the others' sums still reach the shards), reduce-scatters
+    /// it, and adds this rank's slice into the shard (assigns it with `assign`).
+    fn add_stripe(&self, grads: Option<&Gradients<'_>>, k: usize, assign: bool) -> Result<()> {
         let s = &self.mem.stripes[k];
+        let staging = self.mem.staging.ptr();
+        match grads {
+            Some(g) => self.convert_stripe(g, s)?,
+            None => self.mem.staging.zero_f32(0, s.count * self.mem.sharding.shards.len())?,
+        }
+        if let Some(c) = self.group()? {
+            let reduced = match self.store.bf16(c) {
+                // The staging in NCCL's in-place layout: rank q's piece at `q * count`.
+                Some(wire) => {
+                    let pieces: Vec<Range<usize>> =
+                        (0..c.world_size()).map(|q| q * s.count..(q + 1) * s.count).collect();
+                    wire.reduce_to_owners(
+                        c,
+                        staging,
+                        &pieces,
+                        staging + (4 * self.mem.sharding.rank * s.count) as u64,
+                        self.store.stream,
+                    )
+                }
+                None => c.reduce_scatter_sum_f32(staging, s.count, self.store.stream),
+            };
+            reduced.inspect_err(|_| self.mem.sharding.lose())?;
+        }
+        if s.own == 0 {
+            return Ok(());
+        }
+        let (stripe, rank) = (self.mem.sharding.stripes.len, self.mem.sharding.rank);
+        let (dst, src) = (self.shard_at(k * stripe), staging + (4 * rank * s.count) as u64);
+        let into = ShardAdd { dst, src, numel: s.own, assign, flag: self.store.found_inf.ptr() };
+        // SAFETY: the source is this rank's reduced piece, `own` of its `count` elements at
+        // `rank * count` in the staging; the destination the shard from `k * stripe`, which holds
+        // this stripe's slice of `own` elements.
+        unsafe { self.add_to_shard(into, self.store.stream) }
+            .inspect_err(|_| self.mem.sharding.lose())
+    }
+
+    /// Converts this rank's gradients into stripe `s`'s staging: one conversion launch per
+    /// SOURCES_PER_LAUNCH pieces.
+    fn convert_stripe(&self, g: &Gradients<'_>, s: &Stripe) -> Result<()> {
         let (pieces, staging, found_inf) =
             (self.mem.pieces.ptr(), self.mem.staging.ptr(), self.store.found_inf.ptr());
+        let (scaler, grads, weight) = (g.scaler, g.grads, g.weight);
         for launch in &s.launches {
             let mut sources = GaSources {
                 first_tensor: launch.first as u64,
@@ -472,35 +563,7 @@ impl Sharded<'_> {
                 }
             })?;
         }
-        if let Some(c) = self.group()? {
-            let reduced = match self.store.bf16(c) {
-                // The staging in NCCL's in-place layout: rank q's piece at `q * count`.
-                Some(wire) => {
-                    let pieces: Vec<Range<usize>> =
-                        (0..c.world_size()).map(|q| q * s.count..(q + 1) * s.count).collect();
-                    wire.reduce_to_owners(
-                        c,
-                        staging,
-                        &pieces,
-                        staging + (4 * self.mem.sharding.rank * s.count) as u64,
-                        self.store.stream,
-                    )
-                }
-                None => c.reduce_scatter_sum_f32(staging, s.count, self.store.stream),
-            };
-            reduced.inspect_err(|_| self.mem.sharding.lose())?;
-        }
-        if s.own == 0 {
-            return Ok(());
-        }
-        let (stripe, rank) = (self.mem.sharding.stripes.len, self.mem.sharding.rank);
-        let (dst, src) = (self.shard_at(k * stripe), staging + (4 * rank * s.count) as u64);
-        let into = ShardAdd { dst, src, numel: s.own, assign, flag: self.store.found_inf.ptr() };
-        // SAFETY: the source is this rank's reduced piece, `own` of its `count` elements at
-        // `rank * count` in the staging; the destination the shard from `k * stripe`, which holds
-        // this stripe's slice of `own` elements.
-        unsafe { self.add_to_shard(into, self.store.stream) }
-            .inspect_err(|_| self.mem.sharding.lose())
+        Ok(())
     }
 
     /// Enqueues `into` on `stream`: the add kernel with a factor of exactly 1 (a scaler state of
@@ -606,12 +669,14 @@ impl Sharded<'_> {
         // Every rank's block sums at its shard's blocks (a short shard's last ones stay zero, and
         // only the trailing shards are short): every rank folds the same sums in the same order.
         let gather = comm.map(|c| (c, self.mem.padded / NORM_BLOCK));
+        let (own, rank) = (self.mem.sharding.own.clone(), self.mem.sharding.rank);
+        let measure = || self.store.measure_segments(self.mem.shard.ptr(), own.clone(), rank, comm);
         let span = NormSpan {
             data: self.mem.shard.ptr(),
-            n: self.mem.sharding.own.len() as u64,
-            first_block: self.mem.sharding.rank * self.mem.padded / NORM_BLOCK,
+            n: own.len() as u64,
+            first_block: rank * self.mem.padded / NORM_BLOCK,
             gather,
-            measure: None,
+            measure: self.store.measures().then_some(&measure as &dyn Fn() -> Result<()>),
         };
         // SAFETY: the shard holds `own.len()` elements, `boundary` a ga_boundary and `partials`
         // every rank's `padded / NORM_BLOCK` block sums, sized at creation.
@@ -658,12 +723,18 @@ impl Sharded<'_> {
     /// must share), and a rank whose call is invalid takes part with its error. After that a rank
     /// whose call is invalid aborts the communicator, so that it never pairs a later collective
     /// with the peers' reductions; theirs fail when their communicator times out or is aborted.
+    ///
+    /// Under `Overflow::DropMicrobatch` a micro-batch fed tensor by tensor first enqueues a copy
+    /// of the shard (a rank that cannot make one fails as an invalid call does).
     pub(super) fn open_microbatch(
         &self,
         first: bool,
         whole: bool,
         error: Option<&Error>,
     ) -> Result<()> {
+        let keeps = !whole && self.drops() && error.is_none();
+        let kept = if keeps { self.keep_before().err() } else { None };
+        let error = error.or(kept.as_ref());
         match self.group()? {
             Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
             None => error.map_or(Ok(()), |e| Err(e.clone()))?,
@@ -676,8 +747,11 @@ impl Sharded<'_> {
     }
 
     /// Reduces the buckets still waiting, joins the communication stream, and runs the closing
-    /// control step (a host wait).
-    pub(super) fn close_microbatch(&self) -> Result<()> {
+    /// control step (a host wait). Under `Overflow::DropMicrobatch` this rank's tensor flags are
+    /// read first (the same wait), and the step tells every rank whether a gradient was poisoned
+    /// anywhere: then each puts back its shard as the micro-batch found it. Returns whether it
+    /// did.
+    pub(super) fn close_microbatch(&self) -> Result<bool> {
         let mut h = self.mem.hooks();
         let open = h.open;
         let reduced =
@@ -685,15 +759,33 @@ impl Sharded<'_> {
         let joined = self.store.join_comm_stream().and_then(|()| self.merge_sum_inf());
         let result = reduced.and_then(|()| {
             if !open {
-                return Ok(());
+                return Ok(false);
             }
-            // A rank that cannot join never reaches the closing exchange its peers wait in.
-            joined.inspect_err(|_| self.stop())?;
-            // No gradient is ever poisoned here: DropMicrobatch does not run on CUDA.
-            self.mem.sharding.close(|own, _| self.close_together(own).map(|()| false)).map(drop)
+            // A rank that cannot join, or read its flags, never reaches the closing exchange its
+            // peers wait in.
+            let poisoned = joined.and_then(|()| self.poisoned()).inspect_err(|_| self.stop())?;
+            if poisoned {
+                self.mem.sharding.note_poisoned();
+            }
+            let dropped = self.mem.sharding.close(|own, poisoned| self.close_together(own, poisoned))?;
+            if dropped {
+                self.restore().inspect_err(|_| self.mem.sharding.lose())?;
+            }
+            Ok(dropped)
         });
         self.finish(&mut h);
         result
+    }
+
+    /// Whether a gradient of the open micro-batch raised its tensor's flag (under
+    /// `Overflow::DropMicrobatch`; a wait for the micro-batch's reductions, with the
+    /// communicator's timeout).
+    fn poisoned(&self) -> Result<bool> {
+        if !self.drops() {
+            return Ok(false);
+        }
+        self.drain()?;
+        Ok(!self.store.flagged()?.is_empty())
     }
 
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
@@ -708,19 +800,15 @@ impl Sharded<'_> {
     }
 
     /// One conversion launch per SOURCES_PER_LAUNCH pieces of a stripe, its reduce-scatter and
-    /// the shard add, stripe after stripe; nothing waits.
-    pub(super) fn add(
-        &self,
-        scaler: &dyn DeviceScale,
-        grads: &[CUdeviceptr],
-        weight: f64,
-    ) -> Result<()> {
+    /// the shard add, stripe after stripe; nothing waits. With no `grads`, zeros (this rank
+    /// dropped the micro-batch).
+    pub(super) fn add(&self, grads: Option<&Gradients<'_>>) -> Result<()> {
         let assign = self.mem.sharding.first();
         for k in 0..self.mem.stripes.len() {
             // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
             // reduce-scatter or the next: the window is lost, and the communicator aborted so
             // that this rank never pairs another collective with theirs.
-            self.add_stripe(scaler, grads, weight, k, assign).inspect_err(|_| {
+            self.add_stripe(grads, k, assign).inspect_err(|_| {
                 self.mem.sharding.lose();
                 if let Ok(Some(c)) = self.group() {
                     stop_pairing(c);

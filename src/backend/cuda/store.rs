@@ -42,12 +42,12 @@ use crate::accumulator::{
 };
 use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
-use crate::comm::{Collectives, Communicator, ControlSum, OverflowKey};
+use crate::comm::{Collectives, Communicator, Control, ControlSum, OverflowKey};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
-mod overflow;
+pub(super) mod overflow;
 
 use overflow::Stats;
 
@@ -165,12 +165,7 @@ enum Memory {
 /// The whole master, the tables of its add launches, and how the boundary reduces it.
 struct Whole {
     master: DeviceBuffer,
-    tensors: DeviceBuffer,
-    chunks: DeviceBuffer,
-    /// The `add` launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
-    launches: Vec<AddLaunch>,
-    /// Each tensor's first chunk in the table (and the table's length, last).
-    chunk_starts: Vec<usize>,
+    tables: Tables,
     split: Option<Split>,
     /// The final micro-batch's early reductions, from `begin_final` to the boundary.
     overlap: Mutex<Option<Overlap>>,
@@ -183,6 +178,66 @@ impl Whole {
 
     fn at(&self, offset: usize) -> CUdeviceptr {
         self.master.ptr() + 4 * offset as u64
+    }
+}
+
+/// The multi-tensor kernels' tables over every tensor of the layout: each tensor's place in the
+/// master, length and dtype, its chunks, and the launches of up to SOURCES_PER_LAUNCH tensors.
+/// The whole master's adds and every store's checks run on them.
+pub(super) struct Tables {
+    tensors: DeviceBuffer,
+    chunks: DeviceBuffer,
+    /// The launches: up to SOURCES_PER_LAUNCH consecutive tensors each, with their chunks.
+    launches: Vec<AddLaunch>,
+    /// Each tensor's first chunk in the table (and the table's length, last).
+    chunk_starts: Vec<usize>,
+}
+
+impl Tables {
+    /// Uploads the tables of `plan`'s layout on `stream`.
+    pub(super) fn new(plan: &Plan, ctx: &Arc<Context>, stream: CUstream) -> Result<Self> {
+        let (layout, tensors) = (&plan.layout, &plan.descs);
+        let table: Vec<GaTensor> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| GaTensor {
+                offset: layout.range(i).start as u64,
+                numel: t.numel as u64,
+                dtype: t.dtype.code(),
+                pad: 0,
+            })
+            .collect();
+        let chunks: Vec<GaChunk> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| {
+                (0..t.numel).step_by(CHUNK).map(move |start| GaChunk {
+                    tensor: i as u64,
+                    start: start as u64,
+                    len: (t.numel - start).min(CHUNK) as u64,
+                })
+            })
+            .collect();
+        let chunk_starts = (0..=tensors.len())
+            .map(|i| chunks.partition_point(|c| (c.tensor as usize) < i))
+            .collect();
+        let launches = (0..tensors.len())
+            .step_by(SOURCES_PER_LAUNCH)
+            .map(|first| {
+                let count = SOURCES_PER_LAUNCH.min(tensors.len() - first);
+                let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
+                let num_chunks = chunks[first_chunk..]
+                    .partition_point(|c| (c.tensor as usize) < first + count)
+                    as u64;
+                AddLaunch { first, count, first_chunk, num_chunks }
+            })
+            .collect();
+        Ok(Tables {
+            tensors: DeviceBuffer::from_slice(ctx, stream, &table)?,
+            chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
+            launches,
+            chunk_starts,
+        })
     }
 
     /// A multi-tensor launch over tensor `index` alone.
@@ -380,7 +435,8 @@ impl Claims {
     }
 
     /// The reduced claims at `step` over `group` (none: this rank alone) and, at a hybrid
-    /// boundary, over the replicas of `shard` ([`protocol::exchange`]).
+    /// boundary, over the replicas of `shard` ([`protocol::exchange`]); this rank's claims it
+    /// dropped the micro-batch with `dropped`.
     pub(super) fn exchange(
         &self,
         step: Step,
@@ -388,10 +444,14 @@ impl Claims {
         group: Option<&NcclComm>,
         replicas: Option<(&NcclComm, usize)>,
         invalid: bool,
+        dropped: bool,
     ) -> Result<ControlSum> {
         let (ctx, stream, words) = (&*self.ctx, self.stream, &self.words);
         let channel = |comm| DeviceChannel { ctx, stream, words, comm };
-        let mine = step.claim(plan, replicas.map(|(r, _)| r.world_size()), invalid);
+        let mine = Control {
+            dropped: dropped as u64,
+            ..step.claim(plan, replicas.map(|(r, _)| r.world_size()), invalid)
+        };
         let group = group.map(channel);
         let replicas = replicas.map(|(r, shard)| (channel(r), shard));
         protocol::exchange(
@@ -410,7 +470,7 @@ impl Claims {
         replicas: Option<(&NcclComm, usize)>,
         own: Option<&Error>,
     ) -> Result<()> {
-        let total = self.exchange(step, plan, group, replicas, own.is_some());
+        let total = self.exchange(step, plan, group, replicas, own.is_some(), false);
         step.judge(total, own).map(drop)
     }
 }
@@ -515,41 +575,6 @@ impl Whole {
     ) -> Result<(Self, usize)> {
         let (layout, tensors) = (&plan.layout, &plan.descs);
         let len = layout.len();
-        let table: Vec<GaTensor> = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| GaTensor {
-                offset: layout.range(i).start as u64,
-                numel: t.numel as u64,
-                dtype: t.dtype.code(),
-                pad: 0,
-            })
-            .collect();
-        let chunks: Vec<GaChunk> = tensors
-            .iter()
-            .enumerate()
-            .flat_map(|(i, t)| {
-                (0..t.numel).step_by(CHUNK).map(move |start| GaChunk {
-                    tensor: i as u64,
-                    start: start as u64,
-                    len: (t.numel - start).min(CHUNK) as u64,
-                })
-            })
-            .collect();
-        let chunk_starts = (0..=tensors.len())
-            .map(|i| chunks.partition_point(|c| (c.tensor as usize) < i))
-            .collect();
-        let launches = (0..tensors.len())
-            .step_by(SOURCES_PER_LAUNCH)
-            .map(|first| {
-                let count = SOURCES_PER_LAUNCH.min(tensors.len() - first);
-                let first_chunk = chunks.partition_point(|c| (c.tensor as usize) < first);
-                let num_chunks = chunks[first_chunk..]
-                    .partition_point(|c| (c.tensor as usize) < first + count)
-                    as u64;
-                AddLaunch { first, count, first_chunk, num_chunks }
-            })
-            .collect();
         let mut split = Split::of(plan)?;
         // Sharded, the master's padding (zero, never added to) makes the reduce-scatter in place;
         // the block sums are all-gathered in place, every shard's at its full size.
@@ -573,10 +598,7 @@ impl Whole {
             s.padded = adopt.is_none() || len == padded_len;
         }
         let whole = Whole {
-            tensors: DeviceBuffer::from_slice(ctx, stream, &table)?,
-            chunks: DeviceBuffer::from_slice(ctx, stream, &chunks)?,
-            launches,
-            chunk_starts,
+            tables: Tables::new(plan, ctx, stream)?,
             split,
             master,
             overlap: Mutex::new(None),
@@ -624,7 +646,9 @@ impl DeviceStore {
             comm_stream: OnceLock::new(),
             flags: OnceLock::new(),
             stage: OnceLock::new(),
-            stats: (plan.config.tensor_stats && !sharded)
+            stats: plan
+                .config
+                .tensor_stats
                 .then(|| Stats::new(&plan, &ctx, stream))
                 .transpose()?,
             wire: (plan.config.wire == Dtype::Bf16)
@@ -799,7 +823,9 @@ impl DeviceStore {
     fn finish_boundary(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
         let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
         let gather = w.split.as_ref().zip(comm).map(|(s, c)| (c, s.size / NORM_BLOCK));
-        let measure = || self.measure_segments(w, comm);
+        let slot = w.split.as_ref().map_or(0, |s| s.rank);
+        let measure =
+            || self.measure_segments(w.at(own.start), own.clone(), slot, gather.map(|g| g.0));
         let span = NormSpan {
             data: w.at(own.start),
             n: own.len() as u64,
@@ -913,9 +939,10 @@ impl DeviceStore {
         first: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
         let f = self.kernels.add_multi;
-        let (tensors, master, found_inf) = (w.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
-        for launch in &w.launches {
-            let (sources, chunks, num_chunks) = w.tables(launch, &|i| grads[i], first);
+        let t = &w.tables;
+        let (tensors, master, found_inf) = (t.tensors.ptr(), w.master.ptr(), self.found_inf.ptr());
+        for launch in &t.launches {
+            let (sources, chunks, num_chunks) = t.tables(launch, &|i| grads[i], first);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args = launch_args!(
                     tensors, chunks, num_chunks, sources, master, state, weight, found_inf
@@ -1059,23 +1086,33 @@ impl Store for DeviceStore {
         error: Option<&Error>,
     ) -> Result<()> {
         match &self.memory {
-            Memory::Whole(_) => {
-                error.map_or(Ok(()), |e| Err(e.clone()))?;
-                // A hook micro-batch starts with no staged tensor flagged.
-                match self.flags.get().filter(|_| !whole) {
-                    Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
-                    None => Ok(()),
-                }
-            }
-            Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error),
+            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone()))?,
+            Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error)?,
+        }
+        // A hook micro-batch starts with no tensor flagged.
+        match self.flags.get().filter(|_| !whole) {
+            Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
+            None => Ok(()),
         }
     }
 
+    /// Under sharded accumulation, whether the micro-batch was dropped on every rank.
     fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
+        let dropped = match &self.memory {
+            Memory::Whole(_) => false,
+            Memory::Shard(s) => s.with(self).close_microbatch()?,
+        };
+        if self.counts_on_device() {
+            self.count_flags()?;
+        }
+        Ok(dropped)
+    }
+
+    /// Under sharded accumulation this rank's zeros join the micro-batch's reductions.
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
         match &self.memory {
-            Memory::Whole(_) if self.counts_on_device() => self.count_flags().map(|()| false),
             Memory::Whole(_) => Ok(false),
-            Memory::Shard(s) => s.with(self).close_microbatch().map(|()| false),
+            Memory::Shard(s) => s.with(self).add(None).map(|()| true),
         }
     }
 
@@ -1097,18 +1134,17 @@ impl Store for DeviceStore {
         let scaler = scale.device()?;
         // The overflow flag stays on the device: nothing to locate on the host.
         match &self.memory {
-            Memory::Whole(w) => {
-                self.add_whole(w, scaler, grads, weight, first)?;
-                if self.counts_on_device() {
-                    self.flags()?.zero_f32(0, self.plan.descs.len())?;
-                    self.launch_checks(w, &w.launches, scaler, &|i| grads[i], weight)?;
-                    self.count_flags()?;
-                }
-                Ok(())
+            Memory::Whole(w) => self.add_whole(w, scaler, grads, weight, first)?,
+            Memory::Shard(s) => {
+                s.with(self).add(Some(&sharded::Gradients { scaler, grads, weight }))?
             }
-            Memory::Shard(s) => s.with(self).add(scaler, grads, weight),
         }
-        .map(|()| false)
+        if self.counts_on_device() {
+            self.flags()?.zero_f32(0, self.plan.descs.len())?;
+            self.launch_checks(&self.checks()?.launches, scaler, &|i| grads[i], weight)?;
+            self.count_flags()?;
+        }
+        Ok(false)
     }
 
     fn add_tensor(
@@ -1123,17 +1159,14 @@ impl Store for DeviceStore {
         let grad = grad.device()?;
         let scaler = scale.device()?;
         match &self.memory {
-            Memory::Whole(w) => {
-                self.add_tensor_whole(w, scaler, index, grad, weight, first)?;
-                // Counted once per micro-batch, when it closes.
-                if self.counts_on_device() {
-                    self.launch_checks(w, &[w.one(index)], scaler, &|_| grad, weight)?;
-                }
-                Ok(())
-            }
-            Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight),
+            Memory::Whole(w) => self.add_tensor_whole(w, scaler, index, grad, weight, first)?,
+            Memory::Shard(s) => s.with(self).add_tensor(scaler, index, grad, weight)?,
         }
-        .map(|()| false)
+        // Counted once per micro-batch, when it closes.
+        if self.counts_on_device() {
+            self.launch_checks(&[self.checks()?.one(index)], scaler, &|_| grad, weight)?;
+        }
+        Ok(false)
     }
 
     fn bad_gradients(
@@ -1143,7 +1176,7 @@ impl Store for DeviceStore {
         weight: f64,
     ) -> Result<Vec<usize>> {
         let (grads, scaler) = (grads.device()?, scale.device()?);
-        self.check_whole(self.whole()?, scaler, grads, weight)
+        self.check(scaler, grads, weight)
     }
 
     /// The flag of the tensor's staging stays on the device until `staged_bad`.
@@ -1238,9 +1271,10 @@ impl Store for DeviceStore {
             let mut reads = self.boundary_reads();
             reads.before_write()?;
             let result = match &self.memory {
-                Memory::Whole(w) => self.enqueue_boundary(w, p).and_then(|()| self.share_counts(p)),
+                Memory::Whole(w) => self.enqueue_boundary(w, p),
                 Memory::Shard(s) => s.with(self).enqueue_boundary(p),
-            };
+            }
+            .and_then(|()| self.share_counts(p));
             // Recorded even after a failure: part of the boundary may be enqueued.
             reads.after_write()?;
             result?;

@@ -528,14 +528,11 @@ accumulator keeps it referenced). Destroyed by `close` or the GC.
 gradient's; [`sync_hybrid!`](@ref) takes such a shard group and a replica group (HSDP).
 `wire_dtype` (`Float32` or `:f32`, the default, or `:bf16`) is what the reductions send.
 `overflow` is what a non-finite gradient costs: `:skip_step` (the default) skips the window's
-step; `:drop_microbatch` drops only the micro-batch that held it, on the rank that fed it (with
-`sharding=:accumulate` on the CPU only: on CUDA creation throws
-`GRADACC_STATUS_BACKEND_UNAVAILABLE`), and
+step; `:drop_microbatch` drops only the micro-batch that held it, on the rank that fed it, and
 [`GradAcc.overflow`](@ref) reads where from the report. An unknown symbol throws an
 `ArgumentError`, an unknown code `GRADACC_STATUS_INVALID_ARGUMENT`. `tensor_stats=true` has every
-boundary also measure each tensor, read with [`GradAcc.tensor_stats`](@ref) (with
-`sharding=:accumulate` on the CPU only, as `:drop_microbatch`; a value other than 0 or 1 throws
-`GRADACC_STATUS_INVALID_ARGUMENT`). docs/overflow.md states the contract.
+boundary also measure each tensor, read with [`GradAcc.tensor_stats`](@ref) (a value other than 0
+or 1 throws `GRADACC_STATUS_INVALID_ARGUMENT`); both on every device and sharding policy. docs/overflow.md states the contract.
 
 `sharding=:accumulate, shard_count=n, shard_rank=r, comm=c` is sharded accumulation (ZeRO-2) over
 `c`, a communicator of `n` ranks on which this is rank `r`: the accumulator holds only its shard

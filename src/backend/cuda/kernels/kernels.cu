@@ -317,8 +317,9 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_scale_sum_squares(
 /* tensor_stats: each segment's sum of squares (a segment is one tensor's values inside one norm
  * block; `spans` lists [start, end) pairs of master elements), summed as ga_scale_sum_squares
  * sums a block, from the segment's first element, so the bits are the CPU's
- * math::block_sum_squares of the segment. A segment outside [lo, hi) (another rank's shard) is
- * not here: -1 (tensor_stats::NOT_HERE). */
+ * math::block_sum_squares of the segment. `master` holds the elements [lo, hi) (this rank's shard,
+ * or all of them); a segment outside (another rank's shard) is not here: -1
+ * (tensor_stats::NOT_HERE). */
 extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_segment_squares(
     const float *master, const ga_u64 *spans, ga_u64 num_spans, ga_u64 lo, ga_u64 hi, double *out) {
     const ga_u64 per_cta = GA_THREADS / GA_NORM_LANES;
@@ -331,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_segment_squares(
             ga_u64 start = spans[2 * s], end = spans[2 * s + 1];
             here = start >= lo && end <= hi;
             for (ga_u64 i = start + lane; here && i < end; i += GA_NORM_LANES) {
-                acc = GA_DADD(acc, ga_square(master[i]));
+                acc = GA_DADD(acc, ga_square(master[i - lo]));
             }
         }
         for (int width = GA_NORM_LANES / 2; width > 0; width /= 2) {

@@ -1,11 +1,12 @@
-//! The overflow policies' and the telemetry's device work over a whole master: the per-tensor
+//! The overflow policies' and the telemetry's device work, over a whole master or a shard: the per-tensor
 //! flags a micro-batch's check raises (read back by the host under DROP_MICROBATCH, counted on the
 //! device under SKIP_STEP), the staging of a hook micro-batch, and the per-tensor norms of the
 //! boundary, whose fold is the CPU's (`tensor_stats.rs`).
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::{nccl, AddLaunch, DeviceStore, Memory, Split, Whole, CHUNK, NORM_BLOCKS_PER_CTA};
+use super::{nccl, AddLaunch, DeviceStore, Memory, Tables, Whole, CHUNK, NORM_BLOCKS_PER_CTA};
 use crate::accumulator::{DeviceScale, Overflow, Plan, Proposal, Segments, TensorStats};
 use crate::backend::cuda::driver::{
     launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS,
@@ -39,27 +40,33 @@ impl Stats {
     }
 }
 
-/// The whole master's checks, staging and measures.
+/// The checks, staging and measures, over the whole master or a shard.
 impl DeviceStore {
-    /// Enqueues the segment sums of this rank's range of the normalised master (`tensor_stats`)
-    /// into its slot and, under reduce-scatter, gathers every shard's over `comm`.
-    pub(super) fn measure_segments(&self, w: &Whole, comm: Option<&NcclComm>) -> Result<()> {
+    /// Enqueues the segment sums of the normalised master's elements `held`, which `data` holds
+    /// (this rank's range: the whole layout, or a shard), into slot `slot` (`tensor_stats`) and,
+    /// with `gather` (the shards' group), gathers every shard's.
+    pub(in crate::backend::cuda) fn measure_segments(
+        &self,
+        data: CUdeviceptr,
+        held: Range<usize>,
+        slot: usize,
+        gather: Option<&NcclComm>,
+    ) -> Result<()> {
         let Some(stats) = &self.stats else { return Ok(()) };
-        let own = w.split.as_ref().map_or(0..self.plan.layout.len(), Split::own);
-        let slot = w.split.as_ref().map_or(0, |s| s.rank);
         let num = stats.segments.len() as u64;
-        let (master, bounds) = (w.master.ptr(), stats.bounds.ptr());
+        let bounds = stats.bounds.ptr();
         let out = stats.sums.ptr() + 8 * slot as u64 * num;
-        let (lo, hi) = (own.start as u64, own.end as u64);
-        let mut args = launch_args!(master, bounds, num, lo, hi, out);
+        let (lo, hi) = (held.start as u64, held.end as u64);
+        let mut args = launch_args!(data, bounds, num, lo, hi, out);
         let grid = self.ctx.grid_for(num.div_ceil(NORM_BLOCKS_PER_CTA));
-        // SAFETY: argument types follow ga_segment_squares; the table holds `num` segments of the
-        // master, and the sums one slot of `num` f64 per shard.
+        // SAFETY: argument types follow ga_segment_squares; `data` holds the elements `held` (the
+        // caller's contract), the table `num` segments, and the sums one slot of `num` f64 per
+        // shard.
         unsafe {
             self.kernels.segment_squares.launch(&self.ctx, grid, THREADS, self.stream, &mut args)?
         };
-        match (w.split.as_ref(), comm) {
-            (Some(_), Some(c)) if c.world_size() > 1 => {
+        match gather {
+            Some(c) if c.world_size() > 1 => {
                 c.allgather_f64(stats.sums.ptr(), num as usize, self.stream)
             }
             _ => Ok(()),
@@ -96,19 +103,33 @@ impl DeviceStore {
         Ok(())
     }
 
-    /// The whole master, or the error of a store that holds a shard.
+    /// The whole master: a hook micro-batch is staged only over one (a shard's is reduced as
+    /// its buckets fill, see `sharded.rs`).
     pub(super) fn whole(&self) -> Result<&Whole> {
         match &self.memory {
             Memory::Whole(w) => Ok(w),
             Memory::Shard(_) => Err(Error::new(
-                ErrorKind::BackendUnavailable,
-                "overflow = DropMicrobatch does not run under sharded accumulation",
+                ErrorKind::Internal,
+                "a hook micro-batch is staged over a whole master only",
             )),
         }
     }
 
+    /// Whether the boundary measures the tensors (`tensor_stats`).
+    pub(in crate::backend::cuda) fn measures(&self) -> bool {
+        self.stats.is_some()
+    }
+
+    /// The tables the checks run on: the whole master's, or (made with it) a shard's.
+    pub(super) fn checks(&self) -> Result<&Tables> {
+        match &self.memory {
+            Memory::Whole(w) => Ok(&w.tables),
+            Memory::Shard(s) => s.checks(),
+        }
+    }
+
     /// The per-tensor flags of `Overflow::DropMicrobatch`, allocated (zeroed) at first use.
-    pub(super) fn flags(&self) -> Result<&DeviceBuffer> {
+    pub(in crate::backend::cuda) fn flags(&self) -> Result<&DeviceBuffer> {
         let bytes = 4 * self.plan.descs.len();
         once(&self.flags, || DeviceBuffer::zeroed(&self.ctx, self.stream, bytes))
     }
@@ -120,39 +141,39 @@ impl DeviceStore {
     }
 
     /// The tensors whose flag is raised, in order (waits for the stream).
-    pub(super) fn flagged(&self) -> Result<Vec<usize>> {
+    pub(in crate::backend::cuda) fn flagged(&self) -> Result<Vec<usize>> {
         let mut flags = vec![0u32; self.plan.descs.len()];
         self.flags()?.read(&mut flags)?;
         Ok(flags.iter().enumerate().filter(|(_, &f)| f != 0).map(|(i, _)| i).collect())
     }
 
-    /// `ga_check_multi` over the micro-batch `grads`, launched as `add_whole` launches its adds;
+    /// `ga_check_multi` over the micro-batch `grads`, launched as the whole master's adds are;
     /// then the flags are read back (a host wait).
-    pub(super) fn check_whole(
+    pub(super) fn check(
         &self,
-        w: &Whole,
         scaler: &dyn DeviceScale,
         grads: &[CUdeviceptr],
         weight: f64,
     ) -> Result<Vec<usize>> {
         self.flags()?.zero_f32(0, self.plan.descs.len())?;
-        self.launch_checks(w, &w.launches, scaler, &|i| grads[i], weight)?;
+        let t = self.checks()?;
+        self.launch_checks(&t.launches, scaler, &|i| grads[i], weight)?;
         self.flagged()
     }
 
-    /// Enqueues `ga_check_multi` over `launches`, raising the flags of the tensors whose
-    /// gradient (`grad(i)`) goes non-finite once unscaled and weighted.
+    /// Enqueues `ga_check_multi` over `launches` (of [`DeviceStore::checks`]), raising the flags
+    /// of the tensors whose gradient (`grad(i)`) goes non-finite once unscaled and weighted.
     pub(super) fn launch_checks(
         &self,
-        w: &Whole,
         launches: &[AddLaunch],
         scaler: &dyn DeviceScale,
         grad: &dyn Fn(usize) -> CUdeviceptr,
         weight: f64,
     ) -> Result<()> {
-        let (f, tensors, flags) = (self.kernels.check_multi, w.tensors.ptr(), self.flags()?.ptr());
+        let t = self.checks()?;
+        let (f, tensors, flags) = (self.kernels.check_multi, t.tensors.ptr(), self.flags()?.ptr());
         for launch in launches {
-            let (sources, chunks, num_chunks) = w.tables(launch, grad, &|_| false);
+            let (sources, chunks, num_chunks) = t.tables(launch, grad, &|_| false);
             scaler.launch_reading(self.stream.cast(), |state| {
                 let mut args =
                     launch_args!(tensors, chunks, num_chunks, sources, state, weight, flags);
@@ -214,7 +235,7 @@ impl DeviceStore {
 }
 
 /// The buffer in `cell`, made by `make` at first use.
-pub(super) fn once(
+pub(in crate::backend::cuda) fn once(
     cell: &OnceLock<DeviceBuffer>,
     make: impl FnOnce() -> Result<DeviceBuffer>,
 ) -> Result<&DeviceBuffer> {
