@@ -1381,14 +1381,18 @@ enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *
  * weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or,
  * when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
  * which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
- * on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere) and then
- * all-gather the weights over `comm`: the communicator sync took (NULL for a sharded
- * accumulation's own). WRONG_STATE before a sync or a second time after one. A call whose
- * `weights` are refused here still takes part in the agreement, so the other ranks fail at once.
+ * on one rank, or optimizers that differ between ranks, fail on all: its own error there,
+ * GRADACC_STATUS_PEER_FAILURE elsewhere) and then all-gather the weights over `comm`: the
+ * communicator sync took (NULL for a sharded accumulation's own). WRONG_STATE before a sync or a
+ * second time after one. A call whose `weights` are refused here still takes part in the
+ * agreement, so the other ranks fail at once.
  *
  * On a CUDA accumulator the weights are device addresses, and the step is enqueued on the
  * accumulator's stream and returns without waiting (a sharded step's agreement waits for the
- * stream). Whether the boundary overflowed is read by the kernels on the device, so the step
+ * stream, except while the stream is captured into a CUDA graph: there the first sharded step
+ * over a communicator fails with WRONG_STATE, and after it a call invalid on this rank aborts the
+ * communicator, so the other ranks' all-gather fails; docs/optimizer.md). Whether the boundary
+ * overflowed is read by the kernels on the device, so the step
  * may also follow a gradacc_accumulator_sync whose `out_info` was NULL (a sync that does not
  * wait); `out_stepped` must then be NULL (the host does not know; WRONG_STATE otherwise, before
  * anything runs). A weight that is not one device

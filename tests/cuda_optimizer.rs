@@ -15,6 +15,7 @@ use common::cuda::{enough_devices, gpu_or_skip, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::comm::Collectives;
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, ErrorKind, Grad,
     GradMut, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
@@ -998,4 +999,182 @@ fn hybrid_steps_write_the_unsharded_weights() {
         return;
     }
     common::rerun(test, &[("SIMGPU_DEVICES", "4")], "the 4-device run");
+}
+
+/// Begins capturing `stream` into a graph (the current thread's calls only).
+fn begin_capture(stream: driver::CUstream) {
+    use cudarc::driver::sys as cu;
+    let mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a stream of the current context; every caller ends the capture.
+    let begun = unsafe { cu::cuStreamBeginCapture_v2(stream.cast(), mode) };
+    assert_eq!(begun, cu::CUresult::CUDA_SUCCESS);
+}
+
+/// Ends the capture of `stream`: its graph, instantiated (the caller destroys both).
+fn end_capture(
+    stream: driver::CUstream,
+) -> (cudarc::driver::sys::CUgraph, cudarc::driver::sys::CUgraphExec) {
+    use cudarc::driver::sys as cu;
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: ends a capture begun by `begin_capture` on this thread.
+    assert_eq!(
+        unsafe { cu::cuStreamEndCapture(stream.cast(), &mut graph) },
+        cu::CUresult::CUDA_SUCCESS
+    );
+    // SAFETY: a graph from a completed capture.
+    let instantiated = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+    assert_eq!(instantiated, cu::CUresult::CUDA_SUCCESS);
+    (graph, exec)
+}
+
+/// One rank of a captured sharded step: add, boundary and step (with its all-gather) captured
+/// into one graph under reduce-scatter or sharded accumulation and replayed; after each replay
+/// the weights are those of an unsharded optimizer stepped outside any graph, bit for bit.
+fn captured_sharded_rank(
+    ids: [[u8; nccl::UNIQUE_ID_BYTES]; 2],
+    rank: usize,
+    accumulate: bool,
+    seed: u64,
+    synced: &std::sync::Barrier,
+) {
+    use cudarc::driver::sys as cu;
+    let world = 2;
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream.cast() };
+    let plain_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&ids[0], rank, world, rank as i32).unwrap());
+    let shard_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&ids[1], rank, world, rank as i32).unwrap());
+    let mut rng = Rng::seeded(seed);
+    let descs: Vec<TensorDesc> = [(Dtype::F16, 5000), (Dtype::F32, 3), (Dtype::Bf16, 9001)]
+        .into_iter()
+        .map(|(dtype, numel)| TensorDesc { numel, dtype })
+        .collect();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16];
+    let sharding = if accumulate {
+        Sharding::Accumulate { shards: world, rank }
+    } else {
+        Sharding::ReduceScatter { shards: world, rank }
+    };
+    let plain = Accumulator::builder(&descs).device(device).build().unwrap();
+    let mut builder = Accumulator::builder(&descs)
+        .device(device)
+        .config(AccumulatorConfig { sharding, ..Default::default() });
+    if accumulate {
+        builder = builder.communicator(shard_comm.clone());
+    }
+    let sharded = builder.build().unwrap();
+    let comm = if accumulate { None } else { Some(&*shard_comm) };
+    let host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
+    let (wp, ws) = (
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+        DeviceWeights::upload(&ctx, stream.stream, &host),
+    );
+    let oc = OptimizerConfig { rounding: Rounding::Stochastic { seed }, ..Default::default() };
+    let op = Optimizer::new_device(&plain, oc, &[], &wp.ptrs, &dtypes).unwrap();
+    let os = Optimizer::new_device(&sharded, oc, &[], &ws.ptrs, &dtypes).unwrap();
+    let scaler = fixed_scaler(device);
+    // Every rank draws every rank's gradient and keeps its own: the same draws everywhere.
+    let draw = |rng: &mut Rng| {
+        let all: Vec<Gradient> = (0..world).map(|_| exact_gradient(rng, &descs)).collect();
+        all.into_iter().nth(rank).unwrap()
+    };
+    let grads = draw(&mut rng).upload(&ctx, stream.stream, &descs);
+    let addresses: Vec<u64> = grads.iter().map(DeviceBuffer::ptr).collect();
+    let both = |captured: bool| {
+        plain.add(&scaler, &addresses, 2).unwrap();
+        plain.sync(Some(&*plain_comm)).unwrap();
+        assert_eq!(op.step_device(&plain, &wp.ptrs, None).unwrap(), Some(true));
+        if !captured {
+            sharded.add(&scaler, &addresses, 2).unwrap();
+            sharded.sync(comm).unwrap();
+        }
+    };
+    both(false);
+    let _current = ctx.enter().unwrap();
+    // The first sharded step over a communicator waits for the ranks' check: never captured.
+    begin_capture(stream.stream);
+    let e = os.step_device(&sharded, &ws.ptrs, comm).unwrap_err();
+    let (graph, exec) = end_capture(stream.stream);
+    assert!(e.kind == ErrorKind::WrongState && e.message.contains("before capturing"), "{e:?}");
+    // SAFETY: an empty graph, never launched.
+    unsafe {
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+    assert_eq!(os.step_device(&sharded, &ws.ptrs, comm).unwrap(), Some(true));
+    assert_eq!(wp.bits(&dtypes, &numel), ws.bits(&dtypes, &numel), "rank {rank}: the first step");
+    // The steady state: add, boundary and step in one graph.
+    begin_capture(stream.stream);
+    let captured = sharded
+        .add(&scaler, &addresses, 2)
+        .and_then(|()| sharded.sync_enqueue(comm))
+        .and_then(|_| os.step_device(&sharded, &ws.ptrs, comm));
+    let (graph, exec) = end_capture(stream.stream);
+    assert_eq!(captured.unwrap(), None, "rank {rank}: no host read during the capture");
+    for replay in 0..3 {
+        let g = draw(&mut rng);
+        for (i, buf) in grads.iter().enumerate() {
+            match descs[i].dtype {
+                Dtype::F32 => buf.write(&g.f32s[i]).unwrap(),
+                _ => buf.write(&g.u16s[i]).unwrap(),
+            }
+        }
+        // SAFETY: an instantiated graph whose buffers live until the end of the function.
+        assert_eq!(unsafe { cu::cuGraphLaunch(exec, stream.stream) }, cu::CUresult::CUDA_SUCCESS);
+        both(true);
+        let what = format!("rank {rank} {sharding:?} replay {replay}");
+        assert_eq!(wp.bits(&dtypes, &numel), ws.bits(&dtypes, &numel), "{what}");
+    }
+    // SAFETY: created above, destroyed once, after the stream ran every replay.
+    unsafe {
+        driver::synchronize(&ctx, stream.stream).unwrap();
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+    // Under capture a refused step cannot tell its peers: it stops pairing on the communicator
+    // (here every rank refuses alike, so none is left waiting).
+    plain.add(&scaler, &addresses, 2).unwrap();
+    sharded.add(&scaler, &addresses, 2).and_then(|()| sharded.sync(comm).map(drop)).unwrap();
+    // No rank stops pairing before every rank's boundary is done.
+    synced.wait();
+    begin_capture(stream.stream);
+    let e = os.step_device(&sharded, &ws.ptrs[1..], comm).unwrap_err();
+    let (graph, exec) = end_capture(stream.stream);
+    assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {rank}: {e:?}");
+    // SAFETY: an empty graph, never launched.
+    unsafe {
+        cu::cuGraphExecDestroy(exec);
+        cu::cuGraphDestroy(graph);
+    }
+    let Collectives::Nccl(group) = shard_comm.collectives() else { panic!("an NCCL group") };
+    assert!(group.health().is_err(), "rank {rank}: the communicator still pairs");
+}
+
+#[test]
+fn a_captured_sharded_step_replays_at_two_ranks() {
+    let count = devices();
+    if count == 0 || !enough_devices(2, count) {
+        return;
+    }
+    let mut rng = Rng::fresh("a_captured_sharded_step_replays_at_two_ranks");
+    for accumulate in [false, true] {
+        let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
+        let seed = rng.range(0, u64::MAX >> 1);
+        let synced = std::sync::Barrier::new(2);
+        let synced = &synced;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    s.spawn(move || captured_sharded_rank(ids, rank, accumulate, seed, synced))
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        });
+    }
 }

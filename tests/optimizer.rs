@@ -679,6 +679,71 @@ fn a_step_refused_on_one_rank_fails_on_every_rank() {
     });
 }
 
+/// Under a sharded boundary, ranks whose optimizers differ (a rounding, a hyperparameter, a
+/// tensor's weight dtype or group) fail together before anything is stepped or gathered: they
+/// would otherwise step their shards by different rules, or all-gather pieces of different sizes.
+#[test]
+fn ranks_whose_optimizers_differ_fail_together() {
+    let mut rng = Rng::fresh("ranks_whose_optimizers_differ_fail_together");
+    let tensors = layout(&mut rng);
+    let initial = model(&mut rng, &tensors);
+    let data = group_data(&mut rng, &tensors, 2, 1);
+    let base = OptimizerConfig::default();
+    let variants: Vec<(&str, OptimizerConfig, Vec<TensorGroup>, Option<usize>)> = vec![
+        (
+            "rounding",
+            OptimizerConfig { rounding: Rounding::Stochastic { seed: 3 }, ..base },
+            vec![],
+            None,
+        ),
+        ("algorithm", OptimizerConfig { algorithm: algorithms()[1], ..base }, vec![], None),
+        (
+            "group",
+            base,
+            (0..tensors.len())
+                .map(|i| TensorGroup { weight_decay: i != 2, ..TensorGroup::default() })
+                .collect(),
+            None,
+        ),
+        ("weight dtype", base, vec![], Some(1)),
+    ];
+    for (what, config, groups, f32_weight) in variants {
+        let comms = LocalComm::group(2).unwrap();
+        std::thread::scope(|scope| {
+            for (rank, comm) in comms.into_iter().enumerate() {
+                let (tensors, initial, g) = (&tensors, &initial, &data[rank][0]);
+                let (groups, config) = (groups.clone(), config);
+                scope.spawn(move || {
+                    let sharding = Sharding::ReduceScatter { shards: 2, rank };
+                    let config_acc = AccumulatorConfig { sharding, ..Default::default() };
+                    let acc = Accumulator::new(config_acc, tensors).unwrap();
+                    let mut weights = initial.clone();
+                    // Rank 1 differs: another config or groups, or one tensor's weights in f32.
+                    let (config, groups) =
+                        if rank == 1 { (config, groups) } else { (base, vec![]) };
+                    if let (1, Some(t)) = (rank, f32_weight) {
+                        weights[t] = Weights::F32(vec![0.5; tensors[t].numel]);
+                    }
+                    let opt = Optimizer::new(&acc, config, &groups, &grads_of(&weights)).unwrap();
+                    add(&acc, &fixed_scaler(), tensors, g);
+                    acc.sync(Some(&comm)).unwrap();
+                    let (saved, kept) = (opt.save().unwrap(), weights.clone());
+                    let e = opt.step(&acc, &mut muts_of(&mut weights), Some(&comm)).unwrap_err();
+                    assert!(
+                        e.kind == ErrorKind::SizeMismatch
+                            && e.message.contains("optimizers differ"),
+                        "{what}, rank {rank}: {e:?}"
+                    );
+                    assert!(
+                        opt.save().unwrap() == saved && weights == kept,
+                        "{what}: rank {rank} changed"
+                    );
+                });
+            }
+        });
+    }
+}
+
 /// The step over several threads, on every instruction-set path, gives the scalar one-thread
 /// bits (each element's arithmetic and random draw are its own); the threads' parts start at odd
 /// elements of the state.

@@ -30,8 +30,10 @@ pub(crate) enum Step {
     Microbatch { whole: bool },
     /// A hook micro-batch of a sharded accumulation closes.
     Closing,
-    /// An optimizer steps its shard and all-gathers the weights.
-    Optimizer,
+    /// An optimizer steps its shard and all-gathers the weights; `setup` fingerprints what every
+    /// rank's optimizer must share (its algorithm, hyperparameters, rounding, and each tensor's
+    /// weight dtype and group: the all-gather's sizes follow the dtypes).
+    Optimizer { setup: u64 },
 }
 
 impl Step {
@@ -41,7 +43,7 @@ impl Step {
             Step::Microbatch { whole: true } => 0x5851_f42d_4c95_7f2d,
             Step::Microbatch { whole: false } => 0x2545_f491_4f6c_dd1d,
             Step::Closing => 0x9fb2_1c65_1e98_df25,
-            Step::Optimizer => 0x3c6e_f372_fe94_f82b,
+            Step::Optimizer { setup } => 0x3c6e_f372_fe94_f82b ^ setup,
         }
     }
 
@@ -80,6 +82,11 @@ impl Step {
         if total.min_numel != total.max_numel || total.min_layout != total.max_layout {
             return Err(match self {
                 Step::Boundary => ranks_differ(total.min_numel, total.max_numel),
+                Step::Optimizer { .. } => Error::new(
+                    ErrorKind::SizeMismatch,
+                    "the ranks' optimizers differ (algorithm, hyperparameters, rounding, or a \
+                     tensor's weight dtype or group) or their accumulators do; no rank stepped",
+                ),
                 _ => Error::new(
                     ErrorKind::SizeMismatch,
                     "the ranks are not at the same step (a micro-batch on some, the boundary on \
@@ -101,7 +108,9 @@ impl Step {
                 "an add_tensor call of this micro-batch was refused on another rank, so the sums \
                  lack its tensor"
             }
-            Step::Optimizer => "another rank's optimizer step was invalid; no rank stepped",
+            Step::Optimizer { .. } => {
+                "another rank's optimizer step was invalid; no rank stepped"
+            }
         }
     }
 }

@@ -605,6 +605,15 @@ impl NcclComm {
         self.failed.store(true, Ordering::Release);
     }
 
+    /// Ends this rank's use of the communicator (an abort, or for an adopted communicator that
+    /// cannot be aborted, the failed mark that refuses every later call): its peers' pending
+    /// collectives then fail at their timeout instead of pairing with a call they did not make.
+    pub(crate) fn stop_pairing(&self) {
+        if self.abort().is_err() {
+            self.mark_failed();
+        }
+    }
+
     /// Fails with COMM_FAILURE when the communicator was aborted, failed before, or has an
     /// asynchronous error now (a peer failed or aborted). For a caller that has waited on its
     /// stream for collectives: an abort ends them without a result, and the wait cannot tell.

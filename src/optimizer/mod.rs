@@ -237,6 +237,29 @@ impl Optimizer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The protocol step of a sharded step, fingerprinting what every rank's optimizer must
+    /// share: ranks that differ (another rounding, a bf16 weight against an f16 one) fail
+    /// together instead of stepping their shards by different rules or all-gathering pieces of
+    /// different sizes.
+    fn step_kind(&self) -> Step {
+        let (code, params) = self.algorithm.encode();
+        let mut bytes = code.to_le_bytes().to_vec();
+        params.iter().for_each(|p| bytes.extend(p.to_bits().to_le_bytes()));
+        match self.rounding {
+            Rounding::NearestEven => bytes.push(0),
+            Rounding::Stochastic { seed } => {
+                bytes.push(1);
+                bytes.extend(seed.to_le_bytes());
+            }
+        }
+        for (d, g) in self.dtypes.iter().zip(&self.groups) {
+            bytes.extend(d.code().to_le_bytes());
+            bytes.push(g.weight_decay as u8);
+            bytes.extend(g.lr_scale.to_bits().to_le_bytes());
+        }
+        Step::Optimizer { setup: crate::state::checksum(&bytes) }
+    }
+
     /// The learning rate of the next step. On a CUDA accumulator it lives in device memory
     /// ([`Optimizer::lr_device_ptr`]): this waits for the stream and reads it; if the device
     /// cannot be read, the last value the host set.
@@ -348,8 +371,9 @@ impl Optimizer {
         // so that a rank whose call is invalid never leaves the others waiting in the gather.
         match (&group, own) {
             (Some((h, ..)), own) => {
-                let claim = ControlSum::of(&Step::Optimizer.claim(&self.plan, None, own.is_some()));
-                protocol::agree(Step::Optimizer, Some(&HostChannel(*h)), None, &claim, own.as_ref())?;
+                let step = self.step_kind();
+                let claim = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
+                protocol::agree(step, Some(&HostChannel(*h)), None, &claim, own.as_ref())?;
             }
             (None, Some(e)) => return Err(e),
             (None, None) => {}
@@ -376,14 +400,14 @@ impl Optimizer {
         let Ok(Some((comm, ..))) = self.gather_group(acc, comm) else { return };
         match comm.collectives() {
             Collectives::Host(h) => {
-                let claim = Step::Optimizer.claim(&self.plan, None, true);
+                let claim = self.step_kind().claim(&self.plan, None, true);
                 let _ = h.reduce_control(&ControlSum::of(&claim));
             }
             Collectives::Nccl(c) => {
                 let s = self.lock();
                 if let Some(d) = &s.device {
                     let refused = Error::invalid("this rank's step was refused");
-                    let _ = d.agree(&self.plan, c, Some(&refused));
+                    let _ = d.agree(self.step_kind(), &self.plan, c, Some(&refused));
                 }
             }
         }
@@ -399,7 +423,11 @@ impl Optimizer {
     ///
     /// Under a sharded boundary the ranks first agree as [`Optimizer::step`]'s do, through a
     /// blocking exchange over the NCCL communicator (this waits for the stream), then
-    /// all-gather the new weights over it, stream-ordered. Fails, changing nothing, as `step`
+    /// all-gather the new weights over it, stream-ordered. While the stream is captured into a
+    /// CUDA graph nothing may wait: the first sharded step over a communicator then fails with
+    /// `WrongState` (take it before capturing), and after it no exchange runs; a call invalid
+    /// on this rank stops pairing on the communicator (it aborts it), so that the other ranks'
+    /// all-gather fails instead of pairing with a later call. Fails, changing nothing, as `step`
     /// does, and with `DeviceMismatch` on a weight that is not one device allocation of its
     /// tensor's length.
     pub fn step_device(
@@ -422,7 +450,7 @@ impl Optimizer {
         let device = s.device.as_ref().expect("checked above; never removed");
         let own = self.check_step_device(&s, device, acc, weights).err();
         match (group, own) {
-            (Some(c), own) => device.agree(&self.plan, c, own.as_ref())?,
+            (Some(c), own) => device.agree(self.step_kind(), &self.plan, c, own.as_ref())?,
             (None, Some(e)) => return Err(e),
             (None, None) => {}
         }

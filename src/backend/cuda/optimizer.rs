@@ -8,9 +8,9 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use super::driver::{self, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
+use super::driver::{self, capturing, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
 use super::kernels::Kernels;
 use super::layout::{GaOptChunk, GaOptRule, GaOptTensor, GaWeights, SOURCES_PER_LAUNCH};
 use super::store::{Claims, CHUNK};
@@ -133,6 +133,8 @@ pub(crate) struct DeviceOptimizer {
     lr: DeviceBuffer,
     gather: Option<Gather>,
     claims: Claims,
+    /// The communicators over which every rank's optimizer was checked to agree.
+    checked: Mutex<Vec<u64>>,
 }
 
 impl fmt::Debug for DeviceOptimizer {
@@ -260,6 +262,7 @@ impl DeviceOptimizer {
             steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
             lr: DeviceBuffer::from_slice(&ctx, stream, &[lr])?,
             claims: Claims::new(&ctx, stream)?,
+            checked: Mutex::new(Vec::new()),
             held,
             gather,
             ctx,
@@ -274,10 +277,43 @@ impl DeviceOptimizer {
         check_weights(&self.ctx, weights, dtypes, numel)
     }
 
-    /// The step's agreement under sharding over `comm`: every rank's claim, this one's flagged
-    /// invalid with `own` (a blocking exchange: it waits for the stream).
-    pub(crate) fn agree(&self, plan: &Plan, comm: &NcclComm, own: Option<&Error>) -> Result<()> {
-        self.claims.agree(Step::Optimizer, plan, Some(comm), None, own)
+    /// The agreement of a sharded step over `comm`: every rank's claim at `step`, this one's
+    /// flagged invalid with `own`, in a blocking exchange (it waits for the stream), the first
+    /// time over `comm` and whenever the stream is not being captured.
+    ///
+    /// While the stream is captured into a CUDA graph nothing may wait, so after that first
+    /// check nothing is exchanged: a rank whose call is invalid stops pairing on `comm` instead,
+    /// so that its peers' all-gather fails (at their timeout, or when they see the abort)
+    /// rather than pairing with a later call. A first step over `comm` under capture is refused
+    /// (WRONG_STATE) on every rank alike, before anything is enqueued.
+    pub(crate) fn agree(
+        &self,
+        step: Step,
+        plan: &Plan,
+        comm: &NcclComm,
+        own: Option<&Error>,
+    ) -> Result<()> {
+        let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if !capturing(&self.ctx, self.stream)? {
+            self.claims.agree(step, plan, Some(comm), None, own)?;
+            if !checked.contains(&comm.id()) {
+                checked.push(comm.id());
+            }
+            return Ok(());
+        }
+        if !checked.contains(&comm.id()) {
+            return Err(Error::wrong_state(
+                "the first sharded optimizer step over a communicator checks that every rank's \
+                 optimizer agrees, which waits for the stream: take it before capturing a graph",
+            ));
+        }
+        match own {
+            Some(e) => {
+                comm.stop_pairing();
+                Err(e.clone())
+            }
+            None => Ok(()),
+        }
     }
 
     /// Enqueues one step from `reduced` on the stream: the fused pass, the step count's advance

@@ -398,7 +398,7 @@ impl Sharded<'_> {
     fn stop(&self) {
         self.mem.sharding.lose();
         if let Ok(Some(c)) = self.group() {
-            stop_pairing(c);
+            c.stop_pairing();
         }
     }
 
@@ -624,7 +624,7 @@ impl Sharded<'_> {
         if self.drain().is_err() {
             self.mem.sharding.lose();
         }
-        groups.into_iter().for_each(stop_pairing);
+        groups.into_iter().for_each(NcclComm::stop_pairing);
         Err(error.clone())
     }
 
@@ -811,7 +811,7 @@ impl Sharded<'_> {
             self.add_stripe(grads, k, assign).inspect_err(|_| {
                 self.mem.sharding.lose();
                 if let Ok(Some(c)) = self.group() {
-                    stop_pairing(c);
+                    c.stop_pairing();
                 }
             })?;
         }
@@ -864,14 +864,5 @@ impl Sharded<'_> {
 
     pub(super) fn write(&self, values: &[f32]) -> Result<()> {
         self.mem.shard.write(values)
-    }
-}
-
-/// Ends this rank's use of `comm` (an abort, or for an adopted communicator that cannot be
-/// aborted, the failed mark that refuses every later call): its peers' pending collectives then
-/// fail at their timeout instead of pairing with a call they did not make.
-fn stop_pairing(comm: &NcclComm) {
-    if comm.abort().is_err() {
-        comm.mark_failed();
     }
 }
