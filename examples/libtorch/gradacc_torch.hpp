@@ -6,7 +6,9 @@
 // produces the gradients (begin_microbatch / backward / end_microbatch), or with one add() after
 // backward(). step() runs a stock torch::optim optimizer built over master_weights() and copies the
 // weights back to the module, unless the scaler says the step must be skipped (an inf or NaN on
-// any rank). Do not build the optimizer over the module's own parameters.
+// any rank). Do not build the optimizer over the module's own parameters. Or step with gradacc's
+// own optimizer (make_optimizer): one fused pass over its FP32 masters and state that writes the
+// module's 16-bit parameters, with no copy back.
 #pragma once
 
 #include <gradacc.hpp>
@@ -90,6 +92,25 @@ public:
     gradacc::SyncInfo sync(gradacc::Communicator *comm = nullptr) {
         return comm ? acc_.sync(*comm) : acc_.sync();
     }
+    // gradacc's optimizer over the module's parameters, its FP32 masters initialised from them
+    // (master_weights() is not used then). Step it with step(gradacc::Optimizer &).
+    gradacc::Optimizer make_optimizer(const gradacc::OptimizerConfig &config) {
+        std::vector<const void *> weights;
+        for (const torch::Tensor &p : params_)
+            weights.push_back(p.data_ptr());
+        return gradacc::Optimizer(acc_, weights, {}, config);
+    }
+    // After sync(): updates the scaler, then steps gradacc's `optimizer`, which writes the
+    // module's parameters. Returns false, touching neither, when the step must be skipped.
+    bool step(gradacc::Optimizer &optimizer) {
+        scaler_.update(acc_);
+        std::vector<void *> weights;
+        for (const torch::Tensor &p : params_)
+            weights.push_back(p.data_ptr());
+        torch::NoGradGuard no_grad;
+        return optimizer.step(acc_, weights);
+    }
+
     // After sync(): updates the scaler, then steps `optimizer` and copies the master weights to
     // the module's parameters. Returns false, touching neither, when the step must be skipped.
     bool step(torch::optim::Optimizer &optimizer) {

@@ -1,7 +1,8 @@
 // The example's model, data and data-parallel training loop, shared by train.cpp and
 // test_gradacc_torch.cpp: a 2-layer MLP classifier trained in bf16 (or fp16) on the CPU by 2 ranks
 // (threads of one process in a gradacc::LocalGroup), each with micro-batches of different sizes,
-// FP32 master weights stepped by torch::optim::Adam, gradients through gradacc_torch::Binding.
+// FP32 master weights stepped by torch::optim::Adam (or by gradacc's optimizer: the same Adam
+// rule, AdamW without weight decay), gradients through gradacc_torch::Binding.
 #pragma once
 
 #include "gradacc_torch.hpp"
@@ -14,6 +15,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -82,6 +84,8 @@ inline Style style_of(int rank, int step, Style s) {
 
 struct Options {
     Style style = Style::hooks;
+    // Step with gradacc's optimizer instead of torch::optim::Adam.
+    bool gradacc_optimizer = false;
     torch::ScalarType dtype = torch::kBFloat16;
     int steps = 20;
     double lr = 1e-2;
@@ -105,6 +109,12 @@ inline void run_rank(int rank, Mlp model, gradacc::Communicator &comm, const Dat
     gradacc::Scaler scaler; // PyTorch GradScaler's defaults: 65536, x0.5 on overflow
     gradacc_torch::Binding binding(*model, scaler);
     torch::optim::Adam adam(binding.master_weights(), torch::optim::AdamOptions(opt.lr));
+    gradacc::OptimizerConfig config; // AdamW's betas and eps, as torch's Adam defaults
+    config.lr = static_cast<float>(opt.lr);
+    config.weight_decay = 0.0f; // torch::optim::Adam's default: none
+    std::unique_ptr<gradacc::Optimizer> own;
+    if (opt.gradacc_optimizer)
+        own = std::make_unique<gradacc::Optimizer>(binding.make_optimizer(config));
     for (int step = 0; step < opt.steps; step++) {
         const Style style = style_of(rank, step, opt.style);
         double loss_sum = 0.0;
@@ -134,6 +144,8 @@ inline void run_rank(int rank, Mlp model, gradacc::Communicator &comm, const Dat
         // gradients (3-9 runs in 100 of `train --style hooks --dtype fp16`; an instrumented build
         // kept gradacc's buffers read-only through the step and still failed), so the ranks take turns. Ranks in processes of their own need no such lock.
         const bool stepped = [&] {
+            if (own)
+                return binding.step(*own);
             static std::mutex one_step_at_a_time;
             std::lock_guard<std::mutex> lock(one_step_at_a_time);
             return binding.step(adam);

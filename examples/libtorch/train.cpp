@@ -1,8 +1,10 @@
 // Trains the example MLP in bf16 (or fp16) on 2 in-process ranks through gradacc, then checks that
 // the loss went down and that both ranks hold bitwise-identical weights.
-//   train [--style hooks|add|alternate] [--dtype bf16|fp16] [--steps N]
+//   train [--style hooks|add|alternate] [--dtype bf16|fp16] [--steps N] [--optimizer torch|gradacc]
 // hooks: every parameter's gradient goes to gradacc from its autograd hook as backward produces
 // it; add: one add of all gradients after backward(); alternate: the two by rank and step.
+// --optimizer: torch::optim::Adam over FP32 masters (default), or gradacc's optimizer (the same
+// rule in one fused pass that writes the 16-bit parameters).
 #include "loop.hpp"
 
 #include <torch/utils.h>
@@ -25,8 +27,13 @@ int main(int argc, char **argv) {
             opt.dtype = value == "bf16" ? torch::kBFloat16 : torch::kHalf;
         else if (key == "--steps" && std::atoi(value.c_str()) > 0)
             opt.steps = std::atoi(value.c_str());
+        else if (key == "--optimizer" && (value == "torch" || value == "gradacc"))
+            opt.gradacc_optimizer = value == "gradacc";
         else {
-            std::fprintf(stderr, "usage: %s [--style hooks|add|alternate] [--dtype bf16|fp16] [--steps N]\n", argv[0]);
+            std::fprintf(stderr,
+                         "usage: %s [--style hooks|add|alternate] [--dtype bf16|fp16] [--steps N] "
+                         "[--optimizer torch|gradacc]\n",
+                         argv[0]);
             return 2;
         }
     }
