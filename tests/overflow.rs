@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
@@ -958,54 +958,85 @@ fn hybrid_feed(g: usize, dev: &Dev, acc: &Accumulator) {
 }
 
 /// A hybrid boundary on CUDA (NCCL shard and replica groups, 2 x 2) drops, reports and measures
-/// as the CPU's does: the same place, counts and, on the software GPU, the same bits.
+/// as the CPU's does, under reduce-scatter and under sharded accumulation: the same place, counts
+/// and, on the software GPU, the same bits.
 #[test]
 fn a_hybrid_boundary_drops_on_cuda_as_on_the_cpu() {
     let Some(devices) = cuda_ranks() else { return };
     let name = "a_hybrid_boundary_drops_on_cuda_as_on_the_cpu";
-    common::cuda::at_devices(4, devices as i32, name, |_| hybrid_on_cuda());
+    common::cuda::at_devices(4, devices as i32, name, |_| {
+        hybrid_on_cuda(false);
+        hybrid_on_cuda(true);
+    });
 }
 
-fn hybrid_on_cuda() {
-    let tensors = HYBRID_TENSORS;
+/// Every rank's (report, shard, stats) of the hybrid window of `hybrid_feed` on `on`, rank g on
+/// its own thread as replica `g / 2` of shard `g % 2`, in `groups(g)`: its shard group and its
+/// replica group.
+fn hybrid_ranks(
+    on: On,
+    config: AccumulatorConfig,
+    accumulate: bool,
+    groups: &(dyn Fn(usize) -> (Arc<dyn Communicator>, Arc<dyn Communicator>) + Sync),
+) -> Vec<(SyncInfo, Vec<f32>, Vec<TensorStats>)> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|g| {
+                s.spawn(move || {
+                    let dev = Dev::of(on, g);
+                    let (shard, replicas) = groups(g);
+                    let sharding = match accumulate {
+                        true => Sharding::Accumulate { shards: 2, rank: g % 2 },
+                        false => Sharding::ReduceScatter { shards: 2, rank: g % 2 },
+                    };
+                    let config = AccumulatorConfig { sharding, ..config };
+                    let acc = dev.accumulator_over(config, &HYBRID_TENSORS, &shard);
+                    hybrid_feed(g, &dev, &acc);
+                    let info = acc.sync_hybrid(&*shard, &*replicas).unwrap();
+                    (info, dev.shard(&acc), acc.tensor_stats().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// [`hybrid_ranks`] on the CPU, over in-process groups.
+fn cpu_hybrid(
+    config: AccumulatorConfig,
+    accumulate: bool,
+) -> Vec<(SyncInfo, Vec<f32>, Vec<TensorStats>)> {
+    let arcs = |group: Vec<LocalComm>| {
+        group.into_iter().map(|c| Some(Arc::new(c) as Arc<dyn Communicator>)).collect()
+    };
+    // Shard group a holds replica a's two shards; replica group 2 + i every replica of shard i.
+    type Handles = Mutex<Vec<Option<Arc<dyn Communicator>>>>;
+    let local: Vec<Handles> =
+        (0..4).map(|_| Mutex::new(arcs(LocalComm::group(2).unwrap()))).collect();
+    hybrid_ranks(On::Cpu, config, accumulate, &|g| {
+        let take = |k: usize, at: usize| local[k].lock().unwrap()[at].take().unwrap();
+        (take(g / 2, g % 2), take(2 + g % 2, g / 2))
+    })
+}
+
+fn hybrid_on_cuda(accumulate: bool) {
     let config = AccumulatorConfig {
         overflow: Overflow::DropMicrobatch,
         tensor_stats: true,
         max_grad_norm: 1.0,
         ..Default::default()
     };
-    let sharded = |shard: usize| AccumulatorConfig {
-        sharding: Sharding::ReduceScatter { shards: 2, rank: shard },
-        ..config
-    };
-    let cpu = hybrid_grid(2, 2, |g, shard, replicas| {
-        let acc = Accumulator::new(sharded(shard.rank()), &tensors).unwrap();
-        hybrid_feed(g, &Dev::Cpu, &acc);
-        let info = acc.sync_hybrid(shard, replicas).unwrap();
-        (info, Dev::Cpu.shard(&acc), acc.tensor_stats().unwrap())
-    });
+    let cpu = cpu_hybrid(config, accumulate);
     let shard_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
     let replica_ids: Vec<_> = (0..2).map(|_| nccl_unique_id().unwrap()).collect();
-    let cuda: Vec<(SyncInfo, Vec<f32>, Vec<TensorStats>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..4)
-            .map(|g| {
-                let (a, i) = (g / 2, g % 2);
-                let (shard_id, replica_id) = (shard_ids[a], replica_ids[i]);
-                s.spawn(move || {
-                    let dev = Dev::of(On::Cuda, g);
-                    let shard = NcclComm::new(&shard_id, i, 2, g as i32).unwrap();
-                    let replicas = NcclComm::new(&replica_id, a, 2, g as i32).unwrap();
-                    for c in [&shard, &replicas] {
-                        Communicator::set_timeout(c, Some(Duration::from_secs(120))).unwrap();
-                    }
-                    let acc = dev.accumulator(sharded(i), &tensors);
-                    hybrid_feed(g, &dev, &acc);
-                    let info = acc.sync_hybrid(&shard, &replicas).unwrap();
-                    (info, dev.shard(&acc), acc.tensor_stats().unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let cuda = hybrid_ranks(On::Cuda, config, accumulate, &|g| {
+        let (a, i) = (g / 2, g % 2);
+        let shard = NcclComm::new(&shard_ids[a], i, 2, g as i32).unwrap();
+        let replicas = NcclComm::new(&replica_ids[i], a, 2, g as i32).unwrap();
+        for c in [&shard, &replicas] {
+            Communicator::set_timeout(c, Some(Duration::from_secs(120))).unwrap();
+        }
+        (Arc::new(shard) as Arc<dyn Communicator>, Arc::new(replicas) as Arc<dyn Communicator>)
     });
     let exact = std::env::var("GRADACC_SIMGPU").as_deref() == Ok("1");
     for (g, ((got, got_shard, got_stats), (want, want_shard, want_stats))) in
@@ -1046,12 +1077,6 @@ fn a_hybrid_boundary_reports_and_measures_as_the_whole_group() {
         max_grad_norm: 1.0,
         ..Default::default()
     };
-    let hybrid = hybrid_grid(2, 2, |g, shard, replicas| {
-        let sharding = Sharding::ReduceScatter { shards: 2, rank: shard.rank() };
-        let acc = Accumulator::new(AccumulatorConfig { sharding, ..config }, &tensors).unwrap();
-        feed_rank(g, &acc);
-        (acc.sync_hybrid(shard, replicas).unwrap(), acc.tensor_stats().unwrap())
-    });
     let comms = LocalComm::group(4).unwrap();
     let whole: Vec<(SyncInfo, Vec<TensorStats>)> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -1070,19 +1095,25 @@ fn a_hybrid_boundary_reports_and_measures_as_the_whole_group() {
     let (info, stats) = &whole[0];
     assert_eq!(info.overflow, Some(OverflowAt::Gradient { rank: 3, microbatch: 1, tensor: 1 }));
     assert_eq!((info.dropped_microbatches, info.microbatches, info.found_inf), (1, 7, false));
-    for (g, (h, hs)) in hybrid.iter().enumerate() {
-        assert_eq!((h.overflow, h.dropped_microbatches), (info.overflow, 1), "rank {g}");
-        assert_eq!((h.total_count, h.microbatches), (info.total_count, info.microbatches));
-        assert_eq!(hs, &hybrid[0].1, "rank {g}'s stats differ from rank 0's");
-        for (t, (a, b)) in hs.iter().zip(stats).enumerate() {
-            assert_eq!(a.nonfinite_microbatches, b.nonfinite_microbatches, "tensor {t}");
-            assert_eq!(a.nonfinite_microbatches, (t == 1) as u64, "tensor {t}");
-            assert!(
-                (a.grad_norm - b.grad_norm).abs() <= 1e-6 * b.grad_norm,
-                "tensor {t}: hybrid {} vs the whole group {}",
-                a.grad_norm,
-                b.grad_norm
-            );
+    // Under reduce-scatter and under sharded accumulation, whose replicas all-reduce the shard
+    // share by share.
+    for accumulate in [false, true] {
+        let hybrid = cpu_hybrid(config, accumulate);
+        for (g, (h, _, hs)) in hybrid.iter().enumerate() {
+            let what = format!("rank {g}, accumulate {accumulate}");
+            assert_eq!((h.overflow, h.dropped_microbatches), (info.overflow, 1), "{what}");
+            assert_eq!((h.total_count, h.microbatches), (info.total_count, info.microbatches));
+            assert_eq!(hs, &hybrid[0].2, "{what}: the stats differ from rank 0's");
+            for (t, (a, b)) in hs.iter().zip(stats).enumerate() {
+                assert_eq!(a.nonfinite_microbatches, b.nonfinite_microbatches, "tensor {t}");
+                assert_eq!(a.nonfinite_microbatches, (t == 1) as u64, "tensor {t}");
+                assert!(
+                    (a.grad_norm - b.grad_norm).abs() <= 1e-6 * b.grad_norm,
+                    "{what}, tensor {t}: hybrid {} vs the whole group {}",
+                    a.grad_norm,
+                    b.grad_norm
+                );
+            }
         }
     }
 }

@@ -93,8 +93,10 @@ impl Segments {
 pub(crate) type Group<'a> = (&'a dyn HostCollectives, usize);
 
 /// Every tensor's stats on every rank of a host boundary: this rank's segment `sums` and
-/// non-finite `counts` gathered over `group` (none: this rank alone), the counts then summed over
-/// `replicas` too at a hybrid boundary (whose replicas hold the same segments), in rank order.
+/// non-finite `counts` gathered over `group` (none: this rank alone), then at a hybrid boundary
+/// over `replicas` too: the counts summed, and the sums merged, since a replica may have measured
+/// only its share of the shard (a sharded accumulation's replicas all-reduce it share by share,
+/// each passing its own), in rank order.
 pub(crate) fn share(
     segments: &Segments,
     group: Option<Group<'_>>,
@@ -106,7 +108,7 @@ pub(crate) fn share(
     // Counts are exact in f64: a window holds far fewer than 2^53 micro-batches.
     let mut mine = sums;
     mine.extend(counts.iter().map(|&c| c as f64));
-    let (gathered, mut counts) = match group {
+    let (mut gathered, mut counts) = match group {
         Some((g, world)) => {
             let all = g.allgather_values(&mine, &vec![mine.len(); world])?;
             let (n, mut sums, mut total) = (segments.len(), Vec::new(), vec![0u64; counts.len()]);
@@ -119,11 +121,19 @@ pub(crate) fn share(
         None => (mine[..segments.len()].to_vec(), counts.to_vec()),
     };
     if let Some((r, world)) = replicas {
-        let per_group: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+        let mut per_group = gathered.clone();
+        per_group.extend(counts.iter().map(|&c| c as f64));
         let all = r.allgather_values(&per_group, &vec![per_group.len(); world])?;
+        let n = gathered.len();
         counts.fill(0);
-        for rank in all.chunks(per_group.len().max(1)) {
-            counts.iter_mut().zip(rank).for_each(|(t, &c)| *t += c as u64);
+        gathered.fill(NOT_HERE);
+        for replica in all.chunks(per_group.len().max(1)) {
+            for (g, &v) in gathered.iter_mut().zip(&replica[..n]) {
+                if *g == NOT_HERE {
+                    *g = v;
+                }
+            }
+            counts.iter_mut().zip(&replica[n..]).for_each(|(t, &c)| *t += c as u64);
         }
     }
     Ok(segments.stats(&gathered, &counts, scale))
