@@ -209,7 +209,7 @@ impl<'a> Gradient<'a> {
 fn not_here(what: &str, where_: &str) -> Error {
     Error::new(
         ErrorKind::BackendUnavailable,
-        format!("{what} runs on accumulators without sharded accumulation, not {where_}"),
+        format!("{what} does not run {where_}"),
     )
 }
 

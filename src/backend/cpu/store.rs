@@ -114,13 +114,14 @@ impl HostStore {
         bad
     }
 
-    /// The whole master, or the error of a store that holds a shard.
+    /// The whole master: a hook micro-batch is staged only over one (a shard's is reduced as
+    /// its buckets fill, see `sharded.rs`).
     fn whole(&self) -> Result<&Master> {
         match &self.memory {
             Memory::Whole(master) => Ok(master),
             Memory::Shard(_) => Err(Error::new(
-                ErrorKind::BackendUnavailable,
-                "overflow = DropMicrobatch does not run under sharded accumulation",
+                ErrorKind::Internal,
+                "a hook micro-batch is staged over a whole master only",
             )),
         }
     }
