@@ -909,19 +909,9 @@ fn hybrid_rank(ids: &[[u8; nccl::UNIQUE_ID_BYTES]; 5], g: usize, accumulate: boo
     ];
     let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
     let dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16];
-    let sharding = if accumulate {
-        Sharding::Accumulate { shards: 2, rank: shard }
-    } else {
-        Sharding::ReduceScatter { shards: 2, rank: shard }
-    };
     let plain = Accumulator::builder(&descs).device(device).build().unwrap();
-    let mut builder = Accumulator::builder(&descs)
-        .device(device)
-        .config(AccumulatorConfig { sharding, ..Default::default() });
-    if accumulate {
-        builder = builder.communicator(shard_comm.clone());
-    }
-    let hybrid = builder.build().unwrap();
+    let hybrid = sharded_accumulator(&descs, device, accumulate, (2, shard), &shard_comm);
+    let sharding = hybrid.config().sharding;
     let host: Vec<HostWeights> =
         dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
     let (wp, wh) = (
@@ -1053,19 +1043,9 @@ fn captured_sharded_rank(
         .collect();
     let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
     let dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16];
-    let sharding = if accumulate {
-        Sharding::Accumulate { shards: world, rank }
-    } else {
-        Sharding::ReduceScatter { shards: world, rank }
-    };
     let plain = Accumulator::builder(&descs).device(device).build().unwrap();
-    let mut builder = Accumulator::builder(&descs)
-        .device(device)
-        .config(AccumulatorConfig { sharding, ..Default::default() });
-    if accumulate {
-        builder = builder.communicator(shard_comm.clone());
-    }
-    let sharded = builder.build().unwrap();
+    let sharded = sharded_accumulator(&descs, device, accumulate, (world, rank), &shard_comm);
+    let sharding = sharded.config().sharding;
     let comm = if accumulate { None } else { Some(&*shard_comm) };
     let host: Vec<HostWeights> =
         dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
@@ -1177,4 +1157,25 @@ fn a_captured_sharded_step_replays_at_two_ranks() {
             }
         });
     }
+}
+
+/// An accumulator on `device` holding shard `rank` of `shards`: under sharded accumulation over
+/// `comm` with `accumulate`, else under reduce-scatter.
+fn sharded_accumulator(
+    descs: &[TensorDesc],
+    device: Device,
+    accumulate: bool,
+    (shards, rank): (usize, usize),
+    comm: &Arc<dyn Communicator>,
+) -> Accumulator {
+    let sharding = if accumulate {
+        Sharding::Accumulate { shards, rank }
+    } else {
+        Sharding::ReduceScatter { shards, rank }
+    };
+    let builder = Accumulator::builder(descs)
+        .device(device)
+        .config(AccumulatorConfig { sharding, ..Default::default() });
+    let builder = if accumulate { builder.communicator(comm.clone()) } else { builder };
+    builder.build().unwrap()
 }
