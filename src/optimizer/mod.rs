@@ -56,7 +56,8 @@ pub enum Slot {
 /// ([`Optimizer::new_device`], [`Optimizer::step_device`]) the masters, the state and the step
 /// count are in device memory, each step is enqueued on the accumulator's stream (the skip is
 /// decided there, from the boundary's overflow flag), and the all-gather runs over NCCL. Both
-/// write the same bits.
+/// write the same bits. [`Optimizer::with_masters`] and [`Optimizer::with_masters_device`] adopt
+/// the caller's FP32 masters instead of allocating them.
 #[derive(Debug)]
 pub struct Optimizer {
     algorithm: Algorithm,
