@@ -2,7 +2,8 @@
 // bit for bit against w + (-lr) * g in f32 rounded once to fp16, a step skipped for an inf
 // gradient that changes nothing, the learning rate and groups taking effect, save and load, a
 // two-rank reduce-scatter group whose weights are the one-rank run's, and errors as
-// gradacc::Error with the argument named.
+// gradacc::Error with the argument named; adopted FP32 masters kept at creation and stepped in
+// place.
 #include <gradacc.hpp>
 
 #include <cmath>
@@ -275,10 +276,54 @@ static void errors_name_the_argument()
     }
 }
 
+// Optimizer::with_masters: the caller's values are the masters (not the weights'), each step
+// updates them in place bit for bit as SGD in f32, and a wrong length is refused naming `masters`.
+static void adopted_masters()
+{
+    gradacc::ScalerConfig sc;
+    sc.init_scale = 1024.0f;
+    gradacc::Scaler scaler(sc);
+    gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
+    Model m;
+    std::vector<float> masters(acc.shard().data.size(), 0.0f);
+    const std::size_t at1 = acc.offset(1);
+    for (std::size_t i = 0; i < N0; i++)
+        masters[i] = f16_value(m.w0[i]) + 1.0f / 1024.0f; // a value the fp16 weight does not hold
+    for (std::size_t i = 0; i < N1; i++)
+        masters[at1 + i] = m.w1[i] - 0.25f;
+    std::vector<float> expected = masters;
+    try {
+        gradacc::Optimizer::with_masters(acc, {m.w0.data(), m.w1.data()},
+                                         gradacc::span<float>(masters.data(), masters.size() - 1));
+        EXPECT(false, "masters one element short accepted");
+    } catch (const gradacc::Error &e) {
+        EXPECT(e.status() == GRADACC_STATUS_SIZE_MISMATCH && e.message().find("masters") != std::string::npos,
+               "%s", e.what());
+    }
+    gradacc::Optimizer opt = gradacc::Optimizer::with_masters(
+        acc, {m.w0.data(), m.w1.data()}, gradacc::span<float>(masters.data(), masters.size()), {}, sgd_config());
+    EXPECT(masters == expected, "creation wrote the masters");
+    for (int step = 0; step < 3; step++) {
+        add_and_sync(acc, scaler, nullptr, false);
+        scaler.update(acc);
+        EXPECT(opt.step(acc, {m.w0.data(), m.w1.data()}), "step %d skipped", step);
+        for (std::size_t i = 0; i < N0; i++) {
+            expected[i] = expected[i] + (-LR) * grad0(i);
+            EXPECT(masters[i] == expected[i] && m.w0[i] == f16_bits(expected[i]), "step %d w0[%zu]", step, i);
+        }
+        for (std::size_t i = 0; i < N1; i++) {
+            expected[at1 + i] = expected[at1 + i] + (-LR) * 0.75f;
+            EXPECT(masters[at1 + i] == expected[at1 + i] && m.w1[i] == expected[at1 + i], "step %d w1[%zu]", step,
+                   i);
+        }
+    }
+}
+
 int main()
 {
     try {
         sgd_steps_bit_for_bit();
+        adopted_masters();
         lr_and_groups();
         reduce_scatter_group();
         errors_name_the_argument();

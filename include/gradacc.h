@@ -1333,6 +1333,46 @@ enum gradacc_status_t gradacc_optimizer_create(const struct gradacc_accumulator_
                                                struct gradacc_optimizer_t **out);
 
 /**
+ * Like gradacc_optimizer_create, but adopts the caller's FP32 master weights `masters`, of
+ * exactly `masters_numel` elements, instead of allocating them: e.g. a framework's own FP32
+ * master weights (Apex O2, Megatron's contiguous FP32 buffer). They are laid out as the
+ * accumulator's flat layout over the range this rank holds (gradacc_accumulator_shard: the whole
+ * layout unsharded, gradacc_accumulator_master_numel elements): element k is flat element
+ * `shard.start + k`, so tensor i's masters start at element gradacc_accumulator_offset(i) -
+ * `shard.start`. Host memory on a CPU accumulator, one device allocation on the accumulator's
+ * device on a CUDA one.
+ *
+ * The values in `masters` ARE the master weights: creation does not overwrite them from
+ * `weights` (which still give the model's dtypes and lengths, and which every step writes);
+ * each gradacc_optimizer_step updates them in place (stream-ordered on CUDA), and
+ * gradacc_optimizer_load writes into them (a refused load leaves them bit for bit). The
+ * padding between tensors is never read; a load writes zeros there. Creation does not read the
+ * weights, and on CUDA does not wait for the stream.
+ *
+ * Fails, creating nothing, as gradacc_optimizer_create does, and with
+ * GRADACC_STATUS_NULL_ARGUMENT for a NULL `masters`, GRADACC_STATUS_INVALID_ARGUMENT for a
+ * misaligned one (not 4-byte aligned), GRADACC_STATUS_SIZE_MISMATCH for a `masters_numel`
+ * other than the shard's length, or, on a CUDA accumulator, GRADACC_STATUS_DEVICE_MISMATCH
+ * for `masters` that are not one device allocation of `masters_numel` floats on its device.
+ *
+ * Ownership: `*out` is the caller's; free it with gradacc_optimizer_destroy. `masters` stays the
+ * caller's and must outlive the optimizer; gradacc never frees it. The caller must not write
+ * `masters` while a call on the optimizer runs, nor (on CUDA) while a step enqueued on the
+ * stream has not finished.
+ * Thread safety: as gradacc_optimizer_create.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_create_with_masters(const struct gradacc_accumulator_t *acc,
+                                                            const struct gradacc_optimizer_config_t *config,
+                                                            const struct gradacc_tensor_group_t *groups,
+                                                            const void *const *weights,
+                                                            const gradacc_dtype_t *weight_dtypes,
+                                                            size_t n,
+                                                            float *masters,
+                                                            size_t masters_numel,
+                                                            struct gradacc_optimizer_t **out);
+
+/**
  * Destroys an optimizer. NULL is accepted and does nothing; a second call on one handle is
  * reported as GRADACC_STATUS_INVALID_HANDLE.
  *

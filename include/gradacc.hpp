@@ -549,6 +549,30 @@ public:
                     span<const gradacc_dtype_t>(dtypes.begin(), dtypes.size()), config,
                     span<const TensorGroup>(groups.begin(), groups.size())) {}
 
+    /** Adopts the caller's FP32 masters (gradacc_optimizer_create_with_masters): `masters` holds
+     * this rank's range of the flat layout (acc.shard()'s length; host memory, or one device
+     * allocation on a CUDA accumulator), its values are the masters (not overwritten from the
+     * weights), and every step updates them in place. It must outlive the optimizer, and the
+     * caller must not write it while a call or a step enqueued on the stream runs. */
+    static Optimizer with_masters(const Accumulator &acc, span<const void *const> weights, span<float> masters,
+                                  span<const gradacc_dtype_t> dtypes = {},
+                                  const OptimizerConfig &config = OptimizerConfig(),
+                                  span<const TensorGroup> groups = {}) {
+        gradacc_optimizer_t *p = nullptr;
+        check(gradacc_optimizer_create_with_masters(acc.get(), &config, groups.empty() ? nullptr : groups.data(),
+                                                    weights.data(), dtypes.empty() ? nullptr : dtypes.data(),
+                                                    weights.size(), masters.data(), masters.size(), &p));
+        return Optimizer(p);
+    }
+    static Optimizer with_masters(const Accumulator &acc, std::initializer_list<const void *> weights,
+                                  span<float> masters, std::initializer_list<gradacc_dtype_t> dtypes = {},
+                                  const OptimizerConfig &config = OptimizerConfig(),
+                                  std::initializer_list<TensorGroup> groups = {}) {
+        return with_masters(acc, span<const void *const>(weights.begin(), weights.size()), masters,
+                            span<const gradacc_dtype_t>(dtypes.begin(), dtypes.size()), config,
+                            span<const TensorGroup>(groups.begin(), groups.size()));
+    }
+
     /** The step after acc.sync(): writes the model's weights (the pointers, in the dtypes given at
      * creation) and returns true, or returns false and changes nothing when the window held a
      * non-finite value. Under a sharded boundary every rank calls it with the communicator its
@@ -613,6 +637,8 @@ public:
     gradacc_optimizer_t *release() noexcept { return handle_.release(); }
 
 private:
+    explicit Optimizer(gradacc_optimizer_t *owned) noexcept : handle_(owned) {}
+
     std::unique_ptr<gradacc_optimizer_t, detail::OptimizerDelete> handle_;
 };
 

@@ -227,6 +227,54 @@ fn weights_equal(host: &[HostWeights], device: &[Vec<u32>], what: &str) {
     }
 }
 
+/// The padding of adopted masters: a NaN the optimizer must neither read nor write.
+const PADDING: u32 = 0x7fc0_4321;
+
+/// Device masters for `acc`'s held range laid out as its flat layout (tensor i at
+/// `offset(i) - shard.start`), each element `from`'s master (an optimizer over the same layout and
+/// shard), the padding PADDING.
+fn adopted_masters(
+    ctx: &Arc<Context>,
+    stream: driver::CUstream,
+    acc: &Accumulator,
+    from: &Optimizer,
+) -> DeviceBuffer {
+    let (held, _) = acc.shard();
+    let mut values = vec![f32::from_bits(PADDING); held.len()];
+    for i in 0..acc.tensors().len() {
+        let (r, m) = from.read(i, Slot::Weights).unwrap();
+        if m.is_empty() {
+            continue; // none of the tensor is held
+        }
+        let at = acc.offset(i).unwrap() + r.start - held.start;
+        values[at..at + m.len()].copy_from_slice(&m);
+    }
+    DeviceBuffer::from_slice(ctx, stream, &values).unwrap()
+}
+
+/// Checks that the device buffer `masters` holds `opt`'s masters, its padding untouched (waits
+/// for the stream).
+fn holds_masters(acc: &Accumulator, opt: &Optimizer, masters: &DeviceBuffer, what: &str) {
+    let (held, _) = acc.shard();
+    let mut values = vec![0f32; held.len()];
+    masters.read(&mut values).unwrap();
+    let mut covered = vec![false; held.len()];
+    for i in 0..acc.tensors().len() {
+        let (r, m) = opt.read(i, Slot::Weights).unwrap();
+        if m.is_empty() {
+            continue; // none of the tensor is held
+        }
+        let at = acc.offset(i).unwrap() + r.start - held.start;
+        for (k, v) in m.iter().enumerate() {
+            assert_eq!(values[at + k].to_bits(), v.to_bits(), "{what}: tensor {i} element {k}");
+            covered[at + k] = true;
+        }
+    }
+    for (k, v) in values.iter().enumerate().filter(|(k, _)| !covered[*k]) {
+        assert_eq!(v.to_bits(), PADDING, "{what}: padding element {k} was written");
+    }
+}
+
 /// Every algorithm with both roundings: six steps with a learning rate that changes each time,
 /// random groups, every weight dtype, a skipped step (after `sync`, and after `sync_enqueue`),
 /// compared with the CPU optimizer bit for bit after each step.
@@ -446,6 +494,123 @@ fn bad_input_changes_nothing() {
     assert_ne!(unchanged("").1, start.1, "the step wrote the weights");
 }
 
+/// Adopted device masters: kept at creation, stepped in place bitwise as the CPU optimizer's
+/// (masters, moments, weights) for every algorithm and both roundings, loaded into (a refused
+/// load leaves them bit for bit), and bad masters refused naming `masters`, creating nothing.
+#[test]
+fn adopted_masters_step_as_the_cpu_optimizer() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut rng = Rng::fresh("adopted_masters_step_as_the_cpu_optimizer");
+    let ctx = Context::get(0).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: 0, stream: stream.stream.cast() };
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let weight_dtypes = [Dtype::Bf16, Dtype::F32, Dtype::F16, Dtype::Bf16];
+    for (a, algorithm) in algorithms().into_iter().enumerate() {
+        let seed = rng.range(0, 1 << 40);
+        let rounding =
+            if a % 2 == 0 { Rounding::NearestEven } else { Rounding::Stochastic { seed } };
+        let what = format!("{algorithm:?} {rounding:?}");
+        let cpu_acc = Accumulator::new(AccumulatorConfig::default(), &descs).unwrap();
+        let gpu_acc = Accumulator::builder(&descs).device(device).build().unwrap();
+        let (sc, sg) = (fixed_scaler(Device::Cpu), fixed_scaler(device));
+        let mut host: Vec<HostWeights> = weight_dtypes
+            .iter()
+            .zip(&numel)
+            .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
+            .collect();
+        let dev = DeviceWeights::upload(&ctx, stream.stream, &host);
+        let len = gpu_acc.len();
+        let oc = OptimizerConfig { algorithm, lr: 1e-2, rounding };
+        let views: Vec<Grad<'_>> = host.iter().map(HostWeights::grad).collect();
+        let cpu = Optimizer::new(&cpu_acc, oc, &[], &views).unwrap();
+        let masters = adopted_masters(&ctx, stream.stream, &gpu_acc, &cpu);
+        // SAFETY: `masters` outlives `gpu` (declared before it) and is only read between steps.
+        let gpu = unsafe {
+            Optimizer::with_masters_device(
+                &gpu_acc,
+                oc,
+                &[],
+                &dev.ptrs,
+                &weight_dtypes,
+                masters.ptr(),
+                len,
+            )
+        }
+        .unwrap();
+        let adam = matches!(algorithm, Algorithm::AdamW { .. });
+        states_equal(&cpu, &gpu, descs.len(), adam, &format!("{what}: created"));
+        holds_masters(&gpu_acc, &gpu, &masters, &format!("{what}: created"));
+        for step in 0..5 {
+            let what = format!("{what} step {step}");
+            let g = Gradient::random(&mut rng, &descs, step == 3);
+            let up = g.upload(&ctx, stream.stream, &descs);
+            cpu_acc.add(&sc, &g.views(&descs), 1).unwrap();
+            gpu_acc.add(&sg, &up.iter().map(DeviceBuffer::ptr).collect::<Vec<_>>(), 1).unwrap();
+            cpu_acc.sync(None).unwrap();
+            gpu_acc.sync(None).unwrap();
+            let mut muts: Vec<GradMut<'_>> = host.iter_mut().map(HostWeights::grad_mut).collect();
+            assert_eq!(cpu.step(&cpu_acc, &mut muts, None).unwrap(), step != 3, "{what}");
+            assert_eq!(gpu.step_device(&gpu_acc, &dev.ptrs, None).unwrap(), Some(step != 3));
+            weights_equal(&host, &dev.bits(&weight_dtypes, &numel), &what);
+            states_equal(&cpu, &gpu, descs.len(), adam, &what);
+            holds_masters(&gpu_acc, &gpu, &masters, &what);
+        }
+        // A refused load leaves the masters bit for bit; a load writes the saved ones.
+        let saved = cpu.save().unwrap();
+        let mut before = vec![0f32; len];
+        masters.read(&mut before).unwrap();
+        let mut forged = saved.clone();
+        forged[saved.len() / 3] ^= 8;
+        assert_eq!(gpu.load(&[&forged]).unwrap_err().kind, ErrorKind::CorruptState);
+        let mut after = vec![0f32; len];
+        masters.read(&mut after).unwrap();
+        assert!(before.iter().zip(&after).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}");
+        gpu.load(&[&saved]).unwrap();
+        states_equal(&cpu, &gpu, descs.len(), adam, &format!("{what}: loaded"));
+    }
+
+    // Bad masters: each refused naming `masters`, nothing created.
+    let acc = Accumulator::builder(&descs).device(device).build().unwrap();
+    let host: Vec<HostWeights> = weight_dtypes
+        .iter()
+        .zip(&numel)
+        .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
+        .collect();
+    let dev = DeviceWeights::upload(&ctx, stream.stream, &host);
+    let len = acc.len();
+    let good = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4).unwrap();
+    let short = DeviceBuffer::zeroed(&ctx, stream.stream, (len - 1) * 4).unwrap();
+    let on_host = vec![0f32; len];
+    let cases: [(u64, usize, ErrorKind); 6] = [
+        (0, len, ErrorKind::InvalidArgument),
+        (good.ptr() + 2, len - 1, ErrorKind::InvalidArgument),
+        (good.ptr(), len - 1, ErrorKind::SizeMismatch),
+        (good.ptr(), len + 1, ErrorKind::SizeMismatch),
+        (short.ptr(), len, ErrorKind::DeviceMismatch),
+        (on_host.as_ptr() as u64, len, ErrorKind::DeviceMismatch),
+    ];
+    let oc = OptimizerConfig::default();
+    for (ptr, n, kind) in cases {
+        // SAFETY: refused before the address is used (the point of the case).
+        let e = unsafe {
+            Optimizer::with_masters_device(&acc, oc, &[], &dev.ptrs, &weight_dtypes, ptr, n)
+        }
+        .unwrap_err();
+        assert!(e.kind == kind && e.message.contains("masters"), "{ptr:#x} {n}: {e:?}");
+    }
+    // Host masters for a CUDA accumulator through the host constructor: refused as ever.
+    let mut values = on_host.clone();
+    let views: Vec<Grad<'_>> = host.iter().map(HostWeights::grad).collect();
+    // SAFETY: refused (a CUDA accumulator) before the buffer is used.
+    let e = unsafe { Optimizer::with_masters(&acc, oc, &[], &views, values.as_mut_ptr(), len) }
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::DeviceMismatch, "{}", e.message);
+}
+
 /// One rank's plain (all-reduce) and sharded optimizers over the same windows of exact sums:
 /// after each step the sharded one's all-gathered weights are the plain one's bit for bit.
 fn sharded_rank(
@@ -494,7 +659,8 @@ fn sharded_rank(
         .zip(&numel)
         .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
         .collect();
-    let (wp, ws) = (
+    let (wp, ws, wa) = (
+        DeviceWeights::upload(&ctx, stream.stream, &host),
         DeviceWeights::upload(&ctx, stream.stream, &host),
         DeviceWeights::upload(&ctx, stream.stream, &host),
     );
@@ -510,11 +676,28 @@ fn sharded_rank(
         let oc = OptimizerConfig { algorithm, lr: 1e-2, rounding };
         let op = Optimizer::new_device(&plain, oc, &[], &wp.ptrs, &weight_dtypes).unwrap();
         let os = Optimizer::new_device(&sharded, oc, &[], &ws.ptrs, &weight_dtypes).unwrap();
+        // The sharded optimizer again, over adopted masters of the shard.
+        let masters = adopted_masters(&ctx, stream.stream, &sharded, &os);
+        let len = sharded.shard().0.len();
+        // SAFETY: `masters` outlives `oa` (declared before it) and is only read between steps.
+        let oa = unsafe {
+            Optimizer::with_masters_device(
+                &sharded,
+                oc,
+                &[],
+                &wa.ptrs,
+                &weight_dtypes,
+                masters.ptr(),
+                len,
+            )
+        }
+        .unwrap();
         let scaler = fixed_scaler(device);
         for step in 0..4 {
             let what = format!("world {world} rank {rank} {sharding:?} {algorithm:?} step {step}");
             op.set_lr(1e-2 / (step + 1) as f32).unwrap();
             os.set_lr(1e-2 / (step + 1) as f32).unwrap();
+            oa.set_lr(1e-2 / (step + 1) as f32).unwrap();
             for m in 0..2 {
                 // Every rank draws every rank's gradients, and adds its own. Their sums are
                 // exact: sharded accumulation sums rank by rank each micro-batch, the all-reduce
@@ -546,11 +729,20 @@ fn sharded_rank(
                 "{what}"
             );
             assert_eq!(
+                oa.step_device(&sharded, &wa.ptrs, sharded_comm).unwrap(),
+                Some(step != 2),
+                "{what}"
+            );
+            assert_eq!(
                 wp.bits(&weight_dtypes, &numel),
                 ws.bits(&weight_dtypes, &numel),
                 "{what}: weights"
             );
             assert_eq!(os.steps(), op.steps(), "{what}");
+            let adam = matches!(algorithm, Algorithm::AdamW { .. });
+            states_equal(&os, &oa, descs.len(), adam, &format!("{what}: adopted"));
+            assert_eq!(wa.bits(&weight_dtypes, &numel), ws.bits(&weight_dtypes, &numel), "{what}");
+            holds_masters(&sharded, &oa, &masters, &what);
         }
     }
 }
@@ -704,6 +896,35 @@ fn the_c_abi_steps_cuda_accumulators() {
     let rust_scaler = fixed_scaler(device);
     let mut_ptrs: Vec<*mut std::ffi::c_void> =
         c_w.ptrs.iter().map(|&p| p as *mut std::ffi::c_void).collect();
+    // A second C optimizer over adopted device masters: host masters refused, device ones taken.
+    let adopted_w = DeviceWeights::upload(&ctx, stream.stream, &host);
+    let masters = adopted_masters(&ctx, stream.stream, &rust_acc, &rust);
+    let on_host = vec![0f32; rust_acc.len()];
+    let adopted_ptrs: Vec<*mut std::ffi::c_void> =
+        adopted_w.ptrs.iter().map(|&p| p as *mut std::ffi::c_void).collect();
+    let mut adopted = std::ptr::null_mut();
+    // SAFETY: as above; `on_host` is host memory, which the call must refuse untouched, and
+    // `masters` outlives the optimizer (destroyed below).
+    unsafe {
+        let weights = adopted_ptrs.as_ptr() as *const *const std::ffi::c_void;
+        let create = |m: *mut f32, out: &mut *mut ffi::gradacc_optimizer_t| {
+            ffi::gradacc_optimizer_create_with_masters(
+                acc,
+                &oc,
+                std::ptr::null(),
+                weights,
+                codes.as_ptr(),
+                4,
+                m,
+                rust_acc.len(),
+                out,
+            )
+        };
+        let refused = create(on_host.as_ptr() as *mut f32, &mut adopted);
+        assert_eq!(refused, ffi::gradacc_status_t::GRADACC_STATUS_DEVICE_MISMATCH);
+        assert!(adopted.is_null());
+        assert_eq!(create(masters.ptr() as *mut f32, &mut adopted), ok);
+    }
     for step in 0..2 {
         let g = Gradient::random(&mut rng, &descs, false);
         let up = g.upload(&ctx, stream.stream, &descs);
@@ -749,16 +970,29 @@ fn the_c_abi_steps_cuda_accumulators() {
                 out,
             );
             assert_eq!(status, ok);
+            let (no_comm, no_out) = (std::ptr::null_mut(), std::ptr::null_mut());
+            let status = ffi::gradacc_optimizer_step(
+                adopted,
+                acc,
+                adopted_ptrs.as_ptr(),
+                4,
+                no_comm,
+                no_out,
+            );
+            assert_eq!(status, ok);
         }
         assert_eq!(stepped, waits, "step {step}");
         rust.step_device(&rust_acc, &rust_w.ptrs, None).unwrap();
         assert_eq!(rust_w.bits(&dtypes, &numel), c_w.bits(&dtypes, &numel), "step {step}");
+        assert_eq!(rust_w.bits(&dtypes, &numel), adopted_w.bits(&dtypes, &numel), "step {step}");
+        holds_masters(&rust_acc, &rust, &masters, &format!("C ABI step {step}"));
     }
     let mut steps = 0;
     // SAFETY: as above; each handle is destroyed once.
     unsafe {
         assert_eq!(ffi::gradacc_optimizer_steps(opt, &mut steps), ok);
         assert_eq!(ffi::gradacc_optimizer_destroy(opt), ok);
+        assert_eq!(ffi::gradacc_optimizer_destroy(adopted), ok);
         assert_eq!(ffi::gradacc_accumulator_destroy(acc), ok);
         assert_eq!(ffi::gradacc_scaler_destroy(scaler), ok);
     }

@@ -7,6 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::step_reference::{check_element, BOUND};
 use common::*;
 use gradacc::backend::cpu::{self, Isa};
 use gradacc::{
@@ -14,9 +15,6 @@ use gradacc::{
     LocalComm, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
     TensorDesc, TensorGroup,
 };
-
-/// One unit of f32 rounding.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
 
 fn fixed_scaler() -> Scaler {
     Scaler::new(ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() }).unwrap()
@@ -138,71 +136,6 @@ fn state(opt: &Optimizer, i: usize, adam: bool) -> TensorState {
         w: read(Slot::Weights),
         m: read(Slot::FirstMoment),
         v: if adam { read(Slot::SecondMoment) } else { vec![] },
-    }
-}
-
-/// How far `got` is from `exact`, in units of f32 rounding of `magnitude`.
-fn ulps(got: f32, exact: f64, magnitude: f64) -> f64 {
-    if got as f64 == exact {
-        return 0.0;
-    }
-    (got as f64 - exact).abs() / (U * magnitude.max(f64::MIN_POSITIVE))
-}
-
-/// The bound each step meets, per element and quantity: within this many f32 roundings of the
-/// magnitudes of the quantity's terms, from the state the step started from.
-const BOUND: f64 = 8.0;
-
-/// Checks one step of one element against exact arithmetic; returns the worst distance seen.
-#[allow(clippy::too_many_arguments)]
-fn check_element(
-    algorithm: Algorithm,
-    lr: f64,
-    decays: bool,
-    t: i32,
-    g: f64,
-    before: (f64, f64, f64),
-    after: (f32, f32, f32),
-) -> f64 {
-    let (w, m, v) = before;
-    let (w1, m1, v1) = after;
-    match algorithm {
-        Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
-            let (b1, b2, eps) = (beta1 as f64, beta2 as f64, eps as f64);
-            let wd = if decays { weight_decay as f64 } else { 0.0 };
-            let m_exact = m + (1.0 - b1) * (g - m);
-            let v_exact = b2 * v + (1.0 - b2) * g * g;
-            // The weight from the step's own moments: each quantity's rounding on its own.
-            let denom = (v1 as f64).sqrt() / (1.0 - b2.powi(t)).sqrt() + eps;
-            let update = lr / (1.0 - b1.powi(t)) * m1 as f64 / denom;
-            let w_exact = w * (1.0 - lr * wd) - update;
-            ulps(m1, m_exact, m.abs() + g.abs())
-                .max(ulps(v1, v_exact, b2 * v + (1.0 - b2) * g * g))
-                .max(ulps(w1, w_exact, w.abs() + update.abs()))
-        }
-        Algorithm::Sgd { momentum, dampening, nesterov, weight_decay } => {
-            let wd = if decays { weight_decay as f64 } else { 0.0 };
-            let (mo, keep) = (momentum as f64, 1.0 - dampening as f64);
-            let d = g + wd * w;
-            let mut worst = 0.0f64;
-            let step = if momentum == 0.0 {
-                d
-            } else {
-                let m_exact = if t == 1 { d } else { m * mo + keep * d };
-                worst = ulps(m1, m_exact, (m * mo).abs() + keep * (g.abs() + (wd * w).abs()));
-                if nesterov {
-                    d + mo * m1 as f64
-                } else {
-                    m1 as f64
-                }
-            };
-            let w_exact = w - lr * step;
-            // The terms of the step: the gradient, the decay and (Nesterov) the momentum.
-            let terms =
-                g.abs() + (wd * w).abs() + if nesterov { mo * (m1 as f64).abs() } else { 0.0 };
-            let terms = if momentum == 0.0 || nesterov { terms } else { (m1 as f64).abs() };
-            worst.max(ulps(w1, w_exact, w.abs() + lr * terms))
-        }
     }
 }
 
@@ -824,5 +757,356 @@ fn a_forged_state_is_refused_as_corrupt() {
         assert_eq!(e.kind, ErrorKind::CorruptState, "{what}: {e:?}");
         assert!(e.message.contains(what), "{e:?}");
         assert_eq!(opt.save().unwrap(), saved, "{what}: a refused load changed the state");
+    }
+}
+
+/// The padding of an adopted buffer: a NaN the optimizer must neither read nor write.
+const PADDING: u32 = 0x7fc0_1234;
+
+/// A buffer of the masters this accumulator's rank holds, laid out as its flat layout over the
+/// shard (tensor i at `offset(i) - shard.start`), each element `value(tensor, element)`; padding
+/// PADDING.
+fn held_buffer(
+    acc: &Accumulator,
+    tensors: &[TensorDesc],
+    mut value: impl FnMut(usize, usize) -> f32,
+) -> Vec<f32> {
+    let (held, _) = acc.shard();
+    let mut buffer = vec![f32::from_bits(PADDING); held.len()];
+    for (i, d) in tensors.iter().enumerate() {
+        let start = acc.offset(i).unwrap();
+        for e in 0..d.numel {
+            if (held.start..held.end).contains(&(start + e)) {
+                buffer[start + e - held.start] = value(i, e);
+            }
+        }
+    }
+    buffer
+}
+
+/// The model's weights as FP32 values: what an owned optimizer starts its masters from.
+fn widened(w: &Weights, e: usize) -> f32 {
+    match w {
+        Weights::F32(v) => v[e],
+        Weights::Half(Dtype::F16, v) => from_f16(v[e]) as f32,
+        Weights::Half(_, v) => from_bf16(v[e]) as f32,
+    }
+}
+
+/// Checks that `buffer` holds `opt`'s masters of every tensor, its padding untouched.
+fn check_buffer_holds_masters(acc: &Accumulator, opt: &Optimizer, buffer: &[f32], what: &str) {
+    let (held, _) = acc.shard();
+    let mut covered = vec![false; buffer.len()];
+    for i in 0..acc.tensors().len() {
+        let (r, masters) = opt.read(i, Slot::Weights).unwrap();
+        if masters.is_empty() {
+            continue; // none of the tensor is held
+        }
+        let at = acc.offset(i).unwrap() + r.start;
+        for (k, m) in masters.iter().enumerate() {
+            let b = buffer[at + k - held.start];
+            assert_eq!(b.to_bits(), m.to_bits(), "{what}: tensor {i} element {}", r.start + k);
+            covered[at + k - held.start] = true;
+        }
+    }
+    for (k, b) in buffer.iter().enumerate().filter(|(k, _)| !covered[*k]) {
+        assert_eq!(b.to_bits(), PADDING, "{what}: padding element {k} was written");
+    }
+}
+
+/// What a rank saw after each step: the model's weights and the optimizer's values per tensor
+/// (masters, moments) as bits.
+type Seen = (Vec<Weights>, Vec<Vec<Vec<u32>>>);
+
+/// Runs `data` as `run_group` does, with owned masters or (`adopt`) a buffer of the held
+/// masters the test keeps, checked after every step to hold the optimizer's masters.
+fn run_masters(
+    tensors: &[TensorDesc],
+    sharding: Sharding,
+    comm: Option<Arc<dyn Communicator>>,
+    initial: &[Weights],
+    data: &[Vec<Vec<f32>>],
+    config: OptimizerConfig,
+    adopt: bool,
+) -> Vec<Seen> {
+    let accumulate = matches!(sharding, Sharding::Accumulate { .. });
+    let mut b =
+        Accumulator::builder(tensors).config(AccumulatorConfig { sharding, ..Default::default() });
+    if let (true, Some(c)) = (accumulate, &comm) {
+        b = b.communicator(c.clone());
+    }
+    let acc = b.build().unwrap();
+    let scaler = fixed_scaler();
+    let mut weights = initial.to_vec();
+    let mut buffer = held_buffer(&acc, tensors, |i, e| widened(&initial[i], e));
+    let opt = if adopt {
+        // SAFETY: `buffer` outlives `opt` (dropped after it, below) and is only read between
+        // the optimizer's calls.
+        unsafe {
+            let len = buffer.len();
+            Optimizer::with_masters(
+                &acc,
+                config,
+                &[],
+                &grads_of(&weights),
+                buffer.as_mut_ptr(),
+                len,
+            )
+        }
+        .unwrap()
+    } else {
+        Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap()
+    };
+    let adam = matches!(config.algorithm, Algorithm::AdamW { .. });
+    let mut seen = Vec::new();
+    for (step, g) in data.iter().enumerate() {
+        add(&acc, &scaler, tensors, g);
+        let on = if accumulate { None } else { comm.as_deref() };
+        acc.sync(on).unwrap();
+        opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
+        if adopt {
+            check_buffer_holds_masters(&acc, &opt, &buffer, &format!("{sharding:?} step {step}"));
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let values = (0..tensors.len())
+            .map(|i| {
+                let s = state(&opt, i, adam);
+                vec![bits(&s.w), bits(&s.m), bits(&s.v)]
+            })
+            .collect();
+        seen.push((weights.clone(), values));
+    }
+    drop(opt);
+    seen
+}
+
+/// Adopted masters step exactly as owned ones: the masters, moments and model weights bitwise
+/// equal after every step, the caller's buffer holding the masters (its padding untouched), for
+/// AdamW and SGD, every weight dtype, unsharded and at 2 and 3 ranks under both sharded policies.
+#[test]
+fn adopted_masters_step_as_owned_ones() {
+    let mut rng = Rng::fresh("adopted_masters_step_as_owned_ones");
+    let algorithms = [Algorithm::adamw(), algorithms()[3], algorithms()[4]];
+    for (k, algorithm) in algorithms.into_iter().enumerate() {
+        let tensors = layout(&mut rng);
+        let initial = model(&mut rng, &tensors);
+        let rounding = if k == 1 {
+            Rounding::Stochastic { seed: rng.next_u64() }
+        } else {
+            Rounding::NearestEven
+        };
+        let config = OptimizerConfig { algorithm, lr: 0.01, rounding };
+        let data = group_data(&mut rng, &tensors, 3, 12);
+        let both =
+            |adopt| run_masters(&tensors, Sharding::None, None, &initial, &data[0], config, adopt);
+        assert!(both(true) == both(false), "{algorithm:?} unsharded: adopted differs from owned");
+        for ranks in [2, 3] {
+            let policies: [fn(usize, usize) -> Sharding; 2] = [
+                |shards, rank| Sharding::ReduceScatter { shards, rank },
+                |shards, rank| Sharding::Accumulate { shards, rank },
+            ];
+            for policy in policies {
+                let group = |adopt: bool| -> Vec<Vec<Seen>> {
+                    let comms = LocalComm::group(ranks).unwrap();
+                    std::thread::scope(|scope| {
+                        let handles: Vec<_> = comms
+                            .into_iter()
+                            .enumerate()
+                            .map(|(rank, comm)| {
+                                let (tensors, initial, data) = (&tensors, &initial, &data);
+                                scope.spawn(move || {
+                                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                                    let sharding = policy(ranks, rank);
+                                    let d = &data[rank];
+                                    run_masters(
+                                        tensors,
+                                        sharding,
+                                        Some(comm),
+                                        initial,
+                                        d,
+                                        config,
+                                        adopt,
+                                    )
+                                })
+                            })
+                            .collect();
+                        handles.into_iter().map(|h| h.join().unwrap()).collect()
+                    })
+                };
+                let (adopted, owned) = (group(true), group(false));
+                assert!(
+                    adopted == owned,
+                    "{algorithm:?} {:?}: adopted differs from owned",
+                    policy(ranks, 0)
+                );
+            }
+        }
+    }
+}
+
+/// Adopted masters are the masters: creation keeps the caller's values (here FP32 values that the
+/// 16-bit weights cannot hold), and each step from them is the exact step within the bound, the
+/// buffer updated in place and the model's weights its values rounded to nearest even.
+#[test]
+fn adopted_values_are_the_masters() {
+    let mut rng = Rng::fresh("adopted_values_are_the_masters");
+    for algorithm in algorithms() {
+        let tensors = layout(&mut rng);
+        let adam = matches!(algorithm, Algorithm::AdamW { .. });
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        let scaler = fixed_scaler();
+        let mut weights = model(&mut rng, &tensors);
+        let mut buffer = held_buffer(&acc, &tensors, |_, _| rng.uniform(-2.0, 2.0) as f32);
+        let kept = buffer.clone();
+        let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
+        let len = buffer.len();
+        // SAFETY: `buffer` outlives `opt` (declared before it) and is only read between the
+        // optimizer's calls.
+        let opt = unsafe {
+            Optimizer::with_masters(
+                &acc,
+                config,
+                &[],
+                &grads_of(&weights),
+                buffer.as_mut_ptr(),
+                len,
+            )
+        }
+        .unwrap();
+        assert!(buffer.iter().zip(&kept).all(|(a, b)| a.to_bits() == b.to_bits()));
+        check_buffer_holds_masters(&acc, &opt, &buffer, "created");
+        let mut worst = 0.0f64;
+        for step in 0..20 {
+            let g = gradient(&mut rng, &tensors, step == 7);
+            add(&acc, &scaler, &tensors, &g);
+            acc.sync(None).unwrap();
+            let lr = rng.uniform(1e-4, 0.05) as f32;
+            opt.set_lr(lr).unwrap();
+            let before: Vec<TensorState> =
+                (0..tensors.len()).map(|i| state(&opt, i, adam)).collect();
+            let stepped = opt.step(&acc, &mut muts_of(&mut weights), None).unwrap();
+            assert_eq!(stepped, step != 7);
+            check_buffer_holds_masters(&acc, &opt, &buffer, &format!("step {step}"));
+            let t = opt.steps() as i32;
+            for (i, gi) in g.iter().enumerate().filter(|_| stepped) {
+                let (b, a) = (&before[i], state(&opt, i, adam));
+                for (e, &ge) in gi.iter().enumerate() {
+                    let v = |s: &[f32]| s.get(e).map_or(0.0, |&x| x as f64);
+                    let dist = check_element(
+                        algorithm,
+                        lr as f64,
+                        true,
+                        t,
+                        ge as f64,
+                        (b.w[e] as f64, v(&b.m), v(&b.v)),
+                        (a.w[e], a.m[e], a.v.get(e).copied().unwrap_or(0.0)),
+                    );
+                    assert!(dist <= BOUND, "{algorithm:?} step {t} tensor {i} element {e}: {dist}");
+                    worst = worst.max(dist);
+                    assert_eq!(weights[i].bits(e), weights[i].nearest(a.w[e]));
+                }
+            }
+        }
+        eprintln!("{algorithm:?} on adopted masters: worst {worst:.2} roundings (bound {BOUND})");
+    }
+}
+
+/// Saved state loads into adopted masters (the caller's buffer then holds the saved masters, and
+/// the next steps are the saving optimizer's bit for bit); a refused load leaves the buffer bit
+/// for bit. Bad masters at creation (null, misaligned, too short or long, the whole layout under
+/// sharding) are refused naming `masters`, creating nothing and writing nothing.
+#[test]
+fn adopted_masters_load_and_refuse_bad_input() {
+    let mut rng = Rng::fresh("adopted_masters_load_and_refuse_bad_input");
+    let tensors = layout(&mut rng);
+    let config = OptimizerConfig::default();
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let twin = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let scaler = fixed_scaler();
+    let (mut weights, initial) = {
+        let w = model(&mut rng, &tensors);
+        (w.clone(), w)
+    };
+    let mut twin_weights = initial.clone();
+    let owned = Optimizer::new(&twin, config, &[], &grads_of(&initial)).unwrap();
+    let mut buffer = held_buffer(&acc, &tensors, |_, _| rng.uniform(-1.0, 1.0) as f32);
+    let len = buffer.len();
+
+    // Bad masters, each refused before anything is made or written.
+    let kept = buffer.clone();
+    let base = buffer.as_mut_ptr();
+    let bad: [(*mut f32, usize, ErrorKind, &str); 4] = [
+        (std::ptr::null_mut(), len, ErrorKind::InvalidArgument, "NULL"),
+        (base.cast::<u8>().wrapping_add(2).cast(), len - 1, ErrorKind::InvalidArgument, "aligned"),
+        (base, len - 1, ErrorKind::SizeMismatch, "holds"),
+        (base, len + 1, ErrorKind::SizeMismatch, "holds"),
+    ];
+    for (ptr, n, kind, says) in bad {
+        // SAFETY: refused before the buffer is used (the test's point); a valid one is `buffer`.
+        let e = unsafe { Optimizer::with_masters(&acc, config, &[], &grads_of(&weights), ptr, n) }
+            .unwrap_err();
+        assert!(
+            e.kind == kind && e.message.contains("masters") && e.message.contains(says),
+            "{e:?}"
+        );
+    }
+    let sharded = Accumulator::new(
+        AccumulatorConfig {
+            sharding: Sharding::ReduceScatter { shards: 2, rank: 1 },
+            ..Default::default()
+        },
+        &tensors,
+    )
+    .unwrap();
+    // SAFETY: refused (the whole layout is not rank 1's shard) before the buffer is used.
+    let e =
+        unsafe { Optimizer::with_masters(&sharded, config, &[], &grads_of(&weights), base, len) }
+            .unwrap_err();
+    assert!(e.kind == ErrorKind::SizeMismatch && e.message.contains("`masters`"), "{e:?}");
+    let mut short = grads_of(&weights);
+    let one = Weights::F32(vec![0.0; tensors[0].numel + 1]);
+    short[0] = one.grad();
+    // SAFETY: refused (a weight of the wrong length) before the buffer is used.
+    let e = unsafe { Optimizer::with_masters(&acc, config, &[], &short, base, len) }.unwrap_err();
+    assert!(e.kind == ErrorKind::SizeMismatch && e.message.contains("`weights[0]`"), "{e:?}");
+    assert!(buffer.iter().zip(&kept).all(|(a, b)| a.to_bits() == b.to_bits()), "written");
+
+    // SAFETY: `buffer` outlives `opt` (declared before it) and is only read between its calls.
+    let opt = unsafe {
+        Optimizer::with_masters(&acc, config, &[], &grads_of(&weights), buffer.as_mut_ptr(), len)
+    }
+    .unwrap();
+    let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for step in 0..6 {
+        let g = gradient(&mut rng, &tensors, false);
+        add(&twin, &scaler, &tensors, &g);
+        twin.sync(None).unwrap();
+        owned.step(&twin, &mut muts_of(&mut twin_weights), None).unwrap();
+        if step > 2 {
+            add(&acc, &scaler, &tensors, &g);
+            acc.sync(None).unwrap();
+            opt.step(&acc, &mut muts_of(&mut weights), None).unwrap();
+        }
+        if step == 2 {
+            // A refused load writes nothing; a load puts the saved masters in the buffer.
+            let saved = owned.save().unwrap();
+            let before = bits(&buffer);
+            let mut forged = saved.clone();
+            forged[saved.len() / 2] ^= 0x40;
+            assert_eq!(opt.load(&[&forged]).unwrap_err().kind, ErrorKind::CorruptState);
+            assert_eq!(opt.load(&[&saved[..10]]).unwrap_err().kind, ErrorKind::CorruptState);
+            assert!(bits(&buffer) == before, "a refused load wrote");
+            opt.load(&[&saved]).unwrap();
+            weights.clone_from(&twin_weights);
+        }
+        if step >= 2 {
+            assert_eq!(opt.save().unwrap(), owned.save().unwrap(), "step {step}");
+            assert!(weights == twin_weights, "step {step}");
+            for i in 0..tensors.len() {
+                let (_, m) = owned.read(i, Slot::Weights).unwrap();
+                let at = acc.offset(i).unwrap();
+                assert_eq!(bits(&buffer[at..at + m.len()]), bits(&m), "step {step} tensor {i}");
+            }
+        }
     }
 }

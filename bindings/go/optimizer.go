@@ -127,6 +127,9 @@ func WeightPointer(p unsafe.Pointer, numel int, dtype DType) Weight {
 type Optimizer struct {
 	ptr    *C.gradacc_optimizer_t
 	dtypes []DType
+	// Adopted masters: pinned while the optimizer may write them (until Close).
+	masters []float32
+	pin     runtime.Pinner
 }
 
 // pinWeights checks one weight per tensor of tensors (of dtypes, when given), pins their Go
@@ -155,6 +158,20 @@ func pinWeights(weights []Weight, tensors []TensorDesc, dtypes []DType, pin *run
 // weights (one per tensor, whole); a nil config means the defaults, nil groups weight decay on
 // and LRScale 1 for every tensor.
 func NewOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, groups []TensorGroup) (*Optimizer, error) {
+	return newOptimizer(acc, weights, config, groups, nil)
+}
+
+// NewOptimizerWithMasters is NewOptimizer over the caller's FP32 master weights
+// (gradacc_optimizer_create_with_masters): masters holds this rank's range of the flat layout
+// (Shard's length; tensor i at Offset(i) minus the shard's offset), and its values are the
+// masters, not overwritten from the weights. Every Step updates it in place and Load writes into
+// it. It stays pinned until Close; do not write it while a call on the optimizer runs. For a CPU
+// accumulator only (a CUDA one's masters are device memory: use the C API).
+func NewOptimizerWithMasters(acc *Accumulator, weights []Weight, masters []float32, config *OptimizerConfig, groups []TensorGroup) (*Optimizer, error) {
+	return newOptimizer(acc, weights, config, groups, masters)
+}
+
+func newOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, groups []TensorGroup, masters []float32) (*Optimizer, error) {
 	ap, err := acc.handle()
 	if err != nil {
 		return nil, err
@@ -188,16 +205,29 @@ func NewOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, g
 		}
 		grp = &cg[0]
 	}
+	o := &Optimizer{dtypes: dtypes, masters: masters}
 	var p *C.gradacc_optimizer_t
-	err = call(func() C.enum_gradacc_status_t {
-		return C.gradacc_optimizer_create(ap, &cfg, grp, &ptrs[0], &codes[0], C.size_t(len(weights)), &p)
-	})
+	if masters == nil {
+		err = call(func() C.enum_gradacc_status_t {
+			return C.gradacc_optimizer_create(ap, &cfg, grp, &ptrs[0], &codes[0], C.size_t(len(weights)), &p)
+		})
+	} else {
+		var m *C.float
+		if len(masters) > 0 {
+			o.pin.Pin(&masters[0]) // gradacc keeps the address: pinned until Close
+			m = (*C.float)(unsafe.Pointer(&masters[0]))
+		}
+		err = call(func() C.enum_gradacc_status_t {
+			return C.gradacc_optimizer_create_with_masters(ap, &cfg, grp, &ptrs[0], &codes[0], C.size_t(len(weights)), m, C.size_t(len(masters)), &p)
+		})
+	}
 	runtime.KeepAlive(acc)
 	runtime.KeepAlive(weights)
 	if err != nil {
+		o.pin.Unpin()
 		return nil, err
 	}
-	o := &Optimizer{ptr: p, dtypes: dtypes}
+	o.ptr = p
 	runtime.SetFinalizer(o, (*Optimizer).Close)
 	return o, nil
 }
@@ -210,7 +240,10 @@ func (o *Optimizer) Close() error {
 	runtime.SetFinalizer(o, nil)
 	p := o.ptr
 	o.ptr = nil
-	return call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_destroy(p) })
+	err := call(func() C.enum_gradacc_status_t { return C.gradacc_optimizer_destroy(p) })
+	o.pin.Unpin()
+	o.masters = nil
+	return err
 }
 
 func (o *Optimizer) handle() (*C.gradacc_optimizer_t, error) {

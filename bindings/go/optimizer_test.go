@@ -217,3 +217,81 @@ func TestOptimizerStepRefusedOnOneRankFailsEveryRank(t *testing.T) {
 		}
 	}
 }
+
+// Adopted masters: the caller's values (not the weights') are the masters, each SGD step updates
+// them in place as w + (-lr)*g in f32, a wrong length is refused naming `masters`, a refused
+// Load leaves them bit for bit and a Load writes the saved ones back.
+func TestOptimizerWithMasters(t *testing.T) {
+	scaler := scalerWithScale(t, 1024)
+	defer scaler.Close()
+	acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, nil, nil))
+	defer acc.Close()
+	_, shard, err := acc.Shard()
+	if err != nil {
+		t.Fatal(err)
+	}
+	at1 := must(acc.Offset(1))
+	masters := make([]float32, len(shard))
+	w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+	for i := range w0 {
+		masters[i] = float32(0.01*float64(i)-1) + 1.0/1024
+		w0[i] = f16Bits(masters[i])
+	}
+	for i := range w1 {
+		masters[at1+i] = float32(i)*0.5 + 1.0/3
+		w1[i] = 42 // not the master: creation must keep the caller's
+	}
+	weights := []Weight{WeightF16(w0), WeightF32(w1)}
+	cfg := DefaultOptimizerConfig()
+	cfg.Algorithm, cfg.LR, cfg.WeightDecay = SGD, 0.125, 0
+	var e *Error
+	if _, err := NewOptimizerWithMasters(acc, weights, masters[1:], &cfg, nil); !errors.As(err, &e) ||
+		e.Status != StatusSizeMismatch || !strings.Contains(e.Message, "masters") {
+		t.Fatalf("a short masters buffer: %v", err)
+	}
+	expected := append([]float32(nil), masters...)
+	opt := must(NewOptimizerWithMasters(acc, weights, masters, &cfg, nil))
+	defer opt.Close()
+	const lr = float32(0.125)
+	for step := 0; step < 3; step++ {
+		addAndSync(t, acc, scaler, false)
+		must(scaler.Update(acc))
+		if stepped := must(opt.Step(acc, weights, nil)); !stepped {
+			t.Fatalf("step %d skipped", step)
+		}
+		for i := range w0 {
+			expected[i] = expected[i] + (-lr)*optGrad0(i)
+			if masters[i] != expected[i] || w0[i] != f16Bits(expected[i]) {
+				t.Fatalf("step %d: master %d = %v, expected %v", step, i, masters[i], expected[i])
+			}
+		}
+		for i := range w1 {
+			expected[at1+i] = expected[at1+i] + (-lr)*0.75
+			if masters[at1+i] != expected[at1+i] || w1[i] != expected[at1+i] {
+				t.Fatalf("step %d: w1[%d] = %v, master %v, expected %v", step, i, w1[i], masters[at1+i], expected[at1+i])
+			}
+		}
+	}
+	saved := must(opt.Save())
+	for i := range masters {
+		masters[i] = -3
+	}
+	forged := append([]byte(nil), saved...)
+	forged[len(forged)/2] ^= 2
+	if err := opt.Load(forged); !errors.As(err, &e) || e.Status != StatusCorruptState {
+		t.Fatalf("a forged state: %v", err)
+	}
+	for i, m := range masters {
+		if m != -3 {
+			t.Fatalf("a refused Load wrote master %d = %v", i, m)
+		}
+	}
+	if err := opt.Load(saved); err != nil {
+		t.Fatal(err)
+	}
+	for i := range w0 {
+		if masters[i] != expected[i] || masters[at1+i%optN1] != expected[at1+i%optN1] {
+			t.Fatalf("loaded master %d = %v, expected %v", i, masters[i], expected[i])
+		}
+	}
+}

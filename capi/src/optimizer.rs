@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock};
 use crate::accumulator::{gradacc_accumulator_t, ACCUMULATORS};
 use crate::comm::{gradacc_comm_t, COMMS};
 use crate::handle::Registry;
-use crate::status::{gradacc_status_t, guard, CallResult};
+use crate::status::{gradacc_status_t, guard, null, CallResult};
 use crate::types::*;
 use gradacc::dtype::{Dtype, Grad, GradMut};
 use gradacc::error::{Error, ErrorKind};
@@ -205,60 +205,147 @@ pub unsafe extern "C" fn gradacc_optimizer_create(
     out: *mut *mut gradacc_optimizer_t,
 ) -> gradacc_status_t {
     guard("gradacc_optimizer_create", || {
-        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
-        let out = unsafe { out_ptr(out, "out") }?;
-        let a = ACCUMULATORS.get(acc, "acc")?;
-        let config = if config.is_null() {
-            OptimizerConfig::default()
-        } else {
-            // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
-            config_from_c(&unsafe { read_config(config, "config") }?)?
-        };
-        let tensors = a.tensors();
-        if n != tensors.len() {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
-            )
-            .into());
-        }
-        let groups: Vec<TensorGroup> = if groups.is_null() {
-            vec![]
-        } else {
-            // SAFETY: a non-null `groups` holds `n` entries (API contract).
-            unsafe { read_slice(groups, n, "groups", "n")? }
-                .iter()
-                .map(|g| TensorGroup { weight_decay: g.weight_decay, lr_scale: g.lr_scale })
-                .collect()
-        };
-        let dtypes: Vec<Dtype> = if weight_dtypes.is_null() {
-            tensors.iter().map(|t| t.dtype).collect()
-        } else {
-            // SAFETY: a non-null `weight_dtypes` holds `n` entries (API contract).
-            let codes = unsafe { read_slice(weight_dtypes, n, "weight_dtypes", "n")? };
-            codes
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| dtype_from_c(c, &format!("weight_dtypes[{i}]")))
-                .collect::<CallResult<_>>()?
-        };
-        // SAFETY: the caller passes `n` addresses at `weights` (API contract).
-        let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
-        let opt = if matches!(a.device(), Device::Cuda { .. }) {
-            // Device addresses: checked by the driver, never dereferenced on the host.
-            let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
-            Optimizer::new_device(&a, config, &groups, &addresses, &dtypes)?
-        } else {
-            let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
-            // SAFETY: each weight holds its tensor's numel values of its dtype (API contract);
-            // they are only read here.
-            let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
-            let grads: Vec<Grad<'_>> = buffers.iter().map(GradMut::as_grad).collect();
-            Optimizer::new(&a, config, &groups, &grads)?
-        };
-        *out = OPTIMIZERS.insert(Arc::new(opt));
-        Ok(())
+        // SAFETY: the caller's arguments, as documented above (API contract).
+        unsafe { create(acc, config, groups, weights, weight_dtypes, n, None, out) }
     })
+}
+
+/// Like gradacc_optimizer_create, but adopts the caller's FP32 master weights `masters`, of
+/// exactly `masters_numel` elements, instead of allocating them: e.g. a framework's own FP32
+/// master weights (Apex O2, Megatron's contiguous FP32 buffer). They are laid out as the
+/// accumulator's flat layout over the range this rank holds (gradacc_accumulator_shard: the whole
+/// layout unsharded, gradacc_accumulator_master_numel elements): element k is flat element
+/// `shard.start + k`, so tensor i's masters start at element gradacc_accumulator_offset(i) -
+/// `shard.start`. Host memory on a CPU accumulator, one device allocation on the accumulator's
+/// device on a CUDA one.
+///
+/// The values in `masters` ARE the master weights: creation does not overwrite them from
+/// `weights` (which still give the model's dtypes and lengths, and which every step writes);
+/// each gradacc_optimizer_step updates them in place (stream-ordered on CUDA), and
+/// gradacc_optimizer_load writes into them (a refused load leaves them bit for bit). The
+/// padding between tensors is never read; a load writes zeros there. Creation does not read the
+/// weights, and on CUDA does not wait for the stream.
+///
+/// Fails, creating nothing, as gradacc_optimizer_create does, and with
+/// GRADACC_STATUS_NULL_ARGUMENT for a NULL `masters`, GRADACC_STATUS_INVALID_ARGUMENT for a
+/// misaligned one (not 4-byte aligned), GRADACC_STATUS_SIZE_MISMATCH for a `masters_numel`
+/// other than the shard's length, or, on a CUDA accumulator, GRADACC_STATUS_DEVICE_MISMATCH
+/// for `masters` that are not one device allocation of `masters_numel` floats on its device.
+///
+/// Ownership: `*out` is the caller's; free it with gradacc_optimizer_destroy. `masters` stays the
+/// caller's and must outlive the optimizer; gradacc never frees it. The caller must not write
+/// `masters` while a call on the optimizer runs, nor (on CUDA) while a step enqueued on the
+/// stream has not finished.
+/// Thread safety: as gradacc_optimizer_create.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gradacc_optimizer_create_with_masters(
+    acc: *const gradacc_accumulator_t,
+    config: *const gradacc_optimizer_config_t,
+    groups: *const gradacc_tensor_group_t,
+    weights: *const *const c_void,
+    weight_dtypes: *const gradacc_dtype_t,
+    n: usize,
+    masters: *mut f32,
+    masters_numel: usize,
+    out: *mut *mut gradacc_optimizer_t,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_create_with_masters", || {
+        if masters.is_null() {
+            return Err(null("masters"));
+        }
+        let adopt = Some((masters, masters_numel));
+        // SAFETY: the caller's arguments, as documented above (API contract).
+        unsafe { create(acc, config, groups, weights, weight_dtypes, n, adopt, out) }
+    })
+}
+
+/// The body of gradacc_optimizer_create and gradacc_optimizer_create_with_masters: reads and
+/// checks the arguments, makes the optimizer (adopting `adopt`'s masters, if any), writes `*out`.
+///
+/// # Safety
+/// The arguments are the entry points' (their API contract); `adopt`'s buffer, if any, holds its
+/// length of f32 values in the accumulator's memory for the optimizer's lifetime.
+#[allow(clippy::too_many_arguments)]
+unsafe fn create(
+    acc: *const gradacc_accumulator_t,
+    config: *const gradacc_optimizer_config_t,
+    groups: *const gradacc_tensor_group_t,
+    weights: *const *const c_void,
+    weight_dtypes: *const gradacc_dtype_t,
+    n: usize,
+    adopt: Option<(*mut f32, usize)>,
+    out: *mut *mut gradacc_optimizer_t,
+) -> CallResult<()> {
+    // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+    let out = unsafe { out_ptr(out, "out") }?;
+    let a = ACCUMULATORS.get(acc, "acc")?;
+    let config = if config.is_null() {
+        OptimizerConfig::default()
+    } else {
+        // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
+        config_from_c(&unsafe { read_config(config, "config") }?)?
+    };
+    let tensors = a.tensors();
+    if n != tensors.len() {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
+        )
+        .into());
+    }
+    let groups: Vec<TensorGroup> = if groups.is_null() {
+        vec![]
+    } else {
+        // SAFETY: a non-null `groups` holds `n` entries (API contract).
+        unsafe { read_slice(groups, n, "groups", "n")? }
+            .iter()
+            .map(|g| TensorGroup { weight_decay: g.weight_decay, lr_scale: g.lr_scale })
+            .collect()
+    };
+    let dtypes: Vec<Dtype> = if weight_dtypes.is_null() {
+        tensors.iter().map(|t| t.dtype).collect()
+    } else {
+        // SAFETY: a non-null `weight_dtypes` holds `n` entries (API contract).
+        let codes = unsafe { read_slice(weight_dtypes, n, "weight_dtypes", "n")? };
+        codes
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| dtype_from_c(c, &format!("weight_dtypes[{i}]")))
+            .collect::<CallResult<_>>()?
+    };
+    // SAFETY: the caller passes `n` addresses at `weights` (API contract).
+    let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
+    let opt = if matches!(a.device(), Device::Cuda { .. }) {
+        // Device addresses: checked by the driver, never dereferenced on the host.
+        let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
+        match adopt {
+            // SAFETY: the caller lends the device buffer for the optimizer's lifetime (API
+            // contract); its allocation is checked with the driver before it is used.
+            Some((m, len)) => unsafe {
+                Optimizer::with_masters_device(
+                    &a, config, &groups, &addresses, &dtypes, m as u64, len,
+                )?
+            },
+            None => Optimizer::new_device(&a, config, &groups, &addresses, &dtypes)?,
+        }
+    } else {
+        let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
+        // SAFETY: each weight holds its tensor's numel values of its dtype (API contract);
+        // they are only read here.
+        let buffers = unsafe { weight_buffers(ptrs, &dtypes, &numel)? };
+        let grads: Vec<Grad<'_>> = buffers.iter().map(GradMut::as_grad).collect();
+        match adopt {
+            // SAFETY: the caller lends `len` host f32 values for the optimizer's lifetime and
+            // writes none while one of its calls runs (API contract).
+            Some((m, len)) => unsafe {
+                Optimizer::with_masters(&a, config, &groups, &grads, m, len)?
+            },
+            None => Optimizer::new(&a, config, &groups, &grads)?,
+        }
+    };
+    *out = OPTIMIZERS.insert(Arc::new(opt));
+    Ok(())
 }
 
 /// Destroys an optimizer. NULL is accepted and does nothing; a second call on one handle is

@@ -286,6 +286,8 @@ struct World {
     syncs_checked: u64,
     /// Optimizer steps taken (not skipped) and checked against the model.
     opt_steps: u64,
+    /// Of those, steps whose adopted masters were compared with the model's.
+    adopted_steps: u64,
 }
 
 const MAX_OBJECTS: usize = 4;
@@ -1834,6 +1836,7 @@ fuzz_target!(|data: &[u8]| {
         calls: 0,
         syncs_checked: 0,
         opt_steps: 0,
+        adopted_steps: 0,
     };
     while !input.done() && world.calls < 400 {
         let call = input.u8();
@@ -1876,8 +1879,8 @@ fuzz_target!(|data: &[u8]| {
     }
     if std::env::var_os("GRADACC_FUZZ_STATS").is_some() {
         eprintln!(
-            "gradacc-fuzz-stats calls={} syncs_checked={} optimizer_steps={}",
-            world.calls, world.syncs_checked, world.opt_steps
+            "gradacc-fuzz-stats calls={} syncs_checked={} optimizer_steps={} adopted_steps={}",
+            world.calls, world.syncs_checked, world.opt_steps, world.adopted_steps
         );
     }
     // Every object goes, so runs do not pile objects up; each destroy must succeed once and only

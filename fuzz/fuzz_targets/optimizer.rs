@@ -1,7 +1,8 @@
 //! The optimizer's part of the C API model: each live optimizer with the accumulator it was made
 //! over (which it outlives), the model's weights it owns, its learning rate, step count and the
 //! window it last stepped from, and for plain f32 SGD a shadow of its FP32 masters, compared bit
-//! for bit with the weights each step writes.
+//! for bit with the weights each step writes and, for an optimizer over the caller's masters
+//! (gradacc_optimizer_create_with_masters), with that buffer.
 
 use super::*;
 
@@ -24,6 +25,10 @@ pub(crate) struct OptModel {
     /// Plain SGD (no momentum) on f32 weights: the masters, and each tensor's weight decay and
     /// lr_scale.
     shadow: Option<Shadow>,
+    /// The caller's masters it adopted (the accumulator's flat layout over the held range), kept
+    /// alive as long as the optimizer, and each tensor's offset in them when it holds the whole
+    /// layout (what the shadow is compared with).
+    adopted: Option<(Vec<f32>, Option<Vec<usize>>)>,
 }
 
 struct Shadow {
@@ -49,16 +54,18 @@ impl OptModel {
         }
     }
 
-    /// The weights as f32 bit patterns must equal the shadow masters.
+    /// The weights as f32 bit patterns, and adopted masters, must equal the shadow masters.
     fn check_shadow(&self) {
         let Some(s) = &self.shadow else { return };
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
         for (t, master) in s.master.iter().enumerate() {
             for (k, &m) in master.iter().enumerate() {
                 let w = f32::from_bits(self.weights[t][k]);
-                assert!(
-                    w.to_bits() == m.to_bits() || (w.is_nan() && m.is_nan()),
-                    "optimizer weight {t}[{k}]: library {w:e}, model {m:e}"
-                );
+                assert!(same(w, m), "optimizer weight {t}[{k}]: library {w:e}, model {m:e}");
+                if let Some((buffer, Some(at))) = &self.adopted {
+                    let b = buffer[at[t] + k];
+                    assert!(same(b, m), "adopted master {t}[{k}]: library {b:e}, model {m:e}");
+                }
             }
         }
     }
@@ -337,6 +344,43 @@ fn create(world: &mut World, input: &mut Input) {
         }
         _ => {}
     }
+    // Adopted masters (one in three): the flat layout over the range the accumulator holds (its
+    // shard, as the library reports it), each f32 tensor's weights at its offset, a word spare
+    // for a misaligned address; or NULL, misaligned or of the wrong length.
+    let adopt = input.u8().is_multiple_of(3);
+    let (start, len) = match ai {
+        Some(i) => {
+            let (mut start, mut len, mut data) = (0, 0, null_mut());
+            // SAFETY: a live accumulator and three live out-pointers.
+            let st = unsafe {
+                gradacc_accumulator_shard(world.accs[i].handle, &mut start, &mut len, &mut data)
+            };
+            assert_eq!(st, GRADACC_STATUS_OK, "gradacc_accumulator_shard of a live accumulator");
+            (start, len)
+        }
+        None => (0, 2),
+    };
+    let whole = ai.filter(|&i| (start, len) == (0, world.accs[i].total()));
+    let offsets = whole.map(|i| world.accs[i].offsets.clone());
+    let mut masters = vec![0f32; len + 1];
+    for (t, &at) in offsets.iter().flatten().enumerate().take(n) {
+        if dtypes[t] == GRADACC_DTYPE_F32 {
+            masters[at..at + numels[t]].copy_from_slice(&f32s_of(&weights[t][..numels[t]]));
+        }
+    }
+    let (mut masters_ptr, mut masters_len) = (masters.as_mut_ptr(), len);
+    if adopt {
+        match input.u8() % 16 {
+            0 => masters_ptr = null_mut(),
+            1 => {
+                // SAFETY: one byte into the buffer, which holds a word more than the layout.
+                masters_ptr = unsafe { (masters_ptr as *mut u8).add(1) as *mut f32 };
+            }
+            2 => masters_len = [0, len.wrapping_sub(1), len + 1, usize::MAX][input.below(4)],
+            _ => {}
+        }
+        args_ok &= masters_ptr == masters.as_mut_ptr() && masters_len == len;
+    }
     // Never let a wrong count read past an array: the count is checked first.
     let null_out = input.u8().is_multiple_of(16);
     let want = ai.is_some() && read.is_some() && args_ok && !null_out;
@@ -344,21 +388,44 @@ fn create(world: &mut World, input: &mut Input) {
         return;
     }
     let mut out: *mut gradacc_optimizer_t = 0x13 as *mut _;
+    let (config_ptr, groups_ptr) = (
+        if pass_null_config { null() } else { &c as *const _ },
+        if null_groups { null() } else { groups.as_ptr() },
+    );
+    let dtypes_ptr = if null_dtypes { null() } else { dtype_list.as_ptr() };
+    let out_ptr = if null_out { null_mut() } else { &mut out as *mut _ };
     // SAFETY: every non-null pointer holds what the header asks for, or a count the library
-    // refuses before it reads; the weights stay alive during the call.
-    let st = unsafe {
-        gradacc_optimizer_create(
-            acc,
-            if pass_null_config { null() } else { &c },
-            if null_groups { null() } else { groups.as_ptr() },
-            weights_ptr,
-            if null_dtypes { null() } else { dtype_list.as_ptr() },
-            n_arg,
-            if null_out { null_mut() } else { &mut out },
-        )
+    // refuses before it reads; the weights stay alive during the call, and an adopted buffer of
+    // `masters_len` floats outlives the optimizer (the model keeps it) or is refused unused.
+    let (function, st) = unsafe {
+        if adopt {
+            let st = gradacc_optimizer_create_with_masters(
+                acc,
+                config_ptr,
+                groups_ptr,
+                weights_ptr,
+                dtypes_ptr,
+                n_arg,
+                masters_ptr,
+                masters_len,
+                out_ptr,
+            );
+            ("gradacc_optimizer_create_with_masters", st)
+        } else {
+            let st = gradacc_optimizer_create(
+                acc,
+                config_ptr,
+                groups_ptr,
+                weights_ptr,
+                dtypes_ptr,
+                n_arg,
+                out_ptr,
+            );
+            ("gradacc_optimizer_create", st)
+        }
     };
-    if !world.check("gradacc_optimizer_create", st, want) {
-        assert_eq!(out as usize, 0x13, "gradacc_optimizer_create wrote its output on failure");
+    if !world.check(function, st, want) {
+        assert_eq!(out as usize, 0x13, "{function} wrote its output on failure");
         return;
     }
     let c = read.unwrap();
@@ -382,6 +449,7 @@ fn create(world: &mut World, input: &mut Input) {
         steps: 0,
         consumed: None,
         shadow,
+        adopted: adopt.then_some((masters, offsets)),
     });
 }
 
@@ -485,6 +553,9 @@ fn step(world: &mut World, input: &mut Input) {
     m.shadow_step(a);
     m.check_shadow();
     world.opt_steps += 1;
+    if matches!((&m.shadow, &m.adopted), (Some(_), Some((_, Some(_))))) {
+        world.adopted_steps += 1;
+    }
 }
 
 fn set_lr(world: &mut World, input: &mut Input) {

@@ -8,6 +8,7 @@
 //! accumulator's layout and shard and to its window (one step per synced window).
 
 mod config;
+mod masters;
 mod pass;
 mod rounding;
 mod saved;
@@ -27,8 +28,9 @@ use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
 use crate::device::{Device, DevicePtr};
 use crate::math::{bf16_to_f32, f16_to_f32};
-use crate::dtype::{Dtype, Grad, GradMut};
+use crate::dtype::{self, Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
+use masters::Masters;
 use update::Scalars;
 
 /// Which per-element value of the optimizer [`Optimizer::read`] returns.
@@ -54,7 +56,8 @@ pub enum Slot {
 /// ([`Optimizer::new_device`], [`Optimizer::step_device`]) the masters, the state and the step
 /// count are in device memory, each step is enqueued on the accumulator's stream (the skip is
 /// decided there, from the boundary's overflow flag), and the all-gather runs over NCCL. Both
-/// write the same bits.
+/// write the same bits. [`Optimizer::with_masters`] and [`Optimizer::with_masters_device`] adopt
+/// the caller's FP32 masters instead of allocating them.
 #[derive(Debug)]
 pub struct Optimizer {
     algorithm: Algorithm,
@@ -73,9 +76,10 @@ struct State {
     steps: u64,
     /// The accumulator window last stepped from (or skipped): one step per synced window.
     consumed: Option<u64>,
-    /// The flat layout's range held, and its values (zeros in the padding).
+    /// The flat layout's range held, and its values (zeros in the padding when owned; an
+    /// adopted buffer's padding is neither read nor written).
     held: Range<usize>,
-    master: Vec<f32>,
+    master: Masters,
     first: Vec<f32>,
     /// Empty for SGD.
     second: Vec<f32>,
@@ -99,6 +103,41 @@ impl Optimizer {
         groups: &[TensorGroup],
         weights: &[Grad<'_>],
     ) -> Result<Self> {
+        Self::new_host(acc, config, groups, weights, None)
+    }
+
+    /// [`Optimizer::new`] over the caller's FP32 master weights, adopted: `masters` holds `len`
+    /// values laid out as the accumulator's flat layout over the range this rank holds
+    /// ([`Accumulator::shard`]: element k is flat element `shard.start + k`, so tensor i's
+    /// masters start at [`Accumulator::offset`]`(i) - shard.start`; the padding between tensors
+    /// is neither read nor written). Their values ARE the masters: creation does not overwrite
+    /// them from `weights` (which give the model's dtypes and lengths), every step updates them
+    /// in place, [`Optimizer::load`] writes into them, and no copy is kept. Fails, making
+    /// nothing, as `new` does, and on a null or misaligned `masters` (`InvalidArgument`) or a
+    /// `len` other than the shard's (`SizeMismatch`).
+    ///
+    /// # Safety
+    /// `masters` must be valid for reads and writes of `len` f32 values in host memory for the
+    /// optimizer's lifetime, and neither read nor written by anything else while one of its
+    /// calls runs.
+    pub unsafe fn with_masters(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[Grad<'_>],
+        masters: *mut f32,
+        len: usize,
+    ) -> Result<Self> {
+        Self::new_host(acc, config, groups, weights, Some((masters, len)))
+    }
+
+    fn new_host(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[Grad<'_>],
+        adopt: Option<(*mut f32, usize)>,
+    ) -> Result<Self> {
         config.validate()?;
         if acc.device() != Device::Cpu {
             return Err(Error::new(
@@ -117,15 +156,13 @@ impl Optimizer {
             check_len(i, w.len(), plan.descs[i].numel)?;
         }
         let held = plan.shard();
-        let mut master = vec![0.0f32; held.len()];
-        for (i, w) in weights.iter().enumerate() {
-            let p = piece(&plan, i, &held);
-            let out = &mut master[p.held];
-            let values = w.slice(p.tensor.start, p.tensor.end);
-            for (m, v) in out.iter_mut().zip(0..) {
-                *m = value_at(&values, v);
+        let master = match adopt {
+            Some((ptr, len)) => {
+                check_masters(ptr as u64, len, &held)?;
+                Masters::Adopted { ptr, len }
             }
-        }
+            None => Masters::Owned(masters_from(&plan, &held, weights)),
+        };
         let second = if config.algorithm.second_moment() { vec![0.0; held.len()] } else { vec![] };
         let state = State {
             lr: config.lr,
@@ -162,6 +199,42 @@ impl Optimizer {
         weights: &[DevicePtr],
         dtypes: &[Dtype],
     ) -> Result<Self> {
+        Self::new_on_device(acc, config, groups, weights, dtypes, None)
+    }
+
+    /// [`Optimizer::with_masters`] for a CUDA accumulator: [`Optimizer::new_device`] over the
+    /// caller's FP32 masters at the device address `masters`, `len` values laid out as the held
+    /// range of the flat layout (see `with_masters`), adopted: never overwritten from the
+    /// weights, updated in place by every step (stream-ordered on the accumulator's stream),
+    /// never freed. Creation does not read the weights and does not wait for the stream. Fails,
+    /// making nothing, as `new_device` does, on a null or misaligned `masters`
+    /// (`InvalidArgument`), a `len` other than the shard's (`SizeMismatch`), or a `masters`
+    /// that is not one device allocation of `len` f32 values on the accumulator's device
+    /// (`DeviceMismatch`).
+    ///
+    /// # Safety
+    /// `masters` must stay allocated for the optimizer's lifetime, and nothing else may read or
+    /// write it while a step enqueued on the stream runs.
+    pub unsafe fn with_masters_device(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+        masters: DevicePtr,
+        len: usize,
+    ) -> Result<Self> {
+        Self::new_on_device(acc, config, groups, weights, dtypes, Some((masters, len)))
+    }
+
+    fn new_on_device(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+        adopt: Option<(DevicePtr, usize)>,
+    ) -> Result<Self> {
         config.validate()?;
         let Device::Cuda { ordinal, stream } = acc.device() else {
             return Err(Error::new(
@@ -182,6 +255,10 @@ impl Optimizer {
         let numel: Vec<usize> = plan.descs.iter().map(|d| d.numel).collect();
         cuda::check_weights_on(ordinal, weights, dtypes, &numel)?;
         let held = plan.shard();
+        if let Some((ptr, len)) = adopt {
+            check_masters(ptr, len, &held)?;
+            cuda::check_masters_on(ordinal, ptr, len)?;
+        }
         let pieces_of = |held: &Range<usize>, bytes: bool| {
             let mut at = 0;
             (0..n)
@@ -211,13 +288,14 @@ impl Optimizer {
             second_moment: config.algorithm.second_moment(),
             shards,
             weights,
+            masters: adopt.map(|(ptr, _)| ptr),
         })?;
         let state = State {
             lr: config.lr,
             steps: 0,
             consumed: None,
             held,
-            master: vec![],
+            master: Masters::default(),
             first: vec![],
             second: vec![],
             device: Some(device),
@@ -327,8 +405,8 @@ impl Optimizer {
         let p = piece(&self.plan, index, &s.held);
         let copy = s.device.as_ref().map(DeviceOptimizer::read).transpose()?;
         let (master, first, second) = match &copy {
-            Some((_, [m, f, v])) => (m, f, v),
-            None => (&s.master, &s.first, &s.second),
+            Some((_, [m, f, v])) => (&m[..], &f[..], &v[..]),
+            None => (&s.master[..], &s.first[..], &s.second[..]),
         };
         let values = match slot {
             Slot::Weights => master,
@@ -645,7 +723,7 @@ impl Optimizer {
             steps,
             consumed: None,
             held: s.held.clone(),
-            master,
+            master: Masters::Owned(master),
             first,
             second,
             device: None,
@@ -659,6 +737,7 @@ impl Optimizer {
     /// optimizer with the same tensors, model dtypes, algorithm and rounding. Corrupt, foreign
     /// or insufficient parts are refused with `CorruptState`, and the optimizer is unchanged.
     /// The next step may be from the current window (the window it last stepped is forgotten).
+    /// Adopted masters are written in place, the padding between tensors with zeros.
     pub fn load(&self, parts: &[&[u8]]) -> Result<()> {
         let mut s = self.lock();
         let restored = saved::decode(self, &s.held, parts)?;
@@ -668,11 +747,20 @@ impl Optimizer {
             Some(device) => {
                 let r = &restored;
                 let written = device.write(r.steps, r.lr, &r.master, &r.first, &r.second);
-                *s = State { device: Some(device), master: vec![], first: vec![], second: vec![], ..restored };
+                *s = State {
+                    device: Some(device),
+                    master: Masters::default(),
+                    first: vec![],
+                    second: vec![],
+                    ..restored
+                };
                 written
             }
+            // Into the masters in place: adopted ones stay the caller's buffer.
             None => {
-                *s = restored;
+                let mut master = std::mem::take(&mut s.master);
+                master.copy_from_slice(&restored.master);
+                *s = State { master, ..restored };
                 Ok(())
             }
         }
@@ -736,6 +824,38 @@ fn piece(plan: &Plan, i: usize, held: &Range<usize>) -> Piece {
         tensor: flat.start - t.start..flat.end - t.start,
         held: flat.start - held.start..flat.end - held.start,
         flat,
+    }
+}
+
+/// The held masters of an owned optimizer: the model's weights widened, zeros in the padding.
+fn masters_from(plan: &Plan, held: &Range<usize>, weights: &[Grad<'_>]) -> Vec<f32> {
+    let mut master = vec![0.0f32; held.len()];
+    for (i, w) in weights.iter().enumerate() {
+        let p = piece(plan, i, held);
+        let values = w.slice(p.tensor.start, p.tensor.end);
+        for (m, v) in master[p.held].iter_mut().zip(0..) {
+            *m = value_at(&values, v);
+        }
+    }
+    master
+}
+
+/// Fails unless adopted masters at `ptr` (host or device) can hold the `held` range: non-null,
+/// 4-byte aligned, exactly its length.
+fn check_masters(ptr: u64, len: usize, held: &Range<usize>) -> Result<()> {
+    dtype::check_buffer(ptr as *const std::ffi::c_void, len, Dtype::F32, "masters")?;
+    if len == held.len() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!(
+                "`masters` holds {len} elements; this rank holds {} of the flat layout ({}..{}: Accumulator::shard, gradacc_accumulator_shard)",
+                held.len(),
+                held.start,
+                held.end
+            ),
+        ))
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use super::{piece, Optimizer, State};
+use super::{piece, Masters, Optimizer, State};
 use crate::error::{Error, ErrorKind, Result};
 use crate::state::{Reader, Writer};
 
@@ -135,5 +135,6 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
     }
     let [master, first, second] = values;
     let held = held.clone();
+    let master = Masters::Owned(master);
     Ok(State { lr, steps, consumed: None, held, master, first, second, device: None, steps_known: true })
 }

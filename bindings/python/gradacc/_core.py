@@ -775,10 +775,17 @@ class Optimizer(_Managed):
     The contract is gradacc_optimizer_create's and gradacc_optimizer_step's (include/gradacc.h)
     and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under
     sharding every rank steps and all-gathers the weights. The weights are referenced, not
-    copied: they must stay the model's buffers for the optimizer's life."""
+    copied: they must stay the model's buffers for the optimizer's life.
+
+    ``masters=`` adopts the caller's FP32 master weights (gradacc_optimizer_create_with_masters):
+    a writable, C-contiguous float32 array (a device address, or an object with ``data_ptr()``,
+    on a CUDA accumulator) of this rank's range of the flat layout, ``acc.shard()``'s length
+    (tensor i at ``acc.offset(i) - shard.offset``). Its values are the masters, not overwritten
+    from the weights; every step updates it in place, and ``load`` writes into it. It is
+    referenced, not copied, and must not be written while a call runs."""
     _destroy = staticmethod(lambda p: ffi.gradacc_optimizer_destroy(p))
 
-    def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, **fields):
+    def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, masters=None, **fields):
         n = len(acc)
         if len(weights) != n:
             raise ValueError(f"weights: {len(weights)} arrays for {n} tensors")
@@ -808,8 +815,19 @@ class Optimizer(_Managed):
         self._weights = (ctypes.c_void_p * n)(*ptrs)
         self._keep = keep  # the weights must outlive the optimizer: step writes them
         out = ctypes.POINTER(ffi.gradacc_optimizer_t)()
-        _check(ffi.gradacc_optimizer_create(acc._handle(), ctypes.byref(cfg), grp, self._weights,
-                                            (ffi.gradacc_dtype_t * n)(*codes), n, ctypes.byref(out)))
+        codes = (ffi.gradacc_dtype_t * n)(*codes)
+        self._masters_keep = None
+        if masters is None:
+            _check(ffi.gradacc_optimizer_create(acc._handle(), ctypes.byref(cfg), grp, self._weights, codes, n,
+                                                ctypes.byref(out)))
+        else:
+            ptr, size, keep = _buffer(masters, DType.F32, "masters", writable=True)
+            if size is None:
+                size = acc.shard_ptr()[1]  # a device address: the shard's length
+            _check(ffi.gradacc_optimizer_create_with_masters(
+                acc._handle(), ctypes.byref(cfg), grp, self._weights, codes, n,
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), size, ctypes.byref(out)))
+            self._masters_keep = keep  # the adopted masters must outlive the optimizer
         self._ptr = out
         self._acc = acc
 

@@ -451,6 +451,12 @@ gradacc_optimizer_create.restype = gradacc_status_t
 gradacc_optimizer_create.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
 # arguments: acc, config, groups, weights, weight_dtypes, n, out
 
+# Like gradacc_optimizer_create, but adopts the caller's FP32 master weights `masters`, of exactly `masters_numel` elements, instead of allocating them: e.g. a framework's own FP32 master weights (Apex O2, Megatron's contiguous FP32 buffer).
+gradacc_optimizer_create_with_masters = dll.gradacc_optimizer_create_with_masters
+gradacc_optimizer_create_with_masters.restype = gradacc_status_t
+gradacc_optimizer_create_with_masters.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
+# arguments: acc, config, groups, weights, weight_dtypes, n, masters, masters_numel, out
+
 # Destroys an optimizer.
 gradacc_optimizer_destroy = dll.gradacc_optimizer_destroy
 gradacc_optimizer_destroy.restype = gradacc_status_t

@@ -270,3 +270,52 @@ def test_bad_arguments_are_named():
             assert e.value.status == gradacc.Status.WRONG_STATE
         with pytest.raises(ValueError, match="closed"):
             opt.step()
+
+
+# ---- adopted FP32 masters --------------------------------------------------------------------
+
+def test_adopted_masters_are_stepped_in_place_and_loaded_into():
+    """masters=: the caller's float32 values (not the weights') are the masters, SGD with momentum
+    updates them in place bit for bit as numpy in float32, a refused load leaves them bit for bit
+    and a load writes the saved masters back into them."""
+    weights = mixed_weights()
+    with gradacc.Accumulator(MIXED) as acc:
+        offsets = [acc.offset(i) for i in range(3)]
+        flat = np.zeros(acc.shard().numel, np.float32)
+        reference = [weights[0].astype(np.float32) + np.float32(2.0**-12), bf16_value(weights[1]) * np.float32(1.001),
+                     weights[2] - np.float32(1.0 / 3.0)]
+        for at, m in zip(offsets, reference):
+            flat[at:at + m.size] = m
+        initial = flat.copy()
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, weights, masters=flat[:-1])
+        assert e.value.status == gradacc.Status.SIZE_MISMATCH and "masters" in e.value.message
+        with pytest.raises(TypeError, match="masters"):
+            gradacc.Optimizer(acc, weights, masters=flat.astype(np.float64))
+        assert np.array_equal(flat.view(np.uint32), initial.view(np.uint32))
+        momentum = [None] * 3
+        with unit_scaler() as scaler, \
+                gradacc.Optimizer(acc, weights, masters=flat, algorithm="sgd", lr=0.125, momentum=0.9) as opt:
+            assert np.array_equal(flat.view(np.uint32), initial.view(np.uint32)), "creation wrote the masters"
+            for step in range(3):
+                grads = mixed_grads(step)
+                add_and_sync(acc, scaler, grads)
+                assert opt.step() is True
+                for i, g in enumerate([grads[0].astype(np.float32), bf16_value(grads[1]), grads[2]]):
+                    momentum[i] = g.copy() if momentum[i] is None else momentum[i] * np.float32(0.9) + g
+                    reference[i] = reference[i] + np.float32(-0.125) * momentum[i]
+                    at = offsets[i]
+                    assert np.array_equal(flat[at:at + g.size].view(np.uint32), reference[i].view(np.uint32))
+                assert np.array_equal(weights[1], bf16_bits(reference[1]))
+            saved = opt.save()
+            flat[:] = 5.0
+            before = flat.copy()
+            forged = bytearray(saved)
+            forged[len(forged) // 2] ^= 1
+            with pytest.raises(gradacc.GradaccError) as e:
+                opt.load([bytes(forged)])
+            assert e.value.status == gradacc.Status.CORRUPT_STATE
+            assert np.array_equal(flat.view(np.uint32), before.view(np.uint32)), "a refused load wrote"
+            opt.load([saved])
+            for at, m in zip(offsets, reference):
+                assert np.array_equal(flat[at:at + m.size].view(np.uint32), m.view(np.uint32))

@@ -168,13 +168,16 @@ pub(crate) struct Setup<'a> {
     /// Under sharding: every rank's pieces (`at` counted from its slot's start, in bytes) and
     /// this rank.
     pub shards: Option<(Vec<Vec<Piece>>, usize)>,
-    /// The model weights whose held elements become the masters.
+    /// The model weights whose held elements become the masters, unless the caller's are
+    /// adopted.
     pub weights: &'a [DevicePtr],
+    /// The caller's masters (the held range, checked), adopted: never overwritten here.
+    pub masters: Option<CUdeviceptr>,
 }
 
 impl DeviceOptimizer {
     /// Uploads the tables and the masters, read from the model's weights (this waits for the
-    /// stream: creation is once per run).
+    /// stream: creation is once per run), or adopts the caller's.
     pub(crate) fn new(setup: Setup<'_>) -> Result<Self> {
         let Setup {
             ordinal,
@@ -187,6 +190,7 @@ impl DeviceOptimizer {
             second_moment,
             shards,
             weights,
+            masters,
         } = setup;
         let ctx = Context::get(ordinal)?;
         let kernels = Kernels::of(&ctx)?;
@@ -202,28 +206,13 @@ impl DeviceOptimizer {
             })
             .collect();
         let dtype_of = |i: usize| dtypes[i];
-        let mut master = vec![0.0f32; held.len()];
-        for p in &pieces {
-            let dtype = dtype_of(p.tensor);
-            let weight = DeviceBuffer::adopt(
-                &ctx,
-                stream,
-                weights[p.tensor],
-                p.elements.end * dtype.size(),
-            );
-            let out = &mut master[p.at..p.at + p.elements.len()];
-            let offset = p.elements.start * dtype.size();
-            match dtype {
-                Dtype::F32 => weight.read_at(offset, out)?,
-                _ => {
-                    let mut bits = vec![0u16; out.len()];
-                    weight.read_at(offset, &mut bits)?;
-                    let widen =
-                        if dtype == Dtype::F16 { crate::math::f16_to_f32 } else { crate::math::bf16_to_f32 };
-                    out.iter_mut().zip(bits).for_each(|(m, b)| *m = widen(b));
-                }
+        let master = match masters {
+            Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
+            None => {
+                let values = masters_from(&ctx, stream, &pieces, dtypes, weights, held.len())?;
+                DeviceBuffer::from_slice(&ctx, stream, &values)?
             }
-        }
+        };
         let step_table = Table::new(&ctx, stream, &pieces, n, |_| 1)?;
         let gather = match shards {
             Some((all, rank)) if all.len() > 1 => {
@@ -256,7 +245,7 @@ impl DeviceOptimizer {
         Ok(DeviceOptimizer {
             tensors: DeviceBuffer::from_slice(&ctx, stream, &tensors)?,
             step_table,
-            master: DeviceBuffer::from_slice(&ctx, stream, &master)?,
+            master,
             first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
             second: second_moment.then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4)).transpose()?,
             steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
@@ -428,6 +417,43 @@ impl DeviceOptimizer {
     }
 }
 
+/// The held masters read from the model's weights (waits for the stream): `len` values, zeros
+/// in the padding.
+fn masters_from(
+    ctx: &Arc<Context>,
+    stream: CUstream,
+    pieces: &[Piece],
+    dtypes: &[Dtype],
+    weights: &[DevicePtr],
+    len: usize,
+) -> Result<Vec<f32>> {
+    let mut master = vec![0.0f32; len];
+    for p in pieces {
+        let dtype = dtypes[p.tensor];
+        let weight =
+            DeviceBuffer::adopt(ctx, stream, weights[p.tensor], p.elements.end * dtype.size());
+        let out = &mut master[p.at..p.at + p.elements.len()];
+        let offset = p.elements.start * dtype.size();
+        match dtype {
+            Dtype::F32 => weight.read_at(offset, out)?,
+            _ => {
+                let mut bits = vec![0u16; out.len()];
+                weight.read_at(offset, &mut bits)?;
+                let widen =
+                    if dtype == Dtype::F16 { crate::math::f16_to_f32 } else { crate::math::bf16_to_f32 };
+                out.iter_mut().zip(bits).for_each(|(m, b)| *m = widen(b));
+            }
+        }
+    }
+    Ok(master)
+}
+
+/// Checks that adopted masters at `ptr` are one device allocation of `len` f32 values on the
+/// device `ordinal` (`DeviceMismatch` otherwise).
+pub(crate) fn check_masters_on(ordinal: i32, ptr: DevicePtr, len: usize) -> Result<()> {
+    check_allocation(&*Context::get(ordinal)?, ptr, len, Dtype::F32, "`masters`", "masters")
+}
+
 /// [`DeviceOptimizer::check_weights`] before there is one.
 pub(crate) fn check_weights_on(
     ordinal: i32,
@@ -440,22 +466,35 @@ pub(crate) fn check_weights_on(
 
 fn check_weights(ctx: &Context, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
     for (i, ((&w, &dtype), &n)) in weights.iter().zip(dtypes).zip(numel).enumerate() {
-        let what = format!("`weights[{i}]`");
-        dtype::check_buffer(w as *const std::ffi::c_void, n, dtype, &what)?;
-        if n == 0 {
-            continue;
-        }
-        let last = w + (n * dtype.size() - 1) as u64;
-        let (start, end) = (driver::buffer_id(ctx, w)?, driver::buffer_id(ctx, last)?);
-        if start.is_none() || start != end {
-            return Err(Error::new(
-                ErrorKind::DeviceMismatch,
-                format!(
-                    "{what} = {w:#x} is not one device allocation of {n} {} values (bytes {w:#x}..={last:#x}): the optimizer of a CUDA accumulator takes device addresses",
-                    dtype.name()
-                ),
-            ));
-        }
+        check_allocation(ctx, w, n, dtype, &format!("`weights[{i}]`"), "weights")?;
+    }
+    Ok(())
+}
+
+/// Fails unless `w` (named `what`) is one device allocation of `n` values of `dtype` on `ctx`'s
+/// device; `role` says what the optimizer takes there.
+fn check_allocation(
+    ctx: &Context,
+    w: DevicePtr,
+    n: usize,
+    dtype: Dtype,
+    what: &str,
+    role: &str,
+) -> Result<()> {
+    dtype::check_buffer(w as *const std::ffi::c_void, n, dtype, what)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let last = w + (n * dtype.size() - 1) as u64;
+    let (start, end) = (driver::buffer_id(ctx, w)?, driver::buffer_id(ctx, last)?);
+    if start.is_none() || start != end {
+        return Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            format!(
+                "{what} = {w:#x} is not one device allocation of {n} {} values (bytes {w:#x}..={last:#x}): the optimizer of a CUDA accumulator takes its {role} as device addresses",
+                dtype.name()
+            ),
+        ));
     }
     Ok(())
 }

@@ -994,6 +994,12 @@ given, as in `torch.optim.SGD`. `rounding` is `:nearest` or `:stochastic` (keyed
 start as the weights' values (this rank's shard under a sharded boundary). The optimizer keeps
 `acc` and the weights referenced. Destroyed by `close` or the GC.
 
+`masters` (a `Vector{Float32}`) adopts the caller's FP32 master weights
+(`gradacc_optimizer_create_with_masters`): this rank's range of the flat layout, `shard(acc)`'s
+length (tensor i at `offset(acc, i) - shard.offset`). Its values are the masters, not overwritten
+from the weights; every step updates it in place and `load!` writes into it. The optimizer keeps
+it referenced; do not write it while a call on the optimizer runs.
+
 The contract is `gradacc_optimizer_create`'s and `gradacc_optimizer_step`'s (include/gradacc.h)
 and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under
 sharding every rank steps and all-gathers the weights.
@@ -1002,7 +1008,9 @@ mutable struct Optimizer
     @atomic ptr::Ptr{gradacc_optimizer_t}
     const acc::Accumulator
     const weights::Vector{Any}
-    function Optimizer(acc::Accumulator, weights::AbstractVector; groups=nothing, kw...)
+    const masters::Union{Nothing,Vector{Float32}}
+    function Optimizer(acc::Accumulator, weights::AbstractVector; groups=nothing,
+                       masters::Union{Nothing,Vector{Float32}}=nothing, kw...)
         n = length(acc.tensors)
         length(weights) == n || throw(ArgumentError("$(length(weights)) weights for $n tensors"))
         groups === nothing || length(groups) == n ||
@@ -1025,8 +1033,13 @@ mutable struct Optimizer
         ws = Vector{Any}(weights)
         ptrs = [Ptr{Cvoid}(pointer(w)) for w in ws]
         out = Ref{Ptr{gradacc_optimizer_t}}(C_NULL)
-        GC.@preserve ws check(gradacc_optimizer_create(acc, cfg, grp, ptrs, codes, n, out))
-        return finalizer(o -> destroy_quietly(o, gradacc_optimizer_destroy), new(out[], acc, ws))
+        if masters === nothing
+            GC.@preserve ws check(gradacc_optimizer_create(acc, cfg, grp, ptrs, codes, n, out))
+        else
+            GC.@preserve ws check(gradacc_optimizer_create_with_masters(acc, cfg, grp, ptrs, codes, n, masters,
+                                                                        length(masters), out))
+        end
+        return finalizer(o -> destroy_quietly(o, gradacc_optimizer_destroy), new(out[], acc, ws, masters))
     end
 end
 

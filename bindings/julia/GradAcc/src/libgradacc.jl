@@ -552,6 +552,11 @@ function gradacc_optimizer_create(acc, config, groups, weights, weight_dtypes, n
     ccall((:gradacc_optimizer_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_optimizer_config_t}, Ptr{gradacc_tensor_group_t}, Ptr{Ptr{Cvoid}}, Ptr{gradacc_dtype_t}, Csize_t, Ptr{Ptr{gradacc_optimizer_t}}), acc, config, groups, weights, weight_dtypes, n, out)
 end
 
+"Like gradacc_optimizer_create, but adopts the caller's FP32 master weights `masters`, of exactly `masters_numel` elements, instead of allocating them: e.g. a framework's own FP32 master weights (Apex O2, Megatron's contiguous FP32 buffer)."
+function gradacc_optimizer_create_with_masters(acc, config, groups, weights, weight_dtypes, n, masters, masters_numel, out)
+    ccall((:gradacc_optimizer_create_with_masters, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_optimizer_config_t}, Ptr{gradacc_tensor_group_t}, Ptr{Ptr{Cvoid}}, Ptr{gradacc_dtype_t}, Csize_t, Ptr{Cfloat}, Csize_t, Ptr{Ptr{gradacc_optimizer_t}}), acc, config, groups, weights, weight_dtypes, n, masters, masters_numel, out)
+end
+
 "Destroys an optimizer."
 function gradacc_optimizer_destroy(opt)
     ccall((:gradacc_optimizer_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t},), opt)

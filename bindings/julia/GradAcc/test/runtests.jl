@@ -1012,4 +1012,43 @@ sharded_accumulation(world, r, comm; kw...) =
         @test err isa GradAccError && err.status == GRADACC_STATUS_COMM_FAILURE
         close(acc); close.(comms)
     end
+
+    # Adopted masters: the caller's values (not the weights') are the masters, each SGD step
+    # updates them in place as w - lr * g in Float32, a short buffer is refused naming `masters`,
+    # a refused load leaves them bit for bit and a load writes the saved ones back.
+    @testset "optimizer over the caller's masters" begin
+        s = Scaler(init_scale=1.0, dynamic=false)
+        acc = Accumulator([(301, Float32), (7, Float32)])
+        at2 = GradAcc.offset(acc, 2)
+        masters = zeros(Float32, GradAcc.shard(acc).numel)
+        w1, w2 = Float32[0.01f0 * i - 1 for i in 1:301], Float32[0.5f0 * i for i in 1:7]
+        masters[1:301] .= w1 .+ 1f0 / 3
+        masters[at2+1:at2+7] .= w2 .- 1f0 / 3
+        expected = copy(masters)
+        err = thrown(() -> Optimizer(acc, [w1, w2]; masters=masters[1:end-1], algorithm=:sgd, lr=0.125))
+        @test err isa GradAccError && err.status == GradAcc.GRADACC_STATUS_SIZE_MISMATCH &&
+              occursin("masters", err.message)
+        opt = Optimizer(acc, [w1, w2]; masters, algorithm=:sgd, lr=0.125)
+        @test masters == expected  # creation keeps the caller's values
+        for step in 1:3
+            g1, g2 = Float32[(i % 5) * 0.25f0 - 0.5f0 for i in 1:301], fill(0.75f0, 7)
+            add!(acc, s, [g1, g2], 1)
+            sync!(acc)
+            @test GradAcc.step!(opt)
+            expected[1:301] .= expected[1:301] .+ (-0.125f0) .* g1
+            expected[at2+1:at2+7] .= expected[at2+1:at2+7] .+ (-0.125f0) .* g2
+            @test reinterpret(UInt32, masters) == reinterpret(UInt32, expected)
+            @test w1 == masters[1:301] && w2 == masters[at2+1:at2+7]
+        end
+        saved = GradAcc.save(opt)
+        fill!(masters, -3f0)
+        forged = copy(saved)
+        forged[length(forged) ÷ 2] ⊻= 0x02
+        err = thrown(() -> GradAcc.load!(opt, forged))
+        @test err isa GradAccError && err.status == GradAcc.GRADACC_STATUS_CORRUPT_STATE
+        @test all(==(-3f0), masters)
+        GradAcc.load!(opt, saved)
+        @test masters[1:301] == expected[1:301] && masters[at2+1:at2+7] == expected[at2+1:at2+7]
+        close(opt); close(acc); close(s)
+    end
 end
