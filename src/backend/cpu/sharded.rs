@@ -244,8 +244,10 @@ impl Sharded<'_> {
         self.plan.config.overflow == Overflow::DropMicrobatch
     }
 
-    /// Keeps the shard and the window's flag as they are, for [`Sharded::restore`].
-    fn keep_before(&self, master: &MasterWrite) -> Result<()> {
+    /// Keeps the shard and the window's flag as they are, for [`Sharded::restore`]. A micro-batch
+    /// that opens the window (`first`) keeps a clear flag: the core clears a synced window's only
+    /// after this step.
+    fn keep_before(&self, master: &MasterWrite, first: bool) -> Result<()> {
         let mut before = self.before.lock().unwrap_or_else(|e| e.into_inner());
         let shard = self.shard.slice(master, 0..self.sharding.own.len());
         if before.shard.len() != shard.len() {
@@ -259,7 +261,7 @@ impl Sharded<'_> {
         }
         before.shard.clear();
         before.shard.extend_from_slice(shard);
-        before.found_inf = self.found_inf.load(Ordering::Relaxed);
+        before.found_inf = !first && self.found_inf.load(Ordering::Relaxed);
         Ok(())
     }
 
@@ -364,7 +366,7 @@ impl Sharded<'_> {
         let mut h = self.hooks();
         // Kept before the control step, so that a rank that cannot keep it fails every rank.
         let keeps = !whole && self.drops() && error.is_none();
-        let kept = if keeps { self.keep_before(master).err() } else { None };
+        let kept = if keeps { self.keep_before(master, first).err() } else { None };
         self.control_step(Step::Microbatch { whole }, error.or(kept.as_ref()), false)?;
         self.sharding.open(first);
         h.open();

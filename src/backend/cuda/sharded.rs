@@ -429,14 +429,18 @@ impl Sharded<'_> {
     }
 
     /// Enqueues a copy of the shard and the window's flag as they are, for
-    /// [`Sharded::restore`].
-    fn keep_before(&self) -> Result<()> {
+    /// [`Sharded::restore`]. A micro-batch that opens the window (`first`) keeps a clear flag:
+    /// the core clears a synced window's only after this step.
+    fn keep_before(&self, first: bool) -> Result<()> {
         let bytes = 4 * self.mem.sharding.own.len();
         let before = once(&self.mem.before, || {
             DeviceBuffer::zeroed(&self.store.ctx, self.store.stream, bytes + 4)
         })?;
         before.copy_from(0, &self.mem.shard, 0, bytes)?;
-        before.copy_from(bytes, &self.store.found_inf, 0, 4)
+        match first {
+            true => before.zero_f32(bytes / 4, 1),
+            false => before.copy_from(bytes, &self.store.found_inf, 0, 4),
+        }
     }
 
     /// Enqueues putting back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
@@ -733,7 +737,7 @@ impl Sharded<'_> {
         error: Option<&Error>,
     ) -> Result<()> {
         let keeps = !whole && self.drops() && error.is_none();
-        let kept = if keeps { self.keep_before().err() } else { None };
+        let kept = if keeps { self.keep_before(first).err() } else { None };
         let error = error.or(kept.as_ref());
         match self.group()? {
             Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
