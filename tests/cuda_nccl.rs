@@ -23,7 +23,8 @@ use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Grad, LocalComm,
-    LossReduction, Normalize, Scaler, ScalerConfig, Sharding, SyncInfo, TensorDesc,
+    LossReduction, Normalize, Overflow, OverflowAt, Scaler, ScalerConfig, Sharding, SyncInfo,
+    TensorDesc,
 };
 
 /// Whether CUDA, NCCL and `devices` devices are usable; without CUDA or NCCL the test skips,
@@ -2432,17 +2433,20 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
     for policy in
         [AllReduce, AllReduceEarly, HybridReduceScatter, HybridAccumulate, HybridAccumulateHooks]
     {
-        for wire in [Dtype::F32, Dtype::Bf16] {
+        // Under DROP_MICROBATCH a sum's overflow is named: the reduction's.
+        let overflows = [(Dtype::F32, false), (Dtype::Bf16, false), (Dtype::F32, true)];
+        for (wire, drops) in overflows {
             let config = AccumulatorConfig {
                 normalize: Normalize::ByCount,
                 loss_reduction: LossReduction::Sum,
                 max_grad_norm: 1.0,
                 bucket_numel: 1000,
                 wire,
+                overflow: if drops { Overflow::DropMicrobatch } else { Overflow::SkipStep },
                 ..Default::default()
             };
             let ranks = grid(shards, replicas);
-            let what = format!("{test}: {policy:?} wire {wire:?}");
+            let what = format!("{test}: {policy:?} wire {wire:?} drops {drops}");
             within(Duration::from_secs(300), "an overflowing reduction", move || {
                 let (what, descs) = (&what, &descs);
                 let results: Vec<(SyncInfo, bool, f32, Vec<f32>)> = std::thread::scope(|s| {
@@ -2532,6 +2536,9 @@ fn reduction_overflow_on_grid(shards: usize, replicas: usize, test: &str) {
                 });
                 for (g, (info, skipped, scale, _)) in results.iter().enumerate() {
                     assert!(info.found_inf, "{what}: rank {g} missed the overflow: {info:?}");
+                    if drops {
+                        assert_eq!(info.overflow, Some(OverflowAt::Reduction), "{what}: rank {g}");
+                    }
                     assert!(
                         *skipped && *scale == 0.5,
                         "{what}: rank {g} skipped {skipped}, scale {scale}"

@@ -928,13 +928,20 @@ impl Accumulator {
         let checked = self.check_add(&w, scaler, grads, count);
         let weight = self.plan.config.weight(count);
         // Under DropMicrobatch the micro-batch is checked before anything is added.
-        let bad = match (&checked, self.plan.config.overflow) {
+        let (bad, unchecked) = match (&checked, self.plan.config.overflow) {
             (Ok(()), Overflow::DropMicrobatch) => {
-                self.store.bad_gradients(scaler.source(), grads, weight)?
+                // The check waits for a shard's earlier reductions: one that failed loses the
+                // window. A check that fails is this rank's error, which the peers hear of when
+                // the micro-batch opens.
+                let bad = self.store.bad_gradients(scaler.source(), grads, weight);
+                match self.settle_lost(&mut w, bad) {
+                    Ok(bad) => (bad, None),
+                    Err(e) => (Vec::new(), Some(e)),
+                }
             }
-            _ => Vec::new(),
+            _ => (Vec::new(), None),
         };
-        let error = checked.as_ref().err();
+        let error = checked.as_ref().err().or(unchecked.as_ref());
         self.store.open_microbatch(w.master(), self.opens_window(&w), true, error)?;
         self.start_window_if_synced(&mut w)?;
         let n = self.plan.descs.len();

@@ -77,7 +77,7 @@ void fp_merge(Footprint &f, float *master, const float *staged, ga_u64 numel, ga
     f.write(found_inf, 4);
 }
 
-void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64, ga_u64, ga_u64) {
+void fp_pack_control(Footprint &f, ga_boundary *b, ga_u64, ga_u64, const ga_u32 *found_inf, ga_u64, ga_u64, ga_u64, int) {
     f.write(b, 6 * sizeof(ga_u64));
     if (found_inf) f.read(found_inf, 4);
 }

@@ -218,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_merge(
     } while (0)
 
 extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 microbatches, const ga_u32 *found_inf, ga_u64 ranks,
-                                           ga_u64 dropped, ga_u64 first_bad) {
+                                           ga_u64 dropped, ga_u64 first_bad, int unlocated_if_flagged) {
     GA_ONE_THREAD();
     int flagged = found_inf != 0 && *found_inf != 0;
     b->count = count;
@@ -227,8 +227,10 @@ extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 
     b->ranks = ranks;
     b->dropped = dropped;
     /* A window flagged where the host knows no place (a sum that overflowed the master) went
-     * non-finite after every located place (OverflowKey::UNLOCATED). */
-    if (first_bad == GA_KEY_NONE && flagged && microbatches != 0) {
+     * non-finite after every located place (OverflowKey::UNLOCATED); a shard's flag that no rank
+     * names is a sum's over the ranks, reported as the reduction's (unless `unlocated_if_flagged`:
+     * a restored window). */
+    if (first_bad == GA_KEY_NONE && flagged && microbatches != 0 && unlocated_if_flagged) {
         first_bad = GA_KEY_UNLOCATED;
     }
     b->first_bad = ~first_bad;

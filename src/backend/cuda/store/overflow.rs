@@ -148,7 +148,9 @@ impl DeviceStore {
     }
 
     /// `ga_check_multi` over the micro-batch `grads`, launched as the whole master's adds are;
-    /// then the flags are read back (a host wait).
+    /// then the flags are read back (a host wait). A shard's stream also holds the earlier
+    /// micro-batches' reductions: the wait is the communicator's (its timeout ends a peer's
+    /// absence), and one that fails loses the window.
     pub(super) fn check(
         &self,
         scaler: &dyn DeviceScale,
@@ -158,6 +160,9 @@ impl DeviceStore {
         self.flags()?.zero_f32(0, self.plan.descs.len())?;
         let t = self.checks()?;
         self.launch_checks(&t.launches, scaler, &|i| grads[i], weight)?;
+        if let Memory::Shard(s) = &self.memory {
+            s.with(self).drain().inspect_err(|_| s.sharding.lose())?;
+        }
         self.flagged()
     }
 
