@@ -1352,8 +1352,10 @@ enum gradacc_status_t gradacc_optimizer_create(const struct gradacc_accumulator_
  * Fails, creating nothing, as gradacc_optimizer_create does, and with
  * GRADACC_STATUS_NULL_ARGUMENT for a NULL `masters`, GRADACC_STATUS_INVALID_ARGUMENT for a
  * misaligned one (not 4-byte aligned), GRADACC_STATUS_SIZE_MISMATCH for a `masters_numel`
- * other than the shard's length, or, on a CUDA accumulator, GRADACC_STATUS_DEVICE_MISMATCH
- * for `masters` that are not one device allocation of `masters_numel` floats on its device.
+ * other than the shard's length, GRADACC_STATUS_INVALID_ARGUMENT for `masters` that overlap a
+ * weight (a step writes both; gradacc_optimizer_step refuses such weights too), or, on a CUDA
+ * accumulator, GRADACC_STATUS_DEVICE_MISMATCH for `masters` that are not one device allocation
+ * of `masters_numel` floats on its device.
  *
  * Ownership: `*out` is the caller's; free it with gradacc_optimizer_destroy. `masters` stays the
  * caller's and must outlive the optimizer; gradacc never frees it. The caller must not write

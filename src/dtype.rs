@@ -71,6 +71,15 @@ impl<'a> Grad<'a> {
         }
     }
 
+    /// The buffer's byte addresses.
+    pub(crate) fn addresses(&self) -> std::ops::Range<usize> {
+        let start = match self {
+            Grad::F32(s) => s.as_ptr() as usize,
+            Grad::F16(s) | Grad::Bf16(s) => s.as_ptr() as usize,
+        };
+        start..start + self.len() * self.dtype().size()
+    }
+
     /// The sub-range `[start, end)` of this buffer.
     pub fn slice(&self, start: usize, end: usize) -> Grad<'a> {
         match *self {

@@ -602,6 +602,16 @@ fn adopted_masters_step_as_the_cpu_optimizer() {
         .unwrap_err();
         assert!(e.kind == kind && e.message.contains("masters"), "{ptr:#x} {n}: {e:?}");
     }
+    // Masters that share memory with a weight: a step would write both.
+    let both = DeviceBuffer::zeroed(&ctx, stream.stream, len * 4 + numel[0] * 4).unwrap();
+    let mut inside = dev.ptrs.clone();
+    inside[0] = both.ptr() + 4 * (len as u64 - 1);
+    // SAFETY: refused before the addresses are used (the point of the case).
+    let e = unsafe {
+        Optimizer::with_masters_device(&acc, oc, &[], &inside, &weight_dtypes, both.ptr(), len)
+    }
+    .unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("overlaps"), "{e:?}");
     // Host masters for a CUDA accumulator through the host constructor: refused as ever.
     let mut values = on_host.clone();
     let views: Vec<Grad<'_>> = host.iter().map(HostWeights::grad).collect();

@@ -1110,3 +1110,37 @@ fn adopted_masters_load_and_refuse_bad_input() {
         }
     }
 }
+
+/// Adopted masters that share memory with a model weight are refused, at creation and at each
+/// step: a step writes both, so the result would depend on the order of its writes.
+#[test]
+fn adopted_masters_that_overlap_a_weight_are_refused() {
+    let tensors = [TensorDesc { numel: 100, dtype: Dtype::F32 }];
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let len = acc.shard().0.len();
+    let mut buffer = vec![0.5f32; len];
+    let base = buffer.as_mut_ptr();
+    let config = OptimizerConfig::default();
+    // SAFETY: `base` holds `len` f32 values; the view is only read, and the call refuses it.
+    let inside = unsafe { std::slice::from_raw_parts(base.add(len - 100), 100) };
+    // SAFETY: refused before the buffer is used (the test's point).
+    let e = unsafe { Optimizer::with_masters(&acc, config, &[], &[Grad::F32(inside)], base, len) }
+        .unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("overlaps"), "{e:?}");
+    let weights = vec![0.25f32; 100];
+    // SAFETY: `buffer` outlives `opt` and is touched only through it below.
+    let opt =
+        unsafe { Optimizer::with_masters(&acc, config, &[], &[Grad::F32(&weights)], base, len) }
+            .unwrap();
+    add(&acc, &fixed_scaler(), &tensors, &[vec![1.0; 100]]);
+    acc.sync(None).unwrap();
+    // SAFETY: the first 100 masters, a view the step refuses before it writes anything.
+    let aliased = unsafe { std::slice::from_raw_parts_mut(base, 100) };
+    let e = opt.step(&acc, &mut [GradMut::F32(aliased)], None).unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("`weights[0]`"), "{e:?}");
+    let mut weights = weights;
+    assert!(opt.step(&acc, &mut [GradMut::F32(&mut weights)], None).unwrap());
+    // SAFETY: no call of `opt` runs; the buffer holds the stepped masters.
+    let masters = unsafe { std::slice::from_raw_parts(base, 100) };
+    assert!(masters.iter().all(|&m| m != 0.5), "the step wrote the adopted masters");
+}

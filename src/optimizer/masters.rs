@@ -2,7 +2,10 @@
 //! (a framework's own FP32 master weights, updated in place so that no second copy exists).
 //! Either way the optimizer reaches them as one slice, under its state's lock.
 
-use std::ops::{Deref, DerefMut};
+use std::ops::{Deref, DerefMut, Range};
+
+use crate::dtype::Grad;
+use crate::error::{Error, Result};
 
 #[derive(Debug)]
 pub(super) enum Masters {
@@ -17,6 +20,34 @@ pub(super) enum Masters {
 unsafe impl Send for Masters {}
 // SAFETY: as Send: `&Masters` gives only reads, under the state's lock.
 unsafe impl Sync for Masters {}
+
+impl Masters {
+    /// [`check_apart`] of adopted masters and `weights`.
+    pub(super) fn check_apart<'g>(&self, weights: impl Iterator<Item = Grad<'g>>) -> Result<()> {
+        let Masters::Adopted { ptr, len } = *self else { return Ok(()) };
+        check_apart(ptr as u64, len, weights.map(|w| w.addresses()))
+    }
+}
+
+/// Refuses model weights (their byte addresses, host or device) that share memory with the
+/// `len` adopted masters at `masters`: a step writes both, and the result would depend on the
+/// order of the writes.
+pub(super) fn check_apart(
+    masters: u64,
+    len: usize,
+    weights: impl Iterator<Item = Range<usize>>,
+) -> Result<()> {
+    let masters = masters as usize..masters as usize + len * size_of::<f32>();
+    for (i, bytes) in weights.enumerate() {
+        if bytes.start < masters.end && masters.start < bytes.end {
+            return Err(Error::invalid(format!(
+                "`weights[{i}]` (bytes {:#x}..{:#x}) overlaps the adopted `masters` (bytes {:#x}..{:#x}): a step writes both",
+                bytes.start, bytes.end, masters.start, masters.end
+            )));
+        }
+    }
+    Ok(())
+}
 
 impl Default for Masters {
     fn default() -> Self {

@@ -77,7 +77,7 @@ struct State {
     /// The accumulator window last stepped from (or skipped): one step per synced window.
     consumed: Option<u64>,
     /// The flat layout's range held, and its values (zeros in the padding when owned; an
-    /// adopted buffer's padding is neither read nor written).
+    /// adopted buffer's padding is not read, and written only by `load`, with zeros).
     held: Range<usize>,
     master: Masters,
     first: Vec<f32>,
@@ -109,12 +109,13 @@ impl Optimizer {
     /// [`Optimizer::new`] over the caller's FP32 master weights, adopted: `masters` holds `len`
     /// values laid out as the accumulator's flat layout over the range this rank holds
     /// ([`Accumulator::shard`]: element k is flat element `shard.start + k`, so tensor i's
-    /// masters start at [`Accumulator::offset`]`(i) - shard.start`; the padding between tensors
-    /// is neither read nor written). Their values ARE the masters: creation does not overwrite
-    /// them from `weights` (which give the model's dtypes and lengths), every step updates them
-    /// in place, [`Optimizer::load`] writes into them, and no copy is kept. Fails, making
-    /// nothing, as `new` does, and on a null or misaligned `masters` (`InvalidArgument`) or a
-    /// `len` other than the shard's (`SizeMismatch`).
+    /// masters start at [`Accumulator::offset`]`(i) - shard.start`; a step neither reads nor
+    /// writes the padding between tensors, and [`Optimizer::load`] writes zeros there). Their
+    /// values ARE the masters: creation does not overwrite them from `weights` (which give the
+    /// model's dtypes and lengths), every step updates them in place, `load` writes into them,
+    /// and no copy is kept. Fails, making nothing, as `new` does, and on a null or misaligned
+    /// `masters`, or one that overlaps a weight (`InvalidArgument`: a step writes both; `step`
+    /// refuses such weights too), or a `len` other than the shard's (`SizeMismatch`).
     ///
     /// # Safety
     /// `masters` must be valid for reads and writes of `len` f32 values in host memory for the
@@ -159,7 +160,9 @@ impl Optimizer {
         let master = match adopt {
             Some((ptr, len)) => {
                 check_masters(ptr as u64, len, &held)?;
-                Masters::Adopted { ptr, len }
+                let adopted = Masters::Adopted { ptr, len };
+                adopted.check_apart(weights.iter().copied())?;
+                adopted
             }
             None => Masters::Owned(masters_from(&plan, &held, weights)),
         };
@@ -258,6 +261,7 @@ impl Optimizer {
         if let Some((ptr, len)) = adopt {
             check_masters(ptr, len, &held)?;
             cuda::check_masters_on(ordinal, ptr, len)?;
+            masters::check_apart(ptr, len, device_ranges(weights, dtypes, &numel))?;
         }
         let pieces_of = |held: &Range<usize>, bytes: bool| {
             let mut at = 0;
@@ -564,6 +568,9 @@ impl Optimizer {
         check_count(weights.len(), self.dtypes.len())?;
         let numel: Vec<usize> = self.plan.descs.iter().map(|d| d.numel).collect();
         device.check_weights(weights, &self.dtypes, &numel)?;
+        if let Some((ptr, len)) = device.adopted() {
+            masters::check_apart(ptr, len, device_ranges(weights, &self.dtypes, &numel))?;
+        }
         let window = acc.synced_window_on_device("the optimizer step")?;
         if s.consumed == Some(window) {
             return Err(Error::wrong_state(
@@ -595,6 +602,7 @@ impl Optimizer {
             }
             check_len(i, w.len(), self.plan.descs[i].numel)?;
         }
+        s.master.check_apart(weights.iter().map(GradMut::as_grad))?;
         let window = acc.synced_window("the optimizer step")?;
         if s.consumed == Some(window) {
             return Err(Error::wrong_state(
@@ -857,6 +865,15 @@ fn check_masters(ptr: u64, len: usize, held: &Range<usize>) -> Result<()> {
             ),
         ))
     }
+}
+
+/// The byte addresses of device weights of `dtypes` and `numel` elements.
+fn device_ranges<'a>(
+    weights: &'a [DevicePtr],
+    dtypes: &'a [Dtype],
+    numel: &'a [usize],
+) -> impl Iterator<Item = Range<usize>> + 'a {
+    weights.iter().zip(dtypes).zip(numel).map(|((&w, d), &n)| w as usize..w as usize + n * d.size())
 }
 
 fn check_count(got: usize, tensors: usize) -> Result<()> {

@@ -135,6 +135,8 @@ pub(crate) struct DeviceOptimizer {
     claims: Claims,
     /// The communicators over which every rank's optimizer was checked to agree.
     checked: Mutex<Vec<u64>>,
+    /// The caller's masters and their length, when adopted.
+    adopted: Option<(CUdeviceptr, usize)>,
 }
 
 impl fmt::Debug for DeviceOptimizer {
@@ -206,6 +208,7 @@ impl DeviceOptimizer {
             })
             .collect();
         let dtype_of = |i: usize| dtypes[i];
+        let adopted = masters.map(|ptr| (ptr, held.len()));
         let master = match masters {
             Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
             None => {
@@ -252,6 +255,7 @@ impl DeviceOptimizer {
             lr: DeviceBuffer::from_slice(&ctx, stream, &[lr])?,
             claims: Claims::new(&ctx, stream)?,
             checked: Mutex::new(Vec::new()),
+            adopted,
             held,
             gather,
             ctx,
@@ -264,6 +268,11 @@ impl DeviceOptimizer {
     /// address, or a buffer too short, is refused (`DeviceMismatch`), the kernels never see it.
     pub(crate) fn check_weights(&self, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
         check_weights(&self.ctx, weights, dtypes, numel)
+    }
+
+    /// The caller's masters and their length, when adopted.
+    pub(crate) fn adopted(&self) -> Option<(CUdeviceptr, usize)> {
+        self.adopted
     }
 
     /// The agreement of a sharded step over `comm`: every rank's claim at `step`, this one's
