@@ -782,14 +782,9 @@ impl Sharded<'_> {
     }
 
     /// Whether a gradient of the open micro-batch raised its tensor's flag (under
-    /// `Overflow::DropMicrobatch`; a wait for the micro-batch's reductions, with the
-    /// communicator's timeout).
+    /// `Overflow::DropMicrobatch`; a wait for the micro-batch's reductions).
     fn poisoned(&self) -> Result<bool> {
-        if !self.drops() {
-            return Ok(false);
-        }
-        self.drain()?;
-        Ok(!self.store.flagged()?.is_empty())
+        Ok(self.drops() && !self.store.flagged()?.is_empty())
     }
 
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.
@@ -812,12 +807,7 @@ impl Sharded<'_> {
             // Part of the micro-batch may be in the shard, and the peers wait in this stripe's
             // reduce-scatter or the next: the window is lost, and the communicator aborted so
             // that this rank never pairs another collective with theirs.
-            self.add_stripe(grads, k, assign).inspect_err(|_| {
-                self.mem.sharding.lose();
-                if let Ok(Some(c)) = self.group() {
-                    c.stop_pairing();
-                }
-            })?;
+            self.add_stripe(grads, k, assign).inspect_err(|_| self.stop())?;
         }
         Ok(())
     }

@@ -7,7 +7,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{nccl, AddLaunch, DeviceStore, Memory, Tables, Whole, CHUNK, NORM_BLOCKS_PER_CTA};
-use crate::accumulator::{DeviceScale, Overflow, Plan, Proposal, Segments, TensorStats};
+use crate::accumulator::sharding::Shard;
+use crate::accumulator::{DeviceScale, Overflow, Plan, Proposal, Segments, Store, TensorStats};
 use crate::backend::cuda::driver::{
     launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS,
 };
@@ -140,8 +141,10 @@ impl DeviceStore {
         once(&self.stage, || DeviceBuffer::zeroed(&self.ctx, self.stream, bytes))
     }
 
-    /// The tensors whose flag is raised, in order (waits for the stream).
+    /// The tensors whose flag is raised, in order (waits for the stream; a shard's, as every
+    /// host read of it, with the communicator's timeout).
     pub(in crate::backend::cuda) fn flagged(&self) -> Result<Vec<usize>> {
+        self.drain()?;
         let mut flags = vec![0u32; self.plan.descs.len()];
         self.flags()?.read(&mut flags)?;
         Ok(flags.iter().enumerate().filter(|(_, &f)| f != 0).map(|(i, _)| i).collect())
@@ -149,8 +152,7 @@ impl DeviceStore {
 
     /// `ga_check_multi` over the micro-batch `grads`, launched as the whole master's adds are;
     /// then the flags are read back (a host wait). A shard's stream also holds the earlier
-    /// micro-batches' reductions: the wait is the communicator's (its timeout ends a peer's
-    /// absence), and one that fails loses the window.
+    /// micro-batches' reductions: a wait that fails loses the window.
     pub(super) fn check(
         &self,
         scaler: &dyn DeviceScale,
@@ -160,10 +162,7 @@ impl DeviceStore {
         self.flags()?.zero_f32(0, self.plan.descs.len())?;
         let t = self.checks()?;
         self.launch_checks(&t.launches, scaler, &|i| grads[i], weight)?;
-        if let Memory::Shard(s) = &self.memory {
-            s.with(self).drain().inspect_err(|_| s.sharding.lose())?;
-        }
-        self.flagged()
+        self.flagged().inspect_err(|_| self.shard().map_or((), Shard::lose))
     }
 
     /// Enqueues `ga_check_multi` over `launches` (of [`DeviceStore::checks`]), raising the flags
