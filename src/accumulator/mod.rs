@@ -387,6 +387,15 @@ impl Proposal<'_> {
         }
     }
 
+    /// Whether the window's flag, set where this rank knows no place, is reported unlocated: a
+    /// whole master's is (its own sum went non-finite, or a restored window's place is unknown).
+    /// A sharded accumulation's flag also takes the other ranks' values and their sums, and each
+    /// rank names its own gradients' places, so a flag without one is another rank's, which
+    /// names it, or a sum's: the reduction (unless the window was restored holding it).
+    pub(crate) fn unlocated_if_flagged(&self, plan: &Plan) -> bool {
+        !matches!(plan.config.sharding, Sharding::Accumulate { .. }) || self.unlocated
+    }
+
     /// The [`OverflowKey`] of this rank's first non-finite place; with only the window's flag
     /// `found_inf` set (a saved window, or a store that cannot locate), [`OverflowKey::UNLOCATED`].
     pub(crate) fn first_bad(&self, found_inf: bool) -> u64 {

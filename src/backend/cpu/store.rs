@@ -430,17 +430,13 @@ fn split_ranges(
 /// [`protocol`]): the claims carry the window's counts, so the agreed totals are the world's.
 pub(super) fn agree(plan: &Plan, p: &Proposal<'_>, found_inf: bool) -> Result<Agreed> {
     let found_inf = p.microbatches != 0 && found_inf;
-    // A sharded accumulation's flag also takes the other ranks' values and their sums. Each rank
-    // names the places of its own gradients, so a flag without one (and without a restored
-    // window's unknown place) is another rank's, which names it, or a sum's: the reduction.
-    let sharded = matches!(plan.config.sharding, Sharding::Accumulate { .. });
     let mine = Control {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
         found_inf,
         dropped: p.dropped,
-        first_bad: p.first_bad(found_inf && (!sharded || p.unlocated)),
+        first_bad: p.first_bad(found_inf && p.unlocated_if_flagged(plan)),
         ..Step::Boundary.claim(plan, p.replicas.map(|r| r.world_size()), p.error.is_some())
     };
     let group = p.comm.map(host_collectives).transpose()?.map(HostChannel);

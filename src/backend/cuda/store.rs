@@ -326,9 +326,8 @@ pub(super) fn read_info(boundary: &DeviceBuffer) -> Result<Option<SyncInfo>> {
 
 /// Enqueues this rank's control words into `store`'s boundary. The place is the host's under
 /// DROP_MICROBATCH; under SKIP_STEP the flag stays on the device, and a window that went
-/// non-finite is reported unlocated. A flag the host cannot place is the master's sum (reported
-/// unlocated), or under sharded accumulation the sum over the ranks: the reduction's, as on the
-/// CPU, unless the window was restored holding it.
+/// non-finite is reported unlocated. Under DROP_MICROBATCH a flag the host cannot place is
+/// reported as [`Proposal::unlocated_if_flagged`] says, as on the CPU.
 pub(super) fn pack_control(store: &DeviceStore, p: &Proposal<'_>) -> Result<()> {
     let boundary = store.boundary.ptr();
     let (count, microbatches, found_inf, ranks, dropped) =
@@ -337,10 +336,7 @@ pub(super) fn pack_control(store: &DeviceStore, p: &Proposal<'_>) -> Result<()> 
         Overflow::DropMicrobatch => p.first_bad(false),
         Overflow::SkipStep => OverflowKey::UNLOCATED,
     };
-    let unlocated_if_flagged: i32 = match store.memory {
-        Memory::Whole(_) => 1,
-        Memory::Shard(_) => p.unlocated as i32,
-    };
+    let unlocated_if_flagged = p.unlocated_if_flagged(&store.plan) as i32;
     let mut args = launch_args!(
         boundary,
         count,
