@@ -319,31 +319,10 @@ fn create(world: &mut World, input: &mut Input) {
         .collect();
     let mut ptrs: Vec<*const c_void> =
         weights.iter().map(|w| w.as_ptr() as *const c_void).collect();
-    let mut weights_ptr = ptrs.as_ptr();
-    let mut n_arg = n;
-    match input.u8() % 12 {
-        0 => {
-            weights_ptr = null();
-            args_ok = false;
-        }
-        1 => {
-            ptrs[input.below(n)] = null();
-            weights_ptr = ptrs.as_ptr();
-            args_ok = false;
-        }
-        2 => {
-            let t = input.below(n);
-            // SAFETY: one byte into the buffer, which holds a word more than the tensor.
-            ptrs[t] = unsafe { (ptrs[t] as *const u8).add(1) as *const c_void };
-            weights_ptr = ptrs.as_ptr();
-            args_ok = false;
-        }
-        3 => {
-            n_arg = [0, n - 1, n + 1, usize::MAX][input.below(4)];
-            args_ok &= n_arg == n;
-        }
-        _ => {}
-    }
+    let (listed, n_arg, bent_ok) =
+        bend_weights(input, &mut ptrs, null(), |p| p.cast::<u8>().wrapping_add(1).cast());
+    let weights_ptr = if listed { ptrs.as_ptr() } else { null() };
+    args_ok &= bent_ok;
     // Adopted masters (one in three): the flat layout over the range the accumulator holds (its
     // shard, as the library reports it), each f32 tensor's weights at its offset, a word spare
     // for a misaligned address; or NULL, misaligned or of the wrong length.
@@ -457,6 +436,36 @@ fn f32s_of(words: &[u32]) -> Vec<f32> {
     words.iter().map(|&b| f32::from_bits(b)).collect()
 }
 
+/// One way in twelve, a bad `weights` argument: a NULL list, a NULL weight, a misaligned one (one
+/// byte into its buffer, which holds a word more than the tensor: `misalign`) or a wrong count.
+/// Bends `ptrs` in place; returns whether the list is passed (else NULL), the count to pass, and
+/// whether the arguments are valid.
+fn bend_weights<P: Copy>(
+    input: &mut Input,
+    ptrs: &mut [P],
+    null: P,
+    misalign: impl Fn(P) -> P,
+) -> (bool, usize, bool) {
+    let n = ptrs.len();
+    match input.u8() % 12 {
+        0 => (false, n, false),
+        1 => {
+            ptrs[input.below(n)] = null;
+            (true, n, false)
+        }
+        2 => {
+            let t = input.below(n);
+            ptrs[t] = misalign(ptrs[t]);
+            (true, n, false)
+        }
+        3 => {
+            let n_arg = [0, n - 1, n + 1, usize::MAX][input.below(4)];
+            (true, n_arg, n_arg == n)
+        }
+        _ => (true, n, true),
+    }
+}
+
 fn step(world: &mut World, input: &mut Input) {
     let (opt, oi) = world.opt_arg(input);
     // Mostly the optimizer's own accumulator, when it is alive.
@@ -477,33 +486,9 @@ fn step(world: &mut World, input: &mut Input) {
     let weights = oi.map_or(&mut scratch, |i| &mut world.opts[i].weights);
     let before = weights.clone();
     let mut ptrs: Vec<*mut c_void> = weights.iter_mut().map(|w| w.as_mut_ptr() as _).collect();
-    let n = ptrs.len();
-    let mut args_ok = true;
-    let mut n_arg = n;
-    let mut weights_ptr = ptrs.as_ptr();
-    match input.u8() % 12 {
-        0 => {
-            weights_ptr = null();
-            args_ok = false;
-        }
-        1 => {
-            ptrs[input.below(n)] = null_mut();
-            weights_ptr = ptrs.as_ptr();
-            args_ok = false;
-        }
-        2 => {
-            let t = input.below(n);
-            // SAFETY: one byte into the buffer, which holds a word more than the tensor.
-            ptrs[t] = unsafe { (ptrs[t] as *mut u8).add(1) as *mut c_void };
-            weights_ptr = ptrs.as_ptr();
-            args_ok = false;
-        }
-        3 => {
-            n_arg = [0, n - 1, n + 1, usize::MAX][input.below(4)];
-            args_ok = n_arg == n;
-        }
-        _ => {}
-    }
+    let (listed, n_arg, args_ok) =
+        bend_weights(input, &mut ptrs, null_mut(), |p| p.cast::<u8>().wrapping_add(1).cast());
+    let weights_ptr = if listed { ptrs.as_ptr() } else { null() };
     let null_stepped = input.u8().is_multiple_of(8);
     let mut stepped = false;
     // SAFETY: as for create; the weights are the model's own buffers, lent for the call.
