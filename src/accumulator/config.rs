@@ -183,9 +183,8 @@ pub enum Overflow {
     /// size, allocated at its first use), and each rank counts it dropped.
     ///
     /// CPU and CUDA accumulators, every sharding policy. On CUDA the check of an `add`, and the
-    /// close of a micro-batch
-    /// fed tensor by tensor, read per-tensor flags back to the host: each waits for the
-    /// accumulator's stream, so such calls cannot be captured in a CUDA graph.
+    /// close of a micro-batch fed tensor by tensor, read per-tensor flags back to the host: each
+    /// waits for the accumulator's stream, so such calls cannot be captured in a CUDA graph.
     DropMicrobatch,
 }
 
