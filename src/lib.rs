@@ -46,19 +46,46 @@
 // the builds with it (the workspace, its tests) still check for dead code and unused imports.
 #![cfg_attr(not(feature = "internal"), allow(dead_code, unused_imports))]
 
-/// The crate's modules: public with feature `internal` (for gradacc-capi, the tests and the
-/// benches; no semver promise), private otherwise, so that the Rust API is the names exported
-/// below.
-macro_rules! internal_modules {
-    ($($name:ident),* $(,)?) => {$(
-        #[cfg(feature = "internal")]
-        pub mod $name;
-        #[cfg(not(feature = "internal"))]
-        mod $name;
-    )*};
-}
-
-internal_modules!(accumulator, backend, comm, device, dtype, error, math, optimizer, scaler);
+// The crate's modules: public with feature `internal` (for gradacc-capi, the tests and the
+// benches; no semver promise), private otherwise, so that the Rust API is the names exported
+// below. Each is declared twice, in full, so that rustfmt (which does not look inside macros)
+// formats every file.
+#[cfg(feature = "internal")]
+pub mod accumulator;
+#[cfg(not(feature = "internal"))]
+mod accumulator;
+#[cfg(feature = "internal")]
+pub mod backend;
+#[cfg(not(feature = "internal"))]
+mod backend;
+#[cfg(feature = "internal")]
+pub mod comm;
+#[cfg(not(feature = "internal"))]
+mod comm;
+#[cfg(feature = "internal")]
+pub mod device;
+#[cfg(not(feature = "internal"))]
+mod device;
+#[cfg(feature = "internal")]
+pub mod dtype;
+#[cfg(not(feature = "internal"))]
+mod dtype;
+#[cfg(feature = "internal")]
+pub mod error;
+#[cfg(not(feature = "internal"))]
+mod error;
+#[cfg(feature = "internal")]
+pub mod math;
+#[cfg(not(feature = "internal"))]
+mod math;
+#[cfg(feature = "internal")]
+pub mod optimizer;
+#[cfg(not(feature = "internal"))]
+mod optimizer;
+#[cfg(feature = "internal")]
+pub mod scaler;
+#[cfg(not(feature = "internal"))]
+mod scaler;
 mod state;
 
 pub use accumulator::{

@@ -26,8 +26,7 @@ pub(crate) mod tensor_stats;
 mod window;
 
 pub use config::{
-    AccumulatorConfig, LossReduction, Normalize, Overflow, Sharding, TensorDesc,
-    MAX_WINDOW_COUNT,
+    AccumulatorConfig, LossReduction, Normalize, Overflow, Sharding, TensorDesc, MAX_WINDOW_COUNT,
 };
 
 use std::ffi::c_void;
@@ -207,10 +206,7 @@ impl<'a> Gradient<'a> {
 
 /// `what` (a setting) where no store runs it (`where_`).
 fn not_here(what: &str, where_: &str) -> Error {
-    Error::new(
-        ErrorKind::BackendUnavailable,
-        format!("{what} does not run {where_}"),
-    )
+    Error::new(ErrorKind::BackendUnavailable, format!("{what} does not run {where_}"))
 }
 
 /// Gradients in memory the store cannot read.
@@ -417,7 +413,9 @@ impl SyncInfo {
             Some((microbatch, tensor, rank)) => {
                 Some(OverflowAt::Gradient { rank, microbatch, tensor })
             }
-            None if total.first_bad == OverflowKey::NONE && found_inf => Some(OverflowAt::Reduction),
+            None if total.first_bad == OverflowKey::NONE && found_inf => {
+                Some(OverflowAt::Reduction)
+            }
             None => None,
         };
         SyncInfo {
@@ -1126,7 +1124,8 @@ impl Accumulator {
                     // Once the window has its place, only a drop or `tensor_stats` needs to know
                     // which.
                     self.window.contribute(&w, index, |tensor, first| {
-                        let went_bad = self.store.add_tensor(tensor, source, grad, weight, first)?;
+                        let went_bad =
+                            self.store.add_tensor(tensor, source, grad, weight, first)?;
                         let wanted = drop || self.plan.config.tensor_stats || w.first_bad.is_none();
                         Ok((went_bad && wanted)
                             .then(|| self.store.finite_gradient(source, grad, weight)))
@@ -1232,7 +1231,8 @@ impl Accumulator {
             }
             return Ok(());
         }
-        if let Some(tensor) = bad.first().copied().into_iter().chain(self.window.overflowed()).min() {
+        if let Some(tensor) = bad.first().copied().into_iter().chain(self.window.overflowed()).min()
+        {
             w.went_bad(tensor);
         }
         if drop {
@@ -1359,28 +1359,22 @@ impl Accumulator {
             nonfinite,
             error,
         };
-        let agreed = self
-            .store
-            .agree(&proposal)
-            .map_err(|e| match e.kind {
-                // Nothing was reduced: the caller may save the window or sync again on a new group.
-                ErrorKind::CommFailure | ErrorKind::Timeout => {
-                    // A sharded accumulation is bound to its communicator: it resumes in a new one.
-                    let next = if self.store.bound().is_some() {
-                        "load it into an accumulation on a new communicator"
-                    } else {
-                        "or sync again on a new communicator"
-                    };
-                    Error::new(
-                        e.kind,
-                        format!(
-                            "{}; this rank's window is intact (save_window it, {next})",
-                            e.message
-                        ),
-                    )
-                }
-                _ => e,
-            })?;
+        let agreed = self.store.agree(&proposal).map_err(|e| match e.kind {
+            // Nothing was reduced: the caller may save the window or sync again on a new group.
+            ErrorKind::CommFailure | ErrorKind::Timeout => {
+                // A sharded accumulation is bound to its communicator: it resumes in a new one.
+                let next = if self.store.bound().is_some() {
+                    "load it into an accumulation on a new communicator"
+                } else {
+                    "or sync again on a new communicator"
+                };
+                Error::new(
+                    e.kind,
+                    format!("{}; this rank's window is intact (save_window it, {next})", e.message),
+                )
+            }
+            _ => e,
+        })?;
         if let Some(t) = &agreed.totals {
             if t.microbatches == 0 && t.dropped != 0 {
                 // Every micro-batch of every rank was dropped: nothing to reduce, the step is

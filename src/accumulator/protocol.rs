@@ -108,9 +108,7 @@ impl Step {
                 "an add_tensor call of this micro-batch was refused on another rank, so the sums \
                  lack its tensor"
             }
-            Step::Optimizer { .. } => {
-                "another rank's optimizer step was invalid; no rank stepped"
-            }
+            Step::Optimizer { .. } => "another rank's optimizer step was invalid; no rank stepped",
         }
     }
 }

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use super::layout::Layout;
 use super::{protocol, Plan, Sharding};
-use crate::math::NORM_BLOCK;
 use crate::comm::Communicator;
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
 
 /// The part of `a` inside `b`; when they do not meet, an empty range at the end of `b` nearest
 /// to `a`.

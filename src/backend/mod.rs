@@ -74,7 +74,11 @@ pub(crate) unsafe fn raw_gradients<'a>(
     if grads.len() != descs.len() {
         return Err(Error::new(
             ErrorKind::SizeMismatch,
-            format!("add got {} gradients, the accumulator has {} tensors", grads.len(), descs.len()),
+            format!(
+                "add got {} gradients, the accumulator has {} tensors",
+                grads.len(),
+                descs.len()
+            ),
         ));
     }
     if let Device::Cuda { .. } = device {
@@ -107,9 +111,8 @@ pub(crate) unsafe fn raw_gradient<'a>(
         Device::Cuda { .. } => Gradient::Device(grad as DevicePtr),
         // SAFETY: the caller's contract.
         Device::Cpu => Gradient::Host(
-            unsafe { dtype::grad_view(grad, desc.numel, desc.dtype) }.ok_or_else(|| {
-                dtype::buffer_error(grad, desc.numel, desc.dtype, "grad")
-            })?,
+            unsafe { dtype::grad_view(grad, desc.numel, desc.dtype) }
+                .ok_or_else(|| dtype::buffer_error(grad, desc.numel, desc.dtype, "grad"))?,
         ),
     })
 }

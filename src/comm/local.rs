@@ -22,9 +22,9 @@ use super::{
     Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::backend::cpu;
-use crate::math::NORM_BLOCK;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
 
 /// The handle's timeout in nanoseconds when it is this value: wait forever.
 const FOREVER: u64 = u64::MAX;

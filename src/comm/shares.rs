@@ -8,9 +8,10 @@
 use std::ops::Range;
 
 use super::BlockPass;
-use crate::backend::cpu; use crate::math::NORM_BLOCK;
+use crate::backend::cpu;
 use crate::dtype::Dtype;
 use crate::error::Result;
+use crate::math::NORM_BLOCK;
 
 /// Elements of one rank's share of a full chunk (256 KB). A share and the other ranks' copies of
 /// it stay in L2 from the exchange through the sum and the pass to the gather. At 2 processes on

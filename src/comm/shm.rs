@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use super::liveness::Peers;
 use super::shares::{self, ShareTransport, Step, PAGE, SHARE_NUMEL, SKEW};
-use crate::math::NORM_BLOCK;
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
 
 /// One cache line and its neighbour (the adjacent-line prefetcher pairs them): the abort word and
 /// each rank's counter get their own, so a rank polling one never slows the rank raising another.

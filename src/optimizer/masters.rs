@@ -11,7 +11,10 @@ use crate::error::{Error, Result};
 pub(super) enum Masters {
     Owned(Vec<f32>),
     /// The caller's `len` values at `ptr`, never freed here.
-    Adopted { ptr: *mut f32, len: usize },
+    Adopted {
+        ptr: *mut f32,
+        len: usize,
+    },
 }
 
 // SAFETY: an adopted buffer is plain f32 memory that the caller lends for the optimizer's
@@ -75,9 +78,7 @@ impl DerefMut for Masters {
             Masters::Owned(v) => v,
             // SAFETY: as `deref`; `&mut self`, held under the state's lock, excludes every
             // other access through the optimizer, and the caller makes none while it writes.
-            Masters::Adopted { ptr, len } => unsafe {
-                std::slice::from_raw_parts_mut(*ptr, *len)
-            },
+            Masters::Adopted { ptr, len } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
         }
     }
 }

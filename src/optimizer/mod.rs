@@ -27,9 +27,9 @@ use crate::backend::cuda::optimizer::{self as cuda, DeviceOptimizer, Setup};
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, ControlSum, HostCollectives};
 use crate::device::{Device, DevicePtr};
-use crate::math::{bf16_to_f32, f16_to_f32};
 use crate::dtype::{self, Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::{bf16_to_f32, f16_to_f32};
 use masters::Masters;
 use update::Scalars;
 
@@ -537,17 +537,18 @@ impl Optimizer {
             (None, None) => {}
         }
         let rule = cuda::rule(&self.algorithm, self.rounding);
-        let stepped = acc.with_reduced_on_device("the optimizer step", |window, info, reduced| {
-            s.consumed = Some(window);
-            let device = s.device.as_ref().expect("checked above");
-            device.step(reduced, weights, rule, group)?;
-            match info {
-                Some(info) if !info.found_inf => s.steps += 1,
-                Some(_) => {}
-                None => s.steps_known = false,
-            }
-            Ok(info.map(|i| !i.found_inf))
-        })?;
+        let stepped =
+            acc.with_reduced_on_device("the optimizer step", |window, info, reduced| {
+                s.consumed = Some(window);
+                let device = s.device.as_ref().expect("checked above");
+                device.step(reduced, weights, rule, group)?;
+                match info {
+                    Some(info) if !info.found_inf => s.steps += 1,
+                    Some(_) => {}
+                    None => s.steps_known = false,
+                }
+                Ok(info.map(|i| !i.found_inf))
+            })?;
         Ok(stepped)
     }
 
@@ -613,10 +614,7 @@ impl Optimizer {
     }
 
     /// The host collectives of a CPU step's all-gather, and the shards.
-    fn host_group<'a>(
-        &self,
-        group: Option<ShardGroup<'a>>,
-    ) -> Result<Option<GatherGroup<'a>>> {
+    fn host_group<'a>(&self, group: Option<ShardGroup<'a>>) -> Result<Option<GatherGroup<'a>>> {
         let Some((comm, shards, rank)) = group else { return Ok(None) };
         match comm.collectives() {
             Collectives::Host(h) => Ok(Some((h, shards, rank))),
@@ -693,9 +691,8 @@ impl Optimizer {
                 (!p.tensor.is_empty()).then_some((i, p.tensor))
             })
         };
-        let bytes = |q: usize| -> usize {
-            pieces(q).map(|(i, r)| r.len() * self.dtypes[i].size()).sum()
-        };
+        let bytes =
+            |q: usize| -> usize { pieces(q).map(|(i, r)| r.len() * self.dtypes[i].size()).sum() };
         let counts: Vec<usize> = (0..shards.len()).map(bytes).collect();
         let mut mine = Vec::with_capacity(counts[rank]);
         for (i, r) in pieces(rank) {
@@ -909,9 +906,7 @@ fn value_at(g: &Grad<'_>, at: usize) -> f32 {
 fn append_bytes(w: &GradMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
     match w {
         GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_bits().to_le_bytes())),
-        GradMut::F16(b) | GradMut::Bf16(b) => {
-            b[r].iter().for_each(|v| out.extend(v.to_le_bytes()))
-        }
+        GradMut::F16(b) | GradMut::Bf16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
     }
 }
 
@@ -920,10 +915,9 @@ fn set_bytes(w: &mut GradMut<'_>, r: Range<usize>, bytes: &[u8]) {
         GradMut::F32(b) => b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
             *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
         }),
-        GradMut::F16(b) | GradMut::Bf16(b) => {
-            b[r].iter_mut().zip(bytes.chunks_exact(2)).for_each(|(v, c)| {
-                *v = u16::from_le_bytes(c.try_into().expect("2 bytes"))
-            })
-        }
+        GradMut::F16(b) | GradMut::Bf16(b) => b[r]
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(v, c)| *v = u16::from_le_bytes(c.try_into().expect("2 bytes"))),
     }
 }

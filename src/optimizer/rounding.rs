@@ -2,8 +2,8 @@
 //! rounding driven by a counter-based generator, so that every rank, shard count and rerun draws
 //! the same number for the same element of the same step.
 
-use crate::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::dtype::Dtype;
+use crate::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// How an FP32 master weight becomes the model's 16-bit weight.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -158,7 +158,11 @@ mod tests {
             z = mix(z);
             let mut c = counter(z, base);
             for i in 0..1000u64 {
-                assert_eq!(draw_at(c), draw(z, base.wrapping_add(i)), "key {z:#x} index {base}+{i}");
+                assert_eq!(
+                    draw_at(c),
+                    draw(z, base.wrapping_add(i)),
+                    "key {z:#x} index {base}+{i}"
+                );
                 c = next(c);
             }
         }
@@ -173,7 +177,12 @@ mod tests {
             z = mix(z);
             let x = f32::from_bits(z as u32);
             let r = (z >> 32) as u32;
-            assert_eq!(stochastic_bf16(x, r), general(x, r), "{x:e} ({:#x}), r {r:#x}", x.to_bits());
+            assert_eq!(
+                stochastic_bf16(x, r),
+                general(x, r),
+                "{x:e} ({:#x}), r {r:#x}",
+                x.to_bits()
+            );
         }
         for x in [f32::MAX, -f32::MAX, 3.3895e38, f32::MIN_POSITIVE, 1e-45, -0.0] {
             for r in [0, 1, u32::MAX / 2, u32::MAX] {

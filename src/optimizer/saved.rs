@@ -103,7 +103,9 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
         )));
     }
     if super::config::check_lr(lr).is_err() {
-        return Err(corrupt(format!("the saved learning rate {lr} is not finite and non-negative")));
+        return Err(corrupt(format!(
+            "the saved learning rate {lr} is not finite and non-negative"
+        )));
     }
     if steps == u64::MAX {
         return Err(corrupt(format!("the saved step count {steps} leaves no step to take")));
@@ -136,5 +138,15 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
     let [master, first, second] = values;
     let held = held.clone();
     let master = Masters::Owned(master);
-    Ok(State { lr, steps, consumed: None, held, master, first, second, device: None, steps_known: true })
+    Ok(State {
+        lr,
+        steps,
+        consumed: None,
+        held,
+        master,
+        first,
+        second,
+        device: None,
+        steps_known: true,
+    })
 }

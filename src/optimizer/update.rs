@@ -165,7 +165,8 @@ mod tests {
 
     #[test]
     fn sgd_momentum_starts_from_the_gradient() {
-        let a = Algorithm::Sgd { momentum: 0.9, dampening: 0.5, nesterov: false, weight_decay: 0.0 };
+        let a =
+            Algorithm::Sgd { momentum: 0.9, dampening: 0.5, nesterov: false, weight_decay: 0.0 };
         let sgd = |t| match Scalars::new(&a, 0.1, true, t) {
             Scalars::Sgd(k) => k,
             _ => unreachable!(),

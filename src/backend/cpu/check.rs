@@ -4,9 +4,9 @@
 //! same factor, so a value passes exactly when the add would write it finite.
 
 use super::math::{bf16_to_f32, f16_to_f32};
+use super::MIN_ELEMENTS_PER_THREAD;
 #[cfg(target_arch = "x86_64")]
 use super::{active_isa, Isa};
-use super::MIN_ELEMENTS_PER_THREAD;
 use crate::dtype::Grad;
 
 /// Whether every value of `grad`, multiplied by `factor`, is finite. Magnitudes order as their

@@ -233,7 +233,8 @@ impl Sharded<'_> {
     /// One control step of a micro-batch over the shard group (see [`protocol`]), this rank's
     /// micro-batch claimed `dropped` or not; the agreed sum.
     fn control_step(&self, step: Step, own: Option<&Error>, dropped: bool) -> Result<ControlSum> {
-        let claim = Control { dropped: dropped as u64, ..step.claim(self.plan, None, own.is_some()) };
+        let claim =
+            Control { dropped: dropped as u64, ..step.claim(self.plan, None, own.is_some()) };
         let group = between_ranks(self.sharding.comm())?.map(HostChannel);
         let mine = ControlSum::of(&claim);
         protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)

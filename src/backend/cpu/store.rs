@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::master::Master;
-use super::{check, math};
 use super::sharded::ShardMemory;
+use super::{check, math};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
@@ -171,9 +171,7 @@ impl HostStore {
             (Some(c), None) => c.reduce_scatter_with_pass(all, &shards, &measured)?,
             (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass, squares)?,
             // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
-            (None, Some(r)) => {
-                r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?
-            }
+            (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?,
             (None, None) => pass_whole(all, &measured, pass.threads),
         };
         Ok((boundary.info(&block_sums), boundary.stats_scale()))

@@ -470,8 +470,17 @@ impl DeviceBuffer {
 
     /// Enqueues a copy of `bytes` bytes from byte `from_at` of `from` (a buffer of the same
     /// context) to byte `at` of this buffer, on this buffer's stream.
-    pub fn copy_from(&self, at: usize, from: &DeviceBuffer, from_at: usize, bytes: usize) -> Result<()> {
-        assert!(at + bytes <= self.bytes && from_at + bytes <= from.bytes, "device copy out of bounds");
+    pub fn copy_from(
+        &self,
+        at: usize,
+        from: &DeviceBuffer,
+        from_at: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        assert!(
+            at + bytes <= self.bytes && from_at + bytes <= from.bytes,
+            "device copy out of bounds"
+        );
         assert!(Arc::ptr_eq(&self.ctx, &from.ctx), "a device copy across contexts");
         if bytes == 0 {
             return Ok(());

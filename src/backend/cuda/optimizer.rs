@@ -250,7 +250,9 @@ impl DeviceOptimizer {
             step_table,
             master,
             first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
-            second: second_moment.then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4)).transpose()?,
+            second: second_moment
+                .then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4))
+                .transpose()?,
             steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
             lr: DeviceBuffer::from_slice(&ctx, stream, &[lr])?,
             claims: Claims::new(&ctx, stream)?,
@@ -266,7 +268,12 @@ impl DeviceOptimizer {
 
     /// Checks that each model weight is one device allocation of its tensor's length: a host
     /// address, or a buffer too short, is refused (`DeviceMismatch`), the kernels never see it.
-    pub(crate) fn check_weights(&self, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
+    pub(crate) fn check_weights(
+        &self,
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+        numel: &[usize],
+    ) -> Result<()> {
         check_weights(&self.ctx, weights, dtypes, numel)
     }
 
@@ -339,9 +346,7 @@ impl DeviceOptimizer {
             // gradient hold, and inside their tensors, whose weights hold numel values of their
             // dtypes (checked by `check_weights`); the boundary, the step count and the learning
             // rate are live buffers of this context.
-            unsafe {
-                self.kernels.opt_step.launch_over(ctx, stream, num_chunks, &mut args)
-            }
+            unsafe { self.kernels.opt_step.launch_over(ctx, stream, num_chunks, &mut args) }
         })?;
         let mut args = launch_args!(boundary, steps);
         // SAFETY: ga_opt_advance takes the boundary and the u64 step count, both live buffers.
@@ -354,7 +359,13 @@ impl DeviceOptimizer {
         Ok(())
     }
 
-    fn copy(&self, table: &Table, weights: &[DevicePtr], staging: CUdeviceptr, to: bool) -> Result<()> {
+    fn copy(
+        &self,
+        table: &Table,
+        weights: &[DevicePtr],
+        staging: CUdeviceptr,
+        to: bool,
+    ) -> Result<()> {
         let (ctx, stream, tensors) = (&*self.ctx, self.stream, self.tensors.ptr());
         let to_staging = to as u32;
         table.each(weights, |chunks, num_chunks, w| {
@@ -362,9 +373,7 @@ impl DeviceOptimizer {
             // SAFETY: the arguments follow ga_opt_copy's signature; every chunk lies inside its
             // tensor's weights and inside its rank's slot of the staging, sized for the largest
             // slot.
-            unsafe {
-                self.kernels.opt_copy.launch_over(ctx, stream, num_chunks, &mut args)
-            }
+            unsafe { self.kernels.opt_copy.launch_over(ctx, stream, num_chunks, &mut args) }
         })
     }
 
@@ -448,8 +457,11 @@ fn masters_from(
             _ => {
                 let mut bits = vec![0u16; out.len()];
                 weight.read_at(offset, &mut bits)?;
-                let widen =
-                    if dtype == Dtype::F16 { crate::math::f16_to_f32 } else { crate::math::bf16_to_f32 };
+                let widen = if dtype == Dtype::F16 {
+                    crate::math::f16_to_f32
+                } else {
+                    crate::math::bf16_to_f32
+                };
                 out.iter_mut().zip(bits).for_each(|(m, b)| *m = widen(b));
             }
         }
@@ -473,7 +485,12 @@ pub(crate) fn check_weights_on(
     check_weights(&*Context::get(ordinal)?, weights, dtypes, numel)
 }
 
-fn check_weights(ctx: &Context, weights: &[DevicePtr], dtypes: &[Dtype], numel: &[usize]) -> Result<()> {
+fn check_weights(
+    ctx: &Context,
+    weights: &[DevicePtr],
+    dtypes: &[Dtype],
+    numel: &[usize],
+) -> Result<()> {
     for (i, ((&w, &dtype), &n)) in weights.iter().zip(dtypes).zip(numel).enumerate() {
         check_allocation(ctx, w, n, dtype, &format!("`weights[{i}]`"), "weights")?;
     }

@@ -183,9 +183,7 @@ impl ScalerStore for CudaScaler {
         let mut args = launch_args!(loss, n, dtype_code, state);
         // SAFETY: argument types follow ga_scale_loss; `loss` holds `numel` values (caller's
         // contract).
-        unsafe {
-            f.launch_over(&self.ctx, self.stream, n.div_ceil(THREADS as u64), &mut args)
-        }
+        unsafe { f.launch_over(&self.ctx, self.stream, n.div_ceil(THREADS as u64), &mut args) }
     }
 
     /// The state only kernels update, from the flags gathered into it.

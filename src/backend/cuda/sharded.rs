@@ -34,9 +34,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event};
-use super::layout::{
-    GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH,
-};
+use super::layout::{GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::store::overflow::once;
 use super::store::{
     alone, nccl, norm_and_clip, pack_control, reduce_control, reduce_to_owners,
@@ -45,11 +43,11 @@ use super::store::{
 use crate::accumulator::protocol::Step;
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
 use crate::accumulator::{Agreed, DeviceScale, Overflow, Plan, Proposal};
-use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
 
 /// Staging buffers kept between tensor-by-tensor micro-batches.
 const KEPT_STAGES: usize = 2;
@@ -342,7 +340,12 @@ impl Sharded<'_> {
             // holds the tensor); the gradient holds the tensor's numel values (the caller's
             // contract, checked for size by the accumulator); the flag is a u32 of this store.
             unsafe {
-                self.store.kernels.add_one.launch_over(&self.store.ctx, self.store.stream, numel.div_ceil(CHUNK as u64), &mut args)
+                self.store.kernels.add_one.launch_over(
+                    &self.store.ctx,
+                    self.store.stream,
+                    numel.div_ceil(CHUNK as u64),
+                    &mut args,
+                )
             }
         })
     }
@@ -563,7 +566,12 @@ impl Sharded<'_> {
                 // ends inside the tensor, whose numel values the caller's address holds; a piece
                 // of padding (f32, shorter than MASTER_ALIGN bytes) reads `zeros`, that long.
                 unsafe {
-                    self.store.kernels.add_multi.launch_over(&self.store.ctx, self.store.stream, num_chunks, &mut args)
+                    self.store.kernels.add_multi.launch_over(
+                        &self.store.ctx,
+                        self.store.stream,
+                        num_chunks,
+                        &mut args,
+                    )
                 }
             })?;
         }
@@ -583,7 +591,12 @@ impl Sharded<'_> {
         let mut args = launch_args!(dst, src, numel, dtype, unit, weight, assign, flag);
         // SAFETY: argument types follow ga_add_one; the addresses are the caller's contract.
         unsafe {
-            self.store.kernels.add_one.launch_over(&self.store.ctx, stream, numel.div_ceil(CHUNK as u64), &mut args)
+            self.store.kernels.add_one.launch_over(
+                &self.store.ctx,
+                stream,
+                numel.div_ceil(CHUNK as u64),
+                &mut args,
+            )
         }
     }
 
@@ -771,7 +784,8 @@ impl Sharded<'_> {
             if poisoned {
                 self.mem.sharding.note_poisoned();
             }
-            let dropped = self.mem.sharding.close(|own, poisoned| self.close_together(own, poisoned))?;
+            let dropped =
+                self.mem.sharding.close(|own, poisoned| self.close_together(own, poisoned))?;
             if dropped {
                 self.restore().inspect_err(|_| self.mem.sharding.lose())?;
             }

@@ -40,12 +40,12 @@ use crate::accumulator::{
     Agreed, DeviceScale, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, Reduced,
     ScaleSource, Sharding, Store, SyncInfo, TensorStats, TensorWrite,
 };
-use crate::math::NORM_BLOCK;
 use crate::comm::nccl::NcclComm;
 use crate::comm::{Collectives, Communicator, Control, ControlSum, OverflowKey};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
 
 pub(super) mod overflow;
 
@@ -656,11 +656,7 @@ impl DeviceStore {
             comm_stream: OnceLock::new(),
             flags: OnceLock::new(),
             stage: OnceLock::new(),
-            stats: plan
-                .config
-                .tensor_stats
-                .then(|| Stats::new(&plan, &ctx, stream))
-                .transpose()?,
+            stats: plan.config.tensor_stats.then(|| Stats::new(&plan, &ctx, stream)).transpose()?,
             wire: (plan.config.wire == Dtype::Bf16)
                 .then(|| Wire::new(ctx.clone(), kernels.clone(), stream))
                 .transpose()?,
@@ -960,9 +956,7 @@ impl DeviceStore {
                 // SAFETY: argument types follow ga_add_multi (`sources` by value); the chunk range
                 // is this launch's tensors', tables and master were sized at creation, and the
                 // gradient addresses hold their tensors' numel values (the caller's contract).
-                unsafe {
-                    f.launch_over(&self.ctx, self.stream, num_chunks, &mut args)
-                }
+                unsafe { f.launch_over(&self.ctx, self.stream, num_chunks, &mut args) }
             })?;
         }
         Ok(())

@@ -118,7 +118,12 @@ impl Wire {
             // SAFETY: argument types follow ga_to_bf16; `words` holds `len` u16 (sized above) and
             // `data` the caller's `len` f32 of this context.
             unsafe {
-                self.kernels.to_bf16.launch_over(&self.ctx, stream, len.div_ceil(THREADS as u64), &mut args)?
+                self.kernels.to_bf16.launch_over(
+                    &self.ctx,
+                    stream,
+                    len.div_ceil(THREADS as u64),
+                    &mut args,
+                )?
             };
         }
         let sends: Vec<(CUdeviceptr, usize)> =
@@ -132,7 +137,12 @@ impl Wire {
             // SAFETY: argument types follow ga_sum_bf16; `incoming` holds `world * n` u16 (sized
             // above) and `out` the caller's `n` f32 of this context.
             unsafe {
-                self.kernels.sum_bf16.launch_over(&self.ctx, stream, n.div_ceil(THREADS as u64), &mut args)?
+                self.kernels.sum_bf16.launch_over(
+                    &self.ctx,
+                    stream,
+                    n.div_ceil(THREADS as u64),
+                    &mut args,
+                )?
             };
         }
         Ok(())

@@ -184,9 +184,7 @@ impl DeviceStore {
                 // SAFETY: argument types follow ga_check_multi (`sources` by value); the chunk
                 // range is this launch's tensors', the flags hold one u32 per tensor, and the
                 // gradient addresses hold their tensors' numel values (the caller's contract).
-                unsafe {
-                    f.launch_over(&self.ctx, self.stream, num_chunks, &mut args)
-                }
+                unsafe { f.launch_over(&self.ctx, self.stream, num_chunks, &mut args) }
             })?;
         }
         Ok(())
@@ -205,7 +203,12 @@ impl DeviceStore {
         let mut args = launch_args!(counts, flags, n);
         // SAFETY: argument types follow ga_count_flags; both buffers hold one value per tensor.
         unsafe {
-            self.kernels.count_flags.launch_over(&self.ctx, self.stream, n.div_ceil(THREADS as u64), &mut args)
+            self.kernels.count_flags.launch_over(
+                &self.ctx,
+                self.stream,
+                n.div_ceil(THREADS as u64),
+                &mut args,
+            )
         }
     }
 
@@ -220,7 +223,12 @@ impl DeviceStore {
         // SAFETY: argument types follow ga_merge; both ranges are the tensor's, in buffers of the
         // layout's length.
         unsafe {
-            self.kernels.merge.launch_over(&self.ctx, self.stream, numel.div_ceil(CHUNK as u64), &mut args)
+            self.kernels.merge.launch_over(
+                &self.ctx,
+                self.stream,
+                numel.div_ceil(CHUNK as u64),
+                &mut args,
+            )
         }
     }
 
