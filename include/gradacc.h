@@ -417,7 +417,8 @@ typedef struct gradacc_sync_info_t {
     uint64_t dropped_microbatches;
     /**
      * GRADACC_OVERFLOW_AT_*: where the window first went non-finite, in the order micro-batch,
-     * then tensor, then rank; the same on every rank.
+     * then tensor, then rank; the same on every rank. NONE with found_inf set when a rank's
+     * place is unknown (GRADACC_OVERFLOW_AT_NONE says when), whatever the other ranks located.
      */
     gradacc_overflow_at_t overflow_at;
     /**
@@ -679,9 +680,14 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_OVERFLOW_DROP_MICROBATCH 1
 
 /**
- * Nowhere: the window stayed finite (or found_inf is set but the place is not located: on CUDA
- * under GRADACC_OVERFLOW_SKIP_STEP, or a sum that overflowed the master under
- * GRADACC_OVERFLOW_DROP_MICROBATCH).
+ * Nowhere: the window stayed finite, or found_inf is set and the first place is unknown (a
+ * rank's window went non-finite where nothing recorded it, which may come before any other
+ * place, so no rank names one). Such places: a window restored by gradacc_accumulator_load_window or
+ * gradacc_accumulator_merge_window that holds a non-finite value (every device and policy);
+ * on CUDA under GRADACC_OVERFLOW_SKIP_STEP, every overflowing window; on CUDA under
+ * GRADACC_OVERFLOW_DROP_MICROBATCH, a kept micro-batch whose sum overflowed a whole master
+ * (the CPU locates that one: GRADIENT). A shard's overflowing sum under sharded accumulation is
+ * REDUCTION on both devices.
  */
 #define GRADACC_OVERFLOW_AT_NONE 0
 

@@ -1163,6 +1163,58 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
     }
 }
 
+/// A restored window's unknown place may be the group's first, so it is never beaten by a later,
+/// located one: rank 0 restores a window saved with an inf in tensor 0 and adds a clean
+/// micro-batch, rank 1 adds a clean micro-batch and then one with an inf in tensor 1. Every rank
+/// reports the overflow unlocated, under all-reduce and reduce-scatter boundaries.
+#[test]
+fn a_restored_unknown_place_is_not_beaten_by_a_later_one() {
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::F32 }, TensorDesc { numel: 2, dtype: Dtype::F32 }];
+    let (clean, bad) = ([1.0f32, 2.0, 3.0], [1.0f32, f32::INFINITY, 3.0]);
+    let (clean1, bad1) = ([4.0f32, 5.0], [f32::INFINITY, 5.0]);
+    let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+    let saver = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    saver.add(&scaler, &[Grad::F32(&bad), Grad::F32(&clean1)], 1).unwrap();
+    let poisoned = saver.save_window().unwrap();
+    for sharding in [Sharding::None, Sharding::ReduceScatter { shards: 2, rank: 0 }] {
+        let comms = LocalComm::group(2).unwrap();
+        let infos: Vec<SyncInfo> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    let poisoned = &poisoned;
+                    s.spawn(move || {
+                        let sharding = match sharding {
+                            Sharding::ReduceScatter { shards, .. } => {
+                                Sharding::ReduceScatter { shards, rank: comm.rank() }
+                            }
+                            other => other,
+                        };
+                        let config = AccumulatorConfig { sharding, ..Default::default() };
+                        let acc = Accumulator::new(config, &tensors).unwrap();
+                        let scaler =
+                            Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() })
+                                .unwrap();
+                        if comm.rank() == 0 {
+                            acc.load_window(poisoned).unwrap();
+                            acc.add(&scaler, &[Grad::F32(&clean), Grad::F32(&clean1)], 1).unwrap();
+                        } else {
+                            acc.add(&scaler, &[Grad::F32(&clean), Grad::F32(&clean1)], 1).unwrap();
+                            acc.add(&scaler, &[Grad::F32(&clean), Grad::F32(&bad1)], 1).unwrap();
+                        }
+                        acc.sync(Some(comm)).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, info) in infos.iter().enumerate() {
+            assert_eq!((info.found_inf, info.overflow), (true, None), "{sharding:?}, rank {rank}");
+        }
+    }
+}
+
 /// Under DROP_MICROBATCH on CUDA the final micro-batch is staged like any other (its buckets are
 /// not reduced early): a poisoned one is dropped on its rank, a clean one lands whole, and
 /// `sync` over the same communicator completes the boundary.

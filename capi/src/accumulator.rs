@@ -86,9 +86,14 @@ pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
 
 /// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
 pub type gradacc_overflow_at_t = i32;
-/// Nowhere: the window stayed finite (or found_inf is set but the place is not located: on CUDA
-/// under GRADACC_OVERFLOW_SKIP_STEP, or a sum that overflowed the master under
-/// GRADACC_OVERFLOW_DROP_MICROBATCH).
+/// Nowhere: the window stayed finite, or found_inf is set and the first place is unknown (a
+/// rank's window went non-finite where nothing recorded it, which may come before any other
+/// place, so no rank names one). Such places: a window restored by gradacc_accumulator_load_window or
+/// gradacc_accumulator_merge_window that holds a non-finite value (every device and policy);
+/// on CUDA under GRADACC_OVERFLOW_SKIP_STEP, every overflowing window; on CUDA under
+/// GRADACC_OVERFLOW_DROP_MICROBATCH, a kept micro-batch whose sum overflowed a whole master
+/// (the CPU locates that one: GRADIENT). A shard's overflowing sum under sharded accumulation is
+/// REDUCTION on both devices.
 pub const GRADACC_OVERFLOW_AT_NONE: gradacc_overflow_at_t = 0;
 /// A gradient: `overflow_rank`, `overflow_microbatch` and `overflow_tensor` say where.
 pub const GRADACC_OVERFLOW_AT_GRADIENT: gradacc_overflow_at_t = 1;
@@ -160,7 +165,8 @@ pub struct gradacc_sync_info_t {
     /// micro-batches are not in total_count and microbatches.
     pub dropped_microbatches: u64,
     /// GRADACC_OVERFLOW_AT_*: where the window first went non-finite, in the order micro-batch,
-    /// then tensor, then rank; the same on every rank.
+    /// then tensor, then rank; the same on every rank. NONE with found_inf set when a rank's
+    /// place is unknown (GRADACC_OVERFLOW_AT_NONE says when), whatever the other ranks located.
     pub overflow_at: gradacc_overflow_at_t,
     /// With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
     /// shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones

@@ -85,7 +85,10 @@ pub struct SyncInfo {
     /// micro-batches are not in the totals above.
     pub dropped_microbatches: u64,
     /// Where the window first went non-finite, the same on every rank; `None` when it stayed
-    /// finite (on CUDA, where the place is not located, `None` with `found_inf`).
+    /// finite. `None` with `found_inf` when a rank's first non-finite place is unknown (a
+    /// restored window holding one; on CUDA under `SkipStep`; a kept sum that overflowed a whole
+    /// CUDA master under `DropMicrobatch`): it may precede every located place, so no rank names
+    /// one.
     pub overflow: Option<OverflowAt>,
 }
 

@@ -168,30 +168,34 @@ impl OverflowKey {
     /// No place: the window stayed finite.
     pub const NONE: u64 = u64::MAX;
     /// A window that went non-finite where no place was recorded (restored from a saved window,
-    /// or on a store that cannot locate): after every located place, before [`Self::NONE`].
-    pub const UNLOCATED: u64 = u64::MAX - 1;
+    /// or on a store that cannot locate). Its place may be any, the very first included, so it
+    /// sorts before every located place: a group with such a rank reports no place.
+    pub const UNLOCATED: u64 = 0;
     const RANK_BITS: u32 = 20;
     const TENSOR_BITS: u32 = 24;
+    const MICROBATCH_BITS: u32 = 64 - Self::TENSOR_BITS - Self::RANK_BITS;
 
     pub fn of(microbatch: u64, tensor: usize, rank: usize) -> u64 {
         let field = |v: u64, bits: u32| v.min((1 << bits) - 1);
-        let mb_bits = 64 - Self::TENSOR_BITS - Self::RANK_BITS;
-        // The all-ones word is NONE: the largest micro-batch index stops one short of it.
-        let mb = field(microbatch, mb_bits).min((1 << mb_bits) - 2);
-        mb << (Self::TENSOR_BITS + Self::RANK_BITS)
+        // The all-ones word is NONE and located keys start at 1 (0 is UNLOCATED): the largest
+        // micro-batch index stops one short of all ones, so adding 1 never reaches NONE.
+        let mb = field(microbatch, Self::MICROBATCH_BITS).min((1 << Self::MICROBATCH_BITS) - 2);
+        let place = mb << (Self::TENSOR_BITS + Self::RANK_BITS)
             | field(tensor as u64, Self::TENSOR_BITS) << Self::RANK_BITS
-            | field(rank as u64, Self::RANK_BITS)
+            | field(rank as u64, Self::RANK_BITS);
+        place + 1
     }
 
     /// The key's (micro-batch, tensor, rank); `None` for [`Self::NONE`] and
     /// [`Self::UNLOCATED`].
     pub fn parts(key: u64) -> Option<(u64, usize, usize)> {
-        (key < Self::UNLOCATED).then(|| {
+        (key != Self::UNLOCATED && key != Self::NONE).then(|| {
+            let place = key - 1;
             let mask = |bits: u32| (1u64 << bits) - 1;
             (
-                key >> (Self::TENSOR_BITS + Self::RANK_BITS),
-                (key >> Self::RANK_BITS & mask(Self::TENSOR_BITS)) as usize,
-                (key & mask(Self::RANK_BITS)) as usize,
+                place >> (Self::TENSOR_BITS + Self::RANK_BITS),
+                (place >> Self::RANK_BITS & mask(Self::TENSOR_BITS)) as usize,
+                (place & mask(Self::RANK_BITS)) as usize,
             )
         })
     }

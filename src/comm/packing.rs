@@ -160,12 +160,14 @@ mod tests {
                     assert_eq!(OverflowKey::parts(kx), Some(x));
                     assert_eq!(kx.cmp(&ky), x.cmp(&y), "{x:?} {y:?}");
                 }
-                assert!(kx < OverflowKey::UNLOCATED, "a place sorts before the unlocated");
+                assert!(kx > OverflowKey::UNLOCATED, "the unlocated sorts before every place");
+                assert!(kx < OverflowKey::NONE);
             }
         }
         // Past their widths the fields saturate, and never reach the two reserved words.
         let huge = OverflowKey::of(u64::MAX, usize::MAX, usize::MAX);
-        assert!(huge < OverflowKey::UNLOCATED);
+        assert!(huge < OverflowKey::NONE);
+        assert!(OverflowKey::of(0, 0, 0) > OverflowKey::UNLOCATED);
         assert_eq!(OverflowKey::parts(huge), Some(((1 << 20) - 2, (1 << 24) - 1, (1 << 20) - 1)));
         assert_eq!(OverflowKey::parts(OverflowKey::NONE), None);
         assert_eq!(OverflowKey::parts(OverflowKey::UNLOCATED), None);

@@ -58,7 +58,7 @@ typedef struct {
 
 /* OverflowKey's words (src/comm/mod.rs): no place, and a place the host does not know. */
 #define GA_KEY_NONE 0xffffffffffffffffull
-#define GA_KEY_UNLOCATED 0xfffffffffffffffeull
+#define GA_KEY_UNLOCATED 0ull
 
 /* Threads per block and elements per block-chunk: the Rust side passes its own values as -D
  * options (src/backend/cuda/compile.rs), so the two cannot drift apart. */
@@ -226,10 +226,10 @@ extern "C" __global__ void ga_pack_control(ga_boundary *b, ga_u64 count, ga_u64 
     b->found_inf = flagged ? 1 : 0;
     b->ranks = ranks;
     b->dropped = dropped;
-    /* A window flagged where the host knows no place (a sum that overflowed the master) went
-     * non-finite after every located place (OverflowKey::UNLOCATED); a shard's flag that no rank
-     * names is a sum's over the ranks, reported as the reduction's (unless `unlocated_if_flagged`:
-     * a restored window). */
+    /* A window flagged where the host knows no place (a sum that overflowed the master) may have
+     * gone non-finite anywhere, so it sorts before every located place (OverflowKey::UNLOCATED);
+     * a shard's flag that no rank names is a sum's over the ranks, reported as the reduction's
+     * (unless `unlocated_if_flagged`: a restored window). */
     if (first_bad == GA_KEY_NONE && flagged && microbatches != 0 && unlocated_if_flagged) {
         first_bad = GA_KEY_UNLOCATED;
     }
