@@ -1430,9 +1430,9 @@ enum gradacc_status_t gradacc_optimizer_steps(const struct gradacc_optimizer_t *
  * when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says
  * which. Under a sharded boundary every rank calls it, and the ranks agree first (a call invalid
  * on one rank fails on all: its own error there, GRADACC_STATUS_PEER_FAILURE elsewhere; ranks
- * whose optimizers differ all fail with GRADACC_STATUS_SIZE_MISMATCH) and then all-gather the
- * weights over `comm`: the
- * communicator sync took (NULL for a sharded accumulation's own). WRONG_STATE before a sync or a
+ * whose optimizers differ, the learning rate and step count included, all fail with
+ * GRADACC_STATUS_SIZE_MISMATCH) and then all-gather the weights over `comm`: the communicator
+ * sync took (NULL for a sharded accumulation's own). WRONG_STATE before a sync or a
  * second time after one. A call whose `weights` are refused here still takes part in the
  * agreement, so the other ranks fail at once.
  *

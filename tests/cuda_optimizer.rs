@@ -1423,3 +1423,85 @@ fn sharded_accumulator(
     let builder = if accumulate { builder.communicator(comm.clone()) } else { builder };
     builder.build().unwrap()
 }
+
+/// One rank of [`a_sharded_step_refuses_ranks_whose_schedules_differ`]: a first sharded step
+/// together, then rank 1's learning rate (set by the host, or written on the device where a
+/// schedule would) or step count (its state before that step, loaded) differs, and the second
+/// step fails on both ranks with nothing changed.
+fn schedule_rank(id: [u8; nccl::UNIQUE_ID_BYTES], rank: usize, accumulate: bool, how: &str) {
+    use cudarc::driver::sys as cu;
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream.cast() };
+    let comm: Arc<dyn Communicator> = Arc::new(NcclComm::new(&id, rank, 2, rank as i32).unwrap());
+    let mut rng = Rng::seeded(17);
+    let descs = layout();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let dtypes: Vec<Dtype> = descs.iter().map(|d| d.dtype).collect();
+    let acc = sharded_accumulator(&descs, device, accumulate, (2, rank), &comm);
+    let host: Vec<HostWeights> =
+        dtypes.iter().zip(&numel).map(|(&d, &n)| HostWeights::random(&mut rng, d, n)).collect();
+    let w = DeviceWeights::upload(&ctx, stream.stream, &host);
+    let oc = OptimizerConfig { lr: 1e-2, ..Default::default() };
+    let opt = Optimizer::new_device(&acc, oc, &[], &w.ptrs, &dtypes).unwrap();
+    let before_first = opt.save().unwrap();
+    let scaler = fixed_scaler(device);
+    let on = if accumulate { None } else { Some(&*comm) };
+    let window = |rng: &mut Rng| {
+        let up = exact_gradient(rng, &descs).upload(&ctx, stream.stream, &descs);
+        let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+        acc.add(&scaler, &ptrs, 1).unwrap();
+        acc.sync(on).unwrap();
+    };
+    window(&mut rng);
+    assert_eq!(opt.step_device(&acc, &w.ptrs, on).unwrap(), Some(true), "{how}");
+    if rank == 1 {
+        match how {
+            "set_lr" => opt.set_lr(5e-3).unwrap(),
+            "device lr" => {
+                let lr = 5e-3f32;
+                let src = (&lr as *const f32).cast();
+                let _current = ctx.enter().unwrap();
+                // SAFETY: the address holds the optimizer's one f32 of this context; the driver
+                // stages the pageable source before returning.
+                let copied = unsafe {
+                    cu::cuMemcpyHtoDAsync_v2(opt.lr_device_ptr().unwrap(), src, 4, stream.stream)
+                };
+                assert_eq!(copied, cu::CUresult::CUDA_SUCCESS);
+            }
+            _ => opt.load(&[&before_first[..]]).unwrap(),
+        }
+    }
+    window(&mut rng);
+    let (saved, kept) = (opt.save().unwrap(), w.bits(&dtypes, &numel));
+    let e = opt.step_device(&acc, &w.ptrs, on).unwrap_err();
+    let what = format!("{how}, accumulate {accumulate}, rank {rank}");
+    assert!(
+        e.kind == ErrorKind::SizeMismatch && e.message.contains("optimizers differ"),
+        "{what}: {e:?}"
+    );
+    assert!(opt.save().unwrap() == saved, "{what}: the state changed");
+    assert_eq!(w.bits(&dtypes, &numel), kept, "{what}: the weights changed");
+}
+
+/// Ranks whose learning rates or step counts differ, as their devices hold them, fail their
+/// sharded step together under reduce-scatter and sharded accumulation: each would step its
+/// shard by its own rate and the all-gather would mix them into one model.
+#[test]
+fn a_sharded_step_refuses_ranks_whose_schedules_differ() {
+    let count = devices();
+    if count == 0 || !enough_devices(2, count) {
+        return;
+    }
+    for accumulate in [false, true] {
+        for how in ["set_lr", "device lr", "steps"] {
+            let id = nccl::unique_id().unwrap();
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|rank| s.spawn(move || schedule_rank(id, rank, accumulate, how)))
+                    .collect();
+                handles.into_iter().for_each(|h| h.join().unwrap());
+            });
+        }
+    }
+}

@@ -677,6 +677,71 @@ fn ranks_whose_optimizers_differ_fail_together() {
     }
 }
 
+/// Ranks whose learning rates (set after creation) or step counts differ fail their sharded step
+/// together and change nothing, under reduce-scatter and sharded accumulation: their shards would
+/// otherwise be stepped by different rates and all-gathered into one model.
+#[test]
+fn ranks_whose_schedules_differ_fail_together() {
+    let mut rng = Rng::fresh("ranks_whose_schedules_differ_fail_together");
+    let tensors = layout(&mut rng);
+    let initial = model(&mut rng, &tensors);
+    let data = group_data(&mut rng, &tensors, 2, 2);
+    let shardings: [fn(usize, usize) -> Sharding; 2] = [
+        |shards, rank| Sharding::ReduceScatter { shards, rank },
+        |shards, rank| Sharding::Accumulate { shards, rank },
+    ];
+    for (sharding, what) in shardings.into_iter().flat_map(|s| [(s, "learning rate"), (s, "steps")])
+    {
+        let comms = LocalComm::group(2).unwrap();
+        std::thread::scope(|scope| {
+            for (rank, comm) in comms.into_iter().enumerate() {
+                let (tensors, initial, data) = (&tensors, &initial, &data[rank]);
+                scope.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let cfg =
+                        AccumulatorConfig { sharding: sharding(2, rank), ..Default::default() };
+                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
+                    let mut b = Accumulator::builder(tensors).config(cfg);
+                    if accumulate {
+                        b = b.communicator(comm.clone());
+                    }
+                    let acc = b.build().unwrap();
+                    let on = (!accumulate).then_some(&*comm);
+                    let mut weights = initial.clone();
+                    let opt =
+                        Optimizer::new(&acc, OptimizerConfig::default(), &[], &grads_of(&weights))
+                            .unwrap();
+                    let before_first = opt.save().unwrap();
+                    // A first step together; then rank 1 either sets another learning rate or
+                    // goes back to its state before that step (one step fewer).
+                    add(&acc, &fixed_scaler(), tensors, &data[0]);
+                    acc.sync(on).unwrap();
+                    assert!(opt.step(&acc, &mut muts_of(&mut weights), on).unwrap());
+                    if rank == 1 {
+                        match what {
+                            "learning rate" => opt.set_lr(opt.lr() * 0.5).unwrap(),
+                            _ => opt.load(&[&before_first[..]]).unwrap(),
+                        }
+                    }
+                    add(&acc, &fixed_scaler(), tensors, &data[1]);
+                    acc.sync(on).unwrap();
+                    let (saved, kept) = (opt.save().unwrap(), weights.clone());
+                    let e = opt.step(&acc, &mut muts_of(&mut weights), on).unwrap_err();
+                    assert!(
+                        e.kind == ErrorKind::SizeMismatch
+                            && e.message.contains("optimizers differ"),
+                        "{what}, rank {rank}: {e:?}"
+                    );
+                    assert!(
+                        opt.save().unwrap() == saved && weights == kept,
+                        "{what}: rank {rank} changed"
+                    );
+                });
+            }
+        });
+    }
+}
+
 /// The step over several threads, on every instruction-set path, gives the scalar one-thread
 /// bits (each element's arithmetic and random draw are its own); the threads' parts start at odd
 /// elements of the state.

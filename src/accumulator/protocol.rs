@@ -31,8 +31,9 @@ pub(crate) enum Step {
     /// A hook micro-batch of a sharded accumulation closes.
     Closing,
     /// An optimizer steps its shard and all-gathers the weights; `setup` fingerprints what every
-    /// rank's optimizer must share (its algorithm, hyperparameters, rounding, and each tensor's
-    /// weight dtype and group: the all-gather's sizes follow the dtypes).
+    /// rank's optimizer must share (its algorithm, hyperparameters, rounding, each tensor's
+    /// weight dtype and group: the all-gather's sizes follow the dtypes; and its learning rate and
+    /// step count, which a device mixes into the claim from its own memory).
     Optimizer { setup: u64 },
 }
 
@@ -84,8 +85,9 @@ impl Step {
                 Step::Boundary => ranks_differ(total.min_numel, total.max_numel),
                 Step::Optimizer { .. } => Error::new(
                     ErrorKind::SizeMismatch,
-                    "the ranks' optimizers differ (algorithm, hyperparameters, rounding, or a \
-                     tensor's weight dtype or group) or their accumulators do; no rank stepped",
+                    "the ranks' optimizers differ (learning rate, step count, algorithm, \
+                     hyperparameters, rounding, or a tensor's weight dtype or group) or their \
+                     accumulators do; no rank stepped",
                 ),
                 _ => Error::new(
                     ErrorKind::SizeMismatch,

@@ -320,10 +320,11 @@ impl Optimizer {
     }
 
     /// The protocol step of a sharded step, fingerprinting what every rank's optimizer must
-    /// share: ranks that differ (another rounding, a bf16 weight against an f16 one) fail
-    /// together instead of stepping their shards by different rules or all-gathering pieces of
-    /// different sizes.
-    fn step_kind(&self) -> Step {
+    /// share: ranks that differ (another rounding, a bf16 weight against an f16 one, another
+    /// learning rate or step count) fail together instead of stepping their shards by different
+    /// rules or all-gathering pieces of different sizes. `schedule` is the learning rate and
+    /// step count when the host holds them; a device mixes its own into the claim.
+    fn step_kind(&self, schedule: Option<(f32, u64)>) -> Step {
         let (code, params) = self.algorithm.encode();
         let mut bytes = code.to_le_bytes().to_vec();
         params.iter().for_each(|p| bytes.extend(p.to_bits().to_le_bytes()));
@@ -338,6 +339,10 @@ impl Optimizer {
             bytes.extend(d.code().to_le_bytes());
             bytes.push(g.weight_decay as u8);
             bytes.extend(g.lr_scale.to_bits().to_le_bytes());
+        }
+        if let Some((lr, steps)) = schedule {
+            bytes.extend(lr.to_bits().to_le_bytes());
+            bytes.extend(steps.to_le_bytes());
         }
         Step::Optimizer { setup: crate::state::checksum(&bytes) }
     }
@@ -453,7 +458,7 @@ impl Optimizer {
         // so that a rank whose call is invalid never leaves the others waiting in the gather.
         match (&group, own) {
             (Some((h, ..)), own) => {
-                let step = self.step_kind();
+                let step = self.step_kind(Some((s.lr, s.steps)));
                 let claim = ControlSum::of(&step.claim(&self.plan, None, own.is_some()));
                 protocol::agree(step, Some(&HostChannel(*h)), None, &claim, own.as_ref())?;
             }
@@ -482,14 +487,14 @@ impl Optimizer {
         let Ok(Some((comm, ..))) = self.gather_group(acc, comm) else { return };
         match comm.collectives() {
             Collectives::Host(h) => {
-                let claim = self.step_kind().claim(&self.plan, None, true);
+                let claim = self.step_kind(None).claim(&self.plan, None, true);
                 let _ = h.reduce_control(&ControlSum::of(&claim));
             }
             Collectives::Nccl(c) => {
                 let s = self.lock();
                 if let Some(d) = &s.device {
                     let refused = Error::invalid("this rank's step was refused");
-                    let _ = d.agree(self.step_kind(), &self.plan, c, Some(&refused));
+                    let _ = d.agree(self.step_kind(None), &self.plan, c, Some(&refused));
                 }
             }
         }
@@ -532,7 +537,7 @@ impl Optimizer {
         let device = s.device.as_ref().expect("checked above; never removed");
         let own = self.check_step_device(&s, device, acc, weights).err();
         match (group, own) {
-            (Some(c), own) => device.agree(self.step_kind(), &self.plan, c, own.as_ref())?,
+            (Some(c), own) => device.agree(self.step_kind(None), &self.plan, c, own.as_ref())?,
             (None, Some(e)) => return Err(e),
             (None, None) => {}
         }

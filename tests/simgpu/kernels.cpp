@@ -179,6 +179,12 @@ void fp_opt_advance(Footprint &f, const ga_boundary *b, ga_u64 *steps) {
     f.write(steps, sizeof *steps);
 }
 
+void fp_claim_schedule(Footprint &f, ga_u64 *words, const ga_u32 *lr_bits, const ga_u64 *steps) {
+    f.write(words, 6 * sizeof(ga_u64));
+    f.read(lr_bits, sizeof *lr_bits);
+    f.read(steps, sizeof *steps);
+}
+
 void fp_opt_copy(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk *chunks, ga_u64 num_chunks, ga_weights weights,
                  unsigned short *staging, ga_u32 to_staging) {
     fp_opt_chunks(f, "ga_opt_copy", tensors, chunks, num_chunks, weights);
@@ -249,6 +255,7 @@ const std::vector<KernelInfo> &registry() {
         make("ga_scale_loss", ga_scale_loss, fp_scale_loss),
         make("ga_opt_step", ga_opt_step, fp_opt_step),
         make("ga_opt_advance", ga_opt_advance, fp_opt_advance),
+        make("ga_claim_schedule", ga_claim_schedule, fp_claim_schedule),
         make("ga_opt_copy", ga_opt_copy, fp_opt_copy),
         make("ga_layout_sizes", ga_layout_sizes, fp_layout_sizes),
     };

@@ -16,7 +16,7 @@ pub const SOURCE: &str =
     concat!(include_str!("kernels/math.cuh"), "\n", include_str!("kernels/kernels.cu"));
 
 /// Every kernel the backend launches, as `extern "C"` names.
-pub const KERNELS: [&str; 21] = [
+pub const KERNELS: [&str; 22] = [
     "ga_add_multi",
     "ga_add_one",
     "ga_check_multi",
@@ -36,6 +36,7 @@ pub const KERNELS: [&str; 21] = [
     "ga_scale_loss",
     "ga_opt_step",
     "ga_opt_advance",
+    "ga_claim_schedule",
     "ga_opt_copy",
     "ga_layout_sizes",
 ];

@@ -33,6 +33,7 @@ pub struct Kernels {
     pub scale_loss: Function,
     pub opt_step: Function,
     pub opt_advance: Function,
+    pub claim_schedule: Function,
     pub opt_copy: Function,
     pub layout_sizes: Function,
 }
@@ -82,6 +83,7 @@ impl Kernels {
             scale_loss: f("ga_scale_loss")?,
             opt_step: f("ga_opt_step")?,
             opt_advance: f("ga_opt_advance")?,
+            claim_schedule: f("ga_claim_schedule")?,
             opt_copy: f("ga_opt_copy")?,
             layout_sizes: f("ga_layout_sizes")?,
             _module: module,

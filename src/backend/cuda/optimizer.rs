@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use super::driver::{self, capturing, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
 use super::kernels::Kernels;
 use super::layout::{GaOptChunk, GaOptRule, GaOptTensor, GaWeights, SOURCES_PER_LAUNCH};
-use super::store::{Claims, CHUNK};
+use super::store::{Claims, Schedule, CHUNK};
 use crate::accumulator::protocol::Step;
 use crate::accumulator::{Plan, Reduced};
 use crate::comm::nccl::NcclComm;
@@ -300,7 +300,9 @@ impl DeviceOptimizer {
     ) -> Result<()> {
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if !capturing(&self.ctx, self.stream)? {
-            self.claims.agree(step, plan, Some(comm), None, own)?;
+            let schedule =
+                Schedule { kernels: &self.kernels, lr: self.lr.ptr(), steps: self.steps.ptr() };
+            self.claims.agree_scheduled(step, plan, comm, own, schedule)?;
             if !checked.contains(&comm.id()) {
                 checked.push(comm.id());
             }

@@ -416,11 +416,29 @@ pub(super) struct DeviceChannel<'a> {
     /// [`CLAIM_WORDS`] u64 of the stream's context.
     pub words: &'a DeviceBuffer,
     pub comm: &'a NcclComm,
+    /// Device values mixed into the claim before it is reduced.
+    pub schedule: Option<Schedule<'a>>,
+}
+
+/// A sharded optimizer step's learning rate (one f32) and step count (one u64) in device memory,
+/// as its kernels will read them: part of the step's claim ([`Claims::agree_scheduled`]).
+#[derive(Clone, Copy)]
+pub(super) struct Schedule<'a> {
+    pub kernels: &'a Kernels,
+    pub lr: CUdeviceptr,
+    pub steps: CUdeviceptr,
 }
 
 impl Channel for DeviceChannel<'_> {
     fn exchange(&self, mine: &ControlSum) -> Result<ControlSum> {
         self.words.write(&protocol::claim_words(mine))?;
+        if let Some(s) = self.schedule {
+            let (words, lr, steps) = (self.words.ptr(), s.lr, s.steps);
+            let mut args = launch_args!(words, lr, steps);
+            // SAFETY: ga_claim_schedule takes the CLAIM_WORDS claim words, one f32 (read as its
+            // bits) and one u64, all live buffers of this context.
+            unsafe { s.kernels.claim_schedule.launch(self.ctx, 1, 1, self.stream, &mut args)? };
+        }
         self.comm.allreduce_u64(self.words.ptr(), CLAIM_WORDS, true, self.stream)?;
         wait_for_collectives(self.ctx, self.stream, self.comm)?;
         let mut max = [0u64; CLAIM_WORDS];
@@ -456,8 +474,22 @@ impl Claims {
         invalid: bool,
         dropped: bool,
     ) -> Result<ControlSum> {
+        self.exchange_with(step, plan, group, replicas, invalid, dropped, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_with(
+        &self,
+        step: Step,
+        plan: &Plan,
+        group: Option<&NcclComm>,
+        replicas: Option<(&NcclComm, usize)>,
+        invalid: bool,
+        dropped: bool,
+        schedule: Option<Schedule<'_>>,
+    ) -> Result<ControlSum> {
         let (ctx, stream, words) = (&*self.ctx, self.stream, &self.words);
-        let channel = |comm| DeviceChannel { ctx, stream, words, comm };
+        let channel = |comm| DeviceChannel { ctx, stream, words, comm, schedule };
         let mine = Control {
             dropped: dropped as u64,
             ..step.claim(plan, replicas.map(|(r, _)| r.world_size()), invalid)
@@ -481,6 +513,23 @@ impl Claims {
         own: Option<&Error>,
     ) -> Result<()> {
         let total = self.exchange(step, plan, group, replicas, own.is_some(), false);
+        step.judge(total, own).map(drop)
+    }
+
+    /// [`Claims::agree`] for a sharded optimizer step over `group`, with the learning rate and
+    /// step count its kernels will read mixed into this rank's claim on the device, so that
+    /// ranks whose values differ fail together (a schedule on the device included).
+    pub(super) fn agree_scheduled(
+        &self,
+        step: Step,
+        plan: &Plan,
+        group: &NcclComm,
+        own: Option<&Error>,
+        schedule: Schedule<'_>,
+    ) -> Result<()> {
+        let invalid = own.is_some();
+        let total =
+            self.exchange_with(step, plan, Some(group), None, invalid, false, Some(schedule));
         step.judge(total, own).map(drop)
     }
 }

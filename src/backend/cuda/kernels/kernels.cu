@@ -542,6 +542,17 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
     }
 }
 
+/* Mixes the learning rate and step count a sharded optimizer step will read (as the device holds
+ * them: a schedule may write them there) into this rank's claim, words 1 and 3 of
+ * protocol::claim_words (the layout and its complement), so that ranks whose values differ fail
+ * the claim together. */
+extern "C" __global__ void ga_claim_schedule(ga_u64 *words, const ga_u32 *lr_bits, const ga_u64 *steps) {
+    GA_ONE_THREAD();
+    ga_u64 h = ga_mix((ga_u64)*lr_bits ^ ga_mix(*steps ^ 0xd1b54a32d192ed03ull));
+    words[1] ^= h;
+    words[3] ^= h;
+}
+
 /* After ga_opt_step: the step count advances unless the step was skipped. */
 extern "C" __global__ void ga_opt_advance(const ga_boundary *b, ga_u64 *steps) {
     GA_ONE_THREAD();
