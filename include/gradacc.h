@@ -37,7 +37,10 @@
  *   whatever the caller put there.
  * - Arguments: the object comes first, then inputs; a buffer pointer is followed by its length.
  *   NULL where a value is required, a wrong size, a dtype or device mismatch, a destroyed or
- *   foreign handle, or a call in the wrong state is reported as a status, never a crash.
+ *   foreign handle, or a call in the wrong state is reported as a status, never a crash. What a
+ *   `void *` buffer holds (its element type, and its length where none is passed) the C ABI
+ *   cannot see: gradacc_accumulator_add says what it checks, and the C++ wrapper's typed forms
+ *   and the other bindings check the typed buffers they take.
  * - Config structs start with `size_t struct_size`: fill them with their `*_config_default()`
  *   initialiser, then change fields. Fields are only ever appended, so old callers keep working:
  *   the size of an older header's struct (any size that ends on a field, padded to 8 bytes or not)
@@ -869,9 +872,21 @@ GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_acc
  * declared), produced from a loss scaled by `scaler`'s current scale. One fused pass per tensor
  * converts to f32, unscales (and weights by `count` for a mean-reduced loss normalised by count),
  * flags non-finite values, and accumulates into the master (the first micro-batch of a window
- * overwrites it). Fails without changing anything on a wrong tensor count, dtype or length, or
- * a gradient that shares any byte with the master, its own tensor's master included
- * (GRADACC_STATUS_INVALID_ARGUMENT; gradacc_accumulator_add_tensor too).
+ * overwrites it).
+ *
+ * Fails without changing anything on: a tensor count `n` other than the accumulator's
+ * (GRADACC_STATUS_SIZE_MISMATCH); a NULL `grads` or `grads[i]` (GRADACC_STATUS_NULL_ARGUMENT);
+ * a `grads[i]` not aligned for its tensor's dtype, or whose declared extent (the tensor's numel
+ * elements of its dtype from `grads[i]`) shares any byte with the master, its own tensor's
+ * master included (GRADACC_STATUS_INVALID_ARGUMENT); a `count` of 0 for a mean-reduced loss or
+ * past the window's limit (GRADACC_STATUS_INVALID_ARGUMENT); a call inside an open micro-batch
+ * (GRADACC_STATUS_WRONG_STATE); a scaler on another device (GRADACC_STATUS_DEVICE_MISMATCH).
+ * What it cannot check: behind a `void *` the C ABI sees neither a buffer's element type nor
+ * its length. Each `grads[i]` is read as its tensor's declared numel values of its declared
+ * dtype, so a buffer of another element type is read as that dtype and a shorter one past its
+ * end: both are the caller's to get right. The C++ wrapper's typed forms
+ * (gradacc::Accumulator::add over gradacc::Grad, add_tensor over spans) and the Go, Python,
+ * Julia and Rust bindings check both for the typed buffers they take, not for raw addresses.
  *
  * On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
  * returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
@@ -920,6 +935,14 @@ enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_
  * backward); they are summed. Under GRADACC_SHARDING_ACCUMULATE each tensor takes one
  * contribution per micro-batch, and a call refused on any rank fails the micro-batch on every
  * rank at gradacc_accumulator_end_microbatch (docs/sharding.md).
+ *
+ * Fails without adding anything on: an `index` out of range (GRADACC_STATUS_INVALID_ARGUMENT);
+ * a `numel` other than the tensor's declared one (GRADACC_STATUS_SIZE_MISMATCH); a NULL `grad`
+ * (GRADACC_STATUS_NULL_ARGUMENT); a `grad` misaligned or overlapping the master, as in
+ * gradacc_accumulator_add; no open micro-batch (GRADACC_STATUS_WRONG_STATE); a scaler on
+ * another device. It cannot check that `grad` holds `numel` values of the tensor's dtype: as in
+ * gradacc_accumulator_add, that is the caller's to get right, and the C++ wrapper's span forms
+ * and the bindings check the element type of the typed buffers they take.
  *
  * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
  * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are

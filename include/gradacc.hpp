@@ -6,12 +6,15 @@
  * matching `gradacc_*_destroy`), so handles cannot leak or be freed twice; objects can be moved,
  * never copied. Every failing C call becomes a `gradacc::Error` carrying the status and the
  * message of gradacc_last_error(), read on the same thread right after the call (a
- * `gradacc::TimeoutError`, derived from it, for GRADACC_STATUS_TIMEOUT).
+ * `gradacc::TimeoutError`, derived from it, for GRADACC_STATUS_TIMEOUT). The typed gradient
+ * forms (Accumulator::add over gradacc::Grad, add_tensor over spans) also check what the C ABI
+ * cannot see behind a `void *`, each gradient's element type (and in add its length), and
+ * throw a `gradacc::Error` with a message of their own when it does not match.
  *
  * \code
  *   gradacc::Scaler scaler;                                   // defaults, CPU
  *   gradacc::Accumulator acc({{4096, GRADACC_DTYPE_F16}, {64, GRADACC_DTYPE_F16}});
- *   acc.add(scaler, {w_grad, b_grad}, items);                 // one micro-batch
+ *   acc.add(scaler, {w_grad, b_grad}, items);                 // one micro-batch, uint16_t words
  *   gradacc::SyncInfo info = acc.sync();                      // the boundary (one process)
  *   if (!scaler.update(acc)) sgd(acc.master(0));              // master(i): a span<float> view
  * \endcode
@@ -47,7 +50,8 @@ public:
 
     /** The GRADACC_STATUS_* code the call returned. */
     gradacc_status_t status() const noexcept { return status_; }
-    /** gradacc_last_error() as it was right after the failing call. */
+    /** gradacc_last_error() as it was right after the failing call, or the wrapper's own
+     * message for a typed gradient it refused. */
     const std::string &message() const noexcept { return message_; }
 
 private:
@@ -98,6 +102,38 @@ public:
 private:
     T *data_ = nullptr;
     std::size_t size_ = 0;
+};
+
+/** One gradient for the typed forms of Accumulator::add: a view of f32 values or of 16-bit words
+ * (fp16 or bf16), with its length. It converts implicitly from span<const float>,
+ * span<const uint16_t>, arrays and contiguous containers of either (std::vector, std::array, span),
+ * so `acc.add(scaler, {w_grad, b_grad}, items)` takes the buffers themselves. It borrows the
+ * memory, as span does. A C array in a braced list decays to a pointer and picks the raw form:
+ * wrap it, `gradacc::Grad(array)`, or pass a span. */
+class Grad {
+public:
+    Grad(span<const float> grad) noexcept : data_(grad.data()), size_(grad.size()), f32_(true) {}
+    Grad(span<const uint16_t> grad) noexcept : data_(grad.data()), size_(grad.size()), f32_(false) {}
+    template <std::size_t N>
+    Grad(const float (&grad)[N]) noexcept : Grad(span<const float>(grad, N)) {}
+    template <std::size_t N>
+    Grad(const uint16_t (&grad)[N]) noexcept : Grad(span<const uint16_t>(grad, N)) {}
+    template <class C, std::enable_if_t<std::is_convertible_v<decltype(std::declval<const C &>().data()),
+                                                              const float *>, int> = 0>
+    Grad(const C &container) noexcept : Grad(span<const float>(container.data(), container.size())) {}
+    template <class C, std::enable_if_t<std::is_convertible_v<decltype(std::declval<const C &>().data()),
+                                                              const uint16_t *>, int> = 0>
+    Grad(const C &container) noexcept : Grad(span<const uint16_t>(container.data(), container.size())) {}
+
+    const void *data() const noexcept { return data_; }
+    std::size_t size() const noexcept { return size_; }
+    /** Whether it holds f32 values; otherwise 16-bit words. */
+    bool is_f32() const noexcept { return f32_; }
+
+private:
+    const void *data_;
+    std::size_t size_;
+    bool f32_;
 };
 
 /** The device an object is bound to: the CPU (default), or a CUDA device and the caller's stream. */
@@ -186,6 +222,19 @@ struct CommDelete {
 struct OptimizerDelete {
     void operator()(gradacc_optimizer_t *p) const noexcept { (void)gradacc_optimizer_destroy(p); }
 };
+
+inline const char *dtype_name(gradacc_dtype_t dtype) noexcept {
+    switch (dtype) {
+    case GRADACC_DTYPE_F32:
+        return "f32";
+    case GRADACC_DTYPE_F16:
+        return "f16";
+    case GRADACC_DTYPE_BF16:
+        return "bf16";
+    default:
+        return "an unknown dtype";
+    }
+}
 } // namespace detail
 
 class Accumulator;
@@ -356,8 +405,35 @@ public:
         return Accumulator(p);
     }
 
-    /** One micro-batch of `count` items: grads[i] points at tensor i's gradient (its declared
-     * numel and dtype: float for F32, 16-bit words for F16 / BF16). */
+    /** One micro-batch of `count` items: grads[i] is tensor i's gradient, float values for an
+     * F32 tensor and 16-bit words for F16 / BF16, of its declared numel. Each is checked against
+     * its tensor's dtype and numel before anything is added: a wrong element type throws
+     * DTYPE_MISMATCH and a wrong length SIZE_MISMATCH, naming the argument, and the accumulator
+     * is unchanged (a sharded accumulation's other ranks fail the micro-batch too). The other
+     * refusals are gradacc_accumulator_add's. */
+    void add(const Scaler &scaler, span<const Grad> grads, uint64_t count) {
+        // A wrong tensor count (or a dead handle) is the C call's to report, as in the raw form.
+        std::size_t n = 0;
+        const bool counted = gradacc_accumulator_num_tensors(handle_.get(), &n) == GRADACC_STATUS_OK &&
+                             n == grads.size();
+        // At least one slot: an empty list is then refused for its count, not as a NULL `grads`.
+        std::vector<const void *> ptrs(grads.size() > 0 ? grads.size() : 1, nullptr);
+        const auto refuse = [&] { (void)gradacc_accumulator_add(handle_.get(), scaler.get(), nullptr, 0, 0); };
+        for (std::size_t i = 0; i < grads.size(); i++) {
+            const auto argument = [i] { return "grads[" + std::to_string(i) + "]"; };
+            if (counted)
+                check_grad("gradacc::Accumulator::add", i, grads[i], true, argument, refuse);
+            ptrs[i] = grads[i].data();
+        }
+        check(gradacc_accumulator_add(handle_.get(), scaler.get(), ptrs.data(), grads.size(), count));
+    }
+    void add(const Scaler &scaler, std::initializer_list<Grad> grads, uint64_t count) {
+        add(scaler, span<const Grad>(grads.begin(), grads.size()), count);
+    }
+    /** The raw form, unchecked as gradacc_accumulator_add is: grads[i] must point at tensor i's
+     * declared numel values of its dtype, which the C ABI cannot tell behind a `void *` (it
+     * checks the tensor count, NULLs, alignment and overlap with the master). Prefer the typed
+     * form above; `{w.data(), b.data()}` picks this one, `{w, b}` the typed one. */
     void add(const Scaler &scaler, span<const void *const> grads, uint64_t count) {
         check(gradacc_accumulator_add(handle_.get(), scaler.get(), grads.data(), grads.size(), count));
     }
@@ -369,15 +445,22 @@ public:
     void begin_microbatch(uint64_t count) {
         check(gradacc_accumulator_begin_microbatch(handle_.get(), count));
     }
+    /** The raw form, unchecked as gradacc_accumulator_add_tensor is: `numel` must be the
+     * tensor's (it is checked) and `grad` must hold that many values of the tensor's dtype (it
+     * cannot be). Prefer the span forms. */
     void add_tensor(const Scaler &scaler, std::size_t index, const void *grad, std::size_t numel) {
         check(gradacc_accumulator_add_tensor(handle_.get(), scaler.get(), index, grad, numel));
     }
+    /** float values for an F32 tensor. A span of the wrong element type throws DTYPE_MISMATCH
+     * naming `grad`, one of the wrong length SIZE_MISMATCH (gradacc_accumulator_add_tensor's
+     * check of `numel`), and nothing is added (a sharded accumulation's micro-batch then fails on
+     * every rank, as for any refused add_tensor). */
     void add_tensor(const Scaler &scaler, std::size_t index, span<const float> grad) {
-        add_tensor(scaler, index, grad.data(), grad.size());
+        add_checked_tensor(scaler, index, grad);
     }
-    /** fp16 or bf16 words, whichever dtype tensor `index` was declared with. */
+    /** fp16 or bf16 words, whichever dtype tensor `index` was declared with; checked as above. */
     void add_tensor(const Scaler &scaler, std::size_t index, span<const uint16_t> grad) {
-        add_tensor(scaler, index, grad.data(), grad.size());
+        add_checked_tensor(scaler, index, grad);
     }
     void end_microbatch() { check(gradacc_accumulator_end_microbatch(handle_.get())); }
 
@@ -501,6 +584,40 @@ public:
 
 private:
     explicit Accumulator(gradacc_accumulator_t *owned) noexcept : handle_(owned) {}
+
+    // The length goes to the C call as `numel`, which checks it.
+    void add_checked_tensor(const Scaler &scaler, std::size_t index, const Grad &grad) {
+        check_grad(
+            "gradacc::Accumulator::add_tensor", index, grad, false, [] { return std::string("grad"); },
+            [&] { (void)gradacc_accumulator_add_tensor(handle_.get(), scaler.get(), index, nullptr, 0); });
+        check(gradacc_accumulator_add_tensor(handle_.get(), scaler.get(), index, grad.data(), grad.size()));
+    }
+
+    // The C functions take a gradient as a `void *` and cannot tell its element type, nor (in
+    // add, which takes no lengths) its length: the typed forms check them against tensor
+    // `index`'s declaration. On a mismatch `refuse` makes the C call that a sharded
+    // accumulation's other ranks need to fail too, then it throws. A descriptor that cannot be
+    // read (an index out of range, a dead handle) is left to the C call, which reports why.
+    template <class Argument, class Refuse>
+    void check_grad(const char *function, std::size_t index, const Grad &grad, bool length, Argument argument,
+                    Refuse refuse) const {
+        gradacc_tensor_desc_t d{};
+        if (gradacc_accumulator_tensor(handle_.get(), index, &d) != GRADACC_STATUS_OK)
+            return;
+        const bool f32 = d.dtype == GRADACC_DTYPE_F32;
+        if (grad.is_f32() == f32 && (!length || grad.size() == d.numel))
+            return;
+        const std::string at = std::string(function) + ": `" + argument() + "`";
+        const std::string tensor = "tensor " + std::to_string(index);
+        refuse();
+        if (grad.is_f32() != f32)
+            throw Error(GRADACC_STATUS_DTYPE_MISMATCH,
+                        at + " is a span of " + (grad.is_f32() ? "float" : "uint16_t") + ", but " + tensor +
+                            " was declared " + detail::dtype_name(d.dtype));
+        throw Error(GRADACC_STATUS_SIZE_MISMATCH,
+                    at + " has " + std::to_string(grad.size()) + " elements, but " + tensor + " has " +
+                        std::to_string(d.numel));
+    }
 
     SyncInfo sync_with(gradacc_comm_t *comm) {
         SyncInfo info{};

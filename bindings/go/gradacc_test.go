@@ -268,6 +268,71 @@ func TestErrorCarriesStatusAndMessage(t *testing.T) {
 	}
 }
 
+// AddTensor checks a typed gradient against its tensor before the C call, which cannot tell what
+// a pointer holds: a []float32 for an F16 or BF16 tensor and a []uint16 for an F32 one fail with
+// StatusDTypeMismatch, a wrong length with StatusSizeMismatch, and none adds anything: the
+// micro-batch ends as it does without them.
+func TestAddTensorChecksTheGradientsType(t *testing.T) {
+	scaler := scalerWithScale(t, 1)
+	defer scaler.Close()
+	tensors := []TensorDesc{{4, F16}, {2, BF16}, {3, F32}}
+	refused := must(NewAccumulator(tensors, nil, nil))
+	defer refused.Close()
+	clean := must(NewAccumulator(tensors, nil, nil))
+	defer clean.Close()
+	good := []Grad{
+		Words16([]uint16{f16[1], f16[2], f16[1], f16[2]}),
+		Words16([]uint16{bf16(1), bf16(2)}),
+		Float32s([]float32{0.5, -1, 2}),
+	}
+	// Read as the declared dtype, each would change the sum; the words for the f32 tensor have
+	// the memory behind them that 3 f32 values take.
+	words := []uint16{f16[1], f16[2], f16[1], f16[2], f16[1], f16[2]}
+	bad := []struct {
+		what   string
+		index  int
+		g      Grad
+		status Status
+	}{
+		{"[]float32 for an f16 tensor", 0, Float32s([]float32{1, 1, 1, 1}), StatusDTypeMismatch},
+		{"[]float32 for a bf16 tensor", 1, Float32s([]float32{1, 1}), StatusDTypeMismatch},
+		{"[]uint16 for an f32 tensor", 2, Words16(words[:3]), StatusDTypeMismatch},
+		{"too short", 2, Float32s([]float32{1, 1}), StatusSizeMismatch},
+		{"too long", 0, Words16(words[:5]), StatusSizeMismatch},
+	}
+	for _, acc := range []*Accumulator{refused, clean} {
+		if err := acc.BeginMicrobatch(2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, b := range bad {
+		if err := refused.AddTensor(scaler, b.index, b.g); !errors.Is(err, &Error{Status: b.status}) {
+			t.Errorf("%s: %v, want status %s", b.what, err, b.status)
+		}
+	}
+	for _, acc := range []*Accumulator{refused, clean} {
+		for i, g := range good {
+			if err := acc.AddTensor(scaler, i, g); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := acc.EndMicrobatch(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := acc.Sync(nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range tensors {
+		got, want := must(refused.CopyMaster(i)), must(clean.CopyMaster(i))
+		for k := range want {
+			if math.Float32bits(got[k]) != math.Float32bits(want[k]) {
+				t.Errorf("tensor %d element %d: %v after the refused calls, %v without them", i, k, got[k], want[k])
+			}
+		}
+	}
+}
+
 func TestCloseIsIdempotent(t *testing.T) {
 	s := scalerWithScale(t, 8)
 	if err := s.Close(); err != nil {

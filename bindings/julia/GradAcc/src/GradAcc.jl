@@ -138,6 +138,10 @@ isbf16(::Type{UInt16}) = true
     isbf16(::Type{Core.BFloat16}) = true
 end
 
+# A dtype code as the library's messages name it.
+dtype_name(dt) = dt == GRADACC_DTYPE_F32 ? "f32" : dt == GRADACC_DTYPE_F16 ? "f16" :
+                 dt == GRADACC_DTYPE_BF16 ? "bf16" : "dtype $dt"
+
 # The element types a gradient or loss buffer of this dtype code may have.
 function eltype_matches(dt, T::Type)
     dt == GRADACC_DTYPE_F32 && return T === Float32
@@ -626,13 +630,14 @@ check_index(a::Accumulator, i::Integer) =
 
 contiguous(g::AbstractVector) = g isa DenseVector || (g isa StridedVector && stride(g, 1) == 1)
 
-# A gradient must be contiguous and of an element type its tensor's dtype arrives in: the
-# exception that says why not, or nothing.
+# A gradient must be contiguous and of an element type its tensor's dtype arrives in (the C call
+# takes a pointer and cannot tell): the exception that says why not, or nothing.
 function grad_error(a::Accumulator, i::Integer, g::AbstractVector)
     1 <= i <= length(a.tensors) || return BoundsError(a, i)
     contiguous(g) || return ArgumentError("gradient $i must be a contiguous vector")
-    eltype_matches(a.tensors[i].dtype, eltype(g)) ||
-        return ArgumentError("gradient $i has element type $(eltype(g)), which does not match tensor $i's dtype")
+    dt = a.tensors[i].dtype
+    eltype_matches(dt, eltype(g)) ||
+        return ArgumentError("gradient $i has element type $(eltype(g)), but tensor $i was declared $(dtype_name(dt))")
     return nothing
 end
 

@@ -526,6 +526,41 @@ sharded_accumulation(world, r, comm; kw...) =
         close(acc); close(s)
     end
 
+    # The C calls take pointers and cannot tell what they point at: add_tensor! and add! refuse a
+    # gradient of another element type than its tensor's dtype, and add nothing.
+    @testset "gradients of the wrong element type add nothing" begin
+        s = Scaler(init_scale=1.0)
+        tensors = [(4, Float16), (2, :bf16), (3, Float32)]
+        refused, clean = Accumulator(tensors), Accumulator(tensors)
+        good = [fill(Float16(2), 4), fill(bf16(1f0), 2), Float32[0.5, -1, 2]]
+        begin_microbatch!(refused, 2)
+        begin_microbatch!(clean, 2)
+        for (i, g, declared) in ((1, ones(Float32, 4), "f16"), (2, ones(Float32, 2), "bf16"),
+                                 (3, ones(UInt16, 3), "f32"))
+            err = try
+                add_tensor!(refused, s, i, g); nothing
+            catch e
+                e
+            end
+            @test err isa ArgumentError && occursin("tensor $i was declared $declared", err.msg)
+        end
+        for acc in (refused, clean)
+            for (i, g) in enumerate(good)
+                add_tensor!(acc, s, i, g)
+            end
+            end_microbatch!(acc)
+        end
+        @test_throws ArgumentError add!(refused, s, [ones(Float32, 4), good[2], good[3]], 1)
+        @test_throws ArgumentError add!(refused, s, [good[1], good[2], ones(UInt16, 3)], 1)
+        info = sync!(refused)
+        sync!(clean)
+        @test info.microbatches == 1 && info.total_count == 2
+        for i in 1:3
+            @test reinterpret(UInt32, master(refused, i)) == reinterpret(UInt32, master(clean, i))
+        end
+        close(refused); close(clean); close(s)
+    end
+
     # bf16 gradients as raw words, as BFloat16s.jl's type (the extension), as Core.BFloat16
     # (Julia 1.11+), and as a reinterpreted view of either.
     @testset "bf16 as $name" for (name, conv) in (("UInt16", x -> bf16(x)),
