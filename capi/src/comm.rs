@@ -1,7 +1,9 @@
 //! C API of the communicators.
 
-use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::handle::Registry;
 use crate::status::{gradacc_status_t, guard, null};
@@ -416,7 +418,7 @@ static FLIGHTS: Flights = Flights { live: Mutex::new(Vec::new()), left: Condvar:
 const SYNC_LEAVES_WITHIN: Duration = Duration::from_secs(60);
 
 fn flights() -> MutexGuard<'static, Vec<(u64, usize, Vec<usize>)>> {
-    FLIGHTS.live.lock().unwrap_or_else(|e| e.into_inner())
+    FLIGHTS.live.lock()
 }
 
 /// A sync in flight, registered until it drops.
@@ -465,7 +467,9 @@ fn end_syncs_on(handle: usize, comm: &dyn Communicator) {
     let mut live = flights();
     let deadline = Instant::now() + SYNC_LEAVES_WITHIN;
     while uses(&live) {
-        let Some(left) = deadline.checked_duration_since(Instant::now()) else { return };
-        live = FLIGHTS.left.wait_timeout(live, left).unwrap_or_else(|e| e.into_inner()).0;
+        if Instant::now() >= deadline {
+            return;
+        }
+        let _ = FLIGHTS.left.wait_until(&mut live, deadline);
     }
 }

@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
 
 use crate::status::{CallError, CallResult};
 
@@ -27,7 +29,7 @@ impl<T: ?Sized> Registry<T> {
     /// Registers `object` and returns its new handle.
     pub(crate) fn insert<H>(&self, object: Arc<T>) -> *mut H {
         let id = NEXT_ID.fetch_add(16, Ordering::Relaxed) as usize;
-        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(id, object);
+        self.live.write().insert(id, object);
         id as *mut H
     }
 
@@ -38,7 +40,6 @@ impl<T: ?Sized> Registry<T> {
         }
         self.live
             .read()
-            .unwrap_or_else(|e| e.into_inner())
             .get(&(handle as usize))
             .cloned()
             .ok_or_else(|| self.unknown(handle as usize, argument))
@@ -48,7 +49,6 @@ impl<T: ?Sized> Registry<T> {
     pub(crate) fn remove<H>(&self, handle: *const H, argument: &str) -> CallResult<Arc<T>> {
         self.live
             .write()
-            .unwrap_or_else(|e| e.into_inner())
             .remove(&(handle as usize))
             .ok_or_else(|| self.unknown(handle as usize, argument))
     }

@@ -9,7 +9,8 @@
 //! every rank folds each tensor's segments in position order: the same bits everywhere.
 
 use std::ops::Range;
-use std::sync::Mutex;
+
+use parking_lot::Mutex;
 
 use super::Layout;
 use crate::comm::HostCollectives;
@@ -160,7 +161,7 @@ impl Squares<'_> {
             }
             found.push((s, sum(&values[r.start - at..r.end.min(end) - at])));
         }
-        let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sums = self.sums.lock();
         for (s, sum) in found {
             sums[s] = sum;
         }
@@ -168,7 +169,7 @@ impl Squares<'_> {
 
     /// This rank's segment sums, [`NOT_HERE`] where it passed none.
     pub(crate) fn into_sums(self) -> Vec<f64> {
-        self.sums.into_inner().unwrap_or_else(|e| e.into_inner())
+        self.sums.into_inner()
     }
 }
 

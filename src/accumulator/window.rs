@@ -5,7 +5,8 @@
 
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::SyncInfo;
 use crate::error::{Error, Result};
@@ -298,11 +299,11 @@ impl Window {
     // Window updates are single assignments after all checks, so a poisoned lock still holds a
     // consistent window.
     pub fn read(&self) -> RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(|e| e.into_inner())
+        self.state.read()
     }
 
     pub fn write(&self) -> WindowWrite<'_> {
-        let state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let state = self.state.write();
         WindowWrite { state, master: MasterWrite(()) }
     }
 
@@ -340,7 +341,7 @@ impl Window {
         index: usize,
         add: impl FnOnce(&mut TensorWrite, bool) -> Result<R>,
     ) -> Result<R> {
-        let mut tensor = self.tensor_locks[index].lock().unwrap_or_else(|e| e.into_inner());
+        let mut tensor = self.tensor_locks[index].lock();
         let added = add(&mut tensor, mark.load(Ordering::Relaxed) != current)?;
         mark.store(current, Ordering::Relaxed);
         Ok(added)

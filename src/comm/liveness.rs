@@ -8,8 +8,9 @@
 //! Linux only: elsewhere nothing is watched.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 /// How long a peer may stay stopped by a signal before a waiting rank gives up on it: long
 /// enough for a job suspended and resumed as a whole, where ranks wake a few ms apart.
@@ -134,7 +135,7 @@ impl Peers {
 
     /// Looks at every watched peer: why the first that died or stays stopped cannot take part.
     fn look(&self) -> Result<(), String> {
-        let mut since = self.stopped_since.lock().unwrap_or_else(|e| e.into_inner());
+        let mut since = self.stopped_since.lock();
         for (i, &(q, p)) in self.watched.iter().enumerate() {
             let pid = p.pid as u32;
             let ended = || {

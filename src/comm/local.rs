@@ -14,8 +14,10 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{
     check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives,
@@ -121,10 +123,6 @@ pub struct LocalComm {
     timeout_ns: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn ranks(list: &[usize]) -> String {
     match list {
         [r] => format!("rank {r}"),
@@ -134,7 +132,7 @@ fn ranks(list: &[usize]) -> String {
 
 impl Group {
     fn state(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+        self.state.lock()
     }
 
     /// Marks the group failed with `reason` unless it already failed, and wakes every waiter.
@@ -180,16 +178,15 @@ impl Group {
         let start = Instant::now();
         let deadline = timeout.and_then(|t| start.checked_add(t));
         loop {
-            s = match deadline {
-                None => self.cv.wait(s).unwrap_or_else(|e| e.into_inner()),
+            match deadline {
+                None => self.cv.wait(&mut s),
                 Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
+                    if Instant::now() >= d {
                         break;
                     }
-                    self.cv.wait_timeout(s, d - now).unwrap_or_else(|e| e.into_inner()).0
+                    let _ = self.cv.wait_until(&mut s, d);
                 }
-            };
+            }
             if s.generation != generation {
                 return Ok(());
             }
@@ -251,7 +248,7 @@ impl Group {
             self.cv.notify_all();
         }
         while s.readers > 0 {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            self.cv.wait(&mut s);
         }
         s
     }

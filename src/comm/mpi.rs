@@ -34,10 +34,10 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
+use parking_lot::{Mutex, MutexGuard};
 
 use super::liveness::{Peers, Process};
 use super::shares::{self, ShareTransport, Step, Workspace};
@@ -272,7 +272,7 @@ extern "C" fn finalize_at_exit() {
 /// it at process exit (communicators may be created and destroyed any number of times before);
 /// an MPI the caller initialised is never finalised by gradacc.
 fn ensure_initialized() -> Result<()> {
-    let mut ours = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut ours = INIT.lock();
     if flag(ffi::MPI_Finalized) {
         return Err(Error::new(
             ErrorKind::BackendUnavailable,
@@ -544,10 +544,8 @@ impl MpiComm {
             Ok(Serial(Some(guard)))
         };
         loop {
-            match SERIAL.try_lock() {
-                Ok(guard) => return held(guard),
-                Err(TryLockError::Poisoned(e)) => return held(e.into_inner()),
-                Err(TryLockError::WouldBlock) => {}
+            if let Some(guard) = SERIAL.try_lock() {
+                return held(guard);
             }
             self.check_live()?;
             let waited = backoff.waited();
@@ -706,7 +704,7 @@ impl MpiComm {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 /// An MPI count or displacement; larger ones fail instead of wrapping.
@@ -947,7 +945,7 @@ impl Drop for MpiComm {
             return;
         }
         let timeout = self.timeout();
-        let mem = self.mem.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mem = self.mem.get_mut();
         // Below MPI_THREAD_MULTIPLE, MPI is called only under `SERIAL`, polled like a collective
         // polls it. Past this communicator's timeout the communicator (and, with requests pending,
         // their memory) is leaked instead of freed. With no timeout, this waits as long as the
@@ -958,10 +956,8 @@ impl Drop for MpiComm {
             if !self.serialize {
                 break None;
             }
-            match SERIAL.try_lock() {
-                Ok(guard) => break Some(guard),
-                Err(TryLockError::Poisoned(e)) => break Some(e.into_inner()),
-                Err(TryLockError::WouldBlock) => {}
+            if let Some(guard) = SERIAL.try_lock() {
+                break Some(guard);
             }
             if timeout.is_some_and(|t| backoff.waited() >= t) {
                 if !mem.abandoned.is_empty() {

@@ -10,10 +10,11 @@
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::cuda::driver::{CUdeviceptr, CUstream, Context};
 use crate::error::{Error, ErrorKind, Result};
@@ -318,7 +319,7 @@ fn thread_token() -> u64 {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 /// The ranks of communicators gradacc created that are alive in this process, by unique id and

@@ -15,7 +15,9 @@ mod saved;
 mod update;
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use rounding::Rounding;
@@ -316,7 +318,7 @@ impl Optimizer {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// The protocol step of a sharded step, fingerprinting what every rank's optimizer must

@@ -3,7 +3,8 @@
 //! `crate::scaler`'s; this file only keeps the state and scales host losses.
 
 use std::ffi::c_void;
-use std::sync::{Mutex, MutexGuard};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::math;
 use crate::accumulator::ScaleSource;
@@ -31,7 +32,7 @@ impl HostScaler {
     fn lock(&self) -> MutexGuard<'_, Kept> {
         // A panic cannot leave the state half-written (updates assign a finished copy), so a
         // poisoned lock still guards consistent data.
-        self.kept.lock().unwrap_or_else(|e| e.into_inner())
+        self.kept.lock()
     }
 }
 

@@ -18,7 +18,9 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::check;
 use super::master::Master;
@@ -114,7 +116,7 @@ impl Sharded<'_> {
     }
 
     fn hooks(&self) -> MutexGuard<'_, Hooks<Vec<f32>>> {
-        self.hooks.lock().unwrap_or_else(|e| e.into_inner())
+        self.hooks.lock()
     }
 
     /// Converts the gradients of `flat` ranges of the master into the staging (assigned), each
@@ -249,7 +251,7 @@ impl Sharded<'_> {
     /// that opens the window (`first`) keeps a clear flag: the core clears a synced window's only
     /// after this step.
     fn keep_before(&self, master: &MasterWrite, first: bool) -> Result<()> {
-        let mut before = self.before.lock().unwrap_or_else(|e| e.into_inner());
+        let mut before = self.before.lock();
         let shard = self.shard.slice(master, 0..self.sharding.own.len());
         if before.shard.len() != shard.len() {
             before.shard = Vec::new();
@@ -268,7 +270,7 @@ impl Sharded<'_> {
 
     /// Puts back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
     fn restore(&self, master: &mut MasterWrite) {
-        let before = self.before.lock().unwrap_or_else(|e| e.into_inner());
+        let before = self.before.lock();
         self.shard.slice_mut(master, 0..self.sharding.own.len()).copy_from_slice(&before.shard);
         self.found_inf.store(before.found_inf, Ordering::Relaxed);
     }

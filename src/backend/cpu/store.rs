@@ -4,7 +4,9 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use super::master::Master;
 use super::sharded::ShardMemory;
@@ -139,7 +141,7 @@ impl HostStore {
         // A shard group of one: the replicas hold the pieces.
         let (group, replicas) = if group.is_none() { (replicas, None) } else { (group, replicas) };
         let stats = tensor_stats::share(segments, group, replicas, sums, &p.nonfinite, scale)?;
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
+        *self.stats.lock() = Some(stats);
         Ok(())
     }
 
@@ -362,7 +364,7 @@ impl Store for HostStore {
     }
 
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.stats.lock().clone()
     }
 
     fn count_only(&self, p: &Proposal<'_>) -> Result<()> {
@@ -565,7 +567,7 @@ fn hybrid(
     };
     let measured = Measured::new(&over, squares, buf, 0, None);
     let values = shard.reduce_scatter_with_pass(buf, shards, &measured)?;
-    let failed = over.failed.into_inner().unwrap_or_else(|e| e.into_inner());
+    let failed = over.failed.into_inner();
     let told =
         shard.reduce_control(&ControlSum { error: failed.is_some(), ..Default::default() })?;
     match failed {
@@ -587,7 +589,7 @@ struct OverReplicas<'a> {
 
 impl BlockPass for OverReplicas<'_> {
     fn run(&self, run: &mut [f32], values: &mut [f64]) {
-        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failed = self.failed.lock();
         if failed.is_none() {
             let whole = 0..run.len();
             match self.replicas.allreduce_with_pass(run, std::slice::from_ref(&whole), &self.inner)

@@ -8,10 +8,11 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
+use parking_lot::Mutex;
 
 use super::driver_api::{self, Api, MemAccessDesc, ERROR_OUT_OF_MEMORY, SUCCESS};
 use crate::error::{Error, ErrorKind, Result};
@@ -174,7 +175,7 @@ impl Context {
         let api =
             driver_api::get().map_err(|why| Error::new(ErrorKind::BackendUnavailable, why))?;
         static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
-        let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut contexts = CONTEXTS.lock();
         if let Some(i) = contexts.iter().position(|c| c.ordinal == ordinal) {
             if !contexts[i].was_reset() {
                 return Ok(contexts[i].clone());

@@ -3,7 +3,9 @@
 //! the same image), and looked up once, so a launch is a field access.
 
 use std::ffi::CString;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::compile;
 use super::driver::{Context, Function, Module};
@@ -43,7 +45,7 @@ impl Kernels {
     pub fn of(ctx: &Context) -> Result<Arc<Kernels>> {
         // (device ordinal, context id, kernels): one entry per device, for its current context.
         static LOADED: Mutex<Vec<(i32, u64, Arc<Kernels>)>> = Mutex::new(Vec::new());
-        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut loaded = LOADED.lock();
         let entry = loaded.iter().position(|(ordinal, _, _)| *ordinal == ctx.ordinal);
         if let Some((_, id, k)) = entry.map(|i| &loaded[i]) {
             if *id == ctx.id {

@@ -8,7 +8,9 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::driver::{self, capturing, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
 use super::kernels::Kernels;
@@ -298,7 +300,7 @@ impl DeviceOptimizer {
         comm: &NcclComm,
         own: Option<&Error>,
     ) -> Result<()> {
-        let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        let mut checked = self.checked.lock();
         if !capturing(&self.ctx, self.stream)? {
             let schedule =
                 Schedule { kernels: &self.kernels, lr: self.lr.ptr(), steps: self.steps.ptr() };

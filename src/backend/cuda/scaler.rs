@@ -3,7 +3,9 @@
 //! The update rule is `ga_scaler_next` (kernels/math.cuh), the device twin of the CPU scaler's.
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::driver::{
     check_stream, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, SharedReads, THREADS,
@@ -87,7 +89,7 @@ impl CudaScaler {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.lock()
     }
 
     /// Enqueues `write` on the scaler's stream, ordered after every read of the state.

@@ -31,7 +31,9 @@
 //! bits.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event};
 use super::layout::{GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
@@ -279,7 +281,7 @@ impl ShardMemory {
     }
 
     fn hooks(&self) -> MutexGuard<'_, Hooks<Stage>> {
-        self.hooks.lock().unwrap_or_else(|e| e.into_inner())
+        self.hooks.lock()
     }
 
     /// The checks' tables (made with the memory where its policies check).

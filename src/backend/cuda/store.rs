@@ -21,7 +21,9 @@
 //! on each shard and all-gathered, so every rank folds the same sums in the same order.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::driver::{
     check_stream, launch_args, synchronize, wait_until_done, CUdeviceptr, CUstream, Context,
@@ -173,7 +175,7 @@ struct Whole {
 
 impl Whole {
     fn overlap(&self) -> MutexGuard<'_, Option<Overlap>> {
-        self.overlap.lock().unwrap_or_else(|e| e.into_inner())
+        self.overlap.lock()
     }
 
     fn at(&self, offset: usize) -> CUdeviceptr {
@@ -717,11 +719,11 @@ impl DeviceStore {
     }
 
     pub(super) fn boundary_reads(&self) -> MutexGuard<'_, SharedReads> {
-        self.boundary_reads.lock().unwrap_or_else(|e| e.into_inner())
+        self.boundary_reads.lock()
     }
 
     pub(super) fn event(&self) -> MutexGuard<'_, Event> {
-        self.event.lock().unwrap_or_else(|e| e.into_inner())
+        self.event.lock()
     }
 
     pub(super) fn comm_stream(&self) -> Result<&OwnedStream> {
@@ -940,7 +942,7 @@ impl DeviceStore {
         step: Step,
         own: Option<&Error>,
     ) -> Result<bool> {
-        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        let mut verified = self.verified.lock();
         if verified.contains(&comm.id()) {
             return Ok(false);
         }
@@ -959,7 +961,7 @@ impl DeviceStore {
         shard: usize,
         own: Option<&Error>,
     ) -> Result<bool> {
-        let mut verified = self.verified_grids.lock().unwrap_or_else(|e| e.into_inner());
+        let mut verified = self.verified_grids.lock();
         let pair = (comm.map_or(0, NcclComm::id), replicas.id());
         if verified.contains(&pair) {
             return Ok(false);

@@ -8,7 +8,9 @@
 //! round every partial sum instead.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::driver::{
     copy, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS,
@@ -71,7 +73,7 @@ impl Wire {
     /// for their allocation.
     fn ready_on(&self, b: &mut Buffers, stream: CUstream) -> Result<()> {
         if std::mem::take(&mut b.fresh) && stream != self.stream {
-            self.event.lock().unwrap_or_else(|e| e.into_inner()).order(self.stream, stream)?;
+            self.event.lock().order(self.stream, stream)?;
         }
         Ok(())
     }
@@ -92,7 +94,7 @@ impl Wire {
         let len = pieces.last().map_or(0, |p| p.end) as u64;
         let own = pieces[rank].len();
         let (words, incoming) = {
-            let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+            let mut b = self.buffers.lock();
             let b = &mut *b;
             let words = at_least(
                 &self.ctx,
@@ -162,7 +164,7 @@ impl Wire {
         let pieces: Vec<Range<usize>> =
             (0..world).map(|q| (q * p).min(len)..((q + 1) * p).min(len)).collect();
         let gathered = {
-            let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+            let mut b = self.buffers.lock();
             let b = &mut *b;
             let gathered = at_least(
                 &self.ctx,

@@ -4,7 +4,9 @@
 //! boundary, whose fold is the CPU's (`tensor_stats.rs`).
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use super::{nccl, AddLaunch, DeviceStore, Memory, Tables, Whole, CHUNK, NORM_BLOCKS_PER_CTA};
 use crate::accumulator::sharding::Shard;
@@ -100,7 +102,7 @@ impl DeviceStore {
         let d = b[0].divisor as f64;
         let scale = if self.plan.config.max_grad_norm != 0.0 { 1.0 / (d * d) } else { 1.0 };
         let measured = stats.segments.stats(&sums, &counts, scale);
-        *stats.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(measured);
+        *stats.last.lock() = Some(measured);
         Ok(())
     }
 
@@ -242,7 +244,7 @@ impl DeviceStore {
 
     /// The last boundary's stats, once read.
     pub(super) fn last_stats(&self) -> Option<Vec<TensorStats>> {
-        self.stats.as_ref()?.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.stats.as_ref()?.last.lock().clone()
     }
 }
 
