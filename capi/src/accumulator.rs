@@ -82,6 +82,11 @@ pub const GRADACC_OVERFLOW_SKIP_STEP: gradacc_overflow_t = 0;
 /// overflows. CPU and CUDA accumulators, every sharding policy; on CUDA each
 /// gradacc_accumulator_add and gradacc_accumulator_end_microbatch waits for the stream
 /// (docs/overflow.md). Update the scaler with gradacc_scaler_update: a drop backs the scale off.
+/// A window that drops every micro-batch on every rank is one skipped step: found_inf 1,
+/// total_count and microbatches 0, grad_norm 0, clip_coef 1, the master +0.0 throughout; the
+/// scaler's update counts one overflow however many were dropped (GRADACC_STATUS_SCALE_AT_MINIMUM
+/// at min_scale), and gradacc_optimizer_step changes nothing (docs/overflow.md, "A window that
+/// drops everything").
 pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
 
 /// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
