@@ -423,7 +423,8 @@ typedef struct gradacc_sync_info_t {
     /**
      * With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
      * shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones
-     * included) and the tensor index; 0 otherwise.
+     * included; after gradacc_accumulator_load_window, see there) and the tensor index; 0
+     * otherwise.
      */
     uint64_t overflow_rank;
     uint64_t overflow_microbatch;
@@ -1110,6 +1111,10 @@ enum gradacc_status_t gradacc_accumulator_save_window(const struct gradacc_accum
 /**
  * Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
  * tensors, saved on any device. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+ * The window's dropped micro-batches were not saved: gradacc_sync_info_t's
+ * `dropped_microbatches` counts the drops after the load, and `overflow_microbatch` counts the
+ * restored window's kept micro-batches, then each fed since the load, dropped ones included
+ * (docs/overflow.md).
  *
  * Thread safety: serialised with every other call on `acc`.
  */
@@ -1126,7 +1131,8 @@ enum gradacc_status_t gradacc_accumulator_load_window(struct gradacc_accumulator
  * windows it sums (a merge into a window with no micro-batch yet replaces this rank's own in the
  * count), so GRADACC_NORMALIZE_BY_WORLD divides by the size of the group that did the work; every
  * normalisation then gives the original group's gradient. Windows saved by 0.2 count as one
- * rank's window each. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+ * rank's window each. The merged window's kept micro-batches count in `overflow_microbatch` after
+ * those already in the window. Corrupt or foreign bytes fail and leave the accumulator unchanged.
  *
  * Thread safety: serialised with every other call on `acc`.
  */

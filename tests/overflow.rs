@@ -1448,6 +1448,69 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
     }
 }
 
+/// After `load_window`, the place of a micro-batch fed since counts the restored window's kept
+/// micro-batches first (its drops were not saved), then every micro-batch fed since the load,
+/// dropped ones included; a merged window's kept micro-batches count likewise, after those fed
+/// before the merge.
+#[test]
+fn a_restored_window_counts_its_kept_microbatches_in_later_places() {
+    restored_places(On::Cpu, &[Overflow::SkipStep, Overflow::DropMicrobatch]);
+}
+
+/// The same on CUDA, under DROP_MICROBATCH (under SKIP_STEP the flag stays on the device).
+#[test]
+fn a_restored_window_counts_its_kept_microbatches_in_later_places_on_cuda() {
+    if cuda_ranks().is_some() {
+        restored_places(On::Cuda, &[Overflow::DropMicrobatch]);
+    }
+}
+
+fn restored_places(on: On, policies: &[Overflow]) {
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::F32 }, TensorDesc { numel: 2, dtype: Dtype::F16 }];
+    let dtypes = [Dtype::F32, Dtype::F16];
+    let dev = Dev::of(on, 0);
+    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+    let clean = [(vec![1.0f32; 3], Vec::new()), (Vec::new(), vec![to_f16(1.0); 2])];
+    let mut bad = clean.clone();
+    bad[1].1[1] = to_f16(f32::INFINITY);
+    // Feeds one micro-batch of one item per entry, poisoned (in tensor 1) where it says so.
+    let feed = |acc: &Accumulator, poisoned: &[bool]| {
+        for &p in poisoned {
+            let g = if p { &bad } else { &clean };
+            dev.add(acc, &scaler, &dtypes, &g.iter().collect::<Vec<_>>(), 1);
+        }
+    };
+    for &overflow in policies {
+        let drop = overflow == Overflow::DropMicrobatch;
+        let config = AccumulatorConfig { overflow, ..Default::default() };
+        // Two kept micro-batches, and under DROP_MICROBATCH a dropped one between them.
+        let saver = dev.accumulator(config, &tensors);
+        feed(&saver, if drop { &[false, true, false] } else { &[false, false] });
+        let saved = saver.save_window().unwrap();
+        let place = |microbatch| Some(OverflowAt::Gradient { rank: 0, microbatch, tensor: 1 });
+
+        // Restored (2 kept), then a clean and a poisoned one: the poisoned one is micro-batch 3.
+        let acc = dev.accumulator(config, &tensors);
+        feed(&acc, &[true]);
+        acc.load_window(&saved).unwrap();
+        feed(&acc, &[false, true]);
+        let info = acc.sync(None).unwrap();
+        assert_eq!(info.overflow, place(3), "{overflow:?}, after load_window");
+        let (microbatches, dropped) = if drop { (3, 1) } else { (4, 0) };
+        assert_eq!((info.microbatches, info.dropped_microbatches), (microbatches, dropped));
+
+        // One clean, merged (2 kept), then a clean and a poisoned one: micro-batch 4.
+        let acc = dev.accumulator(config, &tensors);
+        feed(&acc, &[false]);
+        acc.merge_window(&saved).unwrap();
+        feed(&acc, &[false, true]);
+        let info = acc.sync(None).unwrap();
+        assert_eq!(info.overflow, place(4), "{overflow:?}, after merge_window");
+        assert_eq!(info.dropped_microbatches, dropped, "{overflow:?}, after merge_window");
+    }
+}
+
 /// Under DROP_MICROBATCH on CUDA the final micro-batch is staged like any other (its buckets are
 /// not reduced early): a poisoned one is dropped on its rank, a clean one lands whole, and
 /// `sync` over the same communicator completes the boundary.

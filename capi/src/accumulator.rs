@@ -169,7 +169,8 @@ pub struct gradacc_sync_info_t {
     pub overflow_at: gradacc_overflow_at_t,
     /// With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
     /// shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones
-    /// included) and the tensor index; 0 otherwise.
+    /// included; after gradacc_accumulator_load_window, see there) and the tensor index; 0
+    /// otherwise.
     pub overflow_rank: u64,
     pub overflow_microbatch: u64,
     pub overflow_tensor: u64,
@@ -941,6 +942,10 @@ pub unsafe extern "C" fn gradacc_accumulator_save_window(
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
 /// tensors, saved on any device. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// The window's dropped micro-batches were not saved: gradacc_sync_info_t's
+/// `dropped_microbatches` counts the drops after the load, and `overflow_microbatch` counts the
+/// restored window's kept micro-batches, then each fed since the load, dropped ones included
+/// (docs/overflow.md).
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
@@ -963,7 +968,8 @@ pub unsafe extern "C" fn gradacc_accumulator_load_window(
 /// windows it sums (a merge into a window with no micro-batch yet replaces this rank's own in the
 /// count), so GRADACC_NORMALIZE_BY_WORLD divides by the size of the group that did the work; every
 /// normalisation then gives the original group's gradient. Windows saved by 0.2 count as one
-/// rank's window each. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// rank's window each. The merged window's kept micro-batches count in `overflow_microbatch` after
+/// those already in the window. Corrupt or foreign bytes fail and leave the accumulator unchanged.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
