@@ -468,6 +468,61 @@ fn saved_state_recuts_onto_other_shard_counts() {
     }
 }
 
+/// Parts that hold an element twice are refused with `InvalidArgument`, changing nothing: the
+/// same part given twice (named so), and the parts of two saves. The parts of ranks whose
+/// shards are empty hold nothing, so their identical bytes still load.
+#[test]
+fn a_part_given_twice_is_refused() {
+    let mut rng = Rng::fresh("a_part_given_twice_is_refused");
+    let tensors = layout(&mut rng);
+    let initial = model(&mut rng, &tensors);
+    let config = OptimizerConfig::default();
+    let scatter = |shards, rank| Sharding::ReduceScatter { shards, rank };
+    let (_, halves) =
+        run_group(&tensors, scatter, &initial, &group_data(&mut rng, &tensors, 2, 2), config, &[]);
+    let (_, whole) = run_group(
+        &tensors,
+        |_, _| Sharding::None,
+        &initial,
+        &group_data(&mut rng, &tensors, 1, 2),
+        config,
+        &[],
+    );
+    let (h0, h1, w) = (&halves[0][..], &halves[1][..], &whole[0][..]);
+
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let opt = Optimizer::new(&acc, config, &[], &grads_of(&initial)).unwrap();
+    let before = opt.save().unwrap();
+    let refused: [(&[&[u8]], &str); 4] = [
+        (&[h0, h1, h0], "part 2 is part 0 given twice"),
+        (&[h1, h0, h0], "part 2 is part 1 given twice"),
+        (&[w, w], "part 1 is part 0 given twice"),
+        (&[h0, h1, w], "parts 0 and 2 both hold elements"),
+    ];
+    for (parts, message) in refused {
+        let e = opt.load(parts).unwrap_err();
+        assert!(
+            e.kind == ErrorKind::InvalidArgument && e.message.contains(message),
+            "{message}: {e:?}"
+        );
+        assert_eq!(opt.save().unwrap(), before, "{message}: the refused load changed the state");
+        assert_eq!(opt.steps(), 0);
+    }
+    opt.load(&[h1, h0]).unwrap();
+    assert_eq!(opt.steps(), 2);
+
+    // One element over 3 ranks: ranks 1 and 2 hold nothing, and save the same bytes.
+    let tiny = [TensorDesc { numel: 1, dtype: Dtype::F32 }];
+    let one = model(&mut rng, &tiny);
+    let (_, thirds) =
+        run_group(&tiny, scatter, &one, &group_data(&mut rng, &tiny, 3, 1), config, &[]);
+    assert_eq!(thirds[1], thirds[2], "empty shards save the same bytes");
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tiny).unwrap();
+    let opt = Optimizer::new(&acc, config, &[], &grads_of(&one)).unwrap();
+    opt.load(&thirds.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
+    assert_eq!(opt.steps(), 1);
+}
+
 /// Bad input: each refused with the status and a message naming the argument, and the optimizer,
 /// accumulator and weights unchanged.
 #[test]
