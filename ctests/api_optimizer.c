@@ -127,6 +127,25 @@ static void test_whole_step(void)
     EXPECT_OK(gradacc_optimizer_load(opt, parts, lens, 1));
     EXPECT_OK(gradacc_optimizer_steps(opt, &steps));
     CHECK(steps == 3, "steps after load = %llu", (unsigned long long)steps);
+
+    /* The same part twice: refused, and a fresh optimizer keeps its state byte for byte. */
+    gradacc_optimizer_t *fresh = NULL;
+    REQUIRE_OK(gradacc_optimizer_create(acc, &oc, NULL, initial, NULL, 2, &fresh));
+    size_t fresh_len = 0;
+    REQUIRE_OK(gradacc_optimizer_save(fresh, NULL, 0, &fresh_len));
+    uint8_t *fresh_before = malloc(fresh_len), *fresh_after = malloc(fresh_len);
+    REQUIRE_OK(gradacc_optimizer_save(fresh, fresh_before, fresh_len, &fresh_len));
+    const uint8_t *twice[2] = {saved, saved};
+    size_t twice_lens[2] = {len, len};
+    EXPECT_ERROR(gradacc_optimizer_load(fresh, twice, twice_lens, 2), GRADACC_STATUS_INVALID_ARGUMENT,
+                 "part 1 is part 0 given twice");
+    REQUIRE_OK(gradacc_optimizer_save(fresh, fresh_after, fresh_len, &fresh_len));
+    CHECK(memcmp(fresh_before, fresh_after, fresh_len) == 0, "a refused load changed the state");
+    EXPECT_OK(gradacc_optimizer_steps(fresh, &steps));
+    CHECK(steps == 0, "steps after a refused load = %llu", (unsigned long long)steps);
+    free(fresh_before);
+    free(fresh_after);
+    EXPECT_OK(gradacc_optimizer_destroy(fresh));
     free(saved);
 
     /* Bad arguments, each named. */

@@ -733,7 +733,8 @@ public:
         return bytes;
     }
     /** Restores the state from the parts save() wrote on any number of ranks (together covering
-     * this rank's elements). Bad parts throw CORRUPT_STATE and change nothing. */
+     * this rank's elements, each rank's once). Bad parts throw CORRUPT_STATE, a part given twice
+     * INVALID_ARGUMENT; either way nothing changes. */
     void load(span<const span<const uint8_t>> parts) {
         std::vector<const uint8_t *> ptrs;
         std::vector<std::size_t> lens;

@@ -916,6 +916,291 @@ fn nothing_kept_anywhere_skips_the_step_on_cuda() {
     }
 }
 
+/// The tensors of the window that drops everything: shards of 2 and 3 ranks cut through them.
+const DROPPED_TENSORS: [TensorDesc; 3] = [
+    TensorDesc { numel: 5000, dtype: Dtype::Bf16 },
+    TensorDesc { numel: 3, dtype: Dtype::F32 },
+    TensorDesc { numel: 9000, dtype: Dtype::F16 },
+];
+
+/// A rank's FP32 model weights, host vectors or device copies of them.
+enum Model {
+    Host(Vec<Vec<f32>>),
+    Device(Vec<DeviceBuffer>),
+}
+
+impl Dev {
+    fn model(&self, tensors: &[TensorDesc]) -> Model {
+        let values = tensors.iter().map(|t| (0..t.numel).map(|i| 0.5 + i as f32 / 4096.0));
+        let values: Vec<Vec<f32>> = values.map(Iterator::collect).collect();
+        match self {
+            Dev::Cpu => Model::Host(values),
+            Dev::Cuda(..) => Model::Device(
+                values.into_iter().map(|v| self.upload(Dtype::F32, &(v, Vec::new()))).collect(),
+            ),
+        }
+    }
+
+    fn optimizer(&self, acc: &Accumulator, model: &Model) -> Optimizer {
+        let config = OptimizerConfig::default();
+        match model {
+            Model::Host(w) => {
+                let weights: Vec<Grad> = w.iter().map(|v| Grad::F32(v)).collect();
+                Optimizer::new(acc, config, &[], &weights).unwrap()
+            }
+            Model::Device(w) => {
+                let ptrs: Vec<DevicePtr> = w.iter().map(DeviceBuffer::ptr).collect();
+                Optimizer::new_device(acc, config, &[], &ptrs, &vec![Dtype::F32; w.len()]).unwrap()
+            }
+        }
+    }
+
+    /// The optimizer's step; whether it stepped, where the host knows it.
+    fn step(
+        &self,
+        opt: &Optimizer,
+        acc: &Accumulator,
+        model: &mut Model,
+        comm: Option<&dyn Communicator>,
+    ) -> Option<bool> {
+        match model {
+            Model::Host(w) => {
+                let mut weights: Vec<GradMut> = w.iter_mut().map(|v| GradMut::F32(v)).collect();
+                Some(opt.step(acc, &mut weights, comm).unwrap())
+            }
+            Model::Device(w) => {
+                let ptrs: Vec<DevicePtr> = w.iter().map(DeviceBuffer::ptr).collect();
+                opt.step_device(acc, &ptrs, comm).unwrap()
+            }
+        }
+    }
+
+    /// The model's weights' bits (on a device a host read).
+    fn weight_bits(&self, model: &Model) -> Vec<u32> {
+        let values: Vec<Vec<f32>> = match model {
+            Model::Host(w) => w.clone(),
+            Model::Device(w) => w
+                .iter()
+                .map(|b| {
+                    let mut v = vec![0f32; b.bytes() / 4];
+                    b.read(&mut v).unwrap();
+                    v
+                })
+                .collect(),
+        };
+        values.iter().flatten().map(|v| v.to_bits()).collect()
+    }
+}
+
+/// One rank's view of the window that dropped everything.
+struct Dropped {
+    info: SyncInfo,
+    /// The shard's bits and, unless sharded accumulation, every tensor's whole master's.
+    master_bits: Vec<u32>,
+    stats: Vec<TensorStats>,
+    /// Per scaler: its update from the accumulator, its state before and after it.
+    scalers: Vec<(std::result::Result<Option<bool>, ErrorKind>, ScalerState, ScalerState)>,
+    stepped: Option<bool>,
+    /// The optimizer's saved state, step count and the model's weights kept their bits.
+    optimizer_kept: bool,
+    /// The report of the clean window that follows.
+    next: SyncInfo,
+}
+
+/// A group of `world` ranks under `sharding` (each rank's shard filled in) steps a clean window,
+/// then drops every micro-batch of the next one on every rank: an `add` with a non-finite value
+/// on every rank (the last rank's in tensor 1, the others' in tensor 2), a micro-batch fed
+/// tensor by tensor with one in tensor 0 (on rank 0 only under sharded accumulation, which
+/// drops it on every rank all the same), and an `add` with one in tensor 2.
+fn drop_everything(on: On, world: usize, sharding: Sharding) -> Vec<Dropped> {
+    let tensors = &DROPPED_TENSORS;
+    let dtypes: Vec<Dtype> = tensors.iter().map(|t| t.dtype).collect();
+    in_group(on, world, |rank, dev, comm| {
+        let sharding = match sharding {
+            Sharding::None => Sharding::None,
+            Sharding::ReduceScatter { .. } => Sharding::ReduceScatter { shards: world, rank },
+            Sharding::Accumulate { .. } => Sharding::Accumulate { shards: world, rank },
+        };
+        let accumulate = matches!(sharding, Sharding::Accumulate { .. });
+        let config = AccumulatorConfig {
+            overflow: Overflow::DropMicrobatch,
+            tensor_stats: true,
+            max_grad_norm: 0.5,
+            sharding,
+            ..Default::default()
+        };
+        let acc = dev.accumulator_over(config, tensors, comm);
+        let step_comm = match sharding {
+            Sharding::ReduceScatter { .. } => Some(&**comm),
+            _ => None,
+        };
+        // One that backs off on the first overflow, one that tolerates one, one at its minimum.
+        let scalers = [(8.0, 1), (8.0, 2), (1.0, 1)].map(|(init_scale, hysteresis)| {
+            dev.scaler(ScalerConfig {
+                init_scale,
+                hysteresis,
+                growth_interval: 3,
+                min_scale: 1.0,
+                ..Default::default()
+            })
+        });
+        let grads = |poison: Option<usize>| -> Vec<(Vec<f32>, Vec<u16>)> {
+            (0..tensors.len())
+                .map(|t| {
+                    let mut values: Vec<f32> =
+                        (0..tensors[t].numel).map(|i| (i % 7) as f32 + 1.0).collect();
+                    if poison == Some(t) {
+                        values[rank % tensors[t].numel] = [f32::INFINITY, f32::NAN][t % 2];
+                    }
+                    encode(tensors[t].dtype, &values, 8.0)
+                })
+                .collect()
+        };
+        let whole = |poison: Option<usize>, count: u64| {
+            let g = grads(poison);
+            dev.add(&acc, &scalers[0], &dtypes, &g.iter().collect::<Vec<_>>(), count);
+        };
+
+        let mut model = dev.model(tensors);
+        let opt = dev.optimizer(&acc, &model);
+        whole(None, 4);
+        assert!(!acc.sync(Some(&**comm)).unwrap().found_inf);
+        for s in &scalers {
+            assert_eq!(s.update_from(&[&acc], true).unwrap(), Some(false));
+        }
+        assert_ne!(dev.step(&opt, &acc, &mut model, step_comm), Some(false));
+        let (saved, steps, weights) = (opt.save().unwrap(), opt.steps(), dev.weight_bits(&model));
+
+        whole(Some(if rank + 1 == world { 1 } else { 2 }), 2);
+        acc.begin_microbatch(3).unwrap();
+        let g = grads((!accumulate || rank == 0).then_some(0));
+        for t in (0..tensors.len()).rev() {
+            dev.add_tensor(&acc, &scalers[0], t, dtypes[t], &g[t]);
+        }
+        acc.end_microbatch().unwrap();
+        whole(Some(2), 1);
+        let info = acc.sync(Some(&**comm)).unwrap();
+
+        let mut master_bits: Vec<u32> = dev.shard(&acc).iter().map(|v| v.to_bits()).collect();
+        if !accumulate {
+            for (t, d) in tensors.iter().enumerate() {
+                let mut m = vec![1.0f32; d.numel];
+                acc.read_master(t, &mut m).unwrap();
+                master_bits.extend(m.iter().map(|v| v.to_bits()));
+            }
+        }
+        let stats = acc.tensor_stats().unwrap();
+        let scalers = scalers
+            .iter()
+            .map(|s| {
+                let before = s.state().unwrap();
+                let update = s.update_from(&[&acc], true).map_err(|e| e.kind);
+                (update, before, s.state().unwrap())
+            })
+            .collect();
+        let stepped = dev.step(&opt, &acc, &mut model, step_comm);
+        let optimizer_kept = opt.save().unwrap() == saved
+            && opt.steps() == steps
+            && dev.weight_bits(&model) == weights;
+
+        whole(None, 5);
+        let next = acc.sync(Some(&**comm)).unwrap();
+        Dropped { info, master_bits, stats, scalers, stepped, optimizer_kept, next }
+    })
+}
+
+/// What every rank must see after [`drop_everything`].
+fn check_dropped_everything(on: On, world: usize, sharding: Sharding) {
+    let accumulate = matches!(sharding, Sharding::Accumulate { .. });
+    let w = world as u64;
+    for (rank, d) in drop_everything(on, world, sharding).iter().enumerate() {
+        let what = format!("{on:?}, world {world}, {sharding:?}, rank {rank}");
+        // Nothing kept: no items, no micro-batches, a norm of 0 and no clipping, every drop
+        // counted, the first place named.
+        let place = OverflowAt::Gradient { rank: world - 1, microbatch: 0, tensor: 1 };
+        let info = SyncInfo {
+            found_inf: true,
+            total_count: 0,
+            microbatches: 0,
+            grad_norm: 0.0,
+            clip_coef: 1.0,
+            dropped_microbatches: 3 * w,
+            overflow: Some(place),
+        };
+        assert_eq!(d.info, info, "{what}");
+        assert!(d.master_bits.iter().all(|&b| b == 0), "{what}: the master is not +0.0 throughout");
+        let nonfinite = [if accumulate { 1 } else { w }, 1, 2 * w - 1];
+        let stats: Vec<(f64, u64)> =
+            d.stats.iter().map(|s| (s.grad_norm, s.nonfinite_microbatches)).collect();
+        assert_eq!(stats, nonfinite.map(|n| (0.0, n)), "{what}: tensor stats");
+
+        // One update per window, whatever the number of drops: a skipped step, one overflow.
+        let [backs_off, tolerates, at_minimum] = &d.scalers[..] else { unreachable!() };
+        let after = |before: &ScalerState, scale, hysteresis_tracker, backoffs| ScalerState {
+            scale,
+            growth_tracker: 0,
+            hysteresis_tracker,
+            stats: ScalerStats {
+                steps: before.stats.steps + 1,
+                skipped_steps: before.stats.skipped_steps + 1,
+                backoffs: before.stats.backoffs + backoffs,
+                ..before.stats
+            },
+        };
+        assert_eq!(backs_off.0, Ok(Some(true)), "{what}");
+        assert_eq!(backs_off.2, after(&backs_off.1, 4.0, 0, 1), "{what}: backs off once");
+        assert_eq!(tolerates.0, Ok(Some(true)), "{what}");
+        assert_eq!(tolerates.2, after(&tolerates.1, 8.0, 1, 0), "{what}: one overflow tolerated");
+        assert_eq!(at_minimum.0, Err(ErrorKind::ScaleAtMinimum), "{what}");
+        assert_eq!(at_minimum.2, at_minimum.1, "{what}: a refused update changes nothing");
+
+        assert_ne!(d.stepped, Some(true), "{what}: the optimizer stepped");
+        assert!(d.optimizer_kept, "{what}: the skipped step changed the optimizer or the model");
+        assert_eq!(
+            (d.next.found_inf, d.next.total_count, d.next.microbatches),
+            (false, 5 * w, w),
+            "{what}: the next window"
+        );
+        assert_eq!((d.next.dropped_microbatches, d.next.overflow), (0, None), "{what}");
+    }
+}
+
+const POLICIES: [Sharding; 3] = [
+    Sharding::None,
+    Sharding::ReduceScatter { shards: 1, rank: 0 },
+    Sharding::Accumulate { shards: 1, rank: 0 },
+];
+
+/// A window that drops every micro-batch on every rank, on 1 to 3 ranks under every sharding
+/// policy: docs/overflow.md's "A window that drops everything", field by field.
+#[test]
+fn a_window_that_drops_everything_is_one_skipped_step() {
+    for world in 1..=3 {
+        for sharding in POLICIES {
+            check_dropped_everything(On::Cpu, world, sharding);
+        }
+    }
+}
+
+/// The same on CUDA, one device per rank over NCCL (3 ranks in a child process on the software
+/// GPU).
+#[test]
+fn a_window_that_drops_everything_is_one_skipped_step_on_cuda() {
+    let Some(devices) = cuda_ranks() else { return };
+    let name = "a_window_that_drops_everything_is_one_skipped_step_on_cuda";
+    let run = |max_world: usize| {
+        for world in 1..=max_world {
+            for sharding in POLICIES {
+                check_dropped_everything(On::Cuda, world, sharding);
+            }
+        }
+    };
+    match std::env::var("GRADACC_SIMGPU").as_deref() {
+        Ok("1") => common::cuda::at_devices(3, devices as i32, name, |_| run(3)),
+        _ => run(devices.min(3)),
+    }
+}
+
 /// A finite gradient that overflows once unscaled and weighted is non-finite too: the check uses
 /// the add's own multiply.
 #[test]
@@ -1160,6 +1445,69 @@ fn a_loaded_window_carries_its_own_overflow_state_only() {
         acc.add(&scaler, &[Grad::F32(&clean)], 1).unwrap();
         let info = acc.sync(None).unwrap();
         assert_eq!((info.found_inf, info.overflow), (true, None), "merge {merge}");
+    }
+}
+
+/// After `load_window`, the place of a micro-batch fed since counts the restored window's kept
+/// micro-batches first (its drops were not saved), then every micro-batch fed since the load,
+/// dropped ones included; a merged window's kept micro-batches count likewise, after those fed
+/// before the merge.
+#[test]
+fn a_restored_window_counts_its_kept_microbatches_in_later_places() {
+    restored_places(On::Cpu, &[Overflow::SkipStep, Overflow::DropMicrobatch]);
+}
+
+/// The same on CUDA, under DROP_MICROBATCH (under SKIP_STEP the flag stays on the device).
+#[test]
+fn a_restored_window_counts_its_kept_microbatches_in_later_places_on_cuda() {
+    if cuda_ranks().is_some() {
+        restored_places(On::Cuda, &[Overflow::DropMicrobatch]);
+    }
+}
+
+fn restored_places(on: On, policies: &[Overflow]) {
+    let tensors =
+        [TensorDesc { numel: 3, dtype: Dtype::F32 }, TensorDesc { numel: 2, dtype: Dtype::F16 }];
+    let dtypes = [Dtype::F32, Dtype::F16];
+    let dev = Dev::of(on, 0);
+    let scaler = dev.scaler(ScalerConfig { init_scale: 1.0, ..Default::default() });
+    let clean = [(vec![1.0f32; 3], Vec::new()), (Vec::new(), vec![to_f16(1.0); 2])];
+    let mut bad = clean.clone();
+    bad[1].1[1] = to_f16(f32::INFINITY);
+    // Feeds one micro-batch of one item per entry, poisoned (in tensor 1) where it says so.
+    let feed = |acc: &Accumulator, poisoned: &[bool]| {
+        for &p in poisoned {
+            let g = if p { &bad } else { &clean };
+            dev.add(acc, &scaler, &dtypes, &g.iter().collect::<Vec<_>>(), 1);
+        }
+    };
+    for &overflow in policies {
+        let drop = overflow == Overflow::DropMicrobatch;
+        let config = AccumulatorConfig { overflow, ..Default::default() };
+        // Two kept micro-batches, and under DROP_MICROBATCH a dropped one between them.
+        let saver = dev.accumulator(config, &tensors);
+        feed(&saver, if drop { &[false, true, false] } else { &[false, false] });
+        let saved = saver.save_window().unwrap();
+        let place = |microbatch| Some(OverflowAt::Gradient { rank: 0, microbatch, tensor: 1 });
+
+        // Restored (2 kept), then a clean and a poisoned one: the poisoned one is micro-batch 3.
+        let acc = dev.accumulator(config, &tensors);
+        feed(&acc, &[true]);
+        acc.load_window(&saved).unwrap();
+        feed(&acc, &[false, true]);
+        let info = acc.sync(None).unwrap();
+        assert_eq!(info.overflow, place(3), "{overflow:?}, after load_window");
+        let (microbatches, dropped) = if drop { (3, 1) } else { (4, 0) };
+        assert_eq!((info.microbatches, info.dropped_microbatches), (microbatches, dropped));
+
+        // One clean, merged (2 kept), then a clean and a poisoned one: micro-batch 4.
+        let acc = dev.accumulator(config, &tensors);
+        feed(&acc, &[false]);
+        acc.merge_window(&saved).unwrap();
+        feed(&acc, &[false, true]);
+        let info = acc.sync(None).unwrap();
+        assert_eq!(info.overflow, place(4), "{overflow:?}, after merge_window");
+        assert_eq!(info.dropped_microbatches, dropped, "{overflow:?}, after merge_window");
     }
 }
 

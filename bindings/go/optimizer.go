@@ -353,7 +353,8 @@ func (o *Optimizer) Save() ([]byte, error) {
 }
 
 // Load restores the state from the parts Save wrote on any number of ranks (together covering
-// this rank's elements). Bad parts fail with StatusCorruptState and change nothing.
+// this rank's elements, each rank's once). Bad parts fail with StatusCorruptState, a part given
+// twice with StatusInvalidArgument; either way nothing changes.
 func (o *Optimizer) Load(parts ...[]byte) error {
 	p, err := o.handle()
 	if err != nil {

@@ -82,6 +82,11 @@ pub const GRADACC_OVERFLOW_SKIP_STEP: gradacc_overflow_t = 0;
 /// overflows. CPU and CUDA accumulators, every sharding policy; on CUDA each
 /// gradacc_accumulator_add and gradacc_accumulator_end_microbatch waits for the stream
 /// (docs/overflow.md). Update the scaler with gradacc_scaler_update: a drop backs the scale off.
+/// A window that drops every micro-batch on every rank is one skipped step: found_inf 1,
+/// total_count and microbatches 0, grad_norm 0, clip_coef 1, the master +0.0 throughout; the
+/// scaler's update counts one overflow however many were dropped (GRADACC_STATUS_SCALE_AT_MINIMUM
+/// at min_scale), and gradacc_optimizer_step changes nothing (docs/overflow.md, "A window that
+/// drops everything").
 pub const GRADACC_OVERFLOW_DROP_MICROBATCH: gradacc_overflow_t = 1;
 
 /// Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
@@ -170,7 +175,8 @@ pub struct gradacc_sync_info_t {
     pub overflow_at: gradacc_overflow_at_t,
     /// With GRADACC_OVERFLOW_AT_GRADIENT: the rank (at a hybrid boundary, replica rank times the
     /// shard group's size plus shard rank), its window's micro-batch (from 0, dropped ones
-    /// included) and the tensor index; 0 otherwise.
+    /// included; after gradacc_accumulator_load_window, see there) and the tensor index; 0
+    /// otherwise.
     pub overflow_rank: u64,
     pub overflow_microbatch: u64,
     pub overflow_tensor: u64,
@@ -962,6 +968,10 @@ pub unsafe extern "C" fn gradacc_accumulator_save_window(
 
 /// Restores a window written by gradacc_accumulator_save_window from an accumulator with the same
 /// tensors, saved on any device. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// The window's dropped micro-batches were not saved: gradacc_sync_info_t's
+/// `dropped_microbatches` counts the drops after the load, and `overflow_microbatch` counts the
+/// restored window's kept micro-batches, then each fed since the load, dropped ones included
+/// (docs/overflow.md).
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]
@@ -984,7 +994,8 @@ pub unsafe extern "C" fn gradacc_accumulator_load_window(
 /// windows it sums (a merge into a window with no micro-batch yet replaces this rank's own in the
 /// count), so GRADACC_NORMALIZE_BY_WORLD divides by the size of the group that did the work; every
 /// normalisation then gives the original group's gradient. Windows saved by 0.2 count as one
-/// rank's window each. Corrupt or foreign bytes fail and leave the accumulator unchanged.
+/// rank's window each. The merged window's kept micro-batches count in `overflow_microbatch` after
+/// those already in the window. Corrupt or foreign bytes fail and leave the accumulator unchanged.
 ///
 /// Thread safety: serialised with every other call on `acc`.
 #[no_mangle]

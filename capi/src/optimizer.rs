@@ -563,7 +563,9 @@ pub unsafe extern "C" fn gradacc_optimizer_save(
 /// Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what
 /// gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements,
 /// so a state saved over one shard count loads over another. Corrupt, foreign or insufficient
-/// parts fail with GRADACC_STATUS_CORRUPT_STATE and leave the optimizer unchanged.
+/// parts fail with GRADACC_STATUS_CORRUPT_STATE, and two parts that hold the same element (the
+/// same part given twice, or parts of two saves) with GRADACC_STATUS_INVALID_ARGUMENT, naming
+/// them; either way the optimizer is unchanged.
 ///
 /// Thread safety: any thread; serialised with the optimizer's other calls.
 #[no_mangle]

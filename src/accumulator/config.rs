@@ -175,6 +175,13 @@ pub enum Overflow {
     /// the micro-batch ends clean. A dropped micro-batch backs the scale off at the next update
     /// ([`Scaler::update_from`](crate::Scaler::update_from)).
     ///
+    /// A window that drops every micro-batch on every rank is one skipped step: `sync` reports
+    /// `found_inf` with no items and no micro-batches, every drop and the first place, a norm
+    /// of 0 and a clipping coefficient of 1; the master reads +0.0 throughout; the next update
+    /// counts one overflow however many micro-batches were dropped (one backoff once the
+    /// hysteresis runs out; `ScaleAtMinimum` at the minimum scale, changing nothing), and the
+    /// optimizer's step changes nothing.
+    ///
     /// Under [`Sharding::Accumulate`], whose micro-batches are reduced over the ranks as they
     /// are fed: a dropping rank's `add` still takes part, with zeros, so the shards hold the
     /// other ranks' sums. A micro-batch fed tensor by tensor has its buckets reduced before its

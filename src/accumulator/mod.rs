@@ -97,8 +97,9 @@ pub struct SyncInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OverflowAt {
     /// A non-finite value in rank `rank`'s micro-batch `microbatch` (its window's micro-batches
-    /// counted from 0, dropped ones included) in tensor `tensor`: a gradient value after
-    /// unscaling, or the master where adding it overflowed.
+    /// counted from 0, dropped ones included; after a load, see [`Accumulator::load_window`]) in
+    /// tensor `tensor`: a gradient value after unscaling, or the master where adding it
+    /// overflowed.
     Gradient { rank: usize, microbatch: u64, tensor: usize },
     /// Every rank's window was finite; their sum overflowed.
     Reduction,
@@ -1618,7 +1619,10 @@ impl Accumulator {
 
     /// Restores a window written by [`Accumulator::save_window`] of an accumulator with the same
     /// layout, on any device. Corrupt or foreign bytes are rejected and leave the accumulator
-    /// unchanged.
+    /// unchanged. The window's dropped micro-batches were not saved: the boundary's
+    /// [`SyncInfo::dropped_microbatches`] counts the drops after the load, and the micro-batch
+    /// of an [`OverflowAt::Gradient`] counts the restored window's kept micro-batches, then each
+    /// one fed since the load, dropped ones included.
     pub fn load_window(&self, bytes: &[u8]) -> Result<()> {
         let mut w = self.window.write();
         w.between_microbatches(
@@ -1644,8 +1648,10 @@ impl Accumulator {
     /// add, overflow flags OR; a tensor written in either window counts as written. The window
     /// also counts the ranks' windows it sums (merged into a window with no micro-batch yet, a
     /// saved window replaces this rank's own in that count), so [`Normalize::ByWorld`] divides by
-    /// the size of the group that produced the work. After a sync
-    /// it starts a new window, as `add` does. On CUDA this waits for the accumulator's stream.
+    /// the size of the group that produced the work. The merged window's kept micro-batches
+    /// count in an [`OverflowAt::Gradient`]'s micro-batch after those already in the window.
+    /// After a sync it starts a new window, as `add` does. On CUDA this waits for the
+    /// accumulator's stream.
     /// Corrupt or foreign bytes are rejected and leave the accumulator unchanged.
     pub fn merge_window(&self, bytes: &[u8]) -> Result<()> {
         let mut w = self.window.write();

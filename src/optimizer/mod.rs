@@ -747,7 +747,9 @@ impl Optimizer {
     /// Restores the state from saved parts: the bytes [`Optimizer::save`] wrote on any number of
     /// ranks (one part without sharding), together covering this rank's elements, from an
     /// optimizer with the same tensors, model dtypes, algorithm and rounding. Corrupt, foreign
-    /// or insufficient parts are refused with `CorruptState`, and the optimizer is unchanged.
+    /// or insufficient parts are refused with `CorruptState`, and two parts that hold the same
+    /// element (the same part given twice, or parts of two saves) with `InvalidArgument`,
+    /// naming them; either way the optimizer is unchanged.
     /// The next step may be from the current window (the window it last stepped is forgotten).
     /// Adopted masters are written in place, the padding between tensors with zeros.
     pub fn load(&self, parts: &[&[u8]]) -> Result<()> {

@@ -88,13 +88,40 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
     Ok(Part { lr, steps, tensors })
 }
 
-/// The state for `held` from `parts`, or an error naming what is wrong; nothing is changed.
-pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Result<State> {
-    if parts.is_empty() {
+/// Refuses two parts that hold the same element of a tensor: the element would take whichever
+/// came last. Parts that hold nothing (the parts of empty shards) never meet.
+fn check_disjoint(parts: &[Part], bytes: &[&[u8]]) -> Result<()> {
+    for i in 0..parts.first().map_or(0, |p| p.tensors.len()) {
+        let mut held: Vec<(Range<usize>, usize)> = (parts.iter().enumerate())
+            .map(|(k, p)| (p.tensors[i].0.clone(), k))
+            .filter(|(r, _)| !r.is_empty())
+            .collect();
+        held.sort_by_key(|(r, k)| (r.start, *k));
+        // Sorted by start, any overlap shows between neighbours.
+        for pair in held.windows(2) {
+            let ((a, j), (b, k)) = (&pair[0], &pair[1]);
+            if b.start < a.end {
+                let (first, second) = ((*j).min(*k), (*j).max(*k));
+                let shared = b.start..a.end.min(b.end);
+                return Err(Error::invalid(if bytes[first] == bytes[second] {
+                    format!("part {second} is part {first} given twice (both hold elements {shared:?} of tensor {i}): pass each rank's part once")
+                } else {
+                    format!("parts {first} and {second} both hold elements {shared:?} of tensor {i}: pass the parts of one save, each once")
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The state for `held` from the parts saved as `bytes`, or an error naming what is wrong;
+/// nothing is changed.
+pub(super) fn decode(o: &Optimizer, held: &Range<usize>, bytes: &[&[u8]]) -> Result<State> {
+    if bytes.is_empty() {
         return Err(Error::invalid("`parts` is empty: load needs the saved state".to_string()));
     }
     let parts: Vec<Part> =
-        parts.iter().enumerate().map(|(k, b)| read_part(o, k, b)).collect::<Result<_>>()?;
+        bytes.iter().enumerate().map(|(k, b)| read_part(o, k, b)).collect::<Result<_>>()?;
     let (lr, steps) = (parts[0].lr, parts[0].steps);
     if let Some(k) = parts.iter().position(|p| (p.lr.to_bits(), p.steps) != (lr.to_bits(), steps)) {
         return Err(corrupt(format!(
@@ -110,6 +137,7 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, parts: &[&[u8]]) -> Res
     if steps == u64::MAX {
         return Err(corrupt(format!("the saved step count {steps} leaves no step to take")));
     }
+    check_disjoint(&parts, bytes)?;
     let mut values = [vec![0.0f32; held.len()], vec![0.0; held.len()], vec![]];
     if o.algorithm.second_moment() {
         values[2] = vec![0.0; held.len()];

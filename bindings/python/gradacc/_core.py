@@ -872,8 +872,9 @@ class Optimizer(_Managed):
 
     def load(self, parts):
         """Restores the state from what :meth:`save` returned: one part, or a list of the parts
-        saved on any number of ranks (together covering this rank's elements). Bad parts raise
-        (CORRUPT_STATE) and change nothing."""
+        saved on any number of ranks (together covering this rank's elements, each rank's once).
+        Bad parts raise (CORRUPT_STATE), a part given twice too (INVALID_ARGUMENT); either way
+        nothing changes."""
         if isinstance(parts, (bytes, bytearray, memoryview)):
             parts = [parts]
         bufs = [(ctypes.c_uint8 * len(d)).from_buffer_copy(d) for d in map(bytes, parts)]

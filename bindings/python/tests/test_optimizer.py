@@ -93,7 +93,8 @@ def test_sgd_defaults_to_no_weight_decay_and_groups_apply():
 # ---- AdamW, bounded --------------------------------------------------------------------------
 
 def test_adamw_within_the_bound_of_a_float64_reference():
-    """Every weight within 8 float32 roundings per step of the magnitudes of that step's terms:
+    """Every weight within 8 float32 roundings per step of the magnitudes of that step's terms
+    (at beta1 = 0.9, as here; docs/optimizer.md gives the bound's conditions):
     |w - w64| <= 8 u sum_t (|w_t| + lr_t |m_hat_t / (sqrt(v_hat_t) + eps)|), w64 and its terms
     from exact (float64) arithmetic on the same gradients and float32 hyperparameters. The worst
     seen is about a quarter of the bound."""

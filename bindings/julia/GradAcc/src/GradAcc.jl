@@ -1134,8 +1134,9 @@ save(o::Optimizer) = saved_bytes(gradacc_optimizer_save, o)
     GradAcc.load!(opt::Optimizer, parts) -> opt
 
 Restores the state from what [`GradAcc.save`](@ref) returned: one byte vector, or a vector of
-the parts saved on any number of ranks (together covering this rank's elements). Corrupt,
-foreign or insufficient parts throw `GRADACC_STATUS_CORRUPT_STATE` and change nothing.
+the parts saved on any number of ranks (together covering this rank's elements, each rank's
+once). Corrupt, foreign or insufficient parts throw `GRADACC_STATUS_CORRUPT_STATE`, a part given
+twice `GRADACC_STATUS_INVALID_ARGUMENT`; either way nothing changes.
 """
 load!(o::Optimizer, bytes::AbstractVector{UInt8}) = load!(o, [bytes])
 function load!(o::Optimizer, parts::AbstractVector{<:AbstractVector{UInt8}})
