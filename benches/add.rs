@@ -11,7 +11,7 @@ mod common;
 use std::time::Instant;
 
 use common::{floor, floor_sum, fused, interleaved, kind, median, pattern, AlignedF32};
-use gradacc::backend::cpu;
+use gradacc::simd;
 use gradacc::Grad;
 
 const SIZES: [usize; 2] = [16 << 20, 64 << 20];
@@ -20,7 +20,7 @@ const REPEATS: usize = 7;
 const FACTOR: f32 = 1.0 / 1024.0;
 
 fn main() {
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     println!(
         "gradacc CPU kernels, {} path, median of {REPEATS} runs after a warm-up\n",
         isa.name()
@@ -42,7 +42,7 @@ fn main() {
             for threads in THREADS {
                 let times = compare(
                     &mut master,
-                    |m| assert!(!cpu::accumulate(m, grad, FACTOR, false, threads)),
+                    |m| assert!(!simd::accumulate(m, grad, FACTOR, false, threads)),
                     |m| floor::<{ kind::ADD }>(isa, m, grad, threads),
                     |m| assert!(!fused(isa, &mut [m], &[grad], FACTOR, threads)),
                 );
@@ -53,7 +53,7 @@ fn main() {
             for threads in THREADS {
                 let times = compare(
                     &mut master,
-                    |m| cpu::scale(m, 0.999, threads),
+                    |m| simd::scale(m, 0.999, threads),
                     |m| floor::<{ kind::ADD }>(isa, m, Grad::F32(&[]), threads),
                     |m| floor::<{ kind::ADD }>(isa, m, Grad::F32(&[]), threads),
                 );
@@ -62,7 +62,7 @@ fn main() {
             for threads in THREADS {
                 let times = compare(
                     &mut master,
-                    |m| assert!(cpu::sum_squares(m, threads).is_finite()),
+                    |m| assert!(simd::sum_squares(m, threads).is_finite()),
                     |m| assert!(floor_sum(isa, m, threads).is_finite()),
                     |m| assert!(floor_sum(isa, m, threads).is_finite()),
                 );
@@ -74,10 +74,10 @@ fn main() {
                 &mut master,
                 |m| {
                     in_pieces(m, &addend, |m, a, sums| {
-                        cpu::add_and_block_sum_squares(m, a, Some(0.5), sums)
+                        simd::add_and_block_sum_squares(m, a, Some(0.5), sums)
                     })
                 },
-                |m| in_pieces(m, &addend, |m, a, _| cpu::add_assign(m, a)),
+                |m| in_pieces(m, &addend, |m, a, _| simd::add_assign(m, a)),
                 |m| {
                     in_pieces(m, &addend, |m, a, sums| {
                         for ((m, a), sum) in m
@@ -85,9 +85,9 @@ fn main() {
                             .zip(a.chunks(gradacc::math::NORM_BLOCK))
                             .zip(sums)
                         {
-                            cpu::add_assign(m, a);
-                            cpu::block_sum_squares(m, std::slice::from_mut(sum), 1);
-                            cpu::scale(m, 0.5, 1);
+                            simd::add_assign(m, a);
+                            simd::block_sum_squares(m, std::slice::from_mut(sum), 1);
+                            simd::scale(m, 0.5, 1);
                         }
                     })
                 },
@@ -112,10 +112,10 @@ fn main() {
 /// the buffers lie").
 const DISTANCES: [usize; 6] = [0, 16, 48, 144, 1024, 4048];
 
-/// `cpu::accumulate` and the plain fused loop over the same master and gradient, placed at each of
+/// `simd::accumulate` and the plain fused loop over the same master and gradient, placed at each of
 /// `DISTANCES`, at sizes that live in L2, in L3, on both sides of `REVERSE_MAX` and from DRAM
 /// (1 thread).
-fn placement(isa: cpu::Isa) {
+fn placement(isa: simd::Isa) {
     println!("\n| size | dtype | gradient below master (B, mod 4 KiB) | ns/element | plain fused ns/element | ratio to it (median of rounds) |");
     println!("|---:|---|---:|---:|---:|---:|");
     let mut worst = (0.0f64, String::new());
@@ -140,7 +140,7 @@ fn placement(isa: cpu::Isa) {
                     15,
                     0.005,
                     &mut [
-                        &mut || assert!(!cpu::accumulate(m(), grad, FACTOR, false, 1)),
+                        &mut || assert!(!simd::accumulate(m(), grad, FACTOR, false, 1)),
                         &mut || assert!(!fused(isa, &mut [m()], &[grad], FACTOR, 1)),
                     ],
                 );
@@ -184,9 +184,9 @@ fn in_pieces(
     mut f: impl FnMut(&mut [f32], &[f32], &mut [f64]),
 ) {
     const PIECE: usize = 64 * 1024;
-    let mut sums = vec![0.0; cpu::blocks(PIECE)];
+    let mut sums = vec![0.0; simd::blocks(PIECE)];
     for (m, a) in master.chunks_mut(PIECE).zip(addend.chunks(PIECE)) {
-        f(m, a, &mut sums[..cpu::blocks(m.len())]);
+        f(m, a, &mut sums[..simd::blocks(m.len())]);
     }
 }
 

@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use common::{gradients, median};
-use gradacc::backend::cpu::{self, Isa};
+use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Dtype, Grad, GradMut, Optimizer, OptimizerConfig,
     Rounding, Scaler, ScalerConfig, TensorDesc,
@@ -97,7 +97,7 @@ fn traffic(g: &[f32], master: &mut [f32], m: &mut [f32], v: Option<&mut [f32]>, 
 }
 
 fn main() {
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     println!(
         "gradacc optimizer step, {LEN} elements, bf16 weights, one thread, {} path, median of {REPEATS} after a warm-up\n",
         isa.name()

@@ -28,8 +28,8 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 use common::{floor, fused, interleaved, kind, AlignedF32, Stats, Turns, TRIAD_FACTOR};
-use gradacc::backend::cpu;
 use gradacc::comm::HostCollectives;
+use gradacc::simd;
 use gradacc::{
     Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, LocalComm, Overflow, Scaler,
     ScalerConfig, Sharding, TensorDesc,
@@ -113,7 +113,7 @@ impl Options {
 
 fn main() {
     let mut o = Options::parse();
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     println!(
         "gradacc benchmark suite: {} path, median of {} rounds{}",
         isa.name(),
@@ -231,7 +231,7 @@ fn scaler() -> Scaler {
 
 fn sweep(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)], max: usize) {
     println!("\n## add, one flat tensor: ns/element (gradacc | triad floor | ratio)");
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     let mp = master.slice().as_mut_ptr();
     let sizes: Vec<usize> =
         std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|&s| s <= max).collect();
@@ -352,7 +352,7 @@ fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
 /// than the per-tensor loop from DRAM, the next up to 12% faster).
 fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
     println!("\n## add, model layouts: ms (gradacc | plain fused loop, per tensor | triad, flat | gradacc / plain fused)");
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     let scaler = scaler();
     for model in models {
         let numels = &model.numels;
@@ -493,7 +493,7 @@ fn overflow(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
 /// binding calls), against the floor for the same bytes in the same (cache-resident) state.
 fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]) {
     println!("\n## per-call overhead, 1 thread: us per call (Rust API | C ABI | triad floor, flat | overhead over the floor)");
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     let capacity = master.slice().len();
     let mp = master.slice().as_mut_ptr();
     let scaler = scaler();

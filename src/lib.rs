@@ -36,8 +36,9 @@
 //! Who owns what: `accumulator` is the core (the window's state machine, the boundary's
 //! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`),
 //! `scaler` the loss scale's semantics, `optimizer` the FP32-master step, `comm` the
-//! communicators, and `backend` what each device supplies (its store: master memory and kernels;
-//! its scaler state). A boundary feature is written once in the core; a device only adds
+//! communicators, `simd` the host's kernels (which the CPU store and the host transports share),
+//! and `backend` what each device supplies (its store: master memory and kernels; its scaler
+//! state). A boundary feature is written once in the core; a device only adds
 //! kernels. The C ABI is the crate `gradacc-capi` (capi/).
 
 // Every unsafe operation sits in its own block with a `SAFETY:` comment saying why it is sound.
@@ -86,6 +87,10 @@ mod optimizer;
 pub mod scaler;
 #[cfg(not(feature = "internal"))]
 mod scaler;
+#[cfg(feature = "internal")]
+pub mod simd;
+#[cfg(not(feature = "internal"))]
+mod simd;
 mod state;
 
 pub use accumulator::{

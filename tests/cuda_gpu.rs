@@ -737,13 +737,13 @@ fn single_thread_kernels_run_once_on_a_wide_launch() {
 }
 
 /// `ga_finish_norm` folds the block sums in parallel with exactly the CPU backend's order
-/// (`cpu::fold_block_sums`): from one sum to several rows of `FOLD_LANES`, at every width where
+/// (`simd::fold_block_sums`): from one sum to several rows of `FOLD_LANES`, at every width where
 /// the halving moves from registers to shared memory, with sums of similar size so that any
 /// other order changes the bits.
 #[test]
 fn finish_norm_folds_block_sums_like_the_cpu_backend() {
-    use gradacc::backend::cpu;
     use gradacc::math::FOLD_LANES;
+    use gradacc::simd;
     if !gpu_or_skip() {
         return;
     }
@@ -769,7 +769,7 @@ fn finish_norm_folds_block_sums_like_the_cpu_backend() {
     let mut differs_from_block_order = false;
     for n in lengths {
         let sums: Vec<f64> = (0..n).map(|_| rng.uniform(1.0, 2.0)).collect();
-        let want = cpu::fold_block_sums(&sums);
+        let want = simd::fold_block_sums(&sums);
         differs_from_block_order |= want != sums.iter().fold(0.0, |t, &s| t + s);
         let partials = DeviceBuffer::from_slice(&ctx, stream.stream, &sums).unwrap();
         let start = layout::GaBoundary { divisor: 1, clip_coef: 1.0, ..Default::default() };

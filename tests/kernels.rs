@@ -3,8 +3,8 @@
 //! and several thread counts must give the same bits. Data is random with a fresh seed each run; a
 //! failing run prints its seed, and `GRADACC_TEST_SEED=<seed>` replays it.
 
-use gradacc::backend::cpu::{self, Isa};
 use gradacc::math;
+use gradacc::simd::{self, Isa};
 use gradacc::Grad;
 use half::{bf16, f16};
 
@@ -150,7 +150,7 @@ fn assert_same(what: &str, got: &[f32], want: &[f32]) {
 
 /// Every (ISA, thread count) pair to run, scalar on one thread first.
 fn paths() -> Vec<(Isa, usize)> {
-    cpu::supported_isas().into_iter().flat_map(|isa| THREADS.map(|t| (isa, t))).collect()
+    simd::supported_isas().into_iter().flat_map(|isa| THREADS.map(|t| (isa, t))).collect()
 }
 
 /// The contract's arithmetic, written out in f32: a rounded multiply, then a rounded add.
@@ -207,7 +207,7 @@ fn run_accumulate(
 ) -> (Vec<f32>, bool) {
     let mut out = master.to_vec();
     let bad =
-        cpu::with_isa(isa, || cpu::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
+        simd::with_isa(isa, || simd::accumulate(&mut out, grad.grad(g0), factor, assign, threads));
     (out, bad)
 }
 
@@ -307,8 +307,8 @@ fn accumulate_gives_the_same_bits_wherever_the_buffers_lie() {
                         isa.name()
                     );
                     out[m0..m0 + len].copy_from_slice(&master);
-                    let bad = cpu::with_isa(isa, || {
-                        cpu::accumulate(
+                    let bad = simd::with_isa(isa, || {
+                        simd::accumulate(
                             &mut out[m0..m0 + len],
                             grad.grad(g0).slice(0, len),
                             factor,
@@ -457,7 +457,7 @@ fn f16_and_bf16_decode_every_bit_pattern_on_every_path() {
 #[test]
 #[should_panic(expected = "lengths differ")]
 fn accumulate_rejects_length_mismatch() {
-    cpu::accumulate(&mut [0.0; 3], Grad::F32(&[1.0; 4]), 1.0, false, 1);
+    simd::accumulate(&mut [0.0; 3], Grad::F32(&[1.0; 4]), 1.0, false, 1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ fn scale_is_a_rounded_multiply_on_every_path() {
             let want: Vec<f32> = buf[offset..].iter().map(|&v| v * factor).collect();
             for (isa, threads) in paths() {
                 let mut got = buf.clone();
-                cpu::with_isa(isa, || cpu::scale(&mut got[offset..], factor, threads));
+                simd::with_isa(isa, || simd::scale(&mut got[offset..], factor, threads));
                 assert_same(
                     &format!("scale len {len} offset {offset} {} threads {threads}", isa.name()),
                     &got[offset..],
@@ -625,16 +625,16 @@ fn fold_by_definition(sums: &[f64]) -> f64 {
 fn block_sums_fold_in_the_documented_shape() {
     let mut rng = Rng::for_test("block_sums_fold_in_the_documented_shape");
     assert_eq!(math::FOLD_LANES, 8192);
-    assert_eq!(cpu::fold_block_sums(&[]).to_bits(), 0.0f64.to_bits());
+    assert_eq!(simd::fold_block_sums(&[]).to_bits(), 0.0f64.to_bits());
     for n in [1, 2, 3, 5, 255, 256, 257, 4097, 8191, 8192, 8193, 3 * 8192 + 1234] {
         // Sums of similar size: every change of order changes the bits.
         let sums: Vec<f64> = (0..n).map(|_| 1.0 + rng.f32_in(1).abs() as f64).collect();
-        let (got, want) = (cpu::fold_block_sums(&sums), fold_by_definition(&sums));
+        let (got, want) = (simd::fold_block_sums(&sums), fold_by_definition(&sums));
         assert_eq!(got.to_bits(), want.to_bits(), "{n} sums: {got:e} vs {want:e}");
         // Trailing zero sums (a sharded layout's padding) change nothing.
         let mut padded = sums.clone();
         padded.resize(n + 5000, 0.0);
-        assert_eq!(cpu::fold_block_sums(&padded).to_bits(), want.to_bits(), "{n} padded");
+        assert_eq!(simd::fold_block_sums(&padded).to_bits(), want.to_bits(), "{n} padded");
     }
 }
 
@@ -683,7 +683,7 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
                 "definition {want:e} vs naive {exact:e}"
             );
             for (isa, threads) in paths() {
-                let got = cpu::with_isa(isa, || cpu::sum_squares(buf, threads));
+                let got = simd::with_isa(isa, || simd::sum_squares(buf, threads));
                 assert_eq!(
                     got.to_bits(),
                     want.to_bits(),
@@ -697,13 +697,13 @@ fn sum_squares_has_the_same_bits_on_every_path_and_thread_count() {
         let with = |v: f32| {
             let mut buf = vec![1.0f32; 4097];
             buf[4096] = v;
-            cpu::with_isa(isa, || cpu::sum_squares(&buf, threads))
+            simd::with_isa(isa, || simd::sum_squares(&buf, threads))
         };
         assert!(with(f32::NAN).is_nan());
         assert_eq!(with(f32::NEG_INFINITY), f64::INFINITY);
         assert_eq!(with(f32::MAX), 4096.0 + f32::MAX as f64 * f32::MAX as f64);
         assert_eq!(
-            cpu::with_isa(isa, || cpu::sum_squares(&[], threads)).to_bits(),
+            simd::with_isa(isa, || simd::sum_squares(&[], threads)).to_bits(),
             0.0f64.to_bits()
         );
     }
@@ -721,8 +721,8 @@ fn scale_and_sum_squares_equals_the_two_passes_on_every_path() {
         let want: Vec<f32> = buf[offset..].iter().map(|&v| v * factor).collect();
         for (isa, threads) in paths() {
             let mut got = buf.clone();
-            let sum = cpu::with_isa(isa, || {
-                cpu::scale_and_sum_squares(&mut got[offset..], factor, threads)
+            let sum = simd::with_isa(isa, || {
+                simd::scale_and_sum_squares(&mut got[offset..], factor, threads)
             });
             let what = format!(
                 "scale_and_sum_squares len {len} offset {offset} {} threads {threads}",
@@ -755,19 +755,19 @@ fn block_sums_are_the_definition_per_block_and_fold_to_sum_squares() {
         let factor = rng.f32_in(10);
         let want = block_sums_by_definition(&buf);
         assert_eq!(
-            cpu::fold_block_sums(&want).to_bits(),
+            simd::fold_block_sums(&want).to_bits(),
             sum_squares_by_definition(&buf).to_bits()
         );
         let want_scaled: Vec<f32> = buf.iter().map(|&v| v * factor).collect();
         for (isa, threads) in paths() {
             let what = format!("len {len} {} threads {threads}", isa.name());
-            let mut got = vec![0.0; cpu::blocks(len)];
-            cpu::with_isa(isa, || cpu::block_sum_squares(&buf, &mut got, threads));
+            let mut got = vec![0.0; simd::blocks(len)];
+            simd::with_isa(isa, || simd::block_sum_squares(&buf, &mut got, threads));
             assert_same_f64(&format!("block_sum_squares {what}"), &got, &want);
             let mut scaled = buf.clone();
             got.fill(-1.0);
-            cpu::with_isa(isa, || {
-                cpu::scale_and_block_sum_squares(&mut scaled, factor, &mut got, threads)
+            simd::with_isa(isa, || {
+                simd::scale_and_block_sum_squares(&mut scaled, factor, &mut got, threads)
             });
             assert_same_f64(&format!("scale_and_block_sum_squares {what}"), &got, &want);
             assert_same(&format!("scale_and_block_sum_squares {what}"), &scaled, &want_scaled);
@@ -809,15 +809,15 @@ fn add_and_block_sum_squares_equals_the_separate_passes_on_every_path() {
         for (scale, want) in
             [(None, sum.clone()), (Some(factor), sum.iter().map(|&v| v * factor).collect())]
         {
-            for isa in cpu::supported_isas() {
+            for isa in simd::supported_isas() {
                 let what = format!(
                     "add_and_block_sum_squares len {len} offset {offset} scale {scale:?} {}",
                     isa.name()
                 );
                 let mut got = buf.clone();
-                let mut sums = vec![-1.0; cpu::blocks(len)];
-                cpu::with_isa(isa, || {
-                    cpu::add_and_block_sum_squares(
+                let mut sums = vec![-1.0; simd::blocks(len)];
+                simd::with_isa(isa, || {
+                    simd::add_and_block_sum_squares(
                         &mut got[offset..offset + len],
                         addend,
                         scale,
@@ -846,9 +846,9 @@ fn add_assign_is_a_rounded_add_on_every_path() {
             let src: Vec<f32> = (0..len + 3).map(|_| rng.f32_in(30)).collect();
             let src = &src[3..];
             let want: Vec<f32> = dst[offset..].iter().zip(src).map(|(&d, &s)| d + s).collect();
-            for isa in cpu::supported_isas() {
+            for isa in simd::supported_isas() {
                 let mut got = dst.clone();
-                cpu::with_isa(isa, || cpu::add_assign(&mut got[offset..], src));
+                simd::with_isa(isa, || simd::add_assign(&mut got[offset..], src));
                 assert_same(
                     &format!("add_assign len {len} offset {offset} {}", isa.name()),
                     &got[offset..],
@@ -883,12 +883,12 @@ fn copies_for_a_peer_copy_every_bit_on_every_path() {
             let src = &src[3..];
             // The streaming copy, and the copy the communicators stage with (one of the two).
             let copies: [(&str, CopyFn); 2] =
-                [("copy_streaming", cpu::copy_streaming), ("copy_for_peer", cpu::copy_for_peer)];
+                [("copy_streaming", simd::copy_streaming), ("copy_for_peer", simd::copy_for_peer)];
             for (isa, (name, copy)) in
-                cpu::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c)))
+                simd::supported_isas().into_iter().flat_map(|isa| copies.map(|c| (isa, c)))
             {
                 let mut got = dst.clone();
-                cpu::with_isa(isa, || copy(&mut got[offset..offset + len], src));
+                simd::with_isa(isa, || copy(&mut got[offset..offset + len], src));
                 let what = format!("{name} len {len} offset {offset} {}", isa.name());
                 assert!(
                     got[offset..offset + len]
@@ -915,7 +915,7 @@ fn copies_for_a_peer_copy_every_bit_on_every_path() {
 
 #[test]
 fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
-    let supported = cpu::supported_isas();
+    let supported = simd::supported_isas();
     assert_eq!(supported[0], Isa::Scalar);
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f")
@@ -925,10 +925,10 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
         assert_eq!(supported.last(), Some(&Isa::Avx512));
     }
     if std::env::var_os("GRADACC_CPU_ISA").is_none() {
-        assert_eq!(cpu::active_isa(), *supported.last().unwrap());
+        assert_eq!(simd::active_isa(), *supported.last().unwrap());
     }
     for isa in Isa::ALL {
-        let active = cpu::with_isa(isa, cpu::active_isa);
+        let active = simd::with_isa(isa, simd::active_isa);
         assert_eq!(active, supported.iter().copied().filter(|&s| s <= isa).max().unwrap());
     }
 }
@@ -936,7 +936,7 @@ fn the_widest_path_is_the_default_and_every_path_can_be_forced() {
 /// Runs this test binary again with `GRADACC_CPU_ISA` set and checks the path it reports.
 #[test]
 fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
-    let widest = *cpu::supported_isas().last().unwrap();
+    let widest = *simd::supported_isas().last().unwrap();
     for (name, want) in [
         ("scalar", Isa::Scalar),
         ("avx2", Isa::Avx2.min(widest)),
@@ -962,6 +962,6 @@ fn gradacc_cpu_isa_selects_the_path_clamped_to_the_cpu() {
 #[test]
 fn report_active_isa() {
     if std::env::var_os("GRADACC_TEST_REPORT_ISA").is_some() {
-        println!("active isa: {}", cpu::active_isa().name());
+        println!("active isa: {}", simd::active_isa().name());
     }
 }

@@ -53,6 +53,22 @@ fn the_core_scaler_accumulator_and_device_name_no_backend_module() {
     }
 }
 
+/// The host transports and the optimizer reach the host's kernels through `simd`, never through
+/// the CPU backend, whose store is a device like any other.
+#[test]
+fn comm_and_the_optimizer_name_no_cpu_backend() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/comm"), &mut files);
+    rust_files(&root().join("src/optimizer"), &mut files);
+    assert!(files.len() > 8, "the files were not found: {files:?}");
+    for path in files {
+        let file = path.strip_prefix(root()).unwrap().display().to_string();
+        for (n, line) in code_lines(&path) {
+            assert!(!line.contains("backend::cpu"), "{file}:{n} names the CPU backend: {line}");
+        }
+    }
+}
+
 #[test]
 fn no_store_names_the_scaler() {
     let mut files = Vec::new();

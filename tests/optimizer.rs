@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::step_reference::{assert_within, bounds, check_element};
 use common::*;
-use gradacc::backend::cpu::{self, Isa};
+use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
     LocalComm, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
@@ -313,14 +313,14 @@ fn run_group(
 ) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>) {
     let ranks = data.len();
     let comms = LocalComm::group(ranks).unwrap();
-    let isa = cpu::active_isa();
+    let isa = simd::active_isa();
     std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
-                    cpu::with_isa(isa, || {
+                    simd::with_isa(isa, || {
                         let comm: Arc<dyn Communicator> = Arc::new(comm);
                         let cfg = AccumulatorConfig {
                             sharding: sharding(ranks, rank),
@@ -413,7 +413,7 @@ fn every_isa_steps_the_same_bits() {
         .map(|(i, numel)| TensorDesc { numel, dtype: dtypes[i % 3] })
         .chain((33..=64).flat_map(|numel| dtypes.map(|dtype| TensorDesc { numel, dtype })))
         .collect();
-    let isas = cpu::supported_isas();
+    let isas = simd::supported_isas();
     eprintln!("paths: {isas:?}");
     for algorithm in algorithms() {
         let initial = model(&mut rng, &tensors);
@@ -432,7 +432,7 @@ fn every_isa_steps_the_same_bits() {
                         1 => Sharding::None,
                         _ => Sharding::ReduceScatter { shards, rank },
                     };
-                    let (weights, saved) = cpu::with_isa(isa, || {
+                    let (weights, saved) = simd::with_isa(isa, || {
                         run_group(&tensors, sharding, &initial, &data, config, &groups)
                     });
                     let weights: Vec<Vec<Vec<Vec<u32>>>> = weights
@@ -878,7 +878,7 @@ fn threads_and_paths_do_not_change_the_bits() {
         let config = OptimizerConfig { algorithm, lr: 1e-3, rounding };
         let mut weights = initial.clone();
         let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
-        cpu::with_isa(isa, || {
+        simd::with_isa(isa, || {
             for _ in 0..2 {
                 add(&acc, &fixed_scaler(), &tensors, &g);
                 acc.sync(None).unwrap();
@@ -889,7 +889,7 @@ fn threads_and_paths_do_not_change_the_bits() {
     };
     for algorithm in [Algorithm::adamw(), algorithms()[3]] {
         let one = run(Isa::Scalar, 1, algorithm);
-        for isa in cpu::supported_isas() {
+        for isa in simd::supported_isas() {
             for threads in [1, 2, 3] {
                 assert!(
                     run(isa, threads, algorithm) == one,

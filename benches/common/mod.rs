@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use gradacc::backend::cpu;
+use gradacc::simd;
 use gradacc::Grad;
 
 /// What a floor loop writes into `dst[i]`, given the widened gradient `g`.
@@ -136,7 +136,7 @@ pub fn interleaved(rounds: usize, min_sample: f64, variants: &mut [&mut dyn FnMu
 /// Like the kernels, a part has at least `MIN_ELEMENTS_PER_THREAD` elements, so a floor and a
 /// kernel of the same size run on the same number of threads.
 pub fn parallel<T: Send>(buf: &mut [T], threads: usize, work: impl Fn(usize, &mut [T]) + Sync) {
-    let threads = threads.min(buf.len() / cpu::MIN_ELEMENTS_PER_THREAD).max(1);
+    let threads = threads.min(buf.len() / simd::MIN_ELEMENTS_PER_THREAD).max(1);
     if threads == 1 {
         return work(0, buf);
     }
@@ -156,15 +156,15 @@ pub fn parallel<T: Send>(buf: &mut [T], threads: usize, work: impl Fn(usize, &mu
 
 /// A floor loop of kind `K` (see [`kind`]) over `dst` and `src`, with the ISA the kernels use. An
 /// empty `src` adds 1.0 instead (`ADD` only): the floor for `scale`, which has no second input.
-pub fn floor<const K: u8>(isa: cpu::Isa, dst: &mut [f32], src: Grad<'_>, threads: usize) {
+pub fn floor<const K: u8>(isa: simd::Isa, dst: &mut [f32], src: Grad<'_>, threads: usize) {
     parallel(dst, threads, |start, part| {
         let src = if src.is_empty() { src } else { src.slice(start, start + part.len()) };
         match isa {
             // SAFETY: `active_isa` only reports paths the CPU supports.
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx512 => unsafe { x86::avx512::<K>(part, src) },
+            simd::Isa::Avx512 => unsafe { x86::avx512::<K>(part, src) },
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx2 => unsafe { x86::avx2::<K>(part, src) },
+            simd::Isa::Avx2 => unsafe { x86::avx2::<K>(part, src) },
             _ => floor_scalar::<K>(part, src),
         }
     });
@@ -191,15 +191,15 @@ fn floor_scalar<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
 }
 
 /// The floor for `sum_squares`: a plain f32 sum, no widening, per-part results added.
-pub fn floor_sum(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
+pub fn floor_sum(isa: simd::Isa, buf: &mut [f32], threads: usize) -> f64 {
     let total = std::sync::Mutex::new(0.0);
     parallel(buf, threads, |_, part| {
         let s = match isa {
             // SAFETY: as in `floor`.
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx512 => unsafe { x86::sum_avx512(part) },
+            simd::Isa::Avx512 => unsafe { x86::sum_avx512(part) },
             #[cfg(target_arch = "x86_64")]
-            cpu::Isa::Avx2 => unsafe { x86::sum_avx2(part) },
+            simd::Isa::Avx2 => unsafe { x86::sum_avx2(part) },
             _ => part.iter().sum::<f32>(),
         };
         *total.lock().unwrap() += s as f64;
@@ -214,20 +214,20 @@ pub fn floor_sum(isa: cpu::Isa, buf: &mut [f32], threads: usize) -> f64 {
 /// elements, taken in order, are cut into that many runs of about equal length (at multiples of
 /// 64 elements), as `accumulate_many` cuts them. Returns whether some written value is not finite.
 pub fn fused(
-    isa: cpu::Isa,
+    isa: simd::Isa,
     masters: &mut [&mut [f32]],
     grads: &[Grad<'_>],
     factor: f32,
     threads: usize,
 ) -> bool {
     let total: usize = masters.iter().map(|m| m.len()).sum();
-    let parts = threads.min(total / cpu::MIN_ELEMENTS_PER_THREAD).max(1);
+    let parts = threads.min(total / simd::MIN_ELEMENTS_PER_THREAD).max(1);
     let one = |m: &mut [f32], g: Grad<'_>| match isa {
         // SAFETY: `active_isa` only reports paths the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        cpu::Isa::Avx512 => unsafe { x86::fused_avx512(m, g, factor) },
+        simd::Isa::Avx512 => unsafe { x86::fused_avx512(m, g, factor) },
         #[cfg(target_arch = "x86_64")]
-        cpu::Isa::Avx2 => unsafe { x86::fused_avx2(m, g, factor) },
+        simd::Isa::Avx2 => unsafe { x86::fused_avx2(m, g, factor) },
         _ => fused_scalar(m, g, factor),
     };
     if parts == 1 {

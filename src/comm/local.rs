@@ -23,10 +23,10 @@ use super::{
     check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives,
     Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
-use crate::backend::cpu;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::math::NORM_BLOCK;
+use crate::simd;
 
 /// The handle's timeout in nanoseconds when it is this value: wait forever.
 const FOREVER: u64 = u64::MAX;
@@ -478,11 +478,11 @@ impl LocalComm {
         let g = &*self.group;
         let (rank, world, timeout) = (self.rank, g.world, self.timeout());
         let len = buf.len();
-        let mut values = vec![0.0f64; cpu::blocks(len)];
+        let mut values = vec![0.0f64; simd::blocks(len)];
         // A bf16 wire: the peers read this rank's contribution rounded, once (a pass over the
         // buffer before the reduction: they read it in place).
         if pass.wire() == Dtype::Bf16 {
-            cpu::round_to_bf16(buf, 1);
+            simd::round_to_bf16(buf, 1);
         }
         // Every access of this rank to its two published buffers goes through the pointers its
         // peers read through too: `buf` and `values` are not used through their own handles
@@ -491,7 +491,7 @@ impl LocalComm {
         let (peers, mut reading) =
             self.start_reading(Published { ptr: base, len, values: vbase }, what)?;
         let blocks_of =
-            |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + cpu::blocks(s.len());
+            |s: &Range<usize>| s.start / NORM_BLOCK..s.start / NORM_BLOCK + simd::blocks(s.len());
         let mine = cut.pieces(rank);
 
         // Phase 1: this rank's ranges, summed over the ranks and passed.
@@ -521,7 +521,7 @@ impl LocalComm {
             (0..world).map(|q| if q == rank { Vec::new() } else { cut.pieces(q) }).collect();
         for (q, p) in peers.iter().enumerate().filter(|&(q, _)| q != rank) {
             for blocks in theirs[q].iter().map(blocks_of) {
-                // SAFETY: rank q's value array holds `cpu::blocks(len)` values and stays alive
+                // SAFETY: rank q's value array holds `simd::blocks(len)` values and stays alive
                 // while any rank reads; rank q wrote its own blocks in phase 1 and nobody writes
                 // them now; this rank writes only blocks it does not own into its own array,
                 // which its peers do not read (each reads the blocks of their owner only).
@@ -542,7 +542,7 @@ impl LocalComm {
                 for own in &mine {
                     // SAFETY: as in phase 1, this rank's ranges of its own buffer are touched by
                     // it alone until the barrier below.
-                    cpu::scale(
+                    simd::scale(
                         unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) },
                         factor,
                         1,

@@ -38,10 +38,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::backend::cpu;
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+use crate::simd;
 
 /// The boundary's work on the summed buffer, handed to [`HostCollectives::allreduce_with_pass`].
 /// It runs on runs of the sum that start at a multiple of [`crate::math::NORM_BLOCK`] elements of
@@ -57,7 +57,7 @@ pub trait BlockPass: Sync {
     /// buffer itself ends it with this. The default does one after the other; an implementation
     /// may fuse them block by block, with the same bits.
     fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
-        cpu::add_assign(run, addend);
+        simd::add_assign(run, addend);
         self.run(run, values);
     }
 
@@ -73,7 +73,7 @@ pub trait BlockPass: Sync {
     /// (the same on every rank), or `None` to leave the sum as it is. Called once per rank, only
     /// when [`BlockPass::rescales`]; the communicator multiplies each element of the sum by the
     /// factor exactly once (each rank its own shares, before handing them out), with
-    /// [`cpu::scale`]'s bits.
+    /// [`simd::scale`]'s bits.
     fn rescale(&self, _values: &[f64]) -> Option<f32> {
         None
     }
@@ -86,7 +86,7 @@ pub trait BlockPass: Sync {
     }
 
     /// What the contributions travel as: with [`Dtype::Bf16`] the communicator rounds each
-    /// rank's contribution to bfloat16 once ([`cpu::round_to_bf16`]'s bits) before it is summed,
+    /// rank's contribution to bfloat16 once ([`simd::round_to_bf16`]'s bits) before it is summed,
     /// so a transport between processes sends half the bytes; the sums stay FP32 in rank order,
     /// the bits of an FP32 wire on rounded contributions. [`Dtype::F32`] by default.
     fn wire(&self) -> Dtype {
@@ -321,7 +321,7 @@ pub trait HostCollectives: Send + Sync {
         pass: &dyn BlockPass,
     ) -> Result<Vec<f64>> {
         if pass.wire() == Dtype::Bf16 {
-            cpu::round_to_bf16(buf, 1);
+            simd::round_to_bf16(buf, 1);
         }
         self.allreduce_buckets(buf, buckets)?;
         Ok(pass_whole(buf, pass, 1))
@@ -418,10 +418,10 @@ impl Drop for BusyGuard<'_> {
 /// what a group of one rank, or a communicator without shares, does with the sum. Returns the
 /// values of the first step.
 pub(crate) fn pass_whole(buf: &mut [f32], pass: &dyn BlockPass, threads: usize) -> Vec<f64> {
-    let mut values = vec![0.0; cpu::blocks(buf.len())];
+    let mut values = vec![0.0; simd::blocks(buf.len())];
     pass.run(buf, &mut values);
     if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
-        cpu::scale(buf, factor, threads);
+        simd::scale(buf, factor, threads);
     }
     values
 }

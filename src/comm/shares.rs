@@ -8,10 +8,10 @@
 use std::ops::Range;
 
 use super::BlockPass;
-use crate::backend::cpu;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::math::NORM_BLOCK;
+use crate::simd;
 
 /// Elements of one rank's share of a full chunk (256 KB). A share and the other ranks' copies of
 /// it stay in L2 from the exchange through the sum and the pass to the gather. At 2 processes on
@@ -68,7 +68,7 @@ impl Plan {
     /// full chunk every share has `share_numel` elements.
     pub fn share(&self, chunk: &Range<usize>, q: usize) -> Range<usize> {
         let len = chunk.len();
-        let blocks = cpu::blocks(len);
+        let blocks = simd::blocks(len);
         let at = |k: usize| chunk.start + (blocks * k / self.world * NORM_BLOCK).min(len);
         at(q)..at(q + 1)
     }
@@ -160,7 +160,7 @@ pub fn sum_and_pass<'a>(
         let mut others = (0..world).filter(|&q| q != rank).peekable();
         while let Some(q) = others.next() {
             if others.peek().is_some() {
-                cpu::add_assign(own, other(q));
+                simd::add_assign(own, other(q));
             } else {
                 return pass.add_and_run(own, other(q), values);
             }
@@ -173,7 +173,7 @@ pub fn sum_and_pass<'a>(
         let acc = &mut acc[..run.len()];
         acc.copy_from_slice(&other(0)[run.clone()]);
         for q in 1..world {
-            cpu::add_assign(
+            simd::add_assign(
                 acc,
                 if q == rank { &own[run.clone()] } else { &other(q)[run.clone()] },
             );
@@ -389,7 +389,7 @@ fn gather_step(
 ) -> Result<()> {
     let rank = t.rank();
     let len = s.len();
-    cpu::copy_for_peer(
+    simd::copy_for_peer(
         &mut values_mut(&mut t.outbox(k, 2 * len)[..2 * len])[s.packed[rank].clone()],
         &buf[s.pieces[rank].clone()],
     );
@@ -441,17 +441,17 @@ pub(crate) fn reduce_by_cut(
         for q in others.clone() {
             let (from, to) = (&buf[s.pieces[q].clone()], &mut out[on_wire[q].clone()]);
             if bf16 {
-                cpu::to_bf16_bits(from, to);
+                simd::to_bf16_bits(from, to);
             } else {
-                cpu::copy_for_peer(values_mut(to), from);
+                simd::copy_for_peer(values_mut(to), from);
             }
         }
         t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, k, &on_wire)?;
         let first = mine.len();
-        mine.resize(first + cpu::blocks(own.len()), 0.0);
+        mine.resize(first + simd::blocks(own.len()), 0.0);
         let n = own.len();
         if bf16 {
-            cpu::round_to_bf16(&mut buf[own.clone()], 1);
+            simd::round_to_bf16(&mut buf[own.clone()], 1);
             widened.resize(world * n, 0.0);
             for q in others {
                 for (v, &w) in widened[q * n..(q + 1) * n].iter_mut().zip(t.incoming(q)) {
@@ -482,10 +482,10 @@ pub(crate) fn reduce_by_cut(
         }
     }
 
-    let mut values = vec![0.0; cpu::blocks(buf.len())];
+    let mut values = vec![0.0; simd::blocks(buf.len())];
     if pass.writes_values() {
         let blocks_of =
-            |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + cpu::blocks(p.len());
+            |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + simd::blocks(p.len());
         let counts: Vec<usize> =
             (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
         let mut next = t.gather_values(&mine, &counts)?.iter();
@@ -501,7 +501,7 @@ pub(crate) fn reduce_by_cut(
         let factor = pass.rescale(&values);
         for k in 0..steps {
             if let Some(factor) = factor {
-                cpu::scale(&mut buf[cut.piece(k, rank)], factor, 1);
+                simd::scale(&mut buf[cut.piece(k, rank)], factor, 1);
             }
             if share_out {
                 gather_step(t, buf, k, steps, &StepPieces::of(cut, world, k))?;
@@ -537,7 +537,7 @@ mod tests {
                     assert_eq!(plan.largest() % block, 0);
                     assert!(plan.largest() >= share_numel.min(MAX_CHUNK_NUMEL / world).max(1));
                     let mut next = 0;
-                    let mut blocks_seen = vec![0u32; cpu::blocks(len)];
+                    let mut blocks_seen = vec![0u32; simd::blocks(len)];
                     for chunk in plan.chunks() {
                         assert_eq!(chunk.start, next);
                         assert!(chunk.len() <= world * plan.largest());
@@ -562,7 +562,7 @@ mod tests {
                         for p in plan.pieces(q) {
                             assert!(p.start.is_multiple_of(block) || p.is_empty());
                             let first = p.start / block;
-                            blocks_seen[first..first + cpu::blocks(p.len())]
+                            blocks_seen[first..first + simd::blocks(p.len())]
                                 .iter_mut()
                                 .for_each(|n| *n += 1);
                         }
@@ -598,19 +598,19 @@ mod tests {
 
     /// The second step's factor in the tests: a function of every block's value, not 1.
     fn clip_factor(values: &[f64]) -> f32 {
-        (1.0 / (1.0 + cpu::fold_block_sums(values).sqrt())) as f32
+        (1.0 / (1.0 + simd::fold_block_sums(values).sqrt())) as f32
     }
 
     impl BlockPass for Normalise {
         fn run(&self, run: &mut [f32], values: &mut [f64]) {
-            cpu::scale_and_block_sum_squares(run, self.factor, values, 1);
+            simd::scale_and_block_sum_squares(run, self.factor, values, 1);
         }
 
         fn add_and_run(&self, run: &mut [f32], addend: &[f32], values: &mut [f64]) {
             if self.fused {
-                cpu::add_and_block_sum_squares(run, addend, Some(self.factor), values);
+                simd::add_and_block_sum_squares(run, addend, Some(self.factor), values);
             } else {
-                cpu::add_assign(run, addend);
+                simd::add_assign(run, addend);
                 self.run(run, values);
             }
         }
@@ -636,12 +636,12 @@ mod tests {
                 (0..world).map(|r| (0..len).map(|i| value(r, i)).collect()).collect();
             let mut want: Vec<f32> =
                 (0..len).map(|i| (1..world).fold(data[0][i], |s, r| s + data[r][i])).collect();
-            let mut want_values = vec![0.0; cpu::blocks(len)];
-            cpu::scale_and_block_sum_squares(&mut want, 0.3, &mut want_values, 1);
+            let mut want_values = vec![0.0; simd::blocks(len)];
+            simd::scale_and_block_sum_squares(&mut want, 0.3, &mut want_values, 1);
             for rank in 0..world {
                 for fused in [false, true] {
                     let mut own = data[rank].clone();
-                    let mut values = vec![0.0; cpu::blocks(len)];
+                    let mut values = vec![0.0; simd::blocks(len)];
                     sum_and_pass(
                         &mut own,
                         rank,
@@ -944,7 +944,7 @@ mod tests {
                     s.spawn(move || {
                         let mut buf: Vec<f32> = (0..len).map(|i| value(t.rank, i)).collect();
                         if round {
-                            cpu::round_to_bf16(&mut buf, 1);
+                            simd::round_to_bf16(&mut buf, 1);
                         }
                         let values = if scatter {
                             let cut = ShardCut { shards, piece_numel: 2 * NORM_BLOCK };
@@ -1019,10 +1019,10 @@ mod tests {
     fn reference(world: usize, len: usize, factor: f32, clip: bool) -> (Vec<f32>, Vec<f64>) {
         let mut sum: Vec<f32> =
             (0..len).map(|i| (1..world).fold(value(0, i), |s, r| s + value(r, i))).collect();
-        let mut values = vec![0.0; cpu::blocks(len)];
-        cpu::scale_and_block_sum_squares(&mut sum, factor, &mut values, 1);
+        let mut values = vec![0.0; simd::blocks(len)];
+        simd::scale_and_block_sum_squares(&mut sum, factor, &mut values, 1);
         if clip {
-            cpu::scale(&mut sum, clip_factor(&values), 1);
+            simd::scale(&mut sum, clip_factor(&values), 1);
         }
         (sum, values)
     }

@@ -2,13 +2,13 @@
 //! masters and state, each new master written into the model's weight as it is made. The loop is
 //! instantiated per rule and per way of writing (f32, nearest even to f16 or bf16, stochastic), so
 //! it holds no branch the compiler cannot lift out of it, and compiled once per instruction set
-//! (`backend::cpu::isa`): the same scalar code, vectorized by the compiler at that width.
+//! (`simd::isa`): the same scalar code, vectorized by the compiler at that width.
 
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
-use crate::backend::cpu::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 use crate::dtype::{Dtype, GradMut};
 use crate::math::{f32_to_bf16, f32_to_f16};
+use crate::simd::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 
 /// How a master weight becomes the model's weight, element after element of a piece.
 trait Write {
@@ -87,7 +87,7 @@ struct Job<'a> {
     k: &'a Scalars,
     rounding: Rounding,
     step: u64,
-    /// Read once on the calling thread: [`crate::backend::cpu::with_isa`] is per thread.
+    /// Read once on the calling thread: [`crate::simd::with_isa`] is per thread.
     isa: Isa,
 }
 

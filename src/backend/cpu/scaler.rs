@@ -6,11 +6,11 @@ use std::ffi::c_void;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::math;
 use crate::accumulator::ScaleSource;
 use crate::device::Device;
 use crate::dtype::{Dtype, GradMut};
 use crate::error::Result;
+use crate::math;
 use crate::scaler::{ScalerConfig, ScalerState, ScalerStore};
 
 pub(crate) struct HostScaler {

@@ -13,7 +13,7 @@
 //! rank order, which is what makes `add` and `add_tensor` give the same bits.
 //!
 //! [`Sharding::Accumulate`]: crate::accumulator::Sharding::Accumulate
-//! [`HostStore`]: super::HostStore
+//! [`HostStore`]: simd::HostStore
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -22,9 +22,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::check;
 use super::master::Master;
-use super::math::NORM_BLOCK;
 use super::store::{between_ranks, host_collectives, Boundary, Measured, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
@@ -33,6 +31,8 @@ use crate::accumulator::{Agreed, MasterWrite, Overflow, Plan, Proposal, SyncInfo
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::NORM_BLOCK;
+use crate::simd::{self, check};
 
 /// A host store's memory under sharded accumulation: this rank's shard of the master, and the
 /// staging a micro-batch goes through.
@@ -146,7 +146,7 @@ impl Sharded<'_> {
                 let (zeros, tail) = tail.split_at_mut(padding.len());
                 zeros.fill(0.0);
                 if !values.is_empty() {
-                    passes.push(super::TensorPass {
+                    passes.push(simd::TensorPass {
                         master,
                         grad: grads(i).slice(values.start - r.start, values.end - r.start),
                         assign: true,
@@ -156,7 +156,7 @@ impl Sharded<'_> {
                 i += 1;
             }
         }
-        let bad = super::accumulate_many(passes, factor, self.plan.config.threads);
+        let bad = simd::accumulate_many(passes, factor, self.plan.config.threads);
         if bad {
             self.found_inf.store(true, Ordering::Relaxed);
         }
@@ -341,7 +341,7 @@ impl BlockPass for AddInto<'_> {
         };
         // The accumulation kernel with a factor of 1 (exact): `dst = src` or `dst += src`, and
         // whether a value it wrote is not finite, in one vectorised pass.
-        if super::accumulate(dst, Grad::F32(src), 1.0, self.assign, 1) {
+        if simd::accumulate(dst, Grad::F32(src), 1.0, self.assign, 1) {
             self.found_inf.store(true, Ordering::Relaxed);
         }
     }
@@ -479,7 +479,7 @@ impl Sharded<'_> {
                 over_replicas(r, between_ranks(p.comm)?, shard, &measured)?
             }
             None => {
-                let mut values = vec![0.0; super::blocks(shard.len())];
+                let mut values = vec![0.0; simd::blocks(shard.len())];
                 let measured = Measured::new(&pass, squares, shard, first, Some(pass.piece()));
                 measured.run(shard, &mut values);
                 values
@@ -488,13 +488,13 @@ impl Sharded<'_> {
         let values = match between_ranks(p.comm)? {
             Some(c) => {
                 let counts: Vec<usize> =
-                    self.sharding.shards.iter().map(|s| super::blocks(s.len())).collect();
+                    self.sharding.shards.iter().map(|s| simd::blocks(s.len())).collect();
                 c.allgather_values(&mine, &counts)?
             }
             None => mine,
         };
         if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
-            super::scale(shard, factor, pass.threads);
+            simd::scale(shard, factor, pass.threads);
         }
         Ok((boundary.info(&values), boundary.stats_scale()))
     }

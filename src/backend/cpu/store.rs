@@ -10,7 +10,6 @@ use parking_lot::Mutex;
 
 use super::master::Master;
 use super::sharded::ShardMemory;
-use super::{check, math};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
@@ -24,6 +23,8 @@ use crate::comm::{
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
+use crate::math;
+use crate::simd::{self, check};
 
 #[derive(Debug)]
 pub(crate) struct HostStore {
@@ -256,10 +257,10 @@ impl Store for HostStore {
             .into_iter()
             .zip(grads)
             .enumerate()
-            .map(|(i, (master, &grad))| super::TensorPass { master, grad, assign: first(i) })
+            .map(|(i, (master, &grad))| simd::TensorPass { master, grad, assign: first(i) })
             .collect();
         // One pass over all tensors: the threads share the micro-batch, not each large tensor.
-        Ok(self.flag(super::accumulate_many(passes, factor, self.plan.config.threads)))
+        Ok(self.flag(simd::accumulate_many(passes, factor, self.plan.config.threads)))
     }
 
     fn add_tensor(
@@ -278,7 +279,7 @@ impl Store for HostStore {
             Memory::Shard(s) => return self.sharded(s).add_tensor(tensor.index(), grad, factor),
         };
         let threads = self.plan.config.threads;
-        Ok(self.flag(super::accumulate(master, grad, factor, first, threads)))
+        Ok(self.flag(simd::accumulate(master, grad, factor, first, threads)))
     }
 
     fn bad_gradients(
@@ -319,7 +320,7 @@ impl Store for HostStore {
         self.whole()?;
         let (grad, factor) = (grad.host()?, unscale_factor(scale, weight)?);
         let staged = self.stage()?.tensor_mut(tensor);
-        Ok(super::accumulate(staged, grad, factor, first, self.plan.config.threads))
+        Ok(simd::accumulate(staged, grad, factor, first, self.plan.config.threads))
     }
 
     fn merge_staged(&self, master: &mut MasterWrite, index: usize, first: bool) -> Result<bool> {
@@ -327,7 +328,7 @@ impl Store for HostStore {
         let (master, staged) = self.whole()?.pair_mut(self.stage()?, master, range);
         // The accumulation kernel with a factor of 1 (exact): the staging's values as they are.
         let threads = self.plan.config.threads;
-        Ok(self.flag(super::accumulate(master, Grad::F32(staged), 1.0, first, threads)))
+        Ok(self.flag(simd::accumulate(master, Grad::F32(staged), 1.0, first, threads)))
     }
 
     fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()> {
@@ -523,7 +524,7 @@ impl NormPass {
     /// Elements one process passes at a time over a buffer it holds whole: a thread's worth per
     /// thread, so that the per-tensor sums read each piece while it is in cache.
     pub(super) fn piece(&self) -> usize {
-        self.threads.max(1) * super::MIN_ELEMENTS_PER_THREAD
+        self.threads.max(1) * simd::MIN_ELEMENTS_PER_THREAD
     }
 }
 
@@ -652,7 +653,7 @@ impl<'a> Measured<'a> {
         // Each segment lies in one block: the block kernel on the widest vectors sums it.
         let sum = |segment: &[f32]| {
             let mut one = [0.0];
-            super::block_sum_squares(segment, &mut one, 1);
+            simd::block_sum_squares(segment, &mut one, 1);
             one[0]
         };
         squares.record(self.first + (start - self.buf.start) / size_of::<f32>(), run, &sum);
@@ -707,7 +708,7 @@ pub(super) struct Clip {
 /// norm or without clipping (`max_norm` 0). Every rank computes it from the same sums, so every
 /// rank has the same bits.
 fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
-    let grad_norm = super::fold_block_sums(block_sums).sqrt() / divisor as f64;
+    let grad_norm = simd::fold_block_sums(block_sums).sqrt() / divisor as f64;
     let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() {
         1.0
     } else {
@@ -719,13 +720,13 @@ fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) 
 impl BlockPass for NormPass {
     fn run(&self, run: &mut [f32], sums: &mut [f64]) {
         match self.factor {
-            Some(factor) => super::scale_and_block_sum_squares(run, factor, sums, self.threads),
-            None => super::block_sum_squares(run, sums, self.threads),
+            Some(factor) => simd::scale_and_block_sum_squares(run, factor, sums, self.threads),
+            None => simd::block_sum_squares(run, sums, self.threads),
         }
     }
 
     fn add_and_run(&self, run: &mut [f32], addend: &[f32], sums: &mut [f64]) {
-        super::add_and_block_sum_squares(run, addend, self.factor, sums);
+        simd::add_and_block_sum_squares(run, addend, self.factor, sums);
     }
 
     fn rescales(&self) -> bool {
