@@ -415,9 +415,6 @@ pub(crate) fn reduce_by_cut(
     let (rank, world) = (t.rank(), t.world());
     let steps = cut.steps();
     assert!(cut.largest() <= t.piece_limit(), "the cut's pieces exceed the transport's");
-    // Words per value on the wire.
-    let bf16 = pass.wire() == Dtype::Bf16;
-    let per_value = if bf16 { 1 } else { 2 };
     // On a bf16 wire, the other ranks' copies of this rank's piece, widened back to FP32.
     let mut widened = Vec::new();
     let mut mine = Vec::new();
@@ -428,75 +425,16 @@ pub(crate) fn reduce_by_cut(
     let deferred = pass.rescales();
     for k in 0..steps {
         let s = StepPieces::of(cut, world, k);
+        send_step(t, buf, k, steps, &s, pass)?;
         let own = s.pieces[rank].clone();
-        // Each piece where its FP32 values would lie, so a bf16 piece never overlaps the place
-        // of this rank's finished piece, which the gather writes while others may still read.
-        let on_wire: Vec<Range<usize>> =
-            s.packed.iter().map(|p| 2 * p.start..2 * p.start + per_value * p.len()).collect();
-        // The pieces this rank sends, copied out of the caller's buffer: as they are, or on a
-        // bf16 wire rounded to bf16 bits, which are widened back on arrival (exactly), and this
-        // rank's own piece rounded in place before the sum.
-        let others = (0..world).filter(|&q| q != rank);
-        let out = t.outbox(k, 2 * s.len());
-        for q in others.clone() {
-            let (from, to) = (&buf[s.pieces[q].clone()], &mut out[on_wire[q].clone()]);
-            if bf16 {
-                simd::to_bf16_bits(from, to);
-            } else {
-                simd::copy_for_peer(values_mut(to), from);
-            }
-        }
-        t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, k, &on_wire)?;
         let first = mine.len();
         mine.resize(first + simd::blocks(own.len()), 0.0);
-        let n = own.len();
-        if bf16 {
-            simd::round_to_bf16(&mut buf[own.clone()], 1);
-            widened.resize(world * n, 0.0);
-            for q in others {
-                for (v, &w) in widened[q * n..(q + 1) * n].iter_mut().zip(t.incoming(q)) {
-                    *v = f32::from_bits((w as u32) << 16);
-                }
-            }
-            sum_and_pass(
-                &mut buf[own],
-                rank,
-                world,
-                |q| &widened[q * n..(q + 1) * n],
-                pass,
-                &mut mine[first..],
-            );
-        } else {
-            let t = &*t;
-            sum_and_pass(
-                &mut buf[own],
-                rank,
-                world,
-                |q| values(t.incoming(q)),
-                pass,
-                &mut mine[first..],
-            );
-        }
+        sum_step(t, &mut buf[own], &mut widened, pass, &mut mine[first..]);
         if share_out && !deferred {
             gather_step(t, buf, k, steps, &s)?;
         }
     }
-
-    let mut values = vec![0.0; simd::blocks(buf.len())];
-    if pass.writes_values() {
-        let blocks_of =
-            |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + simd::blocks(p.len());
-        let counts: Vec<usize> =
-            (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
-        let mut next = t.gather_values(&mine, &counts)?.iter();
-        for q in 0..world {
-            for p in cut.pieces(q) {
-                for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
-                    *slot = v;
-                }
-            }
-        }
-    }
+    let values = gather_values(t, cut, buf.len(), &mine, pass)?;
     if deferred {
         let factor = pass.rescale(&values);
         for k in 0..steps {
@@ -509,6 +447,92 @@ pub(crate) fn reduce_by_cut(
         }
     }
     t.finish()?;
+    Ok(values)
+}
+
+/// Stages the pieces of step `k` that this rank sends, copied out of the caller's buffer (as they
+/// are, or on a bf16 wire rounded to bf16 bits, which are widened back on arrival, exactly), and
+/// exchanges them.
+fn send_step(
+    t: &mut (impl ShareTransport + ?Sized),
+    buf: &[f32],
+    k: usize,
+    steps: usize,
+    s: &StepPieces,
+    pass: &dyn BlockPass,
+) -> Result<()> {
+    let (rank, world) = (t.rank(), t.world());
+    let bf16 = pass.wire() == Dtype::Bf16;
+    // Words per value on the wire.
+    let per_value = if bf16 { 1 } else { 2 };
+    // Each piece where its FP32 values would lie, so a bf16 piece never overlaps the place of
+    // this rank's finished piece, which the gather writes while others may still read.
+    let on_wire: Vec<Range<usize>> =
+        s.packed.iter().map(|p| 2 * p.start..2 * p.start + per_value * p.len()).collect();
+    let out = t.outbox(k, 2 * s.len());
+    for q in (0..world).filter(|&q| q != rank) {
+        let (from, to) = (&buf[s.pieces[q].clone()], &mut out[on_wire[q].clone()]);
+        if bf16 {
+            simd::to_bf16_bits(from, to);
+        } else {
+            simd::copy_for_peer(values_mut(to), from);
+        }
+    }
+    t.exchange(Step::Exchange { chunk: k + 1, chunks: steps }, k, &on_wire)
+}
+
+/// Sums the other ranks' arrived copies into this rank's piece `own` and passes it, writing its
+/// blocks' values into `out`. On a bf16 wire this rank's own piece is rounded in place first,
+/// and the arrivals are widened into `widened`.
+fn sum_step(
+    t: &(impl ShareTransport + ?Sized),
+    own: &mut [f32],
+    widened: &mut Vec<f32>,
+    pass: &dyn BlockPass,
+    out: &mut [f64],
+) {
+    let (rank, world) = (t.rank(), t.world());
+    if pass.wire() != Dtype::Bf16 {
+        sum_and_pass(own, rank, world, |q| values(t.incoming(q)), pass, out);
+        return;
+    }
+    let n = own.len();
+    simd::round_to_bf16(own, 1);
+    widened.resize(world * n, 0.0);
+    for q in (0..world).filter(|&q| q != rank) {
+        for (v, &w) in widened[q * n..(q + 1) * n].iter_mut().zip(t.incoming(q)) {
+            *v = f32::from_bits((w as u32) << 16);
+        }
+    }
+    let widened = &*widened;
+    sum_and_pass(own, rank, world, |q| &widened[q * n..(q + 1) * n], pass, out);
+}
+
+/// Every block's value of a buffer of `len` elements, from each rank's values of its own
+/// pieces (`mine`, in step order), gathered when the pass writes values; zeros otherwise.
+fn gather_values(
+    t: &mut (impl ShareTransport + ?Sized),
+    cut: &dyn Cut,
+    len: usize,
+    mine: &[f64],
+    pass: &dyn BlockPass,
+) -> Result<Vec<f64>> {
+    let mut values = vec![0.0; simd::blocks(len)];
+    if pass.writes_values() {
+        let blocks_of =
+            |p: &Range<usize>| p.start / NORM_BLOCK..p.start / NORM_BLOCK + simd::blocks(p.len());
+        let world = t.world();
+        let counts: Vec<usize> =
+            (0..world).map(|q| cut.pieces(q).iter().map(|p| blocks_of(p).len()).sum()).collect();
+        let mut next = t.gather_values(mine, &counts)?.iter();
+        for q in 0..world {
+            for p in cut.pieces(q) {
+                for (slot, &v) in values[blocks_of(&p)].iter_mut().zip(next.by_ref()) {
+                    *slot = v;
+                }
+            }
+        }
+    }
     Ok(values)
 }
 

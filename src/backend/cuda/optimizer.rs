@@ -115,6 +115,42 @@ struct Gather {
     unpack: Table,
 }
 
+impl Gather {
+    /// The all-gather of rank `rank` among `all` ranks' pieces (each rank's in its shard): one
+    /// slot per rank, as large as the largest rank's weights, and the tables that pack this
+    /// rank's pieces into its slot and unpack the others'.
+    fn new(
+        ctx: &Arc<Context>,
+        stream: CUstream,
+        all: &[Vec<Piece>],
+        rank: usize,
+        dtypes: &[Dtype],
+    ) -> Result<Gather> {
+        let unit = |i: usize| dtypes[i].size();
+        let bytes =
+            |q: &[Piece]| -> usize { q.iter().map(|p| p.elements.len() * unit(p.tensor)).sum() };
+        let slot_words = all.iter().map(|q| bytes(q)).max().unwrap_or(0).div_ceil(4);
+        let slot = |q: usize, p: &Piece| Piece {
+            tensor: p.tensor,
+            elements: p.elements.clone(),
+            at: q * slot_words * 4 + p.at,
+        };
+        let own: Vec<Piece> = all[rank].iter().map(|p| slot(rank, p)).collect();
+        let others: Vec<Piece> = (0..all.len())
+            .filter(|&q| q != rank)
+            .flat_map(|q| all[q].iter().map(move |p| (q, p)))
+            .map(|(q, p)| slot(q, p))
+            .collect();
+        let n = dtypes.len();
+        Ok(Gather {
+            staging: DeviceBuffer::zeroed(ctx, stream, all.len() * slot_words * 4)?,
+            slot_words,
+            pack: Table::new(ctx, stream, &own, n, unit)?,
+            unpack: Table::new(ctx, stream, &others, n, unit)?,
+        })
+    }
+}
+
 /// An optimizer's masters, state, step count and tables on one device, every launch on the
 /// accumulator's stream.
 pub(crate) struct DeviceOptimizer {
@@ -209,7 +245,6 @@ impl DeviceOptimizer {
                 pad: 0,
             })
             .collect();
-        let dtype_of = |i: usize| dtypes[i];
         let adopted = masters.map(|ptr| (ptr, held.len()));
         let master = match masters {
             Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
@@ -221,28 +256,7 @@ impl DeviceOptimizer {
         let step_table = Table::new(&ctx, stream, &pieces, n, |_| 1)?;
         let gather = match shards {
             Some((all, rank)) if all.len() > 1 => {
-                let bytes = |q: &[Piece]| -> usize {
-                    q.iter().map(|p| p.elements.len() * dtype_of(p.tensor).size()).sum()
-                };
-                let slot_words = all.iter().map(|q| bytes(q)).max().unwrap_or(0).div_ceil(4);
-                let slot = |q: usize, p: &Piece| Piece {
-                    tensor: p.tensor,
-                    elements: p.elements.clone(),
-                    at: q * slot_words * 4 + p.at,
-                };
-                let own: Vec<Piece> = all[rank].iter().map(|p| slot(rank, p)).collect();
-                let others: Vec<Piece> = (0..all.len())
-                    .filter(|&q| q != rank)
-                    .flat_map(|q| all[q].iter().map(move |p| (q, p)))
-                    .map(|(q, p)| slot(q, p))
-                    .collect();
-                let unit = |i: usize| dtype_of(i).size();
-                Some(Gather {
-                    staging: DeviceBuffer::zeroed(&ctx, stream, all.len() * slot_words * 4)?,
-                    slot_words,
-                    pack: Table::new(&ctx, stream, &own, n, unit)?,
-                    unpack: Table::new(&ctx, stream, &others, n, unit)?,
-                })
+                Some(Gather::new(&ctx, stream, &all, rank, dtypes)?)
             }
             _ => None,
         };
