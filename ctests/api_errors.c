@@ -96,6 +96,13 @@ static void test_accumulator_create(void)
                  GRADACC_STATUS_NULL_ARGUMENT, "`tensors`");
     EXPECT_ERROR(gradacc_accumulator_create(&c, descs, 0, NULL, (gradacc_accumulator_t **)&out),
                  GRADACC_STATUS_INVALID_ARGUMENT, "`n`");
+    gradacc_accumulator_config_t zeros;
+    memset(&zeros, 0, sizeof zeros);
+    zeros.struct_size = sizeof zeros;
+    EXPECT_ERROR(gradacc_accumulator_create(&zeros, descs, 3, NULL, (gradacc_accumulator_t **)&out),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "gradacc_accumulator_config_default()");
+    EXPECT_ERROR(gradacc_accumulator_create(&c, NULL, 0, NULL, (gradacc_accumulator_t **)&out),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "`n` is 0: an accumulator needs at least one tensor");
 
     static const size_t bad_sizes[3] = {0, sizeof(gradacc_accumulator_config_t) - 1, sizeof(gradacc_accumulator_config_t) + 8};
     for (int i = 0; i < 3; i++) {

@@ -114,6 +114,9 @@ static void refused_sizes(void)
     bare_config_t zero = {0};
     EXPECT_ERROR(gradacc_scaler_create((const gradacc_scaler_config_t *)&zero, NULL, &s),
                  GRADACC_STATUS_INVALID_ARGUMENT, "`config`.struct_size = 0");
+    /* The message names what sets the size: a config's default function. */
+    EXPECT_ERROR(gradacc_scaler_create((const gradacc_scaler_config_t *)&zero, NULL, &s),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "(gradacc_scaler_config_default() does)");
     CHECK(s == (gradacc_scaler_t *)0x5, "output written on failure");
 
     old_accumulator_config_t acc_inside = {sizeof(size_t) + 6, GRADACC_LOSS_REDUCTION_MEAN, GRADACC_NORMALIZE_BY_COUNT, 0};
@@ -184,6 +187,9 @@ static void older_output_structs(void)
     st.struct_size = 0;
     EXPECT_ERROR(gradacc_scaler_stats(s, (gradacc_scaler_stats_t *)&st), GRADACC_STATUS_INVALID_ARGUMENT,
                  "`out`.struct_size = 0");
+    /* An output struct's is its *_INIT macro. */
+    EXPECT_ERROR(gradacc_scaler_stats(s, (gradacc_scaler_stats_t *)&st), GRADACC_STATUS_INVALID_ARGUMENT,
+                 "(GRADACC_SCALER_STATS_INIT does)");
     gradacc_scaler_stats_t full = GRADACC_SCALER_STATS_INIT;
     full.struct_size += 8;
     EXPECT_ERROR(gradacc_scaler_stats(s, &full), GRADACC_STATUS_INVALID_ARGUMENT, "`out`.struct_size");

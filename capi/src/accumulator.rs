@@ -220,6 +220,14 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     }
     let sharding = match c.sharding {
         GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
+        // A zero-filled struct lands here first: say so, rather than blame the sharding fields.
+        GRADACC_SHARDING_NONE if shards == 0 => {
+            return Err(Error::invalid(
+                "`config`.shard_count = 0: without sharding it is 1. Initialise the config with \
+                 gradacc_accumulator_config_default() (a zero-filled struct is not the defaults), \
+                 then change its fields",
+            ))
+        }
         GRADACC_SHARDING_NONE => {
             return Err(Error::invalid(format!(
             "`config`.shard_count = {shards} and `config`.shard_rank = {rank} need a sharding policy, but `config`.sharding is GRADACC_SHARDING_NONE"
@@ -311,7 +319,8 @@ fn creation_args(
         // contract).
         config_from_c(&unsafe { read_config(config, "config")? })?
     };
-    if n == 0 && !tensors.is_null() {
+    // Before the pointer: an empty list (a C++ `{}`, whose data() may be NULL) is the count's fault.
+    if n == 0 {
         return Err(Error::invalid("`n` is 0: an accumulator needs at least one tensor").into());
     }
     // SAFETY: by the API contract `n` descriptors; the length is checked before use.

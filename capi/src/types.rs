@@ -121,6 +121,9 @@ pub(crate) unsafe fn out_ptr<'a, T>(ptr: *mut T, argument: &str) -> CallResult<&
 pub(crate) trait Versioned: Copy {
     /// The C name, for messages.
     const NAME: &'static str;
+    /// What sets a caller's `struct_size`: the struct's `*_config_default` function, or its
+    /// `*_INIT` macro (output structs), for messages.
+    const SETS_SIZE: &'static str;
     /// The end offset of each field in declaration order (struct_size's first).
     fn field_ends() -> Vec<usize>;
 }
@@ -138,9 +141,26 @@ fn pointee_size<F>(_: *const F) -> usize {
 /// struct from its field list. The list must name every field in declaration order: a field added
 /// to the struct but not here fails to compile (the destructuring pattern below has no `..`).
 macro_rules! versioned {
-    ($t:ident { $($field:ident),+ $(,)? } $(, defaults: $default_fn:path)?) => {
+    ($t:ident { $($field:ident),+ $(,)? }, defaults: $default_fn:path) => {
+        versioned!(@fields $t { $($field),+ } concat!(stringify!($default_fn), "()"));
+        impl ConfigDefaults for $t {
+            fn defaults() -> Self {
+                let mut out = std::mem::MaybeUninit::<$t>::uninit();
+                // SAFETY: the pointer is to writable storage for one struct.
+                let status = unsafe { $default_fn(out.as_mut_ptr()) };
+                assert!(status == crate::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
+                // SAFETY: the default function fills every field on success.
+                unsafe { out.assume_init() }
+            }
+        }
+    };
+    ($t:ident { $($field:ident),+ $(,)? }, init: $init:literal) => {
+        versioned!(@fields $t { $($field),+ } $init);
+    };
+    (@fields $t:ident { $($field:ident),+ } $sets_size:expr) => {
         impl Versioned for $t {
             const NAME: &'static str = stringify!($t);
+            const SETS_SIZE: &'static str = $sets_size;
             fn field_ends() -> Vec<usize> {
                 #[allow(dead_code)]
                 fn every_field_is_listed(v: $t) {
@@ -152,18 +172,6 @@ macro_rules! versioned {
                 vec![$(std::mem::offset_of!($t, $field) + pointee_size(unsafe { std::ptr::addr_of!((*base).$field) })),+]
             }
         }
-        $(
-            impl ConfigDefaults for $t {
-                fn defaults() -> Self {
-                    let mut out = std::mem::MaybeUninit::<$t>::uninit();
-                    // SAFETY: the pointer is to writable storage for one struct.
-                    let status = unsafe { $default_fn(out.as_mut_ptr()) };
-                    assert!(status == crate::status::GRADACC_STATUS_OK, "{} failed", stringify!($default_fn));
-                    // SAFETY: the default function fills every field on success.
-                    unsafe { out.assume_init() }
-                }
-            }
-        )?
     };
 }
 
@@ -227,20 +235,26 @@ versioned!(
     },
     defaults: gradacc_optimizer_config_default
 );
-versioned!(gradacc_sync_info_t {
-    struct_size,
-    found_inf,
-    total_count,
-    microbatches,
-    grad_norm,
-    clip_coef,
-    dropped_microbatches,
-    overflow_at,
-    overflow_rank,
-    overflow_microbatch,
-    overflow_tensor
-});
-versioned!(gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs });
+versioned!(
+    gradacc_sync_info_t {
+        struct_size,
+        found_inf,
+        total_count,
+        microbatches,
+        grad_norm,
+        clip_coef,
+        dropped_microbatches,
+        overflow_at,
+        overflow_rank,
+        overflow_microbatch,
+        overflow_tensor
+    },
+    init: "GRADACC_SYNC_INFO_INIT"
+);
+versioned!(
+    gradacc_scaler_stats_t { struct_size, steps, skipped_steps, growths, backoffs },
+    init: "GRADACC_SCALER_STATS_INIT"
+);
 
 /// The Rust twin of the header's GRADACC_SYNC_INFO_INIT: zeros, with this version's struct_size.
 impl Default for gradacc_sync_info_t {
@@ -293,8 +307,9 @@ fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> CallResul
     let current = size_of::<T>();
     if declared == 0 {
         return Err(Error::invalid(format!(
-            "`{argument}`.struct_size = 0: set it to sizeof({}) before the call (see the header's *_INIT macros)",
-            T::NAME
+            "`{argument}`.struct_size = 0: set it to sizeof({}) before the call ({} does)",
+            T::NAME,
+            T::SETS_SIZE
         ))
         .into());
     }
