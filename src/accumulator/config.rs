@@ -310,7 +310,8 @@ impl AccumulatorConfig {
         // communicator (the MPI control words are plain u64 sums).
         if window_total.checked_add(count).is_none_or(|t| t > MAX_WINDOW_COUNT) {
             return Err(Error::invalid(format!(
-                "count {count} overflows the window's item total {window_total}"
+                "count {count}: the window's item total would pass its limit of \
+                 {MAX_WINDOW_COUNT} (2^47) items per rank; it holds {window_total}"
             )));
         }
         Ok(())
@@ -341,7 +342,8 @@ mod tests {
         let c = AccumulatorConfig::default();
         assert!(c.check_count(0, MAX_WINDOW_COUNT).is_ok());
         assert!(c.check_count(MAX_WINDOW_COUNT - 5, 5).is_ok());
-        assert!(c.check_count(MAX_WINDOW_COUNT, 1).is_err());
+        let e = c.check_count(MAX_WINDOW_COUNT, 1).unwrap_err();
+        assert!(e.message.contains("limit of 140737488355328 (2^47)"), "{}", e.message);
         assert!(c.check_count(u64::MAX, 1).is_err(), "no wrap-around");
         // 65536 full windows still sum exactly.
         assert!(MAX_WINDOW_COUNT.checked_mul(65536).is_some());
