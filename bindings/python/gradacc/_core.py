@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import numbers
 import typing
 
 import numpy as np
@@ -56,6 +57,19 @@ def _check(status):
     # Read the message at once, on this thread: it is per thread and the next failure replaces it.
     if status != ffi.GRADACC_STATUS_OK:
         raise _ERRORS.get(status, GradaccError)(status, ffi.gradacc_last_error().decode("utf-8", "replace"))
+
+
+def _item_count(count):
+    """``count`` as the C calls take it (a uint64): a negative or non-integral count raises
+    ValueError naming it, instead of wrapping to 2**64 - 1 on its way to C."""
+    if not isinstance(count, numbers.Integral) or count < 0:
+        raise ValueError(f"count = {count!r}: an item count is an integer >= 0")
+    return int(count)
+
+
+# A count the library refuses on every rank of a sharded accumulation (past the window's limit),
+# passed after this binding refused the caller's, so the other ranks fail at once.
+_REFUSED_COUNT = 2**64 - 1
 
 
 def version():
@@ -493,6 +507,7 @@ class Accumulator(_Managed):
         """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient, or ``grads``
         is what :meth:`bind` returned for the same buffers (one C call, nothing converted)."""
         try:
+            count = _item_count(count)
             bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
             if bound._acc is not self:
                 raise ValueError("these gradients were bound to another accumulator")
@@ -529,6 +544,12 @@ class Accumulator(_Managed):
         return BoundGrads(self, (ctypes.c_void_p * len(ptrs))(*ptrs), keep)
 
     def begin_microbatch(self, count):
+        try:
+            count = _item_count(count)
+        except ValueError:
+            if self._ptr is not None:
+                ffi.gradacc_accumulator_begin_microbatch(self._ptr, _REFUSED_COUNT)
+            raise
         _check(ffi.gradacc_accumulator_begin_microbatch(self._handle(), count))
 
     def add_tensor(self, scaler, index, grad, numel=None):

@@ -220,6 +220,22 @@ def test_bound_gradients_add_what_the_buffers_hold_at_each_add():
         bound_acc.bind(grads[:3])
 
 
+def test_a_negative_count_is_named_not_wrapped():
+    """count=-1 is refused as itself (not as 2**64 - 1), and the window is left as it was."""
+    tensors = [(3, "f32")]
+    scaler = gradacc.Scaler(init_scale=1.0)
+    acc = gradacc.Accumulator(tensors)
+    grad = np.ones(3, np.float32)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=re.escape(f"count = {bad!r}")):
+            acc.add(scaler, [grad], bad)
+        with pytest.raises(ValueError, match=re.escape(f"count = {bad!r}")):
+            acc.begin_microbatch(bad)
+    acc.add(scaler, [grad], np.int64(2))
+    info = acc.sync()
+    assert (info.total_count, info.microbatches) == (2, 1)
+
+
 def test_the_wheels_nvrtc_is_loaded_without_a_library_path():
     """With the nvidia-cuda-nvrtc wheel in the environment, its NVRTC is loaded at import, so
     the library finds it by name with no LD_LIBRARY_PATH."""
