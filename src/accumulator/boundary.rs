@@ -2,12 +2,12 @@
 //! agreed with the other ranks before anything changes; then the window is consumed, its master
 //! summed, normalised, measured and clipped by the store, and the report kept in the window.
 
-use super::window::{Phase, WindowWrite};
+use super::window::{Phase, State, WindowWrite};
 // The policy the docs below name; the code never needs it.
 #[cfg(doc)]
 use super::Sharding;
 use super::{protocol, Accumulator, Agreed, Proposal, SyncInfo};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ControlSum};
 use crate::error::{Error, ErrorKind, Result};
 
 impl Accumulator {
@@ -94,74 +94,13 @@ impl Accumulator {
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
-        let (count, microbatches, ranks) =
-            if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
-        let (dropped, first_bad) = if empty_again { (0, None) } else { (w.dropped, w.first_bad) };
-        let nonfinite = match (self.plan.config.tensor_stats, empty_again) {
-            (false, _) => Vec::new(),
-            (true, true) => vec![0; self.plan.descs.len()],
-            (true, false) => w.nonfinite(self.plan.descs.len()),
-        };
-        let proposal = Proposal {
-            comm,
-            replicas,
-            count,
-            microbatches,
-            ranks,
-            dropped,
-            first_bad,
-            unlocated: !empty_again && w.unlocated(),
-            nonfinite,
-            error,
-        };
-        let agreed = self.store.agree(&proposal).map_err(|e| match e.kind {
-            // Nothing was reduced: the caller may save the window or sync again on a new group.
-            ErrorKind::CommFailure | ErrorKind::Timeout => {
-                // A sharded accumulation is bound to its communicator: it resumes in a new one.
-                let next = if self.store.bound().is_some() {
-                    "load it into an accumulation on a new communicator"
-                } else {
-                    "or sync again on a new communicator"
-                };
-                Error::new(
-                    e.kind,
-                    format!("{}; this rank's window is intact (save_window it, {next})", e.message),
-                )
-            }
-            _ => e,
-        })?;
+        let proposal = self.propose(&w, empty_again, comm, replicas, error);
+        let agreed = self.agree(&proposal)?;
         if let Some(t) = &agreed.totals {
             if t.microbatches == 0 && t.dropped != 0 {
-                // Every micro-batch of every rank was dropped: nothing to reduce, the step is
-                // skipped, and the master reads as zeros.
-                if empty_again {
-                    self.discard(&mut w)?;
-                }
-                self.zero_untouched(&mut w)?;
-                self.store.set_found_inf(true)?;
-                if let Err(e) = self.store.count_only(&proposal) {
-                    let _ = self.discard(&mut w);
-                    return Err(Error::new(
-                        e.kind,
-                        format!("{} (the window was discarded)", e.message),
-                    ));
-                }
-                let info = SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) };
-                w.phase = Phase::Synced(Some(info));
-                return Ok(Some(info));
+                return self.end_dropped_window(&mut w, empty_again, &proposal, t).map(Some);
             }
-            if t.microbatches == 0 {
-                return Err(Error::new(
-                    ErrorKind::EmptyWindow,
-                    "sync on an empty window: no rank added a micro-batch",
-                ));
-            }
-            if self.plan.config.normalize.divisor(t.count, t.microbatches, t.ranks) == 0 {
-                return Err(Error::new(
-                    ErrorKind::EmptyWindow,
-                    "the window's global item count is 0: nothing to normalise by",
-                ));
-            }
+            self.check_totals(t)?;
         }
 
         // From here on the window is consumed: every rank passed the same checks, and a failure
@@ -178,6 +117,100 @@ impl Accumulator {
                 Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)))
             }
         }
+    }
+
+    /// What this rank brings to the boundary from window `w` (a new, empty one when
+    /// `empty_again`), with `error` when its call is invalid.
+    fn propose<'a>(
+        &self,
+        w: &State,
+        empty_again: bool,
+        comm: Option<&'a dyn Communicator>,
+        replicas: Option<&'a dyn Communicator>,
+        error: Option<Error>,
+    ) -> Proposal<'a> {
+        let (count, microbatches, ranks) =
+            if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
+        let (dropped, first_bad) = if empty_again { (0, None) } else { (w.dropped, w.first_bad) };
+        let nonfinite = match (self.plan.config.tensor_stats, empty_again) {
+            (false, _) => Vec::new(),
+            (true, true) => vec![0; self.plan.descs.len()],
+            (true, false) => w.nonfinite(self.plan.descs.len()),
+        };
+        Proposal {
+            comm,
+            replicas,
+            count,
+            microbatches,
+            ranks,
+            dropped,
+            first_bad,
+            unlocated: !empty_again && w.unlocated(),
+            nonfinite,
+            error,
+        }
+    }
+
+    /// The control step. A transport that fails or times out here has reduced nothing: the
+    /// error says that the window is intact, and how this rank resumes.
+    fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed> {
+        self.store.agree(proposal).map_err(|e| match e.kind {
+            // Nothing was reduced: the caller may save the window or sync again on a new group.
+            ErrorKind::CommFailure | ErrorKind::Timeout => {
+                // A sharded accumulation is bound to its communicator: it resumes in a new one.
+                let next = if self.store.bound().is_some() {
+                    "load it into an accumulation on a new communicator"
+                } else {
+                    "or sync again on a new communicator"
+                };
+                Error::new(
+                    e.kind,
+                    format!("{}; this rank's window is intact (save_window it, {next})", e.message),
+                )
+            }
+            _ => e,
+        })
+    }
+
+    /// Every micro-batch of every rank was dropped (the agreed totals `t`): nothing to reduce,
+    /// the step is skipped, and the master reads as zeros.
+    fn end_dropped_window(
+        &self,
+        w: &mut WindowWrite<'_>,
+        empty_again: bool,
+        proposal: &Proposal<'_>,
+        t: &ControlSum,
+    ) -> Result<SyncInfo> {
+        if empty_again {
+            self.discard(w)?;
+        }
+        self.zero_untouched(w)?;
+        self.store.set_found_inf(true)?;
+        if let Err(e) = self.store.count_only(proposal) {
+            let _ = self.discard(w);
+            return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
+        }
+        let info = SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) };
+        w.phase = Phase::Synced(Some(info));
+        Ok(info)
+    }
+
+    /// The agreed totals `t` give a gradient to normalise: some rank added a micro-batch, and
+    /// the divisor is not 0. Nothing has changed when they do not.
+    fn check_totals(&self, t: &ControlSum) -> Result<()> {
+        if t.microbatches == 0 {
+            return Err(Error::new(
+                ErrorKind::EmptyWindow,
+                "sync on an empty window: no rank added a micro-batch",
+            ));
+        }
+        if self.plan.config.normalize.divisor(t.count, t.microbatches, t.ranks) == 0 {
+            return Err(Error::new(
+                ErrorKind::EmptyWindow,
+                "the window's global item count is 0: nothing to normalise by",
+            ));
+        }
+        Ok(())
     }
 
     /// A sharded accumulator reduces only on a communicator whose size and rank are its own
