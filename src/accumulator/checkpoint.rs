@@ -302,3 +302,139 @@ impl Accumulator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Saved windows edited and given a fresh checksum, so that the decoding's own checks, not
+    //! the checksum, must refuse them; a refused window leaves the accumulator as it was.
+
+    use super::*;
+    use crate::accumulator::{AccumulatorConfig, TensorDesc};
+    use crate::dtype::{Dtype, Grad};
+    use crate::scaler::{Scaler, ScalerConfig};
+
+    /// Offsets in a whole window's bytes: the format version after the magic, then the layout's
+    /// fingerprint, the alignment, and the item, micro-batch and rank-window counts.
+    const VERSION_AT: usize = 4;
+    const ALIGN_AT: usize = 16;
+    const COUNTS_AT: usize = 24;
+    const CHECKSUM_LEN: usize = 8;
+
+    /// An accumulator over two tensors (the second after padding) holding one micro-batch of
+    /// `count` items whose gradients are all `value`.
+    fn window_of(value: f32, count: u64) -> Accumulator {
+        let tensors = [
+            TensorDesc { numel: 3, dtype: Dtype::F32 },
+            TensorDesc { numel: 5, dtype: Dtype::F32 },
+        ];
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        let scaler = Scaler::new(ScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
+        let (a, b) = ([value; 3], [value; 5]);
+        acc.add(&scaler, &[Grad::F32(&a), Grad::F32(&b)], count).unwrap();
+        acc
+    }
+
+    /// `saved` with its body edited by `edit` and the checksum recomputed.
+    fn resealed(saved: &[u8], edit: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+        let mut body = saved[..saved.len() - CHECKSUM_LEN].to_vec();
+        edit(&mut body);
+        let sum = state::checksum(&body);
+        body.extend(sum.to_le_bytes());
+        body
+    }
+
+    fn put_u64(body: &mut [u8], at: usize, value: u64) {
+        body[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+
+    /// Both `load_window` and `merge_window` refuse `bytes` with `kind` and change nothing.
+    fn assert_refused(bytes: &[u8], kind: ErrorKind, what: &str) {
+        let target = window_of(2.0, 4);
+        let before = target.save_window().unwrap();
+        for merge in [false, true] {
+            let (call, result) = if merge {
+                ("merge_window", target.merge_window(bytes))
+            } else {
+                ("load_window", target.load_window(bytes))
+            };
+            let Err(e) = result else { panic!("{call} took {what}") };
+            assert_eq!(e.kind, kind, "{call} of {what}: {e}");
+            assert_eq!(
+                target.save_window().unwrap(),
+                before,
+                "{call} of {what} changed the window"
+            );
+        }
+    }
+
+    #[test]
+    fn a_resealed_window_as_saved_loads() {
+        let saved = window_of(1.0, 3).save_window().unwrap();
+        let target = window_of(2.0, 4);
+        target.load_window(&resealed(&saved, |_| {})).unwrap();
+        assert_eq!(target.save_window().unwrap(), saved);
+    }
+
+    #[test]
+    fn every_truncation_of_a_resealed_window_is_corrupt() {
+        let saved = window_of(1.0, 3).save_window().unwrap();
+        for len in VERSION_AT + 4..saved.len() - CHECKSUM_LEN {
+            let cut = resealed(&saved, |b| b.truncate(len));
+            assert_refused(&cut, ErrorKind::CorruptState, &format!("a window cut to {len} bytes"));
+        }
+    }
+
+    #[test]
+    fn a_window_retagged_with_another_version_is_refused() {
+        let saved = window_of(1.0, 3).save_window().unwrap();
+        assert_eq!(saved[VERSION_AT..VERSION_AT + 4], WINDOW_VERSION.to_le_bytes());
+        // Versions this library never wrote, and a shard's on a whole window (its counts would
+        // be read as a shard count and rank), are corrupt; a packed version is another layout.
+        for (version, kind) in [
+            (0, ErrorKind::CorruptState),
+            (OLDEST_WINDOW_VERSION - 1, ErrorKind::CorruptState),
+            (SHARD_WINDOW_VERSION, ErrorKind::CorruptState),
+            (SHARD_WINDOW_VERSION + 1, ErrorKind::CorruptState),
+            (u32::MAX, ErrorKind::CorruptState),
+            (RANKS_WINDOW_VERSION, ErrorKind::SizeMismatch),
+        ] {
+            let retagged = resealed(&saved, |b| {
+                b[VERSION_AT..VERSION_AT + 4].copy_from_slice(&version.to_le_bytes())
+            });
+            assert_refused(&retagged, kind, &format!("a window retagged as version {version}"));
+        }
+    }
+
+    #[test]
+    fn a_window_of_another_alignment_is_corrupt() {
+        let saved = window_of(1.0, 3).save_window().unwrap();
+        for align in [0, 4, MASTER_ALIGN as u64 / 2, MASTER_ALIGN as u64 * 2] {
+            let forged = resealed(&saved, |b| put_u64(b, ALIGN_AT, align));
+            assert_refused(
+                &forged,
+                ErrorKind::CorruptState,
+                &format!("a window aligned to {align}"),
+            );
+        }
+    }
+
+    #[test]
+    fn counts_no_saved_window_holds_are_corrupt() {
+        let saved = window_of(1.0, 3).save_window().unwrap();
+        // Items, micro-batches, rank-windows.
+        for (count, microbatches, ranks) in [
+            (config::MAX_WINDOW_COUNT + 1, 1, 1),
+            (1, 0, 1),
+            (3, 1, 0),
+            (3, 1, MAX_WINDOW_RANKS + 1),
+        ] {
+            let forged = resealed(&saved, |b| {
+                put_u64(b, COUNTS_AT, count);
+                put_u64(b, COUNTS_AT + 8, microbatches);
+                put_u64(b, COUNTS_AT + 16, ranks);
+            });
+            let what = format!("{count} items in {microbatches} micro-batches over {ranks} ranks");
+            assert_refused(&forged, ErrorKind::CorruptState, &what);
+        }
+    }
+}
