@@ -4,16 +4,19 @@
 //!
 //! One [`Accumulator`] serves every device. This module holds the semantics, once: the window and
 //! its phases (`window`), counts and normalisation rules (`config`), the tensor and bucket layout
-//! (`layout`), how the ranks agree before a collective and what each verdict says (`protocol`),
-//! how sharding cuts a micro-batch into stripes and buckets (`sharding`), which checks run before
-//! anything changes, and the order of the boundary's steps. A boundary feature starts here.
-//! A device supplies the memory and the kernels through the `Store` trait: `backend::cpu` (a
-//! host buffer, SIMD passes, host communicators) and `backend::cuda` (device memory, kernels on the
-//! caller's stream, NCCL). A store reads the loss scale from the `ScaleSource` each add hands it,
-//! never from the scaler. A trait object rather than a type parameter: the device is chosen at
-//! run time by every caller of the C ABI and of the bindings, so one concrete type keeps that
-//! choice out of their code, and the per-call cost of one indirect call is nothing beside a pass
-//! over a tensor.
+//! (`layout`), how an accumulator is made (`builder`) and what it shares with its store (`plan`),
+//! how the ranks agree before a collective and what each verdict says (`protocol`), how sharding
+//! cuts a micro-batch into stripes and buckets (`sharding`), the add path (`microbatch`, with a
+//! gradient's checks in `grads`), the order of the boundary's steps (`boundary`), what it reports
+//! and hands on (`report`, `synced`), and the window's checkpoints (`checkpoint`); every check
+//! runs before anything changes. This file holds the type and its views. A boundary feature
+//! starts here. A device supplies the memory and the kernels through the `Store` trait (`store`):
+//! `backend::cpu` (a host buffer, SIMD passes, host communicators) and `backend::cuda` (device
+//! memory, kernels on the caller's stream, NCCL). A store reads the loss scale from the
+//! `ScaleSource` each add hands it, never from the scaler. A trait object rather than a type
+//! parameter: the device is chosen at run time by every caller of the C ABI and of the bindings,
+//! so one concrete type keeps that choice out of their code, and the per-call cost of one
+//! indirect call is nothing beside a pass over a tensor.
 
 mod boundary;
 mod builder;
