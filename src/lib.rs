@@ -33,8 +33,10 @@
 //! # Ok::<(), gradacc::Error>(())
 //! ```
 //!
-//! Who owns what: `accumulator` is the core (the window's state machine, the boundary's
-//! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`),
+//! Who owns what: `accumulator` is the core (the window's state machine, the add path in
+//! `accumulator/microbatch.rs`, the boundary's steps in `accumulator/boundary.rs` and its
+//! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`, what
+//! a device supplies in `accumulator/store.rs`, window checkpoints in `accumulator/checkpoint.rs`),
 //! `scaler` the loss scale's semantics, `optimizer` the FP32-master step, `comm` the
 //! communicators, `simd` the host's kernels (which the CPU store and the host transports share),
 //! and `backend` what each device supplies (its store: master memory and kernels; its scaler
