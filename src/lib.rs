@@ -45,6 +45,8 @@
 
 // Every unsafe operation sits in its own block with a `SAFETY:` comment saying why it is sound.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+// Small functions: at most 80 lines each (clippy.toml).
+#![warn(clippy::too_many_lines)]
 // Without `internal` the modules are private and what only gradacc-capi uses is unreachable;
 // the builds with it (the workspace, its tests) still check for dead code and unused imports.
 #![cfg_attr(not(feature = "internal"), allow(dead_code, unused_imports))]

@@ -187,6 +187,39 @@ pub struct gradacc_sync_info_t {
 /// rather than at the first boundary.
 const MAX_SHARD_COUNT: usize = 1 << 16;
 
+/// The config's sharding policy with its shard count and rank.
+fn sharding_from_c(c: &gradacc_accumulator_config_t) -> Result<Sharding> {
+    let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
+    if c.sharding != GRADACC_SHARDING_NONE && shards > MAX_SHARD_COUNT {
+        return Err(Error::invalid(format!(
+            "`config`.shard_count = {shards} is above {MAX_SHARD_COUNT}, the most ranks a boundary's \
+             item counts sum exactly over"
+        )));
+    }
+    Ok(match c.sharding {
+        GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
+        // A zero-filled struct lands here first: say so, rather than blame the sharding fields.
+        GRADACC_SHARDING_NONE if shards == 0 => {
+            return Err(Error::invalid(
+                "`config`.shard_count = 0: without sharding it is 1. Initialise the config with \
+                 gradacc_accumulator_config_default() (a zero-filled struct is not the defaults), \
+                 then change its fields",
+            ))
+        }
+        GRADACC_SHARDING_NONE => {
+            return Err(Error::invalid(format!(
+            "`config`.shard_count = {shards} and `config`.shard_rank = {rank} need a sharding policy, but `config`.sharding is GRADACC_SHARDING_NONE"
+        )))
+        }
+        GRADACC_SHARDING_REDUCE_SCATTER if shards >= 1 && rank < shards => Sharding::ReduceScatter { shards, rank },
+        GRADACC_SHARDING_ACCUMULATE if shards >= 1 && rank < shards => Sharding::Accumulate { shards, rank },
+        GRADACC_SHARDING_REDUCE_SCATTER | GRADACC_SHARDING_ACCUMULATE => {
+            return Err(Error::invalid(format!("`config`.shard_rank = {rank} is not below `config`.shard_count = {shards}")))
+        }
+        v => return Err(Error::invalid(format!("`config`.sharding = {v} is not a GRADACC_SHARDING_* value"))),
+    })
+}
+
 fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> {
     let loss_reduction = match c.loss_reduction {
         GRADACC_LOSS_REDUCTION_MEAN => LossReduction::Mean,
@@ -211,35 +244,7 @@ fn config_from_c(c: &gradacc_accumulator_config_t) -> Result<AccumulatorConfig> 
     let bucket_numel = usize::try_from(c.bucket_numel).map_err(|_| {
         Error::invalid(format!("`config`.bucket_numel = {} is too large", c.bucket_numel))
     })?;
-    let (shards, rank) = (c.shard_count as usize, c.shard_rank as usize);
-    if c.sharding != GRADACC_SHARDING_NONE && shards > MAX_SHARD_COUNT {
-        return Err(Error::invalid(format!(
-            "`config`.shard_count = {shards} is above {MAX_SHARD_COUNT}, the most ranks a boundary's \
-             item counts sum exactly over"
-        )));
-    }
-    let sharding = match c.sharding {
-        GRADACC_SHARDING_NONE if (shards, rank) == (1, 0) => Sharding::None,
-        // A zero-filled struct lands here first: say so, rather than blame the sharding fields.
-        GRADACC_SHARDING_NONE if shards == 0 => {
-            return Err(Error::invalid(
-                "`config`.shard_count = 0: without sharding it is 1. Initialise the config with \
-                 gradacc_accumulator_config_default() (a zero-filled struct is not the defaults), \
-                 then change its fields",
-            ))
-        }
-        GRADACC_SHARDING_NONE => {
-            return Err(Error::invalid(format!(
-            "`config`.shard_count = {shards} and `config`.shard_rank = {rank} need a sharding policy, but `config`.sharding is GRADACC_SHARDING_NONE"
-        )))
-        }
-        GRADACC_SHARDING_REDUCE_SCATTER if shards >= 1 && rank < shards => Sharding::ReduceScatter { shards, rank },
-        GRADACC_SHARDING_ACCUMULATE if shards >= 1 && rank < shards => Sharding::Accumulate { shards, rank },
-        GRADACC_SHARDING_REDUCE_SCATTER | GRADACC_SHARDING_ACCUMULATE => {
-            return Err(Error::invalid(format!("`config`.shard_rank = {rank} is not below `config`.shard_count = {shards}")))
-        }
-        v => return Err(Error::invalid(format!("`config`.sharding = {v} is not a GRADACC_SHARDING_* value"))),
-    };
+    let sharding = sharding_from_c(c)?;
     let wire = match c.wire_dtype {
         GRADACC_DTYPE_F32 => Dtype::F32,
         GRADACC_DTYPE_BF16 => Dtype::Bf16,
