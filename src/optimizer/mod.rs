@@ -9,6 +9,7 @@
 //! `backend::optimizer_store_for`; this file binds them to an accumulator's layout and shard and
 //! to its window (one step per synced window), and holds the checks and the agreement's order.
 
+mod builder;
 mod config;
 pub(crate) mod pass;
 mod rounding;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
+pub use builder::OptimizerBuilder;
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use rounding::Rounding;
 
@@ -51,13 +53,15 @@ pub enum Slot {
 /// ranks all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
 ///
-/// On a CPU accumulator ([`Optimizer::new`], [`Optimizer::step`]) the state is in host memory and
-/// the sharded all-gather runs over in-process and MPI communicators. On a CUDA accumulator
-/// ([`Optimizer::new_device`], [`Optimizer::step_device`]) the masters, the state and the step
-/// count are in device memory, each step is enqueued on the accumulator's stream (the skip is
-/// decided there, from the boundary's overflow flag), and the all-gather runs over NCCL. Both
-/// write the same bits. [`Optimizer::with_masters`] and [`Optimizer::with_masters_device`] adopt
-/// the caller's FP32 masters instead of allocating them.
+/// One builder makes it on every device ([`Optimizer::builder`]; [`Optimizer::new`],
+/// [`Optimizer::new_device`], [`Optimizer::with_masters`] and [`Optimizer::with_masters_device`]
+/// are its shorthands). On a CPU accumulator (host weights, [`Optimizer::step`]) the state is in
+/// host memory and the sharded all-gather runs over in-process and MPI communicators. On a CUDA
+/// accumulator (device addresses, [`Optimizer::step_device`]) the masters, the state and the
+/// step count are in device memory, each step is enqueued on the accumulator's stream (the skip
+/// is decided there, from the boundary's overflow flag), and the all-gather runs over NCCL. Both
+/// write the same bits. Adopted masters ([`OptimizerBuilder::masters`],
+/// [`OptimizerBuilder::device_masters`]) are the caller's FP32 masters, used in place.
 #[derive(Debug)]
 pub struct Optimizer {
     algorithm: Algorithm,
@@ -82,35 +86,29 @@ struct State {
 }
 
 impl Optimizer {
-    /// An optimizer over `acc`'s tensors, device and sharding, its FP32 masters initialised from
-    /// the model's weights `weights` (one whole tensor per accumulator tensor, of any dtype: the
-    /// model's, which `step` writes), each tensor in `groups[i]` (empty: every tensor in the
-    /// default group). Fails, making nothing, on a config out of range, a weight of the wrong
-    /// length, or a CUDA accumulator (`DeviceMismatch`: see [`Optimizer::new_device`]).
+    /// Shorthand for [`Optimizer::builder`]`(acc).config(config).groups(groups)
+    /// .weights(weights).build()`: an optimizer over a CPU accumulator's tensors, device and
+    /// sharding, its FP32 masters initialised from the model's weights `weights` (one whole
+    /// tensor per accumulator tensor, of any dtype: the model's, which `step` writes). Fails,
+    /// making nothing, on a config out of range, a weight of the wrong length, or a CUDA
+    /// accumulator (`DeviceMismatch`: see [`Optimizer::new_device`]).
     pub fn new(
         acc: &Accumulator,
         config: OptimizerConfig,
         groups: &[TensorGroup],
         weights: &[Grad<'_>],
     ) -> Result<Self> {
-        Self::new_host(acc, config, groups, weights, None)
+        Self::builder(acc).config(config).groups(groups).weights(weights).build()
     }
 
-    /// [`Optimizer::new`] over the caller's FP32 master weights, adopted: `masters` holds `len`
-    /// values laid out as the accumulator's flat layout over the range this rank holds
-    /// ([`Accumulator::shard`]: element k is flat element `shard.start + k`, so tensor i's
-    /// masters start at [`Accumulator::offset`]`(i) - shard.start`; a step neither reads nor
-    /// writes the padding between tensors, and [`Optimizer::load`] writes zeros there). Their
-    /// values ARE the masters: creation does not overwrite them from `weights` (which give the
-    /// model's dtypes and lengths), every step updates them in place, `load` writes into them,
-    /// and no copy is kept. Fails, making nothing, as `new` does, and on a null or misaligned
-    /// `masters`, or one that overlaps a weight (`InvalidArgument`: a step writes both; `step`
-    /// refuses such weights too), or a `len` other than the shard's (`SizeMismatch`).
+    /// Shorthand for [`Optimizer::new`] with [`OptimizerBuilder::masters`]`(masters, len)`: the
+    /// caller's FP32 master weights in host memory adopted (their values ARE the masters, see
+    /// there).
     ///
     /// # Safety
-    /// `masters` must be valid for reads and writes of `len` f32 values in host memory for the
-    /// optimizer's lifetime, and neither read nor written by anything else while one of its
-    /// calls runs.
+    /// As [`OptimizerBuilder::masters`]: `masters` must be valid for reads and writes of `len`
+    /// f32 values in host memory for the optimizer's lifetime, and neither read nor written by
+    /// anything else while one of its calls runs.
     pub unsafe fn with_masters(
         acc: &Accumulator,
         config: OptimizerConfig,
@@ -119,9 +117,54 @@ impl Optimizer {
         masters: *mut f32,
         len: usize,
     ) -> Result<Self> {
-        Self::new_host(acc, config, groups, weights, Some((masters, len)))
+        let builder = Self::builder(acc).config(config).groups(groups).weights(weights);
+        // SAFETY: the caller's contract, which is the builder's.
+        unsafe { builder.masters(masters, len) }.build()
     }
 
+    /// Shorthand for [`Optimizer::builder`]`(acc).config(config).groups(groups)
+    /// .device_weights(weights, dtypes).build()`: [`Optimizer::new`] for a CUDA accumulator. The
+    /// model's weights are device addresses (`weights[i]` holds tensor i's numel values of
+    /// `dtypes[i]`, on the accumulator's device), and the masters, the state and the step count
+    /// are allocated in device memory on the accumulator's stream. Reads the weights (waits for
+    /// the stream). Fails, making nothing, on a config out of range, a wrong count, a weight
+    /// that is not one device allocation of its tensor's length (`DeviceMismatch`, host memory
+    /// included), or a CPU accumulator (`DeviceMismatch`).
+    pub fn new_device(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+    ) -> Result<Self> {
+        Self::builder(acc).config(config).groups(groups).device_weights(weights, dtypes).build()
+    }
+
+    /// Shorthand for [`Optimizer::new_device`] with
+    /// [`OptimizerBuilder::device_masters`]`(masters, len)`: the caller's FP32 masters at a
+    /// device address adopted (see there). Creation does not read the weights and does not
+    /// wait for the stream.
+    ///
+    /// # Safety
+    /// As [`OptimizerBuilder::device_masters`]: `masters` must stay allocated for the
+    /// optimizer's lifetime, and nothing else may read or write it while a step enqueued on the
+    /// stream runs.
+    pub unsafe fn with_masters_device(
+        acc: &Accumulator,
+        config: OptimizerConfig,
+        groups: &[TensorGroup],
+        weights: &[DevicePtr],
+        dtypes: &[Dtype],
+        masters: DevicePtr,
+        len: usize,
+    ) -> Result<Self> {
+        let builder = Self::builder(acc).config(config).groups(groups);
+        let builder = builder.device_weights(weights, dtypes);
+        // SAFETY: the caller's contract, which is the builder's.
+        unsafe { builder.device_masters(masters, len) }.build()
+    }
+
+    /// [`OptimizerBuilder::build`] with host weights (and host masters, if adopted).
     fn new_host(
         acc: &Accumulator,
         config: OptimizerConfig,
@@ -149,48 +192,7 @@ impl Optimizer {
         Self::create(acc, config, groups, dtypes, Init::Host(weights), adopt)
     }
 
-    /// [`Optimizer::new`] for a CUDA accumulator: the model's weights are device addresses
-    /// (`weights[i]` holds tensor i's numel values of `dtypes[i]`, on the accumulator's device),
-    /// and the masters, the state and the step count are allocated in device memory on the
-    /// accumulator's stream. Reads the weights (waits for the stream). Fails, making nothing, on
-    /// a config out of range, a wrong count, a weight that is not one device allocation of its
-    /// tensor's length (`DeviceMismatch`, host memory included), or a CPU accumulator
-    /// (`DeviceMismatch`).
-    pub fn new_device(
-        acc: &Accumulator,
-        config: OptimizerConfig,
-        groups: &[TensorGroup],
-        weights: &[DevicePtr],
-        dtypes: &[Dtype],
-    ) -> Result<Self> {
-        Self::new_on_device(acc, config, groups, weights, dtypes, None)
-    }
-
-    /// [`Optimizer::with_masters`] for a CUDA accumulator: [`Optimizer::new_device`] over the
-    /// caller's FP32 masters at the device address `masters`, `len` values laid out as the held
-    /// range of the flat layout (see `with_masters`), adopted: never overwritten from the
-    /// weights, updated in place by every step (stream-ordered on the accumulator's stream),
-    /// never freed. Creation does not read the weights and does not wait for the stream. Fails,
-    /// making nothing, as `new_device` does, on a null or misaligned `masters`
-    /// (`InvalidArgument`), a `len` other than the shard's (`SizeMismatch`), or a `masters`
-    /// that is not one device allocation of `len` f32 values on the accumulator's device
-    /// (`DeviceMismatch`).
-    ///
-    /// # Safety
-    /// `masters` must stay allocated for the optimizer's lifetime, and nothing else may read or
-    /// write it while a step enqueued on the stream runs.
-    pub unsafe fn with_masters_device(
-        acc: &Accumulator,
-        config: OptimizerConfig,
-        groups: &[TensorGroup],
-        weights: &[DevicePtr],
-        dtypes: &[Dtype],
-        masters: DevicePtr,
-        len: usize,
-    ) -> Result<Self> {
-        Self::new_on_device(acc, config, groups, weights, dtypes, Some((masters, len)))
-    }
-
+    /// [`OptimizerBuilder::build`] with device weights (and device masters, if adopted).
     fn new_on_device(
         acc: &Accumulator,
         config: OptimizerConfig,
