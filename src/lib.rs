@@ -109,7 +109,9 @@ pub use comm::{MpiComm, MpiOptions};
 pub use device::{Device, DevicePtr, Stream};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
-pub use optimizer::{Algorithm, Optimizer, OptimizerConfig, Rounding, Slot, TensorGroup};
+pub use optimizer::{
+    Algorithm, Optimizer, OptimizerBuilder, OptimizerConfig, Rounding, Slot, TensorGroup,
+};
 pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 
 /// The crate version, the single source of every version number the project reports.

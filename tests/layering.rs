@@ -1,8 +1,7 @@
-//! The import direction between the core and the backends: the core's scaler, accumulator and
-//! device reach a backend only where a `Device` becomes one (`backend::check`,
-//! `backend::store_for`, `backend::scaler_for`),
-//! and an accumulator's store reads the scale from what each add hands it, never naming the
-//! scaler.
+//! The import direction between the core and the backends: the core's scaler, accumulator,
+//! optimizer and device reach a backend only where a `Device` becomes one (`backend::check`,
+//! `backend::store_for`, `backend::optimizer_store_for`, `backend::scaler_for`), and an
+//! accumulator's store reads the scale from what each add hands it, never naming the scaler.
 
 use std::path::{Path, PathBuf};
 
@@ -39,9 +38,10 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn the_core_scaler_accumulator_and_device_name_no_backend_module() {
+fn the_core_scaler_accumulator_optimizer_and_device_name_no_backend_module() {
     let mut files = vec![root().join("src/scaler.rs"), root().join("src/device.rs")];
     rust_files(&root().join("src/accumulator"), &mut files);
+    rust_files(&root().join("src/optimizer"), &mut files);
     for path in files {
         let file = path.strip_prefix(root()).unwrap().display().to_string();
         for (n, line) in code_lines(&path) {
@@ -51,6 +51,36 @@ fn the_core_scaler_accumulator_and_device_name_no_backend_module() {
             );
         }
     }
+}
+
+/// The optimizer reaches its device's state through the one factory, never naming a backend's
+/// item: its store is behind `OptimizerStore`.
+#[test]
+fn the_optimizer_reaches_a_backend_only_through_its_factory() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/optimizer"), &mut files);
+    assert!(files.len() > 6, "the optimizer's files were not found: {files:?}");
+    let mut calls = 0;
+    for path in files {
+        let file = path.strip_prefix(root()).unwrap().display().to_string();
+        for (n, line) in code_lines(&path) {
+            for (at, _) in line.match_indices("backend::") {
+                let rest = &line[at + "backend::".len()..];
+                assert!(
+                    rest.starts_with("optimizer_store_for("),
+                    "{file}:{n} names a backend item other than the factory: {line}"
+                );
+                calls += 1;
+            }
+            assert!(
+                !["HostOptimizer", "DeviceOptimizer", "HostStore", "DeviceStore"]
+                    .iter()
+                    .any(|w| has_word(&line, w)),
+                "{file}:{n} names a backend's store: {line}"
+            );
+        }
+    }
+    assert_eq!(calls, 1, "the optimizer makes its store through one factory call");
 }
 
 /// The host transports and the optimizer reach the host's kernels through `simd`, never through

@@ -1329,3 +1329,36 @@ fn adopted_masters_that_overlap_a_weight_are_refused() {
     let masters = unsafe { std::slice::from_raw_parts(base, 100) };
     assert!(masters.iter().all(|&m| m != 0.5), "the step wrote the adopted masters");
 }
+
+#[test]
+fn the_builder_makes_what_the_shorthands_make() {
+    let tensors = [TensorDesc { numel: 100, dtype: Dtype::F32 }];
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let weights = vec![0.25f32; 100];
+    let config = OptimizerConfig { lr: 1e-2, ..OptimizerConfig::default() };
+    let groups = [TensorGroup { weight_decay: false, lr_scale: 0.5 }];
+    let built = Optimizer::builder(&acc)
+        .config(config)
+        .groups(&groups)
+        .weights(&[Grad::F32(&weights)])
+        .build()
+        .unwrap();
+    let shorthand = Optimizer::new(&acc, config, &groups, &[Grad::F32(&weights)]).unwrap();
+    assert_eq!(built.save().unwrap(), shorthand.save().unwrap());
+    assert_eq!(built.lr(), 1e-2);
+
+    let e = Optimizer::builder(&acc).build().unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("weights"), "{e:?}");
+    let e = Optimizer::builder(&acc).device_weights(&[0x1000], &[Dtype::F32]).build().unwrap_err();
+    assert!(e.kind == ErrorKind::DeviceMismatch && e.message.contains("host weights"), "{e:?}");
+    let mut masters = vec![0.0f32; acc.shard().0.len()];
+    // SAFETY: refused before the address is used (the memories differ).
+    let e = unsafe {
+        Optimizer::builder(&acc)
+            .weights(&[Grad::F32(&weights)])
+            .device_masters(masters.as_mut_ptr() as u64, masters.len())
+    }
+    .build()
+    .unwrap_err();
+    assert!(e.kind == ErrorKind::DeviceMismatch && e.message.contains("`masters`"), "{e:?}");
+}

@@ -243,8 +243,13 @@ pub(crate) fn exchange(
 /// fail instead of waiting: a host communicator's control reduction carries the error. A device
 /// communicator cannot carry it; its peers wait until they are aborted or time out.
 pub(crate) fn refuse(comm: &dyn Communicator) {
+    refuse_with(comm, &Control { error: true, ..Default::default() });
+}
+
+/// [`refuse`] with the claim `claim` (flagged invalid) of the step the peers are in.
+pub(crate) fn refuse_with(comm: &dyn Communicator, claim: &Control) {
     if let Collectives::Host(c) = comm.collectives() {
-        let _ = c.reduce_control(&ControlSum::of(&Control { error: true, ..Default::default() }));
+        let _ = c.reduce_control(&ControlSum::of(claim));
     }
 }
 

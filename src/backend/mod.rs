@@ -1,10 +1,12 @@
-//! Devices: what differs between the CPU and CUDA, and nothing else. `store_for` and
-//! `scaler_for` are where a [`Device`] becomes its backend. Each backend supplies one accumulator
-//! store for every sharding policy (its master memory, whole or this rank's shard, and the kernels
-//! over it: `cpu::HostStore`, `cuda::DeviceStore`, behind `accumulator::Store`) and a scaler's
-//! state (`cpu::HostScaler`, `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics
-//! (windows, counts, normalisation, the boundary's order, the update rule, checks and errors, the
-//! shards and the window's flags) live once in `accumulator` and `scaler`. Every backend
+//! Devices: what differs between the CPU and CUDA, and nothing else. `store_for`,
+//! `optimizer_store_for` and `scaler_for` are where a [`Device`] becomes its backend. Each backend
+//! supplies one accumulator store for every sharding policy (its master memory, whole or this
+//! rank's shard, and the kernels over it: `cpu::HostStore`, `cuda::DeviceStore`, behind
+//! `accumulator::Store`), an optimizer's state and fused step (`cpu::HostOptimizer`,
+//! `cuda::DeviceOptimizer`, behind `optimizer::store::OptimizerStore`) and a scaler's state
+//! (`cpu::HostScaler`, `cuda::CudaScaler`, behind `scaler::ScalerStore`); the semantics (windows,
+//! counts, normalisation, the boundary's order, the update rules, checks and errors, the shards
+//! and the window's flags) live once in `accumulator`, `optimizer` and `scaler`. Every backend
 //! implements the same per-element contract (see `crate::math` and its CUDA twin
 //! `cuda/kernels/math.cuh`), so every device produces bitwise-identical master gradients.
 
@@ -19,6 +21,7 @@ use crate::comm::Communicator;
 use crate::device::{Device, DevicePtr};
 use crate::dtype::{self, Grad};
 use crate::error::{Error, ErrorKind, Result};
+use crate::optimizer::store::{OptimizerStore, Setup};
 use crate::scaler::{ScalerConfig, ScalerState, ScalerStore};
 
 /// Whether objects can be created on `device` here: a CUDA device needs a driver, a valid stream
@@ -56,6 +59,21 @@ pub(crate) fn store_for(
             adopt.map(|p| p as u64),
             comm,
         )?),
+    })
+}
+
+/// The state of an optimizer on `device`, made from `setup` (checked by the caller, except for
+/// what only the device can check: the weights' memory, and the adopted masters'): in host
+/// memory, or in device memory ordered on the device's stream.
+pub(crate) fn optimizer_store_for(
+    device: Device,
+    setup: &Setup<'_>,
+) -> Result<Box<dyn OptimizerStore>> {
+    Ok(match device {
+        Device::Cpu => Box::new(cpu::HostOptimizer::new(setup)?),
+        Device::Cuda { ordinal, stream } => {
+            Box::new(cuda::DeviceOptimizer::new(setup, ordinal, stream.cast())?)
+        }
     })
 }
 

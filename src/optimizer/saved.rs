@@ -5,7 +5,8 @@
 
 use std::ops::Range;
 
-use super::{piece, Masters, Optimizer, State};
+use super::store::Values;
+use super::{piece, Optimizer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::state::{Reader, Writer};
 
@@ -27,14 +28,15 @@ fn identity(o: &Optimizer) -> Vec<u64> {
     id
 }
 
-pub(super) fn encode(o: &Optimizer, s: &State) -> Vec<u8> {
+/// The saved bytes of this rank's state `s`.
+pub(super) fn encode(o: &Optimizer, s: &Values<'_>) -> Vec<u8> {
     let mut w = Writer::new(MAGIC, VERSION);
     for v in identity(o) {
         w.u64(v);
     }
     w.f32(s.lr).u64(s.steps);
     for i in 0..o.dtypes.len() {
-        let p = piece(&o.plan, i, &s.held);
+        let p = piece(&o.plan, i, &o.held);
         w.u64(p.tensor.start as u64).u64(p.tensor.end as u64);
         w.f32s(&s.master[p.held.clone()]).f32s(&s.first[p.held.clone()]);
         if o.algorithm.second_moment() {
@@ -114,9 +116,24 @@ fn check_disjoint(parts: &[Part], bytes: &[&[u8]]) -> Result<()> {
     Ok(())
 }
 
-/// The state for `held` from the parts saved as `bytes`, or an error naming what is wrong;
-/// nothing is changed.
-pub(super) fn decode(o: &Optimizer, held: &Range<usize>, bytes: &[&[u8]]) -> Result<State> {
+/// A state read back: the learning rate, the step count, and the held masters and moments.
+pub(super) struct Restored {
+    lr: f32,
+    steps: u64,
+    values: [Vec<f32>; 3],
+}
+
+impl Restored {
+    pub(super) fn values(&self) -> Values<'_> {
+        let [master, first, second] = &self.values;
+        Values { lr: self.lr, steps: self.steps, master, first, second }
+    }
+}
+
+/// The state of the range this rank holds from the parts saved as `bytes`, or an error naming
+/// what is wrong; nothing is changed.
+pub(super) fn decode(o: &Optimizer, bytes: &[&[u8]]) -> Result<Restored> {
+    let held = &o.held;
     if bytes.is_empty() {
         return Err(Error::invalid("`parts` is empty: load needs the saved state".to_string()));
     }
@@ -163,18 +180,5 @@ pub(super) fn decode(o: &Optimizer, held: &Range<usize>, bytes: &[&[u8]]) -> Res
             )));
         }
     }
-    let [master, first, second] = values;
-    let held = held.clone();
-    let master = Masters::Owned(master);
-    Ok(State {
-        lr,
-        steps,
-        consumed: None,
-        held,
-        master,
-        first,
-        second,
-        device: None,
-        steps_known: true,
-    })
+    Ok(Restored { lr, steps, values })
 }

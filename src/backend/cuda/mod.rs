@@ -10,12 +10,13 @@ mod driver_api;
 mod kernels;
 pub mod layout;
 pub(crate) mod library;
-pub(crate) mod optimizer;
+mod optimizer;
 mod scaler;
 mod sharded;
 mod store;
 mod wire;
 
+pub(crate) use optimizer::DeviceOptimizer;
 pub(crate) use scaler::CudaScaler;
 pub(crate) use store::DeviceStore;
 

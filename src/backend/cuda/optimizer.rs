@@ -15,22 +15,19 @@ use parking_lot::Mutex;
 use super::driver::{self, capturing, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer};
 use super::kernels::Kernels;
 use super::layout::{GaOptChunk, GaOptRule, GaOptTensor, GaWeights, SOURCES_PER_LAUNCH};
+use super::store::nccl;
 use super::store::{Claims, Schedule, CHUNK};
 use crate::accumulator::protocol::Step;
-use crate::accumulator::{Plan, Reduced};
+use crate::accumulator::{Accumulator, Plan, Reduced};
 use crate::comm::nccl::NcclComm;
+use crate::comm::Communicator;
 use crate::device::DevicePtr;
 use crate::dtype::{self, Dtype};
 use crate::error::{Error, ErrorKind, Result};
-use crate::optimizer::{Algorithm, Rounding, TensorGroup};
-
-/// One tensor's elements in a table: tensor `tensor`, its elements `elements` (counted from the
-/// tensor's start), and where the first one goes (`at`: a held index, or a staging byte offset).
-pub(crate) struct Piece {
-    pub tensor: usize,
-    pub elements: Range<usize>,
-    pub at: usize,
-}
+use crate::optimizer::store::{
+    Fingerprint, Gather as ShardGather, Init, OptimizerStore, Setup, Span, Values, Weights,
+};
+use crate::optimizer::{Algorithm, Rounding};
 
 /// One launch over a table: tensors `first..first + count`, whose chunks are consecutive.
 struct Launch {
@@ -52,7 +49,7 @@ impl Table {
     fn new(
         ctx: &Arc<Context>,
         stream: CUstream,
-        pieces: &[Piece],
+        pieces: &[Span],
         tensors: usize,
         unit: impl Fn(usize) -> usize,
     ) -> Result<Table> {
@@ -122,21 +119,21 @@ impl Gather {
     fn new(
         ctx: &Arc<Context>,
         stream: CUstream,
-        all: &[Vec<Piece>],
+        all: &[Vec<Span>],
         rank: usize,
         dtypes: &[Dtype],
     ) -> Result<Gather> {
         let unit = |i: usize| dtypes[i].size();
         let bytes =
-            |q: &[Piece]| -> usize { q.iter().map(|p| p.elements.len() * unit(p.tensor)).sum() };
+            |q: &[Span]| -> usize { q.iter().map(|p| p.elements.len() * unit(p.tensor)).sum() };
         let slot_words = all.iter().map(|q| bytes(q)).max().unwrap_or(0).div_ceil(4);
-        let slot = |q: usize, p: &Piece| Piece {
+        let slot = |q: usize, p: &Span| Span {
             tensor: p.tensor,
             elements: p.elements.clone(),
             at: q * slot_words * 4 + p.at,
         };
-        let own: Vec<Piece> = all[rank].iter().map(|p| slot(rank, p)).collect();
-        let others: Vec<Piece> = (0..all.len())
+        let own: Vec<Span> = all[rank].iter().map(|p| slot(rank, p)).collect();
+        let others: Vec<Span> = (0..all.len())
             .filter(|&q| q != rank)
             .flat_map(|q| all[q].iter().map(move |p| (q, p)))
             .map(|(q, p)| slot(q, p))
@@ -175,6 +172,16 @@ pub(crate) struct DeviceOptimizer {
     checked: Mutex<Vec<u64>>,
     /// The caller's masters and their length, when adopted.
     adopted: Option<(CUdeviceptr, usize)>,
+    /// The kernels' update rule; per tensor the model weights' dtype and element count.
+    rule: GaOptRule,
+    dtypes: Vec<Dtype>,
+    numel: Vec<usize>,
+    /// The learning rate the host last set, and the steps taken as far as the host knows:
+    /// `steps_known` while every step since the count was last read was stepped after a `sync`,
+    /// whose result the host has.
+    host_lr: f32,
+    host_steps: u64,
+    steps_known: bool,
 }
 
 impl fmt::Debug for DeviceOptimizer {
@@ -192,52 +199,26 @@ unsafe impl Send for DeviceOptimizer {}
 // SAFETY: as Send; the optimizer's calls are serialised by its lock.
 unsafe impl Sync for DeviceOptimizer {}
 
-/// What a device optimizer is made of, worked out by the optimizer from its plan.
-pub(crate) struct Setup<'a> {
-    pub ordinal: i32,
-    pub stream: CUstream,
-    /// The learning rate of the first step.
-    pub lr: f32,
-    /// Per tensor: the model weights' dtype, and its group.
-    pub dtypes: &'a [Dtype],
-    pub groups: &'a [TensorGroup],
-    pub held: Range<usize>,
-    /// The held pieces of each tensor (`at`: the held index of the first element).
-    pub pieces: Vec<Piece>,
-    pub second_moment: bool,
-    /// Under sharding: every rank's pieces (`at` counted from its slot's start, in bytes) and
-    /// this rank.
-    pub shards: Option<(Vec<Vec<Piece>>, usize)>,
-    /// The model weights whose held elements become the masters, unless the caller's are
-    /// adopted.
-    pub weights: &'a [DevicePtr],
-    /// The caller's masters (the held range, checked), adopted: never overwritten here.
-    pub masters: Option<CUdeviceptr>,
-}
-
 impl DeviceOptimizer {
-    /// Uploads the tables and the masters, read from the model's weights (this waits for the
-    /// stream: creation is once per run), or adopts the caller's.
-    pub(crate) fn new(setup: Setup<'_>) -> Result<Self> {
-        let Setup {
-            ordinal,
-            stream,
-            lr,
-            dtypes,
-            groups,
-            held,
-            pieces,
-            second_moment,
-            shards,
-            weights,
-            masters,
-        } = setup;
+    /// Checks the weights (and adopted masters) on the device, then uploads the tables and the
+    /// masters, read from the model's weights (this waits for the stream: creation is once per
+    /// run), or adopts the caller's.
+    pub(crate) fn new(setup: &Setup<'_>, ordinal: i32, stream: CUstream) -> Result<Self> {
+        let Init::Device(weights) = setup.weights else {
+            return Err(Error::invalid("host weights for a device optimizer"));
+        };
         let ctx = Context::get(ordinal)?;
+        let (dtypes, numel) = (setup.dtypes, setup.numel());
+        check_weights(&ctx, weights, dtypes, &numel)?;
+        setup.check_adopted(|ptr, len| {
+            check_allocation(&ctx, ptr, len, Dtype::F32, "`masters`", "masters")
+        })?;
         let kernels = Kernels::of(&ctx)?;
-        let n = dtypes.len();
+        let held = setup.held();
+        let pieces = setup.pieces(&held, false);
         let tensors: Vec<GaOptTensor> = dtypes
             .iter()
-            .zip(groups)
+            .zip(setup.groups)
             .map(|(d, g)| GaOptTensor {
                 lr_scale: g.lr_scale,
                 decays: g.weight_decay as u32,
@@ -245,16 +226,16 @@ impl DeviceOptimizer {
                 pad: 0,
             })
             .collect();
-        let adopted = masters.map(|ptr| (ptr, held.len()));
-        let master = match masters {
-            Some(ptr) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
+        let adopted = setup.masters.map(|(ptr, len)| (ptr as CUdeviceptr, len));
+        let master = match adopted {
+            Some((ptr, _)) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
             None => {
                 let values = masters_from(&ctx, stream, &pieces, dtypes, weights, held.len())?;
                 DeviceBuffer::from_slice(&ctx, stream, &values)?
             }
         };
-        let step_table = Table::new(&ctx, stream, &pieces, n, |_| 1)?;
-        let gather = match shards {
+        let step_table = Table::new(&ctx, stream, &pieces, dtypes.len(), |_| 1)?;
+        let gather = match setup.shards() {
             Some((all, rank)) if all.len() > 1 => {
                 Some(Gather::new(&ctx, stream, &all, rank, dtypes)?)
             }
@@ -266,36 +247,26 @@ impl DeviceOptimizer {
             step_table,
             master,
             first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
-            second: second_moment
+            second: (setup.algorithm.second_moment())
                 .then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4))
                 .transpose()?,
             steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
-            lr: DeviceBuffer::from_slice(&ctx, stream, &[lr])?,
+            lr: DeviceBuffer::from_slice(&ctx, stream, &[setup.lr])?,
             claims: Claims::new(&ctx, stream)?,
             checked: Mutex::new(Vec::new()),
             adopted,
+            rule: rule(&setup.algorithm, setup.rounding),
+            dtypes: dtypes.to_vec(),
+            numel,
+            host_lr: setup.lr,
+            host_steps: 0,
+            steps_known: true,
             held,
             gather,
             ctx,
             kernels,
             stream,
         })
-    }
-
-    /// Checks that each model weight is one device allocation of its tensor's length: a host
-    /// address, or a buffer too short, is refused (`DeviceMismatch`), the kernels never see it.
-    pub(crate) fn check_weights(
-        &self,
-        weights: &[DevicePtr],
-        dtypes: &[Dtype],
-        numel: &[usize],
-    ) -> Result<()> {
-        check_weights(&self.ctx, weights, dtypes, numel)
-    }
-
-    /// The caller's masters and their length, when adopted.
-    pub(crate) fn adopted(&self) -> Option<(CUdeviceptr, usize)> {
-        self.adopted
     }
 
     /// The agreement of a sharded step over `comm`: every rank's claim at `step`, this one's
@@ -307,7 +278,7 @@ impl DeviceOptimizer {
     /// so that its peers' all-gather fails (at their timeout, or when they see the abort)
     /// rather than pairing with a later call. A first step over `comm` under capture is refused
     /// (WRONG_STATE) on every rank alike, before anything is enqueued.
-    pub(crate) fn agree(
+    fn agree_over(
         &self,
         step: Step,
         plan: &Plan,
@@ -341,7 +312,7 @@ impl DeviceOptimizer {
 
     /// Enqueues one step from `reduced` on the stream: the fused pass, the step count's advance
     /// and, with `gather`, the all-gather of the model weights. Nothing waits.
-    pub(crate) fn step(
+    fn enqueue_step(
         &self,
         reduced: Reduced,
         weights: &[DevicePtr],
@@ -395,32 +366,22 @@ impl DeviceOptimizer {
         })
     }
 
-    /// Enqueues setting the learning rate of the steps enqueued after this.
-    pub(crate) fn set_lr(&self, lr: f32) -> Result<()> {
-        self.lr.write(&[lr])
-    }
-
     /// The learning rate in device memory (waits for the stream).
-    pub(crate) fn lr(&self) -> Result<f32> {
+    fn read_lr(&self) -> Result<f32> {
         let mut lr = [0f32];
         self.lr.read(&mut lr)?;
         Ok(lr[0])
     }
 
-    /// The device address of the learning rate.
-    pub(crate) fn lr_address(&self) -> CUdeviceptr {
-        self.lr.ptr()
-    }
-
     /// The steps taken (waits for the stream).
-    pub(crate) fn steps(&self) -> Result<u64> {
+    fn read_steps(&self) -> Result<u64> {
         let mut steps = [0u64];
         self.steps.read(&mut steps)?;
         Ok(steps[0])
     }
 
     /// The step count, the masters and the moments (waits for the stream).
-    pub(crate) fn read(&self) -> Result<(u64, [Vec<f32>; 3])> {
+    fn read_state(&self) -> Result<(u64, [Vec<f32>; 3])> {
         let len = self.held.len();
         let mut values: [Vec<f32>; 3] = [vec![0.0; len], vec![0.0; len], vec![]];
         self.master.read(&mut values[0])?;
@@ -429,12 +390,12 @@ impl DeviceOptimizer {
             values[2] = vec![0.0; len];
             second.read(&mut values[2])?;
         }
-        Ok((self.steps()?, values))
+        Ok((self.read_steps()?, values))
     }
 
     /// Enqueues overwriting the step count, learning rate, masters and moments (`second` ignored
     /// for SGD).
-    pub(crate) fn write(
+    fn write_state(
         &self,
         steps: u64,
         lr: f32,
@@ -453,12 +414,115 @@ impl DeviceOptimizer {
     }
 }
 
+impl OptimizerStore for DeviceOptimizer {
+    fn lr(&self) -> f32 {
+        self.read_lr().unwrap_or(self.host_lr)
+    }
+
+    fn set_lr(&mut self, lr: f32) -> Result<()> {
+        // Enqueued: the steps enqueued before keep theirs.
+        self.lr.write(&[lr])?;
+        self.host_lr = lr;
+        Ok(())
+    }
+
+    fn lr_address(&self) -> Option<DevicePtr> {
+        Some(self.lr.ptr())
+    }
+
+    fn steps(&mut self) -> u64 {
+        if !self.steps_known {
+            if let Ok(steps) = self.read_steps() {
+                (self.host_steps, self.steps_known) = (steps, true);
+            }
+        }
+        self.host_steps
+    }
+
+    fn view(&self, f: &mut dyn FnMut(&Values<'_>)) -> Result<()> {
+        let (steps, [master, first, second]) = self.read_state()?;
+        let lr = self.read_lr()?;
+        f(&Values { lr, steps, master: &master, first: &first, second: &second });
+        Ok(())
+    }
+
+    fn restore(&mut self, v: &Values<'_>) -> Result<()> {
+        // Stream-ordered; a failed copy leaves the device's state unknown, and is reported.
+        let written = self.write_state(v.steps, v.lr, v.master, v.first, v.second);
+        (self.host_lr, self.host_steps, self.steps_known) = (v.lr, v.steps, true);
+        written
+    }
+
+    fn adopted(&self) -> Option<(DevicePtr, usize)> {
+        self.adopted
+    }
+
+    fn takes(&self, comm: &dyn Communicator) -> Result<()> {
+        nccl_of(comm).map(drop)
+    }
+
+    fn check_weights(&self, weights: &Weights<'_, '_>) -> Result<()> {
+        let Weights::Device(weights) = weights else {
+            return Err(Error::invalid("host weights for a device optimizer"));
+        };
+        check_weights(&self.ctx, weights, &self.dtypes, &self.numel)
+    }
+
+    fn agree(
+        &self,
+        kind: &Fingerprint,
+        plan: &Plan,
+        comm: &dyn Communicator,
+        own: Option<&Error>,
+    ) -> Result<()> {
+        self.agree_over(kind.step(None), plan, nccl_of(comm)?, own)
+    }
+
+    fn refuse(&self, kind: &Fingerprint, plan: &Plan, comm: &dyn Communicator) {
+        if let Ok(c) = nccl(comm) {
+            let refused = Error::invalid("this rank's step was refused");
+            let _ = self.agree_over(kind.step(None), plan, c, Some(&refused));
+        }
+    }
+
+    fn step(
+        &mut self,
+        acc: &Accumulator,
+        weights: Weights<'_, '_>,
+        gather: Option<&ShardGather<'_>>,
+        consumed: &mut Option<u64>,
+    ) -> Result<Option<bool>> {
+        let weights = weights.device()?;
+        let comm = gather.map(|g| nccl_of(g.comm)).transpose()?;
+        acc.with_reduced_on_device("the optimizer step", |window, info, reduced| {
+            *consumed = Some(window);
+            self.enqueue_step(reduced, weights, self.rule, comm)?;
+            match info {
+                Some(info) if !info.found_inf => self.host_steps += 1,
+                Some(_) => {}
+                None => self.steps_known = false,
+            }
+            Ok(info.map(|i| !i.found_inf))
+        })
+    }
+}
+
+/// The NCCL communicator of a step's all-gather.
+fn nccl_of(comm: &dyn Communicator) -> Result<&NcclComm> {
+    nccl(comm).map_err(|_| {
+        Error::new(
+            ErrorKind::DeviceMismatch,
+            "`comm`: a CUDA accumulator's optimizer all-gathers over an NCCL communicator",
+        )
+    })
+}
+
 /// The held masters read from the model's weights (waits for the stream): `len` values, zeros
 /// in the padding.
 fn masters_from(
     ctx: &Arc<Context>,
     stream: CUstream,
-    pieces: &[Piece],
+    pieces: &[Span],
     dtypes: &[Dtype],
     weights: &[DevicePtr],
     len: usize,
@@ -485,22 +549,6 @@ fn masters_from(
         }
     }
     Ok(master)
-}
-
-/// Checks that adopted masters at `ptr` are one device allocation of `len` f32 values on the
-/// device `ordinal` (`DeviceMismatch` otherwise).
-pub(crate) fn check_masters_on(ordinal: i32, ptr: DevicePtr, len: usize) -> Result<()> {
-    check_allocation(&*Context::get(ordinal)?, ptr, len, Dtype::F32, "`masters`", "masters")
-}
-
-/// [`DeviceOptimizer::check_weights`] before there is one.
-pub(crate) fn check_weights_on(
-    ordinal: i32,
-    weights: &[DevicePtr],
-    dtypes: &[Dtype],
-    numel: &[usize],
-) -> Result<()> {
-    check_weights(&*Context::get(ordinal)?, weights, dtypes, numel)
 }
 
 fn check_weights(
@@ -544,7 +592,7 @@ fn check_allocation(
 }
 
 /// The kernels' rule for `algorithm`, rounding with `rounding`.
-pub(crate) fn rule(algorithm: &Algorithm, rounding: Rounding) -> GaOptRule {
+fn rule(algorithm: &Algorithm, rounding: Rounding) -> GaOptRule {
     let (rounding, seed) = match rounding {
         Rounding::NearestEven => (0, 0),
         Rounding::Stochastic { seed } => (1, seed),

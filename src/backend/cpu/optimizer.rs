@@ -1,0 +1,295 @@
+//! The optimizer's state in host memory: the FP32 masters (owned, or the caller's buffer adopted),
+//! the moments, the learning rate and step count; the fused pass over them (`optimizer::pass`),
+//! and the all-gather of the weights over a host communicator.
+
+use std::ops::{Deref, DerefMut, Range};
+use std::sync::Arc;
+
+use crate::accumulator::{Accumulator, Plan};
+use crate::comm::{Collectives, Communicator, HostCollectives};
+use crate::device::DevicePtr;
+use crate::dtype::{Dtype, Grad, GradMut};
+use crate::error::{Error, ErrorKind, Result};
+use crate::math::{bf16_to_f32, f16_to_f32};
+use crate::optimizer::pass;
+use crate::optimizer::store::{
+    agree_on_host, Fingerprint, Gather, Init, OptimizerStore, Setup, Values, Weights,
+};
+use crate::optimizer::update::Scalars;
+use crate::optimizer::{piece, Algorithm, Rounding, TensorGroup};
+
+/// A host optimizer's masters: a vector it owns, or the caller's buffer it adopted (a
+/// framework's own FP32 master weights, updated in place so that no second copy exists).
+#[derive(Debug)]
+enum Masters {
+    Owned(Vec<f32>),
+    /// The caller's `len` values at `ptr`, never freed here.
+    Adopted {
+        ptr: *mut f32,
+        len: usize,
+    },
+}
+
+// SAFETY: an adopted buffer is plain f32 memory that the caller lends for the optimizer's
+// lifetime (`Optimizer::with_masters`' contract); it is reached only through the optimizer's
+// state, whose lock serialises every access.
+unsafe impl Send for Masters {}
+
+impl Deref for Masters {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Masters::Owned(v) => v,
+            // SAFETY: the caller lends `len` initialised f32 values at the non-null, aligned
+            // `ptr` (checked at creation) for the optimizer's lifetime, and writes none of them
+            // while the optimizer reads (`Optimizer::with_masters`' contract).
+            Masters::Adopted { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl DerefMut for Masters {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            Masters::Owned(v) => v,
+            // SAFETY: as `deref`; `&mut self`, held under the optimizer's lock, excludes every
+            // other access through the optimizer, and the caller makes none while it writes.
+            Masters::Adopted { ptr, len } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
+    }
+}
+
+/// An optimizer's masters and state in host memory.
+#[derive(Debug)]
+pub(crate) struct HostOptimizer {
+    plan: Arc<Plan>,
+    algorithm: Algorithm,
+    rounding: Rounding,
+    groups: Vec<TensorGroup>,
+    dtypes: Vec<Dtype>,
+    lr: f32,
+    /// Steps taken; skipped ones do not count (bias correction counts the steps taken).
+    steps: u64,
+    /// The flat layout's range held, and its values (zeros in the padding when owned; an
+    /// adopted buffer's padding is not read, and written only by `restore`, with zeros).
+    held: Range<usize>,
+    master: Masters,
+    first: Vec<f32>,
+    /// Empty for SGD.
+    second: Vec<f32>,
+}
+
+impl HostOptimizer {
+    /// The masters widened from the model's weights, or the caller's adopted.
+    pub(crate) fn new(setup: &Setup<'_>) -> Result<Self> {
+        let Init::Host(weights) = setup.weights else {
+            return Err(Error::invalid("device weights for a host optimizer"));
+        };
+        setup.check_adopted(|_, _| Ok(()))?;
+        let held = setup.held();
+        let master = match setup.masters {
+            Some((ptr, len)) => Masters::Adopted { ptr, len },
+            None => Masters::Owned(masters_from(setup.plan, &held, weights)),
+        };
+        let second_moment = setup.algorithm.second_moment();
+        Ok(HostOptimizer {
+            plan: setup.plan.clone(),
+            algorithm: setup.algorithm,
+            rounding: setup.rounding,
+            groups: setup.groups.to_vec(),
+            dtypes: setup.dtypes.to_vec(),
+            lr: setup.lr,
+            steps: 0,
+            first: vec![0.0; held.len()],
+            second: if second_moment { vec![0.0; held.len()] } else { vec![] },
+            master,
+            held,
+        })
+    }
+
+    /// One step of every held element, its model weight written as it goes.
+    fn update(&mut self, grad: &[f32], weights: &mut [GradMut<'_>]) {
+        let t = self.steps + 1;
+        for (i, w) in weights.iter_mut().enumerate() {
+            let p = piece(&self.plan, i, &self.held);
+            let group = self.groups[i];
+            let lr = self.lr as f64 * group.lr_scale as f64;
+            let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t);
+            let second = &mut self.second;
+            let state = pass::Piece {
+                grad: &grad[p.held.clone()],
+                master: &mut self.master[p.held.clone()],
+                first: &mut self.first[p.held.clone()],
+                second: if second.is_empty() { &mut [] } else { &mut second[p.held.clone()] },
+            };
+            let threads = self.plan.config.threads;
+            let out = w.slice_mut(p.tensor);
+            pass::step_threads(&k, state, out, self.rounding, t, p.flat.start, threads);
+        }
+        self.steps = t;
+    }
+
+    /// Every rank's part of the model weights to every rank, bit for bit.
+    fn all_gather(
+        &self,
+        h: &dyn HostCollectives,
+        shards: &[Range<usize>],
+        rank: usize,
+        weights: &mut [GradMut<'_>],
+    ) -> Result<()> {
+        let pieces = |q: usize| {
+            (0..self.dtypes.len()).filter_map(move |i| {
+                let p = piece(&self.plan, i, &shards[q]);
+                (!p.tensor.is_empty()).then_some((i, p.tensor))
+            })
+        };
+        let bytes =
+            |q: usize| -> usize { pieces(q).map(|(i, r)| r.len() * self.dtypes[i].size()).sum() };
+        let counts: Vec<usize> = (0..shards.len()).map(bytes).collect();
+        let mut mine = Vec::with_capacity(counts[rank]);
+        for (i, r) in pieces(rank) {
+            append_bytes(&weights[i], r, &mut mine);
+        }
+        let all = h.allgather_bytes(&mine, &counts)?;
+        let mut at = 0;
+        for q in 0..shards.len() {
+            for (i, r) in pieces(q) {
+                let n = r.len() * self.dtypes[i].size();
+                if q != rank {
+                    set_bytes(&mut weights[i], r, &all[at..at + n]);
+                }
+                at += n;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl OptimizerStore for HostOptimizer {
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) -> Result<()> {
+        self.lr = lr;
+        Ok(())
+    }
+
+    fn steps(&mut self) -> u64 {
+        self.steps
+    }
+
+    fn view(&self, f: &mut dyn FnMut(&Values<'_>)) -> Result<()> {
+        f(&Values {
+            lr: self.lr,
+            steps: self.steps,
+            master: &self.master,
+            first: &self.first,
+            second: &self.second,
+        });
+        Ok(())
+    }
+
+    fn restore(&mut self, values: &Values<'_>) -> Result<()> {
+        // Into the masters in place: adopted ones stay the caller's buffer.
+        self.master.copy_from_slice(values.master);
+        self.first = values.first.to_vec();
+        self.second = values.second.to_vec();
+        (self.lr, self.steps) = (values.lr, values.steps);
+        Ok(())
+    }
+
+    fn adopted(&self) -> Option<(DevicePtr, usize)> {
+        match self.master {
+            Masters::Adopted { ptr, len } => Some((ptr as DevicePtr, len)),
+            Masters::Owned(_) => None,
+        }
+    }
+
+    fn takes(&self, comm: &dyn Communicator) -> Result<()> {
+        host_of(comm).map(drop)
+    }
+
+    fn agree(
+        &self,
+        kind: &Fingerprint,
+        plan: &Plan,
+        comm: &dyn Communicator,
+        own: Option<&Error>,
+    ) -> Result<()> {
+        agree_on_host(host_of(comm)?, kind, (self.lr, self.steps), plan, own)
+    }
+
+    fn step(
+        &mut self,
+        acc: &Accumulator,
+        weights: Weights<'_, '_>,
+        gather: Option<&Gather<'_>>,
+        consumed: &mut Option<u64>,
+    ) -> Result<Option<bool>> {
+        let weights = weights.host()?;
+        let stepped = acc.with_reduced("the optimizer step", |window, info, grad| {
+            *consumed = Some(window);
+            if !info.found_inf {
+                self.update(grad, weights);
+            }
+            !info.found_inf
+        })?;
+        if let (true, Some(g)) = (stepped, gather) {
+            self.all_gather(host_of(g.comm)?, &g.shards, g.rank, weights)?;
+        }
+        Ok(Some(stepped))
+    }
+}
+
+/// The host collectives of a step's all-gather.
+fn host_of(comm: &dyn Communicator) -> Result<&dyn HostCollectives> {
+    match comm.collectives() {
+        Collectives::Host(h) => Ok(h),
+        _ => Err(Error::new(
+            ErrorKind::DeviceMismatch,
+            "`comm`: a CPU accumulator's optimizer all-gathers over host communicators (in-process, MPI)",
+        )),
+    }
+}
+
+/// The held masters of an owned optimizer: the model's weights widened, zeros in the padding.
+fn masters_from(plan: &Plan, held: &Range<usize>, weights: &[Grad<'_>]) -> Vec<f32> {
+    let mut master = vec![0.0f32; held.len()];
+    for (i, w) in weights.iter().enumerate() {
+        let p = piece(plan, i, held);
+        let values = w.slice(p.tensor.start, p.tensor.end);
+        for (m, v) in master[p.held].iter_mut().zip(0..) {
+            *m = value_at(&values, v);
+        }
+    }
+    master
+}
+
+fn value_at(g: &Grad<'_>, at: usize) -> f32 {
+    match g {
+        Grad::F32(b) => b[at],
+        Grad::F16(b) => f16_to_f32(b[at]),
+        Grad::Bf16(b) => bf16_to_f32(b[at]),
+    }
+}
+
+fn append_bytes(w: &GradMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
+    match w {
+        GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_bits().to_le_bytes())),
+        GradMut::F16(b) | GradMut::Bf16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+    }
+}
+
+fn set_bytes(w: &mut GradMut<'_>, r: Range<usize>, bytes: &[u8]) {
+    match w {
+        GradMut::F32(b) => b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
+            *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        }),
+        GradMut::F16(b) | GradMut::Bf16(b) => b[r]
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(v, c)| *v = u16::from_le_bytes(c.try_into().expect("2 bytes"))),
+    }
+}
