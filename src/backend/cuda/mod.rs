@@ -1,6 +1,6 @@
 //! The CUDA backend: kernels written in CUDA C (kernels/), compiled at first use by NVRTC
 //! (compile.rs) for the device's exact architecture, and launched on the caller's stream in the
-//! device's primary context through the driver API (driver.rs). The driver, NVRTC and NCCL are
+//! device's primary context through the driver API (driver/). The driver, NVRTC and NCCL are
 //! loaded at run time (NVRTC and NCCL by library.rs), so the library builds and loads on machines
 //! without CUDA; every entry point then reports BACKEND_UNAVAILABLE.
 
