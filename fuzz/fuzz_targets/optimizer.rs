@@ -118,7 +118,7 @@ fn decode_part(bytes: &[u8], o: &OptModel) -> Option<SavedOpt> {
 }
 
 /// The state `parts` restore, if the library must accept them: each part valid, all saved at one
-/// step and lr, the lr valid, every element covered (a later part's value wins).
+/// step and lr, the lr valid, every element covered by exactly one part.
 fn decode_parts(parts: &[Vec<u8>], o: &OptModel) -> Option<SavedOpt> {
     let parts: Vec<SavedOpt> = parts.iter().map(|p| decode_part(p, o)).collect::<Option<_>>()?;
     let first = parts.first()?;
@@ -134,7 +134,10 @@ fn decode_parts(parts: &[Vec<u8>], o: &OptModel) -> Option<SavedOpt> {
         for p in &parts {
             let (start, end, values) = &p.tensors[t];
             for e in *start..*end {
-                master[e] = Some(values[e - start]);
+                // An element held by two parts (a part given twice) is refused.
+                if master[e].replace(values[e - start]).is_some() {
+                    return None;
+                }
             }
         }
         tensors.push((0, numel, master.into_iter().collect::<Option<Vec<f32>>>()?));
