@@ -242,6 +242,8 @@ impl DeviceOptimizer {
             _ => None,
         };
         let len = held.len();
+        let steps = DeviceBuffer::zeroed(&ctx, stream, 8)?;
+        let lr = DeviceBuffer::from_slice(&ctx, stream, &[setup.lr])?;
         Ok(DeviceOptimizer {
             tensors: DeviceBuffer::from_slice(&ctx, stream, &tensors)?,
             step_table,
@@ -250,9 +252,13 @@ impl DeviceOptimizer {
             second: (setup.algorithm.second_moment())
                 .then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4))
                 .transpose()?,
-            steps: DeviceBuffer::zeroed(&ctx, stream, 8)?,
-            lr: DeviceBuffer::from_slice(&ctx, stream, &[setup.lr])?,
-            claims: Claims::new(&ctx, stream)?,
+            claims: Claims::scheduled(
+                &ctx,
+                stream,
+                Schedule { kernels: kernels.clone(), lr: lr.ptr(), steps: steps.ptr() },
+            )?,
+            steps,
+            lr,
             checked: Mutex::new(Vec::new()),
             adopted,
             rule: rule(&setup.algorithm, setup.rounding),
@@ -287,9 +293,7 @@ impl DeviceOptimizer {
     ) -> Result<()> {
         let mut checked = self.checked.lock();
         if !capturing(&self.ctx, self.stream)? {
-            let schedule =
-                Schedule { kernels: &self.kernels, lr: self.lr.ptr(), steps: self.steps.ptr() };
-            self.claims.agree_scheduled(step, plan, comm, own, schedule)?;
+            self.claims.agree(step, plan, Some(comm), None, own)?;
             if !checked.contains(&comm.id()) {
                 checked.push(comm.id());
             }

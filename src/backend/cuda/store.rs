@@ -419,14 +419,13 @@ pub(super) struct DeviceChannel<'a> {
     pub words: &'a DeviceBuffer,
     pub comm: &'a NcclComm,
     /// Device values mixed into the claim before it is reduced.
-    pub schedule: Option<Schedule<'a>>,
+    pub schedule: Option<&'a Schedule>,
 }
 
 /// A sharded optimizer step's learning rate (one f32) and step count (one u64) in device memory,
-/// as its kernels will read them: part of the step's claim ([`Claims::agree_scheduled`]).
-#[derive(Clone, Copy)]
-pub(super) struct Schedule<'a> {
-    pub kernels: &'a Kernels,
+/// as its kernels will read them: part of the step's claim ([`Claims::scheduled`]).
+pub(super) struct Schedule {
+    pub kernels: Arc<Kernels>,
     pub lr: CUdeviceptr,
     pub steps: CUdeviceptr,
 }
@@ -456,12 +455,24 @@ pub(super) struct Claims {
     ctx: Arc<Context>,
     stream: CUstream,
     words: DeviceBuffer,
+    schedule: Option<Schedule>,
 }
 
 impl Claims {
     pub(super) fn new(ctx: &Arc<Context>, stream: CUstream) -> Result<Self> {
         let words = DeviceBuffer::zeroed(ctx, stream, CLAIM_WORDS * 8)?;
-        Ok(Claims { ctx: ctx.clone(), stream, words })
+        Ok(Claims { ctx: ctx.clone(), stream, words, schedule: None })
+    }
+
+    /// An optimizer's claims: every one also carries `schedule`'s learning rate and step count,
+    /// mixed in on the device, so that ranks whose values differ fail together (a schedule on
+    /// the device included).
+    pub(super) fn scheduled(
+        ctx: &Arc<Context>,
+        stream: CUstream,
+        schedule: Schedule,
+    ) -> Result<Self> {
+        Ok(Claims { schedule: Some(schedule), ..Claims::new(ctx, stream)? })
     }
 
     /// The reduced claims at `step` over `group` (none: this rank alone) and, at a hybrid
@@ -476,21 +487,8 @@ impl Claims {
         invalid: bool,
         dropped: bool,
     ) -> Result<ControlSum> {
-        self.exchange_with(step, plan, group, replicas, invalid, dropped, None)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn exchange_with(
-        &self,
-        step: Step,
-        plan: &Plan,
-        group: Option<&NcclComm>,
-        replicas: Option<(&NcclComm, usize)>,
-        invalid: bool,
-        dropped: bool,
-        schedule: Option<Schedule<'_>>,
-    ) -> Result<ControlSum> {
-        let (ctx, stream, words) = (&*self.ctx, self.stream, &self.words);
+        let (ctx, stream, words, schedule) =
+            (&*self.ctx, self.stream, &self.words, self.schedule.as_ref());
         let channel = |comm| DeviceChannel { ctx, stream, words, comm, schedule };
         let mine = Control {
             dropped: dropped as u64,
@@ -515,23 +513,6 @@ impl Claims {
         own: Option<&Error>,
     ) -> Result<()> {
         let total = self.exchange(step, plan, group, replicas, own.is_some(), false);
-        step.judge(total, own).map(drop)
-    }
-
-    /// [`Claims::agree`] for a sharded optimizer step over `group`, with the learning rate and
-    /// step count its kernels will read mixed into this rank's claim on the device, so that
-    /// ranks whose values differ fail together (a schedule on the device included).
-    pub(super) fn agree_scheduled(
-        &self,
-        step: Step,
-        plan: &Plan,
-        group: &NcclComm,
-        own: Option<&Error>,
-        schedule: Schedule<'_>,
-    ) -> Result<()> {
-        let invalid = own.is_some();
-        let total =
-            self.exchange_with(step, plan, Some(group), None, invalid, false, Some(schedule));
         step.judge(total, own).map(drop)
     }
 }
