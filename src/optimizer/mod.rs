@@ -655,5 +655,5 @@ fn fingerprint(config: &OptimizerConfig, dtypes: &[Dtype], groups: &[TensorGroup
         bytes.push(g.weight_decay as u8);
         bytes.extend(g.lr_scale.to_bits().to_le_bytes());
     }
-    Fingerprint(bytes)
+    Fingerprint(crate::state::checksum(&bytes))
 }

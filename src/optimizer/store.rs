@@ -153,9 +153,10 @@ pub(crate) struct Values<'a> {
 }
 
 /// What every rank's optimizer must share in a sharded step (algorithm, rounding, model dtypes,
-/// groups), hashed into the step's claim with the learning rate and step count.
+/// groups), hashed once at creation; a step's claim hashes it with the learning rate and step
+/// count.
 #[derive(Debug)]
-pub(crate) struct Fingerprint(pub Vec<u8>);
+pub(crate) struct Fingerprint(pub u64);
 
 impl Fingerprint {
     /// The protocol step of a sharded step: ranks that differ fail together instead of stepping
@@ -163,7 +164,7 @@ impl Fingerprint {
     /// the learning rate and step count when the host holds them; a device mixes its own into the
     /// claim.
     pub(crate) fn step(&self, schedule: Option<(f32, u64)>) -> Step {
-        let mut bytes = self.0.clone();
+        let mut bytes = self.0.to_le_bytes().to_vec();
         if let Some((lr, steps)) = schedule {
             bytes.extend(lr.to_bits().to_le_bytes());
             bytes.extend(steps.to_le_bytes());
