@@ -102,7 +102,7 @@ pub use accumulator::{
     Overflow, OverflowAt, Sharding, SyncInfo, TensorDesc, TensorStats, MASTER_ALIGN,
     MAX_WINDOW_COUNT,
 };
-pub use comm::nccl::{unique_id as nccl_unique_id, NcclComm};
+pub use backend::cuda::nccl::{unique_id as nccl_unique_id, NcclComm};
 pub use comm::{Communicator, LocalComm, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use comm::{MpiComm, MpiOptions};

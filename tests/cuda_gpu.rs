@@ -14,8 +14,8 @@ use std::sync::Arc;
 use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip, ApexSeed, HostGrad};
 use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
+use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::backend::cuda::{self, layout};
-use gradacc::comm::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler,
     ScalerConfig, TensorDesc,

@@ -20,7 +20,7 @@ use common::{aligned_offsets, from_bf16, from_f16, Rng};
 use cudarc::nccl::sys as nccl_sys;
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Communicator, Device, Dtype, ErrorKind, Grad, LocalComm,
     LossReduction, Normalize, Overflow, OverflowAt, Scaler, ScalerConfig, Sharding, SyncInfo,

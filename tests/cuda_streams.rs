@@ -18,7 +18,7 @@ use std::sync::Arc;
 use common::cuda::{gpu_or_skip, masters_equal, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
-use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Device, Dtype, ErrorKind, Grad, Scaler, ScalerConfig,
     TensorDesc,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use gradacc::comm::{BlockPass, Collectives, HostCollectives};
+use gradacc::comm::{BlockPass, HostCollectives};
 use gradacc::{
     Accumulator, AccumulatorConfig, Communicator, Dtype, Error, ErrorKind, Grad, LocalComm,
     LossReduction, Normalize, Scaler, ScalerConfig, Sharding, TensorDesc,
@@ -205,8 +205,8 @@ impl Communicator for AbortAt {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn collectives(&self) -> Collectives<'_> {
-        Collectives::Host(self)
+    fn host(&self) -> Option<&dyn HostCollectives> {
+        Some(self)
     }
     fn abort(&self) -> gradacc::Result<()> {
         self.inner.abort()

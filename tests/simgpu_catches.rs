@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use gradacc::backend::cuda::compile::{self, Target};
 use gradacc::backend::cuda::driver::{Context, DeviceBuffer, Module, OwnedStream, THREADS};
-use gradacc::comm::nccl::{self, NcclComm};
+use gradacc::backend::cuda::nccl::{self, NcclComm};
 
 const CASE: &str = "GRADACC_SIMGPU_CASE";
 

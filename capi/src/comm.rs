@@ -8,7 +8,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::handle::Registry;
 use crate::status::{gradacc_status_t, guard, null};
 use crate::types::{out_ptr, rank_to_c, read_config, ConfigDefaults};
-use gradacc::comm::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
+use gradacc::backend::cuda::nccl::{self, NcclComm, UNIQUE_ID_BYTES};
 use gradacc::comm::{Communicator, LocalComm};
 use gradacc::error::{Error, ErrorKind};
 

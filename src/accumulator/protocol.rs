@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use super::{Accumulator, Plan};
-use crate::comm::{Collectives, Communicator, Control, ControlSum, HostCollectives};
+use crate::comm::{Communicator, Control, ControlSum, HostCollectives};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The step a control exchange belongs to. Its tag is mixed into the fingerprint, so that ranks
@@ -248,7 +248,7 @@ pub(crate) fn refuse(comm: &dyn Communicator) {
 
 /// [`refuse`] with the claim `claim` (flagged invalid) of the step the peers are in.
 pub(crate) fn refuse_with(comm: &dyn Communicator, claim: &Control) {
-    if let Collectives::Host(c) = comm.collectives() {
+    if let Some(c) = comm.host() {
         let _ = c.reduce_control(&ControlSum::of(claim));
     }
 }

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{
-    check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Collectives,
-    Communicator, ControlSum, HostCollectives, DEFAULT_TIMEOUT,
+    check_buckets, check_counts, check_shards, shares, BlockPass, Busy, BusyGuard, Communicator,
+    ControlSum, HostCollectives, DEFAULT_TIMEOUT,
 };
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -339,8 +339,8 @@ impl Communicator for LocalComm {
         self.group.world
     }
 
-    fn collectives(&self) -> Collectives<'_> {
-        Collectives::Host(self)
+    fn host(&self) -> Option<&dyn HostCollectives> {
+        Some(self)
     }
 
     /// Fails the whole group: every rank waiting in a collective returns COMM_FAILURE (after no

@@ -1,27 +1,26 @@
 //! Communicators: how the ranks of a data-parallel group meet at the accumulation boundary.
 //!
 //! Every communicator has one shape, [`Communicator`]: its rank, its group's size, its device,
-//! abort, and its collectives. The collectives come in two kinds, because the two kinds of memory
-//! ask for different calls, and this is the one place that says so:
-//! - [`HostCollectives`] (in-process threads, MPI) reduce host buffers and return when done: the
-//!   small control reduction that makes every rank agree on counts, overflow and errors, and an
-//!   in-place sum of FP32 buffers, bitwise identical on every rank, run together with the
-//!   boundary's per-block pass over the sum.
-//! - [`nccl::NcclComm`] reduces device buffers, enqueued on CUDA streams: its calls return before
-//!   the data moved, the control words are reduced on the device beside the buckets, and results
-//!   reach the host only when a caller reads them.
+//! abort and timeout. What it reduces depends on the memory it reduces, and this is the one place
+//! that says so:
+//! - A host transport (in-process threads, MPI) offers [`HostCollectives`]
+//!   ([`Communicator::host`]): calls over host buffers that return when done, the small control
+//!   reduction that makes every rank agree on counts, overflow and errors, and an in-place sum of
+//!   FP32 buffers, bitwise identical on every rank, run together with the boundary's per-block
+//!   pass over the sum.
+//! - A device's transport lives with its device's backend, which recognises its own through
+//!   [`std::any::Any`] (NCCL: `backend::cuda::nccl`): its calls are enqueued on the device's
+//!   streams and return before the data moved.
 //!
-//! An accumulator asks its communicator for the kind its device needs ([`Collectives`]); a
-//! communicator of the other kind is a DEVICE_MISMATCH, found before anything is reduced.
+//! No list of transports is closed here: a store asks its communicator for what its device
+//! needs, and a communicator of the other kind is a DEVICE_MISMATCH, found before anything is
+//! reduced.
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod liveness;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
-/// NCCL (CUDA devices) is not a [`Communicator`]: its collectives run on device buffers,
-/// enqueued on streams; the CUDA accumulator drives it.
-pub mod nccl;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) mod packing;
 // Without MPI only the plan and the per-share sum are used (by the in-process communicator).
@@ -34,6 +33,7 @@ pub use local::LocalComm;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions};
 
+use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -241,8 +241,9 @@ impl ControlSum {
 /// How long a collective waits for the other ranks by default: PyTorch's process groups' default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// One rank's endpoint of a data-parallel group.
-pub trait Communicator: Send + Sync {
+/// One rank's endpoint of a data-parallel group. A device's backend recognises its own
+/// transport by upcasting to [`Any`] and downcasting.
+pub trait Communicator: Send + Sync + Any {
     /// This rank's index, in `0..world_size()`.
     fn rank(&self) -> usize;
 
@@ -254,8 +255,11 @@ pub trait Communicator: Send + Sync {
         Device::Cpu
     }
 
-    /// What it reduces, and how (see the module documentation).
-    fn collectives(&self) -> Collectives<'_>;
+    /// The host collectives, where the communicator reduces host buffers; `None` for a device's
+    /// transport, which its backend drives (see the module documentation).
+    fn host(&self) -> Option<&dyn HostCollectives> {
+        None
+    }
 
     /// Stops this rank's use of the group: calls waiting in it, on any thread, fail with
     /// COMM_FAILURE, and so does every later call. Idempotent.
@@ -273,13 +277,6 @@ pub trait Communicator: Send + Sync {
     fn set_timeout(&self, _timeout: Option<Duration>) -> Result<()> {
         Err(Error::new(ErrorKind::WrongState, "this communicator has no timeout"))
     }
-}
-
-/// A communicator's collectives, by the kind of memory they reduce.
-#[derive(Clone, Copy)]
-pub enum Collectives<'a> {
-    Host(&'a dyn HostCollectives),
-    Nccl(&'a nccl::NcclComm),
 }
 
 /// The collectives of a host communicator. Every rank of the group must call them, in the same

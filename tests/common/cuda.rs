@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer};
-use gradacc::comm::nccl;
+use gradacc::backend::cuda::nccl;
 use gradacc::{
     Accumulator, AccumulatorConfig, Device, Dtype, Grad, LossReduction, Normalize, Scaler,
     ScalerConfig, TensorDesc,

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
 
 use crate::accumulator::{Accumulator, Plan};
-use crate::comm::{Collectives, Communicator, HostCollectives};
+use crate::comm::{Communicator, HostCollectives};
 use crate::device::DevicePtr;
 use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
@@ -245,13 +245,12 @@ impl OptimizerStore for HostOptimizer {
 
 /// The host collectives of a step's all-gather.
 fn host_of(comm: &dyn Communicator) -> Result<&dyn HostCollectives> {
-    match comm.collectives() {
-        Collectives::Host(h) => Ok(h),
-        _ => Err(Error::new(
+    comm.host().ok_or_else(|| {
+        Error::new(
             ErrorKind::DeviceMismatch,
             "`comm`: a CPU accumulator's optimizer all-gathers over host communicators (in-process, MPI)",
-        )),
-    }
+        )
+    })
 }
 
 /// The held masters of an owned optimizer: the model's weights widened, zeros in the padding.

@@ -17,9 +17,7 @@ use crate::accumulator::{
     Agreed, Gradient, Grads, MasterWrite, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
     SyncInfo, TensorStats, TensorWrite,
 };
-use crate::comm::{
-    pass_whole, BlockPass, Collectives, Communicator, Control, ControlSum, HostCollectives,
-};
+use crate::comm::{pass_whole, BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -530,12 +528,9 @@ impl NormPass {
 
 /// The host collectives of a communicator: a CPU accumulator reduces on no other.
 pub(super) fn host_collectives(c: &dyn Communicator) -> Result<&dyn HostCollectives> {
-    match c.collectives() {
-        Collectives::Host(h) => Ok(h),
-        Collectives::Nccl(_) => {
-            Err(Error::new(ErrorKind::DeviceMismatch, "an NCCL communicator for a CPU accumulator"))
-        }
-    }
+    c.host().ok_or_else(|| {
+        Error::new(ErrorKind::DeviceMismatch, "a device's communicator for a CPU accumulator")
+    })
 }
 
 /// [`between_ranks`] with the group's size.

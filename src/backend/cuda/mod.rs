@@ -10,6 +10,9 @@ mod driver_api;
 mod kernels;
 pub mod layout;
 pub(crate) mod library;
+/// NCCL, the CUDA devices' transport: its collectives run on device buffers, enqueued on
+/// streams, and the CUDA stores drive it.
+pub mod nccl;
 mod optimizer;
 mod scaler;
 mod sharded;

@@ -19,7 +19,7 @@ use super::store::nccl;
 use super::store::{Claims, Schedule, CHUNK};
 use crate::accumulator::protocol::Step;
 use crate::accumulator::{Accumulator, Plan, Reduced};
-use crate::comm::nccl::NcclComm;
+use crate::backend::cuda::nccl::NcclComm;
 use crate::comm::Communicator;
 use crate::device::DevicePtr;
 use crate::dtype::{self, Dtype};

@@ -45,7 +45,7 @@ use super::store::{
 use crate::accumulator::protocol::Step;
 use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
 use crate::accumulator::{Agreed, DeviceScale, Overflow, Plan, Proposal};
-use crate::comm::nccl::NcclComm;
+use crate::backend::cuda::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};

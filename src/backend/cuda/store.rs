@@ -42,8 +42,8 @@ use crate::accumulator::{
     Agreed, DeviceScale, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, Reduced,
     ScaleSource, Sharding, Store, SyncInfo, TensorStats, TensorWrite,
 };
-use crate::comm::nccl::NcclComm;
-use crate::comm::{Collectives, Communicator, Control, ControlSum, OverflowKey};
+use crate::backend::cuda::nccl::NcclComm;
+use crate::comm::{Communicator, Control, ControlSum, OverflowKey};
 use crate::device::Device;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
@@ -278,13 +278,12 @@ unsafe impl Sync for DeviceStore {}
 
 /// The NCCL communicator behind `comm`, or DEVICE_MISMATCH.
 pub(super) fn nccl(comm: &dyn Communicator) -> Result<&NcclComm> {
-    match comm.collectives() {
-        Collectives::Nccl(c) => Ok(c),
-        Collectives::Host(_) => Err(Error::new(
+    NcclComm::of(comm).ok_or_else(|| {
+        Error::new(
             ErrorKind::DeviceMismatch,
             "a host communicator for a CUDA accumulator: use an NCCL communicator",
-        )),
-    }
+        )
+    })
 }
 
 /// The totals of a boundary whose group is this rank alone: the host knows them (and tells an

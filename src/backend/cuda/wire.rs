@@ -16,7 +16,7 @@ use super::driver::{
     copy, launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, Event, THREADS,
 };
 use super::kernels::Kernels;
-use crate::comm::nccl::NcclComm;
+use crate::backend::cuda::nccl::NcclComm;
 use crate::error::Result;
 
 /// The wire's device buffers, grown on demand.

@@ -49,7 +49,7 @@ use self::wait::{Backoff, Serial, SERIAL};
 use super::liveness::{Peers, Process};
 use super::shares::Workspace;
 use super::shm::{posix, Region};
-use super::{packing, Busy, BusyGuard, Collectives, Communicator, DEFAULT_TIMEOUT};
+use super::{packing, Busy, BusyGuard, Communicator, HostCollectives, DEFAULT_TIMEOUT};
 use crate::error::{Error, Result};
 
 extern "C" {
@@ -359,8 +359,8 @@ impl Communicator for MpiComm {
         self.world
     }
 
-    fn collectives(&self) -> Collectives<'_> {
-        Collectives::Host(self)
+    fn host(&self) -> Option<&dyn HostCollectives> {
+        Some(self)
     }
 
     /// Sets the flag a wait in progress polls (it then fails with COMM_FAILURE) and every later

@@ -15,7 +15,7 @@ use crate::backend::cuda::driver::{
     launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS,
 };
 use crate::backend::cuda::layout::GaBoundary;
-use crate::comm::nccl::NcclComm;
+use crate::backend::cuda::nccl::NcclComm;
 use crate::error::{Error, ErrorKind, Result};
 
 /// `tensor_stats` on the device: the layout's segments and their table, the segment sums (this

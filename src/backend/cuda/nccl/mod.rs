@@ -12,6 +12,7 @@ mod calls;
 mod collectives;
 mod membership;
 
+use std::any::Any;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use parking_lot::{Mutex, MutexGuard};
 use self::calls::{check, last_error, nccl, nccl_error, poll};
 use self::membership::Membership;
 use crate::backend::cuda::driver::Context;
+use crate::comm::Communicator;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Bytes of an NCCL unique id (NCCL_UNIQUE_ID_BYTES).
@@ -31,7 +33,7 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 /// How long a rank waits for the others (to create the communicator, to enqueue a collective, to
 /// finalise it) before it gives up. A rank that starts minutes after the others is normal; one
 /// that never comes is a failure.
-pub use super::DEFAULT_TIMEOUT;
+pub use crate::comm::DEFAULT_TIMEOUT;
 
 use api::{Api, IN_PROGRESS, SUCCESS};
 
@@ -360,7 +362,14 @@ impl NcclComm {
     }
 }
 
-impl super::Communicator for NcclComm {
+impl NcclComm {
+    /// The NCCL communicator behind `comm`, if it is one.
+    pub(crate) fn of(comm: &dyn Communicator) -> Option<&NcclComm> {
+        (comm as &dyn Any).downcast_ref()
+    }
+}
+
+impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -371,10 +380,6 @@ impl super::Communicator for NcclComm {
 
     fn device(&self) -> crate::device::Device {
         crate::device::Device::Cuda { ordinal: self.ctx.ordinal, stream: std::ptr::null_mut() }
-    }
-
-    fn collectives(&self) -> super::Collectives<'_> {
-        super::Collectives::Nccl(self)
     }
 
     fn abort(&self) -> Result<()> {
