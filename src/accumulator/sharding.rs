@@ -9,7 +9,8 @@
 //! buffer first ([`Hooks`]). A device supplies only what it does to a staging buffer
 //! ([`Stages`]): take one, zero part of it, reduce it. What a sharded accumulation's window
 //! knows beyond its memory (its group, the shards, and its flags) is a [`Shard`], the same on
-//! every device.
+//! every device, and so is the order of a micro-batch's turns ([`Shard::open_microbatch`],
+//! [`Shard::close_microbatch`]): a device supplies each turn's work ([`Turns`]).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::layout::Layout;
-use super::{protocol, Plan, Sharding};
+use super::{protocol, MasterWrite, Overflow, Plan, Sharding};
 use crate::comm::Communicator;
 use crate::error::{Error, ErrorKind, Result};
 use crate::math::NORM_BLOCK;
@@ -145,6 +146,8 @@ pub(crate) struct Shard {
     pub shards: Vec<Range<usize>>,
     pub own: Range<usize>,
     pub stripes: Stripes,
+    /// A poisoned gradient is dropped (`Overflow::DropMicrobatch`).
+    pub drops: bool,
     /// The open micro-batch assigns the shard (the window's first).
     first: AtomicBool,
     /// An `add_tensor` of the open micro-batch was refused on this rank: closing it fails every
@@ -182,6 +185,7 @@ impl Shard {
             shards,
             own,
             stripes,
+            drops: plan.config.overflow == Overflow::DropMicrobatch,
             first: AtomicBool::new(true),
             invalid: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
@@ -240,6 +244,66 @@ impl Shard {
         exchange(own.as_ref(), poisoned).inspect_err(|_| self.lose())
     }
 
+    /// A micro-batch opens, the window's first with `first`, `whole` from `add` (else tensor by
+    /// tensor): under [`Overflow::DropMicrobatch`] a micro-batch fed tensor by tensor first keeps
+    /// the shard (before the opening step, so that a rank that cannot keep it fails every rank,
+    /// as an invalid call does); then the opening step with this rank's `error`; then the
+    /// window's flags and, tensor by tensor, the bucket schedule start afresh.
+    pub(crate) fn open_microbatch<D: Turns>(
+        &self,
+        device: &D,
+        master: &MasterWrite,
+        hooks: &mut Hooks<D::Stage>,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
+        let keeps = !whole && self.drops && error.is_none();
+        let kept = if keeps { device.keep_before(master, first).err() } else { None };
+        device.open_step(whole, error.or(kept.as_ref()))?;
+        self.open(first);
+        if !whole {
+            hooks.open();
+        }
+        Ok(())
+    }
+
+    /// The micro-batch `open_microbatch` opened tensor by tensor ends: the buckets still waiting
+    /// are reduced (absent tensors as zeros), the device joins its work, then the closing step
+    /// tells every rank whether a rank's call was refused or a gradient poisoned; when one was,
+    /// each rank puts back its shard as the micro-batch found it. Returns whether it did. The
+    /// staging goes back to the spares, of which [`Turns::KEPT`] stay.
+    pub(crate) fn close_microbatch<D: Turns>(
+        &self,
+        device: &D,
+        master: &mut MasterWrite,
+        layout: &Layout,
+        hooks: &mut Hooks<D::Stage>,
+    ) -> Result<bool> {
+        let open = hooks.open;
+        let reduced = if open { hooks.reduce_ready(device, layout, true) } else { Ok(()) };
+        let joined = device.join();
+        let result = reduced.and_then(|()| {
+            if !open {
+                return Ok(false);
+            }
+            // A rank that cannot join, or read its flags, never reaches the closing step its
+            // peers wait in.
+            let poisoned =
+                joined.and_then(|()| device.poisoned()).inspect_err(|_| device.failed())?;
+            if poisoned {
+                self.note_poisoned();
+            }
+            let dropped = self.close(|own, poisoned| device.close_step(own, poisoned))?;
+            if dropped {
+                device.restore(master).inspect_err(|_| self.lose())?;
+            }
+            Ok(dropped)
+        });
+        hooks.finish(D::KEPT);
+        result
+    }
+
     /// The part of flat `range` this rank holds, counted from the shard's start.
     pub(crate) fn held(&self, range: &Range<usize>) -> Range<usize> {
         relative(&intersect(range, &self.own), self.own.start)
@@ -268,6 +332,41 @@ pub(crate) trait Stages {
 
     /// Taking, zeroing or reducing a bucket failed: the peers wait for this rank's reductions.
     fn failed(&self) {}
+}
+
+/// The work of each turn of a sharded accumulation's micro-batch on a device, in the order
+/// [`Shard::open_microbatch`] and [`Shard::close_microbatch`] take them.
+pub(crate) trait Turns: Stages {
+    /// Staging buffers kept between micro-batches.
+    const KEPT: usize;
+
+    /// Keeps the shard and the window's flag as they are, for [`Turns::restore`]; a micro-batch
+    /// that opens the window (`first`) keeps a clear flag (the core clears a synced window's only
+    /// after this turn).
+    fn keep_before(&self, master: &MasterWrite, first: bool) -> Result<()>;
+
+    /// Puts back what [`Turns::keep_before`] kept: the micro-batch is dropped.
+    fn restore(&self, master: &mut MasterWrite) -> Result<()>;
+
+    /// The step that opens a micro-batch over the shard group, this rank with `error` taking
+    /// part so that every rank fails together; the error is returned.
+    fn open_step(&self, whole: bool, error: Option<&Error>) -> Result<()>;
+
+    /// The micro-batch's work is done and its flags are in the window's (a device joins its
+    /// streams); taken at every close.
+    fn join(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether a gradient of the open micro-batch was poisoned on this rank where the device
+    /// keeps the flags (reading them waits for it); the shard's marks hold the others.
+    fn poisoned(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The closing step, with this rank's error `own` and whether a gradient was `poisoned` here:
+    /// whether one was on any rank.
+    fn close_step(&self, own: Option<&Error>, poisoned: bool) -> Result<bool>;
 }
 
 /// A sharded accumulation's micro-batch whose tensors arrive one by one (backward hooks): each

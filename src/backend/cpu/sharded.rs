@@ -25,9 +25,9 @@ use parking_lot::{Mutex, MutexGuard};
 use super::master::Master;
 use super::store::{between_ranks, host_collectives, Boundary, Measured, NormPass};
 use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
-use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages, Turns};
 use crate::accumulator::tensor_stats::Squares;
-use crate::accumulator::{Agreed, MasterWrite, Overflow, Plan, Proposal, SyncInfo};
+use crate::accumulator::{Agreed, MasterWrite, Plan, Proposal, SyncInfo};
 use crate::comm::{BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -242,14 +242,17 @@ impl Sharded<'_> {
         protocol::agree(step, group.as_ref().map(|c| c as &dyn Channel), None, &mine, own)
     }
 
-    /// Whether a poisoned gradient is dropped (`Overflow::DropMicrobatch`).
-    fn drops(&self) -> bool {
-        self.plan.config.overflow == Overflow::DropMicrobatch
+    /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
+    fn finish(&self, h: &mut Hooks<Vec<f32>>) {
+        h.finish(<Self as Turns>::KEPT);
     }
+}
 
-    /// Keeps the shard and the window's flag as they are, for [`Sharded::restore`]. A micro-batch
-    /// that opens the window (`first`) keeps a clear flag: the core clears a synced window's only
-    /// after this step.
+/// A micro-batch's turns on the host: the control steps are host reductions over the shard
+/// group (every micro-batch's opening one too), the shard's copy is host memory.
+impl Turns for Sharded<'_> {
+    const KEPT: usize = 1;
+
     fn keep_before(&self, master: &MasterWrite, first: bool) -> Result<()> {
         let mut before = self.before.lock();
         let shard = self.shard.slice(master, 0..self.sharding.own.len());
@@ -268,16 +271,19 @@ impl Sharded<'_> {
         Ok(())
     }
 
-    /// Puts back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
-    fn restore(&self, master: &mut MasterWrite) {
+    fn restore(&self, master: &mut MasterWrite) -> Result<()> {
         let before = self.before.lock();
         self.shard.slice_mut(master, 0..self.sharding.own.len()).copy_from_slice(&before.shard);
         self.found_inf.store(before.found_inf, Ordering::Relaxed);
+        Ok(())
     }
 
-    /// Ends the micro-batch (reduced, or failed): one staging buffer is kept for the next.
-    fn finish(&self, h: &mut Hooks<Vec<f32>>) {
-        h.finish(1);
+    fn open_step(&self, whole: bool, error: Option<&Error>) -> Result<()> {
+        self.control_step(Step::Microbatch { whole }, error, false).map(drop)
+    }
+
+    fn close_step(&self, own: Option<&Error>, poisoned: bool) -> Result<bool> {
+        Ok(self.control_step(Step::Closing, own, poisoned)?.dropped != 0)
     }
 }
 
@@ -366,14 +372,7 @@ impl Sharded<'_> {
         whole: bool,
         error: Option<&Error>,
     ) -> Result<()> {
-        let mut h = self.hooks();
-        // Kept before the control step, so that a rank that cannot keep it fails every rank.
-        let keeps = !whole && self.drops() && error.is_none();
-        let kept = if keeps { self.keep_before(master, first).err() } else { None };
-        self.control_step(Step::Microbatch { whole }, error.or(kept.as_ref()), false)?;
-        self.sharding.open(first);
-        h.open();
-        Ok(())
+        self.sharding.open_microbatch(self, master, &mut self.hooks(), first, whole, error)
     }
 
     /// A whole micro-batch, stripe by stripe: staged, reduce-scattered, added into the shard;
@@ -420,7 +419,7 @@ impl Sharded<'_> {
         let layout = &self.plan.layout;
         let (r, b) = (layout.range(index), layout.bucket_of(index));
         let base = stage_base(&layout.buckets()[b]);
-        let poisoned = self.drops() && !check::finite_after_unscale(grad, factor);
+        let poisoned = self.sharding.drops && !check::finite_after_unscale(grad, factor);
         let bad = self.hooks().contribute(self, layout, index, |stage| {
             if poisoned {
                 return Stages::zero(self, stage, b, layout.slot(index)).map(|()| true);
@@ -436,21 +435,7 @@ impl Sharded<'_> {
     /// The buckets still waiting are reduced, then the closing control step. Returns whether a
     /// rank's gradient was poisoned: the shard is then as before the micro-batch, on every rank.
     pub(super) fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
-        let mut h = self.hooks();
-        let result = if h.open {
-            let reduced = h.reduce_ready(self, &self.plan.layout, true);
-            let close = |own: Option<&Error>, poisoned| {
-                Ok(self.control_step(Step::Closing, own, poisoned)?.dropped != 0)
-            };
-            reduced.and_then(|()| self.sharding.close(close))
-        } else {
-            Ok(false)
-        };
-        self.finish(&mut h);
-        if result == Ok(true) {
-            self.restore(master);
-        }
-        result
+        self.sharding.close_microbatch(self, master, &self.plan.layout, &mut self.hooks())
     }
 
     /// The shard holds the window's sum over the ranks: it is normalised and measured here, its

@@ -43,8 +43,8 @@ use super::store::{
     wait_for_collectives, DeviceStore, NormSpan, Tables, CHUNK,
 };
 use crate::accumulator::protocol::Step;
-use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages};
-use crate::accumulator::{Agreed, DeviceScale, Overflow, Plan, Proposal};
+use crate::accumulator::sharding::{intersect, relative, Hooks, Shard, Stages, Turns};
+use crate::accumulator::{Agreed, DeviceScale, MasterWrite, Overflow, Plan, Proposal};
 use crate::backend::cuda::nccl::NcclComm;
 use crate::comm::{Communicator, ControlSum};
 use crate::dtype::Dtype;
@@ -330,7 +330,7 @@ impl Sharded<'_> {
         let bucket = &self.store.plan.layout.buckets()[self.store.plan.layout.bucket_of(index)];
         let dst = stage.buf.ptr() + 4 * (r.start - bucket.start) as u64;
         // A poisoned gradient raises its tensor's flag: closing the micro-batch drops it.
-        let flag = match self.drops() {
+        let flag = match self.mem.sharding.drops {
             true => self.store.flags()?.ptr() + 4 * index as u64,
             false => self.store.found_inf.ptr(),
         };
@@ -428,15 +428,9 @@ impl Sharded<'_> {
         Ok(Step::Closing.judge(total, own)?.dropped != 0)
     }
 
-    /// Whether a poisoned gradient is dropped (`Overflow::DropMicrobatch`).
-    fn drops(&self) -> bool {
-        self.store.plan.config.overflow == Overflow::DropMicrobatch
-    }
-
     /// Enqueues a copy of the shard and the window's flag as they are, for
-    /// [`Sharded::restore`]. A micro-batch that opens the window (`first`) keeps a clear flag:
-    /// the core clears a synced window's only after this step.
-    fn keep_before(&self, first: bool) -> Result<()> {
+    /// [`Sharded::enqueue_restore`].
+    fn enqueue_keep(&self, first: bool) -> Result<()> {
         let bytes = 4 * self.mem.sharding.own.len();
         let before = once(&self.mem.before, || {
             DeviceBuffer::zeroed(&self.store.ctx, self.store.stream, bytes + 4)
@@ -448,8 +442,8 @@ impl Sharded<'_> {
         }
     }
 
-    /// Enqueues putting back what [`Sharded::keep_before`] kept: the micro-batch is dropped.
-    fn restore(&self) -> Result<()> {
+    /// Enqueues putting back what [`Sharded::enqueue_keep`] kept.
+    fn enqueue_restore(&self) -> Result<()> {
         let bytes = 4 * self.mem.sharding.own.len();
         let before = self.mem.before.get().ok_or_else(|| {
             Error::new(ErrorKind::Internal, "a dropped micro-batch with no copy of the shard")
@@ -473,13 +467,6 @@ impl Sharded<'_> {
             )?
         };
         self.mem.sum_inf.zero_f32(0, 1)
-    }
-
-    /// Ends the tensor-by-tensor micro-batch (reduced, or failed): its staging goes back to the
-    /// pool, of which KEPT_STAGES buffers stay (the others are freed on the accumulator's stream,
-    /// after the reductions that read them).
-    fn finish(&self, h: &mut Hooks<Stage>) {
-        h.finish(KEPT_STAGES);
     }
 
     fn shard_at(&self, offset: usize) -> CUdeviceptr {
@@ -736,71 +723,67 @@ impl Stages for Sharded<'_> {
     }
 }
 
+/// A micro-batch's turns on the device. No control step when a micro-batch opens (it would wait
+/// for the stream): the ranks check their layouts once, at the first micro-batch (whose cut, by
+/// stripes or by buckets, they must share), and a rank whose call is invalid takes part with its
+/// error. After that a rank whose call is invalid aborts the communicator, so that it never
+/// pairs a later collective with the peers' reductions; theirs fail when their communicator
+/// times out or is aborted. The closing step is the micro-batch's one host wait; the shard's
+/// copy is device memory, enqueued on the accumulator's stream. Of the staging buffers,
+/// KEPT_STAGES stay (the others are freed on the accumulator's stream, after the reductions that
+/// read them).
+impl Turns for Sharded<'_> {
+    const KEPT: usize = KEPT_STAGES;
+
+    fn keep_before(&self, _master: &MasterWrite, first: bool) -> Result<()> {
+        self.enqueue_keep(first)
+    }
+
+    fn restore(&self, _master: &mut MasterWrite) -> Result<()> {
+        self.enqueue_restore()
+    }
+
+    fn open_step(&self, whole: bool, error: Option<&Error>) -> Result<()> {
+        match self.group()? {
+            Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error),
+            None => error.map_or(Ok(()), |e| Err(e.clone())),
+        }
+    }
+
+    /// The communication stream joined, and its overflow flag merged into the window's.
+    fn join(&self) -> Result<()> {
+        self.store.join_comm_stream().and_then(|()| self.merge_sum_inf())
+    }
+
+    /// Whether a gradient of the open micro-batch raised its tensor's flag (a wait for the
+    /// micro-batch's reductions).
+    fn poisoned(&self) -> Result<bool> {
+        Ok(self.mem.sharding.drops && !self.store.flagged()?.is_empty())
+    }
+
+    fn close_step(&self, own: Option<&Error>, poisoned: bool) -> Result<bool> {
+        self.close_together(own, poisoned)
+    }
+}
+
 impl Sharded<'_> {
-    /// No control step when a micro-batch opens (it would wait for the stream): the ranks check
-    /// their layouts once, at the first micro-batch (whose cut, by stripes or by buckets, they
-    /// must share), and a rank whose call is invalid takes part with its error. After that a rank
-    /// whose call is invalid aborts the communicator, so that it never pairs a later collective
-    /// with the peers' reductions; theirs fail when their communicator times out or is aborted.
-    ///
-    /// Under `Overflow::DropMicrobatch` a micro-batch fed tensor by tensor first enqueues a copy
-    /// of the shard (a rank that cannot make one fails as an invalid call does).
     pub(super) fn open_microbatch(
         &self,
+        master: &MasterWrite,
         first: bool,
         whole: bool,
         error: Option<&Error>,
     ) -> Result<()> {
-        let keeps = !whole && self.drops() && error.is_none();
-        let kept = if keeps { self.keep_before(first).err() } else { None };
-        let error = error.or(kept.as_ref());
-        match self.group()? {
-            Some(c) => self.verify_layout(c, Step::Microbatch { whole }, error)?,
-            None => error.map_or(Ok(()), |e| Err(e.clone()))?,
-        }
-        self.mem.sharding.open(first);
-        if !whole {
-            self.mem.hooks().open();
-        }
-        Ok(())
+        self.mem.sharding.open_microbatch(self, master, &mut self.mem.hooks(), first, whole, error)
     }
 
-    /// Reduces the buckets still waiting, joins the communication stream, and runs the closing
-    /// control step (a host wait). Under `Overflow::DropMicrobatch` this rank's tensor flags are
-    /// read first (the same wait), and the step tells every rank whether a gradient was poisoned
-    /// anywhere: then each puts back its shard as the micro-batch found it. Returns whether it
-    /// did.
-    pub(super) fn close_microbatch(&self) -> Result<bool> {
-        let mut h = self.mem.hooks();
-        let open = h.open;
-        let reduced =
-            if open { h.reduce_ready(self, &self.store.plan.layout, true) } else { Ok(()) };
-        let joined = self.store.join_comm_stream().and_then(|()| self.merge_sum_inf());
-        let result = reduced.and_then(|()| {
-            if !open {
-                return Ok(false);
-            }
-            // A rank that cannot join, or read its flags, never reaches the closing exchange its
-            // peers wait in.
-            let poisoned = joined.and_then(|()| self.poisoned()).inspect_err(|_| self.stop())?;
-            if poisoned {
-                self.mem.sharding.note_poisoned();
-            }
-            let dropped =
-                self.mem.sharding.close(|own, poisoned| self.close_together(own, poisoned))?;
-            if dropped {
-                self.restore().inspect_err(|_| self.mem.sharding.lose())?;
-            }
-            Ok(dropped)
-        });
-        self.finish(&mut h);
-        result
-    }
-
-    /// Whether a gradient of the open micro-batch raised its tensor's flag (under
-    /// `Overflow::DropMicrobatch`; a wait for the micro-batch's reductions).
-    fn poisoned(&self) -> Result<bool> {
-        Ok(self.drops() && !self.store.flagged()?.is_empty())
+    pub(super) fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
+        self.mem.sharding.close_microbatch(
+            self,
+            master,
+            &self.store.plan.layout,
+            &mut self.mem.hooks(),
+        )
     }
 
     /// Before the layouts are checked, the refusal takes part in the check; after, it aborts.

@@ -1115,14 +1115,14 @@ impl Store for DeviceStore {
 
     fn open_microbatch(
         &self,
-        _master: &MasterWrite,
+        master: &MasterWrite,
         first: bool,
         whole: bool,
         error: Option<&Error>,
     ) -> Result<()> {
         match &self.memory {
             Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone()))?,
-            Memory::Shard(s) => s.with(self).open_microbatch(first, whole, error)?,
+            Memory::Shard(s) => s.with(self).open_microbatch(master, first, whole, error)?,
         }
         // A hook micro-batch starts with no tensor flagged.
         match self.flags.get().filter(|_| !whole) {
@@ -1132,10 +1132,10 @@ impl Store for DeviceStore {
     }
 
     /// Under sharded accumulation, whether the micro-batch was dropped on every rank.
-    fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
+    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
         let dropped = match &self.memory {
             Memory::Whole(_) => false,
-            Memory::Shard(s) => s.with(self).close_microbatch()?,
+            Memory::Shard(s) => s.with(self).close_microbatch(master)?,
         };
         if self.counts_on_device() {
             self.count_flags()?;
