@@ -117,3 +117,16 @@ fn no_store_names_the_scaler() {
         }
     }
 }
+
+/// A file holds one job: none of the library's sources grows past 1,000 lines.
+#[test]
+fn no_source_file_is_over_a_thousand_lines() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    rust_files(&root().join("capi/src"), &mut files);
+    assert!(files.len() > 50, "the sources were not found: {files:?}");
+    for path in files {
+        let lines = std::fs::read_to_string(&path).unwrap().lines().count();
+        assert!(lines <= 1000, "{} has {lines} lines", path.display());
+    }
+}
