@@ -54,7 +54,7 @@ pub use layout::MASTER_ALIGN;
 pub(crate) use plan::{Agreed, Plan, Proposal, Reduced};
 pub use report::{OverflowAt, SyncInfo};
 pub(crate) use scale_source::{DeviceScale, ScaleSource};
-pub(crate) use store::Store;
+pub(crate) use store::{AddKernels, BoundaryWork, MasterMemory, MicrobatchTurns, Store};
 pub(crate) use tensor_stats::Segments;
 pub use tensor_stats::TensorStats;
 pub(crate) use window::{MasterWrite, TensorWrite};

@@ -1,6 +1,8 @@
-//! The `Store` trait: a device's part of an accumulator, the master's memory and the kernels
-//! over it, which the accumulator drives after its checks. `backend::cpu` and `backend::cuda`
-//! implement it; the defaults are what a store without the feature does.
+//! The `Store` traits: a device's part of an accumulator, which the accumulator drives after its
+//! checks, in four narrow parts: the master's memory ([`MasterMemory`]), the add path's kernels
+//! ([`AddKernels`]), the turns of a micro-batch ([`MicrobatchTurns`]) and the boundary's work
+//! ([`BoundaryWork`]). `backend::cpu` and `backend::cuda` implement each; the defaults are what a
+//! store without the feature does. Each part of the core imports the parts it drives.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -21,81 +23,65 @@ fn not_here(what: &str, where_: &str) -> Error {
     Error::new(ErrorKind::BackendUnavailable, format!("{what} does not run {where_}"))
 }
 
-/// A device's part of an accumulator: the master's memory and the kernels over it. The
-/// accumulator decides what runs and when, after its checks; a store only does it.
-pub(crate) trait Store: Send + Sync {
+/// A device's part of an accumulator: the master's memory and the kernels over it, in four
+/// narrow parts. The accumulator decides what runs and when, after its checks; a store only
+/// does it.
+pub(crate) trait Store: MasterMemory + AddKernels + MicrobatchTurns + BoundaryWork {}
+
+impl<T: MasterMemory + AddKernels + MicrobatchTurns + BoundaryWork> Store for T {}
+
+/// A store's memory: the master (whole, or this rank's shard), the window's overflow flag and
+/// counts, read, written and zeroed where the accumulator's write rights allow.
+pub(crate) trait MasterMemory: Send + Sync {
     fn device(&self) -> Device;
 
-    /// Refuses a new micro-batch when the window cannot take one.
-    fn check_open(&self) -> Result<()> {
+    /// Zeroes tensor `index`'s master.
+    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()>;
+
+    /// The window's overflow flag starts clear.
+    fn clear_found_inf(&self) -> Result<()>;
+
+    /// A restored window's per-tensor counts start at zero, where the store keeps them.
+    fn restart_counts(&self) -> Result<()> {
         Ok(())
     }
 
-    /// A micro-batch opens, the window's first with `first`, `whole` from `add` (else tensor by
-    /// tensor, from `begin_microbatch`). With
-    /// `error` this rank's call is invalid: a store that reduces every micro-batch still takes
-    /// part in the micro-batch's control step, so that every rank fails together; the error is
-    /// returned.
-    fn open_microbatch(
+    /// Address of master element `offset` (a device address on a device).
+    fn master_address(&self, offset: usize) -> *mut f32;
+
+    /// Copies master elements `range` (held ones) to `out` (waits for the device).
+    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()>;
+
+    /// Overwrites the held master elements (see `Plan::held`) with `values`.
+    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()>;
+
+    /// The window's overflow flag (waits for the device).
+    fn found_inf(&self) -> Result<bool>;
+
+    fn set_found_inf(&self, value: bool) -> Result<()>;
+
+    /// Runs `f` on master elements `range` (held ones): in place in host memory, else on a host
+    /// copy.
+    fn view(
         &self,
-        _master: &MasterWrite,
-        _first: bool,
-        _whole: bool,
-        error: Option<&Error>,
+        master: &MasterWrite,
+        range: Range<usize>,
+        f: &mut dyn FnMut(&[f32]),
     ) -> Result<()> {
-        error.map_or(Ok(()), |e| Err(e.clone()))
+        let mut copy = vec![0.0; range.len()];
+        self.read(master, range, &mut copy)?;
+        f(&copy);
+        Ok(())
     }
+}
 
-    /// The micro-batch `begin_microbatch` opened ends (or is reset): a store that reduces every
-    /// micro-batch reduces the buckets still waiting. Returns whether the micro-batch was
-    /// dropped on every rank (such a store under [`Overflow::DropMicrobatch`], when a rank's
-    /// gradient was not finite: the master is as before the micro-batch).
-    fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// This rank dropped the micro-batch `add` brought ([`Overflow::DropMicrobatch`]): a store
-    /// that reduces every micro-batch still takes part in its reductions, with zeros. Returns
-    /// whether the master was written (with the other ranks' sums).
-    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// This rank's part of a sharded accumulation, whose store reduces every micro-batch.
-    fn shard(&self) -> Option<&sharding::Shard> {
-        None
-    }
-
-    /// Whether a reduction failed since the last call, leaving the window's sums incomplete.
-    fn take_lost(&self) -> bool {
-        self.shard().is_some_and(sharding::Shard::take_lost)
-    }
-
-    /// An `add_tensor` of the open micro-batch failed on this rank: a store that reduces every
-    /// micro-batch fails it on every rank when it closes.
-    fn note_invalid(&self) {
-        if let Some(s) = self.shard() {
-            s.note_invalid();
-        }
-    }
-
-    /// The communicator a store reduces every micro-batch over (sharded accumulation).
-    fn bound(&self) -> Option<&dyn Communicator> {
-        self.shard().and_then(sharding::Shard::comm)
-    }
-
-    /// This rank's call was refused before it reached the collective its peers are in: a store
-    /// bound to a communicator tells them (a host communicator's control step carries the error).
-    fn refuse(&self) {
-        if let Some(c) = self.bound() {
-            protocol::refuse(c);
-        }
-    }
-
+/// A store's add path: the fused kernels that unscale, weigh, check and add a micro-batch's
+/// gradients into the master, or into the staging of a micro-batch that may be dropped.
+pub(crate) trait AddKernels: MasterMemory {
     /// Adds one micro-batch (gradients checked against the tensors): tensor i unscaled by
     /// `scale`, weighted, checked for non-finite values, and assigned when `first(i)` or added.
     /// Returns whether a value it wrote into the master is not finite, where the store knows it
-    /// on the host and the core can locate it ([`Store::first_bad_master`]); `false` elsewhere.
+    /// on the host and the core can locate it ([`AddKernels::first_bad_master`]); `false` elsewhere.
     fn add(
         &self,
         master: &mut MasterWrite,
@@ -171,6 +157,78 @@ pub(crate) trait Store: Send + Sync {
     fn merge_staged(&self, _master: &mut MasterWrite, _index: usize, _first: bool) -> Result<bool> {
         Err(not_here("overflow = DropMicrobatch", &format!("on {}", self.device().name())))
     }
+}
+
+/// A store's turns of a micro-batch: what it does when one opens, closes or is dropped, and the
+/// window's last micro-batch. Only a store that reduces every micro-batch (sharded
+/// accumulation: [`MicrobatchTurns::shard`]) or overlaps the last one's reductions does
+/// anything here; the defaults are the others'.
+pub(crate) trait MicrobatchTurns: MasterMemory {
+    /// Refuses a new micro-batch when the window cannot take one.
+    fn check_open(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A micro-batch opens, the window's first with `first`, `whole` from `add` (else tensor by
+    /// tensor, from `begin_microbatch`). With
+    /// `error` this rank's call is invalid: a store that reduces every micro-batch still takes
+    /// part in the micro-batch's control step, so that every rank fails together; the error is
+    /// returned.
+    fn open_microbatch(
+        &self,
+        _master: &MasterWrite,
+        _first: bool,
+        _whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
+        error.map_or(Ok(()), |e| Err(e.clone()))
+    }
+
+    /// The micro-batch `begin_microbatch` opened ends (or is reset): a store that reduces every
+    /// micro-batch reduces the buckets still waiting. Returns whether the micro-batch was
+    /// dropped on every rank (such a store under [`Overflow::DropMicrobatch`], when a rank's
+    /// gradient was not finite: the master is as before the micro-batch).
+    fn close_microbatch(&self, _master: &mut MasterWrite) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// This rank dropped the micro-batch `add` brought ([`Overflow::DropMicrobatch`]): a store
+    /// that reduces every micro-batch still takes part in its reductions, with zeros. Returns
+    /// whether the master was written (with the other ranks' sums).
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// This rank's part of a sharded accumulation, whose store reduces every micro-batch.
+    fn shard(&self) -> Option<&sharding::Shard> {
+        None
+    }
+
+    /// Whether a reduction failed since the last call, leaving the window's sums incomplete.
+    fn take_lost(&self) -> bool {
+        self.shard().is_some_and(sharding::Shard::take_lost)
+    }
+
+    /// An `add_tensor` of the open micro-batch failed on this rank: a store that reduces every
+    /// micro-batch fails it on every rank when it closes.
+    fn note_invalid(&self) {
+        if let Some(s) = self.shard() {
+            s.note_invalid();
+        }
+    }
+
+    /// The communicator a store reduces every micro-batch over (sharded accumulation).
+    fn bound(&self) -> Option<&dyn Communicator> {
+        self.shard().and_then(sharding::Shard::comm)
+    }
+
+    /// This rank's call was refused before it reached the collective its peers are in: a store
+    /// bound to a communicator tells them (a host communicator's control step carries the error).
+    fn refuse(&self) {
+        if let Some(c) = self.bound() {
+            protocol::refuse(c);
+        }
+    }
 
     /// The window's last micro-batch opens, with the communicator of its boundary.
     fn begin_final(&self, _comm: &Arc<dyn Communicator>) -> Result<()> {
@@ -181,18 +239,11 @@ pub(crate) trait Store: Send + Sync {
     fn end_final(&self) -> Result<()> {
         Ok(())
     }
+}
 
-    /// Zeroes tensor `index`'s master.
-    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()>;
-
-    /// The window's overflow flag starts clear.
-    fn clear_found_inf(&self) -> Result<()>;
-
-    /// A restored window's per-tensor counts start at zero, where the store keeps them.
-    fn restart_counts(&self) -> Result<()> {
-        Ok(())
-    }
-
+/// A store's part of the boundary: the control step, the reduction with the pass over its sum,
+/// and what the boundary leaves (stats, the device's result, the scaler's gather).
+pub(crate) trait BoundaryWork: MasterMemory {
     /// The control step: the ranks agree on counts, layouts and errors before any bucket moves.
     fn agree(&self, proposal: &Proposal<'_>) -> Result<Agreed>;
 
@@ -204,34 +255,6 @@ pub(crate) trait Store: Send + Sync {
         agreed: &Agreed,
         read: bool,
     ) -> Result<Option<SyncInfo>>;
-
-    /// Address of master element `offset` (a device address on a device).
-    fn master_address(&self, offset: usize) -> *mut f32;
-
-    /// Copies master elements `range` (held ones) to `out` (waits for the device).
-    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()>;
-
-    /// Overwrites the held master elements (see `Plan::held`) with `values`.
-    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()>;
-
-    /// The window's overflow flag (waits for the device).
-    fn found_inf(&self) -> Result<bool>;
-
-    fn set_found_inf(&self, value: bool) -> Result<()>;
-
-    /// Runs `f` on master elements `range` (held ones): in place in host memory, else on a host
-    /// copy.
-    fn view(
-        &self,
-        master: &MasterWrite,
-        range: Range<usize>,
-        f: &mut dyn FnMut(&[f32]),
-    ) -> Result<()> {
-        let mut copy = vec![0.0; range.len()];
-        self.read(master, range, &mut copy)?;
-        f(&copy);
-        Ok(())
-    }
 
     /// The last boundary's per-tensor stats, when the store measured them.
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {

@@ -14,8 +14,8 @@ use crate::accumulator::protocol::{self, Channel, HostChannel, Step};
 use crate::accumulator::sharding::Shard;
 use crate::accumulator::tensor_stats::{self, Squares};
 use crate::accumulator::{
-    Agreed, Gradient, Grads, MasterWrite, Plan, Proposal, ScaleSource, Segments, Sharding, Store,
-    SyncInfo, TensorStats, TensorWrite,
+    AddKernels, Agreed, BoundaryWork, Gradient, Grads, MasterMemory, MasterWrite, MicrobatchTurns,
+    Plan, Proposal, ScaleSource, Segments, Sharding, SyncInfo, TensorStats, TensorWrite,
 };
 use crate::comm::{pass_whole, BlockPass, Communicator, Control, ControlSum, HostCollectives};
 use crate::device::Device;
@@ -193,46 +193,61 @@ impl HostStore {
     }
 }
 
-impl Store for HostStore {
+impl MasterMemory for HostStore {
     fn device(&self) -> Device {
         Device::Cpu
     }
 
-    fn shard(&self) -> Option<&Shard> {
+    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()> {
+        // Under sharded accumulation only the shard's part is zeroed.
+        self.held_mut(master, self.plan.layout.range(index)).fill(0.0);
+        Ok(())
+    }
+
+    fn clear_found_inf(&self) -> Result<()> {
+        self.found_inf.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
         match &self.memory {
-            Memory::Whole(_) => None,
-            Memory::Shard(s) => Some(&s.sharding),
+            Memory::Whole(master) => master.ptr_at(offset),
+            Memory::Shard(s) => s.shard.ptr_at(s.sharding.offset(offset)),
         }
     }
 
-    /// Under sharded accumulation, the micro-batch's control step (see `sharded.rs`).
-    fn open_microbatch(
+    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(self.held(master, range));
+        Ok(())
+    }
+
+    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()> {
+        let from = self.plan.held().start;
+        self.held_mut(master, from..from + values.len()).copy_from_slice(values);
+        Ok(())
+    }
+
+    fn found_inf(&self) -> Result<bool> {
+        Ok(self.found_inf.load(Ordering::Relaxed))
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.found_inf.store(value, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn view(
         &self,
         master: &MasterWrite,
-        first: bool,
-        whole: bool,
-        error: Option<&Error>,
+        range: Range<usize>,
+        f: &mut dyn FnMut(&[f32]),
     ) -> Result<()> {
-        match &self.memory {
-            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
-            Memory::Shard(s) => self.sharded(s).open_microbatch(master, first, whole, error),
-        }
+        f(self.held(master, range));
+        Ok(())
     }
+}
 
-    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
-        match &self.memory {
-            Memory::Whole(_) => Ok(false),
-            Memory::Shard(s) => self.sharded(s).close_microbatch(master),
-        }
-    }
-
-    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
-        match &self.memory {
-            Memory::Whole(_) => Ok(false),
-            Memory::Shard(s) => self.sharded(s).add(None, 0.0).map(|_| true),
-        }
-    }
-
+impl AddKernels for HostStore {
     fn add(
         &self,
         master: &mut MasterWrite,
@@ -328,18 +343,46 @@ impl Store for HostStore {
         let threads = self.plan.config.threads;
         Ok(self.flag(simd::accumulate(master, Grad::F32(staged), 1.0, first, threads)))
     }
+}
 
-    fn zero(&self, master: &mut MasterWrite, index: usize) -> Result<()> {
-        // Under sharded accumulation only the shard's part is zeroed.
-        self.held_mut(master, self.plan.layout.range(index)).fill(0.0);
-        Ok(())
+impl MicrobatchTurns for HostStore {
+    fn shard(&self) -> Option<&Shard> {
+        match &self.memory {
+            Memory::Whole(_) => None,
+            Memory::Shard(s) => Some(&s.sharding),
+        }
     }
 
-    fn clear_found_inf(&self) -> Result<()> {
-        self.found_inf.store(false, Ordering::Relaxed);
-        Ok(())
+    /// Under sharded accumulation, the micro-batch's control step (see `sharded.rs`).
+    fn open_microbatch(
+        &self,
+        master: &MasterWrite,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone())),
+            Memory::Shard(s) => self.sharded(s).open_microbatch(master, first, whole, error),
+        }
     }
 
+    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => self.sharded(s).close_microbatch(master),
+        }
+    }
+
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => self.sharded(s).add(None, 0.0).map(|_| true),
+        }
+    }
+}
+
+impl BoundaryWork for HostStore {
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         agree(&self.plan, p, self.found_inf.load(Ordering::Relaxed))
     }
@@ -369,43 +412,6 @@ impl Store for HostStore {
     fn count_only(&self, p: &Proposal<'_>) -> Result<()> {
         let Some(segments) = &self.segments else { return Ok(()) };
         self.share_stats(segments, p, segments.squares().into_sums(), 1.0)
-    }
-
-    fn master_address(&self, offset: usize) -> *mut f32 {
-        match &self.memory {
-            Memory::Whole(master) => master.ptr_at(offset),
-            Memory::Shard(s) => s.shard.ptr_at(s.sharding.offset(offset)),
-        }
-    }
-
-    fn read(&self, master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        out.copy_from_slice(self.held(master, range));
-        Ok(())
-    }
-
-    fn write(&self, master: &mut MasterWrite, values: &[f32]) -> Result<()> {
-        let from = self.plan.held().start;
-        self.held_mut(master, from..from + values.len()).copy_from_slice(values);
-        Ok(())
-    }
-
-    fn found_inf(&self) -> Result<bool> {
-        Ok(self.found_inf.load(Ordering::Relaxed))
-    }
-
-    fn set_found_inf(&self, value: bool) -> Result<()> {
-        self.found_inf.store(value, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn view(
-        &self,
-        master: &MasterWrite,
-        range: Range<usize>,
-        f: &mut dyn FnMut(&[f32]),
-    ) -> Result<()> {
-        f(self.held(master, range));
-        Ok(())
     }
 }
 

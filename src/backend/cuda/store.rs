@@ -35,8 +35,9 @@ use super::sharded::{self, ShardMemory};
 use super::wire::Wire;
 use crate::accumulator::sharding::{BucketSchedule, Shard};
 use crate::accumulator::{
-    Agreed, DeviceScale, Gradient, Grads, MasterWrite, Overflow, Plan, Proposal, Reduced,
-    ScaleSource, Sharding, Store, SyncInfo, TensorStats, TensorWrite,
+    AddKernels, Agreed, BoundaryWork, DeviceScale, Gradient, Grads, MasterMemory, MasterWrite,
+    MicrobatchTurns, Overflow, Plan, Proposal, Reduced, ScaleSource, Sharding, SyncInfo,
+    TensorStats, TensorWrite,
 };
 use crate::backend::cuda::nccl::NcclComm;
 use crate::comm::Communicator;
@@ -513,74 +514,67 @@ impl DeviceStore {
     }
 }
 
-impl Store for DeviceStore {
+impl MasterMemory for DeviceStore {
     fn device(&self) -> Device {
         Device::Cuda { ordinal: self.ctx.ordinal, stream: self.stream.cast() }
     }
 
-    fn shard(&self) -> Option<&Shard> {
+    fn zero(&self, _master: &mut MasterWrite, index: usize) -> Result<()> {
         match &self.memory {
-            Memory::Whole(_) => None,
-            Memory::Shard(s) => Some(&s.sharding),
-        }
-    }
-
-    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
-    fn check_open(&self) -> Result<()> {
-        if let Memory::Whole(w) = &self.memory {
-            if w.overlap().is_some() {
-                return Err(Error::wrong_state(
-                    "the window's final micro-batch has ended: call sync (or reset) before adding more",
-                ));
+            Memory::Whole(w) => {
+                w.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
             }
+            Memory::Shard(s) => s.with(self).zero(index),
         }
-        Ok(())
     }
 
-    fn open_microbatch(
-        &self,
-        master: &MasterWrite,
-        first: bool,
-        whole: bool,
-        error: Option<&Error>,
-    ) -> Result<()> {
+    /// A new window: under SKIP_STEP with `tensor_stats`, its counts start at zero too.
+    fn clear_found_inf(&self) -> Result<()> {
+        self.restart_counts()?;
+        self.found_inf.zero_f32(0, 1)
+    }
+
+    fn restart_counts(&self) -> Result<()> {
+        self.zero_counts()
+    }
+
+    fn master_address(&self, offset: usize) -> *mut f32 {
         match &self.memory {
-            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone()))?,
-            Memory::Shard(s) => s.with(self).open_microbatch(master, first, whole, error)?,
-        }
-        // A hook micro-batch starts with no tensor flagged.
-        match self.flags.get().filter(|_| !whole) {
-            Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
-            None => Ok(()),
+            Memory::Whole(w) => w.at(offset) as *mut f32,
+            Memory::Shard(s) => s.with(self).master_address(offset),
         }
     }
 
-    /// Under sharded accumulation, whether the micro-batch was dropped on every rank.
-    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
-        let dropped = match &self.memory {
-            Memory::Whole(_) => false,
-            Memory::Shard(s) => s.with(self).close_microbatch(master)?,
-        };
-        if self.counts_on_device() {
-            self.count_flags()?;
-        }
-        Ok(dropped)
-    }
-
-    /// Under sharded accumulation this rank's zeros join the micro-batch's reductions.
-    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+    fn read(&self, _master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        self.drain()?;
         match &self.memory {
-            Memory::Whole(_) => Ok(false),
-            Memory::Shard(s) => s.with(self).add(None).map(|()| true),
+            Memory::Whole(w) => w.master.read_at(4 * range.start, &mut out[..range.len()]),
+            Memory::Shard(s) => s.with(self).read(range, out),
         }
     }
 
-    fn refuse(&self) {
-        if let Memory::Shard(s) = &self.memory {
-            s.with(self).refuse();
+    fn write(&self, _master: &mut MasterWrite, values: &[f32]) -> Result<()> {
+        self.drain()?;
+        match &self.memory {
+            Memory::Whole(w) => w.master.write(values),
+            Memory::Shard(s) => s.with(self).write(values),
         }
     }
 
+    fn found_inf(&self) -> Result<bool> {
+        self.drain()?;
+        let mut flag = [0u32];
+        self.found_inf.read(&mut flag)?;
+        Ok(flag[0] != 0)
+    }
+
+    fn set_found_inf(&self, value: bool) -> Result<()> {
+        self.drain()?;
+        self.found_inf.write(&[value as u32])
+    }
+}
+
+impl AddKernels for DeviceStore {
     fn add(
         &self,
         _master: &mut MasterWrite,
@@ -666,6 +660,71 @@ impl Store for DeviceStore {
     fn merge_staged(&self, _master: &mut MasterWrite, index: usize, first: bool) -> Result<bool> {
         self.merge_whole(self.whole()?, index, first).map(|()| false)
     }
+}
+
+impl MicrobatchTurns for DeviceStore {
+    fn shard(&self) -> Option<&Shard> {
+        match &self.memory {
+            Memory::Whole(_) => None,
+            Memory::Shard(s) => Some(&s.sharding),
+        }
+    }
+
+    /// Refuses a new micro-batch after the final one: its buckets are already reduced.
+    fn check_open(&self) -> Result<()> {
+        if let Memory::Whole(w) = &self.memory {
+            if w.overlap().is_some() {
+                return Err(Error::wrong_state(
+                    "the window's final micro-batch has ended: call sync (or reset) before adding more",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn open_microbatch(
+        &self,
+        master: &MasterWrite,
+        first: bool,
+        whole: bool,
+        error: Option<&Error>,
+    ) -> Result<()> {
+        match &self.memory {
+            Memory::Whole(_) => error.map_or(Ok(()), |e| Err(e.clone()))?,
+            Memory::Shard(s) => s.with(self).open_microbatch(master, first, whole, error)?,
+        }
+        // A hook micro-batch starts with no tensor flagged.
+        match self.flags.get().filter(|_| !whole) {
+            Some(flags) => flags.zero_f32(0, self.plan.descs.len()),
+            None => Ok(()),
+        }
+    }
+
+    /// Under sharded accumulation, whether the micro-batch was dropped on every rank.
+    fn close_microbatch(&self, master: &mut MasterWrite) -> Result<bool> {
+        let dropped = match &self.memory {
+            Memory::Whole(_) => false,
+            Memory::Shard(s) => s.with(self).close_microbatch(master)?,
+        };
+        if self.counts_on_device() {
+            self.count_flags()?;
+        }
+        Ok(dropped)
+    }
+
+    /// Under sharded accumulation this rank's zeros join the micro-batch's reductions.
+    fn add_nothing(&self, _master: &mut MasterWrite) -> Result<bool> {
+        match &self.memory {
+            Memory::Whole(_) => Ok(false),
+            Memory::Shard(s) => s.with(self).add(None).map(|()| true),
+        }
+    }
+
+    fn refuse(&self) {
+        if let Memory::Shard(s) = &self.memory {
+            s.with(self).refuse();
+        }
+    }
 
     /// The first call per communicator checks on the host that all ranks' layouts agree (it waits).
     /// Under DROP_MICROBATCH the micro-batch is staged, so nothing is reduced early.
@@ -691,26 +750,9 @@ impl Store for DeviceStore {
             None => Ok(()),
         }
     }
+}
 
-    fn zero(&self, _master: &mut MasterWrite, index: usize) -> Result<()> {
-        match &self.memory {
-            Memory::Whole(w) => {
-                w.master.zero_f32(self.plan.layout.range(index).start, self.plan.descs[index].numel)
-            }
-            Memory::Shard(s) => s.with(self).zero(index),
-        }
-    }
-
-    /// A new window: under SKIP_STEP with `tensor_stats`, its counts start at zero too.
-    fn clear_found_inf(&self) -> Result<()> {
-        self.restart_counts()?;
-        self.found_inf.zero_f32(0, 1)
-    }
-
-    fn restart_counts(&self) -> Result<()> {
-        self.zero_counts()
-    }
-
+impl BoundaryWork for DeviceStore {
     fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         match &self.memory {
             Memory::Whole(w) => self.agree_whole(w, p),
@@ -755,41 +797,6 @@ impl Store for DeviceStore {
             }
             None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
         }
-    }
-
-    fn master_address(&self, offset: usize) -> *mut f32 {
-        match &self.memory {
-            Memory::Whole(w) => w.at(offset) as *mut f32,
-            Memory::Shard(s) => s.with(self).master_address(offset),
-        }
-    }
-
-    fn read(&self, _master: &MasterWrite, range: Range<usize>, out: &mut [f32]) -> Result<()> {
-        self.drain()?;
-        match &self.memory {
-            Memory::Whole(w) => w.master.read_at(4 * range.start, &mut out[..range.len()]),
-            Memory::Shard(s) => s.with(self).read(range, out),
-        }
-    }
-
-    fn write(&self, _master: &mut MasterWrite, values: &[f32]) -> Result<()> {
-        self.drain()?;
-        match &self.memory {
-            Memory::Whole(w) => w.master.write(values),
-            Memory::Shard(s) => s.with(self).write(values),
-        }
-    }
-
-    fn found_inf(&self) -> Result<bool> {
-        self.drain()?;
-        let mut flag = [0u32];
-        self.found_inf.read(&mut flag)?;
-        Ok(flag[0] != 0)
-    }
-
-    fn set_found_inf(&self, value: bool) -> Result<()> {
-        self.drain()?;
-        self.found_inf.write(&[value as u32])
     }
 
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {

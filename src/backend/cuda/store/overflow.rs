@@ -10,7 +10,9 @@ use parking_lot::Mutex;
 
 use super::{nccl, AddLaunch, DeviceStore, Memory, Tables, Whole, CHUNK, NORM_BLOCKS_PER_CTA};
 use crate::accumulator::sharding::Shard;
-use crate::accumulator::{DeviceScale, Overflow, Plan, Proposal, Segments, Store, TensorStats};
+use crate::accumulator::{
+    DeviceScale, MicrobatchTurns, Overflow, Plan, Proposal, Segments, TensorStats,
+};
 use crate::backend::cuda::driver::{
     launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, THREADS,
 };
