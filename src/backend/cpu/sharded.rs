@@ -13,7 +13,7 @@
 //! rank order, which is what makes `add` and `add_tensor` give the same bits.
 //!
 //! [`Sharding::Accumulate`]: crate::accumulator::Sharding::Accumulate
-//! [`HostStore`]: simd::HostStore
+//! [`HostStore`]: super::HostStore
 
 use std::collections::VecDeque;
 use std::ops::Range;

@@ -48,7 +48,7 @@ impl Plan {
         (0..self.chunk_count()).map(|k| self.chunk(k))
     }
 
-    /// How many chunks [`Plan::chunks`] yields.
+    /// How many chunks the plan cuts the buffer into.
     pub fn chunk_count(&self) -> usize {
         self.len.div_ceil(self.share * self.world)
     }

@@ -148,7 +148,7 @@ impl DeviceStore {
 
     /// Enqueues bucket `b`'s reduction on `stream`: an in-place all-reduce; sharded, each of its
     /// pieces (a bucket may span shards) summed into the rank whose shard holds it. On the BF16
-    /// wire the same, through [`Wire`] (never inside an NCCL group: its kernels run between).
+    /// wire the same, through [`Wire`](crate::backend::cuda::wire::Wire) (never inside an NCCL group: its kernels run between).
     pub(super) fn reduce_bucket(
         &self,
         w: &Whole,
@@ -219,7 +219,7 @@ impl DeviceStore {
     }
 
     /// Once per pair of groups: the layout check of a hybrid boundary over the shard group and
-    /// the replicas ([`protocol::agree`]); a shard that does not fit the shard group fails it.
+    /// the replicas ([`protocol::agree`](crate::accumulator::protocol::agree)); a shard that does not fit the shard group fails it.
     pub(super) fn verify_grid(
         &self,
         w: &Whole,
@@ -246,7 +246,7 @@ impl DeviceStore {
         self.check_layout_once(comm, Step::Boundary, misfit.as_ref()).map(drop)
     }
 
-    /// The layout check at `step` over `comm` (a blocking exchange, [`Claims::agree`]), this
+    /// The layout check at `step` over `comm` (a blocking exchange, [`Claims::agree`](super::Claims::agree)), this
     /// rank's claim flagged with `own`, once per communicator; `Ok(false)` when `comm` was
     /// checked before, and nothing ran.
     pub(in crate::backend::cuda) fn check_layout_once(
