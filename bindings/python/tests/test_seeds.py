@@ -118,3 +118,14 @@ def test_example_apex_o2_side_by_side():
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 0               2.5" in out.stdout and "rank 1               3.5" in out.stdout
+
+
+def test_example_quickstart():
+    import os
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    script = os.path.join(root, "examples", "python", "quickstart.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ranks equal" in out.stdout
