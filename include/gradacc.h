@@ -470,6 +470,19 @@ typedef struct gradacc_nccl_unique_id_t {
 } gradacc_nccl_unique_id_t;
 
 /**
+ * A message's level, or the least severe level a callback receives.
+ */
+typedef int32_t gradacc_log_level_t;
+
+/**
+ * A log callback: `message` (NUL-terminated, valid only during the call) at `level`, with the
+ * `user` pointer given to gradacc_set_log_callback. It is called on the thread whose call
+ * produced the message, possibly from several threads at once, and must not call
+ * gradacc_set_log_callback.
+ */
+typedef void (*gradacc_log_fn)(void *user, gradacc_log_level_t level, const char *message);
+
+/**
  * An optimizer's update rule.
  */
 typedef int32_t gradacc_optimizer_algorithm_t;
@@ -732,6 +745,32 @@ typedef struct gradacc_scaler_stats_t {
  * device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
  */
 #define GRADACC_BACKEND_CUDA 3
+
+/**
+ * No messages.
+ */
+#define GRADACC_LOG_OFF 0
+
+/**
+ * A call failed in a way its status alone does not tell.
+ */
+#define GRADACC_LOG_ERROR 1
+
+/**
+ * A setting was not honoured (an unknown or unsupported GRADACC_CPU_ISA).
+ */
+#define GRADACC_LOG_WARN 2
+
+/**
+ * What a training run wants to know: a skipped step and the loss scale it backed off to, a
+ * dropped micro-batch, a CUDA library loaded (and from where) or not.
+ */
+#define GRADACC_LOG_INFO 3
+
+/**
+ * The rest: a grown loss scale, each library candidate that did not load, the SIMD path chosen.
+ */
+#define GRADACC_LOG_DEBUG 4
 
 /**
  * `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
@@ -1333,6 +1372,35 @@ enum gradacc_status_t gradacc_comm_timeout(const struct gradacc_comm_t *comm,
  * (that sync then fails with GRADACC_STATUS_COMM_FAILURE).
  */
 GRADACC_API enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
+
+/**
+ * Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and
+ * errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or
+ * GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the
+ * environment variable `GRADACC_LOG` names (error, warn, info, debug). The messages say what
+ * the statuses do not: a skipped step and its new loss scale, a dropped micro-batch, a CUDA
+ * library loaded or not, a SIMD path other than the one asked for. Fails with INVALID_ARGUMENT
+ * on an unknown `level`, changing nothing.
+ *
+ * Thread safety: any thread, but not from inside the callback.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_set_log_callback(gradacc_log_fn callback,
+                                               void *user,
+                                               gradacc_log_level_t level);
+
+/**
+ * Writes the diagnostic report into `buf`, NUL-terminated, as snprintf does: the library's
+ * version and file, the host and its SIMD path, each backend available or why not, the CUDA
+ * driver, NVRTC and NCCL found (version and file) or why not, and every environment variable
+ * the library reads. At most `size - 1` characters are written; `*needed` (when `needed` is not
+ * NULL) receives the report's whole size, terminating NUL included, so a call with `buf` NULL
+ * and `size` 0 asks for it. The `gradacc-info` program prints it. Fails with NULL_ARGUMENT when
+ * `buf` is NULL and `size` is not 0.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API enum gradacc_status_t gradacc_diagnostics(char *buf, size_t size, size_t *needed);
 
 /**
  * Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr

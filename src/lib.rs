@@ -95,6 +95,7 @@ mod scaler;
 pub mod simd;
 #[cfg(not(feature = "internal"))]
 mod simd;
+mod diagnostics;
 mod state;
 
 pub use accumulator::{
@@ -107,6 +108,7 @@ pub use comm::{Communicator, LocalComm, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use comm::{MpiComm, MpiOptions};
 pub use device::{Device, DevicePtr, Stream};
+pub use diagnostics::{diagnostics, ENVIRONMENT};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
 pub use optimizer::{

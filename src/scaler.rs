@@ -309,8 +309,13 @@ impl Scaler {
     /// backs the scale off as an overflow does (else every later micro-batch would be dropped
     /// too), though the step is taken; the scale grows only after clean steps.
     fn update_after(&self, found_inf: bool, dropped: bool) -> Result<StepOutcome> {
-        let next = self.store.step(&|config, state| next_state(config, state, found_inf, dropped));
+        let before = std::cell::Cell::new(0.0);
+        let next = self.store.step(&|config, state| {
+            before.set(state.scale);
+            next_state(config, state, found_inf, dropped)
+        });
         let next = next.ok_or_else(|| self.not_on_cpu())??;
+        tell(before.get(), &next, found_inf, dropped);
         Ok(StepOutcome { skipped: found_inf, scale: next.scale })
     }
 
@@ -428,6 +433,25 @@ fn decode(bytes: &[u8]) -> Result<(ScalerConfig, ScalerState)> {
 
 /// The update rule, as a pure function of the configuration and the state: PyTorch's, where a
 /// window that dropped micro-batches backs off as an overflow does but is not a skipped step.
+/// Tells the user what a host update decided: a skipped step, and a window that dropped
+/// micro-batches, at info; a grown scale at debug.
+fn tell(before: f32, next: &ScalerState, found_inf: bool, dropped: bool) {
+    let step = next.stats.steps;
+    if found_inf {
+        log::info!(
+            "step {step} skipped: a gradient was not finite; loss scale {before} -> {}",
+            next.scale
+        );
+    } else if dropped {
+        log::info!(
+            "step {step} taken without its dropped micro-batches; loss scale {before} -> {}",
+            next.scale
+        );
+    } else if next.scale != before {
+        log::debug!("step {step}: loss scale grew {before} -> {}", next.scale);
+    }
+}
+
 fn next_state(
     c: &ScalerConfig,
     s: &ScalerState,

@@ -50,6 +50,7 @@ fn in_readme_table() -> BTreeSet<String> {
             "accumulator" => "gradacc_accumulator",
             "optimizer" => "gradacc_optimizer",
             "communicator" => "gradacc_comm",
+            "diagnostics" => "gradacc",
             other => panic!("an API table row for `{other}`"),
         };
         for name in cells[2].split('`').skip(1).step_by(2) {
@@ -147,4 +148,15 @@ fn the_readme_rust_loop_is_the_tested_crate_example() {
     let readme = read("README.md");
     let rust = readme.split("### Rust (the crate `gradacc`)").nth(1).expect("a Rust section");
     assert_eq!(fence(rust, "```rust\n"), tested);
+}
+
+/// Every environment variable the library reads (the one list, `gradacc::ENVIRONMENT`) has its row
+/// on the diagnostics page.
+#[test]
+fn every_environment_variable_has_a_row_on_the_diagnostics_page() {
+    let page = read("docs/diagnostics.md");
+    assert!(gradacc::ENVIRONMENT.len() >= 4);
+    for (name, _) in gradacc::ENVIRONMENT {
+        assert!(page.contains(&format!("| `{name}` |")), "docs/diagnostics.md has no row for {name}");
+    }
 }

@@ -174,6 +174,17 @@ def parse(text):
             if doc:
                 h.docs[m.group(1)] = first_sentence(doc)
             continue
+        # A callback type: a ctypes CFUNCTYPE here, an address (`void *`) to other generators.
+        m = re.fullmatch(r"typedef (.+?) \(\*(\w+)\)\((.*)\);", flat)
+        if m:
+            name, params = m.group(2), [p for p in m.group(3).split(",") if p.strip() not in ("", "void")]
+            types = [ctype(m.group(1), h)] + [ctype(split_decl(p)[0], h) for p in params]
+            h.aliases[name] = f"ctypes.CFUNCTYPE({', '.join(types)})"
+            h.c_types[name] = "void *"
+            h.order.append(("alias", name))
+            if doc:
+                h.docs[name] = first_sentence(doc)
+            continue
         m = re.fullmatch(r"typedef ([\w ]+?) (\w+);", flat)
         if m:
             h.aliases[m.group(2)] = ctype(m.group(1), h)

@@ -20,6 +20,7 @@
 mod accumulator;
 mod comm;
 mod handle;
+mod logging;
 mod optimizer;
 mod scaler;
 mod status;
@@ -28,6 +29,7 @@ mod version;
 
 pub use accumulator::*;
 pub use comm::*;
+pub use logging::*;
 pub use optimizer::*;
 pub use scaler::*;
 pub use status::*;

@@ -189,6 +189,7 @@ fn set_last_error(message: &str) {
 /// Runs an exported function's body: errors become a status plus the thread's last-error
 /// message, and a panic never unwinds into the caller.
 pub(crate) fn guard(function: &str, body: impl FnOnce() -> CallResult<()>) -> gradacc_status_t {
+    crate::logging::install();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => GRADACC_STATUS_OK,
         Ok(Err(e)) => {

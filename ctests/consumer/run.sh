@@ -41,6 +41,12 @@ soname=$(readelf -d "$shared_dir/libgradacc.so.$full" | sed -n 's/.*(SONAME).*\[
 [ "$soname" = "libgradacc.so.$abi" ] ||
     { echo "libgradacc.so.$full has the SONAME '${soname:-none}', expected libgradacc.so.$abi"; exit 1; }
 
+# gradacc-info runs from the prefix with no search path set, and reports the library it came with.
+echo "-- gradacc-info"
+info=$(env -u LD_LIBRARY_PATH "$prefix/bin/gradacc-info")
+grep -q "^gradacc $full ($(readlink -f "$shared_dir/libgradacc.so.$full"))$" <<<"$info" ||
+    { echo "gradacc-info does not report the installed library:"; echo "$info"; exit 1; }
+
 echo "-- find_package(gradacc $version)"
 cmake -S "$here" -B "$work/build" "${hints[@]}" -DCMAKE_C_COMPILER="$cc" \
     -DCMAKE_BUILD_TYPE=Release -DGRADACC_REQUIRED_VERSION="$version"

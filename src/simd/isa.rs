@@ -108,9 +108,21 @@ fn vendor_from(ebx: u32, edx: u32, ecx: u32) -> [u8; 12] {
 fn process_default() -> Isa {
     static DEFAULT: OnceLock<Isa> = OnceLock::new();
     *DEFAULT.get_or_init(|| {
-        let requested =
-            std::env::var("GRADACC_CPU_ISA").ok().and_then(|name| Isa::from_name(&name));
-        requested.unwrap_or(Isa::Avx512).clamp()
+        let asked = std::env::var("GRADACC_CPU_ISA").ok();
+        let requested = asked.as_deref().and_then(Isa::from_name);
+        let isa = requested.unwrap_or(Isa::Avx512).clamp();
+        match (asked, requested) {
+            (Some(name), None) => log::warn!(
+                "GRADACC_CPU_ISA={name} is not a SIMD path (scalar, avx2, avx512): using {}",
+                isa.name()
+            ),
+            (Some(name), Some(r)) if r != isa => log::warn!(
+                "GRADACC_CPU_ISA={name}: this CPU does not support it, using {}",
+                isa.name()
+            ),
+            _ => log::debug!("the host's SIMD path: {}", isa.name()),
+        }
+        isa
     })
 }
 

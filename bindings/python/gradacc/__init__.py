@@ -40,6 +40,7 @@ from ._core import (
     version,
 )
 from ._ffi import GRADACC_MASTER_ALIGN as MASTER_ALIGN
+from ._log import LogLevel, diagnostics, log_to_logging, set_log_callback
 from ._ffi import GRADACC_VERSION_STRING as HEADER_VERSION
 
 __version__ = HEADER_VERSION
@@ -51,6 +52,7 @@ __all__ = [
     "DType",
     "GradaccError",
     "GradaccTimeoutError",
+    "LogLevel",
     "LossReduction",
     "MASTER_ALIGN",
     "Normalize",
@@ -65,6 +67,9 @@ __all__ = [
     "Status",
     "SyncInfo",
     "TensorStats",
+    "diagnostics",
     "local_group",
+    "log_to_logging",
+    "set_log_callback",
     "version",
 ]

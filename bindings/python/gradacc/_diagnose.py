@@ -128,6 +128,11 @@ def report():
     lines.append("environment:")
     for name in _ENVIRONMENT:
         lines.append(f"  {name}={os.environ[name]}" if name in os.environ else f"  {name} not set")
+    lines.append("the library's own report (gradacc_diagnostics, as gradacc-info prints it):")
+    try:
+        lines.extend("  " + line for line in gradacc.diagnostics().splitlines())
+    except Exception as e:  # the report must go on, whatever the library says
+        lines.append(f"  unavailable: {e}")
     return lines
 
 

@@ -51,6 +51,11 @@ GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_create_lo
 GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
 GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
+GRADACC_LOG_OFF = 0  # No messages.
+GRADACC_LOG_ERROR = 1  # A call failed in a way its status alone does not tell.
+GRADACC_LOG_WARN = 2  # A setting was not honoured (an unknown or unsupported GRADACC_CPU_ISA).
+GRADACC_LOG_INFO = 3  # What a training run wants to know: a skipped step and the loss scale it backed off to, a dropped micro-batch, a CUDA library loaded (and from where) or not.
+GRADACC_LOG_DEBUG = 4  # The rest: a grown loss scale, each library candidate that did not load, the SIMD path chosen.
 GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
 GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
 GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
@@ -166,6 +171,12 @@ class gradacc_nccl_unique_id_t(ctypes.Structure):
     _fields_ = [
         ("internal", (ctypes.c_uint8 * 128)),
     ]
+
+# A message's level, or the least severe level a callback receives.
+gradacc_log_level_t = ctypes.c_int32
+
+# A log callback: `message` (NUL-terminated, valid only during the call) at `level`, with the `user` pointer given to gradacc_set_log_callback.
+gradacc_log_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, gradacc_log_level_t, ctypes.c_char_p)
 
 # An optimizer's update rule.
 gradacc_optimizer_algorithm_t = ctypes.c_int32
@@ -438,6 +449,18 @@ gradacc_comm_abort = dll.gradacc_comm_abort
 gradacc_comm_abort.restype = gradacc_status_t
 gradacc_comm_abort.argtypes = [ctypes.POINTER(gradacc_comm_t)]
 # arguments: comm
+
+# Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the environment variable `GRADACC_LOG` names (error, warn, info, debug).
+gradacc_set_log_callback = dll.gradacc_set_log_callback
+gradacc_set_log_callback.restype = gradacc_status_t
+gradacc_set_log_callback.argtypes = [gradacc_log_fn, ctypes.c_void_p, gradacc_log_level_t]
+# arguments: callback, user, level
+
+# Writes the diagnostic report into `buf`, NUL-terminated, as snprintf does: the library's version and file, the host and its SIMD path, each backend available or why not, the CUDA driver, NVRTC and NCCL found (version and file) or why not, and every environment variable the library reads.
+gradacc_diagnostics = dll.gradacc_diagnostics
+gradacc_diagnostics.restype = gradacc_status_t
+gradacc_diagnostics.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+# arguments: buf, size, needed
 
 # Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size.
 gradacc_optimizer_config_default = dll.gradacc_optimizer_config_default

@@ -94,10 +94,17 @@ pub(crate) fn load_from<T>(
         match open(file).and_then(|(library, path)| {
             accept(Opened { library, candidate: file.to_string_lossy().into_owned(), path })
         }) {
-            Ok(kept) => return Ok(kept),
-            Err(why) => tried.push(format!("{label} ({why})")),
+            Ok(kept) => {
+                log::info!("{} loaded: {label}", spec.what);
+                return Ok(kept);
+            }
+            Err(why) => {
+                log::debug!("{} not loaded from {label}: {why}", spec.what);
+                tried.push(format!("{label} ({why})"));
+            }
         }
     }
+    log::info!("{} could not be loaded: the CUDA path is unavailable", spec.what);
     Err(Error::new(
         ErrorKind::BackendUnavailable,
         format!(

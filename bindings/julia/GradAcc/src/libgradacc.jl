@@ -52,6 +52,11 @@ const GRADACC_BACKEND_LOCAL = 0  # The in-process communicator (gradacc_comm_cre
 const GRADACC_BACKEND_MPI = 1  # The MPI communicator (gradacc_comm_create_mpi); in builds with the `mpi` feature (CMake option GRADACC_WITH_MPI).
 const GRADACC_BACKEND_NCCL = 2  # The NCCL communicator (gradacc_comm_create_nccl): in every build; available where the CUDA driver and NCCL (GRADACC_NCCL_LIBRARY, else libnccl.so.2 or libnccl.so) load.
 const GRADACC_BACKEND_CUDA = 3  # CUDA devices (GRADACC_DEVICE_CUDA): in every build; available where the CUDA driver sees a device and NVRTC (GRADACC_NVRTC_LIBRARY, else libnvrtc.so.13, .so.12 or .so) loads.
+const GRADACC_LOG_OFF = 0  # No messages.
+const GRADACC_LOG_ERROR = 1  # A call failed in a way its status alone does not tell.
+const GRADACC_LOG_WARN = 2  # A setting was not honoured (an unknown or unsupported GRADACC_CPU_ISA).
+const GRADACC_LOG_INFO = 3  # What a training run wants to know: a skipped step and the loss scale it backed off to, a dropped micro-batch, a CUDA library loaded (and from where) or not.
+const GRADACC_LOG_DEBUG = 4  # The rest: a grown loss scale, each library candidate that did not load, the SIMD path chosen.
 const GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, beta2, eps, weight_decay.
 const GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
 const GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
@@ -156,6 +161,12 @@ end
 struct gradacc_nccl_unique_id_t
     internal::NTuple{128, UInt8}
 end
+
+"A message's level, or the least severe level a callback receives."
+const gradacc_log_level_t = Int32
+
+"A log callback: `message` (NUL-terminated, valid only during the call) at `level`, with the `user` pointer given to gradacc_set_log_callback."
+const gradacc_log_fn = Ptr{Cvoid}
 
 "An optimizer's update rule."
 const gradacc_optimizer_algorithm_t = Int32
@@ -540,6 +551,16 @@ function gradacc_comm_abort(comm)
         ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
         ret
     end
+end
+
+"Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the environment variable `GRADACC_LOG` names (error, warn, info, debug)."
+function gradacc_set_log_callback(callback, user, level)
+    ccall((:gradacc_set_log_callback, libgradacc()), gradacc_status_t, (gradacc_log_fn, Ptr{Cvoid}, gradacc_log_level_t), callback, user, level)
+end
+
+"Writes the diagnostic report into `buf`, NUL-terminated, as snprintf does: the library's version and file, the host and its SIMD path, each backend available or why not, the CUDA driver, NVRTC and NCCL found (version and file) or why not, and every environment variable the library reads."
+function gradacc_diagnostics(buf, size, needed)
+    ccall((:gradacc_diagnostics, libgradacc()), gradacc_status_t, (Ptr{Cchar}, Csize_t, Ptr{Csize_t}), buf, size, needed)
 end
 
 "Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size."

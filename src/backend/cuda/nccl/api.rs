@@ -106,6 +106,10 @@ pub(super) struct Api {
     pub comm_abort: unsafe extern "C" fn(ncclComm_t) -> c_int,
     pub get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     pub get_last_error: unsafe extern "C" fn(ncclComm_t) -> *const c_char,
+    /// NCCL's version code (ncclGetVersion: 22105 for 2.21.5) and the file it was loaded from
+    /// (links resolved), or the name it was loaded by where the dynamic loader does not say.
+    pub version: c_int,
+    pub file: String,
     /// Kept open for the entry points above.
     _library: Library,
 }
@@ -127,7 +131,16 @@ fn resolve(opened: Opened) -> std::result::Result<Api, String> {
                 .map_err(|e| format!("{e} (gradacc needs NCCL 2.14 or newer)"))?
         };
     }
+    let get_version: unsafe extern "C" fn(*mut c_int) -> c_int = resolve!("ncclGetVersion");
+    let mut version = 0;
+    // SAFETY: ncclGetVersion's prototype; it writes one `int` to `version`, a live local.
+    if unsafe { get_version(&mut version) } != SUCCESS {
+        return Err("ncclGetVersion failed".into());
+    }
+    let file = opened.path.clone().or_else(|| library::file_of(get_version as *const c_void));
     Ok(Api {
+        version,
+        file: file.map_or_else(|| opened.candidate.clone(), |f| f.display().to_string()),
         get_unique_id: resolve!("ncclGetUniqueId"),
         comm_init_rank_config: resolve!("ncclCommInitRankConfig"),
         comm_get_async_error: resolve!("ncclCommGetAsyncError"),

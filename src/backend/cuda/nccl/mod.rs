@@ -43,6 +43,14 @@ pub fn nccl_available() -> bool {
     nccl().is_ok()
 }
 
+/// NCCL's version as (major, minor, patch) and the file it was loaded from (or the name it was
+/// loaded by), or why it does not load.
+pub fn nccl_library() -> Result<((i32, i32, i32), String)> {
+    let api = api::get()?;
+    let v = api.version;
+    Ok(((v / 10000, v / 100 % 100, v % 100), api.file.clone()))
+}
+
 /// BACKEND_UNAVAILABLE unless NCCL loads with every entry point, naming every library tried and
 /// why each failed.
 pub fn require_nccl() -> Result<()> {
