@@ -378,6 +378,24 @@ typedef struct gradacc_device_t {
 } gradacc_device_t;
 
 /**
+ * One gradient with what it holds: `numel` values of `dtype` at `data` (a host address for a
+ * CPU accumulator, a device address for a CUDA one). What the typed adds
+ * (gradacc_accumulator_add_grads, gradacc_accumulator_add_tensor_grad) take, so that the library
+ * can refuse a buffer of another element type or length, which a `void *` does not tell it.
+ */
+typedef struct gradacc_grad_t {
+    const void *data;
+    /**
+     * Elements at `data`.
+     */
+    uint64_t numel;
+    /**
+     * GRADACC_DTYPE_* of the elements.
+     */
+    gradacc_dtype_t dtype;
+} gradacc_grad_t;
+
+/**
  * Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
  */
 typedef int32_t gradacc_overflow_at_t;
@@ -929,9 +947,10 @@ GRADACC_API enum gradacc_status_t gradacc_accumulator_destroy(struct gradacc_acc
  * What it cannot check: behind a `void *` the C ABI sees neither a buffer's element type nor
  * its length. Each `grads[i]` is read as its tensor's declared numel values of its declared
  * dtype, so a buffer of another element type is read as that dtype and a shorter one past its
- * end: both are the caller's to get right. The C++ wrapper's typed forms
- * (gradacc::Accumulator::add over gradacc::Grad, add_tensor over spans) and the Go, Python,
- * Julia and Rust bindings check both for the typed buffers they take, not for raw addresses.
+ * end: both are the caller's to get right. gradacc_accumulator_add_grads takes each gradient with
+ * its dtype and length (gradacc_grad_t) and refuses a mismatch; so do the C++ wrapper's typed
+ * forms (gradacc::Accumulator::add over gradacc::Grad, add_tensor over spans) and the Go,
+ * Python, Julia and Rust bindings for the typed buffers they take, not for raw addresses.
  *
  * On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
  * returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
@@ -946,6 +965,23 @@ enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
                                               const void *const *grads,
                                               size_t n,
                                               uint64_t count);
+
+/**
+ * gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold
+ * exactly tensor i's declared numel values of its declared dtype, else the call fails, adding
+ * nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH
+ * (another numel), naming the tensor and both values. Everything else is
+ * gradacc_accumulator_add's, and so is what stays the caller's to get right: that `data` points
+ * to that many values of that type.
+ *
+ * Thread safety: as gradacc_accumulator_add.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_add_grads(struct gradacc_accumulator_t *acc,
+                                                    const struct gradacc_scaler_t *scaler,
+                                                    const struct gradacc_grad_t *grads,
+                                                    size_t n,
+                                                    uint64_t count);
 
 /**
  * Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through
@@ -986,8 +1022,9 @@ enum gradacc_status_t gradacc_accumulator_begin_final_microbatch(struct gradacc_
  * (GRADACC_STATUS_NULL_ARGUMENT); a `grad` misaligned or overlapping the master, as in
  * gradacc_accumulator_add; no open micro-batch (GRADACC_STATUS_WRONG_STATE); a scaler on
  * another device. It cannot check that `grad` holds `numel` values of the tensor's dtype: as in
- * gradacc_accumulator_add, that is the caller's to get right, and the C++ wrapper's span forms
- * and the bindings check the element type of the typed buffers they take.
+ * gradacc_accumulator_add, that is the caller's to get right; gradacc_accumulator_add_tensor_grad
+ * takes the dtype too and checks it, and the C++ wrapper's span forms and the bindings check the
+ * element type of the typed buffers they take.
  *
  * Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
  * accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
@@ -1001,6 +1038,20 @@ enum gradacc_status_t gradacc_accumulator_add_tensor(struct gradacc_accumulator_
                                                      size_t index,
                                                      const void *grad,
                                                      size_t numel);
+
+/**
+ * gradacc_accumulator_add_tensor with the gradient's element type and length: `grad` must hold
+ * exactly tensor `index`'s declared numel values of its declared dtype, else the call fails,
+ * adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH or GRADACC_STATUS_SIZE_MISMATCH, naming the
+ * tensor and both values. Everything else is gradacc_accumulator_add_tensor's.
+ *
+ * Thread safety: as gradacc_accumulator_add_tensor.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_add_tensor_grad(struct gradacc_accumulator_t *acc,
+                                                          const struct gradacc_scaler_t *scaler,
+                                                          size_t index,
+                                                          const struct gradacc_grad_t *grad);
 
 /**
  * Closes the open micro-batch.

@@ -34,8 +34,8 @@ pub use optimizer::*;
 pub use scaler::*;
 pub use status::*;
 pub use types::{
-    gradacc_device_kind_t, gradacc_device_t, gradacc_dtype_t, gradacc_tensor_desc_t,
-    GRADACC_DEVICE_CPU, GRADACC_DEVICE_CUDA, GRADACC_DTYPE_BF16, GRADACC_DTYPE_F16,
-    GRADACC_DTYPE_F32,
+    gradacc_device_kind_t, gradacc_device_t, gradacc_dtype_t, gradacc_grad_t,
+    gradacc_tensor_desc_t, GRADACC_DEVICE_CPU, GRADACC_DEVICE_CUDA, GRADACC_DTYPE_BF16,
+    GRADACC_DTYPE_F16, GRADACC_DTYPE_F32,
 };
 pub use version::*;

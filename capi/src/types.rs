@@ -9,6 +9,7 @@ use crate::status::{null, CallResult};
 use gradacc::device::Device;
 use gradacc::dtype::Dtype;
 use gradacc::error::{Error, ErrorKind};
+use gradacc::TensorDesc;
 
 /// Element type of a model gradient buffer.
 pub type gradacc_dtype_t = i32;
@@ -50,6 +51,58 @@ pub struct gradacc_tensor_desc_t {
     pub numel: u64,
     /// GRADACC_DTYPE_*.
     pub dtype: gradacc_dtype_t,
+}
+
+/// One gradient with what it holds: `numel` values of `dtype` at `data` (a host address for a
+/// CPU accumulator, a device address for a CUDA one). What the typed adds
+/// (gradacc_accumulator_add_grads, gradacc_accumulator_add_tensor_grad) take, so that the library
+/// can refuse a buffer of another element type or length, which a `void *` does not tell it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_grad_t {
+    pub data: *const c_void,
+    /// Elements at `data`.
+    pub numel: u64,
+    /// GRADACC_DTYPE_* of the elements.
+    pub dtype: gradacc_dtype_t,
+}
+
+impl gradacc_grad_t {
+    /// The address of a gradient that holds tensor `desc`'s values (`what` names it in errors):
+    /// DTYPE_MISMATCH on another dtype, SIZE_MISMATCH on another length, NULL_ARGUMENT on NULL.
+    pub(crate) fn checked(
+        &self,
+        desc: &TensorDesc,
+        index: usize,
+        what: &str,
+    ) -> CallResult<*const c_void> {
+        let dtype = dtype_from_c(self.dtype, &format!("{what}.dtype"))?;
+        if dtype != desc.dtype {
+            return Err(Error::new(
+                ErrorKind::DtypeMismatch,
+                format!(
+                    "`{what}.dtype` is {}, but tensor {index} is declared {}",
+                    dtype.name(),
+                    desc.dtype.name()
+                ),
+            )
+            .into());
+        }
+        if self.numel != desc.numel as u64 {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!(
+                    "`{what}.numel` = {}, but tensor {index} has {} elements",
+                    self.numel, desc.numel
+                ),
+            )
+            .into());
+        }
+        if self.data.is_null() {
+            return Err(null(&format!("{what}.data")));
+        }
+        Ok(self.data)
+    }
 }
 
 pub(crate) fn dtype_from_c(value: gradacc_dtype_t, argument: &str) -> CallResult<Dtype> {

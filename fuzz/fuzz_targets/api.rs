@@ -1116,7 +1116,41 @@ fn add(world: &mut World, input: &mut Input) {
         }
         _ => {}
     }
-    let st = unsafe { gradacc_accumulator_add(acc, scaler, grads_ptr, n_arg, count) };
+    // Half the calls are the typed add: each gradient with its dtype and length, one of which
+    // may be wrong (another dtype, a code that is none, another length).
+    let typed = input.u8() % 2 == 0;
+    let st = if typed {
+        let mut descs: Vec<gradacc_grad_t> = ptrs
+            .iter()
+            .enumerate()
+            .map(|(t, &data)| gradacc_grad_t {
+                data,
+                numel: numels.get(t).map_or(0, |&n| n as u64),
+                dtype: dtypes.get(t).copied().unwrap_or(GRADACC_DTYPE_F32),
+            })
+            .collect();
+        if let Some(d) = descs.get_mut(victim) {
+            match input.u8() % 8 {
+                0 => {
+                    d.dtype = [GRADACC_DTYPE_F32, GRADACC_DTYPE_F16, GRADACC_DTYPE_BF16, 3, -1]
+                        .into_iter()
+                        .filter(|&c| c != d.dtype)
+                        .nth(input.below(4))
+                        .unwrap_or(3);
+                    args_ok = false;
+                }
+                1 => {
+                    d.numel = [0, d.numel.wrapping_sub(1), d.numel + 1, u64::MAX][input.below(4)];
+                    args_ok &= d.numel == numels[victim] as u64;
+                }
+                _ => {}
+            }
+        }
+        let descs_ptr = if grads_ptr.is_null() { null() } else { descs.as_ptr() };
+        unsafe { gradacc_accumulator_add_grads(acc, scaler, descs_ptr, n_arg, count) }
+    } else {
+        unsafe { gradacc_accumulator_add(acc, scaler, grads_ptr, n_arg, count) }
+    };
     let ok_now = match (ai, si) {
         (Some(i), Some(_)) => {
             let a = &world.accs[i];
@@ -1124,7 +1158,8 @@ fn add(world: &mut World, input: &mut Input) {
         }
         _ => false,
     };
-    if world.check("gradacc_accumulator_add", st, ok_now) {
+    let name = if typed { "gradacc_accumulator_add_grads" } else { "gradacc_accumulator_add" };
+    if world.check(name, st, ok_now) {
         let a = &mut world.accs[ai.unwrap()];
         a.restart_if_synced();
         for (t, g) in grads.iter().enumerate() {

@@ -137,6 +137,14 @@ class gradacc_device_t(ctypes.Structure):
         ("stream", ctypes.c_void_p),
     ]
 
+# One gradient with what it holds: `numel` values of `dtype` at `data` (a host address for a CPU accumulator, a device address for a CUDA one).
+class gradacc_grad_t(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("numel", ctypes.c_uint64),
+        ("dtype", gradacc_dtype_t),
+    ]
+
 # Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`).
 gradacc_overflow_at_t = ctypes.c_int32
 
@@ -270,6 +278,12 @@ gradacc_accumulator_add.restype = gradacc_status_t
 gradacc_accumulator_add.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]
 # arguments: acc, scaler, grads, n, count
 
+# gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold exactly tensor i's declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH (another numel), naming the tensor and both values.
+gradacc_accumulator_add_grads = dll.gradacc_accumulator_add_grads
+gradacc_accumulator_add_grads.restype = gradacc_status_t
+gradacc_accumulator_add_grads.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_grad_t), ctypes.c_size_t, ctypes.c_uint64]
+# arguments: acc, scaler, grads, n, count
+
 # Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them).
 gradacc_accumulator_begin_microbatch = dll.gradacc_accumulator_begin_microbatch
 gradacc_accumulator_begin_microbatch.restype = gradacc_status_t
@@ -287,6 +301,12 @@ gradacc_accumulator_add_tensor = dll.gradacc_accumulator_add_tensor
 gradacc_accumulator_add_tensor.restype = gradacc_status_t
 gradacc_accumulator_add_tensor.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
 # arguments: acc, scaler, index, grad, numel
+
+# gradacc_accumulator_add_tensor with the gradient's element type and length: `grad` must hold exactly tensor `index`'s declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH or GRADACC_STATUS_SIZE_MISMATCH, naming the tensor and both values.
+gradacc_accumulator_add_tensor_grad = dll.gradacc_accumulator_add_tensor_grad
+gradacc_accumulator_add_tensor_grad.restype = gradacc_status_t
+gradacc_accumulator_add_tensor_grad.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.c_size_t, ctypes.POINTER(gradacc_grad_t)]
+# arguments: acc, scaler, index, grad
 
 # Closes the open micro-batch.
 gradacc_accumulator_end_microbatch = dll.gradacc_accumulator_end_microbatch

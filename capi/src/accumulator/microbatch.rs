@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use super::{gradacc_accumulator_t, ACCUMULATORS};
 use crate::comm::{gradacc_comm_t, COMMS};
 use crate::scaler::{gradacc_scaler_t, SCALERS};
-use crate::status::{gradacc_status_t, guard, null};
+use crate::status::{gradacc_status_t, guard, null, CallResult};
 use crate::types::*;
 use gradacc::accumulator::Owed;
 use gradacc::error::{Error, ErrorKind};
@@ -28,9 +28,10 @@ use gradacc::error::{Error, ErrorKind};
 /// What it cannot check: behind a `void *` the C ABI sees neither a buffer's element type nor
 /// its length. Each `grads[i]` is read as its tensor's declared numel values of its declared
 /// dtype, so a buffer of another element type is read as that dtype and a shorter one past its
-/// end: both are the caller's to get right. The C++ wrapper's typed forms
-/// (gradacc::Accumulator::add over gradacc::Grad, add_tensor over spans) and the Go, Python,
-/// Julia and Rust bindings check both for the typed buffers they take, not for raw addresses.
+/// end: both are the caller's to get right. gradacc_accumulator_add_grads takes each gradient with
+/// its dtype and length (gradacc_grad_t) and refuses a mismatch; so do the C++ wrapper's typed
+/// forms (gradacc::Accumulator::add over gradacc::Grad, add_tensor over spans) and the Go,
+/// Python, Julia and Rust bindings for the typed buffers they take, not for raw addresses.
 ///
 /// On CUDA, `grads[i]` are device addresses; one kernel launch adds every tensor; the call
 /// returns once the work is enqueued on the accumulator's stream (the buffers must stay valid
@@ -74,6 +75,57 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
         // SAFETY: each address holds its tensor's gradient (API contract); `add_raw` checks its
         // alignment and size before use.
         Ok(unsafe { a.add_raw(&s, grads, count) }?)
+    })
+}
+
+/// gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold
+/// exactly tensor i's declared numel values of its declared dtype, else the call fails, adding
+/// nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH
+/// (another numel), naming the tensor and both values. Everything else is
+/// gradacc_accumulator_add's, and so is what stays the caller's to get right: that `data` points
+/// to that many values of that type.
+///
+/// Thread safety: as gradacc_accumulator_add.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_add_grads(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    grads: *const gradacc_grad_t,
+    n: usize,
+    count: u64,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_add_grads", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        // Under sharded accumulation the other ranks are in the micro-batch's collective.
+        let owed = Owed::collective(&a);
+        let args = || {
+            let s = SCALERS.get(scaler, "scaler")?;
+            let tensors = a.tensors();
+            if grads.is_null() {
+                return Err(null("grads"));
+            }
+            if n != tensors.len() {
+                return Err(Error::new(
+                    ErrorKind::SizeMismatch,
+                    format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
+                )
+                .into());
+            }
+            // SAFETY: the caller passes `n` descriptors at `grads` (API contract).
+            let grads = unsafe { read_slice(grads, n, "grads", "n")? };
+            let data = grads
+                .iter()
+                .zip(tensors)
+                .enumerate()
+                .map(|(i, (g, t))| g.checked(t, i, &format!("grads[{i}]")))
+                .collect::<CallResult<Vec<_>>>()?;
+            Ok((s, data))
+        };
+        let (s, data) = args()?;
+        owed.settle();
+        // SAFETY: each address holds its tensor's gradient, as its descriptor says (API
+        // contract); `add_raw` checks its alignment and size before use.
+        Ok(unsafe { a.add_raw(&s, &data, count) }?)
     })
 }
 
@@ -128,8 +180,9 @@ pub unsafe extern "C" fn gradacc_accumulator_begin_final_microbatch(
 /// (GRADACC_STATUS_NULL_ARGUMENT); a `grad` misaligned or overlapping the master, as in
 /// gradacc_accumulator_add; no open micro-batch (GRADACC_STATUS_WRONG_STATE); a scaler on
 /// another device. It cannot check that `grad` holds `numel` values of the tensor's dtype: as in
-/// gradacc_accumulator_add, that is the caller's to get right, and the C++ wrapper's span forms
-/// and the bindings check the element type of the typed buffers they take.
+/// gradacc_accumulator_add, that is the caller's to get right; gradacc_accumulator_add_tensor_grad
+/// takes the dtype too and checks it, and the C++ wrapper's span forms and the bindings check the
+/// element type of the typed buffers they take.
 ///
 /// Thread safety: may run concurrently with other gradacc_accumulator_add_tensor calls on the same
 /// accumulator from other threads (distinct tensors in parallel; one tensor's contributions are
@@ -156,6 +209,41 @@ pub unsafe extern "C" fn gradacc_accumulator_add_tensor(
         // SAFETY: `grad` holds `numel` values of the tensor's dtype (API contract);
         // `add_tensor_raw` checks its alignment, size and count before use.
         Ok(unsafe { a.add_tensor_raw(&s, index, grad, numel) }?)
+    })
+}
+
+/// gradacc_accumulator_add_tensor with the gradient's element type and length: `grad` must hold
+/// exactly tensor `index`'s declared numel values of its declared dtype, else the call fails,
+/// adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH or GRADACC_STATUS_SIZE_MISMATCH, naming the
+/// tensor and both values. Everything else is gradacc_accumulator_add_tensor's.
+///
+/// Thread safety: as gradacc_accumulator_add_tensor.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_add_tensor_grad(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    index: usize,
+    grad: *const gradacc_grad_t,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_add_tensor_grad", || {
+        let a = ACCUMULATORS.get(acc, "acc")?;
+        // Under sharded accumulation a refused contribution fails the micro-batch everywhere.
+        let owed = Owed::tensor(&a);
+        let s = SCALERS.get(scaler, "scaler")?;
+        // SAFETY: a non-null `grad` points to one descriptor (API contract).
+        let g = unsafe { grad.as_ref() }.ok_or_else(|| null("grad"))?;
+        let tensors = a.tensors();
+        let desc = tensors.get(index).ok_or_else(|| {
+            Error::invalid(format!(
+                "`index` = {index}, but the accumulator has {} tensors",
+                tensors.len()
+            ))
+        })?;
+        let data = g.checked(desc, index, "grad")?;
+        owed.settle();
+        // SAFETY: `data` holds the tensor's values, as the descriptor says (API contract);
+        // `add_tensor_raw` checks its alignment, size and count before use.
+        Ok(unsafe { a.add_tensor_raw(&s, index, data, desc.numel) }?)
     })
 }
 

@@ -130,6 +130,13 @@ struct gradacc_device_t
     stream::Ptr{Cvoid}
 end
 
+"One gradient with what it holds: `numel` values of `dtype` at `data` (a host address for a CPU accumulator, a device address for a CUDA one)."
+struct gradacc_grad_t
+    data::Ptr{Cvoid}
+    numel::UInt64
+    dtype::gradacc_dtype_t
+end
+
 "Where a window first went non-finite (gradacc_sync_info_t's `overflow_at`)."
 const gradacc_overflow_at_t = Int32
 
@@ -266,6 +273,11 @@ function gradacc_accumulator_add(acc, scaler, grads, n, count)
     end
 end
 
+"gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold exactly tensor i's declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH (another numel), naming the tensor and both values."
+function gradacc_accumulator_add_grads(acc, scaler, grads, n, count)
+    ccall((:gradacc_accumulator_add_grads, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{gradacc_grad_t}, Csize_t, UInt64), acc, scaler, grads, n, count)
+end
+
 "Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them)."
 function gradacc_accumulator_begin_microbatch(acc, count)
     # blocks: GC-safe call
@@ -320,6 +332,11 @@ function gradacc_accumulator_add_tensor(acc, scaler, index, grad, numel)
         ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
         ret
     end
+end
+
+"gradacc_accumulator_add_tensor with the gradient's element type and length: `grad` must hold exactly tensor `index`'s declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH or GRADACC_STATUS_SIZE_MISMATCH, naming the tensor and both values."
+function gradacc_accumulator_add_tensor_grad(acc, scaler, index, grad)
+    ccall((:gradacc_accumulator_add_tensor_grad, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Csize_t, Ptr{gradacc_grad_t}), acc, scaler, index, grad)
 end
 
 "Closes the open micro-batch."
