@@ -1279,3 +1279,18 @@ fn sharded_windows_survive_a_checkpoint() {
         }
     });
 }
+
+#[test]
+fn an_empty_window_says_whether_it_was_synced_already() {
+    let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let e = acc.sync(None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::EmptyWindow);
+    assert!(e.message.ends_with("sync on an empty window: no rank added a micro-batch"), "{e}");
+    acc.add(&scaler, &[Grad::F32(&[1.0; 3])][..], 1).unwrap();
+    acc.sync(None).unwrap();
+    let e = acc.sync(None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::EmptyWindow);
+    assert!(e.message.contains("the window was synced already, and no rank added"), "{e}");
+}

@@ -100,7 +100,7 @@ impl Accumulator {
             if t.microbatches == 0 && t.dropped != 0 {
                 return self.end_dropped_window(&mut w, empty_again, &proposal, t).map(Some);
             }
-            self.check_totals(t)?;
+            self.check_totals(t, empty_again)?;
         }
 
         // From here on the window is consumed: every rank passed the same checks, and a failure
@@ -196,12 +196,17 @@ impl Accumulator {
     }
 
     /// The agreed totals `t` give a gradient to normalise: some rank added a micro-batch, and
-    /// the divisor is not 0. Nothing has changed when they do not.
-    fn check_totals(&self, t: &ControlSum) -> Result<()> {
+    /// the divisor is not 0. Nothing has changed when they do not; `again` says that this rank's
+    /// window was synced already.
+    fn check_totals(&self, t: &ControlSum, again: bool) -> Result<()> {
         if t.microbatches == 0 {
+            let why = match again {
+                true => "the window was synced already, and no rank added a micro-batch since",
+                false => "no rank added a micro-batch",
+            };
             return Err(Error::new(
                 ErrorKind::EmptyWindow,
-                "sync on an empty window: no rank added a micro-batch",
+                format!("sync on an empty window: {why}"),
             ));
         }
         if self.plan.config.normalize.divisor(t.count, t.microbatches, t.ranks) == 0 {
