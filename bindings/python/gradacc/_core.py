@@ -560,6 +560,9 @@ class Accumulator(_Managed):
             n = numel if numel is not None else n
             if n is None:
                 raise TypeError("pass numel= with a raw address")
+            for value, what in ((index, "index"), (n, "numel")):
+                if not isinstance(value, numbers.Integral) or value < 0:
+                    raise ValueError(f"add_tensor: `{what}` = {value!r}: an integer >= 0")
             s = scaler._handle()
         except Exception:
             self._refuse_tensor(scaler)

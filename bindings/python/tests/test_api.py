@@ -250,3 +250,17 @@ def test_the_wheels_nvrtc_is_loaded_without_a_library_path():
     with open("/proc/self/maps") as maps:
         mapped = maps.read()
     assert all(os.path.realpath(f) in mapped for f in wheels), wheels
+
+
+def test_a_negative_unsigned_argument_is_named_not_wrapped():
+    import numpy as np
+    with gradacc.Scaler() as s, gradacc.Accumulator([(3, "f32")]) as acc:
+        with pytest.raises(ValueError, match=r"gradacc_accumulator_master: `index` = -1"):
+            acc.master_ptr(-1)
+        acc.begin_microbatch(1)
+        with pytest.raises(ValueError, match=r"add_tensor: `numel` = -1"):
+            acc.add_tensor(s, 0, np.ones(3, np.float32), numel=-1)
+        with pytest.raises(ValueError, match=r"add_tensor: `index` = -2"):
+            acc.add_tensor(s, -2, np.ones(3, np.float32))
+        acc.add_tensor(s, 0, np.ones(3, np.float32))
+        acc.end_microbatch()
