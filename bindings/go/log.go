@@ -1,0 +1,35 @@
+package gradacc
+
+// #include <stdint.h>
+import "C"
+
+import (
+	"sync"
+	"unsafe"
+)
+
+// LogLevel is a GRADACC_LOG_* level: of a message, or the least severe one a callback receives.
+type LogLevel int32
+
+const (
+	LogOff   LogLevel = 0
+	LogError LogLevel = 1
+	LogWarn  LogLevel = 2
+	LogInfo  LogLevel = 3
+	LogDebug LogLevel = 4
+)
+
+var (
+	logMu sync.RWMutex
+	logFn func(LogLevel, string)
+)
+
+//export gradaccGoLogMessage
+func gradaccGoLogMessage(_ unsafe.Pointer, level C.int32_t, message *C.char) {
+	logMu.RLock()
+	fn := logFn
+	logMu.RUnlock()
+	if fn != nil {
+		fn(LogLevel(level), C.GoString(message))
+	}
+}
