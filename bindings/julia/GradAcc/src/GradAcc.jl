@@ -28,7 +28,7 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid
 if VERSION >= v"1.11.0-DEV.469"
     eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, overflow, tensor_stats, stats, save, load!,
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
-        backend_available,
+        backend_available, diagnostics,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
         set_timeout!, rank, world_size, version, step!, set_lr!, lr_device_ptr, steps"""))
 end
@@ -112,6 +112,22 @@ function backend_available(backend::Symbol)
     out = Ref{Bool}(false)
     check(gradacc_backend_available(BACKENDS[backend], out))
     return out[]
+end
+
+"""
+    GradAcc.diagnostics() -> String
+
+The library's report for a bug report (`gradacc_diagnostics`, what `gradacc-info` prints): its
+version and file, the host's SIMD path, each backend available or why not, the CUDA driver, NVRTC
+and NCCL found or why not, and every environment variable the library reads. The library's
+messages (docs/diagnostics.md) reach stderr with `ENV["GRADACC_LOG"] = "info"` set before it loads.
+"""
+function diagnostics()
+    needed = Ref{Csize_t}(0)
+    check(gradacc_diagnostics(C_NULL, 0, needed))
+    buf = Vector{UInt8}(undef, needed[])
+    check(gradacc_diagnostics(buf, needed[], C_NULL))
+    return unsafe_string(pointer(buf))
 end
 
 # ---- dtypes ----------------------------------------------------------------------------------
