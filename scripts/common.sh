@@ -11,6 +11,25 @@ section() { printf '\n==== %s ====\n' "$*"; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 # The version from Cargo.toml: the first `version =` line is [workspace.package]'s, every crate's.
+# doc_size <page> <words before the size> <file>: the page states the file's size in MB right
+# after the words (line breaks count as spaces); fails when the file is more than a quarter off
+# that, naming the size to write there. Keeps the sizes in docs/ true to what the checks build.
+doc_size() {
+    python3 - "$@" <<'PY' || exit 1
+import os, re, sys
+page, words, path = sys.argv[1:]
+text = " ".join(open(page, encoding="utf-8").read().split())
+m = re.search(re.escape(words) + r" ([0-9.]+) MB", text)
+size = os.path.getsize(path) / 1e6
+if not m:
+    sys.exit(f"error: {page} does not say '{words} N MB' (the file is {size:.2f} MB)")
+stated = float(m.group(1))
+if not 0.75 <= size / stated <= 1.25:
+    sys.exit(f"error: {page} says '{words} {stated} MB', but {os.path.basename(path)} is {size:.2f} MB: update it")
+print(f"{os.path.basename(path)}: {size:.2f} MB ({page} says {stated} MB)")
+PY
+}
+
 cargo_version() {
     sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$GRADACC_ROOT/Cargo.toml" | head -n 1
 }
