@@ -50,11 +50,17 @@ fn scaler(scale: f32) -> Scaler {
     Scaler::new(ScalerConfig { init_scale: scale, min_scale: 1.0, ..Default::default() }).unwrap()
 }
 
-/// The shard's bits.
+/// The shard's bits, read safely; the same as at the address `shard()` gives.
 fn shard_bits(acc: &Accumulator) -> Vec<u32> {
+    let bits: Vec<u32> = acc.with_shard(|s| s.iter().map(|v| v.to_bits()).collect()).unwrap();
     let (range, ptr) = acc.shard();
     // SAFETY: the live accumulator's shard, unwritten until its next micro-batch.
-    unsafe { std::slice::from_raw_parts(ptr, range.len()) }.iter().map(|v| v.to_bits()).collect()
+    let raw = unsafe { std::slice::from_raw_parts(ptr, range.len()) };
+    assert!(
+        raw.iter().map(|v| v.to_bits()).eq(bits.iter().copied()),
+        "with_shard and shard() differ"
+    );
+    bits
 }
 
 /// One micro-batch of one rank, encoded: per tensor the buffer the caller holds, or none (a

@@ -130,7 +130,7 @@ impl Accumulator {
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
     /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all
     /// the accumulator holds: the window's sum over the ranks while accumulating, the reduced
-    /// gradient after a `sync`.
+    /// gradient after a `sync`. Read it safely with [`Accumulator::with_shard`].
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
         let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
@@ -209,6 +209,18 @@ impl Accumulator {
         let (mut f, mut out) = (Some(f), None);
         let run = &mut |master: &[f32]| out = f.take().map(|f| f(master));
         self.store.view(w.master(), self.range(index), run)?;
+        Ok(out.expect("a view runs once"))
+    }
+
+    /// Runs `f` on this rank's shard of the flat FP32 master ([`Accumulator::shard`]'s range;
+    /// the whole master without sharding): in place on the CPU, on a host copy on a device. The
+    /// safe way to read what `shard()`'s address points to.
+    pub fn with_shard<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        self.store.check_open()?;
+        let w = self.window.write();
+        let (mut f, mut out) = (Some(f), None);
+        let run = &mut |shard: &[f32]| out = f.take().map(|f| f(shard));
+        self.store.view(w.master(), self.plan.shard(), run)?;
         Ok(out.expect("a view runs once"))
     }
 
