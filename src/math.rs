@@ -154,6 +154,127 @@ pub fn block_sum_squares(block: &[f32]) -> f64 {
 mod tests {
     use super::*;
 
+    /// A 16-bit format from its definition, for the reference conversions below: `mant` mantissa
+    /// bits, exponent bias `bias`.
+    #[derive(Clone, Copy)]
+    struct Format {
+        mant: u32,
+        bias: i32,
+    }
+
+    const F16: Format = Format { mant: 10, bias: 15 };
+    const BF16: Format = Format { mant: 7, bias: 127 };
+
+    impl Format {
+        /// The pattern of +infinity: all exponent bits set.
+        fn infinity(self) -> u16 {
+            ((2 * self.bias + 1) as u16) << self.mant
+        }
+
+        /// The value of a non-negative pattern up to `infinity()`, which reads as the power of
+        /// two that overflow rounds to (one ulp past the largest finite value).
+        fn value(self, bits: u16) -> f64 {
+            let (e, m) = ((bits >> self.mant) as i32, (bits & ((1 << self.mant) - 1)) as f64);
+            let ulp = |e: i32| 2f64.powi(e - self.bias - self.mant as i32);
+            if e == 0 {
+                m * ulp(1)
+            } else {
+                (m + 2f64.powi(self.mant as i32)) * ulp(e)
+            }
+        }
+
+        /// The pattern widened to f32: the value with its sign, a NaN with its payload as it is.
+        fn widen(self, bits: u16) -> u32 {
+            let sign = ((bits & 0x8000) as u32) << 16;
+            let magnitude = bits & 0x7fff;
+            if magnitude > self.infinity() {
+                let payload = (magnitude & ((1 << self.mant) - 1)) as u32;
+                return sign | 0x7f80_0000 | payload << (23 - self.mant);
+            }
+            let v = if magnitude == self.infinity() {
+                f32::INFINITY
+            } else {
+                self.value(magnitude) as f32
+            };
+            sign | v.to_bits()
+        }
+
+        /// `x` rounded to the nearest pattern, ties to the even one, found by bisection over the
+        /// values and one exact comparison with the midpoint; a NaN stays NaN with the quiet bit
+        /// set and the upper bits of its payload.
+        fn round(self, x: f32) -> u16 {
+            let sign = ((x.to_bits() >> 16) & 0x8000) as u16;
+            if x.is_nan() {
+                let payload = ((x.to_bits() & 0x7f_ffff) >> (23 - self.mant)) as u16;
+                return sign | self.infinity() | 1 << (self.mant - 1) | payload;
+            }
+            let a = (x as f64).abs();
+            let (mut lo, mut hi) = (0u16, self.infinity());
+            if a >= self.value(hi) {
+                return sign | hi;
+            }
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if self.value(mid) <= a {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            // Exact in f64: adjacent values have few significant bits.
+            let midpoint = (self.value(lo) + self.value(hi)) / 2.0;
+            let up = a > midpoint || (a == midpoint && lo & 1 == 1);
+            sign | if up { hi } else { lo }
+        }
+    }
+
+    /// f32 values where rounding to `format` is delicate, for every pattern: the value itself,
+    /// the midpoint to the next one and the f32 neighbours of both, with both signs; then random
+    /// bit patterns (every exponent, subnormals and NaNs) and random NaN payloads.
+    fn rounding_cases(format: Format) -> Vec<f32> {
+        let mut v = Vec::new();
+        for p in 0..format.infinity() {
+            let mid = ((format.value(p) + format.value(p + 1)) / 2.0) as f32;
+            for x in [format.value(p) as f32, mid] {
+                for b in [x.to_bits(), x.to_bits() + 1, x.to_bits().saturating_sub(1)] {
+                    v.extend([f32::from_bits(b), -f32::from_bits(b)]);
+                }
+            }
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2_000_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            v.push(f32::from_bits(state as u32));
+            v.push(f32::from_bits((state >> 32) as u32 | 0x7f80_0000));
+        }
+        v.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN, f32::NAN, -f32::NAN]);
+        v
+    }
+
+    #[test]
+    fn widening_is_the_definition_on_every_pattern() {
+        for bits in 0..=0xffffu16 {
+            let (got, want) = (f16_to_f32(bits).to_bits(), F16.widen(bits));
+            assert_eq!(got, want, "f16 {bits:#06x}: got {got:#010x}, want {want:#010x}");
+            let (got, want) = (bf16_to_f32(bits).to_bits(), BF16.widen(bits));
+            assert_eq!(got, want, "bf16 {bits:#06x}: got {got:#010x}, want {want:#010x}");
+        }
+    }
+
+    #[test]
+    fn rounding_is_nearest_even_by_the_definition() {
+        for (format, name, round) in
+            [(F16, "f16", f32_to_f16 as fn(f32) -> u16), (BF16, "bf16", f32_to_bf16)]
+        {
+            for x in rounding_cases(format) {
+                let (got, want) = (round(x), format.round(x));
+                assert_eq!(got, want, "{name} of {x:e} ({:#010x})", x.to_bits());
+            }
+        }
+    }
+
     /// The SIMD sums of squares may use fused multiply-adds because a square of an f32 is exact in
     /// f64: then `fma(v, v, acc)` and `acc + v * v` round the same single time.
     #[test]
