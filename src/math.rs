@@ -229,63 +229,6 @@ mod tests {
         v
     }
 
-    /// The hand-written conversions `half` replaced, kept to show it gives the same bits.
-    mod legacy {
-        pub fn f32_to_f16(value: f32) -> u16 {
-            let x = value.to_bits();
-            let sign = ((x >> 16) & 0x8000) as u16;
-            let exp = ((x >> 23) & 0xff) as i32;
-            let mant = x & 0x7f_ffff;
-            if exp == 0xff {
-                return sign | 0x7c00 | if mant != 0 { 0x200 | (mant >> 13) as u16 } else { 0 };
-            }
-            let e = exp - 127 + 15;
-            if e >= 0x1f {
-                return sign | 0x7c00;
-            }
-            if e <= 0 {
-                if e < -10 {
-                    return sign;
-                }
-                let m = mant | 0x80_0000;
-                let shift = (14 - e) as u32;
-                let half = 1u32 << (shift - 1);
-                let rest = m & ((1u32 << shift) - 1);
-                let mut h = (m >> shift) as u16;
-                if rest > half || (rest == half && (h & 1) == 1) {
-                    h += 1;
-                }
-                return sign | h;
-            }
-            let mut h = ((e as u32) << 10 | (mant >> 13)) as u16;
-            let rest = mant & 0x1fff;
-            if rest > 0x1000 || (rest == 0x1000 && (h & 1) == 1) {
-                h += 1;
-            }
-            sign | h
-        }
-
-        pub fn f32_to_bf16(value: f32) -> u16 {
-            let x = value.to_bits();
-            if value.is_nan() {
-                return ((x >> 16) | 0x40) as u16;
-            }
-            let rounding = 0x7fff + ((x >> 16) & 1);
-            ((x + rounding) >> 16) as u16
-        }
-    }
-
-    #[test]
-    fn half_gives_the_bits_of_the_hand_written_conversions() {
-        let mut values = rounding_cases(F16);
-        values.extend(rounding_cases(BF16));
-        for x in values {
-            let what = format!("{x:e} ({:#010x})", x.to_bits());
-            assert_eq!(f32_to_f16(x), legacy::f32_to_f16(x), "f16 of {what}");
-            assert_eq!(f32_to_bf16(x), legacy::f32_to_bf16(x), "bf16 of {what}");
-        }
-    }
-
     #[test]
     fn widening_is_the_definition_on_every_pattern() {
         for bits in 0..=0xffffu16 {
