@@ -103,8 +103,8 @@ impl Buf {
     fn grad(&self, start: usize) -> Grad<'_> {
         match self {
             Buf::F32(v) => Grad::F32(&v[start..]),
-            Buf::U16(Dtype::F16, v) => Grad::F16(&v[start..]),
-            Buf::U16(_, v) => Grad::Bf16(&v[start..]),
+            Buf::U16(Dtype::F16, v) => Grad::f16_bits(&v[start..]),
+            Buf::U16(_, v) => Grad::bf16_bits(&v[start..]),
         }
     }
 

@@ -527,7 +527,7 @@ mod tests {
             for (k, &n) in sizes.iter().enumerate() {
                 want_bad |= accumulate(
                     &mut want[at..at + n],
-                    Grad::F16(&grad[at..at + n]),
+                    Grad::f16_bits(&grad[at..at + n]),
                     0.375,
                     k % 3 == 1,
                     1,
@@ -542,7 +542,7 @@ mod tests {
                     let (master, tail) = std::mem::take(&mut rest).split_at_mut(n);
                     passes.push(TensorPass {
                         master,
-                        grad: Grad::F16(&grad[at..at + n]),
+                        grad: Grad::f16_bits(&grad[at..at + n]),
                         assign: k % 3 == 1,
                     });
                     (rest, at) = (tail, at + n);
