@@ -45,7 +45,7 @@ fn in_readme_table() -> BTreeSet<String> {
     {
         let cells: Vec<&str> = row.split('|').collect();
         let prefix = match cells[1].trim() {
-            "status" => "gradacc",
+            "status" | "conversion" => "gradacc",
             "scaler" => "gradacc_scaler",
             "accumulator" => "gradacc_accumulator",
             "optimizer" => "gradacc_optimizer",

@@ -19,6 +19,7 @@
 
 mod accumulator;
 mod comm;
+mod convert;
 mod handle;
 mod optimizer;
 mod scaler;
@@ -28,6 +29,7 @@ mod version;
 
 pub use accumulator::*;
 pub use comm::*;
+pub use convert::*;
 pub use optimizer::*;
 pub use scaler::*;
 pub use status::*;
