@@ -11,6 +11,7 @@ mod common;
 use std::time::Instant;
 
 use common::{floor, floor_sum, fused, interleaved, kind, median, pattern, AlignedF32};
+use gradacc::half::{bf16, f16};
 use gradacc::simd;
 use gradacc::Grad;
 
@@ -30,8 +31,8 @@ fn main() {
     for &len in &SIZES {
         let mut master = AlignedF32::new(len);
         let f32_grad: Vec<f32> = (0..len).map(|i| pattern(i) as f32 / 8192.0 - 0.5).collect();
-        let f16_grad: Vec<u16> = f32_grad.iter().map(|&v| gradacc::math::f32_to_f16(v)).collect();
-        let bf16_grad: Vec<u16> = f32_grad.iter().map(|&v| gradacc::math::f32_to_bf16(v)).collect();
+        let f16_grad: Vec<f16> = f32_grad.iter().map(|&v| f16::from_f32(v)).collect();
+        let bf16_grad: Vec<bf16> = f32_grad.iter().map(|&v| bf16::from_f32(v)).collect();
         let grads = [
             ("f16", Grad::F16(&f16_grad)),
             ("bf16", Grad::Bf16(&bf16_grad)),
@@ -124,10 +125,10 @@ fn placement(isa: simd::Isa) {
             // The master 64 bytes into a page, as a 64-byte-aligned allocation of its own lands.
             let (mut master, m0) = placed(0.0f32, 64, len);
             let (mut f32_grad, g32) = placed(0.0f32, (64 + 4096 - distance) % 4096, len);
-            let (mut f16_grad, g16) = placed(0u16, (64 + 4096 - distance) % 4096, len);
+            let (mut f16_grad, g16) = placed(f16::ZERO, (64 + 4096 - distance) % 4096, len);
             for i in 0..len {
                 f32_grad[g32 + i] = pattern(i) as f32 / 8192.0 - 0.5;
-                f16_grad[g16 + i] = gradacc::math::f32_to_f16(f32_grad[g32 + i]);
+                f16_grad[g16 + i] = f16::from_f32(f32_grad[g32 + i]);
             }
             for (name, grad) in [
                 ("f32", Grad::F32(&f32_grad[g32..g32 + len])),

@@ -11,6 +11,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use common::{gradients, median};
+use gradacc::half::slice::HalfFloatSliceExt;
 use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Dtype, Grad, GradMut, Optimizer, OptimizerConfig,
@@ -132,7 +133,14 @@ fn main() {
                 let step = t.elapsed().as_secs_f64();
                 g[r] += 1.0;
                 let t = Instant::now();
-                floor(isa, &g, &mut x, &mut m, adam.then_some(&mut v[..]), &mut weights);
+                floor(
+                    isa,
+                    &g,
+                    &mut x,
+                    &mut m,
+                    adam.then_some(&mut v[..]),
+                    weights.reinterpret_cast_mut(),
+                );
                 let f = t.elapsed().as_secs_f64();
                 black_box((&x, &m, &v));
                 if r > 0 {

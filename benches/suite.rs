@@ -299,10 +299,11 @@ fn size_label(n: usize) -> String {
 /// Separately allocated gradients, one per tensor, as a framework's `param.grad`s are.
 enum Owned {
     F32(Vec<f32>),
-    U16(Vec<u16>),
+    F16(Vec<half::f16>),
+    Bf16(Vec<half::bf16>),
 }
 
-fn owned_grads(numels: &[usize], dtype: Dtype, flat: Grad<'_>) -> Vec<Owned> {
+fn owned_grads(numels: &[usize], flat: Grad<'_>) -> Vec<Owned> {
     let mut start = 0;
     numels
         .iter()
@@ -311,22 +312,20 @@ fn owned_grads(numels: &[usize], dtype: Dtype, flat: Grad<'_>) -> Vec<Owned> {
             start += n;
             match flat.slice(s, s + n) {
                 Grad::F32(v) => Owned::F32(v.to_vec()),
-                Grad::F16(v) | Grad::Bf16(v) => {
-                    debug_assert!(dtype != Dtype::F32);
-                    Owned::U16(v.to_vec())
-                }
+                Grad::F16(v) => Owned::F16(v.to_vec()),
+                Grad::Bf16(v) => Owned::Bf16(v.to_vec()),
             }
         })
         .collect()
 }
 
-fn views(owned: &[Owned], dtype: Dtype) -> Vec<Grad<'_>> {
+fn views(owned: &[Owned]) -> Vec<Grad<'_>> {
     owned
         .iter()
-        .map(|g| match (g, dtype) {
-            (Owned::F32(v), _) => Grad::F32(v),
-            (Owned::U16(v), Dtype::F16) => Grad::F16(v),
-            (Owned::U16(v), _) => Grad::Bf16(v),
+        .map(|g| match g {
+            Owned::F32(v) => Grad::F32(v),
+            Owned::F16(v) => Grad::F16(v),
+            Owned::Bf16(v) => Grad::Bf16(v),
         })
         .collect()
 }
@@ -336,7 +335,8 @@ fn ptrs(owned: &[Owned]) -> Vec<*const c_void> {
         .iter()
         .map(|g| match g {
             Owned::F32(v) => v.as_ptr().cast(),
-            Owned::U16(v) => v.as_ptr().cast(),
+            Owned::F16(v) => v.as_ptr().cast(),
+            Owned::Bf16(v) => v.as_ptr().cast(),
         })
         .collect()
 }
@@ -376,8 +376,8 @@ fn layouts(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
         let mut master = AlignedF32::new(master_len);
         let mp = master.slice().as_mut_ptr();
         for &(dtype, grad) in flat {
-            let owned = owned_grads(numels, dtype, grad);
-            let grads = views(&owned, dtype);
+            let owned = owned_grads(numels, grad);
+            let grads = views(&owned);
             let g = grad.slice(0, total);
             for threads in [1, 2] {
                 let config = AccumulatorConfig { threads, ..AccumulatorConfig::default() };
@@ -436,8 +436,8 @@ fn overflow(o: &mut Options, flat: &[(Dtype, Grad<'_>)], models: &[Model]) {
         let total: usize = numels.iter().sum();
         println!("{} d = {}: {} tensors, {} elements", model.name, model.d, numels.len(), total);
         for &(dtype, grad) in flat.iter().filter(|(d, _)| *d != Dtype::F32) {
-            let owned = owned_grads(numels, dtype, grad);
-            let grads = views(&owned, dtype);
+            let owned = owned_grads(numels, grad);
+            let grads = views(&owned);
             let descs: Vec<TensorDesc> =
                 numels.iter().map(|&numel| TensorDesc { numel, dtype }).collect();
             let make = |overflow| {
@@ -510,8 +510,8 @@ fn overhead(o: &mut Options, master: &mut AlignedF32, flat: &[(Dtype, Grad<'_>)]
         for (tensors, numel) in [(1000usize, 1000usize), (1000, 1), (1, 1_000_000)] {
             let layout = vec![numel; tensors];
             let total = tensors * numel;
-            let owned = owned_grads(&layout, dtype, grad);
-            let grads = views(&owned, dtype);
+            let owned = owned_grads(&layout, grad);
+            let grads = views(&owned);
             let raw = ptrs(&owned);
             let g = grad.slice(0, total);
             let descs: Vec<TensorDesc> =
@@ -625,8 +625,8 @@ fn telemetry(o: &mut Options, models: &[Model]) {
                     let (barrier, descs) = (&barrier, &descs);
                     s.spawn(move || {
                         let (_, g16, _) = common::gradients(total);
-                        let owned = owned_grads(numels, Dtype::F16, Grad::F16(&g16));
-                        let grads = views(&owned, Dtype::F16);
+                        let owned = owned_grads(numels, Grad::F16(&g16));
+                        let grads = views(&owned);
                         let make = |tensor_stats| {
                             let config = AccumulatorConfig {
                                 max_grad_norm: 1e-3,

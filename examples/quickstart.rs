@@ -2,9 +2,9 @@
 //! a dynamic loss scale, FP32 accumulation of micro-batches of 3 and 5 items, one all-reduce per
 //! step and SGD on FP32 masters. `cargo run --release --example quickstart`; it fails unless the
 //! ranks end with the same weights and the loss fell 100-fold.
+use gradacc::half::bf16;
 use gradacc::{Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, Grad, GradMut};
 use gradacc::{LocalComm, Optimizer, OptimizerConfig, Scaler, ScalerConfig, TensorDesc};
-use half::bf16;
 
 const DIM: usize = 4;
 const STEPS: usize = 40;
@@ -17,23 +17,23 @@ fn feature(i: usize, j: usize) -> f32 {
 }
 
 /// Mean loss 0.5 (x.w - x.w_true)^2 over `n` items from `first`, and its gradient times `scale`
-/// as bf16 bits (the gradients and weights the accumulator takes).
-fn loss_grad(w: &[u16; DIM], first: usize, n: usize, scale: f32) -> (f32, [u16; DIM]) {
+/// in bf16 (the gradients and weights the accumulator takes).
+fn loss_grad(w: &[bf16; DIM], first: usize, n: usize, scale: f32) -> (f32, [bf16; DIM]) {
     let (mut loss, mut sum) = (0.0f32, [0.0f32; DIM]);
     for i in first..first + n {
         let x: Vec<f32> = (0..DIM).map(|j| feature(i, j)).collect();
-        let err: f32 = (0..DIM).map(|j| x[j] * (bf16::from_bits(w[j]).to_f32() - W_TRUE[j])).sum();
+        let err: f32 = (0..DIM).map(|j| x[j] * (w[j].to_f32() - W_TRUE[j])).sum();
         loss += 0.5 * err * err / n as f32;
         (0..DIM).for_each(|j| sum[j] += err * x[j] / n as f32);
     }
-    (loss, sum.map(|g| bf16::from_f32(g * scale).to_bits()))
+    (loss, sum.map(|g| bf16::from_f32(g * scale)))
 }
 
-fn train(comm: &dyn Communicator, rank: usize) -> gradacc::Result<[u16; DIM]> {
+fn train(comm: &dyn Communicator, rank: usize) -> gradacc::Result<[bf16; DIM]> {
     let scaler = Scaler::new(ScalerConfig::default())?; // GradScaler's defaults, on the CPU
     let tensors = [TensorDesc { numel: DIM, dtype: Dtype::Bf16 }];
     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors)?; // mean losses, by count
-    let mut w = [0u16; DIM];
+    let mut w = [bf16::ZERO; DIM];
     let config = OptimizerConfig { algorithm: Algorithm::sgd(), lr: 0.5, ..Default::default() };
     let opt = Optimizer::new(&acc, config, &[], &[Grad::Bf16(&w)])?; // FP32 masters from w
     for step in 0..STEPS {
@@ -51,7 +51,7 @@ fn train(comm: &dyn Communicator, rank: usize) -> gradacc::Result<[u16; DIM]> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let comms = LocalComm::group(2)?; // an in-process group: one communicator per rank
-    let results: Vec<gradacc::Result<[u16; DIM]>> = std::thread::scope(|s| {
+    let results: Vec<gradacc::Result<[bf16; DIM]>> = std::thread::scope(|s| {
         let ranks: Vec<_> = comms
             .iter()
             .enumerate()
@@ -66,12 +66,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect();
         ranks.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
     });
-    let w: Vec<[u16; DIM]> = results.into_iter().collect::<gradacc::Result<_>>()?;
-    let (loss0, _) = loss_grad(&[0; DIM], 0, 64, 1.0);
+    let w: Vec<[bf16; DIM]> = results.into_iter().collect::<gradacc::Result<_>>()?;
+    let (loss0, _) = loss_grad(&[bf16::ZERO; DIM], 0, 64, 1.0);
     let (loss, _) = loss_grad(&w[0], 0, 64, 1.0);
-    let (w3, same) = (bf16::from_bits(w[0][3]), if w[0] == w[1] { "equal" } else { "DIFFER" });
+    let same = w[0].map(bf16::to_bits) == w[1].map(bf16::to_bits); // bit for bit
+    let (w3, same) = (w[0][3], if same { "equal" } else { "DIFFER" });
     println!("loss {loss0:.4} -> {loss:.6}, w[3] {w3} (true 3), ranks {same}");
-    if w[0] != w[1] || loss >= loss0 / 100.0 {
+    if same != "equal" || loss >= loss0 / 100.0 {
         return Err("the ranks differ or the loss did not fall 100-fold".into());
     }
     Ok(())

@@ -1425,6 +1425,55 @@ enum gradacc_status_t gradacc_comm_timeout(const struct gradacc_comm_t *comm,
 GRADACC_API enum gradacc_status_t gradacc_comm_abort(struct gradacc_comm_t *comm);
 
 /**
+ * Converts the `n` f32 values at `src` to IEEE binary16 bits at `dst`, rounding to nearest
+ * even: a value past the largest finite f16 (65504) rounds to infinity from 65520 up, a value
+ * below the smallest subnormal (2^-24) to a signed zero from 2^-25 down; a NaN stays NaN, quiet,
+ * with the upper bits of its payload. Uses F16C where the CPU has it (the same bits without).
+ *
+ * `src` and `dst` must not overlap. With `n` 0 nothing is read or written and either pointer may
+ * be NULL; otherwise a NULL one fails with GRADACC_STATUS_NULL_ARGUMENT, and a pointer not
+ * aligned to its element or an `n` past the address space with GRADACC_STATUS_INVALID_ARGUMENT,
+ * writing nothing.
+ *
+ * Thread safety: any thread, at any time; it touches only `src` and `dst`.
+ */
+GRADACC_API enum gradacc_status_t gradacc_f32_to_f16(const float *src, uint16_t *dst, size_t n);
+
+/**
+ * Converts the `n` IEEE binary16 bit patterns at `src` to f32 values at `dst`, exactly (every
+ * f16 value is an f32 value, subnormals included); a NaN stays NaN with its payload, and a
+ * signalling one comes back quiet, as F16C's conversion gives it (the same bits without F16C).
+ *
+ * Arguments and failures as gradacc_f32_to_f16's.
+ *
+ * Thread safety: any thread, at any time; it touches only `src` and `dst`.
+ */
+GRADACC_API enum gradacc_status_t gradacc_f16_to_f32(const uint16_t *src, float *dst, size_t n);
+
+/**
+ * Converts the `n` f32 values at `src` to bfloat16 bits at `dst`, rounding to nearest even (a
+ * value past the largest finite bf16 rounds to infinity); a NaN stays NaN, quiet, with the upper
+ * bits of its payload. These are the bits a bf16 gradient of gradacc holds and its bf16 wire
+ * rounds to.
+ *
+ * Arguments and failures as gradacc_f32_to_f16's.
+ *
+ * Thread safety: any thread, at any time; it touches only `src` and `dst`.
+ */
+GRADACC_API enum gradacc_status_t gradacc_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
+
+/**
+ * Converts the `n` bfloat16 bit patterns at `src` to f32 values at `dst`, exactly: each pattern
+ * becomes the upper half of an f32, a NaN's payload as it is (a signalling one stays
+ * signalling), as gradacc reads a bf16 gradient.
+ *
+ * Arguments and failures as gradacc_f32_to_f16's.
+ *
+ * Thread safety: any thread, at any time; it touches only `src` and `dst`.
+ */
+GRADACC_API enum gradacc_status_t gradacc_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+
+/**
  * Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and
  * errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or
  * GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the

@@ -104,6 +104,60 @@ private:
     std::size_t size_ = 0;
 };
 
+namespace detail {
+/** Runs one of the C array conversions after checking that `dst` is as long as `src`. */
+template <class S, class D>
+void convert(gradacc_status_t (*f)(const S *, D *, std::size_t), span<const S> src, span<D> dst,
+             const char *function) {
+    if (src.size() != dst.size())
+        throw Error(GRADACC_STATUS_SIZE_MISMATCH, std::string(function) + ": `dst` has " +
+                                                      std::to_string(dst.size()) + " elements, `src` " +
+                                                      std::to_string(src.size()));
+    check(f(src.data(), dst.data(), src.size()));
+}
+} // namespace detail
+
+/** \name 16-bit conversions
+ * C++17 has no 16-bit float type: fp16 and bf16 values are their bits in uint16_t, the words the
+ * 16-bit forms of add, add_tensor and the optimizer take. These convert arrays through
+ * gradacc_f32_to_f16 and friends (vectorised; rounding to nearest even, widening exactly). The
+ * two-argument forms write into `dst`, which must be as long as `src` (else SIZE_MISMATCH) and
+ * must not overlap it; the one-argument forms return a new vector.
+ * @{ */
+inline void f32_to_f16(span<const float> src, span<uint16_t> dst) {
+    detail::convert(gradacc_f32_to_f16, src, dst, "gradacc::f32_to_f16");
+}
+inline void f16_to_f32(span<const uint16_t> src, span<float> dst) {
+    detail::convert(gradacc_f16_to_f32, src, dst, "gradacc::f16_to_f32");
+}
+inline void f32_to_bf16(span<const float> src, span<uint16_t> dst) {
+    detail::convert(gradacc_f32_to_bf16, src, dst, "gradacc::f32_to_bf16");
+}
+inline void bf16_to_f32(span<const uint16_t> src, span<float> dst) {
+    detail::convert(gradacc_bf16_to_f32, src, dst, "gradacc::bf16_to_f32");
+}
+inline std::vector<uint16_t> f32_to_f16(span<const float> src) {
+    std::vector<uint16_t> dst(src.size());
+    f32_to_f16(src, dst);
+    return dst;
+}
+inline std::vector<float> f16_to_f32(span<const uint16_t> src) {
+    std::vector<float> dst(src.size());
+    f16_to_f32(src, dst);
+    return dst;
+}
+inline std::vector<uint16_t> f32_to_bf16(span<const float> src) {
+    std::vector<uint16_t> dst(src.size());
+    f32_to_bf16(src, dst);
+    return dst;
+}
+inline std::vector<float> bf16_to_f32(span<const uint16_t> src) {
+    std::vector<float> dst(src.size());
+    bf16_to_f32(src, dst);
+    return dst;
+}
+/** @} */
+
 /** One gradient for the typed forms of Accumulator::add: a view of f32 values or of 16-bit words
  * (fp16 or bf16), with its length. It converts implicitly from span<const float>,
  * span<const uint16_t>, arrays and contiguous containers of either (std::vector, std::array, span),

@@ -1,7 +1,11 @@
 //! Element types of model gradients and the borrowed views the kernels read.
-//! 16-bit formats travel as raw `u16` bits: the library never needs a half-float type of its own.
+//! 16-bit gradients are `half::f16` / `half::bf16` slices; the kernels read their bits, and raw
+//! bits (the C layer's) become typed slices without a copy ([`Grad::f16_bits`]).
 
 use std::ffi::c_void;
+
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
@@ -42,20 +46,70 @@ impl Dtype {
 }
 
 /// A borrowed gradient buffer of one of the supported element types.
+///
+/// ```
+/// use gradacc::half::f16;
+/// use gradacc::{Dtype, Grad};
+///
+/// let values: Vec<f16> = [0.5f32, -2.0].map(f16::from_f32).to_vec();
+/// let grad = Grad::F16(&values);
+/// assert_eq!(grad.dtype(), Dtype::F16);
+/// // The same values as bits, as a C caller hands them over: borrowed, not copied.
+/// let bits = [0x3800u16, 0xc000];
+/// assert_eq!(Grad::f16_bits(&bits).bits(), grad.bits());
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub enum Grad<'a> {
     F32(&'a [f32]),
-    /// IEEE 754 binary16 bit patterns.
-    F16(&'a [u16]),
-    /// bfloat16 bit patterns (the upper half of an f32).
-    Bf16(&'a [u16]),
+    /// IEEE 754 binary16.
+    F16(&'a [f16]),
+    /// bfloat16 (the upper half of an f32).
+    Bf16(&'a [bf16]),
+}
+
+impl<'a> From<&'a [f32]> for Grad<'a> {
+    fn from(s: &'a [f32]) -> Self {
+        Grad::F32(s)
+    }
+}
+
+impl<'a> From<&'a [f16]> for Grad<'a> {
+    fn from(s: &'a [f16]) -> Self {
+        Grad::F16(s)
+    }
+}
+
+impl<'a> From<&'a [bf16]> for Grad<'a> {
+    fn from(s: &'a [bf16]) -> Self {
+        Grad::Bf16(s)
+    }
 }
 
 impl<'a> Grad<'a> {
+    /// An f16 buffer given as its IEEE binary16 bit patterns, borrowed as it is.
+    pub fn f16_bits(bits: &'a [u16]) -> Self {
+        Grad::F16(bits.reinterpret_cast())
+    }
+
+    /// A bf16 buffer given as its bit patterns, borrowed as it is.
+    pub fn bf16_bits(bits: &'a [u16]) -> Self {
+        Grad::Bf16(bits.reinterpret_cast())
+    }
+
+    /// The bit patterns of a 16-bit buffer (what the kernels read); `None` for f32.
+    pub fn bits(&self) -> Option<&'a [u16]> {
+        match *self {
+            Grad::F32(_) => None,
+            Grad::F16(s) => Some(s.reinterpret_cast()),
+            Grad::Bf16(s) => Some(s.reinterpret_cast()),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Grad::F32(s) => s.len(),
-            Grad::F16(s) | Grad::Bf16(s) => s.len(),
+            Grad::F16(s) => s.len(),
+            Grad::Bf16(s) => s.len(),
         }
     }
 
@@ -75,7 +129,8 @@ impl<'a> Grad<'a> {
     pub(crate) fn addresses(&self) -> std::ops::Range<usize> {
         let start = match self {
             Grad::F32(s) => s.as_ptr() as usize,
-            Grad::F16(s) | Grad::Bf16(s) => s.as_ptr() as usize,
+            Grad::F16(s) => s.as_ptr() as usize,
+            Grad::Bf16(s) => s.as_ptr() as usize,
         };
         start..start + self.len() * self.dtype().size()
     }
@@ -90,20 +145,55 @@ impl<'a> Grad<'a> {
     }
 }
 
-/// A mutable buffer of one of the supported element types (a loss to scale in place).
+/// A mutable buffer of one of the supported element types (a loss to scale in place, a model's
+/// weights that the optimizer writes).
 #[derive(Debug)]
 pub enum GradMut<'a> {
     F32(&'a mut [f32]),
-    F16(&'a mut [u16]),
-    Bf16(&'a mut [u16]),
+    F16(&'a mut [f16]),
+    Bf16(&'a mut [bf16]),
+}
+
+impl<'a> From<&'a mut [f32]> for GradMut<'a> {
+    fn from(s: &'a mut [f32]) -> Self {
+        GradMut::F32(s)
+    }
+}
+
+impl<'a> From<&'a mut [f16]> for GradMut<'a> {
+    fn from(s: &'a mut [f16]) -> Self {
+        GradMut::F16(s)
+    }
+}
+
+impl<'a> From<&'a mut [bf16]> for GradMut<'a> {
+    fn from(s: &'a mut [bf16]) -> Self {
+        GradMut::Bf16(s)
+    }
 }
 
 impl<'a> GradMut<'a> {
-    pub fn len(&self) -> usize {
+    /// An f16 buffer given as its IEEE binary16 bit patterns, borrowed as it is.
+    pub fn f16_bits(bits: &'a mut [u16]) -> Self {
+        GradMut::F16(bits.reinterpret_cast_mut())
+    }
+
+    /// A bf16 buffer given as its bit patterns, borrowed as it is.
+    pub fn bf16_bits(bits: &'a mut [u16]) -> Self {
+        GradMut::Bf16(bits.reinterpret_cast_mut())
+    }
+
+    /// The bit patterns of a 16-bit buffer, writable; `None` for f32.
+    pub fn bits_mut(&mut self) -> Option<&mut [u16]> {
         match self {
-            GradMut::F32(s) => s.len(),
-            GradMut::F16(s) | GradMut::Bf16(s) => s.len(),
+            GradMut::F32(_) => None,
+            GradMut::F16(s) => Some(s.reinterpret_cast_mut()),
+            GradMut::Bf16(s) => Some(s.reinterpret_cast_mut()),
         }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_grad().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -197,8 +287,8 @@ pub(crate) unsafe fn grad_view<'a>(
     Some(unsafe {
         match dtype {
             Dtype::F32 => Grad::F32(std::slice::from_raw_parts(ptr as *const f32, numel)),
-            Dtype::F16 => Grad::F16(std::slice::from_raw_parts(ptr as *const u16, numel)),
-            Dtype::Bf16 => Grad::Bf16(std::slice::from_raw_parts(ptr as *const u16, numel)),
+            Dtype::F16 => Grad::F16(std::slice::from_raw_parts(ptr as *const f16, numel)),
+            Dtype::Bf16 => Grad::Bf16(std::slice::from_raw_parts(ptr as *const bf16, numel)),
         }
     })
 }
@@ -220,5 +310,30 @@ pub(crate) fn buffer_error(
         ))
     } else {
         Error::invalid(format!("`{argument}` length {numel} is too large"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raw_bits_borrow_the_same_memory_as_the_typed_slice() {
+        let mut bits = vec![0x3c00u16, 0xc000, 0x7e00];
+        let (at, len) = (bits.as_ptr() as usize, bits.len());
+        let g = Grad::f16_bits(&bits);
+        assert!(matches!(g, Grad::F16(s) if s[0] == f16::ONE && s[1] == f16::from_f32(-2.0)));
+        assert_eq!((g.addresses(), g.bits()), (at..at + 2 * len, Some(&bits[..])));
+        assert_eq!(Grad::bf16_bits(&bits).dtype(), Dtype::Bf16);
+        assert_eq!(Grad::from(&[1.0f32][..]).bits(), None);
+        let mut w = GradMut::bf16_bits(&mut bits);
+        w.bits_mut().expect("16-bit")[0] = bf16::from_f32(3.0).to_bits();
+        if let GradMut::Bf16(s) = &mut w {
+            s[1] = bf16::ONE;
+        }
+        assert_eq!(w.dtype(), Dtype::Bf16);
+        assert_eq!(bits[..2], [0x4040, 0x3f80]);
+        let typed = [bf16::MAX; 2];
+        assert_eq!(Grad::from(&typed[..]).bits(), Some(&[0x7f7f, 0x7f7f][..]));
     }
 }

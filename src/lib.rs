@@ -33,6 +33,31 @@
 //! # Ok::<(), gradacc::Error>(())
 //! ```
 //!
+//! 16-bit gradients and weights are `half::f16` / `half::bf16` slices (the crate re-exports
+//! [`half`]); bits from elsewhere borrow as they are ([`Grad::f16_bits`], [`Grad::bf16_bits`]):
+//!
+//! ```
+//! use gradacc::half::{bf16, f16};
+//! use gradacc::{Accumulator, AccumulatorConfig, Dtype, Grad, GradMut, Optimizer};
+//! use gradacc::{OptimizerConfig, Scaler, ScalerConfig, TensorDesc};
+//!
+//! let (n, f16s, bf16s) = (2, Dtype::F16, Dtype::Bf16);
+//! let tensors = [TensorDesc { numel: n, dtype: f16s }, TensorDesc { numel: n, dtype: bf16s }];
+//! let scaler = Scaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+//! let acc = Accumulator::new(AccumulatorConfig::default(), &tensors)?;
+//! let (mut w0, mut w1) = ([f16::ONE; 2], [bf16::ONE; 2]);
+//! let config = OptimizerConfig { lr: 0.01, ..Default::default() };
+//! let opt = Optimizer::new(&acc, config, &[], &[Grad::F16(&w0), Grad::Bf16(&w1)])?;
+//! let g0 = [f16::from_f32(0.5 * 1024.0); 2];
+//! let g1 = [0x4400u16; 2]; // bf16 bits of 512 = 0.5 * 1024, as a C buffer holds them
+//! acc.add(&scaler, &[Grad::F16(&g0), Grad::bf16_bits(&g1)][..], 1)?;
+//! let info = acc.sync(None)?;
+//! scaler.update(info.found_inf)?;
+//! assert!(opt.step(&acc, &mut [GradMut::F16(&mut w0), GradMut::Bf16(&mut w1)], None)?);
+//! assert!(w0[0] < f16::ONE && w1[1] < bf16::ONE);
+//! # Ok::<(), gradacc::Error>(())
+//! ```
+//!
 //! Who owns what: `accumulator` is the core (the window's state machine, the add path in
 //! `accumulator/microbatch.rs`, the boundary's steps in `accumulator/boundary.rs` and its
 //! protocol in `accumulator/protocol.rs`, sharding as a policy in `accumulator/sharding.rs`, what
@@ -71,6 +96,7 @@ mod comm;
 pub mod device;
 #[cfg(not(feature = "internal"))]
 mod device;
+mod diagnostics;
 #[cfg(feature = "internal")]
 pub mod dtype;
 #[cfg(not(feature = "internal"))]
@@ -95,7 +121,6 @@ mod scaler;
 pub mod simd;
 #[cfg(not(feature = "internal"))]
 mod simd;
-mod diagnostics;
 mod state;
 
 pub use accumulator::{
@@ -111,6 +136,9 @@ pub use device::{Device, DevicePtr, Stream};
 pub use diagnostics::{diagnostics, ENVIRONMENT};
 pub use dtype::{Dtype, Grad, GradMut};
 pub use error::{Error, ErrorKind, Result};
+/// The `half` crate whose `f16` and `bf16` the 16-bit gradients and weights are, re-exported so
+/// that a user names the same version (`gradacc::half::f16`).
+pub use half;
 pub use optimizer::{
     Algorithm, Optimizer, OptimizerBuilder, OptimizerConfig, Rounding, Slot, TensorGroup,
 };

@@ -287,8 +287,8 @@ fn overflow_is_sticky_and_agreed() {
                     if c.rank() == 1 {
                         g[4] = 0x7c00; // +inf
                     }
-                    acc.add(&scaler, &[Grad::F16(&g)], 1).unwrap();
-                    acc.add(&scaler, &[Grad::F16(&[to_f16(1.0); 5])], 1).unwrap();
+                    acc.add(&scaler, &[Grad::f16_bits(&g)], 1).unwrap();
+                    acc.add(&scaler, &[Grad::f16_bits(&[to_f16(1.0); 5])], 1).unwrap();
                     let info = acc.sync(Some(c)).unwrap();
                     assert!(scaler.update(info.found_inf).unwrap().skipped);
                     assert_eq!(scaler.scale().unwrap(), 32768.0);
@@ -407,7 +407,7 @@ fn window_checkpoint_resumes_bitwise() {
         .collect();
     let feed = |acc: &Accumulator, range: std::ops::Range<usize>| {
         for (a, b, n) in &batches[range] {
-            acc.add(&scaler, &[Grad::Bf16(a), Grad::F32(b)], *n).unwrap();
+            acc.add(&scaler, &[Grad::bf16_bits(a), Grad::F32(b)], *n).unwrap();
         }
     };
     let straight = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();

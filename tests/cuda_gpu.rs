@@ -206,8 +206,8 @@ fn loss_scaling_matches_the_cpu_scaler() {
         let (mut f, mut h) = (loss.f32s.clone(), loss.u16s.clone());
         cpu.scale_loss(match dtype {
             Dtype::F32 => gradacc::GradMut::F32(&mut f),
-            Dtype::F16 => gradacc::GradMut::F16(&mut h),
-            Dtype::Bf16 => gradacc::GradMut::Bf16(&mut h),
+            Dtype::F16 => gradacc::GradMut::f16_bits(&mut h),
+            Dtype::Bf16 => gradacc::GradMut::bf16_bits(&mut h),
         })
         .unwrap();
         if dtype == Dtype::F32 {

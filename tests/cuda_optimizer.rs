@@ -46,16 +46,16 @@ impl HostWeights {
     fn grad(&self) -> Grad<'_> {
         match self.dtype {
             Dtype::F32 => Grad::F32(&self.f32s),
-            Dtype::F16 => Grad::F16(&self.u16s),
-            Dtype::Bf16 => Grad::Bf16(&self.u16s),
+            Dtype::F16 => Grad::f16_bits(&self.u16s),
+            Dtype::Bf16 => Grad::bf16_bits(&self.u16s),
         }
     }
 
     fn grad_mut(&mut self) -> GradMut<'_> {
         match self.dtype {
             Dtype::F32 => GradMut::F32(&mut self.f32s),
-            Dtype::F16 => GradMut::F16(&mut self.u16s),
-            Dtype::Bf16 => GradMut::Bf16(&mut self.u16s),
+            Dtype::F16 => GradMut::f16_bits(&mut self.u16s),
+            Dtype::Bf16 => GradMut::bf16_bits(&mut self.u16s),
         }
     }
 
@@ -148,8 +148,8 @@ impl Gradient {
             .enumerate()
             .map(|(i, d)| match d.dtype {
                 Dtype::F32 => Grad::F32(&self.f32s[i]),
-                Dtype::F16 => Grad::F16(&self.u16s[i]),
-                Dtype::Bf16 => Grad::Bf16(&self.u16s[i]),
+                Dtype::F16 => Grad::f16_bits(&self.u16s[i]),
+                Dtype::Bf16 => Grad::bf16_bits(&self.u16s[i]),
             })
             .collect()
     }

@@ -87,8 +87,8 @@ impl Batch {
             .zip(&self.host)
             .map(|(d, (f, h))| match d.dtype {
                 Dtype::F32 => Grad::F32(f),
-                Dtype::F16 => Grad::F16(h),
-                Dtype::Bf16 => Grad::Bf16(h),
+                Dtype::F16 => Grad::f16_bits(h),
+                Dtype::Bf16 => Grad::bf16_bits(h),
             })
             .collect()
     }

@@ -45,7 +45,7 @@ fn in_readme_table() -> BTreeSet<String> {
     {
         let cells: Vec<&str> = row.split('|').collect();
         let prefix = match cells[1].trim() {
-            "status" => "gradacc",
+            "status" | "conversion" => "gradacc",
             "scaler" => "gradacc_scaler",
             "accumulator" => "gradacc_accumulator",
             "optimizer" => "gradacc_optimizer",
@@ -125,14 +125,20 @@ fn every_function_states_its_thread_safety_and_every_constructor_its_destroy() {
     }
 }
 
-/// The README's Rust example is the crate documentation's first example (whose doctest runs
-/// it), without its hidden lines.
+/// The README's Rust examples are the crate documentation's first two examples (whose doctests
+/// run them), without their hidden lines.
 #[test]
 fn the_readme_rust_loop_is_the_tested_crate_example() {
-    let fence = |text: &str, open: &str| -> String {
-        let start = text.find(open).unwrap_or_else(|| panic!("no {open:?} block")) + open.len();
-        let end = start + text[start..].find("```").expect("an unclosed block");
-        text[start..end].to_string()
+    // The `nth` block that opens with `open`.
+    let fence = |text: &str, open: &str, nth: usize| -> String {
+        let mut start = 0;
+        for _ in 0..=nth {
+            let at = text[start..].find(open).unwrap_or_else(|| panic!("no {open:?} block"));
+            start += at + open.len();
+            start += text[start..].find("```").expect("an unclosed block") + 3;
+        }
+        let body = &text[..start - 3];
+        body[body.rfind(open).expect("the block") + open.len()..].to_string()
     };
     let crate_doc: String = read("src/lib.rs")
         .lines()
@@ -140,14 +146,16 @@ fn the_readme_rust_loop_is_the_tested_crate_example() {
         .map(|l| l.strip_prefix(' ').unwrap_or(l))
         .collect::<Vec<_>>()
         .join("\n");
-    let tested: String = fence(&crate_doc, "```\n")
-        .lines()
-        .filter(|l| !l.starts_with("# "))
-        .map(|l| format!("{l}\n"))
-        .collect();
     let readme = read("README.md");
     let rust = readme.split("### Rust (the crate `gradacc`)").nth(1).expect("a Rust section");
-    assert_eq!(fence(rust, "```rust\n"), tested);
+    for nth in 0..2 {
+        let tested: String = fence(&crate_doc, "```\n", nth)
+            .lines()
+            .filter(|l| !l.starts_with("# "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_eq!(fence(rust, "```rust\n", nth), tested, "example {nth}");
+    }
 }
 
 /// Every environment variable the library reads (the one list, `gradacc::ENVIRONMENT`) has its row
@@ -157,6 +165,9 @@ fn every_environment_variable_has_a_row_on_the_diagnostics_page() {
     let page = read("docs/diagnostics.md");
     assert!(gradacc::ENVIRONMENT.len() >= 4);
     for (name, _) in gradacc::ENVIRONMENT {
-        assert!(page.contains(&format!("| `{name}` |")), "docs/diagnostics.md has no row for {name}");
+        assert!(
+            page.contains(&format!("| `{name}` |")),
+            "docs/diagnostics.md has no row for {name}"
+        );
     }
 }

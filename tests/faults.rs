@@ -163,7 +163,7 @@ fn abort_from_another_thread_wakes_every_waiting_rank() {
             s.spawn(move || {
                 let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
                 let scaler = Scaler::new(ScalerConfig::default()).unwrap();
-                acc.add(&scaler, &[Grad::F16(&[to_f16(0.5); 4096])], 3).unwrap();
+                acc.add(&scaler, &[Grad::f16_bits(&[to_f16(0.5); 4096])], 3).unwrap();
                 let e = acc.sync(Some(comm)).unwrap_err();
                 assert!(
                     start.elapsed() < Duration::from_millis(100) + PROMPT,
@@ -546,7 +546,7 @@ fn a_failed_group_stays_failed_and_a_new_group_works() {
         for comm in &comms {
             s.spawn(move || {
                 let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
-                acc.add(scaler, &[Grad::Bf16(&[to_bf16(1.0); 33])], 1).unwrap();
+                acc.add(scaler, &[Grad::bf16_bits(&[to_bf16(1.0); 33])], 1).unwrap();
                 if comm.rank() == 1 {
                     comm.abort().unwrap();
                 }
@@ -572,7 +572,7 @@ fn a_failed_group_stays_failed_and_a_new_group_works() {
             .map(|comm| {
                 s.spawn(move || {
                     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
-                    acc.add(scaler, &[Grad::Bf16(&[to_bf16(1.0); 33])], 1).unwrap();
+                    acc.add(scaler, &[Grad::bf16_bits(&[to_bf16(1.0); 33])], 1).unwrap();
                     let info = acc.sync(Some(&comm)).unwrap();
                     acc.with_master(0, |m| assert!(m.iter().all(|&v| v == 1.0))).unwrap();
                     info
@@ -619,7 +619,7 @@ fn a_plain_sync_beside_hybrid_ones_ends_its_replica_partner_at_the_timeout() {
             let halves: Vec<u16> = flat[tensors[0].numel..].iter().map(|&v| to_f16(v)).collect();
             acc.add(
                 scaler,
-                &[Grad::F32(&flat[..tensors[0].numel]), Grad::F16(&halves)],
+                &[Grad::F32(&flat[..tensors[0].numel]), Grad::f16_bits(&halves)],
                 1 + k as u64,
             )
             .unwrap();

@@ -103,8 +103,8 @@ impl Buf {
     fn grad(&self, start: usize) -> Grad<'_> {
         match self {
             Buf::F32(v) => Grad::F32(&v[start..]),
-            Buf::U16(Dtype::F16, v) => Grad::F16(&v[start..]),
-            Buf::U16(_, v) => Grad::Bf16(&v[start..]),
+            Buf::U16(Dtype::F16, v) => Grad::f16_bits(&v[start..]),
+            Buf::U16(_, v) => Grad::bf16_bits(&v[start..]),
         }
     }
 
@@ -473,103 +473,6 @@ fn f16_decoder_matches_half_on_all_65536_patterns() {
             got.to_bits()
         );
         assert!(same(math::bf16_to_f32(bits), bf16::from_bits(bits).to_f32()), "bf16 {bits:#06x}");
-    }
-}
-
-/// Values where rounding to 16 bits is delicate: ties, the largest finite values and the
-/// overflow threshold, subnormal boundaries, zeros, infinities and NaNs.
-fn conversion_edge_cases() -> Vec<f32> {
-    let mut v = vec![
-        0.0,
-        -0.0,
-        1.0,
-        -1.0,
-        f32::MAX,
-        f32::MIN,
-        f32::MIN_POSITIVE,
-        f32::from_bits(1),
-        f32::EPSILON,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        f32::NAN,
-        -f32::NAN,
-        f32::from_bits(0x7f80_0001),
-        f32::from_bits(0xffc1_2345),
-        65504.0,
-        65519.996,
-        65520.0,
-        65535.0,
-        65536.0,
-        -65520.0,
-        1.0 + f32::powi(2.0, -11),
-        1.0 + 3.0 * f32::powi(2.0, -11),
-        f32::powi(2.0, -14),
-        f32::powi(2.0, -24),
-        f32::powi(2.0, -25),
-        3.0 * f32::powi(2.0, -26),
-        f32::powi(2.0, -26),
-        1.5 * f32::powi(2.0, -24),
-        2.5 * f32::powi(2.0, -24),
-        f32::powi(2.0, -14) - f32::powi(2.0, -25),
-        bf16::MAX.to_f32(),
-        f32::from_bits(0x7f7f_8000),
-        f32::from_bits(0x7f7f_7fff),
-        f32::from_bits(0x3f80_8000),
-        f32::from_bits(0x3f81_8000),
-        f32::from_bits(0x0000_8000),
-        f32::from_bits(0x0001_8000),
-    ];
-    let more: Vec<f32> = v
-        .iter()
-        .flat_map(|&x| {
-            [
-                f32::from_bits(x.to_bits().wrapping_add(1)),
-                f32::from_bits(x.to_bits().wrapping_sub(1)),
-            ]
-        })
-        .collect();
-    v.extend(more);
-    v
-}
-
-#[test]
-fn f32_to_f16_and_bf16_round_like_half() {
-    let mut rng = Rng::for_test("f32_to_f16_and_bf16_round_like_half");
-    let mut values = conversion_edge_cases();
-    for _ in 0..1_000_000 {
-        values.push(f32::from_bits(rng.next() as u32)); // every exponent, NaNs included
-        values.push(rng.f32_in(26)); // the f16 range, subnormals included
-        values.push((2 * rng.below(2048) + 1) as f32 * f32::powi(2.0, -25)); // ties between f16 subnormals
-                                                                             // Exact ties and their
-                                                                             // neighbours in both
-                                                                             // formats.
-        let tie16 = (rng.f32_in(14).to_bits() & !0x1fff) | 0x1000;
-        let tie_bf = (rng.next() as u32 & !0xffff) | 0x8000;
-        for t in [tie16, tie_bf] {
-            values.extend([t, t.wrapping_add(1), t.wrapping_sub(1)].map(f32::from_bits));
-        }
-    }
-    for x in values {
-        let (got, want) = (math::f32_to_f16(x), f16::from_f32(x));
-        if want.is_nan() {
-            assert!(
-                f16::from_bits(got).is_nan(),
-                "f32_to_f16({x:e} = {:#010x}) = {got:#06x}, want NaN",
-                x.to_bits()
-            );
-        } else {
-            assert_eq!(got, want.to_bits(), "f32_to_f16({x:e} = {:#010x})", x.to_bits());
-        }
-        let (got, want) = (math::f32_to_bf16(x), bf16::from_f32(x));
-        if want.is_nan() {
-            assert!(
-                bf16::from_bits(got).is_nan(),
-                "f32_to_bf16({x:e} = {:#010x}) = {got:#06x}, want NaN",
-                x.to_bits()
-            );
-        } else {
-            assert_eq!(got, want.to_bits(), "f32_to_bf16({x:e} = {:#010x})", x.to_bits());
-        }
     }
 }
 

@@ -40,16 +40,16 @@ impl Weights {
     fn grad(&self) -> Grad<'_> {
         match self {
             Weights::F32(v) => Grad::F32(v),
-            Weights::Half(Dtype::F16, v) => Grad::F16(v),
-            Weights::Half(_, v) => Grad::Bf16(v),
+            Weights::Half(Dtype::F16, v) => Grad::f16_bits(v),
+            Weights::Half(_, v) => Grad::bf16_bits(v),
         }
     }
 
     fn grad_mut(&mut self) -> GradMut<'_> {
         match self {
             Weights::F32(v) => GradMut::F32(v),
-            Weights::Half(Dtype::F16, v) => GradMut::F16(v),
-            Weights::Half(_, v) => GradMut::Bf16(v),
+            Weights::Half(Dtype::F16, v) => GradMut::f16_bits(v),
+            Weights::Half(_, v) => GradMut::bf16_bits(v),
         }
     }
 

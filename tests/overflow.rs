@@ -820,10 +820,10 @@ fn nothing_kept_anywhere_skips_the_step() {
     assert_eq!(e.kind, ErrorKind::WrongState, "before any sync: {e:?}");
     let a = [to_bf16(1.0); 3];
     let b = [1.0f32, f32::NAN];
-    acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&b)], 4).unwrap();
+    acc.add(&scaler, &[Grad::bf16_bits(&a), Grad::F32(&b)], 4).unwrap();
     acc.begin_microbatch(2).unwrap();
     acc.add_tensor(&scaler, 1, Grad::F32(&[f32::INFINITY, 0.0])).unwrap();
-    acc.add_tensor(&scaler, 0, Grad::Bf16(&a)).unwrap();
+    acc.add_tensor(&scaler, 0, Grad::bf16_bits(&a)).unwrap();
     acc.end_microbatch().unwrap();
     let info = acc.sync(None).unwrap();
     assert!(info.found_inf);
@@ -837,7 +837,7 @@ fn nothing_kept_anywhere_skips_the_step() {
     );
     assert!(scaler.update_from(&[&acc], true).unwrap().unwrap(), "the step is skipped");
     // The next window: clean, normalised by its own count.
-    acc.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
+    acc.add(&scaler, &[Grad::bf16_bits(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
     let info = acc.sync(None).unwrap();
     assert!(!info.found_inf);
     assert_eq!((info.total_count, info.dropped_microbatches, info.overflow), (4, 0, None));
@@ -846,7 +846,7 @@ fn nothing_kept_anywhere_skips_the_step() {
     assert_eq!(stats[1], TensorStats { grad_norm: 2f64.sqrt(), nonfinite_microbatches: 0 });
     // Off in the config: nothing was measured.
     let off = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
-    off.add(&scaler, &[Grad::Bf16(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
+    off.add(&scaler, &[Grad::bf16_bits(&a), Grad::F32(&[1.0, 1.0])], 4).unwrap();
     off.sync(None).unwrap();
     assert_eq!(off.tensor_stats().unwrap_err().kind, ErrorKind::WrongState);
 }

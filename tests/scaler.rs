@@ -201,8 +201,8 @@ fn a_host_loss_scales_in_place_rounding_to_nearest_even() {
     let (f32_in, f32_out) = ([0.5f32, -2.0], [1.5f32, -6.0]);
 
     let (mut a, mut b, mut c) = (f16_in, bf16_in, f32_in);
-    s.scale_loss(GradMut::F16(&mut a)).unwrap();
-    s.scale_loss(GradMut::Bf16(&mut b)).unwrap();
+    s.scale_loss(GradMut::f16_bits(&mut a)).unwrap();
+    s.scale_loss(GradMut::bf16_bits(&mut b)).unwrap();
     s.scale_loss(GradMut::F32(&mut c)).unwrap();
     assert_eq!((a, b, c), (f16_out, bf16_out, f32_out));
 

@@ -393,12 +393,12 @@ fn one_rank_overflowing_skips_the_window_on_every_rank() {
             halves[4321] = 0x7c00; // +inf in rank 1's first micro-batch only
         }
         let small = vec![to_bf16(0.25); 300];
-        acc.add(&s, &[Grad::F16(&halves), Grad::Bf16(&small)], 2).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&halves), Grad::bf16_bits(&small)], 2).unwrap();
         halves[4321] = to_f16(0.5);
-        acc.add(&s, &[Grad::F16(&halves), Grad::Bf16(&small)], 2).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&halves), Grad::bf16_bits(&small)], 2).unwrap();
         let overflowed = acc.sync(None).unwrap();
         // The next window is clean again: its first micro-batch assigns.
-        acc.add(&s, &[Grad::F16(&halves), Grad::Bf16(&small)], 2).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&halves), Grad::bf16_bits(&small)], 2).unwrap();
         (overflowed, acc.sync(None).unwrap())
     });
     for (r, (overflowed, clean)) in infos.iter().enumerate() {
@@ -487,14 +487,14 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         let s = scaler(1.0);
         let big = vec![to_f16(1.0); 6000];
         let small = vec![1.0f32; 10];
-        acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&big), Grad::F32(&small)], 1).unwrap();
         let before = shard_bits(&acc);
         // Rank 1's call is invalid (a wrong dtype): both fail, nothing is added.
         let bad = vec![to_bf16(1.0); 6000];
         let grads = if r == 1 {
-            [Grad::Bf16(&bad), Grad::F32(&small)]
+            [Grad::bf16_bits(&bad), Grad::F32(&small)]
         } else {
-            [Grad::F16(&big), Grad::F32(&small)]
+            [Grad::f16_bits(&big), Grad::F32(&small)]
         };
         let e = acc.add(&s, &grads, 1).unwrap_err();
         assert_eq!(
@@ -507,14 +507,14 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         let e = if r == 0 {
             acc.sync(None).unwrap_err()
         } else {
-            acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err()
+            acc.add(&s, &[Grad::f16_bits(&big), Grad::F32(&small)], 1).unwrap_err()
         };
         assert_eq!(e.kind, ErrorKind::SizeMismatch, "rank {r}: {e}");
         assert_eq!(shard_bits(&acc), before, "rank {r}: the window is as it was");
         // Rank 0 adds a whole micro-batch while rank 1 opens one tensor by tensor: the two cut
         // the micro-batch differently, so both fail with nothing reduced.
         let e = if r == 0 {
-            acc.add(&s, &[Grad::F16(&big), Grad::F32(&small)], 1).unwrap_err()
+            acc.add(&s, &[Grad::f16_bits(&big), Grad::F32(&small)], 1).unwrap_err()
         } else {
             acc.begin_microbatch(1).unwrap_err()
         };
@@ -523,7 +523,7 @@ fn misuse_fails_on_every_rank_and_leaves_the_windows() {
         // A micro-batch tensor by tensor, whole.
         acc.begin_microbatch(1).unwrap();
         acc.add_tensor(&s, 1, Grad::F32(&small)).unwrap();
-        acc.add_tensor(&s, 0, Grad::F16(&big)).unwrap();
+        acc.add_tensor(&s, 0, Grad::f16_bits(&big)).unwrap();
         acc.end_microbatch().unwrap();
         // Another communicator at the boundary on rank 0.
         let stranger = LocalComm::group(1).unwrap();
@@ -787,7 +787,7 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
         let acc = sharded(config, &tensors, comm);
         let s = scaler(1.0);
         let (halves, floats) = (vec![to_f16(1.0); 5000], vec![1.0f32; 3000]);
-        acc.add(&s, &[Grad::F16(&halves), Grad::F32(&floats)], 1).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&halves), Grad::F32(&floats)], 1).unwrap();
         let before = shard_bits(&acc);
 
         // A contribution refused on rank 1 (a wrong length): every rank's micro-batch fails when
@@ -796,7 +796,11 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
         acc.begin_microbatch(1).unwrap();
         acc.add_tensor(&s, 1, Grad::F32(&floats)).unwrap();
         let short = vec![to_f16(1.0); 4999];
-        let e = acc.add_tensor(&s, 0, if r == 1 { Grad::F16(&short) } else { Grad::F16(&halves) });
+        let e = acc.add_tensor(
+            &s,
+            0,
+            if r == 1 { Grad::f16_bits(&short) } else { Grad::f16_bits(&halves) },
+        );
         assert_eq!(e.is_err(), r == 1, "rank {r}");
         let e = acc.end_microbatch().unwrap_err();
         assert_eq!(
@@ -814,7 +818,7 @@ fn a_refused_call_on_one_rank_never_leaves_the_others_waiting() {
 
         // end_microbatch without a micro-batch on rank 2, while the others open and close one:
         // they fail at once, nothing is reduced.
-        acc.add(&s, &[Grad::F16(&halves), Grad::F32(&floats)], 1).unwrap();
+        acc.add(&s, &[Grad::f16_bits(&halves), Grad::F32(&floats)], 1).unwrap();
         let t = std::time::Instant::now();
         if r == 2 {
             assert_eq!(acc.end_microbatch().unwrap_err().kind, ErrorKind::WrongState);

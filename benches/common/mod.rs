@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use gradacc::half::{bf16, f16};
 use gradacc::simd;
 use gradacc::Grad;
 
@@ -29,10 +30,10 @@ pub fn pattern(i: usize) -> u32 {
 }
 
 /// f32, f16 and bf16 gradients of `len` elements in [-0.5, 0.5).
-pub fn gradients(len: usize) -> (Vec<f32>, Vec<u16>, Vec<u16>) {
+pub fn gradients(len: usize) -> (Vec<f32>, Vec<f16>, Vec<bf16>) {
     let f32_grad: Vec<f32> = (0..len).map(|i| pattern(i) as f32 / 16384.0 - 0.5).collect();
-    let f16_grad = f32_grad.iter().map(|&v| gradacc::math::f32_to_f16(v)).collect();
-    let bf16_grad = f32_grad.iter().map(|&v| gradacc::math::f32_to_bf16(v)).collect();
+    let f16_grad = f32_grad.iter().map(|&v| f16::from_f32(v)).collect();
+    let bf16_grad = f32_grad.iter().map(|&v| bf16::from_f32(v)).collect();
     (f32_grad, f16_grad, bf16_grad)
 }
 
@@ -182,10 +183,10 @@ fn floor_scalar<const K: u8>(dst: &mut [f32], src: Grad<'_>) {
         Grad::F32([]) => dst.iter_mut().for_each(|d| op(d, 1.0)),
         Grad::F32(s) => dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, s)),
         Grad::F16(s) => {
-            dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, gradacc::math::f16_to_f32(s)))
+            dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, gradacc::math::f16_to_f32(s.to_bits())))
         }
         Grad::Bf16(s) => {
-            dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, gradacc::math::bf16_to_f32(s)))
+            dst.iter_mut().zip(s).for_each(|(d, &s)| op(d, gradacc::math::bf16_to_f32(s.to_bits())))
         }
     }
 }
@@ -271,8 +272,8 @@ fn fused_scalar(m: &mut [f32], g: Grad<'_>, factor: f32) -> bool {
     for (i, d) in m.iter_mut().enumerate() {
         let v = match g {
             Grad::F32(s) => s[i],
-            Grad::F16(s) => gradacc::math::f16_to_f32(s[i]),
-            Grad::Bf16(s) => gradacc::math::bf16_to_f32(s[i]),
+            Grad::F16(s) => gradacc::math::f16_to_f32(s[i].to_bits()),
+            Grad::Bf16(s) => gradacc::math::bf16_to_f32(s[i].to_bits()),
         };
         *d += v * factor;
         bad |= !d.is_finite();

@@ -19,6 +19,7 @@
 
 mod accumulator;
 mod comm;
+mod convert;
 mod handle;
 mod logging;
 mod optimizer;
@@ -29,6 +30,7 @@ mod version;
 
 pub use accumulator::*;
 pub use comm::*;
+pub use convert::*;
 pub use logging::*;
 pub use optimizer::*;
 pub use scaler::*;

@@ -165,9 +165,9 @@ unsafe fn weight_buffers<'a>(
                     let s = read_slice(p as *const u16, n, &what, "numel")?;
                     let s = std::slice::from_raw_parts_mut(s.as_ptr() as *mut u16, n);
                     if dtype == Dtype::F16 {
-                        GradMut::F16(s)
+                        GradMut::f16_bits(s)
                     } else {
-                        GradMut::Bf16(s)
+                        GradMut::bf16_bits(s)
                     }
                 }
             }

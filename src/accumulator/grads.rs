@@ -141,10 +141,7 @@ impl Accumulator {
     ) -> Result<()> {
         let d = self.plan.descs[index];
         let address = match g {
-            Gradient::Host(g) => match g {
-                Grad::F32(s) => s.as_ptr() as usize,
-                Grad::F16(s) | Grad::Bf16(s) => s.as_ptr() as usize,
-            },
+            Gradient::Host(g) => g.addresses().start,
             Gradient::Device(p) => p as usize,
         };
         self.check_form(index, g, &d, &argument)?;

@@ -4,6 +4,8 @@
 //! it holds no branch the compiler cannot lift out of it, and compiled once per instruction set
 //! (`simd::isa`): the same scalar code, vectorized by the compiler at that width.
 
+use half::slice::HalfFloatSliceExt;
+
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
 use crate::dtype::{Dtype, GradMut};
@@ -128,13 +130,19 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
     let counter = |seed| rounding::counter(rounding::key(seed, job.step), base as u64);
     match (out, job.rounding) {
         (GradMut::F32(o), _) => run(isa, k, piece, o, Exact),
-        (GradMut::F16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<false>),
-        (GradMut::Bf16(o), Rounding::NearestEven) => run(isa, k, piece, o, Nearest::<true>),
+        (GradMut::F16(o), Rounding::NearestEven) => {
+            run(isa, k, piece, o.reinterpret_cast_mut(), Nearest::<false>)
+        }
+        (GradMut::Bf16(o), Rounding::NearestEven) => {
+            run(isa, k, piece, o.reinterpret_cast_mut(), Nearest::<true>)
+        }
         (GradMut::F16(o), Rounding::Stochastic { seed }) => {
-            run(isa, k, piece, o, Stochastic::<false> { counter: counter(seed) })
+            let w = Stochastic::<false> { counter: counter(seed) };
+            run(isa, k, piece, o.reinterpret_cast_mut(), w)
         }
         (GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
-            run(isa, k, piece, o, Stochastic::<true> { counter: counter(seed) })
+            let w = Stochastic::<true> { counter: counter(seed) };
+            run(isa, k, piece, o.reinterpret_cast_mut(), w)
         }
     }
 }

@@ -105,10 +105,22 @@ macro_rules! accumulate_in_direction {
                 (true, false) => accumulate_f32::<true, false>($master, g, $factor),
                 (true, true) => accumulate_f32::<true, true>($master, g, $factor),
             },
-            (Grad::F16(g), false) => accumulate_f16::<false, false>($master, g, $factor),
-            (Grad::F16(g), true) => accumulate_f16::<true, false>($master, g, $factor),
-            (Grad::Bf16(g), false) => accumulate_bf16::<false, false>($master, g, $factor),
-            (Grad::Bf16(g), true) => accumulate_bf16::<true, false>($master, g, $factor),
+            (Grad::F16(g), assign) => {
+                let g = half::slice::HalfFloatSliceExt::reinterpret_cast(g);
+                if assign {
+                    accumulate_f16::<true, false>($master, g, $factor)
+                } else {
+                    accumulate_f16::<false, false>($master, g, $factor)
+                }
+            }
+            (Grad::Bf16(g), assign) => {
+                let g = half::slice::HalfFloatSliceExt::reinterpret_cast(g);
+                if assign {
+                    accumulate_bf16::<true, false>($master, g, $factor)
+                } else {
+                    accumulate_bf16::<false, false>($master, g, $factor)
+                }
+            }
         }
     };
 }

@@ -80,7 +80,10 @@ unsafe fn largest_encoding_avx2(grad: Grad<'_>) -> u32 {
 fn largest_encoding_any(grad: Grad<'_>) -> u32 {
     match grad {
         Grad::F32(v) => largest_magnitude(v, |x: f32| x.to_bits() & 0x7fff_ffff),
-        Grad::F16(v) | Grad::Bf16(v) => largest_magnitude(v, |b: u16| b & 0x7fff) as u32,
+        Grad::F16(_) | Grad::Bf16(_) => {
+            let bits = grad.bits().unwrap_or_default();
+            largest_magnitude(bits, |b: u16| b & 0x7fff) as u32
+        }
     }
 }
 
@@ -178,15 +181,14 @@ pub fn nonfinite_tensors(grads: &[Grad<'_>], factor: f32, threads: usize) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::{f32_to_bf16, f32_to_f16};
 
     /// The reference: the add's own multiply, element by element.
     fn reference(grad: Grad<'_>, factor: f32) -> bool {
         (0..grad.len()).all(|i| {
             let x = match grad {
                 Grad::F32(v) => v[i],
-                Grad::F16(v) => f16_to_f32(v[i]),
-                Grad::Bf16(v) => bf16_to_f32(v[i]),
+                Grad::F16(v) => f16_to_f32(v[i].to_bits()),
+                Grad::Bf16(v) => bf16_to_f32(v[i].to_bits()),
             };
             (x * factor).is_finite()
         })
@@ -203,8 +205,9 @@ mod tests {
                 for &special in &specials {
                     let mut v: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 3.0).collect();
                     v[at] = special;
-                    let f16: Vec<u16> = v.iter().map(|&x| f32_to_f16(x)).collect();
-                    let bf16: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
+                    let f16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let bf16: Vec<half::bf16> =
+                        v.iter().map(|&x| half::bf16::from_f32(x)).collect();
                     for &factor in &factors {
                         for g in [Grad::F32(&v), Grad::F16(&f16), Grad::Bf16(&bf16)] {
                             assert_eq!(

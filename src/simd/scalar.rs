@@ -2,6 +2,8 @@
 //! bit for bit, the only path off x86-64, and the head and tail handler of the SIMD paths.
 
 use super::math;
+use half::slice::HalfFloatSliceExt;
+
 use crate::dtype::Grad;
 
 /// The fused pass with the element decoder as a parameter; `ASSIGN` is a constant so the loop
@@ -25,10 +27,18 @@ pub(super) fn accumulate(master: &mut [f32], grad: Grad<'_>, factor: f32, assign
     match (grad, assign) {
         (Grad::F32(g), false) => accumulate_with::<false, _>(master, g, factor, |x| x),
         (Grad::F32(g), true) => accumulate_with::<true, _>(master, g, factor, |x| x),
-        (Grad::F16(g), false) => accumulate_with::<false, _>(master, g, factor, math::f16_to_f32),
-        (Grad::F16(g), true) => accumulate_with::<true, _>(master, g, factor, math::f16_to_f32),
-        (Grad::Bf16(g), false) => accumulate_with::<false, _>(master, g, factor, math::bf16_to_f32),
-        (Grad::Bf16(g), true) => accumulate_with::<true, _>(master, g, factor, math::bf16_to_f32),
+        (Grad::F16(g), false) => {
+            accumulate_with::<false, _>(master, g.reinterpret_cast(), factor, math::f16_to_f32)
+        }
+        (Grad::F16(g), true) => {
+            accumulate_with::<true, _>(master, g.reinterpret_cast(), factor, math::f16_to_f32)
+        }
+        (Grad::Bf16(g), false) => {
+            accumulate_with::<false, _>(master, g.reinterpret_cast(), factor, math::bf16_to_f32)
+        }
+        (Grad::Bf16(g), true) => {
+            accumulate_with::<true, _>(master, g.reinterpret_cast(), factor, math::bf16_to_f32)
+        }
     }
 }
 

@@ -129,8 +129,8 @@ impl HostGrad {
     pub fn view(&self) -> Grad<'_> {
         match self.dtype {
             Dtype::F32 => Grad::F32(&self.f32s),
-            Dtype::F16 => Grad::F16(&self.u16s),
-            Dtype::Bf16 => Grad::Bf16(&self.u16s),
+            Dtype::F16 => Grad::f16_bits(&self.u16s),
+            Dtype::Bf16 => Grad::bf16_bits(&self.u16s),
         }
     }
 

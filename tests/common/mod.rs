@@ -109,8 +109,8 @@ pub fn hybrid_grid<T: Send>(
 pub fn grad_of<'a>(dtype: gradacc::Dtype, f32s: &'a [f32], halves: &'a [u16]) -> gradacc::Grad<'a> {
     match dtype {
         gradacc::Dtype::F32 => gradacc::Grad::F32(f32s),
-        gradacc::Dtype::F16 => gradacc::Grad::F16(halves),
-        gradacc::Dtype::Bf16 => gradacc::Grad::Bf16(halves),
+        gradacc::Dtype::F16 => gradacc::Grad::f16_bits(halves),
+        gradacc::Dtype::Bf16 => gradacc::Grad::bf16_bits(halves),
     }
 }
 

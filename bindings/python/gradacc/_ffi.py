@@ -487,6 +487,34 @@ gradacc_comm_abort.restype = gradacc_status_t
 gradacc_comm_abort.argtypes = [ctypes.POINTER(gradacc_comm_t)]
 # arguments: comm
 
+# Converts the `n` f32 values at `src` to IEEE binary16 bits at `dst`, rounding to nearest even: a value past the largest finite f16 (65504) rounds to infinity from 65520 up, a value below the smallest subnormal (2^-24) to a signed zero from 2^-25 down; a NaN stays NaN, quiet, with the upper bits of its payload.
+gradacc_f32_to_f16 = dll.gradacc_f32_to_f16
+gradacc_f32_to_f16.restype = gradacc_status_t
+gradacc_f32_to_f16.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16), ctypes.c_size_t]
+# arguments: src, dst, n
+gradacc_f32_to_f16 = unsigned_arguments(gradacc_f32_to_f16, 'gradacc_f32_to_f16', {2: 'n'})
+
+# Converts the `n` IEEE binary16 bit patterns at `src` to f32 values at `dst`, exactly (every f16 value is an f32 value, subnormals included); a NaN stays NaN with its payload, and a signalling one comes back quiet, as F16C's conversion gives it (the same bits without F16C).
+gradacc_f16_to_f32 = dll.gradacc_f16_to_f32
+gradacc_f16_to_f32.restype = gradacc_status_t
+gradacc_f16_to_f32.argtypes = [ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]
+# arguments: src, dst, n
+gradacc_f16_to_f32 = unsigned_arguments(gradacc_f16_to_f32, 'gradacc_f16_to_f32', {2: 'n'})
+
+# Converts the `n` f32 values at `src` to bfloat16 bits at `dst`, rounding to nearest even (a value past the largest finite bf16 rounds to infinity); a NaN stays NaN, quiet, with the upper bits of its payload.
+gradacc_f32_to_bf16 = dll.gradacc_f32_to_bf16
+gradacc_f32_to_bf16.restype = gradacc_status_t
+gradacc_f32_to_bf16.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16), ctypes.c_size_t]
+# arguments: src, dst, n
+gradacc_f32_to_bf16 = unsigned_arguments(gradacc_f32_to_bf16, 'gradacc_f32_to_bf16', {2: 'n'})
+
+# Converts the `n` bfloat16 bit patterns at `src` to f32 values at `dst`, exactly: each pattern becomes the upper half of an f32, a NaN's payload as it is (a signalling one stays signalling), as gradacc reads a bf16 gradient.
+gradacc_bf16_to_f32 = dll.gradacc_bf16_to_f32
+gradacc_bf16_to_f32.restype = gradacc_status_t
+gradacc_bf16_to_f32.argtypes = [ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]
+# arguments: src, dst, n
+gradacc_bf16_to_f32 = unsigned_arguments(gradacc_bf16_to_f32, 'gradacc_bf16_to_f32', {2: 'n'})
+
 # Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the environment variable `GRADACC_LOG` names (error, warn, info, debug).
 gradacc_set_log_callback = dll.gradacc_set_log_callback
 gradacc_set_log_callback.restype = gradacc_status_t

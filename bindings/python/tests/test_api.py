@@ -162,6 +162,33 @@ def test_bf16_words_and_scale_loss():
         assert acc.master(0).tolist() == [0.75, -0.375]
 
 
+def bf16_reference(x):
+    """Nearest-even bf16 bits of float32 ``x`` in integers, independently of the library; NaNs
+    keep their upper bits with the quiet bit set."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    up = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((b >> 16) | 0x40).astype(np.uint16), up)
+
+
+def test_bf16_conversions():
+    rng = np.random.default_rng(45)
+    x = rng.integers(0, 2**32, 7 * 14_287, dtype=np.uint64).astype(np.uint32).view(np.float32).reshape(7, -1)
+    words = gradacc.f32_to_bf16(x)
+    assert words.dtype == np.uint16 and words.shape == x.shape
+    assert (words == bf16_reference(x)).all()
+    back = gradacc.bf16_to_f32(words[:, 1::3])  # a strided view: copied, then converted
+    assert (back.view(np.uint32) == words[:, 1::3].astype(np.uint32) << 16).all()
+    assert gradacc.f32_to_bf16([1.0, 1 + 2**-8, 3.4e38]).tolist() == [0x3F80, 0x3F80, 0x7F80]
+    assert gradacc.bf16_to_f32(np.zeros(0, np.uint16)).size == 0
+    with pytest.raises(TypeError, match="uint16"):
+        gradacc.bf16_to_f32(np.zeros(2, np.float32))
+    with gradacc.Scaler(init_scale=1.0) as s, gradacc.Accumulator([(3, "bf16")]) as acc:
+        acc.add(s, [gradacc.f32_to_bf16([0.5, -2.0, 3.0])], 1)
+        acc.sync()
+        assert acc.master(0).tolist() == [0.5, -2.0, 3.0]
+
+
 def test_adopted_master_buffer_and_state_round_trip():
     # Each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes (64 f32 values).
     master = np.full(128, np.nan, np.float32)

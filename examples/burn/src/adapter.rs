@@ -7,7 +7,6 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Gradients, Tensor, TensorData};
 use gradacc::{Accumulator, Dtype, Grad, Scaler, TensorDesc};
-use half::slice::HalfFloatSliceExt;
 
 /// What can go wrong between Burn and gradacc.
 #[derive(Debug)]
@@ -83,12 +82,8 @@ pub fn add_microbatch<M: Module>(
     for (i, d) in data.out.iter().enumerate().filter_map(|(i, d)| d.as_ref().map(|d| (i, d))) {
         let grad = match d.dtype() {
             DType::F32 => Grad::F32(d.as_slice::<f32>().map_err(|e| bad(i, e))?),
-            DType::F16 => {
-                Grad::F16(d.as_slice::<half::f16>().map_err(|e| bad(i, e))?.reinterpret_cast())
-            }
-            DType::BF16 => {
-                Grad::Bf16(d.as_slice::<half::bf16>().map_err(|e| bad(i, e))?.reinterpret_cast())
-            }
+            DType::F16 => Grad::F16(d.as_slice::<half::f16>().map_err(|e| bad(i, e))?),
+            DType::BF16 => Grad::Bf16(d.as_slice::<half::bf16>().map_err(|e| bad(i, e))?),
             other => return Err(Error::Burn(format!("gradient {i} has dtype {other:?}"))),
         };
         acc.add_tensor(scaler, i, grad)?;

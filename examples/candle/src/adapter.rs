@@ -7,7 +7,6 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Storage, Tensor, Var};
 use candle_nn::VarMap;
 use gradacc::{Accumulator, Dtype, Grad, Scaler, TensorDesc};
-use half::slice::HalfFloatSliceExt;
 
 /// A gradacc error as a candle error.
 pub fn err(e: gradacc::Error) -> candle_core::Error {
@@ -55,8 +54,8 @@ pub fn add_microbatch(
         };
         let grad = match g.dtype() {
             DType::F32 => Grad::F32(&cpu.as_slice::<f32>()?[start..end]),
-            DType::F16 => Grad::F16(cpu.as_slice::<half::f16>()?[start..end].reinterpret_cast()),
-            DType::BF16 => Grad::Bf16(cpu.as_slice::<half::bf16>()?[start..end].reinterpret_cast()),
+            DType::F16 => Grad::F16(&cpu.as_slice::<half::f16>()?[start..end]),
+            DType::BF16 => Grad::Bf16(&cpu.as_slice::<half::bf16>()?[start..end]),
             d => candle_core::bail!("gradient {i} has dtype {d:?}"),
         };
         acc.add_tensor(scaler, i, grad).map_err(err)?;

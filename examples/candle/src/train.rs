@@ -149,8 +149,8 @@ impl Replica {
                     lr: p.lr as f32,
                     ..Default::default()
                 };
-                let current = half_weights(&weights)?;
-                let grads: Vec<Grad<'_>> = current.iter().map(|w| half_grad(dtype, w)).collect();
+                let current = weights.iter().map(HalfValues::of).collect::<Result<Vec<_>>>()?;
+                let grads: Vec<Grad<'_>> = current.iter().map(HalfValues::grad).collect();
                 Masters::Gradacc(Box::new(
                     gradacc::Optimizer::new(&acc, config, &[], &grads).map_err(err)?,
                 ))
@@ -182,14 +182,15 @@ impl Replica {
             }
             Masters::Gradacc(opt) => {
                 // gradacc decides the skip itself, from the same agreed overflow flag.
-                let dtype = self.weights[0].dtype();
-                let mut current = half_weights(&self.weights)?;
+                let mut current =
+                    self.weights.iter().map(HalfValues::of).collect::<Result<Vec<_>>>()?;
                 let mut out: Vec<GradMut<'_>> =
-                    current.iter_mut().map(|w| half_grad_mut(dtype, w)).collect();
+                    current.iter_mut().map(HalfValues::grad_mut).collect();
                 let stepped = opt.step(&self.acc, &mut out, None).map_err(err)?;
                 assert_eq!(stepped, !skip, "the optimizer and the scaler agree on the skip");
-                for (var, bits) in self.weights.iter().zip(current) {
-                    var.set(&from_bits(dtype, bits, var)?)?;
+                drop(out);
+                for (var, values) in self.weights.iter().zip(current) {
+                    var.set(&values.into_tensor(var)?)?;
                 }
             }
         }
@@ -209,49 +210,41 @@ impl Replica {
     }
 }
 
-/// Each half-precision Var's values as 16-bit words.
-fn half_weights(vars: &[Var]) -> Result<Vec<Vec<u16>>> {
-    vars.iter()
-        .map(|v| {
-            let t = v.as_tensor().flatten_all()?;
-            Ok(match v.dtype() {
-                DType::F16 => t.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits()).collect(),
-                DType::BF16 => t.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits()).collect(),
-                d => candle_core::bail!("gradacc's stepper writes f16 or bf16 weights, not {d:?}"),
-            })
+/// A half-precision Var's values in their own type, which gradacc takes as they are.
+enum HalfValues {
+    F16(Vec<half::f16>),
+    Bf16(Vec<half::bf16>),
+}
+
+impl HalfValues {
+    fn of(var: &Var) -> Result<HalfValues> {
+        let t = var.as_tensor().flatten_all()?;
+        Ok(match var.dtype() {
+            DType::F16 => HalfValues::F16(t.to_vec1()?),
+            DType::BF16 => HalfValues::Bf16(t.to_vec1()?),
+            d => candle_core::bail!("gradacc's stepper writes f16 or bf16 weights, not {d:?}"),
         })
-        .collect()
-}
-
-fn half_grad(dtype: DType, w: &[u16]) -> Grad<'_> {
-    if dtype == DType::F16 {
-        Grad::F16(w)
-    } else {
-        Grad::Bf16(w)
     }
-}
 
-fn half_grad_mut(dtype: DType, w: &mut [u16]) -> GradMut<'_> {
-    if dtype == DType::F16 {
-        GradMut::F16(w)
-    } else {
-        GradMut::Bf16(w)
+    fn grad(&self) -> Grad<'_> {
+        match self {
+            HalfValues::F16(v) => Grad::F16(v),
+            HalfValues::Bf16(v) => Grad::Bf16(v),
+        }
     }
-}
 
-/// A tensor of `var`'s shape and dtype from 16-bit words.
-fn from_bits(dtype: DType, bits: Vec<u16>, var: &Var) -> Result<Tensor> {
-    let (shape, device) = (var.shape(), var.device());
-    match dtype {
-        DType::F16 => Tensor::from_vec(
-            bits.into_iter().map(half::f16::from_bits).collect::<Vec<_>>(),
-            shape,
-            device,
-        ),
-        _ => Tensor::from_vec(
-            bits.into_iter().map(half::bf16::from_bits).collect::<Vec<_>>(),
-            shape,
-            device,
-        ),
+    fn grad_mut(&mut self) -> GradMut<'_> {
+        match self {
+            HalfValues::F16(v) => GradMut::F16(v),
+            HalfValues::Bf16(v) => GradMut::Bf16(v),
+        }
+    }
+
+    /// A tensor of `var`'s shape and dtype holding these values.
+    fn into_tensor(self, var: &Var) -> Result<Tensor> {
+        match self {
+            HalfValues::F16(v) => Tensor::from_vec(v, var.shape(), var.device()),
+            HalfValues::Bf16(v) => Tensor::from_vec(v, var.shape(), var.device()),
+        }
     }
 }

@@ -269,26 +269,32 @@ fn masters_from(plan: &Plan, held: &Range<usize>, weights: &[Grad<'_>]) -> Vec<f
 fn value_at(g: &Grad<'_>, at: usize) -> f32 {
     match g {
         Grad::F32(b) => b[at],
-        Grad::F16(b) => f16_to_f32(b[at]),
-        Grad::Bf16(b) => bf16_to_f32(b[at]),
+        Grad::F16(b) => f16_to_f32(b[at].to_bits()),
+        Grad::Bf16(b) => bf16_to_f32(b[at].to_bits()),
     }
 }
 
 fn append_bytes(w: &GradMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
     match w {
-        GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_bits().to_le_bytes())),
-        GradMut::F16(b) | GradMut::Bf16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        GradMut::F16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        GradMut::Bf16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
     }
 }
 
 fn set_bytes(w: &mut GradMut<'_>, r: Range<usize>, bytes: &[u8]) {
+    let two = |c: &[u8]| -> [u8; 2] { c.try_into().expect("2 bytes") };
     match w {
         GradMut::F32(b) => b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
             *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
         }),
-        GradMut::F16(b) | GradMut::Bf16(b) => b[r]
+        GradMut::F16(b) => b[r]
             .iter_mut()
             .zip(bytes.chunks_exact(2))
-            .for_each(|(v, c)| *v = u16::from_le_bytes(c.try_into().expect("2 bytes"))),
+            .for_each(|(v, c)| *v = half::f16::from_le_bytes(two(c))),
+        GradMut::Bf16(b) => b[r]
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(v, c)| *v = half::bf16::from_le_bytes(two(c))),
     }
 }

@@ -4,6 +4,7 @@
 
 use std::ffi::c_void;
 
+use half::slice::HalfFloatSliceExt;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::accumulator::ScaleSource;
@@ -65,12 +66,12 @@ impl ScalerStore for HostScaler {
         let loss = unsafe { loss_view(loss, numel, dtype) };
         match loss {
             GradMut::F32(v) => v.iter_mut().for_each(|x| *x *= s),
-            GradMut::F16(v) => {
-                v.iter_mut().for_each(|x| *x = math::f32_to_f16(math::f16_to_f32(*x) * s))
-            }
-            GradMut::Bf16(v) => {
-                v.iter_mut().for_each(|x| *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s))
-            }
+            GradMut::F16(v) => v.reinterpret_cast_mut().iter_mut().for_each(|x| {
+                *x = math::f32_to_f16(math::f16_to_f32(*x) * s);
+            }),
+            GradMut::Bf16(v) => v.reinterpret_cast_mut().iter_mut().for_each(|x| {
+                *x = math::f32_to_bf16(math::bf16_to_f32(*x) * s);
+            }),
         }
         Ok(())
     }
@@ -94,8 +95,12 @@ unsafe fn loss_view<'a>(loss: *mut c_void, numel: usize, dtype: Dtype) -> GradMu
     unsafe {
         match dtype {
             Dtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(loss as *mut f32, numel)),
-            Dtype::F16 => GradMut::F16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
-            Dtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(loss as *mut u16, numel)),
+            Dtype::F16 => {
+                GradMut::f16_bits(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
+            }
+            Dtype::Bf16 => {
+                GradMut::bf16_bits(std::slice::from_raw_parts_mut(loss as *mut u16, numel))
+            }
         }
     }
 }

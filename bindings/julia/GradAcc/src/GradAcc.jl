@@ -30,7 +30,9 @@ if VERSION >= v"1.11.0-DEV.469"
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
         backend_available, diagnostics,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
-        set_timeout!, rank, world_size, version, step!, set_lr!, lr_device_ptr, steps"""))
+        set_timeout!, rank, world_size, version, step!, set_lr!, lr_device_ptr, steps,
+        f32_to_f16, f32_to_f16!, f16_to_f32, f16_to_f32!, f32_to_bf16, f32_to_bf16!, bf16_to_f32,
+        bf16_to_f32!"""))
 end
 
 # Set by __init__ when the package loads, so GRADACC_LIBRARY is read then, not frozen into the
@@ -97,6 +99,8 @@ end
 The loaded library's version.
 """
 version() = VersionNumber(unsafe_string(gradacc_version_string()))
+
+include("convert.jl")
 
 const BACKENDS = Dict(:local => GRADACC_BACKEND_LOCAL, :mpi => GRADACC_BACKEND_MPI,
                       :nccl => GRADACC_BACKEND_NCCL, :cuda => GRADACC_BACKEND_CUDA)

@@ -570,6 +570,26 @@ function gradacc_comm_abort(comm)
     end
 end
 
+"Converts the `n` f32 values at `src` to IEEE binary16 bits at `dst`, rounding to nearest even: a value past the largest finite f16 (65504) rounds to infinity from 65520 up, a value below the smallest subnormal (2^-24) to a signed zero from 2^-25 down; a NaN stays NaN, quiet, with the upper bits of its payload."
+function gradacc_f32_to_f16(src, dst, n)
+    ccall((:gradacc_f32_to_f16, libgradacc()), gradacc_status_t, (Ptr{Cfloat}, Ptr{UInt16}, Csize_t), src, dst, n)
+end
+
+"Converts the `n` IEEE binary16 bit patterns at `src` to f32 values at `dst`, exactly (every f16 value is an f32 value, subnormals included); a NaN stays NaN with its payload, and a signalling one comes back quiet, as F16C's conversion gives it (the same bits without F16C)."
+function gradacc_f16_to_f32(src, dst, n)
+    ccall((:gradacc_f16_to_f32, libgradacc()), gradacc_status_t, (Ptr{UInt16}, Ptr{Cfloat}, Csize_t), src, dst, n)
+end
+
+"Converts the `n` f32 values at `src` to bfloat16 bits at `dst`, rounding to nearest even (a value past the largest finite bf16 rounds to infinity); a NaN stays NaN, quiet, with the upper bits of its payload."
+function gradacc_f32_to_bf16(src, dst, n)
+    ccall((:gradacc_f32_to_bf16, libgradacc()), gradacc_status_t, (Ptr{Cfloat}, Ptr{UInt16}, Csize_t), src, dst, n)
+end
+
+"Converts the `n` bfloat16 bit patterns at `src` to f32 values at `dst`, exactly: each pattern becomes the upper half of an f32, a NaN's payload as it is (a signalling one stays signalling), as gradacc reads a bf16 gradient."
+function gradacc_bf16_to_f32(src, dst, n)
+    ccall((:gradacc_bf16_to_f32, libgradacc()), gradacc_status_t, (Ptr{UInt16}, Ptr{Cfloat}, Csize_t), src, dst, n)
+end
+
 "Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the environment variable `GRADACC_LOG` names (error, warn, info, debug)."
 function gradacc_set_log_callback(callback, user, level)
     ccall((:gradacc_set_log_callback, libgradacc()), gradacc_status_t, (gradacc_log_fn, Ptr{Cvoid}, gradacc_log_level_t), callback, user, level)

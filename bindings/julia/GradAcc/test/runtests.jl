@@ -616,6 +616,20 @@ sharded_accumulation(world, r, comm; kw...) =
         @test_throws ArgumentError GradAcc.scale_loss!(s, [1.0])
     end
 
+    @testset "16-bit conversions" begin
+        x = Float32[1, -2, 65520, 1 + 2.0f0^-11, 2.0f0^-25, 1 + 2.0f0^-8]
+        # Julia's own Float16 rounds to nearest even too: the same bits.
+        @test GradAcc.f32_to_f16(x) == reinterpret(UInt16, Float16.(x))
+        @test GradAcc.f16_to_f32(GradAcc.f32_to_f16(x))[1:2] == Float32[1, -2]
+        @test GradAcc.f32_to_bf16(x) == UInt16[0x3f80, 0xc000, 0x4780, 0x3f80, 0x3300, 0x3f80]
+        @test GradAcc.bf16_to_f32(UInt16[0x3f80, 0x7f80]) == Float32[1, Inf]
+        dst = zeros(UInt16, 5)
+        err = try GradAcc.f32_to_bf16!(dst, x); nothing catch e; e end
+        @test err isa GradAccError && err.status == GradAcc.GRADACC_STATUS_SIZE_MISMATCH
+        @test all(iszero, dst)
+        @test isempty(GradAcc.bf16_to_f32(UInt16[]))
+    end
+
     @testset "save and load" begin
         s = Scaler(init_scale=1.0)
         acc = Accumulator([(2, Float32)])
