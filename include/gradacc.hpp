@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <stdexcept>
@@ -78,6 +79,42 @@ inline void check(gradacc_status_t status) {
 
 /** The loaded library's version ("MAJOR.MINOR.PATCH"); compare with GRADACC_VERSION_STRING. */
 inline std::string version() { return gradacc_version_string(); }
+
+/** The library's report for a bug report (gradacc_diagnostics, what gradacc-info prints). */
+inline std::string diagnostics() {
+    std::size_t needed = 0;
+    check(gradacc_diagnostics(nullptr, 0, &needed));
+    std::string report(needed, '\0');
+    check(gradacc_diagnostics(report.data(), report.size(), nullptr));
+    report.resize(needed - 1);
+    return report;
+}
+
+/** Sends the library's messages at `level` and more severe ones to `fn(level, message)`, on the
+ * thread whose call produced them; an empty `fn` or GRADACC_LOG_OFF turns them off
+ * (gradacc_set_log_callback; docs/diagnostics.md). One callback per process, kept here; `fn`
+ * must not throw (a message is not worth an exception crossing the library) and must not call
+ * set_log_callback. */
+inline void set_log_callback(std::function<void(gradacc_log_level_t, const char *)> fn,
+                             gradacc_log_level_t level = GRADACC_LOG_INFO) {
+    static std::function<void(gradacc_log_level_t, const char *)> held;
+    const auto forward = [](void *user, gradacc_log_level_t lv, const char *message) {
+        auto *f = static_cast<std::function<void(gradacc_log_level_t, const char *)> *>(user);
+        try {
+            (*f)(lv, message);
+        } catch (...) {
+        }
+    };
+    if (!fn) {
+        check(gradacc_set_log_callback(nullptr, nullptr, level));
+        held = nullptr;
+        return;
+    }
+    // Off first, so the library never calls `held` while it changes.
+    check(gradacc_set_log_callback(nullptr, nullptr, GRADACC_LOG_OFF));
+    held = std::move(fn);
+    check(gradacc_set_log_callback(forward, &held, level));
+}
 
 /** A minimal non-owning view of `size` contiguous elements (std::span is C++20). */
 template <class T>
@@ -757,6 +794,11 @@ public:
     }
     bool step(Accumulator &acc, std::initializer_list<void *> weights, Communicator *comm = nullptr) {
         return step(acc, span<void *const>(weights.begin(), weights.size()), comm);
+    }
+    /** With the communicator by reference, as Accumulator::sync takes it. */
+    bool step(Accumulator &acc, span<void *const> weights, Communicator &comm) { return step(acc, weights, &comm); }
+    bool step(Accumulator &acc, std::initializer_list<void *> weights, Communicator &comm) {
+        return step(acc, weights, &comm);
     }
 
     /** The learning rate of the steps from the next one on. */
