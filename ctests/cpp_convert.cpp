@@ -33,6 +33,9 @@ void known_values()
     const std::vector<uint16_t> got = gradacc::f32_to_f16(x);
     for (std::size_t i = 0; i < x.size(); i++)
         EXPECT(got[i] == f16[i], "f16 of %a: %#06x, want %#06x", (double)x[i], got[i], f16[i]);
+    // A temporary container converts too, as std::span<const T> would view it.
+    const std::vector<uint16_t> ones = gradacc::f32_to_f16(std::vector<float>(3, 1.0f));
+    EXPECT(ones == std::vector<uint16_t>(3, 0x3c00), "f16 of a temporary: %zu values", ones.size());
     // bf16: 1 + 2^-8 ties to even (1), 1 + 3 * 2^-8 ties up, the largest finite and past it.
     const std::array<float, 4> y = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 0x1.fep127f, 0x1.ffp127f};
     const std::array<uint16_t, 4> bf16 = {0x3f80, 0x3f82, 0x7f7f, 0x7f80};

@@ -128,6 +128,12 @@ public:
     template <class C, class = std::enable_if_t<std::is_convertible_v<
                            decltype(std::declval<C &>().data()), T *>>>
     constexpr span(C &container) noexcept : data_(container.data()), size_(container.size()) {}
+    /** A span of const elements also views a temporary container, for the call it is passed to
+     * (as std::span<const T> does): `gradacc::f32_to_f16(std::vector<float>(n, 1.0f))`. */
+    template <class C, class U = T,
+              class = std::enable_if_t<std::is_const_v<U> &&
+                                       std::is_convertible_v<decltype(std::declval<const C &>().data()), T *>>>
+    constexpr span(const C &container) noexcept : data_(container.data()), size_(container.size()) {}
 
     constexpr T *data() const noexcept { return data_; }
     constexpr std::size_t size() const noexcept { return size_; }

@@ -56,7 +56,7 @@ def _nvrtc(env_name):
     names = [os.environ[env_name]] if os.environ.get(env_name) else ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     lib, why = _open(names)
     if lib is None:
-        return f"not found ({why}); `pip install gradacc[cuda12]` or `gradacc[cuda13]` provides it"
+        return f"not found ({why}); installing the wheel with its extra, `pip install '<gradacc wheel>[cuda12]'` (or `[cuda13]`), provides it"
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     return f"{major.value}.{minor.value}, {_file_of(lib, 'nvrtcVersion')}"
@@ -66,7 +66,7 @@ def _nccl(env_name):
     names = [os.environ[env_name]] if os.environ.get(env_name) else ["libnccl.so.2", "libnccl.so"]
     lib, why = _open(names)
     if lib is None:
-        return f"not found ({why}); `pip install gradacc[cuda12]` or `gradacc[cuda13]` provides it"
+        return f"not found ({why}); installing the wheel with its extra, `pip install '<gradacc wheel>[cuda12]'` (or `[cuda13]`), provides it"
     version = ctypes.c_int()
     lib.ncclGetVersion(ctypes.byref(version))
     v = version.value
