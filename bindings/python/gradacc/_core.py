@@ -49,6 +49,22 @@ class GradaccTimeoutError(GradaccError, TimeoutError):
     :attr:`Status.TIMEOUT`); the communicator was aborted. Also a built-in ``TimeoutError``."""
 
 
+class GradaccDtypeError(GradaccError, TypeError):
+    """A buffer of another element type than its tensor's (status :attr:`Status.DTYPE_MISMATCH`),
+    found by this binding before the library is called. Also a built-in ``TypeError``."""
+
+    def __init__(self, message):
+        super().__init__(ffi.GRADACC_STATUS_DTYPE_MISMATCH, message)
+
+
+class GradaccSizeError(GradaccError, ValueError):
+    """A buffer or list of another length than its tensor's or the accumulator's (status
+    :attr:`Status.SIZE_MISMATCH`), found by this binding. Also a built-in ``ValueError``."""
+
+    def __init__(self, message):
+        super().__init__(ffi.GRADACC_STATUS_SIZE_MISMATCH, message)
+
+
 # Statuses raised as a subclass of GradaccError; every other status raises GradaccError itself.
 _ERRORS = {ffi.GRADACC_STATUS_TIMEOUT: GradaccTimeoutError}
 
@@ -219,7 +235,7 @@ def _buffer(obj, dtype, what, writable=False):
         if writable and not arr.flags.writeable:
             raise ValueError(f"{what} must be writable")
         if dtype is not None and arr.dtype not in _ACCEPTED_NUMPY[dtype] and arr.dtype.name not in _ACCEPTED[dtype]:
-            raise TypeError(f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
+            raise GradaccDtypeError(f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
                             f"{dtype.name} (accepted: {', '.join(_ACCEPTED[dtype])})")
         return arr.ctypes.data, arr.size, arr
     if hasattr(obj, "data_ptr"):
@@ -227,7 +243,7 @@ def _buffer(obj, dtype, what, writable=False):
             raise ValueError(f"{what} must be contiguous")
         name = str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1]
         if dtype is not None and name in _DTYPE_NAMES and _DTYPE_NAMES[name] != dtype:
-            raise TypeError(f"{what} has dtype {name}, but the tensor is declared {dtype.name}")
+            raise GradaccDtypeError(f"{what} has dtype {name}, but the tensor is declared {dtype.name}")
         numel = obj.numel() if hasattr(obj, "numel") else None
         return int(obj.data_ptr()), numel, obj
     raise TypeError(f"{what}: expected a numpy array, an object with __array_interface__ or "
@@ -532,13 +548,13 @@ class Accumulator(_Managed):
         micro-batch passes the result to each ``add``. The buffers are referenced, not copied,
         and kept alive by the result; ``add`` reads what they hold when it is called."""
         if len(grads) != len(self._tensors):
-            raise ValueError(f"{len(grads)} gradients for {len(self._tensors)} tensors")
+            raise GradaccSizeError(f"{len(grads)} gradients for {len(self._tensors)} tensors")
         ptrs, keep = [], []
         for i, (g, (numel, dt)) in enumerate(zip(grads, self._tensors)):
             ptr, n, k = _buffer(g, dt, f"grads[{i}]")
             # add() takes no lengths, so a short buffer would be read past its end: check here.
             if n is not None and n != numel:
-                raise ValueError(f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
+                raise GradaccSizeError(f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
             ptrs.append(ptr)
             keep.append(k)
         return BoundGrads(self, (ctypes.c_void_p * len(ptrs))(*ptrs), keep)
@@ -829,7 +845,7 @@ class Optimizer(_Managed):
             ptr, size, k = _buffer(w, dt, f"weights[{i}]", writable=True)
             # The C API takes no lengths, so a short buffer would be read past its end.
             if size is not None and size != numel:
-                raise ValueError(f"weights[{i}] has {size} elements, but tensor {i} has {numel}")
+                raise GradaccSizeError(f"weights[{i}] has {size} elements, but tensor {i} has {numel}")
             ptrs.append(ptr)
             keep.append(k)
             codes.append(int(dt))

@@ -291,3 +291,15 @@ def test_a_negative_unsigned_argument_is_named_not_wrapped():
             acc.add_tensor(s, -2, np.ones(3, np.float32))
         acc.add_tensor(s, 0, np.ones(3, np.float32))
         acc.end_microbatch()
+
+
+def test_a_buffer_of_the_wrong_dtype_or_length_carries_the_status():
+    import numpy as np
+    with gradacc.Scaler() as s, gradacc.Accumulator([(4, "f16")]) as acc:
+        with pytest.raises(gradacc.GradaccDtypeError) as e:
+            acc.add(s, [np.ones(4, np.float32)], 1)
+        assert e.value.status == gradacc.Status.DTYPE_MISMATCH and isinstance(e.value, TypeError)
+        with pytest.raises(gradacc.GradaccSizeError) as e:
+            acc.add(s, [np.ones(3, np.float16)], 1)
+        assert e.value.status == gradacc.Status.SIZE_MISMATCH and isinstance(e.value, ValueError)
+        assert "grads[0] has 3 elements, but tensor 0 has 4" in str(e.value)
