@@ -27,6 +27,7 @@ package gradacc
 import "C"
 
 import (
+	"fmt"
 	"runtime"
 	"unsafe"
 )
@@ -68,6 +69,19 @@ const (
 	F16  DType = C.GRADACC_DTYPE_F16
 	BF16 DType = C.GRADACC_DTYPE_BF16
 )
+
+// String is the dtype's name: f32, f16 or bf16 (or its code, for a value that is none).
+func (d DType) String() string {
+	switch d {
+	case F32:
+		return "f32"
+	case F16:
+		return "f16"
+	case BF16:
+		return "bf16"
+	}
+	return fmt.Sprintf("DType(%d)", int32(d))
+}
 
 // LossReduction says how the caller reduced its loss over a micro-batch's items.
 type LossReduction int32

@@ -209,7 +209,7 @@ func (g Grad) check(what string, want TensorDesc) error {
 		if g.f32 {
 			kind = "[]float32"
 		}
-		return &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("%s is a %s, but the tensor is declared dtype %d", what, kind, want.DType)}
+		return &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("%s is a %s, but the tensor is declared %s", what, kind, want.DType)}
 	}
 	if uint64(g.numel) != want.Numel {
 		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("%s has %d elements, but the tensor has %d", what, g.numel, want.Numel)}

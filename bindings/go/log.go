@@ -4,6 +4,7 @@ package gradacc
 import "C"
 
 import (
+	"fmt"
 	"sync"
 	"unsafe"
 )
@@ -18,6 +19,15 @@ const (
 	LogInfo  LogLevel = 3
 	LogDebug LogLevel = 4
 )
+
+// String is the level's name: off, error, warn, info or debug.
+func (l LogLevel) String() string {
+	names := [...]string{"off", "error", "warn", "info", "debug"}
+	if l >= 0 && int(l) < len(names) {
+		return names[l]
+	}
+	return fmt.Sprintf("LogLevel(%d)", int32(l))
+}
 
 var (
 	logMu sync.RWMutex

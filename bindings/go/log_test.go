@@ -57,3 +57,14 @@ func TestDiagnosticsNamesEveryPart(t *testing.T) {
 		}
 	}
 }
+
+func TestDTypeAndLogLevelPrintTheirNames(t *testing.T) {
+	for _, c := range []struct{ got, want string }{
+		{F16.String(), "f16"}, {BF16.String(), "bf16"}, {F32.String(), "f32"}, {DType(7).String(), "DType(7)"},
+		{LogInfo.String(), "info"}, {LogOff.String(), "off"}, {LogLevel(9).String(), "LogLevel(9)"},
+	} {
+		if c.got != c.want {
+			t.Errorf("%q, want %q", c.got, c.want)
+		}
+	}
+}
