@@ -112,7 +112,10 @@ fn libraries() -> Vec<(&'static str, String)> {
             v % 1000 / 10,
             driver::device_count()
         ),
-        None => "not found (no libcuda.so.1 loads)".into(),
+        None => format!(
+            "not found: {}",
+            driver::require_driver().err().map_or_else(String::new, |e| e.message)
+        ),
     };
     let nvrtc = compile::nvrtc_version()
         .and_then(|(major, minor)| Ok(format!("{major}.{minor}, {}", compile::nvrtc_file()?)));

@@ -1294,3 +1294,15 @@ fn an_empty_window_says_whether_it_was_synced_already() {
     assert_eq!(e.kind, ErrorKind::EmptyWindow);
     assert!(e.message.contains("the window was synced already, and no rank added"), "{e}");
 }
+
+#[test]
+fn a_count_past_two_to_the_63_is_named_as_a_negative_one() {
+    let tensors = [TensorDesc { numel: 3, dtype: Dtype::F32 }];
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let e = acc.add(&scaler, &[Grad::F32(&[1.0; 3])][..], -3i64 as u64).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    assert!(e.message.contains("(as a signed integer -3: a negative count?)"), "{e}");
+    let e = acc.add(&scaler, &[Grad::F32(&[1.0; 3])][..], 1 << 48).unwrap_err();
+    assert!(!e.message.contains("negative"), "{e}");
+}

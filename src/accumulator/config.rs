@@ -309,8 +309,13 @@ impl AccumulatorConfig {
         // 2^47 items per rank and window: sums over up to 65536 ranks stay exact in u64 on every
         // communicator (the MPI control words are plain u64 sums).
         if window_total.checked_add(count).is_none_or(|t| t > MAX_WINDOW_COUNT) {
+            // Past 2^63 a count is most likely a negative number converted to unsigned.
+            let wrapped = match i64::try_from(count) {
+                Ok(_) => String::new(),
+                Err(_) => format!(" (as a signed integer {}: a negative count?)", count as i64),
+            };
             return Err(Error::invalid(format!(
-                "count {count}: the window's item total would pass its limit of \
+                "count {count}{wrapped}: the window's item total would pass its limit of \
                  {MAX_WINDOW_COUNT} (2^47) items per rank; it holds {window_total}"
             )));
         }
