@@ -191,8 +191,8 @@ _ACCEPTED = {
 # which over a thousand tensors per add was most of a call.
 _ACCEPTED_NUMPY = {d: {np.dtype(n) for n in names if n != "bfloat16"} for d, names in _ACCEPTED.items()}
 _DTYPE_NAMES = {
-    "f32": DType.F32, "float32": DType.F32, "float": DType.F32,
-    "f16": DType.F16, "float16": DType.F16, "half": DType.F16,
+    "f32": DType.F32, "float32": DType.F32, "float": DType.F32, "fp32": DType.F32,
+    "f16": DType.F16, "float16": DType.F16, "half": DType.F16, "fp16": DType.F16,
     "bf16": DType.BF16, "bfloat16": DType.BF16,
 }
 

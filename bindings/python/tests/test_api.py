@@ -303,3 +303,8 @@ def test_a_buffer_of_the_wrong_dtype_or_length_carries_the_status():
             acc.add(s, [np.ones(3, np.float16)], 1)
         assert e.value.status == gradacc.Status.SIZE_MISMATCH and isinstance(e.value, ValueError)
         assert "grads[0] has 3 elements, but tensor 0 has 4" in str(e.value)
+
+
+def test_the_dtype_names_ml_code_types():
+    with gradacc.Accumulator([(2, "fp16"), (2, "fp32"), (2, "bf16")]) as acc:
+        assert [d for _, d in acc.tensors] == [gradacc.DType.F16, gradacc.DType.F32, gradacc.DType.BF16]
