@@ -1,8 +1,7 @@
 //! Array conversions between f32 and the 16-bit formats, for callers whose language has no 16-bit
 //! float type (C, Go): rounding to nearest even on the way down, exact on the way up. The f16
-//! ones are `half`'s slice conversions (F16C where the CPU has it); the bf16 ones are loops that
-//! the compiler turns into vectors, the rounding compiled for AVX2 where the CPU has it (0.18 ns
-//! per element against 0.32 with baseline vectors, in L2).
+//! ones are `half`'s slice conversions (F16C where the CPU has it); the bf16 rounding is the bf16
+//! wire's (`simd::to_bf16_bits`), and the widening a loop the compiler turns into vectors.
 
 use std::ops::Range;
 
@@ -56,48 +55,10 @@ unsafe fn arrays<'a, S, D>(
     Ok((from, unsafe { std::slice::from_raw_parts_mut(dst, n) }))
 }
 
-/// f32 to bfloat16 bits, rounding to nearest even; a NaN stays NaN, quiet, with the upper bits of
-/// its payload (`half::bf16::from_f32`'s bits), written without a branch so that loops vectorize.
-#[inline(always)]
-fn round_bf16(v: f32) -> u16 {
-    let x = v.to_bits();
-    let nan = (x & 0x7fff_ffff) > 0x7f80_0000;
-    if nan {
-        ((x >> 16) | 0x40) as u16
-    } else {
-        (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16
-    }
-}
-
-#[inline(always)]
-fn to_bf16_loop(src: &[f32], dst: &mut [u16]) {
-    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = round_bf16(s));
-}
-
 /// `dst[i]` = the f32 value of the bfloat16 bits `src[i]`: baseline x86-64 vectors already keep
 /// up with memory here (AVX2 measured no faster).
 fn from_bf16(src: &[u16], dst: &mut [f32]) {
     dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f32::from_bits((s as u32) << 16));
-}
-
-/// [`to_bf16_loop`] at AVX2's width.
-///
-/// # Safety
-/// The CPU must have AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn to_bf16_avx2(src: &[f32], dst: &mut [u16]) {
-    to_bf16_loop(src, dst)
-}
-
-/// `dst[i]` = the bfloat16 bits of `src[i]`, on the widest vectors the CPU has.
-fn to_bf16(src: &[f32], dst: &mut [u16]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was detected just above.
-        return unsafe { to_bf16_avx2(src, dst) };
-    }
-    to_bf16_loop(src, dst)
 }
 
 /// Converts the `n` f32 values at `src` to IEEE binary16 bits at `dst`, rounding to nearest
@@ -163,7 +124,7 @@ pub unsafe extern "C" fn gradacc_f32_to_bf16(
     guard("gradacc_f32_to_bf16", || {
         // SAFETY: `src` holds `n` readable and `dst` `n` writable values (API contract); checked.
         let (src, dst) = unsafe { arrays(src, dst, n) }?;
-        to_bf16(src, dst);
+        gradacc::simd::to_bf16_bits(src, dst);
         Ok(())
     })
 }
