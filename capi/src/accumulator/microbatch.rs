@@ -48,34 +48,57 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
     count: u64,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_add", || {
-        let a = ACCUMULATORS.get(acc, "acc")?;
-        // Under sharded accumulation the other ranks are in the micro-batch's collective.
-        let owed = Owed::collective(&a);
-        let args = || {
-            let s = SCALERS.get(scaler, "scaler")?;
-            if grads.is_null() {
-                return Err(null("grads"));
-            }
-            if n != a.tensors().len() {
-                return Err(Error::new(
-                    ErrorKind::SizeMismatch,
-                    format!("`n` = {n}, but the accumulator has {} tensors", a.tensors().len()),
-                )
-                .into());
-            }
-            // SAFETY: the caller passes `n` addresses at `grads` (API contract).
-            let grads = unsafe { read_slice(grads, n, "grads", "n")? };
-            if let Some(i) = grads.iter().position(|g| g.is_null()) {
-                return Err(null(&format!("grads[{i}]")));
-            }
-            Ok((s, grads))
-        };
-        let (s, grads) = args()?;
-        owed.settle();
-        // SAFETY: each address holds its tensor's gradient (API contract); `add_raw` checks its
-        // alignment and size before use.
-        Ok(unsafe { a.add_raw(&s, grads, count) }?)
+        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+        unsafe {
+            add_each(acc, scaler, grads, n, count, |i, g, _| match g.is_null() {
+                true => Err(null(&format!("grads[{i}]"))),
+                false => Ok(*g),
+            })
+        }
     })
+}
+
+/// The body of gradacc_accumulator_add and _add_grads: `address` turns the caller's gradient `i`
+/// (of the `n` at `grads`, checked against the tensor count first) into its tensor's address, or
+/// refuses it; a refusal reaches the sharded peers before the error returns.
+///
+/// # Safety
+/// A non-null `grads` points to `n` values of `G`, each naming its tensor's gradient as the
+/// calling entry point documents.
+unsafe fn add_each<G>(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    grads: *const G,
+    n: usize,
+    count: u64,
+    address: impl Fn(usize, &G, &gradacc::TensorDesc) -> CallResult<*const c_void>,
+) -> CallResult<()> {
+    let a = ACCUMULATORS.get(acc, "acc")?;
+    // Under sharded accumulation the other ranks are in the micro-batch's collective.
+    let owed = Owed::collective(&a);
+    let args = || {
+        let s = SCALERS.get(scaler, "scaler")?;
+        let tensors = a.tensors();
+        if grads.is_null() {
+            return Err(null("grads"));
+        }
+        if n != tensors.len() {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
+            )
+            .into());
+        }
+        // SAFETY: `grads` holds `n` values (the caller's contract).
+        let grads = unsafe { read_slice(grads, n, "grads", "n")? };
+        let data = grads.iter().zip(tensors).enumerate().map(|(i, (g, t))| address(i, g, t));
+        Ok((s, data.collect::<CallResult<Vec<_>>>()?))
+    };
+    let (s, data) = args()?;
+    owed.settle();
+    // SAFETY: each address holds its tensor's gradient (the caller's contract); `add_raw` checks
+    // its alignment and size before use.
+    Ok(unsafe { a.add_raw(&s, &data, count) }?)
 }
 
 /// gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold
@@ -95,37 +118,12 @@ pub unsafe extern "C" fn gradacc_accumulator_add_grads(
     count: u64,
 ) -> gradacc_status_t {
     guard("gradacc_accumulator_add_grads", || {
-        let a = ACCUMULATORS.get(acc, "acc")?;
-        // Under sharded accumulation the other ranks are in the micro-batch's collective.
-        let owed = Owed::collective(&a);
-        let args = || {
-            let s = SCALERS.get(scaler, "scaler")?;
-            let tensors = a.tensors();
-            if grads.is_null() {
-                return Err(null("grads"));
-            }
-            if n != tensors.len() {
-                return Err(Error::new(
-                    ErrorKind::SizeMismatch,
-                    format!("`n` = {n}, but the accumulator has {} tensors", tensors.len()),
-                )
-                .into());
-            }
-            // SAFETY: the caller passes `n` descriptors at `grads` (API contract).
-            let grads = unsafe { read_slice(grads, n, "grads", "n")? };
-            let data = grads
-                .iter()
-                .zip(tensors)
-                .enumerate()
-                .map(|(i, (g, t))| g.checked(t, i, &format!("grads[{i}]")))
-                .collect::<CallResult<Vec<_>>>()?;
-            Ok((s, data))
-        };
-        let (s, data) = args()?;
-        owed.settle();
-        // SAFETY: each address holds its tensor's gradient, as its descriptor says (API
-        // contract); `add_raw` checks its alignment and size before use.
-        Ok(unsafe { a.add_raw(&s, &data, count) }?)
+        // SAFETY: the caller passes `n` descriptors at `grads` (API contract).
+        unsafe {
+            add_each(acc, scaler, grads, n, count, |i, g, t| {
+                g.checked(t, i, &format!("grads[{i}]"))
+            })
+        }
     })
 }
 
