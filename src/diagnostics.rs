@@ -91,12 +91,14 @@ fn backends() -> Vec<(&'static str, String)> {
     let mpi = if cfg!(feature = "mpi") {
         "available".into()
     } else {
-        "not in this build (build with CMake -DGRADACC_WITH_MPI=ON or cargo --features mpi)".into()
+        "unavailable: not in this build (build with CMake -DGRADACC_WITH_MPI=ON or cargo \
+         --features mpi)"
+            .into()
     };
     let cuda = driver::require_driver().and_then(|()| compile::require_nvrtc());
     let nccl = driver::require_driver().and_then(|()| nccl::require_nccl());
     vec![
-        ("local (in-process)", "available".into()),
+        ("local", "available".into()),
         ("MPI", mpi),
         ("CUDA", status(cuda)),
         ("NCCL", status(nccl)),
@@ -122,7 +124,12 @@ fn libraries() -> Vec<(&'static str, String)> {
     let nccl = nccl::nccl_library()
         .map(|((major, minor, patch), file)| format!("{major}.{minor}.{patch}, {file}"));
     let found = |r: crate::Result<String>| r.unwrap_or_else(|e| format!("not found: {e}"));
-    vec![("CUDA driver", driver), ("NVRTC", found(nvrtc)), ("NCCL", found(nccl))]
+    #[cfg(feature = "mpi")]
+    let mpi = library::file_of(mpi::ffi::MPI_Init as *const c_void)
+        .map_or_else(|| "linked, its file unknown".into(), |f| f.display().to_string());
+    #[cfg(not(feature = "mpi"))]
+    let mpi = "not linked (only a build with MPI links it)".to_string();
+    vec![("CUDA driver", driver), ("NVRTC", found(nvrtc)), ("NCCL", found(nccl)), ("MPI", mpi)]
 }
 
 #[cfg(test)]
