@@ -165,22 +165,20 @@ impl State {
     /// The micro-batch being fed is dropped: non-finite in `tensor`, it counts for nothing.
     pub fn drop_microbatch(&mut self, tensor: usize) {
         self.went_bad(tensor);
-        log::info!(
-            "micro-batch {} of the window dropped: tensor {tensor}'s gradient is not finite",
-            self.microbatches + self.dropped + 1
-        );
-        self.dropped += 1;
-        self.phase = Phase::Open;
+        self.drop_current(&format!("tensor {tensor}'s"));
     }
 
     /// The micro-batch being fed is dropped for another rank's non-finite gradient (a sharded
     /// accumulation's micro-batch fed tensor by tensor): it counts for nothing, and this rank
     /// names no place.
     pub fn drop_microbatch_unlocated(&mut self) {
-        log::info!(
-            "micro-batch {} of the window dropped: another rank's gradient is not finite",
-            self.microbatches + self.dropped + 1
-        );
+        self.drop_current("another rank's");
+    }
+
+    /// The micro-batch being fed counts for nothing: `whose` gradient was not finite.
+    fn drop_current(&mut self, whose: &str) {
+        let n = self.microbatches + self.dropped + 1;
+        log::info!("micro-batch {n} of the window dropped: {whose} gradient is not finite");
         self.dropped += 1;
         self.phase = Phase::Open;
     }
