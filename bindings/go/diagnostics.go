@@ -20,15 +20,20 @@ import "unsafe"
 // stderr at the level the environment variable GRADACC_LOG names). fn must not call
 // SetLogCallback.
 func SetLogCallback(fn func(level LogLevel, message string), level LogLevel) error {
-	logMu.Lock()
-	defer logMu.Unlock()
-	on := C.int(0)
+	setMu.Lock()
+	defer setMu.Unlock()
+	on, previous := C.int(0), logFn.Load()
 	if fn != nil {
+		// In place before the library can call it; put back if the library refuses.
 		on = 1
+		logFn.Store(&fn)
 	}
 	err := call(func() C.enum_gradacc_status_t { return C.gradacc_go_set_log(on, C.gradacc_log_level_t(level)) })
-	if err == nil {
-		logFn = fn
+	switch {
+	case err != nil:
+		logFn.Store(previous)
+	case fn == nil:
+		logFn.Store(nil)
 	}
 	return err
 }

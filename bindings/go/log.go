@@ -6,6 +6,7 @@ import "C"
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -30,16 +31,15 @@ func (l LogLevel) String() string {
 }
 
 var (
-	logMu sync.RWMutex
-	logFn func(LogLevel, string)
+	// setMu serialises SetLogCallback; the library's calls into Go never take it, so a message
+	// being delivered while the callback changes cannot wait for it.
+	setMu sync.Mutex
+	logFn atomic.Pointer[func(LogLevel, string)]
 )
 
 //export gradaccGoLogMessage
 func gradaccGoLogMessage(_ unsafe.Pointer, level C.int32_t, message *C.char) {
-	logMu.RLock()
-	fn := logFn
-	logMu.RUnlock()
-	if fn != nil {
-		fn(LogLevel(level), C.GoString(message))
+	if fn := logFn.Load(); fn != nil {
+		(*fn)(LogLevel(level), C.GoString(message))
 	}
 }
