@@ -5,7 +5,6 @@ import "C"
 
 import (
 	"fmt"
-	"runtime"
 	"unsafe"
 )
 
@@ -83,10 +82,7 @@ func convert(dstLen, srcLen int, src, dst unsafe.Pointer, f func(s, d unsafe.Poi
 	if dstLen != srcLen {
 		return &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("dst has %d elements, src %d", dstLen, srcLen)}
 	}
-	err := call(func() C.enum_gradacc_status_t { return f(src, dst, C.size_t(srcLen)) })
-	runtime.KeepAlive(src)
-	runtime.KeepAlive(dst)
-	return err
+	return call(func() C.enum_gradacc_status_t { return f(src, dst, C.size_t(srcLen)) })
 }
 
 // mustConvert panics on an error that a freshly made destination cannot cause.

@@ -2,7 +2,6 @@ package gradacc_test
 
 import (
 	"fmt"
-	"math"
 	"sync"
 
 	gradacc "github.com/gradacc/gradacc/bindings/go"
@@ -16,28 +15,25 @@ func must[T any](v T, err error) T {
 	return v
 }
 
-// bf16 is the top half of an f32, rounded to nearest even.
-func toBF16(f float32) uint16 {
-	return uint16((math.Float32bits(f) + 0x7fff + math.Float32bits(f)>>16&1) >> 16)
-}
-func fromBF16(h uint16) float32 { return math.Float32frombits(uint32(h) << 16) }
-
 // grad is the gradient of the mean loss 0.5 (x.w - x.wTrue)^2 over n items from first, times
 // scale, in bf16; feature j of item i is a hash in [-1, 1), the same in every language's quickstart.
 func grad(w []uint16, first, n int, scale float32) []uint16 {
-	wTrue, x, sum := []float32{1, -2, 0.5, 3}, make([]float32, 4), make([]float32, 4)
+	wTrue, x, sum, wf := []float32{1, -2, 0.5, 3}, make([]float32, 4), make([]float32, 4), gradacc.BF16ToF32(w)
 	for i := first; i < first+n; i++ {
 		var e float32
 		for j := range x {
 			h := uint32(4*i+j) * 2654435761
 			x[j] = float32(h^(h>>15))/2147483648 - 1
-			e += x[j] * (fromBF16(w[j]) - wTrue[j])
+			e += x[j] * (wf[j] - wTrue[j])
 		}
 		for j := range sum {
 			sum[j] += e * x[j] / float32(n)
 		}
 	}
-	return []uint16{toBF16(sum[0] * scale), toBF16(sum[1] * scale), toBF16(sum[2] * scale), toBF16(sum[3] * scale)}
+	for j := range sum {
+		sum[j] *= scale
+	}
+	return gradacc.F32ToBF16(sum)
 }
 
 // train is one rank: 40 steps of two micro-batches (3 and 5 items, other items on each rank).
@@ -72,7 +68,8 @@ func Example_quickstart() {
 		go func(r int) { defer wg.Done(); train(comms[r], r, w[r]) }(r)
 	}
 	wg.Wait()
+	wf := gradacc.BF16ToF32(w[0])
 	fmt.Printf("ranks equal %v, w = [%.1f %.1f %.1f %.1f]\n", fmt.Sprint(w[0]) == fmt.Sprint(w[1]),
-		fromBF16(w[0][0]), fromBF16(w[0][1]), fromBF16(w[0][2]), fromBF16(w[0][3]))
+		wf[0], wf[1], wf[2], wf[3])
 	// Output: ranks equal true, w = [1.0 -2.0 0.5 3.0]
 }
