@@ -36,9 +36,6 @@ SCALARS = {
 }
 
 
-# The ctypes of the unsigned C types: a negative Python int passed to one is refused by name.
-UNSIGNED = {SCALARS[t] for t in ("size_t", "uint64_t", "uint32_t", "uint16_t", "uint8_t")}
-
 # Macros of the header that are not constants: C initialisers and the export attribute.
 NOT_CONSTANTS = {"GRADACC_API", "GRADACC_SYNC_INFO_INIT", "GRADACC_SCALER_STATS_INIT"}
 
@@ -226,7 +223,7 @@ def render(h):
         "# fmt: off",
         "import ctypes",
         "",
-        "from ._lib import dll, unsigned_arguments",
+        "from ._lib import dll",
         "",
     ]
     for name, value in h.constants:
@@ -262,9 +259,6 @@ def render(h):
         out.append(f"{name}.argtypes = [{', '.join(t for _, t in args)}]")
         if args:
             out.append(f"# arguments: {', '.join(a for a, _ in args)}")
-        unsigned = {i: a for i, (a, t) in enumerate(args) if t in UNSIGNED}
-        if unsigned:
-            out.append(f"{name} = unsigned_arguments({name}, {name!r}, {unsigned!r})")
     out.append("")
     return "\n".join(out)
 

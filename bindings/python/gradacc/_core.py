@@ -51,22 +51,21 @@ class GradaccTimeoutError(GradaccError, TimeoutError):
 
 class GradaccDtypeError(GradaccError, TypeError):
     """A buffer of another element type than its tensor's (status :attr:`Status.DTYPE_MISMATCH`),
-    found by this binding before the library is called. Also a built-in ``TypeError``."""
-
-    def __init__(self, message):
-        super().__init__(ffi.GRADACC_STATUS_DTYPE_MISMATCH, message)
+    found by this binding or by the library. Also a built-in ``TypeError``."""
 
 
 class GradaccSizeError(GradaccError, ValueError):
     """A buffer or list of another length than its tensor's or the accumulator's (status
-    :attr:`Status.SIZE_MISMATCH`), found by this binding. Also a built-in ``ValueError``."""
-
-    def __init__(self, message):
-        super().__init__(ffi.GRADACC_STATUS_SIZE_MISMATCH, message)
+    :attr:`Status.SIZE_MISMATCH`), found by this binding or by the library. Also a built-in
+    ``ValueError``."""
 
 
 # Statuses raised as a subclass of GradaccError; every other status raises GradaccError itself.
-_ERRORS = {ffi.GRADACC_STATUS_TIMEOUT: GradaccTimeoutError}
+_ERRORS = {
+    ffi.GRADACC_STATUS_TIMEOUT: GradaccTimeoutError,
+    ffi.GRADACC_STATUS_DTYPE_MISMATCH: GradaccDtypeError,
+    ffi.GRADACC_STATUS_SIZE_MISMATCH: GradaccSizeError,
+}
 
 
 def _check(status):
@@ -75,12 +74,12 @@ def _check(status):
         raise _ERRORS.get(status, GradaccError)(status, ffi.gradacc_last_error().decode("utf-8", "replace"))
 
 
-def _item_count(count):
-    """``count`` as the C calls take it (a uint64): a negative or non-integral count raises
+def _unsigned(value, what):
+    """``value`` as the C calls take an unsigned argument: a negative or non-integral one raises
     ValueError naming it, instead of wrapping to 2**64 - 1 on its way to C."""
-    if not isinstance(count, numbers.Integral) or count < 0:
-        raise ValueError(f"count = {count!r}: an item count is an integer >= 0")
-    return int(count)
+    if not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"`{what}` = {value!r}: an integer >= 0")
+    return int(value)
 
 
 # A count the library refuses on every rank of a sharded accumulation (past the window's limit),
@@ -235,7 +234,7 @@ def _buffer(obj, dtype, what, writable=False):
         if writable and not arr.flags.writeable:
             raise ValueError(f"{what} must be writable")
         if dtype is not None and arr.dtype not in _ACCEPTED_NUMPY[dtype] and arr.dtype.name not in _ACCEPTED[dtype]:
-            raise GradaccDtypeError(f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
+            raise GradaccDtypeError(ffi.GRADACC_STATUS_DTYPE_MISMATCH, f"{what} has dtype {arr.dtype.name}, but the tensor is declared "
                             f"{dtype.name} (accepted: {', '.join(_ACCEPTED[dtype])})")
         return arr.ctypes.data, arr.size, arr
     if hasattr(obj, "data_ptr"):
@@ -243,7 +242,7 @@ def _buffer(obj, dtype, what, writable=False):
             raise ValueError(f"{what} must be contiguous")
         name = str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1]
         if dtype is not None and name in _DTYPE_NAMES and _DTYPE_NAMES[name] != dtype:
-            raise GradaccDtypeError(f"{what} has dtype {name}, but the tensor is declared {dtype.name}")
+            raise GradaccDtypeError(ffi.GRADACC_STATUS_DTYPE_MISMATCH, f"{what} has dtype {name}, but the tensor is declared {dtype.name}")
         numel = obj.numel() if hasattr(obj, "numel") else None
         return int(obj.data_ptr()), numel, obj
     raise TypeError(f"{what}: expected a numpy array, an object with __array_interface__ or "
@@ -523,7 +522,7 @@ class Accumulator(_Managed):
         """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient, or ``grads``
         is what :meth:`bind` returned for the same buffers (one C call, nothing converted)."""
         try:
-            count = _item_count(count)
+            count = _unsigned(count, "count")
             bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
             if bound._acc is not self:
                 raise ValueError("these gradients were bound to another accumulator")
@@ -548,20 +547,20 @@ class Accumulator(_Managed):
         micro-batch passes the result to each ``add``. The buffers are referenced, not copied,
         and kept alive by the result; ``add`` reads what they hold when it is called."""
         if len(grads) != len(self._tensors):
-            raise GradaccSizeError(f"{len(grads)} gradients for {len(self._tensors)} tensors")
+            raise GradaccSizeError(ffi.GRADACC_STATUS_SIZE_MISMATCH, f"{len(grads)} gradients for {len(self._tensors)} tensors")
         ptrs, keep = [], []
         for i, (g, (numel, dt)) in enumerate(zip(grads, self._tensors)):
             ptr, n, k = _buffer(g, dt, f"grads[{i}]")
             # add() takes no lengths, so a short buffer would be read past its end: check here.
             if n is not None and n != numel:
-                raise GradaccSizeError(f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
+                raise GradaccSizeError(ffi.GRADACC_STATUS_SIZE_MISMATCH, f"grads[{i}] has {n} elements, but tensor {i} has {numel}")
             ptrs.append(ptr)
             keep.append(k)
         return BoundGrads(self, (ctypes.c_void_p * len(ptrs))(*ptrs), keep)
 
     def begin_microbatch(self, count):
         try:
-            count = _item_count(count)
+            count = _unsigned(count, "count")
         except ValueError:
             if self._ptr is not None:
                 ffi.gradacc_accumulator_begin_microbatch(self._ptr, _REFUSED_COUNT)
@@ -576,9 +575,7 @@ class Accumulator(_Managed):
             n = numel if numel is not None else n
             if n is None:
                 raise TypeError("pass numel= with a raw address")
-            for value, what in ((index, "index"), (n, "numel")):
-                if not isinstance(value, numbers.Integral) or value < 0:
-                    raise ValueError(f"add_tensor: `{what}` = {value!r}: an integer >= 0")
+            index, n = _unsigned(index, "index"), _unsigned(n, "numel")
             s = scaler._handle()
         except Exception:
             self._refuse_tensor(scaler)
@@ -660,7 +657,8 @@ class Accumulator(_Managed):
         """(address, numel) of tensor ``index``'s FP32 master (a device pointer on CUDA)."""
         p = ctypes.POINTER(ctypes.c_float)()
         n = ctypes.c_size_t()
-        _check(ffi.gradacc_accumulator_master(self._handle(), index, ctypes.byref(p), ctypes.byref(n)))
+        _check(ffi.gradacc_accumulator_master(self._handle(), _unsigned(index, "index"), ctypes.byref(p),
+                                              ctypes.byref(n)))
         return ctypes.cast(p, ctypes.c_void_p).value, n.value
 
     def master(self, index):
@@ -697,7 +695,7 @@ class Accumulator(_Managed):
         :data:`MASTER_ALIGN` / 4): with :meth:`shard`'s range it tells which tensors a shard
         holds."""
         out = ctypes.c_size_t()
-        _check(ffi.gradacc_accumulator_offset(self._handle(), index, ctypes.byref(out)))
+        _check(ffi.gradacc_accumulator_offset(self._handle(), _unsigned(index, "index"), ctypes.byref(out)))
         return out.value
 
     def shard_ptr(self):
@@ -845,7 +843,7 @@ class Optimizer(_Managed):
             ptr, size, k = _buffer(w, dt, f"weights[{i}]", writable=True)
             # The C API takes no lengths, so a short buffer would be read past its end.
             if size is not None and size != numel:
-                raise GradaccSizeError(f"weights[{i}] has {size} elements, but tensor {i} has {numel}")
+                raise GradaccSizeError(ffi.GRADACC_STATUS_SIZE_MISMATCH, f"weights[{i}] has {size} elements, but tensor {i} has {numel}")
             ptrs.append(ptr)
             keep.append(k)
             codes.append(int(dt))

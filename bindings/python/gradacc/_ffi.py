@@ -6,7 +6,7 @@ change capi/src/, run scripts/gen-header, then bindings/python/gen_ffi.py.
 # fmt: off
 import ctypes
 
-from ._lib import dll, unsigned_arguments
+from ._lib import dll
 
 GRADACC_VERSION_MAJOR = 0  # Major version of this header (from Cargo.toml).
 GRADACC_VERSION_MINOR = 2  # Minor version of this header (from Cargo.toml).
@@ -253,21 +253,18 @@ gradacc_accumulator_create = dll.gradacc_accumulator_create
 gradacc_accumulator_create.restype = gradacc_status_t
 gradacc_accumulator_create.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, out
-gradacc_accumulator_create = unsigned_arguments(gradacc_accumulator_create, 'gradacc_accumulator_create', {2: 'n'})
 
 # Like gradacc_accumulator_create, but adopts the caller's FP32 buffer `master` of exactly `master_numel` elements as the master buffer, e.g. a framework's own contiguous gradient buffer: the tensors with the padding that starts each at a multiple of GRADACC_MASTER_ALIGN bytes (gradacc_accumulator_master_numel gives the count; tensor i starts at gradacc_accumulator_offset).
 gradacc_accumulator_create_with_buffer = dll.gradacc_accumulator_create_with_buffer
 gradacc_accumulator_create_with_buffer.restype = gradacc_status_t
 gradacc_accumulator_create_with_buffer.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, master, master_numel, out
-gradacc_accumulator_create_with_buffer = unsigned_arguments(gradacc_accumulator_create_with_buffer, 'gradacc_accumulator_create_with_buffer', {2: 'n', 5: 'master_numel'})
 
 # Creates a sharded accumulation (GRADACC_SHARDING_ACCUMULATE, whose contract is in docs/sharding.md, "Sharded accumulation (ZeRO-2)").
 gradacc_accumulator_create_sharded = dll.gradacc_accumulator_create_sharded
 gradacc_accumulator_create_sharded.restype = gradacc_status_t
 gradacc_accumulator_create_sharded.argtypes = [ctypes.POINTER(gradacc_accumulator_config_t), ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(gradacc_device_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t))]
 # arguments: config, tensors, n, device, comm, out
-gradacc_accumulator_create_sharded = unsigned_arguments(gradacc_accumulator_create_sharded, 'gradacc_accumulator_create_sharded', {2: 'n'})
 
 # Destroys an accumulator.
 gradacc_accumulator_destroy = dll.gradacc_accumulator_destroy
@@ -280,42 +277,36 @@ gradacc_accumulator_add = dll.gradacc_accumulator_add
 gradacc_accumulator_add.restype = gradacc_status_t
 gradacc_accumulator_add.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]
 # arguments: acc, scaler, grads, n, count
-gradacc_accumulator_add = unsigned_arguments(gradacc_accumulator_add, 'gradacc_accumulator_add', {3: 'n', 4: 'count'})
 
 # gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold exactly tensor i's declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH (another numel), naming the tensor and both values.
 gradacc_accumulator_add_grads = dll.gradacc_accumulator_add_grads
 gradacc_accumulator_add_grads.restype = gradacc_status_t
 gradacc_accumulator_add_grads.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(gradacc_grad_t), ctypes.c_size_t, ctypes.c_uint64]
 # arguments: acc, scaler, grads, n, count
-gradacc_accumulator_add_grads = unsigned_arguments(gradacc_accumulator_add_grads, 'gradacc_accumulator_add_grads', {3: 'n', 4: 'count'})
 
 # Opens a micro-batch of `count` items whose gradients arrive tensor by tensor through gradacc_accumulator_add_tensor (as a framework's backward hooks produce them).
 gradacc_accumulator_begin_microbatch = dll.gradacc_accumulator_begin_microbatch
 gradacc_accumulator_begin_microbatch.restype = gradacc_status_t
 gradacc_accumulator_begin_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64]
 # arguments: acc, count
-gradacc_accumulator_begin_microbatch = unsigned_arguments(gradacc_accumulator_begin_microbatch, 'gradacc_accumulator_begin_microbatch', {1: 'count'})
 
 # Opens the window's last micro-batch of `count` items, arriving tensor by tensor, and names the communicator its boundary will use: on CUDA with NCCL, each bucket's all-reduce starts on a communication stream as soon as every tensor of the bucket has arrived (one contribution each; buckets start in reverse tensor order, as backward produces them), overlapping the rest of the backward pass. gradacc_accumulator_sync with the same `comm` completes the boundary.
 gradacc_accumulator_begin_final_microbatch = dll.gradacc_accumulator_begin_final_microbatch
 gradacc_accumulator_begin_final_microbatch.restype = gradacc_status_t
 gradacc_accumulator_begin_final_microbatch.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_uint64, ctypes.POINTER(gradacc_comm_t)]
 # arguments: acc, count, comm
-gradacc_accumulator_begin_final_microbatch = unsigned_arguments(gradacc_accumulator_begin_final_microbatch, 'gradacc_accumulator_begin_final_microbatch', {1: 'count'})
 
 # Adds one contribution to tensor `index` of the open micro-batch: `numel` elements of the tensor's declared dtype at `grad`.
 gradacc_accumulator_add_tensor = dll.gradacc_accumulator_add_tensor
 gradacc_accumulator_add_tensor.restype = gradacc_status_t
 gradacc_accumulator_add_tensor.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
 # arguments: acc, scaler, index, grad, numel
-gradacc_accumulator_add_tensor = unsigned_arguments(gradacc_accumulator_add_tensor, 'gradacc_accumulator_add_tensor', {2: 'index', 4: 'numel'})
 
 # gradacc_accumulator_add_tensor with the gradient's element type and length: `grad` must hold exactly tensor `index`'s declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH or GRADACC_STATUS_SIZE_MISMATCH, naming the tensor and both values.
 gradacc_accumulator_add_tensor_grad = dll.gradacc_accumulator_add_tensor_grad
 gradacc_accumulator_add_tensor_grad.restype = gradacc_status_t
 gradacc_accumulator_add_tensor_grad.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.c_size_t, ctypes.POINTER(gradacc_grad_t)]
 # arguments: acc, scaler, index, grad
-gradacc_accumulator_add_tensor_grad = unsigned_arguments(gradacc_accumulator_add_tensor_grad, 'gradacc_accumulator_add_tensor_grad', {2: 'index'})
 
 # Closes the open micro-batch.
 gradacc_accumulator_end_microbatch = dll.gradacc_accumulator_end_microbatch
@@ -340,7 +331,6 @@ gradacc_accumulator_master = dll.gradacc_accumulator_master
 gradacc_accumulator_master.restype = gradacc_status_t
 gradacc_accumulator_master.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, index, out_data, out_numel
-gradacc_accumulator_master = unsigned_arguments(gradacc_accumulator_master, 'gradacc_accumulator_master', {1: 'index'})
 
 # This rank's shard of the master: `*out_offset` and `*out_numel` give its element range in the flat layout (tensor after tensor, each at gradacc_accumulator_offset, zeros between), `*out_data` the address of its first element (a device address on CUDA).
 gradacc_accumulator_shard = dll.gradacc_accumulator_shard
@@ -353,21 +343,18 @@ gradacc_accumulator_tensor_stats = dll.gradacc_accumulator_tensor_stats
 gradacc_accumulator_tensor_stats.restype = gradacc_status_t
 gradacc_accumulator_tensor_stats.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
 # arguments: acc, grad_norms, nonfinite_microbatches, n
-gradacc_accumulator_tensor_stats = unsigned_arguments(gradacc_accumulator_tensor_stats, 'gradacc_accumulator_tensor_stats', {3: 'n'})
 
 # Writes to `*out_numel` the length, in f32 elements, of the flat master of an accumulator over the `n` tensors `tensors`: each tensor starts at a multiple of GRADACC_MASTER_ALIGN bytes, with zeros between and after the last.
 gradacc_accumulator_master_numel = dll.gradacc_accumulator_master_numel
 gradacc_accumulator_master_numel.restype = gradacc_status_t
 gradacc_accumulator_master_numel.argtypes = [ctypes.POINTER(gradacc_tensor_desc_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: tensors, n, out_numel
-gradacc_accumulator_master_numel = unsigned_arguments(gradacc_accumulator_master_numel, 'gradacc_accumulator_master_numel', {1: 'n'})
 
 # Writes to `*out_offset` where tensor `index` starts in the flat master, in elements: a multiple of GRADACC_MASTER_ALIGN / 4.
 gradacc_accumulator_offset = dll.gradacc_accumulator_offset
 gradacc_accumulator_offset.restype = gradacc_status_t
 gradacc_accumulator_offset.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, index, out_offset
-gradacc_accumulator_offset = unsigned_arguments(gradacc_accumulator_offset, 'gradacc_accumulator_offset', {1: 'index'})
 
 # Writes the number of tensors to `*out`.
 gradacc_accumulator_num_tensors = dll.gradacc_accumulator_num_tensors
@@ -380,7 +367,6 @@ gradacc_accumulator_tensor = dll.gradacc_accumulator_tensor
 gradacc_accumulator_tensor.restype = gradacc_status_t
 gradacc_accumulator_tensor.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.c_size_t, ctypes.POINTER(gradacc_tensor_desc_t)]
 # arguments: acc, index, out
-gradacc_accumulator_tensor = unsigned_arguments(gradacc_accumulator_tensor, 'gradacc_accumulator_tensor', {1: 'index'})
 
 # Discards the window in progress (or the synced result); the next micro-batch starts a new one.
 gradacc_accumulator_reset = dll.gradacc_accumulator_reset
@@ -393,21 +379,18 @@ gradacc_accumulator_save_window = dll.gradacc_accumulator_save_window
 gradacc_accumulator_save_window.restype = gradacc_status_t
 gradacc_accumulator_save_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: acc, buf, capacity, out_len
-gradacc_accumulator_save_window = unsigned_arguments(gradacc_accumulator_save_window, 'gradacc_accumulator_save_window', {2: 'capacity'})
 
 # Restores a window written by gradacc_accumulator_save_window from an accumulator with the same tensors, saved on any device.
 gradacc_accumulator_load_window = dll.gradacc_accumulator_load_window
 gradacc_accumulator_load_window.restype = gradacc_status_t
 gradacc_accumulator_load_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
 # arguments: acc, bytes, len
-gradacc_accumulator_load_window = unsigned_arguments(gradacc_accumulator_load_window, 'gradacc_accumulator_load_window', {2: 'len'})
 
 # Adds a window written by gradacc_accumulator_save_window (of an accumulator with the same tensors, on any device or rank) into `acc`'s current window: masters add, item counts and micro-batches add, overflow flags OR.
 gradacc_accumulator_merge_window = dll.gradacc_accumulator_merge_window
 gradacc_accumulator_merge_window.restype = gradacc_status_t
 gradacc_accumulator_merge_window.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
 # arguments: acc, bytes, len
-gradacc_accumulator_merge_window = unsigned_arguments(gradacc_accumulator_merge_window, 'gradacc_accumulator_merge_window', {2: 'len'})
 
 # Creates an in-process group of `world_size` ranks (1 to 4096; one per thread, e.g. one replica per socket or per device) and writes its handles, rank 0 first, to `out_comms[0..world_size]`.
 gradacc_comm_create_local = dll.gradacc_comm_create_local
@@ -492,28 +475,24 @@ gradacc_f32_to_f16 = dll.gradacc_f32_to_f16
 gradacc_f32_to_f16.restype = gradacc_status_t
 gradacc_f32_to_f16.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16), ctypes.c_size_t]
 # arguments: src, dst, n
-gradacc_f32_to_f16 = unsigned_arguments(gradacc_f32_to_f16, 'gradacc_f32_to_f16', {2: 'n'})
 
 # Converts the `n` IEEE binary16 bit patterns at `src` to f32 values at `dst`, exactly (every f16 value is an f32 value, subnormals included); a NaN stays NaN with its payload, and a signalling one comes back quiet, as F16C's conversion gives it (the same bits without F16C).
 gradacc_f16_to_f32 = dll.gradacc_f16_to_f32
 gradacc_f16_to_f32.restype = gradacc_status_t
 gradacc_f16_to_f32.argtypes = [ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]
 # arguments: src, dst, n
-gradacc_f16_to_f32 = unsigned_arguments(gradacc_f16_to_f32, 'gradacc_f16_to_f32', {2: 'n'})
 
 # Converts the `n` f32 values at `src` to bfloat16 bits at `dst`, rounding to nearest even (a value past the largest finite bf16 rounds to infinity); a NaN stays NaN, quiet, with the upper bits of its payload.
 gradacc_f32_to_bf16 = dll.gradacc_f32_to_bf16
 gradacc_f32_to_bf16.restype = gradacc_status_t
 gradacc_f32_to_bf16.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16), ctypes.c_size_t]
 # arguments: src, dst, n
-gradacc_f32_to_bf16 = unsigned_arguments(gradacc_f32_to_bf16, 'gradacc_f32_to_bf16', {2: 'n'})
 
 # Converts the `n` bfloat16 bit patterns at `src` to f32 values at `dst`, exactly: each pattern becomes the upper half of an f32, a NaN's payload as it is (a signalling one stays signalling), as gradacc reads a bf16 gradient.
 gradacc_bf16_to_f32 = dll.gradacc_bf16_to_f32
 gradacc_bf16_to_f32.restype = gradacc_status_t
 gradacc_bf16_to_f32.argtypes = [ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]
 # arguments: src, dst, n
-gradacc_bf16_to_f32 = unsigned_arguments(gradacc_bf16_to_f32, 'gradacc_bf16_to_f32', {2: 'n'})
 
 # Sends the library's messages at `level` and more severe ones (GRADACC_LOG_WARN: warnings and errors) to `callback`, with `user` passed back unchanged; NULL `callback` (or GRADACC_LOG_OFF) turns them off, back to the default: nothing, or stderr at the level the environment variable `GRADACC_LOG` names (error, warn, info, debug).
 gradacc_set_log_callback = dll.gradacc_set_log_callback
@@ -526,7 +505,6 @@ gradacc_diagnostics = dll.gradacc_diagnostics
 gradacc_diagnostics.restype = gradacc_status_t
 gradacc_diagnostics.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: buf, size, needed
-gradacc_diagnostics = unsigned_arguments(gradacc_diagnostics, 'gradacc_diagnostics', {1: 'size'})
 
 # Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size.
 gradacc_optimizer_config_default = dll.gradacc_optimizer_config_default
@@ -539,14 +517,12 @@ gradacc_optimizer_create = dll.gradacc_optimizer_create
 gradacc_optimizer_create.restype = gradacc_status_t
 gradacc_optimizer_create.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
 # arguments: acc, config, groups, weights, weight_dtypes, n, out
-gradacc_optimizer_create = unsigned_arguments(gradacc_optimizer_create, 'gradacc_optimizer_create', {5: 'n'})
 
 # Like gradacc_optimizer_create, but adopts the caller's FP32 master weights `masters`, of exactly `masters_numel` elements, instead of allocating them: e.g. a framework's own FP32 master weights (Apex O2, Megatron's contiguous FP32 buffer).
 gradacc_optimizer_create_with_masters = dll.gradacc_optimizer_create_with_masters
 gradacc_optimizer_create_with_masters.restype = gradacc_status_t
 gradacc_optimizer_create_with_masters.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_optimizer_config_t), ctypes.POINTER(gradacc_tensor_group_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(gradacc_dtype_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.POINTER(ctypes.POINTER(gradacc_optimizer_t))]
 # arguments: acc, config, groups, weights, weight_dtypes, n, masters, masters_numel, out
-gradacc_optimizer_create_with_masters = unsigned_arguments(gradacc_optimizer_create_with_masters, 'gradacc_optimizer_create_with_masters', {5: 'n', 7: 'masters_numel'})
 
 # Destroys an optimizer.
 gradacc_optimizer_destroy = dll.gradacc_optimizer_destroy
@@ -577,21 +553,18 @@ gradacc_optimizer_step = dll.gradacc_optimizer_step
 gradacc_optimizer_step.restype = gradacc_status_t
 gradacc_optimizer_step.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_bool)]
 # arguments: opt, acc, weights, n, comm, out_stepped
-gradacc_optimizer_step = unsigned_arguments(gradacc_optimizer_step, 'gradacc_optimizer_step', {3: 'n'})
 
 # Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports the size) and its length to `*out_len`.
 gradacc_optimizer_save = dll.gradacc_optimizer_save
 gradacc_optimizer_save.restype = gradacc_status_t
 gradacc_optimizer_save.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: opt, buf, capacity, out_len
-gradacc_optimizer_save = unsigned_arguments(gradacc_optimizer_save, 'gradacc_optimizer_save', {2: 'capacity'})
 
 # Restores the state from `n` saved parts (`parts[k]`, `lens[k]` bytes each): what gradacc_optimizer_save wrote on any number of ranks, together covering this rank's elements, so a state saved over one shard count loads over another.
 gradacc_optimizer_load = dll.gradacc_optimizer_load
 gradacc_optimizer_load.restype = gradacc_status_t
 gradacc_optimizer_load.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
 # arguments: opt, parts, lens, n
-gradacc_optimizer_load = unsigned_arguments(gradacc_optimizer_load, 'gradacc_optimizer_load', {3: 'n'})
 
 # Fills `*out` with the default scaler configuration (and its struct_size).
 gradacc_scaler_config_default = dll.gradacc_scaler_config_default
@@ -622,14 +595,12 @@ gradacc_scaler_scale_loss = dll.gradacc_scaler_scale_loss
 gradacc_scaler_scale_loss.restype = gradacc_status_t
 gradacc_scaler_scale_loss.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.c_void_p, ctypes.c_size_t, gradacc_dtype_t]
 # arguments: scaler, loss, numel, dtype
-gradacc_scaler_scale_loss = unsigned_arguments(gradacc_scaler_scale_loss, 'gradacc_scaler_scale_loss', {2: 'numel'})
 
 # Ends an optimizer step: reads the agreed overflow flag of each of the `n` accumulators (each must have completed gradacc_accumulator_sync for its current window), and updates the scale once.
 gradacc_scaler_update = dll.gradacc_scaler_update
 gradacc_scaler_update.restype = gradacc_status_t
 gradacc_scaler_update.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t)), ctypes.c_size_t, ctypes.POINTER(ctypes.c_bool)]
 # arguments: scaler, accumulators, n, out_skipped
-gradacc_scaler_update = unsigned_arguments(gradacc_scaler_update, 'gradacc_scaler_update', {2: 'n'})
 
 # Writes the scaler's statistics to `*out`.
 gradacc_scaler_stats = dll.gradacc_scaler_stats
@@ -642,14 +613,12 @@ gradacc_scaler_save = dll.gradacc_scaler_save
 gradacc_scaler_save.restype = gradacc_status_t
 gradacc_scaler_save.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: scaler, buf, capacity, out_len
-gradacc_scaler_save = unsigned_arguments(gradacc_scaler_save, 'gradacc_scaler_save', {2: 'capacity'})
 
 # Restores a state written by gradacc_scaler_save.
 gradacc_scaler_load = dll.gradacc_scaler_load
 gradacc_scaler_load.restype = gradacc_status_t
 gradacc_scaler_load.argtypes = [ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t]
 # arguments: scaler, bytes, len
-gradacc_scaler_load = unsigned_arguments(gradacc_scaler_load, 'gradacc_scaler_load', {2: 'len'})
 
 # A static description of a status code (never NULL; unknown codes get a generic text).
 gradacc_status_string = dll.gradacc_status_string

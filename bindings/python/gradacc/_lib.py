@@ -94,20 +94,3 @@ def _load():
 preloaded = _preload()  # the wheels' NVRTC and NCCL files, loaded before the library
 path, dll = _load()  # path: the file loaded
 
-
-def unsigned_arguments(function, name, arguments):
-    """`function` (a ctypes function) refusing a negative int for its unsigned parameters
-    (`arguments`: position -> parameter name) with a ValueError naming the function, the
-    parameter and the value: ctypes would pass -1 on as 2**64 - 1, and the library's message
-    would name that instead."""
-
-    def call(*args):
-        for at, parameter in arguments.items():
-            value = args[at] if at < len(args) else None
-            if isinstance(value, int) and value < 0:
-                raise ValueError(f"{name}: `{parameter}` = {value}: an unsigned argument is >= 0")
-        return function(*args)
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = function.__doc__
-    return call
