@@ -10,7 +10,6 @@ CBINDGEN_VERSION=0.29.4
 section() { printf '\n==== %s ====\n' "$*"; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
-# The version from Cargo.toml: the first `version =` line is [workspace.package]'s, every crate's.
 # doc_size <page> <words before the size> <file>: the page states the file's size in MB right
 # after the words (line breaks count as spaces); fails when the file is more than a quarter off
 # that, naming the size to write there. Keeps the sizes in docs/ true to what the checks build.
@@ -30,6 +29,7 @@ print(f"{os.path.basename(path)}: {size:.2f} MB ({page} says {stated} MB)")
 PY
 }
 
+# The version from Cargo.toml: the first `version =` line is [workspace.package]'s, every crate's.
 cargo_version() {
     sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$GRADACC_ROOT/Cargo.toml" | head -n 1
 }
