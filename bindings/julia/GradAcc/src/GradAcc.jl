@@ -131,7 +131,7 @@ function diagnostics()
     check(gradacc_diagnostics(C_NULL, 0, needed))
     buf = Vector{UInt8}(undef, needed[])
     check(gradacc_diagnostics(buf, needed[], C_NULL))
-    return unsafe_string(pointer(buf))
+    return String(resize!(buf, needed[] - 1))
 end
 
 # ---- dtypes ----------------------------------------------------------------------------------

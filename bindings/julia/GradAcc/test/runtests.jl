@@ -588,6 +588,9 @@ sharded_accumulation(world, r, comm; kw...) =
         @test GradAcc.backend_available(:local)
         @test GradAcc.backend_available(:cuda) isa Bool
         @test_throws ArgumentError GradAcc.backend_available(:gloo)
+        report = GradAcc.diagnostics()
+        @test startswith(report, "gradacc $(GradAcc.version()) (") && occursin("\nbackends:\n", report)
+        @test endswith(report, "\n") && !occursin('\0', report)
         acc = Accumulator([(3, Float32), (5, :bf16)])
         @test GradAcc.num_tensors(acc) == 2
         @test GradAcc.tensor(acc, 2) == (5, GRADACC_DTYPE_BF16)
