@@ -2,8 +2,8 @@
  * gradacc_bf16_to_f32 against the converters of common.h, written independently of the library
  * in f64 arithmetic: every 16-bit pattern widened; f32 values rounded (each pattern's value and
  * its midpoint to the next with their f32 neighbours, random bit patterns, NaNs with payloads);
- * odd lengths at every element offset, so the vector loops' heads and tails all run, with the
- * elements around the output untouched; and the refused arguments, each named in the message,
+ * odd lengths at every source and destination element offset up to 7, each on its own, so the
+ * vector loops' heads and tails all run, with the elements around the output untouched; and the refused arguments, each named in the message,
  * with the output untouched. */
 #include "common.h"
 
@@ -144,24 +144,29 @@ static void check_lengths_and_offsets(test_rng *rng)
     for (int bf16 = 0; bf16 < 2; bf16++) {
         for (size_t li = 0; li < count; li++) {
             size_t n = lengths[li];
-            size_t off = (size_t)(rng_u64(rng) % GUARD);
-            for (size_t i = 0; i < MAX + 2 * GUARD; i++) {
+            for (size_t i = 0; i < MAX + 2 * GUARD; i++)
                 f[i] = (float)rng_range(rng, -70000.0, 70000.0) * (float)ldexp(1.0, (int)(rng_u64(rng) % 40) - 30);
-                h[i] = 0xabcd;
-                back[i] = -7.0f;
-            }
-            float *src = f + GUARD - off;
-            uint16_t *dst = h + GUARD + off;
-            EXPECT_OK(bf16 ? gradacc_f32_to_bf16(src, dst, n) : gradacc_f32_to_f16(src, dst, n));
-            EXPECT_OK(bf16 ? gradacc_bf16_to_f32(dst, back + GUARD + off, n)
-                           : gradacc_f16_to_f32(dst, back + GUARD + off, n));
-            for (size_t i = 0; i < n; i++) {
-                bad += dst[i] != rounded(src[i], bf16);
-                bad += bits_of(back[GUARD + off + i]) != widened(dst[i], bf16);
-            }
-            for (size_t i = 0; i < MAX + 2 * GUARD; i++) {
-                int inside = i >= GUARD + off && i < GUARD + off + n;
-                bad += !inside && (h[i] != 0xabcd || back[i] != -7.0f);
+            /* Every source and destination offset within a vector's width, each on its own. */
+            for (size_t so = 0; so < GUARD; so++) {
+                for (size_t doff = 0; doff < GUARD; doff++) {
+                    for (size_t i = 0; i < MAX + 2 * GUARD; i++) {
+                        h[i] = 0xabcd;
+                        back[i] = -7.0f;
+                    }
+                    const float *src = f + so;
+                    uint16_t *dst = h + GUARD + doff;
+                    EXPECT_OK(bf16 ? gradacc_f32_to_bf16(src, dst, n) : gradacc_f32_to_f16(src, dst, n));
+                    EXPECT_OK(bf16 ? gradacc_bf16_to_f32(dst, back + GUARD + doff, n)
+                                   : gradacc_f16_to_f32(dst, back + GUARD + doff, n));
+                    for (size_t i = 0; i < n; i++) {
+                        bad += dst[i] != rounded(src[i], bf16);
+                        bad += bits_of(back[GUARD + doff + i]) != widened(dst[i], bf16);
+                    }
+                    for (size_t i = 0; i < MAX + 2 * GUARD; i++) {
+                        int inside = i >= GUARD + doff && i < GUARD + doff + n;
+                        bad += !inside && (h[i] != 0xabcd || back[i] != -7.0f);
+                    }
+                }
             }
         }
     }
@@ -171,42 +176,55 @@ static void check_lengths_and_offsets(test_rng *rng)
     free(f);
 }
 
-/* `status` and a message that names `argument`; `dst` (4 elements) untouched. */
+/* `status` and a message that names `argument`; the `bytes` at `out` as they were (`before`). */
 static void check_refused(gradacc_status_t status, gradacc_status_t want, const char *argument,
-                          const uint16_t *dst, const char *what)
+                          const void *out, const void *before, size_t bytes, const char *what)
 {
     CHECK(status == want, "%s: status %d, want %d", what, (int)status, (int)want);
     char quoted[32];
     snprintf(quoted, sizeof quoted, "`%s`", argument);
     CHECK(strstr(gradacc_last_error(), quoted) != NULL, "%s: the message names %s", what, quoted);
-    CHECK(dst[0] == 0x1111 && dst[1] == 0x1111 && dst[2] == 0x1111 && dst[3] == 0x1111, "%s: dst written", what);
+    CHECK(memcmp(out, before, bytes) == 0, "%s: the output was written", what);
 }
 
 static void check_bad_arguments(void)
 {
-    float src[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-    uint16_t dst[8];
-    float wide[8];
-    for (int i = 0; i < 8; i++)
+    /* Sentinels that any conversion would change: 0x1111 is no f16 or bf16 of these floats, and
+     * -7 is no widening of 0x1111. */
+    float src[8] = {1, 2, 3, 4, 5, 6, 7, 8}, wide[8], wide0[8], both[8], both0[8];
+    uint16_t dst[8], dst0[8];
+    for (int i = 0; i < 8; i++) {
         dst[i] = 0x1111;
+        wide[i] = -7.0f;
+        both[i] = (float)(i + 1);
+    }
+    memcpy(dst0, dst, sizeof dst);
+    memcpy(wide0, wide, sizeof wide);
+    memcpy(both0, both, sizeof both);
     EXPECT_OK(gradacc_f32_to_f16(NULL, NULL, 0));
     EXPECT_OK(gradacc_f16_to_f32(NULL, NULL, 0));
     EXPECT_OK(gradacc_f32_to_bf16(NULL, dst, 0));
     EXPECT_OK(gradacc_bf16_to_f32(dst, NULL, 0));
-    check_refused(gradacc_f32_to_f16(NULL, dst, 4), GRADACC_STATUS_NULL_ARGUMENT, "src", dst, "NULL src");
-    check_refused(gradacc_f32_to_bf16(src, NULL, 4), GRADACC_STATUS_NULL_ARGUMENT, "dst", dst, "NULL dst");
-    check_refused(gradacc_f16_to_f32(NULL, wide, 1), GRADACC_STATUS_NULL_ARGUMENT, "src", dst, "NULL src, widening");
-    check_refused(gradacc_bf16_to_f32(dst, NULL, 1), GRADACC_STATUS_NULL_ARGUMENT, "dst", dst, "NULL dst, widening");
+    CHECK(memcmp(dst, dst0, sizeof dst) == 0, "n = 0 wrote into dst");
+    check_refused(gradacc_f32_to_f16(NULL, dst, 4), GRADACC_STATUS_NULL_ARGUMENT, "src", dst, dst0, sizeof dst,
+                  "NULL src");
+    check_refused(gradacc_f32_to_bf16(src, NULL, 4), GRADACC_STATUS_NULL_ARGUMENT, "dst", dst, dst0, sizeof dst,
+                  "NULL dst");
+    check_refused(gradacc_f16_to_f32(NULL, wide, 1), GRADACC_STATUS_NULL_ARGUMENT, "src", wide, wide0,
+                  sizeof wide, "NULL src, widening");
+    check_refused(gradacc_bf16_to_f32(dst, NULL, 1), GRADACC_STATUS_NULL_ARGUMENT, "dst", dst, dst0, sizeof dst,
+                  "NULL dst, widening");
     /* A pointer not aligned to its element, an impossible length, overlapping arrays. */
     const float *odd_src = (const float *)(const void *)((const char *)src + 1);
-    check_refused(gradacc_f32_to_f16(odd_src, dst, 2), GRADACC_STATUS_INVALID_ARGUMENT, "src", dst, "misaligned src");
+    check_refused(gradacc_f32_to_f16(odd_src, dst, 2), GRADACC_STATUS_INVALID_ARGUMENT, "src", dst, dst0,
+                  sizeof dst, "misaligned src");
     uint16_t *odd_dst = (uint16_t *)(void *)((char *)wide + 1);
-    check_refused(gradacc_f32_to_bf16(src, odd_dst, 2), GRADACC_STATUS_INVALID_ARGUMENT, "dst", dst, "misaligned dst");
-    check_refused(gradacc_f32_to_f16(src, dst, SIZE_MAX / 2), GRADACC_STATUS_INVALID_ARGUMENT, "n", dst, "huge n");
-    float both[8] = {0};
+    check_refused(gradacc_f32_to_bf16(src, odd_dst, 2), GRADACC_STATUS_INVALID_ARGUMENT, "dst", wide, wide0,
+                  sizeof wide, "misaligned dst");
+    check_refused(gradacc_f32_to_f16(src, dst, SIZE_MAX / 2), GRADACC_STATUS_INVALID_ARGUMENT, "n", dst, dst0,
+                  sizeof dst, "huge n");
     check_refused(gradacc_f32_to_f16(both, (uint16_t *)(void *)(both + 1), 4), GRADACC_STATUS_INVALID_ARGUMENT,
-                  "dst", dst, "overlapping arrays");
-    CHECK(both[1] == 0.0f && both[2] == 0.0f, "overlapping arrays: nothing written");
+                  "dst", both, both0, sizeof both, "overlapping arrays");
 }
 
 int main(void)
