@@ -161,8 +161,8 @@ mod tests {
         unsafe { std::ffi::CStr::from_ptr(gradacc_last_error()) }.to_string_lossy().into_owned()
     }
 
-    /// Every f32 bit pattern whose upper half is `hi`, strided, with the ties and their
-    /// neighbours of both formats.
+    /// f32 bit patterns every 65,521 over all of them, and for every 7th upper half the low halves
+    /// at the two formats' ties and their neighbours (f16 at 0x1000, bf16 at 0x8000).
     fn values() -> Vec<f32> {
         let mut v: Vec<f32> = (0..=u32::MAX).step_by(65_521).map(f32::from_bits).collect();
         for hi in (0..=0xffffu32).step_by(7) {
@@ -212,7 +212,8 @@ mod tests {
 
     #[test]
     fn bad_arrays_are_refused_naming_the_argument() {
-        let (src, mut dst) = ([1.0f32; 4], [0u16; 4]);
+        // Sentinels any conversion would change: 0x1111 is no f16 or bf16 of 1.0.
+        let (src, mut dst) = ([1.0f32; 4], [0x1111u16; 4]);
         // SAFETY: n = 0 reads and writes nothing.
         let s = unsafe { gradacc_f32_to_f16(std::ptr::null(), std::ptr::null_mut(), 0) };
         assert_eq!(s, GRADACC_STATUS_OK);
@@ -228,11 +229,17 @@ mod tests {
             (s, last_error()),
             (GRADACC_STATUS_NULL_ARGUMENT, "gradacc_f32_to_f16: argument `dst` is NULL".into())
         );
-        let mut both = [0u16; 8];
+        assert_eq!(dst, [0x1111; 4], "a refused call wrote dst");
+        // bf16 0x3f80 widens to 1.0 (0x3f80_0000): a write through the overlap would change it.
+        let mut both = [0x3f80u16; 8];
         // SAFETY: overlapping arrays are refused before anything is read.
         let s = unsafe { gradacc_bf16_to_f32(both.as_ptr(), both.as_mut_ptr().cast(), 4) };
-        assert_ne!(s, GRADACC_STATUS_OK);
-        assert!(last_error().contains("overlap"), "{}", last_error());
-        assert_eq!(dst, [0; 4]);
+        assert_eq!(s, crate::status::GRADACC_STATUS_INVALID_ARGUMENT);
+        let message = last_error();
+        assert!(
+            message.contains("`src`") && message.contains("`dst`") && message.contains("overlap"),
+            "{message}"
+        );
+        assert_eq!(both, [0x3f80; 8], "a refused call wrote through the overlap");
     }
 }
