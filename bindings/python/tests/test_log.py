@@ -35,28 +35,47 @@ def test_a_skipped_step_and_a_drop_reach_the_callback(messages):
     assert any("micro-batch 2 of the window dropped: tensor 0" in t for t in texts), texts
 
 
+def skipped(messages):
+    """The skipped-step messages among `messages` (others, such as the SIMD path chosen at the
+    process's first kernel, depend on what ran before)."""
+    return [m for _, m in messages if " skipped: " in m]
+
+
 def test_none_turns_the_messages_off(messages):
-    gradacc.set_log_callback(None)
     with gradacc.Scaler() as scaler:
         one_step(scaler, np.inf)
-    assert messages == []
+        assert len(skipped(messages)) == 1, messages  # on: the skipped step arrives
+        gradacc.set_log_callback(None)
+        one_step(scaler, np.inf)
+    assert len(skipped(messages)) == 1, messages
 
 
 def test_log_to_logging_uses_the_logging_levels(caplog):
     caplog.set_level(logging.DEBUG, logger="gradacc")
-    gradacc.log_to_logging(level=gradacc.LogLevel.INFO)
+
+    def records():
+        return [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+
     try:
-        with gradacc.Scaler(init_scale=64.0) as scaler:
+        with gradacc.Scaler(init_scale=64.0, growth_interval=1) as scaler:
+            gradacc.log_to_logging(level=gradacc.LogLevel.INFO)
             one_step(scaler, np.inf)
+            one_step(scaler, 2.0)  # grows 32 -> 64: a DEBUG message, filtered out at INFO
+            assert records() == [
+                ("gradacc", logging.INFO, "step 1 skipped: a gradient was not finite; loss scale 64 -> 32")]
+            gradacc.log_to_logging(level=gradacc.LogLevel.DEBUG)
+            one_step(scaler, 2.0)
     finally:
         gradacc.set_log_callback(None)
-    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
-    assert ("gradacc", logging.INFO, "step 1 skipped: a gradient was not finite; loss scale 64 -> 32") in records
+    assert records()[1:] == [("gradacc", logging.DEBUG, "step 3: loss scale grew 64 -> 128")]
 
 
-def test_an_unknown_level_is_refused():
-    with pytest.raises(ValueError):
+def test_an_unknown_level_is_refused_and_changes_nothing(messages):
+    with pytest.raises(ValueError, match="9 is not a valid LogLevel"):
         gradacc.set_log_callback(print, 9)
+    with gradacc.Scaler() as scaler:
+        one_step(scaler, np.inf)
+    assert len(skipped(messages)) == 1, "the earlier callback is no longer set"
 
 
 def test_the_report_names_every_part():
