@@ -110,6 +110,10 @@ pub mod math;
 #[cfg(not(feature = "internal"))]
 mod math;
 #[cfg(feature = "internal")]
+pub mod mesh;
+#[cfg(not(feature = "internal"))]
+mod mesh;
+#[cfg(feature = "internal")]
 pub mod optimizer;
 #[cfg(not(feature = "internal"))]
 mod optimizer;
@@ -139,6 +143,7 @@ pub use error::{Error, ErrorKind, Result};
 /// The `half` crate whose `f16` and `bf16` the 16-bit gradients and weights are, re-exported so
 /// that a user names the same version (`gradacc::half::f16`).
 pub use half;
+pub use mesh::{Axis, Mesh, MeshInfo, MeshShape, Part, Replicated};
 pub use optimizer::{
     Algorithm, Optimizer, OptimizerBuilder, OptimizerConfig, Rounding, Slot, TensorGroup,
 };

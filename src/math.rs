@@ -23,6 +23,17 @@ pub fn fold_first_width(used: usize) -> usize {
     used.next_power_of_two() / 2
 }
 
+/// The clipping coefficient of a gradient of norm `grad_norm` clipped to `max_norm`:
+/// `max_norm / (norm + 1e-6)`, at most 1; 1 for a non-finite norm or without clipping
+/// (`max_norm` 0). PyTorch's `clip_grad_norm_` formula.
+pub fn clip_coef(grad_norm: f64, max_norm: f64) -> f64 {
+    if max_norm == 0.0 || !grad_norm.is_finite() {
+        1.0
+    } else {
+        (max_norm / (grad_norm + 1e-6)).min(1.0)
+    }
+}
+
 /// `weight / scale`, rounded once to f32: the single multiplier applied to every element of a
 /// micro-batch (the unscale, times the item count when a mean-reduced loss is weighted).
 pub fn unscale_factor(weight: f64, scale: f32) -> f32 {

@@ -52,19 +52,11 @@ impl Accumulator {
         replicas: Option<&dyn Communicator>,
         read: bool,
     ) -> Result<Option<SyncInfo>> {
-        // Sharded accumulation reduces over its own communicator; `None` names it too.
-        if let Err(e) = self.check_bound(comm) {
-            // The shard group, then the replicas, as the boundary's control step would.
-            self.refuse_collective();
-            replicas.into_iter().for_each(protocol::refuse);
-            return Err(e);
-        }
-        let comm = comm.or(self.store.bound());
         let result = self.run_boundary(comm, replicas, read);
         if let Err(e) = &result {
             // A boundary past its deadline ends this rank's use of its groups, on every transport.
             if e.kind == ErrorKind::Timeout {
-                for c in comm.iter().chain(&replicas) {
+                for c in comm.or(self.store.bound()).iter().chain(&replicas) {
                     let _ = c.abort();
                 }
             }
@@ -78,6 +70,28 @@ impl Accumulator {
         replicas: Option<&dyn Communicator>,
         read: bool,
     ) -> Result<Option<SyncInfo>> {
+        let mut opened = self.open_boundary(comm, replicas)?;
+        let info = opened.finish(read)?;
+        opened.w.phase = Phase::Synced(info);
+        Ok(info)
+    }
+
+    /// The boundary up to its control step: the window held, this rank's proposal agreed with
+    /// the group's. Nothing has changed yet; a mesh step ([`crate::mesh`]) agrees over the whole
+    /// job between this and [`Opened::finish`].
+    pub(crate) fn open_boundary<'a>(
+        &'a self,
+        comm: Option<&'a dyn Communicator>,
+        replicas: Option<&'a dyn Communicator>,
+    ) -> Result<Opened<'a>> {
+        // Sharded accumulation reduces over its own communicator; `None` names it too.
+        if let Err(e) = self.check_bound(comm) {
+            // The shard group, then the replicas, as the boundary's control step would.
+            self.refuse_collective();
+            replicas.into_iter().for_each(protocol::refuse);
+            return Err(e);
+        }
+        let comm = comm.or(self.store.bound());
         let groups = || comm.iter().chain(&replicas).copied();
         if let Err(e) = groups()
             .try_for_each(|c| self.check_comm(c))
@@ -86,7 +100,7 @@ impl Accumulator {
             groups().for_each(protocol::refuse);
             return Err(e);
         }
-        let mut w = self.window.write();
+        let w = self.window.write();
         let error = w
             .in_microbatch()
             .then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"))
@@ -96,27 +110,7 @@ impl Accumulator {
         let empty_again = w.synced();
         let proposal = self.propose(&w, empty_again, comm, replicas, error);
         let agreed = self.agree(&proposal)?;
-        if let Some(t) = &agreed.totals {
-            if t.microbatches == 0 && t.dropped != 0 {
-                return self.end_dropped_window(&mut w, empty_again, &proposal, t).map(Some);
-            }
-            self.check_totals(t, empty_again)?;
-        }
-
-        // From here on the window is consumed: every rank passed the same checks, and a failure
-        // discards the window (a retry must not reduce a bucket twice).
-        let proposal = Proposal { error: None, ..proposal };
-        let result = self.consume(&mut w, empty_again, &proposal, &agreed, read);
-        match result {
-            Ok(info) => {
-                w.phase = Phase::Synced(info);
-                Ok(info)
-            }
-            Err(e) => {
-                let _ = self.discard(&mut w);
-                Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)))
-            }
-        }
+        Ok(Opened { acc: self, w, empty_again, proposal, agreed })
     }
 
     /// What this rank brings to the boundary from window `w` (a new, empty one when
@@ -190,9 +184,7 @@ impl Accumulator {
             let _ = self.discard(w);
             return Err(Error::new(e.kind, format!("{} (the window was discarded)", e.message)));
         }
-        let info = SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) };
-        w.phase = Phase::Synced(Some(info));
-        Ok(info)
+        Ok(SyncInfo { found_inf: true, ..SyncInfo::of(t, 0.0, 1.0) })
     }
 
     /// The agreed totals `t` give a gradient to normalise: some rank added a micro-batch, and
@@ -269,5 +261,60 @@ impl Accumulator {
             ));
         }
         Ok(())
+    }
+}
+
+/// A boundary whose control step has run ([`Accumulator::open_boundary`]): the window held, and
+/// what this rank proposed and its group agreed.
+pub(crate) struct Opened<'a> {
+    pub(crate) acc: &'a Accumulator,
+    w: WindowWrite<'a>,
+    empty_again: bool,
+    pub(crate) proposal: Proposal<'a>,
+    pub(crate) agreed: Agreed,
+}
+
+impl Opened<'_> {
+    /// The rest of the boundary: the window consumed, its master summed, normalised (by the
+    /// agreed totals, which a mesh step may have replaced with the job's), measured and clipped.
+    /// The caller sets the window's phase from the info.
+    pub(crate) fn finish(&mut self, read: bool) -> Result<Option<SyncInfo>> {
+        let Opened { acc, w, empty_again, proposal, agreed } = self;
+        let empty_again = *empty_again;
+        if let Some(t) = &agreed.totals {
+            if t.microbatches == 0 && t.dropped != 0 {
+                return acc.end_dropped_window(w, empty_again, proposal, t).map(Some);
+            }
+            acc.check_totals(t, empty_again)?;
+        }
+
+        // From here on the window is consumed: every rank passed the same checks, and a failure
+        // discards the window (a retry must not reduce a bucket twice).
+        proposal.error = None;
+        acc.consume(w, empty_again, proposal, agreed, read).map_err(|e| {
+            let _ = acc.discard(w);
+            Error::new(e.kind, format!("{} (the window was discarded)", e.message))
+        })
+    }
+
+    /// Ends the boundary with `info`, the report every rank's step follows.
+    pub(crate) fn conclude(&mut self, info: SyncInfo) {
+        self.w.phase = Phase::Synced(Some(info));
+    }
+
+    /// Discards the window the boundary consumed (a later step of the same boundary failed):
+    /// the next micro-batch starts afresh.
+    pub(crate) fn discard(&mut self) {
+        let _ = self.acc.discard(&mut self.w);
+    }
+
+    /// The per-tensor stats the boundary measured (with `tensor_stats`).
+    pub(crate) fn tensor_stats(&self) -> Option<Vec<crate::accumulator::TensorStats>> {
+        self.acc.store.tensor_stats()
+    }
+
+    /// Multiplies the gradient this rank holds after the boundary by `factor`.
+    pub(crate) fn scale(&mut self, factor: f32) -> Result<()> {
+        self.acc.store.scale_result(self.w.master_mut(), factor)
     }
 }

@@ -18,7 +18,7 @@
 //! so one concrete type keeps that choice out of their code, and the per-call cost of one
 //! indirect call is nothing beside a pass over a tensor.
 
-mod boundary;
+pub(crate) mod boundary;
 mod builder;
 mod checkpoint;
 mod config;

@@ -256,6 +256,13 @@ pub(crate) trait BoundaryWork: MasterMemory {
         read: bool,
     ) -> Result<Option<SyncInfo>>;
 
+    /// Multiplies the boundary's result this rank holds (`Plan::shard`'s range) by `factor`
+    /// with [`crate::simd::scale`]'s bits: a mesh step's clipping, whose coefficient is the
+    /// whole job's.
+    fn scale_result(&self, _master: &mut MasterWrite, _factor: f32) -> Result<()> {
+        Err(not_here("a mesh step", &format!("on {}", self.device().name())))
+    }
+
     /// The last boundary's per-tensor stats, when the store measured them.
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
         None

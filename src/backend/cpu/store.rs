@@ -405,6 +405,11 @@ impl BoundaryWork for HostStore {
         Ok(Some(info))
     }
 
+    fn scale_result(&self, master: &mut MasterWrite, factor: f32) -> Result<()> {
+        simd::scale(self.held_mut(master, self.plan.shard()), factor, self.plan.config.threads);
+        Ok(())
+    }
+
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
         self.stats.lock().clone()
     }
@@ -710,12 +715,7 @@ pub(super) struct Clip {
 /// rank has the same bits.
 fn norm_and_clip(block_sums: &[f64], divisor: u64, max_norm: f64) -> (f64, f64) {
     let grad_norm = simd::fold_block_sums(block_sums).sqrt() / divisor as f64;
-    let clip_coef = if max_norm == 0.0 || !grad_norm.is_finite() {
-        1.0
-    } else {
-        (max_norm / (grad_norm + 1e-6)).min(1.0)
-    };
-    (grad_norm, clip_coef)
+    (grad_norm, math::clip_coef(grad_norm, max_norm))
 }
 
 impl BlockPass for NormPass {

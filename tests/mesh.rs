@@ -1,0 +1,666 @@
+//! The mesh step against a float64 single-device reference: a synthetic model with a tied,
+//! vocabulary-sharded embedding (first and last pipeline stage), a column-sharded weight, a
+//! layer norm replicated over tensor-parallel ranks, and experts fed by tokens routed from every
+//! data-parallel rank, distributed onto every mesh of at most 8 ranks, in-process, with random
+//! micro-batch sizes (some empty), dtypes and sharding policies. Every rank's synced gradient
+//! equals the reference's slice within the bound below, the norm is the f64 global norm, the
+//! clip coefficient is the same bits everywhere, and an inf on one rank skips the step on all.
+//! The anchors' mistakes are computed beside gradacc's answer.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{encode, grad_of, Rng};
+use gradacc::{
+    Accumulator, AccumulatorConfig, Axis, Communicator, Dtype, ErrorKind, LocalComm, LossReduction,
+    Mesh, MeshInfo, MeshShape, OverflowAt, Part, Replicated, Scaler, ScalerConfig, Sharding,
+    TensorDesc,
+};
+
+const SCALE: f32 = 64.0;
+
+/// The model's tensors, over the whole model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    /// Vocabulary-sharded over tp, used on the first and the last stage.
+    Embed,
+    /// Column-sharded over tp, on the first stage.
+    Col,
+    /// Replicated over tp, on the last stage.
+    Norm,
+    /// Expert `e`, sliced over etp, on the last stage.
+    Expert(usize),
+}
+
+const SLICE: usize = 37; // elements per tp (or etp) slice
+const NORM: usize = 19;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    world: usize,
+    tp: usize,
+    pp: usize,
+    cp: usize,
+    ep: usize,
+    etp: usize,
+}
+
+impl Case {
+    fn shape(&self) -> MeshShape {
+        MeshShape::new(self.world, self.tp, self.pp, self.cp, self.ep, self.etp).unwrap()
+    }
+    fn experts(&self) -> usize {
+        2 * self.ep
+    }
+}
+
+/// The schedule every rank knows: each data rank's item counts per micro-batch, and a seed.
+struct Schedule {
+    counts: Vec<Vec<u64>>,
+    seed: u64,
+    dtype: Dtype,
+    sharding: u8,
+    poison: Option<(usize, usize)>,
+}
+
+impl Schedule {
+    fn total(&self) -> u64 {
+        self.counts.iter().flatten().sum()
+    }
+
+    /// Item `i` of micro-batch `mb` at data rank `d`: a global id.
+    fn item(&self, d: usize, mb: usize, i: u64) -> u64 {
+        ((d as u64) << 40) | ((mb as u64) << 20) | i
+    }
+
+    fn routed(&self, case: &Case, item: u64) -> usize {
+        (mix(item ^ self.seed ^ 0xe) % case.experts() as u64) as usize
+    }
+
+    /// One item's gradient of element `j` of `kind` through use `u` (the embedding has two).
+    fn value(&self, kind: Kind, j: usize, item: u64, u: u64) -> f64 {
+        let k = match kind {
+            Kind::Embed => 1,
+            Kind::Col => 2,
+            Kind::Norm => 3,
+            Kind::Expert(e) => 10 + e as u64,
+        };
+        let h = mix(self.seed ^ k << 56 ^ (j as u64) << 40 ^ item.wrapping_mul(0x9e37) ^ u << 62);
+        (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A rank's local tensor: its kind, the global elements it holds, and the uses it computes.
+#[derive(Clone, Debug)]
+struct Local {
+    kind: Kind,
+    global: std::ops::Range<usize>,
+    uses: Vec<u64>,
+}
+
+/// The rank's parts: dense, experts (last stage), the tied embedding (pp 2, its own group).
+fn layout(case: &Case, shape: &MeshShape, rank: usize) -> Vec<Vec<Local>> {
+    let (tp, pp) = (shape.coord(rank, Axis::Tp), shape.coord(rank, Axis::Pp));
+    let last = case.pp - 1;
+    let sliced = |t: usize| t * SLICE..(t + 1) * SLICE;
+    let embed_uses: Vec<u64> =
+        [(0, 1), (last, 2)].iter().filter(|(s, _)| *s == pp).map(|p| p.1).collect();
+    let mut dense = Vec::new();
+    if case.pp == 1 {
+        dense.push(Local { kind: Kind::Embed, global: sliced(tp), uses: embed_uses.clone() });
+    }
+    if pp == 0 {
+        dense.push(Local { kind: Kind::Col, global: sliced(tp), uses: vec![0] });
+    }
+    if pp == last {
+        dense.push(Local { kind: Kind::Norm, global: 0..NORM, uses: vec![0] });
+    }
+    let mut parts = vec![dense];
+    if pp == last {
+        let (ep, etp) = (shape.coord(rank, Axis::Ep), shape.coord(rank, Axis::Etp));
+        let per = case.experts() / case.ep;
+        parts.push(
+            (ep * per..(ep + 1) * per)
+                .map(|e| Local { kind: Kind::Expert(e), global: sliced(etp), uses: vec![0] })
+                .collect(),
+        );
+    }
+    if case.pp > 1 {
+        parts.push(vec![Local { kind: Kind::Embed, global: sliced(tp), uses: embed_uses }]);
+    }
+    parts
+}
+
+/// The f64 reference: every element of every tensor, its gradient and the sum of the absolute
+/// values that went into it, each over the global item count.
+fn reference(case: &Case, s: &Schedule) -> Vec<(Kind, Vec<(f64, f64)>)> {
+    let n = s.total() as f64;
+    let mut kinds =
+        vec![(Kind::Embed, case.tp * SLICE), (Kind::Col, case.tp * SLICE), (Kind::Norm, NORM)];
+    kinds.extend((0..case.experts()).map(|e| (Kind::Expert(e), case.etp * SLICE)));
+    kinds
+        .into_iter()
+        .map(|(kind, numel)| {
+            let uses: &[u64] = if kind == Kind::Embed { &[1, 2] } else { &[0] };
+            let values = (0..numel)
+                .map(|j| {
+                    let (mut sum, mut abs) = (0.0, 0.0);
+                    for (d, mbs) in s.counts.iter().enumerate() {
+                        for (mb, &count) in mbs.iter().enumerate() {
+                            for i in 0..count {
+                                let item = s.item(d, mb, i);
+                                if let Kind::Expert(e) = kind {
+                                    if s.routed(case, item) != e {
+                                        continue;
+                                    }
+                                }
+                                for &u in uses {
+                                    let v = s.value(kind, j, item, u);
+                                    sum += v;
+                                    abs += v.abs();
+                                }
+                            }
+                        }
+                    }
+                    (sum / n, abs / n)
+                })
+                .collect();
+            (kind, values)
+        })
+        .collect()
+}
+
+fn tensors(locals: &[Local], dtype: Dtype) -> Vec<TensorDesc> {
+    locals.iter().map(|l| TensorDesc { numel: l.global.len(), dtype }).collect()
+}
+
+/// Which routed tokens a rank's experts process: a token from data rank `d` reaches the ranks
+/// of the expert model-parallel groups (expert-tensor x expert peers) that hold data rank `d`;
+/// where several such ranks hold the same expert slice (tensor-parallel peers beyond the
+/// expert-tensor ones), they split the tokens by index. Each token meets each expert slice once.
+struct ExpertTokens {
+    /// Per source data rank: this rank's position among the candidates, and their number.
+    at: Vec<Option<(u64, u64)>>,
+}
+
+impl ExpertTokens {
+    fn new(case: &Case, shape: &MeshShape, rank: usize) -> Self {
+        let stage = shape.coord(rank, Axis::Pp);
+        let key = |r: usize| {
+            (shape.coord(r, Axis::Ep), shape.coord(r, Axis::Etp), shape.coord(r, Axis::Pp))
+        };
+        let covers = |r: usize, d: usize| {
+            shape
+                .members(r, &[Axis::Etp, Axis::Ep])
+                .unwrap()
+                .iter()
+                .any(|&m| shape.data_rank(m) == d)
+        };
+        let at = (0..shape.data_size())
+            .map(|d| {
+                let candidates: Vec<usize> = (0..case.world)
+                    .filter(|&r| {
+                        shape.coord(r, Axis::Pp) == stage && key(r) == key(rank) && covers(r, d)
+                    })
+                    .collect();
+                let pos = candidates.iter().position(|&r| r == rank)?;
+                Some((pos as u64, candidates.len() as u64))
+            })
+            .collect();
+        ExpertTokens { at }
+    }
+
+    fn processes(&self, d: usize, item: u64) -> bool {
+        self.at[d].is_some_and(|(pos, n)| item % n == pos)
+    }
+}
+
+/// The groups of every rank: world, data (dense), expert data, embedding.
+struct Groups {
+    world: Vec<LocalComm>,
+    data: Vec<LocalComm>,
+    expert: Vec<LocalComm>,
+    embed: Vec<LocalComm>,
+}
+
+fn groups(shape: &MeshShape) -> Groups {
+    Groups {
+        world: LocalComm::group(shape.world()).unwrap(),
+        data: shape.local_groups(&[Axis::Cp, Axis::Dp]).unwrap(),
+        expert: shape.local_groups(&[Axis::Edp]).unwrap(),
+        embed: shape.local_groups(&[Axis::Cp, Axis::Dp, Axis::Pp]).unwrap(),
+    }
+}
+
+/// What one rank reports: its step's info, each part's held gradient as (kind, global element,
+/// value), and its scale after the update.
+struct Outcome {
+    info: MeshInfo,
+    held: Vec<(Kind, usize, f32)>,
+    scale: f32,
+}
+
+fn config(s: &Schedule, comm: &dyn Communicator, stats: bool) -> AccumulatorConfig {
+    let (shards, rank) = (comm.world_size(), comm.rank());
+    let sharding = match (s.sharding, shards) {
+        (_, 1) | (0, _) => Sharding::None,
+        (1, _) => Sharding::ReduceScatter { shards, rank },
+        _ => Sharding::Accumulate { shards, rank },
+    };
+    AccumulatorConfig {
+        loss_reduction: LossReduction::Sum,
+        sharding,
+        tensor_stats: stats,
+        bucket_numel: 50,
+        ..Default::default()
+    }
+}
+
+/// One rank's step: each part fed its micro-batches, then the mesh step and the scaler update.
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    case: &Case,
+    s: &Schedule,
+    shape: &MeshShape,
+    rank: usize,
+    world: LocalComm,
+    comms: Vec<LocalComm>,
+    max_norm: f32,
+) -> Outcome {
+    let parts_layout = layout(case, shape, rank);
+    let comms: Vec<Arc<dyn Communicator>> = comms.into_iter().map(|c| Arc::new(c) as _).collect();
+    let accs: Vec<Accumulator> = parts_layout
+        .iter()
+        .zip(&comms)
+        .map(|(locals, comm)| {
+            let stats = locals.iter().any(|l| l.kind == Kind::Norm);
+            let config = config(s, &**comm, stats);
+            let descs = tensors(locals, s.dtype);
+            let b = Accumulator::builder(&descs).config(config);
+            let b = match config.sharding {
+                Sharding::Accumulate { .. } => b.communicator(comm.clone()),
+                _ => b,
+            };
+            b.build().unwrap()
+        })
+        .collect();
+    let scaler = Scaler::new(ScalerConfig { init_scale: SCALE, ..Default::default() }).unwrap();
+    let d = shape.data_rank(rank);
+    let experts = ExpertTokens::new(case, shape, rank);
+    for (mb, &count) in s.counts[d].iter().enumerate() {
+        for ((locals, acc), comm) in parts_layout.iter().zip(&accs).zip(&comms) {
+            let grads: Vec<(Vec<f32>, Vec<u16>)> = locals
+                .iter()
+                .map(|l| {
+                    let mut values: Vec<f32> = l
+                        .global
+                        .clone()
+                        .map(|j| {
+                            let mut sum = 0.0f64;
+                            for src in 0..s.counts.len() {
+                                for i in 0..s.counts[src][mb] {
+                                    let item = s.item(src, mb, i);
+                                    let mine = match l.kind {
+                                        Kind::Expert(e) => {
+                                            s.routed(case, item) == e && experts.processes(src, i)
+                                        }
+                                        _ => src == d,
+                                    };
+                                    if mine {
+                                        sum += l
+                                            .uses
+                                            .iter()
+                                            .map(|&u| s.value(l.kind, j, item, u))
+                                            .sum::<f64>();
+                                    }
+                                }
+                            }
+                            sum as f32
+                        })
+                        .collect();
+                    if s.poison == Some((rank, mb)) && l.kind != Kind::Norm {
+                        values[0] = f32::INFINITY;
+                    }
+                    encode(s.dtype, &values, SCALE)
+                })
+                .collect();
+            let views: Vec<_> = grads.iter().map(|(f, h)| grad_of(s.dtype, f, h)).collect();
+            let _ = comm;
+            acc.add(&scaler, &views[..], count).unwrap();
+        }
+    }
+    let replicated: Vec<Vec<Replicated>> = parts_layout
+        .iter()
+        .map(|locals| {
+            locals
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.kind == Kind::Norm)
+                .map(|(tensor, _)| Replicated { tensor, key: 0x4e04, copies: case.tp })
+                .collect()
+        })
+        .collect();
+    let parts: Vec<Part<'_>> = accs
+        .iter()
+        .zip(&comms)
+        .zip(&replicated)
+        .map(|((acc, comm), replicated)| {
+            let bound = matches!(acc.config().sharding, Sharding::Accumulate { .. });
+            Part { replicated, ..Part::new(acc, (!bound).then_some(&**comm)) }
+        })
+        .collect();
+    let mesh = Mesh::of_shape(Arc::new(world), shape).unwrap().max_grad_norm(max_norm).unwrap();
+    let info = mesh.sync(&parts).unwrap();
+    let refs: Vec<&Accumulator> = accs.iter().collect();
+    let skipped = scaler.update_from(&refs, true).unwrap().unwrap();
+    assert_eq!(skipped, info.info.found_inf);
+    let mut held = Vec::new();
+    for (locals, acc) in parts_layout.iter().zip(&accs) {
+        let (range, _) = acc.shard();
+        acc.with_shard(|shard| {
+            for (t, l) in locals.iter().enumerate() {
+                let start = acc.offset(t).unwrap();
+                for (k, j) in l.global.clone().enumerate() {
+                    let at = start + k;
+                    if range.contains(&at) {
+                        held.push((l.kind, j, shard[at - range.start]));
+                    }
+                }
+            }
+        })
+        .unwrap();
+    }
+    Outcome { info, held, scale: scaler.scale().unwrap() }
+}
+
+/// Runs `case` on every rank of its mesh, in threads.
+fn run(case: &Case, s: &Schedule, max_norm: f32) -> Vec<Outcome> {
+    let shape = case.shape();
+    let g = groups(&shape);
+    let mut per_rank: Vec<(LocalComm, Vec<LocalComm>)> = Vec::new();
+    let (mut data, mut expert, mut embed) =
+        (g.data.into_iter(), g.expert.into_iter(), g.embed.into_iter());
+    for (rank, world) in g.world.into_iter().enumerate() {
+        let (d, x, e) = (data.next().unwrap(), expert.next().unwrap(), embed.next().unwrap());
+        let pp = shape.coord(rank, Axis::Pp);
+        let mut comms = vec![d];
+        if pp == case.pp - 1 {
+            comms.push(x);
+        }
+        if case.pp > 1 {
+            comms.push(e);
+        }
+        per_rank.push((world, comms));
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = per_rank
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (world, comms))| {
+                let shape = &shape;
+                scope.spawn(move || run_rank(case, s, shape, rank, world, comms, max_norm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn schedule(rng: &mut Rng, case: &Case, poison: Option<(usize, usize)>) -> Schedule {
+    let data = case.shape().data_size();
+    let microbatches = rng.range(1, 3) as usize;
+    let mut counts: Vec<Vec<u64>> =
+        (0..data).map(|_| (0..microbatches).map(|_| rng.range(0, 4)).collect()).collect();
+    counts[0][0] = counts[0][0].max(1);
+    let dtype = [Dtype::F32, Dtype::F16, Dtype::Bf16][rng.range(0, 2) as usize];
+    Schedule { counts, seed: rng.next_u64(), dtype, sharding: rng.range(0, 2) as u8, poison }
+}
+
+/// Half an ulp of `dtype`, relative.
+fn unit(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => 2f64.powi(-24),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::Bf16 => 2f64.powi(-8),
+    }
+}
+
+const MESHES: [Case; 8] = [
+    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 1, etp: 1 }, // dp 2 x tp 2
+    Case { world: 4, tp: 1, pp: 2, cp: 1, ep: 1, etp: 1 }, // dp 2 x pp 2
+    Case { world: 4, tp: 1, pp: 1, cp: 1, ep: 2, etp: 1 }, // dp 4, ep 2
+    Case { world: 8, tp: 2, pp: 2, cp: 1, ep: 1, etp: 1 }, // dp 2 x tp 2 x pp 2
+    Case { world: 4, tp: 1, pp: 1, cp: 2, ep: 1, etp: 1 }, // cp 2 x dp 2
+    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 1, etp: 2 }, // expert-tp 2
+    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 2, etp: 1 }, // dp 2 x tp 2, ep 2 (EP x TP)
+    Case { world: 8, tp: 2, pp: 2, cp: 1, ep: 2, etp: 1 }, // dp 2 x tp 2 x pp 2, ep 2
+];
+
+#[test]
+fn every_mesh_matches_the_f64_reference() {
+    let mut rng = Rng::fresh("every_mesh_matches_the_f64_reference");
+    for case in &MESHES {
+        let s = schedule(&mut rng, case, None);
+        let reference = reference(case, &s);
+        let norm = reference.iter().flat_map(|(_, v)| v).map(|(g, _)| g * g).sum::<f64>().sqrt();
+        // Clip to half the norm: the coefficient is applied too.
+        let max_norm = (norm / 2.0) as f32;
+        let out = run(case, &s, max_norm);
+        let what = format!("{case:?} {:?} sharding {} counts {:?}", s.dtype, s.sharding, s.counts);
+        let first = &out[0].info;
+        assert!(!first.info.found_inf, "{what}");
+        assert_eq!(first.info.total_count, s.total(), "{what}");
+        let rel = (first.info.grad_norm - norm).abs() / norm;
+        assert!(
+            rel <= 2.0 * unit(s.dtype) + 1e-6,
+            "{what}: norm {} against {norm}",
+            first.info.grad_norm
+        );
+        let coef = first.info.clip_coef;
+        assert!(coef < 1.0, "{what}");
+        for o in &out {
+            // Bitwise the same report on every rank, the clip coefficient included.
+            assert_eq!(o.info.info.clip_coef.to_bits(), coef.to_bits(), "{what}");
+            assert_eq!(o.info, *first, "{what}");
+            for &(kind, j, got) in &o.held {
+                let (g, abs) = reference.iter().find(|(k, _)| *k == kind).unwrap().1[j];
+                let micro = s.counts[0].len() as f64 * case.world as f64;
+                let tol = abs * coef * (unit(s.dtype) + (micro + 4.0) * 2f64.powi(-23)) + 1e-30;
+                assert!(
+                    (got as f64 - g * coef).abs() <= tol,
+                    "{what}: {kind:?}[{j}] = {got}, reference {} (tol {tol})",
+                    g * coef
+                );
+            }
+        }
+        // Every element of the model is held somewhere.
+        let held: std::collections::HashSet<(String, usize)> = out
+            .iter()
+            .flat_map(|o| o.held.iter().map(|(k, j, _)| (format!("{k:?}"), *j)))
+            .collect();
+        let all: usize = reference.iter().map(|(_, v)| v.len()).sum();
+        assert_eq!(held.len(), all, "{what}");
+    }
+}
+
+#[test]
+fn an_inf_on_one_rank_skips_the_step_everywhere() {
+    let mut rng = Rng::fresh("an_inf_on_one_rank_skips_the_step_everywhere");
+    for case in &MESHES {
+        let rank = rng.range(0, case.world as u64 - 1) as usize;
+        let s = schedule(&mut rng, case, Some((rank, 0)));
+        let out = run(case, &s, 0.0);
+        let what = format!("{case:?} rank {rank}");
+        for o in &out {
+            assert!(o.info.info.found_inf, "{what}");
+            assert_eq!(o.info, out[0].info, "{what}");
+            // One scaler per rank, and the same state on each.
+            assert_eq!(o.scale, SCALE / 2.0, "{what}");
+        }
+        match out[0].info.info.overflow {
+            Some(OverflowAt::Gradient { rank: r, microbatch: 0, tensor: _ }) => {
+                assert_eq!(r, rank, "{what}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
+
+/// The anchors' scenarios on dp 2 x tp 2 with ep 2: what each got wrong, against gradacc's
+/// answer and the reference.
+#[test]
+fn the_anchors_mistakes_beside_the_mesh_answer() {
+    let mut rng = Rng::fresh("the_anchors_mistakes_beside_the_mesh_answer");
+    let case = Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 2, etp: 1 };
+    let mut s = schedule(&mut rng, &case, None);
+    s.dtype = Dtype::F32;
+    s.counts = vec![vec![3, 4], vec![2, 5]];
+    let reference = reference(&case, &s);
+    let sq = |pred: &dyn Fn(Kind) -> bool| -> f64 {
+        reference.iter().filter(|(k, _)| pred(*k)).flat_map(|(_, v)| v).map(|(g, _)| g * g).sum()
+    };
+    let norm = sq(&|_| true).sqrt();
+    let out = run(&case, &s, 0.0);
+    let got = out[0].info.info.grad_norm;
+    assert!((got - norm).abs() <= 1e-6 * norm, "{got} against {norm}");
+    // Megatron-LM #5916: with EP > 1 and TP > 1 the norm skipped the experts.
+    let without_experts = sq(&|k| !matches!(k, Kind::Expert(_))).sqrt();
+    // DeepSpeed #8478: expert squares summed over the expert-data-parallel replicas as well
+    // (each group's norm counted on every member), the rest once.
+    let experts_per_member = (sq(&|k| !matches!(k, Kind::Expert(_)))
+        + 2.0 * sq(&|k| matches!(k, Kind::Expert(_))))
+    .sqrt();
+    // The replicated layer norm counted on each tensor-parallel rank.
+    let norm_twice = (norm * norm + sq(&|k| k == Kind::Norm)).sqrt();
+    for wrong in [without_experts, experts_per_member, norm_twice] {
+        assert!((wrong - norm).abs() > 1e-3 * norm, "{wrong} should differ from {norm}");
+    }
+    // PyTorch #160285: expert gradients normalised by their own group's items (the two data
+    // ranks of an expert-data-parallel group see all tokens, but a per-group normaliser of one
+    // rank's count doubles them); gradacc divides by the job's count.
+    let expert0 = &reference.iter().find(|(k, _)| *k == Kind::Expert(0)).unwrap().1;
+    let held = out
+        .iter()
+        .flat_map(|o| &o.held)
+        .find(|(k, j, _)| *k == Kind::Expert(0) && *j == 0)
+        .unwrap();
+    assert!(
+        (held.2 as f64 - expert0[0].0).abs() <= 1e-6 * expert0[0].1,
+        "{} vs {}",
+        held.2,
+        expert0[0].0
+    );
+    eprintln!(
+        "global norm: gradacc {got:.6}, f64 {norm:.6}; without experts (Megatron-LM #5916) \
+         {without_experts:.6}; experts per member (DeepSpeed #8478) {experts_per_member:.6}; \
+         replicated norm twice {norm_twice:.6}"
+    );
+}
+
+/// Bad input fails on every rank with the same kind, naming the ranks; the windows are intact.
+#[test]
+fn peers_that_count_differently_fail_on_every_rank() {
+    // dp 1 x tp 2: both ranks at data rank 0, one counting an extra item.
+    let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
+    let world = LocalComm::group(2).unwrap();
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .enumerate()
+            .map(|(rank, w)| {
+                let shape = &shape;
+                scope.spawn(move || {
+                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
+                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3 + rank as u64)
+                        .unwrap();
+                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
+                    let e = mesh.sync(&[Part::new(&acc, None)]).unwrap_err();
+                    // The window is intact: a plain sync still sees its micro-batch.
+                    let info = acc.sync(None).unwrap();
+                    (e, info.total_count)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (e, count)) in results.iter().enumerate() {
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message.contains("world ranks 0 and 1 share data-parallel rank 0"), "{e}");
+        assert_eq!(*count, 3 + rank as u64);
+    }
+}
+
+#[test]
+fn a_replicated_tensor_undeclared_on_a_peer_fails_on_every_rank() {
+    let world = LocalComm::group(2).unwrap();
+    let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
+    let errors: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .enumerate()
+            .map(|(rank, w)| {
+                let shape = &shape;
+                scope.spawn(move || {
+                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+                    let config = AccumulatorConfig { tensor_stats: true, ..Default::default() };
+                    let acc = Accumulator::new(config, &t).unwrap();
+                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
+                    let r = [Replicated { tensor: 0, key: 7, copies: 2 }];
+                    let replicated: &[Replicated] = if rank == 0 { &r } else { &[] };
+                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
+                    mesh.sync(&[Part { replicated, ..Part::new(&acc, None) }]).unwrap_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errors {
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert!(
+            e.message
+                .contains("key 0x7 is declared with 2 copies, but 1 group holds it (world rank 0)"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_part_invalid_on_one_rank_fails_every_rank_without_waiting() {
+    let world = LocalComm::group(2).unwrap();
+    let data = LocalComm::group(2).unwrap();
+    let shape = MeshShape::new(2, 1, 1, 1, 1, 1).unwrap();
+    let errors: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .zip(data)
+            .enumerate()
+            .map(|(rank, (w, d))| {
+                let shape = &shape;
+                scope.spawn(move || {
+                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+                    // Rank 1's accumulator clips by itself: refused there, told to rank 0.
+                    let config =
+                        AccumulatorConfig { max_grad_norm: rank as f32, ..Default::default() };
+                    let acc = Accumulator::new(config, &t).unwrap();
+                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
+                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
+                    mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(errors[1].kind, ErrorKind::InvalidArgument, "{}", errors[1]);
+    assert!(errors[1].message.contains("clips by itself"), "{}", errors[1]);
+    assert_eq!(errors[0].kind, ErrorKind::PeerFailure, "{}", errors[0]);
+}
