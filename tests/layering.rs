@@ -38,9 +38,11 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn the_core_scaler_accumulator_optimizer_and_device_name_no_backend_module() {
+fn the_core_scaler_accumulator_optimizer_mesh_and_device_name_no_backend_module() {
     let mut files = vec![root().join("src/scaler.rs"), root().join("src/device.rs")];
     rust_files(&root().join("src/accumulator"), &mut files);
+    rust_files(&root().join("src/mesh"), &mut files);
+    assert!(files.iter().any(|f| f.ends_with("mesh/agreement.rs")), "the mesh is checked");
     rust_files(&root().join("src/optimizer"), &mut files);
     for path in files {
         let file = path.strip_prefix(root()).unwrap().display().to_string();

@@ -664,3 +664,28 @@ fn a_part_invalid_on_one_rank_fails_every_rank_without_waiting() {
     assert!(errors[1].message.contains("clips by itself"), "{}", errors[1]);
     assert_eq!(errors[0].kind, ErrorKind::PeerFailure, "{}", errors[0]);
 }
+
+/// A rank that never calls the step: its peer ends at the communicators' timeout, with its window
+/// intact (a plain sync alone still sees its micro-batch).
+#[test]
+fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
+    let mut world = LocalComm::group(2).unwrap();
+    let mut data = LocalComm::group(2).unwrap();
+    let (w, d) = (world.remove(0), data.remove(0));
+    for c in [&w, &d] {
+        c.set_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
+    }
+    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+    let acc = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
+    let mesh = Mesh::new(Arc::new(w), 0, 1).unwrap();
+    let start = std::time::Instant::now();
+    let e = mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    assert!(e.message.contains("intact"), "{e}");
+    // The bound is the timeout; the slack is for a busy machine.
+    assert!(start.elapsed() < std::time::Duration::from_secs(30), "{:?}", start.elapsed());
+    drop((world, data));
+    assert_eq!(acc.sync(None).unwrap().total_count, 3);
+}
