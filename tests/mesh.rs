@@ -563,33 +563,41 @@ fn the_anchors_mistakes_beside_the_mesh_answer() {
     );
 }
 
+/// `f(rank, world, data)` on two ranks on threads: a world of two and a data group of two.
+fn on_two_ranks<T: Send>(f: impl Fn(usize, LocalComm, LocalComm) -> T + Sync) -> Vec<T> {
+    let (world, data) = (LocalComm::group(2).unwrap(), LocalComm::group(2).unwrap());
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = world
+            .into_iter()
+            .zip(data)
+            .enumerate()
+            .map(|(rank, (w, d))| scope.spawn(move || f(rank, w, d)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// An accumulator of one tensor of 5 elements with one micro-batch of `items` added.
+fn fed(config: AccumulatorConfig, items: u64) -> Accumulator {
+    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+    let acc = Accumulator::new(config, &t).unwrap();
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], items).unwrap();
+    acc
+}
+
 /// Bad input fails on every rank with the same kind, naming the ranks; the windows are intact.
 #[test]
 fn peers_that_count_differently_fail_on_every_rank() {
     // dp 1 x tp 2: both ranks at data rank 0, one counting an extra item.
     let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
-    let world = LocalComm::group(2).unwrap();
-    let results: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = world
-            .into_iter()
-            .enumerate()
-            .map(|(rank, w)| {
-                let shape = &shape;
-                scope.spawn(move || {
-                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
-                    let acc = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
-                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
-                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3 + rank as u64)
-                        .unwrap();
-                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
-                    let e = mesh.sync(&[Part::new(&acc, None)]).unwrap_err();
-                    // The window is intact: a plain sync still sees its micro-batch.
-                    let info = acc.sync(None).unwrap();
-                    (e, info.total_count)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let results = on_two_ranks(|rank, w, _| {
+        let acc = fed(AccumulatorConfig::default(), 3 + rank as u64);
+        let mesh = Mesh::of_shape(Arc::new(w), &shape).unwrap();
+        let e = mesh.sync(&[Part::new(&acc, None)]).unwrap_err();
+        // The window is intact: a plain sync still sees its micro-batch.
+        (e, acc.sync(None).unwrap().total_count)
     });
     for (rank, (e, count)) in results.iter().enumerate() {
         assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
@@ -600,65 +608,29 @@ fn peers_that_count_differently_fail_on_every_rank() {
 
 #[test]
 fn a_replicated_tensor_undeclared_on_a_peer_fails_on_every_rank() {
-    let world = LocalComm::group(2).unwrap();
     let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
-    let errors: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = world
-            .into_iter()
-            .enumerate()
-            .map(|(rank, w)| {
-                let shape = &shape;
-                scope.spawn(move || {
-                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
-                    let config = AccumulatorConfig { tensor_stats: true, ..Default::default() };
-                    let acc = Accumulator::new(config, &t).unwrap();
-                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
-                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
-                    let r = [Replicated { tensor: 0, key: 7, copies: 2 }];
-                    let replicated: &[Replicated] = if rank == 0 { &r } else { &[] };
-                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
-                    mesh.sync(&[Part { replicated, ..Part::new(&acc, None) }]).unwrap_err()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = on_two_ranks(|rank, w, _| {
+        let acc = fed(AccumulatorConfig { tensor_stats: true, ..Default::default() }, 3);
+        let r = [Replicated { tensor: 0, key: 7, copies: 2 }];
+        let replicated: &[Replicated] = if rank == 0 { &r } else { &[] };
+        let mesh = Mesh::of_shape(Arc::new(w), &shape).unwrap();
+        mesh.sync(&[Part { replicated, ..Part::new(&acc, None) }]).unwrap_err()
     });
     for e in &errors {
         assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
-        assert!(
-            e.message
-                .contains("key 0x7 is declared with 2 copies, but 1 group holds it (world rank 0)"),
-            "{e}"
-        );
+        let want = "key 0x7 is declared with 2 copies, but 1 group holds it (world rank 0)";
+        assert!(e.message.contains(want), "{e}");
     }
 }
 
 #[test]
 fn a_part_invalid_on_one_rank_fails_every_rank_without_waiting() {
-    let world = LocalComm::group(2).unwrap();
-    let data = LocalComm::group(2).unwrap();
     let shape = MeshShape::new(2, 1, 1, 1, 1, 1).unwrap();
-    let errors: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = world
-            .into_iter()
-            .zip(data)
-            .enumerate()
-            .map(|(rank, (w, d))| {
-                let shape = &shape;
-                scope.spawn(move || {
-                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
-                    // Rank 1's accumulator clips by itself: refused there, told to rank 0.
-                    let config =
-                        AccumulatorConfig { max_grad_norm: rank as f32, ..Default::default() };
-                    let acc = Accumulator::new(config, &t).unwrap();
-                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
-                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
-                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
-                    mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = on_two_ranks(|rank, w, d| {
+        // Rank 1's accumulator clips by itself: refused there, told to rank 0.
+        let acc = fed(AccumulatorConfig { max_grad_norm: rank as f32, ..Default::default() }, 3);
+        let mesh = Mesh::of_shape(Arc::new(w), &shape).unwrap();
+        mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err()
     });
     assert_eq!(errors[1].kind, ErrorKind::InvalidArgument, "{}", errors[1]);
     assert!(errors[1].message.contains("clips by itself"), "{}", errors[1]);
@@ -675,10 +647,7 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     for c in [&w, &d] {
         c.set_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
     }
-    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
-    let acc = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
-    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
-    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
+    let acc = fed(AccumulatorConfig::default(), 3);
     let mesh = Mesh::new(Arc::new(w), 0, 1).unwrap();
     let start = std::time::Instant::now();
     let e = mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err();

@@ -237,8 +237,8 @@ mod tests {
 
     #[test]
     fn experts_view_each_stage_with_expert_tensor_fastest() {
-        // world 8, tp 2, dp 4 (one stage); ep 2, etp 1: edp 4 / 2 = ... the stage's 8 ranks as
-        // etp 1 x ep 2 x edp 4: ep groups [0,1],[2,3],..., edp groups [0,2,4,6],[1,3,5,7].
+        // World 8, tp 2, dp 4 (one stage), ep 2, etp 1: the stage's 8 ranks as etp 1 x ep 2 x
+        // edp 4, so ep groups [0,1],[2,3],... and edp groups [0,2,4,6],[1,3,5,7].
         let s = MeshShape::new(8, 2, 1, 1, 2, 1).unwrap();
         assert_eq!(s.size(Axis::Edp), 4);
         assert_eq!(s.members(3, &[Axis::Ep]).unwrap(), [2, 3]);
