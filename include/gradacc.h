@@ -121,6 +121,9 @@
 #define GRADACC_SYNC_INFO_INIT {.struct_size = sizeof(gradacc_sync_info_t)}
 /** Initialiser of gradacc_scaler_stats_t for C99 and later, as GRADACC_SYNC_INFO_INIT. */
 #define GRADACC_SCALER_STATS_INIT {.struct_size = sizeof(gradacc_scaler_stats_t)}
+/** Initialiser of gradacc_mesh_part_t for C99 and later: struct_size is this header's size, every
+ * pointer NULL and the count 0; set the accumulator (and comm, replicas, replicated) after. */
+#define GRADACC_MESH_PART_INIT {.struct_size = sizeof(gradacc_mesh_part_t)}
 
 
 /**
@@ -229,6 +232,12 @@ typedef struct gradacc_accumulator_t gradacc_accumulator_t;
  * One rank's endpoint of a data-parallel group (opaque). Free with gradacc_comm_destroy.
  */
 typedef struct gradacc_comm_t gradacc_comm_t;
+
+/**
+ * One boundary over a job's accumulators (opaque): the world communicator and this rank's place
+ * on the data axes. Create with gradacc_mesh_create, free with gradacc_mesh_destroy.
+ */
+typedef struct gradacc_mesh_t gradacc_mesh_t;
 
 /**
  * FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
@@ -499,6 +508,60 @@ typedef int32_t gradacc_log_level_t;
  * gradacc_set_log_callback.
  */
 typedef void (*gradacc_log_fn)(void *user, gradacc_log_level_t level, const char *message);
+
+/**
+ * A tensor whose values several model-parallel ranks hold alike (a layer norm replicated over
+ * tensor-parallel ranks, a tied embedding on the first and the last pipeline stage): it enters
+ * the global norm once, from one copy.
+ */
+typedef struct gradacc_replicated_t {
+    /**
+     * The tensor's index in its accumulator.
+     */
+    uint32_t tensor;
+    /**
+     * How many model-parallel ranks hold it at one data-parallel rank (at least 1): the step
+     * checks that exactly that many declare it.
+     */
+    uint32_t copies;
+    /**
+     * The same on every copy and different for different tensors (a hash of the parameter's
+     * name, say, with the tensor-parallel rank for a tied, vocabulary-sharded embedding).
+     */
+    uint64_t key;
+} gradacc_replicated_t;
+
+/**
+ * One accumulator of a mesh step and the group it reduces over. Initialise with
+ * GRADACC_MESH_PART_INIT (C) or set struct_size to sizeof(gradacc_mesh_part_t), then fill in
+ * the fields; every element of an array of parts has the same struct_size (the array's stride).
+ */
+typedef struct gradacc_mesh_part_t {
+    /**
+     * sizeof(gradacc_mesh_part_t).
+     */
+    size_t struct_size;
+    /**
+     * The accumulator (borrowed for the call): on the CPU, created with max_grad_norm 0 (the
+     * mesh clips), and with tensor_stats 1 when it declares replicated tensors.
+     */
+    struct gradacc_accumulator_t *accumulator;
+    /**
+     * Its group, as gradacc_accumulator_sync's `comm`: NULL when it is alone, or for a sharded
+     * accumulation's own communicator.
+     */
+    struct gradacc_comm_t *comm;
+    /**
+     * A hybrid boundary's replica group, as gradacc_accumulator_sync_hybrid's `replica_comm`
+     * (`comm` is then the shard group); NULL otherwise.
+     */
+    struct gradacc_comm_t *replicas;
+    /**
+     * Its replicated tensors, `replicated_count` of them (NULL when the count is 0).
+     */
+    const struct gradacc_replicated_t *replicated;
+    size_t replicated_count;
+} gradacc_mesh_part_t;
 
 /**
  * An optimizer's update rule.
@@ -1501,6 +1564,68 @@ enum gradacc_status_t gradacc_set_log_callback(gradacc_log_fn callback,
  * Thread safety: any thread.
  */
 GRADACC_API enum gradacc_status_t gradacc_diagnostics(char *buf, size_t size, size_t *needed);
+
+/**
+ * Creates a mesh over `world`, a host communicator (in-process or MPI) of every rank of the job,
+ * where this rank is data-parallel rank `data_rank` of `data_size`: the ranks that see different
+ * data (data-parallel x context-parallel). In Megatron-Core's rank order, where the
+ * tensor-parallel rank varies fastest, then the context-parallel, the data-parallel and the
+ * pipeline one (rank = tp + TP*(cp + CP*(dp + DP*pp))), data_size = CP*DP and
+ * data_rank = cp + CP*dp, this rank's index in its context x data-parallel group. `data_size`
+ * divides the world's size. `max_grad_norm` clips the global norm (0: off), as PyTorch's
+ * `clip_grad_norm_` over every parameter of the model. The mesh holds its own reference to
+ * `world`'s communicator (the handle may be destroyed first; a sync in flight on it then fails).
+ *
+ * Ownership: `*out_mesh` is the caller's; free it with gradacc_mesh_destroy.
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_create(struct gradacc_comm_t *world,
+                                          uint32_t data_rank,
+                                          uint32_t data_size,
+                                          float max_grad_norm,
+                                          struct gradacc_mesh_t **out_mesh);
+
+/**
+ * Destroys a mesh. NULL is accepted and does nothing; must not be called twice on one handle (a
+ * second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). A sync on another
+ * thread keeps the mesh until it returns.
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API enum gradacc_status_t gradacc_mesh_destroy(struct gradacc_mesh_t *mesh);
+
+/**
+ * The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and
+ * one agreement over the mesh's world for all. Every rank of the world calls it, each with its
+ * own parts; the ranks of each part's group give that part at the same position of the parts
+ * they share. Each part is reduced over its group and normalised by the job's totals: the item
+ * counts summed over the data axes only (each data-parallel rank's window once; ranks at one
+ * data-parallel rank must count alike, or the step fails on every rank naming them). The norm
+ * is the job's: every distinct element once (each group's reduced gradient once; a replicated
+ * tensor once over its copies), clipped by the mesh's max_grad_norm with one coefficient, the
+ * same bits on every rank. A non-finite value on any rank in any part skips the step on every
+ * rank: `*info_out` (may be NULL) reports it with the world rank, and `*overflow_part_out` (may
+ * be NULL; UINT32_MAX when none) that rank's part. Every part's window reports the same info, so
+ * gradacc_scaler_update_from and each optimizer's step follow it.
+ *
+ * An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
+ * fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still
+ * takes part, flagged invalid, in the control step of each part's group it can name and in the
+ * world's agreement. A part whose group it cannot name (parts NULL, or parts[0].struct_size
+ * wrong, so no element can be read; a NULL accumulator with a NULL comm under sharded
+ * accumulation) leaves that group's peers waiting until their communicator's timeout. A failure
+ * before the reductions leaves every window intact; one after them discards every window.
+ *
+ * Thread safety: serialised with every other call on each part's accumulator; one call per
+ * rank, each on its rank's thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_sync(struct gradacc_mesh_t *mesh,
+                                        const struct gradacc_mesh_part_t *parts,
+                                        size_t count,
+                                        struct gradacc_sync_info_t *info_out,
+                                        uint32_t *overflow_part_out);
 
 /**
  * Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr

@@ -34,6 +34,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -318,6 +319,9 @@ struct CommDelete {
 };
 struct OptimizerDelete {
     void operator()(gradacc_optimizer_t *p) const noexcept { (void)gradacc_optimizer_destroy(p); }
+};
+struct MeshDelete {
+    void operator()(gradacc_mesh_t *p) const noexcept { (void)gradacc_mesh_destroy(p); }
 };
 
 inline const char *dtype_name(gradacc_dtype_t dtype) noexcept {
@@ -724,6 +728,71 @@ private:
     }
 
     std::unique_ptr<gradacc_accumulator_t, detail::AccumulatorDelete> handle_;
+};
+
+/** A tensor several model-parallel ranks hold alike (`tensor`, `copies`, `key`, as in C): it
+ * enters a mesh step's global norm once. */
+using Replicated = gradacc_replicated_t;
+
+/** One accumulator of a mesh step and the group it reduces over; everything is borrowed for the
+ * call. `comm` null: the accumulator is alone, or a sharded accumulation's own; `replicas` is a
+ * hybrid boundary's replica group (null otherwise). */
+struct MeshPart {
+    Accumulator *accumulator = nullptr;
+    Communicator *comm = nullptr;
+    Communicator *replicas = nullptr;
+    std::vector<Replicated> replicated;
+};
+
+/** What a mesh step reports, the same on every rank: the job's SyncInfo (an overflow's rank is a
+ * world rank) and the part of that rank's step it names. */
+struct MeshInfo {
+    SyncInfo info;
+    std::optional<std::size_t> overflow_part;
+};
+
+/** One boundary over a job's accumulators (gradacc_mesh_create: the world communicator, this
+ * rank's data-parallel rank and size, the global norm's clip). Move-only; destroyed with
+ * gradacc_mesh_destroy. The mesh keeps its own reference to the world's communicator. */
+class Mesh {
+public:
+    Mesh(Communicator &world, std::uint32_t data_rank, std::uint32_t data_size, float max_grad_norm = 0.0f) {
+        gradacc_mesh_t *p = nullptr;
+        check(gradacc_mesh_create(world.get(), data_rank, data_size, max_grad_norm, &p));
+        handle_.reset(p);
+    }
+
+    /** The mesh step over this rank's parts (gradacc_mesh_sync); every rank of the world calls
+     * it. A null accumulator is passed on, so the library names it and tells the peers. */
+    MeshInfo sync(span<const MeshPart> parts) {
+        std::vector<gradacc_mesh_part_t> raw(parts.size());
+        for (std::size_t i = 0; i < parts.size(); i++) {
+            const MeshPart &p = parts[i];
+            raw[i].struct_size = sizeof raw[i];
+            raw[i].accumulator = p.accumulator ? p.accumulator->get() : nullptr;
+            raw[i].comm = p.comm ? p.comm->get() : nullptr;
+            raw[i].replicas = p.replicas ? p.replicas->get() : nullptr;
+            raw[i].replicated = p.replicated.empty() ? nullptr : p.replicated.data();
+            raw[i].replicated_count = p.replicated.size();
+        }
+        MeshInfo out{};
+        out.info.struct_size = sizeof out.info;
+        std::uint32_t part = 0;
+        check(gradacc_mesh_sync(handle_.get(), raw.empty() ? nullptr : raw.data(), raw.size(), &out.info, &part));
+        if (part != UINT32_MAX)
+            out.overflow_part = part;
+        return out;
+    }
+    MeshInfo sync(std::initializer_list<MeshPart> parts) {
+        return sync(span<const MeshPart>(parts.begin(), parts.size()));
+    }
+
+    gradacc_mesh_t *get() const noexcept { return handle_.get(); }
+    /** Gives the handle up: the caller must now free it with gradacc_mesh_destroy. */
+    gradacc_mesh_t *release() noexcept { return handle_.release(); }
+
+private:
+    std::unique_ptr<gradacc_mesh_t, detail::MeshDelete> handle_;
 };
 
 inline bool Scaler::update(std::initializer_list<const Accumulator *> accumulators) {

@@ -50,6 +50,7 @@ fn in_readme_table() -> BTreeSet<String> {
             "accumulator" => "gradacc_accumulator",
             "optimizer" => "gradacc_optimizer",
             "communicator" => "gradacc_comm",
+            "mesh" => "gradacc_mesh",
             "diagnostics" => "gradacc",
             other => panic!("an API table row for `{other}`"),
         };

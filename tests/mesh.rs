@@ -658,3 +658,55 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     drop((world, data));
     assert_eq!(acc.sync(None).unwrap().total_count, 3);
 }
+
+/// A rank whose arguments were refused before the step (the C ABI's) tells its part's group and
+/// the world; the others fail naming it, and their windows are intact.
+#[test]
+fn a_refused_step_fails_every_rank_without_waiting() {
+    use gradacc::mesh::RefusedPart;
+    let world = LocalComm::group(4).unwrap();
+    // dp 2 x tp 2: data groups {0, 2} and {1, 3}.
+    let shape = MeshShape::new(4, 2, 1, 1, 1, 1).unwrap();
+    let mut data: Vec<Option<LocalComm>> = Vec::new();
+    data.resize_with(4, || None);
+    for group in [[0, 2], [1, 3]] {
+        for (c, r) in LocalComm::group(2).unwrap().into_iter().zip(group) {
+            data[r] = Some(c);
+        }
+    }
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .zip(data)
+            .enumerate()
+            .map(|(rank, (w, d))| {
+                let shape = &shape;
+                scope.spawn(move || {
+                    let d = d.unwrap();
+                    let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+                    let acc = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
+                    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+                    acc.add(&scaler, &[gradacc::Grad::F32(&[1.0; 5])][..], 3).unwrap();
+                    let mesh = Mesh::of_shape(Arc::new(w), shape).unwrap();
+                    if rank == 2 {
+                        let comm: &dyn Communicator = &d;
+                        let part = RefusedPart { comm: Some(comm), ..Default::default() };
+                        mesh.refuse(&[part]);
+                        return None;
+                    }
+                    let e = mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err();
+                    Some((e, acc.sync(None).unwrap().total_count))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let Some((e, count)) = r else { continue };
+        assert_eq!(e.kind, ErrorKind::PeerFailure, "rank {rank}: {e}");
+        assert_eq!(*count, 3, "rank {rank}: the window is intact");
+    }
+    // Rank 0, rank 2's data-parallel peer, failed in its group's step; 1 and 3 learn both.
+    let e = &results[1].as_ref().unwrap().0;
+    assert!(e.message.contains("world ranks 0 and 2"), "{e}");
+}

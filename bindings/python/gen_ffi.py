@@ -37,7 +37,7 @@ SCALARS = {
 
 
 # Macros of the header that are not constants: C initialisers and the export attribute.
-NOT_CONSTANTS = {"GRADACC_API", "GRADACC_SYNC_INFO_INIT", "GRADACC_SCALER_STATS_INIT"}
+NOT_CONSTANTS = {"GRADACC_API", "GRADACC_SYNC_INFO_INIT", "GRADACC_SCALER_STATS_INIT", "GRADACC_MESH_PART_INIT"}
 
 
 class Header:

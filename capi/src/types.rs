@@ -232,6 +232,7 @@ use crate::accumulator::{
     gradacc_accumulator_config_default, gradacc_accumulator_config_t, gradacc_sync_info_t,
 };
 use crate::comm::{gradacc_mpi_config_default, gradacc_mpi_config_t};
+use crate::mesh::gradacc_mesh_part_t;
 use crate::optimizer::{gradacc_optimizer_config_default, gradacc_optimizer_config_t};
 use crate::scaler::{
     gradacc_scaler_config_default, gradacc_scaler_config_t, gradacc_scaler_stats_t,
@@ -309,6 +310,11 @@ versioned!(
     init: "GRADACC_SCALER_STATS_INIT"
 );
 
+versioned!(
+    gradacc_mesh_part_t { struct_size, accumulator, comm, replicas, replicated, replicated_count },
+    init: "GRADACC_MESH_PART_INIT"
+);
+
 /// The Rust twin of the header's GRADACC_SYNC_INFO_INIT: zeros, with this version's struct_size.
 impl Default for gradacc_sync_info_t {
     fn default() -> Self {
@@ -356,7 +362,10 @@ pub(crate) fn accepted_sizes<T: Versioned>() -> Vec<usize> {
 /// and may lie inside the next field of the current struct); 0, a size inside a field, or a size
 /// larger than this library's `T` (a caller built against a newer header) fails, naming
 /// `argument` and the value.
-fn check_struct_size<T: Versioned>(declared: usize, argument: &str) -> CallResult<usize> {
+pub(crate) fn check_struct_size<T: Versioned>(
+    declared: usize,
+    argument: &str,
+) -> CallResult<usize> {
     let current = size_of::<T>();
     if declared == 0 {
         return Err(Error::invalid(format!(
@@ -596,6 +605,7 @@ mod tests {
         check::<gradacc_mpi_config_t>();
         check::<gradacc_sync_info_t>();
         check::<gradacc_scaler_stats_t>();
+        check::<gradacc_mesh_part_t>();
         // 8 struct_size, 4 loss_reduction, 4 normalize, 4 max_grad_norm (+4 padding), 8
         // bucket_numel, 4 threads (0.1 ended here, padded to 40), 4 reserved, 4 sharding, 4
         // shard_count, 4 shard_rank, 4 wire_dtype (0.2 ended here), 4 overflow, 4 tensor_stats.

@@ -72,6 +72,16 @@ impl<'a> Part<'a> {
     }
 }
 
+/// What is known of a part of a step whose arguments were refused before [`Mesh::sync`] (by the
+/// C ABI): the groups it can still tell, so that their peers fail instead of waiting.
+#[cfg(feature = "internal")]
+#[derive(Clone, Copy, Default)]
+pub struct RefusedPart<'a> {
+    pub accumulator: Option<&'a Accumulator>,
+    pub comm: Option<&'a dyn Communicator>,
+    pub replicas: Option<&'a dyn Communicator>,
+}
+
 /// What a mesh step reports, the same on every rank.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MeshInfo {
@@ -154,6 +164,26 @@ impl Mesh {
             }
         }
         result
+    }
+
+    /// Takes part in a step this rank cannot make (its arguments were refused before
+    /// [`Mesh::sync`]): each known part's control step, in order, and the world's gather, flagged
+    /// invalid, so that every other rank fails with PeerFailure instead of waiting. A part whose
+    /// groups are unknown (no communicator and no accumulator) leaves its group's peers waiting
+    /// until their timeout. Changes nothing.
+    #[cfg(feature = "internal")]
+    pub fn refuse(&self, parts: &[RefusedPart<'_>]) {
+        for p in parts {
+            refuse_groups(p.accumulator, p.comm, p.replicas);
+        }
+        let world = self.world.host().expect("checked at creation");
+        let claim = Claim {
+            error: true,
+            data_rank: self.data_rank as u64,
+            data_size: self.data_size as u64,
+            ..Claim::default()
+        };
+        let _ = gather_claims(world, self.world.world_size(), &claim, &[]);
     }
 
     fn step(&self, parts: &[Part<'_>]) -> Result<MeshInfo> {
@@ -337,11 +367,22 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
 
 /// Takes part in `p`'s control step flagged invalid.
 fn refuse(p: &Part<'_>) {
-    match p.comm {
-        Some(c) => protocol::refuse(c),
-        None => p.accumulator.refuse_collective(),
+    refuse_groups(Some(p.accumulator), p.comm, p.replicas);
+}
+
+/// Takes part, flagged invalid, in the control steps of a part's groups that are known: `comm`'s
+/// (else the accumulator's own, a sharded accumulation's) and the replicas'.
+fn refuse_groups(
+    accumulator: Option<&Accumulator>,
+    comm: Option<&dyn Communicator>,
+    replicas: Option<&dyn Communicator>,
+) {
+    match (comm, accumulator) {
+        (Some(c), _) => protocol::refuse(c),
+        (None, Some(a)) => a.refuse_collective(),
+        (None, None) => {}
     }
-    if let Some(r) = p.replicas {
+    if let Some(r) = replicas {
         protocol::refuse(r);
     }
 }

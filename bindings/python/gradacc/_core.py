@@ -920,3 +920,85 @@ class Optimizer(_Managed):
                                                               for b in bufs))
         lens = (ctypes.c_size_t * len(bufs))(*(len(b) for b in bufs))
         _check(ffi.gradacc_optimizer_load(self._handle(), ptrs, lens, len(bufs)))
+
+
+# ---- the mesh step --------------------------------------------------------------------------
+
+class MeshPart(typing.NamedTuple):
+    """One accumulator of a mesh step and the group it reduces over: ``comm`` None when it is
+    alone or for a sharded accumulation's own communicator, ``replicas`` a hybrid boundary's
+    replica group, ``replicated`` its replicated tensors as ``(tensor, key, copies)``: a tensor
+    ``copies`` model-parallel ranks hold alike (at one data-parallel rank), the same ``key`` on
+    every copy, which enters the global norm once."""
+    accumulator: "Accumulator"
+    comm: typing.Optional[Communicator] = None
+    replicas: typing.Optional[Communicator] = None
+    replicated: typing.Sequence[typing.Tuple[int, int, int]] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo(SyncInfo):
+    """A mesh step's :class:`SyncInfo`, the same on every rank: the totals over the data axes,
+    the global norm, an overflow's rank a world rank; ``overflow_part`` is the part of that
+    rank's step it names (None when there is none)."""
+    overflow_part: typing.Optional[int] = None
+
+
+def _u32(value, what):
+    value = _unsigned(value, what)
+    if value >= 2**32:
+        raise ValueError(f"`{what}` = {value}: below 2**32")
+    return value
+
+
+class Mesh(_Managed):
+    """One boundary over a job's accumulators: ``world``, a communicator of every rank of the
+    job, and this rank's data-parallel rank ``data_rank`` of ``data_size`` (the ranks that see
+    different data: data-parallel x context-parallel; in Megatron-Core's order, tensor-parallel
+    fastest, then context, data, pipeline: ``data_rank = cp + CP * dp``). ``max_grad_norm``
+    clips the global norm (0: off). gradacc_mesh_create and gradacc_mesh_sync state the rules."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_mesh_destroy(p))
+
+    def __init__(self, world, data_rank, data_size, max_grad_norm=0.0):
+        out = ctypes.POINTER(ffi.gradacc_mesh_t)()
+        _check(ffi.gradacc_mesh_create(world._handle(), _u32(data_rank, "data_rank"), _u32(data_size, "data_size"),
+                                       float(max_grad_norm), ctypes.byref(out)))
+        self._ptr = out
+
+    def sync(self, parts):
+        """The mesh step over this rank's parts (:class:`MeshPart`), every rank of the world on
+        its own thread or process; returns a :class:`MeshInfo`. Every part's window reports it,
+        so ``scaler.update`` and each optimizer's step follow it. A closed object in a part is
+        passed on as NULL, so that the library refuses the step on every rank, then raises."""
+        parts = [p if isinstance(p, MeshPart) else MeshPart(*p) for p in parts]
+        raw = (ffi.gradacc_mesh_part_t * max(len(parts), 1))()
+        keep, closed = [], None
+        for i, p in enumerate(parts):
+            objs = (p.accumulator, p.comm, p.replicas)
+            if any(o is not None and o._ptr is None for o in objs):
+                closed = closed or next(o for o in objs if o is not None and o._ptr is None)
+            entries = [(_u32(t, f"parts[{i}].replicated[{j}] tensor"), _u32(c, f"parts[{i}].replicated[{j}] copies"),
+                        int(k)) for j, (t, k, c) in enumerate(p.replicated)]
+            arr = (ffi.gradacc_replicated_t * max(len(entries), 1))(
+                *(ffi.gradacc_replicated_t(tensor=t, copies=c, key=k % 2**64) for t, c, k in entries))
+            keep.append(arr)
+            r = raw[i]
+            r.struct_size = ctypes.sizeof(ffi.gradacc_mesh_part_t)
+            # A closed accumulator goes in as NULL: its groups are still told.
+            r.accumulator = p.accumulator._ptr if p.accumulator is not None and closed is None else None
+            r.comm = p.comm._ptr if p.comm is not None else None
+            r.replicas = p.replicas._ptr if p.replicas is not None else None
+            if entries:
+                r.replicated = ctypes.cast(arr, ctypes.POINTER(ffi.gradacc_replicated_t))
+            r.replicated_count = len(entries)
+        info = _out_struct(ffi.gradacc_sync_info_t)
+        part = ctypes.c_uint32()
+        status = ffi.gradacc_mesh_sync(self._handle(), raw if parts else None, len(parts), ctypes.byref(info),
+                                       ctypes.byref(part))
+        if closed is not None:
+            closed._handle()  # raises the binding's error for the closed one
+        _check(status)
+        s = _sync_info(info)
+        overflow_part = None if part.value == 2**32 - 1 else part.value
+        return MeshInfo(**{f.name: getattr(s, f.name) for f in dataclasses.fields(SyncInfo)},
+                        overflow_part=overflow_part)

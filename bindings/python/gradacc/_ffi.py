@@ -78,6 +78,10 @@ class gradacc_accumulator_t(ctypes.Structure):
 class gradacc_comm_t(ctypes.Structure):
     pass
 
+# One boundary over a job's accumulators (opaque): the world communicator and this rank's place on the data axes.
+class gradacc_mesh_t(ctypes.Structure):
+    pass
+
 # FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque).
 class gradacc_optimizer_t(ctypes.Structure):
     pass
@@ -185,6 +189,25 @@ gradacc_log_level_t = ctypes.c_int32
 
 # A log callback: `message` (NUL-terminated, valid only during the call) at `level`, with the `user` pointer given to gradacc_set_log_callback.
 gradacc_log_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, gradacc_log_level_t, ctypes.c_char_p)
+
+# A tensor whose values several model-parallel ranks hold alike (a layer norm replicated over tensor-parallel ranks, a tied embedding on the first and the last pipeline stage): it enters the global norm once, from one copy.
+class gradacc_replicated_t(ctypes.Structure):
+    _fields_ = [
+        ("tensor", ctypes.c_uint32),
+        ("copies", ctypes.c_uint32),
+        ("key", ctypes.c_uint64),
+    ]
+
+# One accumulator of a mesh step and the group it reduces over.
+class gradacc_mesh_part_t(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("accumulator", ctypes.POINTER(gradacc_accumulator_t)),
+        ("comm", ctypes.POINTER(gradacc_comm_t)),
+        ("replicas", ctypes.POINTER(gradacc_comm_t)),
+        ("replicated", ctypes.POINTER(gradacc_replicated_t)),
+        ("replicated_count", ctypes.c_size_t),
+    ]
 
 # An optimizer's update rule.
 gradacc_optimizer_algorithm_t = ctypes.c_int32
@@ -505,6 +528,24 @@ gradacc_diagnostics = dll.gradacc_diagnostics
 gradacc_diagnostics.restype = gradacc_status_t
 gradacc_diagnostics.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
 # arguments: buf, size, needed
+
+# Creates a mesh over `world`, a host communicator (in-process or MPI) of every rank of the job, where this rank is data-parallel rank `data_rank` of `data_size`: the ranks that see different data (data-parallel x context-parallel).
+gradacc_mesh_create = dll.gradacc_mesh_create
+gradacc_mesh_create.restype = gradacc_status_t
+gradacc_mesh_create.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float, ctypes.POINTER(ctypes.POINTER(gradacc_mesh_t))]
+# arguments: world, data_rank, data_size, max_grad_norm, out_mesh
+
+# Destroys a mesh.
+gradacc_mesh_destroy = dll.gradacc_mesh_destroy
+gradacc_mesh_destroy.restype = gradacc_status_t
+gradacc_mesh_destroy.argtypes = [ctypes.POINTER(gradacc_mesh_t)]
+# arguments: mesh
+
+# The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and one agreement over the mesh's world for all.
+gradacc_mesh_sync = dll.gradacc_mesh_sync
+gradacc_mesh_sync.restype = gradacc_status_t
+gradacc_mesh_sync.argtypes = [ctypes.POINTER(gradacc_mesh_t), ctypes.POINTER(gradacc_mesh_part_t), ctypes.c_size_t, ctypes.POINTER(gradacc_sync_info_t), ctypes.POINTER(ctypes.c_uint32)]
+# arguments: mesh, parts, count, info_out, overflow_part_out
 
 # Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size.
 gradacc_optimizer_config_default = dll.gradacc_optimizer_config_default

@@ -56,7 +56,7 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
 ///
 /// # Safety
 /// A non-null `out` points to a writable `gradacc_sync_info_t` of its `struct_size`.
-unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
+pub(crate) unsafe fn write_sync_info(out: *mut gradacc_sync_info_t, info: &SyncInfo) {
     let c = gradacc_sync_info_t {
         struct_size: 0,
         found_inf: info.found_inf,

@@ -76,6 +76,9 @@ mutable struct gradacc_accumulator_t end
 "One rank's endpoint of a data-parallel group (opaque)."
 mutable struct gradacc_comm_t end
 
+"One boundary over a job's accumulators (opaque): the world communicator and this rank's place on the data axes."
+mutable struct gradacc_mesh_t end
+
 "FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque)."
 mutable struct gradacc_optimizer_t end
 
@@ -174,6 +177,23 @@ const gradacc_log_level_t = Int32
 
 "A log callback: `message` (NUL-terminated, valid only during the call) at `level`, with the `user` pointer given to gradacc_set_log_callback."
 const gradacc_log_fn = Ptr{Cvoid}
+
+"A tensor whose values several model-parallel ranks hold alike (a layer norm replicated over tensor-parallel ranks, a tied embedding on the first and the last pipeline stage): it enters the global norm once, from one copy."
+struct gradacc_replicated_t
+    tensor::UInt32
+    copies::UInt32
+    key::UInt64
+end
+
+"One accumulator of a mesh step and the group it reduces over."
+struct gradacc_mesh_part_t
+    struct_size::Csize_t
+    accumulator::Ptr{gradacc_accumulator_t}
+    comm::Ptr{gradacc_comm_t}
+    replicas::Ptr{gradacc_comm_t}
+    replicated::Ptr{gradacc_replicated_t}
+    replicated_count::Csize_t
+end
 
 "An optimizer's update rule."
 const gradacc_optimizer_algorithm_t = Int32
@@ -598,6 +618,21 @@ end
 "Writes the diagnostic report into `buf`, NUL-terminated, as snprintf does: the library's version and file, the host and its SIMD path, each backend available or why not, the CUDA driver, NVRTC and NCCL found (version and file) or why not, and every environment variable the library reads."
 function gradacc_diagnostics(buf, size, needed)
     ccall((:gradacc_diagnostics, libgradacc()), gradacc_status_t, (Ptr{Cchar}, Csize_t, Ptr{Csize_t}), buf, size, needed)
+end
+
+"Creates a mesh over `world`, a host communicator (in-process or MPI) of every rank of the job, where this rank is data-parallel rank `data_rank` of `data_size`: the ranks that see different data (data-parallel x context-parallel)."
+function gradacc_mesh_create(world, data_rank, data_size, max_grad_norm, out_mesh)
+    ccall((:gradacc_mesh_create, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, UInt32, UInt32, Cfloat, Ptr{Ptr{gradacc_mesh_t}}), world, data_rank, data_size, max_grad_norm, out_mesh)
+end
+
+"Destroys a mesh."
+function gradacc_mesh_destroy(mesh)
+    ccall((:gradacc_mesh_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_t},), mesh)
+end
+
+"The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and one agreement over the mesh's world for all."
+function gradacc_mesh_sync(mesh, parts, count, info_out, overflow_part_out)
+    ccall((:gradacc_mesh_sync, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_t}, Ptr{gradacc_mesh_part_t}, Csize_t, Ptr{gradacc_sync_info_t}, Ptr{UInt32}), mesh, parts, count, info_out, overflow_part_out)
 end
 
 "Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size."

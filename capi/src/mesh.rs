@@ -1,0 +1,354 @@
+//! C API of the mesh step: one boundary over every accumulator of a rank and every rank of the
+//! job, for model, pipeline, context and expert parallelism beside data parallelism. The rules
+//! (what is agreed, counted and clipped) are the core's, `gradacc::Mesh`.
+
+use std::mem::size_of;
+use std::sync::{Arc, LazyLock};
+
+use crate::accumulator::{
+    gradacc_accumulator_t, gradacc_sync_info_t, write_sync_info, ACCUMULATORS,
+};
+use crate::comm::{gradacc_comm_t, sync_in_flight, Flight, COMMS};
+use crate::handle::Registry;
+use crate::status::{gradacc_status_t, guard, null, CallError, CallResult};
+use crate::types::{check_len, check_out_struct, check_struct_size, out_ptr, read_slice};
+use gradacc::accumulator::Accumulator;
+use gradacc::comm::Communicator;
+use gradacc::error::Error;
+use gradacc::mesh::RefusedPart;
+use gradacc::{Mesh, Part, Replicated};
+
+/// One boundary over a job's accumulators (opaque): the world communicator and this rank's place
+/// on the data axes. Create with gradacc_mesh_create, free with gradacc_mesh_destroy.
+pub struct gradacc_mesh_t {
+    _private: [u8; 0],
+}
+
+/// A tensor whose values several model-parallel ranks hold alike (a layer norm replicated over
+/// tensor-parallel ranks, a tied embedding on the first and the last pipeline stage): it enters
+/// the global norm once, from one copy.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_replicated_t {
+    /// The tensor's index in its accumulator.
+    pub tensor: u32,
+    /// How many model-parallel ranks hold it at one data-parallel rank (at least 1): the step
+    /// checks that exactly that many declare it.
+    pub copies: u32,
+    /// The same on every copy and different for different tensors (a hash of the parameter's
+    /// name, say, with the tensor-parallel rank for a tied, vocabulary-sharded embedding).
+    pub key: u64,
+}
+
+/// One accumulator of a mesh step and the group it reduces over. Initialise with
+/// GRADACC_MESH_PART_INIT (C) or set struct_size to sizeof(gradacc_mesh_part_t), then fill in
+/// the fields; every element of an array of parts has the same struct_size (the array's stride).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradacc_mesh_part_t {
+    /// sizeof(gradacc_mesh_part_t).
+    pub struct_size: usize,
+    /// The accumulator (borrowed for the call): on the CPU, created with max_grad_norm 0 (the
+    /// mesh clips), and with tensor_stats 1 when it declares replicated tensors.
+    pub accumulator: *mut gradacc_accumulator_t,
+    /// Its group, as gradacc_accumulator_sync's `comm`: NULL when it is alone, or for a sharded
+    /// accumulation's own communicator.
+    pub comm: *mut gradacc_comm_t,
+    /// A hybrid boundary's replica group, as gradacc_accumulator_sync_hybrid's `replica_comm`
+    /// (`comm` is then the shard group); NULL otherwise.
+    pub replicas: *mut gradacc_comm_t,
+    /// Its replicated tensors, `replicated_count` of them (NULL when the count is 0).
+    pub replicated: *const gradacc_replicated_t,
+    pub replicated_count: usize,
+}
+
+/// A mesh and its world communicator's handle, which a destroy of that handle fails syncs on.
+pub(crate) struct MeshHandle {
+    mesh: Mesh,
+    world: usize,
+}
+
+pub(crate) static MESHES: LazyLock<Registry<MeshHandle>> = LazyLock::new(|| Registry::new("mesh"));
+
+/// Creates a mesh over `world`, a host communicator (in-process or MPI) of every rank of the job,
+/// where this rank is data-parallel rank `data_rank` of `data_size`: the ranks that see different
+/// data (data-parallel x context-parallel). In Megatron-Core's rank order, where the
+/// tensor-parallel rank varies fastest, then the context-parallel, the data-parallel and the
+/// pipeline one (rank = tp + TP*(cp + CP*(dp + DP*pp))), data_size = CP*DP and
+/// data_rank = cp + CP*dp, this rank's index in its context x data-parallel group. `data_size`
+/// divides the world's size. `max_grad_norm` clips the global norm (0: off), as PyTorch's
+/// `clip_grad_norm_` over every parameter of the model. The mesh holds its own reference to
+/// `world`'s communicator (the handle may be destroyed first; a sync in flight on it then fails).
+///
+/// Ownership: `*out_mesh` is the caller's; free it with gradacc_mesh_destroy.
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_create(
+    world: *mut gradacc_comm_t,
+    data_rank: u32,
+    data_size: u32,
+    max_grad_norm: f32,
+    out_mesh: *mut *mut gradacc_mesh_t,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_create", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_mesh, "out_mesh") }?;
+        let w = COMMS.get(world, "world")?;
+        let size = w.world_size();
+        if data_size == 0 || data_rank >= data_size {
+            return Err(Error::invalid(format!(
+                "`data_rank` = {data_rank} is not below `data_size` = {data_size}"
+            ))
+            .into());
+        }
+        if size % data_size as usize != 0 {
+            return Err(Error::invalid(format!(
+                "`data_size` = {data_size} does not divide `world`'s {size} ranks"
+            ))
+            .into());
+        }
+        if !(max_grad_norm.is_finite() && max_grad_norm >= 0.0) {
+            return Err(Error::invalid(format!(
+                "`max_grad_norm` = {max_grad_norm} is not a finite value at least 0 (0: off)"
+            ))
+            .into());
+        }
+        let mesh =
+            Mesh::new(w, data_rank as usize, data_size as usize)?.max_grad_norm(max_grad_norm)?;
+        *out = MESHES.insert(Arc::new(MeshHandle { mesh, world: world as usize }));
+        Ok(())
+    })
+}
+
+/// Destroys a mesh. NULL is accepted and does nothing; must not be called twice on one handle (a
+/// second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE). A sync on another
+/// thread keeps the mesh until it returns.
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_destroy(mesh: *mut gradacc_mesh_t) -> gradacc_status_t {
+    guard("gradacc_mesh_destroy", || {
+        if !mesh.is_null() {
+            MESHES.remove(mesh, "mesh")?;
+        }
+        Ok(())
+    })
+}
+
+/// A part as read from the caller: what of it is valid.
+#[derive(Default)]
+struct ReadPart {
+    accumulator: Option<Arc<Accumulator>>,
+    comm: Option<Arc<dyn Communicator>>,
+    replicas: Option<Arc<dyn Communicator>>,
+    replicated: Vec<Replicated>,
+    handles: [usize; 3],
+}
+
+/// The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and
+/// one agreement over the mesh's world for all. Every rank of the world calls it, each with its
+/// own parts; the ranks of each part's group give that part at the same position of the parts
+/// they share. Each part is reduced over its group and normalised by the job's totals: the item
+/// counts summed over the data axes only (each data-parallel rank's window once; ranks at one
+/// data-parallel rank must count alike, or the step fails on every rank naming them). The norm
+/// is the job's: every distinct element once (each group's reduced gradient once; a replicated
+/// tensor once over its copies), clipped by the mesh's max_grad_norm with one coefficient, the
+/// same bits on every rank. A non-finite value on any rank in any part skips the step on every
+/// rank: `*info_out` (may be NULL) reports it with the world rank, and `*overflow_part_out` (may
+/// be NULL; UINT32_MAX when none) that rank's part. Every part's window reports the same info, so
+/// gradacc_scaler_update_from and each optimizer's step follow it.
+///
+/// An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
+/// fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still
+/// takes part, flagged invalid, in the control step of each part's group it can name and in the
+/// world's agreement. A part whose group it cannot name (parts NULL, or parts[0].struct_size
+/// wrong, so no element can be read; a NULL accumulator with a NULL comm under sharded
+/// accumulation) leaves that group's peers waiting until their communicator's timeout. A failure
+/// before the reductions leaves every window intact; one after them discards every window.
+///
+/// Thread safety: serialised with every other call on each part's accumulator; one call per
+/// rank, each on its rank's thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_sync(
+    mesh: *mut gradacc_mesh_t,
+    parts: *const gradacc_mesh_part_t,
+    count: usize,
+    info_out: *mut gradacc_sync_info_t,
+    overflow_part_out: *mut u32,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_sync", || {
+        let m = MESHES.get(mesh, "mesh")?;
+        // SAFETY: a non-null `parts` points to `count` parts of the stride parts[0].struct_size
+        // (API contract).
+        let (read, error) = unsafe { read_parts(parts, count) };
+        let error = error.or_else(|| check_out_struct(info_out, "info_out").err());
+        if let Some(e) = error {
+            let known: Vec<RefusedPart<'_>> = read
+                .iter()
+                .map(|p| RefusedPart {
+                    accumulator: p.accumulator.as_deref(),
+                    comm: p.comm.as_deref(),
+                    replicas: p.replicas.as_deref(),
+                })
+                .collect();
+            m.mesh.refuse(&known);
+            return Err(e);
+        }
+        let _flights: Vec<Flight> = read
+            .iter()
+            .map(|p| sync_in_flight(p.handles[0], &[p.handles[1], p.handles[2], m.world]))
+            .collect();
+        let parts: Vec<Part<'_>> = read
+            .iter()
+            .map(|p| Part {
+                accumulator: p.accumulator.as_deref().expect("checked"),
+                comm: p.comm.as_deref(),
+                replicas: p.replicas.as_deref(),
+                replicated: &p.replicated,
+            })
+            .collect();
+        let result = m.mesh.sync(&parts)?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API
+        // contract); a NULL one is skipped.
+        unsafe { write_sync_info(info_out, &result.info) };
+        // SAFETY: as above.
+        if let Some(out) = unsafe { overflow_part_out.as_mut() } {
+            *out = result.overflow_part.map_or(u32::MAX, |p| p as u32);
+        }
+        Ok(())
+    })
+}
+
+/// Reads the caller's parts: what is valid of each (for a refusal) and the first error.
+///
+/// # Safety
+/// A non-null `parts` points to `count` readable elements of parts[0].struct_size bytes each.
+unsafe fn read_parts(
+    parts: *const gradacc_mesh_part_t,
+    count: usize,
+) -> (Vec<ReadPart>, Option<CallError>) {
+    if parts.is_null() {
+        return (Vec::new(), Some(null("parts")));
+    }
+    if count == 0 {
+        let e = Error::invalid("`count` = 0: a mesh step needs at least one part");
+        return (Vec::new(), Some(e.into()));
+    }
+    // SAFETY: non-null, and every part starts with a readable `size_t struct_size`.
+    let stride = unsafe { std::ptr::read_unaligned(parts as *const usize) };
+    let fields = match check_stride(parts, count, stride) {
+        Ok(f) => f,
+        Err(e) => return (Vec::new(), Some(e)),
+    };
+    let mut error = None;
+    let read = (0..count)
+        .map(|i| {
+            // SAFETY: element i starts `i * stride` bytes in and holds `stride` >= `fields`
+            // readable bytes (the caller's array); the product fits (checked).
+            let at = unsafe { (parts as *const u8).add(i * stride) } as *const gradacc_mesh_part_t;
+            // SAFETY: as above.
+            let (p, read) = unsafe { read_part(i, at, stride, fields) };
+            if let (None, Err(e)) = (&error, p) {
+                error = Some(e);
+            }
+            read
+        })
+        .collect();
+    (read, error)
+}
+
+/// parts[0]'s struct_size as the array's stride, checked; returns the bytes of fields it covers.
+fn check_stride(
+    parts: *const gradacc_mesh_part_t,
+    count: usize,
+    stride: usize,
+) -> CallResult<usize> {
+    let fields = check_struct_size::<gradacc_mesh_part_t>(stride, "parts[0]")?;
+    check_len::<gradacc_mesh_part_t>(count, "count")?;
+    if count.checked_mul(stride).is_none_or(|b| b > isize::MAX as usize) {
+        return Err(
+            Error::invalid(format!("`count` = {count} parts exceed the address space")).into()
+        );
+    }
+    if !parts.is_aligned() {
+        return Err(Error::invalid(format!(
+            "argument `parts` = {parts:p} is not aligned to {} bytes",
+            std::mem::align_of::<gradacc_mesh_part_t>()
+        ))
+        .into());
+    }
+    Ok(fields)
+}
+
+/// Reads part `i` at `at`: its handles and replicated tensors, what of them is valid, and its
+/// first error.
+///
+/// # Safety
+/// `at` points to `fields` readable bytes of a part (at least its struct_size).
+unsafe fn read_part(
+    i: usize,
+    at: *const gradacc_mesh_part_t,
+    stride: usize,
+    fields: usize,
+) -> (CallResult<()>, ReadPart) {
+    let mut p = gradacc_mesh_part_t {
+        struct_size: 0,
+        accumulator: std::ptr::null_mut(),
+        comm: std::ptr::null_mut(),
+        replicas: std::ptr::null_mut(),
+        replicated: std::ptr::null(),
+        replicated_count: 0,
+    };
+    // SAFETY: `at` holds `fields` readable bytes (the caller's contract), and `p` is a whole
+    // part, at least `fields` bytes (checked against its field ends).
+    unsafe { std::ptr::copy_nonoverlapping(at as *const u8, &mut p as *mut _ as *mut u8, fields) };
+    let name = |field: &str| format!("parts[{i}].{field}");
+    let accumulator = ACCUMULATORS.get(p.accumulator, &name("accumulator"));
+    let optional = |h: *mut gradacc_comm_t, field: &str| {
+        (!h.is_null()).then(|| COMMS.get(h, &name(field))).transpose()
+    };
+    let (comm, replicas) = (optional(p.comm, "comm"), optional(p.replicas, "replicas"));
+    let replicated = if p.replicated_count == 0 {
+        Ok(Vec::new())
+    } else {
+        // SAFETY: a non-null `replicated` points to `replicated_count` entries (API contract).
+        unsafe {
+            read_slice(
+                p.replicated,
+                p.replicated_count,
+                &name("replicated"),
+                &name("replicated_count"),
+            )
+        }
+        .map(|r| {
+            r.iter()
+                .map(|r| Replicated {
+                    tensor: r.tensor as usize,
+                    key: r.key,
+                    copies: r.copies as usize,
+                })
+                .collect()
+        })
+    };
+    let size = (p.struct_size != stride).then(|| {
+        CallError::from(Error::invalid(format!(
+            "`parts[{i}]`.struct_size = {} differs from parts[0]'s {stride}: every part of the \
+             array has the same size (sizeof(gradacc_mesh_part_t))",
+            p.struct_size
+        )))
+    });
+    let read = ReadPart {
+        accumulator: accumulator.as_ref().ok().cloned(),
+        comm: comm.as_ref().ok().cloned().flatten(),
+        replicas: replicas.as_ref().ok().cloned().flatten(),
+        replicated: replicated.as_ref().ok().cloned().unwrap_or_default(),
+        handles: [p.accumulator as usize, p.comm as usize, p.replicas as usize],
+    };
+    let first = match size {
+        Some(e) => Err(e),
+        None => accumulator.and(comm).and(replicas).and(replicated).map(|_| ()),
+    };
+    (first, read)
+}
+
+const _: () = assert!(size_of::<gradacc_replicated_t>() == 16);
