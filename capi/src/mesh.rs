@@ -94,25 +94,6 @@ pub unsafe extern "C" fn gradacc_mesh_create(
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         let out = unsafe { out_ptr(out_mesh, "out_mesh") }?;
         let w = COMMS.get(world, "world")?;
-        let size = w.world_size();
-        if data_size == 0 || data_rank >= data_size {
-            return Err(Error::invalid(format!(
-                "`data_rank` = {data_rank} is not below `data_size` = {data_size}"
-            ))
-            .into());
-        }
-        if size % data_size as usize != 0 {
-            return Err(Error::invalid(format!(
-                "`data_size` = {data_size} does not divide `world`'s {size} ranks"
-            ))
-            .into());
-        }
-        if !(max_grad_norm.is_finite() && max_grad_norm >= 0.0) {
-            return Err(Error::invalid(format!(
-                "`max_grad_norm` = {max_grad_norm} is not a finite value at least 0 (0: off)"
-            ))
-            .into());
-        }
         let mesh =
             Mesh::new(w, data_rank as usize, data_size as usize)?.max_grad_norm(max_grad_norm)?;
         *out = MESHES.insert(Arc::new(MeshHandle { mesh, world: world as usize }));

@@ -113,12 +113,15 @@ impl Mesh {
                  a few words on the host",
             ));
         }
-        if data_size == 0 || data_rank >= data_size || !world.world_size().is_multiple_of(data_size)
-        {
+        if data_size == 0 || data_rank >= data_size {
             return Err(Error::invalid(format!(
-                "data-parallel rank {data_rank} of {data_size} in a world of {}: the rank must \
-                 be below the size, which must divide the world",
-                world.world_size()
+                "`data_rank` = {data_rank} is not below `data_size` = {data_size}"
+            )));
+        }
+        let size = world.world_size();
+        if !size.is_multiple_of(data_size) {
+            return Err(Error::invalid(format!(
+                "`data_size` = {data_size} does not divide `world`'s {size} ranks"
             )));
         }
         Ok(Mesh { world, data_rank, data_size, max_grad_norm: 0.0 })
@@ -135,7 +138,7 @@ impl Mesh {
     pub fn max_grad_norm(mut self, max_norm: f32) -> Result<Self> {
         if !(max_norm.is_finite() && max_norm >= 0.0) {
             return Err(Error::invalid(format!(
-                "max_grad_norm {max_norm}: a finite value at least 0"
+                "`max_grad_norm` = {max_norm} is not a finite value at least 0 (0: off)"
             )));
         }
         self.max_grad_norm = max_norm;
