@@ -180,12 +180,7 @@ impl Mesh {
             refuse_groups(p.accumulator, p.comm, p.replicas);
         }
         let world = self.world.host().expect("checked at creation");
-        let claim = Claim {
-            error: true,
-            data_rank: self.data_rank as u64,
-            data_size: self.data_size as u64,
-            ..Claim::default()
-        };
+        let claim = self.claim(&[], &[], true);
         let _ = gather_claims(world, self.world.world_size(), &claim, &[]);
     }
 
@@ -357,7 +352,7 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
     let mut error = own;
     for p in parts {
         if error.is_some() {
-            refuse(p);
+            refuse_groups(Some(p.accumulator), p.comm, p.replicas);
             continue;
         }
         match p.accumulator.open_boundary(p.comm, p.replicas) {
@@ -366,11 +361,6 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
         }
     }
     (opened, error)
-}
-
-/// Takes part in `p`'s control step flagged invalid.
-fn refuse(p: &Part<'_>) {
-    refuse_groups(Some(p.accumulator), p.comm, p.replicas);
 }
 
 /// Takes part, flagged invalid, in the control steps of a part's groups that are known: `comm`'s
