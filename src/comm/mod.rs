@@ -36,6 +36,7 @@ pub use mpi::{MpiComm, MpiOptions};
 use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::device::Device;
@@ -276,6 +277,18 @@ pub trait Communicator: Send + Sync + Any {
     /// Sets [`Communicator::timeout`] for the collectives that start after this call.
     fn set_timeout(&self, _timeout: Option<Duration>) -> Result<()> {
         Err(Error::new(ErrorKind::WrongState, "this communicator has no timeout"))
+    }
+
+    /// A new communicator of the same transport over the ranks of this group that pass the same
+    /// `color`, ranked by `key` (ties by rank): how a mesh's groups are made from its world
+    /// ([`crate::MeshShape::group`] gives each rank's color and key). Collective: every rank of
+    /// the group calls it, at setup (like creation, it waits as long as its transport's split).
+    /// In-process groups are made together instead ([`crate::MeshShape::local_groups`]).
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        let _ = (color, key);
+        Err(Error::invalid(
+            "this communicator cannot be split (in-process groups: MeshShape::local_groups)",
+        ))
     }
 }
 

@@ -4,10 +4,12 @@
 //! pipeline: `tp-cp-dp-pp`), any order on request. Experts view the same ranks of each pipeline
 //! stage as expert-tensor × expert × expert-data parallel, expert-tensor fastest, as
 //! Megatron-Core's expert rank generator does. A group's ranks are its members in world rank
-//! order. In-process groups come from [`MeshShape::local_groups`]; MPI and NCCL ones from a
-//! split of the world by [`MeshShape::color`].
+//! order. In-process groups come from [`MeshShape::local_groups`]; MPI and NCCL ones from
+//! [`MeshShape::split`] of the world.
 
-use crate::comm::LocalComm;
+use std::sync::Arc;
+
+use crate::comm::{Communicator, LocalComm};
 use crate::error::{Error, Result};
 
 /// An axis of the mesh.
@@ -27,6 +29,42 @@ pub enum Axis {
     Etp,
     /// Expert data parallel: the ranks that hold the same experts.
     Edp,
+}
+
+impl Axis {
+    /// Its name in a rank order or an axis list: `tp`, `cp`, `dp`, `pp`, `ep`, `etp`, `edp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tp => "tp",
+            Axis::Cp => "cp",
+            Axis::Dp => "dp",
+            Axis::Pp => "pp",
+            Axis::Ep => "ep",
+            Axis::Etp => "etp",
+            Axis::Edp => "edp",
+        }
+    }
+
+    /// The axes of `list`, names joined by `-` as Megatron-Core writes a rank order
+    /// (`"tp-cp-dp-pp"`), each at most once.
+    pub fn parse_list(list: &str) -> Result<Vec<Axis>> {
+        const ALL: [Axis; 7] =
+            [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp, Axis::Ep, Axis::Etp, Axis::Edp];
+        let mut axes = Vec::new();
+        for name in list.split('-') {
+            let axis = ALL.into_iter().find(|a| a.name() == name).ok_or_else(|| {
+                Error::invalid(format!(
+                    "axis list \"{list}\": \"{name}\" is none of tp, cp, dp, pp, ep, etp, edp \
+                     (names joined by '-')"
+                ))
+            })?;
+            if axes.contains(&axis) {
+                return Err(Error::invalid(format!("axis list \"{list}\" names {name} twice")));
+            }
+            axes.push(axis);
+        }
+        Ok(axes)
+    }
 }
 
 const DENSE: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
@@ -138,10 +176,30 @@ impl MeshShape {
         Ok(self.members(rank, axes)?[0])
     }
 
+    /// `rank`'s rank in its group over `axes`: its index among the members.
+    pub fn key(&self, rank: usize, axes: &[Axis]) -> Result<usize> {
+        let members = self.members(rank, axes)?;
+        Ok(members.iter().position(|&r| r == rank).expect("a rank is its own member"))
+    }
+
+    /// This rank's group over `axes`, split from `world` (a communicator of every rank of the
+    /// mesh, in world rank order: MPI or NCCL) by [`MeshShape::color`] and [`MeshShape::key`].
+    /// Collective over `world`: every rank calls it with the same axes.
+    pub fn split(&self, world: &dyn Communicator, axes: &[Axis]) -> Result<Arc<dyn Communicator>> {
+        if world.world_size() != self.world {
+            return Err(Error::invalid(format!(
+                "`world` has {} ranks, the mesh {}",
+                world.world_size(),
+                self.world
+            )));
+        }
+        let rank = world.rank();
+        world.split(self.color(rank, axes)?, self.key(rank, axes)?)
+    }
+
     /// `rank`'s index along the data axes (context × data parallel): its rank in that group.
     pub fn data_rank(&self, rank: usize) -> usize {
-        let members = self.members(rank, &[Axis::Cp, Axis::Dp]).expect("dense axes");
-        members.iter().position(|&r| r == rank).expect("a rank is its own member")
+        self.key(rank, &[Axis::Cp, Axis::Dp]).expect("dense axes")
     }
 
     /// How many ranks see different data: context × data parallel.
@@ -263,8 +321,19 @@ mod tests {
     }
 
     #[test]
+    fn axis_lists_parse_as_megatron_writes_them() {
+        assert_eq!(Axis::parse_list("tp-cp-dp-pp").unwrap(), DENSE);
+        assert_eq!(Axis::parse_list("edp").unwrap(), [Axis::Edp]);
+        for bad in ["", "tp-", "tp-tp", "dp-xp", "TP"] {
+            assert!(Axis::parse_list(bad).is_err(), "{bad}");
+        }
+        let s = MeshShape::new(8, 2, 2, 1, 1, 1).unwrap();
+        assert_eq!((s.key(5, &[Axis::Dp]).unwrap(), s.key(5, &[Axis::Tp]).unwrap()), (0, 1));
+        assert_eq!(s.key(7, &[Axis::Tp, Axis::Pp]).unwrap(), 3);
+    }
+
+    #[test]
     fn local_groups_give_each_rank_its_group() {
-        use crate::comm::Communicator;
         let s = MeshShape::new(8, 2, 2, 1, 1, 1).unwrap();
         let dp = s.local_groups(&[Axis::Dp]).unwrap();
         for (r, c) in dp.iter().enumerate() {

@@ -39,6 +39,7 @@ mod wait;
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mpi::ffi;
@@ -84,6 +85,8 @@ pub struct MpiComm {
     /// The group's ranks on this host, which a wait looks at: one that died or stays stopped
     /// fails the wait in milliseconds (see `liveness`).
     peers: Peers,
+    /// What it was created with, and its splits are.
+    options: MpiOptions,
 }
 
 /// The group's shared memory and the region over it (the region goes first, then the mapping).
@@ -230,6 +233,7 @@ impl MpiComm {
             mem: Mutex::new(Memory::default()),
             shared: None,
             peers: Peers::none(),
+            options,
         };
         // From here on `this` frees the duplicate on every path.
         check(
@@ -277,6 +281,29 @@ impl MpiComm {
     /// Whether the boundary's data moves through shared memory.
     pub fn shares_memory(&self) -> bool {
         self.shared.is_some()
+    }
+
+    /// [`Communicator::split`]: MPI_Comm_split of this communicator, adopted with its options.
+    fn split_comm(&self, color: usize, key: usize) -> Result<MpiComm> {
+        let to_int = |v: usize, name: &str| {
+            c_int::try_from(v)
+                .map_err(|_| Error::invalid(format!("`{name}` = {v} does not fit in an MPI int")))
+        };
+        let (color, key) = (to_int(color, "color")?, to_int(key, "key")?);
+        // Held until the new communicator is adopted: below MPI_THREAD_MULTIPLE that is MPI calls
+        // too, which `SERIAL` orders.
+        let _entered = self.enter()?;
+        // SAFETY: as for the placeholder in `adopt`: MPI_Comm_split overwrites it before any use.
+        let mut part: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
+        // SAFETY: `self.comm` is this communicator's live duplicate, used by one collective at a
+        // time (`enter`); MPI writes the new handle to `part`, and with MPI_ERRORS_RETURN a
+        // failure comes back as the return code.
+        check(unsafe { ffi::MPI_Comm_split(self.comm, color, key, &mut part) }, "MPI_Comm_split")?;
+        let adopted = Self::adopt(part, self.options);
+        // SAFETY: `part` is the communicator MPI_Comm_split made, ours alone; `adopt` made its own
+        // duplicate (or failed), and nothing else refers to it.
+        unsafe { ffi::MPI_Comm_free(&mut part) };
+        adopted
     }
 }
 
@@ -382,5 +409,9 @@ impl Communicator for MpiComm {
         let ns = timeout.map_or(FOREVER, |t| t.as_nanos().clamp(1, FOREVER as u128 - 1) as u64);
         self.timeout_ns.store(ns, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(self.split_comm(color, key)?))
     }
 }
