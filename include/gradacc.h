@@ -234,6 +234,13 @@ typedef struct gradacc_accumulator_t gradacc_accumulator_t;
 typedef struct gradacc_comm_t gradacc_comm_t;
 
 /**
+ * A mesh's shape (opaque), for frameworks without their own parallel state: each rank's
+ * coordinates and groups in Megatron-Core's rank order or any other. Create with
+ * gradacc_mesh_shape_create, free with gradacc_mesh_shape_destroy.
+ */
+typedef struct gradacc_mesh_shape_t gradacc_mesh_shape_t;
+
+/**
  * One boundary over a job's accumulators (opaque): the world communicator and this rank's place
  * on the data axes. Create with gradacc_mesh_create, free with gradacc_mesh_destroy.
  */
@@ -1456,6 +1463,23 @@ enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm,
                                               struct gradacc_comm_t **out_comm);
 
 /**
+ * Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color`
+ * form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the
+ * same options: MPI_Comm_split for an MPI communicator. An in-process one cannot be split
+ * (GRADACC_STATUS_INVALID_ARGUMENT: make its groups with gradacc_comm_create_local). A mesh's
+ * groups come from gradacc_mesh_shape_split, which passes each rank's color and key. Collective:
+ * every rank of `comm` calls it; like creation it waits as long as the transport's split does.
+ *
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy.
+ * Thread safety: any thread; one collective at a time per handle, as for a sync.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_comm_split(struct gradacc_comm_t *comm,
+                                         uint32_t color,
+                                         uint32_t key,
+                                         struct gradacc_comm_t **out_comm);
+
+/**
  * Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails
  * with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator.
  * 0 waits forever; the default is 600 (10 minutes). Applies to collectives that start later.
@@ -1594,6 +1618,70 @@ enum gradacc_status_t gradacc_mesh_create(struct gradacc_comm_t *world,
  * Thread safety: any thread.
  */
 GRADACC_API enum gradacc_status_t gradacc_mesh_destroy(struct gradacc_mesh_t *mesh);
+
+/**
+ * Creates the shape of a mesh of `world_size` ranks: `tp`, `pp` and `cp` ranks on the
+ * tensor-, pipeline- and context-parallel axes (data parallel takes the rest), and the experts
+ * of each pipeline stage over `ep` x `etp` of its ranks (expert data parallel takes the rest of
+ * the stage), as Megatron-Core's parallel state makes them. Every size is at least 1, and the
+ * products divide the world and the stage. `order` is the dense axes' rank order, fastest
+ * first, their names joined by '-': NULL for Megatron-Core's "tp-cp-dp-pp" (rank =
+ * tp + TP*(cp + CP*(dp + DP*pp))), or any permutation of tp, cp, dp and pp. Experts number
+ * the ranks of each stage in world order, expert-tensor fastest, then ep, then edp.
+ *
+ * Ownership: `*out_shape` is the caller's; free it with gradacc_mesh_shape_destroy.
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_shape_create(uint32_t world_size,
+                                                uint32_t tp,
+                                                uint32_t pp,
+                                                uint32_t cp,
+                                                uint32_t ep,
+                                                uint32_t etp,
+                                                const char *order,
+                                                struct gradacc_mesh_shape_t **out_shape);
+
+/**
+ * Destroys a mesh shape. NULL is accepted and does nothing; must not be called twice on one
+ * handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API enum gradacc_status_t gradacc_mesh_shape_destroy(struct gradacc_mesh_shape_t *shape);
+
+/**
+ * Where world rank `rank` sits in its group over `axes`: the axes' names joined by '-', all of
+ * the dense view (tp, cp, dp, pp) or all of the expert one (etp, ep, edp, pp). The group is the
+ * ranks whose other coordinates are `rank`'s, in world rank order. `*color_out` is its smallest
+ * world rank (the color of a split: the same for all its members, different between groups),
+ * `*key_out` the rank's index in it (its rank there; its coordinate when `axes` names one
+ * axis), `*size_out` how many ranks it has; each may be NULL. For gradacc_mesh_create,
+ * `data_rank` and `data_size` are the key and the size over "cp-dp".
+ *
+ * Thread safety: any thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_shape_group(const struct gradacc_mesh_shape_t *shape,
+                                               uint32_t rank,
+                                               const char *axes,
+                                               uint32_t *color_out,
+                                               uint32_t *key_out,
+                                               uint32_t *size_out);
+
+/**
+ * This rank's group over `axes` (as gradacc_mesh_shape_group), split from `world`: an MPI or
+ * NCCL communicator of every rank of the mesh, whose ranks are the world ranks (see
+ * gradacc_comm_split). Collective over `world`: every rank calls it with the same axes.
+ *
+ * Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy.
+ * Thread safety: as gradacc_comm_split.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_shape_split(const struct gradacc_mesh_shape_t *shape,
+                                               struct gradacc_comm_t *world,
+                                               const char *axes,
+                                               struct gradacc_comm_t **out_comm);
 
 /**
  * The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and

@@ -347,6 +347,31 @@ pub unsafe extern "C" fn gradacc_comm_adopt_nccl(
     })
 }
 
+/// Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color`
+/// form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the
+/// same options: MPI_Comm_split for an MPI communicator. An in-process one cannot be split
+/// (GRADACC_STATUS_INVALID_ARGUMENT: make its groups with gradacc_comm_create_local). A mesh's
+/// groups come from gradacc_mesh_shape_split, which passes each rank's color and key. Collective:
+/// every rank of `comm` calls it; like creation it waits as long as the transport's split does.
+///
+/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy.
+/// Thread safety: any thread; one collective at a time per handle, as for a sync.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_comm_split(
+    comm: *mut gradacc_comm_t,
+    color: u32,
+    key: u32,
+    out_comm: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
+    guard("gradacc_comm_split", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_comm, "out_comm") }?;
+        let c = COMMS.get(comm, "comm")?;
+        *out = COMMS.insert(c.split(color as usize, key as usize)?);
+        Ok(())
+    })
+}
+
 /// Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails
 /// with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator.
 /// 0 waits forever; the default is 600 (10 minutes). Applies to collectives that start later.

@@ -11,12 +11,14 @@ use crate::accumulator::{
 use crate::comm::{gradacc_comm_t, sync_in_flight, Flight, COMMS};
 use crate::handle::Registry;
 use crate::status::{gradacc_status_t, guard, null, CallError, CallResult};
-use crate::types::{check_len, check_out_struct, check_struct_size, out_ptr, read_slice};
+use crate::types::{
+    check_len, check_out_struct, check_struct_size, out_ptr, read_name, read_slice,
+};
 use gradacc::accumulator::Accumulator;
 use gradacc::comm::Communicator;
 use gradacc::error::Error;
 use gradacc::mesh::RefusedPart;
-use gradacc::{Mesh, Part, Replicated};
+use gradacc::{Axis, Mesh, MeshShape, Part, Replicated};
 
 /// One boundary over a job's accumulators (opaque): the world communicator and this rank's place
 /// on the data axes. Create with gradacc_mesh_create, free with gradacc_mesh_destroy.
@@ -112,6 +114,145 @@ pub unsafe extern "C" fn gradacc_mesh_destroy(mesh: *mut gradacc_mesh_t) -> grad
         if !mesh.is_null() {
             MESHES.remove(mesh, "mesh")?;
         }
+        Ok(())
+    })
+}
+
+/// A mesh's shape (opaque), for frameworks without their own parallel state: each rank's
+/// coordinates and groups in Megatron-Core's rank order or any other. Create with
+/// gradacc_mesh_shape_create, free with gradacc_mesh_shape_destroy.
+pub struct gradacc_mesh_shape_t {
+    _private: [u8; 0],
+}
+
+pub(crate) static SHAPES: LazyLock<Registry<MeshShape>> =
+    LazyLock::new(|| Registry::new("mesh shape"));
+
+/// Creates the shape of a mesh of `world_size` ranks: `tp`, `pp` and `cp` ranks on the
+/// tensor-, pipeline- and context-parallel axes (data parallel takes the rest), and the experts
+/// of each pipeline stage over `ep` x `etp` of its ranks (expert data parallel takes the rest of
+/// the stage), as Megatron-Core's parallel state makes them. Every size is at least 1, and the
+/// products divide the world and the stage. `order` is the dense axes' rank order, fastest
+/// first, their names joined by '-': NULL for Megatron-Core's "tp-cp-dp-pp" (rank =
+/// tp + TP*(cp + CP*(dp + DP*pp))), or any permutation of tp, cp, dp and pp. Experts number
+/// the ranks of each stage in world order, expert-tensor fastest, then ep, then edp.
+///
+/// Ownership: `*out_shape` is the caller's; free it with gradacc_mesh_shape_destroy.
+/// Thread safety: any thread.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gradacc_mesh_shape_create(
+    world_size: u32,
+    tp: u32,
+    pp: u32,
+    cp: u32,
+    ep: u32,
+    etp: u32,
+    order: *const std::ffi::c_char,
+    out_shape: *mut *mut gradacc_mesh_shape_t,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_shape_create", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_shape, "out_shape") }?;
+        let [world, tp, pp, cp, ep, etp] = [world_size, tp, pp, cp, ep, etp].map(|v| v as usize);
+        let mut shape = MeshShape::new(world, tp, pp, cp, ep, etp)?;
+        if !order.is_null() {
+            // SAFETY: a non-null `order` is a NUL-terminated string (API contract).
+            let order = unsafe { read_name(order, "order") }?;
+            let axes: [Axis; 4] = Axis::parse_list(&order)?.try_into().map_err(|_| {
+                Error::invalid(format!(
+                    "`order` = \"{order}\": a permutation of tp, cp, dp and pp, fastest first"
+                ))
+            })?;
+            shape = shape.with_order(axes)?;
+        }
+        *out = SHAPES.insert(Arc::new(shape));
+        Ok(())
+    })
+}
+
+/// Destroys a mesh shape. NULL is accepted and does nothing; must not be called twice on one
+/// handle (a second call is detected and reported as GRADACC_STATUS_INVALID_HANDLE).
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_shape_destroy(
+    shape: *mut gradacc_mesh_shape_t,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_shape_destroy", || {
+        if !shape.is_null() {
+            SHAPES.remove(shape, "shape")?;
+        }
+        Ok(())
+    })
+}
+
+/// Where world rank `rank` sits in its group over `axes`: the axes' names joined by '-', all of
+/// the dense view (tp, cp, dp, pp) or all of the expert one (etp, ep, edp, pp). The group is the
+/// ranks whose other coordinates are `rank`'s, in world rank order. `*color_out` is its smallest
+/// world rank (the color of a split: the same for all its members, different between groups),
+/// `*key_out` the rank's index in it (its rank there; its coordinate when `axes` names one
+/// axis), `*size_out` how many ranks it has; each may be NULL. For gradacc_mesh_create,
+/// `data_rank` and `data_size` are the key and the size over "cp-dp".
+///
+/// Thread safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_shape_group(
+    shape: *const gradacc_mesh_shape_t,
+    rank: u32,
+    axes: *const std::ffi::c_char,
+    color_out: *mut u32,
+    key_out: *mut u32,
+    size_out: *mut u32,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_shape_group", || {
+        let shape = SHAPES.get(shape, "shape")?;
+        // SAFETY: `axes` is NULL (refused) or a NUL-terminated string (API contract).
+        let axes = Axis::parse_list(&unsafe { read_name(axes, "axes") }?)?;
+        let world = shape.world();
+        if rank as usize >= world {
+            return Err(Error::invalid(format!(
+                "`rank` = {rank} is not below the mesh's {world} ranks"
+            ))
+            .into());
+        }
+        let members = shape.members(rank as usize, &axes)?;
+        let key = shape.key(rank as usize, &axes)?;
+        for (out, value, name) in [
+            (color_out, members[0], "color_out"),
+            (key_out, key, "key_out"),
+            (size_out, members.len(), "size_out"),
+        ] {
+            if !out.is_null() {
+                // SAFETY: non-null, so it points to writable storage of its type (API contract).
+                *unsafe { out_ptr(out, name) }? = value as u32;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// This rank's group over `axes` (as gradacc_mesh_shape_group), split from `world`: an MPI or
+/// NCCL communicator of every rank of the mesh, whose ranks are the world ranks (see
+/// gradacc_comm_split). Collective over `world`: every rank calls it with the same axes.
+///
+/// Ownership: `*out_comm` is the caller's; free it with gradacc_comm_destroy.
+/// Thread safety: as gradacc_comm_split.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_shape_split(
+    shape: *const gradacc_mesh_shape_t,
+    world: *mut gradacc_comm_t,
+    axes: *const std::ffi::c_char,
+    out_comm: *mut *mut gradacc_comm_t,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_shape_split", || {
+        // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
+        let out = unsafe { out_ptr(out_comm, "out_comm") }?;
+        let shape = SHAPES.get(shape, "shape")?;
+        let world = COMMS.get(world, "world")?;
+        // SAFETY: `axes` is NULL (refused) or a NUL-terminated string (API contract).
+        let axes = Axis::parse_list(&unsafe { read_name(axes, "axes") }?)?;
+        *out = COMMS.insert(shape.split(&*world, &axes)?);
         Ok(())
     })
 }

@@ -514,6 +514,37 @@ pub(crate) unsafe fn read_bytes<'a>(
     unsafe { read_slice(ptr, len, argument, "len") }
 }
 
+/// The longest name argument read ([`read_name`]), without its terminator.
+const NAME_MAX: usize = 64;
+
+/// A short NUL-terminated ASCII name at `ptr` (an axis list, a rank order): at most
+/// [`NAME_MAX`] bytes are read, so an unterminated buffer is refused instead of overrun.
+///
+/// # Safety
+/// A non-null `ptr` must point to a NUL-terminated string or to at least `NAME_MAX + 1` readable
+/// bytes.
+pub(crate) unsafe fn read_name(ptr: *const std::ffi::c_char, argument: &str) -> CallResult<String> {
+    if ptr.is_null() {
+        return Err(null(argument));
+    }
+    let mut bytes = Vec::new();
+    for i in 0..=NAME_MAX {
+        // SAFETY: bytes up to the terminator, and at most NAME_MAX + 1, are readable (above).
+        match unsafe { *ptr.add(i) } as u8 {
+            0 => break,
+            b if bytes.len() == NAME_MAX || !b.is_ascii_graphic() => {
+                return Err(Error::invalid(format!(
+                    "`{argument}` is not a name of at most {NAME_MAX} printable ASCII characters \
+                     (byte {i} is {b:#04x})"
+                ))
+                .into());
+            }
+            b => bytes.push(b),
+        }
+    }
+    Ok(String::from_utf8(bytes).expect("ASCII"))
+}
+
 /// Borrows `len` values of `T` at `ptr` (a pointer-and-length pair of the C API). No object is
 /// larger than `isize::MAX` bytes, so a longer length is the caller's mistake (often a negative
 /// value or a wrapped multiplication) and is refused before a slice is formed: such a slice would

@@ -78,6 +78,10 @@ class gradacc_accumulator_t(ctypes.Structure):
 class gradacc_comm_t(ctypes.Structure):
     pass
 
+# A mesh's shape (opaque), for frameworks without their own parallel state: each rank's coordinates and groups in Megatron-Core's rank order or any other.
+class gradacc_mesh_shape_t(ctypes.Structure):
+    pass
+
 # One boundary over a job's accumulators (opaque): the world communicator and this rank's place on the data axes.
 class gradacc_mesh_t(ctypes.Structure):
     pass
@@ -475,6 +479,12 @@ gradacc_comm_adopt_nccl.restype = gradacc_status_t
 gradacc_comm_adopt_nccl.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
 # arguments: nccl_comm, out_comm
 
+# Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator.
+gradacc_comm_split = dll.gradacc_comm_split
+gradacc_comm_split.restype = gradacc_status_t
+gradacc_comm_split.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: comm, color, key, out_comm
+
 # Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator. 0 waits forever; the default is 600 (10 minutes).
 gradacc_comm_set_timeout = dll.gradacc_comm_set_timeout
 gradacc_comm_set_timeout.restype = gradacc_status_t
@@ -540,6 +550,30 @@ gradacc_mesh_destroy = dll.gradacc_mesh_destroy
 gradacc_mesh_destroy.restype = gradacc_status_t
 gradacc_mesh_destroy.argtypes = [ctypes.POINTER(gradacc_mesh_t)]
 # arguments: mesh
+
+# Creates the shape of a mesh of `world_size` ranks: `tp`, `pp` and `cp` ranks on the tensor-, pipeline- and context-parallel axes (data parallel takes the rest), and the experts of each pipeline stage over `ep` x `etp` of its ranks (expert data parallel takes the rest of the stage), as Megatron-Core's parallel state makes them.
+gradacc_mesh_shape_create = dll.gradacc_mesh_shape_create
+gradacc_mesh_shape_create.restype = gradacc_status_t
+gradacc_mesh_shape_create.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.POINTER(ctypes.POINTER(gradacc_mesh_shape_t))]
+# arguments: world_size, tp, pp, cp, ep, etp, order, out_shape
+
+# Destroys a mesh shape.
+gradacc_mesh_shape_destroy = dll.gradacc_mesh_shape_destroy
+gradacc_mesh_shape_destroy.restype = gradacc_status_t
+gradacc_mesh_shape_destroy.argtypes = [ctypes.POINTER(gradacc_mesh_shape_t)]
+# arguments: shape
+
+# Where world rank `rank` sits in its group over `axes`: the axes' names joined by '-', all of the dense view (tp, cp, dp, pp) or all of the expert one (etp, ep, edp, pp).
+gradacc_mesh_shape_group = dll.gradacc_mesh_shape_group
+gradacc_mesh_shape_group.restype = gradacc_status_t
+gradacc_mesh_shape_group.argtypes = [ctypes.POINTER(gradacc_mesh_shape_t), ctypes.c_uint32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32)]
+# arguments: shape, rank, axes, color_out, key_out, size_out
+
+# This rank's group over `axes` (as gradacc_mesh_shape_group), split from `world`: an MPI or NCCL communicator of every rank of the mesh, whose ranks are the world ranks (see gradacc_comm_split).
+gradacc_mesh_shape_split = dll.gradacc_mesh_shape_split
+gradacc_mesh_shape_split.restype = gradacc_status_t
+gradacc_mesh_shape_split.argtypes = [ctypes.POINTER(gradacc_mesh_shape_t), ctypes.POINTER(gradacc_comm_t), ctypes.c_char_p, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
+# arguments: shape, world, axes, out_comm
 
 # The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and one agreement over the mesh's world for all.
 gradacc_mesh_sync = dll.gradacc_mesh_sync
