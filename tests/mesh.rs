@@ -223,20 +223,25 @@ impl ExpertTokens {
 }
 
 /// The groups of every rank: world, data (dense), expert data, embedding.
-struct Groups {
-    world: Vec<LocalComm>,
-    data: Vec<LocalComm>,
-    expert: Vec<LocalComm>,
-    embed: Vec<LocalComm>,
-}
+/// The axes of every kind of group a part reduces over.
+const GROUP_AXES: [&[Axis]; 3] =
+    [&[Axis::Cp, Axis::Dp], &[Axis::Edp], &[Axis::Cp, Axis::Dp, Axis::Pp]];
 
-fn groups(shape: &MeshShape) -> Groups {
-    Groups {
-        world: LocalComm::group(shape.world()).unwrap(),
-        data: shape.local_groups(&[Axis::Cp, Axis::Dp]).unwrap(),
-        expert: shape.local_groups(&[Axis::Edp]).unwrap(),
-        embed: shape.local_groups(&[Axis::Cp, Axis::Dp, Axis::Pp]).unwrap(),
+/// A rank's groups, one per part.
+type Groups = Vec<Arc<dyn Communicator>>;
+
+/// The axes of each of `rank`'s parts' groups, in [`layout`]'s order: the dense part over the
+/// data axes, the experts (last stage) over expert data parallel, the tied embedding (pp > 1)
+/// over the data axes of the first and last stage.
+fn part_axes(case: &Case, shape: &MeshShape, rank: usize) -> Vec<&'static [Axis]> {
+    let mut axes: Vec<&'static [Axis]> = vec![&[Axis::Cp, Axis::Dp]];
+    if shape.coord(rank, Axis::Pp) == case.pp - 1 {
+        axes.push(&[Axis::Edp]);
     }
+    if case.pp > 1 {
+        axes.push(&[Axis::Cp, Axis::Dp, Axis::Pp]);
+    }
+    axes
 }
 
 /// What one rank reports: its step's info, each part's held gradient as (kind, global element,
@@ -270,12 +275,11 @@ fn run_rank(
     s: &Schedule,
     shape: &MeshShape,
     rank: usize,
-    world: LocalComm,
-    comms: Vec<LocalComm>,
+    world: Arc<dyn Communicator>,
+    comms: Groups,
     max_norm: f32,
 ) -> Outcome {
     let parts_layout = layout(case, shape, rank);
-    let comms: Vec<Arc<dyn Communicator>> = comms.into_iter().map(|c| Arc::new(c) as _).collect();
     let accs: Vec<Accumulator> = parts_layout
         .iter()
         .zip(&comms)
@@ -356,7 +360,7 @@ fn run_rank(
             Part { replicated, ..Part::new(acc, (!bound).then_some(&**comm)) }
         })
         .collect();
-    let mesh = Mesh::of_shape(Arc::new(world), shape).unwrap().max_grad_norm(max_norm).unwrap();
+    let mesh = Mesh::of_shape(world, shape).unwrap().max_grad_norm(max_norm).unwrap();
     let info = mesh.sync(&parts).unwrap();
     let refs: Vec<&Accumulator> = accs.iter().collect();
     let skipped = scaler.update_from(&refs, true).unwrap().unwrap();
@@ -383,22 +387,25 @@ fn run_rank(
 /// Runs `case` on every rank of its mesh, in threads.
 fn run(case: &Case, s: &Schedule, max_norm: f32) -> Vec<Outcome> {
     let shape = case.shape();
-    let g = groups(&shape);
-    let mut per_rank: Vec<(LocalComm, Vec<LocalComm>)> = Vec::new();
-    let (mut data, mut expert, mut embed) =
-        (g.data.into_iter(), g.expert.into_iter(), g.embed.into_iter());
-    for (rank, world) in g.world.into_iter().enumerate() {
-        let (d, x, e) = (data.next().unwrap(), expert.next().unwrap(), embed.next().unwrap());
-        let pp = shape.coord(rank, Axis::Pp);
-        let mut comms = vec![d];
-        if pp == case.pp - 1 {
-            comms.push(x);
-        }
-        if case.pp > 1 {
-            comms.push(e);
-        }
-        per_rank.push((world, comms));
-    }
+    let mut groups: Vec<std::vec::IntoIter<LocalComm>> =
+        GROUP_AXES.iter().map(|axes| shape.local_groups(axes).unwrap().into_iter()).collect();
+    let per_rank: Vec<(Arc<dyn Communicator>, Groups)> = LocalComm::group(shape.world())
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, world)| {
+            // Every rank takes its comm of each kind; its parts keep the ones they reduce over.
+            let mut mine: Vec<Option<LocalComm>> = groups.iter_mut().map(|g| g.next()).collect();
+            let comms = part_axes(case, &shape, rank)
+                .iter()
+                .map(|axes| {
+                    let at = GROUP_AXES.iter().position(|a| a == axes).unwrap();
+                    Arc::new(mine[at].take().unwrap()) as Arc<dyn Communicator>
+                })
+                .collect();
+            (Arc::new(world) as Arc<dyn Communicator>, comms)
+        })
+        .collect();
     std::thread::scope(|scope| {
         let handles: Vec<_> = per_rank
             .into_iter()
@@ -442,42 +449,69 @@ const MESHES: [Case; 8] = [
     Case { world: 8, tp: 2, pp: 2, cp: 1, ep: 2, etp: 1 }, // dp 2 x tp 2 x pp 2, ep 2
 ];
 
+/// The reference's norm, and a clipping norm of half of it (so the coefficient is applied too).
+fn norm_and_clip(reference: &[(Kind, Vec<(f64, f64)>)]) -> (f64, f32) {
+    let norm = reference.iter().flat_map(|(_, v)| v).map(|(g, _)| g * g).sum::<f64>().sqrt();
+    (norm, (norm / 2.0) as f32)
+}
+
+/// One rank's clean step against the reference: the job's total, the f64 norm, a clip, and
+/// every gradient the rank holds, clipped.
+fn check_clean(
+    case: &Case,
+    s: &Schedule,
+    reference: &[(Kind, Vec<(f64, f64)>)],
+    o: &Outcome,
+    what: &str,
+) {
+    let (norm, _) = norm_and_clip(reference);
+    let info = &o.info.info;
+    assert!(!info.found_inf, "{what}");
+    assert_eq!(info.total_count, s.total(), "{what}");
+    let rel = (info.grad_norm - norm).abs() / norm;
+    assert!(rel <= 2.0 * unit(s.dtype) + 1e-6, "{what}: norm {} against {norm}", info.grad_norm);
+    let coef = info.clip_coef;
+    assert!(coef < 1.0, "{what}");
+    for &(kind, j, got) in &o.held {
+        let (g, abs) = reference.iter().find(|(k, _)| *k == kind).unwrap().1[j];
+        let micro = s.counts[0].len() as f64 * case.world as f64;
+        let tol = abs * coef * (unit(s.dtype) + (micro + 4.0) * 2f64.powi(-23)) + 1e-30;
+        assert!(
+            (got as f64 - g * coef).abs() <= tol,
+            "{what}: {kind:?}[{j}] = {got}, reference {} (tol {tol})",
+            g * coef
+        );
+    }
+}
+
+/// One rank's step with an inf on world rank `rank`: skipped, its scaler backed off, and that
+/// rank named.
+fn check_poisoned(o: &Outcome, rank: usize, what: &str) {
+    assert!(o.info.info.found_inf, "{what}");
+    // One scaler per rank, and the same state on each.
+    assert_eq!(o.scale, SCALE / 2.0, "{what}");
+    match o.info.info.overflow {
+        Some(OverflowAt::Gradient { rank: r, microbatch: 0, tensor: _ }) => {
+            assert_eq!(r, rank, "{what}")
+        }
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
 #[test]
 fn every_mesh_matches_the_f64_reference() {
     let mut rng = Rng::fresh("every_mesh_matches_the_f64_reference");
     for case in &MESHES {
         let s = schedule(&mut rng, case, None);
         let reference = reference(case, &s);
-        let norm = reference.iter().flat_map(|(_, v)| v).map(|(g, _)| g * g).sum::<f64>().sqrt();
-        // Clip to half the norm: the coefficient is applied too.
-        let max_norm = (norm / 2.0) as f32;
-        let out = run(case, &s, max_norm);
+        let out = run(case, &s, norm_and_clip(&reference).1);
         let what = format!("{case:?} {:?} sharding {} counts {:?}", s.dtype, s.sharding, s.counts);
-        let first = &out[0].info;
-        assert!(!first.info.found_inf, "{what}");
-        assert_eq!(first.info.total_count, s.total(), "{what}");
-        let rel = (first.info.grad_norm - norm).abs() / norm;
-        assert!(
-            rel <= 2.0 * unit(s.dtype) + 1e-6,
-            "{what}: norm {} against {norm}",
-            first.info.grad_norm
-        );
-        let coef = first.info.clip_coef;
-        assert!(coef < 1.0, "{what}");
         for o in &out {
+            check_clean(case, &s, &reference, o, &what);
             // Bitwise the same report on every rank, the clip coefficient included.
-            assert_eq!(o.info.info.clip_coef.to_bits(), coef.to_bits(), "{what}");
-            assert_eq!(o.info, *first, "{what}");
-            for &(kind, j, got) in &o.held {
-                let (g, abs) = reference.iter().find(|(k, _)| *k == kind).unwrap().1[j];
-                let micro = s.counts[0].len() as f64 * case.world as f64;
-                let tol = abs * coef * (unit(s.dtype) + (micro + 4.0) * 2f64.powi(-23)) + 1e-30;
-                assert!(
-                    (got as f64 - g * coef).abs() <= tol,
-                    "{what}: {kind:?}[{j}] = {got}, reference {} (tol {tol})",
-                    g * coef
-                );
-            }
+            let (mine, first) = (o.info.info.clip_coef, out[0].info.info.clip_coef);
+            assert_eq!(mine.to_bits(), first.to_bits(), "{what}");
+            assert_eq!(o.info, out[0].info, "{what}");
         }
         // Every element of the model is held somewhere.
         let held: std::collections::HashSet<(String, usize)> = out
@@ -498,16 +532,8 @@ fn an_inf_on_one_rank_skips_the_step_everywhere() {
         let out = run(case, &s, 0.0);
         let what = format!("{case:?} rank {rank}");
         for o in &out {
-            assert!(o.info.info.found_inf, "{what}");
+            check_poisoned(o, rank, &what);
             assert_eq!(o.info, out[0].info, "{what}");
-            // One scaler per rank, and the same state on each.
-            assert_eq!(o.scale, SCALE / 2.0, "{what}");
-        }
-        match out[0].info.info.overflow {
-            Some(OverflowAt::Gradient { rank: r, microbatch: 0, tensor: _ }) => {
-                assert_eq!(r, rank, "{what}")
-            }
-            other => panic!("{what}: {other:?}"),
         }
     }
 }
@@ -709,4 +735,114 @@ fn a_refused_step_fails_every_rank_without_waiting() {
     // Rank 0, rank 2's data-parallel peer, failed in its group's step; 1 and 3 learn both.
     let e = &results[1].as_ref().unwrap().0;
     assert!(e.message.contains("world ranks 0 and 2"), "{e}");
+}
+
+/// The same meshes over MPI, each rank a process: `mpirun` starts this binary's `over_mpi::rank`
+/// test on every rank of a mesh, whose groups are split from MPI_COMM_WORLD by the mesh's
+/// shape. Each rank checks its own step against the reference and prints its report; the
+/// harness checks that every rank printed the same. Needs the `mpi` feature and Open MPI's
+/// `mpirun` (skipped without it):
+/// `cargo test --release --features mpi --test mesh over_mpi -- --test-threads 1`.
+#[cfg(feature = "mpi")]
+mod over_mpi {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use gradacc::MpiComm;
+
+    /// The case's index, the schedule's seed, and the poisoned world rank or `-`.
+    const ENV: &str = "GRADACC_MESH_MPI";
+    /// Far above a step's time on a busy machine; a hang fails here, not at CI's limit.
+    const WITHIN: Duration = Duration::from_secs(300);
+
+    #[test]
+    fn every_mesh_over_mpi() {
+        if Command::new("mpirun").arg("--version").output().is_err() {
+            eprintln!("no mpirun; skipped");
+            return;
+        }
+        let mut rng = Rng::fresh("every_mesh_over_mpi");
+        // Half the meshes clean, half with an inf on a random rank, alternating from a random
+        // start.
+        let flip = rng.range(0, 1) as usize;
+        for (i, case) in MESHES.iter().enumerate() {
+            let poison = ((i + flip) % 2 == 1).then(|| rng.range(0, case.world as u64 - 1));
+            let seed = rng.next_u64();
+            let what = format!("{case:?} seed {seed:#x} poison {poison:?}");
+            let reports = launch(case, i, seed, poison, &what);
+            assert_eq!(reports.len(), case.world, "{what}: {reports:?}");
+            assert!(reports.iter().all(|r| *r == reports[0]), "{what}: {reports:?}");
+        }
+    }
+
+    /// Runs `case` under `mpirun`; each rank's printed report, in rank order.
+    fn launch(case: &Case, i: usize, seed: u64, poison: Option<u64>, what: &str) -> Vec<String> {
+        let poison = poison.map_or("-".to_string(), |r| r.to_string());
+        let mut child = Command::new("mpirun")
+            .args(["-np", &case.world.to_string(), "--oversubscribe"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "over_mpi::rank", "--nocapture", "--test-threads", "1"])
+            .env(ENV, format!("{i} {seed} {poison}"))
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if started.elapsed() > WITHIN {
+                let _ = child.kill();
+                panic!("{what}: mpirun still running after {WITHIN:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{what}: mpirun failed ({}):\n{text}", out.status);
+        let mut reports: Vec<(usize, String)> = text
+            .lines()
+            .filter_map(|l| l.split_once("mesh report ").map(|(_, r)| r))
+            .map(|l| {
+                let (rank, report) = l.split_once(' ').unwrap();
+                (rank.parse().unwrap(), report.to_string())
+            })
+            .collect();
+        reports.sort();
+        reports.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// One rank of a mesh under `mpirun` (does nothing when run by the harness itself).
+    #[test]
+    fn rank() {
+        let Ok(args) = std::env::var(ENV) else { return };
+        let args: Vec<&str> = args.split(' ').collect();
+        let case = &MESHES[args[0].parse::<usize>().unwrap()];
+        let seed: u64 = args[1].parse().unwrap();
+        let poison = args[2].parse::<usize>().ok();
+        let shape = case.shape();
+        let world = MpiComm::world().unwrap();
+        let rank = world.rank();
+        // Every rank makes every kind of group (a split is collective over the world), and its
+        // parts keep the ones they reduce over.
+        let groups: Groups =
+            GROUP_AXES.iter().map(|axes| shape.split(&world, axes).unwrap()).collect();
+        let comms = part_axes(case, &shape, rank)
+            .iter()
+            .map(|axes| groups[GROUP_AXES.iter().position(|a| a == axes).unwrap()].clone())
+            .collect();
+        let s = schedule(&mut Rng::seeded(seed), case, poison.map(|r| (r, 0)));
+        let reference = reference(case, &s);
+        let max_norm = if poison.is_some() { 0.0 } else { norm_and_clip(&reference).1 };
+        let o = run_rank(case, &s, &shape, rank, Arc::new(world), comms, max_norm);
+        let what = format!("{case:?} seed {seed:#x} rank {rank}");
+        match poison {
+            None => check_clean(case, &s, &reference, &o, &what),
+            Some(r) => check_poisoned(&o, r, &what),
+        }
+        let coef_bits = o.info.info.clip_coef.to_bits();
+        // On a line of its own: the test harness's own output may not have ended one.
+        println!("\nmesh report {rank} {:?} clip bits {coef_bits:#x}", o.info);
+    }
 }
