@@ -35,11 +35,23 @@
  * far they move and fails beyond 1e-5 over the 30 steps (1e-3 with `--wire bf16`, which applies
  * to this run too).
  *
+ * And on 4 ranks of their own, dp 2 x tp 2 on the mesh step (gradacc_mesh_sync): Megatron-style
+ * tensor parallelism of the MLP. The hidden layer is split over the 2 TP ranks (each holds 224
+ * hidden units: its rows of W1 and b1, its columns of W2), b2 is replicated over them (declared
+ * gradacc_replicated_t, so it enters the global norm once), and the data is split over the 2 DP
+ * ranks as above. Each TP pair sums its partial outputs through shared memory (the framework's TP
+ * all-reduce of activations, not gradacc's), and each rank's accumulator is reduced over its DP
+ * pair, one agreement over the world of 4 for all. Its sums run in another order, so the demo
+ * prints how far its weights (reassembled from the shards) and its global norm move from the
+ * all-reduce's, and fails beyond 1e-5 (TP_TOL).
+ *
  * Exit status: 0 if gradacc's gradient stays within tolerance of the reference at every step,
  * both ranks hold bitwise-identical gradients and weights, (FP32 wire) the reduce-scatter's
  * weights equal the all-reduce's bit for bit, and the sharded accumulation's weights stay within
  * their tolerance of the all-reduce's, skip the same steps, and are bitwise equal on its two
- * ranks; 1 otherwise. */
+ * ranks, and the dp x tp run's weights and norm stay within their bounds of the all-reduce's, skip
+ * the same steps, and its 4 ranks get the same report (DP replicas and b2 bitwise equal); 1
+ * otherwise. */
 #include <gradacc.h>
 
 #include <math.h>
@@ -50,7 +62,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { IN = 16, HID = 448, RANKS = 2, MB = 4, STEPS = 30, ITEMS = 44 };
+enum { IN = 16, HID = 448, RANKS = 2, MB = 4, STEPS = 30, ITEMS = 44, MAXN = 9 /* the largest micro-batch */ };
 /* parameters, flat: W1 [HID][IN], b1 [HID], W2 [HID], b2 [1] */
 enum { OFF_W1 = 0, OFF_B1 = HID * IN, OFF_W2 = OFF_B1 + HID, OFF_B2 = OFF_W2 + HID, NPARAM = OFF_B2 + 1 };
 static const size_t tensor_numel[4] = {HID * IN, HID, HID, 1};
@@ -65,6 +77,11 @@ static const unsigned GROWTH_INTERVAL = 10;
  * and each step feeds the difference back. Measured 1.4e-6 (fp32 wire) and 7.6e-5 (bf16); the
  * naive scheme's replicas drift 1.7e-2 apart. */
 static const double ACC_TOL_F32 = 1e-5, ACC_TOL_BF16 = 1e-3;
+/* How far the dp x tp run's weights and global norm may move from the all-reduce's: its output
+ * adds the TP ranks' partial sums (another f32 order), which now and then rounds a gradient
+ * element to the neighbouring fp16 value, and each step feeds the difference back. Measured over
+ * the 30 steps: weights 1.3e-6, norm 1.5e-6 (at step 1, at equal weights, 3.6e-8). */
+static const double TP_TOL = 1e-5;
 
 #define CHECK(call)                                                                                       \
     do {                                                                                                  \
@@ -112,6 +129,47 @@ static float from_f16(uint16_t h)
     return (h & 0x8000) ? -v : v;
 }
 
+/* ---- the tensor-parallel forward's sum ------------------------------------------------------ */
+
+/* The TP all-reduce of the output's partial sums. It is the framework's job (gradacc reduces
+ * gradients, not activations): here, shared memory and a barrier between the group's threads. */
+enum { TP = 2 };
+typedef struct tp_group {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived, round;
+    float part[TP][MAXN];
+} tp_group;
+
+static void tp_barrier(tp_group *g)
+{
+    pthread_mutex_lock(&g->mu);
+    int round = g->round;
+    if (++g->arrived == TP) {
+        g->arrived = 0;
+        g->round++;
+        pthread_cond_broadcast(&g->cv);
+    }
+    while (round == g->round)
+        pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* out[i] = bias + the sum of the group's partial out[i], added in TP rank order: the same bits on
+ * every rank of the group. */
+static void tp_sum(tp_group *g, int tp, float *out, int n, float bias)
+{
+    memcpy(g->part[tp], out, (size_t)n * sizeof(float));
+    tp_barrier(g);
+    for (int i = 0; i < n; i++) {
+        float s = g->part[0][i];
+        for (int t = 1; t < TP; t++)
+            s += g->part[t][i];
+        out[i] = bias + s;
+    }
+    tp_barrier(g); /* every peer has read the partials before the next micro-batch writes its own */
+}
+
 /* ---- data and model ------------------------------------------------------------------------- */
 
 static float X[STEPS][ITEMS][IN], Y[STEPS][ITEMS];
@@ -155,27 +213,38 @@ static void init_weights(float *w)
         w[OFF_W2 + k] = (float)uniform(-1.0, 1.0) / sqrtf((float)HID);
 }
 
-/* The framework's backward: gradient of the micro-batch's mean loss 0.5 (f(x) - y)^2, in f32. */
-static void backward_f32(const float *w, const float (*x)[IN], const float *y, int n, float *g)
+/* The framework's backward: gradient of the micro-batch's mean loss 0.5 (f(x) - y)^2, in f32, of a
+ * model `width` hidden units wide (w and g: W1 [width][IN], b1 [width], W2 [width], b2 [1]). With a
+ * TP group, w holds this rank's hidden units (its rows of W1 and b1, its columns of W2) and the
+ * output is b2 plus the sum of the group's partial outputs. */
+static void backward_f32(const float *w, int width, const float (*x)[IN], const float *y, int n, float *g,
+                         tp_group *group, int tp)
 {
-    memset(g, 0, NPARAM * sizeof(float));
+    const float *w1 = w, *b1 = w1 + width * IN, *w2 = b1 + width, *b2 = w2 + width;
+    float *g1 = g, *gb1 = g1 + width * IN, *g2 = gb1 + width, *gb2 = g2 + width;
+    float h[MAXN][HID], out[MAXN];
+    memset(g, 0, (size_t)(width * IN + 2 * width + 1) * sizeof(float));
     for (int i = 0; i < n; i++) {
-        float h[HID], out = w[OFF_B2];
-        for (int a = 0; a < HID; a++) {
-            float z = w[OFF_B1 + a];
+        out[i] = group ? 0.0f : *b2;
+        for (int a = 0; a < width; a++) {
+            float z = b1[a];
             for (int j = 0; j < IN; j++)
-                z += w[OFF_W1 + a * IN + j] * x[i][j];
-            h[a] = tanhf(z);
-            out += w[OFF_W2 + a] * h[a];
+                z += w1[a * IN + j] * x[i][j];
+            h[i][a] = tanhf(z);
+            out[i] += w2[a] * h[i][a];
         }
-        float r = (out - y[i]) / (float)n;
-        g[OFF_B2] += r;
-        for (int a = 0; a < HID; a++) {
-            g[OFF_W2 + a] += r * h[a];
-            float dz = r * w[OFF_W2 + a] * (1.0f - h[a] * h[a]);
-            g[OFF_B1 + a] += dz;
+    }
+    if (group)
+        tp_sum(group, tp, out, n, *b2);
+    for (int i = 0; i < n; i++) {
+        float r = (out[i] - y[i]) / (float)n;
+        *gb2 += r;
+        for (int a = 0; a < width; a++) {
+            g2[a] += r * h[i][a];
+            float dz = r * w2[a] * (1.0f - h[i][a] * h[i][a]);
+            gb1[a] += dz;
             for (int j = 0; j < IN; j++)
-                g[OFF_W1 + a * IN + j] += dz * x[i][j];
+                g1[a * IN + j] += dz * x[i][j];
         }
     }
 }
@@ -236,7 +305,8 @@ typedef struct rank_state {
     float w[(NPARAM + 63) / 64 * 64];    /* this replica's weights */
     float grad[(NPARAM + 63) / 64 * 64]; /* the boundary's gradient (under reduce-scatter: only the shard) */
     bool skipped;
-    uint16_t g16[NPARAM]; /* one micro-batch's fp16 gradients */
+    gradacc_sync_info_t info; /* the boundary's report */
+    uint16_t g16[NPARAM];     /* one micro-batch's fp16 gradients */
     /* the sharded runs only: gradacc's optimizer, which steps the shard and all-gathers over
      * `gather` (the communicator sync took; NULL: the sharded accumulation's own) */
     gradacc_optimizer_t *opt;
@@ -261,25 +331,48 @@ static gradacc_optimizer_t *sgd_over(gradacc_accumulator_t *acc, float *w)
     return opt;
 }
 
+/* One micro-batch's gradient g, `total` floats, as an fp16 backward gives it (the gradient of the
+ * scaled loss rounded to fp16), added to `acc`'s four tensors, which start at `offset`. */
+static void add_f16(gradacc_accumulator_t *acc, gradacc_scaler_t *scaler, float scale, const float *g, size_t total,
+                    uint16_t *g16, const size_t *offset, int n)
+{
+    for (size_t k = 0; k < total; k++)
+        g16[k] = to_f16(g[k] * scale);
+    const void *grads[4];
+    for (int t = 0; t < 4; t++)
+        grads[t] = &g16[offset[t]];
+    CHECK(gradacc_accumulator_add(acc, scaler, grads, 4, (uint64_t)n));
+}
+
+/* The boundary's gradient, out of `acc`'s four masters into grad (at `offset`), and plain SGD on the
+ * `total` weights unless the step is skipped. */
+static void sgd_from_masters(const gradacc_accumulator_t *acc, const size_t *offset, size_t total, float *grad,
+                             float *w, bool skipped)
+{
+    for (int t = 0; t < 4; t++) {
+        float *master;
+        size_t numel;
+        CHECK(gradacc_accumulator_master(acc, (size_t)t, &master, &numel));
+        memcpy(&grad[offset[t]], master, numel * sizeof(float));
+    }
+    if (!skipped)
+        for (size_t k = 0; k < total; k++)
+            w[k] -= LR * grad[k];
+}
+
 static void *rank_step(void *arg)
 {
     rank_state *rs = arg;
     float g[NPARAM];
-    uint16_t *g16 = rs->g16;
     for (int m = 0; m < MB; m++) {
         int lo = mb_start(rs->rank, m), n = mb_size[rs->rank][m];
         float scale;
         CHECK(gradacc_scaler_scale(rs->scaler, &scale));
-        backward_f32(rs->w, &X[rs->step][lo], &Y[rs->step][lo], n, g);
-        for (int k = 0; k < NPARAM; k++)
-            g16[k] = to_f16(g[k] * scale); /* the fp16 gradient of the scaled loss */
-        const void *grads[4];
-        for (int t = 0; t < 4; t++)
-            grads[t] = &g16[tensor_offset[t]];
-        CHECK(gradacc_accumulator_add(rs->acc, rs->scaler, grads, 4, (uint64_t)n));
+        backward_f32(rs->w, HID, &X[rs->step][lo], &Y[rs->step][lo], n, g, NULL, 0);
+        add_f16(rs->acc, rs->scaler, scale, g, NPARAM, rs->g16, tensor_offset, n);
     }
-    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
-    CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info)); /* the boundary: one all-reduce (or reduce-scatter) */
+    rs->info = (gradacc_sync_info_t)GRADACC_SYNC_INFO_INIT;
+    CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &rs->info)); /* the boundary: one all-reduce (or reduce-scatter) */
     const gradacc_accumulator_t *accs[1] = {rs->acc};
     CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
     if (rs->opt) {
@@ -302,15 +395,7 @@ static void *rank_step(void *arg)
         }
         return NULL;
     }
-    for (int t = 0; t < 4; t++) {
-        float *master;
-        size_t numel;
-        CHECK(gradacc_accumulator_master(rs->acc, (size_t)t, &master, &numel));
-        memcpy(&rs->grad[tensor_offset[t]], master, numel * sizeof(float));
-    }
-    if (!rs->skipped)
-        for (int k = 0; k < NPARAM; k++)
-            rs->w[k] -= LR * rs->grad[k];
+    sgd_from_masters(rs->acc, tensor_offset, NPARAM, rs->grad, rs->w, rs->skipped);
     return NULL;
 }
 
@@ -326,7 +411,7 @@ static void naive_step(float w[RANKS][NPARAM], int step, float scale, float grad
         memset(grad[r], 0, sizeof grad[r]);
         for (int m = 0; m < MB; m++) {
             int lo = mb_start(r, m);
-            backward_f32(w[r], &X[step][lo], &Y[step][lo], mb_size[r][m], g);
+            backward_f32(w[r], HID, &X[step][lo], &Y[step][lo], mb_size[r][m], g, NULL, 0);
             for (int k = 0; k < NPARAM; k++) {
                 uint16_t h = to_f16(g[k] * scale);
                 if (m == MB - 1)
@@ -348,6 +433,181 @@ static void naive_step(float w[RANKS][NPARAM], int step, float scale, float grad
         if (!skipped[r])
             for (int k = 0; k < NPARAM; k++)
                 w[r][k] -= LR * grad[r][k];
+    }
+}
+
+/* ---- dp 2 x tp 2 on the mesh step ---------------------------------------------------------- */
+
+/* World rank = tp + TP * dp (Megatron-Core's order, TP fastest). Each rank holds TPH hidden units,
+ * flat as the model's: W1 rows [TPH][IN], b1 [TPH], W2 [TPH], then b2, replicated over TP. */
+enum { DP = RANKS, TP_RANKS = TP * DP, TPH = HID / TP, TP_NPARAM = TPH * IN + 2 * TPH + 1 };
+static const size_t tp_numel[4] = {TPH * IN, TPH, TPH, 1};
+static const size_t tp_offset[4] = {0, TPH * IN, TPH * IN + TPH, TPH * IN + 2 * TPH};
+static const gradacc_replicated_t tp_b2 = {.tensor = 3, .copies = TP, .key = 0x6232 /* "b2" */};
+
+typedef struct tp_rank {
+    int rank, step;
+    tp_group *group; /* its TP group's forward sum */
+    gradacc_comm_t *world, *dp;
+    gradacc_mesh_t *mesh;
+    gradacc_scaler_t *scaler;
+    gradacc_accumulator_t *acc;
+    float w[TP_NPARAM], grad[TP_NPARAM];
+    uint16_t g16[TP_NPARAM];
+    gradacc_sync_info_t info;
+    bool skipped;
+} tp_rank;
+
+typedef struct tp_run {
+    tp_rank ranks[TP_RANKS];
+    tp_group groups[DP];
+    /* against the all-reduce run, over the steps: the largest gaps of the weights and the norm */
+    double w_gap, norm_gap;
+    int reports_differ, skips_differ, replicas_differ;
+} tp_run;
+
+static void *tp_step(void *arg)
+{
+    tp_rank *rs = arg;
+    int tp = rs->rank % TP, d = rs->rank / TP;
+    float g[TP_NPARAM];
+    for (int m = 0; m < MB; m++) { /* both TP ranks of data rank d see its micro-batches */
+        int lo = mb_start(d, m), n = mb_size[d][m];
+        float scale;
+        CHECK(gradacc_scaler_scale(rs->scaler, &scale));
+        backward_f32(rs->w, TPH, &X[rs->step][lo], &Y[rs->step][lo], n, g, rs->group, tp);
+        add_f16(rs->acc, rs->scaler, scale, g, TP_NPARAM, rs->g16, tp_offset, n);
+    }
+    /* The boundary: the accumulator reduced over its DP group, normalised by the job's count (the
+     * data ranks' items, 44) and measured into one global norm, b2 counted once over its copies;
+     * one agreement over the world of 4 on all of it. */
+    gradacc_mesh_part_t part = GRADACC_MESH_PART_INIT;
+    part.accumulator = rs->acc;
+    part.comm = rs->dp;
+    part.replicated = &tp_b2;
+    part.replicated_count = 1;
+    rs->info = (gradacc_sync_info_t)GRADACC_SYNC_INFO_INIT;
+    CHECK(gradacc_mesh_sync(rs->mesh, &part, 1, &rs->info, NULL));
+    const gradacc_accumulator_t *accs[1] = {rs->acc};
+    CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
+    sgd_from_masters(rs->acc, tp_offset, TP_NPARAM, rs->grad, rs->w, rs->skipped);
+    return NULL;
+}
+
+/* Where element k of TP rank tp's weights sits in the full model's (b2, not sharded, on every rank). */
+static size_t tp_full_index(int tp, size_t k)
+{
+    int t = 3;
+    while (k < tp_offset[t])
+        t--;
+    return tensor_offset[t] + (t < 3 ? (size_t)tp * tp_numel[t] : 0) + (k - tp_offset[t]);
+}
+
+/* The full model's weights out of TP ranks 0.. TP - 1 (one data rank's). */
+static void tp_gather(const tp_rank *tp_ranks, float *full)
+{
+    for (int t = 0; t < TP; t++)
+        for (size_t k = 0; k < TP_NPARAM; k++)
+            full[tp_full_index(t, k)] = tp_ranks[t].w[k];
+}
+
+static void tp_setup(tp_run *run, const float *w0, const gradacc_scaler_config_t *sc,
+                     const gradacc_accumulator_config_t *ac)
+{
+    gradacc_comm_t *world[TP_RANKS], *dp[TP][DP]; /* DP groups {0, 2} and {1, 3} */
+    CHECK(gradacc_comm_create_local(TP_RANKS, world));
+    for (int t = 0; t < TP; t++)
+        CHECK(gradacc_comm_create_local(DP, dp[t]));
+    gradacc_accumulator_config_t tac = *ac;
+    tac.max_grad_norm = 0.0f; /* the mesh clips, with the global norm */
+    tac.tensor_stats = 1;     /* a part with a replicated tensor measures its tensors */
+    gradacc_tensor_desc_t tensors[4];
+    for (int t = 0; t < 4; t++) {
+        tensors[t].numel = tp_numel[t];
+        tensors[t].dtype = GRADACC_DTYPE_F16;
+    }
+    for (int d = 0; d < DP; d++)
+        if (pthread_mutex_init(&run->groups[d].mu, NULL) != 0 || pthread_cond_init(&run->groups[d].cv, NULL) != 0)
+            exit(2);
+    for (int r = 0; r < TP_RANKS; r++) {
+        tp_rank *rs = &run->ranks[r];
+        int tp = r % TP, d = r / TP;
+        rs->rank = r;
+        rs->group = &run->groups[d];
+        rs->world = world[r];
+        rs->dp = dp[tp][d];
+        CHECK(gradacc_mesh_create(world[r], (uint32_t)d, DP, ac->max_grad_norm, &rs->mesh));
+        CHECK(gradacc_scaler_create(sc, NULL, &rs->scaler));
+        CHECK(gradacc_accumulator_create(&tac, tensors, 4, NULL, &rs->acc));
+        for (size_t k = 0; k < TP_NPARAM; k++)
+            rs->w[k] = w0[tp_full_index(tp, k)];
+    }
+}
+
+/* Every field the same bits (the padding is not compared). */
+static bool same_info(const gradacc_sync_info_t *x, const gradacc_sync_info_t *y)
+{
+    return x->found_inf == y->found_inf && x->total_count == y->total_count && x->microbatches == y->microbatches &&
+           memcmp(&x->grad_norm, &y->grad_norm, sizeof x->grad_norm) == 0 &&
+           memcmp(&x->clip_coef, &y->clip_coef, sizeof x->clip_coef) == 0 &&
+           x->dropped_microbatches == y->dropped_microbatches && x->overflow_at == y->overflow_at &&
+           x->overflow_rank == y->overflow_rank && x->overflow_microbatch == y->overflow_microbatch &&
+           x->overflow_tensor == y->overflow_tensor;
+}
+
+/* After a step: the full weights reassembled from data rank 0's TP shards against the all-reduce
+ * run's (`ddp`), the norm against its norm, and the four ranks against each other. */
+static void tp_check(tp_run *run, const rank_state *ddp)
+{
+    float full[NPARAM];
+    tp_gather(run->ranks, full);
+    for (int k = 0; k < NPARAM; k++) {
+        double d = fabs((double)full[k] - ddp->w[k]);
+        run->w_gap = d > run->w_gap || d != d ? d : run->w_gap;
+    }
+    const tp_rank *r0 = &run->ranks[0];
+    if (!r0->skipped) {
+        double d = fabs(r0->info.grad_norm - ddp->info.grad_norm);
+        run->norm_gap = d > run->norm_gap || d != d ? d : run->norm_gap;
+    }
+    run->skips_differ += r0->skipped != ddp->skipped;
+    run->reports_differ += r0->info.total_count != ITEMS; /* the data ranks' items, not 88 */
+    for (int r = 1; r < TP_RANKS; r++) {
+        const tp_rank *rs = &run->ranks[r];
+        run->reports_differ += !same_info(&r0->info, &rs->info) || rs->skipped != r0->skipped;
+        run->replicas_differ += (r >= TP && memcmp(rs->w, run->ranks[r - TP].w, sizeof rs->w) != 0) ||
+                                memcmp(&rs->w[TP_NPARAM - 1], &r0->w[TP_NPARAM - 1], sizeof(float)) != 0;
+    }
+}
+
+/* The run's verdict lines; returns 1 when it missed its bound or its ranks disagree. */
+static int tp_verdict(const tp_run *run, const rank_state *ddp, double ddp_loss)
+{
+    float full[NPARAM];
+    static double scratch[NPARAM];
+    tp_gather(run->ranks, full);
+    double loss = backward_f64(full, STEPS - 1, 0, ITEMS, scratch), final_gap = 0.0;
+    for (int k = 0; k < NPARAM; k++)
+        final_gap = fmax(final_gap, fabs((double)full[k] - ddp->w[k]));
+    printf("  dp 2 x tp 2 (mesh step, 4 ranks; bound %.0e): weights reassembled from the TP shards vs the all-reduce's:\n"
+           "           max |diff| %.3g at any step (%.3g at the end); final loss %.7f, %.2g from the all-reduce's;\n"
+           "           global norm vs the all-reduce's: max |diff| %.3g; the same steps skipped: %s; the same report\n"
+           "           (total count 44) on its 4 ranks at every step: %s; DP replicas and b2 bitwise equal: %s\n",
+           TP_TOL, run->w_gap, final_gap, loss, fabs(loss - ddp_loss), run->norm_gap, run->skips_differ ? "NO" : "yes",
+           run->reports_differ ? "NO" : "yes", run->replicas_differ ? "NO" : "yes");
+    return run->skips_differ || run->reports_differ || run->replicas_differ || !(run->w_gap <= TP_TOL) ||
+           !(run->norm_gap <= TP_TOL);
+}
+
+static void tp_destroy(tp_run *run)
+{
+    for (int r = 0; r < TP_RANKS; r++) {
+        tp_rank *rs = &run->ranks[r];
+        CHECK(gradacc_mesh_destroy(rs->mesh));
+        CHECK(gradacc_accumulator_destroy(rs->acc));
+        CHECK(gradacc_scaler_destroy(rs->scaler));
+        CHECK(gradacc_comm_destroy(rs->dp));
+        CHECK(gradacc_comm_destroy(rs->world));
     }
 }
 
@@ -377,6 +637,7 @@ int main(int argc, char **argv)
     }
     make_data();
     static rank_state ranks[RANKS], sharded[RANKS], accum[RANKS];
+    static tp_run tp;
     static float naive_w[RANKS][NPARAM], naive_grad[RANKS][NPARAM];
     float w0[NPARAM];
     init_weights(w0);
@@ -448,12 +709,15 @@ int main(int argc, char **argv)
         accum[r].opt = sgd_over(accum[r].acc, accum[r].w);
     }
 
+    tp_setup(&tp, w0, &sc, &ac); /* dp 2 x tp 2 on the mesh step: 4 ranks of their own */
+
     printf("gradacc %s demo: MLP %d-%d-1 (%d parameters), 2 ranks on threads, fp16 gradients\n",
            gradacc_version_string(), IN, HID, NPARAM);
     printf("micro-batches per step: rank 0 = 5, 9, 3, 7 items; rank 1 = 8, 2, 6, 4 items (44 in all)\n");
     printf("boundary policies, each on its own 2 ranks: all-reduce (DDP; the table); reduce-scatter (ZeRO-1, %s wire;\n"
            "rank 0 steps weights [%zu, %zu), rank 1 [%zu, %zu), then the ranks all-gather them); sharded accumulation\n"
-           "(ZeRO-2, %s wire: the same shards, each micro-batch reduce-scattered as it is added)\n",
+           "(ZeRO-2, %s wire: the same shards, each micro-batch reduce-scattered as it is added); and dp 2 x tp 2 on 4 ranks\n"
+           "(the mesh step: each TP rank holds 224 hidden units, b2 replicated, each DP pair reduces its gradients)\n",
            wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16", shard_off[0], shard_off[0] + shard_n[0], shard_off[1],
            shard_off[1] + shard_n[1], wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16");
     printf("gap = max |gradient - f64 full-batch gradient over the 44 items, at the same weights|\n");
@@ -483,7 +747,7 @@ int main(int argc, char **argv)
         double tol = 1e-3 * big;
 
         /* gradacc: both ranks of each policy, one thread each */
-        pthread_t threads[3 * RANKS];
+        pthread_t threads[3 * RANKS + TP_RANKS];
         for (int r = 0; r < RANKS; r++) {
             ranks[r].step = sharded[r].step = accum[r].step = step;
             if (pthread_create(&threads[r], NULL, rank_step, &ranks[r]) != 0 ||
@@ -491,8 +755,14 @@ int main(int argc, char **argv)
                 pthread_create(&threads[2 * RANKS + r], NULL, rank_step, &accum[r]) != 0)
                 return 2;
         }
-        for (int r = 0; r < 3 * RANKS; r++)
+        for (int r = 0; r < TP_RANKS; r++) {
+            tp.ranks[r].step = step;
+            if (pthread_create(&threads[3 * RANKS + r], NULL, tp_step, &tp.ranks[r]) != 0)
+                return 2;
+        }
+        for (int r = 0; r < 3 * RANKS + TP_RANKS; r++)
             pthread_join(threads[r], NULL);
+        tp_check(&tp, &ranks[0]);
 
         /* reduce-scatter: replicas equal to each other, and (fp32 wire) to the all-reduce's bits */
         double gap_rs = 0.0;
@@ -591,11 +861,13 @@ int main(int argc, char **argv)
            "           gradients %.3g apart at most; its two replicas bitwise equal at every step: %s\n",
            wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16", acc_gap, acc_tol, acc_grad_gap, acc_replicas_differ ? "NO" : "yes");
     int acc_failed = acc_replicas_differ || acc_skips_differ || !(acc_gap <= acc_tol);
+    int tp_failed = tp_verdict(&tp, &ranks[0], final_loss);
     printf("%s\n", failures     ? "FAILED: gradacc missed its tolerance or its ranks differ"
                     : rs_failed  ? "FAILED: the reduce-scatter run's weights differ from the all-reduce's or between its ranks"
                     : acc_failed ? "FAILED: the sharded accumulation's weights left the all-reduce's tolerance or differ between its ranks"
+                    : tp_failed  ? "FAILED: the dp x tp run left the all-reduce's bound or its ranks disagree"
                                  : "PASS: gradacc gives the full-batch gradient on every rank; the naive scheme does not");
-    failures += rs_failed + acc_failed;
+    failures += rs_failed + acc_failed + tp_failed;
 
     for (int r = 0; r < RANKS; r++) {
         CHECK(gradacc_accumulator_destroy(ranks[r].acc));
@@ -610,5 +882,6 @@ int main(int argc, char **argv)
         CHECK(gradacc_scaler_destroy(accum[r].scaler));
         CHECK(gradacc_comm_destroy(accum_comms[r]));
     }
+    tp_destroy(&tp);
     return failures ? 1 : 0;
 }
