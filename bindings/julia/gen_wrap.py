@@ -40,6 +40,7 @@ BLOCKING = {
     "gradacc_comm_adopt_nccl",
     "gradacc_comm_destroy",
     "gradacc_comm_abort",
+    "gradacc_mesh_sync",
     "gradacc_scaler_update",
 }
 

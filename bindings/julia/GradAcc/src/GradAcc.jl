@@ -28,7 +28,7 @@ export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid
 if VERSION >= v"1.11.0-DEV.469"
     eval(Meta.parse("""public update!, reset!, scale, scale_loss!, master, overflow, tensor_stats, stats, save, load!,
         save_window, load_window!, merge_window!, num_tensors, tensor, shard, offset, master_numel,
-        backend_available, diagnostics,
+        backend_available, diagnostics, Mesh, MeshPart, MeshInfo,
         mpi_communicator, nccl_unique_id, nccl_communicator, adopt_nccl, abort!, timeout,
         set_timeout!, rank, world_size, version, step!, set_lr!, lr_device_ptr, steps,
         f32_to_f16, f32_to_f16!, f16_to_f32, f16_to_f32!, f32_to_bf16, f32_to_bf16!, bf16_to_f32,
@@ -984,6 +984,10 @@ function merge_window!(a::Accumulator, bytes::AbstractVector{UInt8})
     check(gradacc_accumulator_merge_window(a, b, length(b)))
     return a
 end
+
+# ---- mesh --------------------------------------------------------------------------------------
+
+include("mesh.jl")
 
 # ---- optimizer ---------------------------------------------------------------------------------
 

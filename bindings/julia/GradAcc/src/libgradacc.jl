@@ -632,7 +632,24 @@ end
 
 "The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and one agreement over the mesh's world for all."
 function gradacc_mesh_sync(mesh, parts, count, info_out, overflow_part_out)
-    ccall((:gradacc_mesh_sync, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_t}, Ptr{gradacc_mesh_part_t}, Csize_t, Ptr{gradacc_sync_info_t}, Ptr{UInt32}), mesh, parts, count, info_out, overflow_part_out)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_mesh_sync)
+    c_mesh = Base.cconvert(Ptr{gradacc_mesh_t}, mesh)
+    c_parts = Base.cconvert(Ptr{gradacc_mesh_part_t}, parts)
+    c_count = Base.cconvert(Csize_t, count)
+    c_info_out = Base.cconvert(Ptr{gradacc_sync_info_t}, info_out)
+    c_overflow_part_out = Base.cconvert(Ptr{UInt32}, overflow_part_out)
+    GC.@preserve c_mesh c_parts c_count c_info_out c_overflow_part_out begin
+        p_mesh = Base.unsafe_convert(Ptr{gradacc_mesh_t}, c_mesh)
+        p_parts = Base.unsafe_convert(Ptr{gradacc_mesh_part_t}, c_parts)
+        p_count = Base.unsafe_convert(Csize_t, c_count)
+        p_info_out = Base.unsafe_convert(Ptr{gradacc_sync_info_t}, c_info_out)
+        p_overflow_part_out = Base.unsafe_convert(Ptr{UInt32}, c_overflow_part_out)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_mesh_t}, Ptr{gradacc_mesh_part_t}, Csize_t, Ptr{gradacc_sync_info_t}, Ptr{UInt32}), p_mesh, p_parts, p_count, p_info_out, p_overflow_part_out)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size."

@@ -1103,4 +1103,6 @@ sharded_accumulation(world, r, comm; kw...) =
         @test masters[1:301] == expected[1:301] && masters[at2+1:at2+7] == expected[at2+1:at2+7]
         close(opt); close(acc); close(s)
     end
+
+    include("mesh.jl")
 end

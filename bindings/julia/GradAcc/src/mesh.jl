@@ -1,0 +1,173 @@
+# The mesh step (gradacc_mesh_*), included by GradAcc.jl: one boundary over every accumulator of a
+# rank and every rank of a job with tensor, pipeline, context or expert parallelism beside data
+# parallelism. docs/model-parallelism.md states the rules; this file only carries them across.
+
+"""
+    GradAcc.Mesh(world, data_rank, data_size; max_grad_norm=0)
+
+One boundary over a job's accumulators, for tensor, pipeline, context or expert parallelism
+beside data parallelism: `world`, a host [`Communicator`](@ref) of every rank of the job, and
+this rank's data-parallel rank `data_rank` (0-based, as [`GradAcc.rank`](@ref)) of `data_size`:
+the ranks that see different data (data-parallel x context-parallel; in Megatron-Core's order,
+tensor-parallel fastest, then context, data, pipeline: `data_rank = cp + CP * dp`).
+`max_grad_norm` clips the global norm (0: off). The mesh holds its own reference to `world`'s
+group: `close(world)` first releases only the handle. Destroyed by `close` or the GC.
+[`sync!`](@ref) with its parts is the step; docs/model-parallelism.md states the rules. Public,
+not exported (other packages name a `Mesh` too).
+"""
+mutable struct Mesh
+    @atomic ptr::Ptr{gradacc_mesh_t}
+    function Mesh(world::Communicator, data_rank::Integer, data_size::Integer; max_grad_norm::Real=0)
+        out = Ref{Ptr{gradacc_mesh_t}}(C_NULL)
+        check(gradacc_mesh_create(world, u32(data_rank, "data_rank"), u32(data_size, "data_size"),
+                                  max_grad_norm, out))
+        return finalizer(m -> destroy_quietly(m, gradacc_mesh_destroy), new(out[]))
+    end
+end
+
+Base.isopen(x::Mesh) = (@atomic x.ptr) != C_NULL
+function handle(x::Mesh)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the Mesh is closed"))
+    return p
+end
+# ccall keeps the object alive through the call and passes its C handle.
+Base.cconvert(::Type{Ptr{gradacc_mesh_t}}, x::Mesh) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_mesh_t}}, x::Mesh) = handle(x)
+
+"""
+    close(mesh::Mesh)
+
+Destroys the mesh; calling it again, from any task, does nothing.
+"""
+function Base.close(m::Mesh)
+    p = @atomicswap m.ptr = C_NULL
+    p == C_NULL || check(gradacc_mesh_destroy(p))
+    return nothing
+end
+
+Base.show(io::IO, m::Mesh) = print(io, "GradAcc.Mesh(", isopen(m) ? "open" : "closed", ")")
+
+# A C uint32_t from a Julia integer, or the binding's error naming the argument.
+function u32(v::Integer, what)
+    0 <= v <= typemax(UInt32) || throw(ArgumentError("`$what` = $v: from 0 to $(typemax(UInt32))"))
+    return UInt32(v)
+end
+
+"""
+    GradAcc.MeshPart(acc[, comm]; replicas=nothing, replicated=())
+
+One accumulator of a mesh step and the group it reduces over: `comm` as [`sync!`](@ref)'s
+(omitted when it is alone, or for a sharded accumulation's own communicator), `replicas` a hybrid
+boundary's replica group (`comm` is then the shard group), `replicated` its replicated tensors as
+`(tensor, key, copies)`: tensor `tensor` (1-based, as [`GradAcc.master`](@ref)) is held alike by
+`copies` model-parallel ranks at one data-parallel rank, with the same `key` on every copy (a
+hash of the parameter's name), and enters the global norm once. The accumulator is on the CPU,
+created with `max_grad_norm=0` (the mesh clips), and with `tensor_stats=true` when the part
+declares replicated tensors.
+"""
+struct MeshPart
+    accumulator::Union{Nothing,Accumulator}
+    comm::Union{Nothing,Communicator}
+    replicas::Union{Nothing,Communicator}
+    replicated::Vector{Tuple{Int,UInt64,Int}}
+end
+MeshPart(acc::Union{Nothing,Accumulator}, comm::Union{Nothing,Communicator}=nothing; replicas=nothing,
+         replicated=()) =
+    MeshPart(acc, comm, replicas, [(Int(t), k % UInt64, Int(c)) for (t, k, c) in replicated])
+
+"""
+    GradAcc.MeshInfo
+
+A mesh step's report, the same on every rank: `info`, the `gradacc_sync_info_t` of the job (the
+totals over the data axes, the global norm and clip coefficient, an overflow's world rank), whose
+fields it also has (`m.total_count`, ...), and `overflow_part`, the part (1-based) of that rank's
+step where the job first went non-finite, `nothing` when none. [`GradAcc.overflow`](@ref) reads
+the place.
+"""
+struct MeshInfo
+    info::gradacc_sync_info_t
+    overflow_part::Union{Nothing,Int}
+end
+Base.getproperty(m::MeshInfo, f::Symbol) =
+    f === :info || f === :overflow_part ? getfield(m, f) : getfield(getfield(m, :info), f)
+Base.propertynames(::MeshInfo) = (:info, :overflow_part, fieldnames(gradacc_sync_info_t)...)
+
+"""
+    GradAcc.overflow(m::MeshInfo) -> Union{Nothing, Symbol, NamedTuple}
+
+As `GradAcc.overflow(m.info)`, with the part: `(rank=r, part=p, microbatch=m, tensor=t)`, the
+world rank 0-based and the part, micro-batch and tensor 1-based.
+"""
+function overflow(m::MeshInfo)
+    o = overflow(m.info)
+    o isa NamedTuple || return o
+    return (rank=o.rank, part=m.overflow_part, microbatch=o.microbatch, tensor=o.tensor)
+end
+
+# An object's C handle, NULL when it is `nothing` or closed (the caller preserves the object).
+raw_handle(::Nothing) = C_NULL
+raw_handle(o::Union{Accumulator,Communicator}) = @atomic o.ptr
+
+# Part i's replicated tensors as C entries, or the binding's error for a bad one.
+function replicated_entries(p::MeshPart, i)
+    entries = gradacc_replicated_t[]
+    for (j, (t, k, c)) in enumerate(p.replicated)
+        1 <= t <= Int(typemax(UInt32)) + 1 && 0 <= c <= typemax(UInt32) ||
+            return entries, ArgumentError("parts[$i].replicated[$j] = $((t, k, c)): the tensor is 1-based " *
+                                          "and below 2^32 + 1, the copies below 2^32")
+        push!(entries, gradacc_replicated_t(t - 1, c, k))
+    end
+    return entries, nothing
+end
+
+"""
+    sync!(mesh::GradAcc.Mesh, parts) -> GradAcc.MeshInfo
+
+The mesh step over this rank's parts (a vector of [`GradAcc.MeshPart`](@ref), or of tuples of
+its positional arguments): every rank of the world calls it from its own task and thread, and
+the ranks of each part's group give that part at the same position. Each part is reduced over
+its group and normalised by the job's totals (item counts summed over the data axes only; ranks
+at one data-parallel rank must count alike, or every rank throws naming them); the norm counts
+every distinct element once and one clip coefficient applies everywhere. A non-finite value on
+any rank skips the step on every rank, and the report names the world rank and its part. Every
+part's window reports it, so [`GradAcc.update!`](@ref) and each optimizer's step follow it.
+
+An invalid part on one rank (no parts, a `nothing` accumulator, a bad replicated entry) throws
+there naming it and `GRADACC_STATUS_PEER_FAILURE` on the other ranks. A closed accumulator or
+communicator, or a replicated entry the binding refuses, goes in as a NULL accumulator, so the
+step is refused on every rank too, and this rank throws the binding's `ArgumentError`; a closed
+communicator's group can no longer be named, so its peers wait until their timeout, as they do
+for a closed mesh. A failure before the reductions leaves every window intact. The library's
+messages count parts and entries from 0, as the C API does (`parts[0]`); the binding's from 1.
+"""
+function sync!(m::Mesh, parts::AbstractVector)
+    mp = handle(m)
+    ps = MeshPart[p isa MeshPart ? p : MeshPart(p...) for p in parts]
+    entries = Vector{Vector{gradacc_replicated_t}}(undef, length(ps))
+    raw = Vector{gradacc_mesh_part_t}(undef, max(length(ps), 1))
+    refused = nothing
+    for (i, p) in enumerate(ps)
+        entries[i], bad = replicated_entries(p, i)
+        objs = (p.accumulator, p.comm, p.replicas)
+        closed = findfirst(o -> o !== nothing && !isopen(o), objs)
+        if bad === nothing && closed !== nothing
+            bad = ArgumentError("parts[$i]: the $(nameof(typeof(objs[closed]))) is closed")
+        end
+        refused === nothing && (refused = bad)
+        # A part the binding refuses goes in with a NULL accumulator: the library refuses the
+        # step on every rank, and its groups are still told.
+        acc = bad === nothing ? raw_handle(p.accumulator) : Ptr{gradacc_accumulator_t}(C_NULL)
+        raw[i] = gradacc_mesh_part_t(sizeof(gradacc_mesh_part_t), acc, raw_handle(p.comm), raw_handle(p.replicas),
+                                     isempty(entries[i]) ? C_NULL : pointer(entries[i]), length(entries[i]))
+    end
+    info = out_struct(gradacc_sync_info_t)
+    part = Ref{UInt32}(typemax(UInt32))
+    status = GC.@preserve m ps entries raw begin
+        arr = isempty(ps) ? Ptr{gradacc_mesh_part_t}(C_NULL) : pointer(raw)
+        gradacc_mesh_sync(mp, arr, length(ps), info, part)
+    end
+    refused === nothing || throw(refused)
+    check(status)
+    return MeshInfo(info[], part[] == typemax(UInt32) ? nothing : Int(part[]) + 1)
+end
