@@ -40,7 +40,10 @@ BLOCKING = {
     "gradacc_comm_adopt_nccl",
     "gradacc_comm_destroy",
     "gradacc_comm_abort",
+    "gradacc_comm_split",
+    "gradacc_mesh_shape_split",
     "gradacc_mesh_sync",
+    "gradacc_optimizer_step",
     "gradacc_scaler_update",
 }
 

@@ -76,6 +76,9 @@ mutable struct gradacc_accumulator_t end
 "One rank's endpoint of a data-parallel group (opaque)."
 mutable struct gradacc_comm_t end
 
+"A mesh's shape (opaque), for frameworks without their own parallel state: each rank's coordinates and groups in Megatron-Core's rank order or any other."
+mutable struct gradacc_mesh_shape_t end
+
 "One boundary over a job's accumulators (opaque): the world communicator and this rank's place on the data axes."
 mutable struct gradacc_mesh_t end
 
@@ -566,6 +569,26 @@ function gradacc_comm_adopt_nccl(nccl_comm, out_comm)
     end
 end
 
+"Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator."
+function gradacc_comm_split(comm, color, key, out_comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_split)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    c_color = Base.cconvert(UInt32, color)
+    c_key = Base.cconvert(UInt32, key)
+    c_out_comm = Base.cconvert(Ptr{Ptr{gradacc_comm_t}}, out_comm)
+    GC.@preserve c_comm c_color c_key c_out_comm begin
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        p_color = Base.unsafe_convert(UInt32, c_color)
+        p_key = Base.unsafe_convert(UInt32, c_key)
+        p_out_comm = Base.unsafe_convert(Ptr{Ptr{gradacc_comm_t}}, c_out_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_comm_t}, UInt32, UInt32, Ptr{Ptr{gradacc_comm_t}}), p_comm, p_color, p_key, p_out_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
+end
+
 "Sets how long a collective on `comm` may wait for the other ranks: after `seconds` it fails with GRADACC_STATUS_TIMEOUT, naming the phase and the wait, and aborts the communicator. 0 waits forever; the default is 600 (10 minutes)."
 function gradacc_comm_set_timeout(comm, seconds)
     ccall((:gradacc_comm_set_timeout, libgradacc()), gradacc_status_t, (Ptr{gradacc_comm_t}, Cdouble), comm, seconds)
@@ -630,6 +653,41 @@ function gradacc_mesh_destroy(mesh)
     ccall((:gradacc_mesh_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_t},), mesh)
 end
 
+"Creates the shape of a mesh of `world_size` ranks: `tp`, `pp` and `cp` ranks on the tensor-, pipeline- and context-parallel axes (data parallel takes the rest), and the experts of each pipeline stage over `ep` x `etp` of its ranks (expert data parallel takes the rest of the stage), as Megatron-Core's parallel state makes them."
+function gradacc_mesh_shape_create(world_size, tp, pp, cp, ep, etp, order, out_shape)
+    ccall((:gradacc_mesh_shape_create, libgradacc()), gradacc_status_t, (UInt32, UInt32, UInt32, UInt32, UInt32, UInt32, Ptr{Cchar}, Ptr{Ptr{gradacc_mesh_shape_t}}), world_size, tp, pp, cp, ep, etp, order, out_shape)
+end
+
+"Destroys a mesh shape."
+function gradacc_mesh_shape_destroy(shape)
+    ccall((:gradacc_mesh_shape_destroy, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_shape_t},), shape)
+end
+
+"Where world rank `rank` sits in its group over `axes`: the axes' names joined by '-', all of the dense view (tp, cp, dp, pp) or all of the expert one (etp, ep, edp, pp)."
+function gradacc_mesh_shape_group(shape, rank, axes, color_out, key_out, size_out)
+    ccall((:gradacc_mesh_shape_group, libgradacc()), gradacc_status_t, (Ptr{gradacc_mesh_shape_t}, UInt32, Ptr{Cchar}, Ptr{UInt32}, Ptr{UInt32}, Ptr{UInt32}), shape, rank, axes, color_out, key_out, size_out)
+end
+
+"This rank's group over `axes` (as gradacc_mesh_shape_group), split from `world`: an MPI or NCCL communicator of every rank of the mesh, whose ranks are the world ranks (see gradacc_comm_split)."
+function gradacc_mesh_shape_split(shape, world, axes, out_comm)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_mesh_shape_split)
+    c_shape = Base.cconvert(Ptr{gradacc_mesh_shape_t}, shape)
+    c_world = Base.cconvert(Ptr{gradacc_comm_t}, world)
+    c_axes = Base.cconvert(Ptr{Cchar}, axes)
+    c_out_comm = Base.cconvert(Ptr{Ptr{gradacc_comm_t}}, out_comm)
+    GC.@preserve c_shape c_world c_axes c_out_comm begin
+        p_shape = Base.unsafe_convert(Ptr{gradacc_mesh_shape_t}, c_shape)
+        p_world = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_world)
+        p_axes = Base.unsafe_convert(Ptr{Cchar}, c_axes)
+        p_out_comm = Base.unsafe_convert(Ptr{Ptr{gradacc_comm_t}}, c_out_comm)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_mesh_shape_t}, Ptr{gradacc_comm_t}, Ptr{Cchar}, Ptr{Ptr{gradacc_comm_t}}), p_shape, p_world, p_axes, p_out_comm)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
+end
+
 "The mesh step: the boundary of every accumulator of this rank's step (`parts[0..count]`), and one agreement over the mesh's world for all."
 function gradacc_mesh_sync(mesh, parts, count, info_out, overflow_part_out)
     # blocks: GC-safe call
@@ -689,7 +747,26 @@ end
 
 "The step after gradacc_accumulator_sync of `acc` (the accumulator the optimizer was made over): steps the FP32 masters and the state from the reduced gradient and writes the model's weights `weights[i]` (pointers to each whole tensor, in the dtypes given at creation), or, when the boundary found a non-finite value, changes nothing; `*out_stepped` (may be NULL) says which."
 function gradacc_optimizer_step(opt, acc, weights, n, comm, out_stepped)
-    ccall((:gradacc_optimizer_step, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{gradacc_accumulator_t}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{gradacc_comm_t}, Ptr{Bool}), opt, acc, weights, n, comm, out_stepped)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_optimizer_step)
+    c_opt = Base.cconvert(Ptr{gradacc_optimizer_t}, opt)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_weights = Base.cconvert(Ptr{Ptr{Cvoid}}, weights)
+    c_n = Base.cconvert(Csize_t, n)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    c_out_stepped = Base.cconvert(Ptr{Bool}, out_stepped)
+    GC.@preserve c_opt c_acc c_weights c_n c_comm c_out_stepped begin
+        p_opt = Base.unsafe_convert(Ptr{gradacc_optimizer_t}, c_opt)
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_weights = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, c_weights)
+        p_n = Base.unsafe_convert(Csize_t, c_n)
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        p_out_stepped = Base.unsafe_convert(Ptr{Bool}, c_out_stepped)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_optimizer_t}, Ptr{gradacc_accumulator_t}, Ptr{Ptr{Cvoid}}, Csize_t, Ptr{gradacc_comm_t}, Ptr{Bool}), p_opt, p_acc, p_weights, p_n, p_comm, p_out_stepped)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
 end
 
 "Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports the size) and its length to `*out_len`."
