@@ -100,6 +100,30 @@ int main()
     }
     EXPECT(out[1].message.find("`parts[0].accumulator` is NULL") != std::string::npos, "%s",
            out[1].message.c_str());
+
+    // The shape: Megatron-Core's groups of world 4, tp 2, and what it refuses.
+    const gradacc::MeshShape shape(RANKS, TP);
+    for (std::uint32_t r = 0; r < RANKS; r++) {
+        const gradacc::MeshGroup d = shape.group(r, "cp-dp"), t = shape.group(r, "tp");
+        EXPECT(d.color == r % TP && d.key == r / TP && d.size == DP, "rank %u: data group %u %u %u", r, d.color,
+               d.key, d.size);
+        EXPECT(t.color == r / TP * TP && t.key == r % TP && t.size == TP, "rank %u: tp group %u %u %u", r, t.color,
+               t.key, t.size);
+    }
+    bool refused = false;
+    try {
+        (void)shape.group(0, "tp-xp");
+    } catch (const gradacc::Error &e) {
+        refused = e.status() == GRADACC_STATUS_INVALID_ARGUMENT && std::strstr(e.what(), "\"xp\"") != nullptr;
+    }
+    EXPECT(refused, "an unknown axis is refused, naming it");
+    refused = false;
+    try {
+        (void)world[0].split(0, 0);
+    } catch (const gradacc::Error &e) {
+        refused = e.status() == GRADACC_STATUS_INVALID_ARGUMENT;
+    }
+    EXPECT(refused, "an in-process communicator is not split");
     if (failures) {
         std::fprintf(stderr, "%d checks FAILED\n", failures);
         return 1;

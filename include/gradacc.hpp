@@ -323,6 +323,9 @@ struct OptimizerDelete {
 struct MeshDelete {
     void operator()(gradacc_mesh_t *p) const noexcept { (void)gradacc_mesh_destroy(p); }
 };
+struct MeshShapeDelete {
+    void operator()(gradacc_mesh_shape_t *p) const noexcept { (void)gradacc_mesh_shape_destroy(p); }
+};
 
 inline const char *dtype_name(gradacc_dtype_t dtype) noexcept {
     switch (dtype) {
@@ -356,6 +359,14 @@ public:
         std::int32_t n = 0;
         check(gradacc_comm_world_size(handle_.get(), &n));
         return n;
+    }
+
+    /** This rank's communicator of a split (gradacc_comm_split): the ranks that pass the same
+     * `color` form a group, ranked by `key`. Collective over this communicator. */
+    Communicator split(std::uint32_t color, std::uint32_t key) {
+        gradacc_comm_t *p = nullptr;
+        check(gradacc_comm_split(handle_.get(), color, key, &p));
+        return Communicator(p);
     }
 
     /** How long a collective may wait for the other ranks, in seconds (default 600); 0 means
@@ -754,6 +765,46 @@ struct MeshInfo {
 /** One boundary over a job's accumulators (gradacc_mesh_create: the world communicator, this
  * rank's data-parallel rank and size, the global norm's clip). Move-only; destroyed with
  * gradacc_mesh_destroy. The mesh keeps its own reference to the world's communicator. */
+/** Where a rank sits in its group over some axes (gradacc_mesh_shape_group): the group's
+ * smallest world rank (a split's color), the rank's index in it (its rank there), its size. */
+struct MeshGroup {
+    std::uint32_t color = 0, key = 0, size = 0;
+};
+
+/** A mesh's shape (gradacc_mesh_shape_create): each rank's groups in Megatron-Core's rank order
+ * (`order` nullptr: "tp-cp-dp-pp") or any other. Axis lists are names joined by '-': "cp-dp",
+ * "tp", "edp". Move-only; destroyed with gradacc_mesh_shape_destroy. */
+class MeshShape {
+public:
+    explicit MeshShape(std::uint32_t world_size, std::uint32_t tp = 1, std::uint32_t pp = 1, std::uint32_t cp = 1,
+                       std::uint32_t ep = 1, std::uint32_t etp = 1, const char *order = nullptr) {
+        gradacc_mesh_shape_t *p = nullptr;
+        check(gradacc_mesh_shape_create(world_size, tp, pp, cp, ep, etp, order, &p));
+        handle_.reset(p);
+    }
+
+    /** World rank `rank`'s group over `axes`; for Mesh, data_rank and data_size are the key and
+     * the size over "cp-dp". */
+    MeshGroup group(std::uint32_t rank, const char *axes) const {
+        MeshGroup g;
+        check(gradacc_mesh_shape_group(handle_.get(), rank, axes, &g.color, &g.key, &g.size));
+        return g;
+    }
+
+    /** This rank's group over `axes`, split from `world` (an MPI communicator of every rank of the
+     * mesh). Collective: every rank calls it with the same axes. */
+    Communicator split(Communicator &world, const char *axes) const {
+        gradacc_comm_t *p = nullptr;
+        check(gradacc_mesh_shape_split(handle_.get(), world.get(), axes, &p));
+        return Communicator(p);
+    }
+
+    gradacc_mesh_shape_t *get() const noexcept { return handle_.get(); }
+
+private:
+    std::unique_ptr<gradacc_mesh_shape_t, detail::MeshShapeDelete> handle_;
+};
+
 class Mesh {
 public:
     Mesh(Communicator &world, std::uint32_t data_rank, std::uint32_t data_size, float max_grad_norm = 0.0f) {

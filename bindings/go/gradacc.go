@@ -956,10 +956,35 @@ func NewLocalGroup(worldSize int) ([]*Comm, error) {
 	}
 	comms := make([]*Comm, worldSize)
 	for r := range comms {
-		comms[r] = &Comm{ptr: raw[r]}
-		runtime.SetFinalizer(comms[r], (*Comm).Close)
+		comms[r] = newComm(raw[r])
 	}
 	return comms, nil
+}
+
+// newComm owns handle p: the Comm closes it when collected.
+func newComm(p *C.gradacc_comm_t) *Comm {
+	c := &Comm{ptr: p}
+	runtime.SetFinalizer(c, (*Comm).Close)
+	return c
+}
+
+// Split is this rank's communicator of a split (gradacc_comm_split): the ranks that pass the
+// same color form a group, ranked by key (MPI_Comm_split for an MPI communicator; an in-process
+// one fails with StatusInvalidArgument). Collective: every rank of the group calls it.
+func (c *Comm) Split(color, key uint32) (*Comm, error) {
+	p, err := c.handle()
+	if err != nil {
+		return nil, err
+	}
+	var out *C.gradacc_comm_t
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_comm_split(p, C.uint32_t(color), C.uint32_t(key), &out)
+	})
+	runtime.KeepAlive(c)
+	if err != nil {
+		return nil, err
+	}
+	return newComm(out), nil
 }
 
 // Close destroys the handle. Calling it again does nothing.

@@ -208,3 +208,96 @@ func (c *Comm) closedErr() error {
 	_, err := c.handle()
 	return err
 }
+
+// MeshGroup is where a rank sits in its group over some axes: the group's smallest world rank
+// (Color, a split's color), the rank's index in it (Key: its rank there) and the group's Size.
+type MeshGroup struct {
+	Color, Key, Size uint32
+}
+
+// MeshShape is a mesh's shape (gradacc_mesh_shape_t), for frameworks without their own parallel
+// state: each rank's groups in Megatron-Core's rank order or any other. Axis lists are names
+// joined by '-': "cp-dp" (the data axes), "tp", "edp".
+type MeshShape struct {
+	ptr *C.gradacc_mesh_shape_t
+}
+
+// NewMeshShape creates the shape of a mesh of worldSize ranks: tp, pp and cp ranks on those axes
+// (data parallel takes the rest), the experts of each pipeline stage over ep x etp of its ranks.
+// order is the dense axes' rank order, fastest first ("" for Megatron-Core's "tp-cp-dp-pp").
+func NewMeshShape(worldSize, tp, pp, cp, ep, etp uint32, order string) (*MeshShape, error) {
+	var corder *C.char
+	if order != "" {
+		corder = C.CString(order)
+		defer C.free(unsafe.Pointer(corder))
+	}
+	var p *C.gradacc_mesh_shape_t
+	err := call(func() C.enum_gradacc_status_t {
+		return C.gradacc_mesh_shape_create(C.uint32_t(worldSize), C.uint32_t(tp), C.uint32_t(pp), C.uint32_t(cp),
+			C.uint32_t(ep), C.uint32_t(etp), corder, &p)
+	})
+	if err != nil {
+		return nil, err
+	}
+	s := &MeshShape{ptr: p}
+	runtime.SetFinalizer(s, (*MeshShape).Close)
+	return s, nil
+}
+
+// Close destroys the shape. Calling it again does nothing.
+func (s *MeshShape) Close() error {
+	if s.ptr == nil {
+		return nil
+	}
+	runtime.SetFinalizer(s, nil)
+	p := s.ptr
+	s.ptr = nil
+	return call(func() C.enum_gradacc_status_t { return C.gradacc_mesh_shape_destroy(p) })
+}
+
+func (s *MeshShape) handle() (*C.gradacc_mesh_shape_t, error) {
+	if s == nil || s.ptr == nil {
+		return nil, &Error{Status: StatusInvalidHandle, Message: "the MeshShape is closed"}
+	}
+	return s.ptr, nil
+}
+
+// Group is world rank rank's group over axes. For NewMesh, dataRank and dataSize are the Key and
+// the Size over "cp-dp".
+func (s *MeshShape) Group(rank uint32, axes string) (MeshGroup, error) {
+	p, err := s.handle()
+	if err != nil {
+		return MeshGroup{}, err
+	}
+	caxes := C.CString(axes)
+	defer C.free(unsafe.Pointer(caxes))
+	var color, key, size C.uint32_t
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_mesh_shape_group(p, C.uint32_t(rank), caxes, &color, &key, &size)
+	})
+	runtime.KeepAlive(s)
+	return MeshGroup{Color: uint32(color), Key: uint32(key), Size: uint32(size)}, err
+}
+
+// Split is this rank's group over axes, split from world (an MPI communicator of every rank of
+// the mesh, ranked as the world). Collective: every rank calls it with the same axes.
+func (s *MeshShape) Split(world *Comm, axes string) (*Comm, error) {
+	p, err := s.handle()
+	if err != nil {
+		return nil, err
+	}
+	wp, err := world.handle()
+	if err != nil {
+		return nil, err
+	}
+	caxes := C.CString(axes)
+	defer C.free(unsafe.Pointer(caxes))
+	var out *C.gradacc_comm_t
+	err = call(func() C.enum_gradacc_status_t { return C.gradacc_mesh_shape_split(p, wp, caxes, &out) })
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(world)
+	if err != nil {
+		return nil, err
+	}
+	return newComm(out), nil
+}

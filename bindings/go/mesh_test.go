@@ -365,3 +365,45 @@ func TestMeshFinalizers(t *testing.T) {
 	}
 	runtime.GC()
 }
+
+// The shape gives Megatron-Core's groups (world 16, tp 2, pp 2: tp groups {0, 1}, {2, 3}, ...;
+// dp groups {1, 3, 5, 7}, ...; pp groups {5, 13}) or those of another order, and refuses what
+// it cannot hold; an in-process communicator is not split.
+func TestMeshShapeGroups(t *testing.T) {
+	shape := must(NewMeshShape(16, 2, 2, 1, 1, 1, ""))
+	defer shape.Close()
+	for _, c := range []struct {
+		axes string
+		want MeshGroup
+	}{{"tp", MeshGroup{4, 1, 2}}, {"dp", MeshGroup{1, 2, 4}}, {"pp", MeshGroup{5, 0, 2}}, {"cp-dp", MeshGroup{1, 2, 4}}} {
+		if got := must(shape.Group(5, c.axes)); got != c.want {
+			t.Errorf("rank 5 over %s: %+v, want %+v", c.axes, got, c.want)
+		}
+	}
+	if _, err := shape.Group(0, "tp-xp"); !errorWith(err, StatusInvalidArgument, `"xp" is none of`) {
+		t.Errorf("unknown axis: %v", err)
+	}
+	if _, err := shape.Group(16, "tp"); !errorWith(err, StatusInvalidArgument, "`rank` = 16 is not below") {
+		t.Errorf("rank outside: %v", err)
+	}
+	dpFirst := must(NewMeshShape(4, 2, 1, 1, 1, 1, "dp-tp-cp-pp"))
+	defer dpFirst.Close()
+	if g := must(dpFirst.Group(3, "tp")); g != (MeshGroup{1, 1, 2}) {
+		t.Errorf("dp-first order: %+v", g)
+	}
+	if _, err := NewMeshShape(4, 2, 1, 1, 1, 1, "tp-dp"); !errorWith(err, StatusInvalidArgument, "a permutation of tp, cp, dp and pp") {
+		t.Errorf("bad order: %v", err)
+	}
+	comms := must(NewLocalGroup(1))
+	defer comms[0].Close()
+	if _, err := comms[0].Split(0, 0); !errorWith(err, StatusInvalidArgument, "cannot be split") {
+		t.Errorf("in-process split: %v", err)
+	}
+	if _, err := must(NewMeshShape(1, 1, 1, 1, 1, 1, "")).Split(comms[0], "dp"); !errorWith(err, StatusInvalidArgument, "cannot be split") {
+		t.Errorf("in-process shape split: %v", err)
+	}
+	shape.Close()
+	if _, err := shape.Group(0, "tp"); !errorWith(err, StatusInvalidHandle, "the MeshShape is closed") {
+		t.Errorf("closed shape: %v", err)
+	}
+}

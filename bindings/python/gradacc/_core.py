@@ -355,6 +355,14 @@ class Communicator(_Managed):
         rank of the group fails. The handle still needs close()."""
         _check(ffi.gradacc_comm_abort(self._handle()))
 
+    def split(self, color, key):
+        """This rank's communicator of a split: the ranks that pass the same ``color`` form a
+        group, ranked by ``key`` (MPI_Comm_split for an MPI communicator; an in-process one
+        raises INVALID_ARGUMENT). Collective: every rank of the group calls it."""
+        out = ctypes.POINTER(ffi.gradacc_comm_t)()
+        _check(ffi.gradacc_comm_split(self._handle(), _u32(color, "color"), _u32(key, "key"), ctypes.byref(out)))
+        return Communicator(out)
+
 
 def local_group(world_size):
     """An in-process group of ``world_size`` ranks: a list of communicators, rank 0 first. Give
@@ -949,6 +957,48 @@ def _u32(value, what):
     if value >= 2**32:
         raise ValueError(f"`{what}` = {value}: below 2**32")
     return value
+
+
+class MeshGroup(typing.NamedTuple):
+    """Where a rank sits in its group over some axes: the group's smallest world rank
+    (``color``, a split's color), the rank's index in it (``key``: its rank there) and the
+    group's ``size``."""
+    color: int
+    key: int
+    size: int
+
+
+class MeshShape(_Managed):
+    """A mesh's shape for frameworks without their own parallel state: ``world_size`` ranks,
+    ``tp``, ``pp``, ``cp`` ranks on those axes (data parallel takes the rest), the experts of each
+    pipeline stage over ``ep`` x ``etp`` of its ranks; ``order`` the dense axes' rank order,
+    fastest first, as Megatron-Core writes it (None: its ``"tp-cp-dp-pp"``). Axis lists are
+    names joined by '-': ``"cp-dp"`` (the data axes), ``"tp"``, ``"edp"``."""
+    _destroy = staticmethod(lambda p: ffi.gradacc_mesh_shape_destroy(p))
+
+    def __init__(self, world_size, tp=1, pp=1, cp=1, ep=1, etp=1, order=None):
+        out = ctypes.POINTER(ffi.gradacc_mesh_shape_t)()
+        sizes = [_u32(v, n) for v, n in zip((world_size, tp, pp, cp, ep, etp),
+                                             ("world_size", "tp", "pp", "cp", "ep", "etp"))]
+        _check(ffi.gradacc_mesh_shape_create(*sizes, None if order is None else order.encode(),
+                                             ctypes.byref(out)))
+        self._ptr = out
+
+    def group(self, rank, axes):
+        """World rank ``rank``'s :class:`MeshGroup` over ``axes``. For :class:`Mesh`,
+        ``data_rank`` and ``data_size`` are the key and the size over ``"cp-dp"``."""
+        color, key, size = ctypes.c_uint32(), ctypes.c_uint32(), ctypes.c_uint32()
+        _check(ffi.gradacc_mesh_shape_group(self._handle(), _u32(rank, "rank"), axes.encode(), ctypes.byref(color),
+                                            ctypes.byref(key), ctypes.byref(size)))
+        return MeshGroup(color.value, key.value, size.value)
+
+    def split(self, world, axes):
+        """This rank's group over ``axes``, split from ``world`` (an MPI communicator of every
+        rank of the mesh, ranked as the world). Collective: every rank calls it, with the same
+        axes."""
+        out = ctypes.POINTER(ffi.gradacc_comm_t)()
+        _check(ffi.gradacc_mesh_shape_split(self._handle(), world._handle(), axes.encode(), ctypes.byref(out)))
+        return Communicator(out)
 
 
 class Mesh(_Managed):

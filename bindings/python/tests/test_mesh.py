@@ -132,3 +132,33 @@ def test_mesh_arguments_are_checked():
             mesh.close()
             assert mesh.closed
             mesh.close()  # idempotent
+
+
+def test_mesh_shape_gives_megatron_groups():
+    # World 16, tp 2, pp 2: tp groups [0, 1], [2, 3], ...; dp groups [1, 3, 5, 7], ...; pp [5, 13].
+    with gradacc.MeshShape(16, tp=2, pp=2) as shape:
+        assert shape.group(5, "tp") == gradacc.MeshGroup(color=4, key=1, size=2)
+        assert shape.group(5, "dp") == (1, 2, 4)
+        assert shape.group(5, "pp") == (5, 0, 2)
+        assert shape.group(5, "cp-dp")[1:] == (2, 4)  # data_rank 2 of 4
+        with pytest.raises(gradacc.GradaccError, match='"xp" is none of'):
+            shape.group(0, "tp-xp")
+        with pytest.raises(gradacc.GradaccError, match="`rank` = 16 is not below"):
+            shape.group(16, "tp")
+    # Data parallel fastest.
+    with gradacc.MeshShape(4, tp=2, order="dp-tp-cp-pp") as shape:
+        assert [shape.group(r, "tp").color for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(gradacc.GradaccError, match="a permutation of tp, cp, dp and pp"):
+        gradacc.MeshShape(4, tp=2, order="tp-dp")
+    with pytest.raises(gradacc.GradaccError, match="cannot hold tp 4"):
+        gradacc.MeshShape(6, tp=4)
+
+
+def test_in_process_communicators_are_not_split():
+    (comm,) = gradacc.local_group(1)
+    with comm:
+        with pytest.raises(gradacc.GradaccError, match="cannot be split") as e:
+            comm.split(0, 0)
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT
+        with gradacc.MeshShape(1) as shape, pytest.raises(gradacc.GradaccError, match="cannot be split"):
+            shape.split(comm, "dp")

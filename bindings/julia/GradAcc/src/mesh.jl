@@ -171,3 +171,73 @@ function sync!(m::Mesh, parts::AbstractVector)
     check(status)
     return MeshInfo(info[], part[] == typemax(UInt32) ? nothing : Int(part[]) + 1)
 end
+
+"""
+    GradAcc.MeshShape(world_size; tp=1, pp=1, cp=1, ep=1, etp=1, order=nothing)
+
+A mesh's shape, for frameworks without their own parallel state: `world_size` ranks, `tp`, `pp`
+and `cp` ranks on those axes (data parallel takes the rest), the experts of each pipeline stage
+over `ep` x `etp` of its ranks; `order` the dense axes' rank order, fastest first, as
+Megatron-Core writes it (`nothing`: its `"tp-cp-dp-pp"`). Axis lists are names joined by '-':
+`"cp-dp"` (the data axes), `"tp"`, `"edp"`. [`GradAcc.mesh_group`](@ref) gives a rank's place
+in a group, [`GradAcc.mesh_split`](@ref) splits the group from an MPI world. Destroyed by `close`
+or the GC. Public, not exported.
+"""
+mutable struct MeshShape
+    @atomic ptr::Ptr{gradacc_mesh_shape_t}
+    function MeshShape(world_size::Integer; tp::Integer=1, pp::Integer=1, cp::Integer=1, ep::Integer=1,
+                       etp::Integer=1, order::Union{Nothing,AbstractString}=nothing)
+        out = Ref{Ptr{gradacc_mesh_shape_t}}(C_NULL)
+        corder = order === nothing ? Ptr{Cchar}(C_NULL) : order
+        GC.@preserve corder check(gradacc_mesh_shape_create(u32(world_size, "world_size"), u32(tp, "tp"),
+                                                            u32(pp, "pp"), u32(cp, "cp"), u32(ep, "ep"),
+                                                            u32(etp, "etp"), corder, out))
+        return finalizer(s -> destroy_quietly(s, gradacc_mesh_shape_destroy), new(out[]))
+    end
+end
+
+Base.isopen(x::MeshShape) = (@atomic x.ptr) != C_NULL
+function handle(x::MeshShape)
+    p = @atomic x.ptr
+    p == C_NULL && throw(ArgumentError("the MeshShape is closed"))
+    return p
+end
+Base.cconvert(::Type{Ptr{gradacc_mesh_shape_t}}, x::MeshShape) = x
+Base.unsafe_convert(::Type{Ptr{gradacc_mesh_shape_t}}, x::MeshShape) = handle(x)
+
+"""
+    close(shape::MeshShape)
+
+Destroys the shape; calling it again, from any task, does nothing.
+"""
+function Base.close(s::MeshShape)
+    p = @atomicswap s.ptr = C_NULL
+    p == C_NULL || check(gradacc_mesh_shape_destroy(p))
+    return nothing
+end
+
+"""
+    GradAcc.mesh_group(shape, rank, axes) -> (; color, key, size)
+
+World rank `rank`'s (0-based) group over `axes`: its smallest world rank (`color`, a split's
+color), the rank's index in it (`key`: its rank there, 0-based) and its `size`. For
+[`GradAcc.Mesh`](@ref), `data_rank` and `data_size` are the key and the size over `"cp-dp"`.
+"""
+function mesh_group(shape::MeshShape, rank::Integer, axes::AbstractString)
+    color, key, size = Ref{UInt32}(0), Ref{UInt32}(0), Ref{UInt32}(0)
+    check(gradacc_mesh_shape_group(shape, u32(rank, "rank"), axes, color, key, size))
+    return (; color=Int(color[]), key=Int(key[]), size=Int(size[]))
+end
+
+"""
+    GradAcc.mesh_split(shape, world, axes) -> Communicator
+
+This rank's group over `axes`, split from `world` (an MPI [`Communicator`](@ref) of every rank of
+the mesh, ranked as the world). Collective: every rank calls it with the same axes; close the
+result explicitly on every rank, as any MPI communicator.
+"""
+function mesh_split(shape::MeshShape, world::Communicator, axes::AbstractString)
+    out = Ref{Ptr{gradacc_comm_t}}(C_NULL)
+    check(gradacc_mesh_shape_split(shape, world, axes, out))
+    return Communicator(out[], world.backend)
+end

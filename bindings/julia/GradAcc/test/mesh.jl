@@ -178,3 +178,28 @@ end
     @test info.total_count == 8 && !info.found_inf
     foreach(close, (acc, s, mesh))
 end
+
+@testset "mesh shape" begin
+    # World 16, tp 2, pp 2 in Megatron-Core's order: tp groups {0, 1}, {2, 3}, ...; dp groups
+    # {1, 3, 5, 7}, ...; pp groups {5, 13}.
+    shape = GradAcc.MeshShape(16; tp=2, pp=2)
+    @test GradAcc.mesh_group(shape, 5, "tp") == (; color=4, key=1, size=2)
+    @test GradAcc.mesh_group(shape, 5, "dp") == (; color=1, key=2, size=4)
+    @test GradAcc.mesh_group(shape, 5, "pp") == (; color=5, key=0, size=2)
+    err = thrown(() -> GradAcc.mesh_group(shape, 0, "tp-xp"))
+    @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("\"xp\" is none of", err.message)
+    close(shape)
+    close(shape)  # idempotent
+    @test !isopen(shape)
+    dp_first = GradAcc.MeshShape(4; tp=2, order="dp-tp-cp-pp")
+    @test [GradAcc.mesh_group(dp_first, r, "tp").color for r in 0:3] == [0, 1, 0, 1]
+    close(dp_first)
+    err = thrown(() -> GradAcc.MeshShape(4; tp=2, order="tp-dp"))
+    @test err isa GradAccError && occursin("a permutation of tp, cp, dp and pp", err.message)
+    # An in-process world is not split.
+    (comm,) = local_group(1)
+    one = GradAcc.MeshShape(1)
+    err = thrown(() -> GradAcc.mesh_split(one, comm, "dp"))
+    @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("cannot be split", err.message)
+    foreach(close, (one, comm))
+end
