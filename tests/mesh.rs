@@ -659,7 +659,8 @@ fn a_part_invalid_on_one_rank_fails_every_rank_without_waiting() {
         mesh.sync(&[Part::new(&acc, Some(&d))]).unwrap_err()
     });
     assert_eq!(errors[1].kind, ErrorKind::InvalidArgument, "{}", errors[1]);
-    assert!(errors[1].message.contains("clips by itself"), "{}", errors[1]);
+    let want = "clips by itself (max_grad_norm 1): in a mesh step the norm is the job's";
+    assert!(errors[1].message.contains(want), "{}", errors[1]);
     assert_eq!(errors[0].kind, ErrorKind::PeerFailure, "{}", errors[0]);
 }
 

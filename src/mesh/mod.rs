@@ -312,7 +312,9 @@ fn check_parts(parts: &[Part<'_>]) -> Result<()> {
         let max = acc.config().max_grad_norm;
         if max != 0.0 {
             return Err(Error::invalid(format!(
-                "parts[{i}]'s accumulator clips by itself (max_grad_norm {max}): in a mesh step                  the norm is the job's, so the mesh clips (Mesh::max_grad_norm); create the                  accumulator with max_grad_norm 0"
+                "parts[{i}]'s accumulator clips by itself (max_grad_norm {max}): in a mesh step \
+                 the norm is the job's, so the mesh clips (Mesh::max_grad_norm); create the \
+                 accumulator with max_grad_norm 0"
             )));
         }
         check_replicated(i, p)?;
@@ -324,7 +326,8 @@ fn check_replicated(i: usize, p: &Part<'_>) -> Result<()> {
     let n = p.accumulator.tensors().len();
     if !p.replicated.is_empty() && !p.accumulator.config().tensor_stats {
         return Err(Error::invalid(format!(
-            "parts[{i}] declares replicated tensors, but its accumulator does not measure its              tensors: create it with tensor_stats on, whose per-tensor norms count each copy once"
+            "parts[{i}] declares replicated tensors, but its accumulator does not measure its \
+             tensors: create it with tensor_stats on, whose per-tensor norms count each copy once"
         )));
     }
     for (j, r) in p.replicated.iter().enumerate() {
