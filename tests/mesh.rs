@@ -686,6 +686,57 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     assert_eq!(acc.sync(None).unwrap().total_count, 3);
 }
 
+/// Two ranks that give their two shared parts in different orders: each waits in the group the
+/// other has not reached, so both end at the groups' timeout (or the second at its peer's
+/// refusal, which comes first), with both windows intact. (Which
+/// parts a rank has, and where, legitimately differ between ranks: an expert part on the last
+/// stage only; so an order is checked only by the groups' meeting.)
+#[test]
+fn parts_in_different_orders_end_at_the_timeout_with_windows_intact() {
+    let timeout = Some(std::time::Duration::from_millis(300));
+    let (a, b) = (LocalComm::group(2).unwrap(), LocalComm::group(2).unwrap());
+    let world = LocalComm::group(2).unwrap();
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .zip(a.into_iter().zip(b))
+            .enumerate()
+            .map(|(rank, (w, (a, b)))| {
+                scope.spawn(move || {
+                    for c in [&w, &a, &b] {
+                        c.set_timeout(timeout).unwrap();
+                    }
+                    let (x, y) = (
+                        fed(AccumulatorConfig::default(), 3),
+                        fed(AccumulatorConfig::default(), 3),
+                    );
+                    let mesh = Mesh::new(Arc::new(w), rank, 2).unwrap();
+                    let (px, py) = (Part::new(&x, Some(&a)), Part::new(&y, Some(&b)));
+                    let parts = if rank == 0 { [px, py] } else { [py, px] };
+                    let start = std::time::Instant::now();
+                    let e = mesh.sync(&parts).unwrap_err();
+                    (
+                        e,
+                        start.elapsed(),
+                        x.sync(None).unwrap().total_count,
+                        y.sync(None).unwrap().total_count,
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The first to time out refuses its other group, so its peer may learn of it there first.
+    assert!(results.iter().any(|r| r.0.kind == ErrorKind::Timeout));
+    for (e, took, x, y) in results {
+        assert!(matches!(e.kind, ErrorKind::Timeout | ErrorKind::PeerFailure), "{e}");
+        assert!(e.message.contains("intact") || e.message.contains("no rank reduced"), "{e}");
+        // The bound is the timeout; the slack is for a busy machine.
+        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+        assert_eq!((x, y), (3, 3));
+    }
+}
+
 /// A rank whose arguments were refused before the step (the C ABI's) tells its part's group and
 /// the world; the others fail naming it, and their windows are intact.
 #[test]
