@@ -1,33 +1,18 @@
-/* The mesh step through the C API: gradacc_mesh_sync on dp 2 x tp 2 in-process ranks (one thread
- * each), in Megatron-Core's order (tp fastest: world rank = tp + 2 * dp, data rank = dp). Each rank
- * holds one dense accumulator, reduced over its data-parallel group ({0, 2} and {1, 3}), with a
- * tensor sharded over tp (different elements on each tp rank) and one replicated over tp (the
- * same values on both tp peers), declared so (tensor_stats on).
- *
- * Values: two micro-batches per data rank (3 and 5 items at data rank 0, 2 and 4 at data rank 1),
- * f32 gradients of eighths, a sum loss normalised by the count. The job's total_count is the sum
- * over the data ranks only (14, not 28), the global norm that of an f64 reference counting every
- * distinct element once (the replicated tensor once, not twice), and the info is the same bits on
- * every rank. An inf on world rank 3 skips the step on every rank, naming world rank 3 and its
- * part. Bad arguments fail with their status and a message naming the argument on the rank that
- * gave them, and PEER_FAILURE on the others, without hanging (timeouts of 10 s would end a wait):
- * NULL parts and a struct_size of 0 on every rank (no group can be named, so every rank errs
- * alike), a NULL accumulator on one rank, a NULL replicated array with a count on one rank; tp peers that count differently fail on every rank naming them. After the
- * argument errors the windows are intact: the next sync gives the first sync's info bit for bit.
+/* The mesh step through the C API: gradacc_mesh_sync on the dp 2 x tp 2 case of mesh_case.h,
+ * each rank a thread, each accumulator reduced over its data-parallel group ({0, 2} and {1, 3}).
+ * The job's total_count is 14 (not 28), the global norm the f64 reference's with the replicated
+ * tensor once, and the info the same bits on every rank. An inf on world rank 3 skips the step on
+ * every rank, naming world rank 3 and its part. Bad arguments fail with their status and a
+ * message naming the argument on the rank that gave them, and PEER_FAILURE on the others,
+ * without hanging (timeouts of 10 s would end a wait): NULL parts and a struct_size of 0 on every
+ * rank (no group can be named, so every rank errs alike), a NULL accumulator on one rank, a NULL
+ * replicated array with a count on one rank; tp peers that count differently fail on every rank
+ * naming them. After the argument errors the windows are intact: the next sync gives the first
+ * sync's info bit for bit.
  * Also: mesh creation's argument checks and a NULL and double destroy. */
-#include "common.h"
+#include "mesh_case.h"
 
-enum { RANKS = 4, TP = 2, DP = 2, N0 = 6, N1 = 3, MB = 2 };
-
-static const uint64_t counts[DP][MB] = {{3, 5}, {2, 4}};
-
-/* The gradient of element j of tensor t (0: tp-sharded, 1: replicated) in micro-batch mb at data
- * rank d and tp rank tp: an eighth, exact in f32. */
-static double value(int d, int mb, int tp, int t, int j)
-{
-    int k = d * 7 + mb * 3 + (t == 0 ? tp * 5 : 0) + t * 11 + j;
-    return (double)(k % 9 - 4) / 8.0;
-}
+enum { RANKS = TP * DP };
 
 /* The cases every rank runs, in order. */
 enum { GOOD, INF, NULL_PARTS, SIZE_ZERO, NULL_ACC, NULL_REPLICATED, AGAIN, UNEQUAL, CASES };
@@ -41,22 +26,6 @@ typedef struct {
     char error[CASES][512];
 } rank_args;
 
-static void add_window(gradacc_accumulator_t *acc, gradacc_scaler_t *scaler, int rank, int poison)
-{
-    int d = rank / TP, tp = rank % TP;
-    float g0[N0], g1[N1];
-    for (int mb = 0; mb < MB; mb++) {
-        for (int j = 0; j < N0; j++)
-            g0[j] = (float)value(d, mb, tp, 0, j);
-        for (int j = 0; j < N1; j++)
-            g1[j] = (float)value(d, mb, tp, 1, j);
-        if (poison && mb == 1)
-            g0[2] = INFINITY;
-        const void *grads[2] = {g0, g1};
-        REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, counts[d][mb]));
-    }
-}
-
 static void run_case(rank_args *a, int c, gradacc_mesh_t *mesh, const gradacc_mesh_part_t *parts, size_t n)
 {
     a->overflow_part[c] = 7;
@@ -69,21 +38,14 @@ static void *rank_main(void *arg)
 {
     rank_args *a = arg;
     gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
-    gradacc_accumulator_config_t ac;
-    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
-    ac.loss_reduction = GRADACC_LOSS_REDUCTION_SUM;
-    ac.tensor_stats = 1;
-    gradacc_tensor_desc_t t[2] = {{N0, GRADACC_DTYPE_F32}, {N1, GRADACC_DTYPE_F32}};
-    gradacc_accumulator_t *acc = NULL;
-    REQUIRE_OK(gradacc_accumulator_create(&ac, t, 2, NULL, &acc));
+    gradacc_accumulator_t *acc = mesh_case_accumulator();
     gradacc_mesh_t *mesh = NULL;
     REQUIRE_OK(gradacc_mesh_create(a->world, (uint32_t)(a->rank / TP), DP, 0.0f, &mesh));
 
-    gradacc_replicated_t norm = {.tensor = 1, .copies = TP, .key = 0x6e6f726d};
     gradacc_mesh_part_t part = GRADACC_MESH_PART_INIT;
     part.accumulator = acc;
     part.comm = a->data;
-    part.replicated = &norm;
+    part.replicated = &mesh_case_norm;
     part.replicated_count = 1;
 
     add_window(acc, scaler, a->rank, 0);
@@ -118,29 +80,6 @@ static void *rank_main(void *arg)
     REQUIRE_OK(gradacc_accumulator_destroy(acc));
     gradacc_scaler_destroy(scaler);
     return NULL;
-}
-
-/* The f64 global norm of the normalised gradient: each tp shard of tensor 0 and tensor 1 once. */
-static double reference_norm(void)
-{
-    double total = 0, squares = 0;
-    for (int d = 0; d < DP; d++)
-        for (int mb = 0; mb < MB; mb++)
-            total += (double)counts[d][mb];
-    for (int tp = 0; tp < TP; tp++)
-        for (int t = 0; t < 2; t++) {
-            if (t == 1 && tp > 0)
-                continue; /* the replicated tensor, once */
-            for (int j = 0; j < (t == 0 ? N0 : N1); j++) {
-                double g = 0;
-                for (int d = 0; d < DP; d++)
-                    for (int mb = 0; mb < MB; mb++)
-                        g += value(d, mb, tp, t, j);
-                g /= total;
-                squares += g * g;
-            }
-        }
-    return sqrt(squares);
 }
 
 static void check_creation(gradacc_comm_t *world)

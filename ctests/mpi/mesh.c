@@ -1,79 +1,14 @@
 /* mpi-np: 4 */
-/* The mesh step over MPI: dp 2 x tp 2 on 4 processes, in Megatron-Core's order (world rank =
- * tp + 2 * dp), every group made by gradacc's mesh shape. The shape's groups are checked
- * against MPI_Comm_split by hand, and its argument errors. Each rank holds one dense
- * accumulator over its data-parallel group ({0, 2} and {1, 3}, split from the world), a tensor
- * sharded over tp and one replicated over tp, declared so.
- *
- * Values: two micro-batches per data rank (3 and 5 items at data rank 0, 2 and 4 at data rank
- * 1), gradients of eighths, a sum loss normalised by the count. The job's total is 14 (summed
- * over data ranks only, not 28); every element each rank holds equals the f64 reference (the sum
- * over its group divided by 14, so within an f32 rounding); the norm is the f64 global norm with
- * the replicated tensor once, the same bits on every rank. An inf on world rank 3 skips the step
- * everywhere naming world rank 3 and part 0; tp peers that count differently fail on every rank
- * with INVALID_ARGUMENT naming both ranks; and a rank that never calls ends the others at their
- * 2 s timeout with TIMEOUT. */
+/* The mesh step over MPI: the dp 2 x tp 2 case of mesh_case.h on 4 processes, every group made
+ * by gradacc's mesh shape (the data-parallel groups {0, 2} and {1, 3} split from the world). The
+ * shape's groups are checked against MPI_Comm_split by hand, and its argument errors. The job's
+ * total is 14 (not 28); every element each rank holds equals the f64 reference within an f32
+ * rounding; the norm is the f64 global norm with the replicated tensor once, the same bits on
+ * every rank. An inf on world rank 3 skips the step everywhere naming world rank 3 and part 0;
+ * tp peers that count differently fail on every rank with INVALID_ARGUMENT naming both ranks; and
+ * a rank that never calls ends the others at their 2 s timeout with TIMEOUT. */
+#include "mesh_case.h"
 #include "mpi/mpi_common.h"
-
-#include <math.h>
-
-enum { TP = 2, DP = 2, N0 = 6, N1 = 3, MB = 2 };
-
-static const uint64_t counts[DP][MB] = {{3, 5}, {2, 4}};
-
-/* The gradient of element j of tensor t (0: tp-sharded, 1: replicated) in micro-batch mb at data
- * rank d and tp rank tp: an eighth, exact in f32. */
-static double value(int d, int mb, int tp, int t, int j)
-{
-    int k = d * 7 + mb * 3 + (t == 0 ? tp * 5 : 0) + t * 11 + j;
-    return (double)(k % 9 - 4) / 8.0;
-}
-
-static double total_count(void)
-{
-    double total = 0;
-    for (int d = 0; d < DP; d++)
-        for (int mb = 0; mb < MB; mb++)
-            total += (double)counts[d][mb];
-    return total;
-}
-
-/* Element j of tensor t at tp rank tp after the step: the sum over the data ranks, normalised. */
-static double reference(int tp, int t, int j)
-{
-    double g = 0;
-    for (int d = 0; d < DP; d++)
-        for (int mb = 0; mb < MB; mb++)
-            g += value(d, mb, tp, t, j);
-    return g / total_count();
-}
-
-/* The f64 global norm: each tp shard of tensor 0, and tensor 1 once. */
-static double reference_norm(void)
-{
-    double squares = 0;
-    for (int tp = 0; tp < TP; tp++)
-        for (int t = 0; t < 2; t++)
-            for (int j = 0; j < (t == 0 ? N0 : N1) && !(t == 1 && tp > 0); j++)
-                squares += reference(tp, t, j) * reference(tp, t, j);
-    return sqrt(squares);
-}
-
-static void add_window(gradacc_accumulator_t *acc, gradacc_scaler_t *scaler, int rank, int poison)
-{
-    int d = rank / TP, tp = rank % TP;
-    float g0[N0], g1[N1];
-    for (int mb = 0; mb < MB; mb++) {
-        for (int j = 0; j < N0; j++)
-            g0[j] = (float)value(d, mb, tp, 0, j);
-        for (int j = 0; j < N1; j++)
-            g1[j] = (float)value(d, mb, tp, 1, j);
-        if (poison && mb == 1)
-            g0[2] = INFINITY;
-        const void *grads[2] = {g0, g1};
-        REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, counts[d][mb]));
-    }
-}
 
 /* The shape's groups against MPI's own split, and its argument errors. */
 static void check_shape(const gradacc_mesh_shape_t *shape, int rank)
@@ -130,20 +65,13 @@ int main(int argc, char **argv)
     REQUIRE_OK(gradacc_mesh_shape_group(shape, (uint32_t)rank, "cp-dp", NULL, &data_rank, &data_size));
 
     gradacc_scaler_t *scaler = scaler_with_scale(1.0f);
-    gradacc_accumulator_config_t ac;
-    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
-    ac.loss_reduction = GRADACC_LOSS_REDUCTION_SUM;
-    ac.tensor_stats = 1;
-    gradacc_tensor_desc_t t[2] = {{N0, GRADACC_DTYPE_F32}, {N1, GRADACC_DTYPE_F32}};
-    gradacc_accumulator_t *acc = NULL;
-    REQUIRE_OK(gradacc_accumulator_create(&ac, t, 2, NULL, &acc));
+    gradacc_accumulator_t *acc = mesh_case_accumulator();
     gradacc_mesh_t *mesh = NULL;
     REQUIRE_OK(gradacc_mesh_create(world, data_rank, data_size, 0.0f, &mesh));
-    gradacc_replicated_t norm = {.tensor = 1, .copies = TP, .key = 0x6e6f726d};
     gradacc_mesh_part_t part = GRADACC_MESH_PART_INIT;
     part.accumulator = acc;
     part.comm = data;
-    part.replicated = &norm;
+    part.replicated = &mesh_case_norm;
     part.replicated_count = 1;
 
     /* A clean step against the reference, the same bits everywhere. */
