@@ -1737,6 +1737,82 @@ fn scale_loss(world: &mut World, input: &mut Input) {
     }
 }
 
+/// A name argument: one of `names` (valid or nearly), random bytes, or a buffer of 80 letters
+/// with no terminator in reach (the library reads at most 65 bytes of it); and its text, where
+/// the library can read one (at most 64 printable ASCII characters, then the terminator).
+fn name_arg(input: &mut Input, names: &[&'static str]) -> (Vec<u8>, Option<String>) {
+    let bytes: Vec<u8> = match input.below(names.len() + 2) {
+        i if i < names.len() => names[i].bytes().chain([0]).collect(),
+        i if i == names.len() => (0..input.below(12)).map(|_| input.u8()).chain([0]).collect(),
+        _ => vec![b'a'; 80],
+    };
+    let end = bytes.iter().position(|&c| c == 0);
+    let text = end
+        .filter(|&n| n <= 64 && bytes[..n].iter().all(u8::is_ascii_graphic))
+        .map(|n| String::from_utf8(bytes[..n].to_vec()).unwrap());
+    (bytes, text)
+}
+
+/// The model of an axis list's validity: known names, each once, not mixing the dense view with
+/// the expert one (pp belongs to both).
+fn axes_valid(list: &str) -> bool {
+    let names: Vec<&str> = list.split('-').collect();
+    let known = ["tp", "cp", "dp", "pp", "ep", "etp", "edp"];
+    let dense = names.iter().any(|n| ["tp", "cp", "dp"].contains(n));
+    let expert = names.iter().any(|n| ["ep", "etp", "edp"].contains(n));
+    let unique = names.iter().enumerate().all(|(i, n)| !names[..i].contains(n));
+    names.iter().all(|n| known.contains(n)) && unique && !(dense && expert)
+}
+
+/// A mesh shape with random sizes and rank order, then a group query with random axes: each
+/// succeeds exactly when the model says; an in-process communicator is never split.
+fn mesh_shape(world: &mut World, input: &mut Input) {
+    let sizes: Vec<u32> =
+        (0..6).map(|i| [1, 2, 3, 4, 0, 8][input.below(if i == 0 { 6 } else { 5 })]).collect();
+    let (w, tp, pp, cp, ep, etp) = (sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
+    let orders =
+        ["tp-cp-dp-pp", "dp-tp-cp-pp", "pp-dp-cp-tp", "tp-cp-dp", "tp-tp-dp-pp", "tp-cp-dp-ep"];
+    let null_order = input.below(3) == 0;
+    let (order, known) = name_arg(input, &orders);
+    let model = tp * pp * cp;
+    let fits = [w, tp, pp, cp, ep, etp].iter().all(|&v| v > 0)
+        && w % model == 0
+        && (w / pp) % (ep * etp) == 0;
+    let dense_permutation = |o: &str| {
+        o.split('-').count() == 4 && o.split('-').all(|n| ["tp", "cp", "dp", "pp"].contains(&n))
+    };
+    let order_ok = null_order || known.is_some_and(|o| axes_valid(&o) && dense_permutation(&o));
+    let mut shape: *mut gradacc_mesh_shape_t = 0x11 as *mut _;
+    let order_ptr = if null_order { null() } else { order.as_ptr().cast() };
+    let st = unsafe { gradacc_mesh_shape_create(w, tp, pp, cp, ep, etp, order_ptr, &mut shape) };
+    if !world.check("gradacc_mesh_shape_create", st, fits && order_ok) {
+        assert_eq!(shape as usize, 0x11, "gradacc_mesh_shape_create wrote its output on failure");
+        return;
+    }
+    let lists = ["tp", "cp-dp", "dp", "pp", "edp", "ep", "etp-ep", "tp-ep", "dp-dp", "xp"];
+    let (axes, known) = name_arg(input, &lists);
+    let rank = [0, 1, w - 1, w, u32::MAX][input.below(5)];
+    let (mut color, mut key, mut size) = (u32::MAX, u32::MAX, u32::MAX);
+    let st = unsafe {
+        gradacc_mesh_shape_group(shape, rank, axes.as_ptr().cast(), &mut color, &mut key, &mut size)
+    };
+    if world.check(
+        "gradacc_mesh_shape_group",
+        st,
+        rank < w && known.is_some_and(|a| axes_valid(&a)),
+    ) {
+        assert!(size >= 1 && key < size && color <= rank && size <= w, "{color} {key} {size}");
+    }
+    if let (c, Some(_)) = world.comm_arg(input) {
+        let mut out: *mut gradacc_comm_t = 0x11 as *mut _;
+        let st = unsafe { gradacc_comm_split(c, 0, 0, &mut out) };
+        world.check("gradacc_comm_split", st, false);
+        assert_eq!(out as usize, 0x11, "gradacc_comm_split wrote its output on failure");
+    }
+    let st = unsafe { gradacc_mesh_shape_destroy(shape) };
+    world.check("gradacc_mesh_shape_destroy", st, true);
+}
+
 fn queries(world: &mut World, input: &mut Input) {
     let null_out = input.u8() % 8 == 0;
     match input.below(6) {
@@ -1903,13 +1979,11 @@ fuzz_target!(|data: &[u8]| {
             19 => merge_window(&mut world, &mut input),
             20 => comm_abort(&mut world, &mut input),
             21 => comm_timeout(&mut world, &mut input),
-            _ => {
-                if input.u8() % 4 == 0 {
-                    comm_create(&mut world, &mut input)
-                } else {
-                    queries(&mut world, &mut input)
-                }
-            }
+            _ => match input.u8() % 8 {
+                0 | 1 => comm_create(&mut world, &mut input),
+                2 => mesh_shape(&mut world, &mut input),
+                _ => queries(&mut world, &mut input),
+            },
         }
     }
     if std::env::var_os("GRADACC_FUZZ_STATS").is_some() {
