@@ -789,6 +789,108 @@ fn a_refused_step_fails_every_rank_without_waiting() {
     assert!(e.message.contains("world ranks 0 and 2"), "{e}");
 }
 
+/// The optimizer over each accumulator's group follows the mesh: on dp 2 x tp 2 with ZeRO-1
+/// (each accumulator reduce-scattered over its data group, the optimizer stepping its shard and
+/// all-gathering the weights over it), a clipped step moves every weight by the job's clipped
+/// gradient (SGD: w - lr * g, against the f64 reference), the same bits on both data replicas;
+/// then an inf on one rank makes every optimizer skip, weights unchanged.
+#[test]
+fn the_optimizer_steps_and_skips_with_the_mesh() {
+    use gradacc::{Algorithm, GradMut, Optimizer, OptimizerConfig};
+    const N: usize = 10;
+    const LR: f32 = 0.5;
+    let counts = [[3u64, 5], [2, 4]];
+    let value = |d: usize, mb: usize, tp: usize, j: usize| {
+        ((d * 7 + mb * 3 + tp * 5 + j) % 9) as f64 / 8.0 - 0.5
+    };
+    let total: u64 = counts.iter().flatten().sum();
+    let reference = |tp: usize, j: usize| {
+        (0..2)
+            .flat_map(|d| (0..2).map(move |mb| (d, mb)))
+            .map(|(d, mb)| value(d, mb, tp, j))
+            .sum::<f64>()
+            / total as f64
+    };
+    let norm = (0..2)
+        .flat_map(|tp| (0..N).map(move |j| (tp, j)))
+        .map(|(tp, j)| reference(tp, j).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = (norm / 2.0) as f32;
+    let coef = (max_norm as f64 / (norm + 1e-6)).min(1.0);
+    let shape = &MeshShape::new(4, 2, 1, 1, 1, 1).unwrap();
+    let data = shape.local_groups(&[Axis::Cp, Axis::Dp]).unwrap();
+    let out: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = LocalComm::group(4)
+            .unwrap()
+            .into_iter()
+            .zip(data)
+            .enumerate()
+            .map(|(rank, (world, data))| {
+                scope.spawn(move || {
+                    let (d, tp) = (shape.data_rank(rank), shape.coord(rank, Axis::Tp));
+                    let config = AccumulatorConfig {
+                        loss_reduction: LossReduction::Sum,
+                        sharding: Sharding::ReduceScatter { shards: 2, rank: d },
+                        ..Default::default()
+                    };
+                    let acc =
+                        Accumulator::new(config, &[TensorDesc { numel: N, dtype: Dtype::F32 }])
+                            .unwrap();
+                    let scaler =
+                        Scaler::new(ScalerConfig { init_scale: SCALE, ..Default::default() })
+                            .unwrap();
+                    let mut w = vec![1.0f32; N];
+                    let sgd = OptimizerConfig {
+                        algorithm: Algorithm::sgd(),
+                        lr: LR,
+                        ..Default::default()
+                    };
+                    let opt = Optimizer::new(&acc, sgd, &[], &[gradacc::Grad::F32(&w)]).unwrap();
+                    let mesh = Mesh::of_shape(Arc::new(world), shape)
+                        .unwrap()
+                        .max_grad_norm(max_norm)
+                        .unwrap();
+                    let mut stepped = Vec::new();
+                    for poison in [false, true] {
+                        for (mb, &count) in counts[d].iter().enumerate() {
+                            // The gradient of the scaled loss (eighths times 64: exact).
+                            let mut g: Vec<f32> =
+                                (0..N).map(|j| value(d, mb, tp, j) as f32 * SCALE).collect();
+                            if poison && rank == 3 {
+                                g[4] = f32::INFINITY;
+                            }
+                            acc.add(&scaler, &[gradacc::Grad::F32(&g)][..], count).unwrap();
+                        }
+                        let info = mesh.sync(&[Part::new(&acc, Some(&data))]).unwrap();
+                        assert_eq!(info.info.found_inf, poison);
+                        scaler.update_from(&[&acc], true).unwrap();
+                        stepped.push(
+                            opt.step(&acc, &mut [GradMut::F32(&mut w)], Some(&data)).unwrap(),
+                        );
+                    }
+                    (tp, w, stepped)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (tp, w, stepped)) in out.iter().enumerate() {
+        // Stepped on the clean window, skipped on the poisoned one, on every rank.
+        assert_eq!(stepped, &[true, false], "rank {rank}");
+        for (j, &got) in w.iter().enumerate() {
+            let want = 1.0 - LR as f64 * reference(*tp, j) * coef;
+            assert!(
+                (got as f64 - want).abs() <= 1e-6,
+                "rank {rank} weight {j}: {got} against {want}"
+            );
+        }
+        // The data replicas (world ranks r and r + 2) hold the same bits.
+        let replica = &out[(rank + 2) % 4].1;
+        assert!(w.iter().zip(replica).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {rank}");
+    }
+}
+
 /// The same meshes over MPI, each rank a process: `mpirun` starts this binary's `over_mpi::rank`
 /// test on every rank of a mesh, whose groups are split from MPI_COMM_WORLD by the mesh's
 /// shape. Each rank checks its own step against the reference and prints its report; the
