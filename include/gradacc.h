@@ -542,12 +542,14 @@ typedef struct gradacc_mesh_part_t {
      */
     size_t struct_size;
     /**
-     * The accumulator (borrowed for the call): on the CPU, created with max_grad_norm 0 (the
-     * mesh clips), and with tensor_stats 1 when it declares replicated tensors.
+     * The accumulator (borrowed for the call), on the CPU or a CUDA device, created with
+     * max_grad_norm 0 (the mesh clips), and with tensor_stats 1 when it declares replicated
+     * tensors.
      */
     struct gradacc_accumulator_t *accumulator;
     /**
-     * Its group, as gradacc_accumulator_sync's `comm`: NULL when it is alone, or for a sharded
+     * Its group, as gradacc_accumulator_sync's `comm` (an NCCL communicator on the
+     * accumulator's device for a CUDA one): NULL when it is alone, or for a sharded
      * accumulation's own communicator.
      */
     struct gradacc_comm_t *comm;
@@ -1608,6 +1610,12 @@ GRADACC_API enum gradacc_status_t gradacc_mesh_destroy(struct gradacc_mesh_t *me
  * rank: `*info_out` (may be NULL) reports it with the world rank, and `*overflow_part_out` (may
  * be NULL; UINT32_MAX when none) that rank's part. Every part's window reports the same info, so
  * gradacc_scaler_update_from and each optimizer's step follow it.
+ *
+ * A CUDA part's group is an NCCL communicator; the world stays a host one. Its control step and
+ * its measures are read back to the host (the call waits for each CUDA part's stream), and the
+ * job's report is written where the device's scaler and optimizer read it. A rank may mix CPU and
+ * CUDA parts. On CUDA a part refused before the step (as below) cannot tell its NCCL group: the
+ * group's peers wait until their communicator's timeout.
  *
  * An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
  * fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still

@@ -34,7 +34,6 @@ use crate::accumulator::boundary::Opened;
 use crate::accumulator::protocol;
 use crate::accumulator::{Accumulator, OverflowAt, SyncInfo};
 use crate::comm::{Communicator, HostCollectives};
-use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
 use crate::math;
 
@@ -284,13 +283,13 @@ impl Mesh {
                 o.scale(factor)?;
             }
         }
-        opened.iter_mut().for_each(|o| o.conclude(info));
+        opened.iter_mut().try_for_each(|o| o.conclude(info))?;
         Ok(MeshInfo { info, overflow_part })
     }
 }
 
-/// This rank's own checks of its parts: at least one, each accumulator once, on the CPU, not
-/// clipping by itself, and its replicated tensors measured and named once.
+/// This rank's own checks of its parts: at least one, each accumulator once, not clipping by
+/// itself, and its replicated tensors measured and named once.
 fn check_parts(parts: &[Part<'_>]) -> Result<()> {
     if parts.is_empty() {
         return Err(Error::invalid("a mesh step needs at least one part"));
@@ -302,13 +301,6 @@ fn check_parts(parts: &[Part<'_>]) -> Result<()> {
                 "parts[{j}] and parts[{i}] are the same accumulator: each is synced once"
             )));
         }
-        Device::require_same((&format!("parts[{i}]"), acc.device()), ("a mesh step", Device::Cpu))
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::BackendUnavailable,
-                    format!("{}: a mesh step syncs CPU accumulators", e.message),
-                )
-            })?;
         let max = acc.config().max_grad_norm;
         if max != 0.0 {
             return Err(Error::invalid(format!(
@@ -355,7 +347,7 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
             refuse_groups(Some(p.accumulator), p.comm, p.replicas);
             continue;
         }
-        match p.accumulator.open_boundary(p.comm, p.replicas) {
+        match p.accumulator.open_boundary(p.comm, p.replicas, true) {
             Ok(o) => opened.push(o),
             Err(e) => error = Some(e),
         }
