@@ -3,14 +3,15 @@
 //! every group an NCCL communicator, the world a host one. Every rank's gradient matches the
 //! reference within the CPU runs' bound, the report is the same bits everywhere, an inf on one
 //! rank skips the step and backs every device scaler off alike, and bad input on one rank fails
-//! every rank with the windows intact.
+//! every rank with the windows intact. Groups split from one NCCL communicator of the world
+//! (ncclCommSplit, colored as by `MeshShape::color`) run the same model.
 //!
 //! Skips without a GPU and NCCL; GRADACC_REQUIRE_GPU=1 makes that a failure. On the software GPU
 //! the meshes run in a child process with a device per rank.
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,6 +88,49 @@ impl Rig for Nccl {
     }
 }
 
+/// Every group split from one NCCL communicator of the world (ncclCommSplit), as a framework
+/// makes its mesh groups: each kind of group in turn, colored by the group's first member
+/// (`MeshShape::color`), keyed by the rank's place in it; a rank without a group of that kind
+/// takes part with no color.
+struct Split {
+    id: [u8; nccl::UNIQUE_ID_BYTES],
+    world: usize,
+    kinds: BTreeSet<usize>,
+}
+
+impl Split {
+    fn new(groups: &[Group]) -> Split {
+        let world = groups.iter().flat_map(|g| &g.1).max().unwrap() + 1;
+        let kinds = groups.iter().map(|g| g.0).collect();
+        Split { id: nccl::unique_id().unwrap(), world, kinds }
+    }
+}
+
+impl Rig for Split {
+    fn rank(&self, rank: usize, groups: &[Group]) -> (Device, Vec<Arc<dyn Communicator>>) {
+        let (_, device) = rank_device(rank);
+        let world = nccl_comm(&self.id, rank, self.world, rank);
+        let comms = self
+            .kinds
+            .iter()
+            .filter_map(|&kind| {
+                let mine = groups.iter().find(|g| g.0 == kind);
+                let color = mine.map(|g| g.1[0]);
+                let key = mine.map_or(0, |g| g.1.iter().position(|&r| r == rank).unwrap());
+                let comm = world.split(color, key).unwrap()?;
+                let g = mine.unwrap();
+                assert_eq!(
+                    (comm.rank(), comm.world_size()),
+                    (key, g.1.len()),
+                    "rank {rank}: {g:?}"
+                );
+                Some(Arc::new(comm) as Arc<dyn Communicator>)
+            })
+            .collect();
+        (device, comms)
+    }
+}
+
 /// `f(test)` where there is a device per rank of the largest mesh.
 fn on_devices(test: &str, f: impl FnOnce(&str)) {
     let count = device_count();
@@ -100,6 +144,16 @@ fn every_mesh_of_cuda_parts_matches_the_f64_reference() {
         let mut rng = Rng::fresh(test);
         for case in &MESHES {
             matches_the_reference(&mut rng, case, Nccl::new);
+        }
+    });
+}
+
+#[test]
+fn groups_split_from_an_nccl_world_run_the_mesh() {
+    on_devices("groups_split_from_an_nccl_world_run_the_mesh", |test| {
+        let mut rng = Rng::fresh(test);
+        for case in &MESHES {
+            matches_the_reference(&mut rng, case, Split::new);
         }
     });
 }
