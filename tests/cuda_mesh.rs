@@ -3,7 +3,8 @@
 //! every group an NCCL communicator, the world a host one. Every rank's gradient matches the
 //! reference within the CPU runs' bound, the report is the same bits everywhere, an inf on one
 //! rank skips the step and backs every device scaler off alike, and bad input on one rank fails
-//! every rank with the windows intact. Groups split from one NCCL communicator of the world
+//! every rank with the windows intact, and a part refused on one rank fails its NCCL peers at
+//! once. Groups split from one NCCL communicator of the world
 //! (ncclCommSplit, colored as by `MeshShape::color`) run the same model.
 //!
 //! Skips without a GPU and NCCL; GRADACC_REQUIRE_GPU=1 makes that a failure. On the software GPU
@@ -169,10 +170,12 @@ fn an_inf_on_one_cuda_rank_skips_the_step_everywhere() {
     });
 }
 
-/// An accumulator of one tensor of 5 elements on `device` with one micro-batch of `items`.
-fn fed(ctx: &Arc<Context>, device: Device, items: u64) -> Accumulator {
+/// An accumulator of one tensor of 5 elements on `device` (clipping by itself to `max_norm`,
+/// 0: off) with one micro-batch of `items`.
+fn fed(ctx: &Arc<Context>, device: Device, items: u64, max_norm: f32) -> Accumulator {
     let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
-    let acc = Accumulator::builder(&t).device(device).build().unwrap();
+    let config = AccumulatorConfig { max_grad_norm: max_norm, ..Default::default() };
+    let acc = Accumulator::builder(&t).device(device).config(config).build().unwrap();
     let scaler = Scaler::on(device, ScalerConfig::default()).unwrap();
     let Device::Cuda { stream, .. } = device else { unreachable!() };
     let grad = DeviceBuffer::from_slice(ctx, stream.cast(), &[1.0f32; 5]).unwrap();
@@ -203,8 +206,8 @@ fn bad_input_on_one_cuda_rank_fails_every_rank_with_the_windows_intact() {
                     scope.spawn(move || {
                         let (ctx, device) = rank_device(rank);
                         let comm = nccl_comm(id, rank, 2, rank);
-                        let acc = fed(&ctx, device, 3 + rank as u64);
-                        let other = fed(&ctx, device, 9);
+                        let acc = fed(&ctx, device, 3 + rank as u64, 0.0);
+                        let other = fed(&ctx, device, 9, 0.0);
                         let mesh = Mesh::of_shape(Arc::new(world), shape).unwrap();
                         let mut parts = vec![Part::new(&acc, Some(&comm))];
                         if rank == 1 {
@@ -224,6 +227,55 @@ fn bad_input_on_one_cuda_rank_fails_every_rank_with_the_windows_intact() {
         assert!(e0.message.contains("world rank 1"), "{e0}");
         for (rank, (_, count)) in results.iter().enumerate() {
             assert_eq!(*count, 7, "rank {rank}: both windows are intact");
+        }
+    });
+}
+
+/// dp 2 over one NCCL group: rank 1's accumulator clips by itself, so its step is refused before
+/// it opens. It still takes part in its group's control step, flagged: on a new group in the
+/// layout check, on a checked one (`warm`: after a step that succeeded) in the control words'
+/// sum. Rank 0 fails at once, not at the communicator's timeout.
+fn refused_on_one_rank(warm: bool) -> Vec<(gradacc::Error, Duration)> {
+    let id = nccl::unique_id().unwrap();
+    let shape = MeshShape::new(2, 1, 1, 1, 1, 1).unwrap();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = LocalComm::group(2)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, world)| {
+                let (id, shape) = (&id, &shape);
+                scope.spawn(move || {
+                    let (ctx, device) = rank_device(rank);
+                    let comm = nccl_comm(id, rank, 2, rank);
+                    let mesh = Mesh::of_shape(Arc::new(world), shape).unwrap();
+                    if warm {
+                        let acc = fed(&ctx, device, 3, 0.0);
+                        mesh.sync(&[Part::new(&acc, Some(&comm))]).unwrap();
+                    }
+                    let acc = fed(&ctx, device, 3, rank as f32);
+                    let start = std::time::Instant::now();
+                    let e = mesh.sync(&[Part::new(&acc, Some(&comm))]).unwrap_err();
+                    (e, start.elapsed())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_cuda_part_refused_on_one_rank_fails_every_rank_without_waiting() {
+    let count = device_count();
+    let test = "a_cuda_part_refused_on_one_rank_fails_every_rank_without_waiting";
+    common::cuda::at_devices(2, count, test, |_| {
+        for warm in [false, true] {
+            let results = refused_on_one_rank(warm);
+            let ((e0, t0), (e1, _)) = (&results[0], &results[1]);
+            assert_eq!(e1.kind, ErrorKind::InvalidArgument, "warm {warm}: {e1}");
+            assert!(e1.message.contains("clips by itself"), "warm {warm}: {e1}");
+            assert_eq!(e0.kind, ErrorKind::PeerFailure, "warm {warm}: {e0}");
+            assert!(*t0 < TIMEOUT / 4, "warm {warm}: rank 0 waited {t0:?}");
         }
     });
 }
@@ -248,7 +300,7 @@ fn a_rank_may_mix_cpu_and_cuda_parts() {
                     scope.spawn(move || {
                         let (ctx, device) = rank_device(rank);
                         let comm = nccl_comm(id, rank, 2, rank);
-                        let gpu = fed(&ctx, device, 2);
+                        let gpu = fed(&ctx, device, 2, 0.0);
                         let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
                         let cpu = Accumulator::new(AccumulatorConfig::default(), &t).unwrap();
                         let scaler = Scaler::new(ScalerConfig::default()).unwrap();

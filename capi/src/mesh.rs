@@ -144,8 +144,9 @@ struct ReadPart {
 /// A CUDA part's group is an NCCL communicator; the world stays a host one. Its control step and
 /// its measures are read back to the host (the call waits for each CUDA part's stream), and the
 /// job's report is written where the device's scaler and optimizer read it. A rank may mix CPU and
-/// CUDA parts. On CUDA a part refused before the step (as below) cannot tell its NCCL group: the
-/// group's peers wait until their communicator's timeout.
+/// CUDA parts. A refused part whose accumulator is known takes part in its group's control step
+/// on NCCL too; one with a NULL accumulator cannot tell an NCCL group (its peers wait until their
+/// communicator's timeout).
 ///
 /// An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
 /// fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still

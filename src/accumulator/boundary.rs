@@ -70,7 +70,7 @@ impl Accumulator {
         replicas: Option<&dyn Communicator>,
         read: bool,
     ) -> Result<Option<SyncInfo>> {
-        let mut opened = self.open_boundary(comm, replicas, false)?;
+        let mut opened = self.open_boundary(comm, replicas, false, None)?;
         let info = opened.finish(read)?;
         opened.w.phase = Phase::Synced(info);
         Ok(info)
@@ -79,12 +79,15 @@ impl Accumulator {
     /// The boundary up to its control step: the window held, this rank's proposal agreed with
     /// the group's. Nothing has changed yet; a mesh step ([`crate::mesh`]) agrees over the whole
     /// job between this and [`Opened::finish`], and asks for the group's totals on the host
-    /// (`host_totals`) to replace them with the job's.
+    /// (`host_totals`) to replace them with the job's. With `refused` (the caller's own check
+    /// failed), the control step runs flagged invalid, as for any invalid call, so the group's
+    /// peers fail on every transport that can tell them, and the error is returned.
     pub(crate) fn open_boundary<'a>(
         &'a self,
         comm: Option<&'a dyn Communicator>,
         replicas: Option<&'a dyn Communicator>,
         host_totals: bool,
+        refused: Option<Error>,
     ) -> Result<Opened<'a>> {
         // Sharded accumulation reduces over its own communicator; `None` names it too.
         if let Err(e) = self.check_bound(comm) {
@@ -103,9 +106,12 @@ impl Accumulator {
             return Err(e);
         }
         let w = self.window.write();
-        let error = w
-            .in_microbatch()
-            .then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"))
+        let error = refused
+            .or_else(|| {
+                w.in_microbatch().then(|| {
+                    Error::wrong_state("sync inside a micro-batch: call end_microbatch first")
+                })
+            })
             .or_else(|| self.check_shard_comm(comm).err());
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.

@@ -347,7 +347,7 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
             refuse_groups(Some(p.accumulator), p.comm, p.replicas);
             continue;
         }
-        match p.accumulator.open_boundary(p.comm, p.replicas, true) {
+        match p.accumulator.open_boundary(p.comm, p.replicas, true, None) {
             Ok(o) => opened.push(o),
             Err(e) => error = Some(e),
         }
@@ -355,21 +355,20 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
     (opened, error)
 }
 
-/// Takes part, flagged invalid, in the control steps of a part's groups that are known: `comm`'s
-/// (else the accumulator's own, a sharded accumulation's) and the replicas'.
+/// Takes part, flagged invalid, in the control steps of a part's groups that are known: through
+/// its accumulator (its boundary's control step, as the peers run it, also on NCCL), else on
+/// `comm` and the replicas directly (a host communicator's step carries the flag).
 fn refuse_groups(
     accumulator: Option<&Accumulator>,
     comm: Option<&dyn Communicator>,
     replicas: Option<&dyn Communicator>,
 ) {
-    match (comm, accumulator) {
-        (Some(c), _) => protocol::refuse(c),
-        (None, Some(a)) => a.refuse_collective(),
-        (None, None) => {}
+    if let Some(a) = accumulator {
+        let refused = Error::invalid("this rank's mesh step was refused");
+        let _ = a.open_boundary(comm, replicas, true, Some(refused));
+        return;
     }
-    if let Some(r) = replicas {
-        protocol::refuse(r);
-    }
+    comm.into_iter().chain(replicas).for_each(protocol::refuse);
 }
 
 /// Every accumulator of a rank holds the same window: the same micro-batches, with the
