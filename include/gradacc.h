@@ -549,12 +549,14 @@ typedef struct gradacc_mesh_part_t {
      */
     size_t struct_size;
     /**
-     * The accumulator (borrowed for the call): on the CPU, created with max_grad_norm 0 (the
-     * mesh clips), and with tensor_stats 1 when it declares replicated tensors.
+     * The accumulator (borrowed for the call), on the CPU or a CUDA device, created with
+     * max_grad_norm 0 (the mesh clips), and with tensor_stats 1 when it declares replicated
+     * tensors.
      */
     struct gradacc_accumulator_t *accumulator;
     /**
-     * Its group, as gradacc_accumulator_sync's `comm`: NULL when it is alone, or for a sharded
+     * Its group, as gradacc_accumulator_sync's `comm` (an NCCL communicator on the
+     * accumulator's device for a CUDA one): NULL when it is alone, or for a sharded
      * accumulation's own communicator.
      */
     struct gradacc_comm_t *comm;
@@ -1465,7 +1467,8 @@ enum gradacc_status_t gradacc_comm_adopt_nccl(void *nccl_comm,
 /**
  * Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color`
  * form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the
- * same options: MPI_Comm_split for an MPI communicator. An in-process one cannot be split
+ * same options: MPI_Comm_split for an MPI communicator, ncclCommSplit for an NCCL one (NCCL
+ * 2.18 or newer; before, GRADACC_STATUS_BACKEND_UNAVAILABLE). An in-process one cannot be split
  * (GRADACC_STATUS_INVALID_ARGUMENT: make its groups with gradacc_comm_create_local). A mesh's
  * groups come from gradacc_mesh_shape_split, which passes each rank's color and key. Collective:
  * every rank of `comm` calls it; like creation it waits as long as the transport's split does.
@@ -1696,6 +1699,13 @@ enum gradacc_status_t gradacc_mesh_shape_split(const struct gradacc_mesh_shape_t
  * rank: `*info_out` (may be NULL) reports it with the world rank, and `*overflow_part_out` (may
  * be NULL; UINT32_MAX when none) that rank's part. Every part's window reports the same info, so
  * gradacc_scaler_update_from and each optimizer's step follow it.
+ *
+ * A CUDA part's group is an NCCL communicator; the world stays a host one. Its control step and
+ * its measures are read back to the host (the call waits for each CUDA part's stream), and the
+ * job's report is written where the device's scaler and optimizer read it. A rank may mix CPU and
+ * CUDA parts. A refused part whose accumulator is known takes part in its group's control step
+ * on NCCL too; one with a NULL accumulator cannot tell an NCCL group (its peers wait until their
+ * communicator's timeout).
  *
  * An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
  * fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still

@@ -1,525 +1,29 @@
-//! The mesh step against a float64 single-device reference: a synthetic model with a tied,
-//! vocabulary-sharded embedding (first and last pipeline stage), a column-sharded weight, a
-//! layer norm replicated over tensor-parallel ranks, and experts fed by tokens routed from every
-//! data-parallel rank, distributed onto every mesh of at most 8 ranks, in-process, with random
-//! micro-batch sizes (some empty), dtypes and sharding policies. Every rank's synced gradient
-//! equals the reference's slice within the bound below, the norm is the f64 global norm, the
-//! clip coefficient is the same bits everywhere, and an inf on one rank skips the step on all.
-//! The anchors' mistakes are computed beside gradacc's answer.
+//! The mesh step against a float64 single-device reference (tests/common/mesh_model.rs): the
+//! synthetic model distributed onto every mesh of at most 8 ranks, in-process on the CPU. Every
+//! rank's synced gradient equals the reference's slice within the model's bound, the norm is the
+//! f64 global norm, the clip coefficient is the same bits everywhere, and an inf on one rank
+//! skips the step on all. The anchors' mistakes are computed beside gradacc's answer; bad input
+//! fails on every rank.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{encode, grad_of, Rng};
+use common::mesh_model::{
+    matches_the_reference, one_inf_skips_everywhere, reference, run, schedule, Case, Host, Kind,
+    MESHES, SCALE,
+};
+use common::Rng;
 use gradacc::{
     Accumulator, AccumulatorConfig, Axis, Communicator, Dtype, ErrorKind, LocalComm, LossReduction,
-    Mesh, MeshInfo, MeshShape, OverflowAt, Part, Replicated, Scaler, ScalerConfig, Sharding,
-    TensorDesc,
+    Mesh, MeshShape, Part, Replicated, Scaler, ScalerConfig, Sharding, TensorDesc,
 };
-
-const SCALE: f32 = 64.0;
-
-/// The model's tensors, over the whole model.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    /// Vocabulary-sharded over tp, used on the first and the last stage.
-    Embed,
-    /// Column-sharded over tp, on the first stage.
-    Col,
-    /// Replicated over tp, on the last stage.
-    Norm,
-    /// Expert `e`, sliced over etp, on the last stage.
-    Expert(usize),
-}
-
-const SLICE: usize = 37; // elements per tp (or etp) slice
-const NORM: usize = 19;
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    world: usize,
-    tp: usize,
-    pp: usize,
-    cp: usize,
-    ep: usize,
-    etp: usize,
-}
-
-impl Case {
-    fn shape(&self) -> MeshShape {
-        MeshShape::new(self.world, self.tp, self.pp, self.cp, self.ep, self.etp).unwrap()
-    }
-    fn experts(&self) -> usize {
-        2 * self.ep
-    }
-}
-
-/// The schedule every rank knows: each data rank's item counts per micro-batch, and a seed.
-struct Schedule {
-    counts: Vec<Vec<u64>>,
-    seed: u64,
-    dtype: Dtype,
-    sharding: u8,
-    poison: Option<(usize, usize)>,
-}
-
-impl Schedule {
-    fn total(&self) -> u64 {
-        self.counts.iter().flatten().sum()
-    }
-
-    /// Item `i` of micro-batch `mb` at data rank `d`: a global id.
-    fn item(&self, d: usize, mb: usize, i: u64) -> u64 {
-        ((d as u64) << 40) | ((mb as u64) << 20) | i
-    }
-
-    fn routed(&self, case: &Case, item: u64) -> usize {
-        (mix(item ^ self.seed ^ 0xe) % case.experts() as u64) as usize
-    }
-
-    /// One item's gradient of element `j` of `kind` through use `u` (the embedding has two).
-    fn value(&self, kind: Kind, j: usize, item: u64, u: u64) -> f64 {
-        let k = match kind {
-            Kind::Embed => 1,
-            Kind::Col => 2,
-            Kind::Norm => 3,
-            Kind::Expert(e) => 10 + e as u64,
-        };
-        let h = mix(self.seed ^ k << 56 ^ (j as u64) << 40 ^ item.wrapping_mul(0x9e37) ^ u << 62);
-        (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// A rank's local tensor: its kind, the global elements it holds, and the uses it computes.
-#[derive(Clone, Debug)]
-struct Local {
-    kind: Kind,
-    global: std::ops::Range<usize>,
-    uses: Vec<u64>,
-}
-
-/// The rank's parts: dense, experts (last stage), the tied embedding (pp 2, its own group).
-fn layout(case: &Case, shape: &MeshShape, rank: usize) -> Vec<Vec<Local>> {
-    let (tp, pp) = (shape.coord(rank, Axis::Tp), shape.coord(rank, Axis::Pp));
-    let last = case.pp - 1;
-    let sliced = |t: usize| t * SLICE..(t + 1) * SLICE;
-    let embed_uses: Vec<u64> =
-        [(0, 1), (last, 2)].iter().filter(|(s, _)| *s == pp).map(|p| p.1).collect();
-    let mut dense = Vec::new();
-    if case.pp == 1 {
-        dense.push(Local { kind: Kind::Embed, global: sliced(tp), uses: embed_uses.clone() });
-    }
-    if pp == 0 {
-        dense.push(Local { kind: Kind::Col, global: sliced(tp), uses: vec![0] });
-    }
-    if pp == last {
-        dense.push(Local { kind: Kind::Norm, global: 0..NORM, uses: vec![0] });
-    }
-    let mut parts = vec![dense];
-    if pp == last {
-        let (ep, etp) = (shape.coord(rank, Axis::Ep), shape.coord(rank, Axis::Etp));
-        let per = case.experts() / case.ep;
-        parts.push(
-            (ep * per..(ep + 1) * per)
-                .map(|e| Local { kind: Kind::Expert(e), global: sliced(etp), uses: vec![0] })
-                .collect(),
-        );
-    }
-    if case.pp > 1 {
-        parts.push(vec![Local { kind: Kind::Embed, global: sliced(tp), uses: embed_uses }]);
-    }
-    parts
-}
-
-/// The f64 reference: every element of every tensor, its gradient and the sum of the absolute
-/// values that went into it, each over the global item count.
-fn reference(case: &Case, s: &Schedule) -> Vec<(Kind, Vec<(f64, f64)>)> {
-    let n = s.total() as f64;
-    let mut kinds =
-        vec![(Kind::Embed, case.tp * SLICE), (Kind::Col, case.tp * SLICE), (Kind::Norm, NORM)];
-    kinds.extend((0..case.experts()).map(|e| (Kind::Expert(e), case.etp * SLICE)));
-    kinds
-        .into_iter()
-        .map(|(kind, numel)| {
-            let uses: &[u64] = if kind == Kind::Embed { &[1, 2] } else { &[0] };
-            let values = (0..numel)
-                .map(|j| {
-                    let (mut sum, mut abs) = (0.0, 0.0);
-                    for (d, mbs) in s.counts.iter().enumerate() {
-                        for (mb, &count) in mbs.iter().enumerate() {
-                            for i in 0..count {
-                                let item = s.item(d, mb, i);
-                                if let Kind::Expert(e) = kind {
-                                    if s.routed(case, item) != e {
-                                        continue;
-                                    }
-                                }
-                                for &u in uses {
-                                    let v = s.value(kind, j, item, u);
-                                    sum += v;
-                                    abs += v.abs();
-                                }
-                            }
-                        }
-                    }
-                    (sum / n, abs / n)
-                })
-                .collect();
-            (kind, values)
-        })
-        .collect()
-}
-
-fn tensors(locals: &[Local], dtype: Dtype) -> Vec<TensorDesc> {
-    locals.iter().map(|l| TensorDesc { numel: l.global.len(), dtype }).collect()
-}
-
-/// Which routed tokens a rank's experts process: a token from data rank `d` reaches the ranks
-/// of the expert model-parallel groups (expert-tensor x expert peers) that hold data rank `d`;
-/// where several such ranks hold the same expert slice (tensor-parallel peers beyond the
-/// expert-tensor ones), they split the tokens by index. Each token meets each expert slice once.
-struct ExpertTokens {
-    /// Per source data rank: this rank's position among the candidates, and their number.
-    at: Vec<Option<(u64, u64)>>,
-}
-
-impl ExpertTokens {
-    fn new(case: &Case, shape: &MeshShape, rank: usize) -> Self {
-        let stage = shape.coord(rank, Axis::Pp);
-        let key = |r: usize| {
-            (shape.coord(r, Axis::Ep), shape.coord(r, Axis::Etp), shape.coord(r, Axis::Pp))
-        };
-        let covers = |r: usize, d: usize| {
-            shape
-                .members(r, &[Axis::Etp, Axis::Ep])
-                .unwrap()
-                .iter()
-                .any(|&m| shape.data_rank(m) == d)
-        };
-        let at = (0..shape.data_size())
-            .map(|d| {
-                let candidates: Vec<usize> = (0..case.world)
-                    .filter(|&r| {
-                        shape.coord(r, Axis::Pp) == stage && key(r) == key(rank) && covers(r, d)
-                    })
-                    .collect();
-                let pos = candidates.iter().position(|&r| r == rank)?;
-                Some((pos as u64, candidates.len() as u64))
-            })
-            .collect();
-        ExpertTokens { at }
-    }
-
-    fn processes(&self, d: usize, item: u64) -> bool {
-        self.at[d].is_some_and(|(pos, n)| item % n == pos)
-    }
-}
-
-/// The groups of every rank: world, data (dense), expert data, embedding.
-/// The axes of every kind of group a part reduces over.
-const GROUP_AXES: [&[Axis]; 3] =
-    [&[Axis::Cp, Axis::Dp], &[Axis::Edp], &[Axis::Cp, Axis::Dp, Axis::Pp]];
-
-/// A rank's groups, one per part.
-type Groups = Vec<Arc<dyn Communicator>>;
-
-/// The axes of each of `rank`'s parts' groups, in [`layout`]'s order: the dense part over the
-/// data axes, the experts (last stage) over expert data parallel, the tied embedding (pp > 1)
-/// over the data axes of the first and last stage.
-fn part_axes(case: &Case, shape: &MeshShape, rank: usize) -> Vec<&'static [Axis]> {
-    let mut axes: Vec<&'static [Axis]> = vec![&[Axis::Cp, Axis::Dp]];
-    if shape.coord(rank, Axis::Pp) == case.pp - 1 {
-        axes.push(&[Axis::Edp]);
-    }
-    if case.pp > 1 {
-        axes.push(&[Axis::Cp, Axis::Dp, Axis::Pp]);
-    }
-    axes
-}
-
-/// What one rank reports: its step's info, each part's held gradient as (kind, global element,
-/// value), and its scale after the update.
-struct Outcome {
-    info: MeshInfo,
-    held: Vec<(Kind, usize, f32)>,
-    scale: f32,
-}
-
-fn config(s: &Schedule, comm: &dyn Communicator, stats: bool) -> AccumulatorConfig {
-    let (shards, rank) = (comm.world_size(), comm.rank());
-    let sharding = match (s.sharding, shards) {
-        (_, 1) | (0, _) => Sharding::None,
-        (1, _) => Sharding::ReduceScatter { shards, rank },
-        _ => Sharding::Accumulate { shards, rank },
-    };
-    AccumulatorConfig {
-        loss_reduction: LossReduction::Sum,
-        sharding,
-        tensor_stats: stats,
-        bucket_numel: 50,
-        ..Default::default()
-    }
-}
-
-/// One rank's step: each part fed its micro-batches, then the mesh step and the scaler update.
-#[allow(clippy::too_many_arguments)]
-fn run_rank(
-    case: &Case,
-    s: &Schedule,
-    shape: &MeshShape,
-    rank: usize,
-    world: Arc<dyn Communicator>,
-    comms: Groups,
-    max_norm: f32,
-) -> Outcome {
-    let parts_layout = layout(case, shape, rank);
-    let accs: Vec<Accumulator> = parts_layout
-        .iter()
-        .zip(&comms)
-        .map(|(locals, comm)| {
-            let stats = locals.iter().any(|l| l.kind == Kind::Norm);
-            let config = config(s, &**comm, stats);
-            let descs = tensors(locals, s.dtype);
-            let b = Accumulator::builder(&descs).config(config);
-            let b = match config.sharding {
-                Sharding::Accumulate { .. } => b.communicator(comm.clone()),
-                _ => b,
-            };
-            b.build().unwrap()
-        })
-        .collect();
-    let scaler = Scaler::new(ScalerConfig { init_scale: SCALE, ..Default::default() }).unwrap();
-    let d = shape.data_rank(rank);
-    let experts = ExpertTokens::new(case, shape, rank);
-    for (mb, &count) in s.counts[d].iter().enumerate() {
-        for ((locals, acc), comm) in parts_layout.iter().zip(&accs).zip(&comms) {
-            let grads: Vec<(Vec<f32>, Vec<u16>)> = locals
-                .iter()
-                .map(|l| {
-                    let mut values: Vec<f32> = l
-                        .global
-                        .clone()
-                        .map(|j| {
-                            let mut sum = 0.0f64;
-                            for src in 0..s.counts.len() {
-                                for i in 0..s.counts[src][mb] {
-                                    let item = s.item(src, mb, i);
-                                    let mine = match l.kind {
-                                        Kind::Expert(e) => {
-                                            s.routed(case, item) == e && experts.processes(src, i)
-                                        }
-                                        _ => src == d,
-                                    };
-                                    if mine {
-                                        sum += l
-                                            .uses
-                                            .iter()
-                                            .map(|&u| s.value(l.kind, j, item, u))
-                                            .sum::<f64>();
-                                    }
-                                }
-                            }
-                            sum as f32
-                        })
-                        .collect();
-                    if s.poison == Some((rank, mb)) && l.kind != Kind::Norm {
-                        values[0] = f32::INFINITY;
-                    }
-                    encode(s.dtype, &values, SCALE)
-                })
-                .collect();
-            let views: Vec<_> = grads.iter().map(|(f, h)| grad_of(s.dtype, f, h)).collect();
-            let _ = comm;
-            acc.add(&scaler, &views[..], count).unwrap();
-        }
-    }
-    let replicated: Vec<Vec<Replicated>> = parts_layout
-        .iter()
-        .map(|locals| {
-            locals
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.kind == Kind::Norm)
-                .map(|(tensor, _)| Replicated { tensor, key: 0x4e04, copies: case.tp })
-                .collect()
-        })
-        .collect();
-    let parts: Vec<Part<'_>> = accs
-        .iter()
-        .zip(&comms)
-        .zip(&replicated)
-        .map(|((acc, comm), replicated)| {
-            let bound = matches!(acc.config().sharding, Sharding::Accumulate { .. });
-            Part { replicated, ..Part::new(acc, (!bound).then_some(&**comm)) }
-        })
-        .collect();
-    let mesh = Mesh::of_shape(world, shape).unwrap().max_grad_norm(max_norm).unwrap();
-    let info = mesh.sync(&parts).unwrap();
-    let refs: Vec<&Accumulator> = accs.iter().collect();
-    let skipped = scaler.update_from(&refs, true).unwrap().unwrap();
-    assert_eq!(skipped, info.info.found_inf);
-    let mut held = Vec::new();
-    for (locals, acc) in parts_layout.iter().zip(&accs) {
-        let (range, _) = acc.shard();
-        acc.with_shard(|shard| {
-            for (t, l) in locals.iter().enumerate() {
-                let start = acc.offset(t).unwrap();
-                for (k, j) in l.global.clone().enumerate() {
-                    let at = start + k;
-                    if range.contains(&at) {
-                        held.push((l.kind, j, shard[at - range.start]));
-                    }
-                }
-            }
-        })
-        .unwrap();
-    }
-    Outcome { info, held, scale: scaler.scale().unwrap() }
-}
-
-/// Runs `case` on every rank of its mesh, in threads.
-fn run(case: &Case, s: &Schedule, max_norm: f32) -> Vec<Outcome> {
-    let shape = case.shape();
-    let mut groups: Vec<std::vec::IntoIter<LocalComm>> =
-        GROUP_AXES.iter().map(|axes| shape.local_groups(axes).unwrap().into_iter()).collect();
-    let per_rank: Vec<(Arc<dyn Communicator>, Groups)> = LocalComm::group(shape.world())
-        .unwrap()
-        .into_iter()
-        .enumerate()
-        .map(|(rank, world)| {
-            // Every rank takes its comm of each kind; its parts keep the ones they reduce over.
-            let mut mine: Vec<Option<LocalComm>> = groups.iter_mut().map(|g| g.next()).collect();
-            let comms = part_axes(case, &shape, rank)
-                .iter()
-                .map(|axes| {
-                    let at = GROUP_AXES.iter().position(|a| a == axes).unwrap();
-                    Arc::new(mine[at].take().unwrap()) as Arc<dyn Communicator>
-                })
-                .collect();
-            (Arc::new(world) as Arc<dyn Communicator>, comms)
-        })
-        .collect();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = per_rank
-            .into_iter()
-            .enumerate()
-            .map(|(rank, (world, comms))| {
-                let shape = &shape;
-                scope.spawn(move || run_rank(case, s, shape, rank, world, comms, max_norm))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-fn schedule(rng: &mut Rng, case: &Case, poison: Option<(usize, usize)>) -> Schedule {
-    let data = case.shape().data_size();
-    let microbatches = rng.range(1, 3) as usize;
-    let mut counts: Vec<Vec<u64>> =
-        (0..data).map(|_| (0..microbatches).map(|_| rng.range(0, 4)).collect()).collect();
-    counts[0][0] = counts[0][0].max(1);
-    let dtype = [Dtype::F32, Dtype::F16, Dtype::Bf16][rng.range(0, 2) as usize];
-    Schedule { counts, seed: rng.next_u64(), dtype, sharding: rng.range(0, 2) as u8, poison }
-}
-
-/// Half an ulp of `dtype`, relative.
-fn unit(dtype: Dtype) -> f64 {
-    match dtype {
-        Dtype::F32 => 2f64.powi(-24),
-        Dtype::F16 => 2f64.powi(-11),
-        Dtype::Bf16 => 2f64.powi(-8),
-    }
-}
-
-const MESHES: [Case; 8] = [
-    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 1, etp: 1 }, // dp 2 x tp 2
-    Case { world: 4, tp: 1, pp: 2, cp: 1, ep: 1, etp: 1 }, // dp 2 x pp 2
-    Case { world: 4, tp: 1, pp: 1, cp: 1, ep: 2, etp: 1 }, // dp 4, ep 2
-    Case { world: 8, tp: 2, pp: 2, cp: 1, ep: 1, etp: 1 }, // dp 2 x tp 2 x pp 2
-    Case { world: 4, tp: 1, pp: 1, cp: 2, ep: 1, etp: 1 }, // cp 2 x dp 2
-    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 1, etp: 2 }, // expert-tp 2
-    Case { world: 4, tp: 2, pp: 1, cp: 1, ep: 2, etp: 1 }, // dp 2 x tp 2, ep 2 (EP x TP)
-    Case { world: 8, tp: 2, pp: 2, cp: 1, ep: 2, etp: 1 }, // dp 2 x tp 2 x pp 2, ep 2
-];
-
-/// The reference's norm, and a clipping norm of half of it (so the coefficient is applied too).
-fn norm_and_clip(reference: &[(Kind, Vec<(f64, f64)>)]) -> (f64, f32) {
-    let norm = reference.iter().flat_map(|(_, v)| v).map(|(g, _)| g * g).sum::<f64>().sqrt();
-    (norm, (norm / 2.0) as f32)
-}
-
-/// One rank's clean step against the reference: the job's total, the f64 norm, a clip, and
-/// every gradient the rank holds, clipped.
-fn check_clean(
-    case: &Case,
-    s: &Schedule,
-    reference: &[(Kind, Vec<(f64, f64)>)],
-    o: &Outcome,
-    what: &str,
-) {
-    let (norm, _) = norm_and_clip(reference);
-    let info = &o.info.info;
-    assert!(!info.found_inf, "{what}");
-    assert_eq!(info.total_count, s.total(), "{what}");
-    let rel = (info.grad_norm - norm).abs() / norm;
-    assert!(rel <= 2.0 * unit(s.dtype) + 1e-6, "{what}: norm {} against {norm}", info.grad_norm);
-    let coef = info.clip_coef;
-    assert!(coef < 1.0, "{what}");
-    for &(kind, j, got) in &o.held {
-        let (g, abs) = reference.iter().find(|(k, _)| *k == kind).unwrap().1[j];
-        let micro = s.counts[0].len() as f64 * case.world as f64;
-        let tol = abs * coef * (unit(s.dtype) + (micro + 4.0) * 2f64.powi(-23)) + 1e-30;
-        assert!(
-            (got as f64 - g * coef).abs() <= tol,
-            "{what}: {kind:?}[{j}] = {got}, reference {} (tol {tol})",
-            g * coef
-        );
-    }
-}
-
-/// One rank's step with an inf on world rank `rank`: skipped, its scaler backed off, and that
-/// rank named.
-fn check_poisoned(o: &Outcome, rank: usize, what: &str) {
-    assert!(o.info.info.found_inf, "{what}");
-    // One scaler per rank, and the same state on each.
-    assert_eq!(o.scale, SCALE / 2.0, "{what}");
-    match o.info.info.overflow {
-        Some(OverflowAt::Gradient { rank: r, microbatch: 0, tensor: _ }) => {
-            assert_eq!(r, rank, "{what}")
-        }
-        other => panic!("{what}: {other:?}"),
-    }
-}
 
 #[test]
 fn every_mesh_matches_the_f64_reference() {
     let mut rng = Rng::fresh("every_mesh_matches_the_f64_reference");
     for case in &MESHES {
-        let s = schedule(&mut rng, case, None);
-        let reference = reference(case, &s);
-        let out = run(case, &s, norm_and_clip(&reference).1);
-        let what = format!("{case:?} {:?} sharding {} counts {:?}", s.dtype, s.sharding, s.counts);
-        for o in &out {
-            check_clean(case, &s, &reference, o, &what);
-            // Bitwise the same report on every rank, the clip coefficient included.
-            let (mine, first) = (o.info.info.clip_coef, out[0].info.info.clip_coef);
-            assert_eq!(mine.to_bits(), first.to_bits(), "{what}");
-            assert_eq!(o.info, out[0].info, "{what}");
-        }
-        // Every element of the model is held somewhere.
-        let held: std::collections::HashSet<(String, usize)> = out
-            .iter()
-            .flat_map(|o| o.held.iter().map(|(k, j, _)| (format!("{k:?}"), *j)))
-            .collect();
-        let all: usize = reference.iter().map(|(_, v)| v.len()).sum();
-        assert_eq!(held.len(), all, "{what}");
+        matches_the_reference(&mut rng, case, Host::new);
     }
 }
 
@@ -527,14 +31,7 @@ fn every_mesh_matches_the_f64_reference() {
 fn an_inf_on_one_rank_skips_the_step_everywhere() {
     let mut rng = Rng::fresh("an_inf_on_one_rank_skips_the_step_everywhere");
     for case in &MESHES {
-        let rank = rng.range(0, case.world as u64 - 1) as usize;
-        let s = schedule(&mut rng, case, Some((rank, 0)));
-        let out = run(case, &s, 0.0);
-        let what = format!("{case:?} rank {rank}");
-        for o in &out {
-            check_poisoned(o, rank, &what);
-            assert_eq!(o.info, out[0].info, "{what}");
-        }
+        one_inf_skips_everywhere(&mut rng, case, true, Host::new);
     }
 }
 
@@ -552,7 +49,7 @@ fn the_anchors_mistakes_beside_the_mesh_answer() {
         reference.iter().filter(|(k, _)| pred(*k)).flat_map(|(_, v)| v).map(|(g, _)| g * g).sum()
     };
     let norm = sq(&|_| true).sqrt();
-    let out = run(&case, &s, 0.0);
+    let out = run(&case, &s, 0.0, Host::new);
     let got = out[0].info.info.grad_norm;
     assert!((got - norm).abs() <= 1e-6 * norm, "{got} against {norm}");
     // Megatron-LM #5916: with EP > 1 and TP > 1 the norm skipped the experts.
@@ -686,57 +183,6 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     assert_eq!(acc.sync(None).unwrap().total_count, 3);
 }
 
-/// Two ranks that give their two shared parts in different orders: each waits in the group the
-/// other has not reached, so both end at the groups' timeout (or the second at its peer's
-/// refusal, which comes first), with both windows intact. (Which
-/// parts a rank has, and where, legitimately differ between ranks: an expert part on the last
-/// stage only; so an order is checked only by the groups' meeting.)
-#[test]
-fn parts_in_different_orders_end_at_the_timeout_with_windows_intact() {
-    let timeout = Some(std::time::Duration::from_millis(300));
-    let (a, b) = (LocalComm::group(2).unwrap(), LocalComm::group(2).unwrap());
-    let world = LocalComm::group(2).unwrap();
-    let results: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = world
-            .into_iter()
-            .zip(a.into_iter().zip(b))
-            .enumerate()
-            .map(|(rank, (w, (a, b)))| {
-                scope.spawn(move || {
-                    for c in [&w, &a, &b] {
-                        c.set_timeout(timeout).unwrap();
-                    }
-                    let (x, y) = (
-                        fed(AccumulatorConfig::default(), 3),
-                        fed(AccumulatorConfig::default(), 3),
-                    );
-                    let mesh = Mesh::new(Arc::new(w), rank, 2).unwrap();
-                    let (px, py) = (Part::new(&x, Some(&a)), Part::new(&y, Some(&b)));
-                    let parts = if rank == 0 { [px, py] } else { [py, px] };
-                    let start = std::time::Instant::now();
-                    let e = mesh.sync(&parts).unwrap_err();
-                    (
-                        e,
-                        start.elapsed(),
-                        x.sync(None).unwrap().total_count,
-                        y.sync(None).unwrap().total_count,
-                    )
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    // The first to time out refuses its other group, so its peer may learn of it there first.
-    assert!(results.iter().any(|r| r.0.kind == ErrorKind::Timeout));
-    for (e, took, x, y) in results {
-        assert!(matches!(e.kind, ErrorKind::Timeout | ErrorKind::PeerFailure), "{e}");
-        assert!(e.message.contains("intact") || e.message.contains("no rank reduced"), "{e}");
-        // The bound is the timeout; the slack is for a busy machine.
-        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
-        assert_eq!((x, y), (3, 3));
-    }
-}
-
 /// A rank whose arguments were refused before the step (the C ABI's) tells its part's group and
 /// the world; the others fail naming it, and their windows are intact.
 #[test]
@@ -787,6 +233,57 @@ fn a_refused_step_fails_every_rank_without_waiting() {
     // Rank 0, rank 2's data-parallel peer, failed in its group's step; 1 and 3 learn both.
     let e = &results[1].as_ref().unwrap().0;
     assert!(e.message.contains("world ranks 0 and 2"), "{e}");
+}
+
+/// Two ranks that give their two shared parts in different orders: each waits in the group the
+/// other has not reached, so both end at the groups' timeout (or the second at its peer's
+/// refusal, which comes first), with both windows intact. (Which
+/// parts a rank has, and where, legitimately differ between ranks: an expert part on the last
+/// stage only; so an order is checked only by the groups' meeting.)
+#[test]
+fn parts_in_different_orders_end_at_the_timeout_with_windows_intact() {
+    let timeout = Some(std::time::Duration::from_millis(300));
+    let (a, b) = (LocalComm::group(2).unwrap(), LocalComm::group(2).unwrap());
+    let world = LocalComm::group(2).unwrap();
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .zip(a.into_iter().zip(b))
+            .enumerate()
+            .map(|(rank, (w, (a, b)))| {
+                scope.spawn(move || {
+                    for c in [&w, &a, &b] {
+                        c.set_timeout(timeout).unwrap();
+                    }
+                    let (x, y) = (
+                        fed(AccumulatorConfig::default(), 3),
+                        fed(AccumulatorConfig::default(), 3),
+                    );
+                    let mesh = Mesh::new(Arc::new(w), rank, 2).unwrap();
+                    let (px, py) = (Part::new(&x, Some(&a)), Part::new(&y, Some(&b)));
+                    let parts = if rank == 0 { [px, py] } else { [py, px] };
+                    let start = std::time::Instant::now();
+                    let e = mesh.sync(&parts).unwrap_err();
+                    (
+                        e,
+                        start.elapsed(),
+                        x.sync(None).unwrap().total_count,
+                        y.sync(None).unwrap().total_count,
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The first to time out refuses its other group, so its peer may learn of it there first.
+    assert!(results.iter().any(|r| r.0.kind == ErrorKind::Timeout));
+    for (e, took, x, y) in results {
+        assert!(matches!(e.kind, ErrorKind::Timeout | ErrorKind::PeerFailure), "{e}");
+        assert!(e.message.contains("intact") || e.message.contains("no rank reduced"), "{e}");
+        // The bound is the timeout; the slack is for a busy machine.
+        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+        assert_eq!((x, y), (3, 3));
+    }
 }
 
 /// The optimizer over each accumulator's group follows the mesh: on dp 2 x tp 2 with ZeRO-1
@@ -903,7 +400,8 @@ mod over_mpi {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use gradacc::MpiComm;
+    use common::mesh_model::{check_clean, check_poisoned, groups_of, norm_and_clip, run_rank};
+    use gradacc::{Device, MpiComm};
 
     /// The case's index, the schedule's seed, and the poisoned world rank or `-`.
     const ENV: &str = "GRADACC_MESH_MPI";
@@ -980,20 +478,20 @@ mod over_mpi {
         let rank = world.rank();
         // Every rank makes every kind of group (a split is collective over the world), and its
         // parts keep the ones they reduce over.
-        let groups: Groups =
-            GROUP_AXES.iter().map(|axes| shape.split(&world, axes).unwrap()).collect();
-        let comms = part_axes(case, &shape, rank)
-            .iter()
-            .map(|axes| groups[GROUP_AXES.iter().position(|a| a == axes).unwrap()].clone())
-            .collect();
+        let kinds: [&[Axis]; 3] =
+            [&[Axis::Cp, Axis::Dp], &[Axis::Edp], &[Axis::Cp, Axis::Dp, Axis::Pp]];
+        let split: Vec<Arc<dyn Communicator>> =
+            kinds.iter().map(|axes| shape.split(&world, axes).unwrap()).collect();
+        let comms =
+            groups_of(case, &shape, rank).iter().map(|(kind, _)| split[*kind].clone()).collect();
         let s = schedule(&mut Rng::seeded(seed), case, poison.map(|r| (r, 0)));
         let reference = reference(case, &s);
         let max_norm = if poison.is_some() { 0.0 } else { norm_and_clip(&reference).1 };
-        let o = run_rank(case, &s, &shape, rank, Arc::new(world), comms, max_norm);
+        let o = run_rank(case, &s, &shape, rank, Arc::new(world), (Device::Cpu, comms), max_norm);
         let what = format!("{case:?} seed {seed:#x} rank {rank}");
         match poison {
             None => check_clean(case, &s, &reference, &o, &what),
-            Some(r) => check_poisoned(&o, r, &what),
+            Some(r) => check_poisoned(&o, r, true, &what),
         }
         let coef_bits = o.info.info.clip_coef.to_bits();
         // On a line of its own: the test harness's own output may not have ended one.

@@ -349,7 +349,8 @@ pub unsafe extern "C" fn gradacc_comm_adopt_nccl(
 
 /// Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color`
 /// form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the
-/// same options: MPI_Comm_split for an MPI communicator. An in-process one cannot be split
+/// same options: MPI_Comm_split for an MPI communicator, ncclCommSplit for an NCCL one (NCCL
+/// 2.18 or newer; before, GRADACC_STATUS_BACKEND_UNAVAILABLE). An in-process one cannot be split
 /// (GRADACC_STATUS_INVALID_ARGUMENT: make its groups with gradacc_comm_create_local). A mesh's
 /// groups come from gradacc_mesh_shape_split, which passes each rank's color and key. Collective:
 /// every rank of `comm` calls it; like creation it waits as long as the transport's split does.

@@ -50,10 +50,12 @@ pub struct gradacc_replicated_t {
 pub struct gradacc_mesh_part_t {
     /// sizeof(gradacc_mesh_part_t).
     pub struct_size: usize,
-    /// The accumulator (borrowed for the call): on the CPU, created with max_grad_norm 0 (the
-    /// mesh clips), and with tensor_stats 1 when it declares replicated tensors.
+    /// The accumulator (borrowed for the call), on the CPU or a CUDA device, created with
+    /// max_grad_norm 0 (the mesh clips), and with tensor_stats 1 when it declares replicated
+    /// tensors.
     pub accumulator: *mut gradacc_accumulator_t,
-    /// Its group, as gradacc_accumulator_sync's `comm`: NULL when it is alone, or for a sharded
+    /// Its group, as gradacc_accumulator_sync's `comm` (an NCCL communicator on the
+    /// accumulator's device for a CUDA one): NULL when it is alone, or for a sharded
     /// accumulation's own communicator.
     pub comm: *mut gradacc_comm_t,
     /// A hybrid boundary's replica group, as gradacc_accumulator_sync_hybrid's `replica_comm`
@@ -279,6 +281,13 @@ struct ReadPart {
 /// rank: `*info_out` (may be NULL) reports it with the world rank, and `*overflow_part_out` (may
 /// be NULL; UINT32_MAX when none) that rank's part. Every part's window reports the same info, so
 /// gradacc_scaler_update_from and each optimizer's step follow it.
+///
+/// A CUDA part's group is an NCCL communicator; the world stays a host one. Its control step and
+/// its measures are read back to the host (the call waits for each CUDA part's stream), and the
+/// job's report is written where the device's scaler and optimizer read it. A rank may mix CPU and
+/// CUDA parts. A refused part whose accumulator is known takes part in its group's control step
+/// on NCCL too; one with a NULL accumulator cannot tell an NCCL group (its peers wait until their
+/// communicator's timeout).
 ///
 /// An invalid argument on one rank (a NULL or wrong handle, a struct_size, a replicated array)
 /// fails that rank naming it, and the others with GRADACC_STATUS_PEER_FAILURE: the rank still

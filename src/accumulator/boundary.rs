@@ -70,7 +70,7 @@ impl Accumulator {
         replicas: Option<&dyn Communicator>,
         read: bool,
     ) -> Result<Option<SyncInfo>> {
-        let mut opened = self.open_boundary(comm, replicas)?;
+        let mut opened = self.open_boundary(comm, replicas, false, None)?;
         let info = opened.finish(read)?;
         opened.w.phase = Phase::Synced(info);
         Ok(info)
@@ -78,11 +78,16 @@ impl Accumulator {
 
     /// The boundary up to its control step: the window held, this rank's proposal agreed with
     /// the group's. Nothing has changed yet; a mesh step ([`crate::mesh`]) agrees over the whole
-    /// job between this and [`Opened::finish`].
+    /// job between this and [`Opened::finish`], and asks for the group's totals on the host
+    /// (`host_totals`) to replace them with the job's. With `refused` (the caller's own check
+    /// failed), the control step runs flagged invalid, as for any invalid call, so the group's
+    /// peers fail on every transport that can tell them, and the error is returned.
     pub(crate) fn open_boundary<'a>(
         &'a self,
         comm: Option<&'a dyn Communicator>,
         replicas: Option<&'a dyn Communicator>,
+        host_totals: bool,
+        refused: Option<Error>,
     ) -> Result<Opened<'a>> {
         // Sharded accumulation reduces over its own communicator; `None` names it too.
         if let Err(e) = self.check_bound(comm) {
@@ -101,27 +106,30 @@ impl Accumulator {
             return Err(e);
         }
         let w = self.window.write();
-        let error = w
-            .in_microbatch()
-            .then(|| Error::wrong_state("sync inside a micro-batch: call end_microbatch first"))
+        let error = refused
+            .or_else(|| {
+                w.in_microbatch().then(|| {
+                    Error::wrong_state("sync inside a micro-batch: call end_microbatch first")
+                })
+            })
             .or_else(|| self.check_shard_comm(comm).err());
         // A sync right after a sync closes a new, empty window: a rank with no micro-batch this
         // time still takes part in the boundary of the others.
         let empty_again = w.synced();
-        let proposal = self.propose(&w, empty_again, comm, replicas, error);
+        let proposal = self.propose(&w, empty_again, (comm, replicas), error, host_totals);
         let agreed = self.agree(&proposal)?;
         Ok(Opened { acc: self, w, empty_again, proposal, agreed })
     }
 
-    /// What this rank brings to the boundary from window `w` (a new, empty one when
-    /// `empty_again`), with `error` when its call is invalid.
+    /// What this rank brings to the boundary over `groups` (its group and replicas) from window
+    /// `w` (a new, empty one when `empty_again`), with `error` when its call is invalid.
     fn propose<'a>(
         &self,
         w: &State,
         empty_again: bool,
-        comm: Option<&'a dyn Communicator>,
-        replicas: Option<&'a dyn Communicator>,
+        (comm, replicas): (Option<&'a dyn Communicator>, Option<&'a dyn Communicator>),
         error: Option<Error>,
+        host_totals: bool,
     ) -> Proposal<'a> {
         let (count, microbatches, ranks) =
             if empty_again { (0, 0, 1) } else { (w.count, w.microbatches, w.rank_windows()) };
@@ -142,6 +150,7 @@ impl Accumulator {
             unlocated: !empty_again && w.unlocated(),
             nonfinite,
             error,
+            host_totals,
         }
     }
 
@@ -297,9 +306,12 @@ impl Opened<'_> {
         })
     }
 
-    /// Ends the boundary with `info`, the report every rank's step follows.
-    pub(crate) fn conclude(&mut self, info: SyncInfo) {
+    /// Ends the boundary with `info`, the report every rank's step follows: in the window, and
+    /// where a device's scaler and optimizer read it.
+    pub(crate) fn conclude(&mut self, info: SyncInfo) -> Result<()> {
+        self.acc.store.conclude(&info)?;
         self.w.phase = Phase::Synced(Some(info));
+        Ok(())
     }
 
     /// Discards the window the boundary consumed (a later step of the same boundary failed):

@@ -105,12 +105,15 @@ pub(crate) struct Proposal<'a> {
     pub nonfinite: Vec<u64>,
     /// This rank's call is invalid; the store tells the other ranks if its transport can.
     pub error: Option<Error>,
+    /// The caller reads the group's totals before the reduction and may replace them (a mesh
+    /// step's job totals): a device store agrees them on the host ([`Agreed::totals`]).
+    pub host_totals: bool,
 }
 
 impl Proposal<'_> {
     /// This rank's place in the world of the boundary's groups: at a hybrid boundary, replica
     /// group rank times the shard group's size plus the shard group rank.
-    fn world_rank(&self) -> usize {
+    pub(crate) fn world_rank(&self) -> usize {
         let rank = self.comm.map_or(0, |c| c.rank());
         match self.replicas {
             Some(r) => r.rank() * self.comm.map_or(1, |c| c.world_size()) + rank,
@@ -140,8 +143,9 @@ impl Proposal<'_> {
 
 /// What the ranks agreed on, as far as the host knows before the reduction.
 pub(crate) struct Agreed {
-    /// The global totals, when the host has them (the CPU always; a device only alone): the
-    /// accumulator then tells an empty window before anything changes.
+    /// The global totals, when the host has them (the CPU always; a device alone, or when the
+    /// proposal asks for [`Proposal::host_totals`]): the accumulator then tells an empty window
+    /// before anything changes, and a device's reduction normalises by these.
     pub totals: Option<ControlSum>,
 }
 

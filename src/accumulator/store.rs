@@ -263,6 +263,13 @@ pub(crate) trait BoundaryWork: MasterMemory {
         Err(not_here("a mesh step", &format!("on {}", self.device().name())))
     }
 
+    /// A mesh step replaced the boundary's report with the job's (`info`: its overflow, norm
+    /// and clip coefficient): a store whose boundary's result is read on the device (a scaler's
+    /// gather, an optimizer's skip) writes it there. The CPU's is the window's.
+    fn conclude(&self, _info: &SyncInfo) -> Result<()> {
+        Ok(())
+    }
+
     /// The last boundary's per-tensor stats, when the store measured them.
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {
         None

@@ -280,10 +280,11 @@ pub trait Communicator: Send + Sync + Any {
     }
 
     /// A new communicator of the same transport over the ranks of this group that pass the same
-    /// `color`, ranked by `key` (ties by rank): how a mesh's groups are made from its world
-    /// ([`crate::MeshShape::group`] gives each rank's color and key). Collective: every rank of
-    /// the group calls it, at setup (like creation, it waits as long as its transport's split).
-    /// In-process groups are made together instead ([`crate::MeshShape::local_groups`]).
+    /// `color`, ranked by `key` (ties by rank; MPI_Comm_split, ncclCommSplit): how a mesh's
+    /// groups are made from its world ([`crate::MeshShape::split`] passes each rank's color and
+    /// key). Collective: every rank of the group calls it, at setup (like creation, it waits as
+    /// long as its transport's split). In-process groups are made together instead
+    /// ([`crate::MeshShape::local_groups`]).
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let _ = (color, key);
         Err(Error::invalid(

@@ -34,7 +34,6 @@ use crate::accumulator::boundary::Opened;
 use crate::accumulator::protocol;
 use crate::accumulator::{Accumulator, OverflowAt, SyncInfo};
 use crate::comm::{Communicator, HostCollectives};
-use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
 use crate::math;
 
@@ -284,13 +283,13 @@ impl Mesh {
                 o.scale(factor)?;
             }
         }
-        opened.iter_mut().for_each(|o| o.conclude(info));
+        opened.iter_mut().try_for_each(|o| o.conclude(info))?;
         Ok(MeshInfo { info, overflow_part })
     }
 }
 
-/// This rank's own checks of its parts: at least one, each accumulator once, on the CPU, not
-/// clipping by itself, and its replicated tensors measured and named once.
+/// This rank's own checks of its parts: at least one, each accumulator once, not clipping by
+/// itself, and its replicated tensors measured and named once.
 fn check_parts(parts: &[Part<'_>]) -> Result<()> {
     if parts.is_empty() {
         return Err(Error::invalid("a mesh step needs at least one part"));
@@ -302,13 +301,6 @@ fn check_parts(parts: &[Part<'_>]) -> Result<()> {
                 "parts[{j}] and parts[{i}] are the same accumulator: each is synced once"
             )));
         }
-        Device::require_same((&format!("parts[{i}]"), acc.device()), ("a mesh step", Device::Cpu))
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::BackendUnavailable,
-                    format!("{}: a mesh step syncs CPU accumulators", e.message),
-                )
-            })?;
         let max = acc.config().max_grad_norm;
         if max != 0.0 {
             return Err(Error::invalid(format!(
@@ -358,7 +350,7 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
             refuse_groups(Some(p.accumulator), p.comm, p.replicas);
             continue;
         }
-        match p.accumulator.open_boundary(p.comm, p.replicas) {
+        match p.accumulator.open_boundary(p.comm, p.replicas, true, None) {
             Ok(o) => opened.push(o),
             Err(e) => error = Some(e),
         }
@@ -366,21 +358,20 @@ fn open<'a>(parts: &[Part<'a>], own: Option<Error>) -> (Vec<Opened<'a>>, Option<
     (opened, error)
 }
 
-/// Takes part, flagged invalid, in the control steps of a part's groups that are known: `comm`'s
-/// (else the accumulator's own, a sharded accumulation's) and the replicas'.
+/// Takes part, flagged invalid, in the control steps of a part's groups that are known: through
+/// its accumulator (its boundary's control step, as the peers run it, also on NCCL), else on
+/// `comm` and the replicas directly (a host communicator's step carries the flag).
 fn refuse_groups(
     accumulator: Option<&Accumulator>,
     comm: Option<&dyn Communicator>,
     replicas: Option<&dyn Communicator>,
 ) {
-    match (comm, accumulator) {
-        (Some(c), _) => protocol::refuse(c),
-        (None, Some(a)) => a.refuse_collective(),
-        (None, None) => {}
+    if let Some(a) = accumulator {
+        let refused = Error::invalid("this rank's mesh step was refused");
+        let _ = a.open_boundary(comm, replicas, true, Some(refused));
+        return;
     }
-    if let Some(r) = replicas {
-        protocol::refuse(r);
-    }
+    comm.into_iter().chain(replicas).for_each(protocol::refuse);
 }
 
 /// Every accumulator of a rank holds the same window: the same micro-batches, with the

@@ -1,13 +1,14 @@
 /* NCCL on the software GPU: unique ids, rendezvous with a timeout, all-reduce, reduce-scatter and
  * reduce summed in rank order (so every rank gets the same bits, and a reduce-scatter's or a
  * reduce's elements are the all-reduce's), all-gather, point-to-point send and receive, group
- * calls collected per thread, blocking and non-blocking communicators, abort that wakes every
- * waiter. Misuse is a violation, never a hang: two threads inside one communicator, ranks whose
+ * calls collected per thread, blocking and non-blocking communicators, ncclCommSplit, abort that
+ * wakes every waiter. Misuse is a violation, never a hang: two threads inside one communicator, ranks whose
  * collective sequences differ (kind, count, type, op, root), a send whose receive differs (count,
  * type) or never comes, send and receive buffers that overlap other than in place, use of an
  * aborted or destroyed communicator, a collective whose peers never come. */
 #include <chrono>
 #include <climits>
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -96,6 +97,13 @@ struct Channel {
     std::map<uint64_t, Message> messages;
 };
 
+/* One ncclCommSplit of a communicator's ranks (the n-th of each rank pairs with the n-th of the
+ * others): each rank's color and key, kept until every rank has read them. */
+struct SplitRound {
+    std::vector<std::pair<int, int>> picks;
+    int arrived = 0, left = 0;
+};
+
 struct Group {
     std::string id;
     int nranks;
@@ -106,6 +114,7 @@ struct Group {
     std::vector<std::pair<int, Signature>> sequence; /* first rank to issue each collective, and what */
     std::map<uint64_t, Collective> collectives;
     std::map<std::pair<int, int>, Channel> channels; /* (from, to) */
+    std::map<uint64_t, SplitRound> splits;
 };
 
 struct Comm {
@@ -116,6 +125,7 @@ struct Comm {
     bool aborted = false, destroyed = false;
     ncclResult_t async = ncclSuccess;
     uint64_t issued = 0;
+    uint64_t splits = 0; /* ncclCommSplit calls so far */
     uint64_t pending = 0; /* non-blocking: issued collectives the peers must reach before it is done */
     std::thread::id inside; /* the thread using it now (a call, or a group until its end) */
     std::vector<sim::Stream *> streams; /* where its collectives were enqueued */
@@ -384,11 +394,8 @@ EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     return ncclSuccess;
 }
 
-static ncclResult_t init_rank(void **out, int nranks, ncclUniqueId id, int rank, bool blocking) {
-    if (!out || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
-    sim::Context *ctx = sim::current_context();
-    if (!ctx) ctx = sim::device(0).primary; /* as the runtime's current device 0 */
-    std::string key(id.internal, strnlen(id.internal, sizeof id.internal));
+/* Joins rank `rank` of the `nranks` of group `key` on `ctx`'s device. */
+static ncclResult_t join(void **out, int nranks, const std::string &key, int rank, bool blocking, sim::Context *ctx) {
     std::unique_lock<std::mutex> lock(mutex);
     Group &g = groups[key];
     if (g.ranks.empty()) {
@@ -417,15 +424,71 @@ static ncclResult_t init_rank(void **out, int nranks, ncclUniqueId id, int rank,
     return ncclInProgress;
 }
 
+static ncclResult_t init_rank(void **out, int nranks, ncclUniqueId id, int rank, bool blocking) {
+    if (!out || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+    sim::Context *ctx = sim::current_context();
+    if (!ctx) ctx = sim::device(0).primary; /* as the runtime's current device 0 */
+    return join(out, nranks, std::string(id.internal, strnlen(id.internal, sizeof id.internal)), rank, blocking, ctx);
+}
+
+/* Whether `config` (may be null) asks for a blocking communicator; false with `bad` set for a
+ * config that is not one. */
+static bool blocking_of(const ConfigHead *config, bool *bad) {
+    *bad = config && config->magic != kConfigMagic;
+    return !config || config->blocking == INT_MIN || config->blocking != 0;
+}
+
 EXPORT ncclResult_t ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank) { return init_rank(comm, nranks, id, rank, true); }
 
 EXPORT ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId id, int rank, const ConfigHead *config) {
-    bool blocking = true;
-    if (config) {
-        if (config->magic != kConfigMagic) return ncclInvalidArgument;
-        if (config->blocking != INT_MIN) blocking = config->blocking != 0;
-    }
+    bool bad;
+    bool blocking = blocking_of(config, &bad);
+    if (bad) return ncclInvalidArgument;
     return init_rank(comm, nranks, id, rank, blocking);
+}
+
+/* NCCL_SPLIT_NOCOLOR: the rank joins no new communicator. */
+constexpr int kSplitNoColor = -1;
+
+/* Collective over `handle`'s ranks, each with its color and key: the ranks of one color form a new
+ * group, ranked by key, then by their rank in the parent, on the parent's devices. Waits (host)
+ * for every rank's color; the new group's rendezvous is blocking or not as `config` says. */
+EXPORT ncclResult_t ncclCommSplit(void *handle, int color, int key, void **newcomm, const ConfigHead *config) {
+    bool bad;
+    bool blocking = blocking_of(config, &bad);
+    if (!handle || !newcomm || bad || (color < 0 && color != kSplitNoColor)) return ncclInvalidArgument;
+    Comm *c = as_comm(handle);
+    std::unique_lock<std::mutex> lock(mutex);
+    enter(c, "ncclCommSplit");
+    Group &g = *c->group;
+    uint64_t round = c->splits++;
+    SplitRound &s = g.splits[round];
+    if (s.picks.empty()) s.picks.assign(g.nranks, {kSplitNoColor, 0});
+    s.picks[c->rank] = {color, key};
+    s.arrived++;
+    changed.notify_all();
+    *newcomm = nullptr;
+    std::vector<std::pair<int, int>> members; /* (key, parent rank) of this color */
+    if (color != kSplitNoColor) {
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(sim::config().timeout_s);
+        if (!changed.wait_until(lock, deadline, [&] { return s.arrived == g.nranks || c->aborted || g.peer_aborted; }))
+            sim::violation("ncclCommSplit #%llu of rank %d waited %u s for its peers: a hang", (unsigned long long)round, c->rank, sim::config().timeout_s);
+        if (c->aborted || g.peer_aborted) {
+            leave(c);
+            return ncclRemoteError;
+        }
+        for (int r = 0; r < g.nranks; ++r)
+            if (s.picks[r].first == color) members.push_back({s.picks[r].second, r});
+        std::sort(members.begin(), members.end());
+    }
+    std::string id = g.id + "/" + std::to_string(round) + "/" + std::to_string(color);
+    if (++s.left == g.nranks) g.splits.erase(round);
+    leave(c);
+    if (color == kSplitNoColor) return ncclSuccess;
+    int rank = int(std::find(members.begin(), members.end(), std::make_pair(key, c->rank)) - members.begin());
+    sim::Context *ctx = c->ctx;
+    lock.unlock();
+    return join(newcomm, int(members.size()), id, rank, blocking, ctx);
 }
 
 EXPORT ncclResult_t ncclCommGetAsyncError(void *handle, ncclResult_t *error) {

@@ -479,7 +479,7 @@ gradacc_comm_adopt_nccl.restype = gradacc_status_t
 gradacc_comm_adopt_nccl.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]
 # arguments: nccl_comm, out_comm
 
-# Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator.
+# Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator, ncclCommSplit for an NCCL one (NCCL 2.18 or newer; before, GRADACC_STATUS_BACKEND_UNAVAILABLE).
 gradacc_comm_split = dll.gradacc_comm_split
 gradacc_comm_split.restype = gradacc_status_t
 gradacc_comm_split.argtypes = [ctypes.POINTER(gradacc_comm_t), ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.POINTER(gradacc_comm_t))]

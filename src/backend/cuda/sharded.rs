@@ -39,7 +39,7 @@ use super::driver::{launch_args, CUdeviceptr, CUstream, Context, DeviceBuffer, E
 use super::layout::{GaChunk, GaScalerState, GaSource, GaSources, GaTensor, SOURCES_PER_LAUNCH};
 use super::store::overflow::once;
 use super::store::{
-    alone, nccl, norm_and_clip, pack_control, reduce_control, reduce_to_owners,
+    agreed_totals, nccl, norm_and_clip, pack_control, reduce_control, reduce_to_owners,
     wait_for_collectives, DeviceStore, NormSpan, Tables, CHUNK,
 };
 use crate::accumulator::protocol::Step;
@@ -647,11 +647,16 @@ impl Sharded<'_> {
         }
     }
 
-    /// The boundary's device work: the control words summed over the group, then normalise and
-    /// measure the shard, gather every shard's block sums, and clip the shard.
-    pub(super) fn enqueue_boundary(&self, p: &Proposal<'_>) -> Result<()> {
+    /// The boundary's device work: the control words (the agreed `totals`' counts where the host
+    /// knows them) summed over the group, then normalise and measure the shard, gather every
+    /// shard's block sums, and clip the shard.
+    pub(super) fn enqueue_boundary(
+        &self,
+        p: &Proposal<'_>,
+        totals: Option<&ControlSum>,
+    ) -> Result<()> {
         let partials = self.store.partials.ptr();
-        pack_control(self.store, p)?;
+        pack_control(self.store, p, totals)?;
         let comm = p.comm.map(nccl).transpose()?;
         if let Some(c) = comm {
             reduce_control(self.store, c, self.store.stream)?;
@@ -833,7 +838,8 @@ impl Sharded<'_> {
         self.mem.shard.zero_f32(part.start, part.len())
     }
 
-    /// The counts stay on the device, where the boundary sums them; alone, the host knows them.
+    /// The counts stay on the device, where the boundary sums them; alone (or asked for them),
+    /// the host knows them.
     pub(super) fn agree(&self, p: &Proposal<'_>) -> Result<Agreed> {
         let (comm, replicas) = (p.comm.map(nccl).transpose()?, p.replicas.map(nccl).transpose()?);
         match (comm, replicas) {
@@ -841,7 +847,7 @@ impl Sharded<'_> {
             (Some(c), None) => self.verify_layout(c, Step::Boundary, p.error.as_ref())?,
             (None, None) => p.error.clone().map_or(Ok(()), Err)?,
         }
-        Ok(Agreed { totals: alone(p, comm, replicas) })
+        Ok(Agreed { totals: agreed_totals(self.store, p, comm, replicas)? })
     }
 
     pub(super) fn master_address(&self, offset: usize) -> *mut f32 {

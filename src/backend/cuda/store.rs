@@ -52,8 +52,8 @@ pub(super) mod overflow;
 
 pub(super) use boundary::{norm_and_clip, NormSpan};
 pub(super) use control::{
-    alone, nccl, pack_control, read_info, reduce_control, reduce_to_owners, wait_for_collectives,
-    wait_for_groups, Claims, Schedule,
+    agreed_totals, nccl, pack_control, read_info, reduce_control, reduce_to_owners,
+    wait_for_collectives, wait_for_groups, Claims, Schedule,
 };
 
 use overflow::Stats;
@@ -764,7 +764,7 @@ impl BoundaryWork for DeviceStore {
         &self,
         _master: &mut MasterWrite,
         p: &Proposal<'_>,
-        _agreed: &Agreed,
+        agreed: &Agreed,
         read: bool,
     ) -> Result<Option<SyncInfo>> {
         {
@@ -772,8 +772,8 @@ impl BoundaryWork for DeviceStore {
             let mut reads = self.boundary_reads();
             reads.before_write()?;
             let result = match &self.memory {
-                Memory::Whole(w) => self.enqueue_boundary(w, p),
-                Memory::Shard(s) => s.with(self).enqueue_boundary(p),
+                Memory::Whole(w) => self.enqueue_boundary(w, p, agreed.totals.as_ref()),
+                Memory::Shard(s) => s.with(self).enqueue_boundary(p, agreed.totals.as_ref()),
             }
             .and_then(|()| self.share_counts(p));
             // Recorded even after a failure: part of the boundary may be enqueued.
@@ -797,6 +797,64 @@ impl BoundaryWork for DeviceStore {
             }
             None => Err(Error::new(ErrorKind::EmptyWindow, "sync on an empty window: no rank added a micro-batch, or the global item count is 0")),
         }
+    }
+
+    /// The clipping pass of the boundary (`ga_scale_by`, one f32 product per element as
+    /// `simd::scale`), with the job's factor in the boundary's second factor.
+    fn scale_result(&self, _master: &mut MasterWrite, factor: f32) -> Result<()> {
+        let own = self.plan.shard();
+        let mut reads = self.boundary_reads();
+        reads.before_write()?;
+        let result =
+            self.boundary.write_at(std::mem::offset_of!(GaBoundary, second_factor), &[factor]);
+        let result = result.and_then(|()| {
+            if own.is_empty() {
+                return Ok(());
+            }
+            let (data, n, boundary) = (
+                self.master_address(own.start) as CUdeviceptr,
+                own.len() as u64,
+                self.boundary.ptr(),
+            );
+            let mut args = launch_args!(data, n, boundary);
+            // SAFETY: ga_scale_by takes the `n` elements of this rank's result at `data` (its
+            // held range of the master) and the boundary's ga_boundary, live buffers of the
+            // store's context.
+            unsafe {
+                self.kernels.scale_by.launch_over(
+                    &self.ctx,
+                    self.stream,
+                    n.div_ceil(THREADS as u64),
+                    &mut args,
+                )
+            }
+        });
+        reads.after_write()?;
+        result
+    }
+
+    /// The job's overflow, counts, norm and coefficient written over the group's in the
+    /// boundary (a host read and write on the stream), so a CUDA scaler's gather and an
+    /// optimizer's skip follow the job.
+    fn conclude(&self, info: &SyncInfo) -> Result<()> {
+        let mut reads = self.boundary_reads();
+        reads.before_write()?;
+        let mut b = [GaBoundary::default()];
+        let result = self.boundary.read(&mut b).and_then(|()| {
+            let b = GaBoundary {
+                count: info.total_count,
+                microbatches: info.microbatches,
+                found_inf: info.found_inf as u64,
+                dropped: info.dropped_microbatches,
+                grad_norm: info.grad_norm,
+                clip_coef: info.clip_coef,
+                empty: 0,
+                ..b[0]
+            };
+            self.boundary.write(&[b])
+        });
+        reads.after_write()?;
+        result
     }
 
     fn tensor_stats(&self) -> Option<Vec<TensorStats>> {

@@ -569,7 +569,7 @@ function gradacc_comm_adopt_nccl(nccl_comm, out_comm)
     end
 end
 
-"Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator."
+"Creates this rank's communicator of a split of `comm`: the ranks that pass the same `color` form a group, ranked by `key` (ties by their rank in `comm`), on the same transport with the same options: MPI_Comm_split for an MPI communicator, ncclCommSplit for an NCCL one (NCCL 2.18 or newer; before, GRADACC_STATUS_BACKEND_UNAVAILABLE)."
 function gradacc_comm_split(comm, color, key, out_comm)
     # blocks: GC-safe call
     fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_comm_split)

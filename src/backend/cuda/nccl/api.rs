@@ -47,6 +47,10 @@ pub(super) struct Api {
     pub comm_user_rank: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
     pub comm_count: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
     pub comm_cu_device: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
+    /// Since NCCL 2.18: absent before, where only a split fails.
+    pub comm_split: Option<
+        unsafe extern "C" fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> c_int,
+    >,
     pub all_reduce: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -147,6 +151,8 @@ fn resolve(opened: Opened) -> std::result::Result<Api, String> {
         comm_user_rank: resolve!("ncclCommUserRank"),
         comm_count: resolve!("ncclCommCount"),
         comm_cu_device: resolve!("ncclCommCuDevice"),
+        // SAFETY: ncclCommSplit's prototype in nccl.h, with ncclResult_t as c_int.
+        comm_split: unsafe { opened.symbol("ncclCommSplit") }.ok(),
         all_reduce: resolve!("ncclAllReduce"),
         reduce_scatter: resolve!("ncclReduceScatter"),
         all_gather: resolve!("ncclAllGather"),

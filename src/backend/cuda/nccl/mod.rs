@@ -277,6 +277,76 @@ impl NcclComm {
         })
     }
 
+    /// Splits this communicator (ncclCommSplit): every rank of it calls, with its `color` (None:
+    /// it joins no new group) and `key`; the ranks of one color form a new group, ranked by key,
+    /// then by their rank here, each on its device. A framework's mesh groups, colored by
+    /// [`MeshShape::color`](crate::MeshShape::color) with the rank as the key. Collective on this
+    /// communicator; the new one is non-blocking and waits as long as this one does. Needs
+    /// NCCL 2.18 or newer (BACKEND_UNAVAILABLE before).
+    pub fn split(&self, color: Option<usize>, key: usize) -> Result<Option<NcclComm>> {
+        let split = self.api.comm_split.ok_or_else(|| {
+            Error::new(
+                ErrorKind::BackendUnavailable,
+                format!("NCCL {} has no ncclCommSplit (2.18 or newer has)", self.api.version),
+            )
+        })?;
+        let too_big = |what: &str, v: usize| {
+            Error::invalid(format!("`{what}` = {v} is not below 2^31 (an NCCL int)"))
+        };
+        let color = match color {
+            None => -1, // NCCL_SPLIT_NOCOLOR
+            Some(c) => c_int::try_from(c).map_err(|_| too_big("color", c))?,
+        };
+        let key = c_int::try_from(key).map_err(|_| too_big("key", key))?;
+        let _serial = lock(&self.serial);
+        let mut comm = std::ptr::null_mut();
+        let mut config = nonblocking_config();
+        let api = self.api;
+        // SAFETY: a live communicator (`call`); valid out-pointer and config.
+        let code =
+            self.call(|parent| unsafe { split(parent, color, key, &mut comm, &mut config) })?;
+        if code != SUCCESS && code != IN_PROGRESS {
+            return Err(self.error(code, "ncclCommSplit"));
+        }
+        if comm.is_null() {
+            return match color {
+                -1 => Ok(None),
+                _ => Err(Error::new(
+                    ErrorKind::CommFailure,
+                    "ncclCommSplit returned no communicator",
+                )),
+            };
+        }
+        let mut c = NcclComm {
+            comm,
+            api,
+            ctx: self.ctx.clone(),
+            rank: 0,
+            world_size: 0,
+            owned: true,
+            serial: Mutex::new(()),
+            group_thread: AtomicU64::new(0),
+            call: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            timeout_ms: AtomicU64::new(self.timeout_ms.load(Ordering::Relaxed)),
+            _membership: None,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        // On failure `c` drops here and, being failed, is aborted.
+        c.finish(code, "ncclCommSplit")?;
+        let (mut rank, mut count) = (0, 0);
+        c.call(|comm| {
+            // SAFETY: a live communicator, created above; valid out-pointers.
+            unsafe {
+                check(api, (api.comm_user_rank)(comm, &mut rank), "ncclCommUserRank", comm)?;
+                check(api, (api.comm_count)(comm, &mut count), "ncclCommCount", comm)
+            }
+        })??;
+        (c.rank, c.world_size) = (rank as usize, count as usize);
+        Ok(Some(c))
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -402,6 +472,16 @@ impl Communicator for NcclComm {
         let ms = timeout.map_or(u64::MAX, |t| t.as_millis().clamp(1, u64::MAX as u128 - 1) as u64);
         self.timeout_ms.store(ms, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// [`NcclComm::split`] with a color: every rank of a mesh's world is in a group of each kind.
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        match NcclComm::split(self, Some(color), key)? {
+            Some(comm) => Ok(Arc::new(comm)),
+            None => {
+                Err(Error::new(ErrorKind::Internal, "ncclCommSplit with a color made no group"))
+            }
+        }
     }
 }
 

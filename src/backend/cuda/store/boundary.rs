@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::{
-    alone, nccl, pack_control, reduce_control, reduce_to_owners, DeviceStore, Split, Whole,
+    agreed_totals, nccl, pack_control, reduce_control, reduce_to_owners, DeviceStore, Split, Whole,
     NORM_BLOCKS_PER_CTA,
 };
 use crate::accumulator::protocol::Step;
@@ -14,6 +14,7 @@ use crate::accumulator::{Agreed, Plan, Proposal, Sharding};
 use crate::backend::cuda::driver::{launch_args, CUdeviceptr, CUstream, Context, THREADS};
 use crate::backend::cuda::kernels::Kernels;
 use crate::backend::cuda::nccl::NcclComm;
+use crate::comm::ControlSum;
 use crate::error::{Error, Result};
 use crate::math::NORM_BLOCK;
 
@@ -86,14 +87,19 @@ pub(in crate::backend::cuda) unsafe fn norm_and_clip(
 }
 
 impl DeviceStore {
-    /// The boundary's device work: the control words and the buckets not reduced early, then
-    /// normalise, norm and clip.
-    pub(super) fn enqueue_boundary(&self, w: &Whole, p: &Proposal<'_>) -> Result<()> {
+    /// The boundary's device work: the control words (the agreed `totals`' counts where the host
+    /// knows them) and the buckets not reduced early, then normalise, norm and clip.
+    pub(super) fn enqueue_boundary(
+        &self,
+        w: &Whole,
+        p: &Proposal<'_>,
+        totals: Option<&ControlSum>,
+    ) -> Result<()> {
         let overlap = w.overlap().take();
         if overlap.is_some() {
             self.join_comm_stream()?;
         }
-        pack_control(self, p)?;
+        pack_control(self, p, totals)?;
         // Also at world size 1: NCCL then copies in place, and the path is the one every rank
         // takes.
         let comm = p.comm.map(nccl).transpose()?;
@@ -310,6 +316,8 @@ impl DeviceStore {
                     Some(r) => self.verify_grid(w, c, r, Some(e)),
                     None => self.verify_layout(c),
                 };
+            } else if p.host_totals {
+                self.refuse_control(w, p, e);
             }
             return Err(e.clone());
         }
@@ -335,6 +343,27 @@ impl DeviceStore {
             (Some(c), None) => self.verify_layout(c)?,
             _ => {}
         }
-        Ok(Agreed { totals: alone(p, comm, replicas) })
+        Ok(Agreed { totals: agreed_totals(self, p, comm, replicas)? })
+    }
+
+    /// A rank whose call is invalid in a step whose peers sum the control words on the host (a
+    /// mesh step) takes part: in the layout check with its error when its groups are new (the
+    /// peers fail there), else in the control words' sum (the mesh's world agreement then fails
+    /// them, naming this rank). Its window is intact either way.
+    fn refuse_control(&self, w: &Whole, p: &Proposal<'_>, e: &Error) {
+        let (Ok(comm), Ok(replicas)) =
+            (p.comm.map(nccl).transpose(), p.replicas.map(nccl).transpose())
+        else {
+            return;
+        };
+        let shard = w.split.as_ref().map_or(0, |s| s.rank);
+        let checked = match (comm, replicas) {
+            (c, Some(r)) => self.check_grid_once(c, r, shard, Some(e)),
+            (Some(c), None) => self.check_layout_once(c, Step::Boundary, Some(e)),
+            (None, None) => Ok(false),
+        };
+        if matches!(checked, Ok(false)) {
+            let _ = agreed_totals(self, p, comm, replicas);
+        }
     }
 }

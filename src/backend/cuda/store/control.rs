@@ -30,22 +30,63 @@ pub(in crate::backend::cuda) fn nccl(comm: &dyn Communicator) -> Result<&NcclCom
     })
 }
 
-/// The totals of a boundary whose group is this rank alone: the host knows them (and tells an
-/// empty window before anything is enqueued); `None` when they are summed on the device. A
+/// The totals the host knows after the control step, `None` when they are summed on the device
+/// with the buckets: a boundary whose group is this rank alone knows its own (and tells an empty
+/// window before anything is enqueued); one whose caller asks for them ([`Proposal::host_totals`],
+/// a mesh step) sums the control words over its groups and reads them back (a host wait). A
 /// hybrid boundary's group is the grid.
-pub(in crate::backend::cuda) fn alone(
+pub(in crate::backend::cuda) fn agreed_totals(
+    store: &DeviceStore,
     p: &Proposal<'_>,
     comm: Option<&NcclComm>,
     replicas: Option<&NcclComm>,
-) -> Option<ControlSum> {
+) -> Result<Option<ControlSum>> {
+    if p.host_totals {
+        return control_to_host(store, p, comm, replicas).map(Some);
+    }
     let world = comm.map_or(1, |c| c.world_size()) * replicas.map_or(1, |r| r.world_size());
     // A window whose every micro-batch was dropped is not empty: the device's boundary reports it
     // (and the scaler gathers it from there).
     let all_dropped = p.microbatches == 0 && p.dropped != 0;
-    (world == 1 && !all_dropped).then(|| ControlSum {
+    Ok((world == 1 && !all_dropped).then(|| ControlSum {
         count: p.count,
         microbatches: p.microbatches,
         ranks: p.ranks,
+        dropped: p.dropped,
+        ..Default::default()
+    }))
+}
+
+/// The control words summed over `comm`, then `replicas`, in the boundary, read on the host.
+/// Nothing else is reduced: the window stays intact, and the reduction packs the words again.
+fn control_to_host(
+    store: &DeviceStore,
+    p: &Proposal<'_>,
+    comm: Option<&NcclComm>,
+    replicas: Option<&NcclComm>,
+) -> Result<ControlSum> {
+    let groups: Vec<&NcclComm> = comm.iter().chain(&replicas).copied().collect();
+    {
+        // The boundary is rewritten: after the scalers' gathers of the last one.
+        let mut reads = store.boundary_reads();
+        reads.before_write()?;
+        let result = pack_control(store, p, None)
+            .and_then(|()| groups.iter().try_for_each(|c| reduce_control(store, c, store.stream)));
+        reads.after_write()?;
+        result?;
+    }
+    wait_for_groups(&store.ctx, store.stream, &groups)?;
+    let mut b = [GaBoundary::default()];
+    store.boundary.read(&mut b)?;
+    groups.iter().try_for_each(|c| c.health())?;
+    let b = b[0];
+    Ok(ControlSum {
+        count: b.count,
+        microbatches: b.microbatches,
+        found_inf: b.found_inf != 0,
+        ranks: b.ranks,
+        dropped: b.dropped,
+        first_bad: !b.first_bad,
         ..Default::default()
     })
 }
@@ -72,11 +113,21 @@ pub(in crate::backend::cuda) fn read_info(boundary: &DeviceBuffer) -> Result<Opt
 /// Enqueues this rank's control words into `store`'s boundary. The place is the host's under
 /// DROP_MICROBATCH; under SKIP_STEP the flag stays on the device, and a window that went
 /// non-finite is reported unlocated. Under DROP_MICROBATCH a flag the host cannot place is
-/// reported as [`Proposal::unlocated_if_flagged`] says, as on the CPU.
-pub(in crate::backend::cuda) fn pack_control(store: &DeviceStore, p: &Proposal<'_>) -> Result<()> {
+/// reported as [`Proposal::unlocated_if_flagged`] says, as on the CPU. With the agreed `totals`
+/// (the host knows them), the counts are those: the first rank of the groups brings them and
+/// the others zeros, so the control reduction ends with them on every rank.
+pub(in crate::backend::cuda) fn pack_control(
+    store: &DeviceStore,
+    p: &Proposal<'_>,
+    totals: Option<&ControlSum>,
+) -> Result<()> {
     let boundary = store.boundary.ptr();
-    let (count, microbatches, found_inf, ranks, dropped) =
-        (p.count, p.microbatches, store.found_inf.ptr(), p.ranks, p.dropped);
+    let (count, microbatches, ranks, dropped) = match totals {
+        None => (p.count, p.microbatches, p.ranks, p.dropped),
+        Some(t) if p.world_rank() == 0 => (t.count, t.microbatches, t.ranks, t.dropped),
+        Some(_) => (0, 0, 0, 0),
+    };
+    let found_inf = store.found_inf.ptr();
     let first_bad = match store.plan.config.overflow {
         Overflow::DropMicrobatch => p.first_bad(false),
         Overflow::SkipStep => OverflowKey::UNLOCATED,
