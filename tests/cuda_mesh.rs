@@ -159,6 +159,32 @@ fn groups_split_from_an_nccl_world_run_the_mesh() {
     });
 }
 
+/// `MeshShape::split` of an NCCL world (the `Communicator::split` every transport answers, and
+/// `gradacc_mesh_shape_split`'s path): dp 2 x tp 2 in Megatron-Core's order, each rank's data
+/// group and tensor-parallel group of the right ranks and sizes.
+#[test]
+fn a_shape_splits_an_nccl_world() {
+    on_devices("a_shape_splits_an_nccl_world", |_| {
+        let shape = MeshShape::new(4, 2, 1, 1, 1, 1).unwrap();
+        let id = nccl::unique_id().unwrap();
+        std::thread::scope(|scope| {
+            for rank in 0..4 {
+                let (shape, id) = (&shape, &id);
+                scope.spawn(move || {
+                    let _device = rank_device(rank);
+                    let world = nccl_comm(id, rank, 4, rank);
+                    let data =
+                        shape.split(&world, &[gradacc::Axis::Cp, gradacc::Axis::Dp]).unwrap();
+                    let tp = shape.split(&world, &[gradacc::Axis::Tp]).unwrap();
+                    assert_eq!((data.rank(), data.world_size()), (rank / 2, 2), "rank {rank}");
+                    assert_eq!((tp.rank(), tp.world_size()), (rank % 2, 2), "rank {rank}");
+                    assert!(matches!(data.device(), Device::Cuda { .. }), "rank {rank}");
+                });
+            }
+        });
+    });
+}
+
 #[test]
 fn an_inf_on_one_cuda_rank_skips_the_step_everywhere() {
     on_devices("an_inf_on_one_cuda_rank_skips_the_step_everywhere", |test| {
