@@ -45,6 +45,13 @@ pub(crate) fn key(seed: u64, step: u64) -> u64 {
     mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)))
 }
 
+/// The key of one step's draws for the moments in bf16 (`slot` 1: the first moment, 2: the
+/// second), apart from the weights' draws of the same seed and from each other.
+#[inline]
+pub(crate) fn moment_key(seed: u64, step: u64, slot: u64) -> u64 {
+    key(mix(seed ^ slot.wrapping_mul(0xd6e8_feb8_6659_fd93)), step)
+}
+
 /// How far apart consecutive elements' counters are.
 const STRIDE: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -113,7 +120,7 @@ fn by_neighbours(x: f32, dtype: Dtype, r: u32) -> u16 {
 /// [`stochastic`] for bf16 in integers (a test holds it to [`by_neighbours`]): the neighbours are the upper half of `x`'s bits and the
 /// next, and p · 2^32 is the lower half shifted up (both in units of `x`'s f32 spacing).
 #[inline(always)]
-fn stochastic_bf16(x: f32, r: u32) -> u16 {
+pub(crate) fn stochastic_bf16(x: f32, r: u32) -> u16 {
     let bits = x.to_bits();
     let down = (bits >> 16) as u16;
     // Infinities and NaN, and the largest finite magnitude, whose upper neighbour is infinite.
