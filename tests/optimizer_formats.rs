@@ -693,3 +693,43 @@ fn state_saved_by_version_1_still_loads() {
         assert_eq!(old.save().unwrap(), new.save().unwrap(), "{format:?}");
     }
 }
+
+/// Ranks whose state formats differ fail a sharded step together (SIZE_MISMATCH), changing
+/// nothing, instead of stepping their shards by different rules.
+#[test]
+fn ranks_whose_formats_differ_fail_together() {
+    let mut rng = Rng::fresh("ranks_whose_formats_differ_fail_together");
+    let tensors = layout(&mut rng, false);
+    let initial = model(&mut rng, &tensors);
+    let g = gradient(&mut rng, &tensors, false);
+    let comms = LocalComm::group(2).unwrap();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (tensors, initial, g) = (&tensors, &initial, &g);
+                s.spawn(move || {
+                    let cfg = AccumulatorConfig {
+                        sharding: Sharding::ReduceScatter { shards: 2, rank },
+                        ..Default::default()
+                    };
+                    let acc = Accumulator::new(cfg, tensors).unwrap();
+                    let format = if rank == 0 { StateFormat::default() } else { bf16_moments(1) };
+                    let mut w = initial.clone();
+                    let opt = make(&acc, OptimizerConfig::default(), format, &w);
+                    add(&acc, &fixed_scaler(), tensors, g);
+                    acc.sync(Some(&comm)).unwrap();
+                    let before = opt.save().unwrap();
+                    let e = opt.step(&acc, &mut muts_of(&mut w), Some(&comm)).unwrap_err();
+                    (e.kind, opt.save().unwrap() == before && &w == initial)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (kind, unchanged)) in results.into_iter().enumerate() {
+        assert_eq!(kind, ErrorKind::SizeMismatch, "rank {rank}");
+        assert!(unchanged, "rank {rank} changed");
+    }
+}
