@@ -1,7 +1,8 @@
 //! The optimizer's smaller state formats on CUDA accumulators (bf16 moments rounded
 //! stochastically, masters as the bf16 weight plus a remainder): AdamW and SGD, with both
 //! roundings where the format allows, bitwise equal to the CPU optimizer step after step (a
-//! skipped step included), and saved state moving between the devices.
+//! skipped step included), saved state moving between the devices, and sharded steps at two
+//! ranks (ZeRO-1 and ZeRO-2 over NCCL) writing the unsharded run's weights bit for bit.
 //!
 //! Skips without a GPU; the software GPU (scripts/sim-gpu-check) and `scripts/gpu-check` run it.
 
@@ -9,13 +10,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::cuda::gpu_or_skip;
+use common::cuda::{enough_devices, gpu_or_skip, nccl_or_skip};
 use common::{to_bf16, to_f16, Rng};
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
+use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Algorithm, Device, Dtype, Grad, GradMut, MasterFormat,
-    MomentFormat, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, StateFormat,
-    TensorDesc,
+    Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, Grad, GradMut,
+    MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig,
+    Sharding, StateFormat, TensorDesc,
 };
 
 /// A model's weights of one tensor on the host, as bits of its dtype.
@@ -288,5 +290,143 @@ fn cuda_formats_match_the_cpu_optimizer_bitwise() {
                 assert_eq!(fresh.steps(), 5, "{what}: loaded step count");
             }
         }
+    }
+}
+
+/// Gradients whose every sum is exact (small multiples of 2^-10, added with count 2 and divided
+/// by a power of two), so that any reduction order gives the same reduced gradient.
+fn exact_gradient(rng: &mut Rng, descs: &[TensorDesc]) -> Gradient {
+    let f32s: Vec<Vec<f32>> = descs
+        .iter()
+        .map(|d| (0..d.numel).map(|_| (rng.range(0, 128) as f32 - 64.0) / 1024.0).collect())
+        .collect();
+    let u16s = descs
+        .iter()
+        .zip(&f32s)
+        .map(|(d, v)| match d.dtype {
+            Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
+            Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
+            Dtype::F32 => vec![],
+        })
+        .collect();
+    Gradient { f32s, u16s }
+}
+
+/// One rank of two: an all-reduce optimizer and a sharded one (`accumulate`: ZeRO-2, else
+/// ZeRO-1) in `format` over the same windows of exact sums; after each step (the third
+/// overflowing) the sharded one's all-gathered weights are the all-reduce one's bit for bit.
+fn sharded_rank(ids: [[u8; nccl::UNIQUE_ID_BYTES]; 2], rank: usize, accumulate: bool, seed: u64) {
+    let world = 2;
+    let ctx = Context::get(rank as i32).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    let device = Device::Cuda { ordinal: rank as i32, stream: stream.stream.cast() };
+    let plain_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&ids[0], rank, world, rank as i32).unwrap());
+    let shard_comm: Arc<dyn Communicator> =
+        Arc::new(NcclComm::new(&ids[1], rank, world, rank as i32).unwrap());
+    let mut rng = Rng::seeded(seed);
+    let descs: Vec<TensorDesc> = [(Dtype::F16, 5000), (Dtype::F32, 3), (Dtype::Bf16, 12289)]
+        .into_iter()
+        .map(|(dtype, numel)| TensorDesc { numel, dtype })
+        .collect();
+    let numel: Vec<usize> = descs.iter().map(|d| d.numel).collect();
+    let sharding = if accumulate {
+        Sharding::Accumulate { shards: world, rank }
+    } else {
+        Sharding::ReduceScatter { shards: world, rank }
+    };
+    let config = AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() };
+    let plain = Accumulator::builder(&descs).device(device).config(config).build().unwrap();
+    let mut builder = Accumulator::builder(&descs)
+        .device(device)
+        .config(AccumulatorConfig { sharding, ..config });
+    if accumulate {
+        builder = builder.communicator(shard_comm.clone());
+    }
+    let sharded = builder.build().unwrap();
+    let formats = [
+        StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::Bf16 { seed } },
+        StateFormat { masters: MasterFormat::F32, moments: MomentFormat::Bf16 { seed: 3 } },
+    ];
+    for (k, format) in formats.into_iter().enumerate() {
+        let weight_dtypes =
+            if k == 0 { [Dtype::Bf16; 3] } else { [Dtype::F16, Dtype::F32, Dtype::Bf16] };
+        let host: Vec<HostWeights> = weight_dtypes
+            .iter()
+            .zip(&numel)
+            .map(|(&d, &n)| HostWeights::random(&mut rng, d, n))
+            .collect();
+        let (wp, ws) = (
+            DeviceWeights::upload(&ctx, stream.stream, &host),
+            DeviceWeights::upload(&ctx, stream.stream, &host),
+        );
+        let rounding = if k == 0 { Rounding::NearestEven } else { Rounding::Stochastic { seed } };
+        let oc = OptimizerConfig { algorithm: Algorithm::adamw(), lr: 1e-2, rounding };
+        let make = |acc: &Accumulator, w: &DeviceWeights| {
+            Optimizer::builder(acc)
+                .config(oc)
+                .state(format)
+                .device_weights(&w.ptrs, &weight_dtypes)
+                .build()
+                .unwrap()
+        };
+        let (op, os) = (make(&plain, &wp), make(&sharded, &ws));
+        let scaler = fixed_scaler(device);
+        for step in 0..4 {
+            let what = format!("rank {rank} {sharding:?} {format:?} step {step}");
+            for m in 0..2 {
+                // Every rank draws every rank's gradients and adds its own.
+                let mut own = None;
+                for q in 0..world {
+                    let mut g = exact_gradient(&mut rng, &descs);
+                    if step == 2 && m == 1 && q == world - 1 {
+                        g.f32s[1][0] = f32::INFINITY;
+                    }
+                    if q == rank {
+                        own = Some(g);
+                    }
+                }
+                let up = own.unwrap().upload(&ctx, stream.stream, &descs);
+                let ptrs: Vec<u64> = up.iter().map(DeviceBuffer::ptr).collect();
+                plain.add(&scaler, &ptrs, 2).unwrap();
+                sharded.add(&scaler, &ptrs, 2).unwrap();
+            }
+            plain.sync(Some(&*plain_comm)).unwrap();
+            let sharded_comm = if accumulate { None } else { Some(&*shard_comm) };
+            sharded.sync(sharded_comm).unwrap();
+            assert_eq!(op.step_device(&plain, &wp.ptrs, None).unwrap(), Some(step != 2), "{what}");
+            let stepped = os.step_device(&sharded, &ws.ptrs, sharded_comm).unwrap();
+            assert_eq!(stepped, Some(step != 2), "{what}");
+            let (a, b) = (wp.bits(&weight_dtypes, &numel), ws.bits(&weight_dtypes, &numel));
+            assert_eq!(a, b, "{what}: weights");
+            assert_eq!(os.steps(), op.steps(), "{what}");
+        }
+    }
+}
+
+/// ZeRO-1 and ZeRO-2 at two ranks over NCCL, in the smaller formats.
+#[test]
+fn sharded_formats_write_the_unsharded_weights() {
+    if !gpu_or_skip() || !nccl_or_skip() {
+        return;
+    }
+    let mut count = 0;
+    // SAFETY: the driver loads (gpu_or_skip); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    if !enough_devices(2, count) {
+        return;
+    }
+    let mut rng = Rng::fresh("sharded_formats_write_the_unsharded_weights");
+    for accumulate in [false, true] {
+        let ids = [nccl::unique_id().unwrap(), nccl::unique_id().unwrap()];
+        let seed = rng.range(0, u64::MAX >> 1);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| s.spawn(move || sharded_rank(ids, rank, accumulate, seed)))
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        });
     }
 }
