@@ -733,3 +733,37 @@ fn ranks_whose_formats_differ_fail_together() {
         assert!(unchanged, "rank {rank} changed");
     }
 }
+
+/// Every instruction-set path and thread count steps every format to the same bits: one tensor
+/// large enough to split over 3 threads, 3 steps, the weights and saved state compared.
+#[test]
+fn every_path_and_thread_count_steps_the_same_bits() {
+    use gradacc::simd::{self, Isa};
+    let mut rng = Rng::fresh("every_path_and_thread_count_steps_the_same_bits");
+    let n = 3 * gradacc::simd::MIN_ELEMENTS_PER_THREAD + 17;
+    let tensors =
+        [TensorDesc { numel: n, dtype: Dtype::Bf16 }, TensorDesc { numel: 5, dtype: Dtype::Bf16 }];
+    let initial = model(&mut rng, &tensors);
+    let data: Vec<_> = (0..3).map(|_| gradient(&mut rng, &tensors, false)).collect();
+    for format in [remainders(), bf16_moments(rng.next_u64()), both(rng.next_u64())] {
+        let run = |isa: Isa, threads: usize| {
+            simd::with_isa(isa, || {
+                let cfg = AccumulatorConfig { threads, ..Default::default() };
+                let acc = Accumulator::new(cfg, &tensors).unwrap();
+                let scaler = fixed_scaler();
+                let mut w = initial.clone();
+                let opt = make(&acc, OptimizerConfig::default(), format, &w);
+                for g in &data {
+                    add(&acc, &scaler, &tensors, g);
+                    acc.sync(None).unwrap();
+                    opt.step(&acc, &mut muts_of(&mut w), None).unwrap();
+                }
+                (w, opt.save().unwrap())
+            })
+        };
+        let want = run(Isa::Scalar, 1);
+        for (isa, threads) in [(simd::active_isa(), 1), (simd::active_isa(), 3), (Isa::Avx2, 2)] {
+            assert!(run(isa, threads) == want, "{format:?} {isa:?} {threads} threads");
+        }
+    }
+}

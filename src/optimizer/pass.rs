@@ -159,37 +159,53 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
         }
         other => other,
     };
-    let draws = |slot| match job.moments {
+    let keys = match job.moments {
         MomentFormat::Bf16 { seed } => {
-            rounding::counter(rounding::moment_key(seed, job.step, slot), base as u64)
+            rounding::counter(rounding::moment_key(seed, job.step), base as u64)
         }
         MomentFormat::F32 => 0,
     };
-    let (k, keys) = (job.k, [draws(1), draws(2)]);
+    let k = job.k;
     let plain = |x, out, w| Plain { x, out, w };
     match (master, out, job.rounding) {
         (Cells::U16(rem), GradMut::Bf16(o), _) => {
             let x = Split { rem, out: o.reinterpret_cast_mut() };
-            moments(k, grad, x, first, second, keys)
+            moments_on(job.isa, k, grad, x, first, second, keys)
         }
         (Cells::F32(x), GradMut::F32(o), _) => {
-            moments(k, grad, plain(x, o, Exact), first, second, keys)
+            moments_on(job.isa, k, grad, plain(x, o, Exact), first, second, keys)
         }
         (Cells::F32(x), GradMut::F16(o), Rounding::NearestEven) => {
             let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<false> };
-            moments(k, grad, x, first, second, keys)
+            moments_on(job.isa, k, grad, x, first, second, keys)
         }
         (Cells::F32(x), GradMut::Bf16(o), Rounding::NearestEven) => {
             let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<true> };
-            moments(k, grad, x, first, second, keys)
+            moments_on(job.isa, k, grad, x, first, second, keys)
         }
         (Cells::F32(x), GradMut::F16(o), Rounding::Stochastic { seed }) => {
             let w = Stochastic::<false> { counter: counter(seed) };
-            moments(k, grad, Plain { x, out: o.reinterpret_cast_mut(), w }, first, second, keys)
+            moments_on(
+                job.isa,
+                k,
+                grad,
+                Plain { x, out: o.reinterpret_cast_mut(), w },
+                first,
+                second,
+                keys,
+            )
         }
         (Cells::F32(x), GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
             let w = Stochastic::<true> { counter: counter(seed) };
-            moments(k, grad, Plain { x, out: o.reinterpret_cast_mut(), w }, first, second, keys)
+            moments_on(
+                job.isa,
+                k,
+                grad,
+                Plain { x, out: o.reinterpret_cast_mut(), w },
+                first,
+                second,
+                keys,
+            )
         }
         (Cells::U16(_), _, _) => {
             unreachable!("remainder masters are checked to be over bf16 weights")
@@ -229,6 +245,7 @@ fn one_flat(job: Job<'_>, piece: Flat<'_>, out: GradMut<'_>, counter: impl Fn(u6
 
 /// Where a step reads a master and writes it, with its model weight.
 trait Master {
+    fn len(&self) -> usize;
     fn get(&mut self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32);
 }
@@ -241,6 +258,10 @@ struct Plain<'a, W: Write> {
 }
 
 impl<W: Write> Master for Plain<'_, W> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.x.len().min(self.out.len())
+    }
     #[inline(always)]
     fn get(&mut self, i: usize) -> f32 {
         self.x[i]
@@ -260,6 +281,10 @@ struct Split<'a> {
 
 impl Master for Split<'_> {
     #[inline(always)]
+    fn len(&self) -> usize {
+        self.rem.len().min(self.out.len())
+    }
+    #[inline(always)]
     fn get(&mut self, i: usize) -> f32 {
         join_master(self.out[i], self.rem[i])
     }
@@ -269,14 +294,74 @@ impl Master for Split<'_> {
     }
 }
 
+/// [`moments`] compiled for `isa`, as [`run`] compiles the FP32 loop (the same scalar code, so
+/// the same bits on every path).
+fn moments_on<X: Master>(
+    isa: Isa,
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    match isa {
+        // SAFETY: as in `run`: Avx512 is reported only after detecting AVX-512F, AVX2 and F16C,
+        // and AVX-512DQ is detected here.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512dq") => unsafe {
+            moments_avx512(k, grad, x, first, second, keys)
+        },
+        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { moments_avx2(k, grad, x, first, second, keys) },
+        _ => moments(k, grad, x, first, second, keys),
+    }
+}
+
+/// [`moments`] at AVX-512's width.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512DQ, AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,f16c")]
+unsafe fn moments_avx512<X: Master>(
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    moments(k, grad, x, first, second, keys)
+}
+
+/// [`moments`] at AVX2's width.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn moments_avx2<X: Master>(
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    moments(k, grad, x, first, second, keys)
+}
+
 /// [`formats`] with the moments' cells typed.
+#[inline(always)]
 fn moments<X: Master>(
     k: &Scalars,
     grad: &[f32],
     x: X,
     first: Cells<'_>,
     second: Cells<'_>,
-    keys: [u64; 2],
+    keys: u64,
 ) {
     match (first, second) {
         (Cells::F32(m), Cells::F32(v)) => formats::<X, F32Cell>(k, grad, x, m, v, keys),
@@ -329,7 +414,7 @@ impl Cell for Bf16Cell {
 
 /// The loop over a piece with a smaller format: each element's master and moments loaded,
 /// stepped in f32 by the FP32 loop's rule, and stored, the moments rounded with the draws of
-/// the counters `keys` (which step with the element).
+/// the counter `keys` (which steps with the element).
 #[inline(always)]
 fn formats<X: Master, C: Cell>(
     k: &Scalars,
@@ -337,30 +422,31 @@ fn formats<X: Master, C: Cell>(
     mut x: X,
     first: &mut [C::Cell],
     second: &mut [C::Cell],
-    keys: [u64; 2],
+    keys: u64,
 ) {
     let n = grad.len();
-    assert!(first.len() == n, "a piece's slices");
-    let [mut cm, mut cv] = keys;
-    let draw = |c: u64| if C::DRAWS { rounding::draw_at(c) } else { 0 };
+    assert!(first.len() == n && x.len() == n, "a piece's slices");
+    let mut c = keys;
+    let draws = |c: u64| if C::DRAWS { rounding::draws_at(c) } else { (0, 0) };
     match k {
         Scalars::AdamW(a) => {
             assert_eq!(second.len(), n, "AdamW's second moments");
             for i in 0..n {
                 let (mut w, mut m, mut v) = (x.get(i), C::load(first[i]), C::load(second[i]));
                 a.step(grad[i], &mut w, &mut m, &mut v);
-                (first[i], second[i]) = (C::store(m, draw(cm)), C::store(v, draw(cv)));
+                let (rm, rv) = draws(c);
+                (first[i], second[i]) = (C::store(m, rm), C::store(v, rv));
                 x.set(i, w);
-                (cm, cv) = (rounding::next(cm), rounding::next(cv));
+                c = rounding::next(c);
             }
         }
         Scalars::Sgd(s) => {
             for i in 0..n {
                 let (mut w, mut b) = (x.get(i), C::load(first[i]));
                 s.step(grad[i], &mut w, &mut b);
-                first[i] = C::store(b, draw(cm));
+                first[i] = C::store(b, draws(c).0);
                 x.set(i, w);
-                cm = rounding::next(cm);
+                c = rounding::next(c);
             }
         }
     }

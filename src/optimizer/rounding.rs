@@ -45,11 +45,19 @@ pub(crate) fn key(seed: u64, step: u64) -> u64 {
     mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)))
 }
 
-/// The key of one step's draws for the moments in bf16 (`slot` 1: the first moment, 2: the
-/// second), apart from the weights' draws of the same seed and from each other.
+/// The key of one step's draws for the moments in bf16, apart from the weights' draws of the
+/// same seed: an element's 64 random bits ([`draws_at`]) round its first moment with their upper
+/// half and its second with their lower half, one hash for both.
 #[inline]
-pub(crate) fn moment_key(seed: u64, step: u64, slot: u64) -> u64 {
-    key(mix(seed ^ slot.wrapping_mul(0xd6e8_feb8_6659_fd93)), step)
+pub(crate) fn moment_key(seed: u64, step: u64) -> u64 {
+    key(mix(seed ^ 0xd6e8_feb8_6659_fd93), step)
+}
+
+/// The random 32 bits of the first and of the second moment of the element with `counter`.
+#[inline(always)]
+pub(crate) fn draws_at(counter: u64) -> (u32, u32) {
+    let z = mix(counter);
+    ((z >> 32) as u32, z as u32)
 }
 
 /// How far apart consecutive elements' counters are.

@@ -524,7 +524,7 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
     int stochastic = rule.rounding == GA_ROUND_STOCHASTIC;
     ga_u64 key = ga_round_key(rule.seed, t);
     int formats = rule.masters != GA_MASTERS_F32 || rule.moments != GA_MOMENTS_F32;
-    ga_u64 key_m = ga_moment_key(rule.moment_seed, t, 1), key_v = ga_moment_key(rule.moment_seed, t, 2);
+    ga_u64 key_m = ga_moment_key(rule.moment_seed, t);
     for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
         ga_opt_chunk chunk = chunks[c];
         ga_opt_tensor tensor = tensors[chunk.tensor];
@@ -537,9 +537,9 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
             for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
                 ga_u64 h = chunk.at + i, flat = held_start + h;
                 if (rule.masters == GA_MASTERS_REMAINDER) {
-                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &out16[chunk.start + i], key_m, key_v, flat);
+                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &out16[chunk.start + i], key_m, flat);
                 } else {
-                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &scratch, key_m, key_v, flat);
+                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &scratch, key_m, flat);
                     ga_write_weight(out, chunk.start + i, tensor.dtype, master[h], stochastic, key, flat);
                 }
             }

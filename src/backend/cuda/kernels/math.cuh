@@ -496,10 +496,9 @@ GA_HD unsigned short ga_stochastic_bf16(float x, ga_u32 r) {
     return (unsigned short)(down + (r < ((bits & 0xffffu) << 16) ? 1 : 0));
 }
 
-/* The key of one step's draws for the bf16 moments, `slot` 1 or 2 (rounding::moment_key). */
-GA_HD ga_u64 ga_moment_key(ga_u64 seed, ga_u64 step, ga_u64 slot) {
-    return ga_round_key(ga_mix(seed ^ (slot * 0xd6e8feb86659fd93ull)), step);
-}
+/* The key of one step's draws for the bf16 moments (rounding::moment_key): an element's 64 random
+ * bits round its first moment with their upper half, its second with their lower half. */
+GA_HD ga_u64 ga_moment_key(ga_u64 seed, ga_u64 step) { return ga_round_key(ga_mix(seed ^ 0xd6e8feb86659fd93ull), step); }
 
 /* The master of a bf16 weight and its remainder (format::join_master). */
 GA_HD float ga_join_master(unsigned short weight, unsigned short rem) {
@@ -518,23 +517,24 @@ GA_HD void ga_split_master(float x, unsigned short *weight, unsigned short *rem)
 /* One element's step with the smaller formats (pass::formats): the master read back from the
  * bf16 weight `*out16` and remainder `*rem`, or from `*master`; the moments from bf16 or f32; all
  * stepped in f32 as the FP32 state is, and stored back, the bf16 moments rounded stochastically
- * with the draws of flat element `flat` under `key_m` and `key_v`. */
+ * with the draws of flat element `flat` under `key` (rounding::draws_at). */
 GA_HD void ga_opt_formats_one(const ga_opt_rule *rule, const ga_opt_scalars *k, float g, float *master, void *first, void *second,
-                              ga_u64 h, unsigned short *out16, ga_u64 key_m, ga_u64 key_v, ga_u64 flat) {
+                              ga_u64 h, unsigned short *out16, ga_u64 key, ga_u64 flat) {
     int rem = rule->masters == GA_MASTERS_REMAINDER;
     float w = rem ? ga_join_master(*out16, ((unsigned short *)master)[h]) : master[h];
     int adamw = rule->algorithm == GA_OPT_ADAMW;
     if (rule->moments == GA_MOMENTS_BF16) {
         unsigned short *m16 = (unsigned short *)first, *v16 = (unsigned short *)second;
+        ga_u64 r = ga_mix(key + flat * 0x9e3779b97f4a7c15ull);
         float m = ga_bf16_to_f32(m16[h]);
         if (adamw) {
             float v = ga_bf16_to_f32(v16[h]);
             ga_adamw_one(k, g, &w, &m, &v);
-            m16[h] = ga_stochastic_bf16(m, ga_round_draw(key_m, flat));
-            v16[h] = ga_stochastic_bf16(v, ga_round_draw(key_v, flat));
+            m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
+            v16[h] = ga_stochastic_bf16(v, (ga_u32)r);
         } else {
             ga_sgd_one(k, g, &w, &m);
-            m16[h] = ga_stochastic_bf16(m, ga_round_draw(key_m, flat));
+            m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
         }
     } else if (adamw) {
         ga_adamw_one(k, g, &w, &((float *)first)[h], &((float *)second)[h]);
