@@ -767,3 +767,23 @@ fn every_path_and_thread_count_steps_the_same_bits() {
         }
     }
 }
+
+/// A part whose format words name a format this version does not know is refused as corrupt,
+/// even with a fresh checksum, and the optimizer is unchanged.
+#[test]
+fn an_unknown_saved_format_is_refused() {
+    let mut rng = Rng::fresh("an_unknown_saved_format_is_refused");
+    let tensors = layout(&mut rng, false);
+    let initial = model(&mut rng, &tensors);
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let opt = make(&acc, OptimizerConfig::default(), both(2), &initial);
+    let saved = opt.save().unwrap();
+    // The moments' format word follows the identity and the masters' word.
+    let at = 8 + (2 * tensors.len() + 8) * 8 + 8;
+    let mut forged = saved[..saved.len() - 8].to_vec();
+    forged[at] = 7;
+    forged.extend(fnv1a(&forged).to_le_bytes());
+    let e = opt.load(&[&forged]).unwrap_err();
+    assert!(e.kind == ErrorKind::CorruptState && e.message.contains("does not know"), "{e:?}");
+    assert_eq!(opt.save().unwrap(), saved);
+}
