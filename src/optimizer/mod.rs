@@ -553,7 +553,12 @@ impl Optimizer {
     /// element (the same part given twice, or parts of two saves) with `InvalidArgument`,
     /// naming them; either way the optimizer is unchanged.
     /// The next step may be from the current window (the window it last stepped is forgotten).
-    /// Adopted masters are written in place, the padding between tensors with zeros.
+    /// Adopted masters are written in place, the padding between tensors with zeros. Parts of
+    /// another [`StateFormat`] convert: FP32 moments round to nearest bf16 and bf16 widen; FP32
+    /// masters become the remainders of their nearest-even bf16 weights (the model's weights
+    /// an FP32-master optimizer wrote), exact but at ties of even upper halves, where the master
+    /// moves one f32 unit toward its weight. Remainders do not load into FP32 masters
+    /// (`CorruptState`: their upper halves are the model's weights).
     pub fn load(&self, parts: &[&[u8]]) -> Result<()> {
         let mut s = self.lock();
         let restored = saved::decode(self, parts)?;
