@@ -3,6 +3,7 @@
  * changes nothing, save and load, a reduce-scatter group whose ranks all-gather the weights, and
  * bad arguments refused with the argument named and nothing changed. The numbers are checked
  * against plain SGD written out here: w - lr * g in f32, rounded once to fp16. */
+#include <stddef.h>
 #include "common.h"
 
 #define N0 300 /* fp16 weights */
@@ -155,6 +156,28 @@ static void test_whole_step(void)
     wrong.beta1 = 1.5f;
     EXPECT_ERROR(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &bad),
                  GRADACC_STATUS_INVALID_ARGUMENT, "beta1");
+    /* Remainder masters only over bf16 weights; w0 is f16. */
+    wrong = oc;
+    wrong.masters = GRADACC_MASTERS_BF16_REMAINDER;
+    EXPECT_ERROR(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &bad),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "`weights[0]` is f16");
+    wrong = oc;
+    wrong.moments = 9;
+    EXPECT_ERROR(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &bad),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "`config`.moments");
+    /* A caller built before the formats: its struct_size ends at `seed`, so they are FP32. */
+    gradacc_optimizer_t *older = NULL;
+    wrong = oc;
+    wrong.masters = GRADACC_MASTERS_BF16_REMAINDER;
+    wrong.struct_size = offsetof(gradacc_optimizer_config_t, masters);
+    REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
+    EXPECT_OK(gradacc_optimizer_destroy(older));
+    /* bf16 moments take any weights. */
+    wrong = oc;
+    wrong.moments = GRADACC_MOMENTS_BF16;
+    wrong.moment_seed = 5;
+    REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
+    EXPECT_OK(gradacc_optimizer_destroy(older));
     wrong = oc;
     wrong.algorithm = 7;
     EXPECT_ERROR(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &bad),

@@ -583,6 +583,16 @@ typedef int32_t gradacc_optimizer_algorithm_t;
 typedef int32_t gradacc_rounding_t;
 
 /**
+ * How the FP32 master weights are kept between steps.
+ */
+typedef int32_t gradacc_masters_t;
+
+/**
+ * How AdamW's moments (SGD's momentum buffer) are kept between steps.
+ */
+typedef int32_t gradacc_moments_t;
+
+/**
  * Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
  */
 typedef struct gradacc_optimizer_config_t {
@@ -622,6 +632,18 @@ typedef struct gradacc_optimizer_config_t {
      * The seed of stochastic rounding (default 0).
      */
     uint64_t seed;
+    /**
+     * GRADACC_MASTERS_* (default FP32; a caller built before this field gets FP32).
+     */
+    gradacc_masters_t masters;
+    /**
+     * GRADACC_MOMENTS_* (default FP32; a caller built before this field gets FP32).
+     */
+    gradacc_moments_t moments;
+    /**
+     * The seed of the bf16 moments' stochastic rounding (default 0).
+     */
+    uint64_t moment_seed;
 } gradacc_optimizer_config_t;
 
 /**
@@ -881,6 +903,30 @@ typedef struct gradacc_scaler_stats_t {
  * Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
  */
 #define GRADACC_ROUNDING_STOCHASTIC 1
+
+/**
+ * FP32 masters: 4 bytes per parameter beside the model's weight.
+ */
+#define GRADACC_MASTERS_FP32 0
+
+/**
+ * The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes
+ * per parameter, the FP32 master exactly. Only for bf16 weights rounded to nearest, without
+ * adopted masters (else INVALID_ARGUMENT). The weight rounds ties away from zero instead of to
+ * even (docs/optimizer.md, "Smaller state"); only the optimizer may write the weights.
+ */
+#define GRADACC_MASTERS_BF16_REMAINDER 1
+
+/**
+ * FP32 moments: 4 bytes per moment.
+ */
+#define GRADACC_MOMENTS_FP32 0
+
+/**
+ * bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the
+ * element (the same on every rank and shard count).
+ */
+#define GRADACC_MOMENTS_BF16 1
 
 /**
  * IEEE 754 binary32.

@@ -145,7 +145,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use half;
 pub use mesh::{Axis, Mesh, MeshInfo, MeshShape, Part, Replicated};
 pub use optimizer::{
-    Algorithm, Optimizer, OptimizerBuilder, OptimizerConfig, Rounding, Slot, TensorGroup,
+    join_master, split_master, Algorithm, MasterFormat, MomentFormat, Optimizer, OptimizerBuilder,
+    OptimizerConfig, Rounding, Slot, StateFormat, TensorGroup,
 };
 pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 

@@ -44,6 +44,15 @@ impl Writer {
         self
     }
 
+    pub fn u16s(&mut self, values: &[u16]) -> &mut Self {
+        self.u64(values.len() as u64);
+        self.bytes.reserve(values.len() * 2);
+        for v in values {
+            self.bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+
     pub fn finish(mut self) -> Vec<u8> {
         let sum = checksum(&self.bytes);
         self.bytes.extend_from_slice(&sum.to_le_bytes());
@@ -140,6 +149,24 @@ impl<'a> Reader<'a> {
         out.extend(
             raw.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))),
         );
+        Ok(())
+    }
+
+    /// Reads a u16 array whose length must be `expected_len`.
+    pub fn u16s_into(&mut self, out: &mut Vec<u16>, expected_len: usize) -> Result<()> {
+        let n = self.u64()?;
+        if n != expected_len as u64 {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!(
+                    "{}: saved buffer holds {n} elements, this object has {expected_len}",
+                    self.what
+                ),
+            ));
+        }
+        let raw = self.take(expected_len * 2)?;
+        out.clear();
+        out.extend(raw.chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().unwrap())));
         Ok(())
     }
 

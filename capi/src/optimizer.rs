@@ -11,7 +11,10 @@ use crate::status::{gradacc_status_t, guard, null, CallResult};
 use crate::types::*;
 use gradacc::dtype::{Dtype, Grad, GradMut};
 use gradacc::error::{Error, ErrorKind};
-use gradacc::{Algorithm, Device, Optimizer, OptimizerConfig, Rounding, TensorGroup};
+use gradacc::{
+    Algorithm, Device, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding,
+    StateFormat, TensorGroup,
+};
 
 /// FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
 /// gradacc_optimizer_create, free with gradacc_optimizer_destroy.
@@ -35,6 +38,24 @@ pub type gradacc_rounding_t = i32;
 pub const GRADACC_ROUNDING_NEAREST_EVEN: gradacc_rounding_t = 0;
 /// Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
 pub const GRADACC_ROUNDING_STOCHASTIC: gradacc_rounding_t = 1;
+
+/// How the FP32 master weights are kept between steps.
+pub type gradacc_masters_t = i32;
+/// FP32 masters: 4 bytes per parameter beside the model's weight.
+pub const GRADACC_MASTERS_FP32: gradacc_masters_t = 0;
+/// The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes
+/// per parameter, the FP32 master exactly. Only for bf16 weights rounded to nearest, without
+/// adopted masters (else INVALID_ARGUMENT). The weight rounds ties away from zero instead of to
+/// even (docs/optimizer.md, "Smaller state"); only the optimizer may write the weights.
+pub const GRADACC_MASTERS_BF16_REMAINDER: gradacc_masters_t = 1;
+
+/// How AdamW's moments (SGD's momentum buffer) are kept between steps.
+pub type gradacc_moments_t = i32;
+/// FP32 moments: 4 bytes per moment.
+pub const GRADACC_MOMENTS_FP32: gradacc_moments_t = 0;
+/// bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the
+/// element (the same on every rank and shard count).
+pub const GRADACC_MOMENTS_BF16: gradacc_moments_t = 1;
 
 /// Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
 #[repr(C)]
@@ -60,6 +81,12 @@ pub struct gradacc_optimizer_config_t {
     pub rounding: gradacc_rounding_t,
     /// The seed of stochastic rounding (default 0).
     pub seed: u64,
+    /// GRADACC_MASTERS_* (default FP32; a caller built before this field gets FP32).
+    pub masters: gradacc_masters_t,
+    /// GRADACC_MOMENTS_* (default FP32; a caller built before this field gets FP32).
+    pub moments: gradacc_moments_t,
+    /// The seed of the bf16 moments' stochastic rounding (default 0).
+    pub moment_seed: u64,
 }
 
 /// One tensor's options (PyTorch's parameter groups, per tensor).
@@ -100,12 +127,15 @@ pub unsafe extern "C" fn gradacc_optimizer_config_default(
             nesterov: false,
             rounding: GRADACC_ROUNDING_NEAREST_EVEN,
             seed: 0,
+            masters: GRADACC_MASTERS_FP32,
+            moments: GRADACC_MOMENTS_FP32,
+            moment_seed: 0,
         };
         Ok(())
     })
 }
 
-fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<OptimizerConfig> {
+fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<(OptimizerConfig, StateFormat)> {
     let algorithm = match c.algorithm {
         GRADACC_OPTIMIZER_ADAMW => Algorithm::AdamW {
             beta1: c.beta1,
@@ -136,7 +166,27 @@ fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<OptimizerConfig> 
             .into())
         }
     };
-    Ok(OptimizerConfig { algorithm, lr: c.lr, rounding })
+    let masters = match c.masters {
+        GRADACC_MASTERS_FP32 => MasterFormat::F32,
+        GRADACC_MASTERS_BF16_REMAINDER => MasterFormat::Bf16Remainder,
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.masters = {v} is not a GRADACC_MASTERS_* value"
+            ))
+            .into())
+        }
+    };
+    let moments = match c.moments {
+        GRADACC_MOMENTS_FP32 => MomentFormat::F32,
+        GRADACC_MOMENTS_BF16 => MomentFormat::Bf16 { seed: c.moment_seed },
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.moments = {v} is not a GRADACC_MOMENTS_* value"
+            ))
+            .into())
+        }
+    };
+    Ok((OptimizerConfig { algorithm, lr: c.lr, rounding }, StateFormat { masters, moments }))
 }
 
 /// Borrows the tensors' buffers at `ptrs` as the model's weights of `dtypes` and the tensors'
@@ -282,8 +332,8 @@ unsafe fn create(
     // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
     let out = unsafe { out_ptr(out, "out") }?;
     let a = ACCUMULATORS.get(acc, "acc")?;
-    let config = if config.is_null() {
-        OptimizerConfig::default()
+    let (config, format) = if config.is_null() {
+        (OptimizerConfig::default(), StateFormat::default())
     } else {
         // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
         config_from_c(&unsafe { read_config(config, "config") }?)?
@@ -318,18 +368,16 @@ unsafe fn create(
     };
     // SAFETY: the caller passes `n` addresses at `weights` (API contract).
     let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
+    let builder = Optimizer::builder(&a).config(config).state(format).groups(&groups);
     let opt = if matches!(a.device(), Device::Cuda { .. }) {
         // Device addresses: checked by the driver, never dereferenced on the host.
         let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
+        let builder = builder.device_weights(&addresses, &dtypes);
         match adopt {
             // SAFETY: the caller lends the device buffer for the optimizer's lifetime (API
             // contract); its allocation is checked with the driver before it is used.
-            Some((m, len)) => unsafe {
-                Optimizer::with_masters_device(
-                    &a, config, &groups, &addresses, &dtypes, m as u64, len,
-                )?
-            },
-            None => Optimizer::new_device(&a, config, &groups, &addresses, &dtypes)?,
+            Some((m, len)) => unsafe { builder.device_masters(m as u64, len) }.build()?,
+            None => builder.build()?,
         }
     } else {
         let numel: Vec<usize> = tensors.iter().map(|t| t.numel).collect();
@@ -340,10 +388,8 @@ unsafe fn create(
         match adopt {
             // SAFETY: the caller lends `len` host f32 values for the optimizer's lifetime and
             // writes none while one of its calls runs (API contract).
-            Some((m, len)) => unsafe {
-                Optimizer::with_masters(&a, config, &groups, &grads, m, len)?
-            },
-            None => Optimizer::new(&a, config, &groups, &grads)?,
+            Some((m, len)) => unsafe { builder.weights(&grads).masters(m, len) }.build()?,
+            None => builder.weights(&grads).build()?,
         }
     };
     *out = OPTIMIZERS.insert(Arc::new(opt));
@@ -603,6 +649,9 @@ mod tests {
         assert_eq!(status, crate::status::GRADACC_STATUS_OK);
         // SAFETY: filled on success.
         let c = unsafe { c.assume_init() };
-        assert_eq!(config_from_c(&c).ok(), Some(OptimizerConfig::default()));
+        assert_eq!(
+            config_from_c(&c).ok(),
+            Some((OptimizerConfig::default(), StateFormat::default()))
+        );
     }
 }

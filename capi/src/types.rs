@@ -286,6 +286,9 @@ versioned!(
         nesterov,
         rounding,
         seed,
+        masters,
+        moments,
+        moment_seed,
     },
     defaults: gradacc_optimizer_config_default
 );

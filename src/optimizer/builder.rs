@@ -2,6 +2,7 @@
 //! weights as host values or device addresses, and optionally the caller's FP32 masters adopted.
 
 use super::config::{OptimizerConfig, TensorGroup};
+use super::format::StateFormat;
 use super::Optimizer;
 use crate::accumulator::Accumulator;
 use crate::device::DevicePtr;
@@ -32,6 +33,7 @@ enum Adopted {
 pub struct OptimizerBuilder<'a> {
     acc: &'a Accumulator,
     config: OptimizerConfig,
+    format: StateFormat,
     groups: &'a [TensorGroup],
     weights: Option<Given<'a>>,
     masters: Option<Adopted>,
@@ -43,6 +45,7 @@ impl Optimizer {
         OptimizerBuilder {
             acc,
             config: OptimizerConfig::default(),
+            format: StateFormat::default(),
             groups: &[],
             weights: None,
             masters: None,
@@ -54,6 +57,15 @@ impl<'a> OptimizerBuilder<'a> {
     /// The algorithm, the learning rate of the first step and the rounding.
     pub fn config(mut self, config: OptimizerConfig) -> Self {
         self.config = config;
+        self
+    }
+
+    /// How the masters and moments are kept (default: FP32 both): bf16 moments rounded
+    /// stochastically, masters as the bf16 weights plus remainders ([`StateFormat`]). Formats
+    /// that cannot be kept exactly (remainders over f16 or f32 weights, or with stochastic
+    /// rounding of the weights, or adopted masters) make `build` fail with `InvalidArgument`.
+    pub fn state(mut self, format: StateFormat) -> Self {
+        self.format = format;
         self
     }
 
@@ -124,20 +136,20 @@ impl<'a> OptimizerBuilder<'a> {
     /// adopted masters as [`OptimizerBuilder::masters`] and
     /// [`OptimizerBuilder::device_masters`] say.
     pub fn build(self) -> Result<Optimizer> {
-        let OptimizerBuilder { acc, config, groups, weights, masters } = self;
+        let OptimizerBuilder { acc, config, format, groups, weights, masters } = self;
         let Some(weights) = weights else {
             return Err(Error::invalid(
                 "the optimizer needs the model's weights: OptimizerBuilder::weights (host) or device_weights (CUDA)",
             ));
         };
         match (weights, masters) {
-            (Given::Host(w), None) => Optimizer::new_host(acc, config, groups, w, None),
+            (Given::Host(w), None) => Optimizer::new_host(acc, config, format, groups, w, None),
             (Given::Host(w), Some(Adopted::Host(ptr, len))) => {
-                Optimizer::new_host(acc, config, groups, w, Some((ptr, len)))
+                Optimizer::new_host(acc, config, format, groups, w, Some((ptr, len)))
             }
-            (Given::Device(w, d), None) => Optimizer::new_on_device(acc, config, groups, w, d, None),
+            (Given::Device(w, d), None) => Optimizer::new_on_device(acc, config, format, groups, w, d, None),
             (Given::Device(w, d), Some(Adopted::Device(ptr, len))) => {
-                Optimizer::new_on_device(acc, config, groups, w, d, Some((ptr, len)))
+                Optimizer::new_on_device(acc, config, format, groups, w, d, Some((ptr, len)))
             }
             (Given::Host(_), Some(Adopted::Device(..))) | (Given::Device(..), Some(Adopted::Host(..))) => {
                 Err(Error::new(

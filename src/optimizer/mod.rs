@@ -11,6 +11,7 @@
 
 mod builder;
 mod config;
+mod format;
 pub(crate) mod pass;
 mod rounding;
 mod saved;
@@ -24,6 +25,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 pub use builder::OptimizerBuilder;
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
+pub use format::{join_master, split_master, MasterFormat, MomentFormat, StateFormat};
 pub use rounding::Rounding;
 
 use crate::accumulator::sharding::intersect;
@@ -44,12 +46,16 @@ pub enum Slot {
     FirstMoment,
     /// AdamW's second moment (`exp_avg_sq`).
     SecondMoment,
+    /// With [`MasterFormat::Bf16Remainder`], the masters' 16-bit remainders (as f32 values
+    /// 0..=65535): tensor i's master is [`join_master`] of its bf16 weight and remainder.
+    Remainders,
 }
 
 /// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
 /// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
 /// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
-/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), and after each step the
+/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 6 and 4 with the
+/// smaller state formats ([`OptimizerBuilder::state`]), and after each step the
 /// ranks all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
 ///
@@ -66,6 +72,8 @@ pub enum Slot {
 pub struct Optimizer {
     algorithm: Algorithm,
     rounding: Rounding,
+    /// How the masters and moments are kept.
+    format: StateFormat,
     plan: Arc<Plan>,
     /// The model's weight dtype of each tensor.
     dtypes: Vec<Dtype>,
@@ -168,6 +176,7 @@ impl Optimizer {
     fn new_host(
         acc: &Accumulator,
         config: OptimizerConfig,
+        format: StateFormat,
         groups: &[TensorGroup],
         weights: &[Grad<'_>],
         adopt: Option<(*mut f32, usize)>,
@@ -189,13 +198,14 @@ impl Optimizer {
             check_len(i, w.len(), acc.plan().descs[i].numel)?;
         }
         let dtypes: Vec<Dtype> = weights.iter().map(Grad::dtype).collect();
-        Self::create(acc, config, groups, dtypes, Init::Host(weights), adopt)
+        Self::create(acc, (config, format), groups, dtypes, Init::Host(weights), adopt)
     }
 
     /// [`OptimizerBuilder::build`] with device weights (and device masters, if adopted).
     fn new_on_device(
         acc: &Accumulator,
         config: OptimizerConfig,
+        format: StateFormat,
         groups: &[TensorGroup],
         weights: &[DevicePtr],
         dtypes: &[Dtype],
@@ -218,24 +228,26 @@ impl Optimizer {
             ));
         }
         let adopt = adopt.map(|(ptr, len)| (ptr as usize as *mut f32, len));
-        Self::create(acc, config, groups, dtypes.to_vec(), Init::Device(weights), adopt)
+        Self::create(acc, (config, format), groups, dtypes.to_vec(), Init::Device(weights), adopt)
     }
 
     /// The optimizer over checked arguments: its store made on the accumulator's device (which
     /// checks what only the device can, and the adopted masters).
     fn create(
         acc: &Accumulator,
-        config: OptimizerConfig,
+        (config, format): (OptimizerConfig, StateFormat),
         groups: Vec<TensorGroup>,
         dtypes: Vec<Dtype>,
         weights: Init<'_>,
         masters: Option<(*mut f32, usize)>,
     ) -> Result<Self> {
+        format.check(&dtypes, config.rounding, masters.is_some())?;
         let plan = acc.plan().clone();
         let setup = Setup {
             plan: &plan,
             algorithm: config.algorithm,
             rounding: config.rounding,
+            format,
             lr: config.lr,
             groups: &groups,
             dtypes: &dtypes,
@@ -243,10 +255,11 @@ impl Optimizer {
             masters,
         };
         let store = backend::optimizer_store_for(acc.device(), &setup)?;
-        let fingerprint = fingerprint(&config, &dtypes, &groups);
+        let fingerprint = fingerprint(&config, &format, &dtypes, &groups);
         Ok(Optimizer {
             algorithm: config.algorithm,
             rounding: config.rounding,
+            format,
             on_cpu: acc.device() == Device::Cpu,
             held: plan.shard(),
             plan,
@@ -289,6 +302,11 @@ impl Optimizer {
         })
     }
 
+    /// How the masters and moments are kept.
+    pub fn state_format(&self) -> StateFormat {
+        self.format
+    }
+
     /// The dtype of each tensor's model weights (those given at creation).
     pub fn weight_dtypes(&self) -> &[Dtype] {
         &self.dtypes
@@ -303,22 +321,33 @@ impl Optimizer {
     }
 
     /// This rank's values of tensor `index` in `slot`: the range of the tensor's elements it
-    /// holds (all of them without sharding) and their values. On a CUDA accumulator this reads
-    /// the device (it waits for the stream).
+    /// holds (all of them without sharding) and their values (bf16 moments widened, exactly).
+    /// On a CUDA accumulator this reads the device (it waits for the stream). With
+    /// [`MasterFormat::Bf16Remainder`] the masters are not the optimizer's alone: read
+    /// [`Slot::Remainders`] and join them with the weights ([`join_master`]).
     pub fn read(&self, index: usize, slot: Slot) -> Result<(Range<usize>, Vec<f32>)> {
         self.plan.layout.check_index(index)?;
         if slot == Slot::SecondMoment && !self.algorithm.second_moment() {
             return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()));
         }
+        if (slot == Slot::Weights) == self.format.remainders()
+            && matches!(slot, Slot::Weights | Slot::Remainders)
+        {
+            return Err(Error::invalid(if self.format.remainders() {
+                "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)"
+            } else {
+                "`slot`: the masters are FP32 and keep no remainders"
+            }));
+        }
         let p = piece(&self.plan, index, &self.held);
         let mut out = Vec::new();
         self.lock().store.view(&mut |v| {
             let values = match slot {
-                Slot::Weights => v.master,
-                Slot::FirstMoment => v.first,
-                Slot::SecondMoment => v.second,
+                Slot::Weights | Slot::Remainders => &v.master,
+                Slot::FirstMoment => &v.first,
+                Slot::SecondMoment => &v.second,
             };
-            out = values[p.held.clone()].to_vec();
+            out = values.widened(p.held.clone(), slot == Slot::Remainders);
         })?;
         Ok((p.tensor, out))
     }
@@ -524,7 +553,12 @@ impl Optimizer {
     /// element (the same part given twice, or parts of two saves) with `InvalidArgument`,
     /// naming them; either way the optimizer is unchanged.
     /// The next step may be from the current window (the window it last stepped is forgotten).
-    /// Adopted masters are written in place, the padding between tensors with zeros.
+    /// Adopted masters are written in place, the padding between tensors with zeros. Parts of
+    /// another [`StateFormat`] convert: FP32 moments round to nearest bf16 and bf16 widen; FP32
+    /// masters become the remainders of their nearest-even bf16 weights (the model's weights
+    /// an FP32-master optimizer wrote), exact but at ties of even upper halves, where the master
+    /// moves one f32 unit toward its weight. Remainders do not load into FP32 masters
+    /// (`CorruptState`: their upper halves are the model's weights).
     pub fn load(&self, parts: &[&[u8]]) -> Result<()> {
         let mut s = self.lock();
         let restored = saved::decode(self, parts)?;
@@ -639,9 +673,19 @@ fn check_apart(
 
 /// What every rank's optimizer must share in a sharded step: ranks that differ (another
 /// rounding, a bf16 weight against an f16 one) fail together.
-fn fingerprint(config: &OptimizerConfig, dtypes: &[Dtype], groups: &[TensorGroup]) -> Fingerprint {
+fn fingerprint(
+    config: &OptimizerConfig,
+    format: &StateFormat,
+    dtypes: &[Dtype],
+    groups: &[TensorGroup],
+) -> Fingerprint {
     let (code, params) = config.algorithm.encode();
     let mut bytes = code.to_le_bytes().to_vec();
+    if *format != StateFormat::default() {
+        // FP32 state hashes as it always did.
+        let (masters, moments, seed) = format.codes();
+        [masters, moments, seed].iter().for_each(|c| bytes.extend(c.to_le_bytes()));
+    }
     params.iter().for_each(|p| bytes.extend(p.to_bits().to_le_bytes()));
     match config.rounding {
         Rounding::NearestEven => bytes.push(0),

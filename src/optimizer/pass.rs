@@ -6,10 +6,11 @@
 
 use half::slice::HalfFloatSliceExt;
 
+use super::format::{join_master, split_master, MomentFormat};
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
 use crate::dtype::{Dtype, GradMut};
-use crate::math::{f32_to_bf16, f32_to_f16};
+use crate::math::{bf16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::simd::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 
 /// How a master weight becomes the model's weight, element after element of a piece.
@@ -59,25 +60,44 @@ impl<const BF16: bool> Write for Stochastic<BF16> {
     }
 }
 
-/// The state of one piece: gradient, masters, first and (AdamW) second state values.
+/// A column of held values: f32, or 16-bit words (bf16 moments, or the masters' remainders).
+pub(crate) enum Cells<'a> {
+    F32(&'a mut [f32]),
+    U16(&'a mut [u16]),
+}
+
+impl<'a> Cells<'a> {
+    fn split_at(self, mid: usize) -> (Cells<'a>, Cells<'a>) {
+        match self {
+            Cells::F32(v) if !v.is_empty() => {
+                let (a, b) = v.split_at_mut(mid);
+                (Cells::F32(a), Cells::F32(b))
+            }
+            Cells::U16(v) if !v.is_empty() => {
+                let (a, b) = v.split_at_mut(mid);
+                (Cells::U16(a), Cells::U16(b))
+            }
+            empty => (empty, Cells::F32(&mut [])),
+        }
+    }
+}
+
+/// The state of one piece: gradient, masters (or remainders), first and (AdamW) second state
+/// values.
 pub(crate) struct Piece<'a> {
     pub grad: &'a [f32],
-    pub master: &'a mut [f32],
-    pub first: &'a mut [f32],
+    pub master: Cells<'a>,
+    pub first: Cells<'a>,
     /// Empty for SGD.
-    pub second: &'a mut [f32],
+    pub second: Cells<'a>,
 }
 
 impl<'a> Piece<'a> {
     fn split_at(self, mid: usize) -> (Piece<'a>, Piece<'a>) {
         let (g0, g1) = self.grad.split_at(mid);
-        let (x0, x1) = self.master.split_at_mut(mid);
-        let (f0, f1) = self.first.split_at_mut(mid);
-        let (s0, s1) = if self.second.is_empty() {
-            (&mut [][..], &mut [][..])
-        } else {
-            self.second.split_at_mut(mid)
-        };
+        let (x0, x1) = self.master.split_at(mid);
+        let (f0, f1) = self.first.split_at(mid);
+        let (s0, s1) = self.second.split_at(mid);
         let piece = |grad, master, first, second| Piece { grad, master, first, second };
         (piece(g0, x0, f0, s0), piece(g1, x1, f1, s1))
     }
@@ -88,6 +108,8 @@ impl<'a> Piece<'a> {
 struct Job<'a> {
     k: &'a Scalars,
     rounding: Rounding,
+    /// The moments' seed when they are bf16.
+    moments: MomentFormat,
     step: u64,
     /// Read once on the calling thread: [`crate::simd::with_isa`] is per thread.
     isa: Isa,
@@ -97,16 +119,18 @@ struct Job<'a> {
 /// `rounding` keyed by `step` and the flat index `base` of the piece's first element, on up to
 /// `threads` threads, each taking a contiguous part: every element's arithmetic and random draw
 /// are its own, so the bits depend neither on the thread count nor on the instruction set.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn step_threads(
     k: &Scalars,
     piece: Piece<'_>,
     out: GradMut<'_>,
     rounding: Rounding,
+    moments: MomentFormat,
     step: u64,
     base: usize,
     threads: usize,
 ) {
-    split(Job { k, rounding, step, isa: active_isa() }, piece, out, base, threads);
+    split(Job { k, rounding, moments, step, isa: active_isa() }, piece, out, base, threads);
 }
 
 /// [`step_threads`] with the job fixed: halves of the threads on halves of the piece.
@@ -124,10 +148,82 @@ fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads:
     });
 }
 
-/// [`step_threads`] on the calling thread.
+/// [`step_threads`] on the calling thread: FP32 state over the vectorized loop, the smaller
+/// formats over [`formats`].
 fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
-    let (k, isa) = (job.k, job.isa);
     let counter = |seed| rounding::counter(rounding::key(seed, job.step), base as u64);
+    let Piece { grad, master, first, second } = piece;
+    let (master, first, second) = match (master, first, second) {
+        (Cells::F32(master), Cells::F32(first), Cells::F32(second)) => {
+            return one_flat(job, Flat { grad, master, first, second }, out, counter);
+        }
+        other => other,
+    };
+    let keys = match job.moments {
+        MomentFormat::Bf16 { seed } => {
+            rounding::counter(rounding::moment_key(seed, job.step), base as u64)
+        }
+        MomentFormat::F32 => 0,
+    };
+    let k = job.k;
+    let plain = |x, out, w| Plain { x, out, w };
+    match (master, out, job.rounding) {
+        (Cells::U16(rem), GradMut::Bf16(o), _) => {
+            let x = Split { rem, out: o.reinterpret_cast_mut() };
+            moments_on(job.isa, k, grad, x, first, second, keys)
+        }
+        (Cells::F32(x), GradMut::F32(o), _) => {
+            moments_on(job.isa, k, grad, plain(x, o, Exact), first, second, keys)
+        }
+        (Cells::F32(x), GradMut::F16(o), Rounding::NearestEven) => {
+            let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<false> };
+            moments_on(job.isa, k, grad, x, first, second, keys)
+        }
+        (Cells::F32(x), GradMut::Bf16(o), Rounding::NearestEven) => {
+            let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<true> };
+            moments_on(job.isa, k, grad, x, first, second, keys)
+        }
+        (Cells::F32(x), GradMut::F16(o), Rounding::Stochastic { seed }) => {
+            let w = Stochastic::<false> { counter: counter(seed) };
+            moments_on(
+                job.isa,
+                k,
+                grad,
+                Plain { x, out: o.reinterpret_cast_mut(), w },
+                first,
+                second,
+                keys,
+            )
+        }
+        (Cells::F32(x), GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
+            let w = Stochastic::<true> { counter: counter(seed) };
+            moments_on(
+                job.isa,
+                k,
+                grad,
+                Plain { x, out: o.reinterpret_cast_mut(), w },
+                first,
+                second,
+                keys,
+            )
+        }
+        (Cells::U16(_), _, _) => {
+            unreachable!("remainder masters are checked to be over bf16 weights")
+        }
+    }
+}
+
+/// A piece whose state is all FP32.
+struct Flat<'a> {
+    grad: &'a [f32],
+    master: &'a mut [f32],
+    first: &'a mut [f32],
+    second: &'a mut [f32],
+}
+
+/// [`one`] over FP32 state, instantiated per way of writing the weight.
+fn one_flat(job: Job<'_>, piece: Flat<'_>, out: GradMut<'_>, counter: impl Fn(u64) -> u64) {
+    let (k, isa) = (job.k, job.isa);
     match (out, job.rounding) {
         (GradMut::F32(o), _) => run(isa, k, piece, o, Exact),
         (GradMut::F16(o), Rounding::NearestEven) => {
@@ -147,10 +243,219 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
     }
 }
 
+/// Where a step reads a master and writes it, with its model weight.
+trait Master {
+    fn len(&self) -> usize;
+    fn get(&mut self, i: usize) -> f32;
+    fn set(&mut self, i: usize, x: f32);
+}
+
+/// An FP32 master beside the model's weight, which `W` writes.
+struct Plain<'a, W: Write> {
+    x: &'a mut [f32],
+    out: &'a mut [W::Out],
+    w: W,
+}
+
+impl<W: Write> Master for Plain<'_, W> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.x.len().min(self.out.len())
+    }
+    #[inline(always)]
+    fn get(&mut self, i: usize) -> f32 {
+        self.x[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32) {
+        self.x[i] = x;
+        self.out[i] = self.w.write(x);
+    }
+}
+
+/// A master that is the bf16 weight plus a remainder (`format::split_master`).
+struct Split<'a> {
+    rem: &'a mut [u16],
+    out: &'a mut [u16],
+}
+
+impl Master for Split<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.rem.len().min(self.out.len())
+    }
+    #[inline(always)]
+    fn get(&mut self, i: usize) -> f32 {
+        join_master(self.out[i], self.rem[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32) {
+        (self.out[i], self.rem[i]) = split_master(x);
+    }
+}
+
+/// [`moments`] compiled for `isa`, as [`run`] compiles the FP32 loop (the same scalar code, so
+/// the same bits on every path).
+fn moments_on<X: Master>(
+    isa: Isa,
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    match isa {
+        // SAFETY: as in `run`: Avx512 is reported only after detecting AVX-512F, AVX2 and F16C,
+        // and AVX-512DQ is detected here.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512dq") => unsafe {
+            moments_avx512(k, grad, x, first, second, keys)
+        },
+        // SAFETY: `active_isa` reports Avx2 or wider only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { moments_avx2(k, grad, x, first, second, keys) },
+        _ => moments(k, grad, x, first, second, keys),
+    }
+}
+
+/// [`moments`] at AVX-512's width.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512DQ, AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,f16c")]
+unsafe fn moments_avx512<X: Master>(
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    moments(k, grad, x, first, second, keys)
+}
+
+/// [`moments`] at AVX2's width.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn moments_avx2<X: Master>(
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    moments(k, grad, x, first, second, keys)
+}
+
+/// [`formats`] with the moments' cells typed.
+#[inline(always)]
+fn moments<X: Master>(
+    k: &Scalars,
+    grad: &[f32],
+    x: X,
+    first: Cells<'_>,
+    second: Cells<'_>,
+    keys: u64,
+) {
+    match (first, second) {
+        (Cells::F32(m), Cells::F32(v)) => formats::<X, F32Cell>(k, grad, x, m, v, keys),
+        (Cells::U16(m), Cells::U16(v)) => formats::<X, Bf16Cell>(k, grad, x, m, v, keys),
+        // SGD keeps no second moment.
+        (Cells::U16(m), Cells::F32([])) => formats::<X, Bf16Cell>(k, grad, x, m, &mut [], keys),
+        _ => unreachable!("both moments have one format"),
+    }
+}
+
+/// How a moment is stored.
+trait Cell {
+    type Cell: Copy;
+    /// Whether storing takes random bits.
+    const DRAWS: bool;
+    fn load(c: Self::Cell) -> f32;
+    fn store(v: f32, r: u32) -> Self::Cell;
+}
+
+struct F32Cell;
+
+impl Cell for F32Cell {
+    type Cell = f32;
+    const DRAWS: bool = false;
+    #[inline(always)]
+    fn load(c: f32) -> f32 {
+        c
+    }
+    #[inline(always)]
+    fn store(v: f32, _: u32) -> f32 {
+        v
+    }
+}
+
+/// A bf16 moment, rounded stochastically.
+struct Bf16Cell;
+
+impl Cell for Bf16Cell {
+    type Cell = u16;
+    const DRAWS: bool = true;
+    #[inline(always)]
+    fn load(c: u16) -> f32 {
+        bf16_to_f32(c)
+    }
+    #[inline(always)]
+    fn store(v: f32, r: u32) -> u16 {
+        rounding::stochastic_bf16(v, r)
+    }
+}
+
+/// The loop over a piece with a smaller format: each element's master and moments loaded,
+/// stepped in f32 by the FP32 loop's rule, and stored, the moments rounded with the draws of
+/// the counter `keys` (which steps with the element).
+#[inline(always)]
+fn formats<X: Master, C: Cell>(
+    k: &Scalars,
+    grad: &[f32],
+    mut x: X,
+    first: &mut [C::Cell],
+    second: &mut [C::Cell],
+    keys: u64,
+) {
+    let n = grad.len();
+    assert!(first.len() == n && x.len() == n, "a piece's slices");
+    let mut c = keys;
+    let draws = |c: u64| if C::DRAWS { rounding::draws_at(c) } else { (0, 0) };
+    match k {
+        Scalars::AdamW(a) => {
+            assert_eq!(second.len(), n, "AdamW's second moments");
+            for i in 0..n {
+                let (mut w, mut m, mut v) = (x.get(i), C::load(first[i]), C::load(second[i]));
+                a.step(grad[i], &mut w, &mut m, &mut v);
+                let (rm, rv) = draws(c);
+                (first[i], second[i]) = (C::store(m, rm), C::store(v, rv));
+                x.set(i, w);
+                c = rounding::next(c);
+            }
+        }
+        Scalars::Sgd(s) => {
+            for i in 0..n {
+                let (mut w, mut b) = (x.get(i), C::load(first[i]));
+                s.step(grad[i], &mut w, &mut b);
+                first[i] = C::store(b, draws(c).0);
+                x.set(i, w);
+                c = rounding::next(c);
+            }
+        }
+    }
+}
+
 /// [`rows`] compiled for `isa`. The AVX-512 build also takes AVX-512DQ, whose 64-bit multiply
 /// the stochastic rounding's hash needs (every AVX-512 CPU has it but the Xeon Phi, which runs
 /// the AVX2 build).
-fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+fn run<W: Write>(isa: Isa, k: &Scalars, p: Flat<'_>, out: &mut [W::Out], w: W) {
     match isa {
         // SAFETY: `active_isa` reports Avx512 only after detecting AVX-512F, AVX2 and F16C, and
         // `with_isa` only narrows it; AVX-512DQ is detected here.
@@ -171,7 +476,7 @@ fn run<W: Write>(isa: Isa, k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) 
 /// The CPU must have AVX-512F, AVX-512DQ, AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,f16c")]
-unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Flat<'_>, out: &mut [W::Out], w: W) {
     rows(k, p, out, w)
 }
 
@@ -181,13 +486,13 @@ unsafe fn rows_avx512<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn rows_avx2<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], w: W) {
+unsafe fn rows_avx2<W: Write>(k: &Scalars, p: Flat<'_>, out: &mut [W::Out], w: W) {
     rows(k, p, out, w)
 }
 
 /// The loop itself, inlined into each path so that it is compiled for the path's instructions.
 #[inline(always)]
-fn rows<W: Write>(k: &Scalars, p: Piece<'_>, out: &mut [W::Out], mut w: W) {
+fn rows<W: Write>(k: &Scalars, p: Flat<'_>, out: &mut [W::Out], mut w: W) {
     let n = p.grad.len();
     assert!(p.master.len() == n && p.first.len() == n && out.len() == n, "a piece's slices");
     let rows = p.grad.iter().zip(p.master.iter_mut()).zip(p.first.iter_mut()).zip(out.iter_mut());

@@ -45,6 +45,21 @@ pub(crate) fn key(seed: u64, step: u64) -> u64 {
     mix(seed ^ mix(step.wrapping_add(0x9e37_79b9_7f4a_7c15)))
 }
 
+/// The key of one step's draws for the moments in bf16, apart from the weights' draws of the
+/// same seed: an element's 64 random bits ([`draws_at`]) round its first moment with their upper
+/// half and its second with their lower half, one hash for both.
+#[inline]
+pub(crate) fn moment_key(seed: u64, step: u64) -> u64 {
+    key(mix(seed ^ 0xd6e8_feb8_6659_fd93), step)
+}
+
+/// The random 32 bits of the first and of the second moment of the element with `counter`.
+#[inline(always)]
+pub(crate) fn draws_at(counter: u64) -> (u32, u32) {
+    let z = mix(counter);
+    ((z >> 32) as u32, z as u32)
+}
+
 /// How far apart consecutive elements' counters are.
 const STRIDE: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -113,7 +128,7 @@ fn by_neighbours(x: f32, dtype: Dtype, r: u32) -> u16 {
 /// [`stochastic`] for bf16 in integers (a test holds it to [`by_neighbours`]): the neighbours are the upper half of `x`'s bits and the
 /// next, and p · 2^32 is the lower half shifted up (both in units of `x`'s f32 spacing).
 #[inline(always)]
-fn stochastic_bf16(x: f32, r: u32) -> u16 {
+pub(crate) fn stochastic_bf16(x: f32, r: u32) -> u16 {
     let bits = x.to_bits();
     let down = (bits >> 16) as u16;
     // Infinities and NaN, and the largest finite magnitude, whose upper neighbour is infinite.

@@ -1,17 +1,23 @@
 //! The optimizer's saved state: what it was made with (tensors, model dtypes, algorithm,
 //! rounding), the learning rate and step count, and per tensor the elements this rank holds
 //! with their values. Elements are named by their place in the tensor, not in the flat layout or
-//! a shard, so the parts of any shard count re-cut into any other.
+//! a shard, so the parts of any shard count re-cut into any other. Version 2 adds the state's
+//! formats; a part of one format loads into an optimizer of another where the conversion is
+//! exact or a rounding (see `convert`).
 
 use std::ops::Range;
 
-use super::store::Values;
+use super::format::{remainder_of_nearest, StateFormat};
+use super::store::{Column, Values};
 use super::{piece, Optimizer};
 use crate::error::{Error, ErrorKind, Result};
+use crate::math::{bf16_to_f32, f32_to_bf16};
 use crate::state::{Reader, Writer};
 
 const MAGIC: [u8; 4] = *b"GAOP";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// Version 1: FP32 state, saved before the formats were.
+const FP32_VERSION: u32 = 1;
 const WHAT: &str = "optimizer state";
 
 /// What identifies the optimizer a part must come from, in saved order.
@@ -34,24 +40,89 @@ pub(super) fn encode(o: &Optimizer, s: &Values<'_>) -> Vec<u8> {
     for v in identity(o) {
         w.u64(v);
     }
+    let (masters, moments, _) = o.format.codes();
+    w.u64(masters).u64(moments);
     w.f32(s.lr).u64(s.steps);
+    let column = |w: &mut Writer, c: &Column<'_>, r: Range<usize>| match c {
+        Column::F32(v) => drop(w.f32s(&v[r])),
+        Column::U16(v) => drop(w.u16s(&v[r])),
+    };
     for i in 0..o.dtypes.len() {
         let p = piece(&o.plan, i, &o.held);
         w.u64(p.tensor.start as u64).u64(p.tensor.end as u64);
-        w.f32s(&s.master[p.held.clone()]).f32s(&s.first[p.held.clone()]);
+        column(&mut w, &s.master, p.held.clone());
+        column(&mut w, &s.first, p.held.clone());
         if o.algorithm.second_moment() {
-            w.f32s(&s.second[p.held]);
+            column(&mut w, &s.second, p.held);
         }
     }
     w.finish()
+}
+
+/// A column read back, in a format.
+#[derive(Clone, Debug)]
+pub(super) enum Owned {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+impl Owned {
+    fn column(&self) -> Column<'_> {
+        match self {
+            Owned::F32(v) => Column::F32(v),
+            Owned::U16(v) => Column::U16(v),
+        }
+    }
+
+    fn zeros(u16s: bool, len: usize) -> Owned {
+        if u16s {
+            Owned::U16(vec![0; len])
+        } else {
+            Owned::F32(vec![0.0; len])
+        }
+    }
+
+    fn set(&mut self, at: usize, from: &Owned, e: usize) {
+        match (self, from) {
+            (Owned::F32(to), Owned::F32(from)) => to[at] = from[e],
+            (Owned::U16(to), Owned::U16(from)) => to[at] = from[e],
+            _ => unreachable!("columns are converted to the optimizer's formats first"),
+        }
+    }
+}
+
+/// A part's column `c` (slot 0: masters, else moments) in the optimizer's format `to`, or why it
+/// cannot be: FP32 masters become remainders of their nearest-even bf16 weights (exact but at
+/// ties of even upper halves, where the master moves one f32 unit toward its weight), and FP32
+/// moments bf16 by rounding to nearest even; bf16 moments widen exactly. Remainders need their
+/// weights, so they load only as remainders.
+fn convert(c: Owned, slot: usize, to: &StateFormat, index: usize) -> Result<Owned> {
+    let u16s = if slot == 0 { to.remainders() } else { to.bf16_moments() };
+    Ok(match (c, u16s) {
+        (c @ Owned::F32(_), false) | (c @ Owned::U16(_), true) => c,
+        (Owned::F32(v), true) if slot == 0 => {
+            let rem: Option<Vec<u16>> = v.iter().map(|&x| remainder_of_nearest(x)).collect();
+            Owned::U16(rem.ok_or_else(|| {
+                corrupt(format!("part {index} holds a non-finite master, which bf16-remainder masters cannot take from FP32 state"))
+            })?)
+        }
+        (Owned::F32(v), true) => Owned::U16(v.iter().map(|&x| f32_to_bf16(x)).collect()),
+        (Owned::U16(_), false) if slot == 0 => {
+            return Err(corrupt(format!(
+                "part {index} holds bf16-remainder masters, which need their bf16 weights: load it into an optimizer with MasterFormat::Bf16Remainder"
+            )))
+        }
+        (Owned::U16(v), false) => Owned::F32(v.iter().map(|&b| bf16_to_f32(b)).collect()),
+    })
 }
 
 /// One part, read whole.
 struct Part {
     lr: f32,
     steps: u64,
-    /// Per tensor: the elements held (counted from the tensor's start) and their values.
-    tensors: Vec<(Range<usize>, [Vec<f32>; 3])>,
+    /// Per tensor: the elements held (counted from the tensor's start) and their values, in
+    /// the optimizer's formats.
+    tensors: Vec<(Range<usize>, [Owned; 3])>,
 }
 
 fn corrupt(message: String) -> Error {
@@ -59,13 +130,19 @@ fn corrupt(message: String) -> Error {
 }
 
 fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
-    let mut r = Reader::open(WHAT, bytes, MAGIC, VERSION)?;
+    let (mut r, version) = Reader::open_versions(WHAT, bytes, MAGIC, FP32_VERSION..=VERSION)?;
     for (k, expected) in identity(o).into_iter().enumerate() {
         if r.u64()? != expected {
             return Err(corrupt(format!(
                 "part {index} is from an optimizer with other tensors, model dtypes, algorithm or rounding (field {k})"
             )));
         }
+    }
+    let (masters, moments) = if version == FP32_VERSION { (0, 0) } else { (r.u64()?, r.u64()?) };
+    if masters > 1 || moments > 1 {
+        return Err(corrupt(format!(
+            "part {index} names state formats {masters} and {moments}, which this version does not know"
+        )));
     }
     let (lr, steps) = (r.f32()?, r.u64()?);
     let mut tensors = Vec::with_capacity(o.dtypes.len());
@@ -78,11 +155,22 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
             )));
         }
         let n = (end - start) as usize;
-        let mut values: [Vec<f32>; 3] = Default::default();
+        let mut values: [Owned; 3] = [Owned::F32(vec![]), Owned::F32(vec![]), Owned::F32(vec![])];
         let slots = if o.algorithm.second_moment() { 3 } else { 2 };
-        for v in &mut values[..slots] {
+        for (slot, v) in values[..slots].iter_mut().enumerate() {
             // A length that disagrees with the part's own range is damage, not another object.
-            r.f32s_into(v, n).map_err(|e| corrupt(format!("part {index}: {}", e.message)))?;
+            let damaged = |e: Error| corrupt(format!("part {index}: {}", e.message));
+            let u16s = if slot == 0 { masters == 1 } else { moments == 1 };
+            let saved = if u16s {
+                let mut b = Vec::new();
+                r.u16s_into(&mut b, n).map_err(damaged)?;
+                Owned::U16(b)
+            } else {
+                let mut b = Vec::new();
+                r.f32s_into(&mut b, n).map_err(damaged)?;
+                Owned::F32(b)
+            };
+            *v = convert(saved, slot, &o.format, index)?;
         }
         tensors.push((start as usize..end as usize, values));
     }
@@ -120,12 +208,13 @@ fn check_disjoint(parts: &[Part], bytes: &[&[u8]]) -> Result<()> {
 pub(super) struct Restored {
     lr: f32,
     steps: u64,
-    values: [Vec<f32>; 3],
+    values: [Owned; 3],
 }
 
 impl Restored {
     pub(super) fn values(&self) -> Values<'_> {
         let [master, first, second] = &self.values;
+        let (master, first, second) = (master.column(), first.column(), second.column());
         Values { lr: self.lr, steps: self.steps, master, first, second }
     }
 }
@@ -155,10 +244,11 @@ pub(super) fn decode(o: &Optimizer, bytes: &[&[u8]]) -> Result<Restored> {
         return Err(corrupt(format!("the saved step count {steps} leaves no step to take")));
     }
     check_disjoint(&parts, bytes)?;
-    let mut values = [vec![0.0f32; held.len()], vec![0.0; held.len()], vec![]];
-    if o.algorithm.second_moment() {
-        values[2] = vec![0.0; held.len()];
-    }
+    let (rem, bf16) = (o.format.remainders(), o.format.bf16_moments());
+    let second = if o.algorithm.second_moment() { held.len() } else { 0 };
+    let mut values =
+        [Owned::zeros(rem, held.len()), Owned::zeros(bf16, held.len()), Owned::zeros(bf16, second)];
+    let slots = if second > 0 { 3 } else { 2 };
     let mut covered = vec![false; held.len()];
     for i in 0..o.dtypes.len() {
         let p = piece(&o.plan, i, held);
@@ -168,8 +258,8 @@ pub(super) fn decode(o: &Optimizer, bytes: &[&[u8]]) -> Result<Restored> {
             let (lo, hi) = (want.start.max(have.start), want.end.min(have.end));
             for e in lo..hi {
                 let at = base + e - want.start;
-                for (slot, v) in values.iter_mut().enumerate().filter(|(_, v)| !v.is_empty()) {
-                    v[at] = saved[slot][e - have.start];
+                for (slot, v) in values[..slots].iter_mut().enumerate() {
+                    v.set(at, &saved[slot], e - have.start);
                 }
                 covered[at] = true;
             }

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::config::{Algorithm, TensorGroup};
+use super::format::StateFormat;
 use super::piece;
 use super::rounding::Rounding;
 use crate::accumulator::protocol::{self, HostChannel, Step};
@@ -72,6 +73,7 @@ pub(crate) struct Setup<'a> {
     pub plan: &'a Arc<Plan>,
     pub algorithm: Algorithm,
     pub rounding: Rounding,
+    pub format: StateFormat,
     /// The learning rate of the first step.
     pub lr: f32,
     /// Per tensor: its group, and the model weights' dtype.
@@ -143,13 +145,39 @@ pub(crate) struct Span {
 }
 
 /// The state a store holds, read or to be written: the learning rate, the step count, and the
-/// held masters and moments (`second` empty for SGD).
+/// held masters (or remainders) and moments (`second` empty for SGD), each in its format.
 pub(crate) struct Values<'a> {
     pub lr: f32,
     pub steps: u64,
-    pub master: &'a [f32],
-    pub first: &'a [f32],
-    pub second: &'a [f32],
+    pub master: Column<'a>,
+    pub first: Column<'a>,
+    pub second: Column<'a>,
+}
+
+/// One held value per element: f32, or 16-bit words (bf16 moments, the masters' remainders).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Column<'a> {
+    F32(&'a [f32]),
+    U16(&'a [u16]),
+}
+
+impl Column<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Column::F32(v) => v.len(),
+            Column::U16(v) => v.len(),
+        }
+    }
+
+    /// The values of `range` as f32: 16-bit words widened as bf16, or (`integers`) as the
+    /// integers they are.
+    pub(crate) fn widened(&self, range: Range<usize>, integers: bool) -> Vec<f32> {
+        match self {
+            Column::F32(v) => v[range].to_vec(),
+            Column::U16(v) if integers => v[range].iter().map(|&b| b as f32).collect(),
+            Column::U16(v) => v[range].iter().map(|&b| crate::math::bf16_to_f32(b)).collect(),
+        }
+    }
 }
 
 /// What every rank's optimizer must share in a sharded step (algorithm, rounding, model dtypes,

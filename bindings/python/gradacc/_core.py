@@ -27,6 +27,8 @@ Overflow = enum.IntEnum("Overflow", {k: v for k, v in _constants("GRADACC_OVERFL
                                      if not k.startswith("AT_")}, module=__name__)
 Algorithm = enum.IntEnum("Algorithm", _constants("GRADACC_OPTIMIZER_"), module=__name__)
 Rounding = enum.IntEnum("Rounding", _constants("GRADACC_ROUNDING_"), module=__name__)
+Masters = enum.IntEnum("Masters", _constants("GRADACC_MASTERS_"), module=__name__)
+Moments = enum.IntEnum("Moments", _constants("GRADACC_MOMENTS_"), module=__name__)
 
 
 class GradaccError(Exception):
@@ -767,6 +769,8 @@ class Accumulator(_Managed):
 _ALGORITHM_NAMES = {"adamw": Algorithm.ADAMW, "sgd": Algorithm.SGD}
 _ROUNDING_NAMES = {"nearest": Rounding.NEAREST_EVEN, "nearest_even": Rounding.NEAREST_EVEN,
                    "stochastic": Rounding.STOCHASTIC}
+_MASTERS_NAMES = {"fp32": Masters.FP32, "bf16_remainder": Masters.BF16_REMAINDER}
+_MOMENTS_NAMES = {"fp32": Moments.FP32, "bf16": Moments.BF16}
 
 
 def _choice(names, what, value):
@@ -810,7 +814,10 @@ class Optimizer(_Managed):
     ``Optimizer(acc, weights, algorithm="adamw", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
     weight_decay=0.01)`` or ``algorithm="sgd"`` with ``momentum``, ``dampening``, ``nesterov`` and
     ``weight_decay`` (0 unless given, as in ``torch.optim.SGD``); ``rounding="nearest"`` or
-    ``"stochastic"`` with ``seed``. ``config=`` takes a whole ``gradacc_optimizer_config_t``.
+    ``"stochastic"`` with ``seed``; ``moments="bf16"`` (with ``moment_seed``) keeps the moments in
+    bf16, rounded stochastically, and ``master_format="bf16_remainder"`` keeps each master as its bf16
+    weight plus a 16-bit remainder (bf16 weights only; docs/optimizer.md, "Smaller state").
+    ``config=`` takes a whole ``gradacc_optimizer_config_t``.
     ``groups`` gives each tensor ``(weight_decay, lr_scale)`` (or a dict of those keys);
     ``dtypes`` the weights' dtypes where the arrays do not say. The masters start as the weights'
     values (for this rank's shard under a sharded boundary). On a CUDA accumulator the weights are
@@ -831,8 +838,11 @@ class Optimizer(_Managed):
     referenced, not copied, and must not be written while a call runs."""
     _destroy = staticmethod(lambda p: ffi.gradacc_optimizer_destroy(p))
 
-    def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, masters=None, **fields):
+    def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, masters=None,
+                 master_format=None, **fields):
         n = len(acc)
+        if master_format is not None:
+            fields["masters"] = master_format  # the config's field; `masters=` adopts a buffer
         if len(weights) != n:
             raise ValueError(f"weights: {len(weights)} arrays for {n} tensors")
         for what, seq in (("groups", groups), ("dtypes", dtypes)):
@@ -844,7 +854,9 @@ class Optimizer(_Managed):
             fields["weight_decay"] = 0.0  # torch.optim.SGD's default, not AdamW's 0.01
         cfg = _config(ffi.gradacc_optimizer_config_t, ffi.gradacc_optimizer_config_default, config, fields,
                       {"algorithm": lambda v: _choice(_ALGORITHM_NAMES, "algorithm", v),
-                       "rounding": lambda v: _choice(_ROUNDING_NAMES, "rounding", v)})
+                       "rounding": lambda v: _choice(_ROUNDING_NAMES, "rounding", v),
+                       "masters": lambda v: _choice(_MASTERS_NAMES, "master_format", v),
+                       "moments": lambda v: _choice(_MOMENTS_NAMES, "moments", v)})
         ptrs, keep, codes = [], [], []
         for i, (w, (numel, declared)) in enumerate(zip(weights, acc.tensors)):
             dt = _dtype(dtypes[i]) if dtypes is not None else _weight_dtype(w, declared, i)

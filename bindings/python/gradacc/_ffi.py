@@ -60,6 +60,10 @@ GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, beta2, 
 GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
 GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
 GRADACC_ROUNDING_STOCHASTIC = 1  # Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
+GRADACC_MASTERS_FP32 = 0  # FP32 masters: 4 bytes per parameter beside the model's weight.
+GRADACC_MASTERS_BF16_REMAINDER = 1  # The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes per parameter, the FP32 master exactly.
+GRADACC_MOMENTS_FP32 = 0  # FP32 moments: 4 bytes per moment.
+GRADACC_MOMENTS_BF16 = 1  # bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the element (the same on every rank and shard count).
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -219,6 +223,12 @@ gradacc_optimizer_algorithm_t = ctypes.c_int32
 # How the FP32 master weights become the model's 16-bit weights.
 gradacc_rounding_t = ctypes.c_int32
 
+# How the FP32 master weights are kept between steps.
+gradacc_masters_t = ctypes.c_int32
+
+# How AdamW's moments (SGD's momentum buffer) are kept between steps.
+gradacc_moments_t = ctypes.c_int32
+
 # Optimizer configuration.
 class gradacc_optimizer_config_t(ctypes.Structure):
     _fields_ = [
@@ -234,6 +244,9 @@ class gradacc_optimizer_config_t(ctypes.Structure):
         ("nesterov", ctypes.c_bool),
         ("rounding", gradacc_rounding_t),
         ("seed", ctypes.c_uint64),
+        ("masters", gradacc_masters_t),
+        ("moments", gradacc_moments_t),
+        ("moment_seed", ctypes.c_uint64),
     ]
 
 # One tensor's options (PyTorch's parameter groups, per tensor).

@@ -320,3 +320,36 @@ def test_adopted_masters_are_stepped_in_place_and_loaded_into():
             opt.load([saved])
             for at, m in zip(offsets, reference):
                 assert np.array_equal(flat[at:at + m.size].view(np.uint32), m.view(np.uint32))
+
+
+# ---- smaller state formats ----------------------------------------------------------------------
+
+
+def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
+    """Remainder masters write the FP32-master optimizer's weights (but at ties of even upper
+    halves, one bf16 unit away); bf16 moments step and round-trip through save and load; and
+    remainders refuse f16 weights with the tensor named."""
+    layout = [(300, "bf16"), (7, "bf16")]
+    start = [bf16_bits(np.linspace(-2.0, 2.0, 300, dtype=np.float32)), bf16_bits(np.arange(7) * 0.5)]
+    grads = lambda step: [bf16_bits(np.cos(np.arange(n, dtype=np.float32) + step)) for n, _ in layout]
+    runs = []
+    for fields in ({}, {"master_format": "bf16_remainder"}, {"master_format": "bf16_remainder", "moments": "bf16", "moment_seed": 4}):
+        weights = [w.copy() for w in start]
+        with unit_scaler() as scaler, gradacc.Accumulator(layout) as acc, \
+                gradacc.Optimizer(acc, weights, lr=0.01, **fields) as opt:
+            for step in range(4):
+                add_and_sync(acc, scaler, grads(step))
+                assert opt.step()
+            state = opt.save()
+            opt.load(state)
+            assert opt.steps == 4
+        runs.append(weights)
+    for a, b in zip(runs[0], runs[1]):
+        diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    with gradacc.Accumulator([(3, "f16")]) as acc:
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, [np.zeros(3, np.float16)], master_format="bf16_remainder")
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "weights[0]" in e.value.message
+        with pytest.raises(ValueError, match="moments"):
+            gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="fp8")

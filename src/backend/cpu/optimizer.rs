@@ -2,7 +2,7 @@
 //! the moments, the learning rate and step count; the fused pass over them (`optimizer::pass`),
 //! and the all-gather of the weights over a host communicator.
 
-use std::ops::{Deref, DerefMut, Range};
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::accumulator::{Accumulator, Plan};
@@ -11,15 +11,16 @@ use crate::device::DevicePtr;
 use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
 use crate::math::{bf16_to_f32, f16_to_f32};
-use crate::optimizer::pass;
+use crate::optimizer::pass::{self, Cells};
 use crate::optimizer::store::{
-    agree_on_host, Fingerprint, Gather, Init, OptimizerStore, Setup, Values, Weights,
+    agree_on_host, Column, Fingerprint, Gather, Init, OptimizerStore, Setup, Values, Weights,
 };
 use crate::optimizer::update::Scalars;
-use crate::optimizer::{piece, Algorithm, Rounding, TensorGroup};
+use crate::optimizer::{piece, Algorithm, MomentFormat, Rounding, TensorGroup};
 
-/// A host optimizer's masters: a vector it owns, or the caller's buffer it adopted (a
-/// framework's own FP32 master weights, updated in place so that no second copy exists).
+/// A host optimizer's masters: a vector it owns, the caller's buffer it adopted (a
+/// framework's own FP32 master weights, updated in place so that no second copy exists), or the
+/// remainders that make the model's bf16 weights the masters.
 #[derive(Debug)]
 enum Masters {
     Owned(Vec<f32>),
@@ -28,6 +29,7 @@ enum Masters {
         ptr: *mut f32,
         len: usize,
     },
+    Remainders(Vec<u16>),
 }
 
 // SAFETY: an adopted buffer is plain f32 memory that the caller lends for the optimizer's
@@ -35,27 +37,82 @@ enum Masters {
 // state, whose lock serialises every access.
 unsafe impl Send for Masters {}
 
-impl Deref for Masters {
-    type Target = [f32];
-
-    fn deref(&self) -> &[f32] {
+impl Masters {
+    fn column(&self) -> Column<'_> {
         match self {
-            Masters::Owned(v) => v,
-            // SAFETY: the caller lends `len` initialised f32 values at the non-null, aligned
-            // `ptr` (checked at creation) for the optimizer's lifetime, and writes none of them
-            // while the optimizer reads (`Optimizer::with_masters`' contract).
-            Masters::Adopted { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Masters::Owned(v) => Column::F32(v),
+            Masters::Adopted { ptr, len } => {
+                // SAFETY: the caller lends `len` initialised f32 values at the non-null, aligned
+                // `ptr` (checked at creation) for the optimizer's lifetime, and writes none of
+                // them while the optimizer reads (`Optimizer::with_masters`' contract).
+                Column::F32(unsafe { std::slice::from_raw_parts(*ptr, *len) })
+            }
+            Masters::Remainders(v) => Column::U16(v),
         }
+    }
+
+    fn cells(&mut self, range: Range<usize>) -> Cells<'_> {
+        match self {
+            Masters::Owned(v) => Cells::F32(&mut v[range]),
+            Masters::Adopted { ptr, len } => {
+                // SAFETY: as `column`; `&mut self`, held under the optimizer's lock, excludes
+                // every other access through the optimizer, and the caller makes none while it
+                // writes.
+                let all = unsafe { std::slice::from_raw_parts_mut(*ptr, *len) };
+                Cells::F32(&mut all[range])
+            }
+            Masters::Remainders(v) => Cells::U16(&mut v[range]),
+        }
+    }
+
+    /// Overwrites the values with `values`, of this format (adopted ones in place).
+    fn restore(&mut self, values: Column<'_>) -> Result<()> {
+        let n = values.len();
+        match (self.cells(0..n), values) {
+            (Cells::F32(to), Column::F32(from)) => to.copy_from_slice(from),
+            (Cells::U16(to), Column::U16(from)) => to.copy_from_slice(from),
+            _ => return Err(Error::invalid("saved masters of another format")),
+        }
+        Ok(())
     }
 }
 
-impl DerefMut for Masters {
-    fn deref_mut(&mut self) -> &mut [f32] {
+/// A host optimizer's moments (one column): f32, or bf16 bits; empty for SGD's second.
+#[derive(Debug)]
+enum Moments {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl Moments {
+    fn zeros(bf16: bool, len: usize) -> Moments {
+        if bf16 {
+            Moments::Bf16(vec![0; len])
+        } else {
+            Moments::F32(vec![0.0; len])
+        }
+    }
+
+    fn column(&self) -> Column<'_> {
         match self {
-            Masters::Owned(v) => v,
-            // SAFETY: as `deref`; `&mut self`, held under the optimizer's lock, excludes every
-            // other access through the optimizer, and the caller makes none while it writes.
-            Masters::Adopted { ptr, len } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+            Moments::F32(v) => Column::F32(v),
+            Moments::Bf16(v) => Column::U16(v),
+        }
+    }
+
+    fn cells(&mut self, range: Range<usize>) -> Cells<'_> {
+        match self {
+            Moments::F32(v) if v.is_empty() => Cells::F32(&mut []),
+            Moments::Bf16(v) if v.is_empty() => Cells::F32(&mut []),
+            Moments::F32(v) => Cells::F32(&mut v[range]),
+            Moments::Bf16(v) => Cells::U16(&mut v[range]),
+        }
+    }
+
+    fn from_column(c: Column<'_>) -> Moments {
+        match c {
+            Column::F32(v) => Moments::F32(v.to_vec()),
+            Column::U16(v) => Moments::Bf16(v.to_vec()),
         }
     }
 }
@@ -66,6 +123,7 @@ pub(crate) struct HostOptimizer {
     plan: Arc<Plan>,
     algorithm: Algorithm,
     rounding: Rounding,
+    moments: MomentFormat,
     groups: Vec<TensorGroup>,
     dtypes: Vec<Dtype>,
     lr: f32,
@@ -75,9 +133,9 @@ pub(crate) struct HostOptimizer {
     /// adopted buffer's padding is not read, and written only by `restore`, with zeros).
     held: Range<usize>,
     master: Masters,
-    first: Vec<f32>,
+    first: Moments,
     /// Empty for SGD.
-    second: Vec<f32>,
+    second: Moments,
 }
 
 impl HostOptimizer {
@@ -90,19 +148,23 @@ impl HostOptimizer {
         let held = setup.held();
         let master = match setup.masters {
             Some((ptr, len)) => Masters::Adopted { ptr, len },
+            // A widened bf16 weight's lower half is zero.
+            None if setup.format.remainders() => Masters::Remainders(vec![0; held.len()]),
             None => Masters::Owned(masters_from(setup.plan, &held, weights)),
         };
         let second_moment = setup.algorithm.second_moment();
+        let bf16 = setup.format.bf16_moments();
         Ok(HostOptimizer {
             plan: setup.plan.clone(),
             algorithm: setup.algorithm,
             rounding: setup.rounding,
+            moments: setup.format.moments,
             groups: setup.groups.to_vec(),
             dtypes: setup.dtypes.to_vec(),
             lr: setup.lr,
             steps: 0,
-            first: vec![0.0; held.len()],
-            second: if second_moment { vec![0.0; held.len()] } else { vec![] },
+            first: Moments::zeros(bf16, held.len()),
+            second: Moments::zeros(bf16, if second_moment { held.len() } else { 0 }),
             master,
             held,
         })
@@ -116,16 +178,15 @@ impl HostOptimizer {
             let group = self.groups[i];
             let lr = self.lr as f64 * group.lr_scale as f64;
             let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t);
-            let second = &mut self.second;
             let state = pass::Piece {
                 grad: &grad[p.held.clone()],
-                master: &mut self.master[p.held.clone()],
-                first: &mut self.first[p.held.clone()],
-                second: if second.is_empty() { &mut [] } else { &mut second[p.held.clone()] },
+                master: self.master.cells(p.held.clone()),
+                first: self.first.cells(p.held.clone()),
+                second: self.second.cells(p.held.clone()),
             };
-            let threads = self.plan.config.threads;
+            let (threads, flat) = (self.plan.config.threads, p.flat.start);
             let out = w.slice_mut(p.tensor);
-            pass::step_threads(&k, state, out, self.rounding, t, p.flat.start, threads);
+            pass::step_threads(&k, state, out, self.rounding, self.moments, t, flat, threads);
         }
         self.steps = t;
     }
@@ -184,18 +245,18 @@ impl OptimizerStore for HostOptimizer {
         f(&Values {
             lr: self.lr,
             steps: self.steps,
-            master: &self.master,
-            first: &self.first,
-            second: &self.second,
+            master: self.master.column(),
+            first: self.first.column(),
+            second: self.second.column(),
         });
         Ok(())
     }
 
     fn restore(&mut self, values: &Values<'_>) -> Result<()> {
         // Into the masters in place: adopted ones stay the caller's buffer.
-        self.master.copy_from_slice(values.master);
-        self.first = values.first.to_vec();
-        self.second = values.second.to_vec();
+        self.master.restore(values.master)?;
+        self.first = Moments::from_column(values.first);
+        self.second = Moments::from_column(values.second);
         (self.lr, self.steps) = (values.lr, values.steps);
         Ok(())
     }
@@ -203,7 +264,7 @@ impl OptimizerStore for HostOptimizer {
     fn adopted(&self) -> Option<(DevicePtr, usize)> {
         match self.master {
             Masters::Adopted { ptr, len } => Some((ptr as DevicePtr, len)),
-            Masters::Owned(_) => None,
+            Masters::Owned(_) | Masters::Remainders(_) => None,
         }
     }
 

@@ -121,6 +121,11 @@ pub struct GaOptRule {
     /// `GA_ROUND_NEAREST` (0) or `GA_ROUND_STOCHASTIC` (1).
     pub rounding: u32,
     pub seed: u64,
+    /// `GA_MASTERS_F32` (0) or `GA_MASTERS_REMAINDER` (1).
+    pub masters: u32,
+    /// `GA_MOMENTS_F32` (0) or `GA_MOMENTS_BF16` (1).
+    pub moments: u32,
+    pub moment_seed: u64,
 }
 
 /// `ga_opt_tensor`: one tensor's options in the optimizer.

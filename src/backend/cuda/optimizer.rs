@@ -25,9 +25,9 @@ use crate::device::DevicePtr;
 use crate::dtype::{self, Dtype};
 use crate::error::{Error, ErrorKind, Result};
 use crate::optimizer::store::{
-    Fingerprint, Gather as ShardGather, Init, OptimizerStore, Setup, Span, Values, Weights,
+    Column, Fingerprint, Gather as ShardGather, Init, OptimizerStore, Setup, Span, Values, Weights,
 };
-use crate::optimizer::{Algorithm, Rounding};
+use crate::optimizer::{Algorithm, Rounding, StateFormat};
 
 /// One launch over a table: tensors `first..first + count`, whose chunks are consecutive.
 struct Launch {
@@ -174,6 +174,7 @@ pub(crate) struct DeviceOptimizer {
     adopted: Option<(CUdeviceptr, usize)>,
     /// The kernels' update rule; per tensor the model weights' dtype and element count.
     rule: GaOptRule,
+    format: StateFormat,
     dtypes: Vec<Dtype>,
     numel: Vec<usize>,
     /// The learning rate the host last set, and the steps taken as far as the host knows:
@@ -227,8 +228,11 @@ impl DeviceOptimizer {
             })
             .collect();
         let adopted = setup.masters.map(|(ptr, len)| (ptr as CUdeviceptr, len));
+        let (rem, bf16) = (setup.format.remainders(), setup.format.bf16_moments());
         let master = match adopted {
             Some((ptr, _)) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
+            // A widened bf16 weight's remainder is zero.
+            None if rem => DeviceBuffer::zeroed(&ctx, stream, held.len() * 2)?,
             None => {
                 let values = masters_from(&ctx, stream, &pieces, dtypes, weights, held.len())?;
                 DeviceBuffer::from_slice(&ctx, stream, &values)?
@@ -242,15 +246,16 @@ impl DeviceOptimizer {
             _ => None,
         };
         let len = held.len();
+        let moment_bytes = len * if bf16 { 2 } else { 4 };
         let steps = DeviceBuffer::zeroed(&ctx, stream, 8)?;
         let lr = DeviceBuffer::from_slice(&ctx, stream, &[setup.lr])?;
         Ok(DeviceOptimizer {
             tensors: DeviceBuffer::from_slice(&ctx, stream, &tensors)?,
             step_table,
             master,
-            first: DeviceBuffer::zeroed(&ctx, stream, len * 4)?,
+            first: DeviceBuffer::zeroed(&ctx, stream, moment_bytes)?,
             second: (setup.algorithm.second_moment())
-                .then(|| DeviceBuffer::zeroed(&ctx, stream, len * 4))
+                .then(|| DeviceBuffer::zeroed(&ctx, stream, moment_bytes))
                 .transpose()?,
             claims: Claims::scheduled(
                 &ctx,
@@ -261,7 +266,8 @@ impl DeviceOptimizer {
             lr,
             checked: Mutex::new(Vec::new()),
             adopted,
-            rule: rule(&setup.algorithm, setup.rounding),
+            rule: rule(&setup.algorithm, setup.rounding, &setup.format),
+            format: setup.format,
             dtypes: dtypes.to_vec(),
             numel,
             host_lr: setup.lr,
@@ -384,35 +390,43 @@ impl DeviceOptimizer {
         Ok(steps[0])
     }
 
-    /// The step count, the masters and the moments (waits for the stream).
-    fn read_state(&self) -> Result<(u64, [Vec<f32>; 3])> {
+    /// The step count, the masters (or remainders) and the moments, each in its format (waits
+    /// for the stream).
+    fn read_state(&self) -> Result<(u64, [Held; 3])> {
         let len = self.held.len();
-        let mut values: [Vec<f32>; 3] = [vec![0.0; len], vec![0.0; len], vec![]];
-        self.master.read(&mut values[0])?;
-        self.first.read(&mut values[1])?;
-        if let Some(second) = &self.second {
-            values[2] = vec![0.0; len];
-            second.read(&mut values[2])?;
-        }
+        let read = |b: &DeviceBuffer, u16s: bool| -> Result<Held> {
+            Ok(if u16s {
+                let mut v = vec![0u16; len];
+                b.read(&mut v)?;
+                Held::U16(v)
+            } else {
+                let mut v = vec![0f32; len];
+                b.read(&mut v)?;
+                Held::F32(v)
+            })
+        };
+        let (rem, bf16) = (self.format.remainders(), self.format.bf16_moments());
+        let second = match &self.second {
+            Some(b) => read(b, bf16)?,
+            None => Held::F32(vec![]),
+        };
+        let values = [read(&self.master, rem)?, read(&self.first, bf16)?, second];
         Ok((self.read_steps()?, values))
     }
 
     /// Enqueues overwriting the step count, learning rate, masters and moments (`second` ignored
-    /// for SGD).
-    fn write_state(
-        &self,
-        steps: u64,
-        lr: f32,
-        master: &[f32],
-        first: &[f32],
-        second: &[f32],
-    ) -> Result<()> {
-        self.steps.write(&[steps])?;
-        self.lr.write(&[lr])?;
-        self.master.write(master)?;
-        self.first.write(first)?;
+    /// for SGD), given in this optimizer's formats.
+    fn write_state(&self, v: &Values<'_>) -> Result<()> {
+        let write = |b: &DeviceBuffer, c: &Column<'_>| match c {
+            Column::F32(x) => b.write(x),
+            Column::U16(x) => b.write(x),
+        };
+        self.steps.write(&[v.steps])?;
+        self.lr.write(&[v.lr])?;
+        write(&self.master, &v.master)?;
+        write(&self.first, &v.first)?;
         if let Some(s) = &self.second {
-            s.write(second)?;
+            write(s, &v.second)?;
         }
         Ok(())
     }
@@ -446,13 +460,14 @@ impl OptimizerStore for DeviceOptimizer {
     fn view(&self, f: &mut dyn FnMut(&Values<'_>)) -> Result<()> {
         let (steps, [master, first, second]) = self.read_state()?;
         let lr = self.read_lr()?;
-        f(&Values { lr, steps, master: &master, first: &first, second: &second });
+        let (master, first, second) = (master.column(), first.column(), second.column());
+        f(&Values { lr, steps, master, first, second });
         Ok(())
     }
 
     fn restore(&mut self, v: &Values<'_>) -> Result<()> {
         // Stream-ordered; a failed copy leaves the device's state unknown, and is reported.
-        let written = self.write_state(v.steps, v.lr, v.master, v.first, v.second);
+        let written = self.write_state(v);
         (self.host_lr, self.host_steps, self.steps_known) = (v.lr, v.steps, true);
         written
     }
@@ -595,13 +610,30 @@ fn check_allocation(
     Ok(())
 }
 
-/// The kernels' rule for `algorithm`, rounding with `rounding`.
-fn rule(algorithm: &Algorithm, rounding: Rounding) -> GaOptRule {
+/// A state column read from the device.
+enum Held {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+impl Held {
+    fn column(&self) -> Column<'_> {
+        match self {
+            Held::F32(v) => Column::F32(v),
+            Held::U16(v) => Column::U16(v),
+        }
+    }
+}
+
+/// The kernels' rule for `algorithm`, rounding with `rounding`, keeping the state in `format`.
+fn rule(algorithm: &Algorithm, rounding: Rounding, format: &StateFormat) -> GaOptRule {
     let (rounding, seed) = match rounding {
         Rounding::NearestEven => (0, 0),
         Rounding::Stochastic { seed } => (1, seed),
     };
-    let base = GaOptRule { rounding, seed, ..Default::default() };
+    let (masters, moments, moment_seed) = format.codes();
+    let (masters, moments) = (masters as u32, moments as u32);
+    let base = GaOptRule { rounding, seed, masters, moments, moment_seed, ..Default::default() };
     match *algorithm {
         Algorithm::AdamW { beta1, beta2, eps, weight_decay } => {
             GaOptRule { algorithm: 1, beta1, beta2, eps, weight_decay, ..base }

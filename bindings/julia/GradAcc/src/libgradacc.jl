@@ -61,6 +61,10 @@ const GRADACC_OPTIMIZER_ADAMW = 0  # `torch.optim.AdamW` (amsgrad off): beta1, b
 const GRADACC_OPTIMIZER_SGD = 1  # `torch.optim.SGD`: momentum, dampening, nesterov, weight_decay.
 const GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
 const GRADACC_ROUNDING_STOCHASTIC = 1  # Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
+const GRADACC_MASTERS_FP32 = 0  # FP32 masters: 4 bytes per parameter beside the model's weight.
+const GRADACC_MASTERS_BF16_REMAINDER = 1  # The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes per parameter, the FP32 master exactly.
+const GRADACC_MOMENTS_FP32 = 0  # FP32 moments: 4 bytes per moment.
+const GRADACC_MOMENTS_BF16 = 1  # bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the element (the same on every rank and shard count).
 const GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 const GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 const GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -204,6 +208,12 @@ const gradacc_optimizer_algorithm_t = Int32
 "How the FP32 master weights become the model's 16-bit weights."
 const gradacc_rounding_t = Int32
 
+"How the FP32 master weights are kept between steps."
+const gradacc_masters_t = Int32
+
+"How AdamW's moments (SGD's momentum buffer) are kept between steps."
+const gradacc_moments_t = Int32
+
 "Optimizer configuration."
 struct gradacc_optimizer_config_t
     struct_size::Csize_t
@@ -218,6 +228,9 @@ struct gradacc_optimizer_config_t
     nesterov::Bool
     rounding::gradacc_rounding_t
     seed::UInt64
+    masters::gradacc_masters_t
+    moments::gradacc_moments_t
+    moment_seed::UInt64
 end
 
 "One tensor's options (PyTorch's parameter groups, per tensor)."

@@ -523,11 +523,28 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
     float base_lr = *lr;
     int stochastic = rule.rounding == GA_ROUND_STOCHASTIC;
     ga_u64 key = ga_round_key(rule.seed, t);
+    int formats = rule.masters != GA_MASTERS_F32 || rule.moments != GA_MOMENTS_F32;
+    ga_u64 key_m = ga_moment_key(rule.moment_seed, t);
     for (ga_u64 c = blockIdx.x; c < num_chunks; c += gridDim.x) {
         ga_opt_chunk chunk = chunks[c];
         ga_opt_tensor tensor = tensors[chunk.tensor];
         ga_opt_scalars k = ga_opt_scalars_for(&rule, base_lr, tensor.lr_scale, (int)tensor.decays, t);
         void *out = (void *)(size_t)weights.w[chunk.tensor - weights.first_tensor];
+        if (formats) {
+            /* Remainder masters are over bf16 weights only, where the split writes the weight. */
+            unsigned short *out16 = (unsigned short *)out;
+            unsigned short scratch = 0;
+            for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
+                ga_u64 h = chunk.at + i, flat = held_start + h;
+                if (rule.masters == GA_MASTERS_REMAINDER) {
+                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &out16[chunk.start + i], key_m, flat);
+                } else {
+                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &scratch, key_m, flat);
+                    ga_write_weight(out, chunk.start + i, tensor.dtype, master[h], stochastic, key, flat);
+                }
+            }
+            continue;
+        }
         for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
             ga_u64 h = chunk.at + i;
             float w = master[h];

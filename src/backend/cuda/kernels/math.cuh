@@ -352,6 +352,11 @@ GA_HD void ga_scale_loss_one(void *loss, ga_u64 i, int dtype, float scale) {
 #define GA_OPT_SGD 2
 #define GA_ROUND_NEAREST 0
 #define GA_ROUND_STOCHASTIC 1
+/* State format codes of ga_opt_rule (format::StateFormat::codes). */
+#define GA_MASTERS_F32 0
+#define GA_MASTERS_REMAINDER 1
+#define GA_MOMENTS_F32 0
+#define GA_MOMENTS_BF16 1
 
 /* An optimizer's hyperparameters and rounding (the learning rate lives in device memory, so a
  * captured step replays with a schedule); the layout is shared with Rust. */
@@ -362,6 +367,9 @@ typedef struct {
     float momentum, dampening;
     ga_u32 rounding; /* GA_ROUND_* */
     ga_u64 seed;
+    ga_u32 masters; /* GA_MASTERS_* */
+    ga_u32 moments; /* GA_MOMENTS_* */
+    ga_u64 moment_seed;
 } ga_opt_rule;
 
 /* One tensor's scalars for one step (update::Scalars): AdamW's or SGD's fields. */
@@ -486,6 +494,58 @@ GA_HD unsigned short ga_stochastic_bf16(float x, ga_u32 r) {
         return ga_f32_to_bf16(x);
     }
     return (unsigned short)(down + (r < ((bits & 0xffffu) << 16) ? 1 : 0));
+}
+
+/* The key of one step's draws for the bf16 moments (rounding::moment_key): an element's 64 random
+ * bits round its first moment with their upper half, its second with their lower half. */
+GA_HD ga_u64 ga_moment_key(ga_u64 seed, ga_u64 step) { return ga_round_key(ga_mix(seed ^ 0xd6e8feb86659fd93ull), step); }
+
+/* The master of a bf16 weight and its remainder (format::join_master). */
+GA_HD float ga_join_master(unsigned short weight, unsigned short rem) {
+    unsigned short hi = (unsigned short)(weight - (rem >> 15));
+    return ga_bits_to_f32(((ga_u32)hi << 16) | rem);
+}
+
+/* A master's bf16 weight and remainder (format::split_master): the lower half, and the upper
+ * half plus one when the lower half is 0x8000 or more. */
+GA_HD void ga_split_master(float x, unsigned short *weight, unsigned short *rem) {
+    ga_u32 bits = ga_f32_to_bits(x);
+    *rem = (unsigned short)bits;
+    *weight = (unsigned short)((bits >> 16) + ((bits >> 15) & 1u));
+}
+
+/* One element's step with the smaller formats (pass::formats): the master read back from the
+ * bf16 weight `*out16` and remainder `*rem`, or from `*master`; the moments from bf16 or f32; all
+ * stepped in f32 as the FP32 state is, and stored back, the bf16 moments rounded stochastically
+ * with the draws of flat element `flat` under `key` (rounding::draws_at). */
+GA_HD void ga_opt_formats_one(const ga_opt_rule *rule, const ga_opt_scalars *k, float g, float *master, void *first, void *second,
+                              ga_u64 h, unsigned short *out16, ga_u64 key, ga_u64 flat) {
+    int rem = rule->masters == GA_MASTERS_REMAINDER;
+    float w = rem ? ga_join_master(*out16, ((unsigned short *)master)[h]) : master[h];
+    int adamw = rule->algorithm == GA_OPT_ADAMW;
+    if (rule->moments == GA_MOMENTS_BF16) {
+        unsigned short *m16 = (unsigned short *)first, *v16 = (unsigned short *)second;
+        ga_u64 r = ga_mix(key + flat * 0x9e3779b97f4a7c15ull);
+        float m = ga_bf16_to_f32(m16[h]);
+        if (adamw) {
+            float v = ga_bf16_to_f32(v16[h]);
+            ga_adamw_one(k, g, &w, &m, &v);
+            m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
+            v16[h] = ga_stochastic_bf16(v, (ga_u32)r);
+        } else {
+            ga_sgd_one(k, g, &w, &m);
+            m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
+        }
+    } else if (adamw) {
+        ga_adamw_one(k, g, &w, &((float *)first)[h], &((float *)second)[h]);
+    } else {
+        ga_sgd_one(k, g, &w, &((float *)first)[h]);
+    }
+    if (rem) {
+        ga_split_master(w, out16, &((unsigned short *)master)[h]);
+    } else {
+        master[h] = w;
+    }
 }
 
 /* A master weight written into a model weight of `dtype` at `out[i]`: as it is (f32), rounded to
