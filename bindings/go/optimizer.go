@@ -29,6 +29,28 @@ const (
 	RoundStochastic Rounding = C.GRADACC_ROUNDING_STOCHASTIC
 )
 
+// Masters is how the FP32 master weights are kept between steps.
+type Masters int32
+
+const (
+	// MastersFP32 keeps them as FP32: 4 bytes per parameter beside the model's weight.
+	MastersFP32 Masters = C.GRADACC_MASTERS_FP32
+	// MastersBF16Remainder keeps each as the model's bf16 weight plus a 16-bit remainder, the
+	// FP32 master exactly (bf16 weights only; docs/optimizer.md, "Smaller state").
+	MastersBF16Remainder Masters = C.GRADACC_MASTERS_BF16_REMAINDER
+)
+
+// Moments is how AdamW's moments (SGD's momentum buffer) are kept between steps.
+type Moments int32
+
+const (
+	// MomentsFP32 keeps them as FP32: 4 bytes per moment.
+	MomentsFP32 Moments = C.GRADACC_MOMENTS_FP32
+	// MomentsBF16 keeps them as bf16, 2 bytes each, rounded stochastically keyed by MomentSeed,
+	// the step and the element.
+	MomentsBF16 Moments = C.GRADACC_MOMENTS_BF16
+)
+
 // OptimizerConfig is gradacc_optimizer_config_t; start from DefaultOptimizerConfig (AdamW with
 // PyTorch's defaults, LR 1e-3, WeightDecay 0.01: set it to 0 for SGD without decay).
 type OptimizerConfig struct {
@@ -43,6 +65,9 @@ type OptimizerConfig struct {
 	Nesterov    bool
 	Rounding    Rounding
 	Seed        uint64
+	Masters     Masters
+	Moments     Moments
+	MomentSeed  uint64
 }
 
 // DefaultOptimizerConfig is gradacc_optimizer_config_default.
@@ -55,7 +80,8 @@ func DefaultOptimizerConfig() OptimizerConfig {
 		Algorithm: Algorithm(c.algorithm), LR: float32(c.lr), Beta1: float32(c.beta1),
 		Beta2: float32(c.beta2), Eps: float32(c.eps), WeightDecay: float32(c.weight_decay),
 		Momentum: float32(c.momentum), Dampening: float32(c.dampening), Nesterov: bool(c.nesterov),
-		Rounding: Rounding(c.rounding), Seed: uint64(c.seed),
+		Rounding: Rounding(c.rounding), Seed: uint64(c.seed), Masters: Masters(c.masters),
+		Moments: Moments(c.moments), MomentSeed: uint64(c.moment_seed),
 	}
 }
 
@@ -73,6 +99,9 @@ func (o *OptimizerConfig) c() C.gradacc_optimizer_config_t {
 	c.nesterov = cBool(o.Nesterov)
 	c.rounding = C.gradacc_rounding_t(o.Rounding)
 	c.seed = C.uint64_t(o.Seed)
+	c.masters = C.gradacc_masters_t(o.Masters)
+	c.moments = C.gradacc_moments_t(o.Moments)
+	c.moment_seed = C.uint64_t(o.MomentSeed)
 	return c
 }
 

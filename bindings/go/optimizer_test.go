@@ -295,3 +295,74 @@ func TestOptimizerWithMasters(t *testing.T) {
 		}
 	}
 }
+
+// The smaller state formats through the config: bf16 remainder masters and bf16 moments step
+// bf16 weights within one bf16 unit of the FP32 state's, save and load their state, and refuse
+// remainder masters over f16 weights, naming the tensor.
+func TestOptimizerSmallerState(t *testing.T) {
+	if d := DefaultOptimizerConfig(); d.Masters != MastersFP32 || d.Moments != MomentsFP32 {
+		t.Fatalf("default formats %v %v", d.Masters, d.Moments)
+	}
+	scaler := scalerWithScale(t, 1024)
+	defer scaler.Close()
+	run := func(masters Masters, moments Moments) ([]uint16, []byte) {
+		acc := must(NewAccumulator([]TensorDesc{{optN0, BF16}}, nil, nil))
+		defer acc.Close()
+		w0 := make([]uint16, optN0)
+		for i := range w0 {
+			w0[i] = uint16(math.Float32bits(float32(0.01*float64(i)-1)) >> 16)
+		}
+		weights := []Weight{WeightBF16(w0)}
+		cfg := DefaultOptimizerConfig()
+		// A rate large enough that three steps move the bf16 weights by many units.
+		cfg.LR, cfg.Masters, cfg.Moments, cfg.MomentSeed = 0.05, masters, moments, 7
+		opt := must(NewOptimizer(acc, weights, &cfg, nil))
+		defer opt.Close()
+		for step := 0; step < 3; step++ {
+			g0 := make([]uint16, optN0)
+			for i := range g0 {
+				g0[i] = uint16(math.Float32bits(optGrad0(i)*1024) >> 16) // exact in bf16
+			}
+			if err := acc.Add(scaler, []Grad{Words16(g0)}, 1); err != nil {
+				t.Fatal(err)
+			}
+			must(acc.Sync(nil))
+			if !must(opt.Step(acc, weights, nil)) {
+				t.Fatalf("step %d skipped", step)
+			}
+		}
+		saved := must(opt.Save())
+		if err := opt.Load(saved); err != nil {
+			t.Fatal(err)
+		}
+		return w0, saved
+	}
+	want, _ := run(MastersFP32, MomentsFP32)
+	if moved := bf16Value(want[0]) - bf16Value(uint16(math.Float32bits(-1)>>16)); math.Abs(moved) < 0.1 {
+		t.Fatalf("w0[0] moved by %g only", moved)
+	}
+	for _, f := range []struct {
+		masters Masters
+		moments Moments
+	}{{MastersBF16Remainder, MomentsFP32}, {MastersFP32, MomentsBF16}, {MastersBF16Remainder, MomentsBF16}} {
+		got, saved := run(f.masters, f.moments)
+		// One bf16 unit of the weight, plus what bf16 moments may move each step's update
+		// (lr times a few bf16 roundings of the moments' ratio).
+		for i := range got {
+			tol := math.Abs(bf16Value(want[i]))*0x1p-7 + 3*0.05*0x1p-6
+			if d := math.Abs(bf16Value(got[i]) - bf16Value(want[i])); d > tol {
+				t.Fatalf("%v %v: w0[%d] = %g, FP32 state %g", f.masters, f.moments, i, bf16Value(got[i]), bf16Value(want[i]))
+			}
+		}
+		if len(saved) == 0 {
+			t.Fatal("empty saved state")
+		}
+	}
+	acc := must(NewAccumulator([]TensorDesc{{4, F16}}, nil, nil))
+	defer acc.Close()
+	cfg := DefaultOptimizerConfig()
+	cfg.Masters = MastersBF16Remainder
+	if _, err := NewOptimizer(acc, []Weight{WeightF16(make([]uint16, 4))}, &cfg, nil); !errorWith(err, StatusInvalidArgument, "`weights[0]` is f16") {
+		t.Fatalf("remainders over f16 weights: %v", err)
+	}
+}
