@@ -994,6 +994,8 @@ include("mesh.jl")
 const ALGORITHM = Dict(:adamw => GRADACC_OPTIMIZER_ADAMW, :sgd => GRADACC_OPTIMIZER_SGD)
 const ROUNDING = Dict(:nearest => GRADACC_ROUNDING_NEAREST_EVEN, :nearest_even => GRADACC_ROUNDING_NEAREST_EVEN,
                       :stochastic => GRADACC_ROUNDING_STOCHASTIC)
+const MASTER_FORMAT = Dict(:fp32 => GRADACC_MASTERS_FP32, :bf16_remainder => GRADACC_MASTERS_BF16_REMAINDER)
+const MOMENTS = Dict(:fp32 => GRADACC_MOMENTS_FP32, :bf16 => GRADACC_MOMENTS_BF16)
 
 # The dtype code of model weight `i` of tensor dtype `declared`: from its element type, and
 # `UInt16` words as the tensor's gradient dtype when that is 16-bit.
@@ -1011,7 +1013,7 @@ tensor_group(g::Tuple) = gradacc_tensor_group_t(g[1], g[2])
 tensor_group(g::NamedTuple) = gradacc_tensor_group_t(get(g, :weight_decay, true), get(g, :lr_scale, 1.0f0))
 
 """
-    Optimizer(acc, weights; algorithm=:adamw, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, rounding=:nearest, seed=0, groups=nothing)
+    Optimizer(acc, weights; algorithm=:adamw, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, rounding=:nearest, seed=0, master_format=:fp32, moments=:fp32, moment_seed=0, groups=nothing)
     Optimizer(acc, weights; algorithm=:sgd, lr, momentum=0, dampening=0, nesterov=false, weight_decay=0, ...)
 
 FP32 master weights and AdamW or SGD state for the tensors of `acc`, stepped by
@@ -1019,6 +1021,9 @@ FP32 master weights and AdamW or SGD state for the tensors of `acc`, stepped by
 contiguous vector per tensor: `Float32`, `Float16`, a BFloat16 type or `UInt16` words) in place.
 Keywords replace fields of `gradacc_optimizer_config_default`; SGD's `weight_decay` is 0 unless
 given, as in `torch.optim.SGD`. `rounding` is `:nearest` or `:stochastic` (keyed by `seed`).
+`master_format` is `:fp32` or `:bf16_remainder` (the bf16 weight plus a 16-bit remainder, the
+FP32 master exactly, bf16 weights only) and `moments` `:fp32` or `:bf16` (rounded stochastically,
+keyed by `moment_seed`): docs/optimizer.md, "Smaller state".
 `groups` gives each tensor `(weight_decay, lr_scale)` (or a named tuple of those). The masters
 start as the weights' values (this rank's shard under a sharded boundary). The optimizer keeps
 `acc` and the weights referenced. Destroyed by `close` or the GC.
@@ -1047,6 +1052,9 @@ mutable struct Optimizer
         kw = Dict{Symbol,Any}(kw)
         haskey(kw, :algorithm) && (kw[:algorithm] = enum_value(ALGORITHM, :algorithm, kw[:algorithm]))
         haskey(kw, :rounding) && (kw[:rounding] = enum_value(ROUNDING, :rounding, kw[:rounding]))
+        haskey(kw, :moments) && (kw[:moments] = enum_value(MOMENTS, :moments, kw[:moments]))
+        # The config's `masters` field; the `masters` keyword adopts a buffer.
+        haskey(kw, :master_format) && (kw[:masters] = enum_value(MASTER_FORMAT, :master_format, pop!(kw, :master_format)))
         if get(kw, :algorithm, GRADACC_OPTIMIZER_ADAMW) == GRADACC_OPTIMIZER_SGD && !haskey(kw, :weight_decay)
             kw[:weight_decay] = 0.0f0  # torch.optim.SGD's default, not AdamW's 0.01
         end

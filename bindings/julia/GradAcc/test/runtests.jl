@@ -1065,6 +1065,24 @@ sharded_accumulation(world, r, comm; kw...) =
         close(acc); close.(comms)
     end
 
+    # The smaller state formats by keyword: remainder masters and bf16 moments step bf16 words,
+    # save and load their state; remainder masters over Float32 weights are refused naming the
+    # weight, an unknown format by the binding.
+    @testset "optimizer state formats" begin
+        acc = Accumulator([(16, :bf16)])
+        w = [UInt16(reinterpret(UInt32, Float32(0.1 * i - 1)) >> 16) for i in 1:16]
+        opt = Optimizer(acc, [w]; lr=0.05, master_format=:bf16_remainder, moments=:bf16, moment_seed=7)
+        saved = save(opt)
+        @test !isempty(saved)
+        load!(opt, saved)
+        close(opt); close(acc)
+        acc = Accumulator([(4, Float32)])
+        err = thrown(() -> Optimizer(acc, [zeros(Float32, 4)]; master_format=:bf16_remainder))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("`weights[0]` is f32", err.message)
+        @test thrown(() -> Optimizer(acc, [zeros(Float32, 4)]; moments=:int8)) isa ArgumentError
+        close(acc)
+    end
+
     # Adopted masters: the caller's values (not the weights') are the masters, each SGD step
     # updates them in place as w - lr * g in Float32, a short buffer is refused naming `masters`,
     # a refused load leaves them bit for bit and a load writes the saved ones back.
