@@ -122,7 +122,7 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     const size_t world = (size_t)world_size();
     gradacc_comm_t *comm = comm_of(MPI_COMM_WORLD);
-    check_transport();
+    check_transport(MPI_COMM_WORLD);
     gradacc_scaler_t *scaler = scaler_with_scale(1024.0f);
     const gradacc_dtype_t F16 = GRADACC_DTYPE_F16, F32 = GRADACC_DTYPE_F32, BF16 = GRADACC_DTYPE_BF16;
     const layout layouts[] = {

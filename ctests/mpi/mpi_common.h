@@ -23,26 +23,45 @@ static inline gradacc_comm_t *comm_of(MPI_Comm comm)
     return c;
 }
 
+/* Whether every rank of `comm` runs on one host, as MPI sees hosts (MPI_COMM_TYPE_SHARED: for Open
+ * MPI, the node a rank was launched on; under scripts/sim-hosts each simulated host is one). */
+static inline int all_on_one_host(MPI_Comm comm)
+{
+    MPI_Comm local;
+    int size = 0, local_size = 0;
+    MPI_Comm_size(comm, &size);
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+    MPI_Comm_size(local, &local_size);
+    MPI_Comm_free(&local);
+    int mine = local_size == size, all = 0;
+    MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm);
+    return all;
+}
+
 /* On Linux, checks that this process maps gradacc's shared memory (a memfd, which has no name in
- * /dev/shm) exactly when the test asked for shared memory: a group on one host that
- * fell back to MPI messages would otherwise test the messages path twice. */
-static inline void check_transport(void)
+ * /dev/shm) exactly when the test asked for shared memory and every rank of `comm` is on this
+ * host: a group on one host that fell back to MPI messages would otherwise test the messages
+ * path twice, and a group across hosts (scripts/sim-hosts) must never take ranks of another host
+ * for local ones. Collective over `comm`. */
+static inline void check_transport(MPI_Comm comm)
 {
 #ifdef __linux__
     const char *want = getenv("GRADACC_TEST_MPI_SHARED_MEMORY");
-    FILE *maps = fopen("/proc/self/maps", "r");
-    if (!want || !maps) {
-        if (maps)
-            fclose(maps);
+    if (!want)
         return;
-    }
+    int one_host = all_on_one_host(comm), expect = atoi(want) != 0 && one_host;
+    FILE *maps = fopen("/proc/self/maps", "r");
+    if (!maps)
+        return;
     char line[512];
     int mapped = 0;
     while (fgets(line, sizeof line, maps))
         mapped |= strstr(line, "/memfd:gradacc-") != NULL || strstr(line, "/dev/shm/gradacc-") != NULL;
     fclose(maps);
-    CHECK(mapped == (atoi(want) != 0), "shared memory %s, but a gradacc object is %smapped", want,
-          mapped ? "" : "not ");
+    CHECK(mapped == expect, "shared memory %s, ranks on %s, but a gradacc object is %smapped", want,
+          one_host ? "one host" : "several hosts", mapped ? "" : "not ");
+#else
+    (void)comm;
 #endif
 }
 

@@ -61,15 +61,25 @@ impl Process {
     }
 }
 
-/// Where this process's ids are meaningful: a hash of the boot id and the pid namespace.
+/// Where this process's ids are meaningful: a hash of the boot id and the pid namespace. 0 when
+/// the `/proc` mounted here is another pid namespace's (a process started in a namespace of its
+/// own without a `/proc` of its own): there `/proc/<pid>` of a peer's id names some other
+/// process, so nothing may be watched or opened through it.
 fn place() -> u64 {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let ns = std::fs::read_link("/proc/self/ns/pid").unwrap_or_default();
-    if boot.is_empty() || ns.as_os_str().is_empty() {
+    let own = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    if boot.is_empty() || ns.as_os_str().is_empty() || !proc_is_ours(&own, std::process::id()) {
         return 0;
     }
     let text = format!("{}|{}", boot.trim(), ns.to_string_lossy());
     crate::state::checksum(text.as_bytes()) | 1
+}
+
+/// Whether `/proc/self/stat` (its text `stat`) numbers this process `pid`, as `/proc` does for
+/// the pid namespace it belongs to.
+fn proc_is_ours(stat: &str, pid: u32) -> bool {
+    stat.split_ascii_whitespace().next().and_then(|f| f.parse::<u32>().ok()) == Some(pid)
 }
 
 /// The fields of `/proc/<pid>/stat` a look needs.
@@ -200,6 +210,19 @@ mod tests {
         // Elsewhere: never watched.
         let far = Process { place: me.place ^ 2, ..me };
         assert_eq!(Peers::new(0, &[me, far]).len(), 0);
+    }
+
+    #[test]
+    fn a_proc_of_another_pid_namespace_is_not_ours() {
+        assert!(proc_is_ours("4242 (gradacc rank) S 1 4242", 4242));
+        // A pid namespace without a /proc of its own: /proc/self is this process under the id
+        // the parent namespace gives it.
+        assert!(!proc_is_ours("98713 (gradacc rank) S 1 98713", 7));
+        assert!(!proc_is_ours("", 7));
+        if Process::mine().place != 0 {
+            let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+            assert!(proc_is_ours(&own, std::process::id()));
+        }
     }
 
     // Signals through libc, which comes with the MPI feature.

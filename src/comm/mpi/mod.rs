@@ -85,6 +85,10 @@ pub struct MpiComm {
     /// The group's ranks on this host, which a wait looks at: one that died or stays stopped
     /// fails the wait in milliseconds (see `liveness`).
     peers: Peers,
+    /// Rank 0 runs where this rank does, or either place is unknown: only then does this rank
+    /// open the shared memory rank 0 offers (on another host, or another pid namespace, the
+    /// offer's `/proc` path names some other process's file).
+    near_root: bool,
     /// What it was created with, and its splits are.
     options: MpiOptions,
 }
@@ -233,6 +237,7 @@ impl MpiComm {
             mem: Mutex::new(Memory::default()),
             shared: None,
             peers: Peers::none(),
+            near_root: true,
             options,
         };
         // From here on `this` frees the duplicate on every path.
@@ -249,15 +254,16 @@ impl MpiComm {
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
-        this.peers = this.same_host_peers()?;
+        (this.peers, this.near_root) = this.same_host_peers()?;
         if options.shared_memory {
             this.shared = this.share_memory()?;
         }
         Ok(this)
     }
 
-    /// Every rank's process (collective, at creation), and of those the ones this rank watches.
-    fn same_host_peers(&self) -> Result<Peers> {
+    /// Every rank's process (collective, at creation): the ones this rank watches, and whether
+    /// rank 0 may share memory with it (see `near_root`).
+    fn same_host_peers(&self) -> Result<(Peers, bool)> {
         let mine = Process::mine().words();
         let mut all = vec![0u64; 3 * self.world];
         let (send, recv) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
@@ -270,7 +276,8 @@ impl MpiComm {
         };
         check(rc, "MPI_Allgather (processes)")?;
         let group: Vec<Process> = all.chunks_exact(3).map(Process::from_words).collect();
-        Ok(Peers::new(self.rank, &group))
+        let (root, me) = (group[0].place, group[self.rank].place);
+        Ok((Peers::new(self.rank, &group), root == me || root == 0 || me == 0))
     }
 
     /// How many of the group's other ranks run on this host and are watched while waiting.

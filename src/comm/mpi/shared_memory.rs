@@ -18,7 +18,8 @@ impl MpiComm {
     /// creates it and broadcasts how to reach it, every rank maps it, and all agree whether all
     /// could; then rank 0 withdraws the offer (see `shm::posix`: on Linux nothing of it is ever
     /// left in a file system, whenever a rank dies). `None` where any rank could not (another
-    /// host, no /dev/shm, too little room there) or the group is too large or a single rank.
+    /// host or pid namespace, which a rank knows from the processes' places and then does not
+    /// even try; no /dev/shm, too little room there) or the group is too large or a single rank.
     pub(super) fn share_memory(&self) -> Result<Option<Shared>> {
         let Some(piece) = shm::piece_for(self.world) else { return Ok(None) };
         let size = Region::size(self.world, piece);
@@ -42,7 +43,9 @@ impl MpiComm {
         .into_owned();
         let (mapping, offer) = match created {
             Some((m, offer)) => (Some(m), Some(offer)),
-            None if !name.is_empty() => (posix::Mapping::open(&name, size).ok(), None),
+            None if !name.is_empty() && self.near_root => {
+                (posix::Mapping::open(&name, size).ok(), None)
+            }
             None => (None, None),
         };
         let (mine, mut all): (c_int, c_int) = (c_int::from(mapping.is_some()), 0);
