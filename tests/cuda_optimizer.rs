@@ -12,164 +12,17 @@ mod common;
 use std::sync::Arc;
 
 use common::cuda::{enough_devices, gpu_or_skip, nccl_or_skip};
-use common::{to_bf16, to_f16, Rng};
+use common::cuda_optimizer::{
+    exact_gradient, fixed_scaler, layout, DeviceWeights, Gradient, HostWeights,
+};
+use common::Rng;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, ErrorKind, Grad,
-    GradMut, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
-    TensorDesc, TensorGroup,
+    GradMut, Optimizer, OptimizerConfig, Rounding, ScalerConfig, Sharding, Slot, TensorDesc,
+    TensorGroup,
 };
-
-/// A model's weights of one tensor on the host, as bits of its dtype.
-#[derive(Clone, Debug, PartialEq)]
-struct HostWeights {
-    dtype: Dtype,
-    f32s: Vec<f32>,
-    u16s: Vec<u16>,
-}
-
-impl HostWeights {
-    fn random(rng: &mut Rng, dtype: Dtype, n: usize) -> HostWeights {
-        let v: Vec<f32> = (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
-        match dtype {
-            Dtype::F32 => HostWeights { dtype, f32s: v, u16s: vec![] },
-            Dtype::F16 => {
-                HostWeights { dtype, f32s: vec![], u16s: v.iter().map(|&x| to_f16(x)).collect() }
-            }
-            Dtype::Bf16 => {
-                HostWeights { dtype, f32s: vec![], u16s: v.iter().map(|&x| to_bf16(x)).collect() }
-            }
-        }
-    }
-
-    fn grad(&self) -> Grad<'_> {
-        match self.dtype {
-            Dtype::F32 => Grad::F32(&self.f32s),
-            Dtype::F16 => Grad::f16_bits(&self.u16s),
-            Dtype::Bf16 => Grad::bf16_bits(&self.u16s),
-        }
-    }
-
-    fn grad_mut(&mut self) -> GradMut<'_> {
-        match self.dtype {
-            Dtype::F32 => GradMut::F32(&mut self.f32s),
-            Dtype::F16 => GradMut::f16_bits(&mut self.u16s),
-            Dtype::Bf16 => GradMut::bf16_bits(&mut self.u16s),
-        }
-    }
-
-    fn bits(&self) -> Vec<u32> {
-        match self.dtype {
-            Dtype::F32 => self.f32s.iter().map(|v| v.to_bits()).collect(),
-            _ => self.u16s.iter().map(|&v| v as u32).collect(),
-        }
-    }
-}
-
-/// The model's weights in device memory.
-struct DeviceWeights {
-    bufs: Vec<DeviceBuffer>,
-    ptrs: Vec<u64>,
-}
-
-impl DeviceWeights {
-    fn upload(ctx: &Arc<Context>, stream: driver::CUstream, w: &[HostWeights]) -> DeviceWeights {
-        let bufs: Vec<DeviceBuffer> = w
-            .iter()
-            .map(|w| match w.dtype {
-                Dtype::F32 => DeviceBuffer::from_slice(ctx, stream, &w.f32s).unwrap(),
-                _ => DeviceBuffer::from_slice(ctx, stream, &w.u16s).unwrap(),
-            })
-            .collect();
-        let ptrs = bufs.iter().map(DeviceBuffer::ptr).collect();
-        DeviceWeights { bufs, ptrs }
-    }
-
-    /// Every tensor's weights as bits (waits for the stream).
-    fn bits(&self, dtypes: &[Dtype], numel: &[usize]) -> Vec<Vec<u32>> {
-        self.bufs
-            .iter()
-            .zip(dtypes.iter().zip(numel))
-            .map(|(b, (&d, &n))| match d {
-                Dtype::F32 => {
-                    let mut v = vec![0f32; n];
-                    b.read(&mut v).unwrap();
-                    v.iter().map(|x| x.to_bits()).collect()
-                }
-                _ => {
-                    let mut v = vec![0u16; n];
-                    b.read(&mut v).unwrap();
-                    v.iter().map(|&x| x as u32).collect()
-                }
-            })
-            .collect()
-    }
-}
-
-fn fixed_scaler(device: Device) -> Scaler {
-    let config = ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() };
-    Scaler::on(device, config).unwrap()
-}
-
-/// One micro-batch's gradient of every tensor, in the tensor's dtype; `inf` poisons one value.
-struct Gradient {
-    f32s: Vec<Vec<f32>>,
-    u16s: Vec<Vec<u16>>,
-}
-
-impl Gradient {
-    fn random(rng: &mut Rng, descs: &[TensorDesc], inf: bool) -> Gradient {
-        let scale = 10f64.powi(rng.range(0, 4) as i32 - 2);
-        let mut f32s: Vec<Vec<f32>> = descs
-            .iter()
-            .map(|d| (0..d.numel).map(|_| (rng.uniform(-1.0, 1.0) * scale) as f32).collect())
-            .collect();
-        if inf {
-            let t = rng.range(0, descs.len() as u64 - 1) as usize;
-            let at = rng.range(0, descs[t].numel as u64 - 1) as usize;
-            f32s[t][at] = f32::INFINITY;
-        }
-        let u16s = descs
-            .iter()
-            .zip(&f32s)
-            .map(|(d, v)| match d.dtype {
-                Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
-                Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
-                Dtype::F32 => vec![],
-            })
-            .collect();
-        Gradient { f32s, u16s }
-    }
-
-    fn views<'a>(&'a self, descs: &[TensorDesc]) -> Vec<Grad<'a>> {
-        descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| match d.dtype {
-                Dtype::F32 => Grad::F32(&self.f32s[i]),
-                Dtype::F16 => Grad::f16_bits(&self.u16s[i]),
-                Dtype::Bf16 => Grad::bf16_bits(&self.u16s[i]),
-            })
-            .collect()
-    }
-
-    fn upload(
-        &self,
-        ctx: &Arc<Context>,
-        stream: driver::CUstream,
-        descs: &[TensorDesc],
-    ) -> Vec<DeviceBuffer> {
-        descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| match d.dtype {
-                Dtype::F32 => DeviceBuffer::from_slice(ctx, stream, &self.f32s[i]).unwrap(),
-                _ => DeviceBuffer::from_slice(ctx, stream, &self.u16s[i]).unwrap(),
-            })
-            .collect()
-    }
-}
 
 fn algorithms() -> Vec<Algorithm> {
     vec![
@@ -178,16 +31,6 @@ fn algorithms() -> Vec<Algorithm> {
         Algorithm::sgd(),
         Algorithm::Sgd { momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 1e-2 },
         Algorithm::Sgd { momentum: 0.5, dampening: 0.25, nesterov: false, weight_decay: 0.0 },
-    ]
-}
-
-/// Tensors of every gradient dtype, one longer than a launch's chunk.
-fn layout() -> Vec<TensorDesc> {
-    vec![
-        TensorDesc { numel: 1, dtype: Dtype::F32 },
-        TensorDesc { numel: 4097, dtype: Dtype::F16 },
-        TensorDesc { numel: 9001, dtype: Dtype::Bf16 },
-        TensorDesc { numel: 3, dtype: Dtype::F16 },
     ]
 }
 
@@ -1109,25 +952,6 @@ fn a_captured_step_replays_with_the_skip_decided_on_the_device() {
         cu::cuGraphExecDestroy(exec);
         cu::cuGraphDestroy(graph);
     }
-}
-
-/// Gradients whose every sum is exact (small multiples of 2^-10, added with count 2 and divided
-/// by a power of two), so that any reduction order gives the same reduced gradient.
-fn exact_gradient(rng: &mut Rng, descs: &[TensorDesc]) -> Gradient {
-    let f32s: Vec<Vec<f32>> = descs
-        .iter()
-        .map(|d| (0..d.numel).map(|_| (rng.range(0, 128) as f32 - 64.0) / 1024.0).collect())
-        .collect();
-    let u16s = descs
-        .iter()
-        .zip(&f32s)
-        .map(|(d, v)| match d.dtype {
-            Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
-            Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
-            Dtype::F32 => vec![],
-        })
-        .collect();
-    Gradient { f32s, u16s }
 }
 
 /// Rank `g` of a 2 x 2 grid (shard `g % 2` in shard group `g / 2`, replica group `g % 2`): a

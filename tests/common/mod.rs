@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cuda;
+pub mod cuda_optimizer;
 pub mod mesh_model;
 pub mod step_reference;
 
