@@ -132,8 +132,8 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Reads an f32 array whose length must be `expected_len`.
-    pub fn f32s_into(&mut self, out: &mut Vec<f32>, expected_len: usize) -> Result<()> {
+    /// The bytes of an array of `width`-byte values whose length must be `expected_len`.
+    fn array(&mut self, expected_len: usize, width: usize) -> Result<&'a [u8]> {
         let n = self.u64()?;
         if n != expected_len as u64 {
             return Err(Error::new(
@@ -144,7 +144,12 @@ impl<'a> Reader<'a> {
                 ),
             ));
         }
-        let raw = self.take(expected_len * 4)?;
+        self.take(expected_len * width)
+    }
+
+    /// Reads an f32 array whose length must be `expected_len`.
+    pub fn f32s_into(&mut self, out: &mut Vec<f32>, expected_len: usize) -> Result<()> {
+        let raw = self.array(expected_len, 4)?;
         out.clear();
         out.extend(
             raw.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))),
@@ -154,17 +159,7 @@ impl<'a> Reader<'a> {
 
     /// Reads a u16 array whose length must be `expected_len`.
     pub fn u16s_into(&mut self, out: &mut Vec<u16>, expected_len: usize) -> Result<()> {
-        let n = self.u64()?;
-        if n != expected_len as u64 {
-            return Err(Error::new(
-                ErrorKind::SizeMismatch,
-                format!(
-                    "{}: saved buffer holds {n} elements, this object has {expected_len}",
-                    self.what
-                ),
-            ));
-        }
-        let raw = self.take(expected_len * 2)?;
+        let raw = self.array(expected_len, 2)?;
         out.clear();
         out.extend(raw.chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().unwrap())));
         Ok(())
