@@ -81,7 +81,10 @@ struct SavedOpt {
 
 /// One part, if the library must accept it for `o` (format GAOP 1).
 fn decode_part(bytes: &[u8], o: &OptModel) -> Option<SavedOpt> {
-    if bytes.len() < 16 || &bytes[..4] != b"GAOP" || bytes[4..8] != 1u32.to_le_bytes() {
+    // Version 1 (FP32 state), or 2, which names the state formats: this model's optimizers keep
+    // FP32 state (formats 0 and 0).
+    let version = bytes.get(4..8).map(|v| u32::from_le_bytes(v.try_into().unwrap()));
+    if bytes.len() < 16 || &bytes[..4] != b"GAOP" || !matches!(version, Some(1 | 2)) {
         return None;
     }
     let (body, tail) = bytes.split_at(bytes.len() - 8);
@@ -93,6 +96,9 @@ fn decode_part(bytes: &[u8], o: &OptModel) -> Option<SavedOpt> {
         if r.u64()? != id {
             return None;
         }
+    }
+    if version == Some(2) && (r.u64()?, r.u64()?) != (0, 0) {
+        return None;
     }
     let (lr, steps) = (r.f32()?, r.u64()?);
     let mut tensors = vec![];
@@ -225,7 +231,8 @@ fn config(input: &mut Input) -> (gradacc_optimizer_config_t, Option<gradacc_opti
         _ => {}
     }
     let ends = field_ends!(gradacc_optimizer_config_t: struct_size, algorithm, lr, beta1, beta2,
-        eps, weight_decay, momentum, dampening, nesterov, rounding, seed);
+        eps, weight_decay, momentum, dampening, nesterov, rounding, seed, masters, moments,
+        moment_seed);
     let read = config_as_read(&c, &defaults, &ends).filter(config_valid);
     (c, read)
 }
