@@ -155,7 +155,9 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
     let Piece { grad, master, first, second } = piece;
     let (master, first, second) = match (master, first, second) {
         (Cells::F32(master), Cells::F32(first), Cells::F32(second)) => {
-            return one_flat(job, Flat { grad, master, first, second }, out, counter);
+            let pass =
+                FlatPass { isa: job.isa, k: job.k, piece: Flat { grad, master, first, second } };
+            return with_writer(out, job.rounding, counter, pass);
         }
         other => other,
     };
@@ -165,50 +167,48 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
         }
         MomentFormat::F32 => 0,
     };
-    let k = job.k;
-    let plain = |x, out, w| Plain { x, out, w };
-    match (master, out, job.rounding) {
-        (Cells::U16(rem), GradMut::Bf16(o), _) => {
+    let (k, isa) = (job.k, job.isa);
+    match (master, out) {
+        (Cells::U16(rem), GradMut::Bf16(o)) => {
             let x = Split { rem, out: o.reinterpret_cast_mut() };
-            moments_on(job.isa, k, grad, x, first, second, keys)
+            moments_on(isa, k, grad, x, first, second, keys)
         }
-        (Cells::F32(x), GradMut::F32(o), _) => {
-            moments_on(job.isa, k, grad, plain(x, o, Exact), first, second, keys)
+        (Cells::F32(x), out) => {
+            let pass = StatePass { isa, k, grad, x, first, second, keys };
+            with_writer(out, job.rounding, counter, pass)
         }
-        (Cells::F32(x), GradMut::F16(o), Rounding::NearestEven) => {
-            let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<false> };
-            moments_on(job.isa, k, grad, x, first, second, keys)
-        }
-        (Cells::F32(x), GradMut::Bf16(o), Rounding::NearestEven) => {
-            let x = Plain { x, out: o.reinterpret_cast_mut(), w: Nearest::<true> };
-            moments_on(job.isa, k, grad, x, first, second, keys)
-        }
-        (Cells::F32(x), GradMut::F16(o), Rounding::Stochastic { seed }) => {
-            let w = Stochastic::<false> { counter: counter(seed) };
-            moments_on(
-                job.isa,
-                k,
-                grad,
-                Plain { x, out: o.reinterpret_cast_mut(), w },
-                first,
-                second,
-                keys,
-            )
-        }
-        (Cells::F32(x), GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
-            let w = Stochastic::<true> { counter: counter(seed) };
-            moments_on(
-                job.isa,
-                k,
-                grad,
-                Plain { x, out: o.reinterpret_cast_mut(), w },
-                first,
-                second,
-                keys,
-            )
-        }
-        (Cells::U16(_), _, _) => {
+        (Cells::U16(_), _) => {
             unreachable!("remainder masters are checked to be over bf16 weights")
+        }
+    }
+}
+
+/// A pass over a piece, given how its masters become the model's weights.
+trait WithWriter {
+    fn run<W: Write>(self, out: &mut [W::Out], w: W);
+}
+
+/// Runs `pass` with the writer of `out`'s dtype under `rounding` (`counter` keys a stochastic
+/// one by its seed): one instantiation per way of writing, each branch-free inside.
+fn with_writer(
+    out: GradMut<'_>,
+    rounding: Rounding,
+    counter: impl Fn(u64) -> u64,
+    pass: impl WithWriter,
+) {
+    match (out, rounding) {
+        (GradMut::F32(o), _) => pass.run(o, Exact),
+        (GradMut::F16(o), Rounding::NearestEven) => {
+            pass.run(o.reinterpret_cast_mut(), Nearest::<false>)
+        }
+        (GradMut::Bf16(o), Rounding::NearestEven) => {
+            pass.run(o.reinterpret_cast_mut(), Nearest::<true>)
+        }
+        (GradMut::F16(o), Rounding::Stochastic { seed }) => {
+            pass.run(o.reinterpret_cast_mut(), Stochastic::<false> { counter: counter(seed) })
+        }
+        (GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
+            pass.run(o.reinterpret_cast_mut(), Stochastic::<true> { counter: counter(seed) })
         }
     }
 }
@@ -221,25 +221,34 @@ struct Flat<'a> {
     second: &'a mut [f32],
 }
 
-/// [`one`] over FP32 state, instantiated per way of writing the weight.
-fn one_flat(job: Job<'_>, piece: Flat<'_>, out: GradMut<'_>, counter: impl Fn(u64) -> u64) {
-    let (k, isa) = (job.k, job.isa);
-    match (out, job.rounding) {
-        (GradMut::F32(o), _) => run(isa, k, piece, o, Exact),
-        (GradMut::F16(o), Rounding::NearestEven) => {
-            run(isa, k, piece, o.reinterpret_cast_mut(), Nearest::<false>)
-        }
-        (GradMut::Bf16(o), Rounding::NearestEven) => {
-            run(isa, k, piece, o.reinterpret_cast_mut(), Nearest::<true>)
-        }
-        (GradMut::F16(o), Rounding::Stochastic { seed }) => {
-            let w = Stochastic::<false> { counter: counter(seed) };
-            run(isa, k, piece, o.reinterpret_cast_mut(), w)
-        }
-        (GradMut::Bf16(o), Rounding::Stochastic { seed }) => {
-            let w = Stochastic::<true> { counter: counter(seed) };
-            run(isa, k, piece, o.reinterpret_cast_mut(), w)
-        }
+/// The vectorized FP32 loop over a flat piece.
+struct FlatPass<'a, 'k> {
+    isa: Isa,
+    k: &'k Scalars,
+    piece: Flat<'a>,
+}
+
+impl WithWriter for FlatPass<'_, '_> {
+    fn run<W: Write>(self, out: &mut [W::Out], w: W) {
+        run(self.isa, self.k, self.piece, out, w)
+    }
+}
+
+/// The smaller formats' loop over FP32 masters (the moments in any format).
+struct StatePass<'a, 'k> {
+    isa: Isa,
+    k: &'k Scalars,
+    grad: &'a [f32],
+    x: &'a mut [f32],
+    first: Cells<'a>,
+    second: Cells<'a>,
+    keys: u64,
+}
+
+impl WithWriter for StatePass<'_, '_> {
+    fn run<W: Write>(self, out: &mut [W::Out], w: W) {
+        let x = Plain { x: self.x, out, w };
+        moments_on(self.isa, self.k, self.grad, x, self.first, self.second, self.keys)
     }
 }
 
