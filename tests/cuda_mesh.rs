@@ -16,9 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::cuda::nccl_devices;
 use common::mesh_model::{matches_the_reference, one_inf_skips_everywhere, Group, Rig, MESHES};
 use common::Rng;
-use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
@@ -28,23 +28,6 @@ use gradacc::{
 
 /// Long enough for a loaded machine; a hang fails instead of waiting forever.
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn device_count() -> i32 {
-    if cuda::available() && nccl::nccl_available() {
-        let mut count = 0;
-        // SAFETY: the driver loads (cuda::available); valid out-pointer.
-        unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
-        return count;
-    }
-    assert!(
-        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-        "GRADACC_REQUIRE_GPU=1 but CUDA or NCCL is not usable (CUDA {}, NCCL {})",
-        cuda::available(),
-        nccl::nccl_available()
-    );
-    eprintln!("no CUDA device or NCCL: skipping");
-    0
-}
 
 /// Rank r on device r, with a stream of its own that outlives its accumulators (the test's
 /// process ends soon after), every group an NCCL communicator.
@@ -134,7 +117,7 @@ impl Rig for Split {
 
 /// `f(test)` where there is a device per rank of the largest mesh.
 fn on_devices(test: &str, f: impl FnOnce(&str)) {
-    let count = device_count();
+    let count = nccl_devices();
     let devices = MESHES.iter().map(|c| c.world).max().unwrap() as i32;
     common::cuda::at_devices(devices, count, test, f);
 }
@@ -217,7 +200,7 @@ fn fed(ctx: &Arc<Context>, device: Device, items: u64, max_norm: f32) -> Accumul
 /// windows.
 #[test]
 fn bad_input_on_one_cuda_rank_fails_every_rank_with_the_windows_intact() {
-    let count = device_count();
+    let count = nccl_devices();
     let test = "bad_input_on_one_cuda_rank_fails_every_rank_with_the_windows_intact";
     common::cuda::at_devices(2, count, test, |_| {
         let id = nccl::unique_id().unwrap();
@@ -292,7 +275,7 @@ fn refused_on_one_rank(warm: bool) -> Vec<(gradacc::Error, Duration)> {
 
 #[test]
 fn a_cuda_part_refused_on_one_rank_fails_every_rank_without_waiting() {
-    let count = device_count();
+    let count = nccl_devices();
     let test = "a_cuda_part_refused_on_one_rank_fails_every_rank_without_waiting";
     common::cuda::at_devices(2, count, test, |_| {
         for warm in [false, true] {
@@ -310,7 +293,7 @@ fn a_cuda_part_refused_on_one_rank_fails_every_rank_without_waiting() {
 /// report (the mesh's agreement does not depend on where a part lives).
 #[test]
 fn a_rank_may_mix_cpu_and_cuda_parts() {
-    let count = device_count();
+    let count = nccl_devices();
     common::cuda::at_devices(2, count, "a_rank_may_mix_cpu_and_cuda_parts", |_| {
         let id = nccl::unique_id().unwrap();
         let shape = MeshShape::new(2, 1, 1, 1, 1, 1).unwrap();

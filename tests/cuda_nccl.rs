@@ -15,10 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::cuda::{ApexSeed, HostGrad};
+use common::cuda::{nccl_devices, ApexSeed, HostGrad};
 use common::{aligned_offsets, from_bf16, from_f16, Rng};
 use cudarc::nccl::sys as nccl_sys;
-use gradacc::backend::cuda;
 use gradacc::backend::cuda::driver::{self, Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
@@ -31,7 +30,7 @@ use gradacc::{
 /// unless GRADACC_REQUIRE_GPU=1, which makes it fail; with fewer devices it is not run
 /// ([`common::cuda::enough_devices`]).
 fn gpus_or_skip(devices: i32) -> bool {
-    let count = device_count();
+    let count = nccl_devices();
     count > 0 && common::cuda::enough_devices(devices, count)
 }
 
@@ -965,25 +964,6 @@ fn check_against_reference(r: &ShardRound, results: &[RankResult], world: usize,
     }
 }
 
-/// The number of CUDA devices, or 0 without CUDA and NCCL (the test then skips, or fails under
-/// GRADACC_REQUIRE_GPU=1).
-fn device_count() -> i32 {
-    if cuda::available() && nccl::nccl_available() {
-        let mut count = 0;
-        // SAFETY: the driver loads (cuda::available); valid out-pointer.
-        unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
-        return count;
-    }
-    assert!(
-        std::env::var("GRADACC_REQUIRE_GPU").as_deref() != Ok("1"),
-        "GRADACC_REQUIRE_GPU=1 but CUDA or NCCL is not usable (CUDA {}, NCCL {})",
-        cuda::available(),
-        nccl::nccl_available()
-    );
-    eprintln!("no CUDA with NCCL: skipping");
-    0
-}
-
 /// Two tests of `rounds`: `$two` at two ranks, where there are two devices, and `$three` at three
 /// (see [`at_three_ranks`]).
 macro_rules! at_two_and_three_ranks {
@@ -1017,7 +997,7 @@ fn at_three_ranks(test: &str, rounds: fn(usize, &str)) {
 
 /// [`common::cuda::at_devices`] with this machine's device count.
 fn at_devices(devices: i32, test: &str, f: impl FnOnce(&str)) {
-    common::cuda::at_devices(devices, device_count(), test, f);
+    common::cuda::at_devices(devices, nccl_devices(), test, f);
 }
 
 /// A sharded CUDA accumulator synced (or its final micro-batch begun) on an NCCL group of another

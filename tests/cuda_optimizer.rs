@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::cuda::{enough_devices, gpu_or_skip, nccl_or_skip};
+use common::cuda::{enough_devices, gpu_or_skip, nccl_devices};
 use common::cuda_optimizer::{
     exact_gradient, fixed_scaler, layout, DeviceWeights, Gradient, HostWeights,
 };
@@ -617,19 +617,9 @@ fn sharded_runs(world: usize, test: &str) {
     }
 }
 
-fn devices() -> i32 {
-    if !gpu_or_skip() || !nccl_or_skip() {
-        return 0;
-    }
-    let mut count = 0;
-    // SAFETY: the driver loads (gpu_or_skip); a valid out-pointer.
-    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
-    count
-}
-
 #[test]
 fn sharded_steps_write_the_unsharded_weights_at_two_ranks() {
-    let count = devices();
+    let count = nccl_devices();
     if count == 0 || !enough_devices(2, count) {
         return;
     }
@@ -640,7 +630,7 @@ fn sharded_steps_write_the_unsharded_weights_at_two_ranks() {
 #[test]
 fn sharded_steps_write_the_unsharded_weights_at_three_ranks() {
     let test = "sharded_steps_write_the_unsharded_weights_at_three_ranks";
-    let count = devices();
+    let count = nccl_devices();
     if count == 0 {
         return;
     }
@@ -1042,7 +1032,7 @@ fn hybrid_runs(test: &str) {
 #[test]
 fn hybrid_steps_write_the_unsharded_weights() {
     let test = "hybrid_steps_write_the_unsharded_weights";
-    let count = devices();
+    let count = nccl_devices();
     if count == 0 {
         return;
     }
@@ -1204,7 +1194,7 @@ fn captured_sharded_rank(
 
 #[test]
 fn a_captured_sharded_step_replays_at_two_ranks() {
-    let count = devices();
+    let count = nccl_devices();
     if count == 0 || !enough_devices(2, count) {
         return;
     }
@@ -1313,7 +1303,7 @@ fn schedule_rank(id: [u8; nccl::UNIQUE_ID_BYTES], rank: usize, accumulate: bool,
 /// shard by its own rate and the all-gather would mix them into one model.
 #[test]
 fn a_sharded_step_refuses_ranks_whose_schedules_differ() {
-    let count = devices();
+    let count = nccl_devices();
     if count == 0 || !enough_devices(2, count) {
         return;
     }

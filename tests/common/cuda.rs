@@ -93,6 +93,18 @@ pub fn nccl_or_skip() -> bool {
     false
 }
 
+/// The visible CUDA devices where CUDA and NCCL are usable, else 0 (the test skips, or fails
+/// under GRADACC_REQUIRE_GPU=1).
+pub fn nccl_devices() -> i32 {
+    if !gpu_or_skip() || !nccl_or_skip() {
+        return 0;
+    }
+    let mut count = 0;
+    // SAFETY: the driver loads (gpu_or_skip); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDeviceGetCount(&mut count) };
+    count
+}
+
 /// One tensor's gradient in every representation the two backends need.
 pub struct HostGrad {
     pub dtype: Dtype,

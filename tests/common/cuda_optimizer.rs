@@ -121,6 +121,11 @@ impl Gradient {
             let at = rng.range(0, descs[t].numel as u64 - 1) as usize;
             f32s[t][at] = f32::INFINITY;
         }
+        Gradient::of(descs, f32s)
+    }
+
+    /// `f32s` with each 16-bit tensor's words beside them.
+    pub fn of(descs: &[TensorDesc], f32s: Vec<Vec<f32>>) -> Gradient {
         let u16s = descs
             .iter()
             .zip(&f32s)
@@ -179,14 +184,5 @@ pub fn exact_gradient(rng: &mut Rng, descs: &[TensorDesc]) -> Gradient {
         .iter()
         .map(|d| (0..d.numel).map(|_| (rng.range(0, 128) as f32 - 64.0) / 1024.0).collect())
         .collect();
-    let u16s = descs
-        .iter()
-        .zip(&f32s)
-        .map(|(d, v)| match d.dtype {
-            Dtype::F16 => v.iter().map(|&x| to_f16(x)).collect(),
-            Dtype::Bf16 => v.iter().map(|&x| to_bf16(x)).collect(),
-            Dtype::F32 => vec![],
-        })
-        .collect();
-    Gradient { f32s, u16s }
+    Gradient::of(descs, f32s)
 }
