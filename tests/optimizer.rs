@@ -8,79 +8,13 @@ mod common;
 use std::sync::Arc;
 
 use common::step_reference::{assert_within, bounds, check_element};
+use common::weights::{add, fixed_scaler, grads_of, model, muts_of, Weights};
 use common::*;
 use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
-    LocalComm, Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, Sharding, Slot,
-    TensorDesc, TensorGroup,
+    LocalComm, Optimizer, OptimizerConfig, Rounding, Sharding, Slot, TensorDesc, TensorGroup,
 };
-
-fn fixed_scaler() -> Scaler {
-    Scaler::new(ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() }).unwrap()
-}
-
-/// A model's weights of each tensor, in its dtype.
-#[derive(Clone, Debug, PartialEq)]
-enum Weights {
-    F32(Vec<f32>),
-    Half(Dtype, Vec<u16>),
-}
-
-impl Weights {
-    fn random(rng: &mut Rng, d: &TensorDesc) -> Weights {
-        let v: Vec<f32> = (0..d.numel).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
-        match d.dtype {
-            Dtype::F32 => Weights::F32(v),
-            Dtype::F16 => Weights::Half(Dtype::F16, v.iter().map(|&x| to_f16(x)).collect()),
-            Dtype::Bf16 => Weights::Half(Dtype::Bf16, v.iter().map(|&x| to_bf16(x)).collect()),
-        }
-    }
-
-    fn grad(&self) -> Grad<'_> {
-        match self {
-            Weights::F32(v) => Grad::F32(v),
-            Weights::Half(Dtype::F16, v) => Grad::f16_bits(v),
-            Weights::Half(_, v) => Grad::bf16_bits(v),
-        }
-    }
-
-    fn grad_mut(&mut self) -> GradMut<'_> {
-        match self {
-            Weights::F32(v) => GradMut::F32(v),
-            Weights::Half(Dtype::F16, v) => GradMut::f16_bits(v),
-            Weights::Half(_, v) => GradMut::bf16_bits(v),
-        }
-    }
-
-    /// `master` written as the model's weight, rounded to nearest even by the `half` crate.
-    fn nearest(&self, master: f32) -> u32 {
-        match self {
-            Weights::F32(_) => master.to_bits(),
-            Weights::Half(Dtype::F16, _) => to_f16(master) as u32,
-            Weights::Half(_, _) => to_bf16(master) as u32,
-        }
-    }
-
-    fn bits(&self, at: usize) -> u32 {
-        match self {
-            Weights::F32(v) => v[at].to_bits(),
-            Weights::Half(_, v) => v[at] as u32,
-        }
-    }
-}
-
-fn model(rng: &mut Rng, tensors: &[TensorDesc]) -> Vec<Weights> {
-    tensors.iter().map(|d| Weights::random(rng, d)).collect()
-}
-
-fn grads_of(w: &[Weights]) -> Vec<Grad<'_>> {
-    w.iter().map(Weights::grad).collect()
-}
-
-fn muts_of(w: &mut [Weights]) -> Vec<GradMut<'_>> {
-    w.iter_mut().map(Weights::grad_mut).collect()
-}
 
 /// Odd sizes, every dtype, tensors that straddle shards.
 fn layout(rng: &mut Rng) -> Vec<TensorDesc> {
@@ -111,15 +45,6 @@ fn gradient(rng: &mut Rng, tensors: &[TensorDesc], inf: bool) -> Vec<Vec<f32>> {
         g[t][e] = f32::INFINITY;
     }
     g
-}
-
-/// Adds `g` (values in its tensors' dtypes) as one micro-batch of one item.
-fn add(acc: &Accumulator, scaler: &Scaler, tensors: &[TensorDesc], g: &[Vec<f32>]) {
-    let held: Vec<(Vec<f32>, Vec<u16>)> =
-        tensors.iter().zip(g).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
-    let grads: Vec<Grad<'_>> =
-        tensors.iter().zip(&held).map(|(d, (f, h))| grad_of(d.dtype, f, h)).collect();
-    acc.add(scaler, &grads[..], 1).unwrap();
 }
 
 /// One tensor's state before or after a step.

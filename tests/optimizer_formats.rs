@@ -8,16 +8,13 @@ mod common;
 use std::sync::Arc;
 
 use common::step_reference::{assert_within, check_element, ulps, U};
+use common::weights::{add, fixed_scaler, grads_of, model, muts_of, Weights};
 use common::*;
 use gradacc::{
     join_master, split_master, Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype,
-    ErrorKind, Grad, GradMut, LocalComm, MasterFormat, MomentFormat, Optimizer, OptimizerConfig,
-    Rounding, Scaler, ScalerConfig, Sharding, Slot, StateFormat, TensorDesc,
+    ErrorKind, LocalComm, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding,
+    Sharding, Slot, StateFormat, TensorDesc,
 };
-
-fn fixed_scaler() -> Scaler {
-    Scaler::new(ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() }).unwrap()
-}
 
 /// Odd sizes of bf16 tensors (remainder masters take only bf16), with one f16 and one f32
 /// tensor when `mixed`.
@@ -32,60 +29,6 @@ fn layout(rng: &mut Rng, mixed: bool) -> Vec<TensorDesc> {
             TensorDesc { numel: rng.range(1, 2500) as usize, dtype }
         })
         .collect()
-}
-
-/// The model's weights: f32 values, or 16-bit bits.
-#[derive(Clone, Debug, PartialEq)]
-enum W {
-    F32(Vec<f32>),
-    Half(Dtype, Vec<u16>),
-}
-
-impl W {
-    fn grad(&self) -> Grad<'_> {
-        match self {
-            W::F32(v) => Grad::F32(v),
-            W::Half(Dtype::F16, v) => Grad::f16_bits(v),
-            W::Half(_, v) => Grad::bf16_bits(v),
-        }
-    }
-
-    fn grad_mut(&mut self) -> GradMut<'_> {
-        match self {
-            W::F32(v) => GradMut::F32(v),
-            W::Half(Dtype::F16, v) => GradMut::f16_bits(v),
-            W::Half(_, v) => GradMut::bf16_bits(v),
-        }
-    }
-
-    fn bf16(&self) -> &[u16] {
-        match self {
-            W::Half(Dtype::Bf16, v) => v,
-            _ => panic!("not bf16"),
-        }
-    }
-}
-
-fn model(rng: &mut Rng, tensors: &[TensorDesc]) -> Vec<W> {
-    tensors
-        .iter()
-        .map(|d| {
-            let v: Vec<f32> = (0..d.numel).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
-            match d.dtype {
-                Dtype::F32 => W::F32(v),
-                Dtype::F16 => W::Half(Dtype::F16, v.iter().map(|&x| to_f16(x)).collect()),
-                Dtype::Bf16 => W::Half(Dtype::Bf16, v.iter().map(|&x| to_bf16(x)).collect()),
-            }
-        })
-        .collect()
-}
-
-fn grads_of(w: &[W]) -> Vec<Grad<'_>> {
-    w.iter().map(W::grad).collect()
-}
-
-fn muts_of(w: &mut [W]) -> Vec<GradMut<'_>> {
-    w.iter_mut().map(W::grad_mut).collect()
 }
 
 /// A gradient of magnitudes in [1e-4, 4), random signs, values each tensor's dtype holds; with
@@ -109,14 +52,6 @@ fn gradient(rng: &mut Rng, tensors: &[TensorDesc], inf: bool) -> Vec<Vec<f32>> {
     g
 }
 
-fn add(acc: &Accumulator, scaler: &Scaler, tensors: &[TensorDesc], g: &[Vec<f32>]) {
-    let held: Vec<(Vec<f32>, Vec<u16>)> =
-        tensors.iter().zip(g).map(|(d, v)| encode(d.dtype, v, 1.0)).collect();
-    let grads: Vec<Grad<'_>> =
-        tensors.iter().zip(&held).map(|(d, (f, h))| grad_of(d.dtype, f, h)).collect();
-    acc.add(scaler, &grads[..], 1).unwrap();
-}
-
 fn remainders() -> StateFormat {
     StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::F32 }
 }
@@ -129,13 +64,18 @@ fn both(seed: u64) -> StateFormat {
     StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::Bf16 { seed } }
 }
 
-fn make(acc: &Accumulator, config: OptimizerConfig, format: StateFormat, w: &[W]) -> Optimizer {
+fn make(
+    acc: &Accumulator,
+    config: OptimizerConfig,
+    format: StateFormat,
+    w: &[Weights],
+) -> Optimizer {
     Optimizer::builder(acc).config(config).state(format).weights(&grads_of(w)).build().unwrap()
 }
 
 /// Tensor `i`'s masters as this rank holds them: read, or joined from the weights and the
 /// remainders.
-fn masters(opt: &Optimizer, i: usize, w: &W) -> Vec<f32> {
+fn masters(opt: &Optimizer, i: usize, w: &Weights) -> Vec<f32> {
     if opt.state_format().masters == MasterFormat::Bf16Remainder {
         let (r, rem) = opt.read(i, Slot::Remainders).unwrap();
         r.zip(rem).map(|(e, x)| join_master(w.bf16()[e], x as u16)).collect()
@@ -145,7 +85,7 @@ fn masters(opt: &Optimizer, i: usize, w: &W) -> Vec<f32> {
 }
 
 /// Masters, first and second moments of every tensor.
-fn state(opt: &Optimizer, w: &[W], adam: bool) -> Vec<[Vec<f32>; 3]> {
+fn state(opt: &Optimizer, w: &[Weights], adam: bool) -> Vec<[Vec<f32>; 3]> {
     (0..w.len())
         .map(|i| {
             let read = |s| opt.read(i, s).unwrap().1;
@@ -207,12 +147,12 @@ fn each_format_steps_within_the_bound_of_exact() {
                         let gi = g[i][e] as f64;
                         let what = || format!("{format:?} step {step} tensor {i} element {e}");
                         let model_bits = |x: f32| match &w[i] {
-                            W::F32(v) => (v[e].to_bits(), x.to_bits()),
-                            W::Half(Dtype::F16, v) => (v[e] as u32, to_f16(x) as u32),
-                            W::Half(_, v) if format_has_remainders(format) => {
+                            Weights::F32(v) => (v[e].to_bits(), x.to_bits()),
+                            Weights::Half(Dtype::F16, v) => (v[e] as u32, to_f16(x) as u32),
+                            Weights::Half(_, v) if format_has_remainders(format) => {
                                 (v[e] as u32, split_master(x).0 as u32)
                             }
-                            W::Half(_, v) => (v[e] as u32, to_bf16(x) as u32),
+                            Weights::Half(_, v) => (v[e] as u32, to_bf16(x) as u32),
                         };
                         let (got, want) = model_bits(a(0));
                         assert_eq!(got, want, "{}: the model's weight", what());
@@ -375,11 +315,11 @@ fn remainder_masters_are_the_fp32_masters_bit_for_bit() {
 fn run_group(
     tensors: &[TensorDesc],
     sharding: fn(usize, usize) -> Sharding,
-    initial: &[W],
+    initial: &[Weights],
     data: &[Vec<Vec<Vec<f32>>>],
     config: OptimizerConfig,
     format: StateFormat,
-) -> (Vec<Vec<Vec<W>>>, Vec<Vec<u8>>) {
+) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>) {
     let ranks = data.len();
     let comms = LocalComm::group(ranks).unwrap();
     std::thread::scope(|scope| {

@@ -7,6 +7,7 @@ pub mod cuda;
 pub mod cuda_optimizer;
 pub mod mesh_model;
 pub mod step_reference;
+pub mod weights;
 
 pub struct Rng(u64);
 
