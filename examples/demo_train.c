@@ -45,13 +45,19 @@
  * prints how far its weights (reassembled from the shards) and its global norm move from the
  * all-reduce's, and fails beyond 1e-5 (TP_TOL).
  *
+ * And after them, the all-reduce run once per optimizer state format, on 2 ranks each: gradacc's
+ * AdamW over bf16 model weights with FP32 or remainder masters and FP32 or bf16 moments (12, 10,
+ * 8 and 6 bytes of state per parameter); the demo prints their final losses side by side and
+ * fails when one moves more than 1e-3 (FMT_TOL) from the FP32 state's.
+ *
  * Exit status: 0 if gradacc's gradient stays within tolerance of the reference at every step,
  * both ranks hold bitwise-identical gradients and weights, (FP32 wire) the reduce-scatter's
  * weights equal the all-reduce's bit for bit, and the sharded accumulation's weights stay within
  * their tolerance of the all-reduce's, skip the same steps, and are bitwise equal on its two
  * ranks, and the dp x tp run's weights and norm stay within their bounds of the all-reduce's, skip
- * the same steps, and its 4 ranks get the same report (DP replicas and b2 bitwise equal); 1
- * otherwise. */
+ * the same steps, and its 4 ranks get the same report (DP replicas and b2 bitwise equal), and
+ * every state format's final loss stays within its bound of the FP32 state's, with its ranks
+ * bitwise equal and the same steps skipped; 1 otherwise. */
 #include <gradacc.h>
 
 #include <math.h>
@@ -611,6 +617,140 @@ static void tp_destroy(tp_run *run)
     }
 }
 
+/* ---- optimizer state formats ------------------------------------------------------------- */
+
+/* The all-reduce run's training again, with gradacc's AdamW over bf16 model weights, on one pair
+ * of ranks per state format: FP32 or remainder masters (the bf16 weight plus a 16-bit remainder,
+ * the FP32 master exactly) times FP32 or bf16 moments, 12 down to 6 bytes of state per
+ * parameter. The forward and backward read the bf16 weights. */
+enum { FORMATS = 4 };
+static const float ADAM_LR = 1e-2f;
+/* How far a smaller state's final loss may move from the FP32 state's after the 30 steps: bf16
+ * moments round stochastically, and remainder masters round the weight's ties away from zero
+ * (not to even), and each step feeds the difference back. Measured: 4.4e-5 at most (bf16
+ * moments), 1.9e-5 (remainder masters with FP32 moments). */
+static const double FMT_TOL = 1e-3;
+
+typedef struct fmt_rank {
+    int rank, step;
+    gradacc_comm_t *comm;
+    gradacc_scaler_t *scaler;
+    gradacc_accumulator_t *acc;
+    gradacc_optimizer_t *opt;
+    uint16_t w[NPARAM]; /* the model's bf16 weights */
+    float wf[NPARAM];   /* the same weights in f32, as the forward reads them */
+    uint16_t g16[NPARAM];
+    bool skipped;
+} fmt_rank;
+
+typedef struct fmt_run {
+    const char *name;
+    fmt_rank ranks[RANKS];
+    int replicas_differ, skips;
+} fmt_run;
+
+static void *fmt_step(void *arg)
+{
+    fmt_rank *rs = arg;
+    float g[NPARAM];
+    for (int m = 0; m < MB; m++) {
+        int lo = mb_start(rs->rank, m), n = mb_size[rs->rank][m];
+        float scale;
+        CHECK(gradacc_scaler_scale(rs->scaler, &scale));
+        backward_f32(rs->wf, HID, &X[rs->step][lo], &Y[rs->step][lo], n, g, NULL, 0);
+        add_f16(rs->acc, rs->scaler, scale, g, NPARAM, rs->g16, tensor_offset, n);
+    }
+    gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+    CHECK(gradacc_accumulator_sync(rs->acc, rs->comm, &info));
+    const gradacc_accumulator_t *accs[1] = {rs->acc};
+    CHECK(gradacc_scaler_update(rs->scaler, accs, 1, &rs->skipped));
+    void *weights[4];
+    for (int t = 0; t < 4; t++)
+        weights[t] = &rs->w[tensor_offset[t]];
+    CHECK(gradacc_optimizer_step(rs->opt, rs->acc, weights, 4, rs->comm, NULL));
+    CHECK(gradacc_bf16_to_f32(rs->w, rs->wf, NPARAM));
+    return NULL;
+}
+
+static void fmt_setup(fmt_run *run, const char *name, gradacc_masters_t masters, gradacc_moments_t moments,
+                      const float *w0, const gradacc_scaler_config_t *sc, const gradacc_accumulator_config_t *ac,
+                      const gradacc_tensor_desc_t *tensors)
+{
+    run->name = name;
+    gradacc_comm_t *comms[RANKS];
+    CHECK(gradacc_comm_create_local(RANKS, comms));
+    gradacc_optimizer_config_t oc;
+    CHECK(gradacc_optimizer_config_default(&oc)); /* AdamW */
+    oc.lr = ADAM_LR;
+    oc.masters = masters;
+    oc.moments = moments;
+    oc.moment_seed = 7;
+    const gradacc_dtype_t bf16[4] = {GRADACC_DTYPE_BF16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_BF16, GRADACC_DTYPE_BF16};
+    for (int r = 0; r < RANKS; r++) {
+        fmt_rank *rs = &run->ranks[r];
+        rs->rank = r;
+        rs->comm = comms[r];
+        CHECK(gradacc_scaler_create(sc, NULL, &rs->scaler));
+        CHECK(gradacc_accumulator_create(ac, tensors, 4, NULL, &rs->acc));
+        CHECK(gradacc_f32_to_bf16(w0, rs->w, NPARAM));
+        CHECK(gradacc_bf16_to_f32(rs->w, rs->wf, NPARAM));
+        const void *weights[4];
+        for (int t = 0; t < 4; t++)
+            weights[t] = &rs->w[tensor_offset[t]];
+        CHECK(gradacc_optimizer_create(rs->acc, &oc, NULL, weights, bf16, 4, &rs->opt));
+    }
+}
+
+/* Every format's 30 steps, its ranks checked against each other after each. */
+static void fmt_train(fmt_run *runs)
+{
+    for (int step = 0; step < STEPS; step++) {
+        pthread_t threads[FORMATS * RANKS];
+        for (int f = 0; f < FORMATS; f++)
+            for (int r = 0; r < RANKS; r++) {
+                runs[f].ranks[r].step = step;
+                if (pthread_create(&threads[f * RANKS + r], NULL, fmt_step, &runs[f].ranks[r]) != 0)
+                    exit(2);
+            }
+        for (int k = 0; k < FORMATS * RANKS; k++)
+            pthread_join(threads[k], NULL);
+        for (int f = 0; f < FORMATS; f++) {
+            const fmt_rank *a = &runs[f].ranks[0], *b = &runs[f].ranks[1];
+            runs[f].replicas_differ += memcmp(a->w, b->w, sizeof a->w) != 0 || a->skipped != b->skipped;
+            runs[f].skips += a->skipped;
+        }
+    }
+}
+
+/* The formats' final losses side by side; returns 1 when one left the bound or its ranks differ. */
+static int fmt_verdict(const fmt_run *runs)
+{
+    static double scratch[NPARAM];
+    double loss[FORMATS];
+    int failed = 0;
+    printf("  optimizer state (AdamW over bf16 weights, lr %g, all-reduce; bound on the final loss %.0e):\n",
+           (double)ADAM_LR, FMT_TOL);
+    for (int f = 0; f < FORMATS; f++) {
+        loss[f] = backward_f64(runs[f].ranks[0].wf, STEPS - 1, 0, ITEMS, scratch);
+        printf("           %-46s final loss %.7f (%+.2g); %d skipped; ranks bitwise equal: %s\n", runs[f].name,
+               loss[f], loss[f] - loss[0], runs[f].skips, runs[f].replicas_differ ? "NO" : "yes");
+        failed |= runs[f].replicas_differ || runs[f].skips != runs[0].skips || !(fabs(loss[f] - loss[0]) <= FMT_TOL);
+    }
+    return failed;
+}
+
+static void fmt_destroy(fmt_run *runs)
+{
+    for (int f = 0; f < FORMATS; f++)
+        for (int r = 0; r < RANKS; r++) {
+            fmt_rank *rs = &runs[f].ranks[r];
+            CHECK(gradacc_optimizer_destroy(rs->opt));
+            CHECK(gradacc_accumulator_destroy(rs->acc));
+            CHECK(gradacc_scaler_destroy(rs->scaler));
+            CHECK(gradacc_comm_destroy(rs->comm));
+        }
+}
+
 /* ---- main ----------------------------------------------------------------------------------- */
 
 static double max_gap(const float *a, const double *b)
@@ -710,6 +850,15 @@ int main(int argc, char **argv)
     }
 
     tp_setup(&tp, w0, &sc, &ac); /* dp 2 x tp 2 on the mesh step: 4 ranks of their own */
+    static fmt_run formats[FORMATS]; /* AdamW's state formats: 2 ranks each, trained after the table */
+    fmt_setup(&formats[0], "FP32 masters, FP32 moments (12 B/param):", GRADACC_MASTERS_FP32, GRADACC_MOMENTS_FP32, w0,
+              &sc, &ac, tensors);
+    fmt_setup(&formats[1], "FP32 masters, bf16 moments (8 B/param):", GRADACC_MASTERS_FP32, GRADACC_MOMENTS_BF16, w0,
+              &sc, &ac, tensors);
+    fmt_setup(&formats[2], "remainder masters, FP32 moments (10 B/param):", GRADACC_MASTERS_BF16_REMAINDER,
+              GRADACC_MOMENTS_FP32, w0, &sc, &ac, tensors);
+    fmt_setup(&formats[3], "remainder masters, bf16 moments (6 B/param):", GRADACC_MASTERS_BF16_REMAINDER,
+              GRADACC_MOMENTS_BF16, w0, &sc, &ac, tensors);
 
     printf("gradacc %s demo: MLP %d-%d-1 (%d parameters), 2 ranks on threads, fp16 gradients\n",
            gradacc_version_string(), IN, HID, NPARAM);
@@ -862,12 +1011,15 @@ int main(int argc, char **argv)
            wire == GRADACC_DTYPE_F32 ? "fp32" : "bf16", acc_gap, acc_tol, acc_grad_gap, acc_replicas_differ ? "NO" : "yes");
     int acc_failed = acc_replicas_differ || acc_skips_differ || !(acc_gap <= acc_tol);
     int tp_failed = tp_verdict(&tp, &ranks[0], final_loss);
+    fmt_train(formats);
+    int fmt_failed = fmt_verdict(formats);
     printf("%s\n", failures     ? "FAILED: gradacc missed its tolerance or its ranks differ"
                     : rs_failed  ? "FAILED: the reduce-scatter run's weights differ from the all-reduce's or between its ranks"
                     : acc_failed ? "FAILED: the sharded accumulation's weights left the all-reduce's tolerance or differ between its ranks"
                     : tp_failed  ? "FAILED: the dp x tp run left the all-reduce's bound or its ranks disagree"
+                    : fmt_failed ? "FAILED: a state format's final loss left its bound or its ranks differ"
                                  : "PASS: gradacc gives the full-batch gradient on every rank; the naive scheme does not");
-    failures += rs_failed + acc_failed + tp_failed;
+    failures += rs_failed + acc_failed + tp_failed + fmt_failed;
 
     for (int r = 0; r < RANKS; r++) {
         CHECK(gradacc_accumulator_destroy(ranks[r].acc));
@@ -883,5 +1035,6 @@ int main(int argc, char **argv)
         CHECK(gradacc_comm_destroy(accum_comms[r]));
     }
     tp_destroy(&tp);
+    fmt_destroy(formats);
     return failures ? 1 : 0;
 }
