@@ -7,8 +7,9 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Algorithm, Communicator, Grad, GradMut, OptimizerConfig,
-    Scaler, ScalerConfig, Slot, SyncInfo,
+    join_master, split_master, Accumulator, AccumulatorConfig, Algorithm, Communicator, Grad,
+    GradMut, MasterFormat, MomentFormat, OptimizerConfig, Scaler, ScalerConfig, Slot, StateFormat,
+    SyncInfo,
 };
 
 use crate::adapter::{self, err};
@@ -86,8 +87,27 @@ pub fn batches(step: usize, rank: usize, dtype: DType) -> Result<Vec<Batch>> {
 pub enum Stepper {
     /// candle_nn's AdamW over FP32 master Vars; the half-precision weights copied from them.
     Candle,
-    /// gradacc's AdamW: the masters inside gradacc, the half-precision weights written by its pass.
-    Gradacc,
+    /// gradacc's AdamW: the masters inside gradacc, the half-precision weights written by its
+    /// pass, its state kept in the format given (FP32 masters and moments, or smaller ones).
+    Gradacc(StateFormat),
+}
+
+impl Stepper {
+    /// gradacc's AdamW with FP32 masters and moments.
+    pub const GRADACC: Stepper =
+        Stepper::Gradacc(StateFormat { masters: MasterFormat::F32, moments: MomentFormat::F32 });
+
+    /// The half-precision weight this stepper writes for the master `v`: its rounding to nearest
+    /// even, or under remainder masters the weight half of the master's split.
+    pub fn weight_of(self, dtype: DType, v: f32) -> f32 {
+        match (self, dtype) {
+            (Stepper::Gradacc(f), DType::BF16) if f.masters == MasterFormat::Bf16Remainder => {
+                half::bf16::from_bits(split_master(v).0).to_f32()
+            }
+            (_, DType::F16) => half::f16::from_f32(v).to_f32(),
+            _ => half::bf16::from_f32(v).to_f32(),
+        }
+    }
 }
 
 /// The AdamW both steppers use: candle_nn's defaults at learning rate 1e-2.
@@ -137,7 +157,7 @@ impl Replica {
             .map_err(err)?;
         let masters = match stepper {
             Stepper::Candle => Masters::Candle { opt: AdamW::new(vars.clone(), adamw())?, vars },
-            Stepper::Gradacc => {
+            Stepper::Gradacc(format) => {
                 let p = adamw();
                 let config = OptimizerConfig {
                     algorithm: Algorithm::AdamW {
@@ -151,9 +171,13 @@ impl Replica {
                 };
                 let current = weights.iter().map(HalfValues::of).collect::<Result<Vec<_>>>()?;
                 let grads: Vec<Grad<'_>> = current.iter().map(HalfValues::grad).collect();
-                Masters::Gradacc(Box::new(
-                    gradacc::Optimizer::new(&acc, config, &[], &grads).map_err(err)?,
-                ))
+                let opt = gradacc::Optimizer::builder(&acc)
+                    .config(config)
+                    .state(format)
+                    .weights(&grads)
+                    .build()
+                    .map_err(err)?;
+                Masters::Gradacc(Box::new(opt))
             }
         };
         Ok(Replica { model, weights, acc, scaler: Scaler::new(scaler).map_err(err)?, masters })
@@ -197,11 +221,24 @@ impl Replica {
         Ok(info)
     }
 
-    /// The masters' values, flattened in order.
+    /// The masters' values, flattened in order (remainder masters joined from the weights).
     pub fn master_values(&self) -> Result<Vec<Vec<f32>>> {
         match &self.masters {
             Masters::Candle { vars, .. } => {
                 vars.iter().map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect()
+            }
+            Masters::Gradacc(opt) if opt.state_format().masters == MasterFormat::Bf16Remainder => {
+                (self.weights.iter().enumerate())
+                    .map(|(i, w)| {
+                        let weight = w.as_tensor().flatten_all()?.to_vec1::<half::bf16>()?;
+                        let (_, rem) = opt.read(i, Slot::Remainders).map_err(err)?;
+                        Ok(weight
+                            .iter()
+                            .zip(rem)
+                            .map(|(b, r)| join_master(b.to_bits(), r as u16))
+                            .collect())
+                    })
+                    .collect()
             }
             Masters::Gradacc(opt) => (0..self.weights.len())
                 .map(|i| Ok(opt.read(i, Slot::Weights).map_err(err)?.1))
