@@ -405,6 +405,9 @@ mod over_mpi {
 
     /// The case's index, the schedule's seed, and the poisoned world rank or `-`.
     const ENV: &str = "GRADACC_MESH_MPI";
+    /// The command that starts the ranks instead of `mpirun`: e.g. tests/simhosts/ctl's, which
+    /// spreads them over simulated hosts (tests/simhosts/mesh).
+    const LAUNCHER: &str = "GRADACC_MESH_MPIRUN";
     /// Far above a step's time on a busy machine; a hang fails here, not at CI's limit.
     const WITHIN: Duration = Duration::from_secs(300);
 
@@ -428,11 +431,15 @@ mod over_mpi {
         }
     }
 
-    /// Runs `case` under `mpirun`; each rank's printed report, in rank order.
+    /// Runs `case` under `mpirun`; each rank's printed report, in rank order. LAUNCHER, when
+    /// set, replaces `mpirun` by a command line and its leading arguments (split at spaces).
     fn launch(case: &Case, i: usize, seed: u64, poison: Option<u64>, what: &str) -> Vec<String> {
         let poison = poison.map_or("-".to_string(), |r| r.to_string());
-        let mut child = Command::new("mpirun")
-            .args(["-np", &case.world.to_string(), "--oversubscribe"])
+        let launcher = std::env::var(LAUNCHER).unwrap_or_else(|_| "mpirun".into());
+        let mut launcher = launcher.split_whitespace();
+        let mut child = Command::new(launcher.next().expect(LAUNCHER))
+            .args(launcher)
+            .args(["-np", &case.world.to_string(), "--oversubscribe", "-x", ENV])
             .arg(std::env::current_exe().unwrap())
             .args(["--exact", "over_mpi::rank", "--nocapture", "--test-threads", "1"])
             .env(ENV, format!("{i} {seed} {poison}"))
