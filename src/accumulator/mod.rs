@@ -196,7 +196,8 @@ impl Accumulator {
                 format!("output holds {} values, tensor {index} has {}", out.len(), r.len()),
             ));
         }
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         self.store.read(w.master(), r, out)
     }
 
@@ -205,7 +206,8 @@ impl Accumulator {
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.held_tensor(index)?;
         self.store.check_open()?;
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         let (mut f, mut out) = (Some(f), None);
         let run = &mut |master: &[f32]| out = f.take().map(|f| f(master));
         self.store.view(w.master(), self.range(index), run)?;
@@ -217,7 +219,8 @@ impl Accumulator {
     /// safe way to read what `shard()`'s address points to.
     pub fn with_shard<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.store.check_open()?;
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         let (mut f, mut out) = (Some(f), None);
         let run = &mut |shard: &[f32]| out = f.take().map(|f| f(shard));
         self.store.view(w.master(), self.plan.shard(), run)?;
