@@ -7,6 +7,11 @@
 //! the same run: bf16 moments move 22 bytes per element, remainder masters 28 (the weight is read
 //! back as well as written), both 20.
 //!
+//! A third table times the boundary plus the step, clipping every window: `sync` then the step
+//! (norm 4 + clip 8 + step 30 = 42 bytes per element) against `sync_for_step` then the step
+//! (the clip applied inside the step: 34), in turns, next to the floor of 34 bytes (a plain read
+//! of the gradient, then the step's floor), on 1 and 2 threads.
+//!
 //! `cargo bench --bench optimizer`.
 
 mod common;
@@ -163,6 +168,103 @@ fn main() {
         }
     }
     formats(&tensors, &bf16_grad, &scaler);
+    boundary_and_step(&tensors, &bf16_grad, &scaler, isa);
+}
+
+/// The boundary with clipping plus the AdamW step, clip-then-step against the clip inside the
+/// step, with the 34-byte floor, each timed in turn.
+fn boundary_and_step(
+    tensors: &[TensorDesc],
+    grad: &[gradacc::half::bf16],
+    scaler: &Scaler,
+    isa: Isa,
+) {
+    println!("\n| threads | AdamW state | sync + step ns/element | sync_for_step + step ns/element | floor (34 B) ns/element | ratio | fused / floor |");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    let moments = MomentFormat::Bf16 { seed: 3 };
+    let formats = [
+        ("FP32", StateFormat::default()),
+        ("bf16 moments", StateFormat { moments, ..Default::default() }),
+    ];
+    for threads in [1, 2] {
+        for (name, format) in formats {
+            let cfg = AccumulatorConfig { max_grad_norm: 1e-3, threads, ..Default::default() };
+            let config = OptimizerConfig { lr: 1e-4, ..Default::default() };
+            let make = |weights: &[gradacc::half::bf16]| {
+                let acc = Accumulator::new(cfg, tensors).unwrap();
+                let views = [Grad::Bf16(weights)];
+                let opt = Optimizer::builder(&acc).config(config).state(format).weights(&views);
+                let opt = opt.build().unwrap();
+                (acc, opt)
+            };
+            let (mut w0, mut w1) = (grad.to_vec(), grad.to_vec());
+            let ((a0, o0), (a1, o1)) = (make(&w0), make(&w1));
+            let (mut g, mut x, mut m, mut v) =
+                (vec![0.1f32; LEN], vec![0.5f32; LEN], vec![0.0f32; LEN], vec![0.0f32; LEN]);
+            let mut wf = vec![0u16; LEN];
+            let (mut plain, mut fused, mut floors) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..=REPEATS {
+                for (acc, opt, w, out, for_step) in
+                    [(&a0, &o0, &mut w0, &mut plain, false), (&a1, &o1, &mut w1, &mut fused, true)]
+                {
+                    acc.add(scaler, &[Grad::Bf16(grad)][..], 1).unwrap();
+                    let t = Instant::now();
+                    match for_step {
+                        true => acc.sync_for_step(None).unwrap(),
+                        false => acc.sync(None).unwrap(),
+                    };
+                    opt.step(acc, &mut [GradMut::Bf16(w)], None).unwrap();
+                    if r > 0 {
+                        out.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                g[r] += 1.0;
+                let t = Instant::now();
+                threaded_floor(isa, threads, &g, &mut x, &mut m, &mut v, &mut wf);
+                black_box((&x, &m, &v, &wf));
+                if r > 0 {
+                    floors.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let ns = |t: Vec<f64>| median(t) / LEN as f64 * 1e9;
+            let (p, f, fl) = (ns(plain), ns(fused), ns(floors));
+            println!(
+                "| {threads} | {name} | {p:.3} | {f:.3} | {fl:.3} | {:.2} | {:.2} |",
+                p / f,
+                f / fl
+            );
+        }
+    }
+}
+
+/// The fused boundary's floor on `threads` threads, each over its part: read the gradient once
+/// (the norm), then the step's floor.
+fn threaded_floor(
+    isa: Isa,
+    threads: usize,
+    g: &[f32],
+    x: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    w: &mut [u16],
+) {
+    let part = g.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts = g
+            .chunks(part)
+            .zip(x.chunks_mut(part))
+            .zip(m.chunks_mut(part))
+            .zip(v.chunks_mut(part))
+            .zip(w.chunks_mut(part));
+        for ((((g, x), m), v), w) in parts {
+            s.spawn(move || {
+                let mut sums = vec![0.0; simd::blocks(g.len())];
+                simd::block_sum_squares(g, &mut sums, 1);
+                black_box(&sums);
+                floor(isa, g, x, m, Some(v), w);
+            });
+        }
+    });
 }
 
 /// AdamW in each state format, each step timed in turn with the FP32 one.

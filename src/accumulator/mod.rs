@@ -130,7 +130,9 @@ impl Accumulator {
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
     /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all
     /// the accumulator holds: the window's sum over the ranks while accumulating, the reduced
-    /// gradient after a `sync`. Read it safely with [`Accumulator::with_shard`].
+    /// gradient after a `sync`. Read it safely with [`Accumulator::with_shard`]. After
+    /// [`Accumulator::sync_for_step`] it holds the gradient before a pending clip coefficient
+    /// until a read through the accumulator applies it.
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
         let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
@@ -228,7 +230,9 @@ impl Accumulator {
     }
 
     /// Address of tensor `index`'s master gradient (a device address on CUDA) and its length, for
-    /// callers across the C boundary. The buffer never moves while the accumulator lives.
+    /// callers across the C boundary. The buffer never moves while the accumulator lives. After
+    /// [`Accumulator::sync_for_step`] it holds the gradient before a pending clip coefficient
+    /// (see [`Accumulator::shard`]).
     pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
         let r = self.held_tensor(index)?;
         Ok((self.store.master_address(r.start), r.len()))
