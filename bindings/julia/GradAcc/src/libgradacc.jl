@@ -407,6 +407,11 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     end
 end
 
+"gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the normalised sum before the clip coefficient, which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient."
+function gradacc_accumulator_sync_for_step(acc, comm, out_info)
+    ccall((:gradacc_accumulator_sync_for_step, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), acc, comm, out_info)
+end
+
 "The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created with, which reduced every micro-batch already), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say)."
 function gradacc_accumulator_sync_hybrid(acc, shard_comm, replica_comm, out_info)
     # blocks: GC-safe call
