@@ -9,8 +9,9 @@
 //!
 //! A third table times the boundary plus the step, clipping every window: `sync` then the step
 //! (norm 4 + clip 8 + step 30 = 42 bytes per element) against `sync_for_step` then the step
-//! (the clip applied inside the step: 34), in turns, next to the floor of 34 bytes (a plain read
-//! of the gradient, then the step's floor), on 1 and 2 threads.
+//! (the clip applied inside the step: 34), in turns, next to the floor of those 34 bytes (a plain
+//! read of the gradient, then the step's floor), on 1 and 2 threads; with bf16 moments the bytes
+//! are 34 and 26, the floor's moments bf16 too.
 //!
 //! `cargo bench --bench optimizer`.
 
@@ -179,15 +180,16 @@ fn boundary_and_step(
     scaler: &Scaler,
     isa: Isa,
 ) {
-    println!("\n| threads | AdamW state | sync + step ns/element | sync_for_step + step ns/element | floor (34 B) ns/element | ratio | fused / floor |");
-    println!("|---:|---|---:|---:|---:|---:|---:|");
+    println!("\n| threads | AdamW state | bytes/element (sync + step, fused) | sync + step ns/element | sync_for_step + step ns/element | floor ns/element | ratio | fused / floor |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
     let moments = MomentFormat::Bf16 { seed: 3 };
     let formats = [
-        ("FP32", StateFormat::default()),
-        ("bf16 moments", StateFormat { moments, ..Default::default() }),
+        ("FP32", StateFormat::default(), "42, 34"),
+        ("bf16 moments", StateFormat { moments, ..Default::default() }, "34, 26"),
     ];
     for threads in [1, 2] {
-        for (name, format) in formats {
+        for (name, format, bytes) in formats {
+            let half = format.moments != MomentFormat::F32;
             let cfg = AccumulatorConfig { max_grad_norm: 1e-3, threads, ..Default::default() };
             let config = OptimizerConfig { lr: 1e-4, ..Default::default() };
             let make = |weights: &[gradacc::half::bf16]| {
@@ -199,9 +201,7 @@ fn boundary_and_step(
             };
             let (mut w0, mut w1) = (grad.to_vec(), grad.to_vec());
             let ((a0, o0), (a1, o1)) = (make(&w0), make(&w1));
-            let (mut g, mut x, mut m, mut v) =
-                (vec![0.1f32; LEN], vec![0.5f32; LEN], vec![0.0f32; LEN], vec![0.0f32; LEN]);
-            let mut wf = vec![0u16; LEN];
+            let (mut g, mut state) = (vec![0.1f32; LEN], FloorState::new());
             let (mut plain, mut fused, mut floors) = (Vec::new(), Vec::new(), Vec::new());
             for r in 0..=REPEATS {
                 for (acc, opt, w, out, for_step) in
@@ -220,8 +220,7 @@ fn boundary_and_step(
                 }
                 g[r] += 1.0;
                 let t = Instant::now();
-                threaded_floor(isa, threads, &g, &mut x, &mut m, &mut v, &mut wf);
-                black_box((&x, &m, &v, &wf));
+                state.run(isa, threads, &g, half);
                 if r > 0 {
                     floors.push(t.elapsed().as_secs_f64());
                 }
@@ -229,7 +228,7 @@ fn boundary_and_step(
             let ns = |t: Vec<f64>| median(t) / LEN as f64 * 1e9;
             let (p, f, fl) = (ns(plain), ns(fused), ns(floors));
             println!(
-                "| {threads} | {name} | {p:.3} | {f:.3} | {fl:.3} | {:.2} | {:.2} |",
+                "| {threads} | {name} | {bytes} | {p:.3} | {f:.3} | {fl:.3} | {:.2} | {:.2} |",
                 p / f,
                 f / fl
             );
@@ -237,34 +236,94 @@ fn boundary_and_step(
     }
 }
 
-/// The fused boundary's floor on `threads` threads, each over its part: read the gradient once
-/// (the norm), then the step's floor.
-fn threaded_floor(
-    isa: Isa,
-    threads: usize,
-    g: &[f32],
-    x: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    w: &mut [u16],
-) {
-    let part = g.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        let parts = g
-            .chunks(part)
-            .zip(x.chunks_mut(part))
-            .zip(m.chunks_mut(part))
-            .zip(v.chunks_mut(part))
-            .zip(w.chunks_mut(part));
-        for ((((g, x), m), v), w) in parts {
-            s.spawn(move || {
-                let mut sums = vec![0.0; simd::blocks(g.len())];
-                simd::block_sum_squares(g, &mut sums, 1);
-                black_box(&sums);
-                floor(isa, g, x, m, Some(v), w);
-            });
-        }
-    });
+/// What the fused boundary's floor moves besides the gradient: the masters, FP32 and bf16
+/// moments (one pair is used), the weights.
+struct FloorState {
+    x: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    m16: Vec<u16>,
+    v16: Vec<u16>,
+    w: Vec<u16>,
+}
+
+impl FloorState {
+    fn new() -> Self {
+        let (f, h) = (vec![0.0f32; LEN], vec![0u16; LEN]);
+        FloorState { x: vec![0.5; LEN], m: f.clone(), v: f, m16: h.clone(), v16: h.clone(), w: h }
+    }
+
+    /// The floor on `threads` threads, each over its part: read the gradient once (the norm),
+    /// then the step's floor, with bf16 moments when `half`.
+    fn run(&mut self, isa: Isa, threads: usize, g: &[f32], half: bool) {
+        let part = g.len().div_ceil(threads);
+        let FloorState { x, m, v, m16, v16, w } = self;
+        std::thread::scope(|s| {
+            let parts = g
+                .chunks(part)
+                .zip(x.chunks_mut(part))
+                .zip(m.chunks_mut(part).zip(v.chunks_mut(part)))
+                .zip(m16.chunks_mut(part).zip(v16.chunks_mut(part)))
+                .zip(w.chunks_mut(part));
+            for ((((g, x), (m, v)), (m16, v16)), w) in parts {
+                s.spawn(move || {
+                    let mut sums = vec![0.0; simd::blocks(g.len())];
+                    simd::block_sum_squares(g, &mut sums, 1);
+                    black_box(&sums);
+                    match half {
+                        true => floor16(isa, g, x, m16, v16, w),
+                        false => floor(isa, g, x, m, Some(v), w),
+                    }
+                });
+            }
+        });
+        black_box(&*self);
+    }
+}
+
+/// [`floor`] with bf16 moments (their bits): 22 bytes per element.
+fn floor16(isa: Isa, g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    match isa {
+        // SAFETY: `active_isa` only reports paths the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { floor16_avx512(g, x, m, v, w) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { floor16_avx2(g, x, m, v, w) },
+        _ => traffic16(g, x, m, v, w),
+    }
+}
+
+/// [`traffic16`] at AVX-512's width.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn floor16_avx512(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    traffic16(g, x, m, v, w)
+}
+
+/// [`traffic16`] at AVX2's width.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn floor16_avx2(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    traffic16(g, x, m, v, w)
+}
+
+/// [`traffic`] with bf16 moments: one add per value, on the moments' bits.
+#[inline(always)]
+fn traffic16(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    for ((((g, x), m), v), w) in g.iter().zip(x).zip(m).zip(v).zip(w) {
+        let top = (g.to_bits() >> 16) as u16;
+        *m = m.wrapping_add(top);
+        *v = v.wrapping_add(top);
+        *x += f32::from_bits(((*m as u32) << 16) | *v as u32);
+        *w = (x.to_bits() >> 16) as u16;
+    }
 }
 
 /// AdamW in each state format, each step timed in turn with the FP32 one.
