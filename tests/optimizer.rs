@@ -13,8 +13,8 @@ use common::*;
 use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
-    LocalComm, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding, Slot, StateFormat,
-    TensorDesc, TensorGroup,
+    LocalComm, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding, Slot,
+    StateFormat, TensorDesc, TensorGroup,
 };
 
 /// Odd sizes, every dtype, tensors that straddle shards.
@@ -341,17 +341,24 @@ fn the_clip_inside_the_step_is_clip_then_step() {
         |shards, rank| Sharding::ReduceScatter { shards, rank },
         |shards, rank| Sharding::Accumulate { shards, rank },
     ];
+    let moments = MomentFormat::Bf16 { seed: rng.next_u64() };
     let formats = [
         StateFormat::default(),
-        StateFormat { moments: MomentFormat::Bf16 { seed: rng.next_u64() }, ..Default::default() },
+        StateFormat { moments, ..Default::default() },
+        StateFormat { moments, masters: MasterFormat::Bf16Remainder },
     ];
-    for ranks in [1, 2, 3] {
-        let tensors = layout(&mut rng);
+    // The last round has bf16 weights only, which remainder masters take.
+    for (round, ranks) in [1, 2, 3, 2].into_iter().enumerate() {
+        let remainders = round == 3;
+        let mut tensors = layout(&mut rng);
+        if remainders {
+            tensors.iter_mut().for_each(|t| t.dtype = Dtype::Bf16);
+        }
         let initial = model(&mut rng, &tensors);
         let data = group_data(&mut rng, &tensors, ranks, 4);
         for (a, algorithm) in algorithms().into_iter().enumerate() {
             let policy = policies[a % 3];
-            let state = formats[a % 2];
+            let state = if remainders { formats[2] } else { formats[a % 2] };
             let max_grad_norm = [1e-3, 30.0][(a / 2) % 2];
             let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
             let run = |for_step| {
