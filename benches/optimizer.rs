@@ -7,6 +7,12 @@
 //! the same run: bf16 moments move 22 bytes per element, remainder masters 28 (the weight is read
 //! back as well as written), both 20.
 //!
+//! A third table times the boundary plus the step, clipping every window: `sync` then the step
+//! (norm 4 + clip 8 + step 30 = 42 bytes per element) against `sync_for_step` then the step
+//! (the clip applied inside the step: 34), in turns, next to the floor of those 34 bytes (a plain
+//! read of the gradient, then the step's floor), on 1 and 2 threads; with bf16 moments the bytes
+//! are 34 and 26, the floor's moments bf16 too.
+//!
 //! `cargo bench --bench optimizer`.
 
 mod common;
@@ -163,6 +169,161 @@ fn main() {
         }
     }
     formats(&tensors, &bf16_grad, &scaler);
+    boundary_and_step(&tensors, &bf16_grad, &scaler, isa);
+}
+
+/// The boundary with clipping plus the AdamW step, clip-then-step against the clip inside the
+/// step, with the 34-byte floor, each timed in turn.
+fn boundary_and_step(
+    tensors: &[TensorDesc],
+    grad: &[gradacc::half::bf16],
+    scaler: &Scaler,
+    isa: Isa,
+) {
+    println!("\n| threads | AdamW state | bytes/element (sync + step, fused) | sync + step ns/element | sync_for_step + step ns/element | floor ns/element | ratio | fused / floor |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    let moments = MomentFormat::Bf16 { seed: 3 };
+    let formats = [
+        ("FP32", StateFormat::default(), "42, 34"),
+        ("bf16 moments", StateFormat { moments, ..Default::default() }, "34, 26"),
+    ];
+    for threads in [1, 2] {
+        for (name, format, bytes) in formats {
+            let half = format.moments != MomentFormat::F32;
+            let cfg = AccumulatorConfig { max_grad_norm: 1e-3, threads, ..Default::default() };
+            let config = OptimizerConfig { lr: 1e-4, ..Default::default() };
+            let make = |weights: &[gradacc::half::bf16]| {
+                let acc = Accumulator::new(cfg, tensors).unwrap();
+                let views = [Grad::Bf16(weights)];
+                let opt = Optimizer::builder(&acc).config(config).state(format).weights(&views);
+                let opt = opt.build().unwrap();
+                (acc, opt)
+            };
+            let (mut w0, mut w1) = (grad.to_vec(), grad.to_vec());
+            let ((a0, o0), (a1, o1)) = (make(&w0), make(&w1));
+            let (mut g, mut state) = (vec![0.1f32; LEN], FloorState::new());
+            let (mut plain, mut fused, mut floors) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..=REPEATS {
+                for (acc, opt, w, out, for_step) in
+                    [(&a0, &o0, &mut w0, &mut plain, false), (&a1, &o1, &mut w1, &mut fused, true)]
+                {
+                    acc.add(scaler, &[Grad::Bf16(grad)][..], 1).unwrap();
+                    let t = Instant::now();
+                    match for_step {
+                        true => acc.sync_for_step(None).unwrap(),
+                        false => acc.sync(None).unwrap(),
+                    };
+                    opt.step(acc, &mut [GradMut::Bf16(w)], None).unwrap();
+                    if r > 0 {
+                        out.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                g[r] += 1.0;
+                let t = Instant::now();
+                state.run(isa, threads, &g, half);
+                if r > 0 {
+                    floors.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let ns = |t: Vec<f64>| median(t) / LEN as f64 * 1e9;
+            let (p, f, fl) = (ns(plain), ns(fused), ns(floors));
+            println!(
+                "| {threads} | {name} | {bytes} | {p:.3} | {f:.3} | {fl:.3} | {:.2} | {:.2} |",
+                p / f,
+                f / fl
+            );
+        }
+    }
+}
+
+/// What the fused boundary's floor moves besides the gradient: the masters, FP32 and bf16
+/// moments (one pair is used), the weights.
+struct FloorState {
+    x: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    m16: Vec<u16>,
+    v16: Vec<u16>,
+    w: Vec<u16>,
+}
+
+impl FloorState {
+    fn new() -> Self {
+        let (f, h) = (vec![0.0f32; LEN], vec![0u16; LEN]);
+        FloorState { x: vec![0.5; LEN], m: f.clone(), v: f, m16: h.clone(), v16: h.clone(), w: h }
+    }
+
+    /// The floor on `threads` threads, each over its part: read the gradient once (the norm),
+    /// then the step's floor, with bf16 moments when `half`.
+    fn run(&mut self, isa: Isa, threads: usize, g: &[f32], half: bool) {
+        let part = g.len().div_ceil(threads);
+        let FloorState { x, m, v, m16, v16, w } = self;
+        std::thread::scope(|s| {
+            let parts = g
+                .chunks(part)
+                .zip(x.chunks_mut(part))
+                .zip(m.chunks_mut(part).zip(v.chunks_mut(part)))
+                .zip(m16.chunks_mut(part).zip(v16.chunks_mut(part)))
+                .zip(w.chunks_mut(part));
+            for ((((g, x), (m, v)), (m16, v16)), w) in parts {
+                s.spawn(move || {
+                    let mut sums = vec![0.0; simd::blocks(g.len())];
+                    simd::block_sum_squares(g, &mut sums, 1);
+                    black_box(&sums);
+                    match half {
+                        true => floor16(isa, g, x, m16, v16, w),
+                        false => floor(isa, g, x, m, Some(v), w),
+                    }
+                });
+            }
+        });
+        black_box(&*self);
+    }
+}
+
+/// [`floor`] with bf16 moments (their bits): 22 bytes per element.
+fn floor16(isa: Isa, g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    match isa {
+        // SAFETY: `active_isa` only reports paths the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { floor16_avx512(g, x, m, v, w) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { floor16_avx2(g, x, m, v, w) },
+        _ => traffic16(g, x, m, v, w),
+    }
+}
+
+/// [`traffic16`] at AVX-512's width.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn floor16_avx512(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    traffic16(g, x, m, v, w)
+}
+
+/// [`traffic16`] at AVX2's width.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn floor16_avx2(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    traffic16(g, x, m, v, w)
+}
+
+/// [`traffic`] with bf16 moments: one add per value, on the moments' bits.
+#[inline(always)]
+fn traffic16(g: &[f32], x: &mut [f32], m: &mut [u16], v: &mut [u16], w: &mut [u16]) {
+    for ((((g, x), m), v), w) in g.iter().zip(x).zip(m).zip(v).zip(w) {
+        let top = (g.to_bits() >> 16) as u16;
+        *m = m.wrapping_add(top);
+        *v = v.wrapping_add(top);
+        *x += f32::from_bits(((*m as u32) << 16) | *v as u32);
+        *w = (x.to_bits() >> 16) as u16;
+    }
 }
 
 /// AdamW in each state format, each step timed in turn with the FP32 one.

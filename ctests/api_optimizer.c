@@ -295,9 +295,64 @@ static void test_reduce_scatter_group(int refused)
         EXPECT_OK(gradacc_comm_destroy(comms[r]));
 }
 
+/* gradacc_accumulator_sync_for_step, the clip coefficient applied inside AdamW's pass, steps the
+ * weights to the bits of gradacc_accumulator_sync then the step, clipping every window. */
+static void test_clip_in_step(void)
+{
+    gradacc_scaler_config_t sc;
+    REQUIRE_OK(gradacc_scaler_config_default(&sc));
+    sc.init_scale = 1024.0f;
+    sc.dynamic = false;
+    gradacc_tensor_desc_t tensors[2] = {{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}};
+    gradacc_accumulator_config_t ac;
+    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
+    ac.max_grad_norm = 0.01f;
+    uint16_t w0[2][N0];
+    float w1[2][N1];
+    gradacc_scaler_t *scaler[2];
+    gradacc_accumulator_t *acc[2];
+    gradacc_optimizer_t *opt[2];
+    gradacc_optimizer_config_t oc;
+    REQUIRE_OK(gradacc_optimizer_config_default(&oc));
+    for (int k = 0; k < 2; k++) {
+        REQUIRE_OK(gradacc_scaler_create(&sc, NULL, &scaler[k]));
+        REQUIRE_OK(gradacc_accumulator_create(&ac, tensors, 2, NULL, &acc[k]));
+        init_weights(w0[k], w1[k]);
+        const void *initial[2] = {w0[k], w1[k]};
+        REQUIRE_OK(gradacc_optimizer_create(acc[k], &oc, NULL, initial, NULL, 2, &opt[k]));
+    }
+    for (int step = 0; step < 3; step++) {
+        double coef[2];
+        for (int k = 0; k < 2; k++) {
+            uint16_t g0[N0];
+            float g1[N1], scale;
+            REQUIRE_OK(gradacc_scaler_scale(scaler[k], &scale));
+            gradients(g0, g1, scale, 0);
+            const void *grads[2] = {g0, g1};
+            REQUIRE_OK(gradacc_accumulator_add(acc[k], scaler[k], grads, 2, 1));
+            gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+            REQUIRE_OK(k ? gradacc_accumulator_sync_for_step(acc[k], NULL, &info)
+                         : gradacc_accumulator_sync(acc[k], NULL, &info));
+            coef[k] = info.clip_coef;
+            void *weights[2] = {w0[k], w1[k]};
+            REQUIRE_OK(gradacc_optimizer_step(opt[k], acc[k], weights, 2, NULL, NULL));
+        }
+        CHECK(coef[0] == coef[1] && coef[0] < 1.0, "step %d: clip_coef %g / %g", step, coef[0],
+              coef[1]);
+        CHECK(memcmp(w0[0], w0[1], sizeof w0[0]) == 0 && memcmp(w1[0], w1[1], sizeof w1[0]) == 0,
+              "step %d: the clip inside the step wrote other weights", step);
+    }
+    for (int k = 0; k < 2; k++) {
+        EXPECT_OK(gradacc_optimizer_destroy(opt[k]));
+        EXPECT_OK(gradacc_accumulator_destroy(acc[k]));
+        EXPECT_OK(gradacc_scaler_destroy(scaler[k]));
+    }
+}
+
 int main(void)
 {
     test_whole_step();
+    test_clip_in_step();
     test_reduce_scatter_group(-1);
     test_reduce_scatter_group(1);
     return test_finish();

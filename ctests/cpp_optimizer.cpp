@@ -3,7 +3,7 @@
 // gradient that changes nothing, the learning rate and groups taking effect, save and load, a
 // two-rank reduce-scatter group whose weights are the one-rank run's, and errors as
 // gradacc::Error with the argument named; adopted FP32 masters kept at creation and stepped in
-// place.
+// place; the clip coefficient applied inside the step (sync_for_step) writing sync()'s weights.
 #include <gradacc.hpp>
 
 #include <cmath>
@@ -319,10 +319,42 @@ static void adopted_masters()
     }
 }
 
+// sync_for_step (the clip coefficient inside AdamW's pass) writes the weights of sync() then the
+// step, bit for bit, clipping every window.
+static void clip_in_step()
+{
+    gradacc::ScalerConfig sc;
+    sc.init_scale = 1024.0f;
+    sc.dynamic = false;
+    gradacc::AccumulatorConfig ac;
+    ac.max_grad_norm = 0.01f;
+    const std::vector<gradacc::TensorDesc> tensors = {{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}};
+    gradacc::Scaler s0(sc), s1(sc);
+    gradacc::Accumulator a0(tensors, ac), a1(tensors, ac);
+    Model m0, m1;
+    gradacc::Optimizer o0(a0, {m0.w0.data(), m0.w1.data()}), o1(a1, {m1.w0.data(), m1.w1.data()});
+    std::vector<uint16_t> g0(N0);
+    for (std::size_t i = 0; i < N0; i++)
+        g0[i] = f16_bits(grad0(i) * sc.init_scale);
+    const std::vector<float> g1(N1, 0.75f * sc.init_scale);
+    for (int step = 0; step < 3; step++) {
+        a0.add(s0, {g0.data(), g1.data()}, 1);
+        a1.add(s1, {g0.data(), g1.data()}, 1);
+        const gradacc::SyncInfo i0 = a0.sync(), i1 = a1.sync_for_step();
+        EXPECT(i0.clip_coef == i1.clip_coef && i0.clip_coef < 1.0, "step %d: clip_coef %g / %g", step,
+               i0.clip_coef, i1.clip_coef);
+        o0.step(a0, {m0.w0.data(), m0.w1.data()});
+        o1.step(a1, {m1.w0.data(), m1.w1.data()});
+        EXPECT(m0.w0 == m1.w0 && m0.w1 == m1.w1, "step %d: the clip inside the step wrote other weights",
+               step);
+    }
+}
+
 int main()
 {
     try {
         sgd_steps_bit_for_bit();
+        clip_in_step();
         adopted_masters();
         lr_and_groups();
         reduce_scatter_group();

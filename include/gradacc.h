@@ -1200,6 +1200,24 @@ enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc
                                                struct gradacc_sync_info_t *out_info);
 
 /**
+ * gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step):
+ * with clipping, the gradient in memory stays the normalised sum before the clip coefficient,
+ * which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the
+ * boundary saves a pass over the gradient. The addresses from gradacc_accumulator_master and
+ * gradacc_accumulator_shard then hold the sum before the coefficient: a caller that reads the
+ * reduced gradient itself syncs with gradacc_accumulator_sync. On CUDA it is
+ * gradacc_accumulator_sync. Arguments, errors and `*out_info` (may be NULL) as
+ * gradacc_accumulator_sync's, but the boundary's info is always read on the host (on CUDA the
+ * call waits for the accumulator's stream).
+ *
+ * Thread safety: as gradacc_accumulator_sync.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_sync_for_step(struct gradacc_accumulator_t *acc,
+                                                        struct gradacc_comm_t *comm,
+                                                        struct gradacc_sync_info_t *out_info);
+
+/**
  * The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or
  * GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group:
  * shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created

@@ -584,6 +584,12 @@ public:
      * otherwise every rank throws. A sharded accumulation takes only the communicator it was
      * created with (another throws INVALID_ARGUMENT there and PEER_FAILURE on the other ranks). */
     SyncInfo sync(Communicator &comm) { return sync_with(comm.get()); }
+    /** sync() for an optimizer that steps right after: the clip coefficient is applied inside
+     * Optimizer::step's pass, bitwise as after sync(), and master() / shard() hold the gradient
+     * before it (gradacc_accumulator_sync_for_step). */
+    SyncInfo sync_for_step() { return sync_with(nullptr, true); }
+    /** sync(comm) with the clip coefficient left to the step, as sync_for_step(). */
+    SyncInfo sync_for_step(Communicator &comm) { return sync_with(comm.get(), true); }
     /** The hybrid boundary (HSDP) of an accumulator with GRADACC_SHARDING_REDUCE_SCATTER or
      * GRADACC_SHARDING_ACCUMULATE: a reduce-scatter over `shard` (its shard group: `shard_count`
      * ranks, this one `shard_rank`; for a sharded accumulation, the communicator it was created
@@ -731,10 +737,11 @@ private:
                         std::to_string(d.numel));
     }
 
-    SyncInfo sync_with(gradacc_comm_t *comm) {
+    SyncInfo sync_with(gradacc_comm_t *comm, bool for_step = false) {
         SyncInfo info{};
         info.struct_size = sizeof info;
-        check(gradacc_accumulator_sync(handle_.get(), comm, &info));
+        check(for_step ? gradacc_accumulator_sync_for_step(handle_.get(), comm, &info)
+                       : gradacc_accumulator_sync(handle_.get(), comm, &info));
         return info;
     }
 

@@ -13,7 +13,8 @@ use common::*;
 use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype, ErrorKind, Grad, GradMut,
-    LocalComm, Optimizer, OptimizerConfig, Rounding, Sharding, Slot, TensorDesc, TensorGroup,
+    LocalComm, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding, Slot,
+    StateFormat, TensorDesc, TensorGroup,
 };
 
 /// Odd sizes, every dtype, tensors that straddle shards.
@@ -236,6 +237,33 @@ fn run_group(
     config: OptimizerConfig,
     groups: &[TensorGroup],
 ) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>) {
+    let plain = Boundary { max_grad_norm: 0.0, for_step: false, state: StateFormat::default() };
+    let (weights, saved, _) =
+        run_group_with(tensors, sharding, initial, data, config, groups, plain);
+    (weights, saved)
+}
+
+/// How [`run_group_with`]'s boundaries run: the clipping norm, `sync_for_step` or `sync`, and
+/// the optimizer's state formats.
+#[derive(Clone, Copy, Debug)]
+struct Boundary {
+    max_grad_norm: f32,
+    for_step: bool,
+    state: StateFormat,
+}
+
+/// [`run_group`] with `boundary`; also returns each rank's reduced gradient (`with_shard`'s
+/// bits) of every window, read after the step on even steps and before it on odd ones.
+#[allow(clippy::type_complexity)]
+fn run_group_with(
+    tensors: &[TensorDesc],
+    sharding: fn(usize, usize) -> Sharding,
+    initial: &[Weights],
+    data: &[Vec<Vec<Vec<f32>>>],
+    config: OptimizerConfig,
+    groups: &[TensorGroup],
+    boundary: Boundary,
+) -> (Vec<Vec<Vec<Weights>>>, Vec<Vec<u8>>, Vec<Vec<Vec<u32>>>) {
     let ranks = data.len();
     let comms = LocalComm::group(ranks).unwrap();
     let isa = simd::active_isa();
@@ -249,6 +277,7 @@ fn run_group(
                         let comm: Arc<dyn Communicator> = Arc::new(comm);
                         let cfg = AccumulatorConfig {
                             sharding: sharding(ranks, rank),
+                            max_grad_norm: boundary.max_grad_norm,
                             ..Default::default()
                         };
                         let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
@@ -259,23 +288,94 @@ fn run_group(
                         let acc = b.build().unwrap();
                         let scaler = fixed_scaler();
                         let mut weights = initial.to_vec();
-                        let opt =
-                            Optimizer::new(&acc, config, groups, &grads_of(&weights)).unwrap();
-                        let mut seen = Vec::new();
-                        for g in &data[rank] {
+                        let opt = Optimizer::builder(&acc)
+                            .config(config)
+                            .groups(groups)
+                            .state(boundary.state)
+                            .weights(&grads_of(&weights))
+                            .build()
+                            .unwrap();
+                        let (mut seen, mut reduced) = (Vec::new(), Vec::new());
+                        let read = || acc.with_shard(|g| g.iter().map(|x| x.to_bits()).collect());
+                        for (step, g) in data[rank].iter().enumerate() {
                             add(&acc, &scaler, tensors, g);
                             let on = (!accumulate).then_some(&*comm);
-                            acc.sync(on).unwrap();
+                            match boundary.for_step {
+                                true => acc.sync_for_step(on).unwrap(),
+                                false => acc.sync(on).unwrap(),
+                            };
+                            if step % 2 == 1 {
+                                reduced.push(read().unwrap());
+                            }
                             opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
+                            if step % 2 == 0 {
+                                reduced.push(read().unwrap());
+                            }
                             seen.push(weights.clone());
                         }
-                        (seen, opt.save().unwrap())
+                        (seen, opt.save().unwrap(), reduced)
                     })
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+        let mut out = (Vec::new(), Vec::new(), Vec::new());
+        for h in handles {
+            let (seen, saved, reduced) = h.join().unwrap();
+            out.0.push(seen);
+            out.1.push(saved);
+            out.2.push(reduced);
+        }
+        out
     })
+}
+
+/// The clipping coefficient applied inside the step (`sync_for_step`) steps every sharding
+/// policy, algorithm and state format to the bits of clip-then-step (`sync`): the weights after
+/// every step, the saved state, and the reduced gradient read before or after the step. The
+/// norms clip every window (a tiny one) or only some (one near the gradients' own).
+#[test]
+fn the_clip_inside_the_step_is_clip_then_step() {
+    let mut rng = Rng::fresh("the_clip_inside_the_step_is_clip_then_step");
+    let policies: [fn(usize, usize) -> Sharding; 3] = [
+        |_, _| Sharding::None,
+        |shards, rank| Sharding::ReduceScatter { shards, rank },
+        |shards, rank| Sharding::Accumulate { shards, rank },
+    ];
+    let moments = MomentFormat::Bf16 { seed: rng.next_u64() };
+    let formats = [
+        StateFormat::default(),
+        StateFormat { moments, ..Default::default() },
+        StateFormat { moments, masters: MasterFormat::Bf16Remainder },
+    ];
+    // The last round has bf16 weights only, which remainder masters take.
+    for (round, ranks) in [1, 2, 3, 2].into_iter().enumerate() {
+        let remainders = round == 3;
+        let mut tensors = layout(&mut rng);
+        if remainders {
+            tensors.iter_mut().for_each(|t| t.dtype = Dtype::Bf16);
+        }
+        let initial = model(&mut rng, &tensors);
+        let data = group_data(&mut rng, &tensors, ranks, 4);
+        for (a, algorithm) in algorithms().into_iter().enumerate() {
+            let policy = policies[a % 3];
+            let state = if remainders { formats[2] } else { formats[a % 2] };
+            let max_grad_norm = [1e-3, 30.0][(a / 2) % 2];
+            let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
+            let run = |for_step| {
+                let b = Boundary { max_grad_norm, for_step, state };
+                run_group_with(&tensors, policy, &initial, &data, config, &[], b)
+            };
+            let (want, got) = (run(false), run(true));
+            let what = format!("{:?}, {ranks} ranks, {algorithm:?}, {state:?}", policy(ranks, 0));
+            for rank in 0..ranks {
+                for (step, (w, g)) in want.0[rank].iter().zip(&got.0[rank]).enumerate() {
+                    assert!(bits_of(w) == bits_of(g), "{what}: rank {rank}'s weights, step {step}");
+                }
+                assert!(want.2[rank] == got.2[rank], "{what}: rank {rank}'s reduced gradient");
+            }
+            assert!(want.1 == got.1, "{what}: the saved state");
+        }
+    }
 }
 
 /// ZeRO-1 (reduce-scatter) and ZeRO-2 (sharded accumulation): after every step every rank's
@@ -311,6 +411,44 @@ fn sharded_steps_write_the_unsharded_weights() {
                 }
             }
         }
+    }
+}
+
+/// The hybrid boundary likewise: `sync_hybrid_for_step` then the step (all-gathered over the
+/// shard group) writes `sync_hybrid`'s weights and reads its reduced gradient, on every rank of
+/// a grid of shards by replicas.
+#[test]
+fn the_clip_inside_the_step_is_clip_then_step_across_replicas() {
+    let mut rng = Rng::fresh("the_clip_inside_the_step_is_clip_then_step_across_replicas");
+    for (shards, replicas) in [(2, 2), (3, 2), (2, 3)] {
+        let tensors = layout(&mut rng);
+        let initial = model(&mut rng, &tensors);
+        let data = group_data(&mut rng, &tensors, shards * replicas, 3);
+        let algorithm = algorithms()[rng.range(0, 4) as usize];
+        let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
+        let run = |for_step: bool| {
+            hybrid_grid(shards, replicas, |g, sc, rc| {
+                let sharding = Sharding::ReduceScatter { shards, rank: sc.rank() };
+                let cfg = AccumulatorConfig { sharding, max_grad_norm: 1e-2, ..Default::default() };
+                let acc = Accumulator::new(cfg, &tensors).unwrap();
+                let mut weights = initial.to_vec();
+                let opt = Optimizer::new(&acc, config, &[], &grads_of(&weights)).unwrap();
+                let mut seen = Vec::new();
+                for grads in &data[g] {
+                    add(&acc, &fixed_scaler(), &tensors, grads);
+                    match for_step {
+                        true => acc.sync_hybrid_for_step(sc, rc).unwrap(),
+                        false => acc.sync_hybrid(sc, rc).unwrap(),
+                    };
+                    opt.step(&acc, &mut muts_of(&mut weights), Some(sc)).unwrap();
+                    let reduced: Vec<u32> =
+                        acc.with_shard(|s| s.iter().map(|x| x.to_bits()).collect()).unwrap();
+                    seen.push((bits_of(&weights), reduced));
+                }
+                seen
+            })
+        };
+        assert!(run(false) == run(true), "{shards} shards x {replicas} replicas, {algorithm:?}");
     }
 }
 

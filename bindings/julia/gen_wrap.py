@@ -29,6 +29,7 @@ SCALARS = {
 # Under sharded accumulation every micro-batch call is a collective too.
 BLOCKING = {
     "gradacc_accumulator_sync",
+    "gradacc_accumulator_sync_for_step",
     "gradacc_accumulator_sync_hybrid",
     "gradacc_accumulator_begin_final_microbatch",
     "gradacc_accumulator_begin_microbatch",

@@ -18,7 +18,31 @@ impl Accumulator {
     /// own communicator ([`Sharding::Accumulate`]). On CUDA this waits for the accumulator's
     /// stream to read the info; [`Accumulator::sync_enqueue`] does not.
     pub fn sync(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
-        self.boundary(comm, None, true)?
+        self.boundary(comm, None, true, false)?
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+    }
+
+    /// [`Accumulator::sync`] for an optimizer that steps right after: with clipping, the
+    /// gradient in memory stays the normalised sum before the clipping coefficient, which the
+    /// step applies inside its own pass (the same `g * c` rounded to f32, so the step is
+    /// bitwise the one after `sync`), and the boundary saves a read and a write of the
+    /// gradient. Reading the synced gradient through the accumulator (`read`, `with_master`,
+    /// `with_shard`) applies the coefficient to it first, with `sync`'s bits; only an address
+    /// taken from `master_ptr` or `shard` sees the sum before it, until such a read. The report
+    /// is `sync`'s. On CUDA this is `sync`.
+    pub fn sync_for_step(&self, comm: Option<&dyn Communicator>) -> Result<SyncInfo> {
+        self.boundary(comm, None, true, true)?
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
+    }
+
+    /// [`Accumulator::sync_hybrid`] for an optimizer that steps right after, as
+    /// [`Accumulator::sync_for_step`] is `sync`'s.
+    pub fn sync_hybrid_for_step(
+        &self,
+        shard: &dyn Communicator,
+        replicas: &dyn Communicator,
+    ) -> Result<SyncInfo> {
+        self.boundary(Some(shard), Some(replicas), true, true)?
             .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
@@ -26,7 +50,7 @@ impl Accumulator {
     /// stream and the call returns at once (the info stays on the device for the scaler's
     /// update); on the CPU it is [`Accumulator::sync`].
     pub fn sync_enqueue(&self, comm: Option<&dyn Communicator>) -> Result<()> {
-        self.boundary(comm, None, false).map(drop)
+        self.boundary(comm, None, false, false).map(drop)
     }
 
     /// The hybrid boundary (HSDP): a sharded accumulator reduce-scatters over `shard` (its
@@ -42,7 +66,7 @@ impl Accumulator {
         shard: &dyn Communicator,
         replicas: &dyn Communicator,
     ) -> Result<SyncInfo> {
-        self.boundary(Some(shard), Some(replicas), true)?
+        self.boundary(Some(shard), Some(replicas), true, false)?
             .ok_or_else(|| Error::new(ErrorKind::Internal, "a read boundary returned no info"))
     }
 
@@ -51,8 +75,9 @@ impl Accumulator {
         comm: Option<&dyn Communicator>,
         replicas: Option<&dyn Communicator>,
         read: bool,
+        defer_clip: bool,
     ) -> Result<Option<SyncInfo>> {
-        let result = self.run_boundary(comm, replicas, read);
+        let result = self.run_boundary(comm, replicas, read, defer_clip);
         if let Err(e) = &result {
             // A boundary past its deadline ends this rank's use of its groups, on every transport.
             if e.kind == ErrorKind::Timeout {
@@ -69,9 +94,15 @@ impl Accumulator {
         comm: Option<&dyn Communicator>,
         replicas: Option<&dyn Communicator>,
         read: bool,
+        defer_clip: bool,
     ) -> Result<Option<SyncInfo>> {
         let mut opened = self.open_boundary(comm, replicas, false, None)?;
-        let info = opened.finish(read)?;
+        opened.proposal.defer_clip = defer_clip;
+        let info = opened.finish(read);
+        // Taken whatever the outcome: a failed boundary leaves nothing pending.
+        let pending = self.store.take_deferred();
+        let info = info?;
+        opened.w.pending_clip = pending;
         opened.w.phase = Phase::Synced(info);
         Ok(info)
     }
@@ -151,6 +182,7 @@ impl Accumulator {
             nonfinite,
             error,
             host_totals,
+            defer_clip: false,
         }
     }
 
@@ -310,6 +342,7 @@ impl Opened<'_> {
     /// where a device's scaler and optimizer read it.
     pub(crate) fn conclude(&mut self, info: SyncInfo) -> Result<()> {
         self.acc.store.conclude(&info)?;
+        self.w.pending_clip = None;
         self.w.phase = Phase::Synced(Some(info));
         Ok(())
     }

@@ -130,7 +130,9 @@ impl Accumulator {
     /// normalised (and clipped) gradient; the rest of the master is unspecified until the next
     /// window's first micro-batch overwrites it. Under [`Sharding::Accumulate`] the shard is all
     /// the accumulator holds: the window's sum over the ranks while accumulating, the reduced
-    /// gradient after a `sync`. Read it safely with [`Accumulator::with_shard`].
+    /// gradient after a `sync`. Read it safely with [`Accumulator::with_shard`]. After
+    /// [`Accumulator::sync_for_step`] it holds the gradient before a pending clip coefficient
+    /// until a read through the accumulator applies it.
     pub fn shard(&self) -> (Range<usize>, *mut f32) {
         let range = self.plan.shard();
         let ptr = self.store.master_address(range.start);
@@ -196,7 +198,8 @@ impl Accumulator {
                 format!("output holds {} values, tensor {index} has {}", out.len(), r.len()),
             ));
         }
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         self.store.read(w.master(), r, out)
     }
 
@@ -205,7 +208,8 @@ impl Accumulator {
     pub fn with_master<R>(&self, index: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.held_tensor(index)?;
         self.store.check_open()?;
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         let (mut f, mut out) = (Some(f), None);
         let run = &mut |master: &[f32]| out = f.take().map(|f| f(master));
         self.store.view(w.master(), self.range(index), run)?;
@@ -217,7 +221,8 @@ impl Accumulator {
     /// safe way to read what `shard()`'s address points to.
     pub fn with_shard<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.store.check_open()?;
-        let w = self.window.write();
+        let mut w = self.window.write();
+        self.settle_clip(&mut w)?;
         let (mut f, mut out) = (Some(f), None);
         let run = &mut |shard: &[f32]| out = f.take().map(|f| f(shard));
         self.store.view(w.master(), self.plan.shard(), run)?;
@@ -225,7 +230,9 @@ impl Accumulator {
     }
 
     /// Address of tensor `index`'s master gradient (a device address on CUDA) and its length, for
-    /// callers across the C boundary. The buffer never moves while the accumulator lives.
+    /// callers across the C boundary. The buffer never moves while the accumulator lives. After
+    /// [`Accumulator::sync_for_step`] it holds the gradient before a pending clip coefficient
+    /// (see [`Accumulator::shard`]).
     pub fn master_ptr(&self, index: usize) -> Result<(*mut f32, usize)> {
         let r = self.held_tensor(index)?;
         Ok((self.store.master_address(r.start), r.len()))

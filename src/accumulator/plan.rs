@@ -108,6 +108,10 @@ pub(crate) struct Proposal<'a> {
     /// The caller reads the group's totals before the reduction and may replace them (a mesh
     /// step's job totals): a device store agrees them on the host ([`Agreed::totals`]).
     pub host_totals: bool,
+    /// The clipping factor is left pending rather than applied to the gradient in memory: an
+    /// optimizer steps right after ([`Accumulator::sync_for_step`](super::Accumulator::sync_for_step)).
+    /// A store that cannot defer applies it as ever.
+    pub defer_clip: bool,
 }
 
 impl Proposal<'_> {

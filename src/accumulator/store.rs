@@ -256,6 +256,13 @@ pub(crate) trait BoundaryWork: MasterMemory {
         read: bool,
     ) -> Result<Option<SyncInfo>>;
 
+    /// The factor the last reduction left pending when its proposal deferred the clip
+    /// ([`Proposal::defer_clip`]), taken once: the gradient in memory is the sum before it. None
+    /// when nothing is pending (no clipping, a factor of 1, or a store that applied it).
+    fn take_deferred(&self) -> Option<f32> {
+        None
+    }
+
     /// Multiplies the boundary's result this rank holds (`Plan::shard`'s range) by `factor`
     /// with [`crate::simd::scale`]'s bits: a mesh step's clipping, whose coefficient is the
     /// whole job's.

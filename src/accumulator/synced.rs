@@ -2,7 +2,7 @@
 //! report and the per-tensor stats for the caller, the reduced gradient for the optimizer (on
 //! the host or in device memory), the overflow flag for a device scaler.
 
-use super::window::{Phase, State};
+use super::window::{Phase, State, WindowWrite};
 // The setting the docs below name; the code never needs it.
 #[cfg(doc)]
 use super::AccumulatorConfig;
@@ -38,21 +38,34 @@ impl Accumulator {
         }
     }
 
-    /// Runs `f` on the synced window's id, its info and this rank's part of the reduced gradient
-    /// ([`Accumulator::shard`]'s range, on the host), holding the window so that nothing changes
-    /// it meanwhile: what an optimizer steps from. `WrongState` naming `what` unless synced.
+    /// Runs `f` on the synced window's id, its info, this rank's part of the reduced gradient
+    /// ([`Accumulator::shard`]'s range, on the host) and the clipping factor still to apply to
+    /// each of its elements (1 unless the boundary left one pending,
+    /// [`Accumulator::sync_for_step`]), holding the window so that nothing changes it
+    /// meanwhile: what an optimizer steps from. `WrongState` naming `what` unless synced.
     pub(crate) fn with_reduced<R>(
         &self,
         what: &str,
-        f: impl FnOnce(u64, SyncInfo, &[f32]) -> R,
+        f: impl FnOnce(u64, SyncInfo, &[f32], f32) -> R,
     ) -> Result<R> {
         let w = self.window.write();
         let (window, info) = synced_window(&w, what)?;
         self.store.check_open()?;
+        let factor = w.pending_clip.unwrap_or(1.0);
         let (mut f, mut out) = (Some(f), None);
-        let run = &mut |g: &[f32]| out = f.take().map(|f| f(window, info, g));
+        let run = &mut |g: &[f32]| out = f.take().map(|f| f(window, info, g, factor));
         self.store.view(w.master(), self.plan.shard(), run)?;
         Ok(out.expect("a view runs once"))
+    }
+
+    /// Applies the clipping factor a boundary left pending to the synced gradient in memory
+    /// (with the bits `sync` leaves), so that a reader sees the clipped gradient.
+    pub(super) fn settle_clip(&self, w: &mut WindowWrite<'_>) -> Result<()> {
+        if let (true, Some(factor)) = (w.synced(), w.pending_clip) {
+            self.store.scale_result(w.master_mut(), factor)?;
+            w.pending_clip = None;
+        }
+        Ok(())
     }
 
     /// The synced window's id, checked as [`Accumulator::with_reduced`] checks it.

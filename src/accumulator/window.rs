@@ -48,6 +48,10 @@ pub(crate) struct State {
     /// The window was restored holding a non-finite value whose place was not saved: it went
     /// non-finite before any place this rank can name.
     unlocated: bool,
+    /// While synced: the clipping factor the boundary left for the optimizer's step to apply
+    /// ([`Accumulator::sync_for_step`](super::Accumulator::sync_for_step)); the gradient in
+    /// memory is the sum before it. Set on every boundary, read only while synced.
+    pub pending_clip: Option<f32>,
 }
 
 impl State {
@@ -200,6 +204,7 @@ impl State {
             serial: 0,
             nonfinite: Vec::new(),
             unlocated: false,
+            pending_clip: None,
         }
     }
 }

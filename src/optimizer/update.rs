@@ -20,6 +20,9 @@ pub(crate) struct AdamW {
     eps: f32,
     /// `-lr / (1 - beta1^t)`.
     neg_step: f32,
+    /// What each gradient is multiplied by first: a boundary's pending clipping factor, else 1
+    /// (exact).
+    grad: f32,
 }
 
 /// One tensor's scalars for one step of SGD.
@@ -33,6 +36,8 @@ pub(crate) struct Sgd {
     /// No momentum buffer yet: it starts as the gradient.
     first: bool,
     neg_lr: f32,
+    /// As [`AdamW`]'s.
+    grad: f32,
 }
 
 /// One tensor's scalars for one step.
@@ -59,6 +64,7 @@ impl Scalars {
                     correction2_sqrt: (1.0 - powi_steps(beta2, t)).sqrt() as f32,
                     eps,
                     neg_step: (-lr / (1.0 - powi_steps(beta1, t))) as f32,
+                    grad: 1.0,
                 })
             }
             Algorithm::Sgd { momentum, dampening, nesterov, weight_decay } => Scalars::Sgd(Sgd {
@@ -68,8 +74,20 @@ impl Scalars {
                 nesterov,
                 first: t == 1,
                 neg_lr: (-lr) as f32,
+                grad: 1.0,
             }),
         }
+    }
+
+    /// These scalars with each gradient multiplied by `factor` before it is used, rounded to
+    /// f32: the product the boundary's clipping would have stored ([`crate::simd::scale`]'s
+    /// bits), formed in the step's pass instead.
+    pub(crate) fn grad_factor(mut self, factor: f32) -> Scalars {
+        match &mut self {
+            Scalars::AdamW(a) => a.grad = factor,
+            Scalars::Sgd(s) => s.grad = factor,
+        }
+        self
     }
 }
 
@@ -106,6 +124,7 @@ impl AdamW {
     /// its gradient `g`.
     #[inline(always)]
     pub(crate) fn step(&self, g: f32, w: &mut f32, m: &mut f32, v: &mut f32) {
+        let g = g * self.grad;
         if self.decay != 1.0 {
             *w *= self.decay;
         }
@@ -121,6 +140,7 @@ impl Sgd {
     /// Straight-line (selects, every value stored), so the loop over a piece vectorizes.
     #[inline(always)]
     pub(crate) fn step(&self, g: f32, w: &mut f32, b: &mut f32) {
+        let g = g * self.grad;
         let d = if self.weight_decay != 0.0 { g + self.weight_decay * *w } else { g };
         let moved = if self.first { d } else { *b * self.momentum + self.keep * d };
         let with_momentum = self.momentum != 0.0;

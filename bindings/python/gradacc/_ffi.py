@@ -360,6 +360,12 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
+# gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the normalised sum before the clip coefficient, which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient.
+gradacc_accumulator_sync_for_step = dll.gradacc_accumulator_sync_for_step
+gradacc_accumulator_sync_for_step.restype = gradacc_status_t
+gradacc_accumulator_sync_for_step.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
+# arguments: acc, comm, out_info
+
 # The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created with, which reduced every micro-batch already), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say).
 gradacc_accumulator_sync_hybrid = dll.gradacc_accumulator_sync_hybrid
 gradacc_accumulator_sync_hybrid.restype = gradacc_status_t

@@ -30,7 +30,44 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
     comm: *mut gradacc_comm_t,
     out_info: *mut gradacc_sync_info_t,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_sync", || {
+    // SAFETY: the caller's arguments, under this function's contract.
+    unsafe { sync(acc, comm, out_info, false) }
+}
+
+/// gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step):
+/// with clipping, the gradient in memory stays the normalised sum before the clip coefficient,
+/// which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the
+/// boundary saves a pass over the gradient. The addresses from gradacc_accumulator_master and
+/// gradacc_accumulator_shard then hold the sum before the coefficient: a caller that reads the
+/// reduced gradient itself syncs with gradacc_accumulator_sync. On CUDA it is
+/// gradacc_accumulator_sync. Arguments, errors and `*out_info` (may be NULL) as
+/// gradacc_accumulator_sync's, but the boundary's info is always read on the host (on CUDA the
+/// call waits for the accumulator's stream).
+///
+/// Thread safety: as gradacc_accumulator_sync.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_sync_for_step(
+    acc: *mut gradacc_accumulator_t,
+    comm: *mut gradacc_comm_t,
+    out_info: *mut gradacc_sync_info_t,
+) -> gradacc_status_t {
+    // SAFETY: the caller's arguments, under this function's contract.
+    unsafe { sync(acc, comm, out_info, true) }
+}
+
+/// The plain boundary, its clip coefficient left to the step with `for_step`.
+///
+/// # Safety
+/// As gradacc_accumulator_sync's arguments.
+unsafe fn sync(
+    acc: *mut gradacc_accumulator_t,
+    comm: *mut gradacc_comm_t,
+    out_info: *mut gradacc_sync_info_t,
+    for_step: bool,
+) -> gradacc_status_t {
+    let name =
+        if for_step { "gradacc_accumulator_sync_for_step" } else { "gradacc_accumulator_sync" };
+    guard(name, || {
         let _flight = sync_in_flight(acc as usize, &[comm as usize]);
         let a = ACCUMULATORS.get(acc, "acc");
         let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose();
@@ -42,10 +79,10 @@ pub unsafe extern "C" fn gradacc_accumulator_sync(
         let a = a?;
         owed.settle();
         let comm = comm.as_deref();
-        if out_info.is_null() {
+        if out_info.is_null() && !for_step {
             return Ok(a.sync_enqueue(comm)?);
         }
-        let info = a.sync(comm)?;
+        let info = if for_step { a.sync_for_step(comm)? } else { a.sync(comm)? };
         // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
         unsafe { write_sync_info(out_info, &info) };
         Ok(())

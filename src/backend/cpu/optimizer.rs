@@ -170,14 +170,15 @@ impl HostOptimizer {
         })
     }
 
-    /// One step of every held element, its model weight written as it goes.
-    fn update(&mut self, grad: &[f32], weights: &mut [GradMut<'_>]) {
+    /// One step of every held element, its model weight written as it goes; each gradient is
+    /// multiplied by `factor` (rounded to f32) before the update uses it.
+    fn update(&mut self, grad: &[f32], factor: f32, weights: &mut [GradMut<'_>]) {
         let t = self.steps + 1;
         for (i, w) in weights.iter_mut().enumerate() {
             let p = piece(&self.plan, i, &self.held);
             let group = self.groups[i];
             let lr = self.lr as f64 * group.lr_scale as f64;
-            let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t);
+            let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t).grad_factor(factor);
             let state = pass::Piece {
                 grad: &grad[p.held.clone()],
                 master: self.master.cells(p.held.clone()),
@@ -290,10 +291,10 @@ impl OptimizerStore for HostOptimizer {
         consumed: &mut Option<u64>,
     ) -> Result<Option<bool>> {
         let weights = weights.host()?;
-        let stepped = acc.with_reduced("the optimizer step", |window, info, grad| {
+        let stepped = acc.with_reduced("the optimizer step", |window, info, grad, factor| {
             *consumed = Some(window);
             if !info.found_inf {
-                self.update(grad, weights);
+                self.update(grad, factor, weights);
             }
             !info.found_inf
         })?;

@@ -443,16 +443,16 @@ impl Sharded<'_> {
     /// the shard is first all-reduced over the replicas.
     ///
     /// With `squares` (`tensor_stats`), the pass sums each segment of the shard too. Returns the
-    /// report and the scale of those sums ([`Boundary::stats_scale`]).
+    /// report, the scale of those sums ([`Boundary::stats_scale`]) and the deferred clip factor.
     pub(super) fn reduce(
         &self,
         master: &mut MasterWrite,
         p: &Proposal<'_>,
         agreed: &Agreed,
         squares: Option<&Squares<'_>>,
-    ) -> Result<(SyncInfo, f64)> {
+    ) -> Result<(SyncInfo, f64, Option<f32>)> {
         // The micro-batches' reductions had the wire; the replicas sum FP32 sums.
-        let boundary = Boundary::new(self.plan, agreed, Dtype::F32);
+        let boundary = Boundary::new(self.plan, agreed, Dtype::F32, p.defer_clip);
         let pass = boundary.pass;
         let shard = self.shard.slice_mut(master, 0..self.sharding.own.len());
         let first = self.sharding.own.start;
@@ -481,7 +481,7 @@ impl Sharded<'_> {
         if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
             simd::scale(shard, factor, pass.threads);
         }
-        Ok((boundary.info(&values), boundary.stats_scale()))
+        Ok((boundary.info(&values), boundary.stats_scale(), boundary.deferred(&values)))
     }
 }
 

@@ -36,6 +36,8 @@ pub(crate) struct HostStore {
     /// With `tensor_stats`: the layout's segments, and the last boundary's stats.
     segments: Option<Segments>,
     stats: Mutex<Option<Vec<TensorStats>>>,
+    /// The clipping factor the last boundary left pending ([`BoundaryWork::take_deferred`]).
+    deferred: Mutex<Option<f32>>,
 }
 
 /// What a host store holds of the master.
@@ -74,6 +76,7 @@ impl HostStore {
             stage: OnceLock::new(),
             segments,
             stats: Mutex::new(None),
+            deferred: Mutex::new(None),
         })
     }
 
@@ -144,21 +147,21 @@ impl HostStore {
         Ok(())
     }
 
-    /// The boundary of a store holding the whole master: its report, and the scale of its
-    /// segments' sums (see [`Boundary::stats_scale`]).
+    /// The boundary of a store holding the whole master: its report, the scale of its segments'
+    /// sums (see [`Boundary::stats_scale`]) and the deferred clip factor ([`Boundary::deferred`]).
     fn reduce_whole(
         &self,
         master: &mut MasterWrite,
         p: &Proposal<'_>,
         agreed: &Agreed,
         squares: Option<&Squares<'_>>,
-    ) -> Result<(SyncInfo, f64)> {
+    ) -> Result<(SyncInfo, f64, Option<f32>)> {
         let all = self.held_mut(master, 0..self.plan.layout.len());
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
         // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
         // replicas then sum FP32 sums); the communicator rounds the contributions.
         let wire = if host.or(replicas).is_some() { self.plan.config.wire } else { Dtype::F32 };
-        let boundary = Boundary::new(&self.plan, agreed, wire);
+        let boundary = Boundary::new(&self.plan, agreed, wire, p.defer_clip);
         let pass = boundary.pass;
         let shards = self.plan.shards();
         // One process passes the whole master as one run: a thread's worth per thread at a time.
@@ -175,7 +178,7 @@ impl HostStore {
             (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?,
             (None, None) => pass_whole(all, &measured, pass.threads),
         };
-        Ok((boundary.info(&block_sums), boundary.stats_scale()))
+        Ok((boundary.info(&block_sums), boundary.stats_scale(), boundary.deferred(&block_sums)))
     }
 
     /// The staging, allocated at its first use.
@@ -395,14 +398,20 @@ impl BoundaryWork for HostStore {
         _read: bool,
     ) -> Result<Option<SyncInfo>> {
         let squares = self.segments.as_ref().map(Segments::squares);
-        let (info, stats_scale) = match &self.memory {
+        *self.deferred.lock() = None;
+        let (info, stats_scale, deferred) = match &self.memory {
             Memory::Whole(_) => self.reduce_whole(master, p, agreed, squares.as_ref())?,
             Memory::Shard(s) => self.sharded(s).reduce(master, p, agreed, squares.as_ref())?,
         };
         if let (Some(segments), Some(squares)) = (&self.segments, squares) {
             self.share_stats(segments, p, squares.into_sums(), stats_scale)?;
         }
+        *self.deferred.lock() = deferred;
         Ok(Some(info))
+    }
+
+    fn take_deferred(&self) -> Option<f32> {
+        self.deferred.lock().take()
     }
 
     fn scale_result(&self, master: &mut MasterWrite, factor: f32) -> Result<()> {
@@ -479,7 +488,8 @@ impl Boundary {
     /// Without clipping the factor is known before the norm, so the pass that measures each
     /// block also normalises it. With clipping the factor depends on the norm: the pass only
     /// measures, and its second step scales once every block's sum is known.
-    pub(super) fn new(plan: &Plan, agreed: &Agreed, wire: Dtype) -> Self {
+    /// With `defer`, the second step is left to the caller ([`Boundary::deferred`]).
+    pub(super) fn new(plan: &Plan, agreed: &Agreed, wire: Dtype, defer: bool) -> Self {
         let total = agreed.totals.expect("the host agreement has totals");
         let config = &plan.config;
         let divisor = config.normalize.divisor(total.count, total.microbatches, total.ranks);
@@ -489,6 +499,7 @@ impl Boundary {
         let pass = NormPass {
             factor: (clip.is_none() && normalize != 1.0).then_some(normalize),
             clip,
+            defer,
             threads: config.threads,
             wire,
         };
@@ -516,6 +527,12 @@ impl Boundary {
         let t = &self.total;
         SyncInfo::of(t, grad_norm, clip_coef)
     }
+
+    /// The second step's factor when the pass deferred it (from the values of every block, as
+    /// [`BlockPass::rescale`] computes it); none when it ran, or would leave the sum as it is.
+    pub(super) fn deferred(&self, block_sums: &[f64]) -> Option<f32> {
+        self.pass.defer.then(|| self.pass.rescale(block_sums)).flatten()
+    }
 }
 
 /// The boundary's pass over the summed master buffer: each block's sum of squares, and the
@@ -525,6 +542,8 @@ impl Boundary {
 pub(super) struct NormPass {
     pub factor: Option<f32>,
     pub clip: Option<Clip>,
+    /// The second step is left to the boundary's caller: no communicator runs it.
+    pub defer: bool,
     pub threads: usize,
     pub wire: Dtype,
 }
@@ -731,7 +750,7 @@ impl BlockPass for NormPass {
     }
 
     fn rescales(&self) -> bool {
-        self.clip.is_some()
+        self.clip.is_some() && !self.defer
     }
 
     /// The clipping coefficient over the divisor, rounded to f32 once; `None` when that is 1.

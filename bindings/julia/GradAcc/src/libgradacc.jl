@@ -407,6 +407,24 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     end
 end
 
+"gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the normalised sum before the clip coefficient, which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient."
+function gradacc_accumulator_sync_for_step(acc, comm, out_info)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_sync_for_step)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_comm = Base.cconvert(Ptr{gradacc_comm_t}, comm)
+    c_out_info = Base.cconvert(Ptr{gradacc_sync_info_t}, out_info)
+    GC.@preserve c_acc c_comm c_out_info begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_comm = Base.unsafe_convert(Ptr{gradacc_comm_t}, c_comm)
+        p_out_info = Base.unsafe_convert(Ptr{gradacc_sync_info_t}, c_out_info)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_comm_t}, Ptr{gradacc_sync_info_t}), p_acc, p_comm, p_out_info)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
+end
+
 "The hybrid boundary (HSDP) of an accumulator created with GRADACC_SHARDING_REDUCE_SCATTER or GRADACC_SHARDING_ACCUMULATE: the master is reduce-scattered over `shard_comm` (its shard group: shard_count ranks, this one rank shard_rank; for ACCUMULATE, the communicator it was created with, which reduced every micro-batch already), and each shard is then all-reduced over `replica_comm`, the ranks holding the same shard in the other shard groups (rank a*shard_count + i is shard i of shard group a and replica a of replica group i, say)."
 function gradacc_accumulator_sync_hybrid(acc, shard_comm, replica_comm, out_info)
     # blocks: GC-safe call
