@@ -707,6 +707,18 @@ func (a *Accumulator) EndMicrobatch() error {
 // boundary over its own communicator, the only other one it takes (another fails there with
 // StatusInvalidArgument and on the other ranks with StatusPeerFailure).
 func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
+	return a.syncWith(comm, false)
+}
+
+// SyncForStep is Sync for an Optimizer that steps right after: the clip coefficient is applied
+// inside the step's pass (bitwise as after Sync), saving a pass over the gradient, so Master and
+// Shard then hold the gradient before the coefficient: read the reduced gradient yourself only
+// after Sync (gradacc_accumulator_sync_for_step).
+func (a *Accumulator) SyncForStep(comm *Comm) (SyncInfo, error) {
+	return a.syncWith(comm, true)
+}
+
+func (a *Accumulator) syncWith(comm *Comm, forStep bool) (SyncInfo, error) {
 	p, err := a.handle()
 	if err != nil {
 		return SyncInfo{}, err
@@ -724,7 +736,12 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 	}
 	var c C.gradacc_sync_info_t
 	c.struct_size = C.size_t(unsafe.Sizeof(c)) // the library writes only what struct_size covers
-	err = call(func() C.enum_gradacc_status_t { return C.gradacc_accumulator_sync(p, cp, &c) })
+	err = call(func() C.enum_gradacc_status_t {
+		if forStep {
+			return C.gradacc_accumulator_sync_for_step(p, cp, &c)
+		}
+		return C.gradacc_accumulator_sync(p, cp, &c)
+	})
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(comm)
 	if err != nil {

@@ -366,3 +366,76 @@ func TestOptimizerSmallerState(t *testing.T) {
 		t.Fatalf("remainders over f16 weights: %v", err)
 	}
 }
+
+// SyncForStep then Step against Sync then Step, with a norm that clips every window: the same
+// weights and state bit for bit; in memory, SyncForStep's gradient is the one before the clip
+// coefficient, which the step applies.
+func TestSyncForStepIsSyncThenStepBitForBit(t *testing.T) {
+	type run struct {
+		w0    []uint16
+		state []byte
+		grad  []float32
+		coef  float64
+	}
+	do := func(forStep bool) run {
+		scaler := scalerWithScale(t, 1)
+		defer scaler.Close()
+		cfg := DefaultAccumulatorConfig()
+		cfg.MaxGradNorm = 0.5
+		acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &cfg, nil))
+		defer acc.Close()
+		w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+		for i := range w0 {
+			w0[i] = f16Bits(float32(0.01*float64(i) - 1))
+		}
+		weights := []Weight{WeightF16(w0), WeightF32(w1)}
+		opt := must(NewOptimizer(acc, weights, nil, nil))
+		defer opt.Close()
+		var r run
+		for step := 0; step < 3; step++ {
+			g0, g1 := make([]uint16, optN0), make([]float32, optN1)
+			for i := range g0 {
+				g0[i] = f16Bits(optGrad0(i) + float32(step)*0.125)
+			}
+			for i := range g1 {
+				g1[i] = 0.75
+			}
+			if err := acc.Add(scaler, []Grad{Words16(g0), Float32s(g1)}, 1); err != nil {
+				t.Fatal(err)
+			}
+			sync := acc.Sync
+			if forStep {
+				sync = acc.SyncForStep
+			}
+			info := must(sync(nil))
+			if info.ClipCoef >= 1 {
+				t.Fatalf("step %d: clip coefficient %g does not clip", step, info.ClipCoef)
+			}
+			if step == 0 {
+				r.grad, r.coef = append([]float32(nil), must(acc.Master(1))...), info.ClipCoef
+			}
+			if !must(opt.Step(acc, weights, nil)) {
+				t.Fatalf("step %d did not step", step)
+			}
+		}
+		r.w0, r.state = w0, must(opt.Save())
+		return r
+	}
+	plain, fused := do(false), do(true)
+	if !bytes.Equal(u16Bytes(plain.w0), u16Bytes(fused.w0)) || !bytes.Equal(plain.state, fused.state) {
+		t.Fatal("SyncForStep then Step differs from Sync then Step")
+	}
+	for i, g := range fused.grad {
+		if plain.grad[i] != g*float32(fused.coef) || plain.grad[i] == g {
+			t.Fatalf("grad[%d]: %g after Sync, %g before the coefficient %g", i, plain.grad[i], g, fused.coef)
+		}
+	}
+}
+
+func u16Bytes(w []uint16) []byte {
+	b := make([]byte, 0, 2*len(w))
+	for _, x := range w {
+		b = append(b, byte(x), byte(x>>8))
+	}
+	return b
+}

@@ -617,6 +617,17 @@ class Accumulator(_Managed):
         """The boundary; with ``comm`` every rank of its group calls it, each on its own thread.
         A sharded accumulation (``comm=`` at creation) syncs over its own communicator: ``comm``
         is None or that one (another raises INVALID_ARGUMENT there, PEER_FAILURE elsewhere)."""
+        return self._sync_with(ffi.gradacc_accumulator_sync, comm)
+
+    def sync_for_step(self, comm=None):
+        """:meth:`sync` for an :class:`Optimizer` that steps right after: the clip coefficient
+        is applied inside the step's pass (bitwise as after :meth:`sync`), saving a pass over the
+        gradient, so :meth:`master` and :meth:`shard` then hold the gradient before the
+        coefficient: read the reduced gradient yourself only after :meth:`sync`
+        (gradacc_accumulator_sync_for_step)."""
+        return self._sync_with(ffi.gradacc_accumulator_sync_for_step, comm)
+
+    def _sync_with(self, call, comm):
         info = _out_struct(ffi.gradacc_sync_info_t)
         try:
             c = comm._handle() if comm is not None else None
@@ -624,9 +635,9 @@ class Accumulator(_Managed):
             if self._ptr is not None:
                 # A sharded accumulation's other ranks are already in the boundary: a C sync
                 # with struct_size 0 is refused on every rank, so they fail at once.
-                ffi.gradacc_accumulator_sync(self._ptr, None, ctypes.byref(ffi.gradacc_sync_info_t()))
+                call(self._ptr, None, ctypes.byref(ffi.gradacc_sync_info_t()))
             raise
-        _check(ffi.gradacc_accumulator_sync(self._handle(), c, ctypes.byref(info)))
+        _check(call(self._handle(), c, ctypes.byref(info)))
         return _sync_info(info)
 
     def sync_hybrid(self, shard_comm, replica_comm):

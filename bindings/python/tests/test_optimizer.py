@@ -353,3 +353,29 @@ def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
         assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "weights[0]" in e.value.message
         with pytest.raises(ValueError, match="moments"):
             gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="fp8")
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_the_clip_inside_the_step_is_sync_then_step_bit_for_bit(moments):
+    """sync_for_step + step against sync + step, with a norm that clips every window: the same
+    weights and state bit for bit, and the same report; in memory, sync_for_step's gradient is
+    the one before the clip coefficient (the step applies it)."""
+    runs, grads = [], []
+    for sync in ("sync", "sync_for_step"):
+        weights = [w.copy() for w in mixed_weights()]
+        with unit_scaler() as scaler, gradacc.Accumulator(MIXED, max_grad_norm=0.5) as acc, \
+                gradacc.Optimizer(acc, weights, lr=0.01, moments=moments) as opt:
+            infos = []
+            for step in range(3):
+                acc.add(scaler, mixed_grads(step), count=1)
+                info = getattr(acc, sync)()
+                assert info.clip_coef < 1.0
+                infos.append((info.grad_norm, info.clip_coef, info.total_count))
+                if step == 0:
+                    grads.append((acc.master(2).copy(), info.clip_coef))
+                assert opt.step()
+            runs.append(([w.tobytes() for w in weights], opt.save(), infos))
+    assert runs[0] == runs[1]
+    (clipped, coef), (before, _) = grads
+    assert clipped.tobytes() == (before * np.float32(coef)).tobytes()
+    assert clipped.tobytes() != before.tobytes()

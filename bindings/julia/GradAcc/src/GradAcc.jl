@@ -13,7 +13,8 @@ path. Loading fails if the library's version does not match the header the ccall
 generated from.
 
 Exported: the types, [`local_group`](@ref), [`add!`](@ref), [`add_tensor!`](@ref),
-[`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref), [`sync_hybrid!`](@ref). Names that other
+[`begin_microbatch!`](@ref), [`end_microbatch!`](@ref), [`sync!`](@ref), [`sync_for_step!`](@ref),
+[`sync_hybrid!`](@ref). Names that other
 packages also use (`update!`, `reset!`, `step!`, `scale`, `master`, `save`, `load!`, ...) are public but
 not exported: call them qualified, `GradAcc.update!(scaler, acc)`.
 """
@@ -22,7 +23,7 @@ module GradAcc
 using Libdl
 
 export Scaler, Accumulator, Optimizer, Communicator, GradAccError, local_group
-export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_hybrid!
+export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_for_step!, sync_hybrid!
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
@@ -770,7 +771,20 @@ otherwise every rank throws. A sharded accumulation (`comm=` at creation) syncs 
 communicator: `comm` is that one or omitted (another throws `GRADACC_STATUS_INVALID_ARGUMENT`
 there and `GRADACC_STATUS_PEER_FAILURE` on the other ranks).
 """
-function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
+sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing) = sync_with!(gradacc_accumulator_sync, a, comm)
+
+"""
+    sync_for_step!(acc[, comm]) -> gradacc_sync_info_t
+
+[`sync!`](@ref) for an [`Optimizer`](@ref) that steps right after: the clip coefficient is
+applied inside the step's pass (bitwise as after `sync!`), saving a pass over the gradient, so
+[`master`](@ref) and [`shard`](@ref) then hold the gradient before the coefficient: read the
+reduced gradient yourself only after `sync!` (gradacc_accumulator_sync_for_step).
+"""
+sync_for_step!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing) =
+    sync_with!(gradacc_accumulator_sync_for_step, a, comm)
+
+function sync_with!(call, a::Accumulator, comm::Union{Nothing,Communicator})
     info = out_struct(gradacc_sync_info_t)
     if comm !== nothing && !isopen(comm)
         p = @atomic a.ptr
@@ -778,11 +792,11 @@ function sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing)
             # A sharded accumulation's other ranks are already in the boundary: a C sync with
             # struct_size 0 is refused on every rank, so they fail at once.
             refused = refused_struct(gradacc_sync_info_t)
-            GC.@preserve a gradacc_accumulator_sync(p, Ptr{gradacc_comm_t}(C_NULL), refused)
+            GC.@preserve a call(p, Ptr{gradacc_comm_t}(C_NULL), refused)
         end
         handle(comm)  # throws the binding's error
     end
-    check(gradacc_accumulator_sync(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
+    check(call(a, something(comm, Ptr{gradacc_comm_t}(C_NULL)), info))
     return info[]
 end
 
