@@ -2,7 +2,7 @@
 //! synthetic model distributed onto every mesh of at most 8 ranks, in-process on the CPU. Every
 //! rank's synced gradient equals the reference's slice within the model's bound, the norm is the
 //! f64 global norm, the clip coefficient is the same bits everywhere, and an inf on one rank
-//! skips the step on all. The anchors' mistakes are computed beside gradacc's answer; bad input
+//! skips the step on all (or, dropping micro-batches, drops it on every peer that shares it). The anchors' mistakes are computed beside gradacc's answer; bad input
 //! fails on every rank.
 
 mod common;
@@ -10,8 +10,8 @@ mod common;
 use std::sync::Arc;
 
 use common::mesh_model::{
-    matches_the_reference, one_inf_skips_everywhere, reference, run, schedule, Case, Host, Kind,
-    MESHES, SCALE,
+    a_poisoned_microbatch_drops_on_its_peers, matches_the_reference, one_inf_skips_everywhere,
+    reference, run, schedule, Case, Host, Kind, MESHES, SCALE,
 };
 use common::Rng;
 use gradacc::{
@@ -32,6 +32,14 @@ fn an_inf_on_one_rank_skips_the_step_everywhere() {
     let mut rng = Rng::fresh("an_inf_on_one_rank_skips_the_step_everywhere");
     for case in &MESHES {
         one_inf_skips_everywhere(&mut rng, case, true, Host::new);
+    }
+}
+
+#[test]
+fn a_poisoned_microbatch_drops_on_every_peer_that_shares_it() {
+    let mut rng = Rng::fresh("a_poisoned_microbatch_drops_on_every_peer_that_shares_it");
+    for case in &MESHES {
+        a_poisoned_microbatch_drops_on_its_peers(&mut rng, case, Host::new);
     }
 }
 
@@ -127,6 +135,31 @@ fn peers_that_count_differently_fail_on_every_rank() {
         assert!(e.message.contains("world ranks 0 and 1 share data-parallel rank 0"), "{e}");
         assert_eq!(*count, 3 + rank as u64);
     }
+}
+
+/// A rank whose accumulator does not drop micro-batches fails `end_microbatch` on every rank;
+/// every micro-batch stays open, and ends by itself.
+#[test]
+fn an_invalid_end_microbatch_fails_every_rank_and_leaves_it_open() {
+    let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
+    let results = on_two_ranks(|rank, w, _| {
+        let overflow = [gradacc::Overflow::DropMicrobatch, gradacc::Overflow::SkipStep][rank];
+        let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+        let acc =
+            Accumulator::new(AccumulatorConfig { overflow, ..Default::default() }, &t).unwrap();
+        let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+        acc.begin_microbatch(3).unwrap();
+        acc.add_tensor(&scaler, 0, gradacc::Grad::F32(&[1.0; 5])).unwrap();
+        let mesh = Mesh::of_shape(Arc::new(w), &shape).unwrap();
+        let e = mesh.end_microbatch(&[&acc]).unwrap_err();
+        acc.end_microbatch().unwrap();
+        (e, acc.sync(None).unwrap().total_count)
+    });
+    assert_eq!(results[1].0.kind, ErrorKind::InvalidArgument, "{}", results[1].0);
+    assert!(results[1].0.message.contains("does not drop micro-batches"), "{}", results[1].0);
+    assert_eq!(results[0].0.kind, ErrorKind::PeerFailure, "{}", results[0].0);
+    assert!(results[0].0.message.contains("world rank 1; every rank's micro-batch is still open"));
+    assert!(results.iter().all(|r| r.1 == 3));
 }
 
 #[test]
