@@ -152,10 +152,23 @@ impl Mesh {
     /// the world calls it once per micro-batch. Returns whether this rank kept the micro-batch.
     /// On an invalid call on any rank, or a failed gather, every micro-batch stays open.
     pub fn end_microbatch(&self, accumulators: &[&Accumulator]) -> Result<bool> {
+        self.end_microbatches(accumulators, None)
+    }
+
+    /// Takes part in a micro-batch's agreement this rank cannot make (its arguments were refused
+    /// before [`Mesh::end_microbatch`]), flagged invalid: every other rank fails with
+    /// PeerFailure instead of waiting. Changes nothing.
+    #[cfg(feature = "internal")]
+    pub fn refuse_microbatch(&self) {
+        let _ = self.end_microbatches(&[], Some(Error::invalid("refused")));
+    }
+
+    fn end_microbatches(&self, accumulators: &[&Accumulator], own: Option<Error>) -> Result<bool> {
         let world = self.world.host().expect("checked at creation");
-        let poisoned = check_microbatch(accumulators).and_then(|()| {
-            accumulators.iter().try_fold(false, |bad, a| Ok(a.microbatch_poisoned()? || bad))
-        });
+        let poisoned =
+            own.map_or(Ok(()), Err).and_then(|()| check_microbatch(accumulators)).and_then(|()| {
+                accumulators.iter().try_fold(false, |bad, a| Ok(a.microbatch_poisoned()? || bad))
+            });
         let bad = matches!(poisoned, Ok(true));
         let words = [poisoned.is_err() as u64, bad as u64, self.drop_class as u64];
         let gathered =
