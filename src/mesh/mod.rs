@@ -6,7 +6,9 @@
 //! and one agreement over the world communicator (every rank of the job) decides for all:
 //! - **overflow**: a non-finite value on any rank in any accumulator skips the step on every
 //!   rank; each accumulator's window reports it, so each rank's scaler updates alike and each
-//!   optimizer skips;
+//!   optimizer skips; under [`crate::Overflow::DropMicrobatch`], [`Mesh::end_microbatch`]
+//!   instead drops a poisoned micro-batch on every rank that computed from its data, and a
+//!   micro-batch dropped alike by those peers skips nothing;
 //! - **item counts**: the gradient is normalised by the job's totals, summed over the data axes
 //!   only (each data-parallel rank's window once): ranks at one data-parallel rank saw the same
 //!   data and must count alike, or the step fails on every rank naming them;
