@@ -216,6 +216,28 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     assert_eq!(acc.sync(None).unwrap().total_count, 3);
 }
 
+/// A rank that never ends its micro-batch through the mesh: its peer ends at the world's timeout
+/// with its micro-batch still open (it ends by itself, and a plain sync sees it).
+#[test]
+fn a_rank_that_does_not_end_its_microbatch_ends_its_peer_at_the_timeout() {
+    let mut world = LocalComm::group(2).unwrap();
+    let w = world.remove(0);
+    w.set_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
+    let config =
+        AccumulatorConfig { overflow: gradacc::Overflow::DropMicrobatch, ..Default::default() };
+    let acc = Accumulator::new(config, &[TensorDesc { numel: 5, dtype: Dtype::F32 }]).unwrap();
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    acc.begin_microbatch(3).unwrap();
+    acc.add_tensor(&scaler, 0, gradacc::Grad::F32(&[1.0; 5])).unwrap();
+    let mesh = Mesh::new(Arc::new(w), 0, 1).unwrap();
+    let e = mesh.end_microbatch(&[&acc]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    assert!(e.message.contains("every micro-batch is still open"), "{e}");
+    drop(world);
+    acc.end_microbatch().unwrap();
+    assert_eq!(acc.sync(None).unwrap().total_count, 3);
+}
+
 /// A rank whose arguments were refused before the step (the C ABI's) tells its part's group and
 /// the world; the others fail naming it, and their windows are intact.
 #[test]

@@ -175,7 +175,13 @@ impl Mesh {
         let words = [poisoned.is_err() as u64, bad as u64, self.drop_class as u64];
         let gathered =
             gather_words(world, &words, &vec![MICROBATCH_WORDS; self.world.world_size()]).map_err(
-                |e| Error::new(e.kind, format!("{}; every micro-batch is still open", e.message)),
+                |e| {
+                    // A gather past its deadline ends this rank's use of the world, as a step's.
+                    if e.kind == ErrorKind::Timeout {
+                        let _ = self.world.abort();
+                    }
+                    Error::new(e.kind, format!("{}; every micro-batch is still open", e.message))
+                },
             )?;
         let drop = agreement::drops_microbatch(
             &gathered,
