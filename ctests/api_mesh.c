@@ -8,14 +8,17 @@
  * rank (no group can be named, so every rank errs alike), a NULL accumulator on one rank, a NULL
  * replicated array with a count on one rank; tp peers that count differently fail on every rank
  * naming them. After the argument errors the windows are intact: the next sync gives the first
- * sync's info bit for bit.
+ * sync's info bit for bit. Under DROP_MICROBATCH, each micro-batch ended by
+ * gradacc_mesh_end_microbatch: a NULL accumulator on rank 1 fails every rank with the micro-batch
+ * still open; then an inf in micro-batch 1 on world rank 3 drops it on its tp peer, rank 2, too,
+ * and the step goes ahead on 10 items in 3 micro-batches, the same info on every rank.
  * Also: mesh creation's argument checks and a NULL and double destroy. */
 #include "mesh_case.h"
 
 enum { RANKS = TP * DP };
 
 /* The cases every rank runs, in order. */
-enum { GOOD, INF, NULL_PARTS, SIZE_ZERO, NULL_ACC, NULL_REPLICATED, AGAIN, UNEQUAL, CASES };
+enum { GOOD, INF, NULL_PARTS, SIZE_ZERO, NULL_ACC, NULL_REPLICATED, AGAIN, UNEQUAL, DROP, CASES };
 
 typedef struct {
     int rank;
@@ -24,6 +27,9 @@ typedef struct {
     gradacc_sync_info_t info[CASES];
     uint32_t overflow_part[CASES];
     char error[CASES][512];
+    gradacc_status_t end_null; /* gradacc_mesh_end_microbatch with rank 1's accumulator NULL */
+    char end_null_error[512];
+    uint32_t kept[MB];
 } rank_args;
 
 static void run_case(rank_args *a, int c, gradacc_mesh_t *mesh, const gradacc_mesh_part_t *parts, size_t n)
@@ -32,6 +38,44 @@ static void run_case(rank_args *a, int c, gradacc_mesh_t *mesh, const gradacc_me
     a->info[c] = (gradacc_sync_info_t)GRADACC_SYNC_INFO_INIT;
     a->st[c] = gradacc_mesh_sync(mesh, parts, n, &a->info[c], &a->overflow_part[c]);
     snprintf(a->error[c], sizeof a->error[c], "%s", a->st[c] ? gradacc_last_error() : "");
+}
+
+static void drop_window(rank_args *a, gradacc_mesh_t *mesh, gradacc_scaler_t *scaler)
+{
+    gradacc_accumulator_config_t ac;
+    REQUIRE_OK(gradacc_accumulator_config_default(&ac));
+    ac.loss_reduction = GRADACC_LOSS_REDUCTION_SUM;
+    ac.tensor_stats = 1;
+    ac.overflow = GRADACC_OVERFLOW_DROP_MICROBATCH;
+    gradacc_tensor_desc_t t[2] = {{N0, GRADACC_DTYPE_F32}, {N1, GRADACC_DTYPE_F32}};
+    gradacc_accumulator_t *acc = NULL;
+    REQUIRE_OK(gradacc_accumulator_create(&ac, t, 2, NULL, &acc));
+    int d = a->rank / TP, tp = a->rank % TP;
+    for (int mb = 0; mb < MB; mb++) {
+        float g0[N0], g1[N1];
+        for (int j = 0; j < N0; j++)
+            g0[j] = (float)value(d, mb, tp, 0, j);
+        for (int j = 0; j < N1; j++)
+            g1[j] = (float)value(d, mb, tp, 1, j);
+        if (a->rank == 3 && mb == 1)
+            g0[2] = INFINITY;
+        REQUIRE_OK(gradacc_accumulator_begin_microbatch(acc, counts[d][mb]));
+        REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 0, g0, N0));
+        REQUIRE_OK(gradacc_accumulator_add_tensor(acc, scaler, 1, g1, N1));
+        if (mb == 0) {
+            gradacc_accumulator_t *mine = a->rank == 1 ? NULL : acc;
+            a->end_null = gradacc_mesh_end_microbatch(mesh, &mine, 1, NULL);
+            snprintf(a->end_null_error, sizeof a->end_null_error, "%s", gradacc_last_error());
+        }
+        REQUIRE_OK(gradacc_mesh_end_microbatch(mesh, &acc, 1, &a->kept[mb]));
+    }
+    gradacc_mesh_part_t part = GRADACC_MESH_PART_INIT;
+    part.accumulator = acc;
+    part.comm = a->data;
+    part.replicated = &mesh_case_norm;
+    part.replicated_count = 1;
+    run_case(a, DROP, mesh, &part, 1);
+    REQUIRE_OK(gradacc_accumulator_destroy(acc));
 }
 
 static void *rank_main(void *arg)
@@ -75,6 +119,7 @@ static void *rank_main(void *arg)
         REQUIRE_OK(gradacc_accumulator_add(acc, scaler, grads, 2, 1));
     }
     run_case(a, UNEQUAL, mesh, &part, 1);
+    drop_window(a, mesh, scaler);
 
     REQUIRE_OK(gradacc_mesh_destroy(mesh));
     REQUIRE_OK(gradacc_accumulator_destroy(acc));
@@ -162,6 +207,23 @@ int main(void)
               (unsigned long long)f->overflow_rank, (unsigned long long)f->overflow_tensor,
               args[r].overflow_part[INF]);
         CHECK(same_info(f, &args[0].info[INF]), "rank %d: the inf info differs from rank 0's", r);
+
+        const gradacc_sync_info_t *dr = &args[r].info[DROP];
+        EXPECT_OK(args[r].st[DROP]);
+        CHECK(dr->total_count == 10 && dr->microbatches == 3 && dr->dropped_microbatches == 1 && !dr->found_inf &&
+                  dr->overflow_at == GRADACC_OVERFLOW_AT_GRADIENT && dr->overflow_rank == 3 &&
+                  dr->overflow_microbatch == 1,
+              "rank %d: the drop's count %llu, mb %llu, dropped %llu, found_inf %d", r,
+              (unsigned long long)dr->total_count, (unsigned long long)dr->microbatches,
+              (unsigned long long)dr->dropped_microbatches, (int)dr->found_inf);
+        CHECK(args[r].kept[0] == 1 && args[r].kept[1] == (r < 2), "rank %d: kept %u %u", r, args[r].kept[0],
+              args[r].kept[1]);
+        CHECK(same_info(dr, &args[0].info[DROP]), "rank %d: the drop's info differs from rank 0's", r);
+        gradacc_status_t want = r == 1 ? GRADACC_STATUS_NULL_ARGUMENT : GRADACC_STATUS_PEER_FAILURE;
+        const char *says = r == 1 ? "argument `accumulators[0]` is NULL" : "micro-batch is still open";
+        CHECK(args[r].end_null == want && strstr(args[r].end_null_error, says) != NULL,
+              "rank %d: end_microbatch with a NULL accumulator on rank 1: %d %s", r, (int)args[r].end_null,
+              args[r].end_null_error);
 
         EXPECT_OK(args[r].st[AGAIN]);
         CHECK(same_info(&args[r].info[AGAIN], i),

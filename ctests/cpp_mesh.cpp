@@ -3,6 +3,8 @@
 // data-parallel group and a tensor replicated over tp. The job's count is the data ranks' only,
 // every rank gets the same report, an inf on one rank names that world rank and part 0 on every
 // rank, and a null accumulator on one rank throws NULL_ARGUMENT there and PEER_FAILURE elsewhere.
+// Under DROP_MICROBATCH with each micro-batch ended by Mesh::end_microbatch, an inf on rank 3
+// drops its micro-batch on its tp peer, rank 2, too, and the step goes ahead on the others.
 #include <gradacc.hpp>
 
 #include <cmath>
@@ -20,7 +22,8 @@ namespace {
 constexpr int TP = 2, DP = 2, RANKS = TP * DP;
 
 struct Outcome {
-    gradacc::MeshInfo good{}, inf{};
+    gradacc::MeshInfo good{}, inf{}, drop{};
+    bool kept[2] = {false, false};
     gradacc_status_t refused = GRADACC_STATUS_OK;
     std::string message;
 };
@@ -62,6 +65,21 @@ void run_rank(int rank, gradacc::Communicator &world, gradacc::Communicator &dat
         out.refused = e.status();
         out.message = e.what();
     }
+
+    ac.overflow = GRADACC_OVERFLOW_DROP_MICROBATCH;
+    gradacc::Accumulator drop({{4, GRADACC_DTYPE_F32}, {2, GRADACC_DTYPE_F32}}, ac);
+    part.accumulator = &drop;
+    for (int mb = 0; mb < 2; mb++) {
+        float g0[4] = {0.5f * (tp + 1), -0.25f * mb, 0.125f * dp, 1.0f};
+        const float g1[2] = {0.75f, -0.5f * (dp + 1)};
+        if (rank == 3 && mb == 1)
+            g0[1] = std::numeric_limits<float>::infinity();
+        drop.begin_microbatch(static_cast<std::uint64_t>(2 + dp));
+        drop.add_tensor(scaler, 0, g0, 4);
+        drop.add_tensor(scaler, 1, g1, 2);
+        out.kept[mb] = mesh.end_microbatch({&drop});
+    }
+    out.drop = mesh.sync({part});
 }
 
 } // namespace
@@ -97,6 +115,17 @@ int main()
         const gradacc_status_t want = r == 1 ? GRADACC_STATUS_NULL_ARGUMENT : GRADACC_STATUS_PEER_FAILURE;
         EXPECT(out[r].refused == want, "rank %d: status %d, want %d (%s)", r, static_cast<int>(out[r].refused),
                static_cast<int>(want), out[r].message.c_str());
+    }
+    for (int r = 0; r < RANKS; r++) {
+        const gradacc::SyncInfo &d = out[r].drop.info;
+        // Data rank 0 keeps 2 + 2 items, data rank 1 drops its second micro-batch: 3 of 3 + 3.
+        EXPECT(d.total_count == 7 && d.microbatches == 3 && d.dropped_microbatches == 1 && !d.found_inf &&
+                   d.overflow_rank == 3 && out[r].kept[0] && out[r].kept[1] == (r < 2),
+               "rank %d: the drop's count %llu, mb %llu, dropped %llu", r,
+               static_cast<unsigned long long>(d.total_count), static_cast<unsigned long long>(d.microbatches),
+               static_cast<unsigned long long>(d.dropped_microbatches));
+        EXPECT(std::memcmp(&d.grad_norm, &out[0].drop.info.grad_norm, sizeof d.grad_norm) == 0,
+               "rank %d: the drop's norm differs from rank 0's", r);
     }
     EXPECT(out[1].message.find("`parts[0].accumulator` is NULL") != std::string::npos, "%s",
            out[1].message.c_str());

@@ -1790,6 +1790,28 @@ enum gradacc_status_t gradacc_mesh_sync(struct gradacc_mesh_t *mesh,
                                         uint32_t *overflow_part_out);
 
 /**
+ * Ends the open micro-batch of each of `accumulators` (`count` handles, this rank's, each under
+ * GRADACC_OVERFLOW_DROP_MICROBATCH and fed tensor by tensor since
+ * gradacc_accumulator_begin_microbatch; not sharded accumulation), agreeing its drop over the
+ * world first (one all-gather of 24 bytes per rank): if any rank at this data-parallel rank
+ * (its tensor-, pipeline- and expert-tensor-parallel peers, which computed from the same data)
+ * found a non-finite gradient in any of its accumulators, every one of them drops the
+ * micro-batch in every accumulator; the others keep theirs. Every rank of the world calls it
+ * once per micro-batch, before its peers' gradients of the next one. `*kept_out` (may be NULL)
+ * is 1 when this rank kept the micro-batch, 0 when it dropped it. An invalid argument on one
+ * rank fails it naming the argument, and the others with GRADACC_STATUS_PEER_FAILURE; every
+ * micro-batch then stays open (end it again, or with gradacc_accumulator_end_microbatch).
+ *
+ * Thread safety: serialised with every other call on each accumulator; one call per rank, each
+ * on its rank's thread.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_mesh_end_microbatch(struct gradacc_mesh_t *mesh,
+                                                  struct gradacc_accumulator_t *const *accumulators,
+                                                  size_t count,
+                                                  uint32_t *kept_out);
+
+/**
  * Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr
  * 1e-3) and its struct_size.
  *

@@ -845,6 +845,20 @@ public:
         return sync(span<const MeshPart>(parts.begin(), parts.size()));
     }
 
+    /** Ends the open micro-batch of each of this rank's accumulators (DROP_MICROBATCH, fed
+     * tensor by tensor), its drop agreed over the world first (gradacc_mesh_end_microbatch);
+     * every rank calls it once per micro-batch. True: this rank kept it. A null accumulator is
+     * passed on, so the library names it and tells the peers. */
+    bool end_microbatch(std::initializer_list<Accumulator *> accumulators) {
+        std::vector<gradacc_accumulator_t *> raw;
+        raw.reserve(accumulators.size());
+        for (Accumulator *a : accumulators)
+            raw.push_back(a ? a->get() : nullptr);
+        std::uint32_t kept = 0;
+        check(gradacc_mesh_end_microbatch(handle_.get(), raw.empty() ? nullptr : raw.data(), raw.size(), &kept));
+        return kept == 1;
+    }
+
     gradacc_mesh_t *get() const noexcept { return handle_.get(); }
     /** Gives the handle up: the caller must now free it with gradacc_mesh_destroy. */
     gradacc_mesh_t *release() noexcept { return handle_.release(); }

@@ -17,7 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::cuda::nccl_devices;
-use common::mesh_model::{matches_the_reference, one_inf_skips_everywhere, Group, Rig, MESHES};
+use common::mesh_model::{
+    a_poisoned_microbatch_drops_on_its_peers, matches_the_reference, one_inf_skips_everywhere,
+    Group, Rig, MESHES,
+};
 use common::Rng;
 use gradacc::backend::cuda::driver::{Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::nccl::{self, NcclComm};
@@ -175,6 +178,16 @@ fn an_inf_on_one_cuda_rank_skips_the_step_everywhere() {
         for case in &MESHES {
             // The device keeps its window's flag under SKIP_STEP: the place is not reported.
             one_inf_skips_everywhere(&mut rng, case, false, Nccl::new);
+        }
+    });
+}
+
+#[test]
+fn a_poisoned_cuda_microbatch_drops_on_every_peer_that_shares_it() {
+    on_devices("a_poisoned_cuda_microbatch_drops_on_every_peer_that_shares_it", |test| {
+        let mut rng = Rng::fresh(test);
+        for case in &MESHES {
+            a_poisoned_microbatch_drops_on_its_peers(&mut rng, case, Nccl::new);
         }
     });
 }

@@ -2,7 +2,7 @@
 //! synthetic model distributed onto every mesh of at most 8 ranks, in-process on the CPU. Every
 //! rank's synced gradient equals the reference's slice within the model's bound, the norm is the
 //! f64 global norm, the clip coefficient is the same bits everywhere, and an inf on one rank
-//! skips the step on all. The anchors' mistakes are computed beside gradacc's answer; bad input
+//! skips the step on all (or, dropping micro-batches, drops it on every peer that shares it). The anchors' mistakes are computed beside gradacc's answer; bad input
 //! fails on every rank.
 
 mod common;
@@ -10,8 +10,8 @@ mod common;
 use std::sync::Arc;
 
 use common::mesh_model::{
-    matches_the_reference, one_inf_skips_everywhere, reference, run, schedule, Case, Host, Kind,
-    MESHES, SCALE,
+    a_poisoned_microbatch_drops_on_its_peers, matches_the_reference, one_inf_skips_everywhere,
+    reference, run, schedule, Case, Host, Kind, MESHES, SCALE,
 };
 use common::Rng;
 use gradacc::{
@@ -32,6 +32,14 @@ fn an_inf_on_one_rank_skips_the_step_everywhere() {
     let mut rng = Rng::fresh("an_inf_on_one_rank_skips_the_step_everywhere");
     for case in &MESHES {
         one_inf_skips_everywhere(&mut rng, case, true, Host::new);
+    }
+}
+
+#[test]
+fn a_poisoned_microbatch_drops_on_every_peer_that_shares_it() {
+    let mut rng = Rng::fresh("a_poisoned_microbatch_drops_on_every_peer_that_shares_it");
+    for case in &MESHES {
+        a_poisoned_microbatch_drops_on_its_peers(&mut rng, case, Host::new);
     }
 }
 
@@ -129,6 +137,31 @@ fn peers_that_count_differently_fail_on_every_rank() {
     }
 }
 
+/// A rank whose accumulator does not drop micro-batches fails `end_microbatch` on every rank;
+/// every micro-batch stays open, and ends by itself.
+#[test]
+fn an_invalid_end_microbatch_fails_every_rank_and_leaves_it_open() {
+    let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
+    let results = on_two_ranks(|rank, w, _| {
+        let overflow = [gradacc::Overflow::DropMicrobatch, gradacc::Overflow::SkipStep][rank];
+        let t = [TensorDesc { numel: 5, dtype: Dtype::F32 }];
+        let acc =
+            Accumulator::new(AccumulatorConfig { overflow, ..Default::default() }, &t).unwrap();
+        let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+        acc.begin_microbatch(3).unwrap();
+        acc.add_tensor(&scaler, 0, gradacc::Grad::F32(&[1.0; 5])).unwrap();
+        let mesh = Mesh::of_shape(Arc::new(w), &shape).unwrap();
+        let e = mesh.end_microbatch(&[&acc]).unwrap_err();
+        acc.end_microbatch().unwrap();
+        (e, acc.sync(None).unwrap().total_count)
+    });
+    assert_eq!(results[1].0.kind, ErrorKind::InvalidArgument, "{}", results[1].0);
+    assert!(results[1].0.message.contains("does not drop micro-batches"), "{}", results[1].0);
+    assert_eq!(results[0].0.kind, ErrorKind::PeerFailure, "{}", results[0].0);
+    assert!(results[0].0.message.contains("world rank 1; every rank's micro-batch is still open"));
+    assert!(results.iter().all(|r| r.1 == 3));
+}
+
 #[test]
 fn a_replicated_tensor_undeclared_on_a_peer_fails_on_every_rank() {
     let shape = MeshShape::new(2, 2, 1, 1, 1, 1).unwrap();
@@ -180,6 +213,28 @@ fn a_rank_that_does_not_call_ends_its_peer_at_the_timeout() {
     // The bound is the timeout; the slack is for a busy machine.
     assert!(start.elapsed() < std::time::Duration::from_secs(30), "{:?}", start.elapsed());
     drop((world, data));
+    assert_eq!(acc.sync(None).unwrap().total_count, 3);
+}
+
+/// A rank that never ends its micro-batch through the mesh: its peer ends at the world's timeout
+/// with its micro-batch still open (it ends by itself, and a plain sync sees it).
+#[test]
+fn a_rank_that_does_not_end_its_microbatch_ends_its_peer_at_the_timeout() {
+    let mut world = LocalComm::group(2).unwrap();
+    let w = world.remove(0);
+    w.set_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
+    let config =
+        AccumulatorConfig { overflow: gradacc::Overflow::DropMicrobatch, ..Default::default() };
+    let acc = Accumulator::new(config, &[TensorDesc { numel: 5, dtype: Dtype::F32 }]).unwrap();
+    let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+    acc.begin_microbatch(3).unwrap();
+    acc.add_tensor(&scaler, 0, gradacc::Grad::F32(&[1.0; 5])).unwrap();
+    let mesh = Mesh::new(Arc::new(w), 0, 1).unwrap();
+    let e = mesh.end_microbatch(&[&acc]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    assert!(e.message.contains("every micro-batch is still open"), "{e}");
+    drop(world);
+    acc.end_microbatch().unwrap();
     assert_eq!(acc.sync(None).unwrap().total_count, 3);
 }
 

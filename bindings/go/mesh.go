@@ -183,6 +183,36 @@ func (m *Mesh) Sync(parts []MeshPart) (MeshInfo, error) {
 	return info, nil
 }
 
+// EndMicrobatch ends the open micro-batch of each of this rank's accumulators (DROP_MICROBATCH,
+// fed tensor by tensor), its drop agreed over the world first (gradacc_mesh_end_microbatch):
+// every rank calls it once per micro-batch. kept reports whether this rank kept it. A closed
+// accumulator is passed on as NULL, so that the library fails every rank; its error is returned.
+func (m *Mesh) EndMicrobatch(accumulators ...*Accumulator) (kept bool, err error) {
+	p, err := m.handle()
+	if err != nil {
+		return false, err
+	}
+	// The handles are C pointers, so a Go slice of them may be passed to C as is.
+	raw := make([]*C.gradacc_accumulator_t, max(len(accumulators), 1))
+	var closed error
+	for i, a := range accumulators {
+		raw[i] = a.orNil()
+		if closed == nil {
+			closed = a.closedErr()
+		}
+	}
+	var out C.uint32_t
+	err = call(func() C.enum_gradacc_status_t {
+		return C.gradacc_mesh_end_microbatch(p, &raw[0], C.size_t(len(accumulators)), &out)
+	})
+	runtime.KeepAlive(m)
+	runtime.KeepAlive(accumulators)
+	if closed != nil {
+		return false, closed
+	}
+	return out == 1, err
+}
+
 // orNil is the handle, or nil for a nil or closed Accumulator.
 func (a *Accumulator) orNil() *C.gradacc_accumulator_t {
 	if a == nil {

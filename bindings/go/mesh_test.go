@@ -407,3 +407,49 @@ func TestMeshShapeGroups(t *testing.T) {
 		t.Errorf("closed shape: %v", err)
 	}
 }
+
+// Under OverflowDropMicrobatch with each micro-batch ended by the mesh, an inf in micro-batch 1
+// on rank 3 drops it on its tensor-parallel peer, rank 2, too: the step goes ahead on 10 items in
+// 3 micro-batches, normalised by them, the same report everywhere.
+func TestMeshDropsAPoisonedMicrobatchOnBothPeers(t *testing.T) {
+	out := make([]MeshInfo, meshTP*meshDP)
+	kept := make([][]bool, meshTP*meshDP)
+	runMesh(t, 0, func(m *meshRank) {
+		cfg := DefaultAccumulatorConfig()
+		cfg.LossReduction, cfg.TensorStats, cfg.Overflow = LossSum, true, OverflowDropMicrobatch
+		m.acc.Close()
+		m.acc = must(NewAccumulator(meshTensors, &cfg, nil))
+		for mb, n := range meshCounts[m.dp] {
+			g0, g1 := meshGrad(m.dp, mb, m.tp, 0), meshGrad(m.dp, mb, m.tp, 1)
+			if m.r == 3 && mb == 1 {
+				g0[2] = float32(math.Inf(1))
+			}
+			if err := m.acc.BeginMicrobatch(n); err != nil {
+				t.Error(err)
+				return
+			}
+			for i, g := range [][]float32{g0, g1} {
+				if err := m.acc.AddTensor(m.scaler, i, Float32s(g)); err != nil {
+					t.Error(err)
+				}
+			}
+			kept[m.r] = append(kept[m.r], must(m.mesh.EndMicrobatch(m.acc)))
+		}
+		var err error
+		if out[m.r], err = m.mesh.Sync([]MeshPart{m.part()}); err != nil {
+			t.Errorf("rank %d: %v", m.r, err)
+		}
+	})
+	for r, o := range out {
+		if len(kept[r]) != 2 || !kept[r][0] || kept[r][1] != (r < 2) {
+			t.Errorf("rank %d kept %v", r, kept[r])
+		}
+		if o.TotalCount != 10 || o.Microbatches != 3 || o.DroppedMicrobatches != 1 || o.FoundInf ||
+			o.OverflowRank != 3 || o.OverflowMicrobatch != 1 {
+			t.Errorf("rank %d: %+v", r, o)
+		}
+		if o != out[0] {
+			t.Errorf("rank %d: %+v, rank 0 %+v", r, o, out[0])
+		}
+	}
+}

@@ -42,6 +42,7 @@ BLOCKING = {
     "gradacc_comm_destroy",
     "gradacc_comm_abort",
     "gradacc_comm_split",
+    "gradacc_mesh_end_microbatch",
     "gradacc_mesh_shape_split",
     "gradacc_mesh_sync",
     "gradacc_optimizer_step",

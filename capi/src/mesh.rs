@@ -350,6 +350,60 @@ pub unsafe extern "C" fn gradacc_mesh_sync(
     })
 }
 
+/// Ends the open micro-batch of each of `accumulators` (`count` handles, this rank's, each under
+/// GRADACC_OVERFLOW_DROP_MICROBATCH and fed tensor by tensor since
+/// gradacc_accumulator_begin_microbatch; not sharded accumulation), agreeing its drop over the
+/// world first (one all-gather of 24 bytes per rank): if any rank at this data-parallel rank
+/// (its tensor-, pipeline- and expert-tensor-parallel peers, which computed from the same data)
+/// found a non-finite gradient in any of its accumulators, every one of them drops the
+/// micro-batch in every accumulator; the others keep theirs. Every rank of the world calls it
+/// once per micro-batch, before its peers' gradients of the next one. `*kept_out` (may be NULL)
+/// is 1 when this rank kept the micro-batch, 0 when it dropped it. An invalid argument on one
+/// rank fails it naming the argument, and the others with GRADACC_STATUS_PEER_FAILURE; every
+/// micro-batch then stays open (end it again, or with gradacc_accumulator_end_microbatch).
+///
+/// Thread safety: serialised with every other call on each accumulator; one call per rank, each
+/// on its rank's thread.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_mesh_end_microbatch(
+    mesh: *mut gradacc_mesh_t,
+    accumulators: *const *mut gradacc_accumulator_t,
+    count: usize,
+    kept_out: *mut u32,
+) -> gradacc_status_t {
+    guard("gradacc_mesh_end_microbatch", || {
+        let m = MESHES.get(mesh, "mesh")?;
+        // SAFETY: a non-null `accumulators` points to `count` handles (API contract).
+        let read = unsafe { read_slice(accumulators, count, "accumulators", "count") }.and_then(
+            |handles| {
+                let accs = handles
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &h)| ACCUMULATORS.get(h, &format!("accumulators[{i}]")))
+                    .collect::<CallResult<Vec<_>>>()?;
+                Ok((handles, accs))
+            },
+        );
+        let (handles, accs) = match read {
+            Ok(r) => r,
+            Err(e) => {
+                m.mesh.refuse_microbatch();
+                return Err(e);
+            }
+        };
+        let _flights: Vec<Flight> =
+            handles.iter().map(|&h| sync_in_flight(h as usize, &[m.world])).collect();
+        let refs: Vec<&Accumulator> = accs.iter().map(|a| &**a).collect();
+        let kept = m.mesh.end_microbatch(&refs)?;
+        // SAFETY: a non-null output pointer points to writable storage of its type (API
+        // contract); a NULL one is skipped.
+        if let Some(out) = unsafe { kept_out.as_mut() } {
+            *out = kept as u32;
+        }
+        Ok(())
+    })
+}
+
 /// Reads the caller's parts: what is valid of each (for a refusal) and the first error.
 ///
 /// # Safety

@@ -358,6 +358,15 @@ impl Opened<'_> {
         self.acc.store.tensor_stats()
     }
 
+    /// Which micro-batches the window dropped (its drop signature; 0 for a new, empty one).
+    pub(crate) fn drops(&self) -> u64 {
+        if self.empty_again {
+            0
+        } else {
+            self.w.drops
+        }
+    }
+
     /// Multiplies the gradient this rank holds after the boundary by `factor`.
     pub(crate) fn scale(&mut self, factor: f32) -> Result<()> {
         self.acc.store.scale_result(self.w.master_mut(), factor)

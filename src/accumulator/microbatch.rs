@@ -296,6 +296,35 @@ impl Accumulator {
     /// Under [`Sharding::Accumulate`] a collective: the buckets still waiting are reduced here,
     /// as that policy states.
     pub fn end_microbatch(&self) -> Result<()> {
+        self.end_microbatch_with(false)
+    }
+
+    /// Whether the open micro-batch (fed tensor by tensor, under [`Overflow::DropMicrobatch`],
+    /// not a sharded accumulation) holds a non-finite gradient: what `end_microbatch` would drop.
+    /// Changes nothing.
+    pub(crate) fn microbatch_poisoned(&self) -> Result<bool> {
+        let w = self.window.read();
+        w.microbatch_count().map_err(|_| {
+            Error::wrong_state("no micro-batch is open: call begin_microbatch and add_tensor first")
+        })?;
+        if self.plan.config.overflow != Overflow::DropMicrobatch {
+            return Err(Error::invalid(
+                "the accumulator does not drop micro-batches (create it with overflow = \
+                 DropMicrobatch)",
+            ));
+        }
+        if self.store.shard().is_some() {
+            return Err(Error::invalid(
+                "a sharded accumulation (Sharding::Accumulate) reduces its micro-batch as it \
+                 arrives: its drops are its group's own; use Sharding::ReduceScatter or None",
+            ));
+        }
+        Ok(self.window.bad_tensors().next().is_some() || !self.store.staged_bad()?.is_empty())
+    }
+
+    /// `end_microbatch`, dropping the micro-batch also when `peer_dropped` (a peer that saw the
+    /// same data dropped it: [`crate::Mesh::end_microbatch`]).
+    pub(crate) fn end_microbatch_with(&self, peer_dropped: bool) -> Result<()> {
         let mut w = self.window.write();
         let Phase::InMicrobatch { count } = w.phase else {
             // The other ranks of a sharded accumulation are closing theirs: tell them.
@@ -314,7 +343,7 @@ impl Accumulator {
         if self.plan.config.tensor_stats {
             w.count_bad(self.plan.descs.len(), bad.iter().copied());
         }
-        if drop && (dropped_everywhere || !bad.is_empty()) {
+        if drop && (dropped_everywhere || peer_dropped || !bad.is_empty()) {
             // A sharded accumulation's shard is as before the micro-batch: what its hooks
             // marked written is not, when the micro-batch opened the window.
             if self.store.shard().is_some_and(sharding::Shard::first) {
@@ -322,7 +351,8 @@ impl Accumulator {
             }
             match bad.first() {
                 Some(&tensor) => w.drop_microbatch(tensor),
-                // Another rank's gradient was poisoned.
+                // Another rank's gradient was poisoned (of this group, or a peer that saw the same
+                // data).
                 None => w.drop_microbatch_unlocated(),
             }
             return Ok(());

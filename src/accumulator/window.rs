@@ -39,6 +39,9 @@ pub(crate) struct State {
     pub ranks: u64,
     /// Micro-batches dropped in this window on this rank (`Overflow::DropMicrobatch`).
     pub dropped: u64,
+    /// Which micro-batches were dropped: a sum of a hash of each one's index in the window, the
+    /// same on ranks that dropped the same ones in any order (a mesh step compares peers').
+    pub drops: u64,
     /// Where this rank's window first went non-finite: (micro-batch, tensor).
     pub first_bad: Option<(u64, usize)>,
     /// Counts the micro-batches opened over the accumulator's life: it names the open one.
@@ -139,6 +142,7 @@ impl State {
     /// places and counts of the replaced one go with it.
     pub fn restored(&mut self, found_inf: bool) {
         self.dropped = 0;
+        self.drops = 0;
         self.first_bad = None;
         self.nonfinite.clear();
         self.unlocated = found_inf;
@@ -181,8 +185,12 @@ impl State {
 
     /// The micro-batch being fed counts for nothing: `whose` gradient was not finite.
     fn drop_current(&mut self, whose: &str) {
-        let n = self.microbatches + self.dropped + 1;
-        log::info!("micro-batch {n} of the window dropped: {whose} gradient is not finite");
+        let index = self.microbatch_index();
+        log::info!(
+            "micro-batch {} of the window dropped: {whose} gradient is not finite",
+            index + 1
+        );
+        self.drops = self.drops.wrapping_add(drop_hash(index));
         self.dropped += 1;
         self.phase = Phase::Open;
     }
@@ -200,6 +208,7 @@ impl State {
             microbatches: 0,
             ranks: 0,
             dropped: 0,
+            drops: 0,
             first_bad: None,
             serial: 0,
             nonfinite: Vec::new(),
@@ -207,6 +216,14 @@ impl State {
             pending_clip: None,
         }
     }
+}
+
+/// A dropped micro-batch's index, mixed (splitmix64's finaliser), for [`State::drops`].
+fn drop_hash(index: u64) -> u64 {
+    let mut z = index.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The right to write the whole master (and its staging): one per window, reached only through

@@ -26,6 +26,8 @@ pub(super) struct Claim {
     pub microbatches: u64,
     pub ranks: u64,
     pub dropped: u64,
+    /// Which micro-batches the window dropped ([`crate::accumulator`]'s drop signature).
+    pub drops: u64,
     /// Some accumulator's group saw a non-finite value.
     pub found_inf: bool,
     /// Where this rank's windows first went non-finite: (micro-batch, part, tensor); `unlocated`
@@ -68,7 +70,7 @@ impl Claim {
             tensor,
             self.unlocated as u64,
             self.copies,
-            0,
+            self.drops,
         ]
     }
 
@@ -86,6 +88,7 @@ impl Claim {
             first_bad: (w[9] != NONE).then_some((w[9], w[10], w[11])),
             unlocated: w[12] != 0,
             copies: w[13],
+            drops: w[14],
         }
     }
 }
@@ -109,10 +112,11 @@ pub(super) struct Totals {
     pub dropped: u64,
 }
 
-/// Why the step is skipped on every rank, and where the job first went non-finite.
+/// Where the job first went non-finite (a dropped micro-batch's place included), or why no
+/// place is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Overflow {
-    /// Every window stayed finite (a sum may still overflow: the norm tells).
+    /// Every window stayed finite and dropped nothing (a sum may still overflow: the norm tells).
     None,
     /// (micro-batch, part, tensor, world rank) of the first non-finite value.
     At(u64, u64, u64, u64),
@@ -128,6 +132,9 @@ pub(super) enum Overflow {
 pub(super) struct Verdict {
     pub totals: Totals,
     pub overflow: Overflow,
+    /// The step is skipped on every rank: a window kept a non-finite value, or peers dropped
+    /// differently. A micro-batch dropped alike by every peer that saw it skips nothing.
+    pub skip: bool,
     /// Per declared copy (in gather order: ranks, then each rank's copies), whether it is the
     /// one that enters the norm.
     pub counted: Vec<bool>,
@@ -163,7 +170,9 @@ impl Verdict {
         let data = data_indices(claims)?;
         let (totals, overflow) = totals(claims, &data)?;
         let counted = owners(claims, copies)?;
-        Ok(Verdict { totals, overflow, counted })
+        let skip =
+            overflow == Overflow::DropsDiffer || claims.iter().any(|c| c.found_inf || c.unlocated);
+        Ok(Verdict { totals, overflow, skip, counted })
     }
 }
 
@@ -223,10 +232,7 @@ fn totals(claims: &[Claim], data: &[Vec<usize>]) -> Result<(Totals, Overflow)> {
         let first = &claims[ranks[0]];
         for &r in &ranks[1..] {
             let c = &claims[r];
-            if (c.dropped, c.first_bad.map(|b| b.0))
-                != (first.dropped, first.first_bad.map(|b| b.0))
-                && (c.dropped != 0 || first.dropped != 0)
-            {
+            if (c.dropped, c.drops) != (first.dropped, first.drops) {
                 drops_differ = true;
             } else if (c.count, c.microbatches, c.ranks)
                 != (first.count, first.microbatches, first.ranks)
@@ -358,6 +364,63 @@ pub(super) fn global_norm(gathered: &[Vec<u64>], counted: &[bool]) -> (bool, f64
     (found_inf, sum.sqrt())
 }
 
+/// The words each rank brings to [`crate::Mesh::end_microbatch`]: its call is invalid, its
+/// micro-batch holds a non-finite gradient, and its drop class (the ranks that computed from
+/// the same data share one).
+pub(super) const MICROBATCH_WORDS: usize = 3;
+
+/// Whether this rank (of drop class `class`) drops the micro-batch, from every rank's words in
+/// world rank order: some rank of its class found it poisoned. A rank whose own call is invalid
+/// gets its error back (`own`); the others fail naming it, and no rank ends its micro-batch.
+pub(super) fn drops_microbatch(
+    gathered: &[Vec<u64>],
+    class: u64,
+    own: Option<&Error>,
+) -> Result<bool> {
+    if let Some(e) = own {
+        return Err(e.clone());
+    }
+    let failed: Vec<usize> =
+        gathered.iter().enumerate().filter(|(_, w)| w[0] != 0).map(|(r, _)| r).collect();
+    if !failed.is_empty() {
+        return Err(Error::new(
+            ErrorKind::PeerFailure,
+            format!(
+                "end_microbatch failed on world rank{} {}; every rank's micro-batch is still open",
+                if failed.len() == 1 { "" } else { "s" },
+                list(&failed)
+            ),
+        ));
+    }
+    Ok(gathered.iter().any(|w| w[1] != 0 && w[2] == class))
+}
+
+/// The drop class of each data-parallel rank of `shape`: the smallest data rank whose data a
+/// chain of ranks' computations joins to it. An expert's gradient holds the tokens of every
+/// data rank its expert group (expert-tensor x expert axes) spans, so a micro-batch dropped at
+/// one of them is dropped at all; without experts each data rank is its own class.
+pub(super) fn drop_classes(data: &[usize], experts: &[Vec<usize>]) -> Vec<usize> {
+    let size = data.iter().max().map_or(0, |&d| d + 1);
+    let mut class: Vec<usize> = (0..size).collect();
+    // Classes only fall, to the smallest data rank joined: at most `size` rounds.
+    loop {
+        let mut changed = false;
+        for group in experts {
+            let low = group.iter().map(|&r| class[data[r]]).min().unwrap_or(0);
+            for &r in group {
+                let c = &mut class[data[r]];
+                if *c != low {
+                    *c = low;
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            return class;
+        }
+    }
+}
+
 /// `0, 2 and 5`.
 fn list(ranks: &[usize]) -> String {
     match ranks {
@@ -422,9 +485,60 @@ mod tests {
     fn peers_that_dropped_differently_skip() {
         let mut claims = [claim(0, 1, 3), claim(0, 1, 2)];
         claims[1].dropped = 1;
+        claims[1].drops = 0x51;
         claims[1].first_bad = Some((1, 0, 0));
         let v = Verdict::of(&claims, &[], None).unwrap();
         assert_eq!(v.overflow, Overflow::DropsDiffer);
+        assert!(v.skip);
+        // As many drops, but of other micro-batches (the same counts by chance).
+        let (mut a, mut b) = (claim(0, 1, 2), claim(0, 1, 2));
+        (a.dropped, a.drops, b.dropped, b.drops) = (1, 0x51, 1, 0x77);
+        let v = Verdict::of(&[a, b], &[], None).unwrap();
+        assert!(v.skip && v.overflow == Overflow::DropsDiffer);
+    }
+
+    #[test]
+    fn peers_that_dropped_alike_step_by_the_survivors() {
+        // dp 2 x tp 2: data rank 0 dropped one micro-batch on both peers, only rank 1 names
+        // the place; data rank 1 kept everything.
+        let mut claims = [claim(0, 2, 4), claim(0, 2, 4), claim(1, 2, 5), claim(1, 2, 5)];
+        for c in &mut claims[..2] {
+            (c.dropped, c.drops, c.microbatches) = (1, 0x51, 1);
+        }
+        claims[1].first_bad = Some((1, 0, 3));
+        let v = Verdict::of(&claims, &[], None).unwrap();
+        assert!(!v.skip);
+        assert_eq!(v.totals, Totals { count: 9, microbatches: 3, ranks: 2, dropped: 1 });
+        assert_eq!(v.overflow, Overflow::At(1, 0, 3, 1));
+        // A kept non-finite value still skips.
+        claims[3].found_inf = true;
+        assert!(Verdict::of(&claims, &[], None).unwrap().skip);
+    }
+
+    #[test]
+    fn a_microbatch_drops_on_every_rank_of_the_poisoned_class() {
+        let w = |error: u64, bad: u64, class: u64| vec![error, bad, class];
+        // Classes 0, 0, 2, 2: rank 1 is poisoned.
+        let gathered = [w(0, 0, 0), w(0, 1, 0), w(0, 0, 2), w(0, 0, 2)];
+        assert!(drops_microbatch(&gathered, 0, None).unwrap());
+        assert!(!drops_microbatch(&gathered, 2, None).unwrap());
+        let failed = [w(0, 0, 0), w(1, 0, 0), w(0, 0, 2), w(1, 1, 2)];
+        let e = drops_microbatch(&failed, 2, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::PeerFailure);
+        assert!(e.message.contains("world ranks 1 and 3"), "{e}");
+        let own = Error::invalid("mine");
+        assert_eq!(drops_microbatch(&failed, 0, Some(&own)).unwrap_err(), own);
+    }
+
+    #[test]
+    fn experts_join_the_data_ranks_they_span() {
+        // Data ranks of world ranks 0..6: 0, 1, 2, 3, 0, 1 (say); expert groups {0, 1} and
+        // {3, 5}: data ranks 0 and 1 join, 3 joins 1's class, 2 stays alone.
+        let data = [0, 1, 2, 3, 0, 1];
+        assert_eq!(drop_classes(&data, &[]), [0, 1, 2, 3]);
+        assert_eq!(drop_classes(&data, &[vec![0, 1], vec![3, 5]]), [0, 0, 2, 0]);
+        // A chain joined in the other order.
+        assert_eq!(drop_classes(&data, &[vec![2, 3], vec![1, 2], vec![0, 1]]), [0, 0, 0, 0]);
     }
 
     #[test]
@@ -492,6 +606,7 @@ mod tests {
             found_inf: true,
             copies: 4,
             setup: 99,
+            drops: 0xdead,
             ..claim(1, 4, 17)
         };
         assert_eq!(Claim::from_words(&c.words()), c);

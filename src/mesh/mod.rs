@@ -6,7 +6,9 @@
 //! and one agreement over the world communicator (every rank of the job) decides for all:
 //! - **overflow**: a non-finite value on any rank in any accumulator skips the step on every
 //!   rank; each accumulator's window reports it, so each rank's scaler updates alike and each
-//!   optimizer skips;
+//!   optimizer skips; under [`crate::Overflow::DropMicrobatch`], [`Mesh::end_microbatch`]
+//!   instead drops a poisoned micro-batch on every rank that computed from its data, and a
+//!   micro-batch dropped alike by those peers skips nothing;
 //! - **item counts**: the gradient is normalised by the job's totals, summed over the data axes
 //!   only (each data-parallel rank's window once): ranks at one data-parallel rank saw the same
 //!   data and must count alike, or the step fails on every rank naming them;
@@ -28,7 +30,9 @@ pub use shape::{Axis, MeshShape};
 
 use std::sync::Arc;
 
-use agreement::{Claim, Declared, Measure, Overflow, Totals, Verdict, CLAIM_WORDS, COPY_WORDS};
+use agreement::{
+    Claim, Declared, Measure, Overflow, Totals, Verdict, CLAIM_WORDS, COPY_WORDS, MICROBATCH_WORDS,
+};
 
 use crate::accumulator::boundary::Opened;
 use crate::accumulator::protocol;
@@ -97,6 +101,8 @@ pub struct Mesh {
     world: Arc<dyn Communicator>,
     data_rank: usize,
     data_size: usize,
+    /// The ranks that computed from the same data share it ([`Mesh::end_microbatch`]).
+    drop_class: usize,
     max_grad_norm: f32,
 }
 
@@ -123,13 +129,69 @@ impl Mesh {
                 "`data_size` = {data_size} does not divide `world`'s {size} ranks"
             )));
         }
-        Ok(Mesh { world, data_rank, data_size, max_grad_norm: 0.0 })
+        Ok(Mesh { world, data_rank, data_size, drop_class: data_rank, max_grad_norm: 0.0 })
     }
 
-    /// A mesh whose place on the data axes `shape` names.
+    /// A mesh whose place on the data axes `shape` names. Its micro-batch drops
+    /// ([`Mesh::end_microbatch`]) also join the data ranks that an expert group spans.
     pub fn of_shape(world: Arc<dyn Communicator>, shape: &MeshShape) -> Result<Self> {
         let rank = world.rank();
-        Self::new(world, shape.data_rank(rank), shape.data_size())
+        let mut mesh = Self::new(world, shape.data_rank(rank), shape.data_size())?;
+        let data: Vec<usize> = (0..shape.world()).map(|r| shape.data_rank(r)).collect();
+        let experts = (0..shape.world())
+            .map(|r| shape.members(r, &[Axis::Etp, Axis::Ep]))
+            .collect::<Result<Vec<_>>>()?;
+        mesh.drop_class = agreement::drop_classes(&data, &experts)[mesh.data_rank];
+        Ok(mesh)
+    }
+
+    /// Ends the open micro-batch of each of `accumulators` (this rank's, under
+    /// [`crate::Overflow::DropMicrobatch`], each fed tensor by tensor since `begin_microbatch`),
+    /// agreeing its drop over the world first: if any rank that computed from the same data
+    /// (the ranks at this data-parallel rank, and under [`Mesh::of_shape`] the data ranks an
+    /// expert group spans) found a non-finite gradient in any of its accumulators, every one of
+    /// them drops the micro-batch in every accumulator; the others keep theirs. Every rank of
+    /// the world calls it once per micro-batch. Returns whether this rank kept the micro-batch.
+    /// On an invalid call on any rank, or a failed gather, every micro-batch stays open.
+    pub fn end_microbatch(&self, accumulators: &[&Accumulator]) -> Result<bool> {
+        self.end_microbatches(accumulators, None)
+    }
+
+    /// Takes part in a micro-batch's agreement this rank cannot make (its arguments were refused
+    /// before [`Mesh::end_microbatch`]), flagged invalid: every other rank fails with
+    /// PeerFailure instead of waiting. Changes nothing.
+    #[cfg(feature = "internal")]
+    pub fn refuse_microbatch(&self) {
+        let _ = self.end_microbatches(&[], Some(Error::invalid("refused")));
+    }
+
+    fn end_microbatches(&self, accumulators: &[&Accumulator], own: Option<Error>) -> Result<bool> {
+        let world = self.world.host().expect("checked at creation");
+        let poisoned =
+            own.map_or(Ok(()), Err).and_then(|()| check_microbatch(accumulators)).and_then(|()| {
+                accumulators.iter().try_fold(false, |bad, a| Ok(a.microbatch_poisoned()? || bad))
+            });
+        let bad = matches!(poisoned, Ok(true));
+        let words = [poisoned.is_err() as u64, bad as u64, self.drop_class as u64];
+        let gathered =
+            gather_words(world, &words, &vec![MICROBATCH_WORDS; self.world.world_size()]).map_err(
+                |e| {
+                    // A gather past its deadline ends this rank's use of the world, as a step's.
+                    if e.kind == ErrorKind::Timeout {
+                        let _ = self.world.abort();
+                    }
+                    Error::new(e.kind, format!("{}; every micro-batch is still open", e.message))
+                },
+            )?;
+        let drop = agreement::drops_microbatch(
+            &gathered,
+            self.drop_class as u64,
+            poisoned.as_ref().err(),
+        )?;
+        for a in accumulators {
+            a.end_microbatch_with(drop)?;
+        }
+        Ok(!drop)
     }
 
     /// Clips the global norm to `max_norm` (0: off), as PyTorch's `clip_grad_norm_` over every
@@ -230,6 +292,7 @@ impl Mesh {
         let p = &opened[0].proposal;
         (claim.count, claim.microbatches, claim.ranks, claim.dropped) =
             (p.count, p.microbatches, p.ranks, p.dropped);
+        claim.drops = opened[0].drops();
         for (i, o) in opened.iter().enumerate() {
             let group_inf = o.agreed.totals.is_some_and(|t| t.found_inf);
             claim.found_inf |= group_inf;
@@ -252,7 +315,7 @@ impl Mesh {
         measures: &[Vec<u64>],
     ) -> Result<MeshInfo> {
         let (sum_inf, grad_norm) = agreement::global_norm(measures, &verdict.counted);
-        let found_inf = sum_inf || verdict.overflow != Overflow::None || !grad_norm.is_finite();
+        let found_inf = sum_inf || verdict.skip || !grad_norm.is_finite();
         let clip_coef = math::clip_coef(grad_norm, self.max_grad_norm as f64);
         let (overflow, overflow_part) = match verdict.overflow {
             Overflow::At(microbatch, part, tensor, rank) => (
@@ -286,6 +349,22 @@ impl Mesh {
         opened.iter_mut().try_for_each(|o| o.conclude(info))?;
         Ok(MeshInfo { info, overflow_part })
     }
+}
+
+/// `Mesh::end_microbatch`'s own checks: at least one accumulator, each once.
+fn check_microbatch(accumulators: &[&Accumulator]) -> Result<()> {
+    if accumulators.is_empty() {
+        return Err(Error::invalid("end_microbatch needs at least one accumulator"));
+    }
+    for (i, a) in accumulators.iter().enumerate() {
+        if let Some(j) = accumulators[..i].iter().position(|b| std::ptr::eq(*a, *b)) {
+            return Err(Error::invalid(format!(
+                "accumulators[{j}] and accumulators[{i}] are the same accumulator: each ends its \
+                 micro-batch once"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// This rank's own checks of its parts: at least one, each accumulator once, not clipping by
@@ -382,10 +461,14 @@ fn same_windows(opened: &[Opened<'_>]) -> Result<()> {
         (p.count, p.microbatches, p.ranks, p.dropped)
     };
     let first = counts(&opened[0]);
-    if let Some(i) = opened.iter().position(|o| counts(o) != first) {
+    let drops = opened[0].drops();
+    if let Some(i) = opened.iter().position(|o| counts(o) != first || o.drops() != drops) {
         let (c, m, _, d) = counts(&opened[i]);
         return Err(Error::invalid(format!(
-            "parts[{i}]'s window holds {c} items in {m} micro-batches ({d} dropped), parts[0]'s              {} in {} ({} dropped): every accumulator of a rank is fed the same micro-batches,              each with the micro-batch's item count (not the tokens an expert received)",
+            "parts[{i}]'s window holds {c} items in {m} micro-batches ({d} dropped), parts[0]'s \
+             {} in {} ({} dropped), or they dropped different micro-batches: every accumulator \
+             of a rank is fed the same micro-batches, each with the micro-batch's item count \
+             (not the tokens an expert received), and drops alike (Mesh::end_microbatch)",
             first.0, first.1, first.3
         )));
     }

@@ -13,8 +13,8 @@ use super::{encode, grad_of, Rng};
 use gradacc::backend::cuda::driver::{Context, DeviceBuffer};
 use gradacc::{
     Accumulator, AccumulatorConfig, Axis, Communicator, Device, Dtype, LocalComm, LossReduction,
-    Mesh, MeshInfo, MeshShape, OverflowAt, Part, Replicated, Scaler, ScalerConfig, Sharding,
-    TensorDesc,
+    Mesh, MeshInfo, MeshShape, Overflow, OverflowAt, Part, Replicated, Scaler, ScalerConfig,
+    Sharding, TensorDesc,
 };
 
 pub const SCALE: f32 = 64.0;
@@ -61,11 +61,24 @@ pub struct Schedule {
     pub dtype: Dtype,
     pub sharding: u8,
     pub poison: Option<(usize, usize)>,
+    /// The parts drop a poisoned micro-batch (`Overflow::DropMicrobatch`, each micro-batch
+    /// ended by the mesh), and the (data rank, micro-batch) pairs the job then drops.
+    pub drop: bool,
+    pub dropped: Vec<(usize, usize)>,
 }
 
 impl Schedule {
+    /// The items of the micro-batches the job keeps.
     pub fn total(&self) -> u64 {
-        self.counts.iter().flatten().sum()
+        let mut total = 0;
+        for (d, mbs) in self.counts.iter().enumerate() {
+            total += (0..mbs.len()).filter(|&mb| self.kept(d, mb)).map(|mb| mbs[mb]).sum::<u64>();
+        }
+        total
+    }
+
+    pub fn kept(&self, d: usize, mb: usize) -> bool {
+        !self.dropped.contains(&(d, mb))
     }
 
     /// Item `i` of micro-batch `mb` at data rank `d`: a global id.
@@ -153,6 +166,7 @@ pub fn reference(case: &Case, s: &Schedule) -> Vec<(Kind, Vec<(f64, f64)>)> {
                     let (mut sum, mut abs) = (0.0, 0.0);
                     for (d, mbs) in s.counts.iter().enumerate() {
                         for (mb, &count) in mbs.iter().enumerate() {
+                            let count = if s.kept(d, mb) { count } else { 0 };
                             for i in 0..count {
                                 let item = s.item(d, mb, i);
                                 if let Kind::Expert(e) = kind {
@@ -241,6 +255,7 @@ pub fn config(s: &Schedule, comm: &dyn Communicator, stats: bool) -> Accumulator
         sharding,
         tensor_stats: stats,
         bucket_numel: 50,
+        overflow: if s.drop { Overflow::DropMicrobatch } else { Overflow::SkipStep },
         ..Default::default()
     }
 }
@@ -354,6 +369,8 @@ pub fn run_rank(
         Scaler::on(device, ScalerConfig { init_scale: SCALE, ..Default::default() }).unwrap();
     let d = shape.data_rank(rank);
     let experts = ExpertTokens::new(case, shape, rank);
+    let mesh = Mesh::of_shape(world, shape).unwrap().max_grad_norm(max_norm).unwrap();
+    let refs: Vec<&Accumulator> = accs.iter().collect();
     // Every upload lives until the step is read.
     let mut uploads = Vec::new();
     for (mb, &count) in s.counts[d].iter().enumerate() {
@@ -393,17 +410,39 @@ pub fn run_rank(
                     encode(s.dtype, &values, SCALE)
                 })
                 .collect();
+            // Dropping, a micro-batch is fed tensor by tensor and ended by the mesh.
+            if s.drop {
+                acc.begin_microbatch(count).unwrap();
+            }
             match upload(device, s.dtype, grads) {
                 Upload::Host(grads) => {
                     let views: Vec<_> = grads.iter().map(|(f, h)| grad_of(s.dtype, f, h)).collect();
-                    acc.add(&scaler, &views[..], count).unwrap();
+                    match s.drop {
+                        true => {
+                            views.iter().enumerate().for_each(|(i, g)| {
+                                acc.add_tensor(&scaler, i, *g).unwrap();
+                            });
+                        }
+                        false => acc.add(&scaler, &views[..], count).unwrap(),
+                    }
                 }
                 Upload::Device(bufs) => {
                     let addresses: Vec<u64> = bufs.iter().map(DeviceBuffer::ptr).collect();
-                    acc.add(&scaler, &addresses[..], count).unwrap();
+                    match s.drop {
+                        true => {
+                            addresses.iter().enumerate().for_each(|(i, &g)| {
+                                acc.add_tensor(&scaler, i, g).unwrap();
+                            });
+                        }
+                        false => acc.add(&scaler, &addresses[..], count).unwrap(),
+                    }
                     uploads.push(bufs);
                 }
             }
+        }
+        if s.drop {
+            let kept = mesh.end_microbatch(&refs).unwrap();
+            assert_eq!(kept, s.kept(d, mb), "rank {rank} micro-batch {mb}");
         }
     }
     let replicated: Vec<Vec<Replicated>> = parts_layout
@@ -426,9 +465,7 @@ pub fn run_rank(
             Part { replicated, ..Part::new(acc, (!bound).then_some(&**comm)) }
         })
         .collect();
-    let mesh = Mesh::of_shape(world, shape).unwrap().max_grad_norm(max_norm).unwrap();
     let info = mesh.sync(&parts).unwrap();
-    let refs: Vec<&Accumulator> = accs.iter().collect();
     let skipped = scaler.update_from(&refs, true).unwrap().unwrap();
     assert_eq!(skipped, info.info.found_inf);
     let mut held = Vec::new();
@@ -486,7 +523,40 @@ pub fn schedule(rng: &mut Rng, case: &Case, poison: Option<(usize, usize)>) -> S
         (0..data).map(|_| (0..microbatches).map(|_| rng.range(0, 4)).collect()).collect();
     counts[0][0] = counts[0][0].max(1);
     let dtype = [Dtype::F32, Dtype::F16, Dtype::Bf16][rng.range(0, 2) as usize];
-    Schedule { counts, seed: rng.next_u64(), dtype, sharding: rng.range(0, 2) as u8, poison }
+    let sharding = rng.range(0, 2) as u8;
+    Schedule { counts, seed: rng.next_u64(), dtype, sharding, poison, drop: false, dropped: vec![] }
+}
+
+/// The data ranks whose micro-batch is dropped when world rank `rank` poisons it: its own, and,
+/// until nothing changes, every data rank whose tokens reach the experts of a rank at a dropped
+/// one (their expert gradients hold the micro-batch's tokens of every data rank they process).
+pub fn dropped_data_ranks(case: &Case, shape: &MeshShape, rank: usize) -> Vec<usize> {
+    let touched: Vec<Vec<usize>> = (0..case.world)
+        .map(|r| {
+            let experts = ExpertTokens::new(case, shape, r);
+            let has_experts =
+                layout(case, shape, r).iter().flatten().any(|l| matches!(l.kind, Kind::Expert(_)));
+            (0..shape.data_size())
+                .filter(|&d| d == shape.data_rank(r) || has_experts && experts.at[d].is_some())
+                .collect()
+        })
+        .collect();
+    let mut dropped = vec![shape.data_rank(rank)];
+    loop {
+        let more: Vec<usize> = touched
+            .iter()
+            .filter(|t| t.iter().any(|d| dropped.contains(d)))
+            .flatten()
+            .filter(|d| !dropped.contains(d))
+            .copied()
+            .collect();
+        if more.is_empty() {
+            dropped.sort_unstable();
+            return dropped;
+        }
+        dropped.extend(more);
+        dropped.dedup();
+    }
 }
 
 /// Half an ulp of `dtype`, relative.
@@ -595,6 +665,55 @@ pub fn one_inf_skips_everywhere<R: Rig>(
     let what = format!("{case:?} rank {rank}");
     for o in &out {
         check_poisoned(o, rank, located, &what);
+        assert_eq!(o.info, out[0].info, "{what}");
+    }
+}
+
+/// An inf in one micro-batch on one random rank of `case` under DROP_MICROBATCH, where `rig`
+/// puts it: every rank that computed from that micro-batch's data drops it, and the step goes
+/// ahead. Every rank's gradient matches the f64 reference without those micro-batches (the
+/// norm, the clip, every held element, the surviving items), the drops are counted once per data
+/// rank, the poisoned rank is named, every scaler backs off alike, and the report is the same
+/// on every rank.
+pub fn a_poisoned_microbatch_drops_on_its_peers<R: Rig>(
+    rng: &mut Rng,
+    case: &Case,
+    rig: impl FnOnce(&[Group]) -> R,
+) {
+    let shape = case.shape();
+    let rank = rng.range(0, case.world as u64 - 1) as usize;
+    let mut s = schedule(rng, case, None);
+    // Sharded accumulation drops over its own group: here the parts reduce at the boundary.
+    s.sharding = rng.range(0, 1) as u8;
+    if s.counts[0].len() < 2 {
+        s.counts.iter_mut().for_each(|mbs| mbs.push(rng.range(0, 4)));
+    }
+    let microbatches = s.counts[0].len();
+    let mb = rng.range(0, microbatches as u64 - 1) as usize;
+    // Something survives on data rank 0.
+    s.counts[0][(mb + 1) % microbatches] = s.counts[0][(mb + 1) % microbatches].max(1);
+    s.poison = Some((rank, mb));
+    s.drop = true;
+    s.dropped = dropped_data_ranks(case, &shape, rank).into_iter().map(|d| (d, mb)).collect();
+    let reference = reference(case, &s);
+    let out = run(case, &s, norm_and_clip(&reference).1, rig);
+    let what = format!(
+        "{case:?} {:?} sharding {} counts {:?} poisoned rank {rank} micro-batch {mb}, dropped {:?}",
+        s.dtype, s.sharding, s.counts, s.dropped
+    );
+    for o in &out {
+        check_clean(case, &s, &reference, o, &what);
+        let info = &o.info.info;
+        assert_eq!(info.dropped_microbatches, s.dropped.len() as u64, "{what}");
+        assert_eq!(info.microbatches, (microbatches * s.counts.len() - s.dropped.len()) as u64);
+        match info.overflow {
+            Some(OverflowAt::Gradient { rank: r, microbatch, .. }) => {
+                assert_eq!((r, microbatch), (rank, mb as u64), "{what}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+        // A drop backs the scale off, though the step is taken.
+        assert_eq!(o.scale, SCALE / 2.0, "{what}");
         assert_eq!(o.info, out[0].info, "{what}");
     }
 }

@@ -1075,3 +1075,18 @@ class Mesh(_Managed):
         overflow_part = None if part.value == 2**32 - 1 else part.value
         return MeshInfo(**{f.name: getattr(s, f.name) for f in dataclasses.fields(SyncInfo)},
                         overflow_part=overflow_part)
+
+    def end_microbatch(self, *accumulators):
+        """Ends the open micro-batch of each of this rank's ``accumulators`` (DROP_MICROBATCH,
+        fed tensor by tensor), its drop agreed over the world first (gradacc_mesh_end_microbatch);
+        every rank calls it once per micro-batch. True: this rank kept it. A closed accumulator
+        is passed on as NULL, so that the library fails every rank, then raises."""
+        closed = next((a for a in accumulators if a._ptr is None), None)
+        arr = (ctypes.POINTER(ffi.gradacc_accumulator_t) * max(len(accumulators), 1))(
+            *(a._ptr for a in accumulators))
+        kept = ctypes.c_uint32()
+        status = ffi.gradacc_mesh_end_microbatch(self._handle(), arr, len(accumulators), ctypes.byref(kept))
+        if closed is not None:
+            closed._handle()  # raises the binding's error for the closed one
+        _check(status)
+        return kept.value == 1

@@ -600,6 +600,12 @@ gradacc_mesh_sync.restype = gradacc_status_t
 gradacc_mesh_sync.argtypes = [ctypes.POINTER(gradacc_mesh_t), ctypes.POINTER(gradacc_mesh_part_t), ctypes.c_size_t, ctypes.POINTER(gradacc_sync_info_t), ctypes.POINTER(ctypes.c_uint32)]
 # arguments: mesh, parts, count, info_out, overflow_part_out
 
+# Ends the open micro-batch of each of `accumulators` (`count` handles, this rank's, each under GRADACC_OVERFLOW_DROP_MICROBATCH and fed tensor by tensor since gradacc_accumulator_begin_microbatch; not sharded accumulation), agreeing its drop over the world first (one all-gather of 24 bytes per rank): if any rank at this data-parallel rank (its tensor-, pipeline- and expert-tensor-parallel peers, which computed from the same data) found a non-finite gradient in any of its accumulators, every one of them drops the micro-batch in every accumulator; the others keep theirs.
+gradacc_mesh_end_microbatch = dll.gradacc_mesh_end_microbatch
+gradacc_mesh_end_microbatch.restype = gradacc_status_t
+gradacc_mesh_end_microbatch.argtypes = [ctypes.POINTER(gradacc_mesh_t), ctypes.POINTER(ctypes.POINTER(gradacc_accumulator_t)), ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]
+# arguments: mesh, accumulators, count, kept_out
+
 # Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size.
 gradacc_optimizer_config_default = dll.gradacc_optimizer_config_default
 gradacc_optimizer_config_default.restype = gradacc_status_t

@@ -22,19 +22,21 @@ def grads(d, mb, tp):
     return g0, g1
 
 
-def reference_norm():
-    total = sum(map(sum, COUNTS))
+def reference_norm(dropped=()):
+    """The f64 global norm without the (data rank, micro-batch) pairs in ``dropped``."""
+    kept = [(d, mb) for d in range(DP) for mb in range(2) if (d, mb) not in dropped]
+    total = sum(COUNTS[d][mb] for d, mb in kept)
     squares = 0.0
     for tp in range(TP):
         for t in (0, 1):
             if t == 1 and tp > 0:
                 continue  # the replicated tensor, once
-            g = sum(grads(d, mb, tp)[t].astype(np.float64) for d in range(DP) for mb in range(2)) / total
+            g = sum(grads(d, mb, tp)[t].astype(np.float64) for d, mb in kept) / total
             squares += float(np.dot(g, g))
     return math.sqrt(squares)
 
 
-def run_mesh(body):
+def run_mesh(body, **config):
     """body(rank, mesh, acc, scaler, data) on every rank of a dp 2 x tp 2 world; the results."""
     world = gradacc.local_group(TP * DP)
     data = [gradacc.local_group(DP) for _ in range(TP)]
@@ -46,7 +48,8 @@ def run_mesh(body):
             comm = data[tp][d]
             comm.timeout = world[r].timeout = 10
             with gradacc.Scaler(init_scale=1.0) as s, \
-                    gradacc.Accumulator([(6, "f32"), (3, "f32")], loss_reduction="sum", tensor_stats=True) as acc, \
+                    gradacc.Accumulator([(6, "f32"), (3, "f32")], loss_reduction="sum", tensor_stats=True,
+                                        **config) as acc, \
                     gradacc.Mesh(world[r], d, DP) as mesh:
                 results[r] = body(r, mesh, acc, s, comm)
         except BaseException as e:  # reported on the main thread
@@ -92,6 +95,30 @@ def test_the_job_counts_data_ranks_once_and_agrees_everywhere():
         assert inf.found_inf and inf.overflow.rank == 3 and inf.overflow.tensor == 0
         assert inf.overflow_part == 0
         assert inf == results[0][1]
+
+
+def test_a_poisoned_microbatch_drops_on_both_tensor_parallel_peers():
+    def body(r, mesh, acc, s, comm):
+        part = gradacc.MeshPart(acc, comm, replicated=[(1, 0x6e6f726d, TP)])
+        d, tp = divmod(r, TP)
+        kept = []
+        for mb, n in enumerate(COUNTS[d]):
+            g0, g1 = grads(d, mb, tp)
+            if r == 3 and mb == 1:
+                g0[2] = np.inf  # on world rank 3 only; its peer, rank 2, drops it too
+            acc.begin_microbatch(n)
+            acc.add_tensor(s, 0, g0)
+            acc.add_tensor(s, 1, g1)
+            kept.append(mesh.end_microbatch(acc))
+        return kept, mesh.sync([part])
+
+    results = run_mesh(body, overflow="drop_microbatch")
+    for r, (kept, info) in enumerate(results):
+        assert kept == [True, r < 2], (r, kept)
+        assert (info.total_count, info.microbatches, info.dropped_microbatches) == (10, 3, 1)
+        assert not info.found_inf and info.overflow.rank == 3 and info.overflow.microbatch == 1
+        assert info.grad_norm == pytest.approx(reference_norm(dropped=[(1, 1)]), rel=1e-6)
+        assert info == results[0][1]
 
 
 def test_bad_arguments_fail_on_every_rank():

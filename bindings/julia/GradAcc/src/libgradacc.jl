@@ -741,6 +741,26 @@ function gradacc_mesh_sync(mesh, parts, count, info_out, overflow_part_out)
     end
 end
 
+"Ends the open micro-batch of each of `accumulators` (`count` handles, this rank's, each under GRADACC_OVERFLOW_DROP_MICROBATCH and fed tensor by tensor since gradacc_accumulator_begin_microbatch; not sharded accumulation), agreeing its drop over the world first (one all-gather of 24 bytes per rank): if any rank at this data-parallel rank (its tensor-, pipeline- and expert-tensor-parallel peers, which computed from the same data) found a non-finite gradient in any of its accumulators, every one of them drops the micro-batch in every accumulator; the others keep theirs."
+function gradacc_mesh_end_microbatch(mesh, accumulators, count, kept_out)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_mesh_end_microbatch)
+    c_mesh = Base.cconvert(Ptr{gradacc_mesh_t}, mesh)
+    c_accumulators = Base.cconvert(Ptr{Ptr{gradacc_accumulator_t}}, accumulators)
+    c_count = Base.cconvert(Csize_t, count)
+    c_kept_out = Base.cconvert(Ptr{UInt32}, kept_out)
+    GC.@preserve c_mesh c_accumulators c_count c_kept_out begin
+        p_mesh = Base.unsafe_convert(Ptr{gradacc_mesh_t}, c_mesh)
+        p_accumulators = Base.unsafe_convert(Ptr{Ptr{gradacc_accumulator_t}}, c_accumulators)
+        p_count = Base.unsafe_convert(Csize_t, c_count)
+        p_kept_out = Base.unsafe_convert(Ptr{UInt32}, c_kept_out)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_mesh_t}, Ptr{Ptr{gradacc_accumulator_t}}, Csize_t, Ptr{UInt32}), p_mesh, p_accumulators, p_count, p_kept_out)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
+end
+
 "Fills `*out` with the default optimizer configuration (AdamW with PyTorch's defaults, lr 1e-3) and its struct_size."
 function gradacc_optimizer_config_default(out)
     ccall((:gradacc_optimizer_config_default, libgradacc()), gradacc_status_t, (Ptr{gradacc_optimizer_config_t},), out)

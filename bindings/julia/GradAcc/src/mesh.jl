@@ -173,6 +173,28 @@ function sync!(m::Mesh, parts::AbstractVector)
 end
 
 """
+    end_microbatch!(mesh::GradAcc.Mesh, accs::Accumulator...) -> Bool
+
+Ends the open micro-batch of each of this rank's accumulators (`overflow = :drop_microbatch`, fed
+tensor by tensor), its drop agreed over the world first: if any rank at this data-parallel rank
+found a non-finite gradient in any of its accumulators, every one of them drops it. Every rank
+calls it once per micro-batch; `true` when this rank kept the micro-batch. A closed accumulator
+goes in as NULL, so every rank fails, and this rank throws the binding's `ArgumentError`.
+"""
+function end_microbatch!(m::Mesh, accs::Accumulator...)
+    mp = handle(m)
+    closed = findfirst(a -> !isopen(a), accs)
+    ptrs = Ptr{gradacc_accumulator_t}[raw_handle(a) for a in accs]
+    closed === nothing || (ptrs[closed] = C_NULL)
+    kept = Ref{UInt32}(0)
+    status = GC.@preserve m accs ptrs gradacc_mesh_end_microbatch(mp, isempty(ptrs) ? C_NULL : pointer(ptrs),
+                                                                   length(ptrs), kept)
+    closed === nothing || throw(ArgumentError("accumulators[$closed]: the Accumulator is closed"))
+    check(status)
+    return kept[] == 1
+end
+
+"""
     GradAcc.MeshShape(world_size; tp=1, pp=1, cp=1, ep=1, etp=1, order=nothing)
 
 A mesh's shape, for frameworks without their own parallel state: `world_size` ranks, `tp`, `pp`
