@@ -27,8 +27,8 @@ pub const ENVIRONMENT: &[(&str, &str)] = &[
     ),
     (
         "GRADACC_MPI_HIERARCHY",
-        "how an MPI communicator finds its hosts for the hierarchical boundary: flat (never), \
-         n (every n consecutive ranks one host), auto (where each process runs); default auto",
+        "the hierarchical MPI boundary across hosts: auto (hosts are where the processes run), \
+         n (every n consecutive ranks one host), flat (never); default flat",
     ),
     (
         "GRADACC_LOG",

@@ -1,4 +1,5 @@
-//! The hierarchical boundary: when the group spans hosts and a host runs several of its ranks,
+//! The hierarchical boundary (chosen by `GRADACC_MPI_HIERARCHY`): when the group spans hosts and
+//! a host runs several of its ranks,
 //! the boundary's reduction goes host by host. Each host reduces through its shared memory into
 //! host partial sums split into one shard per rank of the host; the ranks with the same index on
 //! their host (one per host) all-reduce their shard over MPI; each host then gathers the finished
@@ -7,7 +8,6 @@
 //! can send.
 
 use std::ffi::c_int;
-use std::ops::Range;
 
 use mpi::ffi;
 
@@ -31,17 +31,17 @@ pub(super) struct Hierarchy {
     cross: MpiComm,
 }
 
-/// This rank's host key, or `None` when the group must stay flat: `GRADACC_MPI_HIERARCHY=flat`
-/// keeps it flat, `=n` (a positive count) puts every `n` consecutive ranks on one host as far as
-/// the reduction is concerned (for tests and benchmarks on one machine), and otherwise (unset or
-/// `auto`) the host is where the process runs (`liveness::Process::place`; unknown keeps it flat).
+/// This rank's host key, or `None` when the group stays flat. `GRADACC_MPI_HIERARCHY` chooses:
+/// `auto`, the host is where the process runs (`liveness::Process::place`; unknown keeps it
+/// flat); `n` (a positive count), every `n` consecutive ranks are one host as far as the
+/// reduction is concerned (for tests and benchmarks on one machine); unset or anything else
+/// (`flat`), flat. Flat is the default because the hierarchy's bits differ from the flat path's,
+/// which the reduce-scatter boundary and the single-process boundary share (docs/mpi.md).
 fn host_key(rank: usize, place: u64) -> Option<u64> {
     match std::env::var(HIERARCHY_ENV).ok().as_deref().map(str::trim) {
-        Some("flat") => None,
-        Some(n) if n.parse::<usize>().is_ok_and(|n| n > 0) => {
-            Some((rank / n.parse::<usize>().unwrap_or(1)) as u64 + 1)
-        }
-        _ => (place != 0).then_some(place),
+        Some("auto") => (place != 0).then_some(place),
+        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0).map(|n| (rank / n) as u64 + 1),
+        None => None,
     }
 }
 
@@ -148,9 +148,8 @@ impl Hierarchy {
         let shards = shares::shard_ranges(buf.len(), self.local.world);
         let own = shards[self.local.rank].clone();
         self.local.reduce_scatter_with_pass(buf, &shards, &Partial(pass.wire()))?;
-        let whole: [Range<usize>; 1] = [0..own.len()];
-        let mine =
-            self.cross.allreduce_with_pass(&mut buf[own.clone()], &whole, &Unscaled(pass))?;
+        // The buckets were checked on the whole buffer; the reduction does not depend on them.
+        let mine = self.cross.allreduce_with_pass(&mut buf[own.clone()], &[], &Unscaled(pass))?;
         let values = if pass.writes_values() {
             let counts: Vec<usize> = shards.iter().map(|s| simd::blocks(s.len())).collect();
             self.local.allgather_values(&mine, &counts)?
