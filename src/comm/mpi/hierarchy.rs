@@ -1,9 +1,10 @@
-//! The hierarchical boundary (chosen by `GRADACC_MPI_HIERARCHY`): when the group spans hosts and
-//! a host runs several of its ranks,
-//! the boundary's reduction goes host by host. Each host reduces through its shared memory into
-//! host partial sums split into one shard per rank of the host; the ranks with the same index on
-//! their host (one per host) all-reduce their shard over MPI; each host then gathers the finished
-//! shards through its shared memory again. Only the hosts' partial sums cross between hosts:
+//! The hierarchical boundary (asked for by `GRADACC_MPI_HIERARCHY`): when the group spans hosts
+//! and each host runs several of its ranks, the boundary's reduction goes host by host. Each host
+//! reduces through its shared memory into host partial sums split into one shard per rank of the
+//! host; the ranks with the same index on their host (one per host) all-reduce their shard over
+//! MPI; each host then gathers the finished shards through its shared memory again. Every rank
+//! takes part in the creation's gather of host keys, whatever its environment says, so ranks
+//! that disagree stay flat together instead of waiting for each other. Only the hosts' partial sums cross between hosts:
 //! `2 (hosts - 1) / hosts` of the buffer out of each host, the least an all-reduce between hosts
 //! can send.
 
