@@ -402,6 +402,111 @@ static void wire_table(size_t n, gradacc_comm_t *comm)
     gradacc_scaler_destroy(one);
 }
 
+/* Bytes this process's host sent on its link so far: eth0's transmit counter, the one
+ * /sys/class/net/eth0/statistics/tx_bytes gives, read from /proc/net/dev, which (unlike the /sys
+ * a simulated host of scripts/sim-hosts inherits) shows the network namespace of the reader. */
+static double host_tx_bytes(void)
+{
+    FILE *f = fopen("/proc/net/dev", "r");
+    char line[512];
+    double v = -1;
+    while (f && fgets(line, sizeof line, f)) {
+        char *at = strstr(line, "eth0:");
+        double rx[8];
+        if (at && sscanf(at + 5, "%lf %lf %lf %lf %lf %lf %lf %lf %lf", &rx[0], &rx[1], &rx[2], &rx[3], &rx[4],
+                         &rx[5], &rx[6], &rx[7], &v) == 9)
+            break;
+    }
+    if (f)
+        fclose(f);
+    if (v < 0) {
+        fprintf(stderr, "--hosts needs eth0 in /proc/net/dev\n");
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    return v;
+}
+
+/* With --hosts (scripts/bench-mpi --hosts, ranks on `hosts` simulated hosts): the sync of an FP32
+ * accumulator of n parameters, FP32 and BF16 wire, in K = 1, 4, 8 buckets, against the fastest
+ * bare MPI_Allreduce of the same wire bytes (one call or 4 MB calls), and the bytes the hosts
+ * sent per sync (every host's link, summed) over the hierarchical ideal: each host sends
+ * (hosts - 1) / hosts of the buffer at the wire's width (the partial sums) and as much again in
+ * FP32 (the finished sums), so (hosts - 1) n (wire bytes + 4) in all. One row per wire and K. */
+static void hosts_table(size_t n, gradacc_comm_t *comm, const char *path, int hosts)
+{
+    enum { HREPEATS = 5, HWARMUP = 1 };
+    int rank, size, local;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    gradacc_scaler_config_t sc;
+    OK(gradacc_scaler_config_default(&sc));
+    sc.init_scale = 1.0f;
+    gradacc_scaler_t *one;
+    OK(gradacc_scaler_create(&sc, NULL, &one));
+    gradacc_tensor_desc_t t = {n, GRADACC_DTYPE_F32};
+    float *g = malloc(n * 4), *plain = malloc(n * 4);
+    for (size_t i = 0; i < n; i++)
+        g[i] = 1.0f + (float)(i % 512) / 1024.0f;
+    const void *grads[1] = {g};
+    const size_t piece = (size_t)1 << 20;
+    const int ks[3] = {1, 4, 8};
+    for (int w = 0; w < 2; w++) {
+        size_t floats = w ? n / 2 : n; /* the wire's bytes, as FP32 */
+        for (int ki = 0; ki < 3; ki++) {
+            gradacc_accumulator_config_t ac;
+            OK(gradacc_accumulator_config_default(&ac));
+            ac.wire_dtype = w ? GRADACC_DTYPE_BF16 : GRADACC_DTYPE_F32;
+            ac.bucket_numel = (n + (size_t)ks[ki] - 1) / (size_t)ks[ki];
+            gradacc_accumulator_t *acc;
+            OK(gradacc_accumulator_create(&ac, &t, 1, NULL, &acc));
+            double sync[HREPEATS], bare[HREPEATS], pieces[HREPEATS], sent = 0;
+            for (int rep = -HWARMUP; rep < HREPEATS; rep++) {
+                OK(gradacc_accumulator_add(acc, one, grads, 1, 1));
+                gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
+                MPI_Barrier(MPI_COMM_WORLD);
+                double tx = local == 0 ? host_tx_bytes() : 0;
+                double t0 = MPI_Wtime();
+                OK(gradacc_accumulator_sync(acc, comm, &info));
+                double s = slowest(t0);
+                double mine = local == 0 ? host_tx_bytes() - tx : 0, all = 0;
+                MPI_Allreduce(&mine, &all, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+                MPI_Barrier(MPI_COMM_WORLD);
+                t0 = MPI_Wtime();
+                MPI_Allreduce(MPI_IN_PLACE, plain, (int)floats, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                double b = slowest(t0);
+                MPI_Barrier(MPI_COMM_WORLD);
+                t0 = MPI_Wtime();
+                for (size_t at = 0; at < floats; at += piece)
+                    MPI_Allreduce(MPI_IN_PLACE, plain + at, (int)(floats - at < piece ? floats - at : piece), MPI_FLOAT,
+                                  MPI_SUM, MPI_COMM_WORLD);
+                double p = slowest(t0);
+                for (size_t i = 0; i < n; i++) /* keep the values finite */
+                    plain[i] = 1.0f;
+                if (rep >= 0) {
+                    sync[rep] = s;
+                    bare[rep] = b;
+                    pieces[rep] = p;
+                    sent += all / HREPEATS;
+                }
+            }
+            double b = median_of(bare, HREPEATS), p = median_of(pieces, HREPEATS);
+            const double *best = b <= p ? bare : pieces;
+            if (rank == 0)
+                printf("| %d | %s | %zuM | %s | %d | %.1f | %.1f | %.1f | %.3f | %.1f | %.3f |\n", size, path, n >> 20,
+                       w ? "bf16" : "fp32", ks[ki], median_of(sync, HREPEATS) * 1e3, b * 1e3, p * 1e3,
+                       median_ratio(sync, best, HREPEATS), sent / 1e6, sent / ((hosts - 1) * (double)n * (w ? 6 : 8)));
+            gradacc_accumulator_destroy(acc);
+        }
+    }
+    free(g);
+    free(plain);
+    gradacc_scaler_destroy(one);
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
@@ -410,6 +515,19 @@ int main(int argc, char **argv)
     int sharding = argc > 1 && strcmp(argv[1], "--reduce-scatter") == 0;
     int wire = argc > 1 && strcmp(argv[1], "--wire") == 0;
     int zero2 = argc > 1 && strcmp(argv[1], "--zero2") == 0;
+    int hosts = argc > 1 && strcmp(argv[1], "--hosts") == 0;
+    const char *path = NULL;
+    int host_count = 0;
+    if (hosts) { /* --hosts PATH HOSTS N */
+        if (argc < 5) {
+            fprintf(stderr, "usage: mpi_boundary --hosts PATH HOSTS N\n");
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        }
+        path = argv[2];
+        host_count = atoi(argv[3]);
+        argc -= 3;
+        argv += 3;
+    }
     if (sharding || wire || zero2) {
         argc--;
         argv++;
@@ -422,6 +540,13 @@ int main(int argc, char **argv)
     OK(gradacc_comm_create_mpi((int64_t)MPI_Comm_c2f(MPI_COMM_WORLD), &mc, &comm));
     gradacc_scaler_t *scaler;
     OK(gradacc_scaler_create(NULL, NULL, &scaler));
+    if (hosts) {
+        hosts_table(n, comm, path, host_count);
+        gradacc_scaler_destroy(scaler);
+        gradacc_comm_destroy(comm);
+        MPI_Finalize();
+        return 0;
+    }
     if (sharding || wire || zero2) {
         if (sharding)
             reduce_scatter_table(n, comm, scaler);

@@ -26,6 +26,11 @@ pub const ENVIRONMENT: &[(&str, &str)] = &[
         "the NCCL library to load, tried alone; default libnccl.so.2, libnccl.so",
     ),
     (
+        "GRADACC_MPI_HIERARCHY",
+        "the hierarchical MPI boundary across hosts: auto (hosts are where the processes run), \
+         n (every n consecutive ranks one host), flat (never); default flat",
+    ),
+    (
         "GRADACC_LOG",
         "the C library's messages at this level and above (error, warn, info, debug) go to \
          stderr while no log callback is set; default none",

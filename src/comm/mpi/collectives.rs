@@ -48,6 +48,19 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// Every rank's `shards[rank]` of `buf` to every other rank (an all-gather in place), over
+    /// the reduction in shares' transport.
+    pub(super) fn gather_shards(&self, buf: &mut [f32], shards: &[Range<usize>]) -> Result<()> {
+        check_shards(buf.len(), shards, self.world)?;
+        self.in_shares(|t| {
+            let cut =
+                shares::ShardCut { shards, piece_numel: shares::SHARE_NUMEL.min(t.piece_limit()) };
+            shares::gather_by_cut(t, buf, &cut)
+        })
+    }
+}
+
 impl HostCollectives for MpiComm {
     /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words,
     /// in the communicator's [`ControlWords`].
@@ -146,6 +159,9 @@ impl HostCollectives for MpiComm {
         pass: &dyn BlockPass,
     ) -> Result<Vec<f64>> {
         check_buckets(buf.len(), buckets)?;
+        if let Some(h) = &self.hierarchy {
+            return self.reduce_by_hosts(h, buf, pass);
+        }
         self.in_shares(|t| shares::reduce_in_shares(t, buf, shares::SHARE_NUMEL, pass))
     }
 

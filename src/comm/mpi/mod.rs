@@ -32,6 +32,7 @@
 //! requests, so the timeout and an abort hold there too.
 
 mod collectives;
+mod hierarchy;
 mod init;
 mod messages;
 mod shared_memory;
@@ -45,6 +46,7 @@ use std::time::Duration;
 use mpi::ffi;
 use parking_lot::{Mutex, MutexGuard};
 
+use self::hierarchy::Hierarchy;
 use self::init::{check, ensure_initialized, flag};
 use self::wait::{Backoff, Serial, SERIAL};
 use super::liveness::{Peers, Process};
@@ -91,6 +93,9 @@ pub struct MpiComm {
     near_root: bool,
     /// What it was created with, and its splits are.
     options: MpiOptions,
+    /// The host's and the hosts' communicators, when the boundary reduces host by host (see
+    /// `hierarchy`).
+    hierarchy: Option<Box<Hierarchy>>,
 }
 
 /// The group's shared memory and the region over it (the region goes first, then the mapping).
@@ -174,7 +179,7 @@ impl MpiComm {
         ensure_initialized()?;
         // SAFETY: reads rsmpi's extern constant for MPI_COMM_WORLD, set when the library loads and
         // never written; `ensure_initialized` just made the handle usable.
-        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD }, options)
+        Self::adopt(unsafe { ffi::RSMPI_COMM_WORLD }, options, true)
     }
 
     /// A communicator over the caller's communicator, given as its Fortran handle (the value of
@@ -201,10 +206,12 @@ impl MpiComm {
                 "Fortran communicator handle {handle} is MPI_COMM_NULL or unknown"
             )));
         }
-        Self::adopt(comm, options)
+        Self::adopt(comm, options, true)
     }
 
-    fn adopt(parent: ffi::MPI_Comm, options: MpiOptions) -> Result<Self> {
+    /// Adopts a duplicate of `parent`; with `hierarchical`, sets up the hierarchy where it
+    /// applies (the hierarchy's own communicators are flat).
+    fn adopt(parent: ffi::MPI_Comm, options: MpiOptions, hierarchical: bool) -> Result<Self> {
         let mut level: c_int = 0;
         // SAFETY: both callers ran `ensure_initialized` first; MPI writes one int to `level`.
         check(unsafe { ffi::MPI_Query_thread(&mut level) }, "MPI_Query_thread")?;
@@ -239,6 +246,7 @@ impl MpiComm {
             peers: Peers::none(),
             near_root: true,
             options,
+            hierarchy: None,
         };
         // From here on `this` frees the duplicate on every path.
         check(
@@ -257,6 +265,9 @@ impl MpiComm {
         (this.peers, this.near_root) = this.same_host_peers()?;
         if options.shared_memory {
             this.shared = this.share_memory()?;
+        }
+        if hierarchical {
+            this.hierarchy = this.hierarchy()?;
         }
         Ok(this)
     }
@@ -290,8 +301,9 @@ impl MpiComm {
         self.shared.is_some()
     }
 
-    /// [`Communicator::split`]: MPI_Comm_split of this communicator, adopted with its options.
-    fn split_comm(&self, color: usize, key: usize) -> Result<MpiComm> {
+    /// [`Communicator::split`]: MPI_Comm_split of this communicator, adopted with its options
+    /// (and a hierarchy of its own where `hierarchical` and it applies).
+    fn split_comm(&self, color: usize, key: usize, hierarchical: bool) -> Result<MpiComm> {
         let to_int = |v: usize, name: &str| {
             c_int::try_from(v)
                 .map_err(|_| Error::invalid(format!("`{name}` = {v} does not fit in an MPI int")))
@@ -306,7 +318,7 @@ impl MpiComm {
         // time (`enter`); MPI writes the new handle to `part`, and with MPI_ERRORS_RETURN a
         // failure comes back as the return code.
         check(unsafe { ffi::MPI_Comm_split(self.comm, color, key, &mut part) }, "MPI_Comm_split")?;
-        let adopted = Self::adopt(part, self.options);
+        let adopted = Self::adopt(part, self.options, hierarchical);
         // SAFETY: `part` is the communicator MPI_Comm_split made, ours alone; `adopt` made its own
         // duplicate (or failed), and nothing else refers to it.
         unsafe { ffi::MPI_Comm_free(&mut part) };
@@ -415,10 +427,13 @@ impl Communicator for MpiComm {
     fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
         let ns = timeout.map_or(FOREVER, |t| t.as_nanos().clamp(1, FOREVER as u128 - 1) as u64);
         self.timeout_ns.store(ns, Ordering::Relaxed);
+        if let Some(h) = &self.hierarchy {
+            h.set_timeout(ns);
+        }
         Ok(())
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
-        Ok(Arc::new(self.split_comm(color, key)?))
+        Ok(Arc::new(self.split_comm(color, key, true)?))
     }
 }

@@ -128,7 +128,7 @@ impl MpiComm {
     }
 
     /// COMM_FAILURE once the communicator was aborted.
-    fn check_live(&self) -> Result<()> {
+    pub(super) fn check_live(&self) -> Result<()> {
         if !self.aborted.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -141,14 +141,14 @@ impl MpiComm {
 
     /// Marks the communicator aborted; the first reason given is kept.
     pub(super) fn set_aborted(&self, reason: String) {
-        let mut r = lock(&self.reason);
-        if r.is_none() {
-            *r = Some(reason);
-        }
+        let reason = lock(&self.reason).get_or_insert(reason).clone();
         self.aborted.store(true, Ordering::Release);
         // The peers waiting in shared memory stop at once.
         if let Some(shared) = &self.shared {
             shared.region.abort();
+        }
+        if let Some(h) = &self.hierarchy {
+            h.set_aborted(&reason);
         }
     }
 

@@ -258,6 +258,22 @@ pub(crate) fn reduce_by_cut(
     Ok(values)
 }
 
+/// Every rank's pieces of `cut`, as they are in its `buf`, to every other rank: the gathers of
+/// [`reduce_by_cut`] alone, step by step.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn gather_by_cut(
+    t: &mut (impl ShareTransport + ?Sized),
+    buf: &mut [f32],
+    cut: &dyn Cut,
+) -> Result<()> {
+    let steps = cut.steps();
+    assert!(cut.largest() <= t.piece_limit(), "the cut's pieces exceed the transport's");
+    for k in 0..steps {
+        gather_step(t, buf, k, steps, &StepPieces::of(cut, t.world(), k))?;
+    }
+    t.finish()
+}
+
 /// Stages the pieces of step `k` that this rank sends, copied out of the caller's buffer (as they
 /// are, or on a bf16 wire rounded to bf16 bits, which are widened back on arrival, exactly), and
 /// exchanges them.
