@@ -9,6 +9,7 @@
 //! `backend::optimizer_store_for`; this file binds them to an accumulator's layout and shard and
 //! to its window (one step per synced window), and holds the checks and the agreement's order.
 
+pub(crate) mod blockwise;
 mod builder;
 mod config;
 mod format;
@@ -23,6 +24,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
+pub use blockwise::BLOCK as MOMENT_BLOCK;
 pub use builder::OptimizerBuilder;
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use format::{join_master, split_master, MasterFormat, MomentFormat, StateFormat};
