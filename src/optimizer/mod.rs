@@ -56,9 +56,9 @@ pub enum Slot {
 /// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
 /// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
 /// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
-/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 6 and 4 with the
-/// smaller state formats ([`OptimizerBuilder::state`]), and after each step the
-/// ranks all-gather the new model weights, so every rank's model is bitwise what one unsharded
+/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 4.125 and 3.0625
+/// with the smaller state formats ([`OptimizerBuilder::state`]), and after each step the ranks
+/// all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
 ///
 /// One builder makes it on every device ([`Optimizer::builder`]; [`Optimizer::new`],

@@ -237,7 +237,7 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
                 let (mut codes, mut scales) = (Vec::new(), Vec::new());
                 r.u8s_into(&mut codes, n).map_err(damaged)?;
                 r.f32s_into(&mut scales, blockwise::blocks(n)).map_err(damaged)?;
-                if start as usize % BLOCK != 0 {
+                if !(start as usize).is_multiple_of(BLOCK) {
                     return Err(corrupt(format!(
                         "part {index} holds 8-bit blockwise moments of tensor {i} from element {start}, inside a block of {BLOCK}"
                     )));
