@@ -353,3 +353,5 @@ def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
         assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "weights[0]" in e.value.message
         with pytest.raises(ValueError, match="moments"):
             gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="fp8")
+        # 8-bit blockwise moments take any weights.
+        gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="int8_blockwise").close()
