@@ -323,7 +323,8 @@ impl Optimizer {
     }
 
     /// This rank's values of tensor `index` in `slot`: the range of the tensor's elements it
-    /// holds (all of them without sharding) and their values (bf16 moments widened, exactly).
+    /// holds (all of them without sharding) and their values (bf16 moments widened, exactly;
+    /// 8-bit blockwise moments decoded, as the step decodes them).
     /// On a CUDA accumulator this reads the device (it waits for the stream). With
     /// [`MasterFormat::Bf16Remainder`] the masters are not the optimizer's alone: read
     /// [`Slot::Remainders`] and join them with the weights ([`join_master`]).
