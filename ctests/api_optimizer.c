@@ -172,10 +172,13 @@ static void test_whole_step(void)
     wrong.struct_size = offsetof(gradacc_optimizer_config_t, masters);
     REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
     EXPECT_OK(gradacc_optimizer_destroy(older));
-    /* bf16 moments take any weights. */
+    /* bf16 and 8-bit blockwise moments take any weights. */
     wrong = oc;
     wrong.moments = GRADACC_MOMENTS_BF16;
     wrong.moment_seed = 5;
+    REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
+    EXPECT_OK(gradacc_optimizer_destroy(older));
+    wrong.moments = GRADACC_MOMENTS_INT8_BLOCKWISE;
     REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
     EXPECT_OK(gradacc_optimizer_destroy(older));
     wrong = oc;

@@ -312,6 +312,17 @@ fn main() {
                 moments: MomentFormat::Bf16 { seed: 1 },
             },
         ),
+        (
+            "FP32 masters, 8-bit blockwise moments",
+            StateFormat { masters: MasterFormat::F32, moments: MomentFormat::Int8Blockwise },
+        ),
+        (
+            "remainder masters, 8-bit blockwise moments",
+            StateFormat {
+                masters: MasterFormat::Bf16Remainder,
+                moments: MomentFormat::Int8Blockwise,
+            },
+        ),
     ];
     println!("{steps} steps of AdamW, bf16 weights, {seeds} seeds: mean (worst) over the seeds");
     println!("| problem | state | B/param of state | final loss | distance to FP32 state | distance to float64 |");
@@ -348,7 +359,7 @@ fn main() {
         for (f, (label, format)) in formats.iter().enumerate() {
             let (loss, to_fp32, to_ref) = &rows[f];
             println!(
-                "| {name} | {label} | {} | {} | {} | {} |",
+                "| {name} | {label} | {:.3} | {} | {} | {} |",
                 format.state_bytes(2),
                 stat(loss),
                 stat(to_fp32),

@@ -929,6 +929,13 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_MOMENTS_BF16 1
 
 /**
+ * 8-bit blockwise moments: 1 byte each plus one f32 scale per block of 64 elements of a tensor,
+ * coded as the nearest entry of a dynamic quantisation map times the block's largest magnitude.
+ * CPU optimizers only (CUDA refuses them with GRADACC_STATUS_INVALID_ARGUMENT).
+ */
+#define GRADACC_MOMENTS_INT8_BLOCKWISE 2
+
+/**
  * IEEE 754 binary32.
  */
 #define GRADACC_DTYPE_F32 0

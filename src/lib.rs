@@ -146,7 +146,7 @@ pub use half;
 pub use mesh::{Axis, Mesh, MeshInfo, MeshShape, Part, Replicated};
 pub use optimizer::{
     join_master, split_master, Algorithm, MasterFormat, MomentFormat, Optimizer, OptimizerBuilder,
-    OptimizerConfig, Rounding, Slot, StateFormat, TensorGroup,
+    OptimizerConfig, Rounding, Slot, StateFormat, TensorGroup, MOMENT_BLOCK,
 };
 pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 

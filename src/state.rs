@@ -53,6 +53,12 @@ impl Writer {
         self
     }
 
+    pub fn u8s(&mut self, values: &[u8]) -> &mut Self {
+        self.u64(values.len() as u64);
+        self.bytes.extend_from_slice(values);
+        self
+    }
+
     pub fn finish(mut self) -> Vec<u8> {
         let sum = checksum(&self.bytes);
         self.bytes.extend_from_slice(&sum.to_le_bytes());
@@ -162,6 +168,14 @@ impl<'a> Reader<'a> {
         let raw = self.array(expected_len, 2)?;
         out.clear();
         out.extend(raw.chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().unwrap())));
+        Ok(())
+    }
+
+    /// Reads a byte array whose length must be `expected_len`.
+    pub fn u8s_into(&mut self, out: &mut Vec<u8>, expected_len: usize) -> Result<()> {
+        let raw = self.array(expected_len, 1)?;
+        out.clear();
+        out.extend_from_slice(raw);
         Ok(())
     }
 

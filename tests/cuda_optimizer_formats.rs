@@ -18,9 +18,9 @@ use common::Rng;
 use gradacc::backend::cuda::driver::{Context, DeviceBuffer, OwnedStream};
 use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
-    Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, Grad, GradMut,
-    MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding, StateFormat,
-    TensorDesc,
+    Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, ErrorKind, Grad,
+    GradMut, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding,
+    StateFormat, TensorDesc,
 };
 
 /// Every format with AdamW and SGD with momentum, both roundings where the format takes them,
@@ -134,6 +134,19 @@ fn cuda_formats_match_the_cpu_optimizer_bitwise() {
             }
         }
     }
+    // 8-bit blockwise moments are the host's alone: refused by name.
+    let acc = Accumulator::builder(&descs).device(device).build().unwrap();
+    let dtypes = vec![Dtype::Bf16; descs.len()];
+    let host: Vec<HostWeights> =
+        numel.iter().map(|&n| HostWeights::random(&mut rng, Dtype::Bf16, n)).collect();
+    let dev = DeviceWeights::upload(&ctx, stream.stream, &host);
+    let int8 = StateFormat { moments: MomentFormat::Int8Blockwise, ..Default::default() };
+    let e = Optimizer::builder(&acc)
+        .state(int8)
+        .device_weights(&dev.ptrs, &dtypes)
+        .build()
+        .unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("`moments`"), "{e:?}");
 }
 
 /// One rank of two: an all-reduce optimizer and a sharded one (`accumulate`: ZeRO-2, else

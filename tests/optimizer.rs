@@ -342,10 +342,13 @@ fn the_clip_inside_the_step_is_clip_then_step() {
         |shards, rank| Sharding::Accumulate { shards, rank },
     ];
     let moments = MomentFormat::Bf16 { seed: rng.next_u64() };
+    let int8 = MomentFormat::Int8Blockwise;
     let formats = [
         StateFormat::default(),
         StateFormat { moments, ..Default::default() },
+        StateFormat { moments: int8, ..Default::default() },
         StateFormat { moments, masters: MasterFormat::Bf16Remainder },
+        StateFormat { moments: int8, masters: MasterFormat::Bf16Remainder },
     ];
     // The last round has bf16 weights only, which remainder masters take.
     for (round, ranks) in [1, 2, 3, 2].into_iter().enumerate() {
@@ -358,7 +361,7 @@ fn the_clip_inside_the_step_is_clip_then_step() {
         let data = group_data(&mut rng, &tensors, ranks, 4);
         for (a, algorithm) in algorithms().into_iter().enumerate() {
             let policy = policies[a % 3];
-            let state = if remainders { formats[2] } else { formats[a % 2] };
+            let state = if remainders { formats[3 + a % 2] } else { formats[a % 3] };
             let max_grad_norm = [1e-3, 30.0][(a / 2) % 2];
             let config = OptimizerConfig { algorithm, lr: 0.01, rounding: Rounding::NearestEven };
             let run = |for_step| {

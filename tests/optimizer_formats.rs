@@ -13,7 +13,7 @@ use common::*;
 use gradacc::{
     join_master, split_master, Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype,
     ErrorKind, LocalComm, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding,
-    Sharding, Slot, StateFormat, TensorDesc,
+    Sharding, Slot, StateFormat, TensorDesc, MOMENT_BLOCK,
 };
 
 /// Odd sizes of bf16 tensors (remainder masters take only bf16), with one f16 and one f32
@@ -64,6 +64,10 @@ fn both(seed: u64) -> StateFormat {
     StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::Bf16 { seed } }
 }
 
+fn int8(masters: MasterFormat) -> StateFormat {
+    StateFormat { masters, moments: MomentFormat::Int8Blockwise }
+}
+
 fn make(
     acc: &Accumulator,
     config: OptimizerConfig,
@@ -108,9 +112,20 @@ fn bf16_spacing(x: f64) -> f64 {
     2f64.powf(e - 7.0)
 }
 
+/// Half the widest gap between neighbouring entries of the dynamic map (signed or unsigned) at
+/// `q` (in [-1, 1]) or one decade up, from the map's definition: decade d (0..7) of magnitudes
+/// 10^(d-6) · [0.1, 1] has 2^d equal steps per sign (2^(d+1) unsigned), and the gaps between
+/// decades and down to 0 are no wider than the next decade's.
+fn map_spacing(q: f64, signed: bool) -> f64 {
+    let d = (q.abs().max(1e-8).log10().floor() + 8.0).clamp(0.0, 6.0);
+    let count = 2f64.powf(d) * if signed { 1.0 } else { 2.0 };
+    0.5 * 10f64.powf(d - 6.0) * 0.9 / count
+}
+
 /// Every step of every format against exact arithmetic, from the state it started from: FP32
 /// quantities within the FP32 state's bound; a bf16 moment within one bf16 spacing of exact plus
-/// the FP32 bound (8 roundings of its terms), unbiased over the elements; the weight, which the step makes from its
+/// the FP32 bound (8 roundings of its terms), unbiased over the elements; an 8-bit blockwise
+/// moment within half the map's gap at its magnitude (times its block's scale) plus that bound; the weight, which the step makes from its
 /// f32 moments before they are rounded, within 24 roundings of the update made from the exact
 /// moments. The model's weights are the masters' splits with remainders, else rounded to nearest.
 #[test]
@@ -122,8 +137,16 @@ fn each_format_steps_within_the_bound_of_exact() {
         Algorithm::Sgd { momentum: 0.9, dampening: 0.1, nesterov: false, weight_decay: 0.01 },
     ];
     for algorithm in algorithms {
-        for format in [remainders(), bf16_moments(rng.next_u64()), both(rng.next_u64())] {
+        let formats = [
+            remainders(),
+            bf16_moments(rng.next_u64()),
+            both(rng.next_u64()),
+            int8(MasterFormat::F32),
+            int8(MasterFormat::Bf16Remainder),
+        ];
+        for format in formats {
             let mixed = !format_has_remainders(format);
+            let blocks = format.moments == MomentFormat::Int8Blockwise;
             let tensors = layout(&mut rng, mixed);
             let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
             let scaler = fixed_scaler();
@@ -173,14 +196,31 @@ fn each_format_steps_within_the_bound_of_exact() {
                             exact_step(algorithm, t, gi, (b(0), b(1), b(2)));
                         for q in 1..if adam { 3 } else { 2 } {
                             let (got, x) = (a(q) as f64, exact[q - 1]);
-                            let spacing = bf16_spacing(x);
+                            let spacing = if blocks {
+                                // The block's scale is its largest new moment.
+                                let first = e / MOMENT_BLOCK * MOMENT_BLOCK;
+                                let end = (first + MOMENT_BLOCK).min(tensors[i].numel);
+                                let scale = (first..end)
+                                    .map(|j| {
+                                        let b = |q: usize| {
+                                            before[i][q].get(j).map_or(0.0, |&x| x as f64)
+                                        };
+                                        let gj = g[i][j] as f64;
+                                        exact_step(algorithm, t, gj, (b(0), b(1), b(2))).0[q - 1]
+                                            .abs()
+                                    })
+                                    .fold(0.0, f64::max);
+                                map_spacing(x / scale, q == 1) * scale * (1.0 + 1e-5)
+                            } else {
+                                bf16_spacing(x)
+                            };
                             let err = (got - x).abs();
                             assert!(
                                 err <= spacing + 8.0 * U * terms[q - 1],
                                 "{}: moment {q} {got} is {err} from exact {x} (spacing {spacing})",
                                 what()
                             );
-                            if x.abs() > 1e-30 && step > 1 {
+                            if x.abs() > 1e-30 && step > 1 && !blocks {
                                 bias += (got - x) / spacing;
                                 count += 1;
                             }
@@ -376,7 +416,14 @@ fn every_format_sharded_is_the_unsharded_run() {
         let tensors = layout(&mut rng, false);
         let initial = model(&mut rng, &tensors);
         let data = group_data(&mut rng, &tensors, ranks, 5);
-        for format in [remainders(), bf16_moments(rng.next_u64()), both(rng.next_u64())] {
+        let formats = [
+            remainders(),
+            bf16_moments(rng.next_u64()),
+            both(rng.next_u64()),
+            int8(MasterFormat::F32),
+            int8(MasterFormat::Bf16Remainder),
+        ];
+        for format in formats {
             let config = OptimizerConfig { lr: 0.01, ..Default::default() };
             let (unsharded, saved) =
                 run_group(&tensors, |_, _| Sharding::None, &initial, &data, config, format);
@@ -457,10 +504,18 @@ fn saved_formats_recut_convert_and_refuse() {
     let reference = make(&acc, config, StateFormat::default(), &weights);
     reference.load(&fp32_parts).unwrap();
     let want = state(&reference, &weights, true);
-    for format in [remainders(), bf16_moments(5), both(6)] {
-        // FP32 state into the smaller format: moments rounded to nearest even, remainders of the
-        // nearest-even weights (the master one f32 unit toward its weight at ties of even
-        // upper halves).
+    let formats = [
+        remainders(),
+        bf16_moments(5),
+        both(6),
+        int8(MasterFormat::F32),
+        int8(MasterFormat::Bf16Remainder),
+    ];
+    for format in formats {
+        // FP32 state into the smaller format: moments rounded to nearest even (bf16) or to the
+        // nearest entry of the map, each block's largest magnitude kept exactly (8-bit blocks),
+        // remainders of the nearest-even weights (the master one f32 unit toward its weight at
+        // ties of even upper halves).
         for shards in [1, 3] {
             for rank in 0..shards {
                 let cfg = AccumulatorConfig { sharding: rs(shards, rank), ..Default::default() };
@@ -481,7 +536,20 @@ fn saved_formats_recut_convert_and_refuse() {
                             master,
                             "{format:?} tensor {i} element {e}"
                         );
-                        for q in 1..3 {
+                        for q in (1..3).filter(|_| format.moments == MomentFormat::Int8Blockwise) {
+                            let first = e / MOMENT_BLOCK * MOMENT_BLOCK;
+                            let end = (first + MOMENT_BLOCK).min(tensors[i].numel);
+                            let block = &want[i][q][first..end];
+                            let scale = block.iter().fold(0.0f32, |a, x| a.max(x.abs())) as f64;
+                            let (got, x) = (got[i][q][k] as f64, want[i][q][e] as f64);
+                            let bound = map_spacing(x / scale, q == 1) * scale * (1.0 + 1e-5);
+                            assert!((got - x).abs() <= bound, "{format:?} slot {q}: {got} for {x}");
+                            // The signed map holds 1 but not -1 (bitsandbytes' map).
+                            if x == scale {
+                                assert_eq!(got, x, "a block's largest value is kept exactly");
+                            }
+                        }
+                        for q in (1..3).filter(|_| format.moments != MomentFormat::Int8Blockwise) {
                             let moment = if format.bf16_moments_on() {
                                 from_bf16(to_bf16(want[i][q][e])) as f32
                             } else {
@@ -593,8 +661,9 @@ fn what_a_format_cannot_keep_is_refused() {
     let opt = make(&acc16, OptimizerConfig::default(), remainders(), &w16);
     assert_eq!(opt.read(0, Slot::Weights).unwrap_err().kind, ErrorKind::InvalidArgument);
     assert!(opt.read(0, Slot::Remainders).unwrap().1.iter().all(|&r| r == 0.0));
-    // bf16 moments take any weights.
+    // bf16 and 8-bit blockwise moments take any weights.
     build(OptimizerConfig::default(), bf16_moments(3)).unwrap();
+    build(OptimizerConfig::default(), int8(MasterFormat::F32)).unwrap();
 }
 
 trait Numel {
@@ -685,7 +754,13 @@ fn every_path_and_thread_count_steps_the_same_bits() {
         [TensorDesc { numel: n, dtype: Dtype::Bf16 }, TensorDesc { numel: 5, dtype: Dtype::Bf16 }];
     let initial = model(&mut rng, &tensors);
     let data: Vec<_> = (0..3).map(|_| gradient(&mut rng, &tensors, false)).collect();
-    for format in [remainders(), bf16_moments(rng.next_u64()), both(rng.next_u64())] {
+    let formats = [
+        remainders(),
+        bf16_moments(rng.next_u64()),
+        both(rng.next_u64()),
+        int8(MasterFormat::Bf16Remainder),
+    ];
+    for format in formats {
         let run = |isa: Isa, threads: usize| {
             simd::with_isa(isa, || {
                 let cfg = AccumulatorConfig { threads, ..Default::default() };

@@ -49,6 +49,9 @@ const (
 	// MomentsBF16 keeps them as bf16, 2 bytes each, rounded stochastically keyed by MomentSeed,
 	// the step and the element.
 	MomentsBF16 Moments = C.GRADACC_MOMENTS_BF16
+	// MomentsInt8Blockwise keeps them in 8-bit blocks: 1 byte each plus one f32 scale per block
+	// of 64 elements (CPU optimizers only).
+	MomentsInt8Blockwise Moments = C.GRADACC_MOMENTS_INT8_BLOCKWISE
 )
 
 // OptimizerConfig is gradacc_optimizer_config_t; start from DefaultOptimizerConfig (AdamW with

@@ -338,6 +338,8 @@ func TestOptimizerSmallerState(t *testing.T) {
 		return w0, saved
 	}
 	want, _ := run(MastersFP32, MomentsFP32)
+	// 8-bit blockwise moments step, save and load through the config too.
+	run(MastersFP32, MomentsInt8Blockwise)
 	if moved := bf16Value(want[0]) - bf16Value(uint16(math.Float32bits(-1)>>16)); math.Abs(moved) < 0.1 {
 		t.Fatalf("w0[0] moved by %g only", moved)
 	}

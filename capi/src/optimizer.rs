@@ -56,6 +56,10 @@ pub const GRADACC_MOMENTS_FP32: gradacc_moments_t = 0;
 /// bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the
 /// element (the same on every rank and shard count).
 pub const GRADACC_MOMENTS_BF16: gradacc_moments_t = 1;
+/// 8-bit blockwise moments: 1 byte each plus one f32 scale per block of 64 elements of a tensor,
+/// coded as the nearest entry of a dynamic quantisation map times the block's largest magnitude.
+/// CPU optimizers only (CUDA refuses them with GRADACC_STATUS_INVALID_ARGUMENT).
+pub const GRADACC_MOMENTS_INT8_BLOCKWISE: gradacc_moments_t = 2;
 
 /// Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
 #[repr(C)]
@@ -179,6 +183,7 @@ fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<(OptimizerConfig,
     let moments = match c.moments {
         GRADACC_MOMENTS_FP32 => MomentFormat::F32,
         GRADACC_MOMENTS_BF16 => MomentFormat::Bf16 { seed: c.moment_seed },
+        GRADACC_MOMENTS_INT8_BLOCKWISE => MomentFormat::Int8Blockwise,
         v => {
             return Err(Error::invalid(format!(
                 "`config`.moments = {v} is not a GRADACC_MOMENTS_* value"

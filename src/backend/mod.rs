@@ -71,6 +71,11 @@ pub(crate) fn optimizer_store_for(
 ) -> Result<Box<dyn OptimizerStore>> {
     Ok(match device {
         Device::Cpu => Box::new(cpu::HostOptimizer::new(setup)?),
+        Device::Cuda { .. } if setup.format.blockwise() => {
+            return Err(Error::invalid(
+                "`moments`: 8-bit blockwise moments are kept by host optimizers only (use FP32 or bf16 moments on CUDA)",
+            ))
+        }
         Device::Cuda { ordinal, stream } => {
             Box::new(cuda::DeviceOptimizer::new(setup, ordinal, stream.cast())?)
         }

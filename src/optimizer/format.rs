@@ -17,6 +17,12 @@ pub enum MomentFormat {
     /// stochastic rounding rounds, with its own draws), keyed by `seed`, the step and the
     /// element's index in the flat layout, so every rank and shard count rounds alike.
     Bf16 { seed: u64 },
+    /// 1 byte per moment plus one f32 scale per block of
+    /// [`MOMENT_BLOCK`](super::MOMENT_BLOCK) elements: each moment coded as the nearest entry of
+    /// a dynamic quantisation map (signed for the first moment, unsigned for the second) times
+    /// its block's largest magnitude (`blockwise.rs`). Deterministic: no seed. Host optimizers
+    /// only.
+    Int8Blockwise,
 }
 
 /// How the FP32 master weights are stored between steps.
@@ -51,12 +57,18 @@ impl StateFormat {
         match self.moments {
             MomentFormat::F32 => (masters, 0, 0),
             MomentFormat::Bf16 { seed } => (masters, 1, seed),
+            MomentFormat::Int8Blockwise => (masters, 2, 0),
         }
     }
 
     /// Whether the moments are bf16.
     pub(crate) fn bf16_moments(&self) -> bool {
-        self.moments != MomentFormat::F32
+        matches!(self.moments, MomentFormat::Bf16 { .. })
+    }
+
+    /// Whether the moments are 8-bit blocks.
+    pub(crate) fn blockwise(&self) -> bool {
+        self.moments == MomentFormat::Int8Blockwise
     }
 
     /// Whether the masters are remainders of the bf16 weights.
@@ -90,10 +102,16 @@ impl StateFormat {
     }
 
     /// Bytes of optimizer state per held element (masters and moments, without the model's
-    /// weight), for an algorithm with `moments` moments.
-    pub fn state_bytes(&self, moments: usize) -> usize {
-        let master = if self.remainders() { 2 } else { 4 };
-        master + moments * if self.bf16_moments() { 2 } else { 4 }
+    /// weight), for an algorithm with `moments` moments; blockwise moments' scales are counted
+    /// as their share of a whole block (4 / [`MOMENT_BLOCK`](super::MOMENT_BLOCK) per moment).
+    pub fn state_bytes(&self, moments: usize) -> f64 {
+        let master = if self.remainders() { 2.0 } else { 4.0 };
+        let moment = match self.moments {
+            MomentFormat::F32 => 4.0,
+            MomentFormat::Bf16 { .. } => 2.0,
+            MomentFormat::Int8Blockwise => 1.0 + 4.0 / super::MOMENT_BLOCK as f64,
+        };
+        master + moments as f64 * moment
     }
 }
 
@@ -206,6 +224,6 @@ mod tests {
         assert!(f.check(&[Dtype::Bf16], Rounding::Stochastic { seed: 1 }, false).is_err());
         assert!(f.check(&[Dtype::Bf16], Rounding::NearestEven, true).is_err());
         assert!(f.check(&[Dtype::Bf16], Rounding::NearestEven, false).is_ok());
-        assert_eq!(f.state_bytes(2), 10);
+        assert_eq!(f.state_bytes(2), 10.0);
     }
 }

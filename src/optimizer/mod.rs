@@ -9,6 +9,7 @@
 //! `backend::optimizer_store_for`; this file binds them to an accumulator's layout and shard and
 //! to its window (one step per synced window), and holds the checks and the agreement's order.
 
+pub(crate) mod blockwise;
 mod builder;
 mod config;
 mod format;
@@ -23,6 +24,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
+pub use blockwise::BLOCK as MOMENT_BLOCK;
 pub use builder::OptimizerBuilder;
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use format::{join_master, split_master, MasterFormat, MomentFormat, StateFormat};
@@ -54,9 +56,9 @@ pub enum Slot {
 /// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
 /// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
 /// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
-/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 6 and 4 with the
-/// smaller state formats ([`OptimizerBuilder::state`]), and after each step the
-/// ranks all-gather the new model weights, so every rank's model is bitwise what one unsharded
+/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 4.125 and 3.0625
+/// with the smaller state formats ([`OptimizerBuilder::state`]), and after each step the ranks
+/// all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
 ///
 /// One builder makes it on every device ([`Optimizer::builder`]; [`Optimizer::new`],
@@ -321,7 +323,8 @@ impl Optimizer {
     }
 
     /// This rank's values of tensor `index` in `slot`: the range of the tensor's elements it
-    /// holds (all of them without sharding) and their values (bf16 moments widened, exactly).
+    /// holds (all of them without sharding) and their values (bf16 moments widened, exactly;
+    /// 8-bit blockwise moments decoded, as the step decodes them).
     /// On a CUDA accumulator this reads the device (it waits for the stream). With
     /// [`MasterFormat::Bf16Remainder`] the masters are not the optimizer's alone: read
     /// [`Slot::Remainders`] and join them with the weights ([`join_master`]).

@@ -6,6 +6,7 @@
 
 use half::slice::HalfFloatSliceExt;
 
+use super::blockwise::{self, Blocks, BLOCK};
 use super::format::{join_master, split_master, MomentFormat};
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
@@ -60,10 +61,12 @@ impl<const BF16: bool> Write for Stochastic<BF16> {
     }
 }
 
-/// A column of held values: f32, or 16-bit words (bf16 moments, or the masters' remainders).
+/// A column of held values: f32, or 16-bit words (bf16 moments, or the masters' remainders),
+/// or 8-bit blockwise moments (from a block boundary).
 pub(crate) enum Cells<'a> {
     F32(&'a mut [f32]),
     U16(&'a mut [u16]),
+    Blocks(Blocks<'a>),
 }
 
 impl<'a> Cells<'a> {
@@ -76,6 +79,12 @@ impl<'a> Cells<'a> {
             Cells::U16(v) if !v.is_empty() => {
                 let (a, b) = v.split_at_mut(mid);
                 (Cells::U16(a), Cells::U16(b))
+            }
+            Cells::Blocks(Blocks { codes, scales }) if !codes.is_empty() => {
+                let (c0, c1) = codes.split_at_mut(mid);
+                let (s0, s1) = scales.split_at_mut(mid / BLOCK);
+                let blocks = |codes, scales| Cells::Blocks(Blocks { codes, scales });
+                (blocks(c0, s0), blocks(c1, s1))
             }
             empty => (empty, Cells::F32(&mut [])),
         }
@@ -140,7 +149,8 @@ fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads:
         return one(job, piece, out, base);
     }
     let left = threads / 2;
-    let mid = n * left / threads;
+    // Whole blocks of blockwise moments on each side.
+    let mid = (n * left / threads).next_multiple_of(BLOCK).min(n);
     let ((p0, p1), (o0, o1)) = (piece.split_at(mid), out.split_at_mut(mid));
     std::thread::scope(|s| {
         s.spawn(move || split(job, p0, o0, base, left));
@@ -165,7 +175,7 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
         MomentFormat::Bf16 { seed } => {
             rounding::counter(rounding::moment_key(seed, job.step), base as u64)
         }
-        MomentFormat::F32 => 0,
+        MomentFormat::F32 | MomentFormat::Int8Blockwise => 0,
     };
     let (k, isa) = (job.k, job.isa);
     match (master, out) {
@@ -180,6 +190,7 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
         (Cells::U16(_), _) => {
             unreachable!("remainder masters are checked to be over bf16 weights")
         }
+        (Cells::Blocks(_), _) => unreachable!("masters are never blocks"),
     }
 }
 
@@ -253,7 +264,7 @@ impl WithWriter for StatePass<'_, '_> {
 }
 
 /// Where a step reads a master and writes it, with its model weight.
-trait Master {
+pub(super) trait Master {
     fn len(&self) -> usize;
     fn get(&mut self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32);
@@ -377,6 +388,10 @@ fn moments<X: Master>(
         (Cells::U16(m), Cells::U16(v)) => formats::<X, Bf16Cell>(k, grad, x, m, v, keys),
         // SGD keeps no second moment.
         (Cells::U16(m), Cells::F32([])) => formats::<X, Bf16Cell>(k, grad, x, m, &mut [], keys),
+        (Cells::Blocks(m), Cells::Blocks(v)) => blockwise::step(k, grad, x, m, v),
+        (Cells::Blocks(m), Cells::F32([])) => {
+            blockwise::step(k, grad, x, m, Blocks { codes: &mut [], scales: &mut [] })
+        }
         _ => unreachable!("both moments have one format"),
     }
 }

@@ -3,11 +3,14 @@
 //! with their values. Elements are named by their place in the tensor, not in the flat layout or
 //! a shard, so the parts of any shard count re-cut into any other. Version 2 adds the state's
 //! formats; a part of one format loads into an optimizer of another where the conversion is
-//! exact or a rounding (see `convert`).
+//! exact or a rounding (see `convert`). 8-bit blockwise moments are saved as their codes and
+//! their blocks' scales: a part's elements of a tensor start at a block boundary (every shard
+//! boundary is one), so blocks re-cut whole.
 
 use std::ops::Range;
 
-use super::format::{remainder_of_nearest, StateFormat};
+use super::blockwise::{self, BLOCK};
+use super::format::{remainder_of_nearest, MomentFormat, StateFormat};
 use super::store::{Column, Values};
 use super::{piece, Optimizer};
 use crate::error::{Error, ErrorKind, Result};
@@ -46,6 +49,10 @@ pub(super) fn encode(o: &Optimizer, s: &Values<'_>) -> Vec<u8> {
     let column = |w: &mut Writer, c: &Column<'_>, r: Range<usize>| match c {
         Column::F32(v) => drop(w.f32s(&v[r])),
         Column::U16(v) => drop(w.u16s(&v[r])),
+        Column::Blocks { codes, scales, .. } => {
+            let blocks = r.start / BLOCK..blockwise::blocks(r.end);
+            w.u8s(&codes[r]).f32s(&scales[blocks]);
+        }
     };
     for i in 0..o.dtypes.len() {
         let p = piece(&o.plan, i, &o.held);
@@ -64,6 +71,30 @@ pub(super) fn encode(o: &Optimizer, s: &Values<'_>) -> Vec<u8> {
 pub(super) enum Owned {
     F32(Vec<f32>),
     U16(Vec<u16>),
+    /// 8-bit blockwise moments, from a block boundary; the first moment's are `signed`.
+    Blocks {
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        signed: bool,
+    },
+}
+
+/// The format of a column: f32, 16-bit words, or 8-bit blocks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    F32,
+    U16,
+    Blocks,
+}
+
+/// The kind of column `slot` (0: masters, 1 and 2: moments) of `format`.
+fn kind(format: &StateFormat, slot: usize) -> Kind {
+    match (slot, format.moments) {
+        (0, _) if format.remainders() => Kind::U16,
+        (0, _) | (_, MomentFormat::F32) => Kind::F32,
+        (_, MomentFormat::Bf16 { .. }) => Kind::U16,
+        (_, MomentFormat::Int8Blockwise) => Kind::Blocks,
+    }
 }
 
 impl Owned {
@@ -71,22 +102,49 @@ impl Owned {
         match self {
             Owned::F32(v) => Column::F32(v),
             Owned::U16(v) => Column::U16(v),
+            Owned::Blocks { codes, scales, signed } => {
+                Column::Blocks { codes, scales, signed: *signed }
+            }
         }
     }
 
-    fn zeros(u16s: bool, len: usize) -> Owned {
-        if u16s {
-            Owned::U16(vec![0; len])
-        } else {
-            Owned::F32(vec![0.0; len])
+    fn zeros(kind: Kind, slot: usize, len: usize) -> Owned {
+        match kind {
+            Kind::F32 => Owned::F32(vec![0.0; len]),
+            Kind::U16 => Owned::U16(vec![0; len]),
+            Kind::Blocks => {
+                let codes = vec![blockwise::map(slot - 1).zero; len];
+                Owned::Blocks {
+                    codes,
+                    scales: vec![0.0; blockwise::blocks(len)],
+                    signed: slot == 1,
+                }
+            }
         }
     }
 
+    /// Element `at` takes `from`'s element `e`; with blocks, `at`'s block takes `e`'s scale
+    /// (both at the same place in their blocks).
     fn set(&mut self, at: usize, from: &Owned, e: usize) {
         match (self, from) {
             (Owned::F32(to), Owned::F32(from)) => to[at] = from[e],
             (Owned::U16(to), Owned::U16(from)) => to[at] = from[e],
+            (Owned::Blocks { codes, scales, .. }, Owned::Blocks { codes: c, scales: s, .. }) => {
+                codes[at] = c[e];
+                scales[at / BLOCK] = s[e / BLOCK];
+            }
             _ => unreachable!("columns are converted to the optimizer's formats first"),
+        }
+    }
+
+    /// The values as f32 (bf16 widened exactly, blocks decoded), for a moment.
+    fn moments_f32(self) -> Vec<f32> {
+        match self {
+            Owned::F32(v) => v,
+            Owned::U16(v) => v.iter().map(|&b| bf16_to_f32(b)).collect(),
+            Owned::Blocks { codes, scales, signed } => {
+                blockwise::dequantise_all(blockwise::map(!signed as usize), &codes, &scales)
+            }
         }
     }
 }
@@ -94,10 +152,23 @@ impl Owned {
 /// A part's column `c` (slot 0: masters, else moments) in the optimizer's format `to`, or why it
 /// cannot be: FP32 masters become remainders of their nearest-even bf16 weights (exact but at
 /// ties of even upper halves, where the master moves one f32 unit toward its weight), and FP32
-/// moments bf16 by rounding to nearest even; bf16 moments widen exactly. Remainders need their
-/// weights, so they load only as remainders.
+/// moments bf16 by rounding to nearest even; bf16 moments widen exactly. Moments of any other
+/// format become 8-bit blocks by quantising their values block by block, and 8-bit blocks
+/// decode to FP32 (and round to nearest even for bf16). Remainders need their weights, so they
+/// load only as remainders.
 fn convert(c: Owned, slot: usize, to: &StateFormat, index: usize) -> Result<Owned> {
-    let u16s = if slot == 0 { to.remainders() } else { to.bf16_moments() };
+    let want = kind(to, slot);
+    let c = match (c, want) {
+        (c @ Owned::Blocks { .. }, Kind::Blocks) => return Ok(c),
+        (c, Kind::Blocks) => {
+            let (codes, scales) =
+                blockwise::quantise_all(blockwise::map(slot - 1), &c.moments_f32());
+            return Ok(Owned::Blocks { codes, scales, signed: slot == 1 });
+        }
+        (c @ Owned::Blocks { .. }, _) => Owned::F32(c.moments_f32()),
+        (c, _) => c,
+    };
+    let u16s = want == Kind::U16;
     Ok(match (c, u16s) {
         (c @ Owned::F32(_), false) | (c @ Owned::U16(_), true) => c,
         (Owned::F32(v), true) if slot == 0 => {
@@ -113,6 +184,7 @@ fn convert(c: Owned, slot: usize, to: &StateFormat, index: usize) -> Result<Owne
             )))
         }
         (Owned::U16(v), false) => Owned::F32(v.iter().map(|&b| bf16_to_f32(b)).collect()),
+        (Owned::Blocks { .. }, _) => unreachable!("blocks are decoded above"),
     })
 }
 
@@ -139,7 +211,7 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
         }
     }
     let (masters, moments) = if version == FP32_VERSION { (0, 0) } else { (r.u64()?, r.u64()?) };
-    if masters > 1 || moments > 1 {
+    if masters > 1 || moments > 2 {
         return Err(corrupt(format!(
             "part {index} names state formats {masters} and {moments}, which this version does not know"
         )));
@@ -161,7 +233,22 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
             // A length that disagrees with the part's own range is damage, not another object.
             let damaged = |e: Error| corrupt(format!("part {index}: {}", e.message));
             let u16s = if slot == 0 { masters == 1 } else { moments == 1 };
-            let saved = if u16s {
+            let saved = if slot > 0 && moments == 2 {
+                let (mut codes, mut scales) = (Vec::new(), Vec::new());
+                r.u8s_into(&mut codes, n).map_err(damaged)?;
+                r.f32s_into(&mut scales, blockwise::blocks(n)).map_err(damaged)?;
+                if !(start as usize).is_multiple_of(BLOCK) {
+                    return Err(corrupt(format!(
+                        "part {index} holds 8-bit blockwise moments of tensor {i} from element {start}, inside a block of {BLOCK}"
+                    )));
+                }
+                if let Some(s) = scales.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
+                    return Err(corrupt(format!(
+                        "part {index} holds a block scale {s} of tensor {i}, not finite and non-negative"
+                    )));
+                }
+                Owned::Blocks { codes, scales, signed: slot == 1 }
+            } else if u16s {
                 let mut b = Vec::new();
                 r.u16s_into(&mut b, n).map_err(damaged)?;
                 Owned::U16(b)
@@ -244,10 +331,10 @@ pub(super) fn decode(o: &Optimizer, bytes: &[&[u8]]) -> Result<Restored> {
         return Err(corrupt(format!("the saved step count {steps} leaves no step to take")));
     }
     check_disjoint(&parts, bytes)?;
-    let (rem, bf16) = (o.format.remainders(), o.format.bf16_moments());
     let second = if o.algorithm.second_moment() { held.len() } else { 0 };
-    let mut values =
-        [Owned::zeros(rem, held.len()), Owned::zeros(bf16, held.len()), Owned::zeros(bf16, second)];
+    let lens = [held.len(), held.len(), second];
+    let mut values: [Owned; 3] =
+        std::array::from_fn(|slot| Owned::zeros(kind(&o.format, slot), slot, lens[slot]));
     let slots = if second > 0 { 3 } else { 2 };
     let mut covered = vec![false; held.len()];
     for i in 0..o.dtypes.len() {

@@ -154,11 +154,13 @@ pub(crate) struct Values<'a> {
     pub second: Column<'a>,
 }
 
-/// One held value per element: f32, or 16-bit words (bf16 moments, the masters' remainders).
+/// One held value per element: f32, or 16-bit words (bf16 moments, the masters' remainders),
+/// or 8-bit blockwise moments of `map` (a code per element, a scale per block).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Column<'a> {
     F32(&'a [f32]),
     U16(&'a [u16]),
+    Blocks { codes: &'a [u8], scales: &'a [f32], signed: bool },
 }
 
 impl Column<'_> {
@@ -166,16 +168,22 @@ impl Column<'_> {
         match self {
             Column::F32(v) => v.len(),
             Column::U16(v) => v.len(),
+            Column::Blocks { codes, .. } => codes.len(),
         }
     }
 
-    /// The values of `range` as f32: 16-bit words widened as bf16, or (`integers`) as the
-    /// integers they are.
+    /// The values of `range` (from a block boundary for blocks) as f32: 16-bit words widened as
+    /// bf16, or (`integers`) as the integers they are; blocks decoded.
     pub(crate) fn widened(&self, range: Range<usize>, integers: bool) -> Vec<f32> {
         match self {
             Column::F32(v) => v[range].to_vec(),
             Column::U16(v) if integers => v[range].iter().map(|&b| b as f32).collect(),
             Column::U16(v) => v[range].iter().map(|&b| crate::math::bf16_to_f32(b)).collect(),
+            Column::Blocks { codes, scales, signed } => {
+                let map = super::blockwise::map(!signed as usize);
+                let blocks = &scales[range.start / super::blockwise::BLOCK..];
+                super::blockwise::dequantise_all(map, &codes[range], blocks)
+            }
         }
     }
 }

@@ -781,7 +781,8 @@ _ALGORITHM_NAMES = {"adamw": Algorithm.ADAMW, "sgd": Algorithm.SGD}
 _ROUNDING_NAMES = {"nearest": Rounding.NEAREST_EVEN, "nearest_even": Rounding.NEAREST_EVEN,
                    "stochastic": Rounding.STOCHASTIC}
 _MASTERS_NAMES = {"fp32": Masters.FP32, "bf16_remainder": Masters.BF16_REMAINDER}
-_MOMENTS_NAMES = {"fp32": Moments.FP32, "bf16": Moments.BF16}
+_MOMENTS_NAMES = {"fp32": Moments.FP32, "bf16": Moments.BF16,
+                  "int8_blockwise": Moments.INT8_BLOCKWISE}
 
 
 def _choice(names, what, value):
@@ -826,7 +827,8 @@ class Optimizer(_Managed):
     weight_decay=0.01)`` or ``algorithm="sgd"`` with ``momentum``, ``dampening``, ``nesterov`` and
     ``weight_decay`` (0 unless given, as in ``torch.optim.SGD``); ``rounding="nearest"`` or
     ``"stochastic"`` with ``seed``; ``moments="bf16"`` (with ``moment_seed``) keeps the moments in
-    bf16, rounded stochastically, and ``master_format="bf16_remainder"`` keeps each master as its bf16
+    bf16, rounded stochastically, ``moments="int8_blockwise"`` in 8-bit blocks (CPU only), and
+    ``master_format="bf16_remainder"`` keeps each master as its bf16
     weight plus a 16-bit remainder (bf16 weights only; docs/optimizer.md, "Smaller state").
     ``config=`` takes a whole ``gradacc_optimizer_config_t``.
     ``groups`` gives each tensor ``(weight_decay, lr_scale)`` (or a dict of those keys);

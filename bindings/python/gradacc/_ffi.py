@@ -64,6 +64,7 @@ GRADACC_MASTERS_FP32 = 0  # FP32 masters: 4 bytes per parameter beside the model
 GRADACC_MASTERS_BF16_REMAINDER = 1  # The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes per parameter, the FP32 master exactly.
 GRADACC_MOMENTS_FP32 = 0  # FP32 moments: 4 bytes per moment.
 GRADACC_MOMENTS_BF16 = 1  # bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the element (the same on every rank and shard count).
+GRADACC_MOMENTS_INT8_BLOCKWISE = 2  # 8-bit blockwise moments: 1 byte each plus one f32 scale per block of 64 elements of a tensor, coded as the nearest entry of a dynamic quantisation map times the block's largest magnitude.
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).

@@ -353,9 +353,11 @@ def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
         assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "weights[0]" in e.value.message
         with pytest.raises(ValueError, match="moments"):
             gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="fp8")
+        # 8-bit blockwise moments take any weights.
+        gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="int8_blockwise").close()
 
 
-@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8_blockwise"])
 def test_the_clip_inside_the_step_is_sync_then_step_bit_for_bit(moments):
     """sync_for_step + step against sync + step, with a norm that clips every window: the same
     weights and state bit for bit, and the same report; in memory, sync_for_step's gradient is

@@ -11,6 +11,7 @@ use crate::device::DevicePtr;
 use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
 use crate::math::{bf16_to_f32, f16_to_f32};
+use crate::optimizer::blockwise::{self, Blocks};
 use crate::optimizer::pass::{self, Cells};
 use crate::optimizer::store::{
     agree_on_host, Column, Fingerprint, Gather, Init, OptimizerStore, Setup, Values, Weights,
@@ -77,19 +78,26 @@ impl Masters {
     }
 }
 
-/// A host optimizer's moments (one column): f32, or bf16 bits; empty for SGD's second.
+/// A host optimizer's moments (one column): f32, bf16 bits, or 8-bit blocks (first moments
+/// `signed`); empty for SGD's second.
 #[derive(Debug)]
 enum Moments {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
+    Blocks { codes: Vec<u8>, scales: Vec<f32>, signed: bool },
 }
 
 impl Moments {
-    fn zeros(bf16: bool, len: usize) -> Moments {
-        if bf16 {
-            Moments::Bf16(vec![0; len])
-        } else {
-            Moments::F32(vec![0.0; len])
+    /// Zero moments of `format`, the first (`signed`) or the second.
+    fn zeros(format: MomentFormat, signed: bool, len: usize) -> Moments {
+        match format {
+            MomentFormat::F32 => Moments::F32(vec![0.0; len]),
+            MomentFormat::Bf16 { .. } => Moments::Bf16(vec![0; len]),
+            MomentFormat::Int8Blockwise => {
+                let zero = blockwise::map(!signed as usize).zero;
+                let (codes, scales) = (vec![zero; len], vec![0.0; blockwise::blocks(len)]);
+                Moments::Blocks { codes, scales, signed }
+            }
         }
     }
 
@@ -97,15 +105,24 @@ impl Moments {
         match self {
             Moments::F32(v) => Column::F32(v),
             Moments::Bf16(v) => Column::U16(v),
+            Moments::Blocks { codes, scales, signed } => {
+                Column::Blocks { codes, scales, signed: *signed }
+            }
         }
     }
 
+    /// The cells of `range`, which starts at a block boundary.
     fn cells(&mut self, range: Range<usize>) -> Cells<'_> {
         match self {
             Moments::F32(v) if v.is_empty() => Cells::F32(&mut []),
             Moments::Bf16(v) if v.is_empty() => Cells::F32(&mut []),
+            Moments::Blocks { codes, .. } if codes.is_empty() => Cells::F32(&mut []),
             Moments::F32(v) => Cells::F32(&mut v[range]),
             Moments::Bf16(v) => Cells::U16(&mut v[range]),
+            Moments::Blocks { codes, scales, .. } => {
+                let blocks = range.start / blockwise::BLOCK..blockwise::blocks(range.end);
+                Cells::Blocks(Blocks { codes: &mut codes[range], scales: &mut scales[blocks] })
+            }
         }
     }
 
@@ -113,6 +130,9 @@ impl Moments {
         match c {
             Column::F32(v) => Moments::F32(v.to_vec()),
             Column::U16(v) => Moments::Bf16(v.to_vec()),
+            Column::Blocks { codes, scales, signed } => {
+                Moments::Blocks { codes: codes.to_vec(), scales: scales.to_vec(), signed }
+            }
         }
     }
 }
@@ -153,7 +173,7 @@ impl HostOptimizer {
             None => Masters::Owned(masters_from(setup.plan, &held, weights)),
         };
         let second_moment = setup.algorithm.second_moment();
-        let bf16 = setup.format.bf16_moments();
+        let format = setup.format.moments;
         Ok(HostOptimizer {
             plan: setup.plan.clone(),
             algorithm: setup.algorithm,
@@ -163,8 +183,8 @@ impl HostOptimizer {
             dtypes: setup.dtypes.to_vec(),
             lr: setup.lr,
             steps: 0,
-            first: Moments::zeros(bf16, held.len()),
-            second: Moments::zeros(bf16, if second_moment { held.len() } else { 0 }),
+            first: Moments::zeros(format, true, held.len()),
+            second: Moments::zeros(format, false, if second_moment { held.len() } else { 0 }),
             master,
             held,
         })

@@ -420,6 +420,7 @@ impl DeviceOptimizer {
         let write = |b: &DeviceBuffer, c: &Column<'_>| match c {
             Column::F32(x) => b.write(x),
             Column::U16(x) => b.write(x),
+            Column::Blocks { .. } => Err(Error::invalid("blockwise moments on a device")),
         };
         self.steps.write(&[v.steps])?;
         self.lr.write(&[v.lr])?;

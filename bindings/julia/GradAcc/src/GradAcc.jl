@@ -1009,7 +1009,11 @@ const ALGORITHM = Dict(:adamw => GRADACC_OPTIMIZER_ADAMW, :sgd => GRADACC_OPTIMI
 const ROUNDING = Dict(:nearest => GRADACC_ROUNDING_NEAREST_EVEN, :nearest_even => GRADACC_ROUNDING_NEAREST_EVEN,
                       :stochastic => GRADACC_ROUNDING_STOCHASTIC)
 const MASTER_FORMAT = Dict(:fp32 => GRADACC_MASTERS_FP32, :bf16_remainder => GRADACC_MASTERS_BF16_REMAINDER)
-const MOMENTS = Dict(:fp32 => GRADACC_MOMENTS_FP32, :bf16 => GRADACC_MOMENTS_BF16)
+const MOMENTS = Dict(
+    :fp32 => GRADACC_MOMENTS_FP32,
+    :bf16 => GRADACC_MOMENTS_BF16,
+    :int8_blockwise => GRADACC_MOMENTS_INT8_BLOCKWISE,
+)
 
 # The dtype code of model weight `i` of tensor dtype `declared`: from its element type, and
 # `UInt16` words as the tensor's gradient dtype when that is 16-bit.
@@ -1036,8 +1040,9 @@ contiguous vector per tensor: `Float32`, `Float16`, a BFloat16 type or `UInt16` 
 Keywords replace fields of `gradacc_optimizer_config_default`; SGD's `weight_decay` is 0 unless
 given, as in `torch.optim.SGD`. `rounding` is `:nearest` or `:stochastic` (keyed by `seed`).
 `master_format` is `:fp32` or `:bf16_remainder` (the bf16 weight plus a 16-bit remainder, the
-FP32 master exactly, bf16 weights only) and `moments` `:fp32` or `:bf16` (rounded stochastically,
-keyed by `moment_seed`): docs/optimizer.md, "Smaller state".
+FP32 master exactly, bf16 weights only) and `moments` `:fp32`, `:bf16` (rounded stochastically,
+keyed by `moment_seed`) or `:int8_blockwise` (8-bit blocks, CPU only): docs/optimizer.md,
+"Smaller state".
 `groups` gives each tensor `(weight_decay, lr_scale)` (or a named tuple of those). The masters
 start as the weights' values (this rank's shard under a sharded boundary). The optimizer keeps
 `acc` and the weights referenced. Destroyed by `close` or the GC.
