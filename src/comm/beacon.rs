@@ -451,12 +451,12 @@ fn host_addresses() -> Vec<Ipv4Addr> {
         let ifa = unsafe { &*at };
         let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0
             && ifa.ifa_flags & libc::IFF_LOOPBACK as u32 == 0;
-        // SAFETY: a non-null `ifa_addr` points to a sockaddr whose family says its type; an
-        // AF_INET one is a sockaddr_in.
-        if up
-            && !ifa.ifa_addr.is_null()
-            && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET
-        {
+        let inet = !ifa.ifa_addr.is_null() && {
+            // SAFETY: a non-null `ifa_addr` points to a sockaddr, whose family says its type.
+            let family = unsafe { (*ifa.ifa_addr).sa_family };
+            family as i32 == libc::AF_INET
+        };
+        if up && inet {
             // SAFETY: checked just above: an AF_INET address, so a sockaddr_in.
             let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
             out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
