@@ -92,13 +92,20 @@ impl Conn {
     fn flush(&mut self) {
         while !self.out.is_empty() && !self.dead {
             match self.stream.write(&self.out) {
-                Ok(0) => self.dead = true,
+                Ok(0) => self.closed(),
                 Ok(n) => drop(self.out.drain(..n)),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => self.dead = true,
+                // Reset by the peer's kernel: as an end of file.
+                Err(_) => self.closed(),
             }
         }
+    }
+
+    /// The connection closed: the peer ended, unless it said bye first.
+    fn closed(&mut self) {
+        self.dead = true;
+        let _ = self.link.end.compare_exchange(OPEN, CLOSED, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Reads what arrived; `now` is when the reading started.
@@ -107,13 +114,7 @@ impl Conn {
         loop {
             match self.stream.read(&mut buf) {
                 Ok(0) => {
-                    self.dead = true;
-                    let _ = self.link.end.compare_exchange(
-                        OPEN,
-                        CLOSED,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
+                    self.closed();
                     break;
                 }
                 Ok(n) => {
@@ -123,13 +124,7 @@ impl Conn {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(_) => {
-                    self.dead = true;
-                    let _ = self.link.end.compare_exchange(
-                        OPEN,
-                        CLOSED,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
+                    self.closed();
                     break;
                 }
             }
