@@ -5,8 +5,9 @@
  * keeps its window (the control exchange comes before any reduction); a second sync on the same
  * handle fails at once with COMM_FAILURE. The late rank's own sync then fails too: it times out
  * in the control exchange, or in the share reduction if the others' abandoned control requests
- * matched its own, where over shared memory the others' abort stops it at once (COMM_FAILURE).
- * Every rank finalises MPI: mpirun ends with 0. */
+ * matched its own, where over shared memory the others' abort stops it at once (COMM_FAILURE),
+ * and so does across hosts the beacon's news of it, which may also reach another waiting rank
+ * just before its own timeout. Every rank finalises MPI: mpirun ends with 0. */
 #include "mpi/timeout_common.h"
 
 #include <stdlib.h>
@@ -39,7 +40,10 @@ int main(int argc, char **argv)
     if (rank == late) {
         sleep_s(LATE);
         gradacc_status_t st = gradacc_accumulator_sync(acc, comm, &info);
-        CHECK(st == GRADACC_STATUS_TIMEOUT || (st == GRADACC_STATUS_COMM_FAILURE && strstr(gradacc_last_error(), "another rank")),
+        /* COMM_FAILURE: the others' abort, over shared memory or (across hosts) the beacon's news. */
+        CHECK(st == GRADACC_STATUS_TIMEOUT ||
+                  (st == GRADACC_STATUS_COMM_FAILURE && (strstr(gradacc_last_error(), "another rank") ||
+                                                         strstr(gradacc_last_error(), "aborted the communicator"))),
               "late rank: sync returned %d, expected TIMEOUT, or COMM_FAILURE from another rank (%s)", (int)st,
               gradacc_last_error());
         CHECK(strstr(gradacc_last_error(), "control exchange") || strstr(gradacc_last_error(), "share reduction"),
@@ -50,13 +54,15 @@ int main(int argc, char **argv)
         double t0 = now_s();
         gradacc_status_t st = gradacc_accumulator_sync(acc, comm, &info);
         double took = now_s() - t0;
-        CHECK(st == GRADACC_STATUS_TIMEOUT, "rank %d: sync returned %d, expected TIMEOUT (%s)", rank, (int)st,
+        /* Across hosts a rank may hear of another's timeout (the beacon's news) just before its own. */
+        const int news = st == GRADACC_STATUS_COMM_FAILURE && strstr(gradacc_last_error(), "aborted the communicator");
+        CHECK(st == GRADACC_STATUS_TIMEOUT || news, "rank %d: sync returned %d, expected TIMEOUT (%s)", rank, (int)st,
               gradacc_last_error());
-        CHECK(took >= TIMEOUT && took < TIMEOUT + 1.0, "rank %d: the sync failed after %.3f s, timeout %.1f s", rank, took,
-              TIMEOUT);
+        CHECK(took >= (news ? 0.8 : 1.0) * TIMEOUT && took < TIMEOUT + 1.0,
+              "rank %d: the sync failed after %.3f s, timeout %.1f s", rank, took, TIMEOUT);
         CHECK(strstr(gradacc_last_error(), "control exchange") != NULL, "rank %d: the error names no phase: %s", rank,
               gradacc_last_error());
-        CHECK(strstr(gradacc_last_error(), "waited") != NULL, "rank %d: the error does not say how long it waited: %s",
+        CHECK(news || strstr(gradacc_last_error(), "waited") != NULL, "rank %d: the error does not say how long it waited: %s",
               rank, gradacc_last_error());
         if (rank == 0)
             printf("rank 0 after %.3f s: %s\n", took, gradacc_last_error());

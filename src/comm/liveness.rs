@@ -25,6 +25,12 @@ pub(crate) fn a_peer_ended() -> bool {
     ENDED.load(Ordering::Relaxed)
 }
 
+/// Records that a peer's process ended (seen some other way than through `/proc`).
+#[cfg(feature = "mpi")]
+pub(crate) fn mark_ended() {
+    ENDED.store(true, Ordering::Relaxed);
+}
+
 /// How often a waiting rank looks at its peers, at least.
 const LOOK_EVERY: Duration = Duration::from_millis(5);
 /// Added to [`LOOK_EVERY`] per peer watched: a look reads one small file per peer.

@@ -16,6 +16,8 @@
 //! needs, and a communicator of the other kind is a DEVICE_MISMATCH, found before anything is
 //! reduced.
 
+#[cfg(feature = "mpi")]
+mod beacon;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod liveness;
 mod local;

@@ -3,6 +3,8 @@
  * process of the machine shares, namespaces or not), its status, the error text and whether its
  * window is still intact to $FAULTS_DIR/result.<rank>, and waits for $FAULTS_DIR/done before it
  * exits (without MPI_Finalize: peers are gone). After 3 good syncs it writes ready.<rank>.
+ * With FAULTS_ROUNDS=N (a healthy run) it syncs N times, writes each sync's seconds to
+ * bench.<rank>, and exits normally after MPI_Finalize; a failure is written as above.
  * Environment: FAULTS_DIR, FAULTS_TIMEOUT (s, the communicator's timeout), FAULTS_NUMEL. */
 #include "mpi/timeout_common.h"
 
@@ -50,6 +52,9 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < numel; i++)
         g[i] = (float)((int)(i % 97) - 48 + rank);
     const void *p[1] = {g};
+    const int rounds = getenv("FAULTS_ROUNDS") ? atoi(getenv("FAULTS_ROUNDS")) : 0;
+    char *bench = calloc((size_t)rounds * 16 + 1, 1);
+    size_t bench_len = 0;
     char text[8192];
     for (int round = 0;; round++) {
         gradacc_accumulator_t *acc = make_acc(t, 1, GRADACC_NORMALIZE_NONE, 0);
@@ -69,6 +74,16 @@ int main(int argc, char **argv)
             break;
         }
         gradacc_accumulator_destroy(acc);
+        if (rounds > 0) {
+            bench_len += (size_t)snprintf(bench + bench_len, 16, "%.6f\n", (double)(t1 - t0) * 1e-9);
+            if (round + 1 == rounds) {
+                write_file(dir, "bench", rank, bench);
+                gradacc_comm_destroy(comm);
+                MPI_Finalize();
+                return 0;
+            }
+            continue;
+        }
         if (round == 2) {
             snprintf(text, sizeof text, "%d %s\n", (int)getpid(), host);
             write_file(dir, "ready", rank, text);

@@ -32,6 +32,7 @@
 //! requests, so the timeout and an abort hold there too.
 
 mod collectives;
+mod far;
 mod hierarchy;
 mod init;
 mod messages;
@@ -87,6 +88,8 @@ pub struct MpiComm {
     /// The group's ranks on this host, which a wait looks at: one that died or stays stopped
     /// fails the wait in milliseconds (see `liveness`).
     peers: Peers,
+    /// The group's ranks on other hosts, which a wait looks at through the beacon (see `beacon`).
+    far: Option<super::beacon::Far>,
     /// Rank 0 runs where this rank does, or either place is unknown: only then does this rank
     /// open the shared memory rank 0 offers (on another host, or another pid namespace, the
     /// offer's `/proc` path names some other process's file).
@@ -244,6 +247,7 @@ impl MpiComm {
             mem: Mutex::new(Memory::default()),
             shared: None,
             peers: Peers::none(),
+            far: None,
             near_root: true,
             options,
             hierarchy: None,
@@ -262,7 +266,7 @@ impl MpiComm {
         check(unsafe { ffi::MPI_Comm_size(this.comm, &mut size) }, "MPI_Comm_size")?;
         this.rank = rank as usize;
         this.world = size as usize;
-        (this.peers, this.near_root) = this.same_host_peers()?;
+        (this.peers, this.near_root, this.far) = this.same_host_peers()?;
         if options.shared_memory {
             this.shared = this.share_memory()?;
         }
@@ -274,7 +278,7 @@ impl MpiComm {
 
     /// Every rank's process (collective, at creation): the ones this rank watches, and whether
     /// rank 0 may share memory with it (see `near_root`).
-    fn same_host_peers(&self) -> Result<(Peers, bool)> {
+    fn same_host_peers(&self) -> Result<(Peers, bool, Option<super::beacon::Far>)> {
         let mine = Process::mine().words();
         let mut all = vec![0u64; 3 * self.world];
         let (send, recv) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
@@ -288,7 +292,8 @@ impl MpiComm {
         check(rc, "MPI_Allgather (processes)")?;
         let group: Vec<Process> = all.chunks_exact(3).map(Process::from_words).collect();
         let (root, me) = (group[0].place, group[self.rank].place);
-        Ok((Peers::new(self.rank, &group), root == me || root == 0 || me == 0))
+        let far = self.far_peers(&group)?;
+        Ok((Peers::new(self.rank, &group), root == me || root == 0 || me == 0, far))
     }
 
     /// How many of the group's other ranks run on this host and are watched while waiting.

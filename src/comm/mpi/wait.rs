@@ -11,6 +11,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::init::error_text;
 use super::{Entered, MpiComm};
+use crate::comm::beacon::FarWatch;
 use crate::comm::Communicator;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -141,7 +142,17 @@ impl MpiComm {
 
     /// Marks the communicator aborted; the first reason given is kept.
     pub(super) fn set_aborted(&self, reason: String) {
-        let reason = lock(&self.reason).get_or_insert(reason).clone();
+        let reason = {
+            let mut r = lock(&self.reason);
+            if r.is_none() {
+                *r = Some(reason);
+                // The ranks on other hosts stop within a round trip.
+                if let Some(far) = &self.far {
+                    far.aborted();
+                }
+            }
+            r.clone().unwrap_or_default()
+        };
         self.aborted.store(true, Ordering::Release);
         // The peers waiting in shared memory stop at once.
         if let Some(shared) = &self.shared {
@@ -166,6 +177,7 @@ impl MpiComm {
         let timeout = self.timeout();
         let mut backoff = Backoff::new();
         let mut watch = self.peers.watch(backoff.start);
+        let mut far = FarWatch::new(self.far.as_ref(), backoff.start);
         loop {
             let mut done: c_int = 0;
             // SAFETY: `requests` holds requests this communicator posted (or MPI_REQUEST_NULL),
@@ -207,7 +219,8 @@ impl MpiComm {
                     ),
                 ));
             }
-            if let Err(why) = watch.check(Instant::now()) {
+            let now = Instant::now();
+            if let Err(why) = watch.check(now).and_then(|()| far.check(now)) {
                 let e = Error::new(
                     ErrorKind::CommFailure,
                     format!(
