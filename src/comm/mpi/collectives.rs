@@ -63,7 +63,7 @@ impl MpiComm {
 
 impl HostCollectives for MpiComm {
     /// Two small non-blocking all-reduces in flight together: SUM and MAX of the packed words,
-    /// in the communicator's [`ControlWords`].
+    /// in the communicator's [`ControlWords`](super::ControlWords).
     fn reduce_control(&self, mine: &ControlSum) -> Result<ControlSum> {
         let mut entered = self.enter()?;
         let mem = &mut *entered.2;
