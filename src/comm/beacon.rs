@@ -108,28 +108,26 @@ impl Conn {
         let _ = self.link.end.compare_exchange(OPEN, CLOSED, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    /// Reads what arrived; `now` is when the reading started.
+    /// Reads what arrived; `now` is when the reading started. What arrived is parsed before an
+    /// end of file counts, so that a bye followed by the close reads as a bye, never as a death.
     fn read(&mut self, now: u64) {
         let mut buf = [0u8; 512];
-        loop {
+        let ended = loop {
             match self.stream.read(&mut buf) {
-                Ok(0) => {
-                    self.closed();
-                    break;
-                }
+                Ok(0) => break true,
                 Ok(n) => {
                     self.inbuf.extend_from_slice(&buf[..n]);
                     self.link.heard.fetch_max(now, Ordering::AcqRel);
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => {
-                    self.closed();
-                    break;
-                }
+                Err(_) => break true,
             }
-        }
+        };
         self.parse();
+        if ended {
+            self.closed();
+        }
     }
 
     /// Takes the whole messages out of `inbuf`.
@@ -180,6 +178,9 @@ struct Inner {
 /// The process's beacon service.
 pub(crate) struct Service {
     me: Key,
+    /// The process that started it: a child forked later shares its sockets, and must not say
+    /// bye for it.
+    pid: u32,
     port: u16,
     addrs: Vec<Ipv4Addr>,
     epoch: Instant,
@@ -204,6 +205,7 @@ impl Service {
         let port = listener.local_addr()?.port();
         let service = Arc::new(Service {
             me,
+            pid: std::process::id(),
             port,
             addrs: addrs.unwrap_or_else(host_addresses),
             epoch: Instant::now(),
@@ -248,8 +250,16 @@ impl Service {
         {
             return;
         }
-        for &a in w[1..1 + MAX_ADDRS].iter().filter(|&&a| a != 0) {
-            let to = SocketAddrV4::new(Ipv4Addr::from(a as u32), port).into();
+        // An address this host has too (a container bridge's, the same on every host) is tried
+        // last: connected there, this process would watch a listener of its own host.
+        let mut addrs: Vec<Ipv4Addr> = w[1..1 + MAX_ADDRS]
+            .iter()
+            .filter(|&&a| a != 0)
+            .map(|&a| Ipv4Addr::from(a as u32))
+            .collect();
+        addrs.sort_by_key(|a| self.addrs.contains(a));
+        for a in addrs {
+            let to = SocketAddrV4::new(a, port).into();
             let Ok(stream) = TcpStream::connect_timeout(&to, CONNECT_WITHIN) else { continue };
             if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
                 continue;
@@ -302,8 +312,13 @@ impl Service {
         }
     }
 
-    /// Says bye on every connection (this process exits normally).
+    /// Says bye on every connection (this process exits normally). Nothing in a forked child:
+    /// the connections are its parent's (and the child may have been forked while another
+    /// thread held the lock, which no thread of the child will release).
     pub(crate) fn bye(&self) {
+        if std::process::id() != self.pid {
+            return;
+        }
         let mut inner = self.inner.lock();
         for c in &mut inner.conns {
             c.out.push(BYE);
@@ -314,9 +329,13 @@ impl Service {
     /// The thread: heartbeats out, whatever arrives in, until [`Service::stop`].
     fn run(&self) {
         let mut next_beat = Instant::now();
+        // After an accept failed (out of descriptors: the listener stays readable), the listener
+        // rests until the next beat instead of waking the thread at once, again and again.
+        let mut listen_after = Instant::now();
         while !self.stop.load(Ordering::Acquire) {
+            let listen = Instant::now() >= listen_after;
             let mut fds = vec![libc::pollfd {
-                fd: self.listener.as_raw_fd(),
+                fd: if listen { self.listener.as_raw_fd() } else { -1 },
                 events: libc::POLLIN,
                 revents: 0,
             }];
@@ -345,7 +364,18 @@ impl Service {
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
             let now = self.now();
             let mut inner = self.inner.lock();
-            while let Ok((stream, _)) = self.listener.accept() {
+            let mut accepting = listen;
+            while accepting {
+                let stream = match self.listener.accept() {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        if e.kind() != ErrorKind::WouldBlock {
+                            listen_after = Instant::now() + BEAT_EVERY;
+                        }
+                        accepting = false;
+                        continue;
+                    }
+                };
                 if stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok() {
                     let link = Link::new(now);
                     inner.conns.push(Conn {
