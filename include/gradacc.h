@@ -1208,10 +1208,10 @@ enum gradacc_status_t gradacc_accumulator_sync(struct gradacc_accumulator_t *acc
 
 /**
  * gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step):
- * with clipping, the gradient in memory stays the normalised sum before the clip coefficient,
- * which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the
+ * with clipping, the gradient in memory stays the sum before normalisation and clipping, whose
+ * one factor the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the
  * boundary saves a pass over the gradient. The addresses from gradacc_accumulator_master and
- * gradacc_accumulator_shard then hold the sum before the coefficient: a caller that reads the
+ * gradacc_accumulator_shard then hold that sum: a caller that reads the
  * reduced gradient itself syncs with gradacc_accumulator_sync. On CUDA it is
  * gradacc_accumulator_sync. Arguments, errors and `*out_info` (may be NULL) as
  * gradacc_accumulator_sync's, but the boundary's info is always read on the host (on CUDA the

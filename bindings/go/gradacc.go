@@ -712,7 +712,7 @@ func (a *Accumulator) Sync(comm *Comm) (SyncInfo, error) {
 
 // SyncForStep is Sync for an Optimizer that steps right after: the clip coefficient is applied
 // inside the step's pass (bitwise as after Sync), saving a pass over the gradient, so Master and
-// Shard then hold the gradient before the coefficient: read the reduced gradient yourself only
+// Shard then hold the sum before normalisation and clipping (the step applies both as one factor): read the reduced gradient yourself only
 // after Sync (gradacc_accumulator_sync_for_step).
 func (a *Accumulator) SyncForStep(comm *Comm) (SyncInfo, error) {
 	return a.syncWith(comm, true)

@@ -370,8 +370,9 @@ func TestOptimizerSmallerState(t *testing.T) {
 }
 
 // SyncForStep then Step against Sync then Step, with a norm that clips every window: the same
-// weights and state bit for bit; in memory, SyncForStep's gradient is the one before the clip
-// coefficient, which the step applies.
+// weights and state bit for bit; in memory, SyncForStep's gradient is the sum before
+// normalisation and clipping, which the step applies (one item per window: the normalisation
+// divides by 1).
 func TestSyncForStepIsSyncThenStepBitForBit(t *testing.T) {
 	type run struct {
 		w0    []uint16

@@ -23,7 +23,7 @@ impl Accumulator {
     }
 
     /// [`Accumulator::sync`] for an optimizer that steps right after: with clipping, the
-    /// gradient in memory stays the normalised sum before the clipping coefficient, which the
+    /// gradient in memory stays the sum before normalisation and clipping, whose one factor the
     /// step applies inside its own pass (the same `g * c` rounded to f32, so the step is
     /// bitwise the one after `sync`), and the boundary saves a read and a write of the
     /// gradient. Reading the synced gradient through the accumulator (`read`, `with_master`,

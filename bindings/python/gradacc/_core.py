@@ -622,8 +622,8 @@ class Accumulator(_Managed):
     def sync_for_step(self, comm=None):
         """:meth:`sync` for an :class:`Optimizer` that steps right after: the clip coefficient
         is applied inside the step's pass (bitwise as after :meth:`sync`), saving a pass over the
-        gradient, so :meth:`master` and :meth:`shard` then hold the gradient before the
-        coefficient: read the reduced gradient yourself only after :meth:`sync`
+        gradient, so :meth:`master` and :meth:`shard` then hold the sum before normalisation and
+        clipping (the step applies both as one factor): read the reduced gradient yourself only after :meth:`sync`
         (gradacc_accumulator_sync_for_step)."""
         return self._sync_with(ffi.gradacc_accumulator_sync_for_step, comm)
 

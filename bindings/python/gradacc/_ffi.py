@@ -361,7 +361,7 @@ gradacc_accumulator_sync.restype = gradacc_status_t
 gradacc_accumulator_sync.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]
 # arguments: acc, comm, out_info
 
-# gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the normalised sum before the clip coefficient, which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient.
+# gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the sum before normalisation and clipping, whose one factor the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient.
 gradacc_accumulator_sync_for_step = dll.gradacc_accumulator_sync_for_step
 gradacc_accumulator_sync_for_step.restype = gradacc_status_t
 gradacc_accumulator_sync_for_step.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(gradacc_sync_info_t)]

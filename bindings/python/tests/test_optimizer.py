@@ -361,7 +361,8 @@ def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
 def test_the_clip_inside_the_step_is_sync_then_step_bit_for_bit(moments):
     """sync_for_step + step against sync + step, with a norm that clips every window: the same
     weights and state bit for bit, and the same report; in memory, sync_for_step's gradient is
-    the one before the clip coefficient (the step applies it)."""
+    the sum before normalisation and clipping (the step applies them; with one item per window
+    the normalisation divides by 1)."""
     runs, grads = [], []
     for sync in ("sync", "sync_for_step"):
         weights = [w.copy() for w in mixed_weights()]

@@ -778,7 +778,8 @@ sync!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing) = sync_with!(gr
 
 [`sync!`](@ref) for an [`Optimizer`](@ref) that steps right after: the clip coefficient is
 applied inside the step's pass (bitwise as after `sync!`), saving a pass over the gradient, so
-[`master`](@ref) and [`shard`](@ref) then hold the gradient before the coefficient: read the
+[`master`](@ref) and [`shard`](@ref) then hold the sum before normalisation and clipping
+(the step applies both as one factor): read the
 reduced gradient yourself only after `sync!` (gradacc_accumulator_sync_for_step).
 """
 sync_for_step!(a::Accumulator, comm::Union{Nothing,Communicator}=nothing) =

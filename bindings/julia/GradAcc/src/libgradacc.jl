@@ -408,7 +408,7 @@ function gradacc_accumulator_sync(acc, comm, out_info)
     end
 end
 
-"gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the normalised sum before the clip coefficient, which the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient."
+"gradacc_accumulator_sync for an optimizer that steps right after (gradacc_optimizer_step): with clipping, the gradient in memory stays the sum before normalisation and clipping, whose one factor the step applies inside its own pass, bitwise as after gradacc_accumulator_sync, and the boundary saves a pass over the gradient."
 function gradacc_accumulator_sync_for_step(acc, comm, out_info)
     # blocks: GC-safe call
     fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_sync_for_step)
