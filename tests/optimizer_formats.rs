@@ -802,3 +802,36 @@ fn an_unknown_saved_format_is_refused() {
     assert!(e.kind == ErrorKind::CorruptState && e.message.contains("does not know"), "{e:?}");
     assert_eq!(opt.save().unwrap(), saved);
 }
+
+/// Saved FP32 moments cut inside an 8-bit block would quantise in other blocks than the
+/// optimizer's: a part forged to start at element 1 (fresh checksum) is refused, naming the cut,
+/// and the optimizer is unchanged; the same part aligned loads.
+#[test]
+fn fp32_moments_cut_inside_a_block_are_refused_by_8_bit_blocks() {
+    let mut rng = Rng::fresh("fp32_moments_cut_inside_a_block_are_refused_by_8_bit_blocks");
+    let tensors = [TensorDesc { numel: 200, dtype: Dtype::Bf16 }];
+    let initial = model(&mut rng, &tensors);
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let fp32 = make(&acc, OptimizerConfig::default(), StateFormat::default(), &initial);
+    let saved = fp32.save().unwrap();
+    let blocks = make(&acc, OptimizerConfig::default(), int8(MasterFormat::F32), &initial);
+    let before = blocks.save().unwrap();
+    blocks.load(&[&saved]).unwrap();
+    blocks.load(&[&before]).unwrap();
+    // After the identity and the two format words: lr (4 bytes), steps, then start and end.
+    let at = 8 + (2 * tensors.len() + 8) * 8 + 16 + 4 + 8;
+    let values = at + 16;
+    let mut forged = saved[..at].to_vec();
+    forged.extend(1u64.to_le_bytes());
+    forged.extend(200u64.to_le_bytes());
+    // Each column: its length, then its values.
+    for column in 0..3 {
+        let first = values + column * (8 + 200 * 4) + 8;
+        forged.extend(199u64.to_le_bytes());
+        forged.extend(&saved[first + 4..first + 200 * 4]);
+    }
+    forged.extend(fnv1a(&forged).to_le_bytes());
+    let e = blocks.load(&[&forged]).unwrap_err();
+    assert!(e.kind == ErrorKind::CorruptState && e.message.contains("cut inside a block"), "{e:?}");
+    assert_eq!(blocks.save().unwrap(), before);
+}

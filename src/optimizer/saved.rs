@@ -257,6 +257,15 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
                 r.f32s_into(&mut b, n).map_err(damaged)?;
                 Owned::F32(b)
             };
+            // Blocks are counted from the tensor's start: values cut elsewhere would quantise
+            // in other blocks than the optimizer's.
+            let in_block = |x: u64| !(x as usize).is_multiple_of(BLOCK) && x != d.numel as u64;
+            let quantised = slot > 0 && moments != 2 && kind(&o.format, slot) == Kind::Blocks;
+            if quantised && (in_block(start) || in_block(end)) {
+                return Err(corrupt(format!(
+                    "part {index} holds elements {start}..{end} of tensor {i}, cut inside a block of {BLOCK}: its moments convert to 8-bit blocks only from parts cut on blocks"
+                )));
+            }
             *v = convert(saved, slot, &o.format, index)?;
         }
         tensors.push((start as usize..end as usize, values));
