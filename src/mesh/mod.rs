@@ -188,9 +188,10 @@ impl Mesh {
             self.drop_class as u64,
             poisoned.as_ref().err(),
         )?;
-        for a in accumulators {
-            a.end_microbatch_with(drop)?;
-        }
+        // Every accumulator ends its micro-batch, whatever one of them says: the ranks agreed.
+        let ended: Vec<Result<()>> =
+            accumulators.iter().map(|a| a.end_microbatch_with(drop)).collect();
+        ended.into_iter().collect::<Result<()>>()?;
         Ok(!drop)
     }
 

@@ -168,7 +168,8 @@ impl Hierarchy {
 }
 
 /// The intra-host reduction's pass: the host's partial sums stay as they are; its wire is the
-/// boundary's, so each rank's contribution is rounded once on a bf16 wire, as in the flat path.
+/// boundary's, so on a bf16 wire each rank's contribution is rounded once here and the host's
+/// partial sum once more on the cross-host wire (the bound in docs/mpi.md).
 struct Partial(Dtype);
 
 impl BlockPass for Partial {
