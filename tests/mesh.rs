@@ -451,11 +451,9 @@ fn the_optimizer_steps_and_skips_with_the_mesh() {
 /// `cargo test --release --features mpi --test mesh over_mpi -- --test-threads 1`.
 #[cfg(feature = "mpi")]
 mod over_mpi {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-
     use super::*;
     use common::mesh_model::{check_clean, check_poisoned, groups_of, norm_and_clip, run_rank};
+    use common::mpirun;
     use gradacc::{Device, MpiComm};
 
     /// The case's index, the schedule's seed, and the poisoned world rank or `-`.
@@ -463,13 +461,10 @@ mod over_mpi {
     /// The command that starts the ranks instead of `mpirun`: e.g. tests/simhosts/ctl's, which
     /// spreads them over simulated hosts (tests/simhosts/mesh).
     const LAUNCHER: &str = "GRADACC_MESH_MPIRUN";
-    /// Far above a step's time on a busy machine; a hang fails here, not at CI's limit.
-    const WITHIN: Duration = Duration::from_secs(300);
 
     #[test]
     fn every_mesh_over_mpi() {
-        if Command::new("mpirun").arg("--version").output().is_err() {
-            eprintln!("no mpirun; skipped");
+        if !mpirun::available() {
             return;
         }
         let mut rng = Rng::fresh("every_mesh_over_mpi");
@@ -490,31 +485,9 @@ mod over_mpi {
     /// set, replaces `mpirun` by a command line and its leading arguments (split at spaces).
     fn launch(case: &Case, i: usize, seed: u64, poison: Option<u64>, what: &str) -> Vec<String> {
         let poison = poison.map_or("-".to_string(), |r| r.to_string());
-        let launcher = std::env::var(LAUNCHER).unwrap_or_else(|_| "mpirun".into());
-        let mut launcher = launcher.split_whitespace();
-        let mut child = Command::new(launcher.next().expect(LAUNCHER))
-            .args(launcher)
-            .args(["-np", &case.world.to_string(), "--oversubscribe", "-x", ENV])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "over_mpi::rank", "--nocapture", "--test-threads", "1"])
-            .env(ENV, format!("{i} {seed} {poison}"))
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let started = Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            if started.elapsed() > WITHIN {
-                let _ = child.kill();
-                panic!("{what}: mpirun still running after {WITHIN:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = child.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{what}: mpirun failed ({}):\n{text}", out.status);
+        let launcher = std::env::var(LAUNCHER).ok();
+        let vars = [(ENV, Some(format!("{i} {seed} {poison}")))];
+        let text = mpirun::run(case.world, "over_mpi::rank", launcher.as_deref(), &vars, what);
         let mut reports: Vec<(usize, String)> = text
             .lines()
             .filter_map(|l| l.split_once("mesh report ").map(|(_, r)| r))

@@ -9,19 +9,15 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
-use common::{fnv1a, from_bf16, to_bf16, Rng};
+use common::{fnv1a, from_bf16, mpirun, to_bf16, Rng};
 use gradacc::comm::BlockPass;
 use gradacc::math::NORM_BLOCK;
 use gradacc::{Communicator, Dtype, MpiComm};
 
 /// The seed and the number of hosts each rank expects.
 const ENV: &str = "GRADACC_HIERARCHY_TEST";
-/// Far above a run's time on a busy machine; a hang fails here, not at CI's limit.
-const WITHIN: Duration = Duration::from_secs(300);
 
 /// Ranks, `GRADACC_MPI_HIERARCHY`, and the hosts the reduction then spans.
 const CASES: &[(usize, &str, usize)] =
@@ -29,42 +25,19 @@ const CASES: &[(usize, &str, usize)] =
 
 #[test]
 fn hierarchical_boundary_over_mpi() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        eprintln!("no mpirun; skipped");
+    if !mpirun::available() {
         return;
     }
     let mut rng = Rng::fresh("hierarchical_boundary_over_mpi");
     for &(np, hierarchy, hosts) in CASES {
         let seed = rng.next_u64();
         let what = format!("{np} ranks, hierarchy {hierarchy}, seed {seed:#x}");
-        let mut mpirun = Command::new("mpirun");
         // The last case leaves the variable unset: the default.
-        match hierarchy {
-            "" => mpirun.env_remove("GRADACC_MPI_HIERARCHY"),
-            _ => mpirun.env("GRADACC_MPI_HIERARCHY", hierarchy),
-        };
-        let mut child = mpirun
-            .args(["-np", &np.to_string(), "--oversubscribe"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "rank", "--nocapture", "--test-threads", "1"])
-            .env(ENV, format!("{seed} {hosts}"))
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let started = Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            if started.elapsed() > WITHIN {
-                let _ = child.kill();
-                panic!("{what}: mpirun still running after {WITHIN:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = child.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{what}: mpirun failed ({}):\n{text}", out.status);
+        let vars = [
+            (ENV, Some(format!("{seed} {hosts}"))),
+            ("GRADACC_MPI_HIERARCHY", (!hierarchy.is_empty()).then(|| hierarchy.to_string())),
+        ];
+        let text = mpirun::run(np, "rank", None, &vars, &what);
         let reports: Vec<&str> =
             text.lines().filter_map(|l| l.split_once("hierarchy report ").map(|r| r.1)).collect();
         assert_eq!(reports.len(), np, "{what}:\n{text}");

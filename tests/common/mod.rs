@@ -6,6 +6,7 @@
 pub mod cuda;
 pub mod cuda_optimizer;
 pub mod mesh_model;
+pub mod mpirun;
 pub mod step_reference;
 pub mod weights;
 
