@@ -68,6 +68,18 @@ fn int8(masters: MasterFormat) -> StateFormat {
     StateFormat { masters, moments: MomentFormat::Int8Blockwise }
 }
 
+/// Every smaller format: remainder masters, bf16 moments (seeded), both, and 8-bit blockwise
+/// moments with either master.
+fn smaller_formats(rng: &mut Rng) -> [StateFormat; 5] {
+    [
+        remainders(),
+        bf16_moments(rng.next_u64()),
+        both(rng.next_u64()),
+        int8(MasterFormat::F32),
+        int8(MasterFormat::Bf16Remainder),
+    ]
+}
+
 fn make(
     acc: &Accumulator,
     config: OptimizerConfig,
@@ -137,14 +149,7 @@ fn each_format_steps_within_the_bound_of_exact() {
         Algorithm::Sgd { momentum: 0.9, dampening: 0.1, nesterov: false, weight_decay: 0.01 },
     ];
     for algorithm in algorithms {
-        let formats = [
-            remainders(),
-            bf16_moments(rng.next_u64()),
-            both(rng.next_u64()),
-            int8(MasterFormat::F32),
-            int8(MasterFormat::Bf16Remainder),
-        ];
-        for format in formats {
+        for format in smaller_formats(&mut rng) {
             let mixed = !format_has_remainders(format);
             let blocks = format.moments == MomentFormat::Int8Blockwise;
             let tensors = layout(&mut rng, mixed);
@@ -416,14 +421,7 @@ fn every_format_sharded_is_the_unsharded_run() {
         let tensors = layout(&mut rng, false);
         let initial = model(&mut rng, &tensors);
         let data = group_data(&mut rng, &tensors, ranks, 5);
-        let formats = [
-            remainders(),
-            bf16_moments(rng.next_u64()),
-            both(rng.next_u64()),
-            int8(MasterFormat::F32),
-            int8(MasterFormat::Bf16Remainder),
-        ];
-        for format in formats {
+        for format in smaller_formats(&mut rng) {
             let config = OptimizerConfig { lr: 0.01, ..Default::default() };
             let (unsharded, saved) =
                 run_group(&tensors, |_, _| Sharding::None, &initial, &data, config, format);
