@@ -56,6 +56,9 @@ pub(crate) type Key = [u64; 3];
 const OPEN: u8 = 0;
 const SAID_BYE: u8 = 1;
 const CLOSED: u8 = 2;
+/// It sent bytes of another protocol: nothing it says can be read, so it is no longer watched
+/// (the timeout stays its backstop), neither alive nor dead.
+const FOREIGN: u8 = 3;
 
 /// One peer process, as the service hears it.
 struct Link {
@@ -159,8 +162,14 @@ impl Conn {
                 }
                 ABORTED => break,
                 _ => {
-                    // Not this protocol: stop listening to it.
+                    // Not this protocol: stop listening to it, and blame it for nothing.
                     self.dead = true;
+                    let _ = self.link.end.compare_exchange(
+                        OPEN,
+                        FOREIGN,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
                     at = self.inbuf.len();
                 }
             }
@@ -284,7 +293,8 @@ impl Service {
     }
 
     /// Why `peer` cannot take part in communicator `id`, if it cannot: it aborted `id`, its
-    /// connection closed, or it has been silent for [`GRACE`]. `None` also for a peer not linked.
+    /// connection closed, or it has been silent for [`GRACE`]. `None` also for a peer not linked,
+    /// or whose connection carried another protocol.
     pub(crate) fn why(&self, peer: &Key, id: u64) -> Option<String> {
         let link = Arc::clone(self.inner.lock().links.get(peer)?);
         if link.aborted.lock().contains(&id) {
@@ -292,7 +302,7 @@ impl Service {
         }
         match link.end.load(Ordering::Acquire) {
             CLOSED => return Some("ended (its connection closed)".into()),
-            SAID_BYE => return None,
+            SAID_BYE | FOREIGN => return None,
             _ => {}
         }
         let silent =
@@ -635,5 +645,25 @@ mod tests {
         assert!(t.elapsed() >= GRACE - BEAT_EVERY * 2, "{:?}", t.elapsed());
         b.mute.store(false, Ordering::Relaxed);
         until("beats again", || a.why(&b.me, 1).is_none());
+    }
+
+    #[test]
+    fn a_connection_of_another_protocol_is_not_watched() {
+        let a = Service::start([1, 1, 1], Some(vec![Ipv4Addr::LOCALHOST])).unwrap();
+        let mut stranger = TcpStream::connect((Ipv4Addr::LOCALHOST, a.port)).unwrap();
+        let key: Key = [7, 7, 7];
+        let hello: Vec<u8> = key.iter().flat_map(|w| w.to_le_bytes()).collect();
+        stranger.write_all(&hello).unwrap();
+        until("a links the stranger", || heard(&a, &key).is_some());
+        stranger.write_all(b"GET / HTTP/1.0\r\n").unwrap();
+        until("a stops listening", || {
+            a.inner.lock().links[&key].end.load(Ordering::Acquire) == FOREIGN
+        });
+        // Silent from now on, but never declared dead for it.
+        std::thread::sleep(GRACE + BEAT_EVERY * 3);
+        assert_eq!(a.why(&key, 1), None);
+        drop(stranger);
+        std::thread::sleep(BEAT_EVERY * 3);
+        assert_eq!(a.why(&key, 1), None, "nor when it closes");
     }
 }
