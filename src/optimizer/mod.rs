@@ -327,19 +327,23 @@ impl Optimizer {
     /// 8-bit blockwise moments decoded, as the step decodes them).
     /// On a CUDA accumulator this reads the device (it waits for the stream). With
     /// [`MasterFormat::Bf16Remainder`] the masters are not the optimizer's alone: read
-    /// [`Slot::Remainders`] and join them with the weights ([`join_master`]).
+    /// [`Slot::Remainders`] and join them with the weights ([`join_master`]); with
+    /// [`MasterFormat::None`] the masters are the model's weights, and neither slot is kept.
     pub fn read(&self, index: usize, slot: Slot) -> Result<(Range<usize>, Vec<f32>)> {
         self.plan.layout.check_index(index)?;
         if slot == Slot::SecondMoment && !self.algorithm.second_moment() {
             return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()));
         }
-        if (slot == Slot::Weights) == self.format.remainders()
-            && matches!(slot, Slot::Weights | Slot::Remainders)
-        {
-            return Err(Error::invalid(if self.format.remainders() {
-                "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)"
-            } else {
-                "`slot`: the masters are FP32 and keep no remainders"
+        let kept = match self.format.masters {
+            MasterFormat::F32 => Slot::Weights,
+            MasterFormat::Bf16Remainder => Slot::Remainders,
+            MasterFormat::None => Slot::FirstMoment,
+        };
+        if matches!(slot, Slot::Weights | Slot::Remainders) && slot != kept {
+            return Err(Error::invalid(match self.format.masters {
+                MasterFormat::Bf16Remainder => "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)",
+                MasterFormat::F32 => "`slot`: the masters are FP32 and keep no remainders",
+                MasterFormat::None => "`slot`: no masters are kept (MasterFormat::None): the model's weights are the masters",
             }));
         }
         let p = piece(&self.plan, index, &self.held);
