@@ -56,7 +56,7 @@ pub enum Slot {
 /// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
 /// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
 /// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
-/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 4.125 and 3.0625
+/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 2.125 and 1.0625
 /// with the smaller state formats ([`OptimizerBuilder::state`]), and after each step the ranks
 /// all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
