@@ -520,6 +520,25 @@ fn every_format_sharded_is_the_unsharded_run() {
     }
 }
 
+/// A 2-rank ZeRO-1 run of FP32 state over `tensors` rounding with `rounding`: its model, data
+/// (4 steps, one skipped) and config, the weights it ended with, and its saved parts.
+struct Fp32Run {
+    initial: Vec<Weights>,
+    data: Vec<Vec<Vec<Vec<f32>>>>,
+    config: OptimizerConfig,
+    weights: Vec<Weights>,
+    parts: Vec<Vec<u8>>,
+}
+
+fn fp32_run(rng: &mut Rng, tensors: &[TensorDesc], rounding: Rounding) -> Fp32Run {
+    let initial = model(rng, tensors);
+    let data = group_data(rng, tensors, 2, 4);
+    let config = OptimizerConfig { lr: 0.02, rounding, ..Default::default() };
+    let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
+    let (seen, parts) = run_group(tensors, rs, &initial, &data, config, StateFormat::default());
+    Fp32Run { weights: seen[0][3].clone(), initial, data, config, parts }
+}
+
 /// Saved state of each format loads into the same format (re-cut), FP32 state converts into each
 /// smaller format, remainders refuse to load without their weights, and damaged parts are refused
 /// with the optimizer unchanged.
@@ -527,14 +546,10 @@ fn every_format_sharded_is_the_unsharded_run() {
 fn saved_formats_recut_convert_and_refuse() {
     let mut rng = Rng::fresh("saved_formats_recut_convert_and_refuse");
     let tensors = layout(&mut rng, false);
-    let initial = model(&mut rng, &tensors);
-    let data = group_data(&mut rng, &tensors, 2, 4);
-    let config = OptimizerConfig { lr: 0.02, ..Default::default() };
+    let Fp32Run { initial, data, config, weights, parts } =
+        fp32_run(&mut rng, &tensors, Rounding::NearestEven);
     let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
-    let (seen, fp32_parts) =
-        run_group(&tensors, rs, &initial, &data, config, StateFormat::default());
-    let weights = seen[0][3].clone();
-    let fp32_parts: Vec<&[u8]> = fp32_parts.iter().map(Vec::as_slice).collect();
+    let fp32_parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
     let reference = make(&acc, config, StateFormat::default(), &weights);
     reference.load(&fp32_parts).unwrap();
@@ -1058,14 +1073,10 @@ fn no_masters_over_f32_weights_are_the_fp32_masters_bit_for_bit() {
 fn saved_state_without_masters_converts_and_refuses() {
     let mut rng = Rng::fresh("saved_state_without_masters_converts_and_refuses");
     let tensors = layout(&mut rng, true);
-    let initial = model(&mut rng, &tensors);
-    let data = group_data(&mut rng, &tensors, 2, 4);
-    let config = OptimizerConfig { lr: 0.02, rounding: NO_MASTERS_ROUNDING, ..Default::default() };
+    let run = fp32_run(&mut rng, &tensors, NO_MASTERS_ROUNDING);
+    let (initial, config, w) = (run.initial, run.config, run.weights);
     let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
-    let (seen, fp32_parts) =
-        run_group(&tensors, rs, &initial, &data, config, StateFormat::default());
-    let w = seen[0][3].clone();
-    let fp32_parts: Vec<&[u8]> = fp32_parts.iter().map(Vec::as_slice).collect();
+    let fp32_parts: Vec<&[u8]> = run.parts.iter().map(Vec::as_slice).collect();
     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
     let fp32 = make(&acc, config, StateFormat::default(), &w);
     fp32.load(&fp32_parts).unwrap();
