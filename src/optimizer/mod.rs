@@ -334,12 +334,13 @@ impl Optimizer {
         if slot == Slot::SecondMoment && !self.algorithm.second_moment() {
             return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()));
         }
+        // The masters' slot this format keeps, if any.
         let kept = match self.format.masters {
-            MasterFormat::F32 => Slot::Weights,
-            MasterFormat::Bf16Remainder => Slot::Remainders,
-            MasterFormat::None => Slot::FirstMoment,
+            MasterFormat::F32 => Some(Slot::Weights),
+            MasterFormat::Bf16Remainder => Some(Slot::Remainders),
+            MasterFormat::None => None,
         };
-        if matches!(slot, Slot::Weights | Slot::Remainders) && slot != kept {
+        if matches!(slot, Slot::Weights | Slot::Remainders) && Some(slot) != kept {
             return Err(Error::invalid(match self.format.masters {
                 MasterFormat::Bf16Remainder => "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)",
                 MasterFormat::F32 => "`slot`: the masters are FP32 and keep no remainders",
