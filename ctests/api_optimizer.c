@@ -172,6 +172,16 @@ static void test_whole_step(void)
     wrong.struct_size = offsetof(gradacc_optimizer_config_t, masters);
     REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
     EXPECT_OK(gradacc_optimizer_destroy(older));
+    /* No masters: the f16 weight w0 rounded to nearest is refused naming `rounding`, rounded
+     * stochastically taken. */
+    wrong = oc;
+    wrong.masters = GRADACC_MASTERS_NONE;
+    wrong.rounding = GRADACC_ROUNDING_NEAREST_EVEN;
+    EXPECT_ERROR(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &bad),
+                 GRADACC_STATUS_INVALID_ARGUMENT, "`rounding`");
+    wrong.rounding = GRADACC_ROUNDING_STOCHASTIC;
+    REQUIRE_OK(gradacc_optimizer_create(acc, &wrong, NULL, initial, NULL, 2, &older));
+    EXPECT_OK(gradacc_optimizer_destroy(older));
     /* bf16 and 8-bit blockwise moments take any weights. */
     wrong = oc;
     wrong.moments = GRADACC_MOMENTS_BF16;

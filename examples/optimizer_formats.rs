@@ -1,6 +1,7 @@
 //! The error study of the optimizer's state formats (docs/optimizer.md, "Smaller state"): AdamW
-//! over bf16 weights for 2,000 steps of two problems, with FP32 state, bf16 moments, remainder
-//! masters and both, beside an AdamW in float64 throughout (f64 weights, gradients and state).
+//! over bf16 weights for 2,000 steps of two problems, with FP32 state, bf16 or 8-bit moments,
+//! remainder masters, no masters (the weights rounded stochastically) and their combinations,
+//! beside an AdamW in float64 throughout (f64 weights, gradients and state).
 //! Prints, per problem and format, the final loss (at the model's bf16 weights) and the relative
 //! distance of the FP32 masters to the FP32 state's run and to the float64 run's weights, over
 //! several seeds.
@@ -206,7 +207,8 @@ fn widen(b: u16) -> f64 {
 }
 
 /// One run through gradacc with `format`: the final bf16 weights, widened, and the FP32 masters
-/// (joined from the weights and the remainders with remainder masters).
+/// (joined from the weights and the remainders with remainder masters; the weights without
+/// masters, whose weights are rounded stochastically).
 fn run(
     p: &dyn Problem,
     init: &[f64],
@@ -230,7 +232,11 @@ fn run(
     let (beta1, beta2) = (BETAS.0 as f32, BETAS.1 as f32);
     let algorithm =
         Algorithm::AdamW { beta1, beta2, eps: EPS as f32, weight_decay: WEIGHT_DECAY as f32 };
-    let config = OptimizerConfig { algorithm, lr: p.lr() as f32, rounding: Rounding::NearestEven };
+    let rounding = match format.masters {
+        MasterFormat::None => Rounding::Stochastic { seed: 1 },
+        _ => Rounding::NearestEven,
+    };
+    let config = OptimizerConfig { algorithm, lr: p.lr() as f32, rounding };
     let views: Vec<Grad<'_>> = weights.iter().map(|w| Grad::bf16_bits(w)).collect();
     let opt =
         Optimizer::builder(&acc).config(config).state(format).weights(&views).build().unwrap();
@@ -255,11 +261,15 @@ fn run(
     }
     let mut masters = Vec::new();
     for (i, w) in weights.iter().enumerate() {
-        if format.masters == MasterFormat::Bf16Remainder {
-            let (_, rem) = opt.read(i, Slot::Remainders).unwrap();
-            masters.extend(w.iter().zip(rem).map(|(&b, r)| join_master(b, r as u16) as f64));
-        } else {
-            masters.extend(opt.read(i, Slot::Weights).unwrap().1.iter().map(|&x| x as f64));
+        match format.masters {
+            MasterFormat::Bf16Remainder => {
+                let (_, rem) = opt.read(i, Slot::Remainders).unwrap();
+                masters.extend(w.iter().zip(rem).map(|(&b, r)| join_master(b, r as u16) as f64));
+            }
+            MasterFormat::None => masters.extend(w.iter().map(|&b| widen(b))),
+            MasterFormat::F32 => {
+                masters.extend(opt.read(i, Slot::Weights).unwrap().1.iter().map(|&x| x as f64))
+            }
         }
     }
     (weights.iter().flatten().map(|&b| widen(b)).collect(), masters)
@@ -322,6 +332,18 @@ fn main() {
                 masters: MasterFormat::Bf16Remainder,
                 moments: MomentFormat::Int8Blockwise,
             },
+        ),
+        (
+            "no masters, FP32 moments",
+            StateFormat { masters: MasterFormat::None, moments: MomentFormat::F32 },
+        ),
+        (
+            "no masters, bf16 moments",
+            StateFormat { masters: MasterFormat::None, moments: MomentFormat::Bf16 { seed: 1 } },
+        ),
+        (
+            "no masters, 8-bit blockwise moments",
+            StateFormat { masters: MasterFormat::None, moments: MomentFormat::Int8Blockwise },
         ),
     ];
     println!("{steps} steps of AdamW, bf16 weights, {seeds} seeds: mean (worst) over the seeds");

@@ -918,6 +918,15 @@ typedef struct gradacc_scaler_stats_t {
 #define GRADACC_MASTERS_BF16_REMAINDER 1
 
 /**
+ * No masters: each step reads the master from the model's weight, steps it in f32 and writes it
+ * back with the weights' rounding: 0 bytes per parameter. 16-bit weights need
+ * GRADACC_ROUNDING_STOCHASTIC (else INVALID_ARGUMENT: an update below half a 16-bit spacing
+ * would be lost); over f32 weights it is FP32 masters bit for bit. Not with adopted masters;
+ * only the optimizer may write the weights (docs/optimizer.md, "Smaller state").
+ */
+#define GRADACC_MASTERS_NONE 2
+
+/**
  * FP32 moments: 4 bytes per moment.
  */
 #define GRADACC_MOMENTS_FP32 0

@@ -1,5 +1,5 @@
 //! The optimizer's smaller state formats on CUDA accumulators (bf16 moments rounded
-//! stochastically, masters as the bf16 weight plus a remainder): AdamW and SGD, with both
+//! stochastically, masters as the bf16 weight plus a remainder, no masters): AdamW and SGD, with both
 //! roundings where the format allows, bitwise equal to the CPU optimizer step after step (a
 //! skipped step included), saved state moving between the devices, and sharded steps at two
 //! ranks (ZeRO-1 and ZeRO-2 over NCCL) writing the unsharded run's weights bit for bit.
@@ -49,14 +49,17 @@ fn cuda_formats_match_the_cpu_optimizer_bitwise() {
             masters: MasterFormat::Bf16Remainder,
             moments: MomentFormat::Bf16 { seed: rng.next_u64() },
         },
+        StateFormat { masters: MasterFormat::None, moments: MomentFormat::F32 },
+        StateFormat { masters: MasterFormat::None, moments: MomentFormat::Bf16 { seed: 12 } },
     ];
     for algorithm in algorithms {
         for format in formats {
             let remainders = format.masters == MasterFormat::Bf16Remainder;
-            let roundings: &[Rounding] = if remainders {
-                &[Rounding::NearestEven]
-            } else {
-                &[Rounding::NearestEven, Rounding::Stochastic { seed: 5 }]
+            let roundings: &[Rounding] = match format.masters {
+                MasterFormat::Bf16Remainder => &[Rounding::NearestEven],
+                // 16-bit weights without masters are rounded stochastically.
+                MasterFormat::None => &[Rounding::Stochastic { seed: 5 }],
+                MasterFormat::F32 => &[Rounding::NearestEven, Rounding::Stochastic { seed: 5 }],
             };
             for &rounding in roundings {
                 let what = format!("{algorithm:?} {format:?} {rounding:?}");
@@ -184,6 +187,7 @@ fn sharded_rank(ids: [[u8; nccl::UNIQUE_ID_BYTES]; 2], rank: usize, accumulate: 
     let formats = [
         StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::Bf16 { seed } },
         StateFormat { masters: MasterFormat::F32, moments: MomentFormat::Bf16 { seed: 3 } },
+        StateFormat { masters: MasterFormat::None, moments: MomentFormat::Bf16 { seed: 4 } },
     ];
     for (k, format) in formats.into_iter().enumerate() {
         let weight_dtypes =

@@ -1,7 +1,8 @@
 //! The optimizer's smaller state formats (bf16 moments rounded stochastically, masters as the
-//! bf16 weight plus a 16-bit remainder): every step against exact (f64) arithmetic, remainder
-//! masters bitwise the FP32 masters, every sharding policy bitwise the unsharded run, saved state
-//! re-cut and converted on load, and what the formats cannot keep refused.
+//! bf16 weight plus a 16-bit remainder, no masters): every step against exact (f64) arithmetic,
+//! remainder masters bitwise the FP32 masters, no masters over f32 weights bitwise the FP32
+//! masters, every sharding policy bitwise the unsharded run, saved state re-cut and converted on
+//! load, and what the formats cannot keep refused.
 
 mod common;
 
@@ -80,23 +81,54 @@ fn smaller_formats(rng: &mut Rng) -> [StateFormat; 5] {
     ]
 }
 
+/// No masters with each moment format (seeded).
+fn no_masters_formats(rng: &mut Rng) -> [StateFormat; 3] {
+    [MomentFormat::F32, MomentFormat::Bf16 { seed: rng.next_u64() }, MomentFormat::Int8Blockwise]
+        .map(|moments| StateFormat { masters: MasterFormat::None, moments })
+}
+
+/// The weights' stochastic rounding of optimizers without masters (`make`).
+const NO_MASTERS_ROUNDING: Rounding = Rounding::Stochastic { seed: 0x5eed };
+
+/// An optimizer of `format` over the model `w`; without masters (which round 16-bit weights
+/// stochastically only) `config`'s nearest rounding becomes [`NO_MASTERS_ROUNDING`].
 fn make(
     acc: &Accumulator,
     config: OptimizerConfig,
     format: StateFormat,
     w: &[Weights],
 ) -> Optimizer {
+    let config = match (format.masters, config.rounding) {
+        (MasterFormat::None, Rounding::NearestEven) => {
+            OptimizerConfig { rounding: NO_MASTERS_ROUNDING, ..config }
+        }
+        _ => config,
+    };
     Optimizer::builder(acc).config(config).state(format).weights(&grads_of(w)).build().unwrap()
 }
 
-/// Tensor `i`'s masters as this rank holds them: read, or joined from the weights and the
-/// remainders.
+/// Tensor `i`'s masters as this rank holds them: read, joined from the weights and the
+/// remainders, or (no masters) the weights widened.
 fn masters(opt: &Optimizer, i: usize, w: &Weights) -> Vec<f32> {
-    if opt.state_format().masters == MasterFormat::Bf16Remainder {
-        let (r, rem) = opt.read(i, Slot::Remainders).unwrap();
-        r.zip(rem).map(|(e, x)| join_master(w.bf16()[e], x as u16)).collect()
-    } else {
-        opt.read(i, Slot::Weights).unwrap().1
+    match opt.state_format().masters {
+        MasterFormat::Bf16Remainder => {
+            let (r, rem) = opt.read(i, Slot::Remainders).unwrap();
+            r.zip(rem).map(|(e, x)| join_master(w.bf16()[e], x as u16)).collect()
+        }
+        MasterFormat::None => {
+            let (r, _) = opt.read(i, Slot::FirstMoment).unwrap();
+            r.map(|e| widened(w, e) as f32).collect()
+        }
+        MasterFormat::F32 => opt.read(i, Slot::Weights).unwrap().1,
+    }
+}
+
+/// Element `e` of the model's weights, widened exactly.
+fn widened(w: &Weights, e: usize) -> f64 {
+    match w {
+        Weights::F32(v) => v[e] as f64,
+        Weights::Half(Dtype::F16, v) => from_f16(v[e]),
+        Weights::Half(_, v) => from_bf16(v[e]),
     }
 }
 
@@ -421,7 +453,9 @@ fn every_format_sharded_is_the_unsharded_run() {
         let tensors = layout(&mut rng, false);
         let initial = model(&mut rng, &tensors);
         let data = group_data(&mut rng, &tensors, ranks, 5);
-        for format in smaller_formats(&mut rng) {
+        let formats: Vec<StateFormat> =
+            smaller_formats(&mut rng).into_iter().chain(no_masters_formats(&mut rng)).collect();
+        for format in formats {
             let config = OptimizerConfig { lr: 0.01, ..Default::default() };
             let (unsharded, saved) =
                 run_group(&tensors, |_, _| Sharding::None, &initial, &data, config, format);
@@ -451,36 +485,58 @@ fn every_format_sharded_is_the_unsharded_run() {
             }
         }
         // A 2 x 2 hybrid grid over the first two ranks' data, each replica the same data.
-        let format = both(rng.next_u64());
-        let config = OptimizerConfig { lr: 0.01, ..Default::default() };
-        let two = [data[0].clone(), data[1].clone()];
-        let (unsharded, _) =
-            run_group(&tensors, |_, _| Sharding::None, &initial, &two, config, format);
-        let results = hybrid_grid(2, 2, |g, shard, replica| {
-            let cfg = AccumulatorConfig {
-                sharding: Sharding::ReduceScatter { shards: 2, rank: g % 2 },
-                ..Default::default()
-            };
-            let acc = Accumulator::new(cfg, &tensors).unwrap();
-            let scaler = fixed_scaler();
-            let mut w = initial.clone();
-            let opt = make(&acc, config, format, &w);
-            let mut seen = Vec::new();
-            // Each replica adds the data of its shard's rank: twice the sum over twice the items,
-            // which is the same mean, exactly.
-            for g in &two[g % 2] {
-                add(&acc, &scaler, &tensors, g);
-                acc.sync_hybrid(shard, replica).unwrap();
-                opt.step(&acc, &mut muts_of(&mut w), Some(shard)).unwrap();
-                seen.push(w.clone());
+        let none =
+            StateFormat { masters: MasterFormat::None, moments: MomentFormat::Bf16 { seed: 3 } };
+        for format in [both(rng.next_u64()), none] {
+            let config = OptimizerConfig { lr: 0.01, ..Default::default() };
+            let two = [data[0].clone(), data[1].clone()];
+            let (unsharded, _) =
+                run_group(&tensors, |_, _| Sharding::None, &initial, &two, config, format);
+            let results = hybrid_grid(2, 2, |g, shard, replica| {
+                let cfg = AccumulatorConfig {
+                    sharding: Sharding::ReduceScatter { shards: 2, rank: g % 2 },
+                    ..Default::default()
+                };
+                let acc = Accumulator::new(cfg, &tensors).unwrap();
+                let scaler = fixed_scaler();
+                let mut w = initial.clone();
+                let opt = make(&acc, config, format, &w);
+                let mut seen = Vec::new();
+                // Each replica adds the data of its shard's rank: twice the sum over twice the items,
+                // which is the same mean, exactly.
+                for g in &two[g % 2] {
+                    add(&acc, &scaler, &tensors, g);
+                    acc.sync_hybrid(shard, replica).unwrap();
+                    opt.step(&acc, &mut muts_of(&mut w), Some(shard)).unwrap();
+                    seen.push(w.clone());
+                }
+                seen
+            });
+            for (g, seen) in results.iter().enumerate() {
+                assert_eq!(seen, &results[0], "hybrid rank {g} differs from rank 0");
             }
-            seen
-        });
-        for (g, seen) in results.iter().enumerate() {
-            assert_eq!(seen, &results[0], "hybrid rank {g} differs from rank 0");
+            assert_eq!(results[0], unsharded[0], "{format:?}: hybrid against the unsharded run");
         }
-        assert_eq!(results[0], unsharded[0], "hybrid against the unsharded run");
     }
+}
+
+/// A 2-rank ZeRO-1 run of FP32 state over `tensors` rounding with `rounding`: its model, data
+/// (4 steps, one skipped) and config, the weights it ended with, and its saved parts.
+struct Fp32Run {
+    initial: Vec<Weights>,
+    data: Vec<Vec<Vec<Vec<f32>>>>,
+    config: OptimizerConfig,
+    weights: Vec<Weights>,
+    parts: Vec<Vec<u8>>,
+}
+
+fn fp32_run(rng: &mut Rng, tensors: &[TensorDesc], rounding: Rounding) -> Fp32Run {
+    let initial = model(rng, tensors);
+    let data = group_data(rng, tensors, 2, 4);
+    let config = OptimizerConfig { lr: 0.02, rounding, ..Default::default() };
+    let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
+    let (seen, parts) = run_group(tensors, rs, &initial, &data, config, StateFormat::default());
+    Fp32Run { weights: seen[0][3].clone(), initial, data, config, parts }
 }
 
 /// Saved state of each format loads into the same format (re-cut), FP32 state converts into each
@@ -490,14 +546,10 @@ fn every_format_sharded_is_the_unsharded_run() {
 fn saved_formats_recut_convert_and_refuse() {
     let mut rng = Rng::fresh("saved_formats_recut_convert_and_refuse");
     let tensors = layout(&mut rng, false);
-    let initial = model(&mut rng, &tensors);
-    let data = group_data(&mut rng, &tensors, 2, 4);
-    let config = OptimizerConfig { lr: 0.02, ..Default::default() };
+    let Fp32Run { initial, data, config, weights, parts } =
+        fp32_run(&mut rng, &tensors, Rounding::NearestEven);
     let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
-    let (seen, fp32_parts) =
-        run_group(&tensors, rs, &initial, &data, config, StateFormat::default());
-    let weights = seen[0][3].clone();
-    let fp32_parts: Vec<&[u8]> = fp32_parts.iter().map(Vec::as_slice).collect();
+    let fp32_parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
     let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
     let reference = make(&acc, config, StateFormat::default(), &weights);
     reference.load(&fp32_parts).unwrap();
@@ -757,7 +809,9 @@ fn every_path_and_thread_count_steps_the_same_bits() {
         bf16_moments(rng.next_u64()),
         both(rng.next_u64()),
         int8(MasterFormat::Bf16Remainder),
-    ];
+    ]
+    .into_iter()
+    .chain(no_masters_formats(&mut rng));
     for format in formats {
         let run = |isa: Isa, threads: usize| {
             simd::with_isa(isa, || {
@@ -832,4 +886,264 @@ fn fp32_moments_cut_inside_a_block_are_refused_by_8_bit_blocks() {
     let e = blocks.load(&[&forged]).unwrap_err();
     assert!(e.kind == ErrorKind::CorruptState && e.message.contains("cut inside a block"), "{e:?}");
     assert_eq!(blocks.save().unwrap(), before);
+}
+
+/// The spacing of `dtype`'s values at `x` (16-bit: bf16 with 8 significant bits, f16 with 11 and
+/// subnormals below 2^-14).
+fn spacing_of(dtype: Dtype, x: f64) -> f64 {
+    let e = x.abs().max(f64::MIN_POSITIVE).log2().floor();
+    match dtype {
+        Dtype::F16 => 2f64.powf(e.max(-14.0) - 10.0),
+        _ => 2f64.powf(e - 7.0),
+    }
+}
+
+/// Without masters, each step is the FP32 rule from the widened weight, rounded stochastically
+/// into the weight: against exact (f64) arithmetic from the state the step started from, a
+/// 16-bit weight is within one spacing of the exact update (plus the FP32 rule's 24 roundings),
+/// one of the two neighbours of it, and unbiased over the elements; an f32 weight is within the
+/// FP32 bound. Every moment format, AdamW and SGD, bf16, f16 and f32 weights.
+#[test]
+fn no_masters_step_the_fp32_rule_rounded_unbiased() {
+    let mut rng = Rng::fresh("no_masters_step_the_fp32_rule_rounded_unbiased");
+    let algorithms = [
+        Algorithm::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        Algorithm::Sgd { momentum: 0.9, dampening: 0.1, nesterov: false, weight_decay: 0.01 },
+    ];
+    for algorithm in algorithms {
+        for format in no_masters_formats(&mut rng) {
+            let tensors = layout(&mut rng, true);
+            let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+            let scaler = fixed_scaler();
+            let mut w = model(&mut rng, &tensors);
+            let rounding = Rounding::Stochastic { seed: rng.next_u64() };
+            let config = OptimizerConfig { algorithm, lr: 0.01, rounding };
+            let opt = make(&acc, config, format, &w);
+            let adam = matches!(algorithm, Algorithm::AdamW { .. });
+            let (mut bias, mut count, mut moved) = (0.0f64, 0usize, 0usize);
+            // Elements whose exact update lies 5% to 45% of a spacing above the grid point below
+            // its magnitude: how many rounded up, and how many should have (nearest rounds none
+            // up).
+            let (mut up, mut expected, mut near) = (0.0f64, 0.0f64, 0usize);
+            for step in 1..=6 {
+                let g = gradient(&mut rng, &tensors, false);
+                let before = state(&opt, &w, adam);
+                add(&acc, &scaler, &tensors, &g);
+                acc.sync(None).unwrap();
+                assert!(opt.step(&acc, &mut muts_of(&mut w), None).unwrap());
+                for (i, d) in tensors.iter().enumerate() {
+                    for (e, &ge) in g[i].iter().enumerate() {
+                        let b = |q: usize| before[i][q].get(e).copied().unwrap_or(0.0) as f64;
+                        let what = || {
+                            format!("{format:?} {algorithm:?} step {step} tensor {i} element {e}")
+                        };
+                        let (_, _, exact, terms) =
+                            exact_step(algorithm, step, ge as f64, (b(0), b(1), b(2)));
+                        let got = widened(&w[i], e);
+                        let err = (got - exact).abs();
+                        let rule = 24.0 * U * terms;
+                        if d.dtype == Dtype::F32 {
+                            assert!(err <= rule, "{}: {got} is {err} from exact {exact}", what());
+                            continue;
+                        }
+                        let spacing = spacing_of(d.dtype, exact);
+                        assert!(
+                            err <= spacing + rule,
+                            "{}: {got} is {err} from exact {exact} (spacing {spacing})",
+                            what()
+                        );
+                        moved += (got != b(0)) as usize;
+                        // In magnitudes: rounding up is away from zero.
+                        let lo = (exact.abs() / spacing).floor() * spacing;
+                        let frac = (exact.abs() - lo) / spacing;
+                        if (0.05..0.45).contains(&frac) {
+                            up += (got.abs() - lo > spacing / 2.0) as u64 as f64;
+                            expected += frac;
+                            near += 1;
+                        }
+                        bias += (got - exact) / spacing;
+                        count += 1;
+                    }
+                }
+            }
+            // Unbiased: the mean error in spacings shrinks as 1/sqrt(n) (each within one).
+            let mean = bias / count as f64;
+            assert!(mean.abs() < 5.0 / (count as f64).sqrt() + 0.01, "{format:?}: bias {mean}");
+            assert!(moved > count / 4, "{format:?}: only {moved} of {count} weights moved");
+            // Each rounds up with probability `frac`: a binomial count, within 5 deviations.
+            assert!(
+                (up - expected).abs() < 5.0 * (near as f64).sqrt() * 0.5 && near > 1000,
+                "{format:?}: {up} of {near} rounded up, {expected} expected"
+            );
+        }
+    }
+}
+
+/// Updates far below half a bf16 spacing, which round to nearest back to the same weight, move
+/// the weights without masters by their expected value: 2,000 steps of SGD at a constant
+/// gradient, against f64 and against FP32 masters rounded to nearest.
+#[test]
+fn no_masters_keep_updates_below_the_spacing() {
+    let tensors = [TensorDesc { numel: 4096, dtype: Dtype::Bf16 }];
+    let sgd = Algorithm::Sgd { momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    // Weights at 1.0 (bf16 spacing 2^-7 above), steps of lr * g = 2^-7 / 64.
+    let (lr, steps) = (1.0f32 / 1024.0, 2000);
+    let g = vec![vec![-1.0f32 / 8.0; tensors[0].numel]];
+    let want = 1.0 + steps as f64 * (lr as f64 / 8.0);
+    for format in
+        [StateFormat::default(), StateFormat { masters: MasterFormat::None, ..Default::default() }]
+    {
+        let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+        let mut w = vec![Weights::Half(Dtype::Bf16, vec![to_bf16(1.0); tensors[0].numel])];
+        let config = OptimizerConfig { algorithm: sgd, lr, rounding: Rounding::NearestEven };
+        let opt = make(&acc, config, format, &w);
+        for _ in 0..steps {
+            add(&acc, &fixed_scaler(), &tensors, &g);
+            acc.sync(None).unwrap();
+            opt.step(&acc, &mut muts_of(&mut w), None).unwrap();
+        }
+        let mean =
+            (0..tensors[0].numel).map(|e| widened(&w[0], e)).sum::<f64>() / tensors[0].numel as f64;
+        if format.masters == MasterFormat::None {
+            // Each step's expected move is exact; the mean of 4096 weights is within a few
+            // standard errors (each step's draw moves a weight by at most one spacing).
+            let sd = (steps as f64).sqrt() * 2f64.powi(-7) / (tensors[0].numel as f64).sqrt();
+            assert!((mean - want).abs() < 5.0 * sd, "no masters: mean {mean}, want {want}");
+        } else {
+            // FP32 masters keep the sum; their nearest-even weights are within half a spacing.
+            assert!((mean - want).abs() <= 2f64.powi(-7), "FP32 masters: {mean}, want {want}");
+        }
+    }
+}
+
+/// Over f32 weights the weight is the master: without masters every step (a skipped one
+/// included) writes the FP32 masters' weights and moments bit for bit, with either rounding and
+/// every moment format. Over 16-bit weights the first step, whose FP32 master is the widened
+/// weight too, writes the same stochastically rounded weights.
+#[test]
+fn no_masters_over_f32_weights_are_the_fp32_masters_bit_for_bit() {
+    let mut rng = Rng::fresh("no_masters_over_f32_weights_are_the_fp32_masters_bit_for_bit");
+    let f32s: Vec<TensorDesc> = (0..4)
+        .map(|_| TensorDesc { numel: rng.range(1, 3000) as usize, dtype: Dtype::F32 })
+        .collect();
+    let halves = layout(&mut rng, true);
+    for format in no_masters_formats(&mut rng) {
+        for rounding in [Rounding::NearestEven, Rounding::Stochastic { seed: rng.next_u64() }] {
+            let tensors = if rounding == Rounding::NearestEven { &f32s } else { &halves };
+            let steps = if rounding == Rounding::NearestEven { 8 } else { 1 };
+            let initial = model(&mut rng, tensors);
+            let fp32 = StateFormat { masters: MasterFormat::F32, ..format };
+            let data: Vec<_> = (0..steps).map(|s| gradient(&mut rng, tensors, s == 3)).collect();
+            let runs: Vec<_> = [fp32, format]
+                .iter()
+                .map(|&format| {
+                    let acc = Accumulator::new(AccumulatorConfig::default(), tensors).unwrap();
+                    let mut w = initial.clone();
+                    let config = OptimizerConfig { lr: 0.05, rounding, ..Default::default() };
+                    let opt = make(&acc, config, format, &w);
+                    let mut seen = Vec::new();
+                    for g in &data {
+                        add(&acc, &fixed_scaler(), tensors, g);
+                        acc.sync(None).unwrap();
+                        opt.step(&acc, &mut muts_of(&mut w), None).unwrap();
+                        let moments: Vec<Vec<u32>> = (0..tensors.len())
+                            .flat_map(|i| {
+                                let read = |s| bits(&opt.read(i, s).unwrap().1);
+                                [read(Slot::FirstMoment), read(Slot::SecondMoment)]
+                            })
+                            .collect();
+                        seen.push((w.clone(), moments));
+                    }
+                    seen
+                })
+                .collect();
+            for (step, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+                assert!(a == b, "{format:?} {rounding:?}: step {step} differs");
+            }
+        }
+    }
+}
+
+/// Saved state without masters holds no master column and re-cuts onto another shard count;
+/// FP32 state converts into it by dropping the masters (the weights the FP32 optimizer wrote
+/// are the masters from then on); a part without masters is refused, naming it, by an optimizer
+/// that keeps masters; what no masters cannot do is refused by name; damaged parts change
+/// nothing.
+#[test]
+fn saved_state_without_masters_converts_and_refuses() {
+    let mut rng = Rng::fresh("saved_state_without_masters_converts_and_refuses");
+    let tensors = layout(&mut rng, true);
+    let run = fp32_run(&mut rng, &tensors, NO_MASTERS_ROUNDING);
+    let (initial, config, w) = (run.initial, run.config, run.weights);
+    let rs = |shards, rank| Sharding::ReduceScatter { shards, rank };
+    let fp32_parts: Vec<&[u8]> = run.parts.iter().map(Vec::as_slice).collect();
+    let acc = Accumulator::new(AccumulatorConfig::default(), &tensors).unwrap();
+    let fp32 = make(&acc, config, StateFormat::default(), &w);
+    fp32.load(&fp32_parts).unwrap();
+    let numel: usize = tensors.iter().map(|d| d.numel).sum();
+    for format in no_masters_formats(&mut rng) {
+        // FP32 state into no masters: the moments as FP32 moments convert, the masters dropped.
+        let none = make(&acc, config, format, &w);
+        none.load(&fp32_parts).unwrap();
+        assert_eq!(none.steps(), 4 - 1, "{format:?}: the step count (one step skipped)");
+        let moments = StateFormat { masters: MasterFormat::F32, ..format };
+        let converted = make(&acc, config, moments, &w);
+        converted.load(&fp32_parts).unwrap();
+        for i in 0..tensors.len() {
+            for s in [Slot::FirstMoment, Slot::SecondMoment] {
+                let (a, b) = (none.read(i, s).unwrap().1, converted.read(i, s).unwrap().1);
+                assert_eq!(bits(&a), bits(&b), "{format:?} tensor {i} {s:?}");
+            }
+        }
+        let saved = none.save().unwrap();
+        assert!(
+            saved.len() + 4 * numel <= converted.save().unwrap().len(),
+            "{format:?}: a part without masters holds no master column"
+        );
+        // Re-cut onto 3 shards and back: the same state.
+        let parts: Vec<Vec<u8>> = (0..3)
+            .map(|rank| {
+                let cfg = AccumulatorConfig { sharding: rs(3, rank), ..Default::default() };
+                let sharded = Accumulator::new(cfg, &tensors).unwrap();
+                let opt = make(&sharded, config, format, &w);
+                opt.load(&[&saved]).unwrap();
+                opt.save().unwrap()
+            })
+            .collect();
+        let back = make(&acc, config, format, &w);
+        back.load(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.save().unwrap(), saved, "{format:?} re-cut");
+        // Into FP32 masters: refused, naming the part; the optimizer unchanged.
+        let before = fp32.save().unwrap();
+        let e = fp32.load(&[&parts[0], &parts[1], &parts[2]]).unwrap_err();
+        assert!(
+            e.kind == ErrorKind::CorruptState
+                && e.message.contains("part 0 holds no masters")
+                && e.message.contains("MasterFormat::None"),
+            "{e:?}"
+        );
+        assert_eq!(fp32.save().unwrap(), before);
+        // Damaged: refused, unchanged.
+        let mut damaged = saved.clone();
+        let at = damaged.len() / 2;
+        damaged[at] ^= 0x10;
+        assert_eq!(back.load(&[&damaged]).unwrap_err().kind, ErrorKind::CorruptState);
+        assert_eq!(back.save().unwrap(), saved);
+        // The masters are the weights: neither master slot is kept.
+        for s in [Slot::Weights, Slot::Remainders] {
+            let e = none.read(0, s).unwrap_err();
+            assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("no masters"));
+        }
+    }
+    // 16-bit weights rounded to nearest, and adopted masters, are refused by name.
+    let none = StateFormat { masters: MasterFormat::None, ..Default::default() };
+    let nearest = OptimizerConfig::default();
+    let g = grads_of(&initial);
+    let e = Optimizer::builder(&acc).config(nearest).state(none).weights(&g).build().unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("`rounding`"), "{e:?}");
+    let mut masters = vec![0f32; acc.plan_numel()];
+    let builder = Optimizer::builder(&acc).config(config).state(none).weights(&g);
+    // SAFETY: `masters` outlives the (refused) optimizer and nothing else touches it.
+    let e = unsafe { builder.masters(masters.as_mut_ptr(), masters.len()) }.build().unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("adopted"), "{e:?}");
 }

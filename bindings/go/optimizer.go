@@ -38,6 +38,9 @@ const (
 	// MastersBF16Remainder keeps each as the model's bf16 weight plus a 16-bit remainder, the
 	// FP32 master exactly (bf16 weights only; docs/optimizer.md, "Smaller state").
 	MastersBF16Remainder Masters = C.GRADACC_MASTERS_BF16_REMAINDER
+	// MastersNone keeps none: each step reads the master from the model's weight and writes it
+	// back with the weights' rounding, which must be stochastic for 16-bit weights.
+	MastersNone Masters = C.GRADACC_MASTERS_NONE
 )
 
 // Moments is how AdamW's moments (SGD's momentum buffer) are kept between steps.

@@ -367,6 +367,15 @@ func TestOptimizerSmallerState(t *testing.T) {
 	if _, err := NewOptimizer(acc, []Weight{WeightF16(make([]uint16, 4))}, &cfg, nil); !errorWith(err, StatusInvalidArgument, "`weights[0]` is f16") {
 		t.Fatalf("remainders over f16 weights: %v", err)
 	}
+	// No masters: 16-bit weights rounded to nearest are refused naming `rounding`, and taken
+	// rounded stochastically.
+	cfg.Masters = MastersNone
+	if _, err := NewOptimizer(acc, []Weight{WeightF16(make([]uint16, 4))}, &cfg, nil); !errorWith(err, StatusInvalidArgument, "`rounding`") {
+		t.Fatalf("no masters rounded to nearest: %v", err)
+	}
+	cfg.Rounding = RoundStochastic
+	opt := must(NewOptimizer(acc, []Weight{WeightF16(make([]uint16, 4))}, &cfg, nil))
+	opt.Close()
 }
 
 // SyncForStep then Step against Sync then Step, with a norm that clips every window: the same

@@ -48,6 +48,12 @@ pub const GRADACC_MASTERS_FP32: gradacc_masters_t = 0;
 /// adopted masters (else INVALID_ARGUMENT). The weight rounds ties away from zero instead of to
 /// even (docs/optimizer.md, "Smaller state"); only the optimizer may write the weights.
 pub const GRADACC_MASTERS_BF16_REMAINDER: gradacc_masters_t = 1;
+/// No masters: each step reads the master from the model's weight, steps it in f32 and writes it
+/// back with the weights' rounding: 0 bytes per parameter. 16-bit weights need
+/// GRADACC_ROUNDING_STOCHASTIC (else INVALID_ARGUMENT: an update below half a 16-bit spacing
+/// would be lost); over f32 weights it is FP32 masters bit for bit. Not with adopted masters;
+/// only the optimizer may write the weights (docs/optimizer.md, "Smaller state").
+pub const GRADACC_MASTERS_NONE: gradacc_masters_t = 2;
 
 /// How AdamW's moments (SGD's momentum buffer) are kept between steps.
 pub type gradacc_moments_t = i32;
@@ -173,6 +179,7 @@ fn config_from_c(c: &gradacc_optimizer_config_t) -> CallResult<(OptimizerConfig,
     let masters = match c.masters {
         GRADACC_MASTERS_FP32 => MasterFormat::F32,
         GRADACC_MASTERS_BF16_REMAINDER => MasterFormat::Bf16Remainder,
+        GRADACC_MASTERS_NONE => MasterFormat::None,
         v => {
             return Err(Error::invalid(format!(
                 "`config`.masters = {v} is not a GRADACC_MASTERS_* value"

@@ -63,7 +63,8 @@ impl<'a> OptimizerBuilder<'a> {
     /// How the masters and moments are kept (default: FP32 both): bf16 moments rounded
     /// stochastically, masters as the bf16 weights plus remainders ([`StateFormat`]). Formats
     /// that cannot be kept exactly (remainders over f16 or f32 weights, or with stochastic
-    /// rounding of the weights, or adopted masters) make `build` fail with `InvalidArgument`.
+    /// rounding of the weights, or adopted masters), and no masters over 16-bit weights rounded
+    /// to nearest or with adopted masters, make `build` fail with `InvalidArgument`.
     pub fn state(mut self, format: StateFormat) -> Self {
         self.format = format;
         self

@@ -1,6 +1,7 @@
-//! How the optimizer keeps its state: FP32 moments or bf16 moments rounded stochastically, and
-//! FP32 masters or masters kept as the model's bf16 weight plus a 16-bit remainder. The
-//! remainder's split and join are here, with the proof that they are exact.
+//! How the optimizer keeps its state: FP32 moments, bf16 moments rounded stochastically or 8-bit
+//! blocks, and FP32 masters, masters kept as the model's bf16 weight plus a 16-bit remainder, or
+//! no masters (the model's weight read back and rounded stochastically). The remainder's split
+//! and join are here, with the proof that they are exact.
 
 use super::rounding::Rounding;
 use crate::dtype::Dtype;
@@ -37,6 +38,15 @@ pub enum MasterFormat {
     /// nearest, and not with adopted masters; the model's weights must be written by the
     /// optimizer alone, since each step reads its master back from them.
     Bf16Remainder,
+    /// No masters: each step reads its master from the model's weight (widened exactly), steps
+    /// it in f32 as the FP32 master is stepped, and writes it back into the weight with the
+    /// weights' rounding. 0 bytes per master. 16-bit weights need [`Rounding::Stochastic`]: an
+    /// update below half the weight's 16-bit spacing would round to nearest back to the same
+    /// weight every step and be lost, while rounded stochastically it moves the weight by its
+    /// expected value. Over f32 weights the weight is the master, and the step is the FP32
+    /// masters' bit for bit. Not with adopted masters; the model's weights must be written by
+    /// the optimizer alone.
+    None,
 }
 
 /// An optimizer's state formats ([`OptimizerBuilder::state`](super::OptimizerBuilder::state));
@@ -53,6 +63,7 @@ impl StateFormat {
         let masters = match self.masters {
             MasterFormat::F32 => 0,
             MasterFormat::Bf16Remainder => 1,
+            MasterFormat::None => 2,
         };
         match self.moments {
             MomentFormat::F32 => (masters, 0, 0),
@@ -76,9 +87,17 @@ impl StateFormat {
         self.masters == MasterFormat::Bf16Remainder
     }
 
+    /// Whether no masters are kept (the model's weights are the masters).
+    pub(crate) fn no_masters(&self) -> bool {
+        self.masters == MasterFormat::None
+    }
+
     /// Fails unless the formats can be kept for weights of `dtypes`, with `rounding` and
     /// (`adopted`) the caller's FP32 masters.
     pub(crate) fn check(&self, dtypes: &[Dtype], rounding: Rounding, adopted: bool) -> Result<()> {
+        if self.no_masters() {
+            return check_no_masters(dtypes, rounding, adopted);
+        }
         if !self.remainders() {
             return Ok(());
         }
@@ -105,7 +124,11 @@ impl StateFormat {
     /// weight), for an algorithm with `moments` moments; blockwise moments' scales are counted
     /// as their share of a whole block (4 / [`MOMENT_BLOCK`](super::MOMENT_BLOCK) per moment).
     pub fn state_bytes(&self, moments: usize) -> f64 {
-        let master = if self.remainders() { 2.0 } else { 4.0 };
+        let master = match self.masters {
+            MasterFormat::F32 => 4.0,
+            MasterFormat::Bf16Remainder => 2.0,
+            MasterFormat::None => 0.0,
+        };
         let moment = match self.moments {
             MomentFormat::F32 => 4.0,
             MomentFormat::Bf16 { .. } => 2.0,
@@ -113,6 +136,24 @@ impl StateFormat {
         };
         master + moments as f64 * moment
     }
+}
+
+/// [`StateFormat::check`] for [`MasterFormat::None`]: 16-bit weights rounded stochastically (f32
+/// weights take any rounding, which they ignore), and the masters not adopted.
+fn check_no_masters(dtypes: &[Dtype], rounding: Rounding, adopted: bool) -> Result<()> {
+    let half = dtypes.iter().enumerate().find(|(_, d)| **d != Dtype::F32);
+    if let (Some((i, d)), Rounding::NearestEven) = (half, rounding) {
+        return Err(Error::invalid(format!(
+            "`rounding` is Rounding::NearestEven with no masters (MasterFormat::None) and `weights[{i}]` in {}: an update below half the weight's 16-bit spacing would round back to the same weight every step and be lost (use Rounding::Stochastic, or keep masters)",
+            d.name()
+        )));
+    }
+    if adopted {
+        return Err(Error::invalid(
+            "adopted `masters` with no masters (MasterFormat::None): the model's weights are the masters",
+        ));
+    }
+    Ok(())
 }
 
 /// The bf16 weight and 16-bit remainder of master `x`: the remainder is the lower half of `x`'s
@@ -225,5 +266,19 @@ mod tests {
         assert!(f.check(&[Dtype::Bf16], Rounding::NearestEven, true).is_err());
         assert!(f.check(&[Dtype::Bf16], Rounding::NearestEven, false).is_ok());
         assert_eq!(f.state_bytes(2), 10.0);
+    }
+
+    #[test]
+    fn no_masters_refuse_nearest_rounding_of_16_bit_weights_and_adoption() {
+        let f = StateFormat { masters: MasterFormat::None, ..Default::default() };
+        let sr = Rounding::Stochastic { seed: 1 };
+        let e = f.check(&[Dtype::F32, Dtype::F16], Rounding::NearestEven, false).unwrap_err();
+        assert!(e.message.contains("`rounding`") && e.message.contains("`weights[1]` in f16"));
+        assert!(f.check(&[Dtype::Bf16], Rounding::NearestEven, false).is_err());
+        assert!(f.check(&[Dtype::Bf16], sr, true).unwrap_err().message.contains("adopted"));
+        assert!(f.check(&[Dtype::F32], Rounding::NearestEven, false).is_ok());
+        assert!(f.check(&[Dtype::F32, Dtype::F16, Dtype::Bf16], sr, false).is_ok());
+        assert_eq!(f.state_bytes(2), 8.0);
+        assert_eq!(f.codes().0, 2);
     }
 }

@@ -56,7 +56,7 @@ pub enum Slot {
 /// FP32 master weights and the optimizer's state for the tensors of one accumulator, stepped
 /// once per synced window. Under [`Sharding::ReduceScatter`] and [`Sharding::Accumulate`] it
 /// holds only this rank's shard ([`Accumulator::shard`]): 12 bytes per element of the shard for
-/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 4.125 and 3.0625
+/// AdamW, 8 for SGD (its momentum buffer is kept even at momentum 0), down to 2.125 and 1.0625
 /// with the smaller state formats ([`OptimizerBuilder::state`]), and after each step the ranks
 /// all-gather the new model weights, so every rank's model is bitwise what one unsharded
 /// optimizer would write.
@@ -327,19 +327,24 @@ impl Optimizer {
     /// 8-bit blockwise moments decoded, as the step decodes them).
     /// On a CUDA accumulator this reads the device (it waits for the stream). With
     /// [`MasterFormat::Bf16Remainder`] the masters are not the optimizer's alone: read
-    /// [`Slot::Remainders`] and join them with the weights ([`join_master`]).
+    /// [`Slot::Remainders`] and join them with the weights ([`join_master`]); with
+    /// [`MasterFormat::None`] the masters are the model's weights, and neither slot is kept.
     pub fn read(&self, index: usize, slot: Slot) -> Result<(Range<usize>, Vec<f32>)> {
         self.plan.layout.check_index(index)?;
         if slot == Slot::SecondMoment && !self.algorithm.second_moment() {
             return Err(Error::invalid("`slot`: SGD keeps no second moment".to_string()));
         }
-        if (slot == Slot::Weights) == self.format.remainders()
-            && matches!(slot, Slot::Weights | Slot::Remainders)
-        {
-            return Err(Error::invalid(if self.format.remainders() {
-                "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)"
-            } else {
-                "`slot`: the masters are FP32 and keep no remainders"
+        // The masters' slot this format keeps, if any.
+        let kept = match self.format.masters {
+            MasterFormat::F32 => Some(Slot::Weights),
+            MasterFormat::Bf16Remainder => Some(Slot::Remainders),
+            MasterFormat::None => None,
+        };
+        if matches!(slot, Slot::Weights | Slot::Remainders) && Some(slot) != kept {
+            return Err(Error::invalid(match self.format.masters {
+                MasterFormat::Bf16Remainder => "`slot`: the masters are the bf16 weights plus remainders: read Slot::Remainders and join them with the weights (join_master)",
+                MasterFormat::F32 => "`slot`: the masters are FP32 and keep no remainders",
+                MasterFormat::None => "`slot`: no masters are kept (MasterFormat::None): the model's weights are the masters",
             }));
         }
         let p = piece(&self.plan, index, &self.held);

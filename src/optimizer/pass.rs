@@ -11,13 +11,25 @@ use super::format::{join_master, split_master, MomentFormat};
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
 use crate::dtype::{Dtype, GradMut};
-use crate::math::{bf16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::math::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::simd::{active_isa, Isa, MIN_ELEMENTS_PER_THREAD};
 
-/// How a master weight becomes the model's weight, element after element of a piece.
+/// How a master weight becomes the model's weight, element after element of a piece, and
+/// (with no masters) how the weight reads back as the master: widened exactly.
 trait Write {
     type Out;
     fn write(&mut self, master: f32) -> Self::Out;
+    fn read(weight: &Self::Out) -> f32;
+}
+
+/// A 16-bit weight widened: bf16 (`BF16`) or f16.
+#[inline(always)]
+fn widen<const BF16: bool>(weight: u16) -> f32 {
+    if BF16 {
+        bf16_to_f32(weight)
+    } else {
+        f16_to_f32(weight)
+    }
 }
 
 struct Exact;
@@ -27,6 +39,10 @@ impl Write for Exact {
     #[inline(always)]
     fn write(&mut self, master: f32) -> f32 {
         master
+    }
+    #[inline(always)]
+    fn read(weight: &f32) -> f32 {
+        *weight
     }
 }
 
@@ -41,6 +57,10 @@ impl<const BF16: bool> Write for Nearest<BF16> {
         } else {
             f32_to_f16(master)
         }
+    }
+    #[inline(always)]
+    fn read(weight: &u16) -> f32 {
+        widen::<BF16>(*weight)
     }
 }
 
@@ -59,14 +79,20 @@ impl<const BF16: bool> Write for Stochastic<BF16> {
         self.counter = rounding::next(self.counter);
         rounding::stochastic(master, if BF16 { Dtype::Bf16 } else { Dtype::F16 }, r)
     }
+    #[inline(always)]
+    fn read(weight: &u16) -> f32 {
+        widen::<BF16>(*weight)
+    }
 }
 
 /// A column of held values: f32, or 16-bit words (bf16 moments, or the masters' remainders),
-/// or 8-bit blockwise moments (from a block boundary).
+/// or 8-bit blockwise moments (from a block boundary); for the masters, `InWeights` when there
+/// are none (the model's weights are the masters).
 pub(crate) enum Cells<'a> {
     F32(&'a mut [f32]),
     U16(&'a mut [u16]),
     Blocks(Blocks<'a>),
+    InWeights,
 }
 
 impl<'a> Cells<'a> {
@@ -86,6 +112,7 @@ impl<'a> Cells<'a> {
                 let blocks = |codes, scales| Cells::Blocks(Blocks { codes, scales });
                 (blocks(c0, s0), blocks(c1, s1))
             }
+            Cells::InWeights => (Cells::InWeights, Cells::InWeights),
             empty => (empty, Cells::F32(&mut [])),
         }
     }
@@ -187,6 +214,10 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
             let pass = StatePass { isa, k, grad, x, first, second, keys };
             with_writer(out, job.rounding, counter, pass)
         }
+        (Cells::InWeights, out) => {
+            let pass = WeightPass { isa, k, grad, first, second, keys };
+            with_writer(out, job.rounding, counter, pass)
+        }
         (Cells::U16(_), _) => {
             unreachable!("remainder masters are checked to be over bf16 weights")
         }
@@ -263,6 +294,23 @@ impl WithWriter for StatePass<'_, '_> {
     }
 }
 
+/// The loop with no masters: each read from its model weight, which `W` writes back.
+struct WeightPass<'a, 'k> {
+    isa: Isa,
+    k: &'k Scalars,
+    grad: &'a [f32],
+    first: Cells<'a>,
+    second: Cells<'a>,
+    keys: u64,
+}
+
+impl WithWriter for WeightPass<'_, '_> {
+    fn run<W: Write>(self, out: &mut [W::Out], w: W) {
+        let x = InWeight { out, w };
+        moments_on(self.isa, self.k, self.grad, x, self.first, self.second, self.keys)
+    }
+}
+
 /// Where a step reads a master and writes it, with its model weight.
 pub(super) trait Master {
     fn len(&self) -> usize;
@@ -289,6 +337,28 @@ impl<W: Write> Master for Plain<'_, W> {
     #[inline(always)]
     fn set(&mut self, i: usize, x: f32) {
         self.x[i] = x;
+        self.out[i] = self.w.write(x);
+    }
+}
+
+/// No master: the model's weight widened, written back by `W` (rounded stochastically for a
+/// 16-bit weight, as `StateFormat::check` demands).
+struct InWeight<'a, W: Write> {
+    out: &'a mut [W::Out],
+    w: W,
+}
+
+impl<W: Write> Master for InWeight<'_, W> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.out.len()
+    }
+    #[inline(always)]
+    fn get(&mut self, i: usize) -> f32 {
+        W::read(&self.out[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32) {
         self.out[i] = self.w.write(x);
     }
 }

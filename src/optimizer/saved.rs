@@ -5,7 +5,8 @@
 //! formats; a part of one format loads into an optimizer of another where the conversion is
 //! exact or a rounding (see `convert`). 8-bit blockwise moments are saved as their codes and
 //! their blocks' scales: a part's elements of a tensor start at a block boundary (every shard
-//! boundary is one), so blocks re-cut whole.
+//! boundary is one), so blocks re-cut whole. With no masters ([`MasterFormat::None`](super::MasterFormat::None)) a part
+//! holds no master column: the model's weights are the masters.
 
 use std::ops::Range;
 
@@ -57,7 +58,9 @@ pub(super) fn encode(o: &Optimizer, s: &Values<'_>) -> Vec<u8> {
     for i in 0..o.dtypes.len() {
         let p = piece(&o.plan, i, &o.held);
         w.u64(p.tensor.start as u64).u64(p.tensor.end as u64);
-        column(&mut w, &s.master, p.held.clone());
+        if !o.format.no_masters() {
+            column(&mut w, &s.master, p.held.clone());
+        }
         column(&mut w, &s.first, p.held.clone());
         if o.algorithm.second_moment() {
             column(&mut w, &s.second, p.held);
@@ -77,20 +80,24 @@ pub(super) enum Owned {
         scales: Vec<f32>,
         signed: bool,
     },
+    /// No masters: the model's weights are.
+    Absent,
 }
 
-/// The format of a column: f32, 16-bit words, or 8-bit blocks.
+/// The format of a column: f32, 16-bit words, 8-bit blocks, or none (no masters).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     F32,
     U16,
     Blocks,
+    Absent,
 }
 
 /// The kind of column `slot` (0: masters, 1 and 2: moments) of `format`.
 fn kind(format: &StateFormat, slot: usize) -> Kind {
     match (slot, format.moments) {
         (0, _) if format.remainders() => Kind::U16,
+        (0, _) if format.no_masters() => Kind::Absent,
         (0, _) | (_, MomentFormat::F32) => Kind::F32,
         (_, MomentFormat::Bf16 { .. }) => Kind::U16,
         (_, MomentFormat::Int8Blockwise) => Kind::Blocks,
@@ -105,6 +112,7 @@ impl Owned {
             Owned::Blocks { codes, scales, signed } => {
                 Column::Blocks { codes, scales, signed: *signed }
             }
+            Owned::Absent => Column::F32(&[]),
         }
     }
 
@@ -120,6 +128,7 @@ impl Owned {
                     signed: slot == 1,
                 }
             }
+            Kind::Absent => Owned::Absent,
         }
     }
 
@@ -133,6 +142,7 @@ impl Owned {
                 codes[at] = c[e];
                 scales[at / BLOCK] = s[e / BLOCK];
             }
+            (Owned::Absent, Owned::Absent) => {}
             _ => unreachable!("columns are converted to the optimizer's formats first"),
         }
     }
@@ -145,6 +155,7 @@ impl Owned {
             Owned::Blocks { codes, scales, signed } => {
                 blockwise::dequantise_all(blockwise::map(!signed as usize), &codes, &scales)
             }
+            Owned::Absent => unreachable!("moments are never absent"),
         }
     }
 }
@@ -155,10 +166,19 @@ impl Owned {
 /// moments bf16 by rounding to nearest even; bf16 moments widen exactly. Moments of any other
 /// format become 8-bit blocks by quantising their values block by block, and 8-bit blocks
 /// decode to FP32 (and round to nearest even for bf16). Remainders need their weights, so they
-/// load only as remainders.
+/// load only as remainders, or as no masters. Masters of any format load into no masters by
+/// being dropped: the model's weights, which the saving optimizer wrote from them, are the
+/// masters from then on. A part without masters loads only into no masters: the others would
+/// need the weights.
 fn convert(c: Owned, slot: usize, to: &StateFormat, index: usize) -> Result<Owned> {
     let want = kind(to, slot);
     let c = match (c, want) {
+        (_, Kind::Absent) => return Ok(Owned::Absent),
+        (Owned::Absent, _) => {
+            return Err(corrupt(format!(
+                "part {index} holds no masters (MasterFormat::None: the model's weights are its masters), which kept masters cannot take without the weights: load it into an optimizer with MasterFormat::None"
+            )))
+        }
         (c @ Owned::Blocks { .. }, Kind::Blocks) => return Ok(c),
         (c, Kind::Blocks) => {
             let (codes, scales) =
@@ -184,7 +204,7 @@ fn convert(c: Owned, slot: usize, to: &StateFormat, index: usize) -> Result<Owne
             )))
         }
         (Owned::U16(v), false) => Owned::F32(v.iter().map(|&b| bf16_to_f32(b)).collect()),
-        (Owned::Blocks { .. }, _) => unreachable!("blocks are decoded above"),
+        (Owned::Blocks { .. } | Owned::Absent, _) => unreachable!("handled above"),
     })
 }
 
@@ -211,7 +231,7 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
         }
     }
     let (masters, moments) = if version == FP32_VERSION { (0, 0) } else { (r.u64()?, r.u64()?) };
-    if masters > 1 || moments > 2 {
+    if masters > 2 || moments > 2 {
         return Err(corrupt(format!(
             "part {index} names state formats {masters} and {moments}, which this version does not know"
         )));
@@ -233,7 +253,9 @@ fn read_part(o: &Optimizer, index: usize, bytes: &[u8]) -> Result<Part> {
             // A length that disagrees with the part's own range is damage, not another object.
             let damaged = |e: Error| corrupt(format!("part {index}: {}", e.message));
             let u16s = if slot == 0 { masters == 1 } else { moments == 1 };
-            let saved = if slot > 0 && moments == 2 {
+            let saved = if slot == 0 && masters == 2 {
+                Owned::Absent
+            } else if slot > 0 && moments == 2 {
                 let (mut codes, mut scales) = (Vec::new(), Vec::new());
                 r.u8s_into(&mut codes, n).map_err(damaged)?;
                 r.f32s_into(&mut scales, blockwise::blocks(n)).map_err(damaged)?;

@@ -165,10 +165,11 @@ void fp_opt_step(Footprint &f, const ga_opt_tensor *tensors, const ga_opt_chunk 
         const ga_opt_chunk &k = chunks[c];
         f.write(weight_at(weights, tensors, k), k.len * dtype_bytes(tensors[k.tensor].dtype));
         f.read(grad + k.at, k.len * 4);
-        // Remainder masters and bf16 moments take 2 bytes per element (GA_MASTERS_*, GA_MOMENTS_*).
+        // Remainder masters and bf16 moments take 2 bytes per element (GA_MASTERS_*, GA_MOMENTS_*),
+        // and no masters none: the weights are.
         if (rule.masters == GA_MASTERS_REMAINDER) {
             f.write((unsigned short *)master + k.at, k.len * 2);
-        } else {
+        } else if (rule.masters == GA_MASTERS_F32) {
             f.write(master + k.at, k.len * 4);
         }
         if (rule.moments == GA_MOMENTS_BF16) {

@@ -780,7 +780,8 @@ class Accumulator(_Managed):
 _ALGORITHM_NAMES = {"adamw": Algorithm.ADAMW, "sgd": Algorithm.SGD}
 _ROUNDING_NAMES = {"nearest": Rounding.NEAREST_EVEN, "nearest_even": Rounding.NEAREST_EVEN,
                    "stochastic": Rounding.STOCHASTIC}
-_MASTERS_NAMES = {"fp32": Masters.FP32, "bf16_remainder": Masters.BF16_REMAINDER}
+_MASTERS_NAMES = {"fp32": Masters.FP32, "bf16_remainder": Masters.BF16_REMAINDER,
+                  "none": Masters.NONE}
 _MOMENTS_NAMES = {"fp32": Moments.FP32, "bf16": Moments.BF16,
                   "int8_blockwise": Moments.INT8_BLOCKWISE}
 
@@ -829,7 +830,9 @@ class Optimizer(_Managed):
     ``"stochastic"`` with ``seed``; ``moments="bf16"`` (with ``moment_seed``) keeps the moments in
     bf16, rounded stochastically, ``moments="int8_blockwise"`` in 8-bit blocks (CPU only), and
     ``master_format="bf16_remainder"`` keeps each master as its bf16
-    weight plus a 16-bit remainder (bf16 weights only; docs/optimizer.md, "Smaller state").
+    weight plus a 16-bit remainder (bf16 weights only), ``master_format="none"`` keeps no
+    masters (the weights are; 16-bit weights need ``rounding="stochastic"``; docs/optimizer.md,
+    "Smaller state").
     ``config=`` takes a whole ``gradacc_optimizer_config_t``.
     ``groups`` gives each tensor ``(weight_decay, lr_scale)`` (or a dict of those keys);
     ``dtypes`` the weights' dtypes where the arrays do not say. The masters start as the weights'

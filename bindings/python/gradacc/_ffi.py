@@ -62,6 +62,7 @@ GRADACC_ROUNDING_NEAREST_EVEN = 0  # Round to nearest, ties to even.
 GRADACC_ROUNDING_STOCHASTIC = 1  # Stochastic rounding keyed by `seed`, the step and the element (the same on every rank).
 GRADACC_MASTERS_FP32 = 0  # FP32 masters: 4 bytes per parameter beside the model's weight.
 GRADACC_MASTERS_BF16_REMAINDER = 1  # The master is the model's bf16 weight plus a 16-bit remainder the optimizer keeps: 2 bytes per parameter, the FP32 master exactly.
+GRADACC_MASTERS_NONE = 2  # No masters: each step reads the master from the model's weight, steps it in f32 and writes it back with the weights' rounding: 0 bytes per parameter. 16-bit weights need GRADACC_ROUNDING_STOCHASTIC (else INVALID_ARGUMENT: an update below half a 16-bit spacing would be lost); over f32 weights it is FP32 masters bit for bit.
 GRADACC_MOMENTS_FP32 = 0  # FP32 moments: 4 bytes per moment.
 GRADACC_MOMENTS_BF16 = 1  # bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the element (the same on every rank and shard count).
 GRADACC_MOMENTS_INT8_BLOCKWISE = 2  # 8-bit blockwise moments: 1 byte each plus one f32 scale per block of 64 elements of a tensor, coded as the nearest entry of a dynamic quantisation map times the block's largest magnitude.

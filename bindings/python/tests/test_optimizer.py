@@ -357,6 +357,32 @@ def test_bf16_moments_and_remainder_masters_step_save_and_refuse():
         gradacc.Optimizer(acc, [np.zeros(3, np.float16)], moments="int8_blockwise").close()
 
 
+def test_no_masters_step_the_weights_and_refuse_nearest_rounding():
+    """Without masters the weights step (rounded stochastically), save and load without a
+    master column; f16 weights rounded to nearest are refused naming `rounding`."""
+    layout = [(300, "bf16")]
+    start = bf16_bits(np.linspace(-2.0, 2.0, 300, dtype=np.float32))
+    weights = [start.copy()]
+    with unit_scaler() as scaler, gradacc.Accumulator(layout) as acc, \
+            gradacc.Optimizer(acc, weights, lr=0.01, master_format="none", rounding="stochastic",
+                              seed=3) as opt, \
+            gradacc.Optimizer(acc, [start.copy()], lr=0.01, rounding="stochastic", seed=3) as fp32:
+        for step in range(3):
+            add_and_sync(acc, scaler, [bf16_bits(np.cos(np.arange(300, dtype=np.float32) + step))])
+            assert opt.step()
+        assert (weights[0] != start).mean() > 0.9
+        state = opt.save()
+        assert len(state) + 4 * 300 <= len(fp32.save())
+        opt.load(state)
+        assert opt.steps == 3
+    with gradacc.Accumulator([(3, "f16")]) as acc:
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, [np.zeros(3, np.float16)], master_format="none")
+        assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "`rounding`" in e.value.message
+        gradacc.Optimizer(acc, [np.zeros(3, np.float16)], master_format="none",
+                          rounding="stochastic").close()
+
+
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8_blockwise"])
 def test_the_clip_inside_the_step_is_sync_then_step_bit_for_bit(moments):
     """sync_for_step + step against sync + step, with a norm that clips every window: the same

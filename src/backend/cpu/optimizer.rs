@@ -21,7 +21,8 @@ use crate::optimizer::{piece, Algorithm, MomentFormat, Rounding, TensorGroup};
 
 /// A host optimizer's masters: a vector it owns, the caller's buffer it adopted (a
 /// framework's own FP32 master weights, updated in place so that no second copy exists), or the
-/// remainders that make the model's bf16 weights the masters.
+/// remainders that make the model's bf16 weights the masters, or none (the model's weights are
+/// the masters).
 #[derive(Debug)]
 enum Masters {
     Owned(Vec<f32>),
@@ -31,6 +32,7 @@ enum Masters {
         len: usize,
     },
     Remainders(Vec<u16>),
+    InWeights,
 }
 
 // SAFETY: an adopted buffer is plain f32 memory that the caller lends for the optimizer's
@@ -49,6 +51,7 @@ impl Masters {
                 Column::F32(unsafe { std::slice::from_raw_parts(*ptr, *len) })
             }
             Masters::Remainders(v) => Column::U16(v),
+            Masters::InWeights => Column::F32(&[]),
         }
     }
 
@@ -63,6 +66,7 @@ impl Masters {
                 Cells::F32(&mut all[range])
             }
             Masters::Remainders(v) => Cells::U16(&mut v[range]),
+            Masters::InWeights => Cells::InWeights,
         }
     }
 
@@ -72,6 +76,7 @@ impl Masters {
         match (self.cells(0..n), values) {
             (Cells::F32(to), Column::F32(from)) => to.copy_from_slice(from),
             (Cells::U16(to), Column::U16(from)) => to.copy_from_slice(from),
+            (Cells::InWeights, _) if n == 0 => {}
             _ => return Err(Error::invalid("saved masters of another format")),
         }
         Ok(())
@@ -170,6 +175,7 @@ impl HostOptimizer {
             Some((ptr, len)) => Masters::Adopted { ptr, len },
             // A widened bf16 weight's lower half is zero.
             None if setup.format.remainders() => Masters::Remainders(vec![0; held.len()]),
+            None if setup.format.no_masters() => Masters::InWeights,
             None => Masters::Owned(masters_from(setup.plan, &held, weights)),
         };
         let second_moment = setup.algorithm.second_moment();
@@ -285,7 +291,7 @@ impl OptimizerStore for HostOptimizer {
     fn adopted(&self) -> Option<(DevicePtr, usize)> {
         match self.master {
             Masters::Adopted { ptr, len } => Some((ptr as DevicePtr, len)),
-            Masters::Owned(_) | Masters::Remainders(_) => None,
+            Masters::Owned(_) | Masters::Remainders(_) | Masters::InWeights => None,
         }
     }
 

@@ -121,7 +121,7 @@ pub struct GaOptRule {
     /// `GA_ROUND_NEAREST` (0) or `GA_ROUND_STOCHASTIC` (1).
     pub rounding: u32,
     pub seed: u64,
-    /// `GA_MASTERS_F32` (0) or `GA_MASTERS_REMAINDER` (1).
+    /// `GA_MASTERS_F32` (0), `GA_MASTERS_REMAINDER` (1) or `GA_MASTERS_NONE` (2).
     pub masters: u32,
     /// `GA_MOMENTS_F32` (0) or `GA_MOMENTS_BF16` (1).
     pub moments: u32,

@@ -233,6 +233,8 @@ impl DeviceOptimizer {
             Some((ptr, _)) => DeviceBuffer::adopt(&ctx, stream, ptr, held.len() * 4),
             // A widened bf16 weight's remainder is zero.
             None if rem => DeviceBuffer::zeroed(&ctx, stream, held.len() * 2)?,
+            // No masters: the model's weights are.
+            None if setup.format.no_masters() => DeviceBuffer::zeroed(&ctx, stream, 0)?,
             None => {
                 let values = masters_from(&ctx, stream, &pieces, dtypes, weights, held.len())?;
                 DeviceBuffer::from_slice(&ctx, stream, &values)?
@@ -410,7 +412,11 @@ impl DeviceOptimizer {
             Some(b) => read(b, bf16)?,
             None => Held::F32(vec![]),
         };
-        let values = [read(&self.master, rem)?, read(&self.first, bf16)?, second];
+        let master = match self.format.no_masters() {
+            true => Held::F32(vec![]),
+            false => read(&self.master, rem)?,
+        };
+        let values = [master, read(&self.first, bf16)?, second];
         Ok((self.read_steps()?, values))
     }
 

@@ -1009,7 +1009,11 @@ include("mesh.jl")
 const ALGORITHM = Dict(:adamw => GRADACC_OPTIMIZER_ADAMW, :sgd => GRADACC_OPTIMIZER_SGD)
 const ROUNDING = Dict(:nearest => GRADACC_ROUNDING_NEAREST_EVEN, :nearest_even => GRADACC_ROUNDING_NEAREST_EVEN,
                       :stochastic => GRADACC_ROUNDING_STOCHASTIC)
-const MASTER_FORMAT = Dict(:fp32 => GRADACC_MASTERS_FP32, :bf16_remainder => GRADACC_MASTERS_BF16_REMAINDER)
+const MASTER_FORMAT = Dict(
+    :fp32 => GRADACC_MASTERS_FP32,
+    :bf16_remainder => GRADACC_MASTERS_BF16_REMAINDER,
+    :none => GRADACC_MASTERS_NONE,
+)
 const MOMENTS = Dict(
     :fp32 => GRADACC_MOMENTS_FP32,
     :bf16 => GRADACC_MOMENTS_BF16,
@@ -1040,8 +1044,9 @@ FP32 master weights and AdamW or SGD state for the tensors of `acc`, stepped by
 contiguous vector per tensor: `Float32`, `Float16`, a BFloat16 type or `UInt16` words) in place.
 Keywords replace fields of `gradacc_optimizer_config_default`; SGD's `weight_decay` is 0 unless
 given, as in `torch.optim.SGD`. `rounding` is `:nearest` or `:stochastic` (keyed by `seed`).
-`master_format` is `:fp32` or `:bf16_remainder` (the bf16 weight plus a 16-bit remainder, the
-FP32 master exactly, bf16 weights only) and `moments` `:fp32`, `:bf16` (rounded stochastically,
+`master_format` is `:fp32`, `:bf16_remainder` (the bf16 weight plus a 16-bit remainder, the
+FP32 master exactly, bf16 weights only) or `:none` (no masters: the weights are, rounded
+stochastically when 16-bit, so `rounding=:stochastic`) and `moments` `:fp32`, `:bf16` (rounded stochastically,
 keyed by `moment_seed`) or `:int8_blockwise` (8-bit blocks, CPU only): docs/optimizer.md,
 "Smaller state".
 `groups` gives each tensor `(weight_decay, lr_scale)` (or a named tuple of those). The masters

@@ -1081,6 +1081,12 @@ sharded_accumulation(world, r, comm; kw...) =
         @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("`weights[0]` is f32", err.message)
         @test thrown(() -> Optimizer(acc, [zeros(Float32, 4)]; moments=:int8)) isa ArgumentError
         close(acc)
+        # No masters: 16-bit weights rounded to nearest are refused naming `rounding`.
+        acc = Accumulator([(4, Float16)])
+        err = thrown(() -> Optimizer(acc, [zeros(Float16, 4)]; master_format=:none))
+        @test err isa GradAccError && err.status == GRADACC_STATUS_INVALID_ARGUMENT && occursin("`rounding`", err.message)
+        close(Optimizer(acc, [zeros(Float16, 4)]; master_format=:none, rounding=:stochastic))
+        close(acc)
     end
 
     # Adopted masters: the caller's values (not the weights') are the masters, each SGD step

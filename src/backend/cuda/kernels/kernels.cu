@@ -531,17 +531,28 @@ extern "C" __global__ void __launch_bounds__(GA_THREADS) ga_opt_step(
         ga_opt_scalars k = ga_opt_scalars_for(&rule, base_lr, tensor.lr_scale, (int)tensor.decays, t);
         void *out = (void *)(size_t)weights.w[chunk.tensor - weights.first_tensor];
         if (formats) {
-            /* Remainder masters are over bf16 weights only, where the split writes the weight. */
-            unsigned short *out16 = (unsigned short *)out;
-            unsigned short scratch = 0;
+            /* Remainder masters are over bf16 weights only, where the split writes the weight; with
+             * no masters the weight is read back as the master and written as FP32 masters write. */
+            unsigned short *out16 = (unsigned short *)out, *rem = (unsigned short *)master;
             for (ga_u64 i = threadIdx.x; i < chunk.len; i += blockDim.x) {
-                ga_u64 h = chunk.at + i, flat = held_start + h;
+                ga_u64 h = chunk.at + i, flat = held_start + h, o = chunk.start + i;
+                float w;
                 if (rule.masters == GA_MASTERS_REMAINDER) {
-                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &out16[chunk.start + i], key_m, flat);
+                    w = ga_join_master(out16[o], rem[h]);
+                } else if (rule.masters == GA_MASTERS_NONE) {
+                    w = ga_read_weight(out, o, (int)tensor.dtype);
                 } else {
-                    ga_opt_formats_one(&rule, &k, grad[h], master, first, second, h, &scratch, key_m, flat);
-                    ga_write_weight(out, chunk.start + i, tensor.dtype, master[h], stochastic, key, flat);
+                    w = master[h];
                 }
+                ga_opt_formats_one(&rule, &k, grad[h], &w, first, second, h, key_m, flat);
+                if (rule.masters == GA_MASTERS_REMAINDER) {
+                    ga_split_master(w, &out16[o], &rem[h]);
+                    continue;
+                }
+                if (rule.masters == GA_MASTERS_F32) {
+                    master[h] = w;
+                }
+                ga_write_weight(out, o, tensor.dtype, w, stochastic, key, flat);
             }
             continue;
         }

@@ -355,6 +355,7 @@ GA_HD void ga_scale_loss_one(void *loss, ga_u64 i, int dtype, float scale) {
 /* State format codes of ga_opt_rule (format::StateFormat::codes). */
 #define GA_MASTERS_F32 0
 #define GA_MASTERS_REMAINDER 1
+#define GA_MASTERS_NONE 2
 #define GA_MOMENTS_F32 0
 #define GA_MOMENTS_BF16 1
 
@@ -514,14 +515,21 @@ GA_HD void ga_split_master(float x, unsigned short *weight, unsigned short *rem)
     *weight = (unsigned short)((bits >> 16) + ((bits >> 15) & 1u));
 }
 
-/* One element's step with the smaller formats (pass::formats): the master read back from the
- * bf16 weight `*out16` and remainder `*rem`, or from `*master`; the moments from bf16 or f32; all
- * stepped in f32 as the FP32 state is, and stored back, the bf16 moments rounded stochastically
- * with the draws of flat element `flat` under `key` (rounding::draws_at). */
-GA_HD void ga_opt_formats_one(const ga_opt_rule *rule, const ga_opt_scalars *k, float g, float *master, void *first, void *second,
-                              ga_u64 h, unsigned short *out16, ga_u64 key, ga_u64 flat) {
-    int rem = rule->masters == GA_MASTERS_REMAINDER;
-    float w = rem ? ga_join_master(*out16, ((unsigned short *)master)[h]) : master[h];
+/* A model weight of `dtype` at `out[i]` widened exactly: the master when none is kept. */
+GA_HD float ga_read_weight(const void *out, ga_u64 i, int dtype) {
+    if (dtype == GA_DTYPE_F32) {
+        return ((const float *)out)[i];
+    }
+    unsigned short h = ((const unsigned short *)out)[i];
+    return dtype == GA_DTYPE_F16 ? ga_f16_to_f32(h) : ga_bf16_to_f32(h);
+}
+
+/* One element's step with the smaller formats (pass::formats): the master `*w` (read by the caller
+ * in its format) and the moments from bf16 or f32, all stepped in f32 as the FP32 state is, the
+ * moments stored back, the bf16 ones rounded stochastically with the draws of flat element `flat`
+ * under `key` (rounding::draws_at). */
+GA_HD void ga_opt_formats_one(const ga_opt_rule *rule, const ga_opt_scalars *k, float g, float *w, void *first, void *second,
+                              ga_u64 h, ga_u64 key, ga_u64 flat) {
     int adamw = rule->algorithm == GA_OPT_ADAMW;
     if (rule->moments == GA_MOMENTS_BF16) {
         unsigned short *m16 = (unsigned short *)first, *v16 = (unsigned short *)second;
@@ -529,22 +537,17 @@ GA_HD void ga_opt_formats_one(const ga_opt_rule *rule, const ga_opt_scalars *k, 
         float m = ga_bf16_to_f32(m16[h]);
         if (adamw) {
             float v = ga_bf16_to_f32(v16[h]);
-            ga_adamw_one(k, g, &w, &m, &v);
+            ga_adamw_one(k, g, w, &m, &v);
             m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
             v16[h] = ga_stochastic_bf16(v, (ga_u32)r);
         } else {
-            ga_sgd_one(k, g, &w, &m);
+            ga_sgd_one(k, g, w, &m);
             m16[h] = ga_stochastic_bf16(m, (ga_u32)(r >> 32));
         }
     } else if (adamw) {
-        ga_adamw_one(k, g, &w, &((float *)first)[h], &((float *)second)[h]);
+        ga_adamw_one(k, g, w, &((float *)first)[h], &((float *)second)[h]);
     } else {
-        ga_sgd_one(k, g, &w, &((float *)first)[h]);
-    }
-    if (rem) {
-        ga_split_master(w, out16, &((unsigned short *)master)[h]);
-    } else {
-        master[h] = w;
+        ga_sgd_one(k, g, w, &((float *)first)[h]);
     }
 }
 
