@@ -170,8 +170,38 @@ impl Accumulator {
         count: u64,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
+        unsafe { self.add_raw_with(scaler, grads, count, false) }
+    }
+
+    /// [`Accumulator::add_final`] with the gradients as raw addresses, as
+    /// [`Accumulator::add_raw`] takes them.
+    ///
+    /// # Safety
+    /// As [`Accumulator::add_raw`].
+    #[cfg(feature = "internal")]
+    pub unsafe fn add_final_raw(
+        &self,
+        scaler: &Scaler,
+        grads: &[*const c_void],
+        count: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.add_raw_with(scaler, grads, count, true) }
+    }
+
+    /// # Safety
+    /// As [`Accumulator::add_raw`].
+    #[cfg(feature = "internal")]
+    unsafe fn add_raw_with(
+        &self,
+        scaler: &Scaler,
+        grads: &[*const c_void],
+        count: u64,
+        last: bool,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
         match unsafe { crate::backend::raw_gradients(self.device(), grads, self.tensors()) } {
-            Ok(g) => self.add(scaler, g.as_grads(), count),
+            Ok(g) => self.add_with(scaler, g.as_grads(), count, last),
             Err(e) => {
                 self.refuse_collective();
                 Err(e)
