@@ -8,10 +8,11 @@
 //! back as well as written), both 20.
 //!
 //! A third table times the boundary plus the step, clipping every window: `sync` then the step
-//! (norm 4 + clip 8 + step 30 = 42 bytes per element) against `sync_for_step` then the step
-//! (the clip applied inside the step: 34), in turns, next to the floor of those 34 bytes (a plain
-//! read of the gradient, then the step's floor), on 1 and 2 threads; with bf16 moments the bytes
-//! are 34 and 26, the floor's moments bf16 too.
+//! (norm 4 + clip 8 + step 30 = 42 bytes per element), `sync_for_step` then the step (the clip
+//! applied inside the step: 34), and that after `add_final` (the norm measured in the last add:
+//! 30), in turns, next to the floors of 34 bytes (a plain read of the gradient, then the step's
+//! floor) and of 30 (the step's floor alone), on 1 and 2 threads, with each way's last add timed
+//! apart; with bf16 moments the bytes are 34, 26 and 22, the floors' moments bf16 too.
 //!
 //! `cargo bench --bench optimizer`.
 
@@ -172,21 +173,26 @@ fn main() {
     boundary_and_step(&tensors, &bf16_grad, &scaler, isa);
 }
 
-/// The boundary with clipping plus the AdamW step, clip-then-step against the clip inside the
-/// step, with the 34-byte floor, each timed in turn.
+/// The boundary with clipping plus the AdamW step three ways, each timed in turn: clip-then-step,
+/// the clip inside the step, and that after a last add that measured the norm (`add_final`),
+/// with the floors of 34 bytes (a read of the gradient, then the step's floor) and of 30 (the
+/// step's floor alone). The adds are timed apart: `add_final`'s measuring is in cache, but not
+/// free.
 fn boundary_and_step(
     tensors: &[TensorDesc],
     grad: &[gradacc::half::bf16],
     scaler: &Scaler,
     isa: Isa,
 ) {
-    println!("\n| threads | AdamW state | bytes/element (sync + step, fused) | sync + step ns/element | sync_for_step + step ns/element | floor ns/element | ratio | fused / floor |");
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("\n| threads | AdamW state | bytes/element (sync + step, fused, folded) | sync + step ns/element | sync_for_step + step ns/element | add_final, sync_for_step + step ns/element | floor ns/element | step floor ns/element | add ns/element | add_final ns/element | fused / floor | folded / step floor |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let moments = MomentFormat::Bf16 { seed: 3 };
     let formats = [
-        ("FP32", StateFormat::default(), "42, 34"),
-        ("bf16 moments", StateFormat { moments, ..Default::default() }, "34, 26"),
+        ("FP32", StateFormat::default(), "42, 34, 30"),
+        ("bf16 moments", StateFormat { moments, ..Default::default() }, "34, 26, 22"),
     ];
+    /// The three ways: whether the last add measures, whether the clip waits for the step.
+    const WAYS: [(bool, bool); 3] = [(false, false), (false, true), (true, true)];
     for threads in [1, 2] {
         for (name, format, bytes) in formats {
             let half = format.moments != MomentFormat::F32;
@@ -199,15 +205,22 @@ fn boundary_and_step(
                 let opt = opt.build().unwrap();
                 (acc, opt)
             };
-            let (mut w0, mut w1) = (grad.to_vec(), grad.to_vec());
-            let ((a0, o0), (a1, o1)) = (make(&w0), make(&w1));
+            let mut weights = [grad.to_vec(), grad.to_vec(), grad.to_vec()];
+            let runs: Vec<_> = weights.iter().map(|w| make(w)).collect();
             let (mut g, mut state) = (vec![0.1f32; LEN], FloorState::new());
-            let (mut plain, mut fused, mut floors) = (Vec::new(), Vec::new(), Vec::new());
+            let mut steps: [Vec<f64>; 3] = Default::default();
+            let mut adds: [Vec<f64>; 3] = Default::default();
+            let (mut floors, mut step_floors) = (Vec::new(), Vec::new());
             for r in 0..=REPEATS {
-                for (acc, opt, w, out, for_step) in
-                    [(&a0, &o0, &mut w0, &mut plain, false), (&a1, &o1, &mut w1, &mut fused, true)]
-                {
-                    acc.add(scaler, &[Grad::Bf16(grad)][..], 1).unwrap();
+                for (k, ((acc, opt), w)) in runs.iter().zip(&mut weights).enumerate() {
+                    let (last, for_step) = WAYS[k];
+                    let grads = [Grad::Bf16(grad)];
+                    let t = Instant::now();
+                    match last {
+                        true => acc.add_final(scaler, &grads[..], 1).unwrap(),
+                        false => acc.add(scaler, &grads[..], 1).unwrap(),
+                    }
+                    let added = t.elapsed().as_secs_f64();
                     let t = Instant::now();
                     match for_step {
                         true => acc.sync_for_step(None).unwrap(),
@@ -215,22 +228,27 @@ fn boundary_and_step(
                     };
                     opt.step(acc, &mut [GradMut::Bf16(w)], None).unwrap();
                     if r > 0 {
-                        out.push(t.elapsed().as_secs_f64());
+                        steps[k].push(t.elapsed().as_secs_f64());
+                        adds[k].push(added);
                     }
                 }
                 g[r] += 1.0;
-                let t = Instant::now();
-                state.run(isa, threads, &g, half);
-                if r > 0 {
-                    floors.push(t.elapsed().as_secs_f64());
+                for (norm, out) in [(true, &mut floors), (false, &mut step_floors)] {
+                    let t = Instant::now();
+                    state.run(isa, threads, &g, half, norm);
+                    if r > 0 {
+                        out.push(t.elapsed().as_secs_f64());
+                    }
                 }
             }
-            let ns = |t: Vec<f64>| median(t) / LEN as f64 * 1e9;
-            let (p, f, fl) = (ns(plain), ns(fused), ns(floors));
+            let ns = |t: &[f64]| median(t.to_vec()) / LEN as f64 * 1e9;
+            let [p, f, d] = [ns(&steps[0]), ns(&steps[1]), ns(&steps[2])];
+            let (fl, sf) = (ns(&floors), ns(&step_floors));
+            let (a, af) = (ns(&adds[1]), ns(&adds[2]));
             println!(
-                "| {threads} | {name} | {bytes} | {p:.3} | {f:.3} | {fl:.3} | {:.2} | {:.2} |",
-                p / f,
-                f / fl
+                "| {threads} | {name} | {bytes} | {p:.3} | {f:.3} | {d:.3} | {fl:.3} | {sf:.3} | {a:.3} | {af:.3} | {:.2} | {:.2} |",
+                f / fl,
+                d / sf
             );
         }
     }
@@ -253,9 +271,9 @@ impl FloorState {
         FloorState { x: vec![0.5; LEN], m: f.clone(), v: f, m16: h.clone(), v16: h.clone(), w: h }
     }
 
-    /// The floor on `threads` threads, each over its part: read the gradient once (the norm),
-    /// then the step's floor, with bf16 moments when `half`.
-    fn run(&mut self, isa: Isa, threads: usize, g: &[f32], half: bool) {
+    /// The floor on `threads` threads, each over its part: read the gradient once (the norm)
+    /// when `norm`, then the step's floor, with bf16 moments when `half`.
+    fn run(&mut self, isa: Isa, threads: usize, g: &[f32], half: bool, norm: bool) {
         let part = g.len().div_ceil(threads);
         let FloorState { x, m, v, m16, v16, w } = self;
         std::thread::scope(|s| {
@@ -267,9 +285,11 @@ impl FloorState {
                 .zip(w.chunks_mut(part));
             for ((((g, x), (m, v)), (m16, v16)), w) in parts {
                 s.spawn(move || {
-                    let mut sums = vec![0.0; simd::blocks(g.len())];
-                    simd::block_sum_squares(g, &mut sums, 1);
-                    black_box(&sums);
+                    if norm {
+                        let mut sums = vec![0.0; simd::blocks(g.len())];
+                        simd::block_sum_squares(g, &mut sums, 1);
+                        black_box(&sums);
+                    }
                     match half {
                         true => floor16(isa, g, x, m16, v16, w),
                         false => floor(isa, g, x, m, Some(v), w),

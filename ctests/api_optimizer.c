@@ -308,8 +308,10 @@ static void test_reduce_scatter_group(int refused)
         EXPECT_OK(gradacc_comm_destroy(comms[r]));
 }
 
-/* gradacc_accumulator_sync_for_step, the clip coefficient applied inside AdamW's pass, steps the
- * weights to the bits of gradacc_accumulator_sync then the step, clipping every window. */
+/* gradacc_accumulator_sync_for_step, the clip coefficient applied inside AdamW's pass, after
+ * gradacc_accumulator_add_final, which measured the norm as it added, steps the weights to the
+ * bits of gradacc_accumulator_add, gradacc_accumulator_sync then the step, clipping every
+ * window. */
 static void test_clip_in_step(void)
 {
     gradacc_scaler_config_t sc;
@@ -342,7 +344,8 @@ static void test_clip_in_step(void)
             REQUIRE_OK(gradacc_scaler_scale(scaler[k], &scale));
             gradients(g0, g1, scale, 0);
             const void *grads[2] = {g0, g1};
-            REQUIRE_OK(gradacc_accumulator_add(acc[k], scaler[k], grads, 2, 1));
+            REQUIRE_OK(k ? gradacc_accumulator_add_final(acc[k], scaler[k], grads, 2, 1)
+                         : gradacc_accumulator_add(acc[k], scaler[k], grads, 2, 1));
             gradacc_sync_info_t info = GRADACC_SYNC_INFO_INIT;
             REQUIRE_OK(k ? gradacc_accumulator_sync_for_step(acc[k], NULL, &info)
                          : gradacc_accumulator_sync(acc[k], NULL, &info));

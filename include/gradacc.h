@@ -1101,6 +1101,27 @@ enum gradacc_status_t gradacc_accumulator_add(struct gradacc_accumulator_t *acc,
                                               uint64_t count);
 
 /**
+ * gradacc_accumulator_add of the window's last micro-batch, which the boundary follows: on the
+ * CPU, where the boundary only measures the sum (with clipping, or GRADACC_NORMALIZE_NONE), the
+ * add also sums the norm's blocks of the master while each piece is in cache, so that a
+ * boundary that reduces nothing between ranks (no communicator, or a group of one) needs no read
+ * of its own: the report, the gradient and every step's bits are gradacc_accumulator_add's.
+ * Anything that writes the master after it (another add, a tensor-by-tensor micro-batch, a
+ * restore, an address taken with gradacc_accumulator_master or _shard) leaves the boundary to
+ * measure for itself: a micro-batch wrongly called the last costs the saving, never the
+ * result. Under GRADACC_SHARDING_ACCUMULATE and on CUDA it is gradacc_accumulator_add. Fails as
+ * gradacc_accumulator_add does.
+ *
+ * Thread safety: as gradacc_accumulator_add.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_accumulator_add_final(struct gradacc_accumulator_t *acc,
+                                                    const struct gradacc_scaler_t *scaler,
+                                                    const void *const *grads,
+                                                    size_t n,
+                                                    uint64_t count);
+
+/**
  * gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold
  * exactly tensor i's declared numel values of its declared dtype, else the call fails, adding
  * nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH

@@ -552,6 +552,12 @@ public:
     void add(const Scaler &scaler, std::initializer_list<const void *> grads, uint64_t count) {
         add(scaler, span<const void *const>(grads.begin(), grads.size()), count);
     }
+    /** The raw form for the window's last micro-batch (gradacc_accumulator_add_final): the
+     * boundary after it then needs no read of its own to measure the norm, where it only measures
+     * (with clipping, or NORMALIZE_NONE) and reduces nothing between ranks. The same bits as add. */
+    void add_final(const Scaler &scaler, span<const void *const> grads, uint64_t count) {
+        check(gradacc_accumulator_add_final(handle_.get(), scaler.get(), grads.data(), grads.size(), count));
+    }
 
     /** Tensor by tensor, as backward hooks produce them. */
     void begin_microbatch(uint64_t count) {

@@ -868,3 +868,80 @@ fn report_active_isa() {
         println!("active isa: {}", simd::active_isa().name());
     }
 }
+
+/// The last micro-batch's add with the norm's blocks measured as it goes: bitwise the contract's
+/// add of each tensor, then the blocks by definition over the whole buffer (padding and gaps
+/// untouched and measured), with every piece handed on exactly once, on every path.
+#[test]
+fn accumulate_and_block_sum_squares_is_the_add_then_the_blocks() {
+    let mut rng = Rng::for_test("accumulate_and_block_sum_squares_is_the_add_then_the_blocks");
+    // Tensors sharing blocks, spanning blocks, and a run long enough for three threads' parts.
+    let sizes = [1, 7, 64, 4095, 4097, 9000, 3 * (1 << 18) + 5];
+    for round in 0..8 {
+        let count = 1 + rng.below(5) as usize;
+        let mut placed = Vec::new();
+        let mut at = rng.below(3) as usize * 64;
+        for k in 0..count {
+            let len = match (round, k) {
+                // At least one run that the threads cut.
+                (1, 0) => sizes[sizes.len() - 1],
+                _ => sizes[rng.below(sizes.len() as u64 - u64::from(round % 2 == 0)) as usize],
+            };
+            let dtype = DTYPES[rng.below(3) as usize];
+            placed.push((at, Buf::random(&mut rng, dtype, len, 8), rng.below(2) == 0));
+            // Gaps as the layout's padding leaves them, sometimes wider.
+            at = (at + len).next_multiple_of(64) + 64 * rng.below(2) as usize;
+        }
+        if round == 3 {
+            // A non-finite gradient: the flag, and an infinite block.
+            placed[0].1.set(0, f32::INFINITY);
+        }
+        let len = at + rng.below(100) as usize;
+        let master: Vec<f32> = (0..len).map(|_| rng.f32_in(8)).collect();
+        let factor = rng.f32_in(4);
+        let mut want = master.clone();
+        for (start, grad, assign) in &placed {
+            let n = grad_len(grad);
+            let added = reference(&master[*start..start + n], grad, 0, factor, *assign);
+            want[*start..start + n].copy_from_slice(&added);
+        }
+        let want_sums = block_sums_by_definition(&want);
+        let want_bad = want.iter().any(|v| !v.is_finite());
+        let tensors: Vec<simd::PlacedPass<'_>> = placed
+            .iter()
+            .map(|(start, grad, assign)| simd::PlacedPass {
+                start: *start,
+                grad: grad.grad(0),
+                assign: *assign,
+            })
+            .collect();
+        for (isa, threads) in paths() {
+            let what = format!("round {round}, {} threads {threads}", isa.name());
+            let mut got = master.clone();
+            let mut sums = vec![-1.0; simd::blocks(len)];
+            let seen = std::sync::Mutex::new(vec![0u32; len]);
+            let measured = |at: usize, piece: &[f32]| {
+                let mut seen = seen.lock().unwrap();
+                assert!(at.is_multiple_of(math::NORM_BLOCK), "{what}: a piece at {at}");
+                seen[at..at + piece.len()].iter_mut().for_each(|s| *s += 1);
+            };
+            let bad = simd::with_isa(isa, || {
+                let (buf, out) = (&mut got, &mut sums);
+                simd::accumulate_and_block_sum_squares(
+                    buf, &tensors, factor, out, threads, &measured,
+                )
+            });
+            assert_same(&what, &got, &want);
+            assert_same_f64(&what, &sums, &want_sums);
+            assert_eq!(bad, want_bad, "{what}: the non-finite flag");
+            assert!(seen.into_inner().unwrap().iter().all(|&s| s == 1), "{what}: pieces");
+        }
+    }
+}
+
+fn grad_len(buf: &Buf) -> usize {
+    match buf {
+        Buf::F32(v) => v.len(),
+        Buf::U16(_, v) => v.len(),
+    }
+}

@@ -34,6 +34,7 @@ BLOCKING = {
     "gradacc_accumulator_begin_final_microbatch",
     "gradacc_accumulator_begin_microbatch",
     "gradacc_accumulator_add",
+    "gradacc_accumulator_add_final",
     "gradacc_accumulator_add_tensor",
     "gradacc_accumulator_end_microbatch",
     "gradacc_comm_create_mpi",

@@ -26,7 +26,30 @@ impl Accumulator {
     /// Under [`Sharding::Accumulate`] a collective: every rank calls it alike, and a failure
     /// ends as that policy states.
     pub fn add<'a>(&self, scaler: &Scaler, grads: impl Into<Grads<'a>>, count: u64) -> Result<()> {
-        let grads = grads.into();
+        self.add_with(scaler, grads.into(), count, false)
+    }
+
+    /// [`Accumulator::add`] of the window's last micro-batch, which the boundary follows. On the
+    /// CPU, where the boundary's pass only measures (with clipping, or
+    /// [`Normalize::None`](super::Normalize::None)), the add also sums the norm's blocks (and
+    /// with `tensor_stats` each tensor's squares) of the master while each piece of it is in
+    /// cache, and a boundary that reduces nothing between ranks (no communicator, or a group of
+    /// one) takes them instead of reading the master again: the same bits, one pass fewer.
+    /// Whatever writes the master after it (another add, `add_tensor`, a restore, an address
+    /// taken with `master_ptr` or `shard`) leaves the boundary to measure for itself, so a
+    /// micro-batch wrongly called the last costs the saving, never the result. Under
+    /// [`Sharding::Accumulate`], and on CUDA, it is `add`.
+    pub fn add_final<'a>(
+        &self,
+        scaler: &Scaler,
+        grads: impl Into<Grads<'a>>,
+        count: u64,
+    ) -> Result<()> {
+        self.add_with(scaler, grads.into(), count, true)
+    }
+
+    /// `add`, measuring the result for the boundary when `last` ([`Accumulator::add_final`]).
+    fn add_with(&self, scaler: &Scaler, grads: Grads<'_>, count: u64, last: bool) -> Result<()> {
         let mut w = self.window.write();
         let checked = self.check_add(&w, scaler, grads, count);
         let weight = self.plan.config.weight(count);
@@ -61,7 +84,10 @@ impl Accumulator {
         }
         let (state, master) = w.parts();
         let first = |i| !self.window.written(state, i);
-        let added = self.store.add(master, scaler.source(), grads, weight, &first);
+        let added = match last {
+            true => self.store.add_final(master, scaler.source(), grads, weight, &first),
+            false => self.store.add(master, scaler.source(), grads, weight, &first),
+        };
         let went_bad = self.settle_lost(&mut w, added)?;
         for i in 0..n {
             self.window.mark_written(&w, i);
@@ -144,8 +170,38 @@ impl Accumulator {
         count: u64,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
+        unsafe { self.add_raw_with(scaler, grads, count, false) }
+    }
+
+    /// [`Accumulator::add_final`] with the gradients as raw addresses, as
+    /// [`Accumulator::add_raw`] takes them.
+    ///
+    /// # Safety
+    /// As [`Accumulator::add_raw`].
+    #[cfg(feature = "internal")]
+    pub unsafe fn add_final_raw(
+        &self,
+        scaler: &Scaler,
+        grads: &[*const c_void],
+        count: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.add_raw_with(scaler, grads, count, true) }
+    }
+
+    /// # Safety
+    /// As [`Accumulator::add_raw`].
+    #[cfg(feature = "internal")]
+    unsafe fn add_raw_with(
+        &self,
+        scaler: &Scaler,
+        grads: &[*const c_void],
+        count: u64,
+        last: bool,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
         match unsafe { crate::backend::raw_gradients(self.device(), grads, self.tensors()) } {
-            Ok(g) => self.add(scaler, g.as_grads(), count),
+            Ok(g) => self.add_with(scaler, g.as_grads(), count, last),
             Err(e) => {
                 self.refuse_collective();
                 Err(e)
@@ -384,5 +440,53 @@ impl Accumulator {
 
     fn check_scaler(&self, scaler: &Scaler) -> Result<()> {
         Device::require_same(("the scaler", scaler.device()), ("the accumulator", self.device()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Where `add_final`'s measurement is kept for the boundary, and where it is not (the bits
+    //! are the same either way: `tests/final_add.rs`).
+
+    use super::*;
+    use crate::accumulator::{AccumulatorConfig, Normalize, Sharding, TensorDesc};
+    use crate::dtype::{Dtype, Grad};
+    use crate::scaler::ScalerConfig;
+
+    #[test]
+    fn the_last_add_keeps_its_measurement_until_the_master_changes() {
+        let tensors = [
+            TensorDesc { numel: 5000, dtype: Dtype::F32 },
+            TensorDesc { numel: 3, dtype: Dtype::F32 },
+        ];
+        let (a, b) = (vec![0.5f32; 5000], vec![-2.0f32; 3]);
+        let grads = [Grad::F32(&a), Grad::F32(&b)];
+        let scaler = Scaler::new(ScalerConfig::default()).unwrap();
+        let clip = AccumulatorConfig { max_grad_norm: 1.0, ..Default::default() };
+        let make = |config| Accumulator::new(config, &tensors).unwrap();
+        let acc = make(clip);
+        acc.add(&scaler, &grads[..], 1).unwrap();
+        assert!(!acc.store.holds_fold(), "a plain add measures nothing");
+        acc.add_final(&scaler, &grads[..], 1).unwrap();
+        assert!(acc.store.holds_fold(), "the last add's measurement");
+        acc.sync_for_step(None).unwrap();
+        assert!(!acc.store.holds_fold(), "the boundary takes it");
+        acc.add_final(&scaler, &grads[..], 1).unwrap();
+        acc.add(&scaler, &grads[..], 1).unwrap();
+        assert!(!acc.store.holds_fold(), "an add after it");
+        acc.add_final(&scaler, &grads[..], 1).unwrap();
+        let _ = acc.master_ptr(1).unwrap();
+        assert!(!acc.store.holds_fold(), "an address that may write");
+        acc.sync(None).unwrap();
+        // Where the boundary's pass normalises as it measures, and a shard: nothing is kept.
+        let plain = AccumulatorConfig { normalize: Normalize::None, ..Default::default() };
+        let divided = AccumulatorConfig { normalize: Normalize::ByCount, ..Default::default() };
+        let shard =
+            AccumulatorConfig { sharding: Sharding::Accumulate { shards: 1, rank: 0 }, ..clip };
+        for (config, kept) in [(plain, true), (divided, false), (shard, false)] {
+            let acc = make(config);
+            acc.add_final(&scaler, &grads[..], 1).unwrap();
+            assert_eq!(acc.store.holds_fold(), kept, "{config:?}");
+        }
     }
 }

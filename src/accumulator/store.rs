@@ -91,6 +91,20 @@ pub(crate) trait AddKernels: MasterMemory {
         first: &dyn Fn(usize) -> bool,
     ) -> Result<bool>;
 
+    /// `add` of the window's last micro-batch: a store may also measure the norm's blocks of the
+    /// result while each piece is in cache, for a boundary that reduces nothing between ranks to
+    /// use while nothing has written the master since. The default is `add`.
+    fn add_final(
+        &self,
+        master: &mut MasterWrite,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<bool> {
+        self.add(master, scale, grads, weight, first)
+    }
+
     /// Adds one contribution to `tensor`. Returns whether a value it wrote is not finite, as
     /// `add` does.
     fn add_tensor(
@@ -275,6 +289,12 @@ pub(crate) trait BoundaryWork: MasterMemory {
     /// gather, an optimizer's skip) writes it there. The CPU's is the window's.
     fn conclude(&self, _info: &SyncInfo) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether a measurement `add_final` left still holds (nothing wrote the master since).
+    #[cfg(test)]
+    fn holds_fold(&self) -> bool {
+        false
     }
 
     /// The last boundary's per-tensor stats, when the store measured them.

@@ -433,6 +433,17 @@ impl Drop for BusyGuard<'_> {
 pub(crate) fn pass_whole(buf: &mut [f32], pass: &dyn BlockPass, threads: usize) -> Vec<f64> {
     let mut values = vec![0.0; simd::blocks(buf.len())];
     pass.run(buf, &mut values);
+    finish_whole(buf, pass, values, threads)
+}
+
+/// [`pass_whole`]'s second step, on the block `values` of `buf` as its run measured them (or an
+/// add that measured them as it wrote `buf`, where the run would only measure).
+pub(crate) fn finish_whole(
+    buf: &mut [f32],
+    pass: &dyn BlockPass,
+    values: Vec<f64>,
+    threads: usize,
+) -> Vec<f64> {
     if let Some(factor) = pass.rescales().then(|| pass.rescale(&values)).flatten() {
         simd::scale(buf, factor, threads);
     }

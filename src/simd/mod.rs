@@ -124,6 +124,94 @@ pub fn accumulate_many(tensors: Vec<TensorPass<'_>>, factor: f32, threads: usize
     })
 }
 
+/// One tensor of [`accumulate_and_block_sum_squares`]: where its master starts in the buffer, its
+/// gradient (the master's length) and whether the pass assigns instead of accumulating.
+#[derive(Clone, Copy, Debug)]
+pub struct PlacedPass<'a> {
+    pub start: usize,
+    pub grad: Grad<'a>,
+    pub assign: bool,
+}
+
+/// Elements [`accumulate_and_block_sum_squares`] adds before it measures them: one norm block,
+/// whose master (16 KiB) and gradient stay in L1 between the two.
+const FOLD_PIECE: usize = math::NORM_BLOCK;
+
+/// [`accumulate`] of every tensor of a micro-batch into `buf`, where the tensors lie at their
+/// starts (increasing, disjoint; the rest of `buf` is left as it is), and `out[b]` = the
+/// [`block_sum_squares`] of block `b` of `buf` after the add: the same bits as
+/// [`accumulate_many`] and then [`block_sum_squares`], in one pass over memory. Each piece of
+/// [`FOLD_PIECE`] elements is added to, measured, and handed to `measured` (with its position in
+/// `buf`) while it is in cache. Threads take parts of whole blocks. Returns `true` if any written
+/// value is not finite.
+pub fn accumulate_and_block_sum_squares(
+    buf: &mut [f32],
+    tensors: &[PlacedPass<'_>],
+    factor: f32,
+    out: &mut [f64],
+    threads: usize,
+    measured: &(dyn Fn(usize, &[f32]) + Sync),
+) -> bool {
+    assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
+    let mut end = 0;
+    for t in tensors {
+        assert!(t.start >= end, "tensors overlap or are out of order");
+        end = t.start + t.grad.len();
+        assert!(end <= buf.len(), "a tensor past the buffer");
+    }
+    let isa = active_isa();
+    let ends: Vec<usize> = part_ends(buf.len(), threads).collect();
+    let mut parts = block_parts(buf, out, &ends);
+    run_parts(&mut parts, 1..=ends.len(), |_, group| {
+        let mut bad = false;
+        for (start, part, sums) in group.iter_mut() {
+            // The first tensor that ends inside or after this part.
+            let mut next = tensors.partition_point(|t| t.start + t.grad.len() <= *start);
+            let pieces =
+                part.chunks_mut(FOLD_PIECE).zip(sums.chunks_mut(FOLD_PIECE / math::NORM_BLOCK));
+            for (p, (piece, sums)) in pieces.enumerate() {
+                let at = *start + p * FOLD_PIECE;
+                let end = at + piece.len();
+                for t in tensors[next..].iter().take_while(|t| t.start < end) {
+                    let (from, to) = (t.start.max(at), (t.start + t.grad.len()).min(end));
+                    let grad = t.grad.slice(from - t.start, to - t.start);
+                    bad |= accumulate_part(
+                        isa,
+                        &mut piece[from - at..to - at],
+                        grad,
+                        factor,
+                        t.assign,
+                    );
+                }
+                next +=
+                    tensors[next..].iter().take_while(|t| t.start + t.grad.len() <= end).count();
+                block_sums_part(isa, piece, sums);
+                measured(at, piece);
+            }
+        }
+        bad
+    })
+}
+
+/// `buf` and its block sums `out` cut at `ends` (element ends at whole blocks, the last
+/// `buf.len()`), each part with its start.
+fn block_parts<'a>(
+    buf: &'a mut [f32],
+    out: &'a mut [f64],
+    ends: &[usize],
+) -> Vec<(usize, &'a mut [f32], &'a mut [f64])> {
+    let mut parts = Vec::with_capacity(ends.len());
+    let (mut rest, mut rest_sums, mut start) = (buf, out, 0);
+    for &end in ends {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
+        let (part_sums, tail_sums) =
+            std::mem::take(&mut rest_sums).split_at_mut(blocks(end - start));
+        parts.push((start, part, part_sums));
+        (rest, rest_sums, start) = (tail, tail_sums, end);
+    }
+    parts
+}
+
 /// `buf[i] *= factor` (the boundary's normalise-and-clip pass).
 pub fn scale(buf: &mut [f32], factor: f32, threads: usize) {
     let isa = active_isa();
@@ -253,20 +341,11 @@ pub fn block_sum_squares(buf: &[f32], out: &mut [f64], threads: usize) {
 pub fn scale_and_block_sum_squares(buf: &mut [f32], factor: f32, out: &mut [f64], threads: usize) {
     assert_eq!(out.len(), blocks(buf.len()), "one block sum per block");
     let isa = active_isa();
-    let len = buf.len();
-    let ends: Vec<usize> = part_ends(len, threads).collect();
+    let ends: Vec<usize> = part_ends(buf.len(), threads).collect();
     // Cut the block sums at the same places as the buffer, then run each pair of parts together.
-    let mut parts: Vec<(&mut [f32], &mut [f64])> = Vec::with_capacity(ends.len());
-    let (mut rest, mut rest_sums, mut start) = (buf, out, 0);
-    for &end in &ends {
-        let (part, tail) = std::mem::take(&mut rest).split_at_mut(end - start);
-        let (part_sums, tail_sums) =
-            std::mem::take(&mut rest_sums).split_at_mut(blocks(end - start));
-        parts.push((part, part_sums));
-        (rest, rest_sums, start) = (tail, tail_sums, end);
-    }
+    let mut parts = block_parts(buf, out, &ends);
     run_parts(&mut parts, 1..=ends.len(), |_, group| {
-        for (part, out) in group.iter_mut() {
+        for (_, part, out) in group.iter_mut() {
             for (block, sum) in part.chunks_mut(math::NORM_BLOCK).zip(out.iter_mut()) {
                 block_sums_part(isa, block, std::slice::from_mut(sum));
                 scale_part(isa, block, factor);

@@ -320,6 +320,12 @@ gradacc_accumulator_add.restype = gradacc_status_t
 gradacc_accumulator_add.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]
 # arguments: acc, scaler, grads, n, count
 
+# gradacc_accumulator_add of the window's last micro-batch, which the boundary follows: on the CPU, where the boundary only measures the sum (with clipping, or GRADACC_NORMALIZE_NONE), the add also sums the norm's blocks of the master while each piece is in cache, so that a boundary that reduces nothing between ranks (no communicator, or a group of one) needs no read of its own: the report, the gradient and every step's bits are gradacc_accumulator_add's.
+gradacc_accumulator_add_final = dll.gradacc_accumulator_add_final
+gradacc_accumulator_add_final.restype = gradacc_status_t
+gradacc_accumulator_add_final.argtypes = [ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(gradacc_scaler_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint64]
+# arguments: acc, scaler, grads, n, count
+
 # gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold exactly tensor i's declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH (another numel), naming the tensor and both values.
 gradacc_accumulator_add_grads = dll.gradacc_accumulator_add_grads
 gradacc_accumulator_add_grads.restype = gradacc_status_t

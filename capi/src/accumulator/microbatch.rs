@@ -50,7 +50,7 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
     guard("gradacc_accumulator_add", || {
         // SAFETY: the caller passes `n` addresses at `grads` (API contract).
         unsafe {
-            add_each(acc, scaler, grads, n, count, |i, g, _| match g.is_null() {
+            add_each(acc, scaler, grads, n, count, false, |i, g, _| match g.is_null() {
                 true => Err(null(&format!("grads[{i}]"))),
                 false => Ok(*g),
             })
@@ -58,7 +58,39 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
     })
 }
 
-/// The body of gradacc_accumulator_add and _add_grads: `address` turns the caller's gradient `i`
+/// gradacc_accumulator_add of the window's last micro-batch, which the boundary follows: on the
+/// CPU, where the boundary only measures the sum (with clipping, or GRADACC_NORMALIZE_NONE), the
+/// add also sums the norm's blocks of the master while each piece is in cache, so that a
+/// boundary that reduces nothing between ranks (no communicator, or a group of one) needs no read
+/// of its own: the report, the gradient and every step's bits are gradacc_accumulator_add's.
+/// Anything that writes the master after it (another add, a tensor-by-tensor micro-batch, a
+/// restore, an address taken with gradacc_accumulator_master or _shard) leaves the boundary to
+/// measure for itself: a micro-batch wrongly called the last costs the saving, never the
+/// result. Under GRADACC_SHARDING_ACCUMULATE and on CUDA it is gradacc_accumulator_add. Fails as
+/// gradacc_accumulator_add does.
+///
+/// Thread safety: as gradacc_accumulator_add.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_accumulator_add_final(
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    grads: *const *const c_void,
+    n: usize,
+    count: u64,
+) -> gradacc_status_t {
+    guard("gradacc_accumulator_add_final", || {
+        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+        unsafe {
+            add_each(acc, scaler, grads, n, count, true, |i, g, _| match g.is_null() {
+                true => Err(null(&format!("grads[{i}]"))),
+                false => Ok(*g),
+            })
+        }
+    })
+}
+
+/// The body of gradacc_accumulator_add, _add_final and _add_grads (`last`: the window's last
+/// micro-batch, see _add_final): `address` turns the caller's gradient `i`
 /// (of the `n` at `grads`, checked against the tensor count first) into its tensor's address, or
 /// refuses it; a refusal reaches the sharded peers before the error returns.
 ///
@@ -71,6 +103,7 @@ unsafe fn add_each<G>(
     grads: *const G,
     n: usize,
     count: u64,
+    last: bool,
     address: impl Fn(usize, &G, &gradacc::TensorDesc) -> CallResult<*const c_void>,
 ) -> CallResult<()> {
     let a = ACCUMULATORS.get(acc, "acc")?;
@@ -96,9 +129,13 @@ unsafe fn add_each<G>(
     };
     let (s, data) = args()?;
     owed.settle();
-    // SAFETY: each address holds its tensor's gradient (the caller's contract); `add_raw` checks
-    // its alignment and size before use.
-    Ok(unsafe { a.add_raw(&s, &data, count) }?)
+    Ok(match last {
+        // SAFETY: each address holds its tensor's gradient (the caller's contract); the raw adds
+        // check its alignment and size before use.
+        true => unsafe { a.add_final_raw(&s, &data, count) },
+        // SAFETY: as above.
+        false => unsafe { a.add_raw(&s, &data, count) },
+    }?)
 }
 
 /// gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold
@@ -120,7 +157,7 @@ pub unsafe extern "C" fn gradacc_accumulator_add_grads(
     guard("gradacc_accumulator_add_grads", || {
         // SAFETY: the caller passes `n` descriptors at `grads` (API contract).
         unsafe {
-            add_each(acc, scaler, grads, n, count, |i, g, t| {
+            add_each(acc, scaler, grads, n, count, false, |i, g, t| {
                 g.checked(t, i, &format!("grads[{i}]"))
             })
         }

@@ -6,6 +6,7 @@
 use crate::accumulator::{MasterWrite, TensorWrite, MASTER_ALIGN};
 use crate::error::{Error, ErrorKind, Result};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Debug)]
 pub(super) struct Master {
@@ -15,6 +16,9 @@ pub(super) struct Master {
     /// rather than a kept `Box`: moving a `Box` would assert unique access to the memory and
     /// invalidate `ptr` under Rust's aliasing rules.
     owned: bool,
+    /// How many times the buffer was handed out to write (or its address taken): a measurement
+    /// of it holds while this is what it was then.
+    writes: AtomicU64,
 }
 
 // SAFETY: the buffer is plain f32 memory; the accumulator serialises every access to a range.
@@ -28,7 +32,7 @@ impl Master {
     /// aligned offsets are aligned addresses.
     pub(super) fn owned(len: usize) -> Result<Self> {
         let Some(layout) = Self::allocation(len) else {
-            return Ok(Master { ptr: std::ptr::NonNull::dangling().as_ptr(), len, owned: true });
+            return Ok(Self::new(std::ptr::NonNull::dangling().as_ptr(), len, true));
         };
         // SAFETY: `layout` has a non-zero size (`allocation` gives none for an empty buffer).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
@@ -38,7 +42,7 @@ impl Master {
                 format!("cannot allocate a master buffer of {len} f32 elements"),
             ));
         }
-        Ok(Master { ptr, len, owned: true })
+        Ok(Self::new(ptr, len, true))
     }
 
     /// How an owned buffer of `len` elements is allocated; none when it is empty.
@@ -48,7 +52,22 @@ impl Master {
     }
 
     pub(super) fn borrowed(ptr: *mut f32, len: usize) -> Self {
-        Master { ptr, len, owned: false }
+        Self::new(ptr, len, false)
+    }
+
+    fn new(ptr: *mut f32, len: usize, owned: bool) -> Self {
+        Master { ptr, len, owned, writes: AtomicU64::new(0) }
+    }
+
+    /// The count of writes so far (see [`Master::note_write`]).
+    pub(super) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Counts a write: every mutable slice, and an address handed out, through which the caller
+    /// may write.
+    pub(super) fn note_write(&self) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn ptr_at(&self, offset: usize) -> *mut f32 {
@@ -71,6 +90,7 @@ impl Master {
         _write: &'a mut MasterWrite,
         range: Range<usize>,
     ) -> &'a mut [f32] {
+        self.note_write();
         let start = self.start_of(&range);
         // SAFETY: the range lies inside the allocation (`start_of`), and the window's write right,
         // borrowed mutably for as long as the slice, excludes every other access.
@@ -79,6 +99,7 @@ impl Master {
 
     /// Tensor `tensor`'s elements, written under its right.
     pub(super) fn tensor_mut<'a>(&'a self, tensor: &'a mut TensorWrite) -> &'a mut [f32] {
+        self.note_write();
         let range = tensor.range();
         let start = self.start_of(&range);
         // SAFETY: the range lies inside the allocation (`start_of`); the tensor's right,
@@ -96,6 +117,7 @@ impl Master {
         range: Range<usize>,
     ) -> (&'a mut [f32], &'a [f32]) {
         assert!(!std::ptr::eq(self, other), "a pair of one buffer");
+        self.note_write();
         let (mine, theirs) = (self.start_of(&range), other.start_of(&range));
         // SAFETY: both ranges lie inside their allocations (`start_of`), which are distinct
         // buffers (each `Master` owns or adopts its own); the window's write right, borrowed

@@ -17,7 +17,9 @@ use crate::accumulator::{
     AddKernels, Agreed, BoundaryWork, Gradient, Grads, MasterMemory, MasterWrite, MicrobatchTurns,
     Plan, Proposal, ScaleSource, Segments, Sharding, SyncInfo, TensorStats, TensorWrite,
 };
-use crate::comm::{pass_whole, BlockPass, Communicator, Control, ControlSum, HostCollectives};
+use crate::comm::{
+    finish_whole, pass_whole, BlockPass, Communicator, Control, ControlSum, HostCollectives,
+};
 use crate::device::Device;
 use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, ErrorKind, Result};
@@ -38,6 +40,28 @@ pub(crate) struct HostStore {
     stats: Mutex<Option<Vec<TensorStats>>>,
     /// The clipping factor the last boundary left pending ([`BoundaryWork::take_deferred`]).
     deferred: Mutex<Option<f32>>,
+    /// What the window's last add measured of the whole master ([`AddKernels::add_final`]).
+    folded: Mutex<Option<Folded>>,
+}
+
+/// The norm's blocks of the whole master as an add left it, and the per-tensor segments' sums
+/// (with `tensor_stats`): the boundary's measuring pass, done while the add had each piece in
+/// cache. It holds while the master's count of writes is `writes`.
+#[derive(Debug)]
+struct Folded {
+    writes: u64,
+    block_sums: Vec<f64>,
+    squares: Option<Vec<f64>>,
+}
+
+/// What a boundary's reduction leaves: its report, the scale of its segments' sums (see
+/// [`Boundary::stats_scale`]), the deferred clip factor ([`Boundary::deferred`]), and the
+/// segments' sums when they came from the last add's measurement.
+struct Outcome {
+    info: SyncInfo,
+    stats_scale: f64,
+    deferred: Option<f32>,
+    squares: Option<Vec<f64>>,
 }
 
 /// What a host store holds of the master.
@@ -77,6 +101,7 @@ impl HostStore {
             segments,
             stats: Mutex::new(None),
             deferred: Mutex::new(None),
+            folded: Mutex::new(None),
         })
     }
 
@@ -147,15 +172,16 @@ impl HostStore {
         Ok(())
     }
 
-    /// The boundary of a store holding the whole master: its report, the scale of its segments'
-    /// sums (see [`Boundary::stats_scale`]) and the deferred clip factor ([`Boundary::deferred`]).
+    /// The boundary of a store holding the whole master, taking the measurement of the last add
+    /// (`folded`) where its pass would only measure the master this process holds alone.
     fn reduce_whole(
         &self,
         master: &mut MasterWrite,
         p: &Proposal<'_>,
         agreed: &Agreed,
         squares: Option<&Squares<'_>>,
-    ) -> Result<(SyncInfo, f64, Option<f32>)> {
+        folded: Option<Folded>,
+    ) -> Result<Outcome> {
         let all = self.held_mut(master, 0..self.plan.layout.len());
         let (host, replicas) = (between_ranks(p.comm)?, between_ranks(p.replicas)?);
         // Only a reduction between ranks has a wire (in a hybrid boundary, the first: the
@@ -167,6 +193,7 @@ impl HostStore {
         // One process passes the whole master as one run: a thread's worth per thread at a time.
         let piece = (host.is_none() && replicas.is_none()).then_some(pass.piece());
         let measured = Measured::new(&pass, squares, all, 0, piece);
+        let mut folded_squares = None;
         let block_sums = match (host, replicas) {
             // The communicator runs the pass on the sum, possibly share by share as it completes.
             (Some(c), None) if shards.is_empty() => {
@@ -176,9 +203,34 @@ impl HostStore {
             (Some(c), Some(r)) => hybrid(c, r, all, &shards, pass, squares)?,
             // A shard group of one: the shard is the whole gradient, all-reduced over the replicas.
             (None, Some(r)) => r.allreduce_with_pass(all, self.plan.layout.buckets(), &measured)?,
-            (None, None) => pass_whole(all, &measured, pass.threads),
+            (None, None) => match folded.filter(|_| pass.factor.is_none()) {
+                Some(f) => {
+                    folded_squares = f.squares;
+                    finish_whole(all, &pass, f.block_sums, pass.threads)
+                }
+                None => pass_whole(all, &measured, pass.threads),
+            },
         };
-        Ok((boundary.info(&block_sums), boundary.stats_scale(), boundary.deferred(&block_sums)))
+        Ok(Outcome {
+            info: boundary.info(&block_sums),
+            stats_scale: boundary.stats_scale(),
+            deferred: boundary.deferred(&block_sums),
+            squares: folded_squares,
+        })
+    }
+
+    /// Whether `add_final` over a whole master measures: where the boundary's pass may only
+    /// measure (with clipping, or without a divisor); elsewhere that pass normalises as it
+    /// measures, so the sums of the values before it would not serve.
+    fn folds(&self) -> bool {
+        let config = &self.plan.config;
+        config.max_grad_norm != 0.0 || config.normalize == crate::Normalize::None
+    }
+
+    /// The last add's measurement, taken; none when the master was written since.
+    fn take_fold(&self) -> Option<Folded> {
+        let Memory::Whole(whole) = &self.memory else { return None };
+        self.folded.lock().take().filter(|f| f.writes == whole.writes())
     }
 
     /// The staging, allocated at its first use.
@@ -214,7 +266,11 @@ impl MasterMemory for HostStore {
 
     fn master_address(&self, offset: usize) -> *mut f32 {
         match &self.memory {
-            Memory::Whole(master) => master.ptr_at(offset),
+            // The caller may write through it.
+            Memory::Whole(master) => {
+                master.note_write();
+                master.ptr_at(offset)
+            }
             Memory::Shard(s) => s.shard.ptr_at(s.sharding.offset(offset)),
         }
     }
@@ -277,6 +333,48 @@ impl AddKernels for HostStore {
             .collect();
         // One pass over all tensors: the threads share the micro-batch, not each large tensor.
         Ok(self.flag(simd::accumulate_many(passes, factor, self.plan.config.threads)))
+    }
+
+    fn add_final(
+        &self,
+        master: &mut MasterWrite,
+        scale: ScaleSource<'_>,
+        grads: Grads<'_>,
+        weight: f64,
+        first: &dyn Fn(usize) -> bool,
+    ) -> Result<bool> {
+        let (Memory::Whole(whole), true) = (&self.memory, self.folds()) else {
+            return self.add(master, scale, grads, weight, first);
+        };
+        let (grads, factor) = (grads.host()?, unscale_factor(scale, weight)?);
+        let layout = &self.plan.layout;
+        let tensors: Vec<simd::PlacedPass<'_>> = (grads.iter().enumerate())
+            .map(|(i, &grad)| simd::PlacedPass {
+                start: layout.range(i).start,
+                grad,
+                assign: first(i),
+            })
+            .collect();
+        let all = whole.slice_mut(master, 0..layout.len());
+        let mut block_sums = vec![0.0; simd::blocks(all.len())];
+        let squares = self.segments.as_ref().map(Segments::squares);
+        let record = |at: usize, piece: &[f32]| {
+            if let Some(squares) = &squares {
+                squares.record(at, piece, &segment_sum_squares);
+            }
+        };
+        let threads = self.plan.config.threads;
+        let bad = simd::accumulate_and_block_sum_squares(
+            all,
+            &tensors,
+            factor,
+            &mut block_sums,
+            threads,
+            &record,
+        );
+        let squares = squares.map(Squares::into_sums);
+        *self.folded.lock() = Some(Folded { writes: whole.writes(), block_sums, squares });
+        Ok(self.flag(bad))
     }
 
     fn add_tensor(
@@ -399,12 +497,19 @@ impl BoundaryWork for HostStore {
     ) -> Result<Option<SyncInfo>> {
         let squares = self.segments.as_ref().map(Segments::squares);
         *self.deferred.lock() = None;
-        let (info, stats_scale, deferred) = match &self.memory {
-            Memory::Whole(_) => self.reduce_whole(master, p, agreed, squares.as_ref())?,
-            Memory::Shard(s) => self.sharded(s).reduce(master, p, agreed, squares.as_ref())?,
+        let folded = self.take_fold();
+        let out = match &self.memory {
+            Memory::Whole(_) => self.reduce_whole(master, p, agreed, squares.as_ref(), folded)?,
+            Memory::Shard(s) => {
+                let (info, stats_scale, deferred) =
+                    self.sharded(s).reduce(master, p, agreed, squares.as_ref())?;
+                Outcome { info, stats_scale, deferred, squares: None }
+            }
         };
+        let Outcome { info, stats_scale, deferred, squares: folded_squares } = out;
         if let (Some(segments), Some(squares)) = (&self.segments, squares) {
-            self.share_stats(segments, p, squares.into_sums(), stats_scale)?;
+            let sums = folded_squares.unwrap_or_else(|| squares.into_sums());
+            self.share_stats(segments, p, sums, stats_scale)?;
         }
         *self.deferred.lock() = deferred;
         Ok(Some(info))
@@ -412,6 +517,12 @@ impl BoundaryWork for HostStore {
 
     fn take_deferred(&self) -> Option<f32> {
         self.deferred.lock().take()
+    }
+
+    #[cfg(test)]
+    fn holds_fold(&self) -> bool {
+        let Memory::Whole(whole) = &self.memory else { return false };
+        self.folded.lock().as_ref().is_some_and(|f| f.writes == whole.writes())
     }
 
     fn scale_result(&self, master: &mut MasterWrite, factor: f32) -> Result<()> {
@@ -675,14 +786,17 @@ impl<'a> Measured<'a> {
             self.buf.start <= start && start + size_of_val(run) <= self.buf.end,
             "a boundary pass over a run outside the master"
         );
-        // Each segment lies in one block: the block kernel on the widest vectors sums it.
-        let sum = |segment: &[f32]| {
-            let mut one = [0.0];
-            simd::block_sum_squares(segment, &mut one, 1);
-            one[0]
-        };
-        squares.record(self.first + (start - self.buf.start) / size_of::<f32>(), run, &sum);
+        let at = self.first + (start - self.buf.start) / size_of::<f32>();
+        squares.record(at, run, &segment_sum_squares);
     }
+}
+
+/// A per-tensor segment's sum of squares: each segment lies in one block, which the block kernel
+/// on the widest vectors sums.
+fn segment_sum_squares(segment: &[f32]) -> f64 {
+    let mut one = [0.0];
+    simd::block_sum_squares(segment, &mut one, 1);
+    one[0]
 }
 
 impl BlockPass for Measured<'_> {

@@ -311,6 +311,28 @@ function gradacc_accumulator_add(acc, scaler, grads, n, count)
     end
 end
 
+"gradacc_accumulator_add of the window's last micro-batch, which the boundary follows: on the CPU, where the boundary only measures the sum (with clipping, or GRADACC_NORMALIZE_NONE), the add also sums the norm's blocks of the master while each piece is in cache, so that a boundary that reduces nothing between ranks (no communicator, or a group of one) needs no read of its own: the report, the gradient and every step's bits are gradacc_accumulator_add's."
+function gradacc_accumulator_add_final(acc, scaler, grads, n, count)
+    # blocks: GC-safe call
+    fptr = Libdl.dlsym(libgradacc_handle(), :gradacc_accumulator_add_final)
+    c_acc = Base.cconvert(Ptr{gradacc_accumulator_t}, acc)
+    c_scaler = Base.cconvert(Ptr{gradacc_scaler_t}, scaler)
+    c_grads = Base.cconvert(Ptr{Ptr{Cvoid}}, grads)
+    c_n = Base.cconvert(Csize_t, n)
+    c_count = Base.cconvert(UInt64, count)
+    GC.@preserve c_acc c_scaler c_grads c_n c_count begin
+        p_acc = Base.unsafe_convert(Ptr{gradacc_accumulator_t}, c_acc)
+        p_scaler = Base.unsafe_convert(Ptr{gradacc_scaler_t}, c_scaler)
+        p_grads = Base.unsafe_convert(Ptr{Ptr{Cvoid}}, c_grads)
+        p_n = Base.unsafe_convert(Csize_t, c_n)
+        p_count = Base.unsafe_convert(UInt64, c_count)
+        gc_state = ccall(:jl_gc_safe_enter, Int8, ())
+        ret = ccall(fptr, gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{Ptr{Cvoid}}, Csize_t, UInt64), p_acc, p_scaler, p_grads, p_n, p_count)
+        ccall(:jl_gc_safe_leave, Cvoid, (Int8,), gc_state)
+        ret
+    end
+end
+
 "gradacc_accumulator_add with each gradient's element type and length: `grads[i]` must hold exactly tensor i's declared numel values of its declared dtype, else the call fails, adding nothing, with GRADACC_STATUS_DTYPE_MISMATCH (another dtype) or GRADACC_STATUS_SIZE_MISMATCH (another numel), naming the tensor and both values."
 function gradacc_accumulator_add_grads(acc, scaler, grads, n, count)
     ccall((:gradacc_accumulator_add_grads, libgradacc()), gradacc_status_t, (Ptr{gradacc_accumulator_t}, Ptr{gradacc_scaler_t}, Ptr{gradacc_grad_t}, Csize_t, UInt64), acc, scaler, grads, n, count)
