@@ -128,16 +128,15 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     }
     let a = x.abs().min(E4M3_MAX);
     // Below E4M3's smallest normal 2^-6 the codes are the multiples of 2^-9 (code 8 is 2^-6
-    // itself); `a * 512` is exact.
-    let code = if a < 1.0 / 64.0 {
-        (a * 512.0).round_ties_even() as u32
-    } else {
-        // Round the 23-bit significand to 3 bits, ties to even (a carry moves the exponent),
-        // then rebias the exponent from 127 to 7.
-        let b = a.to_bits();
-        let r = b + 0x7_FFFF + ((b >> 20) & 1);
-        (r >> 20) - (120 << 3)
-    };
+    // itself): `a * 512` is exact, and adding 2^23 rounds it to an integer, ties to even, in
+    // the sum's low bits. Both ways are computed and one selected, so that the loop has no
+    // branch and vectorizes.
+    let small = (a * 512.0 + 8_388_608.0).to_bits() - 0x4B00_0000;
+    // Round the 23-bit significand to 3 bits, ties to even (a carry moves the exponent), then
+    // rebias the exponent from 127 to 7 (wrapping below 2^-6, where `small` is taken).
+    let b = a.to_bits();
+    let normal = ((b + 0x7_FFFF + ((b >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
+    let code = if a < 1.0 / 64.0 { small } else { normal };
     sign | code as u8
 }
 
