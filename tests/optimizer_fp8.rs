@@ -661,6 +661,7 @@ fn what_fp8_weights_cannot_take_is_refused() {
     let acc = Accumulator::new(AccumulatorConfig { sharding: one, ..Default::default() }, &tensors)
         .unwrap();
     let opt = make(&acc, config, StateFormat::default(), &formats, &initial);
+    assert_eq!(opt.weight_formats(), &formats[..]);
     let comm = LocalComm::group(1).unwrap().pop().unwrap();
     add(&acc, &fixed_scaler(), &tensors, &data(&mut rng, &tensors, 1, 1)[0][0]);
     acc.sync(Some(&comm)).unwrap();

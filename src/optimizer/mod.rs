@@ -316,6 +316,11 @@ impl Optimizer {
         self.format
     }
 
+    /// How the step writes each tensor's model weights ([`OptimizerBuilder::weight_formats`]).
+    pub fn weight_formats(&self) -> &[WeightFormat] {
+        &self.weight_formats
+    }
+
     /// The dtype of each tensor's model weights (those given at creation).
     pub fn weight_dtypes(&self) -> &[Dtype] {
         &self.dtypes
