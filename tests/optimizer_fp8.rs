@@ -231,7 +231,8 @@ fn formats() -> Vec<WeightFormat> {
     vec![E4m3Tensorwise, Mxfp8, E4m3Tensorwise, Mxfp8, Model, E4m3Tensorwise]
 }
 
-/// Gradients in [1e-4, 4) of random signs, per rank and step; step 1 overflows on rank 0.
+/// Gradients in [1e-4, 4) of random signs, per rank and step; step 1 overflows on rank 0 (the
+/// last tensor's first element).
 fn data(
     rng: &mut Rng,
     tensors: &[TensorDesc],
@@ -255,7 +256,8 @@ fn data(
                         })
                         .collect();
                     if s == 1 && rank == 0 {
-                        g[1][5] = f32::INFINITY;
+                        let last = g.len() - 1;
+                        g[last][0] = f32::INFINITY;
                     }
                     g
                 })
@@ -707,4 +709,43 @@ fn what_fp8_weights_cannot_take_is_refused() {
     let mut bufs = good.clone();
     assert!(opt.step_weights(&acc, &mut weights_of(&mut bufs), Some(&comm)).unwrap());
     check_seen(&tensors, &formats, &[vec![(bufs, held_masters(&opt, tensors.len()))]], "one shard");
+}
+
+/// A tensor large enough to be stepped on several threads: the FP8 weights (the amax found on
+/// threads too) are the one-thread run's and the reference's, at 1, 2 and 3 threads.
+#[test]
+fn every_thread_count_writes_the_same_fp8_weights() {
+    let mut rng = Rng::fresh("every_thread_count_writes_the_same_fp8_weights");
+    let tensors = [TensorDesc { numel: 600_001, dtype: Dtype::Bf16 }];
+    let formats = [WeightFormat::E4m3Tensorwise];
+    let mut initial = model(&mut rng, &tensors);
+    // The amax in the first thread's half, so that a half's amax lost would show.
+    if let Weights::Half(_, v) = &mut initial[0] {
+        v[7] = to_bf16(8.0);
+    }
+    let d = data(&mut rng, &tensors, 1, 3);
+    let config = OptimizerConfig { lr: 0.01, ..Default::default() };
+    let runs: Vec<Vec<Seen>> = [1, 2, 3]
+        .into_iter()
+        .map(|threads| {
+            let sharding = Sharding::ReduceScatter { shards: 1, rank: 0 };
+            let cfg = AccumulatorConfig { sharding, threads, ..Default::default() };
+            let acc = Accumulator::new(cfg, &tensors).unwrap();
+            let opt = make(&acc, config, StateFormat::default(), &formats, &initial);
+            let comm = LocalComm::group(1).unwrap().pop().unwrap();
+            let mut bufs = vec![Buf::new(formats[0], &initial[0], tensors[0].numel)];
+            let mut seen = Vec::new();
+            for g in &d[0] {
+                add(&acc, &fixed_scaler(), &tensors, g);
+                acc.sync(Some(&comm)).unwrap();
+                opt.step_weights(&acc, &mut weights_of(&mut bufs), Some(&comm)).unwrap();
+                seen.push((bufs.clone(), held_masters(&opt, 1)));
+            }
+            seen
+        })
+        .collect();
+    for (t, run) in runs.iter().enumerate() {
+        check_seen(&tensors, &formats, std::slice::from_ref(run), "threads");
+        assert!(run == &runs[0], "{} threads against one", t + 1);
+    }
 }

@@ -181,8 +181,10 @@ const DRY_CHUNK: usize = 16 * BLOCK;
 
 /// The largest magnitude ([`fp8::amax`]) of the masters that [`step_threads`] would write over
 /// `piece` with the same arguments, changing nothing: the piece stepped [`DRY_CHUNK`] elements
-/// at a time on copies of its state. Every element's arithmetic and draws are its own, so the
-/// copies' masters are bitwise those the step will write.
+/// at a time on copies of its state, on up to `threads` threads as [`step_threads`] splits it.
+/// Every element's arithmetic and draws are its own, so the copies' masters are bitwise those
+/// the step will write.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn new_masters_amax(
     k: &Scalars,
     piece: Piece<'_>,
@@ -190,8 +192,30 @@ pub(crate) fn new_masters_amax(
     moments: MomentFormat,
     step: u64,
     base: usize,
+    threads: usize,
 ) -> f32 {
-    let job = Job { k, rounding, moments, step, isa: active_isa() };
+    dry_split(Job { k, rounding, moments, step, isa: active_isa() }, piece, base, threads)
+}
+
+/// [`new_masters_amax`] with the job fixed: halves of the threads on halves of the piece.
+fn dry_split(job: Job<'_>, piece: Piece<'_>, base: usize, threads: usize) -> f32 {
+    let n = piece.grad.len();
+    if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
+        return dry(job, piece, base);
+    }
+    let left = threads / 2;
+    let mid = (n * left / threads).next_multiple_of(BLOCK).min(n);
+    let (p0, p1) = piece.split_at(mid);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(move || dry_split(job, p0, base, left));
+        let b = dry_split(job, p1, base + mid, threads - left);
+        (a.join().expect("a dry pass does not panic"), b)
+    });
+    fp8::amax(&[a, b])
+}
+
+/// [`new_masters_amax`] on the calling thread.
+fn dry(job: Job<'_>, piece: Piece<'_>, base: usize) -> f32 {
     let (mut rest, mut at, mut amax) = (piece, 0, 0.0f32);
     while !rest.grad.is_empty() {
         let n = rest.grad.len().min(DRY_CHUNK);

@@ -241,9 +241,10 @@ impl HostOptimizer {
             .map(|i| {
                 let p = piece(&self.plan, i, &self.held);
                 let k = self.scalars(i, t, factor);
-                let (rounding, moments) = (self.rounding, self.moments);
+                let (rounding, moments, threads) =
+                    (self.rounding, self.moments, self.plan.config.threads);
                 let state = self.state_of(grad, &p);
-                pass::new_masters_amax(&k, state, rounding, moments, t, p.flat.start)
+                pass::new_masters_amax(&k, state, rounding, moments, t, p.flat.start, threads)
             })
             .collect()
     }
