@@ -319,9 +319,9 @@ impl HostOptimizer {
         }
     }
 
-    /// Steps from `grad` unless the boundary overflowed (`found_inf`), quantising the FP8
-    /// weights of the held pieces: first the FP8 tensors' new amax, agreed over `gather`'s
-    /// ranks, and nothing changes when one is not finite (the error says which).
+    /// Steps from `grad` (the boundary did not overflow), quantising the FP8 weights of the
+    /// held pieces: first the FP8 tensors' new amax, agreed over `gather`'s ranks, and nothing
+    /// changes when one is not finite (the error says which).
     fn step_from(
         &mut self,
         grad: &[f32],
