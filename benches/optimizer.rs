@@ -14,7 +14,14 @@
 //! floor) and of 30 (the step's floor alone), on 1 and 2 threads, with each way's last add timed
 //! apart; with bf16 moments the bytes are 34, 26 and 22, the floors' moments bf16 too.
 //!
-//! `cargo bench --bench optimizer`.
+//! A fourth table times a ZeRO step over one in-process rank (no all-gather: the step's own
+//! cost) and two (AdamW, FP32 state, each rank stepping its half and all-gathering) with bf16 weights against FP8 weights (E4M3 with a
+//! scale per tensor, and MXFP8), in turns: the FP8 step first steps copies of its state to find
+//! the new masters' amax (reading the gradient and the state once more), exchanges one word per
+//! tensor, then steps and quantises, and its all-gather moves 1 (MXFP8: 1 + 1/32) bytes per
+//! element instead of 2.
+//!
+//! `cargo bench --bench optimizer` (`-- fp8`: the fourth table only).
 
 mod common;
 
@@ -27,6 +34,7 @@ use gradacc::simd::{self, Isa};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Dtype, Grad, GradMut, MasterFormat, MomentFormat,
     Optimizer, OptimizerConfig, Rounding, Scaler, ScalerConfig, StateFormat, TensorDesc,
+    WeightFormat, WeightMut,
 };
 
 const LEN: usize = 16 << 20;
@@ -109,6 +117,9 @@ fn traffic(g: &[f32], master: &mut [f32], m: &mut [f32], v: Option<&mut [f32]>, 
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "fp8") {
+        return fp8_gather();
+    }
     let isa = simd::active_isa();
     println!(
         "gradacc optimizer step, {LEN} elements, bf16 weights, one thread, {} path, median of {REPEATS} after a warm-up\n",
@@ -171,6 +182,87 @@ fn main() {
     }
     formats(&tensors, &bf16_grad, &scaler);
     boundary_and_step(&tensors, &bf16_grad, &scaler, isa);
+    fp8_gather();
+}
+
+/// The ZeRO step over one rank (no all-gather: the FP8 step's own cost) and two, with bf16
+/// against FP8 weights, rank 0's times, in turns.
+fn fp8_gather() {
+    println!("\n| ranks | weights on the all-gather | gathered bytes/element | ns/element | ratio to bf16 |");
+    println!("|---:|---|---:|---:|---:|");
+    for ranks in [1, 2] {
+        fp8_gather_over(ranks);
+    }
+}
+
+fn fp8_gather_over(ranks: usize) {
+    let tensors = [TensorDesc { numel: LEN, dtype: Dtype::Bf16 }];
+    let (_, _, grad) = gradients(LEN);
+    let formats = [WeightFormat::Model, WeightFormat::E4m3Tensorwise, WeightFormat::Mxfp8];
+    let comms = gradacc::LocalComm::group(ranks).unwrap();
+    let times: Vec<Vec<Vec<f64>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let grad = &grad;
+                let tensors = &tensors;
+                scope.spawn(move || {
+                    let scaler = Scaler::new(ScalerConfig {
+                        init_scale: 1.0,
+                        dynamic: false,
+                        ..Default::default()
+                    })
+                    .unwrap();
+                    let sharding = gradacc::Sharding::ReduceScatter { shards: ranks, rank };
+                    let cfg = AccumulatorConfig { sharding, threads: 1, ..Default::default() };
+                    let config = OptimizerConfig { lr: 1e-4, ..Default::default() };
+                    let runs: Vec<_> = formats
+                        .iter()
+                        .map(|f| {
+                            let acc = Accumulator::new(cfg, tensors).unwrap();
+                            let views = [Grad::Bf16(grad)];
+                            let b = Optimizer::builder(&acc).config(config).weights(&views);
+                            let opt = b.weight_formats(std::slice::from_ref(f)).build().unwrap();
+                            (acc, opt)
+                        })
+                        .collect();
+                    let mut w = grad.clone();
+                    let (mut codes, mut scale, mut scales) =
+                        (vec![0u8; LEN], vec![0f32; 1], vec![0u8; LEN.div_ceil(32)]);
+                    let mut times = vec![Vec::new(); formats.len()];
+                    for r in 0..=REPEATS {
+                        for (k, (acc, opt)) in runs.iter().enumerate() {
+                            acc.add(&scaler, &[Grad::Bf16(grad)][..], 1).unwrap();
+                            acc.sync(Some(&comm)).unwrap();
+                            let mut weights = [match formats[k] {
+                                WeightFormat::Model => WeightMut::Model(GradMut::Bf16(&mut w)),
+                                WeightFormat::E4m3Tensorwise => {
+                                    WeightMut::E4m3 { codes: &mut codes, scale: &mut scale }
+                                }
+                                WeightFormat::Mxfp8 => {
+                                    WeightMut::Mxfp8 { codes: &mut codes, scales: &mut scales }
+                                }
+                            }];
+                            let t = Instant::now();
+                            opt.step_weights(acc, &mut weights, Some(&comm)).unwrap();
+                            if r > 0 {
+                                times[k].push(t.elapsed().as_secs_f64());
+                            }
+                        }
+                    }
+                    times
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ns = |k: usize| median(times[0][k].clone()) / LEN as f64 * 1e9;
+    for (k, (name, bytes)) in
+        [("bf16", "2"), ("E4M3, a scale per tensor", "1"), ("MXFP8", "1.03")].iter().enumerate()
+    {
+        println!("| {ranks} | {name} | {bytes} | {:.3} | {:.2} |", ns(k), ns(k) / ns(0));
+    }
 }
 
 /// The boundary with clipping plus the AdamW step three ways, each timed in turn: clip-then-step,

@@ -144,9 +144,11 @@ pub use error::{Error, ErrorKind, Result};
 /// that a user names the same version (`gradacc::half::f16`).
 pub use half;
 pub use mesh::{Axis, Mesh, MeshInfo, MeshShape, Part, Replicated};
+pub use optimizer::fp8;
 pub use optimizer::{
     join_master, split_master, Algorithm, MasterFormat, MomentFormat, Optimizer, OptimizerBuilder,
-    OptimizerConfig, Rounding, Slot, StateFormat, TensorGroup, MOMENT_BLOCK,
+    OptimizerConfig, Rounding, Slot, StateFormat, TensorGroup, WeightFormat, WeightMut,
+    MOMENT_BLOCK,
 };
 pub use scaler::{Scaler, ScalerConfig, ScalerState, ScalerStats, StepOutcome};
 

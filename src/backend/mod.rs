@@ -71,6 +71,12 @@ pub(crate) fn optimizer_store_for(
 ) -> Result<Box<dyn OptimizerStore>> {
     Ok(match device {
         Device::Cpu => Box::new(cpu::HostOptimizer::new(setup)?),
+        Device::Cuda { .. } if setup.weight_formats.iter().any(|f| f.is_fp8()) => {
+            let i = setup.weight_formats.iter().position(|f| f.is_fp8()).expect("one is FP8");
+            return Err(Error::invalid(format!(
+                "`weight_formats[{i}]`: FP8 weights are written by host optimizers only (not on CUDA yet)"
+            )));
+        }
         Device::Cuda { .. } if setup.format.blockwise() => {
             return Err(Error::invalid(
                 "`moments`: 8-bit blockwise moments are kept by host optimizers only (use FP32 or bf16 moments on CUDA)",

@@ -3,6 +3,7 @@
 
 use super::config::{OptimizerConfig, TensorGroup};
 use super::format::StateFormat;
+use super::fp8::WeightFormat;
 use super::Optimizer;
 use crate::accumulator::Accumulator;
 use crate::device::DevicePtr;
@@ -34,6 +35,7 @@ pub struct OptimizerBuilder<'a> {
     acc: &'a Accumulator,
     config: OptimizerConfig,
     format: StateFormat,
+    weight_formats: &'a [WeightFormat],
     groups: &'a [TensorGroup],
     weights: Option<Given<'a>>,
     masters: Option<Adopted>,
@@ -46,6 +48,7 @@ impl Optimizer {
             acc,
             config: OptimizerConfig::default(),
             format: StateFormat::default(),
+            weight_formats: &[],
             groups: &[],
             weights: None,
             masters: None,
@@ -67,6 +70,18 @@ impl<'a> OptimizerBuilder<'a> {
     /// to nearest or with adopted masters, make `build` fail with `InvalidArgument`.
     pub fn state(mut self, format: StateFormat) -> Self {
         self.format = format;
+        self
+    }
+
+    /// How the step writes each tensor's model weights (empty, the default: every tensor in
+    /// its model dtype). [`WeightFormat::E4m3Tensorwise`] and [`WeightFormat::Mxfp8`] make the
+    /// step write FP8 codes and scales ([`Optimizer::step_weights`]), so that a sharded
+    /// boundary's all-gather moves one byte per element; `build` refuses them (`InvalidArgument`
+    /// naming `weight_formats[i]`) without a sharded boundary, without FP32 masters, and on a
+    /// CUDA accumulator. The weights given to [`OptimizerBuilder::weights`] for such a tensor
+    /// are its initial values, from which the masters start.
+    pub fn weight_formats(mut self, formats: &'a [WeightFormat]) -> Self {
+        self.weight_formats = formats;
         self
     }
 
@@ -137,7 +152,9 @@ impl<'a> OptimizerBuilder<'a> {
     /// adopted masters as [`OptimizerBuilder::masters`] and
     /// [`OptimizerBuilder::device_masters`] say.
     pub fn build(self) -> Result<Optimizer> {
-        let OptimizerBuilder { acc, config, format, groups, weights, masters } = self;
+        let OptimizerBuilder { acc, config, format, weight_formats, groups, weights, masters } =
+            self;
+        let format = (format, weight_formats);
         let Some(weights) = weights else {
             return Err(Error::invalid(
                 "the optimizer needs the model's weights: OptimizerBuilder::weights (host) or device_weights (CUDA)",

@@ -13,6 +13,7 @@ pub(crate) mod blockwise;
 mod builder;
 mod config;
 mod format;
+pub mod fp8;
 pub(crate) mod pass;
 mod rounding;
 mod saved;
@@ -28,6 +29,7 @@ pub use blockwise::BLOCK as MOMENT_BLOCK;
 pub use builder::OptimizerBuilder;
 pub use config::{Algorithm, OptimizerConfig, TensorGroup};
 pub use format::{join_master, split_master, MasterFormat, MomentFormat, StateFormat};
+pub use fp8::{WeightFormat, WeightMut};
 pub use rounding::Rounding;
 
 use crate::accumulator::sharding::intersect;
@@ -76,6 +78,8 @@ pub struct Optimizer {
     rounding: Rounding,
     /// How the masters and moments are kept.
     format: StateFormat,
+    /// How the step writes each tensor's model weights.
+    weight_formats: Vec<WeightFormat>,
     plan: Arc<Plan>,
     /// The model's weight dtype of each tensor.
     dtypes: Vec<Dtype>,
@@ -178,7 +182,7 @@ impl Optimizer {
     fn new_host(
         acc: &Accumulator,
         config: OptimizerConfig,
-        format: StateFormat,
+        format: (StateFormat, &[WeightFormat]),
         groups: &[TensorGroup],
         weights: &[Grad<'_>],
         adopt: Option<(*mut f32, usize)>,
@@ -207,7 +211,7 @@ impl Optimizer {
     fn new_on_device(
         acc: &Accumulator,
         config: OptimizerConfig,
-        format: StateFormat,
+        format: (StateFormat, &[WeightFormat]),
         groups: &[TensorGroup],
         weights: &[DevicePtr],
         dtypes: &[Dtype],
@@ -237,13 +241,14 @@ impl Optimizer {
     /// checks what only the device can, and the adopted masters).
     fn create(
         acc: &Accumulator,
-        (config, format): (OptimizerConfig, StateFormat),
+        (config, (format, weight_formats)): (OptimizerConfig, (StateFormat, &[WeightFormat])),
         groups: Vec<TensorGroup>,
         dtypes: Vec<Dtype>,
         weights: Init<'_>,
         masters: Option<(*mut f32, usize)>,
     ) -> Result<Self> {
         format.check(&dtypes, config.rounding, masters.is_some())?;
+        let weight_formats = weight_formats_for(weight_formats, acc, &format)?;
         let plan = acc.plan().clone();
         let setup = Setup {
             plan: &plan,
@@ -253,15 +258,17 @@ impl Optimizer {
             lr: config.lr,
             groups: &groups,
             dtypes: &dtypes,
+            weight_formats: &weight_formats,
             weights,
             masters,
         };
         let store = backend::optimizer_store_for(acc.device(), &setup)?;
-        let fingerprint = fingerprint(&config, &format, &dtypes, &groups);
+        let fingerprint = fingerprint(&config, &format, &dtypes, &groups, &weight_formats);
         Ok(Optimizer {
             algorithm: config.algorithm,
             rounding: config.rounding,
             format,
+            weight_formats,
             on_cpu: acc.device() == Device::Cpu,
             held: plan.shard(),
             plan,
@@ -307,6 +314,11 @@ impl Optimizer {
     /// How the masters and moments are kept.
     pub fn state_format(&self) -> StateFormat {
         self.format
+    }
+
+    /// How the step writes each tensor's model weights ([`OptimizerBuilder::weight_formats`]).
+    pub fn weight_formats(&self) -> &[WeightFormat] {
+        &self.weight_formats
     }
 
     /// The dtype of each tensor's model weights (those given at creation).
@@ -375,6 +387,28 @@ impl Optimizer {
         &self,
         acc: &Accumulator,
         weights: &mut [GradMut<'_>],
+        comm: Option<&dyn Communicator>,
+    ) -> Result<bool> {
+        let mut weights: Vec<WeightMut<'_>> =
+            weights.iter_mut().map(|w| WeightMut::Model(w.slice_mut(0..w.len()))).collect();
+        self.step_weights(acc, &mut weights, comm)
+    }
+
+    /// [`Optimizer::step`] with each tensor's weights in the format chosen at creation
+    /// ([`OptimizerBuilder::weight_formats`]): the model's dtype, or FP8 codes (one per
+    /// element) and scales (one f32 for [`WeightFormat::E4m3Tensorwise`], one E8M0 byte per
+    /// block of [`fp8::MX_BLOCK`] for [`WeightFormat::Mxfp8`]). After the step every rank holds
+    /// the codes and scales of quantising each whole tensor's new FP32 masters on one rank.
+    ///
+    /// Fails as `step` does, and with `DtypeMismatch` on a weight of another format and
+    /// `SizeMismatch` on codes or scales of the wrong length, changing nothing. When the new
+    /// masters of an FP8 tensor hold an infinity or NaN on any rank, no scale is applied: every
+    /// rank fails with `InvalidArgument` naming the tensor, its weights and state unchanged,
+    /// and the window may be stepped again (after lowering the learning rate, say).
+    pub fn step_weights(
+        &self,
+        acc: &Accumulator,
+        weights: &mut [WeightMut<'_>],
         comm: Option<&dyn Communicator>,
     ) -> Result<bool> {
         if acc.device() != Device::Cpu {
@@ -489,9 +523,35 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Fails unless host weights have the model's dtypes and lengths.
-    fn check_dtypes(&self, weights: &[GradMut<'_>]) -> Result<()> {
+    /// Fails unless host weights have the model's formats, dtypes and lengths.
+    fn check_dtypes(&self, weights: &[WeightMut<'_>]) -> Result<()> {
         for (i, w) in weights.iter().enumerate() {
+            let (format, numel) = (self.weight_formats[i], self.plan.descs[i].numel);
+            if w.format() != format {
+                return Err(Error::new(
+                    ErrorKind::DtypeMismatch,
+                    format!(
+                        "`weights[{i}]` is {}, tensor {i}'s weights are {} (OptimizerBuilder::weight_formats)",
+                        w.format().name(),
+                        format.name()
+                    ),
+                ));
+            }
+            let WeightMut::Model(w) = w else {
+                check_len(i, w.len(), numel)?;
+                if w.scale_len() != format.scales(numel) {
+                    return Err(Error::new(
+                        ErrorKind::SizeMismatch,
+                        format!(
+                            "`weights[{i}]`'s scales hold {} entries; {} of {numel} elements takes {}",
+                            w.scale_len(),
+                            format.name(),
+                            format.scales(numel)
+                        ),
+                    ));
+                }
+                continue;
+            };
             let dtype = w.dtype();
             if dtype != self.dtypes[i] {
                 return Err(Error::new(
@@ -593,6 +653,41 @@ fn groups_for(groups: &[TensorGroup], n: usize) -> Result<Vec<TensorGroup>> {
     Ok(groups)
 }
 
+/// Each tensor's weight format (the model's dtype for all when `formats` is empty), checked
+/// against what FP8 weights need: a sharded boundary and FP32 masters.
+fn weight_formats_for(
+    formats: &[WeightFormat],
+    acc: &Accumulator,
+    state: &StateFormat,
+) -> Result<Vec<WeightFormat>> {
+    let n = acc.plan().descs.len();
+    let formats = match formats.len() {
+        0 => vec![WeightFormat::Model; n],
+        g if g == n => formats.to_vec(),
+        g => {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`weight_formats` has {g} entries for {n} tensors"),
+            ))
+        }
+    };
+    let Some((i, f)) = formats.iter().enumerate().find(|(_, f)| f.is_fp8()) else {
+        return Ok(formats);
+    };
+    let name = f.name();
+    if acc.plan().config.sharding.shard().is_none() {
+        return Err(Error::invalid(format!(
+            "`weight_formats[{i}]` is {name}: FP8 weights are written for the all-gather of a sharded boundary (ReduceScatter, Accumulate), and this accumulator is not sharded"
+        )));
+    }
+    if state.remainders() {
+        return Err(Error::invalid(format!(
+            "`weight_formats[{i}]` is {name}: FP8 weights need FP32 masters (an FP8 weight cannot hold the master), not bf16 remainders"
+        )));
+    }
+    Ok(formats)
+}
+
 /// Where tensor `i`'s elements inside `held` (a range of the flat layout) are.
 #[derive(Clone, Debug)]
 pub(crate) struct Piece {
@@ -686,6 +781,7 @@ fn fingerprint(
     format: &StateFormat,
     dtypes: &[Dtype],
     groups: &[TensorGroup],
+    weight_formats: &[WeightFormat],
 ) -> Fingerprint {
     let (code, params) = config.algorithm.encode();
     let mut bytes = code.to_le_bytes().to_vec();
@@ -706,6 +802,10 @@ fn fingerprint(
         bytes.extend(d.code().to_le_bytes());
         bytes.push(g.weight_decay as u8);
         bytes.extend(g.lr_scale.to_bits().to_le_bytes());
+    }
+    if weight_formats.iter().any(|f| f.is_fp8()) {
+        // Weights in their model dtypes hash as they always did.
+        bytes.extend(weight_formats.iter().map(|f| f.code()));
     }
     Fingerprint(crate::state::checksum(&bytes))
 }

@@ -8,6 +8,7 @@ use half::slice::HalfFloatSliceExt;
 
 use super::blockwise::{self, Blocks, BLOCK};
 use super::format::{join_master, split_master, MomentFormat};
+use super::fp8;
 use super::rounding::{self, Rounding};
 use super::update::Scalars;
 use crate::dtype::{Dtype, GradMut};
@@ -33,6 +34,15 @@ fn widen<const BF16: bool>(weight: u16) -> f32 {
 }
 
 struct Exact;
+
+/// No model weight: the pass writes the masters only (FP8 weights are quantised after it).
+struct Discard;
+
+impl Write for Discard {
+    type Out = ();
+    #[inline(always)]
+    fn write(&mut self, _: f32) {}
+}
 
 impl Write for Exact {
     type Out = f32;
@@ -118,6 +128,25 @@ impl<'a> Cells<'a> {
     }
 }
 
+/// Where a pass writes the model's weights: a piece of them, or nowhere (`MastersOnly`, of the
+/// piece's length: the masters alone are the result).
+pub(crate) enum Out<'a> {
+    Weights(GradMut<'a>),
+    MastersOnly(usize),
+}
+
+impl<'a> Out<'a> {
+    fn split_at_mut(self, mid: usize) -> (Out<'a>, Out<'a>) {
+        match self {
+            Out::Weights(w) => {
+                let (a, b) = w.split_at_mut(mid);
+                (Out::Weights(a), Out::Weights(b))
+            }
+            Out::MastersOnly(n) => (Out::MastersOnly(mid), Out::MastersOnly(n - mid)),
+        }
+    }
+}
+
 /// The state of one piece: gradient, masters (or remainders), first and (AdamW) second state
 /// values.
 pub(crate) struct Piece<'a> {
@@ -129,6 +158,11 @@ pub(crate) struct Piece<'a> {
 }
 
 impl<'a> Piece<'a> {
+    fn empty() -> Piece<'a> {
+        let none = || Cells::F32(&mut []);
+        Piece { grad: &[], master: none(), first: none(), second: none() }
+    }
+
     fn split_at(self, mid: usize) -> (Piece<'a>, Piece<'a>) {
         let (g0, g1) = self.grad.split_at(mid);
         let (x0, x1) = self.master.split_at(mid);
@@ -159,7 +193,7 @@ struct Job<'a> {
 pub(crate) fn step_threads(
     k: &Scalars,
     piece: Piece<'_>,
-    out: GradMut<'_>,
+    out: Out<'_>,
     rounding: Rounding,
     moments: MomentFormat,
     step: u64,
@@ -169,8 +203,90 @@ pub(crate) fn step_threads(
     split(Job { k, rounding, moments, step, isa: active_isa() }, piece, out, base, threads);
 }
 
+/// Elements of a piece [`new_masters_amax`] steps at a time: whole blocks of blockwise moments.
+const DRY_CHUNK: usize = 16 * BLOCK;
+
+/// The largest magnitude ([`fp8::amax`]) of the masters that [`step_threads`] would write over
+/// `piece` with the same arguments, changing nothing: the piece stepped [`DRY_CHUNK`] elements
+/// at a time on copies of its state, on up to `threads` threads as [`step_threads`] splits it.
+/// Every element's arithmetic and draws are its own, so the copies' masters are bitwise those
+/// the step will write.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn new_masters_amax(
+    k: &Scalars,
+    piece: Piece<'_>,
+    rounding: Rounding,
+    moments: MomentFormat,
+    step: u64,
+    base: usize,
+    threads: usize,
+) -> f32 {
+    dry_split(Job { k, rounding, moments, step, isa: active_isa() }, piece, base, threads)
+}
+
+/// [`new_masters_amax`] with the job fixed: halves of the threads on halves of the piece.
+fn dry_split(job: Job<'_>, piece: Piece<'_>, base: usize, threads: usize) -> f32 {
+    let n = piece.grad.len();
+    if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
+        return dry(job, piece, base);
+    }
+    let left = threads / 2;
+    let mid = (n * left / threads).next_multiple_of(BLOCK).min(n);
+    let (p0, p1) = piece.split_at(mid);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(move || dry_split(job, p0, base, left));
+        let b = dry_split(job, p1, base + mid, threads - left);
+        (a.join().expect("a dry pass does not panic"), b)
+    });
+    fp8::amax(&[a, b])
+}
+
+/// [`new_masters_amax`] on the calling thread.
+fn dry(job: Job<'_>, piece: Piece<'_>, base: usize) -> f32 {
+    let (mut rest, mut at, mut amax) = (piece, 0, 0.0f32);
+    while !rest.grad.is_empty() {
+        let n = rest.grad.len().min(DRY_CHUNK);
+        // The last chunk whole: a cut at its end would drop its partial block's scale.
+        let (head, tail) = if n < DRY_CHUNK { (rest, Piece::empty()) } else { rest.split_at(n) };
+        let mut copy = [head.master.copied(), head.first.copied(), head.second.copied()];
+        let [master, first, second] = copy.each_mut().map(Owned::cells);
+        one(job, Piece { grad: head.grad, master, first, second }, Out::MastersOnly(n), base + at);
+        let Owned::F32(x) = &copy[0] else { unreachable!("FP8 weights' masters are FP32") };
+        amax = fp8::amax(&[amax, fp8::amax(x)]);
+        (rest, at) = (tail, at + n);
+    }
+    amax
+}
+
+/// A copy of a piece's [`Cells`].
+enum Owned {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+    Blocks(Vec<u8>, Vec<f32>),
+}
+
+impl Owned {
+    fn cells(&mut self) -> Cells<'_> {
+        match self {
+            Owned::F32(v) => Cells::F32(v),
+            Owned::U16(v) => Cells::U16(v),
+            Owned::Blocks(codes, scales) => Cells::Blocks(Blocks { codes, scales }),
+        }
+    }
+}
+
+impl Cells<'_> {
+    fn copied(&self) -> Owned {
+        match self {
+            Cells::F32(v) => Owned::F32(v.to_vec()),
+            Cells::U16(v) => Owned::U16(v.to_vec()),
+            Cells::Blocks(b) => Owned::Blocks(b.codes.to_vec(), b.scales.to_vec()),
+        }
+    }
+}
+
 /// [`step_threads`] with the job fixed: halves of the threads on halves of the piece.
-fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads: usize) {
+fn split(job: Job<'_>, piece: Piece<'_>, out: Out<'_>, base: usize, threads: usize) {
     let n = piece.grad.len();
     if threads <= 1 || n < 2 * MIN_ELEMENTS_PER_THREAD {
         return one(job, piece, out, base);
@@ -187,7 +303,7 @@ fn split(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize, threads:
 
 /// [`step_threads`] on the calling thread: FP32 state over the vectorized loop, the smaller
 /// formats over [`formats`].
-fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
+fn one(job: Job<'_>, piece: Piece<'_>, out: Out<'_>, base: usize) {
     let counter = |seed| rounding::counter(rounding::key(seed, job.step), base as u64);
     let Piece { grad, master, first, second } = piece;
     let (master, first, second) = match (master, first, second) {
@@ -206,7 +322,7 @@ fn one(job: Job<'_>, piece: Piece<'_>, out: GradMut<'_>, base: usize) {
     };
     let (k, isa) = (job.k, job.isa);
     match (master, out) {
-        (Cells::U16(rem), GradMut::Bf16(o)) => {
+        (Cells::U16(rem), Out::Weights(GradMut::Bf16(o))) => {
             let x = Split { rem, out: o.reinterpret_cast_mut() };
             moments_on(isa, k, grad, x, first, second, keys)
         }
@@ -233,11 +349,16 @@ trait WithWriter {
 /// Runs `pass` with the writer of `out`'s dtype under `rounding` (`counter` keys a stochastic
 /// one by its seed): one instantiation per way of writing, each branch-free inside.
 fn with_writer(
-    out: GradMut<'_>,
+    out: Out<'_>,
     rounding: Rounding,
     counter: impl Fn(u64) -> u64,
     pass: impl WithWriter,
 ) {
+    let out = match out {
+        // A slice of `()` takes no memory.
+        Out::MastersOnly(n) => return pass.run(&mut vec![(); n], Discard),
+        Out::Weights(w) => w,
+    };
     match (out, rounding) {
         (GradMut::F32(o), _) => pass.run(o, Exact),
         (GradMut::F16(o), Rounding::NearestEven) => {

@@ -9,13 +9,14 @@ use std::sync::Arc;
 
 use super::config::{Algorithm, TensorGroup};
 use super::format::StateFormat;
+use super::fp8::{WeightFormat, WeightMut};
 use super::piece;
 use super::rounding::Rounding;
 use crate::accumulator::protocol::{self, HostChannel, Step};
 use crate::accumulator::{Accumulator, Plan};
 use crate::comm::{Communicator, ControlSum, HostCollectives};
 use crate::device::DevicePtr;
-use crate::dtype::{Dtype, Grad, GradMut};
+use crate::dtype::{Dtype, Grad};
 use crate::error::{Error, Result};
 
 /// The model's weights a step writes, tensor by tensor, in the accumulator's memory: host slices
@@ -23,7 +24,7 @@ use crate::error::{Error, Result};
 /// creation) for CUDA.
 #[derive(Debug)]
 pub(crate) enum Weights<'a, 'b> {
-    Host(&'a mut [GradMut<'b>]),
+    Host(&'a mut [WeightMut<'b>]),
     Device(&'a [DevicePtr]),
 }
 
@@ -36,7 +37,7 @@ impl<'a, 'b> Weights<'a, 'b> {
     }
 
     /// The host weights a host store writes (the optimizer checked the device already).
-    pub(crate) fn host(self) -> Result<&'a mut [GradMut<'b>]> {
+    pub(crate) fn host(self) -> Result<&'a mut [WeightMut<'b>]> {
         match self {
             Weights::Host(w) => Ok(w),
             Weights::Device(_) => Err(Error::invalid("device weights for a host optimizer")),
@@ -54,7 +55,7 @@ impl<'a, 'b> Weights<'a, 'b> {
     /// The byte addresses of each weight, of `dtypes` and `numel` elements.
     pub(crate) fn ranges(&self, dtypes: &[Dtype], numel: &[usize]) -> Vec<Range<usize>> {
         match self {
-            Weights::Host(w) => w.iter().map(|w| w.as_grad().addresses()).collect(),
+            Weights::Host(w) => w.iter().map(WeightMut::addresses).collect(),
             Weights::Device(w) => device_ranges(w, dtypes, numel).collect(),
         }
     }
@@ -79,6 +80,8 @@ pub(crate) struct Setup<'a> {
     /// Per tensor: its group, and the model weights' dtype.
     pub groups: &'a [TensorGroup],
     pub dtypes: &'a [Dtype],
+    /// How the step writes each tensor's model weights.
+    pub weight_formats: &'a [WeightFormat],
     /// The model weights whose held elements become the masters, unless the caller's are adopted.
     pub weights: Init<'a>,
     /// The caller's masters (host or device address) and their length, adopted.

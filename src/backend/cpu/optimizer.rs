@@ -12,12 +12,13 @@ use crate::dtype::{Dtype, Grad, GradMut};
 use crate::error::{Error, ErrorKind, Result};
 use crate::math::{bf16_to_f32, f16_to_f32};
 use crate::optimizer::blockwise::{self, Blocks};
-use crate::optimizer::pass::{self, Cells};
+use crate::optimizer::fp8::{self, WeightFormat, WeightMut};
+use crate::optimizer::pass::{self, Cells, Out};
 use crate::optimizer::store::{
     agree_on_host, Column, Fingerprint, Gather, Init, OptimizerStore, Setup, Values, Weights,
 };
 use crate::optimizer::update::Scalars;
-use crate::optimizer::{piece, Algorithm, MomentFormat, Rounding, TensorGroup};
+use crate::optimizer::{piece, Algorithm, MomentFormat, Piece, Rounding, TensorGroup};
 
 /// A host optimizer's masters: a vector it owns, the caller's buffer it adopted (a
 /// framework's own FP32 master weights, updated in place so that no second copy exists), or the
@@ -151,6 +152,8 @@ pub(crate) struct HostOptimizer {
     moments: MomentFormat,
     groups: Vec<TensorGroup>,
     dtypes: Vec<Dtype>,
+    /// How the step writes each tensor's model weights.
+    formats: Vec<WeightFormat>,
     lr: f32,
     /// Steps taken; skipped ones do not count (bias correction counts the steps taken).
     steps: u64,
@@ -187,6 +190,7 @@ impl HostOptimizer {
             moments: setup.format.moments,
             groups: setup.groups.to_vec(),
             dtypes: setup.dtypes.to_vec(),
+            formats: setup.weight_formats.to_vec(),
             lr: setup.lr,
             steps: 0,
             first: Moments::zeros(format, true, held.len()),
@@ -196,35 +200,95 @@ impl HostOptimizer {
         })
     }
 
-    /// One step of every held element, its model weight written as it goes; each gradient is
-    /// multiplied by `factor` (rounded to f32) before the update uses it.
-    fn update(&mut self, grad: &[f32], factor: f32, weights: &mut [GradMut<'_>]) {
+    /// The scalars of tensor `i`'s update in step `t`.
+    fn scalars(&self, i: usize, t: u64, factor: f32) -> Scalars {
+        let group = self.groups[i];
+        let lr = self.lr as f64 * group.lr_scale as f64;
+        Scalars::new(&self.algorithm, lr, group.weight_decay, t).grad_factor(factor)
+    }
+
+    /// Tensor `i`'s held piece of the gradient and the state.
+    fn state_of<'s>(&'s mut self, grad: &'s [f32], p: &Piece) -> pass::Piece<'s> {
+        pass::Piece {
+            grad: &grad[p.held.clone()],
+            master: self.master.cells(p.held.clone()),
+            first: self.first.cells(p.held.clone()),
+            second: self.second.cells(p.held.clone()),
+        }
+    }
+
+    /// One step of every held element, its model weight written as it goes (FP8 weights'
+    /// tensors: their masters only, quantised by `quantise`); each gradient is multiplied by
+    /// `factor` (rounded to f32) before the update uses it.
+    fn update(&mut self, grad: &[f32], factor: f32, weights: &mut [WeightMut<'_>]) {
         let t = self.steps + 1;
         for (i, w) in weights.iter_mut().enumerate() {
             let p = piece(&self.plan, i, &self.held);
-            let group = self.groups[i];
-            let lr = self.lr as f64 * group.lr_scale as f64;
-            let k = Scalars::new(&self.algorithm, lr, group.weight_decay, t).grad_factor(factor);
-            let state = pass::Piece {
-                grad: &grad[p.held.clone()],
-                master: self.master.cells(p.held.clone()),
-                first: self.first.cells(p.held.clone()),
-                second: self.second.cells(p.held.clone()),
+            let k = self.scalars(i, t, factor);
+            let (threads, flat, rounding, moments) =
+                (self.plan.config.threads, p.flat.start, self.rounding, self.moments);
+            let out = match w {
+                WeightMut::Model(w) => Out::Weights(w.slice_mut(p.tensor.clone())),
+                WeightMut::E4m3 { .. } | WeightMut::Mxfp8 { .. } => Out::MastersOnly(p.held.len()),
             };
-            let (threads, flat) = (self.plan.config.threads, p.flat.start);
-            let out = w.slice_mut(p.tensor);
-            pass::step_threads(&k, state, out, self.rounding, self.moments, t, flat, threads);
+            let state = self.state_of(grad, &p);
+            pass::step_threads(&k, state, out, rounding, moments, t, flat, threads);
         }
         self.steps = t;
     }
 
-    /// Every rank's part of the model weights to every rank, bit for bit.
+    /// The amax of each FP8 tensor's new masters on this rank (0 where it holds none), in
+    /// tensor order, from a pass that changes nothing.
+    fn new_amax(&mut self, grad: &[f32], factor: f32) -> Vec<f32> {
+        let t = self.steps + 1;
+        let fp8: Vec<usize> =
+            (0..self.formats.len()).filter(|&i| self.formats[i].is_fp8()).collect();
+        fp8.into_iter()
+            .map(|i| {
+                let p = piece(&self.plan, i, &self.held);
+                let k = self.scalars(i, t, factor);
+                let (rounding, moments, threads) =
+                    (self.rounding, self.moments, self.plan.config.threads);
+                let state = self.state_of(grad, &p);
+                pass::new_masters_amax(&k, state, rounding, moments, t, p.flat.start, threads)
+            })
+            .collect()
+    }
+
+    /// Each FP8 tensor's held piece quantised from its new masters, with the per-tensor scales
+    /// of `amax` (every rank's, agreed).
+    fn quantise(&self, amax: &[f32], weights: &mut [WeightMut<'_>]) {
+        let Column::F32(masters) = self.master.column() else {
+            unreachable!("FP8 weights' masters are FP32")
+        };
+        let mut agreed = amax.iter();
+        for (i, w) in weights.iter_mut().enumerate() {
+            let p = piece(&self.plan, i, &self.held);
+            let x = &masters[p.held];
+            match w {
+                WeightMut::Model(_) => {}
+                WeightMut::E4m3 { codes, scale } => {
+                    scale[0] = fp8::e4m3_scale(*agreed.next().expect("an amax per FP8 tensor"));
+                    fp8::quantise_tensorwise(x, scale[0], &mut codes[p.tensor]);
+                }
+                WeightMut::Mxfp8 { codes, scales } => {
+                    agreed.next();
+                    let blocks = mx_blocks(&p.tensor);
+                    fp8::quantise_mx(x, &mut codes[p.tensor], &mut scales[blocks]);
+                }
+            }
+        }
+    }
+
+    /// Every rank's part of the model weights to every rank, bit for bit: a piece's elements
+    /// in their dtype, or its FP8 codes and, for MXFP8, its blocks' scales (a per-tensor
+    /// E4M3 scale every rank computed alike).
     fn all_gather(
         &self,
         h: &dyn HostCollectives,
         shards: &[Range<usize>],
         rank: usize,
-        weights: &mut [GradMut<'_>],
+        weights: &mut [WeightMut<'_>],
     ) -> Result<()> {
         let pieces = |q: usize| {
             (0..self.dtypes.len()).filter_map(move |i| {
@@ -232,8 +296,7 @@ impl HostOptimizer {
                 (!p.tensor.is_empty()).then_some((i, p.tensor))
             })
         };
-        let bytes =
-            |q: usize| -> usize { pieces(q).map(|(i, r)| r.len() * self.dtypes[i].size()).sum() };
+        let bytes = |q: usize| -> usize { pieces(q).map(|(i, r)| self.gathered(i, &r)).sum() };
         let counts: Vec<usize> = (0..shards.len()).map(bytes).collect();
         let mut mine = Vec::with_capacity(counts[rank]);
         for (i, r) in pieces(rank) {
@@ -243,7 +306,7 @@ impl HostOptimizer {
         let mut at = 0;
         for q in 0..shards.len() {
             for (i, r) in pieces(q) {
-                let n = r.len() * self.dtypes[i].size();
+                let n = self.gathered(i, &r);
                 if q != rank {
                     set_bytes(&mut weights[i], r, &all[at..at + n]);
                 }
@@ -252,6 +315,72 @@ impl HostOptimizer {
         }
         Ok(())
     }
+
+    /// The bytes tensor `i`'s elements `r` take on the all-gather.
+    fn gathered(&self, i: usize, r: &Range<usize>) -> usize {
+        match self.formats[i] {
+            WeightFormat::Model => r.len() * self.dtypes[i].size(),
+            WeightFormat::E4m3Tensorwise => r.len(),
+            WeightFormat::Mxfp8 => r.len() + mx_blocks(r).len(),
+        }
+    }
+
+    /// Steps from `grad` (the boundary did not overflow), quantising the FP8 weights of the
+    /// held pieces: first the FP8 tensors' new amax, agreed over `gather`'s ranks, and nothing
+    /// changes when one is not finite (the error says which).
+    fn step_from(
+        &mut self,
+        grad: &[f32],
+        factor: f32,
+        weights: &mut [WeightMut<'_>],
+        gather: Option<&Gather<'_>>,
+    ) -> Result<()> {
+        if !self.formats.iter().any(|f| f.is_fp8()) {
+            self.update(grad, factor, weights);
+            return Ok(());
+        }
+        let mine = self.new_amax(grad, factor);
+        let agreed = match gather {
+            Some(g) => agree_max(host_of(g.comm)?, &mine, g.shards.len())?,
+            None => mine,
+        };
+        self.check_amax(&agreed)?;
+        self.update(grad, factor, weights);
+        self.quantise(&agreed, weights);
+        Ok(())
+    }
+
+    /// Fails, naming the tensor, unless every FP8 tensor's agreed amax is finite.
+    fn check_amax(&self, agreed: &[f32]) -> Result<()> {
+        let fp8 = (0..self.formats.len()).filter(|&i| self.formats[i].is_fp8());
+        match fp8.zip(agreed).find(|(_, a)| !a.is_finite()) {
+            None => Ok(()),
+            Some((i, a)) => Err(Error::invalid(format!(
+                "tensor {i}'s new masters reach a magnitude of {a} ({}): no FP8 scale applies, so the step is skipped on every rank, its weights and state unchanged (step again, with a lower learning rate say)",
+                self.formats[i].name()
+            ))),
+        }
+    }
+}
+
+/// The MXFP8 blocks of a tensor's elements `r`, which start at a block boundary.
+fn mx_blocks(r: &Range<usize>) -> Range<usize> {
+    debug_assert_eq!(r.start % fp8::MX_BLOCK, 0, "pieces start at whole blocks");
+    r.start / fp8::MX_BLOCK..r.end.div_ceil(fp8::MX_BLOCK)
+}
+
+/// The largest of every rank's `mine` (magnitudes, NaN above infinity), on every rank: one
+/// all-gather of 4 bytes per value.
+fn agree_max(h: &dyn HostCollectives, mine: &[f32], ranks: usize) -> Result<Vec<f32>> {
+    let bytes: Vec<u8> = mine.iter().flat_map(|a| a.to_le_bytes()).collect();
+    let all = h.allgather_bytes(&bytes, &vec![bytes.len(); ranks])?;
+    let value = |c: &[u8]| f32::from_le_bytes(c.try_into().expect("4 bytes"));
+    let mut max = vec![0.0f32; mine.len()];
+    for (j, c) in all.chunks_exact(4).enumerate() {
+        let m = &mut max[j % mine.len()];
+        *m = fp8::amax(&[*m, value(c)]);
+    }
+    Ok(max)
 }
 
 impl OptimizerStore for HostOptimizer {
@@ -318,12 +447,12 @@ impl OptimizerStore for HostOptimizer {
     ) -> Result<Option<bool>> {
         let weights = weights.host()?;
         let stepped = acc.with_reduced("the optimizer step", |window, info, grad, factor| {
-            *consumed = Some(window);
             if !info.found_inf {
-                self.update(grad, factor, weights);
+                self.step_from(grad, factor, weights, gather)?;
             }
-            !info.found_inf
-        })?;
+            *consumed = Some(window);
+            Ok::<_, Error>(!info.found_inf)
+        })??;
         if let (true, Some(g)) = (stepped, gather) {
             self.all_gather(host_of(g.comm)?, &g.shards, g.rank, weights)?;
         }
@@ -362,27 +491,40 @@ fn value_at(g: &Grad<'_>, at: usize) -> f32 {
     }
 }
 
-fn append_bytes(w: &GradMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
+fn append_bytes(w: &WeightMut<'_>, r: Range<usize>, out: &mut Vec<u8>) {
     match w {
-        GradMut::F32(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
-        GradMut::F16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
-        GradMut::Bf16(b) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        WeightMut::Model(GradMut::F32(b)) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        WeightMut::Model(GradMut::F16(b)) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        WeightMut::Model(GradMut::Bf16(b)) => b[r].iter().for_each(|v| out.extend(v.to_le_bytes())),
+        WeightMut::E4m3 { codes, .. } => out.extend_from_slice(&codes[r]),
+        WeightMut::Mxfp8 { codes, scales } => {
+            out.extend_from_slice(&codes[r.clone()]);
+            out.extend_from_slice(&scales[mx_blocks(&r)]);
+        }
     }
 }
 
-fn set_bytes(w: &mut GradMut<'_>, r: Range<usize>, bytes: &[u8]) {
+fn set_bytes(w: &mut WeightMut<'_>, r: Range<usize>, bytes: &[u8]) {
     let two = |c: &[u8]| -> [u8; 2] { c.try_into().expect("2 bytes") };
     match w {
-        GradMut::F32(b) => b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
-            *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
-        }),
-        GradMut::F16(b) => b[r]
+        WeightMut::Model(GradMut::F32(b)) => {
+            b[r].iter_mut().zip(bytes.chunks_exact(4)).for_each(|(v, c)| {
+                *v = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            })
+        }
+        WeightMut::Model(GradMut::F16(b)) => b[r]
             .iter_mut()
             .zip(bytes.chunks_exact(2))
             .for_each(|(v, c)| *v = half::f16::from_le_bytes(two(c))),
-        GradMut::Bf16(b) => b[r]
+        WeightMut::Model(GradMut::Bf16(b)) => b[r]
             .iter_mut()
             .zip(bytes.chunks_exact(2))
             .for_each(|(v, c)| *v = half::bf16::from_le_bytes(two(c))),
+        WeightMut::E4m3 { codes, .. } => codes[r].copy_from_slice(bytes),
+        WeightMut::Mxfp8 { codes, scales } => {
+            let (c, s) = bytes.split_at(r.len());
+            scales[mx_blocks(&r)].copy_from_slice(s);
+            codes[r].copy_from_slice(c);
+        }
     }
 }
