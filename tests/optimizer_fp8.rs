@@ -640,12 +640,14 @@ fn what_fp8_weights_cannot_take_is_refused() {
     let formats = formats();
     let initial = model(&mut rng, &tensors);
     let config = OptimizerConfig::default();
-    let build = |sharding, state, formats: &[WeightFormat]| {
+    let build_with = |config, sharding, state, formats: &[WeightFormat]| {
         let acc = Accumulator::new(AccumulatorConfig { sharding, ..Default::default() }, &tensors)
             .unwrap();
         let b = Optimizer::builder(&acc).config(config).state(state).weight_formats(formats);
         b.weights(&grads_of(&initial)).build().map(drop)
     };
+    let build =
+        |sharding, state, formats: &[WeightFormat]| build_with(config, sharding, state, formats);
     let one = Sharding::ReduceScatter { shards: 1, rank: 0 };
     let e = build(Sharding::None, StateFormat::default(), &formats).unwrap_err();
     assert!(
@@ -656,6 +658,11 @@ fn what_fp8_weights_cannot_take_is_refused() {
         StateFormat { masters: MasterFormat::Bf16Remainder, moments: MomentFormat::F32 };
     let e = build(one, remainders, &formats).unwrap_err();
     assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("FP32 masters"), "{e}");
+    // No masters, with the stochastic rounding they need over 16-bit weights.
+    let stochastic = OptimizerConfig { rounding: Rounding::Stochastic { seed: 3 }, ..config };
+    let none = StateFormat { masters: MasterFormat::None, moments: MomentFormat::F32 };
+    let e = build_with(stochastic, one, none, &formats).unwrap_err();
+    assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("keeps no masters"), "{e}");
     let e = build(one, StateFormat::default(), &formats[1..]).unwrap_err();
     assert!(e.kind == ErrorKind::SizeMismatch && e.message.contains("`weight_formats`"), "{e}");
     build(one, StateFormat::default(), &formats).unwrap();

@@ -680,12 +680,14 @@ fn weight_formats_for(
             "`weight_formats[{i}]` is {name}: FP8 weights are written for the all-gather of a sharded boundary (ReduceScatter, Accumulate), and this accumulator is not sharded"
         )));
     }
-    if state.remainders() {
-        return Err(Error::invalid(format!(
-            "`weight_formats[{i}]` is {name}: FP8 weights need FP32 masters (an FP8 weight cannot hold the master), not bf16 remainders"
-        )));
-    }
-    Ok(formats)
+    let masters = match state.masters {
+        MasterFormat::F32 => return Ok(formats),
+        MasterFormat::Bf16Remainder => "bf16 remainders",
+        MasterFormat::None => "no masters",
+    };
+    Err(Error::invalid(format!(
+        "`weight_formats[{i}]` is {name}: FP8 weights need FP32 masters (an FP8 weight cannot hold the master), and the state keeps {masters}"
+    )))
 }
 
 /// Where tensor `i`'s elements inside `held` (a range of the flat layout) are.
