@@ -47,15 +47,8 @@ pub unsafe extern "C" fn gradacc_accumulator_add(
     n: usize,
     count: u64,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_add", || {
-        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
-        unsafe {
-            add_each(acc, scaler, grads, n, count, false, |i, g, _| match g.is_null() {
-                true => Err(null(&format!("grads[{i}]"))),
-                false => Ok(*g),
-            })
-        }
-    })
+    // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+    unsafe { add_addresses("gradacc_accumulator_add", acc, scaler, grads, n, count, false) }
 }
 
 /// gradacc_accumulator_add of the window's last micro-batch, which the boundary follows: on the
@@ -78,10 +71,27 @@ pub unsafe extern "C" fn gradacc_accumulator_add_final(
     n: usize,
     count: u64,
 ) -> gradacc_status_t {
-    guard("gradacc_accumulator_add_final", || {
-        // SAFETY: the caller passes `n` addresses at `grads` (API contract).
+    // SAFETY: as gradacc_accumulator_add.
+    unsafe { add_addresses("gradacc_accumulator_add_final", acc, scaler, grads, n, count, true) }
+}
+
+/// gradacc_accumulator_add (`last`: _add_final) of the raw addresses at `grads`, as `entry`.
+///
+/// # Safety
+/// `grads` holds `n` addresses, each of its tensor's size in its dtype (the entry points' contract).
+unsafe fn add_addresses(
+    entry: &'static str,
+    acc: *mut gradacc_accumulator_t,
+    scaler: *const gradacc_scaler_t,
+    grads: *const *const c_void,
+    n: usize,
+    count: u64,
+    last: bool,
+) -> gradacc_status_t {
+    guard(entry, || {
+        // SAFETY: the caller passes `n` addresses at `grads` (this function's contract).
         unsafe {
-            add_each(acc, scaler, grads, n, count, true, |i, g, _| match g.is_null() {
+            add_each(acc, scaler, grads, n, count, last, |i, g, _| match g.is_null() {
                 true => Err(null(&format!("grads[{i}]"))),
                 false => Ok(*g),
             })
