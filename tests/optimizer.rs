@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::step_reference::{assert_within, bounds, check_element};
-use common::weights::{add, fixed_scaler, grads_of, model, muts_of, Weights};
+use common::weights::{add, fixed_scaler, grads_of, model, muts_of, rank_accumulator, Weights};
 use common::*;
 use gradacc::simd::{self, Isa};
 use gradacc::{
@@ -280,12 +280,7 @@ fn run_group_with(
                             max_grad_norm: boundary.max_grad_norm,
                             ..Default::default()
                         };
-                        let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
-                        let mut b = Accumulator::builder(tensors).config(cfg);
-                        if accumulate {
-                            b = b.communicator(comm.clone());
-                        }
-                        let acc = b.build().unwrap();
+                        let (acc, on) = rank_accumulator(tensors, cfg, &comm);
                         let scaler = fixed_scaler();
                         let mut weights = initial.to_vec();
                         let opt = Optimizer::builder(&acc)
@@ -299,7 +294,6 @@ fn run_group_with(
                         let read = || acc.with_shard(|g| g.iter().map(|x| x.to_bits()).collect());
                         for (step, g) in data[rank].iter().enumerate() {
                             add(&acc, &scaler, tensors, g);
-                            let on = (!accumulate).then_some(&*comm);
                             match boundary.for_step {
                                 true => acc.sync_for_step(on).unwrap(),
                                 false => acc.sync(on).unwrap(),
@@ -883,13 +877,7 @@ fn ranks_whose_schedules_differ_fail_together() {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let cfg =
                         AccumulatorConfig { sharding: sharding(2, rank), ..Default::default() };
-                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
-                    let mut b = Accumulator::builder(tensors).config(cfg);
-                    if accumulate {
-                        b = b.communicator(comm.clone());
-                    }
-                    let acc = b.build().unwrap();
-                    let on = (!accumulate).then_some(&*comm);
+                    let (acc, on) = rank_accumulator(tensors, cfg, &comm);
                     let mut weights = initial.clone();
                     let opt =
                         Optimizer::new(&acc, OptimizerConfig::default(), &[], &grads_of(&weights))

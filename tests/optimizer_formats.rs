@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::step_reference::{assert_within, check_element, ulps, U};
-use common::weights::{add, fixed_scaler, grads_of, model, muts_of, Weights};
+use common::weights::{add, fixed_scaler, grads_of, model, muts_of, rank_accumulator, Weights};
 use common::*;
 use gradacc::{
     join_master, split_master, Accumulator, AccumulatorConfig, Algorithm, Communicator, Dtype,
@@ -408,19 +408,13 @@ fn run_group(
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let cfg =
                         AccumulatorConfig { sharding: sharding(ranks, rank), ..Default::default() };
-                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
-                    let mut b = Accumulator::builder(tensors).config(cfg);
-                    if accumulate {
-                        b = b.communicator(comm.clone());
-                    }
-                    let acc = b.build().unwrap();
+                    let (acc, on) = rank_accumulator(tensors, cfg, &comm);
                     let scaler = fixed_scaler();
                     let mut weights = initial.to_vec();
                     let opt = make(&acc, config, format, &weights);
                     let mut seen = Vec::new();
                     for g in &data[rank] {
                         add(&acc, &scaler, tensors, g);
-                        let on = (!accumulate).then_some(&*comm);
                         acc.sync(on).unwrap();
                         opt.step(&acc, &mut muts_of(&mut weights), on).unwrap();
                         seen.push(weights.clone());

@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::weights::{add, fixed_scaler, grads_of, model, Weights};
+use common::weights::{add, fixed_scaler, grads_of, model, rank_accumulator, Weights};
 use common::*;
 use gradacc::comm::{BlockPass, ControlSum, HostCollectives};
 use gradacc::fp8::{self, MX_BLOCK};
@@ -298,12 +298,7 @@ fn run_group(
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let cfg =
                         AccumulatorConfig { sharding: sharding(ranks, rank), ..Default::default() };
-                    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
-                    let mut b = Accumulator::builder(tensors).config(cfg);
-                    if accumulate {
-                        b = b.communicator(comm.clone());
-                    }
-                    let acc = b.build().unwrap();
+                    let (acc, on) = rank_accumulator(tensors, cfg, &comm);
                     let opt = make(&acc, config, state, formats, initial);
                     let mut bufs: Vec<Buf> = (0..tensors.len())
                         .map(|i| Buf::new(formats[i], &initial[i], tensors[i].numel))
@@ -312,7 +307,6 @@ fn run_group(
                     let mut seen = Vec::new();
                     for g in &data[rank] {
                         add(&acc, &scaler, tensors, g);
-                        let on = (!accumulate).then_some(&*comm);
                         acc.sync(on).unwrap();
                         opt.step_weights(&acc, &mut weights_of(&mut bufs), on).unwrap();
                         seen.push((bufs.clone(), held_masters(&opt, tensors.len())));

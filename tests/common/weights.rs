@@ -2,7 +2,12 @@
 //! tensor's weights in its dtype, a fixed scaler, and one micro-batch added exactly.
 
 use super::{encode, grad_of, to_bf16, to_f16, Rng};
-use gradacc::{Accumulator, Dtype, Grad, GradMut, Scaler, ScalerConfig, TensorDesc};
+use std::sync::Arc;
+
+use gradacc::{
+    Accumulator, AccumulatorConfig, Communicator, Dtype, Grad, GradMut, Scaler, ScalerConfig,
+    Sharding, TensorDesc,
+};
 
 pub fn fixed_scaler() -> Scaler {
     Scaler::new(ScalerConfig { init_scale: 1.0, dynamic: false, ..Default::default() }).unwrap()
@@ -84,4 +89,19 @@ pub fn add(acc: &Accumulator, scaler: &Scaler, tensors: &[TensorDesc], g: &[Vec<
     let grads: Vec<Grad<'_>> =
         tensors.iter().zip(&held).map(|(d, (f, h))| grad_of(d.dtype, f, h)).collect();
     acc.add(scaler, &grads[..], 1).unwrap();
+}
+
+/// An accumulator with `cfg` over `tensors` for one rank of `comm`'s group, and the communicator
+/// its boundary takes: a sharded accumulation is built with the communicator and syncs with none.
+pub fn rank_accumulator<'c>(
+    tensors: &[TensorDesc],
+    cfg: AccumulatorConfig,
+    comm: &'c Arc<dyn Communicator>,
+) -> (Accumulator, Option<&'c dyn Communicator>) {
+    let accumulate = matches!(cfg.sharding, Sharding::Accumulate { .. });
+    let mut b = Accumulator::builder(tensors).config(cfg);
+    if accumulate {
+        b = b.communicator(comm.clone());
+    }
+    (b.build().unwrap(), (!accumulate).then_some(&**comm))
 }
