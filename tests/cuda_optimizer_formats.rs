@@ -20,7 +20,7 @@ use gradacc::backend::cuda::nccl::{self, NcclComm};
 use gradacc::{
     Accumulator, AccumulatorConfig, Algorithm, Communicator, Device, Dtype, ErrorKind, Grad,
     GradMut, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding, Sharding,
-    StateFormat, TensorDesc,
+    StateFormat, TensorDesc, WeightFormat,
 };
 
 /// Every format with AdamW and SGD with momentum, both roundings where the format takes them,
@@ -150,6 +150,23 @@ fn cuda_formats_match_the_cpu_optimizer_bitwise() {
         .build()
         .unwrap_err();
     assert!(e.kind == ErrorKind::InvalidArgument && e.message.contains("`moments`"), "{e:?}");
+    // So are FP8 weights, even under the sharded boundary they are made for.
+    let one = AccumulatorConfig {
+        sharding: Sharding::ReduceScatter { shards: 1, rank: 0 },
+        ..Default::default()
+    };
+    let acc = Accumulator::builder(&descs).config(one).device(device).build().unwrap();
+    let mut formats = vec![WeightFormat::Model; descs.len()];
+    formats[1] = WeightFormat::E4m3Tensorwise;
+    let e = Optimizer::builder(&acc)
+        .weight_formats(&formats)
+        .device_weights(&dev.ptrs, &dtypes)
+        .build()
+        .unwrap_err();
+    assert!(
+        e.kind == ErrorKind::InvalidArgument && e.message.contains("`weight_formats[1]`"),
+        "{e:?}"
+    );
 }
 
 /// One rank of two: an all-reduce optimizer and a sharded one (`accumulate`: ZeRO-2, else
