@@ -506,6 +506,18 @@ func (a *Accumulator) checkGrads(grads []Grad) error {
 // every gradient on each call; a loop that passes the same buffers every micro-batch binds them
 // once with Bind and calls AddBound.
 func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
+	return a.add(s, grads, count, false)
+}
+
+// AddFinal is Add for the window's last micro-batch, which the boundary follows: on the CPU the
+// add also measures the norm, so a boundary that reduces nothing between ranks reads the master
+// no more. The same bits as Add (docs/optimizer.md, "The norm inside the last add").
+func (a *Accumulator) AddFinal(s *Scaler, grads []Grad, count uint64) error {
+	return a.add(s, grads, count, true)
+}
+
+// add is Add, or with last AddFinal.
+func (a *Accumulator) add(s *Scaler, grads []Grad, count uint64, last bool) error {
 	p, err := a.handle()
 	if err != nil {
 		return err
@@ -528,6 +540,9 @@ func (a *Accumulator) Add(s *Scaler, grads []Grad, count uint64) error {
 		ptrs[i] = g.ptr
 	}
 	err = call(func() C.enum_gradacc_status_t {
+		if last {
+			return C.gradacc_accumulator_add_final(p, sp, &ptrs[0], C.size_t(len(grads)), C.uint64_t(count))
+		}
 		return C.gradacc_accumulator_add(p, sp, &ptrs[0], C.size_t(len(grads)), C.uint64_t(count))
 	})
 	runtime.KeepAlive(a)

@@ -451,3 +451,66 @@ func u16Bytes(w []uint16) []byte {
 	}
 	return b
 }
+
+// AddFinal for each window's last micro-batch against Add, both before SyncForStep and Step with
+// a norm that clips every window: the same report, weights and state bit for bit.
+func TestAddFinalChangesNoBit(t *testing.T) {
+	type run struct {
+		w0    []uint16
+		state []byte
+		norms []float64
+	}
+	do := func(final bool) run {
+		scaler := scalerWithScale(t, 1)
+		defer scaler.Close()
+		cfg := DefaultAccumulatorConfig()
+		cfg.MaxGradNorm = 0.5
+		acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &cfg, nil))
+		defer acc.Close()
+		w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+		for i := range w0 {
+			w0[i] = f16Bits(float32(0.01*float64(i) - 1))
+		}
+		weights := []Weight{WeightF16(w0), WeightF32(w1)}
+		opt := must(NewOptimizer(acc, weights, nil, nil))
+		defer opt.Close()
+		var r run
+		for step := 0; step < 3; step++ {
+			for mb := 0; mb < 2; mb++ {
+				g0, g1 := make([]uint16, optN0), make([]float32, optN1)
+				for i := range g0 {
+					g0[i] = f16Bits(optGrad0(i) + float32(2*step+mb)*0.125)
+				}
+				for i := range g1 {
+					g1[i] = 0.75 - float32(mb)*0.5
+				}
+				add := acc.Add
+				if final && mb == 1 {
+					add = acc.AddFinal
+				}
+				if err := add(scaler, []Grad{Words16(g0), Float32s(g1)}, 1); err != nil {
+					t.Fatal(err)
+				}
+			}
+			info := must(acc.SyncForStep(nil))
+			if info.ClipCoef >= 1 {
+				t.Fatalf("step %d: clip coefficient %g does not clip", step, info.ClipCoef)
+			}
+			r.norms = append(r.norms, info.GradNorm, info.ClipCoef)
+			if !must(opt.Step(acc, weights, nil)) {
+				t.Fatalf("step %d did not step", step)
+			}
+		}
+		r.w0, r.state = w0, must(opt.Save())
+		return r
+	}
+	plain, final := do(false), do(true)
+	if !bytes.Equal(u16Bytes(plain.w0), u16Bytes(final.w0)) || !bytes.Equal(plain.state, final.state) {
+		t.Fatal("AddFinal then SyncForStep and Step differs from Add")
+	}
+	for i := range plain.norms {
+		if plain.norms[i] != final.norms[i] {
+			t.Fatalf("report value %d: %v with Add, %v with AddFinal", i, plain.norms[i], final.norms[i])
+		}
+	}
+}

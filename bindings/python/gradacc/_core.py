@@ -531,6 +531,16 @@ class Accumulator(_Managed):
     def add(self, scaler, grads, count):
         """One micro-batch of ``count`` items: ``grads[i]`` is tensor i's gradient, or ``grads``
         is what :meth:`bind` returned for the same buffers (one C call, nothing converted)."""
+        self._add(scaler, grads, count, ffi.gradacc_accumulator_add)
+
+    def add_final(self, scaler, grads, count):
+        """:meth:`add` of the window's last micro-batch, which the boundary follows: on the CPU
+        the add also measures the norm, so a boundary that reduces nothing between ranks reads
+        the master no more. The same bits as :meth:`add` (docs/optimizer.md, "The norm inside
+        the last add")."""
+        self._add(scaler, grads, count, ffi.gradacc_accumulator_add_final)
+
+    def _add(self, scaler, grads, count, add):
         try:
             count = _unsigned(count, "count")
             bound = grads if isinstance(grads, BoundGrads) else self.bind(grads)
@@ -540,7 +550,7 @@ class Accumulator(_Managed):
         except Exception:
             self._refuse_add(scaler)
             raise
-        _check(ffi.gradacc_accumulator_add(self._handle(), s, bound._array, len(bound._array), count))
+        _check(add(self._handle(), s, bound._array, len(bound._array), count))
 
     def _refuse_add(self, scaler):
         """After add's own checks refused its arguments: a C add that the library refuses on every

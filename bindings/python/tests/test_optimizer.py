@@ -408,3 +408,23 @@ def test_the_clip_inside_the_step_is_sync_then_step_bit_for_bit(moments):
     (clipped, coef), (before, _) = grads
     assert clipped.tobytes() == (before * np.float32(coef)).tobytes()
     assert clipped.tobytes() != before.tobytes()
+
+
+def test_the_last_add_measuring_the_norm_changes_no_bit():
+    """add_final for each window's micro-batch against add, both before sync_for_step + step with
+    a norm that clips every window: the same report, weights and state bit for bit."""
+    runs = []
+    for add in ("add", "add_final"):
+        weights = [w.copy() for w in mixed_weights()]
+        with unit_scaler() as scaler, gradacc.Accumulator(MIXED, max_grad_norm=0.5) as acc, \
+                gradacc.Optimizer(acc, weights, lr=0.01) as opt:
+            infos = []
+            for step in range(3):
+                acc.add(scaler, mixed_grads(2 * step), count=1)
+                getattr(acc, add)(scaler, mixed_grads(2 * step + 1), count=2)
+                info = acc.sync_for_step()
+                assert info.clip_coef < 1.0
+                infos.append((info.grad_norm, info.clip_coef, info.total_count))
+                assert opt.step()
+            runs.append(([w.tobytes() for w in weights], opt.save(), infos))
+    assert runs[0] == runs[1]

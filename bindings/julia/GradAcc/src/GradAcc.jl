@@ -23,7 +23,7 @@ module GradAcc
 using Libdl
 
 export Scaler, Accumulator, Optimizer, Communicator, GradAccError, local_group
-export add!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_for_step!, sync_hybrid!
+export add!, add_final!, add_tensor!, begin_microbatch!, end_microbatch!, sync!, sync_for_step!, sync_hybrid!
 
 # `public` is a keyword from Julia 1.11; parsing it here keeps 1.10 able to load the module.
 if VERSION >= v"1.11.0-DEV.469"
@@ -695,12 +695,25 @@ end
 One micro-batch of `count` items: `grads[i]` is tensor `i`'s gradient, a contiguous vector of
 its dtype (`Float32`; `Float16`; for bf16 a BFloat16 type or `UInt16` words).
 """
-function add!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer)
+add!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer) =
+    add_with!(gradacc_accumulator_add, a, s, grads, count)
+
+"""
+    add_final!(acc, scaler, grads, count) -> acc
+
+`add!` of the window's last micro-batch, which the boundary follows: on the CPU the add also
+measures the norm, so a boundary that reduces nothing between ranks reads the master no more.
+The same bits as `add!` (docs/optimizer.md, "The norm inside the last add").
+"""
+add_final!(a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer) =
+    add_with!(gradacc_accumulator_add_final, a, s, grads, count)
+
+function add_with!(add, a::Accumulator, s::Scaler, grads::AbstractVector, count::Integer)
     err = add_error(a, s, grads)
     err === nothing || refuse_add(a, s, err)
     GC.@preserve grads begin
         ptrs = Ptr{Cvoid}[pointer(g) for g in grads]
-        check(gradacc_accumulator_add(a, s, ptrs, length(ptrs), count))
+        check(add(a, s, ptrs, length(ptrs), count))
     end
     return a
 end
