@@ -593,6 +593,12 @@ typedef int32_t gradacc_masters_t;
 typedef int32_t gradacc_moments_t;
 
 /**
+ * What the step writes for a tensor's weights (docs/optimizer.md, "FP8 weights on the
+ * all-gather").
+ */
+typedef int32_t gradacc_weight_format_t;
+
+/**
  * Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
  */
 typedef struct gradacc_optimizer_config_t {
@@ -644,6 +650,12 @@ typedef struct gradacc_optimizer_config_t {
      * The seed of the bf16 moments' stochastic rounding (default 0).
      */
     uint64_t moment_seed;
+    /**
+     * NULL (the default): every tensor's weights in its model dtype. Else `n` entries (the
+     * creation's tensor count), GRADACC_WEIGHTS_*, read during the creation only: tensor i's
+     * weights are what entry i says, and gradacc_optimizer_step_scaled takes their scales.
+     */
+    const gradacc_weight_format_t *weight_formats;
 } gradacc_optimizer_config_t;
 
 /**
@@ -943,6 +955,27 @@ typedef struct gradacc_scaler_stats_t {
  * CPU optimizers only (CUDA refuses them with GRADACC_STATUS_INVALID_ARGUMENT).
  */
 #define GRADACC_MOMENTS_INT8_BLOCKWISE 2
+
+/**
+ * The model's dtype given at creation (f32, f16 or bf16). The default.
+ */
+#define GRADACC_WEIGHTS_MODEL 0
+
+/**
+ * E4M3 codes (`float8_e4m3fn`) with one f32 scale per tensor: `scale = 448 / max(amax,
+ * 1e-12)` from the amax of the tensor's new FP32 masters over all ranks, each code
+ * E4M3(clamp(master * scale, ±448)) rounded to nearest even; the weight is `code / scale`. Only
+ * under a sharded boundary (GRADACC_SHARDING_REDUCE_SCATTER, _ACCUMULATE), with FP32 masters,
+ * on the CPU.
+ */
+#define GRADACC_WEIGHTS_E4M3_TENSORWISE 1
+
+/**
+ * MXFP8: E4M3 codes of `master / 2^e` (saturated at ±448, nearest even) with one E8M0 byte
+ * `e + 127` per block of 32 elements, `e = floor(log2(block amax)) - 8` clamped to -127..=127;
+ * the weight is `code * 2^e`. As GRADACC_WEIGHTS_E4M3_TENSORWISE, where it may be used.
+ */
+#define GRADACC_WEIGHTS_MXFP8 2
 
 /**
  * IEEE 754 binary32.
@@ -2005,6 +2038,32 @@ enum gradacc_status_t gradacc_optimizer_step(struct gradacc_optimizer_t *opt,
                                              size_t n,
                                              struct gradacc_comm_t *comm,
                                              bool *out_stepped);
+
+/**
+ * gradacc_optimizer_step of an optimizer whose `config.weight_formats` makes some tensors FP8:
+ * for such a tensor i, `weights[i]` holds its `numel` E4M3 codes (bytes) and `scales[i]` its
+ * scales, which the step writes with the codes: one float for GRADACC_WEIGHTS_E4M3_TENSORWISE,
+ * one E8M0 byte per block of 32 elements (the last block shorter) for GRADACC_WEIGHTS_MXFP8.
+ * `scales[i]` is NULL for a tensor in its model dtype; `scales` may be NULL when no tensor is
+ * FP8 (gradacc_optimizer_step is this with a NULL `scales`). After the step, every rank holds
+ * every tensor's codes and scales, bitwise those of quantising the whole tensor's FP32 masters
+ * once. When a new master of an FP8 tensor is infinite or NaN on any rank, no broken scale is
+ * applied: every rank fails with GRADACC_STATUS_INVALID_ARGUMENT naming the tensor, and the
+ * weights, the state and the step count stay as they were (docs/optimizer.md, "FP8 weights on
+ * the all-gather"). A scale buffer of the wrong kind is refused as a weight is: NULL
+ * (GRADACC_STATUS_NULL_ARGUMENT), misaligned, or given for a model-dtype tensor
+ * (GRADACC_STATUS_INVALID_ARGUMENT).
+ *
+ * Thread safety: as gradacc_optimizer_step.
+ */
+GRADACC_API
+enum gradacc_status_t gradacc_optimizer_step_scaled(struct gradacc_optimizer_t *opt,
+                                                    struct gradacc_accumulator_t *acc,
+                                                    void *const *weights,
+                                                    void *const *scales,
+                                                    size_t n,
+                                                    struct gradacc_comm_t *comm,
+                                                    bool *out_stepped);
 
 /**
  * Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports

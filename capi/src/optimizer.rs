@@ -13,7 +13,7 @@ use gradacc::dtype::{Dtype, Grad, GradMut};
 use gradacc::error::{Error, ErrorKind};
 use gradacc::{
     Algorithm, Device, MasterFormat, MomentFormat, Optimizer, OptimizerConfig, Rounding,
-    StateFormat, TensorGroup,
+    StateFormat, TensorGroup, WeightFormat, WeightMut,
 };
 
 /// FP32 master weights and AdamW or SGD state for an accumulator's tensors (opaque). Create with
@@ -67,6 +67,22 @@ pub const GRADACC_MOMENTS_BF16: gradacc_moments_t = 1;
 /// CPU optimizers only (CUDA refuses them with GRADACC_STATUS_INVALID_ARGUMENT).
 pub const GRADACC_MOMENTS_INT8_BLOCKWISE: gradacc_moments_t = 2;
 
+/// What the step writes for a tensor's weights (docs/optimizer.md, "FP8 weights on the
+/// all-gather").
+pub type gradacc_weight_format_t = i32;
+/// The model's dtype given at creation (f32, f16 or bf16). The default.
+pub const GRADACC_WEIGHTS_MODEL: gradacc_weight_format_t = 0;
+/// E4M3 codes (`float8_e4m3fn`) with one f32 scale per tensor: `scale = 448 / max(amax,
+/// 1e-12)` from the amax of the tensor's new FP32 masters over all ranks, each code
+/// E4M3(clamp(master * scale, ±448)) rounded to nearest even; the weight is `code / scale`. Only
+/// under a sharded boundary (GRADACC_SHARDING_REDUCE_SCATTER, _ACCUMULATE), with FP32 masters,
+/// on the CPU.
+pub const GRADACC_WEIGHTS_E4M3_TENSORWISE: gradacc_weight_format_t = 1;
+/// MXFP8: E4M3 codes of `master / 2^e` (saturated at ±448, nearest even) with one E8M0 byte
+/// `e + 127` per block of 32 elements, `e = floor(log2(block amax)) - 8` clamped to -127..=127;
+/// the weight is `code * 2^e`. As GRADACC_WEIGHTS_E4M3_TENSORWISE, where it may be used.
+pub const GRADACC_WEIGHTS_MXFP8: gradacc_weight_format_t = 2;
+
 /// Optimizer configuration. Initialise with gradacc_optimizer_config_default, then change fields.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -97,6 +113,10 @@ pub struct gradacc_optimizer_config_t {
     pub moments: gradacc_moments_t,
     /// The seed of the bf16 moments' stochastic rounding (default 0).
     pub moment_seed: u64,
+    /// NULL (the default): every tensor's weights in its model dtype. Else `n` entries (the
+    /// creation's tensor count), GRADACC_WEIGHTS_*, read during the creation only: tensor i's
+    /// weights are what entry i says, and gradacc_optimizer_step_scaled takes their scales.
+    pub weight_formats: *const gradacc_weight_format_t,
 }
 
 /// One tensor's options (PyTorch's parameter groups, per tensor).
@@ -140,8 +160,23 @@ pub unsafe extern "C" fn gradacc_optimizer_config_default(
             masters: GRADACC_MASTERS_FP32,
             moments: GRADACC_MOMENTS_FP32,
             moment_seed: 0,
+            weight_formats: std::ptr::null(),
         };
         Ok(())
+    })
+}
+
+fn weight_format_from_c(f: gradacc_weight_format_t, i: usize) -> CallResult<WeightFormat> {
+    Ok(match f {
+        GRADACC_WEIGHTS_MODEL => WeightFormat::Model,
+        GRADACC_WEIGHTS_E4M3_TENSORWISE => WeightFormat::E4m3Tensorwise,
+        GRADACC_WEIGHTS_MXFP8 => WeightFormat::Mxfp8,
+        v => {
+            return Err(Error::invalid(format!(
+                "`config`.weight_formats[{i}] = {v} is not a GRADACC_WEIGHTS_* value"
+            ))
+            .into())
+        }
     })
 }
 
@@ -212,26 +247,91 @@ unsafe fn weight_buffers<'a>(
     dtypes: &[Dtype],
     numel: &[usize],
 ) -> CallResult<Vec<GradMut<'a>>> {
+    let each = ptrs.iter().zip(dtypes).zip(numel).enumerate();
+    // SAFETY: as this function's contract, tensor by tensor.
+    each.map(|(i, ((&p, &dtype), &n))| unsafe { weight_buffer(i, p, dtype, n) }).collect()
+}
+
+/// Tensor `i`'s buffer at `p` as its model weights of `dtype`, `n` of them, checked for null,
+/// alignment and length.
+///
+/// # Safety
+/// A non-null `p` points to `n` values of `dtype`, readable and writable and used by nothing
+/// else during `'a`.
+unsafe fn weight_buffer<'a>(
+    i: usize,
+    p: *const c_void,
+    dtype: Dtype,
+    n: usize,
+) -> CallResult<GradMut<'a>> {
+    let what = format!("weights[{i}]");
+    Ok(match dtype {
+        // SAFETY: the values are the caller's to lend mutably for the call (this function's
+        // contract); `lend` checks null, alignment and length.
+        Dtype::F32 => GradMut::F32(unsafe { lend(p as *mut f32, n, &what)? }),
+        Dtype::F16 => GradMut::f16_bits(unsafe { lend(p as *mut u16, n, &what)? }),
+        Dtype::Bf16 => GradMut::bf16_bits(unsafe { lend(p as *mut u16, n, &what)? }),
+    })
+}
+
+/// The `n` values at `p`, checked for null, alignment and length, lent mutably.
+///
+/// # Safety
+/// A non-null `p` points to `n` values of `T`, readable and writable and used by nothing else
+/// during `'a`.
+unsafe fn lend<'a, T>(p: *mut T, n: usize, what: &str) -> CallResult<&'a mut [T]> {
+    // SAFETY: read_slice checks null, alignment and length; the caller lends the values
+    // mutably (this function's contract).
+    let s = unsafe { read_slice(p as *const T, n, what, "numel")? };
+    // SAFETY: the same values, which the caller lends mutably.
+    Ok(unsafe { std::slice::from_raw_parts_mut(s.as_ptr() as *mut T, n) })
+}
+
+/// The step's buffers: tensor i's model weights at `ptrs[i]`, or for an FP8 tensor
+/// (`formats[i]`) its codes there and its scales at `scales[i]` (NULL `scales`: no FP8 tensor).
+///
+/// # Safety
+/// As [`weight_buffer`] for each model tensor; for an FP8 tensor, `ptrs[i]` holds `numel[i]`
+/// bytes and a non-null `scales[i]` its scales (one f32 for E4M3, one byte per block of 32
+/// elements for MXFP8), all lent mutably for `'a`.
+unsafe fn step_buffers<'a>(
+    ptrs: &[*const c_void],
+    scales: Option<&[*const c_void]>,
+    formats: &[WeightFormat],
+    dtypes: &[Dtype],
+    numel: &[usize],
+) -> CallResult<Vec<WeightMut<'a>>> {
     let mut out = Vec::with_capacity(ptrs.len());
-    for (i, ((&p, &dtype), &n)) in ptrs.iter().zip(dtypes).zip(numel).enumerate() {
-        let what = format!("weights[{i}]");
-        // SAFETY: read_slice checks null, alignment and length; the values are the caller's to
-        // lend mutably for the call (API contract).
+    for (i, &format) in formats.iter().enumerate() {
+        let (p, n) = (ptrs[i], numel[i]);
+        let scale = scales.map(|s| s[i]);
+        let what = |name: &str| format!("{name}[{i}]");
+        // SAFETY: the buffers are the caller's to lend for the call (this function's contract),
+        // each checked for null, alignment and length.
         out.push(unsafe {
-            match dtype {
-                Dtype::F32 => {
-                    let s = read_slice(p as *const f32, n, &what, "numel")?;
-                    GradMut::F32(std::slice::from_raw_parts_mut(s.as_ptr() as *mut f32, n))
+            match (format, scale) {
+                (WeightFormat::Model, Some(s)) if !s.is_null() => {
+                    return Err(Error::invalid(format!(
+                        "`scales[{i}]` = {s:p}: tensor {i}'s weights are in its model dtype, which takes no scale (pass NULL)"
+                    ))
+                    .into())
                 }
-                _ => {
-                    let s = read_slice(p as *const u16, n, &what, "numel")?;
-                    let s = std::slice::from_raw_parts_mut(s.as_ptr() as *mut u16, n);
-                    if dtype == Dtype::F16 {
-                        GradMut::f16_bits(s)
-                    } else {
-                        GradMut::bf16_bits(s)
-                    }
+                (WeightFormat::Model, _) => WeightMut::Model(weight_buffer(i, p, dtypes[i], n)?),
+                (fp8, None) => {
+                    return Err(Error::invalid(format!(
+                        "`scales` is NULL, but tensor {i}'s weights are FP8 codes ({}, `config`.weight_formats[{i}]): step with gradacc_optimizer_step_scaled and their scales",
+                        fp8.name()
+                    ))
+                    .into())
                 }
+                (WeightFormat::E4m3Tensorwise, Some(s)) => WeightMut::E4m3 {
+                    codes: lend(p as *mut u8, n, &what("weights"))?,
+                    scale: lend(s as *mut f32, 1, &what("scales"))?,
+                },
+                (WeightFormat::Mxfp8, Some(s)) => WeightMut::Mxfp8 {
+                    codes: lend(p as *mut u8, n, &what("weights"))?,
+                    scales: lend(s as *mut u8, format.scales(n), &what("scales"))?,
+                },
             }
         });
     }
@@ -344,11 +444,15 @@ unsafe fn create(
     // SAFETY: a non-null output pointer points to writable storage of its type (API contract).
     let out = unsafe { out_ptr(out, "out") }?;
     let a = ACCUMULATORS.get(acc, "acc")?;
-    let (config, format) = if config.is_null() {
-        (OptimizerConfig::default(), StateFormat::default())
+    let raw = if config.is_null() {
+        None
     } else {
         // SAFETY: a non-null `config` points to a config of its struct_size (API contract).
-        config_from_c(&unsafe { read_config(config, "config") }?)?
+        Some(unsafe { read_config(config, "config") }?)
+    };
+    let (config, format) = match &raw {
+        None => (OptimizerConfig::default(), StateFormat::default()),
+        Some(c) => config_from_c(c)?,
     };
     let tensors = a.tensors();
     if n != tensors.len() {
@@ -358,6 +462,15 @@ unsafe fn create(
         )
         .into());
     }
+    let weight_formats = match raw.map(|c| c.weight_formats).filter(|p| !p.is_null()) {
+        None => vec![],
+        // SAFETY: a non-null `weight_formats` holds `n` entries (API contract).
+        Some(p) => unsafe { read_slice(p, n, "config.weight_formats", "n")? }
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| weight_format_from_c(f, i))
+            .collect::<CallResult<_>>()?,
+    };
     let groups: Vec<TensorGroup> = if groups.is_null() {
         vec![]
     } else {
@@ -380,7 +493,11 @@ unsafe fn create(
     };
     // SAFETY: the caller passes `n` addresses at `weights` (API contract).
     let ptrs = unsafe { read_slice(weights, n, "weights", "n")? };
-    let builder = Optimizer::builder(&a).config(config).state(format).groups(&groups);
+    let builder = Optimizer::builder(&a)
+        .config(config)
+        .state(format)
+        .groups(&groups)
+        .weight_formats(&weight_formats);
     let opt = if matches!(a.device(), Device::Cuda { .. }) {
         // Device addresses: checked by the driver, never dereferenced on the host.
         let addresses: Vec<u64> = ptrs.iter().map(|&p| p as u64).collect();
@@ -510,51 +627,106 @@ pub unsafe extern "C" fn gradacc_optimizer_step(
     out_stepped: *mut bool,
 ) -> gradacc_status_t {
     guard("gradacc_optimizer_step", || {
-        let o = OPTIMIZERS.get(opt, "opt")?;
-        let a = ACCUMULATORS.get(acc, "acc")?;
-        let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose()?;
-        if matches!(a.device(), Device::Cuda { .. }) {
-            // SAFETY: the caller passes `n` device addresses at `weights` (API contract).
-            let stepped =
-                unsafe { step_on_device(&o, &a, weights, n, comm.as_deref(), out_stepped) }?;
-            if let Some(stepped) = stepped {
-                // SAFETY: `step_on_device` returns a value only for a non-null `out_stepped`,
-                // which points to writable storage of its type (API contract).
-                unsafe { *out_stepped = stepped };
-            }
-            return Ok(());
-        }
-        let args = || {
-            let dtypes = o.weight_dtypes();
-            if n != dtypes.len() {
-                return Err(Error::new(
-                    ErrorKind::SizeMismatch,
-                    format!("`n` = {n}, but the optimizer has {} tensors", dtypes.len()),
-                )
-                .into());
-            }
-            // SAFETY: the caller passes `n` addresses at `weights` (API contract).
-            let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
-            let numel: Vec<usize> = a.tensors().iter().map(|t| t.numel).collect();
-            // SAFETY: each weight holds its tensor's numel values of its dtype, writable and
-            // used by nothing else during the call (API contract).
-            unsafe { weight_buffers(ptrs, dtypes, &numel) }
-        };
-        let mut muts = match args() {
-            Ok(m) => m,
-            Err(e) => {
-                // The other ranks of a sharded boundary are in the step's agreement.
-                o.refuse_step(&a, comm.as_deref());
-                return Err(e);
-            }
-        };
-        let stepped = o.step(&a, &mut muts, comm.as_deref())?;
-        if !out_stepped.is_null() {
-            // SAFETY: a non-null output pointer points to writable storage of its type.
+        // SAFETY: the caller's arguments, as documented above (API contract).
+        unsafe { step(opt, acc, weights, None, n, comm, out_stepped) }
+    })
+}
+
+/// gradacc_optimizer_step of an optimizer whose `config.weight_formats` makes some tensors FP8:
+/// for such a tensor i, `weights[i]` holds its `numel` E4M3 codes (bytes) and `scales[i]` its
+/// scales, which the step writes with the codes: one float for GRADACC_WEIGHTS_E4M3_TENSORWISE,
+/// one E8M0 byte per block of 32 elements (the last block shorter) for GRADACC_WEIGHTS_MXFP8.
+/// `scales[i]` is NULL for a tensor in its model dtype; `scales` may be NULL when no tensor is
+/// FP8 (gradacc_optimizer_step is this with a NULL `scales`). After the step, every rank holds
+/// every tensor's codes and scales, bitwise those of quantising the whole tensor's FP32 masters
+/// once. When a new master of an FP8 tensor is infinite or NaN on any rank, no broken scale is
+/// applied: every rank fails with GRADACC_STATUS_INVALID_ARGUMENT naming the tensor, and the
+/// weights, the state and the step count stay as they were (docs/optimizer.md, "FP8 weights on
+/// the all-gather"). A scale buffer of the wrong kind is refused as a weight is: NULL
+/// (GRADACC_STATUS_NULL_ARGUMENT), misaligned, or given for a model-dtype tensor
+/// (GRADACC_STATUS_INVALID_ARGUMENT).
+///
+/// Thread safety: as gradacc_optimizer_step.
+#[no_mangle]
+pub unsafe extern "C" fn gradacc_optimizer_step_scaled(
+    opt: *mut gradacc_optimizer_t,
+    acc: *mut gradacc_accumulator_t,
+    weights: *const *mut c_void,
+    scales: *const *mut c_void,
+    n: usize,
+    comm: *mut gradacc_comm_t,
+    out_stepped: *mut bool,
+) -> gradacc_status_t {
+    guard("gradacc_optimizer_step_scaled", || {
+        let scales = (!scales.is_null()).then_some(scales);
+        // SAFETY: the caller's arguments, as documented above (API contract).
+        unsafe { step(opt, acc, weights, scales, n, comm, out_stepped) }
+    })
+}
+
+/// gradacc_optimizer_step and _step_scaled (`scales`, when given, holds `n` entries).
+///
+/// # Safety
+/// The entry points' arguments (their API contract).
+unsafe fn step(
+    opt: *mut gradacc_optimizer_t,
+    acc: *mut gradacc_accumulator_t,
+    weights: *const *mut c_void,
+    scales: Option<*const *mut c_void>,
+    n: usize,
+    comm: *mut gradacc_comm_t,
+    out_stepped: *mut bool,
+) -> CallResult<()> {
+    let o = OPTIMIZERS.get(opt, "opt")?;
+    let a = ACCUMULATORS.get(acc, "acc")?;
+    let comm = (!comm.is_null()).then(|| COMMS.get(comm, "comm")).transpose()?;
+    if matches!(a.device(), Device::Cuda { .. }) {
+        // FP8 weights are refused at a CUDA optimizer's creation, so no tensor takes a scale.
+        // SAFETY: the caller passes `n` device addresses at `weights` (API contract).
+        let stepped = unsafe { step_on_device(&o, &a, weights, n, comm.as_deref(), out_stepped) }?;
+        if let Some(stepped) = stepped {
+            // SAFETY: `step_on_device` returns a value only for a non-null `out_stepped`,
+            // which points to writable storage of its type (API contract).
             unsafe { *out_stepped = stepped };
         }
-        Ok(())
-    })
+        return Ok(());
+    }
+    let args = || {
+        let dtypes = o.weight_dtypes();
+        if n != dtypes.len() {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("`n` = {n}, but the optimizer has {} tensors", dtypes.len()),
+            )
+            .into());
+        }
+        // SAFETY: the caller passes `n` addresses at `weights`, and at a non-null `scales`
+        // (API contract).
+        let ptrs = unsafe { read_slice(weights as *const *const c_void, n, "weights", "n")? };
+        let scales = match scales {
+            // SAFETY: as above.
+            Some(s) => Some(unsafe { read_slice(s as *const *const c_void, n, "scales", "n")? }),
+            None => None,
+        };
+        let numel: Vec<usize> = a.tensors().iter().map(|t| t.numel).collect();
+        // SAFETY: each weight (and scale) holds what its tensor's format says, writable and
+        // used by nothing else during the call (API contract).
+        unsafe { step_buffers(ptrs, scales, o.weight_formats(), dtypes, &numel) }
+    };
+    let mut buffers = match args() {
+        Ok(m) => m,
+        Err(e) => {
+            // The other ranks of a sharded boundary are in the step's agreement.
+            o.refuse_step(&a, comm.as_deref());
+            return Err(e);
+        }
+    };
+    let stepped = o.step_weights(&a, &mut buffers, comm.as_deref())?;
+    if !out_stepped.is_null() {
+        // SAFETY: a non-null output pointer points to writable storage of its type.
+        unsafe { *out_stepped = stepped };
+    }
+    Ok(())
 }
 
 /// The step of a CUDA accumulator's optimizer: the device addresses at `weights`, checked by the

@@ -289,6 +289,7 @@ versioned!(
         masters,
         moments,
         moment_seed,
+        weight_formats,
     },
     defaults: gradacc_optimizer_config_default
 );

@@ -54,7 +54,8 @@ impl WeightFormat {
         self as u8
     }
 
-    pub(crate) fn name(self) -> &'static str {
+    /// The format in words, for messages.
+    pub fn name(self) -> &'static str {
         match self {
             WeightFormat::Model => "the model's dtype",
             WeightFormat::E4m3Tensorwise => "E4M3 with a scale per tensor",

@@ -66,6 +66,9 @@ GRADACC_MASTERS_NONE = 2  # No masters: each step reads the master from the mode
 GRADACC_MOMENTS_FP32 = 0  # FP32 moments: 4 bytes per moment.
 GRADACC_MOMENTS_BF16 = 1  # bf16 moments, 2 bytes each, rounded stochastically keyed by `moment_seed`, the step and the element (the same on every rank and shard count).
 GRADACC_MOMENTS_INT8_BLOCKWISE = 2  # 8-bit blockwise moments: 1 byte each plus one f32 scale per block of 64 elements of a tensor, coded as the nearest entry of a dynamic quantisation map times the block's largest magnitude.
+GRADACC_WEIGHTS_MODEL = 0  # The model's dtype given at creation (f32, f16 or bf16).
+GRADACC_WEIGHTS_E4M3_TENSORWISE = 1  # E4M3 codes (`float8_e4m3fn`) with one f32 scale per tensor: `scale = 448 / max(amax, 1e-12)` from the amax of the tensor's new FP32 masters over all ranks, each code E4M3(clamp(master * scale, ±448)) rounded to nearest even; the weight is `code / scale`.
+GRADACC_WEIGHTS_MXFP8 = 2  # MXFP8: E4M3 codes of `master / 2^e` (saturated at ±448, nearest even) with one E8M0 byte `e + 127` per block of 32 elements, `e = floor(log2(block amax)) - 8` clamped to -127..=127; the weight is `code * 2^e`.
 GRADACC_DTYPE_F32 = 0  # IEEE 754 binary32.
 GRADACC_DTYPE_F16 = 1  # IEEE 754 binary16 (`_Float16`, `__half`, numpy `float16`).
 GRADACC_DTYPE_BF16 = 2  # bfloat16 (`__nv_bfloat16`, the upper 16 bits of an f32).
@@ -231,6 +234,9 @@ gradacc_masters_t = ctypes.c_int32
 # How AdamW's moments (SGD's momentum buffer) are kept between steps.
 gradacc_moments_t = ctypes.c_int32
 
+# What the step writes for a tensor's weights (docs/optimizer.md, "FP8 weights on the all-gather").
+gradacc_weight_format_t = ctypes.c_int32
+
 # Optimizer configuration.
 class gradacc_optimizer_config_t(ctypes.Structure):
     _fields_ = [
@@ -249,6 +255,7 @@ class gradacc_optimizer_config_t(ctypes.Structure):
         ("masters", gradacc_masters_t),
         ("moments", gradacc_moments_t),
         ("moment_seed", ctypes.c_uint64),
+        ("weight_formats", ctypes.POINTER(gradacc_weight_format_t)),
     ]
 
 # One tensor's options (PyTorch's parameter groups, per tensor).
@@ -661,6 +668,12 @@ gradacc_optimizer_step = dll.gradacc_optimizer_step
 gradacc_optimizer_step.restype = gradacc_status_t
 gradacc_optimizer_step.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_bool)]
 # arguments: opt, acc, weights, n, comm, out_stepped
+
+# gradacc_optimizer_step of an optimizer whose `config.weight_formats` makes some tensors FP8: for such a tensor i, `weights[i]` holds its `numel` E4M3 codes (bytes) and `scales[i]` its scales, which the step writes with the codes: one float for GRADACC_WEIGHTS_E4M3_TENSORWISE, one E8M0 byte per block of 32 elements (the last block shorter) for GRADACC_WEIGHTS_MXFP8.
+gradacc_optimizer_step_scaled = dll.gradacc_optimizer_step_scaled
+gradacc_optimizer_step_scaled.restype = gradacc_status_t
+gradacc_optimizer_step_scaled.argtypes = [ctypes.POINTER(gradacc_optimizer_t), ctypes.POINTER(gradacc_accumulator_t), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(gradacc_comm_t), ctypes.POINTER(ctypes.c_bool)]
+# arguments: opt, acc, weights, scales, n, comm, out_stepped
 
 # Writes this rank's optimizer state (versioned, checksummed) into `buf` (NULL: only reports the size) and its length to `*out_len`.
 gradacc_optimizer_save = dll.gradacc_optimizer_save
