@@ -794,6 +794,20 @@ _MASTERS_NAMES = {"fp32": Masters.FP32, "bf16_remainder": Masters.BF16_REMAINDER
                   "none": Masters.NONE}
 _MOMENTS_NAMES = {"fp32": Moments.FP32, "bf16": Moments.BF16,
                   "int8_blockwise": Moments.INT8_BLOCKWISE}
+# FP8 weight formats: (the C value, the bytes of one scale, scales for `numel` elements).
+_FP8_FORMATS = {"e4m3": (ffi.GRADACC_WEIGHTS_E4M3_TENSORWISE, 4, lambda numel: 1),
+                "mxfp8": (ffi.GRADACC_WEIGHTS_MXFP8, 1, lambda numel: -(-numel // 32))}
+
+
+def _fp8_array(obj, itemsize, numel, what):
+    """(address, object to keep alive) of a writable buffer of `numel` items of `itemsize` bytes."""
+    ptr, size, keep = _buffer(obj, None, what, writable=True)
+    if isinstance(keep, np.ndarray) and keep.itemsize != itemsize:
+        raise GradaccDtypeError(ffi.GRADACC_STATUS_DTYPE_MISMATCH,
+                                f"{what} has {keep.itemsize}-byte items ({keep.dtype.name}), but takes {itemsize}-byte ones")
+    if size is not None and size != numel:
+        raise GradaccSizeError(ffi.GRADACC_STATUS_SIZE_MISMATCH, f"{what} has {size} elements, but takes {numel}")
+    return ptr, keep
 
 
 def _choice(names, what, value):
@@ -861,11 +875,18 @@ class Optimizer(_Managed):
     on a CUDA accumulator) of this rank's range of the flat layout, ``acc.shard()``'s length
     (tensor i at ``acc.offset(i) - shard.offset``). Its values are the masters, not overwritten
     from the weights; every step updates it in place, and ``load`` writes into it. It is
-    referenced, not copied, and must not be written while a call runs."""
+    referenced, not copied, and must not be written while a call runs.
+
+    ``fp8={i: (format, codes, scales)}`` makes the step write tensor i as FP8 for the all-gather
+    of a sharded boundary (docs/optimizer.md, "FP8 weights on the all-gather"): ``format``
+    ``"e4m3"`` (one float32 scale per tensor) or ``"mxfp8"`` (one E8M0 byte per block of 32),
+    ``codes`` a writable uint8 array of the tensor's length, ``scales`` a float32 array of 1 or a
+    uint8 array of ``ceil(numel / 32)``; ``weights[i]`` then gives only the initial values. Every
+    step writes the codes and scales in place, the same bits on every rank."""
     _destroy = staticmethod(lambda p: ffi.gradacc_optimizer_destroy(p))
 
     def __init__(self, acc, weights, *, config=None, groups=None, dtypes=None, masters=None,
-                 master_format=None, **fields):
+                 master_format=None, fp8=None, **fields):
         n = len(acc)
         if master_format is not None:
             fields["masters"] = master_format  # the config's field; `masters=` adopts a buffer
@@ -883,6 +904,24 @@ class Optimizer(_Managed):
                        "rounding": lambda v: _choice(_ROUNDING_NAMES, "rounding", v),
                        "masters": lambda v: _choice(_MASTERS_NAMES, "master_format", v),
                        "moments": lambda v: _choice(_MOMENTS_NAMES, "moments", v)})
+        fp8 = dict(fp8 or {})
+        formats = (ffi.gradacc_weight_format_t * n)()
+        codes_at, scales_at = [None] * n, [None] * n
+        fp8_keep = []
+        for i, spec in fp8.items():
+            if not isinstance(i, int) or not 0 <= i < n:
+                raise ValueError(f"fp8: {i!r} is not a tensor index (0 to {n - 1})")
+            format_, codes_buf, scales_buf = spec
+            if format_ not in _FP8_FORMATS:
+                raise ValueError(f"fp8[{i}]: format {format_!r} is not one of {', '.join(_FP8_FORMATS)}")
+            value, scale_bytes, scales_of = _FP8_FORMATS[format_]
+            numel = acc.tensors[i][0]
+            formats[i] = value
+            codes_at[i], k1 = _fp8_array(codes_buf, 1, numel, f"fp8[{i}] codes")
+            scales_at[i], k2 = _fp8_array(scales_buf, scale_bytes, scales_of(numel), f"fp8[{i}] scales")
+            fp8_keep += [k1, k2]
+        if fp8:
+            cfg.weight_formats = ctypes.cast(formats, ctypes.POINTER(ffi.gradacc_weight_format_t))
         ptrs, keep, codes = [], [], []
         for i, (w, (numel, declared)) in enumerate(zip(weights, acc.tensors)):
             dt = _dtype(dtypes[i]) if dtypes is not None else _weight_dtype(w, declared, i)
@@ -914,6 +953,13 @@ class Optimizer(_Managed):
             self._masters_keep = keep  # the adopted masters must outlive the optimizer
         self._ptr = out
         self._acc = acc
+        # From now on the step writes an FP8 tensor's codes and scales, not its initial weights.
+        self._scales = None
+        if fp8:
+            for i in fp8:
+                self._weights[i] = codes_at[i]
+            self._scales = (ctypes.c_void_p * n)(*scales_at)
+            self._keep = keep + fp8_keep
 
     def step(self, comm=None):
         """The step after ``acc.sync()``: writes the weights in place and returns True, or returns
@@ -922,8 +968,8 @@ class Optimizer(_Managed):
         accumulation's own)."""
         stepped = ctypes.c_bool()
         c = comm._handle() if comm is not None else None
-        _check(ffi.gradacc_optimizer_step(self._handle(), self._acc._handle(), self._weights, len(self._weights),
-                                          c, ctypes.byref(stepped)))
+        _check(ffi.gradacc_optimizer_step_scaled(self._handle(), self._acc._handle(), self._weights, self._scales,
+                                                 len(self._weights), c, ctypes.byref(stepped)))
         return stepped.value
 
     def set_lr(self, lr):

@@ -428,3 +428,96 @@ def test_the_last_add_measuring_the_norm_changes_no_bit():
                 assert opt.step()
             runs.append(([w.tobytes() for w in weights], opt.save(), infos))
     assert runs[0] == runs[1]
+
+
+# ---- FP8 weights on the all-gather ---------------------------------------------------------------
+
+def e4m3_table():
+    """The value of every E4M3 code (float8_e4m3fn), NaN for 0x7f and 0xff."""
+    c = np.arange(256)
+    e, m = (c >> 3) & 15, c & 7
+    v = np.where(e == 0, np.ldexp(m.astype(np.float64), -9), np.ldexp((8 + m).astype(np.float64), e - 10))
+    v = np.where(c >> 7 == 1, -v, v)
+    v[[0x7f, 0xff]] = np.nan
+    return v
+
+
+def e4m3_of(x):
+    """E4M3 codes of f64 `x`, saturated at ±448, nearest, ties to the even code."""
+    table = e4m3_table()
+    x = np.clip(x, -448.0, 448.0)
+    d = np.abs(x[:, None] - table[None, :])
+    d[:, [0x7f, 0xff]] = np.inf
+    d[np.signbit(x)[:, None] != (np.arange(256)[None, :] >= 128)] = np.inf
+    best = d.min(axis=1, keepdims=True)
+    # Among the nearest codes, the even one (the lowest bit clear).
+    candidates = np.where(d == best, np.arange(256)[None, :] + 1000 * (np.arange(256)[None, :] & 1), 10**6)
+    return (candidates.min(axis=1) % 1000).astype(np.uint8)
+
+
+FP8_TENSORS = [(5000, "f32"), (3001, "f32"), (4133, "f32")]
+
+
+def fp8_weights():
+    return [np.linspace(-1, 1, 5000).astype(np.float32), np.linspace(3, -3, 3001).astype(np.float32),
+            (np.linspace(-2, 2, 4133) * np.exp2(np.arange(4133) % 24 - 12)).astype(np.float32)]
+
+
+def fp8_grads(step, r):
+    rng = np.random.default_rng(200 + 10 * step + r)
+    return [rng.standard_normal(n).astype(np.float32) for n, _ in FP8_TENSORS]
+
+
+def test_fp8_weights_are_the_whole_masters_quantised_once():
+    """Two ranks under reduce_scatter write tensor 1 as E4M3 and tensor 2 as MXFP8: after every
+    step both ranks hold the codes and scales of quantising the masters of the same run with f32
+    weights (which are the masters) by this file's reference."""
+    def rank(comm, r, fp8):
+        weights = fp8_weights()
+        buffers = {1: ("e4m3", np.zeros(3001, np.uint8), np.zeros(1, np.float32)),
+                   2: ("mxfp8", np.zeros(4133, np.uint8), np.zeros(130, np.uint8))} if fp8 else None
+        seen = []
+        with unit_scaler() as scaler, \
+                gradacc.Accumulator(FP8_TENSORS, sharding="reduce_scatter", shard_count=2, shard_rank=r) as acc, \
+                gradacc.Optimizer(acc, weights, lr=0.05, fp8=buffers) as opt:
+            for step in range(2):
+                add_and_sync(acc, scaler, fp8_grads(step, r), comm)
+                assert opt.step(comm)
+                if fp8:
+                    seen.append([buffers[1][1].copy(), buffers[1][2].copy(), buffers[2][1].copy(), buffers[2][2].copy()])
+                else:
+                    seen.append([w.copy() for w in weights])
+        return seen
+
+    masters = run_ranks(2, lambda c, r: rank(c, r, False))
+    codes = run_ranks(2, lambda c, r: rank(c, r, True))
+    for step in range(2):
+        m1, m2 = masters[0][step][1], masters[0][step][2]
+        scale = np.float32(448.0 / max(np.abs(m1.astype(np.float64)).max(), 1e-12))
+        want_codes1 = e4m3_of((m1 * scale).astype(np.float64))
+        blocks = [m2[b:b + 32].astype(np.float64) for b in range(0, 4133, 32)]
+        exps = [int(np.clip(np.floor(np.log2(np.abs(b).max())) - 8 if np.abs(b).max() > 0 else -127, -127, 127))
+                for b in blocks]
+        want_codes2 = np.concatenate([e4m3_of(np.ldexp(b, -x)) for b, x in zip(blocks, exps)])
+        for r in range(2):
+            got1, got_scale, got2, got_scales = codes[r][step]
+            assert got_scale.tobytes() == np.array([scale], np.float32).tobytes(), (step, r)
+            assert (got1 == want_codes1).all(), (step, r, int((got1 != want_codes1).sum()))
+            assert (got_scales == np.array(exps) + 127).all(), (step, r)
+            assert (got2 == want_codes2).all(), (step, r, int((got2 != want_codes2).sum()))
+
+
+def test_fp8_buffers_of_the_wrong_shape_are_refused():
+    with gradacc.Accumulator(FP8_TENSORS, sharding="reduce_scatter", shard_count=1, shard_rank=0) as acc:
+        weights = fp8_weights()
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, weights, fp8={1: ("e4m3", np.zeros(3000, np.uint8), np.zeros(1, np.float32))})
+        assert e.value.status == gradacc.Status.SIZE_MISMATCH and "fp8[1] codes" in e.value.message
+        with pytest.raises(gradacc.GradaccError) as e:
+            gradacc.Optimizer(acc, weights, fp8={2: ("mxfp8", np.zeros(4133, np.uint8), np.zeros(130, np.float32))})
+        assert e.value.status == gradacc.Status.DTYPE_MISMATCH and "fp8[2] scales" in e.value.message
+        with pytest.raises(ValueError, match="format"):
+            gradacc.Optimizer(acc, weights, fp8={1: ("e5m2", np.zeros(3001, np.uint8), np.zeros(1, np.float32))})
+    with gradacc.Accumulator(FP8_TENSORS) as acc, pytest.raises(gradacc.GradaccError) as e:
+        gradacc.Optimizer(acc, fp8_weights(), fp8={1: ("e4m3", np.zeros(3001, np.uint8), np.zeros(1, np.float32))})
+    assert e.value.status == gradacc.Status.INVALID_ARGUMENT and "weight_formats[1]" in e.value.message
