@@ -57,6 +57,21 @@ const (
 	MomentsInt8Blockwise Moments = C.GRADACC_MOMENTS_INT8_BLOCKWISE
 )
 
+// WeightFormat is what the step writes for a tensor's weights (docs/optimizer.md, "FP8 weights
+// on the all-gather").
+type WeightFormat int32
+
+const (
+	// WeightsModel writes the tensor in its model dtype. The default.
+	WeightsModel WeightFormat = C.GRADACC_WEIGHTS_MODEL
+	// WeightsE4M3Tensorwise writes E4M3 codes with one float32 scale per tensor (Step takes
+	// WeightE4M3), under a sharded boundary only, with FP32 masters, on the CPU.
+	WeightsE4M3Tensorwise WeightFormat = C.GRADACC_WEIGHTS_E4M3_TENSORWISE
+	// WeightsMXFP8 writes E4M3 codes with one E8M0 byte per block of 32 (Step takes
+	// WeightMXFP8), where WeightsE4M3Tensorwise may be used.
+	WeightsMXFP8 WeightFormat = C.GRADACC_WEIGHTS_MXFP8
+)
+
 // OptimizerConfig is gradacc_optimizer_config_t; start from DefaultOptimizerConfig (AdamW with
 // PyTorch's defaults, LR 1e-3, WeightDecay 0.01: set it to 0 for SGD without decay).
 type OptimizerConfig struct {
@@ -74,6 +89,9 @@ type OptimizerConfig struct {
 	Masters     Masters
 	Moments     Moments
 	MomentSeed  uint64
+	// WeightFormats is one entry per tensor, or nil for every tensor in its model dtype; the
+	// weights given to NewOptimizer are then the initial values in the model dtypes.
+	WeightFormats []WeightFormat
 }
 
 // DefaultOptimizerConfig is gradacc_optimizer_config_default.
@@ -118,12 +136,36 @@ type TensorGroup struct {
 }
 
 // Weight is one model weight handed to NewOptimizer and Optimizer.Step: build it with
-// WeightF32, WeightF16, WeightBF16 or WeightPointer. It borrows the memory for the call only.
+// WeightF32, WeightF16, WeightBF16 or WeightPointer, or for Step of an FP8 tensor WeightE4M3 or
+// WeightMXFP8. It borrows the memory for the call only.
 type Weight struct {
-	ptr   unsafe.Pointer
-	numel int
-	dtype DType
-	raw   bool
+	ptr    unsafe.Pointer
+	numel  int
+	dtype  DType
+	raw    bool
+	format WeightFormat
+	scales unsafe.Pointer // an FP8 tensor's scales
+	nscale int
+}
+
+// WeightE4M3 is an E4M3 tensor's codes and its scale, which Step writes.
+func WeightE4M3(codes []uint8, scale *float32) Weight {
+	return Weight{ptr: bytesAt(codes), numel: len(codes), format: WeightsE4M3Tensorwise,
+		scales: unsafe.Pointer(scale), nscale: 1}
+}
+
+// WeightMXFP8 is an MXFP8 tensor's codes and its E8M0 scales (one per block of 32), which Step
+// writes.
+func WeightMXFP8(codes []uint8, scales []uint8) Weight {
+	return Weight{ptr: bytesAt(codes), numel: len(codes), format: WeightsMXFP8,
+		scales: bytesAt(scales), nscale: len(scales)}
+}
+
+func bytesAt(b []uint8) unsafe.Pointer {
+	if len(b) == 0 {
+		return nil
+	}
+	return unsafe.Pointer(&b[0])
 }
 
 func words(w []uint16) unsafe.Pointer {
@@ -162,6 +204,8 @@ func WeightPointer(p unsafe.Pointer, numel int, dtype DType) Weight {
 type Optimizer struct {
 	ptr    *C.gradacc_optimizer_t
 	dtypes []DType
+	// What Step writes for each tensor (nil: every tensor in its model dtype).
+	formats []WeightFormat
 	// Adopted masters: pinned while the optimizer may write them (until Close).
 	masters []float32
 	pin     runtime.Pinner
@@ -170,23 +214,54 @@ type Optimizer struct {
 // pinWeights checks one weight per tensor of tensors (of dtypes, when given), pins their Go
 // memory into pin and returns their addresses, a Go slice C may read while they stay pinned.
 func pinWeights(weights []Weight, tensors []TensorDesc, dtypes []DType, pin *runtime.Pinner) ([]unsafe.Pointer, error) {
+	ptrs, _, err := pinStepWeights(weights, tensors, dtypes, nil, pin)
+	return ptrs, err
+}
+
+// pinStepWeights is pinWeights for a step whose tensors are written as formats says (nil: each
+// in its model dtype): it also returns the scales, each FP8 tensor's, nil when no tensor is FP8.
+func pinStepWeights(weights []Weight, tensors []TensorDesc, dtypes []DType, formats []WeightFormat, pin *runtime.Pinner) ([]unsafe.Pointer, []unsafe.Pointer, error) {
 	if len(weights) != len(tensors) {
-		return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("argument `weights`: %d weights for %d tensors", len(weights), len(tensors))}
+		return nil, nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("argument `weights`: %d weights for %d tensors", len(weights), len(tensors))}
 	}
 	ptrs := make([]unsafe.Pointer, len(weights)+1)
+	var scales []unsafe.Pointer
 	for i, w := range weights {
-		if uint64(w.numel) != tensors[i].Numel {
-			return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("weights[%d] has %d elements, but the tensor has %d", i, w.numel, tensors[i].Numel)}
+		format := WeightsModel
+		if formats != nil {
+			format = formats[i]
 		}
-		if dtypes != nil && w.dtype != dtypes[i] {
-			return nil, &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("weights[%d] has dtype %d, but the optimizer was created with %d", i, w.dtype, dtypes[i])}
+		if w.format != format {
+			return nil, nil, &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("weights[%d] is of weight format %d, but the optimizer writes %d", i, w.format, format)}
+		}
+		if uint64(w.numel) != tensors[i].Numel {
+			return nil, nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("weights[%d] has %d elements, but the tensor has %d", i, w.numel, tensors[i].Numel)}
+		}
+		if format == WeightsModel && dtypes != nil && w.dtype != dtypes[i] {
+			return nil, nil, &Error{Status: StatusDTypeMismatch, Message: fmt.Sprintf("weights[%d] has dtype %d, but the optimizer was created with %d", i, w.dtype, dtypes[i])}
+		}
+		if format != WeightsModel {
+			want := 1
+			if format == WeightsMXFP8 {
+				want = (w.numel + 31) / 32
+			}
+			if w.nscale != want {
+				return nil, nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("weights[%d] has %d scales, but takes %d", i, w.nscale, want)}
+			}
+			if scales == nil {
+				scales = make([]unsafe.Pointer, len(weights)+1)
+			}
+			if w.scales != nil {
+				pin.Pin(w.scales)
+			}
+			scales[i] = w.scales
 		}
 		if w.ptr != nil && !w.raw {
 			pin.Pin(w.ptr)
 		}
 		ptrs[i] = w.ptr
 	}
-	return ptrs, nil
+	return ptrs, scales, nil
 }
 
 // NewOptimizer creates an optimizer over acc's tensors whose FP32 masters start as the model's
@@ -222,6 +297,19 @@ func newOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, g
 	if err != nil {
 		return nil, err
 	}
+	var formats []WeightFormat
+	if len(config.WeightFormats) > 0 {
+		if len(config.WeightFormats) != len(weights) {
+			return nil, &Error{Status: StatusSizeMismatch, Message: fmt.Sprintf("`config`.WeightFormats has %d entries for %d tensors", len(config.WeightFormats), len(weights))}
+		}
+		formats = append([]WeightFormat(nil), config.WeightFormats...)
+		cf := make([]C.gradacc_weight_format_t, len(formats))
+		for i, f := range formats {
+			cf[i] = C.gradacc_weight_format_t(f)
+		}
+		pin.Pin(&cf[0]) // the config holds its address through the creation
+		cfg.weight_formats = &cf[0]
+	}
 	dtypes := make([]DType, len(weights))
 	codes := make([]C.gradacc_dtype_t, len(weights)+1)
 	for i, w := range weights {
@@ -240,7 +328,7 @@ func newOptimizer(acc *Accumulator, weights []Weight, config *OptimizerConfig, g
 		}
 		grp = &cg[0]
 	}
-	o := &Optimizer{dtypes: dtypes, masters: masters}
+	o := &Optimizer{dtypes: dtypes, masters: masters, formats: formats}
 	var p *C.gradacc_optimizer_t
 	if masters == nil {
 		err = call(func() C.enum_gradacc_status_t {
@@ -309,7 +397,7 @@ func (o *Optimizer) Step(acc *Accumulator, weights []Weight, comm *Comm) (steppe
 	}
 	var pin runtime.Pinner
 	defer pin.Unpin()
-	ptrs, err := pinWeights(weights, acc.tensors, o.dtypes, &pin)
+	ptrs, scales, err := pinStepWeights(weights, acc.tensors, o.dtypes, o.formats, &pin)
 	if err != nil {
 		// The library refuses a call without weights, and under a sharded boundary tells the
 		// other ranks, which fail at once instead of waiting in the step's agreement.
@@ -322,8 +410,12 @@ func (o *Optimizer) Step(acc *Accumulator, weights []Weight, comm *Comm) (steppe
 		return false, err
 	}
 	var out C.bool
+	var sp *unsafe.Pointer
+	if scales != nil {
+		sp = &scales[0]
+	}
 	err = call(func() C.enum_gradacc_status_t {
-		return C.gradacc_optimizer_step(p, ap, &ptrs[0], C.size_t(len(weights)), cp, &out)
+		return C.gradacc_optimizer_step_scaled(p, ap, &ptrs[0], sp, C.size_t(len(weights)), cp, &out)
 	})
 	runtime.KeepAlive(o)
 	runtime.KeepAlive(acc)
