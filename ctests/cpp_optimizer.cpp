@@ -3,7 +3,9 @@
 // gradient that changes nothing, the learning rate and groups taking effect, save and load, a
 // two-rank reduce-scatter group whose weights are the one-rank run's, and errors as
 // gradacc::Error with the argument named; adopted FP32 masters kept at creation and stepped in
-// place; the clip coefficient applied inside the step (sync_for_step) writing sync()'s weights.
+// place; the clip coefficient applied inside the step (sync_for_step) writing sync()'s weights;
+// E4M3 weights written by step_scaled: the scale 448 / amax and each code the nearest E4M3 value
+// of the same run's masters (its f32 weights) times the scale.
 #include <gradacc.hpp>
 
 #include <cmath>
@@ -350,6 +352,83 @@ static void clip_in_step()
     }
 }
 
+// The value of E4M3 code c (float8_e4m3fn; 0x7f and 0xff are NaN).
+static double e4m3_value(int c)
+{
+    const int e = (c >> 3) & 15, m = c & 7;
+    const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+    return (c >> 7) ? -v : v;
+}
+
+// E4M3 of x, saturated at ±448, the nearest code, ties to the even one.
+static uint8_t e4m3_of(double x)
+{
+    x = std::fmax(std::fmin(x, 448.0), -448.0);
+    int best = -1;
+    double best_d = INFINITY;
+    for (int c = 0; c < 256; c++) {
+        if ((c & 0x7f) == 0x7f || std::signbit(x) != ((c >> 7) == 1))
+            continue;
+        const double d = std::fabs(e4m3_value(c) - x);
+        if (d < best_d || (d == best_d && (c & 1) == 0)) {
+            best = c;
+            best_d = d;
+        }
+    }
+    return static_cast<uint8_t>(best);
+}
+
+// One rank under a reduce-scatter boundary writes tensor 1 as E4M3 through step_scaled: its scale
+// and codes are the reference quantisation of the same run's masters with f32 weights.
+static void fp8_step_scaled()
+{
+    const std::size_t n[2] = {N0, 1001};
+    auto run = [&](bool fp8, std::vector<float> &masters, std::vector<uint8_t> &codes, float &scale) {
+        gradacc::ScalerConfig sc;
+        sc.dynamic = false;
+        sc.init_scale = 1.0f;
+        gradacc::Scaler scaler(sc);
+        gradacc::AccumulatorConfig ac;
+        ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
+        ac.shard_count = 1;
+        gradacc::Accumulator acc({{n[0], GRADACC_DTYPE_F32}, {n[1], GRADACC_DTYPE_F32}}, ac);
+        std::vector<float> w0(n[0], 0.5f), w1(n[1]);
+        for (std::size_t i = 0; i < n[1]; i++)
+            w1[i] = static_cast<float>(std::sin(static_cast<double>(i)) * 3.0);
+        gradacc::OptimizerConfig oc = sgd_config();
+        const gradacc_weight_format_t formats[2] = {GRADACC_WEIGHTS_MODEL, GRADACC_WEIGHTS_E4M3_TENSORWISE};
+        if (fp8)
+            oc.weight_formats = formats;
+        gradacc::Optimizer opt(acc, {w0.data(), w1.data()}, {}, oc);
+        gradacc::LocalGroup one(1);
+        std::vector<float> g0(n[0], 0.25f), g1(n[1]);
+        for (std::size_t i = 0; i < n[1]; i++)
+            g1[i] = static_cast<float>(std::cos(static_cast<double>(i)));
+        acc.add(scaler, {g0.data(), g1.data()}, 1);
+        acc.sync(one[0]);
+        codes.assign(n[1], 0);
+        const bool stepped = fp8 ? opt.step_scaled(acc, {w0.data(), codes.data()}, {nullptr, &scale}, one[0])
+                                 : opt.step(acc, {w0.data(), w1.data()}, one[0]);
+        EXPECT(stepped, "fp8 %d: not stepped", static_cast<int>(fp8));
+        masters = w1;
+    };
+    std::vector<float> masters, unused;
+    std::vector<uint8_t> codes, none;
+    float scale = 0.0f, no_scale = 0.0f;
+    run(false, masters, none, no_scale);
+    run(true, unused, codes, scale);
+    double amax = 0.0;
+    for (float m : masters)
+        amax = std::fmax(amax, std::fabs(static_cast<double>(m)));
+    const float want = static_cast<float>(448.0 / std::fmax(amax, 1e-12));
+    EXPECT(std::memcmp(&scale, &want, sizeof scale) == 0, "E4M3 scale %.9g, want %.9g", static_cast<double>(scale),
+           static_cast<double>(want));
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < n[1]; i++)
+        wrong += codes[i] != e4m3_of(static_cast<double>(masters[i] * want));
+    EXPECT(wrong == 0, "%zu of %zu E4M3 codes differ from the reference", wrong, n[1]);
+}
+
 int main()
 {
     try {
@@ -358,6 +437,7 @@ int main()
         adopted_masters();
         lr_and_groups();
         reduce_scatter_group();
+        fp8_step_scaled();
         errors_name_the_argument();
     } catch (const gradacc::Error &e) {
         std::fprintf(stderr, "unexpected: %s\n", e.what());

@@ -948,6 +948,23 @@ public:
     bool step(Accumulator &acc, std::initializer_list<void *> weights, Communicator *comm = nullptr) {
         return step(acc, span<void *const>(weights.begin(), weights.size()), comm);
     }
+    /** The step of an optimizer whose config's `weight_formats` makes some tensors FP8
+     * (gradacc_optimizer_step_scaled): such a tensor's codes at `weights[i]` and its scales at
+     * `scales[i]` (one float for GRADACC_WEIGHTS_E4M3_TENSORWISE, one byte per block of 32 for
+     * GRADACC_WEIGHTS_MXFP8), nullptr for a model-dtype tensor; both written by the step, the
+     * same bits on every rank. */
+    bool step_scaled(Accumulator &acc, span<void *const> weights, span<void *const> scales, Communicator &comm) {
+        bool stepped = false;
+        check(gradacc_optimizer_step_scaled(handle_.get(), acc.get(), weights.data(), scales.data(), weights.size(),
+                                            comm.get(), &stepped));
+        return stepped;
+    }
+    bool step_scaled(Accumulator &acc, std::initializer_list<void *> weights, std::initializer_list<void *> scales,
+                     Communicator &comm) {
+        return step_scaled(acc, span<void *const>(weights.begin(), weights.size()),
+                           span<void *const>(scales.begin(), scales.size()), comm);
+    }
+
     /** With the communicator by reference, as Accumulator::sync takes it. */
     bool step(Accumulator &acc, span<void *const> weights, Communicator &comm) { return step(acc, weights, &comm); }
     bool step(Accumulator &acc, std::initializer_list<void *> weights, Communicator &comm) {
