@@ -66,6 +66,15 @@ struct Model {
     }
 };
 
+// A static loss scale of 1.
+static gradacc::ScalerConfig unit_scale()
+{
+    gradacc::ScalerConfig sc;
+    sc.dynamic = false;
+    sc.init_scale = 1.0f;
+    return sc;
+}
+
 static gradacc::OptimizerConfig sgd_config()
 {
     gradacc::OptimizerConfig c;
@@ -163,10 +172,7 @@ static void sgd_steps_bit_for_bit()
 // A learning rate set before a step, and a group with half the rate and no weight decay.
 static void lr_and_groups()
 {
-    gradacc::ScalerConfig sc;
-    sc.dynamic = false;
-    sc.init_scale = 1.0f;
-    gradacc::Scaler scaler(sc);
+    gradacc::Scaler scaler(unit_scale());
     gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
     Model m;
     gradacc::OptimizerConfig c = sgd_config();
@@ -193,10 +199,7 @@ static void reduce_scatter_group()
 {
     Model single;
     {
-        gradacc::ScalerConfig sc;
-        sc.dynamic = false;
-        sc.init_scale = 1.0f;
-        gradacc::Scaler scaler(sc);
+        gradacc::Scaler scaler(unit_scale());
         gradacc::Accumulator acc({{N0, GRADACC_DTYPE_F16}, {N1, GRADACC_DTYPE_F32}});
         gradacc::Optimizer opt(acc, {single.w0.data(), single.w1.data()}, {}, sgd_config());
         add_and_sync(acc, scaler, nullptr, false);
@@ -209,10 +212,7 @@ static void reduce_scatter_group()
     for (int r = 0; r < 2; r++) {
         threads.emplace_back([&, r] {
             try {
-                gradacc::ScalerConfig sc;
-                sc.dynamic = false;
-                sc.init_scale = 1.0f;
-                gradacc::Scaler scaler(sc);
+                gradacc::Scaler scaler(unit_scale());
                 gradacc::AccumulatorConfig ac;
                 ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
                 ac.shard_count = 2;
@@ -384,10 +384,7 @@ static void fp8_step_scaled()
 {
     const std::size_t n[2] = {N0, 1001};
     auto run = [&](bool fp8, std::vector<float> &masters, std::vector<uint8_t> &codes, float &scale) {
-        gradacc::ScalerConfig sc;
-        sc.dynamic = false;
-        sc.init_scale = 1.0f;
-        gradacc::Scaler scaler(sc);
+        gradacc::Scaler scaler(unit_scale());
         gradacc::AccumulatorConfig ac;
         ac.sharding = GRADACC_SHARDING_REDUCE_SCATTER;
         ac.shard_count = 1;

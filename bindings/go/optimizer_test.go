@@ -378,6 +378,36 @@ func TestOptimizerSmallerState(t *testing.T) {
 	opt.Close()
 }
 
+// clipped is an AdamW optimizer over an f16 and an f32 tensor whose accumulator clips the norm
+// to 0.5, with its unit scaler and its weights.
+type clipped struct {
+	scaler  *Scaler
+	acc     *Accumulator
+	opt     *Optimizer
+	w0      []uint16
+	weights []Weight
+}
+
+func newClipped(t *testing.T) *clipped {
+	scaler := scalerWithScale(t, 1)
+	cfg := DefaultAccumulatorConfig()
+	cfg.MaxGradNorm = 0.5
+	acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &cfg, nil))
+	w0, w1 := make([]uint16, optN0), make([]float32, optN1)
+	for i := range w0 {
+		w0[i] = f16Bits(float32(0.01*float64(i) - 1))
+	}
+	weights := []Weight{WeightF16(w0), WeightF32(w1)}
+	opt := must(NewOptimizer(acc, weights, nil, nil))
+	return &clipped{scaler: scaler, acc: acc, opt: opt, w0: w0, weights: weights}
+}
+
+func (c *clipped) close() {
+	c.opt.Close()
+	c.acc.Close()
+	c.scaler.Close()
+}
+
 // SyncForStep then Step against Sync then Step, with a norm that clips every window: the same
 // weights and state bit for bit; in memory, SyncForStep's gradient is the sum before
 // normalisation and clipping, which the step applies (one item per window: the normalisation
@@ -390,19 +420,9 @@ func TestSyncForStepIsSyncThenStepBitForBit(t *testing.T) {
 		coef  float64
 	}
 	do := func(forStep bool) run {
-		scaler := scalerWithScale(t, 1)
-		defer scaler.Close()
-		cfg := DefaultAccumulatorConfig()
-		cfg.MaxGradNorm = 0.5
-		acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &cfg, nil))
-		defer acc.Close()
-		w0, w1 := make([]uint16, optN0), make([]float32, optN1)
-		for i := range w0 {
-			w0[i] = f16Bits(float32(0.01*float64(i) - 1))
-		}
-		weights := []Weight{WeightF16(w0), WeightF32(w1)}
-		opt := must(NewOptimizer(acc, weights, nil, nil))
-		defer opt.Close()
+		c := newClipped(t)
+		defer c.close()
+		scaler, acc, opt, w0, weights := c.scaler, c.acc, c.opt, c.w0, c.weights
 		var r run
 		for step := 0; step < 3; step++ {
 			g0, g1 := make([]uint16, optN0), make([]float32, optN1)
@@ -461,19 +481,9 @@ func TestAddFinalChangesNoBit(t *testing.T) {
 		norms []float64
 	}
 	do := func(final bool) run {
-		scaler := scalerWithScale(t, 1)
-		defer scaler.Close()
-		cfg := DefaultAccumulatorConfig()
-		cfg.MaxGradNorm = 0.5
-		acc := must(NewAccumulator([]TensorDesc{{optN0, F16}, {optN1, F32}}, &cfg, nil))
-		defer acc.Close()
-		w0, w1 := make([]uint16, optN0), make([]float32, optN1)
-		for i := range w0 {
-			w0[i] = f16Bits(float32(0.01*float64(i) - 1))
-		}
-		weights := []Weight{WeightF16(w0), WeightF32(w1)}
-		opt := must(NewOptimizer(acc, weights, nil, nil))
-		defer opt.Close()
+		c := newClipped(t)
+		defer c.close()
+		scaler, acc, opt, w0, weights := c.scaler, c.acc, c.opt, c.w0, c.weights
 		var r run
 		for step := 0; step < 3; step++ {
 			for mb := 0; mb < 2; mb++ {
