@@ -1072,6 +1072,12 @@ length (tensor i at `offset(acc, i) - shard.offset`). Its values are the masters
 from the weights; every step updates it in place and `load!` writes into it. The optimizer keeps
 it referenced; do not write it while a call on the optimizer runs.
 
+`fp8 = Dict(i => (format, codes, scales))` makes the step write tensor `i` as FP8 for the
+all-gather of a sharded boundary (docs/optimizer.md, "FP8 weights on the all-gather"): `format`
+`:e4m3` (`scales` a `Vector{Float32}` of 1) or `:mxfp8` (`scales` a `Vector{UInt8}` of one per
+block of 32), `codes` a `Vector{UInt8}` of the tensor's length, both written by every step;
+`weights[i]` then gives only the initial values.
+
 The contract is `gradacc_optimizer_create`'s and `gradacc_optimizer_step`'s (include/gradacc.h)
 and docs/optimizer.md: one step per synced window, a skipped window changes nothing, and under
 sharding every rank steps and all-gathers the weights.
@@ -1081,8 +1087,10 @@ mutable struct Optimizer
     const acc::Accumulator
     const weights::Vector{Any}
     const masters::Union{Nothing,Vector{Float32}}
+    # Each FP8 tensor's scales (`nothing` for a model-dtype tensor); `nothing` when none is FP8.
+    const scales::Union{Nothing,Vector{Any}}
     function Optimizer(acc::Accumulator, weights::AbstractVector; groups=nothing,
-                       masters::Union{Nothing,Vector{Float32}}=nothing, kw...)
+                       masters::Union{Nothing,Vector{Float32}}=nothing, fp8=nothing, kw...)
         n = length(acc.tensors)
         length(weights) == n || throw(ArgumentError("$(length(weights)) weights for $n tensors"))
         groups === nothing || length(groups) == n ||
@@ -1096,6 +1104,8 @@ mutable struct Optimizer
         if get(kw, :algorithm, GRADACC_OPTIMIZER_ADAMW) == GRADACC_OPTIMIZER_SGD && !haskey(kw, :weight_decay)
             kw[:weight_decay] = 0.0f0  # torch.optim.SGD's default, not AdamW's 0.01
         end
+        formats, steps, scales = fp8_buffers(acc, fp8)
+        scales === nothing || (kw[:weight_formats] = pointer(formats))
         cfg = Ref(config(gradacc_optimizer_config_t, gradacc_optimizer_config_default; kw...))
         codes = Vector{gradacc_dtype_t}(undef, n)
         for (i, w) in enumerate(weights)
@@ -1109,13 +1119,44 @@ mutable struct Optimizer
         ptrs = [Ptr{Cvoid}(pointer(w)) for w in ws]
         out = Ref{Ptr{gradacc_optimizer_t}}(C_NULL)
         if masters === nothing
-            GC.@preserve ws check(gradacc_optimizer_create(acc, cfg, grp, ptrs, codes, n, out))
+            GC.@preserve ws formats check(gradacc_optimizer_create(acc, cfg, grp, ptrs, codes, n, out))
         else
-            GC.@preserve ws check(gradacc_optimizer_create_with_masters(acc, cfg, grp, ptrs, codes, n, masters,
-                                                                        length(masters), out))
+            GC.@preserve ws formats check(gradacc_optimizer_create_with_masters(acc, cfg, grp, ptrs, codes, n, masters,
+                                                                                length(masters), out))
         end
-        return finalizer(o -> destroy_quietly(o, gradacc_optimizer_destroy), new(out[], acc, ws, masters))
+        # From now on the step writes an FP8 tensor's codes, not its initial weights.
+        for (i, c) in steps
+            ws[i] = c
+        end
+        return finalizer(o -> destroy_quietly(o, gradacc_optimizer_destroy), new(out[], acc, ws, masters, scales))
     end
+end
+
+const FP8_FORMAT = Dict(:e4m3 => (GRADACC_WEIGHTS_E4M3_TENSORWISE, Float32, n -> 1),
+                        :mxfp8 => (GRADACC_WEIGHTS_MXFP8, UInt8, n -> cld(n, 32)))
+
+# The `fp8` keyword checked: the config's weight formats, the codes each FP8 tensor's step
+# writes, and every tensor's scales (`nothing` throughout when no tensor is FP8).
+function fp8_buffers(acc::Accumulator, fp8)
+    n = length(acc.tensors)
+    formats = zeros(gradacc_weight_format_t, n)
+    (fp8 === nothing || isempty(fp8)) && return formats, Pair{Int,Any}[], nothing
+    scales = Vector{Any}(nothing, n)
+    steps = Pair{Int,Any}[]
+    for (i, (format, codes, sc)) in fp8
+        1 <= i <= n || throw(ArgumentError("fp8: $i is not a tensor index (1 to $n)"))
+        haskey(FP8_FORMAT, format) || throw(ArgumentError("fp8[$i]: format $format is not one of $(keys(FP8_FORMAT))"))
+        value, scale_type, scales_of = FP8_FORMAT[format]
+        numel = acc.tensors[i].numel
+        codes isa Vector{UInt8} && length(codes) == numel ||
+            throw(DimensionMismatch("fp8[$i]: the codes must be a Vector{UInt8} of $numel elements"))
+        sc isa Vector{scale_type} && length(sc) == scales_of(numel) ||
+            throw(DimensionMismatch("fp8[$i]: the scales must be a Vector{$scale_type} of $(scales_of(numel)) elements"))
+        formats[i] = value
+        scales[i] = sc
+        push!(steps, i => codes)
+    end
+    return formats, steps, scales
 end
 
 Base.isopen(x::Optimizer) = (@atomic x.ptr) != C_NULL
@@ -1151,11 +1192,12 @@ Under a sharded boundary every rank calls it with the communicator its sync took
 sharded accumulation's own).
 """
 function step!(o::Optimizer, comm::Union{Nothing,Communicator}=nothing)
-    ws = o.weights
+    ws, ss = o.weights, o.scales
     ptrs = [Ptr{Cvoid}(pointer(w)) for w in ws]
+    sptrs = ss === nothing ? Ptr{Ptr{Cvoid}}(C_NULL) : [s === nothing ? C_NULL : Ptr{Cvoid}(pointer(s)) for s in ss]
     stepped = Ref{Bool}(false)
-    GC.@preserve ws check(gradacc_optimizer_step(o, o.acc, ptrs, length(ptrs),
-                                                 something(comm, Ptr{gradacc_comm_t}(C_NULL)), stepped))
+    GC.@preserve ws ss check(gradacc_optimizer_step_scaled(o, o.acc, ptrs, sptrs, length(ptrs),
+                                                           something(comm, Ptr{gradacc_comm_t}(C_NULL)), stepped))
     return stepped[]
 end
 

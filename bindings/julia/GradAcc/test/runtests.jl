@@ -1089,6 +1089,31 @@ sharded_accumulation(world, r, comm; kw...) =
         close(acc)
     end
 
+    # FP8 weights: one rank under a reduce-scatter boundary writes tensor 2 as E4M3; its scale is
+    # 448 over the amax of the same run's masters (its Float32 weights), and a code of the wrong
+    # length is refused.
+    @testset "FP8 weights on the all-gather" begin
+        function run(fp8)
+            s = Scaler(init_scale=1.0)
+            acc = Accumulator([(5, Float32), (1001, Float32)]; sharding=:reduce_scatter, shard_count=1, shard_rank=0)
+            comm = local_group(1)[1]
+            w = [fill(0.5f0, 5), Float32[3 * sin(i) for i in 1:1001]]
+            codes, scale = zeros(UInt8, 1001), zeros(Float32, 1)
+            opt = Optimizer(acc, w; lr=0.05, fp8=fp8 ? Dict(2 => (:e4m3, codes, scale)) : nothing)
+            add!(acc, s, [fill(0.25f0, 5), Float32[cos(i) for i in 1:1001]], 1)
+            sync!(acc, comm)
+            @test GradAcc.step!(opt, comm)
+            close(opt); close(comm); close(acc); close(s)
+            return w[2], scale[1]
+        end
+        masters, _ = run(false)
+        _, scale = run(true)
+        @test scale === Float32(448 / maximum(abs.(Float64.(masters))))
+        acc = Accumulator([(8, Float32)]; sharding=:reduce_scatter, shard_count=1, shard_rank=0)
+        @test thrown(() -> Optimizer(acc, [zeros(Float32, 8)]; fp8=Dict(1 => (:e4m3, zeros(UInt8, 7), zeros(Float32, 1))))) isa DimensionMismatch
+        close(acc)
+    end
+
     # Adopted masters: the caller's values (not the weights') are the masters, each SGD step
     # updates them in place as w - lr * g in Float32, a short buffer is refused naming `masters`,
     # a refused load leaves them bit for bit and a load writes the saved ones back.
