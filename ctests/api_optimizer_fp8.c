@@ -200,13 +200,13 @@ static void *rank_main(void *arg)
 /* Every rank's codes and scales after each step against the reference of the joined masters. */
 static void check_world(int world)
 {
-    gradacc_comm_t *comms[MAX_RANKS];
+    /* On the heap: the ranks' count is only known here. */
+    gradacc_comm_t **comms = calloc((size_t)world, sizeof *comms);
     REQUIRE_OK(gradacc_comm_create_local(world, comms));
     float *whole[TENSORS];
     for (int i = 0; i < TENSORS; i++)
         whole[i] = calloc(numel[i], sizeof(float));
-    rank_args args[MAX_RANKS];
-    memset(args, 0, sizeof args);
+    rank_args *args = calloc((size_t)world, sizeof *args);
     pthread_barrier_init(&joined, NULL, (unsigned)world);
     for (int q = 0; q < world; q++) {
         args[q].rank = q;
@@ -250,6 +250,8 @@ static void check_world(int world)
     }
     for (int q = 0; q < world; q++)
         EXPECT_OK(gradacc_comm_destroy(comms[q]));
+    free(comms);
+    free(args);
     for (int i = 0; i < TENSORS; i++)
         free(whole[i]);
 }
