@@ -232,7 +232,7 @@ fn config(input: &mut Input) -> (gradacc_optimizer_config_t, Option<gradacc_opti
     }
     let ends = field_ends!(gradacc_optimizer_config_t: struct_size, algorithm, lr, beta1, beta2,
         eps, weight_decay, momentum, dampening, nesterov, rounding, seed, masters, moments,
-        moment_seed);
+        moment_seed, weight_formats);
     let read = config_as_read(&c, &defaults, &ends).filter(config_valid);
     (c, read)
 }
