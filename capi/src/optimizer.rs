@@ -302,8 +302,10 @@ unsafe fn step_buffers<'a>(
     numel: &[usize],
 ) -> CallResult<Vec<WeightMut<'a>>> {
     let mut out = Vec::with_capacity(ptrs.len());
-    for (i, &format) in formats.iter().enumerate() {
-        let (p, n) = (ptrs[i], numel[i]);
+    // Zipped, not indexed: `numel` is the accumulator's, which may not be the optimizer's (the
+    // step refuses it); the buffers stop at the shorter.
+    let each = ptrs.iter().zip(formats).zip(dtypes).zip(numel).enumerate();
+    for (i, (((&p, &format), &dtype), &n)) in each {
         let scale = scales.map(|s| s[i]);
         let what = |name: &str| format!("{name}[{i}]");
         // SAFETY: the buffers are the caller's to lend for the call (this function's contract),
@@ -316,7 +318,7 @@ unsafe fn step_buffers<'a>(
                     ))
                     .into())
                 }
-                (WeightFormat::Model, _) => WeightMut::Model(weight_buffer(i, p, dtypes[i], n)?),
+                (WeightFormat::Model, _) => WeightMut::Model(weight_buffer(i, p, dtype, n)?),
                 (fp8, None) => {
                     return Err(Error::invalid(format!(
                         "`scales` is NULL, but tensor {i}'s weights are FP8 codes ({}, `config`.weight_formats[{i}]): step with gradacc_optimizer_step_scaled and their scales",
